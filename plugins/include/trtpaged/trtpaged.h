@@ -1,0 +1,145 @@
+/*
+ * trtpaged kernel library: the C ABI shared by the Python binding (ctypes),
+ * the TensorRT plugin and C++ programs that embed the engine.
+ *
+ * Conventions
+ * - Every function returns a trtpaged_status; on failure a message naming the
+ *   argument and the limit is available from trtpaged_last_error() (per thread).
+ * - Tensors are dense, row-major, contiguous. Index tensors are int32.
+ * - The KV pool is block-major (see DESIGN.md):
+ *     kv_cache[num_blocks][num_layers][2][num_kv_heads][block_size][head_dim]
+ *   where index 0 of the "2" axis is K and 1 is V.
+ * - The cache slot of the token at position p of sequence s is
+ *     block_tables[s * max_blocks_per_seq + p / block_size], offset p % block_size.
+ * - *_cpu functions take host pointers; *_cuda functions take device pointers
+ *   (except where a parameter says host) and a cudaStream_t passed as void*.
+ */
+#ifndef TRTPAGED_TRTPAGED_H
+#define TRTPAGED_TRTPAGED_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(_WIN32)
+#define TRTPAGED_API __declspec(dllexport)
+#else
+#define TRTPAGED_API __attribute__((visibility("default")))
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum trtpaged_status {
+  TRTPAGED_OK = 0,
+  TRTPAGED_ERR_INVALID_ARGUMENT = 1, /* null pointer, bad shape, index out of range */
+  TRTPAGED_ERR_UNSUPPORTED = 2,      /* valid but not implemented (e.g. head_dim) */
+  TRTPAGED_ERR_CUDA = 3,             /* a CUDA runtime call failed */
+  TRTPAGED_ERR_NOT_BUILT = 4         /* the library was built without this backend */
+} trtpaged_status;
+
+typedef enum trtpaged_dtype {
+  TRTPAGED_FLOAT32 = 0,
+  TRTPAGED_FLOAT16 = 1,
+  TRTPAGED_BFLOAT16 = 2
+} trtpaged_dtype;
+
+/* Shapes and options of one paged-attention call (one layer, one step). */
+typedef struct trtpaged_attention_params {
+  int32_t num_tokens;         /* packed query tokens this step (>= 0) */
+  int32_t num_seqs;           /* sequences this step (>= 1 when num_tokens > 0) */
+  int32_t max_blocks_per_seq; /* row length of block_tables */
+  int32_t num_heads;          /* query heads; a multiple of num_kv_heads */
+  int32_t num_kv_heads;
+  int32_t head_dim;
+  int32_t num_blocks;         /* blocks in the pool */
+  int32_t num_layers;         /* layers in the pool */
+  int32_t layer;              /* layer this call reads and writes, in [0, num_layers) */
+  int32_t block_size;         /* tokens per block: 8, 16, 32, 64 or 128 */
+  float scale;                /* softmax scale, usually 1/sqrt(head_dim) */
+  trtpaged_dtype io_dtype;    /* dtype of q, k, v and out */
+  trtpaged_dtype kv_dtype;    /* dtype of kv_cache; accumulation is always fp32 */
+} trtpaged_attention_params;
+
+/*
+ * Paged attention over a packed mixed batch (prefill chunks and decode tokens).
+ *
+ *   q            [num_tokens, num_heads, head_dim]      io_dtype
+ *   k, v         [num_tokens, num_kv_heads, head_dim]   io_dtype (new K/V of each token)
+ *   kv_cache     the pool (layout above)                kv_dtype, updated in place
+ *   positions    [num_tokens]          absolute position of each token
+ *   query_start  [num_seqs + 1]        CSR offsets of each sequence's tokens
+ *   context_lens [num_seqs]            KV length of each sequence after this step
+ *   block_tables [num_seqs, max_blocks_per_seq]
+ *   out          [num_tokens, num_heads, head_dim]      io_dtype
+ *
+ * First every new token's K and V is written to its cache slot, then each
+ * query token attends causally (cache positions <= its own position) to its
+ * sequence's cached tokens. Requirements checked on the CPU path (the CUDA path
+ * checks scalars; index contents live on the device): 0 <= positions[t] <
+ * context_lens[s], query_start non-decreasing from 0 to num_tokens, every block
+ * id used in [0, num_blocks).
+ */
+TRTPAGED_API int trtpaged_paged_attention_cpu(const trtpaged_attention_params* params,
+                                              const void* q, const void* k, const void* v,
+                                              void* kv_cache, const int32_t* positions,
+                                              const int32_t* query_start,
+                                              const int32_t* context_lens,
+                                              const int32_t* block_tables, void* out);
+
+/*
+ * CUDA version; device pointers. workspace must hold
+ * trtpaged_paged_attention_cuda_workspace_size(params, max_context_len) bytes
+ * (it may be NULL when that size is 0). max_context_len bounds context_lens.
+ */
+TRTPAGED_API size_t trtpaged_paged_attention_cuda_workspace_size(
+    const trtpaged_attention_params* params, int32_t max_context_len);
+TRTPAGED_API int trtpaged_paged_attention_cuda(const trtpaged_attention_params* params,
+                                               const void* q, const void* k, const void* v,
+                                               void* kv_cache, const int32_t* positions,
+                                               const int32_t* query_start,
+                                               const int32_t* context_lens,
+                                               const int32_t* block_tables, void* out,
+                                               int32_t max_context_len, void* workspace,
+                                               size_t workspace_size, void* stream);
+
+/*
+ * Copy-on-write: for each pair i, copy block pairs[2i] to block pairs[2i+1]
+ * (every layer, K and V: one contiguous chunk of block_bytes). pairs is a host
+ * array of 2*num_pairs ids in [0, num_blocks); destinations must be distinct
+ * and must not be sources.
+ */
+TRTPAGED_API int trtpaged_copy_blocks_cpu(void* kv_cache, int32_t num_blocks, size_t block_bytes,
+                                          const int32_t* pairs, int32_t num_pairs);
+TRTPAGED_API int trtpaged_copy_blocks_cuda(void* kv_cache, int32_t num_blocks, size_t block_bytes,
+                                           const int32_t* pairs, int32_t num_pairs, void* stream);
+
+/*
+ * Swap blocks between two pools (device <-> host for preemption by swap, or
+ * host <-> host): block pairs[2i] of src goes to block pairs[2i+1] of dst.
+ * pairs is a host array. The _cpu version needs both pools in host memory; the
+ * _cuda version accepts any mix of device and (preferably pinned) host memory.
+ */
+TRTPAGED_API int trtpaged_swap_blocks_cpu(const void* src_pool, int32_t src_num_blocks,
+                                          void* dst_pool, int32_t dst_num_blocks,
+                                          size_t block_bytes, const int32_t* pairs,
+                                          int32_t num_pairs);
+TRTPAGED_API int trtpaged_swap_blocks_cuda(const void* src_pool, int32_t src_num_blocks,
+                                           void* dst_pool, int32_t dst_num_blocks,
+                                           size_t block_bytes, const int32_t* pairs,
+                                           int32_t num_pairs, void* stream);
+
+/* Message of the last failed call on this thread ("" if none). */
+TRTPAGED_API const char* trtpaged_last_error(void);
+/* 1 if CUDA kernels were compiled into this library, else 0. */
+TRTPAGED_API int trtpaged_has_cuda(void);
+/* Library version, e.g. "0.1.0". */
+TRTPAGED_API const char* trtpaged_version(void);
+/* Comma-separated CUDA architectures compiled in, e.g. "80,90" ("" without CUDA). */
+TRTPAGED_API const char* trtpaged_cuda_archs(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TRTPAGED_TRTPAGED_H */

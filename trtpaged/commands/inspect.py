@@ -1,0 +1,12 @@
+"""`trtpaged inspect`."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.command(name="inspect", context_settings={"ignore_unknown_options": True})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def command(args: tuple[str, ...]) -> None:
+    """Not implemented yet."""
+    raise click.ClickException("trtpaged inspect: not implemented yet")

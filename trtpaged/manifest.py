@@ -1,0 +1,124 @@
+"""The engine dir manifest (`trtpaged.json`): the contract between builder and runtime.
+
+The builder writes it; the runtime, `trtpaged inspect` and C++ embedders read it.
+Field names follow TensorRT-LLM where one exists (max_batch_size, max_num_tokens,
+max_seq_len). Bumping FORMAT_VERSION is required for incompatible changes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "trtpaged.json"
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Architecture of the step model (Llama family)."""
+
+    architecture: str  # HF architecture name, e.g. "LlamaForCausalLM"
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[dict] = None  # as in the HF config, or None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2-style q/k/v biases
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Build-time limits (TensorRT-LLM's names)."""
+
+    max_batch_size: int
+    max_num_tokens: int
+    max_seq_len: int
+    block_size: int
+
+
+@dataclass(frozen=True)
+class KVCacheBudget:
+    """How many KV blocks the runtime allocates: exactly one of the three is set."""
+
+    num_blocks: Optional[int] = None
+    memory_bytes: Optional[int] = None
+    fraction: Optional[float] = None  # of free device memory at serve time
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything the runtime needs to serve an engine dir."""
+
+    dims: ModelDims
+    limits: Limits
+    kv_cache: KVCacheBudget
+    dtype: str  # compute dtype of the weights / activations
+    kv_cache_dtype: str
+    tokenizer_dir: str = "tokenizer"  # relative to the engine dir, HF tokenizer files
+    bos_token_id: Optional[int] = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    chat_template: Optional[str] = None
+    weights_file: str = "weights.safetensors"
+    onnx_file: Optional[str] = "model.onnx"
+    plan_file: Optional[str] = None  # "engine.plan" once TensorRT built it
+    backends: list[str] = field(default_factory=list)  # e.g. ["torch"], ["torch", "tensorrt"]
+    files: dict[str, str] = field(default_factory=dict)  # relative path -> sha256
+    source: dict[str, Any] = field(default_factory=dict)  # where the model came from
+    verification: dict[str, Any] = field(default_factory=dict)  # max abs diff etc.
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of every layer for one token."""
+        d = self.dims
+        return 2 * d.num_layers * d.num_kv_heads * d.head_dim * DTYPE_BYTES[self.kv_cache_dtype]
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        return self.kv_bytes_per_token * self.limits.block_size
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["kv_bytes_per_token"] = self.kv_bytes_per_token
+        data["kv_bytes_per_block"] = self.kv_bytes_per_block
+        return json.dumps(data, indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Manifest":
+        version = data.get("format_version")
+        if version != FORMAT_VERSION:
+            raise ValueError(
+                f"format_version: engine dir has {version!r}, this trtpaged reads {FORMAT_VERSION}; rebuild the engine"
+            )
+        data = dict(data)
+        data.pop("kv_bytes_per_token", None)
+        data.pop("kv_bytes_per_block", None)
+        return cls(
+            dims=ModelDims(**data.pop("dims")),
+            limits=Limits(**data.pop("limits")),
+            kv_cache=KVCacheBudget(**data.pop("kv_cache")),
+            **data,
+        )
+
+
+def read_manifest(engine_dir: str | Path) -> Manifest:
+    """Reads `trtpaged.json` from an engine dir (or the dir holding a given engine.plan)."""
+    path = Path(engine_dir)
+    if path.is_file():
+        path = path.parent
+    manifest_path = path / MANIFEST_NAME
+    if not manifest_path.is_file():
+        raise FileNotFoundError(f"{path}: not an engine dir (no {MANIFEST_NAME}); build one with `trtpaged build`")
+    return Manifest.from_dict(json.loads(manifest_path.read_text()))

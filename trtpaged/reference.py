@@ -1,0 +1,79 @@
+"""Plain PyTorch reference of paged attention: the independent truth kernels are tested against.
+
+Deliberately simple: materialise each sequence's K/V from its blocks, run a
+dense causal softmax attention in float64. Slow; never used on a hot path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv_reference(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    positions: torch.Tensor,
+    query_start: torch.Tensor,
+    block_tables: torch.Tensor,
+    layer: int,
+) -> None:
+    """Writes each token's K/V into its cache slot, one token at a time."""
+    block_size = kv_cache.shape[4]
+    num_seqs = block_tables.shape[0]
+    for s in range(num_seqs):
+        for t in range(int(query_start[s]), int(query_start[s + 1])):
+            pos = int(positions[t])
+            block = int(block_tables[s, pos // block_size])
+            kv_cache[block, layer, 0, :, pos % block_size, :] = k[t].to(kv_cache.dtype)
+            kv_cache[block, layer, 1, :, pos % block_size, :] = v[t].to(kv_cache.dtype)
+
+
+def gather_kv_reference(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, context_len: int, layer: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns one sequence's K and V as [context_len, num_kv_heads, head_dim]."""
+    block_size = kv_cache.shape[4]
+    num_blocks = (context_len + block_size - 1) // block_size
+    blocks = kv_cache[block_table[:num_blocks].long(), layer]  # [nb, 2, kvh, bs, d]
+    k = blocks[:, 0].permute(0, 2, 1, 3).reshape(-1, kv_cache.shape[3], kv_cache.shape[5])
+    v = blocks[:, 1].permute(0, 2, 1, 3).reshape(-1, kv_cache.shape[3], kv_cache.shape[5])
+    return k[:context_len], v[:context_len]
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    positions: torch.Tensor,
+    query_start: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    *,
+    layer: int,
+    scale: float,
+) -> torch.Tensor:
+    """Writes the new K/V into kv_cache (in place) and returns causal attention output.
+
+    Shapes follow the engine I/O contract (DESIGN.md): q [T, H, D], k/v [T, KVH, D],
+    kv_cache [num_blocks, num_layers, 2, KVH, block_size, D]. Returns [T, H, D] in q.dtype.
+    """
+    write_kv_reference(k, v, kv_cache, positions, query_start, block_tables, layer)
+    num_heads, num_kv_heads = q.shape[1], kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    out = torch.zeros_like(q)
+    for s in range(block_tables.shape[0]):
+        lo, hi = int(query_start[s]), int(query_start[s + 1])
+        if hi == lo:
+            continue
+        keys, values = gather_kv_reference(kv_cache, block_tables[s], int(context_lens[s]), layer)
+        keys = keys.double().repeat_interleave(group, dim=1)  # [L, H, D]
+        values = values.double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("thd,lhd->htl", q[lo:hi].double(), keys) * scale
+        key_pos = torch.arange(keys.shape[0])
+        mask = key_pos[None, :] > positions[lo:hi].long()[:, None]  # [t, L]
+        scores = scores.masked_fill(mask[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[lo:hi] = torch.einsum("htl,lhd->thd", probs, values).to(q.dtype)
+    return out
