@@ -36,6 +36,8 @@ class ModelDims:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2-style q/k/v biases
+    o_proj_bias: bool = False  # Llama with attention_bias=True also biases o_proj (Qwen2 does not)
+    mlp_bias: bool = False  # Llama's mlp_bias: biases on gate/up/down projections
 
 
 @dataclass(frozen=True)

@@ -18,14 +18,26 @@ int ok();
 size_t dtype_size(trtpaged_dtype dtype);
 bool dtype_valid(trtpaged_dtype dtype);
 
-// Checks the scalar fields of params (head counts, head_dim, block_size, layer,
-// dtypes). max_head_dim is the backend's limit. Returns TRTPAGED_OK or an error.
-int validate_attention_params(const trtpaged_attention_params* p, int max_head_dim,
-                              bool head_dim_multiple_of_16_only, const int* supported_head_dims,
-                              int num_supported_head_dims);
+// What a backend supports, for validate_attention_params.
+struct AttentionLimits {
+  const int* head_dims;     // exact list of supported head_dims, or nullptr
+  int num_head_dims;
+  int head_dim_multiple;    // when head_dims is nullptr: head_dim % this == 0 ...
+  int max_head_dim;         // ... and head_dim <= this
+  bool any_block_size;      // false: only 8, 16, 32, 64, 128
+};
+
+// Checks the scalar fields of params (counts, head_dim, block_size, layer,
+// dtypes) against a backend's limits. Returns TRTPAGED_OK or an error.
+int validate_attention_params(const trtpaged_attention_params* p, const AttentionLimits& limits);
 
 // Checks block copy/swap pairs (host array).
 int validate_block_pairs(const int32_t* pairs, int32_t num_pairs, int32_t src_num_blocks,
                          int32_t dst_num_blocks, bool same_pool);
 
+}  // namespace trtpaged
+
+namespace trtpaged {
+// This thread's last error message ("" if none).
+const char* last_error();
 }  // namespace trtpaged

@@ -1,0 +1,345 @@
+// CPU paged attention: write the step's K/V into the block-major pool, then
+// causal attention of each query token over its sequence's cached tokens.
+//
+// Work is split into tasks (sequence, kv head, chunk of query tokens, range of
+// keys) run by OpenMP threads. Each task streams its keys block by block with
+// an online softmax, so a block is converted to fp32 once and read by all the
+// query heads of its GQA group. Long contexts with few tasks are split over key
+// ranges and merged afterwards (flash-decoding on the CPU) so every core works
+// on batch-1 decode too.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "common.h"
+#include "cpu/dtype_cpu.h"
+
+namespace trtpaged::cpu {
+namespace {
+
+constexpr int kQueryChunk = 16;        // query tokens per task
+constexpr int kMinKeysPerSplit = 512;  // don't split key ranges shorter than this
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+int num_threads() {
+#ifdef _OPENMP
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+// Element offsets into the block-major pool [blocks][layers][2][kv_heads][block_size][head_dim].
+struct PoolLayout {
+  int64_t num_layers, num_kv_heads, block_size, head_dim;
+  int64_t head_elems() const { return block_size * head_dim; }
+  int64_t offset(int64_t block, int64_t layer, int kv, int64_t head) const {
+    return (((block * num_layers + layer) * 2 + kv) * num_kv_heads + head) * head_elems();
+  }
+};
+
+struct Task {
+  int32_t seq, kv_head;
+  int32_t q_begin, q_end;  // packed token range
+  int32_t k_begin, k_end;  // key positions [k_begin, k_end)
+  int32_t split, num_splits;
+  int64_t partial;  // index of this task's partial results, -1 when unsplit
+};
+
+// Host-side checks of every index the kernel will follow, done before any write.
+int validate_indices(const trtpaged_attention_params& p, const int32_t* positions, const int32_t* query_start,
+                     const int32_t* context_lens, const int32_t* block_tables) {
+  auto bad = [](const std::string& msg) { return fail(TRTPAGED_ERR_INVALID_ARGUMENT, msg); };
+  if (query_start[0] != 0) return bad("query_start[0]: " + std::to_string(query_start[0]) + " must be 0");
+  if (query_start[p.num_seqs] != p.num_tokens)
+    return bad("query_start[num_seqs]: " + std::to_string(query_start[p.num_seqs]) + " must equal num_tokens (" +
+               std::to_string(p.num_tokens) + ")");
+  const int64_t max_len = int64_t(p.max_blocks_per_seq) * p.block_size;
+  for (int32_t s = 0; s < p.num_seqs; ++s) {
+    const std::string seq = "[" + std::to_string(s) + "]";
+    if (query_start[s + 1] < query_start[s]) return bad("query_start" + seq + ": offsets must not decrease");
+    const int32_t len = context_lens[s];
+    if (len < 0 || len > max_len)
+      return bad("context_lens" + seq + ": " + std::to_string(len) + " out of range [0, max_blocks_per_seq * block_size = " +
+                 std::to_string(max_len) + "]");
+    if (query_start[s + 1] == query_start[s]) continue;
+    const int32_t used_blocks = (len + p.block_size - 1) / p.block_size;
+    for (int32_t b = 0; b < used_blocks; ++b) {
+      const int32_t id = block_tables[int64_t(s) * p.max_blocks_per_seq + b];
+      if (id < 0 || id >= p.num_blocks)
+        return bad("block_tables[" + std::to_string(s) + "][" + std::to_string(b) + "]: block " + std::to_string(id) +
+                   " out of range [0, num_blocks = " + std::to_string(p.num_blocks) + ")");
+    }
+    for (int32_t t = query_start[s]; t < query_start[s + 1]; ++t)
+      if (positions[t] < 0 || positions[t] >= len)
+        return bad("positions[" + std::to_string(t) + "]: " + std::to_string(positions[t]) +
+                   " out of range [0, context_lens" + seq + " = " + std::to_string(len) + ")");
+  }
+  return TRTPAGED_OK;
+}
+
+template <typename IO, typename KV>
+void write_kv(const trtpaged_attention_params& p, const PoolLayout& pool, const IO* k, const IO* v, KV* cache,
+              const int32_t* positions, const int32_t* query_start, const int32_t* block_tables) {
+  const int64_t d = p.head_dim;
+#pragma omp parallel for schedule(static)
+  for (int32_t s = 0; s < p.num_seqs; ++s) {
+    for (int32_t t = query_start[s]; t < query_start[s + 1]; ++t) {
+      const int32_t pos = positions[t];
+      const int64_t block = block_tables[int64_t(s) * p.max_blocks_per_seq + pos / p.block_size];
+      const int64_t slot = int64_t(pos % p.block_size) * d;
+      for (int32_t h = 0; h < p.num_kv_heads; ++h) {
+        const IO* ks = k + (int64_t(t) * p.num_kv_heads + h) * d;
+        const IO* vs = v + (int64_t(t) * p.num_kv_heads + h) * d;
+        KV* kd = cache + pool.offset(block, p.layer, 0, h) + slot;
+        KV* vd = cache + pool.offset(block, p.layer, 1, h) + slot;
+        for (int64_t i = 0; i < d; ++i) {
+          store(kd[i], to_float(ks[i]));
+          store(vd[i], to_float(vs[i]));
+        }
+      }
+    }
+  }
+}
+
+std::vector<Task> plan_tasks(const trtpaged_attention_params& p, const int32_t* positions, const int32_t* query_start,
+                             int64_t* num_partials) {
+  std::vector<Task> tasks;
+  int64_t unsplit = 0;
+  for (int32_t s = 0; s < p.num_seqs; ++s) {
+    const int32_t q_len = query_start[s + 1] - query_start[s];
+    unsplit += int64_t((q_len + kQueryChunk - 1) / kQueryChunk) * p.num_kv_heads;
+  }
+  const int64_t want = 2 * int64_t(num_threads());
+  *num_partials = 0;
+  for (int32_t s = 0; s < p.num_seqs; ++s) {
+    for (int32_t q0 = query_start[s]; q0 < query_start[s + 1]; q0 += kQueryChunk) {
+      const int32_t q1 = std::min(q0 + kQueryChunk, query_start[s + 1]);
+      int32_t max_pos = 0;
+      for (int32_t t = q0; t < q1; ++t) max_pos = std::max(max_pos, positions[t]);
+      const int32_t num_keys = max_pos + 1;
+      int32_t splits = 1;
+      if (unsplit < want && num_keys >= 2 * kMinKeysPerSplit)
+        splits = int32_t(std::min<int64_t>((want + unsplit - 1) / unsplit, num_keys / kMinKeysPerSplit));
+      // split ranges are whole blocks so each task reads whole blocks
+      const int32_t blocks = (num_keys + p.block_size - 1) / p.block_size;
+      const int32_t blocks_per_split = (blocks + splits - 1) / splits;
+      splits = (blocks + blocks_per_split - 1) / blocks_per_split;
+      for (int32_t h = 0; h < p.num_kv_heads; ++h) {
+        for (int32_t i = 0; i < splits; ++i) {
+          Task task{s, h, q0, q1, i * blocks_per_split * p.block_size,
+                    std::min(num_keys, (i + 1) * blocks_per_split * p.block_size), i, splits, -1};
+          if (splits > 1) task.partial = (*num_partials)++;
+          tasks.push_back(task);
+        }
+      }
+    }
+  }
+  return tasks;
+}
+
+// Per-thread scratch, reused across tasks.
+struct Scratch {
+  std::vector<float> q, acc, m, l, scores, kf, vf;
+  std::vector<int32_t> pos;
+};
+
+template <typename T>
+const float* as_float_block(const T* src, int64_t n, std::vector<float>& buf) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+    buf.resize(size_t(n));
+    for (int64_t i = 0; i < n; ++i) buf[size_t(i)] = to_float(src[i]);
+    return buf.data();
+  }
+}
+
+// Runs one task. Writes the normalised output, or for a split task its partial
+// (acc, max, sum) into `partials` rows of head_dim + 2 floats.
+template <typename IO, typename KV>
+void run_task(const Task& task, const trtpaged_attention_params& p, const PoolLayout& pool, const IO* q,
+              const KV* cache, const int32_t* positions, const int32_t* block_tables, IO* out, float* partials,
+              Scratch& sc) {
+  const int32_t group = p.num_heads / p.num_kv_heads;
+  const int64_t d = p.head_dim, bs = p.block_size;
+  const int32_t rows = (task.q_end - task.q_begin) * group;
+  sc.q.resize(size_t(rows * d));
+  sc.acc.assign(size_t(rows * d), 0.0f);
+  sc.m.assign(size_t(rows), kNegInf);
+  sc.l.assign(size_t(rows), 0.0f);
+  sc.pos.resize(size_t(rows));
+  sc.scores.resize(size_t(bs));
+  for (int32_t t = task.q_begin; t < task.q_end; ++t) {
+    for (int32_t g = 0; g < group; ++g) {
+      const int32_t r = (t - task.q_begin) * group + g;
+      const IO* src = q + (int64_t(t) * p.num_heads + int64_t(task.kv_head) * group + g) * d;
+      float* dst = sc.q.data() + r * d;
+      for (int64_t i = 0; i < d; ++i) dst[i] = to_float(src[i]) * p.scale;
+      sc.pos[size_t(r)] = positions[t];
+    }
+  }
+  const int32_t* table = block_tables + int64_t(task.seq) * p.max_blocks_per_seq;
+  for (int32_t base = task.k_begin; base < task.k_end; base += int32_t(bs)) {
+    const int64_t block = table[base / bs];
+    const int32_t n = int32_t(std::min<int64_t>(bs, task.k_end - base));
+    const float* kb = as_float_block(cache + pool.offset(block, p.layer, 0, task.kv_head), n * d, sc.kf);
+    const float* vb = as_float_block(cache + pool.offset(block, p.layer, 1, task.kv_head), n * d, sc.vf);
+    for (int32_t r = 0; r < rows; ++r) {
+      const int32_t limit = std::min(n, sc.pos[size_t(r)] - base + 1);  // causal: keys <= own position
+      if (limit <= 0) continue;
+      const float* qr = sc.q.data() + r * d;
+      float* scores = sc.scores.data();
+      float block_max = kNegInf;
+      for (int32_t j = 0; j < limit; ++j) {
+        const float* kj = kb + j * d;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t i = 0; i < d; ++i) dot += qr[i] * kj[i];
+        scores[j] = dot;
+        block_max = std::max(block_max, dot);
+      }
+      float& m = sc.m[size_t(r)];
+      float& l = sc.l[size_t(r)];
+      float* acc = sc.acc.data() + r * d;
+      const float m_new = std::max(m, block_max);
+      const float alpha = std::exp(m - m_new);  // 0 when m was -inf
+      l *= alpha;
+      if (alpha != 1.0f) {
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) acc[i] *= alpha;
+      }
+      for (int32_t j = 0; j < limit; ++j) {
+        const float w = std::exp(scores[j] - m_new);
+        l += w;
+        const float* vj = vb + j * d;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) acc[i] += w * vj[i];
+      }
+      m = m_new;
+    }
+  }
+  for (int32_t r = 0; r < rows; ++r) {
+    const float* acc = sc.acc.data() + r * d;
+    const int32_t t = task.q_begin + r / group;
+    const int32_t head = task.kv_head * group + r % group;
+    if (task.partial >= 0) {
+      float* dst = partials + ((task.partial * rows) + r) * (d + 2);
+      std::copy(acc, acc + d, dst);
+      dst[d] = sc.m[size_t(r)];
+      dst[d + 1] = sc.l[size_t(r)];
+    } else {
+      IO* dst = out + (int64_t(t) * p.num_heads + head) * d;
+      const float inv = 1.0f / sc.l[size_t(r)];
+      for (int64_t i = 0; i < d; ++i) store(dst[i], acc[i] * inv);
+    }
+  }
+}
+
+// Combines the partials of the split tasks that start a split group (split == 0).
+template <typename IO>
+void merge_splits(const Task& first, const trtpaged_attention_params& p, const float* partials, IO* out) {
+  const int32_t group = p.num_heads / p.num_kv_heads;
+  const int64_t d = p.head_dim;
+  const int32_t rows = (first.q_end - first.q_begin) * group;
+  std::vector<float> acc(static_cast<size_t>(d));
+  for (int32_t r = 0; r < rows; ++r) {
+    float m_max = kNegInf;
+    for (int32_t i = 0; i < first.num_splits; ++i)
+      m_max = std::max(m_max, partials[((first.partial + i) * rows + r) * (d + 2) + d]);
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    float l = 0.0f;
+    for (int32_t i = 0; i < first.num_splits; ++i) {
+      const float* part = partials + ((first.partial + i) * rows + r) * (d + 2);
+      if (part[d + 1] == 0.0f) continue;  // no key of this split was visible to the row
+      const float w = std::exp(part[d] - m_max);
+      l += part[d + 1] * w;
+      for (int64_t j = 0; j < d; ++j) acc[size_t(j)] += part[j] * w;
+    }
+    const int32_t t = first.q_begin + r / group;
+    const int32_t head = first.kv_head * group + r % group;
+    IO* dst = out + (int64_t(t) * p.num_heads + head) * d;
+    for (int64_t j = 0; j < d; ++j) store(dst[j], acc[size_t(j)] / l);
+  }
+}
+
+template <typename IO, typename KV>
+void paged_attention(const trtpaged_attention_params& p, const IO* q, const IO* k, const IO* v, KV* cache,
+                     const int32_t* positions, const int32_t* query_start, const int32_t* block_tables, IO* out) {
+  const PoolLayout pool{p.num_layers, p.num_kv_heads, p.block_size, p.head_dim};
+  write_kv(p, pool, k, v, cache, positions, query_start, block_tables);
+  int64_t num_partials = 0;
+  const std::vector<Task> tasks = plan_tasks(p, positions, query_start, &num_partials);
+  // Partial rows are indexed by task.partial * rows; rows per task <= kQueryChunk * group.
+  const int64_t max_rows = int64_t(kQueryChunk) * (p.num_heads / p.num_kv_heads);
+  std::vector<float> partials(size_t(num_partials * max_rows * (p.head_dim + 2)));
+#pragma omp parallel
+  {
+    Scratch scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (size_t i = 0; i < tasks.size(); ++i)
+      run_task(tasks[i], p, pool, q, cache, positions, block_tables, out, partials.data(), scratch);
+#pragma omp for schedule(dynamic, 1)
+    for (size_t i = 0; i < tasks.size(); ++i)
+      if (tasks[i].partial >= 0 && tasks[i].split == 0) merge_splits(tasks[i], p, partials.data(), out);
+  }
+}
+
+template <typename IO>
+void dispatch_kv(const trtpaged_attention_params& p, const void* q, const void* k, const void* v, void* cache,
+                 const int32_t* positions, const int32_t* query_start, const int32_t* block_tables, void* out) {
+  const IO* qi = static_cast<const IO*>(q);
+  const IO* ki = static_cast<const IO*>(k);
+  const IO* vi = static_cast<const IO*>(v);
+  IO* oi = static_cast<IO*>(out);
+  switch (p.kv_dtype) {
+    case TRTPAGED_FLOAT32:
+      return paged_attention(p, qi, ki, vi, static_cast<float*>(cache), positions, query_start, block_tables, oi);
+    case TRTPAGED_FLOAT16:
+      return paged_attention(p, qi, ki, vi, static_cast<half_t*>(cache), positions, query_start, block_tables, oi);
+    case TRTPAGED_BFLOAT16:
+      return paged_attention(p, qi, ki, vi, static_cast<bfloat_t*>(cache), positions, query_start, block_tables, oi);
+  }
+}
+
+}  // namespace
+}  // namespace trtpaged::cpu
+
+extern "C" TRTPAGED_API int trtpaged_paged_attention_cpu(const trtpaged_attention_params* params, const void* q,
+                                                         const void* k, const void* v, void* kv_cache,
+                                                         const int32_t* positions, const int32_t* query_start,
+                                                         const int32_t* context_lens, const int32_t* block_tables,
+                                                         void* out) {
+  using namespace trtpaged;
+  try {
+    const AttentionLimits limits{nullptr, 0, 16, 256, true};
+    if (int rc = validate_attention_params(params, limits)) return rc;
+    const trtpaged_attention_params& p = *params;
+    if (p.num_tokens == 0) return ok();
+    if (!q || !k || !v || !kv_cache || !positions || !query_start || !context_lens || !block_tables || !out)
+      return fail(TRTPAGED_ERR_INVALID_ARGUMENT,
+                  "q, k, v, kv_cache, positions, query_start, context_lens, block_tables, out: null pointer");
+    if (int rc = cpu::validate_indices(p, positions, query_start, context_lens, block_tables)) return rc;
+    switch (p.io_dtype) {
+      case TRTPAGED_FLOAT32:
+        cpu::dispatch_kv<float>(p, q, k, v, kv_cache, positions, query_start, block_tables, out);
+        break;
+      case TRTPAGED_FLOAT16:
+        cpu::dispatch_kv<cpu::half_t>(p, q, k, v, kv_cache, positions, query_start, block_tables, out);
+        break;
+      case TRTPAGED_BFLOAT16:
+        cpu::dispatch_kv<cpu::bfloat_t>(p, q, k, v, kv_cache, positions, query_start, block_tables, out);
+        break;
+    }
+    return ok();
+  } catch (const std::exception& e) {
+    return fail(TRTPAGED_ERR_INVALID_ARGUMENT, std::string("paged_attention_cpu: ") + e.what());
+  }
+}

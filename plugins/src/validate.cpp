@@ -1,0 +1,103 @@
+// Error reporting and argument validation shared by every backend.
+#include <string>
+#include <unordered_set>
+
+#include "common.h"
+
+namespace trtpaged {
+namespace {
+thread_local std::string g_last_error;
+
+std::string dims_list(const AttentionLimits& limits) {
+  std::string s;
+  for (int i = 0; i < limits.num_head_dims; ++i) s += (i ? ", " : "") + std::to_string(limits.head_dims[i]);
+  return s;
+}
+}  // namespace
+
+int fail(int code, const std::string& msg) {
+  g_last_error = msg;
+  return code;
+}
+
+int ok() {
+  g_last_error.clear();
+  return TRTPAGED_OK;
+}
+
+const char* last_error() { return g_last_error.c_str(); }
+
+bool dtype_valid(trtpaged_dtype dtype) {
+  return dtype == TRTPAGED_FLOAT32 || dtype == TRTPAGED_FLOAT16 || dtype == TRTPAGED_BFLOAT16;
+}
+
+size_t dtype_size(trtpaged_dtype dtype) { return dtype == TRTPAGED_FLOAT32 ? 4 : 2; }
+
+int validate_attention_params(const trtpaged_attention_params* p, const AttentionLimits& limits) {
+  if (!p) return fail(TRTPAGED_ERR_INVALID_ARGUMENT, "params: null pointer");
+  auto bad = [](const std::string& msg) { return fail(TRTPAGED_ERR_INVALID_ARGUMENT, msg); };
+  if (p->num_tokens < 0) return bad("num_tokens: " + std::to_string(p->num_tokens) + " is negative");
+  if (p->num_seqs < 0) return bad("num_seqs: " + std::to_string(p->num_seqs) + " is negative");
+  if (p->num_tokens > 0 && p->num_seqs == 0) return bad("num_seqs: 0 with num_tokens > 0");
+  if (p->max_blocks_per_seq < 0) return bad("max_blocks_per_seq: must be >= 0");
+  if (p->num_kv_heads <= 0) return bad("num_kv_heads: " + std::to_string(p->num_kv_heads) + " must be > 0");
+  if (p->num_heads <= 0 || p->num_heads % p->num_kv_heads != 0)
+    return bad("num_heads: " + std::to_string(p->num_heads) + " must be a positive multiple of num_kv_heads (" +
+               std::to_string(p->num_kv_heads) + ")");
+  if (p->num_blocks <= 0) return bad("num_blocks: " + std::to_string(p->num_blocks) + " must be > 0");
+  if (p->num_layers <= 0) return bad("num_layers: " + std::to_string(p->num_layers) + " must be > 0");
+  if (p->layer < 0 || p->layer >= p->num_layers)
+    return bad("layer: " + std::to_string(p->layer) + " out of range [0, " + std::to_string(p->num_layers) + ")");
+  if (!(p->scale > 0.0f)) return bad("scale: must be > 0");
+  if (!dtype_valid(p->io_dtype)) return bad("io_dtype: unknown dtype " + std::to_string(p->io_dtype));
+  if (!dtype_valid(p->kv_dtype)) return bad("kv_dtype: unknown dtype " + std::to_string(p->kv_dtype));
+  if (limits.any_block_size) {
+    if (p->block_size <= 0) return bad("block_size: " + std::to_string(p->block_size) + " must be > 0");
+  } else if (p->block_size != 8 && p->block_size != 16 && p->block_size != 32 && p->block_size != 64 &&
+             p->block_size != 128) {
+    return bad("block_size: " + std::to_string(p->block_size) + " not one of 8, 16, 32, 64, 128");
+  }
+  if (p->head_dim <= 0) return bad("head_dim: " + std::to_string(p->head_dim) + " must be > 0");
+  if (limits.head_dims) {
+    for (int i = 0; i < limits.num_head_dims; ++i)
+      if (limits.head_dims[i] == p->head_dim) return ok();
+    return fail(TRTPAGED_ERR_UNSUPPORTED,
+                "head_dim: " + std::to_string(p->head_dim) + " not supported (supported: " + dims_list(limits) + ")");
+  }
+  if (p->head_dim % limits.head_dim_multiple != 0 || p->head_dim > limits.max_head_dim)
+    return fail(TRTPAGED_ERR_UNSUPPORTED, "head_dim: " + std::to_string(p->head_dim) + " not supported (a multiple of " +
+                                              std::to_string(limits.head_dim_multiple) + " up to " +
+                                              std::to_string(limits.max_head_dim) + ")");
+  return ok();
+}
+
+int validate_block_pairs(const int32_t* pairs, int32_t num_pairs, int32_t src_num_blocks, int32_t dst_num_blocks,
+                         bool same_pool) {
+  if (num_pairs < 0) return fail(TRTPAGED_ERR_INVALID_ARGUMENT, "num_pairs: must be >= 0");
+  if (num_pairs > 0 && !pairs) return fail(TRTPAGED_ERR_INVALID_ARGUMENT, "pairs: null pointer");
+  std::unordered_set<int32_t> dsts;
+  for (int32_t i = 0; i < num_pairs; ++i) {
+    const int32_t src = pairs[2 * i], dst = pairs[2 * i + 1];
+    if (src < 0 || src >= src_num_blocks)
+      return fail(TRTPAGED_ERR_INVALID_ARGUMENT, "pairs[" + std::to_string(i) + "]: source block " +
+                                                     std::to_string(src) + " out of range [0, " +
+                                                     std::to_string(src_num_blocks) + ")");
+    if (dst < 0 || dst >= dst_num_blocks)
+      return fail(TRTPAGED_ERR_INVALID_ARGUMENT, "pairs[" + std::to_string(i) + "]: destination block " +
+                                                     std::to_string(dst) + " out of range [0, " +
+                                                     std::to_string(dst_num_blocks) + ")");
+    if (!dsts.insert(dst).second)
+      return fail(TRTPAGED_ERR_INVALID_ARGUMENT,
+                  "pairs[" + std::to_string(i) + "]: destination block " + std::to_string(dst) + " written twice");
+  }
+  if (same_pool) {
+    for (int32_t i = 0; i < num_pairs; ++i)
+      if (dsts.count(pairs[2 * i]))
+        return fail(TRTPAGED_ERR_INVALID_ARGUMENT, "pairs[" + std::to_string(i) + "]: block " +
+                                                       std::to_string(pairs[2 * i]) +
+                                                       " is both a source and a destination");
+  }
+  return ok();
+}
+
+}  // namespace trtpaged

@@ -1,0 +1,297 @@
+"""ctypes binding to the trtpaged kernel library (plugins/, C ABI in plugins/include/trtpaged/trtpaged.h).
+
+Functions take torch tensors, check dtype, device, contiguity and shapes (raising
+ValueError that names the argument), and dispatch to the CPU or CUDA kernels by
+the tensors' device. The library is found, in order, at $TRTPAGED_KERNELS_LIB,
+inside the installed package (trtpaged/_lib), or in a local CMake build dir.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+from typing import Iterable, Optional, Sequence, Union
+
+import torch
+
+LIBRARY_NAME = "libtrtpaged_kernels.so"
+BUILD_HINT = (
+    "build it with `pip install -e .` in the trtpaged checkout (or `cmake -S . -B build && cmake --build build`), "
+    "or point TRTPAGED_KERNELS_LIB at libtrtpaged_kernels.so"
+)
+
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_STATUS_NAMES = {1: "invalid argument", 2: "unsupported", 3: "CUDA error", 4: "not built"}
+
+Pairs = Union[torch.Tensor, Sequence[Sequence[int]]]
+
+
+class KernelError(RuntimeError):
+    """A kernel call failed; the message is the library's."""
+
+    def __init__(self, function: str, status: int, message: str) -> None:
+        self.status = status
+        super().__init__(f"{function}: {_STATUS_NAMES.get(status, f'error {status}')}: {message}")
+
+
+class KernelLibraryNotFound(KernelError):
+    """The compiled kernel library could not be found or loaded."""
+
+    def __init__(self, detail: str) -> None:
+        RuntimeError.__init__(self, f"trtpaged kernel library not found ({detail}); {BUILD_HINT}")
+        self.status = -1
+
+
+class _AttentionParams(ctypes.Structure):
+    _fields_ = [
+        ("num_tokens", ctypes.c_int32),
+        ("num_seqs", ctypes.c_int32),
+        ("max_blocks_per_seq", ctypes.c_int32),
+        ("num_heads", ctypes.c_int32),
+        ("num_kv_heads", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("num_blocks", ctypes.c_int32),
+        ("num_layers", ctypes.c_int32),
+        ("layer", ctypes.c_int32),
+        ("block_size", ctypes.c_int32),
+        ("scale", ctypes.c_float),
+        ("io_dtype", ctypes.c_int),
+        ("kv_dtype", ctypes.c_int),
+    ]
+
+
+def _candidate_paths() -> list[Path]:
+    env = os.environ.get("TRTPAGED_KERNELS_LIB")
+    if env:
+        return [Path(env)]
+    package_dir = Path(__file__).resolve().parent
+    candidates = [package_dir / "_lib" / LIBRARY_NAME]
+    repo_build = package_dir.parent / "build"
+    if repo_build.is_dir():
+        candidates += sorted(repo_build.glob(f"*/{LIBRARY_NAME}"), key=lambda p: -p.stat().st_mtime)
+        candidates.append(repo_build / LIBRARY_NAME)
+    return candidates
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i32, sz, vp = ctypes.c_void_p, ctypes.c_int32, ctypes.c_size_t, ctypes.c_void_p
+    params = ctypes.POINTER(_AttentionParams)
+    signatures = {
+        "trtpaged_paged_attention_cpu": [params, vp, vp, vp, vp, p, p, p, p, vp],
+        "trtpaged_paged_attention_cuda": [params, vp, vp, vp, vp, p, p, p, p, vp, i32, vp, sz, vp],
+        "trtpaged_copy_blocks_cpu": [vp, i32, sz, p, i32],
+        "trtpaged_copy_blocks_cuda": [vp, i32, sz, p, i32, vp],
+        "trtpaged_swap_blocks_cpu": [vp, i32, vp, i32, sz, p, i32],
+        "trtpaged_swap_blocks_cuda": [vp, i32, vp, i32, sz, p, i32, vp],
+    }
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = ctypes.c_int
+    lib.trtpaged_paged_attention_cuda_workspace_size.argtypes = [params, i32]
+    lib.trtpaged_paged_attention_cuda_workspace_size.restype = ctypes.c_size_t
+    for name in ("trtpaged_last_error", "trtpaged_version", "trtpaged_cuda_archs"):
+        getattr(lib, name).restype = ctypes.c_char_p
+        getattr(lib, name).argtypes = []
+    lib.trtpaged_has_cuda.restype = ctypes.c_int
+    lib.trtpaged_has_cuda.argtypes = []
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> ctypes.CDLL:
+    """Loads the kernel library once; raises KernelLibraryNotFound with how to build it."""
+    tried = []
+    for path in _candidate_paths():
+        if path.is_file():
+            try:
+                lib = ctypes.CDLL(str(path))
+            except OSError as exc:
+                raise KernelLibraryNotFound(f"{path} failed to load: {exc}") from exc
+            _declare(lib)
+            return lib
+        tried.append(str(path))
+    raise KernelLibraryNotFound("looked at " + ", ".join(tried))
+
+
+def available() -> bool:
+    """True when the kernel library can be loaded."""
+    try:
+        library()
+    except KernelError:
+        return False
+    return True
+
+
+def has_cuda() -> bool:
+    """True when the library was compiled with its CUDA kernels."""
+    return bool(library().trtpaged_has_cuda())
+
+
+def cuda_archs() -> str:
+    """CUDA architectures compiled in, e.g. "80,90"."""
+    return library().trtpaged_cuda_archs().decode()
+
+
+def version() -> str:
+    return library().trtpaged_version().decode()
+
+
+def _check(function: str, status: int) -> None:
+    if status != 0:
+        raise KernelError(function, status, library().trtpaged_last_error().decode())
+
+
+def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def _require(t: object, name: str, *, ndim: int, dtypes: Iterable[torch.dtype], device: torch.device) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(t.shape)}")
+    dtypes = tuple(dtypes)
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise ValueError(f"{name}: dtype {str(t.dtype).replace('torch.', '')} not supported (allowed: {allowed})")
+    if t.device != device:
+        raise ValueError(f"{name}: on {t.device}, expected {device} like q")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous")
+    return t
+
+
+def _stream(device: torch.device) -> ctypes.c_void_p:
+    return ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    positions: torch.Tensor,
+    query_start: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    *,
+    layer: int,
+    scale: float,
+    out: Optional[torch.Tensor] = None,
+    max_context_len: Optional[int] = None,
+) -> torch.Tensor:
+    """Writes the step's K/V into kv_cache (in place) and returns causal paged attention.
+
+    q [T, H, D], k/v [T, KVH, D] (one dtype), kv_cache [num_blocks, num_layers, 2, KVH,
+    block_size, D], positions [T], query_start [S+1], context_lens [S], block_tables
+    [S, max_blocks] (int32). Returns out [T, H, D] in q.dtype. On CUDA, max_context_len
+    (an upper bound of context_lens) avoids a device sync when given.
+    """
+    float_dtypes = tuple(_DTYPE_CODES)
+    index_dtypes = (torch.int32,)
+    if not isinstance(q, torch.Tensor):
+        raise ValueError(f"q: expected a torch.Tensor, got {type(q).__name__}")
+    device = q.device
+    _require(q, "q", ndim=3, dtypes=float_dtypes, device=device)
+    _require(k, "k", ndim=3, dtypes=(q.dtype,), device=device)
+    _require(v, "v", ndim=3, dtypes=(q.dtype,), device=device)
+    _require(kv_cache, "kv_cache", ndim=6, dtypes=float_dtypes, device=device)
+    _require(positions, "positions", ndim=1, dtypes=index_dtypes, device=device)
+    _require(query_start, "query_start", ndim=1, dtypes=index_dtypes, device=device)
+    _require(context_lens, "context_lens", ndim=1, dtypes=index_dtypes, device=device)
+    _require(block_tables, "block_tables", ndim=2, dtypes=index_dtypes, device=device)
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, num_layers, two, num_kv_heads, block_size, cache_head_dim = kv_cache.shape
+    num_seqs = block_tables.shape[0]
+    if two != 2:
+        raise ValueError(f"kv_cache: dimension 2 must be 2 (K and V), got shape {tuple(kv_cache.shape)}")
+    if cache_head_dim != head_dim:
+        raise ValueError(f"kv_cache: head_dim {cache_head_dim} differs from q's {head_dim}")
+    expected_kv = (num_tokens, num_kv_heads, head_dim)
+    for name, t in (("k", k), ("v", v)):
+        if tuple(t.shape) != expected_kv:
+            raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {expected_kv} (tokens, kv heads, head_dim)")
+    if positions.shape[0] != num_tokens:
+        raise ValueError(f"positions: {positions.shape[0]} entries, expected num_tokens = {num_tokens}")
+    if query_start.shape[0] != num_seqs + 1:
+        raise ValueError(f"query_start: {query_start.shape[0]} entries, expected num_seqs + 1 = {num_seqs + 1}")
+    if context_lens.shape[0] != num_seqs:
+        raise ValueError(f"context_lens: {context_lens.shape[0]} entries, expected num_seqs = {num_seqs}")
+    if out is None:
+        out = torch.empty_like(q)
+    else:
+        _require(out, "out", ndim=3, dtypes=(q.dtype,), device=device)
+        if out.shape != q.shape:
+            raise ValueError(f"out: shape {tuple(out.shape)}, expected {tuple(q.shape)}")
+    params = _AttentionParams(
+        num_tokens, num_seqs, block_tables.shape[1], num_heads, num_kv_heads, head_dim,
+        num_blocks, num_layers, layer, block_size, scale, _DTYPE_CODES[q.dtype], _DTYPE_CODES[kv_cache.dtype],
+    )  # fmt: skip
+    lib = library()
+    pointers = [_ptr(t) for t in (q, k, v, kv_cache, positions, query_start, context_lens, block_tables, out)]
+    if device.type == "cpu":
+        _check("paged_attention", lib.trtpaged_paged_attention_cpu(ctypes.byref(params), *pointers))
+    elif device.type == "cuda":
+        if max_context_len is None:
+            max_context_len = int(context_lens.max().item()) if num_seqs else 0
+        size = lib.trtpaged_paged_attention_cuda_workspace_size(ctypes.byref(params), max_context_len)
+        workspace = torch.empty(size, dtype=torch.uint8, device=device) if size else None
+        status = lib.trtpaged_paged_attention_cuda(
+            ctypes.byref(params), *pointers, max_context_len,
+            _ptr(workspace) if workspace is not None else None, size, _stream(device),
+        )  # fmt: skip
+        _check("paged_attention", status)
+    else:
+        raise ValueError(f"q: device {device} not supported (cpu or cuda)")
+    return out
+
+
+def _pairs_array(pairs: Pairs, name: str = "pairs") -> torch.Tensor:
+    """Block pairs as a contiguous host int32 tensor [n, 2]."""
+    t = pairs if isinstance(pairs, torch.Tensor) else torch.tensor(list(pairs), dtype=torch.int64).reshape(-1, 2)
+    if t.dim() != 2 or t.shape[1] != 2:
+        raise ValueError(f"{name}: expected shape [n, 2] of (src, dst) block ids, got {tuple(t.shape)}")
+    return t.to(device="cpu", dtype=torch.int32).contiguous()
+
+
+def _block_bytes(pool: torch.Tensor) -> int:
+    return pool[0].numel() * pool.element_size() if pool.shape[0] else 0
+
+
+def copy_blocks(kv_cache: torch.Tensor, pairs: Pairs) -> None:
+    """Copy-on-write inside one pool: block src → block dst for each (src, dst), all layers."""
+    if not isinstance(kv_cache, torch.Tensor) or not kv_cache.is_contiguous() or kv_cache.dim() < 2:
+        raise ValueError("kv_cache: expected a contiguous block-major pool tensor")
+    arr = _pairs_array(pairs)
+    if arr.shape[0] == 0:
+        return
+    args = (_ptr(kv_cache), kv_cache.shape[0], _block_bytes(kv_cache), _ptr(arr), arr.shape[0])
+    lib = library()
+    if kv_cache.device.type == "cpu":
+        _check("copy_blocks", lib.trtpaged_copy_blocks_cpu(*args))
+    else:
+        _check("copy_blocks", lib.trtpaged_copy_blocks_cuda(*args, _stream(kv_cache.device)))
+
+
+def swap_blocks(src_pool: torch.Tensor, dst_pool: torch.Tensor, pairs: Pairs) -> None:
+    """Copies block src of src_pool to block dst of dst_pool for each (src, dst), e.g. GPU ↔ CPU."""
+    for name, t in (("src_pool", src_pool), ("dst_pool", dst_pool)):
+        if not isinstance(t, torch.Tensor) or not t.is_contiguous() or t.dim() < 2:
+            raise ValueError(f"{name}: expected a contiguous block-major pool tensor")
+    if src_pool.shape[1:] != dst_pool.shape[1:] or src_pool.dtype != dst_pool.dtype:
+        raise ValueError(
+            f"dst_pool: block shape {tuple(dst_pool.shape[1:])} {dst_pool.dtype} differs from src_pool's "
+            f"{tuple(src_pool.shape[1:])} {src_pool.dtype}"
+        )
+    arr = _pairs_array(pairs)
+    if arr.shape[0] == 0:
+        return
+    args = (_ptr(src_pool), src_pool.shape[0], _ptr(dst_pool), dst_pool.shape[0], _block_bytes(src_pool))
+    lib = library()
+    if src_pool.device.type == "cpu" and dst_pool.device.type == "cpu":
+        _check("swap_blocks", lib.trtpaged_swap_blocks_cpu(*args, _ptr(arr), arr.shape[0]))
+    else:
+        cuda_device = src_pool.device if src_pool.device.type == "cuda" else dst_pool.device
+        _check("swap_blocks", lib.trtpaged_swap_blocks_cuda(*args, _ptr(arr), arr.shape[0], _stream(cuda_device)))

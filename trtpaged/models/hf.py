@@ -1,0 +1,96 @@
+"""Loading the source model with transformers: local HF dir, GGUF file, package GGUF, tiny preset.
+
+transformers reads configs, weights and tokenizers (never from a hub: every
+source is a local path); its own forward is the reference trtpaged's step
+model is checked against. `source_architecture` is the cheap pre-flight check
+(reads config.json or the GGUF header only).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trtpaged.config import ConfigError, ModelSpec
+from trtpaged.models.dims import SUPPORTED_ARCHITECTURES
+
+# GGUF general.architecture -> the HF architecture transformers converts it to.
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+
+
+@dataclass
+class HFModel:
+    """A transformers causal LM (eval mode), its tokenizer and config."""
+
+    model: Any
+    tokenizer: Any
+    config: Any
+
+
+def source_architecture(spec: ModelSpec) -> str:
+    """The HF architecture of a model source without loading weights; raises ConfigError if unsupported/unreadable."""
+    if spec.kind == "tiny":
+        arch = str((spec.tiny or {}).get("architecture"))
+        key = "model.tiny.architecture"
+    elif spec.kind == "hf_dir":
+        key = "model.hf_dir"
+        try:
+            archs = json.loads((spec.path / "config.json").read_text()).get("architectures") or []
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{key}: cannot read {spec.path / 'config.json'}: {e}") from None
+        arch = archs[0] if archs else "(none listed in config.json)"
+    else:
+        key = f"model.{spec.kind}"
+        gguf_arch = _gguf_architecture(spec.path, key)
+        arch = GGUF_ARCHITECTURES.get(gguf_arch, f"GGUF architecture {gguf_arch!r}")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ConfigError(f"{key}: architecture {arch} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return arch
+
+
+def _gguf_architecture(path: Path, key: str) -> str:
+    try:
+        from gguf import GGUFReader
+
+        field = GGUFReader(str(path)).fields["general.architecture"]
+        return str(field.contents())
+    except Exception as e:  # noqa: BLE001  (any parse failure means "unreadable GGUF")
+        raise ConfigError(f"{key}: {path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
+def load_hf(spec: ModelSpec, dtype: torch.dtype = torch.float32) -> HFModel:
+    """Loads the transformers model, tokenizer and config of a model source (local only)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    source_architecture(spec)
+    if spec.kind == "tiny":
+        return _load_tiny(dict(spec.tiny or {}), dtype)
+    if spec.kind == "hf_dir":
+        kwargs: dict[str, Any] = {"local_files_only": True}
+        where = str(spec.path)
+    else:
+        kwargs = {"gguf_file": spec.path.name, "local_files_only": True}
+        where = str(spec.path.parent)
+    config = AutoConfig.from_pretrained(where, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kwargs)
+    return HFModel(model=model.eval(), tokenizer=tokenizer, config=config)
+
+
+def _load_tiny(tiny: dict[str, Any], dtype: torch.dtype) -> HFModel:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trtpaged.models.tiny_tokenizer import BOS_ID, EOS_ID, PAD_ID, make_tiny_tokenizer
+
+    arch, seed = tiny.pop("architecture"), tiny.pop("seed")
+    config = AutoConfig.for_model(
+        _MODEL_TYPES[arch], architectures=[arch], bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, **tiny
+    )
+    torch.manual_seed(int(seed))
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return HFModel(model=model.eval(), tokenizer=make_tiny_tokenizer(), config=config)
