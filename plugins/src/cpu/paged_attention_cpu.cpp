@@ -9,6 +9,7 @@
 // on batch-1 decode too.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -19,6 +20,7 @@
 #endif
 
 #include "common.h"
+#include "cpu/attention_tiles.h"
 #include "cpu/dtype_cpu.h"
 
 namespace trtpaged::cpu {
@@ -26,6 +28,7 @@ namespace {
 
 constexpr int kQueryChunk = 16;        // query tokens per task
 constexpr int kMinKeysPerSplit = 512;  // don't split key ranges shorter than this
+constexpr int kTileKeys = 128;         // keys per online-softmax update
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 int num_threads() {
@@ -145,38 +148,73 @@ std::vector<Task> plan_tasks(const trtpaged_attention_params& p, const int32_t* 
   return tasks;
 }
 
+// exp(x) for finite x <= 0, written so that the compiler vectorizes it (std::exp is a
+// scalar libm call without -ffast-math). Cody-Waite range reduction and a degree-6
+// polynomial: relative error below 2e-7; inputs below -87 give ~1e-38 instead of 0.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504f + 0.5f);
+  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+  float poly = 1.0f / 720.0f;
+  poly = poly * r + 1.0f / 120.0f;
+  poly = poly * r + 1.0f / 24.0f;
+  poly = poly * r + 1.0f / 6.0f;
+  poly = poly * r + 0.5f;
+  poly = poly * r + 1.0f;
+  poly = poly * r + 1.0f;
+  const uint32_t bits = uint32_t(int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return poly * scale;
+}
+
 // Per-thread scratch, reused across tasks.
 struct Scratch {
   std::vector<float> q, acc, m, l, scores, kf, vf;
   std::vector<int32_t> pos;
+  std::vector<const float*> kp, vp;
+  std::vector<const char*> knext, vnext;
 };
 
+// Returns src as floats: src itself for fp32, else converted into buf.
 template <typename T>
-const float* as_float_block(const T* src, int64_t n, std::vector<float>& buf) {
+const float* as_float(const T* src, int64_t n, float* buf) {
   if constexpr (std::is_same_v<T, float>) {
     return src;
   } else {
-    buf.resize(size_t(n));
-    for (int64_t i = 0; i < n; ++i) buf[size_t(i)] = to_float(src[i]);
-    return buf.data();
+    for (int64_t i = 0; i < n; ++i) buf[i] = to_float(src[i]);
+    return buf;
   }
 }
 
-// Runs one task. Writes the normalised output, or for a split task its partial
-// (acc, max, sum) into `partials` rows of head_dim + 2 floats.
+// Runs one task. Keys are processed in tiles of whole blocks (about kTileKeys keys): the
+// scores of a tile are computed block by block, then one online-softmax update per tile,
+// so small blocks cost no more softmax bookkeeping than one large contiguous block.
+// Writes the normalised output, or for a split task its partial (acc, max, sum) into
+// `partials` rows of head_dim + 2 floats.
 template <typename IO, typename KV>
 void run_task(const Task& task, const trtpaged_attention_params& p, const PoolLayout& pool, const IO* q,
               const KV* cache, const int32_t* positions, const int32_t* block_tables, IO* out, float* partials,
               Scratch& sc) {
   const int32_t group = p.num_heads / p.num_kv_heads;
   const int64_t d = p.head_dim, bs = p.block_size;
+  const int64_t tile_keys = std::max<int64_t>(bs, kTileKeys / bs * bs);
+  const int64_t tile_blocks = tile_keys / bs;
   const int32_t rows = (task.q_end - task.q_begin) * group;
   sc.q.resize(size_t(rows * d));
   sc.acc.assign(size_t(rows * d), 0.0f);
   sc.m.assign(size_t(rows), kNegInf);
   sc.l.assign(size_t(rows), 0.0f);
   sc.pos.resize(size_t(rows));
-  sc.scores.resize(size_t(bs));
+  sc.scores.resize(size_t(kRowGroup * tile_keys));
+  sc.kp.resize(size_t(tile_blocks));
+  sc.vp.resize(size_t(tile_blocks));
+  sc.knext.resize(size_t(tile_blocks));
+  sc.vnext.resize(size_t(tile_blocks));
+  if (!std::is_same_v<KV, float>) {
+    sc.kf.resize(size_t(tile_keys * d));
+    sc.vf.resize(size_t(tile_keys * d));
+  }
   for (int32_t t = task.q_begin; t < task.q_end; ++t) {
     for (int32_t g = 0; g < group; ++g) {
       const int32_t r = (t - task.q_begin) * group + g;
@@ -187,43 +225,63 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const PoolLa
     }
   }
   const int32_t* table = block_tables + int64_t(task.seq) * p.max_blocks_per_seq;
-  for (int32_t base = task.k_begin; base < task.k_end; base += int32_t(bs)) {
-    const int64_t block = table[base / bs];
-    const int32_t n = int32_t(std::min<int64_t>(bs, task.k_end - base));
-    const float* kb = as_float_block(cache + pool.offset(block, p.layer, 0, task.kv_head), n * d, sc.kf);
-    const float* vb = as_float_block(cache + pool.offset(block, p.layer, 1, task.kv_head), n * d, sc.vf);
-    for (int32_t r = 0; r < rows; ++r) {
-      const int32_t limit = std::min(n, sc.pos[size_t(r)] - base + 1);  // causal: keys <= own position
-      if (limit <= 0) continue;
-      const float* qr = sc.q.data() + r * d;
+  auto block_ptr = [&](int64_t key, int kv) {
+    return cache + pool.offset(table[key / bs], p.layer, kv, task.kv_head);
+  };
+  for (int64_t tile = task.k_begin; tile < task.k_end; tile += tile_keys) {
+    const int64_t tile_n = std::min<int64_t>(tile_keys, task.k_end - tile);
+    const int64_t nblocks = (tile_n + bs - 1) / bs;
+    // The next tile's rows are prefetched while this one is computed (row by row, so
+    // the requests are spread out rather than issued in one burst).
+    const int64_t next_n = std::clamp<int64_t>(task.k_end - tile - tile_keys, 0, tile_keys);
+    for (int64_t b = 0; b * bs < next_n; ++b) {
+      sc.knext[size_t(b)] = reinterpret_cast<const char*>(block_ptr(tile + tile_keys + b * bs, 0));
+      sc.vnext[size_t(b)] = reinterpret_cast<const char*>(block_ptr(tile + tile_keys + b * bs, 1));
+    }
+    const int64_t row_bytes = d * int64_t(sizeof(KV));
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const int64_t n = std::min<int64_t>(bs, tile_n - b * bs) * d;
+      sc.kp[size_t(b)] = as_float(block_ptr(tile + b * bs, 0), n, sc.kf.data() + b * bs * d);
+      sc.vp[size_t(b)] = as_float(block_ptr(tile + b * bs, 1), n, sc.vf.data() + b * bs * d);
+    }
+    for (int32_t r0 = 0; r0 < rows; r0 += kRowGroup) {
+      const int nr = std::min(kRowGroup, rows - r0);
+      int64_t limits[kRowGroup];
+      int64_t group_limit = 0;
+      for (int i = 0; i < nr; ++i) {
+        limits[i] = std::clamp<int64_t>(sc.pos[size_t(r0 + i)] - tile + 1, 0, tile_n);  // causal
+        group_limit = std::max(group_limit, limits[i]);
+      }
+      if (group_limit == 0) continue;
       float* scores = sc.scores.data();
-      float block_max = kNegInf;
-      for (int32_t j = 0; j < limit; ++j) {
-        const float* kj = kb + j * d;
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t i = 0; i < d; ++i) dot += qr[i] * kj[i];
-        scores[j] = dot;
-        block_max = std::max(block_max, dot);
-      }
-      float& m = sc.m[size_t(r)];
-      float& l = sc.l[size_t(r)];
-      float* acc = sc.acc.data() + r * d;
-      const float m_new = std::max(m, block_max);
-      const float alpha = std::exp(m - m_new);  // 0 when m was -inf
-      l *= alpha;
-      if (alpha != 1.0f) {
+      const bool first_group = r0 == 0;
+      const PrefetchRows next_k{sc.knext.data(), first_group ? next_n : 0, row_bytes};
+      const PrefetchRows next_v{sc.vnext.data(), first_group ? next_n : 0, row_bytes};
+      scores_for(nr, sc.q.data() + r0 * d, d, sc.kp.data(), bs, group_limit, scores, tile_keys, next_k);
+      for (int i = 0; i < nr; ++i) {
+        float* row = scores + i * tile_keys;
+        const int64_t limit = limits[i];
+        float tile_max = kNegInf;
+        for (int64_t j = 0; j < limit; ++j) tile_max = std::max(tile_max, row[j]);
+        float& m = sc.m[size_t(r0 + i)];
+        const float m_new = std::max(m, tile_max);
+        const float alpha = (m == kNegInf || limit == 0) ? (limit == 0 ? 1.0f : 0.0f) : std::exp(m - m_new);
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < group_limit; ++j) {
+          row[j] = j < limit ? exp_nonpositive(row[j] - m_new) : 0.0f;
+          sum += row[j];
+        }
+        if (limit == 0) continue;
+        sc.l[size_t(r0 + i)] = sc.l[size_t(r0 + i)] * alpha + sum;
+        if (alpha != 1.0f) {
+          float* acc = sc.acc.data() + (r0 + i) * d;
 #pragma omp simd
-        for (int64_t i = 0; i < d; ++i) acc[i] *= alpha;
+          for (int64_t k = 0; k < d; ++k) acc[k] *= alpha;
+        }
+        m = m_new;
       }
-      for (int32_t j = 0; j < limit; ++j) {
-        const float w = std::exp(scores[j] - m_new);
-        l += w;
-        const float* vj = vb + j * d;
-#pragma omp simd
-        for (int64_t i = 0; i < d; ++i) acc[i] += w * vj[i];
-      }
-      m = m_new;
+      accumulate_for(nr, scores, tile_keys, sc.vp.data(), bs, group_limit, sc.acc.data() + r0 * d, d, next_v);
     }
   }
   for (int32_t r = 0; r < rows; ++r) {

@@ -1,0 +1,73 @@
+// Maps the runtime head_dim and dtypes onto the kernel template arguments.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <type_traits>
+
+#include "trtpaged/trtpaged.h"
+
+namespace trtpaged {
+namespace cuda {
+
+// head_dim values with compiled kernels.
+constexpr int kHeadDims[] = {64, 80, 96, 128};
+constexpr int kNumHeadDims = 4;
+constexpr int kMaxHeadDim = 128;
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+// Calls f(TypeTag<T>{}) for the element type of dtype; false if dtype is unknown.
+template <typename F>
+bool with_dtype(trtpaged_dtype dtype, F&& f) {
+  switch (dtype) {
+    case TRTPAGED_FLOAT32:
+      f(TypeTag<float>{});
+      return true;
+    case TRTPAGED_FLOAT16:
+      f(TypeTag<__half>{});
+      return true;
+    case TRTPAGED_BFLOAT16:
+      f(TypeTag<__nv_bfloat16>{});
+      return true;
+  }
+  return false;
+}
+
+// Calls f(std::integral_constant<int, D>{}) for a compiled head_dim; false otherwise.
+template <typename F>
+bool with_head_dim(int head_dim, F&& f) {
+  switch (head_dim) {
+    case 64:
+      f(std::integral_constant<int, 64>{});
+      return true;
+    case 80:
+      f(std::integral_constant<int, 80>{});
+      return true;
+    case 96:
+      f(std::integral_constant<int, 96>{});
+      return true;
+    case 128:
+      f(std::integral_constant<int, 128>{});
+      return true;
+  }
+  return false;
+}
+
+// Calls f(dim, io_tag, kv_tag); false if any of the three has no kernel.
+template <typename F>
+bool with_kernel_types(int head_dim, trtpaged_dtype io, trtpaged_dtype kv, F&& f) {
+  bool io_ok = false;
+  bool kv_ok = false;
+  const bool dim_ok = with_head_dim(head_dim, [&](auto dim) {
+    io_ok = with_dtype(io, [&](auto io_tag) { kv_ok = with_dtype(kv, [&](auto kv_tag) { f(dim, io_tag, kv_tag); }); });
+  });
+  return dim_ok && io_ok && kv_ok;
+}
+
+}  // namespace cuda
+}  // namespace trtpaged

@@ -1,0 +1,147 @@
+"""`trtpaged bench kernel`: CPU decode bandwidth of the paged-attention kernel and its paging overhead.
+
+Everything is measured side by side in one run on this machine:
+- the machine's memory-copy bandwidth (a large tensor copy; bytes read + bytes written, STREAM's convention),
+- the decode kernel's achieved KV-read bandwidth (bytes of K and V read per second) for several contexts
+  and batch sizes, with SmolLM2-like heads (9 query heads, 3 KV heads, head_dim 64),
+- the same decode over a contiguous cache (one block per sequence, identity table) against the paged
+  cache (block_size 16, shuffled blocks): the paging overhead in percent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional
+
+import torch
+
+from trtpaged import kernels
+from trtpaged.bench.timing import median_seconds
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64
+CONTEXTS = (512, 2048, 8192)
+BATCHES = (1, 8, 32)
+TARGET_BANDWIDTH_FRACTION = 0.5  # decode at >= 2048 tokens vs copy bandwidth
+TARGET_PAGED_OVERHEAD = 0.10
+
+
+@dataclass
+class DecodeResult:
+    context: int
+    batch: int
+    paged_ms: float
+    contiguous_ms: float
+    kv_bytes: int
+    bandwidth_gbs: float  # paged KV-read bandwidth
+    fraction_of_copy: float
+    paged_overhead: float  # paged_ms / contiguous_ms - 1
+
+
+def copy_bandwidth_gbs(num_bytes: int = 1 << 29) -> float:
+    """Memory-copy bandwidth in GB/s (read + write bytes), with torch's multithreaded copy."""
+    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    seconds = median_seconds(lambda: dst.copy_(src), budget_s=1.0)
+    return 2 * num_bytes / seconds / 1e9
+
+
+def _decode_inputs(context: int, batch: int, block_size: int, kv_dtype: torch.dtype, shuffle: bool, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = (context + block_size - 1) // block_size
+    num_blocks = blocks_per_seq * batch
+    ids = torch.randperm(num_blocks, generator=gen) if shuffle else torch.arange(num_blocks)
+    tables = ids.to(torch.int32).reshape(batch, blocks_per_seq).contiguous()
+    cache = torch.randn(num_blocks, 1, 2, NUM_KV_HEADS, block_size, HEAD_DIM, generator=gen).to(kv_dtype)
+    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=gen)
+    k = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+    v = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+    positions = torch.full((batch,), context - 1, dtype=torch.int32)
+    query_start = torch.arange(batch + 1, dtype=torch.int32)
+    context_lens = torch.full((batch,), context, dtype=torch.int32)
+    out = torch.empty_like(q)
+
+    def step() -> None:
+        kernels.paged_attention(q, k, v, cache, positions, query_start, context_lens, tables, layer=0,
+                                scale=HEAD_DIM**-0.5, out=out)  # fmt: skip
+
+    return step
+
+
+def measure_decode(context: int, batch: int, kv_dtype: torch.dtype, copy_gbs: float, budget_s: float) -> DecodeResult:
+    paged = median_seconds(_decode_inputs(context, batch, 16, kv_dtype, shuffle=True), budget_s=budget_s)
+    contiguous = median_seconds(_decode_inputs(context, batch, context, kv_dtype, shuffle=False), budget_s=budget_s)
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * torch.empty(0, dtype=kv_dtype).element_size()
+    bandwidth = kv_bytes / paged / 1e9
+    return DecodeResult(context, batch, paged * 1e3, contiguous * 1e3, kv_bytes, bandwidth, bandwidth / copy_gbs,
+                        paged / contiguous - 1)  # fmt: skip
+
+
+def run_kernel_bench(
+    kv_dtype: torch.dtype = torch.float32,
+    contexts: tuple[int, ...] = CONTEXTS,
+    batches: tuple[int, ...] = BATCHES,
+    budget_s: float = 0.4,
+    progress: Optional[Callable[[str], None]] = None,
+) -> dict:
+    """Runs the whole CPU kernel report and returns it as a dict (see module docstring)."""
+    say = progress or (lambda _msg: None)
+    say("measuring memory-copy bandwidth")
+    copy_gbs = copy_bandwidth_gbs()
+    results = []
+    for context in contexts:
+        for batch in batches:
+            say(f"decode: context {context}, batch {batch}")
+            results.append(measure_decode(context, batch, kv_dtype, copy_gbs, budget_s))
+    long = [r for r in results if r.context >= 2048]
+    worst_fraction = min((r.fraction_of_copy for r in long), default=float("nan"))
+    mean_overhead = sum(r.paged_overhead for r in results) / len(results)
+    return {
+        "device": "cpu",
+        "threads": torch.get_num_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "kv_dtype": str(kv_dtype).replace("torch.", ""),
+        "heads": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM},
+        "copy_bandwidth_gbs": copy_gbs,
+        "decode": [asdict(r) for r in results],
+        "summary": {
+            "min_fraction_of_copy_at_2048_plus": worst_fraction,
+            "target_fraction": TARGET_BANDWIDTH_FRACTION,
+            "mean_paged_overhead": mean_overhead,
+            "max_paged_overhead": max(r.paged_overhead for r in results),
+            "target_paged_overhead": TARGET_PAGED_OVERHEAD,
+        },
+    }
+
+
+def format_report(report: dict) -> str:
+    """Human-readable table of run_kernel_bench's report."""
+    lines = [
+        f"trtpaged kernel benchmark ({report['device']}, {report['threads']} threads, KV {report['kv_dtype']}, "
+        f"{report['heads']['num_heads']} heads / {report['heads']['num_kv_heads']} KV heads / "
+        f"head_dim {report['heads']['head_dim']})",
+        f"memory-copy bandwidth: {report['copy_bandwidth_gbs']:.1f} GB/s (read + write bytes)",
+        "",
+        f"{'context':>8} {'batch':>6} {'paged ms':>10} {'contig ms':>10} {'KV GB/s':>9} {'of copy':>8} {'paged ovh':>10}",
+    ]
+    for r in report["decode"]:
+        lines.append(
+            f"{r['context']:>8} {r['batch']:>6} {r['paged_ms']:>10.3f} {r['contiguous_ms']:>10.3f} "
+            f"{r['bandwidth_gbs']:>9.1f} {r['fraction_of_copy']:>7.0%} {r['paged_overhead']:>+10.1%}"
+        )
+    s = report["summary"]
+    ok_bw = s["min_fraction_of_copy_at_2048_plus"] >= s["target_fraction"]
+    ok_ovh = s["mean_paged_overhead"] <= s["target_paged_overhead"]
+    lines += [
+        "",
+        f"decode at 2048+ tokens: worst {s['min_fraction_of_copy_at_2048_plus']:.0%} of copy bandwidth "
+        f"(target >= {s['target_fraction']:.0%}): {'met' if ok_bw else 'NOT met'}",
+        f"paged overhead vs contiguous: mean {s['mean_paged_overhead']:+.1%}, worst {s['max_paged_overhead']:+.1%} "
+        f"(target <= {s['target_paged_overhead']:.0%} mean): {'met' if ok_ovh else 'NOT met'}",
+    ]
+    return "\n".join(lines)
+
+
+def report_json(report: dict) -> str:
+    return json.dumps(report, indent=2)

@@ -1,0 +1,22 @@
+"""Small timing helpers shared by the benchmarks."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+
+def median_seconds(fn: Callable[[], object], *, warmup: int = 2, min_reps: int = 5, budget_s: float = 0.5) -> float:
+    """Median wall time of fn() over at least min_reps runs, repeating until budget_s is spent."""
+    for _ in range(warmup):
+        fn()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < min_reps or time.perf_counter() - start < budget_s:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        if len(times) >= 200:
+            break
+    return statistics.median(times)
