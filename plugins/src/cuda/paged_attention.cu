@@ -38,7 +38,8 @@ int check_params(const trtpaged_attention_params* p, int32_t max_context_len) {
                 "max_context_len must be >= 0, got " + std::to_string(max_context_len));
   }
   const int group = p->num_heads / p->num_kv_heads;
-  const int64_t rows = static_cast<int64_t>(p->num_kv_heads) * ceil_div(group, kDecodeMaxHeads);
+  // The prefill grid has the most CTAs in y (its head tiles are the smaller ones).
+  const int64_t rows = static_cast<int64_t>(p->num_kv_heads) * ceil_div(group, kPrefillMaxHeads);
   if (rows > 65535) {
     return fail(TRTPAGED_ERR_UNSUPPORTED, "num_kv_heads " + std::to_string(p->num_kv_heads) +
                                               " with group " + std::to_string(group) +

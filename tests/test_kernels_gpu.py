@@ -1,0 +1,249 @@
+"""CUDA paged attention, copy_blocks and swap_blocks against the plain PyTorch reference.
+
+Every test runs the CUDA kernel on a GPU copy of a random packed batch and the float64
+reference on a CPU copy, then compares the output (dtype tolerance) and the whole pool
+(exactly: every layer, every slot). Skipped without a GPU or without the CUDA kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import pytest
+import torch
+
+from kernel_cases import MIXED_SPECS, Batch, make_batch, tolerance
+from trtpaged.reference import paged_attention_reference
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+HEAD_DIMS = [64, 80, 96, 128]
+
+
+def _skip_reason() -> Optional[str]:
+    if not torch.cuda.is_available():
+        return "no CUDA device (torch.cuda.is_available() is False)"
+    try:
+        from trtpaged import kernels
+
+        if not kernels.has_cuda():
+            return "the kernel library was built without CUDA kernels"
+    except Exception as exc:  # library missing or not loadable
+        return f"kernel library unavailable: {exc}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    from trtpaged import kernels as k
+
+    return k
+
+
+def gpu_tolerance(io_dtype: torch.dtype) -> float:
+    # fp32 output: leave room for fp32 accumulation order over thousands of keys.
+    return max(tolerance(io_dtype), 5e-5)
+
+
+def assert_matches(kernels, batch: Batch, layer: int = 1, max_context_len: Optional[int] = None) -> None:
+    gpu = batch.to("cuda")
+    ref_cache = batch.kv_cache.clone()
+    out = kernels.paged_attention(*gpu.args(), layer=layer, scale=batch.scale, max_context_len=max_context_len)
+    args = batch.args()
+    ref = paged_attention_reference(*args[:3], ref_cache, *args[4:], layer=layer, scale=batch.scale)
+    torch.cuda.synchronize()
+    assert out.dtype == batch.q.dtype and out.shape == batch.q.shape
+    # Slot by slot: the new K/V landed where the reference put them, nothing else changed.
+    assert torch.equal(gpu.kv_cache.cpu(), ref_cache)
+    err = (out.cpu().double() - ref.double()).abs().max().item() if out.numel() else 0.0
+    assert err <= gpu_tolerance(batch.q.dtype), f"max abs error {err}"
+
+
+# ---- paged attention ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128])
+@pytest.mark.parametrize("kv_dtype", DTYPES, ids=str)
+def test_mixed_batch_every_block_size_and_kv_dtype(kernels, block_size: int, kv_dtype: torch.dtype) -> None:
+    io_dtype = DTYPES[(block_size.bit_length() + DTYPES.index(kv_dtype)) % 3]
+    batch = make_batch(MIXED_SPECS, block_size=block_size, io_dtype=io_dtype, kv_dtype=kv_dtype, seed=block_size)
+    assert_matches(kernels, batch)
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("io_dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kv_dtype", DTYPES, ids=str)
+def test_head_dims_and_dtypes(kernels, head_dim: int, io_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+    specs = [(0, 7), (30, 1), (5, 20), (0, 1), (61, 3)]
+    batch = make_batch(specs, head_dim=head_dim, io_dtype=io_dtype, kv_dtype=kv_dtype, seed=head_dim, num_layers=2)
+    assert_matches(kernels, batch, layer=1)
+
+
+# Ratios 1, 3, 4, and groups larger than one CTA holds (decode: 16 heads, prefill: 8).
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (8, 2), (16, 4), (20, 2), (40, 2)])
+def test_gqa_ratios(kernels, num_heads: int, num_kv_heads: int) -> None:
+    batch = make_batch(MIXED_SPECS, num_heads=num_heads, num_kv_heads=num_kv_heads, io_dtype=torch.float16,
+                       kv_dtype=torch.float16, seed=num_heads)  # fmt: skip
+    assert_matches(kernels, batch, layer=2)
+
+
+def test_decodes_before_and_between_prefills(kernels) -> None:
+    # The contract packs prefills first, but the kernels must not depend on the order.
+    specs = [(30, 1), (0, 54), (12, 1), (40, 97), (0, 1), (129, 2), (7, 1)]
+    assert_matches(kernels, make_batch(specs, block_size=32, seed=21))
+
+
+def test_long_decodes_split_and_reduce(kernels) -> None:
+    # A few sequences over thousands of cached tokens: the decode kernel splits each context
+    # across CTAs (partials in the workspace) and the reduce kernel merges them.
+    specs = [(3001, 1), (4095, 1), (5000, 1), (255, 1), (256, 1), (0, 1), (1023, 1)]
+    for kv_dtype in DTYPES:
+        batch = make_batch(specs, num_layers=1, io_dtype=torch.float16, kv_dtype=kv_dtype, seed=22)
+        assert_matches(kernels, batch, layer=0)
+
+
+def test_split_plan_from_a_loose_max_context_len(kernels) -> None:
+    # max_context_len only bounds context_lens: a larger bound changes the split plan, not the result.
+    batch = make_batch([(2000, 1), (90, 1), (700, 13)], num_layers=1, block_size=64, seed=23)
+    assert_matches(kernels, batch, layer=0, max_context_len=2001)
+    assert_matches(kernels, batch, layer=0, max_context_len=2001 * 4)
+
+
+def test_long_decode_with_prefill_and_gqa4(kernels) -> None:
+    specs = [(0, 300), (2500, 5), (3333, 1), (1, 1)]
+    batch = make_batch(specs, num_heads=16, num_kv_heads=4, head_dim=128, io_dtype=torch.bfloat16,
+                       kv_dtype=torch.bfloat16, num_layers=2, seed=24)  # fmt: skip
+    assert_matches(kernels, batch, layer=1)
+
+
+def test_decode_batch_of_32(kernels) -> None:
+    gen = torch.Generator().manual_seed(25)
+    specs = [(int(n), 1) for n in torch.randint(0, 2000, (32,), generator=gen)]
+    batch = make_batch(specs, io_dtype=torch.float16, kv_dtype=torch.float16, num_layers=1, seed=25)
+    assert_matches(kernels, batch, layer=0)
+
+
+def test_long_prefill_and_continuing_chunk(kernels) -> None:
+    assert_matches(kernels, make_batch([(0, 333), (0, 1)], block_size=32, seed=26))
+    assert_matches(kernels, make_batch([(1500, 300), (3, 2)], block_size=16, num_layers=1, seed=27), layer=0)
+
+
+def test_layers_of_one_pool_are_independent(kernels) -> None:
+    batch = make_batch([(10, 6), (0, 3), (70, 1)], num_layers=4, seed=28)
+    for layer in range(4):
+        assert_matches(kernels, batch, layer=layer)
+
+
+def test_empty_step_is_a_no_op(kernels) -> None:
+    batch = make_batch([(4, 0)], seed=29).to("cuda")
+    before = batch.kv_cache.clone()
+    out = kernels.paged_attention(*batch.args(), layer=0, scale=batch.scale)
+    torch.cuda.synchronize()
+    assert out.shape == (0, 9, 64)
+    assert torch.equal(batch.kv_cache, before)
+
+
+def test_chained_steps_match_one_prefill(kernels) -> None:
+    whole = make_batch([(0, 40)], seed=30).to("cuda")
+    out_whole = kernels.paged_attention(*whole.args()[:3], whole.kv_cache.clone(), *whole.args()[4:], layer=0,
+                                        scale=whole.scale)  # fmt: skip
+    cache = whole.kv_cache.clone()
+    for lo, hi in [(0, 17), (17, 34), (34, 39), (39, 40)]:
+        sl = slice(lo, hi)
+        out = kernels.paged_attention(
+            whole.q[sl].contiguous(), whole.k[sl].contiguous(), whole.v[sl].contiguous(), cache,
+            whole.positions[sl].contiguous(), torch.tensor([0, hi - lo], dtype=torch.int32, device="cuda"),
+            torch.tensor([hi], dtype=torch.int32, device="cuda"), whole.block_tables, layer=0, scale=whole.scale,
+        )  # fmt: skip
+        torch.testing.assert_close(out, out_whole[sl], atol=1e-5, rtol=0)
+
+
+def test_bad_device_indices_never_fault(kernels) -> None:
+    # Index contents live on the device, so the CUDA path cannot reject them: it must skip or
+    # clamp them without touching memory outside the pool, and leave the context usable.
+    batch = make_batch([(20, 5), (3, 1), (0, 9)], seed=31)
+    gpu = batch.to("cuda")
+    num_blocks = gpu.kv_cache.shape[0]
+    gpu.block_tables[0, 0] = num_blocks + 5
+    gpu.block_tables[0, 1] = -7
+    gpu.block_tables[2, 0] = 2**30
+    gpu.positions[3] = 10**6  # beyond the block table
+    gpu.positions[5] = -3
+    gpu.context_lens[1] = 10**6  # clamped to max_context_len and the table
+    kernels.paged_attention(*gpu.args(), layer=1, scale=batch.scale, max_context_len=64)
+    torch.cuda.synchronize()
+    assert_matches(kernels, make_batch(MIXED_SPECS, seed=32))  # the context still works
+
+
+def test_unsupported_head_dim(kernels) -> None:
+    batch = make_batch([(0, 3)], head_dim=72, seed=33).to("cuda")
+    with pytest.raises(kernels.KernelError, match="head_dim: 72"):
+        kernels.paged_attention(*batch.args(), layer=0, scale=batch.scale)
+
+
+def test_workspace_is_checked(kernels) -> None:
+    batch = make_batch([(4000, 1)], num_layers=1, seed=34).to("cuda")
+    lib = kernels.library()
+    q = batch.q
+    params = kernels._AttentionParams(q.shape[0], 1, batch.block_tables.shape[1], q.shape[1], 3, q.shape[2],
+                                      batch.kv_cache.shape[0], 1, 0, 16, batch.scale, 0, 0)  # fmt: skip
+    needed = lib.trtpaged_paged_attention_cuda_workspace_size(ctypes.byref(params), 4001)
+    assert needed > 0, "a 4000-token decode of one sequence should split"
+    out = torch.empty_like(q)
+    ptrs = [ctypes.c_void_p(t.data_ptr()) for t in (*batch.args(), out)]
+    stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+    status = lib.trtpaged_paged_attention_cuda(ctypes.byref(params), *ptrs, 4001, None, 0, stream)
+    assert status == 1 and b"workspace" in lib.trtpaged_last_error()
+
+
+# ---- copy_blocks / swap_blocks -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_copy_blocks_exact(kernels, dtype: torch.dtype) -> None:
+    pool = torch.randn(12, 3, 2, 2, 16, 8).to(dtype)
+    pairs = [(1, 7), (2, 8), (3, 9), (0, 5), (1, 11)]  # a run of three is one memcpy
+    expected = pool.clone()
+    for src, dst in pairs:
+        expected[dst] = pool[src]
+    gpu = pool.cuda()
+    kernels.copy_blocks(gpu, pairs)
+    torch.cuda.synchronize()
+    assert torch.equal(gpu.cpu(), expected)
+
+
+@pytest.mark.parametrize("pin", [False, True])
+def test_swap_blocks_between_devices(kernels, pin: bool) -> None:
+    device_pool = torch.randn(8, 2, 2, 3, 16, 8, device="cuda")
+    host = torch.zeros(6, 2, 2, 3, 16, 8)
+    host = host.pin_memory() if pin else host
+    kernels.swap_blocks(device_pool, host, [(6, 0), (2, 4), (3, 5)])
+    torch.cuda.synchronize()
+    assert torch.equal(host[0], device_pool[6].cpu()) and torch.equal(host[4], device_pool[2].cpu())
+    assert torch.equal(host[5], device_pool[3].cpu()) and not host[1:4].any()
+
+    back = torch.zeros_like(device_pool)
+    kernels.swap_blocks(host, back, [(0, 3), (4, 5)])
+    torch.cuda.synchronize()
+    assert torch.equal(back[3], device_pool[6]) and torch.equal(back[5], device_pool[2])
+
+    other = torch.zeros_like(device_pool)
+    kernels.swap_blocks(device_pool, other, [(1, 1), (7, 0)])
+    torch.cuda.synchronize()
+    assert torch.equal(other[1], device_pool[1]) and torch.equal(other[0], device_pool[7])
+
+
+def test_bad_block_pairs_are_rejected_on_the_host(kernels) -> None:
+    pool = torch.randn(4, 1, 2, 1, 8, 16, device="cuda")
+    before = pool.clone()
+    with pytest.raises(kernels.KernelError, match="destination block 4 out of range"):
+        kernels.copy_blocks(pool, [(0, 4)])
+    with pytest.raises(kernels.KernelError, match="both a source and a destination"):
+        kernels.copy_blocks(pool, [(0, 1), (1, 2)])
+    torch.cuda.synchronize()
+    assert torch.equal(pool, before)
