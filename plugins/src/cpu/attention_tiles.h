@@ -12,28 +12,14 @@ namespace trtpaged::cpu {
 
 constexpr int kRowGroup = 4;
 
-// Rows of the next tile to prefetch while this tile is computed: key j's row of
-// row_bytes starts at blocks[j / bs] + (j % bs) * row_bytes. blocks == nullptr: none.
-struct PrefetchRows {
-  const char* const* blocks = nullptr;
-  int64_t n = 0;
-  int64_t row_bytes = 0;
-
-  void row(int64_t block, int64_t j_in_block) const {
-    const char* p = blocks[block] + j_in_block * row_bytes;
-    for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
-  }
-};
-
 // scores[r * stride + j] = q_r . k_j for j < n, keys j in blocks of bs rows at kp[j / bs].
 template <int D, int NR>
 void tile_scores(const float* q, int64_t d_runtime, const float* const* kp, int64_t bs, int64_t n, float* scores,
-                 int64_t stride, const PrefetchRows& next) {
+                 int64_t stride) {
   const int64_t d = D > 0 ? D : d_runtime;
   for (int64_t b = 0, j = 0; j < n; ++b) {
     const float* k = kp[b];
     for (const int64_t end = std::min(n, j + bs); j < end; ++j, k += d) {
-      if (j < next.n) next.row(b, j - b * bs);
       float dot[NR];
       for (int r = 0; r < NR; ++r) {
         const float* qr = q + r * d;
@@ -50,12 +36,11 @@ void tile_scores(const float* q, int64_t d_runtime, const float* const* kp, int6
 // acc[r] += sum_j weights[r * stride + j] * v_j for j < n.
 template <int D, int NR>
 void tile_accumulate(const float* weights, int64_t stride, const float* const* vp, int64_t bs, int64_t n,
-                     float* acc, int64_t d_runtime, const PrefetchRows& next) {
+                     float* acc, int64_t d_runtime) {
   const int64_t d = D > 0 ? D : d_runtime;
   for (int64_t b = 0, j = 0; j < n; ++b) {
     const float* v = vp[b];
     for (const int64_t end = std::min(n, j + bs); j < end; ++j, v += d) {
-      if (j < next.n) next.row(b, j - b * bs);
       for (int r = 0; r < NR; ++r) {
         const float w = weights[r * stride + j];
         float* a = acc + r * d;
@@ -69,42 +54,42 @@ void tile_accumulate(const float* weights, int64_t stride, const float* const* v
 // Runtime row count → template instantiation.
 template <int D>
 void tile_scores_rows(int nr, const float* q, int64_t d, const float* const* kp, int64_t bs, int64_t n,
-                      float* scores, int64_t stride, const PrefetchRows& next) {
+                      float* scores, int64_t stride) {
   switch (nr) {
-    case 1: return tile_scores<D, 1>(q, d, kp, bs, n, scores, stride, next);
-    case 2: return tile_scores<D, 2>(q, d, kp, bs, n, scores, stride, next);
-    case 3: return tile_scores<D, 3>(q, d, kp, bs, n, scores, stride, next);
-    default: return tile_scores<D, 4>(q, d, kp, bs, n, scores, stride, next);
+    case 1: return tile_scores<D, 1>(q, d, kp, bs, n, scores, stride);
+    case 2: return tile_scores<D, 2>(q, d, kp, bs, n, scores, stride);
+    case 3: return tile_scores<D, 3>(q, d, kp, bs, n, scores, stride);
+    default: return tile_scores<D, 4>(q, d, kp, bs, n, scores, stride);
   }
 }
 
 template <int D>
 void tile_accumulate_rows(int nr, const float* weights, int64_t stride, const float* const* vp, int64_t bs,
-                          int64_t n, float* acc, int64_t d, const PrefetchRows& next) {
+                          int64_t n, float* acc, int64_t d) {
   switch (nr) {
-    case 1: return tile_accumulate<D, 1>(weights, stride, vp, bs, n, acc, d, next);
-    case 2: return tile_accumulate<D, 2>(weights, stride, vp, bs, n, acc, d, next);
-    case 3: return tile_accumulate<D, 3>(weights, stride, vp, bs, n, acc, d, next);
-    default: return tile_accumulate<D, 4>(weights, stride, vp, bs, n, acc, d, next);
+    case 1: return tile_accumulate<D, 1>(weights, stride, vp, bs, n, acc, d);
+    case 2: return tile_accumulate<D, 2>(weights, stride, vp, bs, n, acc, d);
+    case 3: return tile_accumulate<D, 3>(weights, stride, vp, bs, n, acc, d);
+    default: return tile_accumulate<D, 4>(weights, stride, vp, bs, n, acc, d);
   }
 }
 
 // Head dims with specialised (fully unrolled) inner loops; others use the runtime-d version.
 inline void scores_for(int nr, const float* q, int64_t d, const float* const* kp, int64_t bs, int64_t n,
-                       float* scores, int64_t stride, const PrefetchRows& next) {
+                       float* scores, int64_t stride) {
   switch (d) {
-    case 64: return tile_scores_rows<64>(nr, q, d, kp, bs, n, scores, stride, next);
-    case 128: return tile_scores_rows<128>(nr, q, d, kp, bs, n, scores, stride, next);
-    default: return tile_scores_rows<0>(nr, q, d, kp, bs, n, scores, stride, next);
+    case 64: return tile_scores_rows<64>(nr, q, d, kp, bs, n, scores, stride);
+    case 128: return tile_scores_rows<128>(nr, q, d, kp, bs, n, scores, stride);
+    default: return tile_scores_rows<0>(nr, q, d, kp, bs, n, scores, stride);
   }
 }
 
 inline void accumulate_for(int nr, const float* weights, int64_t stride, const float* const* vp, int64_t bs,
-                           int64_t n, float* acc, int64_t d, const PrefetchRows& next) {
+                           int64_t n, float* acc, int64_t d) {
   switch (d) {
-    case 64: return tile_accumulate_rows<64>(nr, weights, stride, vp, bs, n, acc, d, next);
-    case 128: return tile_accumulate_rows<128>(nr, weights, stride, vp, bs, n, acc, d, next);
-    default: return tile_accumulate_rows<0>(nr, weights, stride, vp, bs, n, acc, d, next);
+    case 64: return tile_accumulate_rows<64>(nr, weights, stride, vp, bs, n, acc, d);
+    case 128: return tile_accumulate_rows<128>(nr, weights, stride, vp, bs, n, acc, d);
+    default: return tile_accumulate_rows<0>(nr, weights, stride, vp, bs, n, acc, d);
   }
 }
 

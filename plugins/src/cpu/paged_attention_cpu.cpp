@@ -173,7 +173,6 @@ struct Scratch {
   std::vector<float> q, acc, m, l, scores, kf, vf;
   std::vector<int32_t> pos;
   std::vector<const float*> kp, vp;
-  std::vector<const char*> knext, vnext;
 };
 
 // Returns src as floats: src itself for fp32, else converted into buf.
@@ -209,8 +208,6 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const PoolLa
   sc.scores.resize(size_t(kRowGroup * tile_keys));
   sc.kp.resize(size_t(tile_blocks));
   sc.vp.resize(size_t(tile_blocks));
-  sc.knext.resize(size_t(tile_blocks));
-  sc.vnext.resize(size_t(tile_blocks));
   if (!std::is_same_v<KV, float>) {
     sc.kf.resize(size_t(tile_keys * d));
     sc.vf.resize(size_t(tile_keys * d));
@@ -231,14 +228,6 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const PoolLa
   for (int64_t tile = task.k_begin; tile < task.k_end; tile += tile_keys) {
     const int64_t tile_n = std::min<int64_t>(tile_keys, task.k_end - tile);
     const int64_t nblocks = (tile_n + bs - 1) / bs;
-    // The next tile's rows are prefetched while this one is computed (row by row, so
-    // the requests are spread out rather than issued in one burst).
-    const int64_t next_n = std::clamp<int64_t>(task.k_end - tile - tile_keys, 0, tile_keys);
-    for (int64_t b = 0; b * bs < next_n; ++b) {
-      sc.knext[size_t(b)] = reinterpret_cast<const char*>(block_ptr(tile + tile_keys + b * bs, 0));
-      sc.vnext[size_t(b)] = reinterpret_cast<const char*>(block_ptr(tile + tile_keys + b * bs, 1));
-    }
-    const int64_t row_bytes = d * int64_t(sizeof(KV));
     for (int64_t b = 0; b < nblocks; ++b) {
       const int64_t n = std::min<int64_t>(bs, tile_n - b * bs) * d;
       sc.kp[size_t(b)] = as_float(block_ptr(tile + b * bs, 0), n, sc.kf.data() + b * bs * d);
@@ -254,10 +243,7 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const PoolLa
       }
       if (group_limit == 0) continue;
       float* scores = sc.scores.data();
-      const bool first_group = r0 == 0;
-      const PrefetchRows next_k{sc.knext.data(), first_group ? next_n : 0, row_bytes};
-      const PrefetchRows next_v{sc.vnext.data(), first_group ? next_n : 0, row_bytes};
-      scores_for(nr, sc.q.data() + r0 * d, d, sc.kp.data(), bs, group_limit, scores, tile_keys, next_k);
+      scores_for(nr, sc.q.data() + r0 * d, d, sc.kp.data(), bs, group_limit, scores, tile_keys);
       for (int i = 0; i < nr; ++i) {
         float* row = scores + i * tile_keys;
         const int64_t limit = limits[i];
@@ -281,7 +267,7 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const PoolLa
         }
         m = m_new;
       }
-      accumulate_for(nr, scores, tile_keys, sc.vp.data(), bs, group_limit, sc.acc.data() + r0 * d, d, next_v);
+      accumulate_for(nr, scores, tile_keys, sc.vp.data(), bs, group_limit, sc.acc.data() + r0 * d, d);
     }
   }
   for (int32_t r = 0; r < rows; ++r) {
