@@ -59,6 +59,7 @@ class BlockPool:
         for _ in range(count):
             block = self.free_queue.popleft()
             self._evict(block)
+            block.generation += 1  # a new identity: no stale chain link can reach it
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -109,7 +110,6 @@ class BlockPool:
         if not bucket:
             del self._cache[block.block_hash]
         block.block_hash = block.token_ids = block.parent = None
-        block.generation += 1
         self.num_evictions += 1
 
     def num_shared_refs(self) -> int:

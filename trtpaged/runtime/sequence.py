@@ -68,12 +68,12 @@ class Sequence:
         self.stop_reason = stop_reason
 
     def fork(self, seq_id: int, index: int) -> "Sequence":
-        """A copy with a new id; K/V blocks are shared separately by the KV-cache manager."""
+        """A copy with a new id and no detokenizer or RNG; K/V blocks are shared by the KV-cache manager."""
         child = copy.copy(self)
         child.seq_id, child.index = seq_id, index
         child.token_ids = list(self.token_ids)
         child.logprobs = list(self.logprobs)
-        child.detokenizer = copy.deepcopy(self.detokenizer)
+        child.detokenizer = None
         child.generator = None
         return child
 

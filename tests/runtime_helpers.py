@@ -1,0 +1,124 @@
+"""Shared helpers for the runtime tests: in-memory engines, a random-logits engine, HF references."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+from trtpaged.runtime.engines import StepBatch, TorchEngine
+from trtpaged.runtime.llm_engine import LLMEngine
+from trtpaged.runtime.outputs import RequestOutput
+from trtpaged.runtime.runtime_config import RuntimeConfig
+from trtpaged.runtime.sampling_params import SamplingParams
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class RandomLogitsEngine:
+    """An `Engine` without a model: logits depend only on each sequence's last input token.
+
+    Enough to drive the scheduler, forks and beams in property tests.
+    """
+
+    backend = "fake"
+
+    def __init__(self, num_blocks: int, vocab: int = 32) -> None:
+        self.num_blocks = num_blocks
+        self.table = torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(0))
+        self.copies: list[tuple[int, int]] = []
+        self.batches: list[StepBatch] = []
+
+    def step(self, batch: StepBatch) -> torch.Tensor:
+        self.batches.append(batch)
+        last = batch.input_ids[batch.logits_index.long()].long() % self.table.shape[0]
+        return self.table[last]
+
+    def copy_blocks(self, pairs):
+        self.copies += list(pairs)
+
+    def swap_out(self, pairs):
+        pass
+
+    def swap_in(self, pairs):
+        pass
+
+
+def runtime_config(num_blocks: int = 64, block_size: int = 16, **kw: Any) -> RuntimeConfig:
+    values = dict(max_batch_size=8, max_num_tokens=256, max_seq_len=512)
+    values.update(kw)
+    return RuntimeConfig(block_size=block_size, num_blocks=num_blocks, **values)
+
+
+def tiny_hf():
+    """The tiny example model (examples/tiny.yaml) as transformers builds it."""
+    from trtpaged.config import load_config
+    from trtpaged.models import load_hf
+
+    return load_hf(load_config(REPO / "examples" / "tiny.yaml").model)
+
+
+def hf_from_engine_dir(engine_dir: Path):
+    """The transformers model an engine dir was built from (its manifest records the source)."""
+    from trtpaged.config import ModelSpec
+    from trtpaged.manifest import read_manifest
+    from trtpaged.models import load_hf
+
+    src = dict(read_manifest(engine_dir).source)
+    spec = ModelSpec(
+        kind=src["kind"],
+        path=Path(src["path"]) if src.get("path") else None,
+        package=src.get("package"),
+        tiny=dict(src["tiny"]) if src.get("tiny") else None,
+    )
+    return load_hf(spec)
+
+
+def step_engine(hf, config: RuntimeConfig) -> TorchEngine:
+    """A torch backend over the HF model's weights, without writing an engine dir."""
+    from trtpaged.models import dims_from_hf_config, step_model_from_hf
+
+    model = step_model_from_hf(hf.model, dims_from_hf_config(hf.config))
+    return TorchEngine(model, model.new_kv_cache(config.num_blocks, config.block_size), config.num_host_blocks)
+
+
+def run_staggered(
+    engine: LLMEngine, requests: Sequence[tuple[Any, SamplingParams]], every: int = 1
+) -> list[RequestOutput]:
+    """Submits one request every `every` steps while stepping; returns outputs in submission order."""
+    ids: list[str] = []
+    done: dict[str, RequestOutput] = {}
+    pending = list(requests)
+    while pending or engine.has_unfinished():
+        if pending:
+            ids.append(engine.add_request(*pending.pop(0)))
+        for _ in range(every if pending else 1):
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+    return [done[i] for i in ids]
+
+
+def hf_greedy(hf, prompt: Sequence[int], max_new_tokens: int, eos: Optional[int]) -> list[int]:
+    """HF generate(do_sample=False), generated tokens up to and including EOS."""
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+    with torch.no_grad():
+        out = hf.model.generate(torch.tensor([list(prompt)]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), **kwargs)
+    tokens = out[0, len(prompt) :].tolist()
+    return tokens[: tokens.index(eos) + 1] if eos is not None and eos in tokens else tokens
+
+
+def hf_beams(hf, prompt: Sequence[int], max_new_tokens: int, width: int, eos: int, **kw: Any) -> list[list[int]]:
+    """HF beam search: every returned sequence's generated tokens, best first, padding removed."""
+    with torch.no_grad():
+        out = hf.model.generate(
+            torch.tensor([list(prompt)]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens, do_sample=False, num_beams=width, num_return_sequences=width,
+            eos_token_id=eos, pad_token_id=eos, return_dict_in_generate=True, **kw,
+        )
+    seqs = []
+    for row, idx in zip(out.sequences, out.beam_indices):
+        length = int((idx >= 0).sum())
+        seqs.append(row[len(prompt) : len(prompt) + length].tolist())
+    return seqs

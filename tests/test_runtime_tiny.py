@@ -1,0 +1,133 @@
+"""The runtime on the tiny model against Hugging Face generate: greedy, preemption, chunking, prefix hits, beams, sharing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime_helpers import hf_beams, hf_greedy, run_staggered, runtime_config, step_engine, tiny_hf
+from trtpaged.runtime.llm_engine import LLMEngine
+from trtpaged.runtime.sampling_params import SamplingParams
+
+EOS = 257
+MAX_TOKENS = 12
+LENGTHS = (1, 5, 16, 17, 31, 54, 97, 40)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return tiny_hf()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def reference(hf, prompts):
+    return [hf_greedy(hf, p, MAX_TOKENS, EOS) for p in prompts]
+
+
+def make(hf, **kw) -> LLMEngine:
+    config = runtime_config(**kw)
+    return LLMEngine(step_engine(hf, config), config, hf.tokenizer, [EOS])
+
+
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+
+
+def greedy_tokens(engine, prompts, every=1):
+    return [o.outputs[0].token_ids for o in run_staggered(engine, [(p, GREEDY) for p in prompts], every)]
+
+
+def test_greedy_matches_hf_with_staggered_arrivals(hf, prompts, reference):
+    engine = make(hf)
+    assert greedy_tokens(engine, prompts, every=2) == reference
+    assert engine.stats()["num_preemptions"] == 0 and engine.kv.pool.num_free == engine.config.num_blocks
+
+
+def test_greedy_matches_hf_when_blocks_run_out(hf, prompts, reference):
+    engine = make(hf, num_blocks=12)  # 192 slots for 261 prompt tokens
+    assert greedy_tokens(engine, prompts) == reference
+    assert engine.stats()["num_preemptions"] > 0
+
+
+def test_greedy_matches_hf_with_swap_preemption(hf, prompts, reference):
+    engine = make(hf, num_blocks=12, preemption_mode="swap", num_host_blocks=32)
+    assert greedy_tokens(engine, prompts) == reference
+    assert engine.stats()["num_swap_outs"] > 0
+
+
+def test_greedy_matches_hf_with_chunked_prefill(hf, prompts, reference):
+    engine = make(hf, max_num_tokens=16)
+    chunks = []
+    original = engine.engine.step
+    engine.engine.step = lambda batch: chunks.append(batch.num_tokens) or original(batch)
+    assert greedy_tokens(engine, prompts) == reference
+    assert max(chunks) <= 16 and engine.stats()["num_steps"] > len(prompts) + MAX_TOKENS
+
+
+def test_greedy_matches_hf_with_prefix_cache_hits(hf):
+    g = torch.Generator().manual_seed(2)
+    system = torch.randint(0, 256, (40,), generator=g).tolist()
+    prompts = [system + torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 9, 20, 1)]
+    reference = [hf_greedy(hf, p, MAX_TOKENS, EOS) for p in prompts]
+    engine = make(hf)
+    assert greedy_tokens(engine, prompts, every=3) == reference
+    stats = engine.stats()
+    assert stats["prefix_cache_hits_tokens"] >= 3 * 32  # two full system blocks for every later prompt
+
+
+@pytest.mark.parametrize("width, length_penalty, early_stopping", [(2, 1.0, False), (4, 0.5, True), (3, 2.0, "never")])
+def test_beam_search_matches_hf(hf, prompts, width, length_penalty, early_stopping):
+    engine = make(hf)
+    params = SamplingParams(
+        max_tokens=10, temperature=0.0, beam_width=width, n=width,
+        length_penalty=length_penalty, early_stopping=early_stopping,
+    )
+    outs = run_staggered(engine, [(p, params) for p in prompts[1:5]])
+    for prompt, out in zip(prompts[1:5], outs):
+        expected = hf_beams(hf, prompt, 10, width, EOS, length_penalty=length_penalty, early_stopping=early_stopping)
+        assert [c.token_ids for c in out.outputs] == expected
+    assert engine.stats()["num_block_copies"] > 0  # beams forked and copied their shared last block on write
+    assert engine.kv.pool.num_used == 0
+
+
+def test_parallel_samples_share_the_prompt_blocks(hf):
+    engine = make(hf)
+    prompt = list(range(40))  # 2 full blocks + 8 tokens
+    engine.add_request(prompt, SamplingParams(max_tokens=4, n=4, temperature=1.0, seed=3))
+    engine.step()  # prefill once, then fork into 4 samples
+    assert engine.kv.pool.num_used == 3
+    assert engine.stats()["kv_blocks_saved_by_sharing"] == 3 * 3
+    engine.step()  # every sample writes its token: 3 copy the shared last block, the last one keeps it
+    assert engine.num_block_copies == 3
+    assert engine.kv.pool.num_used == 2 + 4
+    tables = [engine.kv.block_table(s) for s in engine.scheduler.running[0].seqs]
+    assert len({tuple(t[:2]) for t in tables}) == 1 and len({t[2] for t in tables}) == 4
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.kv.pool.num_used == 0
+
+
+def test_seeded_sampling_reproducible_across_batch_compositions(hf, prompts):
+    params = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, top_k=50, seed=1234, n=2)
+    alone = run_staggered(make(hf), [(prompts[3], params)])[0]
+    other = SamplingParams(max_tokens=6, temperature=1.0, seed=5)
+    mixed = run_staggered(make(hf, max_num_tokens=24), [(prompts[6], other), (prompts[3], params), (prompts[1], other)])[1]
+    assert [c.token_ids for c in alone.outputs] == [c.token_ids for c in mixed.outputs]
+    assert alone.outputs[0].token_ids != alone.outputs[1].token_ids
+
+
+def test_stop_token_ids_logprobs_and_abort(hf, prompts, reference):
+    engine = make(hf)
+    stop_at = reference[2][3]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop_token_ids=[stop_at], logprobs=2)
+    out = run_staggered(engine, [(prompts[2], params)])[0].outputs[0]
+    assert out.token_ids == reference[2][: reference[2].index(stop_at) + 1] and out.finish_reason == "stop"
+    assert len(out.logprobs) == len(out.token_ids) and all(len(lp) >= 2 for lp in out.logprobs)
+    request = engine.add_request(prompts[6], GREEDY)
+    engine.step()
+    assert engine.abort(request) and engine.kv.pool.num_used == 0

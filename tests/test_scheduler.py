@@ -1,0 +1,209 @@
+"""Scheduler: refusal, FCFS, decode-first, chunked prefill, preemption, abort, and property-based invariants."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from runtime_helpers import RandomLogitsEngine, runtime_config
+from trtpaged.runtime.kv_cache_manager import KVCacheManager
+from trtpaged.runtime.llm_engine import LLMEngine
+from trtpaged.runtime.runtime_config import RuntimeConfig
+from trtpaged.runtime.sampling_params import SamplingParams
+from trtpaged.runtime.scheduler import Scheduler, split_tokens
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+def engine(num_blocks=16, block_size=4, **kw) -> LLMEngine:
+    config = runtime_config(num_blocks=num_blocks, block_size=block_size, **kw)
+    return LLMEngine(RandomLogitsEngine(num_blocks), config, eos_token_ids=[0])
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="max_num_tokens: must be >= max_batch_size"):
+        RuntimeConfig(block_size=4, num_blocks=4, max_batch_size=8, max_num_tokens=4, max_seq_len=16)
+    with pytest.raises(ValueError, match="num_host_blocks"):
+        RuntimeConfig(block_size=4, num_blocks=4, max_batch_size=1, max_num_tokens=4, max_seq_len=16, preemption_mode="swap")
+
+
+def test_refused_at_submission_with_limit_named():
+    e = engine(num_blocks=4, block_size=4, max_seq_len=32)
+    with pytest.raises(ValueError, match=r"exceeds max_seq_len \(32\)"):
+        e.add_request(list(range(1, 34)), GREEDY)
+    with pytest.raises(ValueError, match=r"whole pool \(num_blocks 4, block_size 4\)"):
+        e.add_request(list(range(1, 18)), GREEDY)
+    with pytest.raises(ValueError, match=r"exceeds max_batch_size \(8\)"):
+        e.add_request([1, 2], SamplingParams(n=9))
+
+
+def test_split_tokens_keeps_group_together():
+    assert split_tokens([5], 10, 4) == ([5], True)
+    assert split_tokens([30], 10, 4) == ([10], False)
+    assert split_tokens([11], 10, 4) == ([10], False)
+    assert split_tokens([3, 3], 4, 4) == ([2, 2], False)  # nobody finishes before the others
+    assert split_tokens([1, 1], 1, 4) is None
+    assert split_tokens([1, 1, 1], 8, 2) is None
+
+
+def test_decode_first_then_prefill_chunks_within_budget():
+    e = engine(num_blocks=64, block_size=4, max_num_tokens=8, max_batch_size=4)
+    a = e.add_request([1, 2, 3], GREEDY)
+    e.step()  # a's prompt
+    b = e.add_request(list(range(1, 21)), GREEDY)
+    out = e.scheduler.schedule()
+    assert [(s.group.request_id, s.num_tokens) for s in out.scheduled] == [(b, 7), (a, 1)]
+    assert out.num_tokens == 8 and out.sampled_groups[0].request_id == a
+
+
+def test_fcfs_admission_stops_at_first_that_does_not_fit():
+    e = engine(num_blocks=6, block_size=4, max_batch_size=8)
+    first = e.add_request(list(range(1, 18)), GREEDY)  # 5 blocks
+    second = e.add_request(list(range(21, 29)), GREEDY)  # 2 blocks: does not fit behind the first
+    third = e.add_request([1], GREEDY)  # would fit, but must not overtake
+    out = e.scheduler.schedule()
+    assert [s.group.request_id for s in out.scheduled] == [first]
+    assert [g.request_id for g in e.scheduler.waiting] == [second, third]
+
+
+def test_preemption_newest_first_and_recompute():
+    e = engine(num_blocks=4, block_size=4, max_batch_size=8)
+    old = e.add_request([1, 2, 3, 4, 5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    new = e.add_request([1, 2, 3, 4, 5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    e.step()
+    while e.stats()["num_preemptions"] == 0:
+        e.step()
+    assert e.scheduler.running[0].request_id == old
+    assert e.scheduler.waiting[0].request_id == new
+    assert e.scheduler.waiting[0].seqs[0].num_computed_tokens == 0
+    while e.has_unfinished():
+        e.step()
+    assert e.kv.pool.num_free == 4
+
+
+def test_abort_returns_blocks_immediately():
+    e = engine(num_blocks=16, block_size=4)
+    r = e.add_request(list(range(1, 10)), SamplingParams(max_tokens=8, n=3, temperature=1.0, seed=0))
+    e.step()
+    e.step()
+    assert e.kv.pool.num_used > 0
+    assert e.abort(r)
+    assert e.kv.pool.num_used == 0 and not e.has_unfinished()
+    assert not e.abort(r)
+
+
+def test_lone_sequence_outgrowing_pool_ends_with_length():
+    e = engine(num_blocks=2, block_size=4, max_seq_len=64)
+    r = e.add_request([1, 2, 3], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    outs = []
+    while e.has_unfinished():
+        outs += [o for o in e.step() if o.finished]
+    assert outs[0].request_id == r and outs[0].outputs[0].finish_reason == "length"
+    assert len(outs[0].prompt_token_ids) + len(outs[0].outputs[0].token_ids) == 9  # 8 slots + the uncomputed last
+    assert e.kv.pool.num_free == 2
+
+
+# ---- property-based invariants ------------------------------------------------------------------
+
+def check_invariants(e: LLMEngine) -> None:
+    kv: KVCacheManager = e.kv
+    refs: dict[int, int] = {}
+    for table in kv.tables.values():
+        for b in table:
+            refs[b.block_id] = refs.get(b.block_id, 0) + 1
+    for block in kv.pool.blocks:
+        assert block.ref_cnt >= 0
+        assert block.ref_cnt == refs.get(block.block_id, 0)
+        assert block.in_free_queue == (block.ref_cnt == 0)
+    seqs = list(e.scheduler.live_seqs())
+    stats = kv.stats(seqs)
+    tokens = stats["kv_tokens_stored"]
+    if tokens:
+        bound = tokens / (tokens + len(seqs) * (kv.block_size - 1))
+        assert stats["kv_utilisation"] >= bound - 1e-9
+
+
+def check_writable_slots(e: LLMEngine, out) -> None:
+    bs = e.kv.block_size
+    owners: set[tuple[int, int]] = set()
+    for item in out.scheduled:
+        table = e.kv.tables[item.seq.seq_id]
+        for pos in range(item.start, item.start + item.num_tokens):
+            block = table[pos // bs]
+            slot = (block.block_id, pos % bs)
+            assert slot not in owners, "two sequences write the same slot"
+            assert block.ref_cnt == 1, "a sequence writes into a shared block"
+            owners.add(slot)
+
+
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 6), st.sampled_from(["greedy", "n", "beam"])),
+        st.tuples(st.just("step"), st.integers(1, 4)),
+        st.tuples(st.just("abort"), st.integers(0, 20)),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS, num_blocks=st.integers(10, 24), block_size=st.sampled_from([2, 4, 8]),
+       max_num_tokens=st.integers(8, 48), caching=st.booleans(), swap=st.booleans())
+def test_any_interleaving_returns_every_block(ops, num_blocks, block_size, max_num_tokens, caching, swap):
+    e = engine(
+        num_blocks=num_blocks, block_size=block_size, max_num_tokens=max_num_tokens, max_batch_size=8,
+        max_seq_len=64, enable_prefix_caching=caching,
+        preemption_mode="swap" if swap else "recompute", num_host_blocks=16 if swap else 0,
+    )
+    added: list[str] = []
+    for op in ops:
+        if op[0] == "add":
+            _, length, max_tokens, kind = op
+            params = {
+                "greedy": SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                "n": SamplingParams(max_tokens=max_tokens, n=3, temperature=1.0, seed=length),
+                "beam": SamplingParams(max_tokens=max_tokens, beam_width=3, temperature=0.0),
+            }[kind]
+            prompt = [(7 * i + length) % 31 + 1 for i in range(length)]
+            try:
+                added.append(e.add_request(prompt, params))
+            except ValueError:
+                assert -(-length // block_size) > num_blocks
+        elif op[0] == "step":
+            for _ in range(op[1]):
+                out = e.scheduler.schedule()
+                check_writable_slots(e, out)
+                _finish_step(e, out)
+                check_invariants(e)
+        elif added:
+            e.abort(added[op[1] % len(added)])
+            check_invariants(e)
+    for request_id in added:
+        e.abort(request_id)
+    assert e.kv.pool.num_free == num_blocks and not e.kv.tables
+    assert all(b.ref_cnt == 0 for b in e.kv.pool.blocks)
+
+
+def _finish_step(e: LLMEngine, out) -> None:
+    """The rest of LLMEngine.step for an already scheduled output."""
+    from trtpaged.runtime.batch_builder import build_step_batch
+
+    if out.is_empty:
+        return
+    batch, rows = build_step_batch(out, e.kv)
+    logits = e.engine.step(batch)
+    e.scheduler.update_after_step(out)
+    e.processor.process(out.sampled_groups, logits, rows)
+
+
+def test_engine_runs_everything_to_completion_under_pressure():
+    e = engine(num_blocks=12, block_size=4, max_num_tokens=16, max_batch_size=4, max_seq_len=64)
+    ids = [e.add_request([(i * 3 + j) % 30 + 1 for j in range(5 + 3 * i)], SamplingParams(
+        max_tokens=6, temperature=0.0, n=1 + i % 2, ignore_eos=True)) for i in range(6)]
+    finished = {}
+    while e.has_unfinished():
+        finished.update({o.request_id: o for o in e.step() if o.finished})
+    assert set(finished) == set(ids)
+    assert all(len(c.token_ids) == 6 for o in finished.values() for c in o.outputs)
+    assert e.stats()["num_preemptions"] > 0 and e.kv.pool.num_free == 12

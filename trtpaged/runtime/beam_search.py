@@ -1,0 +1,99 @@
+"""Beam search selection, scored the way Hugging Face `generate(num_beams=...)` scores it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence as Seq
+
+import torch
+
+from trtpaged.runtime.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class BeamHypothesis:
+    """A finished beam: its generated tokens and its length-penalised score."""
+
+    token_ids: tuple[int, ...]
+    score: float
+    cumulative_logprob: float
+
+
+@dataclass(frozen=True)
+class BeamCandidate:
+    """A continuation kept for the next step: which running beam it extends, with which token."""
+
+    parent: int  # index into the running beams passed to `step`
+    token_id: int
+    cumulative_logprob: float
+
+
+class BeamSearch:
+    """One request's beam search state: the best `beam_width` finished hypotheses.
+
+    Each step takes the log-softmax of every running beam's logits, adds the
+    beam's cumulative log-prob, and keeps the top K = max(2, 1 + #eos) x width
+    continuations. Those among the first `width` that end (EOS, stop token, or
+    the length limit) become hypotheses scored sum_logprob / gen_len **
+    length_penalty; the best `width` that do not end keep running. Stopping
+    follows HF: `early_stopping=True` stops once `width` hypotheses exist;
+    False stops when the best running beam, scored at the current length,
+    cannot beat the worst hypothesis; "never" uses the maximum length instead
+    when length_penalty > 0.
+    """
+
+    def __init__(self, params: SamplingParams, eos_token_ids: Seq[int], max_new_tokens: int) -> None:
+        self.params = params
+        self.width = params.beam_width
+        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        self.num_candidates = max(2, 1 + len(set(eos_token_ids))) * self.width
+        self.max_new_tokens = max_new_tokens
+        self.finished: list[BeamHypothesis] = []
+        self.done = False
+
+    def _penalised(self, logprob: float, length: int) -> float:
+        return logprob / (length**self.params.length_penalty)
+
+    def step(self, outputs: Seq[Seq[int]], cumulative: Seq[float], logits: torch.Tensor) -> list[BeamCandidate]:
+        """Advances the search by one token.
+
+        `outputs[i]` and `cumulative[i]` are running beam i's generated tokens
+        and log-prob sum, `logits[i]` its next-token logits. Returns the beams
+        to keep running (best first); empty once the search is done.
+        """
+        vocab = logits.shape[-1]
+        scores = torch.log_softmax(logits.float(), dim=-1) + torch.tensor(cumulative, dtype=torch.float32)[:, None]
+        k = min(self.num_candidates, scores.numel())
+        top_scores, top_index = torch.topk(scores.flatten(), k)
+        gen_len = len(outputs[0]) + 1
+        at_limit = gen_len >= self.max_new_tokens
+        running: list[BeamCandidate] = []
+        all_end = True
+        for rank, (score, index) in enumerate(zip(top_scores.tolist(), top_index.tolist())):
+            parent, token = divmod(index, vocab)
+            ends = at_limit or token in self.stop_ids
+            all_end &= ends
+            if ends and rank < self.width:
+                tokens = tuple(outputs[parent]) + (token,)
+                self.finished.append(BeamHypothesis(tokens, self._penalised(score, gen_len), score))
+            elif not ends and len(running) < self.width:
+                running.append(BeamCandidate(parent, token, score))
+        self.finished.sort(key=lambda h: -h.score)
+        del self.finished[self.width :]
+        self.done = all_end or not running or self._cannot_improve(running[0].cumulative_logprob, gen_len)
+        return [] if self.done else running
+
+    def _cannot_improve(self, best_running: float, gen_len: int) -> bool:
+        if len(self.finished) < self.width:
+            return False
+        if self.params.early_stopping is True:
+            return True
+        if self.params.early_stopping == "never" and self.params.length_penalty > 0.0:
+            length = self.max_new_tokens
+        else:
+            length = gen_len
+        return self._penalised(best_running, length) <= self.finished[-1].score
+
+    def best(self, n: int) -> list[BeamHypothesis]:
+        """The n best hypotheses (finished ones first)."""
+        return self.finished[:n]

@@ -1,0 +1,45 @@
+"""Incremental detokenisation that never emits half a multi-byte character."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+_CONTEXT_TOKENS = 6  # prompt tokens decoded with the output so leading spaces come out right
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Decodes a short window: `prefix` tokens already emitted and the new ones.
+    The text of the new tokens is what the window decodes to beyond the
+    prefix. While it ends in U+FFFD (a byte-level token that completes a UTF-8
+    character has not arrived yet), nothing is emitted and the window grows.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        """Appends one token and returns the text that became final (possibly empty)."""
+        self.ids.append(int(token_id))
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.ids[self.prefix_offset :])
+        if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full_text[len(prefix_text) :]
+
+    def flush(self) -> str:
+        """Whatever text is still held back (an incomplete character at the very end)."""
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""

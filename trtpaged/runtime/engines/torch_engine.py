@@ -1,0 +1,99 @@
+"""The torch backend: the eager step model over a KV pool tensor, block moves through the kernel library."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from trtpaged.runtime.engines.base import StepBatch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _kernels(device: torch.device):
+    """The kernel library when it is built for this device, else None (plain tensor indexing)."""
+    try:
+        from trtpaged import kernels
+    except ImportError:
+        return None
+    if not kernels.available() or (device.type == "cuda" and not kernels.has_cuda()):
+        return None
+    return kernels
+
+
+class TorchEngine:
+    """Runs any module with the step-model forward signature eagerly.
+
+    `model(input_ids, positions, query_start, context_lens, block_tables,
+    logits_index, kv_cache) -> (logits, kv_cache)` must update the pool in
+    place. Block copies and swaps use `trtpaged.kernels` when the library is
+    built, plain tensor indexing otherwise.
+    """
+
+    backend = "torch"
+
+    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, num_host_blocks: int = 0) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = kv_cache.device
+        self.num_blocks = int(kv_cache.shape[0])
+        host_shape = (num_host_blocks, *kv_cache.shape[1:])
+        pin = self.device.type == "cuda"
+        self.host_cache = torch.zeros(host_shape, dtype=kv_cache.dtype, pin_memory=pin) if num_host_blocks else None
+        self._kernels = _kernels(self.device)
+
+    @classmethod
+    def from_engine_dir(
+        cls, engine_dir: str | Path, num_blocks: int, device: str = "cpu", num_host_blocks: int = 0
+    ) -> "TorchEngine":
+        """Loads the engine dir's weights into the step model and allocates the pool."""
+        from trtpaged.models import load_step_model
+
+        model, manifest = load_step_model(engine_dir, device=device)
+        d, bs = manifest.dims, manifest.limits.block_size
+        dtype = _DTYPES.get(manifest.kv_cache_dtype, model.dtype)
+        shape = (num_blocks, d.num_layers, 2, d.num_kv_heads, bs, d.head_dim)
+        return cls(model, torch.zeros(shape, dtype=dtype, device=device), num_host_blocks)
+
+    @torch.inference_mode()
+    def step(self, batch: StepBatch) -> torch.Tensor:
+        args = [
+            t.to(self.device, non_blocking=True)
+            for t in (batch.input_ids, batch.positions, batch.query_start, batch.context_lens, batch.block_tables, batch.logits_index)
+        ]
+        logits, kv_cache = self.model(*args, self.kv_cache)
+        if kv_cache is not self.kv_cache:  # a functional model: keep the updated pool
+            self.kv_cache = kv_cache
+        return logits.float()
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        if self._kernels is not None:
+            self._kernels.copy_blocks(self.kv_cache, list(pairs))
+            return
+        for src, dst in pairs:  # in order: a later pair may read a block an earlier one wrote
+            self.kv_cache[dst].copy_(self.kv_cache[src])
+
+    def _swap(self, src_pool: torch.Tensor, dst_pool: torch.Tensor, pairs: Sequence[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        if self._kernels is not None:
+            self._kernels.swap_blocks(src_pool, dst_pool, list(pairs))
+            return
+        for src, dst in pairs:
+            dst_pool[dst].copy_(src_pool[src])
+
+    def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
+        if pairs and self.host_cache is None:
+            raise RuntimeError("swap_out: the engine has no host pool (num_host_blocks is 0)")
+        if self.host_cache is not None:
+            self._swap(self.kv_cache, self.host_cache, pairs)
+
+    def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
+        if pairs and self.host_cache is None:
+            raise RuntimeError("swap_in: the engine has no host pool (num_host_blocks is 0)")
+        if self.host_cache is not None:
+            self._swap(self.host_cache, self.kv_cache, pairs)

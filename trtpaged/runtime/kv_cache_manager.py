@@ -1,0 +1,234 @@
+"""Per-sequence block tables on top of the block pool: prefix hits, copy-on-write, forks, swap."""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence as Seq
+
+from trtpaged.runtime.block_pool import BlockPool, HashFn, chain_hash
+from trtpaged.runtime.kv_block import KVBlock
+from trtpaged.runtime.sequence import Sequence
+
+# One allocation request: the sequence, how many tokens it computes this step, its prefix-cache hits.
+AllocRequest = tuple[Sequence, int, Seq[KVBlock]]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Maps sequences to physical blocks. Tables are append-only, except that a
+    shared last block is replaced by its private copy (copy-on-write) right
+    before the sequence writes into it.
+
+    Check-then-commit: `blocks_needed` counts exactly what `allocate_group`
+    will take (new blocks, copies, and cache hits taken off the free queue), so
+    the scheduler never starts an allocation that fails halfway.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        num_host_blocks: int = 0,
+        hash_fn: HashFn = chain_hash,
+    ) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching, hash_fn=hash_fn)
+        self.host_pool: Optional[BlockPool] = BlockPool(num_host_blocks, enable_caching=False) if num_host_blocks else None
+        self.tables: dict[int, list[KVBlock]] = {}
+        self.host_tables: dict[int, list[KVBlock]] = {}
+        self._hashes: dict[int, list[int]] = {}  # chain hashes of each sequence's leading full blocks
+        self.prefix_queries_tokens = 0
+        self.prefix_hits_tokens = 0
+
+    # ---- prefix cache -------------------------------------------------------------------------
+    def find_cached_prefix(self, seq: Sequence) -> tuple[list[KVBlock], list[int]]:
+        """Longest run of cached full blocks matching the sequence's tokens.
+
+        Never covers the last token: its logits are needed, so it is always computed.
+        """
+        if not self.pool.enable_caching or seq.seq_id in self.tables:
+            return [], []
+        bs = self.block_size
+        hits: list[KVBlock] = []
+        hashes: list[int] = []
+        parent, prev_hash = None, None
+        for j in range((len(seq.token_ids) - 1) // bs):
+            tokens = tuple(seq.token_ids[j * bs : (j + 1) * bs])
+            h = self.pool.hash_fn(prev_hash, tokens)
+            block = self.pool.lookup(h, tokens, parent)
+            if block is None:
+                break
+            hits.append(block)
+            hashes.append(h)
+            parent, prev_hash = block.ref, h
+        return hits, hashes
+
+    # ---- check --------------------------------------------------------------------------------
+    def blocks_needed(self, requests: Iterable[AllocRequest]) -> int:
+        """Free-queue blocks that `allocate_group(requests)` would consume."""
+        bs = self.block_size
+        dropped: dict[int, int] = {}  # block_id -> references given up by earlier copies in this plan
+        reclaimed: set[int] = set()  # cache hits that sit in the free queue now
+        needed = 0
+        for seq, num_tokens, hits in requests:
+            table = self.tables.get(seq.seq_id, [])
+            if hits:
+                reclaimed.update(b.block_id for b in hits if b.ref_cnt == 0)
+                start, table_len = len(hits) * bs, len(hits)
+            else:
+                start, table_len = seq.num_computed_tokens, len(table)
+            if num_tokens <= 0:
+                continue
+            j = start // bs
+            if not hits and j < table_len:
+                block = table[j]
+                if block.ref_cnt - dropped.get(block.block_id, 0) > 1:
+                    needed += 1
+                    dropped[block.block_id] = dropped.get(block.block_id, 0) + 1
+            needed += max(0, _cdiv(start + num_tokens, bs) - table_len)
+        return needed + len(reclaimed)
+
+    def can_allocate(self, requests: Iterable[AllocRequest]) -> bool:
+        return self.blocks_needed(requests) <= self.pool.num_free
+
+    # ---- commit -------------------------------------------------------------------------------
+    def allocate_group(self, requests: Seq[AllocRequest]) -> list[tuple[int, int]]:
+        """Gives each sequence the slots for its next `num_tokens` tokens.
+
+        Sets `num_computed_tokens` of sequences with cache hits. Returns the
+        (src, dst) block copies to run before the step. Call `can_allocate` first.
+        """
+        for seq, _, hits in requests:  # take every hit off the free queue before anything is evicted
+            if hits:
+                self._adopt_hits(seq, hits)
+        copies: list[tuple[int, int]] = []
+        bs = self.block_size
+        for seq, num_tokens, _ in requests:
+            table = self.tables.setdefault(seq.seq_id, [])
+            self._hashes.setdefault(seq.seq_id, [])
+            if num_tokens <= 0:
+                continue
+            start = seq.num_computed_tokens
+            j = start // bs
+            if j < len(table) and table[j].ref_cnt > 1:
+                (fresh,) = self.pool.allocate(1)
+                copies.append((table[j].block_id, fresh.block_id))
+                self.pool.free([table[j]])
+                table[j] = fresh
+            missing = _cdiv(start + num_tokens, bs) - len(table)
+            if missing > 0:
+                table.extend(self.pool.allocate(missing))
+        return copies
+
+    def _adopt_hits(self, seq: Sequence, hits: Seq[KVBlock]) -> None:
+        if seq.seq_id in self.tables:
+            raise RuntimeError(f"sequence {seq.seq_id}: cache hits for a sequence that already has blocks")
+        hashes = [b.block_hash for b in hits]
+        self.pool.touch(hits)
+        self.tables[seq.seq_id] = list(hits)
+        self._hashes[seq.seq_id] = [h for h in hashes if h is not None]
+        seq.num_computed_tokens = len(hits) * self.block_size
+        self.prefix_hits_tokens += seq.num_computed_tokens
+
+    def note_prefix_query(self, seq: Sequence) -> None:
+        """Counts an admitted sequence's prompt as looked up in the prefix cache."""
+        if self.pool.enable_caching:
+            self.prefix_queries_tokens += len(seq.token_ids)
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Registers the sequence's newly completed full blocks in the prefix cache.
+
+        Called after the step that computed them, never at scheduling: a block
+        still being written must not be found by another sequence.
+        """
+        if not self.pool.enable_caching or seq.seq_id not in self.tables:
+            return
+        bs, table, hashes = self.block_size, self.tables[seq.seq_id], self._hashes[seq.seq_id]
+        for j in range(len(hashes), seq.num_computed_tokens // bs):
+            tokens = tuple(seq.token_ids[j * bs : (j + 1) * bs])
+            h = self.pool.hash_fn(hashes[-1] if hashes else None, tokens)
+            self.pool.cache(table[j], h, tokens, table[j - 1].ref if j else None)
+            hashes.append(h)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child shares every block of the parent (copy-on-write on its next write)."""
+        table = self.tables[parent.seq_id]
+        self.pool.touch(table)
+        self.tables[child.seq_id] = list(table)
+        self._hashes[child.seq_id] = list(self._hashes.get(parent.seq_id, []))
+
+    def free(self, seq: Sequence) -> None:
+        """Returns the sequence's blocks (device and host), tail first so shared prefixes are evicted last."""
+        table = self.tables.pop(seq.seq_id, None)
+        if table:
+            self.pool.free(table[::-1])
+        host = self.host_tables.pop(seq.seq_id, None)
+        if host and self.host_pool is not None:
+            self.host_pool.free(host[::-1])
+        self._hashes.pop(seq.seq_id, None)
+
+    def block_table(self, seq: Sequence) -> list[int]:
+        return [b.block_id for b in self.tables.get(seq.seq_id, [])]
+
+    # ---- swap to host memory ------------------------------------------------------------------
+    def can_swap_out(self, seqs: Seq[Sequence]) -> bool:
+        distinct = {b.block_id for s in seqs for b in self.tables.get(s.seq_id, [])}
+        return self.host_pool is not None and len(distinct) <= self.host_pool.num_free
+
+    def swap_out(self, seqs: Seq[Sequence]) -> list[tuple[int, int]]:
+        """Moves the sequences' blocks to host blocks (sharing kept); returns (device, host) pairs."""
+        return self._move(seqs, self.tables, self.host_tables, self.pool, self.host_pool)
+
+    def can_swap_in(self, seqs: Seq[Sequence]) -> bool:
+        distinct = {b.block_id for s in seqs for b in self.host_tables.get(s.seq_id, [])}
+        return len(distinct) <= self.pool.num_free
+
+    def swap_in(self, seqs: Seq[Sequence]) -> list[tuple[int, int]]:
+        """Moves the sequences' host blocks back to fresh device blocks; returns (host, device) pairs."""
+        return self._move(seqs, self.host_tables, self.tables, self.host_pool, self.pool)
+
+    @staticmethod
+    def _move(seqs, src_tables, dst_tables, src_pool, dst_pool) -> list[tuple[int, int]]:
+        if src_pool is None or dst_pool is None:
+            raise RuntimeError("swap: no host pool (num_host_blocks is 0)")
+        mapping: dict[int, KVBlock] = {}
+        for seq in seqs:
+            src = src_tables.pop(seq.seq_id, [])
+            dst = []
+            for block in src:
+                if block.block_id in mapping:
+                    dst_pool.touch([mapping[block.block_id]])
+                else:
+                    (mapping[block.block_id],) = dst_pool.allocate(1)
+                dst.append(mapping[block.block_id])
+            dst_tables[seq.seq_id] = dst
+            src_pool.free(src[::-1])
+        return [(src_id, dst.block_id) for src_id, dst in mapping.items()]
+
+    # ---- statistics ---------------------------------------------------------------------------
+    def stats(self, live_seqs: Iterable[Sequence]) -> dict[str, float]:
+        """Block counts and utilisation: distinct tokens stored / slots of used blocks."""
+        bs = self.block_size
+        filled: dict[int, int] = {}
+        for seq in live_seqs:
+            for j, block in enumerate(self.tables.get(seq.seq_id, [])):
+                f = min(bs, max(0, seq.num_computed_tokens - j * bs))
+                filled[block.block_id] = max(filled.get(block.block_id, 0), f)
+        used = self.pool.num_used
+        tokens = sum(filled.values())
+        return {
+            "kv_blocks_total": self.pool.num_blocks,
+            "kv_blocks_used": used,
+            "kv_blocks_free": self.pool.num_free,
+            "kv_blocks_cached": self.pool.num_cached,
+            "kv_tokens_stored": tokens,
+            "kv_slots_allocated": used * bs,
+            "kv_utilisation": tokens / (used * bs) if used else 1.0,
+            "kv_blocks_saved_by_sharing": self.pool.num_shared_refs(),
+            "prefix_cache_queries_tokens": self.prefix_queries_tokens,
+            "prefix_cache_hits_tokens": self.prefix_hits_tokens,
+            "kv_evictions": self.pool.num_evictions,
+        }

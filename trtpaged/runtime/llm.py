@@ -1,0 +1,114 @@
+"""`LLM`: the offline Python API over an engine dir."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional, Sequence as Seq, Union
+
+from trtpaged.manifest import Manifest, read_manifest
+from trtpaged.runtime.engines import default_device, load_engine, resolve_num_blocks
+from trtpaged.runtime.llm_engine import LLMEngine, Prompt
+from trtpaged.runtime.outputs import RequestOutput
+from trtpaged.runtime.runtime_config import RuntimeConfig
+from trtpaged.runtime.sampling_params import SamplingParams
+
+
+def _tightened(name: str, value: Optional[int], limit: int) -> int:
+    if value is None:
+        return limit
+    if not 1 <= value <= limit:
+        raise ValueError(f"{name}: must be in [1, {limit}] (the engine's build limit), got {value}")
+    return value
+
+
+def load_tokenizer(engine_dir: Path, manifest: Manifest) -> Any:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(engine_dir / manifest.tokenizer_dir), local_files_only=True)
+    if manifest.chat_template and not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = manifest.chat_template
+    return tokenizer
+
+
+class LLM:
+    """Loads an engine dir and generates with continuous batching and KV sharing.
+
+    >>> llm = LLM("engines/smollm2")
+    >>> out = llm.generate(["What is the capital of France?"], SamplingParams(max_tokens=16, temperature=0))
+    >>> out[0].outputs[0].text
+
+    Limits default to the engine's build limits (manifest) and may be
+    tightened: `max_num_tokens`, `max_batch_size`, `max_seq_len`; the KV pool
+    size defaults to the manifest's budget (`num_kv_blocks` overrides it).
+    """
+
+    def __init__(
+        self,
+        engine: Union[str, Path],
+        *,
+        backend: str = "auto",
+        device: Optional[str] = None,
+        num_kv_blocks: Optional[int] = None,
+        max_num_tokens: Optional[int] = None,
+        max_batch_size: Optional[int] = None,
+        max_seq_len: Optional[int] = None,
+        enable_prefix_caching: bool = True,
+        preemption_mode: str = "recompute",
+        num_host_blocks: int = 0,
+    ) -> None:
+        path = Path(engine)
+        self.engine_dir = path.parent if path.is_file() else path
+        self.manifest = read_manifest(self.engine_dir)
+        limits = self.manifest.limits
+        device = device or default_device()
+        num_blocks = resolve_num_blocks(self.manifest, device, num_kv_blocks)
+        self.config = RuntimeConfig(
+            block_size=limits.block_size,
+            num_blocks=num_blocks,
+            max_batch_size=_tightened("max_batch_size", max_batch_size, limits.max_batch_size),
+            max_num_tokens=_tightened("max_num_tokens", max_num_tokens, limits.max_num_tokens),
+            max_seq_len=_tightened("max_seq_len", max_seq_len, limits.max_seq_len),
+            enable_prefix_caching=enable_prefix_caching,
+            preemption_mode=preemption_mode,
+            num_host_blocks=num_host_blocks,
+        )
+        self.tokenizer = load_tokenizer(self.engine_dir, self.manifest)
+        backend_engine = load_engine(self.engine_dir, self.manifest, num_blocks, backend, device, num_host_blocks)
+        eos = list(self.manifest.eos_token_ids) or ([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
+        self.engine = LLMEngine(backend_engine, self.config, self.tokenizer, eos)
+
+    def generate(
+        self,
+        prompts: Union[Prompt, Seq[Prompt]],
+        sampling_params: Union[None, SamplingParams, Seq[SamplingParams]] = None,
+    ) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs come back in prompt order.
+
+        A prompt is text or a list of token ids; one SamplingParams applies to all, or pass one per prompt.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = sampling_params or SamplingParams()
+        per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"sampling_params: {len(per_prompt)} given for {len(prompts)} prompts")
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, per_prompt)]
+        results: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+        return [results[i] for i in ids]
+
+    def chat(self, messages: Seq[dict], sampling_params: Optional[SamplingParams] = None) -> RequestOutput:
+        """Applies the engine's chat template to one conversation and generates the reply."""
+        return self.generate([self.chat_prompt(messages)], sampling_params)[0]
+
+    def chat_prompt(self, messages: Seq[dict]) -> list[int]:
+        """Token ids of a conversation under the chat template, ready for the assistant's turn."""
+        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def stats(self) -> dict[str, float]:
+        """KV blocks total/used/free/cached, utilisation, blocks saved by sharing, prefix hits, preemptions, steps."""
+        return self.engine.stats()

@@ -1,0 +1,38 @@
+"""The runtime's one frozen configuration: limits and KV pool size for serving an engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Scheduler and KV-cache settings. Built from the manifest's limits, optionally tightened."""
+
+    block_size: int
+    num_blocks: int
+    max_batch_size: int  # sequences per step
+    max_num_tokens: int  # tokens per step (prefill chunks + decode tokens)
+    max_seq_len: int  # prompt + output tokens of one sequence
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"
+    num_host_blocks: int = 0  # host-memory blocks for swap preemption
+
+    def __post_init__(self) -> None:
+        positive = ("block_size", "num_blocks", "max_batch_size", "max_num_tokens", "max_seq_len")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"RuntimeConfig.{name}: must be >= 1, got {getattr(self, name)}")
+        if self.max_num_tokens < self.max_batch_size:
+            raise ValueError(
+                f"RuntimeConfig.max_num_tokens: must be >= max_batch_size ({self.max_batch_size}), "
+                f"got {self.max_num_tokens}"
+            )
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"RuntimeConfig.preemption_mode: one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.num_host_blocks < 0:
+            raise ValueError(f"RuntimeConfig.num_host_blocks: must be >= 0, got {self.num_host_blocks}")
+        if self.preemption_mode == "swap" and self.num_host_blocks == 0:
+            raise ValueError("RuntimeConfig.num_host_blocks: must be > 0 when preemption_mode is 'swap'")

@@ -1,0 +1,79 @@
+"""Per-request generation settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to generate one request's completions.
+
+    temperature 0 is greedy. `n` parallel samples share the prompt's KV blocks.
+    `beam_width` > 1 switches to beam search (deterministic; returns the `n`
+    best finished beams), scored like Hugging Face: sum of log-probs divided by
+    generated_length ** length_penalty, with `early_stopping` True, False
+    (heuristic) or "never".
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # HF-style, over prompt and output tokens
+    presence_penalty: float = 0.0  # OpenAI-style, over output tokens
+    frequency_penalty: float = 0.0
+    seed: Optional[int] = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    n: int = 1
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    early_stopping: Union[bool, str] = False
+    logprobs: Optional[int] = None  # top-k log-probs per generated token
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        checks = [
+            ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
+            ("temperature", self.temperature >= 0.0, "must be >= 0"),
+            ("top_k", self.top_k >= 0, "must be >= 0 (0 disables it)"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
+            ("repetition_penalty", self.repetition_penalty > 0.0, "must be > 0"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
+            ("n", self.n >= 1, "must be >= 1"),
+            ("beam_width", self.beam_width >= 1, "must be >= 1"),
+            ("early_stopping", self.early_stopping in (True, False, "never"), "must be True, False or 'never'"),
+            ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be >= 0"),
+        ]
+        for name, ok, rule in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams.{name}: {rule}, got {getattr(self, name)!r}")
+        if self.use_beam_search:
+            if self.n > self.beam_width:
+                raise ValueError(f"SamplingParams.n: at most beam_width ({self.beam_width}) with beam search, got {self.n}")
+            if self.stop:
+                raise ValueError("SamplingParams.stop: stop strings are not supported with beam search")
+
+    @property
+    def use_beam_search(self) -> bool:
+        return self.beam_width > 1
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences the request runs at once after its prompt: beams or parallel samples."""
+        return self.beam_width if self.use_beam_search else self.n
