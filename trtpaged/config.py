@@ -177,7 +177,7 @@ def _check_keys(data: dict, allowed: tuple[str, ...], prefix: str, fail) -> None
     for key in data:
         if key not in allowed:
             close = difflib.get_close_matches(str(key), allowed, n=1)
-            hint = f"; did you mean {prefix}{close[0]!r}?" if close else ""
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
             raise fail(f"{prefix}{key}: unknown key{hint} Allowed: {', '.join(allowed)}")
 
 
@@ -265,7 +265,8 @@ def _parse_tiny(tiny: Any, fail) -> dict[str, Any]:
 def _parse_kv_cache(spec: Any, limits: Limits, kv_dtype: str, fail) -> KVCacheBudget:
     allowed = ("num_blocks", "memory", "fraction")
     if not isinstance(spec, dict) or len(spec) != 1:
-        raise fail(f"kv_cache: got {spec!r}; expected exactly one of {{num_blocks: N}}, {{memory: \"2GiB\"}}, {{fraction: 0.9}}")
+        raise fail(f"kv_cache: got {spec!r}; expected exactly one of "
+                   "{num_blocks: N}, {memory: \"2GiB\"}, {fraction: 0.9}")
     _check_keys(spec, allowed, "kv_cache.", fail)
     (key, value), = spec.items()
     if key == "num_blocks":

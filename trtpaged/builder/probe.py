@@ -71,7 +71,9 @@ def pack_step(seqs: list[ProbeSequence], chunks: list[tuple[int, int, int]], all
     return ProbeStep(inputs=inputs, rows=rows)
 
 
-def standard_probe(vocab_size: int, block_size: int, seed: int = 0, all_rows: bool = False) -> tuple[list[ProbeSequence], list[ProbeStep], int]:
+def standard_probe(
+    vocab_size: int, block_size: int, seed: int = 0, all_rows: bool = False
+) -> tuple[list[ProbeSequence], list[ProbeStep], int]:
     """(sequences, [step 1, step 2], num_blocks) of the two-step probe described in the module docstring."""
     gen = torch.Generator().manual_seed(seed)
     lengths = (55, 37, 13)  # A is 54 prompt tokens + 1 decoded
@@ -90,13 +92,10 @@ def standard_probe(vocab_size: int, block_size: int, seed: int = 0, all_rows: bo
 
 @torch.no_grad()
 def hf_logits(hf_model: Any, seqs: list[ProbeSequence], rows: list[tuple[int, int]]) -> torch.Tensor:
-    """The HF model's float32 logits for each (sequence, position), from a forward over the whole prefix."""
-    cache: dict[tuple[int, int], torch.Tensor] = {}
-    out = []
-    for s, p in rows:
-        key = (s, p)
-        if key not in cache:
-            ids = torch.tensor([seqs[s].tokens[: p + 1]], dtype=torch.long)
-            cache[key] = hf_model(input_ids=ids).logits[0, -1].float()
-        out.append(cache[key])
-    return torch.stack(out)
+    """The HF model's float32 logits for each (sequence, position): one causal forward per sequence."""
+    per_seq: dict[int, torch.Tensor] = {}
+    for s in sorted({s for s, _ in rows}):
+        last = max(p for t, p in rows if t == s)
+        ids = torch.tensor([seqs[s].tokens[: last + 1]], dtype=torch.long)
+        per_seq[s] = hf_model(input_ids=ids).logits[0].float()
+    return torch.stack([per_seq[s][p] for s, p in rows])

@@ -1,12 +1,59 @@
-"""`trtpaged inspect`."""
+"""`trtpaged inspect ENGINE_DIR`: the manifest and the KV memory plan."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import click
 
 
-@click.command(name="inspect", context_settings={"ignore_unknown_options": True})
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def command(args: tuple[str, ...]) -> None:
-    """Not implemented yet."""
-    raise click.ClickException("trtpaged inspect: not implemented yet")
+@click.command(name="inspect")
+@click.argument("engine_dir", type=click.Path(exists=True, path_type=Path))
+@click.option("--avg-len", type=click.IntRange(min=1), default=None,
+              help="Also show how many sequences of this average length (prompt + output) fit.")
+@click.option("--memory", "memory", default=None,
+              help="Free device memory to evaluate a `fraction` KV budget with, e.g. 24GiB.")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw trtpaged.json instead.")
+def command(engine_dir: Path, avg_len: int | None, memory: str | None, as_json: bool) -> None:
+    """Print ENGINE_DIR's manifest and memory plan (bytes per token, blocks, concurrent sequences)."""
+    from trtpaged.builder.memory_plan import plan_memory
+    from trtpaged.config import parse_size
+    from trtpaged.manifest import read_manifest
+
+    try:
+        manifest = read_manifest(engine_dir)
+        memory_bytes = parse_size(memory) if memory is not None else None
+    except (FileNotFoundError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    if as_json:
+        click.echo(manifest.to_json())
+        return
+    for line in _manifest_lines(manifest):
+        click.echo(line)
+    click.echo("memory plan:")
+    for line in plan_memory(manifest, memory_bytes).lines(avg_len):
+        click.echo(f"  {line}")
+
+
+def _manifest_lines(m) -> list[str]:
+    d, lim = m.dims, m.limits
+    verify = m.verification
+    checked = ("skipped" if verify.get("skipped") else
+               f"max abs diff {verify['max_abs_diff']:.3g} (tolerance {verify['tolerance']:.3g})" if verify else "none")
+    source = m.source.get("package") or m.source.get("path") or m.source.get("kind")
+    lines = [
+        f"engine format {m.format_version}: {d.architecture} from {source}",
+        f"  layers {d.num_layers}, hidden {d.hidden_size}, intermediate {d.intermediate_size}, "
+        f"heads {d.num_heads} (kv {d.num_kv_heads}) x {d.head_dim}, vocab {d.vocab_size}",
+        f"  rope theta {d.rope_theta:g}{', scaling ' + str(d.rope_scaling) if d.rope_scaling else ''}, "
+        f"tied embeddings {d.tie_word_embeddings}, qkv bias {d.attention_bias}",
+        f"  dtype {m.dtype}, kv_cache_dtype {m.kv_cache_dtype}",
+        f"  limits: max_batch_size {lim.max_batch_size}, max_num_tokens {lim.max_num_tokens}, "
+        f"max_seq_len {lim.max_seq_len}, block_size {lim.block_size}",
+        f"  backends: {', '.join(m.backends) or 'none'}; verification: {checked}",
+        f"  tokenizer: {m.tokenizer_dir}/ (bos {m.bos_token_id}, eos {m.eos_token_ids}, "
+        f"chat template {'yes' if m.chat_template else 'no'})",
+        "  files:",
+    ]
+    lines += [f"    {name:<34} {sha[:12]}" for name, sha in sorted(m.files.items())]
+    return lines

@@ -8,6 +8,7 @@ from trtpaged.manifest import ModelDims
 from trtpaged.models.rope import SUPPORTED_ROPE_TYPES, rope_type
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+HEAD_DIM_MULTIPLE, MAX_HEAD_DIM = 16, 256  # what the trtpaged attention kernels implement
 
 
 class UnsupportedModelError(ValueError):
@@ -15,7 +16,8 @@ class UnsupportedModelError(ValueError):
 
 
 def _rope(config: Any) -> tuple[float, Optional[dict]]:
-    """(rope_theta, rope_scaling or None) from a transformers 4.x (rope_theta/rope_scaling) or 5.x (rope_parameters) config."""
+    """(rope_theta, rope_scaling or None) from a transformers 4.x (rope_theta, rope_scaling)
+    or 5.x (rope_parameters) config."""
     params = dict(getattr(config, "rope_parameters", None) or {})
     legacy = getattr(config, "rope_scaling", None)
     if legacy and not params.get("factor"):
@@ -42,6 +44,11 @@ def dims_from_hf_config(config: Any, max_seq_len: Optional[int] = None) -> Model
     heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     if heads % kv_heads:
         raise UnsupportedModelError(f"num_key_value_heads: {kv_heads} does not divide num_attention_heads {heads}")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if head_dim % HEAD_DIM_MULTIPLE or head_dim > MAX_HEAD_DIM:
+        raise UnsupportedModelError(
+            f"head_dim: got {head_dim}; the trtpaged kernels support multiples of {HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM}"
+        )
     window = getattr(config, "sliding_window", None)
     uses_window = getattr(config, "use_sliding_window", arch == "MistralForCausalLM")
     if uses_window and window and max_seq_len and max_seq_len > window:
@@ -58,7 +65,7 @@ def dims_from_hf_config(config: Any, max_seq_len: Optional[int] = None) -> Model
         intermediate_size=config.intermediate_size,
         num_heads=heads,
         num_kv_heads=kv_heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        head_dim=head_dim,
         vocab_size=config.vocab_size,
         rms_norm_eps=float(config.rms_norm_eps),
         rope_theta=theta,

@@ -8,6 +8,8 @@ model is checked against. `source_architecture` is the cheap pre-flight check
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +18,7 @@ from typing import Any
 import torch
 
 from trtpaged.config import ConfigError, ModelSpec
+from trtpaged.manifest import Manifest
 from trtpaged.models.dims import SUPPORTED_ARCHITECTURES
 
 # GGUF general.architecture -> the HF architecture transformers converts it to.
@@ -63,6 +66,14 @@ def _gguf_architecture(path: Path, key: str) -> str:
         raise ConfigError(f"{key}: {path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
 
 
+def spec_from_manifest(manifest: Manifest) -> ModelSpec:
+    """The model source an engine was built from (manifest.source), to reload the HF reference in tests."""
+    src = manifest.source
+    path = Path(src["path"]) if src.get("path") else None
+    tiny = dict(src["tiny"]) if src.get("tiny") else None
+    return ModelSpec(kind=src["kind"], path=path, package=src.get("package"), tiny=tiny)
+
+
 def load_hf(spec: ModelSpec, dtype: torch.dtype = torch.float32) -> HFModel:
     """Loads the transformers model, tokenizer and config of a model source (local only)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -76,10 +87,26 @@ def load_hf(spec: ModelSpec, dtype: torch.dtype = torch.float32) -> HFModel:
     else:
         kwargs = {"gguf_file": spec.path.name, "local_files_only": True}
         where = str(spec.path.parent)
-    config = AutoConfig.from_pretrained(where, **kwargs)
-    tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kwargs)
+    with _no_progress_bars():
+        config = AutoConfig.from_pretrained(where, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kwargs)
     return HFModel(model=model.eval(), tokenizer=tokenizer, config=config)
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    """transformers' and the GGUF converter's tqdm bars would drown the builder's stage lines."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # tqdm.auto bars of the GGUF converter
+            yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
 
 
 def _load_tiny(tiny: dict[str, Any], dtype: torch.dtype) -> HFModel:

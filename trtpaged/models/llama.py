@@ -120,7 +120,8 @@ class DecoderLayer(nn.Module):
         return h, kv_cache
 
 
-StepIndex = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # positions, query_start, context_lens, block_tables
+# positions, query_start, context_lens, block_tables
+StepIndex = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class LlamaStepModel(nn.Module):
@@ -138,7 +139,10 @@ class LlamaStepModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(dims, i, dtype) for i in range(dims.num_layers))
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype)
         self.rotary = Rotary(dims)
-        self.lm_head = None if dims.tie_word_embeddings else nn.Linear(dims.hidden_size, dims.vocab_size, bias=False, dtype=dtype)
+        self.lm_head = (
+            None if dims.tie_word_embeddings
+            else nn.Linear(dims.hidden_size, dims.vocab_size, bias=False, dtype=dtype)
+        )
 
     def forward(
         self,
@@ -160,7 +164,9 @@ class LlamaStepModel(nn.Module):
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, head).float(), kv_cache
 
-    def new_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None, device="cpu") -> torch.Tensor:
+    def new_kv_cache(
+        self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None, device="cpu"
+    ) -> torch.Tensor:
         """A zeroed pool [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]."""
         d = self.dims
         shape = (num_blocks, d.num_layers, 2, d.num_kv_heads, block_size, d.head_dim)

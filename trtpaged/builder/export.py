@@ -1,0 +1,103 @@
+"""ONNX export of the step model: one TrtpagedPagedAttention node per layer, weights shared with safetensors.
+
+The dynamo exporter traces the step model with its functional attention op
+(`trtpaged::paged_attention`), which the custom translation turns into one
+node per layer. Every dimension that varies between steps is dynamic:
+num_tokens, num_seqs, max_blocks_per_seq, num_outputs and num_blocks.
+Initializers that are model parameters become external data pointing into the
+weights safetensors file (no second copy of the weights).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import warnings
+from pathlib import Path
+
+import torch
+
+from trtpaged.builder.onnx_node import translation_table
+from trtpaged.builder.probe import INPUT_NAMES, standard_probe
+from trtpaged.builder.weights import tensor_offsets
+from trtpaged.models.llama import LlamaStepModel
+
+OUTPUT_NAMES = ("logits", "kv_cache_out")
+_INLINE_LIMIT = 1 << 20  # exporter-made constants above this size would duplicate weights
+
+
+class ExportError(RuntimeError):
+    """The ONNX export failed or produced a graph that breaks the contract."""
+
+
+def dynamic_shapes() -> dict[str, dict[int, object]]:
+    """torch.export dynamic dims of each input (names as in the engine I/O contract)."""
+    dim = torch.export.Dim
+    tokens, seqs = dim("num_tokens", min=1), dim("num_seqs", min=1)
+    return {
+        "input_ids": {0: tokens},
+        "positions": {0: tokens},
+        "query_start": {0: seqs + 1},
+        "context_lens": {0: seqs},
+        "block_tables": {0: seqs, 1: dim("max_blocks_per_seq", min=1)},
+        "logits_index": {0: dim("num_outputs", min=1)},
+        "kv_cache": {0: dim("num_blocks", min=1)},
+    }
+
+
+def export_onnx(model: LlamaStepModel, block_size: int, kv_dtype: torch.dtype, onnx_path: Path, weights_path: Path) -> Path:
+    """Exports `model` to `onnx_path`; its parameters become external data inside `weights_path` (written before)."""
+    import onnx_ir as ir
+
+    seqs, steps, num_blocks = standard_probe(model.dims.vocab_size, block_size)
+    args = steps[1].args(model.new_kv_cache(num_blocks, block_size, kv_dtype))
+    model.functional_cache = True
+    try:
+        with _quiet():
+            program = torch.onnx.export(
+                model, args, dynamo=True, custom_translation_table=translation_table(),
+                dynamic_shapes=dynamic_shapes(), input_names=list(INPUT_NAMES), output_names=list(OUTPUT_NAMES),
+                optimize=True, verbose=False, report=False,
+            )
+    except Exception as e:  # noqa: BLE001  (the exporter raises many kinds)
+        raise ExportError(f"ONNX export failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+    finally:
+        model.functional_cache = False
+    graph = program.model.graph
+    for node in graph:  # the exporter's per-node stack traces and source paths: 80% of the file, no use downstream
+        node.metadata_props.clear()
+    offsets = tensor_offsets(weights_path)
+    for name, value in list(graph.initializers.items()):
+        tensor = value.const_value
+        if name in offsets and tensor is not None:
+            offset, length = offsets[name]
+            if length != tensor.nbytes:
+                raise ExportError(f"initializer {name}: {tensor.nbytes} bytes in the graph, {length} in {weights_path.name}")
+            value.const_value = ir.ExternalTensor(
+                weights_path.name, offset, length, tensor.dtype, shape=tensor.shape, name=name,
+                base_dir=str(onnx_path.parent),
+            )
+        elif tensor is not None and tensor.nbytes > _INLINE_LIMIT:
+            raise ExportError(
+                f"initializer {name} ({tensor.nbytes} bytes) is not a model parameter; it would duplicate weights"
+            )
+    ir.save(program.model, onnx_path)
+    return onnx_path
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Silences the exporter's progress prints and warnings (the builder prints its own progress)."""
+    names = ("torch.onnx", "torch.onnx._internal.exporter._registration", "torch._export", "torch.export", "onnxscript")
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)

@@ -1,0 +1,96 @@
+"""The KV memory plan of an engine: how many sequences fit in the KV budget.
+
+Paging wastes at most one partly-filled block per sequence, so a sequence of
+length L holds ceil(L / block_size) blocks. A contiguous (unpaged) cache
+reserves max_seq_len tokens per sequence whatever its length; the plan shows
+both so the gain is visible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from trtpaged.manifest import Manifest
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    bytes_per_token: int
+    bytes_per_block: int
+    block_size: int
+    max_seq_len: int
+    max_batch_size: int
+    budget_rule: str  # how the number of blocks is decided
+    num_blocks: Optional[int]  # None when decided at serve time and no memory figure was given
+
+    def blocks_for(self, length: int) -> int:
+        return -(-length // self.block_size)
+
+    def max_sequences(self, length: int) -> Optional[int]:
+        """Sequences of `length` tokens that fit in the KV budget together (paged)."""
+        if self.num_blocks is None:
+            return None
+        return self.num_blocks // self.blocks_for(length)
+
+    def contiguous_sequences(self) -> Optional[int]:
+        """Sequences that would fit if each reserved max_seq_len tokens contiguously."""
+        if self.num_blocks is None:
+            return None
+        return self.num_blocks * self.block_size // self.max_seq_len
+
+    def lines(self, avg_len: Optional[int] = None) -> list[str]:
+        """The plan as printable lines."""
+        out = [
+            f"KV bytes per token:   {self.bytes_per_token:,} (K and V, every layer)",
+            f"KV bytes per block:   {self.bytes_per_block:,} ({self.block_size} tokens)",
+            f"KV budget:            {self.budget_rule}",
+        ]
+        if self.num_blocks is None:
+            out.append("blocks in budget:     decided at serve time (pass --memory SIZE to evaluate)")
+            return out
+        out.append(f"blocks in budget:     {self.num_blocks:,} ({format_bytes(self.num_blocks * self.bytes_per_block)}, "
+                   f"{self.num_blocks * self.block_size:,} tokens)")
+        fit = self.max_sequences(self.max_seq_len)
+        out.append(f"max concurrent sequences at max_seq_len {self.max_seq_len}: {fit:,}{self._cap(fit)}")
+        if avg_len is not None:
+            fit_avg = self.max_sequences(avg_len)
+            out.append(f"max concurrent sequences at average length {avg_len}: {fit_avg:,} "
+                       f"({self.blocks_for(avg_len)} blocks each){self._cap(fit_avg)}")
+            out.append(f"  (unpaged, reserving max_seq_len per sequence: {self.contiguous_sequences():,})")
+        return out
+
+    def _cap(self, fit: int) -> str:
+        return f" (a step runs at most max_batch_size {self.max_batch_size})" if fit > self.max_batch_size else ""
+
+
+def format_bytes(n: int) -> str:
+    """1536 -> '1.50 KiB'."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def plan_memory(manifest: Manifest, memory_bytes: Optional[int] = None) -> MemoryPlan:
+    """The plan of an engine; `memory_bytes` stands for free device memory when the budget is a fraction."""
+    kv, block_bytes = manifest.kv_cache, manifest.kv_bytes_per_block
+    if kv.num_blocks is not None:
+        rule, blocks = f"num_blocks {kv.num_blocks}", kv.num_blocks
+    elif kv.memory_bytes is not None:
+        rule, blocks = f"memory {format_bytes(kv.memory_bytes)}", kv.memory_bytes // block_bytes
+    else:
+        rule = f"fraction {kv.fraction} of free device memory at serve time"
+        blocks = None
+        if memory_bytes is not None:
+            rule += f" (evaluated for {format_bytes(memory_bytes)} free)"
+            blocks = int(memory_bytes * (kv.fraction or 0)) // block_bytes
+    return MemoryPlan(
+        bytes_per_token=manifest.kv_bytes_per_token,
+        bytes_per_block=block_bytes,
+        block_size=manifest.limits.block_size,
+        max_seq_len=manifest.limits.max_seq_len,
+        max_batch_size=manifest.limits.max_batch_size,
+        budget_rule=rule,
+        num_blocks=blocks,
+    )

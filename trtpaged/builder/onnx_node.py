@@ -1,0 +1,74 @@
+"""The paged-attention ONNX node: names, schema and the exporter's translation.
+
+One node per layer, domain `trtpaged`. The TensorRT ONNX parser ignores the
+domain and looks a plugin up by op_type + plugin_version + plugin_namespace, so
+the op_type is one no TensorRT built-in uses.
+
+Inputs:  q [T, H, D], k [T, KVH, D], v [T, KVH, D], kv_cache (pool), positions [T],
+         query_start [S+1], context_lens [S], block_tables [S, MB]
+Outputs: out [T, H, D], kv_cache_out (the updated pool; aliased to kv_cache by the plugin)
+Attributes: num_heads, num_kv_heads, head_dim, block_size, layer (int), scale (float),
+            plugin_version, plugin_namespace (string)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import onnx
+from onnx.defs import OpSchema
+
+DOMAIN = "trtpaged"
+DOMAIN_VERSION = 1
+OP_TYPE = "TrtpagedPagedAttention"
+PLUGIN_VERSION = "1"
+PLUGIN_NAMESPACE = "trtpaged"
+INT_ATTRIBUTES = ("num_heads", "num_kv_heads", "head_dim", "block_size", "layer")
+INPUTS = ("q", "k", "v", "kv_cache", "positions", "query_start", "context_lens", "block_tables")
+OUTPUTS = ("out", "kv_cache_out")
+_FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
+
+
+@functools.lru_cache(maxsize=1)
+def register_schema() -> OpSchema:
+    """Registers (once) the node's schema with onnx, which onnxscript needs to emit the node."""
+    if onnx.defs.has(OP_TYPE, DOMAIN):
+        return onnx.defs.get_schema(OP_TYPE, DOMAIN_VERSION, DOMAIN)
+    types = {"q": "T", "k": "T", "v": "T", "kv_cache": "C", "out": "T", "kv_cache_out": "C"}
+    param = OpSchema.FormalParameter
+    schema = OpSchema(
+        OP_TYPE,
+        DOMAIN,
+        DOMAIN_VERSION,
+        doc=__doc__ or "",
+        inputs=[param(name, types.get(name, "I")) for name in INPUTS],
+        outputs=[param(name, types[name]) for name in OUTPUTS],
+        type_constraints=[("T", _FLOATS, "activations"), ("C", _FLOATS, "KV pool"), ("I", ["tensor(int32)"], "indices")],
+        attributes=[OpSchema.Attribute(a, OpSchema.AttrType.INT, "") for a in INT_ATTRIBUTES]
+        + [OpSchema.Attribute("scale", OpSchema.AttrType.FLOAT, ""),
+           OpSchema.Attribute("plugin_version", OpSchema.AttrType.STRING, ""),
+           OpSchema.Attribute("plugin_namespace", OpSchema.AttrType.STRING, "")],
+    )
+    onnx.defs.register_schema(schema)
+    return schema
+
+
+def translation_table() -> dict:
+    """The exporter's custom_translation_table: trtpaged::paged_attention -> one TrtpagedPagedAttention node."""
+    import onnxscript
+    import torch
+
+    from trtpaged.models import attention_op  # noqa: F401  (registers the torch op)
+
+    register_schema()
+    opset = onnxscript.values.Opset(DOMAIN, DOMAIN_VERSION)
+
+    def paged_attention(q, k, v, kv_cache, positions, query_start, context_lens, block_tables,
+                        num_heads, num_kv_heads, head_dim, block_size, layer, scale):
+        return getattr(opset, OP_TYPE)(
+            q, k, v, kv_cache, positions, query_start, context_lens, block_tables,
+            num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+            layer=layer, scale=float(scale), plugin_version=PLUGIN_VERSION, plugin_namespace=PLUGIN_NAMESPACE,
+        )
+
+    return {torch.ops.trtpaged.paged_attention.default: paged_attention}

@@ -1,0 +1,176 @@
+"""`build_engine`: model.yaml config -> engine dir, in stages.
+
+    check    validate what is cheap (output path, backend, architecture, GGUF header)
+    load     transformers loads config, weights and tokenizer (float32)
+    patch    trtpaged's step model built from the HF config and weights
+    export   weights.safetensors + model.onnx (external data pointing into the safetensors)
+    verify   the ONNX graph on CPU vs HF's forward over two chained steps
+    compile  engine.plan with TensorRT (skipped where TensorRT or the plugin is missing)
+    write    tokenizer, manifest with sha256 of every file, atomic rename into place
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from trtpaged import __version__
+from trtpaged.builder import compile as trt_compile
+from trtpaged.builder.engine_dir import OutputDirError, check_output, file_hashes, staged_output, write_manifest
+from trtpaged.builder.export import export_onnx
+from trtpaged.builder.progress import Progress
+from trtpaged.builder.verify import unsupported_reason, verify_onnx
+from trtpaged.builder.weights import save_weights
+from trtpaged.config import BuildConfig, ConfigError
+from trtpaged.manifest import DTYPE_BYTES, Manifest, ModelDims
+
+WEIGHTS_FILE = "weights.safetensors"
+ONNX_FILE = "model.onnx"
+TOKENIZER_DIR = "tokenizer"
+
+
+class BuildError(RuntimeError):
+    """A build failed; the message says at which stage and why."""
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    engine_dir: Path
+    manifest: Manifest
+    seconds: float
+
+
+def build_engine(
+    config: BuildConfig,
+    output: Optional[Path | str] = None,
+    *,
+    skip_verify: bool = False,
+    echo: Callable[[str], None] = print,
+) -> BuildResult:
+    """Builds the engine dir for `config` at `output` (default: config.output); raises ConfigError or BuildError."""
+    from trtpaged.models import UnsupportedModelError, dims_from_hf_config, load_hf, source_architecture
+    from trtpaged.models.loading import TORCH_DTYPES, step_model_from_hf
+
+    progress = Progress(echo)
+    with progress.stage("check") as st:
+        config, out_dir = _preflight(config, output, progress)
+        arch = source_architecture(config.model)
+        st.note(f"{arch} from {config.model.kind} -> {out_dir}")
+    with staged_output(out_dir) as tmp:
+        with progress.stage("load") as st:
+            try:
+                hf = load_hf(config.model, torch.float32)
+            except (OSError, ValueError, RuntimeError, KeyError) as e:
+                raise BuildError(f"load: model.{config.model.kind} ({config.model.path or 'tiny'}): "
+                                 f"{type(e).__name__}: {e}") from e
+            try:
+                dims = dims_from_hf_config(hf.config, config.limits.max_seq_len)
+            except UnsupportedModelError as e:
+                raise ConfigError(f"model.{config.model.kind}: {e}") from None
+            _check_limits(config, dims)
+            params = sum(p.numel() for p in hf.model.parameters())
+            st.note(f"{params / 1e6:.1f}M parameters, {dims.num_layers} layers, vocab {dims.vocab_size}")
+        with progress.stage("patch") as st:
+            dtype = TORCH_DTYPES[config.dtype]
+            step_model = step_model_from_hf(hf.model, dims, dtype)
+            st.note(f"LlamaStepModel {config.dtype}, {dims.num_heads}/{dims.num_kv_heads} heads x {dims.head_dim}")
+        with progress.stage("export") as st:
+            save_weights(step_model, tmp / WEIGHTS_FILE)
+            export_onnx(step_model, config.limits.block_size, TORCH_DTYPES[config.kv_cache_dtype],
+                        tmp / ONNX_FILE, tmp / WEIGHTS_FILE)
+            st.note(f"{ONNX_FILE} ({dims.num_layers} paged-attention nodes), {WEIGHTS_FILE} "
+                    f"{(tmp / WEIGHTS_FILE).stat().st_size / 2**20:.1f} MiB")
+        why_not = "--skip-verify" if skip_verify else unsupported_reason(config.dtype, config.kv_cache_dtype)
+        if why_not:
+            progress.skip("verify", why_not)
+            verification: dict = {"skipped": True, "reason": why_not}
+        else:
+            with progress.stage("verify") as st:
+                result = verify_onnx(tmp / ONNX_FILE, hf.model, dims.vocab_size, config.limits.block_size,
+                                     config.dtype, config.kv_cache_dtype)
+                verification = result.as_dict()
+                st.note(f"max abs diff {result.max_abs_diff:.3g} (tolerance {result.tolerance:.3g}, "
+                        f"{result.rows} logits rows, 2 steps)")
+        if config.backend == "torch":
+            progress.skip("compile", "backend: torch (no engine.plan)")
+        else:
+            progress.skip("compile", trt_compile.unavailable_reason() or "")
+        with progress.stage("write") as st:
+            hf.tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
+            manifest = _manifest(config, dims, hf, verification, file_hashes(tmp))
+            write_manifest(tmp, manifest)
+            st.note(f"{len(manifest.files) + 1} files, backends: {', '.join(manifest.backends)}")
+    total = progress.total()
+    echo(f"built {out_dir} in {total:.1f}s")
+    return BuildResult(engine_dir=out_dir, manifest=manifest, seconds=total)
+
+
+def _preflight(config: BuildConfig, output: Optional[Path | str], progress: Progress) -> tuple[BuildConfig, Path]:
+    out = Path(output).resolve() if output is not None else config.output
+    if out is None:
+        raise ConfigError("output: not set; give `output:` in the model.yaml or `-o DIR`")
+    try:
+        check_output(out)
+    except OutputDirError as e:
+        raise ConfigError(str(e)) from None
+    if config.backend == "tensorrt":
+        raise ConfigError(f"backend: 'tensorrt' cannot be built here: {trt_compile.unavailable_reason()}; "
+                          "use backend: auto or torch")
+    if config.dtype != "float32" and not torch.cuda.is_available():
+        progress.warn(f"dtype {config.dtype}: no CUDA device, building float32 for the CPU (kv_cache_dtype too)")
+        config = replace(config, dtype="float32", kv_cache_dtype="float32")
+    return config, out
+
+
+def _check_limits(config: BuildConfig, dims: ModelDims) -> None:
+    limits = config.limits
+    if limits.max_seq_len > dims.max_position_embeddings and not dims.rope_scaling:
+        raise ConfigError(f"max_seq_len: got {limits.max_seq_len}; the model was trained for "
+                          f"max_position_embeddings {dims.max_position_embeddings}")
+    if config.kv_cache.memory_bytes is not None:
+        block_bytes = 2 * dims.num_layers * dims.num_kv_heads * dims.head_dim * DTYPE_BYTES[config.kv_cache_dtype]
+        block_bytes *= limits.block_size
+        blocks, needed = config.kv_cache.memory_bytes // block_bytes, -(-limits.max_seq_len // limits.block_size)
+        if blocks < needed:
+            raise ConfigError(
+                f"kv_cache.memory: {config.kv_cache.memory_bytes} bytes hold {blocks} blocks of {block_bytes} bytes; "
+                f"one sequence of max_seq_len {limits.max_seq_len} needs {needed}"
+            )
+
+
+def _token_ids(*values) -> list[int]:
+    out: list[int] = []
+    for v in values:
+        for i in v if isinstance(v, (list, tuple)) else [v]:
+            if isinstance(i, int) and i not in out:
+                out.append(i)
+    return out
+
+
+def _manifest(config: BuildConfig, dims: ModelDims, hf, verification: dict, files: dict[str, str]) -> Manifest:
+    tok, gen = hf.tokenizer, getattr(hf.model, "generation_config", None)
+    eos = _token_ids(getattr(gen, "eos_token_id", None), getattr(hf.config, "eos_token_id", None), tok.eos_token_id)
+    bos = tok.bos_token_id if tok.bos_token_id is not None else getattr(hf.config, "bos_token_id", None)
+    source = config.model.describe()
+    source.update({"model_yaml": str(config.source_file) if config.source_file else None, "trtpaged_version": __version__})
+    return Manifest(
+        dims=dims,
+        limits=config.limits,
+        kv_cache=config.kv_cache,
+        dtype=config.dtype,
+        kv_cache_dtype=config.kv_cache_dtype,
+        tokenizer_dir=TOKENIZER_DIR,
+        bos_token_id=bos,
+        eos_token_ids=eos,
+        chat_template=tok.chat_template if isinstance(tok.chat_template, str) else None,
+        weights_file=WEIGHTS_FILE,
+        onnx_file=ONNX_FILE,
+        plan_file=None,
+        backends=["torch"],
+        files=files,
+        source=source,
+        verification=verification,
+    )

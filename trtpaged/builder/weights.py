@@ -1,0 +1,37 @@
+"""The weights file (safetensors) and the byte offsets of its tensors.
+
+The torch backend loads `weights.safetensors`; the ONNX graph's initializers
+point into the same file (ONNX external data with offset/length), so the
+weights exist once on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+def save_weights(model: nn.Module, path: Path) -> dict[str, torch.Tensor]:
+    """Writes the model's persistent state (tied weights once) to safetensors; returns what was written."""
+    from safetensors.torch import save_file
+
+    state = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
+    save_file(state, str(path), metadata={"format": "pt", "producer": "trtpaged"})
+    return state
+
+
+def tensor_offsets(path: Path) -> dict[str, tuple[int, int]]:
+    """name -> (byte offset from the file start, length) for every tensor of a safetensors file."""
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    base = 8 + header_len
+    return {
+        name: (base + info["data_offsets"][0], info["data_offsets"][1] - info["data_offsets"][0])
+        for name, info in header.items()
+        if name != "__metadata__"
+    }
