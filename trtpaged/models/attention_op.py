@@ -18,6 +18,7 @@ be loaded, otherwise in the plain torch reference (`trtpaged.reference`).
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Callable
 
 import torch
@@ -28,11 +29,12 @@ from trtpaged.reference import paged_attention_reference
 @functools.lru_cache(maxsize=1)
 def _kernel() -> Callable[..., torch.Tensor]:
     """The fastest available implementation with the kernels.paged_attention signature."""
+    from trtpaged import kernels
+
     try:
-        from trtpaged import kernels
-    except ImportError:
-        return paged_attention_reference
-    if not kernels.available():
+        kernels.library()
+    except kernels.KernelError as exc:
+        warnings.warn(f"{exc}; falling back to the slow torch reference attention", RuntimeWarning, stacklevel=2)
         return paged_attention_reference
     return kernels.paged_attention
 
