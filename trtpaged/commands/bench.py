@@ -28,3 +28,58 @@ def kernel(kv_dtype: str, as_json: bool, quick: bool) -> None:
 
     report = run_kernel_bench(getattr(torch, kv_dtype), budget_s=0.15 if quick else 0.4, progress=progress)
     click.echo(report_json(report) if as_json else format_report(report))
+
+
+@command.command(name="memory")
+@click.argument("engine", required=False, type=click.Path(exists=True, file_okay=False))
+@click.option("--trace", type=click.Path(exists=True, dir_okay=False),
+              help="JSON Lines trace (prompt_len, output_len[, arrival, prefix_id, prefix_len, n]).")
+@click.option("--num-requests", default=200, show_default=True, help="Synthetic workload: number of requests.")
+@click.option("--prompt-len", default="64:512", show_default=True, help="Synthetic: prompt length N or LOW:HIGH.")
+@click.option("--output-len", default="16:512", show_default=True, help="Synthetic: output length N or LOW:HIGH.")
+@click.option("--shared-prefix", default=0, show_default=True, help="Synthetic: tokens of shared system prompt.")
+@click.option("--num-prefixes", default=1, show_default=True, help="Synthetic: distinct shared prompts.")
+@click.option("--n", default=1, show_default=True, help="Synthetic: parallel samples per request.")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--num-blocks", type=int, help="KV blocks (default: the engine's budget, else 1456).")
+@click.option("--block-size", type=int, help="Tokens per block (default: the engine's, else 16).")
+@click.option("--max-seq-len", type=int, help="Default: the engine's, else 2048.")
+@click.option("--max-batch-size", type=int, help="Default: the engine's, else 256.")
+@click.option("--max-num-tokens", type=int, help="Default: the engine's, else 2048.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def memory(engine, trace, num_requests, prompt_len, output_len, shared_prefix, num_prefixes, n, seed, num_blocks,
+           block_size, max_seq_len, max_batch_size, max_num_tokens, as_json) -> None:  # fmt: skip
+    """Concurrency and KV utilisation of one workload: contiguous reservations vs paged vs paged + sharing.
+
+    Replays the workload through trtpaged's real scheduler and block pool (no model runs) and
+    through contiguous-reservation baselines, all with the same KV budget, side by side.
+    """
+    import json
+
+    from trtpaged.bench.memory_bench import Budget, format_memory_report, run_memory_bench
+    from trtpaged.bench.workload import load_trace, parse_range, synthetic_trace
+
+    defaults = {"num_blocks": 1456, "block_size": 16, "max_seq_len": 2048, "max_batch_size": 256,
+                "max_num_tokens": 2048}  # fmt: skip
+    try:
+        if engine:
+            from trtpaged.manifest import read_manifest
+            from trtpaged.runtime.engines.kv_budget import resolve_num_blocks
+
+            manifest = read_manifest(engine)
+            limits = manifest.limits
+            defaults = {"num_blocks": resolve_num_blocks(manifest), "block_size": limits.block_size,
+                        "max_seq_len": limits.max_seq_len, "max_batch_size": limits.max_batch_size,
+                        "max_num_tokens": limits.max_num_tokens}  # fmt: skip
+        given = {"num_blocks": num_blocks, "block_size": block_size, "max_seq_len": max_seq_len,
+                 "max_batch_size": max_batch_size, "max_num_tokens": max_num_tokens}  # fmt: skip
+        budget = Budget(**{k: v if v is not None else defaults[k] for k, v in given.items()})
+        if trace:
+            requests = load_trace(trace)
+        else:
+            requests = synthetic_trace(num_requests, parse_range(prompt_len, "--prompt-len"),
+                                       parse_range(output_len, "--output-len"), shared_prefix, num_prefixes, n, seed)  # fmt: skip
+    except (ValueError, FileNotFoundError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    report = run_memory_bench(requests, budget, progress=lambda msg: click.echo(f"  replaying: {msg}", err=True))
+    click.echo(json.dumps(report, indent=2) if as_json else format_memory_report(report))

@@ -1,0 +1,277 @@
+"""`trtpaged serve`: a real server on 127.0.0.1 (port 0) over the tiny engine, checked against `LLM`."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from click.testing import CliRunner
+
+from trtpaged import LLM, SamplingParams
+from trtpaged.cli import main
+from trtpaged.server import start_server
+from trtpaged.server.stream_state import held_back
+
+MODEL = "tiny-served"
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_engine_dir):
+    return LLM(tiny_engine_dir, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_engine_dir):
+    handle = start_server(tiny_engine_dir, port=0, served_model_name=MODEL, device="cpu")
+    yield handle
+    handle.shutdown()
+
+
+def request(server, path, body=None, method=None, raw=None):
+    """(status, headers, parsed JSON or text) of one HTTP request."""
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(server.url + path, data=data, method=method or ("POST" if data is not None else "GET"))
+    req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            status, headers, text = resp.status, resp.headers, resp.read().decode()
+    except urllib.error.HTTPError as e:
+        status, headers, text = e.code, e.headers, e.read().decode()
+    is_json = headers.get("Content-Type", "").startswith("application/json")
+    return status, headers, json.loads(text) if is_json else text
+
+
+def stream(server, path, body):
+    """The `data:` payloads of a streamed response, JSON-decoded except the final [DONE]."""
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
+    conn.request("POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.getheader("Content-Type") == "text/event-stream"
+    events = [line[len(b"data: "):].decode() for line in resp.read().split(b"\n\n") if line.startswith(b"data: ")]
+    conn.close()
+    return [e if e == "[DONE]" else json.loads(e) for e in events]
+
+
+def metrics(server):
+    """Unlabelled samples and labelled ones keyed by their full `name{labels}`."""
+    status, headers, text = request(server, "/metrics")
+    assert status == 200 and headers["Content-Type"].startswith("text/plain")
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line and line[0] != "#"}
+
+
+def wait_idle(server, timeout=10.0):
+    """Metrics once no request runs or waits; asserts no KV block is left in use."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(server)
+        if m["trtpaged_num_requests_running"] == m["trtpaged_num_requests_waiting"] == 0 and m["trtpaged_kv_blocks_used"] == 0:
+            return m
+        assert time.monotonic() < deadline, f"server did not go idle: {m}"
+        time.sleep(0.05)
+
+
+def greedy(max_tokens, **kw):
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def test_completions_match_llm(server, llm):
+    prompts = ["hello there", [5, 6, 7, 8, 9, 10]]
+    status, _, body = request(server, "/v1/completions", {"model": MODEL, "prompt": prompts, "max_tokens": 10, "temperature": 0})
+    assert status == 200, body
+    truth = llm.generate(prompts, greedy(10))
+    assert body["object"] == "text_completion" and body["model"] == MODEL and body["id"].startswith("cmpl-")
+    assert abs(body["created"] - time.time()) < 60
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    for choice, out in zip(body["choices"], truth):
+        assert choice["text"] == out.outputs[0].text and choice["finish_reason"] == out.outputs[0].finish_reason
+    assert body["usage"] == {
+        "prompt_tokens": sum(len(o.prompt_token_ids) for o in truth),
+        "completion_tokens": sum(len(o.outputs[0].token_ids) for o in truth),
+        "total_tokens": sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in truth),
+    }
+    status, _, body = request(server, "/v1/completions", {"prompt": "abc", "max_tokens": 4, "logprobs": 2, "temperature": 0})
+    lp = body["choices"][0]["logprobs"]
+    expected = llm.generate(["abc"], greedy(4, logprobs=2))[0].outputs[0]
+    assert len(lp["tokens"]) == len(expected.token_ids) == len(lp["text_offset"])
+    assert lp["token_logprobs"] == pytest.approx([d[t] for d, t in zip(expected.logprobs, expected.token_ids)], abs=1e-5)
+    assert all(1 <= len(top) <= 3 for top in lp["top_logprobs"])  # keyed by text: U+FFFD tokens collide
+    status, _, body = request(server, "/v1/completions", {"prompt": "abc", "max_tokens": 4, "use_beam_search": True, "best_of": 3})
+    beam = llm.generate(["abc"], SamplingParams(max_tokens=4, beam_width=3))[0].outputs[0]
+    assert status == 200 and [c["text"] for c in body["choices"]] == [beam.text]
+
+
+def test_chat_matches_llm(server, llm):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    status, _, body = request(server, "/v1/chat/completions",
+                              {"messages": messages, "max_completion_tokens": 8, "temperature": 0, "logprobs": True, "top_logprobs": 1})
+    plain = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    truth = llm.chat(plain, greedy(8))
+    assert status == 200 and body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    choice = body["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": truth.outputs[0].text}
+    assert body["usage"]["prompt_tokens"] == len(llm.chat_prompt(plain))
+    assert body["usage"]["completion_tokens"] == len(truth.outputs[0].token_ids) == len(choice["logprobs"]["content"])
+    assert all(len(item["top_logprobs"]) == 1 for item in choice["logprobs"]["content"])
+
+
+def test_streaming_equals_non_streamed(server, llm):
+    body = {"prompt": "stream me", "max_tokens": 12, "temperature": 0, "stream_options": {"include_usage": True}}
+    events = stream(server, "/v1/completions", body)
+    assert events[-1] == "[DONE]" and events[-2]["choices"] == []
+    text = "".join(e["choices"][0]["text"] for e in events[:-2])
+    truth = llm.generate(["stream me"], greedy(12))[0].outputs[0]
+    assert text == truth.text and events[-3]["choices"][0]["finish_reason"] == truth.finish_reason
+    assert events[-2]["usage"]["completion_tokens"] == len(truth.token_ids)
+    chat = stream(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "yo"}], "max_tokens": 6, "temperature": 0})
+    assert chat[0]["choices"][0]["delta"]["role"] == "assistant" and chat[-1] == "[DONE]"
+    content = "".join(e["choices"][0]["delta"].get("content", "") for e in chat[:-1])
+    assert content == llm.chat([{"role": "user", "content": "yo"}], greedy(6)).outputs[0].text
+    stop = truth.text[3:5]  # a stop string inside the greedy text: streamed text must stop before it too
+    events = stream(server, "/v1/completions", {**body, "stop": stop})
+    status, _, plain = request(server, "/v1/completions", {**body, "stop": stop, "stream_options": None})
+    assert "".join(e["choices"][0]["text"] for e in events[:-2]) == plain["choices"][0]["text"] == truth.text[: truth.text.index(stop)]
+
+
+def test_held_back_stop_prefixes():
+    assert held_back("abc", ["cd"]) == 1 and held_back("abc", ["bcx", "z"]) == 2 and held_back("abc", ["xyz"]) == 0
+
+
+def test_concurrent_requests_share_steps(server, llm):
+    prompts = ["first prompt", "second one here", [7, 8, 9], "a fourth prompt that is longer than one block of sixteen"]
+    before = wait_idle(server)["trtpaged_engine_steps_total"]
+    results: dict[int, dict] = {}
+
+    def run(i):
+        results[i] = request(server, "/v1/completions", {"prompt": prompts[i], "max_tokens": 16, "temperature": 0, "ignore_eos": True})[2]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    truth = llm.generate(prompts, greedy(16, ignore_eos=True))
+    assert [results[i]["choices"][0]["text"] for i in range(4)] == [o.outputs[0].text for o in truth]
+    steps = wait_idle(server)["trtpaged_engine_steps_total"] - before
+    assert 16 <= steps < 4 * 16, f"{steps} steps for 4 x 16 tokens: requests did not share steps"
+
+
+def test_parallel_sampling_n2(server, llm):
+    body = {"prompt": "sample", "max_tokens": 6, "temperature": 1.0, "seed": 3, "n": 2}
+    status, _, out = request(server, "/v1/completions", body)
+    truth = llm.generate(["sample"], SamplingParams(max_tokens=6, temperature=1.0, seed=3, n=2))[0]
+    assert status == 200 and [c["index"] for c in out["choices"]] == [0, 1]
+    assert [c["text"] for c in out["choices"]] == [c.text for c in truth.outputs]
+
+
+BAD = [
+    ("/v1/completions", {"prompt": "x", "model": "nope"}, "model", "tiny-served"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "8"}, "max_tokens", "integer"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", ">= 1"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature", ">= 0"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p", "(0, 1]"),
+    ("/v1/completions", {"prompt": "x", "top_k": 1.5}, "top_k", "integer"),
+    ("/v1/completions", {"prompt": "x", "n": 9}, "n", "max_batch_size (8)"),
+    ("/v1/completions", {"prompt": "x", "n": 9, "use_beam_search": True}, "n", "max_batch_size (8)"),
+    ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of", "use_beam_search"),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True, "best_of": 2, "stop": "a"}, "stop", "beam search"),
+    ("/v1/completions", {"prompt": [5] * 600}, "prompt", "max_seq_len (512)"),
+    ("/v1/completions", {"prompt": [5] * 500, "max_tokens": 20}, "max_tokens", "max_seq_len (512)"),
+    ("/v1/completions", {"prompt": [999999]}, "prompt", "vocabulary [0, 320)"),
+    ("/v1/completions", {"prompt": ["ok", [5] * 600]}, "prompt", "max_seq_len (512)"),
+    ("/v1/completions", {"max_tokens": 4}, "prompt", "string"),
+    ("/v1/completions", {"prompt": "x", "stop": 5}, "stop", "string"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 50}, "logprobs", "[0, 20]"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "stream"),
+    ("/v1/completions", [1, 2], "body", "object"),
+    ("/v1/chat/completions", {"messages": "hi"}, "messages", "array"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 600}]}, "messages", "max_seq_len (512)"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens", ">= 1"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs", "logprobs"),
+]
+
+
+def test_bad_input_is_400_and_leaks_nothing(server):
+    for path, body, param, limit in BAD:
+        status, _, out = request(server, path, body)
+        assert status == 400, (body, out)
+        assert out["error"]["type"] == "invalid_request_error" and out["error"]["param"] == param, (body, out)
+        assert out["error"]["message"].startswith(param) and limit in out["error"]["message"], (body, out)
+    status, _, out = request(server, "/v1/completions", raw=b'{"prompt": "x",')
+    assert status == 400 and out["error"]["param"] == "body"
+    assert request(server, "/nope")[0] == 404 and request(server, "/v1/completions", method="GET")[0] == 405
+    assert request(server, "/v1/completions", {"prompt": "still up", "max_tokens": 2})[0] == 200
+    m = wait_idle(server)
+    assert m['trtpaged_http_requests_total{route="/v1/completions",status="400"}'] >= len(BAD) - 4
+
+
+def test_engine_exception_is_500_for_that_request_only(server):
+    backend = server.llm.engine.engine
+
+    def boom(batch):
+        del backend.step  # fail once, then the real method again
+        raise RuntimeError("boom")
+
+    server.loop.call(lambda e: setattr(backend, "step", boom))
+    status, _, out = request(server, "/v1/completions", {"prompt": "x", "max_tokens": 3})
+    assert status == 500 and out["error"]["type"] == "server_error" and "boom" in out["error"]["message"]
+    assert request(server, "/v1/completions", {"prompt": "x", "max_tokens": 3})[0] == 200
+    wait_idle(server)
+
+
+def test_client_disconnect_aborts_and_frees_blocks(server):
+    backend = server.llm.engine.engine
+    real_step = backend.step
+
+    def slow_step(batch):  # 500 tokens take >= 2.5 s: the disconnect is seen long before the end
+        time.sleep(0.005)
+        return real_step(batch)
+
+    server.loop.call(lambda e: setattr(backend, "step", slow_step))
+    aborted = metrics(server).get('trtpaged_request_finished_total{finished_reason="abort"}', 0)
+    try:
+        for streamed in (True, False):
+            body = json.dumps({"prompt": "long", "max_tokens": 500, "ignore_eos": True, "stream": streamed}).encode()
+            sock = socket.create_connection((server.host, server.port))
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            received = b""
+            while streamed and b"data: " not in received:
+                received += sock.recv(4096)
+            while metrics(server)["trtpaged_num_requests_running"] != 1:
+                time.sleep(0.02)
+            sock.close()
+            m = wait_idle(server)
+            assert m['trtpaged_request_finished_total{finished_reason="abort"}'] == aborted + 1
+            assert m["trtpaged_kv_blocks_used"] == 0
+            aborted += 1
+    finally:
+        server.loop.call(lambda e: delattr(backend, "step"))
+
+
+def test_models_health_metrics(server):
+    status, _, models = request(server, "/v1/models")
+    assert status == 200 and [d["id"] for d in models["data"]] == [MODEL] and models["data"][0]["max_model_len"] == 512
+    assert request(server, "/health")[:1] == (200,)
+    request(server, "/v1/completions", {"prompt": "metrics", "max_tokens": 3})
+    m = wait_idle(server)
+    for name in ("trtpaged_kv_blocks_total", "trtpaged_kv_cache_usage_ratio", "trtpaged_kv_utilisation_ratio",
+                 "trtpaged_num_preemptions_total", "trtpaged_prefix_cache_queries_tokens_total",
+                 "trtpaged_prefix_cache_hits_tokens_total", "trtpaged_prompt_tokens_total"):
+        assert name in m
+    assert m["trtpaged_kv_blocks_total"] == 256 and m["trtpaged_kv_cache_usage_ratio"] == 0
+    assert m["trtpaged_time_to_first_token_seconds_count"] >= 1 and m["trtpaged_time_per_output_token_seconds_count"] >= 1
+    assert m['trtpaged_time_to_first_token_seconds_bucket{le="+Inf"}'] == m["trtpaged_time_to_first_token_seconds_count"]
+    assert m['trtpaged_request_finished_total{finished_reason="length"}'] >= 1
+
+
+def test_cli_serve_help():
+    result = CliRunner().invoke(main, ["serve", "--help"])
+    assert result.exit_code == 0
+    for option in ("--host", "--port", "--served-model-name", "--max-batch-size", "--max-num-tokens", "--kv-blocks"):
+        assert option in result.output

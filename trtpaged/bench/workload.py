@@ -1,0 +1,101 @@
+"""Request workloads for the memory and throughput benchmarks: trace files or synthetic mixes.
+
+A trace is JSON Lines, one request per line:
+    {"prompt_len": 312, "output_len": 128, "arrival": 0, "prefix_id": 3, "prefix_len": 256, "n": 1}
+Only prompt_len and output_len are required. Requests with the same prefix_id share their
+first prefix_len prompt tokens (a system prompt); arrival is the step at which the request
+is submitted (default 0); n is the number of parallel samples.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    prompt_len: int
+    output_len: int
+    arrival: int = 0
+    prefix_id: Optional[int] = None
+    prefix_len: int = 0
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        for name, low in (("prompt_len", 1), ("output_len", 1), ("arrival", 0), ("prefix_len", 0), ("n", 1)):
+            if getattr(self, name) < low:
+                raise ValueError(f"{name}: must be >= {low}, got {getattr(self, name)}")
+        if self.prefix_len > self.prompt_len:
+            raise ValueError(f"prefix_len: {self.prefix_len} exceeds prompt_len {self.prompt_len}")
+
+
+def load_trace(path: str | Path) -> list[TraceRequest]:
+    """Reads a JSON Lines trace; errors name the line and the field."""
+    requests = []
+    fields = set(TraceRequest.__dataclass_fields__)
+    for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            data = json.loads(line)
+            unknown = set(data) - fields
+            if unknown:
+                raise ValueError(f"unknown field(s) {sorted(unknown)}; allowed: {sorted(fields)}")
+            requests.append(TraceRequest(**data))
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{path}:{lineno}: {exc}") from exc
+    if not requests:
+        raise ValueError(f"{path}: no requests")
+    return requests
+
+
+def parse_range(text: str, name: str) -> tuple[int, int]:
+    """'128' or '64:512' -> (low, high)."""
+    try:
+        low, _, high = text.partition(":")
+        lo, hi = int(low), int(high or low)
+    except ValueError:
+        raise ValueError(f"{name}: expected N or LOW:HIGH, got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise ValueError(f"{name}: expected 1 <= LOW <= HIGH, got {text!r}")
+    return lo, hi
+
+
+def synthetic_trace(
+    num_requests: int,
+    prompt_len: tuple[int, int],
+    output_len: tuple[int, int],
+    shared_prefix_len: int = 0,
+    num_prefixes: int = 1,
+    n: int = 1,
+    seed: int = 0,
+) -> list[TraceRequest]:
+    """Uniformly random lengths, all arriving at step 0; optional shared system prompts."""
+    if num_requests < 1:
+        raise ValueError(f"num_requests: must be >= 1, got {num_requests}")
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num_requests):
+        plen = rng.randint(*prompt_len) + shared_prefix_len
+        prefix = rng.randrange(num_prefixes) if shared_prefix_len else None
+        out.append(TraceRequest(plen, rng.randint(*output_len), 0, prefix, shared_prefix_len, n))
+    return out
+
+
+def prompt_token_ids(requests: list[TraceRequest], vocab: int = 30000, seed: int = 0) -> list[list[int]]:
+    """Token ids for each request: shared prefixes identical, everything else random (no accidental sharing)."""
+    rng = random.Random(seed)
+    prefixes: dict[int, list[int]] = {}
+    out = []
+    for r in requests:
+        ids: list[int] = []
+        if r.prefix_id is not None and r.prefix_len:
+            prefix = prefixes.setdefault(r.prefix_id, [rng.randrange(1, vocab) for _ in range(r.prefix_len)])
+            ids = list(prefix[: r.prefix_len])
+        ids += [rng.randrange(1, vocab) for _ in range(r.prompt_len - len(ids))]
+        out.append(ids)
+    return out
