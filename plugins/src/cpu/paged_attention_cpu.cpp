@@ -173,6 +173,7 @@ struct Scratch {
   std::vector<float> q, acc, m, l, scores, kf, vf;
   std::vector<int32_t> pos;
   std::vector<const float*> kp, vp;
+  std::vector<const void*> knext, vnext;
 };
 
 // Returns src as floats: src itself for fp32, else converted into buf.
@@ -208,6 +209,8 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const PoolLa
   sc.scores.resize(size_t(kRowGroup * tile_keys));
   sc.kp.resize(size_t(tile_blocks));
   sc.vp.resize(size_t(tile_blocks));
+  sc.knext.resize(size_t(tile_blocks));
+  sc.vnext.resize(size_t(tile_blocks));
   if (!std::is_same_v<KV, float>) {
     sc.kf.resize(size_t(tile_keys * d));
     sc.vf.resize(size_t(tile_keys * d));
@@ -233,7 +236,18 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const PoolLa
       sc.kp[size_t(b)] = as_float(block_ptr(tile + b * bs, 0), n, sc.kf.data() + b * bs * d);
       sc.vp[size_t(b)] = as_float(block_ptr(tile + b * bs, 1), n, sc.vf.data() + b * bs * d);
     }
+    // K and V blocks of the next tile, requested while this tile is computed
+    const int64_t next_tile = tile + tile_keys;
+    const int64_t next_n = std::clamp<int64_t>(task.k_end - next_tile, 0, tile_keys);
+    const int64_t next_blocks = (next_n + bs - 1) / bs;
+    for (int64_t b = 0; b < next_blocks; ++b) {
+      sc.knext[size_t(b)] = block_ptr(next_tile + b * bs, 0);
+      sc.vnext[size_t(b)] = block_ptr(next_tile + b * bs, 1);
+    }
+    const int64_t block_bytes = bs * d * int64_t(sizeof(KV));
     for (int32_t r0 = 0; r0 < rows; r0 += kRowGroup) {
+      const NextBlocks next_k{sc.knext.data(), r0 == 0 ? next_blocks : 0, block_bytes};
+      const NextBlocks next_v{sc.vnext.data(), r0 == 0 ? next_blocks : 0, block_bytes};
       const int nr = std::min(kRowGroup, rows - r0);
       int64_t limits[kRowGroup];
       int64_t group_limit = 0;
@@ -243,12 +257,11 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const PoolLa
       }
       if (group_limit == 0) continue;
       float* scores = sc.scores.data();
-      scores_for(nr, sc.q.data() + r0 * d, d, sc.kp.data(), bs, group_limit, scores, tile_keys);
+      scores_for(nr, sc.q.data() + r0 * d, d, sc.kp.data(), bs, group_limit, scores, tile_keys, next_k);
       for (int i = 0; i < nr; ++i) {
         float* row = scores + i * tile_keys;
         const int64_t limit = limits[i];
-        float tile_max = kNegInf;
-        for (int64_t j = 0; j < limit; ++j) tile_max = std::max(tile_max, row[j]);
+        const float tile_max = max_of(row, limit);
         float& m = sc.m[size_t(r0 + i)];
         const float m_new = std::max(m, tile_max);
         const float alpha = (m == kNegInf || limit == 0) ? (limit == 0 ? 1.0f : 0.0f) : std::exp(m - m_new);
@@ -267,7 +280,7 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const PoolLa
         }
         m = m_new;
       }
-      accumulate_for(nr, scores, tile_keys, sc.vp.data(), bs, group_limit, sc.acc.data() + r0 * d, d);
+      accumulate_for(nr, scores, tile_keys, sc.vp.data(), bs, group_limit, sc.acc.data() + r0 * d, d, next_v);
     }
   }
   for (int32_t r = 0; r < rows; ++r) {

@@ -1,0 +1,138 @@
+#include "tensorrt/attention_io.h"
+
+#include <algorithm>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+namespace trtpaged {
+namespace trt {
+namespace {
+
+using nvinfer1::DataType;
+using nvinfer1::Dims;
+
+constexpr char const* kInputNames[kNbInputs] = {"q",           "k",           "v",           "kv_cache",
+                                                "positions",   "query_start", "context_lens", "block_tables"};
+constexpr int32_t kRanks[kNbInputs] = {3, 3, 3, 6, 1, 1, 1, 2};
+
+std::string dims_str(Dims const& d) {
+  std::string s = "[";
+  for (int32_t i = 0; i < d.nbDims; ++i) s += (i ? ", " : "") + std::to_string(d.d[i]);
+  return s + "]";
+}
+
+// Checks d.d[axis] == want when both are known (>= 0).
+void expect(Dims const& d, int32_t input, int32_t axis, int64_t want, char const* what) {
+  int64_t const got = d.d[axis];
+  if (got >= 0 && want >= 0 && got != want) {
+    throw std::invalid_argument(std::string(kPluginName) + " input " + kInputNames[input] + " " + dims_str(d) +
+                                ": dimension " + std::to_string(axis) + " must be " + what + " = " +
+                                std::to_string(want));
+  }
+}
+
+int32_t to_i32(int64_t v, char const* what) {
+  if (v < 0 || v > std::numeric_limits<int32_t>::max()) {
+    throw std::invalid_argument(std::string(kPluginName) + ": " + what + " " + std::to_string(v) +
+                                " is not a non-negative int32");
+  }
+  return static_cast<int32_t>(v);
+}
+
+trtpaged_dtype kernel_dtype(DataType type, char const* what) {
+  switch (type) {
+    case DataType::kFLOAT: return TRTPAGED_FLOAT32;
+    case DataType::kHALF: return TRTPAGED_FLOAT16;
+    case DataType::kBF16: return TRTPAGED_BFLOAT16;
+    default: throw std::invalid_argument(std::string(kPluginName) + ": " + what + " must be fp32, fp16 or bf16");
+  }
+}
+
+}  // namespace
+
+bool is_activation_type(DataType type) noexcept {
+  return type == DataType::kFLOAT || type == DataType::kHALF || type == DataType::kBF16;
+}
+
+void check_shapes(AttentionFields const& f, Dims const* in, int32_t nbInputs) {
+  if (nbInputs != kNbInputs) {
+    throw std::invalid_argument(std::string(kPluginName) + ": expected 8 inputs, got " + std::to_string(nbInputs));
+  }
+  for (int32_t i = 0; i < kNbInputs; ++i) {
+    if (in[i].nbDims != kRanks[i]) {
+      throw std::invalid_argument(std::string(kPluginName) + " input " + kInputNames[i] + " " + dims_str(in[i]) +
+                                  ": expected rank " + std::to_string(kRanks[i]));
+    }
+  }
+  Dims const& q = in[kQ];
+  Dims const& pool = in[kKvCache];
+  int64_t const tokens = q.d[0];
+  int64_t const seqs = in[kBlockTables].d[0];
+  expect(q, kQ, 1, f.num_heads, "num_heads");
+  expect(q, kQ, 2, f.head_dim, "head_dim");
+  for (int32_t kv : {kK, kV}) {
+    expect(in[kv], kv, 0, tokens, "num_tokens");
+    expect(in[kv], kv, 1, f.num_kv_heads, "num_kv_heads");
+    expect(in[kv], kv, 2, f.head_dim, "head_dim");
+  }
+  expect(pool, kKvCache, 2, 2, "2 (K and V)");
+  expect(pool, kKvCache, 3, f.num_kv_heads, "num_kv_heads");
+  expect(pool, kKvCache, 4, f.block_size, "block_size");
+  expect(pool, kKvCache, 5, f.head_dim, "head_dim");
+  if (pool.d[1] >= 0 && f.layer >= pool.d[1]) {
+    throw std::invalid_argument(std::string(kPluginName) + ": layer " + std::to_string(f.layer) +
+                                " is outside the pool's " + std::to_string(pool.d[1]) + " layers");
+  }
+  expect(in[kPositions], kPositions, 0, tokens, "num_tokens");
+  expect(in[kQueryStart], kQueryStart, 0, seqs >= 0 ? seqs + 1 : -1, "num_seqs + 1");
+  expect(in[kContextLens], kContextLens, 0, seqs, "num_seqs");
+}
+
+trtpaged_attention_params make_params(AttentionFields const& f, Dims const* in, DataType io_type, DataType kv_type) {
+  trtpaged_attention_params p{};
+  p.num_tokens = to_i32(in[kQ].d[0], "num_tokens");
+  p.num_seqs = to_i32(in[kBlockTables].d[0], "num_seqs");
+  p.max_blocks_per_seq = to_i32(in[kBlockTables].d[1], "max_blocks_per_seq");
+  p.num_heads = f.num_heads;
+  p.num_kv_heads = f.num_kv_heads;
+  p.head_dim = f.head_dim;
+  p.num_blocks = to_i32(in[kKvCache].d[0], "num_blocks");
+  p.num_layers = to_i32(in[kKvCache].d[1], "num_layers");
+  p.layer = f.layer;
+  p.block_size = f.block_size;
+  p.scale = f.scale;
+  p.io_dtype = kernel_dtype(io_type, "q");
+  p.kv_dtype = kernel_dtype(kv_type, "kv_cache");
+  return p;
+}
+
+int32_t max_context_len(AttentionFields const& f, Dims const& block_tables) {
+  int64_t const span = std::max<int64_t>(block_tables.d[1], 0) * f.block_size;
+  return static_cast<int32_t>(std::min<int64_t>(span, std::numeric_limits<int32_t>::max()));
+}
+
+size_t workspace_bound(AttentionFields const& f, nvinfer1::DynamicPluginTensorDesc const* inputs) {
+  Dims shapes[kNbInputs];
+  for (int32_t i = 0; i < kNbInputs; ++i) shapes[i] = inputs[i].max;
+  Dims const& tables_min = inputs[kBlockTables].min;
+  Dims const& tables_max = inputs[kBlockTables].max;
+  int64_t const seqs_lo = std::max<int64_t>(tables_min.d[0], 1);
+  int64_t const blocks_lo = std::max<int64_t>(tables_min.d[1], 1);
+  size_t bound = 0;
+  // The decode split count falls as num_seqs grows, so num_seqs * splits is not
+  // monotonic: take the largest size over every shape the profile admits.
+  for (int64_t seqs = seqs_lo; seqs <= tables_max.d[0]; ++seqs) {
+    for (int64_t blocks = blocks_lo; blocks <= tables_max.d[1]; ++blocks) {
+      shapes[kBlockTables].d[0] = seqs;
+      shapes[kBlockTables].d[1] = blocks;
+      trtpaged_attention_params const p =
+          make_params(f, shapes, inputs[kQ].desc.type, inputs[kKvCache].desc.type);
+      bound = std::max(bound, trtpaged_paged_attention_cuda_workspace_size(&p, max_context_len(f, shapes[kBlockTables])));
+    }
+  }
+  return bound;
+}
+
+}  // namespace trt
+}  // namespace trtpaged

@@ -1,0 +1,121 @@
+#include "tensorrt/fields.h"
+
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+namespace trtpaged {
+namespace trt {
+namespace {
+
+using nvinfer1::PluginField;
+using nvinfer1::PluginFieldCollection;
+using nvinfer1::PluginFieldType;
+
+constexpr char const* kIntFields[] = {"num_heads", "num_kv_heads", "head_dim", "block_size", "layer"};
+constexpr char const* kScale = "scale";
+
+int32_t* int_slot(AttentionFields& f, std::string const& name) {
+  if (name == "num_heads") return &f.num_heads;
+  if (name == "num_kv_heads") return &f.num_kv_heads;
+  if (name == "head_dim") return &f.head_dim;
+  if (name == "block_size") return &f.block_size;
+  if (name == "layer") return &f.layer;
+  return nullptr;
+}
+
+std::invalid_argument field_error(std::string const& name, std::string const& why) {
+  return std::invalid_argument(std::string(kPluginName) + " field " + name + ": " + why);
+}
+
+int64_t read_int(PluginField const& field) {
+  if (field.data == nullptr || field.length != 1) throw field_error(field.name, "expected one value");
+  switch (field.type) {
+    case PluginFieldType::kINT32: return *static_cast<int32_t const*>(field.data);
+    case PluginFieldType::kINT64: return *static_cast<int64_t const*>(field.data);
+    default: throw field_error(field.name, "expected an int32 or int64 field");
+  }
+}
+
+double read_float(PluginField const& field) {
+  if (field.data == nullptr || field.length != 1) throw field_error(field.name, "expected one value");
+  switch (field.type) {
+    case PluginFieldType::kFLOAT32: return *static_cast<float const*>(field.data);
+    case PluginFieldType::kFLOAT64: return *static_cast<double const*>(field.data);
+    default: throw field_error(field.name, "expected a float32 or float64 field");
+  }
+}
+
+void validate(AttentionFields const& f) {
+  if (f.num_heads < 1) throw field_error("num_heads", "must be >= 1, got " + std::to_string(f.num_heads));
+  if (f.num_kv_heads < 1 || f.num_heads % f.num_kv_heads != 0) {
+    throw field_error("num_kv_heads", "must divide num_heads " + std::to_string(f.num_heads) + ", got " +
+                                          std::to_string(f.num_kv_heads));
+  }
+  if (f.head_dim < 1) throw field_error("head_dim", "must be >= 1, got " + std::to_string(f.head_dim));
+  bool const block_ok = f.block_size == 8 || f.block_size == 16 || f.block_size == 32 || f.block_size == 64 ||
+                        f.block_size == 128;
+  if (!block_ok) throw field_error("block_size", "must be 8, 16, 32, 64 or 128, got " + std::to_string(f.block_size));
+  if (f.layer < 0) throw field_error("layer", "must be >= 0, got " + std::to_string(f.layer));
+  if (!std::isfinite(f.scale) || f.scale <= 0.F) throw field_error("scale", "must be a finite number > 0");
+}
+
+}  // namespace
+
+AttentionFields parse_fields(PluginFieldCollection const* fc) {
+  if (fc == nullptr) throw std::invalid_argument(std::string(kPluginName) + ": no plugin fields given");
+  AttentionFields f;
+  bool seen_int[5] = {false, false, false, false, false};
+  bool seen_scale = false;
+  for (int32_t i = 0; i < fc->nbFields; ++i) {
+    PluginField const& field = fc->fields[i];
+    if (field.name == nullptr) continue;
+    std::string const name(field.name);
+    if (name == kScale) {
+      f.scale = static_cast<float>(read_float(field));
+      seen_scale = true;
+    } else if (int32_t* slot = int_slot(f, name)) {
+      int64_t const value = read_int(field);
+      if (value < INT32_MIN || value > INT32_MAX) throw field_error(name, "out of int32 range");
+      *slot = static_cast<int32_t>(value);
+      for (int k = 0; k < 5; ++k) seen_int[k] = seen_int[k] || name == kIntFields[k];
+    }  // other fields (e.g. plugin_version) are not ours
+  }
+  for (int k = 0; k < 5; ++k) {
+    if (!seen_int[k]) throw field_error(kIntFields[k], "missing");
+  }
+  if (!seen_scale) throw field_error(kScale, "missing");
+  validate(f);
+  return f;
+}
+
+PluginFieldCollection const* field_names() noexcept {
+  static PluginField const fields[] = {
+      PluginField(kIntFields[0], nullptr, PluginFieldType::kINT32, 1),
+      PluginField(kIntFields[1], nullptr, PluginFieldType::kINT32, 1),
+      PluginField(kIntFields[2], nullptr, PluginFieldType::kINT32, 1),
+      PluginField(kIntFields[3], nullptr, PluginFieldType::kINT32, 1),
+      PluginField(kIntFields[4], nullptr, PluginFieldType::kINT32, 1),
+      PluginField(kScale, nullptr, PluginFieldType::kFLOAT32, 1),
+  };
+  static PluginFieldCollection const collection{static_cast<int32_t>(sizeof(fields) / sizeof(fields[0])), fields};
+  return &collection;
+}
+
+SerializedFields::SerializedFields(AttentionFields const& values) : mValues(values) {
+  auto const i32 = PluginFieldType::kINT32;
+  mFields = {
+      PluginField(kIntFields[0], &mValues.num_heads, i32, 1),
+      PluginField(kIntFields[1], &mValues.num_kv_heads, i32, 1),
+      PluginField(kIntFields[2], &mValues.head_dim, i32, 1),
+      PluginField(kIntFields[3], &mValues.block_size, i32, 1),
+      PluginField(kIntFields[4], &mValues.layer, i32, 1),
+      PluginField(kScale, &mValues.scale, PluginFieldType::kFLOAT32, 1),
+  };
+  mCollection.nbFields = static_cast<int32_t>(mFields.size());
+  mCollection.fields = mFields.data();
+}
+
+}  // namespace trt
+}  // namespace trtpaged

@@ -1,0 +1,51 @@
+// The field spec of the paged-attention plugin: names, types and validation of
+// the attributes the ONNX node carries (trtpaged/builder/onnx_node.py), and
+// their round trip through PluginFieldCollection for build and serialization.
+#pragma once
+
+#include <NvInferRuntime.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace trtpaged {
+namespace trt {
+
+// The ONNX parser finds the creator by op_type, plugin_version and plugin_namespace.
+constexpr char const* kPluginName = "TrtpagedPagedAttention";
+constexpr char const* kPluginVersion = "1";
+constexpr char const* kPluginNamespace = "trtpaged";
+
+// The node's attributes: everything the plugin needs besides the tensors' shapes.
+struct AttentionFields {
+  int32_t num_heads{0};
+  int32_t num_kv_heads{0};
+  int32_t head_dim{0};
+  int32_t block_size{0};
+  int32_t layer{0};
+  float scale{0.F};
+};
+
+// Reads and validates every field; throws std::invalid_argument naming the field.
+AttentionFields parse_fields(nvinfer1::PluginFieldCollection const* fc);
+
+// The fields createPlugin() expects (names and types; no data), for getFieldNames().
+nvinfer1::PluginFieldCollection const* field_names() noexcept;
+
+// A PluginFieldCollection whose fields point into a copy of the values it was given.
+class SerializedFields {
+ public:
+  explicit SerializedFields(AttentionFields const& values);
+  SerializedFields(SerializedFields const& other) : SerializedFields(other.mValues) {}
+  SerializedFields& operator=(SerializedFields const&) = delete;
+
+  nvinfer1::PluginFieldCollection const* collection() const noexcept { return &mCollection; }
+
+ private:
+  AttentionFields mValues;
+  std::vector<nvinfer1::PluginField> mFields;
+  nvinfer1::PluginFieldCollection mCollection{};
+};
+
+}  // namespace trt
+}  // namespace trtpaged

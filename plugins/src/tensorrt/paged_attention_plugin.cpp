@@ -1,0 +1,171 @@
+#include "tensorrt/paged_attention_plugin.h"
+
+#include <stdexcept>
+#include <string>
+
+#include "tensorrt/attention_io.h"
+#include "tensorrt/logging.h"
+#include "trtpaged/trtpaged.h"
+
+namespace trtpaged {
+namespace trt {
+
+using nvinfer1::DataType;
+using nvinfer1::Dims;
+using nvinfer1::DimsExprs;
+using nvinfer1::DynamicPluginTensorDesc;
+using nvinfer1::IPluginCapability;
+using nvinfer1::IPluginV3;
+using nvinfer1::PluginCapabilityType;
+using nvinfer1::PluginTensorDesc;
+using nvinfer1::TensorFormat;
+
+namespace {
+
+void expect_io_counts(int32_t nbInputs, int32_t nbOutputs) {
+  if (nbInputs != kNbInputs || nbOutputs != kNbOutputs) {
+    throw std::invalid_argument("expected 8 inputs and 2 outputs, got " + std::to_string(nbInputs) + " and " +
+                                std::to_string(nbOutputs));
+  }
+}
+
+}  // namespace
+
+IPluginCapability* PagedAttentionPlugin::getCapabilityInterface(PluginCapabilityType type) noexcept {
+  switch (type) {
+    case PluginCapabilityType::kCORE: return static_cast<nvinfer1::IPluginV3OneCore*>(this);
+    case PluginCapabilityType::kBUILD: return static_cast<nvinfer1::IPluginV3OneBuildV2*>(this);
+    case PluginCapabilityType::kRUNTIME: return static_cast<nvinfer1::IPluginV3OneRuntime*>(this);
+  }
+  return nullptr;
+}
+
+IPluginV3* PagedAttentionPlugin::clone() noexcept {
+  return guarded<IPluginV3*>("clone", nullptr, [&] { return new PagedAttentionPlugin(mFields); });
+}
+
+int32_t PagedAttentionPlugin::getNbOutputs() const noexcept { return kNbOutputs; }
+
+int32_t PagedAttentionPlugin::getOutputDataTypes(DataType* outputTypes, int32_t nbOutputs, DataType const* inputTypes,
+                                                 int32_t nbInputs) const noexcept {
+  return guarded<int32_t>("getOutputDataTypes", -1, [&] {
+    expect_io_counts(nbInputs, nbOutputs);
+    outputTypes[kOut] = inputTypes[kQ];
+    outputTypes[kKvCacheOut] = inputTypes[kKvCache];
+    return 0;
+  });
+}
+
+int32_t PagedAttentionPlugin::getOutputShapes(DimsExprs const* inputs, int32_t nbInputs, DimsExprs const* /*shapeInputs*/,
+                                              int32_t nbShapeInputs, DimsExprs* outputs, int32_t nbOutputs,
+                                              nvinfer1::IExprBuilder& exprBuilder) noexcept {
+  return guarded<int32_t>("getOutputShapes", -1, [&] {
+    expect_io_counts(nbInputs, nbOutputs);
+    if (nbShapeInputs != 0) throw std::invalid_argument("takes no shape inputs");
+    if (inputs[kQ].nbDims != 3 || inputs[kKvCache].nbDims != 6) {
+      throw std::invalid_argument("q must have rank 3 and kv_cache rank 6");
+    }
+    // out: [num_tokens (from q), num_heads, head_dim]; the pool keeps its shape.
+    outputs[kOut].nbDims = 3;
+    outputs[kOut].d[0] = inputs[kQ].d[0];
+    outputs[kOut].d[1] = exprBuilder.constant(mFields.num_heads);
+    outputs[kOut].d[2] = exprBuilder.constant(mFields.head_dim);
+    outputs[kKvCacheOut] = inputs[kKvCache];
+    return 0;
+  });
+}
+
+bool PagedAttentionPlugin::supportsFormatCombination(int32_t pos, DynamicPluginTensorDesc const* inOut,
+                                                     int32_t nbInputs, int32_t nbOutputs) noexcept {
+  return guarded<bool>("supportsFormatCombination", false, [&] {
+    expect_io_counts(nbInputs, nbOutputs);
+    PluginTensorDesc const& d = inOut[pos].desc;
+    if (d.format != TensorFormat::kLINEAR) return false;
+    switch (pos) {
+      case kQ: return is_activation_type(d.type);
+      case kK:
+      case kV: return d.type == inOut[kQ].desc.type;
+      case kKvCache: return is_activation_type(d.type);
+      case kPositions:
+      case kQueryStart:
+      case kContextLens:
+      case kBlockTables: return d.type == DataType::kINT32;
+      case kNbInputs + kOut: return d.type == inOut[kQ].desc.type;
+      case kNbInputs + kKvCacheOut: return d.type == inOut[kKvCache].desc.type;
+      default: return false;
+    }
+  });
+}
+
+int32_t PagedAttentionPlugin::configurePlugin(DynamicPluginTensorDesc const* in, int32_t nbInputs,
+                                              DynamicPluginTensorDesc const* /*out*/, int32_t nbOutputs) noexcept {
+  return guarded<int32_t>("configurePlugin", -1, [&] {
+    expect_io_counts(nbInputs, nbOutputs);
+    Dims dims[kNbInputs];
+    for (int32_t i = 0; i < kNbInputs; ++i) dims[i] = in[i].desc.dims;  // -1 where dynamic: not checked
+    check_shapes(mFields, dims, nbInputs);
+    return 0;
+  });
+}
+
+size_t PagedAttentionPlugin::getWorkspaceSize(DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
+                                              DynamicPluginTensorDesc const* /*outputs*/,
+                                              int32_t nbOutputs) const noexcept {
+  return guarded<size_t>("getWorkspaceSize", 0, [&] {
+    expect_io_counts(nbInputs, nbOutputs);
+    return workspace_bound(mFields, inputs);
+  });
+}
+
+int32_t PagedAttentionPlugin::getAliasedInput(int32_t outputIndex) noexcept {
+  return outputIndex == kKvCacheOut ? static_cast<int32_t>(kKvCache) : -1;
+}
+
+int32_t PagedAttentionPlugin::onShapeChange(PluginTensorDesc const* in, int32_t nbInputs,
+                                            PluginTensorDesc const* /*out*/, int32_t nbOutputs) noexcept {
+  return guarded<int32_t>("onShapeChange", -1, [&] {
+    expect_io_counts(nbInputs, nbOutputs);
+    Dims dims[kNbInputs];
+    for (int32_t i = 0; i < kNbInputs; ++i) dims[i] = in[i].dims;
+    check_shapes(mFields, dims, nbInputs);
+    return 0;
+  });
+}
+
+int32_t PagedAttentionPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTensorDesc const* outputDesc,
+                                      void const* const* inputs, void* const* outputs, void* workspace,
+                                      cudaStream_t stream) noexcept {
+  return guarded<int32_t>("enqueue", -1, [&] {
+    Dims dims[kNbInputs];
+    for (int32_t i = 0; i < kNbInputs; ++i) dims[i] = inputDesc[i].dims;
+    trtpaged_attention_params const p = make_params(mFields, dims, inputDesc[kQ].type, inputDesc[kKvCache].type);
+    int32_t const max_context = max_context_len(mFields, dims[kBlockTables]);
+    size_t const workspace_size = trtpaged_paged_attention_cuda_workspace_size(&p, max_context);
+    // The pool is updated in place: its output is aliased to input kKvCache.
+    void* pool = outputs[kKvCacheOut];
+    if (pool != inputs[kKvCache]) {
+      throw std::runtime_error("kv_cache_out is not aliased to kv_cache (enable PreviewFeature ALIASED_PLUGIN_IO_10_03)");
+    }
+    (void)outputDesc;
+    int const rc = trtpaged_paged_attention_cuda(
+        &p, inputs[kQ], inputs[kK], inputs[kV], pool, static_cast<int32_t const*>(inputs[kPositions]),
+        static_cast<int32_t const*>(inputs[kQueryStart]), static_cast<int32_t const*>(inputs[kContextLens]),
+        static_cast<int32_t const*>(inputs[kBlockTables]), outputs[kOut], max_context, workspace, workspace_size,
+        static_cast<void*>(stream));
+    if (rc != TRTPAGED_OK) {
+      throw std::runtime_error("layer " + std::to_string(mFields.layer) + ": " + trtpaged_last_error());
+    }
+    return 0;
+  });
+}
+
+IPluginV3* PagedAttentionPlugin::attachToContext(nvinfer1::IPluginResourceContext* /*context*/) noexcept {
+  return clone();  // no per-context resources
+}
+
+nvinfer1::PluginFieldCollection const* PagedAttentionPlugin::getFieldsToSerialize() noexcept {
+  return mSerialized.collection();
+}
+
+}  // namespace trt
+}  // namespace trtpaged
