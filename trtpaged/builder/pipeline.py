@@ -63,9 +63,13 @@ def build_engine(
         with progress.stage("load") as st:
             try:
                 hf = load_hf(config.model, torch.float32)
-            except (OSError, ValueError, RuntimeError, KeyError) as e:
+            except ConfigError:
+                raise
+            except Exception as e:  # noqa: BLE001  (transformers, gguf and tokenizers raise many types)
+                # huggingface_hub's config validation errors wrap the ValueError that says what is wrong
+                cause = e.__cause__ if e.__cause__ is not None and not isinstance(e, (OSError, ValueError)) else e
                 raise BuildError(f"load: model.{config.model.kind} ({config.model.path or 'tiny'}): "
-                                 f"{type(e).__name__}: {e}") from e
+                                 f"{type(cause).__name__}: {cause}") from e
             try:
                 dims = dims_from_hf_config(hf.config, config.limits.max_seq_len)
             except UnsupportedModelError as e:

@@ -115,9 +115,13 @@ def _load_tiny(tiny: dict[str, Any], dtype: torch.dtype) -> HFModel:
     from trtpaged.models.tiny_tokenizer import BOS_ID, EOS_ID, PAD_ID, make_tiny_tokenizer
 
     arch, seed = tiny.pop("architecture"), tiny.pop("seed")
-    config = AutoConfig.for_model(
-        _MODEL_TYPES[arch], architectures=[arch], bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, **tiny
-    )
+    try:
+        config = AutoConfig.for_model(
+            _MODEL_TYPES[arch], architectures=[arch], bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, **tiny
+        )
+    except Exception as e:  # noqa: BLE001  (transformers' config validators raise their own error types)
+        cause = e.__cause__ or e
+        raise ConfigError(f"model.tiny: transformers rejects this {arch} config: {cause}") from None
     torch.manual_seed(int(seed))
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return HFModel(model=model.eval(), tokenizer=make_tiny_tokenizer(), config=config)

@@ -92,7 +92,14 @@ class LLM:
         per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"sampling_params: {len(per_prompt)} given for {len(prompts)} prompts")
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, per_prompt)]
+        ids: list[str] = []
+        try:
+            for p, sp in zip(prompts, per_prompt):
+                ids.append(self.engine.add_request(p, sp))
+        except BaseException:  # all or nothing: a refused prompt must not leave the earlier ones queued
+            for request_id in ids:
+                self.engine.abort(request_id)
+            raise
         results: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished():
             for out in self.engine.step():

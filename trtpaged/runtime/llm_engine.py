@@ -69,7 +69,8 @@ class LLMEngine:
         self.scheduler.check_request(len(token_ids), params.num_seqs)
         beam = None
         if params.use_beam_search:
-            beam = BeamSearch(params, self.eos_token_ids, min(params.max_tokens, self.config.max_seq_len - len(token_ids)) or 1)
+            room = self.config.max_seq_len - len(token_ids)
+            beam = BeamSearch(params, self.eos_token_ids, max(1, min(params.max_tokens or room, room)))
         seq = Sequence(next(self._seq_ids), token_ids)
         group = SequenceGroup(request_id, next(self._arrivals), text, seq, params, beam)
         self.scheduler.add(group)

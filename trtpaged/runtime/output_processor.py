@@ -97,7 +97,9 @@ class OutputProcessor:
             seq.output_text = seq.output_text[: index + (len(stop) if params.include_stop_str_in_output else 0)]
             seq.finish("stop", stop)
             return
-        elif seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_seq_len:
+        elif (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) or (
+            len(seq.token_ids) >= self.max_seq_len
+        ):
             seq.finish("length")
         if seq.is_finished and seq.detokenizer is not None:
             seq.output_text += seq.detokenizer.flush()

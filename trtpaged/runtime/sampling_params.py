@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+import math
+from typing import Any, Optional, Union
+
+_GREEDY_EPS = 1e-5  # temperatures below this sample greedily (as vLLM does)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -17,9 +24,9 @@ class SamplingParams:
     (heuristic) or "never".
     """
 
-    max_tokens: int = 16
+    max_tokens: Optional[int] = 16  # None: until EOS/stop or max_seq_len
     temperature: float = 1.0
-    top_k: int = 0  # 0: off
+    top_k: int = 0  # 0 (or -1, as in vLLM): off
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0  # HF-style, over prompt and output tokens
@@ -38,14 +45,32 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)):
+            raise ValueError(f"SamplingParams.stop: must be a str or a list of str, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(stop))
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"SamplingParams.stop: every stop string must be a non-empty str, got {s!r}")
+        stop_ids = () if self.stop_token_ids is None else self.stop_token_ids
+        if not isinstance(stop_ids, (list, tuple)) or not all(_is_int(t) for t in stop_ids):
+            raise ValueError(f"SamplingParams.stop_token_ids: must be token ids (ints), got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop_ids))
+        if _is_int(self.top_k) and self.top_k == -1:  # vLLM's spelling of "off"
+            object.__setattr__(self, "top_k", 0)
+        for name in ("max_tokens", "n", "beam_width", "top_k", "seed", "logprobs"):
+            value = getattr(self, name)
+            if not _is_int(value) and not (value is None and name in ("max_tokens", "seed", "logprobs")):
+                raise ValueError(f"SamplingParams.{name}: must be an integer, got {value!r}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty", "length_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"SamplingParams.{name}: must be a finite number, got {value!r}")
         checks = [
-            ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1 (None: up to max_seq_len)"),
             ("temperature", self.temperature >= 0.0, "must be >= 0"),
-            ("top_k", self.top_k >= 0, "must be >= 0 (0 disables it)"),
+            ("top_k", self.top_k >= 0, "must be >= 0 (0 or -1 disables it)"),
             ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
             ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
             ("repetition_penalty", self.repetition_penalty > 0.0, "must be > 0"),
@@ -71,7 +96,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or so close to it that dividing the logits by it would overflow (vLLM: < 1e-5)."""
+        return self.temperature < _GREEDY_EPS
 
     @property
     def num_seqs(self) -> int:

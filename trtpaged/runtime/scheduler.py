@@ -59,6 +59,11 @@ class Scheduler:
             raise ValueError("prompt: must have at least one token")
         if num_prompt_tokens > c.max_seq_len:
             raise ValueError(f"prompt: {num_prompt_tokens} tokens exceeds max_seq_len ({c.max_seq_len})")
+        if num_prompt_tokens == c.max_seq_len:
+            raise ValueError(
+                f"prompt: {num_prompt_tokens} tokens reaches max_seq_len ({c.max_seq_len}), leaving no room for a "
+                f"generated token (prompt + output must fit in max_seq_len; at most {c.max_seq_len - 1} prompt tokens)"
+            )
         blocks = -(-num_prompt_tokens // c.block_size)
         if blocks > c.num_blocks:
             raise ValueError(
