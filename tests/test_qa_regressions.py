@@ -81,3 +81,29 @@ def test_build_with_inconsistent_tiny_heads_is_a_clear_error(tmp_path):
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
     assert "model.tiny" in result.output and "not a multiple of the number of attention heads" in result.output
     assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["m.yaml"]
+
+
+def test_failed_step_returns_every_block(tiny_engine_dir) -> None:
+    """An engine step that raises must not leave the call's requests queued or holding blocks."""
+    from trtpaged import LLM, SamplingParams
+
+    llm = LLM(tiny_engine_dir)
+    backend = llm.engine.engine
+    real_step = backend.step
+    calls = {"n": 0}
+
+    def failing_step(batch):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("device lost")
+        return real_step(batch)
+
+    backend.step = failing_step
+    with pytest.raises(RuntimeError, match="device lost"):
+        llm.generate(["hello there", "general kenobi"], SamplingParams(max_tokens=8, temperature=0.0))
+    backend.step = real_step
+    assert not llm.engine.has_unfinished()
+    assert llm.stats()["kv_blocks_used"] == 0
+    # and the LLM keeps working
+    out = llm.generate(["hello there"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4

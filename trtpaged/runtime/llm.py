@@ -93,18 +93,20 @@ class LLM:
         if len(per_prompt) != len(prompts):
             raise ValueError(f"sampling_params: {len(per_prompt)} given for {len(prompts)} prompts")
         ids: list[str] = []
+        results: dict[str, RequestOutput] = {}
         try:
             for p, sp in zip(prompts, per_prompt):
                 ids.append(self.engine.add_request(p, sp))
-        except BaseException:  # all or nothing: a refused prompt must not leave the earlier ones queued
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+        except BaseException:
+            # All or nothing: a refused prompt, a failed step or Ctrl-C must not leave this
+            # call's requests queued or holding KV blocks.
             for request_id in ids:
                 self.engine.abort(request_id)
             raise
-        results: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.finished:
-                    results[out.request_id] = out
         return [results[i] for i in ids]
 
     def chat(self, messages: Seq[dict], sampling_params: Optional[SamplingParams] = None) -> RequestOutput:
