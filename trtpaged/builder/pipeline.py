@@ -29,6 +29,7 @@ from trtpaged.manifest import DTYPE_BYTES, Manifest, ModelDims
 
 WEIGHTS_FILE = "weights.safetensors"
 ONNX_FILE = "model.onnx"
+PLAN_FILE = "engine.plan"
 TOKENIZER_DIR = "tokenizer"
 
 
@@ -98,13 +99,23 @@ def build_engine(
                 verification = result.as_dict()
                 st.note(f"max abs diff {result.max_abs_diff:.3g} (tolerance {result.tolerance:.3g}, "
                         f"{result.rows} logits rows, 2 steps)")
-        if config.backend == "torch":
-            progress.skip("compile", "backend: torch (no engine.plan)")
+        plan_built = False
+        compile_blocker = "backend: torch (no engine.plan)" if config.backend == "torch" else trt_compile.unavailable_reason()
+        if compile_blocker:
+            progress.skip("compile", compile_blocker)
         else:
-            progress.skip("compile", trt_compile.unavailable_reason() or "")
+            with progress.stage("compile") as st:
+                block_bytes = _kv_bytes_per_block(config, dims)
+                profile = trt_compile.ShapeProfile.from_limits(config.limits, config.kv_cache, block_bytes)
+                try:
+                    trt_compile.compile_engine(tmp / ONNX_FILE, tmp / PLAN_FILE, profile, echo=progress.echo)
+                except trt_compile.CompileError as e:
+                    raise BuildError(f"compile: {e}") from e
+                plan_built = True
+                st.note(f"{PLAN_FILE} {(tmp / PLAN_FILE).stat().st_size / 2**20:.1f} MiB")
         with progress.stage("write") as st:
             hf.tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
-            manifest = _manifest(config, dims, hf, verification, file_hashes(tmp))
+            manifest = _manifest(config, dims, hf, verification, file_hashes(tmp), plan_built)
             write_manifest(tmp, manifest)
             st.note(f"{len(manifest.files) + 1} files, backends: {', '.join(manifest.backends)}")
     total = progress.total()
@@ -120,9 +131,9 @@ def _preflight(config: BuildConfig, output: Optional[Path | str], progress: Prog
         check_output(out)
     except OutputDirError as e:
         raise ConfigError(str(e)) from None
-    if config.backend == "tensorrt":
-        raise ConfigError(f"backend: 'tensorrt' cannot be built here: {trt_compile.unavailable_reason()}; "
-                          "use backend: auto or torch")
+    blocker = trt_compile.unavailable_reason() if config.backend == "tensorrt" else None
+    if blocker:
+        raise ConfigError(f"backend: 'tensorrt' cannot be built here: {blocker}; use backend: auto or torch")
     if config.dtype != "float32" and not torch.cuda.is_available():
         progress.warn(f"dtype {config.dtype}: no CUDA device, building float32 for the CPU (kv_cache_dtype too)")
         config = replace(config, dtype="float32", kv_cache_dtype="float32")
@@ -135,8 +146,7 @@ def _check_limits(config: BuildConfig, dims: ModelDims) -> None:
         raise ConfigError(f"max_seq_len: got {limits.max_seq_len}; the model was trained for "
                           f"max_position_embeddings {dims.max_position_embeddings}")
     if config.kv_cache.memory_bytes is not None:
-        block_bytes = 2 * dims.num_layers * dims.num_kv_heads * dims.head_dim * DTYPE_BYTES[config.kv_cache_dtype]
-        block_bytes *= limits.block_size
+        block_bytes = _kv_bytes_per_block(config, dims)
         blocks, needed = config.kv_cache.memory_bytes // block_bytes, -(-limits.max_seq_len // limits.block_size)
         if blocks < needed:
             raise ConfigError(
@@ -154,7 +164,15 @@ def _token_ids(*values) -> list[int]:
     return out
 
 
-def _manifest(config: BuildConfig, dims: ModelDims, hf, verification: dict, files: dict[str, str]) -> Manifest:
+def _kv_bytes_per_block(config: BuildConfig, dims: ModelDims) -> int:
+    """K and V of every layer for one block, as Manifest.kv_bytes_per_block computes it."""
+    per_token = 2 * dims.num_layers * dims.num_kv_heads * dims.head_dim * DTYPE_BYTES[config.kv_cache_dtype]
+    return per_token * config.limits.block_size
+
+
+def _manifest(
+    config: BuildConfig, dims: ModelDims, hf, verification: dict, files: dict[str, str], plan_built: bool = False
+) -> Manifest:
     tok, gen = hf.tokenizer, getattr(hf.model, "generation_config", None)
     eos = _token_ids(getattr(gen, "eos_token_id", None), getattr(hf.config, "eos_token_id", None), tok.eos_token_id)
     bos = tok.bos_token_id if tok.bos_token_id is not None else getattr(hf.config, "bos_token_id", None)
@@ -172,8 +190,8 @@ def _manifest(config: BuildConfig, dims: ModelDims, hf, verification: dict, file
         chat_template=tok.chat_template if isinstance(tok.chat_template, str) else None,
         weights_file=WEIGHTS_FILE,
         onnx_file=ONNX_FILE,
-        plan_file=None,
-        backends=["torch"],
+        plan_file=PLAN_FILE if plan_built else None,
+        backends=["torch", "tensorrt"] if plan_built else ["torch"],
         files=files,
         source=source,
         verification=verification,

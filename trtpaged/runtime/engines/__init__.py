@@ -23,14 +23,24 @@ def default_device() -> str:
 
 
 def tensorrt_usable(engine_dir: Path, manifest: Manifest) -> bool:
-    """An engine.plan is there, TensorRT imports and a GPU is present."""
+    """An engine.plan is there, TensorRT imports, a GPU is present and the plugin library is built."""
+    return tensorrt_unusable_reason(engine_dir, manifest) is None
+
+
+def tensorrt_unusable_reason(engine_dir: Path, manifest: Manifest) -> Optional[str]:
+    """Why the TensorRT backend cannot run this engine dir here, or None when it can."""
     plan = manifest.plan_file
-    return bool(
-        plan
-        and (engine_dir / plan).is_file()
-        and importlib.util.find_spec("tensorrt") is not None
-        and torch.cuda.is_available()
-    )
+    if not plan or not (Path(engine_dir) / plan).is_file():
+        return f"{engine_dir} has no engine.plan (built without TensorRT)"
+    if importlib.util.find_spec("tensorrt") is None:
+        return "TensorRT is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is available"
+    from trtpaged.builder.compile import PLUGIN_HINT, plugin_library_path
+
+    if plugin_library_path() is None:
+        return f"the TensorRT plugin library is not built; {PLUGIN_HINT}"
+    return None
 
 
 def select_backend(engine_dir: Path, manifest: Manifest, backend: str = "auto") -> str:
@@ -48,9 +58,15 @@ def load_engine(
 ) -> Engine:
     """Builds the selected backend over a pool of `num_blocks` blocks."""
     chosen = select_backend(engine_dir, manifest, backend)
+    on_cuda = device is None or device.startswith("cuda")
+    if chosen == "tensorrt" and backend == "auto" and not on_cuda:
+        chosen = "torch"  # a CPU run asked for: the eager backend
     if chosen == "tensorrt":
-        if backend == "auto":  # the TensorRT runtime is a later issue: fall back quietly
-            chosen = "torch"
-        else:
-            raise ValueError("backend: 'tensorrt' is not implemented by this runtime yet; use 'torch' or 'auto'")
+        why_not = tensorrt_unusable_reason(engine_dir, manifest) if on_cuda else f"device {device!r} is not CUDA"
+        if why_not is not None:
+            raise ValueError(f"backend: 'tensorrt' cannot run here: {why_not}; use 'torch' or 'auto'")
+        from trtpaged.runtime.engines.tensorrt_engine import TensorRTEngine
+
+        return TensorRTEngine.from_engine_dir(engine_dir, num_blocks, device=device or "cuda",
+                                              num_host_blocks=num_host_blocks)
     return TorchEngine.from_engine_dir(engine_dir, num_blocks, device=device or default_device(), num_host_blocks=num_host_blocks)

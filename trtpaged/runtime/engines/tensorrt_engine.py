@@ -1,0 +1,127 @@
+"""The TensorRT backend: engine.plan executed through TensorRT's Python API on torch CUDA tensors.
+
+The plan is deserialized with the plugin library registered; each step sets the
+input shapes, binds torch tensors by data pointer and enqueues on the current
+torch stream. The KV pool is bound both as input `kv_cache` and as output
+`kv_cache_out`: the plugin aliases the two and updates the pool in place.
+Block copies and swaps go through the kernel library, as in the torch backend.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from trtpaged.runtime.engines.base import StepBatch
+
+POOL_INPUT, POOL_OUTPUT, LOGITS = "kv_cache", "kv_cache_out", "logits"
+_STEP_INPUTS = ("input_ids", "positions", "query_start", "context_lens", "block_tables", "logits_index")
+
+
+def _torch_dtype(trt, dtype) -> torch.dtype:
+    table = {trt.float32: torch.float32, trt.float16: torch.float16, trt.bfloat16: torch.bfloat16, trt.int32: torch.int32}
+    if dtype not in table:
+        raise ValueError(f"engine.plan: tensor dtype {dtype} is not one trtpaged binds")
+    return table[dtype]
+
+
+class TensorRTEngine:
+    """Runs a serialized TensorRT plan over a KV pool it allocates on `device`."""
+
+    backend = "tensorrt"
+
+    def __init__(self, plan_path: str | Path, num_blocks: int, device: str = "cuda", num_host_blocks: int = 0,
+                 plugin_library: Optional[Path] = None) -> None:
+        import tensorrt as trt
+
+        from trtpaged.builder.compile import load_plugin_library
+
+        self.device = torch.device(device)
+        if self.device.type != "cuda":
+            raise ValueError(f"device: the TensorRT backend runs on CUDA, got {device!r}")
+        self._trt = trt
+        self._logger = trt.Logger(trt.Logger.WARNING)
+        self._runtime = trt.Runtime(self._logger)
+        load_plugin_library(self._runtime.get_plugin_registry(), plugin_library)
+        with torch.cuda.device(self.device):
+            self._engine = self._runtime.deserialize_cuda_engine(Path(plan_path).read_bytes())
+            if self._engine is None:
+                raise RuntimeError(f"{plan_path}: TensorRT could not deserialize the plan (see its errors above)")
+            self._context = self._engine.create_execution_context()
+        names = [self._engine.get_tensor_name(i) for i in range(self._engine.num_io_tensors)]
+        missing = [n for n in (*_STEP_INPUTS, POOL_INPUT, POOL_OUTPUT, LOGITS) if n not in names]
+        if missing:
+            raise ValueError(f"{plan_path}: engine has no tensor(s) {missing}; it does not follow the I/O contract")
+        max_pool = tuple(self._engine.get_tensor_profile_shape(POOL_INPUT, 0)[2])
+        if num_blocks > max_pool[0]:
+            raise ValueError(f"num_kv_blocks: {num_blocks} exceeds the {max_pool[0]} blocks engine.plan was built for; "
+                             "rebuild with a larger kv_cache budget")
+        pool_shape = (num_blocks, *max_pool[1:])
+        pool_dtype = _torch_dtype(trt, self._engine.get_tensor_dtype(POOL_INPUT))
+        self.kv_cache = torch.zeros(pool_shape, dtype=pool_dtype, device=self.device)
+        self.num_blocks = num_blocks
+        self._logits_dtype = _torch_dtype(trt, self._engine.get_tensor_dtype(LOGITS))
+        self.vocab_size = int(tuple(self._engine.get_tensor_shape(LOGITS))[-1])
+        self.host_cache = (
+            torch.zeros((num_host_blocks, *pool_shape[1:]), dtype=pool_dtype, pin_memory=True) if num_host_blocks else None
+        )
+        from trtpaged import kernels
+
+        if not kernels.available() or not kernels.has_cuda():
+            raise RuntimeError("the TensorRT backend needs the kernel library built with CUDA for block copies and swaps")
+        self._kernels = kernels
+
+    @classmethod
+    def from_engine_dir(cls, engine_dir: str | Path, num_blocks: int, device: str = "cuda",
+                        num_host_blocks: int = 0) -> "TensorRTEngine":
+        from trtpaged.manifest import read_manifest
+
+        manifest = read_manifest(engine_dir)
+        if not manifest.plan_file:
+            raise ValueError(f"{engine_dir}: the engine dir has no engine.plan (built without TensorRT)")
+        return cls(Path(engine_dir) / manifest.plan_file, num_blocks, device, num_host_blocks)
+
+    @torch.inference_mode()
+    def step(self, batch: StepBatch) -> torch.Tensor:
+        if batch.num_tokens == 0:
+            return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
+        tensors = {
+            name: getattr(batch, name).to(self.device, dtype=torch.int32, non_blocking=True).contiguous()
+            for name in _STEP_INPUTS
+        }
+        ctx = self._context
+        for name, t in tensors.items():
+            if not ctx.set_input_shape(name, tuple(t.shape)):
+                raise ValueError(f"{name}: shape {tuple(t.shape)} is outside what engine.plan was built for "
+                                 f"(profile {self._engine.get_tensor_profile_shape(name, 0)})")
+        if not ctx.set_input_shape(POOL_INPUT, tuple(self.kv_cache.shape)):
+            raise ValueError(f"kv_cache: shape {tuple(self.kv_cache.shape)} is outside engine.plan's profile")
+        logits = torch.empty(tuple(ctx.get_tensor_shape(LOGITS)), dtype=self._logits_dtype, device=self.device)
+        for name, t in tensors.items():
+            ctx.set_tensor_address(name, t.data_ptr())
+        ctx.set_tensor_address(POOL_INPUT, self.kv_cache.data_ptr())
+        ctx.set_tensor_address(POOL_OUTPUT, self.kv_cache.data_ptr())  # aliased: updated in place
+        ctx.set_tensor_address(LOGITS, logits.data_ptr())
+        stream = torch.cuda.current_stream(self.device)
+        if not ctx.execute_async_v3(stream.cuda_stream):
+            raise RuntimeError("TensorRT failed to enqueue the step (see its errors above)")
+        return logits.float()
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        if pairs:
+            self._kernels.copy_blocks(self.kv_cache, list(pairs))
+
+    def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
+        if pairs:
+            self._kernels.swap_blocks(self.kv_cache, self._host_pool("swap_out"), list(pairs))
+
+    def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
+        if pairs:
+            self._kernels.swap_blocks(self._host_pool("swap_in"), self.kv_cache, list(pairs))
+
+    def _host_pool(self, what: str) -> torch.Tensor:
+        if self.host_cache is None:
+            raise RuntimeError(f"{what}: the engine has no host pool (num_host_blocks is 0)")
+        return self.host_cache
