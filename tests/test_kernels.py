@@ -66,6 +66,13 @@ def test_long_contexts_split_across_threads() -> None:
     assert_matches(make_batch([(2500, 5)], num_kv_heads=1, num_heads=4, num_layers=1, seed=5), layer=0)
 
 
+@pytest.mark.parametrize("block_size", [256, 384, 4096])
+def test_large_blocks_on_cpu(block_size: int) -> None:
+    # The CPU kernel takes any block size: one block per sequence is the unpaged (contiguous)
+    # cache the kernel benchmark compares against; tiles then slice a block.
+    assert_matches(make_batch([(0, 97), (3000, 1), (700, 33)], block_size=block_size, num_layers=1, seed=12), layer=0)
+
+
 def test_layers_of_one_pool_are_independent() -> None:
     batch = make_batch([(10, 6), (0, 3)], num_layers=4, seed=6)
     for layer in range(4):

@@ -9,6 +9,15 @@ from typing import Callable
 
 def median_seconds(fn: Callable[[], object], *, warmup: int = 2, min_reps: int = 5, budget_s: float = 0.5) -> float:
     """Median wall time of fn() over at least min_reps runs, repeating until budget_s is spent."""
+    return statistics.median(_times(fn, warmup, min_reps, budget_s))
+
+
+def best_seconds(fn: Callable[[], object], *, warmup: int = 2, min_reps: int = 5, budget_s: float = 0.5) -> float:
+    """Shortest wall time of fn(): what the machine can do (STREAM's convention)."""
+    return min(_times(fn, warmup, min_reps, budget_s))
+
+
+def _times(fn: Callable[[], object], warmup: int, min_reps: int, budget_s: float) -> list[float]:
     for _ in range(warmup):
         fn()
     times: list[float] = []
@@ -19,4 +28,4 @@ def median_seconds(fn: Callable[[], object], *, warmup: int = 2, min_reps: int =
         times.append(time.perf_counter() - t0)
         if len(times) >= 200:
             break
-    return statistics.median(times)
+    return times

@@ -4,13 +4,23 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 #include <cstring>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace trtpaged::cpu {
 
+#if defined(__FLT16_MAX__)
+// The compiler's half type: conversions become vcvtph2ps/vcvtps2ph and vectorize.
+using half_t = _Float16;
+#else
 struct half_t {
   uint16_t bits;
 };
+#endif
 struct bfloat_t {
   uint16_t bits;
 };
@@ -25,15 +35,8 @@ inline float to_float(bfloat_t x) {
 }
 
 #if defined(__FLT16_MAX__)
-inline float to_float(half_t x) {
-  _Float16 h;
-  std::memcpy(&h, &x.bits, 2);
-  return float(h);
-}
-inline void store(half_t& dst, float x) {
-  const _Float16 h = _Float16(x);
-  std::memcpy(&dst.bits, &h, 2);
-}
+inline float to_float(half_t x) { return float(x); }
+inline void store(half_t& dst, float x) { dst = half_t(x); }
 #else
 inline float to_float(half_t x) {
   const uint32_t sign = uint32_t(x.bits & 0x8000u) << 16;
@@ -93,6 +96,22 @@ inline void store(bfloat_t& dst, float x) {
   }
   u += 0x7fffu + ((u >> 16) & 1u);
   dst.bits = uint16_t(u >> 16);
+}
+
+// dst[i] = float(src[i]) for i < n; 8 halves per instruction with F16C (GCC does not
+// vectorize _Float16 conversions without AVX512-FP16).
+template <typename T>
+inline void convert_to_float(const T* src, int64_t n, float* dst) {
+  int64_t i = 0;
+#if defined(__F16C__) && defined(__FLT16_MAX__)
+  if constexpr (std::is_same_v<T, half_t>) {
+    for (; i + 8 <= n; i += 8) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
+    }
+  }
+#endif
+  for (; i < n; ++i) dst[i] = to_float(src[i]);
 }
 
 }  // namespace trtpaged::cpu

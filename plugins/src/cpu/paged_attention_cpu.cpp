@@ -28,7 +28,7 @@ namespace {
 
 constexpr int kQueryChunk = 16;        // query tokens per task
 constexpr int kMinKeysPerSplit = 512;  // don't split key ranges shorter than this
-constexpr int kTileKeys = 128;         // keys per online-softmax update
+constexpr int kTileKeys = 256;         // keys per online-softmax update
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 int num_threads() {
@@ -182,7 +182,7 @@ const float* as_float(const T* src, int64_t n, float* buf) {
   if constexpr (std::is_same_v<T, float>) {
     return src;
   } else {
-    for (int64_t i = 0; i < n; ++i) buf[i] = to_float(src[i]);
+    convert_to_float(src, n, buf);
     return buf;
   }
 }
@@ -198,8 +198,11 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const PoolLa
               Scratch& sc) {
   const int32_t group = p.num_heads / p.num_kv_heads;
   const int64_t d = p.head_dim, bs = p.block_size;
-  const int64_t tile_keys = std::max<int64_t>(bs, kTileKeys / bs * bs);
-  const int64_t tile_blocks = tile_keys / bs;
+  // Tiles are whole blocks when blocks are small, and slices of a block when blocks are
+  // large (bs a multiple of kTileKeys), so that every layout streams the same tile size.
+  const int64_t tile_keys = bs < kTileKeys ? kTileKeys / bs * bs : (bs % kTileKeys == 0 ? kTileKeys : bs);
+  const int64_t run = std::min(bs, tile_keys);  // contiguous keys behind one pointer
+  const int64_t tile_blocks = tile_keys / run;
   const int32_t rows = (task.q_end - task.q_begin) * group;
   sc.q.resize(size_t(rows * d));
   sc.acc.assign(size_t(rows * d), 0.0f);
@@ -225,29 +228,29 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const PoolLa
     }
   }
   const int32_t* table = block_tables + int64_t(task.seq) * p.max_blocks_per_seq;
-  auto block_ptr = [&](int64_t key, int kv) {
-    return cache + pool.offset(table[key / bs], p.layer, kv, task.kv_head);
+  auto key_ptr = [&](int64_t key, int kv) {
+    return cache + pool.offset(table[key / bs], p.layer, kv, task.kv_head) + (key % bs) * d;
   };
   for (int64_t tile = task.k_begin; tile < task.k_end; tile += tile_keys) {
     const int64_t tile_n = std::min<int64_t>(tile_keys, task.k_end - tile);
-    const int64_t nblocks = (tile_n + bs - 1) / bs;
+    const int64_t nblocks = (tile_n + run - 1) / run;
     for (int64_t b = 0; b < nblocks; ++b) {
-      const int64_t n = std::min<int64_t>(bs, tile_n - b * bs) * d;
-      sc.kp[size_t(b)] = as_float(block_ptr(tile + b * bs, 0), n, sc.kf.data() + b * bs * d);
-      sc.vp[size_t(b)] = as_float(block_ptr(tile + b * bs, 1), n, sc.vf.data() + b * bs * d);
+      const int64_t n = std::min<int64_t>(run, tile_n - b * run) * d;
+      sc.kp[size_t(b)] = as_float(key_ptr(tile + b * run, 0), n, sc.kf.data() + b * run * d);
+      sc.vp[size_t(b)] = as_float(key_ptr(tile + b * run, 1), n, sc.vf.data() + b * run * d);
     }
     // K and V blocks of the next tile, requested while this tile is computed
     const int64_t next_tile = tile + tile_keys;
     const int64_t next_n = std::clamp<int64_t>(task.k_end - next_tile, 0, tile_keys);
-    const int64_t next_blocks = (next_n + bs - 1) / bs;
+    const int64_t next_blocks = (next_n + run - 1) / run;
     for (int64_t b = 0; b < next_blocks; ++b) {
-      sc.knext[size_t(b)] = block_ptr(next_tile + b * bs, 0);
-      sc.vnext[size_t(b)] = block_ptr(next_tile + b * bs, 1);
+      sc.knext[size_t(b)] = key_ptr(next_tile + b * run, 0);
+      sc.vnext[size_t(b)] = key_ptr(next_tile + b * run, 1);
     }
-    const int64_t block_bytes = bs * d * int64_t(sizeof(KV));
+    const int64_t run_bytes = run * d * int64_t(sizeof(KV));
     for (int32_t r0 = 0; r0 < rows; r0 += kRowGroup) {
-      const NextBlocks next_k{sc.knext.data(), r0 == 0 ? next_blocks : 0, block_bytes};
-      const NextBlocks next_v{sc.vnext.data(), r0 == 0 ? next_blocks : 0, block_bytes};
+      const NextBlocks next_k{sc.knext.data(), r0 == 0 ? next_blocks : 0, run_bytes};
+      const NextBlocks next_v{sc.vnext.data(), r0 == 0 ? next_blocks : 0, run_bytes};
       const int nr = std::min(kRowGroup, rows - r0);
       int64_t limits[kRowGroup];
       int64_t group_limit = 0;
@@ -257,7 +260,7 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const PoolLa
       }
       if (group_limit == 0) continue;
       float* scores = sc.scores.data();
-      scores_for(nr, sc.q.data() + r0 * d, d, sc.kp.data(), bs, group_limit, scores, tile_keys, next_k);
+      scores_for(nr, sc.q.data() + r0 * d, d, sc.kp.data(), run, group_limit, scores, tile_keys, next_k);
       for (int i = 0; i < nr; ++i) {
         float* row = scores + i * tile_keys;
         const int64_t limit = limits[i];
@@ -280,7 +283,7 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const PoolLa
         }
         m = m_new;
       }
-      accumulate_for(nr, scores, tile_keys, sc.vp.data(), bs, group_limit, sc.acc.data() + r0 * d, d, next_v);
+      accumulate_for(nr, scores, tile_keys, sc.vp.data(), run, group_limit, sc.acc.data() + r0 * d, d, next_v);
     }
   }
   for (int32_t r = 0; r < rows; ++r) {
