@@ -11,7 +11,7 @@ from trtpaged.runtime.kv_cache_manager import KVCacheManager
 from trtpaged.runtime.llm_engine import LLMEngine
 from trtpaged.runtime.runtime_config import RuntimeConfig
 from trtpaged.runtime.sampling_params import SamplingParams
-from trtpaged.runtime.scheduler import Scheduler, split_tokens
+from trtpaged.runtime.scheduler import split_tokens
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 

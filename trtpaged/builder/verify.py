@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from trtpaged.builder.probe import hf_logits, standard_probe
 

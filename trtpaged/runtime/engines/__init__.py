@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Optional
 
@@ -32,15 +31,9 @@ def tensorrt_unusable_reason(engine_dir: Path, manifest: Manifest) -> Optional[s
     plan = manifest.plan_file
     if not plan or not (Path(engine_dir) / plan).is_file():
         return f"{engine_dir} has no engine.plan (built without TensorRT)"
-    if importlib.util.find_spec("tensorrt") is None:
-        return "TensorRT is not installed"
-    if not torch.cuda.is_available():
-        return "no CUDA GPU is available"
-    from trtpaged.builder.compile import PLUGIN_HINT, plugin_library_path
+    from trtpaged.builder.compile import unavailable_reason
 
-    if plugin_library_path() is None:
-        return f"the TensorRT plugin library is not built; {PLUGIN_HINT}"
-    return None
+    return unavailable_reason()
 
 
 def select_backend(engine_dir: Path, manifest: Manifest, backend: str = "auto") -> str:
