@@ -132,10 +132,10 @@ def parse_config(
     dtype = _choice(data, "dtype", DTYPES, "float32", fail)
     kv_dtype = _choice(data, "kv_cache_dtype", ("auto",) + DTYPES, "auto", fail)
     limits = Limits(
-        max_batch_size=_positive_int(data, "max_batch_size", 8, fail),
-        max_num_tokens=_positive_int(data, "max_num_tokens", 512, fail),
-        max_seq_len=_positive_int(data, "max_seq_len", 2048, fail),
-        block_size=_positive_int(data, "block_size", 16, fail),
+        max_batch_size=_positive_int(data.get("max_batch_size", 8), "max_batch_size", fail),
+        max_num_tokens=_positive_int(data.get("max_num_tokens", 512), "max_num_tokens", fail),
+        max_seq_len=_positive_int(data.get("max_seq_len", 2048), "max_seq_len", fail),
+        block_size=_positive_int(data.get("block_size", 16), "block_size", fail),
     )
     if limits.block_size not in BLOCK_SIZES:
         raise fail(f"block_size: got {limits.block_size}; must be a power of two among {', '.join(map(str, BLOCK_SIZES))}")
@@ -144,7 +144,7 @@ def parse_config(
             f"max_num_tokens: got {limits.max_num_tokens}, less than max_batch_size {limits.max_batch_size}; "
             "a step must fit one token of every sequence"
         )
-    kv_cache = _parse_kv_cache(data.get("kv_cache", {"fraction": 0.9}), limits, kv_dtype, fail)
+    kv_cache = _parse_kv_cache(data.get("kv_cache", {"fraction": 0.9}), limits, fail)
     backend = _choice(data, "backend", BACKENDS, "auto", fail)
     output = data.get("output")
     if output is not None and (not isinstance(output, str) or not output):
@@ -190,8 +190,7 @@ def _choice(data: dict, key: str, allowed: tuple[str, ...], default: str, fail) 
     return value
 
 
-def _positive_int(data: dict, key: str, default: int, fail) -> int:
-    value = data.get(key, default)
+def _positive_int(value: Any, key: str, fail) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise fail(f"{key}: got {value!r}; expected a positive integer")
     return value
@@ -255,14 +254,14 @@ def _parse_tiny(tiny: Any, fail) -> dict[str, Any]:
     out = {**TINY_DEFAULTS, **tiny}
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "head_dim"):
-        if key in out and (isinstance(out[key], bool) or not isinstance(out[key], int) or out[key] <= 0):
-            raise fail(f"model.tiny.{key}: got {out[key]!r}; expected a positive integer")
+        if key in out:
+            _positive_int(out[key], f"model.tiny.{key}", fail)
     if out["vocab_size"] < 260:
         raise fail(f"model.tiny.vocab_size: got {out['vocab_size']}; the tiny byte tokenizer needs at least 260")
     return out
 
 
-def _parse_kv_cache(spec: Any, limits: Limits, kv_dtype: str, fail) -> KVCacheBudget:
+def _parse_kv_cache(spec: Any, limits: Limits, fail) -> KVCacheBudget:
     allowed = ("num_blocks", "memory", "fraction")
     if not isinstance(spec, dict) or len(spec) != 1:
         raise fail(f"kv_cache: got {spec!r}; expected exactly one of "
@@ -270,9 +269,8 @@ def _parse_kv_cache(spec: Any, limits: Limits, kv_dtype: str, fail) -> KVCacheBu
     _check_keys(spec, allowed, "kv_cache.", fail)
     (key, value), = spec.items()
     if key == "num_blocks":
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise fail(f"kv_cache.num_blocks: got {value!r}; expected a positive integer")
-        needed = -(-limits.max_seq_len // limits.block_size)
+        _positive_int(value, "kv_cache.num_blocks", fail)
+        needed = limits.max_blocks_per_seq
         if value < needed:
             raise fail(f"kv_cache.num_blocks: got {value}; one sequence of max_seq_len {limits.max_seq_len} "
                        f"needs {needed} blocks of {limits.block_size} tokens")

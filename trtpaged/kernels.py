@@ -62,16 +62,18 @@ class _AttentionParams(ctypes.Structure):
     ]
 
 
-def _candidate_paths() -> list[Path]:
-    env = os.environ.get("TRTPAGED_KERNELS_LIB")
+def library_candidates(name: str, env_var: str) -> list[Path]:
+    """Where a trtpaged shared library may be, in order: $env_var alone when set, else the installed
+    package's _lib, then a local CMake build dir (newest first)."""
+    env = os.environ.get(env_var)
     if env:
         return [Path(env)]
     package_dir = Path(__file__).resolve().parent
-    candidates = [package_dir / "_lib" / LIBRARY_NAME]
+    candidates = [package_dir / "_lib" / name]
     repo_build = package_dir.parent / "build"
     if repo_build.is_dir():
-        candidates += sorted(repo_build.glob(f"*/{LIBRARY_NAME}"), key=lambda p: -p.stat().st_mtime)
-        candidates.append(repo_build / LIBRARY_NAME)
+        candidates += sorted(repo_build.glob(f"*/{name}"), key=lambda p: -p.stat().st_mtime)
+        candidates.append(repo_build / name)
     return candidates
 
 
@@ -103,7 +105,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 def library() -> ctypes.CDLL:
     """Loads the kernel library once; raises KernelLibraryNotFound with how to build it."""
     tried = []
-    for path in _candidate_paths():
+    for path in library_candidates(LIBRARY_NAME, "TRTPAGED_KERNELS_LIB"):
         if path.is_file():
             try:
                 lib = ctypes.CDLL(str(path))

@@ -39,6 +39,10 @@ class ModelDims:
     o_proj_bias: bool = False  # Llama with attention_bias=True also biases o_proj (Qwen2 does not)
     mlp_bias: bool = False  # Llama's mlp_bias: biases on gate/up/down projections
 
+    def kv_bytes_per_token(self, kv_cache_dtype: str) -> int:
+        """K and V of every layer for one token."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[kv_cache_dtype]
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -48,6 +52,11 @@ class Limits:
     max_num_tokens: int
     max_seq_len: int
     block_size: int
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """KV blocks one sequence of max_seq_len tokens holds."""
+        return -(-self.max_seq_len // self.block_size)
 
 
 @dataclass(frozen=True)
@@ -84,8 +93,7 @@ class Manifest:
     @property
     def kv_bytes_per_token(self) -> int:
         """K and V of every layer for one token."""
-        d = self.dims
-        return 2 * d.num_layers * d.num_kv_heads * d.head_dim * DTYPE_BYTES[self.kv_cache_dtype]
+        return self.dims.kv_bytes_per_token(self.kv_cache_dtype)
 
     @property
     def kv_bytes_per_block(self) -> int:

@@ -53,11 +53,13 @@ def paged_attention_reference(
     *,
     layer: int,
     scale: float,
+    max_context_len: int | None = None,
 ) -> torch.Tensor:
     """Writes the new K/V into kv_cache (in place) and returns causal attention output.
 
     Shapes follow the engine I/O contract (DESIGN.md): q [T, H, D], k/v [T, KVH, D],
     kv_cache [num_blocks, num_layers, 2, KVH, block_size, D]. Returns [T, H, D] in q.dtype.
+    max_context_len is unused (accepted so the signature matches kernels.paged_attention).
     """
     write_kv_reference(k, v, kv_cache, positions, query_start, block_tables, layer)
     num_heads, num_kv_heads = q.shape[1], kv_cache.shape[3]

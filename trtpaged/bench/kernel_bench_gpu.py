@@ -118,7 +118,7 @@ def _decode_step(context: int, batch: int, shuffle: bool, seed: int = 0) -> tupl
     tensors = (q, k, v, cache, positions, query_start, context_lens, tables, out)
 
     lib = kernels.library()
-    fp16 = 1
+    fp16 = kernels._DTYPE_CODES[torch.float16]
     params = kernels._AttentionParams(batch, batch, blocks_per_seq, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, num_blocks,
                                       1, 0, BLOCK_SIZE, HEAD_DIM**-0.5, fp16, fp16)  # fmt: skip
     ws_size = lib.trtpaged_paged_attention_cuda_workspace_size(ctypes.byref(params), context)

@@ -14,8 +14,6 @@ and the builder skips the stage (the engine dir then serves with torch).
 from __future__ import annotations
 
 import importlib.util
-import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -42,15 +40,9 @@ def tensorrt_installed() -> bool:
 
 def plugin_library_path() -> Optional[Path]:
     """The plugin library: $TRTPAGED_PLUGIN_LIB, the installed package's _lib, or a local CMake build dir."""
-    env = os.environ.get("TRTPAGED_PLUGIN_LIB")
-    if env:
-        return Path(env) if Path(env).is_file() else None
-    package_dir = Path(__file__).resolve().parent.parent
-    candidates = [package_dir / "_lib" / PLUGIN_LIBRARY_NAME]
-    repo_build = package_dir.parent / "build"
-    if repo_build.is_dir():
-        candidates += sorted(repo_build.glob(f"*/{PLUGIN_LIBRARY_NAME}"), key=lambda p: -p.stat().st_mtime)
-        candidates.append(repo_build / PLUGIN_LIBRARY_NAME)
+    from trtpaged.kernels import library_candidates
+
+    candidates = library_candidates(PLUGIN_LIBRARY_NAME, "TRTPAGED_PLUGIN_LIB")
     return next((p for p in candidates if p.is_file()), None)
 
 
@@ -94,7 +86,7 @@ class ShapeProfile:
     @classmethod
     def from_limits(cls, limits: Limits, kv_cache: KVCacheBudget, kv_bytes_per_block: int) -> "ShapeProfile":
         """Steps up to max_num_tokens tokens of max_batch_size sequences of max_seq_len, over the budgeted pool."""
-        blocks_per_seq = math.ceil(limits.max_seq_len / limits.block_size)
+        blocks_per_seq = limits.max_blocks_per_seq
         useful_blocks = limits.max_batch_size * blocks_per_seq
         if kv_cache.num_blocks is not None:
             budget = int(kv_cache.num_blocks)

@@ -25,11 +25,11 @@ from trtpaged.builder.progress import Progress
 from trtpaged.builder.verify import unsupported_reason, verify_onnx
 from trtpaged.builder.weights import save_weights
 from trtpaged.config import BuildConfig, ConfigError
-from trtpaged.manifest import DTYPE_BYTES, Manifest, ModelDims
+from trtpaged.manifest import Manifest, ModelDims
 
 WEIGHTS_FILE = "weights.safetensors"
 ONNX_FILE = "model.onnx"
-PLAN_FILE = "engine.plan"
+PLAN_FILE = trt_compile.PLAN_FILE
 TOKENIZER_DIR = "tokenizer"
 
 
@@ -75,7 +75,8 @@ def build_engine(
                 dims = dims_from_hf_config(hf.config, config.limits.max_seq_len)
             except UnsupportedModelError as e:
                 raise ConfigError(f"model.{config.model.kind}: {e}") from None
-            _check_limits(config, dims)
+            block_bytes = dims.kv_bytes_per_token(config.kv_cache_dtype) * config.limits.block_size
+            _check_limits(config, dims, block_bytes)
             params = sum(p.numel() for p in hf.model.parameters())
             st.note(f"{params / 1e6:.1f}M parameters, {dims.num_layers} layers, vocab {dims.vocab_size}")
         with progress.stage("patch") as st:
@@ -105,7 +106,6 @@ def build_engine(
             progress.skip("compile", compile_blocker)
         else:
             with progress.stage("compile") as st:
-                block_bytes = _kv_bytes_per_block(config, dims)
                 profile = trt_compile.ShapeProfile.from_limits(config.limits, config.kv_cache, block_bytes)
                 try:
                     trt_compile.compile_engine(tmp / ONNX_FILE, tmp / PLAN_FILE, profile, echo=progress.echo)
@@ -140,14 +140,13 @@ def _preflight(config: BuildConfig, output: Optional[Path | str], progress: Prog
     return config, out
 
 
-def _check_limits(config: BuildConfig, dims: ModelDims) -> None:
+def _check_limits(config: BuildConfig, dims: ModelDims, block_bytes: int) -> None:
     limits = config.limits
     if limits.max_seq_len > dims.max_position_embeddings and not dims.rope_scaling:
         raise ConfigError(f"max_seq_len: got {limits.max_seq_len}; the model was trained for "
                           f"max_position_embeddings {dims.max_position_embeddings}")
     if config.kv_cache.memory_bytes is not None:
-        block_bytes = _kv_bytes_per_block(config, dims)
-        blocks, needed = config.kv_cache.memory_bytes // block_bytes, -(-limits.max_seq_len // limits.block_size)
+        blocks, needed = config.kv_cache.memory_bytes // block_bytes, limits.max_blocks_per_seq
         if blocks < needed:
             raise ConfigError(
                 f"kv_cache.memory: {config.kv_cache.memory_bytes} bytes hold {blocks} blocks of {block_bytes} bytes; "
@@ -162,12 +161,6 @@ def _token_ids(*values) -> list[int]:
             if isinstance(i, int) and i not in out:
                 out.append(i)
     return out
-
-
-def _kv_bytes_per_block(config: BuildConfig, dims: ModelDims) -> int:
-    """K and V of every layer for one block, as Manifest.kv_bytes_per_block computes it."""
-    per_token = 2 * dims.num_layers * dims.num_kv_heads * dims.head_dim * DTYPE_BYTES[config.kv_cache_dtype]
-    return per_token * config.limits.block_size
 
 
 def _manifest(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-_DTYPES = ("float32", "float16", "bfloat16")
+from trtpaged.manifest import DTYPE_BYTES
 
 
 @click.group(name="bench")
@@ -13,7 +13,7 @@ def command() -> None:
 
 
 @command.command(name="kernel")
-@click.option("--kv-dtype", type=click.Choice(_DTYPES), default="float32", show_default=True,
+@click.option("--kv-dtype", type=click.Choice(tuple(DTYPE_BYTES)), default="float32", show_default=True,
               help="KV cache storage dtype.")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--quick", is_flag=True, help="Shorter timing budget (noisier).")

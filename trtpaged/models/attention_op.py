@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -56,15 +56,22 @@ def paged_attention_(
     block_tables: torch.Tensor,
     layer: int,
     scale: float,
+    max_context_len: Optional[int] = None,
 ) -> torch.Tensor:
-    """Writes k/v into their cache slots (in place) and returns causal paged attention [T, H, D]."""
+    """Writes k/v into their cache slots (in place) and returns causal paged attention [T, H, D].
+
+    max_context_len (max of context_lens, computed once per step by the caller) spares the CUDA
+    kernel a device sync per layer."""
     return _kernel()(
-        q, k, v, kv_cache, positions, query_start, context_lens, block_tables, layer=layer, scale=scale
+        q, k, v, kv_cache, positions, query_start, context_lens, block_tables,
+        layer=layer, scale=scale, max_context_len=max_context_len,
     )
 
 
 @paged_attention_.register_fake
-def _paged_attention_fake(q, k, v, kv_cache, positions, query_start, context_lens, block_tables, layer, scale):
+def _paged_attention_fake(
+    q, k, v, kv_cache, positions, query_start, context_lens, block_tables, layer, scale, max_context_len=None
+):
     return torch.empty_like(q)
 
 

@@ -7,7 +7,10 @@ from typing import Any, Optional
 from trtpaged.manifest import ModelDims
 from trtpaged.models.rope import SUPPORTED_ROPE_TYPES, rope_type
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# HF architecture -> its transformers model_type (also the GGUF general.architecture name)
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+SUPPORTED_ARCHITECTURES = tuple(MODEL_TYPES)
+ARCHITECTURES_BY_MODEL_TYPE = {model_type: arch for arch, model_type in MODEL_TYPES.items()}
 HEAD_DIM_MULTIPLE, MAX_HEAD_DIM = 16, 256  # what the trtpaged attention kernels implement
 
 
@@ -29,8 +32,7 @@ def _rope(config: Any) -> tuple[float, Optional[dict]]:
 def dims_from_hf_config(config: Any, max_seq_len: Optional[int] = None) -> ModelDims:
     """Maps a transformers Llama/Mistral/Qwen2 config to ModelDims; raises UnsupportedModelError."""
     archs = getattr(config, "architectures", None) or []
-    arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                                    "qwen2": "Qwen2ForCausalLM"}.get(config.model_type, config.model_type)
+    arch = archs[0] if archs else ARCHITECTURES_BY_MODEL_TYPE.get(config.model_type, config.model_type)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(f"architecture {arch} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     act = getattr(config, "hidden_act", "silu")

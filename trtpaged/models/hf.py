@@ -19,11 +19,11 @@ import torch
 
 from trtpaged.config import ConfigError, ModelSpec
 from trtpaged.manifest import Manifest
-from trtpaged.models.dims import SUPPORTED_ARCHITECTURES
-
-# GGUF general.architecture -> the HF architecture transformers converts it to.
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+from trtpaged.models.dims import (
+    ARCHITECTURES_BY_MODEL_TYPE,
+    MODEL_TYPES,
+    SUPPORTED_ARCHITECTURES,
+)
 
 
 @dataclass
@@ -50,7 +50,8 @@ def source_architecture(spec: ModelSpec) -> str:
     else:
         key = f"model.{spec.kind}"
         gguf_arch = _gguf_architecture(spec.path, key)
-        arch = GGUF_ARCHITECTURES.get(gguf_arch, f"GGUF architecture {gguf_arch!r}")
+        # transformers converts a GGUF to the architecture whose model_type is its general.architecture
+        arch = ARCHITECTURES_BY_MODEL_TYPE.get(gguf_arch, f"GGUF architecture {gguf_arch!r}")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ConfigError(f"{key}: architecture {arch} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     return arch
@@ -117,7 +118,7 @@ def _load_tiny(tiny: dict[str, Any], dtype: torch.dtype) -> HFModel:
     arch, seed = tiny.pop("architecture"), tiny.pop("seed")
     try:
         config = AutoConfig.for_model(
-            _MODEL_TYPES[arch], architectures=[arch], bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, **tiny
+            MODEL_TYPES[arch], architectures=[arch], bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, **tiny
         )
     except Exception as e:  # noqa: BLE001  (transformers' config validators raise their own error types)
         cause = e.__cause__ or e

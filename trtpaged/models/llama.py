@@ -74,6 +74,7 @@ class PagedSelfAttention(nn.Module):
         step: "StepIndex",
         kv_cache: torch.Tensor,
         functional: bool,
+        max_context_len: int | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         q = self.q_proj(x).view(-1, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)
@@ -85,7 +86,7 @@ class PagedSelfAttention(nn.Module):
                 self.num_heads, self.num_kv_heads, self.head_dim, kv_cache.shape[4], self.layer, self.scale,
             )
         else:
-            out = torch.ops.trtpaged.paged_attention_(q, k, v, kv_cache, *step, self.layer, self.scale)
+            out = torch.ops.trtpaged.paged_attention_(q, k, v, kv_cache, *step, self.layer, self.scale, max_context_len)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim)), kv_cache
 
 
@@ -113,8 +114,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype)
         self.mlp = SwiGLU(dims, dtype)
 
-    def forward(self, h, cos, sin, step, kv_cache, functional):
-        attn, kv_cache = self.self_attn(self.input_layernorm(h), cos, sin, step, kv_cache, functional)
+    def forward(self, h, cos, sin, step, kv_cache, functional, max_context_len):
+        attn, kv_cache = self.self_attn(self.input_layernorm(h), cos, sin, step, kv_cache, functional, max_context_len)
         h = h + attn
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, kv_cache
@@ -158,8 +159,11 @@ class LlamaStepModel(nn.Module):
         h = self.embed_tokens(input_ids.long())
         cos, sin = self.rotary(positions, h.dtype)
         step = (positions, query_start, context_lens, block_tables)
+        # once per step, not per layer: on CUDA the kernel would otherwise sync to find it in every layer
+        # (not when exporting: the traced graph must not depend on the probe's values)
+        max_context_len = None if self.functional_cache or not context_lens.numel() else int(context_lens.max())
         for layer in self.layers:
-            h, kv_cache = layer(h, cos, sin, step, kv_cache, self.functional_cache)
+            h, kv_cache = layer(h, cos, sin, step, kv_cache, self.functional_cache, max_context_len)
         h = self.norm(h.index_select(0, logits_index.long()))
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, head).float(), kv_cache

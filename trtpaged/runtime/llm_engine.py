@@ -90,9 +90,9 @@ class LLMEngine:
         """One iteration: returns outputs of the requests that advanced or finished."""
         out = self.scheduler.schedule()
         touched = list(out.refused)
+        self.engine.swap_out(out.swap_out)  # a preemption may move blocks even when nothing runs
+        self.engine.swap_in(out.swap_in)
         if not out.is_empty:
-            self.engine.swap_out(out.swap_out)
-            self.engine.swap_in(out.swap_in)
             self.engine.copy_blocks(out.block_copies)
             batch, rows = build_step_batch(out, self.kv)
             logits = self.engine.step(batch).cpu()
@@ -102,9 +102,6 @@ class LLMEngine:
             self.num_steps += 1
             self.num_block_copies += len(out.block_copies)
             self.num_tokens_computed += out.num_tokens
-        elif out.swap_out or out.swap_in:
-            self.engine.swap_out(out.swap_out)
-            self.engine.swap_in(out.swap_in)
         results = [self.processor.make_output(g) for g in touched]
         for g in touched:
             if g.is_finished:

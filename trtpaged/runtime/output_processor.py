@@ -62,7 +62,7 @@ class OutputProcessor:
         if not group.forked:
             row = rows[group.seqs[0].seq_id]
             self._fork_samples(group)
-            rows = {**rows, **{s.seq_id: row for s in group.seqs}}
+            rows = {s.seq_id: row for s in group.seqs}  # the samples share the prompt's logits row
         for seq in list(group.seqs):
             result = self.sampler.sample(logits[rows[seq.seq_id]], seq, group.params)
             seq.append_token(result.token_id, result.logprob, result.top_logprobs)

@@ -30,7 +30,7 @@ class SampleResult:
 def apply_penalties(logits: torch.Tensor, seq: Sequence, params: SamplingParams) -> torch.Tensor:
     """Repetition (HF-style, prompt and output), presence and frequency (OpenAI-style, output only)."""
     if params.repetition_penalty != 1.0 and seq.token_ids:
-        seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long)
+        seen = torch.tensor(seq.token_ids, dtype=torch.long).unique()  # sorted, distinct
         vals = logits[seen]
         logits[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
     if (params.presence_penalty or params.frequency_penalty) and seq.num_output_tokens:
@@ -48,8 +48,8 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        drop = cum - torch.softmax(sorted_logits, dim=-1) >= params.top_p  # mass before this token already enough
+        probs = torch.softmax(sorted_logits, dim=-1)
+        drop = probs.cumsum(dim=-1) - probs >= params.top_p  # mass before this token already enough
         drop[0] = False
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     if params.min_p > 0.0:

@@ -84,10 +84,9 @@ class Scheduler:
             for group in queue:
                 if group.request_id == request_id:
                     queue.remove(group)
-                    for seq in list(group.seqs):
+                    for seq in group.seqs:
                         seq.finish("abort")
-                        self.free_seq(group, seq)
-                    group.set_status(SequenceStatus.FINISHED)
+                    self.finish_group(group)
                     return group
         return None
 
@@ -123,11 +122,9 @@ class Scheduler:
         budget = [self.config.max_num_tokens, self.config.max_batch_size]
         done: set[str] = set()
         preempted = False
-        decoding = [g for g in self.running if g.is_decoding()]
-        prefilling = [g for g in self.running if not g.is_decoding()]
-        for group in decoding + prefilling:
-            if group not in self.running:
-                continue  # preempted earlier this step
+        for group in sorted(self.running, key=lambda g: not g.is_decoding()):  # decoding first, stable
+            if group.status is not SequenceStatus.RUNNING:
+                continue  # preempted (or refused) earlier this step
             requests, sample = self._plan(group, budget)
             if requests is None:
                 continue

@@ -51,13 +51,7 @@ class HttpConnection:
             raise ClientGone() from exc
 
     def send_json(self, status: int, body: Any) -> None:
-        data = json.dumps(body).encode()
-        h = self.handler
-        h.send_response(status)
-        h.send_header("Content-Type", "application/json")
-        h.send_header("Content-Length", str(len(data)))
-        h.end_headers()
-        self._write(data)
+        self.send_text(status, json.dumps(body), "application/json")
 
     def send_text(self, status: int, text: str, content_type: str) -> None:
         data = text.encode()

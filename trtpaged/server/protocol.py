@@ -190,9 +190,7 @@ def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int) 
             raise ApiError(f"{name}: not supported by this server", name)
     names: dict[str, str] = {"prompt": "messages" if chat else "prompt"}
     sampling = {sp: typed(body, name, kind) for name, (kind, sp) in _SAMPLING_FIELDS.items()}
-    sampling = {k: v for k, v in sampling.items() if v is not None}
-    if sampling.get("top_k") == -1:  # vLLM's spelling of "off"
-        sampling["top_k"] = 0
+    sampling = {k: v for k, v in sampling.items() if v is not None}  # top_k -1 (off): SamplingParams maps it to 0
     sampling.update(_stop_fields(body))
     sampling.update(_beam_fields(body, names))
     max_field = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
