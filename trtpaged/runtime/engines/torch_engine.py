@@ -9,7 +9,6 @@ import torch
 
 from trtpaged.runtime.engines.base import StepBatch
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def _kernels(device: torch.device):
@@ -50,10 +49,11 @@ class TorchEngine:
     ) -> "TorchEngine":
         """Loads the engine dir's weights into the step model and allocates the pool."""
         from trtpaged.models import load_step_model
+        from trtpaged.models.loading import TORCH_DTYPES
 
         model, manifest = load_step_model(engine_dir, device=device)
         d, bs = manifest.dims, manifest.limits.block_size
-        dtype = _DTYPES.get(manifest.kv_cache_dtype, model.dtype)
+        dtype = TORCH_DTYPES.get(manifest.kv_cache_dtype, model.dtype)
         shape = (num_blocks, d.num_layers, 2, d.num_kv_heads, bs, d.head_dim)
         return cls(model, torch.zeros(shape, dtype=dtype, device=device), num_host_blocks)
 
