@@ -10,7 +10,6 @@ import torch
 from trtpaged.runtime.engines.base import StepBatch
 
 
-
 def _kernels(device: torch.device):
     """The kernel library when it is built for this device, else None (plain tensor indexing)."""
     try:
