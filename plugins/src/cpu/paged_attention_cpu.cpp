@@ -234,6 +234,15 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const PoolLa
   for (int64_t tile = task.k_begin; tile < task.k_end; tile += tile_keys) {
     const int64_t tile_n = std::min<int64_t>(tile_keys, task.k_end - tile);
     const int64_t nblocks = (tile_n + run - 1) / run;
+    if (tile == task.k_begin) {
+      // Nothing prefetched the first tile: request all of its runs at once, so that they
+      // are fetched in parallel rather than one demand miss after another.
+      for (int64_t b = 0; b < nblocks; ++b) {
+        const int64_t bytes = std::min<int64_t>(run, tile_n - b * run) * d * int64_t(sizeof(KV));
+        prefetch_bytes(key_ptr(tile + b * run, 0), bytes);
+        prefetch_bytes(key_ptr(tile + b * run, 1), bytes);
+      }
+    }
     for (int64_t b = 0; b < nblocks; ++b) {
       const int64_t n = std::min<int64_t>(run, tile_n - b * run) * d;
       sc.kp[size_t(b)] = as_float(key_ptr(tile + b * run, 0), n, sc.kf.data() + b * run * d);
