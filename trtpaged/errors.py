@@ -1,0 +1,21 @@
+"""Errors a user caused, typed so that consumers read fields instead of parsing message text."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+
+class RequestError(ValueError):
+    """A request that cannot run as given.
+
+    `field` names the offending request field (OpenAI spelling where there is
+    one: "prompt", "max_tokens", "n", "temperature", ...); `limit` is the bound
+    it broke, when there is one (a number, or a description such as
+    "max_seq_len - prompt tokens"). The message is for people; code reads the
+    fields (the server maps them to an OpenAI error body's `param`).
+    """
+
+    def __init__(self, field: str, message: str, limit: Optional[Any] = None) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.limit = limit
