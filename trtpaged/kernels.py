@@ -297,3 +297,70 @@ def swap_blocks(src_pool: torch.Tensor, dst_pool: torch.Tensor, pairs: Pairs) ->
     else:
         cuda_device = src_pool.device if src_pool.device.type == "cuda" else dst_pool.device
         _check("swap_blocks", lib.trtpaged_swap_blocks_cuda(*args, _ptr(arr), arr.shape[0], _stream(cuda_device)))
+
+
+class AttentionStep:
+    """One step's paged attention, layer after layer, with the per-step work done once.
+
+    `paged_attention` checks every tensor on every call; a step calls it once
+    per layer with the same index tensors and pool. This checks those once and
+    keeps the call's parameters, so that each layer costs one C call:
+    `step(layer, q, k, v, scale) -> out`. q/k/v must be dense, of one float
+    dtype, with num_tokens rows (checked cheaply per call).
+    """
+
+    def __init__(self, kv_cache: torch.Tensor, positions: torch.Tensor, query_start: torch.Tensor,
+                 context_lens: torch.Tensor, block_tables: torch.Tensor, num_heads: int,
+                 max_context_len: Optional[int] = None) -> None:
+        device = kv_cache.device
+        _require(kv_cache, "kv_cache", ndim=6, dtypes=tuple(_DTYPE_CODES), device=device)
+        for name, t, ndim in (("positions", positions, 1), ("query_start", query_start, 1),
+                              ("context_lens", context_lens, 1), ("block_tables", block_tables, 2)):
+            _require(t, name, ndim=ndim, dtypes=(torch.int32,), device=device)
+        num_blocks, num_layers, _, num_kv_heads, block_size, head_dim = kv_cache.shape
+        num_seqs = block_tables.shape[0]
+        if query_start.shape[0] != num_seqs + 1 or context_lens.shape[0] != num_seqs:
+            raise ValueError(f"query_start/context_lens: {query_start.shape[0]}/{context_lens.shape[0]} entries for "
+                             f"{num_seqs} sequences")
+        self.num_tokens, self.device = int(positions.shape[0]), device
+        self._params = _AttentionParams(
+            self.num_tokens, num_seqs, block_tables.shape[1], num_heads, num_kv_heads, head_dim,
+            num_blocks, num_layers, 0, block_size, 1.0, _DTYPE_CODES[torch.float32], _DTYPE_CODES[kv_cache.dtype],
+        )  # fmt: skip
+        self._params_ref = ctypes.byref(self._params)
+        self._tensors = (kv_cache, positions, query_start, context_lens, block_tables)  # keeps them alive
+        self._pointers = tuple(t.data_ptr() for t in self._tensors)
+        lib = library()
+        self._workspace: Optional[torch.Tensor] = None
+        if device.type == "cpu":
+            self._fn = lib.trtpaged_paged_attention_cpu
+        elif device.type == "cuda":
+            self._fn = lib.trtpaged_paged_attention_cuda
+            if max_context_len is None:
+                max_context_len = int(context_lens.max().item()) if num_seqs else 0
+            self._max_context_len = max_context_len
+        else:
+            raise ValueError(f"kv_cache: device {device} not supported (cpu or cuda)")
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()) or q.shape[0] != self.num_tokens:
+            raise ValueError(f"q/k/v: expected dense tensors with {self.num_tokens} rows")
+        if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPE_CODES:
+            raise ValueError(f"q/k/v: one float dtype expected, got {q.dtype}, {k.dtype}, {v.dtype}")
+        p = self._params
+        p.layer, p.scale, p.io_dtype = layer, scale, _DTYPE_CODES[q.dtype]
+        out = torch.empty_like(q)
+        cache, positions, query_start, context_lens, block_tables = self._pointers
+        args = (self._params_ref, q.data_ptr(), k.data_ptr(), v.data_ptr(), cache, positions, query_start,
+                context_lens, block_tables, out.data_ptr())
+        if self.device.type == "cpu":
+            status = self._fn(*args)
+        else:
+            size = library().trtpaged_paged_attention_cuda_workspace_size(self._params_ref, self._max_context_len)
+            if size and (self._workspace is None or self._workspace.numel() < size):
+                self._workspace = torch.empty(size, dtype=torch.uint8, device=self.device)
+            ws = self._workspace.data_ptr() if size and self._workspace is not None else None
+            status = self._fn(*args, self._max_context_len, ws, size, _stream(self.device))
+        if status:
+            _check("paged_attention", status)
+        return out

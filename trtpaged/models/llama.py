@@ -12,7 +12,7 @@ reuses `embed_tokens.weight`.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -91,21 +91,21 @@ class PagedSelfAttention(nn.Module):
         sin: torch.Tensor,
         step: "StepIndex",
         kv_cache: torch.Tensor,
-        functional: bool,
-        max_context_len: int | None,
+        attend: Optional[Callable[..., torch.Tensor]],
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """attend: the step's eager attention (attention_op.eager_attention), or None for the functional op."""
         q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.contiguous().view(-1, self.num_kv_heads, self.head_dim)  # the kernel takes dense tensors
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        if functional:
+        if attend is None:
             out, kv_cache = torch.ops.trtpaged.paged_attention(
                 q, k, v, kv_cache, *step,
                 self.num_heads, self.num_kv_heads, self.head_dim, kv_cache.shape[4], self.layer, self.scale,
             )
         else:
-            out = torch.ops.trtpaged.paged_attention_(q, k, v, kv_cache, *step, self.layer, self.scale, max_context_len)
+            out = attend(self.layer, q, k, v, self.scale)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim)), kv_cache
 
 
@@ -134,8 +134,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype)
         self.mlp = SwiGLU(dims, layer, dtype, quant)
 
-    def forward(self, h, cos, sin, step, kv_cache, functional, max_context_len):
-        attn, kv_cache = self.self_attn(self.input_layernorm(h), cos, sin, step, kv_cache, functional, max_context_len)
+    def forward(self, h, cos, sin, step, kv_cache, attend):
+        attn, kv_cache = self.self_attn(self.input_layernorm(h), cos, sin, step, kv_cache, attend)
         h = h + attn
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, kv_cache
@@ -187,9 +187,13 @@ class LlamaStepModel(nn.Module):
         step = (positions, query_start, context_lens, block_tables)
         # once per step, not per layer: on CUDA the kernel would otherwise sync to find it in every layer
         # (not when exporting: the traced graph must not depend on the probe's values)
-        max_context_len = None if self.functional_cache or not context_lens.numel() else int(context_lens.max())
+        attend = None
+        if not self.functional_cache:
+            max_context_len = int(context_lens.max()) if context_lens.numel() else 0
+            attend = attention_op.eager_attention(kv_cache, positions, query_start, context_lens, block_tables,
+                                                  self.dims.num_heads, max_context_len)
         for layer in self.layers:
-            h, kv_cache = layer(h, cos, sin, step, kv_cache, self.functional_cache, max_context_len)
+            h, kv_cache = layer(h, cos, sin, step, kv_cache, attend)
         h = self.norm(h.index_select(0, logits_index.long()))
         return self._head(h).float(), kv_cache
 

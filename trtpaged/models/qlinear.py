@@ -49,7 +49,14 @@ def _cpu_kernels() -> Optional[Any]:
         kernels.library()
     except Exception:  # noqa: BLE001  (missing or older library: the fallback is correct, only slower)
         return None
-    return kernels if hasattr(kernels, "qlinear") and kernels.has_qlinear() else None
+    return kernels if hasattr(kernels, "qlinear") else None
+
+
+def uses_integer_kernels(model: nn.Module) -> bool:
+    """True when the model's quantized linears run the integer kernels here (CPU float32, library built)."""
+    linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    return bool(linears) and _cpu_kernels() is not None and all(
+        m.codes.device.type == "cpu" and m.in_features % 32 == 0 for m in linears)
 
 
 def _group_sums(x: torch.Tensor, group_size: int) -> torch.Tensor:
