@@ -348,6 +348,35 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"))) in
   }
 }
 
+// int4 offset term of one tile for one activation row: off[r] = sum_g offsets[r][g] * group_sums[g].
+using OffsetFn = void (*)(const uint16_t* offsets, const float* group_sums, int64_t ngroups, float* off);
+
+void offsets_scalar(const uint16_t* oh, const float* gs, int64_t ng, float* off) {
+  for (int r = 0; r < kRows; ++r) {
+    float s = 0.f;
+    for (int64_t g = 0; g < ng; ++g) s += half_to_float(oh[r * ng + g]) * gs[g];
+    off[r] = s;
+  }
+}
+
+__attribute__((target("avx2,fma,f16c"))) void offsets_avx2(const uint16_t* oh, const float* gs, int64_t ng,
+                                                           float* off) {
+  __m256 acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= ng; g += 8) {
+    const __m256 gv = _mm256_loadu_ps(gs + g);
+    for (int r = 0; r < kRows; ++r)
+      acc[r] = _mm256_fmadd_ps(
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(oh + r * ng + g))), gv, acc[r]);
+  }
+  for (int r = 0; r < kRows; ++r) {
+    float s = hsum256(acc[r]);
+    for (int64_t j = g; j < ng; ++j) s += _cvtsh_ss(oh[r * ng + j]) * gs[j];
+    off[r] = s;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Dispatch.
 Isa best_isa() {
@@ -432,6 +461,7 @@ void quantize_activations(const float* x, int64_t m, const Layout& l, Isa isa, A
 
 void run_tiles(const Layout& l, const Acts& a, const uint8_t* packed, const float* bias, float* y, Isa isa) {
   const TileKernel kernel = tile_kernel(isa, l.bits);
+  const OffsetFn offset_term = isa == kScalar ? offsets_scalar : offsets_avx2;
   const int64_t m = a.m;
   // Work items: (tile, chunk of activation rows); tile-major so one thread's consecutive items
   // reuse the tile's weights from cache.
@@ -439,21 +469,12 @@ void run_tiles(const Layout& l, const Acts& a, const uint8_t* packed, const floa
   const int64_t nchunks = (m + mchunk - 1) / mchunk;
   const int64_t items = l.ntiles * nchunks;
   const double work = double(l.ntiles) * kRows * double(l.k) * double(m);
-#pragma omp parallel if (work >= 32768.0)
-  {
-  std::vector<float> offs(l.bits == 4 ? size_t(l.ngroups * kRows) : 0);
-#pragma omp for schedule(static)
+#pragma omp parallel for schedule(static) if (work >= 32768.0)
   for (int64_t item = 0; item < items; ++item) {
     const int64_t tile = item / nchunks;
     const int64_t mbeg = (item % nchunks) * mchunk;
     const int64_t mend = std::min(m, mbeg + mchunk);
     const uint8_t* tp = packed + tile * l.tile_bytes;
-    // int4 offsets of this tile, transposed to [group][row] floats.
-    if (l.bits == 4) {
-      const uint16_t* oh = reinterpret_cast<const uint16_t*>(tp + l.npairs * l.pair_bytes);
-      for (int r = 0; r < kRows; ++r)
-        for (int64_t g = 0; g < l.ngroups; ++g) offs[g * kRows + r] = half_to_float(oh[r * l.ngroups + g]);
-    }
     const int rows = int(std::min<int64_t>(kRows, l.n - tile * kRows));
     for (int64_t m0 = mbeg; m0 < mend;) {
       float out[kRows * kMaxMB];
@@ -461,18 +482,15 @@ void run_tiles(const Layout& l, const Acts& a, const uint8_t* packed, const floa
       const int count = kernel(args, int(std::min<int64_t>(kMaxMB, mend - m0)), out);
       for (int i = 0; i < count; ++i) {
         float off[kRows] = {0.f, 0.f, 0.f, 0.f};
-        if (l.bits == 4) {
-          const float* gs = a.group_sums + (m0 + i) * l.ngroups;
-          for (int64_t g = 0; g < l.ngroups; ++g)
-            for (int r = 0; r < kRows; ++r) off[r] += offs[g * kRows + r] * gs[g];
-        }
+        if (l.bits == 4)
+          offset_term(reinterpret_cast<const uint16_t*>(tp + l.npairs * l.pair_bytes),
+                      a.group_sums + (m0 + i) * l.ngroups, l.ngroups, off);
         float* yrow = y + (m0 + i) * l.n + tile * kRows;
         for (int r = 0; r < rows; ++r)
           yrow[r] = out[r * kMaxMB + i] + off[r] + (bias ? bias[tile * kRows + r] : 0.f);
       }
       m0 += count;
     }
-  }
   }
 }
 
