@@ -12,7 +12,7 @@ import ctypes
 import functools
 import os
 from pathlib import Path
-from typing import Iterable, Optional, Sequence, Union
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -378,6 +378,12 @@ def qlinear_pack(
     return packed
 
 
+@functools.lru_cache(maxsize=None)
+def _qlinear_call(bits: int, n: int, k: int, group_size: int) -> tuple[int, Callable[..., int]]:
+    """(packed bytes, the C function) for one weight shape: validated once, then a dict lookup per call."""
+    return qlinear_packed_bytes(bits, n, k, group_size), library().trtpaged_qlinear_cpu
+
+
 def qlinear(
     x: torch.Tensor,
     packed: torch.Tensor,
@@ -390,26 +396,27 @@ def qlinear(
 ) -> torch.Tensor:
     """y = x @ W^T (+ bias) for a weight packed by qlinear_pack; x float32 [..., k] on the CPU.
 
-    Returns (or fills out, float32 [..., n]). The checks are kept to a few attribute reads: this
-    runs once per linear layer per decode step.
+    Returns out (float32 [..., n], allocated when None). This runs once per linear layer per
+    decode step, so the checks are the few that keep the kernel in bounds, each a cheap read.
     """
-    if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
-        raise ValueError(f"x: expected a contiguous float32 CPU tensor, got {x.dtype} on {x.device}")
-    if x.dim() == 0 or x.shape[-1] != k:
-        raise ValueError(f"x: last dimension {x.shape[-1] if x.dim() else None}, expected k = {k}")
-    if packed.dtype != torch.uint8 or packed.dim() != 1 or packed.device.type != "cpu":
-        raise ValueError("packed: expected the 1-D uint8 CPU tensor returned by qlinear_pack")
+    packed_bytes, fn = _qlinear_call(bits, n, k, group_size)
+    if x.dtype is not torch.float32 or not x.is_cpu or not x.is_contiguous() or x.dim() == 0 or x.shape[-1] != k:
+        raise ValueError(
+            f"x: expected a contiguous float32 CPU tensor [..., k = {k}], got {x.dtype} {tuple(x.shape)} on {x.device}"
+        )
+    if packed.dtype is not torch.uint8 or not packed.is_cpu or packed.dim() != 1 or packed.numel() < packed_bytes:
+        raise ValueError(f"packed: expected the 1-D uint8 CPU tensor of {packed_bytes} bytes returned by qlinear_pack")
     m = x.numel() // k
     if out is None:
         out = torch.empty(x.shape[:-1] + (n,), dtype=torch.float32)
-    elif out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != m * n or out.device.type != "cpu":
+    elif out.dtype is not torch.float32 or not out.is_cpu or not out.is_contiguous() or out.numel() != m * n:
         raise ValueError(f"out: expected a contiguous float32 CPU tensor of {m * n} elements")
-    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
-        raise ValueError(f"bias: expected a contiguous float32 tensor of shape ({n},)")
-    status = library().trtpaged_qlinear_cpu(
-        x.data_ptr(), m, packed.data_ptr(), bits, n, k, group_size,
-        bias.data_ptr() if bias is not None else None, out.data_ptr(),
-    )  # fmt: skip
+    if bias is not None:
+        if bias.dtype is not torch.float32 or not bias.is_cpu or bias.shape != (n,) or not bias.is_contiguous():
+            raise ValueError(f"bias: expected a contiguous float32 CPU tensor of shape ({n},)")
+        status = fn(x.data_ptr(), m, packed.data_ptr(), bits, n, k, group_size, bias.data_ptr(), out.data_ptr())
+    else:
+        status = fn(x.data_ptr(), m, packed.data_ptr(), bits, n, k, group_size, None, out.data_ptr())
     if status:
         _check("qlinear", status)
     return out

@@ -437,8 +437,7 @@ void quantize_activations(const float* x, int64_t m, const Layout& l, Isa isa, A
   const int64_t nblocks = l.k / 32;
   const int64_t blocks_per_group = l.group / 32;
   const bool simd = isa != kScalar;
-#pragma omp parallel for schedule(static) if (m * l.k >= (1 << 16))
-  for (int64_t row = 0; row < m; ++row) {
+  auto quantize_row = [&](int64_t row) {
     for (int64_t b = 0; b < nblocks; ++b) {
       int32_t sum;
       const float* xb = x + row * l.k + b * 32;
@@ -449,6 +448,13 @@ void quantize_activations(const float* x, int64_t m, const Layout& l, Isa isa, A
       rec.nbias[b % 2] = -128 * sum;
       if (l.bits == 4) buf.group_sums[row * l.ngroups + b / blocks_per_group] += d * float(sum);
     }
+  };
+  // An OpenMP region costs microseconds even when it runs serially: small calls skip it.
+  if (m * l.k >= (1 << 16)) {
+#pragma omp parallel for schedule(static)
+    for (int64_t row = 0; row < m; ++row) quantize_row(row);
+  } else {
+    for (int64_t row = 0; row < m; ++row) quantize_row(row);
   }
   acts.m = m;
   acts.k_padded = kp;
@@ -469,8 +475,7 @@ void run_tiles(const Layout& l, const Acts& a, const uint8_t* packed, const floa
   const int64_t nchunks = (m + mchunk - 1) / mchunk;
   const int64_t items = l.ntiles * nchunks;
   const double work = double(l.ntiles) * kRows * double(l.k) * double(m);
-#pragma omp parallel for schedule(static) if (work >= 32768.0)
-  for (int64_t item = 0; item < items; ++item) {
+  auto run_item = [&](int64_t item) {
     const int64_t tile = item / nchunks;
     const int64_t mbeg = (item % nchunks) * mchunk;
     const int64_t mend = std::min(m, mbeg + mchunk);
@@ -491,6 +496,12 @@ void run_tiles(const Layout& l, const Acts& a, const uint8_t* packed, const floa
       }
       m0 += count;
     }
+  };
+  if (work >= 32768.0) {
+#pragma omp parallel for schedule(static)
+    for (int64_t item = 0; item < items; ++item) run_item(item);
+  } else {
+    for (int64_t item = 0; item < items; ++item) run_item(item);
   }
 }
 
