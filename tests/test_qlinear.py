@@ -24,8 +24,20 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="kernel library 
 
 
 def available_isas() -> list[str]:
-    best = kernels.CPU_ISAS.index(kernels.cpu_isa()) if kernels.available() else 0
-    return list(kernels.CPU_ISAS[: best + 1])
+    """Every instruction set this CPU runs (set_cpu_isa accepts it), lowest first."""
+    if not kernels.available():
+        return ["scalar"]
+    names = []
+    try:
+        for name in kernels.CPU_ISAS:
+            try:
+                kernels.set_cpu_isa(name)
+                names.append(name)
+            except kernels.KernelError:
+                pass
+    finally:
+        kernels.set_cpu_isa(None)
+    return names
 
 
 @pytest.fixture(params=available_isas())
@@ -154,7 +166,7 @@ def test_every_isa_agrees_with_the_best() -> None:
             results[name] = kernels.qlinear(x, packed, 4, 37, 576, 64)
     finally:
         kernels.set_cpu_isa(None)
-    best = results[available_isas()[-1]]
+    best = results[kernels.cpu_isa()]
     for name, y in results.items():
         torch.testing.assert_close(y, best, rtol=1e-5, atol=1e-5, msg=name)
 
@@ -212,3 +224,13 @@ def test_bad_arguments() -> None:
         kernels.qlinear(torch.randn(2, 64), packed, 4, 4, 64, 32, bias=torch.randn(5))
     with pytest.raises(ValueError, match="out: expected"):
         kernels.qlinear(torch.randn(2, 64), packed, 4, 4, 64, 32, out=torch.empty(2, 5))
+
+
+def test_packed_buffer_must_match_the_shape() -> None:
+    codes, scales, offsets, _ = make_weight(8, 8, 64, 32, seed=0)
+    packed = kernels.qlinear_pack(8, codes, scales, None, 32)
+    assert packed.numel() == kernels.qlinear_packed_bytes(8, 8, 64, 32)
+    with pytest.raises(ValueError, match="packed: expected the 1-D uint8 CPU tensor of"):
+        kernels.qlinear(torch.randn(1, 64), packed, 8, 800, 64, 32)  # a larger weight than the one packed
+    with pytest.raises(ValueError, match="packed: expected"):
+        kernels.qlinear(torch.randn(1, 64), packed.view(torch.int8), 8, 8, 64, 32)

@@ -39,6 +39,7 @@ class Timing:
     median_us: float
     p10_us: float
     p90_us: float
+    min_us: float
     copies: int
 
 
@@ -85,9 +86,8 @@ def _time_sweeps(calls: list[Callable[[], object]], budget_s: float, min_sweeps:
         for fn in calls:
             fn()
         samples.append((time.perf_counter() - t0) / len(calls) * 1e6)
-    samples.sort()
-    q = statistics.quantiles(samples, n=10) if len(samples) >= 2 else samples * 9
-    return Timing(statistics.median(samples), q[0], q[-1], len(calls))
+    q = statistics.quantiles(samples, n=10)
+    return Timing(statistics.median(samples), q[0], q[-1], min(samples), len(calls))
 
 
 def _random_weights(bits: int, n: int, k: int, gen: torch.Generator):
@@ -103,7 +103,7 @@ def _copies(bytes_each: int, working_set: int) -> int:
     return max(2, math.ceil(working_set / bytes_each))
 
 
-def call_overhead_us(reps: int = 20000) -> dict:
+def call_overhead_us(reps: int = 5000) -> dict:
     """Per-call cost of the Python binding at M=1 for a tiny weight (N=4, K=32), against the bare
     ctypes call of the same kernel: the difference is the binding's checks and allocation."""
     codes, scales, offsets = _random_weights(4, 4, 32, torch.Generator().manual_seed(0))
@@ -192,25 +192,28 @@ def _cell(t: Timing) -> str:
     return f"{t.median_us:9.1f} ({t.p10_us:.0f}-{t.p90_us:.0f})"
 
 
+def _ratio(ref: Timing, ours: Timing) -> str:
+    return f"{ref.median_us / ours.median_us:6.2f} [{ref.min_us / ours.min_us:5.2f}]"
+
+
 def format_report(report: Report) -> str:
     lines = [
         f"weight-only quantized linear, CPU ({report.isa}, {report.threads} threads); weights stream from DRAM: "
         f"each format rotates over copies totalling {report.working_set_bytes / 2**20:.0f} MiB "
         f"(LLC {report.llc_bytes / 2**20:.0f} MiB)",
-        "times in us per call: median (p10-p90); speedup = fp32 median / ours",
-        f"{'shape':<9}{'N x K':>12}{'M':>5}  {'fp32 F.linear':>24}  {'int8 G32':>24}{'x':>6}  "
-        f"{'int4 G32':>24}{'x':>6}  {'_weight_int8pack_mm':>24}",
+        "times in us per call: median (p10-p90) over sweeps; speedup x = fp32 median / ours (min-based in brackets)",
+        f"{'shape':<9}{'N x K':>12}{'M':>5}  {'fp32 F.linear':>24}  {'int8 G32':>24}{'x [min]':>14}  "
+        f"{'int4 G32':>24}{'x [min]':>14}  {'_weight_int8pack_mm':>24}",
     ]
     for r in report.rows:
         ref = f"  {_cell(r.int8pack_mm):>24}" if r.int8pack_mm else ""
         lines.append(
-            f"{r.shape:<9}{f'{r.n}x{r.k}':>12}{r.m:>5}  {_cell(r.fp32):>24}  {_cell(r.int8):>24}"
-            f"{r.fp32.median_us / r.int8.median_us:>6.2f}  {_cell(r.int4):>24}{r.fp32.median_us / r.int4.median_us:>6.2f}"
-            + ref
+            f"{r.shape:<9}{f'{r.n}x{r.k}':>12}{r.m:>5}  {_cell(r.fp32):>24}  {_cell(r.int8):>24}{_ratio(r.fp32, r.int8)}"
+            f"  {_cell(r.int4):>24}{_ratio(r.fp32, r.int4)}" + ref
         )
     o = report.call_overhead_us
     lines.append(
-        f"per-call cost at M=1, N=4, K=32 (best of 5 x 20000): bare ctypes {o['ctypes_call']:.2f} us, "
+        f"per-call cost at M=1, N=4, K=32 (best of 5 x 5000): bare ctypes {o['ctypes_call']:.2f} us, "
         f"kernels.qlinear(out=) {o['qlinear_out']:.2f} us, kernels.qlinear() {o['qlinear_alloc']:.2f} us, "
         f"torch F.linear {o['torch_linear_fp32']:.2f} us"
     )

@@ -91,9 +91,15 @@ def memory(engine, trace, num_requests, prompt_len, output_len, shared_prefix, n
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--quick", is_flag=True, help="Shorter timing budget (noisier).")
 @click.option("--working-set-mb", type=int, help="Weight bytes each format rotates over (default: 2 x LLC).")
-def qlinear(as_json: bool, quick: bool, working_set_mb: Optional[int]) -> None:
+@click.option("--threads", type=int, help="CPU threads for torch and our kernels (default: torch's).")
+def qlinear(as_json: bool, quick: bool, working_set_mb: Optional[int], threads: Optional[int]) -> None:
     """Weight-only int8/int4 CPU linears vs fp32 F.linear on SmolLM2-135M shapes, weights from DRAM."""
+    import torch
+
     from trtpaged.bench.qlinear_bench import format_report, report_json, run_qlinear_bench
+
+    if threads:
+        torch.set_num_threads(threads)  # one OpenMP runtime: it also sets our kernels' threads
 
     report = run_qlinear_bench(
         working_set_bytes=working_set_mb << 20 if working_set_mb else None,

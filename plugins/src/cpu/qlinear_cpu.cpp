@@ -379,14 +379,24 @@ __attribute__((target("avx2,fma,f16c"))) void offsets_avx2(const uint16_t* oh, c
 
 // ---------------------------------------------------------------------------------------------
 // Dispatch.
-Isa best_isa() {
+// Whether this CPU (and OS) can run a variant: AVX-512 VNNI and AVX-VNNI are independent
+// (Ice Lake and Zen 4 have the first without the second).
+bool isa_supported(Isa isa) {
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-    return kAvx512Vnni;
-  bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (avx2 && __builtin_cpu_supports("avxvnni")) return kAvxVnni;
-  if (avx2) return kAvx2;
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  switch (isa) {
+    case kAvx512Vnni:
+      return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    case kAvxVnni: return avx2 && __builtin_cpu_supports("avxvnni");
+    case kAvx2: return avx2;
+    default: return true;
+  }
+}
+
+Isa best_isa() {
+  for (Isa isa : {kAvx512Vnni, kAvxVnni, kAvx2})
+    if (isa_supported(isa)) return isa;
   return kScalar;
 }
 
@@ -396,8 +406,8 @@ int isa_from_name(const char* name) {
   return -1;
 }
 
-// -1 until first use; then the ISA in use. Set from TRTPAGED_CPU_ISA (capped at what the CPU
-// supports) at first use, or by trtpaged_set_cpu_isa.
+// -1 until first use; then the ISA in use. Set from TRTPAGED_CPU_ISA at first use (when lower
+// than the best and supported; otherwise ignored), or by trtpaged_set_cpu_isa.
 int g_isa = -1;
 
 Isa current_isa() {
@@ -406,8 +416,8 @@ Isa current_isa() {
   Isa best = best_isa();
   Isa chosen = best;
   if (const char* env = std::getenv("TRTPAGED_CPU_ISA")) {
-    int want = isa_from_name(env);
-    if (want >= 0 && want < best) chosen = Isa(want);
+    const int want = isa_from_name(env);
+    if (want >= 0 && want < best && isa_supported(Isa(want))) chosen = Isa(want);
   }
   __atomic_store_n(&g_isa, int(chosen), __ATOMIC_RELEASE);
   return chosen;
@@ -630,7 +640,7 @@ TRTPAGED_API trtpaged_status trtpaged_set_cpu_isa(const char* name) {
   if (want < 0)
     return trtpaged_status(fail(TRTPAGED_ERR_INVALID_ARGUMENT, std::string("name: unknown instruction set '") + name +
                                                                    "' (avx512vnni, avxvnni, avx2 or scalar)"));
-  if (want > best)
+  if (!isa_supported(Isa(want)))
     return trtpaged_status(fail(TRTPAGED_ERR_UNSUPPORTED, std::string("name: this CPU does not support ") + name +
                                                               " (best: " + kIsaNames[best] + ")"));
   __atomic_store_n(&g_isa, want, __ATOMIC_RELEASE);
