@@ -12,7 +12,10 @@ agreement, and agreement where the reference's top-2 gap is at least NEAR_TIE
 (a flip inside a near-tie is rounding, not damage).
 
 Tolerances (a build past them fails, with the figures): ACCEPT[scheme] is the
-least top-1 agreement away from near-ties, for either path.
+least top-1 agreement away from near-ties, for path (a) and path (b). Quantizing
+the activations too costs agreement of its own (SmolLM2 with its Q4_1 weights
+carried exactly: 100% with float activations, 97.8% with int8 activations over
+140 positions), so (b)'s bounds are looser.
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ PROMPTS = (
 )
 NEW_TOKENS = 24
 NEAR_TIE = 0.01
-# least top-1 agreement away from near-ties, per weights scheme (either path); see docs/architecture.md
-ACCEPT = {"exact": 0.97, "int8": 0.95, "int4": 0.80}
+# least top-1 agreement away from near-ties per weights scheme: (float activations, torch backend);
+# "exact": every weight carried bit for bit from the source (docs/quantization.md)
+ACCEPT = {"exact": (0.97, 0.90), "int8": (0.95, 0.90), "int4": (0.80, 0.75)}
 
 
 class AccuracyError(RuntimeError):
@@ -49,7 +53,7 @@ class PathAccuracy:
 @dataclass(frozen=True)
 class AccuracyReport:
     scheme: str
-    threshold: float
+    threshold: tuple[float, float]
     full_precision_activations: PathAccuracy
     torch_backend: PathAccuracy
     torch_backend_activations: str  # "int8 per 32 inputs" or "float"
@@ -125,9 +129,9 @@ def measure_accuracy(hf_model: Any, tokenizer: Any, dequantized_hf: Any, step_mo
 
     activations = "int8 per 32 inputs" if uses_integer_kernels(step_model) else "float"
     report = AccuracyReport(scheme, ACCEPT[scheme], _compare(truth, full), _compare(truth, eager), activations)
-    worst = min(report.full_precision_activations.agreement_away_from_ties,
-                report.torch_backend.agreement_away_from_ties)
-    if worst < report.threshold:
+    got = (report.full_precision_activations.agreement_away_from_ties, report.torch_backend.agreement_away_from_ties)
+    if any(g < t for g, t in zip(got, report.threshold)):
+        need = " / ".join(f"{t:.0%}" for t in report.threshold)
         raise AccuracyError(f"accuracy: {report.line()}; scheme {scheme} needs top-1 agreement away from "
-                            f"near-ties >= {report.threshold:.0%}")
+                            f"near-ties >= {need} (float activations / torch backend)")
     return report
