@@ -86,7 +86,7 @@ def _time_sweeps(calls: list[Callable[[], object]], budget_s: float, min_sweeps:
         for fn in calls:
             fn()
         samples.append((time.perf_counter() - t0) / len(calls) * 1e6)
-    q = statistics.quantiles(samples, n=10)
+    q = statistics.quantiles(samples, n=10, method="inclusive")  # "exclusive" extrapolates past min/max
     return Timing(statistics.median(samples), q[0], q[-1], min(samples), len(calls))
 
 
