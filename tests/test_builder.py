@@ -284,3 +284,15 @@ def test_gguf_header_gives_the_architecture_without_loading():
 
     spec = parse_config(yaml.safe_load((EXAMPLES / "smollm2.yaml").read_text()), base_dir=EXAMPLES).model
     assert source_architecture(spec) == "LlamaForCausalLM"
+
+
+def test_build_with_inconsistent_tiny_heads_is_a_clear_error(tmp_path):
+    data = {
+        "model": {"tiny": {"hidden_size": 64, "num_attention_heads": 3, "num_key_value_heads": 1}},
+        "max_seq_len": 64, "kv_cache": {"num_blocks": 8},
+    }
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(data))
+    result = CliRunner().invoke(main, ["build", str(tmp_path / "m.yaml"), "-o", str(tmp_path / "out" / "eng")])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert "model.tiny" in result.output and "not a multiple of the number of attention heads" in result.output
+    assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["m.yaml"]

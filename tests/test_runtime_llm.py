@@ -54,3 +54,37 @@ def test_cli_generate_streams(tiny_engine_dir):
     assert result.exit_code == 0 and result.output.count("--- [") == 2
     result = CliRunner().invoke(main, ["generate", str(tiny_engine_dir), "--prompt", "hi", "--beam-width", "3", "--max-tokens", "4"])
     assert result.exit_code == 0 and result.output.count("--- [") == 1
+
+
+def test_generate_refusing_one_prompt_queues_none_of_them(tiny_engine_dir):
+    llm = LLM(tiny_engine_dir, device="cpu")
+    with pytest.raises(ValueError, match=r"max_seq_len \(512\)"):
+        llm.generate(["hello", [5] * 600], SamplingParams(max_tokens=8, temperature=0.0))
+    assert not llm.engine.has_unfinished()
+    assert llm.stats()["num_waiting"] == 0 and llm.stats()["kv_blocks_used"] == 0
+    assert [o.prompt for o in llm.generate(["world"], SamplingParams(max_tokens=8, temperature=0.0))] == ["world"]
+    assert llm.stats()["prefix_cache_queries_tokens"] == len("world")  # "hello" never ran
+
+
+def test_failed_step_returns_every_block(tiny_engine_dir) -> None:
+    """An engine step that raises must not leave the call's requests queued or holding blocks."""
+    llm = LLM(tiny_engine_dir)
+    backend = llm.engine.runner
+    real_step = backend.step
+    calls = {"n": 0}
+
+    def failing_step(batch):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("device lost")
+        return real_step(batch)
+
+    backend.step = failing_step
+    with pytest.raises(RuntimeError, match="device lost"):
+        llm.generate(["hello there", "general kenobi"], SamplingParams(max_tokens=8, temperature=0.0))
+    backend.step = real_step
+    assert not llm.engine.has_unfinished()
+    assert llm.stats()["kv_blocks_used"] == 0
+    # and the LLM keeps working
+    out = llm.generate(["hello there"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
