@@ -148,6 +148,18 @@ def test_inspect_fraction_budget(tmp_path):
     assert "blocks in budget:     64" in r.output  # 0.5 MiB / 8 KiB blocks
 
 
+def test_inspect_reports_the_blocks_the_runtime_allocates(tmp_path):
+    from trtpaged import LLM
+
+    config = parse_config({**TINY, "kv_cache": {"fraction": 0.5}}, base_dir=EXAMPLES)
+    build_engine(config, tmp_path / "f", skip_verify=True, echo=lambda s: None)
+    lim = config.limits
+    useful = lim.max_batch_size * -(-lim.max_seq_len // lim.block_size)  # every sequence at full length
+    r = _cli("inspect", str(tmp_path / "f"), "--memory", "64MiB")  # 0.5 x 64 MiB holds 4096 blocks of 8 KiB
+    assert f"blocks in budget:     {useful}" in r.output and "capped" in r.output, r.output
+    assert LLM(tmp_path / "f", device="cpu").config.num_blocks == useful  # this host has more than 64 MiB free
+
+
 BAD = {
     "missing model": ({k: v for k, v in TINY.items() if k != "model"}, "model: missing"),
     "unknown key": ({**TINY, "max_seq_length": 64}, "did you mean 'max_seq_len'"),
