@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -209,7 +210,7 @@ def test_failed_build_leaves_nothing_and_keeps_old_engine(tmp_path, monkeypatch)
     before = sha256_file(out / "trtpaged.json")
     monkeypatch.setitem(verify.TOLERANCES, "float32", (0.0, 0.0))
     with pytest.raises(verify.VerificationError):
-        build_engine(config, out, echo=lambda s: None)
+        build_engine(config, out, force=True, echo=lambda s: None)
     assert sha256_file(out / "trtpaged.json") == before
     assert sorted(p.name for p in out.parent.iterdir()) == ["engine"]
 
@@ -308,3 +309,30 @@ def test_build_with_inconsistent_tiny_heads_is_a_clear_error(tmp_path):
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
     assert "model.tiny" in result.output and "not a multiple of the number of attention heads" in result.output
     assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["m.yaml"]
+
+
+def test_build_refuses_an_existing_engine_dir_unless_forced(tmp_path):
+    out = tmp_path / "engine"
+    assert _cli("build", str(EXAMPLES / "tiny.yaml"), "-o", str(out), "--skip-verify").exit_code == 0
+    before = sha256_file(out / "trtpaged.json")
+    r = _cli("build", str(EXAMPLES / "tiny.yaml"), "-o", str(out), "--skip-verify")
+    assert r.exit_code == 1 and "is an engine dir already; pass --force" in r.output, r.output
+    assert sha256_file(out / "trtpaged.json") == before
+    r = _cli("build", str(EXAMPLES / "tiny.yaml"), "-o", str(out), "--skip-verify", "--force")
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["engine"]  # replaced in place, no leftovers
+
+
+def test_a_long_stage_prints_heartbeats_with_elapsed_time():
+    from trtpaged.builder.progress import Progress
+
+    lines: list[str] = []
+    progress = Progress(lines.append, heartbeat=0.05)
+    with progress.stage("load") as st:
+        time.sleep(0.23)
+        st.note("done")
+    beats = [line for line in lines if line.startswith("load     ... ")]
+    assert 3 <= len(beats) <= 5 and lines[-1].startswith("load     done  (0.2")
+    with progress.stage("patch"):
+        pass
+    assert not lines[-1].startswith("patch    ...")  # a quick stage prints only its end line
