@@ -59,14 +59,20 @@ def test_output_kinds_delta_and_final_only_reassemble_the_cumulative_output(llm)
     from trtpaged.runtime.outputs import RequestOutputKind
 
     prompt = "tell me a story"
+    base = dict(max_tokens=16, temperature=1.0, seed=7, n=2, ignore_eos=True)
+    free_run = llm.generate(prompt, SamplingParams(**base))[0].outputs[0].text
+    assert len(free_run) >= 8
+    stop = free_run[4:7]  # spans several byte tokens: a delta must never show a part of it
     outputs = {}
     for kind in RequestOutputKind:
-        params = SamplingParams(max_tokens=12, temperature=1.0, seed=7, n=2, stop=["e "], output_kind=kind)
-        request_id = llm.engine.add_request(prompt, params)
+        request_id = llm.engine.add_request(prompt, SamplingParams(**base, stop=[stop], output_kind=kind))
         outputs[kind] = []
         while llm.engine.has_unfinished():
             outputs[kind] += [o for o in llm.engine.step() if o.request_id == request_id]
     cumulative = outputs[RequestOutputKind.CUMULATIVE][-1]
+    assert cumulative.outputs[0].finish_reason == "stop" and stop not in cumulative.outputs[0].text
+    assert all(cumulative.outputs[0].text.startswith(o.outputs[0].text)
+               for o in outputs[RequestOutputKind.CUMULATIVE])  # fmt: skip
     final_only = outputs[RequestOutputKind.FINAL_ONLY]
     assert len(final_only) == 1 and final_only[0].finished
     assert [c.text for c in final_only[0].outputs] == [c.text for c in cumulative.outputs]
