@@ -17,6 +17,10 @@ block_size: 16             # tokens per KV block: 8, 16, 32, 64 or 128
 kv_cache: {fraction: 0.9}  # one of {num_blocks: N}, {memory: "2GiB"}, {fraction: 0.9 of free device memory}
 backend: auto              # auto | tensorrt | torch
 output: engines/NAME       # engine dir (overridden by `trtpaged build -o`)
+quantization:              # weight-only quantization (default: none)
+  weights: int4            #   none | int8 (symmetric) | int4 (asymmetric, scale + minimum per group)
+  group_size: 32           #   inputs per scale: 32 | 64 | 128 (int4 default 32; int8 default: per output channel)
+  lm_head: int8            #   int8 | none: the embedding and LM head (int8 per channel, GGUF Q8_0 kept exactly)
 ```
 
 Relative paths are relative to the yaml file. Every error names the key, the
@@ -43,8 +47,11 @@ BLOCK_SIZES = (8, 16, 32, 64, 128)
 MODEL_SOURCES = ("hf_dir", "gguf", "package", "tiny")
 TOP_LEVEL_KEYS = (
     "model", "dtype", "kv_cache_dtype", "max_batch_size", "max_num_tokens", "max_seq_len",
-    "block_size", "kv_cache", "backend", "output",
+    "block_size", "kv_cache", "backend", "output", "quantization",
 )
+WEIGHT_SCHEMES = ("none", "int8", "int4")
+GROUP_SIZES = (32, 64, 128)
+QUANT_KEYS = ("weights", "group_size", "lm_head")
 TINY_KEYS = (
     "architecture", "seed", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling",
@@ -87,6 +94,26 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
+class QuantizationConfig:
+    """Weight-only quantization of the linear layers (and the embedding / LM head)."""
+
+    weights: str = "none"  # one of WEIGHT_SCHEMES
+    group_size: Optional[int] = None  # None: per output channel (int8 only)
+    lm_head: str = "int8"  # "int8" or "none"; applies only when weights is not "none"
+
+    @property
+    def enabled(self) -> bool:
+        return self.weights != "none"
+
+    @property
+    def bits(self) -> int:
+        return {"int8": 8, "int4": 4}[self.weights]
+
+    def describe(self) -> dict[str, Any]:
+        return {"weights": self.weights, "group_size": self.group_size, "lm_head": self.lm_head}
+
+
+@dataclass(frozen=True)
 class BuildConfig:
     """A validated model.yaml."""
 
@@ -98,6 +125,7 @@ class BuildConfig:
     backend: str
     output: Optional[Path]
     source_file: Optional[Path] = None
+    quantization: QuantizationConfig = QuantizationConfig()
 
 
 def load_config(path: str | Path) -> BuildConfig:
@@ -158,6 +186,7 @@ def parse_config(
         backend=backend,
         output=(base / output).resolve() if output else None,
         source_file=source_file,
+        quantization=_parse_quantization(data.get("quantization"), fail),
     )
 
 
@@ -259,6 +288,23 @@ def _parse_tiny(tiny: Any, fail) -> dict[str, Any]:
     if out["vocab_size"] < 260:
         raise fail(f"model.tiny.vocab_size: got {out['vocab_size']}; the tiny byte tokenizer needs at least 260")
     return out
+
+
+def _parse_quantization(spec: Any, fail) -> QuantizationConfig:
+    if spec is None:
+        return QuantizationConfig()
+    if not isinstance(spec, dict):
+        raise fail(f"quantization: got {spec!r}; expected a mapping like {{weights: int4, group_size: 32}}")
+    _check_keys(spec, QUANT_KEYS, "quantization.", fail)
+    weights = _choice(spec, "weights", WEIGHT_SCHEMES, "none", lambda m: fail("quantization." + m))
+    lm_head = _choice(spec, "lm_head", ("int8", "none"), "int8", lambda m: fail("quantization." + m))
+    group = spec.get("group_size", 32 if weights == "int4" else None)
+    if group is not None and (isinstance(group, bool) or group not in GROUP_SIZES):
+        allowed = ", ".join(map(str, GROUP_SIZES)) + (" or null (per output channel)" if weights == "int8" else "")
+        raise fail(f"quantization.group_size: got {group!r}; allowed: {allowed}")
+    if weights == "int4" and group is None:
+        raise fail(f"quantization.group_size: int4 needs a group size, one of {', '.join(map(str, GROUP_SIZES))}")
+    return QuantizationConfig(weights=weights, group_size=group, lm_head=lm_head)
 
 
 def _parse_kv_cache(spec: Any, limits: Limits, fail) -> KVCacheBudget:

@@ -12,7 +12,7 @@ import ctypes
 import functools
 import os
 from pathlib import Path
-from typing import Iterable, Optional, Sequence, Union
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -99,6 +99,19 @@ def _declare(lib: ctypes.CDLL) -> None:
         getattr(lib, name).argtypes = []
     lib.trtpaged_has_cuda.restype = ctypes.c_int
     lib.trtpaged_has_cuda.argtypes = []
+    i64 = ctypes.c_int64
+    qlinear_signatures = {
+        "trtpaged_qlinear_packed_bytes": [i32, i64, i64, i32, ctypes.POINTER(ctypes.c_size_t)],
+        "trtpaged_qlinear_pack": [i32, i64, i64, i32, vp, vp, vp, vp],
+        "trtpaged_qlinear_cpu": [vp, i64, vp, i32, i64, i64, i32, vp, vp],
+        "trtpaged_set_cpu_isa": [ctypes.c_char_p],
+    }
+    for name, argtypes in qlinear_signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = ctypes.c_int
+    lib.trtpaged_cpu_isa.restype = ctypes.c_char_p
+    lib.trtpaged_cpu_isa.argtypes = []
 
 
 @functools.lru_cache(maxsize=1)
@@ -297,3 +310,179 @@ def swap_blocks(src_pool: torch.Tensor, dst_pool: torch.Tensor, pairs: Pairs) ->
     else:
         cuda_device = src_pool.device if src_pool.device.type == "cuda" else dst_pool.device
         _check("swap_blocks", lib.trtpaged_swap_blocks_cuda(*args, _ptr(arr), arr.shape[0], _stream(cuda_device)))
+
+
+class AttentionStep:
+    """One step's paged attention, layer after layer, with the per-step work done once.
+
+    `paged_attention` checks every tensor on every call; a step calls it once
+    per layer with the same index tensors and pool. This checks those once and
+    keeps the call's parameters, so that each layer costs one C call:
+    `step(layer, q, k, v, scale) -> out`. q/k/v must be dense, of one float
+    dtype, with num_tokens rows (checked cheaply per call).
+    """
+
+    def __init__(self, kv_cache: torch.Tensor, positions: torch.Tensor, query_start: torch.Tensor,
+                 context_lens: torch.Tensor, block_tables: torch.Tensor, num_heads: int,
+                 max_context_len: Optional[int] = None) -> None:
+        device = kv_cache.device
+        _require(kv_cache, "kv_cache", ndim=6, dtypes=tuple(_DTYPE_CODES), device=device)
+        for name, t, ndim in (("positions", positions, 1), ("query_start", query_start, 1),
+                              ("context_lens", context_lens, 1), ("block_tables", block_tables, 2)):
+            _require(t, name, ndim=ndim, dtypes=(torch.int32,), device=device)
+        num_blocks, num_layers, _, num_kv_heads, block_size, head_dim = kv_cache.shape
+        num_seqs = block_tables.shape[0]
+        if query_start.shape[0] != num_seqs + 1 or context_lens.shape[0] != num_seqs:
+            raise ValueError(f"query_start/context_lens: {query_start.shape[0]}/{context_lens.shape[0]} entries for "
+                             f"{num_seqs} sequences")
+        self.num_tokens, self.device = int(positions.shape[0]), device
+        self._params = _AttentionParams(
+            self.num_tokens, num_seqs, block_tables.shape[1], num_heads, num_kv_heads, head_dim,
+            num_blocks, num_layers, 0, block_size, 1.0, _DTYPE_CODES[torch.float32], _DTYPE_CODES[kv_cache.dtype],
+        )  # fmt: skip
+        self._params_ref = ctypes.byref(self._params)
+        self._tensors = (kv_cache, positions, query_start, context_lens, block_tables)  # keeps them alive
+        self._pointers = tuple(t.data_ptr() for t in self._tensors)
+        lib = library()
+        self._workspace: Optional[torch.Tensor] = None
+        if device.type == "cpu":
+            self._fn = lib.trtpaged_paged_attention_cpu
+        elif device.type == "cuda":
+            self._fn = lib.trtpaged_paged_attention_cuda
+            if max_context_len is None:
+                max_context_len = int(context_lens.max().item()) if num_seqs else 0
+            self._max_context_len = max_context_len
+        else:
+            raise ValueError(f"kv_cache: device {device} not supported (cpu or cuda)")
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()) or q.shape[0] != self.num_tokens:
+            raise ValueError(f"q/k/v: expected dense tensors with {self.num_tokens} rows")
+        if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPE_CODES:
+            raise ValueError(f"q/k/v: one float dtype expected, got {q.dtype}, {k.dtype}, {v.dtype}")
+        p = self._params
+        p.layer, p.scale, p.io_dtype = layer, scale, _DTYPE_CODES[q.dtype]
+        out = torch.empty_like(q)
+        cache, positions, query_start, context_lens, block_tables = self._pointers
+        args = (self._params_ref, q.data_ptr(), k.data_ptr(), v.data_ptr(), cache, positions, query_start,
+                context_lens, block_tables, out.data_ptr())
+        if self.device.type == "cpu":
+            status = self._fn(*args)
+        else:
+            size = library().trtpaged_paged_attention_cuda_workspace_size(self._params_ref, self._max_context_len)
+            if size and (self._workspace is None or self._workspace.numel() < size):
+                self._workspace = torch.empty(size, dtype=torch.uint8, device=self.device)
+            ws = self._workspace.data_ptr() if size and self._workspace is not None else None
+            status = self._fn(*args, self._max_context_len, ws, size, _stream(self.device))
+        if status:
+            _check("paged_attention", status)
+        return out
+
+# --- Weight-only quantized linear (CPU) ------------------------------------------------------------
+
+CPU_ISAS = ("scalar", "avx2", "avxvnni", "avx512vnni")
+
+
+def cpu_isa() -> str:
+    """Instruction set the quantized linear kernels use: "avx512vnni", "avxvnni", "avx2" or "scalar"."""
+    return library().trtpaged_cpu_isa().decode()
+
+
+def set_cpu_isa(name: Optional[str]) -> None:
+    """Forces the quantized kernels' instruction set (None: the best this CPU has); for tests and
+    comparisons. Raises KernelError when the CPU lacks it."""
+    _check("set_cpu_isa", library().trtpaged_set_cpu_isa(name.encode() if name else None))
+
+
+def qlinear_packed_bytes(bits: int, n: int, k: int, group_size: int) -> int:
+    """Bytes of the kernel's packed form of an [n, k] weight."""
+    size = ctypes.c_size_t()
+    _check("qlinear_packed_bytes", library().trtpaged_qlinear_packed_bytes(bits, n, k, group_size, ctypes.byref(size)))
+    return size.value
+
+
+def qlinear_pack(
+    bits: int, codes: torch.Tensor, scales: torch.Tensor, offsets: Optional[torch.Tensor], group_size: int
+) -> torch.Tensor:
+    """Packs a quantized weight W[n, k] = scales[n, k // G] * codes[n, k] + offsets[n, k // G] for qlinear.
+
+    bits 8: codes int8 [n, k], offsets None. bits 4: codes uint8 [n, k // 2] holding two codes
+    0..15 per byte (k = 2j in the low nibble, 2j + 1 in the high), offsets float32 [n, k // G].
+    scales float32 [n, k // G]; scale and offset values must be exactly representable in fp16.
+    Returns a 64-byte aligned uint8 CPU tensor.
+    """
+    cpu = torch.device("cpu")
+    if bits not in (4, 8):
+        raise ValueError(f"bits: {bits} not supported (4 or 8)")
+    code_dtype = torch.int8 if bits == 8 else torch.uint8
+    _require(codes, "codes", ndim=2, dtypes=(code_dtype,), device=cpu)
+    _require(scales, "scales", ndim=2, dtypes=(torch.float32,), device=cpu)
+    n = codes.shape[0]
+    k = codes.shape[1] * (1 if bits == 8 else 2)
+    if group_size <= 0 or k % group_size:
+        raise ValueError(f"group_size: {group_size} does not divide k = {k}")
+    groups = (n, k // group_size)
+    if tuple(scales.shape) != groups:
+        raise ValueError(f"scales: shape {tuple(scales.shape)}, expected {groups} (n, k // group_size)")
+    if bits == 4:
+        if offsets is None:
+            raise ValueError("offsets: required for bits 4")
+        _require(offsets, "offsets", ndim=2, dtypes=(torch.float32,), device=cpu)
+        if tuple(offsets.shape) != groups:
+            raise ValueError(f"offsets: shape {tuple(offsets.shape)}, expected {groups} (n, k // group_size)")
+    elif offsets is not None:
+        raise ValueError("offsets: must be None for bits 8")
+    size = qlinear_packed_bytes(bits, n, k, group_size)
+    raw = torch.empty(size + 64, dtype=torch.uint8)
+    start = -raw.data_ptr() % 64
+    packed = raw[start : start + size]
+    status = library().trtpaged_qlinear_pack(
+        bits, n, k, group_size, codes.data_ptr(), scales.data_ptr(),
+        offsets.data_ptr() if offsets is not None else None, packed.data_ptr(),
+    )  # fmt: skip
+    _check("qlinear_pack", status)
+    return packed
+
+
+@functools.lru_cache(maxsize=None)
+def _qlinear_call(bits: int, n: int, k: int, group_size: int) -> tuple[int, Callable[..., int]]:
+    """(packed bytes, the C function) for one weight shape: validated once, then a dict lookup per call."""
+    return qlinear_packed_bytes(bits, n, k, group_size), library().trtpaged_qlinear_cpu
+
+
+def qlinear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    bits: int,
+    n: int,
+    k: int,
+    group_size: int,
+    bias: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """y = x @ W^T (+ bias) for a weight packed by qlinear_pack; x float32 [..., k] on the CPU.
+
+    Returns out (float32 [..., n], allocated when None). This runs once per linear layer per
+    decode step, so the checks are the few that keep the kernel in bounds, each a cheap read.
+    """
+    packed_bytes, fn = _qlinear_call(bits, n, k, group_size)
+    if x.dtype is not torch.float32 or not x.is_cpu or not x.is_contiguous() or x.dim() == 0 or x.shape[-1] != k:
+        raise ValueError(
+            f"x: expected a contiguous float32 CPU tensor [..., k = {k}], got {x.dtype} {tuple(x.shape)} on {x.device}"
+        )
+    if packed.dtype is not torch.uint8 or not packed.is_cpu or packed.dim() != 1 or packed.numel() < packed_bytes:
+        raise ValueError(f"packed: expected the 1-D uint8 CPU tensor of {packed_bytes} bytes returned by qlinear_pack")
+    m = x.numel() // k
+    if out is None:
+        out = torch.empty(x.shape[:-1] + (n,), dtype=torch.float32)
+    elif out.dtype is not torch.float32 or not out.is_cpu or not out.is_contiguous() or out.numel() != m * n:
+        raise ValueError(f"out: expected a contiguous float32 CPU tensor of {m * n} elements")
+    if bias is not None:
+        if bias.dtype is not torch.float32 or not bias.is_cpu or bias.shape != (n,) or not bias.is_contiguous():
+            raise ValueError(f"bias: expected a contiguous float32 CPU tensor of shape ({n},)")
+        status = fn(x.data_ptr(), m, packed.data_ptr(), bits, n, k, group_size, bias.data_ptr(), out.data_ptr())
+    else:
+        status = fn(x.data_ptr(), m, packed.data_ptr(), bits, n, k, group_size, None, out.data_ptr())
+    if status:
+        _check("qlinear", status)
+    return out

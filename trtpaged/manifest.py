@@ -88,6 +88,9 @@ class Manifest:
     files: dict[str, str] = field(default_factory=dict)  # relative path -> sha256
     source: dict[str, Any] = field(default_factory=dict)  # where the model came from
     verification: dict[str, Any] = field(default_factory=dict)  # max abs diff etc.
+    # weight-only quantization: {"weights", "group_size", "lm_head", "modules": {module: [bits, group_size]},
+    # "weight_bytes", "carried": {...}}; empty for a float engine
+    quantization: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 
     @property

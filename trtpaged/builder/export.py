@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from trtpaged.builder import onnx_quant
 from trtpaged.builder.onnx_node import translation_table
 from trtpaged.builder.probe import INPUT_NAMES, standard_probe
 from trtpaged.builder.weights import tensor_offsets
@@ -56,9 +57,9 @@ def export_onnx(model: LlamaStepModel, block_size: int, kv_dtype: torch.dtype, o
     try:
         with _quiet():
             program = torch.onnx.export(
-                model, args, dynamo=True, custom_translation_table=translation_table(),
+                model, args, dynamo=True, custom_translation_table={**translation_table(), **onnx_quant.translation()},
                 dynamic_shapes=dynamic_shapes(), input_names=list(INPUT_NAMES), output_names=list(OUTPUT_NAMES),
-                optimize=True, verbose=False, report=False,
+                optimize=True, verbose=False, report=False, opset_version=onnx_quant.OPSET,
             )
     except Exception as e:  # noqa: BLE001  (the exporter raises many kinds)
         raise ExportError(f"ONNX export failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
@@ -82,6 +83,7 @@ def export_onnx(model: LlamaStepModel, block_size: int, kv_dtype: torch.dtype, o
             raise ExportError(
                 f"initializer {name} ({tensor.nbytes} bytes) is not a model parameter; it would duplicate weights"
             )
+    onnx_quant.lower_dequantize_nodes(program.model)
     ir.save(program.model, onnx_path)
     return onnx_path
 

@@ -21,7 +21,9 @@ from trtpaged import __version__
 from trtpaged.builder import compile as trt_compile
 from trtpaged.builder.engine_dir import OutputDirError, check_output, file_hashes, staged_output, write_manifest
 from trtpaged.builder.export import export_onnx
+from trtpaged.builder.accuracy import AccuracyError, measure_accuracy
 from trtpaged.builder.progress import Progress
+from trtpaged.builder.quantize import check_dims, dequantized_hf_model, quantized_step_model
 from trtpaged.builder.verify import unsupported_reason, verify_onnx
 from trtpaged.builder.weights import save_weights
 from trtpaged.config import BuildConfig, ConfigError
@@ -87,6 +89,19 @@ def build_engine(
             dtype = TORCH_DTYPES[config.dtype]
             step_model = step_model_from_hf(hf.model, dims, dtype)
             st.note(f"LlamaStepModel {config.dtype}, {dims.num_heads}/{dims.num_kv_heads} heads x {dims.head_dim}")
+        quantized = None
+        reference_hf = hf.model
+        if config.quantization.enabled:
+            with progress.stage("quantize") as st:
+                blocker = check_dims(config.quantization, dims)
+                if blocker:
+                    raise ConfigError(blocker)
+                float_bytes = sum(t.numel() * t.element_size() for t in step_model.state_dict().values())
+                step_model, quantized = quantized_step_model(hf.model, config.model, dims, config.quantization, dtype)
+                reference_hf = dequantized_hf_model(hf.model, dims, quantized)
+                st.note(f"{config.quantization.weights} (group {config.quantization.group_size or 'per channel'}): "
+                        f"{quantized.summary()}; weights {quantized.weight_bytes / 2**20:.1f} MiB "
+                        f"(float {float_bytes / 2**20:.1f} MiB)")
         with progress.stage("export") as st:
             save_weights(step_model, tmp / WEIGHTS_FILE)
             export_onnx(step_model, config.limits.block_size, TORCH_DTYPES[config.kv_cache_dtype],
@@ -99,11 +114,22 @@ def build_engine(
             verification: dict = {"skipped": True, "reason": why_not}
         else:
             with progress.stage("verify") as st:
-                result = verify_onnx(tmp / ONNX_FILE, hf.model, dims.vocab_size, config.limits.block_size,
+                result = verify_onnx(tmp / ONNX_FILE, reference_hf, dims.vocab_size, config.limits.block_size,
                                      config.dtype, config.kv_cache_dtype)
                 verification = result.as_dict()
-                st.note(f"max abs diff {result.max_abs_diff:.3g} (tolerance {result.tolerance:.3g}, "
+                against = "HF with the same de-quantized weights" if reference_hf is not hf.model else "HF"
+                st.note(f"max abs diff {result.max_abs_diff:.3g} vs {against} (tolerance {result.tolerance:.3g}, "
                         f"{result.rows} logits rows, 2 steps)")
+        if quantized is not None and not skip_verify:
+            with progress.stage("accuracy") as st:
+                scheme = "exact" if reference_hf is hf.model else config.quantization.weights
+                try:
+                    report = measure_accuracy(hf.model, hf.tokenizer, reference_hf, step_model,
+                                              config.limits.block_size, scheme)
+                except AccuracyError as e:
+                    raise BuildError(str(e)) from None
+                verification["accuracy"] = report.as_dict()
+                st.note(report.line())
         plan_built = False
         compile_blocker = "backend: torch (no engine.plan)" if config.backend == "torch" else trt_compile.unavailable_reason()
         if compile_blocker:
@@ -119,7 +145,8 @@ def build_engine(
                 st.note(f"{PLAN_FILE} {(tmp / PLAN_FILE).stat().st_size / 2**20:.1f} MiB")
         with progress.stage("write") as st:
             hf.tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
-            manifest = _manifest(config, dims, hf, verification, file_hashes(tmp), plan_built)
+            manifest = _manifest(config, dims, hf, verification, file_hashes(tmp), plan_built,
+                                 quantized.describe(config.quantization) if quantized is not None else {})
             write_manifest(tmp, manifest)
             st.note(f"{len(manifest.files) + 1} files, backends: {', '.join(manifest.backends)}")
     total = progress.total()
@@ -170,7 +197,8 @@ def _token_ids(*values) -> list[int]:
 
 
 def _manifest(
-    config: BuildConfig, dims: ModelDims, hf, verification: dict, files: dict[str, str], plan_built: bool = False
+    config: BuildConfig, dims: ModelDims, hf, verification: dict, files: dict[str, str], plan_built: bool = False,
+    quantization: Optional[dict] = None,
 ) -> Manifest:
     tok, gen = hf.tokenizer, getattr(hf.model, "generation_config", None)
     eos = _token_ids(getattr(gen, "eos_token_id", None), getattr(hf.config, "eos_token_id", None), tok.eos_token_id)
@@ -194,4 +222,5 @@ def _manifest(
         files=files,
         source=source,
         verification=verification,
+        quantization=quantization or {},
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import click
 
 from trtpaged.manifest import DTYPE_BYTES
@@ -83,3 +85,25 @@ def memory(engine, trace, num_requests, prompt_len, output_len, shared_prefix, n
         raise click.ClickException(str(exc)) from exc
     report = run_memory_bench(requests, budget, progress=lambda msg: click.echo(f"  replaying: {msg}", err=True))
     click.echo(json.dumps(report, indent=2) if as_json else format_memory_report(report))
+
+
+@command.command(name="qlinear")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--quick", is_flag=True, help="Shorter timing budget (noisier).")
+@click.option("--working-set-mb", type=int, help="Weight bytes each format rotates over (default: 2 x LLC).")
+@click.option("--threads", type=int, help="CPU threads for torch and our kernels (default: torch's).")
+def qlinear(as_json: bool, quick: bool, working_set_mb: Optional[int], threads: Optional[int]) -> None:
+    """Weight-only int8/int4 CPU linears vs fp32 F.linear on SmolLM2-135M shapes, weights from DRAM."""
+    import torch
+
+    from trtpaged.bench.qlinear_bench import format_report, report_json, run_qlinear_bench
+
+    if threads:
+        torch.set_num_threads(threads)  # one OpenMP runtime: it also sets our kernels' threads
+
+    report = run_qlinear_bench(
+        working_set_bytes=working_set_mb << 20 if working_set_mb else None,
+        budget_s=0.1 if quick else 0.3,
+        progress=lambda msg: click.echo(f"  {msg}", err=True),
+    )
+    click.echo(report_json(report) if as_json else format_report(report))

@@ -16,7 +16,7 @@ import click
 @click.option("--json", "as_json", is_flag=True, help="Print the raw trtpaged.json instead.")
 def command(engine_dir: Path, avg_len: int | None, memory: str | None, as_json: bool) -> None:
     """Print ENGINE_DIR's manifest and memory plan (bytes per token, blocks, concurrent sequences)."""
-    from trtpaged.builder.memory_plan import plan_memory
+    from trtpaged.builder.memory_plan import format_bytes, plan_memory
     from trtpaged.config import parse_size
     from trtpaged.manifest import read_manifest
 
@@ -29,14 +29,38 @@ def command(engine_dir: Path, avg_len: int | None, memory: str | None, as_json: 
     if as_json:
         click.echo(manifest.to_json())
         return
-    for line in _manifest_lines(manifest):
+    weight_bytes = _weight_bytes(engine_dir, manifest)
+    for line in _manifest_lines(manifest, weight_bytes):
         click.echo(line)
     click.echo("memory plan:")
     for line in plan.lines(avg_len):
         click.echo(f"  {line}")
+    if plan.num_blocks is not None:
+        click.echo(f"  weights + KV budget:  {format_bytes(weight_bytes + plan.num_blocks * plan.bytes_per_block)}")
 
 
-def _manifest_lines(m) -> list[str]:
+def _weight_bytes(engine_dir: Path, manifest) -> int:
+    """Bytes of the weights as the runtime holds them (the quantized codes and scales where quantized)."""
+    if manifest.quantization.get("weight_bytes"):
+        return int(manifest.quantization["weight_bytes"])
+    path = engine_dir / manifest.weights_file
+    return path.stat().st_size if path.is_file() else 0
+
+
+def _weights_line(m, weight_bytes: int) -> str:
+    from trtpaged.builder.memory_plan import format_bytes
+
+    q = m.quantization
+    if not q:
+        return f"  weights: {m.dtype}, {format_bytes(weight_bytes)}"
+    group = q.get("group_size") or "per channel"
+    origin = ", ".join(f"{n} {what}" for what, n in sorted(q.get("origin", {}).items()))
+    head = "int8" if q.get("lm_head") == "int8" else m.dtype
+    return (f"  weights: {q['weights']} (group {group}; embedding/LM head {head}), {format_bytes(weight_bytes)}"
+            f"{'; ' + origin if origin else ''}")
+
+
+def _manifest_lines(m, weight_bytes: int) -> list[str]:
     d, lim = m.dims, m.limits
     verify = m.verification
     checked = ("skipped" if verify.get("skipped") else
@@ -49,6 +73,7 @@ def _manifest_lines(m) -> list[str]:
         f"  rope theta {d.rope_theta:g}{', scaling ' + str(d.rope_scaling) if d.rope_scaling else ''}, "
         f"tied embeddings {d.tie_word_embeddings}, qkv bias {d.attention_bias}",
         f"  dtype {m.dtype}, kv_cache_dtype {m.kv_cache_dtype}",
+        _weights_line(m, weight_bytes),
         f"  limits: max_batch_size {lim.max_batch_size}, max_num_tokens {lim.max_num_tokens}, "
         f"max_seq_len {lim.max_seq_len}, block_size {lim.block_size}",
         f"  backends: {', '.join(m.backends) or 'none'}; verification: {checked}",
@@ -56,5 +81,12 @@ def _manifest_lines(m) -> list[str]:
         f"chat template {'yes' if m.chat_template else 'no'})",
         "  files:",
     ]
+    accuracy = verify.get("accuracy")
+    if accuracy:
+        fp, q8 = accuracy["full_precision_activations"], accuracy["torch_backend"]
+        lines.insert(-2, f"  accuracy vs unquantized ({accuracy['prompts']} prompts, {fp['positions']} positions): top-1 "
+                         f"{fp['agreement']:.1%} (float activations) / {q8['agreement']:.1%} (torch backend, "
+                         f"{q8['activations']} activations), "
+                         f"max |dlogit| {fp['max_abs_diff']:.3g} / {q8['max_abs_diff']:.3g}")
     lines += [f"    {name:<34} {sha[:12]}" for name, sha in sorted(m.files.items())]
     return lines

@@ -1,10 +1,12 @@
 """The paged-attention op as torch custom ops, namespace `trtpaged`.
 
-Two ops share one implementation:
+Two forms share one implementation:
 
-- `torch.ops.trtpaged.paged_attention_` mutates `kv_cache` in place and returns
-  only the attention output. The eager step model (torch backend) uses it: the
-  pool (possibly GBs) is never copied.
+- `eager_attention(...)` is what the eager step model (torch backend) calls:
+  it mutates `kv_cache` in place (the pool, possibly GBs, is never copied) and
+  checks the step's index tensors once per step rather than once per layer.
+  It is a plain call, not a torch op: a Python custom op's dispatch would cost
+  more than the attention itself at decode.
 - `torch.ops.trtpaged.paged_attention` is functional: it returns the output and
   an updated copy of the pool. Only the ONNX export uses it, because the
   exporter needs a pure op to translate into one graph node per layer; its
@@ -39,40 +41,31 @@ def _kernel() -> Callable[..., torch.Tensor]:
     return kernels.paged_attention
 
 
-def using_kernel_library() -> bool:
-    """True when the eager op runs in the compiled kernel library, False for the torch reference."""
-    return _kernel() is not paged_attention_reference
-
-
-@torch.library.custom_op("trtpaged::paged_attention_", mutates_args=("kv_cache",))
-def paged_attention_(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+def eager_attention(
     kv_cache: torch.Tensor,
     positions: torch.Tensor,
     query_start: torch.Tensor,
     context_lens: torch.Tensor,
     block_tables: torch.Tensor,
-    layer: int,
-    scale: float,
+    num_heads: int,
     max_context_len: Optional[int] = None,
-) -> torch.Tensor:
-    """Writes k/v into their cache slots (in place) and returns causal paged attention [T, H, D].
+) -> Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]:
+    """One step's attention for the eager step model: `attend(layer, q, k, v, scale) -> out`, which writes
+    k/v into their cache slots (in place) and returns causal paged attention [T, H, D].
 
-    max_context_len (max of context_lens, computed once per step by the caller) spares the CUDA
-    kernel a device sync per layer."""
-    return _kernel()(
-        q, k, v, kv_cache, positions, query_start, context_lens, block_tables,
-        layer=layer, scale=scale, max_context_len=max_context_len,
-    )
+    The step's index tensors are checked once here, not once per layer (kernels.AttentionStep); without
+    the kernel library it is the torch reference."""
+    if _kernel() is not paged_attention_reference:
+        from trtpaged import kernels
 
+        return kernels.AttentionStep(kv_cache, positions, query_start, context_lens, block_tables, num_heads,
+                                     max_context_len)
 
-@paged_attention_.register_fake
-def _paged_attention_fake(
-    q, k, v, kv_cache, positions, query_start, context_lens, block_tables, layer, scale, max_context_len=None
-):
-    return torch.empty_like(q)
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        return paged_attention_reference(q, k, v, kv_cache, positions, query_start, context_lens, block_tables,
+                                         layer=layer, scale=scale)
+
+    return attend
 
 
 @torch.library.custom_op("trtpaged::paged_attention", mutates_args=())

@@ -12,13 +12,29 @@ reuses `embed_tokens.weight`.
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from trtpaged.manifest import ModelDims
 from trtpaged.models import attention_op  # noqa: F401  (registers torch.ops.trtpaged.*)
+from trtpaged.models.qlinear import QuantizedEmbedding, QuantizedLinear
 from trtpaged.models.rope import inv_frequencies, rotate
+
+# module name (e.g. "layers.0.self_attn.qkv_proj", "embed_tokens", "lm_head") -> (bits, group_size)
+QuantPlan = dict[str, tuple[int, int]]
+
+
+def make_linear(name: str, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                quant: Optional[QuantPlan]) -> nn.Module:
+    """nn.Linear, or QuantizedLinear where the quantization plan names the module."""
+    scheme = (quant or {}).get(name)
+    if scheme is None:
+        return nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
+    bits, group_size = scheme
+    return QuantizedLinear(in_features, out_features, bits, group_size, bias, dtype)
 
 
 class RMSNorm(nn.Module):
@@ -52,19 +68,21 @@ class Rotary(nn.Module):
 
 
 class PagedSelfAttention(nn.Module):
-    """q/k/v projections, RoPE, paged attention (writes this step's K/V), output projection."""
+    """Fused q/k/v projection, RoPE, paged attention (writes this step's K/V), output projection.
 
-    def __init__(self, dims: ModelDims, layer: int, dtype: torch.dtype):
+    `qkv_proj` holds HF's q_proj, k_proj and v_proj stacked along the outputs (one matmul, not three).
+    """
+
+    def __init__(self, dims: ModelDims, layer: int, dtype: torch.dtype, quant: Optional[QuantPlan] = None):
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = dims.num_heads, dims.num_kv_heads, dims.head_dim
         self.scale = self.head_dim**-0.5
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        bias = dims.attention_bias
-        self.q_proj = nn.Linear(dims.hidden_size, q_size, bias=bias, dtype=dtype)
-        self.k_proj = nn.Linear(dims.hidden_size, kv_size, bias=bias, dtype=dtype)
-        self.v_proj = nn.Linear(dims.hidden_size, kv_size, bias=bias, dtype=dtype)
-        self.o_proj = nn.Linear(q_size, dims.hidden_size, bias=dims.o_proj_bias, dtype=dtype)
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        prefix = f"layers.{layer}.self_attn."
+        self.qkv_proj = make_linear(prefix + "qkv_proj", dims.hidden_size, self.q_size + 2 * self.kv_size,
+                                    dims.attention_bias, dtype, quant)
+        self.o_proj = make_linear(prefix + "o_proj", self.q_size, dims.hidden_size, dims.o_proj_bias, dtype, quant)
 
     def forward(
         self,
@@ -73,49 +91,51 @@ class PagedSelfAttention(nn.Module):
         sin: torch.Tensor,
         step: "StepIndex",
         kv_cache: torch.Tensor,
-        functional: bool,
-        max_context_len: int | None,
+        attend: Optional[Callable[..., torch.Tensor]],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        q = self.q_proj(x).view(-1, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+        """attend: the step's eager attention (attention_op.eager_attention), or None for the functional op."""
+        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.contiguous().view(-1, self.num_kv_heads, self.head_dim)  # the kernel takes dense tensors
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        if functional:
+        if attend is None:
             out, kv_cache = torch.ops.trtpaged.paged_attention(
                 q, k, v, kv_cache, *step,
                 self.num_heads, self.num_kv_heads, self.head_dim, kv_cache.shape[4], self.layer, self.scale,
             )
         else:
-            out = torch.ops.trtpaged.paged_attention_(q, k, v, kv_cache, *step, self.layer, self.scale, max_context_len)
+            out = attend(self.layer, q, k, v, self.scale)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim)), kv_cache
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x))."""
+    """down(silu(gate(x)) * up(x)); `gate_up_proj` holds HF's gate_proj and up_proj stacked along the outputs."""
 
-    def __init__(self, dims: ModelDims, dtype: torch.dtype):
+    def __init__(self, dims: ModelDims, layer: int, dtype: torch.dtype, quant: Optional[QuantPlan] = None):
         super().__init__()
-        h, i, bias = dims.hidden_size, dims.intermediate_size, dims.mlp_bias
-        self.gate_proj = nn.Linear(h, i, bias=bias, dtype=dtype)
-        self.up_proj = nn.Linear(h, i, bias=bias, dtype=dtype)
-        self.down_proj = nn.Linear(i, h, bias=bias, dtype=dtype)
+        h, self.intermediate, bias = dims.hidden_size, dims.intermediate_size, dims.mlp_bias
+        prefix = f"layers.{layer}.mlp."
+        self.gate_up_proj = make_linear(prefix + "gate_up_proj", h, 2 * self.intermediate, bias, dtype, quant)
+        self.down_proj = make_linear(prefix + "down_proj", self.intermediate, h, bias, dtype, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks with residuals."""
 
-    def __init__(self, dims: ModelDims, layer: int, dtype: torch.dtype):
+    def __init__(self, dims: ModelDims, layer: int, dtype: torch.dtype, quant: Optional[QuantPlan] = None):
         super().__init__()
         self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype)
-        self.self_attn = PagedSelfAttention(dims, layer, dtype)
+        self.self_attn = PagedSelfAttention(dims, layer, dtype, quant)
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype)
-        self.mlp = SwiGLU(dims, dtype)
+        self.mlp = SwiGLU(dims, layer, dtype, quant)
 
-    def forward(self, h, cos, sin, step, kv_cache, functional, max_context_len):
-        attn, kv_cache = self.self_attn(self.input_layernorm(h), cos, sin, step, kv_cache, functional, max_context_len)
+    def forward(self, h, cos, sin, step, kv_cache, attend):
+        attn, kv_cache = self.self_attn(self.input_layernorm(h), cos, sin, step, kv_cache, attend)
         h = h + attn
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, kv_cache
@@ -133,16 +153,22 @@ class LlamaStepModel(nn.Module):
     (ONNX export): each layer returns an updated pool, so the graph is pure.
     """
 
-    def __init__(self, dims: ModelDims, dtype: torch.dtype = torch.float32, functional_cache: bool = False):
+    def __init__(self, dims: ModelDims, dtype: torch.dtype = torch.float32, functional_cache: bool = False,
+                 quant: Optional[QuantPlan] = None):
         super().__init__()
         self.dims, self.dtype, self.functional_cache = dims, dtype, functional_cache
-        self.embed_tokens = nn.Embedding(dims.vocab_size, dims.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(dims, i, dtype) for i in range(dims.num_layers))
+        self.quant: QuantPlan = dict(quant or {})
+        embed_scheme = self.quant.get("embed_tokens")
+        self.embed_tokens: nn.Module = (
+            nn.Embedding(dims.vocab_size, dims.hidden_size, dtype=dtype) if embed_scheme is None
+            else QuantizedEmbedding(dims.vocab_size, dims.hidden_size, embed_scheme[1], dtype)
+        )
+        self.layers = nn.ModuleList(DecoderLayer(dims, i, dtype, self.quant) for i in range(dims.num_layers))
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype)
         self.rotary = Rotary(dims)
         self.lm_head = (
             None if dims.tie_word_embeddings
-            else nn.Linear(dims.hidden_size, dims.vocab_size, bias=False, dtype=dtype)
+            else make_linear("lm_head", dims.hidden_size, dims.vocab_size, False, dtype, self.quant)
         )
 
     def forward(
@@ -161,12 +187,22 @@ class LlamaStepModel(nn.Module):
         step = (positions, query_start, context_lens, block_tables)
         # once per step, not per layer: on CUDA the kernel would otherwise sync to find it in every layer
         # (not when exporting: the traced graph must not depend on the probe's values)
-        max_context_len = None if self.functional_cache or not context_lens.numel() else int(context_lens.max())
+        attend = None
+        if not self.functional_cache:
+            max_context_len = int(context_lens.max()) if context_lens.numel() else 0
+            attend = attention_op.eager_attention(kv_cache, positions, query_start, context_lens, block_tables,
+                                                  self.dims.num_heads, max_context_len)
         for layer in self.layers:
-            h, kv_cache = layer(h, cos, sin, step, kv_cache, self.functional_cache, max_context_len)
+            h, kv_cache = layer(h, cos, sin, step, kv_cache, attend)
         h = self.norm(h.index_select(0, logits_index.long()))
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, head).float(), kv_cache
+        return self._head(h).float(), kv_cache
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is not None:
+            return self.lm_head(h)
+        if isinstance(self.embed_tokens, QuantizedEmbedding):
+            return self.embed_tokens.linear(h)
+        return F.linear(h, self.embed_tokens.weight)
 
     def new_kv_cache(
         self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None, device="cpu"

@@ -3,36 +3,61 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from trtpaged.manifest import Manifest, ModelDims, read_manifest
-from trtpaged.models.llama import LlamaStepModel, Rotary
+from trtpaged.models.llama import LlamaStepModel, QuantPlan, Rotary
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+# step-model module -> the HF modules stacked along its outputs, in order
+FUSED_MODULES = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                 "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def hf_module_names(dims: ModelDims) -> dict[str, tuple[str, ...]]:
+    """Every linear module of the step model -> the HF module names (without `model.`) it is made of."""
+    out: dict[str, tuple[str, ...]] = {}
+    for i in range(dims.num_layers):
+        prefix = f"layers.{i}."
+        for fused, parts in FUSED_MODULES.items():
+            out[prefix + fused] = tuple(prefix + p for p in parts)
+        out[prefix + "self_attn.o_proj"] = (prefix + "self_attn.o_proj",)
+        out[prefix + "mlp.down_proj"] = (prefix + "mlp.down_proj",)
+    return out
+
+
 def hf_state_dict(hf_model: Any, dims: ModelDims) -> dict[str, torch.Tensor]:
-    """The HF model's weights under the step model's names (prefix `model.` dropped, tied head dropped)."""
-    out = {}
+    """The HF model's weights under the step model's names: prefix `model.` dropped, tied head dropped,
+    q/k/v and gate/up stacked into the fused modules."""
+    hf = {}
     for name, tensor in hf_model.state_dict().items():
         if "rotary_emb" in name or (dims.tie_word_embeddings and name == "lm_head.weight"):
             continue
-        out[name.removeprefix("model.")] = tensor
-    return out
+        hf[name.removeprefix("model.")] = tensor
+    for module, parts in hf_module_names(dims).items():
+        if len(parts) == 1:
+            continue
+        for kind in ("weight", "bias"):
+            if f"{parts[0]}.{kind}" in hf:
+                hf[f"{module}.{kind}"] = torch.cat([hf.pop(f"{p}.{kind}") for p in parts])
+    return hf
 
 
 def step_model_from_hf(hf_model: Any, dims: ModelDims, dtype: torch.dtype = torch.float32) -> LlamaStepModel:
     """A LlamaStepModel carrying the HF model's weights (cast to dtype)."""
     state = {k: v.detach().to(dtype) for k, v in hf_state_dict(hf_model, dims).items()}
-    return _with_weights(dims, dtype, state, "cpu")
+    return with_weights(dims, dtype, state, "cpu")
 
 
-def _with_weights(dims: ModelDims, dtype: torch.dtype, state: dict[str, torch.Tensor], device) -> LlamaStepModel:
-    """Builds the model on the meta device (no random init) and adopts `state` as its parameters."""
+def with_weights(dims: ModelDims, dtype: torch.dtype, state: dict[str, torch.Tensor], device,
+                 quant: Optional[QuantPlan] = None) -> LlamaStepModel:
+    """Builds the model on the meta device (no random init) and adopts `state` as its parameters and buffers."""
     with torch.device("meta"):
-        model = LlamaStepModel(dims, dtype)
+        model = LlamaStepModel(dims, dtype, quant=quant)
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary = Rotary(dims).to(device)  # non-persistent buffers are not in the state dict
     return model.eval()
@@ -48,4 +73,5 @@ def load_step_model(engine_dir: str | Path, device: str | torch.device = "cpu") 
     if not weights.is_file():
         raise FileNotFoundError(f"{engine_dir}: weights_file {manifest.weights_file!r} is missing; rebuild the engine")
     state = load_file(str(weights), device=str(device))
-    return _with_weights(manifest.dims, TORCH_DTYPES[manifest.dtype], state, device), manifest
+    plan = {name: (int(bits), int(group)) for name, (bits, group) in manifest.quantization.get("modules", {}).items()}
+    return with_weights(manifest.dims, TORCH_DTYPES[manifest.dtype], state, device, plan), manifest

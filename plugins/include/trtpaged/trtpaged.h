@@ -129,6 +129,45 @@ TRTPAGED_API int trtpaged_swap_blocks_cuda(const void* src_pool, int32_t src_num
                                            size_t block_bytes, const int32_t* pairs,
                                            int32_t num_pairs, void* stream);
 
+/*
+ * Weight-only quantized linear (CPU). A weight W [n, k] (n outputs, k inputs) is given as
+ * codes q, per-group scales s and (4-bit only) per-group offsets o, a group being group_size
+ * consecutive inputs of one output row:
+ *     W[i, j] = s[i, j / group_size] * q[i, j] + o[i, j / group_size]
+ *   bits 8: codes int8 [n, k]; offsets NULL; group_size 32, 64, 128 or k.
+ *   bits 4: codes uint8 [n, k/2], ONNX-packed: byte [i, j] holds q[i, 2j] in its low nibble
+ *           and q[i, 2j+1] in its high nibble (q in 0..15); offsets float [n, k/group_size];
+ *           group_size 32, 64 or 128.
+ * scales (and offsets) are float [n, k/group_size] whose values must be exactly representable
+ * in fp16 (they are stored as fp16). k must be a multiple of 32 and of group_size.
+ *
+ * The kernel quantizes each row of x to int8 per block of 32 inputs (d = max|x|/127,
+ * q = round(x * (1/d)), ties to even, in float32), so y equals x_dequantized @ W^T up to fp32
+ * rounding: integer dot products per block, fp32 accumulation across blocks. The int4 offset
+ * term uses the blocks' quantized sums (d * sum q), which keeps that identity exact.
+ */
+
+/* Bytes of the packed form of one quantized weight (host memory). */
+TRTPAGED_API trtpaged_status trtpaged_qlinear_packed_bytes(int32_t bits, int64_t n, int64_t k, int32_t group_size,
+                                                           size_t* bytes);
+/* Repacks codes, scales and offsets (NULL for bits 8) into packed (64-byte aligned, of
+ * trtpaged_qlinear_packed_bytes bytes). Fails with UNSUPPORTED, naming the value, when a scale
+ * or offset is not exactly representable in fp16. */
+TRTPAGED_API trtpaged_status trtpaged_qlinear_pack(int32_t bits, int64_t n, int64_t k, int32_t group_size,
+                                                   const void* codes, const float* scales, const float* offsets,
+                                                   void* packed);
+/* y[m, n] = x[m, k] @ W^T (+ bias[n] when bias is not NULL), float32 row-major; W in packed form.
+ * Multithreaded (OpenMP) across output features. */
+TRTPAGED_API trtpaged_status trtpaged_qlinear_cpu(const float* x, int64_t m, const void* packed, int32_t bits,
+                                                  int64_t n, int64_t k, int32_t group_size, const float* bias,
+                                                  float* y);
+/* The instruction set the quantized kernels use on this CPU: "avx512vnni", "avxvnni", "avx2" or
+ * "scalar". Chosen at first use: the best the CPU supports, or $TRTPAGED_CPU_ISA if lower. */
+TRTPAGED_API const char* trtpaged_cpu_isa(void);
+/* Forces the quantized kernels' instruction set (tests, comparisons); NULL or "" restores the
+ * best. UNSUPPORTED if this CPU lacks it. Not to be called while a kernel runs. */
+TRTPAGED_API trtpaged_status trtpaged_set_cpu_isa(const char* name);
+
 /* Message of the last failed call on this thread ("" if none). */
 TRTPAGED_API const char* trtpaged_last_error(void);
 /* 1 if CUDA kernels were compiled into this library, else 0. */

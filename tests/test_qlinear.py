@@ -1,0 +1,236 @@
+"""CPU weight-only quantized linear (int8 / int4) against float64 references, on every ISA path.
+
+Two references, both built from the same dequantized weight W (float64):
+- the quantized-activation reference: x quantized per block of 32 exactly as the kernel
+  documents (d = max|x| / 127, q = round(x * (1 / d)) in float32), then x_deq @ W^T. The kernel
+  must match it up to fp32 accumulation rounding (tight tolerance);
+- the plain reference x @ W^T, which the kernel approximates within the activation
+  quantization error (each x element off by at most d / 2, so |err| <= sum_k d_block(k) / 2 * |W[n, k]|).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Optional
+
+import pytest
+import torch
+
+from trtpaged import kernels
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="kernel library not built")
+
+
+def available_isas() -> list[str]:
+    """Every instruction set this CPU runs (set_cpu_isa accepts it), lowest first."""
+    if not kernels.available():
+        return ["scalar"]
+    names = []
+    try:
+        for name in kernels.CPU_ISAS:
+            try:
+                kernels.set_cpu_isa(name)
+                names.append(name)
+            except kernels.KernelError:
+                pass
+    finally:
+        kernels.set_cpu_isa(None)
+    return names
+
+
+@pytest.fixture(params=available_isas())
+def isa(request: pytest.FixtureRequest):
+    kernels.set_cpu_isa(request.param)
+    yield request.param
+    kernels.set_cpu_isa(None)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x dequantized, per-element block scale d) as the kernel quantizes x: float32 ops, ties to even."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inv)
+    assert q.abs().max() <= 127
+    deq = (q.double() * d.double()).reshape(x.shape)
+    return deq, d.double().expand_as(blocks).reshape(x.shape)
+
+
+def make_weight(bits: int, n: int, k: int, group: int, seed: int, codes_fill: Optional[int] = None):
+    """Random codes, fp16-representable scales (and offsets); returns (codes, scales, offsets, W float64)."""
+    g = torch.Generator().manual_seed(seed)
+    groups = k // group
+    scales = (torch.rand(n, groups, generator=g) * 0.02 + 0.001).half().float()
+    if bits == 8:
+        q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+        if codes_fill is not None:
+            q.fill_(codes_fill)
+        codes, offsets = q, None
+        w = scales.double().repeat_interleave(group, 1) * q.double()
+    else:
+        q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+        if codes_fill is not None:
+            q.fill_(codes_fill)
+        codes = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+        offsets = (torch.randn(n, groups, generator=g) * 0.1).half().float()
+        w = scales.double().repeat_interleave(group, 1) * q.double() + offsets.double().repeat_interleave(group, 1)
+    return codes, scales, offsets, w
+
+
+def check(bits: int, m: int, n: int, k: int, group: int, *, bias: bool = False, seed: int = 0,
+          codes_fill: Optional[int] = None, x: Optional[torch.Tensor] = None) -> None:  # fmt: skip
+    codes, scales, offsets, w = make_weight(bits, n, k, group, seed, codes_fill)
+    packed = kernels.qlinear_pack(bits, codes, scales, offsets, group)
+    assert packed.data_ptr() % 64 == 0
+    if x is None:
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + 1)) * 2
+    b = torch.randn(n, generator=torch.Generator().manual_seed(seed + 2)) if bias else None
+    y = kernels.qlinear(x, packed, bits, n, k, group, bias=b)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+
+    x_deq, d = quantize_activations(x)
+    ref_q = x_deq @ w.T
+    ref = x.double() @ w.T
+    if b is not None:
+        ref_q += b.double()
+        ref += b.double()
+    # fp32 accumulation over k products of magnitude |x_deq| |W|: a relative 1e-5 of that sum.
+    magnitude = x_deq.abs() @ w.abs().T + 1e-30
+    err_q = (y.double() - ref_q).abs()
+    assert (err_q <= 1e-5 * magnitude + 1e-6).all(), f"max err vs quantized-activation reference {err_q.max()}"
+    bound = (d / 2) @ w.abs().T
+    err = (y.double() - ref).abs()
+    assert (err <= bound * 1.0001 + 1e-5 * magnitude + 1e-6).all(), f"max err vs plain reference {err.max()}"
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("m", [1, 3, 17, 130])
+@pytest.mark.parametrize("n,k", [(1, 32), (7, 96), (100, 576)])
+def test_shapes(isa: str, bits: int, m: int, n: int, k: int) -> None:
+    check(bits, m, n, k, 32, seed=m * 1000 + n)
+
+
+@pytest.mark.parametrize("bits,group", [(8, 64), (8, 128), (8, "k"), (4, 64), (4, 128)])
+@pytest.mark.parametrize("m", [1, 5])
+def test_group_sizes(isa: str, bits: int, group, m: int) -> None:
+    k = 384 if group != "k" else 576
+    check(bits, m, 13, k, k if group == "k" else group, seed=m)
+    if group == "k":
+        check(bits, m, 13, 96, 96, seed=m + 7)  # K/32 odd: the last pair of blocks is half padding
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_bias(isa: str, bits: int) -> None:
+    check(bits, 3, 9, 96, 32, bias=True, seed=5)
+
+
+@pytest.mark.parametrize("bits,fill", [(8, 127), (8, -128), (8, -127), (8, 0), (4, 0), (4, 15)])
+def test_edge_codes(isa: str, bits: int, fill: int) -> None:
+    # Saturated activations too: every block has an element at exactly +-max, the int8 extremes.
+    x = torch.randn(4, 96, generator=torch.Generator().manual_seed(9))
+    x[:, ::32] = 1000.0
+    x[:, 1::32] = -1000.0
+    check(bits, 4, 10, 96, 32, codes_fill=fill, x=x)
+
+
+def test_zero_and_tiny_activations(isa: str) -> None:
+    x = torch.zeros(2, 64)
+    x[1, 32:] = 1e-30  # one all-zero block (d = 0) and one of denormal-scale values
+    for bits in (8, 4):
+        check(bits, 2, 5, 64, 32, x=x)
+
+
+def test_leading_dimensions_and_out() -> None:
+    codes, scales, offsets, w = make_weight(4, 6, 64, 32, seed=3)
+    packed = kernels.qlinear_pack(4, codes, scales, offsets, 32)
+    x = torch.randn(2, 3, 64)
+    out = torch.full((2, 3, 6), float("nan"))
+    y = kernels.qlinear(x, packed, 4, 6, 64, 32, out=out)
+    assert y is out
+    flat = kernels.qlinear(x.reshape(6, 64), packed, 4, 6, 64, 32)
+    assert torch.equal(out.reshape(6, 6), flat)
+
+
+def test_every_isa_agrees_with_the_best() -> None:
+    # The paths differ only in summation order: results agree to fp32 rounding.
+    codes, scales, offsets, _ = make_weight(4, 37, 576, 64, seed=11)
+    packed = kernels.qlinear_pack(4, codes, scales, offsets, 64)
+    x = torch.randn(9, 576)
+    results = {}
+    try:
+        for name in available_isas():
+            kernels.set_cpu_isa(name)
+            assert kernels.cpu_isa() == name
+            results[name] = kernels.qlinear(x, packed, 4, 37, 576, 64)
+    finally:
+        kernels.set_cpu_isa(None)
+    best = results[kernels.cpu_isa()]
+    for name, y in results.items():
+        torch.testing.assert_close(y, best, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_isa_names() -> None:
+    assert kernels.cpu_isa() in kernels.CPU_ISAS
+    with pytest.raises(kernels.KernelError, match="unknown instruction set"):
+        kernels.set_cpu_isa("sse9")
+    if kernels.cpu_isa() != "avx512vnni":
+        with pytest.raises(kernels.KernelError, match="does not support"):
+            kernels.set_cpu_isa("avx512vnni")
+
+
+def test_env_var_forces_a_lower_isa() -> None:
+    code = "from trtpaged import kernels; print(kernels.cpu_isa())"
+    env = {**os.environ, "TRTPAGED_CPU_ISA": "scalar"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "scalar"
+
+
+def test_bad_arguments() -> None:
+    codes, scales, offsets, _ = make_weight(4, 4, 64, 32, seed=0)
+    with pytest.raises(kernels.KernelError, match="k: must be a positive multiple of 32"):
+        kernels.qlinear_packed_bytes(8, 4, 48, 16)
+    with pytest.raises(kernels.KernelError, match="group_size: 16 not supported"):
+        kernels.qlinear_packed_bytes(8, 4, 64, 16)
+    with pytest.raises(kernels.KernelError, match="group_size: 256 not supported"):
+        kernels.qlinear_packed_bytes(4, 4, 256, 256)  # per-channel groups are int8 only
+    with pytest.raises(kernels.KernelError, match="group_size: k = 96 is not a multiple of 64"):
+        kernels.qlinear_packed_bytes(8, 4, 96, 64)
+    with pytest.raises(kernels.KernelError, match="bits: 3 not supported"):
+        kernels.qlinear_packed_bytes(3, 4, 64, 32)
+    with pytest.raises(kernels.KernelError, match="n: must be >= 1"):
+        kernels.qlinear_packed_bytes(8, 0, 64, 32)
+    with pytest.raises(ValueError, match="offsets: required for bits 4"):
+        kernels.qlinear_pack(4, codes, scales, None, 32)
+    with pytest.raises(ValueError, match="scales: shape"):
+        kernels.qlinear_pack(4, codes, scales[:, :1].contiguous(), offsets, 32)
+    with pytest.raises(ValueError, match="codes: dtype"):
+        kernels.qlinear_pack(8, codes, scales, None, 32)
+    bad = scales.clone()
+    bad[1, 1] = 0.1  # not an fp16 value
+    with pytest.raises(kernels.KernelError, match=r"scales: value 0.1.* at \[1, 1\] is not exactly representable"):
+        kernels.qlinear_pack(4, codes, bad, offsets, 32)
+    bad_off = offsets.clone()
+    bad_off[0, 0] = float("inf")
+    with pytest.raises(kernels.KernelError, match="offsets: .* not exactly representable"):
+        kernels.qlinear_pack(4, codes, scales, bad_off, 32)
+    packed = kernels.qlinear_pack(4, codes, scales, offsets, 32)
+    with pytest.raises(ValueError, match=r"x: expected a contiguous float32 CPU tensor \[..., k = 64\], got torch.float32 \(2, 32\)"):
+        kernels.qlinear(torch.randn(2, 32), packed, 4, 4, 64, 32)
+    with pytest.raises(ValueError, match="x: expected a contiguous float32 .* got torch.float16"):
+        kernels.qlinear(torch.randn(2, 64).half(), packed, 4, 4, 64, 32)
+    with pytest.raises(ValueError, match="bias: expected"):
+        kernels.qlinear(torch.randn(2, 64), packed, 4, 4, 64, 32, bias=torch.randn(5))
+    with pytest.raises(ValueError, match="out: expected"):
+        kernels.qlinear(torch.randn(2, 64), packed, 4, 4, 64, 32, out=torch.empty(2, 5))
+
+
+def test_packed_buffer_must_match_the_shape() -> None:
+    codes, scales, offsets, _ = make_weight(8, 8, 64, 32, seed=0)
+    packed = kernels.qlinear_pack(8, codes, scales, None, 32)
+    assert packed.numel() == kernels.qlinear_packed_bytes(8, 8, 64, 32)
+    with pytest.raises(ValueError, match="packed: expected the 1-D uint8 CPU tensor of"):
+        kernels.qlinear(torch.randn(1, 64), packed, 8, 800, 64, 32)  # a larger weight than the one packed
+    with pytest.raises(ValueError, match="packed: expected"):
+        kernels.qlinear(torch.randn(1, 64), packed.view(torch.int8), 8, 8, 64, 32)

@@ -1,0 +1,218 @@
+"""Weight-only quantization: stored format, GGUF blocks carried exactly, config errors, quantized builds.
+
+Independent truths: gguf-py's own de-quantizer for GGUF blocks; transformers'
+GGUF loader for SmolLM2's weights; HF's forward with the same de-quantized
+weights for the built engine; onnx.checker and onnx.reference for the graph.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import yaml
+
+from trtpaged.config import ConfigError, QuantizationConfig, parse_config
+from trtpaged.models.quant import (
+    QuantizedWeight,
+    concat_rows,
+    from_gguf_blocks,
+    pack_int4,
+    quantize,
+    unpack_int4,
+)
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def test_int4_packing_is_onnx_order_and_round_trips():
+    q = torch.randint(0, 16, (5, 64), dtype=torch.uint8)
+    packed = pack_int4(q)
+    assert packed.shape == (5, 32)
+    assert int(packed[2, 3]) == int(q[2, 6]) | (int(q[2, 7]) << 4)  # even element in the low nibble
+    assert torch.equal(unpack_int4(packed), q)
+
+
+@pytest.mark.parametrize("bits,group", [(8, None), (8, 32), (4, 32), (4, 64), (4, 128)])
+def test_quantize_error_within_half_a_step_and_scales_fp16_exact(bits, group):
+    torch.manual_seed(0)
+    w = torch.randn(24, 256) * 0.05
+    w[3, 10] = 0.9  # an outlier widens only its own group (or row)
+    qw = quantize(w, bits, group)
+    g = qw.group_size
+    assert g == (256 if group is None else group)
+    assert torch.equal(qw.scales, qw.scales.half().float())
+    if qw.offsets is not None:
+        assert torch.equal(qw.offsets, qw.offsets.half().float())
+    step = qw.scales.repeat_interleave(g, dim=1)
+    err = (qw.dequantize(torch.float64) - w.double()).abs()
+    # round-to-nearest: half a step, plus the fp16 rounding of the offset for int4
+    slack = 0.5 * step.double() + (1e-3 * w.abs().max() if bits == 4 else 0)
+    assert bool((err <= slack + 1e-7).all())
+    codes = qw.int_codes()
+    assert int(codes.min()) >= (0 if bits == 4 else -127) and int(codes.max()) <= (15 if bits == 4 else 127)
+
+
+def test_int4_constant_group_is_exact():
+    w = torch.full((2, 32), 0.3)  # the minimum (fp16) is the value, every code 0
+    w = w.half().float()
+    assert torch.equal(quantize(w, 4, 32).dequantize(), w)
+
+
+def test_concat_rows_stacks_outputs():
+    a, b = quantize(torch.randn(4, 64), 4, 32), quantize(torch.randn(6, 64), 4, 32)
+    both = concat_rows([a, b])
+    assert torch.equal(both.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    with pytest.raises(ValueError, match="differ"):
+        concat_rows([a, quantize(torch.randn(4, 64), 4, 64)])
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_dequantize_exactly_as_gguf_py(type_name):
+    from gguf import GGMLQuantizationType, quants
+
+    qtype = GGMLQuantizationType[type_name]
+    w = np.random.default_rng(1).normal(0, 0.05, (7, 96)).astype(np.float32)
+    raw = quants.quantize(w, qtype)
+    truth = torch.from_numpy(quants.dequantize(raw, qtype).astype(np.float32))
+    weight = from_gguf_blocks(type_name, raw, 96)
+    assert weight.group_size == 32 and weight.bits == (8 if type_name == "Q8_0" else 4)
+    assert torch.equal(weight.dequantize(), truth)  # bit-exact: no second rounding
+
+
+def test_gguf_other_types_are_refused():
+    with pytest.raises(ValueError, match="cannot be carried exactly"):
+        from_gguf_blocks("Q6_K", np.zeros((1, 210), np.uint8), 256)
+
+
+@pytest.mark.parametrize("spec,match", [
+    ({"weights": "int3"}, "quantization.weights: got 'int3'"),
+    ({"weights": "int4", "group_size": 48}, "quantization.group_size: got 48"),
+    ({"weights": "int4", "group_size": None}, "quantization.group_size: int4 needs a group size"),
+    ({"weight": "int4"}, "quantization.weight: unknown key; did you mean 'quantization.weights'"),
+    ({"weights": "int8", "lm_head": "int4"}, "quantization.lm_head: got 'int4'"),
+    ("int4", "quantization: got 'int4'"),
+])
+def test_bad_quantization_values_name_the_key(spec, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_config({"model": {"tiny": {}}, "quantization": spec})
+
+
+def test_quantization_defaults():
+    assert not parse_config({"model": {"tiny": {}}}).quantization.enabled
+    assert parse_config({"model": {"tiny": {}}, "quantization": {"weights": "int4"}}).quantization == \
+        QuantizationConfig("int4", 32, "int8")
+    assert parse_config({"model": {"tiny": {}}, "quantization": {"weights": "int8"}}).quantization.group_size is None
+
+
+def _tiny_yaml(tmp_path: Path, quantization: dict, **tiny) -> Path:
+    data = yaml.safe_load((EXAMPLES / "tiny.yaml").read_text())
+    data["model"]["tiny"].update(tiny)
+    data["quantization"] = quantization
+    data.pop("output")
+    path = tmp_path / "model.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_build_refuses_dims_the_group_does_not_divide(tmp_path):
+    from trtpaged.builder import build_engine
+    from trtpaged.config import load_config
+
+    path = _tiny_yaml(tmp_path, {"weights": "int4", "group_size": 64}, hidden_size=96, num_attention_heads=6,
+                      num_key_value_heads=2)
+    with pytest.raises(ConfigError, match="quantization.group_size: the model's hidden_size 96"):
+        build_engine(load_config(path), tmp_path / "eng", echo=lambda s: None)
+    assert not (tmp_path / "eng").exists()
+
+
+@pytest.fixture(scope="module")
+def tiny_int8_engine(tmp_path_factory) -> Path:
+    from trtpaged.builder import build_engine
+    from trtpaged.config import load_config
+
+    tmp = tmp_path_factory.mktemp("q8")
+    out = tmp / "eng"
+    build_engine(load_config(_tiny_yaml(tmp, {"weights": "int8", "group_size": 32})), out, echo=lambda s: None)
+    return out
+
+
+def test_quantized_graph_uses_dequantize_linear(tiny_int8_engine):
+    onnx.checker.check_model(str(tiny_int8_engine / "model.onnx"), full_check=True)
+    model = onnx.load(str(tiny_int8_engine / "model.onnx"), load_external_data=False)
+    dq = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
+    # per layer: qkv, o, gate_up, down; plus the embedding gather and the LM head
+    assert len(dq) == 2 * 4 + 2
+    assert all(n.domain == "" for n in dq)
+    assert {o.domain: o.version for o in model.opset_import}[""] >= 21
+    inits = {i.name: i for i in model.graph.initializer}
+    codes = [i for name, i in inits.items() if name.endswith(".codes")]
+    assert codes and all(i.data_type == onnx.TensorProto.INT8 for i in codes)
+    assert not any(i.data_type == onnx.TensorProto.FLOAT and len(i.dims) == 2 and i.dims[0] * i.dims[1] > 4096
+                   for i in inits.values()), "a float weight matrix survived quantization"
+
+
+def test_quantized_engine_manifest_and_weights(tiny_int8_engine):
+    from trtpaged.manifest import read_manifest
+
+    m = read_manifest(tiny_int8_engine)
+    q = m.quantization
+    assert q["weights"] == "int8" and q["group_size"] == 32
+    assert q["modules"]["layers.0.self_attn.qkv_proj"] == [8, 32]
+    assert q["modules"]["embed_tokens"][0] == 8 and "lm_head" in q["modules"]
+    v = m.verification
+    assert v["max_abs_diff"] <= v["tolerance"]
+    assert v["accuracy"]["full_precision_activations"]["positions"] > 0
+
+
+def test_quantized_engine_logits_match_hf_with_the_same_weights(tiny_int8_engine):
+    """The runtime's step (eager, the torch backend) against HF's forward on the de-quantized weights."""
+    from trtpaged.builder.quantize import QuantizedState, dequantized_hf_model
+    from trtpaged.manifest import read_manifest
+    from trtpaged.models import load_hf, load_step_model, spec_from_manifest
+
+    manifest = read_manifest(tiny_int8_engine)
+    model, _ = load_step_model(tiny_int8_engine)
+    hf = load_hf(spec_from_manifest(manifest)).model
+    plan = {k: tuple(v) for k, v in manifest.quantization["modules"].items()}
+    state = {k: v for k, v in model.state_dict().items()}
+    ref = dequantized_hf_model(hf, manifest.dims, QuantizedState(state, plan, {k: "q" for k in plan}))
+    assert ref is not hf
+    tokens = [5, 17, 200, 33, 9, 120, 64, 3, 250, 77, 18]
+    n = len(tokens)
+    i32 = torch.int32
+    with torch.inference_mode():
+        got, _ = model(torch.tensor(tokens, dtype=i32), torch.arange(n, dtype=i32), torch.tensor([0, n], dtype=i32),
+                       torch.tensor([n], dtype=i32), torch.tensor([[0]], dtype=i32), torch.arange(n, dtype=i32),
+                       model.new_kv_cache(1, 16))
+        want = ref(torch.tensor([tokens])).logits[0]
+        unquantized = hf(torch.tensor([tokens])).logits[0]
+    scale = float(want.abs().max())
+    # int8 activations (per 32 inputs) add at most a few tenths of a percent of the logit range
+    assert float((got - want).abs().max()) <= 0.02 * scale
+    # and the check can fail: the unquantized model's logits are measurably elsewhere
+    assert float((unquantized - want).abs().max()) > float((got - want).abs().max()) / 10
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_blocks_are_the_weights_transformers_loads():
+    """Every Q4_1 / Q8_0 tensor of the SmolLM2 GGUF, de-quantized from the carried codes, equals HF's weight."""
+    from trtpaged.builder.quantize import read_gguf_exact
+    from trtpaged.config import load_config
+    from trtpaged.models import dims_from_hf_config, load_hf
+
+    cfg = load_config(EXAMPLES / "smollm2-int4.yaml")
+    hf = load_hf(cfg.model)
+    dims = dims_from_hf_config(hf.config, 2048)
+    carried = read_gguf_exact(cfg.model.path, dims, hf.config.model_type)
+    weights = {k.removeprefix("model."): v for k, v in hf.model.state_dict().items()}
+    assert len(carried) == 7 * dims.num_layers + 1
+    for module, (type_name, weight) in carried.items():
+        assert torch.equal(weight.dequantize(), weights[f"{module}.weight"]), (module, type_name)
+    # q/k rows are un-permuted as transformers does: a wrong order would not be equal
+    q = carried["layers.0.self_attn.q_proj"][1]
+    assert not torch.equal(QuantizedWeight(4, 32, q.codes.flip(0), q.scales.flip(0), q.offsets.flip(0)).dequantize(),
+                           weights["layers.0.self_attn.q_proj.weight"])

@@ -1,0 +1,133 @@
+"""Accuracy of a quantized engine against the unquantized model, measured at build.
+
+For a few built-in prompts, the unquantized HF model greedily continues each
+prompt; then every position of prompt + continuation is scored, teacher-forced,
+by (a) the HF model with the de-quantized weights (full-precision activations:
+what the ONNX / TensorRT graph computes) and (b) the eager step model the torch
+backend runs (on a CPU with the kernel library: integer kernels, activations
+quantized to int8 per 32 inputs; elsewhere de-quantized weights, float
+activations).
+Reported per path: max |logit - reference logit| over all positions, top-1
+agreement, and agreement where the reference's top-2 gap is at least NEAR_TIE
+(a flip inside a near-tie is rounding, not damage).
+
+Tolerances (a build past them fails, with the figures): ACCEPT[scheme] is the
+least top-1 agreement away from near-ties, for either path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+PROMPTS = (
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Once upon a time, in a small village by the sea,",
+    "Photosynthesis is the process by which plants",
+)
+NEW_TOKENS = 24
+NEAR_TIE = 0.01
+# least top-1 agreement away from near-ties, per weights scheme (either path); see docs/architecture.md
+ACCEPT = {"exact": 0.97, "int8": 0.95, "int4": 0.80}
+
+
+class AccuracyError(RuntimeError):
+    """A quantized engine disagrees with the unquantized model beyond its scheme's tolerance."""
+
+
+@dataclass(frozen=True)
+class PathAccuracy:
+    max_abs_diff: float
+    agreement: float  # top-1 equal to the reference's, all positions
+    agreement_away_from_ties: float  # positions whose reference top-2 gap >= NEAR_TIE
+    positions: int
+
+
+@dataclass(frozen=True)
+class AccuracyReport:
+    scheme: str
+    threshold: float
+    full_precision_activations: PathAccuracy
+    torch_backend: PathAccuracy
+    torch_backend_activations: str  # "int8 per 32 inputs" or "float"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"scheme": self.scheme, "threshold": self.threshold, "near_tie": NEAR_TIE,
+                "prompts": len(PROMPTS), "new_tokens": NEW_TOKENS,
+                "full_precision_activations": asdict(self.full_precision_activations),
+                "torch_backend": {**asdict(self.torch_backend), "activations": self.torch_backend_activations}}
+
+    def line(self) -> str:
+        a, b = self.full_precision_activations, self.torch_backend
+        return (f"vs unquantized: top-1 {a.agreement:.1%} / {b.agreement:.1%} (float activations / torch backend, "
+                f"{self.torch_backend_activations} activations), "
+                f"away from ties {a.agreement_away_from_ties:.1%} / {b.agreement_away_from_ties:.1%}, "
+                f"max |dlogit| {a.max_abs_diff:.3g} / {b.max_abs_diff:.3g} over {a.positions} positions")
+
+
+def _sequences(hf_model: Any, tokenizer: Any) -> list[list[int]]:
+    """Each prompt followed by the unquantized model's own greedy continuation."""
+    out = []
+    for text in PROMPTS:
+        ids = [int(t) for t in tokenizer.encode(text)][:64] or [0]
+        ids = [min(i, hf_model.config.vocab_size - 1) for i in ids]
+        prompt = torch.tensor([ids])
+        with torch.inference_mode():
+            gen = hf_model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS,
+                                    min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+        out.append([int(t) for t in gen[0]])
+    return out
+
+
+def _hf_logits(model: Any, tokens: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(torch.tensor([tokens])).logits[0].float()
+
+
+def _step_logits(step_model: Any, tokens: list[int], block_size: int) -> torch.Tensor:
+    """One prefill step over all of `tokens`, every row's logits (the torch backend's own path)."""
+    n = len(tokens)
+    blocks = -(-n // block_size)
+    cache = step_model.new_kv_cache(blocks, block_size)
+    i32 = torch.int32
+    with torch.inference_mode():
+        logits, _ = step_model(torch.tensor(tokens, dtype=i32), torch.arange(n, dtype=i32),
+                               torch.tensor([0, n], dtype=i32), torch.tensor([n], dtype=i32),
+                               torch.arange(blocks, dtype=i32)[None, :], torch.arange(n, dtype=i32), cache)
+    return logits
+
+
+def _compare(ref: list[torch.Tensor], got: list[torch.Tensor]) -> PathAccuracy:
+    worst, agree, agree_clear, clear, total = 0.0, 0, 0, 0, 0
+    for r, g in zip(ref, got):
+        worst = max(worst, float((r - g).abs().max()))
+        top2 = r.topk(2, dim=-1).values
+        clear_rows = (top2[:, 0] - top2[:, 1]) >= NEAR_TIE
+        same = r.argmax(-1) == g.argmax(-1)
+        agree += int(same.sum())
+        agree_clear += int((same & clear_rows).sum())
+        clear += int(clear_rows.sum())
+        total += r.shape[0]
+    return PathAccuracy(worst, agree / total, agree_clear / max(clear, 1), total)
+
+
+def measure_accuracy(hf_model: Any, tokenizer: Any, dequantized_hf: Any, step_model: Any, block_size: int,
+                     scheme: str) -> AccuracyReport:
+    """Compares both quantized paths with the unquantized model; raises AccuracyError past ACCEPT[scheme]."""
+    seqs = _sequences(hf_model, tokenizer)
+    truth = [_hf_logits(hf_model, s) for s in seqs]
+    full = [truth[i] if dequantized_hf is hf_model else _hf_logits(dequantized_hf, s) for i, s in enumerate(seqs)]
+    eager = [_step_logits(step_model, s, block_size) for s in seqs]
+    from trtpaged.models.qlinear import uses_integer_kernels
+
+    activations = "int8 per 32 inputs" if uses_integer_kernels(step_model) else "float"
+    report = AccuracyReport(scheme, ACCEPT[scheme], _compare(truth, full), _compare(truth, eager), activations)
+    worst = min(report.full_precision_activations.agreement_away_from_ties,
+                report.torch_backend.agreement_away_from_ties)
+    if worst < report.threshold:
+        raise AccuracyError(f"accuracy: {report.line()}; scheme {scheme} needs top-1 agreement away from "
+                            f"near-ties >= {report.threshold:.0%}")
+    return report

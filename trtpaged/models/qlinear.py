@@ -1,0 +1,152 @@
+"""Weight-only quantized linear and embedding modules of the step model.
+
+Each holds a `QuantizedWeight` (trtpaged.models.quant) as buffers `codes`,
+`scales` and, for int4, `offsets`, so that the engine dir's safetensors and the
+ONNX graph carry the quantized form. Three ways to run:
+
+- eager on the CPU: the kernel library's integer kernels (activations
+  quantized to int8 per 32 inputs on the fly), over a packed copy made once;
+- eager elsewhere, or where the library lacks the kernels: a de-quantized
+  float copy of the weight, made once, and `F.linear` (full-precision
+  activations; no memory saving);
+- ONNX export: `trtpaged::dequantize_weight` (rewritten to the standard
+  `DequantizeLinear` after export) -> MatMul, plus, for int4's offsets, the
+  group sums of x times the offsets — the weight-only pattern TensorRT fuses.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trtpaged.models.quant import QuantizedWeight, unpack_int4
+
+
+@torch.library.custom_op("trtpaged::dequantize_weight", mutates_args=())
+def dequantize_weight(codes: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """W [N, K] float32 = scales (per group of `group_size` inputs) * codes; int4 codes come packed [N, K/2]."""
+    q = (unpack_int4(codes) if bits == 4 else codes).to(torch.float32)
+    n, k = q.shape
+    return (q.view(n, k // group_size, group_size) * scales[:, :, None]).view(n, k)
+
+
+@dequantize_weight.register_fake
+def _dequantize_weight_fake(codes, scales, bits, group_size):
+    k = codes.shape[1] * (2 if bits == 4 else 1)
+    return codes.new_empty((codes.shape[0], k), dtype=torch.float32)
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_kernels() -> Optional[Any]:
+    """The kernel library when it has the quantized kernels, else None (de-quantized fallback)."""
+    try:
+        from trtpaged import kernels
+
+        kernels.library()
+    except Exception:  # noqa: BLE001  (missing or older library: the fallback is correct, only slower)
+        return None
+    return kernels if hasattr(kernels, "qlinear") else None
+
+
+def uses_integer_kernels(model: nn.Module) -> bool:
+    """True when the model's quantized linears run the integer kernels here (CPU float32, library built)."""
+    linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    return bool(linears) and _cpu_kernels() is not None and all(
+        m.codes.device.type == "cpu" and m.in_features % 32 == 0 for m in linears)
+
+
+def _group_sums(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Sum of x over each group of `group_size` inputs: [T, K] -> [T, K / group_size]."""
+    return x.reshape(x.shape[0], -1, group_size).sum(-1)
+
+
+class QuantizedLinear(nn.Module):
+    """y = x @ W^T + b with W stored quantized (int8 or int4, see trtpaged.models.quant)."""
+
+    def __init__(self, in_features: int, out_features: int, bits: int, group_size: int, bias: bool,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        if in_features % group_size:
+            raise ValueError(f"group_size: {group_size} does not divide in_features {in_features}")
+        self.in_features, self.out_features = in_features, out_features
+        self.bits, self.group_size = bits, group_size
+        groups = in_features // group_size
+        code_shape = (out_features, in_features // 2) if bits == 4 else (out_features, in_features)
+        self.register_buffer("codes", torch.empty(code_shape, dtype=torch.uint8 if bits == 4 else torch.int8))
+        self.register_buffer("scales", torch.empty(out_features, groups, dtype=torch.float32))
+        self.register_buffer("offsets", torch.empty(out_features, groups, dtype=torch.float32) if bits == 4 else None)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+        self._packed: Optional[torch.Tensor] = None
+        self._dense: Optional[torch.Tensor] = None
+
+    @classmethod
+    def from_weight(cls, weight: QuantizedWeight, bias: Optional[torch.Tensor], dtype: torch.dtype) -> "QuantizedLinear":
+        module = cls(weight.in_features, weight.out_features, weight.bits, weight.group_size, bias is not None, dtype)
+        module.load_weight(weight, bias)
+        return module
+
+    def load_weight(self, weight: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> None:
+        """Adopts a QuantizedWeight (and bias) as this module's buffers."""
+        self.codes, self.scales, self.offsets = weight.codes, weight.scales, weight.offsets
+        if bias is not None:
+            self.bias = nn.Parameter(bias.detach().to(self.bias.dtype if self.bias is not None else bias.dtype),
+                                     requires_grad=False)
+        self._packed = self._dense = None
+
+    @property
+    def weight_q(self) -> QuantizedWeight:
+        return QuantizedWeight(self.bits, self.group_size, self.codes, self.scales, self.offsets)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, int{self.bits}, group={self.group_size}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_exporting():
+            return self._graph_forward(x)
+        kernels = _cpu_kernels() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+        if kernels is not None and self.in_features % 32 == 0:
+            if self._packed is None:
+                self._packed = kernels.qlinear_pack(self.bits, self.codes, self.scales, self.offsets, self.group_size)
+            return kernels.qlinear(x.contiguous(), self._packed, self.bits, self.out_features, self.in_features,
+                                   self.group_size, bias=self.bias)
+        if self._dense is None:
+            self._dense = self.weight_q.dequantize(x.dtype)
+        return F.linear(x, self._dense, self.bias)
+
+    def _graph_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The exported form: DequantizeLinear -> MatMul (+ group sums x offsets for int4)."""
+        w = dequantize_weight(self.codes, self.scales, self.bits, self.group_size).to(x.dtype)
+        y = F.linear(x, w, self.bias)
+        if self.offsets is not None:
+            y = y + F.linear(_group_sums(x, self.group_size), self.offsets.to(x.dtype))
+        return y
+
+
+class QuantizedEmbedding(nn.Module):
+    """A token embedding stored as int8 rows (scale per row or per group); also the tied LM head."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, group_size: int, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
+        self.head = QuantizedLinear(embedding_dim, num_embeddings, 8, group_size, bias=False, dtype=dtype)
+
+    def load_weight(self, weight: QuantizedWeight) -> None:
+        if weight.bits != 8:
+            raise ValueError(f"embedding: int{weight.bits} tables are not supported; embeddings are int8")
+        self.head.load_weight(weight)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        head = self.head
+        codes, scales = head.codes.index_select(0, input_ids), head.scales.index_select(0, input_ids)
+        if torch.compiler.is_exporting():
+            return dequantize_weight(codes, scales, 8, head.group_size).to(self.dtype)
+        n, k, g = codes.shape[0], codes.shape[1], head.group_size
+        return (codes.to(torch.float32).view(n, k // g, g) * scales[:, :, None]).view(n, k).to(self.dtype)
+
+    def linear(self, h: torch.Tensor) -> torch.Tensor:
+        """h @ E^T: the tied LM head."""
+        return self.head(h)
