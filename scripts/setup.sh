@@ -1,15 +1,35 @@
 #!/usr/bin/env bash
 # Installs trtpaged and its dependencies into the current Python environment (idempotent).
-# The CPU wheel of torch goes first: a bare `torch` requirement would pull a multi-GB CUDA build.
+# torch first, when it is not installed yet: TRTPAGED_TORCH=cpu (default) installs the CPU wheel
+# from PyTorch's CPU wheel index; TRTPAGED_TORCH=cuda installs the default wheel from PyPI, which on
+# Linux x86_64 is the multi-GB CUDA build. An installed torch is always kept as it is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+TORCH_VARIANT=${TRTPAGED_TORCH:-cpu}
+TORCH_CPU_INDEX=${TRTPAGED_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
 
-step() { echo "[setup] $*"; }
+started=$SECONDS
+last=$SECONDS
+step() {  # one line per step, with the time the previous step took and the total so far
+  echo "[setup +$((SECONDS - last))s, ${SECONDS}s total] $*"
+  last=$SECONDS
+}
 
 if ! "$PY" -c "import torch" 2>/dev/null; then
-  step "installing torch 2.13.0 (CPU wheel)"
-  "$PY" -m pip install -q torch==2.13.0
+  case "$TORCH_VARIANT" in
+    cpu)
+      step "installing torch 2.13.0, CPU wheel (TRTPAGED_TORCH=cuda for the CUDA build)"
+      "$PY" -m pip install -q torch==2.13.0 --index-url "$TORCH_CPU_INDEX" ;;
+    cuda)
+      step "installing torch 2.13.0 from PyPI (the CUDA build on Linux x86_64; several GB)"
+      "$PY" -m pip install -q torch==2.13.0 ;;
+    *)
+      echo "[setup] TRTPAGED_TORCH must be cpu or cuda, got '$TORCH_VARIANT'" >&2
+      exit 2 ;;
+  esac
+else
+  step "torch already installed: $("$PY" -c 'import torch; print(torch.__version__)') (kept)"
 fi
 step "installing dependencies"
 "$PY" -m pip install -q "scikit-build-core>=0.10" "transformers>=4.45" "onnx>=1.16" "onnxscript>=0.2" "click>=8.1" \
@@ -21,3 +41,4 @@ fi
 step "building and installing trtpaged (CMake: CPU kernels, CUDA kernels where nvcc is found)"
 "$PY" -m pip install -q --no-build-isolation --no-deps -e .
 "$PY" -c "from trtpaged import kernels; print('[setup] kernel library', kernels.version(), '(CUDA kernels: %s)' % ('yes, sm_' + kernels.cuda_archs() if kernels.has_cuda() else 'no'))"
+step "done in $((SECONDS - started))s"

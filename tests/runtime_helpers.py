@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from trtpaged.runtime.engines import StepBatch, TorchEngine
+from trtpaged.runtime.engines import StepBatch, TorchRunner
 from trtpaged.runtime.llm_engine import LLMEngine
 from trtpaged.runtime.outputs import RequestOutput
 from trtpaged.runtime.runtime_config import RuntimeConfig
@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class RandomLogitsEngine:
-    """An `Engine` without a model: logits depend only on each sequence's last input token.
+    """A `ModelRunner` without a model: logits depend only on each sequence's last input token.
 
     Enough to drive the scheduler, forks and beams in property tests.
     """
@@ -75,12 +75,12 @@ def hf_from_engine_dir(engine_dir: Path):
     return load_hf(spec)
 
 
-def step_engine(hf, config: RuntimeConfig) -> TorchEngine:
+def step_engine(hf, config: RuntimeConfig) -> TorchRunner:
     """A torch backend over the HF model's weights, without writing an engine dir."""
     from trtpaged.models import dims_from_hf_config, step_model_from_hf
 
     model = step_model_from_hf(hf.model, dims_from_hf_config(hf.config))
-    return TorchEngine(model, model.new_kv_cache(config.num_blocks, config.block_size), config.num_host_blocks)
+    return TorchRunner(model, model.new_kv_cache(config.num_blocks, config.block_size), config.num_host_blocks)
 
 
 def run_staggered(

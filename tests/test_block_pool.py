@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from trtpaged.runtime.block_pool import BlockPool
-from trtpaged.runtime.free_block_queue import FreeBlockQueue
-from trtpaged.runtime.kv_block import KVBlock
+from trtpaged.runtime.block_pool import FreeBlockQueue
+from trtpaged.runtime.block_pool import KVBlock
 from trtpaged.runtime.kv_cache_manager import KVCacheManager
 from trtpaged.runtime.sequence import Sequence
 
@@ -75,7 +75,7 @@ def test_cached_blocks_evicted_lru_last():
     assert kv.pool.num_evictions == 1
     # block 0 is still cached but its child was evicted: a hit stops after one block
     u = seq(2, list(range(8)) + [7, 7])
-    hits, _ = kv.find_cached_prefix(u)
+    hits = kv.find_cached_prefix(u)
     assert ids(hits) == [0]
 
 
@@ -84,7 +84,7 @@ def test_prefix_hit_shares_blocks_and_counts():
     system = list(range(10, 22))  # three full blocks
     a, b = seq(0, system + [1, 2]), seq(1, system + [3])
     compute(kv, a, 14)
-    hits, _ = kv.find_cached_prefix(b)
+    hits = kv.find_cached_prefix(b)
     assert ids(hits) == kv.block_table(a)[:3]
     assert kv.blocks_needed([(b, 1, hits)]) == 1
     compute(kv, b, 1, hits)
@@ -99,7 +99,7 @@ def test_last_token_never_a_hit():
     kv = KVCacheManager(num_blocks=8, block_size=BS)
     a = seq(0, range(8))
     compute(kv, a, 8)
-    hits, _ = kv.find_cached_prefix(seq(1, range(8)))  # identical prompt: the last block is recomputed
+    hits = kv.find_cached_prefix(seq(1, range(8)))  # identical prompt: the last block is recomputed
     assert len(hits) == 1
 
 
@@ -108,9 +108,9 @@ def test_hash_collisions_never_return_wrong_blocks():
     a = seq(0, [1, 2, 3, 4, 5, 6, 7, 8, 9])
     compute(kv, a, 9)
     # same second block, different first block: every hash collides, yet nothing may match
-    hits, _ = kv.find_cached_prefix(seq(1, [9, 9, 9, 9, 5, 6, 7, 8, 9]))
+    hits = kv.find_cached_prefix(seq(1, [9, 9, 9, 9, 5, 6, 7, 8, 9]))
     assert hits == []
-    hits, _ = kv.find_cached_prefix(seq(2, [1, 2, 3, 4, 5, 6, 7, 8, 1]))
+    hits = kv.find_cached_prefix(seq(2, [1, 2, 3, 4, 5, 6, 7, 8, 1]))
     assert ids(hits) == kv.block_table(a)[:2]
 
 
@@ -121,7 +121,7 @@ def test_stale_parent_after_eviction_cannot_match():
     kv.free(a)
     b = seq(1, [5, 5, 5, 5, 5])  # takes the uncached tail block, then evicts block 1 (LRU)
     compute(kv, b, 5)
-    hits, _ = kv.find_cached_prefix(seq(2, [1, 1, 1, 1, 2, 2, 2, 2, 3]))
+    hits = kv.find_cached_prefix(seq(2, [1, 1, 1, 1, 2, 2, 2, 2, 3]))
     assert ids(hits) == [0]  # block 0 survived; its child did not
 
 
@@ -158,7 +158,7 @@ def test_can_allocate_is_exact_with_hits_in_free_queue():
     compute(kv, a, 9)
     kv.free(a)
     b = seq(1, list(range(8)) + [50, 51, 52, 53, 54, 55, 56, 57])
-    hits, _ = kv.find_cached_prefix(b)
+    hits = kv.find_cached_prefix(b)
     need = kv.blocks_needed([(b, 8, hits)])
     assert need == 4  # two hits taken off the free queue + two new blocks
     assert kv.can_allocate([(b, 8, hits)])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -148,6 +149,18 @@ def test_inspect_fraction_budget(tmp_path):
     assert "blocks in budget:     64" in r.output  # 0.5 MiB / 8 KiB blocks
 
 
+def test_inspect_reports_the_blocks_the_runtime_allocates(tmp_path):
+    from trtpaged import LLM
+
+    config = parse_config({**TINY, "kv_cache": {"fraction": 0.5}}, base_dir=EXAMPLES)
+    build_engine(config, tmp_path / "f", skip_verify=True, echo=lambda s: None)
+    lim = config.limits
+    useful = lim.max_batch_size * -(-lim.max_seq_len // lim.block_size)  # every sequence at full length
+    r = _cli("inspect", str(tmp_path / "f"), "--memory", "64MiB")  # 0.5 x 64 MiB holds 4096 blocks of 8 KiB
+    assert f"blocks in budget:     {useful}" in r.output and "capped" in r.output, r.output
+    assert LLM(tmp_path / "f", device="cpu").config.num_blocks == useful  # this host has more than 64 MiB free
+
+
 BAD = {
     "missing model": ({k: v for k, v in TINY.items() if k != "model"}, "model: missing"),
     "unknown key": ({**TINY, "max_seq_length": 64}, "did you mean 'max_seq_len'"),
@@ -197,7 +210,7 @@ def test_failed_build_leaves_nothing_and_keeps_old_engine(tmp_path, monkeypatch)
     before = sha256_file(out / "trtpaged.json")
     monkeypatch.setitem(verify.TOLERANCES, "float32", (0.0, 0.0))
     with pytest.raises(verify.VerificationError):
-        build_engine(config, out, echo=lambda s: None)
+        build_engine(config, out, force=True, echo=lambda s: None)
     assert sha256_file(out / "trtpaged.json") == before
     assert sorted(p.name for p in out.parent.iterdir()) == ["engine"]
 
@@ -284,3 +297,42 @@ def test_gguf_header_gives_the_architecture_without_loading():
 
     spec = parse_config(yaml.safe_load((EXAMPLES / "smollm2.yaml").read_text()), base_dir=EXAMPLES).model
     assert source_architecture(spec) == "LlamaForCausalLM"
+
+
+def test_build_with_inconsistent_tiny_heads_is_a_clear_error(tmp_path):
+    data = {
+        "model": {"tiny": {"hidden_size": 64, "num_attention_heads": 3, "num_key_value_heads": 1}},
+        "max_seq_len": 64, "kv_cache": {"num_blocks": 8},
+    }
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(data))
+    result = CliRunner().invoke(main, ["build", str(tmp_path / "m.yaml"), "-o", str(tmp_path / "out" / "eng")])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert "model.tiny" in result.output and "not a multiple of the number of attention heads" in result.output
+    assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["m.yaml"]
+
+
+def test_build_refuses_an_existing_engine_dir_unless_forced(tmp_path):
+    out = tmp_path / "engine"
+    assert _cli("build", str(EXAMPLES / "tiny.yaml"), "-o", str(out), "--skip-verify").exit_code == 0
+    before = sha256_file(out / "trtpaged.json")
+    r = _cli("build", str(EXAMPLES / "tiny.yaml"), "-o", str(out), "--skip-verify")
+    assert r.exit_code == 1 and "is an engine dir already; pass --force" in r.output, r.output
+    assert sha256_file(out / "trtpaged.json") == before
+    r = _cli("build", str(EXAMPLES / "tiny.yaml"), "-o", str(out), "--skip-verify", "--force")
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["engine"]  # replaced in place, no leftovers
+
+
+def test_a_long_stage_prints_heartbeats_with_elapsed_time():
+    from trtpaged.builder.progress import Progress
+
+    lines: list[str] = []
+    progress = Progress(lines.append, heartbeat=0.05)
+    with progress.stage("load") as st:
+        time.sleep(0.23)
+        st.note("done")
+    beats = [line for line in lines if line.startswith("load     ... ")]
+    assert 3 <= len(beats) <= 5 and lines[-1].startswith("load     done  (0.2")
+    with progress.stage("patch"):
+        pass
+    assert not lines[-1].startswith("patch    ...")  # a quick stage prints only its end line

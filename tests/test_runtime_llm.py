@@ -30,14 +30,70 @@ def test_generate_text_and_token_prompts_match_hf(llm, tiny_engine_dir):
         assert completion.finish_reason in ("stop", "length")
 
 
-def test_stats_and_engine_plan_path(llm, tiny_engine_dir):
-    stats = llm.stats()
-    for key in ("kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "kv_utilisation",
-                "kv_blocks_saved_by_sharing", "prefix_cache_hits_tokens", "num_preemptions", "num_steps"):
-        assert key in stats
-    assert stats["kv_blocks_total"] == llm.manifest.kv_cache.num_blocks
+def test_limits_come_from_the_manifest_and_only_tighten(llm, tiny_engine_dir):
+    assert llm.stats()["kv_blocks_total"] == llm.manifest.kv_cache.num_blocks == llm.config.num_blocks
+    assert llm.engine.runner.num_blocks == llm.config.num_blocks
     with pytest.raises(ValueError, match=r"max_num_tokens: must be in \[1, 256\]"):
         LLM(tiny_engine_dir, max_num_tokens=100000)
+
+
+def test_stats_report_peaks_of_the_run(llm):
+    """After a run nothing is held: the peaks say what the run used and what sharing saved."""
+    prompt = list(range(3, 43))  # 40 tokens: 3 blocks of 16
+    llm.generate([prompt], SamplingParams(max_tokens=3, n=3, temperature=1.0, seed=0, ignore_eos=True))
+    stats = llm.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["kv_utilisation"] == 0.0
+    assert stats["kv_blocks_saved_by_sharing_peak"] >= 3 * 2  # 3 prompt blocks shared by 2 more samples
+    assert stats["kv_blocks_used_peak"] >= 3
+
+
+def test_phase_seconds_cover_every_phase(llm):
+    before = dict(llm.engine.phase_seconds)
+    llm.generate(["hello there"], SamplingParams(max_tokens=4, temperature=0.0))
+    after = llm.engine.phase_seconds
+    assert set(after) == {"schedule", "prepare", "model", "sample", "update", "output"}
+    assert all(after[k] > before[k] for k in after)
+
+
+def test_output_kinds_delta_and_final_only_reassemble_the_cumulative_output(llm):
+    from trtpaged.runtime.outputs import RequestOutputKind
+
+    prompt = "tell me a story"
+    base = dict(max_tokens=16, temperature=1.0, seed=7, n=2, ignore_eos=True)
+    free_run = llm.generate(prompt, SamplingParams(**base))[0].outputs[0].text
+    assert len(free_run) >= 8
+    stop = free_run[4:7]  # spans several byte tokens: a delta must never show a part of it
+    outputs = {}
+    for kind in RequestOutputKind:
+        request_id = llm.engine.add_request(prompt, SamplingParams(**base, stop=[stop], output_kind=kind))
+        outputs[kind] = []
+        while llm.engine.has_unfinished():
+            outputs[kind] += [o for o in llm.engine.step() if o.request_id == request_id]
+    cumulative = outputs[RequestOutputKind.CUMULATIVE][-1]
+    assert cumulative.outputs[0].finish_reason == "stop" and stop not in cumulative.outputs[0].text
+    assert all(cumulative.outputs[0].text.startswith(o.outputs[0].text)
+               for o in outputs[RequestOutputKind.CUMULATIVE])  # fmt: skip
+    final_only = outputs[RequestOutputKind.FINAL_ONLY]
+    assert len(final_only) == 1 and final_only[0].finished
+    assert [c.text for c in final_only[0].outputs] == [c.text for c in cumulative.outputs]
+    texts, tokens = {0: "", 1: ""}, {0: [], 1: []}
+    for out in outputs[RequestOutputKind.DELTA]:
+        for c in out.outputs:
+            texts[c.index] += c.text
+            tokens[c.index] += c.token_ids
+    assert [texts[i] for i in (0, 1)] == [c.text for c in cumulative.outputs]
+    assert [tokens[i] for i in (0, 1)] == [c.token_ids for c in cumulative.outputs]
+
+
+def test_chat_takes_one_conversation_or_a_batch(llm):
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    one = [{"role": "user", "content": "hi"}]
+    two = [{"role": "user", "content": "what is 2 + 2?"}]
+    single = llm.chat(one, params)
+    batch = llm.chat([one, two], params)
+    assert isinstance(batch, list) and len(batch) == 2
+    assert batch[0].outputs[0].token_ids == single.outputs[0].token_ids
+    assert batch[1].prompt_token_ids == llm.chat_prompt(two)
 
 
 def test_refusal_names_the_limit(llm):
@@ -45,12 +101,79 @@ def test_refusal_names_the_limit(llm):
         llm.generate([[1] * (llm.config.max_seq_len + 1)])
 
 
-def test_cli_generate_streams(tiny_engine_dir):
+def test_cli_generate_streams_what_the_api_generates(llm, tiny_engine_dir):
+    greedy = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=6, temperature=0.0))
     result = CliRunner().invoke(main, ["generate", str(tiny_engine_dir), "--prompt", "hi", "--max-tokens", "6", "--chat"])
     assert result.exit_code == 0, result.output
+    assert result.stdout == greedy.outputs[0].text + "\n"
+    sampled = llm.generate("hi", SamplingParams(max_tokens=4, n=2, temperature=1.0, seed=3))[0]
     result = CliRunner().invoke(
         main, ["generate", str(tiny_engine_dir), "--prompt", "hi", "--max-tokens", "4", "--n", "2", "--temperature", "1", "--seed", "3"]
     )
-    assert result.exit_code == 0 and result.output.count("--- [") == 2
+    assert result.exit_code == 0, result.output
+    expected = "".join(f"--- [{c.index}] ({c.finish_reason})\n{c.text}\n" for c in sampled.outputs)
+    assert result.stdout == expected
     result = CliRunner().invoke(main, ["generate", str(tiny_engine_dir), "--prompt", "hi", "--beam-width", "3", "--max-tokens", "4"])
-    assert result.exit_code == 0 and result.output.count("--- [") == 1
+    assert result.exit_code == 0 and result.stdout.count("--- [") == 1
+
+
+def test_cli_generate_stats_show_the_runs_sharing(tiny_engine_dir):
+    prompt = "x" * 40
+    result = CliRunner().invoke(main, ["generate", str(tiny_engine_dir), "--prompt", prompt, "--max-tokens", "3",
+                                       "--n", "3", "--temperature", "1", "--stats"])
+    assert result.exit_code == 0, result.output
+    stats = dict(line.split(": ") for line in result.stderr.splitlines() if ": " in line)
+    assert int(stats["kv_blocks_used_peak"]) >= 3 and int(stats["kv_blocks_saved_by_sharing_peak"]) >= 2 * 2
+
+
+def test_cli_generate_refuses_max_tokens_past_max_seq_len(tiny_engine_dir):
+    result = CliRunner().invoke(main, ["generate", str(tiny_engine_dir), "--prompt", "hi", "--max-tokens", "5000"])
+    assert result.exit_code == 1
+    assert "max_tokens" in result.output and "max_seq_len (512)" in result.output
+
+
+@pytest.mark.parametrize("device, named", [("gpu", "'gpu' is not"), ("cuda", "no CUDA GPU is visible")])
+def test_cli_unavailable_device_is_one_line(tiny_engine_dir, device, named):
+    import torch
+
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    for command in (["generate", str(tiny_engine_dir), "--prompt", "hi"], ["serve", str(tiny_engine_dir), "--port", "0"]):
+        result = CliRunner().invoke(main, command + ["--device", device])
+        assert result.exit_code == 1
+        lines = result.output.strip().splitlines()
+        assert len(lines) == 1 and named in lines[0] and "available here: cpu" in lines[0], result.output
+
+
+def test_generate_refusing_one_prompt_queues_none_of_them(tiny_engine_dir):
+    llm = LLM(tiny_engine_dir, device="cpu")
+    with pytest.raises(ValueError, match=r"max_seq_len \(512\)"):
+        llm.generate(["hello", [5] * 600], SamplingParams(max_tokens=8, temperature=0.0))
+    assert not llm.engine.has_unfinished()
+    assert llm.stats()["num_waiting"] == 0 and llm.stats()["kv_blocks_used"] == 0
+    assert [o.prompt for o in llm.generate(["world"], SamplingParams(max_tokens=8, temperature=0.0))] == ["world"]
+    assert llm.stats()["prefix_cache_queries_tokens"] == len("world")  # "hello" never ran
+
+
+def test_failed_step_returns_every_block(tiny_engine_dir) -> None:
+    """An engine step that raises must not leave the call's requests queued or holding blocks."""
+    llm = LLM(tiny_engine_dir)
+    backend = llm.engine.runner
+    real_step = backend.step
+    calls = {"n": 0}
+
+    def failing_step(batch):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("device lost")
+        return real_step(batch)
+
+    backend.step = failing_step
+    with pytest.raises(RuntimeError, match="device lost"):
+        llm.generate(["hello there", "general kenobi"], SamplingParams(max_tokens=8, temperature=0.0))
+    backend.step = real_step
+    assert not llm.engine.has_unfinished()
+    assert llm.stats()["kv_blocks_used"] == 0
+    # and the LLM keeps working
+    out = llm.generate(["hello there"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4

@@ -6,7 +6,7 @@ import pytest
 
 from runtime_helpers import hf_beams, hf_from_engine_dir, hf_greedy, run_staggered, runtime_config
 from trtpaged import LLM, SamplingParams
-from trtpaged.runtime.engines import TorchEngine
+from trtpaged.runtime.engines import TorchRunner
 from trtpaged.runtime.llm_engine import LLMEngine
 
 pytestmark = pytest.mark.slow
@@ -48,8 +48,8 @@ def reference(hf, prompts, llm):
 def variant(llm: LLM, **kw) -> LLMEngine:
     """Another runtime over the same loaded weights, with its own pool and limits."""
     config = runtime_config(**{"num_blocks": 128, "max_batch_size": 8, "max_num_tokens": 256, **kw})
-    model = llm.engine.engine.model
-    engine = TorchEngine(model, model.new_kv_cache(config.num_blocks, config.block_size))
+    model = llm.engine.runner.model
+    engine = TorchRunner(model, model.new_kv_cache(config.num_blocks, config.block_size))
     return LLMEngine(engine, config, llm.tokenizer, llm.manifest.eos_token_ids)
 
 

@@ -63,8 +63,8 @@ def test_greedy_matches_hf_with_swap_preemption(hf, prompts, reference):
 def test_greedy_matches_hf_with_chunked_prefill(hf, prompts, reference):
     engine = make(hf, max_num_tokens=16)
     chunks = []
-    original = engine.engine.step
-    engine.engine.step = lambda batch: chunks.append(batch.num_tokens) or original(batch)
+    original = engine.runner.step
+    engine.runner.step = lambda batch: chunks.append(batch.num_tokens) or original(batch)
     assert greedy_tokens(engine, prompts) == reference
     assert max(chunks) <= 16 and engine.stats()["num_steps"] > len(prompts) + MAX_TOKENS
 

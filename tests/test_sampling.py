@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
+from trtpaged.errors import RequestError
 from trtpaged.runtime.beam_search import BeamSearch
 from trtpaged.runtime.detokenizer import IncrementalDetokenizer
 from trtpaged.runtime.output_processor import find_stop_string
-from trtpaged.runtime.sampler import Sampler, apply_penalties, filter_logits, make_generator
+from trtpaged.runtime.sampler import SampleRow, apply_penalties, filter_logits, make_generator, sample
 from trtpaged.runtime.sampling_params import SamplingParams
-from trtpaged.runtime.sequence import Sequence
 
 
 @pytest.mark.parametrize(
@@ -29,17 +29,53 @@ from trtpaged.runtime.sequence import Sequence
     ],
 )
 def test_params_errors_name_the_field(kwargs, field):
-    with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
+    with pytest.raises(RequestError) as info:
         SamplingParams(**kwargs)
+    assert info.value.field == field
 
 
 def test_stop_accepts_a_single_string():
     assert SamplingParams(stop="END").stop == ("END",)
 
 
+def reference_penalties(logits: torch.Tensor, token_ids: list[int], num_prompt: int, p: SamplingParams) -> torch.Tensor:
+    """The per-row semantics: HF repetition penalty over prompt + output, OpenAI presence/frequency over output."""
+    logits = logits.clone()
+    if p.repetition_penalty != 1.0 and token_ids:
+        seen = torch.tensor(token_ids).unique()
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    output = token_ids[num_prompt:]
+    if (p.presence_penalty or p.frequency_penalty) and output:
+        counts = torch.bincount(torch.tensor(output), minlength=logits.shape[0]).float()
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+    return logits
+
+
+def reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The per-row semantics: temperature, then top-k, top-p (the top token always kept), min-p."""
+    logits = logits / p.temperature
+    if 0 < p.top_k < logits.shape[0]:
+        logits = logits.masked_fill(logits < torch.topk(logits, p.top_k).values[-1], float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        drop = probs.cumsum(dim=-1) - probs >= p.top_p
+        drop[0] = False
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    if p.min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
+def row(i: int, params: SamplingParams, tokens=(0,), num_prompt: int = 1, seed=None, index: int = 0) -> SampleRow:
+    return SampleRow(i, params, list(tokens), num_prompt, make_generator(seed, index))
+
+
 def test_top_k_top_p_min_p_masks():
-    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    kept = lambda **kw: torch.isfinite(filter_logits(logits, SamplingParams(temperature=1.0, **kw))).tolist()
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = lambda **kw: torch.isfinite(filter_logits(logits, [SamplingParams(temperature=1.0, **kw)]))[0].tolist()
     assert kept(top_k=2) == [True, True, False, False]
     assert kept(top_p=0.8) == [True, True, False, False]
     assert kept(top_p=0.81) == [True, True, True, False]
@@ -48,45 +84,80 @@ def test_top_k_top_p_min_p_masks():
 
 
 def test_penalties():
-    seq = Sequence(0, [1, 2])
-    seq.append_token(3)
-    seq.append_token(3)
-    logits = torch.tensor([1.0, 2.0, -2.0, 4.0, 0.5])
-    out = apply_penalties(logits.clone(), seq, SamplingParams(repetition_penalty=2.0))
-    assert out.tolist() == [1.0, 1.0, -4.0, 2.0, 0.5]
-    out = apply_penalties(logits.clone(), seq, SamplingParams(presence_penalty=1.0, frequency_penalty=0.5))
-    assert out.tolist() == [1.0, 2.0, -2.0, 2.0, 0.5]  # only output token 3: 4 - 1 - 2*0.5
+    logits = torch.tensor([[1.0, 2.0, -2.0, 4.0, 0.5]] * 2)
+    rows = [row(0, SamplingParams(repetition_penalty=2.0), [1, 2, 3, 3], 2),
+            row(1, SamplingParams(presence_penalty=1.0, frequency_penalty=0.5), [1, 2, 3, 3], 2)]
+    out = apply_penalties(logits.clone(), rows)
+    assert out[0].tolist() == [1.0, 1.0, -4.0, 2.0, 0.5]
+    assert out[1].tolist() == [1.0, 2.0, -2.0, 2.0, 0.5]  # only output token 3: 4 - 1 - 2*0.5
+
+
+MIXED = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.7, top_k=5),
+    SamplingParams(temperature=1.3, top_p=0.6),
+    SamplingParams(temperature=0.9, min_p=0.2, repetition_penalty=1.3),
+    SamplingParams(temperature=1.0, top_k=20, top_p=0.9, min_p=0.05, presence_penalty=0.5, frequency_penalty=0.7),
+    SamplingParams(temperature=0.0, repetition_penalty=1.8, frequency_penalty=1.0),
+    SamplingParams(temperature=1.0),
+]
+
+
+def test_batched_filtering_equals_the_per_row_reference():
+    torch.manual_seed(0)
+    vocab = 97
+    logits = torch.randn(len(MIXED), vocab) * 3
+    histories = [torch.randint(0, vocab, (n,)).tolist() for n in (3, 54, 7, 20, 33, 12, 1)]
+    rows = [row(i, p, h, max(1, len(h) // 2)) for i, (p, h) in enumerate(zip(MIXED, histories))]
+    penalised = apply_penalties(logits.clone(), rows)
+    random = [i for i, p in enumerate(MIXED) if not p.greedy]
+    batched = torch.softmax(filter_logits(penalised[random], [MIXED[i] for i in random]), dim=1)
+    for j, i in enumerate(random):
+        expected_logits = reference_penalties(logits[i], histories[i], rows[i].num_prompt_tokens, MIXED[i])
+        assert torch.allclose(penalised[i], expected_logits, atol=1e-6)
+        assert torch.allclose(batched[j], reference_probs(expected_logits, MIXED[i]), atol=1e-6)
+    greedy = [s.token_id for s in sample(logits, rows)]
+    for i, p in enumerate(MIXED):
+        if p.greedy:
+            expected = reference_penalties(logits[i], histories[i], rows[i].num_prompt_tokens, p)
+            assert greedy[i] == int(torch.argmax(expected))
 
 
 def test_greedy_and_logprobs():
-    logits = torch.tensor([0.0, 3.0, 1.0, 2.0])
-    result = Sampler().sample(logits, Sequence(0, [0]), SamplingParams(temperature=0.0, logprobs=2))
-    expected = torch.log_softmax(logits, -1)
-    assert result.token_id == 1
-    assert result.logprob == pytest.approx(float(expected[1]))
-    assert set(result.top_logprobs) == {1, 3}
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [5.0, 0.0, 1.0, 0.0]])
+    (first, second) = sample(logits, [row(0, SamplingParams(temperature=0.0, logprobs=2)),
+                                      row(1, SamplingParams(temperature=0.0))])
+    expected = torch.log_softmax(logits[0], -1)
+    assert first.token_id == 1 and second.token_id == 0
+    assert first.logprob == pytest.approx(float(expected[1]))
+    assert first.top_logprobs == pytest.approx({1: float(expected[1]), 3: float(expected[3])})
+    assert second.top_logprobs is None
 
 
-def test_seeded_sampling_is_reproducible_and_per_index():
-    logits = torch.randn(100, generator=torch.Generator().manual_seed(0))
-    params = SamplingParams(temperature=1.0, seed=42)
+def test_seeded_draws_do_not_depend_on_the_batch():
+    torch.manual_seed(1)
+    logits = torch.randn(6, 100)
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=42)
 
-    def draw(index):
-        seq = Sequence(0, [0])
-        seq.generator = make_generator(42, index)
-        return [Sampler().sample(logits, seq, params).token_id for _ in range(20)]
+    def draws(batch: list[SampleRow]) -> list[int]:
+        return [s.token_id for s in sample(logits, batch)]
 
-    assert draw(0) == draw(0)
-    assert draw(0) != draw(1)
+    others = [row(i, p) for i, p in zip((0, 1, 3, 4), MIXED[1:5])]  # unseeded rows around it
+    seeded = row(2, params, seed=42)
+    alone = [draws([seeded])[0] for _ in range(20)]
+    seeded, sibling = row(2, params, seed=42), row(5, params, seed=42, index=1)
+    mixed = [draws(others[:2] + [seeded] + others[2:] + [sibling])[2] for _ in range(20)]
+    assert alone == mixed
+    assert len(set(alone)) > 1  # it does sample
     assert make_generator(None, 0) is None
 
 
 def test_sampling_follows_the_distribution():
-    probs = torch.tensor([0.7, 0.2, 0.1])
-    seq = Sequence(0, [0])
-    seq.generator = make_generator(1, 0)
-    draws = [Sampler().sample(probs.log(), seq, SamplingParams(temperature=1.0)).token_id for _ in range(2000)]
-    assert abs(draws.count(0) / 2000 - 0.7) < 0.05
+    probs = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]])
+    rows = [row(0, SamplingParams(temperature=1.0), seed=1), row(1, SamplingParams(temperature=1.0))]
+    draws = [[s.token_id for s in sample(probs.log(), rows)] for _ in range(2000)]
+    assert abs(sum(d[0] == 0 for d in draws) / 2000 - 0.7) < 0.05
+    assert abs(sum(d[1] == 2 for d in draws) / 2000 - 0.8) < 0.05
 
 
 def test_detokenizer_never_splits_multibyte_characters():
@@ -141,3 +212,20 @@ def test_beam_search_stops_at_max_tokens():
     beam = BeamSearch(params, eos_token_ids=[0], max_new_tokens=1)
     beam.step([[]], [0.0], torch.log(torch.tensor([[0.1, 0.6, 0.3]])))
     assert beam.done and [h.token_ids for h in beam.best(2)] == [(1,), (2,)]
+
+
+def test_sampling_params_accept_vllm_spellings_and_reject_bad_types():
+    assert SamplingParams(stop=None, stop_token_ids=None).stop == ()
+    assert SamplingParams(top_k=-1).top_k == 0
+    for bad, field in ((dict(stop=[""]), "stop"), (dict(stop=[1]), "stop"), (dict(stop=5), "stop"), (dict(n=2.0), "n"),
+                       (dict(max_tokens=2.5), "max_tokens"), (dict(temperature="0.5"), "temperature"),
+                       (dict(top_p=float("nan")), "top_p"), (dict(stop_token_ids=["a"]), "stop_token_ids")):
+        with pytest.raises(RequestError) as info:
+            SamplingParams(**bad)
+        assert info.value.field == field
+
+
+def test_tiny_temperature_samples_greedily_instead_of_crashing():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(2))
+    tiny = [row(i, SamplingParams(temperature=1e-45, seed=0)) for i in range(3)]
+    assert [s.token_id for s in sample(logits, tiny)] == logits.argmax(dim=1).tolist()

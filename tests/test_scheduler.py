@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from runtime_helpers import RandomLogitsEngine, runtime_config
+from trtpaged.errors import RequestError
 from trtpaged.runtime.kv_cache_manager import KVCacheManager
 from trtpaged.runtime.llm_engine import LLMEngine
 from trtpaged.runtime.runtime_config import RuntimeConfig
@@ -174,7 +175,7 @@ def test_any_interleaving_returns_every_block(ops, num_blocks, block_size, max_n
             for _ in range(op[1]):
                 out = e.scheduler.schedule()
                 check_writable_slots(e, out)
-                _finish_step(e, out)
+                e.run_scheduled(out)
                 check_invariants(e)
         elif added:
             e.abort(added[op[1] % len(added)])
@@ -183,18 +184,6 @@ def test_any_interleaving_returns_every_block(ops, num_blocks, block_size, max_n
         e.abort(request_id)
     assert e.kv.pool.num_free == num_blocks and not e.kv.tables
     assert all(b.ref_cnt == 0 for b in e.kv.pool.blocks)
-
-
-def _finish_step(e: LLMEngine, out) -> None:
-    """The rest of LLMEngine.step for an already scheduled output."""
-    from trtpaged.runtime.batch_builder import build_step_batch
-
-    if out.is_empty:
-        return
-    batch, rows = build_step_batch(out, e.kv)
-    logits = e.engine.step(batch)
-    e.scheduler.update_after_step(out)
-    e.processor.process(out.sampled_groups, logits, rows)
 
 
 def test_engine_runs_everything_to_completion_under_pressure():
@@ -207,3 +196,50 @@ def test_engine_runs_everything_to_completion_under_pressure():
     assert set(finished) == set(ids)
     assert all(len(c.token_ids) == 6 for o in finished.values() for c in o.outputs)
     assert e.stats()["num_preemptions"] > 0 and e.kv.pool.num_free == 12
+
+
+def test_prompt_filling_max_seq_len_is_refused():
+    e = engine(num_blocks=64, block_size=4, max_seq_len=32)
+    with pytest.raises(RequestError, match=r"max_seq_len \(32\).*no room") as info:
+        e.add_request(list(range(1, 33)), GREEDY)
+    assert (info.value.field, info.value.limit) == ("prompt", 31)
+    assert not e.has_unfinished() and e.kv.pool.num_used == 0
+    e.add_request(list(range(1, 32)), SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True))
+    (out,) = run_all(e)
+    assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"
+
+
+def test_max_tokens_past_max_seq_len_is_refused_with_the_room_left():
+    e = engine(num_blocks=64, block_size=4, max_seq_len=32)
+    with pytest.raises(RequestError) as info:
+        e.add_request(list(range(1, 21)), SamplingParams(max_tokens=13))
+    assert (info.value.field, info.value.limit) == ("max_tokens", 12)
+    assert not e.has_unfinished()
+    e.add_request(list(range(1, 21)), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    (out,) = run_all(e)
+    assert len(out.outputs[0].token_ids) == 12
+
+
+def test_max_tokens_none_runs_to_max_seq_len():
+    e = engine(num_blocks=64, block_size=4, max_seq_len=32)
+    e.add_request([1, 2, 3], SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True))
+    e.add_request([1, 2, 3], SamplingParams(max_tokens=None, beam_width=2, ignore_eos=True))
+    outs = run_all(e)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [29, 29]
+
+
+def run_all(e: LLMEngine) -> list:
+    done = []
+    while e.has_unfinished():
+        done += [o for o in e.step() if o.finished]
+    return done
+
+
+def test_step_batch_carries_the_exported_inputs_in_order():
+    """The runner's step inputs are the ONNX graph's inputs (the pool aside, which the runner owns)."""
+    import dataclasses
+
+    from trtpaged.builder.probe import INPUT_NAMES
+    from trtpaged.runtime.engines.base import StepBatch
+
+    assert tuple(f.name for f in dataclasses.fields(StepBatch)) + ("kv_cache",) == INPUT_NAMES

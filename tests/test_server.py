@@ -211,7 +211,7 @@ def test_bad_input_is_400_and_leaks_nothing(server):
 
 
 def test_engine_exception_is_500_for_that_request_only(server):
-    backend = server.llm.engine.engine
+    backend = server.llm.engine.runner
 
     def boom(batch):
         del backend.step  # fail once, then the real method again
@@ -225,7 +225,7 @@ def test_engine_exception_is_500_for_that_request_only(server):
 
 
 def test_client_disconnect_aborts_and_frees_blocks(server):
-    backend = server.llm.engine.engine
+    backend = server.llm.engine.runner
     real_step = backend.step
 
     def slow_step(batch):  # 500 tokens take >= 2.5 s: the disconnect is seen long before the end

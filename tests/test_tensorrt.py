@@ -129,13 +129,13 @@ def _probe_batches(vocab_size: int, block_size: int):
 @pytest.mark.tensorrt
 def test_tensorrt_logits_match_the_torch_backend(trt_engine_dir):
     from trtpaged.manifest import read_manifest
-    from trtpaged.runtime.engines import TorchEngine
-    from trtpaged.runtime.engines.tensorrt_engine import TensorRTEngine
+    from trtpaged.runtime.engines import TorchRunner
+    from trtpaged.runtime.engines.tensorrt_engine import TensorRTRunner
 
     manifest = read_manifest(trt_engine_dir)
     batches, num_blocks = _probe_batches(manifest.dims.vocab_size, manifest.limits.block_size)
-    trt_engine = TensorRTEngine.from_engine_dir(trt_engine_dir, num_blocks, device="cuda")
-    torch_engine = TorchEngine.from_engine_dir(trt_engine_dir, num_blocks, device="cuda")
+    trt_engine = TensorRTRunner.from_engine_dir(trt_engine_dir, num_blocks, device="cuda")
+    torch_engine = TorchRunner.from_engine_dir(trt_engine_dir, num_blocks, device="cuda")
     tol = 2e-3 if manifest.dtype == "float32" else 3e-2
     for i, batch in enumerate(batches, 1):  # step 2 reads the K/V step 1 wrote in place
         got, want = trt_engine.step(batch), torch_engine.step(batch)
@@ -150,11 +150,11 @@ def test_tensorrt_logits_match_the_torch_backend(trt_engine_dir):
 @pytest.mark.tensorrt
 def test_auto_selects_tensorrt_and_copies_blocks(trt_engine_dir):
     from trtpaged.manifest import read_manifest
-    from trtpaged.runtime.engines import load_engine, select_backend
+    from trtpaged.runtime.engines import load_runner, select_backend
 
     manifest = read_manifest(trt_engine_dir)
     assert select_backend(trt_engine_dir, manifest, "auto") == "tensorrt"
-    engine = load_engine(trt_engine_dir, manifest, 8, "auto", num_host_blocks=2)
+    engine = load_runner(trt_engine_dir, manifest, 8, "auto", num_host_blocks=2)
     assert engine.backend == "tensorrt"
     engine.kv_cache[1].normal_()
     engine.copy_blocks([(1, 5)])

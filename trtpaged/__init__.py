@@ -2,6 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
+# OpenMP threads that finish early wait for the others. libgomp's default is to spin for a while
+# first; on a busy machine (more runnable threads than cores) a spinning waiter takes the core a
+# descheduled worker needs, and one step stalls for tens to hundreds of ms. Sleeping waiters avoid
+# that (measured on 2 shared cores: median step 112-169 ms -> 1.4-8 ms; docs/architecture.md).
+# libgomp reads this once, when it is first loaded (by torch or the kernel library), so it is set
+# at package import; a value the user set wins, as does GOMP_SPINCOUNT.
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    os.environ["OMP_WAIT_POLICY"] = "passive"
+
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "SamplingParams", "__version__"]

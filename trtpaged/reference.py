@@ -57,7 +57,7 @@ def paged_attention_reference(
 ) -> torch.Tensor:
     """Writes the new K/V into kv_cache (in place) and returns causal attention output.
 
-    Shapes follow the engine I/O contract (DESIGN.md): q [T, H, D], k/v [T, KVH, D],
+    Shapes follow the engine I/O contract (docs/architecture.md): q [T, H, D], k/v [T, KVH, D],
     kv_cache [num_blocks, num_layers, 2, KVH, block_size, D]. Returns [T, H, D] in q.dtype.
     max_context_len is unused (accepted so the signature matches kernels.paged_attention).
     """

@@ -2,8 +2,9 @@
 
 A failed build removes the temp dir (and any parent dirs it had to create),
 so it never leaves a half-written engine dir behind. An existing engine dir at
-the output path is replaced only once the new one is complete; a non-empty
-directory that is not an engine dir is never overwritten.
+the output path is replaced only when asked (`force`, `trtpaged build --force`),
+and then only once the new one is complete; a non-empty directory that is not
+an engine dir is never overwritten.
 """
 
 from __future__ import annotations
@@ -23,19 +24,23 @@ class OutputDirError(ValueError):
     """The output path cannot hold an engine dir."""
 
 
-def check_output(output: Path) -> None:
-    """Raises OutputDirError if `output` exists and is a file or a non-empty non-engine dir."""
+def check_output(output: Path, force: bool = False) -> None:
+    """Raises OutputDirError if `output` is a file, a non-empty non-engine dir, or (unless `force`) an engine dir."""
     if output.is_file():
         raise OutputDirError(f"output: {output} is a file; expected a directory path")
-    if output.is_dir() and any(output.iterdir()) and not (output / MANIFEST_NAME).is_file():
-        raise OutputDirError(f"output: {output} is a non-empty directory that is not an engine dir; refusing to replace it")
+    if output.is_dir() and any(output.iterdir()):
+        if not (output / MANIFEST_NAME).is_file():
+            raise OutputDirError(f"output: {output} is a non-empty directory that is not an engine dir; refusing to replace it")
+        if not force:
+            raise OutputDirError(f"output: {output} is an engine dir already; pass --force to replace it "
+                                 "(it is replaced only once the new build is complete)")
 
 
 @contextlib.contextmanager
-def staged_output(output: Path) -> Iterator[Path]:
+def staged_output(output: Path, force: bool = False) -> Iterator[Path]:
     """Yields a temp dir; on success it becomes `output` (atomic rename), on failure it is deleted."""
     output = output.resolve()
-    check_output(output)
+    check_output(output, force)
     created = _first_missing_ancestor(output.parent)
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))

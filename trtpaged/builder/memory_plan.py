@@ -23,6 +23,7 @@ class MemoryPlan:
     max_batch_size: int
     budget_rule: str  # how the number of blocks is decided
     num_blocks: Optional[int]  # None when decided at serve time and no memory figure was given
+    capped: bool = False  # a fraction budget was capped at max_batch_size sequences of max_seq_len
 
     def blocks_for(self, length: int) -> int:
         return -(-length // self.block_size)
@@ -74,17 +75,22 @@ def format_bytes(n: int) -> str:
 
 def plan_memory(manifest: Manifest, memory_bytes: Optional[int] = None) -> MemoryPlan:
     """The plan of an engine; `memory_bytes` stands for free device memory when the budget is a fraction."""
+    from trtpaged.runtime.engines.kv_budget import kv_blocks
+
     kv, block_bytes = manifest.kv_cache, manifest.kv_bytes_per_block
+    blocks = kv_blocks(manifest, memory_bytes)  # the runtime's own count
+    capped = False
     if kv.num_blocks is not None:
-        rule, blocks = f"num_blocks {kv.num_blocks}", kv.num_blocks
+        rule = f"num_blocks {kv.num_blocks}"
     elif kv.memory_bytes is not None:
-        rule, blocks = f"memory {format_bytes(kv.memory_bytes)}", kv.memory_bytes // block_bytes
+        rule = f"memory {format_bytes(kv.memory_bytes)}"
     else:
         rule = f"fraction {kv.fraction} of free device memory at serve time"
-        blocks = None
         if memory_bytes is not None:
             rule += f" (evaluated for {format_bytes(memory_bytes)} free)"
-            blocks = int(memory_bytes * (kv.fraction or 0)) // block_bytes
+            capped = blocks is not None and blocks < int(memory_bytes * (kv.fraction or 0)) // block_bytes
+            if capped:
+                rule += ", capped at max_batch_size x max_seq_len"
     return MemoryPlan(
         bytes_per_token=manifest.kv_bytes_per_token,
         bytes_per_block=block_bytes,
@@ -93,4 +99,5 @@ def plan_memory(manifest: Manifest, memory_bytes: Optional[int] = None) -> Memor
         max_batch_size=manifest.limits.max_batch_size,
         budget_rule=rule,
         num_blocks=blocks,
+        capped=capped,
     )

@@ -51,18 +51,22 @@ def build_engine(
     output: Optional[Path | str] = None,
     *,
     skip_verify: bool = False,
+    force: bool = False,
     echo: Callable[[str], None] = print,
 ) -> BuildResult:
-    """Builds the engine dir for `config` at `output` (default: config.output); raises ConfigError or BuildError."""
+    """Builds the engine dir for `config` at `output` (default: config.output); raises ConfigError or BuildError.
+
+    An existing engine dir at `output` is replaced only with `force`.
+    """
     from trtpaged.models import UnsupportedModelError, dims_from_hf_config, load_hf, source_architecture
     from trtpaged.models.loading import TORCH_DTYPES, step_model_from_hf
 
     progress = Progress(echo)
     with progress.stage("check") as st:
-        config, out_dir = _preflight(config, output, progress)
+        config, out_dir = _preflight(config, output, progress, force)
         arch = source_architecture(config.model)
         st.note(f"{arch} from {config.model.kind} -> {out_dir}")
-    with staged_output(out_dir) as tmp:
+    with staged_output(out_dir, force) as tmp:
         with progress.stage("load") as st:
             try:
                 hf = load_hf(config.model, torch.float32)
@@ -150,12 +154,14 @@ def build_engine(
     return BuildResult(engine_dir=out_dir, manifest=manifest, seconds=total)
 
 
-def _preflight(config: BuildConfig, output: Optional[Path | str], progress: Progress) -> tuple[BuildConfig, Path]:
+def _preflight(
+    config: BuildConfig, output: Optional[Path | str], progress: Progress, force: bool
+) -> tuple[BuildConfig, Path]:
     out = Path(output).resolve() if output is not None else config.output
     if out is None:
         raise ConfigError("output: not set; give `output:` in the model.yaml or `-o DIR`")
     try:
-        check_output(out)
+        check_output(out, force)
     except OutputDirError as e:
         raise ConfigError(str(e)) from None
     blocker = trt_compile.unavailable_reason() if config.backend == "tensorrt" else None

@@ -11,7 +11,7 @@ from trtpaged.manifest import DTYPE_BYTES
 
 @click.group(name="bench")
 def command() -> None:
-    """Benchmarks: kernels (more to come: memory, throughput)."""
+    """Benchmarks: the paged-attention kernel, KV memory under a workload."""
 
 
 @command.command(name="kernel")

@@ -33,7 +33,8 @@ model.yaml keys (examples in examples/; unknown keys are errors):
 Stages: check, load, patch (trtpaged's step model), export (model.onnx +
 weights.safetensors), verify, compile (engine.plan; skipped without TensorRT),
 write (tokenizer/, trtpaged.json). The engine dir appears atomically: a
-failed build leaves nothing behind.
+failed build leaves nothing behind. An existing engine dir is replaced only
+with --force. Long stages print a line with the elapsed time every 10 s.
 
 \b
 Verification runs model.onnx on the CPU (onnx.reference, the paged-attention
@@ -49,7 +50,8 @@ transformers forward. It fails when max |diff| > atol + rtol * max |logit|,
 @click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Engine dir to write (default: `output` in the yaml).")
 @click.option("--skip-verify", is_flag=True, help="Skip the ONNX-vs-transformers verification (big models).")
-def command(model_yaml: Path, output: Path | None, skip_verify: bool) -> None:
+@click.option("--force", is_flag=True, help="Replace an existing engine dir at the output (once the new one is complete).")
+def command(model_yaml: Path, output: Path | None, skip_verify: bool, force: bool) -> None:
     from trtpaged.builder import BuildError, build_engine
     from trtpaged.builder.export import ExportError
     from trtpaged.builder.verify import VerificationError
@@ -57,6 +59,6 @@ def command(model_yaml: Path, output: Path | None, skip_verify: bool) -> None:
 
     try:
         config = load_config(model_yaml)
-        build_engine(config, output, skip_verify=skip_verify, echo=click.echo)
+        build_engine(config, output, skip_verify=skip_verify, force=force, echo=click.echo)
     except (ConfigError, BuildError, ExportError, VerificationError) as e:
         raise click.ClickException(str(e)) from None

@@ -4,46 +4,52 @@ from __future__ import annotations
 
 import click
 
+# Figures `--stats` prints: the run's peaks and totals, then the pool as the run left it.
+_RUN_STATS = (
+    "kv_blocks_used_peak", "kv_blocks_saved_by_sharing_peak", "num_steps", "num_tokens_computed",
+    "num_block_copies", "num_preemptions", "prefix_cache_hits_tokens", "kv_blocks_total", "kv_blocks_cached",
+)  # fmt: skip
+
 
 @click.command(name="generate")
 @click.argument("engine", type=click.Path(exists=True))
 @click.option("--prompt", required=True, help="The prompt text.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt as a user turn with the engine's chat template.")
-@click.option("--max-tokens", type=int, default=128, show_default=True)
+@click.option("--max-tokens", type=int, default=128, show_default=True,
+              help="At most this many new tokens; prompt + max tokens must fit in max_seq_len.")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
 @click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--seed", type=int, default=None)
+@click.option("--seed", type=int, default=None, help="Seed of the request's own RNG (reproducible samples).")
 @click.option("--n", "n", type=int, default=1, show_default=True, help="Parallel samples (they share the prompt's KV).")
 @click.option("--beam-width", type=int, default=1, show_default=True, help="Beam search when > 1.")
 @click.option("--backend", type=click.Choice(["auto", "torch", "tensorrt"]), default="auto", show_default=True)
-@click.option("--device", default=None, help="cpu or cuda (default: cuda when present).")
-@click.option("--stats", "show_stats", is_flag=True, help="Print KV-cache statistics at the end.")
+@click.option("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when present).")
+@click.option("--stats", "show_stats", is_flag=True, help="Print the run's KV-cache figures (peaks, sharing) at the end.")
 def command(engine, prompt, chat, max_tokens, temperature, top_p, seed, n, beam_width, backend, device, show_stats) -> None:
     """Generate a completion for one prompt, streaming text as it is decoded."""
     from trtpaged.runtime.llm import LLM
+    from trtpaged.runtime.outputs import RequestOutputKind
     from trtpaged.runtime.sampling_params import SamplingParams
 
+    streaming = n == 1 and beam_width == 1
+    kind = RequestOutputKind.DELTA if streaming else RequestOutputKind.FINAL_ONLY
     try:
-        params = SamplingParams(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, n=n, beam_width=beam_width
-        )
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, n=n,
+                                beam_width=beam_width, output_kind=kind)  # fmt: skip
         llm = LLM(engine, backend=backend, device=device)
         request = llm.chat_prompt([{"role": "user", "content": prompt}]) if chat else prompt
-        engine_ = llm.engine
-        request_id = engine_.add_request(request, params)
+        loop = llm.engine
+        request_id = loop.add_request(request, params)
     except (ValueError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from None
-    streaming = n == 1 and beam_width == 1
-    printed = 0
     final = None
-    while engine_.has_unfinished():
-        for out in engine_.step():
+    while loop.has_unfinished():
+        for out in loop.step():
             if out.request_id != request_id:
                 continue
             if streaming:
-                text = out.outputs[0].text
-                click.echo(text[printed:], nl=False)
-                printed = len(text)
+                for delta in out.outputs:
+                    click.echo(delta.text, nl=False)
             if out.finished:
                 final = out
     if streaming:
@@ -53,5 +59,6 @@ def command(engine, prompt, chat, max_tokens, temperature, top_p, seed, n, beam_
             click.echo(f"--- [{completion.index}] ({completion.finish_reason})")
             click.echo(completion.text)
     if show_stats:
-        for key, value in llm.stats().items():
-            click.echo(f"{key}: {value}", err=True)
+        stats = llm.stats()
+        for key in _RUN_STATS:
+            click.echo(f"{key}: {stats[key]}", err=True)

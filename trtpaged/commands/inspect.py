@@ -23,6 +23,7 @@ def command(engine_dir: Path, avg_len: int | None, memory: str | None, as_json: 
     try:
         manifest = read_manifest(engine_dir)
         memory_bytes = parse_size(memory) if memory is not None else None
+        plan = plan_memory(manifest, memory_bytes)
     except (FileNotFoundError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     if as_json:
@@ -32,7 +33,6 @@ def command(engine_dir: Path, avg_len: int | None, memory: str | None, as_json: 
     for line in _manifest_lines(manifest, weight_bytes):
         click.echo(line)
     click.echo("memory plan:")
-    plan = plan_memory(manifest, memory_bytes)
     for line in plan.lines(avg_len):
         click.echo(f"  {line}")
     if plan.num_blocks is not None:

@@ -6,7 +6,7 @@ import torch
 
 from trtpaged.runtime.engines.base import StepBatch
 from trtpaged.runtime.kv_cache_manager import KVCacheManager
-from trtpaged.runtime.scheduler_output import SchedulerOutput
+from trtpaged.runtime.scheduler import SchedulerOutput
 
 
 def build_step_batch(out: SchedulerOutput, kv: KVCacheManager) -> tuple[StepBatch, dict[int, int]]:

@@ -1,11 +1,116 @@
-"""The block pool: reference-counted KV blocks, an LRU free queue and the prefix cache."""
+"""The block pool: KV blocks with reference counts, their LRU free queue and the prefix cache.
+
+One structure in one module (as vLLM keeps a block and its free queue together):
+`KVBlock` carries the free-queue links, `FreeBlockQueue` threads them, `BlockPool`
+owns both and the hash -> block cache.
+"""
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
-from trtpaged.runtime.free_block_queue import FreeBlockQueue
-from trtpaged.runtime.kv_block import KVBlock, ParentRef
+# (block_id, generation) of the block a cached block follows in its hash chain.
+ParentRef = Optional[tuple[int, int]]
+
+
+@dataclass(eq=False)
+class KVBlock:
+    """A fixed-size slot range of the KV pool.
+
+    `generation` is bumped every time the block is evicted from the prefix cache
+    and reused, so a `(block_id, generation)` pair names one exact content: a
+    cached child whose parent was evicted can never be matched through it.
+    The free-queue links live in the block itself so removal is O(1).
+    """
+
+    block_id: int
+    ref_cnt: int = 0
+    generation: int = 0
+    block_hash: Optional[int] = None  # set while the block is in the prefix cache
+    token_ids: Optional[tuple[int, ...]] = None  # the tokens whose K/V it holds, when cached
+    parent: ParentRef = None  # chain predecessor, when cached
+    prev_free: Optional["KVBlock"] = field(default=None, repr=False)
+    next_free: Optional["KVBlock"] = field(default=None, repr=False)
+    in_free_queue: bool = False
+
+    @property
+    def ref(self) -> tuple[int, int]:
+        """This block's identity as a chain parent."""
+        return (self.block_id, self.generation)
+
+    @property
+    def is_cached(self) -> bool:
+        return self.block_hash is not None
+
+
+class FreeBlockQueue:
+    """Free blocks in eviction order: the front is reused first.
+
+    The links are fields of `KVBlock`, so taking a cached block back out of the
+    queue on a prefix-cache hit costs O(1), unlike a `deque.remove`.
+    """
+
+    def __init__(self, blocks: Iterable[KVBlock] = ()) -> None:
+        self._head = KVBlock(block_id=-1)
+        self._tail = KVBlock(block_id=-2)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self._len = 0
+        for block in blocks:
+            self.append(block)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        node = self._head.next_free
+        while node is not self._tail:
+            assert node is not None
+            yield node
+            node = node.next_free
+
+    def _insert_after(self, anchor: KVBlock, block: KVBlock) -> None:
+        if block.in_free_queue:
+            raise ValueError(f"block {block.block_id}: already in the free queue")
+        nxt = anchor.next_free
+        assert nxt is not None
+        block.prev_free, block.next_free = anchor, nxt
+        anchor.next_free = block
+        nxt.prev_free = block
+        block.in_free_queue = True
+        self._len += 1
+
+    def append(self, block: KVBlock) -> None:
+        """Puts a block at the back: evicted last (most recently used)."""
+        tail_prev = self._tail.prev_free
+        assert tail_prev is not None
+        self._insert_after(tail_prev, block)
+
+    def appendleft(self, block: KVBlock) -> None:
+        """Puts a block at the front: reused first (it holds nothing worth keeping)."""
+        self._insert_after(self._head, block)
+
+    def remove(self, block: KVBlock) -> None:
+        """Takes a block out of the queue wherever it is."""
+        if not block.in_free_queue:
+            raise ValueError(f"block {block.block_id}: not in the free queue")
+        prev, nxt = block.prev_free, block.next_free
+        assert prev is not None and nxt is not None
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        block.in_free_queue = False
+        self._len -= 1
+
+    def popleft(self) -> KVBlock:
+        """Removes and returns the front block."""
+        block = self._head.next_free
+        if block is self._tail or block is None:
+            raise IndexError("free block queue is empty")
+        self.remove(block)
+        return block
+
 
 HashFn = Callable[[Optional[int], tuple[int, ...]], int]
 
@@ -36,6 +141,9 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self._cache: dict[int, dict[int, KVBlock]] = {}  # hash -> {block_id: block}
         self.num_evictions = 0
+        self._num_shared_refs = 0  # references beyond the first on used blocks
+        self.peak_used = 0  # most blocks in use at once
+        self.peak_shared_refs = 0  # most blocks saved by sharing at once
 
     @property
     def num_free(self) -> int:
@@ -62,6 +170,7 @@ class BlockPool:
             block.generation += 1  # a new identity: no stale chain link can reach it
             block.ref_cnt = 1
             out.append(block)
+        self.peak_used = max(self.peak_used, self.num_used)
         return out
 
     def touch(self, blocks: Sequence[KVBlock]) -> None:
@@ -69,7 +178,11 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
+            else:
+                self._num_shared_refs += 1
             block.ref_cnt += 1
+        self.peak_used = max(self.peak_used, self.num_used)
+        self.peak_shared_refs = max(self.peak_shared_refs, self._num_shared_refs)
 
     def free(self, blocks: Sequence[KVBlock]) -> None:
         """Drops one reference on each block, in the given order (pass tail blocks first)."""
@@ -77,11 +190,12 @@ class BlockPool:
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"free: block {block.block_id} has ref_cnt {block.ref_cnt}")
             block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                if block.is_cached:
-                    self.free_queue.append(block)
-                else:
-                    self.free_queue.appendleft(block)
+            if block.ref_cnt > 0:
+                self._num_shared_refs -= 1
+            elif block.is_cached:
+                self.free_queue.append(block)
+            else:
+                self.free_queue.appendleft(block)
 
     def lookup(self, block_hash: int, token_ids: tuple[int, ...], parent: ParentRef) -> Optional[KVBlock]:
         """The cached block holding exactly `token_ids` after `parent`, or None."""
@@ -114,4 +228,4 @@ class BlockPool:
 
     def num_shared_refs(self) -> int:
         """Blocks saved by sharing: every reference beyond the first on a used block."""
-        return sum(b.ref_cnt - 1 for b in self.blocks if b.ref_cnt > 1)
+        return self._num_shared_refs

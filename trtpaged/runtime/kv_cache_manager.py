@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence as Seq
 
-from trtpaged.runtime.block_pool import BlockPool, HashFn, chain_hash
-from trtpaged.runtime.kv_block import KVBlock
+from trtpaged.runtime.block_pool import BlockPool, HashFn, KVBlock, chain_hash
 from trtpaged.runtime.sequence import Sequence
 
 # One allocation request: the sequence, how many tokens it computes this step, its prefix-cache hits.
@@ -16,14 +16,25 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@dataclass(frozen=True)
+class AllocationPlan:
+    """What allocating a group's requests takes, decided once by `plan_allocation`."""
+
+    requests: tuple[AllocRequest, ...]
+    copy_last: tuple[bool, ...]  # per request: copy its shared last block before writing (copy-on-write)
+    new_blocks: tuple[int, ...]  # per request: blocks appended to its table
+    num_blocks: int  # free-queue blocks consumed: copies + new blocks + cache hits now in the free queue
+
+
 class KVCacheManager:
     """Maps sequences to physical blocks. Tables are append-only, except that a
     shared last block is replaced by its private copy (copy-on-write) right
     before the sequence writes into it.
 
-    Check-then-commit: `blocks_needed` counts exactly what `allocate_group`
-    will take (new blocks, copies, and cache hits taken off the free queue), so
-    the scheduler never starts an allocation that fails halfway.
+    Check-then-commit: `plan_allocation` decides every block a group's
+    allocation takes (new blocks, copies, and cache hits taken off the free
+    queue) and `allocate` only carries that plan out, so the count the scheduler
+    checks is the count that is taken: no allocation fails halfway.
     """
 
     def __init__(
@@ -44,16 +55,15 @@ class KVCacheManager:
         self.prefix_hits_tokens = 0
 
     # ---- prefix cache -------------------------------------------------------------------------
-    def find_cached_prefix(self, seq: Sequence) -> tuple[list[KVBlock], list[int]]:
+    def find_cached_prefix(self, seq: Sequence) -> list[KVBlock]:
         """Longest run of cached full blocks matching the sequence's tokens.
 
         Never covers the last token: its logits are needed, so it is always computed.
         """
         if not self.pool.enable_caching or seq.seq_id in self.tables:
-            return [], []
+            return []
         bs = self.block_size
         hits: list[KVBlock] = []
-        hashes: list[int] = []
         parent, prev_hash = None, None
         for j in range((len(seq.token_ids) - 1) // bs):
             tokens = tuple(seq.token_ids[j * bs : (j + 1) * bs])
@@ -62,66 +72,74 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-            hashes.append(h)
             parent, prev_hash = block.ref, h
-        return hits, hashes
+        return hits
 
-    # ---- check --------------------------------------------------------------------------------
-    def blocks_needed(self, requests: Iterable[AllocRequest]) -> int:
-        """Free-queue blocks that `allocate_group(requests)` would consume."""
+    # ---- check, then commit -------------------------------------------------------------------
+    def plan_allocation(self, requests: Seq[AllocRequest]) -> AllocationPlan:
+        """Decides, in one walk, what giving each request its slots takes; `allocate` carries it out.
+
+        A copy-on-write gives up one reference on the shared block, so a later
+        sharer in the same plan may find itself the last owner and write in place.
+        """
         bs = self.block_size
         dropped: dict[int, int] = {}  # block_id -> references given up by earlier copies in this plan
         reclaimed: set[int] = set()  # cache hits that sit in the free queue now
-        needed = 0
+        copies: list[bool] = []
+        new_blocks: list[int] = []
         for seq, num_tokens, hits in requests:
-            table = self.tables.get(seq.seq_id, [])
+            copy, new = False, 0
             if hits:
                 reclaimed.update(b.block_id for b in hits if b.ref_cnt == 0)
                 start, table_len = len(hits) * bs, len(hits)
             else:
+                table = self.tables.get(seq.seq_id, [])
                 start, table_len = seq.num_computed_tokens, len(table)
-            if num_tokens <= 0:
-                continue
-            j = start // bs
-            if not hits and j < table_len:
-                block = table[j]
-                if block.ref_cnt - dropped.get(block.block_id, 0) > 1:
-                    needed += 1
-                    dropped[block.block_id] = dropped.get(block.block_id, 0) + 1
-            needed += max(0, _cdiv(start + num_tokens, bs) - table_len)
-        return needed + len(reclaimed)
+                j = start // bs
+                if num_tokens > 0 and j < table_len:
+                    block = table[j]
+                    copy = block.ref_cnt - dropped.get(block.block_id, 0) > 1
+                    if copy:
+                        dropped[block.block_id] = dropped.get(block.block_id, 0) + 1
+            if num_tokens > 0:
+                new = max(0, _cdiv(start + num_tokens, bs) - table_len)
+            copies.append(copy)
+            new_blocks.append(new)
+        total = sum(copies) + sum(new_blocks) + len(reclaimed)
+        return AllocationPlan(tuple(requests), tuple(copies), tuple(new_blocks), total)
 
-    def can_allocate(self, requests: Iterable[AllocRequest]) -> bool:
+    def blocks_needed(self, requests: Seq[AllocRequest]) -> int:
+        """Free-queue blocks that allocating `requests` would consume."""
+        return self.plan_allocation(requests).num_blocks
+
+    def can_allocate(self, requests: Seq[AllocRequest]) -> bool:
         return self.blocks_needed(requests) <= self.pool.num_free
 
-    # ---- commit -------------------------------------------------------------------------------
-    def allocate_group(self, requests: Seq[AllocRequest]) -> list[tuple[int, int]]:
-        """Gives each sequence the slots for its next `num_tokens` tokens.
-
-        Sets `num_computed_tokens` of sequences with cache hits. Returns the
-        (src, dst) block copies to run before the step. Call `can_allocate` first.
-        """
-        for seq, _, hits in requests:  # take every hit off the free queue before anything is evicted
+    def allocate(self, plan: AllocationPlan) -> list[tuple[int, int]]:
+        """Carries out a plan made on the current state: adopts cache hits, copies shared last
+        blocks, appends new blocks. Returns the (src, dst) block copies to run before the step."""
+        if plan.num_blocks > self.pool.num_free:
+            raise RuntimeError(f"allocate: the plan takes {plan.num_blocks} blocks, {self.pool.num_free} free")
+        for seq, _, hits in plan.requests:  # take every hit off the free queue before anything is evicted
             if hits:
                 self._adopt_hits(seq, hits)
         copies: list[tuple[int, int]] = []
-        bs = self.block_size
-        for seq, num_tokens, _ in requests:
+        for (seq, _, _), copy, new in zip(plan.requests, plan.copy_last, plan.new_blocks):
             table = self.tables.setdefault(seq.seq_id, [])
             self._hashes.setdefault(seq.seq_id, [])
-            if num_tokens <= 0:
-                continue
-            start = seq.num_computed_tokens
-            j = start // bs
-            if j < len(table) and table[j].ref_cnt > 1:
+            if copy:
+                j = seq.num_computed_tokens // self.block_size
                 (fresh,) = self.pool.allocate(1)
                 copies.append((table[j].block_id, fresh.block_id))
                 self.pool.free([table[j]])
                 table[j] = fresh
-            missing = _cdiv(start + num_tokens, bs) - len(table)
-            if missing > 0:
-                table.extend(self.pool.allocate(missing))
+            if new:
+                table.extend(self.pool.allocate(new))
         return copies
+
+    def allocate_group(self, requests: Seq[AllocRequest]) -> list[tuple[int, int]]:
+        """Plans and allocates in one call (see `allocate`)."""
+        return self.allocate(self.plan_allocation(requests))
 
     def _adopt_hits(self, seq: Sequence, hits: Seq[KVBlock]) -> None:
         if seq.seq_id in self.tables:
@@ -226,8 +244,10 @@ class KVCacheManager:
             "kv_blocks_cached": self.pool.num_cached,
             "kv_tokens_stored": tokens,
             "kv_slots_allocated": used * bs,
-            "kv_utilisation": tokens / (used * bs) if used else 1.0,
+            "kv_utilisation": tokens / (used * bs) if used else 0.0,
             "kv_blocks_saved_by_sharing": self.pool.num_shared_refs(),
+            "kv_blocks_used_peak": self.pool.peak_used,
+            "kv_blocks_saved_by_sharing_peak": self.pool.peak_shared_refs,
             "prefix_cache_queries_tokens": self.prefix_queries_tokens,
             "prefix_cache_hits_tokens": self.prefix_hits_tokens,
             "kv_evictions": self.pool.num_evictions,

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Optional, Sequence as Seq, Union
 
 from trtpaged.manifest import Manifest, read_manifest
-from trtpaged.runtime.engines import default_device, load_engine, resolve_num_blocks
+from trtpaged.runtime.engines import load_runner, resolve_device, resolve_num_blocks
 from trtpaged.runtime.llm_engine import LLMEngine, Prompt
-from trtpaged.runtime.outputs import RequestOutput
+from trtpaged.runtime.outputs import RequestOutput, RequestOutputKind
 from trtpaged.runtime.runtime_config import RuntimeConfig
 from trtpaged.runtime.sampling_params import SamplingParams
 
@@ -34,8 +35,9 @@ class LLM:
     """Loads an engine dir and generates with continuous batching and KV sharing.
 
     >>> llm = LLM("engines/smollm2")
-    >>> out = llm.generate(["What is the capital of France?"], SamplingParams(max_tokens=16, temperature=0))
-    >>> out[0].outputs[0].text
+    >>> out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+    ...                SamplingParams(max_tokens=16, temperature=0))
+    >>> out.outputs[0].text
 
     Limits default to the engine's build limits (manifest) and may be
     tightened: `max_num_tokens`, `max_batch_size`, `max_seq_len`; the KV pool
@@ -56,11 +58,11 @@ class LLM:
         preemption_mode: str = "recompute",
         num_host_blocks: int = 0,
     ) -> None:
+        device = resolve_device(device)
         path = Path(engine)
         self.engine_dir = path.parent if path.is_file() else path
         self.manifest = read_manifest(self.engine_dir)
         limits = self.manifest.limits
-        device = device or default_device()
         num_blocks = resolve_num_blocks(self.manifest, device, num_kv_blocks)
         self.config = RuntimeConfig(
             block_size=limits.block_size,
@@ -73,9 +75,9 @@ class LLM:
             num_host_blocks=num_host_blocks,
         )
         self.tokenizer = load_tokenizer(self.engine_dir, self.manifest)
-        backend_engine = load_engine(self.engine_dir, self.manifest, num_blocks, backend, device, num_host_blocks)
+        runner = load_runner(self.engine_dir, self.manifest, num_blocks, backend, device, num_host_blocks)
         eos = list(self.manifest.eos_token_ids) or ([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
-        self.engine = LLMEngine(backend_engine, self.config, self.tokenizer, eos)
+        self.engine = LLMEngine(runner, self.config, self.tokenizer, eos)
 
     def generate(
         self,
@@ -92,6 +94,8 @@ class LLM:
         per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"sampling_params: {len(per_prompt)} given for {len(prompts)} prompts")
+        final_only = RequestOutputKind.FINAL_ONLY  # only the finished outputs are kept: build no others
+        per_prompt = [dataclasses.replace(sp, output_kind=final_only) for sp in per_prompt]
         ids: list[str] = []
         results: dict[str, RequestOutput] = {}
         try:
@@ -109,9 +113,20 @@ class LLM:
             raise
         return [results[i] for i in ids]
 
-    def chat(self, messages: Seq[dict], sampling_params: Optional[SamplingParams] = None) -> RequestOutput:
-        """Applies the engine's chat template to one conversation and generates the reply."""
-        return self.generate([self.chat_prompt(messages)], sampling_params)[0]
+    def chat(
+        self,
+        messages: Union[Seq[dict], Seq[Seq[dict]]],
+        sampling_params: Union[None, SamplingParams, Seq[SamplingParams]] = None,
+    ) -> Union[RequestOutput, list[RequestOutput]]:
+        """Applies the engine's chat template and generates the assistant's reply.
+
+        One conversation (a list of messages) returns one RequestOutput; a list of
+        conversations returns a list, in order, generated together (as vLLM's `LLM.chat`).
+        """
+        batch = bool(messages) and not isinstance(messages[0], dict)
+        conversations = list(messages) if batch else [messages]
+        outs = self.generate([self.chat_prompt(c) for c in conversations], sampling_params)  # type: ignore[arg-type]
+        return outs if batch else outs[0]
 
     def chat_prompt(self, messages: Seq[dict]) -> list[int]:
         """Token ids of a conversation under the chat template, ready for the assistant's turn."""

@@ -2,8 +2,24 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Optional
+
+
+class RequestOutputKind(enum.Enum):
+    """What `LLMEngine.step()` returns for a request (as vLLM's `RequestOutputKind`).
+
+    CUMULATIVE: every step, the full text and tokens so far (the default).
+    DELTA: every step, only what is new since the last output: the text and token ids
+    (and log-probs) generated this step; completions with nothing new are left out.
+    Beam search returns nothing until it finishes (beams change until then).
+    FINAL_ONLY: one output, when the request finishes.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass

@@ -1,14 +1,22 @@
-"""Turns one step's logits into tokens: penalties, temperature, top-k/top-p/min-p, seeded draws."""
+"""Turns one step's logits into tokens for every sampling row at once.
+
+Penalties, temperature, top-k, top-p, min-p, greedy choice and log-probs are
+tensor operations over all rows of the step; only the random draw is per row,
+from the row's own generator when its request is seeded, so a seeded request
+draws the same tokens whatever else is batched with it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
 from trtpaged.runtime.sampling_params import SamplingParams
-from trtpaged.runtime.sequence import Sequence
+
+if TYPE_CHECKING:  # sequence.py imports make_generator from here
+    from trtpaged.runtime.sequence import SequenceGroup
 
 _SEED_STRIDE = 0x9E3779B1
 
@@ -21,63 +29,163 @@ def make_generator(seed: Optional[int], index: int) -> Optional[torch.Generator]
 
 
 @dataclass(frozen=True)
-class SampleResult:
+class Sample:
+    """One sampled token."""
+
     token_id: int
     logprob: float  # under the model's distribution (raw logits)
     top_logprobs: Optional[dict[int, float]]  # the sampled token plus the top-k, when asked for
 
 
-def apply_penalties(logits: torch.Tensor, seq: Sequence, params: SamplingParams) -> torch.Tensor:
-    """Repetition (HF-style, prompt and output), presence and frequency (OpenAI-style, output only)."""
-    if params.repetition_penalty != 1.0 and seq.token_ids:
-        seen = torch.tensor(seq.token_ids, dtype=torch.long).unique()  # sorted, distinct
-        vals = logits[seen]
-        logits[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
-    if (params.presence_penalty or params.frequency_penalty) and seq.num_output_tokens:
-        out = torch.tensor(seq.output_token_ids, dtype=torch.long)
-        counts = torch.bincount(out, minlength=logits.shape[0]).to(logits.dtype)
-        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+@dataclass(frozen=True)
+class SampleRow:
+    """One row to sample: which logits row, under which settings, after which tokens."""
+
+    logits_row: int
+    params: SamplingParams
+    token_ids: Sequence[int]  # prompt + output so far (repetition penalty)
+    num_prompt_tokens: int  # output tokens (presence/frequency penalties) start here
+    generator: Optional[torch.Generator] = None
+
+
+def _column(values: Sequence[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype).unsqueeze(1)
+
+
+def _padded(rows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids padded to one width, and the mask of real entries."""
+    width = max((len(r) for r in rows), default=0)
+    ids = torch.zeros(len(rows), max(width, 1), dtype=torch.long)
+    mask = torch.zeros(len(rows), max(width, 1), dtype=torch.bool)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
+            mask[i, : len(r)] = True
+    return ids, mask
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """Repetition (HF-style, prompt and output), presence and frequency (OpenAI-style, output only), in place."""
+    vocab = logits.shape[1]
+    rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0 and r.token_ids]
+    if rep:
+        ids, mask = _padded([rows[i].token_ids for i in rep])
+        seen = torch.zeros(len(rep), vocab, dtype=torch.bool).scatter_(1, ids, mask)
+        penalty = _column([rows[i].params.repetition_penalty for i in rep])
+        sub = logits[rep]
+        penalised = torch.where(sub > 0, sub / penalty, sub * penalty)
+        logits[rep] = torch.where(seen, penalised, sub)
+    additive = [i for i, r in enumerate(rows) if (r.params.presence_penalty or r.params.frequency_penalty)
+                and len(r.token_ids) > r.num_prompt_tokens]  # fmt: skip
+    if additive:
+        ids, mask = _padded([rows[i].token_ids[rows[i].num_prompt_tokens :] for i in additive])
+        counts = torch.zeros(len(additive), vocab).scatter_add_(1, ids, mask.float())
+        freq = _column([rows[i].params.frequency_penalty for i in additive])
+        pres = _column([rows[i].params.presence_penalty for i in additive])
+        logits[additive] -= freq * counts + pres * (counts > 0).float()
     return logits
 
 
-def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p masking (the most likely token always survives)."""
-    logits = logits / params.temperature
-    if 0 < params.top_k < logits.shape[0]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        drop = probs.cumsum(dim=-1) - probs >= params.top_p  # mass before this token already enough
-        drop[0] = False
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    if params.min_p > 0.0:
-        probs = torch.softmax(logits, dim=-1)
-        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p masking per row (each row's most likely token survives)."""
+    num_rows, vocab = logits.shape
+    logits = logits / _column([p.temperature for p in params])
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_p = [p.top_p for p in params]
+    if min(top_k) < vocab or min(top_p) < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=1, descending=True)
+        if min(top_k) < vocab:
+            kth = sorted_logits.gather(1, torch.tensor(top_k).unsqueeze(1) - 1)
+            sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+        if min(top_p) < 1.0:
+            probs = torch.softmax(sorted_logits, dim=1)
+            drop = probs.cumsum(dim=1) - probs >= _column(top_p)  # the mass before this token is already enough
+            drop[:, 0] = False
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    min_p = [p.min_p for p in params]
+    if max(min_p) > 0.0:
+        probs = torch.softmax(logits, dim=1)
+        logits = logits.masked_fill(probs < _column(min_p) * probs.max(dim=1, keepdim=True).values, float("-inf"))
     return logits
 
 
-class Sampler:
-    """Samples one token per (logits row, sequence). Rows are float32 on the CPU."""
+def _draw(probs: torch.Tensor, generators: Sequence[Optional[torch.Generator]]) -> list[int]:
+    """One token per row; rows with a generator draw from it, the others share the global RNG in one call."""
+    tokens = [0] * probs.shape[0]
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        for i, t in zip(unseeded, torch.multinomial(probs[unseeded], 1).squeeze(1).tolist()):
+            tokens[i] = t
+    for i, g in enumerate(generators):
+        if g is not None:
+            tokens[i] = int(torch.multinomial(probs[i], 1, generator=g))
+    return tokens
 
-    def sample(self, logits: torch.Tensor, seq: Sequence, params: SamplingParams) -> SampleResult:
-        raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
-        processed = apply_penalties(logits.float().clone(), seq, params)
-        if params.greedy:
-            token = int(torch.argmax(processed))
-        else:
-            probs = torch.softmax(filter_logits(processed, params), dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=seq.generator))
-        return SampleResult(token, float(raw_logprobs[token]), self.top_logprobs(raw_logprobs, token, params.logprobs))
 
-    @staticmethod
-    def top_logprobs(logprobs: torch.Tensor, token: int, k: Optional[int]) -> Optional[dict[int, float]]:
-        """The sampled token's log-prob plus the k most likely, or None when not requested."""
-        if k is None:
-            return None
-        out = {token: float(logprobs[token])}
-        if k > 0:
-            vals, ids = torch.topk(logprobs, k)
-            out.update({int(i): float(v) for i, v in zip(ids, vals)})
+def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[Sample]:
+    """Samples one token for each row; `logits` is the step's float32 [num_outputs, vocab] on the CPU."""
+    if not rows:
+        return []
+    raw = logits[[r.logits_row for r in rows]].float()
+    raw_logprobs = torch.log_softmax(raw, dim=1)
+    processed = apply_penalties(raw.clone(), rows)
+    tokens = processed.argmax(dim=1).tolist()
+    random = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if random:
+        probs = torch.softmax(filter_logits(processed[random], [rows[i].params for i in random]), dim=1)
+        for i, t in zip(random, _draw(probs, [rows[i].generator for i in random])):
+            tokens[i] = t
+    chosen = raw_logprobs.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).tolist()
+    top = _top_logprobs(raw_logprobs, tokens, [r.params.logprobs for r in rows])
+    return [Sample(t, lp, tl) for t, lp, tl in zip(tokens, chosen, top)]
+
+
+def _top_logprobs(logprobs: torch.Tensor, tokens: list[int], ks: list[Optional[int]]) -> list[Optional[dict[int, float]]]:
+    """Per row: the sampled token's log-prob plus the k most likely, or None when not requested."""
+    out: list[Optional[dict[int, float]]] = [None] * len(tokens)
+    wanted = [i for i, k in enumerate(ks) if k is not None]
+    if not wanted:
         return out
+    k_max = min(max(ks[i] for i in wanted), logprobs.shape[1])  # type: ignore[type-var]
+    values, ids = torch.topk(logprobs[wanted], k_max, dim=1) if k_max > 0 else (None, None)
+    chosen = logprobs[wanted].gather(1, torch.tensor([tokens[i] for i in wanted]).unsqueeze(1)).squeeze(1).tolist()
+    for j, i in enumerate(wanted):
+        row = {tokens[i]: chosen[j]}
+        k = ks[i] or 0
+        if k and values is not None:
+            row.update(zip(ids[j, :k].tolist(), values[j, :k].tolist()))
+        out[i] = row
+    return out
+
+
+def sample_groups(groups: Sequence["SequenceGroup"], logits: torch.Tensor, rows: dict[int, int]) -> dict[str, list[Any]]:
+    """Each group's samples for this step, by request id: one batched draw over every sampling row,
+    and the beams to keep for beam-search groups. Changes no sequence; the scheduler applies them.
+
+    Before its first sample a group has one sequence, and its `n` samples all read that
+    sequence's logits row; afterwards each live sequence reads its own row.
+    """
+    sample_rows: list[SampleRow] = []
+    spans: list[tuple[str, int, int]] = []
+    results: dict[str, list[Any]] = {}
+    for group in groups:
+        if group.beam is not None:
+            beams = group.seqs
+            results[group.request_id] = group.beam.step(
+                [b.output_token_ids for b in beams], [b.cumulative_logprob for b in beams],
+                logits[[rows[b.seq_id] for b in beams]],
+            )  # fmt: skip
+            continue
+        if group.forked:
+            targets = [(s, s.index) for s in group.seqs]
+        else:
+            targets = [(group.seqs[0], i) for i in range(group.params.n)]
+        start = len(sample_rows)
+        sample_rows += [SampleRow(rows[seq.seq_id], group.params, seq.token_ids, seq.num_prompt_tokens,
+                                  group.generators[index]) for seq, index in targets]  # fmt: skip
+        spans.append((group.request_id, start, len(sample_rows)))
+    samples = sample(logits, sample_rows)
+    for request_id, start, end in spans:
+        results[request_id] = samples[start:end]
+    return results

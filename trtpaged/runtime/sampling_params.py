@@ -6,6 +6,9 @@ from dataclasses import dataclass
 import math
 from typing import Any, Optional, Union
 
+from trtpaged.errors import RequestError
+from trtpaged.runtime.outputs import RequestOutputKind
+
 _GREEDY_EPS = 1e-5  # temperatures below this sample greedily (as vLLM does)
 
 
@@ -15,7 +18,7 @@ def _is_int(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to generate one request's completions.
+    """How to generate one request's completions. Invalid values raise `RequestError` naming the field.
 
     temperature 0 is greedy. `n` parallel samples share the prompt's KV blocks.
     `beam_width` > 1 switches to beam search (deterministic; returns the `n`
@@ -43,52 +46,55 @@ class SamplingParams:
     early_stopping: Union[bool, str] = False
     logprobs: Optional[int] = None  # top-k log-probs per generated token
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what each step's RequestOutput holds
 
     def __post_init__(self) -> None:
         stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)):
-            raise ValueError(f"SamplingParams.stop: must be a str or a list of str, got {self.stop!r}")
+            raise RequestError("stop", f"must be a str or a list of str, got {self.stop!r}")
         object.__setattr__(self, "stop", tuple(stop))
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"SamplingParams.stop: every stop string must be a non-empty str, got {s!r}")
+                raise RequestError("stop", f"every stop string must be a non-empty str, got {s!r}")
         stop_ids = () if self.stop_token_ids is None else self.stop_token_ids
         if not isinstance(stop_ids, (list, tuple)) or not all(_is_int(t) for t in stop_ids):
-            raise ValueError(f"SamplingParams.stop_token_ids: must be token ids (ints), got {self.stop_token_ids!r}")
+            raise RequestError("stop_token_ids", f"must be token ids (ints), got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop_ids))
         if _is_int(self.top_k) and self.top_k == -1:  # vLLM's spelling of "off"
             object.__setattr__(self, "top_k", 0)
         for name in ("max_tokens", "n", "beam_width", "top_k", "seed", "logprobs"):
             value = getattr(self, name)
             if not _is_int(value) and not (value is None and name in ("max_tokens", "seed", "logprobs")):
-                raise ValueError(f"SamplingParams.{name}: must be an integer, got {value!r}")
+                raise RequestError(name, f"must be an integer, got {value!r}")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty", "length_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"SamplingParams.{name}: must be a finite number, got {value!r}")
-        checks = [
-            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1 (None: up to max_seq_len)"),
-            ("temperature", self.temperature >= 0.0, "must be >= 0"),
-            ("top_k", self.top_k >= 0, "must be >= 0 (0 or -1 disables it)"),
-            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
-            ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
-            ("repetition_penalty", self.repetition_penalty > 0.0, "must be > 0"),
-            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
-            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
-            ("n", self.n >= 1, "must be >= 1"),
-            ("beam_width", self.beam_width >= 1, "must be >= 1"),
-            ("early_stopping", self.early_stopping in (True, False, "never"), "must be True, False or 'never'"),
-            ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be >= 0"),
+                raise RequestError(name, f"must be a finite number, got {value!r}")
+        checks = [  # (field, ok, rule, limit)
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1 (None: up to max_seq_len)", 1),
+            ("temperature", self.temperature >= 0.0, "must be >= 0", 0.0),
+            ("top_k", self.top_k >= 0, "must be >= 0 (0 or -1 disables it)", 0),
+            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]", "(0, 1]"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]", "[0, 1]"),
+            ("repetition_penalty", self.repetition_penalty > 0.0, "must be > 0", 0.0),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]", "[-2, 2]"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]", "[-2, 2]"),
+            ("n", self.n >= 1, "must be >= 1", 1),
+            ("beam_width", self.beam_width >= 1, "must be >= 1", 1),
+            ("early_stopping", self.early_stopping in (True, False, "never"), "must be True, False or 'never'", None),
+            ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be >= 0", 0),
+            ("output_kind", isinstance(self.output_kind, RequestOutputKind), "must be a RequestOutputKind", None),
         ]
-        for name, ok, rule in checks:
+        for name, ok, rule, limit in checks:
             if not ok:
-                raise ValueError(f"SamplingParams.{name}: {rule}, got {getattr(self, name)!r}")
+                raise RequestError(name, f"{rule}, got {getattr(self, name)!r}", limit)
         if self.use_beam_search:
             if self.n > self.beam_width:
-                raise ValueError(f"SamplingParams.n: at most beam_width ({self.beam_width}) with beam search, got {self.n}")
+                raise RequestError("n", f"at most beam_width ({self.beam_width}) with beam search, got {self.n}",
+                                   self.beam_width)
             if self.stop:
-                raise ValueError("SamplingParams.stop: stop strings are not supported with beam search")
+                raise RequestError("stop", "stop strings are not supported with beam search")
 
     @property
     def use_beam_search(self) -> bool:

@@ -1,16 +1,61 @@
-"""Iteration-level scheduler: who computes which tokens this step, within blocks and budgets."""
+"""Iteration-level scheduler: who computes which tokens this step, and every state change that follows.
+
+`schedule()` decides the step (within blocks and budgets); `update_from_output()`
+applies its samples: appends tokens, finishes sequences on EOS, stop tokens and
+length, forks parallel samples and beams, and frees blocks. Those are the only
+places sequences change state, apart from `abort` and `finish_stopped`.
+"""
 
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import deque
-from typing import Iterable, Optional
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Optional, Sequence as Seq, Union
 
-from trtpaged.runtime.kv_cache_manager import AllocRequest, KVCacheManager
+from trtpaged.errors import RequestError
+from trtpaged.runtime.beam_search import BeamCandidate
+from trtpaged.runtime.kv_cache_manager import AllocationPlan, AllocRequest, KVCacheManager
 from trtpaged.runtime.runtime_config import RuntimeConfig
-from trtpaged.runtime.scheduler_output import ScheduledSeq, SchedulerOutput
-from trtpaged.runtime.sequence import Sequence, SequenceStatus
-from trtpaged.runtime.sequence_group import SequenceGroup
+from trtpaged.runtime.sampler import Sample
+from trtpaged.runtime.sampling_params import SamplingParams
+from trtpaged.runtime.sequence import Sequence, SequenceGroup, SequenceStatus
+
+# What one group's step produced: a token per sample (index order before the first fork,
+# then `group.seqs` order), or the beams to keep.
+GroupSamples = Union[Seq[Sample], Seq[BeamCandidate]]
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """Compute `token_ids[start:start + num_tokens]` of `seq` this step."""
+
+    seq: Sequence
+    group: SequenceGroup
+    start: int
+    num_tokens: int
+    sample: bool  # its logits are needed (the group samples after this step)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan. Block moves run in this order before the forward: swap out, swap in, copies."""
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    sampled_groups: list[SequenceGroup] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+    refused: list[SequenceGroup] = field(default_factory=list)  # finished because the pool can never hold them
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
 
 
 def split_tokens(remaining: list[int], tokens_left: int, seqs_left: int) -> Optional[tuple[list[int], bool]]:
@@ -42,9 +87,11 @@ class Scheduler:
     swapped to host memory.
     """
 
-    def __init__(self, config: RuntimeConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: RuntimeConfig, kv: KVCacheManager, eos_token_ids: Iterable[int] = ()) -> None:
         self.config = config
         self.kv = kv
+        self.eos_token_ids = set(eos_token_ids)
+        self._seq_ids = itertools.count()
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
         self.swapped: deque[SequenceGroup] = deque()
@@ -52,29 +99,46 @@ class Scheduler:
         self.num_swap_outs = 0
 
     # ---- requests -----------------------------------------------------------------------------
-    def check_request(self, num_prompt_tokens: int, num_seqs: int) -> None:
-        """Refuses a request that can never run, naming the limit it exceeds."""
+    def new_seq_id(self) -> int:
+        return next(self._seq_ids)
+
+    def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Refuses a request that can never run: a `RequestError` naming the field and the limit."""
         c = self.config
         if num_prompt_tokens < 1:
-            raise ValueError("prompt: must have at least one token")
-        if num_prompt_tokens > c.max_seq_len:
-            raise ValueError(f"prompt: {num_prompt_tokens} tokens exceeds max_seq_len ({c.max_seq_len})")
-        if num_prompt_tokens == c.max_seq_len:
-            raise ValueError(
-                f"prompt: {num_prompt_tokens} tokens reaches max_seq_len ({c.max_seq_len}), leaving no room for a "
-                f"generated token (prompt + output must fit in max_seq_len; at most {c.max_seq_len - 1} prompt tokens)"
+            raise RequestError("prompt", "must have at least one token", 1)
+        if num_prompt_tokens >= c.max_seq_len:
+            room = "reaches" if num_prompt_tokens == c.max_seq_len else "exceeds"
+            raise RequestError(
+                "prompt",
+                f"{num_prompt_tokens} tokens {room} max_seq_len ({c.max_seq_len}), leaving no room for a generated "
+                f"token (prompt + output must fit in max_seq_len; at most {c.max_seq_len - 1} prompt tokens)",
+                c.max_seq_len - 1,
             )
         blocks = -(-num_prompt_tokens // c.block_size)
         if blocks > c.num_blocks:
-            raise ValueError(
-                f"prompt: {num_prompt_tokens} tokens need {blocks} KV blocks, more than the whole pool "
-                f"(num_blocks {c.num_blocks}, block_size {c.block_size})"
+            raise RequestError(
+                "prompt",
+                f"{num_prompt_tokens} tokens need {blocks} KV blocks, more than the whole pool "
+                f"(num_blocks {c.num_blocks}, block_size {c.block_size})",
+                c.num_blocks * c.block_size,
             )
-        if num_seqs > c.max_batch_size:
-            raise ValueError(f"n/beam_width: {num_seqs} sequences exceeds max_batch_size ({c.max_batch_size})")
+        room = c.max_seq_len - num_prompt_tokens
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise RequestError(
+                "max_tokens",
+                f"{num_prompt_tokens} prompt tokens + {params.max_tokens} requested exceeds max_seq_len "
+                f"({c.max_seq_len}); at most {room} here",
+                room,
+            )
+        if params.num_seqs > c.max_batch_size:
+            name = "beam_width" if params.use_beam_search else "n"
+            raise RequestError(name, f"{params.num_seqs} sequences exceeds max_batch_size ({c.max_batch_size})",
+                               c.max_batch_size)
 
     def add(self, group: SequenceGroup) -> None:
-        self.check_request(len(group.prompt_token_ids), group.params.num_seqs)
+        """Queues a request after `check_request`."""
+        self.check_request(len(group.prompt_token_ids), group.params)
         group.set_status(SequenceStatus.WAITING)
         self._insert(self.waiting, group)
 
@@ -86,28 +150,97 @@ class Scheduler:
                     queue.remove(group)
                     for seq in group.seqs:
                         seq.finish("abort")
-                    self.finish_group(group)
+                    self._finish_group(group)
                     return group
         return None
 
-    def free_seq(self, group: SequenceGroup, seq: Sequence) -> None:
-        """A finished sequence gives its blocks back."""
+    # ---- after the step -----------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, samples: Mapping[str, GroupSamples]) -> None:
+        """The step ran: its K/V is cached; each sampled group takes its tokens, forks, finishes and frees."""
+        for item in out.scheduled:
+            item.seq.num_computed_tokens += item.num_tokens
+            self.kv.cache_computed_blocks(item.seq)
+        for group in out.sampled_groups:
+            if group.beam is not None:
+                self._advance_beams(group, samples[group.request_id])  # type: ignore[arg-type]
+            else:
+                self._append_samples(group, samples[group.request_id])  # type: ignore[arg-type]
+            group.forked = True
+            if not group.seqs:
+                self._finish_group(group)
+
+    def finish_stopped(self, stopped: Iterable[tuple[SequenceGroup, Sequence, str]]) -> None:
+        """Sequences whose text reached a stop string (found by the output processor) finish here."""
+        for group, seq, stop in stopped:
+            seq.finish("stop", stop)
+            if seq in group.seqs:
+                self._free(group, seq)
+            if not group.seqs:
+                self._finish_group(group)
+
+    def _append_samples(self, group: SequenceGroup, samples: Seq[Sample]) -> None:
+        if not group.forked:  # the prompt was computed once; the n samples share its blocks from here on
+            parent = group.seqs[0]
+            for index in range(1, len(samples)):
+                child = parent.fork(self.new_seq_id(), index)
+                self.kv.fork(parent, child)
+                group.seqs.append(child)
+        for seq, sample in zip(list(group.seqs), samples):
+            seq.append_token(sample.token_id, sample.logprob, sample.top_logprobs)
+            reason = self._finish_reason(group.params, seq, sample.token_id)
+            if reason is not None:
+                seq.finish(*reason)
+                self._free(group, seq)
+
+    def _finish_reason(self, params: SamplingParams, seq: Sequence, token: int) -> Optional[tuple[str, Optional[int]]]:
+        """Token-level stops: EOS, a stop token id, max_tokens or max_seq_len (stop strings are textual)."""
+        if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
+            return "stop", token
+        if (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) or (
+            len(seq.token_ids) >= self.config.max_seq_len
+        ):
+            return "length", None
+        return None
+
+    def _advance_beams(self, group: SequenceGroup, keep: Seq[BeamCandidate]) -> None:
+        beams = list(group.seqs)
+        assert group.beam is not None
+        if group.beam.done:
+            for beam in beams:
+                self.kv.free(beam)
+            group.seqs.clear()
+            return
+        claimed: set[int] = set()
+        new_beams: list[Sequence] = []
+        for cand in keep:  # fork before any parent is extended: children copy the parent as it was
+            parent = beams[cand.parent]
+            if cand.parent in claimed:
+                child = parent.fork(self.new_seq_id(), 0)
+                self.kv.fork(parent, child)
+                new_beams.append(child)
+            else:
+                claimed.add(cand.parent)
+                new_beams.append(parent)
+        for i, beam in enumerate(beams):
+            if i not in claimed:
+                self.kv.free(beam)
+        for beam, cand in zip(new_beams, keep):
+            beam.append_token(cand.token_id)
+            beam.cumulative_logprob = cand.cumulative_logprob
+        group.seqs[:] = new_beams
+
+    def _free(self, group: SequenceGroup, seq: Sequence) -> None:
+        """The one path by which a finished sequence gives its blocks back."""
         self.kv.free(seq)
         if seq in group.seqs:
             group.retire(seq)
 
-    def finish_group(self, group: SequenceGroup) -> None:
+    def _finish_group(self, group: SequenceGroup) -> None:
         for seq in list(group.seqs):
-            self.free_seq(group, seq)
+            self._free(group, seq)
         if group in self.running:
             self.running.remove(group)
         group.set_status(SequenceStatus.FINISHED)
-
-    def update_after_step(self, out: SchedulerOutput) -> None:
-        """The step ran: its tokens are in the cache, and its full blocks become prefix-cache hits."""
-        for item in out.scheduled:
-            item.seq.num_computed_tokens += item.num_tokens
-            self.kv.cache_computed_blocks(item.seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -128,7 +261,7 @@ class Scheduler:
             requests, sample = self._plan(group, budget)
             if requests is None:
                 continue
-            while not self.kv.can_allocate(requests):
+            while (plan := self.kv.plan_allocation(requests)).num_blocks > self.kv.pool.num_free:
                 victim = next(g for g in reversed(self.running) if g.request_id not in done)
                 if victim is group and not done and len(self.running) == 1:
                     self._refuse(group, out)
@@ -138,7 +271,7 @@ class Scheduler:
                 if victim is group:
                     break
             else:
-                self._commit(group, requests, sample, budget, out)
+                self._commit(group, plan, sample, budget, out)
                 done.add(group.request_id)
         if not preempted:
             self._swap_in(budget, out)
@@ -148,7 +281,7 @@ class Scheduler:
         return out
 
     def _plan(self, group: SequenceGroup, budget: list[int]) -> tuple[Optional[list[AllocRequest]], bool]:
-        hits = [self.kv.find_cached_prefix(s)[0] for s in group.seqs]
+        hits = [self.kv.find_cached_prefix(s) for s in group.seqs]
         bs = self.kv.block_size
         remaining = [
             len(s.token_ids) - len(h) * bs if h else s.num_uncomputed_tokens for s, h in zip(group.seqs, hits)
@@ -160,12 +293,13 @@ class Scheduler:
         requests = [(s, n, h) for s, n, h in zip(group.seqs, plan, hits) if n > 0]
         return requests, sample
 
-    def _commit(self, group, requests, sample, budget, out: SchedulerOutput) -> None:
-        for seq, _, _ in requests:
+    def _commit(self, group: SequenceGroup, plan: AllocationPlan, sample: bool, budget: list[int],
+                out: SchedulerOutput) -> None:  # fmt: skip
+        for seq, _, _ in plan.requests:
             if seq.seq_id not in self.kv.tables:
                 self.kv.note_prefix_query(seq)
-        out.block_copies += self.kv.allocate_group(requests)
-        for seq, n, _ in requests:
+        out.block_copies += self.kv.allocate(plan)
+        for seq, n, _ in plan.requests:
             out.scheduled.append(ScheduledSeq(seq, group, seq.num_computed_tokens, n, sample))
             budget[0] -= n
             budget[1] -= 1
@@ -178,7 +312,8 @@ class Scheduler:
             requests, sample = self._plan(group, budget)
             if requests is None:
                 return
-            if not self.kv.can_allocate(requests):
+            plan = self.kv.plan_allocation(requests)
+            if plan.num_blocks > self.kv.pool.num_free:
                 if not self.running and not out.scheduled:  # an empty pool cannot hold it: it never will
                     self.waiting.popleft()
                     self._refuse(group, out)
@@ -187,7 +322,7 @@ class Scheduler:
             self.waiting.popleft()
             group.set_status(SequenceStatus.RUNNING)
             self._insert(self.running, group)
-            self._commit(group, requests, sample, budget, out)
+            self._commit(group, plan, sample, budget, out)
             done.add(group.request_id)
 
     def _swap_in(self, budget: list[int], out: SchedulerOutput) -> None:
@@ -201,7 +336,6 @@ class Scheduler:
         self.running.remove(group)
         group.num_preemptions += 1
         self.num_preemptions += 1
-        out.preempted.append(group.request_id)
         if self.config.preemption_mode == "swap" and self.kv.can_swap_out(group.seqs):
             out.swap_out += self.kv.swap_out(group.seqs)
             group.set_status(SequenceStatus.SWAPPED)
@@ -218,7 +352,7 @@ class Scheduler:
         """The only running group outgrew the whole pool: it ends here (finish_reason 'length')."""
         for seq in group.seqs:
             seq.finish("length")
-        self.finish_group(group)
+        self._finish_group(group)
         out.refused.append(group)
 
     @staticmethod

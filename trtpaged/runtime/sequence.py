@@ -1,4 +1,4 @@
-"""One token sequence of a request: its tokens, how many are in the KV cache, its output state."""
+"""A request's token sequences: one `Sequence` per sample or beam, grouped by `SequenceGroup`."""
 
 from __future__ import annotations
 
@@ -8,12 +8,27 @@ from typing import Optional
 
 import torch
 
+from trtpaged.runtime.beam_search import BeamSearch
+from trtpaged.runtime.sampler import make_generator
+from trtpaged.runtime.sampling_params import SamplingParams
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     SWAPPED = "swapped"
     FINISHED = "finished"
+
+
+class _Emitted:
+    """How much of a sequence's output DELTA outputs have returned."""
+
+    __slots__ = ("tokens", "chars", "final")
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.chars = 0
+        self.final = False
 
 
 class Sequence:
@@ -37,7 +52,8 @@ class Sequence:
         self.logprobs: list[dict[int, float]] = []
         self.output_text = ""
         self.detokenizer = None  # an IncrementalDetokenizer, set by the output processor
-        self.generator: Optional[torch.Generator] = None
+        self.num_decoded_tokens = 0  # output tokens already detokenized
+        self.emitted = _Emitted()  # what DELTA outputs have already returned
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -68,13 +84,15 @@ class Sequence:
         self.stop_reason = stop_reason
 
     def fork(self, seq_id: int, index: int) -> "Sequence":
-        """A copy with a new id and no detokenizer or RNG; K/V blocks are shared by the KV-cache manager."""
+        """A copy with a new id and no detokenizer; K/V blocks are shared by the KV-cache manager."""
         child = copy.copy(self)
         child.seq_id, child.index = seq_id, index
         child.token_ids = list(self.token_ids)
         child.logprobs = list(self.logprobs)
         child.detokenizer = None
-        child.generator = None
+        child.num_decoded_tokens = 0
+        child.output_text = ""
+        child.emitted = _Emitted()
         return child
 
     def __repr__(self) -> str:
@@ -82,3 +100,58 @@ class Sequence:
             f"Sequence(id={self.seq_id}, tokens={len(self.token_ids)}, computed={self.num_computed_tokens}, "
             f"status={self.status.value})"
         )
+
+
+class SequenceGroup:
+    """A request as the scheduler sees it: scheduled, preempted and freed as a whole.
+
+    `seqs` holds the live sequences; `finished` the completed ones, which keep
+    no KV blocks. The prompt is prefilled once; at its first sample the one
+    sequence forks into `n` samples or becomes the first beam.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        arrival: int,
+        prompt: Optional[str],
+        first_seq: Sequence,
+        params: SamplingParams,
+        beam: Optional[BeamSearch] = None,
+    ) -> None:
+        self.request_id = request_id
+        self.arrival = arrival  # admission order: lower is older
+        self.prompt = prompt
+        self.prompt_token_ids = list(first_seq.token_ids)
+        self.params = params
+        self.seqs: list[Sequence] = [first_seq]
+        self.finished: list[Sequence] = []
+        self.beam = beam
+        self.forked = False  # whether the first sample has happened (n > 1 forks there)
+        # one RNG per output index of a seeded request, kept across preemption and batch changes
+        self.generators: list[Optional[torch.Generator]] = [
+            make_generator(params.seed, i) for i in range(params.n if beam is None else 0)
+        ]
+        self.status = SequenceStatus.WAITING
+        self.num_preemptions = 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def set_status(self, status: SequenceStatus) -> None:
+        self.status = status
+        for seq in self.seqs:
+            seq.status = status
+
+    def is_decoding(self) -> bool:
+        """Every live sequence has exactly one token (its last sample) left to compute."""
+        return all(s.num_uncomputed_tokens == 1 for s in self.seqs) and self.forked
+
+    def retire(self, seq: Sequence) -> None:
+        """Moves a finished sequence out of the live list."""
+        self.seqs.remove(seq)
+        self.finished.append(seq)
+
+    def __repr__(self) -> str:
+        return f"SequenceGroup({self.request_id!r}, seqs={self.seqs}, status={self.status.value})"

@@ -1,4 +1,4 @@
-"""Backends behind the `Engine` protocol, and `auto` selection between them."""
+"""Runners (backends) behind the `ModelRunner` protocol, and `auto` selection between them."""
 
 from __future__ import annotations
 
@@ -8,17 +8,48 @@ from typing import Optional
 import torch
 
 from trtpaged.manifest import Manifest
-from trtpaged.runtime.engines.base import Engine, StepBatch
+from trtpaged.runtime.engines.base import ModelRunner, StepBatch
 from trtpaged.runtime.engines.kv_budget import resolve_num_blocks
-from trtpaged.runtime.engines.torch_engine import TorchEngine
+from trtpaged.runtime.engines.torch_engine import TorchRunner
 
 BACKENDS = ("auto", "torch", "tensorrt")
 
-__all__ = ["BACKENDS", "Engine", "StepBatch", "TorchEngine", "default_device", "resolve_num_blocks", "select_backend", "load_engine"]
+__all__ = ["BACKENDS", "ModelRunner", "StepBatch", "TorchRunner", "available_devices", "default_device", "load_runner", "resolve_device", "resolve_num_blocks",
+           "select_backend"]
 
 
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def available_devices() -> list[str]:
+    """Devices this machine can run the torch runner on: cpu, and cuda:N for each visible GPU."""
+    return ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+
+
+def resolve_device(device: Optional[str]) -> str:
+    """`device`, checked against what this machine has (None: cuda when present, else cpu).
+
+    Raises a one-line ValueError naming the device and what is available, before anything loads.
+    """
+    if device is None:
+        return default_device()
+    available = available_devices()
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device: {device!r} is not a device name; available here: {', '.join(available)}") from None
+    if parsed.type == "cpu":
+        return "cpu"
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise ValueError(f"device: {device!r} asked for, but no CUDA GPU is visible to PyTorch; "
+                             f"available here: {', '.join(available)}")  # fmt: skip
+        if parsed.index is not None and parsed.index >= count:
+            raise ValueError(f"device: {device!r} does not exist; available here: {', '.join(available)}")
+        return device
+    raise ValueError(f"device: {device!r} is not supported (cpu or cuda); available here: {', '.join(available)}")
 
 
 def tensorrt_usable(engine_dir: Path, manifest: Manifest) -> bool:
@@ -45,11 +76,11 @@ def select_backend(engine_dir: Path, manifest: Manifest, backend: str = "auto") 
     return backend
 
 
-def load_engine(
+def load_runner(
     engine_dir: Path, manifest: Manifest, num_blocks: int, backend: str = "auto",
     device: Optional[str] = None, num_host_blocks: int = 0,
-) -> Engine:
-    """Builds the selected backend over a pool of `num_blocks` blocks."""
+) -> ModelRunner:
+    """Builds the selected backend's runner over a pool of `num_blocks` blocks."""
     chosen = select_backend(engine_dir, manifest, backend)
     on_cuda = device is None or device.startswith("cuda")
     if chosen == "tensorrt" and backend == "auto" and not on_cuda:
@@ -58,8 +89,8 @@ def load_engine(
         why_not = tensorrt_unusable_reason(engine_dir, manifest) if on_cuda else f"device {device!r} is not CUDA"
         if why_not is not None:
             raise ValueError(f"backend: 'tensorrt' cannot run here: {why_not}; use 'torch' or 'auto'")
-        from trtpaged.runtime.engines.tensorrt_engine import TensorRTEngine
+        from trtpaged.runtime.engines.tensorrt_engine import TensorRTRunner
 
-        return TensorRTEngine.from_engine_dir(engine_dir, num_blocks, device=device or "cuda",
+        return TensorRTRunner.from_engine_dir(engine_dir, num_blocks, device=device or "cuda",
                                               num_host_blocks=num_host_blocks)
-    return TorchEngine.from_engine_dir(engine_dir, num_blocks, device=device or default_device(), num_host_blocks=num_host_blocks)
+    return TorchRunner.from_engine_dir(engine_dir, num_blocks, device=device or default_device(), num_host_blocks=num_host_blocks)

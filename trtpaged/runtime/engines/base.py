@@ -1,4 +1,4 @@
-"""The `Engine` protocol: one packed step over the paged KV pool, whatever runs it."""
+"""The `ModelRunner` protocol: one packed step over the paged KV pool, whatever backend runs it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 @dataclass(frozen=True)
 class StepBatch:
-    """The step inputs of the engine I/O contract (DESIGN.md), int32 tensors on the host."""
+    """The step inputs of the engine I/O contract (docs/architecture.md), int32 tensors on the host."""
 
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
@@ -25,8 +25,11 @@ class StepBatch:
 
 
 @runtime_checkable
-class Engine(Protocol):
-    """What the runtime needs from a backend. It owns the KV pool (and the host pool for swap)."""
+class ModelRunner(Protocol):
+    """What the runtime needs from a backend (torch, TensorRT). It owns the KV pool (and the host pool for swap).
+
+    "Engine" names the engine dir on disk; the object that runs it is a runner.
+    """
 
     backend: str
     num_blocks: int

@@ -1,27 +1,30 @@
-"""How many KV blocks to allocate, from the manifest's budget."""
+"""How many KV blocks the pool has: decided here once, for the runtime, `inspect` and the TensorRT profile."""
 
 from __future__ import annotations
 
 import os
 from typing import Optional
 
-import torch
-
 from trtpaged.manifest import Manifest
 
 
-def _free_memory_bytes(device: str) -> int:
+def free_memory_bytes(device: str) -> int:
+    """Free memory on `device` now: the GPU's free memory, or the host's available pages."""
     if device.startswith("cuda"):
+        import torch
+
         free, _ = torch.cuda.mem_get_info(torch.device(device))
         return int(free)
     return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
-def resolve_num_blocks(manifest: Manifest, device: str = "cpu", override: Optional[int] = None) -> int:
-    """Blocks of the KV pool: `override`, else num_blocks, memory_bytes or fraction of free memory.
+def kv_blocks(manifest: Manifest, free_memory: Optional[int] = None, override: Optional[int] = None) -> Optional[int]:
+    """Blocks of the KV pool: `override`, else the manifest's num_blocks, memory_bytes or fraction.
 
-    A fraction is capped at what max_batch_size sequences of max_seq_len tokens can use,
-    so a CPU run does not claim most of the host's memory.
+    A fraction applies to `free_memory` (bytes free on the device) and is capped at
+    what max_batch_size sequences of max_seq_len tokens can use, so a CPU run does
+    not claim most of the host's memory. None only for a fraction with `free_memory`
+    unknown. Raises ValueError naming the setting when the budget holds no block.
     """
     per_block = manifest.kv_bytes_per_block
     limits = manifest.limits
@@ -38,9 +41,19 @@ def resolve_num_blocks(manifest: Manifest, device: str = "cpu", override: Option
             raise ValueError(f"kv_cache.memory_bytes: {budget.memory_bytes} holds no block of {per_block} bytes")
         return blocks
     if budget.fraction is not None:
+        if free_memory is None:
+            return None
         useful = limits.max_batch_size * -(-limits.max_seq_len // limits.block_size)
-        blocks = min(int(_free_memory_bytes(device) * budget.fraction) // per_block, useful)
+        blocks = min(int(free_memory * budget.fraction) // per_block, useful)
         if blocks < 1:
-            raise ValueError(f"kv_cache.fraction: {budget.fraction} of free memory on {device} holds no KV block")
+            raise ValueError(f"kv_cache.fraction: {budget.fraction} of {free_memory} free bytes holds no KV block")
         return blocks
     raise ValueError("kv_cache: the manifest sets none of num_blocks, memory_bytes, fraction")
+
+
+def resolve_num_blocks(manifest: Manifest, device: str = "cpu", override: Optional[int] = None) -> int:
+    """`kv_blocks` with the free memory of `device` measured now: the pool the runtime allocates."""
+    free = free_memory_bytes(device) if manifest.kv_cache.fraction is not None and override is None else None
+    blocks = kv_blocks(manifest, free, override)
+    assert blocks is not None
+    return blocks

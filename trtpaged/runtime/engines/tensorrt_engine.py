@@ -27,7 +27,7 @@ def _torch_dtype(trt, dtype) -> torch.dtype:
     return table[dtype]
 
 
-class TensorRTEngine:
+class TensorRTRunner:
     """Runs a serialized TensorRT plan over a KV pool it allocates on `device`."""
 
     backend = "tensorrt"
@@ -75,7 +75,7 @@ class TensorRTEngine:
 
     @classmethod
     def from_engine_dir(cls, engine_dir: str | Path, num_blocks: int, device: str = "cuda",
-                        num_host_blocks: int = 0) -> "TensorRTEngine":
+                        num_host_blocks: int = 0) -> "TensorRTRunner":
         from trtpaged.manifest import read_manifest
 
         manifest = read_manifest(engine_dir)

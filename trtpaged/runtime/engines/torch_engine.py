@@ -1,4 +1,4 @@
-"""The torch backend: the eager step model over a KV pool tensor, block moves through the kernel library."""
+"""The torch runner: the eager step model over a KV pool tensor, block moves through the kernel library."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def _kernels(device: torch.device):
     return kernels
 
 
-class TorchEngine:
+class TorchRunner:
     """Runs any module with the step-model forward signature eagerly.
 
     `model(input_ids, positions, query_start, context_lens, block_tables,
@@ -45,7 +45,7 @@ class TorchEngine:
     @classmethod
     def from_engine_dir(
         cls, engine_dir: str | Path, num_blocks: int, device: str = "cpu", num_host_blocks: int = 0
-    ) -> "TorchEngine":
+    ) -> "TorchRunner":
         """Loads the engine dir's weights into the step model and allocates the pool."""
         from trtpaged.models import load_step_model
         from trtpaged.models.loading import TORCH_DTYPES

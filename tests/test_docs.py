@@ -1,0 +1,53 @@
+"""The README and docs/ say what the code does: the commands table is the CLI's, links stay in the repo,
+the Python snippet answers, and importing trtpaged sets OpenMP waiting before libgomp loads."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def test_readme_commands_table_is_the_cli_s():
+    from trtpaged.commands.reference import END, START, commands_table
+
+    readme = (REPO / "README.md").read_text()
+    assert START in readme and END in readme
+    table = readme.split(START, 1)[1].split(END, 1)[0].strip()
+    assert table == commands_table(), "regenerate it: python -m trtpaged.commands.reference"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_links_stay_inside_the_repository_and_resolve(doc):
+    for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+        if target.startswith(("http://", "https://", "#", "mailto:")):
+            continue
+        path = (doc.parent / target.split("#")[0]).resolve()
+        assert path.is_relative_to(REPO), f"{doc.name} links outside the repository: {target}"
+        assert path.exists(), f"{doc.name} links to a missing file: {target}"
+
+
+@pytest.mark.parametrize("env, expected", [({}, "passive"), ({"OMP_WAIT_POLICY": "active"}, "active"),
+                                           ({"GOMP_SPINCOUNT": "1000"}, "unset")])
+def test_importing_trtpaged_makes_openmp_waiters_sleep_unless_the_user_chose(env, expected):
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    code = "import os, trtpaged; print(os.environ.get('OMP_WAIT_POLICY', 'unset'))"
+    out = subprocess.run([sys.executable, "-c", code], env={**base, **env, "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    assert out.stdout.strip() == expected
+
+
+@pytest.mark.slow
+def test_readme_python_snippet_answers(smollm2_engine_dir, capsys):
+    readme = (REPO / "README.md").read_text()
+    snippet = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
+    exec(compile(snippet.replace('"engines/smollm2"', repr(str(smollm2_engine_dir))), "README.md", "exec"), {})
+    answer = capsys.readouterr().out.splitlines()[0]
+    assert "Paris" in answer
