@@ -83,6 +83,18 @@ def test_plugin_library_records_the_tensorrt_major_it_was_built_for(plugin_build
     assert plugin_library_major(plugin_library) == plugin_build[1]
 
 
+def test_plugin_glue_host_checks(plugin_build):
+    """head_dim refused at createPlugin, workspace recorded and serialized, enqueue checks it (no GPU needed)."""
+    build, _ = plugin_build
+    r = subprocess.run(["cmake", "--build", str(build), "--target", "trtpaged_trt_plugin_host_test", "-j2"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    run = subprocess.run([str(build / "trtpaged_trt_plugin_host_test")], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "head_dim: 32 has no CUDA kernel (supported: 64, 80, 96, 128)" in run.stderr
+    assert "this step needs" in run.stderr and "TensorRT reserved 64" in run.stderr
+
+
 def test_code_linked_into_the_plugin_is_built_portably(plugin_build):
     build, _ = plugin_build
     commands = json.loads((build / "compile_commands.json").read_text())
