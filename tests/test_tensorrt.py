@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -40,22 +41,70 @@ def _tensorrt_root_reason() -> str | None:
     return None
 
 
+def _header_major(root: Path) -> int:
+    text = (root / "include" / "NvInferVersion.h").read_text()
+    match = re.search(r"#define TRT_MAJOR_ENTERPRISE (\d+)", text) or re.search(r"#define NV_TENSORRT_MAJOR (\d+)", text)
+    assert match, "no major version in NvInferVersion.h"
+    return int(match.group(1))
+
+
 @pytest.fixture(scope="module")
-def plugin_library(tmp_path_factory) -> Path:
+def plugin_build(tmp_path_factory) -> tuple[Path, int]:
+    """(build dir, TensorRT major of the headers) of the plugin target built from this checkout."""
     why_not = _tensorrt_root_reason()
     if why_not:
         pytest.skip(why_not)
     build = tmp_path_factory.mktemp("build_trt")
-    configure = ["cmake", "-S", str(REPO), "-B", str(build), "-DTRTPAGED_CUDA=ON",
-                 f"-DTENSORRT_ROOT={os.environ['TENSORRT_ROOT']}"]
+    root = Path(os.environ["TENSORRT_ROOT"])
+    configure = ["cmake", "-S", str(REPO), "-B", str(build), "-DTRTPAGED_CUDA=ON", f"-DTENSORRT_ROOT={root}",
+                 "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON",
+                 f"-DTRTPAGED_CUDA_ARCHS={os.environ.get('TRTPAGED_CUDA_ARCHS', '80;90')}"]
     if shutil.which("ninja"):
         configure += ["-G", "Ninja"]
     for cmd in (configure, ["cmake", "--build", str(build), "--target", "trtpaged_trt_plugin", "-j2"]):
         r = subprocess.run(cmd, capture_output=True, text=True)
         assert r.returncode == 0, f"{' '.join(cmd)} failed:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
-    lib = build / "libtrtpaged_trt_plugin.so"
+    return build, _header_major(root)
+
+
+@pytest.fixture(scope="module")
+def plugin_library(plugin_build) -> Path:
+    from trtpaged.builder.compile import plugin_library_name
+
+    build, major = plugin_build
+    lib = build / plugin_library_name(major)
     assert lib.is_file(), f"{lib} was not built"
     return lib
+
+
+def test_plugin_library_records_the_tensorrt_major_it_was_built_for(plugin_build, plugin_library):
+    from trtpaged.builder.compile import plugin_library_major
+
+    assert plugin_library_major(plugin_library) == plugin_build[1]
+
+
+def test_plugin_glue_host_checks(plugin_build):
+    """head_dim refused at createPlugin, workspace recorded and serialized, enqueue checks it (no GPU needed)."""
+    build, _ = plugin_build
+    r = subprocess.run(["cmake", "--build", str(build), "--target", "trtpaged_trt_plugin_host_test", "-j2"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    run = subprocess.run([str(build / "trtpaged_trt_plugin_host_test")], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "head_dim: 32 has no CUDA kernel (supported: 64, 80, 96, 128)" in run.stderr
+    assert "this step needs" in run.stderr and "TensorRT reserved 64" in run.stderr
+
+
+def test_code_linked_into_the_plugin_is_built_portably(plugin_build):
+    build, _ = plugin_build
+    commands = json.loads((build / "compile_commands.json").read_text())
+    objects = [(c["command"].split(" -o ")[1].split()[0], c["command"]) for c in commands]
+    linked = [(o, cmd) for o, cmd in objects if "trtpaged_kernels_static.dir" in o or "trtpaged_trt_plugin.dir" in o]
+    assert linked, "no compile commands of the plugin or its static kernels"
+    native = [o for o, cmd in linked if "march=native" in cmd]
+    assert not native, native
+    shared = [cmd for o, cmd in objects if "trtpaged_kernels.dir" in o and o.endswith(".cpp.o")]
+    assert any("march=native" in cmd for cmd in shared), "the Python package's CPU kernels lost native tuning"
 
 
 def test_plugin_library_exports_only_the_entry_points(plugin_library):
@@ -81,12 +130,13 @@ def _runtime_reason() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA GPU"
     from trtpaged import kernels
-    from trtpaged.builder.compile import PLUGIN_LIBRARY_NAME, plugin_library_path
+    from trtpaged.builder.compile import unavailable_reason
 
     if not kernels.available() or not kernels.has_cuda():
         return "the kernel library is not built with CUDA"
-    if plugin_library_path() is None:
-        return f"{PLUGIN_LIBRARY_NAME} is not built (set TRTPAGED_PLUGIN_LIB or build with TENSORRT_ROOT)"
+    why_not = unavailable_reason()
+    if why_not:
+        return why_not
     return None
 
 

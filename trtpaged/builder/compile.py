@@ -1,7 +1,7 @@
 """The TensorRT compile stage: model.onnx + the plugin library -> engine.plan.
 
 TensorRT parses the ONNX graph (each TrtpagedPagedAttention node becomes our
-IPluginV3 from libtrtpaged_trt_plugin.so, found by op_type, plugin_version and
+IPluginV3 from libtrtpaged_trt_plugin_trt<major>.so, found by op_type, plugin_version and
 plugin_namespace), one optimization profile covers every step shape the
 manifest limits allow, and the plan is serialized. The network is strongly
 typed: the ONNX graph already carries the build dtype (fp32/fp16/bf16), which
@@ -14,63 +14,177 @@ and the builder skips the stage (the engine dir then serves with torch).
 from __future__ import annotations
 
 import importlib.util
+import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
+from trtpaged.builder.probe import STEP_INPUT_AXES
 from trtpaged.manifest import KVCacheBudget, Limits
+from trtpaged.models.dims import CUDA_HEAD_DIMS, HEAD_DIM_MULTIPLE, MAX_HEAD_DIM
 
 PLAN_FILE = "engine.plan"
-PLUGIN_LIBRARY_NAME = "libtrtpaged_trt_plugin.so"
+BUILD_INFO_FILE = "tensorrt.json"  # next to engine.plan: the TensorRT version and plugin it was built with
+MIN_TENSORRT = (10, 3)  # aliased plugin I/O (PreviewFeature.ALIASED_PLUGIN_IO_10_03)
 PLUGIN_HINT = (
     "build it with TensorRT's headers: `TENSORRT_ROOT=/path/to/TensorRT pip install -e .` "
-    "(or cmake -DTENSORRT_ROOT=...), or point TRTPAGED_PLUGIN_LIB at libtrtpaged_trt_plugin.so"
+    "(or cmake -DTENSORRT_ROOT=...), or point TRTPAGED_PLUGIN_LIB at libtrtpaged_trt_plugin_trt<major>.so"
 )
-_loaded_libraries: dict[str, object] = {}  # plugin library path -> registry handle (TensorRT's registry is per process)
+_PLUGIN_TAG = re.compile(rb"trtpaged-plugin-tensorrt-major=(\d+);")  # plugins/src/tensorrt/entry_points.cpp
+_PLUGIN_CREATOR = ("TrtpagedPagedAttention", "1", "trtpaged")  # name, version, namespace (fields.h)
+_loaded_library: Optional[Path] = None  # TensorRT's plugin registry is per process: one trtpaged plugin in it
 
 
 class CompileError(RuntimeError):
     """TensorRT could not parse the ONNX graph or build the plan; the message has its errors."""
 
 
+def dims_tuple(dims: Any) -> tuple[int, ...]:
+    """A trt.Dims (or any sequence of ints) as a tuple of ints."""
+    return tuple(int(dims[i]) for i in range(len(dims)))
+
+
+def plugin_library_name(major: int) -> str:
+    """File name of the plugin library built for TensorRT `major` (10 and 11 are not binary-compatible)."""
+    return f"libtrtpaged_trt_plugin_trt{major}.so"
+
+
 def tensorrt_installed() -> bool:
-    """True when the `tensorrt` Python package can be imported (not imported here)."""
-    return importlib.util.find_spec("tensorrt") is not None
+    """True when the `tensorrt` Python package can be imported (not imported here).
+
+    tensorrt-stubs installs a `tensorrt` dir of .pyi files alone, which imports as an empty
+    namespace package: that is not TensorRT."""
+    spec = importlib.util.find_spec("tensorrt")
+    return spec is not None and spec.origin is not None
 
 
-def plugin_library_path() -> Optional[Path]:
-    """The plugin library: $TRTPAGED_PLUGIN_LIB, the installed package's _lib, or a local CMake build dir."""
+def tensorrt_version() -> Optional[str]:
+    """`tensorrt.__version__` of the installed TensorRT, or None without one."""
+    if not tensorrt_installed():
+        return None
+    import tensorrt as trt
+
+    return str(trt.__version__)
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
+
+
+def tensorrt_version_reason(version: str) -> Optional[str]:
+    """Why TensorRT `version` cannot build or run trtpaged engines, or None when it can."""
+    if _version_tuple(version)[:2] < MIN_TENSORRT:
+        need = ".".join(map(str, MIN_TENSORRT))
+        return (f"TensorRT {version} is older than {need}: trtpaged's plugin updates the KV pool through "
+                f"aliased plugin I/O, which TensorRT has from {need}; install TensorRT >= {need}")
+    return None
+
+
+def plugin_library_major(path: Path) -> Optional[int]:
+    """The TensorRT major the plugin library at `path` was compiled for (read from its bytes), or None."""
+    match = _PLUGIN_TAG.search(Path(path).read_bytes())
+    return int(match.group(1)) if match else None
+
+
+def check_plugin_library(path: Path, version: str) -> None:
+    """Raises CompileError (one line) unless the library at `path` was built for TensorRT `version`'s major."""
+    built_for, running = plugin_library_major(path), _version_tuple(version)[0]
+    if built_for is None:
+        raise CompileError(f"{path} is not a trtpaged TensorRT plugin library (no TensorRT major recorded in it)")
+    if built_for != running:
+        raise CompileError(f"{Path(path).name} was built for TensorRT {built_for}, but TensorRT {version} is installed; "
+                           f"build {plugin_library_name(running)} against TensorRT {running}'s headers")
+
+
+def plugin_library_path(major: Optional[int] = None) -> Optional[Path]:
+    """The plugin library for TensorRT `major` (default: the installed one's): $TRTPAGED_PLUGIN_LIB,
+    the installed package's _lib, or a local CMake build dir."""
     from trtpaged.kernels import library_candidates
 
-    candidates = library_candidates(PLUGIN_LIBRARY_NAME, "TRTPAGED_PLUGIN_LIB")
+    if major is None:
+        version = tensorrt_version()
+        if version is None:
+            return None
+        major = _version_tuple(version)[0]
+    candidates = library_candidates(plugin_library_name(major), "TRTPAGED_PLUGIN_LIB")
     return next((p for p in candidates if p.is_file()), None)
 
 
 def unavailable_reason() -> Optional[str]:
     """Why no engine.plan can be built (or run) on this machine, or None when it can."""
-    if not tensorrt_installed():
+    version = tensorrt_version()
+    if version is None:
         return "TensorRT is not installed (pip install 'trtpaged[tensorrt]' on a machine with an NVIDIA GPU)"
+    too_old = tensorrt_version_reason(version)
+    if too_old:
+        return too_old
     import torch
 
     if not torch.cuda.is_available():
         return "TensorRT is installed but no CUDA GPU is available"
     if plugin_library_path() is None:
-        return f"the TensorRT plugin library ({PLUGIN_LIBRARY_NAME}) is not built; {PLUGIN_HINT}"
+        name = plugin_library_name(_version_tuple(version)[0])
+        return f"the TensorRT plugin library ({name}) is not built; {PLUGIN_HINT}"
     return None
 
 
-def load_plugin_library(registry, path: Optional[Path] = None) -> Path:
-    """Registers the plugin library's creators with TensorRT's plugin registry (once per process)."""
-    path = path or plugin_library_path()
+def load_plugin_library(registry: Any, version: str, path: Optional[Path] = None) -> Path:
+    """Registers the plugin library's creators with TensorRT's plugin registry, once per process.
+
+    The library must be built for TensorRT `version`'s major. A trtpaged plugin already in the
+    registry (loaded earlier from another path, or by the host application) is used as it is.
+    """
+    global _loaded_library
+    if _loaded_library is not None:
+        return _loaded_library
+    path = path or plugin_library_path(_version_tuple(version)[0])
     if path is None:
-        raise CompileError(f"{PLUGIN_LIBRARY_NAME} not found; {PLUGIN_HINT}")
-    key = str(Path(path).resolve())
-    if key not in _loaded_libraries:
-        handle = registry.load_library(key)
-        if handle is None:
-            raise CompileError(f"TensorRT could not load the plugin library {key}")
-        _loaded_libraries[key] = handle
-    return Path(key)
+        raise CompileError(f"{plugin_library_name(_version_tuple(version)[0])} not found; {PLUGIN_HINT}")
+    resolved = Path(path).resolve()
+    check_plugin_library(resolved, version)
+    if registry.load_library(str(resolved)) is None and registry.get_creator(*_PLUGIN_CREATOR) is None:
+        raise CompileError(f"TensorRT could not load the plugin library {resolved} (see its errors above)")
+    _loaded_library = resolved
+    return resolved
+
+
+def write_build_info(engine_dir: Path, version: str, library: Path) -> Path:
+    """Records next to engine.plan the TensorRT version and plugin library it was built with."""
+    info = {"tensorrt_version": version, "tensorrt_major": _version_tuple(version)[0], "plugin_library": library.name}
+    path = Path(engine_dir) / BUILD_INFO_FILE
+    path.write_text(json.dumps(info, indent=2) + "\n")
+    return path
+
+
+def check_build_info(engine_dir: Path, version: str) -> None:
+    """Raises CompileError (one line) unless engine.plan in `engine_dir` was built for TensorRT `version`'s major."""
+    path = Path(engine_dir) / BUILD_INFO_FILE
+    if not path.is_file():
+        raise CompileError(f"{engine_dir}: engine.plan without {BUILD_INFO_FILE} (built by an older trtpaged); rebuild it")
+    built = json.loads(path.read_text())
+    built_major, running = int(built["tensorrt_major"]), _version_tuple(version)[0]
+    if built_major != running:
+        raise CompileError(f"{engine_dir}: engine.plan was built with TensorRT {built['tensorrt_version']}, but "
+                           f"TensorRT {version} is installed; rebuild it or install TensorRT {built_major}")
+
+
+def check_head_dims(onnx_path: Path, model: Optional[str] = None) -> None:
+    """Raises CompileError unless every paged-attention node of the graph has a head_dim the CUDA kernels have."""
+    import onnx
+
+    from trtpaged.builder.onnx_node import OP_TYPE
+
+    graph = onnx.load(str(onnx_path), load_external_data=False).graph
+    head_dims = {attr.i for node in graph.node if node.op_type == OP_TYPE
+                 for attr in node.attribute if attr.name == "head_dim"}
+    unsupported = sorted(head_dims - set(CUDA_HEAD_DIMS))
+    if unsupported:
+        raise CompileError(
+            f"{model or Path(onnx_path).name}: head_dim {', '.join(map(str, unsupported))} has no CUDA kernel; "
+            f"TensorRT engines support head_dim {', '.join(map(str, CUDA_HEAD_DIMS))} (the torch backend on CPU "
+            f"runs multiples of {HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM}: build with backend: torch)"
+        )
 
 
 @dataclass(frozen=True)
@@ -105,28 +219,24 @@ class ShapeProfile:
         )
 
     def dims(self, name: str) -> dict[int, tuple[int, int, int]]:
-        """The dynamic axes of input `name` and their (min, opt, max)."""
-        seqs_plus_one = tuple(s + 1 for s in self.num_seqs)
-        return {
-            "input_ids": {0: self.num_tokens},
-            "positions": {0: self.num_tokens},
-            "query_start": {0: seqs_plus_one},
-            "context_lens": {0: self.num_seqs},
-            "block_tables": {0: self.num_seqs, 1: self.max_blocks_per_seq},
-            "logits_index": {0: self.num_outputs},
-            "kv_cache": {0: self.num_blocks},
-        }.get(name, {})
+        """The dynamic axes of input `name` (probe.STEP_INPUT_AXES) and their (min, opt, max)."""
+        out: dict[int, tuple[int, int, int]] = {}
+        for axis, (dim, offset) in STEP_INPUT_AXES.get(name, {}).items():
+            lo, opt, hi = getattr(self, dim)
+            out[axis] = (lo + offset, opt + offset, hi + offset)
+        return out
 
-    def shapes(self, name: str, static: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    def shapes(self, name: str, static: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         """(min, opt, max) shapes of input `name` whose network shape is `static` (-1 where dynamic)."""
         dynamic = self.dims(name)
-        out = []
+        out: list[tuple[int, ...]] = []
         for k in range(3):
             shape = tuple(dynamic[axis][k] if axis in dynamic else int(d) for axis, d in enumerate(static))
             if any(d < 0 for d in shape):
                 raise CompileError(f"input {name}: dynamic dimension without a profile range in {static}")
             out.append(shape)
-        return tuple(out)
+        lo, opt, hi = out
+        return lo, opt, hi
 
 
 def compile_engine(
@@ -136,14 +246,21 @@ def compile_engine(
     *,
     echo: Callable[[str], None] = print,
     plugin_library: Optional[Path] = None,
+    model: Optional[str] = None,
 ) -> Path:
-    """Parses `onnx_path` with the plugin library loaded and writes the serialized plan to `plan_path`."""
+    """Parses `onnx_path` with the plugin library loaded, writes the serialized plan to `plan_path`
+    and records the TensorRT version next to it (BUILD_INFO_FILE). `model` names the model in errors."""
+    check_head_dims(onnx_path, model)
     import tensorrt as trt
 
+    version = str(trt.__version__)
+    too_old = tensorrt_version_reason(version)
+    if too_old:
+        raise CompileError(too_old)
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
-    library = load_plugin_library(builder.get_plugin_registry(), plugin_library)
-    echo(f"compile  TensorRT {trt.__version__}, plugin {library.name}")
+    library = load_plugin_library(builder.get_plugin_registry(), version, plugin_library)
+    echo(f"compile  TensorRT {version}, plugin {library.name}")
 
     flags = 0
     if hasattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED"):  # accepted and implied in TensorRT 11
@@ -162,8 +279,8 @@ def compile_engine(
     opt_profile = builder.create_optimization_profile()
     for i in range(network.num_inputs):
         tensor = network.get_input(i)
-        lo, opt, hi = profile.shapes(tensor.name, tuple(tensor.shape))
-        opt_profile.set_shape(tensor.name, lo, opt, hi)
+        lo, opt, hi = profile.shapes(tensor.name, dims_tuple(tensor.shape))
+        opt_profile.set_shape(tensor.name, trt.Dims(list(lo)), trt.Dims(list(opt)), trt.Dims(list(hi)))
     config.add_optimization_profile(opt_profile)
     monitor = _progress_monitor(trt, echo)
     config.progress_monitor = monitor
@@ -175,10 +292,11 @@ def compile_engine(
     plan_path = Path(plan_path)
     with open(plan_path, "wb") as f:
         f.write(serialized)
+    write_build_info(plan_path.parent, version, library)
     return plan_path
 
 
-def _progress_monitor(trt, echo: Callable[[str], None]):
+def _progress_monitor(trt: Any, echo: Callable[[str], None]) -> Any:
     """A trt.IProgressMonitor that echoes TensorRT's top-level build phases."""
 
     class ProgressMonitor(trt.IProgressMonitor):

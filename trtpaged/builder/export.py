@@ -20,7 +20,7 @@ import torch
 
 from trtpaged.builder import onnx_quant
 from trtpaged.builder.onnx_node import translation_table
-from trtpaged.builder.probe import INPUT_NAMES, standard_probe
+from trtpaged.builder.probe import INPUT_NAMES, STEP_INPUT_AXES, standard_probe
 from trtpaged.builder.weights import tensor_offsets
 from trtpaged.models.llama import LlamaStepModel
 
@@ -34,17 +34,10 @@ class ExportError(RuntimeError):
 
 def dynamic_shapes() -> dict[str, dict[int, object]]:
     """torch.export dynamic dims of each input (names as in the engine I/O contract)."""
-    dim = torch.export.Dim
-    tokens, seqs = dim("num_tokens", min=1), dim("num_seqs", min=1)
-    return {
-        "input_ids": {0: tokens},
-        "positions": {0: tokens},
-        "query_start": {0: seqs + 1},
-        "context_lens": {0: seqs},
-        "block_tables": {0: seqs, 1: dim("max_blocks_per_seq", min=1)},
-        "logits_index": {0: dim("num_outputs", min=1)},
-        "kv_cache": {0: dim("num_blocks", min=1)},
-    }
+    names = {dim for axes in STEP_INPUT_AXES.values() for dim, _ in axes.values()}
+    dims = {name: torch.export.Dim(name, min=1) for name in names}
+    return {name: {axis: dims[dim] + offset if offset else dims[dim] for axis, (dim, offset) in axes.items()}
+            for name, axes in STEP_INPUT_AXES.items()}
 
 
 def export_onnx(model: LlamaStepModel, block_size: int, kv_dtype: torch.dtype, onnx_path: Path, weights_path: Path) -> Path:

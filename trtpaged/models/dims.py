@@ -11,7 +11,10 @@ from trtpaged.models.rope import SUPPORTED_ROPE_TYPES, rope_type
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 SUPPORTED_ARCHITECTURES = tuple(MODEL_TYPES)
 ARCHITECTURES_BY_MODEL_TYPE = {model_type: arch for arch, model_type in MODEL_TYPES.items()}
-HEAD_DIM_MULTIPLE, MAX_HEAD_DIM = 16, 256  # what the trtpaged attention kernels implement
+HEAD_DIM_MULTIPLE, MAX_HEAD_DIM = 16, 256  # what the CPU attention kernel implements
+# What the CUDA kernels (and so TensorRT engines) implement: plugins/src/cuda/head_dims.h.
+# A model with another head_dim builds and runs with the torch backend on CPU only.
+CUDA_HEAD_DIMS = (64, 80, 96, 128)
 
 
 class UnsupportedModelError(ValueError):

@@ -79,6 +79,10 @@ typedef struct trtpaged_attention_params {
  * checks scalars; index contents live on the device): 0 <= positions[t] <
  * context_lens[s], query_start non-decreasing from 0 to num_tokens, every block
  * id used in [0, num_blocks).
+ * The CUDA path reads only scalars on the host to decide which kernels to launch:
+ * a call with num_tokens == num_seqs is taken as decode-only (so there every
+ * sequence must have exactly one new token; the CPU path also accepts sequences
+ * with none), and a call with one sequence of 2+ tokens as prefill-only.
  */
 TRTPAGED_API int trtpaged_paged_attention_cpu(const trtpaged_attention_params* params,
                                               const void* q, const void* k, const void* v,

@@ -6,15 +6,11 @@
 
 #include <type_traits>
 
+#include "cuda/head_dims.h"
 #include "trtpaged/trtpaged.h"
 
 namespace trtpaged {
 namespace cuda {
-
-// head_dim values with compiled kernels.
-constexpr int kHeadDims[] = {64, 80, 96, 128};
-constexpr int kNumHeadDims = 4;
-constexpr int kMaxHeadDim = 128;
 
 template <typename T>
 struct TypeTag {
@@ -38,7 +34,7 @@ bool with_dtype(trtpaged_dtype dtype, F&& f) {
   return false;
 }
 
-// Calls f(std::integral_constant<int, D>{}) for a compiled head_dim; false otherwise.
+// Calls f(std::integral_constant<int, D>{}) for a compiled head_dim (cuda/head_dims.h); false otherwise.
 template <typename F>
 bool with_head_dim(int head_dim, F&& f) {
   switch (head_dim) {

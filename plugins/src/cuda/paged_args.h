@@ -101,6 +101,23 @@ inline DecodePlan make_decode_plan(const trtpaged_attention_params& p, int32_t m
   return plan;
 }
 
+// Which kernels a call launches, from the host-side counts alone (query_start
+// lives on the device). The CUDA path takes every sequence of a call to have at
+// least one token (the runtime never schedules an empty one), so
+// num_tokens == num_seqs is a decode-only batch; a single sequence with two or
+// more tokens is a prefill-only one. Otherwise both parts may be present.
+struct LaunchParts {
+  bool decode;
+  bool prefill;
+};
+
+inline LaunchParts launch_parts(const trtpaged_attention_params& p) {
+  if (p.num_tokens <= 0 || p.num_seqs <= 0) return {false, false};
+  const bool decode_only = p.num_tokens == p.num_seqs;
+  const bool prefill_only = p.num_seqs == 1 && p.num_tokens >= 2;
+  return {!prefill_only, !decode_only};
+}
+
 inline PrefillPlan make_prefill_plan(const trtpaged_attention_params& p) {
   PrefillPlan plan{};
   const int group = p.num_heads / p.num_kv_heads;

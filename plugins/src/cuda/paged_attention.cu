@@ -1,5 +1,6 @@
 // C ABI of the CUDA paged attention: validates, plans and launches
-// write_kv -> decode (+ reduce) -> prefill on the caller's stream.
+// write_kv -> decode (+ reduce) -> prefill on the caller's stream, each part
+// only when the batch can have work for it (launch_parts).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -131,10 +132,15 @@ extern "C" TRTPAGED_API int trtpaged_paged_attention_cuda(const trtpaged_attenti
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     cudaError_t err = launch_write_kv(a, p.io_dtype, p.kv_dtype, s);
     if (err != cudaSuccess) return cuda_error("paged attention K/V write", err);
-    err = launch_decode(a, decode, p.io_dtype, p.kv_dtype, s);
-    if (err != cudaSuccess) return cuda_error("paged attention decode", err);
-    err = launch_prefill(a, prefill, p.io_dtype, p.kv_dtype, s);
-    if (err != cudaSuccess) return cuda_error("paged attention prefill", err);
+    const LaunchParts parts = launch_parts(p);
+    if (parts.decode) {
+      err = launch_decode(a, decode, p.io_dtype, p.kv_dtype, s);
+      if (err != cudaSuccess) return cuda_error("paged attention decode", err);
+    }
+    if (parts.prefill) {
+      err = launch_prefill(a, prefill, p.io_dtype, p.kv_dtype, s);
+      if (err != cudaSuccess) return cuda_error("paged attention prefill", err);
+    }
     return trtpaged::ok();
   } catch (const std::exception& e) {
     return fail(TRTPAGED_ERR_CUDA, std::string("trtpaged_paged_attention_cuda: ") + e.what());

@@ -128,7 +128,12 @@ size_t workspace_bound(AttentionFields const& f, nvinfer1::DynamicPluginTensorDe
       shapes[kBlockTables].d[1] = blocks;
       trtpaged_attention_params const p =
           make_params(f, shapes, inputs[kQ].desc.type, inputs[kKvCache].desc.type);
-      bound = std::max(bound, trtpaged_paged_attention_cuda_workspace_size(&p, max_context_len(f, shapes[kBlockTables])));
+      size_t const bytes = trtpaged_paged_attention_cuda_workspace_size(&p, max_context_len(f, shapes[kBlockTables]));
+      char const* error = trtpaged_last_error();
+      if (bytes == 0 && error != nullptr && *error != '\0') {  // 0 is also the answer for "unsupported"
+        throw std::invalid_argument(std::string(kPluginName) + " layer " + std::to_string(f.layer) + ": " + error);
+      }
+      bound = std::max(bound, bytes);
     }
   }
   return bound;

@@ -2,6 +2,7 @@
 // (IPluginRegistry::loadLibrary, trtexec --dynamicPlugins): the library's
 // creators and the logger finder. Nothing else is exported.
 #include <NvInferRuntime.h>
+#include <NvInferVersion.h>
 
 #include <cstdint>
 
@@ -9,6 +10,17 @@
 #include "tensorrt/paged_attention_creator.h"
 
 #define TRTPAGED_PLUGIN_EXPORT __attribute__((visibility("default")))
+#define TRTPAGED_STR2(x) #x
+#define TRTPAGED_STR(x) TRTPAGED_STR2(x)
+
+static_assert(NV_TENSORRT_MAJOR == TRTPAGED_TRT_MAJOR, "CMake named the library for another TensorRT major");
+
+namespace {
+// The TensorRT major this library is compiled for, as text in the file (not a symbol):
+// trtpaged/builder/compile.py reads it to refuse a library built for another major.
+__attribute__((used)) char const kTensorRTMajorTag[] =
+    "trtpaged-plugin-tensorrt-major=" TRTPAGED_STR(NV_TENSORRT_MAJOR) ";";
+}  // namespace
 
 extern "C" {
 

@@ -5,6 +5,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "cuda/head_dims.h"
+
 namespace trtpaged {
 namespace trt {
 namespace {
@@ -15,6 +17,7 @@ using nvinfer1::PluginFieldType;
 
 constexpr char const* kIntFields[] = {"num_heads", "num_kv_heads", "head_dim", "block_size", "layer"};
 constexpr char const* kScale = "scale";
+constexpr char const* kWorkspace = "workspace_bytes";  // optional: absent in the ONNX node
 
 int32_t* int_slot(AttentionFields& f, std::string const& name) {
   if (name == "num_heads") return &f.num_heads;
@@ -53,7 +56,10 @@ void validate(AttentionFields const& f) {
     throw field_error("num_kv_heads", "must divide num_heads " + std::to_string(f.num_heads) + ", got " +
                                           std::to_string(f.num_kv_heads));
   }
-  if (f.head_dim < 1) throw field_error("head_dim", "must be >= 1, got " + std::to_string(f.head_dim));
+  if (!cuda::head_dim_supported(f.head_dim)) {
+    throw field_error("head_dim", std::to_string(f.head_dim) + " has no CUDA kernel (supported: " +
+                                      supported_head_dims() + ")");
+  }
   bool const block_ok = f.block_size == 8 || f.block_size == 16 || f.block_size == 32 || f.block_size == 64 ||
                         f.block_size == 128;
   if (!block_ok) throw field_error("block_size", "must be 8, 16, 32, 64 or 128, got " + std::to_string(f.block_size));
@@ -62,6 +68,12 @@ void validate(AttentionFields const& f) {
 }
 
 }  // namespace
+
+std::string supported_head_dims() {
+  std::string s;
+  for (int d : cuda::kHeadDims) s += (s.empty() ? "" : ", ") + std::to_string(d);
+  return s;
+}
 
 AttentionFields parse_fields(PluginFieldCollection const* fc) {
   if (fc == nullptr) throw std::invalid_argument(std::string(kPluginName) + ": no plugin fields given");
@@ -75,6 +87,9 @@ AttentionFields parse_fields(PluginFieldCollection const* fc) {
     if (name == kScale) {
       f.scale = static_cast<float>(read_float(field));
       seen_scale = true;
+    } else if (name == kWorkspace) {
+      f.workspace_bytes = read_int(field);
+      if (f.workspace_bytes < 0) throw field_error(name, "must be >= 0");
     } else if (int32_t* slot = int_slot(f, name)) {
       int64_t const value = read_int(field);
       if (value < INT32_MIN || value > INT32_MAX) throw field_error(name, "out of int32 range");
@@ -113,6 +128,9 @@ SerializedFields::SerializedFields(AttentionFields const& values) : mValues(valu
       PluginField(kIntFields[4], &mValues.layer, i32, 1),
       PluginField(kScale, &mValues.scale, PluginFieldType::kFLOAT32, 1),
   };
+  if (mValues.workspace_bytes >= 0) {
+    mFields.emplace_back(kWorkspace, &mValues.workspace_bytes, PluginFieldType::kINT64, 1);
+  }
   mCollection.nbFields = static_cast<int32_t>(mFields.size());
   mCollection.fields = mFields.data();
 }

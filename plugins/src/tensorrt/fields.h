@@ -6,6 +6,7 @@
 #include <NvInferRuntime.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace trtpaged {
@@ -24,7 +25,14 @@ struct AttentionFields {
   int32_t block_size{0};
   int32_t layer{0};
   float scale{0.F};
+  // Workspace bytes TensorRT reserves for every shape of the profile: not an ONNX
+  // attribute, recorded at build (getWorkspaceSize) and serialized into the plan
+  // so that enqueue checks each step's need against what TensorRT gives. -1: not known yet.
+  int64_t workspace_bytes{-1};
 };
+
+// The head_dim values the CUDA kernels have, as text for messages ("64, 80, 96, 128").
+std::string supported_head_dims();
 
 // Reads and validates every field; throws std::invalid_argument naming the field.
 AttentionFields parse_fields(nvinfer1::PluginFieldCollection const* fc);

@@ -1,5 +1,7 @@
 // Reporting for the plugin library: messages go to the logger TensorRT hands
-// over through setLoggerFinder(), or to stderr before it has.
+// over through setLoggerFinder(), or to stderr before it has. The calls go through
+// ILoggerFinder's and ILogger's vtables, whose layout changed in TensorRT 11 (both
+// derive from IVersionedInterface there): hence one library per TensorRT major.
 #pragma once
 
 #include <NvInferRuntime.h>

@@ -1,5 +1,6 @@
 #include "tensorrt/paged_attention_plugin.h"
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -41,7 +42,13 @@ IPluginCapability* PagedAttentionPlugin::getCapabilityInterface(PluginCapability
 }
 
 IPluginV3* PagedAttentionPlugin::clone() noexcept {
-  return guarded<IPluginV3*>("clone", nullptr, [&] { return new PagedAttentionPlugin(mFields); });
+  return guarded<IPluginV3*>("clone", nullptr, [&] { return new PagedAttentionPlugin(current_fields()); });
+}
+
+AttentionFields PagedAttentionPlugin::current_fields() const {
+  AttentionFields f = mFields;
+  f.workspace_bytes = mWorkspaceBytes;
+  return f;
 }
 
 int32_t PagedAttentionPlugin::getNbOutputs() const noexcept { return kNbOutputs; }
@@ -104,6 +111,8 @@ int32_t PagedAttentionPlugin::configurePlugin(DynamicPluginTensorDesc const* in,
     Dims dims[kNbInputs];
     for (int32_t i = 0; i < kNbInputs; ++i) dims[i] = in[i].desc.dims;  // -1 where dynamic: not checked
     check_shapes(mFields, dims, nbInputs);
+    // Also runs the kernel library's own checks (head_dim, dtypes, grid limits) over the profile.
+    mWorkspaceBytes = std::max<int64_t>(mWorkspaceBytes, static_cast<int64_t>(workspace_bound(mFields, in)));
     return 0;
   });
 }
@@ -113,7 +122,9 @@ size_t PagedAttentionPlugin::getWorkspaceSize(DynamicPluginTensorDesc const* inp
                                               int32_t nbOutputs) const noexcept {
   return guarded<size_t>("getWorkspaceSize", 0, [&] {
     expect_io_counts(nbInputs, nbOutputs);
-    return workspace_bound(mFields, inputs);
+    size_t const bytes = workspace_bound(mFields, inputs);
+    mWorkspaceBytes = std::max<int64_t>(mWorkspaceBytes, static_cast<int64_t>(bytes));
+    return bytes;
   });
 }
 
@@ -140,7 +151,16 @@ int32_t PagedAttentionPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginT
     for (int32_t i = 0; i < kNbInputs; ++i) dims[i] = inputDesc[i].dims;
     trtpaged_attention_params const p = make_params(mFields, dims, inputDesc[kQ].type, inputDesc[kKvCache].type);
     int32_t const max_context = max_context_len(mFields, dims[kBlockTables]);
-    size_t const workspace_size = trtpaged_paged_attention_cuda_workspace_size(&p, max_context);
+    size_t const needed = trtpaged_paged_attention_cuda_workspace_size(&p, max_context);
+    // What TensorRT reserved (getWorkspaceSize at build, serialized into the plan). The runtime
+    // creator refuses a plan without it, so it is unknown only for build-time calls, which
+    // run on the instance TensorRT queried.
+    size_t const given = mWorkspaceBytes >= 0 ? static_cast<size_t>(mWorkspaceBytes) : needed;
+    if (needed > given) {
+      throw std::runtime_error("layer " + std::to_string(mFields.layer) + ": this step needs " +
+                               std::to_string(needed) + " workspace bytes, TensorRT reserved " +
+                               std::to_string(given) + " (a shape outside the plan's profile?)");
+    }
     // The pool is updated in place: its output is aliased to input kKvCache.
     void* pool = outputs[kKvCacheOut];
     if (pool != inputs[kKvCache]) {
@@ -150,7 +170,7 @@ int32_t PagedAttentionPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginT
     int const rc = trtpaged_paged_attention_cuda(
         &p, inputs[kQ], inputs[kK], inputs[kV], pool, static_cast<int32_t const*>(inputs[kPositions]),
         static_cast<int32_t const*>(inputs[kQueryStart]), static_cast<int32_t const*>(inputs[kContextLens]),
-        static_cast<int32_t const*>(inputs[kBlockTables]), outputs[kOut], max_context, workspace, workspace_size,
+        static_cast<int32_t const*>(inputs[kBlockTables]), outputs[kOut], max_context, workspace, given,
         static_cast<void*>(stream));
     if (rc != TRTPAGED_OK) {
       throw std::runtime_error("layer " + std::to_string(mFields.layer) + ": " + trtpaged_last_error());
@@ -164,7 +184,10 @@ IPluginV3* PagedAttentionPlugin::attachToContext(nvinfer1::IPluginResourceContex
 }
 
 nvinfer1::PluginFieldCollection const* PagedAttentionPlugin::getFieldsToSerialize() noexcept {
-  return mSerialized.collection();
+  return guarded<nvinfer1::PluginFieldCollection const*>("getFieldsToSerialize", nullptr, [&] {
+    mSerialized.emplace(current_fields());
+    return mSerialized->collection();
+  });
 }
 
 }  // namespace trt

@@ -4,6 +4,9 @@
 
 #include <NvInferRuntime.h>
 
+#include <cstdint>
+#include <optional>
+
 #include "tensorrt/fields.h"
 
 namespace trtpaged {
@@ -14,7 +17,8 @@ class PagedAttentionPlugin : public nvinfer1::IPluginV3,
                              public nvinfer1::IPluginV3OneBuildV2,
                              public nvinfer1::IPluginV3OneRuntime {
  public:
-  explicit PagedAttentionPlugin(AttentionFields const& fields) : mFields(fields), mSerialized(fields) {}
+  explicit PagedAttentionPlugin(AttentionFields const& fields)
+      : mFields(fields), mWorkspaceBytes(fields.workspace_bytes) {}
   ~PagedAttentionPlugin() override = default;
 
   // IPluginV3
@@ -51,8 +55,12 @@ class PagedAttentionPlugin : public nvinfer1::IPluginV3,
   nvinfer1::PluginFieldCollection const* getFieldsToSerialize() noexcept override;
 
  private:
+  AttentionFields current_fields() const;
+
   AttentionFields const mFields;
-  SerializedFields const mSerialized;
+  // Recorded by configurePlugin/getWorkspaceSize at build, read from the plan at runtime; -1 until known.
+  mutable int64_t mWorkspaceBytes;
+  std::optional<SerializedFields> mSerialized;
 };
 
 }  // namespace trt

@@ -10,17 +10,19 @@ Block copies and swaps go through the kernel library, as in the torch backend.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
+from trtpaged.builder.compile import dims_tuple
+from trtpaged.builder.probe import INPUT_NAMES
 from trtpaged.runtime.engines.base import StepBatch
 
 POOL_INPUT, POOL_OUTPUT, LOGITS = "kv_cache", "kv_cache_out", "logits"
-_STEP_INPUTS = ("input_ids", "positions", "query_start", "context_lens", "block_tables", "logits_index")
+_STEP_INPUTS = tuple(name for name in INPUT_NAMES if name != POOL_INPUT)
 
 
-def _torch_dtype(trt, dtype) -> torch.dtype:
+def _torch_dtype(trt: Any, dtype: Any) -> torch.dtype:
     table = {trt.float32: torch.float32, trt.float16: torch.float16, trt.bfloat16: torch.bfloat16, trt.int32: torch.int32}
     if dtype not in table:
         raise ValueError(f"engine.plan: tensor dtype {dtype} is not one trtpaged binds")
@@ -36,25 +38,30 @@ class TensorRTRunner:
                  plugin_library: Optional[Path] = None) -> None:
         import tensorrt as trt
 
-        from trtpaged.builder.compile import load_plugin_library
+        from trtpaged.builder.compile import load_plugin_library, tensorrt_version_reason
 
         self.device = torch.device(device)
         if self.device.type != "cuda":
             raise ValueError(f"device: the TensorRT backend runs on CUDA, got {device!r}")
+        version = str(trt.__version__)
+        too_old = tensorrt_version_reason(version)
+        if too_old:
+            raise RuntimeError(too_old)
         self._trt = trt
         self._logger = trt.Logger(trt.Logger.WARNING)
         self._runtime = trt.Runtime(self._logger)
-        load_plugin_library(self._runtime.get_plugin_registry(), plugin_library)
+        load_plugin_library(self._runtime.get_plugin_registry(), version, plugin_library)  # CompileError: one line
         with torch.cuda.device(self.device):
-            self._engine = self._runtime.deserialize_cuda_engine(Path(plan_path).read_bytes())
-            if self._engine is None:
+            engine = self._runtime.deserialize_cuda_engine(Path(plan_path).read_bytes())
+            if engine is None:
                 raise RuntimeError(f"{plan_path}: TensorRT could not deserialize the plan (see its errors above)")
-            self._context = self._engine.create_execution_context()
+            self._engine = engine
+            self._context = engine.create_execution_context()
         names = [self._engine.get_tensor_name(i) for i in range(self._engine.num_io_tensors)]
         missing = [n for n in (*_STEP_INPUTS, POOL_INPUT, POOL_OUTPUT, LOGITS) if n not in names]
         if missing:
             raise ValueError(f"{plan_path}: engine has no tensor(s) {missing}; it does not follow the I/O contract")
-        max_pool = tuple(self._engine.get_tensor_profile_shape(POOL_INPUT, 0)[2])
+        max_pool = dims_tuple(self._engine.get_tensor_profile_shape(POOL_INPUT, 0)[2])
         if num_blocks > max_pool[0]:
             raise ValueError(f"num_kv_blocks: {num_blocks} exceeds the {max_pool[0]} blocks engine.plan was built for; "
                              "rebuild with a larger kv_cache budget")
@@ -63,7 +70,7 @@ class TensorRTRunner:
         self.kv_cache = torch.zeros(pool_shape, dtype=pool_dtype, device=self.device)
         self.num_blocks = num_blocks
         self._logits_dtype = _torch_dtype(trt, self._engine.get_tensor_dtype(LOGITS))
-        self.vocab_size = int(tuple(self._engine.get_tensor_shape(LOGITS))[-1])
+        self.vocab_size = dims_tuple(self._engine.get_tensor_shape(LOGITS))[-1]
         self.host_cache = (
             torch.zeros((num_host_blocks, *pool_shape[1:]), dtype=pool_dtype, pin_memory=True) if num_host_blocks else None
         )
@@ -76,21 +83,37 @@ class TensorRTRunner:
     @classmethod
     def from_engine_dir(cls, engine_dir: str | Path, num_blocks: int, device: str = "cuda",
                         num_host_blocks: int = 0) -> "TensorRTRunner":
+        import tensorrt as trt
+
+        from trtpaged.builder.compile import check_build_info
         from trtpaged.manifest import read_manifest
 
         manifest = read_manifest(engine_dir)
         if not manifest.plan_file:
             raise ValueError(f"{engine_dir}: the engine dir has no engine.plan (built without TensorRT)")
+        check_build_info(Path(engine_dir), str(trt.__version__))  # CompileError (a RuntimeError): one line
         return cls(Path(engine_dir) / manifest.plan_file, num_blocks, device, num_host_blocks)
 
     @torch.inference_mode()
     def step(self, batch: StepBatch) -> torch.Tensor:
+        """Runs one packed step; returns float32 logits [len(batch.logits_index), vocab]."""
         if batch.num_tokens == 0:
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
-        tensors = {
-            name: getattr(batch, name).to(self.device, dtype=torch.int32, non_blocking=True).contiguous()
-            for name in _STEP_INPUTS
-        }
+        with torch.cuda.device(self.device):
+            tensors = {
+                name: getattr(batch, name).to(self.device, dtype=torch.int32, non_blocking=True).contiguous()
+                for name in _STEP_INPUTS
+            }
+            num_outputs = int(tensors["logits_index"].shape[0])
+            if num_outputs == 0:
+                # No sequence samples this step (a prompt chunk cut by the token budget): the profile's
+                # num_outputs starts at 1, so ask for row 0 and return none.
+                tensors["logits_index"] = torch.zeros(1, dtype=torch.int32, device=self.device)
+            logits = self._run(tensors)
+            return logits[:num_outputs].float()
+
+    def _run(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Sets shapes, binds every tensor and enqueues on the current stream; the caller entered the device."""
         ctx = self._context
         for name, t in tensors.items():
             if not ctx.set_input_shape(name, tuple(t.shape)):
@@ -98,16 +121,17 @@ class TensorRTRunner:
                                  f"(profile {self._engine.get_tensor_profile_shape(name, 0)})")
         if not ctx.set_input_shape(POOL_INPUT, tuple(self.kv_cache.shape)):
             raise ValueError(f"kv_cache: shape {tuple(self.kv_cache.shape)} is outside engine.plan's profile")
-        logits = torch.empty(tuple(ctx.get_tensor_shape(LOGITS)), dtype=self._logits_dtype, device=self.device)
-        for name, t in tensors.items():
-            ctx.set_tensor_address(name, t.data_ptr())
-        ctx.set_tensor_address(POOL_INPUT, self.kv_cache.data_ptr())
-        ctx.set_tensor_address(POOL_OUTPUT, self.kv_cache.data_ptr())  # aliased: updated in place
-        ctx.set_tensor_address(LOGITS, logits.data_ptr())
+        logits = torch.empty(dims_tuple(ctx.get_tensor_shape(LOGITS)), dtype=self._logits_dtype, device=self.device)
+        addresses = {name: t.data_ptr() for name, t in tensors.items()}
+        addresses[POOL_INPUT] = addresses[POOL_OUTPUT] = self.kv_cache.data_ptr()  # aliased: updated in place
+        addresses[LOGITS] = logits.data_ptr()
+        for name, address in addresses.items():
+            if not ctx.set_tensor_address(name, address):
+                raise RuntimeError(f"TensorRT refused the address of {name} (see its errors above)")
         stream = torch.cuda.current_stream(self.device)
         if not ctx.execute_async_v3(stream.cuda_stream):
             raise RuntimeError("TensorRT failed to enqueue the step (see its errors above)")
-        return logits.float()
+        return logits
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         if pairs:

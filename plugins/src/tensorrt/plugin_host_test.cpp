@@ -1,0 +1,148 @@
+// Host-side checks of the plugin glue, run without TensorRT or a GPU (tests/test_tensorrt.py
+// builds and runs this): the creator and plugin are driven the way TensorRT drives them,
+// and no call here reaches a CUDA kernel. Prints "FAIL ..." per failed check; exit status 1 then.
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include "tensorrt/attention_io.h"
+#include "tensorrt/paged_attention_creator.h"
+#include "tensorrt/paged_attention_plugin.h"
+
+using namespace nvinfer1;
+using trtpaged::trt::PagedAttentionCreator;
+using trtpaged::trt::PagedAttentionPlugin;
+
+namespace {
+
+int failures = 0;
+
+void check(bool ok, char const* what) {
+  if (!ok) {
+    std::printf("FAIL %s\n", what);
+    ++failures;
+  }
+}
+
+struct Fields {
+  int32_t num_heads = 8, num_kv_heads = 2, head_dim = 64, block_size = 16, layer = 0;
+  float scale = 0.125F;
+  int64_t workspace_bytes = -1;  // -1: not given
+  PluginField fields[7];
+  PluginFieldCollection fc{};
+
+  PluginFieldCollection const* collection() {
+    int32_t n = 0;
+    fields[n++] = PluginField("num_heads", &num_heads, PluginFieldType::kINT32, 1);
+    fields[n++] = PluginField("num_kv_heads", &num_kv_heads, PluginFieldType::kINT32, 1);
+    fields[n++] = PluginField("head_dim", &head_dim, PluginFieldType::kINT32, 1);
+    fields[n++] = PluginField("block_size", &block_size, PluginFieldType::kINT32, 1);
+    fields[n++] = PluginField("layer", &layer, PluginFieldType::kINT32, 1);
+    fields[n++] = PluginField("scale", &scale, PluginFieldType::kFLOAT32, 1);
+    if (workspace_bytes >= 0) fields[n++] = PluginField("workspace_bytes", &workspace_bytes, PluginFieldType::kINT64, 1);
+    fc.nbFields = n;
+    fc.fields = fields;
+    return &fc;
+  }
+};
+
+Dims dims(std::initializer_list<int64_t> values) {
+  Dims d{};
+  d.nbDims = static_cast<int32_t>(values.size());
+  int32_t i = 0;
+  for (int64_t v : values) d.d[i++] = v;
+  return d;
+}
+
+// Shapes of the 8 inputs for num_tokens, num_seqs and max_blocks_per_seq (head_dim 64, GQA 8/2).
+void shapes(Dims* out, int64_t tokens, int64_t seqs, int64_t blocks) {
+  out[0] = dims({tokens, 8, 64});
+  out[1] = dims({tokens, 2, 64});
+  out[2] = dims({tokens, 2, 64});
+  out[3] = dims({4096, 2, 2, 2, 16, 64});
+  out[4] = dims({tokens});
+  out[5] = dims({seqs + 1});
+  out[6] = dims({seqs});
+  out[7] = dims({seqs, blocks});
+}
+
+DataType input_type(int32_t i) { return i < 4 ? DataType::kHALF : DataType::kINT32; }
+
+PagedAttentionPlugin* as_plugin(IPluginV3* p) { return dynamic_cast<PagedAttentionPlugin*>(p); }
+
+int64_t serialized_workspace(PagedAttentionPlugin* plugin) {
+  PluginFieldCollection const* fc = plugin->getFieldsToSerialize();
+  for (int32_t i = 0; fc != nullptr && i < fc->nbFields; ++i) {
+    if (std::string(fc->fields[i].name) == "workspace_bytes") return *static_cast<int64_t const*>(fc->fields[i].data);
+  }
+  return -1;
+}
+
+}  // namespace
+
+int main() {
+  PagedAttentionCreator creator;
+
+  {  // head_dim without CUDA kernels: refused when the ONNX parser creates the plugin
+    Fields f;
+    f.head_dim = 32;
+    std::unique_ptr<IPluginV3> p(creator.createPlugin("layer0", f.collection(), TensorRTPhase::kBUILD));
+    check(p == nullptr, "head_dim 32 must be refused at createPlugin");
+  }
+
+  // Build phase: the workspace TensorRT is asked for is recorded and serialized.
+  Fields build;
+  std::unique_ptr<IPluginV3> built(creator.createPlugin("layer0", build.collection(), TensorRTPhase::kBUILD));
+  check(built != nullptr, "head_dim 64 must be accepted");
+  if (built == nullptr) return 1;
+  PagedAttentionPlugin* plugin = as_plugin(built.get());
+  check(serialized_workspace(plugin) == -1, "no workspace_bytes before TensorRT asked for the workspace");
+  DynamicPluginTensorDesc in[8]{};
+  DynamicPluginTensorDesc out[2]{};
+  Dims lo[8], hi[8];
+  shapes(lo, 1, 1, 1);
+  shapes(hi, 2048, 4, 256);  // 4 sequences of up to 4096 tokens: decode splits use the workspace
+  for (int32_t i = 0; i < 8; ++i) {
+    in[i].desc.dims = hi[i];
+    in[i].desc.type = input_type(i);
+    in[i].desc.format = TensorFormat::kLINEAR;
+    in[i].min = lo[i];
+    in[i].max = hi[i];
+    in[i].opt = hi[i];
+  }
+  check(plugin->configurePlugin(in, 8, out, 2) == 0, "configurePlugin over a valid profile");
+  size_t const reserved = plugin->getWorkspaceSize(in, 8, out, 2);
+  check(reserved > 0, "a long-context profile needs a decode workspace");
+  check(serialized_workspace(plugin) == static_cast<int64_t>(reserved), "workspace_bytes serialized = reserved");
+
+  {  // Runtime phase: a plan without workspace_bytes is refused.
+    Fields old;
+    std::unique_ptr<IPluginV3> p(creator.createPlugin("layer0", old.collection(), TensorRTPhase::kRUNTIME));
+    check(p == nullptr, "a runtime plugin without workspace_bytes must be refused");
+  }
+
+  {  // Runtime phase: enqueue refuses a step that needs more workspace than the plan reserved.
+    Fields small;
+    small.workspace_bytes = 64;
+    std::unique_ptr<IPluginV3> p(creator.createPlugin("layer0", small.collection(), TensorRTPhase::kRUNTIME));
+    check(p != nullptr, "a runtime plugin with workspace_bytes");
+    if (p != nullptr) {
+      PluginTensorDesc step[8]{};
+      Dims d[8];
+      shapes(d, 4, 4, 256);  // 4 decode tokens over up to 4096 cached tokens each: needs splits
+      for (int32_t i = 0; i < 8; ++i) {
+        step[i].dims = d[i];
+        step[i].type = input_type(i);
+        step[i].format = TensorFormat::kLINEAR;
+      }
+      void const* inputs[8] = {};
+      void* outputs[2] = {};
+      int32_t const rc = as_plugin(p.get())->enqueue(step, nullptr, inputs, outputs, nullptr, nullptr);
+      check(rc != 0, "enqueue must refuse a step needing more workspace than TensorRT reserved");
+    }
+  }
+
+  std::printf("%s\n", failures == 0 ? "plugin host checks passed" : "plugin host checks FAILED");
+  return failures == 0 ? 0 : 1;
+}
