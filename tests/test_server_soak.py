@@ -33,7 +33,6 @@ def stream_client(server, body: dict, hang_up_after: int | None, out: StreamResu
         out.status = resp.status
         if resp.status != 200:
             return
-        buf = b""
         while True:
             line = resp.fp.readline()
             if not line:
@@ -47,7 +46,6 @@ def stream_client(server, body: dict, hang_up_after: int | None, out: StreamResu
                     out.hung_up = True
                     conn.sock.close()
                     return
-            buf += line
     except Exception as exc:  # noqa: BLE001 - recorded and asserted on
         out.error = f"{type(exc).__name__}: {exc}"
     finally:
@@ -130,3 +128,19 @@ def test_shutdown_drains_in_flight_then_aborts_the_rest(tiny_engine_dir):
     assert long.events[-1] == "[DONE]" and long.events[-2]["error"]["code"] == "overloaded"  # aborted at the deadline
     stats = handle.llm.stats()  # the engine thread has stopped: safe to read directly
     assert stats["kv_blocks_used"] == 0 and stats["num_running"] == stats["num_waiting"] == 0
+
+
+def test_request_timeout_aborts_and_frees(tiny_engine_dir):
+    handle = start_server(tiny_engine_dir, port=0, device="cpu", options=ServerOptions(request_timeout_s=0.5))
+    try:
+        slowed(handle, 0.01)  # 400 tokens take >= 4 s
+        body = {"prompt": "forever", "max_tokens": 400, "ignore_eos": True}
+        status, _, out = request(handle, "/v1/completions", body)
+        assert status == 504 and out["error"]["type"] == "timeout_error"
+        result = StreamResult()
+        stream_client(handle, body, None, result)
+        assert result.events[-1] == "[DONE]" and result.events[-2]["error"]["type"] == "timeout_error"
+        m = wait_idle(handle)
+        assert m['request_success_total{finished_reason="abort"}'] == 2 and m["kv_cache_blocks_used"] == 0
+    finally:
+        handle.shutdown(timeout=0)

@@ -17,7 +17,6 @@ from trtpaged.runtime.llm_engine import LLMEngine
 from trtpaged.runtime.outputs import RequestOutput
 from trtpaged.runtime.sampling_params import SamplingParams
 from trtpaged.server.engine_loop import (
-    ClientGone,
     EngineFailure,
     EngineLoop,
     Overloaded,
