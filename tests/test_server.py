@@ -325,3 +325,19 @@ def test_cli_serve_port_in_use_fails_before_loading(tiny_engine_dir):
         assert time.monotonic() - start < 5
     finally:
         taken.close()
+
+
+def test_keep_alive_serves_several_requests_on_one_connection(server):
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
+    try:
+        conn.request("GET", "/health")
+        assert conn.getresponse().read() and conn.sock is not None
+        first = conn.sock
+        for streamed in (False, True):
+            conn.request("POST", "/v1/completions", json.dumps({"prompt": "ka", "max_tokens": 2, "stream": streamed}),
+                         {"Content-Type": "application/json"})  # fmt: skip
+            resp = conn.getresponse()
+            assert resp.status == 200 and resp.read()
+        assert conn.sock is first  # http.client reopens a closed connection: the same socket means keep-alive
+    finally:
+        conn.close()
