@@ -1,4 +1,7 @@
-"""`trtpaged serve`: a real server on 127.0.0.1 (port 0) over the tiny engine, checked against `LLM`."""
+"""`trtpaged serve`: a real server (uvicorn) on 127.0.0.1 (port 0) over the tiny engine, checked against `LLM`.
+
+Shared helpers for the other test_server_* modules live here too.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from click.testing import CliRunner
 
 from trtpaged import LLM, SamplingParams
 from trtpaged.cli import main
+from trtpaged.errors import RequestError
 from trtpaged.server import start_server
 from trtpaged.server.stream_state import held_back
 
@@ -33,11 +37,13 @@ def server(tiny_engine_dir):
     handle.shutdown()
 
 
-def request(server, path, body=None, method=None, raw=None):
+def request(server, path, body=None, method=None, raw=None, headers=None):
     """(status, headers, parsed JSON or text) of one HTTP request."""
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
     req = urllib.request.Request(server.url + path, data=data, method=method or ("POST" if data is not None else "GET"))
     req.add_header("Content-Type", "application/json")
+    for k, v in (headers or {}).items():
+        req.add_header(k, v)
     try:
         with urllib.request.urlopen(req, timeout=60) as resp:
             status, headers, text = resp.status, resp.headers, resp.read().decode()
@@ -47,22 +53,24 @@ def request(server, path, body=None, method=None, raw=None):
     return status, headers, json.loads(text) if is_json else text
 
 
-def stream(server, path, body):
+def stream(server, path, body, headers=None):
     """The `data:` payloads of a streamed response, JSON-decoded except the final [DONE]."""
     conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
-    conn.request("POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
+    conn.request("POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json", **(headers or {})})
     resp = conn.getresponse()
-    assert resp.status == 200 and resp.getheader("Content-Type") == "text/event-stream"
+    assert resp.status == 200 and resp.getheader("Content-Type").startswith("text/event-stream")
     events = [line[len(b"data: "):].decode() for line in resp.read().split(b"\n\n") if line.startswith(b"data: ")]
     conn.close()
     return [e if e == "[DONE]" else json.loads(e) for e in events]
 
 
 def metrics(server):
-    """Unlabelled samples and labelled ones keyed by their full `name{labels}`."""
+    """Unlabelled samples and labelled ones keyed by their full `name{labels}` (names without `trtpaged:`)."""
     status, headers, text = request(server, "/metrics")
     assert status == 200 and headers["Content-Type"].startswith("text/plain")
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line and line[0] != "#"}
+    samples = [line.rsplit(" ", 1) for line in text.splitlines() if line and line[0] != "#"]
+    assert all(name.startswith("trtpaged:") for name, _ in samples)
+    return {name.removeprefix("trtpaged:"): float(value) for name, value in samples}
 
 
 def wait_idle(server, timeout=10.0):
@@ -70,7 +78,7 @@ def wait_idle(server, timeout=10.0):
     deadline = time.monotonic() + timeout
     while True:
         m = metrics(server)
-        if m["trtpaged_num_requests_running"] == m["trtpaged_num_requests_waiting"] == 0 and m["trtpaged_kv_blocks_used"] == 0:
+        if m["num_requests_running"] == m["num_requests_waiting"] == 0 and m["kv_cache_blocks_used"] == 0:
             return m
         assert time.monotonic() < deadline, f"server did not go idle: {m}"
         time.sleep(0.05)
@@ -144,7 +152,7 @@ def test_held_back_stop_prefixes():
 
 def test_concurrent_requests_share_steps(server, llm):
     prompts = ["first prompt", "second one here", [7, 8, 9], "a fourth prompt that is longer than one block of sixteen"]
-    before = wait_idle(server)["trtpaged_engine_steps_total"]
+    before = wait_idle(server)["engine_steps_total"]
     results: dict[int, dict] = {}
 
     def run(i):
@@ -157,7 +165,7 @@ def test_concurrent_requests_share_steps(server, llm):
         t.join(60)
     truth = llm.generate(prompts, greedy(16, ignore_eos=True))
     assert [results[i]["choices"][0]["text"] for i in range(4)] == [o.outputs[0].text for o in truth]
-    steps = wait_idle(server)["trtpaged_engine_steps_total"] - before
+    steps = wait_idle(server)["engine_steps_total"] - before
     assert 16 <= steps < 4 * 16, f"{steps} steps for 4 x 16 tokens: requests did not share steps"
 
 
@@ -169,45 +177,65 @@ def test_parallel_sampling_n2(server, llm):
     assert [c["text"] for c in out["choices"]] == [c.text for c in truth.outputs]
 
 
+# Refused by the server itself: (path, body, status, param, text the message must contain).
 BAD = [
-    ("/v1/completions", {"prompt": "x", "model": "nope"}, "model", "tiny-served"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": "8"}, "max_tokens", "integer"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", ">= 1"),
-    ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature", ">= 0"),
-    ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p", "(0, 1]"),
-    ("/v1/completions", {"prompt": "x", "top_k": 1.5}, "top_k", "integer"),
-    ("/v1/completions", {"prompt": "x", "n": 9}, "n", "max_batch_size (8)"),
-    ("/v1/completions", {"prompt": "x", "n": 9, "use_beam_search": True}, "n", "max_batch_size (8)"),
-    ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of", "use_beam_search"),
-    ("/v1/completions", {"prompt": "x", "use_beam_search": True, "best_of": 2, "stop": "a"}, "stop", "beam search"),
-    ("/v1/completions", {"prompt": [5] * 600}, "prompt", "max_seq_len (512)"),
-    ("/v1/completions", {"prompt": [5] * 500, "max_tokens": 20}, "max_tokens", "max_seq_len (512)"),
-    ("/v1/completions", {"prompt": [999999]}, "prompt", "vocabulary [0, 320)"),
-    ("/v1/completions", {"prompt": ["ok", [5] * 600]}, "prompt", "max_seq_len (512)"),
-    ("/v1/completions", {"max_tokens": 4}, "prompt", "string"),
-    ("/v1/completions", {"prompt": "x", "stop": 5}, "stop", "string"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 50}, "logprobs", "[0, 20]"),
-    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "stream"),
-    ("/v1/completions", [1, 2], "body", "object"),
-    ("/v1/chat/completions", {"messages": "hi"}, "messages", "array"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 600}]}, "messages", "max_seq_len (512)"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens", ">= 1"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs", "logprobs"),
+    ("/v1/completions", {"prompt": "x", "model": "nope"}, 404, "model", "tiny-served"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "8"}, 400, "max_tokens", "integer"),
+    ("/v1/completions", {"prompt": "x", "top_k": 1.5}, 400, "top_k", "integer"),
+    ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of", "use_beam_search"),
+    ("/v1/completions", {"prompt": [5] * 500, "max_tokens": 20}, 400, "max_tokens", "max_seq_len (512)"),
+    ("/v1/completions", {"prompt": [999999]}, 400, "prompt", "vocabulary [0, 320)"),
+    ("/v1/completions", {"max_tokens": 4}, 400, "prompt", "required"),
+    ("/v1/completions", {"prompt": "x", "stop": 5}, 400, "stop", "string"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs", "[0, 20]"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 4, "bogus": 1}, 400, "bogus", "unknown field"),
+    ("/v1/completions", [1, 2], 400, "body", "object"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", "list"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs", "logprobs"),
+]
+# Refused by the runtime: (path, body, field, a probe that makes the runtime raise the same error directly).
+# The server names the field when the runtime raises RequestError, and no field for a plain ValueError.
+RUNTIME_BAD = [
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", lambda llm: SamplingParams(max_tokens=0)),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature", lambda llm: SamplingParams(temperature=-1)),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p", lambda llm: SamplingParams(top_p=0)),
+    ("/v1/completions", {"prompt": "x", "n": 9}, "n", lambda llm: llm.engine.add_request([5], SamplingParams(n=9))),
+    ("/v1/completions", {"prompt": [5] * 600}, "prompt", lambda llm: llm.engine.add_request([5] * 600)),
+    ("/v1/completions", {"prompt": ["ok", [5] * 600]}, "prompt", lambda llm: llm.engine.add_request([5] * 600)),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 600}]}, "messages",
+     lambda llm: llm.engine.add_request([5] * 600)),
 ]
 
 
-def test_bad_input_is_400_and_leaks_nothing(server):
-    for path, body, param, limit in BAD:
+def expected_param(probe, llm, field):
+    """`field` if the runtime raises RequestError for this input, None if a plain ValueError."""
+    with pytest.raises(ValueError) as info:
+        probe(llm)
+    return field if isinstance(info.value, RequestError) else None
+
+
+def test_bad_input_is_4xx_and_leaks_nothing(server, llm):
+    key = 'http_requests_total{route="/v1/completions",status="400"}'
+    before = metrics(server).get(key, 0)
+    for path, body, code, param, text in BAD:
         status, _, out = request(server, path, body)
-        assert status == 400, (body, out)
-        assert out["error"]["type"] == "invalid_request_error" and out["error"]["param"] == param, (body, out)
-        assert out["error"]["message"].startswith(param) and limit in out["error"]["message"], (body, out)
+        assert status == code, (body, out)
+        assert out["error"]["param"] == param, (body, out)
+        assert out["error"]["type"] == ("not_found_error" if code == 404 else "invalid_request_error"), (body, out)
+        assert out["error"]["message"].startswith(param) and text in out["error"]["message"], (body, out)
+    for path, body, field, probe in RUNTIME_BAD:
+        status, _, out = request(server, path, body)
+        assert status == 400 and out["error"]["type"] == "invalid_request_error", (body, out)
+        assert out["error"]["param"] == expected_param(probe, llm, field), (body, out)
+        assert field.split("/")[0] in out["error"]["message"] or field == "messages", (body, out)
     status, _, out = request(server, "/v1/completions", raw=b'{"prompt": "x",')
     assert status == 400 and out["error"]["param"] == "body"
     assert request(server, "/nope")[0] == 404 and request(server, "/v1/completions", method="GET")[0] == 405
     assert request(server, "/v1/completions", {"prompt": "still up", "max_tokens": 2})[0] == 200
     m = wait_idle(server)
-    assert m['trtpaged_http_requests_total{route="/v1/completions",status="400"}'] >= len(BAD) - 4
+    sent = [c for p, _, c, *_ in BAD if p == "/v1/completions"] + [400 for p, *_ in RUNTIME_BAD if p == "/v1/completions"]
+    assert m[key] - before == sent.count(400) + 1  # + the malformed JSON
 
 
 def test_engine_exception_is_500_for_that_request_only(server):
@@ -215,11 +243,12 @@ def test_engine_exception_is_500_for_that_request_only(server):
 
     def boom(batch):
         del backend.step  # fail once, then the real method again
-        raise RuntimeError("boom")
+        raise RuntimeError("secret detail")
 
     server.loop.call(lambda e: setattr(backend, "step", boom))
     status, _, out = request(server, "/v1/completions", {"prompt": "x", "max_tokens": 3})
-    assert status == 500 and out["error"]["type"] == "server_error" and "boom" in out["error"]["message"]
+    assert status == 500 and out["error"]["type"] == "server_error" and "RuntimeError" in out["error"]["message"]
+    assert "secret detail" not in out["error"]["message"] and "Traceback" not in out["error"]["message"]
     assert request(server, "/v1/completions", {"prompt": "x", "max_tokens": 3})[0] == 200
     wait_idle(server)
 
@@ -233,7 +262,7 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
         return real_step(batch)
 
     server.loop.call(lambda e: setattr(backend, "step", slow_step))
-    aborted = metrics(server).get('trtpaged_request_finished_total{finished_reason="abort"}', 0)
+    aborted = metrics(server).get('request_success_total{finished_reason="abort"}', 0)
     try:
         for streamed in (True, False):
             body = json.dumps({"prompt": "long", "max_tokens": 500, "ignore_eos": True, "stream": streamed}).encode()
@@ -243,12 +272,12 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
             received = b""
             while streamed and b"data: " not in received:
                 received += sock.recv(4096)
-            while metrics(server)["trtpaged_num_requests_running"] != 1:
+            while metrics(server)["num_requests_running"] != 1:
                 time.sleep(0.02)
             sock.close()
             m = wait_idle(server)
-            assert m['trtpaged_request_finished_total{finished_reason="abort"}'] == aborted + 1
-            assert m["trtpaged_kv_blocks_used"] == 0
+            assert m['request_success_total{finished_reason="abort"}'] == aborted + 1
+            assert m["kv_cache_blocks_used"] == 0
             aborted += 1
     finally:
         server.loop.call(lambda e: delattr(backend, "step"))
@@ -257,21 +286,58 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
 def test_models_health_metrics(server):
     status, _, models = request(server, "/v1/models")
     assert status == 200 and [d["id"] for d in models["data"]] == [MODEL] and models["data"][0]["max_model_len"] == 512
+    assert request(server, f"/v1/models/{MODEL}")[2]["id"] == MODEL
+    assert request(server, "/v1/models/other")[0] == 404
     assert request(server, "/health")[:1] == (200,)
     request(server, "/v1/completions", {"prompt": "metrics", "max_tokens": 3})
     m = wait_idle(server)
-    for name in ("trtpaged_kv_blocks_total", "trtpaged_kv_cache_usage_ratio", "trtpaged_kv_utilisation_ratio",
-                 "trtpaged_num_preemptions_total", "trtpaged_prefix_cache_queries_tokens_total",
-                 "trtpaged_prefix_cache_hits_tokens_total", "trtpaged_prompt_tokens_total"):
-        assert name in m
-    assert m["trtpaged_kv_blocks_total"] == 256 and m["trtpaged_kv_cache_usage_ratio"] == 0
-    assert m["trtpaged_time_to_first_token_seconds_count"] >= 1 and m["trtpaged_time_per_output_token_seconds_count"] >= 1
-    assert m['trtpaged_time_to_first_token_seconds_bucket{le="+Inf"}'] == m["trtpaged_time_to_first_token_seconds_count"]
-    assert m['trtpaged_request_finished_total{finished_reason="length"}'] >= 1
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total",
+                 "prefix_cache_queries_total", "prefix_cache_hits_total", "kv_cache_utilisation_perc",
+                 "kv_cache_blocks_saved_by_sharing", "prompt_tokens_total", "generation_tokens_total",
+                 "request_prompt_tokens_count", "request_generation_tokens_count", "e2e_request_latency_seconds_count"):
+        assert name in m, name
+    assert m["kv_cache_blocks"] == 256 and m["kv_cache_usage_perc"] == 0
+    assert m["time_to_first_token_seconds_count"] >= 1 and m["inter_token_latency_seconds_count"] >= 1
+    assert m['time_to_first_token_seconds_bucket{le="+Inf"}'] == m["time_to_first_token_seconds_count"]
+    assert m['request_success_total{finished_reason="length"}'] >= 1
+    assert m["prefix_cache_queries_total"] >= m["prefix_cache_hits_total"]
 
 
 def test_cli_serve_help():
     result = CliRunner().invoke(main, ["serve", "--help"])
     assert result.exit_code == 0
-    for option in ("--host", "--port", "--served-model-name", "--max-batch-size", "--max-num-tokens", "--kv-blocks"):
+    for option in ("--host", "--port", "--served-model-name", "--max-batch-size", "--max-num-tokens", "--kv-blocks",
+                   "--api-key", "--max-waiting", "--shutdown-timeout", "--request-timeout", "--max-body-bytes"):
         assert option in result.output
+
+
+def test_cli_serve_port_in_use_fails_before_loading(tiny_engine_dir):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    try:
+        start = time.monotonic()
+        result = CliRunner().invoke(main, ["serve", str(tiny_engine_dir), "--port", str(port), "--device", "cpu"])
+        assert result.exit_code != 0
+        assert f"127.0.0.1:{port}" in result.output and "already in use" in result.output
+        assert len(result.output.strip().splitlines()) == 1
+        assert time.monotonic() - start < 5
+    finally:
+        taken.close()
+
+
+def test_keep_alive_serves_several_requests_on_one_connection(server):
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
+    try:
+        conn.request("GET", "/health")
+        assert conn.getresponse().read() and conn.sock is not None
+        first = conn.sock
+        for streamed in (False, True):
+            conn.request("POST", "/v1/completions", json.dumps({"prompt": "ka", "max_tokens": 2, "stream": streamed}),
+                         {"Content-Type": "application/json"})  # fmt: skip
+            resp = conn.getresponse()
+            assert resp.status == 200 and resp.read()
+        assert conn.sock is first  # http.client reopens a closed connection: the same socket means keep-alive
+    finally:
+        conn.close()

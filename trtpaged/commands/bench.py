@@ -107,3 +107,39 @@ def qlinear(as_json: bool, quick: bool, working_set_mb: Optional[int], threads: 
         progress=lambda msg: click.echo(f"  {msg}", err=True),
     )
     click.echo(report_json(report) if as_json else format_report(report))
+
+
+@command.command(name="serve")
+@click.option("--base-url", required=True, help="The server, e.g. http://127.0.0.1:8000 (any OpenAI-compatible server).")
+@click.option("--trace", type=click.Path(exists=True, dir_okay=False), help="JSON Lines trace (as for bench memory).")
+@click.option("--num-requests", default=100, show_default=True, help="Synthetic workload: number of requests.")
+@click.option("--prompt-len", default="32:256", show_default=True, help="Synthetic: prompt words N or LOW:HIGH.")
+@click.option("--output-len", default="16:128", show_default=True, help="Synthetic: output tokens N or LOW:HIGH.")
+@click.option("--request-rate", default="inf", show_default=True, help="Requests per second (Poisson), or inf.")
+@click.option("--max-concurrency", type=click.IntRange(min=1), default=None, help="Requests in flight at most.")
+@click.option("--model", default=None, help="Model name to send (default: none; the server's own).")
+@click.option("--api-key", envvar="TRTPAGED_API_KEY", default=None, help="Sent as 'Authorization: Bearer KEY'.")
+@click.option("--endpoint", type=click.Choice(["completions", "chat"]), default="completions", show_default=True)
+@click.option("--ignore-eos/--no-ignore-eos", default=True, show_default=True, help="Ask for exactly the output length.")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def serve(base_url, trace, num_requests, prompt_len, output_len, request_rate, max_concurrency, model, api_key,
+          endpoint, ignore_eos, seed, as_json) -> None:  # fmt: skip
+    """Serving benchmark: TTFT, TPOT, ITL, end-to-end latency and throughput of a running server."""
+    import asyncio
+
+    from trtpaged.bench.serve_bench import format_report, prompts_from_trace, report_json, run_serve_bench
+    from trtpaged.bench.workload import load_trace, parse_range, synthetic_trace
+
+    try:
+        rate = float(request_rate)
+        if not rate > 0:
+            raise ValueError(f"--request-rate: must be > 0 or inf, got {request_rate!r}")
+        workload = load_trace(trace) if trace else synthetic_trace(
+            num_requests, parse_range(prompt_len, "--prompt-len"), parse_range(output_len, "--output-len"), seed=seed)
+    except (ValueError, FileNotFoundError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    report = asyncio.run(run_serve_bench(base_url, prompts_from_trace(workload, seed), rate, max_concurrency, model,
+                                         api_key, endpoint == "chat", ignore_eos, seed,
+                                         progress=lambda msg: click.echo(f"  {msg}", err=True)))  # fmt: skip
+    click.echo(report_json(report) if as_json else format_report(report))

@@ -1,4 +1,4 @@
-"""`trtpaged serve ENGINE`: an OpenAI-compatible HTTP server over an engine dir."""
+"""`trtpaged serve ENGINE`: an OpenAI-compatible HTTP server (FastAPI on uvicorn) over an engine dir."""
 
 from __future__ import annotations
 
@@ -14,29 +14,48 @@ import click
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option("--port", type=int, default=8000, show_default=True, help="Port to bind (0: any free port).")
 @click.option("--served-model-name", default=None, help="Model name clients send and /v1/models lists (default: the engine dir's name).")
+@click.option("--api-key", envvar="TRTPAGED_API_KEY", default=None, show_envvar=True,
+              help="Require 'Authorization: Bearer KEY' on /v1/* (/health and /metrics stay open).")
+@click.option("--max-waiting", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Requests that may wait for admission; beyond it: 503 with Retry-After.")
+@click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
+              help="Seconds a request may run before it is aborted (504).")
+@click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="On SIGTERM/Ctrl-C: seconds requests in flight may finish before the rest are aborted.")
+@click.option("--max-body-bytes", type=click.IntRange(min=1), default=8 << 20, show_default=True, help="Largest request body (413 beyond).")
+@click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=None, help="Longest prompt accepted (default: max_seq_len - 1).")
 @click.option("--max-batch-size", type=int, default=None, help="Sequences per step (at most the engine's build limit).")
 @click.option("--max-num-tokens", type=int, default=None, help="Tokens per step (at most the engine's build limit).")
 @click.option("--max-seq-len", type=int, default=None, help="Prompt + output tokens per sequence (at most the build limit).")
 @click.option("--kv-blocks", type=int, default=None, help="KV-cache blocks in the pool (default: the manifest's budget).")
 @click.option("--backend", type=click.Choice(["auto", "torch", "tensorrt"]), default="auto", show_default=True)
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when present).")
-def command(engine, host, port, served_model_name, max_batch_size, max_num_tokens, max_seq_len, kv_blocks, backend, device) -> None:
+def command(engine, host, port, served_model_name, api_key, max_waiting, request_timeout, shutdown_timeout,
+            max_body_bytes, max_prompt_tokens, max_batch_size, max_num_tokens, max_seq_len, kv_blocks, backend,
+            device) -> None:  # fmt: skip
     """Serve ENGINE over /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics."""
-    from trtpaged.server import start_server
+    from trtpaged.server import ServerOptions, start_server
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     try:
+        options = ServerOptions(
+            api_key=api_key, max_waiting=max_waiting, request_timeout_s=request_timeout,
+            shutdown_timeout_s=shutdown_timeout, max_body_bytes=max_body_bytes, max_prompt_tokens=max_prompt_tokens,
+        )  # fmt: skip
         handle = start_server(
-            engine, host=host, port=port, served_model_name=served_model_name, backend=backend, device=device,
-            num_kv_blocks=kv_blocks, max_num_tokens=max_num_tokens, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-        )
+            engine, host=host, port=port, served_model_name=served_model_name, options=options, backend=backend,
+            device=device, num_kv_blocks=kv_blocks, max_num_tokens=max_num_tokens, max_batch_size=max_batch_size,
+            max_seq_len=max_seq_len,
+        )  # fmt: skip
     except (ValueError, FileNotFoundError, OSError) as e:
         raise click.ClickException(str(e)) from None
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    click.echo(f"trtpaged serve: {handle.model_name} ready at {handle.url} (Ctrl-C to stop)")
+    auth = "API key required" if options.api_key else "no API key"
+    click.echo(f"trtpaged serve: {handle.model_name} ready at {handle.url} ({auth}; Ctrl-C or SIGTERM to stop)")
     while not stop.wait(0.5):
         pass
-    click.echo("trtpaged serve: shutting down", err=True)
+    click.echo(f"trtpaged serve: draining (up to {shutdown_timeout:g} s), then stopping", err=True)
     handle.shutdown()
+    click.echo("trtpaged serve: stopped", err=True)

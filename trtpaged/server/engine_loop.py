@@ -1,14 +1,20 @@
-"""The engine thread: the one owner of an `LLMEngine`. HTTP threads reach it only through queues."""
+"""The engine thread: the one owner of an `LLMEngine`. Request handlers reach it only through queues.
+
+Handlers run on the asyncio event loop; they send commands (submit, abort, call) to
+this thread and await the results, and receive outputs on an `asyncio.Queue` fed
+with `call_soon_threadsafe`.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future, TimeoutError as FutureTimeout
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Sequence, TypeVar
 
 from trtpaged.runtime.llm_engine import LLMEngine
 from trtpaged.runtime.outputs import RequestOutput
@@ -20,11 +26,23 @@ T = TypeVar("T")
 
 
 class EngineFailure(RuntimeError):
-    """The engine raised during a step (or is shutting down); the requests in flight end with it."""
+    """The engine raised during a step; the requests in flight end with it."""
+
+
+class ShuttingDown(RuntimeError):
+    """The server is stopping: new requests are refused, and those still running at the deadline end with it."""
+
+
+class Overloaded(RuntimeError):
+    """The waiting queue is full (`max_waiting`): the request is refused before it is queued."""
 
 
 class ClientGone(Exception):
     """The HTTP client closed its connection before its request finished."""
+
+
+class RequestTimeout(Exception):
+    """The request ran longer than the server's per-request timeout; it was aborted."""
 
 
 @dataclass
@@ -32,6 +50,8 @@ class _Timing:
     arrival: float
     prompt_tokens: int = 0
     first_token: Optional[float] = None
+    last_token: Optional[float] = None
+    tokens: int = 0
 
 
 @dataclass
@@ -40,24 +60,39 @@ class Subscription:
 
     request_ids: list[str]
     loop: "EngineLoop"
-    queue: "queue.Queue[Any]" = field(default_factory=queue.Queue)
+    aio: asyncio.AbstractEventLoop
+    queue: "asyncio.Queue[Any]" = field(default_factory=asyncio.Queue)
 
-    def outputs(self, disconnected: Callable[[], bool], poll_s: float = 0.25) -> Iterator[RequestOutput]:
-        """Yields RequestOutput snapshots until every request finished. Raises ClientGone when
-        `disconnected()` turns true, EngineFailure when the engine failed; leaving early aborts the rest."""
+    def put(self, item: Any) -> None:
+        """Called on the engine thread."""
+        try:
+            self.aio.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    async def outputs(
+        self, disconnected: Callable[[], Awaitable[bool]], timeout_s: Optional[float] = None, poll_s: float = 0.25
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields RequestOutput snapshots until every request finished. Raises ClientGone when `disconnected()`
+        turns true, RequestTimeout after `timeout_s`, and the engine's error when it failed; leaving early
+        (an error, or the caller closing the generator) aborts what is left."""
         pending = set(self.request_ids)
-        next_check = time.monotonic() + poll_s
+        start = time.monotonic()
+        next_check = start + poll_s
         try:
             while pending:
                 try:
-                    item = self.queue.get(timeout=poll_s)
-                except queue.Empty:
+                    item = await asyncio.wait_for(self.queue.get(), poll_s)
+                except asyncio.TimeoutError:
                     item = None
-                if time.monotonic() >= next_check:  # outputs may arrive every step: check on a clock
-                    next_check = time.monotonic() + poll_s
-                    if disconnected():
+                now = time.monotonic()
+                if now >= next_check:  # outputs may arrive every step: check on a clock
+                    next_check = now + poll_s
+                    if await disconnected():
                         raise ClientGone()
-                    if not self.loop.alive and item is None:
+                    if timeout_s is not None and now - start > timeout_s:
+                        raise RequestTimeout()
+                    if item is None and not self.loop.alive:
                         raise EngineFailure("the engine loop stopped")
                 if item is None:
                     continue
@@ -75,22 +110,23 @@ class Subscription:
 class EngineLoop:
     """Runs `engine.step()` on a background thread while there is work.
 
-    Commands (submit, abort, call) are drained between steps, so requests that
-    arrive while others run join the next step: continuous batching across
-    HTTP requests. Everything that touches the engine or its tokenizer runs on
-    this thread.
+    Commands are drained between steps, so requests that arrive while others run
+    join the next step: continuous batching across HTTP requests. Everything that
+    touches the engine or its tokenizer runs on this thread. `max_waiting` bounds the
+    engine's waiting queue: a submit that would exceed it raises `Overloaded`.
     """
 
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics, max_waiting: Optional[int] = None) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.max_waiting = max_waiting
         self._commands: "queue.Queue[tuple[str, Any, Optional[Future]]]" = queue.Queue()
         self._subs: dict[str, Subscription] = {}
         self._timing: dict[str, _Timing] = {}
         self._thread = threading.Thread(target=self._run, name="trtpaged-engine", daemon=True)
         self._stopped = threading.Event()
 
-    # ---- called from HTTP threads -------------------------------------------------------------
+    # ---- called from other threads ------------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
 
@@ -98,14 +134,23 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopped.is_set()
 
-    def call(self, fn: Callable[[LLMEngine], T]) -> T:
-        """Runs `fn(engine)` on the engine thread between steps and returns its result (or raises its error)."""
-        return self._wait(self._send("call", fn))
+    @property
+    def num_in_flight(self) -> int:
+        """Engine requests submitted and not yet finished or aborted."""
+        return len(self._subs)
 
-    def submit(self, requests: Sequence[tuple[str, list[int], SamplingParams]]) -> Subscription:
-        """Adds (request_id, prompt token ids, params) all or none; raises add_request's ValueError."""
-        sub = Subscription([rid for rid, _, _ in requests], self)
-        self._wait(self._send("submit", (list(requests), sub, time.monotonic())))
+    def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Runs `fn(engine)` on the engine thread between steps and returns its result (blocking)."""
+        return self._send("call", fn).result()
+
+    async def call_async(self, fn: Callable[[LLMEngine], T]) -> T:
+        """`call` for the event loop: awaits the result without blocking other requests."""
+        return await asyncio.wrap_future(self._send("call", fn))
+
+    async def submit(self, requests: Sequence[tuple[str, list[int], SamplingParams]]) -> Subscription:
+        """Adds (request_id, prompt token ids, params) all or none; raises add_request's ValueError or Overloaded."""
+        sub = Subscription([rid for rid, _, _ in requests], self, asyncio.get_running_loop())
+        await asyncio.wrap_future(self._send("submit", (list(requests), sub, time.monotonic())))
         return sub
 
     def abort(self, request_ids: Sequence[str]) -> None:
@@ -113,24 +158,16 @@ class EngineLoop:
         self._commands.put(("abort", list(request_ids), None))
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stops the thread after the current step; requests in flight end with EngineFailure."""
+        """Stops the thread after the current step; requests in flight end with ShuttingDown."""
         self._commands.put(("stop", None, None))
         self._thread.join(timeout)
 
     def _send(self, kind: str, payload: Any) -> Future:
         if not self.alive:
-            raise EngineFailure("the engine loop is not running")
+            raise ShuttingDown("the engine loop is not running")
         future: Future = Future()
         self._commands.put((kind, payload, future))
         return future
-
-    def _wait(self, future: Future) -> Any:
-        while True:
-            try:
-                return future.result(timeout=0.5)
-            except FutureTimeout:
-                if not self._thread.is_alive():
-                    raise EngineFailure("the engine loop stopped") from None
 
     # ---- the engine thread --------------------------------------------------------------------
     def _run(self) -> None:
@@ -141,7 +178,7 @@ class EngineLoop:
                     self._step()
         finally:
             self._stopped.set()
-            self._fail_all(EngineFailure("the server is shutting down"))
+            self._fail_all(ShuttingDown("the server is shutting down"), "abort")
             self._drain(block=False)  # answer callers still waiting on a future
 
     def _drain(self, block: bool) -> None:
@@ -158,7 +195,7 @@ class EngineLoop:
 
     def _execute(self, kind: str, payload: Any, future: Optional[Future]) -> None:
         if future is not None and self._stopped.is_set():
-            future.set_exception(EngineFailure("the server is shutting down"))
+            future.set_exception(ShuttingDown("the server is shutting down"))
             return
         try:
             if kind == "call":
@@ -176,6 +213,10 @@ class EngineLoop:
                 future.set_exception(exc)
 
     def _add(self, requests: list[tuple[str, list[int], SamplingParams]], sub: Subscription, arrival: float) -> None:
+        if self.max_waiting is not None:
+            waiting = int(self.engine.stats()["num_waiting"])
+            if waiting + len(requests) > self.max_waiting:
+                raise Overloaded(f"{waiting} requests are waiting (max_waiting {self.max_waiting}); retry later")
         added: list[str] = []
         try:
             for rid, prompt, params in requests:
@@ -193,7 +234,8 @@ class EngineLoop:
         if self.engine.abort(rid):
             timing = self._timing.get(rid)
             if timing is not None:
-                self.metrics.observe_finished("abort", timing.prompt_tokens, 0, time.monotonic() - timing.arrival, None)
+                self.metrics.observe_finished("abort", timing.prompt_tokens, timing.tokens,
+                                              time.monotonic() - timing.arrival, None)  # fmt: skip
         self._forget(rid)
 
     def _forget(self, rid: str) -> None:
@@ -205,7 +247,7 @@ class EngineLoop:
             outputs = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - fail the requests in flight, keep serving
             log.exception("engine step failed; ending the %d requests in flight", len(self._subs))
-            self._fail_all(EngineFailure(f"engine step failed: {type(exc).__name__}: {exc}"))
+            self._fail_all(EngineFailure(f"engine step failed ({type(exc).__name__}); see the server log"), "error")
             return
         now = time.monotonic()
         for out in outputs:
@@ -213,28 +255,35 @@ class EngineLoop:
             if sub is None:
                 continue
             self._observe(out, now)
-            sub.queue.put(out)
+            sub.put(out)
             if out.finished:
                 self._forget(out.request_id)
 
     def _observe(self, out: RequestOutput, now: float) -> None:
         timing = self._timing[out.request_id]
         num_tokens = [len(c.token_ids) for c in out.outputs]
-        if timing.first_token is None and any(num_tokens):
-            timing.first_token = now
-            self.metrics.observe_first_token(now - timing.arrival)
+        longest = max(num_tokens, default=0)
+        if longest > timing.tokens:
+            if timing.first_token is None:
+                timing.first_token = now
+                self.metrics.observe_first_token(now - timing.arrival)
+            elif timing.last_token is not None:
+                self.metrics.observe_token_gap(now - timing.last_token)
+            timing.last_token, timing.tokens = now, longest
         if out.finished:
-            longest = max(num_tokens, default=0)
             tpot = (now - timing.first_token) / (longest - 1) if timing.first_token and longest > 1 else None
             reason = out.outputs[0].finish_reason if out.outputs else "length"
-            self.metrics.observe_finished(reason or "length", timing.prompt_tokens, sum(num_tokens), now - timing.arrival, tpot)
+            self.metrics.observe_finished(reason or "length", timing.prompt_tokens, sum(num_tokens),
+                                          now - timing.arrival, tpot)  # fmt: skip
 
-    def _fail_all(self, error: EngineFailure) -> None:
+    def _fail_all(self, error: Exception, reason: str) -> None:
         for rid, sub in list(self._subs.items()):
             try:
                 self.engine.abort(rid)
             except Exception:  # noqa: BLE001 - state may be inconsistent after a failed step
                 log.exception("abort of %s failed", rid)
-            self.metrics.observe_finished("error", self._timing[rid].prompt_tokens, 0, 0.0, None)
-            sub.queue.put(error)
+            timing = self._timing[rid]
+            self.metrics.observe_finished(reason, timing.prompt_tokens, timing.tokens,
+                                          time.monotonic() - timing.arrival, None)  # fmt: skip
+            sub.put(error)
             self._forget(rid)

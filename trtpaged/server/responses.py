@@ -3,19 +3,32 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence, Union
 
 from trtpaged.runtime.outputs import CompletionOutput, RequestOutput
+from trtpaged.server.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionResponse,
+    Delta,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 
 TokenStrings = Mapping[int, str]  # token id -> its text, decoded on the engine thread
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
+def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens)
 
 
 def logprob_token_ids(token_ids: Sequence[int], logprobs: Optional[Sequence[Mapping[int, float]]]) -> set[int]:
@@ -28,7 +41,7 @@ def logprob_token_ids(token_ids: Sequence[int], logprobs: Optional[Sequence[Mapp
 
 def completion_logprobs(
     token_ids: Sequence[int], logprobs: Sequence[Mapping[int, float]], strings: TokenStrings, offset: int
-) -> tuple[dict[str, Any], int]:
+) -> tuple[CompletionLogprobs, int]:
     """The legacy completions format (tokens, token_logprobs, top_logprobs, text_offset) and the next offset."""
     body: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token, entry in zip(token_ids, logprobs):
@@ -38,12 +51,12 @@ def completion_logprobs(
         body["top_logprobs"].append({strings[t]: lp for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])})
         body["text_offset"].append(offset)
         offset += len(text)
-    return body, offset
+    return CompletionLogprobs(**body), offset
 
 
 def chat_logprobs(
     token_ids: Sequence[int], logprobs: Sequence[Mapping[int, float]], strings: TokenStrings, top_k: int
-) -> dict[str, Any]:
+) -> ChatLogprobs:
     """The chat format: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
 
     def item(token: int, logprob: Optional[float]) -> dict[str, Any]:
@@ -53,8 +66,8 @@ def chat_logprobs(
     content = []
     for token, entry in zip(token_ids, logprobs):
         top = sorted(entry.items(), key=lambda kv: -kv[1])[:top_k]
-        content.append({**item(token, entry.get(token)), "top_logprobs": [item(t, lp) for t, lp in top]})
-    return {"content": content}
+        content.append(TokenLogprob(**item(token, entry.get(token)), top_logprobs=[TopLogprob(**item(t, lp)) for t, lp in top]))
+    return ChatLogprobs(content=content)
 
 
 @dataclass(frozen=True)
@@ -67,64 +80,56 @@ class ResponseBuilder:
     chat: bool
     top_logprobs: Optional[int] = None  # requested top-k, or None when logprobs are off
 
-    def _envelope(self, chunk: bool) -> dict[str, Any]:
-        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
-        return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model}
+    def _envelope(self) -> dict[str, Any]:
+        return {"id": self.request_id, "created": self.created, "model": self.model}
 
     def _logprobs(self, token_ids: Sequence[int], logprobs: Optional[Sequence[Mapping[int, float]]],
-                  strings: TokenStrings, offset: int = 0) -> Optional[dict[str, Any]]:
+                  strings: TokenStrings, offset: int = 0) -> Union[ChatLogprobs, CompletionLogprobs, None]:
         if self.top_logprobs is None or logprobs is None:
             return None
         if self.chat:
             return chat_logprobs(token_ids, logprobs, strings, self.top_logprobs)
         return completion_logprobs(token_ids, logprobs, strings, offset)[0]
 
-    def full(self, finals: Sequence[RequestOutput], n: int, strings: TokenStrings) -> dict[str, Any]:
+    def full(self, finals: Sequence[RequestOutput], n: int, strings: TokenStrings) -> Union[ChatCompletionResponse, CompletionResponse]:
         """The non-streamed body: one choice per prompt x completion, numbered prompt-major."""
-        choices = []
+        choices: list[Any] = []
         for p, out in enumerate(finals):
             for c in out.outputs:
-                choice: dict[str, Any] = {"index": p * n + c.index}
+                common = {"index": p * n + c.index, "logprobs": self._logprobs(c.token_ids, c.logprobs, strings),
+                          "finish_reason": c.finish_reason, "stop_reason": _stop_reason(c)}  # fmt: skip
                 if self.chat:
-                    choice["message"] = {"role": "assistant", "content": c.text}
+                    choices.append(ChatChoice(message=AssistantMessage(content=c.text), **common))
                 else:
-                    choice["text"] = c.text
-                choice["logprobs"] = self._logprobs(c.token_ids, c.logprobs, strings)
-                choice.update(finish_reason=c.finish_reason, stop_reason=_stop_reason(c))
-                choices.append(choice)
+                    choices.append(CompletionChoice(text=c.text, **common))
         prompt_tokens = sum(len(o.prompt_token_ids) for o in finals)
         completion_tokens = sum(len(c.token_ids) for o in finals for c in o.outputs)
-        return {**self._envelope(False), "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+        body = {**self._envelope(), "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+        return ChatCompletionResponse(**body) if self.chat else CompletionResponse(**body)
 
     def chunk(
         self,
         index: int,
         text: Optional[str],
         finish_reason: Optional[str] = None,
-        logprobs: Optional[dict[str, Any]] = None,
+        logprobs: Union[ChatLogprobs, CompletionLogprobs, None] = None,
         role: bool = False,
-        include_usage: bool = False,
-    ) -> dict[str, Any]:
+    ) -> Union[ChatCompletionChunk, CompletionChunk]:
         """One streamed choice delta. Chat: `role` sends the assistant role (the first chunk of a choice)."""
         if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
-            if text:
-                delta["content"] = text
-            choice: dict[str, Any] = {"index": index, "delta": delta}
-        else:
-            choice = {"index": index, "text": text or ""}
-        choice.update(logprobs=logprobs, finish_reason=finish_reason)
-        body = {**self._envelope(True), "choices": [choice]}
-        if include_usage:
-            body["usage"] = None
-        return body
+            delta = Delta(role="assistant", content="") if role else Delta(content=text or None)
+            choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
+            return ChatCompletionChunk(**self._envelope(), choices=[choice])
+        choice = CompletionChoice(index=index, text=text or "", logprobs=logprobs, finish_reason=finish_reason)
+        return CompletionChunk(**self._envelope(), choices=[choice])
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> Union[ChatCompletionChunk, CompletionChunk]:
         """The last chunk when stream_options.include_usage is set: no choices, the request's usage."""
-        return {**self._envelope(True), "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+        kind = ChatCompletionChunk if self.chat else CompletionChunk
+        return kind(**self._envelope(), choices=[], usage=usage(prompt_tokens, completion_tokens))
 
     def stream_logprobs(self, token_ids: Sequence[int], logprobs: Optional[Sequence[Mapping[int, float]]],
-                        strings: TokenStrings, offset: int) -> Optional[dict[str, Any]]:
+                        strings: TokenStrings, offset: int) -> Union[ChatLogprobs, CompletionLogprobs, None]:
         """Log-probs of the tokens in one streamed delta (completions offsets continue from `offset`)."""
         return self._logprobs(token_ids, logprobs, strings, offset)
 

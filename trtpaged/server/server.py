@@ -1,46 +1,91 @@
-"""Wiring: an engine dir -> LLM -> engine thread -> HTTP server, and a handle to stop them."""
+"""Wiring: bind the socket -> load the engine -> engine thread -> uvicorn; and a handle to stop them."""
 
 from __future__ import annotations
 
+import errno
+import logging
+import socket
 import threading
 import time
 from pathlib import Path
 from typing import Any, Optional, Union
 
+import uvicorn
+
 from trtpaged.runtime.llm import LLM
+from trtpaged.server.app import Draining, create_app
 from trtpaged.server.engine_loop import EngineLoop
 from trtpaged.server.generation import GenerationService
-from trtpaged.server.http_app import AppServer, ModelCard, OpenAIApp
 from trtpaged.server.metrics import ServerMetrics
+from trtpaged.server.options import ServerOptions
+from trtpaged.server.schemas import ModelCard
+
+log = logging.getLogger("trtpaged.server")
+
+
+class AddressInUse(OSError):
+    """The host:port to serve on is taken (checked before the model loads)."""
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (port 0: any free port); names the address when it fails."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        where = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+        if exc.errno == errno.EADDRINUSE:
+            raise AddressInUse(exc.errno, f"cannot serve on {where}: address already in use (pick another --port)") from None
+        raise OSError(exc.errno, f"cannot serve on {where}: {exc.strerror}") from None
+    sock.setblocking(False)
+    return sock
 
 
 class ServerHandle:
     """A running server: its URL, the `LLM` it serves, and `shutdown()`."""
 
-    def __init__(self, httpd: AppServer, loop: EngineLoop, llm: LLM, model_name: str) -> None:
-        self.httpd = httpd
-        self.loop = loop
-        self.llm = llm
-        self.model_name = model_name
-        host, port = httpd.server_address[:2]
+    def __init__(self, server: uvicorn.Server, sock: socket.socket, loop: EngineLoop, llm: LLM, model_name: str,
+                 options: ServerOptions, draining: Draining) -> None:  # fmt: skip
+        self.server, self.loop, self.llm, self.model_name = server, loop, llm, model_name
+        self.options, self.draining = options, draining
+        host, port = sock.getsockname()[:2]
         self.host, self.port = str(host), int(port)
         self.url = f"http://{self.host}:{self.port}"
-        self._thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2},
-                                        name="trtpaged-http", daemon=True)
+        self._sock = sock
+        self._thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="trtpaged-http", daemon=True)
         self._closed = False
 
-    def start(self) -> "ServerHandle":
+    def start(self, timeout: float = 30.0) -> "ServerHandle":
+        """Starts uvicorn's thread and returns once it accepts connections."""
         self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.loop.shutdown()
+                raise RuntimeError("the HTTP server did not start (see the log)")
+            time.sleep(0.01)
         return self
 
-    def shutdown(self) -> None:
-        """Stops accepting requests, ends those in flight (they get an error) and stops the engine thread."""
+    def shutdown(self, timeout: Optional[float] = None) -> None:
+        """Refuses new requests (503), lets those in flight finish for up to `timeout` seconds (default:
+        options.shutdown_timeout_s), aborts the rest, then stops the engine thread and the HTTP server."""
         if self._closed:
             return
         self._closed = True
-        self.httpd.shutdown()
-        self.loop.shutdown()
-        self.httpd.server_close()
+        self.draining.event.set()
+        deadline = time.monotonic() + (self.options.shutdown_timeout_s if timeout is None else timeout)
+        while self.loop.num_in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.loop.num_in_flight:
+            log.warning("shutdown: aborting %d requests still in flight", self.loop.num_in_flight)
+        self.loop.shutdown()  # what is left ends with ShuttingDown (an error event / 503) and frees its blocks
+        self.server.should_exit = True
+        self._thread.join(10.0)
+        self._sock.close()
 
     def __enter__(self) -> "ServerHandle":
         return self
@@ -54,19 +99,31 @@ def start_server(
     host: str = "127.0.0.1",
     port: int = 0,
     served_model_name: Optional[str] = None,
+    options: Optional[ServerOptions] = None,
     **llm_overrides: Any,
 ) -> ServerHandle:
-    """Loads the engine and serves it in background threads; returns once it accepts connections.
+    """Binds host:port, loads the engine and serves it in background threads; returns once it accepts connections.
 
+    The address is bound before the model loads, so a port in use fails at once (`AddressInUse`).
     `port=0` picks a free port (see `handle.url`). `llm_overrides` go to `LLM(...)`: backend, device,
     num_kv_blocks, max_num_tokens, max_batch_size, max_seq_len, enable_prefix_caching, ...
     """
-    llm = LLM(engine_dir, **llm_overrides)
-    name = served_model_name or llm.engine_dir.resolve().name
+    options = options or ServerOptions()
+    sock = bind(host, port)
+    try:
+        llm = LLM(engine_dir, **llm_overrides)
+    except BaseException:
+        sock.close()
+        raise
+    name = served_model_name or options.served_model_name or llm.engine_dir.resolve().name
     metrics = ServerMetrics()
-    loop = EngineLoop(llm.engine, metrics)
-    service = GenerationService(llm, loop, name)
-    card = ModelCard(name, str(llm.engine_dir), int(time.time()), llm.config.max_seq_len)
-    httpd = AppServer((host, port), OpenAIApp(service, loop, metrics, card))
+    loop = EngineLoop(llm.engine, metrics, options.max_waiting)
+    service = GenerationService(llm, loop, name, options.max_prompt_tokens, options.request_timeout_s)
+    card = ModelCard(id=name, created=int(time.time()), root=str(llm.engine_dir), max_model_len=llm.config.max_seq_len)
+    draining = Draining()
+    app = create_app(service, loop, metrics, card, options, draining)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30,
+                            timeout_graceful_shutdown=5)  # fmt: skip
+    server = uvicorn.Server(config)
     loop.start()
-    return ServerHandle(httpd, loop, llm, name).start()
+    return ServerHandle(server, sock, loop, llm, name, options, draining).start()

@@ -1,0 +1,97 @@
+"""Clients the server must work with unchanged: the official `openai` package, and `trtpaged bench serve`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from tests.test_server import wait_idle
+from trtpaged import LLM, SamplingParams
+from trtpaged.bench.serve_bench import ServeRequest, format_report, run_serve_bench
+from trtpaged.cli import main
+from trtpaged.server import ServerOptions, start_server
+
+KEY = "sk-clients-test"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_engine_dir):
+    handle = start_server(tiny_engine_dir, port=0, served_model_name="tiny", device="cpu",
+                          options=ServerOptions(api_key=KEY))  # fmt: skip
+    yield handle
+    handle.shutdown(timeout=0)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_engine_dir):
+    return LLM(tiny_engine_dir, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    openai = pytest.importorskip("openai", reason="the openai package is not installed (pip install openai)")
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def test_openai_client_chat_completions_streaming_n(client, llm):
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    messages = [{"role": "user", "content": "hello"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+    assert chat.choices[0].message.content == llm.chat(messages, greedy).outputs[0].text
+    assert chat.usage.prompt_tokens == len(llm.chat_prompt(messages))
+
+    comp = client.completions.create(model="tiny", prompt="once upon", max_tokens=8, temperature=0)
+    assert comp.choices[0].text == llm.generate(["once upon"], greedy)[0].outputs[0].text
+
+    pieces = client.completions.create(model="tiny", prompt="once upon", max_tokens=8, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})  # fmt: skip
+    chunks = list(pieces)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == comp.choices[0].text
+    assert chunks[-1].usage.completion_tokens == comp.usage.completion_tokens
+
+    deltas = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in deltas) == chat.choices[0].message.content
+
+    many = client.completions.create(model="tiny", prompt="sample", max_tokens=6, temperature=1.0, n=3, seed=5)
+    truth = llm.generate(["sample"], SamplingParams(max_tokens=6, temperature=1.0, n=3, seed=5))[0]
+    assert [c.text for c in sorted(many.choices, key=lambda c: c.index)] == [c.text for c in truth.outputs]
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_openai_client_sees_typed_errors(client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt="x", max_tokens=10**9)
+    assert info.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+    bad = openai.OpenAI(base_url=client.base_url, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_bench_serve_against_the_server(server):
+    requests = [ServeRequest(f"word {i} " * (4 + i), 8 + i) for i in range(6)]
+    report = asyncio.run(run_serve_bench(server.url, requests, float("inf"), max_concurrency=3, api_key=KEY))
+    assert report["completed"] == 6 and report["failed"] == 0
+    assert report["total_output_tokens"] == sum(r.max_tokens for r in requests)  # ignore_eos: exact lengths
+    assert report["total_input_tokens"] > 0
+    assert 0 < report["p50_ttft_ms"] <= report["p99_ttft_ms"] and report["mean_itl_ms"] > 0
+    assert report["mean_tpot_ms"] > 0 and report["p90_e2el_ms"] >= report["p50_e2el_ms"]
+    assert "Successful requests:" in format_report(report)
+    wait_idle(server)
+    wrong = asyncio.run(run_serve_bench(server.url, requests[:2], 100.0, api_key="wrong"))
+    assert wrong["completed"] == 0 and wrong["errors"] == {"HTTP 401": 2}
+
+
+def test_cli_bench_serve_json(server):
+    result = CliRunner().invoke(main, ["bench", "serve", "--base-url", server.url, "--num-requests", "4",
+                                       "--prompt-len", "3:6", "--output-len", "4", "--request-rate", "50",
+                                       "--api-key", KEY, "--json"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["completed"] == 4 and report["total_output_tokens"] == 16 and report["request_rate"] == 50.0

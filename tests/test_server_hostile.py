@@ -1,0 +1,179 @@
+"""Hostile input against a real server: every one answered 4xx, the server alive and leak-free after.
+
+Also: API key (401), body limits (413), a slow client (408), overload (503 + Retry-After).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+from tests.test_server import metrics, request, stream, wait_idle
+from trtpaged.server import ServerOptions, start_server
+
+KEY = "sk-hostile-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MAX_BODY = 64 << 10
+
+
+@pytest.fixture(scope="module")
+def server(tiny_engine_dir):
+    options = ServerOptions(api_key=KEY, max_body_bytes=MAX_BODY, body_timeout_s=1.0, max_waiting=2,
+                            max_prompt_tokens=400)  # fmt: skip
+    handle = start_server(tiny_engine_dir, port=0, served_model_name="tiny", options=options, device="cpu",
+                          max_batch_size=1)  # fmt: skip
+    yield handle
+    handle.shutdown(timeout=0)
+
+
+def post(server, body: bytes, headers=None, path="/v1/completions"):
+    """(status, headers, JSON body or None) of one POST with raw bytes."""
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
+    try:
+        conn.request("POST", path, body, {"Content-Type": "application/json", **AUTH, **(headers or {})})
+        resp = conn.getresponse()
+        data = resp.read()
+    finally:
+        conn.close()
+    try:
+        parsed = json.loads(data)
+    except ValueError:
+        parsed = None
+    return resp.status, resp.headers, parsed
+
+
+def J(obj) -> bytes:
+    return json.dumps(obj).encode()
+
+
+# (what, raw body, extra headers, status, param named in the OpenAI error body; ... = not an OpenAI body)
+HOSTILE = [
+    ("malformed JSON", b'{"prompt": "x", ', {}, 400, "body"),
+    ("bad UTF-8", b'{"prompt": "\xff\xfe\xfd"}', {}, 400, "body"),
+    ("NaN", b'{"prompt": "x", "temperature": NaN}', {}, 400, "body"),
+    ("deep nesting", b"[" * 30_000 + b"]" * 30_000, {}, 400, "body"),
+    ("5000-digit integer", b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", {}, 400, "body"),
+    ("body not an object", b'"just a string"', {}, 400, "body"),
+    ("empty body", b"", {}, 400, "body"),
+    ("max_tokens as string", J({"prompt": "x", "max_tokens": "8"}), {}, 400, "max_tokens"),
+    ("prompt as number", J({"prompt": 5}), {}, 400, "prompt"),
+    ("stream as string", J({"prompt": "x", "stream": "yes"}), {}, 400, "stream"),
+    ("n as float", J({"prompt": "x", "n": 2.0}), {}, 400, "n"),
+    ("temperature as bool", J({"prompt": "x", "temperature": True}), {}, 400, "temperature"),
+    ("huge max_tokens", J({"prompt": "x", "max_tokens": 10**15}), {}, 400, "max_tokens"),
+    ("huge logprobs", J({"prompt": "x", "logprobs": 10**9}), {}, 400, "logprobs"),
+    ("negative token id", J({"prompt": [5, -1]}), {}, 400, "prompt"),
+    ("out-of-vocab token id", J({"prompt": [5, 320]}), {}, 400, "prompt"),
+    ("empty token list", J({"prompt": []}), {}, 400, "prompt"),
+    ("over-long prompt (server limit)", J({"prompt": [5] * 450}), {}, 400, "prompt"),
+    ("unknown field", J({"prompt": "x", "evil": {"$gt": 1}}), {}, 400, "evil"),
+    ("unknown field in stream_options", J({"prompt": "x", "stream": True, "stream_options": {"x": 1}}), {}, 400,
+     "stream_options"),
+    ("unsupported feature", J({"prompt": "x", "echo": True}), {}, 400, "echo"),
+    ("chat content as number", J({"messages": [{"role": "user", "content": 5}]}), {"path": "/v1/chat/completions"},
+     400, "messages"),
+    ("chat without messages", J({"messages": []}), {"path": "/v1/chat/completions"}, 400, "messages"),
+    ("unknown model", J({"prompt": "x", "model": "gpt-5"}), {}, 404, "model"),
+    ("missing API key", J({"prompt": "x"}), {"Authorization": ""}, 401, None),
+    ("wrong API key", J({"prompt": "x"}), {"Authorization": f"Bearer {KEY}x"}, 401, None),
+    ("key without Bearer", J({"prompt": "x"}), {"Authorization": KEY}, 401, None),
+    ("oversized body", J({"prompt": "x" * (MAX_BODY + 10)}), {}, 413, "body"),
+    ("bad Content-Length", b"{}", {"Content-Length": "abc"}, 400, ...),
+]
+
+
+def test_hostile_inputs_are_4xx_and_the_server_lives(server):
+    for what, body, headers, status, param in HOSTILE:
+        headers = dict(headers)
+        path = headers.pop("path", "/v1/completions")
+        got, resp_headers, out = post(server, body, headers, path)
+        assert got == status, (what, got, out)
+        if param is not ...:
+            assert out["error"]["param"] == param, (what, out)
+            assert set(out["error"]) == {"message", "type", "param", "code"}, (what, out)
+            assert "Traceback" not in out["error"]["message"]
+        if status == 401:
+            assert resp_headers["WWW-Authenticate"] == "Bearer" and out["error"]["type"] == "authentication_error"
+    assert request(server, "/health")[0] == 200
+    assert post(server, J({"prompt": "alive", "max_tokens": 3}))[0] == 200
+    m = wait_idle(server)
+    assert not any(k.startswith("http_requests_total") and 'status="5' in k for k in m), m
+    assert m["kv_cache_blocks_used"] == 0
+
+
+def test_api_key_guards_v1_only(server):
+    assert request(server, "/v1/models")[0] == 401
+    assert request(server, "/v1/models", headers=AUTH)[0] == 200
+    assert request(server, "/health")[0] == 200 and request(server, "/metrics")[0] == 200
+    events = stream(server, "/v1/completions", {"prompt": "k", "max_tokens": 2}, headers=AUTH)
+    assert events[-1] == "[DONE]"
+
+
+def test_oversized_chunked_body_is_413(server):
+    def chunks():
+        for _ in range(MAX_BODY // 4096 + 2):
+            yield b"x" * 4096
+
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
+    try:
+        conn.request("POST", "/v1/completions", chunks(), {"Content-Type": "application/json", **AUTH},
+                     encode_chunked=True)  # fmt: skip
+        resp = conn.getresponse()
+        assert resp.status == 413 and json.loads(resp.read())["error"]["param"] == "body"
+    except (BrokenPipeError, ConnectionResetError):
+        pytest.fail("the server closed the connection without answering 413")
+    finally:
+        conn.close()
+
+
+def test_slow_client_gets_408_and_others_are_served(server):
+    body = J({"prompt": "slow", "max_tokens": 2})
+    sock = socket.create_connection((server.host, server.port), timeout=10)
+    try:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n%s" % (KEY.encode(), len(body), body[:5]))
+        # While this client dawdles, others are answered.
+        assert post(server, J({"prompt": "meanwhile", "max_tokens": 2}))[0] == 200
+        start = time.monotonic()
+        reply = sock.recv(4096)
+        assert reply.startswith(b"HTTP/1.1 408"), reply[:100]
+        assert time.monotonic() - start < 5
+    finally:
+        sock.close()
+
+
+def test_overload_is_503_with_retry_after(server):
+    """max_batch_size 1, max_waiting 2: one running and two waiting, the fourth request is refused."""
+    backend = server.llm.engine.engine
+    real_step = backend.step
+
+    def slow_step(batch):
+        time.sleep(0.01)
+        return real_step(batch)
+
+    server.loop.call(lambda e: setattr(backend, "step", slow_step))
+    results: list[int] = []
+    body = {"prompt": "busy", "max_tokens": 100, "ignore_eos": True}
+    threads = [threading.Thread(target=lambda: results.append(post(server, J(body))[0])) for _ in range(3)]
+    try:
+        for t in threads:
+            t.start()
+            time.sleep(0.2)
+        deadline = time.monotonic() + 10
+        while metrics(server)["num_requests_waiting"] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        status, headers, out = post(server, J(body))
+        assert status == 503 and headers["Retry-After"] == "1" and out["error"]["code"] == "overloaded"
+        for t in threads:
+            t.join(60)
+        assert results == [200, 200, 200]
+    finally:
+        server.loop.call(lambda e: delattr(backend, "step"))
+    m = wait_idle(server)
+    assert m['requests_rejected_total{reason="overloaded"}'] == 1

@@ -1,0 +1,239 @@
+"""The FastAPI application: routes, API-key check, body limits, errors as OpenAI error bodies.
+
+Handlers never touch the engine: they validate, then go through `GenerationService`
+and `EngineLoop`, which own every call into the runtime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import threading
+import time
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from trtpaged import __version__
+from trtpaged.server.engine_loop import ClientGone, EngineFailure, EngineLoop, RequestTimeout, ShuttingDown
+from trtpaged.server.errors import ApiError, overloaded
+from trtpaged.server.generation import GenerationService, Submitted, runtime_failure
+from trtpaged.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
+from trtpaged.server.options import ServerOptions
+from trtpaged.server.schemas import ModelCard, ModelList, dump
+
+log = logging.getLogger("trtpaged.server")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/version")
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(dump(error.body()), error.status, headers=error.headers or None)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json(raw: bytes) -> Any:
+    """Strict JSON (no NaN/Infinity), UTF-8; any failure is a 400 on `body`."""
+    try:
+        return json.loads(raw, parse_constant=_reject_constant)
+    except UnicodeDecodeError:
+        raise ApiError("body: is not valid UTF-8", "body") from None
+    except RecursionError:
+        raise ApiError("body: JSON nested too deeply", "body") from None
+    except ValueError as exc:
+        raise ApiError(f"body: malformed JSON ({exc})", "body") from None
+
+
+class StatusCounter:
+    """ASGI middleware: counts responses by route and status (the status the handler sent, 499 if none)."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]], metrics: ServerMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 499
+
+        async def counted_send(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted_send)
+        finally:
+            path = scope.get("path", "").rstrip("/") or "/"
+            self.metrics.observe_http(path if path in ROUTES else "other", status)
+
+
+class Draining:
+    """Set once shutdown begins: new generation requests get 503, /health reports it."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+
+    def __bool__(self) -> bool:
+        return self.event.is_set()
+
+
+def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetrics, card: ModelCard,
+               options: ServerOptions, draining: Draining) -> Any:  # fmt: skip
+    """The ASGI app (FastAPI wrapped in the status-counting middleware)."""
+    app = FastAPI(title="trtpaged", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    expected_key = options.api_key.encode() if options.api_key else None
+
+    async def authorize(request: Request) -> None:
+        if expected_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        ok = scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), expected_key)
+        if not ok:
+            raise ApiError("authorization: missing or wrong API key (send 'Authorization: Bearer KEY')", None, 401,
+                           "authentication_error", "invalid_api_key", {"WWW-Authenticate": "Bearer"})  # fmt: skip
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            error = ApiError(f"path: no route {request.method} {request.url.path}", "path", 404, "not_found_error")
+        elif exc.status_code == 405:
+            error = ApiError(f"method: {request.url.path} does not take {request.method}", "method", 405)
+        else:
+            error = ApiError(str(exc.detail), None, exc.status_code)
+        return error_response(error)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("%s %s failed", request.method, request.url.path)
+        return error_response(ApiError("internal server error (see the server log)", None, 500, "server_error"))
+
+    async def read_body(request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        limit = options.max_body_bytes
+        if declared is not None:
+            if not declared.isdigit():
+                raise ApiError("content-length: must be a non-negative integer", "body")
+            if int(declared) > limit:
+                raise ApiError(f"body: {declared} bytes exceeds the limit ({limit})", "body", 413,
+                               headers={"Connection": "close"})  # fmt: skip
+        chunks: list[bytes] = []
+        size = 0
+
+        async def receive_all() -> None:
+            nonlocal size
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(f"body: more than the limit ({limit} bytes)", "body", 413, headers={"Connection": "close"})
+                chunks.append(chunk)
+
+        try:
+            await asyncio.wait_for(receive_all(), options.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise ApiError(f"body: not received within {options.body_timeout_s:g} s", "body", 408, "timeout_error",
+                           headers={"Connection": "close"}) from None  # fmt: skip
+        except ClientDisconnect:
+            raise ClientGone() from None
+        return b"".join(chunks)
+
+    async def generate(request: Request, chat: bool) -> Response:
+        start = time.monotonic()
+        if draining:
+            metrics.observe_rejected("draining")
+            raise overloaded("the server is shutting down", options.retry_after_s)
+        try:
+            body = parse_json(await read_body(request))
+            submitted = await service.submit(body, chat)
+        except ClientGone:
+            return Response(status_code=499)
+        except ApiError as exc:
+            if exc.status == 503:
+                metrics.observe_rejected("overloaded")
+                exc.headers["Retry-After"] = str(options.retry_after_s)
+            _log(request, exc.status, exc.message, start)
+            raise
+        if submitted.req.stream:
+            return StreamingResponse(_logged_stream(request, submitted, start), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Request-Id": submitted.summary.request_id})
+        try:
+            answer = await service.respond(submitted, request.is_disconnected)
+        except ClientGone:
+            _log(request, 499, "client disconnected; request aborted", start)
+            return Response(status_code=499)
+        except (EngineFailure, ShuttingDown, RequestTimeout) as exc:
+            error = runtime_failure(exc)
+            _log(request, error.status, error.message, start)
+            return error_response(error)
+        _log(request, 200, "", start, submitted)
+        return JSONResponse(dump(answer), headers={"X-Request-Id": submitted.summary.request_id})
+
+    async def _logged_stream(request: Request, s: Submitted, start: float) -> AsyncIterator[bytes]:
+        status, note = 499, "client disconnected; request aborted"
+        try:
+            async for event in service.stream(s):
+                yield event
+            status, note = 200, ""
+        finally:
+            _log(request, status, note, start, s)
+
+    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    async def completions(request: Request) -> Response:
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, chat=True)
+
+    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    async def models() -> JSONResponse:
+        return JSONResponse(dump(ModelList(data=[card])))
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorize)])
+    async def model(model_id: str) -> JSONResponse:
+        if model_id != card.id:
+            raise ApiError(f"model: {model_id!r} does not exist; this server serves {card.id!r}", "model", 404,
+                           "not_found_error", "model_not_found")  # fmt: skip
+        return JSONResponse(dump(card))
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not loop.alive or draining:
+            state = "shutting down" if draining else "engine loop stopped"
+            return JSONResponse({"status": state}, 503, headers={"Retry-After": str(options.retry_after_s)})
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        stats = await loop.call_async(lambda e: e.stats()) if loop.alive else {}
+        return Response(metrics.render(stats), media_type=METRICS_CONTENT_TYPE)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
+
+    return StatusCounter(app, metrics)
+
+
+def _log(request: Request, status: int, note: str, start: float, s: Submitted | None = None) -> None:
+    seconds = time.monotonic() - start
+    path = request.url.path
+    if status == 200 and s is not None:
+        reasons = ",".join(sorted(set(s.summary.finish_reasons))) or "-"
+        log.info("POST %s 200 %s prompt=%d completion=%d finish=%s %.2fs", path, s.summary.request_id,
+                 s.summary.prompt_tokens, s.summary.completion_tokens, reasons, seconds)  # fmt: skip
+    else:
+        log.info("POST %s %d %s %.2fs", path, status, note, seconds)

@@ -1,0 +1,62 @@
+"""Errors answered as OpenAI error bodies, and the mapping from validation and runtime errors to them.
+
+Nothing here reads an error's message to find the field: pydantic reports a location,
+the runtime's `RequestError` carries `field` and `limit`.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+from pydantic import ValidationError
+
+from trtpaged.errors import RequestError
+from trtpaged.server.schemas import ErrorDetail, ErrorResponse
+
+
+class ApiError(Exception):
+    """An answer other than success: HTTP status, OpenAI error type, the offending field, extra headers."""
+
+    def __init__(
+        self,
+        message: str,
+        param: Optional[str] = None,
+        status: int = 400,
+        kind: str = "invalid_request_error",
+        code: Optional[str] = None,
+        headers: Optional[Mapping[str, str]] = None,
+    ) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.kind, self.code = message, param, status, kind, code
+        self.headers = dict(headers or {})
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorDetail(message=self.message, type=self.kind, param=self.param, code=self.code))
+
+
+def overloaded(message: str, retry_after_s: int = 1) -> ApiError:
+    """503 with Retry-After: the server is full (or draining); the client may try again later."""
+    return ApiError(message, None, 503, "server_overloaded", "overloaded", {"Retry-After": str(retry_after_s)})
+
+
+def from_validation_error(exc: ValidationError) -> ApiError:
+    """The first schema violation as a 400 naming the top-level request field and the rule it broke."""
+    first = exc.errors(include_url=False)[0]
+    loc = [str(p) for p in first.get("loc", ())]
+    param = loc[0] if loc else "body"
+    where = param + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in loc[1:])
+    if first.get("type") == "extra_forbidden":
+        return ApiError(f"{where}: unknown field (not part of this API)", param)
+    got = first.get("input")
+    shown = repr(got) if isinstance(got, (int, float, str, bool, type(None))) else type(got).__name__
+    return ApiError(f"{where}: {first.get('msg', 'invalid')}, got {shown[:80]}", param)
+
+
+def from_runtime_error(exc: ValueError, names: Mapping[str, str]) -> ApiError:
+    """A runtime refusal as a 400. `RequestError` names its field (renamed to the request's spelling via
+    `names`, e.g. max_tokens -> max_completion_tokens); any other ValueError has no field to name."""
+    if isinstance(exc, RequestError):
+        param = names.get(exc.field, exc.field)
+        message = str(exc) if param == exc.field else f"{param}: {exc}"
+        return ApiError(message, param)
+    return ApiError(str(exc))

@@ -1,0 +1,47 @@
+"""The server's own settings (the engine's are `LLM(...)` arguments)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+API_KEY_ENV = "TRTPAGED_API_KEY"
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """Limits, security and shutdown behaviour of one server.
+
+    `api_key` (default: $TRTPAGED_API_KEY) is required as `Authorization: Bearer KEY` on /v1/* when set.
+    `max_waiting` bounds the engine's waiting queue (beyond it: 503 with Retry-After); None: no bound.
+    `request_timeout_s` aborts a request that runs longer (504); `body_timeout_s` ends a request whose
+    body arrives slower (408). `shutdown_timeout_s` is how long shutdown lets requests in flight finish.
+    """
+
+    served_model_name: Optional[str] = None
+    api_key: Optional[str] = None
+    max_waiting: Optional[int] = 256
+    max_body_bytes: int = 8 << 20
+    max_prompt_tokens: Optional[int] = None
+    request_timeout_s: Optional[float] = 600.0
+    body_timeout_s: float = 30.0
+    shutdown_timeout_s: float = 30.0
+    retry_after_s: int = 1
+
+    def __post_init__(self) -> None:
+        if self.api_key is None and os.environ.get(API_KEY_ENV):
+            object.__setattr__(self, "api_key", os.environ[API_KEY_ENV])
+        checks = [
+            ("max_waiting", self.max_waiting is None or self.max_waiting >= 1),
+            ("max_body_bytes", self.max_body_bytes >= 1),
+            ("max_prompt_tokens", self.max_prompt_tokens is None or self.max_prompt_tokens >= 1),
+            ("request_timeout_s", self.request_timeout_s is None or self.request_timeout_s > 0),
+            ("body_timeout_s", self.body_timeout_s > 0),
+            ("shutdown_timeout_s", self.shutdown_timeout_s >= 0),
+        ]
+        for name, ok in checks:
+            if not ok:
+                raise ValueError(f"{name}: must be positive, got {getattr(self, name)!r}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key: must not be empty")

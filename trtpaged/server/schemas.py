@@ -1,0 +1,223 @@
+"""Pydantic models of the OpenAI bodies the server reads and writes.
+
+Requests check shape and JSON types (strict: "8" is not an integer, 1.5 is not an
+integer, unknown fields are refused); value ranges stay with `SamplingParams` and
+the scheduler, which raise the runtime's typed errors.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_serializer
+
+Number = Union[StrictInt, StrictFloat]
+TokenIds = list[StrictInt]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: Optional[StrictBool] = False
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by completions and chat completions (OpenAI, plus vLLM's extensions)."""
+
+    model: Optional[StrictStr] = None
+    max_tokens: Optional[StrictInt] = None
+    temperature: Optional[Number] = None
+    top_p: Optional[Number] = None
+    top_k: Optional[StrictInt] = None
+    min_p: Optional[Number] = None
+    n: Optional[StrictInt] = None
+    seed: Optional[StrictInt] = None
+    presence_penalty: Optional[Number] = None
+    frequency_penalty: Optional[Number] = None
+    repetition_penalty: Optional[Number] = None
+    length_penalty: Optional[Number] = None
+    stop: Optional[Union[StrictStr, list[StrictStr]]] = None
+    stop_token_ids: Optional[list[StrictInt]] = None
+    ignore_eos: Optional[StrictBool] = None
+    include_stop_str_in_output: Optional[StrictBool] = None
+    skip_special_tokens: Optional[StrictBool] = None
+    stream: Optional[StrictBool] = False
+    stream_options: Optional[StreamOptions] = None
+    use_beam_search: Optional[StrictBool] = False
+    best_of: Optional[StrictInt] = None
+    beam_width: Optional[StrictInt] = None
+    early_stopping: Optional[Union[StrictBool, Literal["never"]]] = None
+    user: Optional[StrictStr] = None
+    # Accepted so that clients sending their neutral value work; anything else is refused by name.
+    logit_bias: Optional[dict[str, Any]] = None
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: Union[StrictStr, TokenIds, list[Union[StrictStr, TokenIds]]]
+    logprobs: Optional[StrictInt] = None
+    echo: Optional[StrictBool] = False
+    suffix: Optional[StrictStr] = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    """One conversation turn; extra keys (name, tool_call_id, ...) are carried, not used."""
+
+    model_config = ConfigDict(extra="allow")
+    role: StrictStr
+    content: Optional[Union[StrictStr, list[TextPart]]] = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[StrictInt] = None
+    logprobs: Optional[StrictBool] = False
+    top_logprobs: Optional[StrictInt] = None
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Any] = None
+    functions: Optional[list[Any]] = None
+    function_call: Optional[Any] = None
+    response_format: Optional[dict[str, Any]] = None
+
+
+# ---- responses -----------------------------------------------------------------------------------
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[Optional[float]]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: Optional[float]
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    """A chat stream delta; absent fields are left out (`{}` on the last chunk of a choice)."""
+
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: Delta
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Optional[Usage] = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "trtpaged"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[Union[str, int]] = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+def dump(model: BaseModel) -> dict[str, Any]:
+    """A response model as JSON-ready data."""
+    return model.model_dump(mode="json")
