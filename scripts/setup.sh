@@ -20,7 +20,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   case "$TORCH_VARIANT" in
     cpu)
       step "installing torch 2.13.0, CPU wheel (TRTPAGED_TORCH=cuda for the CUDA build)"
-      "$PY" -m pip install -q torch==2.13.0 --index-url "$TORCH_CPU_INDEX" ;;
+      "$PY" -m pip install -q torch==2.13.0 --extra-index-url "$TORCH_CPU_INDEX" ;;  # +cpu outranks the PyPI build
     cuda)
       step "installing torch 2.13.0 from PyPI (the CUDA build on Linux x86_64; several GB)"
       "$PY" -m pip install -q torch==2.13.0 ;;

@@ -149,7 +149,7 @@ def test_slow_client_gets_408_and_others_are_served(server):
 
 def test_overload_is_503_with_retry_after(server):
     """max_batch_size 1, max_waiting 2: one running and two waiting, the fourth request is refused."""
-    backend = server.llm.engine.engine
+    backend = server.llm.engine.runner
     real_step = backend.step
 
     def slow_step(batch):

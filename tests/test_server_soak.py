@@ -61,7 +61,7 @@ def server(tiny_engine_dir):
 
 def slowed(server, seconds: float):
     """Slows every engine step (so that streams last long enough to hang up in the middle)."""
-    backend = server.llm.engine.engine
+    backend = server.llm.engine.runner
     real_step = backend.step
 
     def slow_step(batch):
