@@ -594,7 +594,7 @@ def rope_qk(
             _check("rope_qk", status)
         return qkv
     buf = torch.empty(qkv.numel(), dtype=torch.float32)
-    q, k, v = buf.split((rows * q_size, rows * kv_size, rows * kv_size))
+    q, k, v = torch.split_with_sizes(buf, (rows * q_size, rows * kv_size, rows * kv_size))
     status = fn(qkv.data_ptr(), rows, num_heads, num_kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
                 q.data_ptr(), k.data_ptr(), v.data_ptr())
     if status:

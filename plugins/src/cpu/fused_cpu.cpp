@@ -59,6 +59,33 @@ inline void rmsnorm_row(const float* h, const float* w, float eps, int64_t n, fl
   for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (h[i] * r);
 }
 
+// exp(x) for x <= 0 as a branch-free polynomial the compiler vectorizes (std::exp does not, and
+// costs ~10 ns an element): x = n ln2 + r, |r| <= ln2/2, exp(r) by Cephes' degree-6 expf
+// polynomial, 2^n from the exponent bits. Relative error ~2 ulp; below -87 it flushes to 0.
+inline float exp_nonpositive(float x) {
+  x = x < -87.f ? -87.f : x;
+  const float n = (x * 1.44269504f + 12582912.f) - 12582912.f;  // round to nearest (1.5 * 2^23 trick)
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // Cody-Waite ln2 split
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t bits = (int32_t(n) + 127) << 23;
+  float scale;
+  __builtin_memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// silu(g) = g * sigmoid(g), through exp(-|g|) so that the exponential never overflows.
+inline float silu(float g) {
+  const float e = exp_nonpositive(-std::fabs(g));
+  const float s = 1.f / (1.f + e);  // sigmoid(|g|)
+  return g * (g < 0.f ? e * s : s);
+}
+
 }  // namespace
 
 extern "C" {
@@ -148,7 +175,7 @@ TRTPAGED_API trtpaged_status trtpaged_silu_mul_cpu(const float* gate_up, int64_t
     const float* g = gate_up + r * 2 * n;
     const float* u = g + n;
     float* o = out + r * n;
-    for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    for (int64_t i = 0; i < n; ++i) o[i] = silu(g[i]) * u[i];
   });
   return trtpaged_status(trtpaged::ok());
 }
