@@ -197,3 +197,14 @@ def test_step_model_uses_the_torch_path_for_other_dtypes(monkeypatch):
     with torch.no_grad():
         logits, _ = model(*steps[0].args(cache))
     assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_module_torch_path_matches_float64(dtype):
+    norm = llama.RMSNorm(576, 1e-5, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(_randn(576, seed=11))
+    x = _randn(3, 576, seed=12, scale=2.0).to(dtype)
+    expected = _rmsnorm_ref(x.float(), norm.weight.float(), 1e-5)
+    tol = 2e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(norm(x).double(), expected, rtol=tol, atol=tol)
