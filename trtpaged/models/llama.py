@@ -12,6 +12,8 @@ reuses `embed_tokens.weight`.
 
 from __future__ import annotations
 
+import functools
+from types import ModuleType
 from typing import Callable, Optional
 
 import torch
@@ -37,6 +39,17 @@ def make_linear(name: str, in_features: int, out_features: int, bias: bool, dtyp
     return QuantizedLinear(in_features, out_features, bits, group_size, bias, dtype)
 
 
+@functools.lru_cache(maxsize=1)
+def _fused_ops() -> Optional[ModuleType]:
+    """trtpaged.kernels when the library has the fused CPU ops, else None (the torch code runs)."""
+    try:
+        from trtpaged import kernels
+
+        return kernels if kernels.has_fused_ops() else None
+    except Exception:  # noqa: BLE001  (missing or older library: the torch form is correct, only slower)
+        return None
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 and cast back, as HF Llama does."""
 
@@ -46,9 +59,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype == torch.float32 and not torch.compiler.is_exporting():
+            # the same float32 arithmetic in one op (a third faster eagerly); the exported graph keeps the
+            # explicit form
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
+
+    def forward_fused(self, x: torch.Tensor, residual: Optional[torch.Tensor], ops: ModuleType):
+        """One kernel call: rmsnorm(x), or (rmsnorm(x + residual), x + residual) written into residual."""
+        return ops.rmsnorm(x, self.weight, self.eps, residual)
 
 
 class Rotary(nn.Module):
@@ -108,6 +129,14 @@ class PagedSelfAttention(nn.Module):
             out = attend(self.layer, q, k, v, self.scale)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim)), kv_cache
 
+    def forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      attend: Callable[..., torch.Tensor], ops: ModuleType) -> torch.Tensor:
+        """The eager float32 CPU form of forward: RoPE and the dense q/k/v copies in one kernel call."""
+        q, k, v = ops.rope_qk(self.qkv_proj(x), cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
+                              dense=True)
+        out = attend(self.layer, q, k, v, self.scale)
+        return self.o_proj(out.view(-1, self.num_heads * self.head_dim))
+
 
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)); `gate_up_proj` holds HF's gate_proj and up_proj stacked along the outputs."""
@@ -122,6 +151,9 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+    def forward_fused(self, x: torch.Tensor, ops: ModuleType) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -139,6 +171,20 @@ class DecoderLayer(nn.Module):
         h = h + attn
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, kv_cache
+
+    def forward_fused(self, h: torch.Tensor, residual: Optional[torch.Tensor], cos: torch.Tensor,
+                      sin: torch.Tensor, attend: Callable[..., torch.Tensor],
+                      ops: ModuleType) -> tuple[torch.Tensor, torch.Tensor]:
+        """The eager float32 CPU form of forward, with the residual adds inside the norms: takes and
+        returns (block output, residual stream), the stream being h + residual (just h when residual is
+        None, at the first layer). The stream tensor is updated in place."""
+        if residual is None:
+            x, residual = self.input_layernorm.forward_fused(h, None, ops), h
+        else:
+            x, residual = self.input_layernorm.forward_fused(h, residual, ops)
+        attn = self.self_attn.forward_fused(x, cos, sin, attend, ops)
+        x, residual = self.post_attention_layernorm.forward_fused(attn, residual, ops)
+        return self.mlp.forward_fused(x, ops), residual
 
 
 # positions, query_start, context_lens, block_tables
@@ -192,6 +238,19 @@ class LlamaStepModel(nn.Module):
             max_context_len = int(context_lens.max()) if context_lens.numel() else 0
             attend = attention_op.eager_attention(kv_cache, positions, query_start, context_lens, block_tables,
                                                   self.dims.num_heads, max_context_len)
+        eager_f32_cpu = attend is not None and h.dtype == torch.float32 and h.is_cpu
+        ops = _fused_ops() if eager_f32_cpu and not torch.compiler.is_exporting() else None
+        if ops is not None:
+            # h is this step's fresh embedding output: the fused layers may update it in place
+            residual = None
+            for layer in self.layers:
+                h, residual = layer.forward_fused(h, residual, cos, sin, attend, ops)
+            rows = logits_index.long()
+            if residual is None:  # no layers
+                h = self.norm.forward_fused(h.index_select(0, rows), None, ops)
+            else:
+                h, _ = self.norm.forward_fused(h.index_select(0, rows), residual.index_select(0, rows), ops)
+            return self._head(h).float(), kv_cache
         for layer in self.layers:
             h, kv_cache = layer(h, cos, sin, step, kv_cache, attend)
         h = self.norm(h.index_select(0, logits_index.long()))

@@ -172,6 +172,34 @@ TRTPAGED_API const char* trtpaged_cpu_isa(void);
  * best. UNSUPPORTED if this CPU lacks it. Not to be called while a kernel runs. */
 TRTPAGED_API trtpaged_status trtpaged_set_cpu_isa(const char* name);
 
+/*
+ * Fused element-wise ops of the eager step model (CPU, float32, row-major, contiguous). Each is
+ * one call where the torch form is several ops. OpenMP is used only for large calls.
+ *
+ * RMSNorm as HF Llama computes it: with residual (not NULL), h = x + residual is written to
+ * residual_out (the new residual stream) and out = weight * (h * rsqrt(mean(h^2) + eps));
+ * without, h = x (residual_out must then be NULL too). x, residual [rows, hidden], weight [hidden].
+ * The mean of squares is accumulated in double. out may alias x; residual_out may alias x or
+ * residual.
+ */
+TRTPAGED_API trtpaged_status trtpaged_rmsnorm_cpu(const float* x, const float* residual, const float* weight,
+                                                  float eps, int64_t rows, int64_t hidden, float* out,
+                                                  float* residual_out);
+/*
+ * Rotate-half RoPE (HF Llama: x * cos + cat(-x2, x1) * sin) on the q and k heads of a fused qkv
+ * projection qkv [rows, (num_heads + 2 * num_kv_heads) * head_dim] (q heads, then k, then v);
+ * cos, sin [rows, head_dim]. With q_out, k_out, v_out all NULL it rotates in place; with all
+ * three given, qkv is only read and the rotated q [rows, num_heads, head_dim], rotated k and a
+ * copy of v [rows, num_kv_heads, head_dim] are written there, dense.
+ */
+TRTPAGED_API trtpaged_status trtpaged_rope_qk_cpu(float* qkv, int64_t rows, int32_t num_heads, int32_t num_kv_heads,
+                                                  int32_t head_dim, const float* cos, const float* sin, float* q_out,
+                                                  float* k_out, float* v_out);
+/* out [rows, intermediate] = silu(gate) * up, where gate_up [rows, 2 * intermediate] holds gate
+ * then up in each row. */
+TRTPAGED_API trtpaged_status trtpaged_silu_mul_cpu(const float* gate_up, int64_t rows, int64_t intermediate,
+                                                   float* out);
+
 /* Message of the last failed call on this thread ("" if none). */
 TRTPAGED_API const char* trtpaged_last_error(void);
 /* 1 if CUDA kernels were compiled into this library, else 0. */

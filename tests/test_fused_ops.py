@@ -1,0 +1,210 @@
+"""The fused CPU ops (rmsnorm, rope_qk, silu_mul) against plain float64 torch, and the step model's
+fused eager path against its torch path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trtpaged import kernels
+from trtpaged.builder.probe import standard_probe
+from trtpaged.config import parse_config
+from trtpaged.models import dims_from_hf_config, llama, load_hf, step_model_from_hf
+
+pytestmark = pytest.mark.skipif(not (kernels.available() and kernels.has_fused_ops()),
+                                reason="kernel library with the fused ops not built")
+
+ROWS = [1, 3, 130]
+
+
+def _randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float32) * scale
+
+
+def _rmsnorm_ref(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = h.double()
+    return weight.double() * h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's apply_rotary_pos_emb in float64: x [T, heads, D], cos/sin [T, D]."""
+    x, cos, sin = x.double(), cos.double()[:, None, :], sin.double()[:, None, :]
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _cos_sin(rows: int, head_dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    positions = torch.randint(0, 4096, (rows,), generator=torch.Generator().manual_seed(seed)).float()
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    emb = torch.cat([positions[:, None] * inv_freq[None, :]] * 2, dim=-1)
+    return emb.cos().contiguous(), emb.sin().contiguous()
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("hidden", [64, 576, 4096])
+def test_rmsnorm_matches_float64(rows, hidden):
+    x, w = _randn(rows, hidden, seed=1, scale=3.0), _randn(hidden, seed=2)
+    out = kernels.rmsnorm(x, w, 1e-5)
+    torch.testing.assert_close(out.double(), _rmsnorm_ref(x, w, 1e-5), rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("hidden", [64, 576, 4096])
+def test_rmsnorm_with_residual_writes_the_stream_and_normalizes_it(rows, hidden):
+    x, res, w = _randn(rows, hidden, seed=3), _randn(rows, hidden, seed=4, scale=5.0), _randn(hidden, seed=5)
+    expected_h = x.double() + res.double()
+    res_before = res.clone()
+    out, h = kernels.rmsnorm(x, w, 1e-6, residual=res)
+    assert h is res  # in place by default
+    torch.testing.assert_close(h.double(), expected_h, rtol=0, atol=1e-5)
+    torch.testing.assert_close(out.double(), _rmsnorm_ref(expected_h, w, 1e-6), rtol=2e-6, atol=2e-6)
+    # into a separate residual_out, and into x itself: residual then stays as it was
+    res = res_before.clone()
+    out2, h2 = kernels.rmsnorm(x, w, 1e-6, residual=res, residual_out=x)
+    assert h2 is x and torch.equal(res, res_before)
+    torch.testing.assert_close(out2, out, rtol=0, atol=0)
+
+
+def test_rmsnorm_out_may_be_x():
+    x, w = _randn(5, 96, seed=6), _randn(96, seed=7)
+    expected = _rmsnorm_ref(x, w, 1e-5)
+    assert kernels.rmsnorm(x, w, 1e-5, out=x) is x
+    torch.testing.assert_close(x.double(), expected, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 64), (6, 1, 128)])
+def test_rope_qk_matches_hf_rotate_half(rows, heads, kv_heads, head_dim):
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    qkv = _randn(rows, q_size + 2 * kv_size, seed=8)
+    cos, sin = _cos_sin(rows, head_dim, seed=9)
+    q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
+    q_ref = _rotate_ref(q.reshape(rows, heads, head_dim), cos, sin)
+    k_ref = _rotate_ref(k.reshape(rows, kv_heads, head_dim), cos, sin)
+    v_ref = v.reshape(rows, kv_heads, head_dim).clone()
+    before = qkv.clone()
+
+    dq, dk, dv = kernels.rope_qk(qkv, cos, sin, heads, kv_heads, head_dim, dense=True)
+    assert torch.equal(qkv, before)  # dense outputs leave qkv alone
+    assert dq.is_contiguous() and dk.is_contiguous() and dv.is_contiguous()
+    assert dq.shape == (rows, heads, head_dim) and dk.shape == dv.shape == (rows, kv_heads, head_dim)
+    torch.testing.assert_close(dq.double(), q_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dk.double(), k_ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(dv, v_ref)
+
+    assert kernels.rope_qk(qkv, cos, sin, heads, kv_heads, head_dim) is qkv  # in place
+    q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
+    assert torch.equal(q.reshape(rows, heads, head_dim), dq) and torch.equal(k.reshape(rows, kv_heads, head_dim), dk)
+    assert torch.equal(v.reshape(rows, kv_heads, head_dim), v_ref)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("intermediate", [64, 1536, 11008])
+def test_silu_mul_matches_float64(rows, intermediate):
+    gate_up = _randn(rows, 2 * intermediate, seed=10, scale=4.0)
+    gate_up[0, :8] = torch.tensor([-200.0, -88.5, -87.0, -30.0, 30.0, 87.5, 200.0, 0.0])  # the exp's range ends
+    g, u = gate_up.double().split(intermediate, dim=-1)
+    expected = g * torch.sigmoid(g) * u
+    torch.testing.assert_close(kernels.silu_mul(gate_up).double(), expected, rtol=1e-5, atol=1e-5)
+    out = torch.empty(rows, intermediate)
+    assert kernels.silu_mul(gate_up, out=out) is out
+
+
+def test_zero_rows_are_a_no_op():
+    w = torch.ones(64)
+    assert kernels.rmsnorm(torch.empty(0, 64), w, 1e-5).shape == (0, 64)
+    assert kernels.silu_mul(torch.empty(0, 128)).shape == (0, 64)
+    q, k, v = kernels.rope_qk(torch.empty(0, 4 * 64), torch.empty(0, 64), torch.empty(0, 64), 2, 1, 64, dense=True)
+    assert q.shape == (0, 2, 64) and k.shape == v.shape == (0, 1, 64)
+
+
+@pytest.mark.parametrize("call,name", [
+    (lambda: kernels.rmsnorm(torch.zeros(2, 64, dtype=torch.float64), torch.ones(64), 1e-5), "x"),
+    (lambda: kernels.rmsnorm(torch.zeros(2, 64), torch.ones(63), 1e-5), "weight"),
+    (lambda: kernels.rmsnorm(torch.zeros(2, 64), torch.ones(64), 1e-5, residual=torch.zeros(3, 64)), "residual"),
+    (lambda: kernels.rmsnorm(torch.zeros(2, 64), torch.ones(64), 1e-5, out=torch.zeros(64, 2).t()), "out"),
+    (lambda: kernels.rmsnorm(torch.zeros(2, 64), torch.ones(64), 1e-5, residual_out=torch.zeros(2, 64)),
+     "residual_out"),
+    (lambda: kernels.rmsnorm(torch.zeros(2, 64), torch.ones(64), float("nan")), "eps"),
+    (lambda: kernels.rmsnorm(torch.zeros(64), torch.ones(64), 1e-5), "x"),
+    (lambda: kernels.rope_qk(torch.zeros(2, 255), torch.zeros(2, 64), torch.zeros(2, 64), 2, 1, 64), "qkv"),
+    (lambda: kernels.rope_qk(torch.zeros(2, 256), torch.zeros(1, 64), torch.zeros(2, 64), 2, 1, 64), "cos"),
+    (lambda: kernels.rope_qk(torch.zeros(2, 256), torch.zeros(2, 64), torch.zeros(2, 32), 2, 1, 64), "sin"),
+    (lambda: kernels.rope_qk(torch.zeros(2, 4 * 63), torch.zeros(2, 63), torch.zeros(2, 63), 2, 1, 63), "head_dim"),
+    (lambda: kernels.rope_qk(torch.zeros(2, 0), torch.zeros(2, 0), torch.zeros(2, 0), 0, 0, 0), "num_heads"),
+    (lambda: kernels.silu_mul(torch.zeros(2, 7)), "gate_up"),
+    (lambda: kernels.silu_mul(torch.zeros(4, 2).t()), "gate_up"),
+    (lambda: kernels.silu_mul(torch.zeros(2, 8), out=torch.zeros(2, 8)), "out"),
+])
+def test_bad_arguments_are_refused_naming_the_argument(call, name):
+    with pytest.raises((ValueError, kernels.KernelError), match=rf"\b{name}\b"):
+        call()
+
+
+def test_rope_qk_refuses_a_strided_qkv():
+    qkv = torch.zeros(2, 512)[:, :256]
+    with pytest.raises(ValueError, match="qkv: expected a contiguous"):
+        kernels.rope_qk(qkv, torch.zeros(2, 64), torch.zeros(2, 64), 2, 1, 64)
+
+
+# --- the step model: fused eager path vs the torch path --------------------------------------------
+
+def _tiny(**overrides):
+    config = parse_config({"model": {"tiny": {"num_hidden_layers": 3, **overrides}}})
+    hf = load_hf(config.model)
+    return hf, dims_from_hf_config(hf.config)
+
+
+def _probe_logits(model, dims, block_size: int = 8) -> list[torch.Tensor]:
+    _, steps, num_blocks = standard_probe(dims.vocab_size, block_size, seed=5, all_rows=True)
+    cache = model.new_kv_cache(num_blocks, block_size)
+    with torch.no_grad():
+        return [model(*step.args(cache))[0] for step in steps]
+
+
+@pytest.mark.parametrize("overrides", [{}, {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True},
+                                       {"num_key_value_heads": 4, "head_dim": 32}])
+def test_step_model_fused_path_equals_torch_path(monkeypatch, overrides):
+    hf, dims = _tiny(**overrides)
+    model = step_model_from_hf(hf.model, dims)
+    calls = {"rmsnorm": 0, "rope_qk": 0, "silu_mul": 0}
+    for name in calls:
+        real = getattr(kernels, name)
+
+        def counted(*args, _real=real, _name=name, **kw):
+            calls[_name] += 1
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(kernels, name, counted)
+    fused = _probe_logits(model, dims)
+    assert calls["rope_qk"] > 0 and calls["silu_mul"] == calls["rope_qk"]  # the fused path ran
+    assert calls["rmsnorm"] == 2 * calls["rope_qk"] + len(fused)  # two per layer, one final
+    monkeypatch.setattr(llama, "_fused_ops", lambda: None)
+    plain = _probe_logits(model, dims)
+    assert len(fused) == len(plain)
+    for a, b in zip(fused, plain):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_step_model_uses_the_torch_path_for_other_dtypes(monkeypatch):
+    hf, dims = _tiny()
+    model = step_model_from_hf(hf.model, dims).to(torch.bfloat16)
+    for name in ("rmsnorm", "rope_qk", "silu_mul"):
+        monkeypatch.setattr(kernels, name, lambda *a, _name=name, **k: pytest.fail(f"fused {_name} on bfloat16"))
+    _, steps, num_blocks = standard_probe(dims.vocab_size, 8, seed=5, all_rows=True)
+    cache = model.new_kv_cache(num_blocks, 8)
+    with torch.no_grad():
+        logits, _ = model(*steps[0].args(cache))
+    assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_module_torch_path_matches_float64(dtype):
+    norm = llama.RMSNorm(576, 1e-5, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(_randn(576, seed=11))
+    x = _randn(3, 576, seed=12, scale=2.0).to(dtype)
+    expected = _rmsnorm_ref(x.float(), norm.weight.float(), 1e-5)
+    tol = 2e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(norm(x).double(), expected, rtol=tol, atol=tol)
