@@ -53,7 +53,8 @@ class Budget:
         return self.num_blocks * self.block_size
 
 
-SERIES = ("running", "utilisation", "slots", "computed", "blocks_with_sharing", "blocks_without_sharing")
+SERIES = ("running", "utilisation", "slots", "computed", "blocks_with_sharing", "blocks_without_sharing", "waiting",
+          "head_fits")
 
 
 @dataclass
@@ -74,6 +75,9 @@ class PolicyResult:
     computed: list[int] = field(default_factory=list, repr=False)  # tokens computed in each step
     blocks_with_sharing: list[int] = field(default_factory=list, repr=False)
     blocks_without_sharing: list[int] = field(default_factory=list, repr=False)
+    # per step, paged replays only: requests waiting, and whether the first of them would fit in the free blocks
+    waiting: list[int] = field(default_factory=list, repr=False)
+    head_fits: list[bool] = field(default_factory=list, repr=False)
 
     def record(self, running: int, tokens: int, slots: int, computed: int = 0) -> None:
         self.running.append(running)
@@ -188,6 +192,14 @@ def simulate_paged(
         used = int(stats["kv_blocks_used"])
         result.blocks_with_sharing.append(used)
         result.blocks_without_sharing.append(used + int(stats["kv_blocks_saved_by_sharing"]))
+        waiting = engine.scheduler.waiting
+        result.waiting.append(len(waiting))
+        if waiting:
+            head = waiting[0]
+            need = -(-len(head.prompt_token_ids) // budget.block_size)
+            result.head_fits.append(need <= int(stats["kv_blocks_free"]))
+        else:
+            result.head_fits.append(True)
 
     engine = LLMEngine(NullEngine(budget.num_blocks, on_step=during_step), config)
     prompts = prompts if prompts is not None else prompt_token_ids(trace)
@@ -217,16 +229,22 @@ def simulate_paged(
 
 
 def run_memory_bench(
-    trace: list[TraceRequest], budget: Budget, progress: Optional[Callable[[str], None]] = None
+    trace: list[TraceRequest],
+    budget: Budget,
+    progress: Optional[Callable[[str], None]] = None,
+    prompts: Optional[list[list[int]]] = None,
 ) -> dict:
-    """All four policies on one trace; returns a JSON-able report with side-by-side ratios."""
+    """All four policies on one trace; returns a JSON-able report with side-by-side ratios.
+
+    `prompts`: each request's token ids (default: generated; see simulate_paged).
+    """
     say = progress or (lambda _msg: None)
     results = []
     for name, run in (
         ("contiguous, reserve max_seq_len", lambda: simulate_contiguous(trace, budget, "max_seq_len")),
         ("contiguous, reserve exact", lambda: simulate_contiguous(trace, budget, "exact")),
-        ("paged", lambda: simulate_paged(trace, budget, sharing=False)),
-        ("paged + sharing", lambda: simulate_paged(trace, budget, sharing=True)),
+        ("paged", lambda: simulate_paged(trace, budget, sharing=False, prompts=prompts)),
+        ("paged + sharing", lambda: simulate_paged(trace, budget, sharing=True, prompts=prompts)),
     ):
         say(name)
         results.append(run())
@@ -236,7 +254,7 @@ def run_memory_bench(
         "requests": len(trace),
         "sequences": sum(r.n * r.beam_width for r in trace),
         "sharing": results[-1].sharing(),
-        "series": {r.policy: {k: getattr(r, k) for k in ("running", "slots")} for r in results},
+        "series": {r.policy: {k: getattr(r, k) for k in ("running", "slots", "waiting", "head_fits")} for r in results},
         "policies": [
             {k: v for k, v in asdict(r).items() if k not in SERIES}
             | {

@@ -105,3 +105,61 @@ def memory(engine, trace, num_requests, prompt_len, output_len, shared_prefix, n
     click.echo(format_memory_report(report))
     if sharing_table:
         click.echo("\n" + format_sharing_table(report["sharing_table"]))
+
+
+@command.command(name="throughput")
+@click.argument("engine", type=click.Path(exists=True, file_okay=False))
+@click.option("--trace", type=click.Path(exists=True, dir_okay=False),
+              help='JSON Lines: a bench-memory trace (prompt_len, output_len, ...; token ids are generated) '
+                   'or prompts ({"prompt": text, "output_len": N}).')  # fmt: skip
+@click.option("--num-requests", default=16, show_default=True, help="Built-in mix: requests (prompts 32-300, outputs 16-240 tokens).")
+@click.option("--baseline", type=click.Choice(("hf", "none")), default="hf", show_default=True,
+              help="hf: transformers generate with static batches on the engine's source model.")
+@click.option("--hf-batch-size", type=int, help="Baseline static batch size (default: the engine's max_batch_size).")
+@click.option("--no-prefix-caching-row", is_flag=True, help="Extra row: trtpaged with prefix caching off.")
+@click.option("--engine2", type=click.Path(exists=True, file_okay=False),
+              help="Extra row: a second engine dir on the same requests (e.g. fp32 vs quantized).")
+@click.option("--profile", is_flag=True, help="Also: where a decode step's time goes (phases, and model ops at batch 1 and 16).")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def throughput(engine, trace, num_requests, baseline, hf_batch_size, no_prefix_caching_row, engine2, profile, seed,
+               as_json) -> None:  # fmt: skip
+    """End-to-end throughput and latency: trtpaged vs HF transformers on the same requests, side by side."""
+    import json
+
+    from trtpaged.bench.throughput_bench import (default_requests, format_throughput_report, load_requests,
+                                                 run_throughput_bench)  # fmt: skip
+    from trtpaged.manifest import read_manifest
+
+    def progress(msg: str) -> None:
+        click.echo(f"  {msg}", err=True)
+
+    manifest = read_manifest(engine)
+    try:
+        if trace:
+            from trtpaged.runtime.llm import load_tokenizer
+            from pathlib import Path
+
+            tokenizer = load_tokenizer(Path(engine), manifest)
+            requests = load_requests(trace, lambda text: list(tokenizer.encode(text)), manifest.dims.vocab_size)
+        else:
+            if num_requests < 1:
+                raise ValueError(f"--num-requests: must be >= 1, got {num_requests}")
+            requests = default_requests(manifest.dims.vocab_size, num_requests, seed)
+        if hf_batch_size is not None and hf_batch_size < 1:
+            raise ValueError(f"--hf-batch-size: must be >= 1, got {hf_batch_size}")
+    except (ValueError, FileNotFoundError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    report = run_throughput_bench(engine, requests, baseline, hf_batch_size, no_prefix_caching_row, engine2, progress)
+    if profile:
+        from trtpaged.bench.step_profile import run_step_profile
+
+        report["profile"] = run_step_profile(engine, say=progress)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    click.echo(format_throughput_report(report))
+    if profile:
+        from trtpaged.bench.step_profile import format_step_profile
+
+        click.echo("\n" + format_step_profile(report["profile"]))
