@@ -10,7 +10,6 @@ from click.testing import CliRunner
 from trtpaged.bench.diagnose import ModelKV, diagnose, load_request_log, shared_prefix_tokens
 from trtpaged.bench.memory_bench import Budget
 from trtpaged.bench.server_metrics import classify, gauges, parse_prometheus
-from trtpaged.bench.workload import TraceRequest
 from trtpaged.cli import main
 
 

@@ -142,8 +142,8 @@ def _baseline(report: dict) -> dict:
         f"Against max-length reservation (a transformers loop or static server: {rmax['mean_running']:.1f} sequences "
         f"running on average) paged + sharing runs {shared['mean_running']:.1f}, "
         f"{_x(out['paged_sharing_vs_reserve_max'])} the concurrency and finishes "
-        f"{_x(out['speedup_in_steps_vs_reserve_max'])} sooner (in steps); of that, knowing lengths exactly buys {_x(out['exact_vs_reserve_max'])}, paging "
-        f"{_x(out['paged_vs_exact'])} more, sharing {_x(out['sharing_vs_paged'])} more."
+        f"{_x(out['speedup_in_steps_vs_reserve_max'])} sooner (in steps); of that, knowing lengths exactly "
+        f"buys {_x(out['exact_vs_reserve_max'])}, paging {_x(out['paged_vs_exact'])} more, sharing {_x(out['sharing_vs_paged'])} more."
     )
     return out
 

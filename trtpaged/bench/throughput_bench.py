@@ -22,7 +22,7 @@ import json
 import math
 import multiprocessing
 import resource
-import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -232,7 +232,7 @@ def run_hf(engine_dir: str, requests: list[Request], batch_size: int,
 def _child(kind: str, args: tuple, queue) -> None:
     try:
         fn = run_hf if kind == "hf" else run_trtpaged
-        queue.put(("ok", asdict(fn(*args, say=lambda m: print(f"  {m}", flush=True, file=__import__("sys").stderr)))))
+        queue.put(("ok", asdict(fn(*args, say=lambda m: print(f"  {m}", flush=True, file=sys.stderr)))))
     except BaseException as exc:  # noqa: BLE001  (report any failure to the parent, then exit)
         queue.put(("error", f"{type(exc).__name__}: {exc}"))
 

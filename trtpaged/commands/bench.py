@@ -137,8 +137,9 @@ def throughput(engine, trace, num_requests, baseline, hf_batch_size, no_prefix_c
     manifest = read_manifest(engine)
     try:
         if trace:
-            from trtpaged.runtime.llm import load_tokenizer
             from pathlib import Path
+
+            from trtpaged.runtime.llm import load_tokenizer
 
             tokenizer = load_tokenizer(Path(engine), manifest)
             requests = load_requests(trace, lambda text: list(tokenizer.encode(text)), manifest.dims.vocab_size)

@@ -84,7 +84,6 @@ def command(log, engine, config_path, metrics_url, metrics_samples, as_json) -> 
             raise click.ClickException(f"--metrics: cannot read {metrics_url}: {exc}") from exc
     report = diagnose(trace, prompts, kv, metrics, progress=lambda m: click.echo(f"  replaying: {m}", err=True))
     if as_json:
-        report_out = dict(report)
-        click.echo(json.dumps(report_out, indent=2))
+        click.echo(json.dumps(report, indent=2))
     else:
         click.echo(format_diagnosis(report))
