@@ -17,3 +17,4 @@ def test_profile_splits_a_step_and_names_the_model_ops(tiny_engine_dir) -> None:
         assert any("linear" in n or "addmm" in n or "mm" in n for n in names)
     text = format_step_profile(report)
     assert "where a decode step's time goes" in text and "batch 4 decode" in text
+    assert set(report["noise"]) >= {"max_spread", "foreign_cores", "trustworthy"} and "noise: worst spread" in text

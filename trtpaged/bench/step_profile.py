@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Callable
+from typing import Callable, Optional
+
+from trtpaged.bench.noise import Noise, NoiseMonitor
 
 PROFILED_STEPS = 5
 
@@ -49,16 +51,21 @@ def _timed_model_call(llm) -> tuple[list[float], Callable[[], None]]:
     return times, lambda: setattr(backend, "step", original)
 
 
-def phase_breakdown(llm, batch: int, steps: int = 20, prompt_len: int = 64) -> dict:
-    """Seconds per decode step by phase, for `batch` sequences decoding."""
+def phase_breakdown(llm, batch: int, steps: int = 20, prompt_len: int = 64,
+                    noise: Optional[NoiseMonitor] = None) -> dict:  # fmt: skip
+    """Seconds per decode step by phase, for `batch` sequences decoding (each step's time goes to `noise`)."""
     _add_decoders(llm, batch, prompt_len, steps + 2, seed=batch)
     llm.engine.step()  # the prefill step
     phases_before = dict(getattr(llm.engine, "phase_seconds", None) or {})
     model_times, undo = _timed_model_call(llm)
-    t0 = time.perf_counter()
+    step_times = []
     for _ in range(steps):
+        t = time.perf_counter()
         llm.engine.step()
-    total = time.perf_counter() - t0
+        step_times.append(time.perf_counter() - t)
+    total = sum(step_times)
+    if noise is not None:
+        noise.add_samples(step_times)
     undo()
     _drain(llm)
     phases_after = getattr(llm.engine, "phase_seconds", None)
@@ -103,16 +110,18 @@ def run_step_profile(engine_dir: str, batches: tuple[int, ...] = (1, 16), say: C
     _add_decoders(llm, 1, 16, 4, seed=7)
     _drain(llm)  # warm-up
     report: dict = {"engine": engine_dir, "phases": [], "ops": []}
-    for batch in batches:
-        say(f"profile: phases, batch {batch}")
-        report["phases"].append(phase_breakdown(llm, batch))
-        say(f"profile: ops, batch {batch}")
-        report["ops"].append(op_breakdown(llm, batch))
+    with NoiseMonitor() as monitor:
+        for batch in batches:
+            say(f"profile: phases, batch {batch}")
+            report["phases"].append(phase_breakdown(llm, batch, noise=monitor))
+            say(f"profile: ops, batch {batch}")
+            report["ops"].append(op_breakdown(llm, batch))
+    report["noise"] = monitor.result().to_dict()
     return report
 
 
 def format_step_profile(report: dict) -> str:
-    lines = ["where a decode step's time goes"]
+    lines = ["where a decode step's time goes", "  " + Noise(**report["noise"]).describe()]
     for p in report["phases"]:
         lines.append(f"  batch {p['batch']}: {p['step_s'] * 1e3:.1f} ms/step  [{p['source']}]")
         for name, seconds in p["phases_s"].items():
