@@ -7,7 +7,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from trtpaged.bench.memory_bench import Budget, run_memory_bench, simulate_contiguous, simulate_paged
+from trtpaged.bench.memory_bench import (Budget, run_memory_bench, run_sharing_table, simulate_contiguous,
+                                         simulate_paged)
 from trtpaged.bench.workload import TraceRequest, load_trace, parse_range, synthetic_trace
 from trtpaged.cli import main
 
@@ -82,3 +83,85 @@ def test_cli_replays_a_trace(tmp_path) -> None:
     assert report["sequences"] == 10
     assert [p["policy"] for p in report["policies"]] == [
         "contiguous, reserve max_seq_len", "contiguous, reserve exact", "paged", "paged + sharing"]  # fmt: skip
+
+
+def test_time_weighting_counts_the_tokens_each_step_computes() -> None:
+    budget = Budget(num_blocks=4, block_size=16, max_seq_len=32, max_batch_size=8, max_num_tokens=64)
+    r = simulate_contiguous(THREE, budget, "max_seq_len")
+    # step 0: two 8-token prompts; steps 1-3: two decodes; step 4: the third prompt; then one decode each
+    assert r.computed == [16, 2, 2, 2, 8, 1, 1, 1]
+    assert r.time_weighted_running == pytest.approx((2 * 16 + 2 * 2 * 3 + 1 * 8 + 1 * 3) / 33)
+    paged = simulate_paged(THREE, budget, sharing=False)
+    assert paged.tokens_computed == 3 * (8 + 3)  # each prompt once, then 3 decode tokens (the 4th is never stored)
+
+
+def test_recompute_preemption_costs_its_tokens_again() -> None:
+    # 3 blocks of 16 for two sequences that each grow to 2 blocks: one is preempted and recomputed.
+    trace = [TraceRequest(prompt_len=14, output_len=10) for _ in range(2)]
+    budget = Budget(num_blocks=3, block_size=16, max_seq_len=64, max_batch_size=8, max_num_tokens=64)
+    r = simulate_paged(trace, budget, sharing=False)
+    assert r.preemptions >= 1
+    assert r.tokens_computed > 2 * (14 + 9)
+
+
+def test_beam_search_shares_the_prompt_and_copies_on_write() -> None:
+    # One request, 20-token prompt (blocks 16 + 4), beam width 2, 3 output tokens, block_size 16.
+    # step 0: prefill, 2 blocks. After it the two beams share both blocks; at step 1 the first beam
+    # to write into the shared half-full block copies it, the other writes in place: 3 blocks in use,
+    # 4 without sharing. Step 2 is the same whichever parents the beams come from.
+    trace = [TraceRequest(prompt_len=20, output_len=3, beam_width=2)]
+    budget = Budget(num_blocks=16, block_size=16, max_seq_len=64, max_batch_size=8, max_num_tokens=64)
+    r = simulate_paged(trace, budget, sharing=True)
+    assert r.blocks_with_sharing == [2, 3, 3]
+    assert r.blocks_without_sharing == [2, 4, 4]
+    assert r.sharing() == pytest.approx(
+        {"memory_saved": 1 - 8 / 10, "blocks_with_sharing": 8 / 3, "blocks_without_sharing": 10 / 3})
+
+
+def test_parallel_samples_share_the_full_prompt_block() -> None:
+    # n = 3: after the prefill the samples share blocks [0, 1]; two copy the half-full block, one writes in place.
+    trace = [TraceRequest(prompt_len=20, output_len=2, n=3)]
+    budget = Budget(num_blocks=16, block_size=16, max_seq_len=64, max_batch_size=8, max_num_tokens=64)
+    r = simulate_paged(trace, budget, sharing=True)
+    assert r.blocks_with_sharing == [2, 4]
+    assert r.blocks_without_sharing == [2, 6]
+    assert r.sharing()["memory_saved"] == pytest.approx(1 - 6 / 8)
+
+
+def test_without_sharing_nothing_is_saved() -> None:
+    trace = [TraceRequest(prompt_len=20, output_len=3, beam_width=2)]
+    budget = Budget(num_blocks=16, block_size=16, max_seq_len=64, max_batch_size=8, max_num_tokens=64)
+    r = simulate_paged(trace, budget, sharing=False)
+    assert r.running == [2, 2, 2]  # two independent copies
+    assert r.sharing()["memory_saved"] == 0.0
+
+
+def test_sharing_table_saves_more_with_wider_beams() -> None:
+    trace = synthetic_trace(8, (40, 80), (20, 40), seed=2)
+    budget = Budget(num_blocks=512, block_size=16, max_seq_len=256, max_batch_size=64, max_num_tokens=512)
+    rows = run_sharing_table(trace, budget, ns=(2, 4), widths=(2, 4))
+    saved = {(r["kind"], r["width"]): r["memory_saved"] for r in rows}
+    assert 0 < saved[("parallel", 2)] < saved[("parallel", 4)] < 1
+    assert 0 < saved[("beam", 2)] < saved[("beam", 4)] < 1
+
+
+def test_cli_beam_width_reports_sharing_and_plots(tmp_path) -> None:
+    png = tmp_path / "m.png"
+    result = CliRunner().invoke(main, ["bench", "memory", "--num-requests", "6", "--prompt-len", "20:40", "--output-len",
+                                       "5:10", "--beam-width", "4", "--num-blocks", "256", "--plot", str(png), "--json"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output[result.output.index("{"):])
+    assert report["sequences"] == 24
+    assert set(report["sharing"]) == {"memory_saved", "blocks_with_sharing", "blocks_without_sharing"}
+    assert report["sharing"]["blocks_with_sharing"] < report["sharing"]["blocks_without_sharing"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_trace_type_errors_name_line_and_field(tmp_path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"prompt_len": 10, "output_len": 5}\n\n{"prompt_len": 10, "output_len": 5, "beam_width": "4"}\n')
+    with pytest.raises(ValueError, match=r"t.jsonl:3: beam_width: must be an integer"):
+        load_trace(path)
+    path.write_text('[1, 2]\n')
+    with pytest.raises(ValueError, match=r"t.jsonl:1: expected a JSON object"):
+        load_trace(path)

@@ -1,4 +1,4 @@
-"""The `trtpaged` command line: build, serve, generate, bench, inspect.
+"""The `trtpaged` command line: build, serve, generate, bench, inspect, diagnose.
 
 Each command lives in its own module under `trtpaged/commands/` and is imported
 only when invoked, so `trtpaged --help` stays fast.
@@ -18,6 +18,7 @@ _COMMANDS = {
     "generate": "Generate a completion for one prompt.",
     "bench": "Benchmarks: kernels, memory, throughput.",
     "inspect": "Print an engine dir's manifest and memory plan.",
+    "diagnose": "What paged KV and sharing buy a workload, with numbers.",
 }
 
 

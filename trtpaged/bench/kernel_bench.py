@@ -20,7 +20,10 @@ from typing import Callable, Optional
 import torch
 
 from trtpaged import kernels
-from trtpaged.bench.timing import best_seconds, median_seconds
+import statistics
+
+from trtpaged.bench.noise import Noise, NoiseMonitor, verdict
+from trtpaged.bench.timing import best_seconds, sample_seconds
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64
 CONTEXTS = (512, 2048, 8192)
@@ -75,9 +78,14 @@ def _decode_inputs(context: int, batch: int, block_size: int, kv_dtype: torch.dt
     return step
 
 
-def measure_decode(context: int, batch: int, kv_dtype: torch.dtype, copy_gbs: float, budget_s: float) -> DecodeResult:
-    paged = median_seconds(_decode_inputs(context, batch, 16, kv_dtype, shuffle=True), budget_s=budget_s)
-    contiguous = median_seconds(_decode_inputs(context, batch, context, kv_dtype, shuffle=False), budget_s=budget_s)
+def measure_decode(context: int, batch: int, kv_dtype: torch.dtype, copy_gbs: float, budget_s: float,
+                   noise: Optional[NoiseMonitor] = None) -> DecodeResult:  # fmt: skip
+    paged_times = sample_seconds(_decode_inputs(context, batch, 16, kv_dtype, shuffle=True), budget_s=budget_s)
+    contiguous_times = sample_seconds(_decode_inputs(context, batch, context, kv_dtype, shuffle=False), budget_s=budget_s)
+    if noise is not None:
+        noise.add_samples(paged_times)
+        noise.add_samples(contiguous_times)
+    paged, contiguous = statistics.median(paged_times), statistics.median(contiguous_times)
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * torch.empty(0, dtype=kv_dtype).element_size()
     bandwidth = kv_bytes / paged / 1e9
     return DecodeResult(context, batch, paged * 1e3, contiguous * 1e3, kv_bytes, bandwidth, bandwidth / copy_gbs,
@@ -93,13 +101,16 @@ def run_kernel_bench(
 ) -> dict:
     """Runs the whole CPU kernel report and returns it as a dict (see module docstring)."""
     say = progress or (lambda _msg: None)
+    monitor = NoiseMonitor().start()
     say("measuring memory-copy bandwidth")
     copy_gbs = copy_bandwidth_gbs()
     results = []
     for context in contexts:
         for batch in batches:
             say(f"decode: context {context}, batch {batch}")
-            results.append(measure_decode(context, batch, kv_dtype, copy_gbs, budget_s))
+            results.append(measure_decode(context, batch, kv_dtype, copy_gbs, budget_s, monitor))
+    monitor.stop()
+    noise = monitor.result()
     long = [r for r in results if r.context >= 2048]
     worst_fraction = min((r.fraction_of_copy for r in long), default=float("nan"))
     mean_overhead = sum(r.paged_overhead for r in results) / len(results)
@@ -111,12 +122,15 @@ def run_kernel_bench(
         "heads": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM},
         "copy_bandwidth_gbs": copy_gbs,
         "decode": [asdict(r) for r in results],
+        "noise": noise.to_dict(),
         "summary": {
             "min_fraction_of_copy_at_2048_plus": worst_fraction,
             "target_fraction": TARGET_BANDWIDTH_FRACTION,
             "mean_paged_overhead": mean_overhead,
             "max_paged_overhead": max(r.paged_overhead for r in results),
             "target_paged_overhead": TARGET_PAGED_OVERHEAD,
+            "bandwidth_verdict": verdict(worst_fraction >= TARGET_BANDWIDTH_FRACTION, noise),
+            "overhead_verdict": verdict(mean_overhead <= TARGET_PAGED_OVERHEAD, noise),
         },
     }
 
@@ -137,14 +151,14 @@ def format_report(report: dict) -> str:
             f"{r['bandwidth_gbs']:>9.1f} {r['fraction_of_copy']:>7.0%} {r['paged_overhead']:>+10.1%}"
         )
     s = report["summary"]
-    ok_bw = s["min_fraction_of_copy_at_2048_plus"] >= s["target_fraction"]
-    ok_ovh = s["mean_paged_overhead"] <= s["target_paged_overhead"]
+    noise = Noise(**report["noise"])
     lines += [
         "",
+        noise.describe(),
         f"decode at 2048+ tokens: worst {s['min_fraction_of_copy_at_2048_plus']:.0%} of copy bandwidth "
-        f"(target >= {s['target_fraction']:.0%}): {'met' if ok_bw else 'NOT met'}",
+        f"(target >= {s['target_fraction']:.0%}): {s['bandwidth_verdict']}",
         f"paged overhead vs contiguous: mean {s['mean_paged_overhead']:+.1%}, worst {s['max_paged_overhead']:+.1%} "
-        f"(target <= {s['target_paged_overhead']:.0%} mean): {'met' if ok_ovh else 'NOT met'}",
+        f"(target <= {s['target_paged_overhead']:.0%} mean): {s['overhead_verdict']}",
     ]
     return "\n".join(lines)
 

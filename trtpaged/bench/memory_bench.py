@@ -9,17 +9,25 @@ with the same KV budget, step limits and FCFS admission:
   oracle no real server has (the strongest unpaged baseline);
 - paged: trtpaged's real scheduler and block pool (prefix caching off), driven by an engine
   that runs no model;
-- paged + sharing: the same with prefix caching and parallel samples sharing prompt blocks.
+- paged + sharing: the same with prefix caching, parallel samples sharing prompt blocks and
+  beams sharing their common history (copy-on-write).
 
 Per policy, measured during each step (blocks of the step allocated, finished sequences not yet
 freed): steps to finish, peak and mean running sequences, and KV utilisation (tokens stored /
-slots held, averaged over steps).
+slots held, averaged over steps). The time-weighted columns weight each step by the tokens it
+computed (a step's cost grows with its tokens), so a recompute preemption, which computes a
+prompt and its output again, costs what it costs.
+
+Memory saved by sharing (the PagedAttention paper's figure): in the paged + sharing replay,
+blocks in use (distinct physical blocks) against blocks without sharing (each sequence's own
+block table counted in full, as if nothing were shared), summed over steps:
+1 - sum(with) / sum(without), i.e. 1 - mean(with) / mean(without).
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Optional
 
 from trtpaged.bench.null_engine import NullEngine
@@ -45,6 +53,10 @@ class Budget:
         return self.num_blocks * self.block_size
 
 
+SERIES = ("running", "utilisation", "slots", "computed", "blocks_with_sharing", "blocks_without_sharing", "waiting",
+          "head_fits")
+
+
 @dataclass
 class PolicyResult:
     policy: str
@@ -52,22 +64,49 @@ class PolicyResult:
     peak_running: int = 0
     mean_running: float = 0.0
     mean_utilisation: float = 0.0
+    tokens_computed: int = 0
+    time_weighted_running: float = 0.0  # steps weighted by the tokens they computed
+    time_weighted_utilisation: float = 0.0
     preemptions: int = 0
     refused: int = 0
     running: list[int] = field(default_factory=list, repr=False)
     utilisation: list[float] = field(default_factory=list, repr=False)
+    slots: list[int] = field(default_factory=list, repr=False)  # KV slots held in each step
+    computed: list[int] = field(default_factory=list, repr=False)  # tokens computed in each step
+    blocks_with_sharing: list[int] = field(default_factory=list, repr=False)
+    blocks_without_sharing: list[int] = field(default_factory=list, repr=False)
+    # per step, paged replays only: requests waiting, and whether the first of them would fit in the free blocks
+    waiting: list[int] = field(default_factory=list, repr=False)
+    head_fits: list[bool] = field(default_factory=list, repr=False)
 
-    def record(self, running: int, tokens: int, slots: int) -> None:
+    def record(self, running: int, tokens: int, slots: int, computed: int = 0) -> None:
         self.running.append(running)
-        if slots:
-            self.utilisation.append(tokens / slots)
+        self.slots.append(slots)
+        self.computed.append(computed)
+        self.utilisation.append(tokens / slots if slots else 1.0)
 
     def finish(self) -> "PolicyResult":
         self.steps = len(self.running)
         self.peak_running = max(self.running, default=0)
         self.mean_running = statistics.fmean(self.running) if self.running else 0.0
         self.mean_utilisation = statistics.fmean(self.utilisation) if self.utilisation else 0.0
+        self.tokens_computed = sum(self.computed)
+        if self.tokens_computed:
+            self.time_weighted_running = _weighted(self.running, self.computed)
+            self.time_weighted_utilisation = _weighted(self.utilisation, self.computed)
         return self
+
+    def sharing(self) -> dict[str, float]:
+        """Means over steps of blocks in use with and without sharing, and the memory saved."""
+        with_, without = self.blocks_with_sharing, self.blocks_without_sharing
+        mean_with = statistics.fmean(with_) if with_ else 0.0
+        mean_without = statistics.fmean(without) if without else 0.0
+        saved = 1.0 - mean_with / mean_without if mean_without else 0.0
+        return {"memory_saved": saved, "blocks_with_sharing": mean_with, "blocks_without_sharing": mean_without}
+
+
+def _weighted(values: list, weights: list[int]) -> float:
+    return sum(v * w for v, w in zip(values, weights)) / sum(weights)
 
 
 @dataclass
@@ -90,28 +129,31 @@ def simulate_contiguous(trace: list[TraceRequest], budget: Budget, reserve: str)
         while pending and trace[pending[0]].arrival <= step:
             waiting.append(trace[pending.pop(0)])
         tokens_left = budget.max_num_tokens - len(running)
+        computed = len(running)  # one decode token per running sequence, plus the prompts admitted
         admitted_any = False
         while waiting:
             req = waiting[0]
+            copies = req.n * req.beam_width  # without sharing, every sample or beam holds its own copy
             per_seq = budget.max_seq_len if reserve == "max_seq_len" else min(budget.max_seq_len, req.prompt_len + req.output_len)
-            need = per_seq * req.n
-            if need > budget.capacity_tokens or req.n > budget.max_batch_size:
+            need = per_seq * copies
+            if need > budget.capacity_tokens or req.n * req.beam_width > budget.max_batch_size:
                 waiting.pop(0)
                 result.refused += 1
                 continue
-            fits = reserved + need <= budget.capacity_tokens and len(running) + req.n <= budget.max_batch_size
+            fits = reserved + need <= budget.capacity_tokens and len(running) + copies <= budget.max_batch_size
             # a prompt longer than the step's token budget still runs, alone (as if chunked)
             if not fits or (req.prompt_len > tokens_left and admitted_any):
                 break
             waiting.pop(0)
-            running += [_ContiguousSeq(req.prompt_len, req.output_len, per_seq) for _ in range(req.n)]
+            running += [_ContiguousSeq(req.prompt_len, req.output_len, per_seq) for _ in range(copies)]
             reserved += need
             tokens_left -= req.prompt_len
+            computed += req.prompt_len * copies
             admitted_any = True
         for seq in running:
             seq.generated += 1
         stored = sum(s.prompt_len + s.generated - 1 for s in running)
-        result.record(len(running), stored, reserved)
+        result.record(len(running), stored, reserved, computed)
         done = [s for s in running if s.generated >= min(s.output_len, budget.max_seq_len - s.prompt_len)]
         for s in done:
             reserved -= s.reserved
@@ -122,8 +164,15 @@ def simulate_contiguous(trace: list[TraceRequest], budget: Budget, reserve: str)
     return result.finish()
 
 
-def simulate_paged(trace: list[TraceRequest], budget: Budget, sharing: bool) -> PolicyResult:
-    """Replays the trace through trtpaged's real scheduler and block pool (no model runs)."""
+def simulate_paged(
+    trace: list[TraceRequest], budget: Budget, sharing: bool, prompts: Optional[list[list[int]]] = None
+) -> PolicyResult:
+    """Replays the trace through trtpaged's real scheduler and block pool (no model runs).
+
+    `prompts` gives each request's token ids (default: generated, shared prefixes identical).
+    With sharing, a request's n samples or beam_width beams are one request sharing blocks;
+    without, they are separate requests (beams as greedy copies) and nothing is shared.
+    """
     config = RuntimeConfig(
         block_size=budget.block_size,
         num_blocks=budget.num_blocks,
@@ -138,10 +187,22 @@ def simulate_paged(trace: list[TraceRequest], budget: Budget, sharing: bool) -> 
         # Blocks of this step are allocated and none freed yet; this step's tokens are being written.
         stats = engine.kv.stats(engine.scheduler.live_seqs())
         num_seqs = int(batch.query_start.shape[0]) - 1
-        result.record(num_seqs, int(stats["kv_tokens_stored"]) + batch.num_tokens, int(stats["kv_slots_allocated"]))
+        result.record(num_seqs, int(stats["kv_tokens_stored"]) + batch.num_tokens, int(stats["kv_slots_allocated"]),
+                      batch.num_tokens)  # fmt: skip
+        used = int(stats["kv_blocks_used"])
+        result.blocks_with_sharing.append(used)
+        result.blocks_without_sharing.append(used + int(stats["kv_blocks_saved_by_sharing"]))
+        waiting = engine.scheduler.waiting
+        result.waiting.append(len(waiting))
+        if waiting:
+            head = waiting[0]
+            need = -(-len(head.prompt_token_ids) // budget.block_size)
+            result.head_fits.append(need <= int(stats["kv_blocks_free"]))
+        else:
+            result.head_fits.append(True)
 
     engine = LLMEngine(NullEngine(budget.num_blocks, on_step=during_step), config)
-    prompts = prompt_token_ids(trace)
+    prompts = prompts if prompts is not None else prompt_token_ids(trace)
     # without sharing, parallel samples are separate requests: nothing is shared
     order = sorted(range(len(trace)), key=lambda i: (trace[i].arrival, i))
     step = 0
@@ -149,9 +210,13 @@ def simulate_paged(trace: list[TraceRequest], budget: Budget, sharing: bool) -> 
         while order and trace[order[0]].arrival <= step:
             i = order.pop(0)
             req = trace[i]
-            copies = 1 if sharing else req.n
-            params = SamplingParams(max_tokens=req.output_len, temperature=1.0, seed=i, ignore_eos=True,
-                                    n=req.n if sharing else 1)  # fmt: skip
+            copies = 1 if sharing else req.n * req.beam_width
+            if sharing and req.beam_width > 1:
+                params = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True,
+                                        beam_width=req.beam_width, n=min(req.n, req.beam_width))  # fmt: skip
+            else:
+                params = SamplingParams(max_tokens=req.output_len, temperature=1.0, seed=i, ignore_eos=True,
+                                        n=req.n if sharing else 1)  # fmt: skip
             for _ in range(copies):
                 try:
                     engine.add_request(prompts[i], params)
@@ -164,16 +229,22 @@ def simulate_paged(trace: list[TraceRequest], budget: Budget, sharing: bool) -> 
 
 
 def run_memory_bench(
-    trace: list[TraceRequest], budget: Budget, progress: Optional[Callable[[str], None]] = None
+    trace: list[TraceRequest],
+    budget: Budget,
+    progress: Optional[Callable[[str], None]] = None,
+    prompts: Optional[list[list[int]]] = None,
 ) -> dict:
-    """All four policies on one trace; returns a JSON-able report with side-by-side ratios."""
+    """All four policies on one trace; returns a JSON-able report with side-by-side ratios.
+
+    `prompts`: each request's token ids (default: generated; see simulate_paged).
+    """
     say = progress or (lambda _msg: None)
     results = []
     for name, run in (
         ("contiguous, reserve max_seq_len", lambda: simulate_contiguous(trace, budget, "max_seq_len")),
         ("contiguous, reserve exact", lambda: simulate_contiguous(trace, budget, "exact")),
-        ("paged", lambda: simulate_paged(trace, budget, sharing=False)),
-        ("paged + sharing", lambda: simulate_paged(trace, budget, sharing=True)),
+        ("paged", lambda: simulate_paged(trace, budget, sharing=False, prompts=prompts)),
+        ("paged + sharing", lambda: simulate_paged(trace, budget, sharing=True, prompts=prompts)),
     ):
         say(name)
         results.append(run())
@@ -181,9 +252,11 @@ def run_memory_bench(
     report = {
         "budget": asdict(budget),
         "requests": len(trace),
-        "sequences": sum(r.n for r in trace),
+        "sequences": sum(r.n * r.beam_width for r in trace),
+        "sharing": results[-1].sharing(),
+        "series": {r.policy: {k: getattr(r, k) for k in ("running", "slots", "waiting", "head_fits")} for r in results},
         "policies": [
-            {k: v for k, v in asdict(r).items() if k not in ("running", "utilisation")}
+            {k: v for k, v in asdict(r).items() if k not in SERIES}
             | {
                 "mean_running_vs_reserve_max": r.mean_running / base.mean_running if base.mean_running else None,
                 "speedup_in_steps_vs_reserve_max": base.steps / r.steps if r.steps else None,
@@ -194,6 +267,37 @@ def run_memory_bench(
     return report
 
 
+def run_sharing_table(
+    trace: list[TraceRequest],
+    budget: Budget,
+    ns: tuple[int, ...] = (2, 4, 6),
+    widths: tuple[int, ...] = (2, 4, 6),
+    progress: Optional[Callable[[str], None]] = None,
+) -> list[dict]:
+    """Memory saved by sharing for parallel sampling (each n) and beam search (each width) on one trace.
+
+    Every request of the trace gets that n (or beam width); the replay is paged + sharing.
+    """
+    say = progress or (lambda _msg: None)
+    rows = []
+    for kind, values in (("parallel", ns), ("beam", widths)):
+        for v in values:
+            say(f"{kind} {v}")
+            variant = [replace(r, n=v, beam_width=1) if kind == "parallel" else replace(r, n=1, beam_width=v)
+                       for r in trace]  # fmt: skip
+            rows.append({"kind": kind, "width": v} | simulate_paged(variant, budget, sharing=True).sharing())
+    return rows
+
+
+def format_sharing_table(rows: list[dict]) -> str:
+    lines = [f"{'sharing':<10} {'n/width':>8} {'blocks w/ sharing':>18} {'w/o sharing':>12} {'memory saved':>13}"]
+    for r in rows:
+        lines.append(f"{r['kind']:<10} {r['width']:>8} {r['blocks_with_sharing']:>18.1f} "
+                     f"{r['blocks_without_sharing']:>12.1f} {r['memory_saved']:>13.1%}")  # fmt: skip
+    lines.append("memory saved = 1 - blocks in use with sharing / blocks without (means over steps), paged + sharing replay")
+    return "\n".join(lines)
+
+
 def format_memory_report(report: dict) -> str:
     b = report["budget"]
     lines = [
@@ -201,13 +305,24 @@ def format_memory_report(report: dict) -> str:
         f"KV budget {b['num_blocks']} blocks x {b['block_size']} tokens = {b['num_blocks'] * b['block_size']:,} slots, "
         f"max_seq_len {b['max_seq_len']}, max_batch_size {b['max_batch_size']}, max_num_tokens {b['max_num_tokens']}",
         "",
-        f"{'policy':<34} {'steps':>7} {'peak run':>9} {'mean run':>9} {'KV util':>8} {'run x':>6} {'steps x':>8} {'preempt':>8}",
+        f"{'policy':<34} {'steps':>7} {'peak run':>9} {'mean run':>9} {'KV util':>8} {'tw run':>7} {'tw util':>8} "
+        f"{'tokens':>9} {'run x':>6} {'speed-up':>9} {'preempt':>8}",
     ]
     for p in report["policies"]:
         lines.append(
             f"{p['policy']:<34} {p['steps']:>7} {p['peak_running']:>9} {p['mean_running']:>9.1f} "
-            f"{p['mean_utilisation']:>7.1%} {p['mean_running_vs_reserve_max']:>6.2f} "
-            f"{p['speedup_in_steps_vs_reserve_max']:>8.2f} {p['preemptions']:>8}"
+            f"{p['mean_utilisation']:>7.1%} {p['time_weighted_running']:>7.1f} {p['time_weighted_utilisation']:>7.1%} "
+            f"{p['tokens_computed']:>9} {p['mean_running_vs_reserve_max']:>6.2f} "
+            f"{p['speedup_in_steps_vs_reserve_max']:>8.2f}x {p['preemptions']:>8}"
         )
-    lines += ["", "run x / steps x: mean running sequences and steps-to-finish relative to reserving max_seq_len"]
+    sh = report["sharing"]
+    lines += [
+        "",
+        "run x: mean running sequences / those of reserving max_seq_len (higher is better)",
+        "speed-up: steps to finish when reserving max_seq_len / this policy's steps (2.00x = done in half the steps)",
+        "tw run / tw util: running sequences and KV utilisation with each step weighted by the tokens it computed;",
+        "  tokens: tokens computed in all (recompute preemptions compute prompts and outputs again)",
+        f"sharing (paged + sharing): {sh['blocks_with_sharing']:.1f} blocks in use vs {sh['blocks_without_sharing']:.1f} "
+        f"without sharing (means over steps): memory saved {sh['memory_saved']:.1%}",
+    ]
     return "\n".join(lines)

@@ -1,8 +1,10 @@
 """An `Engine` that runs no model: it lets the real scheduler and block pool replay a workload.
 
-Every step returns the same logits, so greedy sampling always picks token 0; with
-ignore_eos and max_tokens the output lengths are exactly the trace's. Only block
-accounting and scheduling are exercised, which is what the memory benchmark measures.
+Its logits are a fixed function of each output row's input token and position (a stand-in
+model with deterministic logits), so beam search forks and prunes beams the same way on
+every run, and parallel samples diverge; with ignore_eos and max_tokens the output lengths
+are exactly the trace's. Only block accounting and scheduling are exercised, which is what
+the memory benchmark measures.
 """
 
 from __future__ import annotations
@@ -14,13 +16,20 @@ import torch
 from trtpaged.runtime.engines.base import StepBatch
 
 
+def stand_in_logits(tokens: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[rows, vocab] logits that depend only on (token, position): a deterministic stand-in model."""
+    v = torch.arange(vocab_size, dtype=torch.float64)
+    phase = tokens.to(torch.float64)[:, None] * 1.618 + positions.to(torch.float64)[:, None] * 0.377
+    return (3.0 * torch.sin(phase * (v + 1.0) + v * 2.399)).to(torch.float32)
+
+
 class NullEngine:
     """Engine protocol without a model or a KV pool tensor (block moves are no-ops)."""
 
     backend = "null"
 
     def __init__(
-        self, num_blocks: int, vocab_size: int = 2, on_step: Optional[Callable[[StepBatch], None]] = None
+        self, num_blocks: int, vocab_size: int = 8, on_step: Optional[Callable[[StepBatch], None]] = None
     ) -> None:
         self.num_blocks = num_blocks
         self.vocab_size = vocab_size
@@ -29,7 +38,8 @@ class NullEngine:
     def step(self, batch: StepBatch) -> torch.Tensor:
         if self.on_step is not None:
             self.on_step(batch)
-        return torch.zeros(int(batch.logits_index.shape[0]), self.vocab_size)
+        rows = batch.logits_index.long()
+        return stand_in_logits(batch.input_ids[rows], batch.positions[rows], self.vocab_size)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         pass

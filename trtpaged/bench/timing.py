@@ -17,6 +17,11 @@ def best_seconds(fn: Callable[[], object], *, warmup: int = 2, min_reps: int = 5
     return min(_times(fn, warmup, min_reps, budget_s))
 
 
+def sample_seconds(fn: Callable[[], object], *, warmup: int = 2, min_reps: int = 5, budget_s: float = 0.5) -> list[float]:
+    """Every repeat's wall time (for medians and spreads: see trtpaged.bench.noise)."""
+    return _times(fn, warmup, min_reps, budget_s)
+
+
 def _times(fn: Callable[[], object], warmup: int, min_reps: int, budget_s: float) -> list[float]:
     for _ in range(warmup):
         fn()

@@ -1,10 +1,11 @@
 """Request workloads for the memory and throughput benchmarks: trace files or synthetic mixes.
 
 A trace is JSON Lines, one request per line:
-    {"prompt_len": 312, "output_len": 128, "arrival": 0, "prefix_id": 3, "prefix_len": 256, "n": 1}
+    {"prompt_len": 312, "output_len": 128, "arrival": 0, "prefix_id": 3, "prefix_len": 256, "n": 1, "beam_width": 1}
 Only prompt_len and output_len are required. Requests with the same prefix_id share their
 first prefix_len prompt tokens (a system prompt); arrival is the step at which the request
-is submitted (default 0); n is the number of parallel samples.
+is submitted (default 0); n is the number of parallel samples; beam_width > 1 makes the
+request a beam search of that width.
 """
 
 from __future__ import annotations
@@ -24,11 +25,18 @@ class TraceRequest:
     prefix_id: Optional[int] = None
     prefix_len: int = 0
     n: int = 1
+    beam_width: int = 1
 
     def __post_init__(self) -> None:
-        for name, low in (("prompt_len", 1), ("output_len", 1), ("arrival", 0), ("prefix_len", 0), ("n", 1)):
-            if getattr(self, name) < low:
+        for name, low in (("prompt_len", 1), ("output_len", 1), ("arrival", 0), ("prefix_len", 0), ("n", 1),
+                          ("beam_width", 1)):  # fmt: skip
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{name}: must be an integer, got {value!r}")
+            if value < low:
                 raise ValueError(f"{name}: must be >= {low}, got {getattr(self, name)}")
+        if self.prefix_id is not None and (not isinstance(self.prefix_id, int) or isinstance(self.prefix_id, bool)):
+            raise ValueError(f"prefix_id: must be an integer, got {self.prefix_id!r}")
         if self.prefix_len > self.prompt_len:
             raise ValueError(f"prefix_len: {self.prefix_len} exceeds prompt_len {self.prompt_len}")
 
@@ -42,6 +50,8 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
             continue
         try:
             data = json.loads(line)
+            if not isinstance(data, dict):
+                raise ValueError(f"expected a JSON object, got {type(data).__name__}")
             unknown = set(data) - fields
             if unknown:
                 raise ValueError(f"unknown field(s) {sorted(unknown)}; allowed: {sorted(fields)}")
@@ -51,6 +61,14 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
     if not requests:
         raise ValueError(f"{path}: no requests")
     return requests
+
+
+# Length ranges whose means match the PagedAttention paper's datasets (uniform, so only the means match):
+# Alpaca: 19.3 input / 58.5 output tokens; ShareGPT: 161.3 input / 338.0 output tokens.
+PRESETS: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
+    "alpaca": ((4, 35), (8, 109)),
+    "sharegpt": ((16, 306), (16, 660)),
+}
 
 
 def parse_range(text: str, name: str) -> tuple[int, int]:
@@ -73,6 +91,7 @@ def synthetic_trace(
     num_prefixes: int = 1,
     n: int = 1,
     seed: int = 0,
+    beam_width: int = 1,
 ) -> list[TraceRequest]:
     """Uniformly random lengths, all arriving at step 0; optional shared system prompts."""
     if num_requests < 1:
@@ -82,7 +101,7 @@ def synthetic_trace(
     for _ in range(num_requests):
         plen = rng.randint(*prompt_len) + shared_prefix_len
         prefix = rng.randrange(num_prefixes) if shared_prefix_len else None
-        out.append(TraceRequest(plen, rng.randint(*output_len), 0, prefix, shared_prefix_len, n))
+        out.append(TraceRequest(plen, rng.randint(*output_len), 0, prefix, shared_prefix_len, n, beam_width))
     return out
 
 

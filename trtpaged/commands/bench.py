@@ -11,7 +11,7 @@ from trtpaged.manifest import DTYPE_BYTES
 
 @click.group(name="bench")
 def command() -> None:
-    """Benchmarks: the paged-attention kernel, KV memory under a workload."""
+    """Benchmarks: kernel, memory, throughput, qlinear, serve."""
 
 
 @command.command(name="kernel")
@@ -42,6 +42,11 @@ def kernel(kv_dtype: str, as_json: bool, quick: bool) -> None:
 @click.option("--shared-prefix", default=0, show_default=True, help="Synthetic: tokens of shared system prompt.")
 @click.option("--num-prefixes", default=1, show_default=True, help="Synthetic: distinct shared prompts.")
 @click.option("--n", default=1, show_default=True, help="Synthetic: parallel samples per request.")
+@click.option("--beam-width", default=1, show_default=True, help="Synthetic: W > 1 makes every request a beam search of width W.")
+@click.option("--preset", type=click.Choice(("alpaca", "sharegpt")),
+              help="Synthetic: prompt/output length ranges with the PagedAttention paper's dataset means.")
+@click.option("--sharing-table", is_flag=True, help="Also: memory saved by sharing for n = 2, 4, 6 and beam width 2, 4, 6.")
+@click.option("--plot", type=click.Path(dir_okay=False), help="Write KV slots and running sequences over time to a PNG.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--num-blocks", type=int, help="KV blocks (default: the engine's budget, else 1456).")
 @click.option("--block-size", type=int, help="Tokens per block (default: the engine's, else 16).")
@@ -49,17 +54,20 @@ def kernel(kv_dtype: str, as_json: bool, quick: bool) -> None:
 @click.option("--max-batch-size", type=int, help="Default: the engine's, else 256.")
 @click.option("--max-num-tokens", type=int, help="Default: the engine's, else 2048.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def memory(engine, trace, num_requests, prompt_len, output_len, shared_prefix, num_prefixes, n, seed, num_blocks,
-           block_size, max_seq_len, max_batch_size, max_num_tokens, as_json) -> None:  # fmt: skip
+def memory(engine, trace, num_requests, prompt_len, output_len, shared_prefix, num_prefixes, n, beam_width, preset,
+           sharing_table, plot, seed, num_blocks, block_size, max_seq_len, max_batch_size, max_num_tokens,
+           as_json) -> None:  # fmt: skip
     """Concurrency and KV utilisation of one workload: contiguous reservations vs paged vs paged + sharing.
 
     Replays the workload through trtpaged's real scheduler and block pool (no model runs) and
-    through contiguous-reservation baselines, all with the same KV budget, side by side.
+    through contiguous-reservation baselines, all with the same KV budget, side by side; and
+    reports the memory saved by sharing (parallel samples, beams, shared prefixes).
     """
     import json
 
-    from trtpaged.bench.memory_bench import Budget, format_memory_report, run_memory_bench
-    from trtpaged.bench.workload import load_trace, parse_range, synthetic_trace
+    from trtpaged.bench.memory_bench import (Budget, format_memory_report, format_sharing_table, run_memory_bench,
+                                             run_sharing_table)  # fmt: skip
+    from trtpaged.bench.workload import PRESETS, load_trace, parse_range, synthetic_trace
 
     defaults = {"num_blocks": 1456, "block_size": 16, "max_seq_len": 2048, "max_batch_size": 256,
                 "max_num_tokens": 2048}  # fmt: skip
@@ -79,12 +87,26 @@ def memory(engine, trace, num_requests, prompt_len, output_len, shared_prefix, n
         if trace:
             requests = load_trace(trace)
         else:
-            requests = synthetic_trace(num_requests, parse_range(prompt_len, "--prompt-len"),
-                                       parse_range(output_len, "--output-len"), shared_prefix, num_prefixes, n, seed)  # fmt: skip
+            plens, olens = PRESETS[preset] if preset else (parse_range(prompt_len, "--prompt-len"),
+                                                           parse_range(output_len, "--output-len"))  # fmt: skip
+            requests = synthetic_trace(num_requests, plens, olens, shared_prefix, num_prefixes, n, seed, beam_width)
     except (ValueError, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from exc
-    report = run_memory_bench(requests, budget, progress=lambda msg: click.echo(f"  replaying: {msg}", err=True))
-    click.echo(json.dumps(report, indent=2) if as_json else format_memory_report(report))
+    progress = lambda msg: click.echo(f"  replaying: {msg}", err=True)  # noqa: E731
+    report = run_memory_bench(requests, budget, progress=progress)
+    if plot:
+        from trtpaged.bench.memory_plot import plot_memory_report
+
+        click.echo(f"  plot: {plot_memory_report(report, plot)}", err=True)
+    del report["series"]  # per-step series: for the plot, too long to print
+    if sharing_table:
+        report["sharing_table"] = run_sharing_table(requests, budget, progress=progress)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    click.echo(format_memory_report(report))
+    if sharing_table:
+        click.echo("\n" + format_sharing_table(report["sharing_table"]))
 
 
 @command.command(name="qlinear")
@@ -143,3 +165,62 @@ def serve(base_url, trace, num_requests, prompt_len, output_len, request_rate, m
                                          api_key, endpoint == "chat", ignore_eos, seed,
                                          progress=lambda msg: click.echo(f"  {msg}", err=True)))  # fmt: skip
     click.echo(report_json(report) if as_json else format_report(report))
+
+
+@command.command(name="throughput")
+@click.argument("engine", type=click.Path(exists=True, file_okay=False))
+@click.option("--trace", type=click.Path(exists=True, dir_okay=False),
+              help='JSON Lines: a bench-memory trace (prompt_len, output_len, ...; token ids are generated) '
+                   'or prompts ({"prompt": text, "output_len": N}).')  # fmt: skip
+@click.option("--num-requests", default=16, show_default=True, help="Built-in mix: requests (prompts 32-300, outputs 16-240 tokens).")
+@click.option("--baseline", type=click.Choice(("hf", "none")), default="hf", show_default=True,
+              help="hf: transformers generate with static batches on the engine's source model.")
+@click.option("--hf-batch-size", type=int, help="Baseline static batch size (default: the engine's max_batch_size).")
+@click.option("--no-prefix-caching-row", is_flag=True, help="Extra row: trtpaged with prefix caching off.")
+@click.option("--engine2", type=click.Path(exists=True, file_okay=False),
+              help="Extra row: a second engine dir on the same requests (e.g. fp32 vs quantized).")
+@click.option("--profile", is_flag=True, help="Also: where a decode step's time goes (phases, and model ops at batch 1 and 16).")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def throughput(engine, trace, num_requests, baseline, hf_batch_size, no_prefix_caching_row, engine2, profile, seed,
+               as_json) -> None:  # fmt: skip
+    """End-to-end throughput and latency: trtpaged vs HF transformers on the same requests, side by side."""
+    import json
+
+    from trtpaged.bench.throughput_bench import (default_requests, format_throughput_report, load_requests,
+                                                 run_throughput_bench)  # fmt: skip
+    from trtpaged.manifest import read_manifest
+
+    def progress(msg: str) -> None:
+        click.echo(f"  {msg}", err=True)
+
+    manifest = read_manifest(engine)
+    try:
+        if trace:
+            from pathlib import Path
+
+            from trtpaged.runtime.llm import load_tokenizer
+
+            tokenizer = load_tokenizer(Path(engine), manifest)
+            requests = load_requests(trace, lambda text: list(tokenizer.encode(text)), manifest.dims.vocab_size)
+        else:
+            if num_requests < 1:
+                raise ValueError(f"--num-requests: must be >= 1, got {num_requests}")
+            requests = default_requests(manifest.dims.vocab_size, num_requests, seed)
+        if hf_batch_size is not None and hf_batch_size < 1:
+            raise ValueError(f"--hf-batch-size: must be >= 1, got {hf_batch_size}")
+    except (ValueError, FileNotFoundError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    report = run_throughput_bench(engine, requests, baseline, hf_batch_size, no_prefix_caching_row, engine2, progress)
+    if profile:
+        from trtpaged.bench.step_profile import run_step_profile
+
+        report["profile"] = run_step_profile(engine, say=progress)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    click.echo(format_throughput_report(report))
+    if profile:
+        from trtpaged.bench.step_profile import format_step_profile
+
+        click.echo("\n" + format_step_profile(report["profile"]))

@@ -1,0 +1,59 @@
+"""The shared noise module: spread arithmetic, the refusal rule, and other processes' CPU load."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from trtpaged.bench.noise import NoiseMonitor, assess, spread, verdict
+
+
+def test_spread_is_p90_minus_p10_over_median() -> None:
+    # sorted [1, 1, 1, 1, 2]: median 1, p10 = 1, p90 at rank 3.6 = 1 + 0.6 * (2 - 1)
+    assert spread([1.0, 2.0, 1.0, 1.0, 1.0]) == pytest.approx(0.6)
+    assert spread([3.0, 3.0, 3.0]) == 0.0
+    assert spread([5.0]) == 0.0
+
+
+def test_noisy_runs_get_no_verdict() -> None:
+    quiet = assess(0.02, 0.1, cpus=2)
+    assert quiet.trustworthy and verdict(True, quiet) == "met" and verdict(False, quiet) == "NOT met"
+    spread_out = assess(0.6, 0.1, cpus=2)
+    assert not spread_out.trustworthy and "spread 60.0%" in spread_out.reason
+    assert verdict(True, spread_out).startswith("no verdict")
+    busy = assess(0.02, 1.3, cpus=2)
+    assert not busy.trustworthy and "1.30 cores" in busy.reason
+    assert "NOT trustworthy" in busy.describe()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="needs /proc/stat")
+def test_foreign_load_counts_other_processes_not_ours() -> None:
+    burner = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"])
+    try:
+        with NoiseMonitor() as mon:
+            time.sleep(1.0)  # we use no CPU: what the monitor sees is the burner (and anyone else)
+    finally:
+        burner.wait()
+    assert mon.foreign_cores() is not None and mon.foreign_cores() > 0.2
+
+
+def test_kernel_bench_verdicts_follow_the_noise() -> None:
+    import torch
+
+    from trtpaged import kernels
+    from trtpaged.bench.kernel_bench import format_report, run_kernel_bench
+
+    if not kernels.available():
+        pytest.skip("kernel library not built")
+    report = run_kernel_bench(torch.float32, contexts=(64,), batches=(1,), budget_s=0.02)
+    noise, summary = report["noise"], report["summary"]
+    for key in ("bandwidth_verdict", "overhead_verdict"):
+        if noise["trustworthy"]:
+            assert summary[key] in ("met", "NOT met")
+        else:
+            assert summary[key].startswith("no verdict (noisy run: ")
+    assert "noise: worst spread" in format_report(report)

@@ -1,0 +1,86 @@
+"""`bench throughput`: token accounting of each system on the tiny engine, workloads and the command."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from trtpaged.bench.throughput_bench import (Request, default_requests, load_requests, percentile, run_hf,
+                                             run_trtpaged)  # fmt: skip
+from trtpaged.cli import main
+
+REQUESTS = [Request(tuple(range(10, 30)), 5), Request(tuple(range(50, 87)), 3), Request(tuple(range(100, 109)), 6)]
+
+
+@pytest.fixture(scope="module")
+def trtpaged_result(tiny_engine_dir):
+    return run_trtpaged(str(tiny_engine_dir), REQUESTS)
+
+
+def test_trtpaged_token_accounting(trtpaged_result) -> None:
+    r = trtpaged_result
+    assert r.useful_tokens == 5 + 3 + 6
+    # each prompt computed once, then one token per output after the first (the last is sampled, never stored)
+    assert r.computed_tokens == (20 + 4) + (37 + 2) + (9 + 5)
+    assert r.useful_tok_s == pytest.approx(r.useful_tokens / r.wall_s)
+    assert 0 < r.ttft_p50_s <= r.ttft_p99_s <= r.wall_s
+    assert r.peak_rss_mb > 0
+
+
+def test_hf_static_batches_pad_and_run_to_the_longest(tiny_engine_dir) -> None:
+    r = run_hf(str(tiny_engine_dir), REQUESTS, batch_size=2)
+    # batch 1: padded to 37 prompt tokens, runs 5 steps (4 decode positions after the prefill) for 2 rows;
+    # batch 2: 9 + 5 for 1 row
+    assert r.computed_tokens == 2 * (37 + 4) + 1 * (9 + 5)
+    assert r.useful_tokens == 14
+    # the second batch waits for the first: its TTFT is later than the first batch's
+    assert r.ttft_p99_s > r.ttft_p50_s
+
+
+def test_percentile_interpolates() -> None:
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([1.0, 2.0, 3.0, 4.0], 99) == pytest.approx(3.97)
+
+
+def test_default_mix_and_prompt_files(tmp_path) -> None:
+    reqs = default_requests(vocab_size=320)
+    assert len(reqs) == 16
+    assert all(32 <= len(r.prompt_ids) <= 300 and 16 <= r.output_len <= 240 for r in reqs)
+    assert all(0 < t < 320 for r in reqs for t in r.prompt_ids)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "abc", "output_len": 4}\n{"prompt": "de", "output_len": 0}\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:2: output_len: must be an integer >= 1"):
+        load_requests(prompts, lambda text: [ord(c) for c in text], 320)
+    prompts.write_text('{"prompt": "abc", "output_len": 4}\n')
+    assert load_requests(prompts, lambda text: [ord(c) for c in text], 320) == [Request((97, 98, 99), 4)]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"prompt_len": 7, "output_len": 3}\n')
+    (req,) = load_requests(trace, lambda text: [], 320)
+    assert len(req.prompt_ids) == 7 and req.output_len == 3
+
+
+def test_cli_json_interface(tiny_engine_dir, tmp_path) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"prompt_len": 20, "output_len": 4}\n{"prompt_len": 33, "output_len": 6}\n')
+    result = CliRunner().invoke(main, ["bench", "throughput", str(tiny_engine_dir), "--trace", str(trace),
+                                       "--hf-batch-size", "2", "--json"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output[result.output.index("{"):])
+    names = [s["name"] for s in report["systems"]]
+    assert names == ["trtpaged", "hf transformers (static batches)"]
+    for s in report["systems"]:
+        assert {"name", "useful_tok_s", "computed_tok_s", "wall_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s",
+                "peak_rss_mb"} <= set(s)  # fmt: skip
+        assert s["useful_tokens"] == 10
+    assert report["ratio_vs_baseline"] == pytest.approx(
+        report["systems"][0]["useful_tok_s"] / report["systems"][1]["useful_tok_s"])
+    assert report["systems"][1]["computed_tokens"] == 2 * (33 + 5)
+
+
+def test_cli_bad_trace_names_line_and_field(tiny_engine_dir, tmp_path) -> None:
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text('{"prompt_len": 20, "output_len": 4}\n{"prompt_len": 20, "output_len": "x"}\n')
+    result = CliRunner().invoke(main, ["bench", "throughput", str(tiny_engine_dir), "--trace", str(trace)])
+    assert result.exit_code != 0 and "bad.jsonl:2: output_len: must be an integer" in result.output

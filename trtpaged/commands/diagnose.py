@@ -1,0 +1,89 @@
+"""`trtpaged diagnose`: what paged KV and sharing buy a workload (baseline, sharing, lengths, bound)."""
+
+from __future__ import annotations
+
+import click
+
+
+def _kv_from_engine(engine: str):
+    from pathlib import Path
+
+    from trtpaged.bench.diagnose import ModelKV
+    from trtpaged.bench.memory_bench import Budget
+    from trtpaged.manifest import read_manifest
+    from trtpaged.runtime.engines.kv_budget import resolve_num_blocks
+    from trtpaged.runtime.llm import load_tokenizer
+
+    manifest = read_manifest(engine)
+    lim = manifest.limits
+    budget = Budget(resolve_num_blocks(manifest), lim.block_size, lim.max_seq_len, lim.max_batch_size, lim.max_num_tokens)
+    tokenizer = load_tokenizer(Path(engine), manifest)
+    kv = ModelKV(manifest.kv_bytes_per_token, budget, f"engine {engine}")
+    return kv, (lambda text: list(tokenizer.encode(text))), manifest.dims.vocab_size
+
+
+def _kv_from_config(path: str):
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from trtpaged.bench.diagnose import ModelKV
+    from trtpaged.bench.memory_bench import Budget
+    from trtpaged.config import load_config
+    from trtpaged.models.dims import dims_from_hf_config
+    from trtpaged.models.hf import load_hf
+    from trtpaged.runtime.engines.kv_budget import resolve_num_blocks
+
+    config = load_config(path)
+    spec, lim = config.model, config.limits
+    if spec.kind == "tiny":
+        hf_config = load_hf(spec).config
+    elif spec.kind == "hf_dir":
+        hf_config = AutoConfig.from_pretrained(str(spec.path), local_files_only=True)
+    else:
+        hf_config = AutoConfig.from_pretrained(str(spec.path.parent), gguf_file=spec.path.name, local_files_only=True)
+    dims = dims_from_hf_config(hf_config, lim.max_seq_len)
+    per_token = dims.kv_bytes_per_token(config.kv_cache_dtype)
+    plan = SimpleNamespace(kv_bytes_per_block=per_token * lim.block_size, limits=lim, kv_cache=config.kv_cache)
+    budget = Budget(resolve_num_blocks(plan), lim.block_size, lim.max_seq_len, lim.max_batch_size, lim.max_num_tokens)
+    return ModelKV(per_token, budget, f"config {path}"), None, dims.vocab_size
+
+
+@click.command(name="diagnose")
+@click.argument("log", type=click.Path(exists=True, dir_okay=False))
+@click.option("--engine", type=click.Path(exists=True, file_okay=False), help="Engine dir (KV bytes, budget, tokenizer).")
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
+              help="model.yaml instead of an engine dir (reads the model's config only; no text prompts).")
+@click.option("--metrics", "metrics_url", help="Metrics URL of a running server (trtpaged serve, or vLLM-style).")
+@click.option("--metrics-samples", default=3, show_default=True, help="Samples of --metrics, 1 s apart.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def command(log, engine, config_path, metrics_url, metrics_samples, as_json) -> None:
+    """What paged KV and sharing buy the workload in LOG (JSON Lines request log), with numbers.
+
+    Log lines: {"prompt": text | "prompt_token_ids": [...] | "prompt_len": N, "output_len": N,
+    "arrival": step, "prefix_id": id, "prefix_len": N, "n": N, "beam_width": W}.
+    """
+    import json
+
+    from trtpaged.bench.diagnose import diagnose, format_diagnosis, load_request_log
+
+    if bool(engine) == bool(config_path):
+        raise click.UsageError("give exactly one of --engine DIR or --config model.yaml")
+    try:
+        kv, tokenize, vocab = _kv_from_engine(engine) if engine else _kv_from_config(config_path)
+        trace, prompts = load_request_log(log, tokenize, vocab)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
+    metrics = None
+    if metrics_url:
+        from trtpaged.bench.server_metrics import observe
+
+        try:
+            metrics = observe(metrics_url, metrics_samples, max_batch_size=kv.budget.max_batch_size)
+        except OSError as exc:
+            raise click.ClickException(f"--metrics: cannot read {metrics_url}: {exc}") from exc
+    report = diagnose(trace, prompts, kv, metrics, progress=lambda m: click.echo(f"  replaying: {m}", err=True))
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        click.echo(format_diagnosis(report))
