@@ -33,3 +33,12 @@ def smollm2_engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     Built float32 on a CPU-only machine (about 2 minutes on 2 cores); mark tests using it slow.
     """
     return _build("smollm2.yaml", tmp_path_factory.mktemp("engines") / "smollm2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_int4_engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The engine dir of examples/smollm2-int4.yaml (the GGUF's Q4_1 blocks carried exactly as int4).
+
+    Its build includes the accuracy stage (HF greedy continuations); mark tests using it slow.
+    """
+    return _build("smollm2-int4.yaml", tmp_path_factory.mktemp("engines") / "smollm2-int4")

@@ -45,9 +45,9 @@ def test_importing_trtpaged_makes_openmp_waiters_sleep_unless_the_user_chose(env
 
 
 @pytest.mark.slow
-def test_readme_python_snippet_answers(smollm2_engine_dir, capsys):
+def test_readme_python_snippet_answers(smollm2_int4_engine_dir, capsys):
     readme = (REPO / "README.md").read_text()
     snippet = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
-    exec(compile(snippet.replace('"engines/smollm2"', repr(str(smollm2_engine_dir))), "README.md", "exec"), {})
+    exec(compile(snippet.replace('"engines/smollm2-int4"', repr(str(smollm2_int4_engine_dir))), "README.md", "exec"), {})
     answer = capsys.readouterr().out.splitlines()[0]
     assert "Paris" in answer

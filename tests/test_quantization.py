@@ -216,3 +216,33 @@ def test_smollm2_gguf_blocks_are_the_weights_transformers_loads():
     q = carried["layers.0.self_attn.q_proj"][1]
     assert not torch.equal(QuantizedWeight(4, 32, q.codes.flip(0), q.scales.flip(0), q.offsets.flip(0)).dequantize(),
                            weights["layers.0.self_attn.q_proj.weight"])
+
+
+@pytest.mark.slow
+def test_smollm2_int4_engine_matches_hf_gguf_model(smollm2_int4_engine_dir, monkeypatch):
+    """The int4 engine built from the GGUF's own blocks: with float activations its greedy output is
+    HF's (the GGUF model transformers loads) token for token; its build recorded the accuracy figures."""
+    from trtpaged import LLM, SamplingParams
+    from trtpaged.manifest import read_manifest
+    from trtpaged.models import load_hf, spec_from_manifest
+    from trtpaged.models import qlinear
+
+    manifest = read_manifest(smollm2_int4_engine_dir)
+    q = manifest.quantization
+    assert q["origin"] == {"gguf Q4_1 exact": 120, "gguf Q8_0 exact": 1}
+    accuracy = manifest.verification["accuracy"]
+    assert accuracy["scheme"] == "exact"
+    assert accuracy["full_precision_activations"]["agreement"] == 1.0
+    assert manifest.verification["max_abs_diff"] <= manifest.verification["tolerance"]
+
+    hf = load_hf(spec_from_manifest(manifest))
+    monkeypatch.setattr(qlinear, "_cpu_kernels", lambda: None)  # float activations: de-quantized weights
+    llm = LLM(smollm2_int4_engine_dir)
+    conversation = [{"role": "user", "content": "Explain how a transformer neural network works."}]
+    ids = hf.tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
+    ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    with torch.inference_mode():
+        ref = hf.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                max_new_tokens=48, min_new_tokens=48, do_sample=False)[0, len(ids):].tolist()
+    out = llm.generate([ids], SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == ref
