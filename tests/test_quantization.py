@@ -239,8 +239,7 @@ def test_smollm2_int4_engine_matches_hf_gguf_model(smollm2_int4_engine_dir, monk
     monkeypatch.setattr(qlinear, "_cpu_kernels", lambda: None)  # float activations: de-quantized weights
     llm = LLM(smollm2_int4_engine_dir)
     conversation = [{"role": "user", "content": "Explain how a transformer neural network works."}]
-    ids = hf.tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
-    ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    ids = hf.tokenizer.encode(hf.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True))
     with torch.inference_mode():
         ref = hf.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                 max_new_tokens=48, min_new_tokens=48, do_sample=False)[0, len(ids):].tolist()
