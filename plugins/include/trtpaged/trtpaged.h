@@ -157,10 +157,23 @@ TRTPAGED_API trtpaged_status trtpaged_qlinear_pack(int32_t bits, int64_t n, int6
                                                    const void* codes, const float* scales, const float* offsets,
                                                    void* packed);
 /* y[m, n] = x[m, k] @ W^T (+ bias[n] when bias is not NULL), float32 row-major; W in packed form.
- * Multithreaded (OpenMP) across output features. */
+ * Multithreaded (OpenMP) across output features. Same as trtpaged_qlinear_cpu_ex with
+ * TRTPAGED_QLINEAR_INT8_ACTIVATIONS. */
 TRTPAGED_API trtpaged_status trtpaged_qlinear_cpu(const float* x, int64_t m, const void* packed, int32_t bits,
                                                   int64_t n, int64_t k, int32_t group_size, const float* bias,
                                                   float* y);
+/* activations of trtpaged_qlinear_cpu_ex. INT8: x quantized per block of 32 as described above
+ * (integer dot products: fastest for large m). FLOAT: x kept in float32 and the weight codes
+ * de-quantized in registers (int8: q * s, exact; int4: fma(q, s, offset)), so y equals
+ * x @ W^T up to fp32 accumulation rounding, as F.linear on the de-quantized weight would;
+ * about as fast as INT8 at small m, where reading the weights dominates. */
+#define TRTPAGED_QLINEAR_INT8_ACTIVATIONS 0
+#define TRTPAGED_QLINEAR_FLOAT_ACTIVATIONS 1
+/* trtpaged_qlinear_cpu with a choice of activations (one of the two values above; other
+ * values: INVALID_ARGUMENT). Same packed form. */
+TRTPAGED_API trtpaged_status trtpaged_qlinear_cpu_ex(const float* x, int64_t m, const void* packed, int32_t bits,
+                                                     int64_t n, int64_t k, int32_t group_size, const float* bias,
+                                                     float* y, int32_t activations);
 /* The instruction set the quantized kernels use on this CPU: "avx512vnni", "avxvnni", "avx2" or
  * "scalar". Chosen at first use: the best the CPU supports, or $TRTPAGED_CPU_ISA if lower. */
 TRTPAGED_API const char* trtpaged_cpu_isa(void);

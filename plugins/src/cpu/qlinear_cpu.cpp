@@ -1,7 +1,9 @@
 // Weight-only quantized linear on the CPU: y = x @ W^T with W given as int8 or uint4 codes
-// and per-group scales (and offsets for int4). Activations are quantized on the fly to int8
-// per block of 32 (symmetric, float scale), dot products run on integers, accumulation
-// across blocks is fp32.
+// and per-group scales (and offsets for int4). Two kinds of kernels over one packed form:
+// - int8 activations: x quantized on the fly to int8 per block of 32 (symmetric, float scale),
+//   dot products on integers, fp32 accumulation across blocks (compute-bound batches);
+// - float activations: x stays float32, weight codes de-quantized in registers, fp32 FMA
+//   (as accurate as F.linear on the de-quantized weight; decode, where weights' bytes dominate).
 //
 // This file is compiled without -march=native: every SIMD variant carries its own
 // __attribute__((target)) and one is chosen at run time, so the library runs on any x86-64.
@@ -348,6 +350,155 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"))) in
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Float-activation kernels: x stays float32; each weight block is de-quantized in registers
+// (int8: q * s, exact in fp32; int4: fma(q, s, offset)) and FMA'd with x. Same tile layout.
+// out[r * kMaxMB + i] = full y (offsets included) for row m0 + i, without bias.
+struct FloatTileArgs {
+  const Layout* l;
+  const float* x;  // row m0 of x, row stride l->k
+  const uint8_t* tile;
+};
+
+using FloatTileKernel = int (*)(const FloatTileArgs&, int count, float* out);
+
+// Group index -> offsets (int4) of row r: oh[r * ngroups + g].
+inline const uint16_t* tile_offsets(const Layout& l, const uint8_t* tile) {
+  return reinterpret_cast<const uint16_t*>(tile + l.npairs * l.pair_bytes);
+}
+
+template <int BITS, int MB>
+void ftile_scalar_mb(const FloatTileArgs& t, float* out) {
+  const Layout& l = *t.l;
+  const uint16_t* oh = tile_offsets(l, t.tile);
+  float acc[kRows][MB] = {};
+  for (int64_t b = 0; b < l.k / 32; ++b) {
+    const int64_t p = b / 2;
+    const int h = int(b % 2);
+    const uint8_t* pc = t.tile + p * l.pair_bytes;
+    const uint16_t* sc = reinterpret_cast<const uint16_t*>(pc + kRows * l.row_pair_codes);
+    for (int r = 0; r < kRows; ++r) {
+      const uint8_t* w = pc + r * l.row_pair_codes;
+      const float s = half_to_float(sc[2 * r + h]);
+      const float o = BITS == 4 ? half_to_float(oh[r * l.ngroups + b * 32 / l.group]) : 0.f;
+      for (int i = 0; i < MB; ++i) {
+        const float* xb = t.x + i * l.k + b * 32;
+        float blk = 0.f;  // per-block partial sums keep the rounding error near that of the SIMD paths
+        for (int j = 0; j < 32; ++j) {
+          const int q = BITS == 8 ? int(w[h * 32 + j]) - 128 : (h == 0 ? (w[j] & 0x0F) : (w[j] >> 4));
+          blk = std::fma(BITS == 8 ? float(q) * s : std::fma(float(q), s, o), xb[j], blk);
+        }
+        acc[r][i] += blk;
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int i = 0; i < MB; ++i) out[r * kMaxMB + i] = acc[r][i];
+}
+
+template <int BITS>
+int ftile_scalar(const FloatTileArgs& t, int count, float* out) {
+  if (count >= 2) return ftile_scalar_mb<BITS, 2>(t, out), 2;
+  return ftile_scalar_mb<BITS, 1>(t, out), 1;
+}
+
+template <int BITS, int MB>
+__attribute__((target("avx2,fma,f16c"))) void ftile_avx2_mb(const FloatTileArgs& t, float* out) {
+  const Layout& l = *t.l;
+  const uint16_t* oh = tile_offsets(l, t.tile);
+  const __m256i flip = _mm256_set1_epi8(char(0x80));
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256 acc[kRows][MB];
+  for (int r = 0; r < kRows; ++r)
+    for (int i = 0; i < MB; ++i) acc[r][i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < l.k / 32; ++b) {
+    const int64_t p = b / 2;
+    const int h = int(b % 2);
+    const uint8_t* pc = t.tile + p * l.pair_bytes;
+    const uint16_t* sc = reinterpret_cast<const uint16_t*>(pc + kRows * l.row_pair_codes);
+    for (int r = 0; r < kRows; ++r) {
+      __m256i c;  // the block's 32 codes, as int8 (bits 8) or uint8 0..15 (bits 4)
+      if (BITS == 8) {
+        c = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pc + r * 64 + h * 32)), flip);
+      } else {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pc + r * 32));
+        c = _mm256_and_si256(h == 0 ? raw : _mm256_srli_epi16(raw, 4), low4);
+      }
+      const __m256 s = _mm256_set1_ps(_cvtsh_ss(sc[2 * r + h]));
+      const __m256 o = _mm256_set1_ps(BITS == 4 ? _cvtsh_ss(oh[r * l.ngroups + b * 32 / l.group]) : 0.f);
+      const __m128i halves[2] = {_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1)};
+      for (int q8 = 0; q8 < 4; ++q8) {
+        const __m128i part = q8 % 2 == 0 ? halves[q8 / 2] : _mm_srli_si128(halves[q8 / 2], 8);
+        const __m256 qf = _mm256_cvtepi32_ps(BITS == 8 ? _mm256_cvtepi8_epi32(part) : _mm256_cvtepu8_epi32(part));
+        const __m256 w = BITS == 8 ? _mm256_mul_ps(qf, s) : _mm256_fmadd_ps(qf, s, o);
+        for (int i = 0; i < MB; ++i)
+          acc[r][i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(t.x + i * l.k + b * 32 + q8 * 8), acc[r][i]);
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int i = 0; i < MB; ++i) out[r * kMaxMB + i] = hsum256(acc[r][i]);
+}
+
+template <int BITS>
+__attribute__((target("avx2,fma,f16c"))) int ftile_avx2(const FloatTileArgs& t, int count, float* out) {
+  if (count >= 2) return ftile_avx2_mb<BITS, 2>(t, out), 2;
+  return ftile_avx2_mb<BITS, 1>(t, out), 1;
+}
+
+template <int BITS, int MB>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void ftile_avx512_mb(const FloatTileArgs& t,
+                                                                                          float* out) {
+  const Layout& l = *t.l;
+  const uint16_t* oh = tile_offsets(l, t.tile);
+  const __m256i flip = _mm256_set1_epi8(char(0x80));
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m512 acc[kRows][MB];
+  for (int r = 0; r < kRows; ++r)
+    for (int i = 0; i < MB; ++i) acc[r][i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < l.k / 32; ++b) {
+    const int64_t p = b / 2;
+    const int h = int(b % 2);
+    const uint8_t* pc = t.tile + p * l.pair_bytes;
+    const uint16_t* sc = reinterpret_cast<const uint16_t*>(pc + kRows * l.row_pair_codes);
+    __m512 xv[MB][2];
+    for (int i = 0; i < MB; ++i) {
+      xv[i][0] = _mm512_loadu_ps(t.x + i * l.k + b * 32);
+      xv[i][1] = _mm512_loadu_ps(t.x + i * l.k + b * 32 + 16);
+    }
+    for (int r = 0; r < kRows; ++r) {
+      __m256i c;
+      if (BITS == 8) {
+        c = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pc + r * 64 + h * 32)), flip);
+      } else {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pc + r * 32));
+        c = _mm256_and_si256(h == 0 ? raw : _mm256_srli_epi16(raw, 4), low4);
+      }
+      const __m512 s = _mm512_set1_ps(_cvtsh_ss(sc[2 * r + h]));
+      const __m512 o = _mm512_set1_ps(BITS == 4 ? _cvtsh_ss(oh[r * l.ngroups + b * 32 / l.group]) : 0.f);
+      for (int hh = 0; hh < 2; ++hh) {
+        const __m128i part = hh == 0 ? _mm256_castsi256_si128(c) : _mm256_extracti128_si256(c, 1);
+        const __m512 qf = _mm512_cvtepi32_ps(BITS == 8 ? _mm512_cvtepi8_epi32(part) : _mm512_cvtepu8_epi32(part));
+        const __m512 w = BITS == 8 ? _mm512_mul_ps(qf, s) : _mm512_fmadd_ps(qf, s, o);
+        for (int i = 0; i < MB; ++i) acc[r][i] = _mm512_fmadd_ps(w, xv[i][hh], acc[r][i]);
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int i = 0; i < MB; ++i) out[r * kMaxMB + i] = _mm512_reduce_add_ps(acc[r][i]);
+}
+
+template <int BITS>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) int ftile_avx512(const FloatTileArgs& t,
+                                                                                      int count, float* out) {
+  switch (count) {
+    case 4: return ftile_avx512_mb<BITS, 4>(t, out), 4;
+    case 3: return ftile_avx512_mb<BITS, 3>(t, out), 3;
+    case 2: return ftile_avx512_mb<BITS, 2>(t, out), 2;
+    default: return ftile_avx512_mb<BITS, 1>(t, out), 1;
+  }
+}
+
 // int4 offset term of one tile for one activation row: off[r] = sum_g offsets[r][g] * group_sums[g].
 using OffsetFn = void (*)(const uint16_t* offsets, const float* group_sums, int64_t ngroups, float* off);
 
@@ -432,6 +583,15 @@ TileKernel tile_kernel(Isa isa, int bits) {
   }
 }
 
+FloatTileKernel float_tile_kernel(Isa isa, int bits) {
+  switch (isa) {
+    case kAvx512Vnni: return bits == 8 ? ftile_avx512<8> : ftile_avx512<4>;
+    case kAvxVnni:
+    case kAvx2: return bits == 8 ? ftile_avx2<8> : ftile_avx2<4>;
+    default: return bits == 8 ? ftile_scalar<8> : ftile_scalar<4>;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 struct ActBuffer {
   std::vector<int8_t> xq;
@@ -503,6 +663,38 @@ void run_tiles(const Layout& l, const Acts& a, const uint8_t* packed, const floa
         float* yrow = y + (m0 + i) * l.n + tile * kRows;
         for (int r = 0; r < rows; ++r)
           yrow[r] = out[r * kMaxMB + i] + off[r] + (bias ? bias[tile * kRows + r] : 0.f);
+      }
+      m0 += count;
+    }
+  };
+  if (work >= 32768.0) {
+#pragma omp parallel for schedule(static)
+    for (int64_t item = 0; item < items; ++item) run_item(item);
+  } else {
+    for (int64_t item = 0; item < items; ++item) run_item(item);
+  }
+}
+
+void run_tiles_float(const Layout& l, const float* x, int64_t m, const uint8_t* packed, const float* bias, float* y,
+                     Isa isa) {
+  const FloatTileKernel kernel = float_tile_kernel(isa, l.bits);
+  const int64_t mchunk = 64;
+  const int64_t nchunks = (m + mchunk - 1) / mchunk;
+  const int64_t items = l.ntiles * nchunks;
+  const double work = double(l.ntiles) * kRows * double(l.k) * double(m);
+  auto run_item = [&](int64_t item) {
+    const int64_t tile = item / nchunks;
+    const int64_t mbeg = (item % nchunks) * mchunk;
+    const int64_t mend = std::min(m, mbeg + mchunk);
+    const uint8_t* tp = packed + tile * l.tile_bytes;
+    const int rows = int(std::min<int64_t>(kRows, l.n - tile * kRows));
+    for (int64_t m0 = mbeg; m0 < mend;) {
+      float out[kRows * kMaxMB];
+      FloatTileArgs args{&l, x + m0 * l.k, tp};
+      const int count = kernel(args, int(std::min<int64_t>(kMaxMB, mend - m0)), out);
+      for (int i = 0; i < count; ++i) {
+        float* yrow = y + (m0 + i) * l.n + tile * kRows;
+        for (int r = 0; r < rows; ++r) yrow[r] = out[r * kMaxMB + i] + (bias ? bias[tile * kRows + r] : 0.f);
       }
       m0 += count;
     }
@@ -603,12 +795,15 @@ TRTPAGED_API trtpaged_status trtpaged_qlinear_pack(int32_t bits, int64_t n, int6
   }
 }
 
-TRTPAGED_API trtpaged_status trtpaged_qlinear_cpu(const float* x, int64_t m, const void* packed, int32_t bits,
-                                                  int64_t n, int64_t k, int32_t group_size, const float* bias,
-                                                  float* y) {
+TRTPAGED_API trtpaged_status trtpaged_qlinear_cpu_ex(const float* x, int64_t m, const void* packed, int32_t bits,
+                                                     int64_t n, int64_t k, int32_t group_size, const float* bias,
+                                                     float* y, int32_t activations) {
   using namespace trtpaged;
   try {
     if (int rc = validate_shape(bits, n, k, group_size)) return trtpaged_status(rc);
+    if (activations != TRTPAGED_QLINEAR_INT8_ACTIVATIONS && activations != TRTPAGED_QLINEAR_FLOAT_ACTIVATIONS)
+      return trtpaged_status(fail(TRTPAGED_ERR_INVALID_ARGUMENT,
+                                  "activations: must be 0 (int8) or 1 (float32), got " + std::to_string(activations)));
     if (m < 0) return trtpaged_status(fail(TRTPAGED_ERR_INVALID_ARGUMENT, "m: must be >= 0, got " + std::to_string(m)));
     if (m == 0) return trtpaged_status(ok());
     if (!x) return trtpaged_status(fail(TRTPAGED_ERR_INVALID_ARGUMENT, "x: null pointer"));
@@ -616,6 +811,10 @@ TRTPAGED_API trtpaged_status trtpaged_qlinear_cpu(const float* x, int64_t m, con
     if (!y) return trtpaged_status(fail(TRTPAGED_ERR_INVALID_ARGUMENT, "y: null pointer"));
     const Layout l = make_layout(bits, n, k, group_size);
     const Isa isa = current_isa();
+    if (activations == TRTPAGED_QLINEAR_FLOAT_ACTIVATIONS) {
+      run_tiles_float(l, x, m, static_cast<const uint8_t*>(packed), bias, y, isa);
+      return trtpaged_status(ok());
+    }
     // One buffer per calling thread, reused across calls (no allocation per decode step).
     static thread_local ActBuffer buf;
     Acts acts{};
@@ -625,6 +824,12 @@ TRTPAGED_API trtpaged_status trtpaged_qlinear_cpu(const float* x, int64_t m, con
   } catch (const std::exception& e) {
     return trtpaged_status(fail(TRTPAGED_ERR_INVALID_ARGUMENT, std::string("qlinear_cpu: ") + e.what()));
   }
+}
+
+TRTPAGED_API trtpaged_status trtpaged_qlinear_cpu(const float* x, int64_t m, const void* packed, int32_t bits,
+                                                  int64_t n, int64_t k, int32_t group_size, const float* bias,
+                                                  float* y) {
+  return trtpaged_qlinear_cpu_ex(x, m, packed, bits, n, k, group_size, bias, y, TRTPAGED_QLINEAR_INT8_ACTIVATIONS);
 }
 
 TRTPAGED_API const char* trtpaged_cpu_isa(void) { return kIsaNames[current_isa()]; }
