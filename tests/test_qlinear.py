@@ -251,11 +251,13 @@ def check_float(bits: int, m: int, n: int, k: int, group: int, *, bias: bool = F
     op_y = kernels.QLinearOp(packed, bits, n, k, group, bias=b)(x, float_activations=True)
     assert torch.equal(y, op_y)
     ref = x.double() @ w.T + (b.double() if b is not None else 0)
-    # Worst-case fp32 summation bound: (k + 2) unit roundoffs of sum |x| |W| (the +2: de-quantizing
-    # an int4 weight with one fma, the bias); typical errors are far below it.
-    magnitude = x.double().abs() @ w.abs().T + (b.double().abs() if b is not None else 0)
+    # Worst-case fp32 summation bound: (k + 4) unit roundoffs of the sum of the magnitudes of the
+    # terms the kernel adds (x * s * q per input; for int4, x * offset through group sums of x;
+    # the bias); typical errors are far below it.
+    o = offsets.double().repeat_interleave(group, 1) if offsets is not None else torch.zeros_like(w)
+    magnitude = x.double().abs() @ ((w - o).abs() + o.abs()).T + (b.double().abs() if b is not None else 0)
     err = (y.double() - ref).abs()
-    assert (err <= (k + 2) * 2.0**-24 * magnitude + 1e-30).all(), f"max err {err.max()}"
+    assert (err <= (k + 4) * 2.0**-24 * magnitude + 1e-30).all(), f"max err {err.max()}"
     # Far tighter than int8 activations: the median error is ~1e-7 of the magnitude.
     assert (err / (magnitude + 1e-30)).median() < 1e-6
 

@@ -351,9 +351,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"))) in
 }
 
 // ---------------------------------------------------------------------------------------------
-// Float-activation kernels: x stays float32; each weight block is de-quantized in registers
-// (int8: q * s, exact in fp32; int4: fma(q, s, offset)) and FMA'd with x. Same tile layout.
-// out[r * kMaxMB + i] = full y (offsets included) for row m0 + i, without bias.
+// Float-activation kernels: x stays float32; each weight block's codes are converted to float
+// in registers, dotted with x in fp32 (a fresh partial sum per block), and the block sum is
+// scaled by the block's scale. out[r * kMaxMB + i] as for the integer kernels: without the int4
+// offset term, which the driver adds from float group sums of x.
 struct FloatTileArgs {
   const Layout* l;
   const float* x;  // row m0 of x, row stride l->k
@@ -362,15 +363,9 @@ struct FloatTileArgs {
 
 using FloatTileKernel = int (*)(const FloatTileArgs&, int count, float* out);
 
-// Group index -> offsets (int4) of row r: oh[r * ngroups + g].
-inline const uint16_t* tile_offsets(const Layout& l, const uint8_t* tile) {
-  return reinterpret_cast<const uint16_t*>(tile + l.npairs * l.pair_bytes);
-}
-
 template <int BITS, int MB>
 void ftile_scalar_mb(const FloatTileArgs& t, float* out) {
   const Layout& l = *t.l;
-  const uint16_t* oh = tile_offsets(l, t.tile);
   float acc[kRows][MB] = {};
   for (int64_t b = 0; b < l.k / 32; ++b) {
     const int64_t p = b / 2;
@@ -379,16 +374,14 @@ void ftile_scalar_mb(const FloatTileArgs& t, float* out) {
     const uint16_t* sc = reinterpret_cast<const uint16_t*>(pc + kRows * l.row_pair_codes);
     for (int r = 0; r < kRows; ++r) {
       const uint8_t* w = pc + r * l.row_pair_codes;
-      const float s = half_to_float(sc[2 * r + h]);
-      const float o = BITS == 4 ? half_to_float(oh[r * l.ngroups + b * 32 / l.group]) : 0.f;
       for (int i = 0; i < MB; ++i) {
         const float* xb = t.x + i * l.k + b * 32;
-        float blk = 0.f;  // per-block partial sums keep the rounding error near that of the SIMD paths
+        float blk = 0.f;
         for (int j = 0; j < 32; ++j) {
           const int q = BITS == 8 ? int(w[h * 32 + j]) - 128 : (h == 0 ? (w[j] & 0x0F) : (w[j] >> 4));
-          blk = std::fma(BITS == 8 ? float(q) * s : std::fma(float(q), s, o), xb[j], blk);
+          blk = std::fma(float(q), xb[j], blk);
         }
-        acc[r][i] += blk;
+        acc[r][i] = std::fma(blk, half_to_float(sc[2 * r + h]), acc[r][i]);
       }
     }
   }
@@ -405,7 +398,6 @@ int ftile_scalar(const FloatTileArgs& t, int count, float* out) {
 template <int BITS, int MB>
 __attribute__((target("avx2,fma,f16c"))) void ftile_avx2_mb(const FloatTileArgs& t, float* out) {
   const Layout& l = *t.l;
-  const uint16_t* oh = tile_offsets(l, t.tile);
   const __m256i flip = _mm256_set1_epi8(char(0x80));
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   __m256 acc[kRows][MB];
@@ -415,7 +407,8 @@ __attribute__((target("avx2,fma,f16c"))) void ftile_avx2_mb(const FloatTileArgs&
     const int64_t p = b / 2;
     const int h = int(b % 2);
     const uint8_t* pc = t.tile + p * l.pair_bytes;
-    const uint16_t* sc = reinterpret_cast<const uint16_t*>(pc + kRows * l.row_pair_codes);
+    alignas(32) float sw[8];
+    _mm256_store_ps(sw, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pc + kRows * l.row_pair_codes))));
     for (int r = 0; r < kRows; ++r) {
       __m256i c;  // the block's 32 codes, as int8 (bits 8) or uint8 0..15 (bits 4)
       if (BITS == 8) {
@@ -424,16 +417,18 @@ __attribute__((target("avx2,fma,f16c"))) void ftile_avx2_mb(const FloatTileArgs&
         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pc + r * 32));
         c = _mm256_and_si256(h == 0 ? raw : _mm256_srli_epi16(raw, 4), low4);
       }
-      const __m256 s = _mm256_set1_ps(_cvtsh_ss(sc[2 * r + h]));
-      const __m256 o = _mm256_set1_ps(BITS == 4 ? _cvtsh_ss(oh[r * l.ngroups + b * 32 / l.group]) : 0.f);
       const __m128i halves[2] = {_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1)};
+      __m256 blk[MB];
       for (int q8 = 0; q8 < 4; ++q8) {
         const __m128i part = q8 % 2 == 0 ? halves[q8 / 2] : _mm_srli_si128(halves[q8 / 2], 8);
-        const __m256 qf = _mm256_cvtepi32_ps(BITS == 8 ? _mm256_cvtepi8_epi32(part) : _mm256_cvtepu8_epi32(part));
-        const __m256 w = BITS == 8 ? _mm256_mul_ps(qf, s) : _mm256_fmadd_ps(qf, s, o);
-        for (int i = 0; i < MB; ++i)
-          acc[r][i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(t.x + i * l.k + b * 32 + q8 * 8), acc[r][i]);
+        const __m256 w = _mm256_cvtepi32_ps(BITS == 8 ? _mm256_cvtepi8_epi32(part) : _mm256_cvtepu8_epi32(part));
+        for (int i = 0; i < MB; ++i) {
+          const __m256 xv = _mm256_loadu_ps(t.x + i * l.k + b * 32 + q8 * 8);
+          blk[i] = q8 == 0 ? _mm256_mul_ps(w, xv) : _mm256_fmadd_ps(w, xv, blk[i]);
+        }
       }
+      const __m256 sv = _mm256_set1_ps(sw[2 * r + h]);
+      for (int i = 0; i < MB; ++i) acc[r][i] = _mm256_fmadd_ps(blk[i], sv, acc[r][i]);
     }
   }
   for (int r = 0; r < kRows; ++r)
@@ -450,7 +445,6 @@ template <int BITS, int MB>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void ftile_avx512_mb(const FloatTileArgs& t,
                                                                                           float* out) {
   const Layout& l = *t.l;
-  const uint16_t* oh = tile_offsets(l, t.tile);
   const __m256i flip = _mm256_set1_epi8(char(0x80));
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   __m512 acc[kRows][MB];
@@ -460,7 +454,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void ftile_av
     const int64_t p = b / 2;
     const int h = int(b % 2);
     const uint8_t* pc = t.tile + p * l.pair_bytes;
-    const uint16_t* sc = reinterpret_cast<const uint16_t*>(pc + kRows * l.row_pair_codes);
+    alignas(32) float sw[8];
+    _mm256_store_ps(sw, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pc + kRows * l.row_pair_codes))));
     __m512 xv[MB][2];
     for (int i = 0; i < MB; ++i) {
       xv[i][0] = _mm512_loadu_ps(t.x + i * l.k + b * 32);
@@ -474,14 +469,13 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void ftile_av
         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pc + r * 32));
         c = _mm256_and_si256(h == 0 ? raw : _mm256_srli_epi16(raw, 4), low4);
       }
-      const __m512 s = _mm512_set1_ps(_cvtsh_ss(sc[2 * r + h]));
-      const __m512 o = _mm512_set1_ps(BITS == 4 ? _cvtsh_ss(oh[r * l.ngroups + b * 32 / l.group]) : 0.f);
-      for (int hh = 0; hh < 2; ++hh) {
-        const __m128i part = hh == 0 ? _mm256_castsi256_si128(c) : _mm256_extracti128_si256(c, 1);
-        const __m512 qf = _mm512_cvtepi32_ps(BITS == 8 ? _mm512_cvtepi8_epi32(part) : _mm512_cvtepu8_epi32(part));
-        const __m512 w = BITS == 8 ? _mm512_mul_ps(qf, s) : _mm512_fmadd_ps(qf, s, o);
-        for (int i = 0; i < MB; ++i) acc[r][i] = _mm512_fmadd_ps(w, xv[i][hh], acc[r][i]);
-      }
+      const __m512 w0 = _mm512_cvtepi32_ps(BITS == 8 ? _mm512_cvtepi8_epi32(_mm256_castsi256_si128(c))
+                                                     : _mm512_cvtepu8_epi32(_mm256_castsi256_si128(c)));
+      const __m512 w1 = _mm512_cvtepi32_ps(BITS == 8 ? _mm512_cvtepi8_epi32(_mm256_extracti128_si256(c, 1))
+                                                     : _mm512_cvtepu8_epi32(_mm256_extracti128_si256(c, 1)));
+      const __m512 sv = _mm512_set1_ps(sw[2 * r + h]);
+      for (int i = 0; i < MB; ++i)
+        acc[r][i] = _mm512_fmadd_ps(_mm512_fmadd_ps(w1, xv[i][1], _mm512_mul_ps(w0, xv[i][0])), sv, acc[r][i]);
     }
   }
   for (int r = 0; r < kRows; ++r)
@@ -678,6 +672,20 @@ void run_tiles(const Layout& l, const Acts& a, const uint8_t* packed, const floa
 void run_tiles_float(const Layout& l, const float* x, int64_t m, const uint8_t* packed, const float* bias, float* y,
                      Isa isa) {
   const FloatTileKernel kernel = float_tile_kernel(isa, l.bits);
+  const OffsetFn offset_term = isa == kScalar ? offsets_scalar : offsets_avx2;
+  // int4: the offset term sum_g offset[g] * (sum of x over group g), from float group sums.
+  static thread_local std::vector<float> group_sums;
+  if (l.bits == 4) {
+    group_sums.assign(size_t(m * l.ngroups), 0.f);
+    for (int64_t row = 0; row < m; ++row)
+      for (int64_t g = 0; g < l.ngroups; ++g) {
+        const float* xg = x + row * l.k + g * l.group;
+        float s = 0.f;
+        for (int32_t j = 0; j < l.group; ++j) s += xg[j];
+        group_sums[row * l.ngroups + g] = s;
+      }
+  }
+  const float* gsums = group_sums.data();
   const int64_t mchunk = 64;
   const int64_t nchunks = (m + mchunk - 1) / mchunk;
   const int64_t items = l.ntiles * nchunks;
@@ -693,8 +701,12 @@ void run_tiles_float(const Layout& l, const float* x, int64_t m, const uint8_t* 
       FloatTileArgs args{&l, x + m0 * l.k, tp};
       const int count = kernel(args, int(std::min<int64_t>(kMaxMB, mend - m0)), out);
       for (int i = 0; i < count; ++i) {
+        float off[kRows] = {0.f, 0.f, 0.f, 0.f};
+        if (l.bits == 4)
+          offset_term(reinterpret_cast<const uint16_t*>(tp + l.npairs * l.pair_bytes), gsums + (m0 + i) * l.ngroups,
+                      l.ngroups, off);
         float* yrow = y + (m0 + i) * l.n + tile * kRows;
-        for (int r = 0; r < rows; ++r) yrow[r] = out[r * kMaxMB + i] + (bias ? bias[tile * kRows + r] : 0.f);
+        for (int r = 0; r < rows; ++r) yrow[r] = out[r * kMaxMB + i] + off[r] + (bias ? bias[tile * kRows + r] : 0.f);
       }
       m0 += count;
     }
