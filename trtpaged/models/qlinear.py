@@ -29,9 +29,12 @@ from torch import nn
 from trtpaged.models.quant import QuantizedWeight, unpack_int4
 
 
-# Calls with at most this many rows of x keep activations in float32; larger ones quantize them to
-# int8. Chosen from `trtpaged bench qlinear` (docs/quantization.md, "CPU kernels").
-FLOAT_ACTIVATION_MAX_ROWS = 4
+# Calls with at most this many rows of x keep activations in float32 (exact GGUF / HF numerics);
+# larger ones quantize them to int8. The rule: the largest M where float activations cost at most
+# ~10% more than int8 ones. Measured (`trtpaged bench qlinear --threads 1`, AVX-512, see
+# docs/quantization.md): 1.3-1.5x at M=1 and more above, so none qualifies. Setting 1 (or 4)
+# buys decode that matches HF token for token at ~1.4x the linears' time (still 2-3x F.linear).
+FLOAT_ACTIVATION_MAX_ROWS = 0
 
 
 @torch.library.custom_op("trtpaged::dequantize_weight", mutates_args=())

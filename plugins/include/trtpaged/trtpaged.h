@@ -141,9 +141,9 @@ TRTPAGED_API int trtpaged_swap_blocks_cuda(const void* src_pool, int32_t src_num
  * scales (and offsets) are float [n, k/group_size] whose values must be exactly representable
  * in fp16 (they are stored as fp16). k must be a multiple of 32 and of group_size.
  *
- * The kernel quantizes each row of x to int8 per block of 32 inputs (d = max|x|/127,
- * q = round(x * (1/d)), ties to even, in float32), so y equals x_dequantized @ W^T up to fp32
- * rounding: integer dot products per block, fp32 accumulation across blocks. The int4 offset
+ * With int8 activations (trtpaged_qlinear_cpu), the kernel quantizes each row of x to int8
+ * per block of 32 inputs (d = max|x|/127, q = round(x * (1/d)), ties to even, in float32), so
+ * y equals x_dequantized @ W^T up to fp32 rounding: integer dot products per block, fp32 accumulation across blocks. The int4 offset
  * term uses the blocks' quantized sums (d * sum q), which keeps that identity exact.
  */
 
@@ -163,10 +163,11 @@ TRTPAGED_API trtpaged_status trtpaged_qlinear_cpu(const float* x, int64_t m, con
                                                   int64_t n, int64_t k, int32_t group_size, const float* bias,
                                                   float* y);
 /* activations of trtpaged_qlinear_cpu_ex. INT8: x quantized per block of 32 as described above
- * (integer dot products: fastest for large m). FLOAT: x kept in float32 and the weight codes
- * de-quantized in registers (int8: q * s, exact; int4: fma(q, s, offset)), so y equals
- * x @ W^T up to fp32 accumulation rounding, as F.linear on the de-quantized weight would;
- * about as fast as INT8 at small m, where reading the weights dominates. */
+ * (integer dot products: fastest, by far for large m). FLOAT: x kept in float32; per block of
+ * 32 the codes are converted to float and dotted with x in fp32, times the block's scale, and
+ * (bits 4) the offsets times float sums of x per group are added: y equals x @ W^T up to fp32
+ * summation rounding, as F.linear on the de-quantized weight would be. Costs more per weight
+ * byte than INT8 (about 1.2-2x at m = 1 on AVX-512), for accuracy at decode. */
 #define TRTPAGED_QLINEAR_INT8_ACTIVATIONS 0
 #define TRTPAGED_QLINEAR_FLOAT_ACTIVATIONS 1
 /* trtpaged_qlinear_cpu with a choice of activations (one of the two values above; other
