@@ -451,7 +451,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void ftile_av
                                                                                           float* out) {
   const Layout& l = *t.l;
   const __m512i flip = _mm512_set1_epi8(char(0x80));
-  const __m512i low4 = _mm512_set1_epi32(0x0F);
   __m512 acc[MB];
   for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < l.nblocks; ++b) {
@@ -459,8 +458,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void ftile_av
     const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + l.block_codes)));
     __m512 s[MB][2];
     for (int i = 0; i < MB; ++i) s[i][0] = s[i][1] = _mm512_setzero_ps();
+#pragma GCC unroll 8
     for (int g = 0; g < (BITS == 8 ? 8 : 4); ++g) {
       const __m512i v = _mm512_loadu_si512(blk + 64 * g);
+#pragma GCC unroll 8
       for (int e = 0; e < (BITS == 8 ? 4 : 8); ++e) {
         __m512i c;
         int j;  // input within the block
@@ -469,8 +470,11 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void ftile_av
           c = e == 3 ? _mm512_srai_epi32(q, 24) : _mm512_srai_epi32(_mm512_slli_epi32(q, 24 - 8 * e), 24);
           j = 4 * g + e;
         } else {
+          // x comes prescaled (prescale_x_int4): the code is masked in place, q * 2^shift,
+          // exact in float, saving the shift; the top nibble (shift 28) would set the sign bit.
           const int byte = e % 4, nib = e / 4;  // nibble 0: quad g, nibble 1: quad g + 4
-          c = _mm512_and_si512(_mm512_srli_epi32(v, 8 * byte + 4 * nib), low4);
+          const int shift = 8 * byte + 4 * nib;
+          c = shift == 28 ? _mm512_srli_epi32(v, 28) : _mm512_and_si512(v, _mm512_set1_epi32(0xF << shift));
           j = 4 * (g + 4 * nib) + byte;
         }
         const __m512 wf = _mm512_cvtepi32_ps(c);
@@ -516,8 +520,10 @@ __attribute__((target("avx2,fma,f16c"))) void ftile_avx2_mb(const TileArgs& t, f
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + l.block_codes + 16 * half)));
       __m256 s[MB][2];
       for (int i = 0; i < MB; ++i) s[i][0] = s[i][1] = _mm256_setzero_ps();
+#pragma GCC unroll 8
       for (int g = 0; g < (BITS == 8 ? 8 : 4); ++g) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * g + 32 * half));
+#pragma GCC unroll 8
         for (int e = 0; e < (BITS == 8 ? 4 : 8); ++e) {
           __m256i c;
           int j;
@@ -622,6 +628,7 @@ TileKernel tile_kernel(Isa isa, int bits, bool float_activations) {
 // ---------------------------------------------------------------------------------------------
 // Per-call buffers, one set per calling thread, reused across calls (no allocation per decode step).
 struct CallBuffers {
+  std::vector<float> xs;  // prescaled x (prescale_x_int4)
   std::vector<int8_t> xq;
   std::vector<BlockRecord> rec;
   std::vector<float> group_sums;
@@ -665,6 +672,19 @@ void float_group_sums(const float* x, int64_t m, const Layout& l, CallBuffers& b
       for (int32_t j = 0; j < l.group; ++j) s += xg[j];
       buf.group_sums[row * l.ngroups + g] = s;
     }
+}
+
+// int4, float activations, AVX-512: x times 2^-shift of each input's code position in its
+// 32-bit lane (see ftile_avx512_mb), so the kernel needs no shift. Powers of two: exact unless
+// |x| < 2^-98 (then subnormal, off by at most 2^-149 * 2^28 absolute).
+void prescale_x_int4(const float* x, int64_t m, const Layout& l, CallBuffers& buf) {
+  float factor[32];
+  for (int j = 0; j < 32; ++j) {
+    const int shift = 8 * (j % 4) + 4 * (j / 16);
+    factor[j] = shift == 28 ? 1.f : std::ldexp(1.f, -shift);
+  }
+  buf.xs.resize(size_t(m * l.k));
+  for (int64_t i = 0; i < m * l.k; ++i) buf.xs[i] = x[i] * factor[i % 32];
 }
 
 void run_tiles(const Layout& l, TileKernel kernel, const Acts* acts, const float* x, const float* xgroup, int64_t m,
@@ -805,6 +825,10 @@ TRTPAGED_API trtpaged_status trtpaged_qlinear_cpu_ex(const float* x, int64_t m, 
     Acts acts{};
     if (float_acts) {
       if (bits == 4) float_group_sums(x, m, l, buf);
+      if (bits == 4 && isa == kAvx512Vnni) {
+        prescale_x_int4(x, m, l, buf);
+        x = buf.xs.data();
+      }
     } else {
       quantize_activations(x, m, l, isa, buf, acts);
     }
