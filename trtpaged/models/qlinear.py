@@ -32,8 +32,9 @@ from trtpaged.models.quant import QuantizedWeight, unpack_int4
 # Calls with at most this many rows of x keep activations in float32 (exact GGUF / HF numerics);
 # larger ones quantize them to int8. The rule: the largest M where float activations cost at most
 # ~10% more than int8 ones. Measured (`trtpaged bench qlinear --threads 1`, AVX-512, see
-# docs/quantization.md): 1.3x (int4) to 1.5x (int8) at M=1 and 4, more above, so none qualifies. Setting 1 (or 4)
-# buys decode that matches HF token for token at ~1.4x the linears' time (still 2-3x F.linear).
+# docs/quantization.md): 1.3x (int4) to 1.5x (int8) at M=1 and 4, more above, so none
+# qualifies. Setting 1 (or 4) buys decode with float-activation numerics (F.linear on the
+# de-quantized weight) at that price, still 2-3x faster than F.linear on fp32 weights.
 FLOAT_ACTIVATION_MAX_ROWS = 0
 
 
