@@ -509,7 +509,9 @@ class QLinearOp:
                  bias: Optional[torch.Tensor] = None) -> None:  # fmt: skip
         packed_bytes, fn = _qlinear_call(bits, n, k, group_size)
         if packed.dtype is not torch.uint8 or not packed.is_cpu or packed.dim() != 1 or packed.numel() < packed_bytes:
-            raise ValueError(f"packed: expected the 1-D uint8 CPU tensor of {packed_bytes} bytes returned by qlinear_pack")
+            raise ValueError(
+                f"packed: expected the 1-D uint8 CPU tensor of {packed_bytes} bytes returned by qlinear_pack"
+            )
         if bias is not None and (
             bias.dtype is not torch.float32 or not bias.is_cpu or bias.shape != (n,) or not bias.is_contiguous()
         ):
@@ -522,7 +524,8 @@ class QLinearOp:
         k = self.k
         if x.dtype is not torch.float32 or not x.is_cpu or not x.is_contiguous() or x.dim() == 0 or x.shape[-1] != k:
             raise ValueError(
-                f"x: expected a contiguous float32 CPU tensor [..., k = {k}], got {x.dtype} {tuple(x.shape)} on {x.device}"
+                f"x: expected a contiguous float32 CPU tensor [..., k = {k}], "
+                f"got {x.dtype} {tuple(x.shape)} on {x.device}"
             )
         out = x.new_empty(x.shape[:-1] + (self.n,))  # float32 CPU, as x
         packed, bits, n, _, group, bias = self._args

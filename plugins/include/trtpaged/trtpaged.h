@@ -143,8 +143,9 @@ TRTPAGED_API int trtpaged_swap_blocks_cuda(const void* src_pool, int32_t src_num
  *
  * With int8 activations (trtpaged_qlinear_cpu), the kernel quantizes each row of x to int8
  * per block of 32 inputs (d = max|x|/127, q = round(x * (1/d)), ties to even, in float32), so
- * y equals x_dequantized @ W^T up to fp32 rounding: integer dot products per block, fp32 accumulation across blocks. The int4 offset
- * term uses the blocks' quantized sums (d * sum q), which keeps that identity exact.
+ * y equals x_dequantized @ W^T up to fp32 rounding: integer dot products per block, fp32
+ * accumulation across blocks. The int4 offset term uses the blocks' quantized sums
+ * (d * sum q), which keeps that identity exact.
  */
 
 /* Bytes of the packed form of one quantized weight (host memory). */
