@@ -234,3 +234,107 @@ def test_packed_buffer_must_match_the_shape() -> None:
         kernels.qlinear(torch.randn(1, 64), packed, 8, 800, 64, 32)  # a larger weight than the one packed
     with pytest.raises(ValueError, match="packed: expected"):
         kernels.qlinear(torch.randn(1, 64), packed.view(torch.int8), 8, 8, 64, 32)
+
+
+# --- float activations ------------------------------------------------------------------------------
+
+
+def check_float(bits: int, m: int, n: int, k: int, group: int, *, bias: bool = False, seed: int = 0,
+                codes_fill: Optional[int] = None, x: Optional[torch.Tensor] = None) -> None:  # fmt: skip
+    """Float-activation path against the float64 x @ W^T: only fp32 rounding may separate them."""
+    codes, scales, offsets, w = make_weight(bits, n, k, group, seed, codes_fill)
+    packed = kernels.qlinear_pack(bits, codes, scales, offsets, group)
+    if x is None:
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + 1)) * 2
+    b = torch.randn(n, generator=torch.Generator().manual_seed(seed + 2)) if bias else None
+    y = kernels.qlinear(x, packed, bits, n, k, group, bias=b, float_activations=True)
+    op_y = kernels.QLinearOp(packed, bits, n, k, group, bias=b)(x, float_activations=True)
+    assert torch.equal(y, op_y)
+    ref = x.double() @ w.T + (b.double() if b is not None else 0)
+    # Worst-case fp32 summation bound: (k + 4) unit roundoffs of the sum of the magnitudes of the
+    # terms the kernel adds (x * s * q per input; for int4, x * offset through group sums of x;
+    # the bias); typical errors are far below it.
+    o = offsets.double().repeat_interleave(group, 1) if offsets is not None else torch.zeros_like(w)
+    magnitude = x.double().abs() @ ((w - o).abs() + o.abs()).T + (b.double().abs() if b is not None else 0)
+    err = (y.double() - ref).abs()
+    assert (err <= (k + 4) * 2.0**-24 * magnitude + 1e-30).all(), f"max err {err.max()}"
+    # Far tighter than int8 activations: the median error is ~1e-7 of the magnitude.
+    assert (err / (magnitude + 1e-30)).median() < 1e-6
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 17])
+@pytest.mark.parametrize("n,k", [(1, 32), (7, 96), (100, 576)])
+def test_float_activations_shapes(isa: str, bits: int, m: int, n: int, k: int) -> None:
+    check_float(bits, m, n, k, 32, seed=m * 1000 + n)
+
+
+@pytest.mark.parametrize("bits,group", [(8, 64), (8, 128), (8, "k"), (4, 64), (4, 128)])
+def test_float_activations_group_sizes(isa: str, bits: int, group) -> None:
+    k = 384 if group != "k" else 576
+    check_float(bits, 3, 13, k, k if group == "k" else group, seed=4)
+    if group == "k":
+        check_float(bits, 2, 13, 96, 96, seed=8)  # K/32 odd: x must not be read past k
+
+
+@pytest.mark.parametrize("bits,fill", [(8, 127), (8, -128), (4, 0), (4, 15)])
+def test_float_activations_edge_codes_and_bias(isa: str, bits: int, fill: int) -> None:
+    check_float(bits, 5, 10, 96, 32, codes_fill=fill, bias=True, seed=6)
+
+
+def test_float_activations_is_more_accurate_than_int8() -> None:
+    # The reason the path exists: on the same weight, float activations land much closer to x @ W^T.
+    codes, scales, offsets, w = make_weight(4, 64, 576, 32, seed=12)
+    packed = kernels.qlinear_pack(4, codes, scales, offsets, 32)
+    x = torch.randn(4, 576, generator=torch.Generator().manual_seed(13))
+    ref = x.double() @ w.T
+    err_f = (kernels.qlinear(x, packed, 4, 64, 576, 32, float_activations=True).double() - ref).abs().max()
+    err_q = (kernels.qlinear(x, packed, 4, 64, 576, 32).double() - ref).abs().max()
+    assert err_f * 100 < err_q
+
+
+def test_qlinear_op_checks() -> None:
+    codes, scales, offsets, w = make_weight(8, 5, 64, 32, seed=1)
+    packed = kernels.qlinear_pack(8, codes, scales, None, 32)
+    op = kernels.QLinearOp(packed, 8, 5, 64, 32)
+    x = torch.randn(2, 3, 64)
+    assert torch.equal(op(x), kernels.qlinear(x, packed, 8, 5, 64, 32))
+    assert op(x).shape == (2, 3, 5)
+    with pytest.raises(ValueError, match="x: expected a contiguous float32"):
+        op(torch.randn(64, 2).T)
+    with pytest.raises(ValueError, match="x: expected a contiguous float32"):
+        op(torch.randn(2, 64).double())
+    with pytest.raises(ValueError, match="packed: expected"):
+        kernels.QLinearOp(packed, 8, 500, 64, 32)
+    with pytest.raises(ValueError, match="bias: expected"):
+        kernels.QLinearOp(packed, 8, 5, 64, 32, bias=torch.randn(4))
+
+
+def test_activations_value_is_checked() -> None:
+    codes, scales, _, _ = make_weight(8, 4, 64, 32, seed=0)
+    packed = kernels.qlinear_pack(8, codes, scales, None, 32)
+    x, y = torch.randn(1, 64), torch.empty(1, 4)
+    status = kernels.library().trtpaged_qlinear_cpu_ex(x.data_ptr(), 1, packed.data_ptr(), 8, 4, 64, 32, None,
+                                                       y.data_ptr(), 2)  # fmt: skip
+    assert status != 0
+    assert "activations: must be 0 (int8) or 1 (float32), got 2" in kernels.library().trtpaged_last_error().decode()
+
+
+@pytest.mark.parametrize("max_rows", [0, 2])
+def test_module_chooses_activations_by_rows(monkeypatch: pytest.MonkeyPatch, max_rows: int) -> None:
+    from trtpaged.models import qlinear as qlinear_module
+    from trtpaged.models.quant import QuantizedWeight
+
+    monkeypatch.setattr(qlinear_module, "FLOAT_ACTIVATION_MAX_ROWS", max_rows)
+    codes, scales, offsets, w = make_weight(4, 24, 96, 32, seed=21)
+    bias = torch.randn(24)
+    module = qlinear_module.QuantizedLinear.from_weight(QuantizedWeight(4, 32, codes, scales, offsets), bias,
+                                                        torch.float32)  # fmt: skip
+    packed = kernels.qlinear_pack(4, codes, scales, offsets, 32)
+    for m in (1, 2, 3):
+        x = torch.randn(1, m, 96)
+        want = kernels.qlinear(x, packed, 4, 24, 96, 32, bias=bias, float_activations=m <= max_rows)
+        assert torch.equal(module(x), want), m
+    # A transposed (non-contiguous) x is made contiguous, not rejected.
+    xt = torch.randn(96, 2).T
+    assert torch.equal(module(xt), module(xt.contiguous()))

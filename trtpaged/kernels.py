@@ -104,6 +104,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "trtpaged_qlinear_packed_bytes": [i32, i64, i64, i32, ctypes.POINTER(ctypes.c_size_t)],
         "trtpaged_qlinear_pack": [i32, i64, i64, i32, vp, vp, vp, vp],
         "trtpaged_qlinear_cpu": [vp, i64, vp, i32, i64, i64, i32, vp, vp],
+        "trtpaged_qlinear_cpu_ex": [vp, i64, vp, i32, i64, i64, i32, vp, vp, i32],
         "trtpaged_set_cpu_isa": [ctypes.c_char_p],
     }
     for name, argtypes in qlinear_signatures.items():
@@ -454,10 +455,14 @@ def qlinear_pack(
     return packed
 
 
+QLINEAR_INT8_ACTIVATIONS = 0  # TRTPAGED_QLINEAR_INT8_ACTIVATIONS
+QLINEAR_FLOAT_ACTIVATIONS = 1  # TRTPAGED_QLINEAR_FLOAT_ACTIVATIONS
+
+
 @functools.lru_cache(maxsize=None)
 def _qlinear_call(bits: int, n: int, k: int, group_size: int) -> tuple[int, Callable[..., int]]:
     """(packed bytes, the C function) for one weight shape: validated once, then a dict lookup per call."""
-    return qlinear_packed_bytes(bits, n, k, group_size), library().trtpaged_qlinear_cpu
+    return qlinear_packed_bytes(bits, n, k, group_size), library().trtpaged_qlinear_cpu_ex
 
 
 def qlinear(
@@ -469,11 +474,14 @@ def qlinear(
     group_size: int,
     bias: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
+    float_activations: bool = False,
 ) -> torch.Tensor:
     """y = x @ W^T (+ bias) for a weight packed by qlinear_pack; x float32 [..., k] on the CPU.
 
-    Returns out (float32 [..., n], allocated when None). This runs once per linear layer per
-    decode step, so the checks are the few that keep the kernel in bounds, each a cheap read.
+    float_activations=False quantizes x to int8 per block of 32 (integer dot products, fastest
+    for many rows); True keeps x in float32 (exact de-quantized weights, fp32 FMA: as accurate
+    as F.linear on them, about as fast at a few rows). Returns out (float32 [..., n], allocated
+    when None). For repeated calls on one weight, QLinearOp checks its arguments once.
     """
     packed_bytes, fn = _qlinear_call(bits, n, k, group_size)
     if x.dtype is not torch.float32 or not x.is_cpu or not x.is_contiguous() or x.dim() == 0 or x.shape[-1] != k:
@@ -487,12 +495,12 @@ def qlinear(
         out = torch.empty(x.shape[:-1] + (n,), dtype=torch.float32)
     elif out.dtype is not torch.float32 or not out.is_cpu or not out.is_contiguous() or out.numel() != m * n:
         raise ValueError(f"out: expected a contiguous float32 CPU tensor of {m * n} elements")
-    if bias is not None:
-        if bias.dtype is not torch.float32 or not bias.is_cpu or bias.shape != (n,) or not bias.is_contiguous():
-            raise ValueError(f"bias: expected a contiguous float32 CPU tensor of shape ({n},)")
-        status = fn(x.data_ptr(), m, packed.data_ptr(), bits, n, k, group_size, bias.data_ptr(), out.data_ptr())
-    else:
-        status = fn(x.data_ptr(), m, packed.data_ptr(), bits, n, k, group_size, None, out.data_ptr())
+    if bias is not None and (
+        bias.dtype is not torch.float32 or not bias.is_cpu or bias.shape != (n,) or not bias.is_contiguous()
+    ):
+        raise ValueError(f"bias: expected a contiguous float32 CPU tensor of shape ({n},)")
+    status = fn(x.data_ptr(), m, packed.data_ptr(), bits, n, k, group_size,
+                bias.data_ptr() if bias is not None else None, out.data_ptr(), int(float_activations))  # fmt: skip
     if status:
         _check("qlinear", status)
     return out
@@ -618,3 +626,41 @@ def silu_mul(gate_up: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch
     if status:
         _check("silu_mul", status)
     return out
+class QLinearOp:
+    """qlinear bound to one packed weight (and bias): everything about the weight is checked once,
+    so a call checks only x (dtype, device, contiguity, last dim) before the C call.
+
+    Holds references to packed and bias, which must not be modified in place afterwards.
+    """
+
+    __slots__ = ("packed", "bias", "n", "k", "_fn", "_args")
+
+    def __init__(self, packed: torch.Tensor, bits: int, n: int, k: int, group_size: int,
+                 bias: Optional[torch.Tensor] = None) -> None:  # fmt: skip
+        packed_bytes, fn = _qlinear_call(bits, n, k, group_size)
+        if packed.dtype is not torch.uint8 or not packed.is_cpu or packed.dim() != 1 or packed.numel() < packed_bytes:
+            raise ValueError(
+                f"packed: expected the 1-D uint8 CPU tensor of {packed_bytes} bytes returned by qlinear_pack"
+            )
+        if bias is not None and (
+            bias.dtype is not torch.float32 or not bias.is_cpu or bias.shape != (n,) or not bias.is_contiguous()
+        ):
+            raise ValueError(f"bias: expected a contiguous float32 CPU tensor of shape ({n},)")
+        self.packed, self.bias, self.n, self.k, self._fn = packed, bias, n, k, fn
+        self._args = (packed.data_ptr(), bits, n, k, group_size, bias.data_ptr() if bias is not None else None)
+
+    def __call__(self, x: torch.Tensor, float_activations: bool = False) -> torch.Tensor:
+        """y = x @ W^T (+ bias), float32 [..., n], for x float32 [..., k] contiguous on the CPU."""
+        k = self.k
+        if x.dtype is not torch.float32 or not x.is_cpu or not x.is_contiguous() or x.dim() == 0 or x.shape[-1] != k:
+            raise ValueError(
+                f"x: expected a contiguous float32 CPU tensor [..., k = {k}], "
+                f"got {x.dtype} {tuple(x.shape)} on {x.device}"
+            )
+        out = x.new_empty(x.shape[:-1] + (self.n,))  # float32 CPU, as x
+        packed, bits, n, _, group, bias = self._args
+        status = self._fn(x.data_ptr(), x.numel() // k, packed, bits, n, k, group, bias, out.data_ptr(),
+                          1 if float_activations else 0)  # fmt: skip
+        if status:
+            _check("qlinear", status)
+        return out

@@ -1,8 +1,9 @@
 """`trtpaged bench qlinear`: weight-only int8/int4 CPU linears against torch's fp32 F.linear.
 
 Measured side by side in one run, for SmolLM2-135M's linear shapes and batch sizes M:
-torch F.linear on fp32 weights, our int8 (G=32) and int4 (G=32) kernels, and at M=1 torch's
-_weight_int8pack_mm (int8, per-channel) for reference. Each format rotates over enough copies of
+torch F.linear on fp32 weights, our int8 (G=32) and int4 (G=32) kernels with int8 activations,
+the same with float activations at M <= 16, and at M=1 torch's _weight_int8pack_mm (int8,
+per-channel) for reference. Each format rotates over enough copies of
 its weights that their bytes exceed the last-level cache, so weights stream from DRAM as in a
 real decode step over 30 layers. A sample is one sweep over all copies divided by the number of
 copies; we report the median and the p10-p90 spread of the samples.
@@ -22,6 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from trtpaged import kernels
+from trtpaged.models.qlinear import QuantizedLinear
+from trtpaged.models.quant import QuantizedWeight
 
 SHAPES = {  # name: (N, K)
     "qkv": (960, 576),
@@ -30,7 +33,8 @@ SHAPES = {  # name: (N, K)
     "down": (576, 1536),
     "lm_head": (49152, 576),
 }
-BATCHES = (1, 16, 128)
+BATCHES = (1, 4, 16, 128)
+FLOAT_ACTIVATION_BATCHES = (1, 4, 16)  # float activations are for decode-sized batches
 GROUP = 32
 
 
@@ -53,6 +57,8 @@ class Row:
     int8: Timing
     int4: Timing
     int8pack_mm: Optional[Timing] = None
+    int8_float: Optional[Timing] = None  # float activations
+    int4_float: Optional[Timing] = None
 
 
 @dataclass
@@ -105,7 +111,8 @@ def _copies(bytes_each: int, working_set: int) -> int:
 
 def call_overhead_us(reps: int = 5000) -> dict:
     """Per-call cost of the Python binding at M=1 for a tiny weight (N=4, K=32), against the bare
-    ctypes call of the same kernel: the difference is the binding's checks and allocation."""
+    ctypes call of the same kernel: the difference is the binding's checks and allocation
+    (kernels.qlinear, QLinearOp) and the module's dispatch (QuantizedLinear.forward)."""
     codes, scales, offsets = _random_weights(4, 4, 32, torch.Generator().manual_seed(0))
     packed = kernels.qlinear_pack(4, codes, scales, offsets, GROUP)
     x = torch.randn(1, 32)
@@ -113,6 +120,8 @@ def call_overhead_us(reps: int = 5000) -> dict:
     lib = kernels.library()
     weight = torch.randn(4, 32)
     xp, pp, op = x.data_ptr(), packed.data_ptr(), out.data_ptr()
+    bound = kernels.QLinearOp(packed, 4, 4, 32, GROUP)
+    module = QuantizedLinear.from_weight(QuantizedWeight(4, GROUP, codes, scales, offsets), None, torch.float32)
 
     def best_of(fn: Callable[[], object]) -> float:
         best = math.inf
@@ -127,6 +136,8 @@ def call_overhead_us(reps: int = 5000) -> dict:
         "ctypes_call": best_of(lambda: lib.trtpaged_qlinear_cpu(xp, 1, pp, 4, 4, 32, GROUP, None, op)),
         "qlinear_out": best_of(lambda: kernels.qlinear(x, packed, 4, 4, 32, GROUP, out=out)),
         "qlinear_alloc": best_of(lambda: kernels.qlinear(x, packed, 4, 4, 32, GROUP)),
+        "qlinear_op": best_of(lambda: bound(x)),
+        "module_forward": best_of(lambda: module(x)),
         "torch_linear_fp32": best_of(lambda: F.linear(x, weight, out=out)),
     }
 
@@ -177,6 +188,13 @@ def run_qlinear_bench(
                 int4=_time_sweeps([(lambda p: lambda: kernels.qlinear(x, p, 4, n, k, GROUP, out=out))(p)
                                    for p in packed[4]], budget_s),
             )  # fmt: skip
+            if m in FLOAT_ACTIVATION_BATCHES:
+                row.int8_float, row.int4_float = (
+                    _time_sweeps([(lambda p: lambda: kernels.qlinear(x, p, bits, n, k, GROUP, out=out,
+                                                                     float_activations=True))(p)
+                                  for p in packed[bits]], budget_s)
+                    for bits in (8, 4)
+                )  # fmt: skip
             if m == 1 and int8pack:
                 row.int8pack_mm = _time_sweeps(
                     [(lambda w, s: lambda: torch._weight_int8pack_mm(x, w, s))(w, s) for w, s in int8pack], budget_s
@@ -202,19 +220,24 @@ def format_report(report: Report) -> str:
         f"each format rotates over copies totalling {report.working_set_bytes / 2**20:.0f} MiB "
         f"(LLC {report.llc_bytes / 2**20:.0f} MiB)",
         "times in us per call: median (p10-p90) over sweeps; speedup x = fp32 median / ours (min-based in brackets)",
+        "int8/int4: int8 activations; int8f/int4f: float activations (M <= 16)",
         f"{'shape':<9}{'N x K':>12}{'M':>5}  {'fp32 F.linear':>24}  {'int8 G32':>24}{'x [min]':>14}  "
-        f"{'int4 G32':>24}{'x [min]':>14}  {'_weight_int8pack_mm':>24}",
+        f"{'int4 G32':>24}{'x [min]':>14}  {'int8f G32':>24}{'x [min]':>14}  {'int4f G32':>24}{'x [min]':>14}"
+        f"  {'_weight_int8pack_mm':>24}",
     ]
     for r in report.rows:
+        floats = "".join(f"  {_cell(t):>24}{_ratio(r.fp32, t)}" if t else f"  {'':>24}{'':>14}"
+                         for t in (r.int8_float, r.int4_float))  # fmt: skip
         ref = f"  {_cell(r.int8pack_mm):>24}" if r.int8pack_mm else ""
         lines.append(
             f"{r.shape:<9}{f'{r.n}x{r.k}':>12}{r.m:>5}  {_cell(r.fp32):>24}  {_cell(r.int8):>24}{_ratio(r.fp32, r.int8)}"
-            f"  {_cell(r.int4):>24}{_ratio(r.fp32, r.int4)}" + ref
+            f"  {_cell(r.int4):>24}{_ratio(r.fp32, r.int4)}" + floats + ref
         )
     o = report.call_overhead_us
     lines.append(
         f"per-call cost at M=1, N=4, K=32 (best of 5 x 5000): bare ctypes {o['ctypes_call']:.2f} us, "
         f"kernels.qlinear(out=) {o['qlinear_out']:.2f} us, kernels.qlinear() {o['qlinear_alloc']:.2f} us, "
+        f"QLinearOp() {o['qlinear_op']:.2f} us, QuantizedLinear.forward {o['module_forward']:.2f} us, "
         f"torch F.linear {o['torch_linear_fp32']:.2f} us"
     )
     return "\n".join(lines)

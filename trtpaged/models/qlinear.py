@@ -4,8 +4,11 @@ Each holds a `QuantizedWeight` (trtpaged.models.quant) as buffers `codes`,
 `scales` and, for int4, `offsets`, so that the engine dir's safetensors and the
 ONNX graph carry the quantized form. Three ways to run:
 
-- eager on the CPU: the kernel library's integer kernels (activations
-  quantized to int8 per 32 inputs on the fly), over a packed copy made once;
+- eager on the CPU: the kernel library's kernels over a packed copy made
+  once: float32 activations for calls of at most FLOAT_ACTIVATION_MAX_ROWS
+  rows (decode: as accurate as F.linear on the de-quantized weight), int8
+  activations (quantized per 32 inputs on the fly, integer dot products)
+  above (prefill);
 - eager elsewhere, or where the library lacks the kernels: a de-quantized
   float copy of the weight, made once, and `F.linear` (full-precision
   activations; no memory saving);
@@ -24,6 +27,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from trtpaged.models.quant import QuantizedWeight, unpack_int4
+
+
+# Calls with at most this many rows of x keep activations in float32 (exact GGUF / HF numerics);
+# larger ones quantize them to int8. The rule: the largest M where float activations cost at most
+# ~10% more than int8 ones. Measured (`trtpaged bench qlinear --threads 1`, AVX-512, see
+# docs/quantization.md): 1.3x (int4) to 1.5x (int8) at M=1 and 4, more above, so none
+# qualifies. Setting 1 (or 4) buys decode with float-activation numerics (F.linear on the
+# de-quantized weight) at that price, still 2-3x faster than F.linear on fp32 weights.
+FLOAT_ACTIVATION_MAX_ROWS = 0
 
 
 @torch.library.custom_op("trtpaged::dequantize_weight", mutates_args=())
@@ -80,7 +92,7 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("scales", torch.empty(out_features, groups, dtype=torch.float32))
         self.register_buffer("offsets", torch.empty(out_features, groups, dtype=torch.float32) if bits == 4 else None)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
-        self._packed: Optional[torch.Tensor] = None
+        self._op: Optional[Any] = None  # kernels.QLinearOp over the packed weight, made at first CPU call
         self._dense: Optional[torch.Tensor] = None
 
     @classmethod
@@ -95,7 +107,7 @@ class QuantizedLinear(nn.Module):
         if bias is not None:
             self.bias = nn.Parameter(bias.detach().to(self.bias.dtype if self.bias is not None else bias.dtype),
                                      requires_grad=False)
-        self._packed = self._dense = None
+        self._op = self._dense = None
 
     @property
     def weight_q(self) -> QuantizedWeight:
@@ -107,15 +119,24 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_exporting():
             return self._graph_forward(x)
-        kernels = _cpu_kernels() if x.device.type == "cpu" and x.dtype == torch.float32 else None
-        if kernels is not None and self.in_features % 32 == 0:
-            if self._packed is None:
-                self._packed = kernels.qlinear_pack(self.bits, self.codes, self.scales, self.offsets, self.group_size)
-            return kernels.qlinear(x.contiguous(), self._packed, self.bits, self.out_features, self.in_features,
-                                   self.group_size, bias=self.bias)
+        if x.is_cpu and x.dtype is torch.float32 and self.in_features % 32 == 0:
+            op = self._op if self._op is not None else self._make_op()
+            if op is not None:
+                x = x.contiguous()
+                return op(x, x.numel() <= FLOAT_ACTIVATION_MAX_ROWS * self.in_features)
         if self._dense is None:
             self._dense = self.weight_q.dequantize(x.dtype)
         return F.linear(x, self._dense, self.bias)
+
+    def _make_op(self) -> Optional[Any]:
+        """Packs the weight for the CPU kernels (once); None where the library lacks them."""
+        kernels = _cpu_kernels()
+        if kernels is None:
+            return None
+        packed = kernels.qlinear_pack(self.bits, self.codes, self.scales, self.offsets, self.group_size)
+        bias = self.bias.detach() if self.bias is not None else None
+        self._op = kernels.QLinearOp(packed, self.bits, self.out_features, self.in_features, self.group_size, bias=bias)
+        return self._op
 
     def _graph_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The exported form: DequantizeLinear -> MatMul (+ group sums x offsets for int4)."""

@@ -145,10 +145,11 @@ TRTPAGED_API int trtpaged_swap_blocks_cuda(const void* src_pool, int32_t src_num
  * scales (and offsets) are float [n, k/group_size] whose values must be exactly representable
  * in fp16 (they are stored as fp16). k must be a multiple of 32 and of group_size.
  *
- * The kernel quantizes each row of x to int8 per block of 32 inputs (d = max|x|/127,
- * q = round(x * (1/d)), ties to even, in float32), so y equals x_dequantized @ W^T up to fp32
- * rounding: integer dot products per block, fp32 accumulation across blocks. The int4 offset
- * term uses the blocks' quantized sums (d * sum q), which keeps that identity exact.
+ * With int8 activations (trtpaged_qlinear_cpu), the kernel quantizes each row of x to int8
+ * per block of 32 inputs (d = max|x|/127, q = round(x * (1/d)), ties to even, in float32), so
+ * y equals x_dequantized @ W^T up to fp32 rounding: integer dot products per block, fp32
+ * accumulation across blocks. The int4 offset term uses the blocks' quantized sums
+ * (d * sum q), which keeps that identity exact.
  */
 
 /* Bytes of the packed form of one quantized weight (host memory). */
@@ -161,10 +162,24 @@ TRTPAGED_API trtpaged_status trtpaged_qlinear_pack(int32_t bits, int64_t n, int6
                                                    const void* codes, const float* scales, const float* offsets,
                                                    void* packed);
 /* y[m, n] = x[m, k] @ W^T (+ bias[n] when bias is not NULL), float32 row-major; W in packed form.
- * Multithreaded (OpenMP) across output features. */
+ * Multithreaded (OpenMP) across output features. Same as trtpaged_qlinear_cpu_ex with
+ * TRTPAGED_QLINEAR_INT8_ACTIVATIONS. */
 TRTPAGED_API trtpaged_status trtpaged_qlinear_cpu(const float* x, int64_t m, const void* packed, int32_t bits,
                                                   int64_t n, int64_t k, int32_t group_size, const float* bias,
                                                   float* y);
+/* activations of trtpaged_qlinear_cpu_ex. INT8: x quantized per block of 32 as described above
+ * (integer dot products: fastest, by far for large m). FLOAT: x kept in float32; per block of
+ * 32 the codes are converted to float and dotted with x in fp32, times the block's scale, and
+ * (bits 4) the offsets times float sums of x per group are added: y equals x @ W^T up to fp32
+ * summation rounding, as F.linear on the de-quantized weight would be. Costs more per weight
+ * byte than INT8 (about 1.2-2x at m = 1 on AVX-512), for accuracy at decode. */
+#define TRTPAGED_QLINEAR_INT8_ACTIVATIONS 0
+#define TRTPAGED_QLINEAR_FLOAT_ACTIVATIONS 1
+/* trtpaged_qlinear_cpu with a choice of activations (one of the two values above; other
+ * values: INVALID_ARGUMENT). Same packed form. */
+TRTPAGED_API trtpaged_status trtpaged_qlinear_cpu_ex(const float* x, int64_t m, const void* packed, int32_t bits,
+                                                     int64_t n, int64_t k, int32_t group_size, const float* bias,
+                                                     float* y, int32_t activations);
 /* The instruction set the quantized kernels use on this CPU: "avx512vnni", "avxvnni", "avx2" or
  * "scalar". Chosen at first use: the best the CPU supports, or $TRTPAGED_CPU_ISA if lower. */
 TRTPAGED_API const char* trtpaged_cpu_isa(void);

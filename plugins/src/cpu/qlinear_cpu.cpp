@@ -1,17 +1,21 @@
 // Weight-only quantized linear on the CPU: y = x @ W^T with W given as int8 or uint4 codes
-// and per-group scales (and offsets for int4). Activations are quantized on the fly to int8
-// per block of 32 (symmetric, float scale), dot products run on integers, accumulation
-// across blocks is fp32.
+// and per-group scales (and offsets for int4). Two kinds of kernels over one packed form:
+// - int8 activations: x quantized on the fly to int8 per block of 32 (symmetric, float scale),
+//   dot products on integers (vpdpbusd / vpmaddubsw), fp32 accumulation across blocks;
+// - float activations: x stays float32, weight codes converted to float in registers, fp32
+//   FMA (as accurate as F.linear on the de-quantized weight; for decode-sized batches).
 //
 // This file is compiled without -march=native: every SIMD variant carries its own
 // __attribute__((target)) and one is chosen at run time, so the library runs on any x86-64.
 //
-// Packed form (per tile of kRows = 4 output rows, rows past n are zero padding):
-//   for each pair p of 32-blocks (k in [64p, 64p + 64), K padded with zeros to a multiple of 64):
-//     codes  kRows x 64 bytes (int8: q + 128 as uint8) or kRows x 32 bytes (int4: byte j holds
-//            q[64p + j] in the low nibble and q[64p + 32 + j] in the high nibble)
-//     scales kRows x 2 fp16 (the scale of each row's two blocks; groups expanded to blocks)
-//   then (int4 only) offsets kRows x ceil(K/G) fp16, and padding to 64 bytes.
+// Packed form: tiles of kRows = 16 output rows (rows past n are zero padding), each
+//   for each 32-block b of inputs (k in [32b, 32b + 32)):
+//     codes, "row-interleaved": 4 consecutive inputs (a quad) of the 16 rows side by side, so
+//       one 64-byte register holds one quad of every row (lane r = row r):
+//       int8: 8 quads x 16 rows x 4 bytes, byte = q + 128 (uint8 for vpdpbusd);
+//       int4: 4 x 16 x 4 bytes, the low nibble from quad g (g < 4), the high from quad g + 4;
+//     scales: 16 fp16 (each row's group scale of this block)
+//   then (int4 only) offsets ngroups x 16 fp16, and padding to 64 bytes.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -32,9 +36,8 @@ namespace {
 
 using trtpaged::fail;
 
-constexpr int kRows = 4;     // output rows per tile
-constexpr int kMaxMB = 4;    // activation rows per kernel call (register blocking)
-constexpr int kPairK = 64;   // inputs per pair of 32-blocks
+constexpr int kRows = 16;   // output rows per tile
+constexpr int kMaxMB = 8;   // activation rows per kernel call (register blocking), at most
 
 enum Isa { kScalar = 0, kAvx2 = 1, kAvxVnni = 2, kAvx512Vnni = 3 };
 const char* const kIsaNames[] = {"scalar", "avx2", "avxvnni", "avx512vnni"};
@@ -43,10 +46,10 @@ struct Layout {
   int bits;
   int64_t n, k;
   int32_t group;
-  int64_t ntiles, npairs, ngroups;
-  size_t row_pair_codes;  // code bytes of one row in one pair
-  size_t pair_bytes;      // codes and scales of one pair (all rows of a tile)
-  size_t tile_bytes;      // rounded up to 64
+  int64_t ntiles, nblocks, ngroups;
+  size_t block_codes;  // code bytes of one block (16 rows x 32 inputs)
+  size_t block_bytes;  // codes and scales of one block
+  size_t tile_bytes;   // rounded up to 64
 };
 
 Layout make_layout(int bits, int64_t n, int64_t k, int32_t group) {
@@ -56,11 +59,11 @@ Layout make_layout(int bits, int64_t n, int64_t k, int32_t group) {
   l.k = k;
   l.group = group;
   l.ntiles = (n + kRows - 1) / kRows;
-  l.npairs = (k + kPairK - 1) / kPairK;
+  l.nblocks = k / 32;
   l.ngroups = k / group;
-  l.row_pair_codes = bits == 8 ? 64 : 32;
-  l.pair_bytes = kRows * l.row_pair_codes + kRows * 2 * sizeof(uint16_t);
-  size_t bytes = l.npairs * l.pair_bytes + (bits == 4 ? kRows * l.ngroups * sizeof(uint16_t) : 0);
+  l.block_codes = bits == 8 ? kRows * 32 : kRows * 16;
+  l.block_bytes = l.block_codes + kRows * sizeof(uint16_t);
+  size_t bytes = l.nblocks * l.block_bytes + (bits == 4 ? kRows * l.ngroups * sizeof(uint16_t) : 0);
   l.tile_bytes = (bytes + 63) / 64 * 64;
   return l;
 }
@@ -101,17 +104,16 @@ inline float half_to_float(uint16_t bits) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Activations quantized once per call, shared by all threads.
-struct BlockRecord {  // one pair of 32-blocks of one activation row
-  float dx[2];        // block scales
-  int32_t nbias[2];   // -128 * sum of the block's codes (int8 weights are stored as q + 128)
+// Activations quantized once per call (int8 path), shared by all threads.
+struct BlockRecord {  // one 32-block of one activation row
+  float dx;           // block scale
+  int32_t nbias;      // -128 * sum of the block's codes (int8 weights are stored as q + 128)
 };
 
 struct Acts {
-  int64_t m, k_padded, npairs, ngroups;
-  const int8_t* xq;           // [m][k_padded]
-  const BlockRecord* rec;     // [m][npairs]
-  const float* group_sums;    // [m][ngroups]: sum over the group's blocks of dx * sum(codes); int4 only
+  const int8_t* xq;         // [m][k]
+  const BlockRecord* rec;   // [m][nblocks]
+  const float* group_sums;  // [m][ngroups]: sum over the group's blocks of dx * sum(codes); int4 only
 };
 
 // Quantizes one block of 32: d = max|x| / 127, q = round(x / d) (ties to even, as torch.round),
@@ -130,7 +132,6 @@ inline float quantize_block_scalar(const float* x, int8_t* q, int32_t* sum) {
   *sum = s;
   return d;
 }
-
 __attribute__((target("avx2,fma"))) float quantize_block_avx2(const float* x, int8_t* q, int32_t* sum) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 v[4];
@@ -162,185 +163,127 @@ __attribute__((target("avx2,fma"))) float quantize_block_avx2(const float* x, in
 }
 
 // ---------------------------------------------------------------------------------------------
-// Tile kernels: out[r * kMaxMB + i] = sum over k of x[m0 + i] (quantized) . (scale * code)[row r],
-// without the int4 offset term (added by the driver).
+// Tile kernels: out[i * kRows + r] = y[m0 + i][tile row r] without bias, for min(count, the
+// variant's register block) activation rows; they return how many.
 struct TileArgs {
   const Layout* l;
-  const Acts* a;
   const uint8_t* tile;
   int64_t m0;
+  const Acts* a;           // int8 activations
+  const float* x;          // float activations: x[m0], row stride l->k
+  const float* xgroup;     // float activations, int4: sums of x per group, [m][ngroups]
 };
 
-// Computes min(count, the variant's register block) activation rows and returns how many.
 using TileKernel = int (*)(const TileArgs&, int count, float* out);
 
-template <int BITS, int MB>
-void tile_scalar_mb(const TileArgs& t, float* out) {
+inline int32_t load_u32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// Code (as the signed weight code: int8 q, or int4 0..15) of row r, input j of a block.
+template <int BITS>
+inline int code_at(const uint8_t* block, int r, int j) {
+  if (BITS == 8) return int(block[((j / 4) * kRows + r) * 4 + j % 4]) - 128;
+  const uint8_t byte = block[(((j / 4) % 4) * kRows + r) * 4 + j % 4];
+  return j < 16 ? (byte & 0x0F) : (byte >> 4);
+}
+
+// Portable kernels, also the reference for the layout. FLOAT: float activations.
+template <int BITS, bool FLOAT>
+int tile_scalar(const TileArgs& t, int count, float* out) {
   const Layout& l = *t.l;
-  const Acts& a = *t.a;
-  float acc[kRows][MB] = {};
-  for (int64_t p = 0; p < l.npairs; ++p) {
-    const uint8_t* pc = t.tile + p * l.pair_bytes;
-    const uint16_t* sc = reinterpret_cast<const uint16_t*>(pc + kRows * l.row_pair_codes);
-    for (int r = 0; r < kRows; ++r) {
-      const uint8_t* w = pc + r * l.row_pair_codes;
-      for (int h = 0; h < 2; ++h) {
-        float sw = half_to_float(sc[2 * r + h]);
-        for (int i = 0; i < MB; ++i) {
-          const int8_t* xq = a.xq + (t.m0 + i) * a.k_padded + p * kPairK + h * 32;
+  const int mb = std::min(count, 4);
+  for (int i = 0; i < mb; ++i) {
+    const int64_t row = t.m0 + i;
+    float acc[kRows] = {};
+    for (int64_t b = 0; b < l.nblocks; ++b) {
+      const uint8_t* blk = t.tile + b * l.block_bytes;
+      const uint16_t* sc = reinterpret_cast<const uint16_t*>(blk + l.block_codes);
+      for (int r = 0; r < kRows; ++r) {
+        const float sw = half_to_float(sc[r]);
+        if (FLOAT) {
+          const float* xb = t.x + i * l.k + b * 32;
+          float s = 0.f;
+          for (int j = 0; j < 32; ++j) s = std::fma(float(code_at<BITS>(blk, r, j)), xb[j], s);
+          acc[r] = std::fma(s, sw, acc[r]);
+        } else {
+          const int8_t* xb = t.a->xq + row * l.k + b * 32;
           int32_t s = 0;
-          for (int j = 0; j < 32; ++j) {
-            int wv = BITS == 8 ? int(w[h * 32 + j]) - 128 : (h == 0 ? (w[j] & 0x0F) : (w[j] >> 4));
-            s += wv * xq[j];
-          }
-          acc[r][i] += float(s) * (sw * a.rec[(t.m0 + i) * a.npairs + p].dx[h]);
+          for (int j = 0; j < 32; ++j) s += code_at<BITS>(blk, r, j) * xb[j];
+          acc[r] += float(s) * (sw * t.a->rec[row * l.nblocks + b].dx);
         }
       }
     }
+    if (BITS == 4) {
+      const uint16_t* oh = reinterpret_cast<const uint16_t*>(t.tile + l.nblocks * l.block_bytes);
+      const float* gs = FLOAT ? t.xgroup + row * l.ngroups : t.a->group_sums + row * l.ngroups;
+      for (int64_t g = 0; g < l.ngroups; ++g)
+        for (int r = 0; r < kRows; ++r) acc[r] = std::fma(half_to_float(oh[g * kRows + r]), gs[g], acc[r]);
+    }
+    for (int r = 0; r < kRows; ++r) out[i * kRows + r] = acc[r];
   }
-  for (int r = 0; r < kRows; ++r)
-    for (int i = 0; i < MB; ++i) out[r * kMaxMB + i] = acc[r][i];
+  return mb;
 }
 
-template <int BITS>
-int tile_scalar(const TileArgs& t, int count, float* out) {
-  switch (count) {
-    case 4: return tile_scalar_mb<BITS, 4>(t, out), 4;
-    case 3: return tile_scalar_mb<BITS, 3>(t, out), 3;
-    case 2: return tile_scalar_mb<BITS, 2>(t, out), 2;
-    default: return tile_scalar_mb<BITS, 1>(t, out), 1;
-  }
-}
-
-__attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// 256-bit kernels: one 32-block per register. VNNI uses vpdpbusd (u8 x s8 -> s32) with the
-// int8 weights' +128 bias removed through the accumulator's initial value; plain AVX2 uses
-// vpmaddubsw on |w| (|-128| = 128 as uint8) and x with w's sign (int8; |x| <= 127 so negating
-// is exact and pair sums stay within int16), or directly (uint4).
-#define TRTPAGED_TILE256_BODY(DOT)                                                                 \
-  const Layout& l = *t.l;                                                                          \
-  const Acts& a = *t.a;                                                                            \
-  const __m256i low4 = _mm256_set1_epi8(0x0F);                                                     \
-  __m256 acc[kRows][MB];                                                                           \
-  for (int r = 0; r < kRows; ++r)                                                                  \
-    for (int i = 0; i < MB; ++i) acc[r][i] = _mm256_setzero_ps();                                  \
-  for (int64_t p = 0; p < l.npairs; ++p) {                                                         \
-    const uint8_t* pc = t.tile + p * l.pair_bytes;                                                 \
-    alignas(32) float sw[8];                                                                       \
-    _mm256_store_ps(sw, _mm256_cvtph_ps(_mm_loadu_si128(                                            \
-                            reinterpret_cast<const __m128i*>(pc + kRows * l.row_pair_codes))));    \
-    for (int h = 0; h < 2; ++h) {                                                                  \
-      __m256i w[kRows];                                                                            \
-      for (int r = 0; r < kRows; ++r) {                                                            \
-        if (BITS == 8) {                                                                           \
-          w[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pc + r * 64 + h * 32));        \
-        } else {                                                                                   \
-          __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pc + r * 32));            \
-          w[r] = _mm256_and_si256(h == 0 ? b : _mm256_srli_epi16(b, 4), low4);                     \
-        }                                                                                          \
-      }                                                                                            \
-      for (int i = 0; i < MB; ++i) {                                                               \
-        const BlockRecord& rec = a.rec[(t.m0 + i) * a.npairs + p];                                 \
-        __m256i xv = _mm256_loadu_si256(                                                           \
-            reinterpret_cast<const __m256i*>(a.xq + (t.m0 + i) * a.k_padded + p * kPairK + h * 32)); \
-        for (int r = 0; r < kRows; ++r) {                                                          \
-          __m256i d32 = DOT;                                                                       \
-          acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d32), _mm256_set1_ps(sw[2 * r + h] * rec.dx[h]), \
-                                      acc[r][i]);                                                  \
-        }                                                                                          \
-      }                                                                                            \
-    }                                                                                              \
-  }                                                                                                \
-  for (int r = 0; r < kRows; ++r)                                                                  \
-    for (int i = 0; i < MB; ++i) out[r * kMaxMB + i] = hsum256(acc[r][i]);
-
-template <int BITS, int MB>
-__attribute__((target("avx2,fma,f16c"))) void tile_avx2_mb(const TileArgs& t, float* out) {
-  const __m256i ones16 = _mm256_set1_epi16(1);
-  const __m256i flip = _mm256_set1_epi8(char(0x80));
-  TRTPAGED_TILE256_BODY(
-      (BITS == 8 ? _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(_mm256_xor_si256(w[r], flip)),
-                                                          _mm256_sign_epi8(xv, _mm256_xor_si256(w[r], flip))),
-                                     ones16)
-                 : _mm256_madd_epi16(_mm256_maddubs_epi16(w[r], xv), ones16)))
-}
-
-template <int BITS, int MB>
-__attribute__((target("avx2,fma,f16c,avxvnni"))) void tile_avxvnni_mb(const TileArgs& t, float* out) {
-  TRTPAGED_TILE256_BODY(_mm256_dpbusd_avx_epi32(
-      BITS == 8 ? _mm256_setr_epi32(rec.nbias[h], 0, 0, 0, 0, 0, 0, 0) : _mm256_setzero_si256(), w[r], xv))
-}
-
-template <int BITS>
-__attribute__((target("avx2,fma,f16c"))) int tile_avx2(const TileArgs& t, int count, float* out) {
-  if (count >= 2) return tile_avx2_mb<BITS, 2>(t, out), 2;
-  return tile_avx2_mb<BITS, 1>(t, out), 1;
-}
-
-template <int BITS>
-__attribute__((target("avx2,fma,f16c,avxvnni"))) int tile_avxvnni(const TileArgs& t, int count, float* out) {
-  if (count >= 2) return tile_avxvnni_mb<BITS, 2>(t, out), 2;
-  return tile_avxvnni_mb<BITS, 1>(t, out), 1;
-}
-
-// 512-bit kernel: a pair of 32-blocks per register (lanes 0-7 block 0, lanes 8-15 block 1).
+// 512-bit, int8 activations: lane r of a register holds 4 consecutive inputs of row r (one
+// "quad"); x's matching 4 bytes are broadcast, so vpdpbusd does 16 rows x 4 inputs and no
+// horizontal sum is needed. A block = 8 vpdpbusd + 1 convert + 1 multiply + 1 FMA per act row.
 template <int BITS, int MB>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"))) void tile_avx512_mb(
     const TileArgs& t, float* out) {
   const Layout& l = *t.l;
   const Acts& a = *t.a;
-  const __m512i half_idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  const __m512i bias_idx = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  __m512i row_idx[kRows];
-  for (int r = 0; r < kRows; ++r)
-    row_idx[r] = _mm512_add_epi32(half_idx, _mm512_set1_epi32(2 * r));
-  __m512 acc[kRows][MB];
-  for (int r = 0; r < kRows; ++r)
-    for (int i = 0; i < MB; ++i) acc[r][i] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < l.npairs; ++p) {
-    const uint8_t* pc = t.tile + p * l.pair_bytes;
-    __m512i w[kRows];
-    for (int r = 0; r < kRows; ++r) {
-      if (BITS == 8) {
-        w[r] = _mm512_loadu_si512(pc + r * 64);
-      } else {
-        __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pc + r * 32));
-        w[r] = _mm512_inserti64x4(_mm512_zextsi256_si512(_mm256_and_si256(b, low4)),
-                                  _mm256_and_si256(_mm256_srli_epi16(b, 4), low4), 1);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[MB];
+  for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < l.nblocks; ++b) {
+    const uint8_t* blk = t.tile + b * l.block_bytes;
+    const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + l.block_codes)));
+    __m512i w[8];
+    if (BITS == 8) {
+      for (int g = 0; g < 8; ++g) w[g] = _mm512_loadu_si512(blk + 64 * g);
+    } else {
+      for (int g = 0; g < 4; ++g) {
+        const __m512i v = _mm512_loadu_si512(blk + 64 * g);
+        w[g] = _mm512_and_si512(v, low4);
+        w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
       }
     }
-    __m512 s8 = _mm512_zextps256_ps512(
-        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pc + kRows * l.row_pair_codes))));
-    __m512 sw[kRows];
-    for (int r = 0; r < kRows; ++r) sw[r] = _mm512_permutexvar_ps(row_idx[r], s8);
     for (int i = 0; i < MB; ++i) {
-      __m128 rec = _mm_loadu_ps(reinterpret_cast<const float*>(&a.rec[(t.m0 + i) * a.npairs + p]));
-      __m512 dx = _mm512_permutexvar_ps(half_idx, _mm512_zextps128_ps512(rec));
-      __m512i bias = BITS == 8 ? _mm512_maskz_permutexvar_epi32(0x0101, bias_idx,
-                                                                _mm512_zextsi128_si512(_mm_castps_si128(rec)))
-                               : _mm512_setzero_si512();
-      __m512i xv = _mm512_loadu_si512(a.xq + (t.m0 + i) * a.k_padded + p * kPairK);
-      for (int r = 0; r < kRows; ++r) {
-        __m512i d32 = _mm512_dpbusd_epi32(bias, w[r], xv);
-        acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d32), _mm512_mul_ps(sw[r], dx), acc[r][i]);
+      const int64_t row = t.m0 + i;
+      const int8_t* xb = a.xq + row * l.k + b * 32;
+      const BlockRecord rec = a.rec[row * l.nblocks + b];
+      __m512i s0 = BITS == 8 ? _mm512_set1_epi32(rec.nbias) : _mm512_setzero_si512();
+      __m512i s1 = _mm512_setzero_si512();
+      for (int g = 0; g < 8; g += 2) {
+        s0 = _mm512_dpbusd_epi32(s0, w[g], _mm512_set1_epi32(load_u32(xb + 4 * g)));
+        s1 = _mm512_dpbusd_epi32(s1, w[g + 1], _mm512_set1_epi32(load_u32(xb + 4 * g + 4)));
       }
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_mul_ps(sw, _mm512_set1_ps(rec.dx)),
+                               acc[i]);
     }
   }
-  for (int r = 0; r < kRows; ++r)
-    for (int i = 0; i < MB; ++i) out[r * kMaxMB + i] = _mm512_reduce_add_ps(acc[r][i]);
+  if (BITS == 4) {
+    const uint16_t* oh = reinterpret_cast<const uint16_t*>(t.tile + l.nblocks * l.block_bytes);
+    for (int64_t g = 0; g < l.ngroups; ++g) {
+      const __m512 o = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(oh + g * kRows)));
+      for (int i = 0; i < MB; ++i)
+        acc[i] = _mm512_fmadd_ps(o, _mm512_set1_ps(a.group_sums[(t.m0 + i) * l.ngroups + g]), acc[i]);
+    }
+  }
+  for (int i = 0; i < MB; ++i) _mm512_storeu_ps(out + i * kRows, acc[i]);
 }
 
 template <int BITS>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"))) int tile_avx512(
     const TileArgs& t, int count, float* out) {
-  switch (count) {
+  switch (std::min(count, 8)) {
+    case 8: return tile_avx512_mb<BITS, 8>(t, out), 8;
+    case 7: return tile_avx512_mb<BITS, 7>(t, out), 7;
+    case 6: return tile_avx512_mb<BITS, 6>(t, out), 6;
+    case 5: return tile_avx512_mb<BITS, 5>(t, out), 5;
     case 4: return tile_avx512_mb<BITS, 4>(t, out), 4;
     case 3: return tile_avx512_mb<BITS, 3>(t, out), 3;
     case 2: return tile_avx512_mb<BITS, 2>(t, out), 2;
@@ -348,34 +291,276 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"))) in
   }
 }
 
-// int4 offset term of one tile for one activation row: off[r] = sum_g offsets[r][g] * group_sums[g].
-using OffsetFn = void (*)(const uint16_t* offsets, const float* group_sums, int64_t ngroups, float* off);
-
-void offsets_scalar(const uint16_t* oh, const float* gs, int64_t ng, float* off) {
-  for (int r = 0; r < kRows; ++r) {
-    float s = 0.f;
-    for (int64_t g = 0; g < ng; ++g) s += half_to_float(oh[r * ng + g]) * gs[g];
-    off[r] = s;
+// 256-bit, int8 activations: each half of the tile (rows 0-7, 8-15) is the low / high 32
+// bytes of a quad's 64. VNNI: vpdpbusd. Plain AVX2: int8 weights via vpmaddubsw on |q| and
+// x with q's sign (|x| <= 127, so pair sums fit int16), then vpmaddwd; int4 weights (<= 15)
+// sum all 8 quads' vpmaddubsw in int16 (8 * 2 * 15 * 127 < 2^15) before one vpmaddwd.
+template <int BITS, int MB, bool VNNI = false>
+__attribute__((target("avx2,fma,f16c"))) void tile_avx256_mb(const TileArgs& t, float* out) {
+  const Layout& l = *t.l;
+  const Acts& a = *t.a;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i flip = _mm256_set1_epi8(char(0x80));
+  const __m256i ones16 = _mm256_set1_epi16(1);
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[MB];
+    for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < l.nblocks; ++b) {
+      const uint8_t* blk = t.tile + b * l.block_bytes;
+      const __m256 sw = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + l.block_codes + 16 * half)));
+      __m256i w[8];  // VNNI or int4: codes as stored; plain AVX2 int8: signed q
+      if (BITS == 8) {
+        for (int g = 0; g < 8; ++g) {
+          w[g] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * g + 32 * half));
+          if constexpr (!VNNI) w[g] = _mm256_xor_si256(w[g], flip);
+        }
+      } else {
+        for (int g = 0; g < 4; ++g) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * g + 32 * half));
+          w[g] = _mm256_and_si256(v, low4);
+          w[g + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        }
+      }
+      for (int i = 0; i < MB; ++i) {
+        const int64_t row = t.m0 + i;
+        const int8_t* xb = a.xq + row * l.k + b * 32;
+        const BlockRecord rec = a.rec[row * l.nblocks + b];
+        __m256i s;
+        if constexpr (VNNI) {
+          s = BITS == 8 ? _mm256_set1_epi32(rec.nbias) : _mm256_setzero_si256();
+          for (int g = 0; g < 8; ++g) s = _mm256_dpbusd_avx_epi32(s, w[g], _mm256_set1_epi32(load_u32(xb + 4 * g)));
+        } else if (BITS == 8) {
+          s = _mm256_setzero_si256();
+          for (int g = 0; g < 8; ++g) {
+            const __m256i xv = _mm256_set1_epi32(load_u32(xb + 4 * g));
+            s = _mm256_add_epi32(
+                s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w[g]), _mm256_sign_epi8(xv, w[g])), ones16));
+          }
+        } else {
+          __m256i s16 = _mm256_setzero_si256();
+          for (int g = 0; g < 8; ++g)
+            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(load_u32(xb + 4 * g))));
+          s = _mm256_madd_epi16(s16, ones16);
+        }
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(sw, _mm256_set1_ps(rec.dx)), acc[i]);
+      }
+    }
+    if (BITS == 4) {
+      const uint16_t* oh = reinterpret_cast<const uint16_t*>(t.tile + l.nblocks * l.block_bytes);
+      for (int64_t g = 0; g < l.ngroups; ++g) {
+        const __m256 o = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(oh + g * kRows + 8 * half)));
+        for (int i = 0; i < MB; ++i)
+          acc[i] = _mm256_fmadd_ps(o, _mm256_set1_ps(a.group_sums[(t.m0 + i) * l.ngroups + g]), acc[i]);
+      }
+    }
+    for (int i = 0; i < MB; ++i) _mm256_storeu_ps(out + i * kRows + 8 * half, acc[i]);
   }
 }
 
-__attribute__((target("avx2,fma,f16c"))) void offsets_avx2(const uint16_t* oh, const float* gs, int64_t ng,
-                                                           float* off) {
-  __m256 acc[kRows];
-  for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
-  int64_t g = 0;
-  for (; g + 8 <= ng; g += 8) {
-    const __m256 gv = _mm256_loadu_ps(gs + g);
-    for (int r = 0; r < kRows; ++r)
-      acc[r] = _mm256_fmadd_ps(
-          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(oh + r * ng + g))), gv, acc[r]);
-  }
-  for (int r = 0; r < kRows; ++r) {
-    float s = hsum256(acc[r]);
-    for (int64_t j = g; j < ng; ++j) s += _cvtsh_ss(oh[r * ng + j]) * gs[j];
-    off[r] = s;
+// The same body compiled with AVX-VNNI enabled (VNNI = true only).
+template <int BITS, int MB, bool VNNI>
+__attribute__((target("avx2,fma,f16c,avxvnni"))) void tile_avxvnni256_mb(const TileArgs& t, float* out) {
+  const Layout& l = *t.l;
+  const Acts& a = *t.a;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i flip = _mm256_set1_epi8(char(0x80));
+  const __m256i ones16 = _mm256_set1_epi16(1);
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[MB];
+    for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < l.nblocks; ++b) {
+      const uint8_t* blk = t.tile + b * l.block_bytes;
+      const __m256 sw = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + l.block_codes + 16 * half)));
+      __m256i w[8];  // VNNI or int4: codes as stored; plain AVX2 int8: signed q
+      if (BITS == 8) {
+        for (int g = 0; g < 8; ++g) {
+          w[g] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * g + 32 * half));
+          if constexpr (!VNNI) w[g] = _mm256_xor_si256(w[g], flip);
+        }
+      } else {
+        for (int g = 0; g < 4; ++g) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * g + 32 * half));
+          w[g] = _mm256_and_si256(v, low4);
+          w[g + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        }
+      }
+      for (int i = 0; i < MB; ++i) {
+        const int64_t row = t.m0 + i;
+        const int8_t* xb = a.xq + row * l.k + b * 32;
+        const BlockRecord rec = a.rec[row * l.nblocks + b];
+        __m256i s;
+        if constexpr (VNNI) {
+          s = BITS == 8 ? _mm256_set1_epi32(rec.nbias) : _mm256_setzero_si256();
+          for (int g = 0; g < 8; ++g) s = _mm256_dpbusd_avx_epi32(s, w[g], _mm256_set1_epi32(load_u32(xb + 4 * g)));
+        } else if (BITS == 8) {
+          s = _mm256_setzero_si256();
+          for (int g = 0; g < 8; ++g) {
+            const __m256i xv = _mm256_set1_epi32(load_u32(xb + 4 * g));
+            s = _mm256_add_epi32(
+                s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w[g]), _mm256_sign_epi8(xv, w[g])), ones16));
+          }
+        } else {
+          __m256i s16 = _mm256_setzero_si256();
+          for (int g = 0; g < 8; ++g)
+            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(load_u32(xb + 4 * g))));
+          s = _mm256_madd_epi16(s16, ones16);
+        }
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(sw, _mm256_set1_ps(rec.dx)), acc[i]);
+      }
+    }
+    if (BITS == 4) {
+      const uint16_t* oh = reinterpret_cast<const uint16_t*>(t.tile + l.nblocks * l.block_bytes);
+      for (int64_t g = 0; g < l.ngroups; ++g) {
+        const __m256 o = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(oh + g * kRows + 8 * half)));
+        for (int i = 0; i < MB; ++i)
+          acc[i] = _mm256_fmadd_ps(o, _mm256_set1_ps(a.group_sums[(t.m0 + i) * l.ngroups + g]), acc[i]);
+      }
+    }
+    for (int i = 0; i < MB; ++i) _mm256_storeu_ps(out + i * kRows + 8 * half, acc[i]);
   }
 }
+
+template <int BITS>
+__attribute__((target("avx2,fma,f16c"))) int tile_avx2(const TileArgs& t, int count, float* out) {
+  switch (std::min(count, 4)) {
+    case 4: return tile_avx256_mb<BITS, 4, false>(t, out), 4;
+    case 3: return tile_avx256_mb<BITS, 3, false>(t, out), 3;
+    case 2: return tile_avx256_mb<BITS, 2, false>(t, out), 2;
+    default: return tile_avx256_mb<BITS, 1, false>(t, out), 1;
+  }
+}
+
+template <int BITS>
+__attribute__((target("avx2,fma,f16c,avxvnni"))) int tile_avxvnni(const TileArgs& t, int count, float* out) {
+  switch (std::min(count, 4)) {
+    case 4: return tile_avxvnni256_mb<BITS, 4, true>(t, out), 4;
+    case 3: return tile_avxvnni256_mb<BITS, 3, true>(t, out), 3;
+    case 2: return tile_avxvnni256_mb<BITS, 2, true>(t, out), 2;
+    default: return tile_avxvnni256_mb<BITS, 1, true>(t, out), 1;
+  }
+}
+
+// Float activations: x stays float32. Element e of every lane's quad (one input of 16 rows)
+// is shifted into place, converted to float and FMA'd with x broadcast; per block the fp32
+// sum is scaled by the block's scales, and int4 adds offsets x float group sums of x. Two
+// partial sums per block shorten the FMA dependency chain.
+template <int BITS, int MB>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void ftile_avx512_mb(const TileArgs& t,
+                                                                                          float* out) {
+  const Layout& l = *t.l;
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  __m512 acc[MB];
+  for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < l.nblocks; ++b) {
+    const uint8_t* blk = t.tile + b * l.block_bytes;
+    const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + l.block_codes)));
+    __m512 s[MB][2];
+    for (int i = 0; i < MB; ++i) s[i][0] = s[i][1] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int g = 0; g < (BITS == 8 ? 8 : 4); ++g) {
+      const __m512i v = _mm512_loadu_si512(blk + 64 * g);
+#pragma GCC unroll 8
+      for (int e = 0; e < (BITS == 8 ? 4 : 8); ++e) {
+        __m512i c;
+        int j;  // input within the block
+        if (BITS == 8) {
+          const __m512i q = _mm512_xor_si512(v, flip);  // signed bytes
+          c = e == 3 ? _mm512_srai_epi32(q, 24) : _mm512_srai_epi32(_mm512_slli_epi32(q, 24 - 8 * e), 24);
+          j = 4 * g + e;
+        } else {
+          // x comes prescaled (prescale_x_int4): the code is masked in place, q * 2^shift,
+          // exact in float, saving the shift; the top nibble (shift 28) would set the sign bit.
+          const int byte = e % 4, nib = e / 4;  // nibble 0: quad g, nibble 1: quad g + 4
+          const int shift = 8 * byte + 4 * nib;
+          c = shift == 28 ? _mm512_srli_epi32(v, 28) : _mm512_and_si512(v, _mm512_set1_epi32(0xF << shift));
+          j = 4 * (g + 4 * nib) + byte;
+        }
+        const __m512 wf = _mm512_cvtepi32_ps(c);
+        for (int i = 0; i < MB; ++i)
+          s[i][e & 1] = _mm512_fmadd_ps(wf, _mm512_set1_ps(t.x[i * l.k + b * 32 + j]), s[i][e & 1]);
+      }
+    }
+    for (int i = 0; i < MB; ++i) acc[i] = _mm512_fmadd_ps(_mm512_add_ps(s[i][0], s[i][1]), sw, acc[i]);
+  }
+  if (BITS == 4) {
+    const uint16_t* oh = reinterpret_cast<const uint16_t*>(t.tile + l.nblocks * l.block_bytes);
+    for (int64_t g = 0; g < l.ngroups; ++g) {
+      const __m512 o = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(oh + g * kRows)));
+      for (int i = 0; i < MB; ++i)
+        acc[i] = _mm512_fmadd_ps(o, _mm512_set1_ps(t.xgroup[(t.m0 + i) * l.ngroups + g]), acc[i]);
+    }
+  }
+  for (int i = 0; i < MB; ++i) _mm512_storeu_ps(out + i * kRows, acc[i]);
+}
+
+template <int BITS>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) int ftile_avx512(const TileArgs& t, int count,
+                                                                                      float* out) {
+  switch (std::min(count, 4)) {
+    case 4: return ftile_avx512_mb<BITS, 4>(t, out), 4;
+    case 3: return ftile_avx512_mb<BITS, 3>(t, out), 3;
+    case 2: return ftile_avx512_mb<BITS, 2>(t, out), 2;
+    default: return ftile_avx512_mb<BITS, 1>(t, out), 1;
+  }
+}
+
+template <int BITS, int MB>
+__attribute__((target("avx2,fma,f16c"))) void ftile_avx2_mb(const TileArgs& t, float* out) {
+  const Layout& l = *t.l;
+  const __m256i flip = _mm256_set1_epi8(char(0x80));
+  const __m256i low4 = _mm256_set1_epi32(0x0F);
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[MB];
+    for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < l.nblocks; ++b) {
+      const uint8_t* blk = t.tile + b * l.block_bytes;
+      const __m256 sw =
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + l.block_codes + 16 * half)));
+      __m256 s[MB][2];
+      for (int i = 0; i < MB; ++i) s[i][0] = s[i][1] = _mm256_setzero_ps();
+#pragma GCC unroll 8
+      for (int g = 0; g < (BITS == 8 ? 8 : 4); ++g) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * g + 32 * half));
+#pragma GCC unroll 8
+        for (int e = 0; e < (BITS == 8 ? 4 : 8); ++e) {
+          __m256i c;
+          int j;
+          if (BITS == 8) {
+            const __m256i q = _mm256_xor_si256(v, flip);
+            c = e == 3 ? _mm256_srai_epi32(q, 24) : _mm256_srai_epi32(_mm256_slli_epi32(q, 24 - 8 * e), 24);
+            j = 4 * g + e;
+          } else {
+            const int byte = e % 4, nib = e / 4;
+            c = _mm256_and_si256(_mm256_srli_epi32(v, 8 * byte + 4 * nib), low4);
+            j = 4 * (g + 4 * nib) + byte;
+          }
+          const __m256 wf = _mm256_cvtepi32_ps(c);
+          for (int i = 0; i < MB; ++i)
+            s[i][e & 1] = _mm256_fmadd_ps(wf, _mm256_set1_ps(t.x[i * l.k + b * 32 + j]), s[i][e & 1]);
+        }
+      }
+      for (int i = 0; i < MB; ++i) acc[i] = _mm256_fmadd_ps(_mm256_add_ps(s[i][0], s[i][1]), sw, acc[i]);
+    }
+    if (BITS == 4) {
+      const uint16_t* oh = reinterpret_cast<const uint16_t*>(t.tile + l.nblocks * l.block_bytes);
+      for (int64_t g = 0; g < l.ngroups; ++g) {
+        const __m256 o = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(oh + g * kRows + 8 * half)));
+        for (int i = 0; i < MB; ++i)
+          acc[i] = _mm256_fmadd_ps(o, _mm256_set1_ps(t.xgroup[(t.m0 + i) * l.ngroups + g]), acc[i]);
+      }
+    }
+    for (int i = 0; i < MB; ++i) _mm256_storeu_ps(out + i * kRows + 8 * half, acc[i]);
+  }
+}
+
+template <int BITS>
+__attribute__((target("avx2,fma,f16c"))) int ftile_avx2(const TileArgs& t, int count, float* out) {
+  if (count >= 2) return ftile_avx2_mb<BITS, 2>(t, out), 2;
+  return ftile_avx2_mb<BITS, 1>(t, out), 1;
+}
+
 
 // ---------------------------------------------------------------------------------------------
 // Dispatch.
@@ -423,39 +608,45 @@ Isa current_isa() {
   return chosen;
 }
 
-TileKernel tile_kernel(Isa isa, int bits) {
+TileKernel tile_kernel(Isa isa, int bits, bool float_activations) {
+  if (float_activations) {
+    switch (isa) {
+      case kAvx512Vnni: return bits == 8 ? ftile_avx512<8> : ftile_avx512<4>;
+      case kAvxVnni:
+      case kAvx2: return bits == 8 ? ftile_avx2<8> : ftile_avx2<4>;
+      default: return bits == 8 ? tile_scalar<8, true> : tile_scalar<4, true>;
+    }
+  }
   switch (isa) {
     case kAvx512Vnni: return bits == 8 ? tile_avx512<8> : tile_avx512<4>;
     case kAvxVnni: return bits == 8 ? tile_avxvnni<8> : tile_avxvnni<4>;
     case kAvx2: return bits == 8 ? tile_avx2<8> : tile_avx2<4>;
-    default: return bits == 8 ? tile_scalar<8> : tile_scalar<4>;
+    default: return bits == 8 ? tile_scalar<8, false> : tile_scalar<4, false>;
   }
 }
 
 // ---------------------------------------------------------------------------------------------
-struct ActBuffer {
+// Per-call buffers, one set per calling thread, reused across calls (no allocation per decode step).
+struct CallBuffers {
+  std::vector<float> xs;  // prescaled x (prescale_x_int4)
   std::vector<int8_t> xq;
   std::vector<BlockRecord> rec;
   std::vector<float> group_sums;
 };
 
-void quantize_activations(const float* x, int64_t m, const Layout& l, Isa isa, ActBuffer& buf, Acts& acts) {
-  const int64_t kp = l.npairs * kPairK;
-  buf.xq.assign(size_t(m * kp), 0);
-  buf.rec.assign(size_t(m * l.npairs), BlockRecord{{0.f, 0.f}, {0, 0}});
+void quantize_activations(const float* x, int64_t m, const Layout& l, Isa isa, CallBuffers& buf, Acts& acts) {
+  buf.xq.resize(size_t(m * l.k));
+  buf.rec.resize(size_t(m * l.nblocks));
   if (l.bits == 4) buf.group_sums.assign(size_t(m * l.ngroups), 0.f);
-  const int64_t nblocks = l.k / 32;
   const int64_t blocks_per_group = l.group / 32;
   const bool simd = isa != kScalar;
   auto quantize_row = [&](int64_t row) {
-    for (int64_t b = 0; b < nblocks; ++b) {
+    for (int64_t b = 0; b < l.nblocks; ++b) {
       int32_t sum;
       const float* xb = x + row * l.k + b * 32;
-      int8_t* qb = buf.xq.data() + row * kp + b * 32;
-      float d = simd ? quantize_block_avx2(xb, qb, &sum) : quantize_block_scalar(xb, qb, &sum);
-      BlockRecord& rec = buf.rec[row * l.npairs + b / 2];
-      rec.dx[b % 2] = d;
-      rec.nbias[b % 2] = -128 * sum;
+      int8_t* qb = buf.xq.data() + row * l.k + b * 32;
+      const float d = simd ? quantize_block_avx2(xb, qb, &sum) : quantize_block_scalar(xb, qb, &sum);
+      buf.rec[row * l.nblocks + b] = BlockRecord{d, -128 * sum};
       if (l.bits == 4) buf.group_sums[row * l.ngroups + b / blocks_per_group] += d * float(sum);
     }
   };
@@ -466,19 +657,38 @@ void quantize_activations(const float* x, int64_t m, const Layout& l, Isa isa, A
   } else {
     for (int64_t row = 0; row < m; ++row) quantize_row(row);
   }
-  acts.m = m;
-  acts.k_padded = kp;
-  acts.npairs = l.npairs;
-  acts.ngroups = l.ngroups;
   acts.xq = buf.xq.data();
   acts.rec = buf.rec.data();
   acts.group_sums = l.bits == 4 ? buf.group_sums.data() : nullptr;
 }
 
-void run_tiles(const Layout& l, const Acts& a, const uint8_t* packed, const float* bias, float* y, Isa isa) {
-  const TileKernel kernel = tile_kernel(isa, l.bits);
-  const OffsetFn offset_term = isa == kScalar ? offsets_scalar : offsets_avx2;
-  const int64_t m = a.m;
+// int4 with float activations: sums of x over each group, for the offset term.
+void float_group_sums(const float* x, int64_t m, const Layout& l, CallBuffers& buf) {
+  buf.group_sums.resize(size_t(m * l.ngroups));
+  for (int64_t row = 0; row < m; ++row)
+    for (int64_t g = 0; g < l.ngroups; ++g) {
+      const float* xg = x + row * l.k + g * l.group;
+      float s = 0.f;
+      for (int32_t j = 0; j < l.group; ++j) s += xg[j];
+      buf.group_sums[row * l.ngroups + g] = s;
+    }
+}
+
+// int4, float activations, AVX-512: x times 2^-shift of each input's code position in its
+// 32-bit lane (see ftile_avx512_mb), so the kernel needs no shift. Powers of two: exact unless
+// |x| < 2^-98 (then subnormal, off by at most 2^-149 * 2^28 absolute).
+void prescale_x_int4(const float* x, int64_t m, const Layout& l, CallBuffers& buf) {
+  float factor[32];
+  for (int j = 0; j < 32; ++j) {
+    const int shift = 8 * (j % 4) + 4 * (j / 16);
+    factor[j] = shift == 28 ? 1.f : std::ldexp(1.f, -shift);
+  }
+  buf.xs.resize(size_t(m * l.k));
+  for (int64_t i = 0; i < m * l.k; ++i) buf.xs[i] = x[i] * factor[i % 32];
+}
+
+void run_tiles(const Layout& l, TileKernel kernel, const Acts* acts, const float* x, const float* xgroup, int64_t m,
+               const uint8_t* packed, const float* bias, float* y) {
   // Work items: (tile, chunk of activation rows); tile-major so one thread's consecutive items
   // reuse the tile's weights from cache.
   const int64_t mchunk = 64;
@@ -492,17 +702,12 @@ void run_tiles(const Layout& l, const Acts& a, const uint8_t* packed, const floa
     const uint8_t* tp = packed + tile * l.tile_bytes;
     const int rows = int(std::min<int64_t>(kRows, l.n - tile * kRows));
     for (int64_t m0 = mbeg; m0 < mend;) {
-      float out[kRows * kMaxMB];
-      TileArgs args{&l, &a, tp, m0};
+      alignas(64) float out[kMaxMB * kRows];
+      const TileArgs args{&l, tp, m0, acts, x ? x + m0 * l.k : nullptr, xgroup};
       const int count = kernel(args, int(std::min<int64_t>(kMaxMB, mend - m0)), out);
       for (int i = 0; i < count; ++i) {
-        float off[kRows] = {0.f, 0.f, 0.f, 0.f};
-        if (l.bits == 4)
-          offset_term(reinterpret_cast<const uint16_t*>(tp + l.npairs * l.pair_bytes),
-                      a.group_sums + (m0 + i) * l.ngroups, l.ngroups, off);
         float* yrow = y + (m0 + i) * l.n + tile * kRows;
-        for (int r = 0; r < rows; ++r)
-          yrow[r] = out[r * kMaxMB + i] + off[r] + (bias ? bias[tile * kRows + r] : 0.f);
+        for (int r = 0; r < rows; ++r) yrow[r] = out[i * kRows + r] + (bias ? bias[tile * kRows + r] : 0.f);
       }
       m0 += count;
     }
@@ -567,33 +772,29 @@ TRTPAGED_API trtpaged_status trtpaged_qlinear_pack(int32_t bits, int64_t n, int6
       uint8_t* tp = out + tile * l.tile_bytes;
       for (int r = 0; r < kRows; ++r) {
         const int64_t row = tile * kRows + r;
-        const bool real = row < n;
-        for (int64_t p = 0; p < l.npairs; ++p) {
-          uint8_t* pc = tp + p * l.pair_bytes;
-          uint8_t* w = pc + r * l.row_pair_codes;
-          uint16_t* sc = reinterpret_cast<uint16_t*>(pc + kRows * l.row_pair_codes);
-          for (int h = 0; h < 2; ++h) {
-            const int64_t kb = p * kPairK + h * 32;  // first input of this block
-            if (real && kb < k) to_half_exact(scales[row * ng + kb / group_size], &sc[2 * r + h]);
+        for (int64_t b = 0; b < l.nblocks; ++b) {
+          uint8_t* blk = tp + b * l.block_bytes;
+          if (row >= n) {  // padding rows: zero codes and scales (int8: stored q + 128 = 128)
+            if (bits == 8)
+              for (int j = 0; j < 32; ++j) blk[((j / 4) * kRows + r) * 4 + j % 4] = 128;
+            continue;
           }
-          for (int j = 0; j < (bits == 8 ? 64 : 32); ++j) {
+          uint16_t* sc = reinterpret_cast<uint16_t*>(blk + l.block_codes);
+          to_half_exact(scales[row * ng + b * 32 / group_size], &sc[r]);
+          for (int j = 0; j < 32; ++j) {
+            const int64_t kk = b * 32 + j;
             if (bits == 8) {
-              const int64_t kk = p * kPairK + j;
-              const int q = (real && kk < k) ? c8[row * k + kk] : 0;
-              w[j] = uint8_t(q + 128);
+              blk[((j / 4) * kRows + r) * 4 + j % 4] = uint8_t(c8[row * k + kk] + 128);
             } else {
-              auto nib = [&](int64_t kk) -> uint8_t {
-                if (!real || kk >= k) return 0;
-                const uint8_t byte = c4[row * (k / 2) + kk / 2];
-                return kk % 2 == 0 ? (byte & 0x0F) : (byte >> 4);
-              };
-              w[j] = uint8_t(nib(p * kPairK + j) | (nib(p * kPairK + 32 + j) << 4));
+              const uint8_t byte = c4[row * (k / 2) + kk / 2];
+              const uint8_t q = kk % 2 == 0 ? (byte & 0x0F) : (byte >> 4);
+              blk[(((j / 4) % 4) * kRows + r) * 4 + j % 4] |= uint8_t(j < 16 ? q : q << 4);
             }
           }
         }
-        if (bits == 4 && real) {
-          uint16_t* oh = reinterpret_cast<uint16_t*>(tp + l.npairs * l.pair_bytes);
-          for (int64_t g = 0; g < ng; ++g) to_half_exact(offsets[row * ng + g], &oh[r * ng + g]);
+        if (bits == 4 && row < n) {
+          uint16_t* oh = reinterpret_cast<uint16_t*>(tp + l.nblocks * l.block_bytes);
+          for (int64_t g = 0; g < ng; ++g) to_half_exact(offsets[row * ng + g], &oh[g * kRows + r]);
         }
       }
     }
@@ -603,12 +804,15 @@ TRTPAGED_API trtpaged_status trtpaged_qlinear_pack(int32_t bits, int64_t n, int6
   }
 }
 
-TRTPAGED_API trtpaged_status trtpaged_qlinear_cpu(const float* x, int64_t m, const void* packed, int32_t bits,
-                                                  int64_t n, int64_t k, int32_t group_size, const float* bias,
-                                                  float* y) {
+TRTPAGED_API trtpaged_status trtpaged_qlinear_cpu_ex(const float* x, int64_t m, const void* packed, int32_t bits,
+                                                     int64_t n, int64_t k, int32_t group_size, const float* bias,
+                                                     float* y, int32_t activations) {
   using namespace trtpaged;
   try {
     if (int rc = validate_shape(bits, n, k, group_size)) return trtpaged_status(rc);
+    if (activations != TRTPAGED_QLINEAR_INT8_ACTIVATIONS && activations != TRTPAGED_QLINEAR_FLOAT_ACTIVATIONS)
+      return trtpaged_status(fail(TRTPAGED_ERR_INVALID_ARGUMENT,
+                                  "activations: must be 0 (int8) or 1 (float32), got " + std::to_string(activations)));
     if (m < 0) return trtpaged_status(fail(TRTPAGED_ERR_INVALID_ARGUMENT, "m: must be >= 0, got " + std::to_string(m)));
     if (m == 0) return trtpaged_status(ok());
     if (!x) return trtpaged_status(fail(TRTPAGED_ERR_INVALID_ARGUMENT, "x: null pointer"));
@@ -616,15 +820,31 @@ TRTPAGED_API trtpaged_status trtpaged_qlinear_cpu(const float* x, int64_t m, con
     if (!y) return trtpaged_status(fail(TRTPAGED_ERR_INVALID_ARGUMENT, "y: null pointer"));
     const Layout l = make_layout(bits, n, k, group_size);
     const Isa isa = current_isa();
-    // One buffer per calling thread, reused across calls (no allocation per decode step).
-    static thread_local ActBuffer buf;
+    const bool float_acts = activations == TRTPAGED_QLINEAR_FLOAT_ACTIVATIONS;
+    static thread_local CallBuffers buf;
     Acts acts{};
-    quantize_activations(x, m, l, isa, buf, acts);
-    run_tiles(l, acts, static_cast<const uint8_t*>(packed), bias, y, isa);
+    if (float_acts) {
+      if (bits == 4) float_group_sums(x, m, l, buf);
+      if (bits == 4 && isa == kAvx512Vnni) {
+        prescale_x_int4(x, m, l, buf);
+        x = buf.xs.data();
+      }
+    } else {
+      quantize_activations(x, m, l, isa, buf, acts);
+    }
+    run_tiles(l, tile_kernel(isa, bits, float_acts), float_acts ? nullptr : &acts, float_acts ? x : nullptr,
+              float_acts && bits == 4 ? buf.group_sums.data() : nullptr, m, static_cast<const uint8_t*>(packed), bias,
+              y);
     return trtpaged_status(ok());
   } catch (const std::exception& e) {
     return trtpaged_status(fail(TRTPAGED_ERR_INVALID_ARGUMENT, std::string("qlinear_cpu: ") + e.what()));
   }
+}
+
+TRTPAGED_API trtpaged_status trtpaged_qlinear_cpu(const float* x, int64_t m, const void* packed, int32_t bits,
+                                                  int64_t n, int64_t k, int32_t group_size, const float* bias,
+                                                  float* y) {
+  return trtpaged_qlinear_cpu_ex(x, m, packed, bits, n, k, group_size, bias, y, TRTPAGED_QLINEAR_INT8_ACTIVATIONS);
 }
 
 TRTPAGED_API const char* trtpaged_cpu_isa(void) { return kIsaNames[current_isa()]; }
