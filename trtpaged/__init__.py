@@ -9,9 +9,12 @@ import os
 # descheduled worker needs, and one step stalls for tens to hundreds of ms. Sleeping waiters avoid
 # that (measured on 2 shared cores: median step 112-169 ms -> 1.4-8 ms; docs/architecture.md).
 # libgomp reads this once, when it is first loaded (by torch or the kernel library), so it is set
-# at package import; a value the user set wins, as does GOMP_SPINCOUNT.
-if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+# at package import; a value the user set wins, as does GOMP_SPINCOUNT. TRTPAGED_OMP_DEFAULT=1 keeps
+# OpenMP's own default (benchmarks run baselines such as HF transformers that way, as users run them).
+OMP_DEFAULT_KEEP = "TRTPAGED_OMP_DEFAULT"
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ and not os.environ.get(OMP_DEFAULT_KEEP):
     os.environ["OMP_WAIT_POLICY"] = "passive"
+    os.environ["TRTPAGED_SET_OMP_WAIT_POLICY"] = "1"
 
 __version__ = "0.1.0"
 

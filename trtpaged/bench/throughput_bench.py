@@ -18,9 +18,11 @@ included / wall), wall time, TTFT (from t=0, queueing included) and per-output-t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import multiprocessing
+import os
 import resource
 import sys
 import time
@@ -238,16 +240,36 @@ def _child(kind: str, args: tuple, queue) -> None:
 
 
 def run_isolated(kind: str, *args) -> SystemResult:
-    """Runs one system in a fresh process: its own peak RSS, no state left by the others."""
+    """Runs one system in a fresh process: its own peak RSS, no state left by the others.
+
+    The HF baseline runs with OpenMP's default waiting, as its users run it, not with the sleeping
+    waiters trtpaged sets for itself on import (trtpaged/__init__.py)."""
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=_child, args=(kind, args, queue))
-    proc.start()
+    with _baseline_env(kind == "hf"):
+        proc.start()
     status, payload = queue.get()
     proc.join()
     if status != "ok":
         raise RuntimeError(f"{kind} run failed: {payload}")
     return SystemResult(**payload)
+
+
+@contextlib.contextmanager
+def _baseline_env(active: bool):
+    """While a baseline process starts: the environment without what trtpaged's import added."""
+    import trtpaged
+
+    saved = dict(os.environ)
+    if active and os.environ.pop("TRTPAGED_SET_OMP_WAIT_POLICY", None):
+        os.environ.pop("OMP_WAIT_POLICY", None)
+        os.environ[trtpaged.OMP_DEFAULT_KEEP] = "1"
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def run_throughput_bench(
