@@ -37,7 +37,7 @@ def _drain(llm) -> None:
 
 def _timed_model_call(llm) -> tuple[list[float], Callable[[], None]]:
     """Wraps the backend's step to time the model call; returns the timings and an undo."""
-    backend = llm.engine.engine
+    backend = llm.engine.runner
     original = backend.step
     times: list[float] = []
 
