@@ -22,14 +22,13 @@ prompt (one of three) and output_len are required.
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 from trtpaged.bench.memory_bench import Budget, run_memory_bench
-from trtpaged.bench.workload import TraceRequest
+from trtpaged.bench.workload import TraceRequest, json_objects
 
 PROMPT_FIELDS = ("prompt", "prompt_token_ids", "prompt_len")
 LOG_FIELDS = PROMPT_FIELDS + ("output_len", "arrival", "prefix_id", "prefix_len", "n", "beam_width")
@@ -56,16 +55,8 @@ def load_request_log(path: str | Path, tokenize: Optional[Callable[[str], list[i
     prefixes: dict[int, list[int]] = {}
     trace: list[TraceRequest] = []
     prompts: list[list[int]] = []
-    for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
+    for where, data in json_objects(path, LOG_FIELDS):
         try:
-            data = json.loads(line)
-            if not isinstance(data, dict):
-                raise ValueError(f"expected a JSON object, got {type(data).__name__}")
-            unknown = set(data) - set(LOG_FIELDS)
-            if unknown:
-                raise ValueError(f"unknown field(s) {sorted(unknown)}; allowed: {sorted(LOG_FIELDS)}")
             given = [f for f in PROMPT_FIELDS if f in data]
             if len(given) != 1:
                 raise ValueError(f"prompt: give exactly one of {', '.join(PROMPT_FIELDS)} (got {given or 'none'})")
@@ -81,7 +72,7 @@ def load_request_log(path: str | Path, tokenize: Optional[Callable[[str], list[i
                     ids = list(prefix[: req.prefix_len])
                 ids += [rng.randrange(1, vocab_size) for _ in range(req.prompt_len - len(ids))]
         except (ValueError, TypeError) as exc:
-            raise ValueError(f"{path}:{lineno}: {exc}") from exc
+            raise ValueError(f"{where}: {exc}") from exc
         trace.append(req)
         prompts.append(ids)
     if not trace:

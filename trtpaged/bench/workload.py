@@ -14,7 +14,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Iterator, Optional
 
 
 @dataclass(frozen=True)
@@ -41,23 +41,34 @@ class TraceRequest:
             raise ValueError(f"prefix_len: {self.prefix_len} exceeds prompt_len {self.prompt_len}")
 
 
-def load_trace(path: str | Path) -> list[TraceRequest]:
-    """Reads a JSON Lines trace; errors name the line and the field."""
-    requests = []
-    fields = set(TraceRequest.__dataclass_fields__)
+def json_objects(path: str | Path, allowed: Iterable[str]) -> Iterator[tuple[str, dict]]:
+    """("path:line", object) for each non-blank line of a JSON Lines file; ValueError naming the line for
+    a line that is not a JSON object or has a field outside `allowed`."""
+    allowed = set(allowed)
     for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
             continue
+        where = f"{path}:{lineno}"
         try:
             data = json.loads(line)
-            if not isinstance(data, dict):
-                raise ValueError(f"expected a JSON object, got {type(data).__name__}")
-            unknown = set(data) - fields
-            if unknown:
-                raise ValueError(f"unknown field(s) {sorted(unknown)}; allowed: {sorted(fields)}")
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(data).__name__}")
+        unknown = set(data) - allowed
+        if unknown:
+            raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+        yield where, data
+
+
+def load_trace(path: str | Path) -> list[TraceRequest]:
+    """Reads a JSON Lines trace; errors name the line and the field."""
+    requests = []
+    for where, data in json_objects(path, TraceRequest.__dataclass_fields__):
+        try:
             requests.append(TraceRequest(**data))
         except (ValueError, TypeError) as exc:
-            raise ValueError(f"{path}:{lineno}: {exc}") from exc
+            raise ValueError(f"{where}: {exc}") from exc
     if not requests:
         raise ValueError(f"{path}: no requests")
     return requests
