@@ -138,7 +138,8 @@ def build_engine(
             with progress.stage("compile") as st:
                 profile = trt_compile.ShapeProfile.from_limits(config.limits, config.kv_cache, block_bytes)
                 try:
-                    trt_compile.compile_engine(tmp / ONNX_FILE, tmp / PLAN_FILE, profile, echo=progress.echo)
+                    trt_compile.compile_engine(tmp / ONNX_FILE, tmp / PLAN_FILE, profile, echo=progress.echo,
+                                               model=f"{arch} from model.{config.model.kind}")
                 except trt_compile.CompileError as e:
                     raise BuildError(f"compile: {e}") from e
                 plan_built = True
