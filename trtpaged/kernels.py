@@ -23,7 +23,7 @@ BUILD_HINT = (
 )
 
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-# Pool dtypes: the float ones, plus the quantized caches (trtpaged.kv_quant: rows of head_dim + 4 bytes).
+# Pool dtypes: the float ones, plus the quantized caches (trtpaged.kv_quant: rows of head_dim + 2 bytes).
 _KV_DTYPE_CODES = {**_DTYPE_CODES, torch.int8: 3, torch.float8_e4m3fn: 4}
 _STATUS_NAMES = {1: "invalid argument", 2: "unsupported", 3: "CUDA error", 4: "not built"}
 
@@ -192,7 +192,7 @@ def _require(t: object, name: str, *, ndim: int, dtypes: Iterable[torch.dtype], 
 
 def _pool_head_dim(kv_cache: torch.Tensor) -> int:
     """head_dim of a pool: its last dimension, less the scale's bytes for a quantized pool."""
-    return kv_cache.shape[-1] - (4 if kv_cache.dtype in (torch.int8, torch.float8_e4m3fn) else 0)
+    return kv_cache.shape[-1] - (2 if kv_cache.dtype in (torch.int8, torch.float8_e4m3fn) else 0)
 
 
 def _stream(device: torch.device) -> ctypes.c_void_p:
@@ -217,7 +217,7 @@ def paged_attention(
     """Writes the step's K/V into kv_cache (in place) and returns causal paged attention.
 
     q [T, H, D], k/v [T, KVH, D] (one dtype), kv_cache [num_blocks, num_layers, 2, KVH,
-    block_size, D] (float), or [..., block_size, D + 4] int8 / float8_e4m3fn for a quantized cache
+    block_size, D] (float), or [..., block_size, D + 2] int8 / float8_e4m3fn for a quantized cache
     (trtpaged.kv_quant; CPU only), positions [T], query_start [S+1], context_lens [S], block_tables
     [S, max_blocks] (int32). Returns out [T, H, D] in q.dtype. On CUDA, max_context_len
     (an upper bound of context_lens) avoids a device sync when given.

@@ -10,15 +10,16 @@
  *     kv_cache[num_blocks][num_layers][2][num_kv_heads][block_size][head_dim]
  *   where index 0 of the "2" axis is K and 1 is V.
  * - Quantized KV cache (kv_dtype TRTPAGED_INT8 or TRTPAGED_FP8_E4M3): the pool is bytes,
- *     kv_cache[num_blocks][num_layers][2][num_kv_heads][block_size][head_dim + 4]
- *   each token row of one head holding head_dim 1-byte codes followed by that row's float32
- *   scale (little-endian, 4-byte aligned since head_dim is a multiple of 16). The value is
- *   code * scale: int8 codes are round-half-even(x / scale) with scale = max|x| / 127; fp8
- *   codes are e4m3fn(x / scale) (round to nearest even, finite, max 448) with scale =
- *   max|x| / 448 (scale 0 and codes 0 for an all-zero row). A row is written once, when its
- *   token is, so nothing is ever re-quantized; scales live inside the block, so block copy
- *   and swap move them with the codes (block_bytes = num_layers * 2 * num_kv_heads *
- *   block_size * (head_dim + 4)). CPU only for now: the CUDA path returns UNSUPPORTED.
+ *     kv_cache[num_blocks][num_layers][2][num_kv_heads][block_size][head_dim + 2]
+ *   each token row of one head holding head_dim 1-byte codes followed by that row's scale as
+ *   IEEE fp16 (little-endian). The value is code * scale, with scale = fp16(max|x| / M)
+ *   (round to nearest even) and codes made with that stored scale: int8 codes are
+ *   clamp(round-half-even(x / scale), -127, 127), M = 127; fp8 codes are e4m3fn(x / scale)
+ *   (round to nearest even, saturating at 448), M = 448. A zero scale means zero codes. A row
+ *   is written once, when its token is, so nothing is ever re-quantized; scales live inside
+ *   the block, so block copy and swap move them with the codes (block_bytes = num_layers * 2 *
+ *   num_kv_heads * block_size * (head_dim + 2)). CPU only for now: the CUDA path returns
+ *   UNSUPPORTED.
  * - The cache slot of the token at position p of sequence s is
  *     block_tables[s * max_blocks_per_seq + p / block_size], offset p % block_size.
  * - *_cpu functions take host pointers; *_cuda functions take device pointers

@@ -117,7 +117,7 @@ inline void convert_to_float(const T* src, int64_t n, float* dst) {
 }
 
 // Quantized KV cache codes (see trtpaged.h): each token row of a head is head_dim one-byte
-// codes followed by a float32 scale; value = code * scale. Write-once per row, so a new token
+// codes followed by an fp16 scale; value = code * scale. Write-once per row, so a new token
 // never forces re-quantizing the block's earlier rows.
 struct int8_code {
   int8_t bits;
@@ -190,24 +190,27 @@ inline void quantize_row(const IO* src, int64_t n, C* codes, float* buf) {
     buf[i] = to_float(src[i]);
     amax = std::max(amax, std::fabs(buf[i]));
   }
-  const float scale = amax / code_max<C>();
+  half_t stored;  // the scale as stored (fp16, round to nearest even): codes are made with it
+  store(stored, std::min(amax / code_max<C>(), 65504.0f));
+  const float scale = to_float(stored);
   for (int64_t i = 0; i < n; ++i) {
     // Division (not a multiply by the reciprocal) so that codes equal round(x / scale) exactly.
     const float x = scale > 0.0f ? buf[i] / scale : 0.0f;
     if constexpr (std::is_same_v<C, int8_code>)
       codes[i].bits = int8_t(std::clamp(__builtin_nearbyintf(x), -127.0f, 127.0f));
     else
-      codes[i].bits = float_to_e4m3(x);
+      codes[i].bits = float_to_e4m3(x);  // saturates at +-448 (the scale may have rounded down)
   }
-  std::memcpy(codes + n, &scale, 4);
+  std::memcpy(codes + n, &stored, 2);
 }
 
 // De-quantizes `rows` rows of d codes (each followed by its scale) into dst [rows, d].
 template <typename C>
 inline void dequantize_rows(const C* src, int64_t rows, int64_t d, float* dst) {
-  for (int64_t r = 0; r < rows; ++r, src += d + 4, dst += d) {
-    float scale;
-    std::memcpy(&scale, src + d, 4);
+  for (int64_t r = 0; r < rows; ++r, src += d + int64_t(sizeof(half_t)), dst += d) {
+    half_t stored;
+    std::memcpy(&stored, src + d, 2);
+    const float scale = to_float(stored);
     if constexpr (std::is_same_v<C, int8_code>) {
       const int8_t* c = reinterpret_cast<const int8_t*>(src);
 #pragma omp simd

@@ -41,7 +41,7 @@ int num_threads() {
 }
 
 // Element offsets into the block-major pool [blocks][layers][2][kv_heads][block_size][row], where
-// a row is head_dim values, or for a quantized cache head_dim one-byte codes and a float32 scale.
+// a row is head_dim values, or for a quantized cache head_dim one-byte codes and an fp16 scale.
 struct PoolLayout {
   int64_t num_layers, num_kv_heads, block_size, head_dim, row;
   int64_t head_elems() const { return block_size * row; }
@@ -354,7 +354,7 @@ void merge_splits(const Task& first, const trtpaged_attention_params& p, const f
 template <typename IO, typename KV>
 void paged_attention(const trtpaged_attention_params& p, const IO* q, const IO* k, const IO* v, KV* cache,
                      const int32_t* positions, const int32_t* query_start, const int32_t* block_tables, IO* out) {
-  const int64_t row = is_quantized_v<KV> ? p.head_dim + int64_t(sizeof(float)) : p.head_dim;
+  const int64_t row = is_quantized_v<KV> ? p.head_dim + int64_t(sizeof(half_t)) : p.head_dim;
   const PoolLayout pool{p.num_layers, p.num_kv_heads, p.block_size, p.head_dim, row};
   write_kv(p, pool, k, v, cache, positions, query_start, block_tables);
   int64_t num_partials = 0;
