@@ -190,3 +190,93 @@ def test_pool_head_dim_must_leave_room_for_the_scale() -> None:
     wrong = torch.zeros(batch.kv_cache.shape, dtype=STORAGE_DTYPES["int8"])  # rows of head_dim, no scale
     with pytest.raises(ValueError, match="kv_cache: head_dim"):
         kernels.paged_attention(*batch.args()[:3], wrong, *batch.args()[4:], layer=0, scale=batch.scale)
+
+
+# --- model.yaml, memory plan, build -----------------------------------------------------------------
+
+
+def test_bytes_per_token_and_the_memory_plan() -> None:
+    from trtpaged.manifest import KVCacheBudget, Limits, Manifest, ModelDims
+
+    dims = ModelDims("LlamaForCausalLM", num_layers=30, hidden_size=576, intermediate_size=1536, num_heads=9,
+                     num_kv_heads=3, head_dim=64, vocab_size=49152, rms_norm_eps=1e-5, rope_theta=1e5)  # fmt: skip
+    # K and V x 30 layers x 3 heads x (64 codes + 2 scale bytes)
+    assert dims.kv_bytes_per_token("int8") == dims.kv_bytes_per_token("fp8_e4m3") == 2 * 30 * 3 * 66
+    assert dims.kv_bytes_per_token("float16") == 2 * 30 * 3 * 128
+    from trtpaged.builder.memory_plan import plan_memory
+
+    manifest = Manifest(dims, Limits(32, 2048, 2048, 16), KVCacheBudget(memory_bytes=2**30), "float32", "int8")
+    plan = plan_memory(manifest)
+    assert plan.num_blocks == 2**30 // (2 * 30 * 3 * 66 * 16)
+    text = "\n".join(plan.lines(512))
+    fits = {name: 2**30 // (2 * 30 * 3 * row * 16) // 32 for name, row in (("int8", 66), ("float16", 128),
+                                                                            ("float32", 256))}  # fmt: skip
+    assert f"{fits['int8']:>8,} sequences, {fits['int8'] / fits['float16']:.2f}x float16" in text
+    assert f"{fits['float16']:>8,} sequences" in text and "(this engine)" in text
+    assert fits["int8"] / fits["float16"] >= 1.9 and fits["int8"] / fits["float32"] >= 3.8
+
+
+def test_kv_dtype_blocks_in_the_same_memory() -> None:
+    from trtpaged.bench.memory_bench import Budget, kv_dtype_blocks
+
+    budget = Budget(num_blocks=1456, block_size=16, max_seq_len=2048, max_batch_size=256, max_num_tokens=2048)
+    assert kv_dtype_blocks(budget, "float16", "int8", 64) == 1456 * 128 // 66
+    assert kv_dtype_blocks(budget, "float16", "float32", 64) == 728
+    assert kv_dtype_blocks(budget, "float32", "fp8_e4m3", 128) == 1456 * 512 // 130
+
+
+def test_bench_memory_kv_dtype_cli() -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from trtpaged.cli import main
+
+    r = CliRunner().invoke(main, ["bench", "memory", "--num-requests", "40", "--prompt-len", "100:300",
+                                  "--output-len", "50:200", "--num-blocks", "64", "--max-batch-size", "64",
+                                  "--kv-dtype", "int8", "--json"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    rows = {row["kv_dtype"]: row for row in json.loads(r.stdout[r.stdout.index("{"):])["kv_dtypes"]["rows"]}
+    assert [rows[k]["num_blocks"] for k in ("float32", "float16", "int8")] == [32, 64, 64 * 128 // 66]
+    # more blocks, more sequences at once while requests wait
+    assert rows["int8"]["saturated_running"] > rows["float16"]["saturated_running"] > rows["float32"]["saturated_running"]
+    bad = CliRunner().invoke(main, ["bench", "memory", "--kv-dtype", "int4"])
+    assert bad.exit_code != 0 and "int8" in bad.output and "fp8_e4m3" in bad.output
+
+
+def test_tensorrt_backend_refuses_a_quantized_cache(tmp_path) -> None:
+    from trtpaged.builder.pipeline import build_engine
+    from trtpaged.config import ConfigError, parse_config
+
+    config = parse_config({"model": {"tiny": {}}, "kv_cache_dtype": "int8", "backend": "tensorrt"})
+    with pytest.raises(ConfigError, match="kv_cache_dtype: int8 with backend tensorrt"):
+        build_engine(config, tmp_path / "e", echo=lambda s: None)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_tiny_build_generates_and_reports_kv_accuracy(tmp_path, kv_dtype: str) -> None:
+    from click.testing import CliRunner
+
+    from trtpaged import LLM
+    from trtpaged.builder.pipeline import build_engine
+    from trtpaged.cli import main
+    from trtpaged.config import parse_config
+    from trtpaged import SamplingParams
+
+    data = {"model": {"tiny": {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                               "hidden_size": 64, "intermediate_size": 128, "vocab_size": 320}},
+            "kv_cache_dtype": kv_dtype, "max_seq_len": 256, "kv_cache": {"num_blocks": 64}, "backend": "auto"}
+    result = build_engine(parse_config(data), tmp_path / "e", echo=lambda s: None)
+    m = result.manifest
+    assert m.kv_cache_dtype == kv_dtype and m.backends == ["torch"]
+    assert m.kv_bytes_per_token == 2 * 2 * 2 * (16 + 2)  # K/V x layers x kv heads x (head_dim codes + scale)
+    kv = m.verification["kv_cache"]
+    assert kv["kv_dtype"] == kv_dtype and 0 <= kv["max_abs_diff"] and kv["top1_agreement"] >= kv["threshold"]
+    llm = LLM(tmp_path / "e", device="cpu")
+    pool = llm.engine.runner.kv_cache
+    assert pool.dtype == STORAGE_DTYPES[kv_dtype] and pool.shape[-1] == 16 + 2
+    out = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 8
+    r = CliRunner().invoke(main, ["inspect", str(tmp_path / "e")])
+    assert r.exit_code == 0, r.output
+    assert f"KV cache {kv_dtype} vs float32 cache: max |dlogit|" in r.output and f"{kv_dtype:<9}" in r.output
