@@ -280,3 +280,13 @@ def test_tiny_build_generates_and_reports_kv_accuracy(tmp_path, kv_dtype: str) -
     r = CliRunner().invoke(main, ["inspect", str(tmp_path / "e")])
     assert r.exit_code == 0, r.output
     assert f"KV cache {kv_dtype} vs float32 cache: max |dlogit|" in r.output and f"{kv_dtype:<9}" in r.output
+
+
+def test_kernel_bench_counts_the_bytes_read_and_times_the_float_caches() -> None:
+    from trtpaged.bench.kernel_bench import format_report, run_kernel_bench
+
+    report = run_kernel_bench("int8", contexts=(64,), batches=(2,), budget_s=0.02)
+    row = report["decode"][0]
+    assert row["kv_bytes"] == 2 * 2 * 64 * 3 * (64 + 2)  # K and V, batch, context, kv heads, codes + scale
+    assert row["float32_ms"] > 0 and row["float16_ms"] > 0
+    assert "fp32 ms" in format_report(report) and report["kv_dtype"] == "int8"
