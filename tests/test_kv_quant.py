@@ -102,10 +102,12 @@ def test_half_io(kv_dtype: str, io_dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_long_context_split_and_head_dim_128(kv_dtype: str) -> None:
-    # key ranges split across tasks and merged; the specialised head_dim 128 tile loops
+def test_long_context_split_and_head_dims(kv_dtype: str) -> None:
+    # key ranges split across tasks and merged; the fused int8 loops (head_dim 64, 128) and the
+    # de-quantize-into-scratch path (other head dims, and every fp8 cache)
     for batch, layer in ((make_batch([(3001, 1)], num_layers=1, seed=4), 0),
-                         (make_batch([(700, 9), (0, 40)], head_dim=128, num_layers=2, seed=8), 1)):
+                         (make_batch([(700, 9), (0, 40)], head_dim=128, num_layers=2, seed=8), 1),
+                         (make_batch([(300, 3), (0, 21)], head_dim=80, num_layers=1, seed=10), 0)):
         qb = quantized(batch, kv_dtype)
         out, cache = run_kernel(qb, layer)
         ref, ref_cache = run_reference(qb, layer)

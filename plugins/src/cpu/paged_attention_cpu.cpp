@@ -181,6 +181,7 @@ struct Scratch {
   std::vector<float> q, acc, m, l, scores, kf, vf;
   std::vector<int32_t> pos;
   std::vector<const float*> kp, vp;
+  std::vector<const int8_t*> kc, vc;  // int8 rows read in place by the fused loops
   std::vector<const void*> knext, vnext;
 };
 
@@ -224,6 +225,10 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const PoolLa
   sc.scores.resize(size_t(kRowGroup * tile_keys));
   sc.kp.resize(size_t(tile_blocks));
   sc.vp.resize(size_t(tile_blocks));
+  constexpr bool kInt8 = std::is_same_v<KV, int8_code>;
+  const bool fused = kInt8 && fused_int8_head_dim(d);
+  sc.kc.resize(size_t(tile_blocks));
+  sc.vc.resize(size_t(tile_blocks));
   sc.knext.resize(size_t(tile_blocks));
   sc.vnext.resize(size_t(tile_blocks));
   if (!std::is_same_v<KV, float>) {
@@ -257,6 +262,11 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const PoolLa
     }
     for (int64_t b = 0; b < nblocks; ++b) {
       const int64_t n = std::min<int64_t>(run, tile_n - b * run);
+      if (fused) {
+        sc.kc[size_t(b)] = reinterpret_cast<const int8_t*>(key_ptr(tile + b * run, 0));
+        sc.vc[size_t(b)] = reinterpret_cast<const int8_t*>(key_ptr(tile + b * run, 1));
+        continue;
+      }
       sc.kp[size_t(b)] = as_float(key_ptr(tile + b * run, 0), n, d, sc.kf.data() + b * run * d);
       sc.vp[size_t(b)] = as_float(key_ptr(tile + b * run, 1), n, d, sc.vf.data() + b * run * d);
     }
@@ -281,7 +291,10 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const PoolLa
       }
       if (group_limit == 0) continue;
       float* scores = sc.scores.data();
-      scores_for(nr, sc.q.data() + r0 * d, d, sc.kp.data(), run, group_limit, scores, tile_keys, next_k);
+      if (fused)
+        scores_i8_for(nr, sc.q.data() + r0 * d, d, sc.kc.data(), run, group_limit, scores, tile_keys, next_k);
+      else
+        scores_for(nr, sc.q.data() + r0 * d, d, sc.kp.data(), run, group_limit, scores, tile_keys, next_k);
       for (int i = 0; i < nr; ++i) {
         float* row = scores + i * tile_keys;
         const int64_t limit = limits[i];
@@ -304,7 +317,10 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const PoolLa
         }
         m = m_new;
       }
-      accumulate_for(nr, scores, tile_keys, sc.vp.data(), run, group_limit, sc.acc.data() + r0 * d, d, next_v);
+      if (fused)
+        accumulate_i8_for(nr, scores, tile_keys, sc.vc.data(), run, group_limit, sc.acc.data() + r0 * d, d, next_v);
+      else
+        accumulate_for(nr, scores, tile_keys, sc.vp.data(), run, group_limit, sc.acc.data() + r0 * d, d, next_v);
     }
   }
   for (int32_t r = 0; r < rows; ++r) {
