@@ -181,7 +181,7 @@ struct Scratch {
   std::vector<float> q, acc, m, l, scores, kf, vf;
   std::vector<int32_t> pos;
   std::vector<const float*> kp, vp;
-  std::vector<const int8_t*> kc, vc;  // int8 rows read in place by the fused loops
+  std::vector<const int8_t*> kc, vc;  // int8/fp8 rows read in place by the fused loops
   std::vector<const void*> knext, vnext;
 };
 
@@ -225,8 +225,9 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const PoolLa
   sc.scores.resize(size_t(kRowGroup * tile_keys));
   sc.kp.resize(size_t(tile_blocks));
   sc.vp.resize(size_t(tile_blocks));
-  constexpr bool kInt8 = std::is_same_v<KV, int8_code>;
-  const bool fused = kInt8 && fused_int8_head_dim(d);
+  constexpr bool kFp8 = std::is_same_v<KV, fp8_code>;
+  constexpr bool kFusable = std::is_same_v<KV, int8_code> || (kFp8 && kFusedFp8);
+  const bool fused = kFusable && fused_int8_head_dim(d);
   sc.kc.resize(size_t(tile_blocks));
   sc.vc.resize(size_t(tile_blocks));
   sc.knext.resize(size_t(tile_blocks));
@@ -292,7 +293,7 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const PoolLa
       if (group_limit == 0) continue;
       float* scores = sc.scores.data();
       if (fused)
-        scores_i8_for(nr, sc.q.data() + r0 * d, d, sc.kc.data(), run, group_limit, scores, tile_keys, next_k);
+        scores_i8_for<kFp8>(nr, sc.q.data() + r0 * d, d, sc.kc.data(), run, group_limit, scores, tile_keys, next_k);
       else
         scores_for(nr, sc.q.data() + r0 * d, d, sc.kp.data(), run, group_limit, scores, tile_keys, next_k);
       for (int i = 0; i < nr; ++i) {
@@ -318,7 +319,7 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const PoolLa
         m = m_new;
       }
       if (fused)
-        accumulate_i8_for(nr, scores, tile_keys, sc.vc.data(), run, group_limit, sc.acc.data() + r0 * d, d, next_v);
+        accumulate_i8_for<kFp8>(nr, scores, tile_keys, sc.vc.data(), run, group_limit, sc.acc.data() + r0 * d, d, next_v);
       else
         accumulate_for(nr, scores, tile_keys, sc.vp.data(), run, group_limit, sc.acc.data() + r0 * d, d, next_v);
     }
