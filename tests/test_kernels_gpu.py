@@ -247,3 +247,20 @@ def test_bad_block_pairs_are_rejected_on_the_host(kernels) -> None:
         kernels.copy_blocks(pool, [(0, 1), (1, 2)])
     torch.cuda.synchronize()
     assert torch.equal(pool, before)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+def test_quantized_cache_is_unsupported_on_cuda_with_a_clear_message(kernels, kv_dtype: str) -> None:
+    # The CUDA kernels have no quantized KV cache yet: refused on the host, naming kv_dtype, pool untouched.
+    from trtpaged.kv_quant import pack_rows, quantize_rows
+
+    batch = make_batch([(0, 5), (7, 1)], num_layers=1)
+    pool = pack_rows(*quantize_rows(batch.kv_cache, kv_dtype))
+    gpu = batch.to("cuda")
+    gpu_pool = pool.to("cuda")
+    with pytest.raises(kernels.KernelError, match=f"kv_dtype: {kv_dtype} KV cache not implemented by the CUDA"):
+        kernels.paged_attention(*gpu.args()[:3], gpu_pool, *gpu.args()[4:], layer=0, scale=batch.scale)
+    assert torch.equal(gpu_pool.cpu().view(torch.uint8), pool.view(torch.uint8))
+    # block copies are dtype-blind: a quantized pool's blocks (codes and scales) move as bytes
+    kernels.copy_blocks(gpu_pool, [(0, 1)])
+    assert torch.equal(gpu_pool[1].cpu().view(torch.uint8), pool[0].view(torch.uint8))

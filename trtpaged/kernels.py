@@ -23,6 +23,8 @@ BUILD_HINT = (
 )
 
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# Pool dtypes: the float ones, plus the quantized caches (trtpaged.kv_quant: rows of head_dim + 2 bytes).
+_KV_DTYPE_CODES = {**_DTYPE_CODES, torch.int8: 3, torch.float8_e4m3fn: 4}
 _STATUS_NAMES = {1: "invalid argument", 2: "unsupported", 3: "CUDA error", 4: "not built"}
 
 Pairs = Union[torch.Tensor, Sequence[Sequence[int]]]
@@ -189,6 +191,11 @@ def _require(t: object, name: str, *, ndim: int, dtypes: Iterable[torch.dtype], 
     return t
 
 
+def _pool_head_dim(kv_cache: torch.Tensor) -> int:
+    """head_dim of a pool: its last dimension, less the scale's bytes for a quantized pool."""
+    return kv_cache.shape[-1] - (2 if kv_cache.dtype in (torch.int8, torch.float8_e4m3fn) else 0)
+
+
 def _stream(device: torch.device) -> ctypes.c_void_p:
     return ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
 
@@ -211,7 +218,8 @@ def paged_attention(
     """Writes the step's K/V into kv_cache (in place) and returns causal paged attention.
 
     q [T, H, D], k/v [T, KVH, D] (one dtype), kv_cache [num_blocks, num_layers, 2, KVH,
-    block_size, D], positions [T], query_start [S+1], context_lens [S], block_tables
+    block_size, D] (float), or [..., block_size, D + 2] int8 / float8_e4m3fn for a quantized cache
+    (trtpaged.kv_quant; CPU only), positions [T], query_start [S+1], context_lens [S], block_tables
     [S, max_blocks] (int32). Returns out [T, H, D] in q.dtype. On CUDA, max_context_len
     (an upper bound of context_lens) avoids a device sync when given.
     """
@@ -223,13 +231,14 @@ def paged_attention(
     _require(q, "q", ndim=3, dtypes=float_dtypes, device=device)
     _require(k, "k", ndim=3, dtypes=(q.dtype,), device=device)
     _require(v, "v", ndim=3, dtypes=(q.dtype,), device=device)
-    _require(kv_cache, "kv_cache", ndim=6, dtypes=float_dtypes, device=device)
+    _require(kv_cache, "kv_cache", ndim=6, dtypes=tuple(_KV_DTYPE_CODES), device=device)
     _require(positions, "positions", ndim=1, dtypes=index_dtypes, device=device)
     _require(query_start, "query_start", ndim=1, dtypes=index_dtypes, device=device)
     _require(context_lens, "context_lens", ndim=1, dtypes=index_dtypes, device=device)
     _require(block_tables, "block_tables", ndim=2, dtypes=index_dtypes, device=device)
     num_tokens, num_heads, head_dim = q.shape
-    num_blocks, num_layers, two, num_kv_heads, block_size, cache_head_dim = kv_cache.shape
+    num_blocks, num_layers, two, num_kv_heads, block_size, _ = kv_cache.shape
+    cache_head_dim = _pool_head_dim(kv_cache)
     num_seqs = block_tables.shape[0]
     if two != 2:
         raise ValueError(f"kv_cache: dimension 2 must be 2 (K and V), got shape {tuple(kv_cache.shape)}")
@@ -253,7 +262,7 @@ def paged_attention(
             raise ValueError(f"out: shape {tuple(out.shape)}, expected {tuple(q.shape)}")
     params = _AttentionParams(
         num_tokens, num_seqs, block_tables.shape[1], num_heads, num_kv_heads, head_dim,
-        num_blocks, num_layers, layer, block_size, scale, _DTYPE_CODES[q.dtype], _DTYPE_CODES[kv_cache.dtype],
+        num_blocks, num_layers, layer, block_size, scale, _DTYPE_CODES[q.dtype], _KV_DTYPE_CODES[kv_cache.dtype],
     )  # fmt: skip
     lib = library()
     pointers = [_ptr(t) for t in (q, k, v, kv_cache, positions, query_start, context_lens, block_tables, out)]
@@ -337,11 +346,12 @@ class AttentionStep:
                  context_lens: torch.Tensor, block_tables: torch.Tensor, num_heads: int,
                  max_context_len: Optional[int] = None) -> None:
         device = kv_cache.device
-        _require(kv_cache, "kv_cache", ndim=6, dtypes=tuple(_DTYPE_CODES), device=device)
+        _require(kv_cache, "kv_cache", ndim=6, dtypes=tuple(_KV_DTYPE_CODES), device=device)
         for name, t, ndim in (("positions", positions, 1), ("query_start", query_start, 1),
                               ("context_lens", context_lens, 1), ("block_tables", block_tables, 2)):
             _require(t, name, ndim=ndim, dtypes=(torch.int32,), device=device)
-        num_blocks, num_layers, _, num_kv_heads, block_size, head_dim = kv_cache.shape
+        num_blocks, num_layers, _, num_kv_heads, block_size, _ = kv_cache.shape
+        head_dim = _pool_head_dim(kv_cache)
         num_seqs = block_tables.shape[0]
         if query_start.shape[0] != num_seqs + 1 or context_lens.shape[0] != num_seqs:
             raise ValueError(f"query_start/context_lens: {query_start.shape[0]}/{context_lens.shape[0]} entries for "
@@ -349,7 +359,7 @@ class AttentionStep:
         self.num_tokens, self.device = int(positions.shape[0]), device
         self._params = _AttentionParams(
             self.num_tokens, num_seqs, block_tables.shape[1], num_heads, num_kv_heads, head_dim,
-            num_blocks, num_layers, 0, block_size, 1.0, _DTYPE_CODES[torch.float32], _DTYPE_CODES[kv_cache.dtype],
+            num_blocks, num_layers, 0, block_size, 1.0, _DTYPE_CODES[torch.float32], _KV_DTYPE_CODES[kv_cache.dtype],
         )  # fmt: skip
         self._params_ref = ctypes.byref(self._params)
         self._tensors = (kv_cache, positions, query_start, context_lens, block_tables)  # keeps them alive

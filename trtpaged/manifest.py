@@ -16,6 +16,18 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "trtpaged.json"
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# KV cache dtypes: the float ones, and the quantized ones (1-byte codes plus an fp16 scale per
+# token row of each head, trtpaged.kv_quant)
+QUANTIZED_KV_DTYPES = ("int8", "fp8_e4m3")
+KV_DTYPES = tuple(DTYPE_BYTES) + QUANTIZED_KV_DTYPES
+KV_SCALE_BYTES = 2
+
+
+def kv_row_bytes(head_dim: int, kv_cache_dtype: str) -> int:
+    """Bytes of one token's K (or V) for one head: head_dim values, or head_dim codes and a scale."""
+    if kv_cache_dtype in QUANTIZED_KV_DTYPES:
+        return head_dim + KV_SCALE_BYTES
+    return head_dim * DTYPE_BYTES[kv_cache_dtype]
 
 
 @dataclass(frozen=True)
@@ -41,7 +53,7 @@ class ModelDims:
 
     def kv_bytes_per_token(self, kv_cache_dtype: str) -> int:
         """K and V of every layer for one token."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[kv_cache_dtype]
+        return 2 * self.num_layers * self.num_kv_heads * kv_row_bytes(self.head_dim, kv_cache_dtype)
 
 
 @dataclass(frozen=True)

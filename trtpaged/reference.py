@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from trtpaged.kv_quant import dequantize_rows, pack_rows, pool_kv_dtype, quantize_rows
+
 
 def write_kv_reference(
     k: torch.Tensor,
@@ -18,26 +20,35 @@ def write_kv_reference(
     block_tables: torch.Tensor,
     layer: int,
 ) -> None:
-    """Writes each token's K/V into its cache slot, one token at a time."""
+    """Writes each token's K/V into its cache slot, one token at a time (quantized per row when the
+    pool is int8/fp8_e4m3)."""
     block_size = kv_cache.shape[4]
+    quantized = pool_kv_dtype(kv_cache)
+
+    def stored(x: torch.Tensor) -> torch.Tensor:
+        return pack_rows(*quantize_rows(x, quantized)) if quantized else x.to(kv_cache.dtype)
+
     num_seqs = block_tables.shape[0]
     for s in range(num_seqs):
         for t in range(int(query_start[s]), int(query_start[s + 1])):
             pos = int(positions[t])
             block = int(block_tables[s, pos // block_size])
-            kv_cache[block, layer, 0, :, pos % block_size, :] = k[t].to(kv_cache.dtype)
-            kv_cache[block, layer, 1, :, pos % block_size, :] = v[t].to(kv_cache.dtype)
+            kv_cache[block, layer, 0, :, pos % block_size, :] = stored(k[t])
+            kv_cache[block, layer, 1, :, pos % block_size, :] = stored(v[t])
 
 
 def gather_kv_reference(
     kv_cache: torch.Tensor, block_table: torch.Tensor, context_len: int, layer: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns one sequence's K and V as [context_len, num_kv_heads, head_dim]."""
+    """Returns one sequence's K and V as [context_len, num_kv_heads, head_dim] (float32 values of a
+    quantized pool)."""
     block_size = kv_cache.shape[4]
     num_blocks = (context_len + block_size - 1) // block_size
     blocks = kv_cache[block_table[:num_blocks].long(), layer]  # [nb, 2, kvh, bs, d]
-    k = blocks[:, 0].permute(0, 2, 1, 3).reshape(-1, kv_cache.shape[3], kv_cache.shape[5])
-    v = blocks[:, 1].permute(0, 2, 1, 3).reshape(-1, kv_cache.shape[3], kv_cache.shape[5])
+    if pool_kv_dtype(kv_cache):
+        blocks = dequantize_rows(blocks)
+    k = blocks[:, 0].permute(0, 2, 1, 3).reshape(-1, blocks.shape[2], blocks.shape[4])
+    v = blocks[:, 1].permute(0, 2, 1, 3).reshape(-1, blocks.shape[2], blocks.shape[4])
     return k[:context_len], v[:context_len]
 
 

@@ -16,7 +16,11 @@ int fail(int code, const std::string& msg);
 int ok();
 
 size_t dtype_size(trtpaged_dtype dtype);
+// Float dtypes (io and kv).
 bool dtype_valid(trtpaged_dtype dtype);
+// Any kv_dtype: the float ones plus the quantized int8 and fp8_e4m3.
+bool kv_dtype_valid(trtpaged_dtype dtype);
+bool kv_dtype_quantized(trtpaged_dtype dtype);
 
 // What a backend supports, for validate_attention_params.
 struct AttentionLimits {

@@ -31,7 +31,15 @@ bool dtype_valid(trtpaged_dtype dtype) {
   return dtype == TRTPAGED_FLOAT32 || dtype == TRTPAGED_FLOAT16 || dtype == TRTPAGED_BFLOAT16;
 }
 
-size_t dtype_size(trtpaged_dtype dtype) { return dtype == TRTPAGED_FLOAT32 ? 4 : 2; }
+bool kv_dtype_valid(trtpaged_dtype dtype) {
+  return dtype_valid(dtype) || dtype == TRTPAGED_INT8 || dtype == TRTPAGED_FP8_E4M3;
+}
+
+bool kv_dtype_quantized(trtpaged_dtype dtype) { return dtype == TRTPAGED_INT8 || dtype == TRTPAGED_FP8_E4M3; }
+
+size_t dtype_size(trtpaged_dtype dtype) {
+  return dtype == TRTPAGED_FLOAT32 ? 4 : (kv_dtype_quantized(dtype) ? 1 : 2);
+}
 
 int validate_attention_params(const trtpaged_attention_params* p, const AttentionLimits& limits) {
   if (!p) return fail(TRTPAGED_ERR_INVALID_ARGUMENT, "params: null pointer");
@@ -49,8 +57,11 @@ int validate_attention_params(const trtpaged_attention_params* p, const Attentio
   if (p->layer < 0 || p->layer >= p->num_layers)
     return bad("layer: " + std::to_string(p->layer) + " out of range [0, " + std::to_string(p->num_layers) + ")");
   if (!(p->scale > 0.0f)) return bad("scale: must be > 0");
-  if (!dtype_valid(p->io_dtype)) return bad("io_dtype: unknown dtype " + std::to_string(p->io_dtype));
-  if (!dtype_valid(p->kv_dtype)) return bad("kv_dtype: unknown dtype " + std::to_string(p->kv_dtype));
+  if (!dtype_valid(p->io_dtype))
+    return bad("io_dtype: dtype " + std::to_string(p->io_dtype) + " not one of float32, float16, bfloat16");
+  if (!kv_dtype_valid(p->kv_dtype))
+    return bad("kv_dtype: dtype " + std::to_string(p->kv_dtype) +
+               " not one of float32, float16, bfloat16, int8, fp8_e4m3");
   if (limits.any_block_size) {
     if (p->block_size <= 0) return bad("block_size: " + std::to_string(p->block_size) + " must be > 0");
   } else if (p->block_size != 8 && p->block_size != 16 && p->block_size != 32 && p->block_size != 64 &&

@@ -8,6 +8,8 @@ Everything is measured side by side in one run on this machine:
 - the same decode over a contiguous cache (one block per sequence, identity table) against the paged
   cache (block_size 16, shuffled blocks): the paging overhead in percent. The kernel streams both in
   tiles of the same size, so the difference is the paging alone.
+- with a quantized cache (int8, fp8_e4m3): the bytes actually read (codes and scales), and the paged
+  decode timed with a float32 and a float16 cache at the same context and batch, side by side.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -24,6 +26,8 @@ import statistics
 
 from trtpaged.bench.noise import Noise, NoiseMonitor, verdict
 from trtpaged.bench.timing import best_seconds, sample_seconds
+from trtpaged.kv_quant import is_quantized, pack_rows, quantize_rows
+from trtpaged.manifest import kv_row_bytes
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64
 CONTEXTS = (512, 2048, 8192)
@@ -42,6 +46,8 @@ class DecodeResult:
     bandwidth_gbs: float  # paged KV-read bandwidth
     fraction_of_copy: float
     paged_overhead: float  # paged_ms / contiguous_ms - 1
+    float32_ms: Optional[float] = None  # quantized runs: the same paged decode with a float32 cache
+    float16_ms: Optional[float] = None  # ... and with a float16 cache
 
 
 def copy_bandwidth_gbs(num_bytes: int = 1 << 29) -> float:
@@ -56,13 +62,18 @@ def copy_bandwidth_gbs(num_bytes: int = 1 << 29) -> float:
     return 2 * num_bytes / seconds / 1e9
 
 
-def _decode_inputs(context: int, batch: int, block_size: int, kv_dtype: torch.dtype, shuffle: bool, seed: int = 0):
+def _kv_name(kv_dtype: Union[str, torch.dtype]) -> str:
+    return kv_dtype if isinstance(kv_dtype, str) else str(kv_dtype).replace("torch.", "")
+
+
+def _decode_inputs(context: int, batch: int, block_size: int, kv_dtype: str, shuffle: bool, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = (context + block_size - 1) // block_size
     num_blocks = blocks_per_seq * batch
     ids = torch.randperm(num_blocks, generator=gen) if shuffle else torch.arange(num_blocks)
     tables = ids.to(torch.int32).reshape(batch, blocks_per_seq).contiguous()
-    cache = torch.randn(num_blocks, 1, 2, NUM_KV_HEADS, block_size, HEAD_DIM, generator=gen).to(kv_dtype)
+    cache = torch.randn(num_blocks, 1, 2, NUM_KV_HEADS, block_size, HEAD_DIM, generator=gen)
+    cache = pack_rows(*quantize_rows(cache, kv_dtype)) if is_quantized(kv_dtype) else cache.to(getattr(torch, kv_dtype))
     q = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=gen)
     k = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, generator=gen)
     v = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, generator=gen)
@@ -78,22 +89,30 @@ def _decode_inputs(context: int, batch: int, block_size: int, kv_dtype: torch.dt
     return step
 
 
-def measure_decode(context: int, batch: int, kv_dtype: torch.dtype, copy_gbs: float, budget_s: float,
+def measure_decode(context: int, batch: int, kv_dtype: Union[str, torch.dtype], copy_gbs: float, budget_s: float,
                    noise: Optional[NoiseMonitor] = None) -> DecodeResult:  # fmt: skip
+    kv_dtype = _kv_name(kv_dtype)
     paged_times = sample_seconds(_decode_inputs(context, batch, 16, kv_dtype, shuffle=True), budget_s=budget_s)
     contiguous_times = sample_seconds(_decode_inputs(context, batch, context, kv_dtype, shuffle=False), budget_s=budget_s)
+    floats: dict[str, float] = {}
+    if is_quantized(kv_dtype):  # the float caches, timed alongside on the same inputs
+        for name in ("float32", "float16"):
+            times = sample_seconds(_decode_inputs(context, batch, 16, name, shuffle=True), budget_s=budget_s)
+            floats[f"{name}_ms"] = statistics.median(times) * 1e3
+            if noise is not None:
+                noise.add_samples(times)
     if noise is not None:
         noise.add_samples(paged_times)
         noise.add_samples(contiguous_times)
     paged, contiguous = statistics.median(paged_times), statistics.median(contiguous_times)
-    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * torch.empty(0, dtype=kv_dtype).element_size()
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * kv_row_bytes(HEAD_DIM, kv_dtype)  # codes and scales read
     bandwidth = kv_bytes / paged / 1e9
     return DecodeResult(context, batch, paged * 1e3, contiguous * 1e3, kv_bytes, bandwidth, bandwidth / copy_gbs,
-                        paged / contiguous - 1)  # fmt: skip
+                        paged / contiguous - 1, **floats)  # fmt: skip
 
 
 def run_kernel_bench(
-    kv_dtype: torch.dtype = torch.float32,
+    kv_dtype: Union[str, torch.dtype] = "float32",
     contexts: tuple[int, ...] = CONTEXTS,
     batches: tuple[int, ...] = BATCHES,
     budget_s: float = 0.4,
@@ -114,11 +133,12 @@ def run_kernel_bench(
     long = [r for r in results if r.context >= 2048]
     worst_fraction = min((r.fraction_of_copy for r in long), default=float("nan"))
     mean_overhead = sum(r.paged_overhead for r in results) / len(results)
+    vs_float32 = [r.float32_ms / r.paged_ms for r in long if r.float32_ms]
     return {
         "device": "cpu",
         "threads": torch.get_num_threads(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-        "kv_dtype": str(kv_dtype).replace("torch.", ""),
+        "kv_dtype": _kv_name(kv_dtype),
         "heads": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM},
         "copy_bandwidth_gbs": copy_gbs,
         "decode": [asdict(r) for r in results],
@@ -131,6 +151,9 @@ def run_kernel_bench(
             "target_paged_overhead": TARGET_PAGED_OVERHEAD,
             "bandwidth_verdict": verdict(worst_fraction >= TARGET_BANDWIDTH_FRACTION, noise),
             "overhead_verdict": verdict(mean_overhead <= TARGET_PAGED_OVERHEAD, noise),
+            # quantized caches: float32 time / this time at 2048+ tokens (target: >= 1, no slower than fp32)
+            "min_speedup_vs_float32_at_2048_plus": min(vs_float32) if vs_float32 else None,
+            "speedup_verdict": verdict(min(vs_float32) >= 1.0, noise) if vs_float32 else None,
         },
     }
 
@@ -143,13 +166,17 @@ def format_report(report: dict) -> str:
         f"head_dim {report['heads']['head_dim']})",
         f"memory-copy bandwidth: {report['copy_bandwidth_gbs']:.1f} GB/s (read + write bytes)",
         "",
-        f"{'context':>8} {'batch':>6} {'paged ms':>10} {'contig ms':>10} {'KV GB/s':>9} {'of copy':>8} {'paged ovh':>10}",
+        f"{'context':>8} {'batch':>6} {'paged ms':>10} {'contig ms':>10} {'KV GB/s':>9} {'of copy':>8} {'paged ovh':>10}"
+        + (f" {'fp32 ms':>9} {'fp16 ms':>9} {'vs fp32':>8}" if report["decode"][0].get("float32_ms") else ""),
     ]
     for r in report["decode"]:
-        lines.append(
+        line = (
             f"{r['context']:>8} {r['batch']:>6} {r['paged_ms']:>10.3f} {r['contiguous_ms']:>10.3f} "
             f"{r['bandwidth_gbs']:>9.1f} {r['fraction_of_copy']:>7.0%} {r['paged_overhead']:>+10.1%}"
         )
+        if r.get("float32_ms"):
+            line += f" {r['float32_ms']:>9.3f} {r['float16_ms']:>9.3f} {r['float32_ms'] / r['paged_ms']:>7.2f}x"
+        lines.append(line)
     s = report["summary"]
     noise = Noise(**report["noise"])
     lines += [
@@ -160,6 +187,10 @@ def format_report(report: dict) -> str:
         f"paged overhead vs contiguous: mean {s['mean_paged_overhead']:+.1%}, worst {s['max_paged_overhead']:+.1%} "
         f"(target <= {s['target_paged_overhead']:.0%} mean): {s['overhead_verdict']}",
     ]
+    if s.get("min_speedup_vs_float32_at_2048_plus") is not None:
+        lines.append(f"KV {report['kv_dtype']} vs float32 at 2048+ tokens: worst {s['min_speedup_vs_float32_at_2048_plus']:.2f}x "
+                     f"as fast (target >= 1.00x, no slower): {s['speedup_verdict']}; KV GB/s counts the bytes "
+                     "actually read (codes and fp16 scales)")
     return "\n".join(lines)
 
 

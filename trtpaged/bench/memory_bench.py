@@ -267,6 +267,69 @@ def run_memory_bench(
     return report
 
 
+def kv_dtype_blocks(budget: Budget, base_dtype: str, kv_dtype: str, head_dim: int) -> int:
+    """Blocks of kv_dtype in the memory of budget.num_blocks blocks of base_dtype (same model, block size).
+
+    Bytes per token are 2 * layers * kv_heads * (bytes of one head's row), so only the row sizes matter.
+    """
+    from trtpaged.manifest import kv_row_bytes
+
+    return budget.num_blocks * kv_row_bytes(head_dim, base_dtype) // kv_row_bytes(head_dim, kv_dtype)
+
+
+def run_kv_dtype_comparison(
+    trace: list[TraceRequest],
+    budget: Budget,
+    kv_dtypes: tuple[str, ...],
+    base_dtype: str,
+    head_dim: int,
+    progress: Optional[Callable[[str], None]] = None,
+) -> list[dict]:
+    """The paged replay (no sharing) with the budget's KV memory held in each cache dtype: blocks and
+    concurrent sequences, with ratios to float16 and float32.
+
+    The ratios compare "saturated running": mean running sequences over the steps where requests wait,
+    i.e. while the KV budget (or max_batch_size) is what limits concurrency; the mean over all steps
+    also counts the drain at the end of the trace, which a faster policy reaches sooner.
+    """
+    from trtpaged.manifest import kv_row_bytes
+
+    say = progress or (lambda _msg: None)
+    rows = []
+    for kv_dtype in kv_dtypes:
+        say(f"paged, kv {kv_dtype}")
+        blocks = kv_dtype_blocks(budget, base_dtype, kv_dtype, head_dim)
+        r = simulate_paged(trace, replace(budget, num_blocks=blocks), sharing=False)
+        busy = [run for run, wait in zip(r.running, r.waiting) if wait > 0]
+        rows.append({"kv_dtype": kv_dtype, "head_row_bytes": kv_row_bytes(head_dim, kv_dtype), "num_blocks": blocks,
+                     "steps": r.steps, "peak_running": r.peak_running, "mean_running": r.mean_running,
+                     "saturated_running": statistics.fmean(busy) if busy else None, "saturated_steps": len(busy),
+                     "preemptions": r.preemptions})  # fmt: skip
+    by_name = {r["kv_dtype"]: r for r in rows}
+    for r in rows:
+        for other in ("float16", "float32"):
+            base = by_name.get(other)
+            ok = base and base["saturated_running"] and r["saturated_running"]
+            r[f"saturated_running_vs_{other}"] = r["saturated_running"] / base["saturated_running"] if ok else None
+    return rows
+
+
+def format_kv_dtype_table(rows: list[dict], base_dtype: str, base_blocks: int, head_dim: int) -> str:
+    lines = [f"same KV memory as {base_blocks} {base_dtype} blocks (head_dim {head_dim}), paged replay without sharing:",
+             f"{'kv dtype':<10} {'B/head row':>10} {'blocks':>8} {'steps':>7} {'peak run':>9} {'mean run':>9} "
+             f"{'sat run':>8} {'vs fp16':>8} {'vs fp32':>8} {'preempt':>8}"]
+    for r in rows:
+        vs = [f"{r[k]:>7.2f}x" if r[k] else f"{'-':>8}"
+              for k in ("saturated_running_vs_float16", "saturated_running_vs_float32")]
+        sat = f"{r['saturated_running']:>8.1f}" if r["saturated_running"] else f"{'-':>8}"
+        lines.append(f"{r['kv_dtype']:<10} {r['head_row_bytes']:>10} {r['num_blocks']:>8} {r['steps']:>7} "
+                     f"{r['peak_running']:>9} {r['mean_running']:>9.1f} {sat} {vs[0]} {vs[1]} {r['preemptions']:>8}")
+    lines += ["B/head row: bytes of one token's K (or V) for one head (int8/fp8: codes + fp16 scale)",
+              "sat run: mean running sequences over the steps where requests wait (concurrency while the budget",
+              "  limits it); vs fp16 / vs fp32 compare sat run"]
+    return "\n".join(lines)
+
+
 def run_sharing_table(
     trace: list[TraceRequest],
     budget: Budget,

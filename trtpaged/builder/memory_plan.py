@@ -8,7 +8,7 @@ both so the gain is visible.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from trtpaged.manifest import Manifest
@@ -24,6 +24,9 @@ class MemoryPlan:
     budget_rule: str  # how the number of blocks is decided
     num_blocks: Optional[int]  # None when decided at serve time and no memory figure was given
     capped: bool = False  # a fraction budget was capped at max_batch_size sequences of max_seq_len
+    kv_cache_dtype: str = ""
+    # the same KV memory with other cache dtypes: (kv dtype, bytes per token, bytes per block)
+    alternatives: list[tuple[str, int, int]] = field(default_factory=list)
 
     def blocks_for(self, length: int) -> int:
         return -(-length // self.block_size)
@@ -59,6 +62,24 @@ class MemoryPlan:
             out.append(f"max concurrent sequences at average length {avg_len}: {fit_avg:,} "
                        f"({self.blocks_for(avg_len)} blocks each){self._cap(fit_avg)}")
             out.append(f"  (unpaged, reserving max_seq_len per sequence: {self.contiguous_sequences():,})")
+        out += self._dtype_lines(avg_len)
+        return out
+
+    def _dtype_lines(self, avg_len: Optional[int]) -> list[str]:
+        """The same KV memory with each alternative cache dtype: bytes per token and concurrent sequences."""
+        if not self.alternatives or self.num_blocks is None:
+            return []
+        memory = self.num_blocks * self.bytes_per_block
+        length = avg_len or self.max_seq_len
+        rows = [(self.kv_cache_dtype, self.bytes_per_token, self.bytes_per_block)] + self.alternatives
+        fits = {name: memory // per_block // self.blocks_for(length) for name, _, per_block in rows}
+        out = [f"same KV memory ({format_bytes(memory)}) by kv_cache_dtype, sequences of {length} tokens:"]
+        for name, per_token, per_block in rows:
+            mark = " (this engine)" if name == self.kv_cache_dtype else ""
+            ratio = "".join(f", {fits[name] / fits[o]:.2f}x {o}" for o in ("float16", "float32")
+                            if o != name and fits.get(o))
+            out.append(f"  {name:<9} {per_token:>8,} B/token {memory // per_block:>9,} blocks "
+                       f"{fits[name]:>8,} sequences{ratio}{mark}")
         return out
 
     def _cap(self, fit: int) -> str:
@@ -100,4 +121,8 @@ def plan_memory(manifest: Manifest, memory_bytes: Optional[int] = None) -> Memor
         budget_rule=rule,
         num_blocks=blocks,
         capped=capped,
+        kv_cache_dtype=manifest.kv_cache_dtype,
+        alternatives=[(name, manifest.dims.kv_bytes_per_token(name),
+                       manifest.dims.kv_bytes_per_token(name) * manifest.limits.block_size)
+                      for name in ("float32", "float16", "int8") if name != manifest.kv_cache_dtype],
     )

@@ -22,12 +22,13 @@ from trtpaged.builder import compile as trt_compile
 from trtpaged.builder.engine_dir import OutputDirError, check_output, file_hashes, staged_output, write_manifest
 from trtpaged.builder.export import export_onnx
 from trtpaged.builder.accuracy import AccuracyError, measure_accuracy
+from trtpaged.builder.kv_accuracy import measure_kv_accuracy
 from trtpaged.builder.progress import Progress
 from trtpaged.builder.quantize import check_dims, dequantized_hf_model, quantized_step_model
 from trtpaged.builder.verify import unsupported_reason, verify_onnx
 from trtpaged.builder.weights import save_weights
 from trtpaged.config import BuildConfig, ConfigError
-from trtpaged.manifest import Manifest, ModelDims
+from trtpaged.manifest import DTYPE_BYTES, QUANTIZED_KV_DTYPES, Manifest, ModelDims
 
 WEIGHTS_FILE = "weights.safetensors"
 ONNX_FILE = "model.onnx"
@@ -102,20 +103,24 @@ def build_engine(
                 st.note(f"{config.quantization.weights} (group {config.quantization.group_size or 'per channel'}): "
                         f"{quantized.summary()}; weights {quantized.weight_bytes / 2**20:.1f} MiB "
                         f"(float {float_bytes / 2**20:.1f} MiB)")
+        # The ONNX graph (TensorRT's input) keeps a float cache: a quantized one runs on the torch backend
+        # only, and the kv_accuracy stage measures it against the full-precision cache.
+        kv_quantized = config.kv_cache_dtype in QUANTIZED_KV_DTYPES
+        graph_kv_dtype = config.dtype if kv_quantized else config.kv_cache_dtype
         with progress.stage("export") as st:
             save_weights(step_model, tmp / WEIGHTS_FILE)
-            export_onnx(step_model, config.limits.block_size, TORCH_DTYPES[config.kv_cache_dtype],
+            export_onnx(step_model, config.limits.block_size, TORCH_DTYPES[graph_kv_dtype],
                         tmp / ONNX_FILE, tmp / WEIGHTS_FILE)
             st.note(f"{ONNX_FILE} ({dims.num_layers} paged-attention nodes), {WEIGHTS_FILE} "
                     f"{(tmp / WEIGHTS_FILE).stat().st_size / 2**20:.1f} MiB")
-        why_not = "--skip-verify" if skip_verify else unsupported_reason(config.dtype, config.kv_cache_dtype)
+        why_not = "--skip-verify" if skip_verify else unsupported_reason(config.dtype, graph_kv_dtype)
         if why_not:
             progress.skip("verify", why_not)
             verification: dict = {"skipped": True, "reason": why_not}
         else:
             with progress.stage("verify") as st:
                 result = verify_onnx(tmp / ONNX_FILE, reference_hf, dims.vocab_size, config.limits.block_size,
-                                     config.dtype, config.kv_cache_dtype)
+                                     config.dtype, graph_kv_dtype)
                 verification = result.as_dict()
                 against = "HF with the same de-quantized weights" if reference_hf is not hf.model else "HF"
                 st.note(f"max abs diff {result.max_abs_diff:.3g} vs {against} (tolerance {result.tolerance:.3g}, "
@@ -130,8 +135,19 @@ def build_engine(
                     raise BuildError(str(e)) from None
                 verification["accuracy"] = report.as_dict()
                 st.note(report.line())
+        if kv_quantized and not skip_verify:
+            with progress.stage("kv_accuracy") as st:
+                try:
+                    kv_report = measure_kv_accuracy(step_model, hf.tokenizer, config.kv_cache_dtype,
+                                                    config.limits.block_size, config.limits.max_seq_len)
+                except AccuracyError as e:
+                    raise BuildError(str(e)) from None
+                verification["kv_cache"] = kv_report.as_dict()
+                st.note(kv_report.line())
         plan_built = False
         compile_blocker = "backend: torch (no engine.plan)" if config.backend == "torch" else trt_compile.unavailable_reason()
+        if kv_quantized:
+            compile_blocker = f"kv_cache_dtype {config.kv_cache_dtype}: no TensorRT/CUDA kernels for it (torch backend)"
         if compile_blocker:
             progress.skip("compile", compile_blocker)
         else:
@@ -165,12 +181,18 @@ def _preflight(
         check_output(out, force)
     except OutputDirError as e:
         raise ConfigError(str(e)) from None
+    kv_quantized = config.kv_cache_dtype in QUANTIZED_KV_DTYPES
+    if kv_quantized and config.backend == "tensorrt":
+        raise ConfigError(f"kv_cache_dtype: {config.kv_cache_dtype} with backend tensorrt: the CUDA kernels and the "
+                          "TensorRT plugin have no quantized KV cache yet; use backend: torch (or auto), or "
+                          f"kv_cache_dtype one of {', '.join(DTYPE_BYTES)}")
     blocker = trt_compile.unavailable_reason() if config.backend == "tensorrt" else None
     if blocker:
         raise ConfigError(f"backend: 'tensorrt' cannot be built here: {blocker}; use backend: auto or torch")
     if config.dtype != "float32" and not torch.cuda.is_available():
-        progress.warn(f"dtype {config.dtype}: no CUDA device, building float32 for the CPU (kv_cache_dtype too)")
-        config = replace(config, dtype="float32", kv_cache_dtype="float32")
+        progress.warn(f"dtype {config.dtype}: no CUDA device, building float32 for the CPU"
+                      + ("" if kv_quantized else " (kv_cache_dtype too)"))
+        config = replace(config, dtype="float32", kv_cache_dtype=config.kv_cache_dtype if kv_quantized else "float32")
     return config, out
 
 

@@ -6,7 +6,7 @@ from typing import Optional
 
 import click
 
-from trtpaged.manifest import DTYPE_BYTES
+from trtpaged.manifest import KV_DTYPES
 
 
 @click.group(name="bench")
@@ -15,20 +15,18 @@ def command() -> None:
 
 
 @command.command(name="kernel")
-@click.option("--kv-dtype", type=click.Choice(tuple(DTYPE_BYTES)), default="float32", show_default=True,
-              help="KV cache storage dtype.")  # fmt: skip
+@click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default="float32", show_default=True,
+              help="KV cache storage dtype (int8, fp8_e4m3: also timed against float32 and float16).")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--quick", is_flag=True, help="Shorter timing budget (noisier).")
 def kernel(kv_dtype: str, as_json: bool, quick: bool) -> None:
     """CPU decode kernel: KV-read bandwidth vs memory-copy bandwidth, and paged vs contiguous overhead."""
-    import torch
-
     from trtpaged.bench.kernel_bench import format_report, report_json, run_kernel_bench
 
     def progress(msg: str) -> None:
         click.echo(f"  {msg}", err=True)
 
-    report = run_kernel_bench(getattr(torch, kv_dtype), budget_s=0.15 if quick else 0.4, progress=progress)
+    report = run_kernel_bench(kv_dtype, budget_s=0.15 if quick else 0.4, progress=progress)
     click.echo(report_json(report) if as_json else format_report(report))
 
 
@@ -53,15 +51,20 @@ def kernel(kv_dtype: str, as_json: bool, quick: bool) -> None:
 @click.option("--max-seq-len", type=int, help="Default: the engine's, else 2048.")
 @click.option("--max-batch-size", type=int, help="Default: the engine's, else 256.")
 @click.option("--max-num-tokens", type=int, help="Default: the engine's, else 2048.")
+@click.option("--kv-dtype", type=click.Choice(KV_DTYPES),
+              help="Also: the paged replay with the same KV memory held as float32, float16 and this cache dtype.")
+@click.option("--head-dim", type=click.IntRange(min=1),
+              help="With --kv-dtype: head_dim that sizes a quantized row (default: the engine's, else 64).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def memory(engine, trace, num_requests, prompt_len, output_len, shared_prefix, num_prefixes, n, beam_width, preset,
            sharing_table, plot, seed, num_blocks, block_size, max_seq_len, max_batch_size, max_num_tokens,
-           as_json) -> None:  # fmt: skip
+           kv_dtype, head_dim, as_json) -> None:  # fmt: skip
     """Concurrency and KV utilisation of one workload: contiguous reservations vs paged vs paged + sharing.
 
     Replays the workload through trtpaged's real scheduler and block pool (no model runs) and
     through contiguous-reservation baselines, all with the same KV budget, side by side; and
-    reports the memory saved by sharing (parallel samples, beams, shared prefixes).
+    reports the memory saved by sharing (parallel samples, beams, shared prefixes). The budget's blocks
+    are of the engine's kv_cache_dtype (without an engine: float16); --kv-dtype converts that memory.
     """
     import json
 
@@ -71,12 +74,14 @@ def memory(engine, trace, num_requests, prompt_len, output_len, shared_prefix, n
 
     defaults = {"num_blocks": 1456, "block_size": 16, "max_seq_len": 2048, "max_batch_size": 256,
                 "max_num_tokens": 2048}  # fmt: skip
+    base_dtype, engine_head_dim = "float16", 64
     try:
         if engine:
             from trtpaged.manifest import read_manifest
             from trtpaged.runtime.engines.kv_budget import resolve_num_blocks
 
             manifest = read_manifest(engine)
+            base_dtype, engine_head_dim = manifest.kv_cache_dtype, manifest.dims.head_dim
             limits = manifest.limits
             defaults = {"num_blocks": resolve_num_blocks(manifest), "block_size": limits.block_size,
                         "max_seq_len": limits.max_seq_len, "max_batch_size": limits.max_batch_size,
@@ -101,12 +106,22 @@ def memory(engine, trace, num_requests, prompt_len, output_len, shared_prefix, n
     del report["series"]  # per-step series: for the plot, too long to print
     if sharing_table:
         report["sharing_table"] = run_sharing_table(requests, budget, progress=progress)
+    if kv_dtype:
+        from trtpaged.bench.memory_bench import format_kv_dtype_table, run_kv_dtype_comparison
+
+        dtypes = tuple(dict.fromkeys(("float32", "float16", kv_dtype)))
+        hd = head_dim or engine_head_dim
+        report["kv_dtypes"] = {"base_dtype": base_dtype, "base_blocks": budget.num_blocks, "head_dim": hd,
+                               "rows": run_kv_dtype_comparison(requests, budget, dtypes, base_dtype, hd, progress)}
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
     click.echo(format_memory_report(report))
     if sharing_table:
         click.echo("\n" + format_sharing_table(report["sharing_table"]))
+    if kv_dtype:
+        k = report["kv_dtypes"]
+        click.echo("\n" + format_kv_dtype_table(k["rows"], k["base_dtype"], k["base_blocks"], k["head_dim"]))
 
 
 @command.command(name="qlinear")

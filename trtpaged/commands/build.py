@@ -19,7 +19,9 @@ model.yaml keys (examples in examples/; unknown keys are errors):
                   Qwen2ForCausalLM. Nothing is ever downloaded.
   dtype           float32 | float16 | bfloat16 (default float32; without a CUDA GPU
                   the build is forced to float32 with a warning)
-  kv_cache_dtype  auto (= dtype) | float32 | float16 | bfloat16
+  kv_cache_dtype  auto (= dtype) | float32 | float16 | bfloat16 | int8 | fp8_e4m3
+                  (int8/fp8_e4m3: 1-byte codes + fp16 scale per token and head, torch
+                  backend only; the build measures them against a float32 cache)
   max_batch_size  sequences per step (default 8)
   max_num_tokens  packed tokens per step, >= max_batch_size (default 512)
   max_seq_len     prompt + generated tokens per sequence (default 2048)

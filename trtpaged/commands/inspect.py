@@ -88,5 +88,12 @@ def _manifest_lines(m, weight_bytes: int) -> list[str]:
                          f"{fp['agreement']:.1%} (float activations) / {q8['agreement']:.1%} (torch backend, "
                          f"{q8['activations']} activations), "
                          f"max |dlogit| {fp['max_abs_diff']:.3g} / {q8['max_abs_diff']:.3g}")
+    kv = verify.get("kv_cache")
+    if kv:
+        greedy = ", ".join(f"{p['greedy_prefix']}/{p['new_tokens']}" for p in kv["prompts"])
+        lengths = ", ".join(str(p["prompt_tokens"]) for p in kv["prompts"])
+        lines.insert(-2, f"  KV cache {kv['kv_dtype']} vs float32 cache: max |dlogit| {kv['max_abs_diff']:.3g}, "
+                         f"teacher-forced top-1 {kv['top1_agreement']:.1%} (tolerance {kv['threshold']:.0%}); "
+                         f"greedy identical for {greedy} tokens (prompts of {lengths} tokens)")
     lines += [f"    {name:<34} {sha[:12]}" for name, sha in sorted(m.files.items())]
     return lines

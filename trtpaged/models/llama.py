@@ -264,9 +264,17 @@ class LlamaStepModel(nn.Module):
         return F.linear(h, self.embed_tokens.weight)
 
     def new_kv_cache(
-        self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None, device="cpu"
+        self, num_blocks: int, block_size: int, dtype: torch.dtype | str | None = None, device="cpu"
     ) -> torch.Tensor:
-        """A zeroed pool [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]."""
+        """A zeroed pool [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]; dtype "int8" or
+        "fp8_e4m3" gives a quantized pool (rows of head_dim + 2 bytes, trtpaged.kv_quant)."""
+        from trtpaged import kv_quant
+
         d = self.dims
+        if isinstance(dtype, str) and kv_quant.is_quantized(dtype):
+            shape = (num_blocks, d.num_layers, 2, d.num_kv_heads, block_size, d.head_dim + kv_quant.SCALE_BYTES)
+            return torch.zeros(shape, dtype=kv_quant.STORAGE_DTYPES[dtype], device=device)
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
         shape = (num_blocks, d.num_layers, 2, d.num_kv_heads, block_size, d.head_dim)
         return torch.zeros(shape, dtype=dtype or self.dtype, device=device)

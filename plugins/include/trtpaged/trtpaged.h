@@ -9,6 +9,17 @@
  * - The KV pool is block-major (see DESIGN.md):
  *     kv_cache[num_blocks][num_layers][2][num_kv_heads][block_size][head_dim]
  *   where index 0 of the "2" axis is K and 1 is V.
+ * - Quantized KV cache (kv_dtype TRTPAGED_INT8 or TRTPAGED_FP8_E4M3): the pool is bytes,
+ *     kv_cache[num_blocks][num_layers][2][num_kv_heads][block_size][head_dim + 2]
+ *   each token row of one head holding head_dim 1-byte codes followed by that row's scale as
+ *   IEEE fp16 (little-endian). The value is code * scale, with scale = fp16(max|x| / M)
+ *   (round to nearest even) and codes made with that stored scale: int8 codes are
+ *   clamp(round-half-even(x / scale), -127, 127), M = 127; fp8 codes are e4m3fn(x / scale)
+ *   (round to nearest even, saturating at 448), M = 448. A zero scale means zero codes. A row
+ *   is written once, when its token is, so nothing is ever re-quantized; scales live inside
+ *   the block, so block copy and swap move them with the codes (block_bytes = num_layers * 2 *
+ *   num_kv_heads * block_size * (head_dim + 2)). CPU only for now: the CUDA path returns
+ *   UNSUPPORTED.
  * - The cache slot of the token at position p of sequence s is
  *     block_tables[s * max_blocks_per_seq + p / block_size], offset p % block_size.
  * - *_cpu functions take host pointers; *_cuda functions take device pointers
@@ -41,7 +52,9 @@ typedef enum trtpaged_status {
 typedef enum trtpaged_dtype {
   TRTPAGED_FLOAT32 = 0,
   TRTPAGED_FLOAT16 = 1,
-  TRTPAGED_BFLOAT16 = 2
+  TRTPAGED_BFLOAT16 = 2,
+  TRTPAGED_INT8 = 3,     /* kv_dtype only: quantized KV cache, see "Quantized KV cache" below */
+  TRTPAGED_FP8_E4M3 = 4  /* kv_dtype only: quantized KV cache (OCP e4m3fn codes) */
 } trtpaged_dtype;
 
 /* Shapes and options of one paged-attention call (one layer, one step). */
@@ -57,8 +70,8 @@ typedef struct trtpaged_attention_params {
   int32_t layer;              /* layer this call reads and writes, in [0, num_layers) */
   int32_t block_size;         /* tokens per block: 8, 16, 32, 64 or 128 */
   float scale;                /* softmax scale, usually 1/sqrt(head_dim) */
-  trtpaged_dtype io_dtype;    /* dtype of q, k, v and out */
-  trtpaged_dtype kv_dtype;    /* dtype of kv_cache; accumulation is always fp32 */
+  trtpaged_dtype io_dtype;    /* dtype of q, k, v and out: float32, float16 or bfloat16 */
+  trtpaged_dtype kv_dtype;    /* dtype of kv_cache (any); accumulation is always fp32 */
 } trtpaged_attention_params;
 
 /*

@@ -3,6 +3,8 @@
 // as PyTorch does, so cache contents match `tensor.to(dtype)` bit for bit.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 #include <cstring>
@@ -112,6 +114,113 @@ inline void convert_to_float(const T* src, int64_t n, float* dst) {
   }
 #endif
   for (; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+// Quantized KV cache codes (see trtpaged.h): each token row of a head is head_dim one-byte
+// codes followed by an fp16 scale; value = code * scale. Write-once per row, so a new token
+// never forces re-quantizing the block's earlier rows.
+struct int8_code {
+  int8_t bits;
+};
+struct fp8_code {  // OCP e4m3fn: bias 7, 3 mantissa bits, no inf, 0x7f/0xff NaN, max 448
+  uint8_t bits;
+};
+
+template <typename T>
+constexpr bool is_quantized_v = std::is_same_v<T, int8_code> || std::is_same_v<T, fp8_code>;
+
+template <typename T>
+constexpr float code_max() {
+  return std::is_same_v<T, int8_code> ? 127.0f : 448.0f;
+}
+
+// Round to nearest even, saturating at 448 (inputs here are already within +-448).
+inline uint8_t float_to_e4m3(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  const uint8_t sign = uint8_t((u >> 24) & 0x80u);
+  u &= 0x7fffffffu;
+  if (u > 0x7f800000u) return sign | 0x7fu;  // nan
+  float a;
+  std::memcpy(&a, &u, 4);
+  if (a >= 448.0f) return sign | 0x7eu;
+  if (a < 0.015625f) {  // below 2^-6: subnormal, units of 2^-9 (8 rounds up to the smallest normal)
+    return sign | uint8_t(__builtin_nearbyintf(a * 512.0f));
+  }
+  u += 0x7ffffu + ((u >> 20) & 1u);  // round the 23-bit mantissa to 3 bits, ties to even
+  return sign | uint8_t((u >> 20) - (120u << 3));
+}
+
+inline float e4m3_to_float(uint8_t c) {
+  const uint32_t sign = uint32_t(c & 0x80u) << 24;
+  const uint32_t exp = (c >> 3) & 0xfu, mant = c & 0x7u;
+  float f;
+  if (exp == 0) {
+    f = float(mant) * (1.0f / 512.0f);
+  } else if (exp == 15 && mant == 7) {
+    f = __builtin_nanf("");
+  } else {
+    const uint32_t u = ((exp + 120u) << 23) | (mant << 20);
+    std::memcpy(&f, &u, 4);
+  }
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u |= sign;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// All 256 e4m3 values, for de-quantizing by table lookup.
+struct E4m3Table {
+  float v[256];
+  E4m3Table() {
+    for (int i = 0; i < 256; ++i) v[i] = e4m3_to_float(uint8_t(i));
+  }
+};
+inline const E4m3Table& e4m3_table() {
+  static const E4m3Table table;
+  return table;
+}
+
+// Quantizes one row of n values into codes and its scale (written after the codes).
+template <typename C, typename IO>
+inline void quantize_row(const IO* src, int64_t n, C* codes, float* buf) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    buf[i] = to_float(src[i]);
+    amax = std::max(amax, std::fabs(buf[i]));
+  }
+  half_t stored;  // the scale as stored (fp16, round to nearest even): codes are made with it
+  store(stored, std::min(amax / code_max<C>(), 65504.0f));
+  const float scale = to_float(stored);
+  for (int64_t i = 0; i < n; ++i) {
+    // Division (not a multiply by the reciprocal) so that codes equal round(x / scale) exactly.
+    const float x = scale > 0.0f ? buf[i] / scale : 0.0f;
+    if constexpr (std::is_same_v<C, int8_code>)
+      codes[i].bits = int8_t(std::clamp(__builtin_nearbyintf(x), -127.0f, 127.0f));
+    else
+      codes[i].bits = float_to_e4m3(x);  // saturates at +-448 (the scale may have rounded down)
+  }
+  std::memcpy(codes + n, &stored, 2);
+}
+
+// De-quantizes `rows` rows of d codes (each followed by its scale) into dst [rows, d].
+template <typename C>
+inline void dequantize_rows(const C* src, int64_t rows, int64_t d, float* dst) {
+  for (int64_t r = 0; r < rows; ++r, src += d + int64_t(sizeof(half_t)), dst += d) {
+    half_t stored;
+    std::memcpy(&stored, src + d, 2);
+    const float scale = to_float(stored);
+    if constexpr (std::is_same_v<C, int8_code>) {
+      const int8_t* c = reinterpret_cast<const int8_t*>(src);
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) dst[i] = float(c[i]) * scale;
+    } else {
+      const float* table = e4m3_table().v;
+      const uint8_t* c = reinterpret_cast<const uint8_t*>(src);
+      for (int64_t i = 0; i < d; ++i) dst[i] = table[c[i]] * scale;
+    }
+  }
 }
 
 }  // namespace trtpaged::cpu

@@ -29,6 +29,7 @@ namespace {
 constexpr int kQueryChunk = 16;        // query tokens per task
 constexpr int kMinKeysPerSplit = 512;  // don't split key ranges shorter than this
 constexpr int kTileKeys = 256;         // keys per online-softmax update
+constexpr int kMaxHeadDim = 256;       // the CPU limit checked in trtpaged_paged_attention_cpu
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 int num_threads() {
@@ -39,10 +40,11 @@ int num_threads() {
 #endif
 }
 
-// Element offsets into the block-major pool [blocks][layers][2][kv_heads][block_size][head_dim].
+// Element offsets into the block-major pool [blocks][layers][2][kv_heads][block_size][row], where
+// a row is head_dim values, or for a quantized cache head_dim one-byte codes and an fp16 scale.
 struct PoolLayout {
-  int64_t num_layers, num_kv_heads, block_size, head_dim;
-  int64_t head_elems() const { return block_size * head_dim; }
+  int64_t num_layers, num_kv_heads, block_size, head_dim, row;
+  int64_t head_elems() const { return block_size * row; }
   int64_t offset(int64_t block, int64_t layer, int kv, int64_t head) const {
     return (((block * num_layers + layer) * 2 + kv) * num_kv_heads + head) * head_elems();
   }
@@ -94,18 +96,24 @@ void write_kv(const trtpaged_attention_params& p, const PoolLayout& pool, const 
   const int64_t d = p.head_dim;
 #pragma omp parallel for schedule(static)
   for (int32_t s = 0; s < p.num_seqs; ++s) {
+    float buf[kMaxHeadDim];
     for (int32_t t = query_start[s]; t < query_start[s + 1]; ++t) {
       const int32_t pos = positions[t];
       const int64_t block = block_tables[int64_t(s) * p.max_blocks_per_seq + pos / p.block_size];
-      const int64_t slot = int64_t(pos % p.block_size) * d;
+      const int64_t slot = int64_t(pos % p.block_size) * pool.row;
       for (int32_t h = 0; h < p.num_kv_heads; ++h) {
         const IO* ks = k + (int64_t(t) * p.num_kv_heads + h) * d;
         const IO* vs = v + (int64_t(t) * p.num_kv_heads + h) * d;
         KV* kd = cache + pool.offset(block, p.layer, 0, h) + slot;
         KV* vd = cache + pool.offset(block, p.layer, 1, h) + slot;
-        for (int64_t i = 0; i < d; ++i) {
-          store(kd[i], to_float(ks[i]));
-          store(vd[i], to_float(vs[i]));
+        if constexpr (is_quantized_v<KV>) {  // one scale per token row: written once, never re-quantized
+          quantize_row(ks, d, kd, buf);
+          quantize_row(vs, d, vd, buf);
+        } else {
+          for (int64_t i = 0; i < d; ++i) {
+            store(kd[i], to_float(ks[i]));
+            store(vd[i], to_float(vs[i]));
+          }
         }
       }
     }
@@ -173,16 +181,21 @@ struct Scratch {
   std::vector<float> q, acc, m, l, scores, kf, vf;
   std::vector<int32_t> pos;
   std::vector<const float*> kp, vp;
+  std::vector<const int8_t*> kc, vc;  // int8/fp8 rows read in place by the fused loops
   std::vector<const void*> knext, vnext;
 };
 
-// Returns src as floats: src itself for fp32, else converted into buf.
+// Returns `rows` cached rows of d values as floats: src itself for fp32, else converted (or
+// de-quantized with each row's scale) into buf, one tile at a time inside the key loop.
 template <typename T>
-const float* as_float(const T* src, int64_t n, float* buf) {
+const float* as_float(const T* src, int64_t rows, int64_t d, float* buf) {
   if constexpr (std::is_same_v<T, float>) {
     return src;
+  } else if constexpr (is_quantized_v<T>) {
+    dequantize_rows(src, rows, d, buf);
+    return buf;
   } else {
-    convert_to_float(src, n, buf);
+    convert_to_float(src, rows * d, buf);
     return buf;
   }
 }
@@ -212,6 +225,11 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const PoolLa
   sc.scores.resize(size_t(kRowGroup * tile_keys));
   sc.kp.resize(size_t(tile_blocks));
   sc.vp.resize(size_t(tile_blocks));
+  constexpr bool kFp8 = std::is_same_v<KV, fp8_code>;
+  constexpr bool kFusable = std::is_same_v<KV, int8_code> || (kFp8 && kFusedFp8);
+  const bool fused = kFusable && fused_int8_head_dim(d);
+  sc.kc.resize(size_t(tile_blocks));
+  sc.vc.resize(size_t(tile_blocks));
   sc.knext.resize(size_t(tile_blocks));
   sc.vnext.resize(size_t(tile_blocks));
   if (!std::is_same_v<KV, float>) {
@@ -229,7 +247,7 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const PoolLa
   }
   const int32_t* table = block_tables + int64_t(task.seq) * p.max_blocks_per_seq;
   auto key_ptr = [&](int64_t key, int kv) {
-    return cache + pool.offset(table[key / bs], p.layer, kv, task.kv_head) + (key % bs) * d;
+    return cache + pool.offset(table[key / bs], p.layer, kv, task.kv_head) + (key % bs) * pool.row;
   };
   for (int64_t tile = task.k_begin; tile < task.k_end; tile += tile_keys) {
     const int64_t tile_n = std::min<int64_t>(tile_keys, task.k_end - tile);
@@ -238,15 +256,20 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const PoolLa
       // Nothing prefetched the first tile: request all of its runs at once, so that they
       // are fetched in parallel rather than one demand miss after another.
       for (int64_t b = 0; b < nblocks; ++b) {
-        const int64_t bytes = std::min<int64_t>(run, tile_n - b * run) * d * int64_t(sizeof(KV));
+        const int64_t bytes = std::min<int64_t>(run, tile_n - b * run) * pool.row * int64_t(sizeof(KV));
         prefetch_bytes(key_ptr(tile + b * run, 0), bytes);
         prefetch_bytes(key_ptr(tile + b * run, 1), bytes);
       }
     }
     for (int64_t b = 0; b < nblocks; ++b) {
-      const int64_t n = std::min<int64_t>(run, tile_n - b * run) * d;
-      sc.kp[size_t(b)] = as_float(key_ptr(tile + b * run, 0), n, sc.kf.data() + b * run * d);
-      sc.vp[size_t(b)] = as_float(key_ptr(tile + b * run, 1), n, sc.vf.data() + b * run * d);
+      const int64_t n = std::min<int64_t>(run, tile_n - b * run);
+      if (fused) {
+        sc.kc[size_t(b)] = reinterpret_cast<const int8_t*>(key_ptr(tile + b * run, 0));
+        sc.vc[size_t(b)] = reinterpret_cast<const int8_t*>(key_ptr(tile + b * run, 1));
+        continue;
+      }
+      sc.kp[size_t(b)] = as_float(key_ptr(tile + b * run, 0), n, d, sc.kf.data() + b * run * d);
+      sc.vp[size_t(b)] = as_float(key_ptr(tile + b * run, 1), n, d, sc.vf.data() + b * run * d);
     }
     // K and V blocks of the next tile, requested while this tile is computed
     const int64_t next_tile = tile + tile_keys;
@@ -256,7 +279,7 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const PoolLa
       sc.knext[size_t(b)] = key_ptr(next_tile + b * run, 0);
       sc.vnext[size_t(b)] = key_ptr(next_tile + b * run, 1);
     }
-    const int64_t run_bytes = run * d * int64_t(sizeof(KV));
+    const int64_t run_bytes = run * pool.row * int64_t(sizeof(KV));
     for (int32_t r0 = 0; r0 < rows; r0 += kRowGroup) {
       const NextBlocks next_k{sc.knext.data(), r0 == 0 ? next_blocks : 0, run_bytes};
       const NextBlocks next_v{sc.vnext.data(), r0 == 0 ? next_blocks : 0, run_bytes};
@@ -269,7 +292,10 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const PoolLa
       }
       if (group_limit == 0) continue;
       float* scores = sc.scores.data();
-      scores_for(nr, sc.q.data() + r0 * d, d, sc.kp.data(), run, group_limit, scores, tile_keys, next_k);
+      if (fused)
+        scores_i8_for<kFp8>(nr, sc.q.data() + r0 * d, d, sc.kc.data(), run, group_limit, scores, tile_keys, next_k);
+      else
+        scores_for(nr, sc.q.data() + r0 * d, d, sc.kp.data(), run, group_limit, scores, tile_keys, next_k);
       for (int i = 0; i < nr; ++i) {
         float* row = scores + i * tile_keys;
         const int64_t limit = limits[i];
@@ -292,7 +318,10 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const PoolLa
         }
         m = m_new;
       }
-      accumulate_for(nr, scores, tile_keys, sc.vp.data(), run, group_limit, sc.acc.data() + r0 * d, d, next_v);
+      if (fused)
+        accumulate_i8_for<kFp8>(nr, scores, tile_keys, sc.vc.data(), run, group_limit, sc.acc.data() + r0 * d, d, next_v);
+      else
+        accumulate_for(nr, scores, tile_keys, sc.vp.data(), run, group_limit, sc.acc.data() + r0 * d, d, next_v);
     }
   }
   for (int32_t r = 0; r < rows; ++r) {
@@ -342,7 +371,8 @@ void merge_splits(const Task& first, const trtpaged_attention_params& p, const f
 template <typename IO, typename KV>
 void paged_attention(const trtpaged_attention_params& p, const IO* q, const IO* k, const IO* v, KV* cache,
                      const int32_t* positions, const int32_t* query_start, const int32_t* block_tables, IO* out) {
-  const PoolLayout pool{p.num_layers, p.num_kv_heads, p.block_size, p.head_dim};
+  const int64_t row = is_quantized_v<KV> ? p.head_dim + int64_t(sizeof(half_t)) : p.head_dim;
+  const PoolLayout pool{p.num_layers, p.num_kv_heads, p.block_size, p.head_dim, row};
   write_kv(p, pool, k, v, cache, positions, query_start, block_tables);
   int64_t num_partials = 0;
   const std::vector<Task> tasks = plan_tasks(p, positions, query_start, &num_partials);
@@ -375,6 +405,10 @@ void dispatch_kv(const trtpaged_attention_params& p, const void* q, const void* 
       return paged_attention(p, qi, ki, vi, static_cast<half_t*>(cache), positions, query_start, block_tables, oi);
     case TRTPAGED_BFLOAT16:
       return paged_attention(p, qi, ki, vi, static_cast<bfloat_t*>(cache), positions, query_start, block_tables, oi);
+    case TRTPAGED_INT8:
+      return paged_attention(p, qi, ki, vi, static_cast<int8_code*>(cache), positions, query_start, block_tables, oi);
+    case TRTPAGED_FP8_E4M3:
+      return paged_attention(p, qi, ki, vi, static_cast<fp8_code*>(cache), positions, query_start, block_tables, oi);
   }
 }
 
@@ -388,7 +422,7 @@ extern "C" TRTPAGED_API int trtpaged_paged_attention_cpu(const trtpaged_attentio
                                                          void* out) {
   using namespace trtpaged;
   try {
-    const AttentionLimits limits{nullptr, 0, 16, 256, true};
+    const AttentionLimits limits{nullptr, 0, 16, cpu::kMaxHeadDim, true};
     if (int rc = validate_attention_params(params, limits)) return rc;
     const trtpaged_attention_params& p = *params;
     if (p.num_tokens == 0) return ok();
@@ -405,6 +439,8 @@ extern "C" TRTPAGED_API int trtpaged_paged_attention_cpu(const trtpaged_attentio
         break;
       case TRTPAGED_BFLOAT16:
         cpu::dispatch_kv<cpu::bfloat_t>(p, q, k, v, kv_cache, positions, query_start, block_tables, out);
+        break;
+      default:  // validate_attention_params allows only the float dtypes for io
         break;
     }
     return ok();

@@ -48,13 +48,16 @@ class TorchRunner:
     ) -> "TorchRunner":
         """Loads the engine dir's weights into the step model and allocates the pool."""
         from trtpaged.models import load_step_model
-        from trtpaged.models.loading import TORCH_DTYPES
+        from trtpaged.manifest import KV_DTYPES, QUANTIZED_KV_DTYPES, read_manifest
 
+        kv_dtype = read_manifest(engine_dir).kv_cache_dtype
+        if kv_dtype in QUANTIZED_KV_DTYPES and not str(device).startswith("cpu"):
+            raise ValueError(f"device: {device!r} with kv_cache_dtype {kv_dtype}: the CUDA kernels have no quantized "
+                             "KV cache yet; run on device 'cpu' (or rebuild with a float kv_cache_dtype)")
         model, manifest = load_step_model(engine_dir, device=device)
-        d, bs = manifest.dims, manifest.limits.block_size
-        dtype = TORCH_DTYPES.get(manifest.kv_cache_dtype, model.dtype)
-        shape = (num_blocks, d.num_layers, 2, d.num_kv_heads, bs, d.head_dim)
-        return cls(model, torch.zeros(shape, dtype=dtype, device=device), num_host_blocks)
+        bs = manifest.limits.block_size
+        pool = model.new_kv_cache(num_blocks, bs, kv_dtype if kv_dtype in KV_DTYPES else None, device=device)
+        return cls(model, pool, num_host_blocks)
 
     @torch.inference_mode()
     def step(self, batch: StepBatch) -> torch.Tensor:

@@ -1,0 +1,298 @@
+"""Quantized KV cache (int8, fp8_e4m3): CPU kernels against plain references.
+
+Three truths: (1) the rows the kernel writes equal PyTorch's own quantization (torch.round,
+torch's float8_e4m3fn cast) byte for byte, scales included; (2) attention over a quantized pool
+equals float64 attention over the same pool de-quantized with the same scales, within fp32
+rounding; (3) against attention over the full-precision values it stays within the documented
+bound (docs/quantization.md, "KV cache").
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from kernel_cases import MIXED_SPECS, Batch, make_batch
+from trtpaged import kernels
+from trtpaged.kv_quant import (
+    STORAGE_DTYPES,
+    dequantize_pool,
+    dequantize_rows,
+    pack_rows,
+    quantize_rows,
+    split_rows,
+)
+from trtpaged.reference import paged_attention_reference
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="kernel library not built")
+
+KV_DTYPES = ["int8", "fp8_e4m3"]
+# Max abs error of attention over the quantized cache against attention over the full-precision
+# values, for unit-normal K/V (docs/quantization.md); measured 0.017-0.023 (int8), 0.10-0.12 (fp8).
+FULL_PRECISION_BOUND = {"int8": 0.04, "fp8_e4m3": 0.25}
+
+
+def quantized(batch: Batch, kv_dtype: str) -> Batch:
+    """The batch with its (random float) pool quantized row by row into kv_dtype's layout."""
+    pool = pack_rows(*quantize_rows(batch.kv_cache, kv_dtype))
+    return Batch(batch.q, batch.k, batch.v, pool, *batch.args()[4:], scale=batch.scale)
+
+
+def run_kernel(batch: Batch, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    cache = batch.kv_cache.clone()
+    args = batch.args()
+    out = kernels.paged_attention(*args[:3], cache, *args[4:], layer=layer, scale=batch.scale)
+    return out, cache
+
+
+def run_reference(batch: Batch, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    cache = batch.kv_cache.clone()
+    args = batch.args()
+    out = paged_attention_reference(*args[:3], cache, *args[4:], layer=layer, scale=batch.scale)
+    return out, cache
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_codec_matches_torch_rounding(kv_dtype: str) -> None:
+    # magnitudes whose scales are normal fp16 numbers (max|x| >= 127 * 2^-14); below that the scale is
+    # subnormal and its step, 2^-24, is what bounds the error (tiny in absolute terms)
+    x = torch.randn(50, 64) * torch.logspace(-1, 3, 50)[:, None]
+    x[3] = 0.0  # an all-zero row: scale 0, codes 0
+    codes, scales = quantize_rows(x, kv_dtype)
+    assert scales[3] == 0 and torch.all(codes[3].float() == 0)
+    # the fp16 scale: within 2^-11 relative of max|x| / M (M = 127 or 448)
+    exact = x.abs().amax(-1) / (127.0 if kv_dtype == "int8" else 448.0)
+    assert torch.all((scales - exact).abs() <= exact * 2.0**-11)
+    back = dequantize_rows(pack_rows(codes, scales))
+    rel = ((back - x).abs().amax(-1) / x.abs().amax(-1).clamp_min(1e-30))
+    # half a step of the code grid (1/254 for int8, 2^-4 relative for e4m3's 3 mantissa bits), plus
+    # the clamp when the fp16 scale rounded down (at most 2^-11 of max|x|)
+    assert rel.max() <= (0.5 / 127 if kv_dtype == "int8" else 2.0**-4) + 2.0**-11
+    c2, s2 = split_rows(pack_rows(codes, scales))
+    assert same_bytes(c2, codes) and torch.equal(s2, scales)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 64])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_write_and_attention_match_the_dequantizing_reference(kv_dtype: str, block_size: int) -> None:
+    batch = quantized(make_batch(MIXED_SPECS, block_size=block_size, seed=block_size), kv_dtype)
+    out, cache = run_kernel(batch, layer=1)
+    ref, ref_cache = run_reference(batch, layer=1)
+    # every byte of the pool (codes and scales of every slot and layer) as PyTorch quantizes it
+    assert same_bytes(cache, ref_cache)
+    err = (out.double() - ref.double()).abs().max().item()
+    assert err <= 2e-5, f"max abs error {err} against attention on the de-quantized cache"
+
+
+@pytest.mark.parametrize("io_dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_half_io(kv_dtype: str, io_dtype: torch.dtype) -> None:
+    batch = quantized(make_batch([(0, 33), (40, 1), (17, 5)], io_dtype=io_dtype, seed=9), kv_dtype)
+    out, cache = run_kernel(batch, layer=0)
+    ref, ref_cache = run_reference(batch, layer=0)
+    assert same_bytes(cache, ref_cache)
+    err = (out.double() - ref.double()).abs().max().item()
+    assert err <= {torch.float16: 4e-3, torch.bfloat16: 3e-2}[io_dtype]
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_long_context_split_and_head_dims(kv_dtype: str) -> None:
+    # key ranges split across tasks and merged; the fused int8 loops (head_dim 64, 128) and the
+    # de-quantize-into-scratch path (other head dims, and every fp8 cache)
+    for batch, layer in ((make_batch([(3001, 1)], num_layers=1, seed=4), 0),
+                         (make_batch([(700, 9), (0, 40)], head_dim=128, num_layers=2, seed=8), 1),
+                         (make_batch([(300, 3), (0, 21)], head_dim=80, num_layers=1, seed=10), 0)):
+        qb = quantized(batch, kv_dtype)
+        out, cache = run_kernel(qb, layer)
+        ref, ref_cache = run_reference(qb, layer)
+        assert same_bytes(cache, ref_cache)
+        assert (out.double() - ref.double()).abs().max().item() <= 2e-5
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_against_full_precision_within_documented_bound(kv_dtype: str) -> None:
+    batch = make_batch(MIXED_SPECS, seed=21)
+    full, _ = run_reference(batch, layer=2)
+    out, _ = run_kernel(quantized(batch, kv_dtype), layer=2)
+    err = (out.double() - full.double()).abs().max().item()
+    assert 0 < err <= FULL_PRECISION_BOUND[kv_dtype], f"max abs error {err}"
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_rows_are_written_once(kv_dtype: str) -> None:
+    # A later token 1000x larger lands in the same block: earlier rows keep their bytes.
+    batch = quantized(make_batch([(0, 5)], num_layers=1, seed=3), kv_dtype)
+    _, cache = run_kernel(batch, layer=0)
+    block = int(batch.block_tables[0, 0])
+    big = make_batch([(5, 1)], num_layers=1, seed=3)
+    step = Batch(big.q, big.k * 1000, big.v * 1000, cache.clone(), big.positions, big.query_start,
+                 big.context_lens, batch.block_tables, scale=batch.scale)  # fmt: skip
+    _, after = run_kernel(step, layer=0)
+    assert same_bytes(after[block, :, :, :, :5], cache[block, :, :, :, :5])
+    assert not same_bytes(after[block, :, :, :, 5], cache[block, :, :, :, 5])
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_copy_swap_and_cow_carry_the_scales(kv_dtype: str) -> None:
+    batch = quantized(make_batch([(0, 21)], num_layers=2, spare_blocks=4, seed=5), kv_dtype)
+    out, cache = run_kernel(batch, layer=1)
+    src = batch.block_tables[0, :2].tolist()
+    spare = sorted(set(range(cache.shape[0])) - set(batch.block_tables[0].tolist()))[:2]
+    # copy-on-write inside the pool
+    kernels.copy_blocks(cache, list(zip(src, spare)))
+    for s, d in zip(src, spare):
+        assert same_bytes(cache[d], cache[s])
+        _, scales = split_rows(cache[d])
+        assert scales.abs().sum() > 0
+    # the copies are readable with their scales: decode over the copied blocks equals the original
+    copied_tables = batch.block_tables.clone()
+    copied_tables[0, :2] = torch.tensor(spare, dtype=torch.int32)
+    decode = make_batch([(21, 1)], num_layers=2, seed=6)
+    outs = []
+    for tables in (batch.block_tables, copied_tables):
+        step = Batch(decode.q, decode.k, decode.v, cache.clone(), decode.positions, decode.query_start,
+                     decode.context_lens, tables, scale=batch.scale)  # fmt: skip
+        outs.append(run_kernel(step, layer=1)[0])
+    assert torch.equal(outs[0], outs[1])
+    # swap out to a host pool and back into other blocks
+    host = torch.zeros((3, *cache.shape[1:]), dtype=cache.dtype)
+    kernels.swap_blocks(cache, host, [(src[0], 2), (src[1], 0)])
+    back = torch.zeros_like(cache)
+    kernels.swap_blocks(host, back, [(2, 5), (0, 1)])
+    assert same_bytes(back[5], cache[src[0]]) and same_bytes(back[1], cache[src[1]])
+    assert torch.equal(dequantize_pool(back[5]), dequantize_pool(cache[src[0]]))
+
+
+def _raw_call(io_dtype: int, kv_dtype: int) -> tuple[int, str]:
+    batch = make_batch([(0, 2)], num_layers=1)
+    params = kernels._AttentionParams(2, 1, batch.block_tables.shape[1], 9, 3, 64, batch.kv_cache.shape[0], 1, 0,
+                                      16, 0.125, io_dtype, kv_dtype)  # fmt: skip
+    lib = kernels.library()
+    out = torch.empty_like(batch.q)
+    ptrs = [ctypes.c_void_p(t.data_ptr()) for t in (*batch.args(), out)]
+    rc = lib.trtpaged_paged_attention_cpu(ctypes.byref(params), *ptrs)
+    return rc, lib.trtpaged_last_error().decode()
+
+
+def test_bad_dtypes_are_refused_with_the_allowed_values() -> None:
+    rc, msg = _raw_call(0, 9)
+    assert rc == 1 and msg.startswith("kv_dtype:") and "int8, fp8_e4m3" in msg
+    rc, msg = _raw_call(3, 3)  # int8 is a cache format, not an activation dtype
+    assert rc == 1 and msg.startswith("io_dtype:") and "float32, float16, bfloat16" in msg
+
+
+def test_pool_head_dim_must_leave_room_for_the_scale() -> None:
+    batch = make_batch([(0, 3)], num_layers=1)
+    wrong = torch.zeros(batch.kv_cache.shape, dtype=STORAGE_DTYPES["int8"])  # rows of head_dim, no scale
+    with pytest.raises(ValueError, match="kv_cache: head_dim"):
+        kernels.paged_attention(*batch.args()[:3], wrong, *batch.args()[4:], layer=0, scale=batch.scale)
+
+
+# --- model.yaml, memory plan, build -----------------------------------------------------------------
+
+
+def test_bytes_per_token_and_the_memory_plan() -> None:
+    from trtpaged.manifest import KVCacheBudget, Limits, Manifest, ModelDims
+
+    dims = ModelDims("LlamaForCausalLM", num_layers=30, hidden_size=576, intermediate_size=1536, num_heads=9,
+                     num_kv_heads=3, head_dim=64, vocab_size=49152, rms_norm_eps=1e-5, rope_theta=1e5)  # fmt: skip
+    # K and V x 30 layers x 3 heads x (64 codes + 2 scale bytes)
+    assert dims.kv_bytes_per_token("int8") == dims.kv_bytes_per_token("fp8_e4m3") == 2 * 30 * 3 * 66
+    assert dims.kv_bytes_per_token("float16") == 2 * 30 * 3 * 128
+    from trtpaged.builder.memory_plan import plan_memory
+
+    manifest = Manifest(dims, Limits(32, 2048, 2048, 16), KVCacheBudget(memory_bytes=2**30), "float32", "int8")
+    plan = plan_memory(manifest)
+    assert plan.num_blocks == 2**30 // (2 * 30 * 3 * 66 * 16)
+    text = "\n".join(plan.lines(512))
+    fits = {name: 2**30 // (2 * 30 * 3 * row * 16) // 32 for name, row in (("int8", 66), ("float16", 128),
+                                                                            ("float32", 256))}  # fmt: skip
+    assert f"{fits['int8']:>8,} sequences, {fits['int8'] / fits['float16']:.2f}x float16" in text
+    assert f"{fits['float16']:>8,} sequences" in text and "(this engine)" in text
+    assert fits["int8"] / fits["float16"] >= 1.9 and fits["int8"] / fits["float32"] >= 3.8
+
+
+def test_kv_dtype_blocks_in_the_same_memory() -> None:
+    from trtpaged.bench.memory_bench import Budget, kv_dtype_blocks
+
+    budget = Budget(num_blocks=1456, block_size=16, max_seq_len=2048, max_batch_size=256, max_num_tokens=2048)
+    assert kv_dtype_blocks(budget, "float16", "int8", 64) == 1456 * 128 // 66
+    assert kv_dtype_blocks(budget, "float16", "float32", 64) == 728
+    assert kv_dtype_blocks(budget, "float32", "fp8_e4m3", 128) == 1456 * 512 // 130
+
+
+def test_bench_memory_kv_dtype_cli() -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from trtpaged.cli import main
+
+    r = CliRunner().invoke(main, ["bench", "memory", "--num-requests", "40", "--prompt-len", "100:300",
+                                  "--output-len", "50:200", "--num-blocks", "64", "--max-batch-size", "64",
+                                  "--kv-dtype", "int8", "--json"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    rows = {row["kv_dtype"]: row for row in json.loads(r.stdout[r.stdout.index("{"):])["kv_dtypes"]["rows"]}
+    assert [rows[k]["num_blocks"] for k in ("float32", "float16", "int8")] == [32, 64, 64 * 128 // 66]
+    # more blocks, more sequences at once while requests wait
+    assert rows["int8"]["saturated_running"] > rows["float16"]["saturated_running"] > rows["float32"]["saturated_running"]
+    bad = CliRunner().invoke(main, ["bench", "memory", "--kv-dtype", "int4"])
+    assert bad.exit_code != 0 and "int8" in bad.output and "fp8_e4m3" in bad.output
+
+
+def test_tensorrt_backend_refuses_a_quantized_cache(tmp_path) -> None:
+    from trtpaged.builder.pipeline import build_engine
+    from trtpaged.config import ConfigError, parse_config
+
+    config = parse_config({"model": {"tiny": {}}, "kv_cache_dtype": "int8", "backend": "tensorrt"})
+    with pytest.raises(ConfigError, match="kv_cache_dtype: int8 with backend tensorrt"):
+        build_engine(config, tmp_path / "e", echo=lambda s: None)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_tiny_build_generates_and_reports_kv_accuracy(tmp_path, kv_dtype: str) -> None:
+    from click.testing import CliRunner
+
+    from trtpaged import LLM
+    from trtpaged.builder.pipeline import build_engine
+    from trtpaged.cli import main
+    from trtpaged.config import parse_config
+    from trtpaged import SamplingParams
+
+    data = {"model": {"tiny": {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                               "hidden_size": 64, "intermediate_size": 128, "vocab_size": 320}},
+            "kv_cache_dtype": kv_dtype, "max_seq_len": 256, "kv_cache": {"num_blocks": 64}, "backend": "auto"}
+    result = build_engine(parse_config(data), tmp_path / "e", echo=lambda s: None)
+    m = result.manifest
+    assert m.kv_cache_dtype == kv_dtype and m.backends == ["torch"]
+    assert m.kv_bytes_per_token == 2 * 2 * 2 * (16 + 2)  # K/V x layers x kv heads x (head_dim codes + scale)
+    kv = m.verification["kv_cache"]
+    assert kv["kv_dtype"] == kv_dtype and 0 <= kv["max_abs_diff"] and kv["top1_agreement"] >= kv["threshold"]
+    llm = LLM(tmp_path / "e", device="cpu")
+    pool = llm.engine.runner.kv_cache
+    assert pool.dtype == STORAGE_DTYPES[kv_dtype] and pool.shape[-1] == 16 + 2
+    out = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 8
+    from trtpaged.runtime.engines import TorchRunner
+
+    with pytest.raises(ValueError, match=f"device: 'cuda' with kv_cache_dtype {kv_dtype}: the CUDA kernels"):
+        TorchRunner.from_engine_dir(tmp_path / "e", 4, device="cuda")
+    r = CliRunner().invoke(main, ["inspect", str(tmp_path / "e")])
+    assert r.exit_code == 0, r.output
+    assert f"KV cache {kv_dtype} vs float32 cache: max |dlogit|" in r.output and f"{kv_dtype:<9}" in r.output
+
+
+def test_kernel_bench_counts_the_bytes_read_and_times_the_float_caches() -> None:
+    from trtpaged.bench.kernel_bench import format_report, run_kernel_bench
+
+    report = run_kernel_bench("int8", contexts=(64,), batches=(2,), budget_s=0.02)
+    row = report["decode"][0]
+    assert row["kv_bytes"] == 2 * 2 * 64 * 3 * (64 + 2)  # K and V, batch, context, kv heads, codes + scale
+    assert row["float32_ms"] > 0 and row["float16_ms"] > 0
+    assert "fp32 ms" in format_report(report) and report["kv_dtype"] == "int8"
