@@ -34,11 +34,13 @@ def test_links_stay_inside_the_repository_and_resolve(doc):
         assert path.exists(), f"{doc.name} links to a missing file: {target}"
 
 
-@pytest.mark.parametrize("env, expected", [({}, "passive"), ({"OMP_WAIT_POLICY": "active"}, "active"),
-                                           ({"GOMP_SPINCOUNT": "1000"}, "unset")])
-def test_importing_trtpaged_makes_openmp_waiters_sleep_unless_the_user_chose(env, expected):
-    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    code = "import os, trtpaged; print(os.environ.get('OMP_WAIT_POLICY', 'unset'))"
+@pytest.mark.parametrize("env, expected", [({}, "unset 10000"), ({"OMP_WAIT_POLICY": "passive"}, "passive unset"),
+                                           ({"GOMP_SPINCOUNT": "1000"}, "unset 1000"),
+                                           ({"TRTPAGED_OMP_DEFAULT": "1"}, "unset unset")])
+def test_importing_trtpaged_bounds_openmp_spinning_unless_the_user_chose(env, expected):
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "TRTPAGED_OMP_DEFAULT")}
+    code = ("import os, trtpaged; print(os.environ.get('OMP_WAIT_POLICY', 'unset'), "
+            "os.environ.get('GOMP_SPINCOUNT', 'unset'))")
     out = subprocess.run([sys.executable, "-c", code], env={**base, **env, "PYTHONPATH": str(REPO)},
                          capture_output=True, text=True, check=True)  # fmt: skip
     assert out.stdout.strip() == expected

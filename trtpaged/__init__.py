@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import os
 
-# OpenMP threads that finish early wait for the others. libgomp's default is to spin for a while
-# first; on a busy machine (more runnable threads than cores) a spinning waiter takes the core a
-# descheduled worker needs, and one step stalls for tens to hundreds of ms. Sleeping waiters avoid
-# that (measured on 2 shared cores: median step 112-169 ms -> 1.4-8 ms; docs/architecture.md).
-# libgomp reads this once, when it is first loaded (by torch or the kernel library), so it is set
-# at package import; a value the user set wins, as does GOMP_SPINCOUNT. TRTPAGED_OMP_DEFAULT=1 keeps
-# OpenMP's own default (benchmarks run baselines such as HF transformers that way, as users run them).
+# OpenMP threads that finish early wait for the others. libgomp's default spins for up to ~300k
+# iterations; on a busy machine (more runnable threads than cores) a spinning waiter takes the core a
+# descheduled worker needs and a step stalls. Sleeping waiters (OMP_WAIT_POLICY=passive) avoid that,
+# but wake up too slowly for the ~150 short parallel regions of a decode step on a quiet machine. A
+# short bounded spin keeps the quiet-machine speed and bounds the busy-machine waste (measured on the
+# SmolLM2 int4 engine, 2 cores, decode tok/s quiet / with one competing busy process: default 123 / 26,
+# GOMP_SPINCOUNT=10000 125 / 15, passive 40 / 62; docs/architecture.md). libgomp reads this once, when
+# it is first loaded (by torch or the kernel library), so it is set at package import; a value the user
+# set wins (OMP_WAIT_POLICY=passive for a machine shared with other work), and TRTPAGED_OMP_DEFAULT=1
+# keeps OpenMP's own default (benchmarks run baselines such as HF transformers that way).
 OMP_DEFAULT_KEEP = "TRTPAGED_OMP_DEFAULT"
+SPIN_COUNT = "10000"
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ and not os.environ.get(OMP_DEFAULT_KEEP):
-    os.environ["OMP_WAIT_POLICY"] = "passive"
-    os.environ["TRTPAGED_SET_OMP_WAIT_POLICY"] = "1"
+    os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT
+    os.environ["TRTPAGED_SET_GOMP_SPINCOUNT"] = "1"
 
 __version__ = "0.1.0"
 

@@ -242,8 +242,8 @@ def _child(kind: str, args: tuple, queue) -> None:
 def run_isolated(kind: str, *args) -> SystemResult:
     """Runs one system in a fresh process: its own peak RSS, no state left by the others.
 
-    The HF baseline runs with OpenMP's default waiting, as its users run it, not with the sleeping
-    waiters trtpaged sets for itself on import (trtpaged/__init__.py)."""
+    The HF baseline runs with OpenMP's default waiting, as its users run it, not with the bounded
+    spin trtpaged sets for itself on import (trtpaged/__init__.py)."""
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=_child, args=(kind, args, queue))
@@ -262,8 +262,8 @@ def _baseline_env(active: bool):
     import trtpaged
 
     saved = dict(os.environ)
-    if active and os.environ.pop("TRTPAGED_SET_OMP_WAIT_POLICY", None):
-        os.environ.pop("OMP_WAIT_POLICY", None)
+    if active and os.environ.pop("TRTPAGED_SET_GOMP_SPINCOUNT", None):
+        os.environ.pop("GOMP_SPINCOUNT", None)
         os.environ[trtpaged.OMP_DEFAULT_KEEP] = "1"
     try:
         yield
