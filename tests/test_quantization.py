@@ -94,6 +94,7 @@ def test_gguf_other_types_are_refused():
     ({"weights": "int4", "group_size": None}, "quantization.group_size: int4 needs a group size"),
     ({"weight": "int4"}, "quantization.weight: unknown key; did you mean 'quantization.weights'"),
     ({"weights": "int8", "lm_head": "int4"}, "quantization.lm_head: got 'int4'"),
+    ({"weights": "int4", "activations": "int4"}, "quantization.activations: got 'int4'"),
     ("int4", "quantization: got 'int4'"),
 ])
 def test_bad_quantization_values_name_the_key(spec, match):
@@ -104,7 +105,7 @@ def test_bad_quantization_values_name_the_key(spec, match):
 def test_quantization_defaults():
     assert not parse_config({"model": {"tiny": {}}}).quantization.enabled
     assert parse_config({"model": {"tiny": {}}, "quantization": {"weights": "int4"}}).quantization == \
-        QuantizationConfig("int4", 32, "int8")
+        QuantizationConfig("int4", 32, "int8", "float")
     assert parse_config({"model": {"tiny": {}}, "quantization": {"weights": "int8"}}).quantization.group_size is None
 
 
@@ -191,10 +192,20 @@ def test_quantized_engine_logits_match_hf_with_the_same_weights(tiny_int8_engine
         want = ref(torch.tensor([tokens])).logits[0]
         unquantized = hf(torch.tensor([tokens])).logits[0]
     scale = float(want.abs().max())
-    # int8 activations (per 32 inputs) add at most a few tenths of a percent of the logit range
-    assert float((got - want).abs().max()) <= 0.02 * scale
-    # and the check can fail: the unquantized model's logits are measurably elsewhere
-    assert float((unquantized - want).abs().max()) > float((got - want).abs().max()) / 10
+    assert manifest.quantization["activations"] == "float"  # the default: weight-only proper
+    assert float((got - want).abs().max()) <= 1e-4 * scale
+    # int8 activations (per 32 inputs) add at most a few percent of the logit range, measurably more
+    from trtpaged.models.qlinear import set_activations
+
+    set_activations(model, "int8")
+    with torch.inference_mode():
+        got8, _ = model(torch.tensor(tokens, dtype=i32), torch.arange(n, dtype=i32), torch.tensor([0, n], dtype=i32),
+                        torch.tensor([n], dtype=i32), torch.tensor([[0]], dtype=i32), torch.arange(n, dtype=i32),
+                        model.new_kv_cache(1, 16))
+    err8 = float((got8 - want).abs().max())
+    assert float((got - want).abs().max()) < err8 <= 0.02 * scale
+    # and the checks can fail: the unquantized model's logits are measurably elsewhere
+    assert float((unquantized - want).abs().max()) > err8 / 10
 
 
 @pytest.mark.slow
@@ -219,13 +230,13 @@ def test_smollm2_gguf_blocks_are_the_weights_transformers_loads():
 
 
 @pytest.mark.slow
-def test_smollm2_int4_engine_matches_hf_gguf_model(smollm2_int4_engine_dir, monkeypatch):
-    """The int4 engine built from the GGUF's own blocks: with float activations its greedy output is
-    HF's (the GGUF model transformers loads) token for token; its build recorded the accuracy figures."""
+def test_smollm2_int4_engine_matches_hf_gguf_model(smollm2_int4_engine_dir):
+    """The int4 engine built from the GGUF's own blocks, on the CPU kernels with float activations (the
+    default): its greedy output is HF's (the GGUF model transformers loads) token for token; its build
+    recorded the accuracy figures."""
     from trtpaged import LLM, SamplingParams
     from trtpaged.manifest import read_manifest
     from trtpaged.models import load_hf, spec_from_manifest
-    from trtpaged.models import qlinear
 
     manifest = read_manifest(smollm2_int4_engine_dir)
     q = manifest.quantization
@@ -233,10 +244,10 @@ def test_smollm2_int4_engine_matches_hf_gguf_model(smollm2_int4_engine_dir, monk
     accuracy = manifest.verification["accuracy"]
     assert accuracy["scheme"] == "exact"
     assert accuracy["full_precision_activations"]["agreement"] == 1.0
+    assert accuracy["torch_backend"]["activations"] == "float" and accuracy["torch_backend"]["agreement"] == 1.0
     assert manifest.verification["max_abs_diff"] <= manifest.verification["tolerance"]
 
     hf = load_hf(spec_from_manifest(manifest))
-    monkeypatch.setattr(qlinear, "_cpu_kernels", lambda: None)  # float activations: de-quantized weights
     llm = LLM(smollm2_int4_engine_dir)
     conversation = [{"role": "user", "content": "Explain how a transformer neural network works."}]
     ids = hf.tokenizer.encode(hf.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True))

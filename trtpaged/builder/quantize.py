@@ -173,7 +173,11 @@ def quantized_step_model(hf_model, spec, dims: ModelDims, config: QuantizationCo
     quantized = quantize_state(floats, hf_parts, dims, config, gguf)
     state = {k: (v.to(dtype) if v.is_floating_point() and not _is_quant_buffer(k) else v)
              for k, v in quantized.state.items()}
-    return with_weights(dims, dtype, state, "cpu", quantized.plan), quantized
+    from trtpaged.models.qlinear import set_activations
+
+    model = with_weights(dims, dtype, state, "cpu", quantized.plan)
+    set_activations(model, config.activations)
+    return model, quantized
 
 
 def _is_quant_buffer(name: str) -> bool:

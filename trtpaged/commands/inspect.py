@@ -56,7 +56,8 @@ def _weights_line(m, weight_bytes: int) -> str:
     group = q.get("group_size") or "per channel"
     origin = ", ".join(f"{n} {what}" for what, n in sorted(q.get("origin", {}).items()))
     head = "int8" if q.get("lm_head") == "int8" else m.dtype
-    return (f"  weights: {q['weights']} (group {group}; embedding/LM head {head}), {format_bytes(weight_bytes)}"
+    return (f"  weights: {q['weights']} (group {group}; embedding/LM head {head}; "
+            f"{q.get('activations', 'int8')} activations), {format_bytes(weight_bytes)}"
             f"{'; ' + origin if origin else ''}")
 
 

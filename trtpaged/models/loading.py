@@ -9,6 +9,7 @@ import torch
 
 from trtpaged.manifest import Manifest, ModelDims, read_manifest
 from trtpaged.models.llama import LlamaStepModel, QuantPlan, Rotary
+from trtpaged.models.qlinear import set_activations
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -74,4 +75,7 @@ def load_step_model(engine_dir: str | Path, device: str | torch.device = "cpu") 
         raise FileNotFoundError(f"{engine_dir}: weights_file {manifest.weights_file!r} is missing; rebuild the engine")
     state = load_file(str(weights), device=str(device))
     plan = {name: (int(bits), int(group)) for name, (bits, group) in manifest.quantization.get("modules", {}).items()}
-    return with_weights(manifest.dims, TORCH_DTYPES[manifest.dtype], state, device, plan), manifest
+    model = with_weights(manifest.dims, TORCH_DTYPES[manifest.dtype], state, device, plan)
+    if plan:
+        set_activations(model, manifest.quantization.get("activations", "int8"))
+    return model, manifest

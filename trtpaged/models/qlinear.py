@@ -5,10 +5,11 @@ Each holds a `QuantizedWeight` (trtpaged.models.quant) as buffers `codes`,
 ONNX graph carry the quantized form. Three ways to run:
 
 - eager on the CPU: the kernel library's kernels over a packed copy made
-  once: float32 activations for calls of at most FLOAT_ACTIVATION_MAX_ROWS
-  rows (decode: as accurate as F.linear on the de-quantized weight), int8
-  activations (quantized per 32 inputs on the fly, integer dot products)
-  above (prefill);
+  once, with the engine's `quantization.activations`: "float" keeps x in
+  float32 (weight-only proper, W4A16/W8A16: as accurate as F.linear on the
+  de-quantized weight), "int8" quantizes x per 32 inputs on the fly for
+  integer dot products (W4A8, llama.cpp's way: faster, less accurate); with
+  "int8", calls of at most FLOAT_ACTIVATION_MAX_ROWS rows still use float;
 - eager elsewhere, or where the library lacks the kernels: a de-quantized
   float copy of the weight, made once, and `F.linear` (full-precision
   activations; no memory saving);
@@ -36,6 +37,16 @@ from trtpaged.models.quant import QuantizedWeight, unpack_int4
 # qualifies. Setting 1 (or 4) buys decode with float-activation numerics (F.linear on the
 # de-quantized weight) at that price, still 2-3x faster than F.linear on fp32 weights.
 FLOAT_ACTIVATION_MAX_ROWS = 0
+ACTIVATIONS = ("float", "int8")
+
+
+def set_activations(model: nn.Module, activations: str) -> None:
+    """Sets how every quantized linear of `model` treats its input x on the CPU kernels: "float" or "int8"."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations: got {activations!r}; allowed: {', '.join(ACTIVATIONS)}")
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            module.activations = activations
 
 
 @torch.library.custom_op("trtpaged::dequantize_weight", mutates_args=())
@@ -64,11 +75,12 @@ def _cpu_kernels() -> Optional[Any]:
     return kernels if hasattr(kernels, "qlinear") else None
 
 
-def uses_integer_kernels(model: nn.Module) -> bool:
-    """True when the model's quantized linears run the integer kernels here (CPU float32, library built)."""
+def uses_int8_activations(model: nn.Module) -> bool:
+    """True when the model's quantized linears quantize their inputs to int8 here (the CPU kernels with
+    activations "int8"); False where they compute with float activations."""
     linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     return bool(linears) and _cpu_kernels() is not None and all(
-        m.codes.device.type == "cpu" and m.in_features % 32 == 0 for m in linears)
+        m.codes.device.type == "cpu" and m.in_features % 32 == 0 and m.activations == "int8" for m in linears)
 
 
 def _group_sums(x: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -94,6 +106,7 @@ class QuantizedLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
         self._op: Optional[Any] = None  # kernels.QLinearOp over the packed weight, made at first CPU call
         self._dense: Optional[torch.Tensor] = None
+        self.activations = "int8"  # how the CPU kernels treat x: "float" or "int8" (set_activations)
 
     @classmethod
     def from_weight(cls, weight: QuantizedWeight, bias: Optional[torch.Tensor], dtype: torch.dtype) -> "QuantizedLinear":
@@ -123,7 +136,7 @@ class QuantizedLinear(nn.Module):
             op = self._op if self._op is not None else self._make_op()
             if op is not None:
                 x = x.contiguous()
-                return op(x, x.numel() <= FLOAT_ACTIVATION_MAX_ROWS * self.in_features)
+                return op(x, self.activations == "float" or x.numel() <= FLOAT_ACTIVATION_MAX_ROWS * self.in_features)
         if self._dense is None:
             self._dense = self.weight_q.dequantize(x.dtype)
         return F.linear(x, self._dense, self.bias)
