@@ -295,132 +295,18 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"))) in
 // bytes of a quad's 64. VNNI: vpdpbusd. Plain AVX2: int8 weights via vpmaddubsw on |q| and
 // x with q's sign (|x| <= 127, so pair sums fit int16), then vpmaddwd; int4 weights (<= 15)
 // sum all 8 quads' vpmaddubsw in int16 (8 * 2 * 15 * 127 < 2^15) before one vpmaddwd.
-template <int BITS, int MB, bool VNNI = false>
-__attribute__((target("avx2,fma,f16c"))) void tile_avx256_mb(const TileArgs& t, float* out) {
-  const Layout& l = *t.l;
-  const Acts& a = *t.a;
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const __m256i flip = _mm256_set1_epi8(char(0x80));
-  const __m256i ones16 = _mm256_set1_epi16(1);
-  for (int half = 0; half < 2; ++half) {
-    __m256 acc[MB];
-    for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < l.nblocks; ++b) {
-      const uint8_t* blk = t.tile + b * l.block_bytes;
-      const __m256 sw = _mm256_cvtph_ps(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + l.block_codes + 16 * half)));
-      __m256i w[8];  // VNNI or int4: codes as stored; plain AVX2 int8: signed q
-      if (BITS == 8) {
-        for (int g = 0; g < 8; ++g) {
-          w[g] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * g + 32 * half));
-          if constexpr (!VNNI) w[g] = _mm256_xor_si256(w[g], flip);
-        }
-      } else {
-        for (int g = 0; g < 4; ++g) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * g + 32 * half));
-          w[g] = _mm256_and_si256(v, low4);
-          w[g + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-        }
-      }
-      for (int i = 0; i < MB; ++i) {
-        const int64_t row = t.m0 + i;
-        const int8_t* xb = a.xq + row * l.k + b * 32;
-        const BlockRecord rec = a.rec[row * l.nblocks + b];
-        __m256i s;
-        if constexpr (VNNI) {
-          s = BITS == 8 ? _mm256_set1_epi32(rec.nbias) : _mm256_setzero_si256();
-          for (int g = 0; g < 8; ++g) s = _mm256_dpbusd_avx_epi32(s, w[g], _mm256_set1_epi32(load_u32(xb + 4 * g)));
-        } else if (BITS == 8) {
-          s = _mm256_setzero_si256();
-          for (int g = 0; g < 8; ++g) {
-            const __m256i xv = _mm256_set1_epi32(load_u32(xb + 4 * g));
-            s = _mm256_add_epi32(
-                s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w[g]), _mm256_sign_epi8(xv, w[g])), ones16));
-          }
-        } else {
-          __m256i s16 = _mm256_setzero_si256();
-          for (int g = 0; g < 8; ++g)
-            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(load_u32(xb + 4 * g))));
-          s = _mm256_madd_epi16(s16, ones16);
-        }
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(sw, _mm256_set1_ps(rec.dx)), acc[i]);
-      }
-    }
-    if (BITS == 4) {
-      const uint16_t* oh = reinterpret_cast<const uint16_t*>(t.tile + l.nblocks * l.block_bytes);
-      for (int64_t g = 0; g < l.ngroups; ++g) {
-        const __m256 o = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(oh + g * kRows + 8 * half)));
-        for (int i = 0; i < MB; ++i)
-          acc[i] = _mm256_fmadd_ps(o, _mm256_set1_ps(a.group_sums[(t.m0 + i) * l.ngroups + g]), acc[i]);
-      }
-    }
-    for (int i = 0; i < MB; ++i) _mm256_storeu_ps(out + i * kRows + 8 * half, acc[i]);
-  }
-}
+#define TRTPAGED_TILE256_NAME tile_avx256_mb
+#define TRTPAGED_TILE256_TARGET "avx2,fma,f16c"
+#include "qlinear_tile256.inc"
+#undef TRTPAGED_TILE256_NAME
+#undef TRTPAGED_TILE256_TARGET
 
 // The same body compiled with AVX-VNNI enabled (VNNI = true only).
-template <int BITS, int MB, bool VNNI>
-__attribute__((target("avx2,fma,f16c,avxvnni"))) void tile_avxvnni256_mb(const TileArgs& t, float* out) {
-  const Layout& l = *t.l;
-  const Acts& a = *t.a;
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const __m256i flip = _mm256_set1_epi8(char(0x80));
-  const __m256i ones16 = _mm256_set1_epi16(1);
-  for (int half = 0; half < 2; ++half) {
-    __m256 acc[MB];
-    for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < l.nblocks; ++b) {
-      const uint8_t* blk = t.tile + b * l.block_bytes;
-      const __m256 sw = _mm256_cvtph_ps(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + l.block_codes + 16 * half)));
-      __m256i w[8];  // VNNI or int4: codes as stored; plain AVX2 int8: signed q
-      if (BITS == 8) {
-        for (int g = 0; g < 8; ++g) {
-          w[g] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * g + 32 * half));
-          if constexpr (!VNNI) w[g] = _mm256_xor_si256(w[g], flip);
-        }
-      } else {
-        for (int g = 0; g < 4; ++g) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * g + 32 * half));
-          w[g] = _mm256_and_si256(v, low4);
-          w[g + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-        }
-      }
-      for (int i = 0; i < MB; ++i) {
-        const int64_t row = t.m0 + i;
-        const int8_t* xb = a.xq + row * l.k + b * 32;
-        const BlockRecord rec = a.rec[row * l.nblocks + b];
-        __m256i s;
-        if constexpr (VNNI) {
-          s = BITS == 8 ? _mm256_set1_epi32(rec.nbias) : _mm256_setzero_si256();
-          for (int g = 0; g < 8; ++g) s = _mm256_dpbusd_avx_epi32(s, w[g], _mm256_set1_epi32(load_u32(xb + 4 * g)));
-        } else if (BITS == 8) {
-          s = _mm256_setzero_si256();
-          for (int g = 0; g < 8; ++g) {
-            const __m256i xv = _mm256_set1_epi32(load_u32(xb + 4 * g));
-            s = _mm256_add_epi32(
-                s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w[g]), _mm256_sign_epi8(xv, w[g])), ones16));
-          }
-        } else {
-          __m256i s16 = _mm256_setzero_si256();
-          for (int g = 0; g < 8; ++g)
-            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(load_u32(xb + 4 * g))));
-          s = _mm256_madd_epi16(s16, ones16);
-        }
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(sw, _mm256_set1_ps(rec.dx)), acc[i]);
-      }
-    }
-    if (BITS == 4) {
-      const uint16_t* oh = reinterpret_cast<const uint16_t*>(t.tile + l.nblocks * l.block_bytes);
-      for (int64_t g = 0; g < l.ngroups; ++g) {
-        const __m256 o = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(oh + g * kRows + 8 * half)));
-        for (int i = 0; i < MB; ++i)
-          acc[i] = _mm256_fmadd_ps(o, _mm256_set1_ps(a.group_sums[(t.m0 + i) * l.ngroups + g]), acc[i]);
-      }
-    }
-    for (int i = 0; i < MB; ++i) _mm256_storeu_ps(out + i * kRows + 8 * half, acc[i]);
-  }
-}
+#define TRTPAGED_TILE256_NAME tile_avxvnni256_mb
+#define TRTPAGED_TILE256_TARGET "avx2,fma,f16c,avxvnni"
+#include "qlinear_tile256.inc"
+#undef TRTPAGED_TILE256_NAME
+#undef TRTPAGED_TILE256_TARGET
 
 template <int BITS>
 __attribute__((target("avx2,fma,f16c"))) int tile_avx2(const TileArgs& t, int count, float* out) {
