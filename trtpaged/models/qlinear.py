@@ -176,10 +176,7 @@ class QuantizedEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         head = self.head
         codes, scales = head.codes.index_select(0, input_ids), head.scales.index_select(0, input_ids)
-        if torch.compiler.is_exporting():
-            return dequantize_weight(codes, scales, 8, head.group_size).to(self.dtype)
-        n, k, g = codes.shape[0], codes.shape[1], head.group_size
-        return (codes.to(torch.float32).view(n, k // g, g) * scales[:, :, None]).view(n, k).to(self.dtype)
+        return dequantize_weight(codes, scales, 8, head.group_size).to(self.dtype)
 
     def linear(self, h: torch.Tensor) -> torch.Tensor:
         """h @ E^T: the tied LM head."""
