@@ -121,6 +121,23 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
         log.exception("%s %s failed", request.method, request.url.path)
         return error_response(ApiError("internal server error (see the server log)", None, 500, "server_error"))
 
+    async def discard_body(request: Request, budget: int) -> None:
+        """Reads and drops up to `budget` more bytes of a refused body (bounded in bytes and time): closing
+        a connection with unread data resets it, and the client would get the reset instead of the 413."""
+        async def drain() -> None:
+            seen = 0
+            async for chunk in request.stream():
+                seen += len(chunk)
+                if seen >= budget:
+                    return
+
+        try:
+            await asyncio.wait_for(drain(), options.body_timeout_s)
+        except (asyncio.TimeoutError, ClientDisconnect):
+            pass
+        except RuntimeError:  # Starlette's "Stream consumed": nothing is left to read
+            pass
+
     async def read_body(request: Request) -> bytes:
         declared = request.headers.get("content-length")
         limit = options.max_body_bytes
@@ -128,6 +145,7 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
             if not declared.isdigit():
                 raise ApiError("content-length: must be a non-negative integer", "body")
             if int(declared) > limit:
+                await discard_body(request, min(int(declared), 2 * limit))
                 raise ApiError(f"body: {declared} bytes exceeds the limit ({limit})", "body", 413,
                                headers={"Connection": "close"})  # fmt: skip
         chunks: list[bytes] = []
@@ -138,6 +156,7 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:
+                    await discard_body(request, limit)
                     raise ApiError(f"body: more than the limit ({limit} bytes)", "body", 413, headers={"Connection": "close"})
                 chunks.append(chunk)
 
