@@ -70,3 +70,39 @@ def make_batch(
 def tolerance(io_dtype: torch.dtype) -> float:
     """Max abs error against the float64 reference, dominated by rounding the output to io_dtype."""
     return {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[io_dtype]
+
+
+def tie_rows(kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows [n, 64] that quantize with scale exactly 1 (their max is the code range's top, 127 or 448)
+    holding every midpoint between two neighbouring codes and the floats just below and above it,
+    and the codes torch rounds them to (half to even): (rows, codes [n, 64] in the pool's storage dtype)."""
+    from trtpaged.kv_quant import CODE_MAX, STORAGE_DTYPES
+
+    top = CODE_MAX[kv_dtype]
+    if kv_dtype == "int8":
+        grid = torch.arange(-127, 128, dtype=torch.float32)
+    else:
+        grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+        grid = grid[torch.isfinite(grid)].unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    below, above = torch.nextafter(mids, grid[:-1]), torch.nextafter(mids, grid[1:])
+    values = torch.cat([mids, below, above])
+    values = torch.cat([values, torch.zeros(-values.numel() % 63)]).reshape(-1, 63)
+    rows = torch.cat([torch.full((values.shape[0], 1), top), values], dim=1)
+    codes = torch.round(rows).to(torch.int8) if kv_dtype == "int8" else rows.to(torch.float8_e4m3fn)
+    assert codes.dtype == STORAGE_DTYPES[kv_dtype]
+    return rows, codes
+
+
+def write_rows(kernels, rows: torch.Tensor, pool: torch.Tensor) -> None:
+    """Writes rows [n, D] as the K and V of n tokens of one sequence (one kv head, layer 0) into pool
+    [blocks, 1, 2, 1, block_size, D + 2] through the attention kernel of rows' device."""
+    n, device = rows.shape[0], rows.device
+    i32 = torch.int32
+    kv = rows[:, None, :].contiguous()
+    blocks = pool.shape[0]
+    kernels.paged_attention(kv, kv, kv, pool, torch.arange(n, dtype=i32, device=device),
+                            torch.tensor([0, n], dtype=i32, device=device), torch.tensor([n], dtype=i32, device=device),
+                            torch.arange(blocks, dtype=i32, device=device)[None, :], layer=0, scale=0.125)  # fmt: skip
+    if device.type == "cuda":
+        torch.cuda.synchronize()

@@ -14,7 +14,7 @@ import ctypes
 import pytest
 import torch
 
-from kernel_cases import MIXED_SPECS, Batch, make_batch
+from kernel_cases import MIXED_SPECS, Batch, make_batch, tie_rows, write_rows
 from trtpaged import kernels
 from trtpaged.kv_quant import (
     STORAGE_DTYPES,
@@ -76,6 +76,19 @@ def test_codec_matches_torch_rounding(kv_dtype: str) -> None:
     assert rel.max() <= (0.5 / 127 if kv_dtype == "int8" else 2.0**-4) + 2.0**-11
     c2, s2 = split_rows(pack_rows(codes, scales))
     assert same_bytes(c2, codes) and torch.equal(s2, scales)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_write_rounds_every_tie_like_torch(kv_dtype: str) -> None:
+    # Rows with scale exactly 1 holding every midpoint between neighbouring codes and the floats either
+    # side: the kernel's codes are torch's rounding of them (half to even). The fp8 encoder checked here
+    # (plugins/src/fp8_e4m3.h) is also the CUDA kernels' on sm_80.
+    rows, expected = tie_rows(kv_dtype)
+    pool = torch.zeros(1, 1, 2, 1, 64, 64 + 2, dtype=expected.dtype)
+    write_rows(kernels, rows, pool)
+    codes, scales = split_rows(pool[0, 0, 0, 0, : rows.shape[0]])
+    assert torch.all(scales == 1.0)
+    assert same_bytes(codes, expected)
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 64])

@@ -9,6 +9,8 @@
 #include <type_traits>
 #include <cstring>
 
+#include "fp8_e4m3.h"
+
 #if defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -134,41 +136,10 @@ constexpr float code_max() {
   return std::is_same_v<T, int8_code> ? 127.0f : 448.0f;
 }
 
-// Round to nearest even, saturating at 448 (inputs here are already within +-448).
-inline uint8_t float_to_e4m3(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  const uint8_t sign = uint8_t((u >> 24) & 0x80u);
-  u &= 0x7fffffffu;
-  if (u > 0x7f800000u) return sign | 0x7fu;  // nan
-  float a;
-  std::memcpy(&a, &u, 4);
-  if (a >= 448.0f) return sign | 0x7eu;
-  if (a < 0.015625f) {  // below 2^-6: subnormal, units of 2^-9 (8 rounds up to the smallest normal)
-    return sign | uint8_t(__builtin_nearbyintf(a * 512.0f));
-  }
-  u += 0x7ffffu + ((u >> 20) & 1u);  // round the 23-bit mantissa to 3 bits, ties to even
-  return sign | uint8_t((u >> 20) - (120u << 3));
-}
-
-inline float e4m3_to_float(uint8_t c) {
-  const uint32_t sign = uint32_t(c & 0x80u) << 24;
-  const uint32_t exp = (c >> 3) & 0xfu, mant = c & 0x7u;
-  float f;
-  if (exp == 0) {
-    f = float(mant) * (1.0f / 512.0f);
-  } else if (exp == 15 && mant == 7) {
-    f = __builtin_nanf("");
-  } else {
-    const uint32_t u = ((exp + 120u) << 23) | (mant << 20);
-    std::memcpy(&f, &u, 4);
-  }
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u |= sign;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+// fp8 codes are made and read by the shared software codec (fp8_e4m3.h), which the CUDA kernels
+// built for sm_80 use too.
+inline uint8_t float_to_e4m3(float x) { return e4m3_encode(x); }
+inline float e4m3_to_float(uint8_t c) { return e4m3_decode(c); }
 
 // All 256 e4m3 values, for de-quantizing by table lookup.
 struct E4m3Table {
