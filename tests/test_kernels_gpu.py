@@ -13,7 +13,7 @@ from typing import Optional
 import pytest
 import torch
 
-from kernel_cases import MIXED_SPECS, Batch, make_batch, tolerance
+from kernel_cases import MIXED_SPECS, Batch, make_batch, tie_rows, tolerance, write_rows
 from trtpaged.reference import paged_attention_reference
 
 pytestmark = pytest.mark.gpu
@@ -249,18 +249,103 @@ def test_bad_block_pairs_are_rejected_on_the_host(kernels) -> None:
     assert torch.equal(pool, before)
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
-def test_quantized_cache_is_unsupported_on_cuda_with_a_clear_message(kernels, kv_dtype: str) -> None:
-    # The CUDA kernels have no quantized KV cache yet: refused on the host, naming kv_dtype, pool untouched.
+# ---- quantized KV cache (int8, fp8_e4m3) --------------------------------------------------
+#
+# Truths: the pool bytes the CUDA write makes equal PyTorch's own quantization (trtpaged.kv_quant:
+# torch.round, torch's float8_e4m3fn cast), which the CPU kernel equals too (tests/test_kv_quant.py),
+# scales included; the output equals float64 attention over the same pool de-quantized with the same
+# scales (trtpaged.reference), within fp32 rounding.
+
+QUANT_KV = ["int8", "fp8_e4m3"]
+
+
+def quantized(batch: Batch, kv_dtype: str) -> Batch:
+    """The batch with its random float pool quantized row by row into kv_dtype's layout."""
     from trtpaged.kv_quant import pack_rows, quantize_rows
 
-    batch = make_batch([(0, 5), (7, 1)], num_layers=1)
     pool = pack_rows(*quantize_rows(batch.kv_cache, kv_dtype))
+    return Batch(batch.q, batch.k, batch.v, pool, *batch.args()[4:], scale=batch.scale)
+
+
+def assert_quantized_matches(kernels, batch: Batch, layer: int = 1, max_context_len: Optional[int] = None) -> None:
     gpu = batch.to("cuda")
-    gpu_pool = pool.to("cuda")
-    with pytest.raises(kernels.KernelError, match=f"kv_dtype: {kv_dtype} KV cache not implemented by the CUDA"):
-        kernels.paged_attention(*gpu.args()[:3], gpu_pool, *gpu.args()[4:], layer=0, scale=batch.scale)
-    assert torch.equal(gpu_pool.cpu().view(torch.uint8), pool.view(torch.uint8))
+    ref_cache = batch.kv_cache.clone()
+    out = kernels.paged_attention(*gpu.args(), layer=layer, scale=batch.scale, max_context_len=max_context_len)
+    args = batch.args()
+    ref = paged_attention_reference(*args[:3], ref_cache, *args[4:], layer=layer, scale=batch.scale)
+    torch.cuda.synchronize()
+    # every byte of the pool (codes and scales, every slot and layer) as PyTorch quantizes it
+    assert torch.equal(gpu.kv_cache.cpu().view(torch.uint8), ref_cache.view(torch.uint8))
+    err = (out.cpu().double() - ref.double()).abs().max().item() if out.numel() else 0.0
+    assert err <= gpu_tolerance(batch.q.dtype), f"max abs error {err} against the de-quantizing reference"
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128])
+@pytest.mark.parametrize("kv_dtype", QUANT_KV)
+def test_quantized_mixed_batch_every_block_size(kernels, kv_dtype: str, block_size: int) -> None:
+    io_dtype = DTYPES[block_size.bit_length() % 3]
+    batch = make_batch(MIXED_SPECS, block_size=block_size, io_dtype=io_dtype, seed=40 + block_size)
+    assert_quantized_matches(kernels, quantized(batch, kv_dtype))
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("io_dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kv_dtype", QUANT_KV)
+def test_quantized_head_dims_and_io_dtypes(kernels, kv_dtype: str, io_dtype: torch.dtype, head_dim: int) -> None:
+    specs = [(0, 7), (30, 1), (5, 20), (0, 1), (61, 3)]
+    batch = make_batch(specs, head_dim=head_dim, io_dtype=io_dtype, seed=head_dim, num_layers=2)
+    assert_quantized_matches(kernels, quantized(batch, kv_dtype), layer=1)
+
+
+@pytest.mark.parametrize("kv_dtype", QUANT_KV)
+def test_quantized_long_decodes_split_prefill_and_gqa(kernels, kv_dtype: str) -> None:
+    decodes = make_batch([(3001, 1), (4095, 1), (255, 1), (0, 1), (1023, 1)], num_layers=1, io_dtype=torch.float16,
+                         seed=41)  # fmt: skip
+    assert_quantized_matches(kernels, quantized(decodes, kv_dtype), layer=0)
+    mixed = make_batch([(0, 300), (2500, 5), (3333, 1), (1, 1)], num_heads=16, num_kv_heads=4, head_dim=128,
+                       io_dtype=torch.bfloat16, num_layers=2, block_size=8, seed=42)  # fmt: skip
+    assert_quantized_matches(kernels, quantized(mixed, kv_dtype), layer=1)
+
+
+@pytest.mark.parametrize("kv_dtype", QUANT_KV)
+def test_quantized_masked_rows_holding_nan_bytes_never_leak(kernels, kv_dtype: str) -> None:
+    # Slots past each sequence's context (same blocks, and the padding blocks) hold NaN codes and NaN
+    # scales: the tile loader zero-fills them, so masked keys add nothing (0 * NaN would be NaN).
+    from trtpaged.kv_quant import split_rows
+
+    batch = quantized(make_batch([(0, 5), (20, 1), (9, 14)], block_size=16, num_layers=1, seed=43), kv_dtype)
+    raw = batch.kv_cache.view(torch.uint8)
+    raw[...] = 0x7F  # every code NaN (fp8) / 127 (int8), every fp16 scale 0x7f7f = NaN
+    assert torch.isnan(split_rows(batch.kv_cache)[1]).all()
+    out = kernels.paged_attention(*batch.to("cuda").args(), layer=0, scale=batch.scale)
+    assert torch.isfinite(out).all()
+    assert_quantized_matches(kernels, batch, layer=0)
+
+
+@pytest.mark.parametrize("kv_dtype", QUANT_KV)
+def test_quantized_write_rounds_every_tie_like_torch(kernels, kv_dtype: str) -> None:
+    # Rows with scale exactly 1 whose values are every midpoint between neighbouring codes and the
+    # floats either side (kernel_cases.tie_rows): the codes must be torch's rounding of them. On sm_89+
+    # this checks the hardware conversion, on sm_80 the software codec the CPU kernels share.
+    from trtpaged.kv_quant import split_rows
+
+    rows, expected = tie_rows(kv_dtype)
+    pool = torch.zeros(1, 1, 2, 1, 64, 64 + 2, dtype=expected.dtype, device="cuda")
+    write_rows(kernels, rows.cuda(), pool)
+    codes, scales = split_rows(pool.cpu()[0, 0, 0, 0, : rows.shape[0]])
+    assert torch.all(scales == 1.0)
+    assert torch.equal(codes.view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.parametrize("kv_dtype", QUANT_KV)
+def test_quantized_blocks_copy_and_swap_as_bytes(kernels, kv_dtype: str) -> None:
     # block copies are dtype-blind: a quantized pool's blocks (codes and scales) move as bytes
-    kernels.copy_blocks(gpu_pool, [(0, 1)])
+    pool = quantized(make_batch([(0, 5), (7, 1)], num_layers=2), kv_dtype).kv_cache
+    gpu_pool = pool.to("cuda")
+    kernels.copy_blocks(gpu_pool, [(0, 1), (2, 3)])
+    host = torch.zeros_like(pool)
+    kernels.swap_blocks(gpu_pool, host, [(1, 0)])
+    torch.cuda.synchronize()
     assert torch.equal(gpu_pool[1].cpu().view(torch.uint8), pool[0].view(torch.uint8))
+    assert torch.equal(gpu_pool[3].cpu().view(torch.uint8), pool[2].view(torch.uint8))
+    assert torch.equal(host[0].view(torch.uint8), pool[0].view(torch.uint8))

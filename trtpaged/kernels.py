@@ -219,7 +219,7 @@ def paged_attention(
 
     q [T, H, D], k/v [T, KVH, D] (one dtype), kv_cache [num_blocks, num_layers, 2, KVH,
     block_size, D] (float), or [..., block_size, D + 2] int8 / float8_e4m3fn for a quantized cache
-    (trtpaged.kv_quant; CPU only), positions [T], query_start [S+1], context_lens [S], block_tables
+    (trtpaged.kv_quant), positions [T], query_start [S+1], context_lens [S], block_tables
     [S, max_blocks] (int32). Returns out [T, H, D] in q.dtype. On CUDA, max_context_len
     (an upper bound of context_lens) avoids a device sync when given.
     """

@@ -18,8 +18,8 @@
  *   (round to nearest even, saturating at 448), M = 448. A zero scale means zero codes. A row
  *   is written once, when its token is, so nothing is ever re-quantized; scales live inside
  *   the block, so block copy and swap move them with the codes (block_bytes = num_layers * 2 *
- *   num_kv_heads * block_size * (head_dim + 2)). CPU only for now: the CUDA path returns
- *   UNSUPPORTED.
+ *   num_kv_heads * block_size * (head_dim + 2)). The CPU and CUDA paths write the same bytes
+ *   (fp8: the sm_89+ hardware conversion, or on sm_80 the CPU's software codec).
  * - The cache slot of the token at position p of sequence s is
  *     block_tables[s * max_blocks_per_seq + p / block_size], offset p % block_size.
  * - *_cpu functions take host pointers; *_cuda functions take device pointers

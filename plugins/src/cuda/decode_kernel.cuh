@@ -7,6 +7,10 @@
 // keys it owns; rows are merged through smem at the end. The result is written
 // straight to `out` when the sequence needs one split, else as a partial
 // (unnormalised output, max, sum) that decode_reduce_kernel merges.
+//
+// A quantized pool (int8, fp8_e4m3) is read as codes: the smem tile holds the rows as the pool does
+// (D codes, then the fp16 scale), each lane widens its codes in registers, and the row's scale is
+// applied once per key: score = scale_k * (q . codes_k), acc += (p * scale_v) * codes_v.
 #pragma once
 
 #include <cstdint>
@@ -19,10 +23,10 @@
 namespace trtpaged {
 namespace cuda {
 
-// Tokens per smem tile: about 8 KB of K (and as much of V) per stage.
+// Tokens per smem tile: about 8 KB of K (and as much of V) per stage (a quantized row's scale counted).
 template <int D, typename KvT>
 struct DecodeTile {
-  static constexpr int kRowBytes = D * static_cast<int>(sizeof(KvT));
+  static constexpr int kRowBytes = kv_row_elems<KvT, D>() * static_cast<int>(sizeof(KvT));
   static constexpr int tokens = kRowBytes <= 128 ? 64 : (kRowBytes <= 256 ? 32 : 16);
 };
 
@@ -43,7 +47,9 @@ template <int D, typename IoT, typename KvT>
 __global__ void __launch_bounds__(kDecodeMaxThreads, 2) decode_kernel(PagedArgs a, DecodePlan p) {
   constexpr int E = D / kDecodeLanes;  // elements of a row owned by one lane
   constexpr int T = DecodeTile<D, KvT>::tokens;
-  constexpr int kStageElems = 2 * T * D;  // K tile then V tile
+  constexpr int R = kv_row_elems<KvT, D>();  // pool row: D values, or D codes + the scale's 2 bytes
+  constexpr bool kQuant = KvFormat<KvT>::quantized;
+  constexpr int kStageElems = 2 * T * R;  // K tile then V tile
   constexpr int kSmemBytes = 2 * kStageElems * static_cast<int>(sizeof(KvT));
   constexpr int kMaxRows = kDecodeMaxThreads / kDecodeLanes;
   static_assert(D % (2 * kDecodeLanes) == 0, "head_dim must be a multiple of 16");
@@ -92,32 +98,34 @@ __global__ void __launch_bounds__(kDecodeMaxThreads, 2) decode_kernel(PagedArgs 
   KvT* stage_base = reinterpret_cast<KvT*>(smem);
   const int num_tiles = (end - begin + T - 1) / T;
 
-  if (num_tiles > 0) load_kv_tile<KvT, D, T>(a, block_row, kv_head, begin, end, stage_base, stage_base + T * D);
+  if (num_tiles > 0) load_tile<KvT, D, T>(a, block_row, kv_head, begin, end, stage_base, stage_base + T * R);
   cp_async_commit();
   for (int it = 0; it < num_tiles; ++it) {
     if (it + 1 < num_tiles) {
       KvT* next = stage_base + ((it + 1) & 1) * kStageElems;
-      load_kv_tile<KvT, D, T>(a, block_row, kv_head, begin + (it + 1) * T, end, next, next + T * D);
+      load_tile<KvT, D, T>(a, block_row, kv_head, begin + (it + 1) * T, end, next, next + T * R);
     }
     cp_async_commit();
     cp_async_wait<1>();  // tile `it` has landed (only the group just committed may be pending)
     __syncthreads();
 
     const KvT* sk = stage_base + (it & 1) * kStageElems;
-    const KvT* sv = sk + T * D;
+    const KvT* sv = sk + T * R;
     const int valid = min(T, end - (begin + it * T));
     const int chunks = (valid + 3) / 4;
     for (int c = z; c < chunks; c += p.rows_z) {
       float sc[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
+        const KvT* key = sk + (c * 4 + i) * R;
         float kf[E];
-        load_float<KvT, E>(sk + (c * 4 + i) * D + lane * E, kf);
+        load_row_part<KvT, E>(key, lane * E, kf);
         float dot = 0.f;
 #pragma unroll
         for (int e = 0; e < E; ++e) dot = fmaf(q[e], kf[e], dot);
 #pragma unroll
         for (int o = kDecodeLanes / 2; o > 0; o /= 2) dot += __shfl_xor_sync(row_mask, dot, o);
+        if constexpr (kQuant) dot *= row_scale<D>(reinterpret_cast<const uint8_t*>(key));
         sc[i] = c * 4 + i < valid ? dot : -INFINITY;
       }
       const float m_new = fmaxf(m, fmaxf(fmaxf(sc[0], sc[1]), fmaxf(sc[2], sc[3])));
@@ -130,10 +138,13 @@ __global__ void __launch_bounds__(kDecodeMaxThreads, 2) decode_kernel(PagedArgs 
       for (int i = 0; i < 4; ++i) {
         const float pr = exp2f(sc[i] - m_new);
         l += pr;
+        const KvT* value = sv + (c * 4 + i) * R;
         float vf[E];
-        load_float<KvT, E>(sv + (c * 4 + i) * D + lane * E, vf);
+        load_row_part<KvT, E>(value, lane * E, vf);
+        float w = pr;
+        if constexpr (kQuant) w *= row_scale<D>(reinterpret_cast<const uint8_t*>(value));
 #pragma unroll
-        for (int e = 0; e < E; ++e) acc[e] = fmaf(pr, vf[e], acc[e]);
+        for (int e = 0; e < E; ++e) acc[e] = fmaf(w, vf[e], acc[e]);
       }
       m = m_new;
     }

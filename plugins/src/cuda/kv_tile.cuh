@@ -6,6 +6,8 @@
 #include <cstdint>
 
 #include "cuda/cp_async.cuh"
+#include "cuda/dtype.cuh"
+#include "cuda/kv_codes.cuh"
 #include "cuda/paged_args.h"
 
 namespace trtpaged {
@@ -14,7 +16,7 @@ namespace cuda {
 // Element offset of kv_cache[block][layer][kv][head][0][0].
 __device__ __forceinline__ int64_t kv_head_offset(const PagedArgs& a, int block, int kv, int head) {
   const int64_t slab = (static_cast<int64_t>(block) * a.num_layers + a.layer) * 2 + kv;
-  return ((slab * a.num_kv_heads + head) * a.block_size) * a.head_dim;
+  return ((slab * a.num_kv_heads + head) * a.block_size) * a.kv_row;
 }
 
 __device__ __forceinline__ bool block_valid(const PagedArgs& a, int block) {
@@ -65,6 +67,71 @@ __device__ __forceinline__ void load_kv_tile(const PagedArgs& a, const int32_t* 
     } else {
       *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
     }
+  }
+}
+
+// Quantized pools: copies the K and V rows (D codes and the fp16 scale, D + 2 bytes each) of tokens
+// [first, first + T) of one KV head into sk/sv ([T][D + 2] bytes each, packed as in the pool, 16-byte
+// aligned). Rows are not 16-byte aligned, but the rows of one block are contiguous: a tile is copied
+// as runs of min(T, block_size) rows (first is a multiple of T, T and block_size powers of two >= 8,
+// so every run starts a block or lies inside one and spans a whole number of 16-byte chunks).
+// Bytes of rows at or past `end`, or in a block outside the pool, are zero-filled: a masked key's
+// stale codes or scale can never inject NaN.
+template <int D, int T>
+__device__ __forceinline__ void load_quant_kv_tile(const PagedArgs& a, const int32_t* block_row, int kv_head,
+                                                   int first, int end, uint8_t* sk, uint8_t* sv) {
+  constexpr int kRow = D + 2;
+  constexpr int kTileChunks = T * kRow / 16;
+  static_assert(T % 8 == 0 && (8 * kRow) % 16 == 0, "runs of 8 rows must be whole 16-byte chunks");
+  const int run = T < a.block_size ? T : a.block_size;
+  const int run_chunks = run * kRow / 16;
+  const uint8_t* cache = static_cast<const uint8_t*>(a.kv_cache);
+  for (int i = threadIdx.x; i < 2 * kTileChunks; i += blockDim.x) {
+    const int kv = i >= kTileChunks ? 1 : 0;
+    const int c = i - kv * kTileChunks;
+    const int r = c / run_chunks;
+    const int byte = (c - r * run_chunks) * 16;  // inside the run
+    uint8_t* dst = (kv ? sv : sk) + c * 16;
+    const int token = first + r * run;
+    int bytes = 0;
+    const uint8_t* src = nullptr;
+    if (token < end) {
+      const int block = block_row[token >> a.block_size_log2];
+      if (block_valid(a, block)) {
+        const int rows = min(end - token, run);
+        bytes = max(0, min(16, rows * kRow - byte));
+        const int offset = token & (a.block_size - 1);
+        src = cache + kv_head_offset(a, block, kv, kv_head) + static_cast<int64_t>(offset) * kRow + byte;
+      }
+    }
+    if (bytes > 0) {
+      cp_async_16_zfill(dst, src, bytes);
+    } else {
+      *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+}
+
+// The tile loader of the pool element type KvT: rows of D values, or of D codes and a scale.
+template <typename KvT, int D, int T>
+__device__ __forceinline__ void load_tile(const PagedArgs& a, const int32_t* block_row, int kv_head, int first,
+                                          int end, KvT* sk, KvT* sv) {
+  if constexpr (KvFormat<KvT>::quantized) {
+    load_quant_kv_tile<D, T>(a, block_row, kv_head, first, end, reinterpret_cast<uint8_t*>(sk),
+                             reinterpret_cast<uint8_t*>(sv));
+  } else {
+    load_kv_tile<KvT, D, T>(a, block_row, kv_head, first, end, sk, sv);
+  }
+}
+
+// N consecutive values of a cached row starting at element `first` as floats, unscaled: a quantized
+// row's codes (its scale is applied once per key by the caller, row_scale).
+template <typename KvT, int N>
+__device__ __forceinline__ void load_row_part(const KvT* row, int first, float (&dst)[N]) {
+  if constexpr (KvFormat<KvT>::quantized) {
+    load_codes<KvT, N>(reinterpret_cast<const uint8_t*>(row) + first, dst);
+  } else {
+    load_float<KvT, N>(row + first, dst);
   }
 }
 

@@ -28,6 +28,7 @@ struct PagedArgs {
   int num_kv_heads;
   int group;  // num_heads / num_kv_heads
   int head_dim;
+  int kv_row;  // elements of one token row of one head in the pool: head_dim, or head_dim + 2 bytes (int8/fp8)
   int num_blocks;
   int num_layers;
   int layer;

@@ -30,11 +30,6 @@ int check_params(const trtpaged_attention_params* p, int32_t max_context_len) {
   const AttentionLimits limits{kHeadDims, kNumHeadDims, 16, kMaxHeadDim, false};
   const int rc = validate_attention_params(p, limits);
   if (rc != TRTPAGED_OK) return rc;
-  if (kv_dtype_quantized(p->kv_dtype)) {
-    return fail(TRTPAGED_ERR_UNSUPPORTED, std::string("kv_dtype: ") +
-                                              (p->kv_dtype == TRTPAGED_INT8 ? "int8" : "fp8_e4m3") +
-                                              " KV cache not implemented by the CUDA kernels (CPU only for now)");
-  }
   if (log2_exact(p->block_size) < 0) {
     return fail(TRTPAGED_ERR_UNSUPPORTED,
                 "block_size " + std::to_string(p->block_size) + " is not a power of two");
@@ -126,6 +121,7 @@ extern "C" TRTPAGED_API int trtpaged_paged_attention_cuda(const trtpaged_attenti
     a.num_kv_heads = p.num_kv_heads;
     a.group = p.num_heads / p.num_kv_heads;
     a.head_dim = p.head_dim;
+    a.kv_row = trtpaged::kv_dtype_quantized(p.kv_dtype) ? p.head_dim + 2 : p.head_dim;
     a.num_blocks = p.num_blocks;
     a.num_layers = p.num_layers;
     a.layer = p.layer;

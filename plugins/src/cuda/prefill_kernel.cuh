@@ -7,7 +7,10 @@
 // query rows (token, head of the GQA group), four lanes per row, each lane
 // owning D/4 elements of q and of the output accumulator in registers. K/V tiles
 // stream through smem (cp.async, double buffered); online softmax per row;
-// causal mask: a query at position p reads keys at positions <= p.
+// causal mask: a query at position p reads keys at positions <= p. A quantized
+// pool's tiles hold the rows as the pool does (codes, then the fp16 scale); codes
+// are widened in registers and each key's scale applied once to its score and
+// to its softmax weight.
 #pragma once
 
 #include <cstdint>
@@ -78,7 +81,9 @@ template <int D, typename IoT, typename KvT>
 __global__ void __launch_bounds__(kPrefillThreads) prefill_kernel(PagedArgs a, PrefillPlan p) {
   constexpr int TK = kPrefillTileKeys;
   constexpr int kPairs = D / 8;  // each lane owns pairs (8j + 2*lane4, +1), j < D/8
-  constexpr int kStageElems = 2 * TK * D;
+  constexpr int R = kv_row_elems<KvT, D>();  // pool row: D values, or D codes + the scale's 2 bytes
+  constexpr bool kQuant = KvFormat<KvT>::quantized;
+  constexpr int kStageElems = 2 * TK * R;
   static_assert(D % 8 == 0, "head_dim must be a multiple of 8");
   static_assert(kPrefillThreads == 4 * kPrefillRows, "four lanes per query row");
   __shared__ __align__(16) unsigned char smem[2 * kStageElems * sizeof(KvT)];
@@ -138,19 +143,19 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_kernel(PagedArgs a, P
   KvT* stage_base = reinterpret_cast<KvT*>(smem);
   const int num_tiles = (kv_end + TK - 1) / TK;
 
-  if (num_tiles > 0) load_kv_tile<KvT, D, TK>(a, block_row, kv_head, 0, kv_end, stage_base, stage_base + TK * D);
+  if (num_tiles > 0) load_tile<KvT, D, TK>(a, block_row, kv_head, 0, kv_end, stage_base, stage_base + TK * R);
   cp_async_commit();
   for (int it = 0; it < num_tiles; ++it) {
     if (it + 1 < num_tiles) {
       KvT* next = stage_base + ((it + 1) & 1) * kStageElems;
-      load_kv_tile<KvT, D, TK>(a, block_row, kv_head, (it + 1) * TK, kv_end, next, next + TK * D);
+      load_tile<KvT, D, TK>(a, block_row, kv_head, (it + 1) * TK, kv_end, next, next + TK * R);
     }
     cp_async_commit();
     cp_async_wait<1>();
     __syncthreads();
 
     const KvT* sk = stage_base + (it & 1) * kStageElems;
-    const KvT* sv = sk + TK * D;
+    const KvT* sv = sk + TK * R;
     const int first = it * TK;
     float sc[TK];
 #pragma unroll
@@ -159,12 +164,13 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_kernel(PagedArgs a, P
 #pragma unroll
       for (int j = 0; j < kPairs; ++j) {
         float kf[2];
-        load_float<KvT, 2>(sk + t * D + 8 * j + 2 * lane4, kf);
+        load_row_part<KvT, 2>(sk + t * R, 8 * j + 2 * lane4, kf);
         dot = fmaf(q[2 * j], kf[0], dot);
         dot = fmaf(q[2 * j + 1], kf[1], dot);
       }
       dot += __shfl_xor_sync(0xffffffffu, dot, 1);
       dot += __shfl_xor_sync(0xffffffffu, dot, 2);
+      if constexpr (kQuant) dot *= row_scale<D>(reinterpret_cast<const uint8_t*>(sk + t * R));
       sc[t] = first + t < row_lim ? dot : -INFINITY;
     }
     float mx = sc[0];
@@ -180,12 +186,14 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_kernel(PagedArgs a, P
       for (int t = 0; t < TK; ++t) {
         const float pr = exp2f(sc[t] - m_new);
         l += pr;
+        float w = pr;
+        if constexpr (kQuant) w *= row_scale<D>(reinterpret_cast<const uint8_t*>(sv + t * R));
 #pragma unroll
         for (int j = 0; j < kPairs; ++j) {
           float vf[2];
-          load_float<KvT, 2>(sv + t * D + 8 * j + 2 * lane4, vf);
-          acc[2 * j] = fmaf(pr, vf[0], acc[2 * j]);
-          acc[2 * j + 1] = fmaf(pr, vf[1], acc[2 * j + 1]);
+          load_row_part<KvT, 2>(sv + t * R, 8 * j + 2 * lane4, vf);
+          acc[2 * j] = fmaf(w, vf[0], acc[2 * j]);
+          acc[2 * j + 1] = fmaf(w, vf[1], acc[2 * j + 1]);
         }
       }
       m = m_new;

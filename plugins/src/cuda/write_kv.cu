@@ -1,8 +1,11 @@
-// Step 1 of paged attention: scatter each new token's K and V into its cache slot.
+// Step 1 of paged attention: scatter each new token's K and V into its cache slot
+// (quantizing each row, with its own scale, for an int8 / fp8_e4m3 pool).
 #include <cstdint>
 
 #include "cuda/dispatch.h"
 #include "cuda/dtype.cuh"
+#include "cuda/head_dims.h"
+#include "cuda/kv_codes.cuh"
 #include "cuda/kv_tile.cuh"
 #include "cuda/launch.h"
 
@@ -57,6 +60,58 @@ __global__ void __launch_bounds__(128) write_kv_kernel(PagedArgs a) {
   }
 }
 
+// Quantized pools: one CTA per packed token, one warp per (K or V, kv head) row. The warp finds the
+// row's max |x|, rounds max|x| / code_max to the fp16 scale stored after the codes, and writes each
+// code from x / stored scale, exactly as the CPU kernel (quantize_row in cpu/dtype_cpu.h) does: IEEE
+// division, round half to even, int8 clamped to +-127, fp8 saturated to +-448.
+template <typename IoT, typename CodeT>
+__global__ void __launch_bounds__(128) write_kv_quant_kernel(PagedArgs a) {
+  constexpr int kPairsPerLane = kMaxHeadDim / 64;  // head_dim / 2 pairs over 32 lanes
+  const int t = blockIdx.x;
+  const int s = token_sequence(a, t);
+  if (s < 0) return;
+  const int pos = a.positions[t];
+  if (pos < 0) return;
+  const int index = pos >> a.block_size_log2;
+  if (index >= a.max_blocks_per_seq) return;
+  const int block = a.block_tables[static_cast<int64_t>(s) * a.max_blocks_per_seq + index];
+  if (!block_valid(a, block)) return;
+  const int offset = pos & (a.block_size - 1);
+
+  const int lane = threadIdx.x & 31;
+  const int pairs = a.head_dim / 2;
+  uint8_t* cache = static_cast<uint8_t*>(a.kv_cache);
+  for (int r = threadIdx.x >> 5; r < 2 * a.num_kv_heads; r += blockDim.x >> 5) {
+    const int kv = r / a.num_kv_heads;
+    const int h = r - kv * a.num_kv_heads;
+    const IoT* src = static_cast<const IoT*>(kv ? a.v : a.k) + (static_cast<int64_t>(t) * a.num_kv_heads + h) * a.head_dim;
+    float x[kPairsPerLane][2];
+    float amax = 0.f;
+#pragma unroll
+    for (int j = 0; j < kPairsPerLane; ++j) {
+      const int i = lane + 32 * j;
+      x[j][0] = x[j][1] = 0.f;
+      if (i < pairs) load_float<IoT, 2>(src + 2 * i, x[j]);
+      amax = fmaxf(amax, fmaxf(fabsf(x[j][0]), fabsf(x[j][1])));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const __half stored = __float2half_rn(fminf(__fdiv_rn(amax, KvFormat<CodeT>::code_max), 65504.f));
+    const float scale = __half2float(stored);
+    uint8_t* row = cache + kv_head_offset(a, block, kv, h) + static_cast<int64_t>(offset) * a.kv_row;
+    unsigned short* codes = reinterpret_cast<unsigned short*>(row);  // rows are 2-byte aligned
+#pragma unroll
+    for (int j = 0; j < kPairsPerLane; ++j) {
+      const int i = lane + 32 * j;
+      if (i >= pairs) continue;
+      const float y0 = scale > 0.f ? __fdiv_rn(x[j][0], scale) : 0.f;
+      const float y1 = scale > 0.f ? __fdiv_rn(x[j][1], scale) : 0.f;
+      codes[i] = encode_code_pair<CodeT>(y0, y1);
+    }
+    if (lane == 0) *reinterpret_cast<unsigned short*>(row + a.head_dim) = __half_as_ushort(stored);
+  }
+}
+
 }  // namespace
 
 cudaError_t launch_write_kv(const PagedArgs& a, trtpaged_dtype io, trtpaged_dtype kv, cudaStream_t stream) {
@@ -64,10 +119,14 @@ cudaError_t launch_write_kv(const PagedArgs& a, trtpaged_dtype io, trtpaged_dtyp
   bool io_ok = false;
   bool kv_ok = false;
   io_ok = with_dtype(io, [&](auto io_tag) {
-    kv_ok = with_dtype(kv, [&](auto kv_tag) {
+    kv_ok = with_kv_dtype(kv, [&](auto kv_tag) {
       using IoT = typename decltype(io_tag)::type;
       using KvT = typename decltype(kv_tag)::type;
-      write_kv_kernel<IoT, KvT><<<a.num_tokens, 128, 0, stream>>>(a);
+      if constexpr (KvFormat<KvT>::quantized) {
+        write_kv_quant_kernel<IoT, KvT><<<a.num_tokens, 128, 0, stream>>>(a);
+      } else {
+        write_kv_kernel<IoT, KvT><<<a.num_tokens, 128, 0, stream>>>(a);
+      }
     });
   });
   if (!io_ok || !kv_ok) return cudaErrorInvalidValue;

@@ -48,12 +48,9 @@ class TorchRunner:
     ) -> "TorchRunner":
         """Loads the engine dir's weights into the step model and allocates the pool."""
         from trtpaged.models import load_step_model
-        from trtpaged.manifest import KV_DTYPES, QUANTIZED_KV_DTYPES, read_manifest
+        from trtpaged.manifest import KV_DTYPES, read_manifest
 
         kv_dtype = read_manifest(engine_dir).kv_cache_dtype
-        if kv_dtype in QUANTIZED_KV_DTYPES and not str(device).startswith("cpu"):
-            raise ValueError(f"device: {device!r} with kv_cache_dtype {kv_dtype}: the CUDA kernels have no quantized "
-                             "KV cache yet; run on device 'cpu' (or rebuild with a float kv_cache_dtype)")
         model, manifest = load_step_model(engine_dir, device=device)
         bs = manifest.limits.block_size
         pool = model.new_kv_cache(num_blocks, bs, kv_dtype if kv_dtype in KV_DTYPES else None, device=device)
