@@ -7,7 +7,10 @@ context) three times through the real prefill + decode path:
 2. with the quantized cache, teacher-forced on the reference tokens: max |logit - reference logit|
    over every generated position, and top-1 agreement (the reference token is still the argmax);
 3. with the quantized cache, greedy on its own: greedy agreement, the tokens generated before the
-   first difference from the reference (and the fraction of positions equal).
+   first difference from the reference (and the fraction of positions equal), and at that first
+   difference the reference's top-1 minus top-2 logit (both runs saw the same tokens up to there, so
+   this is the margin the quantized cache had to flip: a near-tie when it is below the teacher-forced
+   logit error).
 
 Tolerance (a build past it fails, with the figures): KV_ACCEPT[kv_dtype] is the least teacher-forced
 top-1 agreement over all prompts (docs/quantization.md, "KV cache").
@@ -35,6 +38,7 @@ class PromptKVAccuracy:
     top1_agreement: float  # teacher-forced
     greedy_prefix: int  # tokens generated identically before the first difference (free-running)
     greedy_equal: float  # fraction of generated positions with the same token (free-running)
+    divergence_gap: Optional[float] = None  # reference top-1 minus top-2 logit at the first difference
 
 
 @dataclass(frozen=True)
@@ -57,9 +61,11 @@ class KVAccuracyReport:
 
     def line(self) -> str:
         greedy = ", ".join(f"{p.greedy_prefix}/{p.new_tokens}" for p in self.prompts)
+        gaps = [f"{p.divergence_gap:.3g}" for p in self.prompts if p.divergence_gap is not None]
+        at = f", reference top-2 gap at the first difference {', '.join(gaps)}" if gaps else ""
         return (f"KV {self.kv_dtype} vs float32 cache: max |dlogit| {self.max_abs_diff:.3g}, teacher-forced top-1 "
                 f"{self.top1_agreement:.1%} over {sum(p.new_tokens for p in self.prompts)} tokens; greedy identical "
-                f"for {greedy} tokens (prompts of {', '.join(str(p.prompt_tokens) for p in self.prompts)} tokens)")
+                f"for {greedy} tokens{at} (prompts of {', '.join(str(p.prompt_tokens) for p in self.prompts)} tokens)")
 
 
 def _generate(step_model: Any, prompt: list[int], kv_dtype: str, block_size: int, new_tokens: int,
@@ -114,9 +120,13 @@ def measure_kv_accuracy(step_model: Any, tokenizer: Any, kv_dtype: str, block_si
         free_tokens, _ = _generate(step_model, prompt, kv_dtype, block_size, new_tokens)
         same = [a == b for a, b in zip(ref_tokens, free_tokens)]
         prefix = same.index(False) if False in same else len(same)
+        gap = None
+        if prefix < len(same):
+            top2 = ref_logits[prefix].topk(2).values
+            gap = float(top2[0] - top2[1])
         top1 = float((forced_logits.argmax(-1) == torch.tensor(ref_tokens)).float().mean())
         results.append(PromptKVAccuracy(len(prompt), new_tokens, float((forced_logits - ref_logits).abs().max()),
-                                        top1, prefix, sum(same) / len(same)))  # fmt: skip
+                                        top1, prefix, sum(same) / len(same), gap))  # fmt: skip
     report = KVAccuracyReport(kv_dtype, KV_ACCEPT[kv_dtype], results)
     if check and report.top1_agreement < report.threshold:
         raise AccuracyError(f"kv_accuracy: {report.line()}; kv_cache_dtype {kv_dtype} needs teacher-forced top-1 "
