@@ -5,7 +5,9 @@
 #      library for their major (nm/readelf: only the two entry points, no libnvinfer);
 #   2. ptxas register use and spills;
 #   3. pytest -m gpu (CUDA kernels) and the tensorrt-marked tests when TensorRT is importable;
-#   4. the GPU kernel benchmark (fraction of measured HBM copy bandwidth, paged vs contiguous);
+#   4. the GPU kernel benchmark (fraction of measured HBM copy bandwidth, paged vs contiguous), and
+#      its int8 / fp8_e4m3 KV cache variant (`trtpaged bench kernel --device cuda --kv-dtype ... --quick`:
+#      bytes actually read, time against the fp16 cache);
 #   5. with TensorRT: build the SmolLM2 engine, check that the KV pool is updated in place
 #      (no pool-sized copy per step, activation memory vs pool bytes), greedy equality vs torch.
 # Logs and results go to $OUT when set (else /tmp/trtpaged_gpu_check); a one-screen summary ends it.
@@ -119,6 +121,16 @@ rc=${PIPESTATUS[0]}
 grep -E "^(long contexts|paged vs contiguous)" "$RESULTS/bench.txt" | sed 's/^/bench: /' >>"$SUMMARY"
 note "bench exit $rc"
 [ "$rc" -eq 0 ] || status=1
+
+step "GPU kernel benchmark, quantized KV cache (vs the fp16 cache)"
+for kv in int8 fp8_e4m3; do
+  timeout "$(budget 45)" python -c 'from trtpaged.cli import main; main()' bench kernel --device cuda \
+    --kv-dtype "$kv" --quick 2>&1 | tee "$RESULTS/bench_$kv.txt"
+  rc=${PIPESTATUS[0]}
+  grep -E "^(long contexts|$kv cache vs fp16)" "$RESULTS/bench_$kv.txt" | sed "s/^/bench $kv: /" >>"$SUMMARY"
+  note "bench $kv exit $rc"
+  [ "$rc" -eq 0 ] || status=1
+done
 
 if [ -n "$TRT_VERSION" ] && [ -n "$PLUGIN" ]; then
   step "TensorRT: SmolLM2 engine, KV pool aliasing, greedy equality vs torch"

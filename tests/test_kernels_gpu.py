@@ -314,9 +314,14 @@ def test_quantized_masked_rows_holding_nan_bytes_never_leak(kernels, kv_dtype: s
     from trtpaged.kv_quant import split_rows
 
     batch = quantized(make_batch([(0, 5), (20, 1), (9, 14)], block_size=16, num_layers=1, seed=43), kv_dtype)
-    raw = batch.kv_cache.view(torch.uint8)
-    raw[...] = 0x7F  # every code NaN (fp8) / 127 (int8), every fp16 scale 0x7f7f = NaN
-    assert torch.isnan(split_rows(batch.kv_cache)[1]).all()
+    raw = batch.kv_cache.view(torch.uint8)  # [blocks, layers, 2, kv heads, block_size, D + 2]
+    live = torch.zeros(raw.shape[0], raw.shape[4], dtype=torch.bool)  # (block, slot) inside some context
+    for s, length in enumerate(batch.context_lens.tolist()):
+        for p in range(length):
+            live[batch.block_tables[s, p // 16], p % 16] = True
+    dead = ~live[:, None, None, None, :]
+    raw[dead.expand(raw.shape[:5])] = 0x7F  # codes NaN (fp8) / 127 (int8), fp16 scale 0x7f7f = NaN
+    assert torch.isnan(split_rows(batch.kv_cache)[1][dead.expand(raw.shape[:5])]).all()
     out = kernels.paged_attention(*batch.to("cuda").args(), layer=0, scale=batch.scale)
     assert torch.isfinite(out).all()
     assert_quantized_matches(kernels, batch, layer=0)

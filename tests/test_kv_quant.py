@@ -305,3 +305,14 @@ def test_kernel_bench_counts_the_bytes_read_and_times_the_float_caches() -> None
     assert row["kv_bytes"] == 2 * 2 * 64 * 3 * (64 + 2)  # K and V, batch, context, kv heads, codes + scale
     assert row["float32_ms"] > 0 and row["float16_ms"] > 0
     assert "fp32 ms" in format_report(report) and report["kv_dtype"] == "int8"
+
+
+def test_bench_kernel_on_cuda_says_why_it_cannot_run_here() -> None:
+    from click.testing import CliRunner
+
+    from trtpaged.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: scripts/gpu_check.sh runs this benchmark")
+    r = CliRunner().invoke(main, ["bench", "kernel", "--device", "cuda", "--kv-dtype", "int8", "--quick"])
+    assert r.exit_code != 0 and "no CUDA device" in r.output

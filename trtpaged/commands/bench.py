@@ -15,18 +15,29 @@ def command() -> None:
 
 
 @command.command(name="kernel")
-@click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default="float32", show_default=True,
-              help="KV cache storage dtype (int8, fp8_e4m3: also timed against float32 and float16).")  # fmt: skip
+@click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default=None,
+              help="KV cache storage dtype (int8, fp8_e4m3: also timed against float32 and float16 on cpu, "
+                   "float16 on cuda). Default: float32 on cpu, float16 on cuda.")  # fmt: skip
+@click.option("--device", type=click.Choice(("cpu", "cuda")), default="cpu", show_default=True,
+              help="cpu: the OpenMP kernel; cuda: the CUDA kernel on the current GPU (HBM copy bandwidth as the bar).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-@click.option("--quick", is_flag=True, help="Shorter timing budget (noisier).")
-def kernel(kv_dtype: str, as_json: bool, quick: bool) -> None:
-    """CPU decode kernel: KV-read bandwidth vs memory-copy bandwidth, and paged vs contiguous overhead."""
+@click.option("--quick", is_flag=True, help="Shorter timing budget (noisier); on cuda, contexts 2048/8192 at batch 8/32.")
+def kernel(kv_dtype: Optional[str], device: str, as_json: bool, quick: bool) -> None:
+    """Decode kernel: KV-read bandwidth vs memory-copy bandwidth, and paged vs contiguous overhead."""
+    if device == "cuda":
+        from trtpaged.bench.kernel_bench_gpu import run_gpu_kernel_bench
+
+        try:
+            run_gpu_kernel_bench(as_json, kv_dtype or "float16", quick)
+        except RuntimeError as e:
+            raise click.ClickException(str(e)) from None
+        return
     from trtpaged.bench.kernel_bench import format_report, report_json, run_kernel_bench
 
     def progress(msg: str) -> None:
         click.echo(f"  {msg}", err=True)
 
-    report = run_kernel_bench(kv_dtype, budget_s=0.15 if quick else 0.4, progress=progress)
+    report = run_kernel_bench(kv_dtype or "float32", budget_s=0.15 if quick else 0.4, progress=progress)
     click.echo(report_json(report) if as_json else format_report(report))
 
 
