@@ -49,10 +49,16 @@ trtpaged_dtype kernel_dtype(DataType type, char const* what) {
   }
 }
 
+bool quantized(KvFormat format) { return format != KvFormat::kAuto; }
+
 }  // namespace
 
 bool is_activation_type(DataType type) noexcept {
   return type == DataType::kFLOAT || type == DataType::kHALF || type == DataType::kBF16;
+}
+
+bool is_pool_type(KvFormat format, DataType type) noexcept {
+  return quantized(format) ? type == DataType::kINT8 : is_activation_type(type);
 }
 
 void check_shapes(AttentionFields const& f, Dims const* in, int32_t nbInputs) {
@@ -79,7 +85,12 @@ void check_shapes(AttentionFields const& f, Dims const* in, int32_t nbInputs) {
   expect(pool, kKvCache, 2, 2, "2 (K and V)");
   expect(pool, kKvCache, 3, f.num_kv_heads, "num_kv_heads");
   expect(pool, kKvCache, 4, f.block_size, "block_size");
-  expect(pool, kKvCache, 5, f.head_dim, "head_dim");
+  if (quantized(f.kv_format)) {
+    expect(pool, kKvCache, 5, f.head_dim + 2,
+           (std::string("head_dim + 2 (a ") + kv_format_name(f.kv_format) + " row: codes, then its fp16 scale)").c_str());
+  } else {
+    expect(pool, kKvCache, 5, f.head_dim, "head_dim");
+  }
   if (pool.d[1] >= 0 && f.layer >= pool.d[1]) {
     throw std::invalid_argument(std::string(kPluginName) + ": layer " + std::to_string(f.layer) +
                                 " is outside the pool's " + std::to_string(pool.d[1]) + " layers");
@@ -103,7 +114,15 @@ trtpaged_attention_params make_params(AttentionFields const& f, Dims const* in, 
   p.block_size = f.block_size;
   p.scale = f.scale;
   p.io_dtype = kernel_dtype(io_type, "q");
-  p.kv_dtype = kernel_dtype(kv_type, "kv_cache");
+  if (quantized(f.kv_format)) {
+    if (kv_type != DataType::kINT8) {
+      throw std::invalid_argument(std::string(kPluginName) + ": kv_cache must be int8 bytes for kv_dtype " +
+                                  kv_format_name(f.kv_format));
+    }
+    p.kv_dtype = f.kv_format == KvFormat::kInt8 ? TRTPAGED_INT8 : TRTPAGED_FP8_E4M3;
+  } else {
+    p.kv_dtype = kernel_dtype(kv_type, "kv_cache");
+  }
   return p;
 }
 

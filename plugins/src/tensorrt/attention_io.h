@@ -19,7 +19,7 @@ enum Input : int32_t {
   kQ = 0,           // [num_tokens, num_heads, head_dim]
   kK = 1,           // [num_tokens, num_kv_heads, head_dim]
   kV = 2,           // [num_tokens, num_kv_heads, head_dim]
-  kKvCache = 3,     // [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]
+  kKvCache = 3,     // [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim (+ 2 when quantized)]
   kPositions = 4,   // [num_tokens] int32
   kQueryStart = 5,  // [num_seqs + 1] int32
   kContextLens = 6, // [num_seqs] int32
@@ -30,6 +30,9 @@ enum Input : int32_t {
 enum Output : int32_t { kOut = 0, kKvCacheOut = 1, kNbOutputs = 2 };
 
 bool is_activation_type(nvinfer1::DataType type) noexcept;  // fp32, fp16 or bf16
+
+// The pool tensor type the plugin takes for a kv format: int8 bytes when quantized, else any activation type.
+bool is_pool_type(KvFormat format, nvinfer1::DataType type) noexcept;
 
 // Checks ranks and every known (non-negative) dimension against the fields and
 // each other; throws std::invalid_argument naming the tensor.

@@ -18,6 +18,7 @@ using nvinfer1::PluginFieldType;
 constexpr char const* kIntFields[] = {"num_heads", "num_kv_heads", "head_dim", "block_size", "layer"};
 constexpr char const* kScale = "scale";
 constexpr char const* kWorkspace = "workspace_bytes";  // optional: absent in the ONNX node
+constexpr char const* kKvDtype = "kv_dtype";           // optional string: auto (absent), int8, fp8_e4m3
 
 int32_t* int_slot(AttentionFields& f, std::string const& name) {
   if (name == "num_heads") return &f.num_heads;
@@ -50,6 +51,23 @@ double read_float(PluginField const& field) {
   }
 }
 
+// A kCHAR field as a string (TensorRT's ONNX parser gives the characters without the terminator;
+// a trailing NUL is dropped if a producer counted it).
+std::string read_string(PluginField const& field) {
+  if (field.type != PluginFieldType::kCHAR) throw field_error(field.name, "expected a string (char) field");
+  if (field.data == nullptr || field.length < 0) throw field_error(field.name, "expected a string");
+  std::string s(static_cast<char const*>(field.data), static_cast<size_t>(field.length));
+  while (!s.empty() && s.back() == '\0') s.pop_back();
+  return s;
+}
+
+KvFormat parse_kv_format(std::string const& name) {
+  for (KvFormat f : {KvFormat::kAuto, KvFormat::kInt8, KvFormat::kFp8E4M3}) {
+    if (name == kv_format_name(f)) return f;
+  }
+  throw field_error(kKvDtype, "\"" + name + "\" is not one of auto, int8, fp8_e4m3 (kv_cache_dtype of the build)");
+}
+
 void validate(AttentionFields const& f) {
   if (f.num_heads < 1) throw field_error("num_heads", "must be >= 1, got " + std::to_string(f.num_heads));
   if (f.num_kv_heads < 1 || f.num_heads % f.num_kv_heads != 0) {
@@ -69,6 +87,15 @@ void validate(AttentionFields const& f) {
 
 }  // namespace
 
+char const* kv_format_name(KvFormat format) noexcept {
+  switch (format) {
+    case KvFormat::kInt8: return "int8";
+    case KvFormat::kFp8E4M3: return "fp8_e4m3";
+    case KvFormat::kAuto: break;
+  }
+  return "auto";
+}
+
 std::string supported_head_dims() {
   std::string s;
   for (int d : cuda::kHeadDims) s += (s.empty() ? "" : ", ") + std::to_string(d);
@@ -87,6 +114,8 @@ AttentionFields parse_fields(PluginFieldCollection const* fc) {
     if (name == kScale) {
       f.scale = static_cast<float>(read_float(field));
       seen_scale = true;
+    } else if (name == kKvDtype) {
+      f.kv_format = parse_kv_format(read_string(field));
     } else if (name == kWorkspace) {
       f.workspace_bytes = read_int(field);
       if (f.workspace_bytes < 0) throw field_error(name, "must be >= 0");
@@ -113,12 +142,14 @@ PluginFieldCollection const* field_names() noexcept {
       PluginField(kIntFields[3], nullptr, PluginFieldType::kINT32, 1),
       PluginField(kIntFields[4], nullptr, PluginFieldType::kINT32, 1),
       PluginField(kScale, nullptr, PluginFieldType::kFLOAT32, 1),
+      PluginField(kKvDtype, nullptr, PluginFieldType::kCHAR, 0),
   };
   static PluginFieldCollection const collection{static_cast<int32_t>(sizeof(fields) / sizeof(fields[0])), fields};
   return &collection;
 }
 
-SerializedFields::SerializedFields(AttentionFields const& values) : mValues(values) {
+SerializedFields::SerializedFields(AttentionFields const& values)
+    : mValues(values), mKvDtype(kv_format_name(values.kv_format)) {
   auto const i32 = PluginFieldType::kINT32;
   mFields = {
       PluginField(kIntFields[0], &mValues.num_heads, i32, 1),
@@ -127,6 +158,7 @@ SerializedFields::SerializedFields(AttentionFields const& values) : mValues(valu
       PluginField(kIntFields[3], &mValues.block_size, i32, 1),
       PluginField(kIntFields[4], &mValues.layer, i32, 1),
       PluginField(kScale, &mValues.scale, PluginFieldType::kFLOAT32, 1),
+      PluginField(kKvDtype, mKvDtype.c_str(), PluginFieldType::kCHAR, static_cast<int32_t>(mKvDtype.size())),
   };
   if (mValues.workspace_bytes >= 0) {
     mFields.emplace_back(kWorkspace, &mValues.workspace_bytes, PluginFieldType::kINT64, 1);

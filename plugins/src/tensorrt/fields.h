@@ -17,6 +17,14 @@ constexpr char const* kPluginName = "TrtpagedPagedAttention";
 constexpr char const* kPluginVersion = "1";
 constexpr char const* kPluginNamespace = "trtpaged";
 
+// How the plugin reads the pool (the node's kv_dtype attribute): kAuto as values of the pool tensor's
+// own float type; kInt8 / kFp8E4M3 as one-byte codes with an fp16 scale per row, the pool tensor
+// being int8 with rows of head_dim + 2 bytes (trtpaged/trtpaged.h, "Quantized KV cache").
+enum class KvFormat : int32_t { kAuto = 0, kInt8 = 1, kFp8E4M3 = 2 };
+
+// The kv_dtype attribute's spelling of a format: "auto", "int8", "fp8_e4m3".
+char const* kv_format_name(KvFormat format) noexcept;
+
 // The node's attributes: everything the plugin needs besides the tensors' shapes.
 struct AttentionFields {
   int32_t num_heads{0};
@@ -25,6 +33,7 @@ struct AttentionFields {
   int32_t block_size{0};
   int32_t layer{0};
   float scale{0.F};
+  KvFormat kv_format{KvFormat::kAuto};  // optional field kv_dtype (absent: auto)
   // Workspace bytes TensorRT reserves for every shape of the profile: not an ONNX
   // attribute, recorded at build (getWorkspaceSize) and serialized into the plan
   // so that enqueue checks each step's need against what TensorRT gives. -1: not known yet.
@@ -51,6 +60,7 @@ class SerializedFields {
 
  private:
   AttentionFields mValues;
+  std::string mKvDtype;  // kv_format_name(mValues.kv_format), the kv_dtype field's characters
   std::vector<nvinfer1::PluginField> mFields;
   nvinfer1::PluginFieldCollection mCollection{};
 };

@@ -92,7 +92,7 @@ bool PagedAttentionPlugin::supportsFormatCombination(int32_t pos, DynamicPluginT
       case kQ: return is_activation_type(d.type);
       case kK:
       case kV: return d.type == inOut[kQ].desc.type;
-      case kKvCache: return is_activation_type(d.type);
+      case kKvCache: return is_pool_type(mFields.kv_format, d.type);
       case kPositions:
       case kQueryStart:
       case kContextLens:

@@ -29,7 +29,8 @@ struct Fields {
   int32_t num_heads = 8, num_kv_heads = 2, head_dim = 64, block_size = 16, layer = 0;
   float scale = 0.125F;
   int64_t workspace_bytes = -1;  // -1: not given
-  PluginField fields[7];
+  std::string kv_dtype;          // "": not given (auto)
+  PluginField fields[8];
   PluginFieldCollection fc{};
 
   PluginFieldCollection const* collection() {
@@ -41,6 +42,9 @@ struct Fields {
     fields[n++] = PluginField("layer", &layer, PluginFieldType::kINT32, 1);
     fields[n++] = PluginField("scale", &scale, PluginFieldType::kFLOAT32, 1);
     if (workspace_bytes >= 0) fields[n++] = PluginField("workspace_bytes", &workspace_bytes, PluginFieldType::kINT64, 1);
+    if (!kv_dtype.empty()) {  // as TensorRT's ONNX parser passes a string attribute: no terminator counted
+      fields[n++] = PluginField("kv_dtype", kv_dtype.data(), PluginFieldType::kCHAR, static_cast<int32_t>(kv_dtype.size()));
+    }
     fc.nbFields = n;
     fc.fields = fields;
     return &fc;
@@ -55,12 +59,13 @@ Dims dims(std::initializer_list<int64_t> values) {
   return d;
 }
 
-// Shapes of the 8 inputs for num_tokens, num_seqs and max_blocks_per_seq (head_dim 64, GQA 8/2).
-void shapes(Dims* out, int64_t tokens, int64_t seqs, int64_t blocks) {
+// Shapes of the 8 inputs for num_tokens, num_seqs and max_blocks_per_seq (head_dim 64, GQA 8/2);
+// pool_row is the pool's last dimension (64, or 66 for a quantized pool).
+void shapes(Dims* out, int64_t tokens, int64_t seqs, int64_t blocks, int64_t pool_row = 64) {
   out[0] = dims({tokens, 8, 64});
   out[1] = dims({tokens, 2, 64});
   out[2] = dims({tokens, 2, 64});
-  out[3] = dims({4096, 2, 2, 2, 16, 64});
+  out[3] = dims({4096, 2, 2, 2, 16, pool_row});
   out[4] = dims({tokens});
   out[5] = dims({seqs + 1});
   out[6] = dims({seqs});
@@ -70,6 +75,76 @@ void shapes(Dims* out, int64_t tokens, int64_t seqs, int64_t blocks) {
 DataType input_type(int32_t i) { return i < 4 ? DataType::kHALF : DataType::kINT32; }
 
 PagedAttentionPlugin* as_plugin(IPluginV3* p) { return dynamic_cast<PagedAttentionPlugin*>(p); }
+
+std::string serialized_kv_dtype(PagedAttentionPlugin* plugin) {
+  PluginFieldCollection const* fc = plugin->getFieldsToSerialize();
+  for (int32_t i = 0; fc != nullptr && i < fc->nbFields; ++i) {
+    PluginField const& f = fc->fields[i];
+    if (std::string(f.name) == "kv_dtype") return std::string(static_cast<char const*>(f.data), f.length);
+  }
+  return "";
+}
+
+// Build-time descriptors of the 8 inputs over a profile from (1, 1, 1) to (2048, 4, 256).
+void profile(DynamicPluginTensorDesc* in, int64_t pool_row, DataType pool_type) {
+  Dims lo[8], hi[8];
+  shapes(lo, 1, 1, 1, pool_row);
+  shapes(hi, 2048, 4, 256, pool_row);
+  for (int32_t i = 0; i < 8; ++i) {
+    in[i].desc.dims = hi[i];
+    in[i].desc.type = i == 3 ? pool_type : input_type(i);
+    in[i].desc.format = TensorFormat::kLINEAR;
+    in[i].min = lo[i];
+    in[i].max = hi[i];
+    in[i].opt = hi[i];
+  }
+}
+
+// The quantized KV cache: kv_dtype travels as a plugin field, the pool is int8 bytes with rows of
+// head_dim + 2, and anything else is refused naming what is wrong.
+void check_kv_dtype_field(PagedAttentionCreator& creator) {
+  for (char const* name : {"int8", "fp8_e4m3"}) {
+    Fields f;
+    f.kv_dtype = name;
+    std::unique_ptr<IPluginV3> p(creator.createPlugin("layer0", f.collection(), TensorRTPhase::kBUILD));
+    check(p != nullptr, "kv_dtype int8 / fp8_e4m3 must be accepted");
+    if (p == nullptr) continue;
+    PagedAttentionPlugin* plugin = as_plugin(p.get());
+    check(serialized_kv_dtype(plugin) == name, "kv_dtype is serialized as given");
+    DynamicPluginTensorDesc in[10]{};
+    DynamicPluginTensorDesc out[2]{};
+    profile(in, 66, DataType::kINT8);
+    in[8] = in[0];  // out: q's type
+    in[9] = in[3];  // kv_cache_out: the pool's
+    check(plugin->supportsFormatCombination(3, in, 8, 2), "a quantized plugin takes an int8 pool");
+    in[3].desc.type = DataType::kHALF;
+    check(!plugin->supportsFormatCombination(3, in, 8, 2), "a quantized plugin refuses an fp16 pool");
+    profile(in, 66, DataType::kINT8);
+    check(plugin->configurePlugin(in, 8, out, 2) == 0, "int8 pool with rows of head_dim + 2");
+    check(plugin->getWorkspaceSize(in, 8, out, 2) > 0, "a quantized long-context profile needs a decode workspace");
+    profile(in, 64, DataType::kINT8);
+    check(plugin->configurePlugin(in, 8, out, 2) != 0, "rows of head_dim bytes leave no room for the scale");
+    // the serialized fields recreate the same plugin (TensorRT's runtime phase)
+    std::unique_ptr<IPluginV3> again(
+        creator.createPlugin("layer0", plugin->getFieldsToSerialize(), TensorRTPhase::kRUNTIME));
+    check(again != nullptr && serialized_kv_dtype(as_plugin(again.get())) == name, "kv_dtype survives serialization");
+  }
+  {  // a float (auto) plugin does not take an int8 pool
+    Fields f;
+    std::unique_ptr<IPluginV3> p(creator.createPlugin("layer0", f.collection(), TensorRTPhase::kBUILD));
+    DynamicPluginTensorDesc in[10]{};
+    profile(in, 64, DataType::kINT8);
+    check(p != nullptr && !as_plugin(p.get())->supportsFormatCombination(3, in, 8, 2),
+          "without kv_dtype an int8 pool is refused");
+    check(p != nullptr && serialized_kv_dtype(as_plugin(p.get())) == "auto", "no kv_dtype field serializes as auto");
+  }
+  {
+    Fields f;
+    f.kv_dtype = "int4";
+    std::unique_ptr<IPluginV3> p(creator.createPlugin("layer0", f.collection(), TensorRTPhase::kBUILD));
+    check(p == nullptr, "kv_dtype int4 must be refused at createPlugin");
+  }
+}
 
 int64_t serialized_workspace(PagedAttentionPlugin* plugin) {
   PluginFieldCollection const* fc = plugin->getFieldsToSerialize();
@@ -142,6 +217,8 @@ int main() {
       check(rc != 0, "enqueue must refuse a step needing more workspace than TensorRT reserved");
     }
   }
+
+  check_kv_dtype_field(creator);
 
   std::printf("%s\n", failures == 0 ? "plugin host checks passed" : "plugin host checks FAILED");
   return failures == 0 ? 0 : 1;
