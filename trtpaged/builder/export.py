@@ -22,6 +22,7 @@ from trtpaged.builder import onnx_quant
 from trtpaged.builder.onnx_node import translation_table
 from trtpaged.builder.probe import INPUT_NAMES, STEP_INPUT_AXES, standard_probe
 from trtpaged.builder.weights import tensor_offsets
+from trtpaged.kv_quant import is_quantized
 from trtpaged.models.llama import LlamaStepModel
 
 OUTPUT_NAMES = ("logits", "kv_cache_out")
@@ -40,13 +41,20 @@ def dynamic_shapes() -> dict[str, dict[int, object]]:
             for name, axes in STEP_INPUT_AXES.items()}
 
 
-def export_onnx(model: LlamaStepModel, block_size: int, kv_dtype: torch.dtype, onnx_path: Path, weights_path: Path) -> Path:
-    """Exports `model` to `onnx_path`; its parameters become external data inside `weights_path` (written before)."""
+def export_onnx(model: LlamaStepModel, block_size: int, kv_dtype: torch.dtype | str, onnx_path: Path,
+                weights_path: Path) -> Path:
+    """Exports `model` to `onnx_path`; its parameters become external data inside `weights_path` (written before).
+
+    kv_dtype: the pool's torch dtype, or "int8" / "fp8_e4m3" for a quantized pool, which the graph
+    takes as int8 bytes (rows of head_dim + 2) with the format in each node's kv_dtype attribute."""
     import onnx_ir as ir
 
     seqs, steps, num_blocks = standard_probe(model.dims.vocab_size, block_size)
-    args = steps[1].args(model.new_kv_cache(num_blocks, block_size, kv_dtype))
+    pool = model.new_kv_cache(num_blocks, block_size, kv_dtype)
+    quantized = isinstance(kv_dtype, str) and is_quantized(kv_dtype)
+    args = steps[1].args(pool.view(torch.int8) if quantized else pool)
     model.functional_cache = True
+    model.graph_kv_dtype = kv_dtype if quantized else None
     try:
         with _quiet():
             program = torch.onnx.export(
@@ -58,6 +66,7 @@ def export_onnx(model: LlamaStepModel, block_size: int, kv_dtype: torch.dtype, o
         raise ExportError(f"ONNX export failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
     finally:
         model.functional_cache = False
+        model.graph_kv_dtype = None
     graph = program.model.graph
     for node in graph:  # the exporter's per-node stack traces and source paths: 80% of the file, no use downstream
         node.metadata_props.clear()

@@ -8,7 +8,10 @@ Inputs:  q [T, H, D], k [T, KVH, D], v [T, KVH, D], kv_cache (pool), positions [
          query_start [S+1], context_lens [S], block_tables [S, MB]
 Outputs: out [T, H, D], kv_cache_out (the updated pool; aliased to kv_cache by the plugin)
 Attributes: num_heads, num_kv_heads, head_dim, block_size, layer (int), scale (float),
-            plugin_version, plugin_namespace (string)
+            kv_dtype, plugin_version, plugin_namespace (string)
+kv_dtype: "auto" (the pool holds values of its own float type) or "int8" / "fp8_e4m3": the pool is
+int8 bytes [..., block_size, head_dim + 2], each row head_dim codes and its fp16 scale
+(trtpaged/kv_quant.py); the plugin reads it as a field of the same name.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ INT_ATTRIBUTES = ("num_heads", "num_kv_heads", "head_dim", "block_size", "layer"
 INPUTS = ("q", "k", "v", "kv_cache", "positions", "query_start", "context_lens", "block_tables")
 OUTPUTS = ("out", "kv_cache_out")
 _FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
+_POOLS = _FLOATS + ["tensor(int8)"]  # int8: the bytes of a quantized pool
 
 
 @functools.lru_cache(maxsize=1)
@@ -43,9 +47,10 @@ def register_schema() -> OpSchema:
         doc=__doc__ or "",
         inputs=[param(name, types.get(name, "I")) for name in INPUTS],
         outputs=[param(name, types[name]) for name in OUTPUTS],
-        type_constraints=[("T", _FLOATS, "activations"), ("C", _FLOATS, "KV pool"), ("I", ["tensor(int32)"], "indices")],
+        type_constraints=[("T", _FLOATS, "activations"), ("C", _POOLS, "KV pool"), ("I", ["tensor(int32)"], "indices")],
         attributes=[OpSchema.Attribute(a, OpSchema.AttrType.INT, "") for a in INT_ATTRIBUTES]
         + [OpSchema.Attribute("scale", OpSchema.AttrType.FLOAT, ""),
+           OpSchema.Attribute("kv_dtype", OpSchema.AttrType.STRING, ""),
            OpSchema.Attribute("plugin_version", OpSchema.AttrType.STRING, ""),
            OpSchema.Attribute("plugin_namespace", OpSchema.AttrType.STRING, "")],
     )
@@ -64,11 +69,12 @@ def translation_table() -> dict:
     opset = onnxscript.values.Opset(DOMAIN, DOMAIN_VERSION)
 
     def paged_attention(q, k, v, kv_cache, positions, query_start, context_lens, block_tables,
-                        num_heads, num_kv_heads, head_dim, block_size, layer, scale):
+                        num_heads, num_kv_heads, head_dim, block_size, layer, scale, kv_dtype="auto"):
         return getattr(opset, OP_TYPE)(
             q, k, v, kv_cache, positions, query_start, context_lens, block_tables,
             num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
-            layer=layer, scale=float(scale), plugin_version=PLUGIN_VERSION, plugin_namespace=PLUGIN_NAMESPACE,
+            layer=layer, scale=float(scale), kv_dtype=kv_dtype, plugin_version=PLUGIN_VERSION,
+            plugin_namespace=PLUGIN_NAMESPACE,
         )
 
     return {torch.ops.trtpaged.paged_attention.default: paged_attention}

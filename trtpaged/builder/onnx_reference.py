@@ -1,27 +1,46 @@
 """A numpy implementation of the TrtpagedPagedAttention node for onnx.reference.ReferenceEvaluator.
 
 Independent of the torch op and of the kernel library: it is what lets the
-build verify the exported graph on any CPU. Accumulates in float32.
+build verify the exported graph on any CPU. Accumulates in float32. A quantized
+pool (kv_dtype int8 / fp8_e4m3, int8 bytes) is written and read through
+trtpaged.kv_quant's plain PyTorch codec.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 from onnx.reference.op_run import OpRun
 
 from trtpaged.builder.onnx_node import DOMAIN
+from trtpaged.kv_quant import STORAGE_DTYPES, dequantize_rows, is_quantized, pack_rows, quantize_rows
+
+
+def _stored(x: np.ndarray, cache: np.ndarray, kv_dtype: str) -> np.ndarray:
+    """Rows x [..., D] as the pool stores them: cast, or quantized rows of D + 2 bytes."""
+    if not is_quantized(kv_dtype):
+        return x.astype(cache.dtype)
+    return pack_rows(*quantize_rows(torch.from_numpy(np.ascontiguousarray(x)), kv_dtype)).view(torch.int8).numpy()
+
+
+def _values(rows: np.ndarray, kv_dtype: str) -> np.ndarray:
+    """float32 values of pool rows (de-quantized with each row's scale when quantized)."""
+    if not is_quantized(kv_dtype):
+        return rows.astype(np.float32)
+    return dequantize_rows(torch.from_numpy(np.ascontiguousarray(rows)).view(STORAGE_DTYPES[kv_dtype])).numpy()
 
 
 def paged_attention_numpy(q, k, v, kv_cache, positions, query_start, context_lens, block_tables,
-                          *, layer: int, block_size: int, scale: float) -> tuple[np.ndarray, np.ndarray]:
+                          *, layer: int, block_size: int, scale: float,
+                          kv_dtype: str = "auto") -> tuple[np.ndarray, np.ndarray]:
     """Returns (out [T, H, D] in q.dtype, updated copy of kv_cache)."""
     cache = kv_cache.copy()
     positions = positions.astype(np.int64)
     seq_of_token = np.repeat(np.arange(len(context_lens)), np.diff(query_start))
     blocks = block_tables[seq_of_token, positions // block_size]
     slots = positions % block_size
-    cache[blocks, layer, 0, :, slots, :] = k.astype(cache.dtype)
-    cache[blocks, layer, 1, :, slots, :] = v.astype(cache.dtype)
+    cache[blocks, layer, 0, :, slots, :] = _stored(k, cache, kv_dtype)
+    cache[blocks, layer, 1, :, slots, :] = _stored(v, cache, kv_dtype)
     num_heads, num_kv_heads, head_dim = q.shape[1], cache.shape[3], q.shape[2]
     group = num_heads // num_kv_heads
     out = np.zeros(q.shape, dtype=np.float32)
@@ -30,7 +49,7 @@ def paged_attention_numpy(q, k, v, kv_cache, positions, query_start, context_len
         if hi == lo:
             continue
         nb = -(-length // block_size)
-        kv = cache[block_tables[s, :nb], layer].astype(np.float32)  # [nb, 2, KVH, bs, D]
+        kv = _values(cache[block_tables[s, :nb], layer], kv_dtype)  # [nb, 2, KVH, bs, D]
         keys = kv[:, 0].transpose(0, 2, 1, 3).reshape(-1, num_kv_heads, head_dim)[:length]
         values = kv[:, 1].transpose(0, 2, 1, 3).reshape(-1, num_kv_heads, head_dim)[:length]
         qs = q[lo:hi].astype(np.float32).reshape(hi - lo, num_kv_heads, group, head_dim)
@@ -50,7 +69,9 @@ class TrtpagedPagedAttention(OpRun):
 
     def _run(self, q, k, v, kv_cache, positions, query_start, context_lens, block_tables,
              num_heads=None, num_kv_heads=None, head_dim=None, block_size=None, layer=None, scale=None,
-             plugin_version=None, plugin_namespace=None):
+             kv_dtype=None, plugin_version=None, plugin_namespace=None):
+        kv_dtype = kv_dtype.decode() if isinstance(kv_dtype, bytes) else (kv_dtype or "auto")
         return paged_attention_numpy(q, k, v, kv_cache, positions, query_start, context_lens, block_tables,
-                                     layer=int(layer), block_size=int(block_size), scale=float(scale))
+                                     layer=int(layer), block_size=int(block_size), scale=float(scale),
+                                     kv_dtype=kv_dtype)
 

@@ -28,7 +28,7 @@ from trtpaged.builder.quantize import check_dims, dequantized_hf_model, quantize
 from trtpaged.builder.verify import unsupported_reason, verify_onnx
 from trtpaged.builder.weights import save_weights
 from trtpaged.config import BuildConfig, ConfigError
-from trtpaged.manifest import DTYPE_BYTES, QUANTIZED_KV_DTYPES, Manifest, ModelDims
+from trtpaged.manifest import QUANTIZED_KV_DTYPES, Manifest, ModelDims
 
 WEIGHTS_FILE = "weights.safetensors"
 ONNX_FILE = "model.onnx"
@@ -103,14 +103,15 @@ def build_engine(
                 st.note(f"{config.quantization.weights} (group {config.quantization.group_size or 'per channel'}): "
                         f"{quantized.summary()}; weights {quantized.weight_bytes / 2**20:.1f} MiB "
                         f"(float {float_bytes / 2**20:.1f} MiB)")
-        # The ONNX graph (TensorRT's input) keeps a float cache: a quantized one runs on the torch backend
-        # only, and the kv_accuracy stage measures it against the full-precision cache.
+        # A quantized cache (int8, fp8_e4m3) is int8 bytes in the graph, its format a node attribute; the
+        # kv_accuracy stage measures it against the full-precision cache.
         kv_quantized = config.kv_cache_dtype in QUANTIZED_KV_DTYPES
-        graph_kv_dtype = config.dtype if kv_quantized else config.kv_cache_dtype
+        graph_kv_dtype = config.kv_cache_dtype
         with progress.stage("export") as st:
             save_weights(step_model, tmp / WEIGHTS_FILE)
-            export_onnx(step_model, config.limits.block_size, TORCH_DTYPES[graph_kv_dtype],
-                        tmp / ONNX_FILE, tmp / WEIGHTS_FILE)
+            export_onnx(step_model, config.limits.block_size,
+                        graph_kv_dtype if kv_quantized else TORCH_DTYPES[graph_kv_dtype], tmp / ONNX_FILE,
+                        tmp / WEIGHTS_FILE)
             st.note(f"{ONNX_FILE} ({dims.num_layers} paged-attention nodes), {WEIGHTS_FILE} "
                     f"{(tmp / WEIGHTS_FILE).stat().st_size / 2**20:.1f} MiB")
         why_not = "--skip-verify" if skip_verify else unsupported_reason(config.dtype, graph_kv_dtype)
@@ -120,9 +121,11 @@ def build_engine(
         else:
             with progress.stage("verify") as st:
                 result = verify_onnx(tmp / ONNX_FILE, reference_hf, dims.vocab_size, config.limits.block_size,
-                                     config.dtype, graph_kv_dtype)
+                                     config.dtype, graph_kv_dtype, step_model)
                 verification = result.as_dict()
                 against = "HF with the same de-quantized weights" if reference_hf is not hf.model else "HF"
+                if kv_quantized:
+                    against = f"the eager step model with a {graph_kv_dtype} cache"
                 st.note(f"max abs diff {result.max_abs_diff:.3g} vs {against} (tolerance {result.tolerance:.3g}, "
                         f"{result.rows} logits rows, 2 steps)")
         if quantized is not None and not skip_verify:
@@ -146,8 +149,6 @@ def build_engine(
                 st.note(kv_report.line())
         plan_built = False
         compile_blocker = "backend: torch (no engine.plan)" if config.backend == "torch" else trt_compile.unavailable_reason()
-        if kv_quantized:
-            compile_blocker = f"kv_cache_dtype {config.kv_cache_dtype}: no TensorRT/CUDA kernels for it (torch backend)"
         if compile_blocker:
             progress.skip("compile", compile_blocker)
         else:
@@ -182,10 +183,9 @@ def _preflight(
     except OutputDirError as e:
         raise ConfigError(str(e)) from None
     kv_quantized = config.kv_cache_dtype in QUANTIZED_KV_DTYPES
-    if kv_quantized and config.backend == "tensorrt":
-        raise ConfigError(f"kv_cache_dtype: {config.kv_cache_dtype} with backend tensorrt: the CUDA kernels and the "
-                          "TensorRT plugin have no quantized KV cache yet; use backend: torch (or auto), or "
-                          f"kv_cache_dtype one of {', '.join(DTYPE_BYTES)}")
+    kv_reason = trt_compile.kv_dtype_reason(config.kv_cache_dtype) if config.backend == "tensorrt" else None
+    if kv_reason:
+        raise ConfigError(f"{kv_reason} (or backend: auto)")
     blocker = trt_compile.unavailable_reason() if config.backend == "tensorrt" else None
     if blocker:
         raise ConfigError(f"backend: 'tensorrt' cannot be built here: {blocker}; use backend: auto or torch")

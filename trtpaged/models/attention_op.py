@@ -19,13 +19,24 @@ be loaded, otherwise in the plain torch reference (`trtpaged.reference`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from typing import Callable, Optional
 
 import torch
 
+from trtpaged.kv_quant import STORAGE_DTYPES, is_quantized
 from trtpaged.reference import paged_attention_reference
+
+
+@dataclasses.dataclass(frozen=True)
+class Functional:
+    """Tells the step model's layers to call the functional op (export) over a pool whose format is
+    kv_dtype: "auto" (the pool tensor's float dtype), or "int8" / "fp8_e4m3" for a pool of int8 bytes
+    (trtpaged.kv_quant's layout; the graph's pool is int8 for both, the node attribute says which)."""
+
+    kv_dtype: str = "auto"
 
 
 @functools.lru_cache(maxsize=1)
@@ -84,18 +95,19 @@ def paged_attention(
     block_size: int,
     layer: int,
     scale: float,
+    kv_dtype: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Functional form for export: returns (output [T, H, D], updated copy of kv_cache)."""
+    """Functional form for export: returns (output [T, H, D], updated copy of kv_cache). kv_dtype
+    "int8" / "fp8_e4m3": kv_cache holds that format's rows as bytes (Functional)."""
     new_cache = kv_cache.clone()
-    out = _kernel()(
-        q, k, v, new_cache, positions, query_start, context_lens, block_tables, layer=layer, scale=scale
-    )
+    pool = new_cache.view(STORAGE_DTYPES[kv_dtype]) if is_quantized(kv_dtype) else new_cache
+    out = _kernel()(q, k, v, pool, positions, query_start, context_lens, block_tables, layer=layer, scale=scale)
     return out, new_cache
 
 
 @paged_attention.register_fake
 def _paged_attention_functional_fake(
     q, k, v, kv_cache, positions, query_start, context_lens, block_tables,
-    num_heads, num_kv_heads, head_dim, block_size, layer, scale,
+    num_heads, num_kv_heads, head_dim, block_size, layer, scale, kv_dtype="auto",
 ):
     return torch.empty_like(q), torch.empty_like(kv_cache)

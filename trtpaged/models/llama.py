@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import functools
 from types import ModuleType
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trtpaged import kv_quant
 from trtpaged.manifest import ModelDims
 from trtpaged.models import attention_op  # noqa: F401  (registers torch.ops.trtpaged.*)
 from trtpaged.models.qlinear import QuantizedEmbedding, QuantizedLinear
@@ -114,16 +115,18 @@ class PagedSelfAttention(nn.Module):
         kv_cache: torch.Tensor,
         attend: Optional[Callable[..., torch.Tensor]],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """attend: the step's eager attention (attention_op.eager_attention), or None for the functional op."""
+        """attend: the step's eager attention (attention_op.eager_attention), or attention_op.Functional
+        for the functional op (export)."""
         q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.contiguous().view(-1, self.num_kv_heads, self.head_dim)  # the kernel takes dense tensors
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        if attend is None:
+        if isinstance(attend, attention_op.Functional):
             out, kv_cache = torch.ops.trtpaged.paged_attention(
                 q, k, v, kv_cache, *step,
                 self.num_heads, self.num_kv_heads, self.head_dim, kv_cache.shape[4], self.layer, self.scale,
+                attend.kv_dtype,
             )
         else:
             out = attend(self.layer, q, k, v, self.scale)
@@ -197,12 +200,15 @@ class LlamaStepModel(nn.Module):
     `functional_cache=False` (eager, the torch backend): the pool is updated in
     place and the very tensor passed in is returned. `functional_cache=True`
     (ONNX export): each layer returns an updated pool, so the graph is pure.
+    `graph_kv_dtype` ("int8" or "fp8_e4m3", set by the export) names the format of
+    an int8-byte pool in the functional form; None: the pool's own dtype says.
     """
 
     def __init__(self, dims: ModelDims, dtype: torch.dtype = torch.float32, functional_cache: bool = False,
                  quant: Optional[QuantPlan] = None):
         super().__init__()
         self.dims, self.dtype, self.functional_cache = dims, dtype, functional_cache
+        self.graph_kv_dtype: Optional[str] = None
         self.quant: QuantPlan = dict(quant or {})
         embed_scheme = self.quant.get("embed_tokens")
         self.embed_tokens: nn.Module = (
@@ -233,12 +239,14 @@ class LlamaStepModel(nn.Module):
         step = (positions, query_start, context_lens, block_tables)
         # once per step, not per layer: on CUDA the kernel would otherwise sync to find it in every layer
         # (not when exporting: the traced graph must not depend on the probe's values)
-        attend = None
-        if not self.functional_cache:
+        attend: Any
+        if self.functional_cache:
+            attend = attention_op.Functional(self.graph_kv_dtype or kv_quant.pool_kv_dtype(kv_cache) or "auto")
+        else:
             max_context_len = int(context_lens.max()) if context_lens.numel() else 0
             attend = attention_op.eager_attention(kv_cache, positions, query_start, context_lens, block_tables,
                                                   self.dims.num_heads, max_context_len)
-        eager_f32_cpu = attend is not None and h.dtype == torch.float32 and h.is_cpu
+        eager_f32_cpu = not self.functional_cache and h.dtype == torch.float32 and h.is_cpu
         ops = _fused_ops() if eager_f32_cpu and not torch.compiler.is_exporting() else None
         if ops is not None:
             # h is this step's fresh embedding output: the fused layers may update it in place
@@ -268,8 +276,6 @@ class LlamaStepModel(nn.Module):
     ) -> torch.Tensor:
         """A zeroed pool [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]; dtype "int8" or
         "fp8_e4m3" gives a quantized pool (rows of head_dim + 2 bytes, trtpaged.kv_quant)."""
-        from trtpaged import kv_quant
-
         d = self.dims
         if isinstance(dtype, str) and kv_quant.is_quantized(dtype):
             shape = (num_blocks, d.num_layers, 2, d.num_kv_heads, block_size, d.head_dim + kv_quant.SCALE_BYTES)

@@ -23,7 +23,9 @@ _STEP_INPUTS = tuple(name for name in INPUT_NAMES if name != POOL_INPUT)
 
 
 def _torch_dtype(trt: Any, dtype: Any) -> torch.dtype:
-    table = {trt.float32: torch.float32, trt.float16: torch.float16, trt.bfloat16: torch.bfloat16, trt.int32: torch.int32}
+    # int8: the bytes of a quantized KV pool (int8 or fp8_e4m3 codes with per-row scales, the plugin's kv_dtype)
+    table = {trt.float32: torch.float32, trt.float16: torch.float16, trt.bfloat16: torch.bfloat16, trt.int32: torch.int32,
+             trt.int8: torch.int8}
     if dtype not in table:
         raise ValueError(f"engine.plan: tensor dtype {dtype} is not one trtpaged binds")
     return table[dtype]
