@@ -337,3 +337,45 @@ def test_bench_kernel_on_cuda_says_why_it_cannot_run_here() -> None:
         pytest.skip("a CUDA device is present: scripts/gpu_check.sh runs this benchmark")
     r = CliRunner().invoke(main, ["bench", "kernel", "--device", "cuda", "--kv-dtype", "int8", "--quick"])
     assert r.exit_code != 0 and "no CUDA device" in r.output
+
+
+_FP8_HALF_BITS_PROGRAM = r"""
+#include <cstdio>
+#include "fp8_e4m3.h"
+int main() {  // code, e4m3_decode(code), e4m3_half_bits(code) as fp16 x 256 (_Float16: the compiler's conversion)
+  for (int c = 0; c < 256; ++c) {
+    _Float16 h;
+    const uint16_t bits = trtpaged::e4m3_half_bits(static_cast<uint8_t>(c));
+    __builtin_memcpy(&h, &bits, 2);
+    std::printf("%d %.9g %.9g\n", c, trtpaged::e4m3_decode(static_cast<uint8_t>(c)), static_cast<float>(h) * 256.0f);
+  }
+}
+"""
+
+
+def test_fp8_decoders_agree_with_torch_on_every_code(tmp_path) -> None:
+    # the software decoders of plugins/src/fp8_e4m3.h (the table one the CPU kernels use, and the
+    # branch-free fp16-bits one the CUDA kernels use on sm_80) against torch's float8_e4m3fn, all 256 codes
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler")
+    src = Path(__file__).resolve().parent.parent / "plugins" / "src"
+    (tmp_path / "t.cpp").write_text(_FP8_HALF_BITS_PROGRAM)
+    built = subprocess.run([cxx, "-std=c++17", f"-I{src}", str(tmp_path / "t.cpp"), "-o", str(tmp_path / "t")],
+                           capture_output=True, text=True)
+    if built.returncode != 0 and "_Float16" in built.stderr:
+        pytest.skip("the host compiler has no _Float16")
+    assert built.returncode == 0, built.stderr
+    rows = [line.split() for line in subprocess.run([str(tmp_path / "t")], capture_output=True, text=True,
+                                                     check=True).stdout.splitlines()]
+    truth = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    for code, table, half in rows:
+        want = truth[int(code)].item()
+        if want != want:  # NaN (0x7f, 0xff): the table decoder says NaN; the fp16-bits one +-480 (callers test)
+            assert float(table) != float(table) and abs(float(half)) == 480.0
+        else:
+            assert float(table) == want and float(half) == want, (code, table, half, want)

@@ -62,4 +62,12 @@ TRTPAGED_HOST_DEVICE float e4m3_decode(uint8_t c) {
   return bits_float(sign | ((exp + 120u) << 23) | (mant << 20));
 }
 
+// The fp16 bit pattern of an e4m3fn code's value / 256, without branches: e4m3's sign, 4 exponent and
+// 3 mantissa bits moved up by 7 bits land in fp16's sign, exponent (bias 15 = 7 + 8) and mantissa
+// fields, subnormals included, so the fp16 is exact. The NaN codes (0x7f, 0xff) give +-1.875 (x 256 =
+// 480), not NaN: callers that may meet them test (c & 0x7f) == 0x7f. The encoder never writes them.
+TRTPAGED_HOST_DEVICE uint16_t e4m3_half_bits(uint8_t c) {
+  return static_cast<uint16_t>(((c & 0x80u) << 8) | ((c & 0x7fu) << 7));
+}
+
 }  // namespace trtpaged

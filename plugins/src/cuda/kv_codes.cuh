@@ -63,7 +63,13 @@ __device__ __forceinline__ float2 decode_code_pair<Fp8Code>(uint32_t w) {
   const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
   return __half22float2(__half2(h));
 #else
-  return make_float2(e4m3_decode(static_cast<uint8_t>(w & 0xffu)), e4m3_decode(static_cast<uint8_t>(w >> 8)));
+  // Branch-free (e4m3_half_bits): exact fp16 of value / 256, widened and scaled back; NaN codes made NaN.
+  const uint8_t lo = static_cast<uint8_t>(w & 0xffu);
+  const uint8_t hi = static_cast<uint8_t>((w >> 8) & 0xffu);
+  const float2 f = __half22float2(__halves2half2(__ushort_as_half(e4m3_half_bits(lo)),
+                                                 __ushort_as_half(e4m3_half_bits(hi))));
+  return make_float2((lo & 0x7fu) == 0x7fu ? __int_as_float(0x7fc00000) : f.x * 256.f,
+                     (hi & 0x7fu) == 0x7fu ? __int_as_float(0x7fc00000) : f.y * 256.f);
 #endif
 }
 
