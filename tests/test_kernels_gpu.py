@@ -354,3 +354,33 @@ def test_quantized_blocks_copy_and_swap_as_bytes(kernels, kv_dtype: str) -> None
     assert torch.equal(gpu_pool[1].cpu().view(torch.uint8), pool[0].view(torch.uint8))
     assert torch.equal(gpu_pool[3].cpu().view(torch.uint8), pool[2].view(torch.uint8))
     assert torch.equal(host[0].view(torch.uint8), pool[0].view(torch.uint8))
+
+
+@pytest.mark.parametrize("kv_dtype", QUANT_KV)
+def test_step_model_on_cuda_with_a_quantized_cache_matches_the_cpu_kernels(kernels, kv_dtype: str) -> None:
+    # End to end through the torch backend's step model (head_dim 64, a CUDA head_dim): the probe's two
+    # steps over a quantized pool on the GPU give the CPU kernels' logits and (but for codes at a rounding
+    # boundary, where the two devices' matmuls differ in the last bit) the same pool bytes.
+    from trtpaged.builder.probe import standard_probe
+    from trtpaged.config import parse_config
+    from trtpaged.models import dims_from_hf_config, load_hf, step_model_from_hf
+
+    config = parse_config({"model": {"tiny": {"num_hidden_layers": 2, "num_attention_heads": 4,
+                                              "num_key_value_heads": 2, "hidden_size": 256}}})
+    hf = load_hf(config.model)
+    dims = dims_from_hf_config(hf.config)
+    assert dims.head_dim == 64
+    cpu_model = step_model_from_hf(hf.model, dims, torch.float32)
+    gpu_model = step_model_from_hf(hf.model, dims, torch.float32).to("cuda")
+    _, steps, num_blocks = standard_probe(dims.vocab_size, 16, seed=5, all_rows=True)
+    cpu_pool = cpu_model.new_kv_cache(num_blocks, 16, kv_dtype)
+    gpu_pool = gpu_model.new_kv_cache(num_blocks, 16, kv_dtype, device="cuda")
+    for step in steps:
+        with torch.no_grad():
+            ref, _ = cpu_model(*step.args(cpu_pool))
+            out, _ = gpu_model(*(t.to("cuda") for t in step.args(gpu_pool)[:-1]), gpu_pool)
+        torch.cuda.synchronize()
+        assert (out.cpu() - ref).abs().max().item() <= 1e-3 * max(1.0, ref.abs().max().item())
+    differ = (gpu_pool.cpu().view(torch.uint8) != cpu_pool.view(torch.uint8)).float().mean().item()
+    assert differ < 0.01, f"{differ:.2%} of the pool's bytes differ"
+    assert cpu_pool.view(torch.uint8).any()

@@ -39,6 +39,7 @@ class PromptKVAccuracy:
     greedy_prefix: int  # tokens generated identically before the first difference (free-running)
     greedy_equal: float  # fraction of generated positions with the same token (free-running)
     divergence_gap: Optional[float] = None  # reference top-1 minus top-2 logit at the first difference
+    divergence_shift: Optional[float] = None  # how much the quantized cache moved that margin (teacher-forced)
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,8 @@ class KVAccuracyReport:
 
     def line(self) -> str:
         greedy = ", ".join(f"{p.greedy_prefix}/{p.new_tokens}" for p in self.prompts)
-        gaps = [f"{p.divergence_gap:.3g}" for p in self.prompts if p.divergence_gap is not None]
+        gaps = [f"{p.divergence_gap:.3g} (moved {p.divergence_shift:.3g})" for p in self.prompts
+                if p.divergence_gap is not None and p.divergence_shift is not None]
         at = f", reference top-2 gap at the first difference {', '.join(gaps)}" if gaps else ""
         return (f"KV {self.kv_dtype} vs float32 cache: max |dlogit| {self.max_abs_diff:.3g}, teacher-forced top-1 "
                 f"{self.top1_agreement:.1%} over {sum(p.new_tokens for p in self.prompts)} tokens; greedy identical "
@@ -120,13 +122,15 @@ def measure_kv_accuracy(step_model: Any, tokenizer: Any, kv_dtype: str, block_si
         free_tokens, _ = _generate(step_model, prompt, kv_dtype, block_size, new_tokens)
         same = [a == b for a, b in zip(ref_tokens, free_tokens)]
         prefix = same.index(False) if False in same else len(same)
-        gap = None
-        if prefix < len(same):
-            top2 = ref_logits[prefix].topk(2).values
-            gap = float(top2[0] - top2[1])
+        gap = shift = None
+        if prefix < len(same):  # both runs saw the same tokens so far: forced_logits[prefix] is the free run's
+            top2 = ref_logits[prefix].topk(2)
+            a, b = top2.indices.tolist()
+            gap = float(top2.values[0] - top2.values[1])
+            shift = gap - float(forced_logits[prefix, a] - forced_logits[prefix, b])
         top1 = float((forced_logits.argmax(-1) == torch.tensor(ref_tokens)).float().mean())
         results.append(PromptKVAccuracy(len(prompt), new_tokens, float((forced_logits - ref_logits).abs().max()),
-                                        top1, prefix, sum(same) / len(same), gap))  # fmt: skip
+                                        top1, prefix, sum(same) / len(same), gap, shift))  # fmt: skip
     report = KVAccuracyReport(kv_dtype, KV_ACCEPT[kv_dtype], results)
     if check and report.top1_agreement < report.threshold:
         raise AccuracyError(f"kv_accuracy: {report.line()}; kv_cache_dtype {kv_dtype} needs teacher-forced top-1 "
