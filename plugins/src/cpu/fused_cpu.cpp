@@ -2,9 +2,10 @@
 // residual add, rotate-half RoPE on the q and k heads of a fused qkv projection, and SiLU-gated
 // multiply. Each replaces several torch ops (and their per-op dispatch cost) with one C call.
 //
-// Plain loops the compiler vectorizes; this file is compiled without -march=native (see
-// CMakeLists.txt) so the library runs on any x86-64. These ops move little memory: at decode the
-// call overhead, not the arithmetic, is what they save.
+// Plain loops the compiler vectorizes. This file is compiled without -march=native (see
+// CMakeLists.txt) so the library runs on any x86-64; the row loops are cloned for AVX-512 and
+// AVX2 (x86-64-v4/v3) and the loader picks the clone for the CPU (an ifunc, resolved once).
+// Baseline SSE2 alone made silu_mul at 16 x 1536 take 51 us; the AVX-512 clone takes ~4 us.
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -28,6 +29,8 @@ int check_dim(int64_t v, int64_t min, const char* name) {
   return fail(TRTPAGED_ERR_INVALID_ARGUMENT,
               std::string(name) + ": must be >= " + std::to_string(min) + ", got " + std::to_string(v));
 }
+
+#define TRTPAGED_ROW_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 
 template <typename Body>
 void for_rows(int64_t rows, int64_t elements, Body body) {
@@ -86,6 +89,35 @@ inline float silu(float g) {
   return g * (g < 0.f ? e * s : s);
 }
 
+TRTPAGED_ROW_CLONES void silu_mul_row(const float* g, const float* u, int64_t n, float* o) {
+  for (int64_t i = 0; i < n; ++i) o[i] = silu(g[i]) * u[i];
+}
+
+// h = x + residual (into h), then out = rmsnorm(h); without residual, out = rmsnorm(x).
+TRTPAGED_ROW_CLONES void rmsnorm_residual_row(const float* x, const float* residual, const float* w, float eps,
+                                              int64_t n, float* out, float* h) {
+  if (residual) {
+    for (int64_t i = 0; i < n; ++i) h[i] = x[i] + residual[i];
+    x = h;
+  }
+  rmsnorm_row(x, w, eps, n, out);
+}
+
+// HF rotate-half RoPE of one head: y = x * cos + cat(-x2, x1) * sin.
+TRTPAGED_ROW_CLONES void rotate_heads(const float* src, int64_t heads, int64_t d, const float* c, const float* sn,
+                                      float* dst) {
+  const int64_t half = d / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* x = src + h * d;
+    float* y = dst + h * d;
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = x[i], x2 = x[i + half];
+      y[i] = x1 * c[i] - x2 * sn[i];
+      y[i + half] = x2 * c[i + half] + x1 * sn[i + half];
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -105,16 +137,9 @@ TRTPAGED_API trtpaged_status trtpaged_rmsnorm_cpu(const float* x, const float* r
   if ((s = check_ptr(x, "x")) || (s = check_ptr(weight, "weight")) || (s = check_ptr(out, "out")))
     return trtpaged_status(s);
   for_rows(rows, rows * hidden, [&](int64_t r) {
-    const float* xr = x + r * hidden;
-    float* outr = out + r * hidden;
-    if (residual) {
-      const float* rr = residual + r * hidden;
-      float* hr = residual_out + r * hidden;
-      for (int64_t i = 0; i < hidden; ++i) hr[i] = xr[i] + rr[i];
-      rmsnorm_row(hr, weight, eps, hidden, outr);
-    } else {
-      rmsnorm_row(xr, weight, eps, hidden, outr);
-    }
+    const int64_t off = r * hidden;
+    rmsnorm_residual_row(x + off, residual ? residual + off : nullptr, weight, eps, hidden, out + off,
+                         residual ? residual_out + off : nullptr);
   });
   return trtpaged_status(trtpaged::ok());
 }
@@ -136,25 +161,15 @@ TRTPAGED_API trtpaged_status trtpaged_rope_qk_cpu(float* qkv, int64_t rows, int3
   if (rows == 0) return trtpaged_status(trtpaged::ok());
   if ((s = check_ptr(qkv, "qkv")) || (s = check_ptr(cos, "cos")) || (s = check_ptr(sin, "sin")))
     return trtpaged_status(s);
-  const int64_t d = head_dim, half = head_dim / 2;
+  const int64_t d = head_dim;
   const int64_t q_size = int64_t(num_heads) * d, kv_size = int64_t(num_kv_heads) * d;
   const int64_t width = q_size + 2 * kv_size;
   for_rows(rows, rows * width, [&](int64_t r) {
     float* src = qkv + r * width;
     const float* c = cos + r * d;
     const float* sn = sin + r * d;
-    // HF: x * cos + cat(-x2, x1) * sin
-    auto rotate = [&](const float* x, float* y) {
-      for (int64_t i = 0; i < half; ++i) {
-        const float x1 = x[i], x2 = x[i + half];
-        y[i] = x1 * c[i] - x2 * sn[i];
-        y[i + half] = x2 * c[i + half] + x1 * sn[i + half];
-      }
-    };
-    float* q_dst = dense ? q_out + r * q_size : src;
-    float* k_dst = dense ? k_out + r * kv_size : src + q_size;
-    for (int64_t h = 0; h < num_heads; ++h) rotate(src + h * d, q_dst + h * d);
-    for (int64_t h = 0; h < num_kv_heads; ++h) rotate(src + q_size + h * d, k_dst + h * d);
+    rotate_heads(src, num_heads, d, c, sn, dense ? q_out + r * q_size : src);
+    rotate_heads(src + q_size, num_kv_heads, d, c, sn, dense ? k_out + r * kv_size : src + q_size);
     if (dense) {
       const float* v = src + q_size + kv_size;
       float* vr = v_out + r * kv_size;
@@ -173,9 +188,7 @@ TRTPAGED_API trtpaged_status trtpaged_silu_mul_cpu(const float* gate_up, int64_t
   const int64_t n = intermediate;
   for_rows(rows, rows * n, [&](int64_t r) {
     const float* g = gate_up + r * 2 * n;
-    const float* u = g + n;
-    float* o = out + r * n;
-    for (int64_t i = 0; i < n; ++i) o[i] = silu(g[i]) * u[i];
+    silu_mul_row(g, g + n, n, out + r * n);
   });
   return trtpaged_status(trtpaged::ok());
 }
