@@ -208,3 +208,19 @@ def test_rmsnorm_module_torch_path_matches_float64(dtype):
     expected = _rmsnorm_ref(x.float(), norm.weight.float(), 1e-5)
     tol = 2e-6 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(norm(x).double(), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 49152])
+def test_greedy_rows_match_argmax_and_float64_logsumexp(vocab):
+    logits = _randn(6, vocab, seed=vocab, scale=4.0)
+    if vocab > 20:  # a tie for the maximum: the first index wins, as in torch.argmax
+        logits[2, 7] = logits[2, vocab - 3] = logits[2].max() + 1.0
+    rows = torch.tensor([5, 2, 0, 2], dtype=torch.int64)
+    argmax, lse = kernels.greedy_rows(logits, rows)
+    assert torch.equal(argmax, logits[rows].argmax(dim=1))
+    torch.testing.assert_close(lse.double(), torch.logsumexp(logits[rows].double(), dim=1), rtol=1e-6, atol=1e-6)
+
+
+def test_greedy_rows_refuses_rows_out_of_range():
+    with pytest.raises(ValueError, match=r"rows: indices must be in \[0, 3\)"):
+        kernels.greedy_rows(torch.zeros(3, 8), torch.tensor([0, 3]))

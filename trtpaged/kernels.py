@@ -119,6 +119,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "trtpaged_rmsnorm_cpu": [vp, vp, vp, ctypes.c_float, i64, i64, vp, vp],
         "trtpaged_rope_qk_cpu": [vp, i64, i32, i32, i32, vp, vp, vp, vp, vp],
         "trtpaged_silu_mul_cpu": [vp, i64, i64, vp],
+        "trtpaged_greedy_rows_cpu": [vp, i64, vp, i64, vp, vp],
     }
     for name, argtypes in fused_signatures.items():
         fn = getattr(lib, name, None)  # an older library lacks them: has_fused_ops() says so
@@ -636,6 +637,28 @@ def silu_mul(gate_up: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch
     if status:
         _check("silu_mul", status)
     return out
+def greedy_rows(logits: torch.Tensor, rows: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """(argmax, logsumexp) of logits[rows] (float32 CPU [*, vocab], rows int64 in range) in one pass;
+    None when the library lacks the op. Ties go to the first index, as torch.argmax."""
+    fn = getattr(library(), "trtpaged_greedy_rows_cpu", None)
+    if fn is None:
+        return None
+    if logits.dim() != 2:
+        raise ValueError(f"logits: expected [rows, vocab], got shape {tuple(logits.shape)}")
+    _dense_f32(logits, "logits", logits.shape)
+    if rows.dtype is not torch.int64 or rows.dim() != 1 or not rows.is_contiguous():
+        raise ValueError("rows: expected a contiguous 1-D int64 tensor")
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= logits.shape[0]):
+        raise ValueError(f"rows: indices must be in [0, {logits.shape[0]})")
+    n = rows.numel()
+    argmax = torch.empty(n, dtype=torch.int64)
+    lse = torch.empty(n, dtype=torch.float32)
+    status = fn(logits.data_ptr(), logits.shape[1], rows.data_ptr(), n, argmax.data_ptr(), lse.data_ptr())
+    if status:
+        _check("greedy_rows", status)
+    return argmax, lse
+
+
 class QLinearOp:
     """qlinear bound to one packed weight (and bias): everything about the weight is checked once,
     so a call checks only x (dtype, device, contiguity, last dim) before the C call.

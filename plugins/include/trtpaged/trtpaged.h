@@ -227,6 +227,12 @@ TRTPAGED_API trtpaged_status trtpaged_rope_qk_cpu(float* qkv, int64_t rows, int3
  * then up in each row. */
 TRTPAGED_API trtpaged_status trtpaged_silu_mul_cpu(const float* gate_up, int64_t rows, int64_t intermediate,
                                                    float* out);
+/* Greedy choice and its log-probability in one pass over each selected logits row: for i < n,
+ * row = logits + rows[i] * vocab (logits [*, vocab], rows[i] >= 0 and in range: not checked),
+ * argmax[i] = the first index of the row's maximum and logsumexp[i] = log(sum(exp(row))), so
+ * that row[argmax] - logsumexp is the chosen token's log-prob. Rows must be finite. */
+TRTPAGED_API trtpaged_status trtpaged_greedy_rows_cpu(const float* logits, int64_t vocab, const int64_t* rows,
+                                                      int64_t n, int64_t* argmax, float* logsumexp);
 
 /* Message of the last failed call on this thread ("" if none). */
 TRTPAGED_API const char* trtpaged_last_error(void);

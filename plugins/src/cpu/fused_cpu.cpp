@@ -118,6 +118,37 @@ TRTPAGED_ROW_CLONES void rotate_heads(const float* src, int64_t heads, int64_t d
   }
 }
 
+// Greedy choice over one logits row: the first index of the maximum, and log(sum(exp(x))).
+// 16 lanes of running maxima (a vector max, where a scalar running argmax does not vectorize),
+// then the first lane-chunk holding the maximum, then the exponentials of x - max (<= 0).
+typedef float f32x16 __attribute__((vector_size(64)));
+
+TRTPAGED_ROW_CLONES void greedy_row(const float* x, int64_t n, int64_t* argmax, float* logsumexp) {
+  int64_t i = 0;
+  float m = -__builtin_inff();
+  if (n >= 16) {
+    f32x16 lanes;
+    __builtin_memcpy(&lanes, x, sizeof(lanes));
+    for (i = 16; i + 16 <= n; i += 16) {
+      f32x16 v;
+      __builtin_memcpy(&v, x + i, sizeof(v));
+      lanes = v > lanes ? v : lanes;
+    }
+    for (int l = 0; l < 16; ++l) m = lanes[l] > m ? lanes[l] : m;
+  }
+  for (; i < n; ++i) m = x[i] > m ? x[i] : m;
+  int64_t first = 0;
+  while (x[first] != m) ++first;
+  *argmax = first;
+  float sum = 0.f;
+  float part[16] = {};
+  for (i = 0; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; ++l) part[l] += exp_nonpositive(x[i + l] - m);
+  for (; i < n; ++i) sum += exp_nonpositive(x[i] - m);
+  for (int l = 0; l < 16; ++l) sum += part[l];
+  *logsumexp = m + std::log(sum);
+}
+
 }  // namespace
 
 extern "C" {
@@ -190,6 +221,24 @@ TRTPAGED_API trtpaged_status trtpaged_silu_mul_cpu(const float* gate_up, int64_t
     const float* g = gate_up + r * 2 * n;
     silu_mul_row(g, g + n, n, out + r * n);
   });
+  return trtpaged_status(trtpaged::ok());
+}
+
+TRTPAGED_API trtpaged_status trtpaged_greedy_rows_cpu(const float* logits, int64_t vocab, const int64_t* rows,
+                                                      int64_t n, int64_t* argmax, float* logsumexp) {
+  int s;
+  if ((s = check_dim(vocab, 1, "vocab")) || (s = check_dim(n, 0, "n"))) return trtpaged_status(s);
+  if (n == 0) return trtpaged_status(trtpaged::ok());
+  if ((s = check_ptr(logits, "logits")) || (s = check_ptr(rows, "rows")) || (s = check_ptr(argmax, "argmax")) ||
+      (s = check_ptr(logsumexp, "logsumexp")))
+    return trtpaged_status(s);
+  // rows of a decode batch are independent and each is a full vocab pass: parallel from two rows
+  if (n > 1 && n * vocab >= kParallelElements) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) greedy_row(logits + rows[i] * vocab, vocab, argmax + i, logsumexp + i);
+  } else {
+    for (int64_t i = 0; i < n; ++i) greedy_row(logits + rows[i] * vocab, vocab, argmax + i, logsumexp + i);
+  }
   return trtpaged_status(trtpaged::ok());
 }
 
