@@ -2,7 +2,8 @@
 
 - `RankReduce(rank, world_size, group)` is what a rank's step model calls
   after `o_proj` and `down_proj`: eagerly it sums the partial outputs of every
-  rank in place over `group` (gloo on CPU, NCCL on CUDA); while exporting it
+  rank in place through `group.all_reduce` (runtime/tp: gloo on CPU, NCCL on
+  CUDA); while exporting it
   emits `torch.ops.trtpaged.all_reduce`, which the builder translates into a
   `TrtpagedAllReduce` node (builder/onnx_allreduce.py) that the TensorRT plugin
   runs over NCCL.
@@ -39,8 +40,8 @@ def _all_reduce_fake(x, rank, world_size):
 class RankReduce:
     """Sums a row-parallel layer's partial output over the tensor-parallel ranks.
 
-    `group` is the torch.distributed process group of the ranks (None: the
-    model is only exported, never run eagerly with world_size > 1).
+    `group` has `all_reduce(x)` summing x over the ranks in place
+    (runtime/tp/rendezvous.py: Collectives); None: the model is only exported.
     """
 
     def __init__(self, rank: int, world_size: int, group: Optional[Any] = None) -> None:
@@ -53,7 +54,4 @@ class RankReduce:
             return torch.ops.trtpaged.all_reduce(x, self.rank, self.world_size)
         if self.group is None:
             raise RuntimeError(f"rank {self.rank} of {self.world_size}: no process group to all-reduce over")
-        import torch.distributed as dist
-
-        dist.all_reduce(x, group=self.group)
-        return x
+        return self.group.all_reduce(x)
