@@ -43,8 +43,8 @@ class LLM:
     tightened: `max_num_tokens`, `max_batch_size`, `max_seq_len`; the KV pool
     size defaults to the manifest's budget (`num_kv_blocks` overrides it).
 
-    `tensor_parallel=N` runs an engine built with `tensor_parallel: N` on N
-    ranks: the other N-1 start here as processes (CPU: gloo over loopback;
+    `tensor_parallel=N` (default: the engine's) runs an engine built with
+    `tensor_parallel: N` on N ranks: the other N-1 start here as processes (CPU: gloo over loopback;
     CUDA: one GPU each), or, when torchrun's variables (MASTER_ADDR,
     MASTER_PORT, WORLD_SIZE, RANK=0) are set, join from other machines.
     `close()` (or leaving a `with` block) stops them.
@@ -63,7 +63,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         preemption_mode: str = "recompute",
         num_host_blocks: int = 0,
-        tensor_parallel: int = 1,
+        tensor_parallel: Optional[int] = None,
     ) -> None:
         device = resolve_device(device)
         path = Path(engine)
@@ -83,7 +83,7 @@ class LLM:
         )
         self.tokenizer = load_tokenizer(self.engine_dir, self.manifest)
         runner = load_runner(self.engine_dir, self.manifest, num_blocks, backend, device, num_host_blocks,
-                             tensor_parallel)
+                             self.manifest.tensor_parallel if tensor_parallel is None else tensor_parallel)
         eos = list(self.manifest.eos_token_ids) or ([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
         self.engine = LLMEngine(runner, self.config, self.tokenizer, eos)
 

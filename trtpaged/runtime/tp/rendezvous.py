@@ -22,6 +22,8 @@ from typing import Callable, Optional
 
 import torch
 
+from trtpaged.errors import FatalEngineError
+
 ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
 DEFAULT_TIMEOUT_S = 300.0  # rendezvous, and any one collective (a hung rank ends with an error, not a hang)
 TIMEOUT_ENV = "TRTPAGED_TP_TIMEOUT_S"  # overrides DEFAULT_TIMEOUT_S
@@ -42,7 +44,7 @@ def default_timeout_s() -> float:
 _READY = "trtpaged/ready/"
 
 
-class TensorParallelError(RuntimeError):
+class TensorParallelError(FatalEngineError):
     """A rank died, hung past the timeout, or never joined: the engine cannot go on."""
 
 
