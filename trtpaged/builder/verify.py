@@ -16,6 +16,7 @@ most `atol + rtol * max |hf|`, with (atol, rtol) = TOLERANCES[dtype].
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,7 +108,11 @@ def _run_ranks(sessions: list, feeds: dict, pools: list, exchange: Any) -> list[
     if len(sessions) == 1:
         return [tuple(run(0))]
     with ThreadPoolExecutor(len(sessions)) as pool:
-        return [tuple(r) for r in pool.map(run, range(len(sessions)))]
+        futures = [pool.submit(run, r) for r in range(len(sessions))]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:  # the rank that failed first, not the ones its abort woke
+        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+    return [tuple(f.result()) for f in futures]
 
 
 def _kv_input(session: Any) -> Any:
