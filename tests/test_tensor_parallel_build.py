@@ -181,3 +181,29 @@ def test_joint_verification_fails_without_a_ranks_share(tiny_kv4_engines, tmp_pa
     weights.write_bytes(bytes(data))
     with pytest.raises(VerificationError, match="verification failed"):
         verify_onnx(paths, hf.model, m.dims.vocab_size, 16, "float32", "float32")
+
+
+def test_inspect_shows_kv_bytes_per_rank(tiny_kv4_engines):
+    from click.testing import CliRunner
+
+    from trtpaged.cli import main
+
+    whole = read_manifest(tiny_kv4_engines[1]).kv_bytes_per_token
+    out = CliRunner().invoke(main, ["inspect", str(tiny_kv4_engines[2])])
+    assert out.exit_code == 0, out.output
+    assert f"KV bytes per token:   {whole:,} in all, {whole // 2:,} per rank (total / 2)" in out.output
+    assert "tensor_parallel 2: per rank 4 heads (kv 2), intermediate 128" in out.output
+
+
+def test_bench_memory_shows_n_ranks_with_n_times_the_memory(tiny_kv4_engines):
+    from click.testing import CliRunner
+
+    from trtpaged.cli import main
+
+    out = CliRunner().invoke(main, ["bench", "memory", str(tiny_kv4_engines[2]), "--num-requests", "40",
+                                    "--prompt-len", "32:200", "--output-len", "16:64", "--max-batch-size", "64", "--json"])
+    assert out.exit_code == 0, out.output
+    rows = json.loads(out.stdout)["tensor_parallel"]
+    # the engine's 128 blocks per rank are one device's memory: 64 one-rank blocks
+    assert [(r["ranks"], r["num_blocks"]) for r in rows] == [(1, 64), (2, 128)]
+    assert rows[1]["peak_running"] > rows[0]["peak_running"]
