@@ -236,3 +236,14 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (one per rank)")
+def test_two_gpus_nccl_greedy_equals_one_rank(tiny_kv4_engines, prompts):
+    """cuda:0 and cuda:1, the all-reduce over NCCL (the batch still over gloo)."""
+    with LLM(tiny_kv4_engines[1], device="cuda:0") as one:
+        want = _greedy(one.engine, prompts)
+    with LLM(tiny_kv4_engines[2], device="cuda") as two:
+        assert two.engine.runner.local.kv_cache.device == torch.device("cuda:0")
+        assert _greedy(two.engine, prompts) == want

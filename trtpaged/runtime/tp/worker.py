@@ -34,6 +34,8 @@ def run_worker(engine_dir: Path, rz: Rendezvous, device: str = "cpu") -> None:
     from trtpaged.runtime.tp.rendezvous import make_groups, mark_ready, open_store
 
     manifest = read_manifest(engine_dir)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))  # NCCL's communicator and the kernels' current device
     reduce = RankReduce(rz.rank, rz.world_size)
     model, _ = load_step_model(engine_dir, device, reduce)
     store = open_store(rz)
