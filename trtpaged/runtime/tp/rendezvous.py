@@ -82,24 +82,37 @@ class Rendezvous:
 
 
 class Collectives:
-    """One rank's process groups: `broadcast` on control (CPU tensors), `all_reduce` on compute."""
+    """One rank's process groups: `broadcast` on control (CPU tensors), `all_reduce` on compute.
+
+    `seconds` and `calls` add up the wall time and number of each (the step-time cost of tensor parallelism,
+    waiting for the slowest rank included)."""
 
     def __init__(self, rank: int, world_size: int, control, compute) -> None:
         self.rank, self.world_size = rank, world_size
         self.control, self.compute = control, compute
+        self.seconds = {"all_reduce": 0.0, "broadcast": 0.0}
+        self.calls = {"all_reduce": 0, "broadcast": 0}
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         import torch.distributed as dist
 
+        start = time.perf_counter()
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         self.control.broadcast([x], opts).wait()
+        self._count("broadcast", start)
         return x
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sums x over the ranks, in place."""
+        start = time.perf_counter()
         self.compute.allreduce([x]).wait()
+        self._count("all_reduce", start)
         return x
+
+    def _count(self, what: str, start: float) -> None:
+        self.seconds[what] += time.perf_counter() - start
+        self.calls[what] += 1
 
 
 def open_store(rz: Rendezvous):
