@@ -54,9 +54,10 @@ class AllReducePlugin : public nvinfer1::IPluginV3,
                                  int32_t nbOutputs) noexcept override;
   int32_t configurePlugin(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
                           nvinfer1::DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept override;
-  size_t getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
-                          nvinfer1::DynamicPluginTensorDesc const* outputs, int32_t nbOutputs) const noexcept override {
-    return 0;
+  size_t getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* /*inputs*/, int32_t /*nbInputs*/,
+                          nvinfer1::DynamicPluginTensorDesc const* /*outputs*/,
+                          int32_t /*nbOutputs*/) const noexcept override {
+    return 0;  // NCCL reduces from the input straight into the output
   }
 
   // IPluginV3OneRuntime
