@@ -135,6 +135,23 @@ def test_killed_worker_ends_with_a_clear_error_and_no_orphans(tiny_kv4_engines, 
     assert _gone(pids)
 
 
+def test_killed_rank_0_leaves_no_worker_behind(tiny_kv4_engines):
+    code = ("import sys, time; from trtpaged import LLM; llm = LLM(sys.argv[1], device='cpu'); "
+            "print(*llm.engine.runner.workers.pids, flush=True); time.sleep(300)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tiny_kv4_engines[2])], stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 1
+        proc.kill()
+        proc.wait()
+        assert _gone(pids, within_s=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_worker_failing_to_load_is_reported_at_start(tiny_kv4_engines, tmp_path):
     import shutil
 
