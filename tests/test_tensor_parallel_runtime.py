@@ -135,6 +135,22 @@ def test_killed_worker_ends_with_a_clear_error_and_no_orphans(tiny_kv4_engines, 
     assert _gone(pids)
 
 
+def test_hung_worker_ends_at_the_timeout(tiny_kv4_engines, prompts, monkeypatch):
+    monkeypatch.setenv("TRTPAGED_TP_TIMEOUT_S", "3")
+    llm = LLM(tiny_kv4_engines[2], device="cpu")
+    pids = _workers(llm)
+    try:
+        llm.generate(prompts[:1], GREEDY)
+        os.kill(pids[0], signal.SIGSTOP)  # alive, never answers
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError, match="step failed on 2 ranks"):
+            llm.generate(prompts[:1], GREEDY)
+        assert time.monotonic() - start < 30
+    finally:
+        llm.close()
+    assert _gone(pids)
+
+
 def test_killed_rank_0_leaves_no_worker_behind(tiny_kv4_engines):
     code = ("import sys, time; from trtpaged import LLM; llm = LLM(sys.argv[1], device='cpu'); "
             "print(*llm.engine.runner.workers.pids, flush=True); time.sleep(300)")
