@@ -32,7 +32,6 @@ def nccl_unique_id_hex() -> str:
 
 def allreduce_onnx(rank: int, world_size: int, hidden: int) -> bytes:
     """A graph x [T, hidden] float16 -> TrtpagedAllReduce -> y, as the exporter writes the node."""
-    import onnx
     from onnx import TensorProto, helper
 
     from trtpaged.builder.onnx_node import DOMAIN, PLUGIN_NAMESPACE, PLUGIN_VERSION
