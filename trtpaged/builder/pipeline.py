@@ -209,9 +209,12 @@ def _preflight(
     if blocker:
         raise ConfigError(f"backend: 'tensorrt' cannot be built here: {blocker}; use backend: auto or torch")
     if config.dtype != "float32" and not torch.cuda.is_available():
+        # The CPU kernels read 16-bit and quantized caches directly (half the bytes of fp32 or less),
+        # so a kv_cache_dtype the model.yaml names is kept; `auto` follows dtype to float32.
+        keep_kv = kv_quantized or config.kv_cache_dtype_explicit
         progress.warn(f"dtype {config.dtype}: no CUDA device, building float32 for the CPU"
-                      + ("" if kv_quantized else " (kv_cache_dtype too)"))
-        config = replace(config, dtype="float32", kv_cache_dtype=config.kv_cache_dtype if kv_quantized else "float32")
+                      + ("" if keep_kv else " (kv_cache_dtype too)"))
+        config = replace(config, dtype="float32", kv_cache_dtype=config.kv_cache_dtype if keep_kv else "float32")
     return config, out
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 from types import ModuleType
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -232,6 +232,7 @@ class LlamaStepModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(dims, i, dtype, self.quant, reduce) for i in range(dims.num_layers))
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype)
         self.rotary = Rotary(dims)
+        self._runner_state: Optional[tuple[Optional[Any]]] = None  # (kernels.LlamaLayers or None,) once decided
         self.lm_head = (
             None if dims.tie_word_embeddings
             else make_linear("lm_head", dims.hidden_size, dims.vocab_size, False, dtype, self.quant)
@@ -263,8 +264,12 @@ class LlamaStepModel(nn.Module):
         if ops is not None:
             # h is this step's fresh embedding output: the fused layers may update it in place
             residual = None
-            for layer in self.layers:
-                h, residual = layer.forward_fused(h, residual, cos, sin, attend, ops)
+            runner = self._layer_runner(attend)
+            if runner is not None:
+                h, residual = runner(h, cos, sin, attend), h
+            else:
+                for layer in self.layers:
+                    h, residual = layer.forward_fused(h, residual, cos, sin, attend, ops)
             rows = logits_index.long()
             if residual is None:  # no layers
                 h = self.norm.forward_fused(h.index_select(0, rows), None, ops)
@@ -275,6 +280,46 @@ class LlamaStepModel(nn.Module):
             h, kv_cache = layer(h, cos, sin, step, kv_cache, attend)
         h = self.norm(h.index_select(0, logits_index.long()))
         return self._head(h).float(), kv_cache
+
+    def _layer_runner(self, attend: object) -> Optional[Any]:
+        """kernels.LlamaLayers over this model's layers (every layer in one C call) where it applies: the
+        kernel library's CPU attention and quantized linears with packed CPU weights throughout; else None.
+        Built at the first step; set_activations resets it."""
+        if self._runner_state is None:
+            self._runner_state = (self._make_layer_runner(),)
+        runner = self._runner_state[0]
+        from trtpaged import kernels
+
+        return runner if runner is not None and isinstance(attend, kernels.AttentionStep) and attend.device.type == "cpu" \
+            else None
+
+    def _make_layer_runner(self) -> Optional[Any]:
+        from trtpaged import kernels
+
+        if not self.layers or self.dtype is not torch.float32 or not kernels.has_llama_layers():
+            return None
+        described = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if not all(isinstance(m, QuantizedLinear) for m in linears):
+                return None
+            ops = [m.cpu_op() for m in linears]
+            if any(op is None for op in ops):
+                return None
+            norms = (layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach())
+            if any(w.dtype is not torch.float32 or not w.is_cpu for w in norms):
+                return None
+            described.append((*norms, [(op, m.activations == "float") for op, m in zip(ops, linears)]))
+        eps = self.layers[0].input_layernorm.eps
+        if any(layer.input_layernorm.eps != eps or layer.post_attention_layernorm.eps != eps for layer in self.layers):
+            return None
+        return kernels.LlamaLayers(described, self.dims.hidden_size, self.dims.intermediate_size, eps,
+                                   self.layers[0].self_attn.scale)  # fmt: skip
+
+    def reset_layer_runner(self) -> None:
+        """Forgets the one-call layer runner (rebuilt at the next step): after weights or modes change."""
+        self._runner_state = None
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
