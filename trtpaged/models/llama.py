@@ -298,6 +298,8 @@ class LlamaStepModel(nn.Module):
 
         if not self.layers or self.dtype is not torch.float32 or not kernels.has_llama_layers():
             return None
+        if self.reduce is not None:  # a tensor-parallel rank: the all-reduces run between the layers' kernels
+            return None
         described = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
