@@ -18,6 +18,7 @@ block_size: 16             # tokens per KV block: 8, 16, 32, 64 or 128
 kv_cache: {fraction: 0.9}  # one of {num_blocks: N}, {memory: "2GiB"}, {fraction: 0.9 of free device memory}
 backend: auto              # auto | tensorrt | torch
 output: engines/NAME       # engine dir (overridden by `trtpaged build -o`)
+tensor_parallel: 1         # ranks the model is split over (heads, KV heads and MLP columns); must divide them
 quantization:              # weight-only quantization (default: none)
   weights: int4            #   none | int8 (symmetric) | int4 (asymmetric, scale + minimum per group)
   group_size: 32           #   inputs per scale: 32 | 64 | 128 (int4 default 32; int8 default: per output channel)
@@ -49,7 +50,7 @@ BLOCK_SIZES = (8, 16, 32, 64, 128)
 MODEL_SOURCES = ("hf_dir", "gguf", "package", "tiny")
 TOP_LEVEL_KEYS = (
     "model", "dtype", "kv_cache_dtype", "max_batch_size", "max_num_tokens", "max_seq_len",
-    "block_size", "kv_cache", "backend", "output", "quantization",
+    "block_size", "kv_cache", "backend", "output", "quantization", "tensor_parallel",
 )
 WEIGHT_SCHEMES = ("none", "int8", "int4")
 GROUP_SIZES = (32, 64, 128)
@@ -130,6 +131,7 @@ class BuildConfig:
     output: Optional[Path]
     source_file: Optional[Path] = None
     quantization: QuantizationConfig = QuantizationConfig()
+    tensor_parallel: int = 1  # ranks; the model's dims are checked against it at the build's load stage
     kv_cache_dtype_explicit: bool = False  # given in the model.yaml rather than `auto` (= dtype)
 
 
@@ -192,6 +194,7 @@ def parse_config(
         output=(base / output).resolve() if output else None,
         source_file=source_file,
         quantization=_parse_quantization(data.get("quantization"), fail),
+        tensor_parallel=_positive_int(data.get("tensor_parallel", 1), "tensor_parallel", fail),
         kv_cache_dtype_explicit=kv_dtype != "auto",
     )
 

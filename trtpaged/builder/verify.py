@@ -6,6 +6,10 @@ prefills; step 2: a continuing chunk, a new prefill and a decode, with the pool
 from step 1 fed back), asks for the logits of every packed token, and compares
 them with HF's logits at the same positions.
 
+A tensor-parallel engine has one graph per rank: they run jointly, one thread
+per rank, their TrtpagedAllReduce nodes summing through one exchange
+(builder/onnx_allreduce.py); every rank's logits are compared with HF.
+
 Tolerance (documented in `trtpaged build --help`): max |onnx - hf| must be at
 most `atol + rtol * max |hf|`, with (atol, rtol) = TOLERANCES[dtype], or of the KV cache's
 dtype when that is the less precise.
@@ -13,9 +17,11 @@ dtype when that is the less precise.
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence, Union
 
 import numpy as np
 
@@ -52,28 +58,32 @@ class VerificationResult:
 
 
 def verify_onnx(
-    onnx_path: Path, hf_model: Any, vocab_size: int, block_size: int, dtype: str, kv_dtype: str
+    onnx_path: Union[Path, Sequence[Path]], hf_model: Any, vocab_size: int, block_size: int, dtype: str, kv_dtype: str
 ) -> VerificationResult:
-    """Runs the probe through the ONNX graph and HF; raises VerificationError past the tolerance."""
+    """Runs the probe through the ONNX graph (or the rank graphs, jointly) and HF; raises VerificationError
+    past the tolerance."""
     from onnx.reference import ReferenceEvaluator
 
+    from trtpaged.builder.onnx_allreduce import AllReduceExchange, reference_op
     from trtpaged.builder.onnx_reference import TrtpagedPagedAttention
 
     reason = unsupported_reason(dtype, kv_dtype)
     if reason:
         raise VerificationError(reason)
-    session = ReferenceEvaluator(str(onnx_path), new_ops=[TrtpagedPagedAttention])
+    paths = [onnx_path] if isinstance(onnx_path, (str, Path)) else list(onnx_path)
+    exchange = AllReduceExchange(len(paths))
+    ops = [TrtpagedPagedAttention, reference_op(exchange)]
+    sessions = [ReferenceEvaluator(str(p), new_ops=ops) for p in paths]
     seqs, steps, num_blocks = standard_probe(vocab_size, block_size, all_rows=True)
-    first = session.input_names
-    shape = [num_blocks] + [d.dim_value for d in _kv_input(session).type.tensor_type.shape.dim[1:]]
-    pool = np.zeros(shape, dtype=_NUMPY_DTYPES[kv_dtype])
+    pools = [np.zeros([num_blocks] + [d.dim_value for d in _kv_input(s).type.tensor_type.shape.dim[1:]],
+                      dtype=_NUMPY_DTYPES[kv_dtype]) for s in sessions]
     worst, peak, rows = 0.0, 0.0, 0
     for step in steps:
         feeds = {name: t.numpy() for name, t in step.inputs.items()}
-        feeds["kv_cache"] = pool
-        logits, pool = session.run(None, {n: feeds[n] for n in first})
+        outs = _run_ranks(sessions, feeds, pools, exchange)
+        pools = [pool for _, pool in outs]
         ref = hf_logits(hf_model, seqs, step.rows).numpy()
-        worst = max(worst, float(np.abs(logits.astype(np.float64) - ref).max()))
+        worst = max(worst, *(float(np.abs(logits.astype(np.float64) - ref).max()) for logits, _ in outs))
         peak = max(peak, float(np.abs(ref).max()))
         rows += len(step.rows)
     # a 16-bit KV cache under float32 activations rounds K and V as a 16-bit model would: its bound
@@ -87,6 +97,26 @@ def verify_onnx(
             f"({named}: {atol} + {rtol} * max|logit| {peak:.3g})"
         )
     return result
+
+
+def _run_ranks(sessions: list, feeds: dict, pools: list, exchange: Any) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each rank's (logits, pool) after one step; the ranks run concurrently (their all-reduces meet)."""
+    def run(rank: int):
+        try:
+            inputs = {**feeds, "kv_cache": pools[rank]}
+            return sessions[rank].run(None, {n: inputs[n] for n in sessions[rank].input_names})
+        except BaseException:
+            exchange.abort()  # the other ranks would wait for this one's all-reduce forever
+            raise
+
+    if len(sessions) == 1:
+        return [tuple(run(0))]
+    with ThreadPoolExecutor(len(sessions)) as pool:
+        futures = [pool.submit(run, r) for r in range(len(sessions))]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:  # the rank that failed first, not the ones its abort woke
+        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+    return [tuple(f.result()) for f in futures]
 
 
 def _kv_input(session: Any) -> Any:

@@ -22,6 +22,7 @@ from torch import nn
 
 from trtpaged.manifest import ModelDims
 from trtpaged.models import attention_op  # noqa: F401  (registers torch.ops.trtpaged.*)
+from trtpaged.models.all_reduce import RankReduce
 from trtpaged.models.qlinear import QuantizedEmbedding, QuantizedLinear
 from trtpaged.models.rope import inv_frequencies, rotate
 
@@ -92,11 +93,13 @@ class PagedSelfAttention(nn.Module):
     """Fused q/k/v projection, RoPE, paged attention (writes this step's K/V), output projection.
 
     `qkv_proj` holds HF's q_proj, k_proj and v_proj stacked along the outputs (one matmul, not three).
+    With tensor parallelism (`reduce`), dims are one rank's and `o_proj`'s partial output is all-reduced.
     """
 
-    def __init__(self, dims: ModelDims, layer: int, dtype: torch.dtype, quant: Optional[QuantPlan] = None):
+    def __init__(self, dims: ModelDims, layer: int, dtype: torch.dtype, quant: Optional[QuantPlan] = None,
+                 reduce: Optional[RankReduce] = None):
         super().__init__()
-        self.layer = layer
+        self.layer, self.reduce = layer, reduce
         self.num_heads, self.num_kv_heads, self.head_dim = dims.num_heads, dims.num_kv_heads, dims.head_dim
         self.scale = self.head_dim**-0.5
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -127,7 +130,11 @@ class PagedSelfAttention(nn.Module):
             )
         else:
             out = attend(self.layer, q, k, v, self.scale)
-        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim)), kv_cache
+        return self._output(out.reshape(-1, self.num_heads * self.head_dim)), kv_cache
+
+    def _output(self, out: torch.Tensor) -> torch.Tensor:
+        y = self.o_proj(out)
+        return y if self.reduce is None else self.reduce(y)
 
     def forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       attend: Callable[..., torch.Tensor], ops: ModuleType) -> torch.Tensor:
@@ -135,14 +142,18 @@ class PagedSelfAttention(nn.Module):
         q, k, v = ops.rope_qk(self.qkv_proj(x), cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
                               dense=True)
         out = attend(self.layer, q, k, v, self.scale)
-        return self.o_proj(out.view(-1, self.num_heads * self.head_dim))
+        return self._output(out.view(-1, self.num_heads * self.head_dim))
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)); `gate_up_proj` holds HF's gate_proj and up_proj stacked along the outputs."""
+    """down(silu(gate(x)) * up(x)); `gate_up_proj` holds HF's gate_proj and up_proj stacked along the outputs.
 
-    def __init__(self, dims: ModelDims, layer: int, dtype: torch.dtype, quant: Optional[QuantPlan] = None):
+    With tensor parallelism (`reduce`), `down_proj`'s partial output is all-reduced."""
+
+    def __init__(self, dims: ModelDims, layer: int, dtype: torch.dtype, quant: Optional[QuantPlan] = None,
+                 reduce: Optional[RankReduce] = None):
         super().__init__()
+        self.reduce = reduce
         h, self.intermediate, bias = dims.hidden_size, dims.intermediate_size, dims.mlp_bias
         prefix = f"layers.{layer}.mlp."
         self.gate_up_proj = make_linear(prefix + "gate_up_proj", h, 2 * self.intermediate, bias, dtype, quant)
@@ -150,21 +161,26 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self._down(F.silu(gate) * up)
 
     def forward_fused(self, x: torch.Tensor, ops: ModuleType) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        return self._down(ops.silu_mul(self.gate_up_proj(x)))
+
+    def _down(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.down_proj(x)
+        return y if self.reduce is None else self.reduce(y)
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks with residuals."""
 
-    def __init__(self, dims: ModelDims, layer: int, dtype: torch.dtype, quant: Optional[QuantPlan] = None):
+    def __init__(self, dims: ModelDims, layer: int, dtype: torch.dtype, quant: Optional[QuantPlan] = None,
+                 reduce: Optional[RankReduce] = None):
         super().__init__()
         self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype)
-        self.self_attn = PagedSelfAttention(dims, layer, dtype, quant)
+        self.self_attn = PagedSelfAttention(dims, layer, dtype, quant, reduce)
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype)
-        self.mlp = SwiGLU(dims, layer, dtype, quant)
+        self.mlp = SwiGLU(dims, layer, dtype, quant, reduce)
 
     def forward(self, h, cos, sin, step, kv_cache, attend):
         attn, kv_cache = self.self_attn(self.input_layernorm(h), cos, sin, step, kv_cache, attend)
@@ -197,19 +213,23 @@ class LlamaStepModel(nn.Module):
     `functional_cache=False` (eager, the torch backend): the pool is updated in
     place and the very tensor passed in is returned. `functional_cache=True`
     (ONNX export): each layer returns an updated pool, so the graph is pure.
+
+    Tensor parallelism: `dims` are one rank's (models/tensor_parallel.py:
+    shard_dims) and `reduce` sums the row-parallel layers' partial outputs over
+    the ranks; the embedding, norms and LM head are whole on every rank.
     """
 
     def __init__(self, dims: ModelDims, dtype: torch.dtype = torch.float32, functional_cache: bool = False,
-                 quant: Optional[QuantPlan] = None):
+                 quant: Optional[QuantPlan] = None, reduce: Optional[RankReduce] = None):
         super().__init__()
-        self.dims, self.dtype, self.functional_cache = dims, dtype, functional_cache
+        self.dims, self.dtype, self.functional_cache, self.reduce = dims, dtype, functional_cache, reduce
         self.quant: QuantPlan = dict(quant or {})
         embed_scheme = self.quant.get("embed_tokens")
         self.embed_tokens: nn.Module = (
             nn.Embedding(dims.vocab_size, dims.hidden_size, dtype=dtype) if embed_scheme is None
             else QuantizedEmbedding(dims.vocab_size, dims.hidden_size, embed_scheme[1], dtype)
         )
-        self.layers = nn.ModuleList(DecoderLayer(dims, i, dtype, self.quant) for i in range(dims.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(dims, i, dtype, self.quant, reduce) for i in range(dims.num_layers))
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype)
         self.rotary = Rotary(dims)
         self._runner_state: Optional[tuple[Optional[Any]]] = None  # (kernels.LlamaLayers or None,) once decided
@@ -277,6 +297,8 @@ class LlamaStepModel(nn.Module):
         from trtpaged import kernels
 
         if not self.layers or self.dtype is not torch.float32 or not kernels.has_llama_layers():
+            return None
+        if self.reduce is not None:  # a tensor-parallel rank: the all-reduces run between the layers' kernels
             return None
         described = []
         for layer in self.layers:
