@@ -680,14 +680,24 @@ void run_tiles(const Layout& l, TileKernel kernel, const Acts* acts, const float
     for (int64_t m0 = mbeg; m0 < mend;) {
       alignas(64) float out[kMaxMB * kRows];
       const TileArgs args{&l, tp, m0, acts, x ? x + m0 * l.k : nullptr, xgroup};
-      const int count = kernel(args, int(std::min<int64_t>(call_rows, mend - m0)), out);
+      const int want = int(std::min<int64_t>(call_rows, mend - m0));
+      // The y lines this call writes are requested (for writing) while the tile is computed: with
+      // wide outputs (the LM head) they are cache misses, which the stores below would otherwise wait on.
+      for (int i = 0; i < want; i += limbs) __builtin_prefetch(y + (m0 + i) / limbs * l.n + tile * kRows, 1, 3);
+      const int count = kernel(args, want, out);
+      const float* b = bias ? bias + tile * kRows : nullptr;
       for (int i = 0; i < count; i += limbs) {
         float* yrow = y + (m0 + i) / limbs * l.n + tile * kRows;
-        for (int r = 0; r < rows; ++r) {
-          float v = out[i * kRows + r];
-          for (int j = 1; j < limbs; ++j) v += out[(i + j) * kRows + r];
-          yrow[r] = v + (bias ? bias[tile * kRows + r] : 0.f);
-        }
+        float v[kRows];
+        for (int r = 0; r < kRows; ++r) v[r] = out[i * kRows + r];
+        for (int j = 1; j < limbs; ++j)
+          for (int r = 0; r < kRows; ++r) v[r] += out[(i + j) * kRows + r];
+        if (b)
+          for (int r = 0; r < kRows; ++r) v[r] += rows == kRows || r < rows ? b[r] : 0.f;
+        if (rows == kRows)
+          std::memcpy(yrow, v, sizeof(v));
+        else
+          std::memcpy(yrow, v, size_t(rows) * sizeof(float));
       }
       m0 += count;
     }
