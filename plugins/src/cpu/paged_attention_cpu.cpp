@@ -156,38 +156,18 @@ std::vector<Task> plan_tasks(const trtpaged_attention_params& p, const int32_t* 
   return tasks;
 }
 
-// The fused loops' reader for a cache element type (value: whether the loops cover it; fp32
-// rows are read as they are by the plain loops).
+// The fused loops' reader for a cache element type, and whether those loops cover it on this build
+// (other types are converted tile by tile into fp32 scratch first).
 template <typename KV>
-struct FusedRows {
-  static constexpr bool value = false;
-  using type = Int8Rows;
-};
-template <>
-struct FusedRows<float> {
-  static constexpr bool value = true;
-  using type = FloatRows;
-};
-template <>
-struct FusedRows<int8_code> {
-  static constexpr bool value = true;
-  using type = Int8Rows;
-};
-template <>
-struct FusedRows<fp8_code> {
-  static constexpr bool value = kFusedFp8;
-  using type = Fp8Rows;
-};
-template <>
-struct FusedRows<half_t> {
-  static constexpr bool value = kFused16;
-  using type = HalfRows;
-};
-template <>
-struct FusedRows<bfloat_t> {
-  static constexpr bool value = kFused16;
-  using type = BfloatRows;
-};
+using RowCodec = std::conditional_t<
+    std::is_same_v<KV, float>, FloatRows,
+    std::conditional_t<std::is_same_v<KV, half_t>, HalfRows,
+                       std::conditional_t<std::is_same_v<KV, bfloat_t>, BfloatRows,
+                                          std::conditional_t<std::is_same_v<KV, fp8_code>, Fp8Rows, Int8Rows>>>>;
+template <typename KV>
+constexpr bool kFusedRows = std::is_same_v<KV, float> || std::is_same_v<KV, int8_code> ||
+                            (std::is_same_v<KV, fp8_code> && kFusedFp8) ||
+                            ((std::is_same_v<KV, half_t> || std::is_same_v<KV, bfloat_t>) && kFused16);
 
 // Per-thread scratch, reused across tasks.
 struct Scratch {
@@ -238,8 +218,8 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const PoolLa
   sc.scores.resize(size_t(kRowGroup * tile_keys));
   sc.kp.resize(size_t(tile_blocks));
   sc.vp.resize(size_t(tile_blocks));
-  using Codec = typename FusedRows<KV>::type;
-  constexpr bool kFusable = FusedRows<KV>::value;
+  using Codec = RowCodec<KV>;
+  constexpr bool kFusable = kFusedRows<KV>;
   constexpr int kElem = is_quantized_v<KV> ? 1 : int(sizeof(KV));
   const bool fused = kFusable && fused_head_dim(d);
   sc.kc.resize(size_t(tile_blocks));
