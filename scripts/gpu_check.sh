@@ -9,7 +9,9 @@
 #      its int8 / fp8_e4m3 KV cache variant (`trtpaged bench kernel --device cuda --kv-dtype ... --quick`:
 #      bytes actually read, time against the fp16 cache);
 #   5. with TensorRT: build the SmolLM2 engine, check that the KV pool is updated in place
-#      (no pool-sized copy per step, activation memory vs pool bytes), greedy equality vs torch.
+#      (no pool-sized copy per step, activation memory vs pool bytes), greedy equality vs torch;
+#   6. with >= 2 GPUs: tensor parallelism on 2 ranks (NCCL through torch.distributed, greedy vs
+#      one rank) and, with TensorRT and the plugin, the TrtpagedAllReduce plugin over NCCL.
 # Logs and results go to $OUT when set (else /tmp/trtpaged_gpu_check); a one-screen summary ends it.
 # TensorRT headers: $TENSORRT_ROOT (a dir with include/NvInfer.h), else /usr/include/x86_64-linux-gnu,
 # /usr/local/tensorrt or /opt/tensorrt.
@@ -231,6 +233,26 @@ PY
   [ "$rc" -eq 0 ] || { status=1; note "TensorRT check exit $rc (see tensorrt.log)"; }
 else
   note "TensorRT checks skipped: ${TRT_VERSION:+plugin not built (no TensorRT headers)}${TRT_VERSION:-TensorRT not importable}"
+fi
+
+NGPUS="$(python -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)"
+if [ "$NGPUS" -ge 2 ]; then
+  step "tensor parallelism on 2 GPUs (torch.distributed NCCL; TensorRT all-reduce plugin)"
+  timeout "$(budget 90)" python -m pytest -m gpu tests/test_tensor_parallel_runtime.py -q -rs -p no:cacheprovider \
+    2>&1 | tee "$RESULTS/tp_pytest.log"
+  rc=${PIPESTATUS[0]}
+  note "tp pytest -m gpu: $(tail -1 "$RESULTS/tp_pytest.log") (exit $rc)"
+  [ "$rc" -eq 0 ] || status=1
+  if [ -n "$TRT_VERSION" ] && [ -n "$PLUGIN" ]; then
+    timeout "$(budget 120)" python scripts/tp_allreduce_check.py 2>&1 | tee "$RESULTS/tp_allreduce.log"
+    rc=${PIPESTATUS[0]}
+    sed 's/^/tp all-reduce plugin: /' "$RESULTS/tp_allreduce.log" | tail -3 >>"$SUMMARY"
+    [ "$rc" -eq 0 ] || status=1
+  else
+    note "tp all-reduce plugin skipped: ${TRT_VERSION:+plugin not built (no TensorRT headers)}${TRT_VERSION:-TensorRT not importable}"
+  fi
+else
+  note "tensor parallelism on GPUs skipped: $NGPUS GPU(s), needs 2"
 fi
 
 echo

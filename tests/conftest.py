@@ -42,3 +42,38 @@ def smollm2_int4_engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     Its build includes the accuracy stage (HF greedy continuations); mark tests using it slow.
     """
     return _build("smollm2-int4.yaml", tmp_path_factory.mktemp("engines") / "smollm2-int4")
+
+
+# A tiny random Llama with 4 KV heads (8 query heads), the tensor-parallel tests' model: the same config
+# built for 1 and for 2 ranks.
+TINY_KV4 = {
+    "model": {"tiny": {"architecture": "LlamaForCausalLM", "seed": 3, "vocab_size": 320, "hidden_size": 128,
+                       "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 8,
+                       "num_key_value_heads": 4, "max_position_embeddings": 1024}},
+    "dtype": "float32", "max_batch_size": 8, "max_num_tokens": 256, "max_seq_len": 512, "block_size": 16,
+    "kv_cache": {"num_blocks": 128}, "backend": "torch",
+}
+
+
+def build_from_dict(data: dict, out: Path) -> Path:
+    """Builds an engine dir from a model.yaml mapping (with verification), progress lines in `<out>.log`."""
+    from trtpaged.builder import build_engine
+    from trtpaged.config import parse_config
+
+    lines: list[str] = []
+    build_engine(parse_config(data), out, echo=lines.append)
+    out.with_suffix(".log").write_text("\n".join(lines) + "\n")
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_kv4_engines(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """tensor_parallel -> engine dir of TINY_KV4 built for 1 and for 2 ranks."""
+    root = tmp_path_factory.mktemp("tp-engines")
+    return {n: build_from_dict({**TINY_KV4, "tensor_parallel": n}, root / f"tiny-kv4-tp{n}") for n in (1, 2)}
+
+
+@pytest.fixture(scope="session")
+def smollm2_tp3_engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """examples/smollm2-tp3.yaml: SmolLM2-135M (9 heads, 3 KV heads) split over 3 ranks; mark tests slow."""
+    return _build("smollm2-tp3.yaml", tmp_path_factory.mktemp("engines") / "smollm2-tp3")

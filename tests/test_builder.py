@@ -22,6 +22,8 @@ from trtpaged.config import ConfigError, parse_config
 from trtpaged.manifest import read_manifest
 from trtpaged.models import load_step_model
 
+from runtime_helpers import hf_from_engine_dir, hf_greedy
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TINY = yaml.safe_load((EXAMPLES / "tiny.yaml").read_text())
 
@@ -250,6 +252,26 @@ def test_cpu_build_forces_float32_with_a_warning(tmp_path):
     m = build_engine(config, tmp_path / "e", skip_verify=True, echo=lines.append).manifest
     assert m.dtype == m.kv_cache_dtype == "float32"
     assert any(line.startswith("warning: dtype float16") for line in lines)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
+def test_cpu_build_keeps_a_16_bit_kv_cache_dtype_given_explicitly(tmp_path, kv_dtype):
+    # dtype falls back to float32 without a GPU, but a named 16-bit KV cache is kept (the CPU
+    # kernels read it directly); the engine then generates what HF generates greedily.
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device keeps float16")
+    from trtpaged.runtime.llm import LLM
+    from trtpaged.runtime.sampling_params import SamplingParams
+
+    config = parse_config({**TINY, "dtype": "float16", "kv_cache_dtype": kv_dtype}, base_dir=EXAMPLES)
+    m = build_engine(config, tmp_path / "e", echo=lambda _m: None).manifest
+    assert (m.dtype, m.kv_cache_dtype) == ("float32", kv_dtype)
+    llm = LLM(str(tmp_path / "e"))
+    assert llm.engine.runner.kv_cache.dtype == getattr(torch, kv_dtype)
+    prompt = [5, 17, 99, 3, 42, 8]
+    out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    want = hf_greedy(hf_from_engine_dir(tmp_path / "e"), prompt, 12, eos=None)
+    assert list(out.outputs[0].token_ids) == want
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

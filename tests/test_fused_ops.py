@@ -208,3 +208,43 @@ def test_rmsnorm_module_torch_path_matches_float64(dtype):
     expected = _rmsnorm_ref(x.float(), norm.weight.float(), 1e-5)
     tol = 2e-6 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(norm(x).double(), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 49152])
+def test_greedy_rows_match_argmax_and_float64_logsumexp(vocab):
+    logits = _randn(6, vocab, seed=vocab, scale=4.0)
+    if vocab > 20:  # a tie for the maximum: the first index wins, as in torch.argmax
+        logits[2, 7] = logits[2, vocab - 3] = logits[2].max() + 1.0
+    rows = torch.tensor([5, 2, 0, 2], dtype=torch.int64)
+    argmax, lse = kernels.greedy_rows(logits, rows)
+    assert torch.equal(argmax, logits[rows].argmax(dim=1))
+    torch.testing.assert_close(lse.double(), torch.logsumexp(logits[rows].double(), dim=1), rtol=1e-6, atol=1e-6)
+
+
+def test_greedy_rows_refuses_rows_out_of_range():
+    with pytest.raises(ValueError, match=r"rows: indices must be in \[0, 3\)"):
+        kernels.greedy_rows(torch.zeros(3, 8), torch.tensor([0, 3]))
+
+
+@pytest.mark.parametrize("weights,activations", [("int4", "float"), ("int4", "int8"), ("int8", "float")])
+def test_quantized_step_model_runs_all_layers_in_one_call_with_the_same_logits(monkeypatch, weights, activations):
+    # The one-call layer runner (kernels.LlamaLayers) makes the per-layer loop's kernel calls in the
+    # same order on the same values: the logits must be bit-identical, prefill and decode steps alike.
+    from trtpaged.builder.quantize import quantized_step_model
+
+    config = parse_config({"model": {"tiny": {"num_hidden_layers": 3, "hidden_size": 64, "intermediate_size": 96,
+                                              "attention_bias": weights == "int8"}},
+                           "quantization": {"weights": weights, "group_size": 32, "activations": activations}})
+    hf = load_hf(config.model)
+    dims = dims_from_hf_config(hf.config)
+    model = quantized_step_model(hf.model, config.model, dims, config.quantization, torch.float32)[0]
+    calls = []
+    real = kernels.LlamaLayers.__call__
+    monkeypatch.setattr(kernels.LlamaLayers, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
+    one_call = _probe_logits(model, dims)
+    assert len(calls) == len(one_call)  # every step ran its layers in one call
+    model._runner_state = (None,)  # the per-layer loop
+    per_layer = _probe_logits(model, dims)
+    assert len(calls) == len(one_call)
+    for a, b in zip(one_call, per_layer):
+        assert torch.equal(a, b)

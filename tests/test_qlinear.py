@@ -320,20 +320,20 @@ def test_activations_value_is_checked() -> None:
     assert "activations: must be 0 (int8) or 1 (float32), got 2" in kernels.library().trtpaged_last_error().decode()
 
 
-@pytest.mark.parametrize("max_rows", [0, 2])
-def test_module_chooses_activations_by_rows(monkeypatch: pytest.MonkeyPatch, max_rows: int) -> None:
+@pytest.mark.parametrize("activations", ["float", "int8"])
+def test_module_runs_the_kernel_of_its_activations(activations: str) -> None:
     from trtpaged.models import qlinear as qlinear_module
     from trtpaged.models.quant import QuantizedWeight
 
-    monkeypatch.setattr(qlinear_module, "FLOAT_ACTIVATION_MAX_ROWS", max_rows)
     codes, scales, offsets, w = make_weight(4, 24, 96, 32, seed=21)
     bias = torch.randn(24)
     module = qlinear_module.QuantizedLinear.from_weight(QuantizedWeight(4, 32, codes, scales, offsets), bias,
                                                         torch.float32)  # fmt: skip
+    qlinear_module.set_activations(module, activations)
     packed = kernels.qlinear_pack(4, codes, scales, offsets, 32)
-    for m in (1, 2, 3):
+    for m in (1, 2, 3, 6):
         x = torch.randn(1, m, 96)
-        want = kernels.qlinear(x, packed, 4, 24, 96, 32, bias=bias, float_activations=m <= max_rows)
+        want = kernels.qlinear(x, packed, 4, 24, 96, 32, bias=bias, float_activations=activations == "float")
         assert torch.equal(module(x), want), m
     # A transposed (non-contiguous) x is made contiguous, not rejected.
     xt = torch.randn(96, 2).T

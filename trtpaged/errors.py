@@ -5,6 +5,10 @@ from __future__ import annotations
 from typing import Any, Optional
 
 
+class FatalEngineError(RuntimeError):
+    """The engine cannot run any further step (e.g. a tensor-parallel rank died); whoever drives it stops."""
+
+
 class RequestError(ValueError):
     """A request that cannot run as given.
 

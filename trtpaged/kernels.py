@@ -64,6 +64,29 @@ class _AttentionParams(ctypes.Structure):
     ]
 
 
+class _QLinearWeight(ctypes.Structure):
+    _fields_ = [
+        ("packed", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("n", ctypes.c_int64),
+        ("k", ctypes.c_int64),
+        ("bits", ctypes.c_int32),
+        ("group_size", ctypes.c_int32),
+        ("activations", ctypes.c_int32),
+    ]
+
+
+class _LlamaLayer(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", ctypes.c_void_p),
+        ("post_attention_norm", ctypes.c_void_p),
+        ("qkv", _QLinearWeight),
+        ("o", _QLinearWeight),
+        ("gate_up", _QLinearWeight),
+        ("down", _QLinearWeight),
+    ]
+
+
 def library_candidates(name: str, env_var: str) -> list[Path]:
     """Where a trtpaged shared library may be, in order: $env_var alone when set, else the installed
     package's _lib, then a local CMake build dir (newest first)."""
@@ -119,6 +142,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         "trtpaged_rmsnorm_cpu": [vp, vp, vp, ctypes.c_float, i64, i64, vp, vp],
         "trtpaged_rope_qk_cpu": [vp, i64, i32, i32, i32, vp, vp, vp, vp, vp],
         "trtpaged_silu_mul_cpu": [vp, i64, i64, vp],
+        "trtpaged_greedy_rows_cpu": [vp, i64, vp, i64, vp, vp],
+        "trtpaged_llama_layers_cpu": [vp, i32, i32, i32, ctypes.c_float, vp, vp, vp, vp,
+                                      ctypes.POINTER(_AttentionParams), vp, vp, vp, vp, vp],
     }
     for name, argtypes in fused_signatures.items():
         fn = getattr(lib, name, None)  # an older library lacks them: has_fused_ops() says so
@@ -636,6 +662,83 @@ def silu_mul(gate_up: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch
     if status:
         _check("silu_mul", status)
     return out
+def has_llama_layers() -> bool:
+    """True when the library has trtpaged_llama_layers_cpu (a step's decoder layers in one call)."""
+    return hasattr(library(), "trtpaged_llama_layers_cpu")
+
+
+class LlamaLayers:
+    """A Llama model's decoder layers bound for trtpaged_llama_layers_cpu: weights described once,
+    then one C call per step runs every layer (float32 CPU, quantized linears given as QLinearOps).
+
+    `layers`: per layer (input_norm, post_attention_norm, (qkv, o, gate_up, down)), the norms float32
+    [hidden] tensors and each linear a (QLinearOp, float_activations) pair; `scale`: the softmax scale.
+    The tensors must not be
+    modified or freed while this object lives (it keeps references).
+    """
+
+    def __init__(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor, Sequence[tuple["QLinearOp", bool]]]],
+                 hidden: int, intermediate: int, eps: float, scale: float) -> None:  # fmt: skip
+        self._fn = library().trtpaged_llama_layers_cpu
+        self.hidden, self.intermediate, self.eps, self.scale = hidden, intermediate, eps, scale
+        self._array = (_LlamaLayer * len(layers))()
+        self._keep: list[object] = []
+        for i, (input_norm, post_norm, linears) in enumerate(layers):
+            for name, t in (("input_norm", input_norm), ("post_attention_norm", post_norm)):
+                _dense_f32(t, f"layers[{i}].{name}", (hidden,))
+                setattr(self._array[i], name, t.data_ptr())
+                self._keep.append(t)
+            for field, (op, float_activations) in zip(("qkv", "o", "gate_up", "down"), linears):
+                packed, bits, n, k, group, bias = op._args
+                setattr(self._array[i], field, _QLinearWeight(packed, bias, n, k, bits, group,
+                                                              1 if float_activations else 0))  # fmt: skip
+                self._keep.append(op)
+
+    def __call__(self, stream: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 attention: "AttentionStep") -> torch.Tensor:  # fmt: skip
+        """Runs every layer: `stream` [rows, hidden] (the embeddings) becomes the residual stream in
+        place; returns the last layer's MLP output (the final norm takes their sum)."""
+        rows = attention.num_tokens
+        _dense_f32(stream, "stream", (rows, self.hidden))
+        head_dim = attention._params.head_dim
+        _dense_f32(cos, "cos", (rows, head_dim))
+        _dense_f32(sin, "sin", (rows, head_dim))
+        if attention.device.type != "cpu":
+            raise ValueError("attention: a CPU AttentionStep expected")
+        params = attention._params
+        params.io_dtype, params.scale = _DTYPE_CODES[torch.float32], self.scale
+        last = torch.empty_like(stream)
+        cache, positions, query_start, context_lens, block_tables = attention._pointers
+        status = self._fn(self._array, len(self._array), self.hidden, self.intermediate, self.eps,
+                          stream.data_ptr(), last.data_ptr(), cos.data_ptr(), sin.data_ptr(), attention._params_ref,
+                          cache, positions, query_start, context_lens, block_tables)  # fmt: skip
+        if status:
+            _check("llama_layers", status)
+        return last
+
+
+def greedy_rows(logits: torch.Tensor, rows: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """(argmax, logsumexp) of logits[rows] (float32 CPU [*, vocab], rows int64 in range) in one pass;
+    None when the library lacks the op. Ties go to the first index, as torch.argmax."""
+    fn = getattr(library(), "trtpaged_greedy_rows_cpu", None)
+    if fn is None:
+        return None
+    if logits.dim() != 2:
+        raise ValueError(f"logits: expected [rows, vocab], got shape {tuple(logits.shape)}")
+    _dense_f32(logits, "logits", logits.shape)
+    if rows.dtype is not torch.int64 or rows.dim() != 1 or not rows.is_contiguous():
+        raise ValueError("rows: expected a contiguous 1-D int64 tensor")
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= logits.shape[0]):
+        raise ValueError(f"rows: indices must be in [0, {logits.shape[0]})")
+    n = rows.numel()
+    argmax = torch.empty(n, dtype=torch.int64)
+    lse = torch.empty(n, dtype=torch.float32)
+    status = fn(logits.data_ptr(), logits.shape[1], rows.data_ptr(), n, argmax.data_ptr(), lse.data_ptr())
+    if status:
+        _check("greedy_rows", status)
+    return argmax, lse
+
+
 class QLinearOp:
     """qlinear bound to one packed weight (and bias): everything about the weight is checked once,
     so a call checks only x (dtype, device, contiguity, last dim) before the C call.

@@ -103,6 +103,10 @@ class Manifest:
     # weight-only quantization: {"weights", "group_size", "lm_head", "modules": {module: [bits, group_size]},
     # "weight_bytes", "carried": {...}}; empty for a float engine
     quantization: dict[str, Any] = field(default_factory=dict)
+    # tensor parallelism: ranks the model is split over; above 1, `shards` names each rank's files
+    # ({"weights_file", "onnx_file"}, rank order) and weights_file / onnx_file are rank 0's
+    tensor_parallel: int = 1
+    shards: list[dict[str, Any]] = field(default_factory=list)
     format_version: int = FORMAT_VERSION
 
     @property
@@ -114,10 +118,29 @@ class Manifest:
     def kv_bytes_per_block(self) -> int:
         return self.kv_bytes_per_token * self.limits.block_size
 
+    @property
+    def kv_bytes_per_token_per_rank(self) -> int:
+        """What one rank's pool holds per token: its KV heads only (total / tensor_parallel)."""
+        return self.kv_bytes_per_token // self.tensor_parallel
+
+    @property
+    def kv_bytes_per_block_per_rank(self) -> int:
+        """One block of one rank's pool; the KV budget (memory, fraction) is per rank, so it sets the block count."""
+        return self.kv_bytes_per_token_per_rank * self.limits.block_size
+
+    def rank_files(self, rank: int) -> dict[str, Any]:
+        """{"weights_file", "onnx_file"} of one rank (rank 0 of an unsplit engine: the engine's own files)."""
+        if not 0 <= rank < self.tensor_parallel:
+            raise ValueError(f"rank: got {rank}; the engine has tensor_parallel {self.tensor_parallel}")
+        if self.tensor_parallel == 1:
+            return {"weights_file": self.weights_file, "onnx_file": self.onnx_file}
+        return dict(self.shards[rank])
+
     def to_json(self) -> str:
         data = asdict(self)
         data["kv_bytes_per_token"] = self.kv_bytes_per_token
         data["kv_bytes_per_block"] = self.kv_bytes_per_block
+        data["kv_bytes_per_token_per_rank"] = self.kv_bytes_per_token_per_rank
         return json.dumps(data, indent=2, sort_keys=True)
 
     @classmethod
@@ -130,6 +153,7 @@ class Manifest:
         data = dict(data)
         data.pop("kv_bytes_per_token", None)
         data.pop("kv_bytes_per_block", None)
+        data.pop("kv_bytes_per_token_per_rank", None)
         return cls(
             dims=ModelDims(**data.pop("dims")),
             limits=Limits(**data.pop("limits")),

@@ -299,12 +299,8 @@ def run_kv_dtype_comparison(
     for kv_dtype in kv_dtypes:
         say(f"paged, kv {kv_dtype}")
         blocks = kv_dtype_blocks(budget, base_dtype, kv_dtype, head_dim)
-        r = simulate_paged(trace, replace(budget, num_blocks=blocks), sharing=False)
-        busy = [run for run, wait in zip(r.running, r.waiting) if wait > 0]
-        rows.append({"kv_dtype": kv_dtype, "head_row_bytes": kv_row_bytes(head_dim, kv_dtype), "num_blocks": blocks,
-                     "steps": r.steps, "peak_running": r.peak_running, "mean_running": r.mean_running,
-                     "saturated_running": statistics.fmean(busy) if busy else None, "saturated_steps": len(busy),
-                     "preemptions": r.preemptions})  # fmt: skip
+        rows.append({"kv_dtype": kv_dtype, "head_row_bytes": kv_row_bytes(head_dim, kv_dtype),
+                     **_paged_row(trace, budget, blocks)})
     by_name = {r["kv_dtype"]: r for r in rows}
     for r in rows:
         for other in ("float16", "float32"):
@@ -312,6 +308,50 @@ def run_kv_dtype_comparison(
             ok = base and base["saturated_running"] and r["saturated_running"]
             r[f"saturated_running_vs_{other}"] = r["saturated_running"] / base["saturated_running"] if ok else None
     return rows
+
+
+def _paged_row(trace: list[TraceRequest], budget: Budget, blocks: int) -> dict:
+    """The paged replay (no sharing) with `blocks` blocks: steps, peak / mean / saturated running, preemptions.
+
+    "saturated running": mean running sequences over the steps where requests wait, i.e. while the KV budget
+    (or max_batch_size) is what limits concurrency."""
+    r = simulate_paged(trace, replace(budget, num_blocks=blocks), sharing=False)
+    busy = [run for run, wait in zip(r.running, r.waiting) if wait > 0]
+    return {"num_blocks": blocks, "steps": r.steps, "peak_running": r.peak_running, "mean_running": r.mean_running,
+            "saturated_running": statistics.fmean(busy) if busy else None, "saturated_steps": len(busy),
+            "preemptions": r.preemptions}
+
+
+def run_tensor_parallel_comparison(
+    trace: list[TraceRequest], budget: Budget, ranks: tuple[int, ...],
+    progress: Optional[Callable[[str], None]] = None,
+) -> list[dict]:
+    """The paged replay on 1 and on N ranks, each rank a device with the memory of `budget.num_blocks` one-rank
+    blocks: a rank's block holds 1/N of the KV heads, so N ranks hold N times the blocks (N times the memory)."""
+    say = progress or (lambda _msg: None)
+    rows = []
+    for n in ranks:
+        say(f"paged, {n} rank{'s' if n > 1 else ''}")
+        rows.append({"ranks": n, **_paged_row(trace, budget, budget.num_blocks * n)})
+    base = rows[0]["saturated_running"]
+    for r in rows:
+        r["saturated_running_vs_1_rank"] = r["saturated_running"] / base if base and r["saturated_running"] else None
+    return rows
+
+
+def format_tensor_parallel_table(rows: list[dict], base_blocks: int) -> str:
+    lines = [f"tensor parallel: each rank a device with the KV memory of {base_blocks} one-rank blocks, paged replay "
+             "without sharing:",
+             f"{'ranks':>5} {'KV memory':>10} {'blocks':>8} {'steps':>7} {'peak run':>9} {'mean run':>9} "
+             f"{'sat run':>8} {'vs 1 rank':>10} {'preempt':>8}"]
+    for r in rows:
+        vs = f"{r['saturated_running_vs_1_rank']:>9.2f}x" if r["saturated_running_vs_1_rank"] else f"{'-':>10}"
+        sat = f"{r['saturated_running']:>8.1f}" if r["saturated_running"] else f"{'-':>8}"
+        lines.append(f"{r['ranks']:>5} {str(r['ranks']) + 'x':>10} {r['num_blocks']:>8} {r['steps']:>7} "
+                     f"{r['peak_running']:>9} {r['mean_running']:>9.1f} {sat} {vs} {r['preemptions']:>8}")
+    lines += ["a rank's KV block holds 1/N of the KV heads: the same block ids address every rank's share, so N",
+              "devices hold N times the blocks; concurrency stops growing at max_batch_size"]
+    return "\n".join(lines)
 
 
 def format_kv_dtype_table(rows: list[dict], base_dtype: str, base_blocks: int, head_dim: int) -> str:

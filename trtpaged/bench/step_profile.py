@@ -5,7 +5,9 @@ Two views of the same engine:
   model, sample, update, output) when it has them; otherwise the whole step timed from outside,
   split into the backend's model call and everything else around it;
 - ops of the model forward: torch.profiler over a few pure decode steps at batch 1 and batch 16,
-  top ops by self CPU time per step (linears, the paged-attention custom op, norms, ...).
+  top ops by self CPU time per step, with the kernel library's ctypes calls (one-call decoder
+  layers, quantized linears, paged attention, fused ops, greedy choice) timed alongside, since
+  the profiler does not see them.
 """
 
 from __future__ import annotations
@@ -80,24 +82,70 @@ def phase_breakdown(llm, batch: int, steps: int = 20, prompt_len: int = 64,
     return {"batch": batch, "step_s": total / steps, "phases_s": per_step, "source": source}
 
 
+# The kernel library's entry points the eager model calls through ctypes: torch.profiler does not see
+# them, so op_breakdown times them itself (while profiling only) and lists them as "kernel: ..." rows.
+_KERNEL_METHODS = (("LlamaLayers", "__call__", "decoder layers (one call)"), ("QLinearOp", "__call__", "qlinear"),
+                   ("AttentionStep", "__call__", "paged attention"))  # fmt: skip
+_KERNEL_FUNCTIONS = ("rmsnorm", "rope_qk", "silu_mul", "greedy_rows")
+
+
+def _timed_kernels() -> tuple[dict[str, list[float]], Callable[[], None]]:
+    """Wraps the kernels module's entry points with timers; returns {name: [seconds, calls]} and an undo."""
+    from trtpaged import kernels
+
+    totals: dict[str, list[float]] = {}
+    undo: list[Callable[[], None]] = []
+
+    def timed(fn: Callable, name: str) -> Callable:
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                entry = totals.setdefault(name, [0.0, 0])
+                entry[0] += time.perf_counter() - t0
+                entry[1] += 1
+
+        return call
+
+    for cls_name, method, label in _KERNEL_METHODS:
+        cls = getattr(kernels, cls_name, None)
+        if cls is not None:
+            original = cls.__dict__[method]
+            setattr(cls, method, timed(original, label))
+            undo.append(lambda cls=cls, method=method, original=original: setattr(cls, method, original))
+    for name in _KERNEL_FUNCTIONS:
+        original = getattr(kernels, name, None)
+        if original is not None:
+            setattr(kernels, name, timed(original, name))
+            undo.append(lambda name=name, original=original: setattr(kernels, name, original))
+    return totals, lambda: [u() for u in undo]
+
+
 def op_breakdown(llm, batch: int, steps: int = PROFILED_STEPS, top: int = 12, prompt_len: int = 64) -> dict:
-    """Top ops by self CPU time per decode step (torch.profiler), for `batch` sequences decoding."""
+    """Top ops by self CPU time per decode step (torch.profiler, plus the kernel library's calls, which
+    it does not see), for `batch` sequences decoding."""
     from torch.profiler import ProfilerActivity, profile
 
     _add_decoders(llm, batch, prompt_len, steps + 4, seed=1000 + batch)
     llm.engine.step()  # prefill
     llm.engine.step()  # one decode step unprofiled (first-call costs)
     model_times, undo = _timed_model_call(llm)
+    kernel_times, undo_kernels = _timed_kernels()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             llm.engine.step()
+    undo_kernels()
     undo()
     _drain(llm)
     events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
-    total_us = sum(e.self_cpu_time_total for e in events)
-    ops = [{"op": e.key, "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps,
-            "share": e.self_cpu_time_total / total_us if total_us else 0.0, "calls_per_step": e.count / steps}
-           for e in events[:top]]  # fmt: skip
+    rows = [(e.key, e.self_cpu_time_total / 1e6, e.count) for e in events]
+    rows += [(f"kernel: {name}", seconds, calls) for name, (seconds, calls) in kernel_times.items()]
+    rows.sort(key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    ops = [{"op": name, "self_ms_per_step": seconds * 1e3 / steps, "share": seconds / total if total else 0.0,
+            "calls_per_step": calls / steps} for name, seconds, calls in rows[:top]]  # fmt: skip
+    total_us = total * 1e6
     return {"batch": batch, "model_ms_per_step": sum(model_times) / steps * 1e3,
             "profiled_ms_per_step": total_us / 1e3 / steps, "ops": ops}  # fmt: skip
 
@@ -127,7 +175,7 @@ def format_step_profile(report: dict) -> str:
         for name, seconds in p["phases_s"].items():
             lines.append(f"    {name:<58} {seconds * 1e3:>8.2f} ms {seconds / p['step_s']:>6.1%}")
     for o in report["ops"]:
-        lines += ["", f"  model forward ops, batch {o['batch']} decode (torch.profiler, self CPU per step; model call "
+        lines += ["", f"  model forward ops, batch {o['batch']} decode (torch.profiler and kernel-library calls, self CPU per step; model call "
                       f"{o['model_ms_per_step']:.1f} ms, profiled total {o['profiled_ms_per_step']:.1f} ms):"]  # fmt: skip
         for op in o["ops"]:
             lines.append(f"    {op['op'][:48]:<48} {op['self_ms_per_step']:>8.2f} ms {op['share']:>6.1%} "

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from trtpaged.builder import onnx_quant
+from trtpaged.builder import onnx_allreduce, onnx_quant
 from trtpaged.builder.onnx_node import translation_table
 from trtpaged.builder.probe import INPUT_NAMES, STEP_INPUT_AXES, standard_probe
 from trtpaged.builder.weights import tensor_offsets
@@ -58,7 +58,8 @@ def export_onnx(model: LlamaStepModel, block_size: int, kv_dtype: torch.dtype | 
     try:
         with _quiet():
             program = torch.onnx.export(
-                model, args, dynamo=True, custom_translation_table={**translation_table(), **onnx_quant.translation()},
+                model, args, dynamo=True, custom_translation_table={**translation_table(), **onnx_quant.translation(),
+                                                             **onnx_allreduce.translation()},
                 dynamic_shapes=dynamic_shapes(), input_names=list(INPUT_NAMES), output_names=list(OUTPUT_NAMES),
                 optimize=True, verbose=False, report=False, opset_version=onnx_quant.OPSET,
             )

@@ -4,6 +4,10 @@ Paging wastes at most one partly-filled block per sequence, so a sequence of
 length L holds ceil(L / block_size) blocks. A contiguous (unpaged) cache
 reserves max_seq_len tokens per sequence whatever its length; the plan shows
 both so the gain is visible.
+
+With tensor parallelism each rank holds only its KV heads: its bytes per token
+are the total / N, the budget (memory, fraction) is per rank, and all ranks hold
+the same block ids, so N ranks with N times the memory fit N times the blocks.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from trtpaged.manifest import Manifest
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    bytes_per_token: int
+    bytes_per_token: int  # one rank's (the whole model's when tensor_parallel is 1)
     bytes_per_block: int
     block_size: int
     max_seq_len: int
@@ -27,6 +31,7 @@ class MemoryPlan:
     kv_cache_dtype: str = ""
     # the same KV memory with other cache dtypes: (kv dtype, bytes per token, bytes per block)
     alternatives: list[tuple[str, int, int]] = field(default_factory=list)
+    tensor_parallel: int = 1
 
     def blocks_for(self, length: int) -> int:
         return -(-length // self.block_size)
@@ -45,16 +50,22 @@ class MemoryPlan:
 
     def lines(self, avg_len: Optional[int] = None) -> list[str]:
         """The plan as printable lines."""
-        out = [
-            f"KV bytes per token:   {self.bytes_per_token:,} (K and V, every layer)",
-            f"KV bytes per block:   {self.bytes_per_block:,} ({self.block_size} tokens)",
-            f"KV budget:            {self.budget_rule}",
-        ]
+        n = self.tensor_parallel
+        if n == 1:
+            out = [f"KV bytes per token:   {self.bytes_per_token:,} (K and V, every layer)",
+                   f"KV bytes per block:   {self.bytes_per_block:,} ({self.block_size} tokens)"]
+        else:
+            out = [f"tensor parallel:      {n} ranks, each with its share of the KV heads and its own pool",
+                   f"KV bytes per token:   {self.bytes_per_token * n:,} in all, {self.bytes_per_token:,} per rank "
+                   f"(total / {n})",
+                   f"KV bytes per block:   {self.bytes_per_block:,} per rank ({self.block_size} tokens)"]
+        out.append(f"KV budget:            {self.budget_rule}")
         if self.num_blocks is None:
             out.append("blocks in budget:     decided at serve time (pass --memory SIZE to evaluate)")
             return out
-        out.append(f"blocks in budget:     {self.num_blocks:,} ({format_bytes(self.num_blocks * self.bytes_per_block)}, "
-                   f"{self.num_blocks * self.block_size:,} tokens)")
+        per_rank = " per rank" if n > 1 else ""
+        out.append(f"blocks in budget:     {self.num_blocks:,} ({format_bytes(self.num_blocks * self.bytes_per_block)}"
+                   f"{per_rank}, {self.num_blocks * self.block_size:,} tokens)")
         fit = self.max_sequences(self.max_seq_len)
         out.append(f"max concurrent sequences at max_seq_len {self.max_seq_len}: {fit:,}{self._cap(fit)}")
         if avg_len is not None:
@@ -98,22 +109,23 @@ def plan_memory(manifest: Manifest, memory_bytes: Optional[int] = None) -> Memor
     """The plan of an engine; `memory_bytes` stands for free device memory when the budget is a fraction."""
     from trtpaged.runtime.engines.kv_budget import kv_blocks
 
-    kv, block_bytes = manifest.kv_cache, manifest.kv_bytes_per_block
+    kv, block_bytes = manifest.kv_cache, manifest.kv_bytes_per_block_per_rank
+    n = manifest.tensor_parallel
     blocks = kv_blocks(manifest, memory_bytes)  # the runtime's own count
     capped = False
     if kv.num_blocks is not None:
         rule = f"num_blocks {kv.num_blocks}"
     elif kv.memory_bytes is not None:
-        rule = f"memory {format_bytes(kv.memory_bytes)}"
+        rule = f"memory {format_bytes(kv.memory_bytes)}{' per rank' if n > 1 else ''}"
     else:
-        rule = f"fraction {kv.fraction} of free device memory at serve time"
+        rule = f"fraction {kv.fraction} of free device memory{' of each rank' if n > 1 else ''} at serve time"
         if memory_bytes is not None:
             rule += f" (evaluated for {format_bytes(memory_bytes)} free)"
             capped = blocks is not None and blocks < int(memory_bytes * (kv.fraction or 0)) // block_bytes
             if capped:
                 rule += ", capped at max_batch_size x max_seq_len"
     return MemoryPlan(
-        bytes_per_token=manifest.kv_bytes_per_token,
+        bytes_per_token=manifest.kv_bytes_per_token_per_rank,
         bytes_per_block=block_bytes,
         block_size=manifest.limits.block_size,
         max_seq_len=manifest.limits.max_seq_len,
@@ -122,7 +134,8 @@ def plan_memory(manifest: Manifest, memory_bytes: Optional[int] = None) -> Memor
         num_blocks=blocks,
         capped=capped,
         kv_cache_dtype=manifest.kv_cache_dtype,
-        alternatives=[(name, manifest.dims.kv_bytes_per_token(name),
-                       manifest.dims.kv_bytes_per_token(name) * manifest.limits.block_size)
+        alternatives=[(name, manifest.dims.kv_bytes_per_token(name) // n,
+                       manifest.dims.kv_bytes_per_token(name) // n * manifest.limits.block_size)
                       for name in ("float32", "float16", "int8") if name != manifest.kv_cache_dtype],
+        tensor_parallel=n,
     )

@@ -3,8 +3,9 @@
     check    validate what is cheap (output path, backend, architecture, GGUF header)
     load     transformers loads config, weights and tokenizer (float32)
     patch    trtpaged's step model built from the HF config and weights
-    export   weights.safetensors + model.onnx (external data pointing into the safetensors)
-    verify   the ONNX graph on CPU vs HF's forward over two chained steps
+    export   weights.safetensors + model.onnx (external data pointing into the safetensors);
+             tensor_parallel N > 1: weights-rankR.safetensors + model-rankR.onnx per rank
+    verify   the ONNX graph on CPU vs HF's forward over two chained steps (the rank graphs jointly)
     compile  engine.plan with TensorRT (skipped where TensorRT or the plugin is missing)
     write    tokenizer, manifest with sha256 of every file, atomic rename into place
 """
@@ -29,6 +30,7 @@ from trtpaged.builder.verify import unsupported_reason, verify_onnx
 from trtpaged.builder.weights import save_weights
 from trtpaged.config import BuildConfig, ConfigError
 from trtpaged.manifest import QUANTIZED_KV_DTYPES, Manifest, ModelDims
+from trtpaged.models.tensor_parallel import check_tensor_parallel
 
 WEIGHTS_FILE = "weights.safetensors"
 ONNX_FILE = "model.onnx"
@@ -82,7 +84,12 @@ def build_engine(
                 dims = dims_from_hf_config(hf.config, config.limits.max_seq_len)
             except UnsupportedModelError as e:
                 raise ConfigError(f"model.{config.model.kind}: {e}") from None
-            block_bytes = dims.kv_bytes_per_token(config.kv_cache_dtype) * config.limits.block_size
+            tp_blocker = check_tensor_parallel(dims, config.tensor_parallel, _config_plan(config, dims))
+            if tp_blocker:
+                raise ConfigError(tp_blocker)
+            # one rank's pool holds its KV heads only; the KV budget is per rank
+            block_bytes = (dims.kv_bytes_per_token(config.kv_cache_dtype) * config.limits.block_size
+                           // config.tensor_parallel)
             _check_limits(config, dims, block_bytes)
             params = sum(p.numel() for p in hf.model.parameters())
             st.note(f"{params / 1e6:.1f}M parameters, {dims.num_layers} layers, vocab {dims.vocab_size}")
@@ -100,6 +107,9 @@ def build_engine(
                 float_bytes = sum(t.numel() * t.element_size() for t in step_model.state_dict().values())
                 step_model, quantized = quantized_step_model(hf.model, config.model, dims, config.quantization, dtype)
                 reference_hf = dequantized_hf_model(hf.model, dims, quantized)
+                tp_blocker = check_tensor_parallel(dims, config.tensor_parallel, quantized.plan)
+                if tp_blocker:
+                    raise ConfigError(tp_blocker)
                 st.note(f"{config.quantization.weights} (group {config.quantization.group_size or 'per channel'}): "
                         f"{quantized.summary()}; weights {quantized.weight_bytes / 2**20:.1f} MiB "
                         f"(float {float_bytes / 2**20:.1f} MiB)")
@@ -107,21 +117,27 @@ def build_engine(
         # kv_accuracy stage measures it against the full-precision cache.
         kv_quantized = config.kv_cache_dtype in QUANTIZED_KV_DTYPES
         graph_kv_dtype = config.kv_cache_dtype
+        shards = shard_files(config.tensor_parallel)
         with progress.stage("export") as st:
-            save_weights(step_model, tmp / WEIGHTS_FILE)
-            export_onnx(step_model, config.limits.block_size,
-                        graph_kv_dtype if kv_quantized else TORCH_DTYPES[graph_kv_dtype], tmp / ONNX_FILE,
-                        tmp / WEIGHTS_FILE)
-            st.note(f"{ONNX_FILE} ({dims.num_layers} paged-attention nodes), {WEIGHTS_FILE} "
-                    f"{(tmp / WEIGHTS_FILE).stat().st_size / 2**20:.1f} MiB")
+            plan = quantized.plan if quantized is not None else {}
+            for rank, files in enumerate(shards):
+                model = rank_step_model(step_model, plan, config.tensor_parallel, rank, config.quantization)
+                save_weights(model, tmp / files["weights_file"])
+                export_onnx(model, config.limits.block_size,
+                            graph_kv_dtype if kv_quantized else TORCH_DTYPES[graph_kv_dtype],
+                            tmp / files["onnx_file"], tmp / files["weights_file"])
+            size = sum((tmp / f["weights_file"]).stat().st_size for f in shards) / 2**20
+            reduces = f", {2 * dims.num_layers} all-reduce nodes each" if len(shards) > 1 else ""
+            st.note(f"{len(shards)} x {shards[0]['onnx_file']} ({dims.num_layers} paged-attention nodes{reduces}), "
+                    f"weights {size:.1f} MiB")
         why_not = "--skip-verify" if skip_verify else unsupported_reason(config.dtype, graph_kv_dtype)
         if why_not:
             progress.skip("verify", why_not)
             verification: dict = {"skipped": True, "reason": why_not}
         else:
             with progress.stage("verify") as st:
-                result = verify_onnx(tmp / ONNX_FILE, reference_hf, dims.vocab_size, config.limits.block_size,
-                                     config.dtype, graph_kv_dtype, step_model)
+                result = verify_onnx([tmp / f["onnx_file"] for f in shards], reference_hf, dims.vocab_size,
+                                     config.limits.block_size, config.dtype, graph_kv_dtype, step_model)
                 verification = result.as_dict()
                 against = "HF with the same de-quantized weights" if reference_hf is not hf.model else "HF"
                 if kv_quantized:
@@ -149,6 +165,9 @@ def build_engine(
                 st.note(kv_report.line())
         plan_built = False
         compile_blocker = "backend: torch (no engine.plan)" if config.backend == "torch" else trt_compile.unavailable_reason()
+        if config.tensor_parallel > 1:
+            compile_blocker = (f"tensor_parallel {config.tensor_parallel}: the rank graphs run on the torch backend "
+                               "(scripts/gpu_check.sh compiles them with the NCCL all-reduce plugin)")
         if compile_blocker:
             progress.skip("compile", compile_blocker)
         else:
@@ -164,7 +183,7 @@ def build_engine(
         with progress.stage("write") as st:
             hf.tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
             manifest = _manifest(config, dims, hf, verification, file_hashes(tmp), plan_built,
-                                 quantized.describe(config.quantization) if quantized is not None else {})
+                                 quantized.describe(config.quantization) if quantized is not None else {}, shards)
             write_manifest(tmp, manifest)
             st.note(f"{len(manifest.files) + 1} files, backends: {', '.join(manifest.backends)}")
     total = progress.total()
@@ -190,10 +209,49 @@ def _preflight(
     if blocker:
         raise ConfigError(f"backend: 'tensorrt' cannot be built here: {blocker}; use backend: auto or torch")
     if config.dtype != "float32" and not torch.cuda.is_available():
+        # The CPU kernels read 16-bit and quantized caches directly (half the bytes of fp32 or less),
+        # so a kv_cache_dtype the model.yaml names is kept; `auto` follows dtype to float32.
+        keep_kv = kv_quantized or config.kv_cache_dtype_explicit
         progress.warn(f"dtype {config.dtype}: no CUDA device, building float32 for the CPU"
-                      + ("" if kv_quantized else " (kv_cache_dtype too)"))
-        config = replace(config, dtype="float32", kv_cache_dtype=config.kv_cache_dtype if kv_quantized else "float32")
+                      + ("" if keep_kv else " (kv_cache_dtype too)"))
+        config = replace(config, dtype="float32", kv_cache_dtype=config.kv_cache_dtype if keep_kv else "float32")
     return config, out
+
+
+def shard_files(tensor_parallel: int) -> list[dict[str, str]]:
+    """Each rank's {"weights_file", "onnx_file"}: the usual names for one rank, rank-numbered for several."""
+    if tensor_parallel == 1:
+        return [{"weights_file": WEIGHTS_FILE, "onnx_file": ONNX_FILE}]
+    return [{"weights_file": f"weights-rank{r}.safetensors", "onnx_file": f"model-rank{r}.onnx"}
+            for r in range(tensor_parallel)]
+
+
+def rank_step_model(step_model, plan: dict, tensor_parallel: int, rank: int, quantization):
+    """One rank's step model (its shard of the weights, an all-reduce after the row-parallel layers), for
+    export; the model itself for one rank."""
+    if tensor_parallel == 1:
+        return step_model
+    from trtpaged.models.all_reduce import RankReduce
+    from trtpaged.models.loading import with_weights
+    from trtpaged.models.qlinear import set_activations
+    from trtpaged.models.tensor_parallel import shard_dims, shard_plan, shard_state
+
+    dims = step_model.dims
+    state = shard_state(step_model.state_dict(), dims, tensor_parallel, rank, plan)
+    model = with_weights(shard_dims(dims, tensor_parallel), step_model.dtype, state, "cpu",
+                         shard_plan(plan, dims, tensor_parallel), RankReduce(rank, tensor_parallel))
+    if plan:
+        set_activations(model, quantization.activations)
+    return model
+
+
+def _config_plan(config: BuildConfig, dims: ModelDims) -> dict[str, tuple[int, int]]:
+    """The row-parallel modules' (bits, group_size) that `config.quantization` asks for (per channel: all inputs)."""
+    q = config.quantization
+    if not q.enabled:
+        return {}
+    return {"layers.0.self_attn.o_proj": (q.bits, q.group_size or dims.num_heads * dims.head_dim),
+            "layers.0.mlp.down_proj": (q.bits, q.group_size or dims.intermediate_size)}
 
 
 def _check_limits(config: BuildConfig, dims: ModelDims, block_bytes: int) -> None:
@@ -221,7 +279,7 @@ def _token_ids(*values) -> list[int]:
 
 def _manifest(
     config: BuildConfig, dims: ModelDims, hf, verification: dict, files: dict[str, str], plan_built: bool = False,
-    quantization: Optional[dict] = None,
+    quantization: Optional[dict] = None, shards: Optional[list[dict[str, str]]] = None,
 ) -> Manifest:
     tok, gen = hf.tokenizer, getattr(hf.model, "generation_config", None)
     eos = _token_ids(getattr(gen, "eos_token_id", None), getattr(hf.config, "eos_token_id", None), tok.eos_token_id)
@@ -238,12 +296,14 @@ def _manifest(
         bos_token_id=bos,
         eos_token_ids=eos,
         chat_template=tok.chat_template if isinstance(tok.chat_template, str) else None,
-        weights_file=WEIGHTS_FILE,
-        onnx_file=ONNX_FILE,
+        weights_file=shards[0]["weights_file"] if shards else WEIGHTS_FILE,
+        onnx_file=shards[0]["onnx_file"] if shards else ONNX_FILE,
         plan_file=PLAN_FILE if plan_built else None,
         backends=["torch", "tensorrt"] if plan_built else ["torch"],
         files=files,
         source=source,
         verification=verification,
         quantization=quantization or {},
+        tensor_parallel=config.tensor_parallel,
+        shards=list(shards) if shards and len(shards) > 1 else [],
     )

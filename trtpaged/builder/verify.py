@@ -6,8 +6,13 @@ prefills; step 2: a continuing chunk, a new prefill and a decode, with the pool
 from step 1 fed back), asks for the logits of every packed token, and compares
 them with HF's logits at the same positions.
 
+A tensor-parallel engine has one graph per rank: they run jointly, one thread
+per rank, their TrtpagedAllReduce nodes summing through one exchange
+(builder/onnx_allreduce.py); every rank's logits are compared with HF.
+
 Tolerance (documented in `trtpaged build --help`): max |onnx - hf| must be at
-most `atol + rtol * max |hf|`, with (atol, rtol) = TOLERANCES[dtype].
+most `atol + rtol * max |hf|`, with (atol, rtol) = TOLERANCES[dtype], or of the KV cache's
+dtype when that is the less precise.
 
 A graph over a quantized KV cache (int8, fp8_e4m3) computes what no HF forward
 does: it is compared, with the same tolerance, with the eager step model running
@@ -18,9 +23,11 @@ full-precision one.
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence, Union
 
 import numpy as np
 import torch
@@ -60,52 +67,81 @@ class VerificationResult:
 
 
 def verify_onnx(
-    onnx_path: Path, hf_model: Any, vocab_size: int, block_size: int, dtype: str, kv_dtype: str,
+    onnx_path: Union[Path, Sequence[Path]], hf_model: Any, vocab_size: int, block_size: int, dtype: str, kv_dtype: str,
     step_model: Any = None,
 ) -> VerificationResult:
-    """Runs the probe through the ONNX graph and HF (or, for a quantized kv_dtype, the eager
-    `step_model` over a cache of that kv_dtype); raises VerificationError past the tolerance."""
+    """Runs the probe through the ONNX graph (or the rank graphs, jointly) and HF (or, for a quantized
+    kv_dtype, the eager whole `step_model` over a cache of that kv_dtype); raises VerificationError past
+    the tolerance."""
     from onnx.reference import ReferenceEvaluator
 
+    from trtpaged.builder.onnx_allreduce import AllReduceExchange, reference_op
     from trtpaged.builder.onnx_reference import TrtpagedPagedAttention
 
     reason = unsupported_reason(dtype, kv_dtype)
     if reason:
         raise VerificationError(reason)
-    session = ReferenceEvaluator(str(onnx_path), new_ops=[TrtpagedPagedAttention])
+    paths = [onnx_path] if isinstance(onnx_path, (str, Path)) else list(onnx_path)
+    exchange = AllReduceExchange(len(paths))
+    ops = [TrtpagedPagedAttention, reference_op(exchange)]
+    sessions = [ReferenceEvaluator(str(p), new_ops=ops) for p in paths]
     seqs, steps, num_blocks = standard_probe(vocab_size, block_size, all_rows=True)
-    first = session.input_names
-    shape = [num_blocks] + [d.dim_value for d in _kv_input(session).type.tensor_type.shape.dim[1:]]
     quantized = is_quantized(kv_dtype)
     if quantized and step_model is None:
         raise VerificationError(f"kv_cache_dtype {kv_dtype}: verifying the graph needs the step model to compare with")
-    pool = np.zeros(shape, dtype=np.int8 if quantized else _NUMPY_DTYPES[kv_dtype])
+    pool_dtype = np.int8 if quantized else _NUMPY_DTYPES[kv_dtype]
+    pools = [np.zeros([num_blocks] + [d.dim_value for d in _kv_input(s).type.tensor_type.shape.dim[1:]],
+                      dtype=pool_dtype) for s in sessions]
     eager_pool = step_model.new_kv_cache(num_blocks, block_size, kv_dtype) if quantized else None
     worst, peak, rows = 0.0, 0.0, 0
     for step in steps:
         feeds = {name: t.numpy() for name, t in step.inputs.items()}
-        feeds["kv_cache"] = pool
-        logits, pool = session.run(None, {n: feeds[n] for n in first})
+        outs = _run_ranks(sessions, feeds, pools, exchange)
+        pools = [pool for _, pool in outs]
         if quantized:
             with torch.no_grad():
                 ref = step_model(*step.args(eager_pool))[0].double().numpy()
         else:
             ref = hf_logits(hf_model, seqs, step.rows).numpy()
-        worst = max(worst, float(np.abs(logits.astype(np.float64) - ref).max()))
+        worst = max(worst, *(float(np.abs(logits.astype(np.float64) - ref).max()) for logits, _ in outs))
         peak = max(peak, float(np.abs(ref).max()))
         rows += len(step.rows)
-    atol, rtol = TOLERANCES[dtype]
+    # a 16-bit KV cache under float32 activations rounds K and V as a 16-bit model would: its bound
+    # (a quantized cache is compared with the step model over the same cache: the activations' bound)
+    precision = max((dtype, kv_dtype), key=lambda d: TOLERANCES.get(d, (0.0, 0.0))[1])
+    atol, rtol = TOLERANCES[precision]
     method = (f"onnx.reference vs the eager step model, both with a {kv_dtype} cache" if quantized
               else "onnx.reference vs transformers forward")
     result = VerificationResult(max_abs_diff=worst, tolerance=atol + rtol * peak, max_abs_logit=peak, rows=rows,
                                 method=method)
     if not worst <= result.tolerance:
+        named = dtype if precision == dtype else f"kv_cache_dtype {kv_dtype}"
         what = "step model" if quantized else "hf"
         raise VerificationError(
             f"verification failed: max |onnx - {what}| logits = {worst:.3g} over {rows} rows, tolerance {result.tolerance:.3g} "
-            f"({dtype}: {atol} + {rtol} * max|logit| {peak:.3g})"
+            f"({named}: {atol} + {rtol} * max|logit| {peak:.3g})"
         )
     return result
+
+
+def _run_ranks(sessions: list, feeds: dict, pools: list, exchange: Any) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each rank's (logits, pool) after one step; the ranks run concurrently (their all-reduces meet)."""
+    def run(rank: int):
+        try:
+            inputs = {**feeds, "kv_cache": pools[rank]}
+            return sessions[rank].run(None, {n: inputs[n] for n in sessions[rank].input_names})
+        except BaseException:
+            exchange.abort()  # the other ranks would wait for this one's all-reduce forever
+            raise
+
+    if len(sessions) == 1:
+        return [tuple(run(0))]
+    with ThreadPoolExecutor(len(sessions)) as pool:
+        futures = [pool.submit(run, r) for r in range(len(sessions))]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:  # the rank that failed first, not the ones its abort woke
+        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+    return [tuple(f.result()) for f in futures]
 
 
 def _kv_input(session: Any) -> Any:

@@ -66,16 +66,20 @@ def kernel(kv_dtype: Optional[str], device: str, as_json: bool, quick: bool) -> 
               help="Also: the paged replay with the same KV memory held as float32, float16 and this cache dtype.")
 @click.option("--head-dim", type=click.IntRange(min=1),
               help="With --kv-dtype: head_dim that sizes a quantized row (default: the engine's, else 64).")
+@click.option("--tensor-parallel", type=click.IntRange(min=1), default=None,
+              help="Also: the paged replay on N ranks, each a device with the memory of the budget (N x the memory; "
+                   "default: the engine's tensor_parallel when above 1).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def memory(engine, trace, num_requests, prompt_len, output_len, shared_prefix, num_prefixes, n, beam_width, preset,
            sharing_table, plot, seed, num_blocks, block_size, max_seq_len, max_batch_size, max_num_tokens,
-           kv_dtype, head_dim, as_json) -> None:  # fmt: skip
+           kv_dtype, head_dim, tensor_parallel, as_json) -> None:  # fmt: skip
     """Concurrency and KV utilisation of one workload: contiguous reservations vs paged vs paged + sharing.
 
     Replays the workload through trtpaged's real scheduler and block pool (no model runs) and
     through contiguous-reservation baselines, all with the same KV budget, side by side; and
     reports the memory saved by sharing (parallel samples, beams, shared prefixes). The budget's blocks
     are of the engine's kv_cache_dtype (without an engine: float16); --kv-dtype converts that memory.
+    The budget is one device's: for a tensor-parallel engine, its blocks per rank over tensor_parallel.
     """
     import json
 
@@ -94,7 +98,11 @@ def memory(engine, trace, num_requests, prompt_len, output_len, shared_prefix, n
             manifest = read_manifest(engine)
             base_dtype, engine_head_dim = manifest.kv_cache_dtype, manifest.dims.head_dim
             limits = manifest.limits
-            defaults = {"num_blocks": resolve_num_blocks(manifest), "block_size": limits.block_size,
+            if tensor_parallel is None and manifest.tensor_parallel > 1:
+                tensor_parallel = manifest.tensor_parallel
+            # one device's memory in one-rank blocks (a rank's block is 1/tensor_parallel of one)
+            defaults = {"num_blocks": max(1, resolve_num_blocks(manifest) // manifest.tensor_parallel),
+                        "block_size": limits.block_size,
                         "max_seq_len": limits.max_seq_len, "max_batch_size": limits.max_batch_size,
                         "max_num_tokens": limits.max_num_tokens}  # fmt: skip
         given = {"num_blocks": num_blocks, "block_size": block_size, "max_seq_len": max_seq_len,
@@ -124,6 +132,10 @@ def memory(engine, trace, num_requests, prompt_len, output_len, shared_prefix, n
         hd = head_dim or engine_head_dim
         report["kv_dtypes"] = {"base_dtype": base_dtype, "base_blocks": budget.num_blocks, "head_dim": hd,
                                "rows": run_kv_dtype_comparison(requests, budget, dtypes, base_dtype, hd, progress)}
+    if tensor_parallel and tensor_parallel > 1:
+        from trtpaged.bench.memory_bench import run_tensor_parallel_comparison
+
+        report["tensor_parallel"] = run_tensor_parallel_comparison(requests, budget, (1, tensor_parallel), progress)
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
@@ -133,6 +145,10 @@ def memory(engine, trace, num_requests, prompt_len, output_len, shared_prefix, n
     if kv_dtype:
         k = report["kv_dtypes"]
         click.echo("\n" + format_kv_dtype_table(k["rows"], k["base_dtype"], k["base_blocks"], k["head_dim"]))
+    if "tensor_parallel" in report:
+        from trtpaged.bench.memory_bench import format_tensor_parallel_table
+
+        click.echo("\n" + format_tensor_parallel_table(report["tensor_parallel"], budget.num_blocks))
 
 
 @command.command(name="qlinear")

@@ -44,7 +44,9 @@ def _kv_from_config(path: str):
         hf_config = AutoConfig.from_pretrained(str(spec.path.parent), gguf_file=spec.path.name, local_files_only=True)
     dims = dims_from_hf_config(hf_config, lim.max_seq_len)
     per_token = dims.kv_bytes_per_token(config.kv_cache_dtype)
-    plan = SimpleNamespace(kv_bytes_per_block=per_token * lim.block_size, limits=lim, kv_cache=config.kv_cache)
+    # the fields kv_budget reads; one rank's block is 1/tensor_parallel of the whole one
+    plan = SimpleNamespace(kv_bytes_per_block_per_rank=per_token * lim.block_size // config.tensor_parallel,
+                           limits=lim, kv_cache=config.kv_cache)
     budget = Budget(resolve_num_blocks(plan), lim.block_size, lim.max_seq_len, lim.max_batch_size, lim.max_num_tokens)
     return ModelKV(per_token, budget, f"config {path}"), None, dims.vocab_size
 

@@ -43,7 +43,7 @@ def _weight_bytes(engine_dir: Path, manifest) -> int:
     """Bytes of the weights as the runtime holds them (the quantized codes and scales where quantized)."""
     if manifest.quantization.get("weight_bytes"):
         return int(manifest.quantization["weight_bytes"])
-    path = engine_dir / manifest.weights_file
+    path = engine_dir / manifest.weights_file  # rank 0's shard: what one device holds
     return path.stat().st_size if path.is_file() else 0
 
 
@@ -74,6 +74,9 @@ def _manifest_lines(m, weight_bytes: int) -> list[str]:
         f"  rope theta {d.rope_theta:g}{', scaling ' + str(d.rope_scaling) if d.rope_scaling else ''}, "
         f"tied embeddings {d.tie_word_embeddings}, qkv bias {d.attention_bias}",
         f"  dtype {m.dtype}, kv_cache_dtype {m.kv_cache_dtype}",
+        *([f"  tensor_parallel {m.tensor_parallel}: per rank {d.num_heads // m.tensor_parallel} heads "
+           f"(kv {d.num_kv_heads // m.tensor_parallel}), intermediate {d.intermediate_size // m.tensor_parallel}; "
+           f"shards {', '.join(s['weights_file'] for s in m.shards)}"] if m.tensor_parallel > 1 else []),
         _weights_line(m, weight_bytes),
         f"  limits: max_batch_size {lim.max_batch_size}, max_num_tokens {lim.max_num_tokens}, "
         f"max_seq_len {lim.max_seq_len}, block_size {lim.block_size}",

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import sys
 import threading
 
 import click
+
+from trtpaged.errors import FatalEngineError
 
 
 @click.command(name="serve")
@@ -30,12 +34,20 @@ import click
 @click.option("--kv-blocks", type=int, default=None, help="KV-cache blocks in the pool (default: the manifest's budget).")
 @click.option("--backend", type=click.Choice(["auto", "torch", "tensorrt"]), default="auto", show_default=True)
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when present).")
+@click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=None,
+              help="Ranks of an engine built with tensor_parallel: N (default: the engine's). Local processes; with "
+                   "torchrun's MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK set, the ranks join from other machines "
+                   "and RANK > 0 serves no HTTP.")
 def command(engine, host, port, served_model_name, api_key, max_waiting, request_timeout, shutdown_timeout,
             max_body_bytes, max_prompt_tokens, max_batch_size, max_num_tokens, max_seq_len, kv_blocks, backend,
-            device) -> None:  # fmt: skip
+            device, tensor_parallel_size) -> None:  # fmt: skip
     """Serve ENGINE over /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics."""
     from trtpaged.server import ServerOptions, start_server
 
+    if "WORLD_SIZE" in os.environ and os.environ.get("RANK", "0") not in ("", "0"):  # a torchrun-style rank > 0
+        from trtpaged.runtime.tp.worker import main as worker_main
+
+        sys.exit(worker_main([str(engine)] + (["--device", device] if device else [])))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     try:
         options = ServerOptions(
@@ -45,17 +57,20 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
         handle = start_server(
             engine, host=host, port=port, served_model_name=served_model_name, options=options, backend=backend,
             device=device, num_kv_blocks=kv_blocks, max_num_tokens=max_num_tokens, max_batch_size=max_batch_size,
-            max_seq_len=max_seq_len,
+            max_seq_len=max_seq_len, tensor_parallel=tensor_parallel_size,
         )  # fmt: skip
-    except (ValueError, FileNotFoundError, OSError) as e:
+    except (ValueError, FileNotFoundError, OSError, FatalEngineError) as e:
         raise click.ClickException(str(e)) from None
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     auth = "API key required" if options.api_key else "no API key"
     click.echo(f"trtpaged serve: {handle.model_name} ready at {handle.url} ({auth}; Ctrl-C or SIGTERM to stop)")
-    while not stop.wait(0.5):
+    while not stop.wait(0.5) and handle.failure is None:
         pass
+    if handle.failure is not None:
+        handle.shutdown(timeout=0)
+        raise click.ClickException(f"the engine failed, server stopped: {handle.failure}")
     click.echo(f"trtpaged serve: draining (up to {shutdown_timeout:g} s), then stopping", err=True)
     handle.shutdown()
     click.echo("trtpaged serve: stopped", err=True)

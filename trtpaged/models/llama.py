@@ -23,6 +23,7 @@ from torch import nn
 from trtpaged import kv_quant
 from trtpaged.manifest import ModelDims
 from trtpaged.models import attention_op  # noqa: F401  (registers torch.ops.trtpaged.*)
+from trtpaged.models.all_reduce import RankReduce
 from trtpaged.models.qlinear import QuantizedEmbedding, QuantizedLinear
 from trtpaged.models.rope import inv_frequencies, rotate
 
@@ -93,11 +94,13 @@ class PagedSelfAttention(nn.Module):
     """Fused q/k/v projection, RoPE, paged attention (writes this step's K/V), output projection.
 
     `qkv_proj` holds HF's q_proj, k_proj and v_proj stacked along the outputs (one matmul, not three).
+    With tensor parallelism (`reduce`), dims are one rank's and `o_proj`'s partial output is all-reduced.
     """
 
-    def __init__(self, dims: ModelDims, layer: int, dtype: torch.dtype, quant: Optional[QuantPlan] = None):
+    def __init__(self, dims: ModelDims, layer: int, dtype: torch.dtype, quant: Optional[QuantPlan] = None,
+                 reduce: Optional[RankReduce] = None):
         super().__init__()
-        self.layer = layer
+        self.layer, self.reduce = layer, reduce
         self.num_heads, self.num_kv_heads, self.head_dim = dims.num_heads, dims.num_kv_heads, dims.head_dim
         self.scale = self.head_dim**-0.5
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -130,7 +133,11 @@ class PagedSelfAttention(nn.Module):
             )
         else:
             out = attend(self.layer, q, k, v, self.scale)
-        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim)), kv_cache
+        return self._output(out.reshape(-1, self.num_heads * self.head_dim)), kv_cache
+
+    def _output(self, out: torch.Tensor) -> torch.Tensor:
+        y = self.o_proj(out)
+        return y if self.reduce is None else self.reduce(y)
 
     def forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       attend: Callable[..., torch.Tensor], ops: ModuleType) -> torch.Tensor:
@@ -138,14 +145,18 @@ class PagedSelfAttention(nn.Module):
         q, k, v = ops.rope_qk(self.qkv_proj(x), cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
                               dense=True)
         out = attend(self.layer, q, k, v, self.scale)
-        return self.o_proj(out.view(-1, self.num_heads * self.head_dim))
+        return self._output(out.view(-1, self.num_heads * self.head_dim))
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)); `gate_up_proj` holds HF's gate_proj and up_proj stacked along the outputs."""
+    """down(silu(gate(x)) * up(x)); `gate_up_proj` holds HF's gate_proj and up_proj stacked along the outputs.
 
-    def __init__(self, dims: ModelDims, layer: int, dtype: torch.dtype, quant: Optional[QuantPlan] = None):
+    With tensor parallelism (`reduce`), `down_proj`'s partial output is all-reduced."""
+
+    def __init__(self, dims: ModelDims, layer: int, dtype: torch.dtype, quant: Optional[QuantPlan] = None,
+                 reduce: Optional[RankReduce] = None):
         super().__init__()
+        self.reduce = reduce
         h, self.intermediate, bias = dims.hidden_size, dims.intermediate_size, dims.mlp_bias
         prefix = f"layers.{layer}.mlp."
         self.gate_up_proj = make_linear(prefix + "gate_up_proj", h, 2 * self.intermediate, bias, dtype, quant)
@@ -153,21 +164,26 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self._down(F.silu(gate) * up)
 
     def forward_fused(self, x: torch.Tensor, ops: ModuleType) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        return self._down(ops.silu_mul(self.gate_up_proj(x)))
+
+    def _down(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.down_proj(x)
+        return y if self.reduce is None else self.reduce(y)
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks with residuals."""
 
-    def __init__(self, dims: ModelDims, layer: int, dtype: torch.dtype, quant: Optional[QuantPlan] = None):
+    def __init__(self, dims: ModelDims, layer: int, dtype: torch.dtype, quant: Optional[QuantPlan] = None,
+                 reduce: Optional[RankReduce] = None):
         super().__init__()
         self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype)
-        self.self_attn = PagedSelfAttention(dims, layer, dtype, quant)
+        self.self_attn = PagedSelfAttention(dims, layer, dtype, quant, reduce)
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype)
-        self.mlp = SwiGLU(dims, layer, dtype, quant)
+        self.mlp = SwiGLU(dims, layer, dtype, quant, reduce)
 
     def forward(self, h, cos, sin, step, kv_cache, attend):
         attn, kv_cache = self.self_attn(self.input_layernorm(h), cos, sin, step, kv_cache, attend)
@@ -202,12 +218,16 @@ class LlamaStepModel(nn.Module):
     (ONNX export): each layer returns an updated pool, so the graph is pure.
     `graph_kv_dtype` ("int8" or "fp8_e4m3", set by the export) names the format of
     an int8-byte pool in the functional form; None: the pool's own dtype says.
+
+    Tensor parallelism: `dims` are one rank's (models/tensor_parallel.py:
+    shard_dims) and `reduce` sums the row-parallel layers' partial outputs over
+    the ranks; the embedding, norms and LM head are whole on every rank.
     """
 
     def __init__(self, dims: ModelDims, dtype: torch.dtype = torch.float32, functional_cache: bool = False,
-                 quant: Optional[QuantPlan] = None):
+                 quant: Optional[QuantPlan] = None, reduce: Optional[RankReduce] = None):
         super().__init__()
-        self.dims, self.dtype, self.functional_cache = dims, dtype, functional_cache
+        self.dims, self.dtype, self.functional_cache, self.reduce = dims, dtype, functional_cache, reduce
         self.graph_kv_dtype: Optional[str] = None
         self.quant: QuantPlan = dict(quant or {})
         embed_scheme = self.quant.get("embed_tokens")
@@ -215,9 +235,10 @@ class LlamaStepModel(nn.Module):
             nn.Embedding(dims.vocab_size, dims.hidden_size, dtype=dtype) if embed_scheme is None
             else QuantizedEmbedding(dims.vocab_size, dims.hidden_size, embed_scheme[1], dtype)
         )
-        self.layers = nn.ModuleList(DecoderLayer(dims, i, dtype, self.quant) for i in range(dims.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(dims, i, dtype, self.quant, reduce) for i in range(dims.num_layers))
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype)
         self.rotary = Rotary(dims)
+        self._runner_state: Optional[tuple[Optional[Any]]] = None  # (kernels.LlamaLayers or None,) once decided
         self.lm_head = (
             None if dims.tie_word_embeddings
             else make_linear("lm_head", dims.hidden_size, dims.vocab_size, False, dtype, self.quant)
@@ -251,8 +272,12 @@ class LlamaStepModel(nn.Module):
         if ops is not None:
             # h is this step's fresh embedding output: the fused layers may update it in place
             residual = None
-            for layer in self.layers:
-                h, residual = layer.forward_fused(h, residual, cos, sin, attend, ops)
+            runner = self._layer_runner(attend)
+            if runner is not None:
+                h, residual = runner(h, cos, sin, attend), h
+            else:
+                for layer in self.layers:
+                    h, residual = layer.forward_fused(h, residual, cos, sin, attend, ops)
             rows = logits_index.long()
             if residual is None:  # no layers
                 h = self.norm.forward_fused(h.index_select(0, rows), None, ops)
@@ -263,6 +288,48 @@ class LlamaStepModel(nn.Module):
             h, kv_cache = layer(h, cos, sin, step, kv_cache, attend)
         h = self.norm(h.index_select(0, logits_index.long()))
         return self._head(h).float(), kv_cache
+
+    def _layer_runner(self, attend: object) -> Optional[Any]:
+        """kernels.LlamaLayers over this model's layers (every layer in one C call) where it applies: the
+        kernel library's CPU attention and quantized linears with packed CPU weights throughout; else None.
+        Built at the first step; set_activations resets it."""
+        if self._runner_state is None:
+            self._runner_state = (self._make_layer_runner(),)
+        runner = self._runner_state[0]
+        from trtpaged import kernels
+
+        return runner if runner is not None and isinstance(attend, kernels.AttentionStep) and attend.device.type == "cpu" \
+            else None
+
+    def _make_layer_runner(self) -> Optional[Any]:
+        from trtpaged import kernels
+
+        if not self.layers or self.dtype is not torch.float32 or not kernels.has_llama_layers():
+            return None
+        if self.reduce is not None:  # a tensor-parallel rank: the all-reduces run between the layers' kernels
+            return None
+        described = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if not all(isinstance(m, QuantizedLinear) for m in linears):
+                return None
+            ops = [m.cpu_op() for m in linears]
+            if any(op is None for op in ops):
+                return None
+            norms = (layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach())
+            if any(w.dtype is not torch.float32 or not w.is_cpu for w in norms):
+                return None
+            described.append((*norms, [(op, m.activations == "float") for op, m in zip(ops, linears)]))
+        eps = self.layers[0].input_layernorm.eps
+        if any(layer.input_layernorm.eps != eps or layer.post_attention_layernorm.eps != eps for layer in self.layers):
+            return None
+        return kernels.LlamaLayers(described, self.dims.hidden_size, self.dims.intermediate_size, eps,
+                                   self.layers[0].self_attn.scale)  # fmt: skip
+
+    def reset_layer_runner(self) -> None:
+        """Forgets the one-call layer runner (rebuilt at the next step): after weights or modes change."""
+        self._runner_state = None
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:

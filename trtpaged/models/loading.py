@@ -8,7 +8,9 @@ from typing import Any, Optional
 import torch
 
 from trtpaged.manifest import Manifest, ModelDims, read_manifest
+from trtpaged.models.all_reduce import RankReduce
 from trtpaged.models.llama import LlamaStepModel, QuantPlan, Rotary
+from trtpaged.models.tensor_parallel import shard_dims, shard_plan
 from trtpaged.models.qlinear import set_activations
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -55,27 +57,41 @@ def step_model_from_hf(hf_model: Any, dims: ModelDims, dtype: torch.dtype = torc
 
 
 def with_weights(dims: ModelDims, dtype: torch.dtype, state: dict[str, torch.Tensor], device,
-                 quant: Optional[QuantPlan] = None) -> LlamaStepModel:
-    """Builds the model on the meta device (no random init) and adopts `state` as its parameters and buffers."""
+                 quant: Optional[QuantPlan] = None, reduce: Optional[RankReduce] = None) -> LlamaStepModel:
+    """Builds the model on the meta device (no random init) and adopts `state` as its parameters and buffers.
+
+    `reduce`: one tensor-parallel rank's all-reduce (dims, state and plan are then that rank's)."""
     with torch.device("meta"):
-        model = LlamaStepModel(dims, dtype, quant=quant)
+        model = LlamaStepModel(dims, dtype, quant=quant, reduce=reduce)
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary = Rotary(dims).to(device)  # non-persistent buffers are not in the state dict
     return model.eval()
 
 
-def load_step_model(engine_dir: str | Path, device: str | torch.device = "cpu") -> tuple[LlamaStepModel, Manifest]:
-    """Reads `trtpaged.json` and the weights file of an engine dir; returns (eager step model, manifest)."""
+def load_step_model(engine_dir: str | Path, device: str | torch.device = "cpu",
+                    reduce: Optional[RankReduce] = None) -> tuple[LlamaStepModel, Manifest]:
+    """Reads `trtpaged.json` and the weights file of an engine dir; returns (eager step model, manifest).
+
+    A tensor-parallel engine (manifest.tensor_parallel > 1) needs `reduce`, whose rank picks the shard."""
     from safetensors.torch import load_file
 
     engine_dir = Path(engine_dir)
     manifest = read_manifest(engine_dir)
-    weights = engine_dir / manifest.weights_file
+    n = manifest.tensor_parallel
+    if (reduce.world_size if reduce is not None else 1) != n:
+        got = reduce.world_size if reduce is not None else 1
+        raise ValueError(f"tensor_parallel: {engine_dir} is split over {n} ranks; got {got} "
+                         f"(use LLM(..., tensor_parallel={n}) or serve --tensor-parallel-size {n})")
+    rank = reduce.rank if reduce is not None else 0
+    weights_file = manifest.rank_files(rank)["weights_file"]
+    weights = engine_dir / weights_file
     if not weights.is_file():
-        raise FileNotFoundError(f"{engine_dir}: weights_file {manifest.weights_file!r} is missing; rebuild the engine")
+        raise FileNotFoundError(f"{engine_dir}: weights_file {weights_file!r} is missing; rebuild the engine")
     state = load_file(str(weights), device=str(device))
     plan = {name: (int(bits), int(group)) for name, (bits, group) in manifest.quantization.get("modules", {}).items()}
-    model = with_weights(manifest.dims, TORCH_DTYPES[manifest.dtype], state, device, plan)
+    plan = shard_plan(plan, manifest.dims, n)
+    model = with_weights(shard_dims(manifest.dims, n), TORCH_DTYPES[manifest.dtype], state, device, plan,
+                         reduce if n > 1 else None)
     if plan:
         set_activations(model, manifest.quantization.get("activations", "int8"))
     return model, manifest

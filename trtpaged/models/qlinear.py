@@ -8,8 +8,7 @@ ONNX graph carry the quantized form. Three ways to run:
   once, with the engine's `quantization.activations`: "float" keeps x in
   float32 (weight-only proper, W4A16/W8A16: as accurate as F.linear on the
   de-quantized weight), "int8" quantizes x per 32 inputs on the fly for
-  integer dot products (W4A8, llama.cpp's way: faster, less accurate); with
-  "int8", calls of at most FLOAT_ACTIVATION_MAX_ROWS rows still use float;
+  integer dot products (W4A8, llama.cpp's way: faster, less accurate);
 - eager elsewhere, or where the library lacks the kernels: a de-quantized
   float copy of the weight, made once, and `F.linear` (full-precision
   activations; no memory saving);
@@ -30,13 +29,6 @@ from torch import nn
 from trtpaged.models.quant import QuantizedWeight, unpack_int4
 
 
-# Calls with at most this many rows of x keep activations in float32 (exact GGUF / HF numerics);
-# larger ones quantize them to int8. The rule: the largest M where float activations cost at most
-# ~10% more than int8 ones. Measured (`trtpaged bench qlinear --threads 1`, AVX-512, see
-# docs/quantization.md): 1.3x (int4) to 1.5x (int8) at M=1 and 4, more above, so none
-# qualifies. Setting 1 (or 4) buys decode with float-activation numerics (F.linear on the
-# de-quantized weight) at that price, still 2-3x faster than F.linear on fp32 weights.
-FLOAT_ACTIVATION_MAX_ROWS = 0
 ACTIVATIONS = ("float", "int8")
 
 
@@ -47,6 +39,9 @@ def set_activations(model: nn.Module, activations: str) -> None:
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
             module.activations = activations
+    reset = getattr(model, "reset_layer_runner", None)
+    if reset is not None:  # a step model's one-call layer runner holds the modes it was built with
+        reset()
 
 
 @torch.library.custom_op("trtpaged::dequantize_weight", mutates_args=())
@@ -136,10 +131,17 @@ class QuantizedLinear(nn.Module):
             op = self._op if self._op is not None else self._make_op()
             if op is not None:
                 x = x.contiguous()
-                return op(x, self.activations == "float" or x.numel() <= FLOAT_ACTIVATION_MAX_ROWS * self.in_features)
+                return op(x, self.activations == "float")
         if self._dense is None:
             self._dense = self.weight_q.dequantize(x.dtype)
         return F.linear(x, self._dense, self.bias)
+
+    def cpu_op(self) -> Optional[Any]:
+        """The kernels.QLinearOp this module runs on the CPU (packed at first use), or None where the
+        kernel library lacks the kernels or in_features is not a multiple of 32."""
+        if self.in_features % 32:
+            return None
+        return self._op if self._op is not None else self._make_op()
 
     def _make_op(self) -> Optional[Any]:
         """Packs the weight for the CPU kernels (once); None where the library lacks them."""

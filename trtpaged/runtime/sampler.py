@@ -123,10 +123,40 @@ def _draw(probs: torch.Tensor, generators: Sequence[Optional[torch.Generator]]) 
     return tokens
 
 
+def _plain_greedy(params: SamplingParams) -> bool:
+    """Greedy with nothing that changes the logits first and no top log-probs asked for."""
+    return (params.greedy and params.repetition_penalty == 1.0 and not params.presence_penalty
+            and not params.frequency_penalty and params.logprobs is None)  # fmt: skip
+
+
+def _greedy_samples(logits: torch.Tensor, rows: Sequence[SampleRow]) -> Optional[list[Sample]]:
+    """Every row plain greedy, on a CPU float32 batch: the choice and its log-prob in one pass of the
+    kernel library (full log_softmax, argmax and row copies cost ~1.4 ms at 16 x 49152 here, this
+    ~0.3 ms); None where that does not apply."""
+    if not (logits.is_cpu and logits.dtype is torch.float32 and logits.is_contiguous()):
+        return None
+    if not all(_plain_greedy(r.params) for r in rows):
+        return None
+    from trtpaged import kernels
+
+    if not kernels.available():
+        return None
+    index = torch.tensor([r.logits_row for r in rows], dtype=torch.int64)
+    found = kernels.greedy_rows(logits, index)
+    if found is None:
+        return None
+    tokens, logsumexp = found
+    logprobs = (logits[index, tokens] - logsumexp).tolist()
+    return [Sample(t, lp, None) for t, lp in zip(tokens.tolist(), logprobs)]
+
+
 def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[Sample]:
     """Samples one token for each row; `logits` is the step's float32 [num_outputs, vocab] on the CPU."""
     if not rows:
         return []
+    fast = _greedy_samples(logits, rows)
+    if fast is not None:
+        return fast
     raw = logits[[r.logits_row for r in rows]].float()
     raw_logprobs = torch.log_softmax(raw, dim=1)
     processed = apply_penalties(raw.clone(), rows)

@@ -16,6 +16,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Sequence, TypeVar
 
+from trtpaged.errors import FatalEngineError
 from trtpaged.runtime.llm_engine import LLMEngine
 from trtpaged.runtime.outputs import RequestOutput
 from trtpaged.runtime.sampling_params import SamplingParams
@@ -125,6 +126,7 @@ class EngineLoop:
         self._timing: dict[str, _Timing] = {}
         self._thread = threading.Thread(target=self._run, name="trtpaged-engine", daemon=True)
         self._stopped = threading.Event()
+        self.fatal: Optional[str] = None  # why the engine cannot go on (FatalEngineError), once it happened
 
     # ---- called from other threads ------------------------------------------------------------
     def start(self) -> None:
@@ -245,6 +247,12 @@ class EngineLoop:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except FatalEngineError as exc:  # no step can run any more: fail what is in flight and stop the loop
+            log.error("engine failed: %s; ending the %d requests in flight", exc, len(self._subs))
+            self.fatal = str(exc)
+            self._fail_all(EngineFailure("the engine failed; see the server log"), "error")
+            self._stopped.set()
+            return
         except Exception as exc:  # noqa: BLE001 - fail the requests in flight, keep serving
             log.exception("engine step failed; ending the %d requests in flight", len(self._subs))
             self._fail_all(EngineFailure(f"engine step failed ({type(exc).__name__}); see the server log"), "error")

@@ -70,6 +70,11 @@ class ServerHandle:
             time.sleep(0.01)
         return self
 
+    @property
+    def failure(self) -> Optional[str]:
+        """Why the engine stopped for good (a tensor-parallel rank died), or None while it can run."""
+        return self.loop.fatal
+
     def shutdown(self, timeout: Optional[float] = None) -> None:
         """Refuses new requests (503), lets those in flight finish for up to `timeout` seconds (default:
         options.shutdown_timeout_s), aborts the rest, then stops the engine thread and the HTTP server."""
@@ -86,6 +91,7 @@ class ServerHandle:
         self.server.should_exit = True
         self._thread.join(10.0)
         self._sock.close()
+        self.llm.close()  # the other tensor-parallel ranks
 
     def __enter__(self) -> "ServerHandle":
         return self

@@ -181,11 +181,13 @@ TRTPAGED_API trtpaged_status trtpaged_qlinear_cpu(const float* x, int64_t m, con
                                                   int64_t n, int64_t k, int32_t group_size, const float* bias,
                                                   float* y);
 /* activations of trtpaged_qlinear_cpu_ex. INT8: x quantized per block of 32 as described above
- * (integer dot products: fastest, by far for large m). FLOAT: x kept in float32; per block of
- * 32 the codes are converted to float and dotted with x in fp32, times the block's scale, and
- * (bits 4) the offsets times float sums of x per group are added: y equals x @ W^T up to fp32
- * summation rounding, as F.linear on the de-quantized weight would be. Costs more per weight
- * byte than INT8 (about 1.2-2x at m = 1 on AVX-512), for accuracy at decode. */
+ * (integer dot products: fastest, by far for large m). FLOAT: y equals x @ W^T up to fp32
+ * rounding, as F.linear on the de-quantized weight would be: for int8 weights and int4 with
+ * m <= 4, each block of x is split into three int8 limbs (x = d q1 + d/254 q2 + d/254^2 q3, what
+ * is left out below max|x| * 6.1e-8) run through the integer kernels and summed; otherwise the
+ * codes are converted to float and dotted with x in fp32, times the block's scale, and (bits 4)
+ * the offsets times float sums of x per group are added. Costs more per weight byte than INT8
+ * (about 1.3-2.5x on AVX-512), for accuracy. */
 #define TRTPAGED_QLINEAR_INT8_ACTIVATIONS 0
 #define TRTPAGED_QLINEAR_FLOAT_ACTIVATIONS 1
 /* trtpaged_qlinear_cpu with a choice of activations (one of the two values above; other
@@ -227,6 +229,49 @@ TRTPAGED_API trtpaged_status trtpaged_rope_qk_cpu(float* qkv, int64_t rows, int3
  * then up in each row. */
 TRTPAGED_API trtpaged_status trtpaged_silu_mul_cpu(const float* gate_up, int64_t rows, int64_t intermediate,
                                                    float* out);
+/* Greedy choice and its log-probability in one pass over each selected logits row: for i < n,
+ * row = logits + rows[i] * vocab (logits [*, vocab], rows[i] >= 0 and in range: not checked),
+ * argmax[i] = the first index of the row's maximum and logsumexp[i] = log(sum(exp(row))), so
+ * that row[argmax] - logsumexp is the chosen token's log-prob. Rows must be finite. */
+TRTPAGED_API trtpaged_status trtpaged_greedy_rows_cpu(const float* logits, int64_t vocab, const int64_t* rows,
+                                                      int64_t n, int64_t* argmax, float* logsumexp);
+
+/* One quantized linear of a layer, as trtpaged_qlinear_cpu_ex takes it (packed by
+ * trtpaged_qlinear_pack; bias may be NULL; activations: one of the two values above). */
+typedef struct trtpaged_qlinear_weight {
+  const void* packed;
+  const float* bias;
+  int64_t n, k;
+  int32_t bits, group_size, activations;
+} trtpaged_qlinear_weight;
+
+/* One Llama-family decoder layer with quantized linears (float32 norms). */
+typedef struct trtpaged_llama_layer {
+  const float* input_norm;          /* [hidden] */
+  const float* post_attention_norm; /* [hidden] */
+  trtpaged_qlinear_weight qkv;      /* hidden -> (num_heads + 2 num_kv_heads) head_dim: q, k, v */
+  trtpaged_qlinear_weight o;        /* num_heads head_dim -> hidden */
+  trtpaged_qlinear_weight gate_up;  /* hidden -> 2 intermediate: gate, then up */
+  trtpaged_qlinear_weight down;     /* intermediate -> hidden */
+} trtpaged_llama_layer;
+
+/*
+ * Runs num_layers decoder layers over one step's packed tokens (float32, CPU), each exactly as
+ * the calls it replaces: rmsnorm (with the residual add), qkv, rope_qk, paged attention (layer
+ * i of the pool, attn's other fields as trtpaged_paged_attention_cpu takes them; attn->layer
+ * is ignored), o, rmsnorm, gate_up, silu_mul, down. stream [rows, hidden]: in, the embeddings;
+ * out, the residual stream before the last layer's MLP output is added. last [rows, hidden]:
+ * out, that output (so the final norm is rmsnorm(last + stream)). cos/sin [rows, head_dim],
+ * rows = attn->num_tokens, eps: the norms' epsilon. One C call per step where the Python model
+ * makes ten per layer.
+ */
+TRTPAGED_API trtpaged_status trtpaged_llama_layers_cpu(const trtpaged_llama_layer* layers, int32_t num_layers,
+                                                       int32_t hidden, int32_t intermediate, float eps,
+                                                       float* stream, float* last, const float* cos,
+                                                       const float* sin, const trtpaged_attention_params* attn,
+                                                       void* kv_cache, const int32_t* positions,
+                                                       const int32_t* query_start, const int32_t* context_lens,
+                                                       const int32_t* block_tables);
 
 /* Message of the last failed call on this thread ("" if none). */
 TRTPAGED_API const char* trtpaged_last_error(void);

@@ -59,7 +59,7 @@ inline float hsum(const fvec& v) {
 // __builtin_prefetch has no side effects and GCC may delete it.
 inline void prefetch_bytes(const void* ptr, int64_t bytes) {
   const char* p = static_cast<const char*>(ptr);
-  for (int64_t off = 0; off < bytes; off += 64) {
+  for (int64_t off = 0; off < bytes; off += 128) {
 #if defined(__x86_64__) || defined(__i386__)
     asm volatile("prefetcht1 %0" : : "m"(p[off]));
 #else
@@ -156,6 +156,53 @@ void tile_accumulate(const float* weights, int64_t stride, const float* const* v
   }
 }
 
+typedef int32_t ivec __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+// exp(x) for x <= 0, kLanes at a time: x = n ln2 + r (Cody-Waite), exp(r) by a degree-6
+// polynomial, 2^n from the exponent bits; relative error below 2e-7, and x below -87 gives ~1e-38
+// rather than 0. The scalar loop did not vectorize (a libm floor per element) and was 60% of the
+// kernel's own time at decode.
+inline fvec exp_nonpositive_vec(fvec x) {
+  x = x < -87.0f ? fvec{} - 87.0f : x;
+  const fvec n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2^23)
+  const fvec r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+  fvec poly = fvec{} + 1.0f / 720.0f;
+  poly = poly * r + 1.0f / 120.0f;
+  poly = poly * r + 1.0f / 24.0f;
+  poly = poly * r + 1.0f / 6.0f;
+  poly = poly * r + 0.5f;
+  poly = poly * r + 1.0f;
+  poly = poly * r + 1.0f;
+  const ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
+  fvec scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return poly * scale;
+}
+
+// row[j] = exp(row[j] - m) for j < limit and 0 for limit <= j < n (limit <= n); returns their sum.
+inline float exp_shifted_row(float* row, int64_t limit, int64_t n, float m) {
+  fvec total{};
+  ivec lane;
+  for (int l = 0; l < kLanes; ++l) lane[l] = l;
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const fvec e = exp_nonpositive_vec(load_vec(row + j) - m);
+    const fvec kept = (lane + int32_t(j)) < int32_t(limit) ? e : fvec{};
+    store_vec(row + j, kept);
+    total += kept;
+  }
+  if (j < n) {  // the tail, through a padded copy
+    alignas(64) float tail[kLanes] = {};
+    std::memcpy(tail, row + j, size_t(n - j) * sizeof(float));
+    const fvec e = exp_nonpositive_vec(load_vec(tail) - m);
+    const fvec kept = (lane + int32_t(j)) < int32_t(limit) ? e : fvec{};
+    store_vec(tail, kept);
+    std::memcpy(row + j, tail, size_t(n - j) * sizeof(float));
+    total += kept;
+  }
+  return hsum(total);
+}
+
 // max(x[0..n)), kLanes at a time (a scalar running max is a chain of dependent maxes).
 inline float max_of(const float* x, int64_t n) {
   float m = -__builtin_inff();
@@ -225,63 +272,177 @@ inline fvec load_fp8_codes(const int8_t*) { return fvec{}; }  // never called
 #endif
 #pragma GCC diagnostic pop
 
-// Codes of one vector, and the factor the row's stored scale takes, for int8 or fp8 rows.
-template <bool kFp8>
-inline fvec load_row_codes(const int8_t* p) {
-  if constexpr (kFp8)
-    return load_fp8_codes(p);
-  else
-    return load_codes(p);
-}
-template <bool kFp8>
-constexpr float kCodeScale = kFp8 ? 256.0f : 1.0f;
-
-inline float row_scale(const int8_t* row, int64_t d) {
+inline float row_scale(const int8_t* row, int64_t value_bytes) {
   half_t s;
-  std::memcpy(&s, row + d, sizeof(s));
+  std::memcpy(&s, row + value_bytes, sizeof(s));
   return to_float(s);
 }
 
-template <int D, int NR, bool kFp8>
-void tile_scores_i8(const float* q, const int8_t* const* kp, int64_t bs, int64_t n, float* scores, int64_t stride,
-                    const NextBlocks& next) {
+// How the fused loops read a cached row: D values converted to floats in registers, times a
+// per-row factor (the stored fp16 scale for int8/fp8 rows; none for fp16/bf16 rows).
+struct Int8Rows {
+  static constexpr bool kScaled = true;
+  static constexpr float kCodeScale = 1.0f;
+  static constexpr int64_t kExtraBytes = sizeof(half_t);
+  static fvec load(const uint8_t* p) { return load_codes(reinterpret_cast<const int8_t*>(p)); }
+};
+struct Fp8Rows {
+  static constexpr bool kScaled = true;
+  static constexpr float kCodeScale = 256.0f;  // see load_fp8_codes
+  static constexpr int64_t kExtraBytes = sizeof(half_t);
+  static fvec load(const uint8_t* p) { return load_fp8_codes(reinterpret_cast<const int8_t*>(p)); }
+};
+
+struct FloatRows {
+  static constexpr bool kScaled = false;
+  static constexpr float kCodeScale = 1.0f;
+  static constexpr int64_t kExtraBytes = 0;
+  static fvec load(const uint8_t* p) { return load_vec(reinterpret_cast<const float*>(p)); }
+};
+
+// fp16 and bf16 rows widened in registers (vcvtph2ps; bf16 is the top half of a float), so a
+// 16-bit cache reads half of fp32's bytes with no pass through a scratch buffer.
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__))
+constexpr bool kFused16 = true;
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+struct HalfRows {
+  static constexpr bool kScaled = false;
+  static constexpr float kCodeScale = 1.0f;
+  static constexpr int64_t kExtraBytes = 0;
+  static fvec load(const uint8_t* p) {
+#if defined(__AVX512F__)
+    const __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#else
+    const __m256 f = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#endif
+    fvec v;
+    std::memcpy(&v, &f, sizeof(v));
+    return v;
+  }
+};
+struct BfloatRows {
+  static constexpr bool kScaled = false;
+  static constexpr float kCodeScale = 1.0f;
+  static constexpr int64_t kExtraBytes = 0;
+  static fvec load(const uint8_t* p) {
+#if defined(__AVX512F__)
+    const __m512i f = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+#else
+    const __m256i f = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+#endif
+    fvec v;
+    std::memcpy(&v, &f, sizeof(v));
+    return v;
+  }
+};
+#pragma GCC diagnostic pop
+#else
+constexpr bool kFused16 = false;
+struct HalfRows : Int8Rows {};    // never used: kFused16 is false
+struct BfloatRows : Int8Rows {};  // never used: kFused16 is false
+#endif
+
+// Row bytes of D values of `Elem` bytes each, plus the codec's trailing scale.
+template <class Codec, int D, int Elem>
+constexpr int64_t kRowBytes = int64_t(D) * Elem + Codec::kExtraBytes;
+
+template <class Codec>
+inline float row_factor(const uint8_t* row, int64_t value_bytes) {
+  if constexpr (Codec::kScaled)
+    return row_scale(reinterpret_cast<const int8_t*>(row), value_bytes) * Codec::kCodeScale;
+  else
+    return 1.0f;
+}
+
+// p[j] holds the kLanes partial products of key j's dot product (j < kLanes); returns the vector
+// whose lane j is their sum. A transpose-and-add tree: log2(kLanes) levels of two-source shuffles,
+// 3 * (kLanes - 1) vector ops for kLanes sums instead of a horizontal sum (~9 ops) per key.
+inline fvec sum_lanes_transposed(const fvec* p) {
+#if defined(__AVX512F__)
+  fvec a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else
+  fvec a[4], b[2];
+  for (int i = 0; i < 4; ++i)
+    a[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(b[0], b[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(b[0], b[1], 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
+}
+
+// scores[r * stride + j] = q_r . k_j (times the row's factor) for j < n. Keys come kLanes at a time
+// (one vector of scores per query row through sum_lanes_transposed), the rest of a block one by one.
+template <int D, int NR, class Codec, int Elem>
+void tile_scores_fused(const float* q, const uint8_t* const* kp, int64_t bs, int64_t n, float* scores, int64_t stride,
+                       const NextBlocks& next) {
   constexpr int kVecs = D / kLanes;
-  constexpr int64_t kRow = D + int64_t(sizeof(half_t));
-  fvec qv[NR][kVecs];
-  for (int r = 0; r < NR; ++r)
-    for (int i = 0; i < kVecs; ++i) qv[r][i] = load_vec(q + r * D + i * kLanes);
+  constexpr int64_t kRow = kRowBytes<Codec, D, Elem>;
   for (int64_t b = 0, j = 0; j < n; ++b) {
     next.prefetch(b);
-    const int8_t* k = kp[b];
-    for (const int64_t end = std::min(n, j + bs); j < end; ++j, k += kRow) {
+    const uint8_t* k = kp[b];
+    const int64_t end = std::min(n, j + bs);
+    for (; j + kLanes <= end; j += kLanes, k += kLanes * kRow) {
+      fvec factor = fvec{} + 1.0f;
+      if constexpr (Codec::kScaled)
+        for (int l = 0; l < kLanes; ++l) factor[l] = row_factor<Codec>(k + l * kRow, D * Elem);
+      for (int r = 0; r < NR; ++r) {
+        const float* qr = q + r * D;
+        fvec part[kLanes];
+        for (int l = 0; l < kLanes; ++l) {
+          const uint8_t* kl = k + l * kRow;
+          fvec sum = load_vec(qr) * Codec::load(kl);
+          for (int i = 1; i < kVecs; ++i) sum += load_vec(qr + i * kLanes) * Codec::load(kl + i * kLanes * Elem);
+          part[l] = sum;
+        }
+        fvec row = sum_lanes_transposed(part);
+        if constexpr (Codec::kScaled) row *= factor;
+        store_vec(scores + r * stride + j, row);
+      }
+    }
+    for (; j < end; ++j, k += kRow) {
       fvec part[NR] = {};
       for (int i = 0; i < kVecs; ++i) {
-        const fvec kv = load_row_codes<kFp8>(k + i * kLanes);
-        for (int r = 0; r < NR; ++r) part[r] += qv[r][i] * kv;
+        const fvec kv = Codec::load(k + i * kLanes * Elem);
+        for (int r = 0; r < NR; ++r) part[r] += load_vec(q + r * D + i * kLanes) * kv;
       }
-      const float scale = row_scale(k, D) * kCodeScale<kFp8>;
-      for (int r = 0; r < NR; ++r) scores[r * stride + j] = hsum(part[r]) * scale;
+      const float factor = row_factor<Codec>(k, D * Elem);
+      for (int r = 0; r < NR; ++r) scores[r * stride + j] = hsum(part[r]) * factor;
     }
   }
 }
 
-template <int D, int NR, bool kFp8>
-void tile_accumulate_i8(const float* weights, int64_t stride, const int8_t* const* vp, int64_t bs, int64_t n,
-                        float* acc, const NextBlocks& next) {
+template <int D, int NR, class Codec, int Elem>
+void tile_accumulate_fused(const float* weights, int64_t stride, const uint8_t* const* vp, int64_t bs, int64_t n,
+                           float* acc, const NextBlocks& next) {
   constexpr int kVecs = D / kLanes;
-  constexpr int64_t kRow = D + int64_t(sizeof(half_t));
+  constexpr int64_t kRow = kRowBytes<Codec, D, Elem>;
   fvec a[NR][kVecs];
   for (int r = 0; r < NR; ++r)
     for (int i = 0; i < kVecs; ++i) a[r][i] = load_vec(acc + r * D + i * kLanes);
   for (int64_t b = 0, j = 0; j < n; ++b) {
     next.prefetch(b);
-    const int8_t* v = vp[b];
+    const uint8_t* v = vp[b];
     for (const int64_t end = std::min(n, j + bs); j < end; ++j, v += kRow) {
-      const float scale = row_scale(v, D) * kCodeScale<kFp8>;
+      const float factor = row_factor<Codec>(v, D * Elem);
       float w[NR];
-      for (int r = 0; r < NR; ++r) w[r] = weights[r * stride + j] * scale;
+      for (int r = 0; r < NR; ++r) w[r] = weights[r * stride + j] * factor;
       for (int i = 0; i < kVecs; ++i) {
-        const fvec vv = load_row_codes<kFp8>(v + i * kLanes);
+        const fvec vv = Codec::load(v + i * kLanes * Elem);
         for (int r = 0; r < NR; ++r) a[r][i] += w[r] * vv;
       }
     }
@@ -290,43 +451,43 @@ void tile_accumulate_i8(const float* weights, int64_t stride, const int8_t* cons
     for (int i = 0; i < kVecs; ++i) store_vec(acc + r * D + i * kLanes, a[r][i]);
 }
 
-template <int D, bool kFp8>
-void scores_i8_rows(int nr, const float* q, const int8_t* const* kp, int64_t bs, int64_t n, float* scores,
-                    int64_t stride, const NextBlocks& next) {
+template <int D, class Codec, int Elem>
+void scores_fused_rows(int nr, const float* q, const uint8_t* const* kp, int64_t bs, int64_t n, float* scores,
+                       int64_t stride, const NextBlocks& next) {
   switch (nr) {
-    case 1: return tile_scores_i8<D, 1, kFp8>(q, kp, bs, n, scores, stride, next);
-    case 2: return tile_scores_i8<D, 2, kFp8>(q, kp, bs, n, scores, stride, next);
-    case 3: return tile_scores_i8<D, 3, kFp8>(q, kp, bs, n, scores, stride, next);
-    default: return tile_scores_i8<D, 4, kFp8>(q, kp, bs, n, scores, stride, next);
+    case 1: return tile_scores_fused<D, 1, Codec, Elem>(q, kp, bs, n, scores, stride, next);
+    case 2: return tile_scores_fused<D, 2, Codec, Elem>(q, kp, bs, n, scores, stride, next);
+    case 3: return tile_scores_fused<D, 3, Codec, Elem>(q, kp, bs, n, scores, stride, next);
+    default: return tile_scores_fused<D, 4, Codec, Elem>(q, kp, bs, n, scores, stride, next);
   }
 }
 
-template <int D, bool kFp8>
-void accumulate_i8_rows(int nr, const float* weights, int64_t stride, const int8_t* const* vp, int64_t bs, int64_t n,
-                        float* acc, const NextBlocks& next) {
+template <int D, class Codec, int Elem>
+void accumulate_fused_rows(int nr, const float* weights, int64_t stride, const uint8_t* const* vp, int64_t bs,
+                           int64_t n, float* acc, const NextBlocks& next) {
   switch (nr) {
-    case 1: return tile_accumulate_i8<D, 1, kFp8>(weights, stride, vp, bs, n, acc, next);
-    case 2: return tile_accumulate_i8<D, 2, kFp8>(weights, stride, vp, bs, n, acc, next);
-    case 3: return tile_accumulate_i8<D, 3, kFp8>(weights, stride, vp, bs, n, acc, next);
-    default: return tile_accumulate_i8<D, 4, kFp8>(weights, stride, vp, bs, n, acc, next);
+    case 1: return tile_accumulate_fused<D, 1, Codec, Elem>(weights, stride, vp, bs, n, acc, next);
+    case 2: return tile_accumulate_fused<D, 2, Codec, Elem>(weights, stride, vp, bs, n, acc, next);
+    case 3: return tile_accumulate_fused<D, 3, Codec, Elem>(weights, stride, vp, bs, n, acc, next);
+    default: return tile_accumulate_fused<D, 4, Codec, Elem>(weights, stride, vp, bs, n, acc, next);
   }
 }
 
-// Head dims the fused int8/fp8 loops cover; others de-quantize a tile into fp32 scratch first.
-inline bool fused_int8_head_dim(int64_t d) { return d == 64 || d == 128; }
+// Head dims the fused loops cover; others convert a tile into fp32 scratch first.
+inline bool fused_head_dim(int64_t d) { return d == 64 || d == 128; }
 
-template <bool kFp8>
-inline void scores_i8_for(int nr, const float* q, int64_t d, const int8_t* const* kp, int64_t bs, int64_t n,
-                          float* scores, int64_t stride, const NextBlocks& next) {
-  if (d == 64) return scores_i8_rows<64, kFp8>(nr, q, kp, bs, n, scores, stride, next);
-  return scores_i8_rows<128, kFp8>(nr, q, kp, bs, n, scores, stride, next);
+template <class Codec, int Elem>
+inline void scores_fused_for(int nr, const float* q, int64_t d, const uint8_t* const* kp, int64_t bs, int64_t n,
+                             float* scores, int64_t stride, const NextBlocks& next) {
+  if (d == 64) return scores_fused_rows<64, Codec, Elem>(nr, q, kp, bs, n, scores, stride, next);
+  return scores_fused_rows<128, Codec, Elem>(nr, q, kp, bs, n, scores, stride, next);
 }
 
-template <bool kFp8>
-inline void accumulate_i8_for(int nr, const float* weights, int64_t stride, const int8_t* const* vp, int64_t bs,
-                              int64_t n, float* acc, int64_t d, const NextBlocks& next) {
-  if (d == 64) return accumulate_i8_rows<64, kFp8>(nr, weights, stride, vp, bs, n, acc, next);
-  return accumulate_i8_rows<128, kFp8>(nr, weights, stride, vp, bs, n, acc, next);
+template <class Codec, int Elem>
+inline void accumulate_fused_for(int nr, const float* weights, int64_t stride, const uint8_t* const* vp, int64_t bs,
+                                 int64_t n, float* acc, int64_t d, const NextBlocks& next) {
+  if (d == 64) return accumulate_fused_rows<64, Codec, Elem>(nr, weights, stride, vp, bs, n, acc, next);
+  return accumulate_fused_rows<128, Codec, Elem>(nr, weights, stride, vp, bs, n, acc, next);
 }
 
 // Runtime row count → template instantiation.

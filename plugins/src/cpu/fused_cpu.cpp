@@ -2,9 +2,10 @@
 // residual add, rotate-half RoPE on the q and k heads of a fused qkv projection, and SiLU-gated
 // multiply. Each replaces several torch ops (and their per-op dispatch cost) with one C call.
 //
-// Plain loops the compiler vectorizes; this file is compiled without -march=native (see
-// CMakeLists.txt) so the library runs on any x86-64. These ops move little memory: at decode the
-// call overhead, not the arithmetic, is what they save.
+// Plain loops the compiler vectorizes. This file is compiled without -march=native (see
+// CMakeLists.txt) so the library runs on any x86-64; the row loops are cloned for AVX-512 and
+// AVX2 (x86-64-v4/v3) and the loader picks the clone for the CPU (an ifunc, resolved once).
+// Baseline SSE2 alone made silu_mul at 16 x 1536 take 51 us; the AVX-512 clone takes ~4 us.
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -28,6 +29,8 @@ int check_dim(int64_t v, int64_t min, const char* name) {
   return fail(TRTPAGED_ERR_INVALID_ARGUMENT,
               std::string(name) + ": must be >= " + std::to_string(min) + ", got " + std::to_string(v));
 }
+
+#define TRTPAGED_ROW_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 
 template <typename Body>
 void for_rows(int64_t rows, int64_t elements, Body body) {
@@ -86,6 +89,66 @@ inline float silu(float g) {
   return g * (g < 0.f ? e * s : s);
 }
 
+TRTPAGED_ROW_CLONES void silu_mul_row(const float* g, const float* u, int64_t n, float* o) {
+  for (int64_t i = 0; i < n; ++i) o[i] = silu(g[i]) * u[i];
+}
+
+// h = x + residual (into h), then out = rmsnorm(h); without residual, out = rmsnorm(x).
+TRTPAGED_ROW_CLONES void rmsnorm_residual_row(const float* x, const float* residual, const float* w, float eps,
+                                              int64_t n, float* out, float* h) {
+  if (residual) {
+    for (int64_t i = 0; i < n; ++i) h[i] = x[i] + residual[i];
+    x = h;
+  }
+  rmsnorm_row(x, w, eps, n, out);
+}
+
+// HF rotate-half RoPE of one head: y = x * cos + cat(-x2, x1) * sin.
+TRTPAGED_ROW_CLONES void rotate_heads(const float* src, int64_t heads, int64_t d, const float* c, const float* sn,
+                                      float* dst) {
+  const int64_t half = d / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* x = src + h * d;
+    float* y = dst + h * d;
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = x[i], x2 = x[i + half];
+      y[i] = x1 * c[i] - x2 * sn[i];
+      y[i + half] = x2 * c[i + half] + x1 * sn[i + half];
+    }
+  }
+}
+
+// Greedy choice over one logits row: the first index of the maximum, and log(sum(exp(x))).
+// 16 lanes of running maxima (a vector max, where a scalar running argmax does not vectorize),
+// then the first lane-chunk holding the maximum, then the exponentials of x - max (<= 0).
+typedef float f32x16 __attribute__((vector_size(64)));
+
+TRTPAGED_ROW_CLONES void greedy_row(const float* x, int64_t n, int64_t* argmax, float* logsumexp) {
+  int64_t i = 0;
+  float m = -__builtin_inff();
+  if (n >= 16) {
+    f32x16 lanes;
+    __builtin_memcpy(&lanes, x, sizeof(lanes));
+    for (i = 16; i + 16 <= n; i += 16) {
+      f32x16 v;
+      __builtin_memcpy(&v, x + i, sizeof(v));
+      lanes = v > lanes ? v : lanes;
+    }
+    for (int l = 0; l < 16; ++l) m = lanes[l] > m ? lanes[l] : m;
+  }
+  for (; i < n; ++i) m = x[i] > m ? x[i] : m;
+  int64_t first = 0;
+  while (x[first] != m) ++first;
+  *argmax = first;
+  float sum = 0.f;
+  float part[16] = {};
+  for (i = 0; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; ++l) part[l] += exp_nonpositive(x[i + l] - m);
+  for (; i < n; ++i) sum += exp_nonpositive(x[i] - m);
+  for (int l = 0; l < 16; ++l) sum += part[l];
+  *logsumexp = m + std::log(sum);
+}
+
 }  // namespace
 
 extern "C" {
@@ -105,16 +168,9 @@ TRTPAGED_API trtpaged_status trtpaged_rmsnorm_cpu(const float* x, const float* r
   if ((s = check_ptr(x, "x")) || (s = check_ptr(weight, "weight")) || (s = check_ptr(out, "out")))
     return trtpaged_status(s);
   for_rows(rows, rows * hidden, [&](int64_t r) {
-    const float* xr = x + r * hidden;
-    float* outr = out + r * hidden;
-    if (residual) {
-      const float* rr = residual + r * hidden;
-      float* hr = residual_out + r * hidden;
-      for (int64_t i = 0; i < hidden; ++i) hr[i] = xr[i] + rr[i];
-      rmsnorm_row(hr, weight, eps, hidden, outr);
-    } else {
-      rmsnorm_row(xr, weight, eps, hidden, outr);
-    }
+    const int64_t off = r * hidden;
+    rmsnorm_residual_row(x + off, residual ? residual + off : nullptr, weight, eps, hidden, out + off,
+                         residual ? residual_out + off : nullptr);
   });
   return trtpaged_status(trtpaged::ok());
 }
@@ -136,25 +192,15 @@ TRTPAGED_API trtpaged_status trtpaged_rope_qk_cpu(float* qkv, int64_t rows, int3
   if (rows == 0) return trtpaged_status(trtpaged::ok());
   if ((s = check_ptr(qkv, "qkv")) || (s = check_ptr(cos, "cos")) || (s = check_ptr(sin, "sin")))
     return trtpaged_status(s);
-  const int64_t d = head_dim, half = head_dim / 2;
+  const int64_t d = head_dim;
   const int64_t q_size = int64_t(num_heads) * d, kv_size = int64_t(num_kv_heads) * d;
   const int64_t width = q_size + 2 * kv_size;
   for_rows(rows, rows * width, [&](int64_t r) {
     float* src = qkv + r * width;
     const float* c = cos + r * d;
     const float* sn = sin + r * d;
-    // HF: x * cos + cat(-x2, x1) * sin
-    auto rotate = [&](const float* x, float* y) {
-      for (int64_t i = 0; i < half; ++i) {
-        const float x1 = x[i], x2 = x[i + half];
-        y[i] = x1 * c[i] - x2 * sn[i];
-        y[i + half] = x2 * c[i + half] + x1 * sn[i + half];
-      }
-    };
-    float* q_dst = dense ? q_out + r * q_size : src;
-    float* k_dst = dense ? k_out + r * kv_size : src + q_size;
-    for (int64_t h = 0; h < num_heads; ++h) rotate(src + h * d, q_dst + h * d);
-    for (int64_t h = 0; h < num_kv_heads; ++h) rotate(src + q_size + h * d, k_dst + h * d);
+    rotate_heads(src, num_heads, d, c, sn, dense ? q_out + r * q_size : src);
+    rotate_heads(src + q_size, num_kv_heads, d, c, sn, dense ? k_out + r * kv_size : src + q_size);
     if (dense) {
       const float* v = src + q_size + kv_size;
       float* vr = v_out + r * kv_size;
@@ -173,10 +219,26 @@ TRTPAGED_API trtpaged_status trtpaged_silu_mul_cpu(const float* gate_up, int64_t
   const int64_t n = intermediate;
   for_rows(rows, rows * n, [&](int64_t r) {
     const float* g = gate_up + r * 2 * n;
-    const float* u = g + n;
-    float* o = out + r * n;
-    for (int64_t i = 0; i < n; ++i) o[i] = silu(g[i]) * u[i];
+    silu_mul_row(g, g + n, n, out + r * n);
   });
+  return trtpaged_status(trtpaged::ok());
+}
+
+TRTPAGED_API trtpaged_status trtpaged_greedy_rows_cpu(const float* logits, int64_t vocab, const int64_t* rows,
+                                                      int64_t n, int64_t* argmax, float* logsumexp) {
+  int s;
+  if ((s = check_dim(vocab, 1, "vocab")) || (s = check_dim(n, 0, "n"))) return trtpaged_status(s);
+  if (n == 0) return trtpaged_status(trtpaged::ok());
+  if ((s = check_ptr(logits, "logits")) || (s = check_ptr(rows, "rows")) || (s = check_ptr(argmax, "argmax")) ||
+      (s = check_ptr(logsumexp, "logsumexp")))
+    return trtpaged_status(s);
+  // rows of a decode batch are independent and each is a full vocab pass: parallel from two rows
+  if (n > 1 && n * vocab >= kParallelElements) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) greedy_row(logits + rows[i] * vocab, vocab, argmax + i, logsumexp + i);
+  } else {
+    for (int64_t i = 0; i < n; ++i) greedy_row(logits + rows[i] * vocab, vocab, argmax + i, logsumexp + i);
+  }
   return trtpaged_status(trtpaged::ok());
 }
 

@@ -156,32 +156,25 @@ std::vector<Task> plan_tasks(const trtpaged_attention_params& p, const int32_t* 
   return tasks;
 }
 
-// exp(x) for finite x <= 0, written so that the compiler vectorizes it (std::exp is a
-// scalar libm call without -ffast-math). Cody-Waite range reduction and a degree-6
-// polynomial: relative error below 2e-7; inputs below -87 give ~1e-38 instead of 0.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504f + 0.5f);
-  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
-  float poly = 1.0f / 720.0f;
-  poly = poly * r + 1.0f / 120.0f;
-  poly = poly * r + 1.0f / 24.0f;
-  poly = poly * r + 1.0f / 6.0f;
-  poly = poly * r + 0.5f;
-  poly = poly * r + 1.0f;
-  poly = poly * r + 1.0f;
-  const uint32_t bits = uint32_t(int32_t(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return poly * scale;
-}
+// The fused loops' reader for a cache element type, and whether those loops cover it on this build
+// (other types are converted tile by tile into fp32 scratch first).
+template <typename KV>
+using RowCodec = std::conditional_t<
+    std::is_same_v<KV, float>, FloatRows,
+    std::conditional_t<std::is_same_v<KV, half_t>, HalfRows,
+                       std::conditional_t<std::is_same_v<KV, bfloat_t>, BfloatRows,
+                                          std::conditional_t<std::is_same_v<KV, fp8_code>, Fp8Rows, Int8Rows>>>>;
+template <typename KV>
+constexpr bool kFusedRows = std::is_same_v<KV, float> || std::is_same_v<KV, int8_code> ||
+                            (std::is_same_v<KV, fp8_code> && kFusedFp8) ||
+                            ((std::is_same_v<KV, half_t> || std::is_same_v<KV, bfloat_t>) && kFused16);
 
 // Per-thread scratch, reused across tasks.
 struct Scratch {
   std::vector<float> q, acc, m, l, scores, kf, vf;
   std::vector<int32_t> pos;
   std::vector<const float*> kp, vp;
-  std::vector<const int8_t*> kc, vc;  // int8/fp8 rows read in place by the fused loops
+  std::vector<const uint8_t*> kc, vc;  // rows read in place by the fused loops
   std::vector<const void*> knext, vnext;
 };
 
@@ -225,9 +218,10 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const PoolLa
   sc.scores.resize(size_t(kRowGroup * tile_keys));
   sc.kp.resize(size_t(tile_blocks));
   sc.vp.resize(size_t(tile_blocks));
-  constexpr bool kFp8 = std::is_same_v<KV, fp8_code>;
-  constexpr bool kFusable = std::is_same_v<KV, int8_code> || (kFp8 && kFusedFp8);
-  const bool fused = kFusable && fused_int8_head_dim(d);
+  using Codec = RowCodec<KV>;
+  constexpr bool kFusable = kFusedRows<KV>;
+  constexpr int kElem = is_quantized_v<KV> ? 1 : int(sizeof(KV));
+  const bool fused = kFusable && fused_head_dim(d);
   sc.kc.resize(size_t(tile_blocks));
   sc.vc.resize(size_t(tile_blocks));
   sc.knext.resize(size_t(tile_blocks));
@@ -264,8 +258,8 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const PoolLa
     for (int64_t b = 0; b < nblocks; ++b) {
       const int64_t n = std::min<int64_t>(run, tile_n - b * run);
       if (fused) {
-        sc.kc[size_t(b)] = reinterpret_cast<const int8_t*>(key_ptr(tile + b * run, 0));
-        sc.vc[size_t(b)] = reinterpret_cast<const int8_t*>(key_ptr(tile + b * run, 1));
+        sc.kc[size_t(b)] = reinterpret_cast<const uint8_t*>(key_ptr(tile + b * run, 0));
+        sc.vc[size_t(b)] = reinterpret_cast<const uint8_t*>(key_ptr(tile + b * run, 1));
         continue;
       }
       sc.kp[size_t(b)] = as_float(key_ptr(tile + b * run, 0), n, d, sc.kf.data() + b * run * d);
@@ -293,7 +287,8 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const PoolLa
       if (group_limit == 0) continue;
       float* scores = sc.scores.data();
       if (fused)
-        scores_i8_for<kFp8>(nr, sc.q.data() + r0 * d, d, sc.kc.data(), run, group_limit, scores, tile_keys, next_k);
+        scores_fused_for<Codec, kElem>(nr, sc.q.data() + r0 * d, d, sc.kc.data(), run, group_limit, scores, tile_keys,
+                                       next_k);
       else
         scores_for(nr, sc.q.data() + r0 * d, d, sc.kp.data(), run, group_limit, scores, tile_keys, next_k);
       for (int i = 0; i < nr; ++i) {
@@ -303,12 +298,7 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const PoolLa
         float& m = sc.m[size_t(r0 + i)];
         const float m_new = std::max(m, tile_max);
         const float alpha = (m == kNegInf || limit == 0) ? (limit == 0 ? 1.0f : 0.0f) : std::exp(m - m_new);
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < group_limit; ++j) {
-          row[j] = j < limit ? exp_nonpositive(row[j] - m_new) : 0.0f;
-          sum += row[j];
-        }
+        const float sum = exp_shifted_row(row, limit, group_limit, m_new);
         if (limit == 0) continue;
         sc.l[size_t(r0 + i)] = sc.l[size_t(r0 + i)] * alpha + sum;
         if (alpha != 1.0f) {
@@ -319,7 +309,8 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const PoolLa
         m = m_new;
       }
       if (fused)
-        accumulate_i8_for<kFp8>(nr, scores, tile_keys, sc.vc.data(), run, group_limit, sc.acc.data() + r0 * d, d, next_v);
+        accumulate_fused_for<Codec, kElem>(nr, scores, tile_keys, sc.vc.data(), run, group_limit, sc.acc.data() + r0 * d,
+                                           d, next_v);
       else
         accumulate_for(nr, scores, tile_keys, sc.vp.data(), run, group_limit, sc.acc.data() + r0 * d, d, next_v);
     }

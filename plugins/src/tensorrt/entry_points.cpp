@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "tensorrt/allreduce_plugin.h"
 #include "tensorrt/logging.h"
 #include "tensorrt/paged_attention_creator.h"
 
@@ -29,8 +30,9 @@ TRTPAGED_PLUGIN_EXPORT void setLoggerFinder(nvinfer1::ILoggerFinder* finder) {
 }
 
 TRTPAGED_PLUGIN_EXPORT nvinfer1::IPluginCreatorInterface* const* getCreators(int32_t& nbCreators) {
-  static trtpaged::trt::PagedAttentionCreator creator;
-  static nvinfer1::IPluginCreatorInterface* const creators[] = {&creator};
+  static trtpaged::trt::PagedAttentionCreator attention;
+  static trtpaged::trt::AllReduceCreator all_reduce;  // tensor parallelism: NCCL, loaded at first use
+  static nvinfer1::IPluginCreatorInterface* const creators[] = {&attention, &all_reduce};
   nbCreators = static_cast<int32_t>(sizeof(creators) / sizeof(creators[0]));
   return creators;
 }

@@ -3,10 +3,14 @@
 // and no call here reaches a CUDA kernel. Prints "FAIL ..." per failed check; exit status 1 then.
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
+#include <stdexcept>
 #include <string>
 
+#include "tensorrt/allreduce_plugin.h"
 #include "tensorrt/attention_io.h"
+#include "tensorrt/communicator.h"
 #include "tensorrt/paged_attention_creator.h"
 #include "tensorrt/paged_attention_plugin.h"
 
@@ -219,6 +223,45 @@ int main() {
   }
 
   check_kv_dtype_field(creator);
+
+  {  // TrtpagedAllReduce: fields validated and serialized; no NCCL call without a communicator to make
+    trtpaged::trt::AllReduceCreator ar;
+    int32_t rank = 2, world = 2;
+    PluginField fields[2] = {PluginField("rank", &rank, PluginFieldType::kINT32, 1),
+                             PluginField("world_size", &world, PluginFieldType::kINT32, 1)};
+    PluginFieldCollection fc{2, fields};
+    std::unique_ptr<IPluginV3> bad(ar.createPlugin("ar", &fc, TensorRTPhase::kBUILD));
+    check(bad == nullptr, "all-reduce rank 2 of 2 must be refused");
+    rank = 1;
+    std::unique_ptr<IPluginV3> p(ar.createPlugin("ar", &fc, TensorRTPhase::kBUILD));
+    check(p != nullptr, "all-reduce rank 1 of 2");
+    if (p != nullptr) {
+      auto* plugin = dynamic_cast<trtpaged::trt::AllReducePlugin*>(p.get());
+      PluginFieldCollection const* out = plugin->getFieldsToSerialize();
+      check(out != nullptr && out->nbFields == 2 && *static_cast<int32_t const*>(out->fields[0].data) == 1 &&
+                *static_cast<int32_t const*>(out->fields[1].data) == 2,
+            "all-reduce serializes rank 1 and world_size 2");
+      PluginTensorDesc x{};
+      x.dims = dims({0, 576});
+      x.type = DataType::kHALF;
+      void const* inputs[1] = {};
+      void* outputs[1] = {};
+      check(plugin->enqueue(&x, &x, inputs, outputs, nullptr, nullptr) == 0, "an empty all-reduce is a no-op");
+      unsetenv("TRTPAGED_NCCL_UNIQUE_ID");
+      x.dims = dims({4, 576});
+      check(plugin->enqueue(&x, &x, inputs, outputs, nullptr, nullptr) != 0,
+            "enqueue without NCCL or TRTPAGED_NCCL_UNIQUE_ID must fail, not crash");
+    }
+    bool threw = false;
+    try {
+      trtpaged::trt::parse_unique_id("zz");
+    } catch (std::invalid_argument const&) {
+      threw = true;
+    }
+    check(threw, "a malformed TRTPAGED_NCCL_UNIQUE_ID is refused");
+    std::string const hex(256, 'a');
+    check(trtpaged::trt::parse_unique_id(hex.c_str()).internal[127] == static_cast<char>(0xaa), "unique id parsed");
+  }
 
   std::printf("%s\n", failures == 0 ? "plugin host checks passed" : "plugin host checks FAILED");
   return failures == 0 ? 0 : 1;

@@ -78,9 +78,24 @@ def select_backend(engine_dir: Path, manifest: Manifest, backend: str = "auto") 
 
 def load_runner(
     engine_dir: Path, manifest: Manifest, num_blocks: int, backend: str = "auto",
-    device: Optional[str] = None, num_host_blocks: int = 0,
+    device: Optional[str] = None, num_host_blocks: int = 0, tensor_parallel: int = 1,
 ) -> ModelRunner:
-    """Builds the selected backend's runner over a pool of `num_blocks` blocks."""
+    """Builds the selected backend's runner over a pool of `num_blocks` blocks.
+
+    tensor_parallel > 1 (it must equal the engine's): rank 0 of a tensor-parallel run on the torch backend,
+    the other ranks started as local processes, or joining through torchrun's variables when WORLD_SIZE is set.
+    """
+    if tensor_parallel != manifest.tensor_parallel:
+        raise ValueError(f"tensor_parallel: got {tensor_parallel}; {engine_dir} was built for tensor_parallel "
+                         f"{manifest.tensor_parallel} (its weights are split into that many shards)")
+    if tensor_parallel > 1:
+        if backend == "tensorrt":
+            raise ValueError("backend: 'tensorrt' with tensor_parallel > 1 is not supported by the runtime yet; "
+                             "use 'torch' or 'auto'")
+        from trtpaged.runtime.tp import Rendezvous, start_tensor_parallel
+
+        return start_tensor_parallel(engine_dir, manifest, num_blocks, device or default_device(), num_host_blocks,
+                                     Rendezvous.from_env())
     chosen = select_backend(engine_dir, manifest, backend)
     on_cuda = device is None or device.startswith("cuda")
     if chosen == "tensorrt" and backend == "auto" and not on_cuda:

@@ -25,8 +25,11 @@ def kv_blocks(manifest: Manifest, free_memory: Optional[int] = None, override: O
     what max_batch_size sequences of max_seq_len tokens can use, so a CPU run does
     not claim most of the host's memory. None only for a fraction with `free_memory`
     unknown. Raises ValueError naming the setting when the budget holds no block.
+
+    With tensor parallelism the budget is per rank (each device has its own memory) and a block of one
+    rank's pool holds only its KV heads, so N ranks get N times the blocks of one.
     """
-    per_block = manifest.kv_bytes_per_block
+    per_block = manifest.kv_bytes_per_block_per_rank
     limits = manifest.limits
     if override is not None:
         if override < 1:

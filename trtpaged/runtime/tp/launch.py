@@ -1,0 +1,85 @@
+"""Local worker processes (ranks 1..N-1 on this machine): start, watch, stop.
+
+Each worker is `python -m trtpaged.runtime.tp.worker` in its own session (a
+Ctrl-C reaches rank 0 only, which then stops them) that exits when its parent
+disappears. On CPU the machine's cores are divided between the ranks
+(OMP_NUM_THREADS per worker, unless set).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from trtpaged.runtime.tp.rendezvous import Rendezvous
+
+
+def threads_per_rank(world_size: int) -> int:
+    """CPU threads each rank uses so that the ranks together use the cores once."""
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
+class WorkerSet:
+    """The worker processes this process started."""
+
+    def __init__(self, procs: dict[int, subprocess.Popen]) -> None:
+        self.procs = procs  # rank -> process
+
+    @classmethod
+    def start(cls, engine_dir: Path, rz: Rendezvous, port: int, devices: dict[int, str]) -> "WorkerSet":
+        """Starts ranks 1..world_size-1 against rank 0's store at 127.0.0.1:port."""
+        env = dict(os.environ)
+        if all(d == "cpu" for d in devices.values()):
+            env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(rz.world_size)))
+        for var in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
+            env.pop(var, None)  # a local launch passes its own
+        procs: dict[int, subprocess.Popen] = {}
+        for rank in range(1, rz.world_size):
+            cmd = [sys.executable, "-m", "trtpaged.runtime.tp.worker", str(engine_dir), "--rank", str(rank),
+                   "--world-size", str(rz.world_size), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                   "--device", devices[rank], "--timeout", str(rz.timeout_s), "--parent-pid", str(os.getpid())]
+            procs[rank] = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+        return cls(procs)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs.values()]
+
+    def failure(self) -> Optional[str]:
+        """'rank R (pid P) exited with code C' for every worker that has exited, or None."""
+        dead = [f"rank {r} (pid {p.pid}) exited with {_how(p.returncode)}"
+                for r, p in self.procs.items() if p.poll() is not None]
+        return "; ".join(dead) or None
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Waits up to grace_s for the workers to exit (after STOP), then terminates and kills what is left."""
+        deadline = time.monotonic() + grace_s
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(2.0)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def _how(code: int) -> str:
+    if code < 0:
+        import signal
+
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"code {code}"

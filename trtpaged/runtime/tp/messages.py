@@ -1,0 +1,90 @@
+"""The commands rank 0 broadcasts to the other ranks: a fixed int64 header, then an int32 payload.
+
+    header  [op, payload length, field 0 .. field 5]
+    payload int32, only when its length is not 0
+
+| op | fields | payload |
+|---|---|---|
+| INIT | num_blocks, num_host_blocks, manifest fingerprint (63 bits) | - |
+| STEP | num_tokens, num_seqs, max_blocks_per_seq | input_ids, positions, query_start, context_lens, block_tables |
+| COPY, SWAP_OUT, SWAP_IN | number of pairs | the (src, dst) pairs |
+| STOP | - | - |
+
+A STEP carries no logits_index: only rank 0 computes logits (the other ranks'
+final norm and LM head would only be thrown away).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from typing import Optional, Sequence
+
+import torch
+
+from trtpaged.runtime.engines.base import StepBatch
+from trtpaged.runtime.tp.rendezvous import Collectives
+
+HEADER_LEN = 8
+_NUM_FIELDS = HEADER_LEN - 2
+
+
+class Op(enum.IntEnum):
+    INIT = 1
+    STEP = 2
+    COPY = 3
+    SWAP_OUT = 4
+    SWAP_IN = 5
+    STOP = 6
+
+
+def send(coll: Collectives, op: Op, fields: Sequence[int] = (), payload: Optional[torch.Tensor] = None) -> None:
+    """Rank 0: broadcasts one command."""
+    length = 0 if payload is None else int(payload.numel())
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    header[0], header[1] = int(op), length
+    header[2:2 + len(fields)] = torch.tensor(list(fields), dtype=torch.int64)
+    coll.broadcast(header)
+    if length:
+        coll.broadcast(payload.to(torch.int32).contiguous())
+
+
+def receive(coll: Collectives) -> tuple[Op, list[int], torch.Tensor]:
+    """Other ranks: the next command (op, fields, payload)."""
+    header = coll.broadcast(torch.empty(HEADER_LEN, dtype=torch.int64))
+    op, length = Op(int(header[0])), int(header[1])
+    payload = torch.empty(length, dtype=torch.int32)
+    if length:
+        coll.broadcast(payload)
+    return op, header[2:].tolist(), payload
+
+
+def step_message(batch: StepBatch) -> tuple[list[int], torch.Tensor]:
+    """(fields, payload) of a STEP."""
+    tables = batch.block_tables
+    payload = torch.cat([batch.input_ids.flatten(), batch.positions.flatten(), batch.query_start.flatten(),
+                         batch.context_lens.flatten(), tables.flatten()]).to(torch.int32)
+    return [batch.num_tokens, int(batch.context_lens.numel()), int(tables.shape[1]) if tables.dim() == 2 else 0], payload
+
+
+def step_batch(fields: list[int], payload: torch.Tensor) -> StepBatch:
+    """The StepBatch of a received STEP (logits_index empty)."""
+    tokens, seqs, width = fields[:3]
+    input_ids, positions, query_start, context_lens, tables = payload.split(
+        [tokens, tokens, seqs + 1, seqs, seqs * width])
+    return StepBatch(input_ids, positions, query_start, context_lens, tables.view(seqs, width),
+                     torch.empty(0, dtype=torch.int32))
+
+
+def pairs_payload(pairs: Sequence[tuple[int, int]]) -> torch.Tensor:
+    return torch.tensor([x for pair in pairs for x in pair], dtype=torch.int32)
+
+
+def pairs_of(payload: torch.Tensor) -> list[tuple[int, int]]:
+    flat = payload.tolist()
+    return list(zip(flat[0::2], flat[1::2]))
+
+
+def fingerprint(manifest_json: str) -> int:
+    """63 bits of the manifest's sha256: ranks on several machines must load the same engine."""
+    return int.from_bytes(hashlib.sha256(manifest_json.encode()).digest()[:8], "little") >> 1

@@ -1,0 +1,156 @@
+"""Rank 0's `ModelRunner` for a tensor-parallel engine: broadcast the command, run the own shard, return logits.
+
+The scheduler and block pool stay in rank 0's `LLMEngine`, which does not know
+the model is split: every block copy, swap and step it asks for is broadcast
+first (messages.py), then applied to rank 0's own shard. Any failure of a
+collective (a rank died: gloo reports the closed connection at once; a rank
+hung: the timeout) raises `TensorParallelError` naming what happened, and the
+remaining workers are stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from trtpaged.manifest import Manifest
+from trtpaged.runtime.engines.base import StepBatch
+from trtpaged.runtime.engines.torch_engine import TorchRunner
+from trtpaged.runtime.tp import messages
+from trtpaged.runtime.tp.launch import WorkerSet, threads_per_rank
+from trtpaged.runtime.tp.messages import Op
+from trtpaged.runtime.tp.rendezvous import (Collectives, Rendezvous, TensorParallelError, default_timeout_s,
+                                            make_groups, open_store, wait_for_ranks)
+
+
+class TensorParallelRunner:
+    """Rank 0 of N: drives the other ranks and runs its own shard (a `TorchRunner`). `close()` stops the ranks."""
+
+    backend = "torch"
+
+    def __init__(self, local: TorchRunner, coll: Collectives, workers: Optional[WorkerSet]) -> None:
+        self.local, self.coll, self.workers = local, coll, workers
+        self.num_blocks = local.num_blocks
+        self.world_size = coll.world_size
+        self._failure: Optional[str] = None
+        self._broken = [False]  # shared with the finalizer: no STOP once a rank failed
+        self._finalizer = weakref.finalize(self, _shutdown, coll, workers, self._broken)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """Rank 0's shard of the step model."""
+        return self.local.model
+
+    def step(self, batch: StepBatch) -> torch.Tensor:
+        with self._guard("step"):
+            fields, payload = messages.step_message(batch)
+            messages.send(self.coll, Op.STEP, fields, payload)
+            return self.local.step(batch)
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        self._moves(Op.COPY, pairs, self.local.copy_blocks)
+
+    def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
+        self._moves(Op.SWAP_OUT, pairs, self.local.swap_out)
+
+    def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
+        self._moves(Op.SWAP_IN, pairs, self.local.swap_in)
+
+    def _moves(self, op: Op, pairs: Sequence[tuple[int, int]], apply) -> None:
+        if not pairs:
+            return
+        with self._guard(op.name.lower()):
+            messages.send(self.coll, op, [len(pairs)], messages.pairs_payload(pairs))
+            apply(pairs)
+
+    @contextlib.contextmanager
+    def _guard(self, what: str) -> Iterator[None]:
+        if self._failure is not None:
+            raise TensorParallelError(f"the tensor-parallel engine stopped earlier: {self._failure}")
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001  (gloo and NCCL raise RuntimeError or DistBackendError)
+            self._broken[0] = True
+            why = _dead_workers(self.workers) or (str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            self._failure = f"{what} failed on {self.world_size} ranks: {why}"
+            if self.workers is not None:
+                self.workers.stop(grace_s=0.0)
+            raise TensorParallelError(self._failure) from exc
+
+    def close(self) -> None:
+        """Sends STOP (unless a rank failed) and waits for the local workers; idempotent."""
+        self._finalizer()
+
+
+def _dead_workers(workers: Optional[WorkerSet], wait_s: float = 1.0) -> Optional[str]:
+    """Which local workers exited; waits briefly, since the closed connection may be seen before the exit."""
+    if workers is None:
+        return None
+    deadline = time.monotonic() + wait_s
+    while True:
+        why = workers.failure()
+        if why or time.monotonic() > deadline:
+            return why
+        time.sleep(0.02)
+
+
+def _shutdown(coll: Collectives, workers: Optional[WorkerSet], broken: list[bool]) -> None:
+    if not broken[0]:
+        with contextlib.suppress(Exception):
+            messages.send(coll, Op.STOP)
+    if workers is not None:
+        workers.stop(grace_s=0.0 if broken[0] else 10.0)
+
+
+def rank_devices(device: str, world_size: int) -> dict[int, str]:
+    """Each local rank's device: cpu for all, or one GPU per rank (cuda:r)."""
+    if torch.device(device).type == "cpu":
+        return {r: "cpu" for r in range(world_size)}
+    count = torch.cuda.device_count()
+    if count < world_size:
+        raise ValueError(f"tensor_parallel: {world_size} ranks need {world_size} GPUs on this machine, found {count}")
+    return {r: f"cuda:{r}" for r in range(world_size)}
+
+
+def start_tensor_parallel(
+    engine_dir: Path, manifest: Manifest, num_blocks: int, device: str = "cpu", num_host_blocks: int = 0,
+    rendezvous: Optional[Rendezvous] = None, timeout_s: Optional[float] = None,
+) -> TensorParallelRunner:
+    """Rank 0 of a tensor-parallel engine: its shard loaded, the other ranks joined and their pools allocated.
+
+    Without `rendezvous` the other ranks are started here as local processes (loopback only); with one
+    (`Rendezvous.from_env()`: torchrun's variables) they are started elsewhere and join at its address.
+    """
+    from trtpaged.models import load_step_model
+    from trtpaged.models.all_reduce import RankReduce
+
+    n = manifest.tensor_parallel
+    rz = rendezvous or Rendezvous("127.0.0.1", 0, n, 0, timeout_s or default_timeout_s(), loopback=True)
+    if rz.world_size != n:
+        raise ValueError(f"WORLD_SIZE: got {rz.world_size}; {engine_dir} is split over tensor_parallel {n} ranks")
+    if rz.rank != 0:
+        raise ValueError(f"RANK: got {rz.rank}; the scheduler runs on rank 0 only, the other ranks run "
+                         "`python -m trtpaged.runtime.tp.worker ENGINE` (or `trtpaged serve` with RANK set)")
+    devices = rank_devices(device, n) if rendezvous is None else {0: device}
+    if devices[0] == "cpu" and rendezvous is None:
+        torch.set_num_threads(threads_per_rank(n))  # the ranks share this machine's cores
+    reduce = RankReduce(0, n)
+    model, _ = load_step_model(engine_dir, devices[0], reduce)
+    store = open_store(rz)
+    workers = WorkerSet.start(Path(engine_dir), rz, store.port, devices) if rendezvous is None else None
+    try:
+        wait_for_ranks(store, rz, workers.failure if workers is not None else lambda: None)
+        coll = make_groups(store, rz, torch.device(devices[0]))
+        reduce.group = coll
+        messages.send(coll, Op.INIT, [num_blocks, num_host_blocks, messages.fingerprint(manifest.to_json())])
+    except BaseException:
+        if workers is not None:
+            workers.stop(grace_s=0.0)
+        raise
+    pool = model.new_kv_cache(num_blocks, manifest.limits.block_size, manifest.kv_cache_dtype, device=devices[0])
+    return TensorParallelRunner(TorchRunner(model, pool, num_host_blocks), coll, workers)
