@@ -396,17 +396,30 @@ void tile_scores_fused(const float* q, const uint8_t* const* kp, int64_t bs, int
     next.prefetch(b);
     const uint8_t* k = kp[b];
     const int64_t end = std::min(n, j + bs);
+    // Several query rows share each key: a converted (non-fp32) group of keys is staged as floats
+    // once, rather than converted again for every row.
+    constexpr bool kStage = !std::is_same_v<Codec, FloatRows> && NR > 1;
+    alignas(64) float staged[kStage ? kLanes * D : 1];
     for (; j + kLanes <= end; j += kLanes, k += kLanes * kRow) {
       fvec factor = fvec{} + 1.0f;
       if constexpr (Codec::kScaled)
         for (int l = 0; l < kLanes; ++l) factor[l] = row_factor<Codec>(k + l * kRow, D * Elem);
+      if constexpr (kStage)
+        for (int l = 0; l < kLanes; ++l)
+          for (int i = 0; i < kVecs; ++i)
+            store_vec(staged + l * D + i * kLanes, Codec::load(k + l * kRow + i * kLanes * Elem));
+      auto key_vec = [&](int l, int i) {
+        if constexpr (kStage)
+          return load_vec(staged + l * D + i * kLanes);
+        else
+          return Codec::load(k + l * kRow + i * kLanes * Elem);
+      };
       for (int r = 0; r < NR; ++r) {
         const float* qr = q + r * D;
         fvec part[kLanes];
         for (int l = 0; l < kLanes; ++l) {
-          const uint8_t* kl = k + l * kRow;
-          fvec sum = load_vec(qr) * Codec::load(kl);
-          for (int i = 1; i < kVecs; ++i) sum += load_vec(qr + i * kLanes) * Codec::load(kl + i * kLanes * Elem);
+          fvec sum = load_vec(qr) * key_vec(l, 0);
+          for (int i = 1; i < kVecs; ++i) sum += load_vec(qr + i * kLanes) * key_vec(l, i);
           part[l] = sum;
         }
         fvec row = sum_lanes_transposed(part);
