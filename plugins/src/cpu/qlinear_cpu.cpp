@@ -121,52 +121,6 @@ struct Acts {
   const float* group_sums;  // [m][ngroups]: sum over the group's blocks of dx * sum(codes); int4 only
 };
 
-// Quantizes one block of 32: d = max|x| / 127, q = round(x / d) (ties to even, as torch.round),
-// computed as x * (1 / d) in float32 so a reference can reproduce it bit for bit.
-inline float quantize_block_scalar(const float* x, int8_t* q, int32_t* sum) {
-  float amax = 0.f;
-  for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i]));
-  float d = amax / 127.f;
-  float id = d > 0.f ? 1.f / d : 0.f;
-  int32_t s = 0;
-  for (int i = 0; i < 32; ++i) {
-    int v = static_cast<int>(std::nearbyint(x[i] * id));
-    q[i] = static_cast<int8_t>(v);
-    s += v;
-  }
-  *sum = s;
-  return d;
-}
-__attribute__((target("avx2,fma"))) float quantize_block_avx2(const float* x, int8_t* q, int32_t* sum) {
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  __m256 v[4];
-  __m256 amax = _mm256_setzero_ps();
-  for (int i = 0; i < 4; ++i) {
-    v[i] = _mm256_loadu_ps(x + 8 * i);
-    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
-  }
-  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-  float d = _mm_cvtss_f32(m4) / 127.f;
-  float id = d > 0.f ? 1.f / d : 0.f;
-  const __m256 idv = _mm256_set1_ps(id);
-  __m256i iv[4];
-  for (int i = 0; i < 4; ++i) iv[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], idv));  // MXCSR: nearest even
-  __m256i s = _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
-  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-  *sum = _mm_cvtsi128_si32(s4);
-  __m256i p16a = _mm256_packs_epi32(iv[0], iv[1]);
-  __m256i p16b = _mm256_packs_epi32(iv[2], iv[3]);
-  __m256i p8 = _mm256_packs_epi16(p16a, p16b);
-  // packs works per 128-bit lane: restore element order.
-  p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), p8);
-  return d;
-}
-
 // ---------------------------------------------------------------------------------------------
 // Tile kernels: out[i * kRows + r] = y[m0 + i][tile row r] without bias, for min(count, the
 // variant's register block) activation rows; they return how many.
@@ -528,38 +482,7 @@ struct CallBuffers {
   std::vector<float> group_sums;
 };
 
-void quantize_activations(const float* x, int64_t m, const Layout& l, Isa isa, CallBuffers& buf, Acts& acts) {
-  buf.xq.resize(size_t(m * l.k));
-  buf.rec.resize(size_t(m * l.nblocks));
-  if (l.bits == 4) buf.group_sums.assign(size_t(m * l.ngroups), 0.f);
-  const int64_t blocks_per_group = l.group / 32;
-  const bool simd = isa != kScalar;
-  auto quantize_row = [&](int64_t row) {
-    for (int64_t b = 0; b < l.nblocks; ++b) {
-      int32_t sum;
-      const float* xb = x + row * l.k + b * 32;
-      int8_t* qb = buf.xq.data() + row * l.k + b * 32;
-      const float d = simd ? quantize_block_avx2(xb, qb, &sum) : quantize_block_scalar(xb, qb, &sum);
-      buf.rec[row * l.nblocks + b] = BlockRecord{d, -128 * sum};
-      if (l.bits == 4) buf.group_sums[row * l.ngroups + b / blocks_per_group] += d * float(sum);
-    }
-  };
-  // An OpenMP region costs microseconds even when it runs serially: small calls skip it.
-  if (m * l.k >= (1 << 16)) {
-#pragma omp parallel for schedule(static)
-    for (int64_t row = 0; row < m; ++row) quantize_row(row);
-  } else {
-    for (int64_t row = 0; row < m; ++row) quantize_row(row);
-  }
-  acts.xq = buf.xq.data();
-  acts.rec = buf.rec.data();
-  acts.group_sums = l.bits == 4 ? buf.group_sums.data() : nullptr;
-}
-
-// Float activations as kLimbs int8 limb rows (see the top of the file): activation row i becomes
-// rows i * kLimbs + l, limb l quantizing what the limbs before it left of x, with its own block
-// scale d / 254^l (q = round(r / d_l), |q| <= 127 since |r| <= d_(l-1) / 2). Block records and int4
-// group sums per limb row, as quantize_activations makes them.
+// Float activations as kLimbs int8 limb rows (see the top of the file).
 constexpr int kLimbs = 3;
 // Float activations take the limbs for int8 weights at any batch, and for int4 weights up to this
 // many rows; above it the float tiles are as fast or faster (bench qlinear, AVX-512 VNNI: int4
@@ -567,19 +490,37 @@ constexpr int kLimbs = 3;
 // 320 us; int8 lm_head 49152 x 576, M = 1: 611 / 819 us; M = 16: 4.3 / 5.5 ms).
 constexpr int64_t kLimbMaxRowsInt4 = 4;
 
-// One limb of a block of 32: q = clamp(round(r / d)) (ties to even), r -= q * d; returns sum(q).
-inline int32_t limb_block_scalar(float* r, float d, int8_t* q) {
+// max |x| over a block of 32.
+inline float block_amax_scalar(const float* x) {
+  float amax = 0.f;
+  for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[j]));
+  return amax;
+}
+__attribute__((target("avx2,fma"))) float block_amax_avx2(const float* x) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8 * i)));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  return _mm_cvtss_f32(m4);
+}
+
+// One limb of a block of 32: q = clamp(round(r / d)) (ties to even, as torch.round; computed as
+// r * (1 / d) in float32 so a reference can reproduce it bit for bit); returns sum(q). With rest
+// (which may be r itself), rest = r - q * d: what the next limb quantizes.
+inline int32_t limb_block_scalar(const float* r, float* rest, float d, int8_t* q) {
   const float id = d > 0.f ? 1.f / d : 0.f;
   int32_t sum = 0;
   for (int j = 0; j < 32; ++j) {
     const int c = int(std::clamp(std::nearbyint(r[j] * id), -127.f, 127.f));
     q[j] = int8_t(c);
     sum += c;
-    r[j] = std::fma(-float(c), d, r[j]);
+    if (rest) rest[j] = std::fma(-float(c), d, r[j]);
   }
   return sum;
 }
-__attribute__((target("avx2,fma"))) int32_t limb_block_avx2(float* r, float d, int8_t* q) {
+__attribute__((target("avx2,fma"))) int32_t limb_block_avx2(const float* r, float* rest, float d, int8_t* q) {
   const __m256 idv = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f), dv = _mm256_set1_ps(d);
   const __m256 lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
   __m256i iv[4];
@@ -587,7 +528,7 @@ __attribute__((target("avx2,fma"))) int32_t limb_block_avx2(float* r, float d, i
     const __m256 v = _mm256_loadu_ps(r + 8 * i);
     const __m256 c = _mm256_min_ps(_mm256_max_ps(_mm256_round_ps(_mm256_mul_ps(v, idv), _MM_FROUND_TO_NEAREST_INT |
                                                                   _MM_FROUND_NO_EXC), lo), hi);
-    _mm256_storeu_ps(r + 8 * i, _mm256_fnmadd_ps(c, dv, v));
+    if (rest) _mm256_storeu_ps(rest + 8 * i, _mm256_fnmadd_ps(c, dv, v));
     iv[i] = _mm256_cvtps_epi32(c);
   }
   __m256i s = _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
@@ -600,8 +541,14 @@ __attribute__((target("avx2,fma"))) int32_t limb_block_avx2(float* r, float d, i
   return _mm_cvtsi128_si32(s4);
 }
 
-void quantize_limbs(const float* x, int64_t m, const Layout& l, Isa isa, CallBuffers& buf, Acts& acts) {
-  const int64_t rows = m * kLimbs;
+// x quantized per block of 32 for the integer kernels, in `limbs` int8 rows per row of x: row i
+// becomes rows i * limbs + l. Limb 0 has the block scale d = max|x| / 127 (the int8-activation
+// path is limbs = 1); limb l > 0 quantizes what the limbs before it left, with scale d / 254^l
+// (|q| <= 127 since that remainder is at most half the previous scale). Each limb row gets its
+// block records and, for int4, its group sums of d * sum(q).
+void quantize_activations(const float* x, int64_t m, int limbs, const Layout& l, Isa isa, CallBuffers& buf,
+                          Acts& acts) {
+  const int64_t rows = m * limbs;
   buf.xq.resize(size_t(rows * l.k));
   buf.rec.resize(size_t(rows * l.nblocks));
   if (l.bits == 4) buf.group_sums.assign(size_t(rows * l.ngroups), 0.f);
@@ -609,21 +556,22 @@ void quantize_limbs(const float* x, int64_t m, const Layout& l, Isa isa, CallBuf
   const bool simd = isa != kScalar;
   auto quantize_row = [&](int64_t i) {
     for (int64_t b = 0; b < l.nblocks; ++b) {
-      alignas(32) float r[32];
-      std::memcpy(r, x + i * l.k + b * 32, sizeof(r));
-      float amax = 0.f;
-      for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(r[j]));
-      float d = amax / 127.f;
-      for (int limb = 0; limb < kLimbs; ++limb, d /= 254.f) {
-        const int64_t row = i * kLimbs + limb;
+      const float* xb = x + i * l.k + b * 32;
+      alignas(32) float rest[32];  // what the limbs so far leave of the block
+      float d = (simd ? block_amax_avx2(xb) : block_amax_scalar(xb)) / 127.f;
+      for (int limb = 0; limb < limbs; ++limb, d /= 254.f) {
+        const int64_t row = i * limbs + limb;
         int8_t* q = buf.xq.data() + row * l.k + b * 32;
-        const int32_t sum = simd ? limb_block_avx2(r, d, q) : limb_block_scalar(r, d, q);
+        const float* r = limb == 0 ? xb : rest;
+        float* next = limb + 1 < limbs ? rest : nullptr;
+        const int32_t sum = simd ? limb_block_avx2(r, next, d, q) : limb_block_scalar(r, next, d, q);
         buf.rec[size_t(row * l.nblocks + b)] = BlockRecord{d, -128 * sum};
         if (l.bits == 4) buf.group_sums[size_t(row * l.ngroups + b / blocks_per_group)] += d * float(sum);
       }
     }
   };
-  if (m * l.k >= (1 << 14)) {
+  // An OpenMP region costs microseconds even when it runs serially: small calls skip it.
+  if (rows * l.k >= (1 << 16)) {
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < m; ++i) quantize_row(i);
   } else {
@@ -659,7 +607,7 @@ void prescale_x_int4(const float* x, int64_t m, const Layout& l, CallBuffers& bu
   for (int64_t i = 0; i < m * l.k; ++i) buf.xs[i] = x[i] * factor[i % 32];
 }
 
-// limbs > 1: the activation rows are limb rows (quantize_limbs), `limbs` per output row; each
+// limbs > 1: the activation rows are limb rows (quantize_activations), `limbs` per output row; each
 // kernel call takes whole groups of them (max_rows: the kernel's register block) and their
 // outputs are summed into one y row.
 void run_tiles(const Layout& l, TileKernel kernel, const Acts* acts, const float* x, const float* xgroup, int64_t m,
@@ -814,7 +762,7 @@ TRTPAGED_API trtpaged_status trtpaged_qlinear_cpu_ex(const float* x, int64_t m, 
     static thread_local CallBuffers buf;
     Acts acts{};
     if (float_acts && (bits == 8 || m <= kLimbMaxRowsInt4)) {
-      quantize_limbs(x, m, l, isa, buf, acts);
+      quantize_activations(x, m, kLimbs, l, isa, buf, acts);
       run_tiles(l, tile_kernel(isa, bits, false), &acts, nullptr, nullptr, m * kLimbs,
                 static_cast<const uint8_t*>(packed), bias, y, kLimbs, tile_max_rows(isa));
       return trtpaged_status(ok());
@@ -826,7 +774,7 @@ TRTPAGED_API trtpaged_status trtpaged_qlinear_cpu_ex(const float* x, int64_t m, 
         x = buf.xs.data();
       }
     } else {
-      quantize_activations(x, m, l, isa, buf, acts);
+      quantize_activations(x, m, 1, l, isa, buf, acts);
     }
     run_tiles(l, tile_kernel(isa, bits, float_acts), float_acts ? nullptr : &acts, float_acts ? x : nullptr,
               float_acts && bits == 4 ? buf.group_sums.data() : nullptr, m, static_cast<const uint8_t*>(packed), bias,
