@@ -29,19 +29,26 @@ __device__ int token_sequence(const PagedArgs& a, int t) {
   return t < a.query_start[lo + 1] ? lo : -1;
 }
 
+// The cache slot of packed token t: its block id and offset in the block; false when the token has
+// no valid slot (no sequence, a negative position, past the block table, or an out-of-range block).
+__device__ bool token_slot(const PagedArgs& a, int t, int* block, int* offset) {
+  const int s = token_sequence(a, t);
+  if (s < 0) return false;
+  const int pos = a.positions[t];
+  if (pos < 0) return false;
+  const int index = pos >> a.block_size_log2;
+  if (index >= a.max_blocks_per_seq) return false;
+  *block = a.block_tables[static_cast<int64_t>(s) * a.max_blocks_per_seq + index];
+  *offset = pos & (a.block_size - 1);
+  return block_valid(a, *block);
+}
+
 // One CTA per packed token; threads stride over (kv_head, element pair).
 template <typename IoT, typename KvT>
 __global__ void __launch_bounds__(128) write_kv_kernel(PagedArgs a) {
   const int t = blockIdx.x;
-  const int s = token_sequence(a, t);
-  if (s < 0) return;
-  const int pos = a.positions[t];
-  if (pos < 0) return;
-  const int index = pos >> a.block_size_log2;
-  if (index >= a.max_blocks_per_seq) return;
-  const int block = a.block_tables[static_cast<int64_t>(s) * a.max_blocks_per_seq + index];
-  if (!block_valid(a, block)) return;
-  const int offset = pos & (a.block_size - 1);
+  int block, offset;
+  if (!token_slot(a, t, &block, &offset)) return;
 
   const int pairs = a.num_kv_heads * a.head_dim / 2;
   const int64_t src_base = static_cast<int64_t>(t) * a.num_kv_heads * a.head_dim;
@@ -68,15 +75,8 @@ template <typename IoT, typename CodeT>
 __global__ void __launch_bounds__(128) write_kv_quant_kernel(PagedArgs a) {
   constexpr int kPairsPerLane = kMaxHeadDim / 64;  // head_dim / 2 pairs over 32 lanes
   const int t = blockIdx.x;
-  const int s = token_sequence(a, t);
-  if (s < 0) return;
-  const int pos = a.positions[t];
-  if (pos < 0) return;
-  const int index = pos >> a.block_size_log2;
-  if (index >= a.max_blocks_per_seq) return;
-  const int block = a.block_tables[static_cast<int64_t>(s) * a.max_blocks_per_seq + index];
-  if (!block_valid(a, block)) return;
-  const int offset = pos & (a.block_size - 1);
+  int block, offset;
+  if (!token_slot(a, t, &block, &offset)) return;
 
   const int lane = threadIdx.x & 31;
   const int pairs = a.head_dim / 2;
