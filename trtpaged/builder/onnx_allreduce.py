@@ -22,11 +22,11 @@ import threading
 from typing import Optional
 
 import numpy as np
-import onnx
 from onnx.defs import OpSchema
 from onnx.reference.op_run import OpRun
 
-from trtpaged.builder.onnx_node import DOMAIN, DOMAIN_VERSION, PLUGIN_NAMESPACE, PLUGIN_VERSION
+from trtpaged.builder.onnx_node import (DOMAIN, DOMAIN_VERSION, PLUGIN_ATTRIBUTES, PLUGIN_NAMESPACE, PLUGIN_VERSION,
+                                        register_custom_schema)
 
 OP_TYPE = "TrtpagedAllReduce"
 _FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
@@ -35,20 +35,10 @@ _FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
 @functools.lru_cache(maxsize=1)
 def register_schema() -> OpSchema:
     """Registers (once) the node's schema with onnx (onnxscript emits it; onnx.checker checks it)."""
-    if onnx.defs.has(OP_TYPE, DOMAIN):
-        return onnx.defs.get_schema(OP_TYPE, DOMAIN_VERSION, DOMAIN)
-    param = OpSchema.FormalParameter
-    schema = OpSchema(
-        OP_TYPE, DOMAIN, DOMAIN_VERSION, doc=__doc__ or "",
-        inputs=[param("x", "T")], outputs=[param("y", "T")],
-        type_constraints=[("T", _FLOATS, "activations")],
-        attributes=[OpSchema.Attribute("rank", OpSchema.AttrType.INT, ""),
-                    OpSchema.Attribute("world_size", OpSchema.AttrType.INT, ""),
-                    OpSchema.Attribute("plugin_version", OpSchema.AttrType.STRING, ""),
-                    OpSchema.Attribute("plugin_namespace", OpSchema.AttrType.STRING, "")],
+    return register_custom_schema(
+        OP_TYPE, __doc__ or "", [("x", "T")], [("y", "T")], [("T", _FLOATS, "activations")],
+        [("rank", OpSchema.AttrType.INT), ("world_size", OpSchema.AttrType.INT), *PLUGIN_ATTRIBUTES],
     )
-    onnx.defs.register_schema(schema)
-    return schema
 
 
 def translation() -> dict:

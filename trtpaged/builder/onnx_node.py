@@ -33,29 +33,38 @@ _FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
 _POOLS = _FLOATS + ["tensor(int8)"]  # int8: the bytes of a quantized pool
 
 
+_INT, _FLOAT, _STRING = OpSchema.AttrType.INT, OpSchema.AttrType.FLOAT, OpSchema.AttrType.STRING
+# what the TensorRT parser finds a plugin by, on every node of ours that a plugin implements
+PLUGIN_ATTRIBUTES = (("plugin_version", _STRING), ("plugin_namespace", _STRING))
+
+
+def register_custom_schema(op_type: str, doc: str, inputs: list[tuple[str, str]], outputs: list[tuple[str, str]],
+                           type_constraints: list[tuple[str, list[str], str]],
+                           attributes: list[tuple[str, OpSchema.AttrType]]) -> OpSchema:  # fmt: skip
+    """Registers a node of the `trtpaged` domain with onnx, once (onnxscript needs the schema to emit
+    the node, onnx.checker to check it); inputs/outputs are (name, type variable) pairs."""
+    if onnx.defs.has(op_type, DOMAIN):
+        return onnx.defs.get_schema(op_type, DOMAIN_VERSION, DOMAIN)
+    param = OpSchema.FormalParameter
+    schema = OpSchema(
+        op_type, DOMAIN, DOMAIN_VERSION, doc=doc,
+        inputs=[param(name, t) for name, t in inputs], outputs=[param(name, t) for name, t in outputs],
+        type_constraints=type_constraints,
+        attributes=[OpSchema.Attribute(name, kind, "") for name, kind in attributes],
+    )  # fmt: skip
+    onnx.defs.register_schema(schema)
+    return schema
+
+
 @functools.lru_cache(maxsize=1)
 def register_schema() -> OpSchema:
     """Registers (once) the node's schema with onnx, which onnxscript needs to emit the node."""
-    if onnx.defs.has(OP_TYPE, DOMAIN):
-        return onnx.defs.get_schema(OP_TYPE, DOMAIN_VERSION, DOMAIN)
     types = {"q": "T", "k": "T", "v": "T", "kv_cache": "C", "out": "T", "kv_cache_out": "C"}
-    param = OpSchema.FormalParameter
-    schema = OpSchema(
-        OP_TYPE,
-        DOMAIN,
-        DOMAIN_VERSION,
-        doc=__doc__ or "",
-        inputs=[param(name, types.get(name, "I")) for name in INPUTS],
-        outputs=[param(name, types[name]) for name in OUTPUTS],
-        type_constraints=[("T", _FLOATS, "activations"), ("C", _POOLS, "KV pool"), ("I", ["tensor(int32)"], "indices")],
-        attributes=[OpSchema.Attribute(a, OpSchema.AttrType.INT, "") for a in INT_ATTRIBUTES]
-        + [OpSchema.Attribute("scale", OpSchema.AttrType.FLOAT, ""),
-           OpSchema.Attribute("kv_dtype", OpSchema.AttrType.STRING, ""),
-           OpSchema.Attribute("plugin_version", OpSchema.AttrType.STRING, ""),
-           OpSchema.Attribute("plugin_namespace", OpSchema.AttrType.STRING, "")],
-    )
-    onnx.defs.register_schema(schema)
-    return schema
+    return register_custom_schema(
+        OP_TYPE, __doc__ or "", [(name, types.get(name, "I")) for name in INPUTS], [(name, types[name]) for name in OUTPUTS],
+        [("T", _FLOATS, "activations"), ("C", _POOLS, "KV pool"), ("I", ["tensor(int32)"], "indices")],
+        [(a, _INT) for a in INT_ATTRIBUTES] + [("scale", _FLOAT), ("kv_dtype", _STRING), *PLUGIN_ATTRIBUTES],
+    )  # fmt: skip
 
 
 def translation_table() -> dict:

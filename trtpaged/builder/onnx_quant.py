@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import functools
 
-import onnx
 from onnx.defs import OpSchema
 
-from trtpaged.builder.onnx_node import DOMAIN, DOMAIN_VERSION
+from trtpaged.builder.onnx_node import DOMAIN, DOMAIN_VERSION, register_custom_schema
 
 OP_TYPE = "DequantizeWeight"
 OPSET = 21  # block-wise DequantizeLinear and 4-bit types
@@ -26,18 +25,12 @@ OPSET = 21  # block-wise DequantizeLinear and 4-bit types
 @functools.lru_cache(maxsize=1)
 def register_schema() -> OpSchema:
     """Registers (once) the intermediate node's schema, which onnxscript needs to emit it."""
-    if onnx.defs.has(OP_TYPE, DOMAIN):
-        return onnx.defs.get_schema(OP_TYPE, DOMAIN_VERSION, DOMAIN)
-    param = OpSchema.FormalParameter
-    schema = OpSchema(
-        OP_TYPE, DOMAIN, DOMAIN_VERSION, doc="codes * scales per group (intermediate; lowered to DequantizeLinear)",
-        inputs=[param("codes", "Q"), param("scales", "S")], outputs=[param("weight", "S")],
-        type_constraints=[("Q", ["tensor(int8)", "tensor(uint8)"], "codes"), ("S", ["tensor(float)"], "scales")],
-        attributes=[OpSchema.Attribute("bits", OpSchema.AttrType.INT, ""),
-                    OpSchema.Attribute("group_size", OpSchema.AttrType.INT, "")],
+    return register_custom_schema(
+        OP_TYPE, "codes * scales per group (intermediate; lowered to DequantizeLinear)",
+        [("codes", "Q"), ("scales", "S")], [("weight", "S")],
+        [("Q", ["tensor(int8)", "tensor(uint8)"], "codes"), ("S", ["tensor(float)"], "scales")],
+        [("bits", OpSchema.AttrType.INT), ("group_size", OpSchema.AttrType.INT)],
     )
-    onnx.defs.register_schema(schema)
-    return schema
 
 
 def translation() -> dict:
