@@ -232,7 +232,8 @@ TRTPAGED_API trtpaged_status trtpaged_silu_mul_cpu(const float* gate_up, int64_t
 /* Greedy choice and its log-probability in one pass over each selected logits row: for i < n,
  * row = logits + rows[i] * vocab (logits [*, vocab], rows[i] >= 0 and in range: not checked),
  * argmax[i] = the first index of the row's maximum and logsumexp[i] = log(sum(exp(row))), so
- * that row[argmax] - logsumexp is the chosen token's log-prob. Rows must be finite. */
+ * that row[argmax] - logsumexp is the chosen token's log-prob. Rows should be finite (an all-NaN
+ * row gives an index in range and a NaN logsumexp; nothing past the row is read). */
 TRTPAGED_API trtpaged_status trtpaged_greedy_rows_cpu(const float* logits, int64_t vocab, const int64_t* rows,
                                                       int64_t n, int64_t* argmax, float* logsumexp);
 

@@ -138,7 +138,7 @@ TRTPAGED_ROW_CLONES void greedy_row(const float* x, int64_t n, int64_t* argmax, 
   }
   for (; i < n; ++i) m = x[i] > m ? x[i] : m;
   int64_t first = 0;
-  while (x[first] != m) ++first;
+  while (first + 1 < n && x[first] != m) ++first;  // bounded: a NaN row has no such element
   *argmax = first;
   float sum = 0.f;
   float part[16] = {};
