@@ -20,7 +20,9 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   case "$TORCH_VARIANT" in
     cpu)
       step "installing torch 2.13.0, CPU wheel (TRTPAGED_TORCH=cuda for the CUDA build)"
-      "$PY" -m pip install -q torch==2.13.0 --extra-index-url "$TORCH_CPU_INDEX" ;;  # +cpu outranks the PyPI build
+      # a local +cpu wheel (a find-links dir or a mirror) first; else PyTorch's CPU index, whose +cpu outranks PyPI's
+      "$PY" -m pip install -q "torch==2.13.0+cpu" 2>/dev/null \
+        || "$PY" -m pip install -q torch==2.13.0 --extra-index-url "$TORCH_CPU_INDEX" ;;
     cuda)
       step "installing torch 2.13.0 from PyPI (the CUDA build on Linux x86_64; several GB)"
       "$PY" -m pip install -q torch==2.13.0 ;;
