@@ -171,11 +171,11 @@ say(f"trt build: SmolLM2 engine with TensorRT in {report['build_s']} s")
 from trtpaged.builder.probe import standard_probe
 from trtpaged.manifest import read_manifest
 from trtpaged.runtime.engines import StepBatch
-from trtpaged.runtime.engines.tensorrt_engine import TensorRTEngine
+from trtpaged.runtime.engines.tensorrt_engine import TensorRTRunner
 
 manifest = read_manifest(engine_dir)
 _, steps, num_blocks = standard_probe(manifest.dims.vocab_size, manifest.limits.block_size)
-engine = TensorRTEngine.from_engine_dir(engine_dir, num_blocks=max(num_blocks, 1024))
+engine = TensorRTRunner.from_engine_dir(engine_dir, num_blocks=max(num_blocks, 1024))
 pool_bytes = engine.kv_cache.numel() * engine.kv_cache.element_size()
 cuda_engine = engine._engine
 activation = getattr(cuda_engine, "device_memory_size_v2", None) or cuda_engine.device_memory_size

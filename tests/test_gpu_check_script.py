@@ -1,0 +1,42 @@
+"""scripts/gpu_check.sh runs only where a GPU is lent, so CI checks what it can without one: the shell
+parses, every embedded Python program compiles, and every name it imports from trtpaged exists."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.sh"
+HEREDOC = re.compile(r"<<'(\w+)'[^\n]*\n(.*?)\n\1\n", re.S)
+
+
+def _python_blocks() -> list[tuple[int, str]]:
+    text = SCRIPT.read_text()
+    blocks = [(text[: m.start()].count("\n") + 2, m.group(2)) for m in HEREDOC.finditer(text) if m.group(1) == "PY"]
+    assert blocks, "gpu_check.sh has no embedded Python (<<'PY' ... PY): the pattern here is out of date"
+    return blocks
+
+
+def test_shell_syntax() -> None:
+    r = subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("line,source", _python_blocks(), ids=lambda v: f"line{v}" if isinstance(v, int) else "")
+def test_embedded_python_compiles_and_its_trtpaged_imports_exist(line: int, source: str) -> None:
+    tree = compile(source, f"{SCRIPT.name}:{line}", "exec", ast.PyCF_ONLY_AST)
+    missing = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("trtpaged"):
+            module = importlib.import_module(node.module)
+            missing += [f"{node.module}.{a.name}" for a in node.names if not hasattr(module, a.name)]
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("trtpaged"):
+                    importlib.import_module(a.name)
+    assert not missing, f"gpu_check.sh (Python block at line {line}) imports names that do not exist: {missing}"
