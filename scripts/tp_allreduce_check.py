@@ -48,7 +48,7 @@ def run_rank(rank: int, world_size: int, hidden: int, tokens: list[int], unique_
     import tensorrt as trt
     import torch
 
-    from trtpaged.builder.compile import load_plugin_library
+    from trtpaged.tensorrt_env import load_plugin_library
 
     os.environ["TRTPAGED_NCCL_UNIQUE_ID"] = unique_id
     torch.cuda.set_device(rank)

@@ -178,7 +178,7 @@ BAD = {
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_yaml_is_a_clear_error_and_leaves_nothing(tmp_path, case):
     if case == "tensorrt":
-        from trtpaged.builder.compile import tensorrt_installed
+        from trtpaged.tensorrt_env import tensorrt_installed
 
         if tensorrt_installed():
             pytest.skip("TensorRT installed")

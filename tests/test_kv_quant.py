@@ -218,7 +218,7 @@ def test_bytes_per_token_and_the_memory_plan() -> None:
     # K and V x 30 layers x 3 heads x (64 codes + 2 scale bytes)
     assert dims.kv_bytes_per_token("int8") == dims.kv_bytes_per_token("fp8_e4m3") == 2 * 30 * 3 * 66
     assert dims.kv_bytes_per_token("float16") == 2 * 30 * 3 * 128
-    from trtpaged.builder.memory_plan import plan_memory
+    from trtpaged.memory_plan import plan_memory
 
     manifest = Manifest(dims, Limits(32, 2048, 2048, 16), KVCacheBudget(memory_bytes=2**30), "float32", "int8")
     plan = plan_memory(manifest)

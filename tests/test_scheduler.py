@@ -239,7 +239,7 @@ def test_step_batch_carries_the_exported_inputs_in_order():
     """The runner's step inputs are the ONNX graph's inputs (the pool aside, which the runner owns)."""
     import dataclasses
 
-    from trtpaged.builder.probe import INPUT_NAMES
+    from trtpaged.step_io import INPUT_NAMES
     from trtpaged.runtime.engines.base import StepBatch
 
     assert tuple(f.name for f in dataclasses.fields(StepBatch)) + ("kv_cache",) == INPUT_NAMES

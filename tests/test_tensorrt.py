@@ -69,7 +69,7 @@ def plugin_build(tmp_path_factory) -> tuple[Path, int]:
 
 @pytest.fixture(scope="module")
 def plugin_library(plugin_build) -> Path:
-    from trtpaged.builder.compile import plugin_library_name
+    from trtpaged.tensorrt_env import plugin_library_name
 
     build, major = plugin_build
     lib = build / plugin_library_name(major)
@@ -78,7 +78,7 @@ def plugin_library(plugin_build) -> Path:
 
 
 def test_plugin_library_records_the_tensorrt_major_it_was_built_for(plugin_build, plugin_library):
-    from trtpaged.builder.compile import plugin_library_major
+    from trtpaged.tensorrt_env import plugin_library_major
 
     assert plugin_library_major(plugin_library) == plugin_build[1]
 
@@ -130,7 +130,7 @@ def _runtime_reason() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA GPU"
     from trtpaged import kernels
-    from trtpaged.builder.compile import unavailable_reason
+    from trtpaged.tensorrt_env import unavailable_reason
 
     if not kernels.available() or not kernels.has_cuda():
         return "the kernel library is not built with CUDA"

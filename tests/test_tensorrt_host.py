@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from trtpaged import tensorrt_env as trt_env
 from trtpaged.builder import compile as trt_compile
-from trtpaged.builder.compile import CompileError
+from trtpaged.tensorrt_env import CompileError
 from trtpaged.runtime.engines.base import StepBatch
 from trtpaged.runtime.engines.tensorrt_engine import LOGITS, POOL_INPUT, POOL_OUTPUT, TensorRTRunner
 
@@ -166,13 +167,13 @@ class FakeRegistry:
 
 @pytest.fixture
 def fresh_registry_state(monkeypatch):
-    monkeypatch.setattr(trt_compile, "_loaded_library", None)
+    monkeypatch.setattr(trt_env, "_loaded_library", None)
 
 
 def test_plugin_library_for_another_major_is_refused_in_one_line(tmp_path, fresh_registry_state):
     lib = _fake_plugin(tmp_path, 11)
     with pytest.raises(CompileError) as e:
-        trt_compile.load_plugin_library(FakeRegistry(True, False), "10.16.0", lib)
+        trt_env.load_plugin_library(FakeRegistry(True, False), "10.16.0", lib)
     assert "built for TensorRT 11" in str(e.value) and "TensorRT 10.16.0 is installed" in str(e.value)
     assert "\n" not in str(e.value)
 
@@ -181,28 +182,28 @@ def test_a_file_without_the_tag_is_not_a_plugin_library(tmp_path, fresh_registry
     lib = tmp_path / "libtrtpaged_trt_plugin_trt10.so"
     lib.write_bytes(b"\x7fELF nothing here")
     with pytest.raises(CompileError, match="not a trtpaged TensorRT plugin library"):
-        trt_compile.load_plugin_library(FakeRegistry(True, False), "10.16.0", lib)
+        trt_env.load_plugin_library(FakeRegistry(True, False), "10.16.0", lib)
 
 
 def test_plugin_already_registered_from_another_path_is_used(tmp_path, fresh_registry_state):
     first = _fake_plugin(tmp_path, 10)
     registry = FakeRegistry(loads=False, creator_registered=True)  # TensorRT refuses a second copy
-    assert trt_compile.load_plugin_library(registry, "10.16.0", first) == first.resolve()
+    assert trt_env.load_plugin_library(registry, "10.16.0", first) == first.resolve()
     other = _fake_plugin(tmp_path / "..", 10, "libtrtpaged_trt_plugin_trt10_copy.so")
-    assert trt_compile.load_plugin_library(registry, "10.16.0", other) == first.resolve()
+    assert trt_env.load_plugin_library(registry, "10.16.0", other) == first.resolve()
     assert registry.loaded == [str(first.resolve())]
 
 
 def test_a_library_tensorrt_cannot_load_is_an_error(tmp_path, fresh_registry_state):
     lib = _fake_plugin(tmp_path, 10)
     with pytest.raises(CompileError, match="could not load the plugin library"):
-        trt_compile.load_plugin_library(FakeRegistry(loads=False, creator_registered=False), "10.16.0", lib)
+        trt_env.load_plugin_library(FakeRegistry(loads=False, creator_registered=False), "10.16.0", lib)
 
 
 @pytest.mark.parametrize("version, ok", [("10.2.0.19", False), ("10.3.0", True), ("10.16.1", True), ("11.1.0", True),
                                          ("8.6.1", False)])
 def test_tensorrt_before_10_3_is_refused_with_the_reason(version, ok):
-    reason = trt_compile.tensorrt_version_reason(version)
+    reason = trt_env.tensorrt_version_reason(version)
     assert (reason is None) == ok
     if not ok:
         assert "older than 10.3" in reason and "aliased plugin I/O" in reason
@@ -217,17 +218,17 @@ def test_backend_refuses_old_tensorrt_before_touching_its_api(monkeypatch):
 
 
 def test_engine_dir_records_the_tensorrt_major_and_refuses_another(tmp_path):
-    trt_compile.write_build_info(tmp_path, "10.16.0.72", tmp_path / "libtrtpaged_trt_plugin_trt10.so")
-    trt_compile.check_build_info(tmp_path, "10.3.1")  # same major: fine
+    trt_env.write_build_info(tmp_path, "10.16.0.72", tmp_path / "libtrtpaged_trt_plugin_trt10.so")
+    trt_env.check_build_info(tmp_path, "10.3.1")  # same major: fine
     with pytest.raises(CompileError) as e:
-        trt_compile.check_build_info(tmp_path, "11.1.0")
+        trt_env.check_build_info(tmp_path, "11.1.0")
     assert "built with TensorRT 10.16.0.72" in str(e.value) and "TensorRT 11.1.0 is installed" in str(e.value)
     assert "\n" not in str(e.value)
 
 
 def test_engine_dir_without_the_record_is_refused(tmp_path):
     with pytest.raises(CompileError, match="without tensorrt.json"):
-        trt_compile.check_build_info(tmp_path, "10.16.0")
+        trt_env.check_build_info(tmp_path, "10.16.0")
 
 
 def test_tensorrt_stubs_alone_are_not_tensorrt(tmp_path, monkeypatch):
@@ -236,13 +237,13 @@ def test_tensorrt_stubs_alone_are_not_tensorrt(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "tensorrt", raising=False)
     assert importlib.util.find_spec("tensorrt") is not None  # an empty namespace package imports
-    assert not trt_compile.tensorrt_installed()
-    assert trt_compile.unavailable_reason().startswith("TensorRT is not installed")
+    assert not trt_env.tensorrt_installed()
+    assert trt_env.unavailable_reason().startswith("TensorRT is not installed")
 
 
 def test_plugin_library_name_carries_the_major():
-    assert trt_compile.plugin_library_name(10) == "libtrtpaged_trt_plugin_trt10.so"
-    assert trt_compile.plugin_library_name(11) == "libtrtpaged_trt_plugin_trt11.so"
+    assert trt_env.plugin_library_name(10) == "libtrtpaged_trt_plugin_trt10.so"
+    assert trt_env.plugin_library_name(11) == "libtrtpaged_trt_plugin_trt11.so"
 
 
 # --- head_dim at build ---------------------------------------------------------------------------
@@ -325,7 +326,7 @@ def test_python_and_cuda_agree_on_the_head_dims():
 
 def test_profile_and_export_axes_come_from_one_table():
     from trtpaged.builder.export import dynamic_shapes
-    from trtpaged.builder.probe import INPUT_NAMES
+    from trtpaged.step_io import INPUT_NAMES
 
     profile = trt_compile.ShapeProfile(num_tokens=(1, 4, 64), num_seqs=(1, 4, 8), max_blocks_per_seq=(1, 5, 5),
                                        num_outputs=(1, 4, 64), num_blocks=(1, 40, 40))
@@ -393,7 +394,7 @@ def test_mypy_is_clean_on_the_tensorrt_modules():
     if stubs is None:
         pytest.skip("tensorrt-stubs not found (pip install --no-deps --target DIR tensorrt-stubs; "
                     "TRTPAGED_TENSORRT_STUBS=DIR)")
-    files = ["trtpaged/builder/compile.py", "trtpaged/runtime/engines/tensorrt_engine.py"]
+    files = ["trtpaged/builder/compile.py", "trtpaged/tensorrt_env.py", "trtpaged/runtime/engines/tensorrt_engine.py"]
     r = subprocess.run([sys.executable, "-m", "mypy", "--follow-imports=silent", "--ignore-missing-imports",
                         "--no-incremental", "--python-version", "3.11", *files], cwd=REPO, capture_output=True,
                        text=True, env={**os.environ, "MYPYPATH": str(stubs)})

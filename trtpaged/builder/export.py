@@ -20,7 +20,8 @@ import torch
 
 from trtpaged.builder import onnx_allreduce, onnx_quant
 from trtpaged.builder.onnx_node import translation_table
-from trtpaged.builder.probe import INPUT_NAMES, STEP_INPUT_AXES, standard_probe
+from trtpaged.builder.probe import standard_probe
+from trtpaged.step_io import INPUT_NAMES, STEP_INPUT_AXES
 from trtpaged.builder.weights import tensor_offsets
 from trtpaged.kv_quant import is_quantized
 from trtpaged.models.llama import LlamaStepModel

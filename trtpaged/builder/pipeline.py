@@ -19,6 +19,7 @@ from typing import Callable, Optional
 import torch
 
 from trtpaged import __version__
+from trtpaged import tensorrt_env
 from trtpaged.builder import compile as trt_compile
 from trtpaged.builder.engine_dir import OutputDirError, check_output, file_hashes, staged_output, write_manifest
 from trtpaged.builder.export import export_onnx
@@ -34,7 +35,7 @@ from trtpaged.models.tensor_parallel import check_tensor_parallel
 
 WEIGHTS_FILE = "weights.safetensors"
 ONNX_FILE = "model.onnx"
-PLAN_FILE = trt_compile.PLAN_FILE
+PLAN_FILE = tensorrt_env.PLAN_FILE
 TOKENIZER_DIR = "tokenizer"
 
 
@@ -164,7 +165,7 @@ def build_engine(
                 verification["kv_cache"] = kv_report.as_dict()
                 st.note(kv_report.line())
         plan_built = False
-        compile_blocker = "backend: torch (no engine.plan)" if config.backend == "torch" else trt_compile.unavailable_reason()
+        compile_blocker = "backend: torch (no engine.plan)" if config.backend == "torch" else tensorrt_env.unavailable_reason()
         if config.tensor_parallel > 1:
             compile_blocker = (f"tensor_parallel {config.tensor_parallel}: the rank graphs run on the torch backend "
                                "(scripts/gpu_check.sh compiles them with the NCCL all-reduce plugin)")
@@ -205,7 +206,7 @@ def _preflight(
     kv_reason = trt_compile.kv_dtype_reason(config.kv_cache_dtype) if config.backend == "tensorrt" else None
     if kv_reason:
         raise ConfigError(f"{kv_reason} (or backend: auto)")
-    blocker = trt_compile.unavailable_reason() if config.backend == "tensorrt" else None
+    blocker = tensorrt_env.unavailable_reason() if config.backend == "tensorrt" else None
     if blocker:
         raise ConfigError(f"backend: 'tensorrt' cannot be built here: {blocker}; use backend: auto or torch")
     if config.dtype != "float32" and not torch.cuda.is_available():

@@ -41,18 +41,6 @@ class ProbeStep:
                 i["logits_index"], kv_cache)
 
 
-# The step inputs in contract order and their dynamic axes, written once: axis -> (dimension, offset).
-# export.py's torch.export dims and compile.py's TensorRT profile are both made from this table.
-STEP_INPUT_AXES: dict[str, dict[int, tuple[str, int]]] = {
-    "input_ids": {0: ("num_tokens", 0)},
-    "positions": {0: ("num_tokens", 0)},
-    "query_start": {0: ("num_seqs", 1)},
-    "context_lens": {0: ("num_seqs", 0)},
-    "block_tables": {0: ("num_seqs", 0), 1: ("max_blocks_per_seq", 0)},
-    "logits_index": {0: ("num_outputs", 0)},
-    "kv_cache": {0: ("num_blocks", 0)},
-}
-INPUT_NAMES = tuple(STEP_INPUT_AXES)
 
 
 def pack_step(seqs: list[ProbeSequence], chunks: list[tuple[int, int, int]], all_rows: bool = False) -> ProbeStep:

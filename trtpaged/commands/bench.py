@@ -93,7 +93,7 @@ def memory(engine, trace, num_requests, prompt_len, output_len, shared_prefix, n
     try:
         if engine:
             from trtpaged.manifest import read_manifest
-            from trtpaged.runtime.engines.kv_budget import resolve_num_blocks
+            from trtpaged.kv_budget import resolve_num_blocks
 
             manifest = read_manifest(engine)
             base_dtype, engine_head_dim = manifest.kv_cache_dtype, manifest.dims.head_dim

@@ -11,7 +11,7 @@ def _kv_from_engine(engine: str):
     from trtpaged.bench.diagnose import ModelKV
     from trtpaged.bench.memory_bench import Budget
     from trtpaged.manifest import read_manifest
-    from trtpaged.runtime.engines.kv_budget import resolve_num_blocks
+    from trtpaged.kv_budget import resolve_num_blocks
     from trtpaged.runtime.llm import load_tokenizer
 
     manifest = read_manifest(engine)
@@ -32,7 +32,7 @@ def _kv_from_config(path: str):
     from trtpaged.config import load_config
     from trtpaged.models.dims import dims_from_hf_config
     from trtpaged.models.hf import load_hf
-    from trtpaged.runtime.engines.kv_budget import resolve_num_blocks
+    from trtpaged.kv_budget import resolve_num_blocks
 
     config = load_config(path)
     spec, lim = config.model, config.limits

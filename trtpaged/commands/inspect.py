@@ -16,7 +16,7 @@ import click
 @click.option("--json", "as_json", is_flag=True, help="Print the raw trtpaged.json instead.")
 def command(engine_dir: Path, avg_len: int | None, memory: str | None, as_json: bool) -> None:
     """Print ENGINE_DIR's manifest and memory plan (bytes per token, blocks, concurrent sequences)."""
-    from trtpaged.builder.memory_plan import format_bytes, plan_memory
+    from trtpaged.memory_plan import format_bytes, plan_memory
     from trtpaged.config import parse_size
     from trtpaged.manifest import read_manifest
 
@@ -48,7 +48,7 @@ def _weight_bytes(engine_dir: Path, manifest) -> int:
 
 
 def _weights_line(m, weight_bytes: int) -> str:
-    from trtpaged.builder.memory_plan import format_bytes
+    from trtpaged.memory_plan import format_bytes
 
     q = m.quantization
     if not q:

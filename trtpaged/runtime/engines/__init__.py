@@ -9,7 +9,7 @@ import torch
 
 from trtpaged.manifest import Manifest
 from trtpaged.runtime.engines.base import ModelRunner, StepBatch
-from trtpaged.runtime.engines.kv_budget import resolve_num_blocks
+from trtpaged.kv_budget import resolve_num_blocks
 from trtpaged.runtime.engines.torch_engine import TorchRunner
 
 BACKENDS = ("auto", "torch", "tensorrt")
@@ -62,7 +62,7 @@ def tensorrt_unusable_reason(engine_dir: Path, manifest: Manifest) -> Optional[s
     plan = manifest.plan_file
     if not plan or not (Path(engine_dir) / plan).is_file():
         return f"{engine_dir} has no engine.plan (built without TensorRT)"
-    from trtpaged.builder.compile import unavailable_reason
+    from trtpaged.tensorrt_env import unavailable_reason
 
     return unavailable_reason()
 

@@ -14,8 +14,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from trtpaged.builder.compile import dims_tuple
-from trtpaged.builder.probe import INPUT_NAMES
+from trtpaged.step_io import INPUT_NAMES
+from trtpaged.tensorrt_env import dims_tuple
 from trtpaged.runtime.engines.base import StepBatch
 
 POOL_INPUT, POOL_OUTPUT, LOGITS = "kv_cache", "kv_cache_out", "logits"
@@ -40,7 +40,7 @@ class TensorRTRunner:
                  plugin_library: Optional[Path] = None) -> None:
         import tensorrt as trt
 
-        from trtpaged.builder.compile import load_plugin_library, tensorrt_version_reason
+        from trtpaged.tensorrt_env import load_plugin_library, tensorrt_version_reason
 
         self.device = torch.device(device)
         if self.device.type != "cuda":
@@ -87,7 +87,7 @@ class TensorRTRunner:
                         num_host_blocks: int = 0) -> "TensorRTRunner":
         import tensorrt as trt
 
-        from trtpaged.builder.compile import check_build_info
+        from trtpaged.tensorrt_env import check_build_info
         from trtpaged.manifest import read_manifest
 
         manifest = read_manifest(engine_dir)

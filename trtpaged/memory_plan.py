@@ -107,7 +107,7 @@ def format_bytes(n: int) -> str:
 
 def plan_memory(manifest: Manifest, memory_bytes: Optional[int] = None) -> MemoryPlan:
     """The plan of an engine; `memory_bytes` stands for free device memory when the budget is a fraction."""
-    from trtpaged.runtime.engines.kv_budget import kv_blocks
+    from trtpaged.kv_budget import kv_blocks
 
     kv, block_bytes = manifest.kv_cache, manifest.kv_bytes_per_block_per_rank
     n = manifest.tensor_parallel
