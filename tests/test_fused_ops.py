@@ -10,6 +10,7 @@ from trtpaged import kernels
 from trtpaged.builder.probe import standard_probe
 from trtpaged.config import parse_config
 from trtpaged.models import dims_from_hf_config, llama, load_hf, step_model_from_hf
+from trtpaged.models.execution_plan import ExecutionPlan
 
 pytestmark = pytest.mark.skipif(not (kernels.available() and kernels.has_fused_ops()),
                                 reason="kernel library with the fused ops not built")
@@ -180,7 +181,8 @@ def test_step_model_fused_path_equals_torch_path(monkeypatch, overrides):
     fused = _probe_logits(model, dims)
     assert calls["rope_qk"] > 0 and calls["silu_mul"] == calls["rope_qk"]  # the fused path ran
     assert calls["rmsnorm"] == 2 * calls["rope_qk"] + len(fused)  # two per layer, one final
-    monkeypatch.setattr(llama, "_fused_ops", lambda: None)
+    assert model.execution_plan.layers == "fused"  # decided at the first step: float linears
+    model.set_execution_plan(ExecutionPlan("torch", "the test's plain torch path"))
     plain = _probe_logits(model, dims)
     assert len(fused) == len(plain)
     for a, b in zip(fused, plain):
@@ -243,7 +245,8 @@ def test_quantized_step_model_runs_all_layers_in_one_call_with_the_same_logits(m
     monkeypatch.setattr(kernels.LlamaLayers, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
     one_call = _probe_logits(model, dims)
     assert len(calls) == len(one_call)  # every step ran its layers in one call
-    model._runner_state = (None,)  # the per-layer loop
+    assert model.execution_plan.layers == "c_layers"
+    model.set_execution_plan(ExecutionPlan("fused", "the test's per-layer loop"))
     per_layer = _probe_logits(model, dims)
     assert len(calls) == len(one_call)
     for a, b in zip(one_call, per_layer):

@@ -122,7 +122,8 @@ def test_cli_generate_stats_show_the_runs_sharing(tiny_engine_dir):
     result = CliRunner().invoke(main, ["generate", str(tiny_engine_dir), "--prompt", prompt, "--max-tokens", "3",
                                        "--n", "3", "--temperature", "1", "--stats"])
     assert result.exit_code == 0, result.output
-    stats = dict(line.split(": ") for line in result.stderr.splitlines() if ": " in line)
+    stats = dict(line.split(": ", 1) for line in result.stderr.splitlines() if ": " in line)
+    assert stats["execution_plan"].startswith("torch: fused (")  # examples/tiny.yaml: float32 weights on the CPU
     assert int(stats["kv_blocks_used_peak"]) >= 3 and int(stats["kv_blocks_saved_by_sharing_peak"]) >= 2 * 2
 
 

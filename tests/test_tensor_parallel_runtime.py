@@ -249,8 +249,8 @@ def test_serve_command_exits_with_the_reason(tiny_kv4_engines):
                             env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
-        line = proc.stdout.readline()
-        assert "ready at" in line, line
+        startup = [proc.stdout.readline() for _ in range(2)]  # the execution plan's log line, then ready
+        assert "execution plan: fused" in startup[0] and "ready at" in startup[1], startup
         children = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
                                                     text=True).stdout.split()]
         assert len(children) == 1

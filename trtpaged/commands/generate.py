@@ -60,5 +60,6 @@ def command(engine, prompt, chat, max_tokens, temperature, top_p, seed, n, beam_
             click.echo(completion.text)
     if show_stats:
         stats = llm.stats()
+        click.echo(f"execution_plan: {llm.execution_plan}", err=True)
         for key in _RUN_STATS:
             click.echo(f"{key}: {stats[key]}", err=True)

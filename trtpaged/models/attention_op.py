@@ -13,15 +13,13 @@ Two forms share one implementation:
   shape attributes travel as op arguments so that the translation can write
   them as node attributes.
 
-The math runs in the compiled kernel library (`trtpaged.kernels`) when it can
-be loaded, otherwise in the plain torch reference (`trtpaged.reference`).
+The math runs in the compiled kernel library (`trtpaged.kernels`); the plain torch
+reference (`trtpaged.reference`) only where the step's execution plan asks for it (tests).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import warnings
 from typing import Callable, Optional
 
 import torch
@@ -39,19 +37,6 @@ class Functional:
     kv_dtype: str = "auto"
 
 
-@functools.lru_cache(maxsize=1)
-def _kernel() -> Callable[..., torch.Tensor]:
-    """The fastest available implementation with the kernels.paged_attention signature."""
-    from trtpaged import kernels
-
-    try:
-        kernels.library()
-    except kernels.KernelError as exc:
-        warnings.warn(f"{exc}; falling back to the slow torch reference attention", RuntimeWarning, stacklevel=2)
-        return paged_attention_reference
-    return kernels.paged_attention
-
-
 def eager_attention(
     kv_cache: torch.Tensor,
     positions: torch.Tensor,
@@ -60,13 +45,14 @@ def eager_attention(
     block_tables: torch.Tensor,
     num_heads: int,
     max_context_len: Optional[int] = None,
+    reference: bool = False,
 ) -> Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]:
     """One step's attention for the eager step model: `attend(layer, q, k, v, scale) -> out`, which writes
     k/v into their cache slots (in place) and returns causal paged attention [T, H, D].
 
-    The step's index tensors are checked once here, not once per layer (kernels.AttentionStep); without
-    the kernel library it is the torch reference."""
-    if _kernel() is not paged_attention_reference:
+    The step's index tensors are checked once here, not once per layer (kernels.AttentionStep);
+    `reference`: the plain torch reference instead (tests)."""
+    if not reference:
         from trtpaged import kernels
 
         return kernels.AttentionStep(kv_cache, positions, query_start, context_lens, block_tables, num_heads,
@@ -101,7 +87,9 @@ def paged_attention(
     "int8" / "fp8_e4m3": kv_cache holds that format's rows as bytes (Functional)."""
     new_cache = kv_cache.clone()
     pool = new_cache.view(STORAGE_DTYPES[kv_dtype]) if is_quantized(kv_dtype) else new_cache
-    out = _kernel()(q, k, v, pool, positions, query_start, context_lens, block_tables, layer=layer, scale=scale)
+    from trtpaged import kernels
+
+    out = kernels.paged_attention(q, k, v, pool, positions, query_start, context_lens, block_tables, layer=layer, scale=scale)
     return out, new_cache
 
 

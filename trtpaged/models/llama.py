@@ -1,6 +1,6 @@
 """trtpaged's own Llama-family step model (Llama, SmolLM2, Mistral, Qwen2).
 
-One `forward` is one packed step of the engine I/O contract (DESIGN.md):
+One `forward` is one packed step of the engine I/O contract (docs/architecture.md):
 prefill chunks and decode tokens of many sequences together, each layer's
 attention through the trtpaged paged-attention op, and only the
 `logits_index` rows through the final norm and LM head.
@@ -12,7 +12,6 @@ reuses `embed_tokens.weight`.
 
 from __future__ import annotations
 
-import functools
 from types import ModuleType
 from typing import Any, Callable, Optional
 
@@ -24,6 +23,7 @@ from trtpaged import kv_quant
 from trtpaged.manifest import ModelDims
 from trtpaged.models import attention_op  # noqa: F401  (registers torch.ops.trtpaged.*)
 from trtpaged.models.all_reduce import RankReduce
+from trtpaged.models.execution_plan import ExecutionPlan, c_layers_blocker, decide_execution_plan
 from trtpaged.models.qlinear import QuantizedEmbedding, QuantizedLinear
 from trtpaged.models.rope import inv_frequencies, rotate
 
@@ -39,17 +39,6 @@ def make_linear(name: str, in_features: int, out_features: int, bias: bool, dtyp
         return nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
     bits, group_size = scheme
     return QuantizedLinear(in_features, out_features, bits, group_size, bias, dtype)
-
-
-@functools.lru_cache(maxsize=1)
-def _fused_ops() -> Optional[ModuleType]:
-    """trtpaged.kernels when the library has the fused CPU ops, else None (the torch code runs)."""
-    try:
-        from trtpaged import kernels
-
-        return kernels if kernels.has_fused_ops() else None
-    except Exception:  # noqa: BLE001  (missing or older library: the torch form is correct, only slower)
-        return None
 
 
 class RMSNorm(nn.Module):
@@ -222,6 +211,9 @@ class LlamaStepModel(nn.Module):
     Tensor parallelism: `dims` are one rank's (models/tensor_parallel.py:
     shard_dims) and `reduce` sums the row-parallel layers' partial outputs over
     the ranks; the embedding, norms and LM head are whole on every rank.
+
+    Eager steps run the way `execution_plan` says (models/execution_plan.py); a runner
+    sets it when it loads the model, else the first eager step decides it.
     """
 
     def __init__(self, dims: ModelDims, dtype: torch.dtype = torch.float32, functional_cache: bool = False,
@@ -238,7 +230,8 @@ class LlamaStepModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(dims, i, dtype, self.quant, reduce) for i in range(dims.num_layers))
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype)
         self.rotary = Rotary(dims)
-        self._runner_state: Optional[tuple[Optional[Any]]] = None  # (kernels.LlamaLayers or None,) once decided
+        self.execution_plan: Optional[ExecutionPlan] = None
+        self._layer_runner: Optional[Any] = None  # kernels.LlamaLayers under a c_layers plan
         self.lm_head = (
             None if dims.tie_word_embeddings
             else make_linear("lm_head", dims.hidden_size, dims.vocab_size, False, dtype, self.quant)
@@ -258,78 +251,67 @@ class LlamaStepModel(nn.Module):
         h = self.embed_tokens(input_ids.long())
         cos, sin = self.rotary(positions, h.dtype)
         step = (positions, query_start, context_lens, block_tables)
-        # once per step, not per layer: on CUDA the kernel would otherwise sync to find it in every layer
-        # (not when exporting: the traced graph must not depend on the probe's values)
-        attend: Any
         if self.functional_cache:
             attend = attention_op.Functional(self.graph_kv_dtype or kv_quant.pool_kv_dtype(kv_cache) or "auto")
+            return self._torch_layers(h, cos, sin, step, logits_index, kv_cache, attend)
+        plan = self.execution_plan or self._decide_execution_plan()
+        # once per step, not per layer: on CUDA the kernel would otherwise sync to find it in every layer
+        max_context_len = int(context_lens.max()) if context_lens.numel() else 0
+        attend = attention_op.eager_attention(kv_cache, positions, query_start, context_lens, block_tables,
+                                              self.dims.num_heads, max_context_len, plan.attention == "reference")
+        if plan.layers == "torch" or torch.compiler.is_exporting():
+            return self._torch_layers(h, cos, sin, step, logits_index, kv_cache, attend)
+        from trtpaged import kernels as ops
+
+        # h is this step's fresh embedding output: the fused layers may update it in place
+        residual = None
+        if self._layer_runner is not None:
+            h, residual = self._layer_runner(h, cos, sin, attend), h
         else:
-            max_context_len = int(context_lens.max()) if context_lens.numel() else 0
-            attend = attention_op.eager_attention(kv_cache, positions, query_start, context_lens, block_tables,
-                                                  self.dims.num_heads, max_context_len)
-        eager_f32_cpu = not self.functional_cache and h.dtype == torch.float32 and h.is_cpu
-        ops = _fused_ops() if eager_f32_cpu and not torch.compiler.is_exporting() else None
-        if ops is not None:
-            # h is this step's fresh embedding output: the fused layers may update it in place
-            residual = None
-            runner = self._layer_runner(attend)
-            if runner is not None:
-                h, residual = runner(h, cos, sin, attend), h
-            else:
-                for layer in self.layers:
-                    h, residual = layer.forward_fused(h, residual, cos, sin, attend, ops)
-            rows = logits_index.long()
-            if residual is None:  # no layers
-                h = self.norm.forward_fused(h.index_select(0, rows), None, ops)
-            else:
-                h, _ = self.norm.forward_fused(h.index_select(0, rows), residual.index_select(0, rows), ops)
-            return self._head(h).float(), kv_cache
+            for layer in self.layers:
+                h, residual = layer.forward_fused(h, residual, cos, sin, attend, ops)
+        rows = logits_index.long()
+        if residual is None:  # no layers
+            h = self.norm.forward_fused(h.index_select(0, rows), None, ops)
+        else:
+            h, _ = self.norm.forward_fused(h.index_select(0, rows), residual.index_select(0, rows), ops)
+        return self._head(h).float(), kv_cache
+
+    def _torch_layers(self, h, cos, sin, step, logits_index, kv_cache, attend) -> tuple[torch.Tensor, torch.Tensor]:
         for layer in self.layers:
             h, kv_cache = layer(h, cos, sin, step, kv_cache, attend)
         h = self.norm(h.index_select(0, logits_index.long()))
         return self._head(h).float(), kv_cache
 
-    def _layer_runner(self, attend: object) -> Optional[Any]:
-        """kernels.LlamaLayers over this model's layers (every layer in one C call) where it applies: the
-        kernel library's CPU attention and quantized linears with packed CPU weights throughout; else None.
-        Built at the first step; set_activations resets it."""
-        if self._runner_state is None:
-            self._runner_state = (self._make_layer_runner(),)
-        runner = self._runner_state[0]
+    def _decide_execution_plan(self) -> ExecutionPlan:
+        self.set_execution_plan(decide_execution_plan(self))
+        assert self.execution_plan is not None
+        return self.execution_plan
+
+    def set_execution_plan(self, plan: Optional[ExecutionPlan]) -> None:
+        """Runs the following eager steps as `plan` says (None: decide again at the next step). Also call it
+        again with the same plan after the quantized linears' modes change (qlinear.set_activations): the
+        one-call runner holds the modes it was built with."""
+        self._layer_runner = None
+        if plan is not None and plan.layers == "c_layers":
+            blocker = c_layers_blocker(self) or ("the one-call runner needs the kernels' attention"
+                                                 if plan.attention != "kernels" else None)
+            if blocker is not None:
+                raise ValueError(f"execution plan c_layers: {blocker}")
+            self._layer_runner = self._build_layer_runner()
+        self.execution_plan = plan
+
+    def _build_layer_runner(self) -> Any:
         from trtpaged import kernels
 
-        return runner if runner is not None and isinstance(attend, kernels.AttentionStep) and attend.device.type == "cpu" \
-            else None
-
-    def _make_layer_runner(self) -> Optional[Any]:
-        from trtpaged import kernels
-
-        if not self.layers or self.dtype is not torch.float32 or not kernels.has_llama_layers():
-            return None
-        if self.reduce is not None:  # a tensor-parallel rank: the all-reduces run between the layers' kernels
-            return None
         described = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if not all(isinstance(m, QuantizedLinear) for m in linears):
-                return None
-            ops = [m.cpu_op() for m in linears]
-            if any(op is None for op in ops):
-                return None
             norms = (layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach())
-            if any(w.dtype is not torch.float32 or not w.is_cpu for w in norms):
-                return None
-            described.append((*norms, [(op, m.activations == "float") for op, m in zip(ops, linears)]))
-        eps = self.layers[0].input_layernorm.eps
-        if any(layer.input_layernorm.eps != eps or layer.post_attention_layernorm.eps != eps for layer in self.layers):
-            return None
-        return kernels.LlamaLayers(described, self.dims.hidden_size, self.dims.intermediate_size, eps,
-                                   self.layers[0].self_attn.scale)  # fmt: skip
-
-    def reset_layer_runner(self) -> None:
-        """Forgets the one-call layer runner (rebuilt at the next step): after weights or modes change."""
-        self._runner_state = None
+            described.append((*norms, [(m.cpu_op(), m.activations == "float") for m in linears]))
+        return kernels.LlamaLayers(described, self.dims.hidden_size, self.dims.intermediate_size,
+                                   self.layers[0].input_layernorm.eps, self.layers[0].self_attn.scale)
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:

@@ -39,9 +39,9 @@ def set_activations(model: nn.Module, activations: str) -> None:
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
             module.activations = activations
-    reset = getattr(model, "reset_layer_runner", None)
-    if reset is not None:  # a step model's one-call layer runner holds the modes it was built with
-        reset()
+    set_plan = getattr(model, "set_execution_plan", None)
+    if set_plan is not None:  # a step model's one-call layer runner holds the modes it was built with
+        set_plan(model.execution_plan)
 
 
 @torch.library.custom_op("trtpaged::dequantize_weight", mutates_args=())

@@ -159,6 +159,14 @@ class LLM:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    @property
+    def execution_plan(self) -> str:
+        """How the runner runs a step here: the backend and, for torch, the layers' form and why
+        (models/execution_plan.py: c_layers, fused or torch)."""
+        runner = self.engine.runner
+        plan = getattr(runner, "execution_plan", None)
+        return f"{runner.backend}: {plan}" if plan else runner.backend
+
     def stats(self) -> dict[str, float]:
         """KV blocks total/used/free/cached, utilisation, blocks saved by sharing, prefix hits, preemptions, steps."""
         return self.engine.stats()

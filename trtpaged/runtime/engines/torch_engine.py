@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from trtpaged.runtime.engines.base import StepBatch
+
+log = logging.getLogger("trtpaged.runtime")
 
 
 def _kernels(device: torch.device):
@@ -41,6 +44,15 @@ class TorchRunner:
         pin = self.device.type == "cuda"
         self.host_cache = torch.zeros(host_shape, dtype=kv_cache.dtype, pin_memory=pin) if num_host_blocks else None
         self._kernels = _kernels(self.device)
+        self.execution_plan: Optional[str] = None
+        set_plan = getattr(model, "set_execution_plan", None)
+        if set_plan is not None:  # a step model: how its layers run here is decided once, now
+            from trtpaged.models.execution_plan import decide_execution_plan
+
+            plan = decide_execution_plan(model)
+            set_plan(plan)
+            self.execution_plan = str(plan)
+            log.info("execution plan: %s", plan)
 
     @classmethod
     def from_engine_dir(
