@@ -1,6 +1,6 @@
 """The server's request log (`trtpaged serve --request-log PATH`): one JSON line per finished engine request.
 
-A line (the fields `trtpaged diagnose LOG` reads; see docs/serving.md):
+A line (the fields `trtpaged diagnose LOG` reads; README.md, Serving):
 
     {"arrival": 12.031, "prompt_len": 54, "output_len": 16, "output_lens": [16, 9], "n": 2, "beam_width": 1,
      "cached_tokens": 48, "finish_reasons": ["length", "stop"], "ttft_s": 0.041, "latency_s": 0.62,
