@@ -191,6 +191,8 @@ def test_seconds_log_errors_name_line_and_field(tmp_path) -> None:
         ({**ok, "latency_s": -1.0}, r":2: latency_s: must be >= 0"),
         ({**ok, "cached_tokens": -16}, r":2: cached_tokens: must be >= 0"),
         ({**ok, "output_lens": [1, None]}, r":2: output_lens: must be a list of integers"),
+        ({**ok, "output_lens": [1, 4]}, r":2: output_len: 1 is not the longest of output_lens \[1, 4\]"),
+        ({**ok, "cached_tokens": 3}, r":2: cached_tokens: 3 of a 3-token prompt"),
         ({**ok, "finish_reasons": "stop"}, r":2: finish_reasons: must be a list of strings"),
         ({"prompt_len": 3, "output_len": 1}, r":2: arrival: required when the log's arrivals are seconds"),
     ]

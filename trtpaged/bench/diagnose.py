@@ -68,12 +68,13 @@ class RequestLogData:
     cached_tokens: Optional[int] = None  # prompt tokens the server found in its prefix cache, if logged
 
     def summary(self) -> dict:
+        """The report's `log` section."""
         prompt_tokens = sum(len(p) for p in self.prompts)
+        cached = self.cached_tokens
         return {"requests": len(self.trace), "prompt_tokens": prompt_tokens, "output_tokens": self.output_tokens,
                 "arrival_unit": self.arrival_unit, "step_time_s": self.step_time_s,
-                "skipped_without_output": self.skipped_without_output, "observed_cached_tokens": self.cached_tokens,
-                "observed_cached_share": self.cached_tokens / prompt_tokens if self.cached_tokens is not None
-                and prompt_tokens else None}  # fmt: skip
+                "skipped_without_output": self.skipped_without_output, "observed_cached_tokens": cached,
+                "observed_cached_share": cached / prompt_tokens if cached is not None and prompt_tokens else None}
 
 
 def load_request_log(path: str | Path, tokenize: Optional[Callable[[str], list[int]]] = None,
@@ -114,7 +115,7 @@ def read_request_log(path: str | Path, tokenize: Optional[Callable[[str], list[i
                 if first_arrival is None:
                     first_arrival = (where, seconds)
                 elif seconds != first_arrival[1]:
-                    unit = "seconds (a non-integral number)" if first_arrival[1] else "steps (an integer)"
+                    unit = "seconds (a number with a decimal point)" if first_arrival[1] else "steps (an integer)"
                     raise ValueError(f"arrival: {data['arrival']!r} mixes units: {first_arrival[0]} gives {unit}")
             if data.get("step_time_s") is not None:
                 step_times.append(data["step_time_s"])
@@ -199,9 +200,14 @@ def _check_server_fields(data: dict) -> None:
         if value < 0 or (name == "step_time_s" and value == 0):
             raise ValueError(f"{name}: must be {'> 0' if name == 'step_time_s' else '>= 0'}, got {value!r}")
     lens = data.get("output_lens")
-    if lens is not None and (not isinstance(lens, list) or not all(isinstance(x, int) and not isinstance(x, bool)
-                                                                   and x >= 0 for x in lens)):  # fmt: skip
-        raise ValueError(f"output_lens: must be a list of integers >= 0, got {lens!r}")
+    if lens is not None:
+        if not isinstance(lens, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in lens):
+            raise ValueError(f"output_lens: must be a list of integers >= 0, got {lens!r}")
+        if max(lens, default=0) != data["output_len"]:
+            raise ValueError(f"output_len: {data['output_len']!r} is not the longest of output_lens {lens}")
+    plen = data.get("prompt_len")
+    if "cached_tokens" in data and isinstance(plen, int) and data["cached_tokens"] >= max(1, plen):
+        raise ValueError(f"cached_tokens: {data['cached_tokens']} of a {plen}-token prompt (the last token is never cached)")
     reasons = data.get("finish_reasons")
     if reasons is not None and (not isinstance(reasons, list) or not all(isinstance(x, str) for x in reasons)):
         raise ValueError(f"finish_reasons: must be a list of strings, got {reasons!r}")

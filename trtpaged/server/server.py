@@ -68,6 +68,8 @@ class ServerHandle:
         while not self.server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 self.loop.shutdown()
+                if self.request_log is not None:
+                    self.request_log.close()
                 raise RuntimeError("the HTTP server did not start (see the log)")
             time.sleep(0.01)
         return self
