@@ -7,9 +7,10 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from trtpaged.bench.diagnose import ModelKV, diagnose, load_request_log, shared_prefix_tokens
+from trtpaged.bench.diagnose import ModelKV, diagnose, load_request_log, read_request_log, shared_prefix_tokens
 from trtpaged.bench.memory_bench import Budget
 from trtpaged.bench.server_metrics import classify, gauges, parse_prometheus
+from trtpaged.bench.workload import TraceRequest
 from trtpaged.cli import main
 
 
@@ -76,7 +77,8 @@ def test_scheduler_bound_at_the_batch_limit(tmp_path) -> None:
 def test_log_errors_name_line_and_field(tmp_path) -> None:
     cases = [
         ({"output_len": 3}, r"log.jsonl:2: prompt: give exactly one of"),
-        ({"prompt_len": 3, "prompt_token_ids": [1], "output_len": 3}, r":2: prompt: give exactly one"),
+        ({"prompt": "x", "prompt_len": 3, "output_len": 3}, r":2: prompt: give exactly one"),
+        ({"prompt_len": 3, "prompt_token_ids": [1], "output_len": 3}, r":2: prompt_len: 3 is not the number of prompt_token_ids"),
         ({"prompt_len": 3}, r":2: output_len: required"),
         ({"prompt_token_ids": [1, "x"], "output_len": 3}, r":2: prompt_token_ids: must be a non-empty list"),
         ({"prompt": "hi", "output_len": 3}, r":2: prompt: text prompts need a tokenizer"),
@@ -128,3 +130,97 @@ def test_command_with_a_config_and_a_bad_log(tmp_path) -> None:
     bad.write_text('{"prompt_len": 30, "output_len": 10}\n{"prompt_len": 30, "output_len": -1}\n')
     result = CliRunner().invoke(main, ["diagnose", str(bad), "--config", str(tiny_yaml)])
     assert result.exit_code != 0 and "bad.jsonl:2: output_len: must be >= 1" in result.output
+
+
+# ---- the server's request log: arrivals in seconds -------------------------------------------------------
+BUDGET = Budget(num_blocks=8, block_size=16, max_seq_len=64, max_batch_size=2, max_num_tokens=64)
+
+
+def test_seconds_arrivals_replay_as_the_steps_they_fall_in(tmp_path) -> None:
+    # 20 ms steps; arrivals 0.5 s (first: step 0), +0.06 s (3 steps later), +0.13 s (during step 6: joins 7),
+    # and non-monotonic lines (the log is in finish order) keep their own times.
+    seconds = [{"prompt_len": 20, "output_len": 6, "arrival": a, "step_time_s": 0.02} for a in (0.5, 0.56, 0.63, 0.52)]
+    steps = [{"prompt_len": 20, "output_len": 6, "arrival": a} for a in (0, 3, 7, 1)]
+    data = read_request_log(_log(tmp_path, seconds))
+    assert [r.arrival for r in data.trace] == [0, 3, 7, 1]
+    assert (data.arrival_unit, data.step_time_s) == ("seconds", 0.02)
+    kv = ModelKV(100, BUDGET, "t")
+    # the same workload given in steps replays identically (same queueing at the batch limit of 2)
+    as_seconds = diagnose(data.trace, data.prompts, kv, log=data)
+    (tmp_path / "steps").mkdir()
+    trace, prompts = load_request_log(_log(tmp_path / "steps", steps))
+    as_steps = diagnose(trace, prompts, kv)
+    for key in ("baseline", "bound"):
+        assert as_seconds[key] == as_steps[key]
+    assert as_seconds["bound"]["batch_limit_steps"] > 0  # the arrivals overlap: the test can tell them apart
+    assert as_seconds["log"]["arrival_unit"] == "seconds" and as_steps["log"]["arrival_unit"] == "steps"
+
+
+def test_step_time_from_the_median_of_the_lines_or_the_flag(tmp_path) -> None:
+    rows = [{"prompt_len": 8, "output_len": 2, "arrival": a, "step_time_s": st}
+            for a, st in ((0.0, 0.01), (0.1, 0.05), (0.2, 0.02))]  # fmt: skip
+    path = _log(tmp_path, rows)
+    assert read_request_log(path).step_time_s == 0.02
+    assert [r.arrival for r in read_request_log(path).trace] == [0, 5, 10]
+    assert [r.arrival for r in read_request_log(path, step_time=0.1).trace] == [0, 1, 2]
+
+
+def test_server_log_fields_are_read_and_refused_requests_skipped(tmp_path) -> None:
+    rows = [{"arrival": 1.25, "prompt_len": 3, "prompt_token_ids": [7, 8, 9], "output_len": 4, "output_lens": [4, 1],
+             "n": 2, "beam_width": 1, "cached_tokens": 0, "finish_reasons": ["length", "stop"], "ttft_s": 0.1,
+             "latency_s": 0.3, "steps": 5, "step_time_s": 0.05},
+            {"arrival": 1.5, "prompt_len": 40, "output_len": 0, "output_lens": [0], "n": 1, "beam_width": 1,
+             "cached_tokens": 32, "finish_reasons": ["length"], "ttft_s": None, "latency_s": 0.01, "steps": 1,
+             "step_time_s": 0.05}]  # fmt: skip
+    data = read_request_log(_log(tmp_path, rows))
+    assert len(data.trace) == 1 and data.prompts == [[7, 8, 9]] and data.skipped_without_output == 1
+    assert data.trace[0] == TraceRequest(prompt_len=3, output_len=4, n=2)
+    s = data.summary()
+    assert (s["prompt_tokens"], s["output_tokens"], s["observed_cached_tokens"]) == (3, 5, 0)
+
+
+def test_seconds_log_errors_name_line_and_field(tmp_path) -> None:
+    ok = {"prompt_len": 3, "output_len": 1, "arrival": 0.25, "step_time_s": 0.01}
+    cases = [
+        ({**ok, "arrival": 2}, r"log.jsonl:2: arrival: 2 mixes units: .*log.jsonl:1 gives seconds"),
+        ({**ok, "arrival": float("nan")}, r":2: arrival: must be a finite number, got nan"),
+        ({**ok, "arrival": -0.5}, r":2: arrival: must be >= 0, got -0.5"),
+        ({**ok, "arrival": "0.5"}, r":2: arrival: must be a step \(integer\) or seconds"),
+        ({**ok, "step_time_s": 0.0}, r":2: step_time_s: must be > 0"),
+        ({**ok, "step_time_s": float("inf")}, r":2: step_time_s: must be a finite number"),
+        ({**ok, "latency_s": -1.0}, r":2: latency_s: must be >= 0"),
+        ({**ok, "cached_tokens": -16}, r":2: cached_tokens: must be >= 0"),
+        ({**ok, "output_lens": [1, None]}, r":2: output_lens: must be a list of integers"),
+        ({**ok, "output_lens": [1, 4]}, r":2: output_len: 1 is not the longest of output_lens \[1, 4\]"),
+        ({**ok, "cached_tokens": 3}, r":2: cached_tokens: 3 of a 3-token prompt"),
+        ({**ok, "finish_reasons": "stop"}, r":2: finish_reasons: must be a list of strings"),
+        ({"prompt_len": 3, "output_len": 1}, r":2: arrival: required when the log's arrivals are seconds"),
+    ]
+    for bad, message in cases:
+        with pytest.raises(ValueError, match=message):
+            read_request_log(_log(tmp_path, [ok, bad]))
+    no_step_time = _log(tmp_path, [{"prompt_len": 3, "output_len": 1, "arrival": 0.5}])
+    with pytest.raises(ValueError, match=r"arrival: seconds need a step time: .*--step-time"):
+        read_request_log(no_step_time)
+    assert read_request_log(no_step_time, step_time=0.1).trace[0].arrival == 0
+    steps = _log(tmp_path, [{"prompt_len": 3, "output_len": 1, "arrival": 4}])
+    with pytest.raises(ValueError, match=r"--step-time: the log's arrivals are steps"):
+        read_request_log(steps, step_time=0.1)
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match=r"--step-time: must be a positive number"):
+            read_request_log(no_step_time, step_time=bad)
+
+
+def test_command_reads_seconds_and_refuses_a_mix(tmp_path) -> None:
+    from pathlib import Path
+
+    tiny_yaml = Path(__file__).resolve().parent.parent / "examples" / "tiny.yaml"
+    rows = [{"prompt_len": 30, "output_len": 10, "arrival": 0.2932}, {"prompt_len": 30, "output_len": 10, "arrival": 0.31}]
+    result = CliRunner().invoke(main, ["diagnose", _log(tmp_path, rows), "--config", str(tiny_yaml), "--step-time",
+                                       "0.004", "--json"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output[result.output.index("{"):])
+    assert report["log"]["arrival_unit"] == "seconds" and report["log"]["step_time_s"] == 0.004
+    mixed = _log(tmp_path, rows + [{"prompt_len": 30, "output_len": 10, "arrival": 3}])
+    result = CliRunner().invoke(main, ["diagnose", mixed, "--config", str(tiny_yaml), "--step-time", "0.004"])
+    assert result.exit_code != 0 and "log.jsonl:3: arrival: 3 mixes units" in result.output

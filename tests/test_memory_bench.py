@@ -165,3 +165,86 @@ def test_trace_type_errors_name_line_and_field(tmp_path) -> None:
     path.write_text('[1, 2]\n')
     with pytest.raises(ValueError, match=r"t.jsonl:1: expected a JSON object"):
         load_trace(path)
+
+
+# ---- bench memory --trace with --n / --beam-width: a line's own value wins, the flag fills the rest ------------
+BIG = ["--num-blocks", "4096", "--block-size", "16", "--max-seq-len", "512", "--max-batch-size", "256",
+       "--max-num-tokens", "4096"]  # fmt: skip
+LINES = [(54, 5), (97, 9), (33, 12), (16, 3), (60, 10)]  # (prompt_len, output_len): odd lengths, block edges crossed
+
+
+def expected_blocks(lines: list[tuple[int, int, int]], bs: int = 16) -> tuple[float, float]:
+    """Means over steps of blocks in use with and without sharing, from the block math alone, for requests
+    (prompt_len P, output_len O, n) that all arrive at step 0 into a budget that holds them all.
+
+    Step 0 prefills each prompt: ceil(P / bs) blocks. The first sample forks n sequences that share the
+    prompt's P // bs full blocks; from step k = 1 on each sample writes position P + k - 1, so it holds
+    ceil((P + k) / bs) - P // bs blocks of its own (the shared partial block is copied on its first write).
+    The request samples its O-th token in step O - 1 and is freed after it. Without sharing every sequence's
+    table counts in full: n * ceil((P + k) / bs).
+    """
+    steps = max(o for _, o, _ in lines)
+    with_, without = 0, 0
+    for p, o, n in lines:
+        with_ += -(-p // bs) + sum(p // bs + n * (-(-(p + k) // bs) - p // bs) for k in range(1, o))
+        without += -(-p // bs) + sum(n * -(-(p + k) // bs) for k in range(1, o))
+    return with_ / steps, without / steps
+
+
+def _memory_report(tmp_path, rows, *flags):
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    result = CliRunner().invoke(main, ["bench", "memory", "--trace", str(path), *BIG, *flags, "--json"])
+    return result, (json.loads(result.output[result.output.index("{"):]) if result.exit_code == 0 else None)
+
+
+def test_trace_with_n_flag_shares_as_the_block_math_says(tmp_path) -> None:
+    rows = [{"prompt_len": p, "output_len": o} for p, o in LINES]
+    _, plain = _memory_report(tmp_path, rows)
+    result, four = _memory_report(tmp_path, rows, "--n", "4")
+    assert result.exit_code == 0, result.output
+    assert "--n 4: set on 5 of 5 trace lines" in result.output
+    assert four["sequences"] == 20 and plain["sequences"] == 5
+    for report, n in ((plain, 1), (four, 4)):
+        with_, without = expected_blocks([(p, o, n) for p, o in LINES])
+        assert report["sharing"]["blocks_with_sharing"] == pytest.approx(with_)
+        assert report["sharing"]["blocks_without_sharing"] == pytest.approx(without)
+        assert report["sharing"]["memory_saved"] == pytest.approx(1 - with_ / without)
+    assert plain["sharing"]["memory_saved"] == 0.0 < four["sharing"]["memory_saved"]
+
+
+def test_a_lines_own_n_wins_over_the_flag(tmp_path) -> None:
+    rows = [{"prompt_len": p, "output_len": o, **({"n": 2} if i < 2 else {})} for i, (p, o) in enumerate(LINES)]
+    result, report = _memory_report(tmp_path, rows, "--n", "4")
+    assert result.exit_code == 0, result.output
+    assert "--n 4: set on 3 of 5 trace lines; 2 give their own n or beam_width" in result.output
+    ns = [2, 2, 4, 4, 4]
+    with_, without = expected_blocks([(p, o, n) for (p, o), n in zip(LINES, ns)])
+    assert report["sequences"] == sum(ns)
+    assert report["sharing"]["blocks_with_sharing"] == pytest.approx(with_)
+    assert report["sharing"]["blocks_without_sharing"] == pytest.approx(without)
+
+
+def test_beam_width_flag_fills_lines_like_a_beam_trace(tmp_path) -> None:
+    rows = [{"prompt_len": p, "output_len": o} for p, o in LINES]
+    rows[0]["n"] = 3  # keeps its parallel sampling
+    result, report = _memory_report(tmp_path, rows, "--beam-width", "3")
+    assert result.exit_code == 0, result.output
+    # the same trace written with beam_width on the lines the flag fills
+    explicit = [TraceRequest(p, o, n=3) if i == 0 else TraceRequest(p, o, beam_width=3) for i, (p, o) in enumerate(LINES)]
+    budget = Budget(num_blocks=4096, block_size=16, max_seq_len=512, max_batch_size=256, max_num_tokens=4096)
+    assert report["sharing"] == pytest.approx(simulate_paged(explicit, budget, sharing=True).sharing())
+    assert report["sequences"] == 3 * 5
+
+
+def test_flags_that_cannot_apply_to_a_trace_are_errors(tmp_path) -> None:
+    own = [{"prompt_len": p, "output_len": o, "n": 1} for p, o in LINES]
+    result, _ = _memory_report(tmp_path, own, "--n", "4")
+    assert result.exit_code != 0 and "--n: every line of" in result.output and "would change nothing" in result.output
+    rows = [{"prompt_len": p, "output_len": o} for p, o in LINES]
+    result, _ = _memory_report(tmp_path, rows, "--n", "4", "--beam-width", "2")
+    assert result.exit_code != 0 and "--n, --beam-width: give one of them with --trace" in result.output
+    result, _ = _memory_report(tmp_path, rows, "--num-requests", "50", "--prompt-len", "8")
+    assert result.exit_code != 0 and "--num-requests, --prompt-len: synthetic workload options" in result.output
+    result, _ = _memory_report(tmp_path, rows, "--n", "0")
+    assert result.exit_code != 0 and "--n" in result.output

@@ -16,14 +16,22 @@ server's metrics. Four answers, each with its numbers and a one-line verdict cit
    (scheduler-bound); with `--metrics`, the same question from a live server's gauges.
 
 Log lines: {"prompt": text | "prompt_token_ids": [ids] | "prompt_len": N, "output_len": N,
-"arrival": step, "prefix_id": id, "prefix_len": N, "n": N, "beam_width": W}; only the
-prompt (one of three) and output_len are required.
+"arrival": step or seconds, "prefix_id": id, "prefix_len": N, "n": N, "beam_width": W}; only the
+prompt (one of three) and output_len are required. The server's request log (`trtpaged serve
+--request-log`, trtpaged.server.request_log) is such a log: its arrivals are seconds (JSON numbers
+with a decimal point), converted to steps with the measured step time (the median of its lines'
+step_time_s, or `step_time`), counted from the first arrival and rounded up (a request arriving
+during a step joins the next); a prompt_len next to prompt_token_ids must be their count; its other
+fields are checked and read as observed figures; its requests that produced no token (refused) are
+skipped and counted.
 """
 
 from __future__ import annotations
 
+import math
 import random
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -31,7 +39,10 @@ from trtpaged.bench.memory_bench import Budget, run_memory_bench
 from trtpaged.bench.workload import TraceRequest, json_objects
 
 PROMPT_FIELDS = ("prompt", "prompt_token_ids", "prompt_len")
-LOG_FIELDS = PROMPT_FIELDS + ("output_len", "arrival", "prefix_id", "prefix_len", "n", "beam_width")
+TRACE_FIELDS = ("output_len", "arrival", "prefix_id", "prefix_len", "n", "beam_width")
+# what the server's request log adds: observed figures, read and checked but not replayed
+SERVER_FIELDS = ("output_lens", "finish_reasons", "cached_tokens", "ttft_s", "latency_s", "steps", "step_time_s")
+LOG_FIELDS = PROMPT_FIELDS + TRACE_FIELDS + SERVER_FIELDS
 SHARING_MATTERS = 0.05  # predicted memory saved above this: sharing is worth having on
 
 
@@ -44,26 +55,75 @@ class ModelKV:
     source: str
 
 
+@dataclass
+class RequestLogData:
+    """A request log read for the replay: the trace, each request's prompt ids, and what the log said."""
+
+    trace: list[TraceRequest]
+    prompts: list[list[int]]
+    arrival_unit: str = "steps"  # or "seconds"
+    step_time_s: Optional[float] = None  # seconds per step the seconds were converted with
+    skipped_without_output: int = 0  # server-log requests that produced no token (refused)
+    output_tokens: int = 0  # the log's own count: output_lens where given, else output_len x n
+    cached_tokens: Optional[int] = None  # prompt tokens the server found in its prefix cache, if logged
+
+    def summary(self) -> dict:
+        """The report's `log` section."""
+        prompt_tokens = sum(len(p) for p in self.prompts)
+        cached = self.cached_tokens
+        return {"requests": len(self.trace), "prompt_tokens": prompt_tokens, "output_tokens": self.output_tokens,
+                "arrival_unit": self.arrival_unit, "step_time_s": self.step_time_s,
+                "skipped_without_output": self.skipped_without_output, "observed_cached_tokens": cached,
+                "observed_cached_share": cached / prompt_tokens if cached is not None and prompt_tokens else None}
+
+
 def load_request_log(path: str | Path, tokenize: Optional[Callable[[str], list[int]]] = None,
                      vocab_size: int = 30000, seed: int = 0) -> tuple[list[TraceRequest], list[list[int]]]:  # fmt: skip
-    """Reads a request log; returns the trace and each request's prompt token ids.
+    """(trace, prompt token ids) of a request log; see `read_request_log`."""
+    data = read_request_log(path, tokenize, vocab_size, seed)
+    return data.trace, data.prompts
+
+
+def read_request_log(path: str | Path, tokenize: Optional[Callable[[str], list[int]]] = None, vocab_size: int = 30000,
+                     seed: int = 0, step_time: Optional[float] = None) -> RequestLogData:  # fmt: skip
+    """Reads a request log: the trace and each request's prompt token ids, arrivals in steps.
 
     Text prompts need `tokenize`; lengths get random ids, with a shared prefix_id's first
-    prefix_len tokens identical. Errors name the line and the field.
+    prefix_len tokens identical. Arrivals are all integers (steps) or all non-integral numbers
+    (seconds, converted with `step_time` or the lines' step_time_s). Errors name the line and the field.
     """
     rng = random.Random(seed)
     prefixes: dict[int, list[int]] = {}
-    trace: list[TraceRequest] = []
-    prompts: list[list[int]] = []
+    rows: list[tuple[str, dict, TraceRequest, list[int]]] = []
+    out = RequestLogData([], [])
+    first_arrival: Optional[tuple[str, bool]] = None  # (where, is seconds) of the first line with an arrival
+    step_times: list[float] = []
     for where, data in json_objects(path, LOG_FIELDS):
         try:
             given = [f for f in PROMPT_FIELDS if f in data]
+            if given == ["prompt_token_ids", "prompt_len"]:  # the server log: the ids and their count
+                given = ["prompt_token_ids"]
+                if not isinstance(data["prompt_token_ids"], list) or data["prompt_len"] != len(data["prompt_token_ids"]):
+                    raise ValueError(f"prompt_len: {data['prompt_len']!r} is not the number of prompt_token_ids")
             if len(given) != 1:
                 raise ValueError(f"prompt: give exactly one of {', '.join(PROMPT_FIELDS)} (got {given or 'none'})")
             if "output_len" not in data:
                 raise ValueError("output_len: required")
+            _check_server_fields(data)
+            if "arrival" in data:
+                seconds = _arrival_is_seconds(data["arrival"])
+                if first_arrival is None:
+                    first_arrival = (where, seconds)
+                elif seconds != first_arrival[1]:
+                    unit = "seconds (a number with a decimal point)" if first_arrival[1] else "steps (an integer)"
+                    raise ValueError(f"arrival: {data['arrival']!r} mixes units: {first_arrival[0]} gives {unit}")
+            if data.get("step_time_s") is not None:
+                step_times.append(data["step_time_s"])
+            if "finish_reasons" in data and type(data["output_len"]) is int and data["output_len"] == 0:
+                out.skipped_without_output += 1  # the server refused it: no token, nothing to replay
+                continue
             ids = _prompt_ids(data, given[0], tokenize)
-            fields = {k: v for k, v in data.items() if k not in PROMPT_FIELDS}
+            fields = {k: v for k, v in data.items() if k in TRACE_FIELDS and k != "arrival"}  # arrival: below
             req = TraceRequest(prompt_len=len(ids) if ids is not None else data["prompt_len"], **fields)
             if ids is None:
                 ids = []
@@ -73,11 +133,84 @@ def load_request_log(path: str | Path, tokenize: Optional[Callable[[str], list[i
                 ids += [rng.randrange(1, vocab_size) for _ in range(req.prompt_len - len(ids))]
         except (ValueError, TypeError) as exc:
             raise ValueError(f"{where}: {exc}") from exc
-        trace.append(req)
-        prompts.append(ids)
-    if not trace:
+        rows.append((where, data, req, ids))
+    if not rows:
         raise ValueError(f"{path}: no requests")
-    return trace, prompts
+    arrivals = _arrival_steps(rows, first_arrival is not None and first_arrival[1], step_time, step_times, out)
+    for (_, data, req, ids), arrival in zip(rows, arrivals):
+        out.trace.append(replace(req, arrival=arrival))
+        out.prompts.append(ids)
+        out.output_tokens += sum(data["output_lens"]) if "output_lens" in data else req.output_len * req.n
+        if "cached_tokens" in data:
+            out.cached_tokens = (out.cached_tokens or 0) + data["cached_tokens"]
+    return out
+
+
+def _arrival_is_seconds(value: object) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"arrival: must be a step (integer) or seconds (number), got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"arrival: must be a finite number, got {value!r}")
+    if value < 0:
+        raise ValueError(f"arrival: must be >= 0, got {value!r}")
+    return isinstance(value, float)
+
+
+def _arrival_steps(rows: list[tuple[str, dict, TraceRequest, list[int]]], seconds: bool, step_time: Optional[float],
+                   step_times: list[float], out: RequestLogData) -> list[int]:  # fmt: skip
+    """Each row's arrival step: integers as given; seconds since the first arrival over the step time, rounded up."""
+    if step_time is not None and not (isinstance(step_time, (int, float)) and math.isfinite(step_time) and step_time > 0):
+        raise ValueError(f"--step-time: must be a positive number of seconds, got {step_time!r}")
+    if not seconds:
+        if step_time is not None:
+            raise ValueError("--step-time: the log's arrivals are steps (integers), not seconds; nothing to convert")
+        return [data.get("arrival", 0) for _, data, _, _ in rows]
+    missing = next((where for where, data, _, _ in rows if "arrival" not in data), None)
+    if missing:
+        raise ValueError(f"{missing}: arrival: required when the log's arrivals are seconds")
+    if step_time is None:
+        if not step_times:
+            raise ValueError("arrival: seconds need a step time: no line gives step_time_s; give --step-time SECONDS")
+        step_time = statistics.median(step_times)
+    out.arrival_unit, out.step_time_s = "seconds", step_time
+    # a request that arrives during step k - 1 is first scheduled in step k (the tolerance absorbs float error)
+    start = min(data["arrival"] for _, data, _, _ in rows)
+    return [max(0, math.ceil((data["arrival"] - start) / step_time - 1e-9)) for _, data, _, _ in rows]
+
+
+def _check_int(data: dict, name: str, low: int) -> None:
+    value = data[name]
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name}: must be an integer, got {value!r}")
+    if value < low:
+        raise ValueError(f"{name}: must be >= {low}, got {value}")
+
+
+def _check_server_fields(data: dict) -> None:
+    """The server log's observed figures: of the right type, finite and in range (nonsense is refused)."""
+    for name in ("cached_tokens", "steps"):
+        if name in data:
+            _check_int(data, name, 0)
+    for name in ("ttft_s", "latency_s", "step_time_s"):
+        value = data.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{name}: must be a finite number of seconds or null, got {value!r}")
+        if value < 0 or (name == "step_time_s" and value == 0):
+            raise ValueError(f"{name}: must be {'> 0' if name == 'step_time_s' else '>= 0'}, got {value!r}")
+    lens = data.get("output_lens")
+    if lens is not None:
+        if not isinstance(lens, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in lens):
+            raise ValueError(f"output_lens: must be a list of integers >= 0, got {lens!r}")
+        if max(lens, default=0) != data["output_len"]:
+            raise ValueError(f"output_len: {data['output_len']!r} is not the longest of output_lens {lens}")
+    plen = data.get("prompt_len")
+    if "cached_tokens" in data and isinstance(plen, int) and data["cached_tokens"] >= max(1, plen):
+        raise ValueError(f"cached_tokens: {data['cached_tokens']} of a {plen}-token prompt (the last token is never cached)")
+    reasons = data.get("finish_reasons")
+    if reasons is not None and (not isinstance(reasons, list) or not all(isinstance(x, str) for x in reasons)):
+        raise ValueError(f"finish_reasons: must be a list of strings, got {reasons!r}")
 
 
 def _prompt_ids(data: dict, field: str, tokenize: Optional[Callable[[str], list[int]]]) -> Optional[list[int]]:
@@ -237,11 +370,12 @@ def _x(value: Optional[float]) -> str:
 
 
 def diagnose(trace: list[TraceRequest], prompts: list[list[int]], kv: ModelKV, metrics: Optional[dict] = None,
-             progress: Optional[Callable[[str], None]] = None) -> dict:  # fmt: skip
-    """The four answers (see module docstring) as one JSON-able report."""
+             progress: Optional[Callable[[str], None]] = None, log: Optional[RequestLogData] = None) -> dict:  # fmt: skip
+    """The four answers (see module docstring) as one JSON-able report; `log` adds what the log itself said."""
     report = run_memory_bench(trace, kv.budget, progress=progress, prompts=prompts)
     return {
         "requests": len(trace),
+        "log": (log or RequestLogData(trace, prompts, output_tokens=sum(r.output_len * r.n for r in trace))).summary(),
         "model": {"source": kv.source, "kv_bytes_per_token": kv.kv_bytes_per_token, "budget": report["budget"]},
         "baseline": _baseline(report),
         "sharing": _sharing(trace, prompts, report, kv.budget.block_size),
@@ -255,8 +389,20 @@ def format_diagnosis(report: dict) -> str:
     lines = [f"trtpaged diagnose: {report['requests']} requests; {report['model']['source']}; KV budget "
              f"{b['num_blocks']} blocks x {b['block_size']} tokens, max_seq_len {b['max_seq_len']}, "
              f"max_batch_size {b['max_batch_size']}"]  # fmt: skip
+    lines.append(_log_line(report["log"]))
     titles = {"baseline": "1. baseline and headroom", "sharing": "2. sharing", "lengths": "3. lengths and model size",
               "bound": "4. memory-bound or scheduler-bound"}  # fmt: skip
     for key, title in titles.items():
         lines += ["", f"{title}:", f"   {report[key]['verdict']}"]
     return "\n".join(lines)
+
+
+def _log_line(log: dict) -> str:
+    line = f"   log: {log['prompt_tokens']} prompt and {log['output_tokens']} output tokens"
+    if log["arrival_unit"] == "seconds":
+        line += f"; arrivals in seconds, replayed at {log['step_time_s'] * 1000:.2f} ms per step"
+    if log["observed_cached_share"] is not None:
+        line += f"; the server found {log['observed_cached_share']:.1%} of prompt tokens in its prefix cache"
+    if log["skipped_without_output"]:
+        line += f"; {log['skipped_without_output']} requests without output (refused) left out"
+    return line

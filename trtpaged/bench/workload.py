@@ -5,7 +5,8 @@ A trace is JSON Lines, one request per line:
 Only prompt_len and output_len are required. Requests with the same prefix_id share their
 first prefix_len prompt tokens (a system prompt); arrival is the step at which the request
 is submitted (default 0); n is the number of parallel samples; beam_width > 1 makes the
-request a beam search of that width.
+request a beam search of that width. `bench memory --n/--beam-width` fill the lines that give
+neither field (`load_trace_with_sharing`).
 """
 
 from __future__ import annotations
@@ -63,15 +64,34 @@ def json_objects(path: str | Path, allowed: Iterable[str]) -> Iterator[tuple[str
 
 def load_trace(path: str | Path) -> list[TraceRequest]:
     """Reads a JSON Lines trace; errors name the line and the field."""
-    requests = []
+    return load_trace_with_sharing(path)[0]
+
+
+def load_trace_with_sharing(path: str | Path, n: Optional[int] = None,
+                            beam_width: Optional[int] = None) -> tuple[list[TraceRequest], int]:  # fmt: skip
+    """Reads a trace, and fills in the sharing a flag asks for; returns (requests, lines the flag filled).
+
+    The rule: a line's own `n` or `beam_width` wins; `n` (or `beam_width`) is set on the lines that
+    give neither. Both at once is an error (a line is parallel sampling or a beam search), and so is a
+    flag that fills no line (every line gives its own): a flag is never silently ignored.
+    """
+    if n is not None and beam_width is not None:
+        raise ValueError("--n, --beam-width: give one of them with --trace (a line is parallel sampling or a beam search)")
+    flag, value = ("--n", {"n": n}) if n is not None else ("--beam-width", {"beam_width": beam_width})
+    requests, filled = [], 0
     for where, data in json_objects(path, TraceRequest.__dataclass_fields__):
+        if (n is not None or beam_width is not None) and "n" not in data and "beam_width" not in data:
+            data, filled = {**data, **value}, filled + 1
         try:
             requests.append(TraceRequest(**data))
         except (ValueError, TypeError) as exc:
             raise ValueError(f"{where}: {exc}") from exc
     if not requests:
         raise ValueError(f"{path}: no requests")
-    return requests
+    if (n is not None or beam_width is not None) and not filled:
+        raise ValueError(f"{flag}: every line of {path} gives its own n or beam_width, which wins; the flag "
+                         "would change nothing")  # fmt: skip
+    return requests, filled
 
 
 # Length ranges whose means match the PagedAttention paper's datasets (uniform, so only the means match):

@@ -44,14 +44,18 @@ def kernel(kv_dtype: Optional[str], device: str, as_json: bool, quick: bool) -> 
 @command.command(name="memory")
 @click.argument("engine", required=False, type=click.Path(exists=True, file_okay=False))
 @click.option("--trace", type=click.Path(exists=True, dir_okay=False),
-              help="JSON Lines trace (prompt_len, output_len[, arrival, prefix_id, prefix_len, n]).")
+              help="JSON Lines trace (prompt_len, output_len[, arrival, prefix_id, prefix_len, n, beam_width]).")
 @click.option("--num-requests", default=200, show_default=True, help="Synthetic workload: number of requests.")
 @click.option("--prompt-len", default="64:512", show_default=True, help="Synthetic: prompt length N or LOW:HIGH.")
 @click.option("--output-len", default="16:512", show_default=True, help="Synthetic: output length N or LOW:HIGH.")
 @click.option("--shared-prefix", default=0, show_default=True, help="Synthetic: tokens of shared system prompt.")
 @click.option("--num-prefixes", default=1, show_default=True, help="Synthetic: distinct shared prompts.")
-@click.option("--n", default=1, show_default=True, help="Synthetic: parallel samples per request.")
-@click.option("--beam-width", default=1, show_default=True, help="Synthetic: W > 1 makes every request a beam search of width W.")
+@click.option("--n", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Parallel samples per request. With --trace: set on the lines that give neither n nor beam_width "
+                   "(a line's own value wins).")
+@click.option("--beam-width", type=click.IntRange(min=1), default=1, show_default=True,
+              help="W > 1 makes every request a beam search of width W. With --trace: set on the lines that give "
+                   "neither n nor beam_width (a line's own value wins; not with --n).")
 @click.option("--preset", type=click.Choice(("alpaca", "sharegpt")),
               help="Synthetic: prompt/output length ranges with the PagedAttention paper's dataset means.")
 @click.option("--sharing-table", is_flag=True, help="Also: memory saved by sharing for n = 2, 4, 6 and beam width 2, 4, 6.")
@@ -70,7 +74,8 @@ def kernel(kv_dtype: Optional[str], device: str, as_json: bool, quick: bool) -> 
               help="Also: the paged replay on N ranks, each a device with the memory of the budget (N x the memory; "
                    "default: the engine's tensor_parallel when above 1).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def memory(engine, trace, num_requests, prompt_len, output_len, shared_prefix, num_prefixes, n, beam_width, preset,
+@click.pass_context
+def memory(ctx, engine, trace, num_requests, prompt_len, output_len, shared_prefix, num_prefixes, n, beam_width, preset,
            sharing_table, plot, seed, num_blocks, block_size, max_seq_len, max_batch_size, max_num_tokens,
            kv_dtype, head_dim, tensor_parallel, as_json) -> None:  # fmt: skip
     """Concurrency and KV utilisation of one workload: contiguous reservations vs paged vs paged + sharing.
@@ -80,12 +85,16 @@ def memory(engine, trace, num_requests, prompt_len, output_len, shared_prefix, n
     reports the memory saved by sharing (parallel samples, beams, shared prefixes). The budget's blocks
     are of the engine's kv_cache_dtype (without an engine: float16); --kv-dtype converts that memory.
     The budget is one device's: for a tensor-parallel engine, its blocks per rank over tensor_parallel.
+    With --trace, --n or --beam-width fill the lines that give neither field; the synthetic options
+    are errors (they cannot apply to a trace).
     """
     import json
 
+    from click.core import ParameterSource
+
     from trtpaged.bench.memory_bench import (Budget, format_memory_report, format_sharing_table, run_memory_bench,
                                              run_sharing_table)  # fmt: skip
-    from trtpaged.bench.workload import PRESETS, load_trace, parse_range, synthetic_trace
+    from trtpaged.bench.workload import PRESETS, load_trace_with_sharing, parse_range, synthetic_trace
 
     defaults = {"num_blocks": 1456, "block_size": 16, "max_seq_len": 2048, "max_batch_size": 256,
                 "max_num_tokens": 2048}  # fmt: skip
@@ -109,7 +118,19 @@ def memory(engine, trace, num_requests, prompt_len, output_len, shared_prefix, n
                  "max_batch_size": max_batch_size, "max_num_tokens": max_num_tokens}  # fmt: skip
         budget = Budget(**{k: v if v is not None else defaults[k] for k, v in given.items()})
         if trace:
-            requests = load_trace(trace)
+            given = {name for name in ("num_requests", "prompt_len", "output_len", "shared_prefix", "num_prefixes",
+                                       "n", "beam_width", "preset", "seed")
+                     if ctx.get_parameter_source(name) is not ParameterSource.DEFAULT}  # fmt: skip
+            synthetic = sorted(given - {"n", "beam_width"})
+            if synthetic:
+                flags = ", ".join("--" + name.replace("_", "-") for name in synthetic)
+                raise ValueError(f"{flags}: synthetic workload options; they cannot apply to --trace {trace}")
+            requests, filled = load_trace_with_sharing(trace, n if "n" in given else None,
+                                                       beam_width if "beam_width" in given else None)  # fmt: skip
+            if given:
+                flag = f"--n {n}" if "n" in given else f"--beam-width {beam_width}"
+                click.echo(f"  {flag}: set on {filled} of {len(requests)} trace lines; "
+                           f"{len(requests) - filled} give their own n or beam_width", err=True)  # fmt: skip
         else:
             plens, olens = PRESETS[preset] if preset else (parse_range(prompt_len, "--prompt-len"),
                                                            parse_range(output_len, "--output-len"))  # fmt: skip

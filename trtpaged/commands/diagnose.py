@@ -58,22 +58,27 @@ def _kv_from_config(path: str):
               help="model.yaml instead of an engine dir (reads the model's config only; no text prompts).")
 @click.option("--metrics", "metrics_url", help="Metrics URL of a running server (trtpaged serve, or vLLM-style).")
 @click.option("--metrics-samples", default=3, show_default=True, help="Samples of --metrics, 1 s apart.")
+@click.option("--step-time", type=float, default=None,
+              help="Seconds per engine step for a log whose arrivals are seconds (default: the median of its lines' "
+                   "step_time_s, as `trtpaged serve --request-log` writes).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def command(log, engine, config_path, metrics_url, metrics_samples, as_json) -> None:
+def command(log, engine, config_path, metrics_url, metrics_samples, step_time, as_json) -> None:
     """What paged KV and sharing buy the workload in LOG (JSON Lines request log), with numbers.
 
     Log lines: {"prompt": text | "prompt_token_ids": [...] | "prompt_len": N, "output_len": N,
-    "arrival": step, "prefix_id": id, "prefix_len": N, "n": N, "beam_width": W}.
+    "arrival": step or seconds, "prefix_id": id, "prefix_len": N, "n": N, "beam_width": W}; the log that
+    `trtpaged serve --request-log` writes is one (arrivals in seconds since the server started, converted
+    to steps with the measured step time).
     """
     import json
 
-    from trtpaged.bench.diagnose import diagnose, format_diagnosis, load_request_log
+    from trtpaged.bench.diagnose import diagnose, format_diagnosis, read_request_log
 
     if bool(engine) == bool(config_path):
         raise click.UsageError("give exactly one of --engine DIR or --config model.yaml")
     try:
         kv, tokenize, vocab = _kv_from_engine(engine) if engine else _kv_from_config(config_path)
-        trace, prompts = load_request_log(log, tokenize, vocab)
+        data = read_request_log(log, tokenize, vocab, step_time=step_time)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
     metrics = None
@@ -84,7 +89,8 @@ def command(log, engine, config_path, metrics_url, metrics_samples, as_json) -> 
             metrics = observe(metrics_url, metrics_samples, max_batch_size=kv.budget.max_batch_size)
         except OSError as exc:
             raise click.ClickException(f"--metrics: cannot read {metrics_url}: {exc}") from exc
-    report = diagnose(trace, prompts, kv, metrics, progress=lambda m: click.echo(f"  replaying: {m}", err=True))
+    report = diagnose(data.trace, data.prompts, kv, metrics, progress=lambda m: click.echo(f"  replaying: {m}", err=True),
+                      log=data)  # fmt: skip
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:

@@ -38,9 +38,14 @@ from trtpaged.errors import FatalEngineError
               help="Ranks of an engine built with tensor_parallel: N (default: the engine's). Local processes; with "
                    "torchrun's MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK set, the ranks join from other machines "
                    "and RANK > 0 serves no HTTP.")
+@click.option("--request-log", type=click.Path(dir_okay=False), default=None,
+              help="Append one JSON line per finished request to this file (arrival s, lengths, n, beam width, prefix "
+                   "hits, finish reasons, latencies, step time): what `trtpaged diagnose` reads.")
+@click.option("--request-log-prompts", is_flag=True,
+              help="With --request-log: also log each prompt's token ids (off by default: prompts may be private).")
 def command(engine, host, port, served_model_name, api_key, max_waiting, request_timeout, shutdown_timeout,
             max_body_bytes, max_prompt_tokens, max_batch_size, max_num_tokens, max_seq_len, kv_blocks, backend,
-            device, tensor_parallel_size) -> None:  # fmt: skip
+            device, tensor_parallel_size, request_log, request_log_prompts) -> None:  # fmt: skip
     """Serve ENGINE over /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics."""
     from trtpaged.server import ServerOptions, start_server
 
@@ -53,6 +58,7 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
         options = ServerOptions(
             api_key=api_key, max_waiting=max_waiting, request_timeout_s=request_timeout,
             shutdown_timeout_s=shutdown_timeout, max_body_bytes=max_body_bytes, max_prompt_tokens=max_prompt_tokens,
+            request_log=request_log, request_log_prompts=request_log_prompts,
         )  # fmt: skip
         handle = start_server(
             engine, host=host, port=port, served_model_name=served_model_name, options=options, backend=backend,

@@ -106,6 +106,7 @@ class OutputProcessor:
             outputs=completions,
             finished=group.is_finished,
             num_preemptions=group.num_preemptions,
+            num_cached_tokens=group.num_cached_tokens,
         )
 
     @staticmethod

@@ -45,3 +45,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_preemptions: int = 0
+    num_cached_tokens: Optional[int] = None  # prompt tokens found in the prefix cache (None: not scheduled yet)

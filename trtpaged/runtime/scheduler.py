@@ -298,6 +298,8 @@ class Scheduler:
         for seq, _, _ in plan.requests:
             if seq.seq_id not in self.kv.tables:
                 self.kv.note_prefix_query(seq)
+        if group.num_cached_tokens is None:  # first scheduled: the prompt tokens the prefix cache held
+            group.num_cached_tokens = sum(len(hits) for _, _, hits in plan.requests) * self.kv.block_size
         out.block_copies += self.kv.allocate(plan)
         for seq, n, _ in plan.requests:
             out.scheduled.append(ScheduledSeq(seq, group, seq.num_computed_tokens, n, sample))

@@ -134,6 +134,7 @@ class SequenceGroup:
         ]
         self.status = SequenceStatus.WAITING
         self.num_preemptions = 0
+        self.num_cached_tokens: Optional[int] = None  # prompt tokens found in the prefix cache when first scheduled
 
     @property
     def is_finished(self) -> bool:

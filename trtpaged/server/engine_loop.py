@@ -21,6 +21,7 @@ from trtpaged.runtime.llm_engine import LLMEngine
 from trtpaged.runtime.outputs import RequestOutput
 from trtpaged.runtime.sampling_params import SamplingParams
 from trtpaged.server.metrics import ServerMetrics
+from trtpaged.server.request_log import RequestLog
 
 log = logging.getLogger("trtpaged.server")
 T = TypeVar("T")
@@ -53,6 +54,8 @@ class _Timing:
     first_token: Optional[float] = None
     last_token: Optional[float] = None
     tokens: int = 0
+    params: Optional[SamplingParams] = None
+    step: int = 0  # engine steps run before the request was added
 
 
 @dataclass
@@ -117,10 +120,12 @@ class EngineLoop:
     engine's waiting queue: a submit that would exceed it raises `Overloaded`.
     """
 
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics, max_waiting: Optional[int] = None) -> None:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics, max_waiting: Optional[int] = None,
+                 request_log: Optional[RequestLog] = None) -> None:  # fmt: skip
         self.engine = engine
         self.metrics = metrics
         self.max_waiting = max_waiting
+        self.request_log = request_log
         self._commands: "queue.Queue[tuple[str, Any, Optional[Future]]]" = queue.Queue()
         self._subs: dict[str, Subscription] = {}
         self._timing: dict[str, _Timing] = {}
@@ -225,7 +230,7 @@ class EngineLoop:
                 self.engine.add_request(prompt, params, rid)
                 added.append(rid)
                 self._subs[rid] = sub
-                self._timing[rid] = _Timing(arrival, len(prompt))
+                self._timing[rid] = _Timing(arrival, len(prompt), params=params, step=self.engine.num_steps)
         except Exception:
             for rid in added:
                 self.engine.abort(rid)
@@ -283,6 +288,16 @@ class EngineLoop:
             reason = out.outputs[0].finish_reason if out.outputs else "length"
             self.metrics.observe_finished(reason or "length", timing.prompt_tokens, sum(num_tokens),
                                           now - timing.arrival, tpot)  # fmt: skip
+            if self.request_log is not None:
+                self._log_finished(self.request_log, out, timing, now)
+
+    def _log_finished(self, request_log: RequestLog, out: RequestOutput, timing: _Timing, now: float) -> None:
+        engine, params = self.engine, timing.params or SamplingParams()
+        step_s = sum(engine.phase_seconds.values()) / engine.num_steps if engine.num_steps else None
+        ttft = timing.first_token - timing.arrival if timing.first_token is not None else None
+        request_log.record_finished(out, arrival_s=timing.arrival - request_log.started, ttft_s=ttft,
+                                    latency_s=now - timing.arrival, n=params.n, beam_width=params.beam_width,
+                                    steps=engine.num_steps - timing.step, step_time_s=step_s)  # fmt: skip
 
     def _fail_all(self, error: Exception, reason: str) -> None:
         for rid, sub in list(self._subs.items()):

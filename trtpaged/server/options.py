@@ -17,6 +17,8 @@ class ServerOptions:
     `max_waiting` bounds the engine's waiting queue (beyond it: 503 with Retry-After); None: no bound.
     `request_timeout_s` aborts a request that runs longer (504); `body_timeout_s` ends a request whose
     body arrives slower (408). `shutdown_timeout_s` is how long shutdown lets requests in flight finish.
+    `request_log`: a JSON Lines file that gets one line per finished request (appended; see
+    `trtpaged.server.request_log`); `request_log_prompts` adds the prompt token ids to each line.
     """
 
     served_model_name: Optional[str] = None
@@ -28,6 +30,8 @@ class ServerOptions:
     body_timeout_s: float = 30.0
     shutdown_timeout_s: float = 30.0
     retry_after_s: int = 1
+    request_log: Optional[str] = None
+    request_log_prompts: bool = False
 
     def __post_init__(self) -> None:
         if self.api_key is None and os.environ.get(API_KEY_ENV):
@@ -45,3 +49,7 @@ class ServerOptions:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key: must not be empty")
+        if self.request_log is not None and not str(self.request_log):
+            raise ValueError("request_log: must not be empty")
+        if self.request_log_prompts and self.request_log is None:
+            raise ValueError("request_log_prompts: needs request_log (a file to write the prompts to)")

@@ -18,6 +18,7 @@ from trtpaged.server.engine_loop import EngineLoop
 from trtpaged.server.generation import GenerationService
 from trtpaged.server.metrics import ServerMetrics
 from trtpaged.server.options import ServerOptions
+from trtpaged.server.request_log import RequestLog
 from trtpaged.server.schemas import ModelCard
 
 log = logging.getLogger("trtpaged.server")
@@ -51,6 +52,7 @@ class ServerHandle:
     def __init__(self, server: uvicorn.Server, sock: socket.socket, loop: EngineLoop, llm: LLM, model_name: str,
                  options: ServerOptions, draining: Draining) -> None:  # fmt: skip
         self.server, self.loop, self.llm, self.model_name = server, loop, llm, model_name
+        self.request_log = loop.request_log
         self.options, self.draining = options, draining
         host, port = sock.getsockname()[:2]
         self.host, self.port = str(host), int(port)
@@ -66,6 +68,8 @@ class ServerHandle:
         while not self.server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 self.loop.shutdown()
+                if self.request_log is not None:
+                    self.request_log.close()
                 raise RuntimeError("the HTTP server did not start (see the log)")
             time.sleep(0.01)
         return self
@@ -88,6 +92,8 @@ class ServerHandle:
         if self.loop.num_in_flight:
             log.warning("shutdown: aborting %d requests still in flight", self.loop.num_in_flight)
         self.loop.shutdown()  # what is left ends with ShuttingDown (an error event / 503) and frees its blocks
+        if self.request_log is not None:
+            self.request_log.close()
         self.server.should_exit = True
         self._thread.join(10.0)
         self._sock.close()
@@ -116,14 +122,19 @@ def start_server(
     """
     options = options or ServerOptions()
     sock = bind(host, port)
+    request_log = None
     try:
+        # opened before the model loads, so a path that cannot be written fails at once
+        request_log = RequestLog(options.request_log, options.request_log_prompts) if options.request_log else None
         llm = LLM(engine_dir, **llm_overrides)
     except BaseException:
         sock.close()
+        if request_log is not None:
+            request_log.close()
         raise
     name = served_model_name or options.served_model_name or llm.engine_dir.resolve().name
     metrics = ServerMetrics()
-    loop = EngineLoop(llm.engine, metrics, options.max_waiting)
+    loop = EngineLoop(llm.engine, metrics, options.max_waiting, request_log)
     service = GenerationService(llm, loop, name, options.max_prompt_tokens, options.request_timeout_s)
     card = ModelCard(id=name, created=int(time.time()), root=str(llm.engine_dir), max_model_len=llm.config.max_seq_len)
     draining = Draining()

@@ -1,0 +1,146 @@
+"""`trtpaged serve --request-log`: a real server on loopback writes one line per finished request, checked
+against what the client sent and got, and `trtpaged diagnose` reads that very log."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from trtpaged import LLM, SamplingParams
+from trtpaged.cli import main
+from trtpaged.server import ServerOptions, start_server
+from tests.test_server import request, wait_idle
+
+BLOCK_SIZE = 16  # examples/tiny.yaml
+
+
+def cached_prefix(prompt_len: int) -> int:
+    """Prompt tokens the prefix cache can serve when the whole prompt is cached: full blocks, never the last token."""
+    return (prompt_len - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
+def read_lines(path, count: int, timeout: float = 10.0) -> list[dict]:
+    """The log's lines once it has `count` (the writer thread flushes on its own)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+        if len(lines) >= count or time.monotonic() > deadline:
+            assert len(lines) == count, lines
+            return lines
+        time.sleep(0.05)
+
+
+def test_prefix_hits_are_exposed_per_request(tiny_engine_dir) -> None:
+    llm = LLM(tiny_engine_dir, device="cpu")
+    prompt = list(range(3, 3 + 54))
+    first = llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0))[0]
+    again = llm.generate([prompt, prompt[:20], list(range(200, 230))], SamplingParams(max_tokens=2, temperature=0.0))
+    assert first.num_cached_tokens == 0
+    assert [o.num_cached_tokens for o in again] == [cached_prefix(54), cached_prefix(20), 0]
+    assert [o.outputs[0].token_ids for o in again[:1]] == [first.outputs[0].token_ids]  # same tokens, from the cache
+
+
+@pytest.fixture(scope="module")
+def logged(tiny_engine_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("request-log") / "requests.jsonl"
+    handle = start_server(tiny_engine_dir, port=0, device="cpu", options=ServerOptions(request_log=str(path)))
+    yield handle, path
+    handle.shutdown()
+
+
+def test_log_lines_match_what_the_client_sent_and_got(logged, tiny_engine_dir) -> None:
+    server, path = logged
+    prompt = list(range(5, 5 + 54))  # 54 tokens: 3 full blocks and a partial one
+    other = list(range(100, 133))
+    bodies = [
+        {"prompt": prompt, "max_tokens": 6, "ignore_eos": True},
+        {"prompt": prompt, "max_tokens": 5, "n": 3, "temperature": 1.0, "seed": 1},  # its prompt is cached now
+        {"prompt": [prompt[:20], other], "max_tokens": 4, "beam_width": 2, "use_beam_search": True},
+        {"prompt": other, "max_tokens": 7, "temperature": 0.0},
+    ]
+    answers = []
+    for body in bodies:
+        status, _, answer = request(server, "/v1/completions", body)
+        assert status == 200, answer
+        answers.append(answer)
+    wait_idle(server)
+    lines = read_lines(path, 5)
+    lines[2:4] = sorted(lines[2:4], key=lambda line: line["prompt_len"])  # one request's two prompts: either order
+    per_prompt = [(0, [0]), (1, [0, 1, 2]), (2, [0]), (2, [1]), (3, [0])]  # (request, its choices) for each line
+    expected_cached = [0, cached_prefix(54), cached_prefix(20), 0, cached_prefix(33)]
+    prompt_lens = [54, 54, 20, 33, 33]
+    for line, (r, choices), cached, plen in zip(lines, per_prompt, expected_cached, prompt_lens):
+        body, answer = bodies[r], answers[r]
+        assert line["prompt_len"] == plen and "prompt_token_ids" not in line  # prompts are not logged by default
+        assert line["n"] == body.get("n", 1) and line["beam_width"] == body.get("beam_width", 1)
+        assert line["finish_reasons"] == [answer["choices"][c]["finish_reason"] for c in choices]
+        assert line["output_len"] == max(line["output_lens"]) and len(line["output_lens"]) == len(choices)
+        assert line["cached_tokens"] == cached
+        assert 0 < line["ttft_s"] <= line["latency_s"] and line["step_time_s"] > 0
+        assert line["steps"] >= line["output_len"]  # a step per token at least (the last token's step included)
+    for r, answer in enumerate(answers):  # usage sums the request's lines
+        mine = [line for line, (i, _) in zip(lines, per_prompt) if i == r]
+        assert answer["usage"]["prompt_tokens"] == sum(line["prompt_len"] for line in mine)
+        assert answer["usage"]["completion_tokens"] == sum(sum(line["output_lens"]) for line in mine)
+    assert lines[0]["output_lens"] == [6]  # ignore_eos: exactly max_tokens
+    assert all(a["arrival"] <= b["arrival"] for a, b in zip(lines, lines[1:]))  # sent one after another
+
+    # `trtpaged diagnose` on that very log: the same requests and tokens, arrivals in seconds
+    result = CliRunner().invoke(main, ["diagnose", str(path), "--engine", str(tiny_engine_dir), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output[result.output.index("{"):])
+    log = report["log"]
+    assert report["requests"] == log["requests"] == 5
+    assert log["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in answers)
+    assert log["output_tokens"] == sum(a["usage"]["completion_tokens"] for a in answers)
+    assert log["arrival_unit"] == "seconds"
+    assert log["step_time_s"] == statistics.median(line["step_time_s"] for line in lines)
+    assert log["observed_cached_tokens"] == sum(expected_cached)
+    assert report["sharing"]["sequences"] == 1 + 3 + 2 + 2 + 1  # n samples and beam widths, as logged
+    text = CliRunner().invoke(main, ["diagnose", str(path), "--engine", str(tiny_engine_dir)])
+    assert text.exit_code == 0 and "arrivals in seconds" in text.output
+
+
+def test_prompts_are_logged_only_when_asked(tiny_engine_dir, tmp_path) -> None:
+    path = tmp_path / "with-prompts.jsonl"
+    options = ServerOptions(request_log=str(path), request_log_prompts=True)
+    with start_server(tiny_engine_dir, port=0, device="cpu", options=options) as server:
+        status, _, answer = request(server, "/v1/completions", {"prompt": [7, 8, 9, 10], "max_tokens": 3})
+        assert status == 200, answer
+        (line,) = read_lines(path, 1)
+    assert line["prompt_token_ids"] == [7, 8, 9, 10] and line["prompt_len"] == 4
+    # and diagnose reads the ids (the shared-prefix answer uses them)
+    result = CliRunner().invoke(main, ["diagnose", str(path), "--engine", str(tiny_engine_dir), "--json"])
+    assert result.exit_code == 0, result.output
+
+
+def test_a_failing_disk_never_fails_a_request(tiny_engine_dir) -> None:
+    # /dev/full opens for appending and fails every write with ENOSPC
+    options = ServerOptions(request_log="/dev/full")
+    with start_server(tiny_engine_dir, port=0, device="cpu", options=options) as server:
+        for _ in range(3):
+            status, _, answer = request(server, "/v1/completions", {"prompt": [7, 8, 9], "max_tokens": 2})
+            assert status == 200, answer
+        wait_idle(server)
+        deadline = time.monotonic() + 10
+        while server.request_log.failed is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "No space left" in server.request_log.failed
+        status, _, _ = request(server, "/v1/completions", {"prompt": [7, 8, 9], "max_tokens": 2})
+        assert status == 200
+        assert server.request_log.dropped >= 1
+
+
+def test_cli_request_log_errors_are_one_line_before_loading(tiny_engine_dir, tmp_path) -> None:
+    start = time.monotonic()
+    missing = tmp_path / "no-such-dir" / "log.jsonl"
+    result = CliRunner().invoke(main, ["serve", str(tiny_engine_dir), "--port", "0", "--device", "cpu",
+                                       "--request-log", str(missing)])  # fmt: skip
+    assert result.exit_code != 0 and "request_log: cannot open" in result.output and str(missing) in result.output
+    assert len(result.output.strip().splitlines()) == 1 and time.monotonic() - start < 5
+    result = CliRunner().invoke(main, ["serve", str(tiny_engine_dir), "--port", "0", "--request-log-prompts"])
+    assert result.exit_code != 0 and "request_log_prompts: needs request_log" in result.output

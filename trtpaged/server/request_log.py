@@ -1,0 +1,143 @@
+"""The server's request log (`trtpaged serve --request-log PATH`): one JSON line per finished engine request.
+
+A line (the fields `trtpaged diagnose LOG` reads; README.md, Serving):
+
+    {"arrival": 12.031, "prompt_len": 54, "output_len": 16, "output_lens": [16, 9], "n": 2, "beam_width": 1,
+     "cached_tokens": 48, "finish_reasons": ["length", "stop"], "ttft_s": 0.041, "latency_s": 0.62,
+     "steps": 18, "step_time_s": 0.021}
+
+arrival: seconds since the server started; output_len: the longest completion (what a replay gives each
+of the n samples); output_lens / finish_reasons: per completion, in index order; cached_tokens: prompt
+tokens found in the prefix cache; steps: engine steps while the request was in flight; step_time_s: the
+server's mean engine-step time so far. `prompt_token_ids` only when prompts are logged (`log_prompts`).
+
+Lines are written by a writer thread from a bounded queue, never on the engine thread: a full queue drops
+the line (counted), and a failing disk stops the log (logged once) without failing any request.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+from trtpaged.runtime.outputs import RequestOutput
+
+log = logging.getLogger("trtpaged.server")
+
+_STOP = object()
+
+
+def finished_line(out: RequestOutput, arrival_s: float, ttft_s: Optional[float], latency_s: float, n: int,
+                  beam_width: int, steps: int, step_time_s: Optional[float], log_prompts: bool) -> dict:  # fmt: skip
+    """The log line of one finished request (see the module docstring for the fields)."""
+    lens = [len(c.token_ids) for c in out.outputs]
+    line: dict = {"arrival": round(arrival_s, 6), "prompt_len": len(out.prompt_token_ids)}
+    if log_prompts:
+        line["prompt_token_ids"] = list(out.prompt_token_ids)
+    line.update(output_len=max(lens, default=0), output_lens=lens, n=n, beam_width=beam_width,
+                cached_tokens=out.num_cached_tokens or 0,
+                finish_reasons=[c.finish_reason or "length" for c in out.outputs],
+                ttft_s=None if ttft_s is None else round(ttft_s, 6), latency_s=round(latency_s, 6), steps=steps,
+                step_time_s=None if step_time_s is None else round(step_time_s, 6))  # fmt: skip
+    return line
+
+
+class RequestLog:
+    """Appends JSON lines to `path` from a writer thread; each batch of queued lines is flushed at once."""
+
+    def __init__(self, path: str | Path, log_prompts: bool = False, max_queued: int = 10_000) -> None:
+        self.path = Path(path)
+        self.log_prompts = log_prompts
+        self.started = time.monotonic()  # arrivals are seconds since the log was opened (the server's start)
+        self.dropped = 0  # lines lost to a full queue, a line that could not be encoded, or a failed disk
+        self.failed: Optional[str] = None  # why writing stopped, once it did
+        self._queue: "queue.Queue[object]" = queue.Queue(max_queued)
+        try:
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed by the writer thread
+        except OSError as exc:
+            raise OSError(exc.errno, f"request_log: cannot open {self.path} for appending: {exc.strerror}") from None
+        self._thread = threading.Thread(target=self._write_loop, name="trtpaged-request-log", daemon=True)
+        self._thread.start()
+
+    def record(self, line: dict) -> None:
+        """Queues one line (any thread, never blocks); dropped when the queue is full or writing failed."""
+        if self.failed is not None:
+            self.dropped += 1
+            return
+        try:
+            self._queue.put_nowait(line)
+        except queue.Full:
+            if not self.dropped:
+                log.warning("request log %s: the writer is behind; dropping lines", self.path)
+            self.dropped += 1
+
+    def record_finished(self, out: RequestOutput, **fields: Optional[float]) -> None:
+        """`record(finished_line(out, ...))`, for the engine thread: a line that cannot be built is dropped, never raised."""
+        try:
+            self.record(finished_line(out, log_prompts=self.log_prompts, **fields))
+        except Exception:  # noqa: BLE001 - the request log must never fail a request or the engine loop
+            if not self.dropped:
+                log.exception("request log %s: cannot build a line; dropped", self.path)
+            self.dropped += 1
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Writes what is queued, flushes and closes the file."""
+        try:
+            self._queue.put(_STOP, timeout=timeout)
+        except queue.Full:
+            pass
+        self._thread.join(timeout)
+
+    def _write_loop(self) -> None:
+        try:
+            stop = False
+            while not stop:
+                batch = [self._queue.get()]
+                while True:  # then whatever else is queued: one flush per batch
+                    try:
+                        batch.append(self._queue.get_nowait())
+                    except queue.Empty:
+                        break
+                stop = _STOP in batch
+                for line in batch:
+                    if line is not _STOP:
+                        self._write(line)
+                self._flush()
+        finally:
+            try:
+                self._file.close()
+            except OSError:
+                pass
+
+    def _write(self, line: object) -> None:
+        if self.failed is not None:
+            self.dropped += 1
+            return
+        try:
+            text = json.dumps(line, allow_nan=False) + "\n"
+        except (TypeError, ValueError):
+            log.warning("request log %s: a line could not be encoded; dropped", self.path)
+            self.dropped += 1
+            return
+        try:
+            self._file.write(text)
+        except OSError as exc:
+            self._fail(exc)
+
+    def _flush(self) -> None:
+        if self.failed is None:
+            try:
+                self._file.flush()
+            except OSError as exc:
+                self._fail(exc)
+
+    def _fail(self, exc: Exception) -> None:
+        self.failed = f"{type(exc).__name__}: {exc}"
+        self.dropped += 1
+        log.error("request log %s: writing failed (%s); request logging stopped, serving goes on", self.path,
+                  self.failed)  # fmt: skip
