@@ -30,7 +30,7 @@ import statistics
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Optional
 
-from trtpaged.bench.null_engine import NullEngine
+from trtpaged.bench.null_runner import NullRunner
 from trtpaged.bench.workload import TraceRequest, prompt_token_ids
 from trtpaged.runtime.engines.base import StepBatch
 from trtpaged.runtime.llm_engine import LLMEngine
@@ -201,7 +201,7 @@ def simulate_paged(
         else:
             result.head_fits.append(True)
 
-    engine = LLMEngine(NullEngine(budget.num_blocks, on_step=during_step), config)
+    engine = LLMEngine(NullRunner(budget.num_blocks, on_step=during_step), config)
     prompts = prompts if prompts is not None else prompt_token_ids(trace)
     # without sharing, parallel samples are separate requests: nothing is shared
     order = sorted(range(len(trace)), key=lambda i: (trace[i].arrival, i))

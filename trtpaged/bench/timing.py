@@ -2,14 +2,8 @@
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Callable
-
-
-def median_seconds(fn: Callable[[], object], *, warmup: int = 2, min_reps: int = 5, budget_s: float = 0.5) -> float:
-    """Median wall time of fn() over at least min_reps runs, repeating until budget_s is spent."""
-    return statistics.median(_times(fn, warmup, min_reps, budget_s))
 
 
 def best_seconds(fn: Callable[[], object], *, warmup: int = 2, min_reps: int = 5, budget_s: float = 0.5) -> float:

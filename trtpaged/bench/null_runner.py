@@ -1,4 +1,4 @@
-"""An `Engine` that runs no model: it lets the real scheduler and block pool replay a workload.
+"""A `ModelRunner` that runs no model: it lets the real scheduler and block pool replay a workload.
 
 Its logits are a fixed function of each output row's input token and position (a stand-in
 model with deterministic logits), so beam search forks and prunes beams the same way on
@@ -23,8 +23,8 @@ def stand_in_logits(tokens: torch.Tensor, positions: torch.Tensor, vocab_size: i
     return (3.0 * torch.sin(phase * (v + 1.0) + v * 2.399)).to(torch.float32)
 
 
-class NullEngine:
-    """Engine protocol without a model or a KV pool tensor (block moves are no-ops)."""
+class NullRunner:
+    """A `ModelRunner` (runtime/engines/base.py) without a model or a KV pool tensor (block moves are no-ops)."""
 
     backend = "null"
 
