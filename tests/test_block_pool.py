@@ -24,10 +24,14 @@ def seq(seq_id, tokens):
 
 def compute(kv, s, n, hits=()):
     """Allocates and 'runs' one step of n tokens for s; returns the copies."""
-    copies = kv.allocate_group([(s, n, hits)])
-    s.num_computed_tokens += n
+    copies = kv.allocate(kv.plan_allocation([(s, n, hits)]))
+    s.num_computed_tokens = (len(hits) * BS if hits else s.num_computed_tokens) + n  # as the scheduler does
     kv.cache_computed_blocks(s)
     return copies
+
+
+def _blocks_needed(kv, requests) -> int:
+    return kv.plan_allocation(requests).num_blocks
 
 
 def test_free_queue_o1_ops():
@@ -65,7 +69,7 @@ def test_cached_blocks_evicted_lru_last():
     s = seq(0, range(9))  # two full blocks + 1 token
     compute(kv, s, 9)
     assert kv.block_table(s) == [0, 1, 2] and kv.pool.num_cached == 2
-    assert kv.blocks_needed([(seq(9, range(8)), 1, ())]) == 1
+    assert _blocks_needed(kv, [(seq(9, range(8)), 1, ())]) == 1
     kv.free(s)
     # the uncached tail goes to the front; cached blocks to the back, chain tail first
     assert ids(kv.pool.free_queue) == [2, 3, 4, 5, 1, 0]
@@ -86,7 +90,7 @@ def test_prefix_hit_shares_blocks_and_counts():
     compute(kv, a, 14)
     hits = kv.find_cached_prefix(b)
     assert ids(hits) == kv.block_table(a)[:3]
-    assert kv.blocks_needed([(b, 1, hits)]) == 1
+    assert _blocks_needed(kv, [(b, 1, hits)]) == 1
     compute(kv, b, 1, hits)
     assert b.num_computed_tokens == 13
     assert kv.block_table(b)[:3] == kv.block_table(a)[:3]
@@ -139,9 +143,9 @@ def test_fork_and_copy_on_write_with_torch_indexing():
     for s in [parent] + children:
         s.token_ids.append(99)
     requests = [(s, 1, ()) for s in [parent] + children]
-    assert kv.blocks_needed(requests) == 3  # the last writer keeps the original
+    assert _blocks_needed(kv, requests) == 3  # the last writer keeps the original
     free_before = kv.pool.num_free
-    copies = kv.allocate_group(requests)
+    copies = kv.allocate(kv.plan_allocation(requests))
     assert kv.pool.num_free == free_before - 3
     assert [src for src, _ in copies] == [shared] * 3
     for src, dst in copies:
@@ -152,20 +156,20 @@ def test_fork_and_copy_on_write_with_torch_indexing():
     assert kv.pool.blocks[shared].ref_cnt == 1
 
 
-def test_can_allocate_is_exact_with_hits_in_free_queue():
+def test_the_plan_is_exact_with_hits_in_free_queue():
     kv = KVCacheManager(num_blocks=4, block_size=BS)
     a = seq(0, range(9))
     compute(kv, a, 9)
     kv.free(a)
     b = seq(1, list(range(8)) + [50, 51, 52, 53, 54, 55, 56, 57])
     hits = kv.find_cached_prefix(b)
-    need = kv.blocks_needed([(b, 8, hits)])
+    need = _blocks_needed(kv, [(b, 8, hits)])
     assert need == 4  # two hits taken off the free queue + two new blocks
-    assert kv.can_allocate([(b, 8, hits)])
+    assert _blocks_needed(kv, [(b, 8, hits)]) <= kv.pool.num_free
     compute(kv, b, 8, hits)
     assert kv.pool.num_free == 0
     c = seq(2, range(100, 101))
-    assert not kv.can_allocate([(c, 1, ())])
+    assert _blocks_needed(kv, [(c, 1, ())]) > kv.pool.num_free
 
 
 def test_swap_out_and_in_keeps_sharing():

@@ -162,7 +162,7 @@ class BlockPool:
     def allocate(self, count: int) -> list[KVBlock]:
         """Takes `count` blocks from the front of the free queue, evicting cached content."""
         if count > self.num_free:
-            raise RuntimeError(f"allocate: {count} blocks requested, {self.num_free} free (check can_allocate first)")
+            raise RuntimeError(f"allocate: {count} blocks requested, {self.num_free} free (plan the allocation first)")
         out = []
         for _ in range(count):
             block = self.free_queue.popleft()

@@ -108,16 +108,12 @@ class KVCacheManager:
         total = sum(copies) + sum(new_blocks) + len(reclaimed)
         return AllocationPlan(tuple(requests), tuple(copies), tuple(new_blocks), total)
 
-    def blocks_needed(self, requests: Seq[AllocRequest]) -> int:
-        """Free-queue blocks that allocating `requests` would consume."""
-        return self.plan_allocation(requests).num_blocks
-
-    def can_allocate(self, requests: Seq[AllocRequest]) -> bool:
-        return self.blocks_needed(requests) <= self.pool.num_free
-
     def allocate(self, plan: AllocationPlan) -> list[tuple[int, int]]:
         """Carries out a plan made on the current state: adopts cache hits, copies shared last
-        blocks, appends new blocks. Returns the (src, dst) block copies to run before the step."""
+        blocks, appends new blocks. Returns the (src, dst) block copies to run before the step.
+
+        A sequence given cache hits has their K/V from here on: the caller (the scheduler, which owns
+        sequence state) sets its `num_computed_tokens` to `len(hits) * block_size`."""
         if plan.num_blocks > self.pool.num_free:
             raise RuntimeError(f"allocate: the plan takes {plan.num_blocks} blocks, {self.pool.num_free} free")
         for seq, _, hits in plan.requests:  # take every hit off the free queue before anything is evicted
@@ -127,7 +123,7 @@ class KVCacheManager:
         for (seq, _, _), copy, new in zip(plan.requests, plan.copy_last, plan.new_blocks):
             table = self.tables.setdefault(seq.seq_id, [])
             self._hashes.setdefault(seq.seq_id, [])
-            if copy:
+            if copy:  # never with hits: a sequence with hits has no table before them
                 j = seq.num_computed_tokens // self.block_size
                 (fresh,) = self.pool.allocate(1)
                 copies.append((table[j].block_id, fresh.block_id))
@@ -137,10 +133,6 @@ class KVCacheManager:
                 table.extend(self.pool.allocate(new))
         return copies
 
-    def allocate_group(self, requests: Seq[AllocRequest]) -> list[tuple[int, int]]:
-        """Plans and allocates in one call (see `allocate`)."""
-        return self.allocate(self.plan_allocation(requests))
-
     def _adopt_hits(self, seq: Sequence, hits: Seq[KVBlock]) -> None:
         if seq.seq_id in self.tables:
             raise RuntimeError(f"sequence {seq.seq_id}: cache hits for a sequence that already has blocks")
@@ -148,8 +140,7 @@ class KVCacheManager:
         self.pool.touch(hits)
         self.tables[seq.seq_id] = list(hits)
         self._hashes[seq.seq_id] = [h for h in hashes if h is not None]
-        seq.num_computed_tokens = len(hits) * self.block_size
-        self.prefix_hits_tokens += seq.num_computed_tokens
+        self.prefix_hits_tokens += len(hits) * self.block_size
 
     def note_prefix_query(self, seq: Sequence) -> None:
         """Counts an admitted sequence's prompt as looked up in the prefix cache."""

@@ -301,6 +301,9 @@ class Scheduler:
         if group.num_cached_tokens is None:  # first scheduled: the prompt tokens the prefix cache held
             group.num_cached_tokens = sum(len(hits) for _, _, hits in plan.requests) * self.kv.block_size
         out.block_copies += self.kv.allocate(plan)
+        for seq, _, hits in plan.requests:
+            if hits:  # their K/V is in the adopted blocks: compute from the first token after them
+                seq.num_computed_tokens = len(hits) * self.kv.block_size
         for seq, n, _ in plan.requests:
             out.scheduled.append(ScheduledSeq(seq, group, seq.num_computed_tokens, n, sample))
             budget[0] -= n
