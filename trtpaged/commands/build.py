@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import click
@@ -35,8 +36,10 @@ model.yaml keys (examples in examples/; unknown keys are errors):
 Stages: check, load, patch (trtpaged's step model), export (model.onnx +
 weights.safetensors), verify, compile (engine.plan; skipped without TensorRT),
 write (tokenizer/, trtpaged.json). The engine dir appears atomically: a
-failed build leaves nothing behind. An existing engine dir is replaced only
-with --force. Long stages print a line with the elapsed time every 10 s.
+failed or interrupted build (Ctrl-C, SIGTERM) leaves nothing behind, and a
+killed build's temp dir is removed by the next build into the same parent.
+An existing engine dir is replaced only with --force. Long stages print a
+line with the elapsed time every 10 s.
 
 \b
 Verification runs model.onnx on the CPU (onnx.reference, the paged-attention
@@ -56,12 +59,19 @@ dtype or by a less precise 16-bit kv_cache_dtype.
 @click.option("--force", is_flag=True, help="Replace an existing engine dir at the output (once the new one is complete).")
 def command(model_yaml: Path, output: Path | None, skip_verify: bool, force: bool) -> None:
     from trtpaged.builder import BuildError, build_engine
+    from trtpaged.builder.engine_dir import terminate_as_interrupt
     from trtpaged.builder.export import ExportError
     from trtpaged.builder.verify import VerificationError
     from trtpaged.config import ConfigError, load_config
 
     try:
-        config = load_config(model_yaml)
-        build_engine(config, output, skip_verify=skip_verify, force=force, echo=click.echo)
+        with terminate_as_interrupt():  # SIGTERM cleans up as Ctrl-C does: the temp dir is removed
+            config = load_config(model_yaml)
+            build_engine(config, output, skip_verify=skip_verify, force=force, echo=click.echo)
     except (ConfigError, BuildError, ExportError, VerificationError) as e:
         raise click.ClickException(str(e)) from None
+    except OSError as e:  # the disk filled up, a directory vanished: the temp dir is already gone
+        raise click.ClickException(f"build failed writing {e.filename or 'the engine dir'}: {e.strerror or e}") from None
+    except KeyboardInterrupt:
+        click.echo("build interrupted; nothing was written", err=True)
+        sys.exit(130)

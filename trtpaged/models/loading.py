@@ -136,6 +136,25 @@ def check_weights(engine_dir: Path, manifest: Manifest, rank: int = 0) -> dict[s
     return header
 
 
+def checked_weights(engine_dir: Path, manifest: Manifest, rank: int = 0) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s weights (on the CPU) once `check_weights` passed and no float tensor holds NaN/inf;
+    raises EngineDirError."""
+    from safetensors.torch import load_file
+
+    check_weights(engine_dir, manifest, rank)
+    weights = Path(engine_dir) / manifest.rank_files(rank)["weights_file"]
+    try:
+        state = load_file(str(weights), device="cpu")
+    except Exception as e:  # noqa: BLE001  (safetensors raises its own error type)
+        raise EngineDirError(weights, "weights_file", f"safetensors cannot read it ({type(e).__name__}: {e})") from None
+    broken = nonfinite_tensors(state)
+    if broken:
+        name, bad, numel = broken[0]
+        raise EngineDirError(weights, name, f"{bad} of its {numel} values are NaN/inf (in {len(broken)} "
+                             "tensor(s) in all); the weights are corrupt, rebuild the engine")
+    return state
+
+
 def load_step_model(engine_dir: str | Path, device: str | torch.device = "cpu",
                     reduce: Optional[RankReduce] = None) -> tuple[LlamaStepModel, Manifest]:
     """Reads `trtpaged.json` and the weights file of an engine dir; returns (eager step model, manifest).
@@ -143,8 +162,6 @@ def load_step_model(engine_dir: str | Path, device: str | torch.device = "cpu",
     The weights are checked before use: names, shapes and dtypes against the manifest's dims (from the
     header, before any tensor is read), then every float tensor for NaN/inf. Raises EngineDirError.
     A tensor-parallel engine (manifest.tensor_parallel > 1) needs `reduce`, whose rank picks the shard."""
-    from safetensors.torch import load_file
-
     engine_dir = Path(engine_dir)
     manifest = read_manifest(engine_dir)
     n = manifest.tensor_parallel
@@ -153,14 +170,7 @@ def load_step_model(engine_dir: str | Path, device: str | torch.device = "cpu",
         raise ValueError(f"tensor_parallel: {engine_dir} is split over {n} ranks; got {got} "
                          f"(use LLM(..., tensor_parallel={n}) or serve --tensor-parallel-size {n})")
     rank = reduce.rank if reduce is not None else 0
-    check_weights(engine_dir, manifest, rank)
-    weights = engine_dir / manifest.rank_files(rank)["weights_file"]
-    state = load_file(str(weights), device="cpu")
-    broken = nonfinite_tensors(state)
-    if broken:
-        name, bad, numel = broken[0]
-        raise EngineDirError(weights, name, f"{bad} of its {numel} values are NaN/inf ({len(broken)} tensors "
-                             "so); the weights are corrupt, rebuild the engine")
+    state = checked_weights(engine_dir, manifest, rank)
     state = {k: v.to(device) for k, v in state.items()} if str(device) != "cpu" else state
     plan = shard_plan(_quant_plan(engine_dir, manifest), manifest.dims, n)
     model = with_weights(shard_dims(manifest.dims, n), TORCH_DTYPES[manifest.dtype], state, device, plan,
