@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from trtpaged.config import ConfigError
 from trtpaged.engine_files import sha256_file
 from trtpaged.manifest import MANIFEST_NAME, Manifest
 
@@ -25,8 +26,11 @@ from trtpaged.manifest import MANIFEST_NAME, Manifest
 BUILD_LOCK = ".trtpaged-build.lock"  # inside a build's temp dir, flock-ed while the build runs
 
 
-class OutputDirError(ValueError):
-    """The output path cannot hold an engine dir."""
+class OutputDirError(ConfigError):
+    """The output path cannot hold an engine dir (a config error of `output` / `-o`)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, field="output")
 
 
 def check_output(output: Path, force: bool = False) -> None:
