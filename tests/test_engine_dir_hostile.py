@@ -289,3 +289,26 @@ def test_serve_refuses_a_bad_port_and_too_many_kv_blocks_in_one_line(tiny_engine
     lines = r.output.strip().splitlines()
     assert r.exit_code == 1 and lines[-1].startswith("Error: num_kv_blocks: 2147483647 blocks"), r.output
     assert "Traceback" not in r.output
+
+
+def test_tensor_parallel_shards_are_confined_and_checked(tiny_kv4_engines, tmp_path):
+    from trtpaged import LLM
+
+    engine = _copy(tiny_kv4_engines[2], tmp_path)
+    data = json.loads((engine / MANIFEST_NAME).read_text())
+    shards = [dict(s) for s in data["shards"]]
+    shards[1]["weights_file"] = "../../weights-rank1.safetensors"
+    _edit_manifest(engine, shards=shards)
+    r = _cli("inspect", str(engine))
+    assert r.exit_code == 1 and "shards[1].weights_file: '../../weights-rank1.safetensors' is not a path inside" in r.output
+
+    engine = _copy(tiny_kv4_engines[2], tmp_path / "second")
+    shard = engine / "weights-rank1.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-4096])
+    _rehash(engine)
+    r = _cli("inspect", str(engine))
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 1 and len(lines) == 1 and "weights-rank1.safetensors: shards[1].weights_file:" in lines[0]
+    assert "not a valid safetensors file" in lines[0], r.output
+    with pytest.raises(EngineDirError, match="shards\\[1\\].weights_file"):  # before any rank is started
+        LLM(engine, device="cpu")
