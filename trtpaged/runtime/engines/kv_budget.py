@@ -18,6 +18,20 @@ def free_memory_bytes(device: str) -> int:
     return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
+def available_memory_bytes(device: str) -> int:
+    """Memory a new pool could take on `device` now: the GPU's free memory, or the host's MemAvailable
+    (free pages plus the page cache the kernel would give up; free pages alone where /proc is missing)."""
+    if not device.startswith("cuda"):
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            pass
+    return free_memory_bytes(device)
+
+
 def machine_memory_bytes() -> int:
     """The most memory one device of this machine has: the host's RAM or the largest GPU's, whichever is more.
 
@@ -98,12 +112,13 @@ def resolve_num_blocks(manifest: Manifest, device: str = "cpu", override: Option
     Raises KVBudgetError when that pool does not fit the device's free memory (a `num_kv_blocks`
     override, or a num_blocks / memory budget from the manifest), before anything is allocated.
     """
-    free = free_memory_bytes(device)
+    free = free_memory_bytes(device) if manifest.kv_cache.fraction is not None and override is None else None
     blocks = kv_blocks(manifest, free, override)
     assert blocks is not None
     field = "num_kv_blocks" if override is not None else next(
         name for name, value in (("kv_cache.num_blocks", manifest.kv_cache.num_blocks),
                                  ("kv_cache.memory_bytes", manifest.kv_cache.memory_bytes),
                                  ("kv_cache.fraction", manifest.kv_cache.fraction)) if value is not None)
-    check_pool_fits(blocks, manifest.kv_bytes_per_block_per_rank, free, field, f"device {device} now")
+    check_pool_fits(blocks, manifest.kv_bytes_per_block_per_rank, available_memory_bytes(device), field,
+                    f"device {device} now")
     return blocks
