@@ -35,9 +35,9 @@ def command(engine_dir: Path, avg_len: int | None, memory: str | None, as_json: 
         manifest = read_manifest(engine_dir)
         start = time.perf_counter()
         verified = verify_engine_dir(engine_dir, manifest, full=full_verify)
+        seconds = time.perf_counter() - start
         for rank in range(manifest.tensor_parallel):
             checked_weights(engine_dir, manifest, rank)
-        seconds = time.perf_counter() - start
         memory_bytes = parse_size(memory) if memory is not None else None
         plan = plan_memory(manifest, memory_bytes)
     except (OSError, ValueError) as e:
