@@ -3,7 +3,7 @@
 Each broken dir is a real copy of the tiny engine with one thing damaged on disk. Every kind must
 make `inspect` and `generate` exit 1 with one line naming the file and the field (no traceback),
 and `LLM(...)` raise EngineDirError. Kinds that the hashes alone would catch are also tried with
-the manifest's hashes and sizes rewritten to match the damage, so that the structural check behind
+the manifest's hashes rewritten to match the damage, so that the structural check behind
 them (confinement, safetensors header, dims, NaN) is what refuses the dir.
 """
 
@@ -49,11 +49,10 @@ def _edit_manifest(engine: Path, **changes) -> None:
 
 
 def _rehash(engine: Path) -> None:
-    """Rewrites files/file_sizes to match what is on disk (a hostile dir whose manifest agrees with it)."""
+    """Rewrites the manifest's hashes to match what is on disk (a hostile dir whose manifest agrees with it)."""
     data = json.loads((engine / MANIFEST_NAME).read_text())
     files = sorted(p for p in engine.rglob("*") if p.is_file() and p.name != MANIFEST_NAME)
     data["files"] = {p.relative_to(engine).as_posix(): sha256_file(p) for p in files}
-    data["file_sizes"] = {p.relative_to(engine).as_posix(): p.stat().st_size for p in files}
     (engine / MANIFEST_NAME).write_text(json.dumps(data))
 
 
@@ -140,7 +139,7 @@ def _unknown_field(e: Path) -> None:
 def _unlisted_weights(e: Path) -> None:
     data = json.loads((e / MANIFEST_NAME).read_text())
     files = {k: v for k, v in data["files"].items() if k != "weights.safetensors"}
-    _edit_manifest(e, files=files, file_sizes={k: v for k, v in data["file_sizes"].items() if k in files})
+    _edit_manifest(e, files=files)
 
 
 def _parent_path(e: Path) -> None:
@@ -182,10 +181,10 @@ BROKEN = {
     "weights symlink out": (_symlink_out, False, "weights_file", "outside the engine dir"),
     "tokenizer_dir ../": (_tokenizer_dir_up, False, "tokenizer_dir", "not a path inside the engine dir"),
     "tokenizer symlink out": (_tokenizer_symlink_out, False, "tokenizer_dir", "outside the engine dir"),
-    "1 MiB random into weights": (_random_bytes_into_weights, False, "file_sizes['weights.safetensors']", "grown"),
+    "1 MiB random into weights": (_random_bytes_into_weights, False, "weights_file", "the file has 1048576 after the header"),
     "random weights, same size and mtime": (_random_bytes_in_place, False, "files['weights.safetensors']", "sha256"),
     "zeroed hashes": (_zero_hashes, False, "files[", "sha256"),
-    "truncated weights": (_truncate, False, "file_sizes['weights.safetensors']", "truncated"),
+    "truncated weights": (_truncate, False, "weights_file", "truncated"),
     "truncated weights, rehashed": (_truncate, True, "weights_file", "truncated"),
     "header length 2^62": (_huge_header, True, "weights_file", "header length 4611686018427387904"),
     "0xFF weights": (_all_ff, True, "weights_file", "not a valid safetensors file"),

@@ -125,7 +125,6 @@ class Manifest:
     plan_file: Optional[str] = None  # "engine.plan" once TensorRT built it
     backends: list[str] = field(default_factory=list)  # e.g. ["torch"], ["torch", "tensorrt"]
     files: dict[str, str] = field(default_factory=dict)  # relative path -> sha256
-    file_sizes: dict[str, int] = field(default_factory=dict)  # relative path -> bytes (older engines: none)
     source: dict[str, Any] = field(default_factory=dict)  # where the model came from
     verification: dict[str, Any] = field(default_factory=dict)  # max abs diff etc.
     # weight-only quantization: {"weights", "group_size", "lm_head", "modules": {module: [bits, group_size]},
@@ -285,9 +284,6 @@ def _check_values(m: Manifest, where: str | Path) -> None:
     for name, digest in m.files.items():
         if not _SHA256.fullmatch(digest):
             raise bad(f"files[{name!r}]", f"got {digest[:80]!r}; expected a sha256 hex digest")
-    for name, size in m.file_sizes.items():
-        if name not in m.files or size < 0:
-            raise bad(f"file_sizes[{name!r}]", "names no file of `files`" if name not in m.files else f"got {size}")
     for name, rel in m.file_fields():
         _check_relative(rel, name, where)
 

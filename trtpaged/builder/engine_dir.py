@@ -169,11 +169,6 @@ def file_hashes(root: Path) -> dict[str, str]:
     return {rel: sha256_file(root / rel) for rel in _engine_files(root)}
 
 
-def file_sizes(root: Path) -> dict[str, int]:
-    """relative path -> bytes of every file under root except the manifest (the fast check at load)."""
-    return {rel: (root / rel).stat().st_size for rel in _engine_files(root)}
-
-
 def _engine_files(root: Path) -> list[str]:
     return [p.relative_to(root).as_posix() for p in sorted(root.rglob("*"))
             if p.is_file() and p.name not in (MANIFEST_NAME, BUILD_LOCK)]

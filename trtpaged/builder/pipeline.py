@@ -20,8 +20,7 @@ import torch
 
 from trtpaged import __version__
 from trtpaged.builder import compile as trt_compile
-from trtpaged.builder.engine_dir import (OutputDirError, check_output, file_hashes, file_sizes, staged_output,
-                                         write_manifest)
+from trtpaged.builder.engine_dir import OutputDirError, check_output, file_hashes, staged_output, write_manifest
 from trtpaged.builder.export import export_onnx
 from trtpaged.builder.accuracy import AccuracyError, measure_accuracy
 from trtpaged.builder.kv_accuracy import measure_kv_accuracy
@@ -197,7 +196,6 @@ def build_engine(
             hf.tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
             manifest = _manifest(config, dims, hf, verification, file_hashes(tmp), plan_built,
                                  quantized.describe(config.quantization) if quantized is not None else {}, shards)
-            manifest = replace(manifest, file_sizes=file_sizes(tmp))
             write_manifest(tmp, manifest)
             st.note(f"{len(manifest.files) + 1} files, backends: {', '.join(manifest.backends)}")
     total = progress.total()
