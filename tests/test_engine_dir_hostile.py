@@ -169,6 +169,10 @@ def _tokenizer_extra_file(e: Path) -> None:
     (e / "tokenizer" / "notes.txt").write_text("not from the build")
 
 
+def _garbage_tokenizer(e: Path) -> None:
+    (e / "tokenizer" / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "NoSuchModel"}}')
+
+
 def _kv_blocks_beyond_int32(e: Path) -> None:
     data = json.loads((e / MANIFEST_NAME).read_text())
     _edit_manifest(e, kv_cache={**data["kv_cache"], "num_blocks": 10**15})
@@ -196,6 +200,7 @@ BROKEN = {
     "weights not hashed": (_unlisted_weights, False, "weights_file", "not listed in the manifest's files"),
     "extra tokenizer file": (_tokenizer_extra_file, False, "tokenizer_dir", "does not list"),
     "num_blocks 10^15": (_kv_blocks_beyond_int32, False, "kv_cache.num_blocks", "int32 block ids"),
+    "garbage tokenizer.json, rehashed": (_garbage_tokenizer, True, "tokenizer_dir", "transformers cannot load it"),
 }
 
 

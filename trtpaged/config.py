@@ -27,8 +27,12 @@ quantization:              # weight-only quantization (default: none)
 ```
 
 Relative paths are relative to the yaml file. Every error names the key, the
-value and what is allowed; unknown keys are errors with a did-you-mean.
-Validation reads no weights: it is cheap and runs before any heavy work.
+value and what is allowed (ConfigError.field, .limit); unknown keys are errors
+with a did-you-mean. Values are bounded (max_seq_len >= MIN_SEQ_LEN, num_blocks
+within int32 block ids, model.tiny sizes). YAML aliases are refused (a few
+nested ones expand to billions of nodes), as are files over 1 MiB and nesting
+deeper than 16 levels. Validation reads no weights: it is cheap and runs before
+any heavy work.
 """
 
 from __future__ import annotations

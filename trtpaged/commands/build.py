@@ -25,12 +25,16 @@ model.yaml keys (examples in examples/; unknown keys are errors):
                   backend only; the build measures them against a float32 cache)
   max_batch_size  sequences per step (default 8)
   max_num_tokens  packed tokens per step, >= max_batch_size (default 512)
-  max_seq_len     prompt + generated tokens per sequence (default 2048)
+  max_seq_len     prompt + generated tokens per sequence (default 2048; 16 to 2^24)
   block_size      tokens per KV block: 8, 16, 32, 64, 128 (default 16)
   kv_cache        KV budget, one of {num_blocks: N}, {memory: "2GiB"},
-                  {fraction: 0.9} of free device memory at serve time (default)
+                  {fraction: 0.9} of free device memory at serve time (default);
+                  num_blocks up to 2^31-1, and a fixed budget beyond the memory of
+                  this machine's largest device is refused
   backend         auto | tensorrt | torch (default auto: TensorRT where present)
   output          engine dir, relative to the yaml (overridden by -o)
+YAML aliases (*name), nesting deeper than 16 levels and files over 1 MiB are
+refused.
 
 \b
 Stages: check, load, patch (trtpaged's step model), export (model.onnx +
@@ -47,7 +51,9 @@ node in numpy) over two chained packed steps (two prefills; then a decode, a
 continuing chunk and a new prefill) and compares every token's logits with the
 transformers forward. It fails when max |diff| > atol + rtol * max |logit|,
 (atol, rtol) = float32 (1e-3, 2e-3), float16 (5e-2, 1e-2), bfloat16 (0.2, 3e-2), by
-dtype or by a less precise 16-bit kv_cache_dtype.
+dtype or by a less precise 16-bit kv_cache_dtype. NaN or inf logits fail it
+(and the accuracy stages) whatever the difference; NaN or inf weights, or a
+checkpoint missing tensors of the architecture, fail the load stage.
 """
 
 

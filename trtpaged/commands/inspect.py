@@ -20,8 +20,8 @@ def command(engine_dir: Path, avg_len: int | None, memory: str | None, as_json: 
     """Print ENGINE_DIR's manifest and memory plan (bytes per token, blocks, concurrent sequences).
 
     The dir is checked as a load checks it (paths, sizes, safetensors headers, weight shapes against
-    the dims, NaN/inf weights, sha256 of every file unless verified before and unchanged); a broken
-    dir exits 1.
+    the dims, NaN/inf weights, the tokenizer, sha256 of every file unless verified before and
+    unchanged); a broken dir exits 1.
     """
     import time
 
@@ -30,6 +30,7 @@ def command(engine_dir: Path, avg_len: int | None, memory: str | None, as_json: 
     from trtpaged.engine_files import verify_engine_dir
     from trtpaged.manifest import read_manifest
     from trtpaged.models.loading import checked_weights
+    from trtpaged.runtime.llm import load_tokenizer
 
     try:
         manifest = read_manifest(engine_dir)
@@ -38,6 +39,7 @@ def command(engine_dir: Path, avg_len: int | None, memory: str | None, as_json: 
         seconds = time.perf_counter() - start
         for rank in range(manifest.tensor_parallel):
             checked_weights(engine_dir, manifest, rank)
+        load_tokenizer(engine_dir, manifest)
         memory_bytes = parse_size(memory) if memory is not None else None
         plan = plan_memory(manifest, memory_bytes)
     except (OSError, ValueError) as e:
