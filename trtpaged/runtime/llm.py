@@ -34,9 +34,6 @@ def load_tokenizer(engine_dir: Path, manifest: Manifest) -> Any:
     except Exception as e:  # noqa: BLE001  (transformers and tokenizers raise many types for a bad dir)
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
         raise EngineDirError(path, "tokenizer_dir", f"transformers cannot load it ({type(e).__name__}: {first})") from None
-    if len(tokenizer) > manifest.dims.vocab_size:
-        raise EngineDirError(path, "tokenizer_dir", f"{len(tokenizer)} tokens, more than the model's vocab_size "
-                             f"{manifest.dims.vocab_size}", manifest.dims.vocab_size)
     if manifest.chat_template and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = manifest.chat_template
     return tokenizer
