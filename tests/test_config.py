@@ -131,3 +131,78 @@ def test_unreadable_yaml(tmp_path):
     (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="expected a mapping"):
         load_config(tmp_path / "list.yaml")
+
+
+# --- hostile model.yaml files (issue 17: 13, 15) ---------------------------------------------------
+
+
+def _alias_bomb(levels: int = 9, width: int = 9) -> str:
+    """`levels` anchors, each a list of `width` aliases of the one before: width**levels leaves."""
+    lines = ["a0: &a0 [1.0]"]
+    for i in range(1, levels):
+        lines.append(f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * width)}]")
+    body = "\n".join("      " + line for line in lines)
+    return f"model:\n  tiny:\n    rope_scaling:\n{body}\n"
+
+
+def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path):
+    import time
+
+    path = tmp_path / "bomb.yaml"
+    path.write_text(_alias_bomb())
+    start = time.perf_counter()
+    with pytest.raises(ConfigError, match="YAML aliases .* are not accepted") as info:
+        load_config(path)
+    assert time.perf_counter() - start < 2.0
+    assert "line 5, column 16" in str(info.value)  # where the first alias is
+
+
+def test_a_single_alias_is_refused_and_deep_nesting_is_bounded(tmp_path):
+    (tmp_path / "alias.yaml").write_text("model: {tiny: {}}\nmax_batch_size: &n 4\nmax_num_tokens: *n\n")
+    with pytest.raises(ConfigError, match="aliases"):
+        load_config(tmp_path / "alias.yaml")
+    (tmp_path / "deep.yaml").write_text("model: {tiny: {rope_scaling: " + "[" * 5000 + "]" * 5000 + "}}\n")
+    with pytest.raises(ConfigError, match="nested deeper than 16 levels"):
+        load_config(tmp_path / "deep.yaml")
+    (tmp_path / "big.yaml").write_text("# " + "x" * (2 << 20) + "\nmodel: {tiny: {}}\n")
+    with pytest.raises(ConfigError, match="larger than 1048576 bytes"):
+        load_config(tmp_path / "big.yaml")
+    (tmp_path / "binary.yaml").write_bytes(b"model: {tiny: {}}\n\xff\xfe\n")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config(tmp_path / "binary.yaml")
+
+
+@pytest.mark.parametrize("tiny,field,words", [
+    ({"seed": "abc"}, "model.tiny.seed", "expected an integer >= 0"),
+    ({"seed": -1}, "model.tiny.seed", "expected an integer >= 0"),
+    ({"rope_theta": -1.0}, "model.tiny.rope_theta", "expected a number in (0, 1e+12]"),
+    ({"rope_theta": float("nan")}, "model.tiny.rope_theta", "expected a number"),
+    ({"rms_norm_eps": 0}, "model.tiny.rms_norm_eps", "expected a number"),
+    ({"tie_word_embeddings": "yes"}, "model.tiny.tie_word_embeddings", "expected true or false"),
+    ({"hidden_size": 10**9}, "model.tiny.hidden_size", "at most 8192"),
+    ({"rope_scaling": {"factor": {"nested": 1}}}, "model.tiny.rope_scaling.factor", "expected a number"),
+    ({"rope_scaling": {"long_factor": [1.0] * 5000}}, "model.tiny.rope_scaling.long_factor", "at most 4096"),
+    ({"architecture": ["LlamaForCausalLM"]}, "model.tiny.architecture", "expected an HF architecture name"),
+])
+def test_tiny_fields_are_checked_by_value(tiny, field, words):
+    with pytest.raises(ConfigError) as info:
+        parse_config({"model": {"tiny": tiny}})
+    assert info.value.field == field and f"{field}: " in str(info.value) and words in str(info.value)
+
+
+@pytest.mark.parametrize("data,field,limit", [
+    ({"max_seq_len": 1}, "max_seq_len", 16),
+    ({"max_seq_len": 2**40}, "max_seq_len", 2**24),
+    ({"kv_cache": {"num_blocks": 10**15}}, "kv_cache.num_blocks", 2**31 - 1),
+    ({"kv_cache": {"memory": "9" * 30 + "TiB"}}, "kv_cache.memory", 2**50),
+    ({"max_batch_size": 10**9, "max_num_tokens": 10**9}, "max_batch_size", 2**16),
+])
+def test_absurd_limits_are_refused_naming_the_limit(data, field, limit):
+    with pytest.raises(ConfigError) as info:
+        parse_config({**TINY, **data})
+    assert info.value.field == field and info.value.limit == limit and str(limit) in str(info.value)
+
+
+def test_paths_with_nul_bytes_are_config_errors():
+    assert "model.hf_dir: got 'a\\x00b'" in _err({"model": {"hf_dir": "a\0b"}})
+    assert "output: got" in _err({**TINY, "output": "x\0"})

@@ -173,9 +173,23 @@ def test_killed_rank_0_leaves_no_worker_behind(tiny_kv4_engines):
 def test_worker_failing_to_load_is_reported_at_start(tiny_kv4_engines, tmp_path):
     import shutil
 
+    import json
+    import struct
+
+    from trtpaged.engine_files import sha256_file
+
     engine = tmp_path / "engine"
     shutil.copytree(tiny_kv4_engines[2], engine)
-    (engine / "weights-rank1.safetensors").unlink()
+    # NaN weights in rank 1's shard, with the manifest's hash and size to match: rank 0's checks of the
+    # dir pass (they read rank 0's weights only), rank 1's load refuses them
+    shard = engine / "weights-rank1.safetensors"
+    data = bytearray(shard.read_bytes())
+    start = 8 + struct.unpack("<Q", data[:8])[0]
+    data[start:start + 4096] = b"\xff" * 4096
+    shard.write_bytes(bytes(data))
+    raw = json.loads((engine / "trtpaged.json").read_text())
+    raw["files"][shard.name] = sha256_file(shard)
+    (engine / "trtpaged.json").write_text(json.dumps(raw))
     start = time.monotonic()
     with pytest.raises(TensorParallelError, match=r"rendezvous failed: rank 1 \(pid \d+\) exited with code 1"):
         LLM(engine, device="cpu")

@@ -163,7 +163,10 @@ def trt_engine_dir(request, tmp_path_factory) -> Path:
     profile = ShapeProfile.from_limits(manifest.limits, manifest.kv_cache, manifest.kv_bytes_per_block)
     compile_engine(out / manifest.onnx_file, out / PLAN_FILE, profile, echo=print)
     raw = json.loads((out / MANIFEST_NAME).read_text())
+    from trtpaged.engine_files import sha256_file
+
     raw.update(plan_file=PLAN_FILE, backends=["torch", "tensorrt"])
+    raw["files"][PLAN_FILE] = sha256_file(out / PLAN_FILE)  # an engine dir lists every file it holds
     (out / MANIFEST_NAME).write_text(json.dumps(raw, indent=2))
     return out
 

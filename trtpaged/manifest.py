@@ -8,9 +8,13 @@ max_seq_len). Bumping FORMAT_VERSION is required for incompatible changes.
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Optional
+
+import pydantic
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "trtpaged.json"
@@ -21,6 +25,29 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 QUANTIZED_KV_DTYPES = ("int8", "fp8_e4m3")
 KV_DTYPES = tuple(DTYPE_BYTES) + QUANTIZED_KV_DTYPES
 KV_SCALE_BYTES = 2
+MAX_MANIFEST_BYTES = 16 << 20
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+MAX_KV_BLOCKS = 2**31 - 1  # block ids are int32 in the block tables
+MAX_KV_MEMORY = 1 << 50
+# upper bounds of the dims and limits a manifest may state (far above any model trtpaged runs)
+_DIM_BOUNDS = {"num_layers": 1024, "hidden_size": 1 << 16, "intermediate_size": 1 << 18, "num_heads": 1024,
+               "num_kv_heads": 1024, "head_dim": 1024, "vocab_size": 1 << 22, "max_position_embeddings": 1 << 24}
+_LIMIT_BOUNDS = {"max_batch_size": 1 << 16, "max_num_tokens": 1 << 24, "max_seq_len": 1 << 24}
+
+
+class EngineDirError(ValueError):
+    """An engine dir that cannot be used as it is.
+
+    `path` is the file at fault (trtpaged.json, a weights file, the tokenizer dir), `field` the manifest
+    field or tensor that names or describes it; `limit` the bound it broke, when there is one. The
+    message is one line for people; code reads the attributes.
+    """
+
+    def __init__(self, path: str | Path, field: str, message: str, limit: Any = None) -> None:
+        super().__init__(f"{path}: {field}: {message}")
+        self.path = Path(path)
+        self.field = field
+        self.limit = limit
 
 
 def kv_row_bytes(head_dim: int, kv_cache_dtype: str) -> int:
@@ -143,31 +170,170 @@ class Manifest:
         data["kv_bytes_per_token_per_rank"] = self.kv_bytes_per_token_per_rank
         return json.dumps(data, indent=2, sort_keys=True)
 
+    def file_fields(self) -> list[tuple[str, str]]:
+        """(manifest field, relative path) of every file or dir the manifest names, shards included."""
+        named = [("tokenizer_dir", self.tokenizer_dir), ("weights_file", self.weights_file)]
+        named += [(name, value) for name, value in (("onnx_file", self.onnx_file), ("plan_file", self.plan_file))
+                  if value is not None]
+        for rank, shard in enumerate(self.shards):
+            named += [(f"shards[{rank}].{key}", value) for key, value in sorted(shard.items())]
+        return named + [(f"files[{name!r}]", name) for name in sorted(self.files)]
+
+    def weight_files(self) -> list[str]:
+        """Every rank's weights file (one for an unsplit engine)."""
+        return [self.rank_files(rank)["weights_file"] for rank in range(self.tensor_parallel)]
+
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Manifest":
+    def from_dict(cls, data: Any, where: str | Path = MANIFEST_NAME) -> "Manifest":
+        """A manifest from parsed JSON; raises EngineDirError naming `where` and the field."""
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items() if k not in _DERIVED}
+        return cls.from_json(json.dumps(data), where)
+
+    @classmethod
+    def from_json(cls, text: str | bytes, where: str | Path = MANIFEST_NAME) -> "Manifest":
+        """A manifest from the text of trtpaged.json: types checked strictly, unknown fields refused, values
+        bounded; raises EngineDirError naming `where` and the field."""
+        try:
+            data = json.loads(text)
+        except (ValueError, RecursionError) as e:
+            raise EngineDirError(where, "(file)", f"not valid JSON ({e})") from None
+        if not isinstance(data, dict):
+            raise EngineDirError(where, "(file)", f"expected a JSON object, got {type(data).__name__}")
         version = data.get("format_version")
         if version != FORMAT_VERSION:
-            raise ValueError(
-                f"format_version: engine dir has {version!r}, this trtpaged reads {FORMAT_VERSION}; rebuild the engine"
-            )
-        data = dict(data)
-        data.pop("kv_bytes_per_token", None)
-        data.pop("kv_bytes_per_block", None)
-        data.pop("kv_bytes_per_token_per_rank", None)
-        return cls(
-            dims=ModelDims(**data.pop("dims")),
-            limits=Limits(**data.pop("limits")),
-            kv_cache=KVCacheBudget(**data.pop("kv_cache")),
-            **data,
-        )
+            raise EngineDirError(where, "format_version", f"engine dir has {version!r}, this trtpaged reads "
+                                 f"{FORMAT_VERSION}; rebuild the engine")
+        data = {k: v for k, v in data.items() if k not in _DERIVED}
+        try:
+            manifest = _adapter().validate_json(json.dumps(data))
+        except pydantic.ValidationError as e:
+            first = e.errors()[0]
+            name = ".".join(str(part) for part in first["loc"]) or "(file)"
+            message = "unknown field" if first["type"] == "unexpected_keyword_argument" else first["msg"]
+            raise EngineDirError(where, name, message) from None
+        _check_values(manifest, where)
+        return manifest
+
+
+_DERIVED = ("kv_bytes_per_token", "kv_bytes_per_block", "kv_bytes_per_token_per_rank")  # written by to_json
+_STRICT = pydantic.ConfigDict(extra="forbid", strict=True)
+_ADAPTER: Optional[pydantic.TypeAdapter] = None
+
+
+def _adapter() -> pydantic.TypeAdapter:
+    global _ADAPTER
+    if _ADAPTER is None:
+        for cls in (ModelDims, Limits, KVCacheBudget, Manifest):
+            cls.__pydantic_config__ = _STRICT  # type: ignore[attr-defined]
+        _ADAPTER = pydantic.TypeAdapter(Manifest)
+    return _ADAPTER
+
+
+def _check_values(m: Manifest, where: str | Path) -> None:
+    """What the types allow but no engine has: sizes out of bounds, non-finite numbers, inconsistent counts."""
+    def bad(name: str, message: str, limit: Any = None) -> EngineDirError:
+        return EngineDirError(where, name, message, limit)
+
+    d = m.dims
+    for name, high in _DIM_BOUNDS.items():
+        value = getattr(d, name)
+        if not 1 <= value <= high:
+            raise bad(f"dims.{name}", f"got {value}; expected 1 to {high}", high)
+    for name in ("rms_norm_eps", "rope_theta"):
+        value = getattr(d, name)
+        if not (math.isfinite(value) and value > 0):
+            raise bad(f"dims.{name}", f"got {value}; expected a finite positive number")
+    if d.num_heads % d.num_kv_heads:
+        raise bad("dims.num_kv_heads", f"{d.num_kv_heads} does not divide num_heads {d.num_heads}")
+    lim = m.limits
+    for name, high in _LIMIT_BOUNDS.items():
+        value = getattr(lim, name)
+        if not 1 <= value <= high:
+            raise bad(f"limits.{name}", f"got {value}; expected 1 to {high}", high)
+    if lim.block_size not in BLOCK_SIZES:
+        raise bad("limits.block_size", f"got {lim.block_size}; one of {', '.join(map(str, BLOCK_SIZES))}")
+    if lim.max_num_tokens < lim.max_batch_size:
+        raise bad("limits.max_num_tokens", f"{lim.max_num_tokens} is less than max_batch_size {lim.max_batch_size}")
+    kv = m.kv_cache
+    if [kv.num_blocks, kv.memory_bytes, kv.fraction].count(None) != 2:
+        raise bad("kv_cache", "exactly one of num_blocks, memory_bytes, fraction must be set")
+    if kv.num_blocks is not None and not 1 <= kv.num_blocks <= MAX_KV_BLOCKS:
+        raise bad("kv_cache.num_blocks", f"got {kv.num_blocks}; expected 1 to {MAX_KV_BLOCKS} (int32 block ids)",
+                  MAX_KV_BLOCKS)
+    if kv.memory_bytes is not None and not 1 <= kv.memory_bytes <= MAX_KV_MEMORY:
+        raise bad("kv_cache.memory_bytes", f"got {kv.memory_bytes}; expected 1 to {MAX_KV_MEMORY}", MAX_KV_MEMORY)
+    if kv.fraction is not None and not (math.isfinite(kv.fraction) and 0 < kv.fraction <= 1):
+        raise bad("kv_cache.fraction", f"got {kv.fraction}; expected a number in (0, 1]")
+    if m.dtype not in DTYPE_BYTES:
+        raise bad("dtype", f"got {m.dtype!r}; one of {', '.join(DTYPE_BYTES)}")
+    if m.kv_cache_dtype not in KV_DTYPES:
+        raise bad("kv_cache_dtype", f"got {m.kv_cache_dtype!r}; one of {', '.join(KV_DTYPES)}")
+    for name, token in [("bos_token_id", m.bos_token_id)] + [(f"eos_token_ids[{i}]", t) for i, t in enumerate(m.eos_token_ids)]:
+        if token is not None and not 0 <= token < d.vocab_size:
+            raise bad(name, f"token id {token} is outside the vocabulary (vocab_size {d.vocab_size})")
+    n = m.tensor_parallel
+    if not 1 <= n <= 64 or d.num_heads % n or d.num_kv_heads % n or d.intermediate_size % n:
+        raise bad("tensor_parallel", f"got {n}; it must divide num_heads {d.num_heads}, num_kv_heads "
+                  f"{d.num_kv_heads} and intermediate_size {d.intermediate_size} (at most 64)")
+    if n > 1 and len(m.shards) != n:
+        raise bad("shards", f"{len(m.shards)} shards for tensor_parallel {n}")
+    for rank, shard in enumerate(m.shards):
+        if set(shard) != {"weights_file", "onnx_file"} or not all(isinstance(v, str) for v in shard.values()):
+            raise bad(f"shards[{rank}]", "expected {\"weights_file\": NAME, \"onnx_file\": NAME}")
+    for name, digest in m.files.items():
+        if not _SHA256.fullmatch(digest):
+            raise bad(f"files[{name!r}]", f"got {digest[:80]!r}; expected a sha256 hex digest")
+    for name, rel in m.file_fields():
+        _check_relative(rel, name, where)
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _check_relative(rel: str, name: str, where: str | Path) -> None:
+    """A path inside the engine dir as written: relative, no `..`, no backslashes or NUL."""
+    parts = PurePosixPath(rel).parts
+    if not rel or "\0" in rel or "\\" in rel or PurePosixPath(rel).is_absolute() or ".." in parts or len(rel) > 4096:
+        raise EngineDirError(where, name, f"{rel[:200]!r} is not a path inside the engine dir "
+                             "(absolute paths and '..' are refused)")
+
+
+def engine_path(engine_dir: str | Path, rel: str, name: str) -> Path:
+    """`engine_dir / rel` once it is known to stay inside the engine dir, symlinks resolved; raises EngineDirError."""
+    root = Path(engine_dir).resolve()
+    _check_relative(rel, name, root / MANIFEST_NAME)
+    full = root / rel
+    try:
+        real = full.resolve()
+    except (OSError, RuntimeError) as e:
+        raise EngineDirError(full, name, f"cannot be resolved ({e})") from None
+    if real != root and root not in real.parents:
+        raise EngineDirError(full, name, f"resolves to {real}, outside the engine dir (a symlink out of it)")
+    return full
 
 
 def read_manifest(engine_dir: str | Path) -> Manifest:
-    """Reads `trtpaged.json` from an engine dir (or the dir holding a given engine.plan)."""
+    """Reads and checks `trtpaged.json` of an engine dir (or the dir holding a given engine.plan).
+
+    Raises FileNotFoundError when there is no manifest, EngineDirError when it is unusable: a field of the
+    wrong type or out of bounds, an unknown field, or a path that leaves the engine dir.
+    """
     path = Path(engine_dir)
     if path.is_file():
         path = path.parent
     manifest_path = path / MANIFEST_NAME
     if not manifest_path.is_file():
         raise FileNotFoundError(f"{path}: not an engine dir (no {MANIFEST_NAME}); build one with `trtpaged build`")
-    return Manifest.from_dict(json.loads(manifest_path.read_text()))
+    engine_path(path, MANIFEST_NAME, "(manifest)")
+    try:
+        with open(manifest_path, "rb") as f:
+            text = f.read(MAX_MANIFEST_BYTES + 1)
+    except OSError as e:
+        raise EngineDirError(manifest_path, "(file)", f"cannot be read ({e.strerror or e})") from None
+    if len(text) > MAX_MANIFEST_BYTES:
+        raise EngineDirError(manifest_path, "(file)", f"larger than {MAX_MANIFEST_BYTES} bytes", MAX_MANIFEST_BYTES)
+    manifest = Manifest.from_json(text, manifest_path)
+    for name, rel in manifest.file_fields():
+        engine_path(path, rel, name)
+    return manifest

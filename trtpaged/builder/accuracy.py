@@ -104,9 +104,14 @@ def _step_logits(step_model: Any, tokens: list[int], block_size: int) -> torch.T
     return logits
 
 
-def _compare(ref: list[torch.Tensor], got: list[torch.Tensor]) -> PathAccuracy:
+def _compare(ref: list[torch.Tensor], got: list[torch.Tensor], what: str) -> PathAccuracy:
     worst, agree, agree_clear, clear, total = 0.0, 0, 0, 0, 0
     for r, g in zip(ref, got):
+        for name, t in (("the unquantized model", r), (what, g)):
+            bad = int((~torch.isfinite(t)).sum())
+            if bad:  # max() skips NaN and argmax of NaN rows is arbitrary: fail, naming the path
+                raise AccuracyError(f"accuracy: {name} gives {bad} NaN/inf logits of {t.numel()}; "
+                                    "the weights or the config are broken")
         worst = max(worst, float((r - g).abs().max()))
         top2 = r.topk(2, dim=-1).values
         clear_rows = (top2[:, 0] - top2[:, 1]) >= NEAR_TIE
@@ -130,7 +135,8 @@ def measure_accuracy(hf_model: Any, tokenizer: Any, dequantized_hf: Any, step_mo
     int8 = uses_int8_activations(step_model)
     activations = "int8 per 32 inputs" if int8 else "float"
     bounds = ACCEPT[scheme] if int8 else (ACCEPT[scheme][0], ACCEPT[scheme][0])
-    report = AccuracyReport(scheme, bounds, _compare(truth, full), _compare(truth, eager), activations)
+    report = AccuracyReport(scheme, bounds, _compare(truth, full, "HF with the de-quantized weights"),
+                            _compare(truth, eager, "the torch backend's step model"), activations)
     got = (report.full_precision_activations.agreement_away_from_ties, report.torch_backend.agreement_away_from_ties)
     if any(g < t for g, t in zip(got, report.threshold)):
         need = " / ".join(f"{t:.0%}" for t in report.threshold)

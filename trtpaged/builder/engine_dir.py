@@ -1,7 +1,8 @@
 """Writing an engine dir atomically: everything goes to a hidden temp dir next to the output, then one rename.
 
-A failed build removes the temp dir (and any parent dirs it had to create),
-so it never leaves a half-written engine dir behind. An existing engine dir at
+A failed or interrupted build (Ctrl-C, SIGTERM) removes the temp dir (and any parent dirs it had
+to create), so it never leaves a half-written engine dir behind; a killed build's temp dir (SIGKILL)
+is removed by the next build into the same parent, once its lock shows the build is dead. An existing engine dir at
 the output path is replaced only when asked (`force`, `trtpaged build --force`),
 and then only once the new one is complete; a non-empty directory that is not
 an engine dir is never overwritten.
@@ -10,18 +11,26 @@ an engine dir is never overwritten.
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import fcntl
 import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from trtpaged.config import ConfigError
+from trtpaged.engine_files import sha256_file
 from trtpaged.manifest import MANIFEST_NAME, Manifest
 
 
-class OutputDirError(ValueError):
-    """The output path cannot hold an engine dir."""
+BUILD_LOCK = ".trtpaged-build.lock"  # inside a build's temp dir, flock-ed while the build runs
+
+
+class OutputDirError(ConfigError):
+    """The output path cannot hold an engine dir (a config error of `output` / `-o`)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, field="output")
 
 
 def check_output(output: Path, force: bool = False) -> None:
@@ -38,20 +47,94 @@ def check_output(output: Path, force: bool = False) -> None:
 
 @contextlib.contextmanager
 def staged_output(output: Path, force: bool = False) -> Iterator[Path]:
-    """Yields a temp dir; on success it becomes `output` (atomic rename), on failure it is deleted."""
+    """Yields a temp dir; on success it becomes `output` (atomic rename), on failure it is deleted.
+
+    The temp dir holds BUILD_LOCK, locked (flock) for as long as this build runs: the kernel drops the
+    lock when the process dies however it dies, so `remove_dead_builds` can tell a killed build's
+    leftovers from a live build's. Raises OutputDirError when the output's parent cannot be made.
+    """
     output = output.resolve()
     check_output(output, force)
     created = _first_missing_ancestor(output.parent)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
     try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        remove_dead_builds(output.parent)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
+    except OSError as e:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise OutputDirError(f"output: cannot create {output} ({e.strerror or e})") from None
+    lock = None
+    try:
+        lock = _hold_lock(tmp)
         yield tmp
+        (tmp / BUILD_LOCK).unlink()  # not part of the engine dir; the fd keeps the lock until the rename is done
         _replace(tmp, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)
         raise
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
+def _hold_lock(tmp: Path) -> int:
+    """Creates tmp/BUILD_LOCK already locked (made under another name and renamed once locked, so no one
+    sees it unlocked), with this process's pid for people; returns the fd that holds the lock."""
+    partial = tmp / (BUILD_LOCK + ".new")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    os.rename(partial, tmp / BUILD_LOCK)
+    return fd
+
+
+def remove_dead_builds(parent: Path) -> list[Path]:
+    """Removes the temp dirs of builds into `parent` that were killed (SIGKILL, a crash): those whose
+    BUILD_LOCK nobody holds any more. A live build's temp dir, or one without a lock (not provably
+    dead), is left alone. Returns what was removed."""
+    removed = []
+    for tmp in sorted(parent.glob(".*.tmp-*")):
+        lock_path = tmp / BUILD_LOCK
+        try:
+            fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue  # held: the build is alive
+        try:
+            if tmp.is_dir() and not tmp.is_symlink():
+                shutil.rmtree(tmp, ignore_errors=True)
+                removed.append(tmp)
+        finally:
+            os.close(fd)
+    return removed
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt while the block runs (main thread only), so a terminated build
+    cleans up as Ctrl-C does; the previous handler is restored after."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _first_missing_ancestor(path: Path) -> Path | None:
@@ -81,21 +164,14 @@ def _replace(tmp: Path, output: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def file_hashes(root: Path) -> dict[str, str]:
     """relative path -> sha256 of every file under root except the manifest."""
-    return {
-        str(p.relative_to(root)): sha256_file(p)
-        for p in sorted(root.rglob("*"))
-        if p.is_file() and p.name != MANIFEST_NAME
-    }
+    return {rel: sha256_file(root / rel) for rel in _engine_files(root)}
+
+
+def _engine_files(root: Path) -> list[str]:
+    return [p.relative_to(root).as_posix() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name not in (MANIFEST_NAME, BUILD_LOCK)]
 
 
 def write_manifest(root: Path, manifest: Manifest) -> Path:

@@ -119,6 +119,10 @@ def measure_kv_accuracy(step_model: Any, tokenizer: Any, kv_dtype: str, block_si
         prompt = prompt[: max_seq_len - new_tokens]
         ref_tokens, ref_logits = _generate(step_model, prompt, "float32", block_size, new_tokens)
         _, forced_logits = _generate(step_model, prompt, kv_dtype, block_size, new_tokens, forced=ref_tokens)
+        for what, logits in (("the float32 cache", ref_logits), (f"the {kv_dtype} cache", forced_logits)):
+            if not bool(torch.isfinite(logits).all()):
+                raise AccuracyError(f"kv_accuracy: the step model with {what} gives NaN/inf logits; the weights "
+                                    "or the config are broken")
         free_tokens, _ = _generate(step_model, prompt, kv_dtype, block_size, new_tokens)
         same = [a == b for a, b in zip(ref_tokens, free_tokens)]
         prefix = same.index(False) if False in same else len(same)

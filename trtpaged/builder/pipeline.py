@@ -30,8 +30,10 @@ from trtpaged.builder.quantize import check_dims, dequantized_hf_model, quantize
 from trtpaged.builder.verify import unsupported_reason, verify_onnx
 from trtpaged.builder.weights import save_weights
 from trtpaged.config import BuildConfig, ConfigError
+from trtpaged.kernels import KernelError
 from trtpaged.manifest import QUANTIZED_KV_DTYPES, Manifest, ModelDims
 from trtpaged.models.tensor_parallel import check_tensor_parallel
+from trtpaged.kv_budget import machine_memory_bytes
 
 WEIGHTS_FILE = "weights.safetensors"
 ONNX_FILE = "model.onnx"
@@ -63,7 +65,7 @@ def build_engine(
     An existing engine dir at `output` is replaced only with `force`.
     """
     from trtpaged.models import UnsupportedModelError, dims_from_hf_config, load_hf, source_architecture
-    from trtpaged.models.loading import TORCH_DTYPES, step_model_from_hf
+    from trtpaged.models.loading import TORCH_DTYPES, nonfinite_tensors, step_model_from_hf
 
     progress = Progress(echo)
     with progress.stage("check") as st:
@@ -81,6 +83,11 @@ def build_engine(
                 cause = e.__cause__ if e.__cause__ is not None and not isinstance(e, (OSError, ValueError)) else e
                 raise BuildError(f"load: model.{config.model.kind} ({config.model.path or 'tiny'}): "
                                  f"{type(cause).__name__}: {cause}") from e
+            broken = nonfinite_tensors(hf.model.state_dict())
+            if broken:
+                listed = ", ".join(f"{name} ({bad} of {numel})" for name, bad, numel in broken[:3])
+                raise BuildError(f"load: model.{config.model.kind} ({config.model.path or 'tiny'}): NaN/inf weights "
+                                 f"in {len(broken)} tensors: {listed}{', ...' if len(broken) > 3 else ''}")
             try:
                 dims = dims_from_hf_config(hf.config, config.limits.max_seq_len)
             except UnsupportedModelError as e:
@@ -137,8 +144,11 @@ def build_engine(
             verification: dict = {"skipped": True, "reason": why_not}
         else:
             with progress.stage("verify") as st:
-                result = verify_onnx([tmp / f["onnx_file"] for f in shards], reference_hf, dims.vocab_size,
-                                     config.limits.block_size, config.dtype, graph_kv_dtype, step_model)
+                try:
+                    result = verify_onnx([tmp / f["onnx_file"] for f in shards], reference_hf, dims.vocab_size,
+                                         config.limits.block_size, config.dtype, graph_kv_dtype, step_model)
+                except KernelError as e:
+                    raise BuildError(f"verify: {e}") from None
                 verification = result.as_dict()
                 against = "HF with the same de-quantized weights" if reference_hf is not hf.model else "HF"
                 if kv_quantized:
@@ -153,6 +163,8 @@ def build_engine(
                                               config.limits.block_size, scheme)
                 except AccuracyError as e:
                     raise BuildError(str(e)) from None
+                except KernelError as e:
+                    raise BuildError(f"accuracy: {e}") from None
                 verification["accuracy"] = report.as_dict()
                 st.note(report.line())
         if kv_quantized and not skip_verify:
@@ -259,7 +271,17 @@ def _check_limits(config: BuildConfig, dims: ModelDims, block_bytes: int) -> Non
     limits = config.limits
     if limits.max_seq_len > dims.max_position_embeddings and not dims.rope_scaling:
         raise ConfigError(f"max_seq_len: got {limits.max_seq_len}; the model was trained for "
-                          f"max_position_embeddings {dims.max_position_embeddings}")
+                          f"max_position_embeddings {dims.max_position_embeddings}", field="max_seq_len",
+                          limit=dims.max_position_embeddings)
+    budget = config.kv_cache
+    fixed = budget.num_blocks * block_bytes if budget.num_blocks is not None else budget.memory_bytes
+    machine = machine_memory_bytes()
+    if fixed is not None and fixed > machine:
+        key = "kv_cache.num_blocks" if budget.num_blocks is not None else "kv_cache.memory"
+        got = budget.num_blocks if budget.num_blocks is not None else budget.memory_bytes
+        raise ConfigError(f"{key}: got {got}: a KV pool of {fixed / 2**30:.3g} GiB ({block_bytes} bytes a block); "
+                          f"the most memory a device of this machine has is {machine / 2**30:.3g} GiB",
+                          field=key, limit=machine)
     if config.kv_cache.memory_bytes is not None:
         blocks, needed = config.kv_cache.memory_bytes // block_bytes, limits.max_blocks_per_seq
         if blocks < needed:

@@ -103,6 +103,10 @@ def verify_onnx(
                 ref = step_model(*step.args(eager_pool))[0].double().numpy()
         else:
             ref = hf_logits(hf_model, seqs, step.rows).numpy()
+        _check_finite(ref, "quantized-cache step model" if quantized else "transformers (the reference)", step)
+        for rank, (logits, _) in enumerate(outs):
+            _check_finite(logits, "ONNX graph" + (f" of rank {rank}" if len(outs) > 1 else ""), step)
+        # max() would skip a NaN (nan > x is False): the checks above keep every value finite
         worst = max(worst, *(float(np.abs(logits.astype(np.float64) - ref).max()) for logits, _ in outs))
         peak = max(peak, float(np.abs(ref).max()))
         rows += len(step.rows)
@@ -122,6 +126,15 @@ def verify_onnx(
             f"({named}: {atol} + {rtol} * max|logit| {peak:.3g})"
         )
     return result
+
+
+def _check_finite(logits: np.ndarray, what: str, step: Any) -> None:
+    """NaN or inf logits fail verification, whatever the difference says."""
+    finite = np.isfinite(logits)
+    if not finite.all():
+        raise VerificationError(f"verify: the {what} gives {int((~finite).sum())} NaN/inf logits of {finite.size} "
+                                f"over {len(step.rows)} rows; the model's weights or config are broken "
+                                "(e.g. rope_theta, rms_norm_eps, NaN weights)")
 
 
 def _run_ranks(sessions: list, feeds: dict, pools: list, exchange: Any) -> list[tuple[np.ndarray, np.ndarray]]:

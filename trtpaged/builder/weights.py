@@ -7,8 +7,6 @@ weights exist once on disk.
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
 
 import torch
@@ -25,13 +23,8 @@ def save_weights(model: nn.Module, path: Path) -> dict[str, torch.Tensor]:
 
 
 def tensor_offsets(path: Path) -> dict[str, tuple[int, int]]:
-    """name -> (byte offset from the file start, length) for every tensor of a safetensors file."""
-    with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len))
-    base = 8 + header_len
-    return {
-        name: (base + info["data_offsets"][0], info["data_offsets"][1] - info["data_offsets"][0])
-        for name, info in header.items()
-        if name != "__metadata__"
-    }
+    """name -> (byte offset from the file start, length) for every tensor of a safetensors file
+    (its header checked against the file: trtpaged.engine_files.read_safetensors_header)."""
+    from trtpaged.engine_files import read_safetensors_header
+
+    return {name: (entry.start, entry.end - entry.start) for name, entry in read_safetensors_header(path).items()}

@@ -39,9 +39,10 @@ def _kv_from_config(path: str):
     if spec.kind == "tiny":
         hf_config = load_hf(spec).config
     elif spec.kind == "hf_dir":
-        hf_config = AutoConfig.from_pretrained(str(spec.path), local_files_only=True)
+        hf_config = AutoConfig.from_pretrained(str(spec.path), local_files_only=True, trust_remote_code=False)
     else:
-        hf_config = AutoConfig.from_pretrained(str(spec.path.parent), gguf_file=spec.path.name, local_files_only=True)
+        hf_config = AutoConfig.from_pretrained(str(spec.path.parent), gguf_file=spec.path.name, local_files_only=True,
+                                               trust_remote_code=False)
     dims = dims_from_hf_config(hf_config, lim.max_seq_len)
     per_token = dims.kv_bytes_per_token(config.kv_cache_dtype)
     # the fields kv_budget reads; one rank's block is 1/tensor_parallel of the whole one

@@ -14,17 +14,35 @@ import click
 @click.option("--memory", "memory", default=None,
               help="Free device memory to evaluate a `fraction` KV budget with, e.g. 24GiB.")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw trtpaged.json instead.")
-def command(engine_dir: Path, avg_len: int | None, memory: str | None, as_json: bool) -> None:
-    """Print ENGINE_DIR's manifest and memory plan (bytes per token, blocks, concurrent sequences)."""
+@click.option("--verify", "full_verify", is_flag=True,
+              help="Hash every file against the manifest even if this dir was verified before.")
+def command(engine_dir: Path, avg_len: int | None, memory: str | None, as_json: bool, full_verify: bool) -> None:
+    """Print ENGINE_DIR's manifest and memory plan (bytes per token, blocks, concurrent sequences).
+
+    The dir is checked as a load checks it (paths, sizes, safetensors headers, weight shapes against
+    the dims, NaN/inf weights, the tokenizer, sha256 of every file unless verified before and
+    unchanged); a broken dir exits 1.
+    """
+    import time
+
     from trtpaged.memory_plan import format_bytes, plan_memory
     from trtpaged.config import parse_size
+    from trtpaged.engine_files import verify_engine_dir
     from trtpaged.manifest import read_manifest
+    from trtpaged.models.loading import checked_weights
+    from trtpaged.runtime.llm import load_tokenizer
 
     try:
         manifest = read_manifest(engine_dir)
+        start = time.perf_counter()
+        verified = verify_engine_dir(engine_dir, manifest, full=full_verify)
+        seconds = time.perf_counter() - start
+        for rank in range(manifest.tensor_parallel):
+            checked_weights(engine_dir, manifest, rank)
+        load_tokenizer(engine_dir, manifest)
         memory_bytes = parse_size(memory) if memory is not None else None
         plan = plan_memory(manifest, memory_bytes)
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     if as_json:
         click.echo(manifest.to_json())
@@ -32,6 +50,9 @@ def command(engine_dir: Path, avg_len: int | None, memory: str | None, as_json: 
     weight_bytes = _weight_bytes(engine_dir, manifest)
     for line in _manifest_lines(manifest, weight_bytes):
         click.echo(line)
+    how = ("sha256 of every file" if verified.method == "sha256" else
+           "unchanged since verified (stamp; --verify hashes again)")
+    click.echo(f"verified: {verified.files} files, {format_bytes(verified.bytes)}: {how} ({seconds:.2f}s)")
     click.echo("memory plan:")
     for line in plan.lines(avg_len):
         click.echo(f"  {line}")

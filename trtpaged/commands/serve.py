@@ -16,7 +16,8 @@ from trtpaged.errors import FatalEngineError
 @click.command(name="serve")
 @click.argument("engine", type=click.Path(exists=True))
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
-@click.option("--port", type=int, default=8000, show_default=True, help="Port to bind (0: any free port).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+              help="Port to bind (0: any free port).")
 @click.option("--served-model-name", default=None, help="Model name clients send and /v1/models lists (default: the engine dir's name).")
 @click.option("--api-key", envvar="TRTPAGED_API_KEY", default=None, show_envvar=True,
               help="Require 'Authorization: Bearer KEY' on /v1/* (/health and /metrics stay open).")
@@ -31,7 +32,8 @@ from trtpaged.errors import FatalEngineError
 @click.option("--max-batch-size", type=int, default=None, help="Sequences per step (at most the engine's build limit).")
 @click.option("--max-num-tokens", type=int, default=None, help="Tokens per step (at most the engine's build limit).")
 @click.option("--max-seq-len", type=int, default=None, help="Prompt + output tokens per sequence (at most the build limit).")
-@click.option("--kv-blocks", type=int, default=None, help="KV-cache blocks in the pool (default: the manifest's budget).")
+@click.option("--kv-blocks", type=click.IntRange(min=1), default=None,
+              help="KV-cache blocks in the pool (default: the manifest's budget); refused beyond the device's free memory.")
 @click.option("--backend", type=click.Choice(["auto", "torch", "tensorrt"]), default="auto", show_default=True)
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when present).")
 @click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=None,

@@ -82,17 +82,35 @@ def load_hf(spec: ModelSpec, dtype: torch.dtype = torch.float32) -> HFModel:
     source_architecture(spec)
     if spec.kind == "tiny":
         return _load_tiny(dict(spec.tiny or {}), dtype)
+    # never run code a model dir ships (auto_map): transformers would otherwise ask at a terminal
+    kwargs: dict[str, Any] = {"local_files_only": True, "trust_remote_code": False}
     if spec.kind == "hf_dir":
-        kwargs: dict[str, Any] = {"local_files_only": True}
         where = str(spec.path)
     else:
-        kwargs = {"gguf_file": spec.path.name, "local_files_only": True}
+        kwargs["gguf_file"] = spec.path.name
         where = str(spec.path.parent)
     with _no_progress_bars():
         config = AutoConfig.from_pretrained(where, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kwargs)
+        model, info = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, output_loading_info=True, **kwargs)
+    _check_loaded(spec, info)
     return HFModel(model=model.eval(), tokenizer=tokenizer, config=config)
+
+
+class MissingWeightsError(ValueError):
+    """The checkpoint lacks weights the architecture needs (transformers would fill them with random values)."""
+
+
+def _check_loaded(spec: ModelSpec, info: dict[str, Any]) -> None:
+    """Refuses a checkpoint with missing or wrongly shaped tensors; unexpected extra tensors are ignored."""
+    missing = sorted(k for k in info.get("missing_keys", ()) if "rotary_emb" not in k)
+    mismatched = sorted(str(k[0]) if isinstance(k, (list, tuple)) else str(k) for k in info.get("mismatched_keys", ()))
+    if missing:
+        raise MissingWeightsError(f"{spec.path} has no weights for {len(missing)} tensors of the architecture: "
+                                  f"{', '.join(missing[:6])}{', ...' if len(missing) > 6 else ''}")
+    if mismatched:
+        raise MissingWeightsError(f"{spec.path}: {len(mismatched)} tensors have shapes other than the config's: "
+                                  f"{', '.join(mismatched[:6])}{', ...' if len(mismatched) > 6 else ''}")
 
 
 @contextlib.contextmanager

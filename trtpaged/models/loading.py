@@ -5,9 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
-from trtpaged.manifest import Manifest, ModelDims, read_manifest
+from trtpaged.engine_files import TensorEntry, read_safetensors_header
+from trtpaged.manifest import MANIFEST_NAME, EngineDirError, Manifest, ModelDims, engine_path, read_manifest
 from trtpaged.models.all_reduce import RankReduce
 from trtpaged.models.llama import LlamaStepModel, QuantPlan, Rotary
 from trtpaged.models.tensor_parallel import shard_dims, shard_plan
@@ -68,13 +70,105 @@ def with_weights(dims: ModelDims, dtype: torch.dtype, state: dict[str, torch.Ten
     return model.eval()
 
 
+def nonfinite_tensors(state: dict[str, torch.Tensor]) -> list[tuple[str, int, int]]:
+    """(name, NaN/inf count, numel) of every floating-point tensor with a non-finite value."""
+    out = []
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and tensor.device.type != "meta" and not _all_finite(tensor):
+            out.append((name, int((~torch.isfinite(tensor)).sum()), tensor.numel()))
+    return out
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    # numpy, single-threaded: ~300 small torch.isfinite calls each open an OpenMP region, which took
+    # 0.4-3.8 s for the int4 SmolLM2's tensors on a busy 2-core machine (numpy: 13 ms)
+    if tensor.dtype in (torch.float32, torch.float16, torch.float64):
+        return bool(np.isfinite(tensor.detach().cpu().numpy()).all())
+    return bool(torch.isfinite(tensor).all())
+
+
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+                       torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
+                       torch.bool: "BOOL"}
+
+
+def _quant_plan(engine_dir: Path, manifest: Manifest) -> QuantPlan:
+    """manifest.quantization.modules as {module: (bits, group_size)}, each checked; raises EngineDirError."""
+    from trtpaged.config import GROUP_SIZES
+
+    modules = manifest.quantization.get("modules", {})
+    where = engine_dir / MANIFEST_NAME
+    if not isinstance(modules, dict):
+        raise EngineDirError(where, "quantization.modules", f"expected an object, got {type(modules).__name__}")
+    plan = {}
+    for name, spec in modules.items():
+        ok = (isinstance(spec, list) and len(spec) == 2 and spec[0] in (4, 8)
+              and isinstance(spec[1], int) and not isinstance(spec[1], bool) and 0 < spec[1] <= 1 << 20)
+        if not ok:
+            raise EngineDirError(where, f"quantization.modules[{name!r}]", f"got {spec!r}; expected [bits 4 or 8, "
+                                 f"group size such as {', '.join(map(str, GROUP_SIZES))}]")
+        plan[name] = (int(spec[0]), int(spec[1]))
+    return plan
+
+
+def check_weights(engine_dir: Path, manifest: Manifest, rank: int = 0) -> dict[str, TensorEntry]:
+    """Rank `rank`'s weights file against the model the manifest describes, from the safetensors header only
+    (no weights read): every tensor the step model has, of its shape and dtype, and no other. Raises
+    EngineDirError naming the file and the tensor."""
+    n = manifest.tensor_parallel
+    field = "weights_file" if n == 1 else f"shards[{rank}].weights_file"
+    rel = manifest.rank_files(rank)["weights_file"]
+    path = engine_path(engine_dir, rel, field)
+    if not path.is_file():
+        raise EngineDirError(path, field, "missing; rebuild the engine")
+    header = read_safetensors_header(path, field)
+    plan = shard_plan(_quant_plan(engine_dir, manifest), manifest.dims, n)
+    try:
+        with torch.device("meta"):
+            model = LlamaStepModel(shard_dims(manifest.dims, n), TORCH_DTYPES[manifest.dtype], quant=plan)
+    except (ValueError, RuntimeError, KeyError) as e:
+        raise EngineDirError(engine_dir / MANIFEST_NAME, "dims", f"no step model has these dims ({e})") from None
+    expected = model.state_dict()
+    for name, tensor in expected.items():
+        if name not in header:
+            raise EngineDirError(path, name, "missing from the weights, which the manifest's dims and quantization "
+                                 "need; rebuild the engine")
+        entry, want = header[name], (tuple(tensor.shape), _SAFETENSORS_DTYPES.get(tensor.dtype))
+        if (entry.shape, entry.dtype) != want:
+            raise EngineDirError(path, name, f"{entry.dtype} {list(entry.shape)} in the weights, the manifest's dims "
+                                 f"need {want[1]} {list(want[0])} (dims or weights changed after the build)")
+    extra = sorted(set(header) - set(expected))
+    if extra:
+        raise EngineDirError(path, extra[0], f"a tensor the step model does not have ({len(extra)} such)")
+    return header
+
+
+def checked_weights(engine_dir: Path, manifest: Manifest, rank: int = 0) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s weights (on the CPU) once `check_weights` passed and no float tensor holds NaN/inf;
+    raises EngineDirError."""
+    from safetensors.torch import load_file
+
+    check_weights(engine_dir, manifest, rank)
+    weights = Path(engine_dir) / manifest.rank_files(rank)["weights_file"]
+    try:
+        state = load_file(str(weights), device="cpu")
+    except Exception as e:  # noqa: BLE001  (safetensors raises its own error type)
+        raise EngineDirError(weights, "weights_file", f"safetensors cannot read it ({type(e).__name__}: {e})") from None
+    broken = nonfinite_tensors(state)
+    if broken:
+        name, bad, numel = broken[0]
+        raise EngineDirError(weights, name, f"{bad} of its {numel} values are NaN/inf (in {len(broken)} "
+                             "tensor(s) in all); the weights are corrupt, rebuild the engine")
+    return state
+
+
 def load_step_model(engine_dir: str | Path, device: str | torch.device = "cpu",
                     reduce: Optional[RankReduce] = None) -> tuple[LlamaStepModel, Manifest]:
     """Reads `trtpaged.json` and the weights file of an engine dir; returns (eager step model, manifest).
 
+    The weights are checked before use: names, shapes and dtypes against the manifest's dims (from the
+    header, before any tensor is read), then every float tensor for NaN/inf. Raises EngineDirError.
     A tensor-parallel engine (manifest.tensor_parallel > 1) needs `reduce`, whose rank picks the shard."""
-    from safetensors.torch import load_file
-
     engine_dir = Path(engine_dir)
     manifest = read_manifest(engine_dir)
     n = manifest.tensor_parallel
@@ -83,13 +177,9 @@ def load_step_model(engine_dir: str | Path, device: str | torch.device = "cpu",
         raise ValueError(f"tensor_parallel: {engine_dir} is split over {n} ranks; got {got} "
                          f"(use LLM(..., tensor_parallel={n}) or serve --tensor-parallel-size {n})")
     rank = reduce.rank if reduce is not None else 0
-    weights_file = manifest.rank_files(rank)["weights_file"]
-    weights = engine_dir / weights_file
-    if not weights.is_file():
-        raise FileNotFoundError(f"{engine_dir}: weights_file {weights_file!r} is missing; rebuild the engine")
-    state = load_file(str(weights), device=str(device))
-    plan = {name: (int(bits), int(group)) for name, (bits, group) in manifest.quantization.get("modules", {}).items()}
-    plan = shard_plan(plan, manifest.dims, n)
+    state = checked_weights(engine_dir, manifest, rank)
+    state = {k: v.to(device) for k, v in state.items()} if str(device) != "cpu" else state
+    plan = shard_plan(_quant_plan(engine_dir, manifest), manifest.dims, n)
     model = with_weights(shard_dims(manifest.dims, n), TORCH_DTYPES[manifest.dtype], state, device, plan,
                          reduce if n > 1 else None)
     if plan:

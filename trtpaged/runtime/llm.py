@@ -7,7 +7,8 @@ import gc
 from pathlib import Path
 from typing import Any, Optional, Sequence as Seq, Union
 
-from trtpaged.manifest import Manifest, read_manifest
+from trtpaged.engine_files import verify_engine_dir
+from trtpaged.manifest import EngineDirError, Manifest, engine_path, read_manifest
 from trtpaged.runtime.engines import load_runner, resolve_device, resolve_num_blocks
 from trtpaged.runtime.llm_engine import LLMEngine, Prompt
 from trtpaged.runtime.outputs import RequestOutput, RequestOutputKind
@@ -24,9 +25,15 @@ def _tightened(name: str, value: Optional[int], limit: int) -> int:
 
 
 def load_tokenizer(engine_dir: Path, manifest: Manifest) -> Any:
+    """The engine dir's tokenizer; never runs code it ships (trust_remote_code=False). Raises EngineDirError."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(engine_dir / manifest.tokenizer_dir), local_files_only=True)
+    path = engine_path(engine_dir, manifest.tokenizer_dir, "tokenizer_dir")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001  (transformers and tokenizers raise many types for a bad dir)
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        raise EngineDirError(path, "tokenizer_dir", f"transformers cannot load it ({type(e).__name__}: {first})") from None
     if manifest.chat_template and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = manifest.chat_template
     return tokenizer
@@ -49,6 +56,10 @@ class LLM:
     CUDA: one GPU each), or, when torchrun's variables (MASTER_ADDR,
     MASTER_PORT, WORLD_SIZE, RANK=0) are set, join from other machines.
     `close()` (or leaving a `with` block) stops them.
+
+    The engine dir is untrusted input: its manifest, paths, file hashes (in full at the first load,
+    `trtpaged.engine_files`), weights and tokenizer are checked before use. A dir that fails raises
+    `EngineDirError` (`.path`, `.field`); a KV pool beyond the device's memory raises `KVBudgetError`.
     """
 
     def __init__(
@@ -70,6 +81,7 @@ class LLM:
         path = Path(engine)
         self.engine_dir = path.parent if path.is_file() else path
         self.manifest = read_manifest(self.engine_dir)
+        verify_engine_dir(self.engine_dir, self.manifest)  # before anything of the dir is loaded
         limits = self.manifest.limits
         num_blocks = resolve_num_blocks(self.manifest, device, num_kv_blocks)
         self.config = RuntimeConfig(

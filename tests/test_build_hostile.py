@@ -1,0 +1,208 @@
+"""The builder refuses broken models early and leaves nothing behind (issue 17, items 11-15).
+
+Real builds through the CLI (`trtpaged build`, in-process or as a subprocess for the signal tests),
+real files; each refusal is one line naming the field or stage, and the output's parent holds
+nothing afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+
+from trtpaged.builder.engine_dir import BUILD_LOCK, remove_dead_builds
+from trtpaged.cli import main
+from trtpaged.config import parse_config
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+TINY = yaml.safe_load((EXAMPLES / "tiny.yaml").read_text())
+# a tiny model big enough that its export takes a few seconds: time to signal the build mid-way
+SLOW_TINY = {**TINY, "model": {"tiny": {**TINY["model"]["tiny"], "hidden_size": 512, "intermediate_size": 2048,
+                                        "num_attention_heads": 8, "num_key_value_heads": 4, "num_hidden_layers": 8,
+                                        "vocab_size": 8192}}}
+
+
+def _cli(*args: str):
+    return CliRunner().invoke(main, list(args))
+
+
+def _yaml(tmp_path: Path, data: dict) -> Path:
+    path = tmp_path / "model.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _one_line_failure(r, *words: str) -> str:
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
+    assert lines and lines[-1].startswith("Error: ") and "Traceback" not in r.output, r.output
+    for w in words:
+        assert w in lines[-1], lines[-1]
+    return lines[-1]
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"max_seq_len": 1}, ["max_seq_len: got 1; at least 16"]),
+    ({"model": {"tiny": {"seed": "abc"}}}, ["model.tiny.seed: got 'abc'"]),
+    ({"model": {"tiny": {"rope_theta": -1.0}}}, ["model.tiny.rope_theta: got -1.0"]),
+    ({"kv_cache": {"num_blocks": 10**15}}, ["kv_cache.num_blocks: got 1000000000000000; at most 2147483647"]),
+    ({"kv_cache": {"num_blocks": 2**31 - 1}}, ["kv_cache.num_blocks: got 2147483647: a KV pool of 1.64e+04 GiB",
+                                               "the most memory a device of this machine has"]),
+])
+def test_absurd_model_yaml_is_refused_in_one_line_and_leaves_nothing(tmp_path, change, words):
+    r = _cli("build", str(_yaml(tmp_path, {**TINY, **change})), "-o", str(tmp_path / "out" / "e"))
+    _one_line_failure(r, *words)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.yaml"]
+
+
+@pytest.mark.parametrize("output", ["/proc/trtpaged-x", "/dev/null/x"])
+def test_an_output_that_cannot_be_created_is_one_line(tmp_path, output):
+    r = _cli("build", str(EXAMPLES / "tiny.yaml"), "-o", output, "--skip-verify")
+    _one_line_failure(r, f"output: cannot create {output}")
+
+
+def _hf_dir(tmp_path: Path) -> Path:
+    from trtpaged.models import load_hf
+
+    hf = load_hf(parse_config({"model": {"tiny": {"num_hidden_layers": 1}}}).model)
+    hf.model.save_pretrained(tmp_path / "hf")
+    hf.tokenizer.save_pretrained(tmp_path / "hf")
+    return tmp_path / "hf"
+
+
+def test_a_checkpoint_without_the_weights_fails_naming_the_missing_tensors(tmp_path):
+    from safetensors.torch import save_file
+
+    hf = _hf_dir(tmp_path)
+    save_file({"unrelated": torch.zeros(4)}, str(hf / "model.safetensors"))
+    r = _cli("build", str(_yaml(tmp_path, {**TINY, "model": {"hf_dir": "hf"}})), "-o", str(tmp_path / "out"))
+    line = _one_line_failure(r, "load: model.hf_dir", "has no weights for 12 tensors of the architecture")
+    assert "model.embed_tokens.weight" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_nan_weights_fail_the_load_stage(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    hf = _hf_dir(tmp_path)
+    state = load_file(str(hf / "model.safetensors"))
+    state["model.layers.0.mlp.up_proj.weight"][3, 5] = float("nan")
+    save_file(state, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    r = _cli("build", str(_yaml(tmp_path, {**TINY, "model": {"hf_dir": "hf"}})), "-o", str(tmp_path / "out"))
+    _one_line_failure(r, "load: model.hf_dir", "NaN/inf weights in 1 tensors: model.layers.0.mlp.up_proj.weight (1 of")
+    assert not (tmp_path / "out").exists()
+
+
+def test_verification_fails_on_nan_logits_instead_of_reporting_a_zero_difference(tmp_path):
+    """max(0.0, nan) is 0.0: the old verifier passed a model whose logits were all NaN."""
+    from trtpaged.builder.export import export_onnx
+    from trtpaged.builder.verify import VerificationError, verify_onnx
+    from trtpaged.builder.weights import save_weights
+    from trtpaged.models import dims_from_hf_config, load_hf, step_model_from_hf
+
+    hf = load_hf(parse_config(TINY, base_dir=EXAMPLES).model)
+    dims = dims_from_hf_config(hf.config)
+    with torch.no_grad():
+        hf.model.model.norm.weight.fill_(float("nan"))  # every logit NaN, in the graph and in HF alike
+    model = step_model_from_hf(hf.model, dims)
+    save_weights(model, tmp_path / "weights.safetensors")
+    export_onnx(model, 16, torch.float32, tmp_path / "model.onnx", tmp_path / "weights.safetensors")
+    with pytest.raises(VerificationError, match=r"verify: the transformers \(the reference\) gives \d+ NaN/inf logits"):
+        verify_onnx(tmp_path / "model.onnx", hf.model, dims.vocab_size, 16, "float32", "float32")
+
+
+@pytest.mark.slow
+def test_a_gguf_with_ff_bytes_mid_file_fails_at_load_not_177_s_later(tmp_path):
+    spec = parse_config(yaml.safe_load((EXAMPLES / "smollm2.yaml").read_text()), base_dir=EXAMPLES).model
+    gguf = tmp_path / "broken.gguf"
+    shutil.copy(spec.path, gguf)
+    with open(gguf, "r+b") as f:
+        f.seek(gguf.stat().st_size // 2)
+        f.write(b"\xff" * 4096)
+    data = {**yaml.safe_load((EXAMPLES / "smollm2-int4.yaml").read_text()), "model": {"gguf": "broken.gguf"}}
+    data.pop("output", None)
+    start = time.perf_counter()
+    r = _cli("build", str(_yaml(tmp_path, data)), "-o", str(tmp_path / "out"))
+    _one_line_failure(r, "load: model.gguf", "NaN/inf weights")
+    assert time.perf_counter() - start < 120 and "accuracy" not in r.output
+    assert not (tmp_path / "out").exists()
+
+
+# --- signals and temp dirs -------------------------------------------------------------------------
+
+
+def _start_build(tmp_path: Path, out: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "trtpaged.cli", "build", str(_yaml(tmp_path, SLOW_TINY)), "-o", str(out)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
+
+
+def _wait_for_weights(parent: Path, proc: subprocess.Popen, timeout: float = 120) -> Path:
+    """The build's temp dir once its weights file is being written."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for tmp in parent.glob(".*.tmp-*"):
+            if (tmp / "weights.safetensors").exists():
+                return tmp
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("the build never wrote its weights")
+
+
+def test_sigterm_during_a_build_cleans_up_like_ctrl_c(tmp_path):
+    parent = tmp_path / "engines"
+    proc = _start_build(tmp_path, parent / "e")
+    _wait_for_weights(parent, proc)
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130 and "build interrupted; nothing was written" in output, output
+    assert "Traceback" not in output
+    assert not parent.exists()  # the temp dir, and the parent the build created, are gone
+
+
+def test_a_killed_builds_temp_dir_is_removed_by_the_next_build_and_a_live_ones_is_not(tmp_path):
+    parent = tmp_path / "engines"
+    parent.mkdir()
+    killed = _start_build(tmp_path, parent / "killed")
+    dead_tmp = _wait_for_weights(parent, killed)
+    killed.kill()  # SIGKILL: nothing runs in the build any more
+    killed.wait(timeout=60)
+    assert (dead_tmp / "weights.safetensors").exists() and (dead_tmp / BUILD_LOCK).exists()
+
+    live = _start_build(tmp_path, parent / "live")
+    deadline = time.monotonic() + 120
+    while not [t for t in parent.glob(".live.tmp-*") if (t / BUILD_LOCK).exists()]:
+        assert live.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    (live_tmp,) = parent.glob(".live.tmp-*")
+    assert not dead_tmp.exists()  # the next build into the parent removed it before making its own
+    assert remove_dead_builds(parent) == [] and live_tmp.exists()  # and a live build's stays
+    output = live.communicate(timeout=300)[0]
+    assert live.returncode == 0, output
+    assert sorted(p.name for p in parent.iterdir()) == ["live"]
+    # and a build into the same parent does it itself
+    dead = parent / ".other.tmp-x"
+    dead.mkdir()
+    os.close(os.open(dead / BUILD_LOCK, os.O_CREAT | os.O_WRONLY))  # a lock no one holds
+    r = _cli("build", str(EXAMPLES / "tiny.yaml"), "-o", str(parent / "tiny"), "--skip-verify")
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in parent.iterdir()) == ["live", "tiny"]
+    assert not (parent / "tiny" / BUILD_LOCK).exists()
+
+
+def test_a_temp_dir_without_a_lock_is_not_provably_dead_and_stays(tmp_path):
+    odd = tmp_path / ".e.tmp-old"
+    odd.mkdir()
+    (odd / "weights.safetensors").write_bytes(np.zeros(4, np.float32).tobytes())
+    assert remove_dead_builds(tmp_path) == [] and odd.exists()

@@ -1,0 +1,318 @@
+"""Engine dirs are untrusted input (issue 17, items 7-10 and 15's runtime part).
+
+Each broken dir is a real copy of the tiny engine with one thing damaged on disk. Every kind must
+make `inspect` and `generate` exit 1 with one line naming the file and the field (no traceback),
+and `LLM(...)` raise EngineDirError. Kinds that the hashes alone would catch are also tried with
+the manifest's hashes rewritten to match the damage, so that the structural check behind
+them (confinement, safetensors header, dims, NaN) is what refuses the dir.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from trtpaged.cli import main
+from trtpaged.engine_files import sha256_file, verify_engine_dir
+from trtpaged.manifest import MANIFEST_NAME, EngineDirError, read_manifest
+
+
+@pytest.fixture(autouse=True)
+def _own_stamp_cache(tmp_path, monkeypatch):
+    """Verified-stamps go to this test's own cache dir."""
+    monkeypatch.setenv("TRTPAGED_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _cli(*args: str):
+    return CliRunner().invoke(main, list(args))
+
+
+def _copy(tiny_engine_dir: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "engine"
+    shutil.copytree(tiny_engine_dir, out, symlinks=True)
+    return out
+
+
+def _edit_manifest(engine: Path, **changes) -> None:
+    path = engine / MANIFEST_NAME
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))
+
+
+def _rehash(engine: Path) -> None:
+    """Rewrites the manifest's hashes to match what is on disk (a hostile dir whose manifest agrees with it)."""
+    data = json.loads((engine / MANIFEST_NAME).read_text())
+    files = sorted(p for p in engine.rglob("*") if p.is_file() and p.name != MANIFEST_NAME)
+    data["files"] = {p.relative_to(engine).as_posix(): sha256_file(p) for p in files}
+    (engine / MANIFEST_NAME).write_text(json.dumps(data))
+
+
+def _weights_data_start(path: Path) -> int:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+    return 8 + n
+
+
+def _outside_file(engine: Path) -> Path:
+    outside = engine.parent / "outside"
+    outside.mkdir(exist_ok=True)
+    target = outside / "weights.safetensors"
+    shutil.copy(engine / "weights.safetensors", target)  # valid weights, but not the engine dir's
+    return target
+
+
+def _random_bytes_into_weights(e: Path) -> None:
+    start = _weights_data_start(e / "weights.safetensors")
+    with open(e / "weights.safetensors", "r+b") as f:
+        f.seek(start)
+        f.write(os.urandom(1 << 20))  # 1 MiB, past the tensors' end too
+
+
+def _random_bytes_in_place(e: Path) -> None:
+    path = e / "weights.safetensors"
+    start, size = _weights_data_start(path), path.stat().st_size
+    stat = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(start)
+        f.write(os.urandom(size - start))  # same size
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # and the same mtime
+
+
+def _zero_hashes(e: Path) -> None:
+    data = json.loads((e / MANIFEST_NAME).read_text())
+    _edit_manifest(e, files={name: "0" * 64 for name in data["files"]})
+
+
+def _truncate(e: Path) -> None:
+    path = e / "weights.safetensors"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _huge_header(e: Path) -> None:
+    path = e / "weights.safetensors"
+    path.write_bytes(struct.pack("<Q", 2**62) + path.read_bytes()[8:])
+
+
+def _all_ff(e: Path) -> None:
+    path = e / "weights.safetensors"
+    path.write_bytes(b"\xff" * path.stat().st_size)
+
+
+def _ff_tensor_data(e: Path) -> None:
+    path = e / "weights.safetensors"
+    data = bytearray(path.read_bytes())
+    start = _weights_data_start(path)
+    data[start:start + 4096] = b"\xff" * 4096  # float32 0xFFFFFFFF is NaN
+    path.write_bytes(bytes(data))
+
+
+def _pickle(e: Path) -> None:
+    from safetensors.torch import load_file
+
+    state = {name: t.clone().numpy() for name, t in load_file(str(e / "weights.safetensors")).items()}
+    with open(e / "weights.safetensors", "wb") as f:
+        pickle.dump(state, f)  # never unpickled: trtpaged reads only safetensors
+
+
+def _no_tokenizer(e: Path) -> None:
+    shutil.rmtree(e / "tokenizer")
+
+
+def _wrong_dims(e: Path) -> None:
+    data = json.loads((e / MANIFEST_NAME).read_text())
+    _edit_manifest(e, dims={**data["dims"], "intermediate_size": 256})
+
+
+def _unknown_field(e: Path) -> None:
+    _edit_manifest(e, weights_sha="abc")
+
+
+def _unlisted_weights(e: Path) -> None:
+    data = json.loads((e / MANIFEST_NAME).read_text())
+    files = {k: v for k, v in data["files"].items() if k != "weights.safetensors"}
+    _edit_manifest(e, files=files)
+
+
+def _parent_path(e: Path) -> None:
+    _edit_manifest(e, weights_file="../../../../etc/passwd")
+
+
+def _absolute_path(e: Path) -> None:
+    _edit_manifest(e, weights_file=str(_outside_file(e)))
+
+
+def _symlink_out(e: Path) -> None:
+    target = _outside_file(e)
+    (e / "weights.safetensors").unlink()
+    (e / "weights.safetensors").symlink_to(target)
+
+
+def _tokenizer_dir_up(e: Path) -> None:
+    _edit_manifest(e, tokenizer_dir="../../../../etc")
+
+
+def _tokenizer_symlink_out(e: Path) -> None:
+    shutil.move(str(e / "tokenizer"), str(e.parent / "tok-outside"))
+    (e / "tokenizer").symlink_to(e.parent / "tok-outside")
+
+
+def _tokenizer_extra_file(e: Path) -> None:
+    (e / "tokenizer" / "notes.txt").write_text("not from the build")
+
+
+def _garbage_tokenizer(e: Path) -> None:
+    (e / "tokenizer" / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "NoSuchModel"}}')
+
+
+def _kv_blocks_beyond_int32(e: Path) -> None:
+    data = json.loads((e / MANIFEST_NAME).read_text())
+    _edit_manifest(e, kv_cache={**data["kv_cache"], "num_blocks": 10**15})
+
+
+# kind -> (damage, rehash too?, the field the error names, words in it)
+BROKEN = {
+    "weights_file ../": (_parent_path, False, "weights_file", "not a path inside the engine dir"),
+    "weights_file absolute": (_absolute_path, False, "weights_file", "not a path inside the engine dir"),
+    "weights symlink out": (_symlink_out, False, "weights_file", "outside the engine dir"),
+    "tokenizer_dir ../": (_tokenizer_dir_up, False, "tokenizer_dir", "not a path inside the engine dir"),
+    "tokenizer symlink out": (_tokenizer_symlink_out, False, "tokenizer_dir", "outside the engine dir"),
+    "1 MiB random into weights": (_random_bytes_into_weights, False, "weights_file", "the file has 1048576 after the header"),
+    "random weights, same size and mtime": (_random_bytes_in_place, False, "files['weights.safetensors']", "sha256"),
+    "zeroed hashes": (_zero_hashes, False, "files[", "sha256"),
+    "truncated weights": (_truncate, False, "weights_file", "truncated"),
+    "truncated weights, rehashed": (_truncate, True, "weights_file", "truncated"),
+    "header length 2^62": (_huge_header, True, "weights_file", "header length 4611686018427387904"),
+    "0xFF weights": (_all_ff, True, "weights_file", "not a valid safetensors file"),
+    "0xFF tensor data": (_ff_tensor_data, True, "", "NaN/inf"),
+    "pickle weights": (_pickle, True, "weights_file", "not a valid safetensors file"),
+    "missing tokenizer dir": (_no_tokenizer, False, "tokenizer_dir", "missing"),
+    "wrong dims": (_wrong_dims, False, "layers.0.mlp.gate_up_proj.weight", "the manifest's dims need"),
+    "unknown manifest field": (_unknown_field, False, "weights_sha", "unknown field"),
+    "weights not hashed": (_unlisted_weights, False, "weights_file", "not listed in the manifest's files"),
+    "extra tokenizer file": (_tokenizer_extra_file, False, "tokenizer_dir", "does not list"),
+    "num_blocks 10^15": (_kv_blocks_beyond_int32, False, "kv_cache.num_blocks", "int32 block ids"),
+    "garbage tokenizer.json, rehashed": (_garbage_tokenizer, True, "tokenizer_dir", "transformers cannot load it"),
+}
+
+
+@pytest.mark.parametrize("kind", list(BROKEN))
+def test_a_broken_engine_dir_is_refused_in_one_line(tiny_engine_dir, tmp_path, kind):
+    from trtpaged import LLM
+
+    damage, rehash, field, words = BROKEN[kind]
+    engine = _copy(tiny_engine_dir, tmp_path)
+    damage(engine)
+    if rehash:
+        _rehash(engine)
+    for args in (["inspect", str(engine)], ["generate", str(engine), "--prompt", "hi", "--max-tokens", "2"]):
+        r = _cli(*args)
+        lines = r.output.strip().splitlines()
+        assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (args, r.output)
+        assert len(lines) == 1 and lines[0].startswith("Error: ") and "Traceback" not in r.output, r.output
+        assert field in lines[0] and words in lines[0], lines[0]
+    with pytest.raises(EngineDirError) as info:
+        LLM(engine, device="cpu")
+    assert field in info.value.field and words in str(info.value)
+    assert info.value.path.name in str(info.value)
+
+
+def test_the_intact_copy_loads_and_inspects(tiny_engine_dir, tmp_path):
+    """The control: the same copy, undamaged, passes every check."""
+    engine = _copy(tiny_engine_dir, tmp_path)
+    r = _cli("inspect", str(engine))
+    assert r.exit_code == 0 and "verified: 5 files" in r.output and "sha256 of every file" in r.output, r.output
+    r = _cli("generate", str(engine), "--prompt", "hi", "--max-tokens", "2")
+    assert r.exit_code == 0, r.output
+
+
+def test_hashes_are_checked_in_full_once_then_by_stamp(tiny_engine_dir, tmp_path):
+    engine = _copy(tiny_engine_dir, tmp_path)
+    manifest = read_manifest(engine)
+    assert verify_engine_dir(engine, manifest).method == "sha256"
+    assert verify_engine_dir(engine, manifest).method == "stamp"
+    stamps = list((tmp_path / "cache" / "verified").iterdir())
+    assert len(stamps) == 1 and not any(p.name.endswith(".json") for p in engine.rglob("*") if p.parent == engine
+                                        and p.name != MANIFEST_NAME)
+    assert verify_engine_dir(engine, manifest, full=True).method == "sha256"  # inspect --verify
+    r = _cli("inspect", str(engine))
+    assert "unchanged since verified" in r.output
+    r = _cli("inspect", str(engine), "--verify")
+    assert "sha256 of every file" in r.output
+    # a change after the stamp (same size, mtime put back; the ctime moves) is hashed and refused
+    _random_bytes_in_place(engine)
+    with pytest.raises(EngineDirError, match="sha256"):
+        verify_engine_dir(engine, manifest)
+
+
+def test_a_tokenizer_with_auto_map_never_runs_its_code(tiny_engine_dir, tmp_path):
+    from trtpaged import LLM
+
+    engine = _copy(tiny_engine_dir, tmp_path)
+    marker = tmp_path / "code-ran"
+    config_path = engine / "tokenizer" / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["auto_map"] = {"AutoTokenizer": ["evil.EvilTokenizer", None]}
+    config_path.write_text(json.dumps(config))
+    (engine / "tokenizer" / "evil.py").write_text(
+        f"open({str(marker)!r}, 'w').write('ran')\n"
+        "from transformers import PreTrainedTokenizerFast\nclass EvilTokenizer(PreTrainedTokenizerFast): pass\n")
+    _rehash(engine)  # the manifest lists the files: only trust_remote_code=False stands in the way
+    llm = LLM(engine, device="cpu")
+    assert type(llm.tokenizer).__name__ != "EvilTokenizer" and not marker.exists()
+
+
+def test_kv_pools_beyond_the_device_memory_are_refused_before_allocating(tiny_engine_dir, tmp_path):
+    from trtpaged import LLM
+    from trtpaged.kv_budget import KVBudgetError
+
+    with pytest.raises(KVBudgetError) as info:
+        LLM(tiny_engine_dir, device="cpu", num_kv_blocks=2**31 - 1)  # 8 KiB blocks: 16 TiB
+    assert info.value.field == "num_kv_blocks" and info.value.limit > 0 and "GiB" in str(info.value)
+    engine = _copy(tiny_engine_dir, tmp_path)
+    data = json.loads((engine / MANIFEST_NAME).read_text())
+    _edit_manifest(engine, kv_cache={**data["kv_cache"], "num_blocks": 2**31 - 1})
+    with pytest.raises(KVBudgetError, match="kv_cache.num_blocks: 2147483647 blocks of 8192 bytes need"):
+        LLM(engine, device="cpu")
+    r = _cli("generate", str(engine), "--prompt", "hi")
+    assert r.exit_code == 1 and r.output.count("\n") == 1 and "kv_cache.num_blocks" in r.output, r.output
+
+
+def test_serve_refuses_a_bad_port_and_too_many_kv_blocks_in_one_line(tiny_engine_dir):
+    r = _cli("serve", str(tiny_engine_dir), "--port", "70000")
+    assert r.exit_code == 2 and "Traceback" not in r.output and "70000 is not in the range 0<=x<=65535" in r.output
+    r = _cli("serve", str(tiny_engine_dir), "--port", "0", "--kv-blocks", str(2**31 - 1), "--device", "cpu")
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 1 and lines[-1].startswith("Error: num_kv_blocks: 2147483647 blocks"), r.output
+    assert "Traceback" not in r.output
+
+
+def test_tensor_parallel_shards_are_confined_and_checked(tiny_kv4_engines, tmp_path):
+    from trtpaged import LLM
+
+    engine = _copy(tiny_kv4_engines[2], tmp_path)
+    data = json.loads((engine / MANIFEST_NAME).read_text())
+    shards = [dict(s) for s in data["shards"]]
+    shards[1]["weights_file"] = "../../weights-rank1.safetensors"
+    _edit_manifest(engine, shards=shards)
+    r = _cli("inspect", str(engine))
+    assert r.exit_code == 1 and "shards[1].weights_file: '../../weights-rank1.safetensors' is not a path inside" in r.output
+
+    engine = _copy(tiny_kv4_engines[2], tmp_path / "second")
+    shard = engine / "weights-rank1.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-4096])
+    _rehash(engine)
+    r = _cli("inspect", str(engine))
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 1 and len(lines) == 1 and "weights-rank1.safetensors: shards[1].weights_file:" in lines[0]
+    assert "not a valid safetensors file" in lines[0], r.output
+    with pytest.raises(EngineDirError, match="shards\\[1\\].weights_file"):  # before any rank is started
+        LLM(engine, device="cpu")
