@@ -15,7 +15,20 @@
 #include <immintrin.h>
 #endif
 
+// This header and attention_tiles.h are compiled once per instruction set (the paged attention's
+// copies, paged_attention_{scalar,avx2,avx512}.cpp, each with its own -march). The linker keeps one
+// definition of an inline function, so each target's definitions live in a namespace of their own:
+// an AVX-512 copy can never be what the scalar path calls.
+#if defined(__AVX512F__)
+#define TRTPAGED_CPU_TARGET_NS target_avx512
+#elif defined(__AVX2__)
+#define TRTPAGED_CPU_TARGET_NS target_avx2
+#else
+#define TRTPAGED_CPU_TARGET_NS target_x86_64
+#endif
+
 namespace trtpaged::cpu {
+inline namespace TRTPAGED_CPU_TARGET_NS {
 
 #if defined(__FLT16_MAX__)
 // The compiler's half type: conversions become vcvtph2ps/vcvtps2ph and vectorize.
@@ -194,4 +207,5 @@ inline void dequantize_rows(const C* src, int64_t rows, int64_t d, float* dst) {
   }
 }
 
+}  // namespace TRTPAGED_CPU_TARGET_NS
 }  // namespace trtpaged::cpu
