@@ -20,7 +20,7 @@ import torch
 from kernel_cases import MIXED_SPECS, Batch, make_batch, tie_rows, write_rows
 from trtpaged import kernels
 from trtpaged.kv_quant import CODE_MAX, STORAGE_DTYPES, dequantize_rows, pack_rows, quantize_rows, split_rows
-from trtpaged.reference import paged_attention_reference
+from trtpaged.reference import paged_attention_reference, write_kv_reference
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="kernel library not built")
 
@@ -176,19 +176,28 @@ def _smollm2_like_batch(seed: int, io_dtype: torch.dtype = torch.float32) -> Bat
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_smollm2_shapes_every_layer(path: str, kv_dtype: str) -> None:
-    # Every layer of a SmolLM2-sized pool written and read through the kernel, one call per layer as the
-    # step model makes them: every byte of the pool as the reference writes it, attention as the reference's.
+    # Every layer of a SmolLM2-sized pool written through the kernel, one call per layer as the step model
+    # makes them (each layer its own K/V): every byte of the pool as the reference writes it; attention as
+    # the reference's on the first, a middle and the last layer.
     batch = _smollm2_like_batch(seed=11)
     pool = pack_rows(*quantize_rows(batch.kv_cache, kv_dtype))
     cache, ref_cache = pool.clone(), pool.clone()
-    args = batch.args()
+    q, k, v, _, positions, query_start, context_lens, block_tables = batch.args()
     worst = 0.0
     for layer in range(30):
-        out = kernels.paged_attention(*args[:3], cache, *args[4:], layer=layer, scale=batch.scale)
-        ref = paged_attention_reference(*args[:3], ref_cache, *args[4:], layer=layer, scale=batch.scale)
-        worst = max(worst, (out.double() - ref.double()).abs().max().item())
+        sign = 1.0 if layer % 2 == 0 else -1.0
+        k_l, v_l = k.roll(layer, dims=-1) * sign, v.roll(-layer, dims=-1)
+        out = kernels.paged_attention(q, k_l, v_l, cache, positions, query_start, context_lens, block_tables,
+                                      layer=layer, scale=batch.scale)
+        if layer in (0, 14, 29):
+            ref = paged_attention_reference(q, k_l, v_l, ref_cache, positions, query_start, context_lens,
+                                            block_tables, layer=layer, scale=batch.scale)
+            worst = max(worst, (out.double() - ref.double()).abs().max().item())
+        else:
+            write_kv_reference(k_l, v_l, ref_cache, positions, query_start, block_tables, layer)
     assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
-    assert worst <= 2e-5, f"max abs error {worst} against attention on the de-quantized cache"
+    bound = 4e-6 * v.abs().max().item()  # fp32 rounding of outputs as large as the outlier channels (~18)
+    assert worst <= bound, f"max abs error {worst} against attention on the de-quantized cache (bound {bound:.3g})"
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "float16", "bfloat16", "int8", "fp8_e4m3"])

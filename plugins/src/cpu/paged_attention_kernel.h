@@ -33,7 +33,6 @@
 namespace trtpaged::cpu {
 namespace {
 
-
 constexpr int kQueryChunk = 16;        // query tokens per task
 constexpr int kMinKeysPerSplit = 512;  // don't split key ranges shorter than this
 constexpr int kTileKeys = 256;         // keys per online-softmax update
