@@ -138,6 +138,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn.restype = ctypes.c_int
     lib.trtpaged_cpu_isa.restype = ctypes.c_char_p
     lib.trtpaged_cpu_isa.argtypes = []
+    attention_path = getattr(lib, "trtpaged_attention_cpu_path", None)  # an older library lacks it
+    if attention_path is not None:
+        attention_path.restype = ctypes.c_char_p
+        attention_path.argtypes = []
     fused_signatures = {
         "trtpaged_rmsnorm_cpu": [vp, vp, vp, ctypes.c_float, i64, i64, vp, vp],
         "trtpaged_rope_qk_cpu": [vp, i64, i32, i32, i32, vp, vp, vp, vp, vp],
@@ -431,13 +435,28 @@ CPU_ISAS = ("scalar", "avx2", "avxvnni", "avx512vnni")
 
 
 def cpu_isa() -> str:
-    """Instruction set the quantized linear kernels use: "avx512vnni", "avxvnni", "avx2" or "scalar"."""
+    """Instruction set the CPU kernels use: "avx512vnni", "avxvnni", "avx2" or "scalar"."""
     return library().trtpaged_cpu_isa().decode()
 
 
+# The paged attention's compiled copies (plugins/src/cpu/paged_attention_*.cpp), and the copy each
+# cpu_isa runs: AVX-VNNI adds nothing the attention uses.
+ATTENTION_CPU_PATHS = ("scalar", "avx2", "avx512")
+ATTENTION_PATH_OF_ISA = {"scalar": "scalar", "avx2": "avx2", "avxvnni": "avx2", "avx512vnni": "avx512"}
+
+
+def attention_cpu_path() -> str:
+    """The copy of the CPU paged attention (and KV write) that runs under the current cpu_isa:
+    "avx512", "avx2" or "scalar"."""
+    fn = getattr(library(), "trtpaged_attention_cpu_path", None)
+    if fn is None:
+        raise KernelError("attention_cpu_path: this kernel library predates run-time attention dispatch; rebuild it")
+    return fn().decode()
+
+
 def set_cpu_isa(name: Optional[str]) -> None:
-    """Forces the quantized kernels' instruction set (None: the best this CPU has); for tests and
-    comparisons. Raises KernelError when the CPU lacks it."""
+    """Forces the CPU kernels' instruction set, the quantized linear's and the paged attention's (None:
+    the best this CPU has); for tests and comparisons. Raises KernelError when the CPU lacks it."""
     _check("set_cpu_isa", library().trtpaged_set_cpu_isa(name.encode() if name else None))
 
 

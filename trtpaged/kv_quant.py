@@ -13,7 +13,9 @@ larger value never re-quantizes a block's earlier rows; it costs 2 bytes per row
 1.94x the tokens of an fp16 cache in the same bytes, 3.88x those of fp32). An fp32 scale would cost
 4 bytes (1.88x fp16). Codes are made with the stored fp16 scale, so its rounding only matters when
 it rounds down and the row's largest value clamps: at most 2^-11 of max|x|, against the int8 step's
-half of 1/127.
+half of 1/127. A row holding a NaN is stored as a NaN scale and zero codes (int8 has no NaN code):
+it reads back as NaN rather than as plausible numbers. A scale past fp16's range is clamped to
+65504 and the codes saturate.
 The scales live inside the block, so block copy, swap and copy-on-write move them with the codes.
 The pool's torch dtype names the format: torch.int8 for int8, torch.float8_e4m3fn for fp8_e4m3
 (the 2 scale bytes of a row are not codes; read them with `split_rows`).
@@ -29,6 +31,7 @@ SCALE_DTYPE = torch.float16
 STORAGE_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 CODE_MAX = {"int8": 127.0, "fp8_e4m3": 448.0}
 _BY_STORAGE = {v: k for k, v in STORAGE_DTYPES.items()}
+_NAN_SCALE_BITS = 0x7E00  # the fp16 quiet NaN the kernels store as a NaN row's scale
 
 
 def is_quantized(kv_dtype: str) -> bool:
@@ -48,9 +51,12 @@ def row_width(head_dim: int, kv_dtype: str) -> int:
 
 def quantize_rows(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes [..., D] (storage dtype) and scales [...] (float32 holding the stored fp16 values) of rows
-    x [..., D], as the kernels make them."""
+    x [..., D], as the kernels make them. A row holding a NaN gets the quiet NaN scale (fp16 0x7e00) and
+    zero codes, so that it reads back as NaN; infinities saturate like any value past the range."""
     x = x.float()
-    scale = (x.abs().amax(dim=-1) / CODE_MAX[kv_dtype]).clamp(max=65504.0).to(SCALE_DTYPE).float()
+    amax = x.abs().nan_to_num(nan=0.0).amax(dim=-1)
+    scale = (amax / CODE_MAX[kv_dtype]).clamp(max=65504.0).to(SCALE_DTYPE).float()
+    scale = torch.where(x.isnan().any(dim=-1), torch.tensor(float("nan")), scale)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     y = torch.where(scale[..., None] > 0, x / safe[..., None], torch.zeros_like(x))
     if kv_dtype == "int8":
@@ -62,7 +68,9 @@ def quantize_rows(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.T
 
 def pack_rows(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Rows [..., D + 2] of the pool from codes [..., D] and scales [...] (rounded to fp16)."""
-    scale_bytes = scales.to(SCALE_DTYPE).contiguous().view(torch.uint8).reshape(*scales.shape, SCALE_BYTES)
+    bits = scales.to(SCALE_DTYPE).contiguous().view(torch.int16)
+    bits = torch.where(scales.isnan(), torch.tensor(_NAN_SCALE_BITS, dtype=torch.int16), bits)  # torch's NaN bits vary
+    scale_bytes = bits.view(torch.uint8).reshape(*scales.shape, SCALE_BYTES)
     return torch.cat([codes.view(torch.uint8), scale_bytes], dim=-1).view(codes.dtype)
 
 

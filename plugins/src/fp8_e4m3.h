@@ -12,7 +12,9 @@
 #if defined(__CUDACC__)
 #define TRTPAGED_HOST_DEVICE __host__ __device__ __forceinline__
 #else
-#define TRTPAGED_HOST_DEVICE inline
+// static: the CPU paged attention compiles this header once per instruction set (its -march differs
+// per file), and the linker must not merge those copies.
+#define TRTPAGED_HOST_DEVICE static inline
 #endif
 
 namespace trtpaged {

@@ -37,7 +37,14 @@ from trtpaged.kv_quant import is_quantized
 
 # float32: the HF forward itself moves by ~3e-4 * max|logit| between float32 and float64 on SmolLM2,
 # and the ONNX graph (numpy) is about as far from float64 as HF float32 is, in the other direction.
-TOLERANCES = {"float32": (1e-3, 2e-3), "float16": (5e-2, 1e-2), "bfloat16": (2e-1, 3e-2)}
+# A quantized cache's graph is compared with the eager step model over the same kind of cache: each
+# rounds K/V to codes from its own float32 activations, and a last-bit difference at a rounding tie
+# moves a code by a whole step, which later layers carry on. SmolLM2-135M (30 layers), same codes on
+# every CPU path: max |onnx - eager| 0.38-0.44 (int8), 0.86-1.25 (fp8_e4m3) at max|logit| 34 (float32's
+# tolerance, 0.07, failed the int8 build); the eager model's own float32 cache differs from the
+# reference attention's by 0.002, and an int8 cache differs from a float32 one by 7.7.
+TOLERANCES = {"float32": (1e-3, 2e-3), "float16": (5e-2, 1e-2), "bfloat16": (2e-1, 3e-2),
+              "int8": (2e-1, 3e-2), "fp8_e4m3": (5e-1, 6e-2)}
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
 
 

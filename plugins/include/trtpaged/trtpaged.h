@@ -195,12 +195,17 @@ TRTPAGED_API trtpaged_status trtpaged_qlinear_cpu(const float* x, int64_t m, con
 TRTPAGED_API trtpaged_status trtpaged_qlinear_cpu_ex(const float* x, int64_t m, const void* packed, int32_t bits,
                                                      int64_t n, int64_t k, int32_t group_size, const float* bias,
                                                      float* y, int32_t activations);
-/* The instruction set the quantized kernels use on this CPU: "avx512vnni", "avxvnni", "avx2" or
- * "scalar". Chosen at first use: the best the CPU supports, or $TRTPAGED_CPU_ISA if lower. */
+/* The instruction set the CPU kernels (quantized linear, paged attention) use on this CPU:
+ * "avx512vnni", "avxvnni", "avx2" or "scalar". Chosen at first use: the best the CPU supports, or
+ * $TRTPAGED_CPU_ISA if lower. */
 TRTPAGED_API const char* trtpaged_cpu_isa(void);
-/* Forces the quantized kernels' instruction set (tests, comparisons); NULL or "" restores the
+/* Forces the CPU kernels' instruction set (tests, comparisons); NULL or "" restores the
  * best. UNSUPPORTED if this CPU lacks it. Not to be called while a kernel runs. */
 TRTPAGED_API trtpaged_status trtpaged_set_cpu_isa(const char* name);
+/* The compiled copy of the CPU paged attention (KV write, quantization, attention) that the current
+ * instruction set runs: "avx512" (x86-64-v4, under avx512vnni), "avx2" (x86-64-v3, under avx2 and
+ * avxvnni) or "scalar". Every copy writes the same cache bytes. */
+TRTPAGED_API const char* trtpaged_attention_cpu_path(void);
 
 /*
  * Fused element-wise ops of the eager step model (CPU, float32, row-major, contiguous). Each is

@@ -16,6 +16,7 @@
 #endif
 
 namespace trtpaged::cpu {
+inline namespace TRTPAGED_CPU_TARGET_NS {  // see dtype_cpu.h
 
 constexpr int kRowGroup = 4;
 
@@ -545,4 +546,5 @@ inline void accumulate_for(int nr, const float* weights, int64_t stride, const f
   }
 }
 
+}  // namespace TRTPAGED_CPU_TARGET_NS
 }  // namespace trtpaged::cpu

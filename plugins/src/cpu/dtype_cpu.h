@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <type_traits>
 #include <cstring>
+#include <limits>
 
 #include "fp8_e4m3.h"
 
@@ -15,7 +16,20 @@
 #include <immintrin.h>
 #endif
 
+// This header and attention_tiles.h are compiled once per instruction set (the paged attention's
+// copies, paged_attention_{scalar,avx2,avx512}.cpp, each with its own -march). The linker keeps one
+// definition of an inline function, so each target's definitions live in a namespace of their own:
+// an AVX-512 copy can never be what the scalar path calls.
+#if defined(__AVX512F__)
+#define TRTPAGED_CPU_TARGET_NS target_avx512
+#elif defined(__AVX2__)
+#define TRTPAGED_CPU_TARGET_NS target_avx2
+#else
+#define TRTPAGED_CPU_TARGET_NS target_x86_64
+#endif
+
 namespace trtpaged::cpu {
+inline namespace TRTPAGED_CPU_TARGET_NS {
 
 #if defined(__FLT16_MAX__)
 // The compiler's half type: conversions become vcvtph2ps/vcvtps2ph and vectorize.
@@ -153,19 +167,25 @@ inline const E4m3Table& e4m3_table() {
   return table;
 }
 
-// Quantizes one row of n values into codes and its scale (written after the codes).
+// Quantizes one row of n values into codes and its scale (written after the codes), as
+// trtpaged/kv_quant.py's quantize_rows does. A row holding a NaN gets a NaN scale and zero codes,
+// so it reads back as NaN: int8 has no NaN code, and a scale from the other values would turn the
+// NaN into a plausible number (it used to become code 0, and an all-NaN row a zero row).
 template <typename C, typename IO>
 inline void quantize_row(const IO* src, int64_t n, C* codes, float* buf) {
   float amax = 0.0f;
+  bool nan = false;
   for (int64_t i = 0; i < n; ++i) {
     buf[i] = to_float(src[i]);
-    amax = std::max(amax, std::fabs(buf[i]));
+    amax = std::max(amax, std::fabs(buf[i]));  // a NaN never wins this max, on any path
+    nan |= buf[i] != buf[i];
   }
   half_t stored;  // the scale as stored (fp16, round to nearest even): codes are made with it
-  store(stored, std::min(amax / code_max<C>(), 65504.0f));
+  store(stored, nan ? std::numeric_limits<float>::quiet_NaN() : std::min(amax / code_max<C>(), 65504.0f));
   const float scale = to_float(stored);
   for (int64_t i = 0; i < n; ++i) {
-    // Division (not a multiply by the reciprocal) so that codes equal round(x / scale) exactly.
+    // Division (not a multiply by the reciprocal) so that codes equal round(x / scale) exactly;
+    // a zero or NaN scale gives zero codes.
     const float x = scale > 0.0f ? buf[i] / scale : 0.0f;
     if constexpr (std::is_same_v<C, int8_code>)
       codes[i].bits = int8_t(std::clamp(__builtin_nearbyintf(x), -127.0f, 127.0f));
@@ -194,4 +214,5 @@ inline void dequantize_rows(const C* src, int64_t rows, int64_t d, float* dst) {
   }
 }
 
+}  // namespace TRTPAGED_CPU_TARGET_NS
 }  // namespace trtpaged::cpu

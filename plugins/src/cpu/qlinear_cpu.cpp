@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "common.h"
+#include "cpu/isa.h"
 
 // GCC 12's AVX-512 intrinsics (_mm512_reduce_add_ps, _mm512_cvtepi32_ps) start from
 // _mm512_undefined_*(), which -Wuninitialized reports as used uninitialized: a false positive.
@@ -44,8 +45,11 @@ using trtpaged::fail;
 constexpr int kRows = 16;   // output rows per tile
 constexpr int kMaxMB = 8;   // activation rows per kernel call (register blocking), at most
 
-enum Isa { kScalar = 0, kAvx2 = 1, kAvxVnni = 2, kAvx512Vnni = 3 };
-const char* const kIsaNames[] = {"scalar", "avx2", "avxvnni", "avx512vnni"};
+using trtpaged::cpu::Isa;
+using trtpaged::cpu::kAvx2;
+using trtpaged::cpu::kAvx512Vnni;
+using trtpaged::cpu::kAvxVnni;
+using trtpaged::cpu::kScalar;
 
 struct Layout {
   int bits;
@@ -408,51 +412,7 @@ __attribute__((target("avx2,fma,f16c"))) int ftile_avx2(const TileArgs& t, int c
 
 
 // ---------------------------------------------------------------------------------------------
-// Dispatch.
-// Whether this CPU (and OS) can run a variant: AVX-512 VNNI and AVX-VNNI are independent
-// (Ice Lake and Zen 4 have the first without the second).
-bool isa_supported(Isa isa) {
-  __builtin_cpu_init();
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  switch (isa) {
-    case kAvx512Vnni:
-      return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-    case kAvxVnni: return avx2 && __builtin_cpu_supports("avxvnni");
-    case kAvx2: return avx2;
-    default: return true;
-  }
-}
-
-Isa best_isa() {
-  for (Isa isa : {kAvx512Vnni, kAvxVnni, kAvx2})
-    if (isa_supported(isa)) return isa;
-  return kScalar;
-}
-
-int isa_from_name(const char* name) {
-  for (int i = 0; i < 4; ++i)
-    if (std::strcmp(name, kIsaNames[i]) == 0) return i;
-  return -1;
-}
-
-// -1 until first use; then the ISA in use. Set from TRTPAGED_CPU_ISA at first use (when lower
-// than the best and supported; otherwise ignored), or by trtpaged_set_cpu_isa.
-int g_isa = -1;
-
-Isa current_isa() {
-  int isa = __atomic_load_n(&g_isa, __ATOMIC_ACQUIRE);
-  if (isa >= 0) return Isa(isa);
-  Isa best = best_isa();
-  Isa chosen = best;
-  if (const char* env = std::getenv("TRTPAGED_CPU_ISA")) {
-    const int want = isa_from_name(env);
-    if (want >= 0 && want < best && isa_supported(Isa(want))) chosen = Isa(want);
-  }
-  __atomic_store_n(&g_isa, int(chosen), __ATOMIC_RELEASE);
-  return chosen;
-}
-
+// Dispatch: the kernels of the ISA in use (chosen in isa.cpp).
 TileKernel tile_kernel(Isa isa, int bits, bool float_activations) {
   if (float_activations) {
     switch (isa) {
@@ -757,7 +717,7 @@ TRTPAGED_API trtpaged_status trtpaged_qlinear_cpu_ex(const float* x, int64_t m, 
     if (!packed) return trtpaged_status(fail(TRTPAGED_ERR_INVALID_ARGUMENT, "packed: null pointer"));
     if (!y) return trtpaged_status(fail(TRTPAGED_ERR_INVALID_ARGUMENT, "y: null pointer"));
     const Layout l = make_layout(bits, n, k, group_size);
-    const Isa isa = current_isa();
+    const Isa isa = trtpaged::cpu::current_isa();
     const bool float_acts = activations == TRTPAGED_QLINEAR_FLOAT_ACTIVATIONS;
     static thread_local CallBuffers buf;
     Acts acts{};
@@ -789,26 +749,6 @@ TRTPAGED_API trtpaged_status trtpaged_qlinear_cpu(const float* x, int64_t m, con
                                                   int64_t n, int64_t k, int32_t group_size, const float* bias,
                                                   float* y) {
   return trtpaged_qlinear_cpu_ex(x, m, packed, bits, n, k, group_size, bias, y, TRTPAGED_QLINEAR_INT8_ACTIVATIONS);
-}
-
-TRTPAGED_API const char* trtpaged_cpu_isa(void) { return kIsaNames[current_isa()]; }
-
-TRTPAGED_API trtpaged_status trtpaged_set_cpu_isa(const char* name) {
-  using namespace trtpaged;
-  const Isa best = best_isa();
-  if (!name || !*name) {
-    __atomic_store_n(&g_isa, int(best), __ATOMIC_RELEASE);
-    return trtpaged_status(ok());
-  }
-  const int want = isa_from_name(name);
-  if (want < 0)
-    return trtpaged_status(fail(TRTPAGED_ERR_INVALID_ARGUMENT, std::string("name: unknown instruction set '") + name +
-                                                                   "' (avx512vnni, avxvnni, avx2 or scalar)"));
-  if (!isa_supported(Isa(want)))
-    return trtpaged_status(fail(TRTPAGED_ERR_UNSUPPORTED, std::string("name: this CPU does not support ") + name +
-                                                              " (best: " + kIsaNames[best] + ")"));
-  __atomic_store_n(&g_isa, want, __ATOMIC_RELEASE);
-  return trtpaged_status(ok());
 }
 
 }  // extern "C"

@@ -1,0 +1,395 @@
+// The CPU paged attention: write the step's K/V into the block-major pool, then
+// causal attention of each query token over its sequence's cached tokens.
+//
+// This header is the kernel's whole body and is compiled once per instruction set, by
+// paged_attention_{scalar,avx2,avx512}.cpp, each with its own -march (CMakeLists.txt);
+// paged_attention_cpu.cpp checks the call and runs the copy of the ISA in use (cpu/isa.h).
+// Everything here has internal linkage, and the headers below live in a namespace named for
+// the target, so no copy built for one ISA can be linked into another's path.
+//
+// Work is split into tasks (sequence, kv head, chunk of query tokens, range of
+// keys) run by OpenMP threads. Each task streams its keys block by block with
+// an online softmax, so a block is converted to fp32 once and read by all the
+// query heads of its GQA group. Long contexts with few tasks are split over key
+// ranges and merged afterwards (flash-decoding on the CPU) so every core works
+// on batch-1 decode too.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "cpu/attention_tiles.h"
+#include "cpu/dtype_cpu.h"
+#include "cpu/paged_attention_paths.h"
+
+namespace trtpaged::cpu {
+namespace {
+
+constexpr int kQueryChunk = 16;        // query tokens per task
+constexpr int kMinKeysPerSplit = 512;  // don't split key ranges shorter than this
+constexpr int kTileKeys = 256;         // keys per online-softmax update
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+int num_threads() {
+#ifdef _OPENMP
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+// Element offsets into the block-major pool [blocks][layers][2][kv_heads][block_size][row], where
+// a row is head_dim values, or for a quantized cache head_dim one-byte codes and an fp16 scale.
+struct PoolLayout {
+  int64_t num_layers, num_kv_heads, block_size, head_dim, row;
+  int64_t head_elems() const { return block_size * row; }
+  int64_t offset(int64_t block, int64_t layer, int kv, int64_t head) const {
+    return (((block * num_layers + layer) * 2 + kv) * num_kv_heads + head) * head_elems();
+  }
+};
+
+struct Task {
+  int32_t seq, kv_head;
+  int32_t q_begin, q_end;  // packed token range
+  int32_t k_begin, k_end;  // key positions [k_begin, k_end)
+  int32_t split, num_splits;
+  int64_t partial;  // index of this task's partial results, -1 when unsplit
+};
+
+template <typename IO, typename KV>
+void write_kv(const trtpaged_attention_params& p, const PoolLayout& pool, const IO* k, const IO* v, KV* cache,
+              const int32_t* positions, const int32_t* query_start, const int32_t* block_tables) {
+  const int64_t d = p.head_dim;
+#pragma omp parallel for schedule(static)
+  for (int32_t s = 0; s < p.num_seqs; ++s) {
+    float buf[kMaxHeadDim];
+    for (int32_t t = query_start[s]; t < query_start[s + 1]; ++t) {
+      const int32_t pos = positions[t];
+      const int64_t block = block_tables[int64_t(s) * p.max_blocks_per_seq + pos / p.block_size];
+      const int64_t slot = int64_t(pos % p.block_size) * pool.row;
+      for (int32_t h = 0; h < p.num_kv_heads; ++h) {
+        const IO* ks = k + (int64_t(t) * p.num_kv_heads + h) * d;
+        const IO* vs = v + (int64_t(t) * p.num_kv_heads + h) * d;
+        KV* kd = cache + pool.offset(block, p.layer, 0, h) + slot;
+        KV* vd = cache + pool.offset(block, p.layer, 1, h) + slot;
+        if constexpr (is_quantized_v<KV>) {  // one scale per token row: written once, never re-quantized
+          quantize_row(ks, d, kd, buf);
+          quantize_row(vs, d, vd, buf);
+        } else {
+          for (int64_t i = 0; i < d; ++i) {
+            store(kd[i], to_float(ks[i]));
+            store(vd[i], to_float(vs[i]));
+          }
+        }
+      }
+    }
+  }
+}
+
+std::vector<Task> plan_tasks(const trtpaged_attention_params& p, const int32_t* positions, const int32_t* query_start,
+                             int64_t* num_partials) {
+  std::vector<Task> tasks;
+  int64_t unsplit = 0;
+  for (int32_t s = 0; s < p.num_seqs; ++s) {
+    const int32_t q_len = query_start[s + 1] - query_start[s];
+    unsplit += int64_t((q_len + kQueryChunk - 1) / kQueryChunk) * p.num_kv_heads;
+  }
+  const int64_t want = 2 * int64_t(num_threads());
+  *num_partials = 0;
+  for (int32_t s = 0; s < p.num_seqs; ++s) {
+    for (int32_t q0 = query_start[s]; q0 < query_start[s + 1]; q0 += kQueryChunk) {
+      const int32_t q1 = std::min(q0 + kQueryChunk, query_start[s + 1]);
+      int32_t max_pos = 0;
+      for (int32_t t = q0; t < q1; ++t) max_pos = std::max(max_pos, positions[t]);
+      const int32_t num_keys = max_pos + 1;
+      int32_t splits = 1;
+      if (unsplit < want && num_keys >= 2 * kMinKeysPerSplit)
+        splits = int32_t(std::min<int64_t>((want + unsplit - 1) / unsplit, num_keys / kMinKeysPerSplit));
+      // split ranges are whole blocks so each task reads whole blocks
+      const int32_t blocks = (num_keys + p.block_size - 1) / p.block_size;
+      const int32_t blocks_per_split = (blocks + splits - 1) / splits;
+      splits = (blocks + blocks_per_split - 1) / blocks_per_split;
+      for (int32_t h = 0; h < p.num_kv_heads; ++h) {
+        for (int32_t i = 0; i < splits; ++i) {
+          Task task{s, h, q0, q1, i * blocks_per_split * p.block_size,
+                    std::min(num_keys, (i + 1) * blocks_per_split * p.block_size), i, splits, -1};
+          if (splits > 1) task.partial = (*num_partials)++;
+          tasks.push_back(task);
+        }
+      }
+    }
+  }
+  return tasks;
+}
+
+// The fused loops' reader for a cache element type, and whether those loops cover it on this build
+// (other types are converted tile by tile into fp32 scratch first).
+template <typename KV>
+using RowCodec = std::conditional_t<
+    std::is_same_v<KV, float>, FloatRows,
+    std::conditional_t<std::is_same_v<KV, half_t>, HalfRows,
+                       std::conditional_t<std::is_same_v<KV, bfloat_t>, BfloatRows,
+                                          std::conditional_t<std::is_same_v<KV, fp8_code>, Fp8Rows, Int8Rows>>>>;
+template <typename KV>
+constexpr bool kFusedRows = std::is_same_v<KV, float> || std::is_same_v<KV, int8_code> ||
+                            (std::is_same_v<KV, fp8_code> && kFusedFp8) ||
+                            ((std::is_same_v<KV, half_t> || std::is_same_v<KV, bfloat_t>) && kFused16);
+
+// Per-thread scratch, reused across tasks.
+struct Scratch {
+  std::vector<float> q, acc, m, l, scores, kf, vf;
+  std::vector<int32_t> pos;
+  std::vector<const float*> kp, vp;
+  std::vector<const uint8_t*> kc, vc;  // rows read in place by the fused loops
+  std::vector<const void*> knext, vnext;
+};
+
+// Returns `rows` cached rows of d values as floats: src itself for fp32, else converted (or
+// de-quantized with each row's scale) into buf, one tile at a time inside the key loop.
+template <typename T>
+const float* as_float(const T* src, int64_t rows, int64_t d, float* buf) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else if constexpr (is_quantized_v<T>) {
+    dequantize_rows(src, rows, d, buf);
+    return buf;
+  } else {
+    convert_to_float(src, rows * d, buf);
+    return buf;
+  }
+}
+
+// Runs one task. Keys are processed in tiles of whole blocks (about kTileKeys keys): the
+// scores of a tile are computed block by block, then one online-softmax update per tile,
+// so small blocks cost no more softmax bookkeeping than one large contiguous block.
+// Writes the normalised output, or for a split task its partial (acc, max, sum) into
+// `partials` rows of head_dim + 2 floats.
+template <typename IO, typename KV>
+void run_task(const Task& task, const trtpaged_attention_params& p, const PoolLayout& pool, const IO* q,
+              const KV* cache, const int32_t* positions, const int32_t* block_tables, IO* out, float* partials,
+              Scratch& sc) {
+  const int32_t group = p.num_heads / p.num_kv_heads;
+  const int64_t d = p.head_dim, bs = p.block_size;
+  // Tiles are whole blocks when blocks are small, and slices of a block when blocks are
+  // large (bs a multiple of kTileKeys), so that every layout streams the same tile size.
+  const int64_t tile_keys = bs < kTileKeys ? kTileKeys / bs * bs : (bs % kTileKeys == 0 ? kTileKeys : bs);
+  const int64_t run = std::min(bs, tile_keys);  // contiguous keys behind one pointer
+  const int64_t tile_blocks = tile_keys / run;
+  const int32_t rows = (task.q_end - task.q_begin) * group;
+  sc.q.resize(size_t(rows * d));
+  sc.acc.assign(size_t(rows * d), 0.0f);
+  sc.m.assign(size_t(rows), kNegInf);
+  sc.l.assign(size_t(rows), 0.0f);
+  sc.pos.resize(size_t(rows));
+  sc.scores.resize(size_t(kRowGroup * tile_keys));
+  sc.kp.resize(size_t(tile_blocks));
+  sc.vp.resize(size_t(tile_blocks));
+  using Codec = RowCodec<KV>;
+  constexpr bool kFusable = kFusedRows<KV>;
+  constexpr int kElem = is_quantized_v<KV> ? 1 : int(sizeof(KV));
+  const bool fused = kFusable && fused_head_dim(d);
+  sc.kc.resize(size_t(tile_blocks));
+  sc.vc.resize(size_t(tile_blocks));
+  sc.knext.resize(size_t(tile_blocks));
+  sc.vnext.resize(size_t(tile_blocks));
+  if (!std::is_same_v<KV, float>) {
+    sc.kf.resize(size_t(tile_keys * d));
+    sc.vf.resize(size_t(tile_keys * d));
+  }
+  for (int32_t t = task.q_begin; t < task.q_end; ++t) {
+    for (int32_t g = 0; g < group; ++g) {
+      const int32_t r = (t - task.q_begin) * group + g;
+      const IO* src = q + (int64_t(t) * p.num_heads + int64_t(task.kv_head) * group + g) * d;
+      float* dst = sc.q.data() + r * d;
+      for (int64_t i = 0; i < d; ++i) dst[i] = to_float(src[i]) * p.scale;
+      sc.pos[size_t(r)] = positions[t];
+    }
+  }
+  const int32_t* table = block_tables + int64_t(task.seq) * p.max_blocks_per_seq;
+  auto key_ptr = [&](int64_t key, int kv) {
+    return cache + pool.offset(table[key / bs], p.layer, kv, task.kv_head) + (key % bs) * pool.row;
+  };
+  for (int64_t tile = task.k_begin; tile < task.k_end; tile += tile_keys) {
+    const int64_t tile_n = std::min<int64_t>(tile_keys, task.k_end - tile);
+    const int64_t nblocks = (tile_n + run - 1) / run;
+    if (tile == task.k_begin) {
+      // Nothing prefetched the first tile: request all of its runs at once, so that they
+      // are fetched in parallel rather than one demand miss after another.
+      for (int64_t b = 0; b < nblocks; ++b) {
+        const int64_t bytes = std::min<int64_t>(run, tile_n - b * run) * pool.row * int64_t(sizeof(KV));
+        prefetch_bytes(key_ptr(tile + b * run, 0), bytes);
+        prefetch_bytes(key_ptr(tile + b * run, 1), bytes);
+      }
+    }
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const int64_t n = std::min<int64_t>(run, tile_n - b * run);
+      if (fused) {
+        sc.kc[size_t(b)] = reinterpret_cast<const uint8_t*>(key_ptr(tile + b * run, 0));
+        sc.vc[size_t(b)] = reinterpret_cast<const uint8_t*>(key_ptr(tile + b * run, 1));
+        continue;
+      }
+      sc.kp[size_t(b)] = as_float(key_ptr(tile + b * run, 0), n, d, sc.kf.data() + b * run * d);
+      sc.vp[size_t(b)] = as_float(key_ptr(tile + b * run, 1), n, d, sc.vf.data() + b * run * d);
+    }
+    // K and V blocks of the next tile, requested while this tile is computed
+    const int64_t next_tile = tile + tile_keys;
+    const int64_t next_n = std::clamp<int64_t>(task.k_end - next_tile, 0, tile_keys);
+    const int64_t next_blocks = (next_n + run - 1) / run;
+    for (int64_t b = 0; b < next_blocks; ++b) {
+      sc.knext[size_t(b)] = key_ptr(next_tile + b * run, 0);
+      sc.vnext[size_t(b)] = key_ptr(next_tile + b * run, 1);
+    }
+    const int64_t run_bytes = run * pool.row * int64_t(sizeof(KV));
+    for (int32_t r0 = 0; r0 < rows; r0 += kRowGroup) {
+      const NextBlocks next_k{sc.knext.data(), r0 == 0 ? next_blocks : 0, run_bytes};
+      const NextBlocks next_v{sc.vnext.data(), r0 == 0 ? next_blocks : 0, run_bytes};
+      const int nr = std::min(kRowGroup, rows - r0);
+      int64_t limits[kRowGroup];
+      int64_t group_limit = 0;
+      for (int i = 0; i < nr; ++i) {
+        limits[i] = std::clamp<int64_t>(sc.pos[size_t(r0 + i)] - tile + 1, 0, tile_n);  // causal
+        group_limit = std::max(group_limit, limits[i]);
+      }
+      if (group_limit == 0) continue;
+      float* scores = sc.scores.data();
+      if (fused)
+        scores_fused_for<Codec, kElem>(nr, sc.q.data() + r0 * d, d, sc.kc.data(), run, group_limit, scores, tile_keys,
+                                       next_k);
+      else
+        scores_for(nr, sc.q.data() + r0 * d, d, sc.kp.data(), run, group_limit, scores, tile_keys, next_k);
+      for (int i = 0; i < nr; ++i) {
+        float* row = scores + i * tile_keys;
+        const int64_t limit = limits[i];
+        const float tile_max = max_of(row, limit);
+        float& m = sc.m[size_t(r0 + i)];
+        const float m_new = std::max(m, tile_max);
+        const float alpha = (m == kNegInf || limit == 0) ? (limit == 0 ? 1.0f : 0.0f) : std::exp(m - m_new);
+        const float sum = exp_shifted_row(row, limit, group_limit, m_new);
+        if (limit == 0) continue;
+        sc.l[size_t(r0 + i)] = sc.l[size_t(r0 + i)] * alpha + sum;
+        if (alpha != 1.0f) {
+          float* acc = sc.acc.data() + (r0 + i) * d;
+#pragma omp simd
+          for (int64_t k = 0; k < d; ++k) acc[k] *= alpha;
+        }
+        m = m_new;
+      }
+      if (fused)
+        accumulate_fused_for<Codec, kElem>(nr, scores, tile_keys, sc.vc.data(), run, group_limit, sc.acc.data() + r0 * d,
+                                           d, next_v);
+      else
+        accumulate_for(nr, scores, tile_keys, sc.vp.data(), run, group_limit, sc.acc.data() + r0 * d, d, next_v);
+    }
+  }
+  for (int32_t r = 0; r < rows; ++r) {
+    const float* acc = sc.acc.data() + r * d;
+    const int32_t t = task.q_begin + r / group;
+    const int32_t head = task.kv_head * group + r % group;
+    if (task.partial >= 0) {
+      float* dst = partials + ((task.partial * rows) + r) * (d + 2);
+      std::copy(acc, acc + d, dst);
+      dst[d] = sc.m[size_t(r)];
+      dst[d + 1] = sc.l[size_t(r)];
+    } else {
+      IO* dst = out + (int64_t(t) * p.num_heads + head) * d;
+      const float inv = 1.0f / sc.l[size_t(r)];
+      for (int64_t i = 0; i < d; ++i) store(dst[i], acc[i] * inv);
+    }
+  }
+}
+
+// Combines the partials of the split tasks that start a split group (split == 0).
+template <typename IO>
+void merge_splits(const Task& first, const trtpaged_attention_params& p, const float* partials, IO* out) {
+  const int32_t group = p.num_heads / p.num_kv_heads;
+  const int64_t d = p.head_dim;
+  const int32_t rows = (first.q_end - first.q_begin) * group;
+  std::vector<float> acc(static_cast<size_t>(d));
+  for (int32_t r = 0; r < rows; ++r) {
+    float m_max = kNegInf;
+    for (int32_t i = 0; i < first.num_splits; ++i)
+      m_max = std::max(m_max, partials[((first.partial + i) * rows + r) * (d + 2) + d]);
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    float l = 0.0f;
+    for (int32_t i = 0; i < first.num_splits; ++i) {
+      const float* part = partials + ((first.partial + i) * rows + r) * (d + 2);
+      if (part[d + 1] == 0.0f) continue;  // no key of this split was visible to the row
+      const float w = std::exp(part[d] - m_max);
+      l += part[d + 1] * w;
+      for (int64_t j = 0; j < d; ++j) acc[size_t(j)] += part[j] * w;
+    }
+    const int32_t t = first.q_begin + r / group;
+    const int32_t head = first.kv_head * group + r % group;
+    IO* dst = out + (int64_t(t) * p.num_heads + head) * d;
+    for (int64_t j = 0; j < d; ++j) store(dst[j], acc[size_t(j)] / l);
+  }
+}
+
+template <typename IO, typename KV>
+void paged_attention(const trtpaged_attention_params& p, const IO* q, const IO* k, const IO* v, KV* cache,
+                     const int32_t* positions, const int32_t* query_start, const int32_t* block_tables, IO* out) {
+  const int64_t row = is_quantized_v<KV> ? p.head_dim + int64_t(sizeof(half_t)) : p.head_dim;
+  const PoolLayout pool{p.num_layers, p.num_kv_heads, p.block_size, p.head_dim, row};
+  write_kv(p, pool, k, v, cache, positions, query_start, block_tables);
+  int64_t num_partials = 0;
+  const std::vector<Task> tasks = plan_tasks(p, positions, query_start, &num_partials);
+  // Partial rows are indexed by task.partial * rows; rows per task <= kQueryChunk * group.
+  const int64_t max_rows = int64_t(kQueryChunk) * (p.num_heads / p.num_kv_heads);
+  std::vector<float> partials(size_t(num_partials * max_rows * (p.head_dim + 2)));
+#pragma omp parallel
+  {
+    Scratch scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (size_t i = 0; i < tasks.size(); ++i)
+      run_task(tasks[i], p, pool, q, cache, positions, block_tables, out, partials.data(), scratch);
+#pragma omp for schedule(dynamic, 1)
+    for (size_t i = 0; i < tasks.size(); ++i)
+      if (tasks[i].partial >= 0 && tasks[i].split == 0) merge_splits(tasks[i], p, partials.data(), out);
+  }
+}
+
+template <typename IO>
+void dispatch_kv(const trtpaged_attention_params& p, const void* q, const void* k, const void* v, void* cache,
+                 const int32_t* positions, const int32_t* query_start, const int32_t* block_tables, void* out) {
+  const IO* qi = static_cast<const IO*>(q);
+  const IO* ki = static_cast<const IO*>(k);
+  const IO* vi = static_cast<const IO*>(v);
+  IO* oi = static_cast<IO*>(out);
+  switch (p.kv_dtype) {
+    case TRTPAGED_FLOAT32:
+      return paged_attention(p, qi, ki, vi, static_cast<float*>(cache), positions, query_start, block_tables, oi);
+    case TRTPAGED_FLOAT16:
+      return paged_attention(p, qi, ki, vi, static_cast<half_t*>(cache), positions, query_start, block_tables, oi);
+    case TRTPAGED_BFLOAT16:
+      return paged_attention(p, qi, ki, vi, static_cast<bfloat_t*>(cache), positions, query_start, block_tables, oi);
+    case TRTPAGED_INT8:
+      return paged_attention(p, qi, ki, vi, static_cast<int8_code*>(cache), positions, query_start, block_tables, oi);
+    case TRTPAGED_FP8_E4M3:
+      return paged_attention(p, qi, ki, vi, static_cast<fp8_code*>(cache), positions, query_start, block_tables, oi);
+  }
+}
+
+inline void run_paged_attention(const AttentionCall& c) {
+  const trtpaged_attention_params& p = *c.params;
+  switch (p.io_dtype) {
+    case TRTPAGED_FLOAT32:
+      return dispatch_kv<float>(p, c.q, c.k, c.v, c.kv_cache, c.positions, c.query_start, c.block_tables, c.out);
+    case TRTPAGED_FLOAT16:
+      return dispatch_kv<half_t>(p, c.q, c.k, c.v, c.kv_cache, c.positions, c.query_start, c.block_tables, c.out);
+    case TRTPAGED_BFLOAT16:
+      return dispatch_kv<bfloat_t>(p, c.q, c.k, c.v, c.kv_cache, c.positions, c.query_start, c.block_tables, c.out);
+    default:  // validate_attention_params allows only the float dtypes for io
+      return;
+  }
+}
+
+}  // namespace
+}  // namespace trtpaged::cpu
