@@ -343,6 +343,26 @@ def test_quantized_write_rounds_every_tie_like_torch(kernels, kv_dtype: str) -> 
 
 
 @pytest.mark.parametrize("kv_dtype", QUANT_KV)
+def test_quantized_write_of_nan_rows_equals_the_cpu_codec(kernels, kv_dtype: str) -> None:
+    # A row holding a NaN (one lane, the last lane, every lane, -NaN) gets the NaN scale and zero codes,
+    # byte for byte what kv_quant (and the CPU kernels, tests/test_kv_codec_paths.py) write; finite rows
+    # beside them are untouched by it.
+    from trtpaged.kv_quant import STORAGE_DTYPES, pack_rows, quantize_rows
+
+    g = torch.Generator().manual_seed(17)
+    rows = torch.randn(6, 64, generator=g)
+    rows[0, 3] = float("nan")
+    rows[1, 63] = float("nan")
+    rows[2, :] = float("nan")
+    rows[3, 10] = -float("nan")
+    pool = torch.zeros(1, 1, 2, 1, 8, 64 + 2, dtype=STORAGE_DTYPES[kv_dtype], device="cuda")
+    write_rows(kernels, rows.cuda(), pool)
+    expected = pack_rows(*quantize_rows(rows, kv_dtype))
+    got = pool.cpu()[0, 0, 0, 0, : rows.shape[0]]
+    assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.parametrize("kv_dtype", QUANT_KV)
 def test_quantized_blocks_copy_and_swap_as_bytes(kernels, kv_dtype: str) -> None:
     # block copies are dtype-blind: a quantized pool's blocks (codes and scales) move as bytes
     pool = quantized(make_batch([(0, 5), (7, 1)], num_layers=2), kv_dtype).kv_cache

@@ -70,7 +70,8 @@ __global__ void __launch_bounds__(128) write_kv_kernel(PagedArgs a) {
 // Quantized pools: one CTA per packed token, one warp per (K or V, kv head) row. The warp finds the
 // row's max |x|, rounds max|x| / code_max to the fp16 scale stored after the codes, and writes each
 // code from x / stored scale, exactly as the CPU kernel (quantize_row in cpu/dtype_cpu.h) does: IEEE
-// division, round half to even, int8 clamped to +-127, fp8 saturated to +-448.
+// division, round half to even, int8 clamped to +-127, fp8 saturated to +-448. A row holding a NaN gets
+// the NaN scale (0x7e00) and zero codes, so it reads back as NaN, as on the CPU.
 template <typename IoT, typename CodeT>
 __global__ void __launch_bounds__(128) write_kv_quant_kernel(PagedArgs a) {
   constexpr int kPairsPerLane = kMaxHeadDim / 64;  // head_dim / 2 pairs over 32 lanes
@@ -87,17 +88,21 @@ __global__ void __launch_bounds__(128) write_kv_quant_kernel(PagedArgs a) {
     const IoT* src = static_cast<const IoT*>(kv ? a.v : a.k) + (static_cast<int64_t>(t) * a.num_kv_heads + h) * a.head_dim;
     float x[kPairsPerLane][2];
     float amax = 0.f;
+    bool nan = false;
 #pragma unroll
     for (int j = 0; j < kPairsPerLane; ++j) {
       const int i = lane + 32 * j;
       x[j][0] = x[j][1] = 0.f;
       if (i < pairs) load_float<IoT, 2>(src + 2 * i, x[j]);
-      amax = fmaxf(amax, fmaxf(fabsf(x[j][0]), fabsf(x[j][1])));
+      amax = fmaxf(amax, fmaxf(fabsf(x[j][0]), fabsf(x[j][1])));  // fmaxf drops a NaN: tracked apart
+      nan |= (x[j][0] != x[j][0]) | (x[j][1] != x[j][1]);
     }
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const __half stored = __float2half_rn(fminf(__fdiv_rn(amax, KvFormat<CodeT>::code_max), 65504.f));
-    const float scale = __half2float(stored);
+    nan = __any_sync(0xffffffffu, nan);
+    const __half stored = nan ? __ushort_as_half(0x7e00)
+                              : __float2half_rn(fminf(__fdiv_rn(amax, KvFormat<CodeT>::code_max), 65504.f));
+    const float scale = nan ? 0.f : __half2float(stored);  // a zero scale writes zero codes
     uint8_t* row = cache + kv_head_offset(a, block, kv, h) + static_cast<int64_t>(offset) * a.kv_row;
     unsigned short* codes = reinterpret_cast<unsigned short*>(row);  // rows are 2-byte aligned
 #pragma unroll
