@@ -1,0 +1,131 @@
+"""The exported graphs against what TensorRT's ONNX parser accepts (trtpaged/builder/tensorrt_rules.py).
+
+No TensorRT here: the rules are taken from the parser's source and TensorRT's quantization rules
+(each rule names its source). Two halves:
+- every rule rejects a small graph that breaks it, the patterns trtpaged's export had before issue 20
+  (UINT4 codes, rank-2 per-channel int8 scales, de-quantization after a Gather, a Cast between
+  DequantizeLinear and the MatMul, INT4 block 32), and accepts the conforming form;
+- a tiny export of every example's quantization and KV cache dtype passes every rule.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import yaml
+from onnx import TensorProto, helper, numpy_helper
+
+from trtpaged.builder.tensorrt_rules import RULES, check_graph, format_violations
+from tests.conftest import TINY_KV4
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _dq_graph(codes: onnx.TensorProto, scale: onnx.TensorProto, *, axis: int, block_size: int = 0,
+              via_gather: bool = False, cast: bool = False, zero_point: onnx.TensorProto | None = None,
+              k: int = 128, n: int = 64) -> onnx.ModelProto:
+    """x [T, K] @ DequantizeLinear(codes) [K, N] (or a variant that breaks one rule)."""
+    f = TensorProto.FLOAT
+    nodes, inits = [], [codes, scale]
+    dq_inputs = [codes.name, scale.name]
+    if via_gather:
+        inits.append(numpy_helper.from_array(np.array([0, 1], dtype=np.int64), "ids"))
+        nodes.append(helper.make_node("Gather", [codes.name, "ids"], ["rows"]))
+        dq_inputs[0] = "rows"
+    if zero_point is not None:
+        inits.append(zero_point)
+        dq_inputs.append(zero_point.name)
+    attrs = {"axis": axis, **({"block_size": block_size} if block_size else {})}
+    nodes.append(helper.make_node("DequantizeLinear", dq_inputs, ["w"], name="dq", **attrs))
+    weight = "w"
+    if cast:
+        nodes.append(helper.make_node("Cast", ["w"], ["w16"], to=TensorProto.FLOAT16))
+        nodes.append(helper.make_node("Cast", ["w16"], ["w32"], to=f))
+        weight = "w32"
+    nodes.append(helper.make_node("MatMul", ["x", weight], ["y"], name="mm"))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", f, ["T", k])],
+                              [helper.make_tensor_value_info("y", f, ["T", n])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def _int8(k=128, n=64, name="codes"):
+    return numpy_helper.from_array(np.ones((k, n), dtype=np.int8), name)
+
+
+def _int4(k=128, n=64, signed=True, name="codes"):
+    return helper.make_tensor(name, TensorProto.INT4 if signed else TensorProto.UINT4, [k, n],
+                              np.ones(k * n, dtype=np.int64).tolist())
+
+
+def _scale(shape, value=0.01, dtype=np.float32, name="scale"):
+    return numpy_helper.from_array(np.full(shape, value, dtype=dtype), name)
+
+
+def _rules(model) -> set[str]:
+    return {v.rule for v in check_graph(model)}
+
+
+def test_conforming_weight_only_patterns_pass():
+    assert _rules(_dq_graph(_int8(), _scale([64]), axis=1)) == set()  # int8 per channel, 1-D scale
+    for block in (64, 128):  # int4 block quantization along K
+        assert _rules(_dq_graph(_int4(), _scale([128 // block, 64]), axis=0, block_size=block)) == set()
+
+
+@pytest.mark.parametrize("case,rule", [
+    ("uint4 codes", "initializer-dtype"),
+    ("int8 rank-2 per-channel scale", "dq-block-dtype"),
+    ("int4 block 32", "dq-int4-block-size"),
+    ("int4 blocked along N", "dq-int4-block-size"),
+    ("dq after gather", "dq-constant-root"),
+    ("cast before matmul", "dq-feeds-matmul"),
+    ("nonzero zero point", "dq-zero-point"),
+    ("negative scale", "dq-scale"),
+    ("int32 scale", "dq-scale"),
+    ("wrong per-channel count", "dq-scale-shape"),
+    ("gather of int8", "op-input-dtype"),
+])
+def test_each_rule_rejects_the_pattern_that_breaks_it(case, rule):
+    graphs = {
+        "uint4 codes": lambda: _dq_graph(_int4(signed=False), _scale([2, 64]), axis=0, block_size=64),
+        "int8 rank-2 per-channel scale": lambda: _dq_graph(_int8(), _scale([1, 64]), axis=1, block_size=128),
+        "int4 block 32": lambda: _dq_graph(_int4(), _scale([4, 64]), axis=0, block_size=32),
+        "int4 blocked along N": lambda: _dq_graph(_int4(), _scale([128, 1]), axis=1, block_size=64),
+        "dq after gather": lambda: _dq_graph(_int8(), _scale([64]), axis=1, via_gather=True),
+        "cast before matmul": lambda: _dq_graph(_int8(), _scale([64]), axis=1, cast=True),
+        "nonzero zero point": lambda: _dq_graph(_int8(), _scale([64]), axis=1,
+                                                zero_point=numpy_helper.from_array(np.full(64, 3, np.int8), "zp")),
+        "negative scale": lambda: _dq_graph(_int8(), _scale([64], value=-0.5), axis=1),
+        "int32 scale": lambda: _dq_graph(_int8(), numpy_helper.from_array(np.ones(64, np.int32), "scale"), axis=1),
+        "wrong per-channel count": lambda: _dq_graph(_int8(), _scale([32]), axis=1),
+        "gather of int8": lambda: _dq_graph(_int8(), _scale([64]), axis=1, via_gather=True),
+    }
+    assert rule in RULES and RULES[rule].source
+    assert rule in _rules(graphs[case]())
+
+
+def test_plugin_nodes_need_their_registered_creator_and_fields():
+    from trtpaged.builder.onnx_node import OP_TYPE
+
+    f = TensorProto.FLOAT
+
+    def graph(**attrs):
+        node = helper.make_node(OP_TYPE, ["x"], ["y"], domain="trtpaged", name="attn", **attrs)
+        g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", f, [4])],
+                              [helper.make_tensor_value_info("y", f, [4])])
+        return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("trtpaged", 1)])
+
+    fields = dict(num_heads=4, num_kv_heads=2, head_dim=16, block_size=16, layer=0, scale=0.25, kv_dtype="auto")
+    ok = dict(fields, plugin_version="1", plugin_namespace="trtpaged")
+    assert _rules(graph(**ok)) == set()
+    assert _rules(graph(**dict(ok, plugin_namespace="other"))) == {"op-importer"}
+    assert _rules(graph(**dict(ok, scale=1))) == {"plugin-fields"}  # INT where the creator wants kFLOAT32
+    assert _rules(graph(**{k: v for k, v in ok.items() if k != "layer"})) == {"plugin-fields"}
+    unknown = helper.make_model(helper.make_graph([helper.make_node("MatMulInteger", ["x", "x"], ["y"])], "g",
+                                                  [helper.make_tensor_value_info("x", f, [4])],
+                                                  [helper.make_tensor_value_info("y", f, [4])]))
+    assert _rules(unknown) == {"op-importer"}
