@@ -129,3 +129,75 @@ def test_plugin_nodes_need_their_registered_creator_and_fields():
                                                   [helper.make_tensor_value_info("x", f, [4])],
                                                   [helper.make_tensor_value_info("y", f, [4])]))
     assert _rules(unknown) == {"op-importer"}
+
+
+def _example_cases() -> list[tuple[str, dict]]:
+    """(example name, its quantization / kv_cache_dtype / dtype / tensor_parallel on the TINY_KV4 dims)."""
+    cases = []
+    for path in sorted(EXAMPLES.glob("*.yaml")):
+        data = yaml.safe_load(path.read_text())
+        tp = min(int(data.get("tensor_parallel", 1)), 2)  # TINY_KV4's 8 heads / 4 KV heads split over 2
+        cases.append((path.stem, {"quantization": data.get("quantization"), "dtype": data.get("dtype", "float32"),
+                                  "kv_cache_dtype": data.get("kv_cache_dtype", "auto"), "tensor_parallel": tp}))
+    return cases
+
+
+def export_tiny_graphs(case: dict, out: Path, tie: bool = True) -> list[Path]:
+    """The rank graphs the build's export stage writes for `case` on the tiny dims, in the case's own dtype
+    (float16 too, which a CPU build would turn into float32), without verification."""
+    from trtpaged.builder import tensorrt_graph
+    from trtpaged.builder.export import export_onnx
+    from trtpaged.builder.pipeline import rank_step_model, shard_files
+    from trtpaged.builder.quantize import quantized_step_model
+    from trtpaged.builder.weights import save_weights
+    from trtpaged.config import parse_config
+    from trtpaged.manifest import QUANTIZED_KV_DTYPES
+    from trtpaged.models import dims_from_hf_config, load_hf
+    from trtpaged.models.loading import TORCH_DTYPES, step_model_from_hf
+
+    data = {**TINY_KV4, "dtype": case["dtype"], "kv_cache_dtype": case["kv_cache_dtype"],
+            "tensor_parallel": case["tensor_parallel"]}
+    data["model"] = {"tiny": {**TINY_KV4["model"]["tiny"], "tie_word_embeddings": tie}}
+    if case["quantization"]:
+        data["quantization"] = case["quantization"]
+    config = parse_config(data)
+    hf = load_hf(config.model, torch.float32)
+    dims = dims_from_hf_config(hf.config, config.limits.max_seq_len)
+    dtype = TORCH_DTYPES[config.dtype]
+    graph, plan = None, {}
+    if config.quantization.enabled:
+        model, quantized = quantized_step_model(hf.model, config.model, dims, config.quantization, dtype)
+        graph, plan = tensorrt_graph.plan_graph(quantized, hf.model, dims, dtype, config.quantization), quantized.plan
+    else:
+        model = step_model_from_hf(hf.model, dims, dtype)
+    kv = config.kv_cache_dtype
+    kv = kv if kv in QUANTIZED_KV_DTYPES else TORCH_DTYPES[kv]
+    paths = []
+    shards = shard_files(config.tensor_parallel)
+    for rank, files in enumerate(shards):
+        rank_model = rank_step_model(model, plan, config.tensor_parallel, rank, config.quantization)
+        save_weights(rank_model, out / files["weights_file"])
+        if graph is not None:
+            source = graph.step_model()
+            if len(shards) > 1:
+                source = rank_step_model(source, graph.state.plan, config.tensor_parallel, rank, config.quantization)
+            rank_model = tensorrt_graph.to_tensorrt_graph(source)
+        paths.append(export_onnx(rank_model, config.limits.block_size, kv, out / files["onnx_file"],
+                                 out / files["weights_file"]))
+    return paths
+
+
+@pytest.mark.parametrize("name,case", _example_cases(), ids=[n for n, _ in _example_cases()])
+def test_every_example_exports_a_graph_tensorrt_accepts(name, case, tmp_path):
+    for path in export_tiny_graphs(case, tmp_path):
+        violations = check_graph(path)
+        assert not violations, f"{name} ({path.name}):\n{format_violations(violations)}"
+        onnx.checker.check_model(str(path), full_check=True)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3", "float16"])
+def test_int4_graph_with_every_kv_cache_dtype_conforms(kv_cache_dtype, tmp_path):
+    case = {"quantization": {"weights": "int4", "group_size": 32, "lm_head": "int8"}, "dtype": "float32",
+            "kv_cache_dtype": kv_cache_dtype, "tensor_parallel": 1}
+    (path,) = export_tiny_graphs(case, tmp_path, tie=False)
+    assert check_graph(path) == []

@@ -21,6 +21,7 @@ import torch
 from trtpaged import __version__
 from trtpaged import tensorrt_env
 from trtpaged.builder import compile as trt_compile
+from trtpaged.builder import tensorrt_graph
 from trtpaged.builder.engine_dir import OutputDirError, check_output, file_hashes, staged_output, write_manifest
 from trtpaged.builder.export import export_onnx
 from trtpaged.builder.accuracy import AccuracyError, measure_accuracy
@@ -121,9 +122,15 @@ def build_engine(
         shards = shard_files(config.tensor_parallel)
         with progress.stage("export") as st:
             plan = quantized.plan if quantized is not None else {}
+            graph = tensorrt_graph.plan_graph(quantized, hf.model, dims, dtype, config.quantization) if quantized else None
+            for line in graph.notes if graph else ():
+                progress.echo(f"export   TensorRT graph: {line}")
             for rank, files in enumerate(shards):
                 model = rank_step_model(step_model, plan, config.tensor_parallel, rank, config.quantization)
                 save_weights(model, tmp / files["weights_file"])
+                if graph is not None:  # the graph holds the forms TensorRT takes (builder/tensorrt_graph.py)
+                    model = tensorrt_graph.to_tensorrt_graph(graph.step_model() if len(shards) == 1 else rank_step_model(
+                        graph.step_model(), graph.state.plan, config.tensor_parallel, rank, config.quantization))
                 export_onnx(model, config.limits.block_size,
                             graph_kv_dtype if kv_quantized else TORCH_DTYPES[graph_kv_dtype],
                             tmp / files["onnx_file"], tmp / files["weights_file"])
@@ -137,10 +144,13 @@ def build_engine(
             verification: dict = {"skipped": True, "reason": why_not}
         else:
             with progress.stage("verify") as st:
-                result = verify_onnx([tmp / f["onnx_file"] for f in shards], reference_hf, dims.vocab_size,
+                graph_reference = graph.reference if graph is not None and graph.notes else reference_hf
+                result = verify_onnx([tmp / f["onnx_file"] for f in shards], graph_reference, dims.vocab_size,
                                      config.limits.block_size, config.dtype, graph_kv_dtype, step_model)
                 verification = result.as_dict()
                 against = "HF with the same de-quantized weights" if reference_hf is not hf.model else "HF"
+                if graph_reference is not reference_hf:
+                    against = "HF with the TensorRT graph's de-quantized weights"
                 if kv_quantized:
                     against = f"the eager step model with a {graph_kv_dtype} cache"
                 st.note(f"max abs diff {result.max_abs_diff:.3g} vs {against} (tolerance {result.tolerance:.3g}, "
