@@ -201,3 +201,25 @@ def test_int4_graph_with_every_kv_cache_dtype_conforms(kv_cache_dtype, tmp_path)
             "kv_cache_dtype": kv_cache_dtype, "tensor_parallel": 1}
     (path,) = export_tiny_graphs(case, tmp_path, tie=False)
     assert check_graph(path) == []
+
+
+@pytest.mark.parametrize("bits,group", [(4, 64), (4, 128), (8, None)])
+def test_graph_form_computes_the_engine_weight_exactly(bits, group):
+    """Signed INT4 with offsets + 8*scales, and int8 per channel transposed, are the engine's W bit for bit."""
+    from trtpaged.builder.tensorrt_graph import TensorRTLinear, graph_linear_reference
+    from trtpaged.models.qlinear import QuantizedLinear
+    from trtpaged.models.quant import quantize
+
+    torch.manual_seed(1)
+    weight = quantize(torch.randn(48, 256) * 0.05, bits, group)
+    engine = QuantizedLinear.from_weight(weight, torch.randn(48), torch.float32)
+    graph = TensorRTLinear(engine, torch.float32)
+    assert torch.equal(graph.dequantized(), weight.dequantize())
+    if bits == 4:  # the codes are the engine's nibbles ^ 8 (q - 8 in two's complement), laid out [K, N]
+        from trtpaged.models.quant import unpack_int4
+
+        assert torch.equal(unpack_int4(graph.tensorrt_codes), (weight.int_codes() ^ 8).t().to(torch.uint8))
+    x = torch.randn(5, 256)
+    want = torch.nn.functional.linear(x.double(), weight.dequantize(torch.float64), engine.bias.double())
+    assert float((graph(x).double() - want).abs().max()) <= 1e-4
+    assert float((graph_linear_reference(x, graph).double() - want).abs().max()) <= 1e-4
