@@ -179,6 +179,11 @@ def build_engine(
         if config.tensor_parallel > 1:
             compile_blocker = (f"tensor_parallel {config.tensor_parallel}: the rank graphs run on the torch backend "
                                "(scripts/gpu_check.sh compiles them with the NCCL all-reduce plugin)")
+        if not compile_blocker and config.backend == "auto":
+            unsupported = trt_compile.kv_dtype_reason(config.kv_cache_dtype)
+            if unsupported:  # backend auto: what TensorRT cannot take is built for torch, with one warning
+                progress.warn(f"backend auto: no TensorRT engine: {unsupported}")
+                compile_blocker = f"backend auto: {unsupported}"
         if compile_blocker:
             progress.skip("compile", compile_blocker)
         else:
@@ -187,10 +192,15 @@ def build_engine(
                 try:
                     trt_compile.compile_engine(tmp / ONNX_FILE, tmp / PLAN_FILE, profile, echo=progress.echo,
                                                model=f"{arch} from model.{config.model.kind}")
+                    plan_built = True
                 except trt_compile.CompileError as e:
-                    raise BuildError(f"compile: {e}") from e
-                plan_built = True
-                st.note(f"{PLAN_FILE} {(tmp / PLAN_FILE).stat().st_size / 2**20:.1f} MiB")
+                    if config.backend != "auto":
+                        raise BuildError(f"compile: {e}") from e
+                    for leftover in (tmp / PLAN_FILE, tmp / tensorrt_env.BUILD_INFO_FILE):
+                        leftover.unlink(missing_ok=True)
+                    progress.warn(f"backend auto: no TensorRT engine, the torch engine only: {e}")
+                st.note(f"{PLAN_FILE} {(tmp / PLAN_FILE).stat().st_size / 2**20:.1f} MiB" if plan_built
+                        else "no engine.plan (backend auto: torch)")
         with progress.stage("write") as st:
             hf.tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
             manifest = _manifest(config, dims, hf, verification, file_hashes(tmp), plan_built,
