@@ -174,6 +174,10 @@ def test_quantized_engine_manifest_and_weights(tiny_int8_engine):
     v = m.verification
     assert v["max_abs_diff"] <= v["tolerance"]
     assert v["accuracy"]["full_precision_activations"]["positions"] > 0
+    # int8 group 32 has no TensorRT form: the graph's per-channel re-quantization was measured too
+    graph = v["accuracy"]["tensorrt_graph"]
+    assert graph["positions"] == v["accuracy"]["full_precision_activations"]["positions"]
+    assert graph["agreement_away_from_ties"] >= 0.95 and graph["max_abs_diff"] > 0
 
 
 def test_quantized_engine_logits_match_hf_with_the_same_weights(tiny_int8_engine):

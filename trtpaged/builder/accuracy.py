@@ -137,3 +137,17 @@ def measure_accuracy(hf_model: Any, tokenizer: Any, dequantized_hf: Any, step_mo
         raise AccuracyError(f"accuracy: {report.line()}; scheme {scheme} needs top-1 agreement away from "
                             f"near-ties >= {need} (float activations / torch backend)")
     return report
+
+
+def measure_graph_accuracy(hf_model: Any, tokenizer: Any, graph_hf: Any, scheme: str) -> PathAccuracy:
+    """The TensorRT graph's weights (HF with them, full-precision activations: what the graph computes) against
+    the unquantized model, where the build re-quantized tensors for the graph (builder/tensorrt_graph.py);
+    raises AccuracyError below ACCEPT[scheme]'s float-activation bound."""
+    seqs = _sequences(hf_model, tokenizer)
+    result = _compare([_hf_logits(hf_model, s) for s in seqs], [_hf_logits(graph_hf, s) for s in seqs])
+    if result.agreement_away_from_ties < ACCEPT[scheme][0]:
+        raise AccuracyError(f"accuracy: the TensorRT graph's re-quantized weights vs unquantized: top-1 "
+                            f"{result.agreement:.1%}, away from ties {result.agreement_away_from_ties:.1%}, max "
+                            f"|dlogit| {result.max_abs_diff:.3g} over {result.positions} positions; scheme {scheme} "
+                            f"needs >= {ACCEPT[scheme][0]:.0%}")
+    return result

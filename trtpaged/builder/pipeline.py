@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -24,7 +24,7 @@ from trtpaged.builder import compile as trt_compile
 from trtpaged.builder import tensorrt_graph
 from trtpaged.builder.engine_dir import OutputDirError, check_output, file_hashes, staged_output, write_manifest
 from trtpaged.builder.export import export_onnx
-from trtpaged.builder.accuracy import AccuracyError, measure_accuracy
+from trtpaged.builder.accuracy import AccuracyError, measure_accuracy, measure_graph_accuracy
 from trtpaged.builder.kv_accuracy import measure_kv_accuracy
 from trtpaged.builder.progress import Progress
 from trtpaged.builder.quantize import check_dims, dequantized_hf_model, quantized_step_model
@@ -164,7 +164,17 @@ def build_engine(
                 except AccuracyError as e:
                     raise BuildError(str(e)) from None
                 verification["accuracy"] = report.as_dict()
-                st.note(report.line())
+                line = report.line()
+                if graph is not None and graph.notes:  # the TensorRT graph's re-quantized weights, measured too
+                    try:
+                        graph_report = measure_graph_accuracy(hf.model, hf.tokenizer, graph.reference,
+                                                              config.quantization.weights)
+                    except AccuracyError as e:
+                        raise BuildError(str(e)) from None
+                    verification["accuracy"]["tensorrt_graph"] = asdict(graph_report)
+                    line += (f"; TensorRT graph (re-quantized): top-1 {graph_report.agreement:.1%}, away from ties "
+                             f"{graph_report.agreement_away_from_ties:.1%}, max |dlogit| {graph_report.max_abs_diff:.3g}")
+                st.note(line)
         if kv_quantized and not skip_verify:
             with progress.stage("kv_accuracy") as st:
                 try:
