@@ -87,3 +87,47 @@ def test_backend_tensorrt_fails_with_the_reason_and_leaves_nothing(tensorrt_pres
     with pytest.raises(BuildError, match="compile: TensorRT could not parse model.onnx: UINT4 initializer"):
         _build(_tiny("tensorrt"), tmp_path / "eng", [])
     assert not (tmp_path / "eng").exists()
+
+
+INT8_GROUP32 = {"quantization": {"weights": "int8", "group_size": 32, "lm_head": "int8"}}
+
+
+def _build_verified(data: dict, out, lines: list[str]):
+    from trtpaged.builder import build_engine
+    from trtpaged.config import parse_config
+
+    return build_engine(parse_config(data), out, echo=lines.append)
+
+
+def test_auto_compiles_a_requantized_graph_whose_accuracy_holds(tensorrt_present, tmp_path):
+    fake, calls = tensorrt_present
+    lines: list[str] = []
+    result = _build_verified(_tiny("auto", **INT8_GROUP32), tmp_path / "eng", lines)
+    assert len(calls) == 1 and "tensorrt" in result.manifest.backends
+    graph = result.manifest.verification["accuracy"]["tensorrt_graph"]
+    assert graph["agreement_away_from_ties"] >= 0.95
+    assert any("TensorRT graph: layers.0.self_attn.qkv_proj: int8 group 32 -> int8 per channel" in l for l in lines)
+    assert not [line for line in lines if line.startswith("warning:")]
+
+
+def test_a_graph_too_inaccurate_is_not_compiled_by_auto_and_fails_tensorrt(tensorrt_present, tmp_path, monkeypatch):
+    from trtpaged.builder import pipeline
+
+    fake, calls = tensorrt_present
+    monkeypatch.setattr(pipeline, "graph_accuracy_reason", lambda result, scheme: f"top-1 {result.agreement:.1%} (test)")
+    lines: list[str] = []
+    result = _build_verified(_tiny("auto", **INT8_GROUP32), tmp_path / "auto", lines)
+    assert calls == [] and result.manifest.backends == ["torch"]
+    warnings = [line for line in lines if line.startswith("warning:")]
+    assert len(warnings) == 1 and "(test)" in warnings[0]
+    with pytest.raises(pipeline.BuildError, match=r"accuracy: top-1 .*\(test\)"):
+        _build_verified(_tiny("tensorrt", **INT8_GROUP32), tmp_path / "trt", [])
+    assert not (tmp_path / "trt").exists()
+
+
+def test_graph_accuracy_reason_names_the_figures_and_the_bound():
+    from trtpaged.builder.accuracy import PathAccuracy, graph_accuracy_reason
+
+    assert graph_accuracy_reason(PathAccuracy(1.0, 0.9, 0.85, 140), "int4") is None
+    reason = graph_accuracy_reason(PathAccuracy(14.6, 0.736, 0.741, 140), "int4")
+    assert "74.1% of 140 positions" in reason and "needs 80%" in reason and "14.6" in reason

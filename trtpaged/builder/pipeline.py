@@ -24,7 +24,7 @@ from trtpaged.builder import compile as trt_compile
 from trtpaged.builder import tensorrt_graph
 from trtpaged.builder.engine_dir import OutputDirError, check_output, file_hashes, staged_output, write_manifest
 from trtpaged.builder.export import export_onnx
-from trtpaged.builder.accuracy import AccuracyError, measure_accuracy, measure_graph_accuracy
+from trtpaged.builder.accuracy import AccuracyError, graph_accuracy_reason, measure_accuracy, measure_graph_accuracy
 from trtpaged.builder.kv_accuracy import measure_kv_accuracy
 from trtpaged.builder.progress import Progress
 from trtpaged.builder.quantize import check_dims, dequantized_hf_model, quantized_step_model
@@ -155,6 +155,7 @@ def build_engine(
                     against = f"the eager step model with a {graph_kv_dtype} cache"
                 st.note(f"max abs diff {result.max_abs_diff:.3g} vs {against} (tolerance {result.tolerance:.3g}, "
                         f"{result.rows} logits rows, 2 steps)")
+        graph_blocker = None  # why the TensorRT graph's re-quantized weights are too inaccurate to compile
         if quantized is not None and not skip_verify:
             with progress.stage("accuracy") as st:
                 scheme = "exact" if reference_hf is hf.model else config.quantization.weights
@@ -166,12 +167,14 @@ def build_engine(
                 verification["accuracy"] = report.as_dict()
                 line = report.line()
                 if graph is not None and graph.notes:  # the TensorRT graph's re-quantized weights, measured too
-                    try:
-                        graph_report = measure_graph_accuracy(hf.model, hf.tokenizer, graph.reference,
-                                                              config.quantization.weights)
-                    except AccuracyError as e:
-                        raise BuildError(str(e)) from None
+                    graph_report = measure_graph_accuracy(hf.model, hf.tokenizer, graph.reference)
                     verification["accuracy"]["tensorrt_graph"] = asdict(graph_report)
+                    graph_blocker = graph_accuracy_reason(graph_report, config.quantization.weights)
+                    if graph_blocker and config.backend == "tensorrt":
+                        raise BuildError(f"accuracy: {graph_blocker}")
+                    if graph_blocker and config.backend == "auto" and tensorrt_env.unavailable_reason() is None:
+                        # the torch engine (exact layout) is fine; no plan from this graph
+                        progress.warn(f"backend auto: no TensorRT engine: {graph_blocker}")
                     line += (f"; TensorRT graph (re-quantized): top-1 {graph_report.agreement:.1%}, away from ties "
                              f"{graph_report.agreement_away_from_ties:.1%}, max |dlogit| {graph_report.max_abs_diff:.3g}")
                 st.note(line)
@@ -186,6 +189,8 @@ def build_engine(
                 st.note(kv_report.line())
         plan_built = False
         compile_blocker = "backend: torch (no engine.plan)" if config.backend == "torch" else tensorrt_env.unavailable_reason()
+        if graph_blocker and not compile_blocker:
+            compile_blocker = f"backend auto: {graph_blocker}"
         if config.tensor_parallel > 1:
             compile_blocker = (f"tensor_parallel {config.tensor_parallel}: the rank graphs run on the torch backend "
                                "(scripts/gpu_check.sh compiles them with the NCCL all-reduce plugin)")
