@@ -223,3 +223,17 @@ def test_graph_form_computes_the_engine_weight_exactly(bits, group):
     want = torch.nn.functional.linear(x.double(), weight.dequantize(torch.float64), engine.bias.double())
     assert float((graph(x).double() - want).abs().max()) <= 1e-4
     assert float((graph_linear_reference(x, graph).double() - want).abs().max()) <= 1e-4
+
+
+def test_compile_refuses_a_graph_that_breaks_a_rule_before_touching_tensorrt(tmp_path):
+    """The compile stage checks the rules first: one line naming the first violation and its source."""
+    from trtpaged.builder import compile as trt_compile
+    from trtpaged.tensorrt_env import CompileError
+
+    path = tmp_path / "model.onnx"
+    onnx.save(_dq_graph(_int4(signed=False), _scale([2, 64]), axis=0, block_size=64), str(path))
+    with pytest.raises(CompileError) as e:
+        trt_compile.compile_engine(path, tmp_path / "engine.plan", profile=None, model="tiny-llama")
+    message = str(e.value)
+    assert message.startswith("tiny-llama: TensorRT's parser would refuse the graph: codes: UINT4 has no TensorRT type")
+    assert "getDtypeSizeBits" in message and "more)" in message and "\n" not in message
