@@ -114,7 +114,8 @@ def test_a_graph_too_inaccurate_is_not_compiled_by_auto_and_fails_tensorrt(tenso
     from trtpaged.builder import pipeline
 
     fake, calls = tensorrt_present
-    monkeypatch.setattr(pipeline, "graph_accuracy_reason", lambda result, scheme: f"top-1 {result.agreement:.1%} (test)")
+    monkeypatch.setattr(pipeline, "graph_accuracy_reason",
+                        lambda result, scheme: f"top-1 {result.agreement:.1%} (test)")
     lines: list[str] = []
     result = _build_verified(_tiny("auto", **INT8_GROUP32), tmp_path / "auto", lines)
     assert calls == [] and result.manifest.backends == ["torch"]

@@ -122,15 +122,19 @@ def build_engine(
         shards = shard_files(config.tensor_parallel)
         with progress.stage("export") as st:
             plan = quantized.plan if quantized is not None else {}
-            graph = tensorrt_graph.plan_graph(quantized, hf.model, dims, dtype, config.quantization) if quantized else None
+            graph = (tensorrt_graph.plan_graph(quantized, hf.model, dims, dtype, config.quantization)
+                     if quantized is not None else None)
             for line in graph.notes if graph else ():
                 progress.echo(f"export   TensorRT graph: {line}")
             for rank, files in enumerate(shards):
                 model = rank_step_model(step_model, plan, config.tensor_parallel, rank, config.quantization)
                 save_weights(model, tmp / files["weights_file"])
                 if graph is not None:  # the graph holds the forms TensorRT takes (builder/tensorrt_graph.py)
-                    model = tensorrt_graph.to_tensorrt_graph(graph.step_model() if len(shards) == 1 else rank_step_model(
-                        graph.step_model(), graph.state.plan, config.tensor_parallel, rank, config.quantization))
+                    source = graph.step_model()
+                    if len(shards) > 1:
+                        source = rank_step_model(source, graph.state.plan, config.tensor_parallel, rank,
+                                                 config.quantization)
+                    model = tensorrt_graph.to_tensorrt_graph(source)
                 export_onnx(model, config.limits.block_size,
                             graph_kv_dtype if kv_quantized else TORCH_DTYPES[graph_kv_dtype],
                             tmp / files["onnx_file"], tmp / files["weights_file"])
@@ -175,8 +179,9 @@ def build_engine(
                     if graph_blocker and config.backend == "auto" and tensorrt_env.unavailable_reason() is None:
                         # the torch engine (exact layout) is fine; no plan from this graph
                         progress.warn(f"backend auto: no TensorRT engine: {graph_blocker}")
-                    line += (f"; TensorRT graph (re-quantized): top-1 {graph_report.agreement:.1%}, away from ties "
-                             f"{graph_report.agreement_away_from_ties:.1%}, max |dlogit| {graph_report.max_abs_diff:.3g}")
+                    g = graph_report
+                    line += (f"; TensorRT graph (re-quantized): top-1 {g.agreement:.1%}, away from ties "
+                             f"{g.agreement_away_from_ties:.1%}, max |dlogit| {g.max_abs_diff:.3g}")
                 st.note(line)
         if kv_quantized and not skip_verify:
             with progress.stage("kv_accuracy") as st:

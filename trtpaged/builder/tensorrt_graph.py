@@ -28,7 +28,6 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from trtpaged.builder.quantize import QuantizedState, dequantized_hf_model
@@ -53,7 +52,8 @@ def _graph_layout(bits: int, in_features: int) -> tuple[int, Optional[int]]:
 
 
 def _weight(state: dict[str, torch.Tensor], prefix: str, bits: int, group: int) -> QuantizedWeight:
-    return QuantizedWeight(bits, group, state[f"{prefix}.codes"], state[f"{prefix}.scales"], state.get(f"{prefix}.offsets"))
+    return QuantizedWeight(bits, group, state[f"{prefix}.codes"], state[f"{prefix}.scales"],
+                           state.get(f"{prefix}.offsets"))
 
 
 def graph_weights(quantized: QuantizedState, dims: ModelDims,
@@ -235,7 +235,3 @@ def _set(root: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, leaf = name.rpartition(".")
     setattr(root.get_submodule(parent) if parent else root, leaf, module)
 
-
-def graph_linear_reference(x: torch.Tensor, module: TensorRTLinear) -> torch.Tensor:
-    """F.linear on the graph's de-quantized weight (a plain reference for TensorRTLinear.forward)."""
-    return F.linear(x.float(), module.dequantized(), None if module.bias is None else module.bias.float())

@@ -234,8 +234,8 @@ def _check_plugin(node: onnx.NodeProto, where: str) -> Iterable[Violation]:
     attributes = {a.name: a.type for a in node.attribute}
     for name, kind in attributes.items():
         if kind not in PLUGIN_ATTRIBUTE_TYPES:
-            yield Violation("plugin-fields", where, f"attribute {name} of type "
-                                                    f"{onnx.AttributeProto.AttributeType.Name(kind)} is no plugin field")
+            kind_name = onnx.AttributeProto.AttributeType.Name(kind)
+            yield Violation("plugin-fields", where, f"attribute {name} of type {kind_name} is no plugin field")
     for name, kind in PLUGIN_FIELDS[node.op_type].items():
         if attributes.get(name) != kind:
             got = "missing" if name not in attributes else onnx.AttributeProto.AttributeType.Name(attributes[name])
