@@ -236,3 +236,34 @@ def test_compile_refuses_a_graph_that_breaks_a_rule_before_touching_tensorrt(tmp
     message = str(e.value)
     assert message.startswith("tiny-llama: TensorRT's parser would refuse the graph: codes: UINT4 has no TensorRT type")
     assert "getDtypeSizeBits" in message and "more)" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_int4_graph_runs_as_hf_with_the_graph_weights(group, tmp_path):
+    """onnx.reference runs the signed-INT4 graph (block 64: the engine's weights exactly; group 32: re-quantized
+    to block 64) as HF's forward with the graph's de-quantized weights, and the re-quantized graph is measurably
+    not the engine's weights."""
+    from trtpaged.builder import tensorrt_graph
+    from trtpaged.builder.quantize import dequantized_hf_model, quantized_step_model
+    from trtpaged.builder.verify import VerificationError, verify_onnx
+    from trtpaged.config import parse_config
+    from trtpaged.models import dims_from_hf_config, load_hf
+
+    case = {"quantization": {"weights": "int4", "group_size": group, "lm_head": "int8"}, "dtype": "float32",
+            "kv_cache_dtype": "auto", "tensor_parallel": 1}
+    (path,) = export_tiny_graphs(case, tmp_path, tie=False)
+    config = parse_config({**TINY_KV4, "quantization": case["quantization"]})
+    hf = load_hf(config.model, torch.float32)
+    dims = dims_from_hf_config(hf.config, config.limits.max_seq_len)
+    _, quantized = quantized_step_model(hf.model, config.model, dims, config.quantization, torch.float32)
+    graph = tensorrt_graph.plan_graph(quantized, hf.model, dims, torch.float32, config.quantization)
+    engine_reference = dequantized_hf_model(hf.model, dims, quantized)
+    if group == 64:
+        assert graph.notes == [] and graph.reference is None
+        result = verify_onnx(path, engine_reference, dims.vocab_size, 16, "float32", "float32")
+    else:
+        assert len(graph.notes) == 4 * dims.num_layers and all("-> int4 block 64" in n for n in graph.notes)
+        result = verify_onnx(path, graph.reference, dims.vocab_size, 16, "float32", "float32")
+        with pytest.raises(VerificationError):
+            verify_onnx(path, engine_reference, dims.vocab_size, 16, "float32", "float32")
+    assert result.max_abs_diff <= 1e-4 * result.max_abs_logit
