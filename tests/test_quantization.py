@@ -142,18 +142,25 @@ def tiny_int8_engine(tmp_path_factory) -> Path:
 
 
 def test_quantized_graph_uses_dequantize_linear(tiny_int8_engine):
+    """The TensorRT graph: int8 group 32 re-quantized per channel (1-D scales), DequantizeLinear -> MatMul,
+    the embedding a float table (builder/tensorrt_graph.py; rules in tests/test_tensorrt_conformance.py)."""
+    from trtpaged.builder.tensorrt_rules import check_graph
+
     onnx.checker.check_model(str(tiny_int8_engine / "model.onnx"), full_check=True)
     model = onnx.load(str(tiny_int8_engine / "model.onnx"), load_external_data=False)
     dq = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
-    # per layer: qkv, o, gate_up, down; plus the embedding gather and the LM head
-    assert len(dq) == 2 * 4 + 2
+    # per layer: qkv, o, gate_up, down; plus the LM head (the embedding is a float table)
+    assert len(dq) == 2 * 4 + 1
     assert all(n.domain == "" for n in dq)
     assert {o.domain: o.version for o in model.opset_import}[""] >= 21
     inits = {i.name: i for i in model.graph.initializer}
-    codes = [i for name, i in inits.items() if name.endswith(".codes")]
+    codes = [i for name, i in inits.items() if name.endswith(".tensorrt_codes")]
     assert codes and all(i.data_type == onnx.TensorProto.INT8 for i in codes)
-    assert not any(i.data_type == onnx.TensorProto.FLOAT and len(i.dims) == 2 and i.dims[0] * i.dims[1] > 4096
-                   for i in inits.values()), "a float weight matrix survived quantization"
+    assert all(len(inits[n.input[1]].dims) == 1 for n in dq)
+    floats = [name for name, i in inits.items()
+              if i.data_type == onnx.TensorProto.FLOAT and len(i.dims) == 2 and i.dims[0] * i.dims[1] > 4096]
+    assert floats == ["embed_tokens.weight"], "a float weight matrix survived quantization"
+    assert check_graph(tiny_int8_engine / "model.onnx") == []
 
 
 def test_quantized_engine_manifest_and_weights(tiny_int8_engine):
@@ -167,6 +174,10 @@ def test_quantized_engine_manifest_and_weights(tiny_int8_engine):
     v = m.verification
     assert v["max_abs_diff"] <= v["tolerance"]
     assert v["accuracy"]["full_precision_activations"]["positions"] > 0
+    # int8 group 32 has no TensorRT form: the graph's per-channel re-quantization was measured too
+    graph = v["accuracy"]["tensorrt_graph"]
+    assert graph["positions"] == v["accuracy"]["full_precision_activations"]["positions"]
+    assert graph["agreement_away_from_ties"] >= 0.95 and graph["max_abs_diff"] > 0
 
 
 def test_quantized_engine_logits_match_hf_with_the_same_weights(tiny_int8_engine):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -217,13 +218,24 @@ def test_backend_refuses_old_tensorrt_before_touching_its_api(monkeypatch):
         TensorRTRunner("engine.plan", num_blocks=4, device="cuda")
 
 
-def test_engine_dir_records_the_tensorrt_major_and_refuses_another(tmp_path):
-    trt_env.write_build_info(tmp_path, "10.16.0.72", tmp_path / "libtrtpaged_trt_plugin_trt10.so")
-    trt_env.check_build_info(tmp_path, "10.3.1")  # same major: fine
-    with pytest.raises(CompileError) as e:
-        trt_env.check_build_info(tmp_path, "11.1.0")
-    assert "built with TensorRT 10.16.0.72" in str(e.value) and "TensorRT 11.1.0 is installed" in str(e.value)
-    assert "\n" not in str(e.value)
+def test_engine_dir_records_the_full_tensorrt_version_and_sm_and_refuses_others(tmp_path):
+    trt_env.write_build_info(tmp_path, "10.16.0.72", tmp_path / "libtrtpaged_trt_plugin_trt10.so", sm="sm_90")
+    info = json.loads((tmp_path / "tensorrt.json").read_text())
+    assert info["tensorrt_version"] == "10.16.0.72" and info["gpu_sm"] == "sm_90"
+    trt_env.check_build_info(tmp_path, "10.16.0.72", sm="sm_90")  # the same TensorRT and GPU: fine
+    for version, sm, words in [("11.1.0", "sm_90", ("built with TensorRT 10.16.0.72", "TensorRT 11.1.0 is installed")),
+                               ("10.16.1", "sm_90", ("built with TensorRT 10.16.0.72", "TensorRT 10.16.1 is installed")),
+                               ("10.3.1", "sm_90", ("TensorRT 10.3.1 is installed",)),
+                               ("10.16.0.72", "sm_80", ("built for sm_90", "this GPU is sm_80"))]:
+        with pytest.raises(CompileError) as e:
+            trt_env.check_build_info(tmp_path, version, sm=sm)
+        assert all(w in str(e.value) for w in words) and "\n" not in str(e.value)
+
+
+def test_build_info_without_the_sm_is_refused(tmp_path):
+    (tmp_path / "tensorrt.json").write_text(json.dumps({"tensorrt_version": "10.16.0", "tensorrt_major": 10}))
+    with pytest.raises(CompileError, match="does not record the GPU"):
+        trt_env.check_build_info(tmp_path, "10.16.0", sm="sm_90")
 
 
 def test_engine_dir_without_the_record_is_refused(tmp_path):

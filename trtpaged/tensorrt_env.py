@@ -137,21 +137,46 @@ def load_plugin_library(registry: Any, version: str, path: Optional[Path] = None
     return resolved
 
 
-def write_build_info(engine_dir: Path, version: str, library: Path) -> Path:
-    """Records next to engine.plan the TensorRT version and plugin library it was built with."""
-    info = {"tensorrt_version": version, "tensorrt_major": _version_tuple(version)[0], "plugin_library": library.name}
+def gpu_sm(device: int = 0) -> Optional[str]:
+    """The CUDA GPU's compute capability as "sm_90" (None without a CUDA GPU)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+def write_build_info(engine_dir: Path, version: str, library: Path, sm: Optional[str] = None) -> Path:
+    """Records next to engine.plan the full TensorRT version, the GPU's SM (default: this machine's) and the
+    plugin library it was built with: a plan runs only on the TensorRT version and GPU it was built for."""
+    info = {"tensorrt_version": version, "tensorrt_major": _version_tuple(version)[0],
+            "gpu_sm": sm if sm is not None else gpu_sm(), "plugin_library": library.name}
     path = Path(engine_dir) / BUILD_INFO_FILE
     path.write_text(json.dumps(info, indent=2) + "\n")
     return path
 
 
-def check_build_info(engine_dir: Path, version: str) -> None:
-    """Raises CompileError (one line) unless engine.plan in `engine_dir` was built for TensorRT `version`'s major."""
+def check_build_info(engine_dir: Path, version: str, sm: Optional[str] = None) -> None:
+    """Raises CompileError (one line) unless engine.plan in `engine_dir` was built with TensorRT `version`
+    (every component) for this GPU's SM (`sm`, default: this machine's)."""
     path = Path(engine_dir) / BUILD_INFO_FILE
     if not path.is_file():
         raise CompileError(f"{engine_dir}: engine.plan without {BUILD_INFO_FILE} (built by an older trtpaged); rebuild it")
     built = json.loads(path.read_text())
-    built_major, running = int(built["tensorrt_major"]), _version_tuple(version)[0]
-    if built_major != running:
-        raise CompileError(f"{engine_dir}: engine.plan was built with TensorRT {built['tensorrt_version']}, but "
-                           f"TensorRT {version} is installed; rebuild it or install TensorRT {built_major}")
+    built_version = str(built["tensorrt_version"])
+    if _full_version(built_version) != _full_version(version):
+        raise CompileError(f"{engine_dir}: engine.plan was built with TensorRT {built_version}, but "
+                           f"TensorRT {version} is installed; rebuild it or install TensorRT {built_version}")
+    built_sm = built.get("gpu_sm")
+    running_sm = sm if sm is not None else gpu_sm()
+    if built_sm is None:
+        raise CompileError(f"{engine_dir}: {BUILD_INFO_FILE} does not record the GPU (SM) the plan was built for "
+                           "(built by an older trtpaged); rebuild it")
+    if running_sm is not None and built_sm != running_sm:
+        raise CompileError(f"{engine_dir}: engine.plan was built for {built_sm}, but this GPU is {running_sm}; "
+                           "rebuild it on this GPU")
+
+
+def _full_version(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", version))

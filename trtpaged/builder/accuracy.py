@@ -143,3 +143,21 @@ def measure_accuracy(hf_model: Any, tokenizer: Any, dequantized_hf: Any, step_mo
         raise AccuracyError(f"accuracy: {report.line()}; scheme {scheme} needs top-1 agreement away from "
                             f"near-ties >= {need} (float activations / torch backend)")
     return report
+
+
+def measure_graph_accuracy(hf_model: Any, tokenizer: Any, graph_hf: Any) -> PathAccuracy:
+    """The TensorRT graph's weights (HF with them, full-precision activations: what the graph computes) against
+    the unquantized model, where the build re-quantized tensors for the graph (builder/tensorrt_graph.py).
+    The caller judges it (the torch engine does not run these weights)."""
+    seqs = _sequences(hf_model, tokenizer)
+    return _compare([_hf_logits(hf_model, s) for s in seqs], [_hf_logits(graph_hf, s) for s in seqs])
+
+
+def graph_accuracy_reason(result: PathAccuracy, scheme: str) -> str | None:
+    """Why the TensorRT graph's weights are too far from the unquantized model for `scheme`, or None."""
+    need = ACCEPT[scheme][0]
+    if result.agreement_away_from_ties >= need:
+        return None
+    return (f"the TensorRT graph's re-quantized weights agree with the unquantized model's top-1 on "
+            f"{result.agreement_away_from_ties:.1%} of {result.positions} positions away from near-ties "
+            f"(max |dlogit| {result.max_abs_diff:.3g}); scheme {scheme} needs {need:.0%}")

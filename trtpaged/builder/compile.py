@@ -76,6 +76,18 @@ def check_kv_dtypes(onnx_path: Path, model: Optional[str] = None) -> None:
             raise CompileError(f"{model or Path(onnx_path).name}: {reason}")
 
 
+def check_conformance(onnx_path: Path, model: Optional[str] = None) -> None:
+    """Raises CompileError (one line: the first violation, its rule's source, how many more) unless the graph
+    keeps every rule of TensorRT's ONNX parser that builder/tensorrt_rules.py encodes."""
+    from trtpaged.builder.tensorrt_rules import check_graph
+
+    violations = check_graph(Path(onnx_path))
+    if violations:
+        more = f" (+{len(violations) - 1} more)" if len(violations) > 1 else ""
+        raise CompileError(f"{model or Path(onnx_path).name}: TensorRT's parser would refuse the graph: "
+                           f"{violations[0]}{more}")
+
+
 @dataclass(frozen=True)
 class ShapeProfile:
     """(min, opt, max) of every dynamic dimension of the engine I/O contract."""
@@ -141,6 +153,7 @@ def compile_engine(
     and records the TensorRT version next to it (BUILD_INFO_FILE). `model` names the model in errors."""
     check_head_dims(onnx_path, model)
     check_kv_dtypes(onnx_path, model)
+    check_conformance(onnx_path, model)
     import tensorrt as trt
 
     version = str(trt.__version__)

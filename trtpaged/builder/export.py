@@ -42,9 +42,16 @@ def dynamic_shapes() -> dict[str, dict[int, object]]:
             for name, axes in STEP_INPUT_AXES.items()}
 
 
+def graph_weights_path(onnx_path: Path) -> Path:
+    """Where the graph's own tensors go (those not in the weights file: the TensorRT forms of quantized weights)."""
+    return onnx_path.with_name(f"{onnx_path.stem}-tensorrt.safetensors")
+
+
 def export_onnx(model: LlamaStepModel, block_size: int, kv_dtype: torch.dtype | str, onnx_path: Path,
                 weights_path: Path) -> Path:
-    """Exports `model` to `onnx_path`; its parameters become external data inside `weights_path` (written before).
+    """Exports `model` to `onnx_path`; its parameters become external data inside `weights_path` (written before),
+    and its tensors that file lacks (a quantized model's TensorRT graph forms, builder/tensorrt_graph.py) external
+    data inside `graph_weights_path(onnx_path)`, written here.
 
     kv_dtype: the pool's torch dtype, or "int8" / "fp8_e4m3" for a quantized pool, which the graph
     takes as int8 bytes (rows of head_dim + 2) with the format in each node's kv_dtype attribute."""
@@ -73,14 +80,23 @@ def export_onnx(model: LlamaStepModel, block_size: int, kv_dtype: torch.dtype | 
     for node in graph:  # the exporter's per-node stack traces and source paths: 80% of the file, no use downstream
         node.metadata_props.clear()
     offsets = tensor_offsets(weights_path)
+    graph_only = {name: t.detach().contiguous() for name, t in model.state_dict().items()
+                  if name not in offsets and name in graph.initializers}
+    external = {name: (weights_path, offset_length) for name, offset_length in offsets.items()}
+    if graph_only:
+        from safetensors.torch import save_file
+
+        side = graph_weights_path(onnx_path)
+        save_file(graph_only, str(side), metadata={"format": "pt", "producer": "trtpaged", "for": onnx_path.name})
+        external.update({name: (side, ol) for name, ol in tensor_offsets(side).items()})
     for name, value in list(graph.initializers.items()):
         tensor = value.const_value
-        if name in offsets and tensor is not None:
-            offset, length = offsets[name]
+        if name in external and tensor is not None:
+            path, (offset, length) = external[name]
             if length != tensor.nbytes:
-                raise ExportError(f"initializer {name}: {tensor.nbytes} bytes in the graph, {length} in {weights_path.name}")
+                raise ExportError(f"initializer {name}: {tensor.nbytes} bytes in the graph, {length} in {path.name}")
             value.const_value = ir.ExternalTensor(
-                weights_path.name, offset, length, tensor.dtype, shape=tensor.shape, name=name,
+                path.name, offset, length, tensor.dtype, shape=tensor.shape, name=name,
                 base_dir=str(onnx_path.parent),
             )
         elif tensor is not None and tensor.nbytes > _INLINE_LIMIT:

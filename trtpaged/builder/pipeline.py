@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -21,9 +21,10 @@ import torch
 from trtpaged import __version__
 from trtpaged import tensorrt_env
 from trtpaged.builder import compile as trt_compile
+from trtpaged.builder import tensorrt_graph
 from trtpaged.builder.engine_dir import OutputDirError, check_output, file_hashes, staged_output, write_manifest
 from trtpaged.builder.export import export_onnx
-from trtpaged.builder.accuracy import AccuracyError, measure_accuracy
+from trtpaged.builder.accuracy import AccuracyError, graph_accuracy_reason, measure_accuracy, measure_graph_accuracy
 from trtpaged.builder.kv_accuracy import measure_kv_accuracy
 from trtpaged.builder.progress import Progress
 from trtpaged.builder.quantize import check_dims, dequantized_hf_model, quantized_step_model
@@ -128,9 +129,19 @@ def build_engine(
         shards = shard_files(config.tensor_parallel)
         with progress.stage("export") as st:
             plan = quantized.plan if quantized is not None else {}
+            graph = (tensorrt_graph.plan_graph(quantized, hf.model, dims, dtype, config.quantization)
+                     if quantized is not None else None)
+            for line in graph.notes if graph else ():
+                progress.echo(f"export   TensorRT graph: {line}")
             for rank, files in enumerate(shards):
                 model = rank_step_model(step_model, plan, config.tensor_parallel, rank, config.quantization)
                 save_weights(model, tmp / files["weights_file"])
+                if graph is not None:  # the graph holds the forms TensorRT takes (builder/tensorrt_graph.py)
+                    source = graph.step_model()
+                    if len(shards) > 1:
+                        source = rank_step_model(source, graph.state.plan, config.tensor_parallel, rank,
+                                                 config.quantization)
+                    model = tensorrt_graph.to_tensorrt_graph(source)
                 export_onnx(model, config.limits.block_size,
                             graph_kv_dtype if kv_quantized else TORCH_DTYPES[graph_kv_dtype],
                             tmp / files["onnx_file"], tmp / files["weights_file"])
@@ -144,17 +155,21 @@ def build_engine(
             verification: dict = {"skipped": True, "reason": why_not}
         else:
             with progress.stage("verify") as st:
+                graph_reference = graph.reference if graph is not None and graph.notes else reference_hf
                 try:
-                    result = verify_onnx([tmp / f["onnx_file"] for f in shards], reference_hf, dims.vocab_size,
+                    result = verify_onnx([tmp / f["onnx_file"] for f in shards], graph_reference, dims.vocab_size,
                                          config.limits.block_size, config.dtype, graph_kv_dtype, step_model)
                 except KernelError as e:
                     raise BuildError(f"verify: {e}") from None
                 verification = result.as_dict()
                 against = "HF with the same de-quantized weights" if reference_hf is not hf.model else "HF"
+                if graph_reference is not reference_hf:
+                    against = "HF with the TensorRT graph's de-quantized weights"
                 if kv_quantized:
                     against = f"the eager step model with a {graph_kv_dtype} cache"
                 st.note(f"max abs diff {result.max_abs_diff:.3g} vs {against} (tolerance {result.tolerance:.3g}, "
                         f"{result.rows} logits rows, 2 steps)")
+        graph_blocker = None  # why the TensorRT graph's re-quantized weights are too inaccurate to compile
         if quantized is not None and not skip_verify:
             with progress.stage("accuracy") as st:
                 scheme = "exact" if reference_hf is hf.model else config.quantization.weights
@@ -166,7 +181,20 @@ def build_engine(
                 except KernelError as e:
                     raise BuildError(f"accuracy: {e}") from None
                 verification["accuracy"] = report.as_dict()
-                st.note(report.line())
+                line = report.line()
+                if graph is not None and graph.notes:  # the TensorRT graph's re-quantized weights, measured too
+                    graph_report = measure_graph_accuracy(hf.model, hf.tokenizer, graph.reference)
+                    verification["accuracy"]["tensorrt_graph"] = asdict(graph_report)
+                    graph_blocker = graph_accuracy_reason(graph_report, config.quantization.weights)
+                    if graph_blocker and config.backend == "tensorrt":
+                        raise BuildError(f"accuracy: {graph_blocker}")
+                    if graph_blocker and config.backend == "auto" and tensorrt_env.unavailable_reason() is None:
+                        # the torch engine (exact layout) is fine; no plan from this graph
+                        progress.warn(f"backend auto: no TensorRT engine: {graph_blocker}")
+                    g = graph_report
+                    line += (f"; TensorRT graph (re-quantized): top-1 {g.agreement:.1%}, away from ties "
+                             f"{g.agreement_away_from_ties:.1%}, max |dlogit| {g.max_abs_diff:.3g}")
+                st.note(line)
         if kv_quantized and not skip_verify:
             with progress.stage("kv_accuracy") as st:
                 try:
@@ -178,9 +206,16 @@ def build_engine(
                 st.note(kv_report.line())
         plan_built = False
         compile_blocker = "backend: torch (no engine.plan)" if config.backend == "torch" else tensorrt_env.unavailable_reason()
+        if graph_blocker and not compile_blocker:
+            compile_blocker = f"backend auto: {graph_blocker}"
         if config.tensor_parallel > 1:
             compile_blocker = (f"tensor_parallel {config.tensor_parallel}: the rank graphs run on the torch backend "
                                "(scripts/gpu_check.sh compiles them with the NCCL all-reduce plugin)")
+        if not compile_blocker and config.backend == "auto":
+            unsupported = trt_compile.kv_dtype_reason(config.kv_cache_dtype)
+            if unsupported:  # backend auto: what TensorRT cannot take is built for torch, with one warning
+                progress.warn(f"backend auto: no TensorRT engine: {unsupported}")
+                compile_blocker = f"backend auto: {unsupported}"
         if compile_blocker:
             progress.skip("compile", compile_blocker)
         else:
@@ -189,10 +224,15 @@ def build_engine(
                 try:
                     trt_compile.compile_engine(tmp / ONNX_FILE, tmp / PLAN_FILE, profile, echo=progress.echo,
                                                model=f"{arch} from model.{config.model.kind}")
+                    plan_built = True
                 except trt_compile.CompileError as e:
-                    raise BuildError(f"compile: {e}") from e
-                plan_built = True
-                st.note(f"{PLAN_FILE} {(tmp / PLAN_FILE).stat().st_size / 2**20:.1f} MiB")
+                    if config.backend != "auto":
+                        raise BuildError(f"compile: {e}") from e
+                    for leftover in (tmp / PLAN_FILE, tmp / tensorrt_env.BUILD_INFO_FILE):
+                        leftover.unlink(missing_ok=True)
+                    progress.warn(f"backend auto: no TensorRT engine, the torch engine only: {e}")
+                st.note(f"{PLAN_FILE} {(tmp / PLAN_FILE).stat().st_size / 2**20:.1f} MiB" if plan_built
+                        else "no engine.plan (backend auto: torch)")
         with progress.stage("write") as st:
             hf.tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
             manifest = _manifest(config, dims, hf, verification, file_hashes(tmp), plan_built,

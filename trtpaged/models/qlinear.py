@@ -12,9 +12,10 @@ ONNX graph carry the quantized form. Three ways to run:
 - eager elsewhere, or where the library lacks the kernels: a de-quantized
   float copy of the weight, made once, and `F.linear` (full-precision
   activations; no memory saving);
-- ONNX export: `trtpaged::dequantize_weight` (rewritten to the standard
-  `DequantizeLinear` after export) -> MatMul, plus, for int4's offsets, the
-  group sums of x times the offsets — the weight-only pattern TensorRT fuses.
+- ONNX export: not these modules; the builder turns them into the TensorRT
+  graph's forms first (builder/tensorrt_graph.py: signed int4 blocks, int8 per
+  channel, a float embedding table), since this layout (uint4 codes, group 32,
+  int8 rows gathered) is not what TensorRT's parser takes.
 """
 
 from __future__ import annotations
@@ -78,11 +79,6 @@ def uses_int8_activations(model: nn.Module) -> bool:
         m.codes.device.type == "cpu" and m.in_features % 32 == 0 and m.activations == "int8" for m in linears)
 
 
-def _group_sums(x: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Sum of x over each group of `group_size` inputs: [T, K] -> [T, K / group_size]."""
-    return x.reshape(x.shape[0], -1, group_size).sum(-1)
-
-
 class QuantizedLinear(nn.Module):
     """y = x @ W^T + b with W stored quantized (int8 or int4, see trtpaged.models.quant)."""
 
@@ -126,7 +122,8 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_exporting():
-            return self._graph_forward(x)
+            raise RuntimeError(f"{self.extra_repr()}: export the TensorRT graph form (builder.tensorrt_graph."
+                               "to_tensorrt_graph), not the engine layout")
         if x.is_cpu and x.dtype is torch.float32 and self.in_features % 32 == 0:
             op = self._op if self._op is not None else self._make_op()
             if op is not None:
@@ -153,14 +150,6 @@ class QuantizedLinear(nn.Module):
         self._op = kernels.QLinearOp(packed, self.bits, self.out_features, self.in_features, self.group_size, bias=bias)
         return self._op
 
-    def _graph_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The exported form: DequantizeLinear -> MatMul (+ group sums x offsets for int4)."""
-        w = dequantize_weight(self.codes, self.scales, self.bits, self.group_size).to(x.dtype)
-        y = F.linear(x, w, self.bias)
-        if self.offsets is not None:
-            y = y + F.linear(_group_sums(x, self.group_size), self.offsets.to(x.dtype))
-        return y
-
 
 class QuantizedEmbedding(nn.Module):
     """A token embedding stored as int8 rows (scale per row or per group); also the tied LM head."""
@@ -176,6 +165,8 @@ class QuantizedEmbedding(nn.Module):
         self.head.load_weight(weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_exporting():
+            raise RuntimeError("embedding: export the TensorRT graph form (a float table), not the int8 rows")
         head = self.head
         codes, scales = head.codes.index_select(0, input_ids), head.scales.index_select(0, input_ids)
         return dequantize_weight(codes, scales, 8, head.group_size).to(self.dtype)

@@ -1,0 +1,269 @@
+"""The exported graphs against what TensorRT's ONNX parser accepts (trtpaged/builder/tensorrt_rules.py).
+
+No TensorRT here: the rules are taken from the parser's source and TensorRT's quantization rules
+(each rule names its source). Two halves:
+- every rule rejects a small graph that breaks it, the patterns trtpaged's export had before issue 20
+  (UINT4 codes, rank-2 per-channel int8 scales, de-quantization after a Gather, a Cast between
+  DequantizeLinear and the MatMul, INT4 block 32), and accepts the conforming form;
+- a tiny export of every example's quantization and KV cache dtype passes every rule.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import yaml
+from onnx import TensorProto, helper, numpy_helper
+
+from trtpaged.builder.tensorrt_rules import RULES, check_graph, format_violations
+from tests.conftest import TINY_KV4
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _dq_graph(codes: onnx.TensorProto, scale: onnx.TensorProto, *, axis: int, block_size: int = 0,
+              via_gather: bool = False, cast: bool = False, zero_point: onnx.TensorProto | None = None,
+              k: int = 128, n: int = 64) -> onnx.ModelProto:
+    """x [T, K] @ DequantizeLinear(codes) [K, N] (or a variant that breaks one rule)."""
+    f = TensorProto.FLOAT
+    nodes, inits = [], [codes, scale]
+    dq_inputs = [codes.name, scale.name]
+    if via_gather:
+        inits.append(numpy_helper.from_array(np.array([0, 1], dtype=np.int64), "ids"))
+        nodes.append(helper.make_node("Gather", [codes.name, "ids"], ["rows"]))
+        dq_inputs[0] = "rows"
+    if zero_point is not None:
+        inits.append(zero_point)
+        dq_inputs.append(zero_point.name)
+    attrs = {"axis": axis, **({"block_size": block_size} if block_size else {})}
+    nodes.append(helper.make_node("DequantizeLinear", dq_inputs, ["w"], name="dq", **attrs))
+    weight = "w"
+    if cast:
+        nodes.append(helper.make_node("Cast", ["w"], ["w16"], to=TensorProto.FLOAT16))
+        nodes.append(helper.make_node("Cast", ["w16"], ["w32"], to=f))
+        weight = "w32"
+    nodes.append(helper.make_node("MatMul", ["x", weight], ["y"], name="mm"))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", f, ["T", k])],
+                              [helper.make_tensor_value_info("y", f, ["T", n])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def _int8(k=128, n=64, name="codes"):
+    return numpy_helper.from_array(np.ones((k, n), dtype=np.int8), name)
+
+
+def _int4(k=128, n=64, signed=True, name="codes"):
+    return helper.make_tensor(name, TensorProto.INT4 if signed else TensorProto.UINT4, [k, n],
+                              np.ones(k * n, dtype=np.int64).tolist())
+
+
+def _scale(shape, value=0.01, dtype=np.float32, name="scale"):
+    return numpy_helper.from_array(np.full(shape, value, dtype=dtype), name)
+
+
+def _rules(model) -> set[str]:
+    return {v.rule for v in check_graph(model)}
+
+
+def test_conforming_weight_only_patterns_pass():
+    assert _rules(_dq_graph(_int8(), _scale([64]), axis=1)) == set()  # int8 per channel, 1-D scale
+    for block in (64, 128):  # int4 block quantization along K
+        assert _rules(_dq_graph(_int4(), _scale([128 // block, 64]), axis=0, block_size=block)) == set()
+
+
+@pytest.mark.parametrize("case,rule", [
+    ("uint4 codes", "initializer-dtype"),
+    ("int8 rank-2 per-channel scale", "dq-block-dtype"),
+    ("int4 block 32", "dq-int4-block-size"),
+    ("int4 blocked along N", "dq-int4-block-size"),
+    ("dq after gather", "dq-constant-root"),
+    ("cast before matmul", "dq-feeds-matmul"),
+    ("nonzero zero point", "dq-zero-point"),
+    ("negative scale", "dq-scale"),
+    ("int32 scale", "dq-scale"),
+    ("wrong per-channel count", "dq-scale-shape"),
+    ("gather of int8", "op-input-dtype"),
+])
+def test_each_rule_rejects_the_pattern_that_breaks_it(case, rule):
+    graphs = {
+        "uint4 codes": lambda: _dq_graph(_int4(signed=False), _scale([2, 64]), axis=0, block_size=64),
+        "int8 rank-2 per-channel scale": lambda: _dq_graph(_int8(), _scale([1, 64]), axis=1, block_size=128),
+        "int4 block 32": lambda: _dq_graph(_int4(), _scale([4, 64]), axis=0, block_size=32),
+        "int4 blocked along N": lambda: _dq_graph(_int4(), _scale([128, 1]), axis=1, block_size=64),
+        "dq after gather": lambda: _dq_graph(_int8(), _scale([64]), axis=1, via_gather=True),
+        "cast before matmul": lambda: _dq_graph(_int8(), _scale([64]), axis=1, cast=True),
+        "nonzero zero point": lambda: _dq_graph(_int8(), _scale([64]), axis=1,
+                                                zero_point=numpy_helper.from_array(np.full(64, 3, np.int8), "zp")),
+        "negative scale": lambda: _dq_graph(_int8(), _scale([64], value=-0.5), axis=1),
+        "int32 scale": lambda: _dq_graph(_int8(), numpy_helper.from_array(np.ones(64, np.int32), "scale"), axis=1),
+        "wrong per-channel count": lambda: _dq_graph(_int8(), _scale([32]), axis=1),
+        "gather of int8": lambda: _dq_graph(_int8(), _scale([64]), axis=1, via_gather=True),
+    }
+    assert rule in RULES and RULES[rule].source
+    assert rule in _rules(graphs[case]())
+
+
+def test_plugin_nodes_need_their_registered_creator_and_fields():
+    from trtpaged.builder.onnx_node import OP_TYPE
+
+    f = TensorProto.FLOAT
+
+    def graph(**attrs):
+        node = helper.make_node(OP_TYPE, ["x"], ["y"], domain="trtpaged", name="attn", **attrs)
+        g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", f, [4])],
+                              [helper.make_tensor_value_info("y", f, [4])])
+        return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("trtpaged", 1)])
+
+    fields = dict(num_heads=4, num_kv_heads=2, head_dim=16, block_size=16, layer=0, scale=0.25, kv_dtype="auto")
+    ok = dict(fields, plugin_version="1", plugin_namespace="trtpaged")
+    assert _rules(graph(**ok)) == set()
+    assert _rules(graph(**dict(ok, plugin_namespace="other"))) == {"op-importer"}
+    assert _rules(graph(**dict(ok, scale=1))) == {"plugin-fields"}  # INT where the creator wants kFLOAT32
+    assert _rules(graph(**{k: v for k, v in ok.items() if k != "layer"})) == {"plugin-fields"}
+    unknown = helper.make_model(helper.make_graph([helper.make_node("MatMulInteger", ["x", "x"], ["y"])], "g",
+                                                  [helper.make_tensor_value_info("x", f, [4])],
+                                                  [helper.make_tensor_value_info("y", f, [4])]))
+    assert _rules(unknown) == {"op-importer"}
+
+
+def _example_cases() -> list[tuple[str, dict]]:
+    """(example name, its quantization / kv_cache_dtype / dtype / tensor_parallel on the TINY_KV4 dims)."""
+    cases = []
+    for path in sorted(EXAMPLES.glob("*.yaml")):
+        data = yaml.safe_load(path.read_text())
+        tp = min(int(data.get("tensor_parallel", 1)), 2)  # TINY_KV4's 8 heads / 4 KV heads split over 2
+        cases.append((path.stem, {"quantization": data.get("quantization"), "dtype": data.get("dtype", "float32"),
+                                  "kv_cache_dtype": data.get("kv_cache_dtype", "auto"), "tensor_parallel": tp}))
+    return cases
+
+
+def export_tiny_graphs(case: dict, out: Path, tie: bool = True) -> list[Path]:
+    """The rank graphs the build's export stage writes for `case` on the tiny dims, in the case's own dtype
+    (float16 too, which a CPU build would turn into float32), without verification."""
+    from trtpaged.builder import tensorrt_graph
+    from trtpaged.builder.export import export_onnx
+    from trtpaged.builder.pipeline import rank_step_model, shard_files
+    from trtpaged.builder.quantize import quantized_step_model
+    from trtpaged.builder.weights import save_weights
+    from trtpaged.config import parse_config
+    from trtpaged.manifest import QUANTIZED_KV_DTYPES
+    from trtpaged.models import dims_from_hf_config, load_hf
+    from trtpaged.models.loading import TORCH_DTYPES, step_model_from_hf
+
+    data = {**TINY_KV4, "dtype": case["dtype"], "kv_cache_dtype": case["kv_cache_dtype"],
+            "tensor_parallel": case["tensor_parallel"]}
+    data["model"] = {"tiny": {**TINY_KV4["model"]["tiny"], "tie_word_embeddings": tie}}
+    if case["quantization"]:
+        data["quantization"] = case["quantization"]
+    config = parse_config(data)
+    hf = load_hf(config.model, torch.float32)
+    dims = dims_from_hf_config(hf.config, config.limits.max_seq_len)
+    dtype = TORCH_DTYPES[config.dtype]
+    graph, plan = None, {}
+    if config.quantization.enabled:
+        model, quantized = quantized_step_model(hf.model, config.model, dims, config.quantization, dtype)
+        graph, plan = tensorrt_graph.plan_graph(quantized, hf.model, dims, dtype, config.quantization), quantized.plan
+    else:
+        model = step_model_from_hf(hf.model, dims, dtype)
+    kv = config.kv_cache_dtype
+    kv = kv if kv in QUANTIZED_KV_DTYPES else TORCH_DTYPES[kv]
+    paths = []
+    shards = shard_files(config.tensor_parallel)
+    for rank, files in enumerate(shards):
+        rank_model = rank_step_model(model, plan, config.tensor_parallel, rank, config.quantization)
+        save_weights(rank_model, out / files["weights_file"])
+        if graph is not None:
+            source = graph.step_model()
+            if len(shards) > 1:
+                source = rank_step_model(source, graph.state.plan, config.tensor_parallel, rank, config.quantization)
+            rank_model = tensorrt_graph.to_tensorrt_graph(source)
+        paths.append(export_onnx(rank_model, config.limits.block_size, kv, out / files["onnx_file"],
+                                 out / files["weights_file"]))
+    return paths
+
+
+@pytest.mark.parametrize("name,case", _example_cases(), ids=[n for n, _ in _example_cases()])
+def test_every_example_exports_a_graph_tensorrt_accepts(name, case, tmp_path):
+    for path in export_tiny_graphs(case, tmp_path):
+        violations = check_graph(path)
+        assert not violations, f"{name} ({path.name}):\n{format_violations(violations)}"
+        onnx.checker.check_model(str(path), full_check=True)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3", "float16"])
+def test_int4_graph_with_every_kv_cache_dtype_conforms(kv_cache_dtype, tmp_path):
+    case = {"quantization": {"weights": "int4", "group_size": 32, "lm_head": "int8"}, "dtype": "float32",
+            "kv_cache_dtype": kv_cache_dtype, "tensor_parallel": 1}
+    (path,) = export_tiny_graphs(case, tmp_path, tie=False)
+    assert check_graph(path) == []
+
+
+@pytest.mark.parametrize("bits,group", [(4, 64), (4, 128), (8, None)])
+def test_graph_form_computes_the_engine_weight_exactly(bits, group):
+    """Signed INT4 with offsets + 8*scales, and int8 per channel transposed, are the engine's W bit for bit."""
+    from trtpaged.builder.tensorrt_graph import TensorRTLinear
+    from trtpaged.models.qlinear import QuantizedLinear
+    from trtpaged.models.quant import quantize
+
+    torch.manual_seed(1)
+    weight = quantize(torch.randn(48, 256) * 0.05, bits, group)
+    engine = QuantizedLinear.from_weight(weight, torch.randn(48), torch.float32)
+    graph = TensorRTLinear(engine, torch.float32)
+    assert torch.equal(graph.dequantized(), weight.dequantize())
+    if bits == 4:  # the codes are the engine's nibbles ^ 8 (q - 8 in two's complement), laid out [K, N]
+        from trtpaged.models.quant import unpack_int4
+
+        assert torch.equal(unpack_int4(graph.tensorrt_codes), (weight.int_codes() ^ 8).t().to(torch.uint8))
+    x = torch.randn(5, 256)
+    want = torch.nn.functional.linear(x.double(), weight.dequantize(torch.float64), engine.bias.double())
+    assert float((graph(x).double() - want).abs().max()) <= 1e-4
+
+
+def test_compile_refuses_a_graph_that_breaks_a_rule_before_touching_tensorrt(tmp_path):
+    """The compile stage checks the rules first: one line naming the first violation and its source."""
+    from trtpaged.builder import compile as trt_compile
+    from trtpaged.tensorrt_env import CompileError
+
+    path = tmp_path / "model.onnx"
+    onnx.save(_dq_graph(_int4(signed=False), _scale([2, 64]), axis=0, block_size=64), str(path))
+    with pytest.raises(CompileError) as e:
+        trt_compile.compile_engine(path, tmp_path / "engine.plan", profile=None, model="tiny-llama")
+    message = str(e.value)
+    assert message.startswith("tiny-llama: TensorRT's parser would refuse the graph: codes: UINT4 has no TensorRT type")
+    assert "getDtypeSizeBits" in message and "more)" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_int4_graph_runs_as_hf_with_the_graph_weights(group, tmp_path):
+    """onnx.reference runs the signed-INT4 graph (block 64: the engine's weights exactly; group 32: re-quantized
+    to block 64) as HF's forward with the graph's de-quantized weights, and the re-quantized graph is measurably
+    not the engine's weights."""
+    from trtpaged.builder import tensorrt_graph
+    from trtpaged.builder.quantize import dequantized_hf_model, quantized_step_model
+    from trtpaged.builder.verify import VerificationError, verify_onnx
+    from trtpaged.config import parse_config
+    from trtpaged.models import dims_from_hf_config, load_hf
+
+    case = {"quantization": {"weights": "int4", "group_size": group, "lm_head": "int8"}, "dtype": "float32",
+            "kv_cache_dtype": "auto", "tensor_parallel": 1}
+    (path,) = export_tiny_graphs(case, tmp_path, tie=False)
+    config = parse_config({**TINY_KV4, "quantization": case["quantization"]})
+    hf = load_hf(config.model, torch.float32)
+    dims = dims_from_hf_config(hf.config, config.limits.max_seq_len)
+    _, quantized = quantized_step_model(hf.model, config.model, dims, config.quantization, torch.float32)
+    graph = tensorrt_graph.plan_graph(quantized, hf.model, dims, torch.float32, config.quantization)
+    engine_reference = dequantized_hf_model(hf.model, dims, quantized)
+    if group == 64:
+        assert graph.notes == [] and graph.reference is None
+        result = verify_onnx(path, engine_reference, dims.vocab_size, 16, "float32", "float32")
+    else:
+        assert len(graph.notes) == 4 * dims.num_layers and all("-> int4 block 64" in n for n in graph.notes)
+        result = verify_onnx(path, graph.reference, dims.vocab_size, 16, "float32", "float32")
+        with pytest.raises(VerificationError):
+            verify_onnx(path, engine_reference, dims.vocab_size, 16, "float32", "float32")
+    assert result.max_abs_diff <= 1e-4 * result.max_abs_logit
