@@ -150,7 +150,8 @@ def measure_graph_accuracy(hf_model: Any, tokenizer: Any, graph_hf: Any) -> Path
     the unquantized model, where the build re-quantized tensors for the graph (builder/tensorrt_graph.py).
     The caller judges it (the torch engine does not run these weights)."""
     seqs = _sequences(hf_model, tokenizer)
-    return _compare([_hf_logits(hf_model, s) for s in seqs], [_hf_logits(graph_hf, s) for s in seqs])
+    return _compare([_hf_logits(hf_model, s) for s in seqs], [_hf_logits(graph_hf, s) for s in seqs],
+                    "HF with the TensorRT graph's weights")
 
 
 def graph_accuracy_reason(result: PathAccuracy, scheme: str) -> str | None:
