@@ -71,6 +71,8 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._request_ids)}"
         if request_id in self.groups:
             raise RequestError("request_id", f"{request_id!r} is already in use")
+        # Before anything proportional to the request (its n generators, beams, sequences) is built.
+        self.scheduler.check_request(len(token_ids), params)
         beam = None
         if params.use_beam_search:
             room = self.config.max_seq_len - len(token_ids)
