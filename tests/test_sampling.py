@@ -296,3 +296,41 @@ def test_beam_scores_stay_finite_at_the_length_penalty_bounds():
         beam = BeamSearch(SamplingParams(beam_width=2, length_penalty=length_penalty), [0], 2**31)
         for length in (1, 2, 2**31):
             assert math.isfinite(beam._penalised(-1e6, length)), (length_penalty, length)
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), "all -inf"])
+def test_a_non_finite_row_gets_no_token_and_the_others_are_unchanged(poison):
+    logits = torch.randn(5, 60, generator=torch.Generator().manual_seed(5))
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=7),
+              SamplingParams(temperature=1.0, top_k=5, seed=8), SamplingParams(temperature=0.0, logprobs=2),
+              SamplingParams(temperature=0.7, seed=9)]  # fmt: skip
+    rows = lambda: [row(i, p, (1, 2), 1, seed=p.seed) for i, p in enumerate(params)]  # fresh generators
+    clean = sample(logits, rows())
+    bad = logits.clone()
+    if poison == "all -inf":
+        bad[2] = float("-inf")
+    else:
+        bad[2, 17] = poison
+    for only_greedy in (False, True):  # the one-pass greedy path and the general one
+        pick = [0, 2, 3] if only_greedy else range(5)
+        subset = [r for i, r in enumerate(rows()) if i in pick]
+        if only_greedy:
+            subset = [row(r.logits_row, SamplingParams(temperature=0.0)) for r in subset]
+            clean_subset = sample(logits, subset)
+        got = sample(bad, subset)
+        for r, s, c in zip(subset, got, clean_subset if only_greedy else clean):
+            assert (s is None) == (r.logits_row == 2), (poison, only_greedy, r.logits_row, s)
+            if s is not None:
+                assert (s.token_id, s.logprob, s.top_logprobs) == (c.token_id, c.logprob, c.top_logprobs)
+
+
+def test_penalties_that_overflow_a_row_fail_that_row_only():
+    # values past SamplingParams' checks (as if a range were wrong): the row's penalised logits go
+    # inf, and that row alone gets no token
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(6)) * 10
+    runaway = SamplingParams(temperature=1.0)
+    object.__setattr__(runaway, "repetition_penalty", 1e-300)
+    rows = [row(0, SamplingParams(temperature=0.0)), row(1, runaway, range(40), 40), row(2, SamplingParams(seed=1), seed=1)]
+    got = sample(logits, rows)
+    assert got[1] is None and got[0] is not None and got[2] is not None
+    assert got[2].token_id == sample(logits, [row(2, SamplingParams(seed=1), seed=1)])[0].token_id

@@ -134,6 +134,7 @@ class SequenceGroup:
         ]
         self.status = SequenceStatus.WAITING
         self.num_preemptions = 0
+        self.error: Optional[str] = None  # why the request failed in a step (its sequences finish "error")
 
     @property
     def is_finished(self) -> bool:
