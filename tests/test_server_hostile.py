@@ -84,6 +84,28 @@ HOSTILE = [
     ("key without Bearer", J({"prompt": "x"}), {"Authorization": KEY}, 401, None),
     ("oversized body", J({"prompt": "x" * (MAX_BODY + 10)}), {}, 413, "body"),
     ("bad Content-Length", b"{}", {"Content-Length": "abc"}, 400, ...),
+    # issue 17: each of these was built, raised inside the step, or was a 503 before
+    ("n = 2**63", J({"prompt": "hi", "max_tokens": 2, "n": 2**63}), {}, 400, "n"),
+    ("n = -2**63", J({"prompt": "hi", "max_tokens": 2, "n": -(2**63)}), {}, 400, "n"),
+    ("best_of = 2**63", J({"prompt": "hi", "max_tokens": 2, "use_beam_search": True, "best_of": 2**63}), {}, 400,
+     "best_of"),
+    ("length_penalty 1e308", J({"prompt": "hi", "max_tokens": 2, "use_beam_search": True, "best_of": 2,
+                                "length_penalty": 1e308}), {}, 400, "length_penalty"),
+    ("length_penalty -1e308", J({"prompt": "hi", "beam_width": 2, "length_penalty": -1e308}), {}, 400,
+     "length_penalty"),
+    ("length_penalty 2000", J({"prompt": "hi", "beam_width": 2, "length_penalty": 2000}), {}, 400, "length_penalty"),
+    ("repetition_penalty 1e-300", J({"prompt": "hi", "max_tokens": 2, "repetition_penalty": 1e-300}), {}, 400,
+     "repetition_penalty"),
+    ("temperature 1e400 (inf)", b'{"prompt": "hi", "temperature": 1e400}', {}, 400, "temperature"),
+    ("temperature a 400-digit int", b'{"prompt": "hi", "temperature": 1' + b"0" * 400 + b"}", {}, 400, "temperature"),
+    ("300 prompts", J({"prompt": ["hi"] * 300, "max_tokens": 2}), {}, 400, "prompt"),
+    ("more prompts than max_waiting", J({"prompt": ["a", "b", "c"], "max_tokens": 2}), {}, 400, "prompt"),
+    ("65 stop strings", J({"prompt": "hi", "stop": [f"s{i}" for i in range(65)]}), {}, 400, "stop"),
+    ("a 257-character stop string", J({"prompt": "hi", "stop": ["x" * 257]}), {}, 400, "stop"),
+    ("1025 stop token ids", J({"prompt": "hi", "stop_token_ids": [1] * 1025}), {}, 400, "stop_token_ids"),
+    ("UTF-16 body with BOM", '{"prompt": "hi", "max_tokens": 2}'.encode("utf-16"), {}, 400, "body"),
+    ("UTF-16-LE body", '{"prompt": "hi", "max_tokens": 2}'.encode("utf-16-le"), {}, 400, "body"),
+    ("UTF-32 body", '{"prompt": "hi", "max_tokens": 2}'.encode("utf-32"), {}, 400, "body"),
 ]
 
 
@@ -177,3 +199,4 @@ def test_overload_is_503_with_retry_after(server):
         server.loop.call(lambda e: delattr(backend, "step"))
     m = wait_idle(server)
     assert m['requests_rejected_total{reason="overloaded"}'] == 1
+
