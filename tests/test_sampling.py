@@ -267,7 +267,7 @@ def test_numeric_ranges_are_inclusive_and_name_the_limit(field, inside, outside,
 def test_stop_lists_are_capped_in_count_and_length():
     from trtpaged.runtime.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
-    assert len(SamplingParams(stop=["s"] * MAX_STOP_STRINGS, stop_token_ids=[1] * MAX_STOP_TOKEN_IDS).stop) == 64
+    assert len(SamplingParams(stop=["s"] * MAX_STOP_STRINGS, stop_token_ids=[1] * MAX_STOP_TOKEN_IDS).stop) == 32
     SamplingParams(stop=["x" * MAX_STOP_STRING_CHARS])
     for kwargs, field, limit in ((dict(stop=["s"] * 80_000), "stop", MAX_STOP_STRINGS),
                                  (dict(stop=["x" * (MAX_STOP_STRING_CHARS + 1)]), "stop", MAX_STOP_STRING_CHARS),

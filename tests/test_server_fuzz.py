@@ -40,7 +40,7 @@ junk = st.recursive(st.none() | st.booleans() | ints | floats | text,
                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner, max_size=3),
                     max_leaves=6)  # fmt: skip
 hostile = st.one_of(ints, floats, text, st.booleans(), st.none(), junk, st.just([1] * 2000),
-                    st.just(["s"] * 70), st.just(["x" * 257]), st.just(["hi"] * 300))  # fmt: skip
+                    st.just(["s"] * 70), st.just(["x" * 129]), st.just(["hi"] * 300))  # fmt: skip
 
 
 def between(lo: float, hi: float):
@@ -61,7 +61,7 @@ COMMON = {
     "min_p": between(0.0, 1.0), "n": st.integers(1, 3), "seed": st.one_of(ints, st.just(-(2**63))),
     "presence_penalty": between(-2.0, 2.0), "frequency_penalty": between(-2.0, 2.0),
     "repetition_penalty": between(0.01, 100.0), "length_penalty": between(-10.0, 10.0),
-    "stop": st.one_of(text.filter(bool), st.lists(st.text(min_size=1, max_size=256), max_size=64)),
+    "stop": st.one_of(text.filter(bool), st.lists(st.text(min_size=1, max_size=128), max_size=32)),
     "stop_token_ids": st.lists(st.one_of(st.integers(0, 319), st.sampled_from(INT_EDGES)), max_size=8),
     "ignore_eos": st.booleans(), "include_stop_str_in_output": st.booleans(), "skip_special_tokens": st.booleans(),
     "stream": st.booleans(), "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),

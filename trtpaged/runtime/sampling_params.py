@@ -12,8 +12,8 @@ from trtpaged.runtime.outputs import RequestOutputKind
 _GREEDY_EPS = 1e-5  # temperatures below this sample greedily (as vLLM does)
 
 # Bounds on what one request may ask for; each keeps a step's work or arithmetic bounded.
-MAX_STOP_STRINGS = 64  # stop strings per request: each is searched for after every token
-MAX_STOP_STRING_CHARS = 256  # characters per stop string (and text held back while streaming)
+MAX_STOP_STRINGS = 32  # stop strings per request: each is searched for after every token
+MAX_STOP_STRING_CHARS = 128  # characters per stop string (and text held back while streaming)
 MAX_STOP_TOKEN_IDS = 1024  # stop token ids per request: each sampled token is compared with them
 LENGTH_PENALTY_RANGE = (-10.0, 10.0)  # gen_len ** length_penalty stays finite for any max_seq_len < 2**64
 REPETITION_PENALTY_RANGE = (0.01, 100.0)  # logits scaled by <= 100x, then by 1/temperature <= 1e5: finite in fp32
@@ -53,7 +53,7 @@ class SamplingParams:
     (OpenAI's); repetition_penalty in [0.01, 100]; length_penalty in [-10, 10];
     max_tokens, n, beam_width >= 1 (the engine then bounds them by max_seq_len and
     max_batch_size, before anything is allocated); logprobs >= 0; at most
-    64 stop strings of 1..256 characters and 1024 stop token ids.
+    32 stop strings of 1..128 characters and 1024 stop token ids.
     """
 
     max_tokens: Optional[int] = 16  # None: until EOS/stop or max_seq_len
