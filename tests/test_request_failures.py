@@ -17,6 +17,7 @@ from runtime_helpers import RandomLogitsEngine, runtime_config
 from trtpaged.cli import main
 from trtpaged.runtime.llm_engine import LLMEngine
 from trtpaged.runtime.outputs import RequestOutput
+from trtpaged.runtime.sampler import NON_FINITE
 from trtpaged.runtime.sampling_params import SamplingParams
 
 
@@ -157,3 +158,14 @@ def test_generate_cli_refuses_a_huge_n_in_one_line(tiny_engine_dir):
     assert result.exit_code == 1, result.output
     lines = result.output.strip().splitlines()
     assert lines == ["Error: n: 1000000000000 sequences exceeds max_batch_size (8)"], result.output
+
+
+def test_generate_cli_reports_a_request_that_failed_in_a_step(tiny_engine_dir, monkeypatch):
+    from trtpaged.runtime.engines.torch_engine import TorchRunner
+
+    real_step = TorchRunner.step
+    monkeypatch.setattr(TorchRunner, "step", lambda self, batch: poison_at_kv_length(
+        lambda b: real_step(self, b), 8)(batch))  # fmt: skip
+    result = CliRunner().invoke(main, ["generate", str(tiny_engine_dir), "--prompt", "hi", "--max-tokens", "20"])
+    assert result.exit_code == 1, result.output
+    assert result.output.strip().splitlines()[-1] == "Error: the request failed: " + NON_FINITE, result.output
