@@ -237,7 +237,7 @@ def sample_groups(groups: Sequence["SequenceGroup"], logits: torch.Tensor, rows:
     sample_rows: list[SampleRow] = []
     spans: list[tuple[str, int, int]] = []
     results: dict[str, Any] = {}
-    errors: list[Exception] = []
+    errors: list[tuple[str, Exception]] = []  # logged once it is known whether they are the requests' own
     for group in groups:
         if group.beam is not None:
             beams = group.seqs
@@ -267,7 +267,9 @@ def sample_groups(groups: Sequence["SequenceGroup"], logits: torch.Tensor, rows:
             got = _failed(request_id, NON_FINITE)
         results[request_id] = got
     if errors and len(errors) == len(groups) > 1:
-        raise errors[0]
+        raise errors[0][1]
+    for request_id, exc in errors:
+        log.error("request %s failed in sampling", request_id, exc_info=exc)
     return results
 
 
@@ -276,11 +278,10 @@ def _failed(request_id: str, reason: str) -> SampleFailure:
     return SampleFailure(reason)
 
 
-def _isolated(request_id: str, errors: list[Exception], run: Callable[[], Any]) -> Any:
+def _isolated(request_id: str, errors: list[tuple[str, Exception]], run: Callable[[], Any]) -> Any:
     """`run()`, or a SampleFailure for this request alone when it raises (the error is kept in `errors`)."""
     try:
         return run()
     except Exception as exc:  # noqa: BLE001 - the request fails, the step goes on
-        log.error("request %s failed in sampling", request_id, exc_info=True)
-        errors.append(exc)
+        errors.append((request_id, exc))
         return SampleFailure(f"sampling failed ({type(exc).__name__}); see the log")
