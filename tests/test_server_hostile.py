@@ -123,6 +123,7 @@ def test_hostile_inputs_are_4xx_and_the_server_lives(server):
             assert resp_headers["WWW-Authenticate"] == "Bearer" and out["error"]["type"] == "authentication_error"
     assert request(server, "/health")[0] == 200
     assert post(server, J({"prompt": "alive", "max_tokens": 3}))[0] == 200
+    assert post(server, "\ufeff".encode() + J({"prompt": "a UTF-8 BOM", "max_tokens": 2}))[0] == 200
     m = wait_idle(server)
     assert not any(k.startswith("http_requests_total") and 'status="5' in k for k in m), m
     assert m["kv_cache_blocks_used"] == 0

@@ -40,11 +40,11 @@ def _reject_constant(name: str) -> Any:
 
 
 def parse_json(raw: bytes) -> Any:
-    """Strict JSON (no NaN/Infinity) in strict UTF-8; any failure is a 400 on `body`.
-
-    Decoded here rather than by `json.loads(bytes)`, which would also accept UTF-16 and UTF-32."""
+    """Strict JSON (no NaN/Infinity) in strict UTF-8 (a leading BOM is ignored, as RFC 8259 allows);
+    any failure is a 400 on `body`. Decoded here rather than by `json.loads(bytes)`, which would
+    also accept UTF-16 and UTF-32."""
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")
     except UnicodeDecodeError:
         raise ApiError("body: is not valid UTF-8", "body") from None
     try:
