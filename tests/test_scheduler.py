@@ -46,7 +46,8 @@ def test_sizes_are_refused_before_anything_proportional_is_built():
     e = engine(num_blocks=4, block_size=4, max_seq_len=32)
     tracemalloc.start()
     try:
-        for kwargs, field in ((dict(n=2**63), "n"), (dict(n=10**12, seed=1), "n"), (dict(beam_width=10**12), "beam_width")):
+        huge = ((dict(n=2**63), "n"), (dict(n=10**12, seed=1), "n"), (dict(beam_width=10**12), "beam_width"))
+        for kwargs, field in huge:
             with pytest.raises(RequestError) as info:
                 e.add_request([1, 2], SamplingParams(max_tokens=2, **kwargs))
             assert (info.value.field, info.value.limit) == (field, 8)

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.test_server import metrics, request, wait_idle
+from tests.test_server import request, wait_idle
 from trtpaged.server import ServerOptions, start_server
 
 MAX_WAITING = 6
@@ -129,7 +129,8 @@ def steady(server):
 
 
 @settings(max_examples=300, derandomize=True, database=None, deadline=None, print_blob=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])  # fmt: skip
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                 HealthCheck.filter_too_much])  # fmt: skip
 @given(case=bodies())
 def test_fuzzed_bodies_never_5xx(server, steady, case):
     path, body = case
@@ -143,7 +144,8 @@ def test_fuzzed_bodies_never_5xx(server, steady, case):
         out = json.loads(data)
         assert ("error" in out) == (status != 200), out
         if status != 200:
-            assert set(out["error"]) == {"message", "type", "param", "code"} and "Traceback" not in out["error"]["message"]
+            assert set(out["error"]) == {"message", "type", "param", "code"}
+            assert "Traceback" not in out["error"]["message"]
 
 
 def test_after_the_fuzzing_the_server_is_healthy_and_leak_free(server, steady):

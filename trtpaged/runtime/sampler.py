@@ -186,7 +186,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[Optional[Sam
     raw = logits[[r.logits_row for r in rows]].float()
     raw_logprobs = torch.log_softmax(raw, dim=1)
     processed = apply_penalties(raw.clone(), rows)
-    bad: list[bool] = _unsound(processed).tolist()  # penalties keep a raw NaN / inf / all -inf row so
+    bad: list[bool] = _unsound(processed).tolist()  # a raw NaN / inf / all -inf row stays so under penalties
     tokens = processed.argmax(dim=1).tolist()
     random = [i for i, r in enumerate(rows) if not r.params.greedy and not bad[i]]
     if random:
