@@ -243,3 +243,95 @@ def test_tiny_temperature_samples_greedily_instead_of_crashing():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(2))
     tiny = [row(i, SamplingParams(temperature=1e-45, seed=0)) for i in range(3)]
     assert [s.token_id for s in sample(logits, tiny)] == logits.argmax(dim=1).tolist()
+
+
+@pytest.mark.parametrize(
+    "field, inside, outside, limit",
+    [
+        ("repetition_penalty", (0.01, 100.0), (1e-300, 0.0099, 100.5, 1e308), "[0.01, 100]"),
+        ("length_penalty", (-10.0, 10.0), (-1e308, -10.5, 2000.0, 1e308), "[-10, 10]"),
+        ("presence_penalty", (-2.0, 2.0), (-2.01, 2.01), "[-2, 2]"),
+        ("temperature", (0.0, 1e-6, 1e308), (-1e-300, 10**400), None),
+        ("top_p", (1e-300, 1.0), (0.0, 1.0001), "(0, 1]"),
+    ],
+)
+def test_numeric_ranges_are_inclusive_and_name_the_limit(field, inside, outside, limit):
+    for value in inside:
+        SamplingParams(**{field: value})
+    for value in outside:
+        with pytest.raises(RequestError) as info:
+            SamplingParams(**{field: value})
+        assert info.value.field == field and (limit is None or info.value.limit == limit), (value, info.value)
+
+
+def test_stop_lists_are_capped_in_count_and_length():
+    from trtpaged.runtime.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+
+    assert len(SamplingParams(stop=["s"] * MAX_STOP_STRINGS, stop_token_ids=[1] * MAX_STOP_TOKEN_IDS).stop) == 32
+    SamplingParams(stop=["x" * MAX_STOP_STRING_CHARS])
+    for kwargs, field, limit in ((dict(stop=["s"] * 80_000), "stop", MAX_STOP_STRINGS),
+                                 (dict(stop=["x" * (MAX_STOP_STRING_CHARS + 1)]), "stop", MAX_STOP_STRING_CHARS),
+                                 (dict(stop_token_ids=[1] * (MAX_STOP_TOKEN_IDS + 1)), "stop_token_ids",
+                                  MAX_STOP_TOKEN_IDS)):  # fmt: skip
+        with pytest.raises(RequestError) as info:
+            SamplingParams(**kwargs)
+        assert (info.value.field, info.value.limit) == (field, limit)
+        assert len(str(info.value)) < 200  # one line, not the list echoed back
+
+
+def test_extreme_values_within_range_sample_finite_tokens():
+    # every option at its bound, with logits as large as a float32 model plausibly emits:
+    # the arithmetic stays finite, so every row gets a token (none is refused as non-finite)
+    logits = torch.randn(8, 97, generator=torch.Generator().manual_seed(4)) * 1e4
+    history = list(range(0, 97, 3))
+    edges = [SamplingParams(temperature=t, repetition_penalty=rp, presence_penalty=pp, frequency_penalty=-pp,
+                            top_p=1e-300 if t else 1.0, min_p=1.0 if rp > 1 else 0.0)
+             for t in (1e-5, 1e308) for rp in (0.01, 100.0) for pp in (-2.0, 2.0)]  # fmt: skip
+    samples = sample(logits, [row(i, p, history, 5) for i, p in enumerate(edges)])
+    assert all(s is not None and math.isfinite(s.logprob) for s in samples), samples
+
+
+def test_beam_scores_stay_finite_at_the_length_penalty_bounds():
+    for length_penalty in (-10.0, 10.0):
+        beam = BeamSearch(SamplingParams(beam_width=2, length_penalty=length_penalty), [0], 2**31)
+        for length in (1, 2, 2**31):
+            assert math.isfinite(beam._penalised(-1e6, length)), (length_penalty, length)
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), "all -inf"])
+def test_a_non_finite_row_gets_no_token_and_the_others_are_unchanged(poison):
+    logits = torch.randn(5, 60, generator=torch.Generator().manual_seed(5))
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=7),
+              SamplingParams(temperature=1.0, top_k=5, seed=8), SamplingParams(temperature=0.0, logprobs=2),
+              SamplingParams(temperature=0.7, seed=9)]  # fmt: skip
+    rows = lambda: [row(i, p, (1, 2), 1, seed=p.seed) for i, p in enumerate(params)]  # fresh generators
+    clean = sample(logits, rows())
+    bad = logits.clone()
+    if poison == "all -inf":
+        bad[2] = float("-inf")
+    else:
+        bad[2, 17] = poison
+    for only_greedy in (False, True):  # the one-pass greedy path and the general one
+        pick = [0, 2, 3] if only_greedy else range(5)
+        subset = [r for i, r in enumerate(rows()) if i in pick]
+        if only_greedy:
+            subset = [row(r.logits_row, SamplingParams(temperature=0.0)) for r in subset]
+            clean_subset = sample(logits, subset)
+        got = sample(bad, subset)
+        for r, s, c in zip(subset, got, clean_subset if only_greedy else clean):
+            assert (s is None) == (r.logits_row == 2), (poison, only_greedy, r.logits_row, s)
+            if s is not None:
+                assert (s.token_id, s.logprob, s.top_logprobs) == (c.token_id, c.logprob, c.top_logprobs)
+
+
+def test_penalties_that_overflow_a_row_fail_that_row_only():
+    # values past SamplingParams' checks (as if a range were wrong): the row's penalised logits go
+    # inf, and that row alone gets no token
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(6)) * 10
+    runaway = SamplingParams(temperature=1.0)
+    object.__setattr__(runaway, "repetition_penalty", 1e-300)
+    rows = [row(0, SamplingParams(temperature=0.0)), row(1, runaway, range(40), 40),
+            row(2, SamplingParams(seed=1), seed=1)]
+    got = sample(logits, rows)
+    assert got[1] is None and got[0] is not None and got[2] is not None
+    assert got[2].token_id == sample(logits, [row(2, SamplingParams(seed=1), seed=1)])[0].token_id

@@ -39,6 +39,25 @@ def test_refused_at_submission_with_limit_named():
         e.add_request([1, 2], SamplingParams(n=9))
 
 
+def test_sizes_are_refused_before_anything_proportional_is_built():
+    # n = 2**63 used to build n generators (and OOM) before check_request refused it
+    import tracemalloc
+
+    e = engine(num_blocks=4, block_size=4, max_seq_len=32)
+    tracemalloc.start()
+    try:
+        huge = ((dict(n=2**63), "n"), (dict(n=10**12, seed=1), "n"), (dict(beam_width=10**12), "beam_width"))
+        for kwargs, field in huge:
+            with pytest.raises(RequestError) as info:
+                e.add_request([1, 2], SamplingParams(max_tokens=2, **kwargs))
+            assert (info.value.field, info.value.limit) == (field, 8)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+    assert not e.has_unfinished() and not e.groups and e.kv.pool.num_free == 4
+
+
 def test_split_tokens_keeps_group_together():
     assert split_tokens([5], 10, 4) == ([5], True)
     assert split_tokens([30], 10, 4) == ([10], False)

@@ -84,6 +84,28 @@ HOSTILE = [
     ("key without Bearer", J({"prompt": "x"}), {"Authorization": KEY}, 401, None),
     ("oversized body", J({"prompt": "x" * (MAX_BODY + 10)}), {}, 413, "body"),
     ("bad Content-Length", b"{}", {"Content-Length": "abc"}, 400, ...),
+    # issue 17: each of these was built, raised inside the step, or was a 503 before
+    ("n = 2**63", J({"prompt": "hi", "max_tokens": 2, "n": 2**63}), {}, 400, "n"),
+    ("n = -2**63", J({"prompt": "hi", "max_tokens": 2, "n": -(2**63)}), {}, 400, "n"),
+    ("best_of = 2**63", J({"prompt": "hi", "max_tokens": 2, "use_beam_search": True, "best_of": 2**63}), {}, 400,
+     "best_of"),
+    ("length_penalty 1e308", J({"prompt": "hi", "max_tokens": 2, "use_beam_search": True, "best_of": 2,
+                                "length_penalty": 1e308}), {}, 400, "length_penalty"),
+    ("length_penalty -1e308", J({"prompt": "hi", "beam_width": 2, "length_penalty": -1e308}), {}, 400,
+     "length_penalty"),
+    ("length_penalty 2000", J({"prompt": "hi", "beam_width": 2, "length_penalty": 2000}), {}, 400, "length_penalty"),
+    ("repetition_penalty 1e-300", J({"prompt": "hi", "max_tokens": 2, "repetition_penalty": 1e-300}), {}, 400,
+     "repetition_penalty"),
+    ("temperature 1e400 (inf)", b'{"prompt": "hi", "temperature": 1e400}', {}, 400, "temperature"),
+    ("temperature a 400-digit int", b'{"prompt": "hi", "temperature": 1' + b"0" * 400 + b"}", {}, 400, "temperature"),
+    ("300 prompts", J({"prompt": ["hi"] * 300, "max_tokens": 2}), {}, 400, "prompt"),
+    ("more prompts than max_waiting", J({"prompt": ["a", "b", "c"], "max_tokens": 2}), {}, 400, "prompt"),
+    ("33 stop strings", J({"prompt": "hi", "stop": [f"s{i}" for i in range(33)]}), {}, 400, "stop"),
+    ("a 129-character stop string", J({"prompt": "hi", "stop": ["x" * 129]}), {}, 400, "stop"),
+    ("1025 stop token ids", J({"prompt": "hi", "stop_token_ids": [1] * 1025}), {}, 400, "stop_token_ids"),
+    ("UTF-16 body with BOM", '{"prompt": "hi", "max_tokens": 2}'.encode("utf-16"), {}, 400, "body"),
+    ("UTF-16-LE body", '{"prompt": "hi", "max_tokens": 2}'.encode("utf-16-le"), {}, 400, "body"),
+    ("UTF-32 body", '{"prompt": "hi", "max_tokens": 2}'.encode("utf-32"), {}, 400, "body"),
 ]
 
 
@@ -101,6 +123,7 @@ def test_hostile_inputs_are_4xx_and_the_server_lives(server):
             assert resp_headers["WWW-Authenticate"] == "Bearer" and out["error"]["type"] == "authentication_error"
     assert request(server, "/health")[0] == 200
     assert post(server, J({"prompt": "alive", "max_tokens": 3}))[0] == 200
+    assert post(server, "\ufeff".encode() + J({"prompt": "a UTF-8 BOM", "max_tokens": 2}))[0] == 200
     m = wait_idle(server)
     assert not any(k.startswith("http_requests_total") and 'status="5' in k for k in m), m
     assert m["kv_cache_blocks_used"] == 0
@@ -177,3 +200,93 @@ def test_overload_is_503_with_retry_after(server):
         server.loop.call(lambda e: delattr(backend, "step"))
     m = wait_idle(server)
     assert m['requests_rejected_total{reason="overloaded"}'] == 1
+
+
+@pytest.fixture(scope="module")
+def batching_server(tiny_engine_dir):
+    """Several requests per step (max_batch_size 8), a pool of 24 blocks (384 tokens), no API key."""
+    handle = start_server(tiny_engine_dir, port=0, served_model_name="tiny", device="cpu", num_kv_blocks=24)
+    yield handle
+    handle.shutdown(timeout=0)
+
+
+def test_a_prompt_larger_than_the_pool_is_400(batching_server):
+    status, _, out = request(batching_server, "/v1/completions", {"prompt": [5] * 400, "max_tokens": 2})
+    assert status == 400 and out["error"]["param"] == "prompt"
+    assert "whole pool (num_blocks 24" in out["error"]["message"]
+
+
+def test_a_request_failing_in_the_step_is_500_alone_and_the_others_are_exact(batching_server):
+    """NaN logits for whatever reaches KV length 5 (injected in the runner's output): the requests that get
+    there fail with 500 (or an error event in their stream), while requests sharing their steps finish
+    with the tokens they get when run alone."""
+    from tests.test_request_failures import poison_at_kv_length
+
+    server = batching_server
+    plain = {"prompt": list(range(30, 42)), "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    streamed = {"prompt": list(range(60, 70)), "max_tokens": 30, "temperature": 0, "ignore_eos": True}
+    truth_plain = request(server, "/v1/completions", plain)[2]["choices"][0]["text"]
+    truth_stream = "".join(e["choices"][0]["text"] for e in stream(server, "/v1/completions", streamed)[:-1])
+    before = metrics(server)
+    runner = server.llm.engine.runner
+    poisoned = poison_at_kv_length(runner.step, 5)
+
+    def slow_poisoned(batch):
+        time.sleep(0.01)
+        return poisoned(batch)
+
+    server.loop.call(lambda e: setattr(runner, "step", slow_poisoned))
+    results: dict[str, object] = {}
+    jobs = {"plain": lambda: request(server, "/v1/completions", plain),
+            "streamed": lambda: stream(server, "/v1/completions", streamed)}  # fmt: skip
+    threads = [threading.Thread(target=lambda k=k, f=f: results.__setitem__(k, f())) for k, f in jobs.items()]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while metrics(server)["num_requests_running"] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        # fails at its first sample; after three decode steps (streamed); one bad prompt of two
+        status, _, first = request(server, "/v1/completions", {"prompt": [7, 8, 9, 10, 11], "max_tokens": 8})
+        events = stream(server, "/v1/completions",
+                        {"prompt": [7, 8], "max_tokens": 8, "temperature": 0.7, "n": 2})
+        multi = request(server, "/v1/completions", {"prompt": [list(range(80, 95)), [1, 2, 3, 4, 5]], "max_tokens": 20,
+                                                    "ignore_eos": True})  # fmt: skip
+        for t in threads:
+            t.join(60)
+    finally:
+        server.loop.call(lambda e: delattr(runner, "step"))
+    assert status == 500 and first["error"]["type"] == "server_error", first
+    assert "not finite" in first["error"]["message"] and "Traceback" not in first["error"]["message"]
+    assert events[-1] == "[DONE]" and events[-2]["error"]["type"] == "server_error", events[-3:]
+    assert multi[0] == 500 and "not finite" in multi[2]["error"]["message"], multi
+    assert results["plain"][0] == 200 and results["plain"][2]["choices"][0]["text"] == truth_plain
+    got_stream = results["streamed"]
+    assert got_stream[-1] == "[DONE]" and "".join(e["choices"][0]["text"] for e in got_stream[:-1]) == truth_stream
+    assert request(server, "/health")[0] == 200
+    m = wait_idle(server)  # the failed requests' blocks (and the aborted sibling's) are back
+    key = 'request_success_total{finished_reason="error"}'
+    assert m.get(key, 0) - before.get(key, 0) == 3, m
+    assert m['request_success_total{finished_reason="abort"}'] - before.get(
+        'request_success_total{finished_reason="abort"}', 0) == 1  # the good prompt of the two
+
+
+def test_stream_hold_back_equals_its_definition_and_is_cheap_at_the_caps():
+    import random
+    import timeit
+
+    from trtpaged.runtime.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+    from trtpaged.server.stream_state import held_back
+
+    def plain(text, stops):  # the longest k < len(stop) such that text ends with stop[:k]
+        return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+
+    rng = random.Random(0)
+    for _ in range(5000):
+        text = "".join(rng.choice("ab") for _ in range(rng.randint(0, 10)))
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 7))) for _ in range(rng.randint(0, 3))]
+        assert held_back(text, stops) == plain(text, stops), (text, stops)
+    stops = ["".join(rng.choice("QZJXKV") for _ in range(MAX_STOP_STRING_CHARS)) for _ in range(MAX_STOP_STRINGS)]
+    seconds = min(timeit.repeat(lambda: held_back("abc" * 400, stops), number=100, repeat=3)) / 100
+    assert seconds < 2e-4, seconds  # ~8 us here; the character-by-character loop took ~375 us

@@ -54,7 +54,9 @@ def command(engine, prompt, chat, max_tokens, temperature, top_p, seed, n, beam_
                 final = out
     if streaming:
         click.echo()
-    elif final is not None:
+    if final is not None and final.error is not None:
+        raise click.ClickException(f"the request failed: {final.error}")
+    if not streaming and final is not None:
         for completion in final.outputs:
             click.echo(f"--- [{completion.index}] ({completion.finish_reason})")
             click.echo(completion.text)

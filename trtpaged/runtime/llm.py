@@ -113,6 +113,9 @@ class LLM:
         """Runs every prompt to completion; outputs come back in prompt order.
 
         A prompt is text or a list of token ids; one SamplingParams applies to all, or pass one per prompt.
+        A prompt that fails inside a step on its own (e.g. NaN logits in its rows) comes back finished,
+        with finish_reason "error" and `error` set, and the others complete; a failure of the step
+        itself (the model raising) raises here, and this call's requests are aborted.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]

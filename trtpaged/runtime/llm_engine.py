@@ -31,6 +31,11 @@ class LLMEngine:
     outputs of requests that advanced (or finished) in that step, shaped by each
     request's `SamplingParams.output_kind`. `phase_seconds` accumulates the
     wall time of each phase of `step()` over all steps (keys: `PHASES`).
+
+    A request whose own rows fail in a step (non-finite logits, its sampling or beam
+    scoring raising) finishes in that step with finish_reason "error" and
+    `RequestOutput.error` saying why, its blocks freed; the step's other requests go on.
+    A failure that belongs to no one request (the runner raising) propagates from `step()`.
     """
 
     def __init__(
@@ -71,6 +76,8 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._request_ids)}"
         if request_id in self.groups:
             raise RequestError("request_id", f"{request_id!r} is already in use")
+        # Before anything proportional to the request (its n generators, beams, sequences) is built.
+        self.scheduler.check_request(len(token_ids), params)
         beam = None
         if params.use_beam_search:
             room = self.config.max_seq_len - len(token_ids)

@@ -107,6 +107,7 @@ class OutputProcessor:
             finished=group.is_finished,
             num_preemptions=group.num_preemptions,
             num_cached_tokens=group.num_cached_tokens,
+            error=group.error,
         )
 
     @staticmethod
@@ -158,7 +159,9 @@ class OutputProcessor:
     def _beam_completions(self, group: SequenceGroup) -> list[CompletionOutput]:
         params, beam = group.params, group.beam
         assert beam is not None
-        if group.is_finished and beam.finished:
+        if group.error is not None:  # the beams as they were when the search failed
+            hyps = [(tuple(s.output_token_ids), s.cumulative_logprob) for s in group.finished[: params.n]]
+        elif group.is_finished and beam.finished:
             hyps = [(h.token_ids, h.cumulative_logprob) for h in beam.best(params.n)]
         else:
             hyps = [(tuple(s.output_token_ids), s.cumulative_logprob) for s in group.seqs[: params.n]]
@@ -168,8 +171,16 @@ class OutputProcessor:
                 text=self._decode(tokens, params.skip_special_tokens),
                 token_ids=list(tokens),
                 cumulative_logprob=logprob,
-                finish_reason=(("stop" if tokens and tokens[-1] in beam.stop_ids else "length")
-                               if group.is_finished else None),  # fmt: skip
+                finish_reason=self._beam_finish_reason(group, tokens),
             )
             for i, (tokens, logprob) in enumerate(hyps)
         ]
+
+    @staticmethod
+    def _beam_finish_reason(group: SequenceGroup, tokens: Seq[int]) -> Optional[str]:
+        assert group.beam is not None
+        if not group.is_finished:
+            return None
+        if group.error is not None:
+            return "error"
+        return "stop" if tokens and tokens[-1] in group.beam.stop_ids else "length"

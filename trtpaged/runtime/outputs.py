@@ -31,7 +31,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float = 0.0
     logprobs: Optional[list[dict[int, float]]] = None
-    finish_reason: Optional[str] = None  # "stop", "length", "abort", or None while running
+    finish_reason: Optional[str] = None  # "stop", "length", "abort", "error", or None while running
     stop_reason: Optional[object] = None  # the stop string or token id that matched
 
 
@@ -46,3 +46,4 @@ class RequestOutput:
     finished: bool = False
     num_preemptions: int = 0
     num_cached_tokens: Optional[int] = None  # prompt tokens found in the prefix cache (None: not scheduled yet)
+    error: Optional[str] = None  # why the request failed inside a step (then finished, finish_reason "error")

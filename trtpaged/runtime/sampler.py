@@ -4,12 +4,19 @@ Penalties, temperature, top-k, top-p, min-p, greedy choice and log-probs are
 tensor operations over all rows of the step; only the random draw is per row,
 from the row's own generator when its request is seeded, so a seeded request
 draws the same tokens whatever else is batched with it.
+
+A row whose logits are not finite (NaN, +inf, or all -inf, from the model or
+after the request's penalties) gets no token, and a group whose sampling or beam
+scoring raises gets a `SampleFailure`: the failure belongs to that request, and
+the scheduler ends it while the other requests of the step go on.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
@@ -19,6 +26,8 @@ if TYPE_CHECKING:  # sequence.py imports make_generator from here
     from trtpaged.runtime.sequence import SequenceGroup
 
 _SEED_STRIDE = 0x9E3779B1
+log = logging.getLogger("trtpaged.runtime")
+NON_FINITE = "its logits were not finite (NaN or inf), from the model or after its penalties"
 
 
 def make_generator(seed: Optional[int], index: int) -> Optional[torch.Generator]:
@@ -35,6 +44,13 @@ class Sample:
     token_id: int
     logprob: float  # under the model's distribution (raw logits)
     top_logprobs: Optional[dict[int, float]]  # the sampled token plus the top-k, when asked for
+
+
+@dataclass(frozen=True)
+class SampleFailure:
+    """A group that could not be sampled this step; `reason` is safe to show to its client."""
+
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -129,10 +145,10 @@ def _plain_greedy(params: SamplingParams) -> bool:
             and not params.frequency_penalty and params.logprobs is None)  # fmt: skip
 
 
-def _greedy_samples(logits: torch.Tensor, rows: Sequence[SampleRow]) -> Optional[list[Sample]]:
+def _greedy_samples(logits: torch.Tensor, rows: Sequence[SampleRow]) -> Optional[list[Optional[Sample]]]:
     """Every row plain greedy, on a CPU float32 batch: the choice and its log-prob in one pass of the
     kernel library (full log_softmax, argmax and row copies cost ~1.4 ms at 16 x 49152 here, this
-    ~0.3 ms); None where that does not apply."""
+    ~0.3 ms); None where that does not apply. A row with NaN or inf has a non-finite log-prob: None."""
     if not (logits.is_cpu and logits.dtype is torch.float32 and logits.is_contiguous()):
         return None
     if not all(_plain_greedy(r.params) for r in rows):
@@ -147,11 +163,21 @@ def _greedy_samples(logits: torch.Tensor, rows: Sequence[SampleRow]) -> Optional
         return None
     tokens, logsumexp = found
     logprobs = (logits[index, tokens] - logsumexp).tolist()
-    return [Sample(t, lp, None) for t, lp in zip(tokens.tolist(), logprobs)]
+    return [Sample(t, lp, None) if math.isfinite(lp) else None for t, lp in zip(tokens.tolist(), logprobs)]
 
 
-def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[Sample]:
-    """Samples one token for each row; `logits` is the step's float32 [num_outputs, vocab] on the CPU."""
+def _unsound(logits: torch.Tensor) -> torch.Tensor:
+    """Rows that no token can be chosen from: a NaN or a +inf, or nothing above -inf (one reduction:
+    a row's max is NaN when it holds a NaN)."""
+    return ~torch.isfinite(logits.amax(dim=1))
+
+
+def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[Optional[Sample]]:
+    """Samples one token for each row; `logits` is the step's float32 [num_outputs, vocab] on the CPU.
+
+    A row whose logits (raw, or after its penalties and temperature) are not finite gets None and
+    draws nothing, so the other rows, seeded ones included, get the tokens they would get without it.
+    """
     if not rows:
         return []
     fast = _greedy_samples(logits, rows)
@@ -160,15 +186,22 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[Sample]:
     raw = logits[[r.logits_row for r in rows]].float()
     raw_logprobs = torch.log_softmax(raw, dim=1)
     processed = apply_penalties(raw.clone(), rows)
+    bad: list[bool] = _unsound(processed).tolist()  # a raw NaN / inf / all -inf row stays so under penalties
     tokens = processed.argmax(dim=1).tolist()
-    random = [i for i, r in enumerate(rows) if not r.params.greedy]
+    random = [i for i, r in enumerate(rows) if not r.params.greedy and not bad[i]]
     if random:
         probs = torch.softmax(filter_logits(processed[random], [rows[i].params for i in random]), dim=1)
-        for i, t in zip(random, _draw(probs, [rows[i].generator for i in random])):
-            tokens[i] = t
+        drawable = (probs.sum(dim=1) > 0).tolist()  # False for a row that went NaN (e.g. logits / temperature -> inf)
+        keep = [j for j, ok in enumerate(drawable) if ok]
+        if len(keep) < len(random):
+            for j in range(len(random)):
+                bad[random[j]] = not drawable[j]
+            probs = probs[keep]
+        for j, t in zip(keep, _draw(probs, [rows[random[j]].generator for j in keep]) if keep else []):
+            tokens[random[j]] = t
     chosen = raw_logprobs.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).tolist()
     top = _top_logprobs(raw_logprobs, tokens, [r.params.logprobs for r in rows])
-    return [Sample(t, lp, tl) for t, lp, tl in zip(tokens, chosen, top)]
+    return [None if bad[i] else Sample(t, lp, tl) for i, (t, lp, tl) in enumerate(zip(tokens, chosen, top))]
 
 
 def _top_logprobs(logprobs: torch.Tensor, tokens: list[int], ks: list[Optional[int]]) -> list[Optional[dict[int, float]]]:
@@ -189,23 +222,31 @@ def _top_logprobs(logprobs: torch.Tensor, tokens: list[int], ks: list[Optional[i
     return out
 
 
-def sample_groups(groups: Sequence["SequenceGroup"], logits: torch.Tensor, rows: dict[int, int]) -> dict[str, list[Any]]:
+def sample_groups(groups: Sequence["SequenceGroup"], logits: torch.Tensor, rows: dict[int, int]) -> dict[str, Any]:
     """Each group's samples for this step, by request id: one batched draw over every sampling row,
     and the beams to keep for beam-search groups. Changes no sequence; the scheduler applies them.
 
     Before its first sample a group has one sequence, and its `n` samples all read that
     sequence's logits row; afterwards each live sequence reads its own row.
+
+    Failures are the group's own: a group with non-finite logits, or whose beam scoring or
+    sampling raises, gets a `SampleFailure` and the others their tokens. When the batched draw
+    raises, each group is sampled alone to find the ones at fault. An exception that every group
+    of the step raises (two or more groups) is the step's bug, not a request's: it propagates.
     """
     sample_rows: list[SampleRow] = []
     spans: list[tuple[str, int, int]] = []
-    results: dict[str, list[Any]] = {}
+    results: dict[str, Any] = {}
+    errors: list[tuple[str, Exception]] = []  # logged once it is known whether they are the requests' own
     for group in groups:
         if group.beam is not None:
             beams = group.seqs
-            results[group.request_id] = group.beam.step(
-                [b.output_token_ids for b in beams], [b.cumulative_logprob for b in beams],
-                logits[[rows[b.seq_id] for b in beams]],
-            )  # fmt: skip
+            beam_logits = logits[[rows[b.seq_id] for b in beams]]
+            if bool(_unsound(beam_logits.float()).any()):
+                results[group.request_id] = _failed(group.request_id, NON_FINITE)
+                continue
+            results[group.request_id] = _isolated(group.request_id, errors, lambda: group.beam.step(
+                [b.output_token_ids for b in beams], [b.cumulative_logprob for b in beams], beam_logits))
             continue
         if group.forked:
             targets = [(s, s.index) for s in group.seqs]
@@ -215,7 +256,32 @@ def sample_groups(groups: Sequence["SequenceGroup"], logits: torch.Tensor, rows:
         sample_rows += [SampleRow(rows[seq.seq_id], group.params, seq.token_ids, seq.num_prompt_tokens,
                                   group.generators[index]) for seq, index in targets]  # fmt: skip
         spans.append((group.request_id, start, len(sample_rows)))
-    samples = sample(logits, sample_rows)
+    try:
+        samples: Optional[list[Optional[Sample]]] = sample(logits, sample_rows)
+    except Exception:  # noqa: BLE001 - find the groups at fault below
+        samples = None
     for request_id, start, end in spans:
-        results[request_id] = samples[start:end]
+        got = samples[start:end] if samples is not None else _isolated(
+            request_id, errors, lambda: sample(logits, sample_rows[start:end]))  # fmt: skip
+        if not isinstance(got, SampleFailure) and any(s is None for s in got):
+            got = _failed(request_id, NON_FINITE)
+        results[request_id] = got
+    if errors and len(errors) == len(groups) > 1:
+        raise errors[0][1]
+    for request_id, exc in errors:
+        log.error("request %s failed in sampling", request_id, exc_info=exc)
     return results
+
+
+def _failed(request_id: str, reason: str) -> SampleFailure:
+    log.warning("request %s failed in sampling: %s", request_id, reason)
+    return SampleFailure(reason)
+
+
+def _isolated(request_id: str, errors: list[tuple[str, Exception]], run: Callable[[], Any]) -> Any:
+    """`run()`, or a SampleFailure for this request alone when it raises (the error is kept in `errors`)."""
+    try:
+        return run()
+    except Exception as exc:  # noqa: BLE001 - the request fails, the step goes on
+        errors.append((request_id, exc))
+        return SampleFailure(f"sampling failed ({type(exc).__name__}); see the log")

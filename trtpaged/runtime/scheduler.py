@@ -2,8 +2,9 @@
 
 `schedule()` decides the step (within blocks and budgets); `update_from_output()`
 applies its samples: appends tokens, finishes sequences on EOS, stop tokens and
-length, forks parallel samples and beams, and frees blocks. Those are the only
-places sequences change state, apart from `abort` and `finish_stopped`.
+length, forks parallel samples and beams, ends a group whose sampling failed
+(finish_reason "error"), and frees blocks. Those are the only places sequences
+change state, apart from `abort` and `finish_stopped`.
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ from trtpaged.errors import RequestError
 from trtpaged.runtime.beam_search import BeamCandidate
 from trtpaged.runtime.kv_cache_manager import AllocationPlan, AllocRequest, KVCacheManager
 from trtpaged.runtime.runtime_config import RuntimeConfig
-from trtpaged.runtime.sampler import Sample
+from trtpaged.runtime.sampler import Sample, SampleFailure
 from trtpaged.runtime.sampling_params import SamplingParams
 from trtpaged.runtime.sequence import Sequence, SequenceGroup, SequenceStatus
 
 # What one group's step produced: a token per sample (index order before the first fork,
-# then `group.seqs` order), or the beams to keep.
-GroupSamples = Union[Seq[Sample], Seq[BeamCandidate]]
+# then `group.seqs` order), the beams to keep, or why it could not be sampled.
+GroupSamples = Union[Seq[Sample], Seq[BeamCandidate], SampleFailure]
 
 
 @dataclass(frozen=True)
@@ -161,10 +162,14 @@ class Scheduler:
             item.seq.num_computed_tokens += item.num_tokens
             self.kv.cache_computed_blocks(item.seq)
         for group in out.sampled_groups:
+            result = samples[group.request_id]
+            if isinstance(result, SampleFailure):
+                self._fail(group, result.reason)
+                continue
             if group.beam is not None:
-                self._advance_beams(group, samples[group.request_id])  # type: ignore[arg-type]
+                self._advance_beams(group, result)  # type: ignore[arg-type]
             else:
-                self._append_samples(group, samples[group.request_id])  # type: ignore[arg-type]
+                self._append_samples(group, result)  # type: ignore[arg-type]
             group.forked = True
             if not group.seqs:
                 self._finish_group(group)
@@ -234,6 +239,13 @@ class Scheduler:
         self.kv.free(seq)
         if seq in group.seqs:
             group.retire(seq)
+
+    def _fail(self, group: SequenceGroup, reason: str) -> None:
+        """The group's own sampling failed: it ends now (finish_reason "error", `group.error` says why)."""
+        group.error = reason
+        for seq in group.seqs:
+            seq.finish("error")
+        self._finish_group(group)
 
     def _finish_group(self, group: SequenceGroup) -> None:
         for seq in list(group.seqs):

@@ -135,6 +135,7 @@ class SequenceGroup:
         self.status = SequenceStatus.WAITING
         self.num_preemptions = 0
         self.num_cached_tokens: Optional[int] = None  # prompt tokens found in the prefix cache when first scheduled
+        self.error: Optional[str] = None  # why the request failed in a step (its sequences finish "error")
 
     @property
     def is_finished(self) -> bool:

@@ -268,9 +268,21 @@ class EngineLoop:
             if sub is None:
                 continue
             self._observe(out, now)
+            if out.error is not None:  # this request alone failed in the step; the others go on
+                self._fail_request(out.request_id, sub, out.error)
+                continue
             sub.put(out)
             if out.finished:
                 self._forget(out.request_id)
+
+    def _fail_request(self, rid: str, sub: Subscription, reason: str) -> None:
+        """Ends an HTTP request whose engine request `rid` failed (already finished and freed by the
+        engine): its client gets a 500 or an error event, its other prompts' engine requests are aborted."""
+        self._forget(rid)
+        for other in sub.request_ids:
+            if self._subs.get(other) is sub:
+                self._abort(other)
+        sub.put(EngineFailure(f"the request failed in the engine: {reason}"))
 
     def _observe(self, out: RequestOutput, now: float) -> None:
         timing = self._timing[out.request_id]

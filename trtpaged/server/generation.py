@@ -87,6 +87,7 @@ class GenerationService:
         """Validates, tokenizes and queues one request; raises ApiError before anything is sent."""
         req = parse_generation(body, chat, self.model_name, self.vocab_size)
         params = self._params(req, req.max_tokens if req.max_tokens is not None else 16)
+        self._check_num_prompts(req)
         prompts = await self._tokenize(req)
         summary = Summary(request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}")
         requests = [(f"{summary.request_id}-{i}", ids, self._fit_max_tokens(req, params, len(ids)))
@@ -107,6 +108,14 @@ class GenerationService:
             return SamplingParams(max_tokens=max_tokens, logprobs=req.logprobs, **req.sampling)
         except ValueError as exc:
             raise from_runtime_error(exc, req.names) from None
+
+    def _check_num_prompts(self, req: GenerationRequest) -> None:
+        """Each prompt is one engine request: more than the waiting queue holds could never be admitted
+        (400, where a queue that is full for now is 503)."""
+        limit = self.loop.max_waiting
+        if limit is not None and len(req.prompts) > limit:
+            raise ApiError(f"prompt: {len(req.prompts)} prompts in one request exceeds this server's max_waiting "
+                           f"({limit}), the most requests it queues at once; send at most {limit}", "prompt")
 
     async def _tokenize(self, req: GenerationRequest) -> list[list[int]]:
         """Prompt token ids, computed on the engine thread (the only thread that touches the tokenizer)."""

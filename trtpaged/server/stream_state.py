@@ -13,10 +13,13 @@ def held_back(text: str, stops: Sequence[str]) -> int:
     the runtime cuts a stop string out of the text once it completes."""
     best = 0
     for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:k]):
-                best = k
+        tail = text[len(text) - min(len(stop) - 1, len(text)) :]
+        start = tail.find(stop[0]) if tail else -1  # a held-back part starts with the stop's first character
+        while start >= 0 and len(tail) - start > best:
+            if stop.startswith(tail[start:]):
+                best = len(tail) - start
                 break
+            start = tail.find(stop[0], start + 1)
     return best
 
 

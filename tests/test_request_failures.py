@@ -1,0 +1,171 @@
+"""A request's failure is its own: refused before anything is allocated, or failing alone inside a step.
+
+The faults are injected where a real one would come from: the logits a runner returns (NaN or inf
+in one request's rows), a request whose values slipped past validation (its beam scoring or
+sampling raises), a forward that raises. The other requests are checked against the same requests
+run without the faulty one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from click.testing import CliRunner
+
+from runtime_helpers import RandomLogitsEngine, runtime_config
+from trtpaged.cli import main
+from trtpaged.runtime.llm_engine import LLMEngine
+from trtpaged.runtime.outputs import RequestOutput
+from trtpaged.runtime.sampler import NON_FINITE
+from trtpaged.runtime.sampling_params import SamplingParams
+
+
+def poison_at_kv_length(step, kv_length: int, value: float = float("nan")):
+    """Wraps a runner's `step`: the logits of every sequence whose KV length is `kv_length` after the
+    step (a prompt of that length at its first sample, or a sequence that grew to it) become `value`."""
+
+    def poisoned(batch):
+        logits = step(batch).clone()
+        hit = (batch.positions[batch.logits_index.long()] + 1 == kv_length).nonzero().flatten()
+        logits[hit] = value
+        return logits
+
+    return poisoned
+
+
+def fake_engine(num_blocks: int = 64) -> LLMEngine:
+    runner = RandomLogitsEngine(num_blocks, vocab=64)
+    return LLMEngine(runner, runtime_config(num_blocks=num_blocks, block_size=4), eos_token_ids=[0])
+
+
+def run(engine: LLMEngine, requests) -> dict[str, RequestOutput]:
+    ids = [engine.add_request(p, sp) for p, sp in requests]
+    done: dict[str, RequestOutput] = {}
+    while engine.has_unfinished():
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert engine.kv.pool.num_used == 0 and not engine.groups
+    return {i: done[i] for i in ids}
+
+
+def tokens(out: RequestOutput) -> list[tuple[list[int], str]]:
+    return [(c.token_ids, c.finish_reason) for c in out.outputs]
+
+
+# Prompts of 10+ tokens never reach KV length 5; those of 5 tokens fail at their first sample, those
+# of 2 tokens after three decode steps (a parallel-sampling group after it forked, beams mid-search).
+OTHERS = [
+    (list(range(10, 22)), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)),
+    (list(range(30, 40)), SamplingParams(max_tokens=6, temperature=0.8, seed=11, n=2, ignore_eos=True)),
+    (list(range(40, 51)), SamplingParams(max_tokens=5, beam_width=2, ignore_eos=True)),
+    (list(range(1, 14)), SamplingParams(max_tokens=6, temperature=1.0, top_k=4, seed=3, logprobs=2, ignore_eos=True)),
+]
+VICTIMS = [
+    ([5, 6, 7, 8, 9], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)),
+    ([5, 6], SamplingParams(max_tokens=6, temperature=0.9, seed=2, n=3, ignore_eos=True)),
+    ([7, 8], SamplingParams(max_tokens=6, beam_width=3, ignore_eos=True)),
+    ([9, 8, 7, 6, 5], SamplingParams(max_tokens=6, beam_width=2, ignore_eos=True)),
+]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_logits_fail_only_their_request(value):
+    truth = list(run(fake_engine(), OTHERS).values())
+    engine = fake_engine()
+    engine.runner.step = poison_at_kv_length(engine.runner.step, 5, value)
+    mixed = list(run(engine, OTHERS[:2] + VICTIMS + OTHERS[2:]).values())
+    others, victims = mixed[:2] + mixed[2 + len(VICTIMS):], mixed[2 : 2 + len(VICTIMS)]
+    assert [tokens(o) for o in others] == [tokens(o) for o in truth]
+    assert all(o.error is None for o in others)
+    for out in victims:
+        assert out.finished and out.error and "not finite" in out.error, out
+        assert out.outputs and {c.finish_reason for c in out.outputs} == {"error"}, out
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_a_raising_beam_score_fails_only_its_request():
+    # length_penalty 2000 (refused by SamplingParams today) made 2 ** 2000 raise OverflowError in the step
+    runaway = SamplingParams(max_tokens=2, beam_width=2, ignore_eos=True)
+    object.__setattr__(runaway, "length_penalty", 2000.0)
+    truth = list(run(fake_engine(), OTHERS).values())
+    engine = fake_engine()
+    mixed = list(run(engine, [([3, 4, 5], runaway)] + OTHERS).values())
+    assert mixed[0].error == "sampling failed (OverflowError); see the log"
+    assert [tokens(o) for o in mixed[1:]] == [tokens(o) for o in truth]
+
+
+def test_a_raising_batched_draw_is_retried_per_group():
+    # a value no validation would pass makes the batched draw raise: each group is then sampled
+    # alone, and only the one that raises alone fails
+    broken = SamplingParams(max_tokens=3, temperature=1.0)
+    object.__setattr__(broken, "top_p", None)
+    truth = list(run(fake_engine(), OTHERS).values())
+    mixed = list(run(fake_engine(), [([3, 4, 5], broken)] + OTHERS).values())
+    assert mixed[0].error == "sampling failed (TypeError); see the log"
+    assert [tokens(o) for o in mixed[1:]] == [tokens(o) for o in truth]
+
+
+def test_a_failure_of_every_group_is_the_steps_own_and_raises():
+    broken = SamplingParams(max_tokens=3, temperature=1.0)
+    object.__setattr__(broken, "top_p", None)
+    engine = fake_engine()
+    for prompt in ([3, 4, 5], [6, 7]):
+        engine.add_request(prompt, broken)
+    with pytest.raises(TypeError):
+        engine.step()
+
+
+def test_a_raising_forward_is_not_blamed_on_a_request(tiny_engine_dir):
+    from trtpaged import LLM
+
+    llm = LLM(tiny_engine_dir, device="cpu")
+    runner = llm.engine.runner
+
+    def broken(batch):
+        raise RuntimeError("kernel failed")
+
+    runner.step = broken
+    try:
+        with pytest.raises(RuntimeError, match="kernel failed"):
+            llm.generate(["a", "b"], SamplingParams(max_tokens=3))
+    finally:
+        del runner.step
+    assert llm.stats()["kv_blocks_used"] == 0 and not llm.engine.has_unfinished()
+    assert len(llm.generate(["a"], SamplingParams(max_tokens=3))[0].outputs[0].token_ids) == 3
+
+
+def test_llm_generate_returns_the_failed_request_finished_with_error(tiny_engine_dir):
+    from trtpaged import LLM
+
+    llm = LLM(tiny_engine_dir, device="cpu")
+    others = [[20, 21, 22, 23, 24, 25, 26, 27, 28, 29], "a longer prompt than five tokens"]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    truth = llm.generate(others, params)
+    runner = llm.engine.runner
+    runner.step = poison_at_kv_length(runner.step, 5)
+    try:
+        outs = llm.generate([others[0], [7, 8, 9, 10, 11], others[1]], params)
+    finally:
+        del runner.step
+    assert outs[1].error and outs[1].outputs[0].finish_reason == "error"
+    assert [o.outputs[0].token_ids for o in (outs[0], outs[2])] == [o.outputs[0].token_ids for o in truth]
+    assert all(math.isfinite(o.outputs[0].cumulative_logprob) for o in (outs[0], outs[2]))
+    assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_generate_cli_refuses_a_huge_n_in_one_line(tiny_engine_dir):
+    result = CliRunner().invoke(main, ["generate", str(tiny_engine_dir), "--prompt", "hi", "--n", str(10**12)])
+    assert result.exit_code == 1, result.output
+    lines = result.output.strip().splitlines()
+    assert lines == ["Error: n: 1000000000000 sequences exceeds max_batch_size (8)"], result.output
+
+
+def test_generate_cli_reports_a_request_that_failed_in_a_step(tiny_engine_dir, monkeypatch):
+    from trtpaged.runtime.engines.torch_engine import TorchRunner
+
+    real_step = TorchRunner.step
+    monkeypatch.setattr(TorchRunner, "step", lambda self, batch: poison_at_kv_length(
+        lambda b: real_step(self, b), 8)(batch))  # fmt: skip
+    result = CliRunner().invoke(main, ["generate", str(tiny_engine_dir), "--prompt", "hi", "--max-tokens", "20"])
+    assert result.exit_code == 1, result.output
+    assert result.output.strip().splitlines()[-1] == "Error: the request failed: " + NON_FINITE, result.output
