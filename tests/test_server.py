@@ -20,7 +20,7 @@ from trtpaged import LLM, SamplingParams
 from trtpaged.cli import main
 from trtpaged.errors import RequestError
 from trtpaged.server import start_server
-from trtpaged.server.stream_state import held_back
+from trtpaged.runtime.output_processor import held_back
 
 MODEL = "tiny-served"
 

@@ -52,7 +52,9 @@ class _Timing:
     prompt_tokens: int = 0
     first_token: Optional[float] = None
     last_token: Optional[float] = None
-    tokens: int = 0
+    tokens: int = 0  # the longest completion so far
+    by_index: dict[int, int] = field(default_factory=dict)  # completion index -> its tokens so far
+    finish_reason: Optional[str] = None  # completion 0's, once it ended
 
 
 @dataclass
@@ -268,9 +270,13 @@ class EngineLoop:
                 self._forget(out.request_id)
 
     def _observe(self, out: RequestOutput, now: float) -> None:
+        """Token timing metrics from one DELTA output (the server asks every request for DELTA outputs)."""
         timing = self._timing[out.request_id]
-        num_tokens = [len(c.token_ids) for c in out.outputs]
-        longest = max(num_tokens, default=0)
+        for c in out.outputs:
+            timing.by_index[c.index] = timing.by_index.get(c.index, 0) + len(c.token_ids)
+            if c.index == 0 and c.finish_reason:
+                timing.finish_reason = c.finish_reason
+        longest = max(timing.by_index.values(), default=0)
         if longest > timing.tokens:
             if timing.first_token is None:
                 timing.first_token = now
@@ -280,9 +286,8 @@ class EngineLoop:
             timing.last_token, timing.tokens = now, longest
         if out.finished:
             tpot = (now - timing.first_token) / (longest - 1) if timing.first_token and longest > 1 else None
-            reason = out.outputs[0].finish_reason if out.outputs else "length"
-            self.metrics.observe_finished(reason or "length", timing.prompt_tokens, sum(num_tokens),
-                                          now - timing.arrival, tpot)  # fmt: skip
+            self.metrics.observe_finished(timing.finish_reason or "length", timing.prompt_tokens,
+                                          sum(timing.by_index.values()), now - timing.arrival, tpot)  # fmt: skip
 
     def _fail_all(self, error: Exception, reason: str) -> None:
         for rid, sub in list(self._subs.items()):
