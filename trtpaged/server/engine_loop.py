@@ -130,6 +130,34 @@ class EngineLoop:
         self._stopped = threading.Event()
         self.fatal: Optional[str] = None  # why the engine cannot go on (FatalEngineError), once it happened
 
+    @classmethod
+    def start_loaded(cls, load: Callable[[], T], engine_of: Callable[[T], LLMEngine], metrics: ServerMetrics,
+                     max_waiting: Optional[int] = None) -> tuple[T, "EngineLoop"]:  # fmt: skip
+        """Runs `load()` on a new thread, then the loop on that same thread; returns (what load made, the loop)
+        once loaded, or raises what `load` raised.
+
+        The thread that steps the engine should be the only one that ever ran an OpenMP parallel region:
+        libgomp counts the threads of every thread's pool, idle ones included, and once they outnumber the
+        cores it cuts every barrier's spin to 1000 rounds before sleeping (its "throttled" spin). Loading
+        the weights on the main thread gave the main thread a pool of its own, so each of a decode step's
+        ~150 parallel regions woke its worker from sleep: half the Python API's decode rate on 2 idle cores.
+        """
+        loaded: Future = Future()
+
+        def run() -> None:
+            try:
+                made = load()
+                loop = cls(engine_of(made), metrics, max_waiting)
+                loop._thread = threading.current_thread()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller of start_loaded
+                loaded.set_exception(exc)
+                return
+            loaded.set_result((made, loop))
+            loop._run()
+
+        threading.Thread(target=run, name="trtpaged-engine", daemon=True).start()
+        return loaded.result()
+
     # ---- called from other threads ------------------------------------------------------------
     def start(self) -> None:
         self._thread.start()

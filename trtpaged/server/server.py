@@ -116,14 +116,14 @@ def start_server(
     """
     options = options or ServerOptions()
     sock = bind(host, port)
-    try:
-        llm = LLM(engine_dir, **llm_overrides)
+    metrics = ServerMetrics()
+    try:  # loaded on the engine thread: the one thread whose OpenMP pool runs the kernels (see start_loaded)
+        llm, loop = EngineLoop.start_loaded(lambda: LLM(engine_dir, **llm_overrides), lambda llm: llm.engine,
+                                            metrics, options.max_waiting)  # fmt: skip
     except BaseException:
         sock.close()
         raise
     name = served_model_name or options.served_model_name or llm.engine_dir.resolve().name
-    metrics = ServerMetrics()
-    loop = EngineLoop(llm.engine, metrics, options.max_waiting)
     service = GenerationService(llm, loop, name, options.max_prompt_tokens, options.request_timeout_s)
     card = ModelCard(id=name, created=int(time.time()), root=str(llm.engine_dir), max_model_len=llm.config.max_seq_len)
     draining = Draining()
@@ -131,5 +131,4 @@ def start_server(
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30,
                             timeout_graceful_shutdown=5)  # fmt: skip
     server = uvicorn.Server(config)
-    loop.start()
     return ServerHandle(server, sock, loop, llm, name, options, draining).start()
