@@ -84,10 +84,13 @@ class Subscription:
         next_check = start + poll_s
         try:
             while pending:
-                try:
-                    item = await asyncio.wait_for(self.queue.get(), poll_s)
-                except asyncio.TimeoutError:
-                    item = None
+                try:  # an output that is already there needs no timer (wait_for makes a task per call)
+                    item = self.queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    try:
+                        item = await asyncio.wait_for(self.queue.get(), poll_s)
+                    except asyncio.TimeoutError:
+                        item = None
                 now = time.monotonic()
                 if now >= next_check:  # outputs may arrive every step: check on a clock
                     next_check = now + poll_s
@@ -108,6 +111,23 @@ class Subscription:
         finally:
             if pending:
                 self.loop.abort(sorted(pending))
+
+
+def _deliver(items: Sequence[tuple[Subscription, Any]]) -> None:
+    """Hands a step's outputs to their subscriptions: one wake-up of each event loop per step, not one per output."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+    for sub, item in items:
+        by_loop.setdefault(sub.aio, []).append((sub.queue, item))
+    for aio, batch in by_loop.items():
+        try:
+            aio.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+
+def _put_all(batch: Sequence[tuple[asyncio.Queue, Any]]) -> None:
+    for q, item in batch:
+        q.put_nowait(item)
 
 
 class EngineLoop:
@@ -288,14 +308,16 @@ class EngineLoop:
             self._fail_all(EngineFailure(f"engine step failed ({type(exc).__name__}); see the server log"), "error")
             return
         now = time.monotonic()
+        delivered: list[tuple[Subscription, RequestOutput]] = []
         for out in outputs:
             sub = self._subs.get(out.request_id)
             if sub is None:
                 continue
             self._observe(out, now)
-            sub.put(out)
+            delivered.append((sub, out))
             if out.finished:
                 self._forget(out.request_id)
+        _deliver(delivered)
 
     def _observe(self, out: RequestOutput, now: float) -> None:
         """Token timing metrics from one DELTA output (the server asks every request for DELTA outputs)."""
