@@ -76,7 +76,16 @@ def test_openai_client_sees_typed_errors(client):
 
 def test_bench_serve_against_the_server(server):
     requests = [ServeRequest(f"word {i} " * (4 + i), 8 + i) for i in range(6)]
+    wait_idle(server)
+
+    def steps_and_seconds(engine):
+        return engine.num_steps, sum(engine.phase_seconds.values())
+
+    steps0, seconds0 = server.loop.call(steps_and_seconds)
     report = asyncio.run(run_serve_bench(server.url, requests, float("inf"), max_concurrency=3, api_key=KEY))
+    steps1, seconds1 = server.loop.call(steps_and_seconds)
+    assert report["engine_step_ms"] == pytest.approx(1000 * (seconds1 - seconds0) / (steps1 - steps0), rel=1e-6)
+    assert 0 < report["server_tpot_ms"] and "Mean engine step (ms):" in format_report(report)
     assert report["completed"] == 6 and report["failed"] == 0
     assert report["total_output_tokens"] == sum(r.max_tokens for r in requests)  # ignore_eos: exact lengths
     assert report["total_input_tokens"] > 0
