@@ -104,3 +104,16 @@ def test_cli_bench_serve_json(server):
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["completed"] == 4 and report["total_output_tokens"] == 16 and report["request_rate"] == 50.0
+
+
+def test_bench_serve_ratio_runs_both_sides_on_the_same_prompts(tiny_engine_dir):
+    """`bench serve-ratio` on the tiny engine: a real `trtpaged serve` child and the Python API give the same
+    greedy texts, and every figure is a measured rate."""
+    from trtpaged.bench.serve_ratio import format_ratio, run_serve_ratio
+
+    report = run_serve_ratio(tiny_engine_dir, repeats=2, max_tokens=6, concurrency=3)
+    assert report["same_text_single"] is True and report["same_text_batch"] == "3/3"
+    assert all(len(v) == 2 and min(v) > 0 for v in report["series"].values())
+    assert all(min(v) > 0 for v in report["step_ms"].values())
+    assert report["single_ratio"] > 0 and report["batch_ratio"] > 0
+    assert "serve / LLM.generate" in format_ratio(report)

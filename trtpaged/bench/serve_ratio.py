@@ -9,8 +9,8 @@ In one run, on the same engine and the same chat prompts (greedy, `ignore_eos`),
   concurrent streaming `openai` clients' output tokens / wall time.
 
 Each serve round also reads the server's `/metrics` (`engine_step_seconds_total`, `engine_steps_total`),
-so the engine's own step time in the server is printed next to the API's. The ratios are medians over
-the repeats; with the spread or other processes' CPU use above trtpaged's noise rule (bench/noise.py)
+so the engine's own step time in the server is printed next to the API's. Each ratio is the median over
+the rounds of serve / API within the round; with the spread or other processes' CPU use above trtpaged's noise rule (bench/noise.py)
 the verdict is refused.
 """
 
@@ -64,10 +64,11 @@ class Series:
 class ServerProcess:
     """`trtpaged serve ENGINE --port 0` in a child process (the environment it inherits decides OpenMP)."""
 
-    def __init__(self, engine: Path, extra_args: tuple[str, ...] = (), timeout_s: float = 300.0) -> None:
+    def __init__(self, engine: Path, extra_args: tuple[str, ...] = (), timeout_s: float = 300.0,
+                 env: Optional[dict[str, str]] = None) -> None:  # fmt: skip
         cmd = [sys.executable, "-m", "trtpaged.cli", "serve", str(engine), "--port", "0",
                "--served-model-name", SERVED_NAME, *extra_args]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
         deadline = time.monotonic() + timeout_s
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
@@ -93,6 +94,18 @@ class ServerProcess:
             return 0.0
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
+    def voluntary_switches(self) -> int:
+        """Voluntary context switches of all the server's threads so far (an OpenMP thread that sleeps at a
+        barrier makes one); 0 off Linux."""
+        total = 0
+        try:
+            for tid in os.listdir(f"/proc/{self.proc.pid}/task"):
+                with open(f"/proc/{self.proc.pid}/task/{tid}/status") as f:
+                    total += sum(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+        except OSError:
+            return 0
+        return total
+
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -100,6 +113,12 @@ class ServerProcess:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+
+
+def paired_ratio(served: list[float], api: list[float]) -> float:
+    """Median over the rounds of serve / API, each round's two runs back to back (robust to load drifting
+    between rounds, which a ratio of the two medians is not)."""
+    return statistics.median(s / a for s, a in zip(served, api) if a > 0)
 
 
 def engine_step_ms(before: dict[str, float], after: dict[str, float]) -> Optional[float]:
@@ -258,8 +277,8 @@ def run_serve_ratio(engine: Path, repeats: int = 5, max_tokens: int = 128, concu
     if foreign is not None:  # the server is our own child: its CPU use is not other processes' load
         foreign = max(0.0, foreign - server_cpu / wall)
     noise = assess(max(monitor.spreads), foreign, os.cpu_count() or 1)
-    single = series["serve_single"].median / series["api_single"].median
-    batch = series["serve_batch"].median / series["api_batch"].median
+    single = paired_ratio(series["serve_single"].values, series["api_single"].values)
+    batch = paired_ratio(series["serve_batch"].values, series["api_batch"].values)
     return {
         "engine": str(engine), "repeats": repeats, "max_tokens": max_tokens, "concurrency": concurrency,
         "server_args": list(server_args),
@@ -281,7 +300,8 @@ def format_ratio(report: dict) -> str:
         s = Series(report["labels"][key], values)
         steps = report["step_ms"][key]
         lines.append(f"{s.describe('')}  engine step {statistics.median(steps):.2f} ms")
-    lines.append(f"single stream: serve / API = {report['single_ratio']:.2f} (target >= {TARGET:.2f}): "
+    lines.append(f"single stream: serve / API = {report['single_ratio']:.2f} (median of the rounds' ratios; "
+                 f"target >= {TARGET:.2f}): "
                  f"{report['verdict_single']}; same text: {report['same_text_single']}")  # fmt: skip
     lines.append(f"{report['concurrency']} streams:  serve / LLM.generate = {report['batch_ratio']:.2f} "
                  f"(target >= {TARGET:.2f}): {report['verdict_batch']}; same texts: {report['same_text_batch']}")  # fmt: skip
