@@ -85,6 +85,30 @@ def test_output_kinds_delta_and_final_only_reassemble_the_cumulative_output(llm)
     assert [tokens[i] for i in (0, 1)] == [c.token_ids for c in cumulative.outputs]
 
 
+def test_delta_holds_back_only_what_could_start_a_stop_string(llm):
+    """A stop string the text never starts holds nothing back: each step's delta is the one without stops.
+    One the text does start is held until the text moves past it."""
+    from trtpaged.runtime.outputs import RequestOutputKind
+
+    prompt = "tell me a story"
+    base = dict(max_tokens=16, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    def deltas(**extra):
+        request_id = llm.engine.add_request(prompt, SamplingParams(**base, **extra))
+        steps = []
+        while llm.engine.has_unfinished():
+            steps += [o.outputs[0].text for o in llm.engine.step() if o.request_id == request_id and o.outputs]
+        return steps
+
+    free = deltas()
+    text = "".join(free)
+    absent = "\x00" + text[:2]  # begins with a character the text never has
+    assert absent[0] not in text and deltas(stop=[absent]) == free
+    first = text[0] + "\x00"  # the text starts it at once, then moves past it
+    held = deltas(stop=[first])
+    assert "".join(held) == text and held[0] == "" and held != free
+
+
 def test_chat_takes_one_conversation_or_a_batch(llm):
     params = SamplingParams(max_tokens=6, temperature=0.0)
     one = [{"role": "user", "content": "hi"}]

@@ -20,7 +20,7 @@ from trtpaged import LLM, SamplingParams
 from trtpaged.cli import main
 from trtpaged.errors import RequestError
 from trtpaged.server import start_server
-from trtpaged.server.stream_state import held_back
+from trtpaged.runtime.output_processor import held_back
 
 MODEL = "tiny-served"
 
@@ -301,6 +301,30 @@ def test_models_health_metrics(server):
     assert m['time_to_first_token_seconds_bucket{le="+Inf"}'] == m["time_to_first_token_seconds_count"]
     assert m['request_success_total{finished_reason="length"}'] >= 1
     assert m["prefix_cache_queries_total"] >= m["prefix_cache_hits_total"]
+
+
+def test_engine_is_loaded_on_the_thread_that_steps_it(server, tiny_engine_dir):
+    """One thread builds and steps the engine (so only its OpenMP pool exists); a failed load is raised."""
+    from trtpaged.server.engine_loop import EngineLoop
+    from trtpaged.server.metrics import ServerMetrics
+
+    loaded_on = []
+
+    def load():
+        loaded_on.append(threading.current_thread())
+        return LLM(tiny_engine_dir, device="cpu")
+
+    llm, loop = EngineLoop.start_loaded(load, lambda llm: llm.engine, ServerMetrics())
+    try:
+        assert loop.call(lambda engine: threading.current_thread()) is loaded_on[0] is not threading.main_thread()
+        assert loop.call(lambda engine: engine) is llm.engine and loop.alive
+    finally:
+        loop.shutdown()
+    assert not loop.alive
+    with pytest.raises(FileNotFoundError):
+        EngineLoop.start_loaded(lambda: LLM(tiny_engine_dir / "missing"), lambda llm: llm.engine, ServerMetrics())
+    steps = server.loop.call(lambda engine: threading.current_thread())
+    assert steps.name == "trtpaged-engine" and steps is not threading.main_thread()
 
 
 def test_cli_serve_help():

@@ -76,7 +76,16 @@ def test_openai_client_sees_typed_errors(client):
 
 def test_bench_serve_against_the_server(server):
     requests = [ServeRequest(f"word {i} " * (4 + i), 8 + i) for i in range(6)]
+    wait_idle(server)
+
+    def steps_and_seconds(engine):
+        return engine.num_steps, sum(engine.phase_seconds.values())
+
+    steps0, seconds0 = server.loop.call(steps_and_seconds)
     report = asyncio.run(run_serve_bench(server.url, requests, float("inf"), max_concurrency=3, api_key=KEY))
+    steps1, seconds1 = server.loop.call(steps_and_seconds)
+    assert report["engine_step_ms"] == pytest.approx(1000 * (seconds1 - seconds0) / (steps1 - steps0), rel=1e-6)
+    assert 0 < report["server_tpot_ms"] and "Mean engine step (ms):" in format_report(report)
     assert report["completed"] == 6 and report["failed"] == 0
     assert report["total_output_tokens"] == sum(r.max_tokens for r in requests)  # ignore_eos: exact lengths
     assert report["total_input_tokens"] > 0
@@ -95,3 +104,16 @@ def test_cli_bench_serve_json(server):
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["completed"] == 4 and report["total_output_tokens"] == 16 and report["request_rate"] == 50.0
+
+
+def test_bench_serve_ratio_runs_both_sides_on_the_same_prompts(tiny_engine_dir):
+    """`bench serve-ratio` on the tiny engine: a real `trtpaged serve` child and the Python API give the same
+    greedy texts, and every figure is a measured rate."""
+    from trtpaged.bench.serve_ratio import format_ratio, run_serve_ratio
+
+    report = run_serve_ratio(tiny_engine_dir, repeats=2, max_tokens=6, concurrency=3)
+    assert report["same_text_single"] is True and report["same_text_batch"] == "3/3"
+    assert all(len(v) == 2 and min(v) > 0 for v in report["series"].values())
+    assert all(min(v) > 0 for v in report["step_ms"].values())
+    assert report["single_ratio"] > 0 and report["batch_ratio"] > 0
+    assert "serve / LLM.generate" in format_ratio(report)

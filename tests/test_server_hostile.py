@@ -277,7 +277,7 @@ def test_stream_hold_back_equals_its_definition_and_is_cheap_at_the_caps():
     import timeit
 
     from trtpaged.runtime.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
-    from trtpaged.server.stream_state import held_back
+    from trtpaged.runtime.output_processor import held_back
 
     def plain(text, stops):  # the longest k < len(stop) such that text ends with stop[:k]
         return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)

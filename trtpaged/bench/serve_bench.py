@@ -4,7 +4,9 @@ Sends a workload (a `bench memory` JSON Lines trace, or a synthetic mix) to
 `--base-url` at a Poisson request rate (`inf`: all at once) under a concurrency cap,
 streams every answer, and reports what vLLM's `bench serve` reports, under the same
 names: request and token throughput, TTFT, TPOT, ITL and E2E latency (mean, median =
-p50, p90, p99, in ms) and the failed requests.
+p50, p90, p99, in ms) and the failed requests. Where the server is trtpaged, its `/metrics`
+read before and after the run add the engine's side: the mean engine step and the server's
+own TPOT (measured on the engine thread), next to the client's TPOT.
 
 Prompts are text made of common words (about one token per word with BPE tokenizers),
 identical across requests for a shared prefix_id; token counts come from the server's
@@ -23,6 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
+from trtpaged.bench.server_metrics import parse_prometheus
 from trtpaged.bench.workload import TraceRequest
 
 _WORDS = ("the of and to in is you that it he was for on are as with his they at be this have from or one had by "
@@ -136,6 +139,29 @@ async def _one(client: Any, url: str, body: dict[str, Any], headers: dict[str, s
     return result
 
 
+async def _scrape(client: Any, base_url: str) -> dict[str, float]:
+    """The server's Prometheus metrics, or {} where it has none."""
+    try:
+        resp = await client.get(base_url.rstrip("/") + "/metrics")
+        return parse_prometheus(resp.text) if resp.status_code == 200 else {}
+    except Exception:  # noqa: BLE001 - not every OpenAI-compatible server has /metrics
+        return {}
+
+
+def engine_side(before: dict[str, float], after: dict[str, float]) -> dict[str, Optional[float]]:
+    """Mean engine step and server-side TPOT (ms) between two scrapes of a trtpaged server; None if unknown."""
+
+    def delta(name: str) -> float:
+        return after.get(f"trtpaged:{name}", 0.0) - before.get(f"trtpaged:{name}", 0.0)
+
+    steps, tpots = delta("engine_steps_total"), delta("request_time_per_output_token_seconds_count")
+    return {
+        "engine_step_ms": 1000.0 * delta("engine_step_seconds_total") / steps
+        if steps and "trtpaged:engine_step_seconds_total" in after else None,
+        "server_tpot_ms": 1000.0 * delta("request_time_per_output_token_seconds_sum") / tpots if tpots else None,
+    }
+
+
 def _stats(name: str, values: Sequence[float], out: dict[str, Any]) -> None:
     """mean/median/pXX of `values` (seconds) into `out` as `<stat>_<name>_ms`, vLLM's spelling."""
     ms = sorted(v * 1000.0 for v in values)
@@ -186,6 +212,7 @@ async def run_serve_bench(
             async with limit:
                 return await _one(client, url, body, headers)
 
+        before = await _scrape(client, base_url)
         start = time.perf_counter()
         tasks = []
         for i, req in enumerate(requests):
@@ -196,7 +223,10 @@ async def run_serve_bench(
             progress(f"sent {len(tasks)} requests; waiting for the answers")
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-    return make_report(results, duration, request_rate, max_concurrency, base_url)
+        server = engine_side(before, await _scrape(client, base_url))
+    report = make_report(results, duration, request_rate, max_concurrency, base_url)
+    report.update(server)
+    return report
 
 
 def make_report(results: Sequence[RequestResult], duration: float, request_rate: float,
@@ -253,6 +283,11 @@ def format_report(report: dict[str, Any]) -> str:
         row(f"Mean {key.upper()} (ms):", report[f"mean_{key}_ms"])
         for p in PERCENTILES:
             row(f"P{p} {key.upper()} (ms):", report[f"p{p}_{key}_ms"])
+    lines.append("{s:{c}^60}".format(s=" Server side (trtpaged /metrics) ", c="-"))
+    for key, label in (("engine_step_ms", "Mean engine step (ms):"), ("server_tpot_ms", "Mean server-side TPOT (ms):")):
+        value = report.get(key)
+        row(label, "n/a" if value is None else float(value))
+    row("Mean client-side TPOT (ms):", report["mean_tpot_ms"])
     for example in report["error_examples"]:
         lines.append(f"error: {example}")
     lines.append("=" * 60)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import click
@@ -228,6 +229,24 @@ def serve(base_url, trace, num_requests, prompt_len, output_len, request_rate, m
                                          api_key, endpoint == "chat", ignore_eos, seed,
                                          progress=lambda msg: click.echo(f"  {msg}", err=True)))  # fmt: skip
     click.echo(report_json(report) if as_json else format_report(report))
+
+
+@command.command(name="serve-ratio")
+@click.argument("engine", type=click.Path(exists=True, file_okay=False))
+@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="Rounds of the four runs, alternating.")
+@click.option("--max-tokens", type=click.IntRange(min=2), default=128, show_default=True, help="Tokens per request (greedy, ignore_eos).")
+@click.option("--concurrency", type=click.IntRange(min=1), default=16, show_default=True, help="Concurrent requests of the batch runs.")
+@click.option("--server-arg", "server_args", multiple=True, help="Passed on to trtpaged serve (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def serve_ratio(engine, repeats, max_tokens, concurrency, server_args, as_json) -> None:
+    """trtpaged serve (official openai client, streaming) against the Python API on the same prompts: both ratios."""
+    import json
+
+    from trtpaged.bench.serve_ratio import format_ratio, run_serve_ratio
+
+    report = run_serve_ratio(Path(engine), repeats, max_tokens, concurrency, tuple(server_args),
+                             progress=lambda msg: click.echo(f"  {msg}", err=True))  # fmt: skip
+    click.echo(json.dumps(report, indent=2) if as_json else format_ratio(report))
 
 
 @command.command(name="throughput")

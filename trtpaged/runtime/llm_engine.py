@@ -139,6 +139,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_swap_outs=self.scheduler.num_swap_outs,
             num_steps=self.num_steps,
+            step_seconds=sum(self.phase_seconds.values()),
             num_block_copies=self.num_block_copies,
             num_tokens_computed=self.num_tokens_computed,
             num_running=len(self.scheduler.running),

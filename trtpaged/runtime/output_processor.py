@@ -26,6 +26,21 @@ def find_stop_string(text: str, stops: Seq[str], new_chars: int) -> Optional[tup
     return best
 
 
+def held_back(text: str, stops: Seq[str]) -> int:
+    """Characters at the end of `text` that could be the start of a stop string. Outputs hold them back
+    while the sequence runs, since the text is cut at a stop string once it completes."""
+    best = 0
+    for stop in stops:
+        tail = text[len(text) - min(len(stop) - 1, len(text)) :]
+        start = tail.find(stop[0]) if tail else -1  # a held-back part starts with the stop's first character
+        while start >= 0 and len(tail) - start > best:
+            if stop.startswith(tail[start:]):
+                best = len(tail) - start
+                break
+            start = tail.find(stop[0], start + 1)
+    return best
+
+
 class OutputProcessor:
     """Turns sequences' tokens into text and `RequestOutput`s of the kind each request asked for."""
 
@@ -119,7 +134,7 @@ class OutputProcessor:
         """The text that no later token can take back: while running, a possible stop string's start is held."""
         if seq.is_finished or not stops:
             return seq.output_text
-        hold = max(len(s) for s in stops) - 1
+        hold = held_back(seq.output_text, stops)
         return seq.output_text[: len(seq.output_text) - hold] if hold else seq.output_text
 
     def _completion(self, seq: Sequence, group: SequenceGroup, final: bool) -> CompletionOutput:

@@ -53,7 +53,9 @@ class _Timing:
     prompt_tokens: int = 0
     first_token: Optional[float] = None
     last_token: Optional[float] = None
-    tokens: int = 0
+    tokens: int = 0  # the longest completion so far
+    by_index: dict[int, int] = field(default_factory=dict)  # completion index -> its tokens so far
+    reasons: dict[int, str] = field(default_factory=dict)  # completion index -> its finish reason, once it ended
     params: Optional[SamplingParams] = None
     step: int = 0  # engine steps run before the request was added
 
@@ -85,10 +87,13 @@ class Subscription:
         next_check = start + poll_s
         try:
             while pending:
-                try:
-                    item = await asyncio.wait_for(self.queue.get(), poll_s)
-                except asyncio.TimeoutError:
-                    item = None
+                try:  # an output that is already there needs no timer (wait_for makes a task per call)
+                    item = self.queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    try:
+                        item = await asyncio.wait_for(self.queue.get(), poll_s)
+                    except asyncio.TimeoutError:
+                        item = None
                 now = time.monotonic()
                 if now >= next_check:  # outputs may arrive every step: check on a clock
                     next_check = now + poll_s
@@ -109,6 +114,23 @@ class Subscription:
         finally:
             if pending:
                 self.loop.abort(sorted(pending))
+
+
+def _deliver(items: Sequence[tuple[Subscription, Any]]) -> None:
+    """Hands a step's outputs to their subscriptions: one wake-up of each event loop per step, not one per output."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+    for sub, item in items:
+        by_loop.setdefault(sub.aio, []).append((sub.queue, item))
+    for aio, batch in by_loop.items():
+        try:
+            aio.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+
+def _put_all(batch: Sequence[tuple[asyncio.Queue, Any]]) -> None:
+    for q, item in batch:
+        q.put_nowait(item)
 
 
 class EngineLoop:
@@ -132,6 +154,36 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="trtpaged-engine", daemon=True)
         self._stopped = threading.Event()
         self.fatal: Optional[str] = None  # why the engine cannot go on (FatalEngineError), once it happened
+
+    @classmethod
+    def start_loaded(cls, load: Callable[[], T], engine_of: Callable[[T], LLMEngine], metrics: ServerMetrics,
+                     max_waiting: Optional[int] = None, request_log: Optional[RequestLog] = None,
+                     ) -> tuple[T, "EngineLoop"]:  # fmt: skip
+        """Runs `load()` on a new thread, then the loop on that same thread; returns (what load made, the loop)
+        once loaded, or raises what `load` raised.
+
+        The thread that steps the engine should be the only one that ever ran an OpenMP parallel region:
+        libgomp counts the threads of every thread's pool, idle ones included, and once they outnumber the
+        cores it cuts every barrier's spin to its "throttled" count (100 rounds with GOMP_SPINCOUNT set and
+        OMP_WAIT_POLICY unset) before sleeping. Loading the weights on the main thread gave it a pool of
+        its own, and the engine thread's workers slept at almost every barrier of a decode step (~420
+        voluntary context switches a step instead of ~225 on a loaded 2-core machine).
+        """
+        loaded: Future = Future()
+
+        def run() -> None:
+            try:
+                made = load()
+                loop = cls(engine_of(made), metrics, max_waiting, request_log)
+                loop._thread = threading.current_thread()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller of start_loaded
+                loaded.set_exception(exc)
+                return
+            loaded.set_result((made, loop))
+            loop._run()
+
+        threading.Thread(target=run, name="trtpaged-engine", daemon=True).start()
+        return loaded.result()
 
     # ---- called from other threads ------------------------------------------------------------
     def start(self) -> None:
@@ -263,6 +315,7 @@ class EngineLoop:
             self._fail_all(EngineFailure(f"engine step failed ({type(exc).__name__}); see the server log"), "error")
             return
         now = time.monotonic()
+        delivered: list[tuple[Subscription, RequestOutput]] = []
         for out in outputs:
             sub = self._subs.get(out.request_id)
             if sub is None:
@@ -271,9 +324,10 @@ class EngineLoop:
             if out.error is not None:  # this request alone failed in the step; the others go on
                 self._fail_request(out.request_id, sub, out.error)
                 continue
-            sub.put(out)
+            delivered.append((sub, out))
             if out.finished:
                 self._forget(out.request_id)
+        _deliver(delivered)
 
     def _fail_request(self, rid: str, sub: Subscription, reason: str) -> None:
         """Ends an HTTP request whose engine request `rid` failed (already finished and freed by the
@@ -285,9 +339,13 @@ class EngineLoop:
         sub.put(EngineFailure(f"the request failed in the engine: {reason}"))
 
     def _observe(self, out: RequestOutput, now: float) -> None:
+        """Token timing metrics from one DELTA output (the server asks every request for DELTA outputs)."""
         timing = self._timing[out.request_id]
-        num_tokens = [len(c.token_ids) for c in out.outputs]
-        longest = max(num_tokens, default=0)
+        for c in out.outputs:
+            timing.by_index[c.index] = timing.by_index.get(c.index, 0) + len(c.token_ids)
+            if c.finish_reason:
+                timing.reasons[c.index] = c.finish_reason
+        longest = max(timing.by_index.values(), default=0)
         if longest > timing.tokens:
             if timing.first_token is None:
                 timing.first_token = now
@@ -297,9 +355,8 @@ class EngineLoop:
             timing.last_token, timing.tokens = now, longest
         if out.finished:
             tpot = (now - timing.first_token) / (longest - 1) if timing.first_token and longest > 1 else None
-            reason = out.outputs[0].finish_reason if out.outputs else "length"
-            self.metrics.observe_finished(reason or "length", timing.prompt_tokens, sum(num_tokens),
-                                          now - timing.arrival, tpot)  # fmt: skip
+            self.metrics.observe_finished(timing.reasons.get(0) or "length", timing.prompt_tokens,
+                                          sum(timing.by_index.values()), now - timing.arrival, tpot)  # fmt: skip
             if self.request_log is not None:
                 self._log_finished(self.request_log, out, timing, now)
 
@@ -307,7 +364,10 @@ class EngineLoop:
         engine, params = self.engine, timing.params or SamplingParams()
         step_s = sum(engine.phase_seconds.values()) / engine.num_steps if engine.num_steps else None
         ttft = timing.first_token - timing.arrival if timing.first_token is not None else None
-        request_log.record_finished(out, arrival_s=timing.arrival - request_log.started, ttft_s=ttft,
+        indices = sorted(timing.by_index)
+        request_log.record_finished(out, output_lens=[timing.by_index[i] for i in indices],
+                                    finish_reasons=[timing.reasons.get(i) or "length" for i in indices],
+                                    arrival_s=timing.arrival - request_log.started, ttft_s=ttft,
                                     latency_s=now - timing.arrival, n=params.n, beam_width=params.beam_width,
                                     steps=engine.num_steps - timing.step, step_time_s=step_s)  # fmt: skip
 

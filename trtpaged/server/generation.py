@@ -14,7 +14,7 @@ from pydantic import BaseModel
 
 from trtpaged.runtime.llm import LLM
 from trtpaged.runtime.llm_engine import LLMEngine
-from trtpaged.runtime.outputs import RequestOutput
+from trtpaged.runtime.outputs import RequestOutput, RequestOutputKind
 from trtpaged.runtime.sampling_params import SamplingParams
 from trtpaged.server.engine_loop import (
     EngineFailure,
@@ -28,7 +28,7 @@ from trtpaged.server.errors import ApiError, from_runtime_error, overloaded
 from trtpaged.server.protocol import GenerationRequest, parse_generation
 from trtpaged.server.responses import ResponseBuilder, logprob_token_ids
 from trtpaged.server.schemas import dump
-from trtpaged.server.stream_state import StreamState
+from trtpaged.server.stream_state import CompletionAccumulator, StreamState
 
 Disconnected = Callable[[], Awaitable[bool]]
 
@@ -104,8 +104,11 @@ class GenerationService:
 
     # ---- request -> engine requests -----------------------------------------------------------
     def _params(self, req: GenerationRequest, max_tokens: int) -> SamplingParams:
+        """The engine request's parameters. Every request is served from DELTA outputs: each step hands over
+        only what is new (stop strings held back by the runtime), a stream sends it on, a full body joins it."""
         try:
-            return SamplingParams(max_tokens=max_tokens, logprobs=req.logprobs, **req.sampling)
+            return SamplingParams(max_tokens=max_tokens, logprobs=req.logprobs, output_kind=RequestOutputKind.DELTA,
+                                  **req.sampling)
         except ValueError as exc:
             raise from_runtime_error(exc, req.names) from None
 
@@ -163,12 +166,11 @@ class GenerationService:
 
     async def respond(self, s: Submitted, disconnected: Disconnected) -> BaseModel:
         """The full (non-streamed) body once every choice finished; raises ClientGone or the engine's error."""
-        finals: dict[int, RequestOutput] = {}
+        joined = [CompletionAccumulator() for _ in s.index]
         async with aclosing(s.sub.outputs(disconnected, self.request_timeout_s)) as outputs:
             async for out in outputs:
-                if out.finished:
-                    finals[s.index[out.request_id]] = out
-        ordered = [finals[i] for i in range(len(s.index))]
+                joined[s.index[out.request_id]].add(out)
+        ordered = [j.result() for j in joined]
         ids: set[int] = set()
         if s.builder.top_logprobs is not None:
             for out in ordered:
@@ -182,20 +184,16 @@ class GenerationService:
         """Server-Sent Events: chunks, the usage chunk if asked for, then `[DONE]`. A failure after the
         stream started is sent as an error event (then `[DONE]`); a cancelled stream aborts its requests."""
         params, builder = s.params, s.builder
-        state = StreamState(params.n, params.stop, params.use_beam_search, builder.top_logprobs is not None)
+        state = StreamState(params.n, builder.top_logprobs is not None)
         if s.req.chat:
             for p in range(len(s.index)):
                 for i in range(params.n):
                     yield sse(builder.chunk(p * params.n + i, "", role=True))
-        finals: dict[int, RequestOutput] = {}
         try:
             # Disconnects cancel this generator (the ASGI server's disconnect listener); no polling here.
             async with aclosing(s.sub.outputs(_never, self.request_timeout_s)) as outputs:
                 async for out in outputs:
-                    p = s.index[out.request_id]
-                    if out.finished:
-                        finals[p] = out
-                    for d in state.deltas(p, out):
+                    for d in state.deltas(s.index[out.request_id], out):
                         logprobs = None
                         if builder.top_logprobs is not None and d.logprobs is not None:
                             strings = await self._token_strings(logprob_token_ids(d.token_ids, d.logprobs))
@@ -207,8 +205,9 @@ class GenerationService:
             yield sse(dump(runtime_failure(exc).body()))
             yield sse("[DONE]")
             return
-        ordered = [finals[i] for i in range(len(s.index))]
-        _summarise(s.summary, ordered)
+        s.summary.prompt_tokens = sum(state.prompt_tokens.values())
+        s.summary.completion_tokens = state.completion_tokens
+        s.summary.finish_reasons = state.finish_reasons
         if s.req.include_usage:
             yield sse(builder.usage_chunk(s.summary.prompt_tokens, s.summary.completion_tokens))
         yield sse("[DONE]")

@@ -34,6 +34,7 @@ ENGINE_STATS: dict[str, tuple[str, str, str]] = {
     "kv_blocks_saved_by_sharing": ("kv_cache_blocks_saved_by_sharing", "gauge", "Block references beyond the first (shared blocks)."),
     "kv_evictions": ("kv_cache_evictions", "counter", "Cached blocks evicted for reuse."),
     "num_steps": ("engine_steps", "counter", "Engine steps run."),
+    "step_seconds": ("engine_step_seconds", "counter", "Wall time inside engine steps (every phase)."),
     "num_tokens_computed": ("tokens_computed", "counter", "Tokens computed by engine steps."),
     "num_block_copies": ("block_copies", "counter", "Copy-on-write block copies."),
 }  # fmt: skip

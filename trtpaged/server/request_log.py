@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from trtpaged.runtime.outputs import RequestOutput
 
@@ -32,16 +32,19 @@ log = logging.getLogger("trtpaged.server")
 _STOP = object()
 
 
-def finished_line(out: RequestOutput, arrival_s: float, ttft_s: Optional[float], latency_s: float, n: int,
-                  beam_width: int, steps: int, step_time_s: Optional[float], log_prompts: bool) -> dict:  # fmt: skip
-    """The log line of one finished request (see the module docstring for the fields)."""
-    lens = [len(c.token_ids) for c in out.outputs]
+def finished_line(out: RequestOutput, output_lens: list[int], finish_reasons: list[str], arrival_s: float,
+                  ttft_s: Optional[float], latency_s: float, n: int, beam_width: int, steps: int,
+                  step_time_s: Optional[float], log_prompts: bool) -> dict:  # fmt: skip
+    """The log line of one finished request (see the module docstring for the fields); `out` is its last
+    output (prompt and prefix-cache hit), `output_lens` and `finish_reasons` per completion in index order
+    (the server counts them over the request's DELTA outputs)."""
+    lens = list(output_lens)
     line: dict = {"arrival": round(arrival_s, 6), "prompt_len": len(out.prompt_token_ids)}
     if log_prompts:
         line["prompt_token_ids"] = list(out.prompt_token_ids)
     line.update(output_len=max(lens, default=0), output_lens=lens, n=n, beam_width=beam_width,
                 cached_tokens=out.num_cached_tokens or 0,
-                finish_reasons=[c.finish_reason or "length" for c in out.outputs],
+                finish_reasons=list(finish_reasons),
                 ttft_s=None if ttft_s is None else round(ttft_s, 6), latency_s=round(latency_s, 6), steps=steps,
                 step_time_s=None if step_time_s is None else round(step_time_s, 6))  # fmt: skip
     return line
@@ -76,7 +79,7 @@ class RequestLog:
                 log.warning("request log %s: the writer is behind; dropping lines", self.path)
             self.dropped += 1
 
-    def record_finished(self, out: RequestOutput, **fields: Optional[float]) -> None:
+    def record_finished(self, out: RequestOutput, **fields: Any) -> None:
         """`record(finished_line(out, ...))`, for the engine thread: a line that cannot be built is dropped, never raised."""
         try:
             self.record(finished_line(out, log_prompts=self.log_prompts, **fields))

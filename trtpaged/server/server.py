@@ -123,18 +123,19 @@ def start_server(
     options = options or ServerOptions()
     sock = bind(host, port)
     request_log = None
+    metrics = ServerMetrics()
     try:
         # opened before the model loads, so a path that cannot be written fails at once
         request_log = RequestLog(options.request_log, options.request_log_prompts) if options.request_log else None
-        llm = LLM(engine_dir, **llm_overrides)
+        # loaded on the engine thread: the one thread whose OpenMP pool runs the kernels (see start_loaded)
+        llm, loop = EngineLoop.start_loaded(lambda: LLM(engine_dir, **llm_overrides), lambda llm: llm.engine,
+                                            metrics, options.max_waiting, request_log)  # fmt: skip
     except BaseException:
         sock.close()
         if request_log is not None:
             request_log.close()
         raise
     name = served_model_name or options.served_model_name or llm.engine_dir.resolve().name
-    metrics = ServerMetrics()
-    loop = EngineLoop(llm.engine, metrics, options.max_waiting, request_log)
     service = GenerationService(llm, loop, name, options.max_prompt_tokens, options.request_timeout_s)
     card = ModelCard(id=name, created=int(time.time()), root=str(llm.engine_dir), max_model_len=llm.config.max_seq_len)
     draining = Draining()
@@ -142,5 +143,4 @@ def start_server(
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30,
                             timeout_graceful_shutdown=5)  # fmt: skip
     server = uvicorn.Server(config)
-    loop.start()
     return ServerHandle(server, sock, loop, llm, name, options, draining).start()

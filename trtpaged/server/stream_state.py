@@ -1,26 +1,16 @@
-"""What a stream has sent so far, per choice, and the next delta of each (stop strings held back)."""
+"""What the HTTP layer keeps of a request's DELTA outputs: per choice, for a stream or for the full body.
+
+The runtime already holds back text that a stop string could still remove
+(`RequestOutputKind.DELTA`), so a delta's text can be sent as it is; these
+classes only number the choices and keep what the OpenAI bodies need.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
-from trtpaged.runtime.outputs import RequestOutput
-
-
-def held_back(text: str, stops: Sequence[str]) -> int:
-    """Characters at the end of `text` that could be the start of a stop string: not sent yet, since
-    the runtime cuts a stop string out of the text once it completes."""
-    best = 0
-    for stop in stops:
-        tail = text[len(text) - min(len(stop) - 1, len(text)) :]
-        start = tail.find(stop[0]) if tail else -1  # a held-back part starts with the stop's first character
-        while start >= 0 and len(tail) - start > best:
-            if stop.startswith(tail[start:]):
-                best = len(tail) - start
-                break
-            start = tail.find(stop[0], start + 1)
-    return best
+from trtpaged.runtime.outputs import CompletionOutput, RequestOutput
 
 
 @dataclass
@@ -35,11 +25,10 @@ class ChoiceDelta:
 
 
 @dataclass
-class _Sent:
-    chars: int = 0
-    tokens: int = 0
+class _Choice:
+    tokens: int = 0  # completion tokens so far (usage)
     text_offset: int = 0  # completions logprobs: offset of the next token's text
-    done: bool = False
+    finish_reason: Optional[str] = None
 
 
 @dataclass
@@ -47,37 +36,66 @@ class StreamState:
     """Per-choice progress of one streamed HTTP request (choices numbered prompt-major: p * n + i)."""
 
     n: int
-    stops: Sequence[str] = ()
-    beam: bool = False  # beams change until the end: send each beam once, finished
     with_tokens: bool = False  # logprobs requested: new tokens are news even before their text is final
-    sent: dict[int, _Sent] = field(default_factory=dict)
+    choices: dict[int, _Choice] = field(default_factory=dict)
+    prompt_tokens: dict[int, int] = field(default_factory=dict)  # prompt index -> its length
 
     def deltas(self, prompt_index: int, out: RequestOutput) -> list[ChoiceDelta]:
-        """Deltas of every choice of one prompt's request that has something new."""
-        if self.beam and not out.finished:
-            return []
+        """The chunks one DELTA output of one prompt's request makes: choices with text, tokens to show or an end."""
+        self.prompt_tokens[prompt_index] = len(out.prompt_token_ids)
         result = []
         for c in out.outputs:
             index = prompt_index * self.n + c.index
-            sent = self.sent.setdefault(index, _Sent())
-            if sent.done:
-                continue
+            choice = self.choices.setdefault(index, _Choice())
+            choice.tokens += len(c.token_ids)
             finish = c.finish_reason if c.finish_reason in ("stop", "length") else None
-            text = c.text if finish else c.text[: len(c.text) - held_back(c.text, self.stops)]
-            new_text = text[sent.chars :] if len(text) > sent.chars else ""
-            new_tokens = list(c.token_ids[sent.tokens :])
-            logprobs = list(c.logprobs[sent.tokens :]) if c.logprobs is not None else None
-            if not (new_text or finish or (self.with_tokens and new_tokens)):
-                continue
-            sent.chars = max(sent.chars, len(text))
-            sent.tokens = len(c.token_ids)
-            sent.done = finish is not None or out.finished
-            result.append(ChoiceDelta(index, new_text, new_tokens, logprobs, finish))
+            choice.finish_reason = c.finish_reason
+            if c.text or finish or (self.with_tokens and c.token_ids):
+                result.append(ChoiceDelta(index, c.text, c.token_ids, c.logprobs, finish))
         return result
 
     def advance_offset(self, index: int, token_strings: Sequence[str]) -> int:
         """The text offset a delta's first token starts at; moves it past the delta's tokens."""
-        sent = self.sent.setdefault(index, _Sent())
-        start = sent.text_offset
-        sent.text_offset += sum(len(s) for s in token_strings)
+        choice = self.choices.setdefault(index, _Choice())
+        start = choice.text_offset
+        choice.text_offset += sum(len(s) for s in token_strings)
         return start
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.tokens for c in self.choices.values())
+
+    @property
+    def finish_reasons(self) -> list[str]:
+        return [self.choices[i].finish_reason or "?" for i in sorted(self.choices)]
+
+
+class CompletionAccumulator:
+    """One prompt's DELTA outputs joined back into the finished `RequestOutput` (for a non-streamed body)."""
+
+    def __init__(self) -> None:
+        self.last: Optional[RequestOutput] = None
+        self.completions: dict[int, CompletionOutput] = {}
+
+    def add(self, out: RequestOutput) -> None:
+        self.last = out
+        for c in out.outputs:
+            seen = self.completions.get(c.index)
+            if seen is None:
+                self.completions[c.index] = CompletionOutput(
+                    c.index, c.text, list(c.token_ids), c.cumulative_logprob,
+                    list(c.logprobs) if c.logprobs is not None else None, c.finish_reason, c.stop_reason)  # fmt: skip
+                continue
+            seen.text += c.text
+            seen.token_ids += c.token_ids
+            if seen.logprobs is not None and c.logprobs is not None:
+                seen.logprobs += c.logprobs
+            seen.cumulative_logprob, seen.finish_reason, seen.stop_reason = (
+                c.cumulative_logprob, c.finish_reason, c.stop_reason)
+
+    def result(self) -> RequestOutput:
+        """The finished output: every completion whole, sorted by index."""
+        assert self.last is not None and self.last.finished, "the request has not finished"
+        last = self.last
+        return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids,
+                             [self.completions[i] for i in sorted(self.completions)], True, last.num_preemptions)

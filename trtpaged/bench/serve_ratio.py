@@ -1,0 +1,309 @@
+"""`trtpaged bench serve-ratio ENGINE`: how much of the engine's speed a `trtpaged serve` user gets.
+
+In one run, on the same engine and the same chat prompts (greedy, `ignore_eos`), alternating:
+
+- single stream: the Python API's decode rate, (tokens - 1) / (time of the last token - time of the
+  first), i.e. 127 / (t(128 tokens) - t(1 token)), against the same rate seen by the official `openai`
+  client streaming from `trtpaged serve` (a separate process on loopback, as a user runs it);
+- concurrent: `LLM.generate`'s useful tok/s (output tokens / wall time) on N requests against N
+  concurrent streaming `openai` clients' output tokens / wall time.
+
+Each serve round also reads the server's `/metrics` (`engine_step_seconds_total`, `engine_steps_total`),
+so the engine's own step time in the server is printed next to the API's. Each ratio is the median over
+the rounds of serve / API within the round; with the spread or other processes' CPU use above trtpaged's noise rule (bench/noise.py)
+the verdict is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from trtpaged.bench.noise import NoiseMonitor, assess, verdict
+from trtpaged.bench.server_metrics import parse_prometheus
+
+TARGET = 0.90  # serve / API, for both ratios
+PASSAGE = ("The river runs past the old mill, where the stones still turn on a windless day. Children gather at the "
+           "bank to watch the water carry leaves toward the sea, and the miller tells them stories of floods and "
+           "droughts, of the year the ice stopped the wheel and the town baked no bread for a week. In spring the "
+           "meadows fill with flowers, and in autumn the orchards drop their apples into the long grass.")  # fmt: skip
+SERVED_NAME = "bench"
+
+
+def conversation(i: int) -> list[dict[str, str]]:
+    """The i-th chat prompt: ask to repeat the passage (about 130 tokens with SmolLM2's template)."""
+    head = "Repeat this passage exactly" + (f" (copy {i})" if i else "")
+    return [{"role": "user", "content": f"{head}:\n\n{PASSAGE}"}]
+
+
+@dataclass
+class Series:
+    """Repeated measurements of one figure (higher is better)."""
+
+    name: str
+    values: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values) if self.values else 0.0
+
+    def describe(self, unit: str) -> str:
+        shown = " / ".join(f"{v:.1f}" for v in self.values)
+        return f"{self.name:<44}{self.median:8.1f} {unit}  ({shown})"
+
+
+class ServerProcess:
+    """`trtpaged serve ENGINE --port 0` in a child process (the environment it inherits decides OpenMP)."""
+
+    def __init__(self, engine: Path, extra_args: tuple[str, ...] = (), timeout_s: float = 300.0,
+                 env: Optional[dict[str, str]] = None) -> None:  # fmt: skip
+        cmd = [sys.executable, "-m", "trtpaged.cli", "serve", str(engine), "--port", "0",
+               "--served-model-name", SERVED_NAME, *extra_args]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+        deadline = time.monotonic() + timeout_s
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            found = re.search(r"ready at (http://\S+)", line)
+            if found:
+                self.url = found.group(1)
+                return
+            if time.monotonic() > deadline:
+                break
+        self.close()
+        raise RuntimeError(f"trtpaged serve did not start (exit {self.proc.poll()})")
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as resp:
+            return parse_prometheus(resp.read().decode())
+
+    def cpu_seconds(self) -> float:
+        """CPU time the server process used so far (0 off Linux): ours, not other processes' load."""
+        try:
+            with open(f"/proc/{self.proc.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def voluntary_switches(self) -> int:
+        """Voluntary context switches of all the server's threads so far (an OpenMP thread that sleeps at a
+        barrier makes one); 0 off Linux."""
+        total = 0
+        try:
+            for tid in os.listdir(f"/proc/{self.proc.pid}/task"):
+                with open(f"/proc/{self.proc.pid}/task/{tid}/status") as f:
+                    total += sum(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+        except OSError:
+            return 0
+        return total
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def paired_ratio(served: list[float], api: list[float]) -> float:
+    """Median over the rounds of serve / API, each round's two runs back to back (robust to load drifting
+    between rounds, which a ratio of the two medians is not)."""
+    return statistics.median(s / a for s, a in zip(served, api) if a > 0)
+
+
+def engine_step_ms(before: dict[str, float], after: dict[str, float]) -> Optional[float]:
+    """Mean engine step (ms) between two /metrics scrapes, or None when the server does not report it."""
+    key_s, key_n = "trtpaged:engine_step_seconds_total", "trtpaged:engine_steps_total"
+    if key_s not in after or key_n not in after:
+        return None
+    steps = after[key_n] - before.get(key_n, 0.0)
+    return 1000.0 * (after[key_s] - before.get(key_s, 0.0)) / steps if steps else None
+
+
+class ApiSide:
+    """The Python API on the engine, in this process."""
+
+    def __init__(self, engine: Path) -> None:
+        from trtpaged import LLM
+
+        self.llm = LLM(engine)
+
+    def _params(self, max_tokens: int) -> Any:
+        from trtpaged import SamplingParams
+
+        return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+    def decode_rate(self, max_tokens: int) -> tuple[float, str, float]:
+        """(tok/s from the first token to the last, the text, mean step ms) of one request, as `LLM.chat` runs it."""
+        import dataclasses
+
+        from trtpaged.runtime.outputs import RequestOutputKind
+
+        engine = self.llm.engine
+        params = dataclasses.replace(self._params(max_tokens), output_kind=RequestOutputKind.DELTA)
+        steps0, seconds0 = engine.num_steps, sum(engine.phase_seconds.values())
+        rid = engine.add_request(self.llm.chat_prompt(conversation(0)), params)
+        first = last = None
+        tokens, text = 0, ""
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.request_id != rid or not out.outputs:
+                    continue
+                now = time.perf_counter()
+                first = first or now
+                last = now
+                tokens += len(out.outputs[0].token_ids)
+                text += out.outputs[0].text
+        step_ms = 1000.0 * (sum(engine.phase_seconds.values()) - seconds0) / max(1, engine.num_steps - steps0)
+        return (tokens - 1) / (last - first), text, step_ms
+
+    def batch_rate(self, num_requests: int, max_tokens: int) -> tuple[float, list[str], float]:
+        """(useful tok/s, texts, mean step ms) of `LLM.generate` on the N chat prompts."""
+        engine = self.llm.engine
+        prompts = [self.llm.chat_prompt(conversation(i)) for i in range(num_requests)]
+        steps0, seconds0 = engine.num_steps, sum(engine.phase_seconds.values())
+        start = time.perf_counter()
+        outs = self.llm.generate(prompts, self._params(max_tokens))
+        wall = time.perf_counter() - start
+        step_ms = 1000.0 * (sum(engine.phase_seconds.values()) - seconds0) / max(1, engine.num_steps - steps0)
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        return tokens / wall, [o.outputs[0].text for o in outs], step_ms
+
+
+def client_decode_rate(url: str, max_tokens: int) -> tuple[float, str]:
+    """(tok/s from the first content chunk to the last, the text) of one streamed chat request."""
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    first = last = None
+    tokens, text = 0, ""
+    stream = client.chat.completions.create(
+        model=SERVED_NAME, messages=conversation(0), max_tokens=max_tokens, temperature=0.0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})  # fmt: skip
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            now = time.perf_counter()
+            first = first or now
+            last = now
+            text += chunk.choices[0].delta.content
+        if chunk.usage:
+            tokens = chunk.usage.completion_tokens
+    client.close()
+    return (tokens - 1) / (last - first), text
+
+
+async def _client_batch(url: str, num_requests: int, max_tokens: int) -> tuple[float, list[str]]:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+    async def one(i: int) -> tuple[int, str]:
+        stream = await client.chat.completions.create(
+            model=SERVED_NAME, messages=conversation(i), max_tokens=max_tokens, temperature=0.0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})  # fmt: skip
+        tokens, text = 0, ""
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                text += chunk.choices[0].delta.content
+            if chunk.usage:
+                tokens = chunk.usage.completion_tokens
+        return tokens, text
+
+    start = time.perf_counter()
+    results = await asyncio.gather(*(one(i) for i in range(num_requests)))
+    wall = time.perf_counter() - start
+    await client.close()
+    return sum(t for t, _ in results) / wall, [text for _, text in results]
+
+
+def client_batch_rate(url: str, num_requests: int, max_tokens: int) -> tuple[float, list[str]]:
+    """(output tok/s over the wall time, texts) of N concurrent streamed chat requests."""
+    return asyncio.run(_client_batch(url, num_requests, max_tokens))
+
+
+def run_serve_ratio(engine: Path, repeats: int = 5, max_tokens: int = 128, concurrency: int = 16,
+                    server_args: tuple[str, ...] = (), progress: Callable[[str], None] = lambda _: None) -> dict:  # fmt: skip
+    """Runs the comparison (API and serve rounds alternating) and returns the report (see `format_ratio`)."""
+    progress("loading the engine in this process and starting trtpaged serve")
+    api = ApiSide(engine)
+    server = ServerProcess(engine, server_args)
+    series = {k: Series(label) for k, label in (
+        ("api_single", "Python API decode (tok/s)"), ("serve_single", "serve, openai client, 1 stream (tok/s)"),
+        ("api_batch", f"LLM.generate, {concurrency} requests (tok/s)"),
+        ("serve_batch", f"serve, {concurrency} concurrent streams (tok/s)"))}  # fmt: skip
+    steps = {k: Series(k) for k in ("api_single", "serve_single", "api_batch", "serve_batch")}
+    same_single, same_batch = True, concurrency
+    monitor = NoiseMonitor()
+    server_cpu = wall = 0.0
+    try:
+        api.decode_rate(8)  # warm both sides (first-call costs, prefix cache)
+        client_decode_rate(server.url, 8)
+        server_cpu, wall = server.cpu_seconds(), time.perf_counter()
+        with monitor:
+            for r in range(repeats):
+                progress(f"round {r + 1}/{repeats}")
+                rate, api_text, step = api.decode_rate(max_tokens)
+                series["api_single"].values.append(rate)
+                steps["api_single"].values.append(step)
+                before = server.metrics()
+                rate, served_text = client_decode_rate(server.url, max_tokens)
+                series["serve_single"].values.append(rate)
+                steps["serve_single"].values.append(engine_step_ms(before, server.metrics()) or 0.0)
+                same_single &= served_text == api_text
+                rate, api_texts, step = api.batch_rate(concurrency, max_tokens)
+                series["api_batch"].values.append(rate)
+                steps["api_batch"].values.append(step)
+                before = server.metrics()
+                rate, served_texts = client_batch_rate(server.url, concurrency, max_tokens)
+                series["serve_batch"].values.append(rate)
+                steps["serve_batch"].values.append(engine_step_ms(before, server.metrics()) or 0.0)
+                same_batch = min(same_batch, sum(a == b for a, b in zip(api_texts, served_texts)))
+        server_cpu, wall = server.cpu_seconds() - server_cpu, time.perf_counter() - wall
+    finally:
+        server.close()
+    for s in series.values():
+        monitor.add_samples(s.values)
+    foreign = monitor.foreign_cores()
+    if foreign is not None:  # the server is our own child: its CPU use is not other processes' load
+        foreign = max(0.0, foreign - server_cpu / wall)
+    noise = assess(max(monitor.spreads), foreign, os.cpu_count() or 1)
+    single = paired_ratio(series["serve_single"].values, series["api_single"].values)
+    batch = paired_ratio(series["serve_batch"].values, series["api_batch"].values)
+    return {
+        "engine": str(engine), "repeats": repeats, "max_tokens": max_tokens, "concurrency": concurrency,
+        "server_args": list(server_args),
+        "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ},
+        "series": {k: s.values for k, s in series.items()},
+        "step_ms": {k: s.values for k, s in steps.items()},
+        "labels": {k: s.name for k, s in series.items()},
+        "single_ratio": single, "batch_ratio": batch,
+        "same_text_single": same_single, "same_text_batch": f"{same_batch}/{concurrency}",
+        "noise": noise.to_dict(), "noise_text": noise.describe(),
+        "verdict_single": verdict(single >= TARGET, noise), "verdict_batch": verdict(batch >= TARGET, noise),
+    }  # fmt: skip
+
+
+def format_ratio(report: dict) -> str:
+    """The report as text: each figure's median and repeats, the engine step times, the two ratios."""
+    lines = []
+    for key, values in report["series"].items():
+        s = Series(report["labels"][key], values)
+        steps = report["step_ms"][key]
+        lines.append(f"{s.describe('')}  engine step {statistics.median(steps):.2f} ms")
+    lines.append(f"single stream: serve / API = {report['single_ratio']:.2f} (median of the rounds' ratios; "
+                 f"target >= {TARGET:.2f}): "
+                 f"{report['verdict_single']}; same text: {report['same_text_single']}")  # fmt: skip
+    lines.append(f"{report['concurrency']} streams:  serve / LLM.generate = {report['batch_ratio']:.2f} "
+                 f"(target >= {TARGET:.2f}): {report['verdict_batch']}; same texts: {report['same_text_batch']}")  # fmt: skip
+    lines.append(report["noise_text"])
+    return "\n".join(lines)
