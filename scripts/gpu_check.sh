@@ -170,8 +170,8 @@ say(f"trt build: SmolLM2 engine with TensorRT in {report['build_s']} s")
 # --- the open question: is the aliased KV pool updated in place, or copied? ---
 from trtpaged.builder.probe import standard_probe
 from trtpaged.manifest import read_manifest
-from trtpaged.runtime.engines import StepBatch
-from trtpaged.runtime.engines.tensorrt_engine import TensorRTRunner
+from trtpaged.runtime.runners import StepBatch
+from trtpaged.runtime.runners.tensorrt_runner import TensorRTRunner
 
 manifest = read_manifest(engine_dir)
 _, steps, num_blocks = standard_probe(manifest.dims.vocab_size, manifest.limits.block_size)

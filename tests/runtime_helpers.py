@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from trtpaged.runtime.engines import StepBatch, TorchRunner
+from trtpaged.runtime.runners import StepBatch, TorchRunner
 from trtpaged.runtime.llm_engine import LLMEngine
 from trtpaged.runtime.outputs import RequestOutput
 from trtpaged.runtime.runtime_config import RuntimeConfig

@@ -47,7 +47,7 @@ def _build(data: dict, out, lines: list[str]):
     return build_engine(parse_config(data), out, skip_verify=True, echo=lines.append)
 
 
-def test_auto_builds_the_tensorrt_engine_where_it_compiles(tensorrt_present, tmp_path):
+def test_auto_builds_the_tensorrt_runner_where_it_compiles(tensorrt_present, tmp_path):
     fake, calls = tensorrt_present
     lines: list[str] = []
     result = _build(_tiny("auto"), tmp_path / "eng", lines)

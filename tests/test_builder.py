@@ -80,7 +80,7 @@ def test_onnx_contract(tiny_engine_dir):
     assert path.stat().st_size < 300_000 and not (tiny_engine_dir / "model.onnx.data").exists()
 
 
-def test_onnx_runs_other_shapes_like_the_torch_engine(tiny_engine_dir):
+def test_onnx_runs_other_shapes_like_the_torch_runner(tiny_engine_dir):
     """Dynamic dims: one sequence, different pool size and block-table width than at export."""
     from onnx.reference import ReferenceEvaluator
 

@@ -161,7 +161,7 @@ def test_generate_cli_refuses_a_huge_n_in_one_line(tiny_engine_dir):
 
 
 def test_generate_cli_reports_a_request_that_failed_in_a_step(tiny_engine_dir, monkeypatch):
-    from trtpaged.runtime.engines.torch_engine import TorchRunner
+    from trtpaged.runtime.runners.torch_runner import TorchRunner
 
     real_step = TorchRunner.step
     monkeypatch.setattr(TorchRunner, "step", lambda self, batch: poison_at_kv_length(

@@ -6,7 +6,7 @@ import pytest
 
 from runtime_helpers import hf_beams, hf_from_engine_dir, hf_greedy, run_staggered, runtime_config
 from trtpaged import LLM, SamplingParams
-from trtpaged.runtime.engines import TorchRunner
+from trtpaged.runtime.runners import TorchRunner
 from trtpaged.runtime.llm_engine import LLMEngine
 
 pytestmark = pytest.mark.slow

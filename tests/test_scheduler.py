@@ -259,6 +259,6 @@ def test_step_batch_carries_the_exported_inputs_in_order():
     import dataclasses
 
     from trtpaged.step_io import INPUT_NAMES
-    from trtpaged.runtime.engines.base import StepBatch
+    from trtpaged.runtime.runners.base import StepBatch
 
     assert tuple(f.name for f in dataclasses.fields(StepBatch)) + ("kv_cache",) == INPUT_NAMES

@@ -18,7 +18,7 @@ import torch
 from runtime_helpers import REPO, hf_beams, hf_from_engine_dir, hf_greedy, run_staggered
 from trtpaged import LLM, SamplingParams
 from trtpaged.builder.probe import hf_logits, standard_probe
-from trtpaged.runtime.engines import StepBatch
+from trtpaged.runtime.runners import StepBatch
 from trtpaged.runtime.tp import TensorParallelError, TensorParallelRunner
 
 EOS = 257

@@ -173,7 +173,7 @@ def trt_engine_dir(request, tmp_path_factory) -> Path:
 
 def _probe_batches(vocab_size: int, block_size: int):
     from trtpaged.builder.probe import standard_probe
-    from trtpaged.runtime.engines import StepBatch
+    from trtpaged.runtime.runners import StepBatch
 
     _, steps, num_blocks = standard_probe(vocab_size, block_size)
     return [StepBatch(**step.inputs) for step in steps], num_blocks
@@ -182,28 +182,28 @@ def _probe_batches(vocab_size: int, block_size: int):
 @pytest.mark.tensorrt
 def test_tensorrt_logits_match_the_torch_backend(trt_engine_dir):
     from trtpaged.manifest import read_manifest
-    from trtpaged.runtime.engines import TorchRunner
-    from trtpaged.runtime.engines.tensorrt_engine import TensorRTRunner
+    from trtpaged.runtime.runners import TorchRunner
+    from trtpaged.runtime.runners.tensorrt_runner import TensorRTRunner
 
     manifest = read_manifest(trt_engine_dir)
     batches, num_blocks = _probe_batches(manifest.dims.vocab_size, manifest.limits.block_size)
     trt_engine = TensorRTRunner.from_engine_dir(trt_engine_dir, num_blocks, device="cuda")
-    torch_engine = TorchRunner.from_engine_dir(trt_engine_dir, num_blocks, device="cuda")
+    torch_runner = TorchRunner.from_engine_dir(trt_engine_dir, num_blocks, device="cuda")
     tol = 2e-3 if manifest.dtype == "float32" else 3e-2
     for i, batch in enumerate(batches, 1):  # step 2 reads the K/V step 1 wrote in place
-        got, want = trt_engine.step(batch), torch_engine.step(batch)
+        got, want = trt_engine.step(batch), torch_runner.step(batch)
         torch.cuda.synchronize()
         assert got.shape == want.shape == (batch.logits_index.shape[0], manifest.dims.vocab_size)
         scale = want.abs().max().item()
         assert (got - want).abs().max().item() <= tol * max(scale, 1.0), f"step {i}"
-    torch.testing.assert_close(trt_engine.kv_cache.float(), torch_engine.kv_cache.float(),
+    torch.testing.assert_close(trt_engine.kv_cache.float(), torch_runner.kv_cache.float(),
                                atol=tol * 10, rtol=tol * 10)
 
 
 @pytest.mark.tensorrt
 def test_auto_selects_tensorrt_and_copies_blocks(trt_engine_dir):
     from trtpaged.manifest import read_manifest
-    from trtpaged.runtime.engines import load_runner, select_backend
+    from trtpaged.runtime.runners import load_runner, select_backend
 
     manifest = read_manifest(trt_engine_dir)
     assert select_backend(trt_engine_dir, manifest, "auto") == "tensorrt"

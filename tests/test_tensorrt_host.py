@@ -26,8 +26,8 @@ import torch
 from trtpaged import tensorrt_env as trt_env
 from trtpaged.builder import compile as trt_compile
 from trtpaged.tensorrt_env import CompileError
-from trtpaged.runtime.engines.base import StepBatch
-from trtpaged.runtime.engines.tensorrt_engine import LOGITS, POOL_INPUT, POOL_OUTPUT, TensorRTRunner
+from trtpaged.runtime.runners.base import StepBatch
+from trtpaged.runtime.runners.tensorrt_runner import LOGITS, POOL_INPUT, POOL_OUTPUT, TensorRTRunner
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 11
@@ -315,7 +315,7 @@ def test_python_and_the_plugin_agree_on_the_kv_dtypes():
 
 
 def test_tensorrt_runner_binds_an_int8_pool():
-    from trtpaged.runtime.engines.tensorrt_engine import _torch_dtype
+    from trtpaged.runtime.runners.tensorrt_runner import _torch_dtype
 
     fake = types.SimpleNamespace(float32="f32", float16="f16", bfloat16="bf16", int32="i32", int8="i8")
     assert _torch_dtype(fake, "i8") == torch.int8  # a quantized pool's bytes
@@ -406,7 +406,7 @@ def test_mypy_is_clean_on_the_tensorrt_modules():
     if stubs is None:
         pytest.skip("tensorrt-stubs not found (pip install --no-deps --target DIR tensorrt-stubs; "
                     "TRTPAGED_TENSORRT_STUBS=DIR)")
-    files = ["trtpaged/builder/compile.py", "trtpaged/tensorrt_env.py", "trtpaged/runtime/engines/tensorrt_engine.py"]
+    files = ["trtpaged/builder/compile.py", "trtpaged/tensorrt_env.py", "trtpaged/runtime/runners/tensorrt_runner.py"]
     r = subprocess.run([sys.executable, "-m", "mypy", "--follow-imports=silent", "--ignore-missing-imports",
                         "--no-incremental", "--python-version", "3.11", *files], cwd=REPO, capture_output=True,
                        text=True, env={**os.environ, "MYPYPATH": str(stubs)})

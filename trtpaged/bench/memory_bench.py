@@ -32,7 +32,7 @@ from typing import Callable, Optional
 
 from trtpaged.bench.null_runner import NullRunner
 from trtpaged.bench.workload import TraceRequest, prompt_token_ids
-from trtpaged.runtime.engines.base import StepBatch
+from trtpaged.runtime.runners.base import StepBatch
 from trtpaged.runtime.llm_engine import LLMEngine
 from trtpaged.runtime.runtime_config import RuntimeConfig
 from trtpaged.runtime.sampling_params import SamplingParams

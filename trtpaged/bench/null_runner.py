@@ -13,7 +13,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from trtpaged.runtime.engines.base import StepBatch
+from trtpaged.runtime.runners.base import StepBatch
 
 
 def stand_in_logits(tokens: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -24,7 +24,7 @@ def stand_in_logits(tokens: torch.Tensor, positions: torch.Tensor, vocab_size: i
 
 
 class NullRunner:
-    """A `ModelRunner` (runtime/engines/base.py) without a model or a KV pool tensor (block moves are no-ops)."""
+    """A `ModelRunner` (runtime/runners/base.py) without a model or a KV pool tensor (block moves are no-ops)."""
 
     backend = "null"
 

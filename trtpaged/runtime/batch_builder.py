@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from trtpaged.runtime.engines.base import StepBatch
+from trtpaged.runtime.runners.base import StepBatch
 from trtpaged.runtime.kv_cache_manager import KVCacheManager
 from trtpaged.runtime.scheduler import SchedulerOutput
 

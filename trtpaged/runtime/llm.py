@@ -9,7 +9,7 @@ from typing import Any, Optional, Sequence as Seq, Union
 
 from trtpaged.engine_files import verify_engine_dir
 from trtpaged.manifest import EngineDirError, Manifest, engine_path, read_manifest
-from trtpaged.runtime.engines import load_runner, resolve_device, resolve_num_blocks
+from trtpaged.runtime.runners import load_runner, resolve_device, resolve_num_blocks
 from trtpaged.runtime.llm_engine import LLMEngine, Prompt
 from trtpaged.runtime.outputs import RequestOutput, RequestOutputKind
 from trtpaged.runtime.runtime_config import RuntimeConfig

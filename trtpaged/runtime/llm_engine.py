@@ -9,7 +9,7 @@ from typing import Any, Optional, Sequence as Seq, Union
 from trtpaged.errors import RequestError
 from trtpaged.runtime.batch_builder import build_step_batch
 from trtpaged.runtime.beam_search import BeamSearch
-from trtpaged.runtime.engines.base import ModelRunner
+from trtpaged.runtime.runners.base import ModelRunner
 from trtpaged.runtime.kv_cache_manager import KVCacheManager
 from trtpaged.runtime.output_processor import OutputProcessor
 from trtpaged.runtime.outputs import RequestOutput

@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from trtpaged.runtime.engines.base import StepBatch
+from trtpaged.runtime.runners.base import StepBatch
 from trtpaged.runtime.tp.rendezvous import Collectives
 
 HEADER_LEN = 8

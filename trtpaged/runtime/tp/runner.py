@@ -19,8 +19,8 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from trtpaged.manifest import Manifest
-from trtpaged.runtime.engines.base import StepBatch
-from trtpaged.runtime.engines.torch_engine import TorchRunner
+from trtpaged.runtime.runners.base import StepBatch
+from trtpaged.runtime.runners.torch_runner import TorchRunner
 from trtpaged.runtime.tp import messages
 from trtpaged.runtime.tp.launch import WorkerSet, threads_per_rank
 from trtpaged.runtime.tp.messages import Op

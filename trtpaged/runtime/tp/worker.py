@@ -28,7 +28,7 @@ def run_worker(engine_dir: Path, rz: Rendezvous, device: str = "cpu") -> None:
     from trtpaged.manifest import read_manifest
     from trtpaged.models import load_step_model
     from trtpaged.models.all_reduce import RankReduce
-    from trtpaged.runtime.engines import TorchRunner
+    from trtpaged.runtime.runners import TorchRunner
     from trtpaged.runtime.tp import messages
     from trtpaged.runtime.tp.messages import Op
     from trtpaged.runtime.tp.rendezvous import make_groups, mark_ready, open_store

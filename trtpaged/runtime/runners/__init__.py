@@ -8,9 +8,9 @@ from typing import Optional
 import torch
 
 from trtpaged.manifest import Manifest
-from trtpaged.runtime.engines.base import ModelRunner, StepBatch
+from trtpaged.runtime.runners.base import ModelRunner, StepBatch
 from trtpaged.kv_budget import resolve_num_blocks
-from trtpaged.runtime.engines.torch_engine import TorchRunner
+from trtpaged.runtime.runners.torch_runner import TorchRunner
 
 BACKENDS = ("auto", "torch", "tensorrt")
 
@@ -104,7 +104,7 @@ def load_runner(
         why_not = tensorrt_unusable_reason(engine_dir, manifest) if on_cuda else f"device {device!r} is not CUDA"
         if why_not is not None:
             raise ValueError(f"backend: 'tensorrt' cannot run here: {why_not}; use 'torch' or 'auto'")
-        from trtpaged.runtime.engines.tensorrt_engine import TensorRTRunner
+        from trtpaged.runtime.runners.tensorrt_runner import TensorRTRunner
 
         return TensorRTRunner.from_engine_dir(engine_dir, num_blocks, device=device or "cuda",
                                               num_host_blocks=num_host_blocks)

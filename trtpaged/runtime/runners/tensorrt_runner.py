@@ -16,7 +16,7 @@ import torch
 
 from trtpaged.step_io import INPUT_NAMES
 from trtpaged.tensorrt_env import dims_tuple
-from trtpaged.runtime.engines.base import StepBatch
+from trtpaged.runtime.runners.base import StepBatch
 
 POOL_INPUT, POOL_OUTPUT, LOGITS = "kv_cache", "kv_cache_out", "logits"
 _STEP_INPUTS = tuple(name for name in INPUT_NAMES if name != POOL_INPUT)

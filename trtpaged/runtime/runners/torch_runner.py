@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from trtpaged.runtime.engines.base import StepBatch
+from trtpaged.runtime.runners.base import StepBatch
 
 log = logging.getLogger("trtpaged.runtime")
 
