@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kernel_cases import write_rows
+from test_kv_codec_paths import ISA_OF_PATH
 from trtpaged import kernels
 from trtpaged.kv_quant import STORAGE_DTYPES, pack_rows, quantize_rows
 
@@ -23,21 +24,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not kernels.available(), reas
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 KV_DTYPES = ["int8", "fp8_e4m3"]
-
-
-def _paths() -> dict[str, str]:
-    """Attention path -> the lowest instruction set that runs it on this CPU."""
-    found: dict[str, str] = {}
-    try:
-        for isa in kernels.CPU_ISAS:
-            try:
-                kernels.set_cpu_isa(isa)
-            except kernels.KernelError:
-                continue
-            found.setdefault(kernels.attention_cpu_path(), isa)
-    finally:
-        kernels.set_cpu_isa(None)
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +74,7 @@ def test_real_activations_every_path(smollm2, kv_dtype: str) -> None:
     block_size = 64
     blocks = -(-rows.shape[0] // block_size)
     try:
-        for path, isa in _paths().items():
+        for path, isa in ISA_OF_PATH.items():
             kernels.set_cpu_isa(isa)
             pool = torch.zeros(blocks, 1, 2, 1, block_size, dims.head_dim + 2, dtype=STORAGE_DTYPES[kv_dtype])
             write_rows(kernels, rows, pool)
@@ -111,7 +97,7 @@ def test_build_verification_passes_every_path(smollm2, kv_dtype: str, tmp_path: 
     export_onnx(step_model, 16, kv_dtype, onnx_path, weights)
     results = {}
     try:
-        for path, isa in _paths().items():
+        for path, isa in ISA_OF_PATH.items():
             kernels.set_cpu_isa(isa)
             results[path] = verify_onnx(onnx_path, hf_model, dims.vocab_size, 16, "float32", kv_dtype, step_model)
     finally:
