@@ -202,3 +202,15 @@ def test_failed_step_returns_every_block(tiny_engine_dir) -> None:
     # and the LLM keeps working
     out = llm.generate(["hello there"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("prompt, named", [([1, 2, 10**9], "token id 1000000000 is outside the vocabulary"),
+                                           ([-1], "token id -1 is outside"), ([1, "x"], "list of ints"),
+                                           ([True], "list of ints")])
+def test_token_id_prompts_outside_the_vocabulary_are_refused(llm, prompt, named):
+    from trtpaged.errors import RequestError
+
+    with pytest.raises(RequestError, match=named) as e:
+        llm.generate([prompt], SamplingParams(max_tokens=2))
+    assert e.value.field == "prompt"
+    assert llm.stats()["kv_blocks_used"] == 0

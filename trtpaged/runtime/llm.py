@@ -98,7 +98,7 @@ class LLM:
         runner = load_runner(self.engine_dir, self.manifest, num_blocks, backend, device, num_host_blocks,
                              self.manifest.tensor_parallel if tensor_parallel is None else tensor_parallel)
         eos = list(self.manifest.eos_token_ids) or ([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
-        self.engine = LLMEngine(runner, self.config, self.tokenizer, eos)
+        self.engine = LLMEngine(runner, self.config, self.tokenizer, eos, self.manifest.dims.vocab_size)
         # Everything loaded so far lives as long as the engine: moved out of the cyclic collector's
         # sight, so that the collections a serving loop triggers stop walking it (they were 3% of a
         # decode-bound benchmark's CPU time; vLLM's engine does the same).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import operator
 import time
 from typing import Any, Optional, Sequence as Seq, Union
 
@@ -40,7 +41,7 @@ class LLMEngine:
 
     def __init__(
         self, runner: ModelRunner, config: RuntimeConfig, tokenizer: Optional[Any] = None,
-        eos_token_ids: Seq[int] = (),
+        eos_token_ids: Seq[int] = (), vocab_size: Optional[int] = None,
     ) -> None:  # fmt: skip
         if runner.num_blocks != config.num_blocks:
             raise ValueError(f"num_blocks: runner pool has {runner.num_blocks} blocks, config says {config.num_blocks}")
@@ -48,6 +49,7 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer
         self.eos_token_ids = list(eos_token_ids)
+        self.vocab_size = vocab_size  # token-id prompts are checked against it when known
         self.kv = KVCacheManager(
             config.num_blocks, config.block_size, config.enable_prefix_caching, config.num_host_blocks
         )
@@ -67,7 +69,19 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise RequestError("prompt", "text prompts need a tokenizer; pass token ids")
             return prompt, list(self.tokenizer.encode(prompt))
-        return None, [int(t) for t in prompt]
+        ids = []
+        for t in prompt:
+            try:
+                if isinstance(t, bool):
+                    raise TypeError(t)
+                ids.append(operator.index(t))  # ints, numpy ints
+            except TypeError:
+                raise RequestError("prompt", "a token-id prompt must be a list of ints") from None
+        vocab = self.vocab_size
+        bad = next((t for t in ids if t < 0 or (vocab is not None and t >= vocab)), None)
+        if bad is not None:
+            raise RequestError("prompt", f"token id {bad} is outside the vocabulary [0, {vocab})", vocab)
+        return None, ids
 
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None) -> str:
         """Queues a request; raises `RequestError` (naming the field and limit) if it can never run."""
