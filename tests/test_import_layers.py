@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "trtpaged"
-CONTRACT = ("trtpaged.manifest", "trtpaged.kv_budget", "trtpaged.memory_plan", "trtpaged.step_io",
-            "trtpaged.tensorrt_env")
+CONTRACT = ("trtpaged.manifest", "trtpaged.kv_formats", "trtpaged.kv_budget", "trtpaged.memory_plan",
+            "trtpaged.step_io", "trtpaged.tensorrt_env")
 # layer -> packages its modules must not import
 FORBIDDEN = {
     "trtpaged.runtime": ("trtpaged.builder",),

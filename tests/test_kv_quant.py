@@ -379,3 +379,23 @@ def test_fp8_decoders_agree_with_torch_on_every_code(tmp_path) -> None:
             assert float(table) != float(table) and abs(float(half)) == 480.0
         else:
             assert float(table) == want and float(half) == want, (code, table, half, want)
+
+
+def test_the_kv_format_table_matches_the_c_abi_and_the_codec() -> None:
+    # trtpaged.kv_formats is the one table of KV formats: its C codes are the header's trtpaged_dtype
+    # values, its row sizes what the codec and the pool allocation produce
+    import re
+    from pathlib import Path
+
+    from trtpaged.kv_formats import KV_FORMATS
+
+    header = (Path(__file__).resolve().parent.parent / "plugins/include/trtpaged/trtpaged.h").read_text()
+    enum = {name.lower(): int(v) for name, v in re.findall(r"TRTPAGED_(\w+) = (\d+)", header)}
+    for name, fmt in KV_FORMATS.items():
+        assert enum[name] == fmt.abi_code, name
+        if fmt.quantized:
+            codes, scales = quantize_rows(torch.randn(3, 64), name)
+            assert pack_rows(codes, scales).shape[-1] == fmt.row_elements(64) == 64 + fmt.scale_bytes
+            assert fmt.row_bytes(64) == 66
+        else:
+            assert torch.empty(0, dtype=getattr(torch, name)).element_size() == fmt.element_bytes

@@ -151,7 +151,7 @@ def export_tiny_graphs(case: dict, out: Path, tie: bool = True) -> list[Path]:
     from trtpaged.builder.quantize import quantized_step_model
     from trtpaged.builder.weights import save_weights
     from trtpaged.config import parse_config
-    from trtpaged.manifest import QUANTIZED_KV_DTYPES
+    from trtpaged.kv_formats import QUANTIZED_KV_DTYPES
     from trtpaged.models import dims_from_hf_config, load_hf
     from trtpaged.models.loading import TORCH_DTYPES, step_model_from_hf
 

@@ -47,7 +47,8 @@ from typing import Any, Optional
 
 import yaml
 
-from trtpaged.manifest import DTYPE_BYTES, KV_DTYPES, KVCacheBudget, Limits
+from trtpaged.kv_formats import KV_DTYPES
+from trtpaged.manifest import DTYPE_BYTES, KVCacheBudget, Limits
 
 DTYPES = tuple(DTYPE_BYTES)
 BACKENDS = ("auto", "tensorrt", "torch")

@@ -16,15 +16,19 @@ from typing import Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
+from trtpaged.kv_formats import FLOAT_KV_DTYPES, KV_FORMATS, QUANTIZED_KV_DTYPES, SCALE_BYTES
+from trtpaged.kv_quant import STORAGE_DTYPES
+
 LIBRARY_NAME = "libtrtpaged_kernels.so"
 BUILD_HINT = (
     "build it with `pip install -e .` in the trtpaged checkout (or `cmake -S . -B build && cmake --build build`), "
     "or point TRTPAGED_KERNELS_LIB at libtrtpaged_kernels.so"
 )
 
-_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_DTYPE_CODES = {getattr(torch, name): KV_FORMATS[name].abi_code for name in FLOAT_KV_DTYPES}
 # Pool dtypes: the float ones, plus the quantized caches (trtpaged.kv_quant: rows of head_dim + 2 bytes).
-_KV_DTYPE_CODES = {**_DTYPE_CODES, torch.int8: 3, torch.float8_e4m3fn: 4}
+_KV_DTYPE_CODES = {**_DTYPE_CODES, **{STORAGE_DTYPES[name]: KV_FORMATS[name].abi_code for name in QUANTIZED_KV_DTYPES}}
+_QUANTIZED_POOL_DTYPES = tuple(STORAGE_DTYPES.values())
 _STATUS_NAMES = {1: "invalid argument", 2: "unsupported", 3: "CUDA error", 4: "not built"}
 
 Pairs = Union[torch.Tensor, Sequence[Sequence[int]]]
@@ -223,7 +227,7 @@ def _require(t: object, name: str, *, ndim: int, dtypes: Iterable[torch.dtype], 
 
 def _pool_head_dim(kv_cache: torch.Tensor) -> int:
     """head_dim of a pool: its last dimension, less the scale's bytes for a quantized pool."""
-    return kv_cache.shape[-1] - (2 if kv_cache.dtype in (torch.int8, torch.float8_e4m3fn) else 0)
+    return kv_cache.shape[-1] - (SCALE_BYTES if kv_cache.dtype in _QUANTIZED_POOL_DTYPES else 0)
 
 
 def _stream(device: torch.device) -> ctypes.c_void_p:

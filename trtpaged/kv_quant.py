@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import torch
 
-QUANTIZED_KV_DTYPES = ("int8", "fp8_e4m3")
-SCALE_BYTES = 2
+from trtpaged.kv_formats import QUANTIZED_KV_DTYPES, SCALE_BYTES, kv_format
 SCALE_DTYPE = torch.float16
 STORAGE_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 CODE_MAX = {"int8": 127.0, "fp8_e4m3": 448.0}
@@ -46,7 +45,7 @@ def pool_kv_dtype(pool: torch.Tensor) -> str | None:
 
 def row_width(head_dim: int, kv_dtype: str) -> int:
     """Elements in the last dimension of the pool: head_dim, plus the scale's bytes when quantized."""
-    return head_dim + SCALE_BYTES if is_quantized(kv_dtype) else head_dim
+    return kv_format(kv_dtype).row_elements(head_dim)
 
 
 def quantize_rows(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,15 +16,12 @@ from typing import Any, Optional
 
 import pydantic
 
+from trtpaged.kv_formats import FLOAT_KV_DTYPES, KV_DTYPES, KV_FORMATS, kv_format
+
 FORMAT_VERSION = 1
 MANIFEST_NAME = "trtpaged.json"
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-# KV cache dtypes: the float ones, and the quantized ones (1-byte codes plus an fp16 scale per
-# token row of each head, trtpaged.kv_quant)
-QUANTIZED_KV_DTYPES = ("int8", "fp8_e4m3")
-KV_DTYPES = tuple(DTYPE_BYTES) + QUANTIZED_KV_DTYPES
-KV_SCALE_BYTES = 2
+DTYPE_BYTES = {name: KV_FORMATS[name].element_bytes for name in FLOAT_KV_DTYPES}  # compute dtypes
 MAX_MANIFEST_BYTES = 16 << 20
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 MAX_KV_BLOCKS = 2**31 - 1  # block ids are int32 in the block tables
@@ -52,9 +49,7 @@ class EngineDirError(ValueError):
 
 def kv_row_bytes(head_dim: int, kv_cache_dtype: str) -> int:
     """Bytes of one token's K (or V) for one head: head_dim values, or head_dim codes and a scale."""
-    if kv_cache_dtype in QUANTIZED_KV_DTYPES:
-        return head_dim + KV_SCALE_BYTES
-    return head_dim * DTYPE_BYTES[kv_cache_dtype]
+    return kv_format(kv_cache_dtype).row_bytes(head_dim)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,8 @@ from trtpaged.builder.verify import unsupported_reason, verify_onnx
 from trtpaged.builder.weights import save_weights
 from trtpaged.config import BuildConfig, ConfigError
 from trtpaged.kernels import KernelError
-from trtpaged.manifest import QUANTIZED_KV_DTYPES, Manifest, ModelDims
+from trtpaged.kv_formats import QUANTIZED_KV_DTYPES
+from trtpaged.manifest import Manifest, ModelDims
 from trtpaged.models.tensor_parallel import check_tensor_parallel
 from trtpaged.kv_budget import machine_memory_bytes
 

@@ -7,7 +7,7 @@ from typing import Optional
 
 import click
 
-from trtpaged.manifest import KV_DTYPES
+from trtpaged.kv_formats import KV_DTYPES
 
 
 @click.group(name="bench")

@@ -60,7 +60,8 @@ class TorchRunner:
     ) -> "TorchRunner":
         """Loads the engine dir's weights into the step model and allocates the pool."""
         from trtpaged.models import load_step_model
-        from trtpaged.manifest import KV_DTYPES, read_manifest
+        from trtpaged.kv_formats import KV_DTYPES
+        from trtpaged.manifest import read_manifest
 
         kv_dtype = read_manifest(engine_dir).kv_cache_dtype
         model, manifest = load_step_model(engine_dir, device=device)
