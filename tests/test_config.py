@@ -75,7 +75,7 @@ def test_max_num_tokens_at_least_max_batch_size():
 @pytest.mark.parametrize("key,value,allowed", [
     ("dtype", "float64", "float32, float16, bfloat16"),
     ("kv_cache_dtype", "int4", "auto, float32, float16, bfloat16, int8, fp8_e4m3"),
-    ("backend", "onnxruntime", "auto, tensorrt, torch"),
+    ("backend", "onnxruntime", "auto, torch, tensorrt"),
 ])
 def test_choices(key, value, allowed):
     msg = _err({**TINY, key: value})

@@ -48,10 +48,9 @@ from typing import Any, Optional
 import yaml
 
 from trtpaged.kv_formats import KV_DTYPES
-from trtpaged.manifest import DTYPE_BYTES, KVCacheBudget, Limits
+from trtpaged.manifest import BACKENDS, DTYPE_BYTES, KVCacheBudget, Limits
 
 DTYPES = tuple(DTYPE_BYTES)
-BACKENDS = ("auto", "tensorrt", "torch")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 MODEL_SOURCES = ("hf_dir", "gguf", "package", "tiny")
 TOP_LEVEL_KEYS = (

@@ -21,6 +21,9 @@ from trtpaged.kv_formats import FLOAT_KV_DTYPES, KV_DTYPES, KV_FORMATS, kv_forma
 FORMAT_VERSION = 1
 MANIFEST_NAME = "trtpaged.json"
 
+# what runs an engine dir; "auto" (the default wherever a backend is chosen) takes TensorRT where its
+# plan, TensorRT, a GPU and the plugin exist, else torch
+BACKENDS = ("auto", "torch", "tensorrt")
 DTYPE_BYTES = {name: KV_FORMATS[name].element_bytes for name in FLOAT_KV_DTYPES}  # compute dtypes
 MAX_MANIFEST_BYTES = 16 << 20
 BLOCK_SIZES = (8, 16, 32, 64, 128)

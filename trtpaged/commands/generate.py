@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from trtpaged.manifest import BACKENDS
+
 # Figures `--stats` prints: the run's peaks and totals, then the pool as the run left it.
 _RUN_STATS = (
     "kv_blocks_used_peak", "kv_blocks_saved_by_sharing_peak", "num_steps", "num_tokens_computed",
@@ -22,7 +24,7 @@ _RUN_STATS = (
 @click.option("--seed", type=int, default=None, help="Seed of the request's own RNG (reproducible samples).")
 @click.option("--n", "n", type=int, default=1, show_default=True, help="Parallel samples (they share the prompt's KV).")
 @click.option("--beam-width", type=int, default=1, show_default=True, help="Beam search when > 1.")
-@click.option("--backend", type=click.Choice(["auto", "torch", "tensorrt"]), default="auto", show_default=True)
+@click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True)
 @click.option("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when present).")
 @click.option("--stats", "show_stats", is_flag=True, help="Print the run's KV-cache figures (peaks, sharing) at the end.")
 def command(engine, prompt, chat, max_tokens, temperature, top_p, seed, n, beam_width, backend, device, show_stats) -> None:

@@ -11,6 +11,7 @@ import threading
 import click
 
 from trtpaged.errors import FatalEngineError
+from trtpaged.manifest import BACKENDS
 
 
 @click.command(name="serve")
@@ -34,7 +35,7 @@ from trtpaged.errors import FatalEngineError
 @click.option("--max-seq-len", type=int, default=None, help="Prompt + output tokens per sequence (at most the build limit).")
 @click.option("--kv-blocks", type=click.IntRange(min=1), default=None,
               help="KV-cache blocks in the pool (default: the manifest's budget); refused beyond the device's free memory.")
-@click.option("--backend", type=click.Choice(["auto", "torch", "tensorrt"]), default="auto", show_default=True)
+@click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True)
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when present).")
 @click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=None,
               help="Ranks of an engine built with tensor_parallel: N (default: the engine's). Local processes; with "

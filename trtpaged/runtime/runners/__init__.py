@@ -7,12 +7,11 @@ from typing import Optional
 
 import torch
 
-from trtpaged.manifest import Manifest
+from trtpaged.manifest import BACKENDS, Manifest
 from trtpaged.runtime.runners.base import ModelRunner, StepBatch
 from trtpaged.kv_budget import resolve_num_blocks
 from trtpaged.runtime.runners.torch_runner import TorchRunner
 
-BACKENDS = ("auto", "torch", "tensorrt")
 
 __all__ = ["BACKENDS", "ModelRunner", "StepBatch", "TorchRunner", "available_devices", "default_device", "load_runner", "resolve_device", "resolve_num_blocks",
            "select_backend"]
