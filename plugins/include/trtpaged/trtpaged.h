@@ -6,7 +6,7 @@
  * - Every function returns a trtpaged_status; on failure a message naming the
  *   argument and the limit is available from trtpaged_last_error() (per thread).
  * - Tensors are dense, row-major, contiguous. Index tensors are int32.
- * - The KV pool is block-major (see DESIGN.md):
+ * - The KV pool is block-major (docs/architecture.md, "KV layout"):
  *     kv_cache[num_blocks][num_layers][2][num_kv_heads][block_size][head_dim]
  *   where index 0 of the "2" axis is K and 1 is V.
  * - Quantized KV cache (kv_dtype TRTPAGED_INT8 or TRTPAGED_FP8_E4M3): the pool is bytes,
