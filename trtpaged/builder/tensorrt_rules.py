@@ -107,7 +107,7 @@ _INT, _FLOAT, _STRING = onnx.AttributeProto.INT, onnx.AttributeProto.FLOAT, onnx
 # the fields each trtpaged plugin creator declares (plugins/src/tensorrt/fields.cpp, allreduce_plugin.cpp)
 PLUGIN_FIELDS: dict[str, dict[str, int]] = {
     ATTENTION_OP: {"num_heads": _INT, "num_kv_heads": _INT, "head_dim": _INT, "block_size": _INT, "layer": _INT,
-                   "scale": _FLOAT, "kv_dtype": _STRING},
+                   "scale": _FLOAT, "kv_dtype": _STRING, "sliding_window": _INT, "logit_softcap": _FLOAT},
     ALLREDUCE_OP: {"rank": _INT, "world_size": _INT},
 }
 # attribute types loadFields turns into plugin fields (onnxOpImporters.cpp line 6112)

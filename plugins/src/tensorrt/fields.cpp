@@ -1,6 +1,7 @@
 #include "tensorrt/fields.h"
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -19,6 +20,8 @@ constexpr char const* kIntFields[] = {"num_heads", "num_kv_heads", "head_dim", "
 constexpr char const* kScale = "scale";
 constexpr char const* kWorkspace = "workspace_bytes";  // optional: absent in the ONNX node
 constexpr char const* kKvDtype = "kv_dtype";           // optional string: auto (absent), int8, fp8_e4m3
+constexpr char const* kWindow = "sliding_window";      // optional int: 0 (absent) or the layer's window
+constexpr char const* kSoftcap = "logit_softcap";      // optional float: 0 (absent) or the score soft-cap
 
 int32_t* int_slot(AttentionFields& f, std::string const& name) {
   if (name == "num_heads") return &f.num_heads;
@@ -83,6 +86,9 @@ void validate(AttentionFields const& f) {
   if (!block_ok) throw field_error("block_size", "must be 8, 16, 32, 64 or 128, got " + std::to_string(f.block_size));
   if (f.layer < 0) throw field_error("layer", "must be >= 0, got " + std::to_string(f.layer));
   if (!std::isfinite(f.scale) || f.scale <= 0.F) throw field_error("scale", "must be a finite number > 0");
+  if (f.sliding_window < 0) throw field_error(kWindow, "must be >= 0 (0: none), got " + std::to_string(f.sliding_window));
+  if (!std::isfinite(f.logit_softcap) || f.logit_softcap < 0.F)
+    throw field_error(kSoftcap, "must be a finite number >= 0 (0: none)");
 }
 
 }  // namespace
@@ -116,6 +122,12 @@ AttentionFields parse_fields(PluginFieldCollection const* fc) {
       seen_scale = true;
     } else if (name == kKvDtype) {
       f.kv_format = parse_kv_format(read_string(field));
+    } else if (name == kWindow) {
+      int64_t const value = read_int(field);
+      if (value < 0 || value > INT32_MAX) throw field_error(name, "must be in [0, 2^31), got " + std::to_string(value));
+      f.sliding_window = static_cast<int32_t>(value);
+    } else if (name == kSoftcap) {
+      f.logit_softcap = static_cast<float>(read_float(field));
     } else if (name == kWorkspace) {
       f.workspace_bytes = read_int(field);
       if (f.workspace_bytes < 0) throw field_error(name, "must be >= 0");
@@ -143,6 +155,8 @@ PluginFieldCollection const* field_names() noexcept {
       PluginField(kIntFields[4], nullptr, PluginFieldType::kINT32, 1),
       PluginField(kScale, nullptr, PluginFieldType::kFLOAT32, 1),
       PluginField(kKvDtype, nullptr, PluginFieldType::kCHAR, 0),
+      PluginField(kWindow, nullptr, PluginFieldType::kINT32, 1),
+      PluginField(kSoftcap, nullptr, PluginFieldType::kFLOAT32, 1),
   };
   static PluginFieldCollection const collection{static_cast<int32_t>(sizeof(fields) / sizeof(fields[0])), fields};
   return &collection;
@@ -159,6 +173,8 @@ SerializedFields::SerializedFields(AttentionFields const& values)
       PluginField(kIntFields[4], &mValues.layer, i32, 1),
       PluginField(kScale, &mValues.scale, PluginFieldType::kFLOAT32, 1),
       PluginField(kKvDtype, mKvDtype.c_str(), PluginFieldType::kCHAR, static_cast<int32_t>(mKvDtype.size())),
+      PluginField(kWindow, &mValues.sliding_window, i32, 1),
+      PluginField(kSoftcap, &mValues.logit_softcap, PluginFieldType::kFLOAT32, 1),
   };
   if (mValues.workspace_bytes >= 0) {
     mFields.emplace_back(kWorkspace, &mValues.workspace_bytes, PluginFieldType::kINT64, 1);

@@ -34,6 +34,8 @@ struct AttentionFields {
   int32_t layer{0};
   float scale{0.F};
   KvFormat kv_format{KvFormat::kAuto};  // optional field kv_dtype (absent: auto)
+  int32_t sliding_window{0};  // optional field: the layer's sliding window (absent or 0: none)
+  float logit_softcap{0.F};   // optional field: attention score soft-cap (absent or 0: none)
   // Workspace bytes TensorRT reserves for every shape of the profile: not an ONNX
   // attribute, recorded at build (getWorkspaceSize) and serialized into the plan
   // so that enqueue checks each step's need against what TensorRT gives. -1: not known yet.
