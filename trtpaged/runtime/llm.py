@@ -49,7 +49,9 @@ class LLM:
 
     Limits default to the engine's build limits (manifest) and may be
     tightened: `max_num_tokens`, `max_batch_size`, `max_seq_len`; the KV pool
-    size defaults to the manifest's budget (`num_kv_blocks` overrides it).
+    size defaults to the manifest's budget (`num_kv_blocks` overrides it). For a model whose every layer
+    has a sliding window (Mistral-style), blocks wholly before a sequence's window go back to the pool as
+    it advances; `reclaim_windowed_blocks=False` keeps them (docs/families.md).
 
     `tensor_parallel=N` (default: the engine's) runs an engine built with
     `tensor_parallel: N` on N ranks: the other N-1 start here as processes (CPU: gloo over loopback;
@@ -76,6 +78,7 @@ class LLM:
         preemption_mode: str = "recompute",
         num_host_blocks: int = 0,
         tensor_parallel: Optional[int] = None,
+        reclaim_windowed_blocks: bool = True,
     ) -> None:
         device = resolve_device(device)
         path = Path(engine)
@@ -93,6 +96,8 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             preemption_mode=preemption_mode,
             num_host_blocks=num_host_blocks,
+            # a model whose every layer is windowed returns the blocks before each sequence's window
+            reclaim_window=self.manifest.dims.max_window if reclaim_windowed_blocks else 0,
         )
         self.tokenizer = load_tokenizer(self.engine_dir, self.manifest)
         runner = load_runner(self.engine_dir, self.manifest, num_blocks, backend, device, num_host_blocks,

@@ -161,6 +161,7 @@ class Scheduler:
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_tokens
             self.kv.cache_computed_blocks(item.seq)
+            self.kv.reclaim(item.seq)  # after caching: a block's chain parent is kept until it is cached
         for group in out.sampled_groups:
             result = samples[group.request_id]
             if isinstance(result, SampleFailure):
