@@ -28,7 +28,8 @@ FAMILIES = {
     "phi3-longrope": {"architecture": "Phi3ForCausalLM", "partial_rotary_factor": 0.75, "max_position_embeddings": 512,
                       "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0, 1.3, 1.7, 2.2, 3.1, 4.0],
                                        "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
-                                       "original_max_position_embeddings": 256}},
+                                       "original_max_position_embeddings": 256},
+                      "original_max_position_embeddings": 256},  # Phi3Config's own key wins over rope_scaling's
     "mistral-window": {"architecture": "MistralForCausalLM", "sliding_window": WINDOW},
     "qwen2-window": {"architecture": "Qwen2ForCausalLM", "sliding_window": WINDOW, "use_sliding_window": True,
                      "max_window_layers": 1},
@@ -53,7 +54,8 @@ def family(request):
 def test_dims_carry_what_makes_the_family(family):
     name, _, dims = family
     expected = {"qwen3": dims.qk_norm, "smollm3": dims.nope_layers == (1, 3),
-                "phi3": dims.partial_rotary_factor == 0.5, "phi3-longrope": dims.rope_scaling is not None,
+                "phi3": dims.partial_rotary_factor == 0.5,
+                "phi3-longrope": (dims.rope_scaling or {}).get("original_max_position_embeddings") == 256,
                 "mistral-window": dims.layer_windows == (WINDOW,) * 4,
                 "qwen2-window": dims.layer_windows == (0, WINDOW, WINDOW, WINDOW),
                 "gemma2": dims.attn_logit_softcap == 5.0 and dims.layer_windows == (WINDOW, 0, WINDOW, 0),
@@ -127,7 +129,7 @@ def test_numpy_node_reference_agrees_with_the_kernel_on_window_and_softcap():
 @pytest.mark.parametrize("overrides,key", [
     ({"architecture": "Qwen3ForCausalLM", "hidden_act": "relu"}, "hidden_act"),
     ({"architecture": "Phi3ForCausalLM", "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8,
-      "long_factor": [2.0] * 8, "original_max_position_embeddings": 64}}, "max_seq_len"),
+      "long_factor": [2.0] * 8}, "original_max_position_embeddings": 64}, "max_seq_len"),
 ])
 def test_unsupported_variants_are_refused_naming_the_key(overrides, key):
     from trtpaged.models.hf import _load_tiny

@@ -120,3 +120,34 @@ def test_reclaim_frees_shared_blocks_once_per_table_and_keeps_the_chain_parent()
     assert kv.pool.num_free == 16
     with pytest.raises(ValueError, match="reclaim_window"):
         KVCacheManager(4, 4, reclaim_window=-1)
+
+
+def test_memory_plan_shows_sequences_that_fit_with_and_without_reclamation():
+    from trtpaged.memory_plan import MemoryPlan
+
+    plan = MemoryPlan(bytes_per_token=1024, bytes_per_block=16384, block_size=16, max_seq_len=8192, max_batch_size=512,
+                      budget_rule="num_blocks 4096", num_blocks=4096, layer_windows=(1024,) * 4)
+    text = "\n".join(plan.lines(8192))
+    # 8192 tokens: 512 blocks each with the full table (8 fit); 1024 / 16 + 2 = 66 reclaimed (62 fit)
+    assert "62 reclaimed (66 blocks each) vs 8 with the full table (512 blocks each)" in text
+    interleaved = MemoryPlan(bytes_per_token=1024, bytes_per_block=16384, block_size=16, max_seq_len=8192,
+                             max_batch_size=512, budget_rule="num_blocks 4096", num_blocks=4096,
+                             layer_windows=(1024, 1024, 1024, 0))
+    text = "\n".join(interleaved.lines(8192))
+    # (3 * 66 + 512) / (4 * 512) = 34.7% of the full table: 23 sequences instead of 8, not taken
+    assert "would hold 35% of it at 8192 tokens: 23 sequences instead of 8 (not taken)" in text
+
+
+def test_bench_memory_window_comparison_on_a_long_output_trace():
+    from trtpaged.bench.memory_bench import Budget, format_window_table, run_window_comparison
+    from trtpaged.bench.workload import TraceRequest
+
+    trace = [TraceRequest(prompt_len=64, output_len=600, arrival=0) for _ in range(12)]
+    budget = Budget(num_blocks=160, block_size=16, max_seq_len=1024, max_batch_size=12, max_num_tokens=256)
+    rows = run_window_comparison(trace, budget, window=64)
+    full, reclaimed = rows
+    # full table: 42 blocks a sequence at the end, 3 fit, the rest preempted; reclaimed: 6 blocks each, all 12 run
+    assert reclaimed["preemptions"] == 0 < full["preemptions"]
+    assert reclaimed["mean_running"] > 11 > 2 * full["mean_running"]
+    assert reclaimed["steps"] < full["steps"]
+    assert "returned to the pool" in format_window_table(rows, 64)

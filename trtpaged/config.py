@@ -68,7 +68,7 @@ TINY_KEYS = (
     # the families' own keys (transformers' names; models/dims.py reads them)
     "sliding_window", "use_sliding_window", "max_window_layers", "layer_types", "sliding_window_pattern",
     "no_rope_layers", "no_rope_layer_interval", "query_pre_attn_scalar", "attn_logit_softcapping",
-    "final_logit_softcapping", "partial_rotary_factor", "hidden_activation",
+    "final_logit_softcapping", "partial_rotary_factor", "hidden_activation", "original_max_position_embeddings",
 )
 TINY_DEFAULTS: dict[str, Any] = {
     "architecture": "LlamaForCausalLM", "seed": 0, "vocab_size": 320, "hidden_size": 64,
@@ -95,6 +95,7 @@ TINY_INT_BOUNDS = {
     "head_dim": (1, 256), "max_position_embeddings": (1, 1 << 24),
     "sliding_window": (1, 1 << 24), "max_window_layers": (1, 64), "sliding_window_pattern": (1, 64),
     "no_rope_layer_interval": (1, 64), "query_pre_attn_scalar": (1, 1 << 16),
+    "original_max_position_embeddings": (1, 1 << 24),
 }
 TINY_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
 TINY_POSITIVE_FLOATS = {"rope_theta": 1e12, "rms_norm_eps": 1.0, "initializer_range": 10.0,  # (0, bound]

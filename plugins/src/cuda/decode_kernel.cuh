@@ -131,8 +131,8 @@ __global__ void __launch_bounds__(kDecodeMaxThreads, 2) decode_kernel(PagedArgs 
 #pragma unroll
         for (int o = kDecodeLanes / 2; o > 0; o /= 2) dot += __shfl_xor_sync(row_mask, dot, o);
         if constexpr (kQuant) dot *= row_scale<D>(reinterpret_cast<const uint8_t*>(key));
-        const int key = begin + it * T + c * 4 + i;
-        sc[i] = c * 4 + i < valid && key >= lo ? soft_cap(dot, a.softcap_log2) : -INFINITY;
+        const int key_pos = begin + it * T + c * 4 + i;
+        sc[i] = c * 4 + i < valid && key_pos >= lo ? soft_cap(dot, a.softcap_log2) : -INFINITY;
       }
       const float m_new = fmaxf(m, fmaxf(fmaxf(sc[0], sc[1]), fmaxf(sc[2], sc[3])));
       if (m_new == -INFINITY) continue;  // same value on every lane of the row
