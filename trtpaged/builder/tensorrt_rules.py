@@ -107,9 +107,11 @@ _INT, _FLOAT, _STRING = onnx.AttributeProto.INT, onnx.AttributeProto.FLOAT, onnx
 # the fields each trtpaged plugin creator declares (plugins/src/tensorrt/fields.cpp, allreduce_plugin.cpp)
 PLUGIN_FIELDS: dict[str, dict[str, int]] = {
     ATTENTION_OP: {"num_heads": _INT, "num_kv_heads": _INT, "head_dim": _INT, "block_size": _INT, "layer": _INT,
-                   "scale": _FLOAT, "kv_dtype": _STRING, "sliding_window": _INT, "logit_softcap": _FLOAT},
+                   "scale": _FLOAT, "kv_dtype": _STRING},
     ALLREDUCE_OP: {"rank": _INT, "world_size": _INT},
 }
+# fields a creator reads when present and defaults when absent (a graph exported before they existed)
+OPTIONAL_PLUGIN_FIELDS: dict[str, dict[str, int]] = {ATTENTION_OP: {"sliding_window": _INT, "logit_softcap": _FLOAT}}
 # attribute types loadFields turns into plugin fields (onnxOpImporters.cpp line 6112)
 PLUGIN_ATTRIBUTE_TYPES = frozenset({_INT, _FLOAT, _STRING, onnx.AttributeProto.INTS, onnx.AttributeProto.FLOATS,
                                     onnx.AttributeProto.STRINGS, onnx.AttributeProto.TENSOR})
@@ -236,8 +238,9 @@ def _check_plugin(node: onnx.NodeProto, where: str) -> Iterable[Violation]:
         if kind not in PLUGIN_ATTRIBUTE_TYPES:
             kind_name = onnx.AttributeProto.AttributeType.Name(kind)
             yield Violation("plugin-fields", where, f"attribute {name} of type {kind_name} is no plugin field")
-    for name, kind in PLUGIN_FIELDS[node.op_type].items():
-        if attributes.get(name) != kind:
+    optional = OPTIONAL_PLUGIN_FIELDS.get(node.op_type, {})
+    for name, kind in {**PLUGIN_FIELDS[node.op_type], **optional}.items():
+        if attributes.get(name) != kind and not (name in optional and name not in attributes):
             got = "missing" if name not in attributes else onnx.AttributeProto.AttributeType.Name(attributes[name])
             yield Violation("plugin-fields", where, f"field {name}: attribute {got}, the creator wants "
                                                     f"{onnx.AttributeProto.AttributeType.Name(kind)}")
