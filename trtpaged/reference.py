@@ -88,8 +88,9 @@ def paged_attention_reference(
         length = int(context_lens[s])
         first = max(0, int(positions[lo:hi].min()) - sliding_window + 1) if sliding_window > 0 else 0
         # blocks wholly before every query's window may have been returned to the pool: never read them
-        offset = first // kv_cache.shape[4] * kv_cache.shape[4]
-        keys, values = gather_kv_reference(kv_cache, block_tables[s, offset // kv_cache.shape[4]:], length - offset, layer)
+        block_size = kv_cache.shape[4]
+        offset = first // block_size * block_size
+        keys, values = gather_kv_reference(kv_cache, block_tables[s, offset // block_size:], length - offset, layer)
         keys = keys.double().repeat_interleave(group, dim=1)  # [L, H, D]
         values = values.double().repeat_interleave(group, dim=1)
         scores = torch.einsum("thd,lhd->htl", q[lo:hi].double(), keys) * scale

@@ -40,7 +40,8 @@ def hf_state_dict(hf_model: Any, dims: ModelDims) -> dict[str, torch.Tensor]:
     q/k/v and gate/up stacked into the fused modules."""
     hf = {}
     for name, tensor in hf_model.state_dict().items():
-        if "rotary_emb" in name or name.endswith("embed_scale") or (dims.tie_word_embeddings and name == "lm_head.weight"):
+        tied_head = dims.tie_word_embeddings and name == "lm_head.weight"
+        if "rotary_emb" in name or name.endswith("embed_scale") or tied_head:
             continue
         hf[name.removeprefix("model.")] = tensor
     for module, parts in hf_module_names(dims).items():

@@ -108,7 +108,10 @@ std::vector<Task> plan_tasks(const trtpaged_attention_params& p, int32_t window,
     for (int32_t q0 = query_start[s]; q0 < query_start[s + 1]; q0 += kQueryChunk) {
       const int32_t q1 = std::min(q0 + kQueryChunk, query_start[s + 1]);
       int32_t max_pos = 0, min_pos = positions[q0];
-      for (int32_t t = q0; t < q1; ++t) max_pos = std::max(max_pos, positions[t]), min_pos = std::min(min_pos, positions[t]);
+      for (int32_t t = q0; t < q1; ++t) {
+        max_pos = std::max(max_pos, positions[t]);
+        min_pos = std::min(min_pos, positions[t]);
+      }
       // a sliding window skips the whole blocks before the first key any query of the chunk reads
       const int32_t first_key = window > 0 ? std::max(0, min_pos - window + 1) : 0;
       const int32_t first = first_key / p.block_size * p.block_size;
@@ -177,8 +180,8 @@ const float* as_float(const T* src, int64_t rows, int64_t d, float* buf) {
 // `partials` rows of head_dim + 2 floats.
 template <typename IO, typename KV>
 void run_task(const Task& task, const trtpaged_attention_params& p, const trtpaged_attention_options& opt,
-              const PoolLayout& pool, const IO* q, const KV* cache, const int32_t* positions, const int32_t* block_tables, IO* out, float* partials,
-              Scratch& sc) {
+              const PoolLayout& pool, const IO* q, const KV* cache, const int32_t* positions,
+              const int32_t* block_tables, IO* out, float* partials, Scratch& sc) {
   const int32_t group = p.num_heads / p.num_kv_heads;
   const int64_t d = p.head_dim, bs = p.block_size;
   // Tiles are whole blocks when blocks are small, and slices of a block when blocks are
@@ -368,8 +371,9 @@ void paged_attention(const trtpaged_attention_params& p, const trtpaged_attentio
 }
 
 template <typename IO>
-void dispatch_kv(const trtpaged_attention_params& p, const trtpaged_attention_options& opt, const void* q, const void* k, const void* v, void* cache,
-                 const int32_t* positions, const int32_t* query_start, const int32_t* block_tables, void* out) {
+void dispatch_kv(const trtpaged_attention_params& p, const trtpaged_attention_options& opt, const void* q,
+                 const void* k, const void* v, void* cache, const int32_t* positions, const int32_t* query_start,
+                 const int32_t* block_tables, void* out) {
   const IO* qi = static_cast<const IO*>(q);
   const IO* ki = static_cast<const IO*>(k);
   const IO* vi = static_cast<const IO*>(v);
@@ -380,11 +384,14 @@ void dispatch_kv(const trtpaged_attention_params& p, const trtpaged_attention_op
     case TRTPAGED_FLOAT16:
       return paged_attention(p, opt, qi, ki, vi, static_cast<half_t*>(cache), positions, query_start, block_tables, oi);
     case TRTPAGED_BFLOAT16:
-      return paged_attention(p, opt, qi, ki, vi, static_cast<bfloat_t*>(cache), positions, query_start, block_tables, oi);
+      return paged_attention(p, opt, qi, ki, vi, static_cast<bfloat_t*>(cache), positions, query_start, block_tables,
+                             oi);
     case TRTPAGED_INT8:
-      return paged_attention(p, opt, qi, ki, vi, static_cast<int8_code*>(cache), positions, query_start, block_tables, oi);
+      return paged_attention(p, opt, qi, ki, vi, static_cast<int8_code*>(cache), positions, query_start, block_tables,
+                             oi);
     case TRTPAGED_FP8_E4M3:
-      return paged_attention(p, opt, qi, ki, vi, static_cast<fp8_code*>(cache), positions, query_start, block_tables, oi);
+      return paged_attention(p, opt, qi, ki, vi, static_cast<fp8_code*>(cache), positions, query_start, block_tables,
+                             oi);
   }
 }
 
@@ -392,11 +399,14 @@ inline void run_paged_attention(const AttentionCall& c) {
   const trtpaged_attention_params& p = *c.params;
   switch (p.io_dtype) {
     case TRTPAGED_FLOAT32:
-      return dispatch_kv<float>(p, c.options, c.q, c.k, c.v, c.kv_cache, c.positions, c.query_start, c.block_tables, c.out);
+      return dispatch_kv<float>(p, c.options, c.q, c.k, c.v, c.kv_cache, c.positions, c.query_start, c.block_tables,
+                                c.out);
     case TRTPAGED_FLOAT16:
-      return dispatch_kv<half_t>(p, c.options, c.q, c.k, c.v, c.kv_cache, c.positions, c.query_start, c.block_tables, c.out);
+      return dispatch_kv<half_t>(p, c.options, c.q, c.k, c.v, c.kv_cache, c.positions, c.query_start, c.block_tables,
+                                 c.out);
     case TRTPAGED_BFLOAT16:
-      return dispatch_kv<bfloat_t>(p, c.options, c.q, c.k, c.v, c.kv_cache, c.positions, c.query_start, c.block_tables, c.out);
+      return dispatch_kv<bfloat_t>(p, c.options, c.q, c.k, c.v, c.kv_cache, c.positions, c.query_start,
+                                   c.block_tables, c.out);
     default:  // validate_attention_params allows only the float dtypes for io
       return;
   }

@@ -101,9 +101,10 @@ __global__ void __launch_bounds__(kDecodeMaxThreads, 2) decode_kernel(PagedArgs 
   const int lo = query_kv_first(a.positions[token], a.window);
   const int first_tile = lo > begin ? min(num_tiles, (lo - begin) / T) : 0;
 
-  if (num_tiles > first_tile)
-    load_tile<KvT, D, T>(a, block_row, kv_head, begin + first_tile * T, end, stage_base + (first_tile & 1) * kStageElems,
-                         stage_base + (first_tile & 1) * kStageElems + T * R);
+  if (num_tiles > first_tile) {
+    KvT* first_stage = stage_base + (first_tile & 1) * kStageElems;
+    load_tile<KvT, D, T>(a, block_row, kv_head, begin + first_tile * T, end, first_stage, first_stage + T * R);
+  }
   cp_async_commit();
   for (int it = first_tile; it < num_tiles; ++it) {
     if (it + 1 < num_tiles) {

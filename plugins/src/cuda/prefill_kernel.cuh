@@ -150,9 +150,10 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_kernel(PagedArgs a, P
   const int num_tiles = (kv_end + TK - 1) / TK;
   const int first_tile = min(num_tiles, s_kv_begin / TK);  // tiles before every row's window are not read
 
-  if (num_tiles > first_tile)
-    load_tile<KvT, D, TK>(a, block_row, kv_head, first_tile * TK, kv_end, stage_base + (first_tile & 1) * kStageElems,
-                          stage_base + (first_tile & 1) * kStageElems + TK * R);
+  if (num_tiles > first_tile) {
+    KvT* first_stage = stage_base + (first_tile & 1) * kStageElems;
+    load_tile<KvT, D, TK>(a, block_row, kv_head, first_tile * TK, kv_end, first_stage, first_stage + TK * R);
+  }
   cp_async_commit();
   for (int it = first_tile; it < num_tiles; ++it) {
     if (it + 1 < num_tiles) {

@@ -86,7 +86,8 @@ void validate(AttentionFields const& f) {
   if (!block_ok) throw field_error("block_size", "must be 8, 16, 32, 64 or 128, got " + std::to_string(f.block_size));
   if (f.layer < 0) throw field_error("layer", "must be >= 0, got " + std::to_string(f.layer));
   if (!std::isfinite(f.scale) || f.scale <= 0.F) throw field_error("scale", "must be a finite number > 0");
-  if (f.sliding_window < 0) throw field_error(kWindow, "must be >= 0 (0: none), got " + std::to_string(f.sliding_window));
+  if (f.sliding_window < 0)
+    throw field_error(kWindow, "must be >= 0 (0: none), got " + std::to_string(f.sliding_window));
   if (!std::isfinite(f.logit_softcap) || f.logit_softcap < 0.F)
     throw field_error(kSoftcap, "must be a finite number >= 0 (0: none)");
 }
