@@ -19,6 +19,7 @@ _LLAMA_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM")  # 
 _REFUSED_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 SUPPORTED_ARCHITECTURES = tuple(MODEL_TYPES)
 ARCHITECTURES_BY_MODEL_TYPE = {model_type: arch for arch, model_type in MODEL_TYPES.items()}
+ARCHITECTURES_BY_MODEL_TYPE["gemma3"] = "Gemma3ForCausalLM"  # a Gemma 3 GGUF's general.architecture
 HEAD_DIM_MULTIPLE, MAX_HEAD_DIM = 16, 256  # what the CPU attention kernel implements
 # What the CUDA kernels (and so TensorRT engines) implement: plugins/src/cuda/head_dims.h.
 # A model with another head_dim builds and runs with the torch backend on CPU only.
