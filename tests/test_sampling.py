@@ -11,7 +11,7 @@ from trtpaged.errors import RequestError
 from trtpaged.runtime.beam_search import BeamSearch
 from trtpaged.runtime.detokenizer import IncrementalDetokenizer
 from trtpaged.runtime.output_processor import find_stop_string
-from trtpaged.runtime.sampler import SampleRow, apply_penalties, filter_logits, make_generator, sample
+from trtpaged.runtime.sampler import SampleRow, apply_penalties, filter_logits, greedy_kernel, make_generator, sample
 from trtpaged.runtime.sampling_params import SamplingParams
 
 
@@ -140,7 +140,7 @@ def test_plain_greedy_batch_takes_the_one_pass_path_with_the_same_result():
     logits = torch.randn(5, 3000, generator=torch.Generator().manual_seed(3)) * 3
     logits[1, 10] = logits[1, 20] = logits[1].max() + 1  # a tie: the first index
     order = [3, 1, 4, 1]
-    samples = sample(logits, [row(i, SamplingParams(temperature=0.0)) for i in order])
+    samples = sample(logits, [row(i, SamplingParams(temperature=0.0)) for i in order], greedy_kernel())
     reference = torch.log_softmax(logits.double(), dim=1)
     for s, i in zip(samples, order):
         assert s.token_id == int(logits[i].argmax())
@@ -316,8 +316,8 @@ def test_a_non_finite_row_gets_no_token_and_the_others_are_unchanged(poison):
         subset = [r for i, r in enumerate(rows()) if i in pick]
         if only_greedy:
             subset = [row(r.logits_row, SamplingParams(temperature=0.0)) for r in subset]
-            clean_subset = sample(logits, subset)
-        got = sample(bad, subset)
+            clean_subset = sample(logits, subset, greedy_kernel())
+        got = sample(bad, subset, only_greedy and greedy_kernel())
         for r, s, c in zip(subset, got, clean_subset if only_greedy else clean):
             assert (s is None) == (r.logits_row == 2), (poison, only_greedy, r.logits_row, s)
             if s is not None:
