@@ -39,6 +39,44 @@ class ScheduledSeq:
     sample: bool  # its logits are needed (the group samples after this step)
 
 
+def check_request(c: RuntimeConfig, num_prompt_tokens: int, params: SamplingParams) -> None:
+    """Refuses a request that can never run under `c`: a `RequestError` naming the field and the limit.
+
+    The one place request limits are checked: the scheduler calls it for every request it queues, the
+    server for every prompt of a request before any of them is queued.
+    """
+    if num_prompt_tokens < 1:
+        raise RequestError("prompt", "must have at least one token", 1)
+    if num_prompt_tokens >= c.max_seq_len:
+        room = "reaches" if num_prompt_tokens == c.max_seq_len else "exceeds"
+        raise RequestError(
+            "prompt",
+            f"{num_prompt_tokens} tokens {room} max_seq_len ({c.max_seq_len}), leaving no room for a generated "
+            f"token (prompt + output must fit in max_seq_len; at most {c.max_seq_len - 1} prompt tokens)",
+            c.max_seq_len - 1,
+        )
+    blocks = -(-num_prompt_tokens // c.block_size)
+    if blocks > c.num_blocks:
+        raise RequestError(
+            "prompt",
+            f"{num_prompt_tokens} tokens need {blocks} KV blocks, more than the whole pool "
+            f"(num_blocks {c.num_blocks}, block_size {c.block_size})",
+            c.num_blocks * c.block_size,
+        )
+    room = c.max_seq_len - num_prompt_tokens
+    if params.max_tokens is not None and params.max_tokens > room:
+        raise RequestError(
+            "max_tokens",
+            f"{num_prompt_tokens} prompt tokens + {params.max_tokens} requested exceeds max_seq_len "
+            f"({c.max_seq_len}); at most {room} here",
+            room,
+        )
+    if params.num_seqs > c.max_batch_size:
+        name = "beam_width" if params.use_beam_search else "n"
+        raise RequestError(name, f"{params.num_seqs} sequences exceeds max_batch_size ({c.max_batch_size})",
+                           c.max_batch_size)
+
+
 @dataclass
 class SchedulerOutput:
     """One step's plan. Block moves run in this order before the forward: swap out, swap in, copies."""
@@ -104,38 +142,8 @@ class Scheduler:
         return next(self._seq_ids)
 
     def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        """Refuses a request that can never run: a `RequestError` naming the field and the limit."""
-        c = self.config
-        if num_prompt_tokens < 1:
-            raise RequestError("prompt", "must have at least one token", 1)
-        if num_prompt_tokens >= c.max_seq_len:
-            room = "reaches" if num_prompt_tokens == c.max_seq_len else "exceeds"
-            raise RequestError(
-                "prompt",
-                f"{num_prompt_tokens} tokens {room} max_seq_len ({c.max_seq_len}), leaving no room for a generated "
-                f"token (prompt + output must fit in max_seq_len; at most {c.max_seq_len - 1} prompt tokens)",
-                c.max_seq_len - 1,
-            )
-        blocks = -(-num_prompt_tokens // c.block_size)
-        if blocks > c.num_blocks:
-            raise RequestError(
-                "prompt",
-                f"{num_prompt_tokens} tokens need {blocks} KV blocks, more than the whole pool "
-                f"(num_blocks {c.num_blocks}, block_size {c.block_size})",
-                c.num_blocks * c.block_size,
-            )
-        room = c.max_seq_len - num_prompt_tokens
-        if params.max_tokens is not None and params.max_tokens > room:
-            raise RequestError(
-                "max_tokens",
-                f"{num_prompt_tokens} prompt tokens + {params.max_tokens} requested exceeds max_seq_len "
-                f"({c.max_seq_len}); at most {room} here",
-                room,
-            )
-        if params.num_seqs > c.max_batch_size:
-            name = "beam_width" if params.use_beam_search else "n"
-            raise RequestError(name, f"{params.num_seqs} sequences exceeds max_batch_size ({c.max_batch_size})",
-                               c.max_batch_size)
+        """Refuses a request that can never run (`check_request`, on this scheduler's config)."""
+        check_request(self.config, num_prompt_tokens, params)
 
     def add(self, group: SequenceGroup) -> None:
         """Queues a request after `check_request`."""
