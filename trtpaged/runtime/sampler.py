@@ -22,19 +22,11 @@ import torch
 
 from trtpaged.runtime.sampling_params import SamplingParams
 
-if TYPE_CHECKING:  # sequence.py imports make_generator from here
+if TYPE_CHECKING:
     from trtpaged.runtime.sequence import SequenceGroup
 
-_SEED_STRIDE = 0x9E3779B1
 log = logging.getLogger("trtpaged.runtime")
 NON_FINITE = "its logits were not finite (NaN or inf), from the model or after its penalties"
-
-
-def make_generator(seed: Optional[int], index: int) -> Optional[torch.Generator]:
-    """A private RNG for output `index` of a seeded request: reproducible whatever else is batched."""
-    if seed is None:
-        return None
-    return torch.Generator().manual_seed((seed + index * _SEED_STRIDE) % (2**63))
 
 
 @dataclass(frozen=True)

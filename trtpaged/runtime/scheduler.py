@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional, Sequence as Seq, Union
 
 from trtpaged.errors import RequestError
-from trtpaged.runtime.beam_search import BeamCandidate
+from trtpaged.runtime.beam_search import BeamStep
 from trtpaged.runtime.kv_cache_manager import AllocationPlan, AllocRequest, KVCacheManager
 from trtpaged.runtime.runtime_config import RuntimeConfig
 from trtpaged.runtime.sampler import Sample, SampleFailure
@@ -25,7 +25,7 @@ from trtpaged.runtime.sequence import Sequence, SequenceGroup, SequenceStatus
 
 # What one group's step produced: a token per sample (index order before the first fork,
 # then `group.seqs` order), the beams to keep, or why it could not be sampled.
-GroupSamples = Union[Seq[Sample], Seq[BeamCandidate], SampleFailure]
+GroupSamples = Union[Seq[Sample], BeamStep, SampleFailure]
 
 
 @dataclass(frozen=True)
@@ -182,9 +182,11 @@ class Scheduler:
             if not group.seqs:
                 self._finish_group(group)
 
-    def finish_stopped(self, stopped: Iterable[tuple[SequenceGroup, Sequence, str]]) -> None:
-        """Sequences whose text reached a stop string (found by the output processor) finish here."""
-        for group, seq, stop in stopped:
+    def finish_stopped(self, stopped: Iterable[tuple[SequenceGroup, Sequence, str, int]]) -> None:
+        """Sequences whose text reached a stop string (found by the output processor) finish here, their
+        text cut where the processor says (before the stop string, or after it when it is kept)."""
+        for group, seq, stop, keep in stopped:
+            seq.output_text = seq.output_text[:keep]
             seq.finish("stop", stop)
             if seq in group.seqs:
                 self._free(group, seq)
@@ -215,10 +217,12 @@ class Scheduler:
             return "length", None
         return None
 
-    def _advance_beams(self, group: SequenceGroup, keep: Seq[BeamCandidate]) -> None:
+    def _advance_beams(self, group: SequenceGroup, decision: BeamStep) -> None:
         beams = list(group.seqs)
         assert group.beam is not None
-        if group.beam.done:
+        group.beam.apply(decision)
+        keep = decision.running
+        if decision.done:
             for beam in beams:
                 self.kv.free(beam)
             group.seqs.clear()
