@@ -20,6 +20,7 @@ from trtpaged.kernels._library import (
     library,
 )
 
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,

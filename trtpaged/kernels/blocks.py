@@ -11,6 +11,7 @@ from trtpaged.kernels._library import _check, _ptr, _stream, library
 
 Pairs = Union[torch.Tensor, Sequence[Sequence[int]]]
 
+
 def _pairs_array(pairs: Pairs, name: str = "pairs") -> torch.Tensor:
     """Block pairs as a contiguous host int32 tensor [n, 2]."""
     t = pairs if isinstance(pairs, torch.Tensor) else torch.tensor(list(pairs), dtype=torch.int64).reshape(-1, 2)

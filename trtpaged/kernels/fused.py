@@ -13,6 +13,7 @@ import torch
 
 from trtpaged.kernels._library import _check, _dense_f32, library
 
+
 def has_fused_ops() -> bool:
     """True when the library has the fused CPU ops (rmsnorm, rope_qk, silu_mul)."""
     return hasattr(library(), "trtpaged_rmsnorm_cpu")

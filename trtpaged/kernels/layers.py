@@ -10,6 +10,7 @@ from trtpaged.kernels._library import _DTYPE_CODES, _LlamaLayer, _QLinearWeight,
 from trtpaged.kernels.attention import AttentionStep
 from trtpaged.kernels.qlinear import QLinearOp
 
+
 def has_llama_layers() -> bool:
     """True when the library has trtpaged_llama_layers_cpu (a step's decoder layers in one call)."""
     return hasattr(library(), "trtpaged_llama_layers_cpu")

@@ -11,6 +11,7 @@ import torch
 
 from trtpaged.kernels._library import _check, _require, library
 
+
 def qlinear_packed_bytes(bits: int, n: int, k: int, group_size: int) -> int:
     """Bytes of the kernel's packed form of an [n, k] weight."""
     size = ctypes.c_size_t()
