@@ -23,8 +23,9 @@ def build(build_dir: Path, *options: str) -> Path:
     done = subprocess.run(configure, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "C runtime library ON" in done.stdout, "CMake skipped the C runtime:\n" + done.stdout
-    done = subprocess.run(["cmake", "--build", str(build_dir), "-j2", "--target", "trtpaged_runtime", "trtpaged_generate"],
-                          capture_output=True, text=True, timeout=1800)
+    targets = ["--target", "trtpaged_runtime", "trtpaged_generate"]
+    done = subprocess.run(["cmake", "--build", str(build_dir), "-j2", *targets], capture_output=True, text=True,
+                          timeout=1800)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     return build_dir
 

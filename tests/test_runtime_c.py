@@ -27,7 +27,7 @@ BATCH = {"num_kv_blocks": 8, "max_num_tokens": 48}
 
 @pytest.fixture(scope="session")
 def build_dir() -> Path:
-    return build(REPO / "build" / "c-runtime")
+    return build(REPO / "build" / "tests" / "c-runtime")  # not build/*/: kernels.py looks there
 
 
 @pytest.fixture(scope="session")
@@ -250,25 +250,39 @@ def test_example_matches_python_smollm2_int4(build_dir, lib, smollm2_int4_engine
     prompts = [llm_tokenizer.encode(t) for t in texts]
     prompts.insert(2, prompts[1][:-2] + llm_tokenizer.encode(" a young girl"))  # shares the fisherman's prefix
     assert example_alone(build_dir, engine, prompts[:2], 12) == python_alone(engine, prompts[:2], 12)
-    want, py_stats = python_greedy(engine, prompts, 12, num_kv_blocks=6, max_num_tokens=24)
-    run = generate(build_dir, engine, prompts, "--max-tokens", "12", "--ignore-eos", "--stats", "--num-kv-blocks",
-                   "6", "--max-num-tokens", "24")
+    # 16 tokens each in a pool of 4 blocks: two requests are preempted (and recomputed) along the way
+    small = {"num_kv_blocks": 4, "max_num_tokens": 24, "max_batch_size": 8}
+    want, py_stats = python_greedy(engine, prompts, 16, **small)
+    run = generate(build_dir, engine, prompts, "--max-tokens", "16", "--ignore-eos", "--stats",
+                   *[arg for k, v in small.items() for arg in (f"--{k.replace('_', '-')}", str(v))])
     assert run.returncode == 0, run.stderr
     tokens, _, stats = parse_outputs(run.stdout)
     assert [tokens[i] for i in range(len(prompts))] == want
     assert stats["preemptions"] == py_stats["num_preemptions"] >= 1 and stats["prefix_hits_tokens"] >= 16
-    with CRuntime(lib, engine, num_kv_blocks=6, max_num_tokens=24) as rt:
+    with CRuntime(lib, engine, **small) as rt:
         assert rt.info.quantized == 1 and rt.info.one_call_layers == 1
-        assert rt.generate(prompts, 12) == want
+        assert rt.generate(prompts, 16) == want
 
 
 @pytest.mark.slow
 def test_asan_build_has_no_leak_or_invalid_access(tiny_engine_dir):
     """The runtime and example built with AddressSanitizer (LeakSanitizer included) over the smoke script:
     batch with a shared prefix and a preemption, and the refused inputs."""
-    asan = build(REPO / "build" / "c-runtime-asan", "-DTRTPAGED_SANITIZE=ON", "-DCMAKE_BUILD_TYPE=RelWithDebInfo")
+    asan = build(REPO / "build" / "tests" / "c-runtime-asan", "-DTRTPAGED_SANITIZE=ON",
+                 "-DCMAKE_BUILD_TYPE=Release")
     env = {**os.environ, "ASAN_OPTIONS": "detect_leaks=1:abort_on_error=0:exitcode=99"}
     run = subprocess.run(["bash", str(REPO / "examples" / "cpp" / "smoke_test.sh"), str(asan), str(tiny_engine_dir)],
                          capture_output=True, text=True, timeout=900, env=env)
     assert run.returncode == 0 and "smoke test passed" in run.stdout, run.stdout + run.stderr
     assert "AddressSanitizer" not in run.stderr and "LeakSanitizer" not in run.stderr
+
+
+def test_runtime_library_exports_only_its_c_api(build_dir):
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("nm not installed")
+    out = subprocess.run([nm, "-D", "--defined-only", str(build_dir / "libtrtpaged_runtime.so")], capture_output=True,
+                         text=True, check=True).stdout
+    names = {line.split()[-1] for line in out.splitlines() if line.strip()}
+    assert {"trtpaged_runtime_open", "trtpaged_request_add", "trtpaged_runtime_step"} <= names
+    assert all(name.startswith("trtpaged_") for name in names), names

@@ -95,7 +95,8 @@ class Fields {
     const json* v = get(name, required);
     if (!v) return fallback;
     if (!v->is_number_integer()) bad(name, "got " + show(*v) + "; expected an integer");
-    if (v->is_number_unsigned() && v->get<uint64_t>() > uint64_t(INT64_MAX)) bad(name, "got " + show(*v) + "; too large");
+    if (v->is_number_unsigned() && v->get<uint64_t>() > uint64_t(INT64_MAX))
+      bad(name, "got " + show(*v) + "; too large");
     int64_t x = v->get<int64_t>();
     if (x < low || x > high)
       bad(name, "got " + std::to_string(x) + "; expected " + std::to_string(low) + " to " + std::to_string(high));
@@ -277,7 +278,8 @@ Manifest read_manifest(const std::string& root) {
   m.o_proj_bias = dims.boolean("o_proj_bias", false);
   m.mlp_bias = dims.boolean("mlp_bias", false);
   if (m.num_heads % m.num_kv_heads)
-    dims.bad("num_kv_heads", std::to_string(m.num_kv_heads) + " does not divide num_heads " + std::to_string(m.num_heads));
+    dims.bad("num_kv_heads",
+             std::to_string(m.num_kv_heads) + " does not divide num_heads " + std::to_string(m.num_heads));
   read_rope_scaling(top.object("dims").value("rope_scaling", json()), m, where);
 
   Fields limits(top.object("limits"), "limits.", where);
@@ -352,7 +354,9 @@ Manifest read_manifest(const std::string& root) {
 }
 
 std::map<std::string, TensorEntry> read_safetensors_header(const std::string& path, const std::string& field) {
-  auto bad = [&](const std::string& message) { invalid(path + ": " + field + ": not a valid safetensors file: " + message); };
+  auto bad = [&](const std::string& message) {
+    invalid(path + ": " + field + ": not a valid safetensors file: " + message);
+  };
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode))
     raise(TRTPAGED_ERR_IO, path + ": " + field + ": missing or not a regular file; rebuild the engine");

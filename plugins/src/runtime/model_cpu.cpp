@@ -46,8 +46,8 @@ class WeightFile {
                                     "rebuild the engine");
     const TensorEntry& e = it->second;
     if (e.dtype != dtype || e.shape != shape)
-      invalid(path_ + ": " + name + ": " + e.dtype + " " + dims(e.shape) + " in the weights, the manifest's dims need " +
-              dtype + " " + dims(shape));
+      invalid(path_ + ": " + name + ": " + e.dtype + " " + dims(e.shape) +
+              " in the weights, the manifest's dims need " + dtype + " " + dims(shape));
     used_.insert(name);
     std::vector<T> out;
     try {
@@ -302,7 +302,8 @@ void CpuModel::layers_fused(float* stream, float* last, const trtpaged_attention
       check_kernel(trtpaged_rmsnorm_cpu(stream, nullptr, l.input_norm.data(), eps_, rows, h, x_.data(), nullptr),
                    "rmsnorm");
     else
-      check_kernel(trtpaged_rmsnorm_cpu(last, stream, l.input_norm.data(), eps_, rows, h, x_.data(), stream), "rmsnorm");
+      check_kernel(trtpaged_rmsnorm_cpu(last, stream, l.input_norm.data(), eps_, rows, h, x_.data(), stream),
+                   "rmsnorm");
     l.qkv.run(x_.data(), rows, qkv_.data());
     check_kernel(trtpaged_rope_qk_cpu(qkv_.data(), rows, int32_t(m_.num_heads), int32_t(m_.num_kv_heads),
                                       int32_t(m_.head_dim), cos_.data(), sin_.data(), q_.data(), k_.data(), v_.data()),

@@ -145,8 +145,8 @@ void check_step(const trtpaged_runtime& rt, const trtpaged_step_inputs& s, size_
     const int32_t a = s.query_start[q], b = s.query_start[q + 1], len = s.context_lens[q];
     if (b < a) invalid("inputs.query_start[" + std::to_string(q + 1) + "]: decreases");
     if (len < 1 || len > l.max_seq_len)
-      invalid("inputs.context_lens[" + std::to_string(q) + "]: got " + std::to_string(len) + "; expected 1 to max_seq_len " +
-              std::to_string(l.max_seq_len));
+      invalid("inputs.context_lens[" + std::to_string(q) + "]: got " + std::to_string(len) +
+              "; expected 1 to max_seq_len " + std::to_string(l.max_seq_len));
     const int32_t used = (len + l.block_size - 1) / l.block_size;
     if (used > s.max_blocks_per_seq)
       invalid("inputs.context_lens[" + std::to_string(q) + "]: " + std::to_string(len) + " tokens need " +
@@ -154,8 +154,8 @@ void check_step(const trtpaged_runtime& rt, const trtpaged_step_inputs& s, size_
     for (int32_t j = 0; j < used; ++j) {
       const int32_t id = s.block_tables[int64_t(q) * s.max_blocks_per_seq + j];
       if (id < 0 || id >= rt.num_blocks)
-        invalid("inputs.block_tables[" + std::to_string(q) + "][" + std::to_string(j) + "]: block " + std::to_string(id) +
-                " is outside the pool [0, " + std::to_string(rt.num_blocks) + ")");
+        invalid("inputs.block_tables[" + std::to_string(q) + "][" + std::to_string(j) + "]: block " +
+                std::to_string(id) + " is outside the pool [0, " + std::to_string(rt.num_blocks) + ")");
     }
     for (int32_t t = a; t < b; ++t)
       if (s.positions[t] < 0 || s.positions[t] >= len)
@@ -203,7 +203,8 @@ int32_t run_requests_step(trtpaged_runtime& rt) {
       width = std::max(width, tables.back().size());
     }
     rt.tables.assign(tables.size() * width, 0);
-    for (size_t i = 0; i < tables.size(); ++i) std::copy(tables[i].begin(), tables[i].end(), rt.tables.begin() + long(i * width));
+    for (size_t i = 0; i < tables.size(); ++i)
+      std::copy(tables[i].begin(), tables[i].end(), rt.tables.begin() + long(i * width));
     // logits rows in the order of out.sampled (the scheduled order of sampling requests)
     std::map<const Request*, int32_t> row_of;
     for (size_t i = 0; i < out.scheduled.size(); ++i)
@@ -229,7 +230,10 @@ int32_t run_requests_step(trtpaged_runtime& rt) {
     rt.scheduler->update(out, tokens, failed);
   } catch (...) {  // the step's requests end here (their blocks return to the pool); the error propagates
     for (const Scheduled& s : out.scheduled)
-      if (s.request->status != Status::kFinished) rt.scheduler->abort(s.request), s.request->finish_reason = TRTPAGED_FINISH_ERROR;
+      if (s.request->status != Status::kFinished) {
+        rt.scheduler->abort(s.request);
+        s.request->finish_reason = TRTPAGED_FINISH_ERROR;
+      }
     throw;
   }
   ++rt.num_steps;
@@ -291,7 +295,8 @@ TRTPAGED_API trtpaged_status trtpaged_runtime_open(const char* engine_dir, const
     const Manifest& m = rt->manifest;
     const std::string where = root + "/trtpaged.json: ";
     if (!std::count(m.backends.begin(), m.backends.end(), "torch"))
-      raise(TRTPAGED_ERR_UNSUPPORTED, where + "backends: the engine has no CPU (torch) form; the C runtime runs only that");
+      raise(TRTPAGED_ERR_UNSUPPORTED,
+            where + "backends: the engine has no CPU (torch) form; the C runtime runs only that");
     if (m.architecture != "LlamaForCausalLM" && m.architecture != "MistralForCausalLM" &&
         m.architecture != "Qwen2ForCausalLM")
       raise(TRTPAGED_ERR_UNSUPPORTED, where + "dims.architecture: " + m.architecture +
@@ -325,7 +330,8 @@ TRTPAGED_API trtpaged_status trtpaged_runtime_open(const char* engine_dir, const
     rt->model = std::make_unique<CpuModel>(m, weights);  // checks the header before reading any tensor
     void* pool = std::calloc(size_t(blocks), size_t(rt->block_bytes));
     if (!pool)
-      raise(TRTPAGED_ERR_OUT_OF_MEMORY, std::string(field) + ": cannot allocate " + std::to_string(blocks) + " KV blocks");
+      raise(TRTPAGED_ERR_OUT_OF_MEMORY,
+            std::string(field) + ": cannot allocate " + std::to_string(blocks) + " KV blocks");
     rt->pool.reset(static_cast<unsigned char*>(pool));
     std::vector<int32_t> eos(m.eos_token_ids.begin(), m.eos_token_ids.end());
     rt->scheduler = std::make_unique<Scheduler>(rt->limits, rt->num_blocks, o.enable_prefix_caching != 0, eos);

@@ -29,7 +29,8 @@ int32_t sample_row(const float* row, int64_t vocab, const SampleParams& p, std::
   if (!std::isfinite(top)) return -1;
   std::vector<int32_t> order(static_cast<size_t>(vocab));
   std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return scaled[size_t(a)] > scaled[size_t(b)]; });
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int32_t a, int32_t b) { return scaled[size_t(a)] > scaled[size_t(b)]; });
   size_t keep = size_t(vocab);
   if (p.top_k > 0 && p.top_k < vocab) {
     const float kth = scaled[size_t(order[size_t(p.top_k - 1)])];

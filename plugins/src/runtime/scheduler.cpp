@@ -227,8 +227,8 @@ std::vector<Block*> Scheduler::find_cached_prefix(const Request* r) const {
 bool Scheduler::plan(Request* r, int32_t tokens_left, int32_t seqs_left, Plan* out) {
   out->request = r;
   out->hits = find_cached_prefix(r);
-  const int32_t remaining = out->hits.empty() ? int32_t(r->tokens.size()) - r->num_computed
-                                              : int32_t(r->tokens.size() - out->hits.size() * size_t(limits_.block_size));
+  const int32_t cached = int32_t(out->hits.size()) * limits_.block_size;
+  const int32_t remaining = int32_t(r->tokens.size()) - (out->hits.empty() ? r->num_computed : cached);
   if (seqs_left < 1 || tokens_left <= 0) return false;
   if (remaining <= tokens_left) {
     out->num_tokens = remaining;
@@ -389,7 +389,8 @@ void Scheduler::cache_computed_blocks(Request* r) {
   }
 }
 
-void Scheduler::update(const SchedulerOutput& out, const std::vector<int32_t>& tokens, const std::vector<bool>& failed) {
+void Scheduler::update(const SchedulerOutput& out, const std::vector<int32_t>& tokens,
+                       const std::vector<bool>& failed) {
   for (const Scheduled& s : out.scheduled) {
     s.request->num_computed += s.num_tokens;
     cache_computed_blocks(s.request);
