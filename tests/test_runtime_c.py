@@ -265,14 +265,14 @@ def test_example_matches_python_smollm2_int4(build_dir, lib, smollm2_int4_engine
 
 
 @pytest.mark.slow
-def test_asan_build_has_no_leak_or_invalid_access(tiny_engine_dir):
-    """The runtime and example built with AddressSanitizer (LeakSanitizer included) over the smoke script:
-    batch with a shared prefix and a preemption, and the refused inputs."""
-    asan = build(REPO / "build" / "tests" / "c-runtime-asan", "-DTRTPAGED_SANITIZE=ON",
-                 "-DCMAKE_BUILD_TYPE=Release")
+def test_asan_build_has_no_leak_or_invalid_access(build_dir, tiny_engine_dir):
+    """The runtime and example built with AddressSanitizer (LeakSanitizer included: it sees the whole process)
+    over the smoke script: a batch with a shared prefix and a preemption, repeated runs and the refused inputs."""
+    build(build_dir, "trtpaged_runtime_asan", "trtpaged_generate_asan")
     env = {**os.environ, "ASAN_OPTIONS": "detect_leaks=1:abort_on_error=0:exitcode=99"}
-    run = subprocess.run(["bash", str(REPO / "examples" / "cpp" / "smoke_test.sh"), str(asan), str(tiny_engine_dir)],
-                         capture_output=True, text=True, timeout=900, env=env)
+    run = subprocess.run(["bash", str(REPO / "examples" / "cpp" / "smoke_test.sh"), str(build_dir),
+                          str(tiny_engine_dir), "trtpaged_generate_asan"], capture_output=True, text=True,
+                         timeout=900, env=env)
     assert run.returncode == 0 and "smoke test passed" in run.stdout, run.stdout + run.stderr
     assert "AddressSanitizer" not in run.stderr and "LeakSanitizer" not in run.stderr
 

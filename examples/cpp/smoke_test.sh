@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Python-free smoke test of the C runtime's example: smoke_test.sh BUILD_DIR ENGINE_DIR
-# (BUILD_DIR: a CMake build holding trtpaged_generate; ENGINE_DIR: a tiny engine, e.g. examples/tiny.yaml's).
+# Python-free smoke test of the C runtime's example: smoke_test.sh BUILD_DIR ENGINE_DIR [PROGRAM]
+# (BUILD_DIR: a CMake build holding PROGRAM, default trtpaged_generate, or trtpaged_generate_asan;
+# ENGINE_DIR: a tiny engine, e.g. examples/tiny.yaml's).
 # Checks a batch with a shared prefix and a preemption, determinism, and that bad inputs fail naming the argument.
 set -uo pipefail
-gen="$1/trtpaged_generate"
+gen="$1/${3:-trtpaged_generate}"
 engine="$2"
 fail() { echo "smoke test FAILED: $*" >&2; exit 1; }
 ids() { local out="" i; for i in $(seq "$2" "$3"); do out+="$(( (i * $1 + 3) % 300 + 5 )),"; done; echo "${out%,}"; }
