@@ -286,3 +286,25 @@ def test_runtime_library_exports_only_its_c_api(build_dir):
     names = {line.split()[-1] for line in out.splitlines() if line.strip()}
     assert {"trtpaged_runtime_open", "trtpaged_request_add", "trtpaged_runtime_step"} <= names
     assert all(name.startswith("trtpaged_") for name in names), names
+
+
+def test_sampling_is_seeded_per_request(lib, tiny_engine_dir):
+    """top_k 1 is greedy whatever the temperature; a seeded request draws the same tokens alone and batched with
+    others (its own generator), and another seed draws other tokens."""
+    with CRuntime(lib, tiny_engine_dir) as rt:
+        (greedy,) = rt.generate([PROMPTS[2]], 16)
+        rid = rt.add(PROMPTS[2], 16, temperature=1.5, top_k=1)
+        while rt.run_step():
+            pass
+        assert rt.read(rid) == (greedy, "length")
+        seeded = dict(temperature=1.0, top_p=0.95, has_seed=1, seed=1234)
+        alone = rt.add(PROMPTS[3], 16, **seeded)
+        while rt.run_step():
+            pass
+        first, _ = rt.read(alone)
+        batched = [rt.add(PROMPTS[0], 16, temperature=1.0), rt.add(PROMPTS[3], 16, **seeded),
+                   rt.add(PROMPTS[3], 16, **{**seeded, "seed": 99})]
+        while rt.run_step():
+            pass
+        _, again, other = [rt.read(r)[0] for r in batched]
+        assert again == first and other != first
