@@ -308,3 +308,17 @@ def test_sampling_is_seeded_per_request(lib, tiny_engine_dir):
             pass
         _, again, other = [rt.read(r)[0] for r in batched]
         assert again == first and other != first
+
+
+def test_int8_kv_cache_matches_python(build_dir, tmp_path):
+    """A quantized KV pool (int8 rows with their fp16 scales inside the blocks): the same tokens as Python."""
+    import yaml
+
+    from conftest import EXAMPLES, build_from_dict
+
+    config = yaml.safe_load((EXAMPLES / "tiny.yaml").read_text())
+    config.pop("output")
+    engine = build_from_dict({**config, "kv_cache_dtype": "int8"}, tmp_path / "tiny-int8kv")
+    want, _ = python_greedy(engine, PROMPTS, 12, **BATCH)
+    got, stats = example_batch(build_dir, engine, PROMPTS, 12)
+    assert got == want and stats["preemptions"] >= 1
