@@ -27,7 +27,7 @@ BATCH = {"num_kv_blocks": 8, "max_num_tokens": 48}
 
 @pytest.fixture(scope="session")
 def build_dir() -> Path:
-    return build(REPO / "build" / "tests" / "c-runtime")  # not build/*/: kernels.py looks there
+    return build(REPO / "build" / "tests" / "c-runtime")  # not build/*/, where the kernel loader looks
 
 
 @pytest.fixture(scope="session")
