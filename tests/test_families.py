@@ -6,6 +6,8 @@ prefix-cache hits."""
 
 from __future__ import annotations
 
+import json
+
 import onnx
 import pytest
 import torch
@@ -109,6 +111,14 @@ def test_built_engine_is_verified_and_carries_the_window(tmp_path, name):
     dims = dims_from_hf_config(load_hf(config.model).config)
     assert [a["sliding_window"] for a in attrs] == [dims.window_of(i) for i in range(dims.num_layers)]
     assert all(a["logit_softcap"] == dims.attn_logit_softcap for a in attrs)
+    # the manifest carries only the family fields away from Llama's defaults (a Llama engine's has none)
+    from trtpaged.manifest import FAMILY_FIELDS
+
+    written = json.loads((tmp_path / name / "trtpaged.json").read_text())["dims"]
+    expected = {"gemma3": {"layer_windows", "qk_norm", "hidden_act", "gemma_norms", "embed_scale", "attention_scale",
+                           "local_rope_theta"},
+                "qwen2-window": {"layer_windows"}, "smollm3": {"nope_layers"}}[name]
+    assert set(written) & set(FAMILY_FIELDS) == expected
 
 
 def test_numpy_node_reference_agrees_with_the_kernel_on_window_and_softcap():

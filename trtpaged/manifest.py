@@ -104,6 +104,11 @@ class ModelDims:
         return 2 * self.num_layers * self.num_kv_heads * kv_row_bytes(self.head_dim, kv_cache_dtype)
 
 
+# the fields beyond Llama's (written to trtpaged.json only where they differ from their default)
+FAMILY_FIELDS = ("layer_windows", "nope_layers", "qk_norm", "partial_rotary_factor", "hidden_act", "gemma_norms",
+                 "embed_scale", "attention_scale", "attn_logit_softcap", "final_logit_softcap", "local_rope_theta")
+
+
 @dataclass(frozen=True)
 class Limits:
     """Build-time limits (TensorRT-LLM's names)."""
@@ -186,6 +191,12 @@ class Manifest:
 
     def to_json(self) -> str:
         data = asdict(self)
+        # a family field at its Llama default is left out: a Llama engine's manifest is what it was before the
+        # families existed (readers that know only Llama's fields, such as the C runtime, still read it)
+        defaults = ModelDims.__dataclass_fields__
+        for name in FAMILY_FIELDS:
+            if data["dims"][name] == defaults[name].default or data["dims"][name] == ():
+                del data["dims"][name]
         data["kv_bytes_per_token"] = self.kv_bytes_per_token
         data["kv_bytes_per_block"] = self.kv_bytes_per_block
         data["kv_bytes_per_token_per_rank"] = self.kv_bytes_per_token_per_rank
