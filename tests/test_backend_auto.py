@@ -108,6 +108,22 @@ def test_auto_compiles_a_requantized_graph_whose_accuracy_holds(tensorrt_present
     assert graph["agreement_away_from_ties"] >= 0.95
     assert any("TensorRT graph: layers.0.self_attn.qkv_proj: int8 group 32 -> int8 per channel" in l for l in lines)
     assert not [line for line in lines if line.startswith("warning:")]
+    # the compile stage runs here, so the TensorRT graph (tensorrt.graph: auto) is written
+    assert result.manifest.tensorrt["graph_written"] and (tmp_path / "eng" / "model-tensorrt.safetensors").is_file()
+
+
+def test_auto_writes_no_tensorrt_graph_where_compile_will_not_run(tensorrt_present, tmp_path, monkeypatch):
+    """TensorRT present, but the kv_cache_dtype has no TensorRT kernel: no compile, so no graph file either."""
+    from trtpaged.builder import compile as trt_compile
+
+    fake, calls = tensorrt_present
+    monkeypatch.setattr(trt_compile, "TENSORRT_KV_DTYPES", ("float16",))
+    lines: list[str] = []
+    result = _build_verified(_tiny("auto", **INT8_GROUP32), tmp_path / "eng", lines)
+    assert calls == [] and result.manifest.backends == ["torch"] and not result.manifest.tensorrt["graph_written"]
+    assert not (tmp_path / "eng" / "model-tensorrt.safetensors").exists()
+    assert "tensorrt_graph" not in result.manifest.verification["accuracy"]
+    assert len([line for line in lines if line.startswith("warning:")]) == 1
 
 
 def test_a_graph_too_inaccurate_is_not_compiled_by_auto_and_fails_tensorrt(tensorrt_present, tmp_path, monkeypatch):
