@@ -21,7 +21,7 @@ import torch
 from trtpaged import __version__
 from trtpaged import tensorrt_env
 from trtpaged.builder import compile as trt_compile
-from trtpaged.builder import tensorrt_graph
+from trtpaged.builder import onnx_pool, tensorrt_graph
 from trtpaged.builder.engine_dir import OutputDirError, check_output, file_hashes, staged_output, write_manifest
 from trtpaged.builder.export import export_onnx
 from trtpaged.builder.accuracy import AccuracyError, graph_accuracy_reason, measure_accuracy, measure_graph_accuracy
@@ -216,6 +216,11 @@ def build_engine(
                     raise BuildError(str(e)) from None
                 verification["kv_cache"] = kv_report.as_dict()
                 st.note(kv_report.line())
+        if not no_graph:  # tensorrt.kv_pool / quantized_pool: the pool's form in the graph, after verification
+            for files in shards:
+                for line in onnx_pool.apply_pool_form(tmp / files["onnx_file"], config.tensorrt.kv_pool,
+                                                      config.tensorrt.quantized_pool, dims.num_layers):
+                    progress.echo(f"export   {files['onnx_file']}: {line}")
         plan_built = False
         compile_blocker = planned_blocker
         if graph_blocker and not compile_blocker:
