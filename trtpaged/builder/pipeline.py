@@ -4,7 +4,10 @@
     load     transformers loads config, weights and tokenizer (float32)
     patch    trtpaged's step model built from the HF config and weights
     export   weights.safetensors + model.onnx (external data pointing into the safetensors);
-             tensor_parallel N > 1: weights-rankR.safetensors + model-rankR.onnx per rank
+             tensor_parallel N > 1: weights-rankR.safetensors + model-rankR.onnx per rank. A quantized
+             model's graph (TensorRT's weight forms, model-tensorrt.safetensors) only where compile runs
+             or with tensorrt.graph: always; the pool's form (tensorrt.kv_pool, quantized_pool) is
+             applied to the graph after verify (builder/onnx_pool.py)
     verify   the ONNX graph on CPU vs HF's forward over two chained steps (the rank graphs jointly)
     compile  engine.plan with TensorRT (skipped where TensorRT or the plugin is missing)
     write    tokenizer, manifest with sha256 of every file, atomic rename into place
