@@ -455,12 +455,19 @@ def _check_rope_scaling(spec: Any, fail) -> None:
             raise fail(where, f"got {value}; expected a finite number")
 
 
-def _parse_quantization(spec: Any, fail) -> QuantizationConfig:
+def _section(spec: Any, key: str, keys: tuple[str, ...], example: str, fail) -> bool:
+    """True when the optional mapping `key` is given (its keys checked); False when absent."""
     if spec is None:
-        return QuantizationConfig()
+        return False
     if not isinstance(spec, dict):
-        raise fail("quantization", f"got {_show(spec)}; expected a mapping like {{weights: int4, group_size: 32}}")
-    _check_keys(spec, QUANT_KEYS, "quantization.", fail)
+        raise fail(key, f"got {_show(spec)}; expected a mapping like {example}")
+    _check_keys(spec, keys, f"{key}.", fail)
+    return True
+
+
+def _parse_quantization(spec: Any, fail) -> QuantizationConfig:
+    if not _section(spec, "quantization", QUANT_KEYS, "{weights: int4, group_size: 32}", fail):
+        return QuantizationConfig()
     weights = _choice(spec, "weights", WEIGHT_SCHEMES, "none", fail, "quantization.")
     lm_head = _choice(spec, "lm_head", ("int8", "none"), "int8", fail, "quantization.")
     activations = _choice(spec, "activations", ("float", "int8"), "float", fail, "quantization.")
@@ -474,11 +481,8 @@ def _parse_quantization(spec: Any, fail) -> QuantizationConfig:
 
 
 def _parse_tensorrt(spec: Any, fail) -> TensorRTOptions:
-    if spec is None:
+    if not _section(spec, "tensorrt", TENSORRT_KEYS, "{kv_pool: address}", fail):
         return TensorRTOptions()
-    if not isinstance(spec, dict):
-        raise fail("tensorrt", f"got {_show(spec)}; expected a mapping like {{kv_pool: address}}")
-    _check_keys(spec, TENSORRT_KEYS, "tensorrt.", fail)
     return TensorRTOptions(
         graph=_choice(spec, "graph", TENSORRT_GRAPHS, "auto", fail, "tensorrt."),
         kv_pool=_choice(spec, "kv_pool", KV_POOLS, "aliased", fail, "tensorrt."),
