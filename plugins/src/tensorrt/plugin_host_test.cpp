@@ -129,8 +129,8 @@ void check_kv_dtype_field(PagedAttentionCreator& creator) {
     in[8] = in[0];  // out: q's type
     in[9] = in[3];  // kv_cache_out: the pool's
     check(plugin->supportsFormatCombination(3, in, 8, 2), "a quantized plugin takes an int8 pool");
-    in[3].desc.type = DataType::kHALF;
-    check(!plugin->supportsFormatCombination(3, in, 8, 2), "a quantized plugin refuses an fp16 pool");
+    in[3].desc.type = DataType::kBF16;  // fp16 is the bytes as pairs (tensorrt.quantized_pool); bf16 is not
+    check(!plugin->supportsFormatCombination(3, in, 8, 2), "a quantized plugin refuses a bf16 pool");
     profile(in, 66, DataType::kINT8);
     check(plugin->configurePlugin(in, 8, out, 2) == 0, "int8 pool with rows of head_dim + 2");
     check(plugin->getWorkspaceSize(in, 8, out, 2) > 0, "a quantized long-context profile needs a decode workspace");
