@@ -289,3 +289,24 @@ def test_smollm2_int4_engine_matches_hf_gguf_model(smollm2_int4_engine_dir):
                                 max_new_tokens=48, min_new_tokens=48, do_sample=False)[0, len(ids):].tolist()
     out = llm.generate([ids], SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))[0]
     assert out.outputs[0].token_ids == ref
+
+
+def test_inspect_shows_the_weight_bytes_on_a_cuda_gpu(tiny_int8_engine):
+    """`trtpaged inspect` names what the torch backend holds on a CUDA GPU, counted from the weights' header."""
+    from click.testing import CliRunner
+
+    from trtpaged.cli import main
+    from trtpaged.engine_files import read_safetensors_header
+    from trtpaged.manifest import read_manifest
+    from trtpaged.memory_plan import format_bytes
+    from trtpaged.models.loading import quant_plan
+    from trtpaged.models.qlinear_cuda import cuda_weight_bytes
+
+    r = CliRunner().invoke(main, ["inspect", str(tiny_int8_engine)])
+    assert r.exit_code == 0, r.output
+    m = read_manifest(tiny_int8_engine)
+    header = read_safetensors_header(tiny_int8_engine / m.weights_file)
+    want = cuda_weight_bytes(header, quant_plan(tiny_int8_engine, m))
+    assert f"weights on a CUDA GPU (torch backend, still quantized): {format_bytes(want)}" in r.output
+    assert want == (tiny_int8_engine / m.weights_file).stat().st_size - 8 - int.from_bytes(
+        (tiny_int8_engine / m.weights_file).read_bytes()[:8], "little")  # int8: every tensor as stored
