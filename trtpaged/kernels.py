@@ -142,10 +142,11 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn.restype = ctypes.c_int
     lib.trtpaged_cpu_isa.restype = ctypes.c_char_p
     lib.trtpaged_cpu_isa.argtypes = []
-    attention_path = getattr(lib, "trtpaged_attention_cpu_path", None)  # an older library lacks it
-    if attention_path is not None:
-        attention_path.restype = ctypes.c_char_p
-        attention_path.argtypes = []
+    for name in ("trtpaged_attention_cpu_path", "trtpaged_best_cpu_isa"):
+        fn = getattr(lib, name, None)  # an older library lacks them
+        if fn is not None:
+            fn.restype = ctypes.c_char_p
+            fn.argtypes = []
     fused_signatures = {
         "trtpaged_rmsnorm_cpu": [vp, vp, vp, ctypes.c_float, i64, i64, vp, vp],
         "trtpaged_rope_qk_cpu": [vp, i64, i32, i32, i32, vp, vp, vp, vp, vp],
@@ -447,6 +448,24 @@ def cpu_isa() -> str:
 # cpu_isa runs: AVX-VNNI adds nothing the attention uses.
 ATTENTION_CPU_PATHS = ("scalar", "avx2", "avx512")
 ATTENTION_PATH_OF_ISA = {"scalar": "scalar", "avx2": "avx2", "avxvnni": "avx2", "avx512vnni": "avx512"}
+
+
+def best_cpu_isa() -> Optional[str]:
+    """The best instruction set this CPU supports (what cpu_isa() is unless TRTPAGED_CPU_ISA or
+    set_cpu_isa forces a lower one); None with a library that predates the query."""
+    fn = getattr(library(), "trtpaged_best_cpu_isa", None)
+    return fn().decode() if fn is not None else None
+
+
+def describe_cpu_isa() -> str:
+    """One line for reports: the ISA the CPU kernels run, and whether it is forced below the CPU's best,
+    e.g. "avx2 (forced by TRTPAGED_CPU_ISA=avx2; this CPU's best: avx512vnni)"."""
+    isa, best = cpu_isa(), best_cpu_isa()
+    if best is None or isa == best:
+        return f"{isa} (auto: the best this CPU has)" if best else isa
+    env = os.environ.get("TRTPAGED_CPU_ISA")
+    how = f"forced by TRTPAGED_CPU_ISA={env}" if env == isa else "forced by set_cpu_isa"
+    return f"{isa} ({how}; this CPU's best: {best})"
 
 
 def attention_cpu_path() -> str:
