@@ -12,6 +12,7 @@ import resource
 
 import pytest
 
+from tests.conftest import TINY_KV4
 from trtpaged.runtime.runtime_config import RuntimeConfig
 from trtpaged.runtime.warmup import warmup_batch, warmup_shape
 
@@ -19,11 +20,10 @@ from trtpaged.runtime.warmup import warmup_batch, warmup_shape
 # LM-head packing are on the path; dims large enough that a max_num_tokens step's buffers are
 # thousands of pages.
 QUANTIZED_TINY = {
-    "model": {"tiny": {"architecture": "LlamaForCausalLM", "seed": 5, "vocab_size": 512, "hidden_size": 256,
-                       "intermediate_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 4,
-                       "num_key_value_heads": 2, "max_position_embeddings": 1024}},
-    "dtype": "float32", "max_batch_size": 8, "max_num_tokens": 1024, "max_seq_len": 512, "block_size": 16,
-    "kv_cache": {"num_blocks": 160}, "backend": "torch",
+    **TINY_KV4,
+    "model": {"tiny": {**TINY_KV4["model"]["tiny"], "seed": 5, "vocab_size": 512, "hidden_size": 256,
+                       "intermediate_size": 1024, "num_attention_heads": 4, "num_key_value_heads": 2}},
+    "max_num_tokens": 1024, "kv_cache": {"num_blocks": 160},
     "quantization": {"weights": "int4", "group_size": 32, "lm_head": "int8", "activations": "float"},
 }
 
