@@ -263,9 +263,12 @@ def serve_ratio(engine, repeats, max_tokens, concurrency, server_args, as_json) 
               help="Extra row: a second engine dir on the same requests (e.g. fp32 vs quantized).")
 @click.option("--profile", is_flag=True, help="Also: where a decode step's time goes (phases, and model ops at batch 1 and 16).")
 @click.option("--seed", default=0, show_default=True)
+@click.option("--rounds", default=1, show_default=True,
+              help="trtpaged runs the workload this many times in one process, each round on fresh prompts of the "
+                   "same shapes, and prints each round's wall: the first batch after loading vs the next.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def throughput(engine, trace, num_requests, baseline, hf_batch_size, no_prefix_caching_row, engine2, profile, seed,
-               as_json) -> None:  # fmt: skip
+               rounds, as_json) -> None:  # fmt: skip
     """End-to-end throughput and latency: trtpaged vs HF transformers on the same requests, side by side."""
     import json
 
@@ -291,9 +294,12 @@ def throughput(engine, trace, num_requests, baseline, hf_batch_size, no_prefix_c
             requests = default_requests(manifest.dims.vocab_size, num_requests, seed)
         if hf_batch_size is not None and hf_batch_size < 1:
             raise ValueError(f"--hf-batch-size: must be >= 1, got {hf_batch_size}")
+        if rounds < 1:
+            raise ValueError(f"--rounds: must be >= 1, got {rounds}")
     except (ValueError, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from exc
-    report = run_throughput_bench(engine, requests, baseline, hf_batch_size, no_prefix_caching_row, engine2, progress)
+    report = run_throughput_bench(engine, requests, baseline, hf_batch_size, no_prefix_caching_row, engine2, progress,
+                                  rounds)
     if profile:
         from trtpaged.bench.step_profile import run_step_profile
 

@@ -14,6 +14,7 @@ from trtpaged.runtime.llm_engine import LLMEngine, Prompt
 from trtpaged.runtime.outputs import RequestOutput, RequestOutputKind
 from trtpaged.runtime.runtime_config import RuntimeConfig
 from trtpaged.runtime.sampling_params import SamplingParams
+from trtpaged.runtime.warmup import warm_up
 
 
 def _tightened(name: str, value: Optional[int], limit: int) -> int:
@@ -57,6 +58,10 @@ class LLM:
     MASTER_PORT, WORLD_SIZE, RANK=0) are set, join from other machines.
     `close()` (or leaving a `with` block) stops them.
 
+    Before returning, the runner runs one warm-up step of the engine's largest shape (max_num_tokens
+    tokens, max_batch_size sequences; `warmup=False` skips it), so the first batch runs at the speed of
+    the next ones (trtpaged/runtime/warmup.py).
+
     The engine dir is untrusted input: its manifest, paths, file hashes (in full at the first load,
     `trtpaged.engine_files`), weights and tokenizer are checked before use. A dir that fails raises
     `EngineDirError` (`.path`, `.field`); a KV pool beyond the device's memory raises `KVBudgetError`.
@@ -76,6 +81,7 @@ class LLM:
         preemption_mode: str = "recompute",
         num_host_blocks: int = 0,
         tensor_parallel: Optional[int] = None,
+        warmup: bool = True,
     ) -> None:
         device = resolve_device(device)
         path = Path(engine)
@@ -97,6 +103,9 @@ class LLM:
         self.tokenizer = load_tokenizer(self.engine_dir, self.manifest)
         runner = load_runner(self.engine_dir, self.manifest, num_blocks, backend, device, num_host_blocks,
                              self.manifest.tensor_parallel if tensor_parallel is None else tensor_parallel)
+        # Ready means ready: the first batch's one-off costs (scratch growth, first-touched pages, the
+        # LM head's packing, thread start) are paid here, in one step of the largest shape (runtime/warmup.py).
+        self.warmup_tokens = warm_up(runner, self.config) if warmup else 0
         eos = list(self.manifest.eos_token_ids) or ([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
         self.engine = LLMEngine(runner, self.config, self.tokenizer, eos, self.manifest.dims.vocab_size)
         # Everything loaded so far lives as long as the engine: moved out of the cyclic collector's
