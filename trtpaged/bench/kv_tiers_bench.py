@@ -62,7 +62,7 @@ def _warm_up(url: str) -> None:
     """One short request on words the conversations never use: first-request costs stay out of the figures."""
     import httpx
 
-    body = {"prompt": "warm up " * 8, "max_tokens": 2, "temperature": 0.0}
+    body = {"prompt": "zebra quartz " * 8, "max_tokens": 2, "temperature": 0.0}
     httpx.post(url.rstrip("/") + "/v1/completions", json=body, timeout=600.0).raise_for_status()
 
 
