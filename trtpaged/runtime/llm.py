@@ -10,6 +10,7 @@ from typing import Any, Optional, Sequence as Seq, Union
 from trtpaged.engine_files import verify_engine_dir
 from trtpaged.manifest import EngineDirError, Manifest, engine_path, read_manifest
 from trtpaged.runtime.runners import load_runner, resolve_device, resolve_num_blocks
+from trtpaged.runtime.runners.base import pool_block_bytes
 from trtpaged.runtime.kv_tiers.config import KVTierConfig, manifest_fingerprint
 from trtpaged.runtime.llm_engine import LLMEngine, Prompt
 from trtpaged.runtime.outputs import RequestOutput, RequestOutputKind
@@ -105,18 +106,16 @@ class LLM:
             preemption_mode=preemption_mode,
             num_host_blocks=num_host_blocks,
         )
-        if tier_config.enabled and (tensor_parallel or self.manifest.tensor_parallel) > 1:
-            raise ValueError("kv_tiers: not supported with tensor_parallel > 1 yet (each rank's shard would need "
-                             "its own entries; docs/kv_tiers.md)")
         self.tokenizer = load_tokenizer(self.engine_dir, self.manifest)
         runner = load_runner(self.engine_dir, self.manifest, num_blocks, backend, device, num_host_blocks,
                              self.manifest.tensor_parallel if tensor_parallel is None else tensor_parallel)
         eos = list(self.manifest.eos_token_ids) or ([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
         tiers = None
-        if tier_config.enabled:
+        if tier_config.enabled:  # an entry holds one block of every tensor-parallel rank, rank 0's first
             pool = runner.kv_cache  # type: ignore[attr-defined]
-            fingerprint = manifest_fingerprint(self.manifest, 0, tuple(pool.shape[1:]), str(pool.dtype))
-            tiers = tier_config.build(fingerprint, pool[0].numel() * pool.element_size())
+            ranks = self.manifest.tensor_parallel
+            fingerprint = manifest_fingerprint(self.manifest, tuple(pool.shape[1:]), str(pool.dtype))
+            tiers = tier_config.build(fingerprint, ranks * pool_block_bytes(pool))
         self.engine = LLMEngine(runner, self.config, self.tokenizer, eos, self.manifest.dims.vocab_size, tiers)
         # Everything loaded so far lives as long as the engine: moved out of the cyclic collector's
         # sight, so that the collections a serving loop triggers stop walking it (they were 3% of a

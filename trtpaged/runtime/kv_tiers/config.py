@@ -120,10 +120,10 @@ def _known(spec: Mapping[str, Any], allowed: tuple[str, ...], where: str) -> Non
             raise ValueError(f"{where}.{key}: unknown key; allowed: {', '.join(allowed)}")
 
 
-def manifest_fingerprint(manifest: Any, rank: int, block_shape: tuple[int, ...], pool_dtype: str) -> bytes:
-    """An engine's tier fingerprint: its files' digests (model and weights), dtypes, block size and shape,
-    tensor-parallel rank and world size. Anything else is free to change between runs."""
+def manifest_fingerprint(manifest: Any, block_shape: tuple[int, ...], pool_dtype: str) -> bytes:
+    """An engine's tier fingerprint: its files' digests (model and weights; every rank's shard), dtypes,
+    block size, one rank's block shape and the tensor-parallel world size (an entry holds every rank's
+    shard in rank order). Anything else is free to change between runs."""
     return engine_fingerprint(files=manifest.files, source=manifest.source, dtype=manifest.dtype,
                               kv_dtype=manifest.kv_cache_dtype, block_size=manifest.limits.block_size,
-                              rank=rank, world_size=manifest.tensor_parallel, block_shape=list(block_shape),
-                              pool_dtype=pool_dtype)
+                              ranks=manifest.tensor_parallel, block_shape=list(block_shape), pool_dtype=pool_dtype)
