@@ -42,7 +42,8 @@ if ! command -v redis-server >/dev/null 2>&1; then
   # the KV tiers' shared store (docs/kv_tiers.md); its tests skip without it
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     step "installing redis-server (Debian package)"
-    apt-get install -y -q redis-server >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null; }
+    apt-get install -y -q redis-server >/dev/null \
+      || { apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null; }
   else
     echo "[setup] redis-server is missing and cannot be installed here (needs apt-get as root); the Redis tier tests will skip"
   fi

@@ -10,8 +10,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import socket
-import subprocess
 import time
 from pathlib import Path
 from typing import Optional
@@ -19,6 +17,7 @@ from typing import Optional
 import pytest
 import torch
 
+from trtpaged.bench.redis_process import RedisProcess
 from trtpaged.runtime.kv_tiers.config import KVTierConfig
 from trtpaged.runtime.kv_tiers.disk import DiskTier
 from trtpaged.runtime.kv_tiers.entry import ROOT, EntryMismatch, chain_key, decode_entry, encode_entry
@@ -272,40 +271,9 @@ def test_a_block_evicted_before_its_load_ran_is_saved_from_the_loaded_bytes(step
 
 
 # ---- Redis ------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
+def RedisServer(port: Optional[int] = None) -> RedisProcess:
     """A real redis-server process on a loopback port, owned by the test."""
-
-    def __init__(self, port: Optional[int] = None) -> None:
-        self.port = port or _free_port()
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
-            except OSError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    self.kill()
-                    raise RuntimeError("redis-server did not start")
-                time.sleep(0.05)
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
+    return RedisProcess(port, maxmemory="64mb")
 
 
 needs_redis = pytest.mark.skipif(shutil.which("redis-server") is None or importlib.util.find_spec("redis") is None,

@@ -13,49 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import socket
-import subprocess
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from trtpaged.bench.multi_turn import MultiTurnSpec, run_multi_turn
+from trtpaged.bench.redis_process import RedisProcess
 
 COLUMNS = (("p50_ttft_ms", "TTFT p50 ms", "{:.0f}"), ("p99_ttft_ms", "TTFT p99 ms", "{:.0f}"),
            ("prefill_tokens_computed", "prefill computed", "{}"), ("prefix_hit_rate", "hit rate", "{:.2f}"),
-           ("prefix_tier_hit_tokens", "tier-hit tokens", "{}"), ("first_turn_mean_ttft_ms", "1st-turn TTFT ms", "{:.0f}"),
+           ("prefix_tier_hit_tokens", "tier-hit tokens", "{}"),
+           ("first_turn_mean_ttft_ms", "1st-turn TTFT ms", "{:.0f}"),
            ("request_throughput", "req/s", "{:.2f}"), ("same_replies", "replies = off", "{}"))  # fmt: skip
-
-
-class _RedisProcess:
-    """A redis-server on a free loopback port for the run, stopped afterwards."""
-
-    def __init__(self) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
-            except OSError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    self.stop()
-                    raise RuntimeError("redis-server did not start") from None
-                time.sleep(0.05)
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        self.proc.wait(10)
 
 
 def _warm_up(url: str) -> None:
@@ -80,11 +49,12 @@ def run_kv_tiers_bench(
     disk_dir = Path(tempfile.mkdtemp(prefix="trtpaged-kv-disk-"))
     try:
         if remote is None and shutil.which("redis-server"):
-            redis = _RedisProcess()
+            redis = RedisProcess()
             remote = redis.url
         disk = {"path": str(disk_dir), "size": disk_size}
         plan: list[tuple[str, Optional[dict[str, Any]], int]] = [
-            ("off, unbounded pool", None, 0), ("off", None, 0), ("host", {"host_memory": host_memory}, 0), ("disk", {"disk": disk}, 0),
+            ("off, unbounded pool", None, 0), ("off", None, 0), ("host", {"host_memory": host_memory}, 0),
+            ("disk", {"disk": disk}, 0),
             ("disk, restarted", {"disk": disk}, 1),
         ]
         if remote:
@@ -102,7 +72,7 @@ def run_kv_tiers_bench(
             rows[name] = report
     finally:
         if redis is not None:
-            redis.stop()
+            redis.kill()
         shutil.rmtree(disk_dir, ignore_errors=True)
     for name, report in rows.items():  # the restarted server runs other conversations: nothing to compare
         same = report["replies"] == rows["off"]["replies"]
