@@ -68,7 +68,10 @@ def run_kv_tiers_bench(
                 report = asyncio.run(run_multi_turn(handle.url, spec, seed=seed, variant=variant))
             finally:
                 handle.shutdown()  # flushes the pool's cached prefixes to the tiers
-            say(f"{name}: {report['completed']} turns, TTFT p50 {report['p50_ttft_ms']:.0f} ms")
+            say(f"{name}: {report['completed']} turns ({report['failed']} failed), TTFT p50/p99 "
+                f"{report['p50_ttft_ms']:.0f}/{report['p99_ttft_ms']:.0f} ms, prefill computed "
+                f"{report['prefill_tokens_computed']}, hit rate {report['prefix_hit_rate']}, tier-hit tokens "
+                f"{report['prefix_tier_hit_tokens']}")
             rows[name] = report
     finally:
         if redis is not None:

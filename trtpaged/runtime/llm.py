@@ -115,7 +115,11 @@ class LLM:
             pool = runner.kv_cache  # type: ignore[attr-defined]
             ranks = self.manifest.tensor_parallel
             fingerprint = manifest_fingerprint(self.manifest, tuple(pool.shape[1:]), str(pool.dtype))
-            tiers = tier_config.build(fingerprint, ranks * pool_block_bytes(pool))
+            try:
+                tiers = tier_config.build(fingerprint, ranks * pool_block_bytes(pool))
+            except BaseException:  # e.g. a disk path that cannot be written: stop the ranks started above
+                getattr(runner, "close", lambda: None)()
+                raise
         self.engine = LLMEngine(runner, self.config, self.tokenizer, eos, self.manifest.dims.vocab_size, tiers)
         # Everything loaded so far lives as long as the engine: moved out of the cyclic collector's
         # sight, so that the collections a serving loop triggers stop walking it (they were 3% of a

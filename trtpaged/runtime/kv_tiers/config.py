@@ -41,10 +41,7 @@ class KVTierConfig:
         if self.disk_size < 0:
             raise ValueError(f"kv_tiers.disk.size: must be > 0 bytes, got {self.disk_size}")
         if self.remote is not None:
-            try:
-                check_redis_url(self.remote)
-            except ValueError as e:
-                raise ValueError(f"kv_tiers.{e}") from None
+            check_redis_url(self.remote)
         if not 0 < self.remote_timeout_s <= MAX_TIMEOUT_S:
             raise ValueError(f"kv_tiers.remote.timeout_s: must be in (0, {MAX_TIMEOUT_S}], got {self.remote_timeout_s}")
 

@@ -24,7 +24,7 @@ class DiskTier:
 
     def __init__(self, path: str | os.PathLike, capacity_bytes: int, name: str = "disk") -> None:
         if capacity_bytes < 1:
-            raise ValueError(f"disk.size: must be > 0 bytes, got {capacity_bytes}")
+            raise ValueError(f"kv_tiers.disk.size: must be > 0 bytes, got {capacity_bytes}")
         self.name = name
         self.root = Path(path)
         try:
@@ -33,7 +33,7 @@ class DiskTier:
             probe.write_bytes(b"")
             probe.unlink()
         except OSError as e:
-            raise ValueError(f"disk.path: {self.root} cannot be written ({e.strerror or e})") from None
+            raise ValueError(f"kv_tiers.disk.path: {self.root} cannot be written ({e.strerror or e})") from None
         self.capacity_bytes = capacity_bytes
         self.counters = TierCounters()
         self._lock = threading.Lock()

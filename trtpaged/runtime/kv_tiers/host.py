@@ -20,7 +20,7 @@ class HostMemoryTier:
 
     def __init__(self, capacity_bytes: int, name: str = "host") -> None:
         if capacity_bytes < 1:
-            raise ValueError(f"host_memory: must be > 0 bytes, got {capacity_bytes}")
+            raise ValueError(f"kv_tiers.host_memory: must be > 0 bytes, got {capacity_bytes}")
         self.name = name
         self.capacity_bytes = capacity_bytes
         self.counters = TierCounters()

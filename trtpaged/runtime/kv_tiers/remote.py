@@ -24,7 +24,7 @@ def check_redis_url(url: str) -> str:
     """The URL if it is a redis:// (or rediss://, unix://) URL with a host; ValueError naming `remote` otherwise."""
     parsed = urlparse(url)
     if parsed.scheme not in ("redis", "rediss", "unix") or (parsed.scheme != "unix" and not parsed.hostname):
-        raise ValueError(f"remote: expected redis://HOST:PORT[/DB], got {url!r}")
+        raise ValueError(f"kv_tiers.remote: expected redis://HOST:PORT[/DB], got {url!r}")
     return url
 
 
@@ -36,9 +36,9 @@ class RedisTier:
         try:
             import redis
         except ImportError:
-            raise ValueError("remote: the redis Python client is not installed (pip install redis)") from None
+            raise ValueError("kv_tiers.remote: the redis Python client is not installed (pip install redis)") from None
         if not timeout_s > 0:
-            raise ValueError(f"remote timeout: must be > 0 seconds, got {timeout_s}")
+            raise ValueError(f"kv_tiers.remote.timeout_s: must be > 0 seconds, got {timeout_s}")
         self.name = name
         self.url = check_redis_url(url)
         self.counters = TierCounters()
