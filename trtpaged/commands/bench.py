@@ -214,7 +214,8 @@ def qlinear(as_json: bool, quick: bool, working_set_mb: Optional[int], threads: 
                    "--output-len N as the reply length); adds prefix hit rate and prefill tokens computed.")
 @click.option("--system-words", default=64, show_default=True, help="Multi-turn: the shared system prompt's words.")
 @click.option("--user-words", default=24, show_default=True, help="Multi-turn: words of each user message.")
-@click.option("--think-time", default=0.5, show_default=True, help="Multi-turn: seconds between a reply and the next turn.")
+@click.option("--think-time", default=0.5, show_default=True,
+              help="Multi-turn: seconds between a reply and the next turn.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def serve(base_url, trace, num_requests, prompt_len, output_len, request_rate, max_concurrency, model, api_key,
           endpoint, ignore_eos, seed, multi_turn, system_words, user_words, think_time, as_json) -> None:  # fmt: skip
@@ -267,9 +268,11 @@ def serve(base_url, trace, num_requests, prompt_len, output_len, request_rate, m
 @click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True)
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when present).")
 @click.option("--seed", default=0, show_default=True)
+@click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Repeat every row, the rows' order rotated each round (times: medians over rounds).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def kv_tiers(engine, kv_blocks, multi_turn, system_words, user_words, output_len, think_time, host_memory, disk_size,
-             remote, backend, device, seed, as_json) -> None:  # fmt: skip
+             remote, backend, device, seed, rounds, as_json) -> None:  # fmt: skip
     """Multi-turn traffic against servers with KV tiers off, host, disk (and a restart), Redis (and a 2nd replica)."""
     import json
 
@@ -278,7 +281,7 @@ def kv_tiers(engine, kv_blocks, multi_turn, system_words, user_words, output_len
     try:
         spec = multi_turn_spec(multi_turn, output_len, system_words, user_words, think_time)
         report = run_kv_tiers_bench(Path(engine), spec, kv_blocks, host_memory, disk_size, remote,
-                                    {"backend": backend, "device": device}, seed,
+                                    {"backend": backend, "device": device}, seed, rounds,
                                     progress=lambda msg: click.echo(f"  {msg}", err=True))  # fmt: skip
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
