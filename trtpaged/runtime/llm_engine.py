@@ -150,22 +150,23 @@ class LLMEngine:
         clock.lap("output")
         return results
 
-    def _save_to_tiers(self, saves: Seq[TierSave]) -> None:
+    def _save_to_tiers(self, saves: Seq[TierSave], persistent_only: bool = False) -> None:
         tiers = self.kv.tiers
         if not saves or tiers is None:
             return
         ids = [where for _, where in saves if isinstance(where, int)]
         read = iter(self.runner.read_blocks(ids))
-        tiers.save([(record, next(read) if isinstance(where, int) else where) for record, where in saves])
+        tiers.save([(record, next(read) if isinstance(where, int) else where) for record, where in saves],
+                   persistent_only)
 
     def flush_tiers(self) -> None:
-        """Writes every block still in the pool's prefix cache to the tiers and waits for the writer:
-        what a restart should find (write-back otherwise saves a block only when the pool evicts it)."""
+        """Writes every block still in the pool's prefix cache to the disk and remote tiers and waits for
+        the writer: what a restart should find (write-back otherwise saves a block only when the pool
+        evicts it; the host tier ends with this process, so it gets nothing here)."""
         tiers = self.kv.tiers
-        if tiers is None:
+        if tiers is None or not tiers.has_persistent:
             return
-        cached = self.kv.cached_records()
-        self._save_to_tiers(cached)
+        self._save_to_tiers(self.kv.cached_records(), persistent_only=True)
         tiers.flush()
 
     def close(self) -> None:

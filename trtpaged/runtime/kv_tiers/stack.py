@@ -75,13 +75,19 @@ class TierStack:
         return None
 
     # ---- write-back ---------------------------------------------------------------------------
-    def save(self, records: Sequence[tuple[BlockRecord, bytes]]) -> None:
-        """Offers evicted blocks' (record, payload) to every tier that lacks them."""
+    @property
+    def has_persistent(self) -> bool:
+        """A tier outlives this process (disk, a store): worth a write-back of the whole cache at close."""
+        return any(t.slow for t in self.tiers)
+
+    def save(self, records: Sequence[tuple[BlockRecord, bytes]], persistent_only: bool = False) -> None:
+        """Offers evicted blocks' (record, payload) to every tier that lacks them (only the disk and remote
+        tiers with `persistent_only`)."""
         slow_items = []
         for record, payload in records:
             entry = encode_entry(self.fingerprint, record.parent, record.tokens, payload)
             for tier in self.tiers:
-                if not tier.slow:
+                if not tier.slow and not persistent_only:
                     if not tier.contains(record.key):
                         tier.put(record.key, entry)
             slow_items.append((record.key, entry))
