@@ -75,11 +75,14 @@ def kernel(kv_dtype: Optional[str], device: str, as_json: bool, quick: bool) -> 
 @click.option("--tensor-parallel", type=click.IntRange(min=1), default=None,
               help="Also: the paged replay on N ranks, each a device with the memory of the budget (N x the memory; "
                    "default: the engine's tensor_parallel when above 1).")
+@click.option("--kv-tier-blocks", default=None, metavar="N[,N..]",
+              help="Also: prefix hit rate and tokens computed with a KV tier of N blocks below the pool "
+                   "(each size; 'unbounded' too), vs the pool alone (docs/kv_tiers.md).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.pass_context
 def memory(ctx, engine, trace, num_requests, prompt_len, output_len, shared_prefix, num_prefixes, n, beam_width, preset,
            sharing_table, plot, seed, num_blocks, block_size, max_seq_len, max_batch_size, max_num_tokens,
-           kv_dtype, head_dim, tensor_parallel, as_json) -> None:  # fmt: skip
+           kv_dtype, head_dim, tensor_parallel, kv_tier_blocks, as_json) -> None:  # fmt: skip
     """Concurrency and KV utilisation of one workload: contiguous reservations vs paged vs paged + sharing.
 
     Replays the workload through trtpaged's real scheduler and block pool (no model runs) and
@@ -102,6 +105,11 @@ def memory(ctx, engine, trace, num_requests, prompt_len, output_len, shared_pref
                 "max_num_tokens": 2048}  # fmt: skip
     base_dtype, engine_head_dim = "float16", 64
     try:
+        tier_sizes = None
+        if kv_tier_blocks is not None:
+            from trtpaged.bench.memory_bench import parse_tier_blocks
+
+            tier_sizes = parse_tier_blocks(kv_tier_blocks)
         if engine:
             from trtpaged.manifest import read_manifest
             from trtpaged.kv_budget import resolve_num_blocks
@@ -159,6 +167,10 @@ def memory(ctx, engine, trace, num_requests, prompt_len, output_len, shared_pref
         from trtpaged.bench.memory_bench import run_tensor_parallel_comparison
 
         report["tensor_parallel"] = run_tensor_parallel_comparison(requests, budget, (1, tensor_parallel), progress)
+    if tier_sizes:
+        from trtpaged.bench.memory_bench import run_tier_what_if
+
+        report["kv_tiers"] = run_tier_what_if(requests, budget, tier_sizes, progress=progress)
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
@@ -172,6 +184,10 @@ def memory(ctx, engine, trace, num_requests, prompt_len, output_len, shared_pref
         from trtpaged.bench.memory_bench import format_tensor_parallel_table
 
         click.echo("\n" + format_tensor_parallel_table(report["tensor_parallel"], budget.num_blocks))
+    if "kv_tiers" in report:
+        from trtpaged.bench.memory_bench import format_tier_table
+
+        click.echo("\n" + format_tier_table(report["kv_tiers"], budget.num_blocks))
 
 
 @command.command(name="qlinear")

@@ -53,6 +53,11 @@ def chain_key(fingerprint: bytes, parent: bytes, tokens: Sequence[int]) -> bytes
     return hashlib.sha256(fingerprint + parent + _tokens_bytes(tokens)).digest()
 
 
+def entry_bytes(block_size: int, payload_bytes: int) -> int:
+    """The size of one entry of a block of `block_size` tokens and `payload_bytes` bytes."""
+    return _HEAD.size + 4 * block_size + _TAIL.size + payload_bytes
+
+
 def encode_entry(fingerprint: bytes, parent: bytes, tokens: Sequence[int], payload: bytes) -> bytes:
     head = _HEAD.pack(MAGIC, fingerprint, parent, len(tokens)) + _tokens_bytes(tokens)
     return head + _TAIL.pack(len(payload), hashlib.sha256(payload).digest()) + payload
