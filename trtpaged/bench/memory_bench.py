@@ -287,7 +287,8 @@ def format_tier_table(rows: list[dict], pool_blocks: int) -> str:
     """The what-if rows as a markdown table, tokens computed relative to the pool alone."""
     base = rows[0]["tokens_computed"] or 1
     lines = [f"KV tiers below a pool of {pool_blocks} blocks (prefix-cache blocks the pool evicts, kept in a tier):",
-             "| tier (blocks) | prefix hit rate | prompt tokens from the tier | tokens computed | vs pool alone | steps |",
+             "| tier (blocks) | prefix hit rate | prompt tokens from the tier | tokens computed | vs pool alone "
+             "| steps |",
              "|---|---|---|---|---|---|"]
     for row in rows:
         name = "none (pool alone)" if row["tier_blocks"] == 0 else str(row["tier_blocks"])

@@ -41,7 +41,8 @@ ENGINE_STATS: dict[str, tuple[str, str, str]] = {
                                       "Prompt tokens restored from a KV tier below the pool (part of the hits)."),
     "kv_tier_blocks_loaded": ("kv_tier_blocks_loaded", "counter", "Blocks restored into the pool from a KV tier."),
 }  # fmt: skip
-# Per-tier counters (`kv_tier_<tier>_<field>` in LLMEngine.stats()) -> one family each, labelled tier="host|disk|remote".
+# Per-tier counters (`kv_tier_<tier>_<field>` in LLMEngine.stats()): one family each, labelled
+# tier="host|disk|remote".
 TIER_NAMES = ("host", "disk", "remote")
 TIER_STATS: dict[str, tuple[str, str]] = {
     "hits": ("kv_tier_hits", "Block lookups answered by the tier with a verified entry."),
