@@ -16,7 +16,7 @@ from trtpaged.runtime.kv_tiers.stack import TierStack
 from trtpaged.runtime.output_processor import OutputProcessor
 from trtpaged.runtime.outputs import RequestOutput
 from trtpaged.runtime.runtime_config import RuntimeConfig
-from trtpaged.runtime.sampler import sample_groups
+from trtpaged.runtime.sampler import greedy_kernel, sample_groups
 from trtpaged.runtime.sampling_params import SamplingParams
 from trtpaged.runtime.scheduler import Scheduler, SchedulerOutput
 from trtpaged.runtime.sequence import Sequence, SequenceGroup
@@ -56,6 +56,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config, self.kv, self.eos_token_ids)
         self.processor = OutputProcessor(tokenizer)
+        self.greedy_kernel = greedy_kernel()  # plain-greedy steps in one kernel pass: decided here, once
         self._arrivals = itertools.count()
         self._request_ids = itertools.count()
         self.groups: dict[str, SequenceGroup] = {}
@@ -134,7 +135,7 @@ class LLMEngine:
             clock.lap("prepare")
             logits = self.runner.step(batch).cpu()
             clock.lap("model")
-            samples = sample_groups(out.sampled_groups, logits, rows)
+            samples = sample_groups(out.sampled_groups, logits, rows, self.greedy_kernel)
             clock.lap("sample")
             self.scheduler.update_from_output(out, samples)
             clock.lap("update")
