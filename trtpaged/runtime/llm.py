@@ -63,6 +63,7 @@ class LLM:
     Before returning, the runner runs one warm-up step of the engine's largest shape (max_num_tokens
     tokens, max_batch_size sequences; `warmup=False` skips it), so the first batch runs at the speed of
     the next ones (trtpaged/runtime/warmup.py).
+
     `kv_tiers` puts tiers below the KV pool (docs/kv_tiers.md): cached prefix blocks the pool evicts
     are written back to host memory, a local disk directory and/or a Redis server, and a later
     prompt with that prefix loads them instead of recomputing, e.g.
