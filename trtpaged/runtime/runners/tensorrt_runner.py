@@ -21,7 +21,7 @@ import torch
 
 from trtpaged.step_io import INPUT_NAMES
 from trtpaged.tensorrt_env import dims_tuple
-from trtpaged.runtime.runners.base import StepBatch
+from trtpaged.runtime.runners.base import StepBatch, read_pool_blocks, write_pool_blocks
 
 POOL_INPUT, POOL_OUTPUT, LOGITS = "kv_cache", "kv_cache_out", "logits"
 POOL_ADDRESS_INPUT = "kv_cache_pool"  # builder/onnx_pool.py
@@ -191,3 +191,9 @@ class TensorRTRunner:
         if self.host_cache is None:
             raise RuntimeError(f"{what}: the engine has no host pool (num_host_blocks is 0)")
         return self.host_cache
+
+    def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
+        return read_pool_blocks(self.kv_cache, block_ids)
+
+    def write_blocks(self, blocks: Sequence[tuple[int, bytes]]) -> None:
+        write_pool_blocks(self.kv_cache, blocks)
