@@ -19,7 +19,11 @@ using nvinfer1::PluginFieldType;
 constexpr char const* kIntFields[] = {"num_heads", "num_kv_heads", "head_dim", "block_size", "layer"};
 constexpr char const* kScale = "scale";
 constexpr char const* kWorkspace = "workspace_bytes";  // optional: absent in the ONNX node
-constexpr char const* kKvDtype = "kv_dtype";           // optional string: auto (absent), int8, fp8_e4m3
+constexpr char const* kKvDtype = "kv_dtype";           // optional string: auto (absent), int8, fp8_e4m3, ...
+constexpr char const* kKvPool = "kv_pool";             // optional string: aliased (absent), address
+constexpr char const* kNumLayers = "num_layers";       // optional int: required with kv_pool address
+constexpr KvFormat kFormats[] = {KvFormat::kAuto,    KvFormat::kInt8,    KvFormat::kFp8E4M3,
+                                 KvFormat::kFloat32, KvFormat::kFloat16, KvFormat::kBFloat16};
 constexpr char const* kWindow = "sliding_window";      // optional int: 0 (absent) or the layer's window
 constexpr char const* kSoftcap = "logit_softcap";      // optional float: 0 (absent) or the score soft-cap
 
@@ -65,10 +69,18 @@ std::string read_string(PluginField const& field) {
 }
 
 KvFormat parse_kv_format(std::string const& name) {
-  for (KvFormat f : {KvFormat::kAuto, KvFormat::kInt8, KvFormat::kFp8E4M3}) {
+  for (KvFormat f : kFormats) {
     if (name == kv_format_name(f)) return f;
   }
-  throw field_error(kKvDtype, "\"" + name + "\" is not one of auto, int8, fp8_e4m3 (kv_cache_dtype of the build)");
+  throw field_error(kKvDtype, "\"" + name + "\" is not one of auto, int8, fp8_e4m3, float32, float16, bfloat16 "
+                              "(kv_cache_dtype of the build)");
+}
+
+KvPool parse_kv_pool(std::string const& name) {
+  for (KvPool p : {KvPool::kAliased, KvPool::kAddress}) {
+    if (name == kv_pool_name(p)) return p;
+  }
+  throw field_error(kKvPool, "\"" + name + "\" is not one of aliased, address (tensorrt.kv_pool of the build)");
 }
 
 void validate(AttentionFields const& f) {
@@ -90,6 +102,16 @@ void validate(AttentionFields const& f) {
     throw field_error(kWindow, "must be >= 0 (0: none), got " + std::to_string(f.sliding_window));
   if (!std::isfinite(f.logit_softcap) || f.logit_softcap < 0.F)
     throw field_error(kSoftcap, "must be a finite number >= 0 (0: none)");
+  if (f.kv_pool == KvPool::kAddress) {
+    if (f.num_layers <= f.layer) {
+      throw field_error(kNumLayers, "kv_pool address needs the pool's layer count (> layer " +
+                                        std::to_string(f.layer) + "), got " + std::to_string(f.num_layers));
+    }
+    if (f.kv_format == KvFormat::kAuto) {
+      throw field_error(kKvDtype, "kv_pool address needs the pool's type named (float32, float16, bfloat16, int8 or "
+                                  "fp8_e4m3): no pool tensor shows it");
+    }
+  }
 }
 
 }  // namespace
@@ -98,10 +120,19 @@ char const* kv_format_name(KvFormat format) noexcept {
   switch (format) {
     case KvFormat::kInt8: return "int8";
     case KvFormat::kFp8E4M3: return "fp8_e4m3";
+    case KvFormat::kFloat32: return "float32";
+    case KvFormat::kFloat16: return "float16";
+    case KvFormat::kBFloat16: return "bfloat16";
     case KvFormat::kAuto: break;
   }
   return "auto";
 }
+
+bool kv_format_quantized(KvFormat format) noexcept {
+  return format == KvFormat::kInt8 || format == KvFormat::kFp8E4M3;
+}
+
+char const* kv_pool_name(KvPool pool) noexcept { return pool == KvPool::kAddress ? "address" : "aliased"; }
 
 std::string supported_head_dims() {
   std::string s;
@@ -129,6 +160,12 @@ AttentionFields parse_fields(PluginFieldCollection const* fc) {
       f.sliding_window = static_cast<int32_t>(value);
     } else if (name == kSoftcap) {
       f.logit_softcap = static_cast<float>(read_float(field));
+    } else if (name == kKvPool) {
+      f.kv_pool = parse_kv_pool(read_string(field));
+    } else if (name == kNumLayers) {
+      int64_t const value = read_int(field);
+      if (value < 0 || value > INT32_MAX) throw field_error(name, "out of range");
+      f.num_layers = static_cast<int32_t>(value);
     } else if (name == kWorkspace) {
       f.workspace_bytes = read_int(field);
       if (f.workspace_bytes < 0) throw field_error(name, "must be >= 0");
@@ -158,13 +195,15 @@ PluginFieldCollection const* field_names() noexcept {
       PluginField(kKvDtype, nullptr, PluginFieldType::kCHAR, 0),
       PluginField(kWindow, nullptr, PluginFieldType::kINT32, 1),
       PluginField(kSoftcap, nullptr, PluginFieldType::kFLOAT32, 1),
+      PluginField(kKvPool, nullptr, PluginFieldType::kCHAR, 0),
+      PluginField(kNumLayers, nullptr, PluginFieldType::kINT32, 1),
   };
   static PluginFieldCollection const collection{static_cast<int32_t>(sizeof(fields) / sizeof(fields[0])), fields};
   return &collection;
 }
 
 SerializedFields::SerializedFields(AttentionFields const& values)
-    : mValues(values), mKvDtype(kv_format_name(values.kv_format)) {
+    : mValues(values), mKvDtype(kv_format_name(values.kv_format)), mKvPool(kv_pool_name(values.kv_pool)) {
   auto const i32 = PluginFieldType::kINT32;
   mFields = {
       PluginField(kIntFields[0], &mValues.num_heads, i32, 1),
@@ -176,6 +215,8 @@ SerializedFields::SerializedFields(AttentionFields const& values)
       PluginField(kKvDtype, mKvDtype.c_str(), PluginFieldType::kCHAR, static_cast<int32_t>(mKvDtype.size())),
       PluginField(kWindow, &mValues.sliding_window, i32, 1),
       PluginField(kSoftcap, &mValues.logit_softcap, PluginFieldType::kFLOAT32, 1),
+      PluginField(kKvPool, mKvPool.c_str(), PluginFieldType::kCHAR, static_cast<int32_t>(mKvPool.size())),
+      PluginField(kNumLayers, &mValues.num_layers, i32, 1),
   };
   if (mValues.workspace_bytes >= 0) {
     mFields.emplace_back(kWorkspace, &mValues.workspace_bytes, PluginFieldType::kINT64, 1);
