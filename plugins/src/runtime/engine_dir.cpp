@@ -256,7 +256,8 @@ Manifest read_manifest(const std::string& root) {
   top.only({"dims", "limits", "kv_cache", "dtype", "kv_cache_dtype", "tokenizer_dir", "bos_token_id", "eos_token_ids",
             "chat_template", "weights_file", "onnx_file", "plan_file", "backends", "files", "source", "verification",
             "quantization", "tensor_parallel", "shards", "format_version", "kv_bytes_per_token", "kv_bytes_per_block",
-            "kv_bytes_per_token_per_rank"});
+            "kv_bytes_per_token_per_rank", "tensorrt"});
+  top.object("tensorrt", false);  // the TensorRT build's forms (graph, pool form): nothing the CPU runtime reads
 
   Fields dims(top.object("dims"), "dims.", where);
   dims.only({"architecture", "num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
