@@ -8,7 +8,7 @@ import time
 from typing import Any, Optional, Sequence as Seq, Union
 
 from trtpaged.errors import RequestError
-from trtpaged.runtime.batch_builder import build_step_batch
+from trtpaged.runtime.batch_builder import PromptRows, build_step_batch
 from trtpaged.runtime.beam_search import BeamSearch
 from trtpaged.runtime.runners.base import ModelRunner
 from trtpaged.runtime.kv_cache_manager import KVCacheManager
@@ -18,6 +18,7 @@ from trtpaged.runtime.runtime_config import RuntimeConfig
 from trtpaged.runtime.sampler import sample_groups
 from trtpaged.runtime.sampling_params import SamplingParams
 from trtpaged.runtime.scheduler import Scheduler, SchedulerOutput
+from trtpaged.runtime.scoring import score_prompts
 from trtpaged.runtime.sequence import Sequence, SequenceGroup
 
 Prompt = Union[str, Seq[int]]
@@ -126,13 +127,14 @@ class LLMEngine:
         touched = list(out.refused)
         if not out.is_empty:
             self.runner.copy_blocks(out.block_copies)
-            batch, rows = build_step_batch(out, self.kv)
+            batch, rows, scored = build_step_batch(out, self.kv)
             clock.lap("prepare")
             logits = self.runner.step(batch).cpu()
             clock.lap("model")
             samples = sample_groups(out.sampled_groups, logits, rows)
+            prompt_scores = score_prompts(logits, scored, self._scored_prompts(scored)) if scored else {}
             clock.lap("sample")
-            self.scheduler.update_from_output(out, samples)
+            self.scheduler.update_from_output(out, samples, prompt_scores)
             clock.lap("update")
             self.scheduler.finish_stopped(self.processor.detokenize(out.sampled_groups))
             touched += out.sampled_groups
@@ -145,6 +147,10 @@ class LLMEngine:
                 self.groups.pop(group.request_id, None)
         clock.lap("output")
         return results
+
+    def _scored_prompts(self, scored: Seq[PromptRows]) -> dict[str, tuple[list[int], int]]:
+        return {s.request_id: (self.groups[s.request_id].prompt_token_ids,
+                               self.groups[s.request_id].params.prompt_logprobs or 0) for s in scored}  # fmt: skip
 
     def stats(self) -> dict[str, float]:
         """KV-cache (now and peak), sharing, prefix-cache and scheduling counters."""

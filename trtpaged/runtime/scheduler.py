@@ -156,11 +156,17 @@ class Scheduler:
         return None
 
     # ---- after the step -----------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, samples: Mapping[str, GroupSamples]) -> None:
-        """The step ran: its K/V is cached; each sampled group takes its tokens, forks, finishes and frees."""
+    def update_from_output(self, out: SchedulerOutput, samples: Mapping[str, GroupSamples],
+                           prompt_logprobs: Optional[Mapping[str, list[dict[int, float]]]] = None) -> None:
+        """The step ran: its K/V is cached; groups scoring their prompt keep the new prompt log-probs; each
+        sampled group takes its tokens, forks, finishes and frees."""
+        scored = dict(prompt_logprobs or {})
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_tokens
             self.kv.cache_computed_blocks(item.seq)
+            scores = scored.pop(item.group.request_id, None)
+            if scores and item.group.prompt_logprobs is not None:
+                item.group.prompt_logprobs += scores
         for group in out.sampled_groups:
             result = samples[group.request_id]
             if isinstance(result, SampleFailure):
@@ -293,7 +299,7 @@ class Scheduler:
         return out
 
     def _plan(self, group: SequenceGroup, budget: list[int]) -> tuple[Optional[list[AllocRequest]], bool]:
-        hits = [self.kv.find_cached_prefix(s) for s in group.seqs]
+        hits = [[] if group.scores_prompt else self.kv.find_cached_prefix(s) for s in group.seqs]
         bs = self.kv.block_size
         remaining = [
             len(s.token_ids) - len(h) * bs if h else s.num_uncomputed_tokens for s, h in zip(group.seqs, hits)

@@ -136,6 +136,16 @@ class SequenceGroup:
         self.num_preemptions = 0
         self.num_cached_tokens: Optional[int] = None  # prompt tokens found in the prefix cache when first scheduled
         self.error: Optional[str] = None  # why the request failed in a step (its sequences finish "error")
+        # the prompt tokens' log-probs as prefill steps compute them (the first token has none)
+        self.prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = (
+            [None] if params.prompt_logprobs is not None else None)
+        self.prompt_logprobs_sent = False  # whether a DELTA output carried them
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Prompt log-probs were asked for and not all are computed yet (the prompt takes no prefix-cache hits
+        until then: a cached block's tokens have no logits)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def is_finished(self) -> bool:
