@@ -22,6 +22,7 @@ from trtpaged.runtime.runtime_config import RuntimeConfig
 from trtpaged.runtime.sampler import Sample, SampleFailure
 from trtpaged.runtime.sampling_params import SamplingParams
 from trtpaged.runtime.sequence import Sequence, SequenceGroup, SequenceStatus
+from trtpaged.runtime.structured import accepts
 
 # What one group's step produced: a token per sample (index order before the first fork,
 # then `group.seqs` order), the beams to keep, or why it could not be sampled.
@@ -198,6 +199,9 @@ class Scheduler:
                 group.seqs.append(child)
         for seq, sample in zip(list(group.seqs), samples):
             seq.append_token(sample.token_id, sample.logprob, sample.top_logprobs)
+            if not accepts(seq.grammar, sample.token_id):
+                self._fail(group, f"its output grammar rejected token {sample.token_id}")
+                return
             reason = self._finish_reason(group.params, seq, sample.token_id)
             if reason is not None:
                 seq.finish(*reason)
@@ -206,6 +210,8 @@ class Scheduler:
     def _finish_reason(self, params: SamplingParams, seq: Sequence, token: int) -> Optional[tuple[str, Optional[int]]]:
         """Token-level stops: EOS, a stop token id, max_tokens or max_seq_len (stop strings are textual)."""
         if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
+            return "stop", token
+        if seq.grammar is not None and seq.grammar.is_terminated():  # the grammar is complete and took its end
             return "stop", token
         if (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) or (
             len(seq.token_ids) >= self.config.max_seq_len

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import enum
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -54,6 +54,7 @@ class Sequence:
         self.detokenizer = None  # an IncrementalDetokenizer, set by the output processor
         self.num_decoded_tokens = 0  # output tokens already detokenized
         self.emitted = _Emitted()  # what DELTA outputs have already returned
+        self.grammar: Optional[Any] = None  # an xgrammar matcher in step with the output (structured outputs)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -93,6 +94,7 @@ class Sequence:
         child.num_decoded_tokens = 0
         child.output_text = ""
         child.emitted = _Emitted()
+        child.grammar = self.grammar.fork() if self.grammar is not None else None
         return child
 
     def __repr__(self) -> str:
@@ -140,6 +142,7 @@ class SequenceGroup:
         self.prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = (
             [None] if params.prompt_logprobs is not None else None)
         self.prompt_logprobs_sent = False  # whether a DELTA output carried them
+        self.bad_words: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token ids (set by the engine)
 
     @property
     def scores_prompt(self) -> bool:
