@@ -63,6 +63,11 @@ class GrammarCache:
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler
 
+    def prepare(self) -> None:
+        """Reads the tokenizer's vocabulary into xgrammar (once); call it on the thread that owns the tokenizer."""
+        with self._lock:
+            self._xgr_compiler()
+
     def compile(self, params: StructuredOutputsParams) -> Any:
         """The compiled grammar; an invalid schema, regex or grammar raises RequestError naming `params.origin`."""
         key = params.key()
@@ -89,8 +94,8 @@ class GrammarCache:
                 schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
                 json.loads(schema)  # xgrammar's message for malformed JSON names no field
                 return compiler.compile_json_schema(schema, any_whitespace=False)
-            if kind == "json_object":
-                return compiler.compile_builtin_json_grammar()
+            if kind == "json_object":  # an object with any members (xgrammar's builtin JSON also allows arrays)
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
             if kind == "regex":
                 return compiler.compile_regex(params.regex)
             if kind == "choice":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import time
@@ -89,6 +90,8 @@ class GenerationService:
         params = self._params(req, req.max_tokens if req.max_tokens is not None else 16)
         self._check_num_prompts(req)
         prompts = await self._tokenize(req)
+        if params.structured_outputs is not None:
+            await self._compile_grammar(req, params)
         summary = Summary(request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}")
         requests = [(f"{summary.request_id}-{i}", ids, self._fit_max_tokens(req, params, len(ids)))
                     for i, ids in enumerate(prompts)]  # fmt: skip
@@ -98,7 +101,7 @@ class GenerationService:
             raise from_runtime_error(exc, req.names) from None
         except (Overloaded, ShuttingDown) as exc:
             raise overloaded(str(exc)) from None
-        builder = ResponseBuilder(summary.request_id, self.model_name, int(time.time()), chat, req.logprobs)
+        builder = ResponseBuilder(summary.request_id, self.model_name, int(time.time()), chat, req.logprobs, req.tools)
         index = {rid: i for i, (rid, _, _) in enumerate(requests)}
         return Submitted(req, params, sub, index, builder, summary)
 
@@ -109,6 +112,16 @@ class GenerationService:
         try:
             return SamplingParams(max_tokens=max_tokens, logprobs=req.logprobs, output_kind=RequestOutputKind.DELTA,
                                   **req.sampling)
+        except ValueError as exc:
+            raise from_runtime_error(exc, req.names) from None
+
+    async def _compile_grammar(self, req: GenerationRequest, params: SamplingParams) -> None:
+        """Compiles the request's grammar on a worker thread (once per distinct grammar, then cached), so that
+        the engine thread's add_request finds it compiled instead of stalling every running request."""
+        grammars = self.llm.engine.grammars
+        try:
+            await self.loop.call_async(lambda e: grammars.prepare())  # the tokenizer is the engine thread's
+            await asyncio.to_thread(grammars.compile, params.structured_outputs)
         except ValueError as exc:
             raise from_runtime_error(exc, req.names) from None
 
@@ -125,7 +138,7 @@ class GenerationService:
 
         def run(engine: LLMEngine) -> list[list[int]]:
             if req.chat:
-                return [self.llm.chat_prompt(req.messages)]
+                return [self.llm.chat_prompt(req.messages, req.tools.definitions if req.tools else None)]
             return [engine.encode(p)[1] for p in req.prompts]
 
         field_name = "messages" if req.chat else "prompt"
@@ -201,6 +214,7 @@ class GenerationService:
         params, builder = s.params, s.builder
         state = StreamState(params.n, builder.top_logprobs is not None)
         echoed: set[int] = set()  # prompts whose echo chunk went out
+        tool_text: dict[int, str] = {}  # choice -> constrained output so far (tool calls)
         if s.req.chat:
             for p in range(len(s.index)):
                 for i in range(params.n):
@@ -217,6 +231,11 @@ class GenerationService:
                         if s.req.echo_only:  # the one sampled token is not part of the answer
                             if d.finish_reason:
                                 yield sse(builder.chunk(d.index, "", d.finish_reason))
+                            continue
+                        if s.req.tools is not None:  # calls go out whole, once parsed
+                            tool_text[d.index] = tool_text.get(d.index, "") + d.text
+                            if d.finish_reason:
+                                yield sse(builder.tool_calls_chunk(d.index, tool_text.pop(d.index), d.finish_reason))
                             continue
                         logprobs = None
                         if builder.top_logprobs is not None and d.logprobs is not None:

@@ -37,6 +37,9 @@ ENGINE_STATS: dict[str, tuple[str, str, str]] = {
     "step_seconds": ("engine_step_seconds", "counter", "Wall time inside engine steps (every phase)."),
     "num_tokens_computed": ("tokens_computed", "counter", "Tokens computed by engine steps."),
     "num_block_copies": ("block_copies", "counter", "Copy-on-write block copies."),
+    "num_constrained_requests": ("structured_output_requests", "counter", "Requests with an output grammar."),
+    "num_grammars_compiled": ("grammar_compilations", "counter", "Output grammars compiled (cache misses)."),
+    "num_grammar_cache_hits": ("grammar_cache_hits", "counter", "Output grammars found compiled in the cache."),
 }  # fmt: skip
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                    40.0, 80.0)  # fmt: skip

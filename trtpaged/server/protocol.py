@@ -13,6 +13,7 @@ from typing import Any, Optional, Union
 from pydantic import ValidationError
 
 from trtpaged.server import constraints
+from trtpaged.server.tools import ToolChoice, tool_choice
 from trtpaged.server.errors import ApiError, from_runtime_error, from_validation_error
 from trtpaged.server.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -41,6 +42,7 @@ class GenerationRequest:
     echo: bool = False  # completions: the prompt (and its log-probs) come before the completion
     echo_only: bool = False  # echo with max_tokens 0: the prompt is scored, nothing is returned after it
     prompt_logprobs: Optional[int] = None  # vLLM's prompt_logprobs field (returned in its own form)
+    tools: Optional[ToolChoice] = None  # chat: the output is tool calls (tool_choice required or named)
 
 
 def _token_list(ids: list[int], vocab_size: int) -> list[int]:
@@ -63,13 +65,15 @@ def _prompts(value: Any, vocab_size: int) -> list[Prompt]:
     return [p if isinstance(p, str) else _token_list(p, vocab_size) for p in value]
 
 
-def _messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The conversation for the chat template: role and text, plus the tool-call keys templates read."""
     out = []
     for msg in req.messages:
         content = msg.content or ""
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        out.append({"role": msg.role, "content": content})
+        extra = {k: v for k, v in (msg.model_extra or {}).items() if k in ("tool_calls", "tool_call_id", "name")}
+        out.append({"role": msg.role, "content": content, **extra})
     return out
 
 
@@ -130,6 +134,7 @@ def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int) 
     sampling = {k: getattr(req, k) for k in _SAMPLING_FIELDS if getattr(req, k) is not None}
     try:
         sampling.update(_constraint_fields(req, vocab_size))
+        tools = _tools(req, sampling)
     except ValueError as exc:  # StructuredOutputsParams' own checks name the request field that set it
         raise from_runtime_error(exc, names) from None
     stop = [req.stop] if isinstance(req.stop, str) else req.stop
@@ -168,6 +173,7 @@ def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int) 
         echo=echo,
         echo_only=echo_only,
         prompt_logprobs=req.prompt_logprobs,
+        tools=tools,
     )
 
 
@@ -186,3 +192,17 @@ def _constraint_fields(req: Union[CompletionRequest, ChatCompletionRequest], voc
     if grammar is not None:
         out["structured_outputs"] = grammar
     return out
+
+
+def _tools(req: Union[CompletionRequest, ChatCompletionRequest], sampling: dict[str, Any]) -> Optional[ToolChoice]:
+    """Chat tools: their grammar becomes the request's (a second grammar field is a 400 naming tool_choice)."""
+    if not isinstance(req, ChatCompletionRequest):
+        return None
+    tools = tool_choice(req.tools, req.tool_choice)
+    if tools is None:
+        return None
+    if "structured_outputs" in sampling:
+        raise ApiError("tool_choice: tool calls already constrain the output; drop response_format / "
+                       "structured_outputs / guided_*", "tool_choice")  # fmt: skip
+    sampling["structured_outputs"] = tools.grammar()
+    return tools

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from trtpaged.runtime.outputs import CompletionOutput, RequestOutput
+from trtpaged.server.tools import ToolChoice
 from trtpaged.server.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -18,6 +19,7 @@ from trtpaged.server.schemas import (
     CompletionLogprobs,
     CompletionResponse,
     Delta,
+    DeltaToolCall,
     PromptLogprob,
     PromptLogprobs,
     TokenLogprob,
@@ -112,6 +114,7 @@ class ResponseBuilder:
     created: int
     chat: bool
     top_logprobs: Optional[int] = None  # requested top-k, or None when logprobs are off
+    tools: Optional[ToolChoice] = None  # chat: outputs are tool calls
 
     def _envelope(self) -> dict[str, Any]:
         return {"id": self.request_id, "created": self.created, "model": self.model}
@@ -141,7 +144,11 @@ class ResponseBuilder:
                 common = {"index": p * n + c.index, "logprobs": self._logprobs(token_ids, logprobs, strings),
                           "finish_reason": c.finish_reason, "stop_reason": _stop_reason(c)}  # fmt: skip
                 if self.chat:
-                    choices.append(ChatChoice(message=AssistantMessage(content=text), **common))
+                    calls = self.tools.calls(text) if self.tools is not None and c.finish_reason == "stop" else None
+                    if calls is not None:
+                        common["finish_reason"] = "tool_calls"
+                    message = AssistantMessage(content=None, tool_calls=calls) if calls else AssistantMessage(content=text)
+                    choices.append(ChatChoice(message=message, **common))
                 else:
                     scored = vllm_prompt_logprobs(out.prompt_logprobs, strings) if (
                         prompt_logprobs and out.prompt_logprobs is not None) else None  # fmt: skip
@@ -170,6 +177,18 @@ class ResponseBuilder:
             return ChatCompletionChunk(**self._envelope(), choices=[choice])
         choice = CompletionChoice(index=index, text=text or "", logprobs=logprobs, finish_reason=finish_reason)
         return CompletionChunk(**self._envelope(), choices=[choice])
+
+    def tool_calls_chunk(self, index: int, text: str, finish_reason: Optional[str]) -> ChatCompletionChunk:
+        """A streamed choice's tool calls, sent whole once its constrained output finished (its text as
+        content when it did not complete, e.g. cut by max_tokens)."""
+        calls = self.tools.calls(text) if self.tools is not None and finish_reason == "stop" else None
+        if calls is None:
+            delta = Delta(content=text or None)
+        else:
+            delta = Delta(tool_calls=[DeltaToolCall(index=i, **call) for i, call in enumerate(calls)])
+            finish_reason = "tool_calls"
+        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)
+        return ChatCompletionChunk(**self._envelope(), choices=[choice])
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> Union[ChatCompletionChunk, CompletionChunk]:
         """The last chunk when stream_options.include_usage is set: no choices, the request's usage."""

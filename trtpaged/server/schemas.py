@@ -154,9 +154,25 @@ class CompletionResponse(BaseModel):
     usage: Optional[Usage] = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: Optional[str]
+    tool_calls: Optional[list[ToolCall]] = None
+
+
+class DeltaToolCall(ToolCall):
+    index: int
 
 
 class ChatChoice(BaseModel):
@@ -182,6 +198,7 @@ class Delta(BaseModel):
 
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
     @model_serializer(mode="wrap")
     def _without_nulls(self, handler: Any) -> dict[str, Any]:
