@@ -157,6 +157,7 @@ def test_tool_choice_none_generates_text(client):
     ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
     ({"bad_words": [""]}, "bad_words"),
     ({"n": 2, "use_beam_search": True, "guided_regex": "a"}, "guided_regex"),
+    ({"allowed_token_ids": [0], "guided_choice": ["yes"]}, "guided_choice"),  # found in the step: nothing allowed
 ])  # fmt: skip
 def test_bad_specs_are_400s_naming_the_field(client, server, extra, field):
     import openai

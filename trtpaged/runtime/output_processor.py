@@ -123,6 +123,7 @@ class OutputProcessor:
             num_preemptions=group.num_preemptions,
             num_cached_tokens=group.num_cached_tokens,
             error=group.error,
+            error_field=group.error_field,
             prompt_logprobs=self._prompt_logprobs(group, kind),
         )
 

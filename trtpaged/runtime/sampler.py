@@ -48,9 +48,11 @@ class Sample:
 
 @dataclass(frozen=True)
 class SampleFailure:
-    """A group that could not be sampled this step; `reason` is safe to show to its client."""
+    """A group that could not be sampled this step; `reason` is safe to show to its client. `field` names the
+    request field at fault when the request's own settings caused it (its token filters allow no token)."""
 
     reason: str
+    field: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -307,13 +309,27 @@ def sample_groups(groups: Sequence["SequenceGroup"], logits: torch.Tensor, rows:
         got = samples[start:end] if samples is not None else _isolated(
             request_id, errors, lambda: sample(logits, sample_rows[start:end]))  # fmt: skip
         if not isinstance(got, SampleFailure) and any(s is None for s in got):
-            got = _failed(request_id, NON_FINITE)
+            got = _blocked(logits, sample_rows[start:end], got) or _failed(request_id, NON_FINITE)
         results[request_id] = got
     if errors and len(errors) == len(groups) > 1:
         raise errors[0][1]
     for request_id, exc in errors:
         log.error("request %s failed in sampling", request_id, exc_info=exc)
     return results
+
+
+def _blocked(logits: torch.Tensor, rows: Sequence[SampleRow], got: Sequence[Optional[Sample]]
+             ) -> Optional[SampleFailure]:  # fmt: skip
+    """When a row got no token only because its request's token filters leave none (its raw logits are
+    sound): the failure, naming the filter field. None otherwise."""
+    for r, s in zip(rows, got):
+        if s is None and r.params.filters_tokens and not bool(_unsound(logits[[r.logits_row]].float()).any()):
+            p = r.params
+            field = (p.structured_outputs.origin if p.structured_outputs is not None else "allowed_token_ids"
+                     if p.allowed_token_ids is not None else "bad_words" if p.bad_words else "logit_bias")
+            return SampleFailure(f"{field}: the request's token filters (output grammar, allowed_token_ids, "
+                                 "bad_words, logit_bias) leave no token that may be sampled next", field)  # fmt: skip
+    return None
 
 
 def _failed(request_id: str, reason: str) -> SampleFailure:

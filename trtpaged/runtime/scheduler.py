@@ -171,7 +171,7 @@ class Scheduler:
         for group in out.sampled_groups:
             result = samples[group.request_id]
             if isinstance(result, SampleFailure):
-                self._fail(group, result.reason)
+                self._fail(group, result.reason, result.field)
                 continue
             if group.beam is not None:
                 self._advance_beams(group, result)  # type: ignore[arg-type]
@@ -252,9 +252,11 @@ class Scheduler:
         if seq in group.seqs:
             group.retire(seq)
 
-    def _fail(self, group: SequenceGroup, reason: str) -> None:
-        """The group's own sampling failed: it ends now (finish_reason "error", `group.error` says why)."""
+    def _fail(self, group: SequenceGroup, reason: str, field: Optional[str] = None) -> None:
+        """The group's own sampling failed: it ends now (finish_reason "error", `group.error` says why and
+        `group.error_field` names the request field at fault, when its own settings caused it)."""
         group.error = reason
+        group.error_field = field
         for seq in group.seqs:
             seq.finish("error")
         self._finish_group(group)

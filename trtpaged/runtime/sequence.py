@@ -138,6 +138,7 @@ class SequenceGroup:
         self.num_preemptions = 0
         self.num_cached_tokens: Optional[int] = None  # prompt tokens found in the prefix cache when first scheduled
         self.error: Optional[str] = None  # why the request failed in a step (its sequences finish "error")
+        self.error_field: Optional[str] = None  # the request field at fault, when its own settings caused it
         # the prompt tokens' log-probs as prefill steps compute them (the first token has none)
         self.prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = (
             [None] if params.prompt_logprobs is not None else None)

@@ -21,6 +21,7 @@ from trtpaged.server.engine_loop import (
     EngineFailure,
     EngineLoop,
     Overloaded,
+    RequestFailure,
     RequestTimeout,
     ShuttingDown,
     Subscription,
@@ -57,9 +58,12 @@ class Submitted:
 
 
 def runtime_failure(exc: Exception) -> ApiError:
-    """The answer to a request that the server could not finish (its own fault, not the client's)."""
+    """The answer to a request that the server could not finish: a 400 naming the field when the request's own
+    settings stopped it inside a step (token filters that allow no token), else a 5xx (the server's fault)."""
     if isinstance(exc, (ShuttingDown, Overloaded)):
         return overloaded(str(exc))
+    if isinstance(exc, RequestFailure):
+        return ApiError(str(exc), exc.field)
     if isinstance(exc, RequestTimeout):
         return ApiError("request: exceeded the server's request timeout and was aborted", None, 504, "timeout_error")
     return ApiError(str(exc) if isinstance(exc, EngineFailure) else "internal server error", None, 500, "server_error")

@@ -166,9 +166,15 @@ class ToolCall(BaseModel):
 
 
 class AssistantMessage(BaseModel):
+    """The reply: `content` (null when the reply is tool calls), and `tool_calls` only when there are some."""
+
     role: Literal["assistant"] = "assistant"
     content: Optional[str]
     tool_calls: Optional[list[ToolCall]] = None
+
+    @model_serializer(mode="wrap")
+    def _without_empty_tool_calls(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if k != "tool_calls" or v is not None}
 
 
 class DeltaToolCall(ToolCall):
