@@ -92,3 +92,30 @@ def test_prompt_logprobs_field_is_checked():
         SamplingParams(prompt_logprobs=-1)
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=1.5)
+
+
+@pytest.mark.slow
+def test_prompt_logprobs_match_hf_on_smollm2(smollm2_engine_dir):
+    """SmolLM2-135M (float32 engine) over HTTP-free LLM.generate, chunked: within verification's float32 tolerance."""
+    from runtime_helpers import hf_from_engine_dir
+    from trtpaged import LLM
+    from trtpaged.builder.verify import TOLERANCES
+
+    llm = LLM(smollm2_engine_dir, device="cpu", num_kv_blocks=64, max_num_tokens=32)
+    hf = hf_from_engine_dir(smollm2_engine_dir)
+    text = "The capital of France is Paris. The capital of Italy is Rome, and the capital of Spain is Madrid."
+    prompt = llm.tokenizer.encode(text)
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2))[0]
+    with torch.no_grad():
+        logits = hf.model(torch.tensor([prompt])).logits[0].float()
+    atol, rtol = TOLERANCES["float32"]
+    worst = check_within(out.prompt_logprobs, prompt, torch.log_softmax(logits, -1)[:-1],
+                         atol + rtol * float(logits.abs().max()))  # fmt: skip
+    print(f"SmolLM2 prompt log-probs: {len(prompt)} tokens, max abs diff vs HF {worst:.2e}")
+
+
+def check_within(entries, prompt, reference, tol):
+    assert entries[0] is None and len(entries) == len(prompt)
+    worst = max(abs(lp - float(reference[j][t])) for j, e in enumerate(entries[1:]) for t, lp in e.items())
+    assert worst <= tol, (worst, tol)
+    return worst
