@@ -118,3 +118,14 @@ def test_structured_params_are_checked():
     with pytest.raises(RequestError) as info:
         SamplingParams(beam_width=2, structured_outputs=Grammar(regex="a", origin="guided_regex"))
     assert info.value.field == "guided_regex" and "beam search" in str(info.value)
+
+
+def test_bench_structured_times_full_batches_and_counts_constrained_rows(tiny_engine_dir):
+    from trtpaged.bench.structured_bench import format_structured, run_structured_bench
+
+    report = run_structured_bench(tiny_engine_dir, batch=4, steps=3, repeats=1)
+    (rounds,) = report["rounds"]
+    assert rounds["plain_steps"] == rounds["constrained_steps"] == 3
+    assert report["ratio"] == pytest.approx(rounds["constrained"] / rounds["plain"])
+    assert report["constrained_requests"] == 2 * 2  # the warm-up's and the round's 2 constrained rows
+    assert "ratio (median of rounds)" in format_structured(report)
