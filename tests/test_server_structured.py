@@ -10,11 +10,10 @@ import re
 import pytest
 
 from tests.test_server import metrics, stream, wait_idle
-from trtpaged.server import start_server
+from tests.test_server_scoring import MODEL, client, server  # noqa: F401 - the same fixtures, one server per module
 
 jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is not installed")
 pytest.importorskip("xgrammar", reason="xgrammar is not installed (pip install xgrammar)")
-MODEL = "tiny-structured"
 SCHEMA = {
     "type": "object",
     "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}, "days": {"type": "integer", "minimum": 1, "maximum": 14},
@@ -32,19 +31,6 @@ TOOLS = [
         "required": ["a", "b"], "additionalProperties": False}}},
 ]  # fmt: skip
 MESSAGES = [{"role": "user", "content": "Plan a trip."}]
-
-
-@pytest.fixture(scope="module")
-def server(tiny_engine_dir):
-    handle = start_server(tiny_engine_dir, port=0, served_model_name=MODEL, device="cpu")
-    yield handle
-    handle.shutdown(timeout=0)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    openai = pytest.importorskip("openai", reason="the openai package is not installed (pip install openai)")
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
 def test_response_format_json_schema_on_both_endpoints(client, server):
