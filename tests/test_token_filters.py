@@ -11,7 +11,7 @@ import torch
 from runtime_helpers import hf_greedy, run_staggered, runtime_config, step_engine, tiny_hf
 from trtpaged.errors import RequestError
 from trtpaged.runtime.llm_engine import LLMEngine
-from trtpaged.runtime.sampler import SampleRow, sample
+from trtpaged.runtime.sampler import SampleRow, greedy_kernel, sample
 from trtpaged.runtime.sampling_params import SamplingParams
 
 EOS = 257
@@ -73,9 +73,10 @@ def test_bad_words_mask_only_where_the_output_ends_with_the_rest_of_the_word():
 def test_filtered_rows_leave_plain_greedy_rows_on_their_path_unchanged():
     logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(2))
     plain = SamplingParams(temperature=0.0)
-    alone = sample(logits, [SampleRow(i, plain, [0], 1) for i in (0, 2)])
+    kernel = greedy_kernel()  # with the kernel library's one-pass path where it is built
+    alone = sample(logits, [SampleRow(i, plain, [0], 1) for i in (0, 2)], kernel)
     mixed = sample(logits, [SampleRow(0, plain, [0], 1), SampleRow(1, SamplingParams(temperature=0.0,
-                   allowed_token_ids=(4,)), [0], 1), SampleRow(2, plain, [0], 1)])  # fmt: skip
+                   allowed_token_ids=(4,)), [0], 1), SampleRow(2, plain, [0], 1)], kernel)  # fmt: skip
     assert [s.token_id for s in alone] == [mixed[0].token_id, mixed[2].token_id] and mixed[1].token_id == 4
 
 

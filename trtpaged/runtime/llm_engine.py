@@ -15,7 +15,7 @@ from trtpaged.runtime.kv_cache_manager import KVCacheManager
 from trtpaged.runtime.output_processor import OutputProcessor
 from trtpaged.runtime.outputs import RequestOutput
 from trtpaged.runtime.runtime_config import RuntimeConfig
-from trtpaged.runtime.sampler import sample_groups
+from trtpaged.runtime.sampler import greedy_kernel, sample_groups
 from trtpaged.runtime.sampling_params import SamplingParams
 from trtpaged.runtime.scheduler import Scheduler, SchedulerOutput
 from trtpaged.runtime.scoring import score_prompts
@@ -57,6 +57,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config, self.kv, self.eos_token_ids)
         self.processor = OutputProcessor(tokenizer)
+        self.greedy_kernel = greedy_kernel()  # plain-greedy steps in one kernel pass: decided here, once
         self.grammars = GrammarCache(tokenizer, vocab_size or 0, self.eos_token_ids)
         self.num_constrained_requests = 0  # requests added with an output grammar
         self._arrivals = itertools.count()
@@ -156,7 +157,7 @@ class LLMEngine:
             clock.lap("prepare")
             logits = self.runner.step(batch).cpu()
             clock.lap("model")
-            samples = sample_groups(out.sampled_groups, logits, rows)
+            samples = sample_groups(out.sampled_groups, logits, rows, self.greedy_kernel)
             prompt_scores = score_prompts(logits, scored, self._scored_prompts(scored)) if scored else {}
             clock.lap("sample")
             self.scheduler.update_from_output(out, samples, prompt_scores)

@@ -12,7 +12,8 @@ from trtpaged.runtime.detokenizer import IncrementalDetokenizer
 from trtpaged.runtime.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from trtpaged.runtime.sequence import Sequence, SequenceGroup
 
-Stopped = tuple[SequenceGroup, Sequence, str]  # a sequence whose text reached this stop string
+# A sequence whose text reached this stop string, and the length its text keeps (the scheduler cuts and ends it).
+Stopped = tuple[SequenceGroup, Sequence, str, int]
 
 
 def find_stop_string(text: str, stops: Seq[str], new_chars: int) -> Optional[tuple[int, str]]:
@@ -59,10 +60,12 @@ class OutputProcessor:
             for seq in group.seqs + group.finished:
                 hit = self._decode_new(group, seq)
                 if hit is not None:
-                    stopped.append((group, seq, hit))
+                    stopped.append((group, seq, *hit))
         return stopped
 
-    def _decode_new(self, group: SequenceGroup, seq: Sequence) -> Optional[str]:
+    def _decode_new(self, group: SequenceGroup, seq: Sequence) -> Optional[tuple[str, int]]:
+        """Appends the text of the sequence's new tokens; (stop string, text length to keep) when its text
+        reached one (the text is not cut here: the scheduler applies the cut with the finish)."""
         params = group.params
         new_tokens = seq.output_token_ids[seq.num_decoded_tokens :]
         if not new_tokens:
@@ -77,8 +80,7 @@ class OutputProcessor:
             hit = find_stop_string(seq.output_text, params.stop, len(delta))
             if hit is not None:
                 index, stop = hit
-                seq.output_text = seq.output_text[: index + (len(stop) if params.include_stop_str_in_output else 0)]
-                return stop
+                return stop, index + (len(stop) if params.include_stop_str_in_output else 0)
         if seq.is_finished:
             seq.output_text += seq.detokenizer.flush()
         return None

@@ -22,19 +22,11 @@ import torch
 
 from trtpaged.runtime.sampling_params import SamplingParams
 
-if TYPE_CHECKING:  # sequence.py imports make_generator from here
+if TYPE_CHECKING:
     from trtpaged.runtime.sequence import SequenceGroup
 
-_SEED_STRIDE = 0x9E3779B1
 log = logging.getLogger("trtpaged.runtime")
 NON_FINITE = "its logits were not finite (NaN or inf), from the model or after its penalties"
-
-
-def make_generator(seed: Optional[int], index: int) -> Optional[torch.Generator]:
-    """A private RNG for output `index` of a seeded request: reproducible whatever else is batched."""
-    if seed is None:
-        return None
-    return torch.Generator().manual_seed((seed + index * _SEED_STRIDE) % (2**63))
 
 
 @dataclass(frozen=True)
@@ -175,6 +167,14 @@ def _plain_greedy(params: SamplingParams) -> bool:
             and not params.frequency_penalty and params.logprobs is None and not params.filters_tokens)  # fmt: skip
 
 
+def greedy_kernel() -> bool:
+    """Whether the kernel library's one-pass greedy_rows can serve plain-greedy CPU float32 batches:
+    decided once, when the engine loads (LLMEngine.greedy_kernel), and passed to `sample`."""
+    from trtpaged import kernels
+
+    return kernels.available() and kernels.has_greedy_rows()
+
+
 def _greedy_samples(logits: torch.Tensor, rows: Sequence[SampleRow]) -> Optional[list[Optional[Sample]]]:
     """Every row plain greedy, on a CPU float32 batch: the choice and its log-prob in one pass of the
     kernel library (full log_softmax, argmax and row copies cost ~1.4 ms at 16 x 49152 here, this
@@ -185,13 +185,8 @@ def _greedy_samples(logits: torch.Tensor, rows: Sequence[SampleRow]) -> Optional
         return None
     from trtpaged import kernels
 
-    if not kernels.available():
-        return None
     index = torch.tensor([r.logits_row for r in rows], dtype=torch.int64)
-    found = kernels.greedy_rows(logits, index)
-    if found is None:
-        return None
-    tokens, logsumexp = found
+    tokens, logsumexp = kernels.greedy_rows(logits, index)
     logprobs = (logits[index, tokens] - logsumexp).tolist()
     return [Sample(t, lp, None) if math.isfinite(lp) else None for t, lp in zip(tokens.tolist(), logprobs)]
 
@@ -202,16 +197,17 @@ def _unsound(logits: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(logits.amax(dim=1))
 
 
-def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[Optional[Sample]]:
+def sample(logits: torch.Tensor, rows: Sequence[SampleRow], greedy_kernel: bool = False) -> list[Optional[Sample]]:
     """Samples one token for each row; `logits` is the step's float32 [num_outputs, vocab] on the CPU.
+    `greedy_kernel` (see `greedy_kernel()`): a plain-greedy batch takes the kernel library's one pass.
 
     A row whose logits (raw, or after its penalties and temperature) are not finite gets None and
     draws nothing, so the other rows, seeded ones included, get the tokens they would get without it.
     """
     if not rows:
         return []
-    plain = [i for i, r in enumerate(rows) if _plain_greedy(r.params)]
-    if 0 < len(plain) < len(rows):  # plain greedy rows keep the fast path; the others take the full one
+    plain = [i for i, r in enumerate(rows) if _plain_greedy(r.params)] if greedy_kernel else []
+    if 0 < len(plain) < len(rows):  # plain greedy rows keep the one-pass path; the others take the full one
         fast = _greedy_samples(logits, [rows[i] for i in plain])
         if fast is not None:
             others = [i for i, r in enumerate(rows) if not _plain_greedy(r.params)]
@@ -221,7 +217,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[Optional[Sam
             for i, s in zip(others, _sample_rows(logits, [rows[i] for i in others])):
                 merged[i] = s
             return merged
-    fast = _greedy_samples(logits, rows) if len(plain) == len(rows) else None
+    fast = _greedy_samples(logits, rows) if plain and len(plain) == len(rows) else None
     return fast if fast is not None else _sample_rows(logits, rows)
 
 
@@ -266,9 +262,11 @@ def _top_logprobs(logprobs: torch.Tensor, tokens: list[int], ks: list[Optional[i
     return out
 
 
-def sample_groups(groups: Sequence["SequenceGroup"], logits: torch.Tensor, rows: dict[int, int]) -> dict[str, Any]:
+def sample_groups(groups: Sequence["SequenceGroup"], logits: torch.Tensor, rows: dict[int, int],
+                  greedy_kernel: bool = False) -> dict[str, Any]:
     """Each group's samples for this step, by request id: one batched draw over every sampling row,
     and the beams to keep for beam-search groups. Changes no sequence; the scheduler applies them.
+    `greedy_kernel`: as for `sample`, decided once when the engine loads.
 
     Before its first sample a group has one sequence, and its `n` samples all read that
     sequence's logits row; afterwards each live sequence reads its own row.
@@ -302,12 +300,12 @@ def sample_groups(groups: Sequence["SequenceGroup"], logits: torch.Tensor, rows:
                         for seq, index in targets]  # fmt: skip
         spans.append((group.request_id, start, len(sample_rows)))
     try:
-        samples: Optional[list[Optional[Sample]]] = sample(logits, sample_rows)
+        samples: Optional[list[Optional[Sample]]] = sample(logits, sample_rows, greedy_kernel)
     except Exception:  # noqa: BLE001 - find the groups at fault below
         samples = None
     for request_id, start, end in spans:
         got = samples[start:end] if samples is not None else _isolated(
-            request_id, errors, lambda: sample(logits, sample_rows[start:end]))  # fmt: skip
+            request_id, errors, lambda: sample(logits, sample_rows[start:end], greedy_kernel))  # fmt: skip
         if not isinstance(got, SampleFailure) and any(s is None for s in got):
             got = _blocked(logits, sample_rows[start:end], got) or _failed(request_id, NON_FINITE)
         results[request_id] = got
