@@ -74,7 +74,7 @@ HOSTILE = [
     ("unknown field", J({"prompt": "x", "evil": {"$gt": 1}}), {}, 400, "evil"),
     ("unknown field in stream_options", J({"prompt": "x", "stream": True, "stream_options": {"x": 1}}), {}, 400,
      "stream_options"),
-    ("unsupported feature", J({"prompt": "x", "echo": True}), {}, 400, "echo"),
+    ("unsupported feature", J({"prompt": "x", "suffix": "y"}), {}, 400, "suffix"),
     ("chat content as number", J({"messages": [{"role": "user", "content": 5}]}), {"path": "/v1/chat/completions"},
      400, "messages"),
     ("chat without messages", J({"messages": []}), {"path": "/v1/chat/completions"}, 400, "messages"),

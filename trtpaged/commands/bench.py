@@ -336,6 +336,28 @@ def serve_ratio(engine, repeats, max_tokens, concurrency, server_args, as_json) 
     click.echo(json.dumps(report, indent=2) if as_json else format_ratio(report))
 
 
+@command.command(name="structured")
+@click.argument("engine", type=click.Path(exists=True, file_okay=False))
+@click.option("--batch", type=click.IntRange(min=2), default=16, show_default=True, help="Requests decoding together.")
+@click.option("--steps", type=click.IntRange(min=2), default=32, show_default=True, help="Decode steps timed per run.")
+@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="Interleaved rounds.")
+@click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
+              help="Of every row (0: greedy; unconstrained greedy rows keep the one-pass path).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def structured(engine, batch, steps, repeats, temperature, as_json) -> None:
+    """Decode step time with half the batch under a JSON schema (xgrammar) vs none, interleaved in one run."""
+    import json
+
+    from trtpaged.bench.structured_bench import format_structured, run_structured_bench
+
+    try:
+        report = run_structured_bench(Path(engine), batch, steps, repeats, temperature,
+                                      progress=lambda msg: click.echo(f"  {msg}", err=True))  # fmt: skip
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(json.dumps(report, indent=2) if as_json else format_structured(report))
+
+
 @command.command(name="throughput")
 @click.argument("engine", type=click.Path(exists=True, file_okay=False))
 @click.option("--trace", type=click.Path(exists=True, dir_okay=False),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from trtpaged.runtime.runners.base import StepBatch
@@ -9,8 +11,20 @@ from trtpaged.runtime.kv_cache_manager import KVCacheManager
 from trtpaged.runtime.scheduler import SchedulerOutput
 
 
-def build_step_batch(out: SchedulerOutput, kv: KVCacheManager) -> tuple[StepBatch, dict[int, int]]:
-    """Returns the packed batch and, for each sequence whose logits come back, its logits row."""
+@dataclass(frozen=True)
+class PromptRows:
+    """The logits rows that score prompt tokens `first .. first + len(rows) - 1` of one request this step
+    (a token's log-prob comes from the logits of the position before it)."""
+
+    request_id: str
+    first: int
+    rows: list[int]
+
+
+def build_step_batch(out: SchedulerOutput, kv: KVCacheManager) -> tuple[StepBatch, dict[int, int], list[PromptRows]]:
+    """Returns the packed batch, the logits row of each sequence that samples, and the rows that score
+    prompt tokens for requests that asked for prompt log-probs (`SamplingParams.prompt_logprobs`): the
+    prefill chunk's own rows, so the scores come from the step that computes the prompt."""
     input_ids: list[int] = []
     positions: list[int] = []
     query_start = [0]
@@ -18,8 +32,18 @@ def build_step_batch(out: SchedulerOutput, kv: KVCacheManager) -> tuple[StepBatc
     tables: list[list[int]] = []
     logits_index: list[int] = []
     rows: dict[int, int] = {}
+    scored: list[PromptRows] = []
     for item in out.scheduled:
         end = item.start + item.num_tokens
+        scores = item.group.prompt_logprobs
+        if scores is not None and len(scores) < item.seq.num_prompt_tokens:
+            # position p's logits score token p + 1; positions already scored (before a preemption) are skipped
+            first, last = max(item.start, len(scores) - 1), min(end, item.seq.num_prompt_tokens - 1)
+            if first < last:
+                packed = len(input_ids) - item.start  # packed row of position 0 of this sequence
+                start_row = len(logits_index)
+                logits_index += range(packed + first, packed + last)
+                scored.append(PromptRows(item.group.request_id, first + 1, list(range(start_row, len(logits_index)))))
         input_ids += item.seq.token_ids[item.start : end]
         positions += range(item.start, end)
         query_start.append(len(input_ids))
@@ -39,4 +63,4 @@ def build_step_batch(out: SchedulerOutput, kv: KVCacheManager) -> tuple[StepBatc
         block_tables=torch.tensor(padded, dtype=i32).reshape(len(tables), width),
         logits_index=torch.tensor(logits_index, dtype=i32),
     )
-    return batch, rows
+    return batch, rows, scored

@@ -193,9 +193,11 @@ class LLM:
         outs = self.generate([self.chat_prompt(c) for c in conversations], sampling_params)  # type: ignore[arg-type]
         return outs if batch else outs[0]
 
-    def chat_prompt(self, messages: Seq[dict]) -> list[int]:
-        """Token ids of a conversation under the chat template, ready for the assistant's turn."""
-        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    def chat_prompt(self, messages: Seq[dict], tools: Optional[Seq[dict]] = None) -> list[int]:
+        """Token ids of a conversation under the chat template, ready for the assistant's turn (`tools`: OpenAI
+        tool definitions, for templates that show them to the model)."""
+        extra = {"tools": list(tools)} if tools else {}
+        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False, **extra)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def close(self) -> None:

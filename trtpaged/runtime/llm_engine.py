@@ -8,7 +8,7 @@ import time
 from typing import Any, Optional, Sequence as Seq, Union
 
 from trtpaged.errors import RequestError
-from trtpaged.runtime.batch_builder import build_step_batch
+from trtpaged.runtime.batch_builder import PromptRows, build_step_batch
 from trtpaged.runtime.beam_search import BeamSearch
 from trtpaged.runtime.runners.base import ModelRunner
 from trtpaged.runtime.kv_cache_manager import KVCacheManager, TierSave
@@ -19,6 +19,8 @@ from trtpaged.runtime.runtime_config import RuntimeConfig
 from trtpaged.runtime.sampler import greedy_kernel, sample_groups
 from trtpaged.runtime.sampling_params import SamplingParams
 from trtpaged.runtime.scheduler import Scheduler, SchedulerOutput
+from trtpaged.runtime.scoring import score_prompts
+from trtpaged.runtime.structured import GrammarCache
 from trtpaged.runtime.sequence import Sequence, SequenceGroup
 
 Prompt = Union[str, Seq[int]]
@@ -58,6 +60,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv, self.eos_token_ids)
         self.processor = OutputProcessor(tokenizer)
         self.greedy_kernel = greedy_kernel()  # plain-greedy steps in one kernel pass: decided here, once
+        self.grammars = GrammarCache(tokenizer, vocab_size or 0, self.eos_token_ids)
+        self.num_constrained_requests = 0  # requests added with an output grammar
         self._arrivals = itertools.count()
         self._request_ids = itertools.count()
         self.groups: dict[str, SequenceGroup] = {}
@@ -95,15 +99,37 @@ class LLMEngine:
             raise RequestError("request_id", f"{request_id!r} is already in use")
         # Before anything proportional to the request (its n generators, beams, sequences) is built.
         self.scheduler.check_request(len(token_ids), params)
+        bad_words = self._token_filters(params)
+        compiled = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
         beam = None
         if params.use_beam_search:
             room = self.config.max_seq_len - len(token_ids)
             beam = BeamSearch(params, self.eos_token_ids, max(1, min(params.max_tokens or room, room)))
         seq = Sequence(self.scheduler.new_seq_id(), token_ids)
         group = SequenceGroup(request_id, next(self._arrivals), text, seq, params, beam)
+        group.bad_words = bad_words
+        if compiled is not None:
+            seq.grammar = self.grammars.matcher(compiled)
+            self.num_constrained_requests += 1
         self.scheduler.add(group)
         self.groups[request_id] = group
         return request_id
+
+    def _token_filters(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
+        """Checks logit_bias and allowed_token_ids against the vocabulary; returns the bad words' token ids
+        (each word as the tokenizer spells it alone and after a space, as vLLM does)."""
+        vocab = self.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = next((t for t in ids if vocab is not None and t >= vocab), None)
+            if bad is not None:
+                raise RequestError(name, f"token id {bad} is outside the vocabulary [0, {vocab})", vocab)
+        if not params.bad_words:
+            return ()
+        if self.tokenizer is None:
+            raise RequestError("bad_words", "needs the engine's tokenizer")
+        spellings = {tuple(self.tokenizer.encode(prefix + word, add_special_tokens=False))
+                     for word in params.bad_words for prefix in ("", " ")}  # fmt: skip
+        return tuple(sorted(s for s in spellings if s))
 
     def abort(self, request_id: str) -> bool:
         """Stops a request now; its blocks return to the pool. False if it is unknown or done."""
@@ -132,13 +158,14 @@ class LLMEngine:
         touched = list(out.refused)
         if not out.is_empty:
             self.runner.copy_blocks(out.block_copies)
-            batch, rows = build_step_batch(out, self.kv)
+            batch, rows, scored = build_step_batch(out, self.kv)
             clock.lap("prepare")
             logits = self.runner.step(batch).cpu()
             clock.lap("model")
             samples = sample_groups(out.sampled_groups, logits, rows, self.greedy_kernel)
+            prompt_scores = score_prompts(logits, scored, self._scored_prompts(scored)) if scored else {}
             clock.lap("sample")
-            self.scheduler.update_from_output(out, samples)
+            self.scheduler.update_from_output(out, samples, prompt_scores)
             clock.lap("update")
             self.scheduler.finish_stopped(self.processor.detokenize(out.sampled_groups))
             touched += out.sampled_groups
@@ -151,6 +178,10 @@ class LLMEngine:
                 self.groups.pop(group.request_id, None)
         clock.lap("output")
         return results
+
+    def _scored_prompts(self, scored: Seq[PromptRows]) -> dict[str, tuple[list[int], int]]:
+        return {s.request_id: (self.groups[s.request_id].prompt_token_ids,
+                               self.groups[s.request_id].params.prompt_logprobs or 0) for s in scored}  # fmt: skip
 
     def _save_to_tiers(self, saves: Seq[TierSave], persistent_only: bool = False) -> None:
         tiers = self.kv.tiers
@@ -192,6 +223,9 @@ class LLMEngine:
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_swapped=len(self.scheduler.swapped),
+            num_constrained_requests=self.num_constrained_requests,
+            num_grammars_compiled=self.grammars.num_compiled,
+            num_grammar_cache_hits=self.grammars.num_hits,
         )
         return stats
 

@@ -125,7 +125,19 @@ class OutputProcessor:
             num_preemptions=group.num_preemptions,
             num_cached_tokens=group.num_cached_tokens,
             error=group.error,
+            error_field=group.error_field,
+            prompt_logprobs=self._prompt_logprobs(group, kind),
         )
+
+    @staticmethod
+    def _prompt_logprobs(group: SequenceGroup, kind: RequestOutputKind) -> Optional[list[Optional[dict[int, float]]]]:
+        if group.prompt_logprobs is None or group.scores_prompt:
+            return None
+        if kind is RequestOutputKind.DELTA:
+            if group.prompt_logprobs_sent:
+                return None
+            group.prompt_logprobs_sent = True
+        return list(group.prompt_logprobs)
 
     @staticmethod
     def _by_index(group: SequenceGroup) -> list[Sequence]:

@@ -40,9 +40,11 @@ class Sample:
 
 @dataclass(frozen=True)
 class SampleFailure:
-    """A group that could not be sampled this step; `reason` is safe to show to its client."""
+    """A group that could not be sampled this step; `reason` is safe to show to its client. `field` names the
+    request field at fault when the request's own settings caused it (its token filters allow no token)."""
 
     reason: str
+    field: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,8 @@ class SampleRow:
     token_ids: Sequence[int]  # prompt + output so far (repetition penalty)
     num_prompt_tokens: int  # output tokens (presence/frequency penalties) start here
     generator: Optional[torch.Generator] = None
+    grammar: Optional[Any] = None  # the sequence's grammar matcher (read here, advanced by the scheduler)
+    bad_words: Sequence[Sequence[int]] = ()  # token-id spellings of the request's bad words
 
 
 def _column(values: Sequence[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -70,6 +74,32 @@ def _padded(rows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
             ids[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
             mask[i, : len(r)] = True
     return ids, mask
+
+
+def apply_token_filters(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """In place, for the rows that ask: the grammar's bitmask, allowed_token_ids, bad words (a word's last
+    token where the output ends with the rest of it), then logit_bias (added, as OpenAI does)."""
+    constrained = [(i, r.grammar) for i, r in enumerate(rows) if r.grammar is not None]
+    if constrained:
+        from trtpaged.runtime.structured import mask_logits
+
+        mask_logits(logits, constrained)
+    for i, r in enumerate(rows):
+        p = r.params
+        if p.allowed_token_ids is not None:
+            keep = torch.zeros(logits.shape[1], dtype=torch.bool)
+            keep[list(p.allowed_token_ids)] = True
+            logits[i].masked_fill_(~keep, float("-inf"))
+        if r.bad_words:
+            output = r.token_ids[r.num_prompt_tokens :]
+            banned = [w[-1] for w in r.bad_words
+                      if len(w) <= len(output) + 1 and list(output[len(output) - len(w) + 1 :]) == list(w[:-1])]
+            if banned:
+                logits[i, banned] = float("-inf")
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
@@ -134,7 +164,7 @@ def _draw(probs: torch.Tensor, generators: Sequence[Optional[torch.Generator]]) 
 def _plain_greedy(params: SamplingParams) -> bool:
     """Greedy with nothing that changes the logits first and no top log-probs asked for."""
     return (params.greedy and params.repetition_penalty == 1.0 and not params.presence_penalty
-            and not params.frequency_penalty and params.logprobs is None)  # fmt: skip
+            and not params.frequency_penalty and params.logprobs is None and not params.filters_tokens)  # fmt: skip
 
 
 def greedy_kernel() -> bool:
@@ -176,12 +206,26 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], greedy_kernel: bool 
     """
     if not rows:
         return []
-    fast = _greedy_samples(logits, rows) if greedy_kernel else None
-    if fast is not None:
-        return fast
+    plain = [i for i, r in enumerate(rows) if _plain_greedy(r.params)] if greedy_kernel else []
+    if 0 < len(plain) < len(rows):  # plain greedy rows keep the one-pass path; the others take the full one
+        fast = _greedy_samples(logits, [rows[i] for i in plain])
+        if fast is not None:
+            others = [i for i, r in enumerate(rows) if not _plain_greedy(r.params)]
+            merged: list[Optional[Sample]] = [None] * len(rows)
+            for i, s in zip(plain, fast):
+                merged[i] = s
+            for i, s in zip(others, _sample_rows(logits, [rows[i] for i in others])):
+                merged[i] = s
+            return merged
+    fast = _greedy_samples(logits, rows) if plain and len(plain) == len(rows) else None
+    return fast if fast is not None else _sample_rows(logits, rows)
+
+
+def _sample_rows(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[Optional[Sample]]:
+    """Penalties, token filters, temperature and the draw for `rows` (any settings)."""
     raw = logits[[r.logits_row for r in rows]].float()
     raw_logprobs = torch.log_softmax(raw, dim=1)
-    processed = apply_penalties(raw.clone(), rows)
+    processed = apply_penalties(apply_token_filters(raw.clone(), rows), rows)
     bad: list[bool] = _unsound(processed).tolist()  # a raw NaN / inf / all -inf row stays so under penalties
     tokens = processed.argmax(dim=1).tolist()
     random = [i for i, r in enumerate(rows) if not r.params.greedy and not bad[i]]
@@ -252,7 +296,8 @@ def sample_groups(groups: Sequence["SequenceGroup"], logits: torch.Tensor, rows:
             targets = [(group.seqs[0], i) for i in range(group.params.n)]
         start = len(sample_rows)
         sample_rows += [SampleRow(rows[seq.seq_id], group.params, seq.token_ids, seq.num_prompt_tokens,
-                                  group.generators[index]) for seq, index in targets]  # fmt: skip
+                                  group.generators[index], seq.grammar, group.bad_words)
+                        for seq, index in targets]  # fmt: skip
         spans.append((group.request_id, start, len(sample_rows)))
     try:
         samples: Optional[list[Optional[Sample]]] = sample(logits, sample_rows, greedy_kernel)
@@ -262,13 +307,27 @@ def sample_groups(groups: Sequence["SequenceGroup"], logits: torch.Tensor, rows:
         got = samples[start:end] if samples is not None else _isolated(
             request_id, errors, lambda: sample(logits, sample_rows[start:end], greedy_kernel))  # fmt: skip
         if not isinstance(got, SampleFailure) and any(s is None for s in got):
-            got = _failed(request_id, NON_FINITE)
+            got = _blocked(logits, sample_rows[start:end], got) or _failed(request_id, NON_FINITE)
         results[request_id] = got
     if errors and len(errors) == len(groups) > 1:
         raise errors[0][1]
     for request_id, exc in errors:
         log.error("request %s failed in sampling", request_id, exc_info=exc)
     return results
+
+
+def _blocked(logits: torch.Tensor, rows: Sequence[SampleRow], got: Sequence[Optional[Sample]]
+             ) -> Optional[SampleFailure]:  # fmt: skip
+    """When a row got no token only because its request's token filters leave none (its raw logits are
+    sound): the failure, naming the filter field. None otherwise."""
+    for r, s in zip(rows, got):
+        if s is None and r.params.filters_tokens and not bool(_unsound(logits[[r.logits_row]].float()).any()):
+            p = r.params
+            field = (p.structured_outputs.origin if p.structured_outputs is not None else "allowed_token_ids"
+                     if p.allowed_token_ids is not None else "bad_words" if p.bad_words else "logit_bias")
+            return SampleFailure(f"{field}: the request's token filters (output grammar, allowed_token_ids, "
+                                 "bad_words, logit_bias) leave no token that may be sampled next", field)  # fmt: skip
+    return None
 
 
 def _failed(request_id: str, reason: str) -> SampleFailure:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+import json
 import math
-from typing import Any, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 from trtpaged.errors import RequestError
 from trtpaged.runtime.outputs import RequestOutputKind
@@ -17,6 +18,12 @@ MAX_STOP_STRING_CHARS = 128  # characters per stop string (and text held back wh
 MAX_STOP_TOKEN_IDS = 1024  # stop token ids per request: each sampled token is compared with them
 LENGTH_PENALTY_RANGE = (-10.0, 10.0)  # gen_len ** length_penalty stays finite for any max_seq_len < 2**64
 REPETITION_PENALTY_RANGE = (0.01, 100.0)  # logits scaled by <= 100x, then by 1/temperature <= 1e5: finite in fp32
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
+MAX_LOGIT_BIAS = 1024  # biased tokens per request (OpenAI allows 300; vLLM does not bound it)
+MAX_ALLOWED_TOKEN_IDS = 1 << 20  # allowed_token_ids per request (a vocabulary's worth)
+MAX_BAD_WORDS = 64  # bad words per request: each is matched against the output tail at every sample
+MAX_BAD_WORD_CHARS = 128
+MAX_GRAMMAR_CHARS = 64 * 1024  # a schema, regex or grammar's text, and the joined choices
 
 
 def _is_int(value: Any) -> bool:
@@ -37,6 +44,76 @@ def _within(value: float, bounds: tuple[float, float]) -> bool:
     return bounds[0] <= value <= bounds[1]
 
 
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A grammar that constrains a request's output (vLLM's `StructuredOutputsParams`); set exactly one of:
+    `json` (a JSON schema, as a dict or its JSON text), `regex`, `choice` (the output is one of these
+    strings), `grammar` (EBNF, as xgrammar reads it) or `json_object=True` (any JSON object).
+    `origin` is the request field that set it, named in errors (e.g. "response_format")."""
+
+    json: Optional[Union[str, Mapping[str, Any]]] = None
+    regex: Optional[str] = None
+    choice: Optional[tuple[str, ...]] = None
+    grammar: Optional[str] = None
+    json_object: bool = False
+    origin: str = field(default="structured_outputs", compare=False)
+
+    def __post_init__(self) -> None:
+        name = self.origin
+        given = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise RequestError(name, f"set exactly one of {', '.join(_STRUCTURED_KINDS)}, got {given or 'none'}")
+        if self.json is not None:
+            if isinstance(self.json, Mapping):
+                try:
+                    text = json.dumps(self.json, sort_keys=True)
+                except (TypeError, ValueError) as exc:
+                    raise RequestError(name, f"json schema is not JSON ({exc})") from None
+            elif isinstance(self.json, str):
+                text = self.json
+            else:
+                raise RequestError(name, f"json must be a schema object or its JSON text, got {type(self.json).__name__}")
+            if len(text) > MAX_GRAMMAR_CHARS:
+                raise RequestError(name, f"json schema of {len(text)} characters exceeds {MAX_GRAMMAR_CHARS}",
+                                   MAX_GRAMMAR_CHARS)
+        for kind in ("regex", "grammar"):
+            value = getattr(self, kind)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise RequestError(name, f"{kind} must be a non-empty string, got {value!r:.80}")
+            if value is not None and len(value) > MAX_GRAMMAR_CHARS:
+                raise RequestError(name, f"{kind} of {len(value)} characters exceeds {MAX_GRAMMAR_CHARS}",
+                                   MAX_GRAMMAR_CHARS)
+        if self.choice is not None:
+            choice = self.choice
+            if not isinstance(choice, (list, tuple)) or not choice or not all(isinstance(c, str) and c for c in choice):
+                raise RequestError(name, f"choice must be a non-empty list of non-empty strings, got {choice!r:.80}")
+            if sum(len(c) for c in choice) > MAX_GRAMMAR_CHARS:
+                raise RequestError(name, f"choices exceed {MAX_GRAMMAR_CHARS} characters in all", MAX_GRAMMAR_CHARS)
+            object.__setattr__(self, "choice", tuple(choice))
+        if not isinstance(self.json_object, bool):
+            raise RequestError(name, f"json_object must be a bool, got {self.json_object!r:.80}")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """What identifies the compiled grammar (the grammar cache's key)."""
+        kind = self.kind
+        if kind == "json":
+            value = self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+        elif kind == "choice":
+            value = json.dumps(self.choice)
+        elif kind == "json_object":
+            value = ""
+        else:
+            value = getattr(self, kind)
+        return kind, value  # type: ignore[return-value]
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to generate one request's completions. Invalid values raise `RequestError` naming the field.
@@ -52,8 +129,10 @@ class SamplingParams:
     top_k >= 0 (0 or -1: off); presence_penalty and frequency_penalty in [-2, 2]
     (OpenAI's); repetition_penalty in [0.01, 100]; length_penalty in [-10, 10];
     max_tokens, n, beam_width >= 1 (the engine then bounds them by max_seq_len and
-    max_batch_size, before anything is allocated); logprobs >= 0; at most
-    32 stop strings of 1..128 characters and 1024 stop token ids.
+    max_batch_size, before anything is allocated); logprobs, prompt_logprobs >= 0; at most
+    32 stop strings of 1..128 characters and 1024 stop token ids; logit_bias: at most 1024
+    token ids, each biased by [-100, 100]; at most 64 bad words of 1..128 characters.
+    The token filters and `structured_outputs` are refused with beam search.
     """
 
     max_tokens: Optional[int] = 16  # None: until EOS/stop or max_seq_len
@@ -74,6 +153,11 @@ class SamplingParams:
     length_penalty: float = 1.0
     early_stopping: Union[bool, str] = False
     logprobs: Optional[int] = None  # top-k log-probs per generated token
+    prompt_logprobs: Optional[int] = None  # log-probs of the prompt's own tokens (+ top-k), from the prefill
+    logit_bias: Optional[Mapping[int, float]] = None  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: Optional[tuple[int, ...]] = None  # only these may be sampled
+    bad_words: tuple[str, ...] = ()  # never generated (their last token is masked where the rest matches)
+    structured_outputs: Optional[StructuredOutputsParams] = None  # a grammar the output must follow
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what each step's RequestOutput holds
 
@@ -99,9 +183,11 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop_ids))
         if _is_int(self.top_k) and self.top_k == -1:  # vLLM's spelling of "off"
             object.__setattr__(self, "top_k", 0)
-        for name in ("max_tokens", "n", "beam_width", "top_k", "seed", "logprobs"):
+        self._check_token_filters()
+        for name in ("max_tokens", "n", "beam_width", "top_k", "seed", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if not _is_int(value) and not (value is None and name in ("max_tokens", "seed", "logprobs")):
+            if not _is_int(value) and not (value is None and name in ("max_tokens", "seed", "logprobs",
+                                                                       "prompt_logprobs")):
                 raise RequestError(name, f"must be an integer, got {value!r:.80}")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty", "length_penalty"):
@@ -124,6 +210,7 @@ class SamplingParams:
             ("beam_width", self.beam_width >= 1, "must be >= 1", 1),
             ("early_stopping", self.early_stopping in (True, False, "never"), "must be True, False or 'never'", None),
             ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be >= 0", 0),
+            ("prompt_logprobs", self.prompt_logprobs is None or self.prompt_logprobs >= 0, "must be >= 0", 0),
             ("output_kind", isinstance(self.output_kind, RequestOutputKind), "must be a RequestOutputKind", None),
         ]
         for name, ok, rule, limit in checks:
@@ -135,6 +222,50 @@ class SamplingParams:
                                    self.beam_width)
             if self.stop:
                 raise RequestError("stop", "stop strings are not supported with beam search")
+            for name in ("structured_outputs", "logit_bias", "allowed_token_ids", "bad_words"):
+                if getattr(self, name):
+                    what = self.structured_outputs.origin if name == "structured_outputs" else name  # type: ignore
+                    raise RequestError(what, "not supported with beam search (use n samples instead)")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise RequestError("structured_outputs", "must be a StructuredOutputsParams")
+
+    def _check_token_filters(self) -> None:
+        """logit_bias, allowed_token_ids and bad_words: types, counts and ranges (token ids against the
+        vocabulary are checked by the engine, which knows it)."""
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, Mapping):
+                raise RequestError("logit_bias", f"must map token ids to biases, got {type(bias).__name__}")
+            if len(bias) > MAX_LOGIT_BIAS:
+                raise RequestError("logit_bias", f"at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}", MAX_LOGIT_BIAS)
+            for token, value in bias.items():
+                if not _is_int(token) or token < 0:
+                    raise RequestError("logit_bias", f"keys must be token ids (ints >= 0), got {token!r:.80}")
+                if not _is_finite_number(value) or not _within(float(value), LOGIT_BIAS_RANGE):
+                    raise RequestError("logit_bias", f"biases must be numbers in [-100, 100], got {value!r:.80} "
+                                       f"for token {token}", "[-100, 100]")  # fmt: skip
+            object.__setattr__(self, "logit_bias", {int(t): float(v) for t, v in bias.items()} or None)
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if not isinstance(allowed, (list, tuple)) or not allowed or not all(_is_int(t) and t >= 0 for t in allowed):
+                raise RequestError("allowed_token_ids", f"must be a non-empty list of token ids, got {allowed!r:.80}")
+            if len(allowed) > MAX_ALLOWED_TOKEN_IDS:
+                raise RequestError("allowed_token_ids", f"at most {MAX_ALLOWED_TOKEN_IDS} ids, got {len(allowed)}",
+                                   MAX_ALLOWED_TOKEN_IDS)  # fmt: skip
+            object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in allowed))
+        words = () if self.bad_words is None else (self.bad_words,) if isinstance(self.bad_words, str) else self.bad_words
+        if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w for w in words):
+            raise RequestError("bad_words", f"must be a list of non-empty strings, got {self.bad_words!r:.80}")
+        if len(words) > MAX_BAD_WORDS or any(len(w) > MAX_BAD_WORD_CHARS for w in words):
+            raise RequestError("bad_words", f"at most {MAX_BAD_WORDS} words of at most {MAX_BAD_WORD_CHARS} "
+                               "characters", MAX_BAD_WORDS)  # fmt: skip
+        object.__setattr__(self, "bad_words", tuple(words))
+
+    @property
+    def filters_tokens(self) -> bool:
+        """Whether something besides the model and penalties decides which tokens may be sampled."""
+        return bool(self.logit_bias or self.allowed_token_ids is not None or self.bad_words
+                    or self.structured_outputs is not None)  # fmt: skip
 
     @property
     def use_beam_search(self) -> bool:

@@ -22,6 +22,7 @@ from trtpaged.runtime.runtime_config import RuntimeConfig
 from trtpaged.runtime.sampler import Sample, SampleFailure
 from trtpaged.runtime.sampling_params import SamplingParams
 from trtpaged.runtime.sequence import Sequence, SequenceGroup, SequenceStatus
+from trtpaged.runtime.structured import accepts
 
 # What one group's step produced: a token per sample (index order before the first fork,
 # then `group.seqs` order), the beams to keep, or why it could not be sampled.
@@ -167,16 +168,22 @@ class Scheduler:
         return None
 
     # ---- after the step -----------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, samples: Mapping[str, GroupSamples]) -> None:
-        """The step ran: its K/V is cached; each sampled group takes its tokens, forks, finishes and frees."""
+    def update_from_output(self, out: SchedulerOutput, samples: Mapping[str, GroupSamples],
+                           prompt_logprobs: Optional[Mapping[str, list[dict[int, float]]]] = None) -> None:
+        """The step ran: its K/V is cached; groups scoring their prompt keep the new prompt log-probs; each
+        sampled group takes its tokens, forks, finishes and frees."""
+        scored = dict(prompt_logprobs or {})
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_tokens
             self.kv.cache_computed_blocks(item.seq)
             self.kv.reclaim(item.seq)  # after caching: a block's chain parent is kept until it is cached
+            scores = scored.pop(item.group.request_id, None)
+            if scores and item.group.prompt_logprobs is not None:
+                item.group.prompt_logprobs += scores
         for group in out.sampled_groups:
             result = samples[group.request_id]
             if isinstance(result, SampleFailure):
-                self._fail(group, result.reason)
+                self._fail(group, result.reason, result.field)
                 continue
             if group.beam is not None:
                 self._advance_beams(group, result)  # type: ignore[arg-type]
@@ -206,6 +213,9 @@ class Scheduler:
                 group.seqs.append(child)
         for seq, sample in zip(list(group.seqs), samples):
             seq.append_token(sample.token_id, sample.logprob, sample.top_logprobs)
+            if not accepts(seq.grammar, sample.token_id):
+                self._fail(group, f"its output grammar rejected token {sample.token_id}")
+                return
             reason = self._finish_reason(group.params, seq, sample.token_id)
             if reason is not None:
                 seq.finish(*reason)
@@ -214,6 +224,8 @@ class Scheduler:
     def _finish_reason(self, params: SamplingParams, seq: Sequence, token: int) -> Optional[tuple[str, Optional[int]]]:
         """Token-level stops: EOS, a stop token id, max_tokens or max_seq_len (stop strings are textual)."""
         if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
+            return "stop", token
+        if seq.grammar is not None and seq.grammar.is_terminated():  # the grammar is complete and took its end
             return "stop", token
         if (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) or (
             len(seq.token_ids) >= self.config.max_seq_len
@@ -256,9 +268,11 @@ class Scheduler:
         if seq in group.seqs:
             group.retire(seq)
 
-    def _fail(self, group: SequenceGroup, reason: str) -> None:
-        """The group's own sampling failed: it ends now (finish_reason "error", `group.error` says why)."""
+    def _fail(self, group: SequenceGroup, reason: str, field: Optional[str] = None) -> None:
+        """The group's own sampling failed: it ends now (finish_reason "error", `group.error` says why and
+        `group.error_field` names the request field at fault, when its own settings caused it)."""
         group.error = reason
+        group.error_field = field
         for seq in group.seqs:
             seq.finish("error")
         self._finish_group(group)
@@ -310,7 +324,7 @@ class Scheduler:
         return out
 
     def _plan(self, group: SequenceGroup, budget: list[int]) -> tuple[Optional[list[AllocRequest]], bool]:
-        hits = [self.kv.find_cached_prefix(s) for s in group.seqs]
+        hits = [[] if group.scores_prompt else self.kv.find_cached_prefix(s) for s in group.seqs]
         bs = self.kv.block_size
         remaining = [
             len(s.token_ids) - len(h) * bs if h else s.num_uncomputed_tokens for s, h in zip(group.seqs, hits)

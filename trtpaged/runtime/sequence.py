@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import enum
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -62,6 +62,7 @@ class Sequence:
         self.detokenizer = None  # an IncrementalDetokenizer, set by the output processor
         self.num_decoded_tokens = 0  # output tokens already detokenized
         self.emitted = _Emitted()  # what DELTA outputs have already returned
+        self.grammar: Optional[Any] = None  # an xgrammar matcher in step with the output (structured outputs)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -101,6 +102,7 @@ class Sequence:
         child.num_decoded_tokens = 0
         child.output_text = ""
         child.emitted = _Emitted()
+        child.grammar = self.grammar.fork() if self.grammar is not None else None
         return child
 
     def __repr__(self) -> str:
@@ -144,6 +146,18 @@ class SequenceGroup:
         self.num_preemptions = 0
         self.num_cached_tokens: Optional[int] = None  # prompt tokens found in the prefix cache when first scheduled
         self.error: Optional[str] = None  # why the request failed in a step (its sequences finish "error")
+        self.error_field: Optional[str] = None  # the request field at fault, when its own settings caused it
+        # the prompt tokens' log-probs as prefill steps compute them (the first token has none)
+        self.prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = (
+            [None] if params.prompt_logprobs is not None else None)
+        self.prompt_logprobs_sent = False  # whether a DELTA output carried them
+        self.bad_words: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token ids (set by the engine)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Prompt log-probs were asked for and not all are computed yet (the prompt takes no prefix-cache hits
+        until then: a cached block's tokens have no logits)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def is_finished(self) -> bool:

@@ -31,6 +31,14 @@ class EngineFailure(RuntimeError):
     """The engine raised during a step; the requests in flight end with it."""
 
 
+class RequestFailure(EngineFailure):
+    """The request's own settings stopped it inside a step (e.g. token filters that allow no token): a 400."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 class ShuttingDown(RuntimeError):
     """The server is stopping: new requests are refused, and those still running at the deadline end with it."""
 
@@ -322,21 +330,21 @@ class EngineLoop:
                 continue
             self._observe(out, now)
             if out.error is not None:  # this request alone failed in the step; the others go on
-                self._fail_request(out.request_id, sub, out.error)
+                self._fail_request(out.request_id, sub, out.error, out.error_field)
                 continue
             delivered.append((sub, out))
             if out.finished:
                 self._forget(out.request_id)
         _deliver(delivered)
 
-    def _fail_request(self, rid: str, sub: Subscription, reason: str) -> None:
+    def _fail_request(self, rid: str, sub: Subscription, reason: str, field: Optional[str] = None) -> None:
         """Ends an HTTP request whose engine request `rid` failed (already finished and freed by the
         engine): its client gets a 500 or an error event, its other prompts' engine requests are aborted."""
         self._forget(rid)
         for other in sub.request_ids:
             if self._subs.get(other) is sub:
                 self._abort(other)
-        sub.put(EngineFailure(f"the request failed in the engine: {reason}"))
+        sub.put(RequestFailure(reason, field) if field else EngineFailure(f"the request failed in the engine: {reason}"))
 
     def _observe(self, out: RequestOutput, now: float) -> None:
         """Token timing metrics from one DELTA output (the server asks every request for DELTA outputs)."""

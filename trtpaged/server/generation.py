@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import time
@@ -22,13 +23,14 @@ from trtpaged.server.engine_loop import (
     EngineFailure,
     EngineLoop,
     Overloaded,
+    RequestFailure,
     RequestTimeout,
     ShuttingDown,
     Subscription,
 )
 from trtpaged.server.errors import ApiError, from_runtime_error, overloaded
 from trtpaged.server.protocol import GenerationRequest, parse_generation
-from trtpaged.server.responses import ResponseBuilder, logprob_token_ids
+from trtpaged.server.responses import Echo, ResponseBuilder, logprob_token_ids, top_entries
 from trtpaged.server.schemas import dump
 from trtpaged.server.stream_state import CompletionAccumulator, StreamState
 
@@ -58,9 +60,12 @@ class Submitted:
 
 
 def runtime_failure(exc: Exception) -> ApiError:
-    """The answer to a request that the server could not finish (its own fault, not the client's)."""
+    """The answer to a request that the server could not finish: a 400 naming the field when the request's own
+    settings stopped it inside a step (token filters that allow no token), else a 5xx (the server's fault)."""
     if isinstance(exc, (ShuttingDown, Overloaded)):
         return overloaded(str(exc))
+    if isinstance(exc, RequestFailure):
+        return ApiError(str(exc), exc.field)
     if isinstance(exc, RequestTimeout):
         return ApiError("request: exceeded the server's request timeout and was aborted", None, 504, "timeout_error")
     return ApiError(str(exc) if isinstance(exc, EngineFailure) else "internal server error", None, 500, "server_error")
@@ -91,6 +96,8 @@ class GenerationService:
         params = self._params(req, req.max_tokens)  # None: fitted to each prompt below
         self._check_num_prompts(req)
         prompts = await self._tokenize(req)
+        if params.structured_outputs is not None:
+            await self._compile_grammar(req, params)
         summary = Summary(request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}")
         requests = [(f"{summary.request_id}-{i}", ids, self._fit_max_tokens(req, params, len(ids)))
                     for i, ids in enumerate(prompts)]  # fmt: skip
@@ -100,7 +107,7 @@ class GenerationService:
             raise from_runtime_error(exc, req.names) from None
         except (Overloaded, ShuttingDown) as exc:
             raise overloaded(str(exc)) from None
-        builder = ResponseBuilder(summary.request_id, self.model_name, int(time.time()), chat, req.logprobs)
+        builder = ResponseBuilder(summary.request_id, self.model_name, int(time.time()), chat, req.logprobs, req.tools)
         index = {rid: i for i, (rid, _, _) in enumerate(requests)}
         return Submitted(req, params, sub, index, builder, summary)
 
@@ -111,6 +118,16 @@ class GenerationService:
         try:
             return SamplingParams(max_tokens=max_tokens, logprobs=req.logprobs, output_kind=RequestOutputKind.DELTA,
                                   **req.sampling)
+        except ValueError as exc:
+            raise from_runtime_error(exc, req.names) from None
+
+    async def _compile_grammar(self, req: GenerationRequest, params: SamplingParams) -> None:
+        """Compiles the request's grammar on a worker thread (once per distinct grammar, then cached), so that
+        the engine thread's add_request finds it compiled instead of stalling every running request."""
+        grammars = self.llm.engine.grammars
+        try:
+            await self.loop.call_async(lambda e: grammars.prepare())  # the tokenizer is the engine thread's
+            await asyncio.to_thread(grammars.compile, params.structured_outputs)
         except ValueError as exc:
             raise from_runtime_error(exc, req.names) from None
 
@@ -127,7 +144,7 @@ class GenerationService:
 
         def run(engine: LLMEngine) -> list[list[int]]:
             if req.chat:
-                return [self.llm.chat_prompt(req.messages)]
+                return [self.llm.chat_prompt(req.messages, req.tools.definitions if req.tools else None)]
             return [engine.encode(p)[1] for p in req.prompts]
 
         field_name = "messages" if req.chat else "prompt"
@@ -175,15 +192,32 @@ class GenerationService:
             for out in ordered:
                 for c in out.outputs:
                     ids |= logprob_token_ids(c.token_ids, c.logprobs)
-        body = s.builder.full(ordered, s.params.n, await self._token_strings(ids))
-        _summarise(s.summary, ordered)
+        echoes = await self._echoes(s.req, ordered) if s.req.echo else None
+        for out in ordered:
+            if s.req.prompt_logprobs is not None or (echoes and s.builder.top_logprobs is not None):
+                ids |= logprob_token_ids(out.prompt_token_ids, out.prompt_logprobs)
+        body = s.builder.full(ordered, s.params.n, await self._token_strings(ids), echoes, s.req.echo_only,
+                              s.req.prompt_logprobs is not None)  # fmt: skip
+        _summarise(s.summary, ordered, s.req.echo_only)
         return body
+
+    async def _echoes(self, req: GenerationRequest, outs: Iterable[RequestOutput]) -> list[Echo]:
+        """Each prompt as `echo` shows it: its own text (token-id prompts decoded), tokens and log-probs
+        (cut to the `logprobs` asked for, when asked)."""
+        outs = list(outs)
+        texts = await self.loop.call_async(lambda e: [o.prompt if o.prompt is not None else e.tokenizer.decode(
+            o.prompt_token_ids, skip_special_tokens=False) for o in outs])  # fmt: skip
+        k = req.logprobs
+        return [Echo(text, list(o.prompt_token_ids), None if k is None or o.prompt_logprobs is None else
+                     top_entries(o.prompt_logprobs, o.prompt_token_ids, k)) for text, o in zip(texts, outs)]  # fmt: skip
 
     async def stream(self, s: Submitted) -> AsyncIterator[bytes]:
         """Server-Sent Events: chunks, the usage chunk if asked for, then `[DONE]`. A failure after the
         stream started is sent as an error event (then `[DONE]`); a cancelled stream aborts its requests."""
         params, builder = s.params, s.builder
         state = StreamState(params.n, builder.top_logprobs is not None)
+        echoed: set[int] = set()  # prompts whose echo chunk went out
+        tool_text: dict[int, str] = {}  # choice -> constrained output so far (tool calls)
         if s.req.chat:
             for p in range(len(s.index)):
                 for i in range(params.n):
@@ -192,7 +226,20 @@ class GenerationService:
             # Disconnects cancel this generator (the ASGI server's disconnect listener); no polling here.
             async with aclosing(s.sub.outputs(_never, self.request_timeout_s)) as outputs:
                 async for out in outputs:
+                    if s.req.echo and s.index[out.request_id] not in echoed:
+                        echoed.add(s.index[out.request_id])
+                        async for event in self._echo_chunks(s, state, s.index[out.request_id], out):
+                            yield event
                     for d in state.deltas(s.index[out.request_id], out):
+                        if s.req.echo_only:  # the one sampled token is not part of the answer
+                            if d.finish_reason:
+                                yield sse(builder.chunk(d.index, "", d.finish_reason))
+                            continue
+                        if s.req.tools is not None:  # calls go out whole, once parsed
+                            tool_text[d.index] = tool_text.get(d.index, "") + d.text
+                            if d.finish_reason:
+                                yield sse(builder.tool_calls_chunk(d.index, tool_text.pop(d.index), d.finish_reason))
+                            continue
                         logprobs = None
                         if builder.top_logprobs is not None and d.logprobs is not None:
                             strings = await self._token_strings(logprob_token_ids(d.token_ids, d.logprobs))
@@ -205,18 +252,31 @@ class GenerationService:
             yield sse("[DONE]")
             return
         s.summary.prompt_tokens = sum(state.prompt_tokens.values())
-        s.summary.completion_tokens = state.completion_tokens
+        s.summary.completion_tokens = 0 if s.req.echo_only else state.completion_tokens
         s.summary.finish_reasons = state.finish_reasons
         if s.req.include_usage:
             yield sse(builder.usage_chunk(s.summary.prompt_tokens, s.summary.completion_tokens))
         yield sse("[DONE]")
 
 
+    async def _echo_chunks(self, s: Submitted, state: StreamState, prompt: int, out: RequestOutput
+                           ) -> AsyncIterator[bytes]:  # fmt: skip
+        """`echo` in a stream: each choice of a prompt starts with the prompt's text (and its log-probs)."""
+        (echo,) = await self._echoes(s.req, [out])
+        strings = await self._token_strings(logprob_token_ids(echo.token_ids, echo.logprobs)) if echo.logprobs else {}
+        for i in range(s.params.n):
+            index, logprobs = prompt * s.params.n + i, None
+            if echo.logprobs is not None:
+                offset = state.advance_offset(index, [strings[t] for t in echo.token_ids])
+                logprobs = s.builder.stream_logprobs(echo.token_ids, echo.logprobs, strings, offset)
+            yield sse(s.builder.chunk(index, echo.text, None, logprobs))
+
+
 async def _never() -> bool:
     return False
 
 
-def _summarise(summary: Summary, finals: list[RequestOutput]) -> None:
+def _summarise(summary: Summary, finals: list[RequestOutput], echo_only: bool = False) -> None:
     summary.prompt_tokens = sum(len(o.prompt_token_ids) for o in finals)
-    summary.completion_tokens = sum(len(c.token_ids) for o in finals for c in o.outputs)
+    summary.completion_tokens = 0 if echo_only else sum(len(c.token_ids) for o in finals for c in o.outputs)
     summary.finish_reasons = [c.finish_reason or "?" for o in finals for c in o.outputs]

@@ -12,14 +12,16 @@ from typing import Any, Optional, Union
 
 from pydantic import ValidationError
 
-from trtpaged.server.errors import ApiError, from_validation_error
+from trtpaged.server import constraints
+from trtpaged.server.tools import ToolChoice, tool_choice
+from trtpaged.server.errors import ApiError, from_runtime_error, from_validation_error
 from trtpaged.server.schemas import ChatCompletionRequest, CompletionRequest
 
 MAX_LOGPROBS = 20  # top log-probs per token a request may ask for (OpenAI's limit)
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "n", "seed", "presence_penalty", "frequency_penalty",
                     "repetition_penalty", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
                     "length_penalty")  # fmt: skip
-_UNSUPPORTED = ("echo", "suffix", "logit_bias", "tools", "functions", "tool_choice", "function_call")
+_UNSUPPORTED = ("suffix", "functions", "function_call")
 
 Prompt = Union[str, list[int]]
 
@@ -37,6 +39,10 @@ class GenerationRequest:
     include_usage: bool
     logprobs: Optional[int]  # top-k log-probs per token, or None
     names: dict[str, str] = field(default_factory=dict)  # runtime field -> request field, for errors
+    echo: bool = False  # completions: the prompt (and its log-probs) come before the completion
+    echo_only: bool = False  # echo with max_tokens 0: the prompt is scored, nothing is returned after it
+    prompt_logprobs: Optional[int] = None  # vLLM's prompt_logprobs field (returned in its own form)
+    tools: Optional[ToolChoice] = None  # chat: the output is tool calls (tool_choice required or named)
 
 
 def _token_list(ids: list[int], vocab_size: int) -> list[int]:
@@ -59,13 +65,15 @@ def _prompts(value: Any, vocab_size: int) -> list[Prompt]:
     return [p if isinstance(p, str) else _token_list(p, vocab_size) for p in value]
 
 
-def _messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The conversation for the chat template: role and text, plus the tool-call keys templates read."""
     out = []
     for msg in req.messages:
         content = msg.content or ""
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        out.append({"role": msg.role, "content": content})
+        extra = {k: v for k, v in (msg.model_extra or {}).items() if k in ("tool_calls", "tool_call_id", "name")}
+        out.append({"role": msg.role, "content": content, **extra})
     return out
 
 
@@ -124,6 +132,11 @@ def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int) 
             raise ApiError(f"{name}: not supported by this server", name)
     names: dict[str, str] = {}
     sampling = {k: getattr(req, k) for k in _SAMPLING_FIELDS if getattr(req, k) is not None}
+    try:
+        sampling.update(_constraint_fields(req, vocab_size))
+        tools = _tools(req, sampling)
+    except ValueError as exc:  # StructuredOutputsParams' own checks name the request field that set it
+        raise from_runtime_error(exc, names) from None
     stop = [req.stop] if isinstance(req.stop, str) else req.stop
     sampling.update(stop=tuple(stop or ()), stop_token_ids=tuple(req.stop_token_ids or ()))
     sampling.update(_beam_fields(req, names))
@@ -137,6 +150,16 @@ def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int) 
         names["prompt"] = "messages"
     if req.stream_options is not None and not req.stream:
         raise ApiError("stream_options: only allowed with stream: true", "stream_options")
+    echo = bool(getattr(req, "echo", False))
+    logprobs = _logprobs(req, names)
+    echo_only = echo and max_tokens == 0
+    if echo_only:
+        max_tokens = 1  # the prompt is computed and scored in the step that samples one token, which is dropped
+    scored = [k for k in (req.prompt_logprobs, logprobs if echo else None) if k is not None]
+    if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_LOGPROBS:
+        raise ApiError(f"prompt_logprobs: must be in [0, {MAX_LOGPROBS}], got {req.prompt_logprobs}", "prompt_logprobs")
+    if scored:
+        sampling["prompt_logprobs"] = max(scored)
     return GenerationRequest(
         chat=chat,
         prompts=[] if chat else _prompts(req.prompt, vocab_size),  # type: ignore[union-attr]
@@ -145,6 +168,41 @@ def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int) 
         max_tokens=max_tokens,
         stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
-        logprobs=_logprobs(req, names),
+        logprobs=logprobs,
         names=names,
+        echo=echo,
+        echo_only=echo_only,
+        prompt_logprobs=req.prompt_logprobs,
+        tools=tools,
     )
+
+
+def _constraint_fields(req: Union[CompletionRequest, ChatCompletionRequest], vocab_size: int) -> dict[str, Any]:
+    """logit_bias, allowed_token_ids, bad_words and the output grammar as SamplingParams fields."""
+    out: dict[str, Any] = {}
+    bias = constraints.logit_bias(req.logit_bias, vocab_size)
+    if bias:
+        out["logit_bias"] = bias
+    allowed = constraints.token_ids_in_vocab("allowed_token_ids", req.allowed_token_ids, vocab_size)
+    if allowed is not None:
+        out["allowed_token_ids"] = allowed
+    if req.bad_words:
+        out["bad_words"] = (req.bad_words,) if isinstance(req.bad_words, str) else tuple(req.bad_words)
+    grammar = constraints.structured_outputs(req)
+    if grammar is not None:
+        out["structured_outputs"] = grammar
+    return out
+
+
+def _tools(req: Union[CompletionRequest, ChatCompletionRequest], sampling: dict[str, Any]) -> Optional[ToolChoice]:
+    """Chat tools: their grammar becomes the request's (a second grammar field is a 400 naming tool_choice)."""
+    if not isinstance(req, ChatCompletionRequest):
+        return None
+    tools = tool_choice(req.tools, req.tool_choice)
+    if tools is None:
+        return None
+    if "structured_outputs" in sampling:
+        raise ApiError("tool_choice: tool calls already constrain the output; drop response_format / "
+                       "structured_outputs / guided_*", "tool_choice")  # fmt: skip
+    sampling["structured_outputs"] = tools.grammar()
+    return tools

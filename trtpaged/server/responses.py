@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from trtpaged.runtime.outputs import CompletionOutput, RequestOutput
+from trtpaged.server.tools import ToolChoice
 from trtpaged.server.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -18,12 +19,38 @@ from trtpaged.server.schemas import (
     CompletionLogprobs,
     CompletionResponse,
     Delta,
+    DeltaToolCall,
+    PromptLogprob,
+    PromptLogprobs,
     TokenLogprob,
     TopLogprob,
     Usage,
 )
 
 TokenStrings = Mapping[int, str]  # token id -> its text, decoded on the engine thread
+Entry = Optional[Mapping[int, float]]  # one token's log-prob and top-k (None: the first prompt token)
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A completions prompt shown before its completion (`echo: true`): its text, tokens and log-probs."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: Optional[list[Entry]]  # None unless logprobs were asked for
+
+
+def top_entries(entries: Sequence[Entry], token_ids: Sequence[int], k: int) -> list[Entry]:
+    """Each entry cut to its token plus the k most likely (prompt log-probs may hold more than k)."""
+    out: list[Entry] = []
+    for token, entry in zip(token_ids, entries):
+        if entry is None:
+            out.append(None)
+            continue
+        top = dict(sorted(entry.items(), key=lambda kv: -kv[1])[:k])
+        top[token] = entry[token]
+        out.append(top)
+    return out
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
@@ -31,27 +58,35 @@ def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
                  total_tokens=prompt_tokens + completion_tokens)
 
 
-def logprob_token_ids(token_ids: Sequence[int], logprobs: Optional[Sequence[Mapping[int, float]]]) -> set[int]:
+def logprob_token_ids(token_ids: Sequence[int], logprobs: Optional[Sequence[Entry]]) -> set[int]:
     """Every token id whose text a logprobs field will show."""
     ids = set(token_ids)
     for entry in logprobs or ():
-        ids.update(entry)
+        ids.update(entry or ())
     return ids
 
 
 def completion_logprobs(
-    token_ids: Sequence[int], logprobs: Sequence[Mapping[int, float]], strings: TokenStrings, offset: int
+    token_ids: Sequence[int], logprobs: Sequence[Entry], strings: TokenStrings, offset: int
 ) -> tuple[CompletionLogprobs, int]:
-    """The legacy completions format (tokens, token_logprobs, top_logprobs, text_offset) and the next offset."""
+    """The legacy completions format (tokens, token_logprobs, top_logprobs, text_offset) and the next offset;
+    an echoed prompt's first token has no log-prob (null, as OpenAI sends it)."""
     body: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token, entry in zip(token_ids, logprobs):
         text = strings[token]
         body["tokens"].append(text)
-        body["token_logprobs"].append(entry.get(token))
-        body["top_logprobs"].append({strings[t]: lp for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])})
+        body["token_logprobs"].append(None if entry is None else entry.get(token))
+        body["top_logprobs"].append(None if entry is None else
+                                    {strings[t]: lp for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])})
         body["text_offset"].append(offset)
         offset += len(text)
     return CompletionLogprobs(**body), offset
+
+
+def vllm_prompt_logprobs(entries: Sequence[Entry], strings: TokenStrings) -> PromptLogprobs:
+    """vLLM's prompt_logprobs field: per prompt token, None or {token id: {logprob, decoded_token}}."""
+    return [None if e is None else {str(t): PromptLogprob(logprob=lp, decoded_token=strings[t]) for t, lp in e.items()}
+            for e in entries]  # fmt: skip
 
 
 def chat_logprobs(
@@ -79,6 +114,7 @@ class ResponseBuilder:
     created: int
     chat: bool
     top_logprobs: Optional[int] = None  # requested top-k, or None when logprobs are off
+    tools: Optional[ToolChoice] = None  # chat: outputs are tool calls
 
     def _envelope(self) -> dict[str, Any]:
         return {"id": self.request_id, "created": self.created, "model": self.model}
@@ -91,21 +127,40 @@ class ResponseBuilder:
             return chat_logprobs(token_ids, logprobs, strings, self.top_logprobs)
         return completion_logprobs(token_ids, logprobs, strings, offset)[0]
 
-    def full(self, finals: Sequence[RequestOutput], n: int, strings: TokenStrings) -> Union[ChatCompletionResponse, CompletionResponse]:
-        """The non-streamed body: one choice per prompt x completion, numbered prompt-major."""
+    def full(self, finals: Sequence[RequestOutput], n: int, strings: TokenStrings,
+             echoes: Optional[Sequence[Echo]] = None, echo_only: bool = False,
+             prompt_logprobs: bool = False) -> Union[ChatCompletionResponse, CompletionResponse]:  # fmt: skip
+        """The non-streamed body: one choice per prompt x completion, numbered prompt-major. Completions with
+        `echoes`: each prompt's text (and log-probs) before its completion, which `echo_only` leaves out;
+        `prompt_logprobs`: vLLM's field, per choice (completions) or for the request (chat)."""
         choices: list[Any] = []
         for p, out in enumerate(finals):
             for c in out.outputs:
-                common = {"index": p * n + c.index, "logprobs": self._logprobs(c.token_ids, c.logprobs, strings),
+                text, token_ids, logprobs = ("", [], []) if echo_only else (c.text, c.token_ids, c.logprobs)
+                if echoes is not None:
+                    e = echoes[p]
+                    text, token_ids = e.text + text, e.token_ids + list(token_ids)
+                    logprobs = None if e.logprobs is None or logprobs is None else e.logprobs + list(logprobs)
+                common = {"index": p * n + c.index, "logprobs": self._logprobs(token_ids, logprobs, strings),
                           "finish_reason": c.finish_reason, "stop_reason": _stop_reason(c)}  # fmt: skip
                 if self.chat:
-                    choices.append(ChatChoice(message=AssistantMessage(content=c.text), **common))
+                    calls = self.tools.calls(text) if self.tools is not None and c.finish_reason == "stop" else None
+                    if calls is not None:
+                        common["finish_reason"] = "tool_calls"
+                    message = AssistantMessage(content=None, tool_calls=calls) if calls else AssistantMessage(content=text)
+                    choices.append(ChatChoice(message=message, **common))
                 else:
-                    choices.append(CompletionChoice(text=c.text, **common))
+                    scored = vllm_prompt_logprobs(out.prompt_logprobs, strings) if (
+                        prompt_logprobs and out.prompt_logprobs is not None) else None  # fmt: skip
+                    choices.append(CompletionChoice(text=text, prompt_logprobs=scored, **common))
         prompt_tokens = sum(len(o.prompt_token_ids) for o in finals)
-        completion_tokens = sum(len(c.token_ids) for o in finals for c in o.outputs)
+        completion_tokens = 0 if echo_only else sum(len(c.token_ids) for o in finals for c in o.outputs)
         body = {**self._envelope(), "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
-        return ChatCompletionResponse(**body) if self.chat else CompletionResponse(**body)
+        if self.chat:
+            if prompt_logprobs and finals and finals[0].prompt_logprobs is not None:
+                body["prompt_logprobs"] = vllm_prompt_logprobs(finals[0].prompt_logprobs, strings)
+            return ChatCompletionResponse(**body)
+        return CompletionResponse(**body)
 
     def chunk(
         self,
@@ -122,6 +177,18 @@ class ResponseBuilder:
             return ChatCompletionChunk(**self._envelope(), choices=[choice])
         choice = CompletionChoice(index=index, text=text or "", logprobs=logprobs, finish_reason=finish_reason)
         return CompletionChunk(**self._envelope(), choices=[choice])
+
+    def tool_calls_chunk(self, index: int, text: str, finish_reason: Optional[str]) -> ChatCompletionChunk:
+        """A streamed choice's tool calls, sent whole once its constrained output finished (its text as
+        content when it did not complete, e.g. cut by max_tokens)."""
+        calls = self.tools.calls(text) if self.tools is not None and finish_reason == "stop" else None
+        if calls is None:
+            delta = Delta(content=text or None)
+        else:
+            delta = Delta(tool_calls=[DeltaToolCall(index=i, **call) for i, call in enumerate(calls)])
+            finish_reason = "tool_calls"
+        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)
+        return ChatCompletionChunk(**self._envelope(), choices=[choice])
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> Union[ChatCompletionChunk, CompletionChunk]:
         """The last chunk when stream_options.include_usage is set: no choices, the request's usage."""

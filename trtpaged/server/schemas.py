@@ -50,8 +50,17 @@ class _SamplingFields(_Strict):
     beam_width: Optional[StrictInt] = None
     early_stopping: Optional[Union[StrictBool, Literal["never"]]] = None
     user: Optional[StrictStr] = None
-    # Accepted so that clients sending their neutral value work; anything else is refused by name.
-    logit_bias: Optional[dict[str, Any]] = None
+    logit_bias: Optional[dict[str, Number]] = None  # token id (as a string, OpenAI's form) -> bias
+    allowed_token_ids: Optional[list[StrictInt]] = None  # vLLM
+    bad_words: Optional[Union[StrictStr, list[StrictStr]]] = None  # vLLM
+    prompt_logprobs: Optional[StrictInt] = None  # vLLM: log-probs of the prompt's tokens
+    # Structured outputs (docs/structured_outputs.md): OpenAI's response_format, vLLM's two spellings
+    response_format: Optional[dict[str, Any]] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Optional[Union[StrictStr, dict[str, Any]]] = None
+    guided_regex: Optional[StrictStr] = None
+    guided_choice: Optional[list[StrictStr]] = None
+    guided_grammar: Optional[StrictStr] = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -87,7 +96,6 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Optional[Any] = None
     functions: Optional[list[Any]] = None
     function_call: Optional[Any] = None
-    response_format: Optional[dict[str, Any]] = None
 
 
 # ---- responses -----------------------------------------------------------------------------------
@@ -99,9 +107,19 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[Optional[float]]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[Optional[float]]  # None for the first token of an echoed prompt
+    top_logprobs: list[Optional[dict[str, float]]]
     text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's form of one prompt log-prob entry (keyed by token id)."""
+
+    logprob: float
+    decoded_token: str
+
+
+PromptLogprobs = list[Optional[dict[str, PromptLogprob]]]
 
 
 class TopLogprob(BaseModel):
@@ -124,6 +142,7 @@ class CompletionChoice(BaseModel):
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 class CompletionResponse(BaseModel):
@@ -135,9 +154,31 @@ class CompletionResponse(BaseModel):
     usage: Optional[Usage] = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
+    """The reply: `content` (null when the reply is tool calls), and `tool_calls` only when there are some."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: Optional[str]
+    tool_calls: Optional[list[ToolCall]] = None
+
+    @model_serializer(mode="wrap")
+    def _without_empty_tool_calls(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if k != "tool_calls" or v is not None}
+
+
+class DeltaToolCall(ToolCall):
+    index: int
 
 
 class ChatChoice(BaseModel):
@@ -155,6 +196,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 class Delta(BaseModel):
@@ -162,6 +204,7 @@ class Delta(BaseModel):
 
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
     @model_serializer(mode="wrap")
     def _without_nulls(self, handler: Any) -> dict[str, Any]:

@@ -76,9 +76,12 @@ class CompletionAccumulator:
     def __init__(self) -> None:
         self.last: Optional[RequestOutput] = None
         self.completions: dict[int, CompletionOutput] = {}
+        self.prompt_logprobs: Optional[list] = None  # sent once, in the first output after the prefill
 
     def add(self, out: RequestOutput) -> None:
         self.last = out
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         for c in out.outputs:
             seen = self.completions.get(c.index)
             if seen is None:
@@ -98,4 +101,5 @@ class CompletionAccumulator:
         assert self.last is not None and self.last.finished, "the request has not finished"
         last = self.last
         return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids,
-                             [self.completions[i] for i in sorted(self.completions)], True, last.num_preemptions)
+                             [self.completions[i] for i in sorted(self.completions)], True, last.num_preemptions,
+                             prompt_logprobs=self.prompt_logprobs)  # fmt: skip

@@ -1,0 +1,121 @@
+"""Prompt log-probs (SamplingParams.prompt_logprobs) against Hugging Face's log-softmax of its own forward.
+
+They come from the prefill step's rows: checked with the whole prompt in one step, in chunks
+(chunked prefill), after prefix-cache hits (a scoring request takes none) and across preemption.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime_helpers import run_staggered, runtime_config, step_engine, tiny_hf
+from trtpaged.runtime.llm_engine import LLMEngine
+from trtpaged.runtime.sampling_params import SamplingParams
+
+EOS = 257
+TOL = 1e-4  # float32 engine vs float32 HF forward
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return tiny_hf()
+
+
+def hf_prompt_logprobs(hf, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt) - 1, vocab]: row j is the log-softmax that scores prompt token j + 1."""
+    with torch.no_grad():
+        logits = hf.model(torch.tensor([prompt])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)[:-1]
+
+
+def make(hf, **kw) -> LLMEngine:
+    config = runtime_config(**kw)
+    return LLMEngine(step_engine(hf, config), config, hf.tokenizer, [EOS])
+
+
+def check(entries, prompt, reference, k):
+    """Every entry holds the prompt token's log-prob and the top-k, all equal to HF's (max abs diff returned)."""
+    assert entries[0] is None and len(entries) == len(prompt)
+    worst = 0.0
+    for j, entry in enumerate(entries[1:]):
+        row = reference[j]
+        top = torch.topk(row, k).indices.tolist() if k else []
+        assert set(entry) == {prompt[j + 1], *top}
+        for token, lp in entry.items():
+            worst = max(worst, abs(lp - float(row[token])))
+    assert worst < TOL
+    return worst
+
+
+@pytest.mark.parametrize("max_num_tokens", [256, 24])  # one step, and chunks of 24 (odd splits of 97)
+def test_prompt_logprobs_match_hf_forward(hf, max_num_tokens):
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (1, 2, 17, 54, 97)]
+    engine = make(hf, max_num_tokens=max_num_tokens)
+    params = SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=4)
+    outs = run_staggered(engine, [(p, params) for p in prompts])
+    for prompt, out in zip(prompts, outs):
+        check(out.prompt_logprobs, prompt, hf_prompt_logprobs(hf, prompt), 4)
+    assert engine.kv.pool.num_free == engine.config.num_blocks
+
+
+def test_prefix_cache_hits_do_not_drop_prompt_logprobs(hf):
+    """A scoring request recomputes a prompt whose blocks are cached; a plain request still takes the hits."""
+    prompt = torch.randint(0, 256, (70,), generator=torch.Generator().manual_seed(6)).tolist()
+    reference = hf_prompt_logprobs(hf, prompt)
+    engine = make(hf)
+    plain = SamplingParams(max_tokens=2, temperature=0.0)
+    first = run_staggered(engine, [(prompt, plain)])[0]
+    assert first.num_cached_tokens == 0 and first.prompt_logprobs is None
+    scored = run_staggered(engine, [(prompt, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=0))])[0]
+    assert scored.num_cached_tokens == 0  # took no hits
+    check(scored.prompt_logprobs, prompt, reference, 0)
+    again = run_staggered(engine, [(prompt, plain)])[0]
+    assert again.num_cached_tokens == 64  # the cache still serves plain requests (4 full blocks of 16)
+
+
+def test_prompt_logprobs_survive_preemption(hf):
+    """A pool too small for every request at once preempts (recompute); positions already scored are kept."""
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (40, 45, 50, 35)]
+    engine = make(hf, num_blocks=12, max_num_tokens=32)
+    params = SamplingParams(max_tokens=30, temperature=0.0, prompt_logprobs=1, ignore_eos=True)
+    outs = run_staggered(engine, [(p, params) for p in prompts])
+    assert engine.scheduler.num_preemptions > 0
+    for prompt, out in zip(prompts, outs):
+        check(out.prompt_logprobs, prompt, hf_prompt_logprobs(hf, prompt), 1)
+
+
+def test_prompt_logprobs_field_is_checked():
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=-1)
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=1.5)
+
+
+@pytest.mark.slow
+def test_prompt_logprobs_match_hf_on_smollm2(smollm2_engine_dir):
+    """SmolLM2-135M (float32 engine) over HTTP-free LLM.generate, chunked: within verification's float32 tolerance."""
+    from runtime_helpers import hf_from_engine_dir
+    from trtpaged import LLM
+    from trtpaged.builder.verify import TOLERANCES
+
+    llm = LLM(smollm2_engine_dir, device="cpu", num_kv_blocks=64, max_num_tokens=32)
+    hf = hf_from_engine_dir(smollm2_engine_dir)
+    text = "The capital of France is Paris. The capital of Italy is Rome, and the capital of Spain is Madrid."
+    prompt = llm.tokenizer.encode(text)
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2))[0]
+    with torch.no_grad():
+        logits = hf.model(torch.tensor([prompt])).logits[0].float()
+    atol, rtol = TOLERANCES["float32"]
+    worst = check_within(out.prompt_logprobs, prompt, torch.log_softmax(logits, -1)[:-1],
+                         atol + rtol * float(logits.abs().max()))  # fmt: skip
+    print(f"SmolLM2 prompt log-probs: {len(prompt)} tokens, max abs diff vs HF {worst:.2e}")
+
+
+def check_within(entries, prompt, reference, tol):
+    assert entries[0] is None and len(entries) == len(prompt)
+    worst = max(abs(lp - float(reference[j][t])) for j, e in enumerate(entries[1:]) for t, lp in e.items())
+    assert worst <= tol, (worst, tol)
+    return worst

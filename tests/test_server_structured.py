@@ -1,0 +1,163 @@
+"""Structured outputs and tool calls over HTTP with the official `openai` client: OpenAI's response_format and
+tools, vLLM's structured_outputs / guided_* spellings; outputs checked with jsonschema, the regex, the choices;
+bad specs are 400s naming the field."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from tests.test_server import metrics, stream, wait_idle
+from tests.test_server_scoring import MODEL, client, server  # noqa: F401 - the same fixtures, one server per module
+
+jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is not installed")
+pytest.importorskip("xgrammar", reason="xgrammar is not installed (pip install xgrammar)")
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}, "days": {"type": "integer", "minimum": 1, "maximum": 14},
+                   "code": {"type": "string", "pattern": "^[A-Z]{3}$"}},
+    "required": ["city", "days", "code"], "additionalProperties": False,
+}  # fmt: skip
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                      "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
+                                                     "unit": {"enum": ["C", "F"]}},
+                                                     "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                         "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["a", "b"], "additionalProperties": False}}},
+]  # fmt: skip
+MESSAGES = [{"role": "user", "content": "Plan a trip."}]
+
+
+def test_response_format_json_schema_on_both_endpoints(client, server):
+    before = metrics(server).get("structured_output_requests_total", 0)
+    fmt = {"type": "json_schema", "json_schema": {"name": "trip", "schema": SCHEMA, "strict": True}}
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, response_format=fmt, n=6, temperature=1.0,
+                                          max_tokens=80)  # fmt: skip
+    done = client.completions.create(model=MODEL, prompt="trip:", n=6, temperature=1.0, max_tokens=80,
+                                     extra_body={"response_format": fmt})  # fmt: skip
+    outputs = [c.message.content for c in chat.choices] + [c.text for c in done.choices]
+    for text in outputs:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert len(set(outputs)) > 2
+    assert metrics(server)["structured_output_requests_total"] == before + 2
+    wait_idle(server)
+
+
+def test_vllm_spellings_regex_choice_grammar_json(client):
+    def texts(extra, n=6, max_tokens=40):
+        resp = client.completions.create(model=MODEL, prompt="answer:", n=n, temperature=1.0, max_tokens=max_tokens,
+                                         extra_body=extra)  # fmt: skip
+        return [c.text for c in resp.choices]
+
+    pattern = r"[0-9]{2}:[0-9]{2}"
+    for extra in ({"guided_regex": pattern}, {"structured_outputs": {"regex": pattern}}):
+        assert all(re.fullmatch(pattern, t) for t in texts(extra))
+    choices = ["left", "right", "straight on"]
+    for extra in ({"guided_choice": choices}, {"structured_outputs": {"choice": choices}}):
+        assert set(texts(extra, n=8)) <= set(choices)
+    assert all(re.fullmatch("(on|off)!", t) for t in texts({"guided_grammar": 'root ::= ("on" | "off") "!"'}))
+    for text in texts({"guided_json": SCHEMA}, max_tokens=80):
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_streamed_structured_output_joins_to_valid_json(server):
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 80, "temperature": 1.0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}}}  # fmt: skip
+    events = stream(server, "/v1/chat/completions", body)
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"])
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def _validate_call(call):
+    schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call.function.name)
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+def test_tool_choice_named_and_required(client):
+    named = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, n=4, temperature=1.0,
+                                           max_tokens=60, tool_choice={"type": "function", "function": {"name": "add"}})
+    for choice in named.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.function.name == "add" and call.id.startswith("call_")
+        _validate_call(call)
+    required = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, n=4, temperature=1.0,
+                                              max_tokens=150, tool_choice="required")  # fmt: skip
+    names = set()
+    for choice in required.choices:
+        if choice.finish_reason == "length":  # a random model may call many tools; then it is text
+            continue
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            _validate_call(call)
+            names.add(call.function.name)
+    assert names
+
+
+def test_streamed_tool_calls(client):
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=60, temperature=1.0, stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}))  # fmt: skip
+    calls = [tc for ch in chunks for c in ch.choices for tc in (c.delta.tool_calls or [])]
+    assert len(calls) == 1 and calls[0].function.name == "get_weather" and calls[0].index == 0
+    _validate_call(calls[0])
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_tool_choice_none_generates_text(client):
+    resp = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="none",
+                                          max_tokens=5, temperature=0)  # fmt: skip
+    assert resp.choices[0].message.tool_calls is None and resp.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("extra, field", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}},
+     "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": "nope"}}, "response_format"),
+    ({"guided_regex": "(("}, "guided_regex"),
+    ({"guided_json": "{broken"}, "guided_json"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"structured_outputs": {"grammar": "root ::= "}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"structured_outputs": {"bogus": 1}}, "structured_outputs"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+    ({"tools": TOOLS}, "tool_choice"),  # "auto" by default: refused
+    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}], "tool_choice": "required"}, "tools"),
+    ({"tools": [{"type": "other"}], "tool_choice": "required"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}],
+      "tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "tool_choice"),
+    ({"logit_bias": {"99999": 1}}, "logit_bias"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
+    ({"bad_words": [""]}, "bad_words"),
+    ({"n": 2, "use_beam_search": True, "guided_regex": "a"}, "guided_regex"),
+    ({"allowed_token_ids": [0], "guided_choice": ["yes"]}, "guided_choice"),  # found in the step: nothing allowed
+])  # fmt: skip
+def test_bad_specs_are_400s_naming_the_field(client, server, extra, field):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, extra_body=extra)
+    assert info.value.body["param"] == field, info.value.body
+    wait_idle(server)
+
+
+def test_logit_bias_and_allowed_ids_over_http(client):
+    resp = client.completions.create(model=MODEL, prompt="x", max_tokens=6, temperature=1.0, n=4,
+                                     logit_bias={"65": 100}, extra_body={"ignore_eos": True})  # fmt: skip
+    assert all(c.text == "b" * 6 for c in resp.choices)  # token 65 is "b" in the tiny byte-level vocabulary
+    allowed = client.completions.create(model=MODEL, prompt="x", max_tokens=8, temperature=1.0, n=4,
+                                        extra_body={"allowed_token_ids": [64, 65], "ignore_eos": True})  # fmt: skip
+    assert all(set(c.text) <= {"a", "b"} and len(c.text) == 8 for c in allowed.choices)

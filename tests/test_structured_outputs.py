@@ -1,0 +1,131 @@
+"""Grammar-constrained decoding (xgrammar) in the runtime, on the tiny engine with temperature > 0: every
+output validates against its JSON schema (jsonschema) / matches its regex / is one of its choices / parses
+under its EBNF grammar; unconstrained greedy requests batched with constrained ones are unchanged."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from trtpaged import LLM, SamplingParams
+from trtpaged.errors import RequestError
+from trtpaged.runtime.sampling_params import StructuredOutputsParams as Grammar
+
+xgrammar = pytest.importorskip("xgrammar", reason="xgrammar is not installed (pip install xgrammar)")
+jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is not installed")
+
+# Bounded so that a random-weight model finishes it: strings by pattern (xgrammar 0.2.8's maxLength strings
+# admit raw control characters, which strict JSON refuses: see docs/structured_outputs.md).
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 999},
+        "ok": {"type": "boolean"},
+        "tag": {"enum": ["red", "green", "blue"]},
+        "code": {"type": "string", "pattern": "^[a-z]{1,6}$"},
+        "items": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3},
+    },
+    "required": ["id", "ok", "tag", "code", "items"],
+    "additionalProperties": False,
+}
+PROMPTS = [f"prompt {i}:" for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_engine_dir):
+    return LLM(tiny_engine_dir, device="cpu")
+
+
+def texts(outs):
+    return [(c.text, c.finish_reason) for o in outs for c in o.outputs]
+
+
+def test_json_schema_outputs_validate(llm):
+    params = SamplingParams(max_tokens=100, temperature=1.0, n=4, structured_outputs=Grammar(json=SCHEMA))
+    samples = texts(llm.generate(PROMPTS, params))
+    assert len(samples) == 32
+    for text, reason in samples:
+        assert reason == "stop", text
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert len({t for t, _ in samples}) > 8  # it samples
+
+
+def test_json_object_regex_choice_and_grammar(llm):
+    def run(grammar, n=8, max_tokens=40):
+        return texts(llm.generate(PROMPTS[:2], SamplingParams(max_tokens=max_tokens, temperature=1.0, n=n,
+                                                               structured_outputs=grammar)))  # fmt: skip
+
+    for text, reason in run(Grammar(json_object=True), max_tokens=120):
+        if reason == "stop":  # a random model may not close an unbounded object within max_tokens
+            assert isinstance(json.loads(text), dict)
+        else:
+            assert text.startswith("{")
+    for text, reason in run(Grammar(regex=r"[0-9]{3}-[a-z]{2,4}")):
+        assert reason == "stop" and re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", text), text
+    choices = ("yes", "no", "maybe", "it depends")
+    picked = [t for t, _ in run(Grammar(choice=choices))]
+    assert set(picked) <= set(choices) and len(set(picked)) > 1
+    ebnf = 'root ::= ("a" | "b") digit digit\ndigit ::= [0-9]'
+    for text, reason in run(Grammar(grammar=ebnf)):
+        assert reason == "stop" and re.fullmatch(r"[ab][0-9]{2}", text), text
+
+
+def test_constrained_requests_leave_unconstrained_greedy_outputs_unchanged(llm):
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:4], greedy)]
+    constrained = [SamplingParams(max_tokens=100, temperature=1.0, structured_outputs=Grammar(json=SCHEMA)),
+                   SamplingParams(max_tokens=24, temperature=0.0, structured_outputs=Grammar(regex="[a-z]+"))]
+    mixed = llm.generate(PROMPTS[:4] + PROMPTS[4:6], [greedy] * 4 + constrained)
+    assert [o.outputs[0].token_ids for o in mixed[:4]] == alone
+    jsonschema.validate(json.loads(mixed[4].outputs[0].text), SCHEMA)
+
+
+def test_constrained_outputs_stay_valid_across_preemption(tiny_engine_dir):
+    small = LLM(tiny_engine_dir, device="cpu", num_kv_blocks=10, max_num_tokens=32)
+    params = SamplingParams(max_tokens=100, temperature=1.0, seed=3, structured_outputs=Grammar(json=SCHEMA))
+    outs = small.generate([p * 6 for p in PROMPTS[:6]], params)
+    assert small.stats()["num_preemptions"] > 0
+    for text, reason in texts(outs):
+        assert reason == "stop"
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert small.stats()["kv_blocks_used"] == 0
+
+
+def test_grammars_are_compiled_once_per_distinct_grammar(llm):
+    before = llm.stats()["num_grammars_compiled"]
+    schema = {"type": "object", "properties": {"k": {"enum": [1, 2]}}, "required": ["k"]}
+    for _ in range(3):
+        llm.generate(PROMPTS[:2], SamplingParams(max_tokens=20, structured_outputs=Grammar(json=schema)))
+    assert llm.stats()["num_grammars_compiled"] == before + 1
+
+
+@pytest.mark.parametrize("grammar", [Grammar(json={"type": 5}), Grammar(json="{not json"), Grammar(regex="(("),
+                                     Grammar(grammar="root ::= ")])  # fmt: skip
+def test_invalid_grammars_are_refused_naming_the_field(llm, grammar):
+    with pytest.raises(RequestError) as info:
+        llm.generate(["x"], SamplingParams(structured_outputs=grammar))
+    assert info.value.field == "structured_outputs" and "invalid" in str(info.value)
+    assert not llm.engine.has_unfinished()
+
+
+def test_structured_params_are_checked():
+    for kwargs in ({}, {"json": {}, "regex": "a"}, {"choice": []}, {"choice": ["a", ""]}, {"regex": ""}):
+        with pytest.raises(RequestError) as info:
+            Grammar(**kwargs)
+        assert info.value.field == "structured_outputs"
+    with pytest.raises(RequestError) as info:
+        SamplingParams(beam_width=2, structured_outputs=Grammar(regex="a", origin="guided_regex"))
+    assert info.value.field == "guided_regex" and "beam search" in str(info.value)
+
+
+def test_bench_structured_times_full_batches_and_counts_constrained_rows(tiny_engine_dir):
+    from trtpaged.bench.structured_bench import format_structured, run_structured_bench
+
+    report = run_structured_bench(tiny_engine_dir, batch=4, steps=3, repeats=1)
+    (rounds,) = report["rounds"]
+    assert rounds["plain_steps"] == rounds["constrained_steps"] == 3
+    assert report["ratio"] == pytest.approx(rounds["constrained"] / rounds["plain"])
+    assert report["constrained_requests"] == 2 * 2  # the warm-up's and the round's 2 constrained rows
+    assert "ratio (median of rounds)" in format_structured(report)

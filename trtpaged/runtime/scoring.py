@@ -1,0 +1,36 @@
+"""Log-probabilities of a prompt's own tokens (prompt log-probs), from the logits rows of its prefill.
+
+Like the sampler, this only computes: the scheduler stores the results on the request.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from trtpaged.runtime.batch_builder import PromptRows
+
+PromptLogprob = dict[int, float]  # the prompt token's log-prob, plus the top-k alternatives when asked for
+
+
+def score_prompts(logits: torch.Tensor, spans: Sequence[PromptRows], prompts: dict[str, tuple[list[int], int]]
+                  ) -> dict[str, list[PromptLogprob]]:  # fmt: skip
+    """For each span, one entry per scored token: {token: log-prob} plus the `k` most likely tokens.
+
+    `prompts[request_id]` is (prompt token ids, k). The log-softmax is over the raw logits (the model's
+    distribution, as vLLM's prompt_logprobs and OpenAI's echo report it)."""
+    out: dict[str, list[PromptLogprob]] = {}
+    for span in spans:
+        token_ids, k = prompts[span.request_id]
+        logprobs = torch.log_softmax(logits[span.rows].float(), dim=1)
+        targets = torch.tensor(token_ids[span.first : span.first + len(span.rows)], dtype=torch.long)
+        chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+        entries = [{t: lp} for t, lp in zip(targets.tolist(), chosen)]
+        k = min(k, logprobs.shape[1])
+        if k > 0:
+            values, ids = torch.topk(logprobs, k, dim=1)
+            for entry, row_ids, row_values in zip(entries, ids.tolist(), values.tolist()):
+                entry.update(zip(row_ids, row_values))
+        out.setdefault(span.request_id, []).extend(entries)
+    return out

@@ -1,0 +1,138 @@
+"""Grammar-constrained decoding on xgrammar (the engine vLLM, SGLang and TensorRT-LLM use).
+
+`GrammarCache` compiles a request's `StructuredOutputsParams` once per distinct grammar (LRU)
+against the engine's tokenizer; each constrained sequence then holds its own
+`xgrammar.GrammarMatcher`. The sampler only reads matchers (`mask_logits` fills the
+allowed-token bitmask of the constrained rows and applies it); the scheduler advances
+them with the tokens it appends. A preemption by recompute keeps a sequence's tokens, so
+its matcher stays in step without a rollback.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from typing import Any, Optional, Sequence
+
+import torch
+
+from trtpaged.errors import RequestError
+from trtpaged.runtime.sampling_params import StructuredOutputsParams
+
+DEFAULT_CACHE_SIZE = 256  # distinct compiled grammars kept
+_XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+
+
+def xgrammar_available() -> bool:
+    try:
+        import xgrammar  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class GrammarCache:
+    """Compiles grammars against one tokenizer; thread-safe (the server compiles off the engine thread).
+
+    `num_compiled` / `num_hits` count compilations and cache hits (server metrics)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
+                 max_entries: int = DEFAULT_CACHE_SIZE) -> None:  # fmt: skip
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = list(stop_token_ids)
+        self.max_entries = max_entries
+        self._compiler: Any = None
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self.num_compiled = 0
+        self.num_hits = 0
+
+    def _xgr_compiler(self) -> Any:
+        if self._compiler is None:
+            try:
+                import xgrammar as xgr
+            except ImportError:
+                raise RequestError("structured_outputs", "needs the xgrammar package (pip install xgrammar)") from None
+            if self.tokenizer is None:
+                raise RequestError("structured_outputs", "needs the engine's tokenizer")
+            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                      stop_token_ids=self.stop_token_ids or None)  # fmt: skip
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        return self._compiler
+
+    def prepare(self) -> None:
+        """Reads the tokenizer's vocabulary into xgrammar (once); call it on the thread that owns the tokenizer."""
+        with self._lock:
+            self._xgr_compiler()
+
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        """The compiled grammar; an invalid schema, regex or grammar raises RequestError naming `params.origin`."""
+        key = params.key()
+        with self._lock:
+            found = self._cache.get(key)
+            if found is not None:
+                self._cache.move_to_end(key)
+                self.num_hits += 1
+                return found
+            compiler = self._xgr_compiler()
+        compiled = self._compile(compiler, params)
+        with self._lock:
+            self._cache[key] = compiled
+            self.num_compiled += 1
+            while len(self._cache) > self.max_entries:
+                self._cache.popitem(last=False)
+        return compiled
+
+    @staticmethod
+    def _compile(compiler: Any, params: StructuredOutputsParams) -> Any:
+        kind = params.kind
+        try:
+            if kind == "json":
+                schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
+                json.loads(schema)  # xgrammar's message for malformed JSON names no field
+                return compiler.compile_json_schema(schema, any_whitespace=False)
+            if kind == "json_object":  # an object with any members (xgrammar's builtin JSON also allows arrays)
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+            if kind == "regex":
+                return compiler.compile_regex(params.regex)
+            if kind == "choice":
+                return compiler.compile_regex("|".join(_regex_literal(c) for c in params.choice or ()))
+            return compiler.compile_grammar(params.grammar)
+        except Exception as exc:  # noqa: BLE001 - whatever xgrammar raises for a grammar is the request's fault
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            first = _XGR_PREFIX.sub("", first)[:300]  # "[time] file.cc:line: " says nothing to a client
+            raise RequestError(params.origin, f"invalid {kind}: {first}") from None
+
+    def matcher(self, compiled: Any) -> Any:
+        """A fresh matcher for one sequence."""
+        import xgrammar as xgr
+
+        return xgr.GrammarMatcher(compiled)
+
+
+def _regex_literal(text: str) -> str:
+    """`text` as a regex matching exactly it (xgrammar's regex dialect is ECMAScript-like)."""
+    special = set("\\^$.|?*+()[]{}/")
+    return "".join("\\" + ch if ch in special else ch for ch in text)
+
+
+def mask_logits(logits: torch.Tensor, rows: Sequence[tuple[int, Any]]) -> None:
+    """Sets to -inf, in place, every token that the matcher of each (row, matcher) does not allow next."""
+    if not rows:
+        return
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[1])
+    for j, (_, matcher) in enumerate(rows):
+        matcher.fill_next_token_bitmask(bitmask, j)
+    picked = logits[[r for r, _ in rows]]
+    xgr.apply_token_bitmask_inplace(picked, bitmask, vocab_size=logits.shape[1])
+    logits[[r for r, _ in rows]] = picked
+
+
+def accepts(matcher: Optional[Any], token_id: int) -> bool:
+    """Advances a matcher by one token (the scheduler's call); False when the grammar forbids it."""
+    return matcher is None or bool(matcher.accept_token(token_id))

@@ -1,0 +1,86 @@
+"""Request fields that constrain which tokens may be sampled -> SamplingParams fields.
+
+OpenAI's `response_format` (json_object, json_schema) and `logit_bias`; vLLM's `structured_outputs`
+(json, regex, choice, grammar), its older `guided_*` spellings, `allowed_token_ids` and `bad_words`.
+At most one grammar per request; each error names the request field that carries it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from trtpaged.runtime.sampling_params import StructuredOutputsParams
+from trtpaged.server.errors import ApiError
+
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _response_format(value: dict[str, Any]) -> Optional[StructuredOutputsParams]:
+    """OpenAI's response_format: {"type": "text" | "json_object" | "json_schema", "json_schema": {name, schema}}."""
+    kind = value.get("type")
+    extra = set(value) - {"type", "json_schema"}
+    if extra:
+        raise ApiError(f"response_format: unknown keys {sorted(extra)}", "response_format")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True, origin="response_format")
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise ApiError("response_format.json_schema: must be an object {name, schema, strict?, description?} "
+                           "whose schema is a JSON schema object", "response_format")  # fmt: skip
+        schema = spec.get("schema", {})  # OpenAI: an absent schema means any JSON
+        return StructuredOutputsParams(json=schema or {"type": "object"}, origin="response_format")
+    raise ApiError(f"response_format.type: must be 'text', 'json_object' or 'json_schema', got {kind!r:.80}",
+                   "response_format")  # fmt: skip
+
+
+def _structured_outputs(value: dict[str, Any]) -> StructuredOutputsParams:
+    extra = set(value) - set(_STRUCTURED_KEYS) - {"disable_fallback", "disable_any_whitespace",
+                                                  "disable_additional_properties", "whitespace_pattern"}
+    if extra:
+        raise ApiError(f"structured_outputs: unknown keys {sorted(extra)} (use one of {', '.join(_STRUCTURED_KEYS)})",
+                       "structured_outputs")  # fmt: skip
+    given = {k: value[k] for k in _STRUCTURED_KEYS if value.get(k) not in (None, False)}
+    return StructuredOutputsParams(**given, origin="structured_outputs")  # type: ignore[arg-type]
+
+
+def structured_outputs(req: Any) -> Optional[StructuredOutputsParams]:
+    """The request's grammar, or None; two grammar fields in one request is a 400 naming the second."""
+    found: list[tuple[str, Optional[StructuredOutputsParams]]] = []
+    if req.response_format is not None:
+        found.append(("response_format", _response_format(req.response_format)))
+    if req.structured_outputs is not None:
+        found.append(("structured_outputs", _structured_outputs(req.structured_outputs)))
+    for name, kind in _GUIDED.items():
+        value = getattr(req, name)
+        if value is not None:
+            found.append((name, StructuredOutputsParams(**{kind: value}, origin=name)))  # type: ignore[arg-type]
+    grammars = [(name, p) for name, p in found if p is not None]
+    if len(grammars) > 1:
+        raise ApiError(f"{grammars[1][0]}: only one of response_format, structured_outputs and guided_* may set an "
+                       f"output grammar (already set by {grammars[0][0]})", grammars[1][0])  # fmt: skip
+    return grammars[0][1] if grammars else None
+
+
+def logit_bias(value: Optional[dict[str, Any]], vocab_size: int) -> Optional[dict[int, float]]:
+    """OpenAI's logit_bias: keys are token ids as strings, each in the vocabulary (biases: SamplingParams)."""
+    if not value:
+        return None
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit()) or int(key) >= vocab_size:
+            raise ApiError(f"logit_bias: key {key!r:.40} is not a token id in [0, {vocab_size})", "logit_bias")
+        out[int(key)] = bias
+    return out
+
+
+def token_ids_in_vocab(name: str, ids: Optional[list[int]], vocab_size: int) -> Optional[tuple[int, ...]]:
+    if ids is None:
+        return None
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ApiError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})", name)
+    return tuple(ids)
