@@ -10,7 +10,11 @@ from trtpaged.runtime.scheduler import SchedulerOutput
 
 
 def build_step_batch(out: SchedulerOutput, kv: KVCacheManager) -> tuple[StepBatch, dict[int, int]]:
-    """Returns the packed batch and, for each sequence whose logits come back, its logits row."""
+    """Returns the packed batch and, for each sequence whose logits come back, its (first) logits row.
+
+    A speculating sequence's chunk is its uncomputed token then its draft, and every position of it
+    gets a logits row (in order, from the returned one on): row i verifies `draft[i]`.
+    """
     input_ids: list[int] = []
     positions: list[int] = []
     query_start = [0]
@@ -20,14 +24,18 @@ def build_step_batch(out: SchedulerOutput, kv: KVCacheManager) -> tuple[StepBatc
     rows: dict[int, int] = {}
     for item in out.scheduled:
         end = item.start + item.num_tokens
-        input_ids += item.seq.token_ids[item.start : end]
+        if item.draft:
+            input_ids += item.seq.token_ids[item.start : end - len(item.draft)]
+            input_ids += item.draft
+        else:
+            input_ids += item.seq.token_ids[item.start : end]
         positions += range(item.start, end)
         query_start.append(len(input_ids))
         context_lens.append(end)
         tables.append(kv.block_table(item.seq))
         if item.sample:
             rows[item.seq.seq_id] = len(logits_index)
-            logits_index.append(len(input_ids) - 1)
+            logits_index += range(len(input_ids) - 1 - len(item.draft), len(input_ids))
     width = max((len(t) for t in tables), default=0)
     padded = [t + [0] * (width - len(t)) for t in tables]
     i32 = torch.int32

@@ -130,7 +130,8 @@ class LLMEngine:
             clock.lap("prepare")
             logits = self.runner.step(batch).cpu()
             clock.lap("model")
-            samples = sample_groups(out.sampled_groups, logits, rows)
+            drafts = {item.seq.seq_id: item.draft for item in out.scheduled if item.draft}
+            samples = sample_groups(out.sampled_groups, logits, rows, drafts)
             clock.lap("sample")
             self.scheduler.update_from_output(out, samples)
             clock.lap("update")
@@ -147,7 +148,8 @@ class LLMEngine:
         return results
 
     def stats(self) -> dict[str, float]:
-        """KV-cache (now and peak), sharing, prefix-cache and scheduling counters."""
+        """KV-cache (now and peak), sharing, prefix-cache and scheduling counters; speculative decoding's
+        (spec_decode_*: drafts, draft tokens, accepted tokens, acceptance rate, mean acceptance length) when on."""
         stats: dict[str, float] = dict(self.kv.stats(self.scheduler.live_seqs()))
         stats.update(
             num_preemptions=self.scheduler.num_preemptions,
@@ -160,6 +162,8 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting),
             num_swapped=len(self.scheduler.swapped),
         )
+        if self.config.speculative is not None:
+            stats.update(self.scheduler.spec_stats.to_stats())
         return stats
 
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
+
+from trtpaged.runtime.speculative import SpeculativeConfig
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -19,6 +22,7 @@ class RuntimeConfig:
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
     num_host_blocks: int = 0  # host-memory blocks for swap preemption
+    speculative: Optional[SpeculativeConfig] = None  # speculative decoding (docs/speculative.md); None: off
 
     def __post_init__(self) -> None:
         positive = ("block_size", "num_blocks", "max_batch_size", "max_num_tokens", "max_seq_len")
