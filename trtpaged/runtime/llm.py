@@ -14,6 +14,7 @@ from trtpaged.runtime.llm_engine import LLMEngine, Prompt
 from trtpaged.runtime.outputs import RequestOutput, RequestOutputKind
 from trtpaged.runtime.runtime_config import RuntimeConfig
 from trtpaged.runtime.sampling_params import SamplingParams
+from trtpaged.runtime.speculative import SpeculativeConfig
 
 
 def _tightened(name: str, value: Optional[int], limit: int) -> int:
@@ -57,6 +58,11 @@ class LLM:
     MASTER_PORT, WORLD_SIZE, RANK=0) are set, join from other machines.
     `close()` (or leaving a `with` block) stops them.
 
+    `speculative_config` (a `SpeculativeConfig`, a dict or its JSON text, e.g.
+    `{"method": "ngram", "num_speculative_tokens": 4}`) turns on speculative decoding
+    (docs/speculative.md); greedy outputs are the same as without it. `stats()` then carries the
+    spec_decode_* counters.
+
     The engine dir is untrusted input: its manifest, paths, file hashes (in full at the first load,
     `trtpaged.engine_files`), weights and tokenizer are checked before use. A dir that fails raises
     `EngineDirError` (`.path`, `.field`); a KV pool beyond the device's memory raises `KVBudgetError`.
@@ -76,6 +82,7 @@ class LLM:
         preemption_mode: str = "recompute",
         num_host_blocks: int = 0,
         tensor_parallel: Optional[int] = None,
+        speculative_config: Union[None, str, dict, SpeculativeConfig] = None,
     ) -> None:
         device = resolve_device(device)
         path = Path(engine)
@@ -93,6 +100,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             preemption_mode=preemption_mode,
             num_host_blocks=num_host_blocks,
+            speculative=SpeculativeConfig.parse(speculative_config),
         )
         self.tokenizer = load_tokenizer(self.engine_dir, self.manifest)
         runner = load_runner(self.engine_dir, self.manifest, num_blocks, backend, device, num_host_blocks,

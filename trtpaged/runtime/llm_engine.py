@@ -162,8 +162,9 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting),
             num_swapped=len(self.scheduler.swapped),
         )
-        if self.config.speculative is not None:
-            stats.update(self.scheduler.spec_stats.to_stats())
+        spec = self.config.speculative
+        if spec is not None:
+            stats.update(self.scheduler.spec_stats.to_stats(), spec_decode_num_speculative_tokens=spec.num_speculative_tokens)
         return stats
 
 

@@ -25,8 +25,8 @@ DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 class SpeculativeConfig:
     """How the engine speculates (vLLM's `speculative_config` names).
 
-    method: "ngram" (prompt lookup: the tokens that followed the latest earlier occurrence of the
-    sequence's last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`).
+    method: "ngram" (prompt lookup: the tokens that followed an earlier occurrence of the sequence's
+    last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`; `ngram_propose`).
     num_speculative_tokens: tokens proposed per sequence and step (1..16).
     disable_by_batch_size: a step with this many decoding sequences or more does not speculate
     (its verification rows would cost more than the weight reads they save); None: never off.
@@ -81,9 +81,12 @@ class SpeculativeConfig:
 
 
 def ngram_propose(token_ids: Sequence[int], k: int, n_min: int, n_max: int) -> list[int]:
-    """Up to `k` tokens that followed the latest earlier occurrence of the last n tokens (longest n first).
+    """Up to `k` tokens that followed an earlier occurrence of the last n tokens (longest n first): the latest
+    occurrence followed by k tokens, else the earliest (the longest continuation there is).
 
-    Model-free prompt lookup over the prompt and the output so far; [] when nothing matches.
+    Model-free prompt lookup over the prompt and the output so far; [] when nothing matches. Preferring a
+    full continuation matters for periodic text: the latest occurrence of a repeated token is the one right
+    before it, followed by one token.
     """
     length = len(token_ids)
     if k < 1 or length < n_min + 1:
@@ -95,7 +98,8 @@ def ngram_propose(token_ids: Sequence[int], k: int, n_min: int, n_max: int) -> l
         windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if hits.size:
-            start = int(hits[-1]) + n
+            full = hits[hits + n + k <= length]
+            start = int(full[-1] if full.size else hits[0]) + n
             return tokens[start : start + k].tolist()
     return []
 
@@ -125,6 +129,7 @@ class SpecDecodeStats:
         per draft: the tokens a verification step yields per sequence)."""
         rate = self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
         mean_len = 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+        per_pos = {f"spec_decode_num_accepted_tokens_per_pos_{i}": n for i, n in enumerate(self.accepted_per_pos)}
         return {
             "spec_decode_num_drafts": self.num_drafts,
             "spec_decode_num_draft_tokens": self.num_draft_tokens,
@@ -132,4 +137,5 @@ class SpecDecodeStats:
             "spec_decode_acceptance_rate": rate,
             "spec_decode_mean_acceptance_length": mean_len,
             "spec_decode_num_steps_disabled": self.num_steps_disabled,
+            **per_pos,
         }

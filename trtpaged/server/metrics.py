@@ -37,7 +37,11 @@ ENGINE_STATS: dict[str, tuple[str, str, str]] = {
     "step_seconds": ("engine_step_seconds", "counter", "Wall time inside engine steps (every phase)."),
     "num_tokens_computed": ("tokens_computed", "counter", "Tokens computed by engine steps."),
     "num_block_copies": ("block_copies", "counter", "Copy-on-write block copies."),
+    "spec_decode_num_drafts": ("spec_decode_num_drafts", "counter", "Speculative drafts verified (sequence-steps)."),
+    "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "counter", "Speculative tokens proposed and verified."),
+    "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "counter", "Speculative tokens accepted."),
 }  # fmt: skip
+PER_POS = "spec_decode_num_accepted_tokens_per_pos"  # stats keys PER_POS + "_<i>": accepted at draft position i
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                    40.0, 80.0)  # fmt: skip
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
@@ -55,6 +59,13 @@ class _EngineStatsCollector(Collector):
             if key in stats:
                 family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
                 yield family(PREFIX + name, help_text, value=float(stats[key]))
+        per_pos = sorted((int(k[len(PER_POS) + 1 :]), v) for k, v in stats.items() if k.startswith(PER_POS + "_"))
+        if per_pos:
+            family = CounterMetricFamily(PREFIX + PER_POS, "Speculative tokens accepted, by draft position.",
+                                         labels=["position"])  # fmt: skip
+            for pos, value in per_pos:
+                family.add_metric([str(pos)], float(value))
+            yield family
         total = stats.get("kv_blocks_total", 0)
         used = stats.get("kv_blocks_used", 0) / total if total else 0.0
         yield GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "KV-cache usage: blocks used / total (1 = 100%).", value=used)
