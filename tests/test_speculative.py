@@ -15,7 +15,7 @@ from trtpaged.runtime.sampling_params import SamplingParams
 from trtpaged.runtime.speculative import SpeculativeConfig, ngram_propose
 
 EOS = 257
-ALWAYS = dict(disable_by_batch_size=None)  # speculate at any batch size (the tests' batches are small anyway)
+ALWAYS = dict(disable_by_batch_size=None, min_acceptance_rate=0.0)  # speculate at any batch size and acceptance
 
 
 # ---- the proposer -----------------------------------------------------------------------------------
@@ -49,6 +49,7 @@ def test_ngram_proposer_matches_a_plain_search():
     (dict(method="eagle"), "method"), (dict(num_speculative_tokens=0), "num_speculative_tokens"),
     (dict(num_speculative_tokens=17), "num_speculative_tokens"), (dict(prompt_lookup_min=3, prompt_lookup_max=2),
     "prompt_lookup_min"), (dict(disable_by_batch_size=0), "disable_by_batch_size"), ({"k": 2}, "unknown field"),
+    (dict(min_acceptance_rate=1.5), "min_acceptance_rate"), ("[1]", "JSON object"),
 ])  # fmt: skip
 def test_config_errors_name_the_field(bad, field):
     with pytest.raises(ValueError, match=field):
@@ -159,6 +160,29 @@ def test_disabled_at_batch_size_and_budget_counts_drafts():
     while engine.has_unfinished():
         engine.step()
     assert max(b.num_tokens for b in runner.batches) == 8  # 1 + 16 proposed, cut to the budget
+
+
+def test_sequences_below_the_acceptance_rate_stop_proposing():
+    """Sampled sequences over a flat distribution reject nearly everything and stop verifying drafts after a
+    few steps; greedy ones (a deterministic chain: everything accepted) keep speculating."""
+    config = runtime_config(num_blocks=64, block_size=4, max_batch_size=8, max_num_tokens=64,
+                            speculative=SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=None))
+    runner = RandomLogitsEngine(64, 6)
+    runner.table.zero_()  # every token equally likely: a draft token is accepted with probability 1/6
+    runner.table[:, 0] = 1e-3  # ... and greedy is the chain 0, 0, 0, ...
+    engine = LLMEngine(runner, config, None, [])
+    prompt = [0, 1, 2, 3, 4, 5] * 3
+    engine.add_request(prompt, SamplingParams(max_tokens=60, temperature=1.0, seed=0, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    sampled = engine.stats()["spec_decode_num_drafts"]
+    assert 1 <= sampled <= 20  # verified for a while, then only shadow proposals (a few come back above 0.6)
+    engine.add_request(prompt, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    stats = engine.stats()
+    assert stats["spec_decode_num_drafts"] - sampled >= 12  # 59 tokens in runs of up to 5
+    assert engine.kv.pool.num_free == 64
 
 
 # ---- the tiny model against HF ------------------------------------------------------------------------
@@ -328,3 +352,38 @@ def test_sampled_distribution_is_the_targets(hf, prompts):
     assert stats["spec_decode_num_accepted_tokens"] > 50  # speculation took part, accepting ...
     assert stats["spec_decode_num_draft_tokens"] - stats["spec_decode_num_accepted_tokens"] > 50  # ... and rejecting
     assert result.pvalue > 1e-3, (observed, [round(expected[c] * draws) for c in cells])
+
+
+# ---- SmolLM2 (slow) ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smollm2_int4(request):
+    """The int4 SmolLM2 engine dir: $TRTPAGED_SMOLLM2_INT4_DIR when set (a prebuilt one), else built."""
+    import os
+
+    prebuilt = os.environ.get("TRTPAGED_SMOLLM2_INT4_DIR")
+    return prebuilt if prebuilt else request.getfixturevalue("smollm2_int4_engine_dir")
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_identical_with_speculation(smollm2_int4):
+    from trtpaged import LLM
+    from trtpaged.runtime.runners import TorchRunner
+
+    llm = LLM(smollm2_int4, device="cpu", num_kv_blocks=64)
+    passage = "The committee agreed to keep the library open on Sundays and to repair the roof of the community hall."
+    texts = [llm.chat_prompt([{"role": "user", "content": "Repeat this passage word for word:\n\n" + passage}]),
+             llm.tokenizer.encode("1, 2, 3, 4, 5, 6,"), llm.tokenizer.encode("The capital of France is")]
+
+    def engine(spec):
+        config = runtime_config(num_blocks=64, speculative=spec)
+        model = llm.engine.runner.model
+        runner = TorchRunner(model, model.new_kv_cache(config.num_blocks, config.block_size))
+        return LLMEngine(runner, config, llm.tokenizer, llm.manifest.eos_token_ids)
+
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    spec_engine = engine(SpeculativeConfig(num_speculative_tokens=5))
+    got = run_staggered(spec_engine, [(t, params) for t in texts])
+    want = run_staggered(engine(None), [(t, params) for t in texts])
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    stats = spec_engine.stats()
+    assert stats["spec_decode_num_accepted_tokens"] >= 5 and stats["num_steps"] < 3 + 3 * 15

@@ -261,11 +261,15 @@ def serve_ratio(engine, repeats, max_tokens, concurrency, server_args, as_json) 
 @click.option("--no-prefix-caching-row", is_flag=True, help="Extra row: trtpaged with prefix caching off.")
 @click.option("--engine2", type=click.Path(exists=True, file_okay=False),
               help="Extra row: a second engine dir on the same requests (e.g. fp32 vs quantized).")
+@click.option("--speculative-config", default=None,
+              help="Extra rows: trtpaged with this speculative decoding (a JSON object, docs/speculative.md), and "
+                   "transformers' prompt lookup of as many tokens (one request at a time) as its peer.")
+@click.option("--sequential", is_flag=True, help="One request at a time (single-stream decode) in every row.")
 @click.option("--profile", is_flag=True, help="Also: where a decode step's time goes (phases, and model ops at batch 1 and 16).")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def throughput(engine, trace, num_requests, baseline, hf_batch_size, no_prefix_caching_row, engine2, profile, seed,
-               as_json) -> None:  # fmt: skip
+def throughput(engine, trace, num_requests, baseline, hf_batch_size, no_prefix_caching_row, engine2,
+               speculative_config, sequential, profile, seed, as_json) -> None:  # fmt: skip
     """End-to-end throughput and latency: trtpaged vs HF transformers on the same requests, side by side."""
     import json
 
@@ -291,9 +295,14 @@ def throughput(engine, trace, num_requests, baseline, hf_batch_size, no_prefix_c
             requests = default_requests(manifest.dims.vocab_size, num_requests, seed)
         if hf_batch_size is not None and hf_batch_size < 1:
             raise ValueError(f"--hf-batch-size: must be >= 1, got {hf_batch_size}")
+        if speculative_config is not None:
+            from trtpaged.runtime.speculative import SpeculativeConfig
+
+            speculative_config = SpeculativeConfig.parse(speculative_config).to_dict()
     except (ValueError, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from exc
-    report = run_throughput_bench(engine, requests, baseline, hf_batch_size, no_prefix_caching_row, engine2, progress)
+    report = run_throughput_bench(engine, requests, baseline, hf_batch_size, no_prefix_caching_row, engine2, progress,
+                                  speculative_config, sequential)  # fmt: skip
     if profile:
         from trtpaged.bench.step_profile import run_step_profile
 

@@ -24,7 +24,7 @@ from trtpaged.runtime.runtime_config import RuntimeConfig
 from trtpaged.runtime.sampler import Run, SampleFailure
 from trtpaged.runtime.sampling_params import SamplingParams
 from trtpaged.runtime.sequence import Sequence, SequenceGroup, SequenceStatus
-from trtpaged.runtime.speculative import SpecDecodeStats, ngram_propose
+from trtpaged.runtime.speculative import AcceptanceTracker, SpecDecodeStats, ngram_propose
 
 # What one group's step produced: a run of tokens per sample (index order before the first fork,
 # then `group.seqs` order; one token, or a speculating sequence's verified run), the beams to keep,
@@ -108,6 +108,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swap_outs = 0
         self.spec_stats = SpecDecodeStats()
+        spec = config.speculative
+        self.acceptance = AcceptanceTracker(spec.min_acceptance_rate if spec is not None else 0.0)
 
     # ---- requests -----------------------------------------------------------------------------
     def new_seq_id(self) -> int:
@@ -207,6 +209,7 @@ class Scheduler:
                 group.seqs.append(child)
         for seq, run in zip(list(group.seqs), runs):
             draft = drafts.get(seq.seq_id)
+            self.acceptance.check_shadow(seq.seq_id, run[0].token_id)
             reason = None
             for sample in run:  # a token-level stop inside a verified run ends it there
                 seq.append_token(sample.token_id, sample.logprob, sample.top_logprobs)
@@ -225,6 +228,7 @@ class Scheduler:
         accepted tokens enter the prefix cache."""
         accepted = len(run) - 1
         self.spec_stats.record(len(draft), accepted)
+        self.acceptance.observe(seq.seq_id, len(draft), accepted)
         computed = seq.num_computed_tokens + 1 + accepted
         seq.num_computed_tokens = min(computed, len(seq.token_ids))  # a stop inside the run appended fewer
         self.kv.truncate(seq)
@@ -270,6 +274,7 @@ class Scheduler:
     def _free(self, group: SequenceGroup, seq: Sequence) -> None:
         """The one path by which a finished sequence gives its blocks back."""
         self.kv.free(seq)
+        self.acceptance.forget(seq.seq_id)
         if seq in group.seqs:
             group.retire(seq)
 
@@ -377,6 +382,9 @@ class Scheduler:
                 room = min(room, params.max_tokens - seq.num_output_tokens - 1)
             k = min(spec.num_speculative_tokens, room, tokens_left)
             draft = tuple(ngram_propose(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max))
+            if draft and not self.acceptance.wants(seq.seq_id):
+                self.acceptance.shadow(seq.seq_id, draft[0])
+                draft = ()
             if draft:
                 drafts[seq.seq_id] = draft
                 tokens_left -= len(draft)

@@ -19,6 +19,9 @@ METHODS = ("ngram",)
 MAX_SPECULATIVE_TOKENS = 16  # per sequence and step; a verification step's rows grow with it
 # Speculation is off in a step with this many decoding sequences or more (measured: docs/speculative.md).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+# A sequence verifies drafts while its recent acceptance rate is at least this (measured: docs/speculative.md).
+DEFAULT_MIN_ACCEPTANCE_RATE = 0.6
+ACCEPTANCE_EMA = 0.2  # weight of the newest observation in a sequence's acceptance rate
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,9 @@ class SpeculativeConfig:
     num_speculative_tokens: tokens proposed per sequence and step (1..16).
     disable_by_batch_size: a step with this many decoding sequences or more does not speculate
     (its verification rows would cost more than the weight reads they save); None: never off.
+    min_acceptance_rate: a sequence whose recent acceptance rate (an exponential average over its
+    verifications, and while it does not verify, of whether its proposal's first token was the one it
+    then produced) is below this proposes nothing; 0: always propose.
     """
 
     method: str = "ngram"
@@ -37,6 +43,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
     disable_by_batch_size: Optional[int] = DEFAULT_DISABLE_BY_BATCH_SIZE
+    min_acceptance_rate: float = DEFAULT_MIN_ACCEPTANCE_RATE
 
     def __post_init__(self) -> None:
         def _int(name: str, low: int, high: Optional[int] = None, optional: bool = False) -> None:
@@ -54,6 +61,9 @@ class SpeculativeConfig:
         _int("prompt_lookup_min", 1)
         _int("prompt_lookup_max", 1)
         _int("disable_by_batch_size", 1, optional=True)
+        rate = self.min_acceptance_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0:
+            raise ValueError(f"speculative_config.min_acceptance_rate: must be a number in [0, 1], got {rate!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min: must be <= prompt_lookup_max "
                              f"({self.prompt_lookup_max}), got {self.prompt_lookup_min}")  # fmt: skip
@@ -102,6 +112,41 @@ def ngram_propose(token_ids: Sequence[int], k: int, n_min: int, n_max: int) -> l
             start = int(full[-1] if full.size else hits[0]) + n
             return tokens[start : start + k].tolist()
     return []
+
+
+class AcceptanceTracker:
+    """Each speculating sequence's recent acceptance rate, and whether it should verify drafts now.
+
+    A verification updates the rate with accepted / proposed. A sequence below the threshold keeps a
+    shadow proposal (free for n-gram lookup): whether its first token is the token the sequence then
+    produced updates the rate too, so a sequence whose text turns to copying starts speculating again.
+    """
+
+    def __init__(self, min_rate: float) -> None:
+        self.min_rate = min_rate
+        self._rate: dict[int, float] = {}
+        self._shadow: dict[int, int] = {}
+
+    def wants(self, seq_id: int) -> bool:
+        return self._rate.get(seq_id, 1.0) >= self.min_rate
+
+    def _update(self, seq_id: int, value: float) -> None:
+        self._rate[seq_id] = (1 - ACCEPTANCE_EMA) * self._rate.get(seq_id, 1.0) + ACCEPTANCE_EMA * value
+
+    def observe(self, seq_id: int, proposed: int, accepted: int) -> None:
+        self._update(seq_id, accepted / proposed)
+
+    def shadow(self, seq_id: int, first_token: int) -> None:
+        self._shadow[seq_id] = first_token
+
+    def check_shadow(self, seq_id: int, produced: int) -> None:
+        first = self._shadow.pop(seq_id, None)
+        if first is not None:
+            self._update(seq_id, float(first == produced))
+
+    def forget(self, seq_id: int) -> None:
+        self._rate.pop(seq_id, None)
+        self._shadow.pop(seq_id, None)
 
 
 @dataclass
