@@ -354,6 +354,33 @@ def test_sampled_distribution_is_the_targets(hf, prompts):
     assert result.pvalue > 1e-3, (observed, [round(expected[c] * draws) for c in cells])
 
 
+# ---- the server ----------------------------------------------------------------------------------------
+def test_server_speculates_and_exposes_spec_decode_metrics(tiny_engine_dir):
+    """A real loopback server with --speculative-config semantics: the official openai client gets the same
+    greedy text as `LLM` without speculation, and /metrics carries the spec_decode counters."""
+    import urllib.request
+
+    from trtpaged import LLM
+    from trtpaged.server import start_server
+
+    openai = pytest.importorskip("openai", reason="the openai package is not installed (pip install openai)")
+    prompt = "abcabcabcabcabcabc"
+    want = LLM(tiny_engine_dir, device="cpu").generate(prompt, SamplingParams(max_tokens=24, temperature=0.0))
+    spec = SpeculativeConfig.parse('{"num_speculative_tokens": 4, "min_acceptance_rate": 0}')
+    handle = start_server(tiny_engine_dir, port=0, device="cpu", speculative_config=spec)
+    try:
+        client = openai.OpenAI(base_url=handle.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        got = client.completions.create(model=handle.model_name, prompt=prompt, max_tokens=24, temperature=0.0)
+        with urllib.request.urlopen(handle.url + "/metrics", timeout=60) as resp:
+            metrics = resp.read().decode()
+    finally:
+        handle.shutdown()
+    assert got.choices[0].text == want[0].outputs[0].text
+    drafts = [line for line in metrics.splitlines() if line.startswith("trtpaged:spec_decode_num_drafts_total")]
+    assert drafts and float(drafts[0].split()[-1]) > 0
+    assert 'trtpaged:spec_decode_num_accepted_tokens_per_pos_total{position="0"}' in metrics
+
+
 # ---- SmolLM2 (slow) ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def smollm2_int4(request):

@@ -261,7 +261,7 @@ def serve_ratio(engine, repeats, max_tokens, concurrency, server_args, as_json) 
 @click.option("--no-prefix-caching-row", is_flag=True, help="Extra row: trtpaged with prefix caching off.")
 @click.option("--engine2", type=click.Path(exists=True, file_okay=False),
               help="Extra row: a second engine dir on the same requests (e.g. fp32 vs quantized).")
-@click.option("--speculative-config", default=None,
+@click.option("--speculative-config", default=None, metavar="JSON",
               help="Extra rows: trtpaged with this speculative decoding (a JSON object, docs/speculative.md), and "
                    "transformers' prompt lookup of as many tokens (one request at a time) as its peer.")
 @click.option("--sequential", is_flag=True, help="One request at a time (single-stream decode) in every row.")

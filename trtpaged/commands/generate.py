@@ -26,7 +26,7 @@ _RUN_STATS = (
 @click.option("--beam-width", type=int, default=1, show_default=True, help="Beam search when > 1.")
 @click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True)
 @click.option("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when present).")
-@click.option("--speculative-config", default=None,
+@click.option("--speculative-config", default=None, metavar="JSON",
               help='Speculative decoding, a JSON object, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                    "(docs/speculative.md).")
 @click.option("--stats", "show_stats", is_flag=True, help="Print the run's KV-cache figures (peaks, sharing) at the end.")

@@ -41,7 +41,7 @@ from trtpaged.manifest import BACKENDS
               help="Ranks of an engine built with tensor_parallel: N (default: the engine's). Local processes; with "
                    "torchrun's MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK set, the ranks join from other machines "
                    "and RANK > 0 serves no HTTP.")
-@click.option("--speculative-config", default=None,
+@click.option("--speculative-config", default=None, metavar="JSON",
               help='Speculative decoding, a JSON object, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                    "(fields: method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, "
                    "disable_by_batch_size; docs/speculative.md).")
