@@ -84,3 +84,15 @@ def test_cli_bad_trace_names_line_and_field(tiny_engine_dir, tmp_path) -> None:
     trace.write_text('{"prompt_len": 20, "output_len": 4}\n{"prompt_len": 20, "output_len": "x"}\n')
     result = CliRunner().invoke(main, ["bench", "throughput", str(tiny_engine_dir), "--trace", str(trace)])
     assert result.exit_code != 0 and "bad.jsonl:2: output_len: must be an integer" in result.output
+
+
+def test_speculation_rows_account_their_tokens(tiny_engine_dir) -> None:
+    """The speculation row outputs exactly the requested tokens, one request at a time, and reports its
+    acceptance; transformers' prompt lookup (its peer) produces the same useful tokens."""
+    spec = run_trtpaged(str(tiny_engine_dir), REQUESTS, "spec",
+                        speculative_config={"num_speculative_tokens": 3, "min_acceptance_rate": 0.0}, sequential=True)
+    assert spec.useful_tokens == 14
+    assert spec.notes and spec.notes[0].startswith("speculation: ")
+    assert 0 < spec.ttft_p50_s <= spec.ttft_p99_s < spec.wall_s
+    hf = run_hf(str(tiny_engine_dir), REQUESTS, batch_size=1, prompt_lookup=3, sequential=True)
+    assert hf.useful_tokens == 14 and hf.name.startswith("hf prompt lookup")

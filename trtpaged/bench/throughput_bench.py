@@ -197,11 +197,12 @@ def run_trtpaged(engine_dir: str, requests: list[Request], name: str = "trtpaged
 
 
 def run_hf(engine_dir: str, requests: list[Request], batch_size: int, prompt_lookup: Optional[int] = None,
-           say: Callable[[str], None] = lambda _m: None) -> SystemResult:  # fmt: skip
+           sequential: bool = False, say: Callable[[str], None] = lambda _m: None) -> SystemResult:  # fmt: skip
     """transformers generate, static batches in submission order, left padding, greedy, EOS ignored.
 
     `prompt_lookup`: transformers' assisted generation with prompt lookup of that many tokens
-    (`prompt_lookup_num_tokens`), one request at a time (it takes no batch)."""
+    (`prompt_lookup_num_tokens`), one request at a time (it takes no batch). TTFT counts from t=0, or with
+    `sequential` from the start of the request's batch (each arrives once the one before is done)."""
     import torch
     from transformers import LogitsProcessor, LogitsProcessorList
 
@@ -252,7 +253,7 @@ def run_hf(engine_dir: str, requests: list[Request], batch_size: int, prompt_loo
             steps = len(times)  # with prompt lookup: positions verified, accepted or not
             computed += len(batch) * (max(len(r.prompt_ids) for r in batch) + steps - 1)
             for r in batch:
-                ttft.append(times[0] - batch_start)
+                ttft.append(times[0] - (batch_start if sequential else 0.0))
                 if r.output_len > 1:
                     tpot.append((times[-1] - times[0]) / (r.output_len - 1) if prompt_lookup else
                                 (times[r.output_len - 1] - times[0]) / (r.output_len - 1))  # fmt: skip
@@ -341,10 +342,10 @@ def run_throughput_bench(
     if baseline == "hf" and speculative_config is not None:
         k = speculative_config.get("num_speculative_tokens", 4)
         say(f"hf transformers generate, prompt lookup of {k} tokens, one request at a time")
-        systems.append(run_isolated("hf", engine_dir, requests, 1, k))
+        systems.append(run_isolated("hf", engine_dir, requests, 1, k, sequential))
     if baseline == "hf":
         say(f"hf transformers generate, static batches of {batch_size}")
-        systems.append(run_isolated("hf", engine_dir, requests, batch_size))
+        systems.append(run_isolated("hf", engine_dir, requests, batch_size, None, sequential))
         if speculative_config is not None:
             hf_spec_ratio = systems[-2].useful_tok_s / systems[-1].useful_tok_s
     ratio = systems[0].useful_tok_s / systems[-1].useful_tok_s if baseline == "hf" else None

@@ -305,8 +305,7 @@ class Scheduler:
         budget = [self.config.max_num_tokens, self.config.max_batch_size]
         done: set[str] = set()
         preempted = False
-        decoding = [len(g.seqs) for g in self.running if g.is_decoding() and g.beam is None]
-        speculate = self._speculates(sum(decoding))
+        speculate = self._speculates(sum(len(g.seqs) for g in self.running if g.is_decoding() and g.beam is None))
         decoding_left = sum(len(g.seqs) for g in self.running if g.is_decoding())
         for group in sorted(self.running, key=lambda g: not g.is_decoding()):  # decoding first, stable
             if group.status is not SequenceStatus.RUNNING:
@@ -397,7 +396,7 @@ class Scheduler:
         return plan, drafts
 
     def _commit(self, group: SequenceGroup, plan: AllocationPlan, sample: bool, budget: list[int],
-                out: SchedulerOutput, drafts: Mapping[int, tuple[int, ...]] = {}) -> None:  # fmt: skip
+                out: SchedulerOutput, drafts: Optional[Mapping[int, tuple[int, ...]]] = None) -> None:  # fmt: skip
         for seq, _, _ in plan.requests:
             if seq.seq_id not in self.kv.tables:
                 self.kv.note_prefix_query(seq)
@@ -408,7 +407,7 @@ class Scheduler:
             if hits:  # their K/V is in the adopted blocks: compute from the first token after them
                 seq.num_computed_tokens = len(hits) * self.kv.block_size
         for seq, n, _ in plan.requests:
-            draft = drafts.get(seq.seq_id, ())
+            draft = drafts.get(seq.seq_id, ()) if drafts else ()
             out.scheduled.append(ScheduledSeq(seq, group, seq.num_computed_tokens, n, sample, draft))
             budget[0] -= n
             budget[1] -= 1
