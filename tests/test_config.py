@@ -206,3 +206,23 @@ def test_absurd_limits_are_refused_naming_the_limit(data, field, limit):
 def test_paths_with_nul_bytes_are_config_errors():
     assert "model.hf_dir: got 'a\\x00b'" in _err({"model": {"hf_dir": "a\0b"}})
     assert "output: got" in _err({**TINY, "output": "x\0"})
+
+
+def test_the_schema_that_build_help_prints_is_the_parser_s():
+    # MODEL_YAML_SCHEMA is the one description of model.yaml (build --help prints it): its keys are the
+    # parser's keys, and the values it shows for the limits are the parser's defaults
+    from click.testing import CliRunner
+
+    from trtpaged.commands.build import command as build_command
+    from trtpaged.config import MODEL_YAML_SCHEMA, MODEL_SOURCES, QUANT_KEYS, TOP_LEVEL_KEYS
+
+    schema = yaml.safe_load(MODEL_YAML_SCHEMA)
+    assert sorted(schema) == sorted(TOP_LEVEL_KEYS)
+    assert sorted(schema["quantization"]) == sorted(QUANT_KEYS)
+    assert all(f"{source}:" in MODEL_YAML_SCHEMA for source in MODEL_SOURCES)
+    shown = {k: schema[k] for k in ("dtype", "kv_cache_dtype", "max_batch_size", "max_num_tokens", "max_seq_len",
+                                    "block_size", "kv_cache", "backend", "tensor_parallel")}
+    assert parse_config({**TINY, **shown}) == parse_config(TINY)
+    help_text = CliRunner().invoke(build_command, ["--help"], terminal_width=200).output
+    for key in TOP_LEVEL_KEYS + QUANT_KEYS:
+        assert f"{key}:" in help_text, key

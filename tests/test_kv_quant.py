@@ -18,7 +18,6 @@ from kernel_cases import MIXED_SPECS, Batch, make_batch, tie_rows, write_rows
 from trtpaged import kernels
 from trtpaged.kv_quant import (
     STORAGE_DTYPES,
-    dequantize_pool,
     dequantize_rows,
     pack_rows,
     quantize_rows,
@@ -179,7 +178,7 @@ def test_copy_swap_and_cow_carry_the_scales(kv_dtype: str) -> None:
     back = torch.zeros_like(cache)
     kernels.swap_blocks(host, back, [(2, 5), (0, 1)])
     assert same_bytes(back[5], cache[src[0]]) and same_bytes(back[1], cache[src[1]])
-    assert torch.equal(dequantize_pool(back[5]), dequantize_pool(cache[src[0]]))
+    assert torch.equal(dequantize_rows(back[5]), dequantize_rows(cache[src[0]]))
 
 
 def _raw_call(io_dtype: int, kv_dtype: int) -> tuple[int, str]:

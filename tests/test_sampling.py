@@ -11,7 +11,8 @@ from trtpaged.errors import RequestError
 from trtpaged.runtime.beam_search import BeamSearch
 from trtpaged.runtime.detokenizer import IncrementalDetokenizer
 from trtpaged.runtime.output_processor import find_stop_string
-from trtpaged.runtime.sampler import SampleRow, apply_penalties, filter_logits, make_generator, sample
+from trtpaged.runtime.sampler import SampleRow, apply_penalties, filter_logits, greedy_kernel, sample
+from trtpaged.runtime.sequence import make_generator
 from trtpaged.runtime.sampling_params import SamplingParams
 
 
@@ -140,7 +141,7 @@ def test_plain_greedy_batch_takes_the_one_pass_path_with_the_same_result():
     logits = torch.randn(5, 3000, generator=torch.Generator().manual_seed(3)) * 3
     logits[1, 10] = logits[1, 20] = logits[1].max() + 1  # a tie: the first index
     order = [3, 1, 4, 1]
-    samples = sample(logits, [row(i, SamplingParams(temperature=0.0)) for i in order])
+    samples = sample(logits, [row(i, SamplingParams(temperature=0.0)) for i in order], greedy_kernel())
     reference = torch.log_softmax(logits.double(), dim=1)
     for s, i in zip(samples, order):
         assert s.token_id == int(logits[i].argmax())
@@ -210,21 +211,26 @@ def test_beam_search_scores_and_length_penalty():
     params = SamplingParams(beam_width=2, temperature=0.0, length_penalty=1.0, max_tokens=5)
     beam = BeamSearch(params, eos_token_ids=[0], max_new_tokens=5)
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))  # EOS is the best first token
-    keep = beam.step([[]], [0.0], logits)
+    decision = beam.step([[]], [0.0], logits)
+    assert beam.finished == [] and not beam.done  # step decides, the scheduler applies
+    beam.apply(decision)
+    keep = decision.running
     assert [(c.parent, c.token_id) for c in keep] == [(0, 1), (0, 2)]
     assert len(beam.finished) == 1 and beam.finished[0].token_ids == (0,)
     assert beam.finished[0].score == pytest.approx(math.log(0.5))
     logits = torch.log(torch.tensor([[0.9, 0.05, 0.05], [0.9, 0.05, 0.05]]))
-    keep = beam.step([[1], [2]], [math.log(0.3), math.log(0.2)], logits)
+    decision = beam.step([[1], [2]], [math.log(0.3), math.log(0.2)], logits)
+    beam.apply(decision)
+    keep = decision.running
     # (1, EOS) scores log(0.27)/2 > log(0.5)/1, so the pool of 2 is full and no running beam can beat it
     assert [h.token_ids for h in beam.finished] == [(1, 0), (0,)]
-    assert beam.done and keep == []
+    assert beam.done and keep == ()
 
 
 def test_beam_search_stops_at_max_tokens():
     params = SamplingParams(beam_width=2, temperature=0.0, max_tokens=1)
     beam = BeamSearch(params, eos_token_ids=[0], max_new_tokens=1)
-    beam.step([[]], [0.0], torch.log(torch.tensor([[0.1, 0.6, 0.3]])))
+    beam.apply(beam.step([[]], [0.0], torch.log(torch.tensor([[0.1, 0.6, 0.3]]))))
     assert beam.done and [h.token_ids for h in beam.best(2)] == [(1,), (2,)]
 
 
@@ -316,8 +322,8 @@ def test_a_non_finite_row_gets_no_token_and_the_others_are_unchanged(poison):
         subset = [r for i, r in enumerate(rows()) if i in pick]
         if only_greedy:
             subset = [row(r.logits_row, SamplingParams(temperature=0.0)) for r in subset]
-            clean_subset = sample(logits, subset)
-        got = sample(bad, subset)
+            clean_subset = sample(logits, subset, greedy_kernel())
+        got = sample(bad, subset, only_greedy and greedy_kernel())
         for r, s, c in zip(subset, got, clean_subset if only_greedy else clean):
             assert (s is None) == (r.logits_row == 2), (poison, only_greedy, r.logits_row, s)
             if s is not None:

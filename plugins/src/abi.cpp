@@ -9,6 +9,10 @@ extern "C" {
 
 TRTPAGED_API const char* trtpaged_last_error(void) { return trtpaged::last_error(); }
 
+TRTPAGED_API trtpaged_status trtpaged_record_error(trtpaged_status status, const char* message) {
+  return trtpaged_status(trtpaged::fail(status, message ? message : ""));
+}
+
 TRTPAGED_API const char* trtpaged_version(void) { return TRTPAGED_VERSION; }
 
 TRTPAGED_API int trtpaged_has_cuda(void) {

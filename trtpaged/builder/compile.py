@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from trtpaged.kv_budget import budget_blocks, useful_blocks
 from trtpaged.manifest import KVCacheBudget, Limits
 from trtpaged.models.dims import CUDA_HEAD_DIMS, HEAD_DIM_MULTIPLE, MAX_HEAD_DIM
 from trtpaged.step_io import STEP_INPUT_AXES
@@ -102,14 +103,9 @@ class ShapeProfile:
     def from_limits(cls, limits: Limits, kv_cache: KVCacheBudget, kv_bytes_per_block: int) -> "ShapeProfile":
         """Steps up to max_num_tokens tokens of max_batch_size sequences of max_seq_len, over the budgeted pool."""
         blocks_per_seq = limits.max_blocks_per_seq
-        useful_blocks = limits.max_batch_size * blocks_per_seq
-        if kv_cache.num_blocks is not None:
-            budget = int(kv_cache.num_blocks)
-        elif kv_cache.memory_bytes is not None:
-            budget = int(kv_cache.memory_bytes) // kv_bytes_per_block
-        else:  # a fraction of free memory: the runtime caps it at useful_blocks
-            budget = useful_blocks
-        blocks = max(budget, useful_blocks, 1)
+        useful = useful_blocks(limits)
+        budget = budget_blocks(limits, kv_cache, kv_bytes_per_block)  # None for a fraction: capped at `useful`
+        blocks = max(budget or useful, useful, 1)
         batch, tokens = limits.max_batch_size, limits.max_num_tokens
         return cls(
             num_tokens=(1, min(batch, tokens), tokens),

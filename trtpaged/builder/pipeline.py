@@ -35,7 +35,7 @@ from trtpaged.kernels import KernelError
 from trtpaged.kv_formats import QUANTIZED_KV_DTYPES
 from trtpaged.manifest import Manifest, ModelDims
 from trtpaged.models.tensor_parallel import check_tensor_parallel
-from trtpaged.kv_budget import machine_memory_bytes
+from trtpaged.kv_budget import budget_blocks, machine_memory_bytes
 
 WEIGHTS_FILE = "weights.safetensors"
 ONNX_FILE = "model.onnx"
@@ -315,21 +315,25 @@ def _check_limits(config: BuildConfig, dims: ModelDims, block_bytes: int) -> Non
                           f"max_position_embeddings {dims.max_position_embeddings}", field="max_seq_len",
                           limit=dims.max_position_embeddings)
     budget = config.kv_cache
-    fixed = budget.num_blocks * block_bytes if budget.num_blocks is not None else budget.memory_bytes
+    try:
+        blocks = budget_blocks(limits, budget, block_bytes)  # the runtime's count; None for a fraction
+    except ValueError as exc:
+        raise ConfigError(str(exc), field="kv_cache.memory") from exc
+    if blocks is None:
+        return
+    fixed = budget.memory_bytes if budget.memory_bytes is not None else blocks * block_bytes
     machine = machine_memory_bytes()
-    if fixed is not None and fixed > machine:
+    if fixed > machine:
         key = "kv_cache.num_blocks" if budget.num_blocks is not None else "kv_cache.memory"
         got = budget.num_blocks if budget.num_blocks is not None else budget.memory_bytes
         raise ConfigError(f"{key}: got {got}: a KV pool of {fixed / 2**30:.3g} GiB ({block_bytes} bytes a block); "
                           f"the most memory a device of this machine has is {machine / 2**30:.3g} GiB",
                           field=key, limit=machine)
-    if config.kv_cache.memory_bytes is not None:
-        blocks, needed = config.kv_cache.memory_bytes // block_bytes, limits.max_blocks_per_seq
-        if blocks < needed:
-            raise ConfigError(
-                f"kv_cache.memory: {config.kv_cache.memory_bytes} bytes hold {blocks} blocks of {block_bytes} bytes; "
-                f"one sequence of max_seq_len {limits.max_seq_len} needs {needed}"
-            )
+    if budget.memory_bytes is not None and blocks < limits.max_blocks_per_seq:
+        raise ConfigError(
+            f"kv_cache.memory: {budget.memory_bytes} bytes hold {blocks} blocks of {block_bytes} bytes; "
+            f"one sequence of max_seq_len {limits.max_seq_len} needs {limits.max_blocks_per_seq}"
+        )
 
 
 def _token_ids(*values) -> list[int]:

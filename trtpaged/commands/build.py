@@ -7,32 +7,16 @@ from pathlib import Path
 
 import click
 
+from trtpaged.config import MODEL_YAML_SCHEMA
+
 _HELP = """Build an engine dir from MODEL_YAML.
 
 \b
-model.yaml keys (examples in examples/; unknown keys are errors):
-  model           exactly one of:
-                    {hf_dir: PATH}      local HF dir (config.json + safetensors + tokenizer)
-                    {gguf: FILE}        a GGUF file (config, weights, tokenizer from it)
-                    {package: NAME}     an installed package shipping a GGUF (+ file: NAME.gguf)
-                    {tiny: {...}}       random weights from inline LlamaConfig fields (tests)
-                  Supported: LlamaForCausalLM (Llama, SmolLM2), MistralForCausalLM,
-                  Qwen2ForCausalLM. Nothing is ever downloaded.
-  dtype           float32 | float16 | bfloat16 (default float32; without a CUDA GPU
-                  the build is forced to float32 with a warning)
-  kv_cache_dtype  auto (= dtype) | float32 | float16 | bfloat16 | int8 | fp8_e4m3
-                  (int8/fp8_e4m3: 1-byte codes + fp16 scale per token and head, torch
-                  backend only; the build measures them against a float32 cache)
-  max_batch_size  sequences per step (default 8)
-  max_num_tokens  packed tokens per step, >= max_batch_size (default 512)
-  max_seq_len     prompt + generated tokens per sequence (default 2048; 16 to 2^24)
-  block_size      tokens per KV block: 8, 16, 32, 64, 128 (default 16)
-  kv_cache        KV budget, one of {num_blocks: N}, {memory: "2GiB"},
-                  {fraction: 0.9} of free device memory at serve time (default);
-                  num_blocks up to 2^31-1, and a fixed budget beyond the memory of
-                  this machine's largest device is refused
-  backend         auto | tensorrt | torch (default auto: TensorRT where present)
-  output          engine dir, relative to the yaml (overridden by -o)
+model.yaml keys (examples in examples/; unknown keys are errors; paths are relative to the yaml):
+""" + MODEL_YAML_SCHEMA + """\
+Supported: LlamaForCausalLM (Llama, SmolLM2), MistralForCausalLM, Qwen2ForCausalLM.
+Nothing is ever downloaded. kv_cache.num_blocks is at most 2^31-1, and a fixed KV
+budget beyond the memory of this machine's largest device is refused.
 YAML aliases (*name), nesting deeper than 16 levels and files over 1 MiB are
 refused.
 

@@ -28,6 +28,17 @@ class BeamCandidate:
     cumulative_logprob: float
 
 
+@dataclass(frozen=True)
+class BeamStep:
+    """One step's decision, which the scheduler applies (`BeamSearch.apply`, then the beams it keeps):
+    the beams to keep running (best first; empty once done), the best `width` hypotheses so far, and
+    whether the search is over."""
+
+    running: tuple[BeamCandidate, ...]
+    finished: tuple[BeamHypothesis, ...]
+    done: bool
+
+
 class BeamSearch:
     """One request's beam search state: the best `beam_width` finished hypotheses.
 
@@ -54,12 +65,11 @@ class BeamSearch:
     def _penalised(self, logprob: float, length: int) -> float:
         return logprob / (length**self.params.length_penalty)
 
-    def step(self, outputs: Seq[Seq[int]], cumulative: Seq[float], logits: torch.Tensor) -> list[BeamCandidate]:
-        """Advances the search by one token.
+    def step(self, outputs: Seq[Seq[int]], cumulative: Seq[float], logits: torch.Tensor) -> BeamStep:
+        """Scores one more token; changes nothing (the scheduler applies the returned decision).
 
         `outputs[i]` and `cumulative[i]` are running beam i's generated tokens
-        and log-prob sum, `logits[i]` its next-token logits. Returns the beams
-        to keep running (best first); empty once the search is done.
+        and log-prob sum, `logits[i]` its next-token logits.
         """
         vocab = logits.shape[-1]
         scores = torch.log_softmax(logits.float(), dim=-1) + torch.tensor(cumulative, dtype=torch.float32)[:, None]
@@ -68,6 +78,7 @@ class BeamSearch:
         gen_len = len(outputs[0]) + 1
         at_limit = gen_len >= self.max_new_tokens
         running: list[BeamCandidate] = []
+        finished = list(self.finished)
         all_end = True
         for rank, (score, index) in enumerate(zip(top_scores.tolist(), top_index.tolist())):
             parent, token = divmod(index, vocab)
@@ -75,16 +86,20 @@ class BeamSearch:
             all_end &= ends
             if ends and rank < self.width:
                 tokens = tuple(outputs[parent]) + (token,)
-                self.finished.append(BeamHypothesis(tokens, self._penalised(score, gen_len), score))
+                finished.append(BeamHypothesis(tokens, self._penalised(score, gen_len), score))
             elif not ends and len(running) < self.width:
                 running.append(BeamCandidate(parent, token, score))
-        self.finished.sort(key=lambda h: -h.score)
-        del self.finished[self.width :]
-        self.done = all_end or not running or self._cannot_improve(running[0].cumulative_logprob, gen_len)
-        return [] if self.done else running
+        finished.sort(key=lambda h: -h.score)
+        del finished[self.width :]
+        done = all_end or not running or self._cannot_improve(finished, running[0].cumulative_logprob, gen_len)
+        return BeamStep(() if done else tuple(running), tuple(finished), done)
 
-    def _cannot_improve(self, best_running: float, gen_len: int) -> bool:
-        if len(self.finished) < self.width:
+    def apply(self, decision: BeamStep) -> None:
+        """Takes a step's hypotheses and end (called by the scheduler)."""
+        self.finished, self.done = list(decision.finished), decision.done
+
+    def _cannot_improve(self, finished: list[BeamHypothesis], best_running: float, gen_len: int) -> bool:
+        if len(finished) < self.width:
             return False
         if self.params.early_stopping is True:
             return True
@@ -92,7 +107,7 @@ class BeamSearch:
             length = self.max_new_tokens
         else:
             length = gen_len
-        return self._penalised(best_running, length) <= self.finished[-1].score
+        return self._penalised(best_running, length) <= finished[-1].score
 
     def best(self, n: int) -> list[BeamHypothesis]:
         """The n best hypotheses (finished ones first)."""

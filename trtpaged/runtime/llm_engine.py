@@ -15,7 +15,7 @@ from trtpaged.runtime.kv_cache_manager import KVCacheManager
 from trtpaged.runtime.output_processor import OutputProcessor
 from trtpaged.runtime.outputs import RequestOutput
 from trtpaged.runtime.runtime_config import RuntimeConfig
-from trtpaged.runtime.sampler import sample_groups
+from trtpaged.runtime.sampler import greedy_kernel, sample_groups
 from trtpaged.runtime.sampling_params import SamplingParams
 from trtpaged.runtime.scheduler import Scheduler, SchedulerOutput
 from trtpaged.runtime.sequence import Sequence, SequenceGroup
@@ -55,6 +55,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config, self.kv, self.eos_token_ids)
         self.processor = OutputProcessor(tokenizer)
+        self.greedy_kernel = greedy_kernel()  # plain-greedy steps in one kernel pass: decided here, once
         self._arrivals = itertools.count()
         self._request_ids = itertools.count()
         self.groups: dict[str, SequenceGroup] = {}
@@ -131,7 +132,7 @@ class LLMEngine:
             logits = self.runner.step(batch).cpu()
             clock.lap("model")
             drafts = {item.seq.seq_id: item.draft for item in out.scheduled if item.draft}
-            samples = sample_groups(out.sampled_groups, logits, rows, drafts)
+            samples = sample_groups(out.sampled_groups, logits, rows, self.greedy_kernel, drafts)
             clock.lap("sample")
             self.scheduler.update_from_output(out, samples)
             clock.lap("update")

@@ -28,19 +28,11 @@ import torch
 
 from trtpaged.runtime.sampling_params import SamplingParams
 
-if TYPE_CHECKING:  # sequence.py imports make_generator from here
+if TYPE_CHECKING:
     from trtpaged.runtime.sequence import SequenceGroup
 
-_SEED_STRIDE = 0x9E3779B1
 log = logging.getLogger("trtpaged.runtime")
 NON_FINITE = "its logits were not finite (NaN or inf), from the model or after its penalties"
-
-
-def make_generator(seed: Optional[int], index: int) -> Optional[torch.Generator]:
-    """A private RNG for output `index` of a seeded request: reproducible whatever else is batched."""
-    if seed is None:
-        return None
-    return torch.Generator().manual_seed((seed + index * _SEED_STRIDE) % (2**63))
 
 
 @dataclass(frozen=True)
@@ -154,6 +146,14 @@ def _plain_greedy(params: SamplingParams) -> bool:
             and not params.frequency_penalty and params.logprobs is None)  # fmt: skip
 
 
+def greedy_kernel() -> bool:
+    """Whether the kernel library's one-pass greedy_rows can serve plain-greedy CPU float32 batches:
+    decided once, when the engine loads (LLMEngine.greedy_kernel), and passed to `sample`."""
+    from trtpaged import kernels
+
+    return kernels.available() and kernels.has_greedy_rows()
+
+
 def _greedy_samples(logits: torch.Tensor, rows: Sequence[SampleRow]) -> Optional[list[Optional[Sample]]]:
     """Every row plain greedy, on a CPU float32 batch: the choice and its log-prob in one pass of the
     kernel library (full log_softmax, argmax and row copies cost ~1.4 ms at 16 x 49152 here, this
@@ -164,13 +164,8 @@ def _greedy_samples(logits: torch.Tensor, rows: Sequence[SampleRow]) -> Optional
         return None
     from trtpaged import kernels
 
-    if not kernels.available():
-        return None
     index = torch.tensor([r.logits_row for r in rows], dtype=torch.int64)
-    found = kernels.greedy_rows(logits, index)
-    if found is None:
-        return None
-    tokens, logsumexp = found
+    tokens, logsumexp = kernels.greedy_rows(logits, index)
     logprobs = (logits[index, tokens] - logsumexp).tolist()
     return [Sample(t, lp, None) if math.isfinite(lp) else None for t, lp in zip(tokens.tolist(), logprobs)]
 
@@ -181,15 +176,16 @@ def _unsound(logits: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(logits.amax(dim=1))
 
 
-def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[Optional[Sample]]:
+def sample(logits: torch.Tensor, rows: Sequence[SampleRow], greedy_kernel: bool = False) -> list[Optional[Sample]]:
     """Samples one token for each row; `logits` is the step's float32 [num_outputs, vocab] on the CPU.
+    `greedy_kernel` (see `greedy_kernel()`): a plain-greedy batch takes the kernel library's one pass.
 
     A row whose logits (raw, or after its penalties and temperature) are not finite gets None and
     draws nothing, so the other rows, seeded ones included, get the tokens they would get without it.
     """
     if not rows:
         return []
-    fast = _greedy_samples(logits, rows)
+    fast = _greedy_samples(logits, rows) if greedy_kernel else None
     if fast is not None:
         return fast
     raw = logits[[r.logits_row for r in rows]].float()
@@ -279,10 +275,10 @@ def _targets(group: "SequenceGroup", rows: dict[int, int], drafts: Mapping[int, 
     return targets
 
 
-def _runs(logits: torch.Tensor, targets: Sequence[_Target]) -> list[Optional[Run]]:
+def _runs(logits: torch.Tensor, targets: Sequence[_Target], greedy_kernel: bool) -> list[Optional[Run]]:
     """Each target's run: the eager rows in one batched `sample`, lazy ones row by row."""
     eager = [r for t in targets if not t.lazy for r in t.rows]
-    drawn = iter(sample(logits, eager))
+    drawn = iter(sample(logits, eager, greedy_kernel))
     runs: list[Optional[Run]] = []
     for t in targets:
         if not t.lazy:
@@ -290,7 +286,7 @@ def _runs(logits: torch.Tensor, targets: Sequence[_Target]) -> list[Optional[Run
             continue
         got: list[Optional[Sample]] = []
         for i, row in enumerate(t.rows):
-            got += sample(logits, [row])
+            got += sample(logits, [row], greedy_kernel)
             if got[-1] is None or i == len(t.draft) or got[-1].token_id != t.draft[i]:
                 break
         runs.append(verify_run(got, t.draft))
@@ -298,9 +294,11 @@ def _runs(logits: torch.Tensor, targets: Sequence[_Target]) -> list[Optional[Run
 
 
 def sample_groups(groups: Sequence["SequenceGroup"], logits: torch.Tensor, rows: dict[int, int],
-                  drafts: Optional[Mapping[int, tuple[int, ...]]] = None) -> dict[str, Any]:  # fmt: skip
+                  greedy_kernel: bool = False, drafts: Optional[Mapping[int, tuple[int, ...]]] = None,
+                  ) -> dict[str, Any]:  # fmt: skip
     """Each group's samples for this step, by request id: a run per output (one batched draw over every
     sampling row), or the beams to keep for beam-search groups. Changes no sequence; the scheduler applies them.
+    `greedy_kernel`: as for `sample`, decided once when the engine loads.
 
     Before its first sample a group has one sequence, and its `n` samples all read that
     sequence's logits row; afterwards each live sequence reads its own row, or, speculating
@@ -330,12 +328,12 @@ def sample_groups(groups: Sequence["SequenceGroup"], logits: torch.Tensor, rows:
         targets += _targets(group, rows, drafts)
         spans.append((group.request_id, start, len(targets)))
     try:
-        runs: Optional[list[Optional[Run]]] = _runs(logits, targets)
+        runs: Optional[list[Optional[Run]]] = _runs(logits, targets, greedy_kernel)
     except Exception:  # noqa: BLE001 - find the groups at fault below
         runs = None
     for request_id, start, end in spans:
         got = runs[start:end] if runs is not None else _isolated(
-            request_id, errors, lambda: _runs(logits, targets[start:end]))  # fmt: skip
+            request_id, errors, lambda: _runs(logits, targets[start:end], greedy_kernel))  # fmt: skip
         if not isinstance(got, SampleFailure) and any(r is None for r in got):
             got = _failed(request_id, NON_FINITE)
         results[request_id] = got

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional, Sequence as Seq, Union
 
 from trtpaged.errors import RequestError
-from trtpaged.runtime.beam_search import BeamCandidate
+from trtpaged.runtime.beam_search import BeamStep
 from trtpaged.runtime.kv_cache_manager import AllocationPlan, AllocRequest, KVCacheManager
 from trtpaged.runtime.runtime_config import RuntimeConfig
 from trtpaged.runtime.sampler import Run, SampleFailure
@@ -27,9 +27,9 @@ from trtpaged.runtime.sequence import Sequence, SequenceGroup, SequenceStatus
 from trtpaged.runtime.speculative import AcceptanceTracker, SpecDecodeStats, ngram_propose
 
 # What one group's step produced: a run of tokens per sample (index order before the first fork,
-# then `group.seqs` order; one token, or a speculating sequence's verified run), the beams to keep,
-# or why it could not be sampled.
-GroupSamples = Union[Seq[Run], Seq[BeamCandidate], SampleFailure]
+# then `group.seqs` order; one token, or a speculating sequence's verified run), the beam step, or
+# why it could not be sampled.
+GroupSamples = Union[Seq[Run], BeamStep, SampleFailure]
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,44 @@ class ScheduledSeq:
     num_tokens: int
     sample: bool  # its logits are needed (the group samples after this step)
     draft: tuple[int, ...] = ()
+
+
+def check_request(c: RuntimeConfig, num_prompt_tokens: int, params: SamplingParams) -> None:
+    """Refuses a request that can never run under `c`: a `RequestError` naming the field and the limit.
+
+    The one place request limits are checked: the scheduler calls it for every request it queues, the
+    server for every prompt of a request before any of them is queued.
+    """
+    if num_prompt_tokens < 1:
+        raise RequestError("prompt", "must have at least one token", 1)
+    if num_prompt_tokens >= c.max_seq_len:
+        room = "reaches" if num_prompt_tokens == c.max_seq_len else "exceeds"
+        raise RequestError(
+            "prompt",
+            f"{num_prompt_tokens} tokens {room} max_seq_len ({c.max_seq_len}), leaving no room for a generated "
+            f"token (prompt + output must fit in max_seq_len; at most {c.max_seq_len - 1} prompt tokens)",
+            c.max_seq_len - 1,
+        )
+    blocks = -(-num_prompt_tokens // c.block_size)
+    if blocks > c.num_blocks:
+        raise RequestError(
+            "prompt",
+            f"{num_prompt_tokens} tokens need {blocks} KV blocks, more than the whole pool "
+            f"(num_blocks {c.num_blocks}, block_size {c.block_size})",
+            c.num_blocks * c.block_size,
+        )
+    room = c.max_seq_len - num_prompt_tokens
+    if params.max_tokens is not None and params.max_tokens > room:
+        raise RequestError(
+            "max_tokens",
+            f"{num_prompt_tokens} prompt tokens + {params.max_tokens} requested exceeds max_seq_len "
+            f"({c.max_seq_len}); at most {room} here",
+            room,
+        )
+    if params.num_seqs > c.max_batch_size:
+        name = "beam_width" if params.use_beam_search else "n"
+        raise RequestError(name, f"{params.num_seqs} sequences exceeds max_batch_size ({c.max_batch_size})",
+                           c.max_batch_size)
 
 
 @dataclass
@@ -116,38 +154,8 @@ class Scheduler:
         return next(self._seq_ids)
 
     def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        """Refuses a request that can never run: a `RequestError` naming the field and the limit."""
-        c = self.config
-        if num_prompt_tokens < 1:
-            raise RequestError("prompt", "must have at least one token", 1)
-        if num_prompt_tokens >= c.max_seq_len:
-            room = "reaches" if num_prompt_tokens == c.max_seq_len else "exceeds"
-            raise RequestError(
-                "prompt",
-                f"{num_prompt_tokens} tokens {room} max_seq_len ({c.max_seq_len}), leaving no room for a generated "
-                f"token (prompt + output must fit in max_seq_len; at most {c.max_seq_len - 1} prompt tokens)",
-                c.max_seq_len - 1,
-            )
-        blocks = -(-num_prompt_tokens // c.block_size)
-        if blocks > c.num_blocks:
-            raise RequestError(
-                "prompt",
-                f"{num_prompt_tokens} tokens need {blocks} KV blocks, more than the whole pool "
-                f"(num_blocks {c.num_blocks}, block_size {c.block_size})",
-                c.num_blocks * c.block_size,
-            )
-        room = c.max_seq_len - num_prompt_tokens
-        if params.max_tokens is not None and params.max_tokens > room:
-            raise RequestError(
-                "max_tokens",
-                f"{num_prompt_tokens} prompt tokens + {params.max_tokens} requested exceeds max_seq_len "
-                f"({c.max_seq_len}); at most {room} here",
-                room,
-            )
-        if params.num_seqs > c.max_batch_size:
-            name = "beam_width" if params.use_beam_search else "n"
-            raise RequestError(name, f"{params.num_seqs} sequences exceeds max_batch_size ({c.max_batch_size})",
-                               c.max_batch_size)
+        """Refuses a request that can never run (`check_request`, on this scheduler's config)."""
+        check_request(self.config, num_prompt_tokens, params)
 
     def add(self, group: SequenceGroup) -> None:
         """Queues a request after `check_request`."""
@@ -190,10 +198,13 @@ class Scheduler:
             if not group.seqs:
                 self._finish_group(group)
 
-    def finish_stopped(self, stopped: Iterable[tuple[SequenceGroup, Sequence, str, int]]) -> None:
-        """Sequences whose text reached a stop string (found by the output processor) finish here."""
-        for group, seq, stop, num_output_tokens in stopped:
-            seq.truncate_output(num_output_tokens)  # tokens of a verified run after the stop string
+    def finish_stopped(self, stopped: Iterable[tuple[SequenceGroup, Sequence, str, int, int]]) -> None:
+        """Sequences whose text reached a stop string (found by the output processor) finish here, their
+        text cut where the processor says (before the stop string, or after it when it is kept) and their
+        tokens after the one that completed it dropped (the rest of a verified speculative run)."""
+        for group, seq, stop, keep, num_output_tokens in stopped:
+            seq.output_text = seq.output_text[:keep]
+            seq.truncate_output(num_output_tokens)
             seq.finish("stop", stop)
             if seq in group.seqs:
                 self._free(group, seq)
@@ -244,10 +255,12 @@ class Scheduler:
             return "length", None
         return None
 
-    def _advance_beams(self, group: SequenceGroup, keep: Seq[BeamCandidate]) -> None:
+    def _advance_beams(self, group: SequenceGroup, decision: BeamStep) -> None:
         beams = list(group.seqs)
         assert group.beam is not None
-        if group.beam.done:
+        group.beam.apply(decision)
+        keep = decision.running
+        if decision.done:
             for beam in beams:
                 self.kv.free(beam)
             group.seqs.clear()

@@ -9,8 +9,16 @@ from typing import Optional
 import torch
 
 from trtpaged.runtime.beam_search import BeamSearch
-from trtpaged.runtime.sampler import make_generator
 from trtpaged.runtime.sampling_params import SamplingParams
+
+_SEED_STRIDE = 0x9E3779B1
+
+
+def make_generator(seed: Optional[int], index: int) -> Optional[torch.Generator]:
+    """A private RNG for output `index` of a seeded request: reproducible whatever else is batched."""
+    if seed is None:
+        return None
+    return torch.Generator().manual_seed((seed + index * _SEED_STRIDE) % (2**63))
 
 
 class SequenceStatus(enum.Enum):

@@ -57,6 +57,6 @@ def from_runtime_error(exc: ValueError, names: Mapping[str, str]) -> ApiError:
     `names`, e.g. max_tokens -> max_completion_tokens); any other ValueError has no field to name."""
     if isinstance(exc, RequestError):
         param = names.get(exc.field, exc.field)
-        message = str(exc) if param == exc.field else f"{param}: {exc}"
+        message = str(exc) if param == exc.field else f"{param}: {str(exc).removeprefix(exc.field + ': ')}"
         return ApiError(message, param)
     return ApiError(str(exc))

@@ -12,10 +12,12 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Optional, 
 
 from pydantic import BaseModel
 
+from trtpaged.errors import RequestError
 from trtpaged.runtime.llm import LLM
 from trtpaged.runtime.llm_engine import LLMEngine
 from trtpaged.runtime.outputs import RequestOutput, RequestOutputKind
 from trtpaged.runtime.sampling_params import SamplingParams
+from trtpaged.runtime.scheduler import check_request
 from trtpaged.server.engine_loop import (
     EngineFailure,
     EngineLoop,
@@ -86,7 +88,7 @@ class GenerationService:
     async def submit(self, body: Any, chat: bool) -> Submitted:
         """Validates, tokenizes and queues one request; raises ApiError before anything is sent."""
         req = parse_generation(body, chat, self.model_name, self.vocab_size)
-        params = self._params(req, req.max_tokens if req.max_tokens is not None else 16)
+        params = self._params(req, req.max_tokens)  # None: fitted to each prompt below
         self._check_num_prompts(req)
         prompts = await self._tokenize(req)
         summary = Summary(request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}")
@@ -103,7 +105,7 @@ class GenerationService:
         return Submitted(req, params, sub, index, builder, summary)
 
     # ---- request -> engine requests -----------------------------------------------------------
-    def _params(self, req: GenerationRequest, max_tokens: int) -> SamplingParams:
+    def _params(self, req: GenerationRequest, max_tokens: Optional[int]) -> SamplingParams:
         """The engine request's parameters. Every request is served from DELTA outputs: each step hands over
         only what is new (stop strings held back by the runtime), a stream sends it on, a full body joins it."""
         try:
@@ -144,17 +146,14 @@ class GenerationService:
         return prompts
 
     def _fit_max_tokens(self, req: GenerationRequest, params: SamplingParams, prompt_len: int) -> SamplingParams:
-        """Unset max_tokens: what max_seq_len leaves. Set: prompt + max_tokens must fit in max_seq_len."""
-        if prompt_len >= self.max_seq_len:
-            return params  # add_request refuses it, naming max_seq_len
-        room = self.max_seq_len - prompt_len
+        """Unset max_tokens: what max_seq_len leaves. Then the runtime's own `check_request` on this
+        prompt, so that a request of several prompts is refused before any of them is queued."""
         if req.max_tokens is None:
-            return dataclasses.replace(params, max_tokens=max(1, room))
-        if req.max_tokens > room:
-            name = req.names.get("max_tokens", "max_tokens")
-            raise ApiError(
-                f"{name}: {prompt_len} prompt tokens + {req.max_tokens} requested exceeds max_seq_len "
-                f"({self.max_seq_len}); at most {room} here", name)
+            params = dataclasses.replace(params, max_tokens=max(1, self.max_seq_len - prompt_len))
+        try:
+            check_request(self.llm.config, prompt_len, params)
+        except RequestError as exc:
+            raise from_runtime_error(exc, req.names) from None
         return params
 
     # ---- answers ------------------------------------------------------------------------------

@@ -46,7 +46,9 @@ typedef enum trtpaged_status {
   TRTPAGED_ERR_INVALID_ARGUMENT = 1, /* null pointer, bad shape, index out of range */
   TRTPAGED_ERR_UNSUPPORTED = 2,      /* valid but not implemented (e.g. head_dim) */
   TRTPAGED_ERR_CUDA = 3,             /* a CUDA runtime call failed */
-  TRTPAGED_ERR_NOT_BUILT = 4         /* the library was built without this backend */
+  TRTPAGED_ERR_NOT_BUILT = 4,        /* the library was built without this backend */
+  TRTPAGED_ERR_IO = 5,               /* a file could not be opened or read (runtime.h) */
+  TRTPAGED_ERR_OUT_OF_MEMORY = 6     /* an allocation failed (runtime.h) */
 } trtpaged_status;
 
 typedef enum trtpaged_dtype {
@@ -281,6 +283,9 @@ TRTPAGED_API trtpaged_status trtpaged_llama_layers_cpu(const trtpaged_llama_laye
 
 /* Message of the last failed call on this thread ("" if none). */
 TRTPAGED_API const char* trtpaged_last_error(void);
+/* Records message (NULL: "") as this thread's last error and returns status: how a library built on
+ * this one (the runtime, runtime.h) reports through trtpaged_last_error(). */
+TRTPAGED_API trtpaged_status trtpaged_record_error(trtpaged_status status, const char* message);
 /* 1 if CUDA kernels were compiled into this library, else 0. */
 TRTPAGED_API int trtpaged_has_cuda(void);
 /* Library version, e.g. "0.1.0". */

@@ -1,0 +1,155 @@
+// Generates greedily from an engine dir with the C runtime (trtpaged/runtime.h), without Python.
+//
+//   trtpaged_generate ENGINE_DIR [options] PROMPT...
+//
+// Each PROMPT is a comma-separated list of token ids ("1,2,3"): tokenization stays with the embedder.
+// All prompts are added at once and run with continuous batching; each request's tokens are printed
+// as it finishes:  "request <i>: <ids separated by spaces> (<finish reason>)".
+// Options: --max-tokens N (default 16), --num-kv-blocks N, --max-num-tokens N, --max-batch-size N,
+// --ignore-eos, --no-prefix-caching, --stats (a line of scheduler counters), --bench (single-stream
+// decode speed of the first prompt: "decode_tok_s <x>").
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "trtpaged/runtime.h"
+
+namespace {
+
+const char* reason_name(int32_t r) {
+  switch (r) {
+    case TRTPAGED_FINISH_STOP: return "stop";
+    case TRTPAGED_FINISH_LENGTH: return "length";
+    case TRTPAGED_FINISH_ABORT: return "abort";
+    case TRTPAGED_FINISH_ERROR: return "error";
+    default: return "running";
+  }
+}
+
+int fail(const char* what) {
+  std::fprintf(stderr, "error: %s: %s\n", what, trtpaged_last_error());
+  return 1;
+}
+
+bool parse_prompt(const char* text, std::vector<int32_t>* out) {
+  std::string s(text);
+  size_t start = 0;
+  while (start <= s.size()) {
+    size_t end = s.find(',', start);
+    if (end == std::string::npos) end = s.size();
+    char* stop = nullptr;
+    const std::string item = s.substr(start, end - start);
+    long v = std::strtol(item.c_str(), &stop, 10);
+    if (item.empty() || *stop) return false;
+    out->push_back(int32_t(v));
+    start = end + 1;
+  }
+  return true;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 3) {
+    std::fprintf(stderr, "usage: %s ENGINE_DIR [--max-tokens N] [--num-kv-blocks N] [--max-num-tokens N] "
+                         "[--max-batch-size N] [--ignore-eos] [--no-prefix-caching] [--stats] [--bench] PROMPT...\n",
+                 argv[0]);
+    return 2;
+  }
+  trtpaged_open_options options;
+  trtpaged_open_options_init(&options);
+  trtpaged_sampling sampling;
+  trtpaged_sampling_init(&sampling);  // greedy
+  bool stats = false, bench = false;
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 2; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&](const char* name) {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "error: %s needs a value\n", name);
+        std::exit(2);
+      }
+      return std::atol(argv[++i]);
+    };
+    if (a == "--max-tokens") sampling.max_tokens = int32_t(value("--max-tokens"));
+    else if (a == "--num-kv-blocks") options.num_kv_blocks = value("--num-kv-blocks");
+    else if (a == "--max-num-tokens") options.max_num_tokens = int32_t(value("--max-num-tokens"));
+    else if (a == "--max-batch-size") options.max_batch_size = int32_t(value("--max-batch-size"));
+    else if (a == "--ignore-eos") sampling.ignore_eos = 1;
+    else if (a == "--no-prefix-caching") options.enable_prefix_caching = 0;
+    else if (a == "--stats") stats = true;
+    else if (a == "--bench") bench = true;
+    else {
+      prompts.emplace_back();
+      if (!parse_prompt(argv[i], &prompts.back())) {
+        std::fprintf(stderr, "error: PROMPT '%s': expected comma-separated token ids\n", argv[i]);
+        return 2;
+      }
+    }
+  }
+  trtpaged_runtime* rt = nullptr;
+  if (trtpaged_runtime_open(argv[1], &options, &rt) != TRTPAGED_OK) return fail("open");
+  int rc = 0;
+  std::vector<int64_t> ids;
+  std::vector<std::vector<int32_t>> outputs(prompts.size());
+  std::vector<int32_t> reasons(prompts.size(), TRTPAGED_RUNNING);
+  for (const auto& p : prompts) {
+    int64_t id = -1;
+    if (trtpaged_request_add(rt, p.data(), int32_t(p.size()), &sampling, &id) != TRTPAGED_OK) {
+      rc = fail("add");
+      break;
+    }
+    ids.push_back(id);
+  }
+  using clock = std::chrono::steady_clock;
+  clock::time_point first_token{};
+  size_t done = 0;
+  std::vector<int32_t> buf(4096);
+  while (rc == 0 && done < ids.size()) {
+    int32_t computed = 0;
+    if (trtpaged_runtime_run_step(rt, &computed) != TRTPAGED_OK) {
+      rc = fail("step");
+      break;
+    }
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if (reasons[i] != TRTPAGED_RUNNING) continue;
+      int32_t n = 0, reason = 0;
+      do {
+        if (trtpaged_request_read(rt, ids[i], buf.data(), int32_t(buf.size()), &n, &reason) != TRTPAGED_OK) {
+          rc = fail("read");
+          break;
+        }
+        outputs[i].insert(outputs[i].end(), buf.begin(), buf.begin() + n);
+      } while (n == int32_t(buf.size()));
+      if (i == 0 && outputs[0].size() == 1 && n == 1) first_token = clock::now();
+      if (reason != TRTPAGED_RUNNING) {
+        reasons[i] = reason;
+        ++done;
+        std::printf("request %zu:", i);
+        for (int32_t t : outputs[i]) std::printf(" %d", t);
+        std::printf(" (%s)\n", reason_name(reason));
+        if (i == 0 && bench && outputs[0].size() > 1) {
+          const double s = std::chrono::duration<double>(clock::now() - first_token).count();
+          std::printf("decode_tok_s %.2f\n", double(outputs[0].size() - 1) / s);
+        }
+      }
+    }
+    if (computed == 0 && done < ids.size()) {
+      std::fprintf(stderr, "error: the scheduler made no progress\n");
+      rc = 1;
+    }
+  }
+  if (stats && rc == 0) {
+    trtpaged_runtime_stats st;
+    if (trtpaged_runtime_get_stats(rt, &st) != TRTPAGED_OK) rc = fail("stats");
+    else
+      std::printf("stats: steps %lld tokens %lld preemptions %lld prefix_hits_tokens %lld blocks_used %lld\n",
+                  (long long)st.num_steps, (long long)st.num_tokens_computed, (long long)st.num_preemptions,
+                  (long long)st.prefix_cache_hits_tokens, (long long)st.kv_blocks_used);
+  }
+  trtpaged_runtime_close(rt);
+  return rc;
+}

@@ -1,0 +1,83 @@
+// The Llama-family step model on the CPU through the kernel library: the same kernel calls, in the
+// same order on the same buffers, as the Python runtime's eager step model (trtpaged/models/llama.py:
+// the c_layers plan when every linear is quantized, else the fused plan), so that the two produce
+// the same logits for the same packed batch (up to the rotary tables' last bit: see docs/embedding.md).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "runtime/engine_dir.h"
+#include "trtpaged/trtpaged.h"
+
+namespace trtpaged::rt {
+
+// 64-byte aligned bytes (the packed quantized weights need it).
+struct AlignedBytes {
+  std::unique_ptr<unsigned char, void (*)(void*)> data{nullptr, [](void* p) { std::free(p); }};
+  size_t size = 0;
+  void allocate(size_t bytes);
+};
+
+// y[m, n] = x[m, k] @ W^T (+ bias): float32 weights, or quantized and packed for the qlinear kernels.
+struct Linear {
+  int64_t n = 0, k = 0;
+  bool quantized = false;
+  int32_t bits = 0, group_size = 0, activations = TRTPAGED_QLINEAR_INT8_ACTIVATIONS;
+  std::vector<float> weight;  // float [n, k]
+  AlignedBytes packed;        // quantized
+  std::vector<float> bias;    // [n] or empty
+  void run(const float* x, int64_t m, float* y) const;
+  trtpaged_qlinear_weight described() const;
+};
+
+struct Layer {
+  std::vector<float> input_norm, post_attention_norm;
+  Linear qkv, o, gate_up, down;
+};
+
+// The packed step of the engine I/O contract, checked by the caller.
+struct StepView {
+  int32_t num_tokens, num_seqs, max_blocks_per_seq, num_outputs;
+  const int32_t *input_ids, *positions, *query_start, *context_lens, *block_tables, *logits_index;
+};
+
+class CpuModel {
+ public:
+  // Loads the weights (root/manifest.weights_file), checked against the manifest's dims and
+  // quantization: every tensor present with its shape and dtype, no other, float ones finite.
+  CpuModel(const Manifest& manifest, const std::string& weights_path);
+  // Runs one step over pool (kv_dtype pool of num_blocks blocks); logits [num_outputs, vocab].
+  void step(const StepView& s, void* pool, int32_t num_blocks, float* logits);
+  bool quantized() const { return quantized_; }
+  bool one_call() const { return one_call_; }
+  trtpaged_dtype kv_dtype() const { return kv_dtype_; }
+
+ private:
+  void embed(const int32_t* ids, int32_t rows, float* out) const;
+  void rotary(const int32_t* positions, int32_t rows);
+  void layers_fused(float* stream, float* last, const trtpaged_attention_params& attn, void* pool,
+                    const StepView& s);
+
+  Manifest m_;
+  trtpaged_dtype kv_dtype_ = TRTPAGED_FLOAT32;
+  bool quantized_ = false, one_call_ = false;
+  float eps_ = 0, scale_ = 0;
+  // embedding: a float table, or int8 rows with per-group scales
+  std::vector<float> embed_f32_;
+  std::vector<int8_t> embed_codes_;
+  std::vector<float> embed_scales_;
+  int32_t embed_group_ = 0;
+  std::vector<Layer> layers_;
+  std::vector<trtpaged_llama_layer> described_;
+  std::vector<float> final_norm_;
+  Linear head_;
+  std::vector<float> inv_freq_;
+  // scratch reused from step to step
+  std::vector<float> stream_, last_, cos_, sin_, rows_x_, rows_res_, rows_out_;
+  std::vector<float> x_, qkv_, q_, k_, v_, attn_, o_, gate_up_, act_;
+};
+
+}  // namespace trtpaged::rt

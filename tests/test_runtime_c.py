@@ -1,0 +1,324 @@
+"""The C runtime (libtrtpaged_runtime, runtime.h) and its example against the Python runtime: the same greedy
+token ids for the same prompts, alone and batched (continuous batching, a shared prefix, preemption), the step
+API's logits against the Python step model's, and bad inputs refused with the argument named."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from c_runtime import REPO, CError, CRuntime, StepInputs, build, generate, i32_array, load, parse_outputs
+from trtpaged import LLM, SamplingParams
+
+MAX_TOKENS = 24
+# A is exactly max_num_tokens long, so it is prefilled alone and its full blocks are cached before B (which shares
+# its first 40 tokens, two full blocks) is admitted; a pool of 8 blocks cannot hold all four: one is preempted.
+SHARED = [(7 * i + 3) % 300 + 5 for i in range(48)]
+PROMPTS = [SHARED, SHARED[:40] + [17, 93, 5, 211, 64], [(11 * i + 1) % 310 for i in range(20)], [1, 2, 3, 4, 5]]
+BATCH = {"num_kv_blocks": 8, "max_num_tokens": 48}
+
+
+@pytest.fixture(scope="session")
+def build_dir() -> Path:
+    return build(REPO / "build" / "tests" / "c-runtime")  # not build/*/, where the kernel loader looks
+
+
+@pytest.fixture(scope="session")
+def lib(build_dir):
+    return load(build_dir)
+
+
+def python_greedy(engine_dir: Path, prompts, max_tokens: int, **options) -> tuple[list[list[int]], dict]:
+    llm = LLM(engine_dir, device="cpu", backend="torch", **options)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    out = llm.generate([list(p) for p in prompts], params)
+    return [list(o.outputs[0].token_ids) for o in out], llm.engine.stats()
+
+
+def python_alone(engine_dir: Path, prompts, max_tokens: int) -> list[list[int]]:
+    llm = LLM(engine_dir, device="cpu", backend="torch", enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return [list(llm.generate([list(p)], params)[0].outputs[0].token_ids) for p in prompts]
+
+
+def example_alone(build_dir: Path, engine_dir: Path, prompts, max_tokens: int) -> list[list[int]]:
+    got = []
+    for p in prompts:
+        run = generate(build_dir, engine_dir, [p], "--max-tokens", str(max_tokens), "--ignore-eos",
+                       "--no-prefix-caching")
+        assert run.returncode == 0, run.stderr
+        got.append(parse_outputs(run.stdout)[0][0])
+    return got
+
+
+def example_batch(build_dir: Path, engine_dir: Path, prompts, max_tokens: int) -> tuple[list[list[int]], dict]:
+    run = generate(build_dir, engine_dir, prompts, "--max-tokens", str(max_tokens), "--ignore-eos", "--stats",
+                   "--num-kv-blocks", str(BATCH["num_kv_blocks"]), "--max-num-tokens", str(BATCH["max_num_tokens"]))
+    assert run.returncode == 0, run.stderr
+    tokens, reasons, stats = parse_outputs(run.stdout)
+    assert set(reasons.values()) == {"length"}
+    return [tokens[i] for i in range(len(prompts))], stats
+
+
+def test_example_matches_python_tiny(build_dir, tiny_engine_dir):
+    assert example_alone(build_dir, tiny_engine_dir, PROMPTS, MAX_TOKENS) == python_alone(tiny_engine_dir, PROMPTS,
+                                                                                         MAX_TOKENS)
+    want, py_stats = python_greedy(tiny_engine_dir, PROMPTS, MAX_TOKENS, num_kv_blocks=BATCH["num_kv_blocks"],
+                                   max_num_tokens=BATCH["max_num_tokens"])
+    got, stats = example_batch(build_dir, tiny_engine_dir, PROMPTS, MAX_TOKENS)
+    assert got == want
+    # the scenario is the one intended, in both runtimes: a preemption, and B's two shared blocks found cached
+    assert py_stats["num_preemptions"] >= 1 and stats["preemptions"] == py_stats["num_preemptions"]
+    assert stats["prefix_hits_tokens"] >= 32 and stats["steps"] == py_stats["num_steps"]
+
+
+def test_c_api_requests_match_python_tiny(lib, tiny_engine_dir):
+    want, _ = python_greedy(tiny_engine_dir, PROMPTS, 12, **BATCH)
+    with CRuntime(lib, tiny_engine_dir, **BATCH) as rt:
+        assert rt.info.vocab_size == 320 and rt.info.num_kv_blocks == 8 and rt.info.max_num_tokens == 48
+        assert rt.generate(PROMPTS, 12) == want
+        st = rt.stats()
+        assert st.num_preemptions >= 1 and st.num_running == st.num_waiting == 0
+        assert st.kv_blocks_used == 0  # every block back in the pool (cached ones stay findable)
+
+
+def test_abort_and_stop_tokens(lib, tiny_engine_dir):
+    with CRuntime(lib, tiny_engine_dir) as rt:
+        (free_run,) = rt.generate([PROMPTS[3]], 8)
+        stop = free_run[3]
+        stops = (ctypes.c_int32 * 1)(stop)
+        rid = rt.add(PROMPTS[3], 8, stop_token_ids=ctypes.cast(stops, ctypes.c_void_p), num_stop_token_ids=1)
+        other = rt.add(PROMPTS[2], 50)
+        tokens, reason = [], "running"
+        while reason == "running":
+            rt.run_step()
+            new, reason = rt.read(rid)
+            tokens += new
+        assert reason == "stop" and tokens == free_run[: free_run.index(stop) + 1]
+        check_unknown = pytest.raises(CError, match="request_id")
+        with check_unknown:
+            rt.read(rid)  # finished and read: forgotten
+        assert rt.stats().num_running == 1
+        ctypes_abort = rt.lib.trtpaged_request_abort(rt.handle, other)
+        assert ctypes_abort == 0
+        _, reason = rt.read(other)
+        assert reason == "abort" and rt.stats().kv_blocks_used == 0
+
+
+def test_step_api_matches_python_step_model(lib, tiny_engine_dir):
+    """Two sequences prefilled in one packed step, then a decode step: logits equal the Python runner's."""
+    from trtpaged.runtime.runners import StepBatch, TorchRunner
+
+    runner = TorchRunner.from_engine_dir(tiny_engine_dir, num_blocks=16)
+    a, b = PROMPTS[2][:19], PROMPTS[3]
+    steps = [
+        dict(input_ids=a + b, positions=list(range(19)) + list(range(5)), query_start=[0, 19, 24],
+             context_lens=[19, 5], block_tables=[[3, 9], [4, 0]], logits_index=[18, 23]),
+        dict(input_ids=[PROMPTS[2][19], 77], positions=[19, 5], query_start=[0, 1, 2], context_lens=[20, 6],
+             block_tables=[[3, 9], [4, 0]], logits_index=[0, 1]),
+    ]
+    with CRuntime(lib, tiny_engine_dir, num_kv_blocks=16) as rt:
+        for s in steps:
+            want = runner.step(StepBatch(**{k: torch.tensor(v, dtype=torch.int32) for k, v in s.items()}))
+            got = run_c_step(rt, s)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            assert torch.equal(got.argmax(1), want.argmax(1))
+
+
+def run_c_step(rt: CRuntime, s: dict) -> torch.Tensor:
+    arrays = {k: i32_array(sum(v, []) if k == "block_tables" else v) for k, v in s.items()}
+    inputs = StepInputs(len(s["input_ids"]), len(s["context_lens"]), len(s["block_tables"][0]), len(s["logits_index"]),
+                        *[ctypes.cast(arrays[k], ctypes.c_void_p) for k in ("input_ids", "positions", "query_start",
+                                                                          "context_lens", "block_tables",
+                                                                          "logits_index")])
+    logits = torch.empty(len(s["logits_index"]), rt.info.vocab_size)
+    status = rt.lib.trtpaged_runtime_step(rt.handle, ctypes.byref(inputs), logits.data_ptr(), logits.numel())
+    if status:
+        raise CError(status, rt.lib.trtpaged_last_error().decode())
+    return logits
+
+
+def edited_engine(src: Path, dst: Path, edit) -> Path:
+    shutil.copytree(src, dst)
+    manifest = json.loads((dst / "trtpaged.json").read_text())
+    edit(manifest)
+    (dst / "trtpaged.json").write_text(json.dumps(manifest))
+    return dst
+
+
+@pytest.mark.parametrize("edit, status, named", [
+    (lambda m: m.update(format_version=2), "unsupported", "format_version"),
+    (lambda m: m["dims"].update(architecture="GPT2LMHeadModel"), "unsupported", "dims.architecture"),
+    (lambda m: m.update(backends=["tensorrt"]), "unsupported", "backends"),
+    (lambda m: m.update(dtype="float16"), "unsupported", "dtype"),
+    (lambda m: m.update(kv_cache_dtype="int4"), "invalid_argument", "kv_cache_dtype"),
+    (lambda m: m.update(tensor_parallel=2), "unsupported", "tensor_parallel"),
+    (lambda m: m.update(weights_file="../weights.safetensors"), "invalid_argument", "weights_file"),
+    (lambda m: m["limits"].update(block_size=12), "invalid_argument", "limits.block_size"),
+    (lambda m: m["dims"].update(hidden_size=96), "invalid_argument", "embed_tokens.weight"),
+    (lambda m: m.update(quantization={"modules": {"lm_head": [3, 32]}}), "invalid_argument", "quantization.modules"),
+    (lambda m: m.update(surprise=1), "invalid_argument", "surprise: unknown field"),
+])
+def test_open_refuses_bad_engine_dirs(lib, tiny_engine_dir, tmp_path, edit, status, named):
+    engine = edited_engine(tiny_engine_dir, tmp_path / "engine", edit)
+    with pytest.raises(CError) as e:
+        CRuntime(lib, engine)
+    assert e.value.status == status and named in e.value.message
+
+
+def test_open_refuses_unsafe_weights(lib, tiny_engine_dir, tmp_path):
+    outside = tmp_path / "outside.safetensors"
+    shutil.copy(tiny_engine_dir / "weights.safetensors", outside)
+    engine = edited_engine(tiny_engine_dir, tmp_path / "link", lambda m: None)
+    (engine / "weights.safetensors").unlink()
+    (engine / "weights.safetensors").symlink_to(outside)
+    with pytest.raises(CError, match="outside the engine dir"):
+        CRuntime(lib, engine)
+    truncated = edited_engine(tiny_engine_dir, tmp_path / "short", lambda m: None)
+    data = (truncated / "weights.safetensors").read_bytes()
+    (truncated / "weights.safetensors").write_bytes(data[:-100])
+    with pytest.raises(CError, match="weights_file: not a valid safetensors file"):
+        CRuntime(lib, truncated)
+    with pytest.raises(CError, match="engine_dir: .* does not exist") as e:
+        CRuntime(lib, tmp_path / "missing")
+    assert e.value.status == "io"
+    with pytest.raises(CError, match="options.num_kv_blocks, options.kv_bytes: set at most one"):
+        CRuntime(lib, tiny_engine_dir, num_kv_blocks=4, kv_bytes=1 << 20)
+    with pytest.raises(CError, match="options.max_seq_len: must be in \\[1, 512\\]"):
+        CRuntime(lib, tiny_engine_dir, max_seq_len=513)
+    with pytest.raises(CError, match="options.backend: 'tensorrt' is not implemented"):
+        CRuntime(lib, tiny_engine_dir, backend=b"tensorrt")
+
+
+def test_bad_requests_and_steps_name_the_argument(lib, tiny_engine_dir):
+    with CRuntime(lib, tiny_engine_dir, num_kv_blocks=4) as rt:
+        with pytest.raises(CError, match=r"prompt_len: 512 tokens reach max_seq_len \(512\)"):
+            rt.add([1] * 512)
+        with pytest.raises(CError, match=r"prompt_len: 65 tokens need 5 KV blocks, more than the whole pool"):
+            rt.add([1] * 65)
+        with pytest.raises(CError, match=r"prompt\[1\]: token id 320 is outside the vocabulary \[0, 320\)"):
+            rt.add([1, 320])
+        with pytest.raises(CError, match=r"sampling.max_tokens: got 600"):
+            rt.add([1, 2], 600)
+        with pytest.raises(CError, match="sampling.top_p"):
+            rt.add([1, 2], 4, temperature=1.0, top_p=0.0)
+        lib_ = rt.lib
+        rid = ctypes.c_int64()
+        assert lib_.trtpaged_request_add(rt.handle, None, 3, None, ctypes.byref(rid)) == 1
+        assert lib_.trtpaged_last_error() == b"prompt: null pointer"
+        assert lib_.trtpaged_request_add(rt.handle, i32_array([1]), 1, None, None) == 1
+        assert lib_.trtpaged_last_error() == b"request_id: null pointer"
+        assert lib_.trtpaged_request_add(None, i32_array([1]), 1, None, ctypes.byref(rid)) == 1
+        assert lib_.trtpaged_last_error() == b"runtime: null pointer"
+        assert lib_.trtpaged_runtime_open(b".", None, None) == 1 and lib_.trtpaged_last_error() == b"out: null pointer"
+        good = dict(input_ids=[1, 2], positions=[0, 1], query_start=[0, 2], context_lens=[2], block_tables=[[0]],
+                    logits_index=[1])
+        for key, value, named in [("block_tables", [[4]], r"inputs.block_tables\[0\]\[0\]: block 4 is outside"),
+                                  ("input_ids", [1, -3], r"inputs.input_ids\[1\]: token id -3"),
+                                  ("positions", [0, 2], r"inputs.positions\[1\]: got 2"),
+                                  ("logits_index", [2], r"inputs.logits_index\[0\]: got 2")]:
+            with pytest.raises(CError, match=named):
+                run_c_step(rt, {**good, key: value})
+        run_c_step(rt, good)
+        rt.add([1, 2, 3], 2)  # in flight: the step API would share its pool
+        with pytest.raises(CError, match="runtime: 1 requests are unfinished"):
+            run_c_step(rt, good)
+        assert lib_.trtpaged_runtime_close(None) is None
+
+
+def test_smoke_script(build_dir, tiny_engine_dir):
+    """examples/cpp/smoke_test.sh: the Python-free check of a built example."""
+    run = subprocess.run(["bash", str(REPO / "examples" / "cpp" / "smoke_test.sh"), str(build_dir),
+                          str(tiny_engine_dir)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "smoke test passed" in run.stdout
+
+
+@pytest.mark.slow
+def test_example_matches_python_smollm2_int4(build_dir, lib, smollm2_int4_engine_dir):
+    engine = smollm2_int4_engine_dir
+    llm_tokenizer = LLM(engine, device="cpu", backend="torch", num_kv_blocks=16).tokenizer
+    texts = ["The capital of France is", "Once upon a time, in a small village by the sea, there lived an old "
+             "fisherman who", "def fibonacci(n):", "Water boils at"]
+    prompts = [llm_tokenizer.encode(t) for t in texts]
+    prompts.insert(2, prompts[1][:-2] + llm_tokenizer.encode(" a young girl"))  # shares the fisherman's prefix
+    assert example_alone(build_dir, engine, prompts[:2], 12) == python_alone(engine, prompts[:2], 12)
+    # 16 tokens each in a pool of 4 blocks: two requests are preempted (and recomputed) along the way
+    small = {"num_kv_blocks": 4, "max_num_tokens": 24, "max_batch_size": 8}
+    want, py_stats = python_greedy(engine, prompts, 16, **small)
+    run = generate(build_dir, engine, prompts, "--max-tokens", "16", "--ignore-eos", "--stats",
+                   *[arg for k, v in small.items() for arg in (f"--{k.replace('_', '-')}", str(v))])
+    assert run.returncode == 0, run.stderr
+    tokens, _, stats = parse_outputs(run.stdout)
+    assert [tokens[i] for i in range(len(prompts))] == want
+    assert stats["preemptions"] == py_stats["num_preemptions"] >= 1 and stats["prefix_hits_tokens"] >= 16
+    with CRuntime(lib, engine, **small) as rt:
+        assert rt.info.quantized == 1 and rt.info.one_call_layers == 1
+        assert rt.generate(prompts, 16) == want
+
+
+@pytest.mark.slow
+def test_asan_build_has_no_leak_or_invalid_access(build_dir, tiny_engine_dir):
+    """The runtime and example built with AddressSanitizer (LeakSanitizer included: it sees the whole process)
+    over the smoke script: a batch with a shared prefix and a preemption, repeated runs and the refused inputs."""
+    build(build_dir, "trtpaged_runtime_asan", "trtpaged_generate_asan")
+    env = {**os.environ, "ASAN_OPTIONS": "detect_leaks=1:abort_on_error=0:exitcode=99"}
+    run = subprocess.run(["bash", str(REPO / "examples" / "cpp" / "smoke_test.sh"), str(build_dir),
+                          str(tiny_engine_dir), "trtpaged_generate_asan"], capture_output=True, text=True,
+                         timeout=900, env=env)
+    assert run.returncode == 0 and "smoke test passed" in run.stdout, run.stdout + run.stderr
+    assert "AddressSanitizer" not in run.stderr and "LeakSanitizer" not in run.stderr
+
+
+def test_runtime_library_exports_only_its_c_api(build_dir):
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("nm not installed")
+    out = subprocess.run([nm, "-D", "--defined-only", str(build_dir / "libtrtpaged_runtime.so")], capture_output=True,
+                         text=True, check=True).stdout
+    names = {line.split()[-1] for line in out.splitlines() if line.strip()}
+    assert {"trtpaged_runtime_open", "trtpaged_request_add", "trtpaged_runtime_step"} <= names
+    assert all(name.startswith("trtpaged_") for name in names), names
+
+
+def test_sampling_is_seeded_per_request(lib, tiny_engine_dir):
+    """top_k 1 is greedy whatever the temperature; a seeded request draws the same tokens alone and batched with
+    others (its own generator), and another seed draws other tokens."""
+    with CRuntime(lib, tiny_engine_dir) as rt:
+        (greedy,) = rt.generate([PROMPTS[2]], 16)
+        rid = rt.add(PROMPTS[2], 16, temperature=1.5, top_k=1)
+        while rt.run_step():
+            pass
+        assert rt.read(rid) == (greedy, "length")
+        seeded = dict(temperature=1.0, top_p=0.95, has_seed=1, seed=1234)
+        alone = rt.add(PROMPTS[3], 16, **seeded)
+        while rt.run_step():
+            pass
+        first, _ = rt.read(alone)
+        batched = [rt.add(PROMPTS[0], 16, temperature=1.0), rt.add(PROMPTS[3], 16, **seeded),
+                   rt.add(PROMPTS[3], 16, **{**seeded, "seed": 99})]
+        while rt.run_step():
+            pass
+        _, again, other = [rt.read(r)[0] for r in batched]
+        assert again == first and other != first
+
+
+def test_int8_kv_cache_matches_python(build_dir, tmp_path):
+    """A quantized KV pool (int8 rows with their fp16 scales inside the blocks): the same tokens as Python."""
+    import yaml
+
+    from conftest import EXAMPLES, build_from_dict
+
+    config = yaml.safe_load((EXAMPLES / "tiny.yaml").read_text())
+    config.pop("output")
+    engine = build_from_dict({**config, "kv_cache_dtype": "int8"}, tmp_path / "tiny-int8kv")
+    want, _ = python_greedy(engine, PROMPTS, 12, **BATCH)
+    got, stats = example_batch(build_dir, engine, PROMPTS, 12)
+    assert got == want and stats["preemptions"] >= 1
