@@ -188,7 +188,8 @@ def run_trtpaged(engine_dir: str, requests: list[Request], name: str = "trtpaged
     result = _result(name, requests, wall, computed, ttft, tpot, monitor)
     if speculative_config is not None:
         spec = {k: stats[k] - spec_before.get(k, 0) for k in spec_before}
-        drafts, proposed, accepted = (spec[f"spec_decode_num_{k}"] for k in ("drafts", "draft_tokens", "accepted_tokens"))
+        drafts, proposed, accepted = (spec[f"spec_decode_num_{k}"]
+                                      for k in ("drafts", "draft_tokens", "accepted_tokens"))  # fmt: skip
         result.notes.append(f"speculation: {drafts} drafts, {proposed} tokens proposed, {accepted} accepted "
                             f"(rate {accepted / proposed if proposed else 0:.2f}, mean accepted length "
                             f"{1 + accepted / drafts if drafts else 0:.2f}), off in "

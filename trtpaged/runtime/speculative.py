@@ -50,7 +50,8 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if value is None and optional:
                 return
-            if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
+            bad_type = not isinstance(value, int) or isinstance(value, bool)
+            if bad_type or value < low or (high is not None and value > high):
                 bound = f"[{low}, {high}]" if high is not None else f">= {low}"
                 raise ValueError(f"speculative_config.{name}: must be an integer {bound}, got {value!r}")
 
