@@ -8,9 +8,12 @@
 #   4. the GPU kernel benchmark (fraction of measured HBM copy bandwidth, paged vs contiguous), and
 #      its int8 / fp8_e4m3 KV cache variant (`trtpaged bench kernel --device cuda --kv-dtype ... --quick`:
 #      bytes actually read, time against the fp16 cache);
-#   5. with TensorRT: build the SmolLM2 engine, check that the KV pool is updated in place
+#   5. end to end without TensorRT (scripts/gpu_e2e.py): engines built on the GPU from models made here
+#      (SmolLM2's config and a ~1.1B Llama shape, random weights), greedy equality of the CUDA torch
+#      runner with HF, and output tok/s of trtpaged fp16 / int4 / int8 vs HF static batching at batch 1, 64;
+#   6. with TensorRT: build the SmolLM2 engine, check that the KV pool is updated in place
 #      (no pool-sized copy per step, activation memory vs pool bytes), greedy equality vs torch;
-#   6. with >= 2 GPUs: tensor parallelism on 2 ranks (NCCL through torch.distributed, greedy vs
+#   7. with >= 2 GPUs: tensor parallelism on 2 ranks (NCCL through torch.distributed, greedy vs
 #      one rank) and, with TensorRT and the plugin, the TrtpagedAllReduce plugin over NCCL.
 # Logs and results go to $OUT when set (else /tmp/trtpaged_gpu_check); a one-screen summary ends it.
 # TensorRT headers: $TENSORRT_ROOT (a dir with include/NvInfer.h), else /usr/include/x86_64-linux-gnu,
@@ -108,17 +111,17 @@ unset TENSORRT_ROOT  # the header-only plugin build tests rebuild it: step 1 did
 cd "$REPO"
 
 step "tests (pytest -m gpu; tensorrt-marked tests when TensorRT is importable)"
-tests=(tests/test_kernels_gpu.py tests/test_kernels.py)
+tests=(tests/test_kernels_gpu.py tests/test_kernels.py tests/test_qlinear_cuda.py)
 marks="gpu"
 if [ -n "$TRT_VERSION" ] && [ -n "$PLUGIN" ]; then tests+=(tests/test_tensorrt.py); marks="gpu or tensorrt"; fi
-timeout "$(budget 120)" python -m pytest -m "$marks" "${tests[@]}" -q -rs -p no:cacheprovider \
+timeout "$(budget 90)" python -m pytest -m "$marks" "${tests[@]}" -q -rs -p no:cacheprovider \
   --junitxml="$RESULTS/pytest.xml" 2>&1 | tee "$RESULTS/pytest.log"
 rc=${PIPESTATUS[0]}
 note "pytest -m '$marks': $(tail -1 "$RESULTS/pytest.log") (exit $rc)"
 [ "$rc" -eq 0 ] || status=1
 
 step "GPU kernel benchmark"
-timeout "$(budget 60)" python -m trtpaged.bench.kernel_bench_gpu --save "$RESULTS/bench.json" 2>&1 | tee "$RESULTS/bench.txt"
+timeout "$(budget 45)" python -m trtpaged.bench.kernel_bench_gpu --save "$RESULTS/bench.json" 2>&1 | tee "$RESULTS/bench.txt"
 rc=${PIPESTATUS[0]}
 grep -E "^(long contexts|paged vs contiguous)" "$RESULTS/bench.txt" | sed 's/^/bench: /' >>"$SUMMARY"
 note "bench exit $rc"
@@ -126,13 +129,24 @@ note "bench exit $rc"
 
 step "GPU kernel benchmark, quantized KV cache (vs the fp16 cache)"
 for kv in int8 fp8_e4m3; do
-  timeout "$(budget 45)" python -c 'from trtpaged.cli import main; main()' bench kernel --device cuda \
+  timeout "$(budget 30)" python -c 'from trtpaged.cli import main; main()' bench kernel --device cuda \
     --kv-dtype "$kv" --quick 2>&1 | tee "$RESULTS/bench_$kv.txt"
   rc=${PIPESTATUS[0]}
   grep -E "^(long contexts|$kv cache vs fp16)" "$RESULTS/bench_$kv.txt" | sed "s/^/bench $kv: /" >>"$SUMMARY"
   note "bench $kv exit $rc"
   [ "$rc" -eq 0 ] || status=1
 done
+
+step "end to end: engines built here from random-weight models, greedy vs HF, tok/s vs HF static batching"
+E2E_SECONDS="$(budget 240)"
+timeout "$E2E_SECONDS" python scripts/gpu_e2e.py --out "$BUILD/e2e" --seconds "$((E2E_SECONDS - 30))" 2>&1 \
+  | tee "$RESULTS/e2e.log"
+rc=${PIPESTATUS[0]}
+grep '^e2e ' "$RESULTS/e2e.log" | grep -v ': FAILED' >>"$SUMMARY"
+grep '^e2e .*: FAILED' "$RESULTS/e2e.log" | head -5 >>"$SUMMARY"
+cp "$BUILD/e2e/e2e.json" "$RESULTS/" 2>/dev/null
+note "e2e exit $rc$([ "$rc" -eq 124 ] && echo ' (timed out: see e2e.log for the step)')"
+[ "$rc" -eq 0 ] || status=1
 
 if [ -n "$TRT_VERSION" ] && [ -n "$PLUGIN" ]; then
   step "TensorRT: SmolLM2 engine, KV pool aliasing, greedy equality vs torch"

@@ -43,6 +43,9 @@ def main() -> None:
     from trtpaged.bench.workload import load_trace
 
     lib.llama_backend_init()
+    # which instruction sets this llama.cpp build uses (its CPU backend's compiled features, e.g. the
+    # llama-cpp-cffi 0.4.42 wheel: AVX2, FMA, F16C, no AVX-512), printed with the figures
+    system_info = ffi.string(lib.llama_print_system_info()).decode().strip()
     model = lib.llama_model_load_from_file(args.gguf.encode(), lib.llama_model_default_params())
     vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
     requests = (default_requests(vocab) if args.workload == "mix"
@@ -102,6 +105,7 @@ def main() -> None:
     walls = [w for w, _ in results]
     wall, ttft = statistics.median(walls), statistics.median(t for _, t in results)
     single = f", decode {(wall - ttft) / max(outputs - 1, 1) * 1e3:.2f} ms/token" if len(requests) == 1 else ""
+    print(f"llama.cpp instruction sets: {system_info}")
     print(f"llama.cpp ({args.workload}, {args.threads} threads, flash attention): {len(requests)} requests, "
           f"{outputs} output tokens; median of {args.repeats}: useful {outputs / wall:.1f} tok/s "
           f"(runs {', '.join(f'{outputs / w:.1f}' for w in walls)}), TTFT {ttft:.2f} s{single}")  # fmt: skip

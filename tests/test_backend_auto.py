@@ -108,6 +108,22 @@ def test_auto_compiles_a_requantized_graph_whose_accuracy_holds(tensorrt_present
     assert graph["agreement_away_from_ties"] >= 0.95
     assert any("TensorRT graph: layers.0.self_attn.qkv_proj: int8 group 32 -> int8 per channel" in l for l in lines)
     assert not [line for line in lines if line.startswith("warning:")]
+    # the compile stage runs here, so the TensorRT graph (tensorrt.graph: auto) is written
+    assert result.manifest.tensorrt["graph_written"] and (tmp_path / "eng" / "model-tensorrt.safetensors").is_file()
+
+
+def test_auto_writes_no_tensorrt_graph_where_compile_will_not_run(tensorrt_present, tmp_path, monkeypatch):
+    """TensorRT present, but the kv_cache_dtype has no TensorRT kernel: no compile, so no graph file either."""
+    from trtpaged.builder import compile as trt_compile
+
+    fake, calls = tensorrt_present
+    monkeypatch.setattr(trt_compile, "TENSORRT_KV_DTYPES", ("float16",))
+    lines: list[str] = []
+    result = _build_verified(_tiny("auto", **INT8_GROUP32), tmp_path / "eng", lines)
+    assert calls == [] and result.manifest.backends == ["torch"] and not result.manifest.tensorrt["graph_written"]
+    assert not (tmp_path / "eng" / "model-tensorrt.safetensors").exists()
+    assert "tensorrt_graph" not in result.manifest.verification["accuracy"]
+    assert len([line for line in lines if line.startswith("warning:")]) == 1
 
 
 def test_a_graph_too_inaccurate_is_not_compiled_by_auto_and_fails_tensorrt(tensorrt_present, tmp_path, monkeypatch):
@@ -132,3 +148,29 @@ def test_graph_accuracy_reason_names_the_figures_and_the_bound():
     assert graph_accuracy_reason(PathAccuracy(1.0, 0.9, 0.85, 140), "int4") is None
     reason = graph_accuracy_reason(PathAccuracy(14.6, 0.736, 0.741, 140), "int4")
     assert "74.1% of 140 positions" in reason and "needs 80%" in reason and "14.6" in reason
+
+
+@pytest.mark.parametrize("kv_pool,kv_dtype,quantized_pool", [("address", "float32", "int8"),
+                                                             ("aliased", "int8", "float16")])
+def test_the_pool_form_named_in_model_yaml_is_what_compile_gets_and_the_manifest_records(
+        tensorrt_present, tmp_path, kv_pool, kv_dtype, quantized_pool):
+    """tensorrt.kv_pool / quantized_pool reach the graph TensorRT compiles (after verification of the aliased
+    export) and the manifest."""
+    import onnx
+
+    from trtpaged.builder.tensorrt_rules import check_graph
+
+    fake, calls = tensorrt_present
+    data = _tiny("auto", kv_cache_dtype=kv_dtype, tensorrt={"kv_pool": kv_pool, "quantized_pool": quantized_pool})
+    lines: list[str] = []
+    result = _build_verified(data, tmp_path / "eng", lines)
+    assert len(calls) == 1 and result.manifest.verification["max_abs_diff"] <= result.manifest.verification["tolerance"]
+    assert {k: result.manifest.tensorrt[k] for k in ("kv_pool", "quantized_pool")} == \
+        {"kv_pool": kv_pool, "quantized_pool": quantized_pool}
+    graph = onnx.load(str(tmp_path / "eng" / "model.onnx"), load_external_data=False).graph
+    inputs = {i.name: i.type.tensor_type.elem_type for i in graph.input}
+    if kv_pool == "address":
+        assert inputs["kv_cache_pool"] == onnx.TensorProto.INT64 and "kv_cache" not in inputs
+    else:
+        assert inputs["kv_cache"] == onnx.TensorProto.FLOAT16
+    assert check_graph(tmp_path / "eng" / "model.onnx") == []

@@ -7,8 +7,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from trtpaged.bench.throughput_bench import (Request, default_requests, load_requests, percentile, run_hf,
-                                             run_trtpaged)  # fmt: skip
+from trtpaged.bench.throughput_bench import (Request, default_requests, fresh_prompts, load_requests, percentile,
+                                             run_hf, run_trtpaged)  # fmt: skip
 from trtpaged.cli import main
 
 REQUESTS = [Request(tuple(range(10, 30)), 5), Request(tuple(range(50, 87)), 3), Request(tuple(range(100, 109)), 6)]
@@ -27,6 +27,17 @@ def test_trtpaged_token_accounting(trtpaged_result) -> None:
     assert r.useful_tok_s == pytest.approx(r.useful_tokens / r.wall_s)
     assert 0 < r.ttft_p50_s <= r.ttft_p99_s <= r.wall_s
     assert r.peak_rss_mb > 0
+
+
+def test_rounds_run_fresh_prompts_of_the_same_shapes(tiny_engine_dir) -> None:
+    fresh = fresh_prompts(REQUESTS, 320, seed=1)
+    assert [(len(r.prompt_ids), r.output_len) for r in fresh] == [(len(r.prompt_ids), r.output_len) for r in REQUESTS]
+    assert all(f.prompt_ids != r.prompt_ids for f, r in zip(fresh, REQUESTS))
+    assert all(0 <= t < 320 for r in fresh for t in r.prompt_ids)
+    r = run_trtpaged(str(tiny_engine_dir), REQUESTS, rounds=3)
+    assert len(r.round_walls) == 3 and r.round_walls[0] == r.wall_s and all(w > 0 for w in r.round_walls)
+    # the first round's accounting is unchanged by the rounds after it (fresh prompts: no prefix hits)
+    assert r.computed_tokens == (20 + 4) + (37 + 2) + (9 + 5)
 
 
 def test_hf_static_batches_pad_and_run_to_the_longest(tiny_engine_dir) -> None:
@@ -77,6 +88,24 @@ def test_cli_json_interface(tiny_engine_dir, tmp_path) -> None:
     assert report["ratio_vs_baseline"] == pytest.approx(
         report["systems"][0]["useful_tok_s"] / report["systems"][1]["useful_tok_s"])
     assert report["systems"][1]["computed_tokens"] == 2 * (33 + 5)
+    from trtpaged import kernels
+
+    assert report["systems"][0]["isa"].startswith(f"kernels {kernels.cpu_isa()}")
+    assert report["systems"][1]["isa"].startswith("torch CPU capability ")
+
+
+def test_cli_names_each_systems_isa_and_the_rounds(tiny_engine_dir, tmp_path) -> None:
+    from trtpaged import kernels
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"prompt_len": 20, "output_len": 4}\n')
+    result = CliRunner().invoke(main, ["bench", "throughput", str(tiny_engine_dir), "--trace", str(trace),
+                                       "--baseline", "none", "--rounds", "2"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert f"  trtpaged: kernels {kernels.describe_cpu_isa()}" in result.output
+    assert "trtpaged: rounds on fresh prompts of the same shapes, wall s " in result.output
+    bad = CliRunner().invoke(main, ["bench", "throughput", str(tiny_engine_dir), "--rounds", "0"])
+    assert bad.exit_code != 0 and "--rounds: must be >= 1, got 0" in bad.output
 
 
 def test_cli_bad_trace_names_line_and_field(tiny_engine_dir, tmp_path) -> None:
@@ -85,14 +114,3 @@ def test_cli_bad_trace_names_line_and_field(tiny_engine_dir, tmp_path) -> None:
     result = CliRunner().invoke(main, ["bench", "throughput", str(tiny_engine_dir), "--trace", str(trace)])
     assert result.exit_code != 0 and "bad.jsonl:2: output_len: must be an integer" in result.output
 
-
-def test_speculation_rows_account_their_tokens(tiny_engine_dir) -> None:
-    """The speculation row outputs exactly the requested tokens, one request at a time, and reports its
-    acceptance; transformers' prompt lookup (its peer) produces the same useful tokens."""
-    spec = run_trtpaged(str(tiny_engine_dir), REQUESTS, "spec",
-                        speculative_config={"num_speculative_tokens": 3, "min_acceptance_rate": 0.0}, sequential=True)
-    assert spec.useful_tokens == 14
-    assert spec.notes and spec.notes[0].startswith("speculation: ")
-    assert 0 < spec.ttft_p50_s <= spec.ttft_p99_s < spec.wall_s
-    hf = run_hf(str(tiny_engine_dir), REQUESTS, batch_size=1, prompt_lookup=3, sequential=True)
-    assert hf.useful_tokens == 14 and hf.name.startswith("hf prompt lookup")

@@ -214,11 +214,13 @@ def test_the_schema_that_build_help_prints_is_the_parser_s():
     from click.testing import CliRunner
 
     from trtpaged.commands.build import command as build_command
-    from trtpaged.config import MODEL_YAML_SCHEMA, MODEL_SOURCES, QUANT_KEYS, TOP_LEVEL_KEYS
+    from trtpaged.config import MODEL_YAML_SCHEMA, MODEL_SOURCES, QUANT_KEYS, TENSORRT_KEYS, TOP_LEVEL_KEYS
 
     schema = yaml.safe_load(MODEL_YAML_SCHEMA)
     assert sorted(schema) == sorted(TOP_LEVEL_KEYS)
     assert sorted(schema["quantization"]) == sorted(QUANT_KEYS)
+    assert sorted(schema["tensorrt"]) == sorted(TENSORRT_KEYS)
+    assert parse_config({**TINY, "tensorrt": schema["tensorrt"]}) == parse_config(TINY)  # the defaults shown
     assert all(f"{source}:" in MODEL_YAML_SCHEMA for source in MODEL_SOURCES)
     shown = {k: schema[k] for k in ("dtype", "kv_cache_dtype", "max_batch_size", "max_num_tokens", "max_seq_len",
                                     "block_size", "kv_cache", "backend", "tensor_parallel")}

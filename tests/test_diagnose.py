@@ -224,3 +224,17 @@ def test_command_reads_seconds_and_refuses_a_mix(tmp_path) -> None:
     mixed = _log(tmp_path, rows + [{"prompt_len": 30, "output_len": 10, "arrival": 3}])
     result = CliRunner().invoke(main, ["diagnose", mixed, "--config", str(tiny_yaml), "--step-time", "0.004"])
     assert result.exit_code != 0 and "log.jsonl:3: arrival: 3 mixes units" in result.output
+
+
+def test_kv_tier_what_if_on_a_log(tmp_path) -> None:
+    """A system prompt (2 blocks) that comes back after another prompt filled a 4-block pool: the pool alone
+    recomputes it, an unbounded tier below the pool restores both blocks (32 tokens)."""
+    system = list(range(1, 33))
+    rows = [{"prompt_token_ids": system + [40, 41], "output_len": 2, "arrival": 0},
+            {"prompt_token_ids": list(range(100, 163)), "output_len": 2, "arrival": 10},
+            {"prompt_token_ids": system + [50, 51], "output_len": 2, "arrival": 20}]  # fmt: skip
+    trace, prompts = load_request_log(_log(tmp_path, rows))
+    kv = ModelKV(100, Budget(num_blocks=4, block_size=16, max_seq_len=128, max_batch_size=8, max_num_tokens=256), "t")
+    alone, tier = diagnose(trace, prompts, kv, tier_blocks=[None])["kv_tiers"]
+    assert (alone["prefix_hit_tokens"], tier["prefix_hit_tokens"], tier["tier_hit_tokens"]) == (0, 32, 32)
+    assert alone["tokens_computed"] - tier["tokens_computed"] == 32

@@ -6,12 +6,15 @@ from __future__ import annotations
 import ast
 import importlib
 import re
+import importlib.util
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.sh"
+E2E = SCRIPT.with_name("gpu_e2e.py")
 HEREDOC = re.compile(r"<<'(\w+)'[^\n]*\n(.*?)\n\1\n", re.S)
 
 
@@ -40,3 +43,33 @@ def test_embedded_python_compiles_and_its_trtpaged_imports_exist(line: int, sour
                 if a.name.startswith("trtpaged"):
                     importlib.import_module(a.name)
     assert not missing, f"gpu_check.sh (Python block at line {line}) imports names that do not exist: {missing}"
+
+
+def _trtpaged_imports_missing(tree: ast.AST) -> list[str]:
+    missing = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("trtpaged"):
+            module = importlib.import_module(node.module)
+            missing += [f"{node.module}.{a.name}" for a in node.names if not hasattr(module, a.name)]
+    return missing
+
+
+def test_e2e_script_is_run_by_the_check_and_its_imports_exist() -> None:
+    """scripts/gpu_e2e.py (the end-to-end step): called by gpu_check.sh, compiles, its trtpaged names exist, its
+    --help runs without a GPU, and its build settings parse as a model.yaml."""
+    assert "scripts/gpu_e2e.py" in SCRIPT.read_text()
+    tree = compile(E2E.read_text(), str(E2E), "exec", ast.PyCF_ONLY_AST)
+    assert not _trtpaged_imports_missing(tree)
+    r = subprocess.run([sys.executable, str(E2E), "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "--seconds" in r.stdout, r.stderr
+    spec = importlib.util.spec_from_file_location("gpu_e2e", E2E)
+    e2e = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(e2e)
+    from trtpaged.config import parse_config
+
+    for scheme, quantization in e2e.SCHEMES.items():
+        data = {"model": {"tiny": {}}, "dtype": "float16", "max_batch_size": 64, "max_num_tokens": 4096,
+                "max_seq_len": 512, "kv_cache": {"memory": "8GiB"}, "backend": "torch"}
+        if quantization:
+            data["quantization"] = quantization
+        assert parse_config(data).quantization.enabled == (scheme != "fp16")

@@ -248,3 +248,27 @@ def test_flags_that_cannot_apply_to_a_trace_are_errors(tmp_path) -> None:
     assert result.exit_code != 0 and "--num-requests, --prompt-len: synthetic workload options" in result.output
     result, _ = _memory_report(tmp_path, rows, "--n", "0")
     assert result.exit_code != 0 and "--n" in result.output
+
+
+def test_kv_tier_what_if_reaches_an_unbounded_pool_s_hits() -> None:
+    """Requests one after another, four system prompts of 4 blocks each taking turns: a pool of 8 blocks
+    forgets each prompt before it comes back; an unbounded tier below it must find every prompt again, so
+    its prefix hits equal those of a pool with room for everything (the independent truth)."""
+    from trtpaged.bench.memory_bench import format_tier_table, parse_tier_blocks, run_tier_what_if
+
+    trace = [TraceRequest(prompt_len=80, output_len=4, arrival=10 * i, prefix_id=i % 4, prefix_len=64)
+             for i in range(12)]  # fmt: skip
+    small = Budget(num_blocks=8, block_size=16, max_seq_len=128, max_batch_size=4, max_num_tokens=128)
+    big = Budget(num_blocks=512, block_size=16, max_seq_len=128, max_batch_size=4, max_num_tokens=128)
+    rows = run_tier_what_if(trace, small, parse_tier_blocks("4,unbounded"))
+    alone, four, unbounded = rows
+    everything = simulate_paged(trace, big, sharing=True)
+    assert everything.prefix_hit_tokens == 8 * 64  # each prompt's 2nd and 3rd turn find its 4 blocks
+    assert alone["prefix_hit_tokens"] == 0 and alone["tier_hit_tokens"] == 0
+    assert unbounded["prefix_hit_tokens"] == unbounded["tier_hit_tokens"] == everything.prefix_hit_tokens
+    assert alone["tokens_computed"] - unbounded["tokens_computed"] == 8 * 64
+    # pool + a 4-block tier hold fewer than the 4 prompts in rotation: LRU on a cyclic pattern keeps the wrong ones
+    assert four["tier_hit_tokens"] == 0 and four["tokens_computed"] == alone["tokens_computed"]
+    assert "| unbounded | 53.3% | 512 |" in format_tier_table(rows, small.num_blocks)  # 512 of 12 x 80 tokens
+    with pytest.raises(ValueError, match="--kv-tier-blocks"):
+        parse_tier_blocks("4,0")

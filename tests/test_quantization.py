@@ -109,10 +109,12 @@ def test_quantization_defaults():
     assert parse_config({"model": {"tiny": {}}, "quantization": {"weights": "int8"}}).quantization.group_size is None
 
 
-def _tiny_yaml(tmp_path: Path, quantization: dict, **tiny) -> Path:
+def _tiny_yaml(tmp_path: Path, quantization: dict, tensorrt: dict | None = None, **tiny) -> Path:
     data = yaml.safe_load((EXAMPLES / "tiny.yaml").read_text())
     data["model"]["tiny"].update(tiny)
     data["quantization"] = quantization
+    if tensorrt:
+        data["tensorrt"] = tensorrt
     data.pop("output")
     path = tmp_path / "model.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -137,8 +139,28 @@ def tiny_int8_engine(tmp_path_factory) -> Path:
 
     tmp = tmp_path_factory.mktemp("q8")
     out = tmp / "eng"
-    build_engine(load_config(_tiny_yaml(tmp, {"weights": "int8", "group_size": 32})), out, echo=lambda s: None)
+    # backend torch: no compile stage; tensorrt.graph: always writes (and measures) the TensorRT graph anyway
+    build_engine(load_config(_tiny_yaml(tmp, {"weights": "int8", "group_size": 32}, {"graph": "always"})), out,
+                 echo=lambda s: None)
     return out
+
+
+def test_a_quantized_build_without_a_compile_stage_writes_no_tensorrt_graph(tmp_path):
+    """tensorrt.graph: auto (the default) where nothing compiles (backend torch here): weights.safetensors only,
+    no model.onnx or model-tensorrt.safetensors, no graph accuracy; the torch engine's accuracy still measured."""
+    from trtpaged.builder import build_engine
+    from trtpaged.config import load_config
+
+    lines: list[str] = []
+    result = build_engine(load_config(_tiny_yaml(tmp_path, {"weights": "int8", "group_size": 32})), tmp_path / "e",
+                          echo=lines.append)
+    m = result.manifest
+    names = {p.name for p in (tmp_path / "e").iterdir()}
+    assert "weights.safetensors" in names and not names & {"model.onnx", "model-tensorrt.safetensors"}
+    assert m.onnx_file is None and m.tensorrt["graph_written"] is False and m.tensorrt["graph"] == "auto"
+    assert m.verification["skipped"] and "tensorrt_graph" not in m.verification["accuracy"]
+    assert m.verification["accuracy"]["full_precision_activations"]["positions"] > 0
+    assert any("no ONNX graph" in line and "backend: torch" in line for line in lines)
 
 
 def test_quantized_graph_uses_dequantize_linear(tiny_int8_engine):
@@ -267,3 +289,24 @@ def test_smollm2_int4_engine_matches_hf_gguf_model(smollm2_int4_engine_dir):
                                 max_new_tokens=48, min_new_tokens=48, do_sample=False)[0, len(ids):].tolist()
     out = llm.generate([ids], SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))[0]
     assert out.outputs[0].token_ids == ref
+
+
+def test_inspect_shows_the_weight_bytes_on_a_cuda_gpu(tiny_int8_engine):
+    """`trtpaged inspect` names what the torch backend holds on a CUDA GPU, counted from the weights' header."""
+    from click.testing import CliRunner
+
+    from trtpaged.cli import main
+    from trtpaged.engine_files import read_safetensors_header
+    from trtpaged.manifest import read_manifest
+    from trtpaged.memory_plan import format_bytes
+    from trtpaged.models.loading import quant_plan
+    from trtpaged.models.qlinear_cuda import cuda_weight_bytes
+
+    r = CliRunner().invoke(main, ["inspect", str(tiny_int8_engine)])
+    assert r.exit_code == 0, r.output
+    m = read_manifest(tiny_int8_engine)
+    header = read_safetensors_header(tiny_int8_engine / m.weights_file)
+    want = cuda_weight_bytes(header, quant_plan(tiny_int8_engine, m))
+    assert f"weights on a CUDA GPU (torch backend, still quantized): {format_bytes(want)}" in r.output
+    assert want == (tiny_int8_engine / m.weights_file).stat().st_size - 8 - int.from_bytes(
+        (tiny_int8_engine / m.weights_file).read_bytes()[:8], "little")  # int8: every tensor as stored

@@ -114,8 +114,9 @@ def test_plugin_nodes_need_their_registered_creator_and_fields():
     f = TensorProto.FLOAT
 
     def graph(**attrs):
-        node = helper.make_node(OP_TYPE, ["x"], ["y"], domain="trtpaged", name="attn", **attrs)
-        g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", f, [4])],
+        inputs = ["q", "k", "v", "kv_cache", "positions", "query_start", "context_lens", "block_tables"]
+        node = helper.make_node(OP_TYPE, inputs, ["y", "kv_cache_out"], domain="trtpaged", name="attn", **attrs)
+        g = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, f, [4]) for n in inputs],
                               [helper.make_tensor_value_info("y", f, [4])])
         return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("trtpaged", 1)])
 

@@ -309,15 +309,17 @@ def test_python_and_the_plugin_agree_on_the_kv_dtypes():
     dispatch = (REPO / "plugins/src/cuda/dispatch.h").read_text()
     fields = (REPO / "plugins/src/tensorrt/fields.cpp").read_text()
     assert "case TRTPAGED_INT8:" in dispatch and "case TRTPAGED_FP8_E4M3:" in dispatch
-    spelled = set(re.findall(r'return "(\w+)";', fields[fields.index("kv_format_name(KvFormat"):]))
-    assert spelled == {"auto", "int8", "fp8_e4m3"}
-    assert set(trt_compile.TENSORRT_KV_DTYPES) == {"float32", "float16", "bfloat16"} | (spelled - {"auto"})
+    named = fields[fields.index("kv_format_name(KvFormat"):fields.index("bool kv_format_quantized")]
+    spelled = set(re.findall(r'return "(\w+)";', named))
+    assert spelled == {"auto", "int8", "fp8_e4m3", "float32", "float16", "bfloat16"}  # floats: kv_pool address
+    assert set(trt_compile.TENSORRT_KV_DTYPES) == spelled - {"auto"}
 
 
 def test_tensorrt_runner_binds_an_int8_pool():
     from trtpaged.runtime.runners.tensorrt_runner import _torch_dtype
 
-    fake = types.SimpleNamespace(float32="f32", float16="f16", bfloat16="bf16", int32="i32", int8="i8")
+    fake = types.SimpleNamespace(float32="f32", float16="f16", bfloat16="bf16", int32="i32", int8="i8", uint8="u8",
+                                 int64="i64")
     assert _torch_dtype(fake, "i8") == torch.int8  # a quantized pool's bytes
     with pytest.raises(ValueError, match="not one trtpaged binds"):
         _torch_dtype(fake, "fp8")

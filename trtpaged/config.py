@@ -52,16 +52,25 @@ quantization:              # weight-only quantization (default: none)
   group_size: 32           #   inputs per scale: 32 | 64 | 128 (int4 default 32; int8 default: per output channel)
   lm_head: int8            #   int8 | none: the embedding and LM head (int8 per channel, GGUF Q8_0 kept exactly)
   activations: float       #   float (weight-only: exact) | int8 (CPU kernels quantize x per 32 inputs: faster)
+tensorrt:                  # the TensorRT engine's forms (docs/tensorrt.md); defaults shown
+  graph: auto              #   auto: the TensorRT graph (model-tensorrt.safetensors) only where compile runs | always
+  kv_pool: aliased         #   aliased (the pool a tensor the plugin updates in place) | address (its device
+                           #   address an int64 host input the plugin writes through; no pool tensor)
+  quantized_pool: int8     #   int8 | uint8 | float16: the I/O type of an int8/fp8_e4m3 pool's bytes
 """
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 MODEL_SOURCES = ("hf_dir", "gguf", "package", "tiny")
 TOP_LEVEL_KEYS = (
     "model", "dtype", "kv_cache_dtype", "max_batch_size", "max_num_tokens", "max_seq_len",
-    "block_size", "kv_cache", "backend", "output", "quantization", "tensor_parallel",
+    "block_size", "kv_cache", "backend", "output", "quantization", "tensor_parallel", "tensorrt",
 )
 WEIGHT_SCHEMES = ("none", "int8", "int4")
 GROUP_SIZES = (32, 64, 128)
 QUANT_KEYS = ("weights", "group_size", "lm_head", "activations")
+TENSORRT_KEYS = ("graph", "kv_pool", "quantized_pool")
+TENSORRT_GRAPHS = ("auto", "always")
+KV_POOLS = ("aliased", "address")
+QUANTIZED_POOL_TYPES = ("int8", "uint8", "float16")
 TINY_KEYS = (
     "architecture", "seed", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling",
@@ -154,6 +163,18 @@ class QuantizationConfig:
 
 
 @dataclass(frozen=True)
+class TensorRTOptions:
+    """How the TensorRT engine is formed (the `tensorrt:` section), so that a GPU run can measure each form."""
+
+    graph: str = "auto"  # one of TENSORRT_GRAPHS: write the TensorRT graph where compile runs, or always
+    kv_pool: str = "aliased"  # one of KV_POOLS
+    quantized_pool: str = "int8"  # one of QUANTIZED_POOL_TYPES
+
+    def describe(self) -> dict[str, str]:
+        return {"graph": self.graph, "kv_pool": self.kv_pool, "quantized_pool": self.quantized_pool}
+
+
+@dataclass(frozen=True)
 class BuildConfig:
     """A validated model.yaml."""
 
@@ -168,6 +189,7 @@ class BuildConfig:
     quantization: QuantizationConfig = QuantizationConfig()
     tensor_parallel: int = 1  # ranks; the model's dims are checked against it at the build's load stage
     kv_cache_dtype_explicit: bool = False  # given in the model.yaml rather than `auto` (= dtype)
+    tensorrt: TensorRTOptions = TensorRTOptions()
 
 
 class _ModelYamlLoader(yaml.SafeLoader):
@@ -268,6 +290,7 @@ def parse_config(
         tensor_parallel=_bounded_int(data.get("tensor_parallel", 1), "tensor_parallel", fail, 1,
                                      MAX_TENSOR_PARALLEL),
         kv_cache_dtype_explicit=kv_dtype != "auto",
+        tensorrt=_parse_tensorrt(data.get("tensorrt"), fail),
     )
 
 
@@ -434,12 +457,19 @@ def _check_rope_scaling(spec: Any, fail) -> None:
             raise fail(where, f"got {value}; expected a finite number")
 
 
-def _parse_quantization(spec: Any, fail) -> QuantizationConfig:
+def _section(spec: Any, key: str, keys: tuple[str, ...], example: str, fail) -> bool:
+    """True when the optional mapping `key` is given (its keys checked); False when absent."""
     if spec is None:
-        return QuantizationConfig()
+        return False
     if not isinstance(spec, dict):
-        raise fail("quantization", f"got {_show(spec)}; expected a mapping like {{weights: int4, group_size: 32}}")
-    _check_keys(spec, QUANT_KEYS, "quantization.", fail)
+        raise fail(key, f"got {_show(spec)}; expected a mapping like {example}")
+    _check_keys(spec, keys, f"{key}.", fail)
+    return True
+
+
+def _parse_quantization(spec: Any, fail) -> QuantizationConfig:
+    if not _section(spec, "quantization", QUANT_KEYS, "{weights: int4, group_size: 32}", fail):
+        return QuantizationConfig()
     weights = _choice(spec, "weights", WEIGHT_SCHEMES, "none", fail, "quantization.")
     lm_head = _choice(spec, "lm_head", ("int8", "none"), "int8", fail, "quantization.")
     activations = _choice(spec, "activations", ("float", "int8"), "float", fail, "quantization.")
@@ -450,6 +480,16 @@ def _parse_quantization(spec: Any, fail) -> QuantizationConfig:
     if weights == "int4" and group is None:
         raise fail("quantization.group_size", f"int4 needs a group size, one of {', '.join(map(str, GROUP_SIZES))}")
     return QuantizationConfig(weights=weights, group_size=group, lm_head=lm_head, activations=activations)
+
+
+def _parse_tensorrt(spec: Any, fail) -> TensorRTOptions:
+    if not _section(spec, "tensorrt", TENSORRT_KEYS, "{kv_pool: address}", fail):
+        return TensorRTOptions()
+    return TensorRTOptions(
+        graph=_choice(spec, "graph", TENSORRT_GRAPHS, "auto", fail, "tensorrt."),
+        kv_pool=_choice(spec, "kv_pool", KV_POOLS, "aliased", fail, "tensorrt."),
+        quantized_pool=_choice(spec, "quantized_pool", QUANTIZED_POOL_TYPES, "int8", fail, "tensorrt."),
+    )
 
 
 def _parse_kv_cache(spec: Any, limits: Limits, fail) -> KVCacheBudget:

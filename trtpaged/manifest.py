@@ -132,6 +132,9 @@ class Manifest:
     # ({"weights_file", "onnx_file"}, rank order) and weights_file / onnx_file are rank 0's
     tensor_parallel: int = 1
     shards: list[dict[str, Any]] = field(default_factory=list)
+    # the model.yaml's `tensorrt:` forms ({"graph", "kv_pool", "quantized_pool"}) and "graph_written": whether
+    # model.onnx holds the TensorRT graph form of quantized weights (model-tensorrt.safetensors)
+    tensorrt: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 
     @property
@@ -174,7 +177,7 @@ class Manifest:
         named += [(name, value) for name, value in (("onnx_file", self.onnx_file), ("plan_file", self.plan_file))
                   if value is not None]
         for rank, shard in enumerate(self.shards):
-            named += [(f"shards[{rank}].{key}", value) for key, value in sorted(shard.items())]
+            named += [(f"shards[{rank}].{key}", value) for key, value in sorted(shard.items()) if value is not None]
         return named + [(f"files[{name!r}]", name) for name in sorted(self.files)]
 
     def weight_files(self) -> list[str]:
@@ -277,8 +280,9 @@ def _check_values(m: Manifest, where: str | Path) -> None:
     if n > 1 and len(m.shards) != n:
         raise bad("shards", f"{len(m.shards)} shards for tensor_parallel {n}")
     for rank, shard in enumerate(m.shards):
-        if set(shard) != {"weights_file", "onnx_file"} or not all(isinstance(v, str) for v in shard.values()):
-            raise bad(f"shards[{rank}]", "expected {\"weights_file\": NAME, \"onnx_file\": NAME}")
+        if (set(shard) != {"weights_file", "onnx_file"} or not isinstance(shard["weights_file"], str)
+                or not isinstance(shard["onnx_file"], (str, type(None)))):
+            raise bad(f"shards[{rank}]", "expected {\"weights_file\": NAME, \"onnx_file\": NAME or null}")
     for name, digest in m.files.items():
         if not _SHA256.fullmatch(digest):
             raise bad(f"files[{name!r}]", f"got {digest[:80]!r}; expected a sha256 hex digest")

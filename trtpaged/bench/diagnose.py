@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
 
-from trtpaged.bench.memory_bench import Budget, run_memory_bench
+from trtpaged.bench.memory_bench import Budget, format_tier_table, run_memory_bench, run_tier_what_if
 from trtpaged.bench.workload import TraceRequest, json_objects
 
 PROMPT_FIELDS = ("prompt", "prompt_token_ids", "prompt_len")
@@ -370,10 +370,15 @@ def _x(value: Optional[float]) -> str:
 
 
 def diagnose(trace: list[TraceRequest], prompts: list[list[int]], kv: ModelKV, metrics: Optional[dict] = None,
-             progress: Optional[Callable[[str], None]] = None, log: Optional[RequestLogData] = None) -> dict:  # fmt: skip
-    """The four answers (see module docstring) as one JSON-able report; `log` adds what the log itself said."""
+             progress: Optional[Callable[[str], None]] = None, log: Optional[RequestLogData] = None,
+             tier_blocks: Optional[list[Optional[int]]] = None) -> dict:  # fmt: skip
+    """The four answers (see module docstring) as one JSON-able report; `log` adds what the log itself said;
+    `tier_blocks` adds what KV tiers of those sizes below the pool would buy (docs/kv_tiers.md)."""
     report = run_memory_bench(trace, kv.budget, progress=progress, prompts=prompts)
-    return {
+    extra = {}
+    if tier_blocks:
+        extra["kv_tiers"] = run_tier_what_if(trace, kv.budget, tier_blocks, prompts, progress)
+    return extra | {
         "requests": len(trace),
         "log": (log or RequestLogData(trace, prompts, output_tokens=sum(r.output_len * r.n for r in trace))).summary(),
         "model": {"source": kv.source, "kv_bytes_per_token": kv.kv_bytes_per_token, "budget": report["budget"]},
@@ -394,6 +399,8 @@ def format_diagnosis(report: dict) -> str:
               "bound": "4. memory-bound or scheduler-bound"}  # fmt: skip
     for key, title in titles.items():
         lines += ["", f"{title}:", f"   {report[key]['verdict']}"]
+    if "kv_tiers" in report:
+        lines += ["", format_tier_table(report["kv_tiers"], b["num_blocks"])]
     return "\n".join(lines)
 
 

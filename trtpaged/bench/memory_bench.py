@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import asdict, dataclass, field, replace
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from trtpaged.bench.null_runner import NullRunner
 from trtpaged.bench.workload import TraceRequest, prompt_token_ids
@@ -69,6 +69,9 @@ class PolicyResult:
     time_weighted_utilisation: float = 0.0
     preemptions: int = 0
     refused: int = 0
+    prefix_query_tokens: int = 0  # paged replays with sharing: prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # ... found there (in the pool or a KV tier)
+    tier_hit_tokens: int = 0  # ... restored from a KV tier
     running: list[int] = field(default_factory=list, repr=False)
     utilisation: list[float] = field(default_factory=list, repr=False)
     slots: list[int] = field(default_factory=list, repr=False)  # KV slots held in each step
@@ -165,13 +168,16 @@ def simulate_contiguous(trace: list[TraceRequest], budget: Budget, reserve: str)
 
 
 def simulate_paged(
-    trace: list[TraceRequest], budget: Budget, sharing: bool, prompts: Optional[list[list[int]]] = None
+    trace: list[TraceRequest], budget: Budget, sharing: bool, prompts: Optional[list[list[int]]] = None,
+    tier_blocks: Optional[int] = 0,
 ) -> PolicyResult:
     """Replays the trace through trtpaged's real scheduler and block pool (no model runs).
 
     `prompts` gives each request's token ids (default: generated, shared prefixes identical).
     With sharing, a request's n samples or beam_width beams are one request sharing blocks;
     without, they are separate requests (beams as greedy copies) and nothing is shared.
+    `tier_blocks` (with sharing): a host-memory KV tier below the pool holding that many blocks
+    (None: unbounded), with the real tier code keeping only the entries' headers.
     """
     config = RuntimeConfig(
         block_size=budget.block_size,
@@ -201,7 +207,16 @@ def simulate_paged(
         else:
             result.head_fits.append(True)
 
-    engine = LLMEngine(NullRunner(budget.num_blocks, on_step=during_step), config)
+    tiers = None
+    if sharing and tier_blocks != 0:
+        from trtpaged.runtime.kv_tiers.entry import entry_bytes
+        from trtpaged.runtime.kv_tiers.host import HostMemoryTier
+        from trtpaged.runtime.kv_tiers.stack import TierStack
+
+        size = entry_bytes(budget.block_size, 0) * (tier_blocks if tier_blocks is not None else 1 << 40)
+        tiers = TierStack([HostMemoryTier(size)], bytes(32), 0)
+        result.policy += f" + host tier ({'unbounded' if tier_blocks is None else f'{tier_blocks} blocks'})"
+    engine = LLMEngine(NullRunner(budget.num_blocks, on_step=during_step), config, tiers=tiers)
     prompts = prompts if prompts is not None else prompt_token_ids(trace)
     # without sharing, parallel samples are separate requests: nothing is shared
     order = sorted(range(len(trace)), key=lambda i: (trace[i].arrival, i))
@@ -224,8 +239,62 @@ def simulate_paged(
                     result.refused += 1
         engine.step()
         step += 1
-    result.preemptions = int(engine.stats()["num_preemptions"])
+    stats = engine.stats()
+    result.preemptions = int(stats["num_preemptions"])
+    result.prefix_query_tokens = int(stats["prefix_cache_queries_tokens"])
+    result.prefix_hit_tokens = int(stats["prefix_cache_hits_tokens"])
+    result.tier_hit_tokens = int(stats.get("prefix_cache_tier_hits_tokens", 0))
+    engine.close()
     return result.finish()
+
+
+def run_tier_what_if(trace: list[TraceRequest], budget: Budget, tier_blocks: Sequence[Optional[int]],
+                     prompts: Optional[list[list[int]]] = None,
+                     progress: Optional[Callable[[str], None]] = None) -> list[dict]:  # fmt: skip
+    """What KV tiers below the pool would buy this trace: prefix hit rate, prompt tokens restored and tokens
+    computed with the pool alone, then with a host tier of each size in `tier_blocks` (None: unbounded)."""
+    say = progress or (lambda _msg: None)
+    rows = []
+    for blocks in (0, *tier_blocks):
+        say("pool alone" if blocks == 0 else f"KV tier of {blocks or 'unbounded'} blocks")
+        r = simulate_paged(trace, budget, sharing=True, prompts=prompts, tier_blocks=blocks)
+        rows.append({"tier_blocks": "unbounded" if blocks is None else blocks, "steps": r.steps,
+                     "tokens_computed": r.tokens_computed, "prefix_query_tokens": r.prefix_query_tokens,
+                     "prefix_hit_tokens": r.prefix_hit_tokens, "tier_hit_tokens": r.tier_hit_tokens,
+                     "hit_rate": r.prefix_hit_tokens / r.prefix_query_tokens if r.prefix_query_tokens else 0.0})
+    return rows
+
+
+def parse_tier_blocks(text: str, flag: str = "--kv-tier-blocks") -> list[Optional[int]]:
+    """'256,1024,unbounded' -> [256, 1024, None]; ValueError naming the flag."""
+    out: list[Optional[int]] = []
+    for part in text.split(","):
+        part = part.strip()
+        if part in ("unbounded", "inf"):
+            out.append(None)
+            continue
+        try:
+            value = int(part)
+        except ValueError:
+            raise ValueError(f"{flag}: expected block counts like 256,1024,unbounded, got {text!r}") from None
+        if value < 1:
+            raise ValueError(f"{flag}: block counts must be >= 1, got {value}")
+        out.append(value)
+    return out
+
+
+def format_tier_table(rows: list[dict], pool_blocks: int) -> str:
+    """The what-if rows as a markdown table, tokens computed relative to the pool alone."""
+    base = rows[0]["tokens_computed"] or 1
+    lines = [f"KV tiers below a pool of {pool_blocks} blocks (prefix-cache blocks the pool evicts, kept in a tier):",
+             "| tier (blocks) | prefix hit rate | prompt tokens from the tier | tokens computed | vs pool alone "
+             "| steps |",
+             "|---|---|---|---|---|---|"]
+    for row in rows:
+        name = "none (pool alone)" if row["tier_blocks"] == 0 else str(row["tier_blocks"])
+        lines.append(f"| {name} | {row['hit_rate']:.1%} | {row['tier_hit_tokens']} | {row['tokens_computed']} | "
+                     f"{row['tokens_computed'] / base:.2f}x | {row['steps']} |")
+    return "\n".join(lines)
 
 
 def run_memory_bench(

@@ -49,3 +49,9 @@ class NullRunner:
 
     def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
         pass
+
+    def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
+        return [b""] * len(block_ids)  # no pool: a KV tier replay keeps only the entries' headers
+
+    def write_blocks(self, blocks: Sequence[tuple[int, bytes]]) -> None:
+        pass

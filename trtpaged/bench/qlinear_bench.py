@@ -7,6 +7,11 @@ per-channel) for reference. Each format rotates over enough copies of
 its weights that their bytes exceed the last-level cache, so weights stream from DRAM as in a
 real decode step over 30 layers. A sample is one sweep over all copies divided by the number of
 copies; we report the median and the p10-p90 spread of the samples.
+
+Against the weight-streaming limit: the machine's read bandwidth is measured on the same working set
+(a multithreaded sum over a buffer of that size, best of several), and each quantized cell is
+given as the fraction of that limit it reaches: (packed weight bytes / read bandwidth) / median time.
+A decode step streams every weight once, so at M=1 this is how close a linear is to the memory bound.
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ class Row:
     int8pack_mm: Optional[Timing] = None
     int8_float: Optional[Timing] = None  # float activations
     int4_float: Optional[Timing] = None
+    int8_bytes: int = 0  # packed weight bytes (what one call streams)
+    int4_bytes: int = 0
 
 
 @dataclass
@@ -67,6 +74,7 @@ class Report:
     threads: int
     llc_bytes: int
     working_set_bytes: int
+    read_gbs: float = 0.0  # read bandwidth over the working set
     call_overhead_us: dict = field(default_factory=dict)
     rows: list = field(default_factory=list)
 
@@ -94,6 +102,18 @@ def _time_sweeps(calls: list[Callable[[], object]], budget_s: float, min_sweeps:
         samples.append((time.perf_counter() - t0) / len(calls) * 1e6)
     q = statistics.quantiles(samples, n=10, method="inclusive")  # "exclusive" extrapolates past min/max
     return Timing(statistics.median(samples), q[0], q[-1], min(samples), len(calls))
+
+
+def read_bandwidth_gbs(num_bytes: int, repeats: int = 7) -> float:
+    """Read bandwidth in GB/s: torch's multithreaded sum over a float32 buffer of num_bytes, best of repeats."""
+    buf = torch.ones(max(1, num_bytes // 4))
+    buf.sum()
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    return buf.numel() * 4 / best / 1e9
 
 
 def _random_weights(bits: int, n: int, k: int, gen: torch.Generator):
@@ -157,6 +177,8 @@ def run_qlinear_bench(
     working_set = working_set_bytes or 2 * llc
     report = Report(kernels.cpu_isa(), torch.get_num_threads(), llc, working_set)
     report.call_overhead_us = call_overhead_us()
+    progress("measuring read bandwidth")
+    report.read_gbs = read_bandwidth_gbs(working_set)
     gen = torch.Generator().manual_seed(0)
     for name, (n, k) in shapes.items():
         progress(f"{name} ({n}x{k})")
@@ -188,6 +210,7 @@ def run_qlinear_bench(
                 int4=_time_sweeps([(lambda p: lambda: kernels.qlinear(x, p, 4, n, k, GROUP, out=out))(p)
                                    for p in packed[4]], budget_s),
             )  # fmt: skip
+            row.int8_bytes, row.int4_bytes = packed[8][0].numel(), packed[4][0].numel()
             if m in FLOAT_ACTIVATION_BATCHES:
                 row.int8_float, row.int4_float = (
                     _time_sweeps([(lambda p: lambda: kernels.qlinear(x, p, bits, n, k, GROUP, out=out,
@@ -233,6 +256,20 @@ def format_report(report: Report) -> str:
             f"{r.shape:<9}{f'{r.n}x{r.k}':>12}{r.m:>5}  {_cell(r.fp32):>24}  {_cell(r.int8):>24}{_ratio(r.fp32, r.int8)}"
             f"  {_cell(r.int4):>24}{_ratio(r.fp32, r.int4)}" + floats + ref
         )
+    if report.read_gbs:
+        lines += ["", f"weight-streaming limit: packed bytes / read bandwidth {report.read_gbs:.1f} GB/s (sum over "
+                      f"{report.working_set_bytes / 2**20:.0f} MiB); fraction of it reached = limit / median",
+                  f"{'shape':<9}{'M':>5}{'int8 MB':>9}{'limit us':>10}{'int8':>7}{'int8f':>7}"
+                  f"{'int4 MB':>9}{'limit us':>10}{'int4':>7}{'int4f':>7}"]  # fmt: skip
+        for r in report.rows:
+            if not r.int8_bytes:
+                continue
+            cells = ""
+            for nbytes, ints, floats in ((r.int8_bytes, r.int8, r.int8_float), (r.int4_bytes, r.int4, r.int4_float)):
+                limit = nbytes / (report.read_gbs * 1e9) * 1e6
+                shown = [f"{limit / t.median_us:7.0%}" if t else f"{'':>7}" for t in (ints, floats)]
+                cells += f"{nbytes / 1e6:9.2f}{limit:10.1f}" + "".join(shown)
+            lines.append(f"{r.shape:<9}{r.m:>5}" + cells)
     o = report.call_overhead_us
     lines.append(
         f"per-call cost at M=1, N=4, K=32 (best of 5 x 5000): bare ctypes {o['ctypes_call']:.2f} us, "

@@ -56,6 +56,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     output_tokens: int = 0
+    text: str = ""  # the first choice's generated text
 
 
 def prompts_from_trace(trace: Sequence[TraceRequest], seed: int = 0) -> list[ServeRequest]:
@@ -95,6 +96,13 @@ def _has_text(chunk: dict[str, Any]) -> bool:
     return False
 
 
+def _first_choice_text(chunk: dict[str, Any]) -> str:
+    for choice in chunk.get("choices") or ():
+        if choice.get("index", 0) == 0:
+            return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+    return ""
+
+
 async def _one(client: Any, url: str, body: dict[str, Any], headers: dict[str, str]) -> RequestResult:
     result = RequestResult()
     start = time.perf_counter()
@@ -120,6 +128,7 @@ async def _one(client: Any, url: str, body: dict[str, Any], headers: dict[str, s
                 if chunk.get("usage"):
                     result.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     result.output_tokens = chunk["usage"]["completion_tokens"]
+                result.text += _first_choice_text(chunk)
                 if _has_text(chunk):
                     now = time.perf_counter()
                     chunks += 1

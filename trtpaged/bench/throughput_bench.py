@@ -7,14 +7,12 @@ exactly its requested length):
 - hf: transformers `generate` on the engine's source model with static batches of up to
   `hf_batch_size` requests in submission order: prompts left-padded to the batch's longest,
   and the batch decodes until its longest output is done (greedy);
-- optional rows: trtpaged with prefix caching off, a second engine dir (e.g. fp32 vs quantized), and
-  trtpaged with speculative decoding (`speculative_config`) next to transformers' own assisted
-  generation with prompt lookup (`prompt_lookup_num_tokens`, one request at a time: HF supports no
-  batch there) as its peer.
-
-`sequential` runs one request at a time (single-stream decode) in every system instead of all at t=0.
+- optional rows: trtpaged with prefix caching off, and a second engine dir (e.g. fp32 vs quantized).
 
 Each system runs in its own process (so peak RSS is its own), after a one-request warm-up.
+With rounds > 1 trtpaged runs the workload again in the same process, each round on fresh prompts of
+the same lengths (no prefix-cache hits between rounds), and reports every round's wall: the first
+batch after loading against the next ones. Each row says which instruction set ran it.
 Per system: useful output tok/s (requested output tokens / wall), computed tok/s (every token
 position run through the model, prompts, padding and decode steps past a request's end
 included / wall), wall time, TTFT (from t=0, queueing included) and per-output-token latency
@@ -64,6 +62,8 @@ class SystemResult:
     computed_tokens: int
     foreign_cores: Optional[float] = None
     notes: list[str] = field(default_factory=list)
+    isa: str = ""  # the instruction set the system's CPU code ran (forced or chosen)
+    round_walls: list[float] = field(default_factory=list)  # --rounds: wall of each round, the first included
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -88,6 +88,15 @@ def requests_from_trace(trace: list[TraceRequest], vocab_size: int, seed: int = 
     """Token ids for a memory-bench trace (shared prefixes identical); n and beam_width are not used here."""
     ids = prompt_token_ids(trace, vocab=vocab_size, seed=seed)
     return [Request(tuple(p), r.output_len) for p, r in zip(ids, trace)]
+
+
+def fresh_prompts(requests: list[Request], vocab_size: int, seed: int) -> list[Request]:
+    """The same requests' shapes (prompt and output lengths) with new random token ids: another round
+    of the same work that finds nothing of the previous rounds in the prefix cache."""
+    import random
+
+    rng = random.Random(seed)
+    return [Request(tuple(rng.randrange(vocab_size) for _ in r.prompt_ids), r.output_len) for r in requests]
 
 
 def load_requests(path: str | Path, tokenizer: Callable[[str], list[int]], vocab_size: int) -> list[Request]:
@@ -145,65 +154,62 @@ def _result(name: str, requests: list[Request], wall: float, computed: int, ttft
 
 
 def run_trtpaged(engine_dir: str, requests: list[Request], name: str = "trtpaged", enable_prefix_caching: bool = True,
-                 speculative_config: Optional[dict] = None, sequential: bool = False,
-                 say: Callable[[str], None] = lambda _m: None) -> SystemResult:  # fmt: skip
-    """All requests submitted at t=0 to one LLMEngine (`sequential`: each once the one before finished);
-    times each request's tokens as steps return them (TTFT from its submission)."""
+                 rounds: int = 1, say: Callable[[str], None] = lambda _m: None) -> SystemResult:  # fmt: skip
+    """All requests submitted at t=0 to one LLMEngine; times each request's tokens as steps return them.
+
+    rounds > 1: the workload again, on fresh prompts of the same shapes, `rounds - 1` more times in this
+    process; the result is the first round's, with every round's wall in `round_walls`."""
+    from trtpaged import kernels
     from trtpaged.runtime.llm import LLM
     from trtpaged.runtime.sampling_params import SamplingParams
 
-    llm = LLM(engine_dir, enable_prefix_caching=enable_prefix_caching, speculative_config=speculative_config)
+    llm = LLM(engine_dir, enable_prefix_caching=enable_prefix_caching)
     # warm-up shorter than the smallest block (4 + 3 tokens < 8): it leaves nothing in the prefix cache
     llm.generate([list(requests[0].prompt_ids[:4])], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
-    engine = llm.engine
-    computed_before = int(engine.stats()["num_tokens_computed"])
-    token_times: dict[str, list[float]] = {}
-    submitted: dict[str, float] = {}
-    spec_before = {k: v for k, v in engine.stats().items() if k.startswith("spec_decode_num_")}
-    with NoiseMonitor() as monitor:
-        start = time.perf_counter()
-        steps = 0
-        for batch in ([[r] for r in requests] if sequential else [requests]):
-            for r in batch:
-                request_id = f"bench-{len(submitted)}"
-                params = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
-                engine.add_request(list(r.prompt_ids), params, request_id=request_id)
-                token_times[request_id] = []
-                submitted[request_id] = time.perf_counter() - start
-            while engine.has_unfinished():
-                outs = engine.step()
-                now = time.perf_counter() - start
-                for out in outs:  # a request appears once per step in which it sampled a token (or a run)
-                    if out.request_id in token_times:
-                        token_times[out.request_id].append(now)
-                steps += 1
-                if steps % 25 == 0:
-                    done = sum(len(t) for t in token_times.values())
-                    say(f"{name}: step {steps}, {done} token steps")
-        wall = time.perf_counter() - start
-    stats = engine.stats()
-    computed = int(stats["num_tokens_computed"]) - computed_before
-    ttft = [t[0] - submitted[i] for i, t in token_times.items() if t]
-    tpot = [(t[-1] - t[0]) / (r.output_len - 1) for t, r in zip(token_times.values(), requests) if r.output_len > 1]
-    result = _result(name, requests, wall, computed, ttft, tpot, monitor)
-    if speculative_config is not None:
-        spec = {k: stats[k] - spec_before.get(k, 0) for k in spec_before}
-        drafts, proposed, accepted = (spec[f"spec_decode_num_{k}"]
-                                      for k in ("drafts", "draft_tokens", "accepted_tokens"))  # fmt: skip
-        result.notes.append(f"speculation: {drafts} drafts, {proposed} tokens proposed, {accepted} accepted "
-                            f"(rate {accepted / proposed if proposed else 0:.2f}, mean accepted length "
-                            f"{1 + accepted / drafts if drafts else 0:.2f}), off in "
-                            f"{stats['spec_decode_num_steps_disabled']} steps for the batch size")  # fmt: skip
+    result = _timed_round(llm.engine, requests, name, say, "bench")
+    result.isa = f"kernels {kernels.describe_cpu_isa()}" if kernels.available() else "no kernel library (torch ops)"
+    result.round_walls = [result.wall_s]
+    vocab = llm.manifest.dims.vocab_size
+    for r in range(1, rounds):
+        say(f"{name}: round {r + 1}/{rounds} (fresh prompts, same shapes)")
+        result.round_walls.append(_timed_round(llm.engine, fresh_prompts(requests, vocab, 1000 + r), name, say,
+                                              f"bench-r{r}").wall_s)
     return result
 
 
-def run_hf(engine_dir: str, requests: list[Request], batch_size: int, prompt_lookup: Optional[int] = None,
-           sequential: bool = False, say: Callable[[str], None] = lambda _m: None) -> SystemResult:  # fmt: skip
-    """transformers generate, static batches in submission order, left padding, greedy, EOS ignored.
+def _timed_round(engine, requests: list[Request], name: str, say: Callable[[str], None], tag: str) -> SystemResult:
+    """One round: every request added at t=0, steps until all are done; request ids `tag-i`."""
+    from trtpaged.runtime.sampling_params import SamplingParams
 
-    `prompt_lookup`: transformers' assisted generation with prompt lookup of that many tokens
-    (`prompt_lookup_num_tokens`), one request at a time (it takes no batch). TTFT counts from t=0, or with
-    `sequential` from the start of the request's batch (each arrives once the one before is done)."""
+    computed_before = int(engine.stats()["num_tokens_computed"])
+    token_times: dict[str, list[float]] = {}
+    with NoiseMonitor() as monitor:
+        start = time.perf_counter()
+        for i, r in enumerate(requests):
+            params = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+            engine.add_request(list(r.prompt_ids), params, request_id=f"{tag}-{i}")
+            token_times[f"{tag}-{i}"] = []
+        steps = 0
+        while engine.has_unfinished():
+            outs = engine.step()
+            now = time.perf_counter() - start
+            for out in outs:  # a request appears once per step in which it sampled a token
+                if out.request_id in token_times:
+                    token_times[out.request_id].append(now)
+            steps += 1
+            if steps % 25 == 0:
+                done = sum(len(t) for t in token_times.values())
+                say(f"{name}: step {steps}, {done}/{sum(r.output_len for r in requests)} tokens")
+        wall = time.perf_counter() - start
+    computed = int(engine.stats()["num_tokens_computed"]) - computed_before
+    ttft = [t[0] for t in token_times.values() if t]
+    tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in token_times.values() if len(t) > 1]
+    return _result(name, requests, wall, computed, ttft, tpot, monitor)
+
+
+def run_hf(engine_dir: str, requests: list[Request], batch_size: int,
+           say: Callable[[str], None] = lambda _m: None) -> SystemResult:  # fmt: skip
+    """transformers generate, static batches in submission order, left padding, greedy, EOS ignored."""
     import torch
     from transformers import LogitsProcessor, LogitsProcessorList
 
@@ -211,6 +217,7 @@ def run_hf(engine_dir: str, requests: list[Request], batch_size: int, prompt_loo
     from trtpaged.models.hf import load_hf, spec_from_manifest
 
     hf = load_hf(spec_from_manifest(read_manifest(engine_dir)), torch.float32)
+    isa = f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}"
     model = hf.model
     pad_id = hf.tokenizer.pad_token_id if hf.tokenizer.pad_token_id is not None else 0
 
@@ -233,14 +240,11 @@ def run_hf(engine_dir: str, requests: list[Request], batch_size: int, prompt_loo
             mask[row, width - len(r.prompt_ids):] = 1
         new = max(r.output_len for r in batch)
         clock = StepClock()
-        assisted = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
         with torch.inference_mode():
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                           pad_token_id=pad_id, logits_processor=LogitsProcessorList([clock]), **assisted)  # fmt: skip
-        return clock.times  # with prompt lookup: one call per verified position, so only the first and last count
+                           pad_token_id=pad_id, logits_processor=LogitsProcessorList([clock]))  # fmt: skip
+        return clock.times
 
-    if prompt_lookup:
-        batch_size = 1
     generate([Request(requests[0].prompt_ids[:4], 3)])  # warm-up
     ttft, tpot = [], []
     computed = 0
@@ -249,18 +253,17 @@ def run_hf(engine_dir: str, requests: list[Request], batch_size: int, prompt_loo
         for b in range(0, len(requests), batch_size):
             batch = requests[b : b + batch_size]
             say(f"hf: batch {b // batch_size + 1}/{-(-len(requests) // batch_size)} ({len(batch)} requests)")
-            batch_start = time.perf_counter() - start
             times = [t - start for t in generate(batch)]
-            steps = len(times)  # with prompt lookup: positions verified, accepted or not
+            steps = len(times)
             computed += len(batch) * (max(len(r.prompt_ids) for r in batch) + steps - 1)
             for r in batch:
-                ttft.append(times[0] - (batch_start if sequential else 0.0))
+                ttft.append(times[0])
                 if r.output_len > 1:
-                    tpot.append((times[-1] - times[0]) / (r.output_len - 1) if prompt_lookup else
-                                (times[r.output_len - 1] - times[0]) / (r.output_len - 1))  # fmt: skip
+                    tpot.append((times[r.output_len - 1] - times[0]) / (r.output_len - 1))
         wall = time.perf_counter() - start
-    name = f"hf prompt lookup ({prompt_lookup} tokens)" if prompt_lookup else "hf transformers (static batches)"
-    return _result(name, requests, wall, computed, ttft, tpot, monitor)
+    result = _result("hf transformers (static batches)", requests, wall, computed, ttft, tpot, monitor)
+    result.isa = isa
+    return result
 
 
 def _child(kind: str, args: tuple, queue) -> None:
@@ -312,43 +315,28 @@ def run_throughput_bench(
     no_prefix_caching_row: bool = False,
     engine2: Optional[str] = None,
     progress: Optional[Callable[[str], None]] = None,
-    speculative_config: Optional[dict] = None,
-    sequential: bool = False,
+    rounds: int = 1,
 ) -> dict:
     """Every system on the same requests; returns the JSON report (see module docstring)."""
     from trtpaged.manifest import read_manifest
 
     say = progress or (lambda _m: None)
     manifest = read_manifest(engine_dir)
-    batch_size = 1 if sequential else hf_batch_size or manifest.limits.max_batch_size
+    batch_size = hf_batch_size or manifest.limits.max_batch_size
     systems: list[SystemResult] = []
-    say(f"trtpaged: {engine_dir}" + (" (one request at a time)" if sequential else ""))
-    systems.append(run_isolated("trtpaged", engine_dir, requests, "trtpaged", True, None, sequential))
-    spec_ratio = None
-    if speculative_config is not None:
-        k = speculative_config.get("num_speculative_tokens", 4)
-        say(f"trtpaged, speculative decoding {speculative_config}")
-        systems.append(run_isolated("trtpaged", engine_dir, requests, f"trtpaged (speculative, {k} tokens)", True,
-                                    speculative_config, sequential))  # fmt: skip
-        spec_ratio = systems[-1].useful_tok_s / systems[0].useful_tok_s
+    say(f"trtpaged: {engine_dir}")
+    if rounds < 1:
+        raise ValueError(f"rounds: must be >= 1, got {rounds}")
+    systems.append(run_isolated("trtpaged", engine_dir, requests, "trtpaged", True, rounds))
     if no_prefix_caching_row:
         say("trtpaged, prefix caching off")
-        systems.append(run_isolated("trtpaged", engine_dir, requests, "trtpaged (prefix caching off)", False, None,
-                                    sequential))  # fmt: skip
+        systems.append(run_isolated("trtpaged", engine_dir, requests, "trtpaged (prefix caching off)", False))
     if engine2:
         say(f"trtpaged: {engine2}")
-        systems.append(run_isolated("trtpaged", engine2, requests, f"trtpaged ({Path(engine2).name})", True, None,
-                                    sequential))  # fmt: skip
-    hf_spec_ratio = None
-    if baseline == "hf" and speculative_config is not None:
-        k = speculative_config.get("num_speculative_tokens", 4)
-        say(f"hf transformers generate, prompt lookup of {k} tokens, one request at a time")
-        systems.append(run_isolated("hf", engine_dir, requests, 1, k, sequential))
+        systems.append(run_isolated("trtpaged", engine2, requests, f"trtpaged ({Path(engine2).name})", True, rounds))
     if baseline == "hf":
         say(f"hf transformers generate, static batches of {batch_size}")
-        systems.append(run_isolated("hf", engine_dir, requests, batch_size, None, sequential))
-        if speculative_config is not None:
-            hf_spec_ratio = systems[-2].useful_tok_s / systems[-1].useful_tok_s
+        systems.append(run_isolated("hf", engine_dir, requests, batch_size))
     ratio = systems[0].useful_tok_s / systems[-1].useful_tok_s if baseline == "hf" else None
     loads = [s.foreign_cores for s in systems if s.foreign_cores is not None]
     noise = assess(0.0, max(loads) if loads else None, multiprocessing.cpu_count())
@@ -360,9 +348,7 @@ def run_throughput_bench(
         "hf_batch_size": batch_size if baseline == "hf" else None,
         "systems": [asdict(s) for s in systems],
         "ratio_vs_baseline": ratio,
-        "speculation_ratio": spec_ratio,  # trtpaged with / without speculation, useful tok/s
-        "hf_prompt_lookup_ratio": hf_spec_ratio,  # hf prompt lookup / hf plain, useful tok/s
-        "sequential": sequential,
+        "rounds": rounds,
         "noise": noise.to_dict(),
     }
 
@@ -384,6 +370,13 @@ def format_throughput_report(report: dict) -> str:
             f"{s['ttft_p50_s']:>8.2f}s {s['ttft_p99_s']:>8.2f}s {s['tpot_p50_s'] * 1e3:>7.1f}ms "
             f"{s['tpot_p99_s'] * 1e3:>7.1f}ms {s['peak_rss_mb']:>12.0f}"
         )
+    lines += ["", "instruction sets:"] + [f"  {s['name']}: {s.get('isa') or 'not reported'}" for s in report["systems"]]
+    for s in report["systems"]:
+        walls = s.get("round_walls") or []
+        if len(walls) > 1:
+            shown = ", ".join(f"{w:.2f}" for w in walls)
+            lines.append(f"{s['name']}: rounds on fresh prompts of the same shapes, wall s {shown}; "
+                         f"first / second {walls[0] / walls[1]:.2f}")
     noise = Noise(**report["noise"])
     lines += ["", "useful: requested output tokens / wall; computed: every token position run through the model "
               "(prompts, padding, decode past a request's end) / wall", noise.describe()]  # fmt: skip
@@ -392,10 +385,4 @@ def format_throughput_report(report: dict) -> str:
         if not noise.trustworthy:
             ratio += " (noisy run: indicative only, rerun on a quieter machine)"
         lines.append(f"trtpaged / hf useful tok/s: {ratio}  (hf static batches of {report['hf_batch_size']})")
-    if report.get("speculation_ratio") is not None:
-        lines.append(f"speculation: trtpaged with / without {report['speculation_ratio']:.2f}x"
-                     + (f", hf prompt lookup / hf plain {report['hf_prompt_lookup_ratio']:.2f}x"
-                        if report.get("hf_prompt_lookup_ratio") is not None else ""))  # fmt: skip
-    for s in report["systems"]:
-        lines += [f"{s['name']}: {note}" for note in s.get("notes", [])]
     return "\n".join(lines)

@@ -69,9 +69,13 @@ class TrtpagedPagedAttention(OpRun):
 
     def _run(self, q, k, v, kv_cache, positions, query_start, context_lens, block_tables,
              num_heads=None, num_kv_heads=None, head_dim=None, block_size=None, layer=None, scale=None,
-             kv_dtype=None, plugin_version=None, plugin_namespace=None):
+             kv_dtype=None, plugin_version=None, plugin_namespace=None, kv_pool=None, num_layers=None):
         kv_dtype = kv_dtype.decode() if isinstance(kv_dtype, bytes) else (kv_dtype or "auto")
-        return paged_attention_numpy(q, k, v, kv_cache, positions, query_start, context_lens, block_tables,
-                                     layer=int(layer), block_size=int(block_size), scale=float(scale),
-                                     kv_dtype=kv_dtype)
+        typed = kv_cache.dtype
+        if is_quantized(kv_dtype):  # the pool's bytes, typed int8, uint8 or fp16 pairs (tensorrt.quantized_pool)
+            kv_cache = kv_cache.view(np.int8)
+        out, cache = paged_attention_numpy(q, k, v, kv_cache, positions, query_start, context_lens, block_tables,
+                                           layer=int(layer), block_size=int(block_size), scale=float(scale),
+                                           kv_dtype=kv_dtype)
+        return out, cache.view(typed)
 

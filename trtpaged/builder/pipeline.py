@@ -4,7 +4,10 @@
     load     transformers loads config, weights and tokenizer (float32)
     patch    trtpaged's step model built from the HF config and weights
     export   weights.safetensors + model.onnx (external data pointing into the safetensors);
-             tensor_parallel N > 1: weights-rankR.safetensors + model-rankR.onnx per rank
+             tensor_parallel N > 1: weights-rankR.safetensors + model-rankR.onnx per rank. A quantized
+             model's graph (TensorRT's weight forms, model-tensorrt.safetensors) only where compile runs
+             or with tensorrt.graph: always; the pool's form (tensorrt.kv_pool, quantized_pool) is
+             applied to the graph after verify (builder/onnx_pool.py)
     verify   the ONNX graph on CPU vs HF's forward over two chained steps (the rank graphs jointly)
     compile  engine.plan with TensorRT (skipped where TensorRT or the plugin is missing)
     write    tokenizer, manifest with sha256 of every file, atomic rename into place
@@ -21,7 +24,7 @@ import torch
 from trtpaged import __version__
 from trtpaged import tensorrt_env
 from trtpaged.builder import compile as trt_compile
-from trtpaged.builder import tensorrt_graph
+from trtpaged.builder import onnx_pool, tensorrt_graph
 from trtpaged.builder.engine_dir import OutputDirError, check_output, file_hashes, staged_output, write_manifest
 from trtpaged.builder.export import export_onnx
 from trtpaged.builder.accuracy import AccuracyError, graph_accuracy_reason, measure_accuracy, measure_graph_accuracy
@@ -128,10 +131,17 @@ def build_engine(
         kv_quantized = config.kv_cache_dtype in QUANTIZED_KV_DTYPES
         graph_kv_dtype = config.kv_cache_dtype
         shards = shard_files(config.tensor_parallel)
+        planned_blocker, warn_blocker = _compile_blocker(config)
+        # The TensorRT graph form of the weights (model-tensorrt.safetensors, and an accuracy stage of its
+        # own) only where the compile stage will take it, or where the model.yaml asks for it.
+        write_graph = planned_blocker is None or config.tensorrt.graph == "always"
         with progress.stage("export") as st:
             plan = quantized.plan if quantized is not None else {}
             graph = (tensorrt_graph.plan_graph(quantized, hf.model, dims, dtype, config.quantization)
-                     if quantized is not None else None)
+                     if quantized is not None and write_graph else None)
+            no_graph = quantized is not None and graph is None
+            if no_graph:  # the torch backend runs weights.safetensors; the ONNX graph is TensorRT's input only
+                shards = [{**files, "onnx_file": None} for files in shards]
             for line in graph.notes if graph else ():
                 progress.echo(f"export   TensorRT graph: {line}")
             for rank, files in enumerate(shards):
@@ -143,14 +153,18 @@ def build_engine(
                         source = rank_step_model(source, graph.state.plan, config.tensor_parallel, rank,
                                                  config.quantization)
                     model = tensorrt_graph.to_tensorrt_graph(source)
-                export_onnx(model, config.limits.block_size,
-                            graph_kv_dtype if kv_quantized else TORCH_DTYPES[graph_kv_dtype],
-                            tmp / files["onnx_file"], tmp / files["weights_file"])
+                if files["onnx_file"] is not None:
+                    export_onnx(model, config.limits.block_size,
+                                graph_kv_dtype if kv_quantized else TORCH_DTYPES[graph_kv_dtype],
+                                tmp / files["onnx_file"], tmp / files["weights_file"])
             size = sum((tmp / f["weights_file"]).stat().st_size for f in shards) / 2**20
             reduces = f", {2 * dims.num_layers} all-reduce nodes each" if len(shards) > 1 else ""
-            st.note(f"{len(shards)} x {shards[0]['onnx_file']} ({dims.num_layers} paged-attention nodes{reduces}), "
-                    f"weights {size:.1f} MiB")
-        why_not = "--skip-verify" if skip_verify else unsupported_reason(config.dtype, graph_kv_dtype)
+            st.note(f"weights {size:.1f} MiB; no ONNX graph: the TensorRT graph of quantized weights is written "
+                    f"where the compile stage runs ({planned_blocker}; tensorrt.graph: always writes it)" if no_graph
+                    else f"{len(shards)} x {shards[0]['onnx_file']} ({dims.num_layers} paged-attention nodes"
+                         f"{reduces}), weights {size:.1f} MiB")
+        why_not = ("--skip-verify" if skip_verify else "no ONNX graph (see export)" if no_graph
+                   else unsupported_reason(config.dtype, graph_kv_dtype))
         if why_not:
             progress.skip("verify", why_not)
             verification: dict = {"skipped": True, "reason": why_not}
@@ -205,18 +219,17 @@ def build_engine(
                     raise BuildError(str(e)) from None
                 verification["kv_cache"] = kv_report.as_dict()
                 st.note(kv_report.line())
+        if not no_graph:  # tensorrt.kv_pool / quantized_pool: the pool's form in the graph, after verification
+            for files in shards:
+                for line in onnx_pool.apply_pool_form(tmp / files["onnx_file"], config.tensorrt.kv_pool,
+                                                      config.tensorrt.quantized_pool, dims.num_layers):
+                    progress.echo(f"export   {files['onnx_file']}: {line}")
         plan_built = False
-        compile_blocker = "backend: torch (no engine.plan)" if config.backend == "torch" else tensorrt_env.unavailable_reason()
+        compile_blocker = planned_blocker
         if graph_blocker and not compile_blocker:
             compile_blocker = f"backend auto: {graph_blocker}"
-        if config.tensor_parallel > 1:
-            compile_blocker = (f"tensor_parallel {config.tensor_parallel}: the rank graphs run on the torch backend "
-                               "(scripts/gpu_check.sh compiles them with the NCCL all-reduce plugin)")
-        if not compile_blocker and config.backend == "auto":
-            unsupported = trt_compile.kv_dtype_reason(config.kv_cache_dtype)
-            if unsupported:  # backend auto: what TensorRT cannot take is built for torch, with one warning
-                progress.warn(f"backend auto: no TensorRT engine: {unsupported}")
-                compile_blocker = f"backend auto: {unsupported}"
+        if warn_blocker:  # backend auto: what TensorRT cannot take is built for torch, with one warning
+            progress.warn(f"backend auto: no TensorRT engine: {warn_blocker}")
         if compile_blocker:
             progress.skip("compile", compile_blocker)
         else:
@@ -237,7 +250,8 @@ def build_engine(
         with progress.stage("write") as st:
             hf.tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
             manifest = _manifest(config, dims, hf, verification, file_hashes(tmp), plan_built,
-                                 quantized.describe(config.quantization) if quantized is not None else {}, shards)
+                                 quantized.describe(config.quantization) if quantized is not None else {}, shards,
+                                 {**config.tensorrt.describe(), "graph_written": graph is not None})
             write_manifest(tmp, manifest)
             st.note(f"{len(manifest.files) + 1} files, backends: {', '.join(manifest.backends)}")
     total = progress.total()
@@ -270,6 +284,21 @@ def _preflight(
                       + ("" if keep_kv else " (kv_cache_dtype too)"))
         config = replace(config, dtype="float32", kv_cache_dtype=config.kv_cache_dtype if keep_kv else "float32")
     return config, out
+
+
+def _compile_blocker(config: BuildConfig) -> tuple[Optional[str], Optional[str]]:
+    """(why the compile stage will not run for `config` on this machine, known before the export, or None;
+    the reason to warn about: backend auto on a TensorRT machine with what TensorRT cannot take, or None)."""
+    if config.backend == "torch":
+        return "backend: torch (no engine.plan)", None
+    blocker = tensorrt_env.unavailable_reason()
+    if blocker:
+        return blocker, None
+    if config.tensor_parallel > 1:
+        return (f"tensor_parallel {config.tensor_parallel}: the rank graphs run on the torch backend "
+                "(scripts/gpu_check.sh compiles them with the NCCL all-reduce plugin)"), None
+    unsupported = trt_compile.kv_dtype_reason(config.kv_cache_dtype) if config.backend == "auto" else None
+    return (f"backend auto: {unsupported}", unsupported) if unsupported else (None, None)
 
 
 def shard_files(tensor_parallel: int) -> list[dict[str, str]]:
@@ -348,6 +377,7 @@ def _token_ids(*values) -> list[int]:
 def _manifest(
     config: BuildConfig, dims: ModelDims, hf, verification: dict, files: dict[str, str], plan_built: bool = False,
     quantization: Optional[dict] = None, shards: Optional[list[dict[str, str]]] = None,
+    tensorrt: Optional[dict] = None,
 ) -> Manifest:
     tok, gen = hf.tokenizer, getattr(hf.model, "generation_config", None)
     eos = _token_ids(getattr(gen, "eos_token_id", None), getattr(hf.config, "eos_token_id", None), tok.eos_token_id)
@@ -365,7 +395,7 @@ def _manifest(
         eos_token_ids=eos,
         chat_template=tok.chat_template if isinstance(tok.chat_template, str) else None,
         weights_file=shards[0]["weights_file"] if shards else WEIGHTS_FILE,
-        onnx_file=shards[0]["onnx_file"] if shards else ONNX_FILE,
+        onnx_file=shards[0]["onnx_file"] if shards else ONNX_FILE,  # None: no graph (a quantized torch build)
         plan_file=PLAN_FILE if plan_built else None,
         backends=["torch", "tensorrt"] if plan_built else ["torch"],
         files=files,
@@ -374,4 +404,5 @@ def _manifest(
         quantization=quantization or {},
         tensor_parallel=config.tensor_parallel,
         shards=list(shards) if shards and len(shards) > 1 else [],
+        tensorrt=tensorrt or {},
     )

@@ -73,6 +73,13 @@ RULES = {r.id: r for r in (
          "Transpose or Gemm between), the weight-only GEMM pattern TensorRT fuses",
          "issue 20 item 7 (NVIDIA's exporters emit DequantizeLinear -> MatMul); the DQ output type is the "
          "scale's (QuantDequantLinearHelper), so a compute-dtype scale needs no Cast"),
+    Rule("plugin-pool-io", "the paged-attention node's pool I/O is one form the plugin takes: aliased (input "
+         "kv_cache a float pool, or a quantized pool's bytes typed INT8/UINT8/FP16, and output kv_cache_out "
+         "aliased to it) or by address (input an INT64 [2] network input, one output, num_layers and a named "
+         "kv_dtype)",
+         "TensorRT NvInferRuntime.h IPluginV3OneBuildV2::getAliasedInput (an output aliases one input; only "
+         "with PreviewFeature::kALIASED_PLUGIN_IO_10_03) and DataType; plugins/src/tensorrt/attention_io.cpp "
+         "is_pool_type / check_shapes, fields.cpp validate"),
     Rule("int4-even-last-dim", "an INT4 tensor's last dimension is even (packing)",
          f"{_PARSER} QuantDequantLinearHelper ('Quantization to INT4 is not supported for tensors with an odd "
          "last dimension')"),
@@ -110,6 +117,9 @@ PLUGIN_FIELDS: dict[str, dict[str, int]] = {
                    "scale": _FLOAT, "kv_dtype": _STRING},
     ALLREDUCE_OP: {"rank": _INT, "world_size": _INT},
 }
+# fields a creator takes when present (fields.cpp: kv_pool "aliased"/"address", num_layers with address)
+PLUGIN_OPTIONAL_FIELDS: dict[str, dict[str, int]] = {ATTENTION_OP: {"kv_pool": _STRING, "num_layers": _INT}}
+_QUANTIZED_POOL_TYPES = frozenset({_I8, TensorProto.UINT8, _H})
 # attribute types loadFields turns into plugin fields (onnxOpImporters.cpp line 6112)
 PLUGIN_ATTRIBUTE_TYPES = frozenset({_INT, _FLOAT, _STRING, onnx.AttributeProto.INTS, onnx.AttributeProto.FLOATS,
                                     onnx.AttributeProto.STRINGS, onnx.AttributeProto.TENSOR})
@@ -133,6 +143,7 @@ class _Graph:
         graph = model.graph
         self.base_dir = base_dir
         self.initializers = {t.name: t for t in graph.initializer}
+        self.graph_inputs = {i.name for i in graph.input}
         self.types: dict[str, int] = {}
         self.shapes: dict[str, Optional[list[int]]] = {}
         for info in (*graph.input, *graph.value_info, *graph.output):
@@ -207,6 +218,8 @@ def _check_node(node: onnx.NodeProto, g: _Graph) -> Iterable[Violation]:
     where = node.name or (node.output[0] if node.output else node.op_type)
     if node.op_type in PLUGIN_FIELDS:
         yield from _check_plugin(node, where)
+        if node.op_type == ATTENTION_OP:
+            yield from _check_pool_io(node, g, where)
         return
     if node.domain not in ("", "ai.onnx") or node.op_type not in OP_TYPES:
         yield Violation("op-importer", where, f"{node.domain or 'ai.onnx'}::{node.op_type} has no TensorRT importer "
@@ -236,11 +249,46 @@ def _check_plugin(node: onnx.NodeProto, where: str) -> Iterable[Violation]:
         if kind not in PLUGIN_ATTRIBUTE_TYPES:
             kind_name = onnx.AttributeProto.AttributeType.Name(kind)
             yield Violation("plugin-fields", where, f"attribute {name} of type {kind_name} is no plugin field")
+    for name, kind in PLUGIN_OPTIONAL_FIELDS.get(node.op_type, {}).items():
+        if name in attributes and attributes[name] != kind:
+            yield Violation("plugin-fields", where, f"field {name}: attribute "
+                                                    f"{onnx.AttributeProto.AttributeType.Name(attributes[name])}, "
+                                                    f"the creator wants {onnx.AttributeProto.AttributeType.Name(kind)}")
     for name, kind in PLUGIN_FIELDS[node.op_type].items():
         if attributes.get(name) != kind:
             got = "missing" if name not in attributes else onnx.AttributeProto.AttributeType.Name(attributes[name])
             yield Violation("plugin-fields", where, f"field {name}: attribute {got}, the creator wants "
                                                     f"{onnx.AttributeProto.AttributeType.Name(kind)}")
+
+
+def _check_pool_io(node: onnx.NodeProto, g: _Graph, where: str) -> Iterable[Violation]:
+    kv_pool = (_attr(node, "kv_pool") or b"aliased").decode()
+    kv_dtype = (_attr(node, "kv_dtype") or b"auto").decode()
+    pool = node.input[3] if len(node.input) > 3 else ""
+    pool_type, pool_shape = g.types.get(pool), g.shapes.get(pool)
+    outputs = [o for o in node.output if o]
+
+    def bad(message: str) -> Violation:
+        return Violation("plugin-pool-io", where, message)
+
+    if kv_pool == "address":
+        if pool_type != TensorProto.INT64 or pool_shape != [2] or pool not in g.graph_inputs:
+            yield bad(f"kv_pool address: input {pool!r} must be an INT64 [2] network input, got "
+                      f"{_dtype_name(pool_type) if pool_type else '?'} {pool_shape}")
+        if len(outputs) != 1:
+            yield bad(f"kv_pool address: one output (out), got {len(outputs)}")
+        if _attr(node, "num_layers") is None or kv_dtype == "auto":
+            yield bad("kv_pool address: needs num_layers and kv_dtype naming the pool's type")
+    elif kv_pool == "aliased":
+        quantized = kv_dtype in ("int8", "fp8_e4m3")
+        allowed = _QUANTIZED_POOL_TYPES if quantized else _FLOATS
+        if pool_type is not None and pool_type not in allowed:
+            yield bad(f"kv_cache is {_dtype_name(pool_type)}; kv_dtype {kv_dtype} takes "
+                      f"{', '.join(sorted(map(_dtype_name, allowed)))}")
+        if len(outputs) != 2:
+            yield bad(f"kv_pool aliased: two outputs (out, kv_cache_out), got {len(outputs)}")
+    else:
+        yield bad(f"kv_pool {kv_pool!r} is neither aliased nor address")
 
 
 def _check_dequantize(node: onnx.NodeProto, g: _Graph, where: str) -> Iterable[Violation]:

@@ -8,6 +8,7 @@ from typing import Optional
 import click
 
 from trtpaged.kv_formats import KV_DTYPES
+from trtpaged.manifest import BACKENDS
 
 
 @click.group(name="bench")
@@ -74,11 +75,14 @@ def kernel(kv_dtype: Optional[str], device: str, as_json: bool, quick: bool) -> 
 @click.option("--tensor-parallel", type=click.IntRange(min=1), default=None,
               help="Also: the paged replay on N ranks, each a device with the memory of the budget (N x the memory; "
                    "default: the engine's tensor_parallel when above 1).")
+@click.option("--kv-tier-blocks", default=None, metavar="N[,N..]",
+              help="Also: prefix hit rate and tokens computed with a KV tier of N blocks below the pool "
+                   "(each size; 'unbounded' too), vs the pool alone (docs/kv_tiers.md).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.pass_context
 def memory(ctx, engine, trace, num_requests, prompt_len, output_len, shared_prefix, num_prefixes, n, beam_width, preset,
            sharing_table, plot, seed, num_blocks, block_size, max_seq_len, max_batch_size, max_num_tokens,
-           kv_dtype, head_dim, tensor_parallel, as_json) -> None:  # fmt: skip
+           kv_dtype, head_dim, tensor_parallel, kv_tier_blocks, as_json) -> None:  # fmt: skip
     """Concurrency and KV utilisation of one workload: contiguous reservations vs paged vs paged + sharing.
 
     Replays the workload through trtpaged's real scheduler and block pool (no model runs) and
@@ -101,6 +105,11 @@ def memory(ctx, engine, trace, num_requests, prompt_len, output_len, shared_pref
                 "max_num_tokens": 2048}  # fmt: skip
     base_dtype, engine_head_dim = "float16", 64
     try:
+        tier_sizes = None
+        if kv_tier_blocks is not None:
+            from trtpaged.bench.memory_bench import parse_tier_blocks
+
+            tier_sizes = parse_tier_blocks(kv_tier_blocks)
         if engine:
             from trtpaged.manifest import read_manifest
             from trtpaged.kv_budget import resolve_num_blocks
@@ -158,6 +167,10 @@ def memory(ctx, engine, trace, num_requests, prompt_len, output_len, shared_pref
         from trtpaged.bench.memory_bench import run_tensor_parallel_comparison
 
         report["tensor_parallel"] = run_tensor_parallel_comparison(requests, budget, (1, tensor_parallel), progress)
+    if tier_sizes:
+        from trtpaged.bench.memory_bench import run_tier_what_if
+
+        report["kv_tiers"] = run_tier_what_if(requests, budget, tier_sizes, progress=progress)
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
@@ -171,6 +184,10 @@ def memory(ctx, engine, trace, num_requests, prompt_len, output_len, shared_pref
         from trtpaged.bench.memory_bench import format_tensor_parallel_table
 
         click.echo("\n" + format_tensor_parallel_table(report["tensor_parallel"], budget.num_blocks))
+    if "kv_tiers" in report:
+        from trtpaged.bench.memory_bench import format_tier_table
+
+        click.echo("\n" + format_tier_table(report["kv_tiers"], budget.num_blocks))
 
 
 @command.command(name="qlinear")
@@ -208,11 +225,31 @@ def qlinear(as_json: bool, quick: bool, working_set_mb: Optional[int], threads: 
 @click.option("--endpoint", type=click.Choice(["completions", "chat"]), default="completions", show_default=True)
 @click.option("--ignore-eos/--no-ignore-eos", default=True, show_default=True, help="Ask for exactly the output length.")
 @click.option("--seed", default=0, show_default=True)
+@click.option("--multi-turn", default=None, metavar="N:K",
+              help="Multi-turn traffic: N conversations of K turns, each sending the whole history (with "
+                   "--output-len N as the reply length); adds prefix hit rate and prefill tokens computed.")
+@click.option("--system-words", default=64, show_default=True, help="Multi-turn: the shared system prompt's words.")
+@click.option("--user-words", default=24, show_default=True, help="Multi-turn: words of each user message.")
+@click.option("--think-time", default=0.5, show_default=True,
+              help="Multi-turn: seconds between a reply and the next turn.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def serve(base_url, trace, num_requests, prompt_len, output_len, request_rate, max_concurrency, model, api_key,
-          endpoint, ignore_eos, seed, as_json) -> None:  # fmt: skip
+          endpoint, ignore_eos, seed, multi_turn, system_words, user_words, think_time, as_json) -> None:  # fmt: skip
     """Serving benchmark: TTFT, TPOT, ITL, end-to-end latency and throughput of a running server."""
     import asyncio
+
+    if multi_turn is not None:
+        from trtpaged.bench.multi_turn import format_multi_turn, run_multi_turn
+        from trtpaged.bench.serve_bench import format_report, report_json
+
+        try:
+            spec = multi_turn_spec(multi_turn, output_len, system_words, user_words, think_time)
+        except ValueError as exc:
+            raise click.ClickException(str(exc)) from exc
+        report = asyncio.run(run_multi_turn(base_url, spec, model, api_key, endpoint == "chat", max_concurrency, seed,
+                                            progress=lambda msg: click.echo(f"  {msg}", err=True)))  # fmt: skip
+        click.echo(report_json(report) if as_json else format_report(report) + "\n" + format_multi_turn(report))
+        return
 
     from trtpaged.bench.serve_bench import format_report, prompts_from_trace, report_json, run_serve_bench
     from trtpaged.bench.workload import load_trace, parse_range, synthetic_trace
@@ -229,6 +266,42 @@ def serve(base_url, trace, num_requests, prompt_len, output_len, request_rate, m
                                          api_key, endpoint == "chat", ignore_eos, seed,
                                          progress=lambda msg: click.echo(f"  {msg}", err=True)))  # fmt: skip
     click.echo(report_json(report) if as_json else format_report(report))
+
+
+@command.command(name="kv-tiers")
+@click.argument("engine", type=click.Path(exists=True, file_okay=False))
+@click.option("--kv-blocks", type=click.IntRange(min=1), required=True,
+              help="The pool's blocks: small enough that it cannot hold every live history.")
+@click.option("--multi-turn", default="8:4", show_default=True, metavar="N:K", help="N conversations of K turns.")
+@click.option("--system-words", default=64, show_default=True, help="The shared system prompt's words.")
+@click.option("--user-words", default=24, show_default=True, help="Words of each user message.")
+@click.option("--output-len", default="16", show_default=True, help="Tokens of each reply.")
+@click.option("--think-time", default=0.5, show_default=True, help="Seconds between a reply and the next turn.")
+@click.option("--host-memory", default="1GiB", show_default=True, help="The host tier's size.")
+@click.option("--disk-size", default="4GiB", show_default=True, help="The disk tier's size (a temporary directory).")
+@click.option("--remote", default=None, metavar="URL",
+              help="Redis for the remote rows (default: a redis-server started for the run when installed).")
+@click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True)
+@click.option("--device", default=None, help="cpu or cuda (default: cuda when present).")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Repeat every row, the rows' order rotated each round (times: medians over rounds).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def kv_tiers(engine, kv_blocks, multi_turn, system_words, user_words, output_len, think_time, host_memory, disk_size,
+             remote, backend, device, seed, rounds, as_json) -> None:  # fmt: skip
+    """Multi-turn traffic against servers with KV tiers off, host, disk (and a restart), Redis (and a 2nd replica)."""
+    import json
+
+    from trtpaged.bench.kv_tiers_bench import format_kv_tiers, run_kv_tiers_bench
+
+    try:
+        spec = multi_turn_spec(multi_turn, output_len, system_words, user_words, think_time)
+        report = run_kv_tiers_bench(Path(engine), spec, kv_blocks, host_memory, disk_size, remote,
+                                    {"backend": backend, "device": device}, seed, rounds,
+                                    progress=lambda msg: click.echo(f"  {msg}", err=True))  # fmt: skip
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(json.dumps(report, indent=2) if as_json else format_kv_tiers(report))
 
 
 @command.command(name="serve-ratio")
@@ -261,15 +334,14 @@ def serve_ratio(engine, repeats, max_tokens, concurrency, server_args, as_json) 
 @click.option("--no-prefix-caching-row", is_flag=True, help="Extra row: trtpaged with prefix caching off.")
 @click.option("--engine2", type=click.Path(exists=True, file_okay=False),
               help="Extra row: a second engine dir on the same requests (e.g. fp32 vs quantized).")
-@click.option("--speculative-config", default=None, metavar="JSON",
-              help="Extra rows: trtpaged with this speculative decoding (a JSON object, docs/speculative.md), and "
-                   "transformers' prompt lookup of as many tokens (one request at a time) as its peer.")
-@click.option("--sequential", is_flag=True, help="One request at a time (single-stream decode) in every row.")
 @click.option("--profile", is_flag=True, help="Also: where a decode step's time goes (phases, and model ops at batch 1 and 16).")
 @click.option("--seed", default=0, show_default=True)
+@click.option("--rounds", default=1, show_default=True,
+              help="trtpaged runs the workload this many times in one process, each round on fresh prompts of the "
+                   "same shapes, and prints each round's wall: the first batch after loading vs the next.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def throughput(engine, trace, num_requests, baseline, hf_batch_size, no_prefix_caching_row, engine2,
-               speculative_config, sequential, profile, seed, as_json) -> None:  # fmt: skip
+def throughput(engine, trace, num_requests, baseline, hf_batch_size, no_prefix_caching_row, engine2, profile, seed,
+               rounds, as_json) -> None:  # fmt: skip
     """End-to-end throughput and latency: trtpaged vs HF transformers on the same requests, side by side."""
     import json
 
@@ -295,14 +367,12 @@ def throughput(engine, trace, num_requests, baseline, hf_batch_size, no_prefix_c
             requests = default_requests(manifest.dims.vocab_size, num_requests, seed)
         if hf_batch_size is not None and hf_batch_size < 1:
             raise ValueError(f"--hf-batch-size: must be >= 1, got {hf_batch_size}")
-        if speculative_config is not None:
-            from trtpaged.runtime.speculative import SpeculativeConfig
-
-            speculative_config = SpeculativeConfig.parse(speculative_config).to_dict()
+        if rounds < 1:
+            raise ValueError(f"--rounds: must be >= 1, got {rounds}")
     except (ValueError, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from exc
     report = run_throughput_bench(engine, requests, baseline, hf_batch_size, no_prefix_caching_row, engine2, progress,
-                                  speculative_config, sequential)  # fmt: skip
+                                  rounds)
     if profile:
         from trtpaged.bench.step_profile import run_step_profile
 
@@ -315,3 +385,13 @@ def throughput(engine, trace, num_requests, baseline, hf_batch_size, no_prefix_c
         from trtpaged.bench.step_profile import format_step_profile
 
         click.echo("\n" + format_step_profile(report["profile"]))
+
+
+def multi_turn_spec(multi_turn: str, output_len: str, system_words: int, user_words: int, think_time: float):
+    """The --multi-turn options as a MultiTurnSpec (the reply length: --output-len's lower bound)."""
+    from trtpaged.bench.multi_turn import MultiTurnSpec, parse_multi_turn
+    from trtpaged.bench.workload import parse_range
+
+    conversations, turns = parse_multi_turn(multi_turn)
+    return MultiTurnSpec(conversations, turns, system_words, user_words, parse_range(output_len, "--output-len")[0],
+                         think_time)

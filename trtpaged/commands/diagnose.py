@@ -62,8 +62,11 @@ def _kv_from_config(path: str):
 @click.option("--step-time", type=float, default=None,
               help="Seconds per engine step for a log whose arrivals are seconds (default: the median of its lines' "
                    "step_time_s, as `trtpaged serve --request-log` writes).")
+@click.option("--kv-tier-blocks", default=None, metavar="N[,N..]",
+              help="Also: what KV tiers of N blocks below the pool would buy the log (prefix hit rate, tokens "
+                   "computed; 'unbounded' too).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def command(log, engine, config_path, metrics_url, metrics_samples, step_time, as_json) -> None:
+def command(log, engine, config_path, metrics_url, metrics_samples, step_time, kv_tier_blocks, as_json) -> None:
     """What paged KV and sharing buy the workload in LOG (JSON Lines request log), with numbers.
 
     Log lines: {"prompt": text | "prompt_token_ids": [...] | "prompt_len": N, "output_len": N,
@@ -78,6 +81,9 @@ def command(log, engine, config_path, metrics_url, metrics_samples, step_time, a
     if bool(engine) == bool(config_path):
         raise click.UsageError("give exactly one of --engine DIR or --config model.yaml")
     try:
+        from trtpaged.bench.memory_bench import parse_tier_blocks
+
+        tier_sizes = parse_tier_blocks(kv_tier_blocks) if kv_tier_blocks is not None else None
         kv, tokenize, vocab = _kv_from_engine(engine) if engine else _kv_from_config(config_path)
         data = read_request_log(log, tokenize, vocab, step_time=step_time)
     except ValueError as exc:
@@ -91,7 +97,7 @@ def command(log, engine, config_path, metrics_url, metrics_samples, step_time, a
         except OSError as exc:
             raise click.ClickException(f"--metrics: cannot read {metrics_url}: {exc}") from exc
     report = diagnose(data.trace, data.prompts, kv, metrics, progress=lambda m: click.echo(f"  replaying: {m}", err=True),
-                      log=data)  # fmt: skip
+                      log=data, tier_blocks=tier_sizes)  # fmt: skip
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:

@@ -50,6 +50,9 @@ def command(engine_dir: Path, avg_len: int | None, memory: str | None, as_json: 
     weight_bytes = _weight_bytes(engine_dir, manifest)
     for line in _manifest_lines(manifest, weight_bytes):
         click.echo(line)
+    if manifest.quantization:
+        click.echo(f"  weights on a CUDA GPU (torch backend, still quantized): "
+                   f"{format_bytes(_cuda_weight_bytes(engine_dir, manifest))}")
     how = ("sha256 of every file" if verified.method == "sha256" else
            "unchanged since verified (stamp; --verify hashes again)")
     click.echo(f"verified: {verified.files} files, {format_bytes(verified.bytes)}: {how} ({seconds:.2f}s)")
@@ -66,6 +69,16 @@ def _weight_bytes(engine_dir: Path, manifest) -> int:
         return int(manifest.quantization["weight_bytes"])
     path = engine_dir / manifest.weights_file  # rank 0's shard: what one device holds
     return path.stat().st_size if path.is_file() else 0
+
+
+def _cuda_weight_bytes(engine_dir: Path, manifest) -> int:
+    """Rank 0's weight bytes as the torch backend holds them on a CUDA device (models/qlinear_cuda.py)."""
+    from trtpaged.engine_files import read_safetensors_header
+    from trtpaged.models.loading import quant_plan
+    from trtpaged.models.qlinear_cuda import cuda_weight_bytes
+
+    header = read_safetensors_header(engine_dir / manifest.rank_files(0)["weights_file"])
+    return cuda_weight_bytes(header, quant_plan(engine_dir, manifest))
 
 
 def _weights_line(m, weight_bytes: int) -> str:

@@ -45,6 +45,13 @@ from trtpaged.manifest import BACKENDS
               help='Speculative decoding, a JSON object, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                    "(fields: method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, "
                    "disable_by_batch_size; docs/speculative.md).")
+@click.option("--kv-host-memory", default=None, metavar="SIZE",
+              help="KV tier: host memory for prefix blocks the pool evicts, e.g. 8GiB (docs/kv_tiers.md).")
+@click.option("--kv-disk-path", type=click.Path(file_okay=False), default=None,
+              help="KV tier: a directory for prefix blocks, kept across restarts (with --kv-disk-size).")
+@click.option("--kv-disk-size", default=None, metavar="SIZE", help="KV tier: the disk directory's bound, e.g. 100GiB.")
+@click.option("--kv-remote", default=None, metavar="URL",
+              help="KV tier: a Redis server shared by replicas, redis://HOST:PORT[/DB].")
 @click.option("--request-log", type=click.Path(dir_okay=False), default=None,
               help="Append one JSON line per finished request to this file (arrival s, lengths, n, beam width, prefix "
                    "hits, finish reasons, latencies, step time): what `trtpaged diagnose` reads.")
@@ -52,7 +59,8 @@ from trtpaged.manifest import BACKENDS
               help="With --request-log: also log each prompt's token ids (off by default: prompts may be private).")
 def command(engine, host, port, served_model_name, api_key, max_waiting, request_timeout, shutdown_timeout,
             max_body_bytes, max_prompt_tokens, max_batch_size, max_num_tokens, max_seq_len, kv_blocks, backend,
-            device, tensor_parallel_size, speculative_config, request_log, request_log_prompts) -> None:  # fmt: skip
+            device, tensor_parallel_size, speculative_config, kv_host_memory, kv_disk_path, kv_disk_size, kv_remote,
+            request_log, request_log_prompts) -> None:  # fmt: skip
     """Serve ENGINE over /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics."""
     from trtpaged.server import ServerOptions, start_server
 
@@ -74,6 +82,7 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
             engine, host=host, port=port, served_model_name=served_model_name, options=options, backend=backend,
             device=device, num_kv_blocks=kv_blocks, max_num_tokens=max_num_tokens, max_batch_size=max_batch_size,
             max_seq_len=max_seq_len, tensor_parallel=tensor_parallel_size, speculative_config=speculative_config,
+            kv_tiers=tier_options(kv_host_memory, kv_disk_path, kv_disk_size, kv_remote),
         )  # fmt: skip
     except (ValueError, FileNotFoundError, OSError, FatalEngineError) as e:
         raise click.ClickException(str(e)) from None
@@ -92,3 +101,15 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
     click.echo(f"trtpaged serve: draining (up to {shutdown_timeout:g} s), then stopping", err=True)
     handle.shutdown()
     click.echo("trtpaged serve: stopped", err=True)
+
+
+def tier_options(host_memory, disk_path, disk_size, remote):
+    """The `--kv-*` flags as LLM(kv_tiers=...), None when none is given (checked by KVTierConfig.parse)."""
+    spec = {}
+    if host_memory is not None:
+        spec["host_memory"] = host_memory
+    if disk_path is not None or disk_size is not None:
+        spec["disk"] = {k: v for k, v in (("path", disk_path), ("size", disk_size)) if v is not None}
+    if remote is not None:
+        spec["remote"] = remote
+    return spec or None

@@ -33,7 +33,9 @@ from trtpaged.kernels.isa import (
     ATTENTION_PATH_OF_ISA,
     CPU_ISAS,
     attention_cpu_path,
+    best_cpu_isa,
     cpu_isa,
+    describe_cpu_isa,
     set_cpu_isa,
 )
 from trtpaged.kernels.layers import LlamaLayers, has_llama_layers
@@ -50,8 +52,8 @@ from trtpaged.kernels.sampling import greedy_rows, has_greedy_rows
 __all__ = [
     "ATTENTION_CPU_PATHS", "ATTENTION_PATH_OF_ISA", "BUILD_HINT", "CPU_ISAS", "LIBRARY_NAME",
     "QLINEAR_FLOAT_ACTIVATIONS", "QLINEAR_INT8_ACTIVATIONS", "AttentionStep", "KernelError",
-    "KernelLibraryNotFound", "LlamaLayers", "Pairs", "QLinearOp", "attention_cpu_path", "available", "copy_blocks",
-    "cpu_isa", "cuda_archs", "greedy_rows", "has_cuda", "has_fused_ops", "has_greedy_rows", "has_llama_layers",
+    "KernelLibraryNotFound", "LlamaLayers", "Pairs", "QLinearOp", "attention_cpu_path", "available",
+    "best_cpu_isa", "copy_blocks", "cpu_isa", "cuda_archs", "describe_cpu_isa", "greedy_rows", "has_cuda", "has_fused_ops", "has_greedy_rows", "has_llama_layers",
     "library", "library_candidates", "paged_attention", "qlinear", "qlinear_pack", "qlinear_packed_bytes",
     "rmsnorm", "rope_qk", "set_cpu_isa", "silu_mul", "swap_blocks", "version",
 ]  # fmt: skip

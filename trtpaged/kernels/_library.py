@@ -140,10 +140,11 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn.restype = ctypes.c_int
     lib.trtpaged_cpu_isa.restype = ctypes.c_char_p
     lib.trtpaged_cpu_isa.argtypes = []
-    attention_path = getattr(lib, "trtpaged_attention_cpu_path", None)  # an older library lacks it
-    if attention_path is not None:
-        attention_path.restype = ctypes.c_char_p
-        attention_path.argtypes = []
+    for name in ("trtpaged_attention_cpu_path", "trtpaged_best_cpu_isa"):
+        fn = getattr(lib, name, None)  # an older library lacks them
+        if fn is not None:
+            fn.restype = ctypes.c_char_p
+            fn.argtypes = []
     fused_signatures = {
         "trtpaged_rmsnorm_cpu": [vp, vp, vp, ctypes.c_float, i64, i64, vp, vp],
         "trtpaged_rope_qk_cpu": [vp, i64, i32, i32, i32, vp, vp, vp, vp, vp],

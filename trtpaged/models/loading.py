@@ -92,7 +92,7 @@ _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat1
                        torch.bool: "BOOL"}
 
 
-def _quant_plan(engine_dir: Path, manifest: Manifest) -> QuantPlan:
+def quant_plan(engine_dir: Path, manifest: Manifest) -> QuantPlan:
     """manifest.quantization.modules as {module: (bits, group_size)}, each checked; raises EngineDirError."""
     from trtpaged.config import GROUP_SIZES
 
@@ -122,7 +122,7 @@ def check_weights(engine_dir: Path, manifest: Manifest, rank: int = 0) -> dict[s
     if not path.is_file():
         raise EngineDirError(path, field, "missing; rebuild the engine")
     header = read_safetensors_header(path, field)
-    plan = shard_plan(_quant_plan(engine_dir, manifest), manifest.dims, n)
+    plan = shard_plan(quant_plan(engine_dir, manifest), manifest.dims, n)
     try:
         with torch.device("meta"):
             model = LlamaStepModel(shard_dims(manifest.dims, n), TORCH_DTYPES[manifest.dtype], quant=plan)
@@ -179,9 +179,13 @@ def load_step_model(engine_dir: str | Path, device: str | torch.device = "cpu",
     rank = reduce.rank if reduce is not None else 0
     state = checked_weights(engine_dir, manifest, rank)
     state = {k: v.to(device) for k, v in state.items()} if str(device) != "cpu" else state
-    plan = shard_plan(_quant_plan(engine_dir, manifest), manifest.dims, n)
+    plan = shard_plan(quant_plan(engine_dir, manifest), manifest.dims, n)
     model = with_weights(shard_dims(manifest.dims, n), TORCH_DTYPES[manifest.dtype], state, device, plan,
                          reduce if n > 1 else None)
     if plan:
         set_activations(model, manifest.quantization.get("activations", "int8"))
+        if torch.device(device).type == "cuda":  # weights stay quantized on the GPU (models/qlinear_cuda.py)
+            from trtpaged.models.qlinear import prepare_cuda
+
+            prepare_cuda(model)
     return model, manifest

@@ -9,9 +9,12 @@ ONNX graph carry the quantized form. Three ways to run:
   float32 (weight-only proper, W4A16/W8A16: as accurate as F.linear on the
   de-quantized weight), "int8" quantizes x per 32 inputs on the fly for
   integer dot products (W4A8, llama.cpp's way: faster, less accurate);
-- eager elsewhere, or where the library lacks the kernels: a de-quantized
-  float copy of the weight, made once, and `F.linear` (full-precision
-  activations; no memory saving);
+- eager on a CUDA device: the weight stays quantized there (models/qlinear_cuda.py:
+  int4 through PyTorch's int4 weight-only GEMM, int8 de-quantized per call), packed
+  at load (`prepare_cuda`) or at the first call;
+- eager elsewhere (CPU with another dtype), or where the library lacks the kernels:
+  a de-quantized float copy of the weight, made once, and `F.linear`
+  (full-precision activations; no memory saving);
 - ONNX export: not these modules; the builder turns them into the TensorRT
   graph's forms first (builder/tensorrt_graph.py: signed int4 blocks, int8 per
   channel, a float embedding table), since this layout (uint4 codes, group 32,
@@ -76,7 +79,24 @@ def uses_int8_activations(model: nn.Module) -> bool:
     activations "int8"); False where they compute with float activations."""
     linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     return bool(linears) and _cpu_kernels() is not None and all(
-        m.codes.device.type == "cpu" and m.in_features % 32 == 0 and m.activations == "int8" for m in linears)
+        m.codes.device.type == "cpu" and m.cuda_op is None and m.in_features % 32 == 0 and m.activations == "int8"
+        for m in linears)
+
+
+def prepare_cuda(model: nn.Module) -> int:
+    """Packs every quantized linear of a model on a CUDA device for its CUDA op now (not at the first step), so
+    that memory is what serving holds before the KV pool is sized; returns the weights' device bytes."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear) and module.codes.is_cuda:
+            module.make_cuda_op(module.codes.device)
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear) and module.cuda_op is not None:
+            total += module.cuda_op.device_bytes()
+    skip = {id(t) for m in model.modules() if isinstance(m, QuantizedLinear) and m.cuda_op is not None
+            for t in (m.codes, m.scales, m.offsets, m.bias) if t is not None}
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers()) if t.is_cuda and id(t) not in skip}
+    return total + sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 class QuantizedLinear(nn.Module):
@@ -95,7 +115,9 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("scales", torch.empty(out_features, groups, dtype=torch.float32))
         self.register_buffer("offsets", torch.empty(out_features, groups, dtype=torch.float32) if bits == 4 else None)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+        self._compute_dtype = dtype
         self._op: Optional[Any] = None  # kernels.QLinearOp over the packed weight, made at first CPU call
+        self.cuda_op: Optional[Any] = None  # qlinear_cuda's op, made at load on a CUDA device (or first call)
         self._dense: Optional[torch.Tensor] = None
         self.activations = "int8"  # how the CPU kernels treat x: "float" or "int8" (set_activations)
 
@@ -111,7 +133,7 @@ class QuantizedLinear(nn.Module):
         if bias is not None:
             self.bias = nn.Parameter(bias.detach().to(self.bias.dtype if self.bias is not None else bias.dtype),
                                      requires_grad=False)
-        self._op = self._dense = None
+        self._op = self._dense = self.cuda_op = None
 
     @property
     def weight_q(self) -> QuantizedWeight:
@@ -124,6 +146,9 @@ class QuantizedLinear(nn.Module):
         if torch.compiler.is_exporting():
             raise RuntimeError(f"{self.extra_repr()}: export the TensorRT graph form (builder.tensorrt_graph."
                                "to_tensorrt_graph), not the engine layout")
+        if x.is_cuda:
+            op = self.cuda_op if self.cuda_op is not None else self.make_cuda_op(x.device)
+            return op(x)
         if x.is_cpu and x.dtype is torch.float32 and self.in_features % 32 == 0:
             op = self._op if self._op is not None else self._make_op()
             if op is not None:
@@ -132,6 +157,19 @@ class QuantizedLinear(nn.Module):
         if self._dense is None:
             self._dense = self.weight_q.dequantize(x.dtype)
         return F.linear(x, self._dense, self.bias)
+
+    def make_cuda_op(self, device: torch.device) -> Any:
+        """The op this module runs on `device` (models/qlinear_cuda.py), made once. Where it holds the weight
+        in its own layout (int4: the kernel's packing), the engine layout's codes and scales move to the host
+        (kept for state_dict and the de-quantized reference), so the device holds one copy."""
+        from trtpaged.models.qlinear_cuda import Int4TinyGemmOp, make_cuda_op
+
+        dtype = self.bias.dtype if self.bias is not None else self._compute_dtype
+        self.cuda_op = make_cuda_op(self.weight_q, self.bias.detach() if self.bias is not None else None,
+                                    torch.device(device), dtype)
+        if isinstance(self.cuda_op, Int4TinyGemmOp):
+            self.codes, self.scales, self.offsets = self.codes.cpu(), self.scales.cpu(), self.offsets.cpu()
+        return self.cuda_op
 
     def cpu_op(self) -> Optional[Any]:
         """The kernels.QLinearOp this module runs on the CPU (packed at first use), or None where the

@@ -144,6 +144,8 @@ class BlockPool:
         self._num_shared_refs = 0  # references beyond the first on used blocks
         self.peak_used = 0  # most blocks in use at once
         self.peak_shared_refs = 0  # most blocks saved by sharing at once
+        # Called with a cached block just before its content is dropped for reuse (write-back to the tiers).
+        self.on_evict: Optional[Callable[[KVBlock], None]] = None
 
     @property
     def num_free(self) -> int:
@@ -219,6 +221,8 @@ class BlockPool:
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
             return
+        if self.on_evict is not None:
+            self.on_evict(block)
         bucket = self._cache[block.block_hash]
         del bucket[block.block_id]
         if not bucket:

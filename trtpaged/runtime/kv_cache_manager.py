@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence as Seq
+from typing import Iterable, Optional, Sequence as Seq, Union
 
 from trtpaged.runtime.block_pool import BlockPool, HashFn, KVBlock, chain_hash
+from trtpaged.runtime.kv_tiers.entry import ROOT, chain_key
+from trtpaged.runtime.kv_tiers.stack import BlockRecord, TierHit, TierStack
 from trtpaged.runtime.sequence import Sequence
 
-# One allocation request: the sequence, how many tokens it computes this step, its prefix-cache hits.
-AllocRequest = tuple[Sequence, int, Seq[KVBlock]]
+# A prefix hit: a cached pool block, or a block found in a tier below the pool (loaded into a fresh block).
+PrefixHit = Union[KVBlock, TierHit]
+# One allocation request: the sequence, how many tokens it computes this step, its prefix hits.
+AllocRequest = tuple[Sequence, int, Seq[PrefixHit]]
+# A write-back: the evicted block's record and where its bytes are (a pool block id, or a load not yet applied).
+TierSave = tuple[BlockRecord, Union[int, bytes]]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -23,7 +29,7 @@ class AllocationPlan:
     requests: tuple[AllocRequest, ...]
     copy_last: tuple[bool, ...]  # per request: copy its shared last block before writing (copy-on-write)
     new_blocks: tuple[int, ...]  # per request: blocks appended to its table
-    num_blocks: int  # free-queue blocks consumed: copies + new blocks + cache hits now in the free queue
+    num_blocks: int  # free-queue blocks consumed: copies + new blocks + cache hits now in the free queue + tier loads
 
 
 class KVCacheManager:
@@ -44,6 +50,7 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         num_host_blocks: int = 0,
         hash_fn: HashFn = chain_hash,
+        tiers: Optional[TierStack] = None,
     ) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching, hash_fn=hash_fn)
@@ -53,19 +60,33 @@ class KVCacheManager:
         self._hashes: dict[int, list[int]] = {}  # chain hashes of each sequence's leading full blocks
         self.prefix_queries_tokens = 0
         self.prefix_hits_tokens = 0
+        # Tiers below the pool (kv_tiers/): each cached block's record, sequences' tier keys, transfers to run.
+        self.tiers = tiers if enable_prefix_caching else None
+        self.tier_hits_tokens = 0
+        self._records: dict[int, BlockRecord] = {}  # block_id -> record, while the block is cached
+        self._tier_keys: dict[int, list[bytes]] = {}  # seq_id -> tier keys of its leading full blocks
+        self._staged: dict[int, dict[int, TierHit]] = {}  # seq_id -> block index -> hit fetched while it waits
+        self._pending_saves: list[TierSave] = []
+        self._pending_loads: dict[int, bytes] = {}  # block_id -> bytes to write before the step
+        if self.tiers is not None:
+            self.pool.on_evict = self._on_evict
 
     # ---- prefix cache -------------------------------------------------------------------------
-    def find_cached_prefix(self, seq: Sequence) -> list[KVBlock]:
-        """Longest run of cached full blocks matching the sequence's tokens.
+    def find_cached_prefix(self, seq: Sequence) -> list[PrefixHit]:
+        """Longest run of full blocks matching the sequence's tokens: cached pool blocks, then
+        blocks found in the tiers below the pool (when there are tiers).
 
         Never covers the last token: its logits are needed, so it is always computed.
+        A tier lookup reads the entry now (synchronously) and keeps it with the waiting
+        sequence, so a request that waits several steps reads it once.
         """
         if not self.pool.enable_caching or seq.seq_id in self.tables:
             return []
         bs = self.block_size
-        hits: list[KVBlock] = []
+        hits: list[PrefixHit] = []
         parent, prev_hash = None, None
-        for j in range((len(seq.token_ids) - 1) // bs):
+        num_full = (len(seq.token_ids) - 1) // bs
+        for j in range(num_full):
             tokens = tuple(seq.token_ids[j * bs : (j + 1) * bs])
             h = self.pool.hash_fn(prev_hash, tokens)
             block = self.pool.lookup(h, tokens, parent)
@@ -73,7 +94,33 @@ class KVCacheManager:
                 break
             hits.append(block)
             parent, prev_hash = block.ref, h
+        if self.tiers is not None and len(hits) < num_full:
+            hits += self._tier_hits(seq, hits, num_full)
         return hits
+
+    def _tier_hits(self, seq: Sequence, pool_hits: list[PrefixHit], num_full: int) -> list[TierHit]:
+        assert self.tiers is not None
+        bs, fp = self.block_size, self.tiers.fingerprint
+        parent = ROOT
+        if pool_hits:
+            last = self._records.get(pool_hits[-1].block_id)  # type: ignore[union-attr]
+            if last is None:  # cached before the tiers knew it: no key to continue the chain from
+                return []
+            parent = last.key
+        staged = self._staged.setdefault(seq.seq_id, {})
+        out: list[TierHit] = []
+        for j in range(len(pool_hits), num_full):
+            tokens = tuple(seq.token_ids[j * bs : (j + 1) * bs])
+            record = BlockRecord(chain_key(fp, parent, tokens), parent, tokens)
+            hit = staged.get(j)
+            if hit is None or hit.record != record:
+                found = self.tiers.lookup(record)
+                if found is None:
+                    break
+                hit = staged[j] = TierHit(j, record, *found)
+            out.append(hit)
+            parent = record.key
+        return out
 
     # ---- check, then commit -------------------------------------------------------------------
     def plan_allocation(self, requests: Seq[AllocRequest]) -> AllocationPlan:
@@ -87,10 +134,12 @@ class KVCacheManager:
         reclaimed: set[int] = set()  # cache hits that sit in the free queue now
         copies: list[bool] = []
         new_blocks: list[int] = []
+        loads = 0
         for seq, num_tokens, hits in requests:
             copy, new = False, 0
             if hits:
-                reclaimed.update(b.block_id for b in hits if b.ref_cnt == 0)
+                reclaimed.update(b.block_id for b in hits if isinstance(b, KVBlock) and b.ref_cnt == 0)
+                loads += sum(isinstance(b, TierHit) for b in hits)
                 start, table_len = len(hits) * bs, len(hits)
             else:
                 table = self.tables.get(seq.seq_id, [])
@@ -105,7 +154,7 @@ class KVCacheManager:
                 new = max(0, _cdiv(start + num_tokens, bs) - table_len)
             copies.append(copy)
             new_blocks.append(new)
-        total = sum(copies) + sum(new_blocks) + len(reclaimed)
+        total = sum(copies) + sum(new_blocks) + len(reclaimed) + loads
         return AllocationPlan(tuple(requests), tuple(copies), tuple(new_blocks), total)
 
     def allocate(self, plan: AllocationPlan) -> list[tuple[int, int]]:
@@ -119,6 +168,9 @@ class KVCacheManager:
         for seq, _, hits in plan.requests:  # take every hit off the free queue before anything is evicted
             if hits:
                 self._adopt_hits(seq, hits)
+        for seq, _, hits in plan.requests:
+            if hits and isinstance(hits[-1], TierHit):
+                self._load_tier_hits(seq, [h for h in hits if isinstance(h, TierHit)])
         copies: list[tuple[int, int]] = []
         for (seq, _, _), copy, new in zip(plan.requests, plan.copy_last, plan.new_blocks):
             table = self.tables.setdefault(seq.seq_id, [])
@@ -133,14 +185,52 @@ class KVCacheManager:
                 table.extend(self.pool.allocate(new))
         return copies
 
-    def _adopt_hits(self, seq: Sequence, hits: Seq[KVBlock]) -> None:
+    def _adopt_hits(self, seq: Sequence, hits: Seq[PrefixHit]) -> None:
         if seq.seq_id in self.tables:
             raise RuntimeError(f"sequence {seq.seq_id}: cache hits for a sequence that already has blocks")
-        hashes = [b.block_hash for b in hits]
-        self.pool.touch(hits)
-        self.tables[seq.seq_id] = list(hits)
+        blocks = [b for b in hits if isinstance(b, KVBlock)]
+        hashes = [b.block_hash for b in blocks]
+        self.pool.touch(blocks)
+        self.tables[seq.seq_id] = list(blocks)
         self._hashes[seq.seq_id] = [h for h in hashes if h is not None]
+        if self.tiers is not None:
+            self._tier_keys[seq.seq_id] = [self._records[b.block_id].key for b in blocks]
         self.prefix_hits_tokens += len(hits) * self.block_size
+
+    def _load_tier_hits(self, seq: Sequence, hits: Seq[TierHit]) -> None:
+        """Fresh blocks for tier hits, cached at once (their bytes are written before the step runs)."""
+        assert self.tiers is not None
+        table, hashes, keys = self.tables[seq.seq_id], self._hashes[seq.seq_id], self._tier_keys[seq.seq_id]
+        for hit, block in zip(hits, self.pool.allocate(len(hits))):
+            tokens = hit.record.tokens
+            h = self.pool.hash_fn(hashes[-1] if hashes else None, tokens)
+            if self.pool.cache(block, h, tokens, table[-1].ref if table else None):
+                self._records[block.block_id] = hit.record
+            self._pending_loads[block.block_id] = hit.payload
+            table.append(block)
+            hashes.append(h)
+            keys.append(hit.record.key)
+        self._staged.pop(seq.seq_id, None)
+        self.tiers.num_loads += len(hits)
+        self.tier_hits_tokens += len(hits) * self.block_size
+
+    def _on_evict(self, block: KVBlock) -> None:
+        record = self._records.pop(block.block_id, None)
+        if record is None:
+            return
+        pending = self._pending_loads.pop(block.block_id, None)  # loaded this step, evicted before it ran
+        self._pending_saves.append((record, block.block_id if pending is None else pending))
+
+    def take_tier_transfers(self) -> tuple[list[TierSave], list[tuple[int, bytes]]]:
+        """The write-backs of blocks evicted since the last call and the tier loads to apply, in that order:
+        the saves read the blocks' old bytes before anything (a load, a swap-in, the step) overwrites them."""
+        saves, loads = self._pending_saves, list(self._pending_loads.items())
+        self._pending_saves, self._pending_loads = [], {}
+        return saves, loads
+
+    def cached_records(self) -> list[tuple[BlockRecord, int]]:
+        """Every block in the pool's prefix cache with its record (for a write-back of the whole cache)."""
+        return [(record, block_id) for block_id, record in self._records.items()]
 
     def note_prefix_query(self, seq: Sequence) -> None:
         """Counts an admitted sequence's prompt as looked up in the prefix cache."""
@@ -156,11 +246,18 @@ class KVCacheManager:
         if not self.pool.enable_caching or seq.seq_id not in self.tables:
             return
         bs, table, hashes = self.block_size, self.tables[seq.seq_id], self._hashes[seq.seq_id]
+        keys = self._tier_keys.setdefault(seq.seq_id, []) if self.tiers is not None else None
         for j in range(len(hashes), seq.num_computed_tokens // bs):
             tokens = tuple(seq.token_ids[j * bs : (j + 1) * bs])
             h = self.pool.hash_fn(hashes[-1] if hashes else None, tokens)
-            self.pool.cache(table[j], h, tokens, table[j - 1].ref if j else None)
+            cached = self.pool.cache(table[j], h, tokens, table[j - 1].ref if j else None)
             hashes.append(h)
+            if keys is not None:
+                parent = keys[-1] if keys else ROOT
+                record = BlockRecord(chain_key(self.tiers.fingerprint, parent, tokens), parent, tokens)
+                keys.append(record.key)
+                if cached:
+                    self._records[table[j].block_id] = record
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent (copy-on-write on its next write)."""
@@ -168,6 +265,8 @@ class KVCacheManager:
         self.pool.touch(table)
         self.tables[child.seq_id] = list(table)
         self._hashes[child.seq_id] = list(self._hashes.get(parent.seq_id, []))
+        if parent.seq_id in self._tier_keys:
+            self._tier_keys[child.seq_id] = list(self._tier_keys[parent.seq_id])
 
     def free(self, seq: Sequence) -> None:
         """Returns the sequence's blocks (device and host), tail first so shared prefixes are evicted last."""
@@ -178,6 +277,8 @@ class KVCacheManager:
         if host and self.host_pool is not None:
             self.host_pool.free(host[::-1])
         self._hashes.pop(seq.seq_id, None)
+        self._tier_keys.pop(seq.seq_id, None)
+        self._staged.pop(seq.seq_id, None)
 
     def truncate(self, seq: Sequence) -> int:
         """Frees the table's blocks past the sequence's computed tokens (tail first); returns how many.
@@ -245,6 +346,8 @@ class KVCacheManager:
                 filled[block.block_id] = max(filled.get(block.block_id, 0), f)
         used = self.pool.num_used
         tokens = sum(filled.values())
+        tiers = {} if self.tiers is None else {"prefix_cache_tier_hits_tokens": self.tier_hits_tokens,
+                                               **self.tiers.stats()}
         return {
             "kv_blocks_total": self.pool.num_blocks,
             "kv_blocks_used": used,
@@ -259,4 +362,5 @@ class KVCacheManager:
             "prefix_cache_queries_tokens": self.prefix_queries_tokens,
             "prefix_cache_hits_tokens": self.prefix_hits_tokens,
             "kv_evictions": self.pool.num_evictions,
+            **tiers,
         }

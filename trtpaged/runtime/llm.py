@@ -10,11 +10,14 @@ from typing import Any, Optional, Sequence as Seq, Union
 from trtpaged.engine_files import verify_engine_dir
 from trtpaged.manifest import EngineDirError, Manifest, engine_path, read_manifest
 from trtpaged.runtime.runners import load_runner, resolve_device, resolve_num_blocks
+from trtpaged.runtime.runners.base import pool_block_bytes
+from trtpaged.runtime.kv_tiers.config import KVTierConfig, manifest_fingerprint
 from trtpaged.runtime.llm_engine import LLMEngine, Prompt
 from trtpaged.runtime.outputs import RequestOutput, RequestOutputKind
 from trtpaged.runtime.runtime_config import RuntimeConfig
 from trtpaged.runtime.sampling_params import SamplingParams
 from trtpaged.runtime.speculative import SpeculativeConfig
+from trtpaged.runtime.warmup import warm_up
 
 
 def _tightened(name: str, value: Optional[int], limit: int) -> int:
@@ -63,6 +66,16 @@ class LLM:
     (docs/speculative.md); greedy outputs are the same as without it. `stats()` then carries the
     spec_decode_* counters.
 
+    Before returning, the runner runs one warm-up step of the engine's largest shape (max_num_tokens
+    tokens, max_batch_size sequences; `warmup=False` skips it), so the first batch runs at the speed of
+    the next ones (trtpaged/runtime/warmup.py).
+
+    `kv_tiers` puts tiers below the KV pool (docs/kv_tiers.md): cached prefix blocks the pool evicts
+    are written back to host memory, a local disk directory and/or a Redis server, and a later
+    prompt with that prefix loads them instead of recomputing, e.g.
+    `kv_tiers={"host_memory": "1GiB", "disk": {"path": "/tmp/kv", "size": "10GiB"}}`.
+    `close()` writes the pool's cached prefixes to the tiers, so that a restart finds them on disk.
+
     The engine dir is untrusted input: its manifest, paths, file hashes (in full at the first load,
     `trtpaged.engine_files`), weights and tokenizer are checked before use. A dir that fails raises
     `EngineDirError` (`.path`, `.field`); a KV pool beyond the device's memory raises `KVBudgetError`.
@@ -83,8 +96,13 @@ class LLM:
         num_host_blocks: int = 0,
         tensor_parallel: Optional[int] = None,
         speculative_config: Union[None, str, dict, SpeculativeConfig] = None,
+        warmup: bool = True,
+        kv_tiers: Union[None, KVTierConfig, dict] = None,
     ) -> None:
         device = resolve_device(device)
+        tier_config = KVTierConfig.parse(kv_tiers)
+        if tier_config.enabled and not enable_prefix_caching:
+            raise ValueError("kv_tiers: needs enable_prefix_caching (the tiers hold prefix-cache blocks)")
         path = Path(engine)
         self.engine_dir = path.parent if path.is_file() else path
         self.manifest = read_manifest(self.engine_dir)
@@ -105,8 +123,21 @@ class LLM:
         self.tokenizer = load_tokenizer(self.engine_dir, self.manifest)
         runner = load_runner(self.engine_dir, self.manifest, num_blocks, backend, device, num_host_blocks,
                              self.manifest.tensor_parallel if tensor_parallel is None else tensor_parallel)
+        # Ready means ready: the first batch's one-off costs (scratch growth, first-touched pages, the
+        # LM head's packing, thread start) are paid here, in one step of the largest shape (runtime/warmup.py).
+        self.warmup_tokens = warm_up(runner, self.config) if warmup else 0
         eos = list(self.manifest.eos_token_ids) or ([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
-        self.engine = LLMEngine(runner, self.config, self.tokenizer, eos, self.manifest.dims.vocab_size)
+        tiers = None
+        if tier_config.enabled:  # an entry holds one block of every tensor-parallel rank, rank 0's first
+            pool = runner.kv_cache  # type: ignore[attr-defined]
+            ranks = self.manifest.tensor_parallel
+            fingerprint = manifest_fingerprint(self.manifest, tuple(pool.shape[1:]), str(pool.dtype))
+            try:
+                tiers = tier_config.build(fingerprint, ranks * pool_block_bytes(pool))
+            except BaseException:  # e.g. a disk path that cannot be written: stop the ranks started above
+                getattr(runner, "close", lambda: None)()
+                raise
+        self.engine = LLMEngine(runner, self.config, self.tokenizer, eos, self.manifest.dims.vocab_size, tiers)
         # Everything loaded so far lives as long as the engine: moved out of the cyclic collector's
         # sight, so that the collections a serving loop triggers stop walking it (they were 3% of a
         # decode-bound benchmark's CPU time; vLLM's engine does the same).
@@ -171,7 +202,8 @@ class LLM:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def close(self) -> None:
-        """Stops the other tensor-parallel ranks (nothing to do for one rank); idempotent."""
+        """Writes the cached prefixes to the KV tiers (if any), stops the other tensor-parallel ranks; idempotent."""
+        self.engine.close()
         close = getattr(self.engine.runner, "close", None)
         if close is not None:
             close()

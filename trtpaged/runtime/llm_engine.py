@@ -11,7 +11,8 @@ from trtpaged.errors import RequestError
 from trtpaged.runtime.batch_builder import build_step_batch
 from trtpaged.runtime.beam_search import BeamSearch
 from trtpaged.runtime.runners.base import ModelRunner
-from trtpaged.runtime.kv_cache_manager import KVCacheManager
+from trtpaged.runtime.kv_cache_manager import KVCacheManager, TierSave
+from trtpaged.runtime.kv_tiers.stack import TierStack
 from trtpaged.runtime.output_processor import OutputProcessor
 from trtpaged.runtime.outputs import RequestOutput
 from trtpaged.runtime.runtime_config import RuntimeConfig
@@ -41,7 +42,7 @@ class LLMEngine:
 
     def __init__(
         self, runner: ModelRunner, config: RuntimeConfig, tokenizer: Optional[Any] = None,
-        eos_token_ids: Seq[int] = (), vocab_size: Optional[int] = None,
+        eos_token_ids: Seq[int] = (), vocab_size: Optional[int] = None, tiers: Optional[TierStack] = None,
     ) -> None:  # fmt: skip
         if runner.num_blocks != config.num_blocks:
             raise ValueError(f"num_blocks: runner pool has {runner.num_blocks} blocks, config says {config.num_blocks}")
@@ -51,7 +52,7 @@ class LLMEngine:
         self.eos_token_ids = list(eos_token_ids)
         self.vocab_size = vocab_size  # token-id prompts are checked against it when known
         self.kv = KVCacheManager(
-            config.num_blocks, config.block_size, config.enable_prefix_caching, config.num_host_blocks
+            config.num_blocks, config.block_size, config.enable_prefix_caching, config.num_host_blocks, tiers=tiers
         )
         self.scheduler = Scheduler(config, self.kv, self.eos_token_ids)
         self.processor = OutputProcessor(tokenizer)
@@ -122,8 +123,11 @@ class LLMEngine:
     def run_scheduled(self, out: SchedulerOutput, clock: Optional[_PhaseClock] = None) -> list[RequestOutput]:
         """The rest of `step()` for a plan that `scheduler.schedule()` just returned."""
         clock = clock or _PhaseClock(self.phase_seconds)
+        self._save_to_tiers(out.tier_saves)  # before anything overwrites the evicted blocks
         self.runner.swap_out(out.swap_out)  # a preemption may move blocks even when nothing runs
         self.runner.swap_in(out.swap_in)
+        if out.tier_loads:
+            self.runner.write_blocks(out.tier_loads)
         touched = list(out.refused)
         if not out.is_empty:
             self.runner.copy_blocks(out.block_copies)
@@ -147,6 +151,33 @@ class LLMEngine:
                 self.groups.pop(group.request_id, None)
         clock.lap("output")
         return results
+
+    def _save_to_tiers(self, saves: Seq[TierSave], persistent_only: bool = False) -> None:
+        tiers = self.kv.tiers
+        if not saves or tiers is None:
+            return
+        ids = [where for _, where in saves if isinstance(where, int)]
+        read = iter(self.runner.read_blocks(ids))
+        tiers.save([(record, next(read) if isinstance(where, int) else where) for record, where in saves],
+                   persistent_only)
+
+    def flush_tiers(self) -> None:
+        """Writes every block still in the pool's prefix cache to the disk and remote tiers and waits for
+        the writer: what a restart should find (write-back otherwise saves a block only when the pool
+        evicts it; the host tier ends with this process, so it gets nothing here)."""
+        tiers = self.kv.tiers
+        if tiers is None or not tiers.has_persistent:
+            return
+        self._save_to_tiers(self.kv.cached_records(), persistent_only=True)
+        tiers.flush()
+
+    def close(self) -> None:
+        """Flushes the pool's cached prefixes to the tiers and closes them; idempotent."""
+        tiers = self.kv.tiers
+        if tiers is not None:
+            self.flush_tiers()
+            tiers.close()
+            self.kv.tiers = None
 
     def stats(self) -> dict[str, float]:
         """KV-cache (now and peak), sharing, prefix-cache and scheduling counters; speculative decoding's

@@ -19,7 +19,7 @@ from typing import Iterable, Mapping, Optional, Sequence as Seq, Union
 
 from trtpaged.errors import RequestError
 from trtpaged.runtime.beam_search import BeamStep
-from trtpaged.runtime.kv_cache_manager import AllocationPlan, AllocRequest, KVCacheManager
+from trtpaged.runtime.kv_cache_manager import AllocationPlan, AllocRequest, KVCacheManager, TierSave
 from trtpaged.runtime.runtime_config import RuntimeConfig
 from trtpaged.runtime.sampler import Run, SampleFailure
 from trtpaged.runtime.sampling_params import SamplingParams
@@ -88,7 +88,8 @@ def check_request(c: RuntimeConfig, num_prompt_tokens: int, params: SamplingPara
 
 @dataclass
 class SchedulerOutput:
-    """One step's plan. Block moves run in this order before the forward: swap out, swap in, copies."""
+    """One step's plan. Block moves run in this order before the forward: tier write-backs (read the
+    evicted blocks), swap out, swap in, tier loads, copies."""
 
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     sampled_groups: list[SequenceGroup] = field(default_factory=list)
@@ -96,6 +97,8 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
     refused: list[SequenceGroup] = field(default_factory=list)  # finished because the pool can never hold them
+    tier_saves: list[TierSave] = field(default_factory=list)  # evicted cached blocks to write back to the tiers
+    tier_loads: list[tuple[int, bytes]] = field(default_factory=list)  # (block, bytes) restored from a tier
 
     @property
     def num_tokens(self) -> int:
@@ -351,6 +354,7 @@ class Scheduler:
             if not self.swapped:
                 self._admit(budget, out, done)
         out.scheduled.sort(key=lambda s: s.num_tokens == 1)  # prefill chunks first, then decode tokens
+        out.tier_saves, out.tier_loads = self.kv.take_tier_transfers()
         return out
 
     def _plan(self, group: SequenceGroup, budget: list[int]) -> tuple[Optional[list[AllocRequest]], bool]:

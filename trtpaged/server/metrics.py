@@ -40,8 +40,25 @@ ENGINE_STATS: dict[str, tuple[str, str, str]] = {
     "spec_decode_num_drafts": ("spec_decode_num_drafts", "counter", "Speculative drafts verified (sequence-steps)."),
     "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "counter", "Speculative tokens proposed and verified."),
     "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "counter", "Speculative tokens accepted."),
+    "prefix_cache_tier_hits_tokens": ("prefix_cache_tier_hits", "counter",
+                                      "Prompt tokens restored from a KV tier below the pool (part of the hits)."),
+    "kv_tier_blocks_loaded": ("kv_tier_blocks_loaded", "counter", "Blocks restored into the pool from a KV tier."),
 }  # fmt: skip
 PER_POS = "spec_decode_num_accepted_tokens_per_pos"  # stats keys PER_POS + "_<i>": accepted at draft position i
+# Per-tier counters (`kv_tier_<tier>_<field>` in LLMEngine.stats()): one family each, labelled
+# tier="host|disk|remote".
+TIER_NAMES = ("host", "disk", "remote")
+TIER_STATS: dict[str, tuple[str, str]] = {
+    "hits": ("kv_tier_hits", "Block lookups answered by the tier with a verified entry."),
+    "misses": ("kv_tier_misses", "Block lookups the tier could not answer (absent, invalid or unreachable)."),
+    "invalid": ("kv_tier_invalid_entries", "Entries that failed their checks (truncated, corrupted, foreign engine)."),
+    "errors": ("kv_tier_errors", "Store operations that failed (timeouts, refused connections)."),
+    "bytes_read": ("kv_tier_read_bytes", "Bytes of entries read for lookups."),
+    "bytes_written": ("kv_tier_written_bytes", "Bytes of entries written back."),
+    "evictions": ("kv_tier_evictions", "Entries the tier dropped to stay within its size."),
+    "dropped": ("kv_tier_dropped_writes", "Write-backs given up (writer queue full or store failing)."),
+    "load_seconds": ("kv_tier_load_seconds", "Time spent reading entries for lookups."),
+}
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                    40.0, 80.0)  # fmt: skip
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
@@ -66,6 +83,13 @@ class _EngineStatsCollector(Collector):
             for pos, value in per_pos:
                 family.add_metric([str(pos)], float(value))
             yield family
+        for field, (name, help_text) in TIER_STATS.items():
+            tiers = [t for t in TIER_NAMES if f"kv_tier_{t}_{field}" in stats]
+            if tiers:
+                family = CounterMetricFamily(PREFIX + name, help_text, labels=["tier"])
+                for tier in tiers:
+                    family.add_metric([tier], float(stats[f"kv_tier_{tier}_{field}"]))
+                yield family
         total = stats.get("kv_blocks_total", 0)
         used = stats.get("kv_blocks_used", 0) / total if total else 0.0
         yield GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "KV-cache usage: blocks used / total (1 = 100%).", value=used)

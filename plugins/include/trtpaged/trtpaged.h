@@ -201,6 +201,9 @@ TRTPAGED_API trtpaged_status trtpaged_qlinear_cpu_ex(const float* x, int64_t m, 
  * "avx512vnni", "avxvnni", "avx2" or "scalar". Chosen at first use: the best the CPU supports, or
  * $TRTPAGED_CPU_ISA if lower. */
 TRTPAGED_API const char* trtpaged_cpu_isa(void);
+/* The best instruction set this CPU supports (what trtpaged_cpu_isa gives when nothing forces a
+ * lower one); same names. */
+TRTPAGED_API const char* trtpaged_best_cpu_isa(void);
 /* Forces the CPU kernels' instruction set (tests, comparisons); NULL or "" restores the
  * best. UNSUPPORTED if this CPU lacks it. Not to be called while a kernel runs. */
 TRTPAGED_API trtpaged_status trtpaged_set_cpu_isa(const char* name);

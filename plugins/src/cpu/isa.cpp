@@ -71,6 +71,8 @@ extern "C" {
 
 TRTPAGED_API const char* trtpaged_cpu_isa(void) { return trtpaged::cpu::kIsaNames[trtpaged::cpu::current_isa()]; }
 
+TRTPAGED_API const char* trtpaged_best_cpu_isa(void) { return trtpaged::cpu::kIsaNames[trtpaged::cpu::best_isa()]; }
+
 TRTPAGED_API const char* trtpaged_attention_cpu_path(void) {
   using namespace trtpaged::cpu;
   return kAttentionPathNames[attention_path(current_isa())];

@@ -89,7 +89,7 @@ nvinfer1::IPluginCapability* AllReducePlugin::getCapabilityInterface(nvinfer1::P
 }
 
 nvinfer1::IPluginV3* AllReducePlugin::clone() noexcept {
-  return guarded<nvinfer1::IPluginV3*>("clone", nullptr, [&] { return new AllReducePlugin(mFields); });
+  return guarded<nvinfer1::IPluginV3*>("clone", nullptr, [&] { return new AllReducePlugin(mFields, mPhase); });
 }
 
 char const* AllReducePlugin::getPluginName() const noexcept { return kAllReduceName; }
@@ -151,7 +151,7 @@ int32_t AllReducePlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
                                  void* const* outputs, void* /*workspace*/, cudaStream_t stream) noexcept {
   return guarded<int32_t>("enqueue", -1, [&] {
     size_t const count = element_count(inputDesc[0].dims);
-    if (count == 0) return 0;
+    if (count == 0 || mPhase == nvinfer1::TensorRTPhase::kBUILD) return 0;  // no collective while building
     nccl::comm_t const comm = communicator(mFields.rank, mFields.world_size);
     nccl::check(nccl::library().AllReduce(inputs[0], outputs[0], count, nccl_type(inputDesc[0].type), nccl::kSum,
                                           comm, stream),
@@ -161,7 +161,10 @@ int32_t AllReducePlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
 }
 
 nvinfer1::IPluginV3* AllReducePlugin::attachToContext(nvinfer1::IPluginResourceContext* /*context*/) noexcept {
-  return clone();  // the communicator is the process's (one rank per process)
+  // the runtime instance: it reduces (the communicator is the process's, one rank per process)
+  return guarded<nvinfer1::IPluginV3*>("attachToContext", nullptr, [&] {
+    return new AllReducePlugin(mFields, nvinfer1::TensorRTPhase::kRUNTIME);
+  });
 }
 
 PluginFieldCollection const* AllReducePlugin::getFieldsToSerialize() noexcept {
@@ -177,10 +180,10 @@ char const* AllReduceCreator::getPluginVersion() const noexcept { return kPlugin
 char const* AllReduceCreator::getPluginNamespace() const noexcept { return kPluginNamespace; }
 
 nvinfer1::IPluginV3* AllReduceCreator::createPlugin(char const* name, PluginFieldCollection const* fc,
-                                                    nvinfer1::TensorRTPhase /*phase*/) noexcept {
+                                                    nvinfer1::TensorRTPhase phase) noexcept {
   std::string const where = std::string("createPlugin(") + (name != nullptr ? name : "") + ")";
   return guarded<nvinfer1::IPluginV3*>(where.c_str(), nullptr,
-                                       [&] { return new AllReducePlugin(parse_allreduce_fields(fc)); });
+                                       [&] { return new AllReducePlugin(parse_allreduce_fields(fc), phase); });
 }
 
 }  // namespace trt

@@ -31,7 +31,11 @@ class AllReducePlugin : public nvinfer1::IPluginV3,
                         public nvinfer1::IPluginV3OneBuild,
                         public nvinfer1::IPluginV3OneRuntime {
  public:
-  explicit AllReducePlugin(AllReduceFields const& fields) : mFields(fields) {}
+  // phase: TensorRT's, from createPlugin. A build-phase instance never calls NCCL: TensorRT runs plugins while it
+  // times tactics, each rank's builder on its own, and a collective there would wait for ranks that are not
+  // running it (or pair with another rank's unrelated call). Its enqueue leaves the output as it is (timing runs'
+  // outputs are discarded); the runtime instance (deserialized, or attachToContext) reduces.
+  AllReducePlugin(AllReduceFields const& fields, nvinfer1::TensorRTPhase phase) : mFields(fields), mPhase(phase) {}
   ~AllReducePlugin() override = default;
 
   // IPluginV3
@@ -71,6 +75,7 @@ class AllReducePlugin : public nvinfer1::IPluginV3,
 
  private:
   AllReduceFields const mFields;
+  nvinfer1::TensorRTPhase const mPhase;
   std::vector<nvinfer1::PluginField> mSerialized;
   nvinfer1::PluginFieldCollection mCollection{};
 };

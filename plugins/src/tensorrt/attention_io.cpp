@@ -49,26 +49,46 @@ trtpaged_dtype kernel_dtype(DataType type, char const* what) {
   }
 }
 
-bool quantized(KvFormat format) { return format != KvFormat::kAuto; }
+bool quantized(KvFormat format) { return kv_format_quantized(format); }
+
+bool address(AttentionFields const& f) { return f.kv_pool == KvPool::kAddress; }
+
+// The float type a named format stores (kAuto: none).
+bool named_float(KvFormat format, DataType* type) {
+  switch (format) {
+    case KvFormat::kFloat32: *type = DataType::kFLOAT; return true;
+    case KvFormat::kFloat16: *type = DataType::kHALF; return true;
+    case KvFormat::kBFloat16: *type = DataType::kBF16; return true;
+    default: return false;
+  }
+}
+
+int64_t element_bytes(DataType type) { return type == DataType::kHALF || type == DataType::kBF16 ? 2 : 1; }
 
 }  // namespace
+
+int32_t output_count(AttentionFields const& f) noexcept { return address(f) ? 1 : kNbOutputs; }
 
 bool is_activation_type(DataType type) noexcept {
   return type == DataType::kFLOAT || type == DataType::kHALF || type == DataType::kBF16;
 }
 
-bool is_pool_type(KvFormat format, DataType type) noexcept {
-  return quantized(format) ? type == DataType::kINT8 : is_activation_type(type);
+bool is_pool_type(AttentionFields const& f, DataType type) noexcept {
+  if (address(f)) return type == DataType::kINT64;
+  if (quantized(f.kv_format)) return type == DataType::kINT8 || type == DataType::kUINT8 || type == DataType::kHALF;
+  DataType named{};
+  return named_float(f.kv_format, &named) ? type == named : is_activation_type(type);
 }
 
-void check_shapes(AttentionFields const& f, Dims const* in, int32_t nbInputs) {
+void check_shapes(AttentionFields const& f, Dims const* in, int32_t nbInputs, DataType pool_type) {
   if (nbInputs != kNbInputs) {
     throw std::invalid_argument(std::string(kPluginName) + ": expected 8 inputs, got " + std::to_string(nbInputs));
   }
   for (int32_t i = 0; i < kNbInputs; ++i) {
-    if (in[i].nbDims != kRanks[i]) {
+    int32_t const rank = i == kKvCache && address(f) ? 1 : kRanks[i];
+    if (in[i].nbDims != rank) {
       throw std::invalid_argument(std::string(kPluginName) + " input " + kInputNames[i] + " " + dims_str(in[i]) +
-                                  ": expected rank " + std::to_string(kRanks[i]));
+                                  ": expected rank " + std::to_string(rank));
     }
   }
   Dims const& q = in[kQ];
@@ -82,18 +102,23 @@ void check_shapes(AttentionFields const& f, Dims const* in, int32_t nbInputs) {
     expect(in[kv], kv, 1, f.num_kv_heads, "num_kv_heads");
     expect(in[kv], kv, 2, f.head_dim, "head_dim");
   }
-  expect(pool, kKvCache, 2, 2, "2 (K and V)");
-  expect(pool, kKvCache, 3, f.num_kv_heads, "num_kv_heads");
-  expect(pool, kKvCache, 4, f.block_size, "block_size");
-  if (quantized(f.kv_format)) {
-    expect(pool, kKvCache, 5, f.head_dim + 2,
-           (std::string("head_dim + 2 (a ") + kv_format_name(f.kv_format) + " row: codes, then its fp16 scale)").c_str());
+  if (address(f)) {
+    expect(pool, kKvCache, 0, 2, "2 (the pool's device address, num_blocks)");
   } else {
-    expect(pool, kKvCache, 5, f.head_dim, "head_dim");
-  }
-  if (pool.d[1] >= 0 && f.layer >= pool.d[1]) {
-    throw std::invalid_argument(std::string(kPluginName) + ": layer " + std::to_string(f.layer) +
-                                " is outside the pool's " + std::to_string(pool.d[1]) + " layers");
+    expect(pool, kKvCache, 2, 2, "2 (K and V)");
+    expect(pool, kKvCache, 3, f.num_kv_heads, "num_kv_heads");
+    expect(pool, kKvCache, 4, f.block_size, "block_size");
+    if (quantized(f.kv_format)) {  // head_dim + 2 bytes, as int8/uint8 or as fp16 pairs (head_dim is even)
+      expect(pool, kKvCache, 5, (f.head_dim + 2) / element_bytes(pool_type),
+             (std::string("(head_dim + 2) bytes (a ") + kv_format_name(f.kv_format) +
+              " row: codes, then its fp16 scale) in the pool type's elements").c_str());
+    } else {
+      expect(pool, kKvCache, 5, f.head_dim, "head_dim");
+    }
+    if (pool.d[1] >= 0 && f.layer >= pool.d[1]) {
+      throw std::invalid_argument(std::string(kPluginName) + ": layer " + std::to_string(f.layer) +
+                                  " is outside the pool's " + std::to_string(pool.d[1]) + " layers");
+    }
   }
   expect(in[kPositions], kPositions, 0, tokens, "num_tokens");
   expect(in[kQueryStart], kQueryStart, 0, seqs >= 0 ? seqs + 1 : -1, "num_seqs + 1");
@@ -108,22 +133,37 @@ trtpaged_attention_params make_params(AttentionFields const& f, Dims const* in, 
   p.num_heads = f.num_heads;
   p.num_kv_heads = f.num_kv_heads;
   p.head_dim = f.head_dim;
-  p.num_blocks = to_i32(in[kKvCache].d[0], "num_blocks");
-  p.num_layers = to_i32(in[kKvCache].d[1], "num_layers");
+  p.num_blocks = address(f) ? 1 : to_i32(in[kKvCache].d[0], "num_blocks");
+  p.num_layers = address(f) ? f.num_layers : to_i32(in[kKvCache].d[1], "num_layers");
   p.layer = f.layer;
   p.block_size = f.block_size;
   p.scale = f.scale;
   p.io_dtype = kernel_dtype(io_type, "q");
+  DataType named{};
+  if (!is_pool_type(f, kv_type)) {
+    throw std::invalid_argument(std::string(kPluginName) + ": kv_cache's type does not fit kv_dtype " +
+                                kv_format_name(f.kv_format) + " and kv_pool " + kv_pool_name(f.kv_pool));
+  }
   if (quantized(f.kv_format)) {
-    if (kv_type != DataType::kINT8) {
-      throw std::invalid_argument(std::string(kPluginName) + ": kv_cache must be int8 bytes for kv_dtype " +
-                                  kv_format_name(f.kv_format));
-    }
     p.kv_dtype = f.kv_format == KvFormat::kInt8 ? TRTPAGED_INT8 : TRTPAGED_FP8_E4M3;
+  } else if (named_float(f.kv_format, &named)) {
+    p.kv_dtype = kernel_dtype(named, "kv_dtype");
   } else {
     p.kv_dtype = kernel_dtype(kv_type, "kv_cache");
   }
   return p;
+}
+
+PoolAddress read_pool_address(AttentionFields const& f, void const* host_input) {
+  if (!address(f)) throw std::logic_error("read_pool_address: kv_pool is aliased");
+  if (host_input == nullptr) throw std::invalid_argument(std::string(kPluginName) + ": no kv_cache address tensor");
+  int64_t const* values = static_cast<int64_t const*>(host_input);
+  if (values[0] == 0) throw std::invalid_argument(std::string(kPluginName) + ": kv_cache address is null");
+  if (values[1] < 1 || values[1] > std::numeric_limits<int32_t>::max()) {
+    throw std::invalid_argument(std::string(kPluginName) + ": kv_cache num_blocks " + std::to_string(values[1]) +
+                                " is not in [1, 2^31)");
+  }
+  return {reinterpret_cast<void*>(static_cast<intptr_t>(values[0])), static_cast<int32_t>(values[1])};
 }
 
 int32_t max_context_len(AttentionFields const& f, Dims const& block_tables) {

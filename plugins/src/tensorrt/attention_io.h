@@ -19,28 +19,44 @@ enum Input : int32_t {
   kQ = 0,           // [num_tokens, num_heads, head_dim]
   kK = 1,           // [num_tokens, num_kv_heads, head_dim]
   kV = 2,           // [num_tokens, num_kv_heads, head_dim]
-  kKvCache = 3,     // [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim (+ 2 when quantized)]
+  kKvCache = 3,     // [num_blocks, num_layers, 2, num_kv_heads, block_size, row], row: head_dim, or head_dim + 2
+                    // bytes when quantized (in the pool type's elements); kv_pool address: int64 [2] on the host
   kPositions = 4,   // [num_tokens] int32
   kQueryStart = 5,  // [num_seqs + 1] int32
   kContextLens = 6, // [num_seqs] int32
   kBlockTables = 7, // [num_seqs, max_blocks_per_seq] int32
   kNbInputs = 8
 };
-// Outputs: out [num_tokens, num_heads, head_dim], and the pool aliased to input kKvCache.
+// Outputs: out [num_tokens, num_heads, head_dim], and (kv_pool aliased) the pool aliased to input kKvCache.
 enum Output : int32_t { kOut = 0, kKvCacheOut = 1, kNbOutputs = 2 };
+
+// The plugin's output count: 2 with an aliased pool, 1 (out) with the pool's address.
+int32_t output_count(AttentionFields const& f) noexcept;
 
 bool is_activation_type(nvinfer1::DataType type) noexcept;  // fp32, fp16 or bf16
 
-// The pool tensor type the plugin takes for a kv format: int8 bytes when quantized, else any activation type.
-bool is_pool_type(KvFormat format, nvinfer1::DataType type) noexcept;
+// The type input kKvCache may have: int64 (the address) for kv_pool address; else for a quantized format
+// int8, uint8 or fp16 (the row's bytes as those elements), for a named float format that type, for auto
+// any activation type.
+bool is_pool_type(AttentionFields const& f, nvinfer1::DataType type) noexcept;
 
 // Checks ranks and every known (non-negative) dimension against the fields and
-// each other; throws std::invalid_argument naming the tensor.
-void check_shapes(AttentionFields const& f, nvinfer1::Dims const* inputs, int32_t nbInputs);
+// each other; throws std::invalid_argument naming the tensor. pool_type: input kKvCache's type.
+void check_shapes(AttentionFields const& f, nvinfer1::Dims const* inputs, int32_t nbInputs,
+                  nvinfer1::DataType pool_type);
 
-// Kernel params of one call, from the resolved input shapes and types.
+// Kernel params of one call, from the resolved input shapes and types. With kv_pool address, num_blocks
+// is 1 here (enqueue sets it from the host tensor) and num_layers the field's.
 trtpaged_attention_params make_params(AttentionFields const& f, nvinfer1::Dims const* inputs,
                                       nvinfer1::DataType io_type, nvinfer1::DataType kv_type);
+
+// {device address, num_blocks} of the pool from kv_pool address's host tensor; throws std::invalid_argument
+// unless the address is set and num_blocks >= 1.
+struct PoolAddress {
+  void* pool;
+  int32_t num_blocks;
+};
+PoolAddress read_pool_address(AttentionFields const& f, void const* host_input);
 
 // Upper bound of context_lens: max_blocks_per_seq * block_size.
 int32_t max_context_len(AttentionFields const& f, nvinfer1::Dims const& block_tables);

@@ -18,7 +18,11 @@ using nvinfer1::PluginFieldType;
 constexpr char const* kIntFields[] = {"num_heads", "num_kv_heads", "head_dim", "block_size", "layer"};
 constexpr char const* kScale = "scale";
 constexpr char const* kWorkspace = "workspace_bytes";  // optional: absent in the ONNX node
-constexpr char const* kKvDtype = "kv_dtype";           // optional string: auto (absent), int8, fp8_e4m3
+constexpr char const* kKvDtype = "kv_dtype";           // optional string: auto (absent), int8, fp8_e4m3, ...
+constexpr char const* kKvPool = "kv_pool";             // optional string: aliased (absent), address
+constexpr char const* kNumLayers = "num_layers";       // optional int: required with kv_pool address
+constexpr KvFormat kFormats[] = {KvFormat::kAuto,    KvFormat::kInt8,    KvFormat::kFp8E4M3,
+                                 KvFormat::kFloat32, KvFormat::kFloat16, KvFormat::kBFloat16};
 
 int32_t* int_slot(AttentionFields& f, std::string const& name) {
   if (name == "num_heads") return &f.num_heads;
@@ -62,10 +66,18 @@ std::string read_string(PluginField const& field) {
 }
 
 KvFormat parse_kv_format(std::string const& name) {
-  for (KvFormat f : {KvFormat::kAuto, KvFormat::kInt8, KvFormat::kFp8E4M3}) {
+  for (KvFormat f : kFormats) {
     if (name == kv_format_name(f)) return f;
   }
-  throw field_error(kKvDtype, "\"" + name + "\" is not one of auto, int8, fp8_e4m3 (kv_cache_dtype of the build)");
+  throw field_error(kKvDtype, "\"" + name + "\" is not one of auto, int8, fp8_e4m3, float32, float16, bfloat16 "
+                              "(kv_cache_dtype of the build)");
+}
+
+KvPool parse_kv_pool(std::string const& name) {
+  for (KvPool p : {KvPool::kAliased, KvPool::kAddress}) {
+    if (name == kv_pool_name(p)) return p;
+  }
+  throw field_error(kKvPool, "\"" + name + "\" is not one of aliased, address (tensorrt.kv_pool of the build)");
 }
 
 void validate(AttentionFields const& f) {
@@ -83,6 +95,16 @@ void validate(AttentionFields const& f) {
   if (!block_ok) throw field_error("block_size", "must be 8, 16, 32, 64 or 128, got " + std::to_string(f.block_size));
   if (f.layer < 0) throw field_error("layer", "must be >= 0, got " + std::to_string(f.layer));
   if (!std::isfinite(f.scale) || f.scale <= 0.F) throw field_error("scale", "must be a finite number > 0");
+  if (f.kv_pool == KvPool::kAddress) {
+    if (f.num_layers <= f.layer) {
+      throw field_error(kNumLayers, "kv_pool address needs the pool's layer count (> layer " +
+                                        std::to_string(f.layer) + "), got " + std::to_string(f.num_layers));
+    }
+    if (f.kv_format == KvFormat::kAuto) {
+      throw field_error(kKvDtype, "kv_pool address needs the pool's type named (float32, float16, bfloat16, int8 or "
+                                  "fp8_e4m3): no pool tensor shows it");
+    }
+  }
 }
 
 }  // namespace
@@ -91,10 +113,19 @@ char const* kv_format_name(KvFormat format) noexcept {
   switch (format) {
     case KvFormat::kInt8: return "int8";
     case KvFormat::kFp8E4M3: return "fp8_e4m3";
+    case KvFormat::kFloat32: return "float32";
+    case KvFormat::kFloat16: return "float16";
+    case KvFormat::kBFloat16: return "bfloat16";
     case KvFormat::kAuto: break;
   }
   return "auto";
 }
+
+bool kv_format_quantized(KvFormat format) noexcept {
+  return format == KvFormat::kInt8 || format == KvFormat::kFp8E4M3;
+}
+
+char const* kv_pool_name(KvPool pool) noexcept { return pool == KvPool::kAddress ? "address" : "aliased"; }
 
 std::string supported_head_dims() {
   std::string s;
@@ -116,6 +147,12 @@ AttentionFields parse_fields(PluginFieldCollection const* fc) {
       seen_scale = true;
     } else if (name == kKvDtype) {
       f.kv_format = parse_kv_format(read_string(field));
+    } else if (name == kKvPool) {
+      f.kv_pool = parse_kv_pool(read_string(field));
+    } else if (name == kNumLayers) {
+      int64_t const value = read_int(field);
+      if (value < 0 || value > INT32_MAX) throw field_error(name, "out of range");
+      f.num_layers = static_cast<int32_t>(value);
     } else if (name == kWorkspace) {
       f.workspace_bytes = read_int(field);
       if (f.workspace_bytes < 0) throw field_error(name, "must be >= 0");
@@ -143,13 +180,15 @@ PluginFieldCollection const* field_names() noexcept {
       PluginField(kIntFields[4], nullptr, PluginFieldType::kINT32, 1),
       PluginField(kScale, nullptr, PluginFieldType::kFLOAT32, 1),
       PluginField(kKvDtype, nullptr, PluginFieldType::kCHAR, 0),
+      PluginField(kKvPool, nullptr, PluginFieldType::kCHAR, 0),
+      PluginField(kNumLayers, nullptr, PluginFieldType::kINT32, 1),
   };
   static PluginFieldCollection const collection{static_cast<int32_t>(sizeof(fields) / sizeof(fields[0])), fields};
   return &collection;
 }
 
 SerializedFields::SerializedFields(AttentionFields const& values)
-    : mValues(values), mKvDtype(kv_format_name(values.kv_format)) {
+    : mValues(values), mKvDtype(kv_format_name(values.kv_format)), mKvPool(kv_pool_name(values.kv_pool)) {
   auto const i32 = PluginFieldType::kINT32;
   mFields = {
       PluginField(kIntFields[0], &mValues.num_heads, i32, 1),
@@ -159,6 +198,8 @@ SerializedFields::SerializedFields(AttentionFields const& values)
       PluginField(kIntFields[4], &mValues.layer, i32, 1),
       PluginField(kScale, &mValues.scale, PluginFieldType::kFLOAT32, 1),
       PluginField(kKvDtype, mKvDtype.c_str(), PluginFieldType::kCHAR, static_cast<int32_t>(mKvDtype.size())),
+      PluginField(kKvPool, mKvPool.c_str(), PluginFieldType::kCHAR, static_cast<int32_t>(mKvPool.size())),
+      PluginField(kNumLayers, &mValues.num_layers, i32, 1),
   };
   if (mValues.workspace_bytes >= 0) {
     mFields.emplace_back(kWorkspace, &mValues.workspace_bytes, PluginFieldType::kINT64, 1);

@@ -23,9 +23,10 @@ using nvinfer1::TensorFormat;
 
 namespace {
 
-void expect_io_counts(int32_t nbInputs, int32_t nbOutputs) {
-  if (nbInputs != kNbInputs || nbOutputs != kNbOutputs) {
-    throw std::invalid_argument("expected 8 inputs and 2 outputs, got " + std::to_string(nbInputs) + " and " +
+void expect_io_counts(AttentionFields const& f, int32_t nbInputs, int32_t nbOutputs) {
+  if (nbInputs != kNbInputs || nbOutputs != output_count(f)) {
+    throw std::invalid_argument("expected 8 inputs and " + std::to_string(output_count(f)) + " output(s) (kv_pool " +
+                                kv_pool_name(f.kv_pool) + "), got " + std::to_string(nbInputs) + " and " +
                                 std::to_string(nbOutputs));
   }
 }
@@ -51,14 +52,14 @@ AttentionFields PagedAttentionPlugin::current_fields() const {
   return f;
 }
 
-int32_t PagedAttentionPlugin::getNbOutputs() const noexcept { return kNbOutputs; }
+int32_t PagedAttentionPlugin::getNbOutputs() const noexcept { return output_count(mFields); }
 
 int32_t PagedAttentionPlugin::getOutputDataTypes(DataType* outputTypes, int32_t nbOutputs, DataType const* inputTypes,
                                                  int32_t nbInputs) const noexcept {
   return guarded<int32_t>("getOutputDataTypes", -1, [&] {
-    expect_io_counts(nbInputs, nbOutputs);
+    expect_io_counts(mFields, nbInputs, nbOutputs);
     outputTypes[kOut] = inputTypes[kQ];
-    outputTypes[kKvCacheOut] = inputTypes[kKvCache];
+    if (nbOutputs > kKvCacheOut) outputTypes[kKvCacheOut] = inputTypes[kKvCache];
     return 0;
   });
 }
@@ -67,17 +68,18 @@ int32_t PagedAttentionPlugin::getOutputShapes(DimsExprs const* inputs, int32_t n
                                               int32_t nbShapeInputs, DimsExprs* outputs, int32_t nbOutputs,
                                               nvinfer1::IExprBuilder& exprBuilder) noexcept {
   return guarded<int32_t>("getOutputShapes", -1, [&] {
-    expect_io_counts(nbInputs, nbOutputs);
+    expect_io_counts(mFields, nbInputs, nbOutputs);
     if (nbShapeInputs != 0) throw std::invalid_argument("takes no shape inputs");
-    if (inputs[kQ].nbDims != 3 || inputs[kKvCache].nbDims != 6) {
-      throw std::invalid_argument("q must have rank 3 and kv_cache rank 6");
+    int32_t const pool_rank = mFields.kv_pool == KvPool::kAddress ? 1 : 6;
+    if (inputs[kQ].nbDims != 3 || inputs[kKvCache].nbDims != pool_rank) {
+      throw std::invalid_argument("q must have rank 3 and kv_cache rank " + std::to_string(pool_rank));
     }
     // out: [num_tokens (from q), num_heads, head_dim]; the pool keeps its shape.
     outputs[kOut].nbDims = 3;
     outputs[kOut].d[0] = inputs[kQ].d[0];
     outputs[kOut].d[1] = exprBuilder.constant(mFields.num_heads);
     outputs[kOut].d[2] = exprBuilder.constant(mFields.head_dim);
-    outputs[kKvCacheOut] = inputs[kKvCache];
+    if (nbOutputs > kKvCacheOut) outputs[kKvCacheOut] = inputs[kKvCache];
     return 0;
   });
 }
@@ -85,14 +87,14 @@ int32_t PagedAttentionPlugin::getOutputShapes(DimsExprs const* inputs, int32_t n
 bool PagedAttentionPlugin::supportsFormatCombination(int32_t pos, DynamicPluginTensorDesc const* inOut,
                                                      int32_t nbInputs, int32_t nbOutputs) noexcept {
   return guarded<bool>("supportsFormatCombination", false, [&] {
-    expect_io_counts(nbInputs, nbOutputs);
+    expect_io_counts(mFields, nbInputs, nbOutputs);
     PluginTensorDesc const& d = inOut[pos].desc;
     if (d.format != TensorFormat::kLINEAR) return false;
     switch (pos) {
       case kQ: return is_activation_type(d.type);
       case kK:
       case kV: return d.type == inOut[kQ].desc.type;
-      case kKvCache: return is_pool_type(mFields.kv_format, d.type);
+      case kKvCache: return is_pool_type(mFields, d.type);
       case kPositions:
       case kQueryStart:
       case kContextLens:
@@ -107,10 +109,10 @@ bool PagedAttentionPlugin::supportsFormatCombination(int32_t pos, DynamicPluginT
 int32_t PagedAttentionPlugin::configurePlugin(DynamicPluginTensorDesc const* in, int32_t nbInputs,
                                               DynamicPluginTensorDesc const* /*out*/, int32_t nbOutputs) noexcept {
   return guarded<int32_t>("configurePlugin", -1, [&] {
-    expect_io_counts(nbInputs, nbOutputs);
+    expect_io_counts(mFields, nbInputs, nbOutputs);
     Dims dims[kNbInputs];
     for (int32_t i = 0; i < kNbInputs; ++i) dims[i] = in[i].desc.dims;  // -1 where dynamic: not checked
-    check_shapes(mFields, dims, nbInputs);
+    check_shapes(mFields, dims, nbInputs, in[kKvCache].desc.type);
     // Also runs the kernel library's own checks (head_dim, dtypes, grid limits) over the profile.
     mWorkspaceBytes = std::max<int64_t>(mWorkspaceBytes, static_cast<int64_t>(workspace_bound(mFields, in)));
     return 0;
@@ -121,7 +123,7 @@ size_t PagedAttentionPlugin::getWorkspaceSize(DynamicPluginTensorDesc const* inp
                                               DynamicPluginTensorDesc const* /*outputs*/,
                                               int32_t nbOutputs) const noexcept {
   return guarded<size_t>("getWorkspaceSize", 0, [&] {
-    expect_io_counts(nbInputs, nbOutputs);
+    expect_io_counts(mFields, nbInputs, nbOutputs);
     size_t const bytes = workspace_bound(mFields, inputs);
     mWorkspaceBytes = std::max<int64_t>(mWorkspaceBytes, static_cast<int64_t>(bytes));
     return bytes;
@@ -129,16 +131,18 @@ size_t PagedAttentionPlugin::getWorkspaceSize(DynamicPluginTensorDesc const* inp
 }
 
 int32_t PagedAttentionPlugin::getAliasedInput(int32_t outputIndex) noexcept {
-  return outputIndex == kKvCacheOut ? static_cast<int32_t>(kKvCache) : -1;
+  // kv_pool address: no pool tensor in the network, nothing aliased (and no copy TensorRT could insert)
+  bool const aliased = mFields.kv_pool == KvPool::kAliased && outputIndex == kKvCacheOut;
+  return aliased ? static_cast<int32_t>(kKvCache) : -1;
 }
 
 int32_t PagedAttentionPlugin::onShapeChange(PluginTensorDesc const* in, int32_t nbInputs,
                                             PluginTensorDesc const* /*out*/, int32_t nbOutputs) noexcept {
   return guarded<int32_t>("onShapeChange", -1, [&] {
-    expect_io_counts(nbInputs, nbOutputs);
+    expect_io_counts(mFields, nbInputs, nbOutputs);
     Dims dims[kNbInputs];
     for (int32_t i = 0; i < kNbInputs; ++i) dims[i] = in[i].dims;
-    check_shapes(mFields, dims, nbInputs);
+    check_shapes(mFields, dims, nbInputs, in[kKvCache].type);
     return 0;
   });
 }
@@ -149,7 +153,22 @@ int32_t PagedAttentionPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginT
   return guarded<int32_t>("enqueue", -1, [&] {
     Dims dims[kNbInputs];
     for (int32_t i = 0; i < kNbInputs; ++i) dims[i] = inputDesc[i].dims;
-    trtpaged_attention_params const p = make_params(mFields, dims, inputDesc[kQ].type, inputDesc[kKvCache].type);
+    trtpaged_attention_params p = make_params(mFields, dims, inputDesc[kQ].type, inputDesc[kKvCache].type);
+    void* pool = nullptr;
+    if (mFields.kv_pool == KvPool::kAddress) {
+      // int64 {address, num_blocks} in pinned host memory (the runner binds it; readable here and, through
+      // unified addressing, by the device): the pool itself is no tensor of the network
+      PoolAddress const where = read_pool_address(mFields, inputs[kKvCache]);
+      pool = where.pool;
+      p.num_blocks = where.num_blocks;
+    } else {
+      // The pool is updated in place: its output is aliased to input kKvCache.
+      pool = outputs[kKvCacheOut];
+      if (pool != inputs[kKvCache]) {
+        throw std::runtime_error(
+            "kv_cache_out is not aliased to kv_cache (enable PreviewFeature ALIASED_PLUGIN_IO_10_03)");
+      }
+    }
     int32_t const max_context = max_context_len(mFields, dims[kBlockTables]);
     size_t const needed = trtpaged_paged_attention_cuda_workspace_size(&p, max_context);
     // What TensorRT reserved (getWorkspaceSize at build, serialized into the plan). The runtime
@@ -160,11 +179,6 @@ int32_t PagedAttentionPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginT
       throw std::runtime_error("layer " + std::to_string(mFields.layer) + ": this step needs " +
                                std::to_string(needed) + " workspace bytes, TensorRT reserved " +
                                std::to_string(given) + " (a shape outside the plan's profile?)");
-    }
-    // The pool is updated in place: its output is aliased to input kKvCache.
-    void* pool = outputs[kKvCacheOut];
-    if (pool != inputs[kKvCache]) {
-      throw std::runtime_error("kv_cache_out is not aliased to kv_cache (enable PreviewFeature ALIASED_PLUGIN_IO_10_03)");
     }
     (void)outputDesc;
     int const rc = trtpaged_paged_attention_cuda(

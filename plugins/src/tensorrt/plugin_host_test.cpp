@@ -34,7 +34,9 @@ struct Fields {
   float scale = 0.125F;
   int64_t workspace_bytes = -1;  // -1: not given
   std::string kv_dtype;          // "": not given (auto)
-  PluginField fields[8];
+  std::string kv_pool;           // "": not given (aliased)
+  int32_t num_layers = -1;       // -1: not given
+  PluginField fields[10];
   PluginFieldCollection fc{};
 
   PluginFieldCollection const* collection() {
@@ -49,6 +51,10 @@ struct Fields {
     if (!kv_dtype.empty()) {  // as TensorRT's ONNX parser passes a string attribute: no terminator counted
       fields[n++] = PluginField("kv_dtype", kv_dtype.data(), PluginFieldType::kCHAR, static_cast<int32_t>(kv_dtype.size()));
     }
+    if (!kv_pool.empty()) {
+      fields[n++] = PluginField("kv_pool", kv_pool.data(), PluginFieldType::kCHAR, static_cast<int32_t>(kv_pool.size()));
+    }
+    if (num_layers >= 0) fields[n++] = PluginField("num_layers", &num_layers, PluginFieldType::kINT32, 1);
     fc.nbFields = n;
     fc.fields = fields;
     return &fc;
@@ -80,14 +86,16 @@ DataType input_type(int32_t i) { return i < 4 ? DataType::kHALF : DataType::kINT
 
 PagedAttentionPlugin* as_plugin(IPluginV3* p) { return dynamic_cast<PagedAttentionPlugin*>(p); }
 
-std::string serialized_kv_dtype(PagedAttentionPlugin* plugin) {
+std::string serialized_string(PagedAttentionPlugin* plugin, char const* name) {
   PluginFieldCollection const* fc = plugin->getFieldsToSerialize();
   for (int32_t i = 0; fc != nullptr && i < fc->nbFields; ++i) {
     PluginField const& f = fc->fields[i];
-    if (std::string(f.name) == "kv_dtype") return std::string(static_cast<char const*>(f.data), f.length);
+    if (std::string(f.name) == name) return std::string(static_cast<char const*>(f.data), f.length);
   }
   return "";
 }
+
+std::string serialized_kv_dtype(PagedAttentionPlugin* plugin) { return serialized_string(plugin, "kv_dtype"); }
 
 // Build-time descriptors of the 8 inputs over a profile from (1, 1, 1) to (2048, 4, 256).
 void profile(DynamicPluginTensorDesc* in, int64_t pool_row, DataType pool_type) {
@@ -121,8 +129,8 @@ void check_kv_dtype_field(PagedAttentionCreator& creator) {
     in[8] = in[0];  // out: q's type
     in[9] = in[3];  // kv_cache_out: the pool's
     check(plugin->supportsFormatCombination(3, in, 8, 2), "a quantized plugin takes an int8 pool");
-    in[3].desc.type = DataType::kHALF;
-    check(!plugin->supportsFormatCombination(3, in, 8, 2), "a quantized plugin refuses an fp16 pool");
+    in[3].desc.type = DataType::kBF16;  // fp16 is the bytes as pairs (tensorrt.quantized_pool); bf16 is not
+    check(!plugin->supportsFormatCombination(3, in, 8, 2), "a quantized plugin refuses a bf16 pool");
     profile(in, 66, DataType::kINT8);
     check(plugin->configurePlugin(in, 8, out, 2) == 0, "int8 pool with rows of head_dim + 2");
     check(plugin->getWorkspaceSize(in, 8, out, 2) > 0, "a quantized long-context profile needs a decode workspace");
@@ -147,6 +155,115 @@ void check_kv_dtype_field(PagedAttentionCreator& creator) {
     f.kv_dtype = "int4";
     std::unique_ptr<IPluginV3> p(creator.createPlugin("layer0", f.collection(), TensorRTPhase::kBUILD));
     check(p == nullptr, "kv_dtype int4 must be refused at createPlugin");
+  }
+}
+
+// tensorrt.quantized_pool: a quantized pool's rows of head_dim + 2 bytes may be typed int8, uint8 or fp16
+// (rows of (head_dim + 2) / 2 elements); a float type other than fp16 is not the bytes.
+void check_quantized_pool_types(PagedAttentionCreator& creator) {
+  Fields f;
+  f.kv_dtype = "int8";
+  std::unique_ptr<IPluginV3> p(creator.createPlugin("layer0", f.collection(), TensorRTPhase::kBUILD));
+  if (p == nullptr) return check(false, "kv_dtype int8 plugin");
+  PagedAttentionPlugin* plugin = as_plugin(p.get());
+  DynamicPluginTensorDesc in[10]{};
+  DynamicPluginTensorDesc out[2]{};
+  profile(in, 66, DataType::kUINT8);
+  check(plugin->supportsFormatCombination(3, in, 8, 2), "a quantized pool typed uint8");
+  check(plugin->configurePlugin(in, 8, out, 2) == 0, "uint8 rows of head_dim + 2");
+  profile(in, 33, DataType::kHALF);
+  check(plugin->supportsFormatCombination(3, in, 8, 2), "a quantized pool typed fp16 (byte pairs)");
+  check(plugin->configurePlugin(in, 8, out, 2) == 0, "fp16 rows of (head_dim + 2) / 2");
+  profile(in, 66, DataType::kHALF);
+  check(plugin->configurePlugin(in, 8, out, 2) != 0, "fp16 rows of head_dim + 2 elements are twice the bytes");
+  profile(in, 33, DataType::kFLOAT);
+  check(!plugin->supportsFormatCombination(3, in, 8, 2), "a quantized pool typed fp32 is refused");
+}
+
+// tensorrt.kv_pool address: input 3 is int64 [2] {address, num_blocks} on the host, one output, nothing aliased.
+void check_address_pool(PagedAttentionCreator& creator) {
+  {
+    Fields f;
+    f.kv_pool = "address";
+    f.kv_dtype = "float16";
+    std::unique_ptr<IPluginV3> missing(creator.createPlugin("layer0", f.collection(), TensorRTPhase::kBUILD));
+    check(missing == nullptr, "kv_pool address without num_layers is refused");
+    f.num_layers = 2;
+    f.kv_dtype = "";
+    std::unique_ptr<IPluginV3> unnamed(creator.createPlugin("layer0", f.collection(), TensorRTPhase::kBUILD));
+    check(unnamed == nullptr, "kv_pool address with kv_dtype auto is refused (no pool tensor shows its type)");
+    f.kv_pool = "adress";
+    f.kv_dtype = "float16";
+    std::unique_ptr<IPluginV3> typo(creator.createPlugin("layer0", f.collection(), TensorRTPhase::kBUILD));
+    check(typo == nullptr, "kv_pool adress is refused");
+  }
+  for (char const* kv : {"float16", "int8"}) {
+    Fields f;
+    f.kv_pool = "address";
+    f.kv_dtype = kv;
+    f.num_layers = 2;
+    f.workspace_bytes = 1 << 20;
+    std::unique_ptr<IPluginV3> p(creator.createPlugin("layer0", f.collection(), TensorRTPhase::kBUILD));
+    if (p == nullptr) {
+      check(false, "kv_pool address with num_layers and a named kv_dtype");
+      continue;
+    }
+    PagedAttentionPlugin* plugin = as_plugin(p.get());
+    check(plugin->getNbOutputs() == 1, "kv_pool address: one output");
+    check(plugin->getAliasedInput(0) == -1 && plugin->getAliasedInput(1) == -1, "kv_pool address: nothing aliased");
+    DataType types_in[8] = {DataType::kHALF, DataType::kHALF, DataType::kHALF, DataType::kINT64,
+                            DataType::kINT32, DataType::kINT32, DataType::kINT32, DataType::kINT32};
+    DataType types_out[1] = {};
+    check(plugin->getOutputDataTypes(types_out, 1, types_in, 8) == 0 && types_out[0] == DataType::kHALF,
+          "kv_pool address: out has q's type");
+    DynamicPluginTensorDesc in[9]{};
+    DynamicPluginTensorDesc out[1]{};
+    profile(in, 64, DataType::kINT64);
+    for (DynamicPluginTensorDesc* d : {&in[3]}) d->desc.dims = d->min = d->max = d->opt = dims({2});
+    in[8] = in[0];
+    check(plugin->supportsFormatCombination(3, in, 8, 1), "kv_pool address: the pool input is int64");
+    check(plugin->supportsFormatCombination(8, in, 8, 1), "kv_pool address: out is q's type");
+    check(plugin->configurePlugin(in, 8, out, 1) == 0, "kv_pool address: configure over a profile");
+    check(plugin->configurePlugin(in, 8, out, 2) != 0, "kv_pool address: two outputs are refused");
+    in[3].desc.type = DataType::kHALF;
+    check(!plugin->supportsFormatCombination(3, in, 8, 1), "kv_pool address: a float pool tensor is refused");
+    check(serialized_string(plugin, "kv_pool") == "address", "kv_pool serialized");
+    std::unique_ptr<IPluginV3> again(
+        creator.createPlugin("layer0", plugin->getFieldsToSerialize(), TensorRTPhase::kRUNTIME));
+    check(again != nullptr && as_plugin(again.get())->getNbOutputs() == 1 &&
+              serialized_string(as_plugin(again.get()), "kv_dtype") == kv,
+          "kv_pool address, num_layers and kv_dtype survive serialization");
+    if (again == nullptr) continue;
+    // enqueue reads the host tensor and refuses a null address before any CUDA call
+    PluginTensorDesc step[8]{};
+    Dims d[8];
+    shapes(d, 4, 4, 2);
+    d[3] = dims({2});
+    for (int32_t i = 0; i < 8; ++i) {
+      step[i].dims = d[i];
+      step[i].type = types_in[i];
+      step[i].format = TensorFormat::kLINEAR;
+    }
+    int64_t host[2] = {0, 4096};
+    void const* inputs[8] = {nullptr, nullptr, nullptr, host, nullptr, nullptr, nullptr, nullptr};
+    void* outputs[1] = {nullptr};
+    check(as_plugin(again.get())->enqueue(step, nullptr, inputs, outputs, nullptr, nullptr) != 0,
+          "kv_pool address: a null pool address is refused");
+  }
+  {
+    trtpaged::trt::AttentionFields f;
+    f.kv_pool = trtpaged::trt::KvPool::kAddress;
+    int64_t host[2] = {0x7f0000001000, 512};
+    trtpaged::trt::PoolAddress const a = trtpaged::trt::read_pool_address(f, host);
+    check(a.pool == reinterpret_cast<void*>(0x7f0000001000) && a.num_blocks == 512, "pool address read from host");
+    host[1] = 0;
+    bool threw = false;
+    try {
+      trtpaged::trt::read_pool_address(f, host);
+    } catch (std::invalid_argument const&) {
+      threw = true;
+    }
+    check(threw, "num_blocks 0 is refused");
   }
 }
 
@@ -223,6 +340,8 @@ int main() {
   }
 
   check_kv_dtype_field(creator);
+  check_quantized_pool_types(creator);
+  check_address_pool(creator);
 
   {  // TrtpagedAllReduce: fields validated and serialized; no NCCL call without a communicator to make
     trtpaged::trt::AllReduceCreator ar;
@@ -248,9 +367,23 @@ int main() {
       void* outputs[1] = {};
       check(plugin->enqueue(&x, &x, inputs, outputs, nullptr, nullptr) == 0, "an empty all-reduce is a no-op");
       unsetenv("TRTPAGED_NCCL_UNIQUE_ID");
+      setenv("TRTPAGED_NCCL_LIBRARY", "/nonexistent/libnccl.so.2", 1);
       x.dims = dims({4, 576});
-      check(plugin->enqueue(&x, &x, inputs, outputs, nullptr, nullptr) != 0,
-            "enqueue without NCCL or TRTPAGED_NCCL_UNIQUE_ID must fail, not crash");
+      // the build-phase instance (TensorRT timing tactics) makes no NCCL call: it would fail here
+      check(plugin->enqueue(&x, &x, inputs, outputs, nullptr, nullptr) == 0,
+            "a build-phase all-reduce makes no collective (no NCCL, no communicator)");
+      std::unique_ptr<IPluginV3> built_clone(plugin->clone());
+      check(built_clone != nullptr && dynamic_cast<trtpaged::trt::AllReducePlugin*>(built_clone.get())
+                                              ->enqueue(&x, &x, inputs, outputs, nullptr, nullptr) == 0,
+            "a clone of a build-phase all-reduce stays build-phase");
+      std::unique_ptr<IPluginV3> attached(plugin->attachToContext(nullptr));
+      check(attached != nullptr && dynamic_cast<trtpaged::trt::AllReducePlugin*>(attached.get())
+                                           ->enqueue(&x, &x, inputs, outputs, nullptr, nullptr) != 0,
+            "the runtime instance (attachToContext) reduces: without NCCL it must fail, not crash");
+      std::unique_ptr<IPluginV3> runtime(ar.createPlugin("ar", &fc, TensorRTPhase::kRUNTIME));
+      check(runtime != nullptr && dynamic_cast<trtpaged::trt::AllReducePlugin*>(runtime.get())
+                                          ->enqueue(&x, &x, inputs, outputs, nullptr, nullptr) != 0,
+            "a deserialized (runtime-phase) all-reduce without NCCL or TRTPAGED_NCCL_UNIQUE_ID fails, not crash");
     }
     bool threw = false;
     try {

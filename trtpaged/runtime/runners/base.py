@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Protocol, Sequence, Union, runtime_checkable
 
 import torch
 
@@ -49,3 +49,39 @@ class ModelRunner(Protocol):
     def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copies host blocks back to device blocks, (host, device) pairs."""
         ...
+
+    def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
+        """The raw bytes of whole blocks (all layers, K and V, scales of a quantized pool), for the KV tiers."""
+        ...
+
+    def write_blocks(self, blocks: Sequence[tuple[int, bytes]]) -> None:
+        """Overwrites whole blocks with bytes `read_blocks` returned (from this engine), (block id, bytes) pairs."""
+        ...
+
+
+def pool_block_bytes(pool: torch.Tensor) -> int:
+    """Bytes of one block of a block-major pool."""
+    return pool[0].numel() * pool.element_size() if pool.shape[0] else 0
+
+
+def read_pool_blocks(pool: torch.Tensor, block_ids: Sequence[int]) -> list[bytes]:
+    """`ModelRunner.read_blocks` over a block-major pool tensor: one gather, one device-to-host copy."""
+    if not block_ids:
+        return []
+    index = torch.tensor(list(block_ids), dtype=torch.long, device=pool.device)
+    rows = pool.index_select(0, index).cpu().reshape(len(block_ids), -1).view(torch.uint8).numpy()
+    return [row.tobytes() for row in rows]
+
+
+def write_pool_blocks(pool: torch.Tensor, blocks: Sequence[tuple[int, Union[bytes, bytearray]]]) -> None:
+    """`ModelRunner.write_blocks` over a block-major pool tensor; every payload must be one block's bytes."""
+    if not blocks:
+        return
+    size = pool_block_bytes(pool)
+    for block_id, payload in blocks:
+        if len(payload) != size:
+            raise ValueError(f"write_blocks: block {block_id} payload is {len(payload)} bytes, blocks are {size}")
+    flat = bytearray(b"".join(payload for _, payload in blocks))
+    data = torch.frombuffer(flat, dtype=torch.uint8).view(pool.dtype).view(len(blocks), *pool.shape[1:])
+    index = torch.tensor([b for b, _ in blocks], dtype=torch.long, device=pool.device)
+    pool.index_copy_(0, index, data.to(pool.device))

@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from trtpaged.runtime.runners.base import StepBatch
+from trtpaged.runtime.runners.base import StepBatch, read_pool_blocks, write_pool_blocks
 
 log = logging.getLogger("trtpaged.runtime")
 
@@ -109,3 +109,9 @@ class TorchRunner:
             raise RuntimeError("swap_in: the engine has no host pool (num_host_blocks is 0)")
         if self.host_cache is not None:
             self._swap(self.host_cache, self.kv_cache, pairs)
+
+    def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
+        return read_pool_blocks(self.kv_cache, block_ids)
+
+    def write_blocks(self, blocks: Sequence[tuple[int, bytes]]) -> None:
+        write_pool_blocks(self.kv_cache, blocks)

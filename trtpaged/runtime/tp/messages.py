@@ -8,7 +8,12 @@
 | INIT | num_blocks, num_host_blocks, manifest fingerprint (63 bits) | - |
 | STEP | num_tokens, num_seqs, max_blocks_per_seq | input_ids, positions, query_start, context_lens, block_tables |
 | COPY, SWAP_OUT, SWAP_IN | number of pairs | the (src, dst) pairs |
+| READ_BLOCKS | number of blocks | block ids; then rank 1, 2, .. each broadcast their shards' bytes (uint8) |
+| WRITE_BLOCKS | number of blocks | block ids; then rank 0 broadcasts every rank's shards (uint8, block-major) |
 | STOP | - | - |
+
+READ_BLOCKS and WRITE_BLOCKS carry the KV tiers' blocks (kv_tiers/): a tier entry holds one block of
+every rank, rank 0's shard first.
 
 A STEP carries no logits_index: only rank 0 computes logits (the other ranks'
 final norm and LM head would only be thrown away).
@@ -36,6 +41,8 @@ class Op(enum.IntEnum):
     SWAP_OUT = 4
     SWAP_IN = 5
     STOP = 6
+    READ_BLOCKS = 7
+    WRITE_BLOCKS = 8
 
 
 def send(coll: Collectives, op: Op, fields: Sequence[int] = (), payload: Optional[torch.Tensor] = None) -> None:
@@ -78,6 +85,33 @@ def step_batch(fields: list[int], payload: torch.Tensor) -> StepBatch:
 
 def pairs_payload(pairs: Sequence[tuple[int, int]]) -> torch.Tensor:
     return torch.tensor([x for pair in pairs for x in pair], dtype=torch.int32)
+
+
+def ids_payload(block_ids: Sequence[int]) -> torch.Tensor:
+    return torch.tensor(list(block_ids), dtype=torch.int32)
+
+
+def shard_bytes(coll: Collectives, block_ids: Sequence[int], own: list[bytes], block_bytes: int) -> list[bytes]:
+    """READ_BLOCKS on every rank: each rank r >= 1 broadcasts its shards in turn; rank 0 gets, per block,
+    every rank's shard concatenated in rank order (the other ranks get [])."""
+    n = len(block_ids)
+    shards = [own]
+    for src in range(1, coll.world_size):
+        if src == coll.rank:
+            coll.broadcast(torch.frombuffer(bytearray(b"".join(own)), dtype=torch.uint8), src=src)
+            shards.append(own)
+        else:
+            buf = coll.broadcast(torch.empty(n * block_bytes, dtype=torch.uint8), src=src).numpy().tobytes()
+            shards.append([buf[i * block_bytes:(i + 1) * block_bytes] for i in range(n)])
+    return [b"".join(parts) for parts in zip(*shards)] if coll.rank == 0 else []
+
+
+def own_shards(data: torch.Tensor, block_ids: Sequence[int], rank: int, world_size: int,
+               block_bytes: int) -> list[tuple[int, bytes]]:  # fmt: skip
+    """WRITE_BLOCKS: this rank's (block id, bytes) out of every rank's shards, block-major, rank order."""
+    flat = data.numpy()
+    return [(b, flat[(i * world_size + rank) * block_bytes:(i * world_size + rank + 1) * block_bytes].tobytes())
+            for i, b in enumerate(block_ids)]
 
 
 def pairs_of(payload: torch.Tensor) -> list[tuple[int, int]]:

@@ -19,7 +19,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from trtpaged.manifest import Manifest
-from trtpaged.runtime.runners.base import StepBatch
+from trtpaged.runtime.runners.base import StepBatch, pool_block_bytes
 from trtpaged.runtime.runners.torch_runner import TorchRunner
 from trtpaged.runtime.tp import messages
 from trtpaged.runtime.tp.launch import WorkerSet, threads_per_rank
@@ -60,6 +60,36 @@ class TensorParallelRunner:
 
     def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
         self._moves(Op.SWAP_IN, pairs, self.local.swap_in)
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        """Rank 0's shard of the pool."""
+        return self.local.kv_cache
+
+    def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
+        """Per block, every rank's shard bytes concatenated in rank order (one KV-tier entry)."""
+        if not block_ids:
+            return []
+        with self._guard("read_blocks"):
+            messages.send(self.coll, Op.READ_BLOCKS, [len(block_ids)], messages.ids_payload(block_ids))
+            own = self.local.read_blocks(block_ids)
+            return messages.shard_bytes(self.coll, block_ids, own, pool_block_bytes(self.local.kv_cache))
+
+    def write_blocks(self, blocks: Sequence[tuple[int, bytes]]) -> None:
+        """Writes what `read_blocks` returned: each rank takes its own shard."""
+        if not blocks:
+            return
+        size = pool_block_bytes(self.local.kv_cache)
+        for block_id, payload in blocks:
+            if len(payload) != size * self.world_size:
+                raise ValueError(f"write_blocks: block {block_id} payload is {len(payload)} bytes, "
+                                 f"{self.world_size} shards of {size} expected")
+        ids = [b for b, _ in blocks]
+        with self._guard("write_blocks"):
+            messages.send(self.coll, Op.WRITE_BLOCKS, [len(ids)], messages.ids_payload(ids))
+            data = torch.frombuffer(bytearray(b"".join(p for _, p in blocks)), dtype=torch.uint8)
+            self.coll.broadcast(data)
+            self.local.write_blocks(messages.own_shards(data, ids, 0, self.world_size, size))
 
     def _moves(self, op: Op, pairs: Sequence[tuple[int, int]], apply) -> None:
         if not pairs:

@@ -29,6 +29,7 @@ def run_worker(engine_dir: Path, rz: Rendezvous, device: str = "cpu") -> None:
     from trtpaged.models import load_step_model
     from trtpaged.models.all_reduce import RankReduce
     from trtpaged.runtime.runners import TorchRunner
+    from trtpaged.runtime.runners.base import pool_block_bytes
     from trtpaged.runtime.tp import messages
     from trtpaged.runtime.tp.messages import Op
     from trtpaged.runtime.tp.rendezvous import make_groups, mark_ready, open_store
@@ -63,6 +64,13 @@ def run_worker(engine_dir: Path, rz: Rendezvous, device: str = "cpu") -> None:
             runner.swap_out(messages.pairs_of(payload))
         elif op == Op.SWAP_IN:
             runner.swap_in(messages.pairs_of(payload))
+        elif op == Op.READ_BLOCKS:
+            ids = payload.tolist()
+            messages.shard_bytes(coll, ids, runner.read_blocks(ids), pool_block_bytes(runner.kv_cache))
+        elif op == Op.WRITE_BLOCKS:
+            ids, size = payload.tolist(), pool_block_bytes(runner.kv_cache)
+            data = coll.broadcast(torch.empty(len(ids) * rz.world_size * size, dtype=torch.uint8))
+            runner.write_blocks(messages.own_shards(data, ids, rz.rank, rz.world_size, size))
         else:
             raise RuntimeError(f"rank {rz.rank}: unexpected command {op.name}")
 

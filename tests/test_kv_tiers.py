@@ -1,0 +1,355 @@
+"""KV tiers below the pool: exact restores from host memory, disk and Redis, bad entries as misses,
+a store killed mid-run, restarts, and exact pool accounting throughout.
+
+The truth is the engine itself without tiers (same model, same prompts, greedy) and the bytes the pool
+held when a block was computed: a restored block must equal them bit for bit.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import torch
+
+from trtpaged.bench.redis_process import RedisProcess
+from trtpaged.runtime.kv_tiers.config import KVTierConfig
+from trtpaged.runtime.kv_tiers.disk import DiskTier
+from trtpaged.runtime.kv_tiers.entry import ROOT, EntryMismatch, chain_key, decode_entry, encode_entry
+from trtpaged.runtime.kv_tiers.entry import engine_fingerprint
+from trtpaged.runtime.kv_tiers.host import HostMemoryTier
+from trtpaged.runtime.kv_tiers.stack import BlockRecord, TierHit, TierStack
+from trtpaged.runtime.llm_engine import LLMEngine
+from trtpaged.runtime.runners import TorchRunner
+from trtpaged.runtime.sampling_params import SamplingParams
+from trtpaged.runtime.sequence import Sequence
+
+from runtime_helpers import runtime_config, tiny_hf
+
+BS = 16
+NUM_BLOCKS = 12  # a 70-token prompt takes 5: three other prompts evict the first one's cached blocks
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+def _prompt(seed: int, n: int = 70) -> list[int]:
+    return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+A, B, C, D = (_prompt(s) for s in range(4))
+TRAFFIC = [A, B, C, D, A, B, A]  # A comes back after the pool evicted it, B too, then A again
+
+
+@pytest.fixture(scope="module")
+def step_model():
+    from trtpaged.models import dims_from_hf_config, step_model_from_hf
+
+    hf = tiny_hf()
+    return step_model_from_hf(hf.model, dims_from_hf_config(hf.config))
+
+
+def _fingerprint(kv_dtype: Optional[str], tag: str = "tiny") -> bytes:
+    return engine_fingerprint(model=tag, kv_dtype=kv_dtype or "float32", block_size=BS, rank=0)
+
+
+def make_engine(model, tiers: Optional[KVTierConfig] = None, kv_dtype: Optional[str] = None,
+                fingerprint: Optional[bytes] = None) -> LLMEngine:  # fmt: skip
+    pool = model.new_kv_cache(NUM_BLOCKS, BS, kv_dtype)
+    stack = None
+    if tiers is not None:
+        stack = tiers.build(fingerprint or _fingerprint(kv_dtype), pool[0].numel() * pool.element_size())
+    config = runtime_config(num_blocks=NUM_BLOCKS, block_size=BS, max_num_tokens=128, max_batch_size=4)
+    return LLMEngine(TorchRunner(model, pool), config, None, [], tiers=stack)
+
+
+def run_one(engine: LLMEngine, prompt: list[int]) -> list[int]:
+    rid = engine.add_request(prompt, GREEDY)
+    out = None
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.request_id == rid and o.finished:
+                out = o
+    assert out is not None and out.outputs[0].finish_reason == "length"
+    return list(out.outputs[0].token_ids)
+
+
+def cached_bytes(engine: LLMEngine, prompt: list[int]) -> list[bytes]:
+    """The pool's bytes of the prompt's cached full blocks (found as a prefix hit would find them)."""
+    probe = Sequence(10**6, prompt)
+    hits = engine.kv.find_cached_prefix(probe)
+    engine.kv.free(probe)  # drops what the lookup staged for it
+    blocks = [h.block_id for h in hits if hasattr(h, "block_id")]
+    assert len(blocks) == len(hits)
+    return engine.runner.read_blocks(blocks)
+
+
+def assert_pool_whole(engine: LLMEngine) -> None:
+    pool = engine.kv.pool
+    assert pool.num_free == pool.num_blocks
+    assert all(b.ref_cnt == 0 for b in pool.blocks)
+    assert not engine.kv.tables and not engine.kv._staged
+
+
+@pytest.fixture(scope="module")
+def reference(step_model) -> dict[Optional[str], list[list[int]]]:
+    """Greedy outputs of TRAFFIC without tiers, per KV dtype."""
+    out = {}
+    for kv_dtype in (None, "int8"):
+        engine = make_engine(step_model, kv_dtype=kv_dtype)
+        out[kv_dtype] = [run_one(engine, p) for p in TRAFFIC]
+        assert_pool_whole(engine)
+    return out
+
+
+# ---- the entry format -------------------------------------------------------------------------
+def test_entry_round_trip_and_every_bad_entry_is_a_mismatch():
+    fp, other = _fingerprint(None), _fingerprint(None, "another model")
+    tokens = tuple(range(BS))
+    payload = os.urandom(256)
+    entry = encode_entry(fp, ROOT, tokens, payload)
+    assert decode_entry(entry, fp, ROOT, tokens, len(payload)) == payload
+    bad = {
+        "missing": None,
+        "truncated": entry[:-1],
+        "corrupted": entry[:-5] + bytes([entry[-5] ^ 1]) + entry[-4:],
+        "foreign": encode_entry(other, ROOT, tokens, payload),
+    }
+    for reason, data in bad.items():
+        with pytest.raises(EntryMismatch) as e:
+            decode_entry(data, fp, ROOT, tokens, len(payload))
+        assert e.value.reason == reason
+    for args in [(fp, chain_key(fp, ROOT, tokens), tokens, len(payload)),  # another parent
+                 (fp, ROOT, tokens[:-1] + (999,), len(payload)),  # other tokens
+                 (fp, ROOT, tokens, len(payload) + 4)]:  # another block shape
+        with pytest.raises(EntryMismatch):
+            decode_entry(entry, *args)
+    assert chain_key(fp, ROOT, tokens) != chain_key(other, ROOT, tokens)
+
+
+def test_stack_counts_bad_entries_as_misses(tmp_path: Path):
+    fp = _fingerprint(None)
+    disk = DiskTier(tmp_path, 1 << 20)
+    stack = TierStack([disk], fp, 64)
+    records = []
+    parent = ROOT
+    for j in range(4):
+        tokens = tuple(range(j * BS, (j + 1) * BS))
+        records.append(BlockRecord(chain_key(fp, parent, tokens), parent, tokens))
+        parent = records[-1].key
+    payloads = [bytes([j]) * 64 for j in range(4)]
+    stack.save(list(zip(records, payloads)))
+    stack.flush()
+    assert [stack.lookup(r) for r in records] == [(p, "disk") for p in payloads]
+    paths = [disk.path_of(r.key) for r in records]
+    paths[0].write_bytes(paths[0].read_bytes()[:-3])  # truncated
+    data = bytearray(paths[1].read_bytes())
+    data[-1] ^= 0x80  # one bit of the payload
+    paths[1].write_bytes(bytes(data))
+    paths[2].write_bytes(encode_entry(_fingerprint(None, "other"), records[2].parent, records[2].tokens, payloads[2]))
+    paths[3].unlink()
+    before = disk.counters.hits
+    assert [stack.lookup(r) for r in records] == [None] * 4
+    assert disk.counters.hits == before
+    assert disk.counters.invalid == 3 and disk.counters.misses == 4
+
+
+def test_host_tier_is_bounded_lru():
+    tier = HostMemoryTier(300)
+    for i in range(4):
+        tier.put(bytes([i]), b"x" * 100)
+    assert tier.used_bytes == 300 and tier.counters.evictions == 1
+    assert not tier.contains(b"\0") and tier.contains(b"\3")
+    tier.get(b"\1")  # most recently used now: \2 goes next
+    tier.put(b"\4", b"y" * 100)
+    assert tier.contains(b"\1") and not tier.contains(b"\2")
+
+
+def test_disk_tier_is_bounded_and_persistent(tmp_path: Path):
+    tier = DiskTier(tmp_path, 1000)
+    for i in range(5):
+        tier.put(bytes([i]) * 32, b"z" * 300)
+        time.sleep(0.01)  # distinct mtimes: the LRU order across restarts is the files' mtime
+    assert tier.used_bytes <= 1000 and tier.num_entries == 3 and tier.counters.evictions == 2
+    again = DiskTier(tmp_path, 700)  # a restart with a smaller size evicts the oldest down to it
+    assert again.num_entries == 2 and again.get(bytes([4]) * 32) == b"z" * 300
+    assert again.get(bytes([0]) * 32) is None
+    with pytest.raises(ValueError, match="disk.path"):
+        DiskTier(tmp_path / again.path_of(bytes([4]) * 32).name / "sub", 10)
+
+
+# ---- restores through the engine --------------------------------------------------------------
+@pytest.mark.parametrize("kv_dtype", [None, "int8"], ids=["fp32", "int8"])
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_restored_blocks_are_bit_identical_and_outputs_unchanged(step_model, reference, tmp_path, tier, kv_dtype):
+    config = (KVTierConfig(host_memory=1 << 20) if tier == "host"
+              else KVTierConfig(disk_path=str(tmp_path), disk_size=1 << 22))  # fmt: skip
+    engine = make_engine(step_model, config, kv_dtype)
+    outputs = [run_one(engine, TRAFFIC[0])]
+    computed = cached_bytes(engine, A)
+    assert len(computed) == 4
+    for prompt in TRAFFIC[1:4]:
+        outputs.append(run_one(engine, prompt))
+    probe = Sequence(10**6, A)
+    assert isinstance(engine.kv.find_cached_prefix(probe)[0], TierHit)  # A left the pool
+    engine.kv.free(probe)
+    engine.kv.tiers.flush()
+    computed_before = engine.num_tokens_computed
+    outputs.append(run_one(engine, A))
+    assert engine.num_tokens_computed - computed_before == len(A) - 4 * BS + 3  # only the tail and the decodes
+    assert cached_bytes(engine, A) == computed  # bit-identical to the computed blocks
+    for prompt in TRAFFIC[5:]:
+        outputs.append(run_one(engine, prompt))
+    assert outputs == reference[kv_dtype]
+    stats = engine.stats()
+    assert stats[f"kv_tier_{tier}_hits"] >= 8 and stats["kv_tier_blocks_loaded"] >= 8
+    assert stats["prefix_cache_tier_hits_tokens"] == stats["kv_tier_blocks_loaded"] * BS
+    assert stats[f"kv_tier_{tier}_invalid"] == 0
+    assert_pool_whole(engine)
+    engine.close()
+
+
+def test_disk_tier_survives_a_restart_and_skips_bad_entries(step_model, reference, tmp_path):
+    config = KVTierConfig(disk_path=str(tmp_path), disk_size=1 << 22)
+    first = make_engine(step_model, config)
+    assert run_one(first, A) == reference[None][0]
+    computed = cached_bytes(first, A)
+    first.close()  # writes the pool's cached prefixes to disk
+    restarted = make_engine(step_model, config)
+    assert run_one(restarted, A) == reference[None][0]
+    assert restarted.stats()["kv_tier_disk_hits"] == 4 and restarted.num_tokens_computed == len(A) - 4 * BS + 3
+    assert cached_bytes(restarted, A) == computed
+    restarted.close()
+
+    # block 1's entry corrupted: block 0 restores, the rest is recomputed, the output is the same
+    fp = _fingerprint(None)
+    k0 = chain_key(fp, ROOT, A[:BS])
+    k1 = chain_key(fp, k0, A[BS:2 * BS])
+    path = DiskTier(tmp_path, 1 << 22).path_of(k1)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
+    third = make_engine(step_model, config)
+    assert run_one(third, A) == reference[None][0]
+    stats = third.stats()
+    assert stats["kv_tier_disk_hits"] == 1 and stats["kv_tier_disk_invalid"] == 1
+    assert third.num_tokens_computed == len(A) - BS + 3
+    assert_pool_whole(third)
+    third.close()
+
+    # another engine (int8 KV: another fingerprint) on the same directory finds nothing of it
+    foreign = make_engine(step_model, config, "int8")
+    assert run_one(foreign, A) == reference["int8"][0]
+    assert foreign.stats()["kv_tier_disk_hits"] == 0
+    foreign.close()
+
+
+def test_a_block_evicted_before_its_load_ran_is_saved_from_the_loaded_bytes(step_model, reference):
+    """A tier hit loaded into block X and X evicted again in the same schedule: the write-back must
+    carry the loaded bytes, not X's stale ones, and the load must not overwrite X's new owner."""
+    engine = make_engine(step_model, KVTierConfig(host_memory=1 << 20))
+    outputs = [run_one(engine, p) for p in TRAFFIC[:4]]
+    kv = engine.kv
+    probe = Sequence(10**6 + 1, A)
+    hits = kv.find_cached_prefix(probe)
+    assert len(hits) == 4 and all(isinstance(h, TierHit) for h in hits)
+    kv.allocate(kv.plan_allocation([(probe, len(A) - 4 * BS, hits)]))
+    kv.free(probe)  # its blocks are cached, free, not yet loaded
+    filler = Sequence(10**6 + 2, _prompt(9, NUM_BLOCKS * BS - 1))
+    kv.allocate(kv.plan_allocation([(filler, NUM_BLOCKS * BS - 1, [])]))  # takes every block
+    saves, loads = kv.take_tier_transfers()
+    assert not loads  # every loaded block was taken by the filler: no load may overwrite it
+    loaded_saves = [(record, where) for record, where in saves if isinstance(where, bytes)]
+    assert sorted(where for _, where in loaded_saves) == sorted(h.payload for h in hits)
+    assert sorted(r.key for r, _ in loaded_saves) == sorted(h.record.key for h in hits)
+    kv.free(filler)
+    assert_pool_whole(engine)
+    assert outputs == reference[None][:4]
+
+
+# ---- Redis ------------------------------------------------------------------------------------
+def RedisServer(port: Optional[int] = None) -> RedisProcess:
+    """A real redis-server process on a loopback port, owned by the test."""
+    return RedisProcess(port, maxmemory="64mb")
+
+
+needs_redis = pytest.mark.skipif(shutil.which("redis-server") is None or importlib.util.find_spec("redis") is None,
+                                 reason="redis-server is not installed (scripts/setup.sh installs it)")
+
+
+@pytest.fixture
+def redis_server():
+    server = RedisServer()
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def redis_url():
+    """The CI's server ($TRTPAGED_TEST_REDIS_URL, emptied first: .ci/run starts it) or one of our own."""
+    url = os.environ.get("TRTPAGED_TEST_REDIS_URL")
+    if url:
+        import redis
+
+        redis.Redis.from_url(url, socket_timeout=5).flushdb()
+        yield url
+        return
+    server = RedisServer()
+    yield server.url
+    server.kill()
+
+
+@needs_redis
+@pytest.mark.parametrize("kv_dtype", [None, "int8"], ids=["fp32", "int8"])
+def test_redis_restore_is_bit_identical_and_shared_by_a_second_replica(step_model, reference, redis_url, kv_dtype):
+    config = KVTierConfig(remote=redis_url)
+    engine = make_engine(step_model, config, kv_dtype)
+    outputs = [run_one(engine, TRAFFIC[0])]
+    computed = cached_bytes(engine, A)
+    for prompt in TRAFFIC[1:4]:
+        outputs.append(run_one(engine, prompt))
+        engine.kv.tiers.flush()
+    outputs.append(run_one(engine, A))
+    assert cached_bytes(engine, A) == computed
+    outputs.append(run_one(engine, B))
+    computed_b = cached_bytes(engine, B)
+    outputs.append(run_one(engine, A))
+    assert outputs == reference[kv_dtype]
+    assert engine.stats()["kv_tier_remote_hits"] >= 8
+    assert_pool_whole(engine)
+    engine.close()  # flushes what the pool still caches
+    replica = make_engine(step_model, config, kv_dtype)  # a second replica: another pool, the same store
+    assert run_one(replica, B) == reference[kv_dtype][1]
+    assert replica.stats()["kv_tier_remote_hits"] == 4 and cached_bytes(replica, B) == computed_b
+    replica.close()
+
+
+@needs_redis
+def test_killed_redis_finishes_every_request_correctly_and_reconnects(step_model, reference, redis_server):
+    engine = make_engine(step_model, KVTierConfig(remote=redis_server.url, remote_timeout_s=0.2))
+    remote = engine.kv.tiers.tiers[0]
+    remote.retry_after_s = 0.2
+    outputs = []
+    for i, prompt in enumerate(TRAFFIC):
+        if i == 3:
+            redis_server.kill()  # the real server process, mid-run
+        outputs.append(run_one(engine, prompt))
+        engine.kv.tiers.flush()
+    assert outputs == reference[None]
+    stats = engine.stats()
+    assert stats["kv_tier_remote_errors"] >= 1 and stats["kv_tier_remote_hits"] == 0
+    assert_pool_whole(engine)
+    restarted = RedisServer(redis_server.port)  # the same address: the tier reconnects on its own
+    try:
+        time.sleep(0.3)
+        again = [run_one(engine, p) for p in TRAFFIC]
+        engine.kv.tiers.flush()
+        assert again == reference[None]
+        assert engine.stats()["kv_tier_remote_hits"] >= 4
+        assert_pool_whole(engine)
+    finally:
+        engine.close()
+        restarted.kill()

@@ -1,0 +1,129 @@
+"""KV tiers through the public surfaces: LLM(kv_tiers=...) and its errors, `trtpaged serve` with tiers under
+multi-turn traffic (bench serve --multi-turn's client), /metrics per tier, and a restart finding the disk."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from trtpaged.bench.multi_turn import MultiTurnSpec, run_multi_turn
+from trtpaged.bench.server_metrics import parse_prometheus
+from trtpaged.runtime.kv_tiers.config import KVTierConfig
+from trtpaged.runtime.llm import LLM
+from trtpaged.runtime.sampling_params import SamplingParams
+from trtpaged.server import start_server
+
+# the tiny engine's tokenizer is byte-level: about five tokens a word
+SPEC = MultiTurnSpec(conversations=4, turns=3, system_words=16, user_words=5, output_tokens=6, think_time_s=0.05)
+SMALL_POOL = 20  # four live histories of 100-200 tokens do not fit: turns find their history evicted
+
+
+@pytest.mark.parametrize("spec, field", [
+    ({"host": 1}, "kv_tiers.host"),
+    ({"host_memory": "lots"}, "kv_tiers.host_memory"),
+    ({"host_memory": 0}, "kv_tiers.host_memory"),
+    ({"disk": {"path": "/tmp/x"}}, "kv_tiers.disk"),
+    ({"disk": {"path": "/tmp/x", "size": "1GiB", "ttl": 3}}, "kv_tiers.disk.ttl"),
+    ({"disk": {"path": "", "size": "1GiB"}}, "kv_tiers.disk.path"),
+    ({"remote": "http://127.0.0.1:6379"}, "kv_tiers.remote"),
+    ({"remote": {"url": "redis://127.0.0.1:1", "timeout_s": 0}}, "kv_tiers.remote.timeout_s"),
+    ({"remote": {"url": "redis://127.0.0.1:1", "timeout_s": "1"}}, "kv_tiers.remote.timeout_s"),
+    ([1], "kv_tiers"),
+])  # fmt: skip
+def test_tier_config_errors_name_the_field(spec, field):
+    with pytest.raises(ValueError) as e:
+        KVTierConfig.parse(spec)
+    assert str(e.value).startswith(field + ":") or str(e.value).startswith(field + " ")
+
+
+def test_tier_config_parses_sizes_and_builds_in_order(tmp_path):
+    config = KVTierConfig.parse({"host_memory": "1MiB", "disk": {"path": str(tmp_path), "size": "2MB"},
+                                 "remote": {"url": "redis://127.0.0.1:1/0", "timeout_s": 0.1}})
+    assert (config.host_memory, config.disk_size, config.remote_timeout_s) == (1 << 20, 2_000_000, 0.1)
+    pytest.importorskip("redis")
+    stack = config.build(bytes(32), 64)
+    assert [t.name for t in stack.tiers] == ["host", "disk", "remote"]
+    stack.close()
+
+
+def test_llm_refuses_tiers_without_prefix_caching(tiny_engine_dir):
+    with pytest.raises(ValueError, match="kv_tiers: needs enable_prefix_caching"):
+        LLM(tiny_engine_dir, device="cpu", enable_prefix_caching=False, kv_tiers={"host_memory": "1MiB"})
+
+
+def test_llm_restart_finds_its_system_prompt_on_disk(tiny_engine_dir, tmp_path):
+    system = list(range(40, 40 + 64))  # four full blocks
+    prompts = [system + [7, 8, 9], system + [10, 11]]
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    tiers = {"disk": {"path": str(tmp_path), "size": "64MiB"}}
+    with LLM(tiny_engine_dir, device="cpu", kv_tiers=tiers) as llm:
+        first = [o.outputs[0].token_ids for o in llm.generate(prompts[:1], greedy)]
+    with LLM(tiny_engine_dir, device="cpu", kv_tiers=tiers) as llm:  # close() above wrote the cache to disk
+        again = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        stats = llm.stats()
+    with LLM(tiny_engine_dir, device="cpu") as plain:
+        reference = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy)]
+    assert again == reference and first == reference[:1]
+    assert stats["kv_tier_disk_hits"] == 4 and stats["prefix_cache_tier_hits_tokens"] == 64
+    # no token of the system prompt is computed: the first prompt loads it, the second shares those blocks
+    assert stats["num_tokens_computed"] == (3 + 3) + (2 + 3)
+
+
+def _serve_multi_turn(engine_dir, tiers):
+    handle = start_server(engine_dir, port=0, device="cpu", num_kv_blocks=SMALL_POOL, kv_tiers=tiers)
+    try:
+        report = asyncio.run(run_multi_turn(handle.url, SPEC, seed=3))
+        metrics = httpx.get(handle.url + "/metrics").text
+        pool_stats = handle.llm.stats()
+    finally:
+        handle.shutdown()
+    return report, metrics, pool_stats
+
+
+def test_server_with_host_tier_answers_multi_turn_traffic_as_without(tiny_engine_dir):
+    off, _, _ = _serve_multi_turn(tiny_engine_dir, None)
+    host, metrics, stats = _serve_multi_turn(tiny_engine_dir, {"host_memory": "8MiB"})
+    assert off["failed"] == host["failed"] == 0 and host["completed"] == SPEC.conversations * SPEC.turns
+    assert host["replies"] == off["replies"]  # greedy: the tiers change what is computed, never the answer
+    assert host["prefix_tier_hit_tokens"] > 0 and host["prefix_hit_rate"] > off["prefix_hit_rate"]
+    assert host["prefill_tokens_computed"] < off["prefill_tokens_computed"]
+    assert 'trtpaged:kv_tier_hits_total{tier="host"}' in metrics
+    values = parse_prometheus(metrics)
+    assert values["trtpaged:prefix_cache_tier_hits_total"] == stats["prefix_cache_tier_hits_tokens"] > 0
+    assert stats["kv_blocks_used"] == 0  # every request finished: no block held
+
+
+def test_tensor_parallel_restore_is_bit_identical_on_every_rank(tiny_kv4_engines, tmp_path):
+    """2 ranks (gloo on loopback): an entry holds both ranks' shards; evicted, restored from disk, then read
+    back from both ranks: the same bytes, and the greedy outputs equal the run without tiers."""
+    from trtpaged.runtime.sequence import Sequence
+
+    engine_dir = tiny_kv4_engines[2]
+    prompts = [[(7 * i + 11 * j) % 250 + 3 for j in range(70)] for i in range(4)]
+    traffic = prompts + [prompts[0]]
+    greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+
+    def run(llm):
+        return [llm.generate([p], greedy)[0].outputs[0].token_ids for p in traffic[:4]]
+
+    with LLM(engine_dir, device="cpu", num_kv_blocks=12) as plain:
+        reference = run(plain) + [plain.generate([traffic[4]], greedy)[0].outputs[0].token_ids]
+    with LLM(engine_dir, device="cpu", num_kv_blocks=12,
+             kv_tiers={"disk": {"path": str(tmp_path), "size": "64MiB"}}) as llm:
+        kv, runner = llm.engine.kv, llm.engine.runner
+        out = [llm.generate([traffic[0]], greedy)[0].outputs[0].token_ids]
+        probe = Sequence(10**6, traffic[0])
+        computed = runner.read_blocks([b.block_id for b in kv.find_cached_prefix(probe)])
+        kv.free(probe)
+        assert len(computed) == 4 and len(computed[0]) == 2 * runner.local.kv_cache[0].numel() * 4
+        out += [llm.generate([p], greedy)[0].outputs[0].token_ids for p in traffic[1:4]]
+        kv.tiers.flush()
+        out.append(llm.generate([traffic[4]], greedy)[0].outputs[0].token_ids)
+        probe = Sequence(10**6, traffic[0])
+        restored = runner.read_blocks([b.block_id for b in kv.find_cached_prefix(probe)])
+        kv.free(probe)
+        stats = llm.stats()
+    assert out == reference
+    assert stats["kv_tier_disk_hits"] >= 4 and restored == computed

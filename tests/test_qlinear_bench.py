@@ -1,0 +1,27 @@
+"""`bench qlinear`: each cell's weight bytes and its fraction of the weight-streaming limit."""
+
+from __future__ import annotations
+
+import pytest
+
+from trtpaged import kernels
+from trtpaged.bench.qlinear_bench import format_report, read_bandwidth_gbs, run_qlinear_bench
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="the kernel library is not built")
+
+
+def test_cells_carry_the_packed_bytes_and_the_fraction_of_the_streaming_limit() -> None:
+    report = run_qlinear_bench(shapes={"small": (64, 128)}, batches=(1,), working_set_bytes=1 << 20, budget_s=0.01)
+    (row,) = report.rows
+    assert row.int8_bytes == kernels.qlinear_packed_bytes(8, 64, 128, 32)
+    assert row.int4_bytes == kernels.qlinear_packed_bytes(4, 64, 128, 32)
+    assert report.read_gbs > 0
+    text = format_report(report)
+    assert f"read bandwidth {report.read_gbs:.1f} GB/s" in text
+    limit_us = row.int4_bytes / (report.read_gbs * 1e9) * 1e6
+    line = next(line for line in text.splitlines() if line.startswith("small") and f"{limit_us:10.1f}" in line)
+    assert f"{limit_us / row.int4.median_us:7.0%}" in line
+
+
+def test_read_bandwidth_is_bytes_over_time() -> None:
+    assert 0.01 < read_bandwidth_gbs(1 << 22, repeats=2) < 10_000

@@ -1,0 +1,126 @@
+"""The tiers' settings (LLM(kv_tiers=...), `trtpaged serve --kv-*`) and building the stack for one engine.
+
+    kv_tiers = {"host_memory": "8GiB", "disk": {"path": "/var/cache/trtpaged", "size": "100GiB"},
+                "remote": "redis://127.0.0.1:6379/0"}      # or {"url": ..., "timeout_s": 0.5}
+
+Every error is a ValueError naming the field (`kv_tiers.disk.size`) and what is allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Union
+
+from trtpaged.runtime.kv_tiers.disk import DiskTier
+from trtpaged.runtime.kv_tiers.entry import engine_fingerprint
+from trtpaged.runtime.kv_tiers.host import HostMemoryTier
+from trtpaged.runtime.kv_tiers.remote import RedisTier, check_redis_url
+from trtpaged.runtime.kv_tiers.stack import TierStack
+
+KEYS = ("host_memory", "disk", "remote")
+DISK_KEYS = ("path", "size")
+REMOTE_KEYS = ("url", "timeout_s")
+MAX_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class KVTierConfig:
+    """Which tiers sit below the pool, top to bottom: host memory, local disk, a Redis server."""
+
+    host_memory: int = 0  # bytes; 0: no host tier
+    disk_path: Optional[str] = None
+    disk_size: int = 0  # bytes
+    remote: Optional[str] = None  # redis://HOST:PORT[/DB]
+    remote_timeout_s: float = 0.5  # per store operation
+
+    def __post_init__(self) -> None:
+        if self.host_memory < 0:
+            raise ValueError(f"kv_tiers.host_memory: must be >= 0 bytes, got {self.host_memory}")
+        if (self.disk_path is None) != (self.disk_size == 0):
+            raise ValueError("kv_tiers.disk: needs both path and size (> 0 bytes)")
+        if self.disk_size < 0:
+            raise ValueError(f"kv_tiers.disk.size: must be > 0 bytes, got {self.disk_size}")
+        if self.remote is not None:
+            check_redis_url(self.remote)
+        if not 0 < self.remote_timeout_s <= MAX_TIMEOUT_S:
+            raise ValueError(f"kv_tiers.remote.timeout_s: must be in (0, {MAX_TIMEOUT_S}], got {self.remote_timeout_s}")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.host_memory or self.disk_path or self.remote)
+
+    @classmethod
+    def parse(cls, spec: Union[None, "KVTierConfig", Mapping[str, Any]]) -> "KVTierConfig":
+        """From a mapping as documented above (sizes as bytes or "8GiB"); None: no tiers."""
+        from trtpaged.config import parse_size
+
+        if spec is None:
+            return cls()
+        if isinstance(spec, KVTierConfig):
+            return spec
+        if not isinstance(spec, Mapping):
+            raise ValueError(f"kv_tiers: expected a mapping with keys {', '.join(KEYS)}, got {type(spec).__name__}")
+        _known(spec, KEYS, "kv_tiers")
+
+        def size(value: Any, field: str) -> int:
+            try:
+                n = parse_size(value)
+            except ValueError as e:
+                raise ValueError(f"{field}: {e}") from None
+            if n < 1:
+                raise ValueError(f"{field}: must be > 0 bytes, got {value!r}")
+            return n
+
+        values: dict[str, Any] = {}
+        if spec.get("host_memory") is not None:
+            values["host_memory"] = size(spec["host_memory"], "kv_tiers.host_memory")
+        disk = spec.get("disk")
+        if disk is not None:
+            if not isinstance(disk, Mapping) or "path" not in disk or "size" not in disk:
+                raise ValueError("kv_tiers.disk: expected {path: DIR, size: SIZE}")
+            _known(disk, DISK_KEYS, "kv_tiers.disk")
+            if not isinstance(disk["path"], str) or not disk["path"]:
+                raise ValueError(f"kv_tiers.disk.path: expected a directory path, got {disk['path']!r}")
+            values["disk_path"], values["disk_size"] = disk["path"], size(disk["size"], "kv_tiers.disk.size")
+        remote = spec.get("remote")
+        if remote is not None:
+            if isinstance(remote, Mapping):
+                _known(remote, REMOTE_KEYS, "kv_tiers.remote")
+                if "timeout_s" in remote:
+                    t = remote["timeout_s"]
+                    if isinstance(t, bool) or not isinstance(t, (int, float)):
+                        raise ValueError(f"kv_tiers.remote.timeout_s: expected seconds, got {t!r}")
+                    values["remote_timeout_s"] = float(t)
+                remote = remote.get("url")
+            if not isinstance(remote, str):
+                raise ValueError(f"kv_tiers.remote: expected redis://HOST:PORT[/DB], got {remote!r}")
+            values["remote"] = remote
+        return cls(**values)
+
+    def build(self, fingerprint: bytes, block_bytes: int) -> Optional[TierStack]:
+        """The stack for one engine (None without tiers); the remote tier connects lazily."""
+        if not self.enabled:
+            return None
+        tiers: list[Any] = []
+        if self.host_memory:
+            tiers.append(HostMemoryTier(self.host_memory))
+        if self.disk_path:
+            tiers.append(DiskTier(self.disk_path, self.disk_size))
+        if self.remote:
+            tiers.append(RedisTier(self.remote, timeout_s=self.remote_timeout_s))
+        return TierStack(tiers, fingerprint, block_bytes)
+
+
+def _known(spec: Mapping[str, Any], allowed: tuple[str, ...], where: str) -> None:
+    for key in spec:
+        if key not in allowed:
+            raise ValueError(f"{where}.{key}: unknown key; allowed: {', '.join(allowed)}")
+
+
+def manifest_fingerprint(manifest: Any, block_shape: tuple[int, ...], pool_dtype: str) -> bytes:
+    """An engine's tier fingerprint: its files' digests (model and weights; every rank's shard), dtypes,
+    block size, one rank's block shape and the tensor-parallel world size (an entry holds every rank's
+    shard in rank order). Anything else is free to change between runs."""
+    return engine_fingerprint(files=manifest.files, source=manifest.source, dtype=manifest.dtype,
+                              kv_dtype=manifest.kv_cache_dtype, block_size=manifest.limits.block_size,
+                              ranks=manifest.tensor_parallel, block_shape=list(block_shape), pool_dtype=pool_dtype)

@@ -1,0 +1,87 @@
+"""Remote tier: a Redis server shared by replicas (redis-py client, as LMCache's remote backend).
+
+Every operation has a bounded timeout. A store that is down or slow costs at most
+one timeout, then the tier stays quiet for `retry_after_s` (lookups are misses,
+write-backs are dropped, both counted) and the next operation after that
+reconnects (redis-py's connection pool opens a new connection). Its size is the
+server's business (`maxmemory` with an LRU policy; `.ci/run` starts one so);
+`ttl_s` optionally expires entries.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Optional
+from urllib.parse import urlparse
+
+from trtpaged.runtime.kv_tiers.base import TierCounters
+
+KEY_PREFIX = b"trtpaged:kv:"
+
+
+def check_redis_url(url: str) -> str:
+    """The URL if it is a redis:// (or rediss://, unix://) URL with a host; ValueError naming `remote` otherwise."""
+    parsed = urlparse(url)
+    if parsed.scheme not in ("redis", "rediss", "unix") or (parsed.scheme != "unix" and not parsed.hostname):
+        raise ValueError(f"kv_tiers.remote: expected redis://HOST:PORT[/DB], got {url!r}")
+    return url
+
+
+class RedisTier:
+    slow = True
+
+    def __init__(self, url: str, timeout_s: float = 0.5, retry_after_s: float = 1.0, ttl_s: Optional[int] = None,
+                 name: str = "remote") -> None:  # fmt: skip
+        try:
+            import redis
+        except ImportError:
+            raise ValueError("kv_tiers.remote: the redis Python client is not installed (pip install redis)") from None
+        if not timeout_s > 0:
+            raise ValueError(f"kv_tiers.remote.timeout_s: must be > 0 seconds, got {timeout_s}")
+        self.name = name
+        self.url = check_redis_url(url)
+        self.counters = TierCounters()
+        self.retry_after_s = retry_after_s
+        self.ttl_s = ttl_s
+        self._errors = (redis.ConnectionError, redis.TimeoutError, OSError, redis.ResponseError)
+        self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                            retry_on_timeout=False, health_check_interval=0)
+        self._down_until = 0.0
+        self._lock = threading.Lock()  # the down-window only; redis-py's pool is thread-safe
+
+    @property
+    def is_up(self) -> bool:
+        """False while the tier waits out a failure (no operation is tried)."""
+        return time.monotonic() >= self._down_until
+
+    def _call(self, fn, *args):
+        if not self.is_up:
+            return None
+        try:
+            return fn(*args)
+        except self._errors:
+            self.counters.errors += 1
+            with self._lock:
+                self._down_until = time.monotonic() + self.retry_after_s
+            return None
+
+    def get(self, key: bytes) -> Optional[bytes]:
+        return self._call(self._client.get, KEY_PREFIX + key)
+
+    def contains(self, key: bytes) -> bool:
+        return bool(self._call(self._client.exists, KEY_PREFIX + key))
+
+    def put(self, key: bytes, entry: bytes) -> None:
+        done = self._call(self._client.set, KEY_PREFIX + key, entry, self.ttl_s)
+        if done:
+            self.counters.puts += 1
+            self.counters.bytes_written += len(entry)
+        else:
+            self.counters.dropped += 1
+
+    def close(self) -> None:
+        try:
+            self._client.close()
+        except self._errors:
+            pass
