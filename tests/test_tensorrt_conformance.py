@@ -126,6 +126,9 @@ def test_plugin_nodes_need_their_registered_creator_and_fields():
     assert _rules(graph(**dict(ok, plugin_namespace="other"))) == {"op-importer"}
     assert _rules(graph(**dict(ok, scale=1))) == {"plugin-fields"}  # INT where the creator wants kFLOAT32
     assert _rules(graph(**{k: v for k, v in ok.items() if k != "layer"})) == {"plugin-fields"}
+    # the window and soft-cap fields are optional (absent: 0), but of their type when present
+    assert _rules(graph(**dict(ok, sliding_window=4096, logit_softcap=50.0))) == set()
+    assert _rules(graph(**dict(ok, sliding_window=4096.0))) == {"plugin-fields"}
     unknown = helper.make_model(helper.make_graph([helper.make_node("MatMulInteger", ["x", "x"], ["y"])], "g",
                                                   [helper.make_tensor_value_info("x", f, [4])],
                                                   [helper.make_tensor_value_info("y", f, [4])]))

@@ -76,6 +76,10 @@ TINY_KEYS = (
     "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling",
     "tie_word_embeddings", "max_position_embeddings", "rms_norm_eps", "attention_bias", "mlp_bias",
     "initializer_range",
+    # the families' own keys (transformers' names; models/dims.py reads them)
+    "sliding_window", "use_sliding_window", "max_window_layers", "layer_types", "sliding_window_pattern",
+    "no_rope_layers", "no_rope_layer_interval", "query_pre_attn_scalar", "attn_logit_softcapping",
+    "final_logit_softcapping", "partial_rotary_factor", "hidden_activation", "original_max_position_embeddings",
 )
 TINY_DEFAULTS: dict[str, Any] = {
     "architecture": "LlamaForCausalLM", "seed": 0, "vocab_size": 320, "hidden_size": 64,
@@ -100,9 +104,16 @@ TINY_INT_BOUNDS = {
     "vocab_size": (260, 1 << 18), "hidden_size": (1, 8192), "intermediate_size": (1, 32768),
     "num_hidden_layers": (1, 64), "num_attention_heads": (1, 256), "num_key_value_heads": (1, 256),
     "head_dim": (1, 256), "max_position_embeddings": (1, 1 << 24),
+    "sliding_window": (1, 1 << 24), "max_window_layers": (1, 64), "sliding_window_pattern": (1, 64),
+    "no_rope_layer_interval": (1, 64), "query_pre_attn_scalar": (1, 1 << 16),
+    "original_max_position_embeddings": (1, 1 << 24),
 }
-TINY_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias")
-TINY_POSITIVE_FLOATS = {"rope_theta": 1e12, "rms_norm_eps": 1.0, "initializer_range": 10.0}  # (0, bound]
+TINY_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
+TINY_POSITIVE_FLOATS = {"rope_theta": 1e12, "rms_norm_eps": 1.0, "initializer_range": 10.0,  # (0, bound]
+                        "attn_logit_softcapping": 1e6, "final_logit_softcapping": 1e6, "partial_rotary_factor": 1.0}
+# list-valued tiny keys: the values each entry may take
+TINY_LISTS = {"layer_types": ("full_attention", "sliding_attention"), "no_rope_layers": (0, 1)}
+TINY_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # model.tiny.hidden_activation (Gemma's key)
 MAX_ROPE_SCALING_LIST = 4096
 
 
@@ -430,6 +441,18 @@ def _parse_tiny(tiny: Any, fail) -> dict[str, Any]:
             value = out[key]
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= high:
                 raise fail(f"model.tiny.{key}", f"got {_show(value)}; expected a number in (0, {high:g}]", high)
+    for key, allowed in TINY_LISTS.items():
+        value = out.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, list) or len(value) > TINY_INT_BOUNDS["num_hidden_layers"][1]:
+            raise fail(f"model.tiny.{key}", f"got {_show(value)}; expected a list of one entry per layer")
+        bad = next((v for v in value if isinstance(v, bool) or v not in allowed), None)
+        if bad is not None:
+            raise fail(f"model.tiny.{key}", f"holds {_show(bad)}; entries are {', '.join(map(str, allowed))}")
+    if "hidden_activation" in out and out["hidden_activation"] not in TINY_ACTIVATIONS:
+        raise fail("model.tiny.hidden_activation", f"got {_show(out['hidden_activation'])}; expected one of "
+                                                   f"{', '.join(TINY_ACTIVATIONS)}")
     if out.get("rope_scaling") is not None:
         _check_rope_scaling(out["rope_scaling"], fail)
     return out

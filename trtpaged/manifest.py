@@ -75,10 +75,38 @@ class ModelDims:
     attention_bias: bool = False  # Qwen2-style q/k/v biases
     o_proj_bias: bool = False  # Llama with attention_bias=True also biases o_proj (Qwen2 does not)
     mlp_bias: bool = False  # Llama's mlp_bias: biases on gate/up/down projections
+    # Families beyond Llama (models/dims.py maps each HF config; the defaults are Llama's)
+    layer_windows: tuple[int, ...] = ()  # sliding window of each layer, 0: global; (): every layer global
+    nope_layers: tuple[int, ...] = ()  # layers without RoPE (SmolLM3's no_rope_layers)
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3, Gemma 3)
+    partial_rotary_factor: float = 1.0  # RoPE on the first head_dim * factor dims (Phi-4-mini)
+    hidden_act: str = "silu"  # the gated MLP's activation: silu or gelu_tanh (Gemma)
+    gemma_norms: bool = False  # (1 + w) RMSNorms and the post-attention / pre- and post-MLP norms of Gemma 2/3
+    embed_scale: float = 1.0  # embeddings multiplied by this (Gemma: sqrt(hidden_size))
+    attention_scale: float = 0.0  # softmax scale; 0: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    attn_logit_softcap: float = 0.0  # attention score soft-cap (Gemma 2); 0: none
+    final_logit_softcap: float = 0.0  # output logit soft-cap (Gemma 2); 0: none
+    local_rope_theta: float = 0.0  # RoPE base of windowed layers (Gemma 3, default RoPE there); 0: rope_theta
+
+    def window_of(self, layer: int) -> int:
+        """The sliding window of `layer` (0: it attends to the whole sequence)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def max_window(self) -> int:
+        """The largest window when every layer is windowed, else 0 (some layer reads the whole sequence)."""
+        if not self.layer_windows or 0 in self.layer_windows:
+            return 0
+        return max(self.layer_windows)
 
     def kv_bytes_per_token(self, kv_cache_dtype: str) -> int:
         """K and V of every layer for one token."""
         return 2 * self.num_layers * self.num_kv_heads * kv_row_bytes(self.head_dim, kv_cache_dtype)
+
+
+# the fields beyond Llama's (written to trtpaged.json only where they differ from their default)
+FAMILY_FIELDS = ("layer_windows", "nope_layers", "qk_norm", "partial_rotary_factor", "hidden_act", "gemma_norms",
+                 "embed_scale", "attention_scale", "attn_logit_softcap", "final_logit_softcap", "local_rope_theta")
 
 
 @dataclass(frozen=True)
@@ -166,6 +194,12 @@ class Manifest:
 
     def to_json(self) -> str:
         data = asdict(self)
+        # a family field at its Llama default is left out: a Llama engine's manifest is what it was before the
+        # families existed (readers that know only Llama's fields, such as the C runtime, still read it)
+        defaults = ModelDims.__dataclass_fields__
+        for name in FAMILY_FIELDS:
+            if data["dims"][name] == defaults[name].default or data["dims"][name] == ():
+                del data["dims"][name]
         data["kv_bytes_per_token"] = self.kv_bytes_per_token
         data["kv_bytes_per_block"] = self.kv_bytes_per_block
         data["kv_bytes_per_token_per_rank"] = self.kv_bytes_per_token_per_rank

@@ -32,9 +32,38 @@ class MemoryPlan:
     # the same KV memory with other cache dtypes: (kv dtype, bytes per token, bytes per block)
     alternatives: list[tuple[str, int, int]] = field(default_factory=list)
     tensor_parallel: int = 1
+    layer_windows: tuple[int, ...] = ()  # the model's sliding window per layer (0: global); (): none
 
     def blocks_for(self, length: int) -> int:
         return -(-length // self.block_size)
+
+    def window_blocks(self, window: int) -> int:
+        """Most blocks a decoding sequence holds when the blocks before its window are returned: the window's
+        keys straddle ceil(window / block_size) + 1 blocks, and with prefix caching the last full block is kept
+        as its successor's chain parent (KVCacheManager.reclaim)."""
+        return -(-window // self.block_size) + 2
+
+    def _window_lines(self, length: int) -> list[str]:
+        """Sequences of `length` tokens that fit with and without reclamation (every layer windowed), or the
+        saving per-layer-group tables would give and that is not taken (interleaved local / global layers)."""
+        windows = self.layer_windows
+        if not windows or not any(windows) or self.num_blocks is None:
+            return []
+        full = self.blocks_for(length)
+        if 0 not in windows:
+            held = min(full, self.window_blocks(max(windows)))
+            return [f"sliding window {max(windows)} on every layer: blocks before a sequence's window return to the "
+                    f"pool as it advances;",
+                    f"  sequences of {length} tokens that fit: {self.num_blocks // held:,} reclaimed ({held} blocks "
+                    f"each) vs {self.num_blocks // full:,} with the full table ({full} blocks each)"]
+        local = [w for w in windows if w]
+        per_group = sum(min(full, self.window_blocks(w)) for w in local) + full * (len(windows) - len(local))
+        share = per_group / (full * len(windows))
+        return [f"sliding window on {len(local)} of {len(windows)} layers (the others global): the full table is "
+                f"kept (one block holds every layer's K/V);",
+                f"  per-layer-group tables would hold {share:.0%} of it at {length} tokens: "
+                f"{int(self.num_blocks / (full * share)):,} sequences instead of {self.num_blocks // full:,} "
+                "(not taken)"]
 
     def max_sequences(self, length: int) -> Optional[int]:
         """Sequences of `length` tokens that fit in the KV budget together (paged)."""
@@ -73,6 +102,7 @@ class MemoryPlan:
             out.append(f"max concurrent sequences at average length {avg_len}: {fit_avg:,} "
                        f"({self.blocks_for(avg_len)} blocks each){self._cap(fit_avg)}")
             out.append(f"  (unpaged, reserving max_seq_len per sequence: {self.contiguous_sequences():,})")
+        out += self._window_lines(avg_len or self.max_seq_len)
         out += self._dtype_lines(avg_len)
         return out
 
@@ -138,4 +168,5 @@ def plan_memory(manifest: Manifest, memory_bytes: Optional[int] = None) -> Memor
                        manifest.dims.kv_bytes_per_token(name) // n * manifest.limits.block_size)
                       for name in ("float32", "float16", "int8") if name != manifest.kv_cache_dtype],
         tensor_parallel=n,
+        layer_windows=tuple(manifest.dims.layer_windows),
     )

@@ -65,8 +65,13 @@ def paged_attention_reference(
     layer: int,
     scale: float,
     max_context_len: int | None = None,
+    sliding_window: int = 0,
+    logit_softcap: float = 0.0,
 ) -> torch.Tensor:
     """Writes the new K/V into kv_cache (in place) and returns causal attention output.
+
+    sliding_window > 0: a query at position p sees positions p - sliding_window + 1 .. p only;
+    logit_softcap > 0: scores become cap * tanh(score / cap) before the softmax.
 
     Shapes follow the engine I/O contract (docs/architecture.md): q [T, H, D], k/v [T, KVH, D],
     kv_cache [num_blocks, num_layers, 2, KVH, block_size, D]. Returns [T, H, D] in q.dtype.
@@ -80,12 +85,22 @@ def paged_attention_reference(
         lo, hi = int(query_start[s]), int(query_start[s + 1])
         if hi == lo:
             continue
-        keys, values = gather_kv_reference(kv_cache, block_tables[s], int(context_lens[s]), layer)
+        length = int(context_lens[s])
+        first = max(0, int(positions[lo:hi].min()) - sliding_window + 1) if sliding_window > 0 else 0
+        # blocks wholly before every query's window may have been returned to the pool: never read them
+        block_size = kv_cache.shape[4]
+        offset = first // block_size * block_size
+        keys, values = gather_kv_reference(kv_cache, block_tables[s, offset // block_size:], length - offset, layer)
         keys = keys.double().repeat_interleave(group, dim=1)  # [L, H, D]
         values = values.double().repeat_interleave(group, dim=1)
         scores = torch.einsum("thd,lhd->htl", q[lo:hi].double(), keys) * scale
-        key_pos = torch.arange(keys.shape[0])
-        mask = key_pos[None, :] > positions[lo:hi].long()[:, None]  # [t, L]
+        if logit_softcap > 0:
+            scores = torch.tanh(scores / logit_softcap) * logit_softcap
+        key_pos = torch.arange(keys.shape[0]) + offset
+        query_pos = positions[lo:hi].long()[:, None]
+        mask = key_pos[None, :] > query_pos  # [t, L]
+        if sliding_window > 0:
+            mask |= key_pos[None, :] <= query_pos - sliding_window
         scores = scores.masked_fill(mask[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[lo:hi] = torch.einsum("htl,lhd->thd", probs, values).to(q.dtype)

@@ -34,6 +34,8 @@ struct AttentionLimits {
 // Checks the scalar fields of params (counts, head_dim, block_size, layer,
 // dtypes) against a backend's limits. Returns TRTPAGED_OK or an error.
 int validate_attention_params(const trtpaged_attention_params* p, const AttentionLimits& limits);
+// Checks trtpaged_attention_options: sliding_window >= 0, logit_softcap finite and >= 0.
+int validate_attention_options(const trtpaged_attention_options& o);
 
 // Checks block copy/swap pairs (host array).
 int validate_block_pairs(const int32_t* pairs, int32_t num_pairs, int32_t src_num_blocks,

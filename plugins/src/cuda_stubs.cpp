@@ -21,6 +21,13 @@ TRTPAGED_API int trtpaged_paged_attention_cuda(const trtpaged_attention_params*,
   return not_built();
 }
 
+TRTPAGED_API int trtpaged_paged_attention_ex_cuda(const trtpaged_attention_params*, const trtpaged_attention_options*,
+                                                  const void*, const void*, const void*, void*, const int32_t*,
+                                                  const int32_t*, const int32_t*, const int32_t*, void*, int32_t, void*,
+                                                  size_t, void*) {
+  return not_built();
+}
+
 TRTPAGED_API int trtpaged_copy_blocks_cuda(void*, int32_t, size_t, const int32_t*, int32_t, void*) { return not_built(); }
 
 TRTPAGED_API int trtpaged_swap_blocks_cuda(const void*, int32_t, void*, int32_t, size_t, const int32_t*, int32_t,

@@ -41,6 +41,14 @@ size_t dtype_size(trtpaged_dtype dtype) {
   return dtype == TRTPAGED_FLOAT32 ? 4 : (kv_dtype_quantized(dtype) ? 1 : 2);
 }
 
+int validate_attention_options(const trtpaged_attention_options& o) {
+  if (o.sliding_window < 0)
+    return fail(TRTPAGED_ERR_INVALID_ARGUMENT, "sliding_window: " + std::to_string(o.sliding_window) + " is negative");
+  if (!(o.logit_softcap >= 0.0f) || o.logit_softcap > 3.0e38f)
+    return fail(TRTPAGED_ERR_INVALID_ARGUMENT, "logit_softcap: must be finite and >= 0 (0: none)");
+  return TRTPAGED_OK;
+}
+
 int validate_attention_params(const trtpaged_attention_params* p, const AttentionLimits& limits) {
   if (!p) return fail(TRTPAGED_ERR_INVALID_ARGUMENT, "params: null pointer");
   auto bad = [](const std::string& msg) { return fail(TRTPAGED_ERR_INVALID_ARGUMENT, msg); };

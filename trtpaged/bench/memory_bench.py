@@ -170,6 +170,7 @@ def simulate_contiguous(trace: list[TraceRequest], budget: Budget, reserve: str)
 def simulate_paged(
     trace: list[TraceRequest], budget: Budget, sharing: bool, prompts: Optional[list[list[int]]] = None,
     tier_blocks: Optional[int] = 0,
+    reclaim_window: int = 0,
 ) -> PolicyResult:
     """Replays the trace through trtpaged's real scheduler and block pool (no model runs).
 
@@ -178,6 +179,8 @@ def simulate_paged(
     without, they are separate requests (beams as greedy copies) and nothing is shared.
     `tier_blocks` (with sharing): a host-memory KV tier below the pool holding that many blocks
     (None: unbounded), with the real tier code keeping only the entries' headers.
+    `reclaim_window` > 0: a model whose every layer has that sliding window, its blocks before each
+    sequence's window returned to the pool (KVCacheManager.reclaim).
     """
     config = RuntimeConfig(
         block_size=budget.block_size,
@@ -186,6 +189,7 @@ def simulate_paged(
         max_num_tokens=budget.max_num_tokens,
         max_seq_len=budget.max_seq_len,
         enable_prefix_caching=sharing,
+        reclaim_window=reclaim_window,
     )
     result = PolicyResult("paged + sharing" if sharing else "paged")
 
@@ -379,12 +383,12 @@ def run_kv_dtype_comparison(
     return rows
 
 
-def _paged_row(trace: list[TraceRequest], budget: Budget, blocks: int) -> dict:
+def _paged_row(trace: list[TraceRequest], budget: Budget, blocks: int, reclaim_window: int = 0) -> dict:
     """The paged replay (no sharing) with `blocks` blocks: steps, peak / mean / saturated running, preemptions.
 
     "saturated running": mean running sequences over the steps where requests wait, i.e. while the KV budget
     (or max_batch_size) is what limits concurrency."""
-    r = simulate_paged(trace, replace(budget, num_blocks=blocks), sharing=False)
+    r = simulate_paged(trace, replace(budget, num_blocks=blocks), sharing=False, reclaim_window=reclaim_window)
     busy = [run for run, wait in zip(r.running, r.waiting) if wait > 0]
     return {"num_blocks": blocks, "steps": r.steps, "peak_running": r.peak_running, "mean_running": r.mean_running,
             "saturated_running": statistics.fmean(busy) if busy else None, "saturated_steps": len(busy),
@@ -406,6 +410,33 @@ def run_tensor_parallel_comparison(
     for r in rows:
         r["saturated_running_vs_1_rank"] = r["saturated_running"] / base if base and r["saturated_running"] else None
     return rows
+
+
+def run_window_comparison(trace: list[TraceRequest], budget: Budget, window: int,
+                          progress: Optional[Callable[[str], None]] = None) -> list[dict]:
+    """The paged replay (no sharing) of a model whose every layer has a `window`-token sliding window, keeping
+    every block (the full table) and returning the blocks before each sequence's window (reclaimed)."""
+    say = progress or (lambda _msg: None)
+    rows = []
+    for reclaim in (False, True):
+        say(f"paged, window {window}, {'reclaimed' if reclaim else 'full table'}")
+        rows.append({"reclaim": reclaim, **_paged_row(trace, budget, budget.num_blocks, window if reclaim else 0)})
+    base = rows[0]["mean_running"]
+    for r in rows:
+        r["mean_running_vs_full_table"] = r["mean_running"] / base if base else None
+    return rows
+
+
+def format_window_table(rows: list[dict], window: int) -> str:
+    lines = [f"sliding window {window} on every layer, paged replay without sharing:",
+             f"{'blocks before the window':<26} {'steps':>7} {'peak run':>9} {'mean run':>9} {'vs kept':>8} "
+             f"{'preempt':>8}"]
+    for r in rows:
+        vs = f"{r['mean_running_vs_full_table']:>7.2f}x" if r["mean_running_vs_full_table"] else f"{'-':>8}"
+        lines.append(f"{'returned to the pool' if r['reclaim'] else 'kept (full table)':<26} {r['steps']:>7} "
+                     f"{r['peak_running']:>9} {r['mean_running']:>9.1f} {vs} {r['preemptions']:>8}")
+    lines += ["mean run: sequences running at once, mean over the steps (a preempted sequence recomputes its tokens)"]
+    return "\n".join(lines)
 
 
 def format_tensor_parallel_table(rows: list[dict], base_blocks: int) -> str:

@@ -31,9 +31,10 @@ def _values(rows: np.ndarray, kv_dtype: str) -> np.ndarray:
 
 
 def paged_attention_numpy(q, k, v, kv_cache, positions, query_start, context_lens, block_tables,
-                          *, layer: int, block_size: int, scale: float,
-                          kv_dtype: str = "auto") -> tuple[np.ndarray, np.ndarray]:
-    """Returns (out [T, H, D] in q.dtype, updated copy of kv_cache)."""
+                          *, layer: int, block_size: int, scale: float, kv_dtype: str = "auto",
+                          sliding_window: int = 0, logit_softcap: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """Returns (out [T, H, D] in q.dtype, updated copy of kv_cache); sliding_window / logit_softcap > 0 as the
+    node's attributes say (onnx_node.py)."""
     cache = kv_cache.copy()
     positions = positions.astype(np.int64)
     seq_of_token = np.repeat(np.arange(len(context_lens)), np.diff(query_start))
@@ -54,7 +55,11 @@ def paged_attention_numpy(q, k, v, kv_cache, positions, query_start, context_len
         values = kv[:, 1].transpose(0, 2, 1, 3).reshape(-1, num_kv_heads, head_dim)[:length]
         qs = q[lo:hi].astype(np.float32).reshape(hi - lo, num_kv_heads, group, head_dim)
         scores = np.einsum("tkgd,lkd->tkgl", qs, keys) * np.float32(scale)
+        if logit_softcap > 0:
+            scores = np.tanh(scores / np.float32(logit_softcap)) * np.float32(logit_softcap)
         masked = np.arange(length)[None, :] > positions[lo:hi, None]  # [t, L]
+        if sliding_window > 0:
+            masked |= np.arange(length)[None, :] <= positions[lo:hi, None] - sliding_window
         scores = np.where(masked[:, None, None, :], -np.inf, scores)
         scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
         probs = scores / scores.sum(axis=-1, keepdims=True)
@@ -69,13 +74,15 @@ class TrtpagedPagedAttention(OpRun):
 
     def _run(self, q, k, v, kv_cache, positions, query_start, context_lens, block_tables,
              num_heads=None, num_kv_heads=None, head_dim=None, block_size=None, layer=None, scale=None,
-             kv_dtype=None, plugin_version=None, plugin_namespace=None, kv_pool=None, num_layers=None):
+             kv_dtype=None, plugin_version=None, plugin_namespace=None, kv_pool=None, num_layers=None,
+             sliding_window=None, logit_softcap=None):
         kv_dtype = kv_dtype.decode() if isinstance(kv_dtype, bytes) else (kv_dtype or "auto")
         typed = kv_cache.dtype
         if is_quantized(kv_dtype):  # the pool's bytes, typed int8, uint8 or fp16 pairs (tensorrt.quantized_pool)
             kv_cache = kv_cache.view(np.int8)
         out, cache = paged_attention_numpy(q, k, v, kv_cache, positions, query_start, context_lens, block_tables,
                                            layer=int(layer), block_size=int(block_size), scale=float(scale),
-                                           kv_dtype=kv_dtype)
+                                           kv_dtype=kv_dtype, sliding_window=int(sliding_window or 0),
+                                           logit_softcap=float(logit_softcap or 0.0))
         return out, cache.view(typed)
 

@@ -117,8 +117,10 @@ PLUGIN_FIELDS: dict[str, dict[str, int]] = {
                    "scale": _FLOAT, "kv_dtype": _STRING},
     ALLREDUCE_OP: {"rank": _INT, "world_size": _INT},
 }
-# fields a creator takes when present (fields.cpp: kv_pool "aliased"/"address", num_layers with address)
-PLUGIN_OPTIONAL_FIELDS: dict[str, dict[str, int]] = {ATTENTION_OP: {"kv_pool": _STRING, "num_layers": _INT}}
+# fields a creator takes when present and defaults when absent (fields.cpp: kv_pool "aliased"/"address",
+# num_layers with address; sliding_window and logit_softcap 0, as a graph exported before they existed has none)
+PLUGIN_OPTIONAL_FIELDS: dict[str, dict[str, int]] = {ATTENTION_OP: {"kv_pool": _STRING, "num_layers": _INT,
+                                                                    "sliding_window": _INT, "logit_softcap": _FLOAT}}
 _QUANTIZED_POOL_TYPES = frozenset({_I8, TensorProto.UINT8, _H})
 # attribute types loadFields turns into plugin fields (onnxOpImporters.cpp line 6112)
 PLUGIN_ATTRIBUTE_TYPES = frozenset({_INT, _FLOAT, _STRING, onnx.AttributeProto.INTS, onnx.AttributeProto.FLOATS,

@@ -78,11 +78,15 @@ def kernel(kv_dtype: Optional[str], device: str, as_json: bool, quick: bool) -> 
 @click.option("--kv-tier-blocks", default=None, metavar="N[,N..]",
               help="Also: prefix hit rate and tokens computed with a KV tier of N blocks below the pool "
                    "(each size; 'unbounded' too), vs the pool alone (docs/kv_tiers.md).")
+@click.option("--window", type=click.IntRange(min=1), default=None,
+              help="Also: the paged replay of a model whose every layer has this sliding window, with the blocks "
+                   "before each sequence's window kept and returned to the pool (default: the engine's window when "
+                   "every layer has one).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.pass_context
 def memory(ctx, engine, trace, num_requests, prompt_len, output_len, shared_prefix, num_prefixes, n, beam_width, preset,
            sharing_table, plot, seed, num_blocks, block_size, max_seq_len, max_batch_size, max_num_tokens,
-           kv_dtype, head_dim, tensor_parallel, kv_tier_blocks, as_json) -> None:  # fmt: skip
+           kv_dtype, head_dim, tensor_parallel, kv_tier_blocks, window, as_json) -> None:  # fmt: skip
     """Concurrency and KV utilisation of one workload: contiguous reservations vs paged vs paged + sharing.
 
     Replays the workload through trtpaged's real scheduler and block pool (no model runs) and
@@ -119,6 +123,8 @@ def memory(ctx, engine, trace, num_requests, prompt_len, output_len, shared_pref
             limits = manifest.limits
             if tensor_parallel is None and manifest.tensor_parallel > 1:
                 tensor_parallel = manifest.tensor_parallel
+            if window is None and manifest.dims.max_window:
+                window = manifest.dims.max_window
             # one device's memory in one-rank blocks (a rank's block is 1/tensor_parallel of one)
             defaults = {"num_blocks": max(1, resolve_num_blocks(manifest) // manifest.tensor_parallel),
                         "block_size": limits.block_size,
@@ -171,6 +177,10 @@ def memory(ctx, engine, trace, num_requests, prompt_len, output_len, shared_pref
         from trtpaged.bench.memory_bench import run_tier_what_if
 
         report["kv_tiers"] = run_tier_what_if(requests, budget, tier_sizes, progress=progress)
+    if window:
+        from trtpaged.bench.memory_bench import run_window_comparison
+
+        report["window"] = {"window": window, "rows": run_window_comparison(requests, budget, window, progress)}
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
@@ -188,6 +198,10 @@ def memory(ctx, engine, trace, num_requests, prompt_len, output_len, shared_pref
         from trtpaged.bench.memory_bench import format_tier_table
 
         click.echo("\n" + format_tier_table(report["kv_tiers"], budget.num_blocks))
+    if "window" in report:
+        from trtpaged.bench.memory_bench import format_window_table
+
+        click.echo("\n" + format_window_table(report["window"]["rows"], report["window"]["window"]))
 
 
 @command.command(name="qlinear")
@@ -377,6 +391,10 @@ def throughput(engine, trace, num_requests, baseline, hf_batch_size, no_prefix_c
         from trtpaged.bench.step_profile import run_step_profile
 
         report["profile"] = run_step_profile(engine, say=progress)
+    if window:
+        from trtpaged.bench.memory_bench import run_window_comparison
+
+        report["window"] = {"window": window, "rows": run_window_comparison(requests, budget, window, progress)}
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return

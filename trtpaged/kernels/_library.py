@@ -66,6 +66,10 @@ class _AttentionParams(ctypes.Structure):
     ]
 
 
+class _AttentionOptions(ctypes.Structure):
+    _fields_ = [("sliding_window", ctypes.c_int32), ("logit_softcap", ctypes.c_float)]
+
+
 class _QLinearWeight(ctypes.Structure):
     _fields_ = [
         ("packed", ctypes.c_void_p),
@@ -107,9 +111,12 @@ def library_candidates(name: str, env_var: str) -> list[Path]:
 def _declare(lib: ctypes.CDLL) -> None:
     p, i32, sz, vp = ctypes.c_void_p, ctypes.c_int32, ctypes.c_size_t, ctypes.c_void_p
     params = ctypes.POINTER(_AttentionParams)
+    options = ctypes.POINTER(_AttentionOptions)
     signatures = {
         "trtpaged_paged_attention_cpu": [params, vp, vp, vp, vp, p, p, p, p, vp],
         "trtpaged_paged_attention_cuda": [params, vp, vp, vp, vp, p, p, p, p, vp, i32, vp, sz, vp],
+        "trtpaged_paged_attention_ex_cpu": [params, options, vp, vp, vp, vp, p, p, p, p, vp],
+        "trtpaged_paged_attention_ex_cuda": [params, options, vp, vp, vp, vp, p, p, p, p, vp, i32, vp, sz, vp],
         "trtpaged_copy_blocks_cpu": [vp, i32, sz, p, i32],
         "trtpaged_copy_blocks_cuda": [vp, i32, sz, p, i32, vp],
         "trtpaged_swap_blocks_cpu": [vp, i32, vp, i32, sz, p, i32],

@@ -11,6 +11,7 @@ import torch
 from trtpaged.kernels._library import (
     _DTYPE_CODES,
     _KV_DTYPE_CODES,
+    _AttentionOptions,
     _AttentionParams,
     _check,
     _pool_head_dim,
@@ -35,8 +36,13 @@ def paged_attention(
     scale: float,
     out: Optional[torch.Tensor] = None,
     max_context_len: Optional[int] = None,
+    sliding_window: int = 0,
+    logit_softcap: float = 0.0,
 ) -> torch.Tensor:
     """Writes the step's K/V into kv_cache (in place) and returns causal paged attention.
+
+    sliding_window > 0: each query reads only the sliding_window positions ending at its own;
+    logit_softcap > 0: scores are soft-capped, cap * tanh(score / cap) (trtpaged_attention_options).
 
     q [T, H, D], k/v [T, KVH, D] (one dtype), kv_cache [num_blocks, num_layers, 2, KVH,
     block_size, D] (float), or [..., block_size, D + 2] int8 / float8_e4m3fn for a quantized cache
@@ -86,22 +92,32 @@ def paged_attention(
         num_blocks, num_layers, layer, block_size, scale, _DTYPE_CODES[q.dtype], _KV_DTYPE_CODES[kv_cache.dtype],
     )  # fmt: skip
     lib = library()
+    opts = ctypes.byref(attention_options(sliding_window, logit_softcap))
     pointers = [_ptr(t) for t in (q, k, v, kv_cache, positions, query_start, context_lens, block_tables, out)]
     if device.type == "cpu":
-        _check("paged_attention", lib.trtpaged_paged_attention_cpu(ctypes.byref(params), *pointers))
+        _check("paged_attention", lib.trtpaged_paged_attention_ex_cpu(ctypes.byref(params), opts, *pointers))
     elif device.type == "cuda":
         if max_context_len is None:
             max_context_len = int(context_lens.max().item()) if num_seqs else 0
         size = lib.trtpaged_paged_attention_cuda_workspace_size(ctypes.byref(params), max_context_len)
         workspace = torch.empty(size, dtype=torch.uint8, device=device) if size else None
-        status = lib.trtpaged_paged_attention_cuda(
-            ctypes.byref(params), *pointers, max_context_len,
+        status = lib.trtpaged_paged_attention_ex_cuda(
+            ctypes.byref(params), opts, *pointers, max_context_len,
             _ptr(workspace) if workspace is not None else None, size, _stream(device),
         )  # fmt: skip
         _check("paged_attention", status)
     else:
         raise ValueError(f"q: device {device} not supported (cpu or cuda)")
     return out
+
+
+def attention_options(sliding_window: int = 0, logit_softcap: float = 0.0) -> _AttentionOptions:
+    """The C ABI's trtpaged_attention_options; raises ValueError naming a bad value."""
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or not 0 <= sliding_window < 1 << 31:
+        raise ValueError(f"sliding_window: got {sliding_window!r}; expected an int >= 0 (0: none)")
+    if not 0.0 <= float(logit_softcap) < float("inf"):
+        raise ValueError(f"logit_softcap: got {logit_softcap!r}; expected a finite float >= 0 (0: none)")
+    return _AttentionOptions(sliding_window, float(logit_softcap))
 
 
 class AttentionStep:
@@ -138,17 +154,26 @@ class AttentionStep:
         self._pointers = tuple(t.data_ptr() for t in self._tensors)
         lib = library()
         self._workspace: Optional[torch.Tensor] = None
+        self._options: dict[tuple[int, float], tuple[_AttentionOptions, object]] = {}
         if device.type == "cpu":
-            self._fn = lib.trtpaged_paged_attention_cpu
+            self._fn = lib.trtpaged_paged_attention_ex_cpu
         elif device.type == "cuda":
-            self._fn = lib.trtpaged_paged_attention_cuda
+            self._fn = lib.trtpaged_paged_attention_ex_cuda
             if max_context_len is None:
                 max_context_len = int(context_lens.max().item()) if num_seqs else 0
             self._max_context_len = max_context_len
         else:
             raise ValueError(f"kv_cache: device {device} not supported (cpu or cuda)")
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def _options_ref(self, sliding_window: int, logit_softcap: float) -> object:
+        key = (sliding_window, logit_softcap)
+        if key not in self._options:
+            opts = attention_options(sliding_window, logit_softcap)
+            self._options[key] = (opts, ctypes.byref(opts))
+        return self._options[key][1]
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                 sliding_window: int = 0, logit_softcap: float = 0.0) -> torch.Tensor:
         if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()) or q.shape[0] != self.num_tokens:
             raise ValueError(f"q/k/v: expected dense tensors with {self.num_tokens} rows")
         if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPE_CODES:
@@ -157,7 +182,8 @@ class AttentionStep:
         p.layer, p.scale, p.io_dtype = layer, scale, _DTYPE_CODES[q.dtype]
         out = torch.empty_like(q)
         cache, positions, query_start, context_lens, block_tables = self._pointers
-        args = (self._params_ref, q.data_ptr(), k.data_ptr(), v.data_ptr(), cache, positions, query_start,
+        args = (self._params_ref, self._options_ref(sliding_window, logit_softcap), q.data_ptr(), k.data_ptr(),
+                v.data_ptr(), cache, positions, query_start,
                 context_lens, block_tables, out.data_ptr())
         if self.device.type == "cpu":
             status = self._fn(*args)

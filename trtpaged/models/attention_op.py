@@ -47,8 +47,9 @@ def eager_attention(
     max_context_len: Optional[int] = None,
     reference: bool = False,
 ) -> Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]:
-    """One step's attention for the eager step model: `attend(layer, q, k, v, scale) -> out`, which writes
-    k/v into their cache slots (in place) and returns causal paged attention [T, H, D].
+    """One step's attention for the eager step model: `attend(layer, q, k, v, scale, sliding_window=0,
+    logit_softcap=0.0) -> out`, which writes k/v into their cache slots (in place) and returns causal paged
+    attention [T, H, D].
 
     The step's index tensors are checked once here, not once per layer (kernels.AttentionStep);
     `reference`: the plain torch reference instead (tests)."""
@@ -58,9 +59,11 @@ def eager_attention(
         return kernels.AttentionStep(kv_cache, positions, query_start, context_lens, block_tables, num_heads,
                                      max_context_len)
 
-    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int = 0,
+               logit_softcap: float = 0.0) -> torch.Tensor:
         return paged_attention_reference(q, k, v, kv_cache, positions, query_start, context_lens, block_tables,
-                                         layer=layer, scale=scale)
+                                         layer=layer, scale=scale, sliding_window=sliding_window,
+                                         logit_softcap=logit_softcap)
 
     return attend
 
@@ -82,20 +85,24 @@ def paged_attention(
     layer: int,
     scale: float,
     kv_dtype: str = "auto",
+    sliding_window: int = 0,
+    logit_softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Functional form for export: returns (output [T, H, D], updated copy of kv_cache). kv_dtype
-    "int8" / "fp8_e4m3": kv_cache holds that format's rows as bytes (Functional)."""
+    "int8" / "fp8_e4m3": kv_cache holds that format's rows as bytes (Functional); sliding_window and
+    logit_softcap as in kernels.paged_attention (0: none)."""
     new_cache = kv_cache.clone()
     pool = new_cache.view(STORAGE_DTYPES[kv_dtype]) if is_quantized(kv_dtype) else new_cache
     from trtpaged import kernels
 
-    out = kernels.paged_attention(q, k, v, pool, positions, query_start, context_lens, block_tables, layer=layer, scale=scale)
+    out = kernels.paged_attention(q, k, v, pool, positions, query_start, context_lens, block_tables, layer=layer,
+                                  scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap)
     return out, new_cache
 
 
 @paged_attention.register_fake
 def _paged_attention_functional_fake(
     q, k, v, kv_cache, positions, query_start, context_lens, block_tables,
-    num_heads, num_kv_heads, head_dim, block_size, layer, scale, kv_dtype="auto",
+    num_heads, num_kv_heads, head_dim, block_size, layer, scale, kv_dtype="auto", sliding_window=0, logit_softcap=0.0,
 ):
     return torch.empty_like(q), torch.empty_like(kv_cache)

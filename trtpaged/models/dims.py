@@ -8,9 +8,18 @@ from trtpaged.manifest import ModelDims
 from trtpaged.models.rope import SUPPORTED_ROPE_TYPES, rope_type
 
 # HF architecture -> its transformers model_type (also the GGUF general.architecture name)
-MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+               "Qwen3ForCausalLM": "qwen3", "SmolLM3ForCausalLM": "smollm3", "Phi3ForCausalLM": "phi3",
+               "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text"}
+GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# the gated MLP activations the step model implements, by HF name
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+# config keys of variants no listed family's step model implements (MoE and friends): refused by name
+_LLAMA_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM")  # attention_bias: q/k/v and o
+_REFUSED_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 SUPPORTED_ARCHITECTURES = tuple(MODEL_TYPES)
 ARCHITECTURES_BY_MODEL_TYPE = {model_type: arch for arch, model_type in MODEL_TYPES.items()}
+ARCHITECTURES_BY_MODEL_TYPE["gemma3"] = "Gemma3ForCausalLM"  # a Gemma 3 GGUF's general.architecture
 HEAD_DIM_MULTIPLE, MAX_HEAD_DIM = 16, 256  # what the CPU attention kernel implements
 # What the CUDA kernels (and so TensorRT engines) implement: plugins/src/cuda/head_dims.h.
 # A model with another head_dim builds and runs with the torch backend on CPU only.
@@ -21,31 +30,74 @@ class UnsupportedModelError(ValueError):
     """The HF model uses a feature trtpaged's step model does not implement."""
 
 
-def _rope(config: Any) -> tuple[float, Optional[dict]]:
-    """(rope_theta, rope_scaling or None) from a transformers 4.x (rope_theta, rope_scaling)
-    or 5.x (rope_parameters) config."""
+def _rope(config: Any, layer_type: str = "full_attention") -> tuple[float, Optional[dict], float]:
+    """(rope_theta, rope_scaling or None, partial_rotary_factor) from a transformers 4.x (rope_theta,
+    rope_scaling) or 5.x (rope_parameters, per layer type for Gemma 3) config."""
     params = dict(getattr(config, "rope_parameters", None) or {})
+    if layer_type in params and isinstance(params[layer_type], dict):
+        params = dict(params[layer_type])
     legacy = getattr(config, "rope_scaling", None)
-    if legacy and not params.get("factor"):
+    if legacy and not params.get("factor") and layer_type == "full_attention":
         params.update(legacy)
     theta = float(params.pop("rope_theta", getattr(config, "rope_theta", 10000.0)))
-    return theta, (params if rope_type(params) != "default" else None)
+    partial = float(params.pop("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0))
+    return theta, (params if rope_type(params) != "default" else None), partial
+
+
+def _layer_windows(config: Any, arch: str) -> tuple[int, ...]:
+    """Each layer's sliding window (0: global), or () when no layer has one. transformers 5 names each
+    layer's kind in layer_types; Mistral (and Phi-3) apply sliding_window, when set, to every layer."""
+    window = int(getattr(config, "sliding_window", None) or 0)
+    types = getattr(config, "layer_types", None)
+    if not window:
+        return ()
+    if types:
+        windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+    elif arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
+        windows = (window,) * config.num_hidden_layers
+    else:
+        windows = ()
+    return windows if any(windows) else ()
+
+
+def _softcap(config: Any, key: str) -> float:
+    value = getattr(config, key, None)
+    if value is None:
+        return 0.0
+    if not float(value) > 0:
+        raise UnsupportedModelError(f"{key}: got {value!r}; expected a positive number or null")
+    return float(value)
 
 
 def dims_from_hf_config(config: Any, max_seq_len: Optional[int] = None) -> ModelDims:
-    """Maps a transformers Llama/Mistral/Qwen2 config to ModelDims; raises UnsupportedModelError."""
+    """Maps a transformers config of a supported family to ModelDims; raises UnsupportedModelError naming
+    the config key of what the step model does not implement."""
     archs = getattr(config, "architectures", None) or []
     arch = archs[0] if archs else ARCHITECTURES_BY_MODEL_TYPE.get(config.model_type, config.model_type)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(f"architecture {arch} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    act = getattr(config, "hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedModelError(f"hidden_act: got {act!r}; the step model implements SwiGLU with silu only")
-    theta, scaling = _rope(config)
+    for key in _REFUSED_KEYS:
+        if getattr(config, key, None):
+            raise UnsupportedModelError(f"{key}: got {getattr(config, key)!r}; mixture-of-experts layers are not "
+                                        "implemented")
+    gemma = arch in GEMMA
+    act_key = "hidden_activation" if gemma else "hidden_act"
+    act = getattr(config, act_key, None) or getattr(config, "hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        raise UnsupportedModelError(f"{act_key}: got {act!r}; the gated MLP implements {', '.join(ACTIVATIONS)}")
+    theta, scaling, partial = _rope(config)
     if rope_type(scaling) not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(f"rope_type: got {rope_type(scaling)!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    if float((scaling or {}).get("partial_rotary_factor", 1.0)) != 1.0:
-        raise UnsupportedModelError("partial_rotary_factor: only 1.0 (full rotary) is supported")
+    if rope_type(scaling) == "longrope":
+        original = int((scaling or {}).get("original_max_position_embeddings")
+                       or getattr(config, "original_max_position_embeddings", 0) or 0)
+        if not original:
+            raise UnsupportedModelError("rope_scaling.original_max_position_embeddings: longrope needs it")
+        scaling = {**(scaling or {}), "original_max_position_embeddings": original}
+        if max_seq_len and max_seq_len > original:
+            raise UnsupportedModelError(
+                f"max_seq_len: {max_seq_len} exceeds longrope's original_max_position_embeddings {original}; "
+                f"beyond it the long factors switch on with the sequence length, which is not implemented")
     heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     if heads % kv_heads:
         raise UnsupportedModelError(f"num_key_value_heads: {kv_heads} does not divide num_attention_heads {heads}")
@@ -54,15 +106,32 @@ def dims_from_hf_config(config: Any, max_seq_len: Optional[int] = None) -> Model
         raise UnsupportedModelError(
             f"head_dim: got {head_dim}; the trtpaged kernels support multiples of {HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM}"
         )
-    window = getattr(config, "sliding_window", None)
-    uses_window = getattr(config, "use_sliding_window", arch == "MistralForCausalLM")
-    if uses_window and window and max_seq_len and max_seq_len > window:
-        raise UnsupportedModelError(
-            f"max_seq_len: {max_seq_len} exceeds the model's sliding_window {window}; sliding-window attention is "
-            f"not implemented, use max_seq_len <= {window}"
-        )
+    rotary_dim = int(head_dim * partial)
+    if not 0 < partial <= 1 or rotary_dim % 2:
+        raise UnsupportedModelError(f"partial_rotary_factor: got {partial}; head_dim * factor must be even and > 0")
+    num_layers = config.num_hidden_layers
+    nope: tuple[int, ...] = ()
+    if arch == "SmolLM3ForCausalLM":
+        flags = list(getattr(config, "no_rope_layers", None) or [1] * num_layers)
+        if len(flags) != num_layers:
+            raise UnsupportedModelError(f"no_rope_layers: {len(flags)} entries for {num_layers} layers")
+        nope = tuple(i for i, use_rope in enumerate(flags) if not use_rope)
+    windows = _layer_windows(config, arch)
+    if windows and len(windows) != num_layers:
+        raise UnsupportedModelError(f"layer_types: {len(windows)} entries for {num_layers} layers")
+    local_theta = 0.0
+    if gemma and windows and arch == "Gemma3ForCausalLM":
+        local_theta, local_scaling, _ = _rope(config, "sliding_attention")
+        if local_scaling is not None:
+            raise UnsupportedModelError("rope_parameters.sliding_attention: only the default RoPE is implemented for "
+                                        "the local layers")
+        local_theta = float(getattr(config, "rope_local_base_freq", None) or local_theta)
     qwen = arch == "Qwen2ForCausalLM"
-    llama_bias = bool(getattr(config, "attention_bias", False)) and not qwen
+    bias = bool(getattr(config, "attention_bias", False))
+    llama_bias = bias and arch in _LLAMA_BIAS  # q/k/v and o_proj biased
+    if bias and not qwen and arch not in _LLAMA_BIAS:
+        raise UnsupportedModelError(f"attention_bias: true is not implemented for {arch}")
+    scalar = getattr(config, "query_pre_attn_scalar", None) if gemma else None
     return ModelDims(
         architecture=arch,
         num_layers=config.num_hidden_layers,
@@ -80,4 +149,15 @@ def dims_from_hf_config(config: Any, max_seq_len: Optional[int] = None) -> Model
         attention_bias=qwen or llama_bias,
         o_proj_bias=llama_bias,
         mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        layer_windows=windows,
+        nope_layers=nope,
+        qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+        partial_rotary_factor=partial,
+        hidden_act=ACTIVATIONS[act],
+        gemma_norms=gemma,
+        embed_scale=float(config.hidden_size) ** 0.5 if gemma else 1.0,
+        attention_scale=float(scalar) ** -0.5 if scalar else 0.0,
+        attn_logit_softcap=_softcap(config, "attn_logit_softcapping") if gemma else 0.0,
+        final_logit_softcap=_softcap(config, "final_logit_softcapping") if gemma else 0.0,
+        local_rope_theta=local_theta,
     )

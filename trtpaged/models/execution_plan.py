@@ -49,10 +49,22 @@ class ExecutionPlan:
         return f"{self.layers} ({self.reason}{attention})"
 
 
+def family_features(dims) -> list[str]:
+    """What a model has beyond Llama's layer that the fused CPU ops and the one-call runner do not compute
+    (ModelDims fields by name; sliding windows excepted: the fused form passes them to the attention)."""
+    plain = {"nope_layers": (), "qk_norm": False, "partial_rotary_factor": 1.0, "hidden_act": "silu",
+             "gemma_norms": False, "embed_scale": 1.0, "attention_scale": 0.0, "attn_logit_softcap": 0.0,
+             "final_logit_softcap": 0.0, "local_rope_theta": 0.0}
+    return [name for name, value in plain.items() if getattr(dims, name) != value]
+
+
 def _fused_blocker(model: "LlamaStepModel") -> str | None:
     """Why the fused CPU ops cannot run this model, or None (its activations have the norms' dtype and device)."""
     from trtpaged import kernels
 
+    features = family_features(model.dims)
+    if features:
+        return f"{', '.join(features)}: the fused CPU ops compute Llama's layer only"
     dtype, device = model.norm.weight.dtype, model.norm.weight.device
     if dtype is not torch.float32:
         return f"dtype {str(dtype).removeprefix('torch.')}: the fused CPU ops are float32"
@@ -74,6 +86,8 @@ def c_layers_blocker(model: "LlamaStepModel") -> str | None:
         return "the kernel library has no one-call layer runner"
     if model.reduce is not None:
         return "a tensor-parallel rank all-reduces between the layers' kernels"
+    if any(model.dims.layer_windows):
+        return "sliding-window layers (the one-call runner's attention reads whole sequences)"
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)

@@ -1,4 +1,8 @@
-"""trtpaged's own Llama-family step model (Llama, SmolLM2, Mistral, Qwen2).
+"""trtpaged's own Llama-family step model (Llama, SmolLM2/3, Mistral, Qwen2/3, Phi-3, Gemma 2/3).
+
+The families differ from Llama in a few switches of ModelDims (models/dims.py maps each HF config):
+per-layer sliding windows, q/k norms, layers without RoPE, partial rotary, GeGLU, Gemma's (1 + w)
+norms around attention and MLP, embedding scale and logit soft-caps.
 
 One `forward` is one packed step of the engine I/O contract (docs/architecture.md):
 prefill chunks and decode tokens of many sequences together, each layer's
@@ -42,14 +46,19 @@ def make_linear(name: str, in_features: int, out_features: int, bias: bool, dtyp
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 and cast back, as HF Llama does."""
+    """RMSNorm computed in float32 and cast back, as HF Llama does; `gemma`: scaled by (1 + weight) in float32,
+    then cast, as HF Gemma does."""
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, gemma: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
-        self.eps = eps
+        self.eps, self.gemma = eps, gemma
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemma:
+            h = x.float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (h * (1.0 + self.weight.float())).to(x.dtype)
         if x.dtype == self.weight.dtype == torch.float32 and not torch.compiler.is_exporting():
             # the same float32 arithmetic in one op (a third faster eagerly); the exported graph keeps the
             # explicit form
@@ -64,11 +73,18 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """cos/sin tables of the packed positions (computed in float32, cast to the model dtype)."""
+    """cos/sin tables of the packed positions (computed in float32, cast to the model dtype).
 
-    def __init__(self, dims: ModelDims):
+    `local`: the table of windowed layers where the model gives them their own RoPE base (Gemma 3)."""
+
+    def __init__(self, dims: ModelDims, local: bool = False):
         super().__init__()
-        inv_freq, self.attention_scaling = inv_frequencies(dims.head_dim, dims.rope_theta, dims.rope_scaling)
+        rotary_dim = int(dims.head_dim * dims.partial_rotary_factor)
+        if local:
+            inv_freq, self.attention_scaling = inv_frequencies(rotary_dim, dims.local_rope_theta, None)
+        else:
+            inv_freq, self.attention_scaling = inv_frequencies(rotary_dim, dims.rope_theta, dims.rope_scaling,
+                                                               dims.max_position_embeddings)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,12 +107,16 @@ class PagedSelfAttention(nn.Module):
         super().__init__()
         self.layer, self.reduce = layer, reduce
         self.num_heads, self.num_kv_heads, self.head_dim = dims.num_heads, dims.num_kv_heads, dims.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = dims.attention_scale or self.head_dim**-0.5
+        self.window, self.softcap = dims.window_of(layer), dims.attn_logit_softcap
+        self.rope = layer not in dims.nope_layers
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         prefix = f"layers.{layer}.self_attn."
         self.qkv_proj = make_linear(prefix + "qkv_proj", dims.hidden_size, self.q_size + 2 * self.kv_size,
                                     dims.attention_bias, dtype, quant)
         self.o_proj = make_linear(prefix + "o_proj", self.q_size, dims.hidden_size, dims.o_proj_bias, dtype, quant)
+        self.q_norm = RMSNorm(self.head_dim, dims.rms_norm_eps, dtype, dims.gemma_norms) if dims.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, dims.rms_norm_eps, dtype, dims.gemma_norms) if dims.qk_norm else None
 
     def forward(
         self,
@@ -113,15 +133,20 @@ class PagedSelfAttention(nn.Module):
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.contiguous().view(-1, self.num_kv_heads, self.head_dim)  # the kernel takes dense tensors
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope:
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        else:
+            q, k = q.contiguous(), k.contiguous()
         if isinstance(attend, attention_op.Functional):
             out, kv_cache = torch.ops.trtpaged.paged_attention(
                 q, k, v, kv_cache, *step,
                 self.num_heads, self.num_kv_heads, self.head_dim, kv_cache.shape[4], self.layer, self.scale,
-                attend.kv_dtype,
+                attend.kv_dtype, self.window, self.softcap,
             )
         else:
-            out = attend(self.layer, q, k, v, self.scale)
+            out = attend(self.layer, q, k, v, self.scale, self.window, self.softcap)
         return self._output(out.reshape(-1, self.num_heads * self.head_dim)), kv_cache
 
     def _output(self, out: torch.Tensor) -> torch.Tensor:
@@ -133,19 +158,20 @@ class PagedSelfAttention(nn.Module):
         """The eager float32 CPU form of forward: RoPE and the dense q/k/v copies in one kernel call."""
         q, k, v = ops.rope_qk(self.qkv_proj(x), cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
                               dense=True)
-        out = attend(self.layer, q, k, v, self.scale)
+        out = attend(self.layer, q, k, v, self.scale, self.window, self.softcap)
         return self._output(out.view(-1, self.num_heads * self.head_dim))
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)); `gate_up_proj` holds HF's gate_proj and up_proj stacked along the outputs.
+    """down(act(gate(x)) * up(x)), act silu (SwiGLU) or tanh-GELU (Gemma's GeGLU); `gate_up_proj` holds HF's
+    gate_proj and up_proj stacked along the outputs.
 
     With tensor parallelism (`reduce`), `down_proj`'s partial output is all-reduced."""
 
     def __init__(self, dims: ModelDims, layer: int, dtype: torch.dtype, quant: Optional[QuantPlan] = None,
                  reduce: Optional[RankReduce] = None):
         super().__init__()
-        self.reduce = reduce
+        self.reduce, self.act = reduce, dims.hidden_act
         h, self.intermediate, bias = dims.hidden_size, dims.intermediate_size, dims.mlp_bias
         prefix = f"layers.{layer}.mlp."
         self.gate_up_proj = make_linear(prefix + "gate_up_proj", h, 2 * self.intermediate, bias, dtype, quant)
@@ -153,7 +179,8 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self._down(F.silu(gate) * up)
+        gate = F.gelu(gate, approximate="tanh") if self.act == "gelu_tanh" else F.silu(gate)
+        return self._down(gate * up)
 
     def forward_fused(self, x: torch.Tensor, ops: ModuleType) -> torch.Tensor:
         return self._down(ops.silu_mul(self.gate_up_proj(x)))
@@ -169,13 +196,22 @@ class DecoderLayer(nn.Module):
     def __init__(self, dims: ModelDims, layer: int, dtype: torch.dtype, quant: Optional[QuantPlan] = None,
                  reduce: Optional[RankReduce] = None):
         super().__init__()
-        self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype)
+        gemma = dims.gemma_norms
+        self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype, gemma)
         self.self_attn = PagedSelfAttention(dims, layer, dtype, quant, reduce)
-        self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype, gemma)
         self.mlp = SwiGLU(dims, layer, dtype, quant, reduce)
+        # Gemma 2/3: post_attention_layernorm normalizes the attention output, and the MLP has its own pre/post norms
+        self.pre_feedforward_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype, gemma) if gemma else None
+        self.post_feedforward_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype, gemma) if gemma else None
+        # which cos/sin table the layer rotates with: windowed layers of a model with a local RoPE base have their own
+        self.rope_table = "local" if dims.local_rope_theta and dims.window_of(layer) else "global"
 
     def forward(self, h, cos, sin, step, kv_cache, attend):
         attn, kv_cache = self.self_attn(self.input_layernorm(h), cos, sin, step, kv_cache, attend)
+        if self.pre_feedforward_layernorm is not None and self.post_feedforward_layernorm is not None:
+            h = h + self.post_attention_layernorm(attn)
+            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h))), kv_cache
         h = h + attn
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, kv_cache
@@ -228,8 +264,9 @@ class LlamaStepModel(nn.Module):
             else QuantizedEmbedding(dims.vocab_size, dims.hidden_size, embed_scheme[1], dtype)
         )
         self.layers = nn.ModuleList(DecoderLayer(dims, i, dtype, self.quant, reduce) for i in range(dims.num_layers))
-        self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype)
+        self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype, dims.gemma_norms)
         self.rotary = Rotary(dims)
+        self.local_rotary = Rotary(dims, local=True) if dims.local_rope_theta else None
         self.execution_plan: Optional[ExecutionPlan] = None
         self._layer_runner: Optional[Any] = None  # kernels.LlamaLayers under a c_layers plan
         self.lm_head = (
@@ -249,18 +286,23 @@ class LlamaStepModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One step: returns (logits float32 [num_outputs, vocab], kv_cache)."""
         h = self.embed_tokens(input_ids.long())
-        cos, sin = self.rotary(positions, h.dtype)
+        if self.dims.embed_scale != 1.0:  # Gemma: the normalizer rounded to the activations' dtype, as HF does
+            h = h * torch.tensor(self.dims.embed_scale, dtype=h.dtype)
+        tables = {"global": self.rotary(positions, h.dtype)}
+        if self.local_rotary is not None:
+            tables["local"] = self.local_rotary(positions, h.dtype)
         step = (positions, query_start, context_lens, block_tables)
         if self.functional_cache:
             attend = attention_op.Functional(self.graph_kv_dtype or kv_quant.pool_kv_dtype(kv_cache) or "auto")
-            return self._torch_layers(h, cos, sin, step, logits_index, kv_cache, attend)
+            return self._torch_layers(h, tables, step, logits_index, kv_cache, attend)
+        cos, sin = tables["global"]
         plan = self.execution_plan or self._decide_execution_plan()
         # once per step, not per layer: on CUDA the kernel would otherwise sync to find it in every layer
         max_context_len = int(context_lens.max()) if context_lens.numel() else 0
         attend = attention_op.eager_attention(kv_cache, positions, query_start, context_lens, block_tables,
                                               self.dims.num_heads, max_context_len, plan.attention == "reference")
         if plan.layers == "torch" or torch.compiler.is_exporting():
-            return self._torch_layers(h, cos, sin, step, logits_index, kv_cache, attend)
+            return self._torch_layers(h, tables, step, logits_index, kv_cache, attend)
         from trtpaged import kernels as ops
 
         # h is this step's fresh embedding output: the fused layers may update it in place
@@ -277,9 +319,9 @@ class LlamaStepModel(nn.Module):
             h, _ = self.norm.forward_fused(h.index_select(0, rows), residual.index_select(0, rows), ops)
         return self._head(h).float(), kv_cache
 
-    def _torch_layers(self, h, cos, sin, step, logits_index, kv_cache, attend) -> tuple[torch.Tensor, torch.Tensor]:
+    def _torch_layers(self, h, tables, step, logits_index, kv_cache, attend) -> tuple[torch.Tensor, torch.Tensor]:
         for layer in self.layers:
-            h, kv_cache = layer(h, cos, sin, step, kv_cache, attend)
+            h, kv_cache = layer(h, *tables[layer.rope_table], step, kv_cache, attend)
         h = self.norm(h.index_select(0, logits_index.long()))
         return self._head(h).float(), kv_cache
 
@@ -315,10 +357,13 @@ class LlamaStepModel(nn.Module):
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
-            return self.lm_head(h)
-        if isinstance(self.embed_tokens, QuantizedEmbedding):
-            return self.embed_tokens.linear(h)
-        return F.linear(h, self.embed_tokens.weight)
+            logits = self.lm_head(h)
+        elif isinstance(self.embed_tokens, QuantizedEmbedding):
+            logits = self.embed_tokens.linear(h)
+        else:
+            logits = F.linear(h, self.embed_tokens.weight)
+        cap = self.dims.final_logit_softcap
+        return torch.tanh(logits / cap) * cap if cap else logits
 
     def new_kv_cache(
         self, num_blocks: int, block_size: int, dtype: torch.dtype | str | None = None, device="cpu"

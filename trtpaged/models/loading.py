@@ -40,7 +40,8 @@ def hf_state_dict(hf_model: Any, dims: ModelDims) -> dict[str, torch.Tensor]:
     q/k/v and gate/up stacked into the fused modules."""
     hf = {}
     for name, tensor in hf_model.state_dict().items():
-        if "rotary_emb" in name or (dims.tie_word_embeddings and name == "lm_head.weight"):
+        tied_head = dims.tie_word_embeddings and name == "lm_head.weight"
+        if "rotary_emb" in name or name.endswith("embed_scale") or tied_head:
             continue
         hf[name.removeprefix("model.")] = tensor
     for module, parts in hf_module_names(dims).items():
@@ -67,6 +68,8 @@ def with_weights(dims: ModelDims, dtype: torch.dtype, state: dict[str, torch.Ten
         model = LlamaStepModel(dims, dtype, quant=quant, reduce=reduce)
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary = Rotary(dims).to(device)  # non-persistent buffers are not in the state dict
+    if model.local_rotary is not None:
+        model.local_rotary = Rotary(dims, local=True).to(device)
     return model.eval()
 
 

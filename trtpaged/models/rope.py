@@ -1,7 +1,9 @@
 """Rotary position embedding frequencies, computed as transformers computes them.
 
-Supported `rope_type`s: default, linear, llama3. Others are refused at config
-time (`SUPPORTED_ROPE_TYPES`). Pure functions of ModelDims: the runtime never
+Supported `rope_type`s: default, linear, llama3, yarn, and longrope up to its
+original_max_position_embeddings (the short factors; the long factors switch on
+with the sequence length, which a paged cache cannot follow). Others are refused
+at config time (`SUPPORTED_ROPE_TYPES`). Pure functions of ModelDims: the runtime never
 needs transformers to rebuild them.
 """
 
@@ -12,7 +14,7 @@ from typing import Optional
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def rope_type(rope_scaling: Optional[dict]) -> str:
@@ -22,8 +24,10 @@ def rope_type(rope_scaling: Optional[dict]) -> str:
     return str(rope_scaling.get("rope_type", rope_scaling.get("type", "default")))
 
 
-def inv_frequencies(head_dim: int, rope_theta: float, rope_scaling: Optional[dict]) -> tuple[torch.Tensor, float]:
-    """Returns (inv_freq [head_dim // 2] float32, attention scaling of cos/sin)."""
+def inv_frequencies(head_dim: int, rope_theta: float, rope_scaling: Optional[dict],
+                    max_position_embeddings: int = 2048) -> tuple[torch.Tensor, float]:
+    """Returns (inv_freq [head_dim // 2] float32, attention scaling of cos/sin); head_dim here is the
+    rotary dims (head_dim * partial_rotary_factor)."""
     kind = rope_type(rope_scaling)
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim
     inv_freq = 1.0 / (rope_theta**exponents)
@@ -34,6 +38,10 @@ def inv_frequencies(head_dim: int, rope_theta: float, rope_scaling: Optional[dic
         return inv_freq / float(params["factor"]), 1.0
     if kind == "llama3":
         return _llama3(inv_freq, params), 1.0
+    if kind == "longrope":
+        return _longrope(head_dim, rope_theta, params, max_position_embeddings)
+    if kind == "yarn":
+        return _yarn(head_dim, rope_theta, params, max_position_embeddings)
     raise ValueError(f"rope_scaling.rope_type: got {kind!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
 
 
@@ -51,8 +59,54 @@ def _llama3(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
+def _longrope(dim: int, base: float, p: dict, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """Phi-3 LongRoPE with its short factors (positions below original_max_position_embeddings)."""
+    original = int(p.get("original_max_position_embeddings") or max_position_embeddings)
+    factor = float(p.get("factor") or max_position_embeddings / original)
+    scaling = p.get("attention_factor")
+    if scaling is None:
+        scaling = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    short = torch.tensor(p["short_factor"], dtype=torch.float32)
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (short * base**exponents), float(scaling)
+
+
+def _yarn(dim: int, base: float, p: dict, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """YaRN: interpolated long wavelengths, extrapolated short ones, a linear ramp between (as transformers)."""
+    factor = float(p["factor"])
+    original = int(p.get("original_max_position_embeddings") or max_position_embeddings)
+    scaling = p.get("attention_factor")
+    mscale, mscale_all_dim = p.get("mscale"), p.get("mscale_all_dim")
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if scaling is None:
+        scaling = (get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim) if mscale and mscale_all_dim
+                   else get_mscale(factor))
+    beta_fast, beta_slow = float(p.get("beta_fast") or 32), float(p.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    ramp = (torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) if high != low else 0.001)
+    extrapolation_factor = 1 - ramp.clamp(0, 1)
+    inv_freq = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+    return inv_freq, float(scaling)
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Applies RoPE in the HF (rotate-half) layout: x [T, heads, D], cos/sin [T, D]."""
+    """Applies RoPE in the HF (rotate-half) layout: x [T, heads, D], cos/sin [T, R] with R <= D: the first R
+    dims rotate, the rest pass through (partial rotary)."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat((rotate(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]

@@ -16,6 +16,9 @@ PrefixHit = Union[KVBlock, TierHit]
 AllocRequest = tuple[Sequence, int, Seq[PrefixHit]]
 # A write-back: the evicted block's record and where its bytes are (a pool block id, or a load not yet applied).
 TierSave = tuple[BlockRecord, Union[int, bytes]]
+# The id a block table shows for a block returned to the pool because it lies wholly before the sequence's
+# sliding window (`KVCacheManager.reclaim`): any valid id does, as the attention neither reads nor checks it.
+RECLAIMED_BLOCK_ID = 0
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -41,6 +44,11 @@ class KVCacheManager:
     allocation takes (new blocks, copies, and cache hits taken off the free
     queue) and `allocate` only carries that plan out, so the count the scheduler
     checks is the count that is taken: no allocation fails halfway.
+
+    `reclaim_window` W > 0 (a model whose every layer has a sliding window of at most W): after each step,
+    `reclaim` returns the blocks wholly before position p - W + 1 of a sequence's next token p to the pool,
+    their table entries becoming None (RECLAIMED_BLOCK_ID in `block_table`). A returned block keeps its
+    prefix-cache entry until it is reused, like any freed block.
     """
 
     def __init__(
@@ -51,12 +59,19 @@ class KVCacheManager:
         num_host_blocks: int = 0,
         hash_fn: HashFn = chain_hash,
         tiers: Optional[TierStack] = None,
+        reclaim_window: int = 0,
     ) -> None:
+        if reclaim_window < 0:
+            raise ValueError(f"reclaim_window: got {reclaim_window}; expected >= 0 (0: never reclaim)")
+        self.reclaim_window = reclaim_window
+        self.num_reclaimed = 0  # blocks returned by `reclaim` (a shared block counts once per table)
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching, hash_fn=hash_fn)
         self.host_pool: Optional[BlockPool] = BlockPool(num_host_blocks, enable_caching=False) if num_host_blocks else None
-        self.tables: dict[int, list[KVBlock]] = {}
-        self.host_tables: dict[int, list[KVBlock]] = {}
+        # None: a block returned by `reclaim` (only ever a leading run of the table)
+        self.tables: dict[int, list[Optional[KVBlock]]] = {}
+        self.host_tables: dict[int, list[Optional[KVBlock]]] = {}
+        self._first_live: dict[int, int] = {}  # table index of each sequence's first block not reclaimed
         self._hashes: dict[int, list[int]] = {}  # chain hashes of each sequence's leading full blocks
         self.prefix_queries_tokens = 0
         self.prefix_hits_tokens = 0
@@ -259,12 +274,37 @@ class KVCacheManager:
                 if cached:
                     self._records[table[j].block_id] = record
 
+    def reclaim(self, seq: Sequence) -> int:
+        """Returns to the pool the blocks of `seq` that no query of it will read again: those wholly before
+        position num_computed_tokens - reclaim_window + 1 (its next token's window). With prefix caching, the
+        last full block stays while the next one is not cached (it is that block's chain parent). Returns how
+        many blocks it gave back."""
+        table = self.tables.get(seq.seq_id)
+        if not self.reclaim_window or not table:
+            return 0
+        bs = self.block_size
+        dead = max(0, seq.num_computed_tokens - self.reclaim_window + 1) // bs
+        if self.pool.enable_caching:
+            dead = min(dead, len(self._hashes.get(seq.seq_id, ())) - 1)
+        first = self._first_live.get(seq.seq_id, 0)
+        dead = min(dead, len(table))
+        if dead <= first:
+            return 0
+        blocks = [b for b in table[first:dead] if b is not None]
+        self.pool.free(blocks[::-1])
+        table[first:dead] = [None] * (dead - first)
+        self._first_live[seq.seq_id] = dead
+        self.num_reclaimed += len(blocks)
+        return len(blocks)
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent (copy-on-write on its next write)."""
         table = self.tables[parent.seq_id]
-        self.pool.touch(table)
+        self.pool.touch(_live(table))
         self.tables[child.seq_id] = list(table)
         self._hashes[child.seq_id] = list(self._hashes.get(parent.seq_id, []))
+        if parent.seq_id in self._first_live:
+            self._first_live[child.seq_id] = self._first_live[parent.seq_id]
         if parent.seq_id in self._tier_keys:
             self._tier_keys[child.seq_id] = list(self._tier_keys[parent.seq_id])
 
@@ -272,11 +312,12 @@ class KVCacheManager:
         """Returns the sequence's blocks (device and host), tail first so shared prefixes are evicted last."""
         table = self.tables.pop(seq.seq_id, None)
         if table:
-            self.pool.free(table[::-1])
+            self.pool.free(_live(table)[::-1])
         host = self.host_tables.pop(seq.seq_id, None)
         if host and self.host_pool is not None:
-            self.host_pool.free(host[::-1])
+            self.host_pool.free(_live(host)[::-1])
         self._hashes.pop(seq.seq_id, None)
+        self._first_live.pop(seq.seq_id, None)
         self._tier_keys.pop(seq.seq_id, None)
         self._staged.pop(seq.seq_id, None)
 
@@ -298,11 +339,11 @@ class KVCacheManager:
         return len(tail)
 
     def block_table(self, seq: Sequence) -> list[int]:
-        return [b.block_id for b in self.tables.get(seq.seq_id, [])]
+        return [RECLAIMED_BLOCK_ID if b is None else b.block_id for b in self.tables.get(seq.seq_id, [])]
 
     # ---- swap to host memory ------------------------------------------------------------------
     def can_swap_out(self, seqs: Seq[Sequence]) -> bool:
-        distinct = {b.block_id for s in seqs for b in self.tables.get(s.seq_id, [])}
+        distinct = {b.block_id for s in seqs for b in _live(self.tables.get(s.seq_id, []))}
         return self.host_pool is not None and len(distinct) <= self.host_pool.num_free
 
     def swap_out(self, seqs: Seq[Sequence]) -> list[tuple[int, int]]:
@@ -310,7 +351,7 @@ class KVCacheManager:
         return self._move(seqs, self.tables, self.host_tables, self.pool, self.host_pool)
 
     def can_swap_in(self, seqs: Seq[Sequence]) -> bool:
-        distinct = {b.block_id for s in seqs for b in self.host_tables.get(s.seq_id, [])}
+        distinct = {b.block_id for s in seqs for b in _live(self.host_tables.get(s.seq_id, []))}
         return len(distinct) <= self.pool.num_free
 
     def swap_in(self, seqs: Seq[Sequence]) -> list[tuple[int, int]]:
@@ -326,13 +367,15 @@ class KVCacheManager:
             src = src_tables.pop(seq.seq_id, [])
             dst = []
             for block in src:
-                if block.block_id in mapping:
+                if block is None:  # reclaimed: stays a hole in the table
+                    dst.append(None)
+                elif block.block_id in mapping:
                     dst_pool.touch([mapping[block.block_id]])
                 else:
                     (mapping[block.block_id],) = dst_pool.allocate(1)
                 dst.append(mapping[block.block_id])
             dst_tables[seq.seq_id] = dst
-            src_pool.free(src[::-1])
+            src_pool.free(_live(src)[::-1])
         return [(src_id, dst.block_id) for src_id, dst in mapping.items()]
 
     # ---- statistics ---------------------------------------------------------------------------
@@ -342,6 +385,8 @@ class KVCacheManager:
         filled: dict[int, int] = {}
         for seq in live_seqs:
             for j, block in enumerate(self.tables.get(seq.seq_id, [])):
+                if block is None:
+                    continue
                 f = min(bs, max(0, seq.num_computed_tokens - j * bs))
                 filled[block.block_id] = max(filled.get(block.block_id, 0), f)
         used = self.pool.num_used
@@ -362,5 +407,11 @@ class KVCacheManager:
             "prefix_cache_queries_tokens": self.prefix_queries_tokens,
             "prefix_cache_hits_tokens": self.prefix_hits_tokens,
             "kv_evictions": self.pool.num_evictions,
+            "kv_blocks_reclaimed": self.num_reclaimed,
             **tiers,
         }
+
+
+def _live(table: Seq[Optional[KVBlock]]) -> list[KVBlock]:
+    """A table's blocks that are still held (not reclaimed)."""
+    return [b for b in table if b is not None]

@@ -53,7 +53,9 @@ class LLM:
 
     Limits default to the engine's build limits (manifest) and may be
     tightened: `max_num_tokens`, `max_batch_size`, `max_seq_len`; the KV pool
-    size defaults to the manifest's budget (`num_kv_blocks` overrides it).
+    size defaults to the manifest's budget (`num_kv_blocks` overrides it). For a model whose every layer
+    has a sliding window (Mistral-style), blocks wholly before a sequence's window go back to the pool as
+    it advances; `reclaim_windowed_blocks=False` keeps them (docs/families.md).
 
     `tensor_parallel=N` (default: the engine's) runs an engine built with
     `tensor_parallel: N` on N ranks: the other N-1 start here as processes (CPU: gloo over loopback;
@@ -98,6 +100,7 @@ class LLM:
         speculative_config: Union[None, str, dict, SpeculativeConfig] = None,
         warmup: bool = True,
         kv_tiers: Union[None, KVTierConfig, dict] = None,
+        reclaim_windowed_blocks: bool = True,
     ) -> None:
         device = resolve_device(device)
         tier_config = KVTierConfig.parse(kv_tiers)
@@ -119,6 +122,8 @@ class LLM:
             preemption_mode=preemption_mode,
             num_host_blocks=num_host_blocks,
             speculative=SpeculativeConfig.parse(speculative_config),
+            # a model whose every layer is windowed returns the blocks before each sequence's window
+            reclaim_window=self.manifest.dims.max_window if reclaim_windowed_blocks else 0,
         )
         self.tokenizer = load_tokenizer(self.engine_dir, self.manifest)
         runner = load_runner(self.engine_dir, self.manifest, num_blocks, backend, device, num_host_blocks,

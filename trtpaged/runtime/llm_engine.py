@@ -52,7 +52,8 @@ class LLMEngine:
         self.eos_token_ids = list(eos_token_ids)
         self.vocab_size = vocab_size  # token-id prompts are checked against it when known
         self.kv = KVCacheManager(
-            config.num_blocks, config.block_size, config.enable_prefix_caching, config.num_host_blocks, tiers=tiers
+            config.num_blocks, config.block_size, config.enable_prefix_caching, config.num_host_blocks, tiers=tiers,
+            reclaim_window=config.reclaim_window,
         )
         self.scheduler = Scheduler(config, self.kv, self.eos_token_ids)
         self.processor = OutputProcessor(tokenizer)

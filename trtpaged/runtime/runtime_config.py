@@ -23,6 +23,9 @@ class RuntimeConfig:
     preemption_mode: str = "recompute"
     num_host_blocks: int = 0  # host-memory blocks for swap preemption
     speculative: Optional[SpeculativeConfig] = None  # speculative decoding (docs/speculative.md); None: off
+    # > 0: every layer of the model has a sliding window of at most this many tokens, and blocks wholly
+    # before a sequence's window go back to the pool as it advances (KVCacheManager.reclaim); 0: never
+    reclaim_window: int = 0
 
     def __post_init__(self) -> None:
         positive = ("block_size", "num_blocks", "max_batch_size", "max_num_tokens", "max_seq_len")
@@ -36,6 +39,8 @@ class RuntimeConfig:
             )
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"RuntimeConfig.preemption_mode: one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.reclaim_window < 0:
+            raise ValueError(f"RuntimeConfig.reclaim_window: must be >= 0, got {self.reclaim_window}")
         if self.num_host_blocks < 0:
             raise ValueError(f"RuntimeConfig.num_host_blocks: must be >= 0, got {self.num_host_blocks}")
         if self.preemption_mode == "swap" and self.num_host_blocks == 0:

@@ -188,6 +188,7 @@ class Scheduler:
                 continue
             item.seq.num_computed_tokens += item.num_tokens
             self.kv.cache_computed_blocks(item.seq)
+            self.kv.reclaim(item.seq)  # after caching: a block's chain parent is kept until it is cached
         for group in out.sampled_groups:
             result = samples[group.request_id]
             if isinstance(result, SampleFailure):
@@ -247,6 +248,7 @@ class Scheduler:
         seq.num_computed_tokens = min(computed, len(seq.token_ids))  # a stop inside the run appended fewer
         self.kv.truncate(seq)
         self.kv.cache_computed_blocks(seq)
+        self.kv.reclaim(seq)  # after caching, as for any computed chunk
 
     def _finish_reason(self, params: SamplingParams, seq: Sequence, token: int) -> Optional[tuple[str, Optional[int]]]:
         """Token-level stops: EOS, a stop token id, max_tokens or max_seq_len (stop strings are textual)."""

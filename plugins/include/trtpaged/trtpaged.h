@@ -284,6 +284,41 @@ TRTPAGED_API trtpaged_status trtpaged_llama_layers_cpu(const trtpaged_llama_laye
                                                        const int32_t* query_start, const int32_t* context_lens,
                                                        const int32_t* block_tables);
 
+/*
+ * Per-layer attention options some model families need (appended to the ABI: trtpaged_attention_params
+ * keeps its layout, and trtpaged_paged_attention_cpu/_cuda behave as these with every option 0).
+ *   sliding_window > 0: the query at position p attends only to cached positions in
+ *     [p - sliding_window + 1, p] (Mistral, Qwen2, Gemma 2/3 local layers: the query and the
+ *     sliding_window - 1 tokens before it); keys before that are skipped, not read, and their
+ *     blocks' ids in block_tables are not checked (a runtime may have returned those blocks to its
+ *     pool). 0: every cached position <= p.
+ *   logit_softcap > 0: each scaled score s becomes logit_softcap * tanh(s / logit_softcap) before the
+ *     softmax (Gemma 2). 0: none.
+ */
+typedef struct trtpaged_attention_options {
+  int32_t sliding_window;
+  float logit_softcap;
+} trtpaged_attention_options;
+
+/* trtpaged_paged_attention_cpu with options (NULL: all 0). */
+TRTPAGED_API int trtpaged_paged_attention_ex_cpu(const trtpaged_attention_params* params,
+                                                 const trtpaged_attention_options* options,
+                                                 const void* q, const void* k, const void* v,
+                                                 void* kv_cache, const int32_t* positions,
+                                                 const int32_t* query_start,
+                                                 const int32_t* context_lens,
+                                                 const int32_t* block_tables, void* out);
+/* trtpaged_paged_attention_cuda with options (NULL: all 0); same workspace size. */
+TRTPAGED_API int trtpaged_paged_attention_ex_cuda(const trtpaged_attention_params* params,
+                                                  const trtpaged_attention_options* options,
+                                                  const void* q, const void* k, const void* v,
+                                                  void* kv_cache, const int32_t* positions,
+                                                  const int32_t* query_start,
+                                                  const int32_t* context_lens,
+                                                  const int32_t* block_tables, void* out,
+                                                  int32_t max_context_len, void* workspace,
+                                                  size_t workspace_size, void* stream);
+
 /* Message of the last failed call on this thread ("" if none). */
 TRTPAGED_API const char* trtpaged_last_error(void);
 /* Records message (NULL: "") as this thread's last error and returns status: how a library built on

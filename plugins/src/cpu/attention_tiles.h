@@ -180,15 +180,16 @@ inline fvec exp_nonpositive_vec(fvec x) {
   return poly * scale;
 }
 
-// row[j] = exp(row[j] - m) for j < limit and 0 for limit <= j < n (limit <= n); returns their sum.
-inline float exp_shifted_row(float* row, int64_t limit, int64_t n, float m) {
+// row[j] = exp(row[j] - m) for first <= j < limit and 0 elsewhere in [0, n) (limit <= n); returns their sum.
+inline float exp_shifted_row(float* row, int64_t first, int64_t limit, int64_t n, float m) {
   fvec total{};
   ivec lane;
   for (int l = 0; l < kLanes; ++l) lane[l] = l;
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes) {
     const fvec e = exp_nonpositive_vec(load_vec(row + j) - m);
-    const fvec kept = (lane + int32_t(j)) < int32_t(limit) ? e : fvec{};
+    const ivec idx = lane + int32_t(j);
+    const fvec kept = (idx < int32_t(limit)) & (idx >= int32_t(first)) ? e : fvec{};
     store_vec(row + j, kept);
     total += kept;
   }
@@ -196,7 +197,8 @@ inline float exp_shifted_row(float* row, int64_t limit, int64_t n, float m) {
     alignas(64) float tail[kLanes] = {};
     std::memcpy(tail, row + j, size_t(n - j) * sizeof(float));
     const fvec e = exp_nonpositive_vec(load_vec(tail) - m);
-    const fvec kept = (lane + int32_t(j)) < int32_t(limit) ? e : fvec{};
+    const ivec idx = lane + int32_t(j);
+    const fvec kept = (idx < int32_t(limit)) & (idx >= int32_t(first)) ? e : fvec{};
     store_vec(tail, kept);
     std::memcpy(row + j, tail, size_t(n - j) * sizeof(float));
     total += kept;

@@ -94,8 +94,8 @@ void write_kv(const trtpaged_attention_params& p, const PoolLayout& pool, const 
   }
 }
 
-std::vector<Task> plan_tasks(const trtpaged_attention_params& p, const int32_t* positions, const int32_t* query_start,
-                             int64_t* num_partials) {
+std::vector<Task> plan_tasks(const trtpaged_attention_params& p, int32_t window, const int32_t* positions,
+                             const int32_t* query_start, int64_t* num_partials) {
   std::vector<Task> tasks;
   int64_t unsplit = 0;
   for (int32_t s = 0; s < p.num_seqs; ++s) {
@@ -107,9 +107,15 @@ std::vector<Task> plan_tasks(const trtpaged_attention_params& p, const int32_t* 
   for (int32_t s = 0; s < p.num_seqs; ++s) {
     for (int32_t q0 = query_start[s]; q0 < query_start[s + 1]; q0 += kQueryChunk) {
       const int32_t q1 = std::min(q0 + kQueryChunk, query_start[s + 1]);
-      int32_t max_pos = 0;
-      for (int32_t t = q0; t < q1; ++t) max_pos = std::max(max_pos, positions[t]);
-      const int32_t num_keys = max_pos + 1;
+      int32_t max_pos = 0, min_pos = positions[q0];
+      for (int32_t t = q0; t < q1; ++t) {
+        max_pos = std::max(max_pos, positions[t]);
+        min_pos = std::min(min_pos, positions[t]);
+      }
+      // a sliding window skips the whole blocks before the first key any query of the chunk reads
+      const int32_t first_key = window > 0 ? std::max(0, min_pos - window + 1) : 0;
+      const int32_t first = first_key / p.block_size * p.block_size;
+      const int32_t num_keys = max_pos + 1 - first;
       int32_t splits = 1;
       if (unsplit < want && num_keys >= 2 * kMinKeysPerSplit)
         splits = int32_t(std::min<int64_t>((want + unsplit - 1) / unsplit, num_keys / kMinKeysPerSplit));
@@ -119,8 +125,8 @@ std::vector<Task> plan_tasks(const trtpaged_attention_params& p, const int32_t* 
       splits = (blocks + blocks_per_split - 1) / blocks_per_split;
       for (int32_t h = 0; h < p.num_kv_heads; ++h) {
         for (int32_t i = 0; i < splits; ++i) {
-          Task task{s, h, q0, q1, i * blocks_per_split * p.block_size,
-                    std::min(num_keys, (i + 1) * blocks_per_split * p.block_size), i, splits, -1};
+          Task task{s, h, q0, q1, first + i * blocks_per_split * p.block_size,
+                    first + std::min(num_keys, (i + 1) * blocks_per_split * p.block_size), i, splits, -1};
           if (splits > 1) task.partial = (*num_partials)++;
           tasks.push_back(task);
         }
@@ -173,9 +179,9 @@ const float* as_float(const T* src, int64_t rows, int64_t d, float* buf) {
 // Writes the normalised output, or for a split task its partial (acc, max, sum) into
 // `partials` rows of head_dim + 2 floats.
 template <typename IO, typename KV>
-void run_task(const Task& task, const trtpaged_attention_params& p, const PoolLayout& pool, const IO* q,
-              const KV* cache, const int32_t* positions, const int32_t* block_tables, IO* out, float* partials,
-              Scratch& sc) {
+void run_task(const Task& task, const trtpaged_attention_params& p, const trtpaged_attention_options& opt,
+              const PoolLayout& pool, const IO* q, const KV* cache, const int32_t* positions,
+              const int32_t* block_tables, IO* out, float* partials, Scratch& sc) {
   const int32_t group = p.num_heads / p.num_kv_heads;
   const int64_t d = p.head_dim, bs = p.block_size;
   // Tiles are whole blocks when blocks are small, and slices of a block when blocks are
@@ -252,10 +258,13 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const PoolLa
       const NextBlocks next_k{sc.knext.data(), r0 == 0 ? next_blocks : 0, run_bytes};
       const NextBlocks next_v{sc.vnext.data(), r0 == 0 ? next_blocks : 0, run_bytes};
       const int nr = std::min(kRowGroup, rows - r0);
-      int64_t limits[kRowGroup];
+      int64_t limits[kRowGroup], firsts[kRowGroup];  // each row's visible keys in the tile: [first, limit)
       int64_t group_limit = 0;
       for (int i = 0; i < nr; ++i) {
-        limits[i] = std::clamp<int64_t>(sc.pos[size_t(r0 + i)] - tile + 1, 0, tile_n);  // causal
+        const int64_t pos = sc.pos[size_t(r0 + i)];
+        limits[i] = std::clamp<int64_t>(pos - tile + 1, 0, tile_n);  // causal
+        firsts[i] = opt.sliding_window > 0 ? std::clamp<int64_t>(pos - opt.sliding_window + 1 - tile, 0, tile_n) : 0;
+        if (firsts[i] >= limits[i]) firsts[i] = limits[i] = 0;  // the whole tile is outside the row's window
         group_limit = std::max(group_limit, limits[i]);
       }
       if (group_limit == 0) continue;
@@ -267,12 +276,16 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const PoolLa
         scores_for(nr, sc.q.data() + r0 * d, d, sc.kp.data(), run, group_limit, scores, tile_keys, next_k);
       for (int i = 0; i < nr; ++i) {
         float* row = scores + i * tile_keys;
-        const int64_t limit = limits[i];
-        const float tile_max = max_of(row, limit);
+        const int64_t limit = limits[i], first = firsts[i];
+        if (opt.logit_softcap > 0.0f) {
+          const float cap = opt.logit_softcap, inv_cap = 1.0f / opt.logit_softcap;
+          for (int64_t j = first; j < limit; ++j) row[j] = cap * std::tanh(row[j] * inv_cap);
+        }
+        const float tile_max = max_of(row + first, limit - first);
         float& m = sc.m[size_t(r0 + i)];
         const float m_new = std::max(m, tile_max);
         const float alpha = (m == kNegInf || limit == 0) ? (limit == 0 ? 1.0f : 0.0f) : std::exp(m - m_new);
-        const float sum = exp_shifted_row(row, limit, group_limit, m_new);
+        const float sum = exp_shifted_row(row, first, limit, group_limit, m_new);
         if (limit == 0) continue;
         sc.l[size_t(r0 + i)] = sc.l[size_t(r0 + i)] * alpha + sum;
         if (alpha != 1.0f) {
@@ -334,13 +347,14 @@ void merge_splits(const Task& first, const trtpaged_attention_params& p, const f
 }
 
 template <typename IO, typename KV>
-void paged_attention(const trtpaged_attention_params& p, const IO* q, const IO* k, const IO* v, KV* cache,
-                     const int32_t* positions, const int32_t* query_start, const int32_t* block_tables, IO* out) {
+void paged_attention(const trtpaged_attention_params& p, const trtpaged_attention_options& opt, const IO* q,
+                     const IO* k, const IO* v, KV* cache, const int32_t* positions, const int32_t* query_start,
+                     const int32_t* block_tables, IO* out) {
   const int64_t row = is_quantized_v<KV> ? p.head_dim + int64_t(sizeof(half_t)) : p.head_dim;
   const PoolLayout pool{p.num_layers, p.num_kv_heads, p.block_size, p.head_dim, row};
   write_kv(p, pool, k, v, cache, positions, query_start, block_tables);
   int64_t num_partials = 0;
-  const std::vector<Task> tasks = plan_tasks(p, positions, query_start, &num_partials);
+  const std::vector<Task> tasks = plan_tasks(p, opt.sliding_window, positions, query_start, &num_partials);
   // Partial rows are indexed by task.partial * rows; rows per task <= kQueryChunk * group.
   const int64_t max_rows = int64_t(kQueryChunk) * (p.num_heads / p.num_kv_heads);
   std::vector<float> partials(size_t(num_partials * max_rows * (p.head_dim + 2)));
@@ -349,7 +363,7 @@ void paged_attention(const trtpaged_attention_params& p, const IO* q, const IO* 
     Scratch scratch;
 #pragma omp for schedule(dynamic, 1)
     for (size_t i = 0; i < tasks.size(); ++i)
-      run_task(tasks[i], p, pool, q, cache, positions, block_tables, out, partials.data(), scratch);
+      run_task(tasks[i], p, opt, pool, q, cache, positions, block_tables, out, partials.data(), scratch);
 #pragma omp for schedule(dynamic, 1)
     for (size_t i = 0; i < tasks.size(); ++i)
       if (tasks[i].partial >= 0 && tasks[i].split == 0) merge_splits(tasks[i], p, partials.data(), out);
@@ -357,23 +371,27 @@ void paged_attention(const trtpaged_attention_params& p, const IO* q, const IO* 
 }
 
 template <typename IO>
-void dispatch_kv(const trtpaged_attention_params& p, const void* q, const void* k, const void* v, void* cache,
-                 const int32_t* positions, const int32_t* query_start, const int32_t* block_tables, void* out) {
+void dispatch_kv(const trtpaged_attention_params& p, const trtpaged_attention_options& opt, const void* q,
+                 const void* k, const void* v, void* cache, const int32_t* positions, const int32_t* query_start,
+                 const int32_t* block_tables, void* out) {
   const IO* qi = static_cast<const IO*>(q);
   const IO* ki = static_cast<const IO*>(k);
   const IO* vi = static_cast<const IO*>(v);
   IO* oi = static_cast<IO*>(out);
   switch (p.kv_dtype) {
     case TRTPAGED_FLOAT32:
-      return paged_attention(p, qi, ki, vi, static_cast<float*>(cache), positions, query_start, block_tables, oi);
+      return paged_attention(p, opt, qi, ki, vi, static_cast<float*>(cache), positions, query_start, block_tables, oi);
     case TRTPAGED_FLOAT16:
-      return paged_attention(p, qi, ki, vi, static_cast<half_t*>(cache), positions, query_start, block_tables, oi);
+      return paged_attention(p, opt, qi, ki, vi, static_cast<half_t*>(cache), positions, query_start, block_tables, oi);
     case TRTPAGED_BFLOAT16:
-      return paged_attention(p, qi, ki, vi, static_cast<bfloat_t*>(cache), positions, query_start, block_tables, oi);
+      return paged_attention(p, opt, qi, ki, vi, static_cast<bfloat_t*>(cache), positions, query_start, block_tables,
+                             oi);
     case TRTPAGED_INT8:
-      return paged_attention(p, qi, ki, vi, static_cast<int8_code*>(cache), positions, query_start, block_tables, oi);
+      return paged_attention(p, opt, qi, ki, vi, static_cast<int8_code*>(cache), positions, query_start, block_tables,
+                             oi);
     case TRTPAGED_FP8_E4M3:
-      return paged_attention(p, qi, ki, vi, static_cast<fp8_code*>(cache), positions, query_start, block_tables, oi);
+      return paged_attention(p, opt, qi, ki, vi, static_cast<fp8_code*>(cache), positions, query_start, block_tables,
+                             oi);
   }
 }
 
@@ -381,11 +399,14 @@ inline void run_paged_attention(const AttentionCall& c) {
   const trtpaged_attention_params& p = *c.params;
   switch (p.io_dtype) {
     case TRTPAGED_FLOAT32:
-      return dispatch_kv<float>(p, c.q, c.k, c.v, c.kv_cache, c.positions, c.query_start, c.block_tables, c.out);
+      return dispatch_kv<float>(p, c.options, c.q, c.k, c.v, c.kv_cache, c.positions, c.query_start, c.block_tables,
+                                c.out);
     case TRTPAGED_FLOAT16:
-      return dispatch_kv<half_t>(p, c.q, c.k, c.v, c.kv_cache, c.positions, c.query_start, c.block_tables, c.out);
+      return dispatch_kv<half_t>(p, c.options, c.q, c.k, c.v, c.kv_cache, c.positions, c.query_start, c.block_tables,
+                                 c.out);
     case TRTPAGED_BFLOAT16:
-      return dispatch_kv<bfloat_t>(p, c.q, c.k, c.v, c.kv_cache, c.positions, c.query_start, c.block_tables, c.out);
+      return dispatch_kv<bfloat_t>(p, c.options, c.q, c.k, c.v, c.kv_cache, c.positions, c.query_start,
+                                   c.block_tables, c.out);
     default:  // validate_attention_params allows only the float dtypes for io
       return;
   }

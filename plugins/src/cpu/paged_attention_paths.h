@@ -22,6 +22,7 @@ struct AttentionCall {
   const int32_t* query_start;
   const int32_t* block_tables;
   void* out;
+  trtpaged_attention_options options;  // sliding window and logit soft-cap (0: none)
 };
 
 void paged_attention_scalar(const AttentionCall& call);  // x86-64 (SSE2)

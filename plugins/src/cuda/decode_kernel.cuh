@@ -97,10 +97,16 @@ __global__ void __launch_bounds__(kDecodeMaxThreads, 2) decode_kernel(PagedArgs 
   const int32_t* block_row = a.block_tables + static_cast<int64_t>(s) * a.max_blocks_per_seq;
   KvT* stage_base = reinterpret_cast<KvT*>(smem);
   const int num_tiles = (end - begin + T - 1) / T;
+  // a sliding window: tiles wholly before the query's first key are not read
+  const int lo = query_kv_first(a.positions[token], a.window);
+  const int first_tile = lo > begin ? min(num_tiles, (lo - begin) / T) : 0;
 
-  if (num_tiles > 0) load_tile<KvT, D, T>(a, block_row, kv_head, begin, end, stage_base, stage_base + T * R);
+  if (num_tiles > first_tile) {
+    KvT* first_stage = stage_base + (first_tile & 1) * kStageElems;
+    load_tile<KvT, D, T>(a, block_row, kv_head, begin + first_tile * T, end, first_stage, first_stage + T * R);
+  }
   cp_async_commit();
-  for (int it = 0; it < num_tiles; ++it) {
+  for (int it = first_tile; it < num_tiles; ++it) {
     if (it + 1 < num_tiles) {
       KvT* next = stage_base + ((it + 1) & 1) * kStageElems;
       load_tile<KvT, D, T>(a, block_row, kv_head, begin + (it + 1) * T, end, next, next + T * R);
@@ -126,7 +132,8 @@ __global__ void __launch_bounds__(kDecodeMaxThreads, 2) decode_kernel(PagedArgs 
 #pragma unroll
         for (int o = kDecodeLanes / 2; o > 0; o /= 2) dot += __shfl_xor_sync(row_mask, dot, o);
         if constexpr (kQuant) dot *= row_scale<D>(reinterpret_cast<const uint8_t*>(key));
-        sc[i] = c * 4 + i < valid ? dot : -INFINITY;
+        const int key_pos = begin + it * T + c * 4 + i;
+        sc[i] = c * 4 + i < valid && key_pos >= lo ? soft_cap(dot, a.softcap_log2) : -INFINITY;
       }
       const float m_new = fmaxf(m, fmaxf(fmaxf(sc[0], sc[1]), fmaxf(sc[2], sc[3])));
       if (m_new == -INFINITY) continue;  // same value on every lane of the row

@@ -35,6 +35,16 @@ __device__ __forceinline__ int query_kv_len(int kv_len, int pos) {
   return pos < kv_len ? pos + 1 : kv_len;
 }
 
+// First key a query at position pos attends to under a sliding window (0: none).
+__device__ __forceinline__ int query_kv_first(int pos, int window) {
+  return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+}
+
+// A score in the exp2 domain, soft-capped (Gemma 2) when cap_log2 > 0: cap * tanh(s / cap).
+__device__ __forceinline__ float soft_cap(float score, float cap_log2) {
+  return cap_log2 > 0.f ? cap_log2 * tanhf(score / cap_log2) : score;
+}
+
 // Copies the K and V rows of tokens [first, first + T) of one KV head into
 // sk/sv ([T][D] each, 16-byte aligned). Rows at or past `end`, or in a block
 // outside the pool, are zero-filled so that masked keys can never inject NaN.

@@ -36,6 +36,8 @@ struct PagedArgs {
   int block_size_log2;
   int max_kv_len;    // min(max_context_len, max_blocks_per_seq * block_size): bounds every read
   float scale_log2;  // softmax scale * log2(e): scores live in the exp2 domain
+  int window;           // sliding window (trtpaged_attention_options), 0: none
+  float softcap_log2;   // logit soft-cap * log2(e) (scores are in the exp2 domain), 0: none
 };
 
 // Decode (q_len == 1) work split: grid (num_seqs, num_kv_heads * head_tiles, num_splits).

@@ -68,17 +68,20 @@ extern "C" TRTPAGED_API size_t trtpaged_paged_attention_cuda_workspace_size(cons
   }
 }
 
-extern "C" TRTPAGED_API int trtpaged_paged_attention_cuda(const trtpaged_attention_params* params, const void* q,
-                                                          const void* k, const void* v, void* kv_cache,
-                                                          const int32_t* positions, const int32_t* query_start,
-                                                          const int32_t* context_lens, const int32_t* block_tables,
-                                                          void* out, int32_t max_context_len, void* workspace,
-                                                          size_t workspace_size, void* stream) {
+extern "C" TRTPAGED_API int trtpaged_paged_attention_ex_cuda(const trtpaged_attention_params* params,
+                                                             const trtpaged_attention_options* options, const void* q,
+                                                             const void* k, const void* v, void* kv_cache,
+                                                             const int32_t* positions, const int32_t* query_start,
+                                                             const int32_t* context_lens, const int32_t* block_tables,
+                                                             void* out, int32_t max_context_len, void* workspace,
+                                                             size_t workspace_size, void* stream) {
   using namespace trtpaged::cuda;
   using trtpaged::fail;
   try {
     const int rc = check_params(params, max_context_len);
     if (rc != TRTPAGED_OK) return rc;
+    const trtpaged_attention_options opt = options ? *options : trtpaged_attention_options{0, 0.0f};
+    if (int orc = trtpaged::validate_attention_options(opt)) return orc;
     const trtpaged_attention_params& p = *params;
     if (p.num_tokens == 0) return trtpaged::ok();
     if (p.num_seqs <= 0) return fail(TRTPAGED_ERR_INVALID_ARGUMENT, "num_seqs must be >= 1 when num_tokens > 0");
@@ -129,6 +132,8 @@ extern "C" TRTPAGED_API int trtpaged_paged_attention_cuda(const trtpaged_attenti
     a.block_size_log2 = log2_exact(p.block_size);
     a.max_kv_len = max_kv_len(p, max_context_len);
     a.scale_log2 = p.scale * 1.4426950408889634f;
+    a.window = opt.sliding_window;
+    a.softcap_log2 = opt.logit_softcap * 1.4426950408889634f;
 
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     cudaError_t err = launch_write_kv(a, p.io_dtype, p.kv_dtype, s);
@@ -148,4 +153,14 @@ extern "C" TRTPAGED_API int trtpaged_paged_attention_cuda(const trtpaged_attenti
   } catch (...) {
     return fail(TRTPAGED_ERR_CUDA, "trtpaged_paged_attention_cuda: unknown exception");
   }
+}
+
+extern "C" TRTPAGED_API int trtpaged_paged_attention_cuda(const trtpaged_attention_params* params, const void* q,
+                                                          const void* k, const void* v, void* kv_cache,
+                                                          const int32_t* positions, const int32_t* query_start,
+                                                          const int32_t* context_lens, const int32_t* block_tables,
+                                                          void* out, int32_t max_context_len, void* workspace,
+                                                          size_t workspace_size, void* stream) {
+  return trtpaged_paged_attention_ex_cuda(params, nullptr, q, k, v, kv_cache, positions, query_start, context_lens,
+                                          block_tables, out, max_context_len, workspace, workspace_size, stream);
 }

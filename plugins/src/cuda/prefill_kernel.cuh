@@ -90,6 +90,7 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_kernel(PagedArgs a, P
   __shared__ int s_seq;
   __shared__ int s_tile;
   __shared__ int s_kv_end;
+  __shared__ int s_kv_begin;  // first key any row of the CTA reads (sliding window)
 
   if (threadIdx.x < 32) {
     int seq = -1;
@@ -99,6 +100,7 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_kernel(PagedArgs a, P
       s_seq = seq;
       s_tile = tile;
       s_kv_end = 0;
+      s_kv_begin = 0x7fffffff;
     }
   }
   __syncthreads();
@@ -119,6 +121,7 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_kernel(PagedArgs a, P
   const int token = row_ok ? static_cast<int>(token64) : 0;
   const int kv_len = seq_kv_len(a, s);
   const int row_lim = row_ok ? query_kv_len(kv_len, a.positions[token]) : 0;
+  const int row_first = row_ok ? query_kv_first(a.positions[token], a.window) : 0;
 
   float q[2 * kPairs];
   float acc[2 * kPairs];
@@ -135,17 +138,24 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_kernel(PagedArgs a, P
   float m = -INFINITY;
   float l = 0.f;
 
-  if (row_ok && lane4 == 0) atomicMax(&s_kv_end, row_lim);
+  if (row_ok && lane4 == 0) {
+    atomicMax(&s_kv_end, row_lim);
+    atomicMin(&s_kv_begin, row_first);
+  }
   __syncthreads();
   const int kv_end = s_kv_end;
 
   const int32_t* block_row = a.block_tables + static_cast<int64_t>(s) * a.max_blocks_per_seq;
   KvT* stage_base = reinterpret_cast<KvT*>(smem);
   const int num_tiles = (kv_end + TK - 1) / TK;
+  const int first_tile = min(num_tiles, s_kv_begin / TK);  // tiles before every row's window are not read
 
-  if (num_tiles > 0) load_tile<KvT, D, TK>(a, block_row, kv_head, 0, kv_end, stage_base, stage_base + TK * R);
+  if (num_tiles > first_tile) {
+    KvT* first_stage = stage_base + (first_tile & 1) * kStageElems;
+    load_tile<KvT, D, TK>(a, block_row, kv_head, first_tile * TK, kv_end, first_stage, first_stage + TK * R);
+  }
   cp_async_commit();
-  for (int it = 0; it < num_tiles; ++it) {
+  for (int it = first_tile; it < num_tiles; ++it) {
     if (it + 1 < num_tiles) {
       KvT* next = stage_base + ((it + 1) & 1) * kStageElems;
       load_tile<KvT, D, TK>(a, block_row, kv_head, (it + 1) * TK, kv_end, next, next + TK * R);
@@ -171,7 +181,7 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_kernel(PagedArgs a, P
       dot += __shfl_xor_sync(0xffffffffu, dot, 1);
       dot += __shfl_xor_sync(0xffffffffu, dot, 2);
       if constexpr (kQuant) dot *= row_scale<D>(reinterpret_cast<const uint8_t*>(sk + t * R));
-      sc[t] = first + t < row_lim ? dot : -INFINITY;
+      sc[t] = first + t < row_lim && first + t >= row_first ? soft_cap(dot, a.softcap_log2) : -INFINITY;
     }
     float mx = sc[0];
 #pragma unroll

@@ -1,6 +1,7 @@
 #include "tensorrt/fields.h"
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -23,6 +24,8 @@ constexpr char const* kKvPool = "kv_pool";             // optional string: alias
 constexpr char const* kNumLayers = "num_layers";       // optional int: required with kv_pool address
 constexpr KvFormat kFormats[] = {KvFormat::kAuto,    KvFormat::kInt8,    KvFormat::kFp8E4M3,
                                  KvFormat::kFloat32, KvFormat::kFloat16, KvFormat::kBFloat16};
+constexpr char const* kWindow = "sliding_window";      // optional int: 0 (absent) or the layer's window
+constexpr char const* kSoftcap = "logit_softcap";      // optional float: 0 (absent) or the score soft-cap
 
 int32_t* int_slot(AttentionFields& f, std::string const& name) {
   if (name == "num_heads") return &f.num_heads;
@@ -95,6 +98,10 @@ void validate(AttentionFields const& f) {
   if (!block_ok) throw field_error("block_size", "must be 8, 16, 32, 64 or 128, got " + std::to_string(f.block_size));
   if (f.layer < 0) throw field_error("layer", "must be >= 0, got " + std::to_string(f.layer));
   if (!std::isfinite(f.scale) || f.scale <= 0.F) throw field_error("scale", "must be a finite number > 0");
+  if (f.sliding_window < 0)
+    throw field_error(kWindow, "must be >= 0 (0: none), got " + std::to_string(f.sliding_window));
+  if (!std::isfinite(f.logit_softcap) || f.logit_softcap < 0.F)
+    throw field_error(kSoftcap, "must be a finite number >= 0 (0: none)");
   if (f.kv_pool == KvPool::kAddress) {
     if (f.num_layers <= f.layer) {
       throw field_error(kNumLayers, "kv_pool address needs the pool's layer count (> layer " +
@@ -147,6 +154,12 @@ AttentionFields parse_fields(PluginFieldCollection const* fc) {
       seen_scale = true;
     } else if (name == kKvDtype) {
       f.kv_format = parse_kv_format(read_string(field));
+    } else if (name == kWindow) {
+      int64_t const value = read_int(field);
+      if (value < 0 || value > INT32_MAX) throw field_error(name, "must be in [0, 2^31), got " + std::to_string(value));
+      f.sliding_window = static_cast<int32_t>(value);
+    } else if (name == kSoftcap) {
+      f.logit_softcap = static_cast<float>(read_float(field));
     } else if (name == kKvPool) {
       f.kv_pool = parse_kv_pool(read_string(field));
     } else if (name == kNumLayers) {
@@ -180,6 +193,8 @@ PluginFieldCollection const* field_names() noexcept {
       PluginField(kIntFields[4], nullptr, PluginFieldType::kINT32, 1),
       PluginField(kScale, nullptr, PluginFieldType::kFLOAT32, 1),
       PluginField(kKvDtype, nullptr, PluginFieldType::kCHAR, 0),
+      PluginField(kWindow, nullptr, PluginFieldType::kINT32, 1),
+      PluginField(kSoftcap, nullptr, PluginFieldType::kFLOAT32, 1),
       PluginField(kKvPool, nullptr, PluginFieldType::kCHAR, 0),
       PluginField(kNumLayers, nullptr, PluginFieldType::kINT32, 1),
   };
@@ -198,6 +213,8 @@ SerializedFields::SerializedFields(AttentionFields const& values)
       PluginField(kIntFields[4], &mValues.layer, i32, 1),
       PluginField(kScale, &mValues.scale, PluginFieldType::kFLOAT32, 1),
       PluginField(kKvDtype, mKvDtype.c_str(), PluginFieldType::kCHAR, static_cast<int32_t>(mKvDtype.size())),
+      PluginField(kWindow, &mValues.sliding_window, i32, 1),
+      PluginField(kSoftcap, &mValues.logit_softcap, PluginFieldType::kFLOAT32, 1),
       PluginField(kKvPool, mKvPool.c_str(), PluginFieldType::kCHAR, static_cast<int32_t>(mKvPool.size())),
       PluginField(kNumLayers, &mValues.num_layers, i32, 1),
   };

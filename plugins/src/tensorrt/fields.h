@@ -47,6 +47,8 @@ struct AttentionFields {
   int32_t layer{0};
   float scale{0.F};
   KvFormat kv_format{KvFormat::kAuto};  // optional field kv_dtype (absent: auto)
+  int32_t sliding_window{0};  // optional field: the layer's sliding window (absent or 0: none)
+  float logit_softcap{0.F};   // optional field: attention score soft-cap (absent or 0: none)
   KvPool kv_pool{KvPool::kAliased};     // optional field kv_pool (absent: aliased)
   int32_t num_layers{0};                // optional field num_layers: the pool's layers, needed for kv_pool address
   // Workspace bytes TensorRT reserves for every shape of the profile: not an ONNX

@@ -181,8 +181,9 @@ int32_t PagedAttentionPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginT
                                std::to_string(given) + " (a shape outside the plan's profile?)");
     }
     (void)outputDesc;
-    int const rc = trtpaged_paged_attention_cuda(
-        &p, inputs[kQ], inputs[kK], inputs[kV], pool, static_cast<int32_t const*>(inputs[kPositions]),
+    trtpaged_attention_options const options{mFields.sliding_window, mFields.logit_softcap};
+    int const rc = trtpaged_paged_attention_ex_cuda(
+        &p, &options, inputs[kQ], inputs[kK], inputs[kV], pool, static_cast<int32_t const*>(inputs[kPositions]),
         static_cast<int32_t const*>(inputs[kQueryStart]), static_cast<int32_t const*>(inputs[kContextLens]),
         static_cast<int32_t const*>(inputs[kBlockTables]), outputs[kOut], max_context, workspace, given,
         static_cast<void*>(stream));

@@ -1,0 +1,100 @@
+"""Sliding-window and soft-capped paged attention (trtpaged_attention_options) on every CPU path
+against the plain reference attention (trtpaged.reference), which masks densely in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_cases import MIXED_SPECS, make_batch, tolerance
+from test_kv_codec_paths import ISA_OF_PATH
+from trtpaged import kernels
+from trtpaged.reference import paged_attention_reference
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="kernel library not built")
+
+
+@pytest.fixture(params=kernels.ATTENTION_CPU_PATHS)
+def path(request: pytest.FixtureRequest):
+    """Forces each attention path in turn (skipped where this CPU lacks its instructions)."""
+    if request.param not in ISA_OF_PATH:
+        pytest.skip(f"this CPU cannot run the {request.param} path")
+    kernels.set_cpu_isa(ISA_OF_PATH[request.param])
+    yield request.param
+    kernels.set_cpu_isa(None)
+
+
+def _check(batch, window: int, softcap: float = 0.0, layer: int = 1, kv_dtype=None) -> None:
+    ker_cache, ref_cache = batch.kv_cache.clone(), batch.kv_cache.clone()
+    args = batch.args()
+    out = kernels.paged_attention(*args[:3], ker_cache, *args[4:], layer=layer, scale=batch.scale,
+                                  sliding_window=window, logit_softcap=softcap)
+    ref = paged_attention_reference(*args[:3], ref_cache, *args[4:], layer=layer, scale=batch.scale,
+                                    sliding_window=window, logit_softcap=softcap)
+    assert torch.equal(ker_cache, ref_cache)
+    err = (out.double() - ref.double()).abs().max().item()
+    assert err <= tolerance(batch.q.dtype), f"window {window} softcap {softcap}: max abs error {err}"
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 37, 300])
+@pytest.mark.parametrize("block_size", [8, 16, 64])
+def test_window_mixed_batch_every_path(path: str, window: int, block_size: int) -> None:
+    _check(make_batch(MIXED_SPECS, block_size=block_size, seed=window + block_size), window)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_window_half_pools(path: str, kv_dtype: torch.dtype) -> None:
+    _check(make_batch(MIXED_SPECS, kv_dtype=kv_dtype, io_dtype=kv_dtype, seed=7), 19)
+
+
+def test_window_long_decode_and_chunk_split_across_threads(path: str) -> None:
+    # thousands of cached keys: the windowed key range is split over tasks and merged
+    _check(make_batch([(3001, 1), (2500, 40)], num_layers=1, seed=4), 1100, layer=0)
+    _check(make_batch([(3001, 1), (2500, 40)], num_layers=1, seed=5), 700, layer=0)
+
+
+@pytest.mark.parametrize("softcap", [0.5, 50.0])
+def test_softcap_with_and_without_window(path: str, softcap: float) -> None:
+    batch = make_batch(MIXED_SPECS, seed=11)
+    batch.q.mul_(6.0)  # large scores, so that the cap changes the softmax
+    _check(batch, 0, softcap)
+    _check(batch, 13, softcap)
+
+
+def test_window_never_reads_blocks_outside_it() -> None:
+    """Blocks wholly before every query's window may have been returned to the pool: their table
+    entries may hold any id (here out of range) and the result is unchanged."""
+    batch = make_batch([(100, 1), (64, 20)], block_size=16, seed=3)
+    window = 30
+    ref_out = kernels.paged_attention(*batch.args()[:3], batch.kv_cache.clone(), *batch.args()[4:], layer=1,
+                                      scale=batch.scale, sliding_window=window)
+    tables = batch.block_tables.clone()
+    for s, first_pos in enumerate((100, 64)):
+        dead = max(0, first_pos - window + 1) // 16
+        tables[s, :dead] = 10_000
+    args = list(batch.args())
+    args[7] = tables
+    out = kernels.paged_attention(*args[:3], batch.kv_cache.clone(), *args[4:], layer=1, scale=batch.scale,
+                                  sliding_window=window)
+    assert torch.equal(out, ref_out)
+    # without the window the same table is refused, naming the entry
+    with pytest.raises(kernels.KernelError, match=r"block_tables\[0\]\[0\]"):
+        kernels.paged_attention(*args[:3], batch.kv_cache.clone(), *args[4:], layer=1, scale=batch.scale)
+
+
+@pytest.mark.parametrize("bad", [{"sliding_window": -1}, {"logit_softcap": -1.0}, {"logit_softcap": float("inf")},
+                                 {"sliding_window": 2.5}])
+def test_bad_options_are_refused_naming_the_field(bad: dict) -> None:
+    batch = make_batch([(3, 2)], seed=1)
+    field = next(iter(bad))
+    with pytest.raises(ValueError, match=field):
+        kernels.paged_attention(*batch.args(), layer=0, scale=batch.scale, **bad)
+
+
+def test_zero_options_equal_the_plain_call() -> None:
+    batch = make_batch(MIXED_SPECS, seed=2)
+    a = kernels.paged_attention(*batch.args()[:3], batch.kv_cache.clone(), *batch.args()[4:], layer=1,
+                                scale=batch.scale)
+    b = kernels.paged_attention(*batch.args()[:3], batch.kv_cache.clone(), *batch.args()[4:], layer=1,
+                                scale=batch.scale, sliding_window=0, logit_softcap=0.0)
+    assert torch.equal(a, b)

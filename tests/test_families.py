@@ -1,0 +1,160 @@
+"""The model families beyond Llama, each a tiny random config made by transformers' own config class
+(model.tiny): the step model against transformers' forward on packed mixed batches, the built engine
+(ONNX export verified by the builder against transformers), and greedy generation equal to
+transformers' `generate`: beyond the sliding window for windowed configs, with chunked prefill and
+prefix-cache hits."""
+
+from __future__ import annotations
+
+import json
+
+import onnx
+import pytest
+import torch
+
+from runtime_helpers import hf_greedy, run_staggered, runtime_config, step_engine
+from trtpaged.builder.probe import hf_logits, standard_probe
+from trtpaged.config import parse_config
+from trtpaged.models import UnsupportedModelError, dims_from_hf_config, load_hf, step_model_from_hf
+from trtpaged.runtime.llm_engine import LLMEngine
+from trtpaged.runtime.sampling_params import SamplingParams
+
+EOS = 257
+WINDOW = 12
+BASE = {"num_hidden_layers": 4, "head_dim": 16, "hidden_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 96}
+FAMILIES = {
+    "qwen3": {"architecture": "Qwen3ForCausalLM"},
+    "smollm3": {"architecture": "SmolLM3ForCausalLM", "no_rope_layer_interval": 2},
+    "phi3": {"architecture": "Phi3ForCausalLM", "partial_rotary_factor": 0.5},
+    "phi3-longrope": {"architecture": "Phi3ForCausalLM", "partial_rotary_factor": 0.75, "max_position_embeddings": 512,
+                      "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0, 1.3, 1.7, 2.2, 3.1, 4.0],
+                                       "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
+                                       "original_max_position_embeddings": 256},
+                      "original_max_position_embeddings": 256},  # Phi3Config's own key wins over rope_scaling's
+    "mistral-window": {"architecture": "MistralForCausalLM", "sliding_window": WINDOW},
+    "qwen2-window": {"architecture": "Qwen2ForCausalLM", "sliding_window": WINDOW, "use_sliding_window": True,
+                     "max_window_layers": 1},
+    "gemma2": {"architecture": "Gemma2ForCausalLM", "sliding_window": WINDOW, "query_pre_attn_scalar": 24,
+               "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0, "hidden_activation": "gelu_pytorch_tanh"},
+    "gemma3": {"architecture": "Gemma3ForCausalLM", "sliding_window": WINDOW, "query_pre_attn_scalar": 24,
+               "sliding_window_pattern": 2, "hidden_activation": "gelu_pytorch_tanh"},
+}
+
+
+def _config(family: str, **extra):
+    return parse_config({"model": {"tiny": {**BASE, **FAMILIES[family]}}, "max_seq_len": 256, **extra})
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request):
+    config = _config(request.param)
+    hf = load_hf(config.model)
+    return request.param, hf, dims_from_hf_config(hf.config, config.limits.max_seq_len)
+
+
+def test_dims_carry_what_makes_the_family(family):
+    name, _, dims = family
+    expected = {"qwen3": dims.qk_norm, "smollm3": dims.nope_layers == (1, 3),
+                "phi3": dims.partial_rotary_factor == 0.5,
+                "phi3-longrope": (dims.rope_scaling or {}).get("original_max_position_embeddings") == 256,
+                "mistral-window": dims.layer_windows == (WINDOW,) * 4,
+                "qwen2-window": dims.layer_windows == (0, WINDOW, WINDOW, WINDOW),
+                "gemma2": dims.attn_logit_softcap == 5.0 and dims.layer_windows == (WINDOW, 0, WINDOW, 0),
+                "gemma3": dims.qk_norm and dims.local_rope_theta > 0 and dims.layer_windows == (WINDOW, 0, WINDOW, 0)}
+    assert expected[name], dims
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_step_model_matches_hf_forward(family, block_size):
+    _, hf, dims = family
+    model = step_model_from_hf(hf.model, dims)
+    seqs, steps, num_blocks = standard_probe(dims.vocab_size, block_size, seed=3, all_rows=True)
+    assert max(len(s.tokens) for s in seqs) > 2 * WINDOW  # the probe reaches beyond the window
+    cache = model.new_kv_cache(num_blocks, block_size)
+    for step in steps:
+        with torch.no_grad():
+            logits, _ = model(*step.args(cache))
+        err = (logits - hf_logits(hf.model, seqs, step.rows)).abs().max().item()
+        assert err < 1e-4
+
+
+def test_greedy_equals_hf_generate_beyond_the_window_chunked_and_with_prefix_hits(family):
+    _, hf, dims = family
+    g = torch.Generator().manual_seed(5)
+    system = torch.randint(0, 256, (37,), generator=g).tolist()
+    prompts = [system + torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 20, 1)]
+    prompts.append(torch.randint(0, 256, (5,), generator=g).tolist())
+    max_tokens = 3 * WINDOW  # every output runs well past the window
+    reference = [hf_greedy(hf, p, max_tokens, None) for p in prompts]
+    config = runtime_config(num_blocks=64, block_size=8, max_num_tokens=16)  # chunked prefill: 16 tokens a step
+    engine = LLMEngine(step_engine(hf, config), config, hf.tokenizer, [EOS])
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outputs = run_staggered(engine, [(p, params) for p in prompts], 3)
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    stats = engine.stats()
+    assert stats["prefix_cache_hits_tokens"] >= 2 * 32  # the system prompt's 4 full blocks, for 2 later prompts
+    assert engine.kv.pool.num_free == config.num_blocks
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen2-window", "smollm3"])
+def test_built_engine_is_verified_and_carries_the_window(tmp_path, name):
+    """The builder exports the ONNX graph and verifies it against transformers (numpy reference of the node);
+    each node's sliding_window / logit_softcap attributes are the layer's."""
+    from trtpaged.builder import build_engine
+
+    config = _config(name, dtype="float32", block_size=8, kv_cache={"num_blocks": 64}, backend="torch")
+    build_engine(config, tmp_path / name, echo=lambda line: None)
+    graph = onnx.load(str(next((tmp_path / name).glob("*.onnx"))), load_external_data=False).graph
+    nodes = [n for n in graph.node if n.op_type == "TrtpagedPagedAttention"]
+    attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for n in nodes]
+    dims = dims_from_hf_config(load_hf(config.model).config)
+    assert [a["sliding_window"] for a in attrs] == [dims.window_of(i) for i in range(dims.num_layers)]
+    assert all(a["logit_softcap"] == dims.attn_logit_softcap for a in attrs)
+    # the manifest carries only the family fields away from Llama's defaults (a Llama engine's has none)
+    from trtpaged.manifest import FAMILY_FIELDS
+
+    written = json.loads((tmp_path / name / "trtpaged.json").read_text())["dims"]
+    expected = {"gemma3": {"layer_windows", "qk_norm", "hidden_act", "gemma_norms", "embed_scale", "attention_scale",
+                           "local_rope_theta"},
+                "qwen2-window": {"layer_windows"}, "smollm3": {"nope_layers"}}[name]
+    assert set(written) & set(FAMILY_FIELDS) == expected
+
+
+def test_numpy_node_reference_agrees_with_the_kernel_on_window_and_softcap():
+    from kernel_cases import make_batch
+    from trtpaged import kernels
+    from trtpaged.builder.onnx_reference import paged_attention_numpy
+
+    batch = make_batch([(0, 30), (40, 1), (9, 12)], seed=8)
+    batch.q.mul_(5.0)
+
+    out = kernels.paged_attention(*batch.args()[:3], batch.kv_cache.clone(), *batch.args()[4:], layer=2,
+                                  scale=batch.scale, sliding_window=7, logit_softcap=2.0)
+    ref, _ = paged_attention_numpy(*(t.numpy() for t in batch.args()), layer=2, block_size=16, scale=batch.scale,
+                                   sliding_window=7, logit_softcap=2.0)
+    assert (out - torch.from_numpy(ref)).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("overrides,key", [
+    ({"architecture": "Qwen3ForCausalLM", "hidden_act": "relu"}, "hidden_act"),
+    ({"architecture": "Phi3ForCausalLM", "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8,
+      "long_factor": [2.0] * 8}, "original_max_position_embeddings": 64}, "max_seq_len"),
+])
+def test_unsupported_variants_are_refused_naming_the_key(overrides, key):
+    from trtpaged.models.hf import _load_tiny
+
+    tiny = {**parse_config({"model": {"tiny": {**BASE, "architecture": overrides["architecture"]}}}).model.tiny,
+            **overrides}
+    hf = _load_tiny(tiny, torch.float32)
+    with pytest.raises(UnsupportedModelError, match=key):
+        dims_from_hf_config(hf.config, 256)
+
+
+def test_moe_is_refused_naming_the_key():
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                            num_experts=4, architectures=["Qwen3ForCausalLM"])
+    with pytest.raises(UnsupportedModelError, match="num_experts"):
+        dims_from_hf_config(config)

@@ -1,0 +1,153 @@
+"""Block reclamation for a model whose every layer has a sliding window (Mistral-style): blocks wholly
+before a sequence's window go back to the pool as it advances. Checked against transformers' generate
+(nothing a window still reads was freed or overwritten) and by exact block accounting at every step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime_helpers import hf_greedy, run_staggered, runtime_config, step_engine
+from trtpaged.config import parse_config
+from trtpaged.models import load_hf
+from trtpaged.runtime.kv_cache_manager import KVCacheManager
+from trtpaged.runtime.llm_engine import LLMEngine
+from trtpaged.runtime.sampling_params import SamplingParams
+from trtpaged.runtime.sequence import Sequence
+
+WINDOW, BLOCK, EOS, MAX_TOKENS = 12, 8, 257, 40
+
+
+@pytest.fixture(scope="module")
+def hf():
+    tiny = {"architecture": "MistralForCausalLM", "sliding_window": WINDOW, "num_hidden_layers": 2, "head_dim": 16}
+    return load_hf(parse_config({"model": {"tiny": tiny}}).model)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(9)
+    system = torch.randint(0, 256, (29,), generator=g).tolist()
+    return [system + torch.randint(0, 256, (n,), generator=g).tolist() for n in (2, 30, 7)] + [[5, 6, 7]]
+
+
+@pytest.fixture(scope="module")
+def reference(hf, prompts):
+    return [hf_greedy(hf, p, MAX_TOKENS, None) for p in prompts]
+
+
+def _engine(hf, reclaim: bool, **kw) -> LLMEngine:
+    config = runtime_config(num_blocks=kw.pop("num_blocks", 48), block_size=BLOCK, max_num_tokens=16,
+                            reclaim_window=WINDOW if reclaim else 0, **kw)
+    return LLMEngine(step_engine(hf, config), config, hf.tokenizer, [EOS])
+
+
+def _check_accounting(engine: LLMEngine, batch) -> None:
+    """During a step: every block a query of the step may read is held, each reclaimed entry is one the
+    sequence's window has passed, and the pool's used count is exactly the distinct blocks the tables hold."""
+    kv = engine.kv
+    held = set()
+    for seq in engine.scheduler.live_seqs():
+        table = kv.tables.get(seq.seq_id, [])
+        first_needed = max(0, seq.num_computed_tokens - WINDOW + 1) // BLOCK  # this step's first query
+        assert all(b is not None for b in table[first_needed:]), "a block the window reads was reclaimed"
+        dead = [j for j, b in enumerate(table) if b is None]
+        assert dead == list(range(len(dead))), "reclaimed entries are a leading run"
+        held |= {b.block_id for b in table if b is not None}
+    assert kv.pool.num_used == len(held)
+    assert kv.pool.num_free + kv.pool.num_used == kv.pool.num_blocks
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_greedy_equals_hf_with_reclamation_and_exact_accounting(hf, prompts, reference, caching):
+    engine = _engine(hf, reclaim=True, enable_prefix_caching=caching)
+    original = engine.runner.step
+
+    def step(batch):
+        _check_accounting(engine, batch)
+        return original(batch)
+
+    engine.runner.step = step
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    outputs = run_staggered(engine, [(p, params) for p in prompts], 3)
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    stats = engine.stats()
+    assert stats["kv_blocks_reclaimed"] > 0
+    assert engine.kv.pool.num_free == engine.config.num_blocks  # none leaked
+    if caching:
+        assert stats["prefix_cache_hits_tokens"] >= 2 * 24  # the system prompt's 3 full blocks, twice
+
+
+def test_reclamation_lowers_the_peak_and_keeps_outputs(hf, prompts, reference):
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    peaks = {}
+    for reclaim in (False, True):
+        engine = _engine(hf, reclaim=reclaim)
+        outputs = run_staggered(engine, [(p, params) for p in prompts], 1)
+        assert [o.outputs[0].token_ids for o in outputs] == reference
+        peaks[reclaim] = engine.kv.pool.peak_used
+    # with: each sequence holds its window, a 16-token chunk's blocks and the prefix chain's parent at most
+    assert peaks[True] <= 4 * ((WINDOW - 1 + 16) // BLOCK + 3) < peaks[False]
+
+
+def test_a_pool_too_small_for_one_whole_sequence_still_generates_it(hf, prompts, reference):
+    """31 + 40 tokens need 9 blocks; a windowed model needs only those its window covers."""
+    engine = _engine(hf, reclaim=True, num_blocks=6, max_batch_size=1)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    outputs = run_staggered(engine, [(prompts[0], params)], 1)
+    assert outputs[0].outputs[0].token_ids == reference[0]
+    assert engine.stats()["num_preemptions"] == 0
+
+
+def test_reclaim_frees_shared_blocks_once_per_table_and_keeps_the_chain_parent():
+    kv = KVCacheManager(16, 4, enable_prefix_caching=True, reclaim_window=5)
+    seq = Sequence(0, list(range(30)))
+    plan = kv.plan_allocation([(seq, 30, [])])
+    kv.allocate(plan)
+    seq.num_computed_tokens = 30
+    kv.cache_computed_blocks(seq)
+    assert kv.reclaim(seq) == 6  # positions < 26 are outside the next token's window: blocks 0..5
+    assert kv.block_table(seq)[:6] == [0] * 6 and kv.pool.num_used == 2
+    child = Sequence(1, list(range(30)))
+    child.num_computed_tokens = 30
+    kv.fork(seq, child)
+    assert kv.pool.num_used == 2  # the child shares the two held blocks
+    seq.token_ids += [1, 2, 3]
+    seq.num_computed_tokens = 33
+    assert kv.reclaim(seq) == 0  # block 6 (24..27) is passed, but block 7 is not cached yet: its parent stays
+    kv.free(seq)
+    kv.free(child)
+    assert kv.pool.num_free == 16
+    with pytest.raises(ValueError, match="reclaim_window"):
+        KVCacheManager(4, 4, reclaim_window=-1)
+
+
+def test_memory_plan_shows_sequences_that_fit_with_and_without_reclamation():
+    from trtpaged.memory_plan import MemoryPlan
+
+    plan = MemoryPlan(bytes_per_token=1024, bytes_per_block=16384, block_size=16, max_seq_len=8192, max_batch_size=512,
+                      budget_rule="num_blocks 4096", num_blocks=4096, layer_windows=(1024,) * 4)
+    text = "\n".join(plan.lines(8192))
+    # 8192 tokens: 512 blocks each with the full table (8 fit); 1024 / 16 + 2 = 66 reclaimed (62 fit)
+    assert "62 reclaimed (66 blocks each) vs 8 with the full table (512 blocks each)" in text
+    interleaved = MemoryPlan(bytes_per_token=1024, bytes_per_block=16384, block_size=16, max_seq_len=8192,
+                             max_batch_size=512, budget_rule="num_blocks 4096", num_blocks=4096,
+                             layer_windows=(1024, 1024, 1024, 0))
+    text = "\n".join(interleaved.lines(8192))
+    # (3 * 66 + 512) / (4 * 512) = 34.7% of the full table: 23 sequences instead of 8, not taken
+    assert "would hold 35% of it at 8192 tokens: 23 sequences instead of 8 (not taken)" in text
+
+
+def test_bench_memory_window_comparison_on_a_long_output_trace():
+    from trtpaged.bench.memory_bench import Budget, format_window_table, run_window_comparison
+    from trtpaged.bench.workload import TraceRequest
+
+    trace = [TraceRequest(prompt_len=64, output_len=600, arrival=0) for _ in range(12)]
+    budget = Budget(num_blocks=160, block_size=16, max_seq_len=1024, max_batch_size=12, max_num_tokens=256)
+    rows = run_window_comparison(trace, budget, window=64)
+    full, reclaimed = rows
+    # full table: 42 blocks a sequence at the end, 3 fit, the rest preempted; reclaimed: 6 blocks each, all 12 run
+    assert reclaimed["preemptions"] == 0 < full["preemptions"]
+    assert reclaimed["mean_running"] > 11 > 2 * full["mean_running"]
+    assert reclaimed["steps"] < full["steps"]
+    assert "returned to the pool" in format_window_table(rows, 64)
