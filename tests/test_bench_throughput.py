@@ -113,3 +113,4 @@ def test_cli_bad_trace_names_line_and_field(tiny_engine_dir, tmp_path) -> None:
     trace.write_text('{"prompt_len": 20, "output_len": 4}\n{"prompt_len": 20, "output_len": "x"}\n')
     result = CliRunner().invoke(main, ["bench", "throughput", str(tiny_engine_dir), "--trace", str(trace)])
     assert result.exit_code != 0 and "bad.jsonl:2: output_len: must be an integer" in result.output
+

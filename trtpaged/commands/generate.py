@@ -26,8 +26,12 @@ _RUN_STATS = (
 @click.option("--beam-width", type=int, default=1, show_default=True, help="Beam search when > 1.")
 @click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True)
 @click.option("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when present).")
+@click.option("--speculative-config", default=None, metavar="JSON",
+              help='Speculative decoding, a JSON object, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                   "(docs/speculative.md).")
 @click.option("--stats", "show_stats", is_flag=True, help="Print the run's KV-cache figures (peaks, sharing) at the end.")
-def command(engine, prompt, chat, max_tokens, temperature, top_p, seed, n, beam_width, backend, device, show_stats) -> None:
+def command(engine, prompt, chat, max_tokens, temperature, top_p, seed, n, beam_width, backend, device,
+            speculative_config, show_stats) -> None:  # fmt: skip
     """Generate a completion for one prompt, streaming text as it is decoded."""
     from trtpaged.runtime.llm import LLM
     from trtpaged.runtime.outputs import RequestOutputKind
@@ -38,7 +42,7 @@ def command(engine, prompt, chat, max_tokens, temperature, top_p, seed, n, beam_
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, n=n,
                                 beam_width=beam_width, output_kind=kind)  # fmt: skip
-        llm = LLM(engine, backend=backend, device=device)
+        llm = LLM(engine, backend=backend, device=device, speculative_config=speculative_config)
         request = llm.chat_prompt([{"role": "user", "content": prompt}]) if chat else prompt
         loop = llm.engine
         request_id = loop.add_request(request, params)
@@ -65,5 +69,5 @@ def command(engine, prompt, chat, max_tokens, temperature, top_p, seed, n, beam_
     if show_stats:
         stats = llm.stats()
         click.echo(f"execution_plan: {llm.execution_plan}", err=True)
-        for key in _RUN_STATS:
+        for key in _RUN_STATS + tuple(k for k in stats if k.startswith("spec_decode_")):
             click.echo(f"{key}: {stats[key]}", err=True)

@@ -41,6 +41,10 @@ from trtpaged.manifest import BACKENDS
               help="Ranks of an engine built with tensor_parallel: N (default: the engine's). Local processes; with "
                    "torchrun's MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK set, the ranks join from other machines "
                    "and RANK > 0 serves no HTTP.")
+@click.option("--speculative-config", default=None, metavar="JSON",
+              help='Speculative decoding, a JSON object, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                   "(fields: method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, "
+                   "disable_by_batch_size; docs/speculative.md).")
 @click.option("--kv-host-memory", default=None, metavar="SIZE",
               help="KV tier: host memory for prefix blocks the pool evicts, e.g. 8GiB (docs/kv_tiers.md).")
 @click.option("--kv-disk-path", type=click.Path(file_okay=False), default=None,
@@ -55,8 +59,8 @@ from trtpaged.manifest import BACKENDS
               help="With --request-log: also log each prompt's token ids (off by default: prompts may be private).")
 def command(engine, host, port, served_model_name, api_key, max_waiting, request_timeout, shutdown_timeout,
             max_body_bytes, max_prompt_tokens, max_batch_size, max_num_tokens, max_seq_len, kv_blocks, backend,
-            device, tensor_parallel_size, kv_host_memory, kv_disk_path, kv_disk_size, kv_remote, request_log,
-            request_log_prompts) -> None:  # fmt: skip
+            device, tensor_parallel_size, speculative_config, kv_host_memory, kv_disk_path, kv_disk_size, kv_remote,
+            request_log, request_log_prompts) -> None:  # fmt: skip
     """Serve ENGINE over /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics."""
     from trtpaged.server import ServerOptions, start_server
 
@@ -66,6 +70,9 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
         sys.exit(worker_main([str(engine)] + (["--device", device] if device else [])))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     try:
+        from trtpaged.runtime.speculative import SpeculativeConfig
+
+        speculative_config = SpeculativeConfig.parse(speculative_config)  # refused before the model loads
         options = ServerOptions(
             api_key=api_key, max_waiting=max_waiting, request_timeout_s=request_timeout,
             shutdown_timeout_s=shutdown_timeout, max_body_bytes=max_body_bytes, max_prompt_tokens=max_prompt_tokens,
@@ -74,7 +81,7 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
         handle = start_server(
             engine, host=host, port=port, served_model_name=served_model_name, options=options, backend=backend,
             device=device, num_kv_blocks=kv_blocks, max_num_tokens=max_num_tokens, max_batch_size=max_batch_size,
-            max_seq_len=max_seq_len, tensor_parallel=tensor_parallel_size,
+            max_seq_len=max_seq_len, tensor_parallel=tensor_parallel_size, speculative_config=speculative_config,
             kv_tiers=tier_options(kv_host_memory, kv_disk_path, kv_disk_size, kv_remote),
         )  # fmt: skip
     except (ValueError, FileNotFoundError, OSError, FatalEngineError) as e:
@@ -82,8 +89,10 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    auth = "API key required" if options.api_key else "no API key"
-    click.echo(f"trtpaged serve: {handle.model_name} ready at {handle.url} ({auth}; Ctrl-C or SIGTERM to stop)")
+    notes = "API key required" if options.api_key else "no API key"
+    if speculative_config is not None:
+        notes += f"; speculative decoding {speculative_config.to_dict()}"
+    click.echo(f"trtpaged serve: {handle.model_name} ready at {handle.url} ({notes}; Ctrl-C or SIGTERM to stop)")
     while not stop.wait(0.5) and handle.failure is None:
         pass
     if handle.failure is not None:

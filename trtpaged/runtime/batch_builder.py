@@ -24,7 +24,11 @@ class PromptRows:
 def build_step_batch(out: SchedulerOutput, kv: KVCacheManager) -> tuple[StepBatch, dict[int, int], list[PromptRows]]:
     """Returns the packed batch, the logits row of each sequence that samples, and the rows that score
     prompt tokens for requests that asked for prompt log-probs (`SamplingParams.prompt_logprobs`): the
-    prefill chunk's own rows, so the scores come from the step that computes the prompt."""
+    prefill chunk's own rows, so the scores come from the step that computes the prompt.
+
+    A speculating sequence's chunk is its uncomputed token then its draft, and every position of it
+    gets a logits row (in order, from the sequence's row on): row i verifies `draft[i]`.
+    """
     input_ids: list[int] = []
     positions: list[int] = []
     query_start = [0]
@@ -44,14 +48,18 @@ def build_step_batch(out: SchedulerOutput, kv: KVCacheManager) -> tuple[StepBatc
                 start_row = len(logits_index)
                 logits_index += range(packed + first, packed + last)
                 scored.append(PromptRows(item.group.request_id, first + 1, list(range(start_row, len(logits_index)))))
-        input_ids += item.seq.token_ids[item.start : end]
+        if item.draft:
+            input_ids += item.seq.token_ids[item.start : end - len(item.draft)]
+            input_ids += item.draft
+        else:
+            input_ids += item.seq.token_ids[item.start : end]
         positions += range(item.start, end)
         query_start.append(len(input_ids))
         context_lens.append(end)
         tables.append(kv.block_table(item.seq))
         if item.sample:
             rows[item.seq.seq_id] = len(logits_index)
-            logits_index.append(len(input_ids) - 1)
+            logits_index += range(len(input_ids) - 1 - len(item.draft), len(input_ids))
     width = max((len(t) for t in tables), default=0)
     padded = [t + [0] * (width - len(t)) for t in tables]
     i32 = torch.int32

@@ -321,6 +321,23 @@ class KVCacheManager:
         self._tier_keys.pop(seq.seq_id, None)
         self._staged.pop(seq.seq_id, None)
 
+    def truncate(self, seq: Sequence) -> int:
+        """Frees the table's blocks past the sequence's computed tokens (tail first); returns how many.
+
+        A verification step allocated slots for every proposed token; once the rejected ones are known,
+        the blocks holding only rejected slots go back. Their slots were never registered in the prefix
+        cache (only full blocks of computed tokens are), and the rejected slots left in the kept last
+        block are overwritten before any step reads them: attention reads up to `context_lens` only.
+        """
+        table = self.tables.get(seq.seq_id)
+        keep = _cdiv(seq.num_computed_tokens, self.block_size)
+        if not table or len(table) <= keep:
+            return 0
+        tail = table[keep:]
+        del table[keep:]
+        self.pool.free(tail[::-1])
+        return len(tail)
+
     def block_table(self, seq: Sequence) -> list[int]:
         return [RECLAIMED_BLOCK_ID if b is None else b.block_id for b in self.tables.get(seq.seq_id, [])]
 

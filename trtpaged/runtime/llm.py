@@ -16,6 +16,7 @@ from trtpaged.runtime.llm_engine import LLMEngine, Prompt
 from trtpaged.runtime.outputs import RequestOutput, RequestOutputKind
 from trtpaged.runtime.runtime_config import RuntimeConfig
 from trtpaged.runtime.sampling_params import SamplingParams
+from trtpaged.runtime.speculative import SpeculativeConfig
 from trtpaged.runtime.warmup import warm_up
 
 
@@ -62,6 +63,11 @@ class LLM:
     MASTER_PORT, WORLD_SIZE, RANK=0) are set, join from other machines.
     `close()` (or leaving a `with` block) stops them.
 
+    `speculative_config` (a `SpeculativeConfig`, a dict or its JSON text, e.g.
+    `{"method": "ngram", "num_speculative_tokens": 4}`) turns on speculative decoding
+    (docs/speculative.md); greedy outputs are the same as without it. `stats()` then carries the
+    spec_decode_* counters.
+
     Before returning, the runner runs one warm-up step of the engine's largest shape (max_num_tokens
     tokens, max_batch_size sequences; `warmup=False` skips it), so the first batch runs at the speed of
     the next ones (trtpaged/runtime/warmup.py).
@@ -91,6 +97,7 @@ class LLM:
         preemption_mode: str = "recompute",
         num_host_blocks: int = 0,
         tensor_parallel: Optional[int] = None,
+        speculative_config: Union[None, str, dict, SpeculativeConfig] = None,
         warmup: bool = True,
         kv_tiers: Union[None, KVTierConfig, dict] = None,
         reclaim_windowed_blocks: bool = True,
@@ -114,6 +121,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             preemption_mode=preemption_mode,
             num_host_blocks=num_host_blocks,
+            speculative=SpeculativeConfig.parse(speculative_config),
             # a model whose every layer is windowed returns the blocks before each sequence's window
             reclaim_window=self.manifest.dims.max_window if reclaim_windowed_blocks else 0,
         )

@@ -162,7 +162,8 @@ class LLMEngine:
             clock.lap("prepare")
             logits = self.runner.step(batch).cpu()
             clock.lap("model")
-            samples = sample_groups(out.sampled_groups, logits, rows, self.greedy_kernel)
+            drafts = {item.seq.seq_id: item.draft for item in out.scheduled if item.draft}
+            samples = sample_groups(out.sampled_groups, logits, rows, self.greedy_kernel, drafts)
             prompt_scores = score_prompts(logits, scored, self._scored_prompts(scored)) if scored else {}
             clock.lap("sample")
             self.scheduler.update_from_output(out, samples, prompt_scores)
@@ -211,7 +212,8 @@ class LLMEngine:
             self.kv.tiers = None
 
     def stats(self) -> dict[str, float]:
-        """KV-cache (now and peak), sharing, prefix-cache and scheduling counters."""
+        """KV-cache (now and peak), sharing, prefix-cache and scheduling counters; speculative decoding's
+        (spec_decode_*: drafts, draft tokens, accepted tokens, acceptance rate, mean acceptance length) when on."""
         stats: dict[str, float] = dict(self.kv.stats(self.scheduler.live_seqs()))
         stats.update(
             num_preemptions=self.scheduler.num_preemptions,
@@ -227,6 +229,9 @@ class LLMEngine:
             num_grammars_compiled=self.grammars.num_compiled,
             num_grammar_cache_hits=self.grammars.num_hits,
         )
+        spec = self.config.speculative
+        if spec is not None:
+            stats.update(self.scheduler.spec_stats.to_stats(), spec_decode_num_speculative_tokens=spec.num_speculative_tokens)
         return stats
 
 

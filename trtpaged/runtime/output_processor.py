@@ -12,8 +12,9 @@ from trtpaged.runtime.detokenizer import IncrementalDetokenizer
 from trtpaged.runtime.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from trtpaged.runtime.sequence import Sequence, SequenceGroup
 
-# A sequence whose text reached this stop string, and the length its text keeps (the scheduler cuts and ends it).
-Stopped = tuple[SequenceGroup, Sequence, str, int]
+# A sequence whose text reached this stop string, the length its text keeps, and its output tokens up to the
+# one that completed the stop string (the scheduler cuts and ends it).
+Stopped = tuple[SequenceGroup, Sequence, str, int, int]
 
 
 def find_stop_string(text: str, stops: Seq[str], new_chars: int) -> Optional[tuple[int, str]]:
@@ -60,27 +61,31 @@ class OutputProcessor:
             for seq in group.seqs + group.finished:
                 hit = self._decode_new(group, seq)
                 if hit is not None:
-                    stopped.append((group, seq, *hit))
+                    stopped.append((group, seq, *hit, seq.num_decoded_tokens))
         return stopped
 
     def _decode_new(self, group: SequenceGroup, seq: Sequence) -> Optional[tuple[str, int]]:
         """Appends the text of the sequence's new tokens; (stop string, text length to keep) when its text
-        reached one (the text is not cut here: the scheduler applies the cut with the finish)."""
+        reached one (the text is not cut here: the scheduler applies the cut with the finish). With stop
+        strings the tokens are decoded one at a time, so that a stop string reached inside a speculative run
+        is found at the token that completed it (the tokens after it stay undecoded)."""
         params = group.params
         new_tokens = seq.output_token_ids[seq.num_decoded_tokens :]
         if not new_tokens:
             return None
         if seq.detokenizer is None:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids, params.skip_special_tokens)
-        delta = "".join(seq.detokenizer.add(t) for t in new_tokens)
-        seq.num_decoded_tokens += len(new_tokens)
-        seq.output_text += delta
         ended_on_token = seq.finish_reason == "stop"  # EOS or a stop token id: no stop string after it
-        if params.stop and not ended_on_token:
-            hit = find_stop_string(seq.output_text, params.stop, len(delta))
-            if hit is not None:
-                index, stop = hit
-                return stop, index + (len(stop) if params.include_stop_str_in_output else 0)
+        steps = [new_tokens] if not params.stop or ended_on_token else [[t] for t in new_tokens]
+        for tokens in steps:
+            delta = "".join(seq.detokenizer.add(t) for t in tokens)
+            seq.num_decoded_tokens += len(tokens)
+            seq.output_text += delta
+            if params.stop and not ended_on_token:
+                hit = find_stop_string(seq.output_text, params.stop, len(delta))
+                if hit is not None:
+                    index, stop = hit
+                    return stop, index + (len(stop) if params.include_stop_str_in_output else 0)
         if seq.is_finished:
             seq.output_text += seq.detokenizer.flush()
         return None

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
+
+from trtpaged.runtime.speculative import SpeculativeConfig
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -19,6 +22,7 @@ class RuntimeConfig:
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
     num_host_blocks: int = 0  # host-memory blocks for swap preemption
+    speculative: Optional[SpeculativeConfig] = None  # speculative decoding (docs/speculative.md); None: off
     # > 0: every layer of the model has a sliding window of at most this many tokens, and blocks wholly
     # before a sequence's window go back to the pool as it advances (KVCacheManager.reclaim); 0: never
     reclaim_window: int = 0

@@ -5,6 +5,12 @@ tensor operations over all rows of the step; only the random draw is per row,
 from the row's own generator when its request is seeded, so a seeded request
 draws the same tokens whatever else is batched with it.
 
+A speculating sequence (docs/speculative.md) has a logits row per proposed token plus one;
+`verify_run` keeps the proposed tokens the target's own choices agree with, and the target's
+token at the first disagreement: greedy, exactly the target's greedy tokens; sampled, the
+standard rejection rule for a deterministic proposal (accept token d with probability p(d), else
+draw from p without d), so the output follows the target's distribution.
+
 A row whose logits are not finite (NaN, +inf, or all -inf, from the model or
 after the request's penalties) gets no token, and a group whose sampling or beam
 scoring raises gets a `SampleFailure`: the failure belongs to that request, and
@@ -16,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -36,6 +42,9 @@ class Sample:
     token_id: int
     logprob: float  # under the model's distribution (raw logits)
     top_logprobs: Optional[dict[int, float]]  # the sampled token plus the top-k, when asked for
+
+
+Run = tuple[Sample, ...]  # the tokens one sequence gains in a step: one, or a verified speculative run
 
 
 @dataclass(frozen=True)
@@ -262,21 +271,90 @@ def _top_logprobs(logprobs: torch.Tensor, tokens: list[int], ks: list[Optional[i
     return out
 
 
+@dataclass(frozen=True)
+class _Target:
+    """One output of a group this step: its rows (one, or 1 + len(draft) when speculating) and draft."""
+
+    request_id: str
+    rows: tuple[SampleRow, ...]
+    draft: tuple[int, ...]
+
+    @property
+    def lazy(self) -> bool:
+        """A seeded sampled row verifying a draft draws row by row and stops at the first rejection: one draw
+        from its generator per output token, as without speculation, so its tokens do not depend on
+        whether (or how much) it speculated."""
+        return bool(self.draft) and self.rows[0].generator is not None and not self.rows[0].params.greedy
+
+
+def verify_run(samples: Sequence[Optional[Sample]], draft: Sequence[int]) -> Optional[Run]:
+    """The verified run: the target's token at each proposed position while it equals the proposal, then
+    the first one that differs (or, all accepted, the token after the last); None if a row it needed has
+    no token (non-finite logits). `samples[i]` is the target's token at the position after `draft[:i]`."""
+    run: list[Sample] = []
+    for i, s in enumerate(samples[: len(draft) + 1]):
+        if s is None:
+            return None
+        run.append(s)
+        if i == len(draft) or s.token_id != draft[i]:
+            break
+    return tuple(run)
+
+
+def _targets(group: "SequenceGroup", rows: dict[int, int], drafts: Mapping[int, tuple[int, ...]]) -> list[_Target]:
+    if group.forked:
+        outputs = [(s, s.index) for s in group.seqs]
+    else:
+        outputs = [(group.seqs[0], i) for i in range(group.params.n)]
+    params = group.params
+    history = params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty
+    targets = []
+    for seq, index in outputs:
+        draft = drafts.get(seq.seq_id, ())
+        first, gen = rows[seq.seq_id], group.generators[index]
+        targets.append(_Target(group.request_id, tuple(
+            SampleRow(first + i, params, seq.token_ids + list(draft[:i]) if history and i else seq.token_ids,
+                      seq.num_prompt_tokens, gen, seq.grammar, group.bad_words)
+            for i in range(len(draft) + 1)), draft))  # fmt: skip
+    return targets
+
+
+def _runs(logits: torch.Tensor, targets: Sequence[_Target], greedy_kernel: bool) -> list[Optional[Run]]:
+    """Each target's run: the eager rows in one batched `sample`, lazy ones row by row."""
+    eager = [r for t in targets if not t.lazy for r in t.rows]
+    drawn = iter(sample(logits, eager, greedy_kernel))
+    runs: list[Optional[Run]] = []
+    for t in targets:
+        if not t.lazy:
+            runs.append(verify_run([next(drawn) for _ in t.rows], t.draft))
+            continue
+        got: list[Optional[Sample]] = []
+        for i, row in enumerate(t.rows):
+            got += sample(logits, [row], greedy_kernel)
+            if got[-1] is None or i == len(t.draft) or got[-1].token_id != t.draft[i]:
+                break
+        runs.append(verify_run(got, t.draft))
+    return runs
+
+
 def sample_groups(groups: Sequence["SequenceGroup"], logits: torch.Tensor, rows: dict[int, int],
-                  greedy_kernel: bool = False) -> dict[str, Any]:
-    """Each group's samples for this step, by request id: one batched draw over every sampling row,
-    and the beams to keep for beam-search groups. Changes no sequence; the scheduler applies them.
+                  greedy_kernel: bool = False, drafts: Optional[Mapping[int, tuple[int, ...]]] = None,
+                  ) -> dict[str, Any]:  # fmt: skip
+    """Each group's samples for this step, by request id: a run per output (one batched draw over every
+    sampling row), or the beams to keep for beam-search groups. Changes no sequence; the scheduler applies them.
     `greedy_kernel`: as for `sample`, decided once when the engine loads.
 
     Before its first sample a group has one sequence, and its `n` samples all read that
-    sequence's logits row; afterwards each live sequence reads its own row.
+    sequence's logits row; afterwards each live sequence reads its own row, or, speculating
+    (`drafts[seq_id]`), its 1 + len(draft) rows from `rows[seq_id]` on.
 
     Failures are the group's own: a group with non-finite logits, or whose beam scoring or
     sampling raises, gets a `SampleFailure` and the others their tokens. When the batched draw
     raises, each group is sampled alone to find the ones at fault. An exception that every group
     of the step raises (two or more groups) is the step's bug, not a request's: it propagates.
     """
-    sample_rows: list[SampleRow] = []
+    drafts = drafts or {}
+    targets: list[_Target] = []
     spans: list[tuple[str, int, int]] = []
     results: dict[str, Any] = {}
     errors: list[tuple[str, Exception]] = []  # logged once it is known whether they are the requests' own
@@ -290,24 +368,19 @@ def sample_groups(groups: Sequence["SequenceGroup"], logits: torch.Tensor, rows:
             results[group.request_id] = _isolated(group.request_id, errors, lambda: group.beam.step(
                 [b.output_token_ids for b in beams], [b.cumulative_logprob for b in beams], beam_logits))
             continue
-        if group.forked:
-            targets = [(s, s.index) for s in group.seqs]
-        else:
-            targets = [(group.seqs[0], i) for i in range(group.params.n)]
-        start = len(sample_rows)
-        sample_rows += [SampleRow(rows[seq.seq_id], group.params, seq.token_ids, seq.num_prompt_tokens,
-                                  group.generators[index], seq.grammar, group.bad_words)
-                        for seq, index in targets]  # fmt: skip
-        spans.append((group.request_id, start, len(sample_rows)))
+        start = len(targets)
+        targets += _targets(group, rows, drafts)
+        spans.append((group.request_id, start, len(targets)))
     try:
-        samples: Optional[list[Optional[Sample]]] = sample(logits, sample_rows, greedy_kernel)
+        runs: Optional[list[Optional[Run]]] = _runs(logits, targets, greedy_kernel)
     except Exception:  # noqa: BLE001 - find the groups at fault below
-        samples = None
+        runs = None
     for request_id, start, end in spans:
-        got = samples[start:end] if samples is not None else _isolated(
-            request_id, errors, lambda: sample(logits, sample_rows[start:end], greedy_kernel))  # fmt: skip
-        if not isinstance(got, SampleFailure) and any(s is None for s in got):
-            got = _blocked(logits, sample_rows[start:end], got) or _failed(request_id, NON_FINITE)
+        got = runs[start:end] if runs is not None else _isolated(
+            request_id, errors, lambda: _runs(logits, targets[start:end], greedy_kernel))  # fmt: skip
+        if not isinstance(got, SampleFailure) and any(r is None for r in got):
+            firsts = [t.rows[0] for t in targets[start:end]]  # constrained rows never speculate: one row each
+            got = _blocked(logits, firsts, [r[0] if r else None for r in got]) or _failed(request_id, NON_FINITE)
         results[request_id] = got
     if errors and len(errors) == len(groups) > 1:
         raise errors[0][1]

@@ -1,10 +1,12 @@
 """Iteration-level scheduler: who computes which tokens this step, and every state change that follows.
 
-`schedule()` decides the step (within blocks and budgets); `update_from_output()`
-applies its samples: appends tokens, finishes sequences on EOS, stop tokens and
-length, forks parallel samples and beams, ends a group whose sampling failed
-(finish_reason "error"), and frees blocks. Those are the only places sequences
-change state, apart from `abort` and `finish_stopped`.
+`schedule()` decides the step (within blocks and budgets), with the tokens a proposer
+guesses for decoding sequences when speculative decoding is on; `update_from_output()`
+applies its samples: appends tokens (a verified run of them for a speculating sequence,
+its KV rolled back past the run), finishes sequences on EOS, stop tokens and length,
+forks parallel samples and beams, ends a group whose sampling failed (finish_reason
+"error"), and frees blocks. Those are the only places sequences change state, apart
+from `abort` and `finish_stopped`.
 """
 
 from __future__ import annotations
@@ -19,25 +21,32 @@ from trtpaged.errors import RequestError
 from trtpaged.runtime.beam_search import BeamStep
 from trtpaged.runtime.kv_cache_manager import AllocationPlan, AllocRequest, KVCacheManager, TierSave
 from trtpaged.runtime.runtime_config import RuntimeConfig
-from trtpaged.runtime.sampler import Sample, SampleFailure
+from trtpaged.runtime.sampler import Run, SampleFailure
 from trtpaged.runtime.sampling_params import SamplingParams
 from trtpaged.runtime.sequence import Sequence, SequenceGroup, SequenceStatus
 from trtpaged.runtime.structured import accepts
+from trtpaged.runtime.speculative import AcceptanceTracker, SpecDecodeStats, ngram_propose
 
-# What one group's step produced: a token per sample (index order before the first fork,
-# then `group.seqs` order), the beams to keep, or why it could not be sampled.
-GroupSamples = Union[Seq[Sample], BeamStep, SampleFailure]
+# What one group's step produced: a run of tokens per sample (index order before the first fork,
+# then `group.seqs` order; one token, or a speculating sequence's verified run), the beam step, or
+# why it could not be sampled.
+GroupSamples = Union[Seq[Run], BeamStep, SampleFailure]
 
 
 @dataclass(frozen=True)
 class ScheduledSeq:
-    """Compute `token_ids[start:start + num_tokens]` of `seq` this step."""
+    """Compute `token_ids[start:start + num_tokens - len(draft)]` of `seq`, then `draft`, this step.
+
+    `draft` holds the tokens proposed after the sequence's last one (speculative decoding):
+    each is computed, and every one of their positions gets logits, to be verified.
+    """
 
     seq: Sequence
     group: SequenceGroup
     start: int
     num_tokens: int
     sample: bool  # its logits are needed (the group samples after this step)
+    draft: tuple[int, ...] = ()
 
 
 def check_request(c: RuntimeConfig, num_prompt_tokens: int, params: SamplingParams) -> None:
@@ -140,6 +149,9 @@ class Scheduler:
         self.swapped: deque[SequenceGroup] = deque()
         self.num_preemptions = 0
         self.num_swap_outs = 0
+        self.spec_stats = SpecDecodeStats()
+        spec = config.speculative
+        self.acceptance = AcceptanceTracker(spec.min_acceptance_rate if spec is not None else 0.0)
 
     # ---- requests -----------------------------------------------------------------------------
     def new_seq_id(self) -> int:
@@ -173,7 +185,11 @@ class Scheduler:
         """The step ran: its K/V is cached; groups scoring their prompt keep the new prompt log-probs; each
         sampled group takes its tokens, forks, finishes and frees."""
         scored = dict(prompt_logprobs or {})
+        drafts: dict[int, tuple[int, ...]] = {}
         for item in out.scheduled:
+            if item.draft:  # how much of it is computed is known once its run is verified
+                drafts[item.seq.seq_id] = item.draft
+                continue
             item.seq.num_computed_tokens += item.num_tokens
             self.kv.cache_computed_blocks(item.seq)
             self.kv.reclaim(item.seq)  # after caching: a block's chain parent is kept until it is cached
@@ -188,38 +204,61 @@ class Scheduler:
             if group.beam is not None:
                 self._advance_beams(group, result)  # type: ignore[arg-type]
             else:
-                self._append_samples(group, result)  # type: ignore[arg-type]
+                self._append_samples(group, result, drafts)  # type: ignore[arg-type]
             group.forked = True
             if not group.seqs:
                 self._finish_group(group)
 
-    def finish_stopped(self, stopped: Iterable[tuple[SequenceGroup, Sequence, str, int]]) -> None:
+    def finish_stopped(self, stopped: Iterable[tuple[SequenceGroup, Sequence, str, int, int]]) -> None:
         """Sequences whose text reached a stop string (found by the output processor) finish here, their
-        text cut where the processor says (before the stop string, or after it when it is kept)."""
-        for group, seq, stop, keep in stopped:
+        text cut where the processor says (before the stop string, or after it when it is kept) and their
+        tokens after the one that completed it dropped (the rest of a verified speculative run)."""
+        for group, seq, stop, keep, num_output_tokens in stopped:
             seq.output_text = seq.output_text[:keep]
+            seq.truncate_output(num_output_tokens)
             seq.finish("stop", stop)
             if seq in group.seqs:
                 self._free(group, seq)
             if not group.seqs:
                 self._finish_group(group)
 
-    def _append_samples(self, group: SequenceGroup, samples: Seq[Sample]) -> None:
+    def _append_samples(self, group: SequenceGroup, runs: Seq[Run], drafts: Mapping[int, tuple[int, ...]]) -> None:
         if not group.forked:  # the prompt was computed once; the n samples share its blocks from here on
             parent = group.seqs[0]
-            for index in range(1, len(samples)):
+            for index in range(1, len(runs)):
                 child = parent.fork(self.new_seq_id(), index)
                 self.kv.fork(parent, child)
                 group.seqs.append(child)
-        for seq, sample in zip(list(group.seqs), samples):
-            seq.append_token(sample.token_id, sample.logprob, sample.top_logprobs)
-            if not accepts(seq.grammar, sample.token_id):
-                self._fail(group, f"its output grammar rejected token {sample.token_id}")
-                return
-            reason = self._finish_reason(group.params, seq, sample.token_id)
+        for seq, run in zip(list(group.seqs), runs):
+            draft = drafts.get(seq.seq_id)
+            self.acceptance.check_shadow(seq.seq_id, run[0].token_id)
+            reason = None
+            for sample in run:  # a token-level stop inside a verified run ends it there
+                seq.append_token(sample.token_id, sample.logprob, sample.top_logprobs)
+                if not accepts(seq.grammar, sample.token_id):
+                    self._fail(group, f"its output grammar rejected token {sample.token_id}")
+                    return
+                reason = self._finish_reason(group.params, seq, sample.token_id)
+                if reason is not None:
+                    break
+            if draft is not None:
+                self._keep_verified(seq, draft, run)
             if reason is not None:
                 seq.finish(*reason)
                 self._free(group, seq)
+
+    def _keep_verified(self, seq: Sequence, draft: tuple[int, ...], run: Run) -> None:
+        """After a verification step: K/V is valid for the last token and the accepted draft tokens (the run
+        minus its last, the target's own token); the blocks past them go back, and only full blocks of
+        accepted tokens enter the prefix cache."""
+        accepted = len(run) - 1
+        self.spec_stats.record(len(draft), accepted)
+        self.acceptance.observe(seq.seq_id, len(draft), accepted)
+        computed = seq.num_computed_tokens + 1 + accepted
+        seq.num_computed_tokens = min(computed, len(seq.token_ids))  # a stop inside the run appended fewer
+        self.kv.truncate(seq)
+        self.kv.cache_computed_blocks(seq)
+        self.kv.reclaim(seq)  # after caching, as for any computed chunk
 
     def _finish_reason(self, params: SamplingParams, seq: Sequence, token: int) -> Optional[tuple[str, Optional[int]]]:
         """Token-level stops: EOS, a stop token id, max_tokens or max_seq_len (stop strings are textual)."""
@@ -265,6 +304,7 @@ class Scheduler:
     def _free(self, group: SequenceGroup, seq: Sequence) -> None:
         """The one path by which a finished sequence gives its blocks back."""
         self.kv.free(seq)
+        self.acceptance.forget(seq.seq_id)
         if seq in group.seqs:
             group.retire(seq)
 
@@ -297,12 +337,23 @@ class Scheduler:
         budget = [self.config.max_num_tokens, self.config.max_batch_size]
         done: set[str] = set()
         preempted = False
+        speculate = self._speculates(sum(len(g.seqs) for g in self.running if g.is_decoding() and g.beam is None))
+        decoding_left = sum(len(g.seqs) for g in self.running if g.is_decoding())
         for group in sorted(self.running, key=lambda g: not g.is_decoding()):  # decoding first, stable
             if group.status is not SequenceStatus.RUNNING:
                 continue  # preempted (or refused) earlier this step
+            if group.is_decoding():
+                decoding_left -= len(group.seqs)
             requests, sample = self._plan(group, budget)
             if requests is None:
                 continue
+            # token filters and grammars read one row's history, so a constrained group does not speculate
+            if speculate and group.is_decoding() and group.beam is None and not group.params.filters_tokens:
+                drafted = self._draft(group.params, requests, budget[0] - decoding_left, decoding_left)
+                if drafted is not None:
+                    self._commit(group, drafted[0], sample, budget, out, drafted[1])
+                    done.add(group.request_id)
+                    continue
             while (plan := self.kv.plan_allocation(requests)).num_blocks > self.kv.pool.num_free:
                 victim = next(g for g in reversed(self.running) if g.request_id not in done)
                 if victim is group and not done and len(self.running) == 1:
@@ -336,8 +387,50 @@ class Scheduler:
         requests = [(s, n, h) for s, n, h in zip(group.seqs, plan, hits) if n > 0]
         return requests, sample
 
+    def _speculates(self, num_decoding: int) -> bool:
+        """Whether this step proposes tokens: speculation is configured, and fewer sequences decode than
+        `disable_by_batch_size` (past that, verifying costs more than the weight reads it saves)."""
+        spec = self.config.speculative
+        if spec is None or num_decoding == 0:
+            return False
+        if spec.disable_by_batch_size is not None and num_decoding >= spec.disable_by_batch_size:
+            self.spec_stats.num_steps_disabled += 1
+            return False
+        return True
+
+    def _draft(self, params: SamplingParams, requests: list[AllocRequest], tokens_left: int,
+               reserve: int) -> Optional[tuple[AllocationPlan, dict[int, tuple[int, ...]]]]:  # fmt: skip
+        """A decoding group's requests with proposed tokens, and its plan, or None when nothing is proposed
+        or the drafts do not fit: within the step's token budget (`tokens_left`, one token per request
+        included), no draft past max_seq_len or the request's max_tokens, and leaving `reserve` free blocks
+        for the sequences still to decode this step. Speculation never preempts anything."""
+        spec = self.config.speculative
+        assert spec is not None
+        tokens_left -= len(requests)
+        drafts: dict[int, tuple[int, ...]] = {}
+        drafted: list[AllocRequest] = []
+        for seq, n, hits in requests:
+            room = self.config.max_seq_len - len(seq.token_ids)
+            if params.max_tokens is not None:
+                room = min(room, params.max_tokens - seq.num_output_tokens - 1)
+            k = min(spec.num_speculative_tokens, room, tokens_left)
+            draft = tuple(ngram_propose(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max))
+            if draft and not self.acceptance.wants(seq.seq_id):
+                self.acceptance.shadow(seq.seq_id, draft[0])
+                draft = ()
+            if draft:
+                drafts[seq.seq_id] = draft
+                tokens_left -= len(draft)
+            drafted.append((seq, n + len(draft), hits))
+        if not drafts:
+            return None
+        plan = self.kv.plan_allocation(drafted)
+        if plan.num_blocks + reserve > self.kv.pool.num_free:
+            return None
+        return plan, drafts
+
     def _commit(self, group: SequenceGroup, plan: AllocationPlan, sample: bool, budget: list[int],
-                out: SchedulerOutput) -> None:  # fmt: skip
+                out: SchedulerOutput, drafts: Optional[Mapping[int, tuple[int, ...]]] = None) -> None:  # fmt: skip
         for seq, _, _ in plan.requests:
             if seq.seq_id not in self.kv.tables:
                 self.kv.note_prefix_query(seq)
@@ -348,7 +441,8 @@ class Scheduler:
             if hits:  # their K/V is in the adopted blocks: compute from the first token after them
                 seq.num_computed_tokens = len(hits) * self.kv.block_size
         for seq, n, _ in plan.requests:
-            out.scheduled.append(ScheduledSeq(seq, group, seq.num_computed_tokens, n, sample))
+            draft = drafts.get(seq.seq_id, ()) if drafts else ()
+            out.scheduled.append(ScheduledSeq(seq, group, seq.num_computed_tokens, n, sample, draft))
             budget[0] -= n
             budget[1] -= 1
         if sample:

@@ -57,6 +57,7 @@ class Sequence:
         self.finish_reason: Optional[str] = None
         self.stop_reason: Optional[object] = None  # the stop string or token id that ended it
         self.cumulative_logprob = 0.0
+        self.token_logprobs: list[float] = []  # each output token's log-prob (a cut run gives them back)
         self.logprobs: list[dict[int, float]] = []
         self.output_text = ""
         self.detokenizer = None  # an IncrementalDetokenizer, set by the output processor
@@ -84,8 +85,18 @@ class Sequence:
         """Adds a sampled token; its K/V is computed next step."""
         self.token_ids.append(int(token_id))
         self.cumulative_logprob += float(logprob)
+        self.token_logprobs.append(float(logprob))
         if top_logprobs is not None:
             self.logprobs.append(top_logprobs)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drops the output tokens past the first `num_output_tokens` (a stop string ended a verified run
+        before its last token); their log-probs leave the cumulative sum."""
+        cut = self.num_prompt_tokens + num_output_tokens
+        if cut >= len(self.token_ids):
+            return
+        del self.token_ids[cut:], self.token_logprobs[num_output_tokens:], self.logprobs[num_output_tokens:]
+        self.cumulative_logprob = sum(self.token_logprobs)  # the same additions, in order, as append_token's
 
     def finish(self, reason: str, stop_reason: Optional[object] = None) -> None:
         self.status = SequenceStatus.FINISHED
@@ -98,6 +109,7 @@ class Sequence:
         child.seq_id, child.index = seq_id, index
         child.token_ids = list(self.token_ids)
         child.logprobs = list(self.logprobs)
+        child.token_logprobs = list(self.token_logprobs)
         child.detokenizer = None
         child.num_decoded_tokens = 0
         child.output_text = ""

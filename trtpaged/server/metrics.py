@@ -40,10 +40,14 @@ ENGINE_STATS: dict[str, tuple[str, str, str]] = {
     "num_constrained_requests": ("structured_output_requests", "counter", "Requests with an output grammar."),
     "num_grammars_compiled": ("grammar_compilations", "counter", "Output grammars compiled (cache misses)."),
     "num_grammar_cache_hits": ("grammar_cache_hits", "counter", "Output grammars found compiled in the cache."),
+    "spec_decode_num_drafts": ("spec_decode_num_drafts", "counter", "Speculative drafts verified (sequence-steps)."),
+    "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "counter", "Speculative tokens proposed and verified."),
+    "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "counter", "Speculative tokens accepted."),
     "prefix_cache_tier_hits_tokens": ("prefix_cache_tier_hits", "counter",
                                       "Prompt tokens restored from a KV tier below the pool (part of the hits)."),
     "kv_tier_blocks_loaded": ("kv_tier_blocks_loaded", "counter", "Blocks restored into the pool from a KV tier."),
 }  # fmt: skip
+PER_POS = "spec_decode_num_accepted_tokens_per_pos"  # stats keys PER_POS + "_<i>": accepted at draft position i
 # Per-tier counters (`kv_tier_<tier>_<field>` in LLMEngine.stats()): one family each, labelled
 # tier="host|disk|remote".
 TIER_NAMES = ("host", "disk", "remote")
@@ -75,6 +79,13 @@ class _EngineStatsCollector(Collector):
             if key in stats:
                 family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
                 yield family(PREFIX + name, help_text, value=float(stats[key]))
+        per_pos = sorted((int(k[len(PER_POS) + 1 :]), v) for k, v in stats.items() if k.startswith(PER_POS + "_"))
+        if per_pos:
+            family = CounterMetricFamily(PREFIX + PER_POS, "Speculative tokens accepted, by draft position.",
+                                         labels=["position"])  # fmt: skip
+            for pos, value in per_pos:
+                family.add_metric([str(pos)], float(value))
+            yield family
         for field, (name, help_text) in TIER_STATS.items():
             tiers = [t for t in TIER_NAMES if f"kv_tier_{t}_{field}" in stats]
             if tiers:
