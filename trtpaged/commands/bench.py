@@ -413,10 +413,6 @@ def throughput(engine, trace, num_requests, baseline, hf_batch_size, no_prefix_c
         from trtpaged.bench.step_profile import run_step_profile
 
         report["profile"] = run_step_profile(engine, say=progress)
-    if window:
-        from trtpaged.bench.memory_bench import run_window_comparison
-
-        report["window"] = {"window": window, "rows": run_window_comparison(requests, budget, window, progress)}
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
