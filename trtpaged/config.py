@@ -329,7 +329,15 @@ def _check_keys(data: dict, allowed: tuple[str, ...], prefix: str, fail) -> None
             name = key if isinstance(key, str) and key.isprintable() and 0 < len(key) <= 60 else _show(key)
             close = difflib.get_close_matches(name, allowed, n=1)
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
-            raise fail(f"{prefix}{name}", f"unknown key{hint} Allowed: {', '.join(allowed)}")
+            raise fail(f"{prefix}{name}", f"unknown key{hint} Allowed: {_listed(allowed)}")
+
+
+def _listed(names: tuple[str, ...], width: int = 240) -> str:
+    """The allowed names, cut short where a long list would make a multi-screen error line."""
+    text = ", ".join(names)
+    if len(text) <= width:
+        return text
+    return text[: text.rfind(", ", 0, width)] + f", ... ({len(names)} in all)"
 
 
 def _choice(data: dict, key: str, allowed: tuple[str, ...], default: str, fail, prefix: str = "") -> str:
@@ -421,7 +429,7 @@ def _package_gguf(package: Any, file: Any, fail) -> Path:
 
 def _parse_tiny(tiny: Any, fail) -> dict[str, Any]:
     if not isinstance(tiny, dict):
-        raise fail("model.tiny", f"got {_show(tiny)}; expected a mapping of LlamaConfig fields ({', '.join(TINY_KEYS)})")
+        raise fail("model.tiny", f"got {_show(tiny)}; expected a mapping of HF config fields ({_listed(TINY_KEYS)})")
     _check_keys(tiny, TINY_KEYS, "model.tiny.", fail)
     out = {**TINY_DEFAULTS, **tiny}
     if not isinstance(out["architecture"], str):
