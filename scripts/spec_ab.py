@@ -4,7 +4,8 @@
     PYTHONPATH=$PWD python scripts/spec_ab.py ENGINE mix [K]           # the 16-request mix of bench throughput
 
 Both engines share the runner's model (one load), each with its own pool; greedy, EOS ignored. copy runs each
-passage without then with speculation (single stream); mix runs the whole mix without, then with. Outputs must be
+passage without then with speculation (single stream); mix runs the mix (seed 0) without then with, then another
+(seed 1) with then without. Outputs must be
 identical. --hf adds transformers' generate without and with prompt_lookup_num_tokens=K on the first two passages.
 Prints wall ratios and the load average (docs/speculative.md#measured).
 """
@@ -56,12 +57,18 @@ def main(engine_dir: str, workload: str, k: int, with_hf: bool) -> None:
         batches = [[r] for r in reqs]
         run(plain, [(reqs[0][0], 4)]), run(spec, [(reqs[0][0], 4)])  # warm-up
     else:
-        reqs = [(r.prompt_ids, r.output_len) for r in default_requests(llm.manifest.dims.vocab_size, 16, 0)]
-        batches = [reqs]
+        mixes = [[(r.prompt_ids, r.output_len) for r in default_requests(llm.manifest.dims.vocab_size, 16, seed)]
+                 for seed in (0, 1)]
+        reqs, batches = mixes[0], mixes  # two mixes (fresh prompts: no prefix hits between them), ABBA
+        run(plain, [(reqs[0][0][:4], 3)]), run(spec, [(reqs[0][0][:4], 3)])  # warm-up
     total_plain = total_spec = 0.0
-    for batch in batches:
-        a, _, out_a = run(plain, batch)
-        b, stats, out_b = run(spec, batch)
+    for i, batch in enumerate(batches):
+        if i % 2:  # ABBA: the second pair runs with speculation first, so a drift in load cancels out
+            b, stats, out_b = run(spec, batch)
+            a, _, out_a = run(plain, batch)
+        else:
+            a, _, out_a = run(plain, batch)
+            b, stats, out_b = run(spec, batch)
         assert out_a == out_b, "speculation changed a greedy output"
         total_plain, total_spec = total_plain + a, total_spec + b
         print(f"without {a:.2f}s  with {b:.2f}s  ratio {a / b:.2f}  {stats}", flush=True)

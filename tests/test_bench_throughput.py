@@ -114,3 +114,35 @@ def test_cli_bad_trace_names_line_and_field(tiny_engine_dir, tmp_path) -> None:
     result = CliRunner().invoke(main, ["bench", "throughput", str(tiny_engine_dir), "--trace", str(trace)])
     assert result.exit_code != 0 and "bad.jsonl:2: output_len: must be an integer" in result.output
 
+
+
+def test_speculation_rows_account_their_tokens(tiny_engine_dir) -> None:
+    """The speculation row outputs exactly the requested tokens, one request at a time, and reports its
+    acceptance; transformers' prompt lookup (its peer) produces the same useful tokens."""
+    spec = run_trtpaged(str(tiny_engine_dir), REQUESTS, "spec", sequential=True,
+                        speculative_config={"num_speculative_tokens": 3, "min_acceptance_rate": 0.0})  # fmt: skip
+    assert spec.useful_tokens == 14
+    assert spec.notes and spec.notes[0].startswith("speculation: ")
+    assert 0 < spec.ttft_p50_s <= spec.ttft_p99_s < spec.wall_s
+    hf = run_hf(str(tiny_engine_dir), REQUESTS, batch_size=4, prompt_lookup=3, sequential=True)
+    assert hf.useful_tokens == 14 and hf.name.startswith("hf prompt lookup")
+    # one request at a time whatever batch size was asked for: each prompt computed once, unpadded
+    assert hf.computed_tokens >= 20 + 37 + 9
+
+
+def test_cli_speculation_rows_side_by_side(tiny_engine_dir, tmp_path) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"prompt_len": 20, "output_len": 4}\n{"prompt_len": 12, "output_len": 5}\n')
+    config = '{"num_speculative_tokens": 2, "min_acceptance_rate": 0}'
+    result = CliRunner().invoke(main, ["bench", "throughput", str(tiny_engine_dir), "--trace", str(trace),
+                                       "--speculative-config", config, "--sequential", "--json"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output[result.output.index("{"):])
+    names = [s["name"] for s in report["systems"]]
+    assert names == ["trtpaged", "trtpaged (ngram speculation, 2 tokens)", "hf prompt lookup (2 tokens)",
+                     "hf transformers (static batches)"]  # fmt: skip
+    assert report["sequential"] and report["hf_batch_size"] == 1
+    assert report["speculation_ratio"] == pytest.approx(
+        report["systems"][1]["useful_tok_s"] / report["systems"][0]["useful_tok_s"])
+    bad = CliRunner().invoke(main, ["bench", "throughput", str(tiny_engine_dir), "--speculative-config", '{"k": 1}'])
+    assert bad.exit_code != 0 and "speculative_config: unknown field(s) ['k']" in bad.output

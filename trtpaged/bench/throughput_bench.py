@@ -7,7 +7,13 @@ exactly its requested length):
 - hf: transformers `generate` on the engine's source model with static batches of up to
   `hf_batch_size` requests in submission order: prompts left-padded to the batch's longest,
   and the batch decodes until its longest output is done (greedy);
-- optional rows: trtpaged with prefix caching off, and a second engine dir (e.g. fp32 vs quantized).
+- optional rows: trtpaged with prefix caching off, a second engine dir (e.g. fp32 vs quantized), and
+  trtpaged with speculative decoding (`speculative_config`) next to transformers' own assisted
+  generation as its peer: prompt lookup (`prompt_lookup_num_tokens`) for the n-gram method, the draft
+  engine's source model (`assistant_model`) for a draft engine; one request at a time, as HF takes no
+  batch there.
+
+`sequential` runs one request at a time (single-stream decode) in every system instead of all at t=0.
 
 Each system runs in its own process (so peak RSS is its own), after a one-request warm-up.
 With rounds > 1 trtpaged runs the workload again in the same process, each round on fresh prompts of
@@ -154,62 +160,96 @@ def _result(name: str, requests: list[Request], wall: float, computed: int, ttft
 
 
 def run_trtpaged(engine_dir: str, requests: list[Request], name: str = "trtpaged", enable_prefix_caching: bool = True,
-                 rounds: int = 1, say: Callable[[str], None] = lambda _m: None) -> SystemResult:  # fmt: skip
-    """All requests submitted at t=0 to one LLMEngine; times each request's tokens as steps return them.
+                 rounds: int = 1, speculative_config: Optional[dict] = None, sequential: bool = False,
+                 say: Callable[[str], None] = lambda _m: None) -> SystemResult:  # fmt: skip
+    """All requests submitted at t=0 to one LLMEngine (`sequential`: each once the one before finished);
+    times each request's tokens as steps return them (TTFT from the request's submission).
 
     rounds > 1: the workload again, on fresh prompts of the same shapes, `rounds - 1` more times in this
-    process; the result is the first round's, with every round's wall in `round_walls`."""
+    process; the result is the first round's, with every round's wall in `round_walls`.
+    `speculative_config`: with speculative decoding; the result's notes give its acceptance."""
     from trtpaged import kernels
     from trtpaged.runtime.llm import LLM
     from trtpaged.runtime.sampling_params import SamplingParams
 
-    llm = LLM(engine_dir, enable_prefix_caching=enable_prefix_caching)
+    llm = LLM(engine_dir, enable_prefix_caching=enable_prefix_caching, speculative_config=speculative_config)
     # warm-up shorter than the smallest block (4 + 3 tokens < 8): it leaves nothing in the prefix cache
     llm.generate([list(requests[0].prompt_ids[:4])], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
-    result = _timed_round(llm.engine, requests, name, say, "bench")
+    spec_before = _spec_counters(llm.engine.stats())
+    result = _timed_round(llm.engine, requests, name, say, "bench", sequential)
+    if speculative_config is not None:
+        result.notes.append(_spec_note(llm.engine.stats(), spec_before))
     result.isa = f"kernels {kernels.describe_cpu_isa()}" if kernels.available() else "no kernel library (torch ops)"
     result.round_walls = [result.wall_s]
     vocab = llm.manifest.dims.vocab_size
     for r in range(1, rounds):
         say(f"{name}: round {r + 1}/{rounds} (fresh prompts, same shapes)")
         result.round_walls.append(_timed_round(llm.engine, fresh_prompts(requests, vocab, 1000 + r), name, say,
-                                              f"bench-r{r}").wall_s)
+                                              f"bench-r{r}", sequential).wall_s)
     return result
 
 
-def _timed_round(engine, requests: list[Request], name: str, say: Callable[[str], None], tag: str) -> SystemResult:
-    """One round: every request added at t=0, steps until all are done; request ids `tag-i`."""
+def _spec_counters(stats: dict) -> dict:
+    return {k: v for k, v in stats.items() if k.startswith("spec_decode_num_") and "_per_pos_" not in k}
+
+
+def _spec_note(stats: dict, before: dict) -> str:
+    """The speculation counters of a run (`stats` less `before`) in one line."""
+    spec = {k: v - before.get(k, 0) for k, v in _spec_counters(stats).items()}
+    drafts, proposed, accepted = (spec.get(f"spec_decode_num_{k}", 0)
+                                  for k in ("drafts", "draft_tokens", "accepted_tokens"))  # fmt: skip
+    rate, length = accepted / proposed if proposed else 0.0, 1 + accepted / drafts if drafts else 0.0
+    return (f"speculation: {drafts} drafts, {proposed} tokens proposed, {accepted} accepted (rate {rate:.2f}, "
+            f"mean acceptance length {length:.2f}), off for the batch size in "
+            f"{spec.get('spec_decode_num_steps_disabled', 0)} steps")  # fmt: skip
+
+
+def _timed_round(engine, requests: list[Request], name: str, say: Callable[[str], None], tag: str,
+                 sequential: bool = False) -> SystemResult:  # fmt: skip
+    """One round: every request added at t=0 (`sequential`: each once the one before is done), steps until all
+    are done; request ids `tag-i`. TTFT counts from a request's submission."""
     from trtpaged.runtime.sampling_params import SamplingParams
 
     computed_before = int(engine.stats()["num_tokens_computed"])
     token_times: dict[str, list[float]] = {}
+    submitted: dict[str, float] = {}
     with NoiseMonitor() as monitor:
         start = time.perf_counter()
-        for i, r in enumerate(requests):
-            params = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
-            engine.add_request(list(r.prompt_ids), params, request_id=f"{tag}-{i}")
-            token_times[f"{tag}-{i}"] = []
         steps = 0
-        while engine.has_unfinished():
-            outs = engine.step()
-            now = time.perf_counter() - start
-            for out in outs:  # a request appears once per step in which it sampled a token
-                if out.request_id in token_times:
-                    token_times[out.request_id].append(now)
-            steps += 1
-            if steps % 25 == 0:
-                done = sum(len(t) for t in token_times.values())
-                say(f"{name}: step {steps}, {done}/{sum(r.output_len for r in requests)} tokens")
+        for batch in ([[r] for r in requests] if sequential else [requests]):
+            for r in batch:
+                request_id = f"{tag}-{len(submitted)}"
+                params = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+                engine.add_request(list(r.prompt_ids), params, request_id=request_id)
+                token_times[request_id] = []
+                submitted[request_id] = time.perf_counter() - start
+            while engine.has_unfinished():
+                outs = engine.step()
+                now = time.perf_counter() - start
+                for out in outs:  # a request appears once per step in which it sampled a token (or a verified run)
+                    if out.request_id in token_times:
+                        token_times[out.request_id].append(now)
+                steps += 1
+                if steps % 25 == 0:
+                    done = sum(len(t) for t in token_times.values())
+                    say(f"{name}: step {steps}, {done} token steps")
         wall = time.perf_counter() - start
     computed = int(engine.stats()["num_tokens_computed"]) - computed_before
-    ttft = [t[0] for t in token_times.values() if t]
-    tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in token_times.values() if len(t) > 1]
+    ttft = [t[0] - submitted[i] for i, t in token_times.items() if t]
+    # per output token after the first (a verified run yields several tokens in one step)
+    tpot = [(t[-1] - t[0]) / (r.output_len - 1) for t, r in zip(token_times.values(), requests) if r.output_len > 1]
     return _result(name, requests, wall, computed, ttft, tpot, monitor)
 
 
-def run_hf(engine_dir: str, requests: list[Request], batch_size: int,
+def run_hf(engine_dir: str, requests: list[Request], batch_size: int, prompt_lookup: Optional[int] = None,
+           assistant_dir: Optional[str] = None, sequential: bool = False,
            say: Callable[[str], None] = lambda _m: None) -> SystemResult:  # fmt: skip
-    """transformers generate, static batches in submission order, left padding, greedy, EOS ignored."""
+    """transformers generate, static batches in submission order, left padding, greedy, EOS ignored.
+
+    Assisted generation, one request at a time (HF takes no batch there): `prompt_lookup` tokens of prompt
+    lookup (`prompt_lookup_num_tokens`), or with `assistant_dir` that engine's source model as the
+    `assistant_model` proposing `prompt_lookup` tokens a round (a constant number). TTFT counts from t=0,
+    or with `sequential` from the start of the request's batch (each arrives once the one before is done)."""
     import torch
     from transformers import LogitsProcessor, LogitsProcessorList
 
@@ -217,6 +257,16 @@ def run_hf(engine_dir: str, requests: list[Request], batch_size: int,
     from trtpaged.models.hf import load_hf, spec_from_manifest
 
     hf = load_hf(spec_from_manifest(read_manifest(engine_dir)), torch.float32)
+    assisted: dict = {}
+    if assistant_dir is not None:
+        assistant = load_hf(spec_from_manifest(read_manifest(assistant_dir)), torch.float32).model
+        assistant.generation_config.num_assistant_tokens = prompt_lookup or 4
+        assistant.generation_config.num_assistant_tokens_schedule = "constant"
+        assisted = {"assistant_model": assistant}
+    elif prompt_lookup:
+        assisted = {"prompt_lookup_num_tokens": prompt_lookup}
+    if assisted:
+        batch_size = 1
     isa = f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}"
     model = hf.model
     pad_id = hf.tokenizer.pad_token_id if hf.tokenizer.pad_token_id is not None else 0
@@ -242,8 +292,8 @@ def run_hf(engine_dir: str, requests: list[Request], batch_size: int,
         clock = StepClock()
         with torch.inference_mode():
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                           pad_token_id=pad_id, logits_processor=LogitsProcessorList([clock]))  # fmt: skip
-        return clock.times
+                           pad_token_id=pad_id, logits_processor=LogitsProcessorList([clock]), **assisted)  # fmt: skip
+        return clock.times  # assisted: one call per verified position, so only the first and last count
 
     generate([Request(requests[0].prompt_ids[:4], 3)])  # warm-up
     ttft, tpot = [], []
@@ -253,15 +303,21 @@ def run_hf(engine_dir: str, requests: list[Request], batch_size: int,
         for b in range(0, len(requests), batch_size):
             batch = requests[b : b + batch_size]
             say(f"hf: batch {b // batch_size + 1}/{-(-len(requests) // batch_size)} ({len(batch)} requests)")
+            batch_start = time.perf_counter() - start
             times = [t - start for t in generate(batch)]
-            steps = len(times)
+            steps = len(times)  # assisted: positions verified, accepted or not
             computed += len(batch) * (max(len(r.prompt_ids) for r in batch) + steps - 1)
             for r in batch:
-                ttft.append(times[0])
+                ttft.append(times[0] - (batch_start if sequential else 0.0))
                 if r.output_len > 1:
-                    tpot.append((times[r.output_len - 1] - times[0]) / (r.output_len - 1))
+                    last = times[-1] if assisted else times[r.output_len - 1]
+                    tpot.append((last - times[0]) / (r.output_len - 1))
         wall = time.perf_counter() - start
-    result = _result("hf transformers (static batches)", requests, wall, computed, ttft, tpot, monitor)
+    if assistant_dir is not None:
+        name = f"hf assistant_model ({Path(assistant_dir).name}, {prompt_lookup or 4} tokens)"
+    else:
+        name = f"hf prompt lookup ({prompt_lookup} tokens)" if prompt_lookup else "hf transformers (static batches)"
+    result = _result(name, requests, wall, computed, ttft, tpot, monitor)
     result.isa = isa
     return result
 
@@ -316,27 +372,45 @@ def run_throughput_bench(
     engine2: Optional[str] = None,
     progress: Optional[Callable[[str], None]] = None,
     rounds: int = 1,
+    speculative_config: Optional[dict] = None,
+    sequential: bool = False,
 ) -> dict:
     """Every system on the same requests; returns the JSON report (see module docstring)."""
     from trtpaged.manifest import read_manifest
 
     say = progress or (lambda _m: None)
     manifest = read_manifest(engine_dir)
-    batch_size = hf_batch_size or manifest.limits.max_batch_size
+    batch_size = 1 if sequential else hf_batch_size or manifest.limits.max_batch_size
     systems: list[SystemResult] = []
-    say(f"trtpaged: {engine_dir}")
+    say(f"trtpaged: {engine_dir}" + (" (one request at a time)" if sequential else ""))
     if rounds < 1:
         raise ValueError(f"rounds: must be >= 1, got {rounds}")
-    systems.append(run_isolated("trtpaged", engine_dir, requests, "trtpaged", True, rounds))
+    systems.append(run_isolated("trtpaged", engine_dir, requests, "trtpaged", True, rounds, None, sequential))
+    spec_ratio = hf_spec_ratio = None
+    if speculative_config is not None:
+        method, k = speculative_config.get("method", "ngram"), speculative_config.get("num_speculative_tokens", 4)
+        say(f"trtpaged, speculative decoding {speculative_config}")
+        systems.append(run_isolated("trtpaged", engine_dir, requests, f"trtpaged ({method} speculation, {k} tokens)",
+                                    True, rounds, speculative_config, sequential))  # fmt: skip
+        spec_ratio = systems[-1].useful_tok_s / systems[0].useful_tok_s
     if no_prefix_caching_row:
         say("trtpaged, prefix caching off")
-        systems.append(run_isolated("trtpaged", engine_dir, requests, "trtpaged (prefix caching off)", False))
+        systems.append(run_isolated("trtpaged", engine_dir, requests, "trtpaged (prefix caching off)", False, 1, None,
+                                    sequential))  # fmt: skip
     if engine2:
         say(f"trtpaged: {engine2}")
-        systems.append(run_isolated("trtpaged", engine2, requests, f"trtpaged ({Path(engine2).name})", True, rounds))
+        systems.append(run_isolated("trtpaged", engine2, requests, f"trtpaged ({Path(engine2).name})", True, rounds,
+                                    None, sequential))  # fmt: skip
+    if baseline == "hf" and speculative_config is not None:
+        draft = speculative_config.get("model") if method == "draft_model" else None
+        say(f"hf transformers generate, {'assistant_model ' + draft if draft else 'prompt lookup'} of {k} tokens, "
+            "one request at a time")  # fmt: skip
+        systems.append(run_isolated("hf", engine_dir, requests, 1, k, draft, sequential))
     if baseline == "hf":
         say(f"hf transformers generate, static batches of {batch_size}")
-        systems.append(run_isolated("hf", engine_dir, requests, batch_size))
+        systems.append(run_isolated("hf", engine_dir, requests, batch_size, None, None, sequential))
+        if speculative_config is not None:
+            hf_spec_ratio = systems[-2].useful_tok_s / systems[-1].useful_tok_s
     ratio = systems[0].useful_tok_s / systems[-1].useful_tok_s if baseline == "hf" else None
     loads = [s.foreign_cores for s in systems if s.foreign_cores is not None]
     noise = assess(0.0, max(loads) if loads else None, multiprocessing.cpu_count())
@@ -348,6 +422,9 @@ def run_throughput_bench(
         "hf_batch_size": batch_size if baseline == "hf" else None,
         "systems": [asdict(s) for s in systems],
         "ratio_vs_baseline": ratio,
+        "speculation_ratio": spec_ratio,  # trtpaged with / without speculation, useful tok/s
+        "hf_assisted_ratio": hf_spec_ratio,  # hf assisted generation / hf plain, useful tok/s
+        "sequential": sequential,
         "rounds": rounds,
         "noise": noise.to_dict(),
     }
@@ -359,7 +436,8 @@ def format_throughput_report(report: dict) -> str:
 
     lines = [
         f"trtpaged throughput benchmark: {report['requests']} requests, {report['prompt_tokens']} prompt tokens, "
-        f"{report['output_tokens']} output tokens (EOS ignored), all submitted at t=0",
+        f"{report['output_tokens']} output tokens (EOS ignored), "
+        + ("one request at a time" if report.get("sequential") else "all submitted at t=0"),
         "",
         f"{'system':<34} {'useful tok/s':>12} {'computed tok/s':>14} {'wall s':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
         f"{'TPOT p50':>9} {'TPOT p99':>9} {'peak RSS MB':>12}",
@@ -385,4 +463,10 @@ def format_throughput_report(report: dict) -> str:
         if not noise.trustworthy:
             ratio += " (noisy run: indicative only, rerun on a quieter machine)"
         lines.append(f"trtpaged / hf useful tok/s: {ratio}  (hf static batches of {report['hf_batch_size']})")
+    if report.get("speculation_ratio") is not None:
+        hf = report.get("hf_assisted_ratio")
+        lines.append(f"speculation: trtpaged with / without {report['speculation_ratio']:.2f}x"
+                     + (f", hf assisted / hf plain {hf:.2f}x" if hf is not None else ""))  # fmt: skip
+    for s in report["systems"]:
+        lines += [f"{s['name']}: {note}" for note in s.get("notes", [])]
     return "\n".join(lines)

@@ -375,9 +375,14 @@ def structured(engine, batch, steps, repeats, temperature, as_json) -> None:
 @click.option("--rounds", default=1, show_default=True,
               help="trtpaged runs the workload this many times in one process, each round on fresh prompts of the "
                    "same shapes, and prints each round's wall: the first batch after loading vs the next.")
+@click.option("--speculative-config", default=None,
+              help="Extra rows: trtpaged with this speculative decoding (a JSON object, docs/speculative.md), and "
+                   "transformers' assisted generation (prompt lookup, or the draft engine's model as assistant_model; "
+                   "one request at a time) as its peer.")
+@click.option("--sequential", is_flag=True, help="One request at a time (single-stream decode) in every row.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def throughput(engine, trace, num_requests, baseline, hf_batch_size, no_prefix_caching_row, engine2, profile, seed,
-               rounds, as_json) -> None:  # fmt: skip
+               rounds, speculative_config, sequential, as_json) -> None:  # fmt: skip
     """End-to-end throughput and latency: trtpaged vs HF transformers on the same requests, side by side."""
     import json
 
@@ -405,10 +410,14 @@ def throughput(engine, trace, num_requests, baseline, hf_batch_size, no_prefix_c
             raise ValueError(f"--hf-batch-size: must be >= 1, got {hf_batch_size}")
         if rounds < 1:
             raise ValueError(f"--rounds: must be >= 1, got {rounds}")
+        if speculative_config is not None:
+            from trtpaged.runtime.speculative import SpeculativeConfig
+
+            speculative_config = SpeculativeConfig.parse(speculative_config).to_dict()
     except (ValueError, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from exc
     report = run_throughput_bench(engine, requests, baseline, hf_batch_size, no_prefix_caching_row, engine2, progress,
-                                  rounds)
+                                  rounds, speculative_config, sequential)  # fmt: skip
     if profile:
         from trtpaged.bench.step_profile import run_step_profile
 
