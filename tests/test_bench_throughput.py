@@ -137,7 +137,7 @@ def test_cli_speculation_rows_side_by_side(tiny_engine_dir, tmp_path) -> None:
     result = CliRunner().invoke(main, ["bench", "throughput", str(tiny_engine_dir), "--trace", str(trace),
                                        "--speculative-config", config, "--sequential", "--json"])  # fmt: skip
     assert result.exit_code == 0, result.output
-    report = json.loads(result.output[result.output.index("{"):])
+    report = json.loads(result.output[result.output.index('{\n  "engine"'):])  # after the progress lines
     names = [s["name"] for s in report["systems"]]
     assert names == ["trtpaged", "trtpaged (ngram speculation, 2 tokens)", "hf prompt lookup (2 tokens)",
                      "hf transformers (static batches)"]  # fmt: skip
