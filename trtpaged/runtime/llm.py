@@ -64,9 +64,10 @@ class LLM:
     `close()` (or leaving a `with` block) stops them.
 
     `speculative_config` (a `SpeculativeConfig`, a dict or its JSON text, e.g.
-    `{"method": "ngram", "num_speculative_tokens": 4}`) turns on speculative decoding
-    (docs/speculative.md); greedy outputs are the same as without it. `stats()` then carries the
-    spec_decode_* counters.
+    `{"method": "ngram", "num_speculative_tokens": 4}`, or a draft engine:
+    `{"method": "draft_model", "model": "engines/smollm2-int4", "num_speculative_tokens": 4}`) turns on
+    speculative decoding (docs/speculative.md); greedy outputs are the same as without it. `stats()` then
+    carries the spec_decode_* counters.
 
     Before returning, the runner runs one warm-up step of the engine's largest shape (max_num_tokens
     tokens, max_batch_size sequences; `warmup=False` skips it), so the first batch runs at the speed of
@@ -142,7 +143,17 @@ class LLM:
             except BaseException:  # e.g. a disk path that cannot be written: stop the ranks started above
                 getattr(runner, "close", lambda: None)()
                 raise
-        self.engine = LLMEngine(runner, self.config, self.tokenizer, eos, self.manifest.dims.vocab_size, tiers)
+        draft = None
+        spec = self.config.speculative
+        if spec is not None and spec.method == "draft_model":
+            from trtpaged.runtime.draft import load_draft
+
+            try:
+                draft = load_draft(spec.model, self.manifest, self.tokenizer, backend, device, self.config.max_seq_len)
+            except BaseException:
+                getattr(runner, "close", lambda: None)()
+                raise
+        self.engine = LLMEngine(runner, self.config, self.tokenizer, eos, self.manifest.dims.vocab_size, tiers, draft)
         # Everything loaded so far lives as long as the engine: moved out of the cyclic collector's
         # sight, so that the collections a serving loop triggers stop walking it (they were 3% of a
         # decode-bound benchmark's CPU time; vLLM's engine does the same).

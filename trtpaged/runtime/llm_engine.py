@@ -10,6 +10,7 @@ from typing import Any, Optional, Sequence as Seq, Union
 from trtpaged.errors import RequestError
 from trtpaged.runtime.batch_builder import PromptRows, build_step_batch
 from trtpaged.runtime.beam_search import BeamSearch
+from trtpaged.runtime.draft import DraftProposer
 from trtpaged.runtime.runners.base import ModelRunner
 from trtpaged.runtime.kv_cache_manager import KVCacheManager, TierSave
 from trtpaged.runtime.kv_tiers.stack import TierStack
@@ -45,6 +46,7 @@ class LLMEngine:
     def __init__(
         self, runner: ModelRunner, config: RuntimeConfig, tokenizer: Optional[Any] = None,
         eos_token_ids: Seq[int] = (), vocab_size: Optional[int] = None, tiers: Optional[TierStack] = None,
+        draft: Optional[DraftProposer] = None,
     ) -> None:  # fmt: skip
         if runner.num_blocks != config.num_blocks:
             raise ValueError(f"num_blocks: runner pool has {runner.num_blocks} blocks, config says {config.num_blocks}")
@@ -57,7 +59,10 @@ class LLMEngine:
             config.num_blocks, config.block_size, config.enable_prefix_caching, config.num_host_blocks, tiers=tiers,
             reclaim_window=config.reclaim_window,
         )
-        self.scheduler = Scheduler(config, self.kv, self.eos_token_ids)
+        spec = config.speculative
+        if (draft is not None) != (spec is not None and spec.method == "draft_model"):
+            raise ValueError("speculative_config.model: a draft proposer goes with method draft_model, only")
+        self.scheduler = Scheduler(config, self.kv, self.eos_token_ids, draft)
         self.processor = OutputProcessor(tokenizer)
         self.greedy_kernel = greedy_kernel()  # plain-greedy steps in one kernel pass: decided here, once
         self.grammars = GrammarCache(tokenizer, vocab_size or 0, self.eos_token_ids)
@@ -163,7 +168,8 @@ class LLMEngine:
             logits = self.runner.step(batch).cpu()
             clock.lap("model")
             drafts = {item.seq.seq_id: item.draft for item in out.scheduled if item.draft}
-            samples = sample_groups(out.sampled_groups, logits, rows, self.greedy_kernel, drafts)
+            probs = {item.seq.seq_id: item.draft_probs for item in out.scheduled if item.draft_probs is not None}
+            samples = sample_groups(out.sampled_groups, logits, rows, self.greedy_kernel, drafts, probs)
             prompt_scores = score_prompts(logits, scored, self._scored_prompts(scored)) if scored else {}
             clock.lap("sample")
             self.scheduler.update_from_output(out, samples, prompt_scores)
@@ -213,7 +219,8 @@ class LLMEngine:
 
     def stats(self) -> dict[str, float]:
         """KV-cache (now and peak), sharing, prefix-cache and scheduling counters; speculative decoding's
-        (spec_decode_*: drafts, draft tokens, accepted tokens, acceptance rate, mean acceptance length) when on."""
+        (spec_decode_*: drafts, draft tokens, accepted tokens, acceptance rate, mean acceptance length; a draft
+        model's pool and steps) when on."""
         stats: dict[str, float] = dict(self.kv.stats(self.scheduler.live_seqs()))
         stats.update(
             num_preemptions=self.scheduler.num_preemptions,
@@ -232,6 +239,8 @@ class LLMEngine:
         spec = self.config.speculative
         if spec is not None:
             stats.update(self.scheduler.spec_stats.to_stats(), spec_decode_num_speculative_tokens=spec.num_speculative_tokens)
+            if self.scheduler.draft is not None:
+                stats.update(self.scheduler.draft.stats())
         return stats
 
 

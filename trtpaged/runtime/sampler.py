@@ -9,7 +9,9 @@ A speculating sequence (docs/speculative.md) has a logits row per proposed token
 `verify_run` keeps the proposed tokens the target's own choices agree with, and the target's
 token at the first disagreement: greedy, exactly the target's greedy tokens; sampled, the
 standard rejection rule for a deterministic proposal (accept token d with probability p(d), else
-draw from p without d), so the output follows the target's distribution.
+draw from p without d), so the output follows the target's distribution. A draft model's sampled
+proposal comes with its distribution q: `rejection_run` accepts d with probability min(1, p(d)/q(d))
+and on rejection draws from norm(max(0, p - q)).
 
 A row whose logits are not finite (NaN, +inf, or all -inf, from the model or
 after the request's penalties) gets no token, and a group whose sampling or beam
@@ -278,6 +280,7 @@ class _Target:
     request_id: str
     rows: tuple[SampleRow, ...]
     draft: tuple[int, ...]
+    draft_probs: Optional[torch.Tensor] = None  # the draft model's q per draft token, when it sampled them
 
     @property
     def lazy(self) -> bool:
@@ -285,6 +288,42 @@ class _Target:
         from its generator per output token, as without speculation, so its tokens do not depend on
         whether (or how much) it speculated."""
         return bool(self.draft) and self.rows[0].generator is not None and not self.rows[0].params.greedy
+
+    @property
+    def rejection(self) -> bool:
+        """A sampled row verifying a draft model's sampled tokens: min(1, p/q) (`rejection_run`)."""
+        return self.draft_probs is not None and not self.rows[0].params.greedy
+
+
+def rejection_run(logits: torch.Tensor, rows: Sequence[SampleRow], draft: Sequence[int],
+                  q: torch.Tensor) -> Optional[Run]:  # fmt: skip
+    """Speculative sampling against a draft's distribution q ([len(draft), vocab]): draft token d_i is kept
+    with probability min(1, p_i(d_i) / q_i(d_i)), p_i being the target's processed distribution at row i
+    (penalties, filters, temperature, top-k/p, min-p, as `sample` draws); at the first rejection the token is
+    drawn from norm(max(0, p_i - q_i)); all kept, the next from p_k. The output follows p (Leviathan et al.,
+    Chen et al.). Uniforms and draws come from the rows' generator (a seeded request: reproducible)."""
+    gen = rows[0].generator
+    raw = logits[[r.logits_row for r in rows]].float()
+    raw_logprobs = torch.log_softmax(raw, dim=1)
+    processed = apply_penalties(apply_token_filters(raw.clone(), rows), rows)
+    probs = torch.softmax(filter_logits(processed, [r.params for r in rows]), dim=1)
+    tokens: list[int] = []
+    for i, row_probs in enumerate(probs):
+        if not bool(torch.isfinite(processed[i].amax())) or not float(row_probs.sum()) > 0:
+            return None  # a row the run needs has no distribution
+        if i == len(draft):
+            tokens.append(int(torch.multinomial(row_probs, 1, generator=gen)))
+            break
+        d = draft[i]
+        if float(torch.rand((), generator=gen)) * float(q[i, d]) < float(row_probs[d]):
+            tokens.append(d)
+            continue
+        residual = (row_probs - q[i].to(row_probs.dtype)).clamp_min(0)
+        tokens.append(int(torch.multinomial(residual if float(residual.sum()) > 0 else row_probs, 1, generator=gen)))
+        break
+    chosen = raw_logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    top = _top_logprobs(raw_logprobs[: len(tokens)], tokens, [r.params.logprobs for r in rows[: len(tokens)]])
+    return tuple(Sample(t, lp, tl) for t, lp, tl in zip(tokens, chosen, top))
 
 
 def verify_run(samples: Sequence[Optional[Sample]], draft: Sequence[int]) -> Optional[Run]:
@@ -301,7 +340,8 @@ def verify_run(samples: Sequence[Optional[Sample]], draft: Sequence[int]) -> Opt
     return tuple(run)
 
 
-def _targets(group: "SequenceGroup", rows: dict[int, int], drafts: Mapping[int, tuple[int, ...]]) -> list[_Target]:
+def _targets(group: "SequenceGroup", rows: dict[int, int], drafts: Mapping[int, tuple[int, ...]],
+             draft_probs: Mapping[int, torch.Tensor]) -> list[_Target]:  # fmt: skip
     if group.forked:
         outputs = [(s, s.index) for s in group.seqs]
     else:
@@ -315,16 +355,20 @@ def _targets(group: "SequenceGroup", rows: dict[int, int], drafts: Mapping[int, 
         targets.append(_Target(group.request_id, tuple(
             SampleRow(first + i, params, seq.token_ids + list(draft[:i]) if history and i else seq.token_ids,
                       seq.num_prompt_tokens, gen, seq.grammar, group.bad_words)
-            for i in range(len(draft) + 1)), draft))  # fmt: skip
+            for i in range(len(draft) + 1)), draft, draft_probs.get(seq.seq_id) if draft else None))  # fmt: skip
     return targets
 
 
 def _runs(logits: torch.Tensor, targets: Sequence[_Target], greedy_kernel: bool) -> list[Optional[Run]]:
     """Each target's run: the eager rows in one batched `sample`, lazy ones row by row."""
-    eager = [r for t in targets if not t.lazy for r in t.rows]
+    eager = [r for t in targets if not t.lazy and not t.rejection for r in t.rows]
     drawn = iter(sample(logits, eager, greedy_kernel))
     runs: list[Optional[Run]] = []
     for t in targets:
+        if t.rejection:
+            assert t.draft_probs is not None
+            runs.append(rejection_run(logits, t.rows, t.draft, t.draft_probs))
+            continue
         if not t.lazy:
             runs.append(verify_run([next(drawn) for _ in t.rows], t.draft))
             continue
@@ -339,14 +383,15 @@ def _runs(logits: torch.Tensor, targets: Sequence[_Target], greedy_kernel: bool)
 
 def sample_groups(groups: Sequence["SequenceGroup"], logits: torch.Tensor, rows: dict[int, int],
                   greedy_kernel: bool = False, drafts: Optional[Mapping[int, tuple[int, ...]]] = None,
-                  ) -> dict[str, Any]:  # fmt: skip
+                  draft_probs: Optional[Mapping[int, torch.Tensor]] = None) -> dict[str, Any]:  # fmt: skip
     """Each group's samples for this step, by request id: a run per output (one batched draw over every
     sampling row), or the beams to keep for beam-search groups. Changes no sequence; the scheduler applies them.
     `greedy_kernel`: as for `sample`, decided once when the engine loads.
 
     Before its first sample a group has one sequence, and its `n` samples all read that
     sequence's logits row; afterwards each live sequence reads its own row, or, speculating
-    (`drafts[seq_id]`), its 1 + len(draft) rows from `rows[seq_id]` on.
+    (`drafts[seq_id]`), its 1 + len(draft) rows from `rows[seq_id]` on; `draft_probs[seq_id]`: the
+    draft model's q for a sampled draft (verified by `rejection_run`).
 
     Failures are the group's own: a group with non-finite logits, or whose beam scoring or
     sampling raises, gets a `SampleFailure` and the others their tokens. When the batched draw
@@ -369,7 +414,7 @@ def sample_groups(groups: Sequence["SequenceGroup"], logits: torch.Tensor, rows:
                 [b.output_token_ids for b in beams], [b.cumulative_logprob for b in beams], beam_logits))
             continue
         start = len(targets)
-        targets += _targets(group, rows, drafts)
+        targets += _targets(group, rows, drafts, draft_probs or {})
         spans.append((group.request_id, start, len(targets)))
     try:
         runs: Optional[list[Optional[Run]]] = _runs(logits, targets, greedy_kernel)

@@ -15,10 +15,11 @@ import bisect
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Optional, Sequence as Seq, Union
+from typing import Any, Iterable, Mapping, Optional, Sequence as Seq, Union
 
 from trtpaged.errors import RequestError
 from trtpaged.runtime.beam_search import BeamStep
+from trtpaged.runtime.draft import DraftProposer, DraftRequest, Proposal
 from trtpaged.runtime.kv_cache_manager import AllocationPlan, AllocRequest, KVCacheManager, TierSave
 from trtpaged.runtime.runtime_config import RuntimeConfig
 from trtpaged.runtime.sampler import Run, SampleFailure
@@ -38,7 +39,9 @@ class ScheduledSeq:
     """Compute `token_ids[start:start + num_tokens - len(draft)]` of `seq`, then `draft`, this step.
 
     `draft` holds the tokens proposed after the sequence's last one (speculative decoding):
-    each is computed, and every one of their positions gets logits, to be verified.
+    each is computed, and every one of their positions gets logits, to be verified. `draft_probs`: the
+    draft model's distribution q at each ([len(draft), vocab]) when it sampled them; None for a
+    deterministic proposal (n-gram, or a draft model's greedy tokens).
     """
 
     seq: Sequence
@@ -47,6 +50,7 @@ class ScheduledSeq:
     num_tokens: int
     sample: bool  # its logits are needed (the group samples after this step)
     draft: tuple[int, ...] = ()
+    draft_probs: Optional[Any] = field(default=None, compare=False)
 
 
 def check_request(c: RuntimeConfig, num_prompt_tokens: int, params: SamplingParams) -> None:
@@ -139,8 +143,11 @@ class Scheduler:
     swapped to host memory.
     """
 
-    def __init__(self, config: RuntimeConfig, kv: KVCacheManager, eos_token_ids: Iterable[int] = ()) -> None:
+    def __init__(self, config: RuntimeConfig, kv: KVCacheManager, eos_token_ids: Iterable[int] = (),
+                 draft: Optional[DraftProposer] = None) -> None:  # fmt: skip
         self.config = config
+        self.draft = draft  # the draft-model proposer (speculative_config method "draft_model"), else None
+        self._proposed: dict[int, Sequence] = {}  # this step's draft-model proposals: whose cache to roll back
         self.kv = kv
         self.eos_token_ids = set(eos_token_ids)
         self._seq_ids = itertools.count()
@@ -208,6 +215,10 @@ class Scheduler:
             group.forked = True
             if not group.seqs:
                 self._finish_group(group)
+        if self.draft is not None:  # the draft's cache keeps only what the sequence kept (a finished one is gone)
+            for seq_id, seq in self._proposed.items():
+                self.draft.rollback(seq_id, seq.token_ids)
+            self._proposed = {}
 
     def finish_stopped(self, stopped: Iterable[tuple[SequenceGroup, Sequence, str, int, int]]) -> None:
         """Sequences whose text reached a stop string (found by the output processor) finish here, their
@@ -305,6 +316,8 @@ class Scheduler:
         """The one path by which a finished sequence gives its blocks back."""
         self.kv.free(seq)
         self.acceptance.forget(seq.seq_id)
+        if self.draft is not None:
+            self.draft.forget(seq.seq_id)
         if seq in group.seqs:
             group.retire(seq)
 
@@ -338,6 +351,7 @@ class Scheduler:
         done: set[str] = set()
         preempted = False
         speculate = self._speculates(sum(len(g.seqs) for g in self.running if g.is_decoding() and g.beam is None))
+        proposals = self._propose_with_draft() if speculate and self.draft is not None else {}
         decoding_left = sum(len(g.seqs) for g in self.running if g.is_decoding())
         for group in sorted(self.running, key=lambda g: not g.is_decoding()):  # decoding first, stable
             if group.status is not SequenceStatus.RUNNING:
@@ -348,8 +362,8 @@ class Scheduler:
             if requests is None:
                 continue
             # token filters and grammars read one row's history, so a constrained group does not speculate
-            if speculate and group.is_decoding() and group.beam is None and not group.params.filters_tokens:
-                drafted = self._draft(group.params, requests, budget[0] - decoding_left, decoding_left)
+            if speculate and self._may_speculate(group):
+                drafted = self._draft(group.params, requests, budget[0] - decoding_left, decoding_left, proposals)
                 if drafted is not None:
                     self._commit(group, drafted[0], sample, budget, out, drafted[1])
                     done.add(group.request_id)
@@ -398,28 +412,64 @@ class Scheduler:
             return False
         return True
 
-    def _draft(self, params: SamplingParams, requests: list[AllocRequest], tokens_left: int,
-               reserve: int) -> Optional[tuple[AllocationPlan, dict[int, tuple[int, ...]]]]:  # fmt: skip
+    @staticmethod
+    def _may_speculate(group: SequenceGroup) -> bool:
+        """Decoding, not a beam search, and unconstrained (token filters and grammars read one row's history)."""
+        return group.is_decoding() and group.beam is None and not group.params.filters_tokens
+
+    def _room(self, params: SamplingParams, seq: Sequence) -> int:
+        """Draft tokens the sequence can take: none past max_seq_len or the request's max_tokens."""
+        room = self.config.max_seq_len - len(seq.token_ids)
+        if params.max_tokens is not None:
+            room = min(room, params.max_tokens - seq.num_output_tokens - 1)
+        return room
+
+    def _propose_with_draft(self) -> dict[int, Proposal]:
+        """The draft model's proposals for every sequence that may speculate this step, in one batched pass
+        (the budget may cut them later); a sequence below the acceptance rate rests (AcceptanceTracker)."""
+        spec, draft = self.config.speculative, self.draft
+        assert spec is not None and draft is not None
+        requests: list[DraftRequest] = []
+        for group in self.running:
+            if not self._may_speculate(group):
+                continue
+            for seq in group.seqs:
+                k = min(spec.num_speculative_tokens, self._room(group.params, seq))
+                if k < 1:
+                    continue
+                if not self.acceptance.wants(seq.seq_id):
+                    self.acceptance.rest(seq.seq_id)
+                    continue
+                requests.append(DraftRequest(seq.seq_id, seq.token_ids, k, group.params))
+                self._proposed[seq.seq_id] = seq
+        return draft.propose(requests)
+
+    def _draft(self, params: SamplingParams, requests: list[AllocRequest], tokens_left: int, reserve: int,
+               proposals: Mapping[int, Proposal]) -> Optional[tuple[AllocationPlan, dict[int, Proposal]]]:  # fmt: skip
         """A decoding group's requests with proposed tokens, and its plan, or None when nothing is proposed
         or the drafts do not fit: within the step's token budget (`tokens_left`, one token per request
         included), no draft past max_seq_len or the request's max_tokens, and leaving `reserve` free blocks
-        for the sequences still to decode this step. Speculation never preempts anything."""
+        for the sequences still to decode this step. Speculation never preempts anything. `proposals`: the
+        draft model's (cut here to the budget), else n-gram lookup."""
         spec = self.config.speculative
         assert spec is not None
         tokens_left -= len(requests)
-        drafts: dict[int, tuple[int, ...]] = {}
+        drafts: dict[int, Proposal] = {}
         drafted: list[AllocRequest] = []
         for seq, n, hits in requests:
-            room = self.config.max_seq_len - len(seq.token_ids)
-            if params.max_tokens is not None:
-                room = min(room, params.max_tokens - seq.num_output_tokens - 1)
-            k = min(spec.num_speculative_tokens, room, tokens_left)
-            draft = tuple(ngram_propose(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max))
-            if draft and not self.acceptance.wants(seq.seq_id):
-                self.acceptance.shadow(seq.seq_id, draft[0])
-                draft = ()
+            k = min(spec.num_speculative_tokens, self._room(params, seq), tokens_left)
+            if self.draft is not None:
+                got = proposals.get(seq.seq_id)
+                draft = got.tokens[: max(k, 0)] if got is not None else ()
+                probs = got.probs[: len(draft)] if got is not None and got.probs is not None and draft else None
+            else:
+                draft = tuple(ngram_propose(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max))
+                probs = None
+                if draft and not self.acceptance.wants(seq.seq_id):
+                    self.acceptance.shadow(seq.seq_id, draft[0])
+                    draft = ()
             if draft:
-                drafts[seq.seq_id] = draft
+                drafts[seq.seq_id] = Proposal(draft, probs)
                 tokens_left -= len(draft)
             drafted.append((seq, n + len(draft), hits))
         if not drafts:
@@ -430,7 +480,7 @@ class Scheduler:
         return plan, drafts
 
     def _commit(self, group: SequenceGroup, plan: AllocationPlan, sample: bool, budget: list[int],
-                out: SchedulerOutput, drafts: Optional[Mapping[int, tuple[int, ...]]] = None) -> None:  # fmt: skip
+                out: SchedulerOutput, drafts: Optional[Mapping[int, Proposal]] = None) -> None:  # fmt: skip
         for seq, _, _ in plan.requests:
             if seq.seq_id not in self.kv.tables:
                 self.kv.note_prefix_query(seq)
@@ -441,8 +491,9 @@ class Scheduler:
             if hits:  # their K/V is in the adopted blocks: compute from the first token after them
                 seq.num_computed_tokens = len(hits) * self.kv.block_size
         for seq, n, _ in plan.requests:
-            draft = drafts.get(seq.seq_id, ()) if drafts else ()
-            out.scheduled.append(ScheduledSeq(seq, group, seq.num_computed_tokens, n, sample, draft))
+            proposal = drafts.get(seq.seq_id) if drafts else None
+            draft, probs = (proposal.tokens, proposal.probs) if proposal is not None else ((), None)
+            out.scheduled.append(ScheduledSeq(seq, group, seq.num_computed_tokens, n, sample, draft, probs))
             budget[0] -= n
             budget[1] -= 1
         if sample:
@@ -479,6 +530,7 @@ class Scheduler:
         group.num_preemptions += 1
         self.num_preemptions += 1
         if self.config.preemption_mode == "swap" and self.kv.can_swap_out(group.seqs):
+            self._forget_drafts(group)
             out.swap_out += self.kv.swap_out(group.seqs)
             group.set_status(SequenceStatus.SWAPPED)
             self._insert(self.swapped, group)
@@ -488,7 +540,15 @@ class Scheduler:
             self.kv.free(seq)
             seq.num_computed_tokens = 0
         group.set_status(SequenceStatus.WAITING)
+        self._forget_drafts(group)
         self._insert(self.waiting, group)
+
+    def _forget_drafts(self, group: SequenceGroup) -> None:
+        """A preempted group's draft caches go back (the draft computes them again when it speculates)."""
+        if self.draft is not None:
+            for seq in group.seqs:
+                self.draft.forget(seq.seq_id)
+                self._proposed.pop(seq.seq_id, None)
 
     def _refuse(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         """The only running group outgrew the whole pool: it ends here (finish_reason 'length')."""

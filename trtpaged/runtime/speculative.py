@@ -1,5 +1,7 @@
 """Speculative decoding: its configuration, the n-gram (prompt lookup) proposer, and its counters.
 
+The draft-model proposer is `runtime/draft.py`.
+
 A proposer guesses the next `k` tokens of a decoding sequence; the scheduler schedules the
 sequence's last sampled token plus those guesses as one packed chunk of `1 + k` query tokens, the
 sampler verifies them against the target's logits (`sampler.verify_run`), and the scheduler keeps
@@ -15,13 +17,15 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16  # per sequence and step; a verification step's rows grow with it
 # Speculation is off in a step with this many decoding sequences or more (measured: docs/speculative.md).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 # A sequence verifies drafts while its recent acceptance rate is at least this (measured: docs/speculative.md).
 DEFAULT_MIN_ACCEPTANCE_RATE = 0.6
 ACCEPTANCE_EMA = 0.2  # weight of the newest observation in a sequence's acceptance rate
+# A draft-model sequence below the acceptance rate (no free shadow proposals) tries again after this many steps.
+RETRY_AFTER_STEPS = 16
 
 
 @dataclass(frozen=True)
@@ -29,16 +33,20 @@ class SpeculativeConfig:
     """How the engine speculates (vLLM's `speculative_config` names).
 
     method: "ngram" (prompt lookup: the tokens that followed an earlier occurrence of the sequence's
-    last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`; `ngram_propose`).
+    last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`; `ngram_propose`), or
+    "draft_model" (`model`: another trtpaged engine dir with the target's tokenizer; runtime/draft.py).
+    model: the draft engine dir (draft_model only).
     num_speculative_tokens: tokens proposed per sequence and step (1..16).
     disable_by_batch_size: a step with this many decoding sequences or more does not speculate
     (its verification rows would cost more than the weight reads they save); None: never off.
     min_acceptance_rate: a sequence whose recent acceptance rate (an exponential average over its
     verifications, and while it does not verify, of whether its proposal's first token was the one it
-    then produced) is below this proposes nothing; 0: always propose.
+    then produced) is below this proposes nothing; 0: always propose. A draft model has no free shadow
+    proposal: such a sequence rests `RETRY_AFTER_STEPS` steps, then verifies once more.
     """
 
     method: str = "ngram"
+    model: Optional[str] = None
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
@@ -56,8 +64,12 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config.{name}: must be an integer {bound}, got {value!r}")
 
         if self.method not in METHODS:
-            raise ValueError(f"speculative_config.method: one of {list(METHODS)}, got {self.method!r} "
-                             "(a draft engine is not implemented; docs/speculative.md)")  # fmt: skip
+            raise ValueError(f"speculative_config.method: one of {list(METHODS)}, got {self.method!r}")
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+            raise ValueError(f"speculative_config.model: method draft_model needs the draft engine dir, "
+                             f"got {self.model!r}")  # fmt: skip
+        if self.method != "draft_model" and self.model is not None:
+            raise ValueError(f"speculative_config.model: only for method draft_model (method is {self.method!r})")
         _int("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
         _int("prompt_lookup_min", 1)
         _int("prompt_lookup_max", 1)
@@ -127,6 +139,7 @@ class AcceptanceTracker:
         self.min_rate = min_rate
         self._rate: dict[int, float] = {}
         self._shadow: dict[int, int] = {}
+        self._idle: dict[int, int] = {}
 
     def wants(self, seq_id: int) -> bool:
         return self._rate.get(seq_id, 1.0) >= self.min_rate
@@ -140,6 +153,14 @@ class AcceptanceTracker:
     def shadow(self, seq_id: int, first_token: int) -> None:
         self._shadow[seq_id] = first_token
 
+    def rest(self, seq_id: int) -> None:
+        """A step without a proposal for a sequence below the rate (a draft model's): after RETRY_AFTER_STEPS
+        of them its rate is set to the threshold, so that the next verification decides."""
+        idle = self._idle.get(seq_id, 0) + 1
+        if idle >= RETRY_AFTER_STEPS:
+            self._rate[seq_id], idle = self.min_rate, 0
+        self._idle[seq_id] = idle
+
     def check_shadow(self, seq_id: int, produced: int) -> None:
         first = self._shadow.pop(seq_id, None)
         if first is not None:
@@ -148,6 +169,7 @@ class AcceptanceTracker:
     def forget(self, seq_id: int) -> None:
         self._rate.pop(seq_id, None)
         self._shadow.pop(seq_id, None)
+        self._idle.pop(seq_id, None)
 
 
 @dataclass

@@ -1,0 +1,287 @@
+"""Speculative decoding with a draft engine, against independent truths: HF generate and the same engine
+without speculation (greedy), the target's exact distribution (chi-square, with a draft whose q differs from
+p), exact block accounting of the target's and the draft's pools, and clear errors for bad drafts."""
+
+from __future__ import annotations
+
+import collections
+import copy
+import random
+
+import pytest
+import torch
+
+from conftest import EXAMPLES, build_from_dict
+from runtime_helpers import RandomLogitsEngine, hf_greedy, run_staggered, runtime_config, step_engine, tiny_hf
+from test_speculative import EOS, assert_accounting, greedy_chain
+from trtpaged.runtime.draft import DraftProposer
+from trtpaged.runtime.llm_engine import LLMEngine
+from trtpaged.runtime.sampling_params import SamplingParams
+from trtpaged.runtime.speculative import SpeculativeConfig
+
+ALWAYS = dict(disable_by_batch_size=None, min_acceptance_rate=0.0)
+
+
+def draft_spec(k: int, **kw) -> SpeculativeConfig:
+    return SpeculativeConfig(method="draft_model", model="(in-process)", num_speculative_tokens=k, **{**ALWAYS, **kw})
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return tiny_hf()
+
+
+@pytest.fixture(scope="module")
+def draft_hf(hf):
+    """The target with noise on its LM head: a draft whose q is close to, but not, the target's p."""
+    model = copy.deepcopy(hf)
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        head = model.model.lm_head.weight
+        head += 0.5 * head.std() * torch.randn(head.shape, generator=g)
+    return model
+
+
+def draft_proposer(draft_hf, num_blocks: int = 64, block_size: int = 8) -> DraftProposer:
+    config = runtime_config(num_blocks=num_blocks, block_size=block_size)
+    return DraftProposer(step_engine(draft_hf, config), num_blocks, block_size, 256, 512, 320)
+
+
+def make(hf, draft_hf=None, spec=None, draft_blocks: int = 64, **kw) -> LLMEngine:
+    config = runtime_config(speculative=spec, **kw)
+    draft = draft_proposer(draft_hf, draft_blocks) if draft_hf is not None else None
+    return LLMEngine(step_engine(hf, config), config, hf.tokenizer, [EOS], draft=draft)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(3)
+    rand = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 17, 54)]
+    passage = torch.randint(0, 256, (23,), generator=g).tolist()
+    return rand + [passage * 2, [5, 6] * 12]
+
+
+def assert_draft_accounting(engine: LLMEngine) -> None:
+    """The draft's pool: every block's ref_cnt is the number of draft tables holding it, a mirror holds exactly
+    the blocks of its computed tokens, and only live sequences have one."""
+    draft = engine.scheduler.draft
+    assert draft is not None
+    kv, bs = draft.kv, draft.kv.block_size
+    refs = collections.Counter(b.block_id for table in kv.tables.values() for b in table)
+    for block in kv.pool.blocks:
+        assert block.ref_cnt == refs.get(block.block_id, 0), block
+    live = {s.seq_id for s in engine.scheduler.live_seqs()}
+    assert set(draft.mirrors) <= live
+    assert set(kv.tables) <= set(draft.mirrors)
+    for seq_id, mirror in draft.mirrors.items():
+        assert len(kv.tables.get(seq_id, [])) == -(-mirror.num_computed_tokens // bs), mirror
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_identical_to_hf_and_to_no_speculation(hf, draft_hf, prompts, k):
+    params = SamplingParams(max_tokens=32, temperature=0.0)
+    reference = [hf_greedy(hf, p, 32, EOS) for p in prompts]
+    engine = make(hf, draft_hf, draft_spec(k), block_size=8)
+    got = run_staggered(engine, [(p, params) for p in prompts], every=2)
+    plain = make(hf)
+    want = run_staggered(plain, [(p, params) for p in prompts], every=2)
+    assert [o.outputs[0].token_ids for o in got] == reference == [o.outputs[0].token_ids for o in want]
+    for a, b in zip(got, want):
+        assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob, abs=1e-3)
+    stats = engine.stats()
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+    if k > 1:
+        assert stats["num_steps"] < plain.stats()["num_steps"]
+    assert stats["spec_decode_draft_num_steps"] > 0
+    assert engine.kv.pool.num_free == engine.config.num_blocks
+    assert stats["spec_decode_draft_num_free_blocks"] == stats["spec_decode_draft_num_blocks"] == 64
+
+
+def test_the_draft_catches_up_on_the_bonus_token(hf, draft_hf, prompts):
+    """After every verification the draft's cache holds the sequence's tokens up to the accepted drafts it
+    computed (never a rejected one); the next proposal computes the rest (the bonus token) first."""
+    engine = make(hf, draft_hf, draft_spec(3), block_size=8)
+    request = engine.add_request(prompts[3], SamplingParams(max_tokens=30, temperature=0.0))
+    draft = engine.scheduler.draft
+    while engine.has_unfinished():
+        engine.step()
+        assert_draft_accounting(engine)
+        group = engine.groups.get(request)
+        if group is not None and group.seqs and group.seqs[0].seq_id in draft.mirrors:
+            seq, mirror = group.seqs[0], draft.mirrors[group.seqs[0].seq_id]
+            assert mirror.token_ids == seq.token_ids[: mirror.num_computed_tokens]
+            assert mirror.num_computed_tokens <= len(seq.token_ids)
+    assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
+    assert draft.kv.pool.num_free == draft.kv.pool.num_blocks
+
+
+def _target_probs(hf, context: list[int], temperature: float, top_k: int) -> torch.Tensor:
+    with torch.no_grad():
+        logits = hf.model(torch.tensor([context])).logits[0, -1].double() / temperature
+    kth = torch.topk(logits, top_k).values[-1]
+    return torch.softmax(logits.masked_fill(logits < kth, float("-inf")), dim=0)
+
+
+def test_sampled_distribution_is_the_targets(hf, draft_hf, prompts):
+    """Chi-square of 3-token outputs against the target's exact joint probabilities (HF forward), the draft
+    sampling from its own q != p: min(1, p/q) acceptance and the residual norm(max(0, p - q))."""
+    from scipy.stats import chisquare
+
+    prompt = prompts[1]
+    temperature, top_k, draws = 1.0, 3, 1500
+    params = SamplingParams(max_tokens=3, temperature=temperature, top_k=top_k, ignore_eos=True)
+    engine = make(hf, draft_hf, draft_spec(2), draft_blocks=512, num_blocks=512, max_batch_size=64,
+                  max_num_tokens=1024)  # fmt: skip
+    torch.manual_seed(0)
+    outs = run_staggered(engine, [(prompt, params)] * draws, every=0)
+    counts = collections.Counter(tuple(o.outputs[0].token_ids) for o in outs)
+    expected: dict[tuple[int, ...], float] = {}
+    p1 = _target_probs(hf, prompt, temperature, top_k)
+    for t1 in torch.nonzero(p1).flatten().tolist():
+        p2 = _target_probs(hf, prompt + [t1], temperature, top_k)
+        for t2 in torch.nonzero(p2).flatten().tolist():
+            p3 = _target_probs(hf, prompt + [t1, t2], temperature, top_k)
+            for t3 in torch.nonzero(p3).flatten().tolist():
+                expected[(t1, t2, t3)] = float(p1[t1] * p2[t2] * p3[t3])
+    assert set(counts) <= set(expected)
+    cells = sorted(expected)
+    observed = [counts.get(c, 0) for c in cells]
+    # cells expected below 5 draws pooled into one, as the chi-square approximation needs
+    small = [i for i, c in enumerate(cells) if expected[c] * draws < 5]
+    big = [i for i in range(len(cells)) if i not in small]
+    obs = [observed[i] for i in big] + ([sum(observed[i] for i in small)] if small else [])
+    exp = [expected[cells[i]] * draws for i in big] + ([sum(expected[cells[i]] * draws for i in small)] if small else [])
+    result = chisquare(obs, exp)
+    stats = engine.stats()
+    assert stats["spec_decode_num_accepted_tokens"] > 300  # speculation took part, accepting ...
+    assert stats["spec_decode_num_draft_tokens"] - stats["spec_decode_num_accepted_tokens"] > 100  # ... and rejecting
+    assert result.pvalue > 1e-3, (obs, [round(e) for e in exp])
+    assert engine.scheduler.draft.kv.pool.num_free == 512
+
+
+def test_seeded_sampled_requests_are_reproducible(hf, draft_hf, prompts):
+    cases = [(p, SamplingParams(max_tokens=20, temperature=0.8, top_k=5, seed=s)) for s, p in enumerate(prompts)]
+    first = run_staggered(make(hf, draft_hf, draft_spec(3), block_size=8), cases)
+    second = run_staggered(make(hf, draft_hf, draft_spec(3), block_size=8), cases)
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in second]
+
+
+class _Table(RandomLogitsEngine):
+    """A RandomLogitsEngine whose logits table is another one's plus noise (a draft close to the target)."""
+
+    def __init__(self, num_blocks: int, target: RandomLogitsEngine, noise: float) -> None:
+        super().__init__(num_blocks, target.table.shape[0])
+        self.table = target.table + noise * torch.randn(target.table.shape, generator=torch.Generator().manual_seed(5))
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_accept_reject_storm_keeps_both_pools_exact(mode):
+    """Greedy and sampled rows, a draft close to the target, block pressure in both pools, preemption and
+    prefix-cache hits: both pools' accounting holds after every step, greedy outputs are the model's, and
+    both pools are whole at the end."""
+    rng = random.Random(2)
+    num_blocks, draft_blocks, vocab = 24, 20, 12
+    config = runtime_config(num_blocks=num_blocks, block_size=4, max_batch_size=6, max_num_tokens=40, max_seq_len=96,
+                            preemption_mode=mode, num_host_blocks=64 if mode == "swap" else 0,
+                            speculative=draft_spec(4))  # fmt: skip
+    runner = RandomLogitsEngine(num_blocks, vocab)
+    draft = DraftProposer(_Table(draft_blocks, runner, 0.7), draft_blocks, 4, 40, 96, vocab)
+    engine = LLMEngine(runner, config, None, [], draft=draft)
+    shared = [rng.randrange(vocab) for _ in range(9)]
+    requests, expected = [], {}
+    for i in range(24):
+        prompt = (shared if i % 3 == 0 else []) + [rng.randrange(vocab) for _ in range(rng.randrange(1, 14))]
+        greedy = i % 2 == 0
+        params = SamplingParams(max_tokens=rng.randrange(1, 40), temperature=0.0 if greedy else 1.0, seed=i,
+                                ignore_eos=True)  # fmt: skip
+        requests.append((prompt, params))
+        if greedy:
+            expected[i] = greedy_chain(runner.table, prompt, params.max_tokens)
+    ids, done = [], {}
+    pending = list(requests)
+    while pending or engine.has_unfinished():
+        if pending and rng.random() < 0.5:
+            ids.append(engine.add_request(*pending.pop(0)))
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        assert_accounting(engine)
+        assert_draft_accounting(engine)
+    stats = engine.stats()
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+    assert stats["spec_decode_num_draft_tokens"] > stats["spec_decode_num_accepted_tokens"]  # rejections happened
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits_tokens"] > 0
+    for i, request_id in enumerate(ids):
+        assert len(done[request_id].outputs[0].token_ids) == requests[i][1].max_tokens
+        if i in expected:
+            assert done[request_id].outputs[0].token_ids == expected[i], i
+    assert engine.kv.pool.num_free == num_blocks
+    assert draft.kv.pool.num_free == draft_blocks and not draft.mirrors
+
+
+def test_a_full_draft_pool_only_stops_speculation():
+    """A draft pool too small for every sequence: the ones that do not fit decode without a draft; outputs
+    are unchanged and nothing leaks."""
+    config = runtime_config(num_blocks=64, block_size=4, max_batch_size=8, speculative=draft_spec(3))
+    runner = RandomLogitsEngine(64, 10)
+    draft = DraftProposer(_Table(6, runner, 0.3), 6, 4, 256, 512, 10)
+    engine = LLMEngine(runner, config, None, [], draft=draft)
+    prompts = [[i, i + 1, i + 2, i + 3, i] * 2 for i in range(4)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = run_staggered(engine, [(p, params) for p in prompts], every=0)
+    assert [o.outputs[0].token_ids for o in outs] == [greedy_chain(runner.table, p, 12) for p in prompts]
+    assert engine.stats()["spec_decode_num_drafts"] > 0
+    assert draft.kv.pool.num_free == 6 and engine.kv.pool.num_free == 64
+
+
+@pytest.mark.parametrize("bad, field", [
+    (dict(method="draft_model"), "speculative_config.model"), (dict(model="x"), "speculative_config.model"),
+    (dict(method="draft_model", model=""), "speculative_config.model"), (dict(method="eagle"), "method"),
+])  # fmt: skip
+def test_config_errors_name_the_field(bad, field):
+    with pytest.raises(ValueError, match=field):
+        SpeculativeConfig.parse(bad)
+
+
+# ---- engine dirs ---------------------------------------------------------------------------------------
+def _tiny(**changes) -> dict:
+    import yaml
+
+    data = yaml.safe_load((EXAMPLES / "tiny.yaml").read_text())
+    data.pop("output", None)
+    data["model"]["tiny"].update(changes.pop("tiny", {}))
+    data.update(changes)
+    return data
+
+
+@pytest.fixture(scope="module")
+def draft_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("draft-engines")
+    return {"same_vocab": build_from_dict(_tiny(tiny={"seed": 1, "hidden_size": 32, "intermediate_size": 64}),
+                                          root / "tiny-draft"),
+            "other_vocab": build_from_dict(_tiny(tiny={"vocab_size": 300}), root / "tiny-v300"),
+            "short": build_from_dict(_tiny(max_seq_len=256), root / "tiny-short")}  # fmt: skip
+
+
+def test_llm_with_a_draft_engine_dir(tiny_engine_dir, draft_dirs):
+    """A second, smaller random engine with the same tokenizer drafts for the tiny engine: greedy text as
+    without speculation; stats show the draft's pool; bad draft dirs are clear errors naming the field."""
+    from trtpaged import LLM
+
+    prompts = ["abcabcabcabcabc", "the cat sat on the mat, the cat"]
+    params = SamplingParams(max_tokens=20, temperature=0.0)
+    want = LLM(tiny_engine_dir, device="cpu").generate(prompts, params)
+    config = {"method": "draft_model", "model": str(draft_dirs["same_vocab"]), "num_speculative_tokens": 3,
+              "min_acceptance_rate": 0}  # fmt: skip
+    llm = LLM(tiny_engine_dir, device="cpu", speculative_config=config)
+    got = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    stats = llm.stats()
+    assert stats["spec_decode_num_drafts"] > 0 and stats["spec_decode_draft_num_steps"] > 0
+    assert stats["spec_decode_draft_num_free_blocks"] == stats["spec_decode_draft_num_blocks"]
+    for key, message in (("other_vocab", "vocab_size is 300, the target's 320"),
+                         ("short", r"max_seq_len \(256\) is below the target's \(512\)")):  # fmt: skip
+        with pytest.raises(ValueError, match=f"speculative_config.model: .*{message}"):
+            LLM(tiny_engine_dir, device="cpu", speculative_config={**config, "model": str(draft_dirs[key])})
+    with pytest.raises(ValueError, match="speculative_config.model: .* is not a usable engine dir"):
+        LLM(tiny_engine_dir, device="cpu", speculative_config={**config, "model": str(draft_dirs["short"]) + "-none"})

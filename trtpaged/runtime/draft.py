@@ -1,0 +1,256 @@
+"""The draft-engine proposer: a second (smaller or quantized) engine guesses the next k tokens.
+
+The draft runs on the same runtime as the target, with its own runner, KV pool and block tables (a
+`KVCacheManager` without prefix caching), keyed by the target's sequence ids. Per step, for the
+sequences the scheduler lets speculate, it computes what its cache lacks of each sequence (the tokens
+the target accepted and sampled since the last proposal; the whole prompt the first time) and samples
+k tokens autoregressively, in k packed steps over all of them: greedily for greedy requests, else from
+its own distribution q (the request's temperature, top-k, top-p and min-p over the draft's logits),
+whose rows go with the draft to the target's verification (`sampler`: accept with min(1, p/q)).
+
+Rollback: the draft's cache holds the sequence's tokens then d1..d(k-1) (dk is never computed).
+`rollback` keeps the longest prefix of that which the sequence still has, so after a verification
+that accepted a tokens it holds the sequence up to min(a, k-1) drafts, and the next proposal computes
+the rest (the accepted dk, if any, and the target's bonus token) in its first step. See
+docs/speculative.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence as Seq
+
+import torch
+
+from trtpaged.runtime.kv_cache_manager import KVCacheManager
+from trtpaged.runtime.runners.base import ModelRunner, StepBatch
+from trtpaged.runtime.sampler import filter_logits
+from trtpaged.runtime.sampling_params import SamplingParams
+
+
+@dataclass
+class _Mirror:
+    """The draft's view of one target sequence: the tokens its cache was computed for."""
+
+    seq_id: int
+    token_ids: list[int]
+    num_computed_tokens: int = 0
+    generator: Optional[torch.Generator] = None  # a seeded request's draft draws (its own stream)
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """One sequence to propose for: its id, its tokens so far, at most `k` tokens, under `params`."""
+
+    seq_id: int
+    token_ids: Seq[int]
+    k: int
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Proposed tokens and, for a sampled request, the draft's distribution at each ([len(tokens), vocab]);
+    None for a greedy request (a deterministic proposal)."""
+
+    tokens: tuple[int, ...]
+    probs: Optional[torch.Tensor] = field(default=None, compare=False)
+
+
+def common_prefix(a: Seq[int], b: Seq[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class DraftProposer:
+    """Proposes with a draft model on its own pool (`runner` owns `num_blocks` blocks of `block_size` tokens).
+
+    `max_num_tokens` bounds a draft step's tokens: a first proposal whose catch-up (the prompt) does not fit
+    is computed in chunks over several steps and proposes nothing until it has caught up.
+    """
+
+    def __init__(self, runner: ModelRunner, num_blocks: int, block_size: int, max_num_tokens: int,
+                 max_seq_len: int, vocab_size: int, source: str = "") -> None:  # fmt: skip
+        if runner.num_blocks != num_blocks:
+            raise ValueError(f"num_blocks: the draft runner's pool has {runner.num_blocks} blocks, not {num_blocks}")
+        self.runner = runner
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.max_num_tokens = max_num_tokens
+        self.max_seq_len = max_seq_len
+        self.vocab_size = vocab_size
+        self.source = source  # the engine dir, for stats and errors
+        self.mirrors: dict[int, _Mirror] = {}
+        self.num_steps = 0
+        self.num_tokens_computed = 0
+
+    # ---- the scheduler's calls ------------------------------------------------------------------
+    def propose(self, requests: Seq[DraftRequest]) -> dict[int, Proposal]:
+        """Up to `k` tokens for each request (fewer, or none, when the draft's pool, token budget or
+        max_seq_len do not allow them), by sequence id."""
+        active: list[tuple[_Mirror, DraftRequest]] = []
+        budget = self.max_num_tokens
+        for req in requests:
+            mirror = self._sync(req)
+            catch_up = len(mirror.token_ids) - mirror.num_computed_tokens
+            if req.k < 1 or budget < 1 or len(mirror.token_ids) + req.k > self.max_seq_len:
+                continue
+            n = min(catch_up, budget)  # d1 .. d(k-1) are computed too once it has caught up
+            plan = self.kv.plan_allocation([(mirror, n + (req.k - 1 if n == catch_up else 0), [])])
+            if plan.num_blocks > self.kv.pool.num_free:
+                self.forget(req.seq_id)  # the pool is full: this sequence does not speculate this step
+                continue
+            self.kv.allocate(plan)
+            budget -= n
+            active.append((mirror, req))
+        return self._run(active)
+
+    def rollback(self, seq_id: int, token_ids: Seq[int]) -> None:
+        """After the target's step: the draft's cache keeps the longest prefix of what it computed that the
+        sequence still has (accepted drafts; a rejected draft and what follows are dropped)."""
+        mirror = self.mirrors.get(seq_id)
+        if mirror is None:
+            return
+        keep = common_prefix(mirror.token_ids[: mirror.num_computed_tokens], token_ids)
+        mirror.token_ids = list(token_ids[:keep])
+        mirror.num_computed_tokens = keep
+        self.kv.truncate(mirror)  # type: ignore[arg-type]
+
+    def forget(self, seq_id: int) -> None:
+        """The sequence finished, was preempted or cannot fit: its draft blocks go back."""
+        mirror = self.mirrors.pop(seq_id, None)
+        if mirror is not None:
+            self.kv.free(mirror)  # type: ignore[arg-type]
+
+    def stats(self) -> dict[str, float]:
+        return {"spec_decode_draft_num_blocks": self.kv.pool.num_blocks,
+                "spec_decode_draft_num_free_blocks": self.kv.pool.num_free,
+                "spec_decode_draft_num_steps": self.num_steps,
+                "spec_decode_draft_num_tokens_computed": self.num_tokens_computed}  # fmt: skip
+
+    # ---- internals -------------------------------------------------------------------------------
+    def _sync(self, req: DraftRequest) -> _Mirror:
+        """The sequence's mirror with its cache cut to the prefix it shares with `req.token_ids` (at least
+        the last token is left to compute: its logits give the first proposal)."""
+        mirror = self.mirrors.get(req.seq_id)
+        if mirror is None:
+            gen = None
+            if req.params.seed is not None and not req.params.greedy:
+                gen = torch.Generator().manual_seed(req.params.seed + 0x5DEECE66D)  # not the request's own stream
+            mirror = self.mirrors[req.seq_id] = _Mirror(req.seq_id, [], 0, gen)
+        keep = common_prefix(mirror.token_ids[: mirror.num_computed_tokens], req.token_ids)
+        mirror.num_computed_tokens = min(keep, len(req.token_ids) - 1)
+        self.kv.truncate(mirror)  # type: ignore[arg-type]
+        mirror.token_ids = list(req.token_ids)
+        return mirror
+
+    def _run(self, active: list[tuple[_Mirror, DraftRequest]]) -> dict[int, Proposal]:
+        """The catch-up step (each sequence's uncomputed tokens; those that caught up sample d1), then step
+        r computes d_r and samples d_(r+1) for the sequences proposing more than r tokens."""
+        if not active:
+            return {}
+        chunks, budget = [], self.max_num_tokens
+        for mirror, req in active:
+            n = min(len(mirror.token_ids) - mirror.num_computed_tokens, budget)
+            budget -= n
+            chunks.append((mirror, n, mirror.num_computed_tokens + n == len(mirror.token_ids)))
+        logits = self._step([(m, n) for m, n, _ in chunks], [caught_up for _, _, caught_up in chunks])
+        live = [(m, r) for (m, _, caught_up), (_, r) in zip(chunks, active) if caught_up]
+        tokens: dict[int, list[int]] = {m.seq_id: [] for m, _ in live}
+        probs: dict[int, list[torch.Tensor]] = {m.seq_id: [] for m, _ in live}
+        for round_ in range(max((r.k for _, r in live), default=0)):
+            if round_ > 0:
+                live = [(m, r) for m, r in live if r.k > round_]
+                logits = self._step([(m, 1) for m, _ in live], [True] * len(live))
+            for row, (mirror, req) in enumerate(live):
+                token, q = self._sample(logits[row], req.params, mirror.generator)
+                tokens[mirror.seq_id].append(token)
+                if q is not None:
+                    probs[mirror.seq_id].append(q)
+                mirror.token_ids.append(token)  # computed by the next round's step, if there is one
+        return {sid: Proposal(tuple(t), torch.stack(probs[sid]) if probs[sid] else None) for sid, t in tokens.items()}
+
+    def _step(self, chunks: list[tuple[_Mirror, int]], wants_logits: list[bool]) -> torch.Tensor:
+        """One packed draft step computing `n` tokens of each mirror; logits of the last position of the
+        mirrors that want them, in order."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_start = [0]
+        context_lens: list[int] = []
+        tables: list[list[int]] = []
+        logits_index: list[int] = []
+        for (mirror, n), wants in zip(chunks, wants_logits):
+            start = mirror.num_computed_tokens
+            input_ids += mirror.token_ids[start : start + n]
+            positions += range(start, start + n)
+            query_start.append(len(input_ids))
+            context_lens.append(start + n)
+            tables.append(self.kv.block_table(mirror))  # type: ignore[arg-type]
+            if wants:
+                logits_index.append(len(input_ids) - 1)
+            mirror.num_computed_tokens = start + n
+        width = max(len(t) for t in tables)
+        i32 = torch.int32
+        batch = StepBatch(
+            input_ids=torch.tensor(input_ids, dtype=i32),
+            positions=torch.tensor(positions, dtype=i32),
+            query_start=torch.tensor(query_start, dtype=i32),
+            context_lens=torch.tensor(context_lens, dtype=i32),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=i32).reshape(-1, width),
+            logits_index=torch.tensor(logits_index, dtype=i32),
+        )
+        self.num_steps += 1
+        self.num_tokens_computed += len(input_ids)
+        return self.runner.step(batch).float().cpu()
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, params: SamplingParams,
+                generator: Optional[torch.Generator]) -> tuple[int, Optional[torch.Tensor]]:  # fmt: skip
+        """The draft's token: argmax for a greedy request, else a draw from q (the request's temperature,
+        top-k, top-p and min-p over the draft's logits), returned with q."""
+        if params.greedy or not torch.isfinite(logits).all():
+            return int(logits.argmax()), None
+        q = torch.softmax(filter_logits(logits.unsqueeze(0), [params]), dim=1)[0]
+        return int(torch.multinomial(q, 1, generator=generator)), q
+
+
+def load_draft(model: str, target_manifest: Any, target_tokenizer: Any, backend: str, device: str,
+               max_seq_len: int) -> DraftProposer:  # fmt: skip
+    """The draft engine dir `model` as a proposer for a target with `target_manifest` and `target_tokenizer`.
+
+    Checked before its weights load: the same vocabulary (size and tokens) and a max_seq_len that covers
+    the target's; a ValueError naming `speculative_config.model` otherwise."""
+    from trtpaged.engine_files import verify_engine_dir
+    from trtpaged.manifest import EngineDirError, read_manifest
+    from trtpaged.runtime.llm import load_tokenizer
+    from trtpaged.runtime.runners import load_runner, resolve_num_blocks
+
+    name = "speculative_config.model"
+    path = Path(model)
+    try:
+        manifest = read_manifest(path)
+        verify_engine_dir(path, manifest)
+    except (EngineDirError, FileNotFoundError, NotADirectoryError) as exc:
+        raise ValueError(f"{name}: {model!r} is not a usable engine dir ({exc})") from None
+    want, got = target_manifest.dims.vocab_size, manifest.dims.vocab_size
+    if got != want:
+        raise ValueError(f"{name}: the draft engine's vocab_size is {got}, the target's {want}; a draft must share "
+                         "the target's tokenizer")  # fmt: skip
+    tokenizer = load_tokenizer(path, manifest)
+    if target_tokenizer is not None and tokenizer.get_vocab() != target_tokenizer.get_vocab():
+        raise ValueError(f"{name}: the draft engine's tokenizer maps tokens to other ids than the target's; a draft "
+                         "must share the target's tokenizer")  # fmt: skip
+    if manifest.limits.max_seq_len < max_seq_len:
+        raise ValueError(f"{name}: the draft engine's max_seq_len ({manifest.limits.max_seq_len}) is below the "
+                         f"target's ({max_seq_len})")  # fmt: skip
+    if manifest.tensor_parallel != 1:
+        raise ValueError(f"{name}: a draft engine must be built for one rank (tensor_parallel 1), this one has "
+                         f"{manifest.tensor_parallel}")  # fmt: skip
+    num_blocks = resolve_num_blocks(manifest, device, None)
+    runner = load_runner(path, manifest, num_blocks, backend, device)
+    return DraftProposer(runner, num_blocks, manifest.limits.block_size, manifest.limits.max_num_tokens,
+                         manifest.limits.max_seq_len, got, str(path))
