@@ -285,3 +285,15 @@ def test_llm_with_a_draft_engine_dir(tiny_engine_dir, draft_dirs):
             LLM(tiny_engine_dir, device="cpu", speculative_config={**config, "model": str(draft_dirs[key])})
     with pytest.raises(ValueError, match="speculative_config.model: .* is not a usable engine dir"):
         LLM(tiny_engine_dir, device="cpu", speculative_config={**config, "model": str(draft_dirs["short"]) + "-none"})
+
+
+def test_inspect_checks_a_draft(tiny_engine_dir, draft_dirs):
+    from click.testing import CliRunner
+
+    from trtpaged.cli import main
+
+    ok = CliRunner().invoke(main, ["inspect", str(tiny_engine_dir), "--draft", str(draft_dirs["same_vocab"])])
+    assert ok.exit_code == 0, ok.output
+    assert f"speculative draft {draft_dirs['same_vocab']}: compatible" in ok.output
+    bad = CliRunner().invoke(main, ["inspect", str(tiny_engine_dir), "--draft", str(draft_dirs["other_vocab"])])
+    assert bad.exit_code == 1 and "speculative_config.model: the draft engine's vocab_size is 300" in bad.output

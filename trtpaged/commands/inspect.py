@@ -16,7 +16,11 @@ import click
 @click.option("--json", "as_json", is_flag=True, help="Print the raw trtpaged.json instead.")
 @click.option("--verify", "full_verify", is_flag=True,
               help="Hash every file against the manifest even if this dir was verified before.")
-def command(engine_dir: Path, avg_len: int | None, memory: str | None, as_json: bool, full_verify: bool) -> None:
+@click.option("--draft", "draft_dir", default=None, type=click.Path(path_type=Path),
+              help="Also check DIR as a speculative draft engine for this one (speculative_config method "
+                   "draft_model: the same tokenizer, max_seq_len; docs/speculative.md) and show its KV pool.")
+def command(engine_dir: Path, avg_len: int | None, memory: str | None, as_json: bool, full_verify: bool,
+            draft_dir: Path | None) -> None:  # fmt: skip
     """Print ENGINE_DIR's manifest and memory plan (bytes per token, blocks, concurrent sequences).
 
     The dir is checked as a load checks it (paths, sizes, safetensors headers, weight shapes against
@@ -39,9 +43,15 @@ def command(engine_dir: Path, avg_len: int | None, memory: str | None, as_json: 
         seconds = time.perf_counter() - start
         for rank in range(manifest.tensor_parallel):
             checked_weights(engine_dir, manifest, rank)
-        load_tokenizer(engine_dir, manifest)
+        tokenizer = load_tokenizer(engine_dir, manifest)
         memory_bytes = parse_size(memory) if memory is not None else None
         plan = plan_memory(manifest, memory_bytes)
+        draft_plan = None
+        if draft_dir is not None:
+            from trtpaged.runtime.draft import check_draft
+
+            draft_manifest = check_draft(str(draft_dir), manifest, tokenizer, manifest.limits.max_seq_len)
+            draft_plan = plan_memory(draft_manifest, memory_bytes)
     except (OSError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     if as_json:
@@ -61,6 +71,11 @@ def command(engine_dir: Path, avg_len: int | None, memory: str | None, as_json: 
         click.echo(f"  {line}")
     if plan.num_blocks is not None:
         click.echo(f"  weights + KV budget:  {format_bytes(weight_bytes + plan.num_blocks * plan.bytes_per_block)}")
+    if draft_plan is not None:
+        click.echo(f"speculative draft {draft_dir}: compatible (same tokenizer, max_seq_len covers this engine's); "
+                   "its own KV pool:")
+        for line in draft_plan.lines(avg_len):
+            click.echo(f"  {line}")
 
 
 def _weight_bytes(engine_dir: Path, manifest) -> int:

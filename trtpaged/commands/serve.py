@@ -43,8 +43,9 @@ from trtpaged.manifest import BACKENDS
                    "and RANK > 0 serves no HTTP.")
 @click.option("--speculative-config", default=None, metavar="JSON",
               help='Speculative decoding, a JSON object, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
-                   "(fields: method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, "
-                   "disable_by_batch_size; docs/speculative.md).")
+                   "(fields: method (ngram or draft_model), model (the draft engine dir), num_speculative_tokens, "
+                   "prompt_lookup_min, prompt_lookup_max, disable_by_batch_size, min_acceptance_rate; "
+                   "docs/speculative.md).")
 @click.option("--kv-host-memory", default=None, metavar="SIZE",
               help="KV tier: host memory for prefix blocks the pool evicts, e.g. 8GiB (docs/kv_tiers.md).")
 @click.option("--kv-disk-path", type=click.Path(file_okay=False), default=None,

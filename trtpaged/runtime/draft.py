@@ -218,29 +218,27 @@ class DraftProposer:
         return int(torch.multinomial(q, 1, generator=generator)), q
 
 
-def load_draft(model: str, target_manifest: Any, target_tokenizer: Any, backend: str, device: str,
-               max_seq_len: int) -> DraftProposer:  # fmt: skip
-    """The draft engine dir `model` as a proposer for a target with `target_manifest` and `target_tokenizer`.
-
-    Checked before its weights load: the same vocabulary (size and tokens) and a max_seq_len that covers
-    the target's; a ValueError naming `speculative_config.model` otherwise."""
+def check_draft(model: str, target_manifest: Any, target_tokenizer: Any, max_seq_len: int) -> Any:
+    """The draft engine dir `model`'s manifest, checked against a target with `target_manifest` and
+    `target_tokenizer` before any weight loads: a verified engine dir, the same vocabulary (size and token
+    ids), a max_seq_len that covers the target's (`max_seq_len`), one rank. A ValueError naming
+    `speculative_config.model` otherwise."""
     from trtpaged.engine_files import verify_engine_dir
     from trtpaged.manifest import EngineDirError, read_manifest
     from trtpaged.runtime.llm import load_tokenizer
-    from trtpaged.runtime.runners import load_runner, resolve_num_blocks
 
     name = "speculative_config.model"
     path = Path(model)
     try:
         manifest = read_manifest(path)
         verify_engine_dir(path, manifest)
-    except (EngineDirError, FileNotFoundError, NotADirectoryError) as exc:
+        tokenizer = load_tokenizer(path, manifest)
+    except (EngineDirError, OSError) as exc:
         raise ValueError(f"{name}: {model!r} is not a usable engine dir ({exc})") from None
     want, got = target_manifest.dims.vocab_size, manifest.dims.vocab_size
     if got != want:
         raise ValueError(f"{name}: the draft engine's vocab_size is {got}, the target's {want}; a draft must share "
                          "the target's tokenizer")  # fmt: skip
-    tokenizer = load_tokenizer(path, manifest)
     if target_tokenizer is not None and tokenizer.get_vocab() != target_tokenizer.get_vocab():
         raise ValueError(f"{name}: the draft engine's tokenizer maps tokens to other ids than the target's; a draft "
                          "must share the target's tokenizer")  # fmt: skip
@@ -250,7 +248,17 @@ def load_draft(model: str, target_manifest: Any, target_tokenizer: Any, backend:
     if manifest.tensor_parallel != 1:
         raise ValueError(f"{name}: a draft engine must be built for one rank (tensor_parallel 1), this one has "
                          f"{manifest.tensor_parallel}")  # fmt: skip
+    return manifest
+
+
+def load_draft(model: str, target_manifest: Any, target_tokenizer: Any, backend: str, device: str,
+               max_seq_len: int) -> DraftProposer:  # fmt: skip
+    """The draft engine dir `model` (checked by `check_draft`) as a proposer, its pool the draft's own KV budget."""
+    from trtpaged.runtime.runners import load_runner, resolve_num_blocks
+
+    manifest = check_draft(model, target_manifest, target_tokenizer, max_seq_len)
     num_blocks = resolve_num_blocks(manifest, device, None)
-    runner = load_runner(path, manifest, num_blocks, backend, device)
-    return DraftProposer(runner, num_blocks, manifest.limits.block_size, manifest.limits.max_num_tokens,
-                         manifest.limits.max_seq_len, got, str(path))
+    runner = load_runner(Path(model), manifest, num_blocks, backend, device)
+    limits = manifest.limits
+    return DraftProposer(runner, num_blocks, limits.block_size, limits.max_num_tokens, limits.max_seq_len,
+                         manifest.dims.vocab_size, str(model))
