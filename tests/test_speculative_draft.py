@@ -257,7 +257,7 @@ def _tiny(**changes) -> dict:
 @pytest.fixture(scope="module")
 def draft_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("draft-engines")
-    return {"same_vocab": build_from_dict(_tiny(tiny={"seed": 1, "hidden_size": 32, "intermediate_size": 64}),
+    return {"same_vocab": build_from_dict(_tiny(tiny={"seed": 1, "num_hidden_layers": 1}),
                                           root / "tiny-draft"),
             "other_vocab": build_from_dict(_tiny(tiny={"vocab_size": 300}), root / "tiny-v300"),
             "short": build_from_dict(_tiny(max_seq_len=256), root / "tiny-short")}  # fmt: skip
