@@ -84,6 +84,33 @@ def greedy_chain(table: torch.Tensor, prompt: list[int], n: int) -> list[int]:
     return out
 
 
+def run_storm(engine: LLMEngine, table: torch.Tensor, rng: random.Random, check) -> tuple:
+    """24 requests (a third with a shared 9-token prefix; even ones greedy, odd ones sampled and seeded) added
+    at random steps, `check()` after every step; returns (request ids, finished outputs by id, the requests,
+    the greedy ones' expected outputs by index)."""
+    vocab = table.shape[0]
+    shared = [rng.randrange(vocab) for _ in range(9)]
+    requests, expected = [], {}
+    for i in range(24):
+        prompt = (shared if i % 3 == 0 else []) + [rng.randrange(vocab) for _ in range(rng.randrange(1, 14))]
+        greedy = i % 2 == 0
+        params = SamplingParams(max_tokens=rng.randrange(1, 40), temperature=0.0 if greedy else 1.0, seed=i,
+                                ignore_eos=True)  # fmt: skip
+        requests.append((prompt, params))
+        if greedy:
+            expected[i] = greedy_chain(table, prompt, params.max_tokens)
+    ids, done = [], {}
+    pending = list(requests)
+    while pending or engine.has_unfinished():
+        if pending and rng.random() < 0.5:
+            ids.append(engine.add_request(*pending.pop(0)))
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        check()
+    return ids, done, requests, expected
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize("caching", [True, False])
 def test_accept_reject_storm_keeps_exact_accounting(mode, caching):
@@ -98,27 +125,13 @@ def test_accept_reject_storm_keeps_exact_accounting(mode, caching):
                             speculative=SpeculativeConfig(num_speculative_tokens=5, **ALWAYS))  # fmt: skip
     runner = RandomLogitsEngine(num_blocks, vocab)
     engine = LLMEngine(runner, config, None, [])
-    shared = [rng.randrange(vocab) for _ in range(9)]
-    requests, expected = [], {}
-    for i in range(24):
-        prompt = (shared if i % 3 == 0 else []) + [rng.randrange(vocab) for _ in range(rng.randrange(1, 14))]
-        greedy = i % 2 == 0
-        params = SamplingParams(max_tokens=rng.randrange(1, 40), temperature=0.0 if greedy else 1.0, seed=i,
-                                ignore_eos=True)  # fmt: skip
-        requests.append((prompt, params))
-        if greedy:
-            expected[i] = greedy_chain(runner.table, prompt, params.max_tokens)
-    ids, done = [], {}
-    pending = list(requests)
-    while pending or engine.has_unfinished():
-        if pending and rng.random() < 0.5:
-            ids.append(engine.add_request(*pending.pop(0)))
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+
+    def check() -> None:
         assert_accounting(engine)
         if runner.batches:
             assert runner.batches[-1].num_tokens <= config.max_num_tokens
+
+    ids, done, requests, expected = run_storm(engine, runner.table, rng, check)
     stats = engine.stats()
     assert stats["spec_decode_num_accepted_tokens"] > 0
     assert stats["spec_decode_num_draft_tokens"] > stats["spec_decode_num_accepted_tokens"]  # rejections happened
@@ -322,6 +335,19 @@ def _target_probs(hf, context: list[int], temperature: float, top_k: int) -> tor
     return torch.softmax(logits.masked_fill(logits < kth, float("-inf")), dim=0)
 
 
+def joint_probs(hf, prompt: list[int], temperature: float, top_k: int) -> dict[tuple[int, ...], float]:
+    """The target's exact probability of every 3-token continuation under temperature and top-k (HF forward)."""
+    expected: dict[tuple[int, ...], float] = {}
+    p1 = _target_probs(hf, prompt, temperature, top_k)
+    for t1 in torch.nonzero(p1).flatten().tolist():
+        p2 = _target_probs(hf, prompt + [t1], temperature, top_k)
+        for t2 in torch.nonzero(p2).flatten().tolist():
+            p3 = _target_probs(hf, prompt + [t1, t2], temperature, top_k)
+            for t3 in torch.nonzero(p3).flatten().tolist():
+                expected[(t1, t2, t3)] = float(p1[t1] * p2[t2] * p3[t3])
+    return expected
+
+
 def test_sampled_distribution_is_the_targets(hf, prompts):
     """Chi-square of 3-token outputs (unseeded, speculating with rejections) against the target's exact
     joint probabilities from HF's forward, under the same temperature and top-k."""
@@ -336,14 +362,7 @@ def test_sampled_distribution_is_the_targets(hf, prompts):
     torch.manual_seed(0)
     outs = run_staggered(engine, [(prompt, params)] * draws, every=0)
     counts = collections.Counter(tuple(o.outputs[0].token_ids) for o in outs)
-    expected: dict[tuple[int, ...], float] = {}
-    p1 = _target_probs(hf, prompt, temperature, top_k)
-    for t1 in torch.nonzero(p1).flatten().tolist():
-        p2 = _target_probs(hf, prompt + [t1], temperature, top_k)
-        for t2 in torch.nonzero(p2).flatten().tolist():
-            p3 = _target_probs(hf, prompt + [t1, t2], temperature, top_k)
-            for t3 in torch.nonzero(p3).flatten().tolist():
-                expected[(t1, t2, t3)] = float(p1[t1] * p2[t2] * p3[t3])
+    expected = joint_probs(hf, prompt, temperature, top_k)
     assert set(counts) <= set(expected)
     cells = sorted(expected)
     observed = [counts.get(c, 0) for c in cells]

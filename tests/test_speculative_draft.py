@@ -13,7 +13,7 @@ import torch
 
 from conftest import EXAMPLES, build_from_dict
 from runtime_helpers import RandomLogitsEngine, hf_greedy, run_staggered, runtime_config, step_engine, tiny_hf
-from test_speculative import EOS, assert_accounting, greedy_chain
+from test_speculative import EOS, assert_accounting, greedy_chain, joint_probs, run_storm
 from trtpaged.runtime.draft import DraftProposer
 from trtpaged.runtime.llm_engine import LLMEngine
 from trtpaged.runtime.sampling_params import SamplingParams
@@ -115,13 +115,6 @@ def test_the_draft_catches_up_on_the_bonus_token(hf, draft_hf, prompts):
     assert draft.kv.pool.num_free == draft.kv.pool.num_blocks
 
 
-def _target_probs(hf, context: list[int], temperature: float, top_k: int) -> torch.Tensor:
-    with torch.no_grad():
-        logits = hf.model(torch.tensor([context])).logits[0, -1].double() / temperature
-    kth = torch.topk(logits, top_k).values[-1]
-    return torch.softmax(logits.masked_fill(logits < kth, float("-inf")), dim=0)
-
-
 def test_sampled_distribution_is_the_targets(hf, draft_hf, prompts):
     """Chi-square of 3-token outputs against the target's exact joint probabilities (HF forward), the draft
     sampling from its own q != p: min(1, p/q) acceptance and the residual norm(max(0, p - q))."""
@@ -135,14 +128,7 @@ def test_sampled_distribution_is_the_targets(hf, draft_hf, prompts):
     torch.manual_seed(0)
     outs = run_staggered(engine, [(prompt, params)] * draws, every=0)
     counts = collections.Counter(tuple(o.outputs[0].token_ids) for o in outs)
-    expected: dict[tuple[int, ...], float] = {}
-    p1 = _target_probs(hf, prompt, temperature, top_k)
-    for t1 in torch.nonzero(p1).flatten().tolist():
-        p2 = _target_probs(hf, prompt + [t1], temperature, top_k)
-        for t2 in torch.nonzero(p2).flatten().tolist():
-            p3 = _target_probs(hf, prompt + [t1, t2], temperature, top_k)
-            for t3 in torch.nonzero(p3).flatten().tolist():
-                expected[(t1, t2, t3)] = float(p1[t1] * p2[t2] * p3[t3])
+    expected = joint_probs(hf, prompt, temperature, top_k)
     assert set(counts) <= set(expected)
     cells = sorted(expected)
     observed = [counts.get(c, 0) for c in cells]
@@ -188,26 +174,8 @@ def test_accept_reject_storm_keeps_both_pools_exact(mode):
     runner = RandomLogitsEngine(num_blocks, vocab)
     draft = DraftProposer(_Table(draft_blocks, runner, 0.7), draft_blocks, 4, 40, 96, vocab)
     engine = LLMEngine(runner, config, None, [], draft=draft)
-    shared = [rng.randrange(vocab) for _ in range(9)]
-    requests, expected = [], {}
-    for i in range(24):
-        prompt = (shared if i % 3 == 0 else []) + [rng.randrange(vocab) for _ in range(rng.randrange(1, 14))]
-        greedy = i % 2 == 0
-        params = SamplingParams(max_tokens=rng.randrange(1, 40), temperature=0.0 if greedy else 1.0, seed=i,
-                                ignore_eos=True)  # fmt: skip
-        requests.append((prompt, params))
-        if greedy:
-            expected[i] = greedy_chain(runner.table, prompt, params.max_tokens)
-    ids, done = [], {}
-    pending = list(requests)
-    while pending or engine.has_unfinished():
-        if pending and rng.random() < 0.5:
-            ids.append(engine.add_request(*pending.pop(0)))
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        assert_accounting(engine)
-        assert_draft_accounting(engine)
+    ids, done, requests, expected = run_storm(engine, runner.table, rng,
+                                              lambda: (assert_accounting(engine), assert_draft_accounting(engine)))
     stats = engine.stats()
     assert stats["spec_decode_num_accepted_tokens"] > 0
     assert stats["spec_decode_num_draft_tokens"] > stats["spec_decode_num_accepted_tokens"]  # rejections happened

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 
 from trtpaged.runtime.runners.base import StepBatch
 from trtpaged.runtime.kv_cache_manager import KVCacheManager
@@ -60,15 +59,4 @@ def build_step_batch(out: SchedulerOutput, kv: KVCacheManager) -> tuple[StepBatc
         if item.sample:
             rows[item.seq.seq_id] = len(logits_index)
             logits_index += range(len(input_ids) - 1 - len(item.draft), len(input_ids))
-    width = max((len(t) for t in tables), default=0)
-    padded = [t + [0] * (width - len(t)) for t in tables]
-    i32 = torch.int32
-    batch = StepBatch(
-        input_ids=torch.tensor(input_ids, dtype=i32),
-        positions=torch.tensor(positions, dtype=i32),
-        query_start=torch.tensor(query_start, dtype=i32),
-        context_lens=torch.tensor(context_lens, dtype=i32),
-        block_tables=torch.tensor(padded, dtype=i32).reshape(len(tables), width),
-        logits_index=torch.tensor(logits_index, dtype=i32),
-    )
-    return batch, rows, scored
+    return StepBatch.pack(input_ids, positions, query_start, context_lens, tables, logits_index), rows, scored

@@ -193,16 +193,7 @@ class DraftProposer:
             if wants:
                 logits_index.append(len(input_ids) - 1)
             mirror.num_computed_tokens = start + n
-        width = max(len(t) for t in tables)
-        i32 = torch.int32
-        batch = StepBatch(
-            input_ids=torch.tensor(input_ids, dtype=i32),
-            positions=torch.tensor(positions, dtype=i32),
-            query_start=torch.tensor(query_start, dtype=i32),
-            context_lens=torch.tensor(context_lens, dtype=i32),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=i32).reshape(-1, width),
-            logits_index=torch.tensor(logits_index, dtype=i32),
-        )
+        batch = StepBatch.pack(input_ids, positions, query_start, context_lens, tables, logits_index)
         self.num_steps += 1
         self.num_tokens_computed += len(input_ids)
         return self.runner.step(batch).float().cpu()

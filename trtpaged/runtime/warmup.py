@@ -50,7 +50,6 @@ def warmup_batch(config: RuntimeConfig) -> tuple[StepBatch, list[int]]:
     """The warm-up step's inputs (token id 0 everywhere) and the blocks it writes."""
     shape = warmup_shape(config)
     bs = config.block_size
-    ids: list[int] = []
     positions: list[int] = []
     query_start = [0]
     tables: list[list[int]] = []
@@ -63,17 +62,7 @@ def warmup_batch(config: RuntimeConfig) -> tuple[StepBatch, list[int]]:
         used = math.ceil(n / bs)
         tables.append(list(range(next_block, next_block + used)))
         next_block += used
-    ids = [0] * len(positions)
-    width = max(len(t) for t in tables)
-    i32 = torch.int32
-    batch = StepBatch(
-        input_ids=torch.tensor(ids, dtype=i32),
-        positions=torch.tensor(positions, dtype=i32),
-        query_start=torch.tensor(query_start, dtype=i32),
-        context_lens=torch.tensor(shape.lengths, dtype=i32),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=i32),
-        logits_index=torch.tensor(logits_index, dtype=i32),
-    )
+    batch = StepBatch.pack([0] * len(positions), positions, query_start, shape.lengths, tables, logits_index)
     return batch, list(range(next_block))
 
 

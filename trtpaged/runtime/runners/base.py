@@ -23,6 +23,22 @@ class StepBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
+    @classmethod
+    def pack(cls, input_ids: Sequence[int], positions: Sequence[int], query_start: Sequence[int],
+             context_lens: Sequence[int], tables: Sequence[Sequence[int]], logits_index: Sequence[int]) -> "StepBatch":
+        """The batch of these lists, block tables padded with 0 to the longest."""
+        width = max((len(t) for t in tables), default=0)
+        padded = [list(t) + [0] * (width - len(t)) for t in tables]
+        i32 = torch.int32
+        return cls(
+            input_ids=torch.tensor(input_ids, dtype=i32),
+            positions=torch.tensor(positions, dtype=i32),
+            query_start=torch.tensor(query_start, dtype=i32),
+            context_lens=torch.tensor(context_lens, dtype=i32),
+            block_tables=torch.tensor(padded, dtype=i32).reshape(len(tables), width),
+            logits_index=torch.tensor(logits_index, dtype=i32),
+        )
+
 
 @runtime_checkable
 class ModelRunner(Protocol):
