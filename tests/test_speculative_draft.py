@@ -266,3 +266,25 @@ def test_inspect_checks_a_draft(tiny_engine_dir, draft_dirs):
     assert f"speculative draft {draft_dirs['same_vocab']}: compatible" in ok.output
     bad = CliRunner().invoke(main, ["inspect", str(tiny_engine_dir), "--draft", str(draft_dirs["other_vocab"])])
     assert bad.exit_code == 1 and "speculative_config.model: the draft engine's vocab_size is 300" in bad.output
+
+
+# ---- SmolLM2 (slow) ---------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_smollm2_greedy_identical_with_a_draft_engine(request):
+    """The int4 SmolLM2 engine drafting for itself through the engine-dir path: greedy outputs as without
+    speculation, and nearly every draft token accepted (the same model; only the step shapes differ)."""
+    import os
+
+    from trtpaged import LLM
+
+    engine_dir = os.environ.get("TRTPAGED_SMOLLM2_INT4_DIR") or str(request.getfixturevalue("smollm2_int4_engine_dir"))
+    plain = LLM(engine_dir, device="cpu", num_kv_blocks=64, warmup=False)
+    texts = [plain.chat_prompt([{"role": "user", "content": "Name three colours."}]), "The capital of France is"]
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    want = plain.generate(texts, params)
+    config = {"method": "draft_model", "model": engine_dir, "num_speculative_tokens": 4}
+    spec = LLM(engine_dir, device="cpu", num_kv_blocks=64, warmup=False, speculative_config=config)
+    got = spec.generate(texts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    stats = spec.stats()
+    assert stats["spec_decode_acceptance_rate"] > 0.9 and stats["num_steps"] < plain.stats()["num_steps"]

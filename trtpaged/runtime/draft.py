@@ -61,6 +61,8 @@ class Proposal:
 def common_prefix(a: Seq[int], b: Seq[int]) -> int:
     """Length of the longest common prefix of two token lists."""
     n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case, at C speed: the sequence only grew since
+        return n
     for i in range(n):
         if a[i] != b[i]:
             return i
@@ -202,11 +204,16 @@ class DraftProposer:
     def _sample(logits: torch.Tensor, params: SamplingParams,
                 generator: Optional[torch.Generator]) -> tuple[int, Optional[torch.Tensor]]:  # fmt: skip
         """The draft's token: argmax for a greedy request, else a draw from q (the request's temperature,
-        top-k, top-p and min-p over the draft's logits), returned with q."""
-        if params.greedy or not torch.isfinite(logits).all():
+        top-k, top-p and min-p over the draft's logits), returned with q (one-hot on the argmax where the
+        draft's logits are not finite: still a distribution the verification can use)."""
+        if params.greedy:
             return int(logits.argmax()), None
-        q = torch.softmax(filter_logits(logits.unsqueeze(0), [params]), dim=1)[0]
-        return int(torch.multinomial(q, 1, generator=generator)), q
+        if bool(torch.isfinite(logits).all()):
+            q = torch.softmax(filter_logits(logits.unsqueeze(0), [params]), dim=1)[0]
+            if float(q.sum()) > 0:
+                return int(torch.multinomial(q, 1, generator=generator)), q
+        token = int(torch.nan_to_num(logits, nan=float("-inf")).argmax())
+        return token, torch.nn.functional.one_hot(torch.tensor(token), logits.shape[0]).float()
 
 
 def check_draft(model: str, target_manifest: Any, target_tokenizer: Any, max_seq_len: int) -> Any:
