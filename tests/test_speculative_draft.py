@@ -147,10 +147,16 @@ def test_sampled_distribution_is_the_targets(hf, draft_hf, prompts):
 
 
 def test_seeded_sampled_requests_are_reproducible(hf, draft_hf, prompts):
-    cases = [(p, SamplingParams(max_tokens=20, temperature=0.8, top_k=5, seed=s)) for s, p in enumerate(prompts)]
-    first = run_staggered(make(hf, draft_hf, draft_spec(3), block_size=8), cases)
-    second = run_staggered(make(hf, draft_hf, draft_spec(3), block_size=8), cases)
-    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in second]
+    """Seeded requests with parallel samples (n=2: each sample speculates with a draft cache of its own after
+    the fork) return the same tokens twice; both pools are whole afterwards."""
+    cases = [(p, SamplingParams(max_tokens=20, temperature=0.8, top_k=5, seed=s, n=2)) for s, p in enumerate(prompts)]
+    engines = [make(hf, draft_hf, draft_spec(3), block_size=8) for _ in range(2)]
+    first, second = (run_staggered(e, cases) for e in engines)
+    assert [[c.token_ids for c in o.outputs] for o in first] == [[c.token_ids for c in o.outputs] for o in second]
+    for engine in engines:
+        assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
+        assert engine.kv.pool.num_free == engine.config.num_blocks
+        assert engine.scheduler.draft.kv.pool.num_free == 64
 
 
 class _Table(RandomLogitsEngine):
