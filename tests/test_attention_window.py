@@ -24,7 +24,7 @@ def path(request: pytest.FixtureRequest):
     kernels.set_cpu_isa(None)
 
 
-def _check(batch, window: int, softcap: float = 0.0, layer: int = 1, kv_dtype=None) -> None:
+def _check(batch, window: int, softcap: float = 0.0, layer: int = 1, kv_cache_dtype=None) -> None:
     ker_cache, ref_cache = batch.kv_cache.clone(), batch.kv_cache.clone()
     args = batch.args()
     out = kernels.paged_attention(*args[:3], ker_cache, *args[4:], layer=layer, scale=batch.scale,
@@ -42,9 +42,9 @@ def test_window_mixed_batch_every_path(path: str, window: int, block_size: int) 
     _check(make_batch(MIXED_SPECS, block_size=block_size, seed=window + block_size), window)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_window_half_pools(path: str, kv_dtype: torch.dtype) -> None:
-    _check(make_batch(MIXED_SPECS, kv_dtype=kv_dtype, io_dtype=kv_dtype, seed=7), 19)
+@pytest.mark.parametrize("kv_cache_dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_window_half_pools(path: str, kv_cache_dtype: torch.dtype) -> None:
+    _check(make_batch(MIXED_SPECS, kv_cache_dtype=kv_cache_dtype, io_dtype=kv_cache_dtype, seed=7), 19)
 
 
 def test_window_long_decode_and_chunk_split_across_threads(path: str) -> None:

@@ -36,9 +36,9 @@ def assert_matches(batch: Batch, layer: int = 1) -> None:
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128])
-@pytest.mark.parametrize("kv_dtype", DTYPES, ids=str)
-def test_mixed_batch_every_block_size_and_kv_dtype(block_size: int, kv_dtype: torch.dtype) -> None:
-    batch = make_batch(MIXED_SPECS, block_size=block_size, kv_dtype=kv_dtype, seed=block_size)
+@pytest.mark.parametrize("kv_cache_dtype", DTYPES, ids=str)
+def test_mixed_batch_every_block_size_and_kv_cache_dtype(block_size: int, kv_cache_dtype: torch.dtype) -> None:
+    batch = make_batch(MIXED_SPECS, block_size=block_size, kv_cache_dtype=kv_cache_dtype, seed=block_size)
     assert_matches(batch)
 
 
@@ -46,7 +46,7 @@ def test_mixed_batch_every_block_size_and_kv_dtype(block_size: int, kv_dtype: to
 @pytest.mark.parametrize("io_dtype", DTYPES, ids=str)
 def test_gqa_ratios_and_io_dtypes(num_heads: int, num_kv_heads: int, io_dtype: torch.dtype) -> None:
     batch = make_batch(MIXED_SPECS, num_heads=num_heads, num_kv_heads=num_kv_heads, io_dtype=io_dtype,
-                       kv_dtype=io_dtype, seed=num_heads)  # fmt: skip
+                       kv_cache_dtype=io_dtype, seed=num_heads)  # fmt: skip
     assert_matches(batch, layer=2)
 
 

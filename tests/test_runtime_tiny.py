@@ -45,17 +45,17 @@ def greedy_tokens(engine, prompts, every=1):
 def test_greedy_matches_hf_with_staggered_arrivals(hf, prompts, reference):
     engine = make(hf)
     assert greedy_tokens(engine, prompts, every=2) == reference
-    assert engine.stats()["num_preemptions"] == 0 and engine.kv.pool.num_free == engine.config.num_blocks
+    assert engine.stats()["num_preemptions"] == 0 and engine.kv.pool.num_free == engine.config.num_kv_blocks
 
 
 def test_greedy_matches_hf_when_blocks_run_out(hf, prompts, reference):
-    engine = make(hf, num_blocks=12)  # 192 slots for 261 prompt tokens
+    engine = make(hf, num_kv_blocks=12)  # 192 slots for 261 prompt tokens
     assert greedy_tokens(engine, prompts) == reference
     assert engine.stats()["num_preemptions"] > 0
 
 
 def test_greedy_matches_hf_with_swap_preemption(hf, prompts, reference):
-    engine = make(hf, num_blocks=12, preemption_mode="swap", num_host_blocks=32)
+    engine = make(hf, num_kv_blocks=12, preemption_mode="swap", num_host_blocks=32)
     assert greedy_tokens(engine, prompts) == reference
     assert engine.stats()["num_swap_outs"] > 0
 

@@ -84,7 +84,7 @@ def test_greedy_equals_one_rank_and_hf(tp2, tiny_kv4_engines, prompts, reference
     with LLM(tiny_kv4_engines[1], device="cpu") as one:
         assert _greedy(one.engine, prompts, every=2) == reference
     assert _greedy(tp2.engine, prompts, every=2) == reference
-    assert tp2.engine.kv.pool.num_free == tp2.config.num_blocks
+    assert tp2.engine.kv.pool.num_free == tp2.config.num_kv_blocks
 
 
 def test_logits_close_to_hf_forward(tp2, hf):

@@ -12,7 +12,7 @@ names the argument), and dispatch to the CPU or CUDA kernels by the tensors' dev
 
 from trtpaged.kernels._library import (
     _DTYPE_CODES,
-    _KV_DTYPE_CODES,
+    _KV_CACHE_DTYPE_CODES,
     BUILD_HINT,
     LIBRARY_NAME,
     KernelError,

@@ -10,7 +10,7 @@ import torch
 
 from trtpaged.kernels._library import (
     _DTYPE_CODES,
-    _KV_DTYPE_CODES,
+    _KV_CACHE_DTYPE_CODES,
     _AttentionOptions,
     _AttentionParams,
     _check,
@@ -44,7 +44,7 @@ def paged_attention(
     sliding_window > 0: each query reads only the sliding_window positions ending at its own;
     logit_softcap > 0: scores are soft-capped, cap * tanh(score / cap) (trtpaged_attention_options).
 
-    q [T, H, D], k/v [T, KVH, D] (one dtype), kv_cache [num_blocks, num_layers, 2, KVH,
+    q [T, H, D], k/v [T, KVH, D] (one dtype), kv_cache [num_kv_blocks, num_layers, 2, KVH,
     block_size, D] (float), or [..., block_size, D + 2] int8 / float8_e4m3fn for a quantized cache
     (trtpaged.kv_quant), positions [T], query_start [S+1], context_lens [S], block_tables
     [S, max_blocks] (int32). Returns out [T, H, D] in q.dtype. On CUDA, max_context_len
@@ -58,13 +58,13 @@ def paged_attention(
     _require(q, "q", ndim=3, dtypes=float_dtypes, device=device)
     _require(k, "k", ndim=3, dtypes=(q.dtype,), device=device)
     _require(v, "v", ndim=3, dtypes=(q.dtype,), device=device)
-    _require(kv_cache, "kv_cache", ndim=6, dtypes=tuple(_KV_DTYPE_CODES), device=device)
+    _require(kv_cache, "kv_cache", ndim=6, dtypes=tuple(_KV_CACHE_DTYPE_CODES), device=device)
     _require(positions, "positions", ndim=1, dtypes=index_dtypes, device=device)
     _require(query_start, "query_start", ndim=1, dtypes=index_dtypes, device=device)
     _require(context_lens, "context_lens", ndim=1, dtypes=index_dtypes, device=device)
     _require(block_tables, "block_tables", ndim=2, dtypes=index_dtypes, device=device)
     num_tokens, num_heads, head_dim = q.shape
-    num_blocks, num_layers, two, num_kv_heads, block_size, _ = kv_cache.shape
+    num_kv_blocks, num_layers, two, num_kv_heads, block_size, _ = kv_cache.shape
     cache_head_dim = _pool_head_dim(kv_cache)
     num_seqs = block_tables.shape[0]
     if two != 2:
@@ -89,7 +89,8 @@ def paged_attention(
             raise ValueError(f"out: shape {tuple(out.shape)}, expected {tuple(q.shape)}")
     params = _AttentionParams(
         num_tokens, num_seqs, block_tables.shape[1], num_heads, num_kv_heads, head_dim,
-        num_blocks, num_layers, layer, block_size, scale, _DTYPE_CODES[q.dtype], _KV_DTYPE_CODES[kv_cache.dtype],
+        num_kv_blocks, num_layers, layer, block_size, scale, _DTYPE_CODES[q.dtype],
+        _KV_CACHE_DTYPE_CODES[kv_cache.dtype],
     )  # fmt: skip
     lib = library()
     opts = ctypes.byref(attention_options(sliding_window, logit_softcap))
@@ -134,11 +135,11 @@ class AttentionStep:
                  context_lens: torch.Tensor, block_tables: torch.Tensor, num_heads: int,
                  max_context_len: Optional[int] = None) -> None:
         device = kv_cache.device
-        _require(kv_cache, "kv_cache", ndim=6, dtypes=tuple(_KV_DTYPE_CODES), device=device)
+        _require(kv_cache, "kv_cache", ndim=6, dtypes=tuple(_KV_CACHE_DTYPE_CODES), device=device)
         for name, t, ndim in (("positions", positions, 1), ("query_start", query_start, 1),
                               ("context_lens", context_lens, 1), ("block_tables", block_tables, 2)):
             _require(t, name, ndim=ndim, dtypes=(torch.int32,), device=device)
-        num_blocks, num_layers, _, num_kv_heads, block_size, _ = kv_cache.shape
+        num_kv_blocks, num_layers, _, num_kv_heads, block_size, _ = kv_cache.shape
         head_dim = _pool_head_dim(kv_cache)
         num_seqs = block_tables.shape[0]
         if query_start.shape[0] != num_seqs + 1 or context_lens.shape[0] != num_seqs:
@@ -147,7 +148,8 @@ class AttentionStep:
         self.num_tokens, self.device = int(positions.shape[0]), device
         self._params = _AttentionParams(
             self.num_tokens, num_seqs, block_tables.shape[1], num_heads, num_kv_heads, head_dim,
-            num_blocks, num_layers, 0, block_size, 1.0, _DTYPE_CODES[torch.float32], _KV_DTYPE_CODES[kv_cache.dtype],
+            num_kv_blocks, num_layers, 0, block_size, 1.0, _DTYPE_CODES[torch.float32],
+            _KV_CACHE_DTYPE_CODES[kv_cache.dtype],
         )  # fmt: skip
         self._params_ref = ctypes.byref(self._params)
         self._tensors = (kv_cache, positions, query_start, context_lens, block_tables)  # keeps them alive

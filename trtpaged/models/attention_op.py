@@ -31,10 +31,10 @@ from trtpaged.reference import paged_attention_reference
 @dataclasses.dataclass(frozen=True)
 class Functional:
     """Tells the step model's layers to call the functional op (export) over a pool whose format is
-    kv_dtype: "auto" (the pool tensor's float dtype), or "int8" / "fp8_e4m3" for a pool of int8 bytes
+    kv_cache_dtype: "auto" (the pool tensor's float dtype), or "int8" / "fp8_e4m3" for a pool of int8 bytes
     (trtpaged.kv_quant's layout; the graph's pool is int8 for both, the node attribute says which)."""
 
-    kv_dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
 
 
 def eager_attention(
@@ -84,15 +84,15 @@ def paged_attention(
     block_size: int,
     layer: int,
     scale: float,
-    kv_dtype: str = "auto",
+    kv_cache_dtype: str = "auto",
     sliding_window: int = 0,
     logit_softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Functional form for export: returns (output [T, H, D], updated copy of kv_cache). kv_dtype
+    """Functional form for export: returns (output [T, H, D], updated copy of kv_cache). kv_cache_dtype
     "int8" / "fp8_e4m3": kv_cache holds that format's rows as bytes (Functional); sliding_window and
     logit_softcap as in kernels.paged_attention (0: none)."""
     new_cache = kv_cache.clone()
-    pool = new_cache.view(STORAGE_DTYPES[kv_dtype]) if is_quantized(kv_dtype) else new_cache
+    pool = new_cache.view(STORAGE_DTYPES[kv_cache_dtype]) if is_quantized(kv_cache_dtype) else new_cache
     from trtpaged import kernels
 
     out = kernels.paged_attention(q, k, v, pool, positions, query_start, context_lens, block_tables, layer=layer,
@@ -103,6 +103,7 @@ def paged_attention(
 @paged_attention.register_fake
 def _paged_attention_functional_fake(
     q, k, v, kv_cache, positions, query_start, context_lens, block_tables,
-    num_heads, num_kv_heads, head_dim, block_size, layer, scale, kv_dtype="auto", sliding_window=0, logit_softcap=0.0,
+    num_heads, num_kv_heads, head_dim, block_size, layer, scale, kv_cache_dtype="auto", sliding_window=0,
+    logit_softcap=0.0,
 ):
     return torch.empty_like(q), torch.empty_like(kv_cache)
