@@ -103,6 +103,7 @@ def write_rows(kernels, rows: torch.Tensor, pool: torch.Tensor) -> None:
     blocks = pool.shape[0]
     kernels.paged_attention(kv, kv, kv, pool, torch.arange(n, dtype=i32, device=device),
                             torch.tensor([0, n], dtype=i32, device=device), torch.tensor([n], dtype=i32, device=device),
-                            torch.arange(blocks, dtype=i32, device=device)[None, :], layer=0, scale=0.125)  # fmt: skip
+                            torch.arange(blocks, dtype=i32, device=device)[None, :],
+                            kernels.AttentionOptions(0, 0.125))  # fmt: skip
     if device.type == "cuda":
         torch.cuda.synchronize()

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from runtime_helpers import hf_greedy, run_staggered, runtime_config, step_engine
+from trtpaged.attention_options import AttentionOptions
 from trtpaged.builder.probe import hf_logits, standard_probe
 from trtpaged.config import parse_config
 from trtpaged.models import UnsupportedModelError, dims_from_hf_config, load_hf, step_model_from_hf
@@ -129,8 +130,8 @@ def test_numpy_node_reference_agrees_with_the_kernel_on_window_and_softcap():
     batch = make_batch([(0, 30), (40, 1), (9, 12)], seed=8)
     batch.q.mul_(5.0)
 
-    out = kernels.paged_attention(*batch.args()[:3], batch.kv_cache.clone(), *batch.args()[4:], layer=2,
-                                  scale=batch.scale, sliding_window=7, logit_softcap=2.0)
+    out = kernels.paged_attention(*batch.args()[:3], batch.kv_cache.clone(), *batch.args()[4:],
+                                  AttentionOptions(2, batch.scale, sliding_window=7, logit_softcap=2.0))
     ref, _ = paged_attention_numpy(*(t.numpy() for t in batch.args()), layer=2, block_size=16, scale=batch.scale,
                                    sliding_window=7, logit_softcap=2.0)
     assert (out - torch.from_numpy(ref)).abs().max().item() < 1e-4

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kernel_cases import MIXED_SPECS, Batch, make_batch, tie_rows, tolerance, write_rows
+from trtpaged.attention_options import AttentionOptions
 from trtpaged.reference import paged_attention_reference
 
 pytestmark = pytest.mark.gpu
@@ -53,9 +54,9 @@ def gpu_tolerance(io_dtype: torch.dtype) -> float:
 def assert_matches(kernels, batch: Batch, layer: int = 1, max_context_len: Optional[int] = None) -> None:
     gpu = batch.to("cuda")
     ref_cache = batch.kv_cache.clone()
-    out = kernels.paged_attention(*gpu.args(), layer=layer, scale=batch.scale, max_context_len=max_context_len)
+    out = kernels.paged_attention(*gpu.args(), AttentionOptions(layer, batch.scale), max_context_len=max_context_len)
     args = batch.args()
-    ref = paged_attention_reference(*args[:3], ref_cache, *args[4:], layer=layer, scale=batch.scale)
+    ref = paged_attention_reference(*args[:3], ref_cache, *args[4:], AttentionOptions(layer, batch.scale))
     torch.cuda.synchronize()
     assert out.dtype == batch.q.dtype and out.shape == batch.q.shape
     # Slot by slot: the new K/V landed where the reference put them, nothing else changed.
@@ -144,7 +145,7 @@ def test_layers_of_one_pool_are_independent(kernels) -> None:
 def test_empty_step_is_a_no_op(kernels) -> None:
     batch = make_batch([(4, 0)], seed=29).to("cuda")
     before = batch.kv_cache.clone()
-    out = kernels.paged_attention(*batch.args(), layer=0, scale=batch.scale)
+    out = kernels.paged_attention(*batch.args(), AttentionOptions(0, batch.scale))
     torch.cuda.synchronize()
     assert out.shape == (0, 9, 64)
     assert torch.equal(batch.kv_cache, before)
@@ -152,15 +153,15 @@ def test_empty_step_is_a_no_op(kernels) -> None:
 
 def test_chained_steps_match_one_prefill(kernels) -> None:
     whole = make_batch([(0, 40)], seed=30).to("cuda")
-    out_whole = kernels.paged_attention(*whole.args()[:3], whole.kv_cache.clone(), *whole.args()[4:], layer=0,
-                                        scale=whole.scale)  # fmt: skip
+    out_whole = kernels.paged_attention(*whole.args()[:3], whole.kv_cache.clone(), *whole.args()[4:],
+                                        AttentionOptions(0, whole.scale))  # fmt: skip
     cache = whole.kv_cache.clone()
     for lo, hi in [(0, 17), (17, 34), (34, 39), (39, 40)]:
         sl = slice(lo, hi)
         out = kernels.paged_attention(
             whole.q[sl].contiguous(), whole.k[sl].contiguous(), whole.v[sl].contiguous(), cache,
             whole.positions[sl].contiguous(), torch.tensor([0, hi - lo], dtype=torch.int32, device="cuda"),
-            torch.tensor([hi], dtype=torch.int32, device="cuda"), whole.block_tables, layer=0, scale=whole.scale,
+            torch.tensor([hi], dtype=torch.int32, device="cuda"), whole.block_tables, AttentionOptions(0, whole.scale),
         )  # fmt: skip
         torch.testing.assert_close(out, out_whole[sl], atol=1e-5, rtol=0)
 
@@ -177,7 +178,7 @@ def test_bad_device_indices_never_fault(kernels) -> None:
     gpu.positions[3] = 10**6  # beyond the block table
     gpu.positions[5] = -3
     gpu.context_lens[1] = 10**6  # clamped to max_context_len and the table
-    kernels.paged_attention(*gpu.args(), layer=1, scale=batch.scale, max_context_len=64)
+    kernels.paged_attention(*gpu.args(), AttentionOptions(1, batch.scale), max_context_len=64)
     torch.cuda.synchronize()
     assert_matches(kernels, make_batch(MIXED_SPECS, seed=32))  # the context still works
 
@@ -185,7 +186,7 @@ def test_bad_device_indices_never_fault(kernels) -> None:
 def test_unsupported_head_dim(kernels) -> None:
     batch = make_batch([(0, 3)], head_dim=72, seed=33).to("cuda")
     with pytest.raises(kernels.KernelError, match="head_dim: 72"):
-        kernels.paged_attention(*batch.args(), layer=0, scale=batch.scale)
+        kernels.paged_attention(*batch.args(), AttentionOptions(0, batch.scale))
 
 
 def test_workspace_is_checked(kernels) -> None:
@@ -272,9 +273,9 @@ def quantized(batch: Batch, kv_cache_dtype: str) -> Batch:
 def assert_quantized_matches(kernels, batch: Batch, layer: int = 1, max_context_len: Optional[int] = None) -> None:
     gpu = batch.to("cuda")
     ref_cache = batch.kv_cache.clone()
-    out = kernels.paged_attention(*gpu.args(), layer=layer, scale=batch.scale, max_context_len=max_context_len)
+    out = kernels.paged_attention(*gpu.args(), AttentionOptions(layer, batch.scale), max_context_len=max_context_len)
     args = batch.args()
-    ref = paged_attention_reference(*args[:3], ref_cache, *args[4:], layer=layer, scale=batch.scale)
+    ref = paged_attention_reference(*args[:3], ref_cache, *args[4:], AttentionOptions(layer, batch.scale))
     torch.cuda.synchronize()
     # every byte of the pool (codes and scales, every slot and layer) as PyTorch quantizes it
     assert torch.equal(gpu.kv_cache.cpu().view(torch.uint8), ref_cache.view(torch.uint8))
@@ -324,7 +325,7 @@ def test_quantized_masked_rows_holding_nan_bytes_never_leak(kernels, kv_cache_dt
     dead = ~live[:, None, None, None, :]
     raw[dead.expand(raw.shape[:5])] = 0x7F  # codes NaN (fp8) / 127 (int8), fp16 scale 0x7f7f = NaN
     assert torch.isnan(split_rows(batch.kv_cache)[1][dead.expand(raw.shape[:5])]).all()
-    out = kernels.paged_attention(*batch.to("cuda").args(), layer=0, scale=batch.scale)
+    out = kernels.paged_attention(*batch.to("cuda").args(), AttentionOptions(0, batch.scale))
     assert torch.isfinite(out).all()
     assert_quantized_matches(kernels, batch, layer=0)
 

@@ -19,6 +19,7 @@ import torch
 
 from kernel_cases import MIXED_SPECS, Batch, make_batch, tie_rows, write_rows
 from trtpaged import kernels
+from trtpaged.attention_options import AttentionOptions
 from trtpaged.kv_quant import CODE_MAX, STORAGE_DTYPES, dequantize_rows, pack_rows, quantize_rows, split_rows
 from trtpaged.reference import paged_attention_reference, write_kv_reference
 
@@ -189,10 +190,10 @@ def test_smollm2_shapes_every_layer(path: str, kv_cache_dtype: str) -> None:
         sign = 1.0 if layer % 2 == 0 else -1.0
         k_l, v_l = k.roll(layer, dims=-1) * sign, v.roll(-layer, dims=-1)
         out = kernels.paged_attention(q, k_l, v_l, cache, positions, query_start, context_lens, block_tables,
-                                      layer=layer, scale=batch.scale)
+                                      AttentionOptions(layer, batch.scale))
         if layer in (0, 14, 29):
             ref = paged_attention_reference(q, k_l, v_l, ref_cache, positions, query_start, context_lens,
-                                            block_tables, layer=layer, scale=batch.scale)
+                                            block_tables, AttentionOptions(layer, batch.scale))
             worst = max(worst, (out.double() - ref.double()).abs().max().item())
         else:
             write_kv_reference(k_l, v_l, ref_cache, positions, query_start, block_tables, layer)
@@ -214,8 +215,8 @@ def test_attention_every_path(path: str, kv_cache_dtype: str) -> None:
             pool = batch.kv_cache.to(getattr(torch, kv_cache_dtype))
         cache, ref_cache = pool.clone(), pool.clone()
         args = batch.args()
-        out = kernels.paged_attention(*args[:3], cache, *args[4:], layer=1, scale=batch.scale)
-        ref = paged_attention_reference(*args[:3], ref_cache, *args[4:], layer=1, scale=batch.scale)
+        out = kernels.paged_attention(*args[:3], cache, *args[4:], AttentionOptions(1, batch.scale))
+        ref = paged_attention_reference(*args[:3], ref_cache, *args[4:], AttentionOptions(1, batch.scale))
         assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
         err = (out.double() - ref.double()).abs().max().item()
         assert err <= 2e-5, f"{spec}, block {block_size}, head_dim {head_dim}: max abs error {err}"
@@ -231,7 +232,7 @@ def test_every_path_writes_the_same_bytes() -> None:
             for kv_cache_dtype in KV_CACHE_DTYPES:
                 cache = torch.zeros(batch.kv_cache.shape[:-1] + (66,), dtype=STORAGE_DTYPES[kv_cache_dtype])
                 args = batch.args()
-                kernels.paged_attention(*args[:3], cache, *args[4:], layer=29, scale=batch.scale)
+                kernels.paged_attention(*args[:3], cache, *args[4:], AttentionOptions(29, batch.scale))
                 pools[name, kv_cache_dtype] = cache.view(torch.uint8)
     finally:
         kernels.set_cpu_isa(None)

@@ -49,9 +49,9 @@ def _probe_kv(step_model, dims, kv_cache_dtype: str) -> list[torch.Tensor]:
     seen: list[torch.Tensor] = []
     call = kernels.AttentionStep.__call__
 
-    def recording(self, layer, q, k, v, scale, *options):  # options: the layer's window and soft-cap
+    def recording(self, q, k, v, options):
         seen.extend([k.reshape(-1, dims.head_dim).clone(), v.reshape(-1, dims.head_dim).clone()])
-        return call(self, layer, q, k, v, scale, *options)
+        return call(self, q, k, v, options)
 
     _, steps, num_kv_blocks = standard_probe(dims.vocab_size, 16, all_rows=True)
     pool = step_model.new_kv_cache(num_kv_blocks, 16, kv_cache_dtype)

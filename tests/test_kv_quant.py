@@ -16,6 +16,7 @@ import torch
 
 from kernel_cases import MIXED_SPECS, Batch, make_batch, tie_rows, write_rows
 from trtpaged import kernels
+from trtpaged.attention_options import AttentionOptions
 from trtpaged.kv_quant import (
     STORAGE_DTYPES,
     dequantize_rows,
@@ -42,14 +43,14 @@ def quantized(batch: Batch, kv_cache_dtype: str) -> Batch:
 def run_kernel(batch: Batch, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     cache = batch.kv_cache.clone()
     args = batch.args()
-    out = kernels.paged_attention(*args[:3], cache, *args[4:], layer=layer, scale=batch.scale)
+    out = kernels.paged_attention(*args[:3], cache, *args[4:], AttentionOptions(layer, batch.scale))
     return out, cache
 
 
 def run_reference(batch: Batch, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     cache = batch.kv_cache.clone()
     args = batch.args()
-    out = paged_attention_reference(*args[:3], cache, *args[4:], layer=layer, scale=batch.scale)
+    out = paged_attention_reference(*args[:3], cache, *args[4:], AttentionOptions(layer, batch.scale))
     return out, cache
 
 
@@ -203,7 +204,7 @@ def test_pool_head_dim_must_leave_room_for_the_scale() -> None:
     batch = make_batch([(0, 3)], num_layers=1)
     wrong = torch.zeros(batch.kv_cache.shape, dtype=STORAGE_DTYPES["int8"])  # rows of head_dim, no scale
     with pytest.raises(ValueError, match="kv_cache: head_dim"):
-        kernels.paged_attention(*batch.args()[:3], wrong, *batch.args()[4:], layer=0, scale=batch.scale)
+        kernels.paged_attention(*batch.args()[:3], wrong, *batch.args()[4:], AttentionOptions(0, batch.scale))
 
 
 # --- model.yaml, memory plan, build -----------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from trtpaged.attention_options import AttentionOptions
 from trtpaged.kv_quant import dequantize_rows, pack_rows, pool_kv_cache_dtype, quantize_rows
 
 
@@ -53,30 +54,19 @@ def gather_kv_reference(
 
 
 def paged_attention_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_cache: torch.Tensor,
-    positions: torch.Tensor,
-    query_start: torch.Tensor,
-    context_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    *,
-    layer: int,
-    scale: float,
-    max_context_len: int | None = None,
-    sliding_window: int = 0,
-    logit_softcap: float = 0.0,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+    positions: torch.Tensor, query_start: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
+    options: AttentionOptions, *, max_context_len: int | None = None,
 ) -> torch.Tensor:
-    """Writes the new K/V into kv_cache (in place) and returns causal attention output.
-
-    sliding_window > 0: a query at position p sees positions p - sliding_window + 1 .. p only;
-    logit_softcap > 0: scores become cap * tanh(score / cap) before the softmax.
+    """Writes the new K/V into layer `options.layer` of kv_cache (in place) and returns causal attention
+    output with the options' scale, sliding window and logit soft-cap.
 
     Shapes follow the engine I/O contract (docs/architecture.md): q [T, H, D], k/v [T, KVH, D],
     kv_cache [num_kv_blocks, num_layers, 2, KVH, block_size, D]. Returns [T, H, D] in q.dtype.
     max_context_len is unused (accepted so the signature matches kernels.paged_attention).
     """
+    layer, scale = options.layer, options.scale
+    sliding_window, logit_softcap = options.sliding_window, options.logit_softcap
     write_kv_reference(k, v, kv_cache, positions, query_start, block_tables, layer)
     num_heads, num_kv_heads = q.shape[1], kv_cache.shape[3]
     group = num_heads // num_kv_heads

@@ -84,10 +84,10 @@ def _decode_inputs(context: int, batch: int, block_size: int, kv_cache_dtype: st
     query_start = torch.arange(batch + 1, dtype=torch.int32)
     context_lens = torch.full((batch,), context, dtype=torch.int32)
     out = torch.empty_like(q)
+    options = kernels.AttentionOptions(0, HEAD_DIM**-0.5)
 
     def step() -> None:
-        kernels.paged_attention(q, k, v, cache, positions, query_start, context_lens, tables, layer=0,
-                                scale=HEAD_DIM**-0.5, out=out)  # fmt: skip
+        kernels.paged_attention(q, k, v, cache, positions, query_start, context_lens, tables, options, out=out)
 
     return step
 

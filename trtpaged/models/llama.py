@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trtpaged import kv_quant
+from trtpaged.attention_options import AttentionOptions
 from trtpaged.manifest import ModelDims
 from trtpaged.models import attention_op  # noqa: F401  (registers torch.ops.trtpaged.*)
 from trtpaged.models.all_reduce import RankReduce
@@ -109,6 +110,7 @@ class PagedSelfAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = dims.num_heads, dims.num_kv_heads, dims.head_dim
         self.scale = dims.attention_scale or self.head_dim**-0.5
         self.window, self.softcap = dims.window_of(layer), dims.attn_logit_softcap
+        self.options = AttentionOptions(layer, self.scale, self.window, self.softcap)
         self.rope = layer not in dims.nope_layers
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         prefix = f"layers.{layer}.self_attn."
@@ -146,7 +148,7 @@ class PagedSelfAttention(nn.Module):
                 attend.kv_cache_dtype, self.window, self.softcap,
             )
         else:
-            out = attend(self.layer, q, k, v, self.scale, self.window, self.softcap)
+            out = attend(q, k, v, self.options)
         return self._output(out.reshape(-1, self.num_heads * self.head_dim)), kv_cache
 
     def _output(self, out: torch.Tensor) -> torch.Tensor:
@@ -158,7 +160,7 @@ class PagedSelfAttention(nn.Module):
         """The eager float32 CPU form of forward: RoPE and the dense q/k/v copies in one kernel call."""
         q, k, v = ops.rope_qk(self.qkv_proj(x), cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
                               dense=True)
-        out = attend(self.layer, q, k, v, self.scale, self.window, self.softcap)
+        out = attend(q, k, v, self.options)
         return self._output(out.view(-1, self.num_heads * self.head_dim))
 
 
