@@ -2,13 +2,29 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import click
 
 from trtpaged.kv_formats import KV_CACHE_DTYPES
 from trtpaged.manifest import BACKENDS
+
+
+def _progress(msg: str) -> None:
+    """A benchmark's progress line, on stderr (stdout holds the report)."""
+    click.echo(f"  {msg}", err=True)
+
+
+def _print_report(run: Callable[[], dict], text: Callable[[dict], str], as_json: bool) -> None:
+    """Runs one benchmark and prints its report (JSON, or `text` of it); a ValueError (bad input) becomes a
+    one-line CLI error."""
+    try:
+        report = run()
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(json.dumps(report, indent=2) if as_json else text(report))
 
 
 @click.group(name="bench")
@@ -97,8 +113,6 @@ def memory(ctx, engine, trace, num_requests, prompt_len, output_len, shared_pref
     With --trace, --n or --beam-width fill the lines that give neither field; the synthetic options
     are errors (they cannot apply to a trace).
     """
-    import json
-
     from click.core import ParameterSource
 
     from trtpaged.bench.memory_bench import (Budget, format_memory_report, format_sharing_table, run_memory_bench,
@@ -222,7 +236,7 @@ def qlinear(as_json: bool, quick: bool, working_set_mb: Optional[int], threads: 
     report = run_qlinear_bench(
         working_set_bytes=working_set_mb << 20 if working_set_mb else None,
         budget_s=0.1 if quick else 0.3,
-        progress=lambda msg: click.echo(f"  {msg}", err=True),
+        progress=_progress,
     )
     click.echo(report_json(report) if as_json else format_report(report))
 
@@ -262,7 +276,7 @@ def serve(base_url, trace, num_requests, prompt_len, output_len, request_rate, m
         except ValueError as exc:
             raise click.ClickException(str(exc)) from exc
         report = asyncio.run(run_multi_turn(base_url, spec, model, api_key, endpoint == "chat", max_concurrency, seed,
-                                            progress=lambda msg: click.echo(f"  {msg}", err=True)))  # fmt: skip
+                                            progress=_progress))  # fmt: skip
         click.echo(report_json(report) if as_json else format_report(report) + "\n" + format_multi_turn(report))
         return
 
@@ -279,7 +293,7 @@ def serve(base_url, trace, num_requests, prompt_len, output_len, request_rate, m
         raise click.ClickException(str(exc)) from exc
     report = asyncio.run(run_serve_bench(base_url, prompts_from_trace(workload, seed), rate, max_concurrency, model,
                                          api_key, endpoint == "chat", ignore_eos, seed,
-                                         progress=lambda msg: click.echo(f"  {msg}", err=True)))  # fmt: skip
+                                         progress=_progress))  # fmt: skip
     click.echo(report_json(report) if as_json else format_report(report))
 
 
@@ -305,18 +319,14 @@ def serve(base_url, trace, num_requests, prompt_len, output_len, request_rate, m
 def kv_tiers(engine, num_kv_blocks, multi_turn, system_words, user_words, output_len, think_time, host_memory,
              disk_size, remote, backend, device, seed, rounds, as_json) -> None:  # fmt: skip
     """Multi-turn traffic against servers with KV tiers off, host, disk (and a restart), Redis (and a 2nd replica)."""
-    import json
-
     from trtpaged.bench.kv_tiers_bench import format_kv_tiers, run_kv_tiers_bench
 
-    try:
+    def run() -> dict:
         spec = multi_turn_spec(multi_turn, output_len, system_words, user_words, think_time)
-        report = run_kv_tiers_bench(Path(engine), spec, num_kv_blocks, host_memory, disk_size, remote,
-                                    {"backend": backend, "device": device}, seed, rounds,
-                                    progress=lambda msg: click.echo(f"  {msg}", err=True))  # fmt: skip
-    except ValueError as exc:
-        raise click.ClickException(str(exc)) from exc
-    click.echo(json.dumps(report, indent=2) if as_json else format_kv_tiers(report))
+        return run_kv_tiers_bench(Path(engine), spec, num_kv_blocks, host_memory, disk_size, remote,
+                                  {"backend": backend, "device": device}, seed, rounds, progress=_progress)
+
+    _print_report(run, format_kv_tiers, as_json)
 
 
 @command.command(name="serve-ratio")
@@ -328,13 +338,10 @@ def kv_tiers(engine, num_kv_blocks, multi_turn, system_words, user_words, output
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def serve_ratio(engine, repeats, max_tokens, concurrency, server_args, as_json) -> None:
     """trtpaged serve (official openai client, streaming) against the Python API on the same prompts: both ratios."""
-    import json
-
     from trtpaged.bench.serve_ratio import format_ratio, run_serve_ratio
 
-    report = run_serve_ratio(Path(engine), repeats, max_tokens, concurrency, tuple(server_args),
-                             progress=lambda msg: click.echo(f"  {msg}", err=True))  # fmt: skip
-    click.echo(json.dumps(report, indent=2) if as_json else format_ratio(report))
+    _print_report(lambda: run_serve_ratio(Path(engine), repeats, max_tokens, concurrency, tuple(server_args),
+                                          progress=_progress), format_ratio, as_json)
 
 
 @command.command(name="structured")
@@ -347,16 +354,10 @@ def serve_ratio(engine, repeats, max_tokens, concurrency, server_args, as_json) 
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def structured(engine, batch, steps, repeats, temperature, as_json) -> None:
     """Decode step time with half the batch under a JSON schema (xgrammar) vs none, interleaved in one run."""
-    import json
-
     from trtpaged.bench.structured_bench import format_structured, run_structured_bench
 
-    try:
-        report = run_structured_bench(Path(engine), batch, steps, repeats, temperature,
-                                      progress=lambda msg: click.echo(f"  {msg}", err=True))  # fmt: skip
-    except ValueError as exc:
-        raise click.ClickException(str(exc)) from exc
-    click.echo(json.dumps(report, indent=2) if as_json else format_structured(report))
+    _print_report(lambda: run_structured_bench(Path(engine), batch, steps, repeats, temperature, progress=_progress),
+                  format_structured, as_json)
 
 
 @command.command(name="throughput")
@@ -380,8 +381,6 @@ def structured(engine, batch, steps, repeats, temperature, as_json) -> None:
 def throughput(engine, trace, num_requests, baseline, hf_batch_size, no_prefix_caching_row, engine2, profile, seed,
                rounds, as_json) -> None:  # fmt: skip
     """End-to-end throughput and latency: trtpaged vs HF transformers on the same requests, side by side."""
-    import json
-
     from trtpaged.bench.throughput_bench import (default_requests, format_throughput_report, load_requests,
                                                  run_throughput_bench)  # fmt: skip
     from trtpaged.manifest import read_manifest
