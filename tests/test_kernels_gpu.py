@@ -51,17 +51,25 @@ def gpu_tolerance(io_dtype: torch.dtype) -> float:
     return max(tolerance(io_dtype), 5e-5)
 
 
-def assert_matches(kernels, batch: Batch, layer: int = 1, max_context_len: Optional[int] = None) -> None:
+def run_both(kernels, batch: Batch, layer: int, max_context_len: Optional[int]):
+    """One call on the GPU and on the reference (CPU): (the GPU batch, the kernel's output, the reference's
+    pool after the call, max |kernel - reference| of the outputs)."""
     gpu = batch.to("cuda")
     ref_cache = batch.kv_cache.clone()
-    out = kernels.paged_attention(*gpu.args(), AttentionOptions(layer, batch.scale), max_context_len=max_context_len)
+    options = AttentionOptions(layer, batch.scale)
+    out = kernels.paged_attention(*gpu.args(), options, max_context_len=max_context_len)
     args = batch.args()
-    ref = paged_attention_reference(*args[:3], ref_cache, *args[4:], AttentionOptions(layer, batch.scale))
+    ref = paged_attention_reference(*args[:3], ref_cache, *args[4:], options)
     torch.cuda.synchronize()
+    err = (out.cpu().double() - ref.double()).abs().max().item() if out.numel() else 0.0
+    return gpu, out, ref_cache, err
+
+
+def assert_matches(kernels, batch: Batch, layer: int = 1, max_context_len: Optional[int] = None) -> None:
+    gpu, out, ref_cache, err = run_both(kernels, batch, layer, max_context_len)
     assert out.dtype == batch.q.dtype and out.shape == batch.q.shape
     # Slot by slot: the new K/V landed where the reference put them, nothing else changed.
     assert torch.equal(gpu.kv_cache.cpu(), ref_cache)
-    err = (out.cpu().double() - ref.double()).abs().max().item() if out.numel() else 0.0
     assert err <= gpu_tolerance(batch.q.dtype), f"max abs error {err}"
 
 
@@ -271,15 +279,9 @@ def quantized(batch: Batch, kv_cache_dtype: str) -> Batch:
 
 
 def assert_quantized_matches(kernels, batch: Batch, layer: int = 1, max_context_len: Optional[int] = None) -> None:
-    gpu = batch.to("cuda")
-    ref_cache = batch.kv_cache.clone()
-    out = kernels.paged_attention(*gpu.args(), AttentionOptions(layer, batch.scale), max_context_len=max_context_len)
-    args = batch.args()
-    ref = paged_attention_reference(*args[:3], ref_cache, *args[4:], AttentionOptions(layer, batch.scale))
-    torch.cuda.synchronize()
+    gpu, _, ref_cache, err = run_both(kernels, batch, layer, max_context_len)
     # every byte of the pool (codes and scales, every slot and layer) as PyTorch quantizes it
     assert torch.equal(gpu.kv_cache.cpu().view(torch.uint8), ref_cache.view(torch.uint8))
-    err = (out.cpu().double() - ref.double()).abs().max().item() if out.numel() else 0.0
     assert err <= gpu_tolerance(batch.q.dtype), f"max abs error {err} against the de-quantizing reference"
 
 
