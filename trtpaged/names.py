@@ -15,7 +15,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 # old spelling -> the setting's one name
 RENAMED_KEYS = {"kv_dtype": "kv_cache_dtype", "num_blocks": "num_kv_blocks"}
-RENAMED_OPTIONS = {"--kv-dtype": "--kv-cache-dtype", "--kv-blocks": "--num-kv-blocks", "--num-blocks": "--num-kv-blocks"}
+RENAMED_OPTIONS = {"--kv-dtype": "--kv-cache-dtype", "--kv-blocks": "--num-kv-blocks",
+                   "--num-blocks": "--num-kv-blocks"}
 
 
 def _deprecated(old: str, new: str) -> None:
