@@ -42,9 +42,9 @@ def draft_hf(hf):
     return model
 
 
-def draft_proposer(draft_hf, num_blocks: int = 64, block_size: int = 8) -> DraftProposer:
-    config = runtime_config(num_blocks=num_blocks, block_size=block_size)
-    return DraftProposer(step_engine(draft_hf, config), num_blocks, block_size, 256, 512, 320)
+def draft_proposer(draft_hf, num_kv_blocks: int = 64, block_size: int = 8) -> DraftProposer:
+    config = runtime_config(num_kv_blocks=num_kv_blocks, block_size=block_size)
+    return DraftProposer(step_engine(draft_hf, config), num_kv_blocks, block_size, 256, 512, 320)
 
 
 def make(hf, draft_hf=None, spec=None, draft_blocks: int = 64, **kw) -> LLMEngine:
@@ -93,8 +93,8 @@ def test_greedy_identical_to_hf_and_to_no_speculation(hf, draft_hf, prompts, k):
     if k > 1:
         assert stats["num_steps"] < plain.stats()["num_steps"]
     assert stats["spec_decode_draft_num_steps"] > 0
-    assert engine.kv.pool.num_free == engine.config.num_blocks
-    assert stats["spec_decode_draft_num_free_blocks"] == stats["spec_decode_draft_num_blocks"] == 64
+    assert engine.kv.pool.num_free == engine.config.num_kv_blocks
+    assert stats["spec_decode_draft_kv_blocks_free"] == stats["spec_decode_draft_kv_blocks_total"] == 64
 
 
 def test_the_draft_catches_up_on_the_bonus_token(hf, draft_hf, prompts):
@@ -112,7 +112,7 @@ def test_the_draft_catches_up_on_the_bonus_token(hf, draft_hf, prompts):
             assert mirror.token_ids == seq.token_ids[: mirror.num_computed_tokens]
             assert mirror.num_computed_tokens <= len(seq.token_ids)
     assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
-    assert draft.kv.pool.num_free == draft.kv.pool.num_blocks
+    assert draft.kv.pool.num_free == draft.kv.pool.num_kv_blocks
 
 
 def test_sampled_distribution_is_the_targets(hf, draft_hf, prompts):
@@ -123,7 +123,7 @@ def test_sampled_distribution_is_the_targets(hf, draft_hf, prompts):
     prompt = prompts[1]
     temperature, top_k, draws = 1.0, 3, 1500
     params = SamplingParams(max_tokens=3, temperature=temperature, top_k=top_k, ignore_eos=True)
-    engine = make(hf, draft_hf, draft_spec(2), draft_blocks=512, num_blocks=512, max_batch_size=64,
+    engine = make(hf, draft_hf, draft_spec(2), draft_blocks=512, num_kv_blocks=512, max_batch_size=64,
                   max_num_tokens=1024)  # fmt: skip
     torch.manual_seed(0)
     outs = run_staggered(engine, [(prompt, params)] * draws, every=0)
@@ -155,15 +155,15 @@ def test_seeded_sampled_requests_are_reproducible(hf, draft_hf, prompts):
     assert [[c.token_ids for c in o.outputs] for o in first] == [[c.token_ids for c in o.outputs] for o in second]
     for engine in engines:
         assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
-        assert engine.kv.pool.num_free == engine.config.num_blocks
+        assert engine.kv.pool.num_free == engine.config.num_kv_blocks
         assert engine.scheduler.draft.kv.pool.num_free == 64
 
 
 class _Table(RandomLogitsEngine):
     """A RandomLogitsEngine whose logits table is another one's plus noise (a draft close to the target)."""
 
-    def __init__(self, num_blocks: int, target: RandomLogitsEngine, noise: float) -> None:
-        super().__init__(num_blocks, target.table.shape[0])
+    def __init__(self, num_kv_blocks: int, target: RandomLogitsEngine, noise: float) -> None:
+        super().__init__(num_kv_blocks, target.table.shape[0])
         self.table = target.table + noise * torch.randn(target.table.shape, generator=torch.Generator().manual_seed(5))
 
 
@@ -173,11 +173,11 @@ def test_accept_reject_storm_keeps_both_pools_exact(mode):
     prefix-cache hits: both pools' accounting holds after every step, greedy outputs are the model's, and
     both pools are whole at the end."""
     rng = random.Random(2)
-    num_blocks, draft_blocks, vocab = 24, 20, 12
-    config = runtime_config(num_blocks=num_blocks, block_size=4, max_batch_size=6, max_num_tokens=40, max_seq_len=96,
-                            preemption_mode=mode, num_host_blocks=64 if mode == "swap" else 0,
+    num_kv_blocks, draft_blocks, vocab = 24, 20, 12
+    config = runtime_config(num_kv_blocks=num_kv_blocks, block_size=4, max_batch_size=6, max_num_tokens=40,
+                            max_seq_len=96, preemption_mode=mode, num_host_blocks=64 if mode == "swap" else 0,
                             speculative=draft_spec(4))  # fmt: skip
-    runner = RandomLogitsEngine(num_blocks, vocab)
+    runner = RandomLogitsEngine(num_kv_blocks, vocab)
     draft = DraftProposer(_Table(draft_blocks, runner, 0.7), draft_blocks, 4, 40, 96, vocab)
     engine = LLMEngine(runner, config, None, [], draft=draft)
     ids, done, requests, expected = run_storm(engine, runner.table, rng,
@@ -190,14 +190,14 @@ def test_accept_reject_storm_keeps_both_pools_exact(mode):
         assert len(done[request_id].outputs[0].token_ids) == requests[i][1].max_tokens
         if i in expected:
             assert done[request_id].outputs[0].token_ids == expected[i], i
-    assert engine.kv.pool.num_free == num_blocks
+    assert engine.kv.pool.num_free == num_kv_blocks
     assert draft.kv.pool.num_free == draft_blocks and not draft.mirrors
 
 
 def test_a_full_draft_pool_only_stops_speculation():
     """A draft pool too small for every sequence: the ones that do not fit decode without a draft; outputs
     are unchanged and nothing leaks."""
-    config = runtime_config(num_blocks=64, block_size=4, max_batch_size=8, speculative=draft_spec(3))
+    config = runtime_config(num_kv_blocks=64, block_size=4, max_batch_size=8, speculative=draft_spec(3))
     runner = RandomLogitsEngine(64, 10)
     draft = DraftProposer(_Table(6, runner, 0.3), 6, 4, 256, 512, 10)
     engine = LLMEngine(runner, config, None, [], draft=draft)
@@ -253,7 +253,7 @@ def test_llm_with_a_draft_engine_dir(tiny_engine_dir, draft_dirs):
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     stats = llm.stats()
     assert stats["spec_decode_num_drafts"] > 0 and stats["spec_decode_draft_num_steps"] > 0
-    assert stats["spec_decode_draft_num_free_blocks"] == stats["spec_decode_draft_num_blocks"]
+    assert stats["spec_decode_draft_kv_blocks_free"] == stats["spec_decode_draft_kv_blocks_total"]
     for key, message in (("other_vocab", "vocab_size is 300, the target's 320"),
                          ("short", r"max_seq_len \(256\) is below the target's \(512\)")):  # fmt: skip
         with pytest.raises(ValueError, match=f"speculative_config.model: .*{message}"):

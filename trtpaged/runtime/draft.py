@@ -70,18 +70,19 @@ def common_prefix(a: Seq[int], b: Seq[int]) -> int:
 
 
 class DraftProposer:
-    """Proposes with a draft model on its own pool (`runner` owns `num_blocks` blocks of `block_size` tokens).
+    """Proposes with a draft model on its own pool (`runner` owns `num_kv_blocks` blocks of `block_size` tokens).
 
     `max_num_tokens` bounds a draft step's tokens: a first proposal whose catch-up (the prompt) does not fit
     is computed in chunks over several steps and proposes nothing until it has caught up.
     """
 
-    def __init__(self, runner: ModelRunner, num_blocks: int, block_size: int, max_num_tokens: int,
+    def __init__(self, runner: ModelRunner, num_kv_blocks: int, block_size: int, max_num_tokens: int,
                  max_seq_len: int, vocab_size: int, source: str = "") -> None:  # fmt: skip
-        if runner.num_blocks != num_blocks:
-            raise ValueError(f"num_blocks: the draft runner's pool has {runner.num_blocks} blocks, not {num_blocks}")
+        if runner.num_kv_blocks != num_kv_blocks:
+            raise ValueError(f"num_kv_blocks: the draft runner's pool has {runner.num_kv_blocks} blocks, "
+                             f"not {num_kv_blocks}")  # fmt: skip
         self.runner = runner
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.kv = KVCacheManager(num_kv_blocks, block_size, enable_prefix_caching=False)
         self.max_num_tokens = max_num_tokens
         self.max_seq_len = max_seq_len
         self.vocab_size = vocab_size
@@ -103,7 +104,7 @@ class DraftProposer:
                 continue
             n = min(catch_up, budget)  # d1 .. d(k-1) are computed too once it has caught up
             plan = self.kv.plan_allocation([(mirror, n + (req.k - 1 if n == catch_up else 0), [])])
-            if plan.num_blocks > self.kv.pool.num_free:
+            if plan.num_kv_blocks > self.kv.pool.num_free:
                 self.forget(req.seq_id)  # the pool is full: this sequence does not speculate this step
                 continue
             self.kv.allocate(plan)
@@ -129,8 +130,8 @@ class DraftProposer:
             self.kv.free(mirror)  # type: ignore[arg-type]
 
     def stats(self) -> dict[str, float]:
-        return {"spec_decode_draft_num_blocks": self.kv.pool.num_blocks,
-                "spec_decode_draft_num_free_blocks": self.kv.pool.num_free,
+        return {"spec_decode_draft_kv_blocks_total": self.kv.pool.num_kv_blocks,
+                "spec_decode_draft_kv_blocks_free": self.kv.pool.num_free,
                 "spec_decode_draft_num_steps": self.num_steps,
                 "spec_decode_draft_num_tokens_computed": self.num_tokens_computed}  # fmt: skip
 
@@ -252,11 +253,11 @@ def check_draft(model: str, target_manifest: Any, target_tokenizer: Any, max_seq
 def load_draft(model: str, target_manifest: Any, target_tokenizer: Any, backend: str, device: str,
                max_seq_len: int) -> DraftProposer:  # fmt: skip
     """The draft engine dir `model` (checked by `check_draft`) as a proposer, its pool the draft's own KV budget."""
-    from trtpaged.runtime.runners import load_runner, resolve_num_blocks
+    from trtpaged.runtime.runners import load_runner, resolve_num_kv_blocks
 
     manifest = check_draft(model, target_manifest, target_tokenizer, max_seq_len)
-    num_blocks = resolve_num_blocks(manifest, device, None)
-    runner = load_runner(Path(model), manifest, num_blocks, backend, device)
+    num_kv_blocks = resolve_num_kv_blocks(manifest, device, None)
+    runner = load_runner(Path(model), manifest, num_kv_blocks, backend, device)
     limits = manifest.limits
-    return DraftProposer(runner, num_blocks, limits.block_size, limits.max_num_tokens, limits.max_seq_len,
+    return DraftProposer(runner, num_kv_blocks, limits.block_size, limits.max_num_tokens, limits.max_seq_len,
                          manifest.dims.vocab_size, str(model))
