@@ -44,6 +44,8 @@ using trtpaged::fail;
 
 constexpr int kRows = 16;   // output rows per tile
 constexpr int kMaxMB = 8;   // activation rows per kernel call (register blocking), at most
+// Tiles at least this long get the next tile prefetched by the two-pass AVX2 kernels (qlinear_tile256.inc).
+constexpr size_t kPrefetchTileBytes = 12288;
 
 using trtpaged::cpu::Isa;
 using trtpaged::cpu::kAvx2;
