@@ -408,8 +408,12 @@ __attribute__((target("avx2,fma,f16c"))) void ftile_avx2_mb(const TileArgs& t, f
 
 template <int BITS>
 __attribute__((target("avx2,fma,f16c"))) int ftile_avx2(const TileArgs& t, int count, float* out) {
-  if (count >= 2) return ftile_avx2_mb<BITS, 2>(t, out), 2;
-  return ftile_avx2_mb<BITS, 1>(t, out), 1;
+  switch (std::min(count, 4)) {
+    case 4: return ftile_avx2_mb<BITS, 4>(t, out), 4;
+    case 3: return ftile_avx2_mb<BITS, 3>(t, out), 3;
+    case 2: return ftile_avx2_mb<BITS, 2>(t, out), 2;
+    default: return ftile_avx2_mb<BITS, 1>(t, out), 1;
+  }
 }
 
 
