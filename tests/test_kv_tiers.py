@@ -87,11 +87,20 @@ def cached_bytes(engine: LLMEngine, prompt: list[int]) -> list[bytes]:
     return engine.runner.read_blocks(blocks)
 
 
+def loaded_prefix(kv, seq: Sequence, timeout: float = 10.0) -> list:
+    """The sequence's prefix hits once its tier read (started by `prefetch`, as the scheduler does) is done."""
+    deadline = time.monotonic() + timeout
+    while not kv.prefetch(seq):
+        assert time.monotonic() < deadline, "the tier read did not finish"
+        kv.wait_for_loads(0.05)
+    return kv.find_cached_prefix(seq)
+
+
 def assert_pool_whole(engine: LLMEngine) -> None:
     pool = engine.kv.pool
     assert pool.num_free == pool.num_blocks
     assert all(b.ref_cnt == 0 for b in pool.blocks)
-    assert not engine.kv.tables and not engine.kv._staged
+    assert not engine.kv.tables and not engine.kv._loads and engine.kv.staged_blocks() == 0
 
 
 @pytest.fixture(scope="module")
@@ -193,10 +202,10 @@ def test_restored_blocks_are_bit_identical_and_outputs_unchanged(step_model, ref
     assert len(computed) == 4
     for prompt in TRAFFIC[1:4]:
         outputs.append(run_one(engine, prompt))
-    probe = Sequence(10**6, A)
-    assert isinstance(engine.kv.find_cached_prefix(probe)[0], TierHit)  # A left the pool
-    engine.kv.free(probe)
     engine.kv.tiers.flush()
+    probe = Sequence(10**6, A)
+    assert isinstance(loaded_prefix(engine.kv, probe)[0], TierHit)  # A left the pool
+    engine.kv.free(probe)
     computed_before = engine.num_tokens_computed
     outputs.append(run_one(engine, A))
     assert engine.num_tokens_computed - computed_before == len(A) - 4 * BS + 3  # only the tail and the decodes
@@ -253,8 +262,9 @@ def test_a_block_evicted_before_its_load_ran_is_saved_from_the_loaded_bytes(step
     engine = make_engine(step_model, KVTierConfig(host_memory=1 << 20))
     outputs = [run_one(engine, p) for p in TRAFFIC[:4]]
     kv = engine.kv
+    kv.tiers.flush()
     probe = Sequence(10**6 + 1, A)
-    hits = kv.find_cached_prefix(probe)
+    hits = loaded_prefix(kv, probe)
     assert len(hits) == 4 and all(isinstance(h, TierHit) for h in hits)
     kv.allocate(kv.plan_allocation([(probe, len(A) - 4 * BS, hits)]))
     kv.free(probe)  # its blocks are cached, free, not yet loaded
