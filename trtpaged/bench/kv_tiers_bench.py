@@ -89,7 +89,9 @@ def _run_row(engine: Path, spec: MultiTurnSpec, kv_blocks: int, name: str, tiers
     handle = start_server(engine, port=0, num_kv_blocks=blocks, kv_tiers=tiers, **(llm_kwargs or {}))
     try:
         _warm_up(handle.url)
+        skip = len(handle.loop.call(lambda e: e.ttft_breakdown()))  # the warm-up's
         report = asyncio.run(run_multi_turn(handle.url, spec, seed=seed, variant=variant))
+        report["ttft_breakdown"] = summarize_ttft(handle.loop.call(lambda e: e.ttft_breakdown())[skip:])
     finally:
         handle.shutdown()  # flushes the pool's cached prefixes to the tiers
     say(f"{name}: {report['completed']} turns ({report['failed']} failed), TTFT p50/p99 "
@@ -99,11 +101,37 @@ def _run_row(engine: Path, spec: MultiTurnSpec, kv_blocks: int, name: str, tiers
     return report
 
 
+BREAKDOWN = (("ttft_ms", "engine TTFT"), ("tier_wait_ms", "tier wait"), ("admission_wait_ms", "admission wait"),
+             ("prefill_ms", "prefill"), ("own_compute_ms", "own tokens' share"), ("computed_tokens", "tokens computed"),
+             ("shared_tokens", "others' tokens in its steps"), ("prefill_steps", "steps"))  # fmt: skip
+
+
+def summarize_ttft(records: list[dict[str, float]]) -> dict[str, float]:
+    """Medians over requests of `LLMEngine.ttft_breakdown` (ms; tokens; steps). `own_compute_ms`: the part of
+    its prefill steps' time that its own prompt tokens account for, pro rata of the steps' tokens."""
+    if not records:
+        return {}
+    def med(fn: Callable[[dict[str, float]], float]) -> float:
+        return statistics.median(fn(r) for r in records)
+
+    def own(r: dict[str, float]) -> float:
+        computed = r["prompt_tokens"] - r["cached_tokens"]
+        return 1000.0 * r["prefill_step_s"] * computed / max(1.0, computed + r["shared_tokens"])
+
+    return {"ttft_ms": med(lambda r: 1000.0 * r["ttft_s"]), "tier_wait_ms": med(lambda r: 1000.0 * r["tier_wait_s"]),
+            "admission_wait_ms": med(lambda r: 1000.0 * r["admission_wait_s"]),
+            "prefill_ms": med(lambda r: 1000.0 * r["prefill_s"]), "own_compute_ms": med(own),
+            "computed_tokens": med(lambda r: r["prompt_tokens"] - r["cached_tokens"]),
+            "shared_tokens": med(lambda r: r["shared_tokens"]), "prefill_steps": med(lambda r: r["prefill_steps"])}
+
+
 def _combine(name: str, runs: list[dict[str, Any]], off: list[dict[str, Any]]) -> dict[str, Any]:
     """One row from its rounds: medians of times, sums of tokens, and whether every reply equals tiers-off's."""
     row: dict[str, Any] = {}
     for key in ("p50_ttft_ms", "p99_ttft_ms", "first_turn_mean_ttft_ms", "request_throughput"):
         row[key] = statistics.median(run[key] for run in runs)
+    parts = [run["ttft_breakdown"] for run in runs if run.get("ttft_breakdown")]
+    row["ttft_breakdown"] = {k: statistics.median(p[k] for p in parts) for k, _ in BREAKDOWN} if parts else {}
     for key in ("prefill_tokens_computed", "prefix_tier_hit_tokens", "failed", "completed"):
         values = [run[key] for run in runs]
         row[key] = None if None in values else sum(values)
@@ -128,4 +156,10 @@ def format_kv_tiers(report: dict[str, Any]) -> str:
         if row.get("failed"):
             cells[0] += f" ({row['failed']} failed)"
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "TTFT inside the engine, medians over requests (ms, tokens; `own tokens' share`: the prefill steps' "
+              "time pro rata of the request's own computed tokens, the rest is other requests' tokens in those steps)",
+              "", "| tiers | " + " | ".join(title for _, title in BREAKDOWN) + " |", "|" + "---|" * (len(BREAKDOWN) + 1)]
+    for name, row in report["rows"].items():
+        parts = row.get("ttft_breakdown") or {}
+        lines.append("| " + " | ".join([name] + [f"{parts[k]:.0f}" if k in parts else "n/a" for k, _ in BREAKDOWN]) + " |")
     return "\n".join(lines)

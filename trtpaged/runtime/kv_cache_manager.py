@@ -168,7 +168,10 @@ class KVCacheManager:
             return True
         if self.staged_blocks() - (load.num_blocks if load else 0) + len(records) > self.max_staged_blocks:
             return load is not None  # no room to read ahead now: a first read waits, a retry is not made
-        new = self.tiers.start_load(len(run), records)
+        shared = self._shared_hits(records, len(run))
+        if shared is None:
+            return False  # another waiting sequence is reading these blocks now: take them from it when done
+        new = self.tiers.start_load(len(run), records, shared)
         new.is_retry = load is not None
         self._loads[seq.seq_id] = new
         self.tier_loads_started += 1
@@ -176,6 +179,25 @@ class KVCacheManager:
             return False
         self._note_finished(new)
         return True
+
+    def _shared_hits(self, records: Seq[BlockRecord], first_index: int) -> Optional[list[TierHit]]:
+        """The leading `records` that other sequences' finished reads hold (one read per block, e.g. for a
+        system prompt that many waiting requests share), or None while a pending read covers the first one
+        not held: waiting for it costs less than reading the block twice."""
+        held: dict[bytes, TierHit] = {}
+        reading: set[bytes] = set()
+        for load in self._loads.values():
+            if load.done:
+                held.update((hit.record.key, hit) for hit in load.hits)
+            else:
+                reading.update(record.key for record in load.records)
+        out: list[TierHit] = []
+        for k, record in enumerate(records):
+            hit = held.get(record.key)
+            if hit is None:
+                return None if record.key in reading else out
+            out.append(TierHit(first_index + k, record, hit.payload, hit.tier))
+        return out
 
     def _note_finished(self, load: TierLoad) -> None:
         if not load.counted:

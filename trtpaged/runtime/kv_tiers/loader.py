@@ -25,7 +25,7 @@ class TierLoad:
     """One sequence's read of blocks `first_index ..` (their `records`). `hits` grows on the loader
     thread, contiguous from `first_index`; the scheduler reads it once the load is `done` (or expired)."""
 
-    def __init__(self, first_index: int, records: Sequence[BlockRecord], deadline: float) -> None:
+    def __init__(self, first_index: int, records: Sequence[BlockRecord], deadline: float = float("inf")) -> None:
         self.first_index = first_index
         self.records = tuple(records)
         self.deadline = deadline
@@ -86,8 +86,9 @@ class TierLoader:
         self._thread = threading.Thread(target=self._run, name="trtpaged-kv-tier-loader", daemon=True)
         self._thread.start()
 
-    def submit(self, first_index: int, records: Sequence[BlockRecord]) -> TierLoad:
-        load = TierLoad(first_index, records, time.monotonic() + self.timeout_s)
+    def submit(self, load: TierLoad) -> TierLoad:
+        """Queues the load's records after the hits it already has; its deadline is `timeout_s` from now."""
+        load.deadline = time.monotonic() + self.timeout_s
         self._jobs.put(load)
         return load
 
@@ -105,9 +106,10 @@ class TierLoader:
     def _run(self) -> None:
         while (load := self._jobs.get()) is not None:
             try:
-                for k, record in enumerate(load.records):
+                for k in range(len(load.hits), len(load.records)):
                     if load.cancelled or time.monotonic() >= load.deadline:
                         break
+                    record = load.records[k]
                     found = self._lookup(record)
                     if found is None or not load._add(TierHit(load.first_index + k, record, *found)):
                         break

@@ -39,14 +39,18 @@ class TierStack:
         self._writer: Optional[threading.Thread] = None
         self.loader: Optional[TierLoader] = None  # None: lookups run inline (`start_load` returns a finished load)
         if background:
-            self.loader = TierLoader(self.lookup, load_timeout_s)
+            if any(t.slow for t in self.tiers):
+                self.loader = TierLoader(lambda record: self.lookup(record, slow=True), load_timeout_s)
             self._writer = threading.Thread(target=self._write_loop, name="trtpaged-kv-tier-writer", daemon=True)
             self._writer.start()
 
     # ---- lookups ------------------------------------------------------------------------------
-    def lookup(self, record: BlockRecord) -> Optional[tuple[bytes, str]]:
-        """(payload, tier name) of the block, verified against this engine and prefix, or None."""
+    def lookup(self, record: BlockRecord, slow: Optional[bool] = None) -> Optional[tuple[bytes, str]]:
+        """(payload, tier name) of the block, verified against this engine and prefix, or None. `slow`: ask only
+        the slow tiers (True) or only the memory tier (False)."""
         for tier in self.tiers:
+            if slow is not None and tier.slow != slow:
+                continue
             start = time.perf_counter()
             data = tier.get(record.key)
             try:
@@ -63,17 +67,23 @@ class TierStack:
             return payload, tier.name
         return None
 
-    def start_load(self, first_index: int, records: Sequence[BlockRecord]) -> TierLoad:
-        """Looks up `records` (blocks `first_index ..` of a sequence) in order until the first miss: on the
-        loader thread with `background`, else now (the load comes back done)."""
-        if self.loader is not None:
-            return self.loader.submit(first_index, records)
-        load = TierLoad(first_index, records, float("inf"))
-        for k, record in enumerate(records):
-            found = self.lookup(record)
+    def start_load(self, first_index: int, records: Sequence[BlockRecord], known: Sequence[TierHit] = ()) -> TierLoad:
+        """Looks up `records` (blocks `first_index ..` of a sequence) in order until the first miss, after the
+        leading ones `known` already holds (found by another sequence's load). The memory
+        tier is asked now (a dict lookup and a checksum, no I/O); what it lacks is read from the slow tiers
+        (disk, Redis) on the loader thread with `background`, else now. A load with nothing left to read
+        comes back done."""
+        load = TierLoad(first_index, records)
+        load.hits += known
+        split = self.loader is not None  # memory tier now, slow tiers on the loader
+        for k in range(len(known), len(records)):
+            record = records[k]
+            found = self.lookup(record, slow=False if split else None)
             if found is None:
                 break
             load.hits.append(TierHit(first_index + k, record, *found))
+        if split and len(load.hits) < len(records):
+            return self.loader.submit(load)  # type: ignore[union-attr]
         load.done = True
         load.finished_at = load.submitted
         return load
