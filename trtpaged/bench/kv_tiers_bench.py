@@ -16,11 +16,12 @@ import shutil
 import statistics
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from trtpaged.bench.multi_turn import MultiTurnSpec, run_multi_turn
 from trtpaged.bench.redis_process import RedisProcess
 
+ROW_GROUPS = ("unbounded", "off", "host", "disk", "remote")
 COLUMNS = (("p50_ttft_ms", "TTFT p50 ms", "{:.0f}"), ("p99_ttft_ms", "TTFT p99 ms", "{:.0f}"),
            ("prefill_tokens_computed", "prefill computed", "{}"), ("prefix_hit_rate", "hit rate", "{:.2f}"),
            ("prefix_tier_hit_tokens", "tier-hit tokens", "{}"),
@@ -39,10 +40,10 @@ def _warm_up(url: str) -> None:
 def run_kv_tiers_bench(
     engine: Path, spec: MultiTurnSpec, kv_blocks: int, host_memory: str = "1GiB", disk_size: str = "4GiB",
     remote: Optional[str] = None, llm_kwargs: Optional[dict[str, Any]] = None, seed: int = 0, rounds: int = 1,
-    progress: Optional[Callable[[str], None]] = None,
+    progress: Optional[Callable[[str], None]] = None, rows: Optional[Sequence[str]] = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """Runs every row (remote rows when `remote` is given or redis-server is installed) `rounds` times;
-    returns the report.
+    """Runs every row (remote rows when `remote` is given or redis-server is installed; only the groups named
+    in `rows`, among ROW_GROUPS, when given; "off" always) `rounds` times; returns the report.
 
     Rows that depend on each other run together as a group (disk then its restart, Redis then the second
     replica). Round r uses seed + r (other conversations: nothing cached in one round helps another), a
@@ -50,22 +51,30 @@ def run_kv_tiers_bench(
     whose load drifts; times are the median over rounds, token counts the sum.
     """
     say = progress or (lambda _msg: None)
+    wanted = set(rows or ROW_GROUPS) | {"off"}
+    unknown = wanted - set(ROW_GROUPS)
+    if unknown:
+        raise ValueError(f"--rows: unknown {', '.join(sorted(unknown))}; expected some of {', '.join(ROW_GROUPS)}")
+    if "remote" not in wanted:
+        remote = ""
     runs: dict[str, list[dict[str, Any]]] = {}
     redis = None
     try:
-        if remote is None and shutil.which("redis-server"):
+        if remote is None and shutil.which("redis-server"):  # "": no remote rows
             redis = RedisProcess()
             remote = redis.url
         for r in range(rounds):
             disk_dir = Path(tempfile.mkdtemp(prefix="trtpaged-kv-disk-"))
             try:
                 disk = {"path": str(disk_dir), "size": disk_size}
-                groups: list[list[tuple[str, Optional[dict[str, Any]], int]]] = [
-                    [("off, unbounded pool", None, 0)], [("off", None, 0)], [("host", {"host_memory": host_memory}, 0)],
-                    [("disk", {"disk": disk}, 0), ("disk, restarted", {"disk": disk}, 1)],
-                ]
+                named: dict[str, list[tuple[str, Optional[dict[str, Any]], int]]] = {
+                    "unbounded": [("off, unbounded pool", None, 0)], "off": [("off", None, 0)],
+                    "host": [("host", {"host_memory": host_memory}, 0)],
+                    "disk": [("disk", {"disk": disk}, 0), ("disk, restarted", {"disk": disk}, 1)],
+                }
                 if remote:
-                    groups.append([("remote", {"remote": remote}, 0), ("remote, 2nd replica", {"remote": remote}, 0)])
+                    named["remote"] = [("remote", {"remote": remote}, 0), ("remote, 2nd replica", {"remote": remote}, 0)]
+                groups = [group for name, group in named.items() if name in wanted]
                 for group in groups[r % len(groups):] + groups[:r % len(groups)]:
                     for name, tiers, variant in group:
                         report = _run_row(engine, spec, kv_blocks, name, tiers, seed + r, variant, llm_kwargs, say)
