@@ -436,12 +436,16 @@ def gated(redis_server):
     proxy.close()
 
 
-def _engine_with_a_in_redis(step_model, reference, proxy: GatedProxy, load_timeout_s: float) -> LLMEngine:
-    """A (and B, C, D) computed, A's blocks evicted from the pool and written to Redis behind the proxy."""
+def _engine_with_a_in_redis(step_model, reference, proxy: GatedProxy, load_timeout_s: float,
+                            hold: bool = True) -> LLMEngine:  # fmt: skip
+    """A (and B, C, D) computed, A's blocks evicted from the pool and written to Redis behind the proxy, which
+    then holds the store's answers (with `hold`) until the test opens its gate."""
     engine = make_engine(step_model, KVTierConfig(remote=proxy.url, remote_timeout_s=30.0, load_timeout_s=load_timeout_s))
     assert [run_one(engine, p) for p in TRAFFIC[:4]] == reference[None][:4]
     engine.kv.tiers.flush()
     assert engine.kv.pool.lookup(engine.kv.pool.hash_fn(None, tuple(A[:BS])), tuple(A[:BS]), None) is None
+    if hold:
+        proxy.gate.clear()
     return engine
 
 
@@ -453,7 +457,7 @@ def test_a_request_waits_for_its_prefix_load_while_others_compute(step_model, re
     plain = make_engine(step_model)
     plain.add_request(E, LONG, "e")
     long_ref = _tokens(_steps_until(plain, lambda: not plain.has_unfinished()), "e")
-    engine = _engine_with_a_in_redis(step_model, reference, gated, load_timeout_s=30.0)
+    engine = _engine_with_a_in_redis(step_model, reference, gated, load_timeout_s=30.0, hold=False)
     engine.add_request(E, LONG, "e")
     outputs = _steps_until(engine, lambda: bool(engine.scheduler.running))  # E's own read (a miss) is done
     gated.gate.clear()
@@ -482,7 +486,6 @@ def test_a_request_waits_for_its_prefix_load_while_others_compute(step_model, re
 @needs_redis
 def test_abort_during_a_pending_load_frees_its_staging_and_leaks_nothing(step_model, reference, gated):
     engine = _engine_with_a_in_redis(step_model, reference, gated, load_timeout_s=30.0)
-    gated.gate.clear()
     engine.add_request(A, GREEDY, "a")
     for _ in range(3):
         assert engine.step() == []  # nothing to compute: the idle step waits briefly for the read, no longer
@@ -501,7 +504,6 @@ def test_abort_during_a_pending_load_frees_its_staging_and_leaks_nothing(step_mo
 @needs_redis
 def test_a_store_slower_than_the_load_deadline_degrades_to_recompute(step_model, reference, gated):
     engine = _engine_with_a_in_redis(step_model, reference, gated, load_timeout_s=0.3)
-    gated.gate.clear()
     computed_before = engine.num_tokens_computed
     started = time.monotonic()
     try:

@@ -28,6 +28,9 @@ from trtpaged.runtime.sequence import Sequence, SequenceGroup, SequenceStatus
 from trtpaged.runtime.structured import accepts
 from trtpaged.runtime.speculative import AcceptanceTracker, SpecDecodeStats, ngram_propose
 
+# Waiting groups whose prefix reads from the KV tiers start at the end of each schedule (the queue's head)
+PREFETCH_AHEAD = 64
+
 # What one group's step produced: a run of tokens per sample (index order before the first fork,
 # then `group.seqs` order; one token, or a speculating sequence's verified run), the beam step, or
 # why it could not be sampled.
@@ -373,7 +376,7 @@ class Scheduler:
             if not self.swapped:
                 self._admit(budget, out, done)
         out.scheduled.sort(key=lambda s: s.num_tokens == 1)  # prefill chunks first, then decode tokens
-        for group in self.waiting:  # the queue's tier reads run while this step computes
+        for group in itertools.islice(self.waiting, PREFETCH_AHEAD):  # their tier reads run while this step computes
             self._prefix_ready(group)
         out.tier_saves, out.tier_loads = self.kv.take_tier_transfers()
         return out
