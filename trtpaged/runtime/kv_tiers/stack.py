@@ -38,6 +38,8 @@ class TierStack:
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._writer: Optional[threading.Thread] = None
         self.loader: Optional[TierLoader] = None  # None: lookups run inline (`start_load` returns a finished load)
+        # write-backs queued for the writer, by key: found by lookups before they reach their tiers
+        self._unwritten: dict[bytes, tuple[BlockRecord, bytes]] = {}
         if background:
             if any(t.slow for t in self.tiers):
                 self.loader = TierLoader(lambda record: self.lookup(record, slow=True), load_timeout_s)
@@ -47,7 +49,14 @@ class TierStack:
     # ---- lookups ------------------------------------------------------------------------------
     def lookup(self, record: BlockRecord, slow: Optional[bool] = None) -> Optional[tuple[bytes, str]]:
         """(payload, tier name) of the block, verified against this engine and prefix, or None. `slow`: ask only
-        the slow tiers (True) or only the memory tier (False)."""
+        the slow tiers (True) or only the memory tier (False). A block whose write-back is still queued is
+        found there (the pool's own bytes of that block), counted as a hit of the top tier."""
+        queued = self._unwritten.get(record.key) if slow is not True else None
+        if queued is not None and queued[0] == record:
+            top = self.tiers[0]
+            top.counters.hits += 1
+            top.counters.bytes_read += len(queued[1])
+            return queued[1], top.name
         for tier in self.tiers:
             if slow is not None and tier.slow != slow:
                 continue
@@ -101,9 +110,11 @@ class TierStack:
             if self._writer is None:
                 self._write(record, payload, persistent_only)
                 continue
+            self._unwritten[record.key] = (record, payload)  # before the writer may take it
             try:
                 self._queue.put_nowait((record, payload, persistent_only))
             except queue.Full:
+                self._unwritten.pop(record.key, None)
                 for tier in self._targets(persistent_only):
                     tier.counters.dropped += 1
 
@@ -128,6 +139,8 @@ class TierStack:
                 for tier in self._targets(item[2]):
                     tier.counters.errors += 1
             finally:
+                if item is not None:
+                    self._unwritten.pop(item[0].key, None)
                 self._queue.task_done()
 
     def flush(self) -> None:
