@@ -37,6 +37,7 @@ class TierLoad:
         self.finished_at: Optional[float] = None
         self.is_retry = False  # the owner's second read for the same sequence
         self.counted = False  # the owner has counted it finished
+        self.saves_seen = 0  # the stack's write-back count when it last looked in the memory tier
         self._lock = threading.Lock()  # `hits` stops growing once the load is cancelled
 
     @property

@@ -40,6 +40,7 @@ class TierStack:
         self.loader: Optional[TierLoader] = None  # None: lookups run inline (`start_load` returns a finished load)
         # write-backs queued for the writer, by key: found by lookups before they reach their tiers
         self._unwritten: dict[bytes, tuple[BlockRecord, bytes]] = {}
+        self.num_saves = 0  # write-backs offered so far (a finished load looks again only after new ones)
         if background:
             if any(t.slow for t in self.tiers):
                 self.loader = TierLoader(lambda record: self.lookup(record, slow=True), load_timeout_s)
@@ -83,6 +84,7 @@ class TierStack:
         (disk, Redis) on the loader thread with `background`, else now. A load with nothing left to read
         comes back done."""
         load = TierLoad(first_index, records)
+        load.saves_seen = self.num_saves
         load.hits += known
         split = self.loader is not None  # memory tier now, slow tiers on the loader
         for k in range(len(known), len(records)):
@@ -97,6 +99,18 @@ class TierStack:
         load.finished_at = load.submitted
         return load
 
+    def extend(self, load: TierLoad) -> None:
+        """Adds to a finished load the blocks after its hits that reached the memory tier or the write-back
+        queue since it last looked (blocks evicted while it ran); no I/O."""
+        if not load.done or load.saves_seen == self.num_saves or len(load.hits) == len(load.records):
+            return
+        load.saves_seen = self.num_saves
+        for k in range(len(load.hits), len(load.records)):
+            found = self.lookup(load.records[k], slow=False if self.loader is not None else None)
+            if found is None:
+                return
+            load.hits.append(TierHit(load.first_index + k, load.records[k], *found))
+
     # ---- write-back ---------------------------------------------------------------------------
     @property
     def has_persistent(self) -> bool:
@@ -106,6 +120,7 @@ class TierStack:
     def save(self, records: Sequence[tuple[BlockRecord, bytes]], persistent_only: bool = False) -> None:
         """Offers evicted blocks' (record, payload) to every tier that lacks them (only the disk and remote
         tiers with `persistent_only`): queued for the writer thread, or written now without `background`."""
+        self.num_saves += len(records)
         for record, payload in records:
             if self._writer is None:
                 self._write(record, payload, persistent_only)
