@@ -520,15 +520,17 @@ def test_a_store_slower_than_the_load_deadline_degrades_to_recompute(step_model,
 
 def test_ttft_breakdown_adds_up_and_counts_the_prefill_steps(step_model):
     """Two 70-token prompts under a 128-token step budget: A's prompt and 58 of B's share step 1 (A samples);
-    B's last 12 tokens and A's first decode token make step 2 (B samples). The parts sum to the TTFT."""
+    B's last 12 tokens and A's first decode token make step 2 (B samples). The parts sum to the TTFT, counted
+    from the arrival time the server gives (A: half a second before it was added)."""
     engine = make_engine(step_model)
-    engine.add_request(A, GREEDY, "a")
+    engine.add_request(A, GREEDY, "a", arrival_time=time.monotonic() - 0.5)
     engine.add_request(B, GREEDY, "b")
     while engine.has_unfinished():
         engine.step()
     a, b = engine.ttft_breakdown()
     assert (a["prefill_steps"], a["shared_tokens"], b["prefill_steps"], b["shared_tokens"]) == (1, 58, 2, 70 + 1)
     for r in (a, b):
-        assert r["tier_wait_s"] + r["admission_wait_s"] + r["prefill_s"] == pytest.approx(r["ttft_s"])
+        parts = r["submit_wait_s"] + r["tier_wait_s"] + r["admission_wait_s"] + r["prefill_s"]
+        assert parts == pytest.approx(r["ttft_s"])
         assert r["prompt_tokens"] == 70 and r["cached_tokens"] == 0 and 0 < r["prefill_step_s"] <= r["prefill_s"]
-    assert b["ttft_s"] > a["ttft_s"]
+    assert a["submit_wait_s"] == pytest.approx(0.5, abs=0.05) and b["submit_wait_s"] == 0.0

@@ -94,8 +94,10 @@ class LLMEngine:
             raise RequestError("prompt", f"token id {bad} is outside the vocabulary [0, {vocab})", vocab)
         return None, ids
 
-    def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None) -> str:
-        """Queues a request; raises `RequestError` (naming the field and limit) if it can never run."""
+    def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None,
+                    arrival_time: Optional[float] = None) -> str:  # fmt: skip
+        """Queues a request; raises `RequestError` (naming the field and limit) if it can never run.
+        `arrival_time` (time.monotonic()): when it reached the server, for `ttft_breakdown`."""
         params = params or SamplingParams()
         text, token_ids = self.encode(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._request_ids)}"
@@ -116,6 +118,8 @@ class LLMEngine:
             seq.grammar = self.grammars.matcher(compiled)
             self.num_constrained_requests += 1
         self.scheduler.add(group)
+        if arrival_time is not None:
+            group.times["arrived"] = min(arrival_time, group.times["queued"])
         self.groups[request_id] = group
         return request_id
 
@@ -209,9 +213,9 @@ class LLMEngine:
                 continue
             group.times["first_token"] = now
             t = group.times
-            ready = t.get("ready", t["queued"])
+            ready, arrived = t.get("ready", t["queued"]), t.get("arrived", t["queued"])
             self._ttft.append({
-                "ttft_s": now - t["queued"], "tier_wait_s": ready - t["queued"],
+                "ttft_s": now - arrived, "submit_wait_s": t["queued"] - arrived, "tier_wait_s": ready - t["queued"],
                 "admission_wait_s": t["scheduled"] - ready, "prefill_s": now - t["scheduled"],
                 "prefill_steps": group.prefill_steps, "prompt_tokens": len(group.prompt_token_ids),
                 "cached_tokens": group.num_cached_tokens or 0, "shared_tokens": group.prefill_shared_tokens,
@@ -219,10 +223,12 @@ class LLMEngine:
             })  # fmt: skip
 
     def ttft_breakdown(self) -> list[dict[str, float]]:
-        """Where each recent request's time to first token went, from its arrival at the engine (seconds):
-        `tier_wait_s` (its prefix loading from a KV tier), `admission_wait_s` (queued for blocks or the token
-        budget), `prefill_s` (first scheduled to first token: `prefill_steps` steps that also computed
-        `shared_tokens` of other requests). Request handling before the engine (HTTP, tokenizing) is not in it."""
+        """Where each recent request's time to first token went, from its arrival (seconds): `submit_wait_s`
+        (from `arrival_time`, when given, until the engine took it: a server's engine thread takes requests
+        between steps), `tier_wait_s` (its prefix loading from a KV tier), `admission_wait_s` (queued for
+        blocks or the token budget), `prefill_s` (first scheduled to first token: `prefill_steps` steps that
+        also computed `shared_tokens` of other requests). HTTP and tokenizing before the submission are not
+        in it."""
         return list(self._ttft)
 
     def _scored_prompts(self, scored: Seq[PromptRows]) -> dict[str, tuple[list[int], int]]:
