@@ -1,6 +1,6 @@
 """Tier reads for waiting sequences on a background thread, so that the step loop never waits on one.
 
-The scheduler asks for a waiting sequence's blocks after the pool's run (`TierLoader.submit`); the
+The scheduler asks for a waiting sequence's blocks after the pool's run (`TierLoader.submit`); a
 loader thread looks them up in order, top tier first, until the first block no tier has, and keeps
 the verified entries with the load (staging in host memory). The scheduler admits the sequence once
 its load is `done` and copies the staged bytes into the blocks it allocates then. A load that is not
@@ -71,21 +71,25 @@ class TierLoad:
 
 
 class TierLoader:
-    """One background thread running `TierLoad`s in submission order.
+    """`threads` background threads running `TierLoad`s in submission order, one load per thread at a time
+    (loads of requests arriving together read in parallel: a store's round trips overlap; hashing and
+    socket and file reads release the GIL).
 
-    A store that blocks holds the thread up to its own operation timeout; the loads queued behind
+    A store that blocks holds a thread up to its own operation timeout; the loads queued behind
     it expire at their deadlines meanwhile, so a waiting sequence never waits longer than `timeout_s`.
     """
 
-    def __init__(self, lookup: Lookup, timeout_s: float = 2.0) -> None:
+    def __init__(self, lookup: Lookup, timeout_s: float = 2.0, threads: int = 4) -> None:
         if not timeout_s > 0:
             raise ValueError(f"kv_tiers.load_timeout_s: must be > 0 seconds, got {timeout_s}")
         self.timeout_s = timeout_s
         self._lookup = lookup
         self._jobs: queue.Queue[Optional[TierLoad]] = queue.Queue()
         self._finished = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="trtpaged-kv-tier-loader", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, name=f"trtpaged-kv-tier-loader-{i}", daemon=True)
+                         for i in range(threads)]  # fmt: skip
+        for thread in self._threads:
+            thread.start()
 
     def submit(self, load: TierLoad) -> TierLoad:
         """Queues the load's records after the hits it already has; its deadline is `timeout_s` from now."""
@@ -99,10 +103,12 @@ class TierLoader:
             self._finished.wait(timeout)
 
     def close(self) -> None:
-        """Stops the thread after the load it is running; idempotent."""
-        if self._thread.is_alive():
+        """Stops the threads after the loads they are running; idempotent."""
+        alive = [thread for thread in self._threads if thread.is_alive()]
+        for _ in alive:
             self._jobs.put(None)
-            self._thread.join()
+        for thread in alive:
+            thread.join()
 
     def _run(self) -> None:
         while (load := self._jobs.get()) is not None:

@@ -2,7 +2,7 @@
 
 Lookups go top-down and stop at the first verified entry; every tier asked and
 not holding one counts a miss. With `background` (a serving engine), lookups run on
-the loader thread (loader.py) and write-backs on one writer thread: the step copies
+the loader's threads (loader.py) and write-backs on one writer thread: the step copies
 an evicted block's bytes out of the pool and queues them; encoding the entry (its
 SHA-256) and every tier's put happen on the writer, so a step never waits on a
 tier. The writer's queue is bounded; when it is full the write-back is dropped and
@@ -81,7 +81,7 @@ class TierStack:
         """Looks up `records` (blocks `first_index ..` of a sequence) in order until the first miss, after the
         leading ones `known` already holds (found by another sequence's load). The memory
         tier is asked now (a dict lookup and a checksum, no I/O); what it lacks is read from the slow tiers
-        (disk, Redis) on the loader thread with `background`, else now. A load with nothing left to read
+        (disk, Redis) on the loader with `background`, else now. A load with nothing left to read
         comes back done."""
         load = TierLoad(first_index, records)
         load.saves_seen = self.num_saves
