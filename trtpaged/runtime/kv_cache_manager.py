@@ -34,7 +34,7 @@ class AllocationPlan:
     requests: tuple[AllocRequest, ...]
     copy_last: tuple[bool, ...]  # per request: copy its shared last block before writing (copy-on-write)
     new_blocks: tuple[int, ...]  # per request: blocks appended to its table
-    num_blocks: int  # free-queue blocks consumed: copies + new blocks + cache hits now in the free queue + tier loads
+    num_kv_blocks: int  # free-queue blocks consumed: copies, new blocks, cache hits now free, tier loads
 
 
 class KVCacheManager:
@@ -55,7 +55,7 @@ class KVCacheManager:
 
     def __init__(
         self,
-        num_blocks: int,
+        num_kv_blocks: int,
         block_size: int,
         enable_prefix_caching: bool = True,
         num_host_blocks: int = 0,
@@ -68,7 +68,7 @@ class KVCacheManager:
         self.reclaim_window = reclaim_window
         self.num_reclaimed = 0  # blocks returned by `reclaim` (a shared block counts once per table)
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching, hash_fn=hash_fn)
+        self.pool = BlockPool(num_kv_blocks, enable_caching=enable_prefix_caching, hash_fn=hash_fn)
         self.host_pool: Optional[BlockPool] = BlockPool(num_host_blocks, enable_caching=False) if num_host_blocks else None
         # None: a block returned by `reclaim` (only ever a leading run of the table)
         self.tables: dict[int, list[Optional[KVBlock]]] = {}
@@ -84,7 +84,7 @@ class KVCacheManager:
         self._tier_keys: dict[int, list[bytes]] = {}  # seq_id -> tier keys of its leading full blocks
         # seq_id -> the tier read for a waiting sequence (its staged hits), until it is admitted or goes away
         self._loads: dict[int, TierLoad] = {}
-        self.max_staged_blocks = num_blocks  # blocks that loads may hold in staging (and read ahead) together
+        self.max_staged_blocks = num_kv_blocks  # blocks that loads may hold in staging (and read ahead) together
         self.tier_loads_started = 0
         self.tier_load_timeouts = 0  # loads given up at their deadline (the rest of the prefix is recomputed)
         self.tier_load_wait_seconds = 0.0  # submission to done, summed over finished loads
@@ -266,8 +266,8 @@ class KVCacheManager:
 
         A sequence given cache hits has their K/V from here on: the caller (the scheduler, which owns
         sequence state) sets its `num_computed_tokens` to `len(hits) * block_size`."""
-        if plan.num_blocks > self.pool.num_free:
-            raise RuntimeError(f"allocate: the plan takes {plan.num_blocks} blocks, {self.pool.num_free} free")
+        if plan.num_kv_blocks > self.pool.num_free:
+            raise RuntimeError(f"allocate: the plan takes {plan.num_kv_blocks} blocks, {self.pool.num_free} free")
         for seq, _, hits in plan.requests:  # take every hit off the free queue before anything is evicted
             if hits:
                 self._adopt_hits(seq, hits)
@@ -485,7 +485,7 @@ class KVCacheManager:
             "kv_tier_staged_blocks": self.staged_blocks(), "kv_tier_load_timeouts": self.tier_load_timeouts,
             "kv_tier_load_wait_seconds": self.tier_load_wait_seconds}
         return {
-            "kv_blocks_total": self.pool.num_blocks,
+            "kv_blocks_total": self.pool.num_kv_blocks,
             "kv_blocks_used": used,
             "kv_blocks_free": self.pool.num_free,
             "kv_blocks_cached": self.pool.num_cached,
