@@ -158,7 +158,8 @@ class KVCacheManager:
             if not load.done and not load.expire(time.monotonic()):
                 return False
             self._note_finished(load)
-            self.tiers.extend(load)  # blocks the pool evicted while it ran may be in the memory tier now
+            if self.tiers.extend(load):  # blocks the pool evicted while it ran may be in a tier now
+                return False
             if load.is_retry:
                 return True
         run = self._pool_run(seq)

@@ -38,6 +38,7 @@ class TierLoad:
         self.is_retry = False  # the owner's second read for the same sequence
         self.counted = False  # the owner has counted it finished
         self.saves_seen = 0  # the stack's write-back count when it last looked in the memory tier
+        self.resumed = False  # sent back to the loader once for blocks written back after it ran
         self._lock = threading.Lock()  # `hits` stops growing once the load is cancelled
 
     @property

@@ -99,17 +99,24 @@ class TierStack:
         load.finished_at = load.submitted
         return load
 
-    def extend(self, load: TierLoad) -> None:
+    def extend(self, load: TierLoad) -> bool:
         """Adds to a finished load the blocks after its hits that reached the memory tier or the write-back
-        queue since it last looked (blocks evicted while it ran); no I/O."""
+        queue since it last looked (blocks evicted while it ran). When one is missing there and there are slow
+        tiers, the rest goes back to the loader once (the writer may have stored it on disk or in Redis
+        meanwhile): True then, and the load is pending again."""
         if not load.done or load.saves_seen == self.num_saves or len(load.hits) == len(load.records):
-            return
+            return False
         load.saves_seen = self.num_saves
         for k in range(len(load.hits), len(load.records)):
             found = self.lookup(load.records[k], slow=False if self.loader is not None else None)
             if found is None:
-                return
+                if self.loader is None or load.resumed or load.cancelled:
+                    return False
+                load.resumed, load.done = True, False
+                self.loader.submit(load)
+                return True
             load.hits.append(TierHit(load.first_index + k, load.records[k], *found))
+        return False
 
     # ---- write-back ---------------------------------------------------------------------------
     @property
