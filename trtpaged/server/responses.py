@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from trtpaged.runtime.outputs import CompletionOutput, RequestOutput
+from trtpaged.server.tool_parsers import CallStart, Content, Event, ToolCallStream
 from trtpaged.server.tools import ToolChoice
 from trtpaged.server.schemas import (
     AssistantMessage,
@@ -19,6 +20,7 @@ from trtpaged.server.schemas import (
     CompletionLogprobs,
     CompletionResponse,
     Delta,
+    DeltaFunctionCall,
     DeltaToolCall,
     PromptLogprob,
     PromptLogprobs,
@@ -114,7 +116,7 @@ class ResponseBuilder:
     created: int
     chat: bool
     top_logprobs: Optional[int] = None  # requested top-k, or None when logprobs are off
-    tools: Optional[ToolChoice] = None  # chat: outputs are tool calls
+    tools: Optional[ToolChoice] = None  # chat: outputs are (or, for auto, may hold) tool calls
 
     def _envelope(self) -> dict[str, Any]:
         return {"id": self.request_id, "created": self.created, "model": self.model}
@@ -144,11 +146,12 @@ class ResponseBuilder:
                 common = {"index": p * n + c.index, "logprobs": self._logprobs(token_ids, logprobs, strings),
                           "finish_reason": c.finish_reason, "stop_reason": _stop_reason(c)}  # fmt: skip
                 if self.chat:
-                    calls = self.tools.calls(text) if self.tools is not None and c.finish_reason == "stop" else None
-                    if calls is not None:
+                    content, calls = text, None
+                    if self.tools is not None and c.finish_reason == "stop":
+                        content, calls = self.tools.parse(text)
+                    if calls:
                         common["finish_reason"] = "tool_calls"
-                    message = AssistantMessage(content=None, tool_calls=calls) if calls else AssistantMessage(content=text)
-                    choices.append(ChatChoice(message=message, **common))
+                    choices.append(ChatChoice(message=AssistantMessage(content=content, tool_calls=calls), **common))
                 else:
                     scored = vllm_prompt_logprobs(out.prompt_logprobs, strings) if (
                         prompt_logprobs and out.prompt_logprobs is not None) else None  # fmt: skip
@@ -178,17 +181,37 @@ class ResponseBuilder:
         choice = CompletionChoice(index=index, text=text or "", logprobs=logprobs, finish_reason=finish_reason)
         return CompletionChunk(**self._envelope(), choices=[choice])
 
-    def tool_calls_chunk(self, index: int, text: str, finish_reason: Optional[str]) -> ChatCompletionChunk:
-        """A streamed choice's tool calls, sent whole once its constrained output finished (its text as
-        content when it did not complete, e.g. cut by max_tokens)."""
-        calls = self.tools.calls(text) if self.tools is not None and finish_reason == "stop" else None
-        if calls is None:
-            delta = Delta(content=text or None)
-        else:
-            delta = Delta(tool_calls=[DeltaToolCall(index=i, **call) for i, call in enumerate(calls)])
-            finish_reason = "tool_calls"
-        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)
-        return ChatCompletionChunk(**self._envelope(), choices=[choice])
+    def tool_stream_chunks(self, index: int, reader: ToolCallStream, text: str,
+                           finish_reason: Optional[str]) -> list[ChatCompletionChunk]:  # fmt: skip
+        """The chunks of a streamed tool-call choice's new text (read by its `reader`); once it ends, the last
+        chunk with finish_reason "tool_calls" when the choice's calls all completed as JSON objects."""
+        chunks = self.tool_chunks(index, reader.feed(text))
+        if finish_reason:
+            chunks += self.tool_chunks(index, reader.finish())
+            finish = "tool_calls" if finish_reason == "stop" and reader.ok else finish_reason
+            chunks.append(self.chunk(index, "", finish))
+        return chunks
+
+    def tool_chunks(self, index: int, events: Sequence[Event]) -> list[ChatCompletionChunk]:
+        """A streamed choice's tool-call parser events as chunks: content, a call's start (id, type, name,
+        arguments ""), then pieces of its arguments (runs of pieces joined)."""
+        deltas: list[Delta] = []
+        for e in events:
+            last = deltas[-1] if deltas else None
+            if isinstance(e, Content):
+                if last is not None and last.content is not None:
+                    last.content += e.text
+                else:
+                    deltas.append(Delta(content=e.text))
+            elif isinstance(e, CallStart):
+                deltas.append(Delta(tool_calls=[DeltaToolCall(index=e.index, id=e.id, type="function",
+                                                              function=DeltaFunctionCall(name=e.name, arguments=""))]))
+            elif (last is not None and last.tool_calls and last.tool_calls[0].id is None
+                  and last.tool_calls[0].index == e.index):  # fmt: skip
+                last.tool_calls[0].function.arguments += e.text
+            else:
+                deltas.append(Delta(tool_calls=[DeltaToolCall(index=e.index, function=DeltaFunctionCall(arguments=e.text))]))
+        return [ChatCompletionChunk(**self._envelope(), choices=[ChatChunkChoice(index=index, delta=d)]) for d in deltas]
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> Union[ChatCompletionChunk, CompletionChunk]:
         """The last chunk when stream_options.include_usage is set: no choices, the request's usage."""

@@ -177,8 +177,27 @@ class AssistantMessage(BaseModel):
         return {k: v for k, v in handler(self).items() if k != "tool_calls" or v is not None}
 
 
-class DeltaToolCall(ToolCall):
+class DeltaFunctionCall(BaseModel):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed tool call: the first delta of a call carries its id, type and name (arguments ""), the next
+    ones pieces of its arguments."""
+
     index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChoice(BaseModel):
