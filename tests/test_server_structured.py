@@ -157,6 +157,19 @@ def test_bad_specs_are_400s_naming_the_field(client, server, extra, field):
     wait_idle(server)
 
 
+def test_auto_is_refused_where_the_template_takes_no_tools(client, server):
+    """The tiny engine's chat template takes no tools: auto (asked for, or the default with tools) is a 400 on
+    tool_choice that says why (tests/test_server_tools.py serves auto on a template that takes them)."""
+    import openai
+
+    for extra in ({"tool_choice": "auto"}, {}):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=4, **extra)
+        body = info.value.body
+        assert body["param"] == "tool_choice" and "chat template does not take tools" in body["message"], body
+    wait_idle(server)
+
+
 def test_logit_bias_and_allowed_ids_over_http(client):
     resp = client.completions.create(model=MODEL, prompt="x", max_tokens=6, temperature=1.0, n=4,
                                      logit_bias={"65": 100}, extra_body={"ignore_eos": True})  # fmt: skip

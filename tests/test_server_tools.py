@@ -4,7 +4,7 @@ tool_choice) reads the calls out of the model's text. The random model's output 
 grammar (`guided_choice`), so that the generated text IS a given tool call, text, or malformed call; the expected
 answer is that text read by the format's rules. Streaming: the calls' first deltas carry id / type / name, later
 ones pieces of the arguments, which join to the non-streamed arguments. Named and required calls stream the same
-way. An engine whose template takes no tools refuses auto (400 naming tool_choice, saying why)."""
+way. (An engine whose template takes no tools refuses auto: tests/test_server_structured.py.)"""
 
 from __future__ import annotations
 
@@ -14,11 +14,12 @@ import shutil
 import pytest
 
 from tests.test_server import wait_idle
+from tests.test_server_scoring import client  # noqa: F401 - the openai client of this module's `server`
 from trtpaged.engine_files import sha256_file
 from trtpaged.manifest import MANIFEST_NAME
 from trtpaged.server import start_server
 
-openai = pytest.importorskip("openai", reason="the openai package is not installed (pip install openai)")
+pytest.importorskip("openai", reason="the openai package is not installed (pip install openai)")
 jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is not installed")
 pytest.importorskip("xgrammar", reason="xgrammar is not installed (pip install xgrammar)")
 
@@ -80,19 +81,6 @@ def server(tools_engine_dir):
     handle = start_server(tools_engine_dir, port=0, served_model_name=MODEL, device="cpu")
     yield handle
     handle.shutdown(timeout=0)
-
-
-@pytest.fixture(scope="module")
-def plain_server(tiny_engine_dir):
-    """The tiny engine as built: its chat template takes no tools."""
-    handle = start_server(tiny_engine_dir, port=0, served_model_name="tiny", device="cpu")
-    yield handle
-    handle.shutdown(timeout=0)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
 
 
 def _create(client, forced, stream=False, **kw):
@@ -194,13 +182,3 @@ def test_forced_calls_stream_in_pieces_like_the_full_answer(client, tool_choice)
         schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
         jsonschema.validate(json.loads(arguments), schema)
 
-
-def test_auto_is_refused_where_the_template_takes_no_tools(plain_server):
-    plain_client = openai.OpenAI(base_url=plain_server.url + "/v1", api_key="none", max_retries=0, timeout=60)
-    for extra in ({"tool_choice": "auto"}, {}):
-        with pytest.raises(openai.BadRequestError) as info:
-            plain_client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=4,
-                                                 **extra)  # fmt: skip
-        body = info.value.body
-        assert body["param"] == "tool_choice" and "does not take tools" in body["message"], body
-    wait_idle(plain_server)

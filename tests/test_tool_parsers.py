@@ -39,10 +39,12 @@ WELL_FORMED = [
      [("add", {"a": [1, {"b": None}]})]),
     (LLAMA3_JSON, '{"name": "get_weather", "parameters": {"city": "Oslo"}}', None, [("get_weather", {"city": "Oslo"})]),
     (LLAMA3_JSON, '<|python_tag|>{"name": "add", "parameters": {"a": 3, "b": 4}}; {"name": "get_weather", '
-                  '"arguments": {"city": "Rome"}}', None, [("add", {"a": 3, "b": 4}), ("get_weather", {"city": "Rome"})]),
+                  '"arguments": {"city": "Rome"}}', None,
+     [("add", {"a": 3, "b": 4}), ("get_weather", {"city": "Rome"})]),
     (LLAMA3_JSON, '  {"name": "add"}', None, [("add", {})]),
     (MISTRAL, '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "get_weather", '
-              '"arguments": {"city": "Paris"}}]', None, [("add", {"a": 1, "b": 2}), ("get_weather", {"city": "Paris"})]),
+              '"arguments": {"city": "Paris"}}]', None,
+     [("add", {"a": 1, "b": 2}), ("get_weather", {"city": "Paris"})]),
     (MISTRAL, 'Sure.[TOOL_CALLS][{"name": "add", "arguments": {"a": 0.5e1}}]', "Sure.", [("add", {"a": 5.0})]),
     (PHI4_MINI, 'functools[{"name": "get_weather", "arguments": {"city": "Paris"}}]', None,
      [("get_weather", {"city": "Paris"})]),
@@ -59,6 +61,7 @@ MALFORMED = [
     (HERMES, '<tool_call>\n{"name": "add", "arguments": "{\\"a\\": 1}"}\n</tool_call>'),  # arguments a string
     (HERMES, '<tool_call>\n{"name": "add", "arguments": {"a": 1'),  # cut off
     (HERMES, '<tool_call>\n{"arguments": {"a": 1}}\n</tool_call>'),  # no name
+    (HERMES, 'Wait <tool_call>\n{"na'),  # cut off before the name
     (HERMES, '<tool_call>\nadd(a=1)\n</tool_call>'),
     (LLAMA3_JSON, 'Here: {"name": "add", "parameters": {"a": 1}}'),  # calls only at the start
     (LLAMA3_JSON, '{"name": "add", "parameters": {"a": 1}} and more words'),
@@ -120,7 +123,7 @@ def test_malformed_outputs_are_content(fmt, text):
         reader, events = _stream(fmt, text, size)
         assert not reader.ok
         content, calls = _joined(events)
-        if not calls:  # nothing looked like a call before it failed: all of it went out as content
+        if not calls:  # no call's name was read before it failed: all of it went out as content
             assert content == text.rstrip()
 
 
@@ -154,7 +157,8 @@ LLAMA32_TEMPLATE = (
     "and its value}.{% endif %}<|start_header_id|>user<|end_header_id|>"
 )
 MISTRAL_TEMPLATE = "{%- if tools %}[AVAILABLE_TOOLS] {{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS] "
-SMOLLM2_TEMPLATE = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']}}{% endfor %}"
+SMOLLM2_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']}}"
+                    "{% endfor %}")
 
 
 @pytest.mark.parametrize("template, architecture, expected", [

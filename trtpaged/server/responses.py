@@ -204,14 +204,17 @@ class ResponseBuilder:
                 else:
                     deltas.append(Delta(content=e.text))
             elif isinstance(e, CallStart):
-                deltas.append(Delta(tool_calls=[DeltaToolCall(index=e.index, id=e.id, type="function",
-                                                              function=DeltaFunctionCall(name=e.name, arguments=""))]))
+                start = DeltaToolCall(index=e.index, id=e.id, type="function",
+                                      function=DeltaFunctionCall(name=e.name, arguments=""))
+                deltas.append(Delta(tool_calls=[start]))
             elif (last is not None and last.tool_calls and last.tool_calls[0].id is None
                   and last.tool_calls[0].index == e.index):  # fmt: skip
                 last.tool_calls[0].function.arguments += e.text
             else:
-                deltas.append(Delta(tool_calls=[DeltaToolCall(index=e.index, function=DeltaFunctionCall(arguments=e.text))]))
-        return [ChatCompletionChunk(**self._envelope(), choices=[ChatChunkChoice(index=index, delta=d)]) for d in deltas]
+                piece = DeltaFunctionCall(arguments=e.text)
+                deltas.append(Delta(tool_calls=[DeltaToolCall(index=e.index, function=piece)]))
+        envelope = self._envelope()
+        return [ChatCompletionChunk(**envelope, choices=[ChatChunkChoice(index=index, delta=d)]) for d in deltas]
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> Union[ChatCompletionChunk, CompletionChunk]:
         """The last chunk when stream_options.include_usage is set: no choices, the request's usage."""

@@ -197,11 +197,12 @@ class ToolCallStream:
     def finish(self) -> list[Event]:
         """Events for what the text's end decides (held content, a last call without its closing text)."""
         events = self.feed("", final=True)
-        if self.state in ("text", "content") and self._held and not self.calls:
+        if self.state not in ("text", "content", "after_block", "done", "done_text"):  # a call cut off
+            self._fail()  # what of it did not go out as a call is content
+            self._step(events, True)
+        if self._held and not self.calls:
             events.append(Content(self._held))
         self._held = ""
-        if self.state not in ("text", "content", "after_block", "done", "done_text"):
-            self.malformed = True  # a call cut off
         return events
 
     @property
@@ -320,8 +321,9 @@ class ToolCallStream:
         if found:
             at, marker = min(found)
             self._content(events, rest[:at])
-            self._held = ""  # whitespace before a call is not content
-            self._block_start, self._block_calls = self.pos + at, 0
+            # whitespace before a call is not content (unless the block fails: it starts the block's text)
+            self._block_start, self._block_calls = self.pos + at - len(self._held), 0
+            self._held = ""
             self.pos += at + len(marker)
             self.state = "open"
             return True
