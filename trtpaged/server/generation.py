@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 import uuid
 from contextlib import aclosing
@@ -37,6 +38,7 @@ from trtpaged.server.tool_parsers import ToolCallStream
 from trtpaged.server.tools import tool_format
 
 Disconnected = Callable[[], Awaitable[bool]]
+log = logging.getLogger("trtpaged.server")
 
 
 @dataclass
@@ -91,7 +93,9 @@ class GenerationService:
         self.vocab_size = llm.manifest.dims.vocab_size
         self.max_prompt_tokens = max_prompt_tokens
         self.request_timeout_s = request_timeout_s
-        self.auto_tools = tool_format(getattr(llm.tokenizer, "chat_template", None), llm.manifest.dims.architecture)
+        self.auto_tools = auto = tool_format(getattr(llm.tokenizer, "chat_template", None),
+                                             llm.manifest.dims.architecture)  # fmt: skip
+        log.info("tool_choice auto: %s", f"{auto.format.name} calls" if auto.format else f"refused ({auto.reason})")
 
     async def submit(self, body: Any, chat: bool) -> Submitted:
         """Validates, tokenizes and queues one request; raises ApiError before anything is sent."""
