@@ -271,14 +271,14 @@ const Task* run_task(const Task& task, const trtpaged_attention_params& p, const
       sc.knext[size_t(b)] = key_ptr_of(*next_of, next_tile + b * run, 0);
       sc.vnext[size_t(b)] = key_ptr_of(*next_of, next_tile + b * run, 1);
     }
-    const int64_t run_bytes = run * pool.row * int64_t(sizeof(KV));
-    for (int64_t b = nblocks; b < next_blocks; ++b) {  // the loops below prefetch one per block of this tile
-      prefetch_bytes(sc.knext[size_t(b)], run_bytes);
-      prefetch_bytes(sc.vnext[size_t(b)], run_bytes);
+    const int64_t row_bytes = pool.row * int64_t(sizeof(KV));
+    if (next_n > tile_n) {  // the loops below request the next tile's rows up to this tile's length
+      NextBlocks{sc.knext.data(), next_n, run, row_bytes}.prefetch_from(tile_n);
+      NextBlocks{sc.vnext.data(), next_n, run, row_bytes}.prefetch_from(tile_n);
     }
     for (int32_t r0 = 0; r0 < rows; r0 += kRowGroup) {
-      const NextBlocks next_k{sc.knext.data(), r0 == 0 ? next_blocks : 0, run_bytes};
-      const NextBlocks next_v{sc.vnext.data(), r0 == 0 ? next_blocks : 0, run_bytes};
+      const NextBlocks next_k{sc.knext.data(), r0 == 0 ? next_n : 0, run, row_bytes};
+      const NextBlocks next_v{sc.vnext.data(), r0 == 0 ? next_n : 0, run, row_bytes};
       const int nr = std::min(kRowGroup, rows - r0);
       int64_t limits[kRowGroup], firsts[kRowGroup];  // each row's visible keys in the tile: [first, limit)
       int64_t group_limit = 0;
