@@ -63,18 +63,21 @@ def copy_bandwidth_gbs(num_bytes: int = 1 << 29) -> float:
     return 2 * num_bytes / seconds / 1e9
 
 
-def _kv_name(kv_dtype: Union[str, torch.dtype]) -> str:
-    return kv_dtype if isinstance(kv_dtype, str) else str(kv_dtype).replace("torch.", "")
+def _kv_name(kv_cache_dtype: Union[str, torch.dtype]) -> str:
+    return kv_cache_dtype if isinstance(kv_cache_dtype, str) else str(kv_cache_dtype).replace("torch.", "")
 
 
-def _decode_inputs(context: int, batch: int, block_size: int, kv_dtype: str, shuffle: bool, seed: int = 0):
+def _decode_inputs(context: int, batch: int, block_size: int, kv_cache_dtype: str, shuffle: bool, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = (context + block_size - 1) // block_size
-    num_blocks = blocks_per_seq * batch
-    ids = torch.randperm(num_blocks, generator=gen) if shuffle else torch.arange(num_blocks)
+    num_kv_blocks = blocks_per_seq * batch
+    ids = torch.randperm(num_kv_blocks, generator=gen) if shuffle else torch.arange(num_kv_blocks)
     tables = ids.to(torch.int32).reshape(batch, blocks_per_seq).contiguous()
-    values = torch.randn(num_blocks, 1, 2, NUM_KV_HEADS, block_size, HEAD_DIM, generator=gen)
-    values = pack_rows(*quantize_rows(values, kv_dtype)) if is_quantized(kv_dtype) else values.to(getattr(torch, kv_dtype))
+    values = torch.randn(num_kv_blocks, 1, 2, NUM_KV_HEADS, block_size, HEAD_DIM, generator=gen)
+    if is_quantized(kv_cache_dtype):
+        values = pack_rows(*quantize_rows(values, kv_cache_dtype))
+    else:
+        values = values.to(getattr(torch, kv_cache_dtype))
     cache = kv_pool_memory.zeros(tuple(values.shape), values.dtype)  # the memory an engine's pool has
     cache.copy_(values)
     del values
@@ -85,20 +88,20 @@ def _decode_inputs(context: int, batch: int, block_size: int, kv_dtype: str, shu
     query_start = torch.arange(batch + 1, dtype=torch.int32)
     context_lens = torch.full((batch,), context, dtype=torch.int32)
     out = torch.empty_like(q)
+    options = kernels.AttentionOptions(0, HEAD_DIM**-0.5)
 
     def step() -> None:
-        kernels.paged_attention(q, k, v, cache, positions, query_start, context_lens, tables, layer=0,
-                                scale=HEAD_DIM**-0.5, out=out)  # fmt: skip
+        kernels.paged_attention(q, k, v, cache, positions, query_start, context_lens, tables, options, out=out)
 
     return step
 
 
-def measure_decode(context: int, batch: int, kv_dtype: Union[str, torch.dtype], copy_gbs: float, budget_s: float,
+def measure_decode(context: int, batch: int, kv_cache_dtype: Union[str, torch.dtype], copy_gbs: float, budget_s: float,
                    noise: Optional[NoiseMonitor] = None) -> DecodeResult:  # fmt: skip
-    kv_dtype = _kv_name(kv_dtype)
-    steps = {"paged": _decode_inputs(context, batch, 16, kv_dtype, shuffle=True),
-             "contiguous": _decode_inputs(context, batch, context, kv_dtype, shuffle=False)}  # fmt: skip
-    if is_quantized(kv_dtype):  # the float caches, timed alongside on the same inputs
+    kv_cache_dtype = _kv_name(kv_cache_dtype)
+    steps = {"paged": _decode_inputs(context, batch, 16, kv_cache_dtype, shuffle=True),
+             "contiguous": _decode_inputs(context, batch, context, kv_cache_dtype, shuffle=False)}  # fmt: skip
+    if is_quantized(kv_cache_dtype):  # the float caches, timed alongside on the same inputs
         for name in ("float32", "float16"):
             steps[name] = _decode_inputs(context, batch, 16, name, shuffle=True)
     # alternated in short rounds, so that a change of the machine's load falls on every layout alike
@@ -109,14 +112,14 @@ def measure_decode(context: int, batch: int, kv_dtype: Union[str, torch.dtype], 
         for times in samples.values():
             noise.add_samples(times)
     paged, contiguous = statistics.median(paged_times), statistics.median(contiguous_times)
-    kv_bytes = 2 * batch * context * NUM_KV_HEADS * kv_row_bytes(HEAD_DIM, kv_dtype)  # codes and scales read
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * kv_row_bytes(HEAD_DIM, kv_cache_dtype)  # codes and scales read
     bandwidth = kv_bytes / paged / 1e9
     return DecodeResult(context, batch, paged * 1e3, contiguous * 1e3, kv_bytes, bandwidth, bandwidth / copy_gbs,
                         paged / contiguous - 1, **floats)  # fmt: skip
 
 
 def run_kernel_bench(
-    kv_dtype: Union[str, torch.dtype] = "float32",
+    kv_cache_dtype: Union[str, torch.dtype] = "float32",
     contexts: tuple[int, ...] = CONTEXTS,
     batches: tuple[int, ...] = BATCHES,
     budget_s: float = 0.4,
@@ -131,7 +134,7 @@ def run_kernel_bench(
     for context in contexts:
         for batch in batches:
             say(f"decode: context {context}, batch {batch}")
-            results.append(measure_decode(context, batch, kv_dtype, copy_gbs, budget_s, monitor))
+            results.append(measure_decode(context, batch, kv_cache_dtype, copy_gbs, budget_s, monitor))
     monitor.stop()
     noise = monitor.result()
     long = [r for r in results if r.context >= 2048]
@@ -144,7 +147,7 @@ def run_kernel_bench(
         "attention_path": kernels.attention_cpu_path(),
         "threads": torch.get_num_threads(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-        "kv_dtype": _kv_name(kv_dtype),
+        "kv_cache_dtype": _kv_name(kv_cache_dtype),
         "heads": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM},
         "copy_bandwidth_gbs": copy_gbs,
         "decode": [asdict(r) for r in results],
@@ -167,7 +170,7 @@ def run_kernel_bench(
 def format_report(report: dict) -> str:
     """Human-readable table of run_kernel_bench's report."""
     lines = [
-        f"trtpaged kernel benchmark ({report['device']}, {report['threads']} threads, KV {report['kv_dtype']}, "
+        f"trtpaged kernel benchmark ({report['device']}, {report['threads']} threads, KV {report['kv_cache_dtype']}, "
         f"{report['heads']['num_heads']} heads / {report['heads']['num_kv_heads']} KV heads / "
         f"head_dim {report['heads']['head_dim']})",
         f"instruction set: {report.get('isa', 'not reported')}; attention kernel copy: "
@@ -196,7 +199,8 @@ def format_report(report: dict) -> str:
         f"(target <= {s['target_paged_overhead']:.0%} mean): {s['overhead_verdict']}",
     ]
     if s.get("min_speedup_vs_float32_at_2048_plus") is not None:
-        lines.append(f"KV {report['kv_dtype']} vs float32 at 2048+ tokens: worst {s['min_speedup_vs_float32_at_2048_plus']:.2f}x "
+        lines.append(f"KV {report['kv_cache_dtype']} vs float32 at 2048+ tokens: worst "
+                     f"{s['min_speedup_vs_float32_at_2048_plus']:.2f}x "
                      f"as fast (target >= 1.00x, no slower): {s['speedup_verdict']}; KV GB/s counts the bytes "
                      "actually read (codes and fp16 scales)")
     return "\n".join(lines)
