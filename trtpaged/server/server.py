@@ -140,7 +140,9 @@ def start_server(
     card = ModelCard(id=name, created=int(time.time()), root=str(llm.engine_dir), max_model_len=llm.config.max_seq_len)
     draining = Draining()
     app = create_app(service, loop, metrics, card, options, draining)
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30,
-                            timeout_graceful_shutdown=5)  # fmt: skip
+    # "auto": uvloop's event loop and httptools' parser (installed with trtpaged), which spend less CPU per
+    # streamed chunk than asyncio's loop and h11, CPU the kernels' threads share (docs/benchmarks.md)
+    config = uvicorn.Config(app, loop="auto", http="auto", log_level="warning", access_log=False, lifespan="off",
+                            timeout_keep_alive=30, timeout_graceful_shutdown=5)  # fmt: skip
     server = uvicorn.Server(config)
     return ServerHandle(server, sock, loop, llm, name, options, draining).start()
