@@ -22,6 +22,7 @@ from trtpaged.runtime.llm_engine import LLMEngine
 from trtpaged.runtime.outputs import RequestOutput
 from trtpaged.runtime.sampling_params import SamplingParams
 from trtpaged.server.metrics import ServerMetrics
+from trtpaged.server import thread_names
 from trtpaged.server.request_log import RequestLog
 
 log = logging.getLogger("trtpaged.server")
@@ -207,6 +208,7 @@ class EngineLoop:
         loaded: Future = Future()
 
         def run() -> None:
+            thread_names.name_this_thread(thread_names.ENGINE)  # before load: its OpenMP workers get the name
             try:
                 made = load()
                 loop = cls(engine_of(made), metrics, max_waiting, request_log)

@@ -19,6 +19,7 @@ from trtpaged.server.generation import GenerationService
 from trtpaged.server.metrics import ServerMetrics
 from trtpaged.server.options import ServerOptions
 from trtpaged.server.request_log import RequestLog
+from trtpaged.server import thread_names
 from trtpaged.server.schemas import ModelCard
 
 log = logging.getLogger("trtpaged.server")
@@ -58,8 +59,12 @@ class ServerHandle:
         self.host, self.port = str(host), int(port)
         self.url = f"http://{self.host}:{self.port}"
         self._sock = sock
-        self._thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="trtpaged-http", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name=thread_names.HTTP, daemon=True)
         self._closed = False
+
+    def _serve(self) -> None:
+        thread_names.name_this_thread(thread_names.HTTP)
+        self.server.run(sockets=[self._sock])
 
     def start(self, timeout: float = 30.0) -> "ServerHandle":
         """Starts uvicorn's thread and returns once it accepts connections."""
