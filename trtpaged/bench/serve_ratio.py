@@ -333,8 +333,10 @@ def run_serve_ratio(engine: Path, repeats: int = 5, max_tokens: int = 128, concu
         server_cpu, wall = server.cpu_seconds() - server_cpu, time.perf_counter() - wall
     finally:
         server.close()
-    for s in series.values():
-        monitor.add_samples(s.values)
+    # the verdicts are on the paired ratios, so their noise is the spread of the rounds' ratios (a machine whose
+    # speed drifts between rounds moves both runs of a round together; the runs' own spreads are in the report)
+    for served, api_side in (("serve_single", "api_single"), ("serve_batch", "api_batch")):
+        monitor.add_samples([s / a for s, a in zip(series[served].values, series[api_side].values) if a > 0])
     foreign = monitor.foreign_cores()
     if foreign is not None:  # the server is our own child: its CPU use is not other processes' load
         foreign = max(0.0, foreign - server_cpu / wall)

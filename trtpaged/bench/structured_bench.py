@@ -86,7 +86,6 @@ def run_structured_bench(engine_dir: Path, batch: int = 16, steps: int = 32, rep
             times = _decode_step_times(llm, prompts, params, steps)
             if not times:
                 raise RuntimeError(f"{name}: no step decoded the whole batch of {batch}")
-            monitor.add_samples(times)
             medians[name] = statistics.median(times)
             medians[f"{name}_steps"] = len(times)
         medians["ratio"] = medians["constrained"] / medians["plain"]
@@ -94,6 +93,9 @@ def run_structured_bench(engine_dir: Path, batch: int = 16, steps: int = 32, rep
         progress(f"round {r + 1}/{repeats}: unconstrained {medians['plain'] * 1e3:.2f} ms/step, half constrained "
                  f"{medians['constrained'] * 1e3:.2f} ms/step, ratio {medians['ratio']:.3f}")  # fmt: skip
     monitor.stop()
+    # the verdict is on the interleaved ratio, so its noise is the spread of the rounds' ratios: a VM whose speed
+    # drifts between rounds moves both halves of a round together (single steps on 2 cores spread far more)
+    monitor.add_samples([r["ratio"] for r in rounds])
     noise = monitor.result()
     ratio = statistics.median(r["ratio"] for r in rounds)
     return {
