@@ -6,7 +6,7 @@
 #   2. ptxas register use and spills;
 #   3. pytest -m gpu (CUDA kernels) and the tensorrt-marked tests when TensorRT is importable;
 #   4. the GPU kernel benchmark (fraction of measured HBM copy bandwidth, paged vs contiguous), and
-#      its int8 / fp8_e4m3 KV cache variant (`trtpaged bench kernel --device cuda --kv-dtype ... --quick`:
+#      its int8 / fp8_e4m3 KV cache variant (`trtpaged bench kernel --device cuda --kv-cache-dtype ... --quick`:
 #      bytes actually read, time against the fp16 cache);
 #   5. end to end without TensorRT (scripts/gpu_e2e.py): engines built on the GPU from models made here
 #      (SmolLM2's config and a ~1.1B Llama shape, random weights), greedy equality of the CUDA torch
@@ -130,7 +130,7 @@ note "bench exit $rc"
 step "GPU kernel benchmark, quantized KV cache (vs the fp16 cache)"
 for kv in int8 fp8_e4m3; do
   timeout "$(budget 30)" python -c 'from trtpaged.cli import main; main()' bench kernel --device cuda \
-    --kv-dtype "$kv" --quick 2>&1 | tee "$RESULTS/bench_$kv.txt"
+    --kv-cache-dtype "$kv" --quick 2>&1 | tee "$RESULTS/bench_$kv.txt"
   rc=${PIPESTATUS[0]}
   grep -E "^(long contexts|$kv cache vs fp16)" "$RESULTS/bench_$kv.txt" | sed "s/^/bench $kv: /" >>"$SUMMARY"
   note "bench $kv exit $rc"
@@ -188,8 +188,8 @@ from trtpaged.runtime.runners import StepBatch
 from trtpaged.runtime.runners.tensorrt_runner import TensorRTRunner
 
 manifest = read_manifest(engine_dir)
-_, steps, num_blocks = standard_probe(manifest.dims.vocab_size, manifest.limits.block_size)
-engine = TensorRTRunner.from_engine_dir(engine_dir, num_blocks=max(num_blocks, 1024))
+_, steps, num_kv_blocks = standard_probe(manifest.dims.vocab_size, manifest.limits.block_size)
+engine = TensorRTRunner.from_engine_dir(engine_dir, num_kv_blocks=max(num_kv_blocks, 1024))
 pool_bytes = engine.kv_cache.numel() * engine.kv_cache.element_size()
 cuda_engine = engine._engine
 activation = getattr(cuda_engine, "device_memory_size_v2", None) or cuda_engine.device_memory_size

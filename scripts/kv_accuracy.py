@@ -24,13 +24,13 @@ from trtpaged.models import dims_from_hf_config, load_hf
 from trtpaged.models.loading import step_model_from_hf
 
 
-def main(kv_dtype: str, new_tokens: int = 256) -> None:
-    """Prints the kv_accuracy report of kv_dtype for the float32 SmolLM2 step model."""
+def main(kv_cache_dtype: str, new_tokens: int = 256) -> None:
+    """Prints the kv_accuracy report of kv_cache_dtype for the float32 SmolLM2 step model."""
     config = load_config(Path(__file__).resolve().parent.parent / "examples" / "smollm2.yaml")
     hf = load_hf(config.model, torch.float32)
     model = step_model_from_hf(hf.model, dims_from_hf_config(hf.config, 2048), torch.float32)
     start = time.time()
-    report = measure_kv_accuracy(model, hf.tokenizer, kv_dtype, 16, 2048, new_tokens=new_tokens, check=False)
+    report = measure_kv_accuracy(model, hf.tokenizer, kv_cache_dtype, 16, 2048, new_tokens=new_tokens, check=False)
     print(report.line())
     for prompt in report.prompts:
         print(json.dumps(asdict(prompt)))

@@ -31,10 +31,10 @@ def main(engine_dir: str, workload: str, k: int, with_hf: bool) -> None:
     limits = llm.manifest.limits
 
     def engine(spec):
-        config = RuntimeConfig(block_size=limits.block_size, num_blocks=512, max_batch_size=limits.max_batch_size,
+        config = RuntimeConfig(block_size=limits.block_size, num_kv_blocks=512, max_batch_size=limits.max_batch_size,
                                max_num_tokens=limits.max_num_tokens, max_seq_len=limits.max_seq_len, speculative=spec)
         model = llm.engine.runner.model
-        runner = TorchRunner(model, model.new_kv_cache(config.num_blocks, config.block_size))
+        runner = TorchRunner(model, model.new_kv_cache(config.num_kv_blocks, config.block_size))
         return LLMEngine(runner, config, llm.tokenizer, llm.manifest.eos_token_ids)
 
     def run(e, reqs):

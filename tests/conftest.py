@@ -51,7 +51,7 @@ TINY_KV4 = {
                        "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 8,
                        "num_key_value_heads": 4, "max_position_embeddings": 1024}},
     "dtype": "float32", "max_batch_size": 8, "max_num_tokens": 256, "max_seq_len": 512, "block_size": 16,
-    "kv_cache": {"num_blocks": 128}, "backend": "torch",
+    "kv_cache": {"num_kv_blocks": 128}, "backend": "torch",
 }
 
 

@@ -40,16 +40,16 @@ def make_batch(
     block_size: int = 16,
     num_layers: int = 3,
     io_dtype: torch.dtype = torch.float32,
-    kv_dtype: torch.dtype = torch.float32,
+    kv_cache_dtype: torch.dtype = torch.float32,
     spare_blocks: int = 5,
     seed: int = 0,
 ) -> Batch:
     """Builds a packed batch whose sequences own shuffled, non-contiguous blocks of a random pool."""
     gen = torch.Generator().manual_seed(seed)
     blocks_needed = [(cached + new + block_size - 1) // block_size for cached, new in specs]
-    num_blocks = sum(blocks_needed) + spare_blocks
+    num_kv_blocks = sum(blocks_needed) + spare_blocks
     max_blocks = max(blocks_needed + [1]) + 1  # one padding column the kernel must ignore
-    order = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    order = torch.randperm(num_kv_blocks, generator=gen).to(torch.int32)
     block_tables = torch.full((len(specs), max_blocks), -1, dtype=torch.int32)
     used = 0
     for s, n in enumerate(blocks_needed):
@@ -59,8 +59,8 @@ def make_batch(
     query_start = torch.tensor([0] + [n for _, n in specs], dtype=torch.int32).cumsum(0).to(torch.int32)
     context_lens = torch.tensor([c + n for c, n in specs], dtype=torch.int32)
     num_tokens = int(query_start[-1])
-    shape = (num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim)
-    kv_cache = torch.randn(shape, generator=gen).to(kv_dtype)
+    shape = (num_kv_blocks, num_layers, 2, num_kv_heads, block_size, head_dim)
+    kv_cache = torch.randn(shape, generator=gen).to(kv_cache_dtype)
     q = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(io_dtype)
     k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(io_dtype)
     v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(io_dtype)
@@ -72,14 +72,14 @@ def tolerance(io_dtype: torch.dtype) -> float:
     return {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[io_dtype]
 
 
-def tie_rows(kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+def tie_rows(kv_cache_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows [n, 64] that quantize with scale exactly 1 (their max is the code range's top, 127 or 448)
     holding every midpoint between two neighbouring codes and the floats just below and above it,
     and the codes torch rounds them to (half to even): (rows, codes [n, 64] in the pool's storage dtype)."""
     from trtpaged.kv_quant import CODE_MAX, STORAGE_DTYPES
 
-    top = CODE_MAX[kv_dtype]
-    if kv_dtype == "int8":
+    top = CODE_MAX[kv_cache_dtype]
+    if kv_cache_dtype == "int8":
         grid = torch.arange(-127, 128, dtype=torch.float32)
     else:
         grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
@@ -89,8 +89,8 @@ def tie_rows(kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
     values = torch.cat([mids, below, above])
     values = torch.cat([values, torch.zeros(-values.numel() % 63)]).reshape(-1, 63)
     rows = torch.cat([torch.full((values.shape[0], 1), top), values], dim=1)
-    codes = torch.round(rows).to(torch.int8) if kv_dtype == "int8" else rows.to(torch.float8_e4m3fn)
-    assert codes.dtype == STORAGE_DTYPES[kv_dtype]
+    codes = torch.round(rows).to(torch.int8) if kv_cache_dtype == "int8" else rows.to(torch.float8_e4m3fn)
+    assert codes.dtype == STORAGE_DTYPES[kv_cache_dtype]
     return rows, codes
 
 
@@ -103,6 +103,7 @@ def write_rows(kernels, rows: torch.Tensor, pool: torch.Tensor) -> None:
     blocks = pool.shape[0]
     kernels.paged_attention(kv, kv, kv, pool, torch.arange(n, dtype=i32, device=device),
                             torch.tensor([0, n], dtype=i32, device=device), torch.tensor([n], dtype=i32, device=device),
-                            torch.arange(blocks, dtype=i32, device=device)[None, :], layer=0, scale=0.125)  # fmt: skip
+                            torch.arange(blocks, dtype=i32, device=device)[None, :],
+                            kernels.AttentionOptions(0, 0.125))  # fmt: skip
     if device.type == "cuda":
         torch.cuda.synchronize()

@@ -24,8 +24,8 @@ class RandomLogitsEngine:
 
     backend = "fake"
 
-    def __init__(self, num_blocks: int, vocab: int = 32) -> None:
-        self.num_blocks = num_blocks
+    def __init__(self, num_kv_blocks: int, vocab: int = 32) -> None:
+        self.num_kv_blocks = num_kv_blocks
         self.table = torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(0))
         self.copies: list[tuple[int, int]] = []
         self.batches: list[StepBatch] = []
@@ -45,10 +45,10 @@ class RandomLogitsEngine:
         pass
 
 
-def runtime_config(num_blocks: int = 64, block_size: int = 16, **kw: Any) -> RuntimeConfig:
+def runtime_config(num_kv_blocks: int = 64, block_size: int = 16, **kw: Any) -> RuntimeConfig:
     values = dict(max_batch_size=8, max_num_tokens=256, max_seq_len=512)
     values.update(kw)
-    return RuntimeConfig(block_size=block_size, num_blocks=num_blocks, **values)
+    return RuntimeConfig(block_size=block_size, num_kv_blocks=num_kv_blocks, **values)
 
 
 def tiny_hf():
@@ -80,7 +80,7 @@ def step_engine(hf, config: RuntimeConfig) -> TorchRunner:
     from trtpaged.models import dims_from_hf_config, step_model_from_hf
 
     model = step_model_from_hf(hf.model, dims_from_hf_config(hf.config))
-    return TorchRunner(model, model.new_kv_cache(config.num_blocks, config.block_size), config.num_host_blocks)
+    return TorchRunner(model, model.new_kv_cache(config.num_kv_blocks, config.block_size), config.num_host_blocks)
 
 
 def run_staggered(

@@ -9,6 +9,7 @@ import torch
 from kernel_cases import MIXED_SPECS, make_batch, tolerance
 from test_kv_codec_paths import ISA_OF_PATH
 from trtpaged import kernels
+from trtpaged.attention_options import AttentionOptions
 from trtpaged.reference import paged_attention_reference
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="kernel library not built")
@@ -24,13 +25,13 @@ def path(request: pytest.FixtureRequest):
     kernels.set_cpu_isa(None)
 
 
-def _check(batch, window: int, softcap: float = 0.0, layer: int = 1, kv_dtype=None) -> None:
+def _check(batch, window: int, softcap: float = 0.0, layer: int = 1, kv_cache_dtype=None) -> None:
     ker_cache, ref_cache = batch.kv_cache.clone(), batch.kv_cache.clone()
     args = batch.args()
-    out = kernels.paged_attention(*args[:3], ker_cache, *args[4:], layer=layer, scale=batch.scale,
-                                  sliding_window=window, logit_softcap=softcap)
-    ref = paged_attention_reference(*args[:3], ref_cache, *args[4:], layer=layer, scale=batch.scale,
-                                    sliding_window=window, logit_softcap=softcap)
+    out = kernels.paged_attention(*args[:3], ker_cache, *args[4:], AttentionOptions(layer, batch.scale,
+                                  sliding_window=window, logit_softcap=softcap))
+    ref = paged_attention_reference(*args[:3], ref_cache, *args[4:], AttentionOptions(layer, batch.scale,
+                                    sliding_window=window, logit_softcap=softcap))
     assert torch.equal(ker_cache, ref_cache)
     err = (out.double() - ref.double()).abs().max().item()
     assert err <= tolerance(batch.q.dtype), f"window {window} softcap {softcap}: max abs error {err}"
@@ -42,9 +43,9 @@ def test_window_mixed_batch_every_path(path: str, window: int, block_size: int) 
     _check(make_batch(MIXED_SPECS, block_size=block_size, seed=window + block_size), window)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_window_half_pools(path: str, kv_dtype: torch.dtype) -> None:
-    _check(make_batch(MIXED_SPECS, kv_dtype=kv_dtype, io_dtype=kv_dtype, seed=7), 19)
+@pytest.mark.parametrize("kv_cache_dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_window_half_pools(path: str, kv_cache_dtype: torch.dtype) -> None:
+    _check(make_batch(MIXED_SPECS, kv_cache_dtype=kv_cache_dtype, io_dtype=kv_cache_dtype, seed=7), 19)
 
 
 def test_window_long_decode_and_chunk_split_across_threads(path: str) -> None:
@@ -66,20 +67,20 @@ def test_window_never_reads_blocks_outside_it() -> None:
     entries may hold any id (here out of range) and the result is unchanged."""
     batch = make_batch([(100, 1), (64, 20)], block_size=16, seed=3)
     window = 30
-    ref_out = kernels.paged_attention(*batch.args()[:3], batch.kv_cache.clone(), *batch.args()[4:], layer=1,
-                                      scale=batch.scale, sliding_window=window)
+    ref_out = kernels.paged_attention(*batch.args()[:3], batch.kv_cache.clone(), *batch.args()[4:],
+                                      AttentionOptions(1, batch.scale, sliding_window=window))
     tables = batch.block_tables.clone()
     for s, first_pos in enumerate((100, 64)):
         dead = max(0, first_pos - window + 1) // 16
         tables[s, :dead] = 10_000
     args = list(batch.args())
     args[7] = tables
-    out = kernels.paged_attention(*args[:3], batch.kv_cache.clone(), *args[4:], layer=1, scale=batch.scale,
-                                  sliding_window=window)
+    out = kernels.paged_attention(*args[:3], batch.kv_cache.clone(), *args[4:], AttentionOptions(1, batch.scale,
+                                  sliding_window=window))
     assert torch.equal(out, ref_out)
     # without the window the same table is refused, naming the entry
     with pytest.raises(kernels.KernelError, match=r"block_tables\[0\]\[0\]"):
-        kernels.paged_attention(*args[:3], batch.kv_cache.clone(), *args[4:], layer=1, scale=batch.scale)
+        kernels.paged_attention(*args[:3], batch.kv_cache.clone(), *args[4:], AttentionOptions(1, batch.scale))
 
 
 @pytest.mark.parametrize("bad", [{"sliding_window": -1}, {"logit_softcap": -1.0}, {"logit_softcap": float("inf")},
@@ -88,13 +89,13 @@ def test_bad_options_are_refused_naming_the_field(bad: dict) -> None:
     batch = make_batch([(3, 2)], seed=1)
     field = next(iter(bad))
     with pytest.raises(ValueError, match=field):
-        kernels.paged_attention(*batch.args(), layer=0, scale=batch.scale, **bad)
+        kernels.paged_attention(*batch.args(), AttentionOptions(0, batch.scale, **bad))
 
 
 def test_zero_options_equal_the_plain_call() -> None:
     batch = make_batch(MIXED_SPECS, seed=2)
-    a = kernels.paged_attention(*batch.args()[:3], batch.kv_cache.clone(), *batch.args()[4:], layer=1,
-                                scale=batch.scale)
-    b = kernels.paged_attention(*batch.args()[:3], batch.kv_cache.clone(), *batch.args()[4:], layer=1,
-                                scale=batch.scale, sliding_window=0, logit_softcap=0.0)
+    a = kernels.paged_attention(*batch.args()[:3], batch.kv_cache.clone(), *batch.args()[4:],
+                                AttentionOptions(1, batch.scale))
+    b = kernels.paged_attention(*batch.args()[:3], batch.kv_cache.clone(), *batch.args()[4:],
+                                AttentionOptions(1, batch.scale, sliding_window=0, logit_softcap=0.0))
     assert torch.equal(a, b)

@@ -71,7 +71,7 @@ def test_auto_skips_a_kv_cache_dtype_tensorrt_lacks_with_one_warning(tensorrt_pr
     from trtpaged.builder import compile as trt_compile
 
     fake, calls = tensorrt_present
-    monkeypatch.setattr(trt_compile, "TENSORRT_KV_DTYPES", ("float16",))  # as if float32 had no CUDA kernel
+    monkeypatch.setattr(trt_compile, "TENSORRT_KV_CACHE_DTYPES", ("float16",))  # as if float32 had no CUDA kernel
     lines: list[str] = []
     result = _build(_tiny("auto"), tmp_path / "eng", lines)
     assert calls == [] and result.manifest.backends == ["torch"]
@@ -117,7 +117,7 @@ def test_auto_writes_no_tensorrt_graph_where_compile_will_not_run(tensorrt_prese
     from trtpaged.builder import compile as trt_compile
 
     fake, calls = tensorrt_present
-    monkeypatch.setattr(trt_compile, "TENSORRT_KV_DTYPES", ("float16",))
+    monkeypatch.setattr(trt_compile, "TENSORRT_KV_CACHE_DTYPES", ("float16",))
     lines: list[str] = []
     result = _build_verified(_tiny("auto", **INT8_GROUP32), tmp_path / "eng", lines)
     assert calls == [] and result.manifest.backends == ["torch"] and not result.manifest.tensorrt["graph_written"]
@@ -150,10 +150,10 @@ def test_graph_accuracy_reason_names_the_figures_and_the_bound():
     assert "74.1% of 140 positions" in reason and "needs 80%" in reason and "14.6" in reason
 
 
-@pytest.mark.parametrize("kv_pool,kv_dtype,quantized_pool", [("address", "float32", "int8"),
+@pytest.mark.parametrize("kv_pool,kv_cache_dtype,quantized_pool", [("address", "float32", "int8"),
                                                              ("aliased", "int8", "float16")])
 def test_the_pool_form_named_in_model_yaml_is_what_compile_gets_and_the_manifest_records(
-        tensorrt_present, tmp_path, kv_pool, kv_dtype, quantized_pool):
+        tensorrt_present, tmp_path, kv_pool, kv_cache_dtype, quantized_pool):
     """tensorrt.kv_pool / quantized_pool reach the graph TensorRT compiles (after verification of the aliased
     export) and the manifest."""
     import onnx
@@ -161,7 +161,7 @@ def test_the_pool_form_named_in_model_yaml_is_what_compile_gets_and_the_manifest
     from trtpaged.builder.tensorrt_rules import check_graph
 
     fake, calls = tensorrt_present
-    data = _tiny("auto", kv_cache_dtype=kv_dtype, tensorrt={"kv_pool": kv_pool, "quantized_pool": quantized_pool})
+    data = _tiny("auto", kv_cache_dtype=kv_cache_dtype, tensorrt={"kv_pool": kv_pool, "quantized_pool": quantized_pool})
     lines: list[str] = []
     result = _build_verified(data, tmp_path / "eng", lines)
     assert len(calls) == 1 and result.manifest.verification["max_abs_diff"] <= result.manifest.verification["tolerance"]

@@ -31,7 +31,7 @@ def compute(kv, s, n, hits=()):
 
 
 def _blocks_needed(kv, requests) -> int:
-    return kv.plan_allocation(requests).num_blocks
+    return kv.plan_allocation(requests).num_kv_blocks
 
 
 def test_free_queue_o1_ops():
@@ -65,7 +65,7 @@ def test_allocate_free_exact_order_and_refcounts():
 
 
 def test_cached_blocks_evicted_lru_last():
-    kv = KVCacheManager(num_blocks=6, block_size=BS)
+    kv = KVCacheManager(num_kv_blocks=6, block_size=BS)
     s = seq(0, range(9))  # two full blocks + 1 token
     compute(kv, s, 9)
     assert kv.block_table(s) == [0, 1, 2] and kv.pool.num_cached == 2
@@ -84,7 +84,7 @@ def test_cached_blocks_evicted_lru_last():
 
 
 def test_prefix_hit_shares_blocks_and_counts():
-    kv = KVCacheManager(num_blocks=16, block_size=BS)
+    kv = KVCacheManager(num_kv_blocks=16, block_size=BS)
     system = list(range(10, 22))  # three full blocks
     a, b = seq(0, system + [1, 2]), seq(1, system + [3])
     compute(kv, a, 14)
@@ -100,7 +100,7 @@ def test_prefix_hit_shares_blocks_and_counts():
 
 
 def test_last_token_never_a_hit():
-    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    kv = KVCacheManager(num_kv_blocks=8, block_size=BS)
     a = seq(0, range(8))
     compute(kv, a, 8)
     hits = kv.find_cached_prefix(seq(1, range(8)))  # identical prompt: the last block is recomputed
@@ -108,7 +108,7 @@ def test_last_token_never_a_hit():
 
 
 def test_hash_collisions_never_return_wrong_blocks():
-    kv = KVCacheManager(num_blocks=16, block_size=BS, hash_fn=lambda parent, tokens: 0)
+    kv = KVCacheManager(num_kv_blocks=16, block_size=BS, hash_fn=lambda parent, tokens: 0)
     a = seq(0, [1, 2, 3, 4, 5, 6, 7, 8, 9])
     compute(kv, a, 9)
     # same second block, different first block: every hash collides, yet nothing may match
@@ -119,7 +119,7 @@ def test_hash_collisions_never_return_wrong_blocks():
 
 
 def test_stale_parent_after_eviction_cannot_match():
-    kv = KVCacheManager(num_blocks=3, block_size=BS)
+    kv = KVCacheManager(num_kv_blocks=3, block_size=BS)
     a = seq(0, [1, 1, 1, 1, 2, 2, 2, 2, 3])
     compute(kv, a, 9)
     kv.free(a)
@@ -130,7 +130,7 @@ def test_stale_parent_after_eviction_cannot_match():
 
 
 def test_fork_and_copy_on_write_with_torch_indexing():
-    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    kv = KVCacheManager(num_kv_blocks=8, block_size=BS)
     pool = torch.zeros(8, 2)
     parent = seq(0, range(6))
     compute(kv, parent, 6)
@@ -157,7 +157,7 @@ def test_fork_and_copy_on_write_with_torch_indexing():
 
 
 def test_the_plan_is_exact_with_hits_in_free_queue():
-    kv = KVCacheManager(num_blocks=4, block_size=BS)
+    kv = KVCacheManager(num_kv_blocks=4, block_size=BS)
     a = seq(0, range(9))
     compute(kv, a, 9)
     kv.free(a)
@@ -173,7 +173,7 @@ def test_the_plan_is_exact_with_hits_in_free_queue():
 
 
 def test_swap_out_and_in_keeps_sharing():
-    kv = KVCacheManager(num_blocks=8, block_size=BS, num_host_blocks=8)
+    kv = KVCacheManager(num_kv_blocks=8, block_size=BS, num_host_blocks=8)
     p = seq(0, range(6))
     compute(kv, p, 6)
     c = p.fork(1, 1)
@@ -187,7 +187,7 @@ def test_swap_out_and_in_keeps_sharing():
 
 
 def test_utilisation_counts_distinct_tokens():
-    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    kv = KVCacheManager(num_kv_blocks=8, block_size=BS)
     a = seq(0, range(6))
     compute(kv, a, 6)
     stats = kv.stats([a])

@@ -56,8 +56,8 @@ def _one_line_failure(r, *words: str) -> str:
     ({"max_seq_len": 1}, ["max_seq_len: got 1; at least 16"]),
     ({"model": {"tiny": {"seed": "abc"}}}, ["model.tiny.seed: got 'abc'"]),
     ({"model": {"tiny": {"rope_theta": -1.0}}}, ["model.tiny.rope_theta: got -1.0"]),
-    ({"kv_cache": {"num_blocks": 10**15}}, ["kv_cache.num_blocks: got 1000000000000000; at most 2147483647"]),
-    ({"kv_cache": {"num_blocks": 2**31 - 1}}, ["kv_cache.num_blocks: got 2147483647: a KV pool of 1.64e+04 GiB",
+    ({"kv_cache": {"num_kv_blocks": 10**15}}, ["kv_cache.num_kv_blocks: got 1000000000000000; at most 2147483647"]),
+    ({"kv_cache": {"num_kv_blocks": 2**31 - 1}}, ["kv_cache.num_kv_blocks: got 2147483647: a KV pool of 1.64e+04 GiB",
                                                "the most memory a device of this machine has"]),
 ])
 def test_absurd_model_yaml_is_refused_in_one_line_and_leaves_nothing(tmp_path, change, words):

@@ -51,7 +51,7 @@ def test_manifest_matches_files(tiny_engine_dir):
     assert m.backends == ["torch"] and m.plan_file is None and m.format_version == 1
     raw = json.loads((tiny_engine_dir / "trtpaged.json").read_text())
     assert raw["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4 and raw["kv_bytes_per_block"] == raw["kv_bytes_per_token"] * 16
-    assert m.kv_cache.num_blocks == 256 and m.limits.max_seq_len == 512
+    assert m.kv_cache.num_kv_blocks == 256 and m.limits.max_seq_len == 512
     assert m.eos_token_ids == [257] and m.bos_token_id == 256 and m.chat_template
 
 
@@ -72,7 +72,7 @@ def test_onnx_contract(tiny_engine_dir):
     assert attrs["plugin_version"] == b"1" and attrs["plugin_namespace"] == b"trtpaged"
     inputs = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
     assert inputs["input_ids"] == ["num_tokens"] and inputs["block_tables"] == ["num_seqs", "max_blocks_per_seq"]
-    assert inputs["kv_cache"] == ["num_blocks", 2, 2, 2, 16, 16] and inputs["logits_index"] == ["num_outputs"]
+    assert inputs["kv_cache"] == ["num_kv_blocks", 2, 2, 2, 16, 16] and inputs["logits_index"] == ["num_outputs"]
     assert [o.name for o in model.graph.output] == ["logits", "kv_cache_out"]
     # weights live once, in weights.safetensors: the graph only references them
     external = {e.value for t in model.graph.initializer for e in t.external_data if e.key == "location"}
@@ -137,7 +137,7 @@ def test_cli_build_prints_stages_and_inspect_prints_memory_plan(tmp_path):
 def test_build_help_documents_everything():
     text = _cli("build", "--help").output
     for word in ("hf_dir", "gguf", "package", "tiny", "dtype", "kv_cache_dtype", "max_batch_size",
-                 "max_num_tokens", "max_seq_len", "block_size", "num_blocks", "fraction", "backend",
+                 "max_num_tokens", "max_seq_len", "block_size", "num_kv_blocks", "fraction", "backend",
                  "output", "--skip-verify", "-o", "atol + rtol"):
         assert word in text
 
@@ -160,7 +160,7 @@ def test_inspect_reports_the_blocks_the_runtime_allocates(tmp_path):
     useful = lim.max_batch_size * -(-lim.max_seq_len // lim.block_size)  # every sequence at full length
     r = _cli("inspect", str(tmp_path / "f"), "--memory", "64MiB")  # 0.5 x 64 MiB holds 4096 blocks of 8 KiB
     assert f"blocks in budget:     {useful}" in r.output and "capped" in r.output, r.output
-    assert LLM(tmp_path / "f", device="cpu").config.num_blocks == useful  # this host has more than 64 MiB free
+    assert LLM(tmp_path / "f", device="cpu").config.num_kv_blocks == useful  # this host has more than 64 MiB free
 
 
 BAD = {
@@ -254,8 +254,8 @@ def test_cpu_build_forces_float32_with_a_warning(tmp_path):
     assert any(line.startswith("warning: dtype float16") for line in lines)
 
 
-@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
-def test_cpu_build_keeps_a_16_bit_kv_cache_dtype_given_explicitly(tmp_path, kv_dtype):
+@pytest.mark.parametrize("kv_cache_dtype", ["float16", "bfloat16"])
+def test_cpu_build_keeps_a_16_bit_kv_cache_dtype_given_explicitly(tmp_path, kv_cache_dtype):
     # dtype falls back to float32 without a GPU, but a named 16-bit KV cache is kept (the CPU
     # kernels read it directly); the engine then generates what HF generates greedily.
     if torch.cuda.is_available():
@@ -263,11 +263,11 @@ def test_cpu_build_keeps_a_16_bit_kv_cache_dtype_given_explicitly(tmp_path, kv_d
     from trtpaged.runtime.llm import LLM
     from trtpaged.runtime.sampling_params import SamplingParams
 
-    config = parse_config({**TINY, "dtype": "float16", "kv_cache_dtype": kv_dtype}, base_dir=EXAMPLES)
+    config = parse_config({**TINY, "dtype": "float16", "kv_cache_dtype": kv_cache_dtype}, base_dir=EXAMPLES)
     m = build_engine(config, tmp_path / "e", echo=lambda _m: None).manifest
-    assert (m.dtype, m.kv_cache_dtype) == ("float32", kv_dtype)
+    assert (m.dtype, m.kv_cache_dtype) == ("float32", kv_cache_dtype)
     llm = LLM(str(tmp_path / "e"))
-    assert llm.engine.runner.kv_cache.dtype == getattr(torch, kv_dtype)
+    assert llm.engine.runner.kv_cache.dtype == getattr(torch, kv_cache_dtype)
     prompt = [5, 17, 99, 3, 42, 8]
     out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
     want = hf_greedy(hf_from_engine_dir(tmp_path / "e"), prompt, 12, eos=None)
@@ -324,7 +324,7 @@ def test_gguf_header_gives_the_architecture_without_loading():
 def test_build_with_inconsistent_tiny_heads_is_a_clear_error(tmp_path):
     data = {
         "model": {"tiny": {"hidden_size": 64, "num_attention_heads": 3, "num_key_value_heads": 1}},
-        "max_seq_len": 64, "kv_cache": {"num_blocks": 8},
+        "max_seq_len": 64, "kv_cache": {"num_kv_blocks": 8},
     }
     (tmp_path / "m.yaml").write_text(yaml.safe_dump(data))
     result = CliRunner().invoke(main, ["build", str(tmp_path / "m.yaml"), "-o", str(tmp_path / "out" / "eng")])

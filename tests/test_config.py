@@ -21,7 +21,7 @@ def _err(data, base=".") -> str:
 
 def test_examples_validate():
     tiny = load_config(EXAMPLES / "tiny.yaml")
-    assert tiny.model.kind == "tiny" and tiny.limits.block_size == 16 and tiny.kv_cache.num_blocks == 256
+    assert tiny.model.kind == "tiny" and tiny.limits.block_size == 16 and tiny.kv_cache.num_kv_blocks == 256
     smol = load_config(EXAMPLES / "smollm2.yaml")
     assert smol.model.kind == "package" and smol.model.path.name.endswith(".gguf") and smol.model.path.is_file()
     assert smol.kv_cache.memory_bytes == 2**30
@@ -99,12 +99,12 @@ def test_model_sources():
 
 def test_kv_cache_budget():
     assert parse_config({**TINY, "kv_cache": {"memory": "2GiB"}}).kv_cache.memory_bytes == 2 * 2**30
-    assert parse_config({**TINY, "kv_cache": {"num_blocks": 1000}}).kv_cache.num_blocks == 1000
-    assert "exactly one of" in _err({**TINY, "kv_cache": {"num_blocks": 8, "fraction": 0.5}})
+    assert parse_config({**TINY, "kv_cache": {"num_kv_blocks": 1000}}).kv_cache.num_kv_blocks == 1000
+    assert "exactly one of" in _err({**TINY, "kv_cache": {"num_kv_blocks": 8, "fraction": 0.5}})
     assert "kv_cache.fraction: got 1.5" in _err({**TINY, "kv_cache": {"fraction": 1.5}})
     assert "kv_cache.memory" in _err({**TINY, "kv_cache": {"memory": "lots"}})
-    assert "kv_cache.num_blocks: got -1" in _err({**TINY, "kv_cache": {"num_blocks": -1}})
-    msg = _err({**TINY, "max_seq_len": 2048, "kv_cache": {"num_blocks": 4}})
+    assert "kv_cache.num_kv_blocks: got -1" in _err({**TINY, "kv_cache": {"num_kv_blocks": -1}})
+    msg = _err({**TINY, "max_seq_len": 2048, "kv_cache": {"num_kv_blocks": 4}})
     assert "needs 128 blocks" in msg
 
 
@@ -193,7 +193,7 @@ def test_tiny_fields_are_checked_by_value(tiny, field, words):
 @pytest.mark.parametrize("data,field,limit", [
     ({"max_seq_len": 1}, "max_seq_len", 16),
     ({"max_seq_len": 2**40}, "max_seq_len", 2**24),
-    ({"kv_cache": {"num_blocks": 10**15}}, "kv_cache.num_blocks", 2**31 - 1),
+    ({"kv_cache": {"num_kv_blocks": 10**15}}, "kv_cache.num_kv_blocks", 2**31 - 1),
     ({"kv_cache": {"memory": "9" * 30 + "TiB"}}, "kv_cache.memory", 2**50),
     ({"max_batch_size": 10**9, "max_num_tokens": 10**9}, "max_batch_size", 2**16),
 ])

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trtpaged.config import (
-    MAX_NUM_BLOCKS,
+    MAX_NUM_KV_BLOCKS,
     MIN_SEQ_LEN,
     MODEL_SOURCES,
     TINY_KEYS,
@@ -58,7 +58,7 @@ def _mapping(keys: tuple[str, ...], value_for, max_size: int | None = None, unkn
 GOOD = {
     "dtype": ["float32", "float16"], "kv_cache_dtype": ["auto", "int8", "float16"], "max_batch_size": [1, 4, 8],
     "max_num_tokens": [8, 64, 512], "max_seq_len": [16, 64, 128], "block_size": [8, 16, 32],
-    "kv_cache": [{"num_blocks": 64}, {"memory": "1MiB"}, {"fraction": 0.5}], "backend": ["torch", "auto"],
+    "kv_cache": [{"num_kv_blocks": 64}, {"memory": "1MiB"}, {"fraction": 0.5}], "backend": ["torch", "auto"],
     "output": ["out/e"], "quantization": [{"weights": "int4"}, {"weights": "int8", "group_size": None}],
     "tensor_parallel": [1, 2],
     "architecture": ["LlamaForCausalLM", "Qwen2ForCausalLM"], "seed": [0, 7], "vocab_size": [320, 512],
@@ -95,7 +95,7 @@ def _top_value(key: str) -> st.SearchStrategy:
     if key == "model":
         return _model_value()
     if key == "kv_cache":
-        return st.one_of(st.dictionaries(st.sampled_from(["num_blocks", "memory", "fraction", "blocks"]), scalars,
+        return st.one_of(st.dictionaries(st.sampled_from(["num_kv_blocks", "memory", "fraction", "blocks"]), scalars,
                                          max_size=2), values)
     if key == "quantization":
         return st.one_of(_key_value(key), _mapping(("weights", "group_size", "lm_head", "activations"),
@@ -104,7 +104,7 @@ def _top_value(key: str) -> st.SearchStrategy:
 
 
 # A valid model.yaml with a few keys changed reaches the checks behind the first ones.
-VALID = {"model": {"tiny": {"num_hidden_layers": 1}}, "max_seq_len": 64, "kv_cache": {"num_blocks": 64}}
+VALID = {"model": {"tiny": {"num_hidden_layers": 1}}, "max_seq_len": 64, "kv_cache": {"num_kv_blocks": 64}}
 
 
 def _changed(top: dict, tiny: dict | None) -> dict:
@@ -138,9 +138,9 @@ def _outcome(call) -> tuple[str, object]:
     lim = config.limits
     assert MIN_SEQ_LEN <= lim.max_seq_len and lim.max_batch_size <= lim.max_num_tokens
     budget = config.kv_cache
-    assert [budget.num_blocks, budget.memory_bytes, budget.fraction].count(None) == 2
-    if budget.num_blocks is not None:
-        assert lim.max_blocks_per_seq <= budget.num_blocks <= MAX_NUM_BLOCKS
+    assert [budget.num_kv_blocks, budget.memory_bytes, budget.fraction].count(None) == 2
+    if budget.num_kv_blocks is not None:
+        assert lim.max_blocks_per_seq <= budget.num_kv_blocks <= MAX_NUM_KV_BLOCKS
     if budget.fraction is not None:
         assert math.isfinite(budget.fraction) and 0 < budget.fraction <= 1
     if config.model.kind == "tiny":

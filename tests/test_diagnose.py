@@ -24,7 +24,8 @@ def test_three_requests_with_known_block_counts(tmp_path) -> None:
     # 3 requests of 8 + 4 tokens; 4 blocks x 16 slots; max_seq_len 32: reserving it fits 2 at a time
     # (running 2,2,2,2,1,1,1,1: mean 1.5), exact reservation and paging fit all 3 (mean 3).
     trace, prompts = load_request_log(_log(tmp_path, [{"prompt_len": 8, "output_len": 4}] * 3))
-    kv = ModelKV(1000, Budget(num_blocks=4, block_size=16, max_seq_len=32, max_batch_size=8, max_num_tokens=64), "test")
+    kv = ModelKV(1000, Budget(num_kv_blocks=4, block_size=16, max_seq_len=32, max_batch_size=8, max_num_tokens=64),
+                 "test")
     r = diagnose(trace, prompts, kv)
     assert set(r) >= {"baseline", "sharing", "lengths", "bound"}
     assert all(isinstance(r[k]["verdict"], str) and r[k]["verdict"] for k in ("baseline", "sharing", "lengths", "bound"))
@@ -47,7 +48,8 @@ def test_shared_prefixes_from_token_ids(tmp_path) -> None:
             {"prompt_token_ids": list(range(200, 211)), "output_len": 2}]  # fmt: skip
     trace, prompts = load_request_log(_log(tmp_path, rows))
     assert shared_prefix_tokens(prompts) == [0, 32, 0]
-    kv = ModelKV(100, Budget(num_blocks=64, block_size=16, max_seq_len=128, max_batch_size=8, max_num_tokens=256), "t")
+    kv = ModelKV(100, Budget(num_kv_blocks=64, block_size=16, max_seq_len=128, max_batch_size=8, max_num_tokens=256),
+                 "t")
     s = diagnose(trace, prompts, kv)["sharing"]
     assert s["shared_prefix_share"] == pytest.approx(32 / 91)
     assert s["shared_prefix_share_in_full_blocks"] == pytest.approx(32 / 91)
@@ -60,7 +62,8 @@ def test_shared_prefixes_from_token_ids(tmp_path) -> None:
 def test_memory_bound_when_the_pool_is_full(tmp_path) -> None:
     # 20-token prompts take 2 blocks each: 4 blocks hold two requests; the third waits 4 steps with no free block.
     trace, prompts = load_request_log(_log(tmp_path, [{"prompt_len": 20, "output_len": 4}] * 3))
-    kv = ModelKV(10, Budget(num_blocks=4, block_size=16, max_seq_len=32, max_batch_size=8, max_num_tokens=64), "t")
+    kv = ModelKV(10, Budget(num_kv_blocks=4, block_size=16, max_seq_len=32, max_batch_size=8, max_num_tokens=64),
+                 "t")
     bound = diagnose(trace, prompts, kv)["bound"]
     assert (bound["steps_with_queue"], bound["memory_bound_steps"], bound["batch_limit_steps"]) == (4, 4, 0)
     assert bound["replay_bound"] == "memory-bound"
@@ -68,7 +71,7 @@ def test_memory_bound_when_the_pool_is_full(tmp_path) -> None:
 
 def test_scheduler_bound_at_the_batch_limit(tmp_path) -> None:
     trace, prompts = load_request_log(_log(tmp_path, [{"prompt_len": 8, "output_len": 4}] * 3))
-    kv = ModelKV(10, Budget(num_blocks=64, block_size=16, max_seq_len=32, max_batch_size=2, max_num_tokens=64), "t")
+    kv = ModelKV(10, Budget(num_kv_blocks=64, block_size=16, max_seq_len=32, max_batch_size=2, max_num_tokens=64), "t")
     bound = diagnose(trace, prompts, kv)["bound"]
     assert (bound["steps_with_queue"], bound["memory_bound_steps"], bound["batch_limit_steps"]) == (4, 0, 4)
     assert bound["replay_bound"] == "scheduler-bound"
@@ -133,7 +136,7 @@ def test_command_with_a_config_and_a_bad_log(tmp_path) -> None:
 
 
 # ---- the server's request log: arrivals in seconds -------------------------------------------------------
-BUDGET = Budget(num_blocks=8, block_size=16, max_seq_len=64, max_batch_size=2, max_num_tokens=64)
+BUDGET = Budget(num_kv_blocks=8, block_size=16, max_seq_len=64, max_batch_size=2, max_num_tokens=64)
 
 
 def test_seconds_arrivals_replay_as_the_steps_they_fall_in(tmp_path) -> None:
@@ -234,7 +237,8 @@ def test_kv_tier_what_if_on_a_log(tmp_path) -> None:
             {"prompt_token_ids": list(range(100, 163)), "output_len": 2, "arrival": 10},
             {"prompt_token_ids": system + [50, 51], "output_len": 2, "arrival": 20}]  # fmt: skip
     trace, prompts = load_request_log(_log(tmp_path, rows))
-    kv = ModelKV(100, Budget(num_blocks=4, block_size=16, max_seq_len=128, max_batch_size=8, max_num_tokens=256), "t")
+    kv = ModelKV(100, Budget(num_kv_blocks=4, block_size=16, max_seq_len=128, max_batch_size=8, max_num_tokens=256),
+                 "t")
     alone, tier = diagnose(trace, prompts, kv, tier_blocks=[None])["kv_tiers"]
     assert (alone["prefix_hit_tokens"], tier["prefix_hit_tokens"], tier["tier_hit_tokens"]) == (0, 32, 32)
     assert alone["tokens_computed"] - tier["tokens_computed"] == 32

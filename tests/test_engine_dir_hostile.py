@@ -175,7 +175,7 @@ def _garbage_tokenizer(e: Path) -> None:
 
 def _kv_blocks_beyond_int32(e: Path) -> None:
     data = json.loads((e / MANIFEST_NAME).read_text())
-    _edit_manifest(e, kv_cache={**data["kv_cache"], "num_blocks": 10**15})
+    _edit_manifest(e, kv_cache={**data["kv_cache"], "num_kv_blocks": 10**15})
 
 
 # kind -> (damage, rehash too?, the field the error names, words in it)
@@ -199,7 +199,7 @@ BROKEN = {
     "unknown manifest field": (_unknown_field, False, "weights_sha", "unknown field"),
     "weights not hashed": (_unlisted_weights, False, "weights_file", "not listed in the manifest's files"),
     "extra tokenizer file": (_tokenizer_extra_file, False, "tokenizer_dir", "does not list"),
-    "num_blocks 10^15": (_kv_blocks_beyond_int32, False, "kv_cache.num_blocks", "int32 block ids"),
+    "num_kv_blocks 10^15": (_kv_blocks_beyond_int32, False, "kv_cache.num_kv_blocks", "int32 block ids"),
     "garbage tokenizer.json, rehashed": (_garbage_tokenizer, True, "tokenizer_dir", "transformers cannot load it"),
 }
 
@@ -279,17 +279,17 @@ def test_kv_pools_beyond_the_device_memory_are_refused_before_allocating(tiny_en
     assert info.value.field == "num_kv_blocks" and info.value.limit > 0 and "GiB" in str(info.value)
     engine = _copy(tiny_engine_dir, tmp_path)
     data = json.loads((engine / MANIFEST_NAME).read_text())
-    _edit_manifest(engine, kv_cache={**data["kv_cache"], "num_blocks": 2**31 - 1})
-    with pytest.raises(KVBudgetError, match="kv_cache.num_blocks: 2147483647 blocks of 8192 bytes need"):
+    _edit_manifest(engine, kv_cache={**data["kv_cache"], "num_kv_blocks": 2**31 - 1})
+    with pytest.raises(KVBudgetError, match="kv_cache.num_kv_blocks: 2147483647 blocks of 8192 bytes need"):
         LLM(engine, device="cpu")
     r = _cli("generate", str(engine), "--prompt", "hi")
-    assert r.exit_code == 1 and r.output.count("\n") == 1 and "kv_cache.num_blocks" in r.output, r.output
+    assert r.exit_code == 1 and r.output.count("\n") == 1 and "kv_cache.num_kv_blocks" in r.output, r.output
 
 
 def test_serve_refuses_a_bad_port_and_too_many_kv_blocks_in_one_line(tiny_engine_dir):
     r = _cli("serve", str(tiny_engine_dir), "--port", "70000")
     assert r.exit_code == 2 and "Traceback" not in r.output and "70000 is not in the range 0<=x<=65535" in r.output
-    r = _cli("serve", str(tiny_engine_dir), "--port", "0", "--kv-blocks", str(2**31 - 1), "--device", "cpu")
+    r = _cli("serve", str(tiny_engine_dir), "--port", "0", "--num-kv-blocks", str(2**31 - 1), "--device", "cpu")
     lines = r.output.strip().splitlines()
     assert r.exit_code == 1 and lines[-1].startswith("Error: num_kv_blocks: 2147483647 blocks"), r.output
     assert "Traceback" not in r.output

@@ -60,8 +60,8 @@ def test_every_plan_matches_hf_forward(plan):
     hf, dims = _tiny()
     model = step_model_from_hf(hf.model, dims)
     model.set_execution_plan(plan)
-    seqs, steps, num_blocks = standard_probe(dims.vocab_size, 8, seed=5, all_rows=True)
-    cache = model.new_kv_cache(num_blocks, 8)
+    seqs, steps, num_kv_blocks = standard_probe(dims.vocab_size, 8, seed=5, all_rows=True)
+    cache = model.new_kv_cache(num_kv_blocks, 8)
     with torch.no_grad():
         for step in steps:
             ours = model(*step.args(cache))[0]

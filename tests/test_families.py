@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from runtime_helpers import hf_greedy, run_staggered, runtime_config, step_engine
+from trtpaged.attention_options import AttentionOptions
 from trtpaged.builder.probe import hf_logits, standard_probe
 from trtpaged.config import parse_config
 from trtpaged.models import UnsupportedModelError, dims_from_hf_config, load_hf, step_model_from_hf
@@ -69,9 +70,9 @@ def test_dims_carry_what_makes_the_family(family):
 def test_step_model_matches_hf_forward(family, block_size):
     _, hf, dims = family
     model = step_model_from_hf(hf.model, dims)
-    seqs, steps, num_blocks = standard_probe(dims.vocab_size, block_size, seed=3, all_rows=True)
+    seqs, steps, num_kv_blocks = standard_probe(dims.vocab_size, block_size, seed=3, all_rows=True)
     assert max(len(s.tokens) for s in seqs) > 2 * WINDOW  # the probe reaches beyond the window
-    cache = model.new_kv_cache(num_blocks, block_size)
+    cache = model.new_kv_cache(num_kv_blocks, block_size)
     for step in steps:
         with torch.no_grad():
             logits, _ = model(*step.args(cache))
@@ -87,14 +88,14 @@ def test_greedy_equals_hf_generate_beyond_the_window_chunked_and_with_prefix_hit
     prompts.append(torch.randint(0, 256, (5,), generator=g).tolist())
     max_tokens = 3 * WINDOW  # every output runs well past the window
     reference = [hf_greedy(hf, p, max_tokens, None) for p in prompts]
-    config = runtime_config(num_blocks=64, block_size=8, max_num_tokens=16)  # chunked prefill: 16 tokens a step
+    config = runtime_config(num_kv_blocks=64, block_size=8, max_num_tokens=16)  # chunked prefill: 16 tokens a step
     engine = LLMEngine(step_engine(hf, config), config, hf.tokenizer, [EOS])
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     outputs = run_staggered(engine, [(p, params) for p in prompts], 3)
     assert [o.outputs[0].token_ids for o in outputs] == reference
     stats = engine.stats()
     assert stats["prefix_cache_hits_tokens"] >= 2 * 32  # the system prompt's 4 full blocks, for 2 later prompts
-    assert engine.kv.pool.num_free == config.num_blocks
+    assert engine.kv.pool.num_free == config.num_kv_blocks
 
 
 @pytest.mark.parametrize("name", ["gemma3", "qwen2-window", "smollm3"])
@@ -103,7 +104,7 @@ def test_built_engine_is_verified_and_carries_the_window(tmp_path, name):
     each node's sliding_window / logit_softcap attributes are the layer's."""
     from trtpaged.builder import build_engine
 
-    config = _config(name, dtype="float32", block_size=8, kv_cache={"num_blocks": 64}, backend="torch")
+    config = _config(name, dtype="float32", block_size=8, kv_cache={"num_kv_blocks": 64}, backend="torch")
     build_engine(config, tmp_path / name, echo=lambda line: None)
     graph = onnx.load(str(next((tmp_path / name).glob("*.onnx"))), load_external_data=False).graph
     nodes = [n for n in graph.node if n.op_type == "TrtpagedPagedAttention"]
@@ -129,8 +130,8 @@ def test_numpy_node_reference_agrees_with_the_kernel_on_window_and_softcap():
     batch = make_batch([(0, 30), (40, 1), (9, 12)], seed=8)
     batch.q.mul_(5.0)
 
-    out = kernels.paged_attention(*batch.args()[:3], batch.kv_cache.clone(), *batch.args()[4:], layer=2,
-                                  scale=batch.scale, sliding_window=7, logit_softcap=2.0)
+    out = kernels.paged_attention(*batch.args()[:3], batch.kv_cache.clone(), *batch.args()[4:],
+                                  AttentionOptions(2, batch.scale, sliding_window=7, logit_softcap=2.0))
     ref, _ = paged_attention_numpy(*(t.numpy() for t in batch.args()), layer=2, block_size=16, scale=batch.scale,
                                    sliding_window=7, logit_softcap=2.0)
     assert (out - torch.from_numpy(ref)).abs().max().item() < 1e-4

@@ -158,8 +158,8 @@ def _tiny(**overrides):
 
 
 def _probe_logits(model, dims, block_size: int = 8) -> list[torch.Tensor]:
-    _, steps, num_blocks = standard_probe(dims.vocab_size, block_size, seed=5, all_rows=True)
-    cache = model.new_kv_cache(num_blocks, block_size)
+    _, steps, num_kv_blocks = standard_probe(dims.vocab_size, block_size, seed=5, all_rows=True)
+    cache = model.new_kv_cache(num_kv_blocks, block_size)
     with torch.no_grad():
         return [model(*step.args(cache))[0] for step in steps]
 
@@ -194,8 +194,8 @@ def test_step_model_uses_the_torch_path_for_other_dtypes(monkeypatch):
     model = step_model_from_hf(hf.model, dims).to(torch.bfloat16)
     for name in ("rmsnorm", "rope_qk", "silu_mul"):
         monkeypatch.setattr(kernels, name, lambda *a, _name=name, **k: pytest.fail(f"fused {_name} on bfloat16"))
-    _, steps, num_blocks = standard_probe(dims.vocab_size, 8, seed=5, all_rows=True)
-    cache = model.new_kv_cache(num_blocks, 8)
+    _, steps, num_kv_blocks = standard_probe(dims.vocab_size, 8, seed=5, all_rows=True)
+    cache = model.new_kv_cache(num_kv_blocks, 8)
     with torch.no_grad():
         logits, _ = model(*steps[0].args(cache))
     assert torch.isfinite(logits).all()

@@ -1,5 +1,5 @@
 """The package's layers import in one direction: builder and runtime share a contract layer
-(manifest, KV budget, memory plan, step I/O, TensorRT environment) and never import each other.
+(manifest, KV budget, memory plan, step I/O, TensorRT environment, setting names) and never import each other.
 
 Read from the source (every import statement, also those inside functions), so a lazy import
 cannot hide a dependency.
@@ -14,7 +14,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "trtpaged"
 CONTRACT = ("trtpaged.manifest", "trtpaged.kv_formats", "trtpaged.kv_budget", "trtpaged.memory_plan",
-            "trtpaged.step_io", "trtpaged.tensorrt_env")
+            "trtpaged.step_io", "trtpaged.tensorrt_env", "trtpaged.names")
 # layer -> packages its modules must not import
 FORBIDDEN = {
     "trtpaged.runtime": ("trtpaged.builder",),

@@ -11,6 +11,7 @@ import torch
 
 from kernel_cases import MIXED_SPECS, Batch, make_batch, tolerance
 from trtpaged import kernels
+from trtpaged.attention_options import AttentionOptions
 from trtpaged.reference import paged_attention_reference
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -21,8 +22,8 @@ def run_both(batch: Batch, layer: int = 1) -> tuple[torch.Tensor, torch.Tensor, 
     ref_cache = batch.kv_cache.clone()
     ker_cache = batch.kv_cache.clone()
     args = batch.args()
-    out = kernels.paged_attention(*args[:3], ker_cache, *args[4:], layer=layer, scale=batch.scale)
-    ref = paged_attention_reference(*args[:3], ref_cache, *args[4:], layer=layer, scale=batch.scale)
+    out = kernels.paged_attention(*args[:3], ker_cache, *args[4:], AttentionOptions(layer, batch.scale))
+    ref = paged_attention_reference(*args[:3], ref_cache, *args[4:], AttentionOptions(layer, batch.scale))
     return out, ker_cache, ref, ref_cache
 
 
@@ -36,9 +37,9 @@ def assert_matches(batch: Batch, layer: int = 1) -> None:
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128])
-@pytest.mark.parametrize("kv_dtype", DTYPES, ids=str)
-def test_mixed_batch_every_block_size_and_kv_dtype(block_size: int, kv_dtype: torch.dtype) -> None:
-    batch = make_batch(MIXED_SPECS, block_size=block_size, kv_dtype=kv_dtype, seed=block_size)
+@pytest.mark.parametrize("kv_cache_dtype", DTYPES, ids=str)
+def test_mixed_batch_every_block_size_and_kv_cache_dtype(block_size: int, kv_cache_dtype: torch.dtype) -> None:
+    batch = make_batch(MIXED_SPECS, block_size=block_size, kv_cache_dtype=kv_cache_dtype, seed=block_size)
     assert_matches(batch)
 
 
@@ -46,7 +47,7 @@ def test_mixed_batch_every_block_size_and_kv_dtype(block_size: int, kv_dtype: to
 @pytest.mark.parametrize("io_dtype", DTYPES, ids=str)
 def test_gqa_ratios_and_io_dtypes(num_heads: int, num_kv_heads: int, io_dtype: torch.dtype) -> None:
     batch = make_batch(MIXED_SPECS, num_heads=num_heads, num_kv_heads=num_kv_heads, io_dtype=io_dtype,
-                       kv_dtype=io_dtype, seed=num_heads)  # fmt: skip
+                       kv_cache_dtype=io_dtype, seed=num_heads)  # fmt: skip
     assert_matches(batch, layer=2)
 
 
@@ -82,7 +83,7 @@ def test_layers_of_one_pool_are_independent() -> None:
 def test_empty_step_is_a_no_op() -> None:
     batch = make_batch([(4, 0)], seed=7)
     cache = batch.kv_cache.clone()
-    out = kernels.paged_attention(*batch.args()[:3], cache, *batch.args()[4:], layer=0, scale=batch.scale)
+    out = kernels.paged_attention(*batch.args()[:3], cache, *batch.args()[4:], AttentionOptions(0, batch.scale))
     assert out.shape == (0, 9, 64)
     assert torch.equal(cache, batch.kv_cache)
 
@@ -90,15 +91,15 @@ def test_empty_step_is_a_no_op() -> None:
 def test_chained_steps_match_one_prefill() -> None:
     # Prefill 40 tokens in one step vs. in chunks of 17, 17, 6 plus decodes: same outputs.
     whole = make_batch([(0, 40)], seed=8)
-    out_whole = kernels.paged_attention(*whole.args()[:3], whole.kv_cache.clone(), *whole.args()[4:], layer=0,
-                                        scale=whole.scale)  # fmt: skip
+    out_whole = kernels.paged_attention(*whole.args()[:3], whole.kv_cache.clone(), *whole.args()[4:],
+                                        AttentionOptions(0, whole.scale))  # fmt: skip
     cache = whole.kv_cache.clone()
     for lo, hi in [(0, 17), (17, 34), (34, 40)]:
         sl = slice(lo, hi)
         out = kernels.paged_attention(
             whole.q[sl].contiguous(), whole.k[sl].contiguous(), whole.v[sl].contiguous(), cache,
             whole.positions[sl].contiguous(), torch.tensor([0, hi - lo], dtype=torch.int32),
-            torch.tensor([hi], dtype=torch.int32), whole.block_tables, layer=0, scale=whole.scale,
+            torch.tensor([hi], dtype=torch.int32), whole.block_tables, AttentionOptions(0, whole.scale),
         )  # fmt: skip
         torch.testing.assert_close(out, out_whole[sl], atol=2e-6, rtol=0)
 
@@ -138,7 +139,7 @@ def call(batch: Batch, cache: torch.Tensor | None = None, **overrides):
                   block_tables=batch.block_tables)  # fmt: skip
     layer = overrides.pop("layer", 0)
     fields.update(overrides)
-    return kernels.paged_attention(**fields, layer=layer, scale=batch.scale)
+    return kernels.paged_attention(**fields, options=AttentionOptions(layer, batch.scale))
 
 
 @pytest.fixture

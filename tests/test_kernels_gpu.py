@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kernel_cases import MIXED_SPECS, Batch, make_batch, tie_rows, tolerance, write_rows
+from trtpaged.attention_options import AttentionOptions
 from trtpaged.reference import paged_attention_reference
 
 pytestmark = pytest.mark.gpu
@@ -50,17 +51,25 @@ def gpu_tolerance(io_dtype: torch.dtype) -> float:
     return max(tolerance(io_dtype), 5e-5)
 
 
-def assert_matches(kernels, batch: Batch, layer: int = 1, max_context_len: Optional[int] = None) -> None:
+def run_both(kernels, batch: Batch, layer: int, max_context_len: Optional[int]):
+    """One call on the GPU and on the reference (CPU): (the GPU batch, the kernel's output, the reference's
+    pool after the call, max |kernel - reference| of the outputs)."""
     gpu = batch.to("cuda")
     ref_cache = batch.kv_cache.clone()
-    out = kernels.paged_attention(*gpu.args(), layer=layer, scale=batch.scale, max_context_len=max_context_len)
+    options = AttentionOptions(layer, batch.scale)
+    out = kernels.paged_attention(*gpu.args(), options, max_context_len=max_context_len)
     args = batch.args()
-    ref = paged_attention_reference(*args[:3], ref_cache, *args[4:], layer=layer, scale=batch.scale)
+    ref = paged_attention_reference(*args[:3], ref_cache, *args[4:], options)
     torch.cuda.synchronize()
+    err = (out.cpu().double() - ref.double()).abs().max().item() if out.numel() else 0.0
+    return gpu, out, ref_cache, err
+
+
+def assert_matches(kernels, batch: Batch, layer: int = 1, max_context_len: Optional[int] = None) -> None:
+    gpu, out, ref_cache, err = run_both(kernels, batch, layer, max_context_len)
     assert out.dtype == batch.q.dtype and out.shape == batch.q.shape
     # Slot by slot: the new K/V landed where the reference put them, nothing else changed.
     assert torch.equal(gpu.kv_cache.cpu(), ref_cache)
-    err = (out.cpu().double() - ref.double()).abs().max().item() if out.numel() else 0.0
     assert err <= gpu_tolerance(batch.q.dtype), f"max abs error {err}"
 
 
@@ -68,19 +77,21 @@ def assert_matches(kernels, batch: Batch, layer: int = 1, max_context_len: Optio
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128])
-@pytest.mark.parametrize("kv_dtype", DTYPES, ids=str)
-def test_mixed_batch_every_block_size_and_kv_dtype(kernels, block_size: int, kv_dtype: torch.dtype) -> None:
-    io_dtype = DTYPES[(block_size.bit_length() + DTYPES.index(kv_dtype)) % 3]
-    batch = make_batch(MIXED_SPECS, block_size=block_size, io_dtype=io_dtype, kv_dtype=kv_dtype, seed=block_size)
+@pytest.mark.parametrize("kv_cache_dtype", DTYPES, ids=str)
+def test_mixed_batch_every_block_size_and_kv_cache_dtype(kernels, block_size: int, kv_cache_dtype: torch.dtype) -> None:
+    io_dtype = DTYPES[(block_size.bit_length() + DTYPES.index(kv_cache_dtype)) % 3]
+    batch = make_batch(MIXED_SPECS, block_size=block_size, io_dtype=io_dtype, kv_cache_dtype=kv_cache_dtype,
+                       seed=block_size)
     assert_matches(kernels, batch)
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("io_dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("kv_dtype", DTYPES, ids=str)
-def test_head_dims_and_dtypes(kernels, head_dim: int, io_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", DTYPES, ids=str)
+def test_head_dims_and_dtypes(kernels, head_dim: int, io_dtype: torch.dtype, kv_cache_dtype: torch.dtype) -> None:
     specs = [(0, 7), (30, 1), (5, 20), (0, 1), (61, 3)]
-    batch = make_batch(specs, head_dim=head_dim, io_dtype=io_dtype, kv_dtype=kv_dtype, seed=head_dim, num_layers=2)
+    batch = make_batch(specs, head_dim=head_dim, io_dtype=io_dtype, kv_cache_dtype=kv_cache_dtype, seed=head_dim,
+                       num_layers=2)
     assert_matches(kernels, batch, layer=1)
 
 
@@ -88,7 +99,7 @@ def test_head_dims_and_dtypes(kernels, head_dim: int, io_dtype: torch.dtype, kv_
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (8, 2), (16, 4), (20, 2), (40, 2)])
 def test_gqa_ratios(kernels, num_heads: int, num_kv_heads: int) -> None:
     batch = make_batch(MIXED_SPECS, num_heads=num_heads, num_kv_heads=num_kv_heads, io_dtype=torch.float16,
-                       kv_dtype=torch.float16, seed=num_heads)  # fmt: skip
+                       kv_cache_dtype=torch.float16, seed=num_heads)  # fmt: skip
     assert_matches(kernels, batch, layer=2)
 
 
@@ -102,8 +113,8 @@ def test_long_decodes_split_and_reduce(kernels) -> None:
     # A few sequences over thousands of cached tokens: the decode kernel splits each context
     # across CTAs (partials in the workspace) and the reduce kernel merges them.
     specs = [(3001, 1), (4095, 1), (5000, 1), (255, 1), (256, 1), (0, 1), (1023, 1)]
-    for kv_dtype in DTYPES:
-        batch = make_batch(specs, num_layers=1, io_dtype=torch.float16, kv_dtype=kv_dtype, seed=22)
+    for kv_cache_dtype in DTYPES:
+        batch = make_batch(specs, num_layers=1, io_dtype=torch.float16, kv_cache_dtype=kv_cache_dtype, seed=22)
         assert_matches(kernels, batch, layer=0)
 
 
@@ -117,14 +128,14 @@ def test_split_plan_from_a_loose_max_context_len(kernels) -> None:
 def test_long_decode_with_prefill_and_gqa4(kernels) -> None:
     specs = [(0, 300), (2500, 5), (3333, 1), (1, 1)]
     batch = make_batch(specs, num_heads=16, num_kv_heads=4, head_dim=128, io_dtype=torch.bfloat16,
-                       kv_dtype=torch.bfloat16, num_layers=2, seed=24)  # fmt: skip
+                       kv_cache_dtype=torch.bfloat16, num_layers=2, seed=24)  # fmt: skip
     assert_matches(kernels, batch, layer=1)
 
 
 def test_decode_batch_of_32(kernels) -> None:
     gen = torch.Generator().manual_seed(25)
     specs = [(int(n), 1) for n in torch.randint(0, 2000, (32,), generator=gen)]
-    batch = make_batch(specs, io_dtype=torch.float16, kv_dtype=torch.float16, num_layers=1, seed=25)
+    batch = make_batch(specs, io_dtype=torch.float16, kv_cache_dtype=torch.float16, num_layers=1, seed=25)
     assert_matches(kernels, batch, layer=0)
 
 
@@ -142,7 +153,7 @@ def test_layers_of_one_pool_are_independent(kernels) -> None:
 def test_empty_step_is_a_no_op(kernels) -> None:
     batch = make_batch([(4, 0)], seed=29).to("cuda")
     before = batch.kv_cache.clone()
-    out = kernels.paged_attention(*batch.args(), layer=0, scale=batch.scale)
+    out = kernels.paged_attention(*batch.args(), AttentionOptions(0, batch.scale))
     torch.cuda.synchronize()
     assert out.shape == (0, 9, 64)
     assert torch.equal(batch.kv_cache, before)
@@ -150,15 +161,15 @@ def test_empty_step_is_a_no_op(kernels) -> None:
 
 def test_chained_steps_match_one_prefill(kernels) -> None:
     whole = make_batch([(0, 40)], seed=30).to("cuda")
-    out_whole = kernels.paged_attention(*whole.args()[:3], whole.kv_cache.clone(), *whole.args()[4:], layer=0,
-                                        scale=whole.scale)  # fmt: skip
+    out_whole = kernels.paged_attention(*whole.args()[:3], whole.kv_cache.clone(), *whole.args()[4:],
+                                        AttentionOptions(0, whole.scale))  # fmt: skip
     cache = whole.kv_cache.clone()
     for lo, hi in [(0, 17), (17, 34), (34, 39), (39, 40)]:
         sl = slice(lo, hi)
         out = kernels.paged_attention(
             whole.q[sl].contiguous(), whole.k[sl].contiguous(), whole.v[sl].contiguous(), cache,
             whole.positions[sl].contiguous(), torch.tensor([0, hi - lo], dtype=torch.int32, device="cuda"),
-            torch.tensor([hi], dtype=torch.int32, device="cuda"), whole.block_tables, layer=0, scale=whole.scale,
+            torch.tensor([hi], dtype=torch.int32, device="cuda"), whole.block_tables, AttentionOptions(0, whole.scale),
         )  # fmt: skip
         torch.testing.assert_close(out, out_whole[sl], atol=1e-5, rtol=0)
 
@@ -168,14 +179,14 @@ def test_bad_device_indices_never_fault(kernels) -> None:
     # clamp them without touching memory outside the pool, and leave the context usable.
     batch = make_batch([(20, 5), (3, 1), (0, 9)], seed=31)
     gpu = batch.to("cuda")
-    num_blocks = gpu.kv_cache.shape[0]
-    gpu.block_tables[0, 0] = num_blocks + 5
+    num_kv_blocks = gpu.kv_cache.shape[0]
+    gpu.block_tables[0, 0] = num_kv_blocks + 5
     gpu.block_tables[0, 1] = -7
     gpu.block_tables[2, 0] = 2**30
     gpu.positions[3] = 10**6  # beyond the block table
     gpu.positions[5] = -3
     gpu.context_lens[1] = 10**6  # clamped to max_context_len and the table
-    kernels.paged_attention(*gpu.args(), layer=1, scale=batch.scale, max_context_len=64)
+    kernels.paged_attention(*gpu.args(), AttentionOptions(1, batch.scale), max_context_len=64)
     torch.cuda.synchronize()
     assert_matches(kernels, make_batch(MIXED_SPECS, seed=32))  # the context still works
 
@@ -183,7 +194,7 @@ def test_bad_device_indices_never_fault(kernels) -> None:
 def test_unsupported_head_dim(kernels) -> None:
     batch = make_batch([(0, 3)], head_dim=72, seed=33).to("cuda")
     with pytest.raises(kernels.KernelError, match="head_dim: 72"):
-        kernels.paged_attention(*batch.args(), layer=0, scale=batch.scale)
+        kernels.paged_attention(*batch.args(), AttentionOptions(0, batch.scale))
 
 
 def test_workspace_is_checked(kernels) -> None:
@@ -259,61 +270,55 @@ def test_bad_block_pairs_are_rejected_on_the_host(kernels) -> None:
 QUANT_KV = ["int8", "fp8_e4m3"]
 
 
-def quantized(batch: Batch, kv_dtype: str) -> Batch:
-    """The batch with its random float pool quantized row by row into kv_dtype's layout."""
+def quantized(batch: Batch, kv_cache_dtype: str) -> Batch:
+    """The batch with its random float pool quantized row by row into kv_cache_dtype's layout."""
     from trtpaged.kv_quant import pack_rows, quantize_rows
 
-    pool = pack_rows(*quantize_rows(batch.kv_cache, kv_dtype))
+    pool = pack_rows(*quantize_rows(batch.kv_cache, kv_cache_dtype))
     return Batch(batch.q, batch.k, batch.v, pool, *batch.args()[4:], scale=batch.scale)
 
 
 def assert_quantized_matches(kernels, batch: Batch, layer: int = 1, max_context_len: Optional[int] = None) -> None:
-    gpu = batch.to("cuda")
-    ref_cache = batch.kv_cache.clone()
-    out = kernels.paged_attention(*gpu.args(), layer=layer, scale=batch.scale, max_context_len=max_context_len)
-    args = batch.args()
-    ref = paged_attention_reference(*args[:3], ref_cache, *args[4:], layer=layer, scale=batch.scale)
-    torch.cuda.synchronize()
+    gpu, _, ref_cache, err = run_both(kernels, batch, layer, max_context_len)
     # every byte of the pool (codes and scales, every slot and layer) as PyTorch quantizes it
     assert torch.equal(gpu.kv_cache.cpu().view(torch.uint8), ref_cache.view(torch.uint8))
-    err = (out.cpu().double() - ref.double()).abs().max().item() if out.numel() else 0.0
     assert err <= gpu_tolerance(batch.q.dtype), f"max abs error {err} against the de-quantizing reference"
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128])
-@pytest.mark.parametrize("kv_dtype", QUANT_KV)
-def test_quantized_mixed_batch_every_block_size(kernels, kv_dtype: str, block_size: int) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", QUANT_KV)
+def test_quantized_mixed_batch_every_block_size(kernels, kv_cache_dtype: str, block_size: int) -> None:
     io_dtype = DTYPES[block_size.bit_length() % 3]
     batch = make_batch(MIXED_SPECS, block_size=block_size, io_dtype=io_dtype, seed=40 + block_size)
-    assert_quantized_matches(kernels, quantized(batch, kv_dtype))
+    assert_quantized_matches(kernels, quantized(batch, kv_cache_dtype))
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("io_dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("kv_dtype", QUANT_KV)
-def test_quantized_head_dims_and_io_dtypes(kernels, kv_dtype: str, io_dtype: torch.dtype, head_dim: int) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", QUANT_KV)
+def test_quantized_head_dims_and_io_dtypes(kernels, kv_cache_dtype: str, io_dtype: torch.dtype, head_dim: int) -> None:
     specs = [(0, 7), (30, 1), (5, 20), (0, 1), (61, 3)]
     batch = make_batch(specs, head_dim=head_dim, io_dtype=io_dtype, seed=head_dim, num_layers=2)
-    assert_quantized_matches(kernels, quantized(batch, kv_dtype), layer=1)
+    assert_quantized_matches(kernels, quantized(batch, kv_cache_dtype), layer=1)
 
 
-@pytest.mark.parametrize("kv_dtype", QUANT_KV)
-def test_quantized_long_decodes_split_prefill_and_gqa(kernels, kv_dtype: str) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", QUANT_KV)
+def test_quantized_long_decodes_split_prefill_and_gqa(kernels, kv_cache_dtype: str) -> None:
     decodes = make_batch([(3001, 1), (4095, 1), (255, 1), (0, 1), (1023, 1)], num_layers=1, io_dtype=torch.float16,
                          seed=41)  # fmt: skip
-    assert_quantized_matches(kernels, quantized(decodes, kv_dtype), layer=0)
+    assert_quantized_matches(kernels, quantized(decodes, kv_cache_dtype), layer=0)
     mixed = make_batch([(0, 300), (2500, 5), (3333, 1), (1, 1)], num_heads=16, num_kv_heads=4, head_dim=128,
                        io_dtype=torch.bfloat16, num_layers=2, block_size=8, seed=42)  # fmt: skip
-    assert_quantized_matches(kernels, quantized(mixed, kv_dtype), layer=1)
+    assert_quantized_matches(kernels, quantized(mixed, kv_cache_dtype), layer=1)
 
 
-@pytest.mark.parametrize("kv_dtype", QUANT_KV)
-def test_quantized_masked_rows_holding_nan_bytes_never_leak(kernels, kv_dtype: str) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", QUANT_KV)
+def test_quantized_masked_rows_holding_nan_bytes_never_leak(kernels, kv_cache_dtype: str) -> None:
     # Slots past each sequence's context (same blocks, and the padding blocks) hold NaN codes and NaN
     # scales: the tile loader zero-fills them, so masked keys add nothing (0 * NaN would be NaN).
     from trtpaged.kv_quant import split_rows
 
-    batch = quantized(make_batch([(0, 5), (20, 1), (9, 14)], block_size=16, num_layers=1, seed=43), kv_dtype)
+    batch = quantized(make_batch([(0, 5), (20, 1), (9, 14)], block_size=16, num_layers=1, seed=43), kv_cache_dtype)
     raw = batch.kv_cache.view(torch.uint8)  # [blocks, layers, 2, kv heads, block_size, D + 2]
     live = torch.zeros(raw.shape[0], raw.shape[4], dtype=torch.bool)  # (block, slot) inside some context
     for s, length in enumerate(batch.context_lens.tolist()):
@@ -322,19 +327,19 @@ def test_quantized_masked_rows_holding_nan_bytes_never_leak(kernels, kv_dtype: s
     dead = ~live[:, None, None, None, :]
     raw[dead.expand(raw.shape[:5])] = 0x7F  # codes NaN (fp8) / 127 (int8), fp16 scale 0x7f7f = NaN
     assert torch.isnan(split_rows(batch.kv_cache)[1][dead.expand(raw.shape[:5])]).all()
-    out = kernels.paged_attention(*batch.to("cuda").args(), layer=0, scale=batch.scale)
+    out = kernels.paged_attention(*batch.to("cuda").args(), AttentionOptions(0, batch.scale))
     assert torch.isfinite(out).all()
     assert_quantized_matches(kernels, batch, layer=0)
 
 
-@pytest.mark.parametrize("kv_dtype", QUANT_KV)
-def test_quantized_write_rounds_every_tie_like_torch(kernels, kv_dtype: str) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", QUANT_KV)
+def test_quantized_write_rounds_every_tie_like_torch(kernels, kv_cache_dtype: str) -> None:
     # Rows with scale exactly 1 whose values are every midpoint between neighbouring codes and the
     # floats either side (kernel_cases.tie_rows): the codes must be torch's rounding of them. On sm_89+
     # this checks the hardware conversion, on sm_80 the software codec the CPU kernels share.
     from trtpaged.kv_quant import split_rows
 
-    rows, expected = tie_rows(kv_dtype)
+    rows, expected = tie_rows(kv_cache_dtype)
     pool = torch.zeros(1, 1, 2, 1, 64, 64 + 2, dtype=expected.dtype, device="cuda")
     write_rows(kernels, rows.cuda(), pool)
     codes, scales = split_rows(pool.cpu()[0, 0, 0, 0, : rows.shape[0]])
@@ -342,8 +347,8 @@ def test_quantized_write_rounds_every_tie_like_torch(kernels, kv_dtype: str) -> 
     assert torch.equal(codes.view(torch.uint8), expected.view(torch.uint8))
 
 
-@pytest.mark.parametrize("kv_dtype", QUANT_KV)
-def test_quantized_write_of_nan_rows_equals_the_cpu_codec(kernels, kv_dtype: str) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", QUANT_KV)
+def test_quantized_write_of_nan_rows_equals_the_cpu_codec(kernels, kv_cache_dtype: str) -> None:
     # A row holding a NaN (one lane, the last lane, every lane, -NaN) gets the NaN scale and zero codes,
     # byte for byte what kv_quant (and the CPU kernels, tests/test_kv_codec_paths.py) write; finite rows
     # beside them are untouched by it.
@@ -355,17 +360,17 @@ def test_quantized_write_of_nan_rows_equals_the_cpu_codec(kernels, kv_dtype: str
     rows[1, 63] = float("nan")
     rows[2, :] = float("nan")
     rows[3, 10] = -float("nan")
-    pool = torch.zeros(1, 1, 2, 1, 8, 64 + 2, dtype=STORAGE_DTYPES[kv_dtype], device="cuda")
+    pool = torch.zeros(1, 1, 2, 1, 8, 64 + 2, dtype=STORAGE_DTYPES[kv_cache_dtype], device="cuda")
     write_rows(kernels, rows.cuda(), pool)
-    expected = pack_rows(*quantize_rows(rows, kv_dtype))
+    expected = pack_rows(*quantize_rows(rows, kv_cache_dtype))
     got = pool.cpu()[0, 0, 0, 0, : rows.shape[0]]
     assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
 
 
-@pytest.mark.parametrize("kv_dtype", QUANT_KV)
-def test_quantized_blocks_copy_and_swap_as_bytes(kernels, kv_dtype: str) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", QUANT_KV)
+def test_quantized_blocks_copy_and_swap_as_bytes(kernels, kv_cache_dtype: str) -> None:
     # block copies are dtype-blind: a quantized pool's blocks (codes and scales) move as bytes
-    pool = quantized(make_batch([(0, 5), (7, 1)], num_layers=2), kv_dtype).kv_cache
+    pool = quantized(make_batch([(0, 5), (7, 1)], num_layers=2), kv_cache_dtype).kv_cache
     gpu_pool = pool.to("cuda")
     kernels.copy_blocks(gpu_pool, [(0, 1), (2, 3)])
     host = torch.zeros_like(pool)
@@ -376,8 +381,8 @@ def test_quantized_blocks_copy_and_swap_as_bytes(kernels, kv_dtype: str) -> None
     assert torch.equal(host[0].view(torch.uint8), pool[0].view(torch.uint8))
 
 
-@pytest.mark.parametrize("kv_dtype", QUANT_KV)
-def test_step_model_on_cuda_with_a_quantized_cache_matches_the_cpu_kernels(kernels, kv_dtype: str) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", QUANT_KV)
+def test_step_model_on_cuda_with_a_quantized_cache_matches_the_cpu_kernels(kernels, kv_cache_dtype: str) -> None:
     # End to end through the torch backend's step model (head_dim 64, a CUDA head_dim): the probe's two
     # steps over a quantized pool on the GPU give the CPU kernels' logits and (but for codes at a rounding
     # boundary, where the two devices' matmuls differ in the last bit) the same pool bytes.
@@ -392,9 +397,9 @@ def test_step_model_on_cuda_with_a_quantized_cache_matches_the_cpu_kernels(kerne
     assert dims.head_dim == 64
     cpu_model = step_model_from_hf(hf.model, dims, torch.float32)
     gpu_model = step_model_from_hf(hf.model, dims, torch.float32).to("cuda")
-    _, steps, num_blocks = standard_probe(dims.vocab_size, 16, seed=5, all_rows=True)
-    cpu_pool = cpu_model.new_kv_cache(num_blocks, 16, kv_dtype)
-    gpu_pool = gpu_model.new_kv_cache(num_blocks, 16, kv_dtype, device="cuda")
+    _, steps, num_kv_blocks = standard_probe(dims.vocab_size, 16, seed=5, all_rows=True)
+    cpu_pool = cpu_model.new_kv_cache(num_kv_blocks, 16, kv_cache_dtype)
+    gpu_pool = gpu_model.new_kv_cache(num_kv_blocks, 16, kv_cache_dtype, device="cuda")
     for step in steps:
         with torch.no_grad():
             ref, _ = cpu_model(*step.args(cpu_pool))

@@ -19,12 +19,13 @@ import torch
 
 from kernel_cases import MIXED_SPECS, Batch, make_batch, tie_rows, write_rows
 from trtpaged import kernels
+from trtpaged.attention_options import AttentionOptions
 from trtpaged.kv_quant import CODE_MAX, STORAGE_DTYPES, dequantize_rows, pack_rows, quantize_rows, split_rows
 from trtpaged.reference import paged_attention_reference, write_kv_reference
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="kernel library not built")
 
-KV_DTYPES = ["int8", "fp8_e4m3"]
+KV_CACHE_DTYPES = ["int8", "fp8_e4m3"]
 
 
 def _isa_of_paths() -> dict[str, str]:
@@ -59,18 +60,18 @@ def path(request: pytest.FixtureRequest):
     kernels.set_cpu_isa(None)
 
 
-def written_rows(rows: torch.Tensor, kv_dtype: str) -> torch.Tensor:
+def written_rows(rows: torch.Tensor, kv_cache_dtype: str) -> torch.Tensor:
     """The pool rows [n, D + 2] the kernel writes for K rows [n, D] (one sequence, one kv head)."""
     n, d = rows.shape
     block_size = 64
     blocks = -(-n // block_size)
-    pool = torch.zeros(blocks, 1, 2, 1, block_size, d + 2, dtype=STORAGE_DTYPES[kv_dtype])
+    pool = torch.zeros(blocks, 1, 2, 1, block_size, d + 2, dtype=STORAGE_DTYPES[kv_cache_dtype])
     write_rows(kernels, rows, pool)
     return pool[:, 0, 0, 0].reshape(blocks * block_size, d + 2)[:n]
 
 
-def reference_rows(rows: torch.Tensor, kv_dtype: str) -> torch.Tensor:
-    return pack_rows(*quantize_rows(rows, kv_dtype))
+def reference_rows(rows: torch.Tensor, kv_cache_dtype: str) -> torch.Tensor:
+    return pack_rows(*quantize_rows(rows, kv_cache_dtype))
 
 
 def assert_same_bytes(got: torch.Tensor, want: torch.Tensor, rows: torch.Tensor) -> None:
@@ -84,19 +85,20 @@ def assert_same_bytes(got: torch.Tensor, want: torch.Tensor, rows: torch.Tensor)
 
 @pytest.mark.parametrize("io_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("head_dim", [16, 64, 80, 128, 256])
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_codes_and_scales_match_the_reference(path: str, kv_dtype: str, head_dim: int, io_dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
+def test_codes_and_scales_match_the_reference(path: str, kv_cache_dtype: str, head_dim: int,
+                                              io_dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(head_dim)
     rows = torch.randn(300, head_dim, generator=gen) * torch.logspace(-6, 4, 300)[:, None]
     rows[::5, head_dim - 1] *= 40.0  # an outlier channel in the last lane, another in the first
     rows[1::7, 0] *= -25.0
     rows = rows.to(io_dtype)
-    assert_same_bytes(written_rows(rows, kv_dtype), reference_rows(rows, kv_dtype), rows)
+    assert_same_bytes(written_rows(rows, kv_cache_dtype), reference_rows(rows, kv_cache_dtype), rows)
 
 
-def edge_rows(kv_dtype: str, d: int = 80) -> dict[str, torch.Tensor]:
+def edge_rows(kv_cache_dtype: str, d: int = 80) -> dict[str, torch.Tensor]:
     """Rows [n, d] at the codec's edges; d = 80 is not a multiple of 32, so vector loops have tails."""
-    top = CODE_MAX[kv_dtype]
+    top = CODE_MAX[kv_cache_dtype]
     nan, inf = float("nan"), float("inf")
     base = torch.randn(6, d, generator=torch.Generator().manual_seed(7))
     cases: dict[str, torch.Tensor] = {}
@@ -125,38 +127,38 @@ def edge_rows(kv_dtype: str, d: int = 80) -> dict[str, torch.Tensor]:
     smallest[0, 0] = torch.finfo(torch.float32).tiny * 2**-23  # the smallest float: its scale rounds to 0
     smallest[1, :] = 2.0**-24 * top  # scale exactly fp16's smallest subnormal
     cases["smallest"] = smallest
-    ties, _ = tie_rows(kv_dtype)  # every midpoint between two codes, and the floats either side
+    ties, _ = tie_rows(kv_cache_dtype)  # every midpoint between two codes, and the floats either side
     cases["rounding ties"] = torch.cat([ties, torch.zeros(ties.shape[0], d - ties.shape[1])], dim=1)
     scaled = ties * 2.0**-9  # the same ties with a scale of 2^-9 (x / scale exact)
     cases["rounding ties, scaled"] = torch.cat([scaled, torch.zeros(scaled.shape[0], d - scaled.shape[1])], dim=1)
     return cases
 
 
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_edge_rows_match_the_reference(path: str, kv_dtype: str) -> None:
-    for name, rows in edge_rows(kv_dtype).items():
-        got = written_rows(rows, kv_dtype)
+@pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
+def test_edge_rows_match_the_reference(path: str, kv_cache_dtype: str) -> None:
+    for name, rows in edge_rows(kv_cache_dtype).items():
+        got = written_rows(rows, kv_cache_dtype)
         try:
-            assert_same_bytes(got, reference_rows(rows, kv_dtype), rows)
+            assert_same_bytes(got, reference_rows(rows, kv_cache_dtype), rows)
         except AssertionError as e:
             raise AssertionError(f"{name}: {e}") from None
 
 
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_edge_rows_read_back_as_documented(path: str, kv_dtype: str) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
+def test_edge_rows_read_back_as_documented(path: str, kv_cache_dtype: str) -> None:
     # What the bytes mean, independently of the reference codec (trtpaged/kv_quant.py's docstring).
-    cases = edge_rows(kv_dtype)
-    top = CODE_MAX[kv_dtype]
-    back = dequantize_rows(written_rows(cases["NaN"], kv_dtype))
+    cases = edge_rows(kv_cache_dtype)
+    top = CODE_MAX[kv_cache_dtype]
+    back = dequantize_rows(written_rows(cases["NaN"], kv_cache_dtype))
     assert torch.all(back.isnan() == cases["NaN"].isnan().any(-1, keepdim=True))  # a NaN row reads as NaN
-    codes, scales = split_rows(written_rows(cases["zeros"], kv_dtype))
+    codes, scales = split_rows(written_rows(cases["zeros"], kv_cache_dtype))
     assert torch.all(scales == 0) and torch.all(codes.view(torch.uint8) == 0)
-    codes, scales = split_rows(written_rows(cases["fp16 scale overflow"], kv_dtype))
+    codes, scales = split_rows(written_rows(cases["fp16 scale overflow"], kv_cache_dtype))
     assert torch.all(scales == 65504.0)
     assert torch.equal(codes[:, 5].float().abs(), torch.full((4,), top))
-    codes, scales = split_rows(written_rows(cases["inf"], kv_dtype))
+    codes, scales = split_rows(written_rows(cases["inf"], kv_cache_dtype))
     assert torch.all(scales[:4] == 65504.0) and codes[0, 0].float() == top and codes[1, -1].float() == -top
-    codes, scales = split_rows(written_rows(cases["rounding ties, scaled"], kv_dtype))
+    codes, scales = split_rows(written_rows(cases["rounding ties, scaled"], kv_cache_dtype))
     assert torch.all(scales == 2.0**-9)
 
 
@@ -174,13 +176,13 @@ def _smollm2_like_batch(seed: int, io_dtype: torch.dtype = torch.float32) -> Bat
     return batch
 
 
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_smollm2_shapes_every_layer(path: str, kv_dtype: str) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
+def test_smollm2_shapes_every_layer(path: str, kv_cache_dtype: str) -> None:
     # Every layer of a SmolLM2-sized pool written through the kernel, one call per layer as the step model
     # makes them (each layer its own K/V): every byte of the pool as the reference writes it; attention as
     # the reference's on the first, a middle and the last layer.
     batch = _smollm2_like_batch(seed=11)
-    pool = pack_rows(*quantize_rows(batch.kv_cache, kv_dtype))
+    pool = pack_rows(*quantize_rows(batch.kv_cache, kv_cache_dtype))
     cache, ref_cache = pool.clone(), pool.clone()
     q, k, v, _, positions, query_start, context_lens, block_tables = batch.args()
     worst = 0.0
@@ -188,10 +190,10 @@ def test_smollm2_shapes_every_layer(path: str, kv_dtype: str) -> None:
         sign = 1.0 if layer % 2 == 0 else -1.0
         k_l, v_l = k.roll(layer, dims=-1) * sign, v.roll(-layer, dims=-1)
         out = kernels.paged_attention(q, k_l, v_l, cache, positions, query_start, context_lens, block_tables,
-                                      layer=layer, scale=batch.scale)
+                                      AttentionOptions(layer, batch.scale))
         if layer in (0, 14, 29):
             ref = paged_attention_reference(q, k_l, v_l, ref_cache, positions, query_start, context_lens,
-                                            block_tables, layer=layer, scale=batch.scale)
+                                            block_tables, AttentionOptions(layer, batch.scale))
             worst = max(worst, (out.double() - ref.double()).abs().max().item())
         else:
             write_kv_reference(k_l, v_l, ref_cache, positions, query_start, block_tables, layer)
@@ -200,21 +202,21 @@ def test_smollm2_shapes_every_layer(path: str, kv_dtype: str) -> None:
     assert worst <= bound, f"max abs error {worst} against attention on the de-quantized cache (bound {bound:.3g})"
 
 
-@pytest.mark.parametrize("kv_dtype", ["float32", "float16", "bfloat16", "int8", "fp8_e4m3"])
-def test_attention_every_path(path: str, kv_dtype: str) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16", "bfloat16", "int8", "fp8_e4m3"])
+def test_attention_every_path(path: str, kv_cache_dtype: str) -> None:
     # The attention loops of each copy (AVX-512: 16 lanes, AVX2: 8, scalar: SSE) over every cache dtype,
     # block sizes that split a tile and one larger than a tile, a long context split over key ranges.
     for spec, block_size, head_dim in ((MIXED_SPECS, 16, 64), (MIXED_SPECS, 8, 128), ([(700, 9), (0, 40)], 32, 80),
                                        ([(3001, 1)], 16, 64)):
         batch = make_batch(spec, block_size=block_size, head_dim=head_dim, num_layers=2, seed=block_size + head_dim)
-        if kv_dtype in STORAGE_DTYPES:
-            pool = pack_rows(*quantize_rows(batch.kv_cache, kv_dtype))
+        if kv_cache_dtype in STORAGE_DTYPES:
+            pool = pack_rows(*quantize_rows(batch.kv_cache, kv_cache_dtype))
         else:
-            pool = batch.kv_cache.to(getattr(torch, kv_dtype))
+            pool = batch.kv_cache.to(getattr(torch, kv_cache_dtype))
         cache, ref_cache = pool.clone(), pool.clone()
         args = batch.args()
-        out = kernels.paged_attention(*args[:3], cache, *args[4:], layer=1, scale=batch.scale)
-        ref = paged_attention_reference(*args[:3], ref_cache, *args[4:], layer=1, scale=batch.scale)
+        out = kernels.paged_attention(*args[:3], cache, *args[4:], AttentionOptions(1, batch.scale))
+        ref = paged_attention_reference(*args[:3], ref_cache, *args[4:], AttentionOptions(1, batch.scale))
         assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
         err = (out.double() - ref.double()).abs().max().item()
         assert err <= 2e-5, f"{spec}, block {block_size}, head_dim {head_dim}: max abs error {err}"
@@ -227,15 +229,15 @@ def test_every_path_writes_the_same_bytes() -> None:
     try:
         for name, isa in ISA_OF_PATH.items():
             kernels.set_cpu_isa(isa)
-            for kv_dtype in KV_DTYPES:
-                cache = torch.zeros(batch.kv_cache.shape[:-1] + (66,), dtype=STORAGE_DTYPES[kv_dtype])
+            for kv_cache_dtype in KV_CACHE_DTYPES:
+                cache = torch.zeros(batch.kv_cache.shape[:-1] + (66,), dtype=STORAGE_DTYPES[kv_cache_dtype])
                 args = batch.args()
-                kernels.paged_attention(*args[:3], cache, *args[4:], layer=29, scale=batch.scale)
-                pools[name, kv_dtype] = cache.view(torch.uint8)
+                kernels.paged_attention(*args[:3], cache, *args[4:], AttentionOptions(29, batch.scale))
+                pools[name, kv_cache_dtype] = cache.view(torch.uint8)
     finally:
         kernels.set_cpu_isa(None)
-    for (name, kv_dtype), pool in pools.items():
-        assert torch.equal(pool, pools[next(iter(ISA_OF_PATH)), kv_dtype]), f"{name} {kv_dtype}"
+    for (name, kv_cache_dtype), pool in pools.items():
+        assert torch.equal(pool, pools[next(iter(ISA_OF_PATH)), kv_cache_dtype]), f"{name} {kv_cache_dtype}"
 
 
 def test_env_var_forces_the_path() -> None:

@@ -23,7 +23,7 @@ from trtpaged.kv_quant import STORAGE_DTYPES, pack_rows, quantize_rows
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not kernels.available(), reason="kernel library not built")]
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-KV_DTYPES = ["int8", "fp8_e4m3"]
+KV_CACHE_DTYPES = ["int8", "fp8_e4m3"]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def smollm2():
     return hf.model, step_model_from_hf(hf.model, dims, torch.float32), dims
 
 
-def _probe_kv(step_model, dims, kv_dtype: str) -> list[torch.Tensor]:
+def _probe_kv(step_model, dims, kv_cache_dtype: str) -> list[torch.Tensor]:
     """The K and V rows [tokens * kv_heads, head_dim] the eager step model hands the kernel, every layer
     of both probe steps, in call order."""
     from trtpaged.builder.probe import standard_probe
@@ -49,12 +49,12 @@ def _probe_kv(step_model, dims, kv_dtype: str) -> list[torch.Tensor]:
     seen: list[torch.Tensor] = []
     call = kernels.AttentionStep.__call__
 
-    def recording(self, layer, q, k, v, scale, *options):  # options: the layer's window and soft-cap
+    def recording(self, q, k, v, options):
         seen.extend([k.reshape(-1, dims.head_dim).clone(), v.reshape(-1, dims.head_dim).clone()])
-        return call(self, layer, q, k, v, scale, *options)
+        return call(self, q, k, v, options)
 
-    _, steps, num_blocks = standard_probe(dims.vocab_size, 16, all_rows=True)
-    pool = step_model.new_kv_cache(num_blocks, 16, kv_dtype)
+    _, steps, num_kv_blocks = standard_probe(dims.vocab_size, 16, all_rows=True)
+    pool = step_model.new_kv_cache(num_kv_blocks, 16, kv_cache_dtype)
     kernels.AttentionStep.__call__ = recording
     try:
         with torch.no_grad():
@@ -66,17 +66,17 @@ def _probe_kv(step_model, dims, kv_dtype: str) -> list[torch.Tensor]:
     return seen
 
 
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_real_activations_every_path(smollm2, kv_dtype: str) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
+def test_real_activations_every_path(smollm2, kv_cache_dtype: str) -> None:
     _, step_model, dims = smollm2
-    rows = torch.cat(_probe_kv(step_model, dims, kv_dtype))  # 120 tensors of 105 or 50 tokens x 3 heads
-    want = pack_rows(*quantize_rows(rows, kv_dtype)).view(torch.uint8)
+    rows = torch.cat(_probe_kv(step_model, dims, kv_cache_dtype))  # 120 tensors of 105 or 50 tokens x 3 heads
+    want = pack_rows(*quantize_rows(rows, kv_cache_dtype)).view(torch.uint8)
     block_size = 64
     blocks = -(-rows.shape[0] // block_size)
     try:
         for path, isa in ISA_OF_PATH.items():
             kernels.set_cpu_isa(isa)
-            pool = torch.zeros(blocks, 1, 2, 1, block_size, dims.head_dim + 2, dtype=STORAGE_DTYPES[kv_dtype])
+            pool = torch.zeros(blocks, 1, 2, 1, block_size, dims.head_dim + 2, dtype=STORAGE_DTYPES[kv_cache_dtype])
             write_rows(kernels, rows, pool)
             got = pool[:, 0, 0, 0].reshape(-1, dims.head_dim + 2)[: rows.shape[0]].view(torch.uint8)
             differ = (got != want).any(-1)
@@ -85,8 +85,8 @@ def test_real_activations_every_path(smollm2, kv_dtype: str) -> None:
         kernels.set_cpu_isa(None)
 
 
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_build_verification_passes_every_path(smollm2, kv_dtype: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
+def test_build_verification_passes_every_path(smollm2, kv_cache_dtype: str, tmp_path: Path) -> None:
     from trtpaged.builder.export import export_onnx
     from trtpaged.builder.weights import save_weights
     from trtpaged.builder.verify import verify_onnx
@@ -94,14 +94,15 @@ def test_build_verification_passes_every_path(smollm2, kv_dtype: str, tmp_path: 
     hf_model, step_model, dims = smollm2
     onnx_path, weights = tmp_path / "model.onnx", tmp_path / "weights.safetensors"
     save_weights(step_model, weights)
-    export_onnx(step_model, 16, kv_dtype, onnx_path, weights)
+    export_onnx(step_model, 16, kv_cache_dtype, onnx_path, weights)
     results = {}
     try:
         for path, isa in ISA_OF_PATH.items():
             kernels.set_cpu_isa(isa)
-            results[path] = verify_onnx(onnx_path, hf_model, dims.vocab_size, 16, "float32", kv_dtype, step_model)
+            results[path] = verify_onnx(onnx_path, hf_model, dims.vocab_size, 16, "float32", kv_cache_dtype, step_model)
     finally:
         kernels.set_cpu_isa(None)
     for path, result in results.items():  # verify_onnx raises past the tolerance; the figures for the log
-        print(f"{kv_dtype} {path}: max |onnx - eager| {result.max_abs_diff:.3g}, tolerance {result.tolerance:.3g}")
+        print(f"{kv_cache_dtype} {path}: max |onnx - eager| {result.max_abs_diff:.3g}, "
+              f"tolerance {result.tolerance:.3g}")
         assert result.rows == 105 and result.max_abs_diff <= result.tolerance

@@ -16,6 +16,7 @@ import torch
 
 from kernel_cases import MIXED_SPECS, Batch, make_batch, tie_rows, write_rows
 from trtpaged import kernels
+from trtpaged.attention_options import AttentionOptions
 from trtpaged.kv_quant import (
     STORAGE_DTYPES,
     dequantize_rows,
@@ -27,29 +28,29 @@ from trtpaged.reference import paged_attention_reference
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="kernel library not built")
 
-KV_DTYPES = ["int8", "fp8_e4m3"]
+KV_CACHE_DTYPES = ["int8", "fp8_e4m3"]
 # Max abs error of attention over the quantized cache against attention over the full-precision
 # values, for unit-normal K/V (docs/quantization.md); measured 0.017-0.023 (int8), 0.10-0.12 (fp8).
 FULL_PRECISION_BOUND = {"int8": 0.04, "fp8_e4m3": 0.25}
 
 
-def quantized(batch: Batch, kv_dtype: str) -> Batch:
-    """The batch with its (random float) pool quantized row by row into kv_dtype's layout."""
-    pool = pack_rows(*quantize_rows(batch.kv_cache, kv_dtype))
+def quantized(batch: Batch, kv_cache_dtype: str) -> Batch:
+    """The batch with its (random float) pool quantized row by row into kv_cache_dtype's layout."""
+    pool = pack_rows(*quantize_rows(batch.kv_cache, kv_cache_dtype))
     return Batch(batch.q, batch.k, batch.v, pool, *batch.args()[4:], scale=batch.scale)
 
 
 def run_kernel(batch: Batch, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     cache = batch.kv_cache.clone()
     args = batch.args()
-    out = kernels.paged_attention(*args[:3], cache, *args[4:], layer=layer, scale=batch.scale)
+    out = kernels.paged_attention(*args[:3], cache, *args[4:], AttentionOptions(layer, batch.scale))
     return out, cache
 
 
 def run_reference(batch: Batch, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     cache = batch.kv_cache.clone()
     args = batch.args()
-    out = paged_attention_reference(*args[:3], cache, *args[4:], layer=layer, scale=batch.scale)
+    out = paged_attention_reference(*args[:3], cache, *args[4:], AttentionOptions(layer, batch.scale))
     return out, cache
 
 
@@ -57,32 +58,32 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_codec_matches_torch_rounding(kv_dtype: str) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
+def test_codec_matches_torch_rounding(kv_cache_dtype: str) -> None:
     # magnitudes whose scales are normal fp16 numbers (max|x| >= 127 * 2^-14); below that the scale is
     # subnormal and its step, 2^-24, is what bounds the error (tiny in absolute terms)
     x = torch.randn(50, 64) * torch.logspace(-1, 3, 50)[:, None]
     x[3] = 0.0  # an all-zero row: scale 0, codes 0
-    codes, scales = quantize_rows(x, kv_dtype)
+    codes, scales = quantize_rows(x, kv_cache_dtype)
     assert scales[3] == 0 and torch.all(codes[3].float() == 0)
     # the fp16 scale: within 2^-11 relative of max|x| / M (M = 127 or 448)
-    exact = x.abs().amax(-1) / (127.0 if kv_dtype == "int8" else 448.0)
+    exact = x.abs().amax(-1) / (127.0 if kv_cache_dtype == "int8" else 448.0)
     assert torch.all((scales - exact).abs() <= exact * 2.0**-11)
     back = dequantize_rows(pack_rows(codes, scales))
     rel = ((back - x).abs().amax(-1) / x.abs().amax(-1).clamp_min(1e-30))
     # half a step of the code grid (1/254 for int8, 2^-4 relative for e4m3's 3 mantissa bits), plus
     # the clamp when the fp16 scale rounded down (at most 2^-11 of max|x|)
-    assert rel.max() <= (0.5 / 127 if kv_dtype == "int8" else 2.0**-4) + 2.0**-11
+    assert rel.max() <= (0.5 / 127 if kv_cache_dtype == "int8" else 2.0**-4) + 2.0**-11
     c2, s2 = split_rows(pack_rows(codes, scales))
     assert same_bytes(c2, codes) and torch.equal(s2, scales)
 
 
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_write_rounds_every_tie_like_torch(kv_dtype: str) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
+def test_write_rounds_every_tie_like_torch(kv_cache_dtype: str) -> None:
     # Rows with scale exactly 1 holding every midpoint between neighbouring codes and the floats either
     # side: the kernel's codes are torch's rounding of them (half to even). The fp8 encoder checked here
     # (plugins/src/fp8_e4m3.h) is also the CUDA kernels' on sm_80.
-    rows, expected = tie_rows(kv_dtype)
+    rows, expected = tie_rows(kv_cache_dtype)
     pool = torch.zeros(1, 1, 2, 1, 64, 64 + 2, dtype=expected.dtype)
     write_rows(kernels, rows, pool)
     codes, scales = split_rows(pool[0, 0, 0, 0, : rows.shape[0]])
@@ -91,9 +92,9 @@ def test_write_rounds_every_tie_like_torch(kv_dtype: str) -> None:
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 64])
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_write_and_attention_match_the_dequantizing_reference(kv_dtype: str, block_size: int) -> None:
-    batch = quantized(make_batch(MIXED_SPECS, block_size=block_size, seed=block_size), kv_dtype)
+@pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
+def test_write_and_attention_match_the_dequantizing_reference(kv_cache_dtype: str, block_size: int) -> None:
+    batch = quantized(make_batch(MIXED_SPECS, block_size=block_size, seed=block_size), kv_cache_dtype)
     out, cache = run_kernel(batch, layer=1)
     ref, ref_cache = run_reference(batch, layer=1)
     # every byte of the pool (codes and scales of every slot and layer) as PyTorch quantizes it
@@ -103,9 +104,9 @@ def test_write_and_attention_match_the_dequantizing_reference(kv_dtype: str, blo
 
 
 @pytest.mark.parametrize("io_dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_half_io(kv_dtype: str, io_dtype: torch.dtype) -> None:
-    batch = quantized(make_batch([(0, 33), (40, 1), (17, 5)], io_dtype=io_dtype, seed=9), kv_dtype)
+@pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
+def test_half_io(kv_cache_dtype: str, io_dtype: torch.dtype) -> None:
+    batch = quantized(make_batch([(0, 33), (40, 1), (17, 5)], io_dtype=io_dtype, seed=9), kv_cache_dtype)
     out, cache = run_kernel(batch, layer=0)
     ref, ref_cache = run_reference(batch, layer=0)
     assert same_bytes(cache, ref_cache)
@@ -113,33 +114,33 @@ def test_half_io(kv_dtype: str, io_dtype: torch.dtype) -> None:
     assert err <= {torch.float16: 4e-3, torch.bfloat16: 3e-2}[io_dtype]
 
 
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_long_context_split_and_head_dims(kv_dtype: str) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
+def test_long_context_split_and_head_dims(kv_cache_dtype: str) -> None:
     # key ranges split across tasks and merged; the fused int8 loops (head_dim 64, 128) and the
     # de-quantize-into-scratch path (other head dims, and every fp8 cache)
     for batch, layer in ((make_batch([(3001, 1)], num_layers=1, seed=4), 0),
                          (make_batch([(700, 9), (0, 40)], head_dim=128, num_layers=2, seed=8), 1),
                          (make_batch([(300, 3), (0, 21)], head_dim=80, num_layers=1, seed=10), 0)):
-        qb = quantized(batch, kv_dtype)
+        qb = quantized(batch, kv_cache_dtype)
         out, cache = run_kernel(qb, layer)
         ref, ref_cache = run_reference(qb, layer)
         assert same_bytes(cache, ref_cache)
         assert (out.double() - ref.double()).abs().max().item() <= 2e-5
 
 
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_against_full_precision_within_documented_bound(kv_dtype: str) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
+def test_against_full_precision_within_documented_bound(kv_cache_dtype: str) -> None:
     batch = make_batch(MIXED_SPECS, seed=21)
     full, _ = run_reference(batch, layer=2)
-    out, _ = run_kernel(quantized(batch, kv_dtype), layer=2)
+    out, _ = run_kernel(quantized(batch, kv_cache_dtype), layer=2)
     err = (out.double() - full.double()).abs().max().item()
-    assert 0 < err <= FULL_PRECISION_BOUND[kv_dtype], f"max abs error {err}"
+    assert 0 < err <= FULL_PRECISION_BOUND[kv_cache_dtype], f"max abs error {err}"
 
 
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_rows_are_written_once(kv_dtype: str) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
+def test_rows_are_written_once(kv_cache_dtype: str) -> None:
     # A later token 1000x larger lands in the same block: earlier rows keep their bytes.
-    batch = quantized(make_batch([(0, 5)], num_layers=1, seed=3), kv_dtype)
+    batch = quantized(make_batch([(0, 5)], num_layers=1, seed=3), kv_cache_dtype)
     _, cache = run_kernel(batch, layer=0)
     block = int(batch.block_tables[0, 0])
     big = make_batch([(5, 1)], num_layers=1, seed=3)
@@ -150,9 +151,9 @@ def test_rows_are_written_once(kv_dtype: str) -> None:
     assert not same_bytes(after[block, :, :, :, 5], cache[block, :, :, :, 5])
 
 
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_copy_swap_and_cow_carry_the_scales(kv_dtype: str) -> None:
-    batch = quantized(make_batch([(0, 21)], num_layers=2, spare_blocks=4, seed=5), kv_dtype)
+@pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
+def test_copy_swap_and_cow_carry_the_scales(kv_cache_dtype: str) -> None:
+    batch = quantized(make_batch([(0, 21)], num_layers=2, spare_blocks=4, seed=5), kv_cache_dtype)
     out, cache = run_kernel(batch, layer=1)
     src = batch.block_tables[0, :2].tolist()
     spare = sorted(set(range(cache.shape[0])) - set(batch.block_tables[0].tolist()))[:2]
@@ -181,10 +182,10 @@ def test_copy_swap_and_cow_carry_the_scales(kv_dtype: str) -> None:
     assert torch.equal(dequantize_rows(back[5]), dequantize_rows(cache[src[0]]))
 
 
-def _raw_call(io_dtype: int, kv_dtype: int) -> tuple[int, str]:
+def _raw_call(io_dtype: int, kv_cache_dtype: int) -> tuple[int, str]:
     batch = make_batch([(0, 2)], num_layers=1)
     params = kernels._AttentionParams(2, 1, batch.block_tables.shape[1], 9, 3, 64, batch.kv_cache.shape[0], 1, 0,
-                                      16, 0.125, io_dtype, kv_dtype)  # fmt: skip
+                                      16, 0.125, io_dtype, kv_cache_dtype)  # fmt: skip
     lib = kernels.library()
     out = torch.empty_like(batch.q)
     ptrs = [ctypes.c_void_p(t.data_ptr()) for t in (*batch.args(), out)]
@@ -194,7 +195,7 @@ def _raw_call(io_dtype: int, kv_dtype: int) -> tuple[int, str]:
 
 def test_bad_dtypes_are_refused_with_the_allowed_values() -> None:
     rc, msg = _raw_call(0, 9)
-    assert rc == 1 and msg.startswith("kv_dtype:") and "int8, fp8_e4m3" in msg
+    assert rc == 1 and msg.startswith("kv_cache_dtype:") and "int8, fp8_e4m3" in msg
     rc, msg = _raw_call(3, 3)  # int8 is a cache format, not an activation dtype
     assert rc == 1 and msg.startswith("io_dtype:") and "float32, float16, bfloat16" in msg
 
@@ -203,7 +204,7 @@ def test_pool_head_dim_must_leave_room_for_the_scale() -> None:
     batch = make_batch([(0, 3)], num_layers=1)
     wrong = torch.zeros(batch.kv_cache.shape, dtype=STORAGE_DTYPES["int8"])  # rows of head_dim, no scale
     with pytest.raises(ValueError, match="kv_cache: head_dim"):
-        kernels.paged_attention(*batch.args()[:3], wrong, *batch.args()[4:], layer=0, scale=batch.scale)
+        kernels.paged_attention(*batch.args()[:3], wrong, *batch.args()[4:], AttentionOptions(0, batch.scale))
 
 
 # --- model.yaml, memory plan, build -----------------------------------------------------------------
@@ -221,7 +222,7 @@ def test_bytes_per_token_and_the_memory_plan() -> None:
 
     manifest = Manifest(dims, Limits(32, 2048, 2048, 16), KVCacheBudget(memory_bytes=2**30), "float32", "int8")
     plan = plan_memory(manifest)
-    assert plan.num_blocks == 2**30 // (2 * 30 * 3 * 66 * 16)
+    assert plan.num_kv_blocks == 2**30 // (2 * 30 * 3 * 66 * 16)
     text = "\n".join(plan.lines(512))
     fits = {name: 2**30 // (2 * 30 * 3 * row * 16) // 32 for name, row in (("int8", 66), ("float16", 128),
                                                                             ("float32", 256))}  # fmt: skip
@@ -230,16 +231,16 @@ def test_bytes_per_token_and_the_memory_plan() -> None:
     assert fits["int8"] / fits["float16"] >= 1.9 and fits["int8"] / fits["float32"] >= 3.8
 
 
-def test_kv_dtype_blocks_in_the_same_memory() -> None:
-    from trtpaged.bench.memory_bench import Budget, kv_dtype_blocks
+def test_kv_cache_dtype_blocks_in_the_same_memory() -> None:
+    from trtpaged.bench.memory_bench import Budget, kv_cache_dtype_blocks
 
-    budget = Budget(num_blocks=1456, block_size=16, max_seq_len=2048, max_batch_size=256, max_num_tokens=2048)
-    assert kv_dtype_blocks(budget, "float16", "int8", 64) == 1456 * 128 // 66
-    assert kv_dtype_blocks(budget, "float16", "float32", 64) == 728
-    assert kv_dtype_blocks(budget, "float32", "fp8_e4m3", 128) == 1456 * 512 // 130
+    budget = Budget(num_kv_blocks=1456, block_size=16, max_seq_len=2048, max_batch_size=256, max_num_tokens=2048)
+    assert kv_cache_dtype_blocks(budget, "float16", "int8", 64) == 1456 * 128 // 66
+    assert kv_cache_dtype_blocks(budget, "float16", "float32", 64) == 728
+    assert kv_cache_dtype_blocks(budget, "float32", "fp8_e4m3", 128) == 1456 * 512 // 130
 
 
-def test_bench_memory_kv_dtype_cli() -> None:
+def test_bench_memory_kv_cache_dtype_cli() -> None:
     import json
 
     from click.testing import CliRunner
@@ -247,14 +248,14 @@ def test_bench_memory_kv_dtype_cli() -> None:
     from trtpaged.cli import main
 
     r = CliRunner().invoke(main, ["bench", "memory", "--num-requests", "40", "--prompt-len", "100:300",
-                                  "--output-len", "50:200", "--num-blocks", "64", "--max-batch-size", "64",
-                                  "--kv-dtype", "int8", "--json"])  # fmt: skip
+                                  "--output-len", "50:200", "--num-kv-blocks", "64", "--max-batch-size", "64",
+                                  "--kv-cache-dtype", "int8", "--json"])  # fmt: skip
     assert r.exit_code == 0, r.output
-    rows = {row["kv_dtype"]: row for row in json.loads(r.stdout[r.stdout.index("{"):])["kv_dtypes"]["rows"]}
-    assert [rows[k]["num_blocks"] for k in ("float32", "float16", "int8")] == [32, 64, 64 * 128 // 66]
+    rows = {row["kv_cache_dtype"]: row for row in json.loads(r.stdout[r.stdout.index("{"):])["kv_cache_dtypes"]["rows"]}
+    assert [rows[k]["num_kv_blocks"] for k in ("float32", "float16", "int8")] == [32, 64, 64 * 128 // 66]
     # more blocks, more sequences at once while requests wait
     assert rows["int8"]["saturated_running"] > rows["float16"]["saturated_running"] > rows["float32"]["saturated_running"]
-    bad = CliRunner().invoke(main, ["bench", "memory", "--kv-dtype", "int4"])
+    bad = CliRunner().invoke(main, ["bench", "memory", "--kv-cache-dtype", "int4"])
     assert bad.exit_code != 0 and "int8" in bad.output and "fp8_e4m3" in bad.output
 
 
@@ -264,18 +265,18 @@ def test_tensorrt_backend_takes_a_quantized_cache(tmp_path) -> None:
     from trtpaged.builder.pipeline import build_engine
     from trtpaged.config import ConfigError, parse_config
 
-    for kv_dtype in KV_DTYPES:
-        assert trt_compile.kv_dtype_reason(kv_dtype) is None
-        config = parse_config({"model": {"tiny": {}}, "kv_cache_dtype": kv_dtype, "backend": "tensorrt"})
+    for kv_cache_dtype in KV_CACHE_DTYPES:
+        assert trt_compile.kv_cache_dtype_reason(kv_cache_dtype) is None
+        config = parse_config({"model": {"tiny": {}}, "kv_cache_dtype": kv_cache_dtype, "backend": "tensorrt"})
         with pytest.raises(ConfigError) as e:
             build_engine(config, tmp_path / "e", echo=lambda s: None)
         assert "kv_cache_dtype" not in str(e.value) and "backend: 'tensorrt' cannot be built here" in str(e.value)
-    reason = trt_compile.kv_dtype_reason("int4")  # a format without CUDA kernels is refused by name
+    reason = trt_compile.kv_cache_dtype_reason("int4")  # a format without CUDA kernels is refused by name
     assert reason.startswith("kv_cache_dtype int4 with backend tensorrt") and "backend: torch" in reason
 
 
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_tiny_build_generates_and_reports_kv_accuracy(tmp_path, kv_dtype: str) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
+def test_tiny_build_generates_and_reports_kv_accuracy(tmp_path, kv_cache_dtype: str) -> None:
     from click.testing import CliRunner
 
     from trtpaged import LLM
@@ -286,13 +287,14 @@ def test_tiny_build_generates_and_reports_kv_accuracy(tmp_path, kv_dtype: str) -
 
     data = {"model": {"tiny": {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                                "hidden_size": 64, "intermediate_size": 128, "vocab_size": 320}},
-            "kv_cache_dtype": kv_dtype, "max_seq_len": 256, "kv_cache": {"num_blocks": 64}, "backend": "auto"}
+            "kv_cache_dtype": kv_cache_dtype, "max_seq_len": 256, "kv_cache": {"num_kv_blocks": 64}, "backend": "auto"}
     result = build_engine(parse_config(data), tmp_path / "e", echo=lambda s: None)
     m = result.manifest
-    assert m.kv_cache_dtype == kv_dtype and m.backends == ["torch"]
+    assert m.kv_cache_dtype == kv_cache_dtype and m.backends == ["torch"]
     assert m.kv_bytes_per_token == 2 * 2 * 2 * (16 + 2)  # K/V x layers x kv heads x (head_dim codes + scale)
     kv = m.verification["kv_cache"]
-    assert kv["kv_dtype"] == kv_dtype and 0 <= kv["max_abs_diff"] and kv["top1_agreement"] >= kv["threshold"]
+    assert kv["kv_cache_dtype"] == kv_cache_dtype and 0 <= kv["max_abs_diff"]
+    assert kv["top1_agreement"] >= kv["threshold"]
     # the graph TensorRT compiles: an int8-byte pool with rows of head_dim + 2, the format a node attribute,
     # verified (onnx.reference, numpy + PyTorch's quantization) against the eager step model's kernels
     import onnx
@@ -303,18 +305,20 @@ def test_tiny_build_generates_and_reports_kv_accuracy(tmp_path, kv_dtype: str) -
     pool = next(i for i in graph.input if i.name == "kv_cache").type.tensor_type
     assert pool.elem_type == onnx.TensorProto.INT8 and pool.shape.dim[-1].dim_value == 16 + 2
     attrs = [a.s.decode() for n in graph.node if n.op_type == "TrtpagedPagedAttention" for a in n.attribute
-             if a.name == "kv_dtype"]
-    assert attrs == [kv_dtype, kv_dtype]
-    trt_compile.check_kv_dtypes(tmp_path / "e" / "model.onnx")
-    assert f"{kv_dtype} cache" in m.verification["method"] and m.verification["max_abs_diff"] <= m.verification["tolerance"]
+             if a.name == "kv_cache_dtype"]
+    assert attrs == [kv_cache_dtype, kv_cache_dtype]
+    trt_compile.check_kv_cache_dtypes(tmp_path / "e" / "model.onnx")
+    assert f"{kv_cache_dtype} cache" in m.verification["method"]
+    assert m.verification["max_abs_diff"] <= m.verification["tolerance"]
     llm = LLM(tmp_path / "e", device="cpu")
     pool = llm.engine.runner.kv_cache
-    assert pool.dtype == STORAGE_DTYPES[kv_dtype] and pool.shape[-1] == 16 + 2
+    assert pool.dtype == STORAGE_DTYPES[kv_cache_dtype] and pool.shape[-1] == 16 + 2
     out = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 8
     r = CliRunner().invoke(main, ["inspect", str(tmp_path / "e")])
     assert r.exit_code == 0, r.output
-    assert f"KV cache {kv_dtype} vs float32 cache: max |dlogit|" in r.output and f"{kv_dtype:<9}" in r.output
+    assert f"KV cache {kv_cache_dtype} vs float32 cache: max |dlogit|" in r.output
+    assert f"{kv_cache_dtype:<9}" in r.output
 
 
 def test_kernel_bench_counts_the_bytes_read_and_times_the_float_caches() -> None:
@@ -324,7 +328,7 @@ def test_kernel_bench_counts_the_bytes_read_and_times_the_float_caches() -> None
     row = report["decode"][0]
     assert row["kv_bytes"] == 2 * 2 * 64 * 3 * (64 + 2)  # K and V, batch, context, kv heads, codes + scale
     assert row["float32_ms"] > 0 and row["float16_ms"] > 0
-    assert "fp32 ms" in format_report(report) and report["kv_dtype"] == "int8"
+    assert "fp32 ms" in format_report(report) and report["kv_cache_dtype"] == "int8"
 
 
 def test_bench_kernel_on_cuda_says_why_it_cannot_run_here() -> None:
@@ -334,7 +338,7 @@ def test_bench_kernel_on_cuda_says_why_it_cannot_run_here() -> None:
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: scripts/gpu_check.sh runs this benchmark")
-    r = CliRunner().invoke(main, ["bench", "kernel", "--device", "cuda", "--kv-dtype", "int8", "--quick"])
+    r = CliRunner().invoke(main, ["bench", "kernel", "--device", "cuda", "--kv-cache-dtype", "int8", "--quick"])
     assert r.exit_code != 0 and "no CUDA device" in r.output
 
 

@@ -32,7 +32,7 @@ from trtpaged.runtime.sequence import Sequence
 from runtime_helpers import runtime_config, tiny_hf
 
 BS = 16
-NUM_BLOCKS = 12  # a 70-token prompt takes 5: three other prompts evict the first one's cached blocks
+NUM_KV_BLOCKS = 12  # a 70-token prompt takes 5: three other prompts evict the first one's cached blocks
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 
@@ -52,17 +52,17 @@ def step_model():
     return step_model_from_hf(hf.model, dims_from_hf_config(hf.config))
 
 
-def _fingerprint(kv_dtype: Optional[str], tag: str = "tiny") -> bytes:
-    return engine_fingerprint(model=tag, kv_dtype=kv_dtype or "float32", block_size=BS, rank=0)
+def _fingerprint(kv_cache_dtype: Optional[str], tag: str = "tiny") -> bytes:
+    return engine_fingerprint(model=tag, kv_cache_dtype=kv_cache_dtype or "float32", block_size=BS, rank=0)
 
 
-def make_engine(model, tiers: Optional[KVTierConfig] = None, kv_dtype: Optional[str] = None,
+def make_engine(model, tiers: Optional[KVTierConfig] = None, kv_cache_dtype: Optional[str] = None,
                 fingerprint: Optional[bytes] = None) -> LLMEngine:  # fmt: skip
-    pool = model.new_kv_cache(NUM_BLOCKS, BS, kv_dtype)
+    pool = model.new_kv_cache(NUM_KV_BLOCKS, BS, kv_cache_dtype)
     stack = None
     if tiers is not None:
-        stack = tiers.build(fingerprint or _fingerprint(kv_dtype), pool[0].numel() * pool.element_size())
-    config = runtime_config(num_blocks=NUM_BLOCKS, block_size=BS, max_num_tokens=128, max_batch_size=4)
+        stack = tiers.build(fingerprint or _fingerprint(kv_cache_dtype), pool[0].numel() * pool.element_size())
+    config = runtime_config(num_kv_blocks=NUM_KV_BLOCKS, block_size=BS, max_num_tokens=128, max_batch_size=4)
     return LLMEngine(TorchRunner(model, pool), config, None, [], tiers=stack)
 
 
@@ -89,7 +89,7 @@ def cached_bytes(engine: LLMEngine, prompt: list[int]) -> list[bytes]:
 
 def assert_pool_whole(engine: LLMEngine) -> None:
     pool = engine.kv.pool
-    assert pool.num_free == pool.num_blocks
+    assert pool.num_free == pool.num_kv_blocks
     assert all(b.ref_cnt == 0 for b in pool.blocks)
     assert not engine.kv.tables and not engine.kv._staged
 
@@ -98,9 +98,9 @@ def assert_pool_whole(engine: LLMEngine) -> None:
 def reference(step_model) -> dict[Optional[str], list[list[int]]]:
     """Greedy outputs of TRAFFIC without tiers, per KV dtype."""
     out = {}
-    for kv_dtype in (None, "int8"):
-        engine = make_engine(step_model, kv_dtype=kv_dtype)
-        out[kv_dtype] = [run_one(engine, p) for p in TRAFFIC]
+    for kv_cache_dtype in (None, "int8"):
+        engine = make_engine(step_model, kv_cache_dtype=kv_cache_dtype)
+        out[kv_cache_dtype] = [run_one(engine, p) for p in TRAFFIC]
         assert_pool_whole(engine)
     return out
 
@@ -182,12 +182,12 @@ def test_disk_tier_is_bounded_and_persistent(tmp_path: Path):
 
 
 # ---- restores through the engine --------------------------------------------------------------
-@pytest.mark.parametrize("kv_dtype", [None, "int8"], ids=["fp32", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", [None, "int8"], ids=["fp32", "int8"])
 @pytest.mark.parametrize("tier", ["host", "disk"])
-def test_restored_blocks_are_bit_identical_and_outputs_unchanged(step_model, reference, tmp_path, tier, kv_dtype):
+def test_restored_blocks_are_bit_identical_and_outputs_unchanged(step_model, reference, tmp_path, tier, kv_cache_dtype):
     config = (KVTierConfig(host_memory=1 << 20) if tier == "host"
               else KVTierConfig(disk_path=str(tmp_path), disk_size=1 << 22))  # fmt: skip
-    engine = make_engine(step_model, config, kv_dtype)
+    engine = make_engine(step_model, config, kv_cache_dtype)
     outputs = [run_one(engine, TRAFFIC[0])]
     computed = cached_bytes(engine, A)
     assert len(computed) == 4
@@ -203,7 +203,7 @@ def test_restored_blocks_are_bit_identical_and_outputs_unchanged(step_model, ref
     assert cached_bytes(engine, A) == computed  # bit-identical to the computed blocks
     for prompt in TRAFFIC[5:]:
         outputs.append(run_one(engine, prompt))
-    assert outputs == reference[kv_dtype]
+    assert outputs == reference[kv_cache_dtype]
     stats = engine.stats()
     assert stats[f"kv_tier_{tier}_hits"] >= 8 and stats["kv_tier_blocks_loaded"] >= 8
     assert stats["prefix_cache_tier_hits_tokens"] == stats["kv_tier_blocks_loaded"] * BS
@@ -258,8 +258,8 @@ def test_a_block_evicted_before_its_load_ran_is_saved_from_the_loaded_bytes(step
     assert len(hits) == 4 and all(isinstance(h, TierHit) for h in hits)
     kv.allocate(kv.plan_allocation([(probe, len(A) - 4 * BS, hits)]))
     kv.free(probe)  # its blocks are cached, free, not yet loaded
-    filler = Sequence(10**6 + 2, _prompt(9, NUM_BLOCKS * BS - 1))
-    kv.allocate(kv.plan_allocation([(filler, NUM_BLOCKS * BS - 1, [])]))  # takes every block
+    filler = Sequence(10**6 + 2, _prompt(9, NUM_KV_BLOCKS * BS - 1))
+    kv.allocate(kv.plan_allocation([(filler, NUM_KV_BLOCKS * BS - 1, [])]))  # takes every block
     saves, loads = kv.take_tier_transfers()
     assert not loads  # every loaded block was taken by the filler: no load may overwrite it
     loaded_saves = [(record, where) for record, where in saves if isinstance(where, bytes)]
@@ -303,10 +303,11 @@ def redis_url():
 
 
 @needs_redis
-@pytest.mark.parametrize("kv_dtype", [None, "int8"], ids=["fp32", "int8"])
-def test_redis_restore_is_bit_identical_and_shared_by_a_second_replica(step_model, reference, redis_url, kv_dtype):
+@pytest.mark.parametrize("kv_cache_dtype", [None, "int8"], ids=["fp32", "int8"])
+def test_redis_restore_is_bit_identical_and_shared_by_a_second_replica(step_model, reference, redis_url,
+                                                                       kv_cache_dtype):
     config = KVTierConfig(remote=redis_url)
-    engine = make_engine(step_model, config, kv_dtype)
+    engine = make_engine(step_model, config, kv_cache_dtype)
     outputs = [run_one(engine, TRAFFIC[0])]
     computed = cached_bytes(engine, A)
     for prompt in TRAFFIC[1:4]:
@@ -317,12 +318,12 @@ def test_redis_restore_is_bit_identical_and_shared_by_a_second_replica(step_mode
     outputs.append(run_one(engine, B))
     computed_b = cached_bytes(engine, B)
     outputs.append(run_one(engine, A))
-    assert outputs == reference[kv_dtype]
+    assert outputs == reference[kv_cache_dtype]
     assert engine.stats()["kv_tier_remote_hits"] >= 8
     assert_pool_whole(engine)
     engine.close()  # flushes what the pool still caches
-    replica = make_engine(step_model, config, kv_dtype)  # a second replica: another pool, the same store
-    assert run_one(replica, B) == reference[kv_dtype][1]
+    replica = make_engine(step_model, config, kv_cache_dtype)  # a second replica: another pool, the same store
+    assert run_one(replica, B) == reference[kv_cache_dtype][1]
     assert replica.stats()["kv_tier_remote_hits"] == 4 and cached_bytes(replica, B) == computed_b
     replica.close()
 

@@ -17,7 +17,7 @@ THREE = [TraceRequest(prompt_len=8, output_len=4) for _ in range(3)]
 
 def test_contiguous_reserve_max_fits_two_of_three() -> None:
     # 4 blocks x 16 = 64 slots, max_seq_len 32: two reservations fit, the third waits 4 steps.
-    budget = Budget(num_blocks=4, block_size=16, max_seq_len=32, max_batch_size=8, max_num_tokens=64)
+    budget = Budget(num_kv_blocks=4, block_size=16, max_seq_len=32, max_batch_size=8, max_num_tokens=64)
     r = simulate_contiguous(THREE, budget, "max_seq_len")
     assert r.running == [2, 2, 2, 2, 1, 1, 1, 1]
     # tokens stored after each step: prompt + generated - 1 per sequence, over 32 slots each
@@ -25,14 +25,14 @@ def test_contiguous_reserve_max_fits_two_of_three() -> None:
 
 
 def test_contiguous_reserve_exact_fits_all() -> None:
-    budget = Budget(num_blocks=4, block_size=16, max_seq_len=32, max_batch_size=8, max_num_tokens=64)
+    budget = Budget(num_kv_blocks=4, block_size=16, max_seq_len=32, max_batch_size=8, max_num_tokens=64)
     r = simulate_contiguous(THREE, budget, "exact")
     assert r.running == [3, 3, 3, 3]
     assert r.utilisation == [(3 * (8 + k)) / 36 for k in range(4)]
 
 
 def test_paged_replay_uses_one_block_per_short_sequence() -> None:
-    budget = Budget(num_blocks=4, block_size=16, max_seq_len=32, max_batch_size=8, max_num_tokens=64)
+    budget = Budget(num_kv_blocks=4, block_size=16, max_seq_len=32, max_batch_size=8, max_num_tokens=64)
     r = simulate_paged(THREE, budget, sharing=False)
     assert r.running == [3, 3, 3, 3]  # all admitted at once: 3 blocks of 4
     assert r.utilisation == [(3 * (8 + k)) / 48 for k in range(4)]
@@ -42,7 +42,7 @@ def test_paged_replay_uses_one_block_per_short_sequence() -> None:
 def test_sharing_stores_a_shared_prefix_once() -> None:
     # Two requests with the same 32-token prefix: with sharing its 2 full blocks are held once.
     trace = [TraceRequest(48, 2, prefix_id=0, prefix_len=32), TraceRequest(48, 2, arrival=1, prefix_id=0, prefix_len=32)]
-    budget = Budget(num_blocks=64, block_size=16, max_seq_len=128, max_batch_size=8, max_num_tokens=256)
+    budget = Budget(num_kv_blocks=64, block_size=16, max_seq_len=128, max_batch_size=8, max_num_tokens=256)
     plain = simulate_paged(trace, budget, sharing=False)
     shared = simulate_paged(trace, budget, sharing=True)
     # step 1: request 0 holds 48 + 1 computed tokens in 4 blocks; request 1 computes its 48 prompt tokens.
@@ -52,7 +52,7 @@ def test_sharing_stores_a_shared_prefix_once() -> None:
 
 def test_paged_beats_reservations_on_a_mixed_workload() -> None:
     trace = synthetic_trace(60, (16, 128), (8, 128), seed=1)
-    budget = Budget(num_blocks=64, block_size=16, max_seq_len=512, max_batch_size=64, max_num_tokens=512)
+    budget = Budget(num_kv_blocks=64, block_size=16, max_seq_len=512, max_batch_size=64, max_num_tokens=512)
     report = run_memory_bench(trace, budget)
     by_name = {p["policy"]: p for p in report["policies"]}
     reserve_max = by_name["contiguous, reserve max_seq_len"]
@@ -77,7 +77,7 @@ def test_trace_errors_name_line_and_field(tmp_path) -> None:
 def test_cli_replays_a_trace(tmp_path) -> None:
     path = tmp_path / "trace.jsonl"
     path.write_text("\n".join(json.dumps({"prompt_len": 20 + i, "output_len": 10, "n": 2}) for i in range(5)))
-    result = CliRunner().invoke(main, ["bench", "memory", "--trace", str(path), "--num-blocks", "32", "--json"])
+    result = CliRunner().invoke(main, ["bench", "memory", "--trace", str(path), "--num-kv-blocks", "32", "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.output[result.output.index("{"):])
     assert report["sequences"] == 10
@@ -86,7 +86,7 @@ def test_cli_replays_a_trace(tmp_path) -> None:
 
 
 def test_time_weighting_counts_the_tokens_each_step_computes() -> None:
-    budget = Budget(num_blocks=4, block_size=16, max_seq_len=32, max_batch_size=8, max_num_tokens=64)
+    budget = Budget(num_kv_blocks=4, block_size=16, max_seq_len=32, max_batch_size=8, max_num_tokens=64)
     r = simulate_contiguous(THREE, budget, "max_seq_len")
     # step 0: two 8-token prompts; steps 1-3: two decodes; step 4: the third prompt; then one decode each
     assert r.computed == [16, 2, 2, 2, 8, 1, 1, 1]
@@ -98,7 +98,7 @@ def test_time_weighting_counts_the_tokens_each_step_computes() -> None:
 def test_recompute_preemption_costs_its_tokens_again() -> None:
     # 3 blocks of 16 for two sequences that each grow to 2 blocks: one is preempted and recomputed.
     trace = [TraceRequest(prompt_len=14, output_len=10) for _ in range(2)]
-    budget = Budget(num_blocks=3, block_size=16, max_seq_len=64, max_batch_size=8, max_num_tokens=64)
+    budget = Budget(num_kv_blocks=3, block_size=16, max_seq_len=64, max_batch_size=8, max_num_tokens=64)
     r = simulate_paged(trace, budget, sharing=False)
     assert r.preemptions >= 1
     assert r.tokens_computed > 2 * (14 + 9)
@@ -110,7 +110,7 @@ def test_beam_search_shares_the_prompt_and_copies_on_write() -> None:
     # to write into the shared half-full block copies it, the other writes in place: 3 blocks in use,
     # 4 without sharing. Step 2 is the same whichever parents the beams come from.
     trace = [TraceRequest(prompt_len=20, output_len=3, beam_width=2)]
-    budget = Budget(num_blocks=16, block_size=16, max_seq_len=64, max_batch_size=8, max_num_tokens=64)
+    budget = Budget(num_kv_blocks=16, block_size=16, max_seq_len=64, max_batch_size=8, max_num_tokens=64)
     r = simulate_paged(trace, budget, sharing=True)
     assert r.blocks_with_sharing == [2, 3, 3]
     assert r.blocks_without_sharing == [2, 4, 4]
@@ -121,7 +121,7 @@ def test_beam_search_shares_the_prompt_and_copies_on_write() -> None:
 def test_parallel_samples_share_the_full_prompt_block() -> None:
     # n = 3: after the prefill the samples share blocks [0, 1]; two copy the half-full block, one writes in place.
     trace = [TraceRequest(prompt_len=20, output_len=2, n=3)]
-    budget = Budget(num_blocks=16, block_size=16, max_seq_len=64, max_batch_size=8, max_num_tokens=64)
+    budget = Budget(num_kv_blocks=16, block_size=16, max_seq_len=64, max_batch_size=8, max_num_tokens=64)
     r = simulate_paged(trace, budget, sharing=True)
     assert r.blocks_with_sharing == [2, 4]
     assert r.blocks_without_sharing == [2, 6]
@@ -130,7 +130,7 @@ def test_parallel_samples_share_the_full_prompt_block() -> None:
 
 def test_without_sharing_nothing_is_saved() -> None:
     trace = [TraceRequest(prompt_len=20, output_len=3, beam_width=2)]
-    budget = Budget(num_blocks=16, block_size=16, max_seq_len=64, max_batch_size=8, max_num_tokens=64)
+    budget = Budget(num_kv_blocks=16, block_size=16, max_seq_len=64, max_batch_size=8, max_num_tokens=64)
     r = simulate_paged(trace, budget, sharing=False)
     assert r.running == [2, 2, 2]  # two independent copies
     assert r.sharing()["memory_saved"] == 0.0
@@ -138,7 +138,7 @@ def test_without_sharing_nothing_is_saved() -> None:
 
 def test_sharing_table_saves_more_with_wider_beams() -> None:
     trace = synthetic_trace(8, (40, 80), (20, 40), seed=2)
-    budget = Budget(num_blocks=512, block_size=16, max_seq_len=256, max_batch_size=64, max_num_tokens=512)
+    budget = Budget(num_kv_blocks=512, block_size=16, max_seq_len=256, max_batch_size=64, max_num_tokens=512)
     rows = run_sharing_table(trace, budget, ns=(2, 4), widths=(2, 4))
     saved = {(r["kind"], r["width"]): r["memory_saved"] for r in rows}
     assert 0 < saved[("parallel", 2)] < saved[("parallel", 4)] < 1
@@ -148,7 +148,7 @@ def test_sharing_table_saves_more_with_wider_beams() -> None:
 def test_cli_beam_width_reports_sharing_and_plots(tmp_path) -> None:
     png = tmp_path / "m.png"
     result = CliRunner().invoke(main, ["bench", "memory", "--num-requests", "6", "--prompt-len", "20:40", "--output-len",
-                                       "5:10", "--beam-width", "4", "--num-blocks", "256", "--plot", str(png), "--json"])  # fmt: skip
+                                       "5:10", "--beam-width", "4", "--num-kv-blocks", "256", "--plot", str(png), "--json"])  # fmt: skip
     assert result.exit_code == 0, result.output
     report = json.loads(result.output[result.output.index("{"):])
     assert report["sequences"] == 24
@@ -168,7 +168,7 @@ def test_trace_type_errors_name_line_and_field(tmp_path) -> None:
 
 
 # ---- bench memory --trace with --n / --beam-width: a line's own value wins, the flag fills the rest ------------
-BIG = ["--num-blocks", "4096", "--block-size", "16", "--max-seq-len", "512", "--max-batch-size", "256",
+BIG = ["--num-kv-blocks", "4096", "--block-size", "16", "--max-seq-len", "512", "--max-batch-size", "256",
        "--max-num-tokens", "4096"]  # fmt: skip
 LINES = [(54, 5), (97, 9), (33, 12), (16, 3), (60, 10)]  # (prompt_len, output_len): odd lengths, block edges crossed
 
@@ -232,7 +232,7 @@ def test_beam_width_flag_fills_lines_like_a_beam_trace(tmp_path) -> None:
     assert result.exit_code == 0, result.output
     # the same trace written with beam_width on the lines the flag fills
     explicit = [TraceRequest(p, o, n=3) if i == 0 else TraceRequest(p, o, beam_width=3) for i, (p, o) in enumerate(LINES)]
-    budget = Budget(num_blocks=4096, block_size=16, max_seq_len=512, max_batch_size=256, max_num_tokens=4096)
+    budget = Budget(num_kv_blocks=4096, block_size=16, max_seq_len=512, max_batch_size=256, max_num_tokens=4096)
     assert report["sharing"] == pytest.approx(simulate_paged(explicit, budget, sharing=True).sharing())
     assert report["sequences"] == 3 * 5
 
@@ -258,8 +258,8 @@ def test_kv_tier_what_if_reaches_an_unbounded_pool_s_hits() -> None:
 
     trace = [TraceRequest(prompt_len=80, output_len=4, arrival=10 * i, prefix_id=i % 4, prefix_len=64)
              for i in range(12)]  # fmt: skip
-    small = Budget(num_blocks=8, block_size=16, max_seq_len=128, max_batch_size=4, max_num_tokens=128)
-    big = Budget(num_blocks=512, block_size=16, max_seq_len=128, max_batch_size=4, max_num_tokens=128)
+    small = Budget(num_kv_blocks=8, block_size=16, max_seq_len=128, max_batch_size=4, max_num_tokens=128)
+    big = Budget(num_kv_blocks=512, block_size=16, max_seq_len=128, max_batch_size=4, max_num_tokens=128)
     rows = run_tier_what_if(trace, small, parse_tier_blocks("4,unbounded"))
     alone, four, unbounded = rows
     everything = simulate_paged(trace, big, sharing=True)
@@ -269,6 +269,6 @@ def test_kv_tier_what_if_reaches_an_unbounded_pool_s_hits() -> None:
     assert alone["tokens_computed"] - unbounded["tokens_computed"] == 8 * 64
     # pool + a 4-block tier hold fewer than the 4 prompts in rotation: LRU on a cyclic pattern keeps the wrong ones
     assert four["tier_hit_tokens"] == 0 and four["tokens_computed"] == alone["tokens_computed"]
-    assert "| unbounded | 53.3% | 512 |" in format_tier_table(rows, small.num_blocks)  # 512 of 12 x 80 tokens
+    assert "| unbounded | 53.3% | 512 |" in format_tier_table(rows, small.num_kv_blocks)  # 512 of 12 x 80 tokens
     with pytest.raises(ValueError, match="--kv-tier-blocks"):
         parse_tier_blocks("4,0")

@@ -57,7 +57,7 @@ def test_prompt_logprobs_match_hf_forward(hf, max_num_tokens):
     outs = run_staggered(engine, [(p, params) for p in prompts])
     for prompt, out in zip(prompts, outs):
         check(out.prompt_logprobs, prompt, hf_prompt_logprobs(hf, prompt), 4)
-    assert engine.kv.pool.num_free == engine.config.num_blocks
+    assert engine.kv.pool.num_free == engine.config.num_kv_blocks
 
 
 def test_prefix_cache_hits_do_not_drop_prompt_logprobs(hf):
@@ -79,7 +79,7 @@ def test_prompt_logprobs_survive_preemption(hf):
     """A pool too small for every request at once preempts (recompute); positions already scored are kept."""
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (40, 45, 50, 35)]
-    engine = make(hf, num_blocks=12, max_num_tokens=32)
+    engine = make(hf, num_kv_blocks=12, max_num_tokens=32)
     params = SamplingParams(max_tokens=30, temperature=0.0, prompt_logprobs=1, ignore_eos=True)
     outs = run_staggered(engine, [(p, params) for p in prompts])
     assert engine.scheduler.num_preemptions > 0

@@ -34,9 +34,9 @@ def poison_at_kv_length(step, kv_length: int, value: float = float("nan")):
     return poisoned
 
 
-def fake_engine(num_blocks: int = 64) -> LLMEngine:
-    runner = RandomLogitsEngine(num_blocks, vocab=64)
-    return LLMEngine(runner, runtime_config(num_blocks=num_blocks, block_size=4), eos_token_ids=[0])
+def fake_engine(num_kv_blocks: int = 64) -> LLMEngine:
+    runner = RandomLogitsEngine(num_kv_blocks, vocab=64)
+    return LLMEngine(runner, runtime_config(num_kv_blocks=num_kv_blocks, block_size=4), eos_token_ids=[0])
 
 
 def run(engine: LLMEngine, requests) -> dict[str, RequestOutput]:

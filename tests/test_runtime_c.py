@@ -116,7 +116,7 @@ def test_step_api_matches_python_step_model(lib, tiny_engine_dir):
     """Two sequences prefilled in one packed step, then a decode step: logits equal the Python runner's."""
     from trtpaged.runtime.runners import StepBatch, TorchRunner
 
-    runner = TorchRunner.from_engine_dir(tiny_engine_dir, num_blocks=16)
+    runner = TorchRunner.from_engine_dir(tiny_engine_dir, num_kv_blocks=16)
     a, b = PROMPTS[2][:19], PROMPTS[3]
     steps = [
         dict(input_ids=a + b, positions=list(range(19)) + list(range(5)), query_start=[0, 19, 24],
@@ -171,6 +171,18 @@ def test_open_refuses_bad_engine_dirs(lib, tiny_engine_dir, tmp_path, edit, stat
     with pytest.raises(CError) as e:
         CRuntime(lib, engine)
     assert e.value.status == status and named in e.value.message
+
+
+def test_manifest_of_an_older_build_opens_the_same(lib, tiny_engine_dir, tmp_path):
+    """kv_cache.num_blocks, the deprecated spelling (trtpaged/names.py), reads as kv_cache.num_kv_blocks."""
+    old = edited_engine(tiny_engine_dir, tmp_path / "old",
+                        lambda m: m.update(kv_cache={"num_blocks": m["kv_cache"]["num_kv_blocks"]}))
+    with CRuntime(lib, tiny_engine_dir) as new_rt, CRuntime(lib, old) as old_rt:
+        assert old_rt.info.num_kv_blocks == new_rt.info.num_kv_blocks == 256
+    both = edited_engine(tiny_engine_dir, tmp_path / "both",
+                         lambda m: m["kv_cache"].update(num_blocks=m["kv_cache"]["num_kv_blocks"]))
+    with pytest.raises(CError, match=r"kv_cache\.num_kv_blocks: set twice"):
+        CRuntime(lib, both)
 
 
 def test_open_refuses_unsafe_weights(lib, tiny_engine_dir, tmp_path):

@@ -31,8 +31,8 @@ def test_generate_text_and_token_prompts_match_hf(llm, tiny_engine_dir):
 
 
 def test_limits_come_from_the_manifest_and_only_tighten(llm, tiny_engine_dir):
-    assert llm.stats()["kv_blocks_total"] == llm.manifest.kv_cache.num_blocks == llm.config.num_blocks
-    assert llm.engine.runner.num_blocks == llm.config.num_blocks
+    assert llm.stats()["kv_blocks_total"] == llm.manifest.kv_cache.num_kv_blocks == llm.config.num_kv_blocks
+    assert llm.engine.runner.num_kv_blocks == llm.config.num_kv_blocks
     with pytest.raises(ValueError, match=r"max_num_tokens: must be in \[1, 256\]"):
         LLM(tiny_engine_dir, max_num_tokens=100000)
 

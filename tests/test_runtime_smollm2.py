@@ -47,9 +47,9 @@ def reference(hf, prompts, llm):
 
 def variant(llm: LLM, **kw) -> LLMEngine:
     """Another runtime over the same loaded weights, with its own pool and limits."""
-    config = runtime_config(**{"num_blocks": 128, "max_batch_size": 8, "max_num_tokens": 256, **kw})
+    config = runtime_config(**{"num_kv_blocks": 128, "max_batch_size": 8, "max_num_tokens": 256, **kw})
     model = llm.engine.runner.model
-    engine = TorchRunner(model, model.new_kv_cache(config.num_blocks, config.block_size))
+    engine = TorchRunner(model, model.new_kv_cache(config.num_kv_blocks, config.block_size))
     return LLMEngine(engine, config, llm.tokenizer, llm.manifest.eos_token_ids)
 
 
@@ -62,7 +62,7 @@ def test_greedy_matches_hf_staggered(llm, prompts, reference):
 
 
 def test_greedy_matches_hf_with_preemption_and_chunked_prefill(llm, prompts, reference):
-    small_pool = variant(llm, num_blocks=9)
+    small_pool = variant(llm, num_kv_blocks=9)
     assert tokens(small_pool, prompts) == reference
     assert small_pool.stats()["num_preemptions"] > 0
     chunked = variant(llm, max_num_tokens=16)

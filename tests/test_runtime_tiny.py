@@ -5,29 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from greedy_fixtures import EOS, MAX_TOKENS, prompts, reference  # noqa: F401  (the shared fixtures)
 from runtime_helpers import hf_beams, hf_greedy, run_staggered, runtime_config, step_engine, tiny_hf
 from trtpaged.runtime.llm_engine import LLMEngine
 from trtpaged.runtime.sampling_params import SamplingParams
-
-EOS = 257
-MAX_TOKENS = 12
-LENGTHS = (1, 5, 16, 17, 31, 54, 97, 40)
 
 
 @pytest.fixture(scope="module")
 def hf():
     return tiny_hf()
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in LENGTHS]
-
-
-@pytest.fixture(scope="module")
-def reference(hf, prompts):
-    return [hf_greedy(hf, p, MAX_TOKENS, EOS) for p in prompts]
 
 
 def make(hf, **kw) -> LLMEngine:
@@ -45,17 +31,17 @@ def greedy_tokens(engine, prompts, every=1):
 def test_greedy_matches_hf_with_staggered_arrivals(hf, prompts, reference):
     engine = make(hf)
     assert greedy_tokens(engine, prompts, every=2) == reference
-    assert engine.stats()["num_preemptions"] == 0 and engine.kv.pool.num_free == engine.config.num_blocks
+    assert engine.stats()["num_preemptions"] == 0 and engine.kv.pool.num_free == engine.config.num_kv_blocks
 
 
 def test_greedy_matches_hf_when_blocks_run_out(hf, prompts, reference):
-    engine = make(hf, num_blocks=12)  # 192 slots for 261 prompt tokens
+    engine = make(hf, num_kv_blocks=12)  # 192 slots for 261 prompt tokens
     assert greedy_tokens(engine, prompts) == reference
     assert engine.stats()["num_preemptions"] > 0
 
 
 def test_greedy_matches_hf_with_swap_preemption(hf, prompts, reference):
-    engine = make(hf, num_blocks=12, preemption_mode="swap", num_host_blocks=32)
+    engine = make(hf, num_kv_blocks=12, preemption_mode="swap", num_host_blocks=32)
     assert greedy_tokens(engine, prompts) == reference
     assert engine.stats()["num_swap_outs"] > 0
 

@@ -17,23 +17,23 @@ from trtpaged.runtime.scheduler import split_tokens
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 
-def engine(num_blocks=16, block_size=4, **kw) -> LLMEngine:
-    config = runtime_config(num_blocks=num_blocks, block_size=block_size, **kw)
-    return LLMEngine(RandomLogitsEngine(num_blocks), config, eos_token_ids=[0])
+def engine(num_kv_blocks=16, block_size=4, **kw) -> LLMEngine:
+    config = runtime_config(num_kv_blocks=num_kv_blocks, block_size=block_size, **kw)
+    return LLMEngine(RandomLogitsEngine(num_kv_blocks), config, eos_token_ids=[0])
 
 
 def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="max_num_tokens: must be >= max_batch_size"):
-        RuntimeConfig(block_size=4, num_blocks=4, max_batch_size=8, max_num_tokens=4, max_seq_len=16)
+        RuntimeConfig(block_size=4, num_kv_blocks=4, max_batch_size=8, max_num_tokens=4, max_seq_len=16)
     with pytest.raises(ValueError, match="num_host_blocks"):
-        RuntimeConfig(block_size=4, num_blocks=4, max_batch_size=1, max_num_tokens=4, max_seq_len=16, preemption_mode="swap")
+        RuntimeConfig(block_size=4, num_kv_blocks=4, max_batch_size=1, max_num_tokens=4, max_seq_len=16, preemption_mode="swap")
 
 
 def test_refused_at_submission_with_limit_named():
-    e = engine(num_blocks=4, block_size=4, max_seq_len=32)
+    e = engine(num_kv_blocks=4, block_size=4, max_seq_len=32)
     with pytest.raises(ValueError, match=r"exceeds max_seq_len \(32\)"):
         e.add_request(list(range(1, 34)), GREEDY)
-    with pytest.raises(ValueError, match=r"whole pool \(num_blocks 4, block_size 4\)"):
+    with pytest.raises(ValueError, match=r"whole pool \(num_kv_blocks 4, block_size 4\)"):
         e.add_request(list(range(1, 18)), GREEDY)
     with pytest.raises(ValueError, match=r"exceeds max_batch_size \(8\)"):
         e.add_request([1, 2], SamplingParams(n=9))
@@ -43,7 +43,7 @@ def test_sizes_are_refused_before_anything_proportional_is_built():
     # n = 2**63 used to build n generators (and OOM) before check_request refused it
     import tracemalloc
 
-    e = engine(num_blocks=4, block_size=4, max_seq_len=32)
+    e = engine(num_kv_blocks=4, block_size=4, max_seq_len=32)
     tracemalloc.start()
     try:
         huge = ((dict(n=2**63), "n"), (dict(n=10**12, seed=1), "n"), (dict(beam_width=10**12), "beam_width"))
@@ -68,7 +68,7 @@ def test_split_tokens_keeps_group_together():
 
 
 def test_decode_first_then_prefill_chunks_within_budget():
-    e = engine(num_blocks=64, block_size=4, max_num_tokens=8, max_batch_size=4)
+    e = engine(num_kv_blocks=64, block_size=4, max_num_tokens=8, max_batch_size=4)
     a = e.add_request([1, 2, 3], GREEDY)
     e.step()  # a's prompt
     b = e.add_request(list(range(1, 21)), GREEDY)
@@ -78,7 +78,7 @@ def test_decode_first_then_prefill_chunks_within_budget():
 
 
 def test_fcfs_admission_stops_at_first_that_does_not_fit():
-    e = engine(num_blocks=6, block_size=4, max_batch_size=8)
+    e = engine(num_kv_blocks=6, block_size=4, max_batch_size=8)
     first = e.add_request(list(range(1, 18)), GREEDY)  # 5 blocks
     second = e.add_request(list(range(21, 29)), GREEDY)  # 2 blocks: does not fit behind the first
     third = e.add_request([1], GREEDY)  # would fit, but must not overtake
@@ -88,7 +88,7 @@ def test_fcfs_admission_stops_at_first_that_does_not_fit():
 
 
 def test_preemption_newest_first_and_recompute():
-    e = engine(num_blocks=4, block_size=4, max_batch_size=8)
+    e = engine(num_kv_blocks=4, block_size=4, max_batch_size=8)
     old = e.add_request([1, 2, 3, 4, 5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     new = e.add_request([1, 2, 3, 4, 5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     e.step()
@@ -103,7 +103,7 @@ def test_preemption_newest_first_and_recompute():
 
 
 def test_abort_returns_blocks_immediately():
-    e = engine(num_blocks=16, block_size=4)
+    e = engine(num_kv_blocks=16, block_size=4)
     r = e.add_request(list(range(1, 10)), SamplingParams(max_tokens=8, n=3, temperature=1.0, seed=0))
     e.step()
     e.step()
@@ -114,7 +114,7 @@ def test_abort_returns_blocks_immediately():
 
 
 def test_lone_sequence_outgrowing_pool_ends_with_length():
-    e = engine(num_blocks=2, block_size=4, max_seq_len=64)
+    e = engine(num_kv_blocks=2, block_size=4, max_seq_len=64)
     r = e.add_request([1, 2, 3], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
     outs = []
     while e.has_unfinished():
@@ -168,11 +168,11 @@ OPS = st.lists(
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=OPS, num_blocks=st.integers(10, 24), block_size=st.sampled_from([2, 4, 8]),
+@given(ops=OPS, num_kv_blocks=st.integers(10, 24), block_size=st.sampled_from([2, 4, 8]),
        max_num_tokens=st.integers(8, 48), caching=st.booleans(), swap=st.booleans())
-def test_any_interleaving_returns_every_block(ops, num_blocks, block_size, max_num_tokens, caching, swap):
+def test_any_interleaving_returns_every_block(ops, num_kv_blocks, block_size, max_num_tokens, caching, swap):
     e = engine(
-        num_blocks=num_blocks, block_size=block_size, max_num_tokens=max_num_tokens, max_batch_size=8,
+        num_kv_blocks=num_kv_blocks, block_size=block_size, max_num_tokens=max_num_tokens, max_batch_size=8,
         max_seq_len=64, enable_prefix_caching=caching,
         preemption_mode="swap" if swap else "recompute", num_host_blocks=16 if swap else 0,
     )
@@ -189,7 +189,7 @@ def test_any_interleaving_returns_every_block(ops, num_blocks, block_size, max_n
             try:
                 added.append(e.add_request(prompt, params))
             except ValueError:
-                assert -(-length // block_size) > num_blocks
+                assert -(-length // block_size) > num_kv_blocks
         elif op[0] == "step":
             for _ in range(op[1]):
                 out = e.scheduler.schedule()
@@ -201,12 +201,12 @@ def test_any_interleaving_returns_every_block(ops, num_blocks, block_size, max_n
             check_invariants(e)
     for request_id in added:
         e.abort(request_id)
-    assert e.kv.pool.num_free == num_blocks and not e.kv.tables
+    assert e.kv.pool.num_free == num_kv_blocks and not e.kv.tables
     assert all(b.ref_cnt == 0 for b in e.kv.pool.blocks)
 
 
 def test_engine_runs_everything_to_completion_under_pressure():
-    e = engine(num_blocks=12, block_size=4, max_num_tokens=16, max_batch_size=4, max_seq_len=64)
+    e = engine(num_kv_blocks=12, block_size=4, max_num_tokens=16, max_batch_size=4, max_seq_len=64)
     ids = [e.add_request([(i * 3 + j) % 30 + 1 for j in range(5 + 3 * i)], SamplingParams(
         max_tokens=6, temperature=0.0, n=1 + i % 2, ignore_eos=True)) for i in range(6)]
     finished = {}
@@ -218,7 +218,7 @@ def test_engine_runs_everything_to_completion_under_pressure():
 
 
 def test_prompt_filling_max_seq_len_is_refused():
-    e = engine(num_blocks=64, block_size=4, max_seq_len=32)
+    e = engine(num_kv_blocks=64, block_size=4, max_seq_len=32)
     with pytest.raises(RequestError, match=r"max_seq_len \(32\).*no room") as info:
         e.add_request(list(range(1, 33)), GREEDY)
     assert (info.value.field, info.value.limit) == ("prompt", 31)
@@ -229,7 +229,7 @@ def test_prompt_filling_max_seq_len_is_refused():
 
 
 def test_max_tokens_past_max_seq_len_is_refused_with_the_room_left():
-    e = engine(num_blocks=64, block_size=4, max_seq_len=32)
+    e = engine(num_kv_blocks=64, block_size=4, max_seq_len=32)
     with pytest.raises(RequestError) as info:
         e.add_request(list(range(1, 21)), SamplingParams(max_tokens=13))
     assert (info.value.field, info.value.limit) == ("max_tokens", 12)
@@ -240,7 +240,7 @@ def test_max_tokens_past_max_seq_len_is_refused_with_the_room_left():
 
 
 def test_max_tokens_none_runs_to_max_seq_len():
-    e = engine(num_blocks=64, block_size=4, max_seq_len=32)
+    e = engine(num_kv_blocks=64, block_size=4, max_seq_len=32)
     e.add_request([1, 2, 3], SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True))
     e.add_request([1, 2, 3], SamplingParams(max_tokens=None, beam_width=2, ignore_eos=True))
     outs = run_all(e)

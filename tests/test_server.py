@@ -345,7 +345,7 @@ def test_engine_is_loaded_on_the_thread_that_steps_it(server, tiny_engine_dir):
 def test_cli_serve_help():
     result = CliRunner().invoke(main, ["serve", "--help"])
     assert result.exit_code == 0
-    for option in ("--host", "--port", "--served-model-name", "--max-batch-size", "--max-num-tokens", "--kv-blocks",
+    for option in ("--host", "--port", "--served-model-name", "--max-batch-size", "--max-num-tokens", "--num-kv-blocks",
                    "--api-key", "--max-waiting", "--shutdown-timeout", "--request-timeout", "--max-body-bytes"):
         assert option in result.output
 

@@ -213,7 +213,7 @@ def batching_server(tiny_engine_dir):
 def test_a_prompt_larger_than_the_pool_is_400(batching_server):
     status, _, out = request(batching_server, "/v1/completions", {"prompt": [5] * 400, "max_tokens": 2})
     assert status == 400 and out["error"]["param"] == "prompt"
-    assert "whole pool (num_blocks 24" in out["error"]["message"]
+    assert "whole pool (num_kv_blocks 24" in out["error"]["message"]
 
 
 def test_a_request_failing_in_the_step_is_500_alone_and_the_others_are_exact(batching_server):

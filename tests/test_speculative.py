@@ -91,12 +91,12 @@ def test_accept_reject_storm_keeps_exact_accounting(mode, caching):
     and prefix-cache hits: the accounting holds after every step, greedy outputs are the model's, and
     the pool is whole at the end."""
     rng = random.Random(1)
-    num_blocks, vocab = 24, 12
-    config = runtime_config(num_blocks=num_blocks, block_size=4, max_batch_size=6, max_num_tokens=40, max_seq_len=96,
-                            preemption_mode=mode, num_host_blocks=64 if mode == "swap" else 0,
+    num_kv_blocks, vocab = 24, 12
+    config = runtime_config(num_kv_blocks=num_kv_blocks, block_size=4, max_batch_size=6, max_num_tokens=40,
+                            max_seq_len=96, preemption_mode=mode, num_host_blocks=64 if mode == "swap" else 0,
                             enable_prefix_caching=caching,
                             speculative=SpeculativeConfig(num_speculative_tokens=5, **ALWAYS))  # fmt: skip
-    runner = RandomLogitsEngine(num_blocks, vocab)
+    runner = RandomLogitsEngine(num_kv_blocks, vocab)
     engine = LLMEngine(runner, config, None, [])
     shared = [rng.randrange(vocab) for _ in range(9)]
     requests, expected = [], {}
@@ -132,14 +132,14 @@ def test_accept_reject_storm_keeps_exact_accounting(mode, caching):
         assert len(done[request_id].outputs[0].token_ids) == requests[i][1].max_tokens
         if i in expected:
             assert done[request_id].outputs[0].token_ids == expected[i], i
-    assert engine.kv.pool.num_free == num_blocks
+    assert engine.kv.pool.num_free == num_kv_blocks
     assert all(b.ref_cnt == 0 for b in engine.kv.pool.blocks)
 
 
 def test_disabled_at_batch_size_and_budget_counts_drafts():
     """At `disable_by_batch_size` decoding sequences a step proposes nothing; below it, drafts count
     against max_num_tokens."""
-    config = runtime_config(num_blocks=64, block_size=4, max_batch_size=8, max_num_tokens=24,
+    config = runtime_config(num_kv_blocks=64, block_size=4, max_batch_size=8, max_num_tokens=24,
                             speculative=SpeculativeConfig(num_speculative_tokens=16, disable_by_batch_size=3))
     runner = RandomLogitsEngine(64, 8)
     engine = LLMEngine(runner, config, None, [])
@@ -152,7 +152,7 @@ def test_disabled_at_batch_size_and_budget_counts_drafts():
     assert all(b.num_tokens == n for b, n in zip(decode_steps, seqs) if n >= 3)  # off: one token each
     assert any(b.num_tokens > n for b, n in zip(decode_steps, seqs) if n < 3)  # on once fewer remain
     assert engine.stats()["spec_decode_num_steps_disabled"] > 0
-    config = runtime_config(num_blocks=64, block_size=4, max_batch_size=8, max_num_tokens=8,
+    config = runtime_config(num_kv_blocks=64, block_size=4, max_batch_size=8, max_num_tokens=8,
                             speculative=SpeculativeConfig(num_speculative_tokens=16))
     runner = RandomLogitsEngine(64, 8)
     engine = LLMEngine(runner, config, None, [])
@@ -165,7 +165,7 @@ def test_disabled_at_batch_size_and_budget_counts_drafts():
 def test_sequences_below_the_acceptance_rate_stop_proposing():
     """Sampled sequences over a flat distribution reject nearly everything and stop verifying drafts after a
     few steps; greedy ones (a deterministic chain: everything accepted) keep speculating."""
-    config = runtime_config(num_blocks=64, block_size=4, max_batch_size=8, max_num_tokens=64,
+    config = runtime_config(num_kv_blocks=64, block_size=4, max_batch_size=8, max_num_tokens=64,
                             speculative=SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=None))
     runner = RandomLogitsEngine(64, 6)
     runner.table.zero_()  # every token equally likely: a draft token is accepted with probability 1/6
@@ -220,7 +220,7 @@ def test_greedy_identical_to_hf_and_to_no_speculation(hf, prompts, k):
     stats = engine.stats()
     assert stats["spec_decode_num_accepted_tokens"] > 0
     assert stats["num_steps"] < make_steps(hf, prompts, params)
-    assert engine.kv.pool.num_free == engine.config.num_blocks
+    assert engine.kv.pool.num_free == engine.config.num_kv_blocks
 
 
 def make_steps(hf, prompts, params) -> int:
@@ -255,7 +255,7 @@ def test_stops_inside_an_accepted_run_are_exact(hf, prompts):
         assert x.cumulative_logprob == pytest.approx(y.cumulative_logprob, abs=1e-3)
         assert (x.logprobs is None) == (y.logprobs is None) and len(x.logprobs or []) == len(y.logprobs or [])
     assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
-    assert engine.kv.pool.num_free == engine.config.num_blocks
+    assert engine.kv.pool.num_free == engine.config.num_kv_blocks
 
 
 def test_prefix_cache_hit_on_blocks_a_speculating_sequence_registered(hf, prompts):
@@ -280,18 +280,18 @@ def test_prefix_cache_hit_on_blocks_a_speculating_sequence_registered(hf, prompt
     assert done[b].num_cached_tokens > 0
     assert done[a].outputs[0].token_ids == hf_greedy(hf, first, 40, EOS)
     assert done[b].outputs[0].token_ids == hf_greedy(hf, second, 20, EOS)
-    assert engine.kv.pool.num_free == engine.config.num_blocks
+    assert engine.kv.pool.num_free == engine.config.num_kv_blocks
 
 
 def test_preemption_mid_speculation_recompute_and_swap(hf, prompts):
     params = SamplingParams(max_tokens=30, temperature=0.0)
     reference = [hf_greedy(hf, p, 30, EOS) for p in prompts]
     for kw in (dict(), dict(preemption_mode="swap", num_host_blocks=64)):
-        engine = make(hf, SpeculativeConfig(num_speculative_tokens=4, **ALWAYS), num_blocks=16, block_size=8, **kw)
+        engine = make(hf, SpeculativeConfig(num_speculative_tokens=4, **ALWAYS), num_kv_blocks=16, block_size=8, **kw)
         assert [o.outputs[0].token_ids for o in run_staggered(engine, [(p, params) for p in prompts])] == reference
         stats = engine.stats()
         assert stats["num_preemptions"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
-        assert engine.kv.pool.num_free == engine.config.num_blocks
+        assert engine.kv.pool.num_free == engine.config.num_kv_blocks
 
 
 def test_seeded_samples_the_same_with_and_without_speculation(hf, prompts):
@@ -304,7 +304,7 @@ def test_seeded_samples_the_same_with_and_without_speculation(hf, prompts):
     assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in want]
     assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
     assert engine.stats()["num_block_copies"] > 0
-    assert engine.kv.pool.num_free == engine.config.num_blocks
+    assert engine.kv.pool.num_free == engine.config.num_kv_blocks
 
 
 def test_beam_search_runs_unspeculated_on_a_speculating_engine(hf, prompts):
@@ -331,7 +331,7 @@ def test_sampled_distribution_is_the_targets(hf, prompts):
     prompt = seed + hf_greedy(hf, seed, 40, None)  # the model's own loops: its top tokens recur, drafts land in them
     temperature, top_k, draws = 1.0, 2, 1600
     params = SamplingParams(max_tokens=3, temperature=temperature, top_k=top_k, ignore_eos=True)
-    engine = make(hf, SpeculativeConfig(num_speculative_tokens=3, **ALWAYS), num_blocks=512, max_batch_size=64,
+    engine = make(hf, SpeculativeConfig(num_speculative_tokens=3, **ALWAYS), num_kv_blocks=512, max_batch_size=64,
                   max_num_tokens=1024)  # fmt: skip
     torch.manual_seed(0)
     outs = run_staggered(engine, [(prompt, params)] * draws, every=0)
@@ -402,9 +402,9 @@ def test_smollm2_greedy_identical_with_speculation(smollm2_int4):
              llm.tokenizer.encode("1, 2, 3, 4, 5, 6,"), llm.tokenizer.encode("The capital of France is")]
 
     def engine(spec):
-        config = runtime_config(num_blocks=64, speculative=spec)
+        config = runtime_config(num_kv_blocks=64, speculative=spec)
         model = llm.engine.runner.model
-        runner = TorchRunner(model, model.new_kv_cache(config.num_blocks, config.block_size))
+        runner = TorchRunner(model, model.new_kv_cache(config.num_kv_blocks, config.block_size))
         return LLMEngine(runner, config, llm.tokenizer, llm.manifest.eos_token_ids)
 
     params = SamplingParams(max_tokens=16, temperature=0.0)

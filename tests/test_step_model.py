@@ -31,8 +31,8 @@ def _tiny(**overrides):
 
 
 def _run_probe(model, hf, dims, block_size: int) -> float:
-    seqs, steps, num_blocks = standard_probe(dims.vocab_size, block_size, seed=3, all_rows=True)
-    cache = model.new_kv_cache(num_blocks, block_size)
+    seqs, steps, num_kv_blocks = standard_probe(dims.vocab_size, block_size, seed=3, all_rows=True)
+    cache = model.new_kv_cache(num_kv_blocks, block_size)
     worst = 0.0
     for step in steps:
         with torch.no_grad():
@@ -71,8 +71,8 @@ def test_only_logits_index_rows_are_returned():
 def test_functional_op_leaves_the_pool_untouched():
     hf, dims = _tiny()
     model = step_model_from_hf(hf.model, dims)
-    seqs, steps, num_blocks = standard_probe(dims.vocab_size, 16)
-    cache = model.new_kv_cache(num_blocks, 16)
+    seqs, steps, num_kv_blocks = standard_probe(dims.vocab_size, 16)
+    cache = model.new_kv_cache(num_kv_blocks, 16)
     eager, _ = model(*steps[0].args(cache.clone()))
     model.functional_cache = True
     with torch.no_grad():

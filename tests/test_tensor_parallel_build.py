@@ -205,5 +205,5 @@ def test_bench_memory_shows_n_ranks_with_n_times_the_memory(tiny_kv4_engines):
     assert out.exit_code == 0, out.output
     rows = json.loads(out.stdout)["tensor_parallel"]
     # the engine's 128 blocks per rank are one device's memory: 64 one-rank blocks
-    assert [(r["ranks"], r["num_blocks"]) for r in rows] == [(1, 64), (2, 128)]
+    assert [(r["ranks"], r["num_kv_blocks"]) for r in rows] == [(1, 64), (2, 128)]
     assert rows[1]["peak_running"] > rows[0]["peak_running"]

@@ -15,15 +15,13 @@ import time
 import pytest
 import torch
 
-from runtime_helpers import REPO, hf_beams, hf_from_engine_dir, hf_greedy, run_staggered
+from greedy_fixtures import EOS, MAX_TOKENS, prompts, reference  # noqa: F401  (the shared fixtures)
+from runtime_helpers import REPO, hf_beams, hf_from_engine_dir, run_staggered
 from trtpaged import LLM, SamplingParams
 from trtpaged.builder.probe import hf_logits, standard_probe
 from trtpaged.runtime.runners import StepBatch
 from trtpaged.runtime.tp import TensorParallelError, TensorParallelRunner
 
-EOS = 257
-MAX_TOKENS = 12
-LENGTHS = (1, 5, 16, 17, 31, 54, 97, 40)
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 
 
@@ -58,17 +56,6 @@ def hf(tiny_kv4_engines):
 
 
 @pytest.fixture(scope="module")
-def prompts():
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in LENGTHS]
-
-
-@pytest.fixture(scope="module")
-def reference(hf, prompts):
-    return [hf_greedy(hf, p, MAX_TOKENS, EOS) for p in prompts]
-
-
-@pytest.fixture(scope="module")
 def tp2(tiny_kv4_engines):
     with LLM(tiny_kv4_engines[2], tensor_parallel=2, device="cpu") as llm:
         pids = _workers(llm)
@@ -84,7 +71,7 @@ def test_greedy_equals_one_rank_and_hf(tp2, tiny_kv4_engines, prompts, reference
     with LLM(tiny_kv4_engines[1], device="cpu") as one:
         assert _greedy(one.engine, prompts, every=2) == reference
     assert _greedy(tp2.engine, prompts, every=2) == reference
-    assert tp2.engine.kv.pool.num_free == tp2.config.num_blocks
+    assert tp2.engine.kv.pool.num_free == tp2.config.num_kv_blocks
 
 
 def test_logits_close_to_hf_forward(tp2, hf):

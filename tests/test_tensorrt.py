@@ -175,8 +175,8 @@ def _probe_batches(vocab_size: int, block_size: int):
     from trtpaged.builder.probe import standard_probe
     from trtpaged.runtime.runners import StepBatch
 
-    _, steps, num_blocks = standard_probe(vocab_size, block_size)
-    return [StepBatch(**step.inputs) for step in steps], num_blocks
+    _, steps, num_kv_blocks = standard_probe(vocab_size, block_size)
+    return [StepBatch(**step.inputs) for step in steps], num_kv_blocks
 
 
 @pytest.mark.tensorrt
@@ -186,9 +186,9 @@ def test_tensorrt_logits_match_the_torch_backend(trt_engine_dir):
     from trtpaged.runtime.runners.tensorrt_runner import TensorRTRunner
 
     manifest = read_manifest(trt_engine_dir)
-    batches, num_blocks = _probe_batches(manifest.dims.vocab_size, manifest.limits.block_size)
-    trt_engine = TensorRTRunner.from_engine_dir(trt_engine_dir, num_blocks, device="cuda")
-    torch_runner = TorchRunner.from_engine_dir(trt_engine_dir, num_blocks, device="cuda")
+    batches, num_kv_blocks = _probe_batches(manifest.dims.vocab_size, manifest.limits.block_size)
+    trt_engine = TensorRTRunner.from_engine_dir(trt_engine_dir, num_kv_blocks, device="cuda")
+    torch_runner = TorchRunner.from_engine_dir(trt_engine_dir, num_kv_blocks, device="cuda")
     tol = 2e-3 if manifest.dtype == "float32" else 3e-2
     for i, batch in enumerate(batches, 1):  # step 2 reads the K/V step 1 wrote in place
         got, want = trt_engine.step(batch), torch_runner.step(batch)

@@ -120,7 +120,7 @@ def test_plugin_nodes_need_their_registered_creator_and_fields():
                               [helper.make_tensor_value_info("y", f, [4])])
         return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("trtpaged", 1)])
 
-    fields = dict(num_heads=4, num_kv_heads=2, head_dim=16, block_size=16, layer=0, scale=0.25, kv_dtype="auto")
+    fields = dict(num_heads=4, num_kv_heads=2, head_dim=16, block_size=16, layer=0, scale=0.25, kv_cache_dtype="auto")
     ok = dict(fields, plugin_version="1", plugin_namespace="trtpaged")
     assert _rules(graph(**ok)) == set()
     assert _rules(graph(**dict(ok, plugin_namespace="other"))) == {"op-importer"}
@@ -155,7 +155,7 @@ def export_tiny_graphs(case: dict, out: Path, tie: bool = True) -> list[Path]:
     from trtpaged.builder.quantize import quantized_step_model
     from trtpaged.builder.weights import save_weights
     from trtpaged.config import parse_config
-    from trtpaged.kv_formats import QUANTIZED_KV_DTYPES
+    from trtpaged.kv_formats import QUANTIZED_KV_CACHE_DTYPES
     from trtpaged.models import dims_from_hf_config, load_hf
     from trtpaged.models.loading import TORCH_DTYPES, step_model_from_hf
 
@@ -175,7 +175,7 @@ def export_tiny_graphs(case: dict, out: Path, tie: bool = True) -> list[Path]:
     else:
         model = step_model_from_hf(hf.model, dims, dtype)
     kv = config.kv_cache_dtype
-    kv = kv if kv in QUANTIZED_KV_DTYPES else TORCH_DTYPES[kv]
+    kv = kv if kv in QUANTIZED_KV_CACHE_DTYPES else TORCH_DTYPES[kv]
     paths = []
     shards = shard_files(config.tensor_parallel)
     for rank, files in enumerate(shards):

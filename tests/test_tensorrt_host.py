@@ -215,7 +215,7 @@ def test_backend_refuses_old_tensorrt_before_touching_its_api(monkeypatch):
     fake.__version__ = "10.2.0"  # no Runtime, no PreviewFeature.ALIASED_PLUGIN_IO_10_03: would be AttributeError
     monkeypatch.setitem(sys.modules, "tensorrt", fake)
     with pytest.raises(RuntimeError, match="TensorRT 10.2.0 is older than 10.3"):
-        TensorRTRunner("engine.plan", num_blocks=4, device="cuda")
+        TensorRTRunner("engine.plan", num_kv_blocks=4, device="cuda")
 
 
 def test_engine_dir_records_the_full_tensorrt_version_and_sm_and_refuses_others(tmp_path):
@@ -261,7 +261,7 @@ def test_plugin_library_name_carries_the_major():
 # --- head_dim at build ---------------------------------------------------------------------------
 
 
-def _attention_onnx(path: Path, head_dim: int, kv_dtype: str | None = None) -> Path:
+def _attention_onnx(path: Path, head_dim: int, kv_cache_dtype: str | None = None) -> Path:
     import onnx
     from onnx import TensorProto, helper
 
@@ -270,7 +270,7 @@ def _attention_onnx(path: Path, head_dim: int, kv_dtype: str | None = None) -> P
     node = helper.make_node(OP_TYPE, ["q", "k", "v", "kv_cache", "positions", "query_start", "context_lens",
                                       "block_tables"], ["out", "kv_cache_out"], domain=DOMAIN, num_heads=2,
                             num_kv_heads=1, head_dim=head_dim, block_size=16, layer=0, scale=0.125,
-                            **({"kv_dtype": kv_dtype} if kv_dtype is not None else {}))
+                            **({"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype is not None else {}))
     inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in node.input]
     outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in node.output]
     model = helper.make_model(helper.make_graph([node], "g", inputs, outputs),
@@ -293,9 +293,9 @@ def test_head_dim_check_passes_supported_sizes(tmp_path):
         trt_compile.check_head_dims(_attention_onnx(tmp_path / f"m{head_dim}.onnx", head_dim))
 
 
-def test_compile_takes_quantized_caches_and_refuses_a_kv_dtype_without_kernels(tmp_path):
-    for kv_dtype in ("auto", "int8", "fp8_e4m3", None):  # None: a graph from before the attribute
-        trt_compile.check_kv_dtypes(_attention_onnx(tmp_path / f"m_{kv_dtype}.onnx", 64, kv_dtype))
+def test_compile_takes_quantized_caches_and_refuses_a_kv_cache_dtype_without_kernels(tmp_path):
+    for kv_cache_dtype in ("auto", "int8", "fp8_e4m3", None):  # None: a graph from before the attribute
+        trt_compile.check_kv_cache_dtypes(_attention_onnx(tmp_path / f"m_{kv_cache_dtype}.onnx", 64, kv_cache_dtype))
     onnx_path = _attention_onnx(tmp_path / "int4.onnx", 64, "int4")
     with pytest.raises(CompileError) as e:
         trt_compile.compile_engine(onnx_path, tmp_path / "engine.plan", profile=None, model="tiny-llama")
@@ -304,15 +304,15 @@ def test_compile_takes_quantized_caches_and_refuses_a_kv_dtype_without_kernels(t
     assert "int8, fp8_e4m3" in msg
 
 
-def test_python_and_the_plugin_agree_on_the_kv_dtypes():
-    # compile.py's list against the CUDA dispatch (with_kv_dtype) and the plugin's kv_dtype field spellings
+def test_python_and_the_plugin_agree_on_the_kv_cache_dtypes():
+    # compile.py's list against the CUDA dispatch (with_kv_cache_dtype) and the plugin's kv_cache_dtype field spellings
     dispatch = (REPO / "plugins/src/cuda/dispatch.h").read_text()
     fields = (REPO / "plugins/src/tensorrt/fields.cpp").read_text()
     assert "case TRTPAGED_INT8:" in dispatch and "case TRTPAGED_FP8_E4M3:" in dispatch
     named = fields[fields.index("kv_format_name(KvFormat"):fields.index("bool kv_format_quantized")]
     spelled = set(re.findall(r'return "(\w+)";', named))
     assert spelled == {"auto", "int8", "fp8_e4m3", "float32", "float16", "bfloat16"}  # floats: kv_pool address
-    assert set(trt_compile.TENSORRT_KV_DTYPES) == spelled - {"auto"}
+    assert set(trt_compile.TENSORRT_KV_CACHE_DTYPES) == spelled - {"auto"}
 
 
 def test_tensorrt_runner_binds_an_int8_pool():
@@ -343,7 +343,7 @@ def test_profile_and_export_axes_come_from_one_table():
     from trtpaged.step_io import INPUT_NAMES
 
     profile = trt_compile.ShapeProfile(num_tokens=(1, 4, 64), num_seqs=(1, 4, 8), max_blocks_per_seq=(1, 5, 5),
-                                       num_outputs=(1, 4, 64), num_blocks=(1, 40, 40))
+                                       num_outputs=(1, 4, 64), num_kv_blocks=(1, 40, 40))
     assert profile.shapes("query_start", (-1,)) == ((2,), (5,), (9,))
     assert profile.shapes("block_tables", (-1, -1)) == ((1, 1), (4, 5), (8, 5))
     assert profile.shapes("kv_cache", (-1, 2, 2, 1, 16, 64)) == ((1, 2, 2, 1, 16, 64), (40, 2, 2, 1, 16, 64),

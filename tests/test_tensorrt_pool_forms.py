@@ -1,7 +1,7 @@
 """The KV pool's forms selectable at build (model.yaml `tensorrt:`), host side, on CPU without TensorRT.
 
 - `kv_pool: aliased` (the default): the pool a tensor the plugin updates in place;
-- `kv_pool: address`: the pool's device address and num_blocks an int64 [2] host input the plugin
+- `kv_pool: address`: the pool's device address and num_kv_blocks an int64 [2] host input the plugin
   writes through (no pool tensor in the network, TensorRT-LLM's pattern);
 - `quantized_pool: uint8 | float16`: an int8/fp8_e4m3 pool's bytes typed as plain uint8 or fp16 pairs.
 
@@ -92,7 +92,7 @@ def test_address_form_has_no_pool_tensor_and_conforms(graphs, kv, tmp_path):
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         assert node.input[3] == onnx_pool.POOL_ADDRESS_INPUT and len(node.output) == 1
         assert attrs["kv_pool"] == b"address" and attrs["num_layers"] == 2
-        assert attrs["kv_dtype"] == kv.encode()  # a float pool's type named too: no tensor shows it
+        assert attrs["kv_cache_dtype"] == kv.encode()  # a float pool's type named too: no tensor shows it
     violations = check_graph(path)
     assert not violations, format_violations(violations)
     onnx.checker.check_model(str(path), full_check=True)
@@ -117,12 +117,12 @@ def test_retyped_quantized_pool_conforms_and_runs_as_the_int8_graph(graphs, pool
     assert not violations, format_violations(violations)
     onnx.checker.check_model(str(path), full_check=True)
 
-    _, steps, num_blocks = standard_probe(320, 16)
+    _, steps, num_kv_blocks = standard_probe(320, 16)
     typed = {"uint8": np.uint8, "float16": np.float16}[pool_type]
     runs = {}
     for name, p, dtype, last in (("int8", graphs["int8"], np.int8, 18), (pool_type, path, typed, row)):
         session = ReferenceEvaluator(str(p), new_ops=[TrtpagedPagedAttention])
-        pool = np.zeros([num_blocks, *dims[1:-1], last], dtype=dtype)
+        pool = np.zeros([num_kv_blocks, *dims[1:-1], last], dtype=dtype)
         logits = []
         for step in steps:
             feeds = {n: t.numpy() for n, t in step.inputs.items()}
@@ -343,7 +343,7 @@ def _construct(trt, engine, tmp_path, pool_layout=None):
     original = torch.device
     try:
         torch.device = _CudaNamedDevice  # the runner checks device.type == "cuda"; memory stays on the CPU
-        runner.__init__(plan, num_blocks=40, device="cuda", pool_layout=pool_layout)
+        runner.__init__(plan, num_kv_blocks=40, device="cuda", pool_layout=pool_layout)
     finally:
         torch.device = original
     runner.device = torch.device("cpu")

@@ -136,4 +136,4 @@ def test_filters_end_to_end_and_unfiltered_requests_unchanged(hf):
     tokens = run_staggered(engine, [(prompts[0], banned)])[0].outputs[0].token_ids
     assert tokens[:2] == base[:2] and tokens != base  # the same until the word could complete
     assert all(tokens[i : i + 2] != base[2:4] for i in range(len(tokens) - 1))
-    assert engine.kv.pool.num_free == engine.config.num_blocks
+    assert engine.kv.pool.num_free == engine.config.num_kv_blocks

@@ -23,7 +23,7 @@ QUANTIZED_TINY = {
     **TINY_KV4,
     "model": {"tiny": {**TINY_KV4["model"]["tiny"], "seed": 5, "vocab_size": 512, "hidden_size": 256,
                        "intermediate_size": 1024, "num_attention_heads": 4, "num_key_value_heads": 2}},
-    "max_num_tokens": 1024, "kv_cache": {"num_blocks": 160},
+    "max_num_tokens": 1024, "kv_cache": {"num_kv_blocks": 160},
     "quantization": {"weights": "int4", "group_size": 32, "lm_head": "int8", "activations": "float"},
 }
 
@@ -44,25 +44,26 @@ def quantized_engine(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _config(**kw) -> RuntimeConfig:
-    base = dict(block_size=16, num_blocks=160, max_batch_size=8, max_num_tokens=1024, max_seq_len=512)
+    base = dict(block_size=16, num_kv_blocks=160, max_batch_size=8, max_num_tokens=1024, max_seq_len=512)
     return RuntimeConfig(**{**base, **kw})
 
 
-@pytest.mark.parametrize("kw", [{}, {"num_blocks": 40}, {"max_seq_len": 64}, {"max_batch_size": 1, "max_seq_len": 100},
-                                {"num_blocks": 3}, {"max_num_tokens": 8, "max_batch_size": 8}])
+@pytest.mark.parametrize("kw", [{}, {"num_kv_blocks": 40}, {"max_seq_len": 64},
+                                {"max_batch_size": 1, "max_seq_len": 100}, {"num_kv_blocks": 3},
+                                {"max_num_tokens": 8, "max_batch_size": 8}])
 def test_the_warmup_step_is_the_largest_shape_the_pool_and_limits_allow(kw):
     config = _config(**kw)
     shape = warmup_shape(config)
     bs = config.block_size
     blocks = sum(math.ceil(n / bs) for n in shape.lengths)
-    assert len(shape.lengths) == min(config.max_batch_size, config.num_blocks)
+    assert len(shape.lengths) == min(config.max_batch_size, config.num_kv_blocks)
     assert all(1 <= n <= config.max_seq_len for n in shape.lengths)
-    assert shape.num_tokens <= config.max_num_tokens and blocks <= config.num_blocks
+    assert shape.num_tokens <= config.max_num_tokens and blocks <= config.num_kv_blocks
     if not kw:  # room for everything: exactly max_num_tokens rows over max_batch_size sequences
         assert shape.num_tokens == 1024 and shape.lengths == (128,) * 8
     # not smaller than needed: one more block's worth of tokens would not fit
     if shape.num_tokens < min(config.max_num_tokens, len(shape.lengths) * config.max_seq_len):
-        assert config.num_blocks - blocks < len(shape.lengths)
+        assert config.num_kv_blocks - blocks < len(shape.lengths)
     batch, written = warmup_batch(config)
     assert batch.num_tokens == shape.num_tokens and len(written) == blocks
     assert batch.logits_index.tolist() == [int(e) - 1 for e in batch.query_start[1:]]

@@ -37,7 +37,7 @@ def reference(hf, prompts):
 
 
 def _engine(hf, reclaim: bool, **kw) -> LLMEngine:
-    config = runtime_config(num_blocks=kw.pop("num_blocks", 48), block_size=BLOCK, max_num_tokens=16,
+    config = runtime_config(num_kv_blocks=kw.pop("num_kv_blocks", 48), block_size=BLOCK, max_num_tokens=16,
                             reclaim_window=WINDOW if reclaim else 0, **kw)
     return LLMEngine(step_engine(hf, config), config, hf.tokenizer, [EOS])
 
@@ -55,7 +55,7 @@ def _check_accounting(engine: LLMEngine, batch) -> None:
         assert dead == list(range(len(dead))), "reclaimed entries are a leading run"
         held |= {b.block_id for b in table if b is not None}
     assert kv.pool.num_used == len(held)
-    assert kv.pool.num_free + kv.pool.num_used == kv.pool.num_blocks
+    assert kv.pool.num_free + kv.pool.num_used == kv.pool.num_kv_blocks
 
 
 @pytest.mark.parametrize("caching", [True, False])
@@ -73,7 +73,7 @@ def test_greedy_equals_hf_with_reclamation_and_exact_accounting(hf, prompts, ref
     assert [o.outputs[0].token_ids for o in outputs] == reference
     stats = engine.stats()
     assert stats["kv_blocks_reclaimed"] > 0
-    assert engine.kv.pool.num_free == engine.config.num_blocks  # none leaked
+    assert engine.kv.pool.num_free == engine.config.num_kv_blocks  # none leaked
     if caching:
         assert stats["prefix_cache_hits_tokens"] >= 2 * 24  # the system prompt's 3 full blocks, twice
 
@@ -92,7 +92,7 @@ def test_reclamation_lowers_the_peak_and_keeps_outputs(hf, prompts, reference):
 
 def test_a_pool_too_small_for_one_whole_sequence_still_generates_it(hf, prompts, reference):
     """31 + 40 tokens need 9 blocks; a windowed model needs only those its window covers."""
-    engine = _engine(hf, reclaim=True, num_blocks=6, max_batch_size=1)
+    engine = _engine(hf, reclaim=True, num_kv_blocks=6, max_batch_size=1)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     outputs = run_staggered(engine, [(prompts[0], params)], 1)
     assert outputs[0].outputs[0].token_ids == reference[0]
@@ -126,12 +126,12 @@ def test_memory_plan_shows_sequences_that_fit_with_and_without_reclamation():
     from trtpaged.memory_plan import MemoryPlan
 
     plan = MemoryPlan(bytes_per_token=1024, bytes_per_block=16384, block_size=16, max_seq_len=8192, max_batch_size=512,
-                      budget_rule="num_blocks 4096", num_blocks=4096, layer_windows=(1024,) * 4)
+                      budget_rule="num_kv_blocks 4096", num_kv_blocks=4096, layer_windows=(1024,) * 4)
     text = "\n".join(plan.lines(8192))
     # 8192 tokens: 512 blocks each with the full table (8 fit); 1024 / 16 + 2 = 66 reclaimed (62 fit)
     assert "62 reclaimed (66 blocks each) vs 8 with the full table (512 blocks each)" in text
     interleaved = MemoryPlan(bytes_per_token=1024, bytes_per_block=16384, block_size=16, max_seq_len=8192,
-                             max_batch_size=512, budget_rule="num_blocks 4096", num_blocks=4096,
+                             max_batch_size=512, budget_rule="num_kv_blocks 4096", num_kv_blocks=4096,
                              layer_windows=(1024, 1024, 1024, 0))
     text = "\n".join(interleaved.lines(8192))
     # (3 * 66 + 512) / (4 * 512) = 34.7% of the full table: 23 sequences instead of 8, not taken
@@ -143,7 +143,7 @@ def test_bench_memory_window_comparison_on_a_long_output_trace():
     from trtpaged.bench.workload import TraceRequest
 
     trace = [TraceRequest(prompt_len=64, output_len=600, arrival=0) for _ in range(12)]
-    budget = Budget(num_blocks=160, block_size=16, max_seq_len=1024, max_batch_size=12, max_num_tokens=256)
+    budget = Budget(num_kv_blocks=160, block_size=16, max_seq_len=1024, max_batch_size=12, max_num_tokens=256)
     rows = run_window_comparison(trace, budget, window=64)
     full, reclaimed = rows
     # full table: 42 blocks a sequence at the end, 3 fit, the rest preempted; reclaimed: 6 blocks each, all 12 run

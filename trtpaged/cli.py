@@ -11,6 +11,7 @@ import importlib
 import click
 
 from trtpaged import __version__
+from trtpaged.names import renamed_options
 
 _COMMANDS = {
     "build": "Build an engine dir from a model.yaml.",
@@ -33,6 +34,9 @@ class LazyGroup(click.Group):
             return None
         module = importlib.import_module(f"trtpaged.commands.{name}")
         return module.command
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, renamed_options(args))  # deprecated option spellings (names.py)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         with formatter.section("Commands"):

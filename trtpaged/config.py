@@ -6,7 +6,7 @@ by tests/test_config.py).
 
 Relative paths are relative to the yaml file. Every error names the key, the
 value and what is allowed (ConfigError.field, .limit); unknown keys are errors
-with a did-you-mean. Values are bounded (max_seq_len >= MIN_SEQ_LEN, num_blocks
+with a did-you-mean. Values are bounded (max_seq_len >= MIN_SEQ_LEN, num_kv_blocks
 within int32 block ids, model.tiny sizes). YAML aliases are refused (a few
 nested ones expand to billions of nodes), as are files over 1 MiB and nesting
 deeper than 16 levels. Validation reads no weights: it is cheap and runs before
@@ -25,8 +25,9 @@ from typing import Any, Optional
 
 import yaml
 
-from trtpaged.kv_formats import KV_DTYPES
+from trtpaged.kv_formats import KV_CACHE_DTYPES
 from trtpaged.manifest import BACKENDS, DTYPE_BYTES, KVCacheBudget, Limits
+from trtpaged.names import renamed_keys
 
 DTYPES = tuple(DTYPE_BYTES)
 # Every model.yaml key, with its values and default: the one description (build --help prints it).
@@ -43,7 +44,7 @@ max_batch_size: 8          # sequences per step
 max_num_tokens: 512        # packed tokens per step (prefill chunks + decodes), >= max_batch_size
 max_seq_len: 2048          # prompt + generated tokens of one sequence
 block_size: 16             # tokens per KV block: 8, 16, 32, 64 or 128
-kv_cache: {fraction: 0.9}  # one of {num_blocks: N}, {memory: "2GiB"}, {fraction: 0.9 of free device memory}
+kv_cache: {fraction: 0.9}  # one of {num_kv_blocks: N}, {memory: "2GiB"}, {fraction: 0.9 of free device memory}
 backend: auto              # auto | tensorrt | torch
 output: engines/NAME       # engine dir (overridden by `trtpaged build -o`)
 tensor_parallel: 1         # ranks the model is split over (heads, KV heads and MLP columns); must divide them
@@ -94,7 +95,7 @@ MIN_SEQ_LEN = 16  # a prompt of a few tokens and a reply; below it an engine ref
 MAX_SEQ_LEN = 1 << 24
 MAX_BATCH_SIZE = 1 << 16
 MAX_NUM_TOKENS = 1 << 24
-MAX_NUM_BLOCKS = 2**31 - 1  # block ids are int32 in the block tables
+MAX_NUM_KV_BLOCKS = 2**31 - 1  # block ids are int32 in the block tables
 MAX_KV_MEMORY = 1 << 50  # 1 PiB
 MAX_TENSOR_PARALLEL = 64
 MAX_CONFIG_BYTES = 1 << 20
@@ -266,7 +267,7 @@ def parse_config(
         raise fail("model", "missing; set one of " + ", ".join(f"model.{k}" for k in MODEL_SOURCES))
     model = _parse_model(data["model"], base, fail)
     dtype = _choice(data, "dtype", DTYPES, "float32", fail)
-    kv_dtype = _choice(data, "kv_cache_dtype", ("auto",) + KV_DTYPES, "auto", fail)
+    kv_cache_dtype = _choice(data, "kv_cache_dtype", ("auto",) + KV_CACHE_DTYPES, "auto", fail)
     limits = Limits(
         max_batch_size=_bounded_int(data.get("max_batch_size", 8), "max_batch_size", fail, 1, MAX_BATCH_SIZE),
         max_num_tokens=_bounded_int(data.get("max_num_tokens", 512), "max_num_tokens", fail, 1, MAX_NUM_TOKENS),
@@ -291,7 +292,7 @@ def parse_config(
     return BuildConfig(
         model=model,
         dtype=dtype,
-        kv_cache_dtype=dtype if kv_dtype == "auto" else kv_dtype,
+        kv_cache_dtype=dtype if kv_cache_dtype == "auto" else kv_cache_dtype,
         limits=limits,
         kv_cache=kv_cache,
         backend=backend,
@@ -300,7 +301,7 @@ def parse_config(
         quantization=_parse_quantization(data.get("quantization"), fail),
         tensor_parallel=_bounded_int(data.get("tensor_parallel", 1), "tensor_parallel", fail, 1,
                                      MAX_TENSOR_PARALLEL),
-        kv_cache_dtype_explicit=kv_dtype != "auto",
+        kv_cache_dtype_explicit=kv_cache_dtype != "auto",
         tensorrt=_parse_tensorrt(data.get("tensorrt"), fail),
     )
 
@@ -524,19 +525,21 @@ def _parse_tensorrt(spec: Any, fail) -> TensorRTOptions:
 
 
 def _parse_kv_cache(spec: Any, limits: Limits, fail) -> KVCacheBudget:
-    allowed = ("num_blocks", "memory", "fraction")
+    allowed = ("num_kv_blocks", "memory", "fraction")
+    if isinstance(spec, dict):
+        spec = renamed_keys(spec, "kv_cache.", fail)  # kv_cache.num_blocks: deprecated spelling
     if not isinstance(spec, dict) or len(spec) != 1:
         raise fail("kv_cache", f"got {_show(spec)}; expected exactly one of "
-                               "{num_blocks: N}, {memory: \"2GiB\"}, {fraction: 0.9}")
+                               "{num_kv_blocks: N}, {memory: \"2GiB\"}, {fraction: 0.9}")
     _check_keys(spec, allowed, "kv_cache.", fail)
     (key, value), = spec.items()
-    if key == "num_blocks":
-        _bounded_int(value, "kv_cache.num_blocks", fail, 1, MAX_NUM_BLOCKS)
+    if key == "num_kv_blocks":
+        _bounded_int(value, "kv_cache.num_kv_blocks", fail, 1, MAX_NUM_KV_BLOCKS)
         needed = limits.max_blocks_per_seq
         if value < needed:
-            raise fail("kv_cache.num_blocks", f"got {value}; one sequence of max_seq_len {limits.max_seq_len} "
+            raise fail("kv_cache.num_kv_blocks", f"got {value}; one sequence of max_seq_len {limits.max_seq_len} "
                                               f"needs {needed} blocks of {limits.block_size} tokens", needed)
-        return KVCacheBudget(num_blocks=value)
+        return KVCacheBudget(num_kv_blocks=value)
     if key == "memory":
         try:
             size = parse_size(value)

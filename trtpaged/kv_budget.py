@@ -35,7 +35,7 @@ def available_memory_bytes(device: str) -> int:
 def machine_memory_bytes() -> int:
     """The most memory one device of this machine has: the host's RAM or the largest GPU's, whichever is more.
 
-    The bound a KV budget fixed at build time (num_blocks, memory) is checked against: no pool beyond it
+    The bound a KV budget fixed at build time (num_kv_blocks, memory) is checked against: no pool beyond it
     could ever be allocated here.
     """
     host = int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
@@ -49,7 +49,7 @@ def machine_memory_bytes() -> int:
 
 
 class KVBudgetError(ValueError):
-    """A KV pool that cannot be allocated: `field` is the setting (num_kv_blocks, kv_cache.num_blocks, ...),
+    """A KV pool that cannot be allocated: `field` is the setting (num_kv_blocks, kv_cache.num_kv_blocks, ...),
     `limit` the bytes available."""
 
     def __init__(self, field: str, message: str, limit: Optional[int] = None) -> None:
@@ -77,7 +77,7 @@ def useful_blocks(limits: Limits) -> int:
 
 def budget_blocks(limits: Limits, budget: KVCacheBudget, bytes_per_block: int,
                   free_memory: Optional[int] = None) -> Optional[int]:
-    """Blocks a KV budget holds: its num_blocks, else memory_bytes // bytes_per_block, else its
+    """Blocks a KV budget holds: its num_kv_blocks, else memory_bytes // bytes_per_block, else its
     fraction of `free_memory` (bytes free on the device) capped at `useful_blocks`, so a CPU run does
     not claim most of the host's memory. None only for a fraction with `free_memory` unknown. Raises
     ValueError naming the setting when the budget holds no block.
@@ -85,8 +85,8 @@ def budget_blocks(limits: Limits, budget: KVCacheBudget, bytes_per_block: int,
     The one block count: the runtime's pool (`kv_blocks`), `inspect`'s memory plan, the TensorRT
     profile and the build's limit check all call it.
     """
-    if budget.num_blocks is not None:
-        return int(budget.num_blocks)
+    if budget.num_kv_blocks is not None:
+        return int(budget.num_kv_blocks)
     if budget.memory_bytes is not None:
         blocks = int(budget.memory_bytes) // bytes_per_block
         if blocks < 1:
@@ -99,7 +99,7 @@ def budget_blocks(limits: Limits, budget: KVCacheBudget, bytes_per_block: int,
         if blocks < 1:
             raise ValueError(f"kv_cache.fraction: {budget.fraction} of {free_memory} free bytes holds no KV block")
         return blocks
-    raise ValueError("kv_cache: the manifest sets none of num_blocks, memory_bytes, fraction")
+    raise ValueError("kv_cache: the manifest sets none of num_kv_blocks, memory_bytes, fraction")
 
 
 def kv_blocks(manifest: Manifest, free_memory: Optional[int] = None, override: Optional[int] = None) -> Optional[int]:
@@ -115,17 +115,17 @@ def kv_blocks(manifest: Manifest, free_memory: Optional[int] = None, override: O
     return budget_blocks(manifest.limits, manifest.kv_cache, manifest.kv_bytes_per_block_per_rank, free_memory)
 
 
-def resolve_num_blocks(manifest: Manifest, device: str = "cpu", override: Optional[int] = None) -> int:
+def resolve_num_kv_blocks(manifest: Manifest, device: str = "cpu", override: Optional[int] = None) -> int:
     """`kv_blocks` with the free memory of `device` measured now: the pool the runtime allocates.
 
     Raises KVBudgetError when that pool does not fit the device's free memory (a `num_kv_blocks`
-    override, or a num_blocks / memory budget from the manifest), before anything is allocated.
+    override, or a num_kv_blocks / memory budget from the manifest), before anything is allocated.
     """
     free = free_memory_bytes(device) if manifest.kv_cache.fraction is not None and override is None else None
     blocks = kv_blocks(manifest, free, override)
     assert blocks is not None
     field = "num_kv_blocks" if override is not None else next(
-        name for name, value in (("kv_cache.num_blocks", manifest.kv_cache.num_blocks),
+        name for name, value in (("kv_cache.num_kv_blocks", manifest.kv_cache.num_kv_blocks),
                                  ("kv_cache.memory_bytes", manifest.kv_cache.memory_bytes),
                                  ("kv_cache.fraction", manifest.kv_cache.fraction)) if value is not None)
     check_pool_fits(blocks, manifest.kv_bytes_per_block_per_rank, available_memory_bytes(device), field,

@@ -1,5 +1,5 @@
 """The KV cache formats, one row per `kv_cache_dtype`: the one table manifest, kernels, codec,
-benchmarks and the compile stage read (the plugin's `kv_dtype` field spells the quantized names the
+benchmarks and the compile stage read (the plugin's `kv_cache_dtype` field spells the quantized names the
 same way, plugins/src/tensorrt/fields.cpp).
 
 A float format stores head_dim values per token row of one head; a quantized one stores head_dim
@@ -40,9 +40,9 @@ KV_FORMATS: dict[str, KVFormat] = {f.name: f for f in (
     KVFormat("int8", 1, 2, 3),
     KVFormat("fp8_e4m3", 1, 2, 4),
 )}
-KV_DTYPES = tuple(KV_FORMATS)
-FLOAT_KV_DTYPES = tuple(name for name, f in KV_FORMATS.items() if not f.quantized)
-QUANTIZED_KV_DTYPES = tuple(name for name, f in KV_FORMATS.items() if f.quantized)
+KV_CACHE_DTYPES = tuple(KV_FORMATS)
+FLOAT_KV_CACHE_DTYPES = tuple(name for name, f in KV_FORMATS.items() if not f.quantized)
+QUANTIZED_KV_CACHE_DTYPES = tuple(name for name, f in KV_FORMATS.items() if f.quantized)
 SCALE_BYTES = KV_FORMATS["int8"].scale_bytes  # every quantized format's: one fp16 per row
 
 
@@ -51,4 +51,4 @@ def kv_format(name: str) -> KVFormat:
     try:
         return KV_FORMATS[name]
     except KeyError:
-        raise ValueError(f"kv_cache_dtype: got {name!r}; allowed: {', '.join(KV_DTYPES)}") from None
+        raise ValueError(f"kv_cache_dtype: got {name!r}; allowed: {', '.join(KV_CACHE_DTYPES)}") from None

@@ -1,7 +1,7 @@
 """Quantized KV cache (int8, fp8_e4m3): the pool layout and a plain PyTorch codec.
 
 Layout (the C ABI's, plugins/include/trtpaged/trtpaged.h): the pool keeps the block-major shape
-[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim + 2] with one-byte elements. Each
+[num_kv_blocks, num_layers, 2, num_kv_heads, block_size, head_dim + 2] with one-byte elements. Each
 token row of one head holds head_dim codes followed by the row's scale as fp16 (2 bytes), and the
 value is code * scale, scale = fp16(max|x| / M), codes made with the stored scale:
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from trtpaged.kv_formats import QUANTIZED_KV_DTYPES, SCALE_BYTES, kv_format
+from trtpaged.kv_formats import QUANTIZED_KV_CACHE_DTYPES, SCALE_BYTES, kv_format
 SCALE_DTYPE = torch.float16
 STORAGE_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 CODE_MAX = {"int8": 127.0, "fp8_e4m3": 448.0}
@@ -33,32 +33,32 @@ _BY_STORAGE = {v: k for k, v in STORAGE_DTYPES.items()}
 _NAN_SCALE_BITS = 0x7E00  # the fp16 quiet NaN the kernels store as a NaN row's scale
 
 
-def is_quantized(kv_dtype: str) -> bool:
+def is_quantized(kv_cache_dtype: str) -> bool:
     """True for the quantized KV dtypes (int8, fp8_e4m3)."""
-    return kv_dtype in QUANTIZED_KV_DTYPES
+    return kv_cache_dtype in QUANTIZED_KV_CACHE_DTYPES
 
 
-def pool_kv_dtype(pool: torch.Tensor) -> str | None:
+def pool_kv_cache_dtype(pool: torch.Tensor) -> str | None:
     """The quantized KV dtype a pool tensor holds, or None for a float pool."""
     return _BY_STORAGE.get(pool.dtype)
 
 
-def row_width(head_dim: int, kv_dtype: str) -> int:
+def row_width(head_dim: int, kv_cache_dtype: str) -> int:
     """Elements in the last dimension of the pool: head_dim, plus the scale's bytes when quantized."""
-    return kv_format(kv_dtype).row_elements(head_dim)
+    return kv_format(kv_cache_dtype).row_elements(head_dim)
 
 
-def quantize_rows(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, kv_cache_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes [..., D] (storage dtype) and scales [...] (float32 holding the stored fp16 values) of rows
     x [..., D], as the kernels make them. A row holding a NaN gets the quiet NaN scale (fp16 0x7e00) and
     zero codes, so that it reads back as NaN; infinities saturate like any value past the range."""
     x = x.float()
     amax = x.abs().nan_to_num(nan=0.0).amax(dim=-1)
-    scale = (amax / CODE_MAX[kv_dtype]).clamp(max=65504.0).to(SCALE_DTYPE).float()
+    scale = (amax / CODE_MAX[kv_cache_dtype]).clamp(max=65504.0).to(SCALE_DTYPE).float()
     scale = torch.where(x.isnan().any(dim=-1), torch.tensor(float("nan")), scale)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     y = torch.where(scale[..., None] > 0, x / safe[..., None], torch.zeros_like(x))
-    if kv_dtype == "int8":
+    if kv_cache_dtype == "int8":
         codes = torch.round(y).clamp(-127, 127).to(torch.int8)
     else:
         codes = y.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)

@@ -16,7 +16,8 @@ from typing import Any, Optional
 
 import pydantic
 
-from trtpaged.kv_formats import FLOAT_KV_DTYPES, KV_DTYPES, KV_FORMATS, kv_format
+from trtpaged.kv_formats import FLOAT_KV_CACHE_DTYPES, KV_CACHE_DTYPES, KV_FORMATS, kv_format
+from trtpaged.names import renamed_keys
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "trtpaged.json"
@@ -24,7 +25,7 @@ MANIFEST_NAME = "trtpaged.json"
 # what runs an engine dir; "auto" (the default wherever a backend is chosen) takes TensorRT where its
 # plan, TensorRT, a GPU and the plugin exist, else torch
 BACKENDS = ("auto", "torch", "tensorrt")
-DTYPE_BYTES = {name: KV_FORMATS[name].element_bytes for name in FLOAT_KV_DTYPES}  # compute dtypes
+DTYPE_BYTES = {name: KV_FORMATS[name].element_bytes for name in FLOAT_KV_CACHE_DTYPES}  # compute dtypes
 MAX_MANIFEST_BYTES = 16 << 20
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 MAX_KV_BLOCKS = 2**31 - 1  # block ids are int32 in the block tables
@@ -128,7 +129,7 @@ class Limits:
 class KVCacheBudget:
     """How many KV blocks the runtime allocates: exactly one of the three is set."""
 
-    num_blocks: Optional[int] = None
+    num_kv_blocks: Optional[int] = None
     memory_bytes: Optional[int] = None
     fraction: Optional[float] = None  # of free device memory at serve time
 
@@ -239,7 +240,7 @@ class Manifest:
         if version != FORMAT_VERSION:
             raise EngineDirError(where, "format_version", f"engine dir has {version!r}, this trtpaged reads "
                                  f"{FORMAT_VERSION}; rebuild the engine")
-        data = {k: v for k, v in data.items() if k not in _DERIVED}
+        data = _renamed({k: v for k, v in data.items() if k not in _DERIVED}, where)
         try:
             manifest = _adapter().validate_json(json.dumps(data))
         except pydantic.ValidationError as e:
@@ -249,6 +250,20 @@ class Manifest:
             raise EngineDirError(where, name, message) from None
         _check_values(manifest, where)
         return manifest
+
+
+def _renamed(data: dict[str, Any], where: str | Path) -> dict[str, Any]:
+    """The fields an older build spelled the deprecated way (names.py) under their one name."""
+    def fail(name: str, message: str) -> EngineDirError:
+        return EngineDirError(where, name, message)
+
+    if isinstance(data.get("kv_cache"), dict):
+        data["kv_cache"] = renamed_keys(data["kv_cache"], "kv_cache.", fail)
+    checked = data.get("verification")
+    if isinstance(checked, dict) and isinstance(checked.get("kv_cache"), dict):
+        kv_checked = renamed_keys(checked["kv_cache"], "verification.kv_cache.", fail)
+        data["verification"] = {**checked, "kv_cache": kv_checked}
+    return data
 
 
 _DERIVED = ("kv_bytes_per_token", "kv_bytes_per_block", "kv_bytes_per_token_per_rank")  # written by to_json
@@ -291,10 +306,10 @@ def _check_values(m: Manifest, where: str | Path) -> None:
     if lim.max_num_tokens < lim.max_batch_size:
         raise bad("limits.max_num_tokens", f"{lim.max_num_tokens} is less than max_batch_size {lim.max_batch_size}")
     kv = m.kv_cache
-    if [kv.num_blocks, kv.memory_bytes, kv.fraction].count(None) != 2:
-        raise bad("kv_cache", "exactly one of num_blocks, memory_bytes, fraction must be set")
-    if kv.num_blocks is not None and not 1 <= kv.num_blocks <= MAX_KV_BLOCKS:
-        raise bad("kv_cache.num_blocks", f"got {kv.num_blocks}; expected 1 to {MAX_KV_BLOCKS} (int32 block ids)",
+    if [kv.num_kv_blocks, kv.memory_bytes, kv.fraction].count(None) != 2:
+        raise bad("kv_cache", "exactly one of num_kv_blocks, memory_bytes, fraction must be set")
+    if kv.num_kv_blocks is not None and not 1 <= kv.num_kv_blocks <= MAX_KV_BLOCKS:
+        raise bad("kv_cache.num_kv_blocks", f"got {kv.num_kv_blocks}; expected 1 to {MAX_KV_BLOCKS} (int32 block ids)",
                   MAX_KV_BLOCKS)
     if kv.memory_bytes is not None and not 1 <= kv.memory_bytes <= MAX_KV_MEMORY:
         raise bad("kv_cache.memory_bytes", f"got {kv.memory_bytes}; expected 1 to {MAX_KV_MEMORY}", MAX_KV_MEMORY)
@@ -302,8 +317,8 @@ def _check_values(m: Manifest, where: str | Path) -> None:
         raise bad("kv_cache.fraction", f"got {kv.fraction}; expected a number in (0, 1]")
     if m.dtype not in DTYPE_BYTES:
         raise bad("dtype", f"got {m.dtype!r}; one of {', '.join(DTYPE_BYTES)}")
-    if m.kv_cache_dtype not in KV_DTYPES:
-        raise bad("kv_cache_dtype", f"got {m.kv_cache_dtype!r}; one of {', '.join(KV_DTYPES)}")
+    if m.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise bad("kv_cache_dtype", f"got {m.kv_cache_dtype!r}; one of {', '.join(KV_CACHE_DTYPES)}")
     for name, token in [("bos_token_id", m.bos_token_id)] + [(f"eos_token_ids[{i}]", t) for i, t in enumerate(m.eos_token_ids)]:
         if token is not None and not 0 <= token < d.vocab_size:
             raise bad(name, f"token id {token} is outside the vocabulary (vocab_size {d.vocab_size})")

@@ -26,7 +26,7 @@ class MemoryPlan:
     max_seq_len: int
     max_batch_size: int
     budget_rule: str  # how the number of blocks is decided
-    num_blocks: Optional[int]  # None when decided at serve time and no memory figure was given
+    num_kv_blocks: Optional[int]  # None when decided at serve time and no memory figure was given
     capped: bool = False  # a fraction budget was capped at max_batch_size sequences of max_seq_len
     kv_cache_dtype: str = ""
     # the same KV memory with other cache dtypes: (kv dtype, bytes per token, bytes per block)
@@ -47,35 +47,35 @@ class MemoryPlan:
         """Sequences of `length` tokens that fit with and without reclamation (every layer windowed), or the
         saving per-layer-group tables would give and that is not taken (interleaved local / global layers)."""
         windows = self.layer_windows
-        if not windows or not any(windows) or self.num_blocks is None:
+        if not windows or not any(windows) or self.num_kv_blocks is None:
             return []
         full = self.blocks_for(length)
         if 0 not in windows:
             held = min(full, self.window_blocks(max(windows)))
             return [f"sliding window {max(windows)} on every layer: blocks before a sequence's window return to the "
                     f"pool as it advances;",
-                    f"  sequences of {length} tokens that fit: {self.num_blocks // held:,} reclaimed ({held} blocks "
-                    f"each) vs {self.num_blocks // full:,} with the full table ({full} blocks each)"]
+                    f"  sequences of {length} tokens that fit: {self.num_kv_blocks // held:,} reclaimed ({held} blocks "
+                    f"each) vs {self.num_kv_blocks // full:,} with the full table ({full} blocks each)"]
         local = [w for w in windows if w]
         per_group = sum(min(full, self.window_blocks(w)) for w in local) + full * (len(windows) - len(local))
         share = per_group / (full * len(windows))
         return [f"sliding window on {len(local)} of {len(windows)} layers (the others global): the full table is "
                 f"kept (one block holds every layer's K/V);",
                 f"  per-layer-group tables would hold {share:.0%} of it at {length} tokens: "
-                f"{int(self.num_blocks / (full * share)):,} sequences instead of {self.num_blocks // full:,} "
+                f"{int(self.num_kv_blocks / (full * share)):,} sequences instead of {self.num_kv_blocks // full:,} "
                 "(not taken)"]
 
     def max_sequences(self, length: int) -> Optional[int]:
         """Sequences of `length` tokens that fit in the KV budget together (paged)."""
-        if self.num_blocks is None:
+        if self.num_kv_blocks is None:
             return None
-        return self.num_blocks // self.blocks_for(length)
+        return self.num_kv_blocks // self.blocks_for(length)
 
     def contiguous_sequences(self) -> Optional[int]:
         """Sequences that would fit if each reserved max_seq_len tokens contiguously."""
-        if self.num_blocks is None:
+        if self.num_kv_blocks is None:
             return None
-        return self.num_blocks * self.block_size // self.max_seq_len
+        return self.num_kv_blocks * self.block_size // self.max_seq_len
 
     def lines(self, avg_len: Optional[int] = None) -> list[str]:
         """The plan as printable lines."""
@@ -89,12 +89,13 @@ class MemoryPlan:
                    f"(total / {n})",
                    f"KV bytes per block:   {self.bytes_per_block:,} per rank ({self.block_size} tokens)"]
         out.append(f"KV budget:            {self.budget_rule}")
-        if self.num_blocks is None:
+        if self.num_kv_blocks is None:
             out.append("blocks in budget:     decided at serve time (pass --memory SIZE to evaluate)")
             return out
         per_rank = " per rank" if n > 1 else ""
-        out.append(f"blocks in budget:     {self.num_blocks:,} ({format_bytes(self.num_blocks * self.bytes_per_block)}"
-                   f"{per_rank}, {self.num_blocks * self.block_size:,} tokens)")
+        out.append(f"blocks in budget:     {self.num_kv_blocks:,} "
+                   f"({format_bytes(self.num_kv_blocks * self.bytes_per_block)}"
+                   f"{per_rank}, {self.num_kv_blocks * self.block_size:,} tokens)")
         fit = self.max_sequences(self.max_seq_len)
         out.append(f"max concurrent sequences at max_seq_len {self.max_seq_len}: {fit:,}{self._cap(fit)}")
         if avg_len is not None:
@@ -108,9 +109,9 @@ class MemoryPlan:
 
     def _dtype_lines(self, avg_len: Optional[int]) -> list[str]:
         """The same KV memory with each alternative cache dtype: bytes per token and concurrent sequences."""
-        if not self.alternatives or self.num_blocks is None:
+        if not self.alternatives or self.num_kv_blocks is None:
             return []
-        memory = self.num_blocks * self.bytes_per_block
+        memory = self.num_kv_blocks * self.bytes_per_block
         length = avg_len or self.max_seq_len
         rows = [(self.kv_cache_dtype, self.bytes_per_token, self.bytes_per_block)] + self.alternatives
         fits = {name: memory // per_block // self.blocks_for(length) for name, _, per_block in rows}
@@ -143,8 +144,8 @@ def plan_memory(manifest: Manifest, memory_bytes: Optional[int] = None) -> Memor
     n = manifest.tensor_parallel
     blocks = kv_blocks(manifest, memory_bytes)  # the runtime's own count
     capped = False
-    if kv.num_blocks is not None:
-        rule = f"num_blocks {kv.num_blocks}"
+    if kv.num_kv_blocks is not None:
+        rule = f"num_kv_blocks {kv.num_kv_blocks}"
     elif kv.memory_bytes is not None:
         rule = f"memory {format_bytes(kv.memory_bytes)}{' per rank' if n > 1 else ''}"
     else:
@@ -161,7 +162,7 @@ def plan_memory(manifest: Manifest, memory_bytes: Optional[int] = None) -> Memor
         max_seq_len=manifest.limits.max_seq_len,
         max_batch_size=manifest.limits.max_batch_size,
         budget_rule=rule,
-        num_blocks=blocks,
+        num_kv_blocks=blocks,
         capped=capped,
         kv_cache_dtype=manifest.kv_cache_dtype,
         alternatives=[(name, manifest.dims.kv_bytes_per_token(name) // n,

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from trtpaged.kv_quant import dequantize_rows, pack_rows, pool_kv_dtype, quantize_rows
+from trtpaged.attention_options import AttentionOptions
+from trtpaged.kv_quant import dequantize_rows, pack_rows, pool_kv_cache_dtype, quantize_rows
 
 
 def write_kv_reference(
@@ -23,7 +24,7 @@ def write_kv_reference(
     """Writes each token's K/V into its cache slot, one token at a time (quantized per row when the
     pool is int8/fp8_e4m3)."""
     block_size = kv_cache.shape[4]
-    quantized = pool_kv_dtype(kv_cache)
+    quantized = pool_kv_cache_dtype(kv_cache)
 
     def stored(x: torch.Tensor) -> torch.Tensor:
         return pack_rows(*quantize_rows(x, quantized)) if quantized else x.to(kv_cache.dtype)
@@ -43,9 +44,9 @@ def gather_kv_reference(
     """Returns one sequence's K and V as [context_len, num_kv_heads, head_dim] (float32 values of a
     quantized pool)."""
     block_size = kv_cache.shape[4]
-    num_blocks = (context_len + block_size - 1) // block_size
-    blocks = kv_cache[block_table[:num_blocks].long(), layer]  # [nb, 2, kvh, bs, d]
-    if pool_kv_dtype(kv_cache):
+    used = (context_len + block_size - 1) // block_size
+    blocks = kv_cache[block_table[:used].long(), layer]  # [nb, 2, kvh, bs, d]
+    if pool_kv_cache_dtype(kv_cache):
         blocks = dequantize_rows(blocks)
     k = blocks[:, 0].permute(0, 2, 1, 3).reshape(-1, blocks.shape[2], blocks.shape[4])
     v = blocks[:, 1].permute(0, 2, 1, 3).reshape(-1, blocks.shape[2], blocks.shape[4])
@@ -53,30 +54,19 @@ def gather_kv_reference(
 
 
 def paged_attention_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_cache: torch.Tensor,
-    positions: torch.Tensor,
-    query_start: torch.Tensor,
-    context_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    *,
-    layer: int,
-    scale: float,
-    max_context_len: int | None = None,
-    sliding_window: int = 0,
-    logit_softcap: float = 0.0,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+    positions: torch.Tensor, query_start: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
+    options: AttentionOptions, *, max_context_len: int | None = None,
 ) -> torch.Tensor:
-    """Writes the new K/V into kv_cache (in place) and returns causal attention output.
-
-    sliding_window > 0: a query at position p sees positions p - sliding_window + 1 .. p only;
-    logit_softcap > 0: scores become cap * tanh(score / cap) before the softmax.
+    """Writes the new K/V into layer `options.layer` of kv_cache (in place) and returns causal attention
+    output with the options' scale, sliding window and logit soft-cap.
 
     Shapes follow the engine I/O contract (docs/architecture.md): q [T, H, D], k/v [T, KVH, D],
-    kv_cache [num_blocks, num_layers, 2, KVH, block_size, D]. Returns [T, H, D] in q.dtype.
+    kv_cache [num_kv_blocks, num_layers, 2, KVH, block_size, D]. Returns [T, H, D] in q.dtype.
     max_context_len is unused (accepted so the signature matches kernels.paged_attention).
     """
+    layer, scale = options.layer, options.scale
+    sliding_window, logit_softcap = options.sliding_window, options.logit_softcap
     write_kv_reference(k, v, kv_cache, positions, query_start, block_tables, layer)
     num_heads, num_kv_heads = q.shape[1], kv_cache.shape[3]
     group = num_heads // num_kv_heads

@@ -15,6 +15,6 @@ STEP_INPUT_AXES: dict[str, dict[int, tuple[str, int]]] = {
     "context_lens": {0: ("num_seqs", 0)},
     "block_tables": {0: ("num_seqs", 0), 1: ("max_blocks_per_seq", 0)},
     "logits_index": {0: ("num_outputs", 0)},
-    "kv_cache": {0: ("num_blocks", 0)},
+    "kv_cache": {0: ("num_kv_blocks", 0)},
 }
 INPUT_NAMES = tuple(STEP_INPUT_AXES)

@@ -18,9 +18,9 @@ int ok();
 size_t dtype_size(trtpaged_dtype dtype);
 // Float dtypes (io and kv).
 bool dtype_valid(trtpaged_dtype dtype);
-// Any kv_dtype: the float ones plus the quantized int8 and fp8_e4m3.
-bool kv_dtype_valid(trtpaged_dtype dtype);
-bool kv_dtype_quantized(trtpaged_dtype dtype);
+// Any kv_cache_dtype: the float ones plus the quantized int8 and fp8_e4m3.
+bool kv_cache_dtype_valid(trtpaged_dtype dtype);
+bool kv_cache_dtype_quantized(trtpaged_dtype dtype);
 
 // What a backend supports, for validate_attention_params.
 struct AttentionLimits {
@@ -38,8 +38,8 @@ int validate_attention_params(const trtpaged_attention_params* p, const Attentio
 int validate_attention_options(const trtpaged_attention_options& o);
 
 // Checks block copy/swap pairs (host array).
-int validate_block_pairs(const int32_t* pairs, int32_t num_pairs, int32_t src_num_blocks,
-                         int32_t dst_num_blocks, bool same_pool);
+int validate_block_pairs(const int32_t* pairs, int32_t num_pairs, int32_t src_num_kv_blocks,
+                         int32_t dst_num_kv_blocks, bool same_pool);
 
 }  // namespace trtpaged
 

@@ -31,14 +31,14 @@ bool dtype_valid(trtpaged_dtype dtype) {
   return dtype == TRTPAGED_FLOAT32 || dtype == TRTPAGED_FLOAT16 || dtype == TRTPAGED_BFLOAT16;
 }
 
-bool kv_dtype_valid(trtpaged_dtype dtype) {
+bool kv_cache_dtype_valid(trtpaged_dtype dtype) {
   return dtype_valid(dtype) || dtype == TRTPAGED_INT8 || dtype == TRTPAGED_FP8_E4M3;
 }
 
-bool kv_dtype_quantized(trtpaged_dtype dtype) { return dtype == TRTPAGED_INT8 || dtype == TRTPAGED_FP8_E4M3; }
+bool kv_cache_dtype_quantized(trtpaged_dtype dtype) { return dtype == TRTPAGED_INT8 || dtype == TRTPAGED_FP8_E4M3; }
 
 size_t dtype_size(trtpaged_dtype dtype) {
-  return dtype == TRTPAGED_FLOAT32 ? 4 : (kv_dtype_quantized(dtype) ? 1 : 2);
+  return dtype == TRTPAGED_FLOAT32 ? 4 : (kv_cache_dtype_quantized(dtype) ? 1 : 2);
 }
 
 int validate_attention_options(const trtpaged_attention_options& o) {
@@ -60,15 +60,15 @@ int validate_attention_params(const trtpaged_attention_params* p, const Attentio
   if (p->num_heads <= 0 || p->num_heads % p->num_kv_heads != 0)
     return bad("num_heads: " + std::to_string(p->num_heads) + " must be a positive multiple of num_kv_heads (" +
                std::to_string(p->num_kv_heads) + ")");
-  if (p->num_blocks <= 0) return bad("num_blocks: " + std::to_string(p->num_blocks) + " must be > 0");
+  if (p->num_kv_blocks <= 0) return bad("num_kv_blocks: " + std::to_string(p->num_kv_blocks) + " must be > 0");
   if (p->num_layers <= 0) return bad("num_layers: " + std::to_string(p->num_layers) + " must be > 0");
   if (p->layer < 0 || p->layer >= p->num_layers)
     return bad("layer: " + std::to_string(p->layer) + " out of range [0, " + std::to_string(p->num_layers) + ")");
   if (!(p->scale > 0.0f)) return bad("scale: must be > 0");
   if (!dtype_valid(p->io_dtype))
     return bad("io_dtype: dtype " + std::to_string(p->io_dtype) + " not one of float32, float16, bfloat16");
-  if (!kv_dtype_valid(p->kv_dtype))
-    return bad("kv_dtype: dtype " + std::to_string(p->kv_dtype) +
+  if (!kv_cache_dtype_valid(p->kv_cache_dtype))
+    return bad("kv_cache_dtype: dtype " + std::to_string(p->kv_cache_dtype) +
                " not one of float32, float16, bfloat16, int8, fp8_e4m3");
   if (limits.any_block_size) {
     if (p->block_size <= 0) return bad("block_size: " + std::to_string(p->block_size) + " must be > 0");
@@ -90,21 +90,21 @@ int validate_attention_params(const trtpaged_attention_params* p, const Attentio
   return ok();
 }
 
-int validate_block_pairs(const int32_t* pairs, int32_t num_pairs, int32_t src_num_blocks, int32_t dst_num_blocks,
+int validate_block_pairs(const int32_t* pairs, int32_t num_pairs, int32_t src_num_kv_blocks, int32_t dst_num_kv_blocks,
                          bool same_pool) {
   if (num_pairs < 0) return fail(TRTPAGED_ERR_INVALID_ARGUMENT, "num_pairs: must be >= 0");
   if (num_pairs > 0 && !pairs) return fail(TRTPAGED_ERR_INVALID_ARGUMENT, "pairs: null pointer");
   std::unordered_set<int32_t> dsts;
   for (int32_t i = 0; i < num_pairs; ++i) {
     const int32_t src = pairs[2 * i], dst = pairs[2 * i + 1];
-    if (src < 0 || src >= src_num_blocks)
+    if (src < 0 || src >= src_num_kv_blocks)
       return fail(TRTPAGED_ERR_INVALID_ARGUMENT, "pairs[" + std::to_string(i) + "]: source block " +
                                                      std::to_string(src) + " out of range [0, " +
-                                                     std::to_string(src_num_blocks) + ")");
-    if (dst < 0 || dst >= dst_num_blocks)
+                                                     std::to_string(src_num_kv_blocks) + ")");
+    if (dst < 0 || dst >= dst_num_kv_blocks)
       return fail(TRTPAGED_ERR_INVALID_ARGUMENT, "pairs[" + std::to_string(i) + "]: destination block " +
                                                      std::to_string(dst) + " out of range [0, " +
-                                                     std::to_string(dst_num_blocks) + ")");
+                                                     std::to_string(dst_num_kv_blocks) + ")");
     if (!dsts.insert(dst).second)
       return fail(TRTPAGED_ERR_INVALID_ARGUMENT,
                   "pairs[" + std::to_string(i) + "]: destination block " + std::to_string(dst) + " written twice");

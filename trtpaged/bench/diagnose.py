@@ -309,7 +309,7 @@ def _lengths(trace: list[TraceRequest], kv: ModelKV) -> dict:
     mean_len = sum(seq_lens) / len(seq_lens)
     # paged: each sequence wastes at most one partly filled block; half a block on average
     mean_blocks = sum(-(-n // b.block_size) for n in seq_lens) / len(seq_lens)
-    fit_paged = int(b.num_blocks // mean_blocks)
+    fit_paged = int(b.num_kv_blocks // mean_blocks)
     fit_reserve = b.capacity_tokens // b.max_seq_len
     out = {
         "kv_bytes_per_token": kv.kv_bytes_per_token,
@@ -392,7 +392,7 @@ def diagnose(trace: list[TraceRequest], prompts: list[list[int]], kv: ModelKV, m
 def format_diagnosis(report: dict) -> str:
     b = report["model"]["budget"]
     lines = [f"trtpaged diagnose: {report['requests']} requests; {report['model']['source']}; KV budget "
-             f"{b['num_blocks']} blocks x {b['block_size']} tokens, max_seq_len {b['max_seq_len']}, "
+             f"{b['num_kv_blocks']} blocks x {b['block_size']} tokens, max_seq_len {b['max_seq_len']}, "
              f"max_batch_size {b['max_batch_size']}"]  # fmt: skip
     lines.append(_log_line(report["log"]))
     titles = {"baseline": "1. baseline and headroom", "sharing": "2. sharing", "lengths": "3. lengths and model size",
@@ -400,7 +400,7 @@ def format_diagnosis(report: dict) -> str:
     for key, title in titles.items():
         lines += ["", f"{title}:", f"   {report[key]['verdict']}"]
     if "kv_tiers" in report:
-        lines += ["", format_tier_table(report["kv_tiers"], b["num_blocks"])]
+        lines += ["", format_tier_table(report["kv_tiers"], b["num_kv_blocks"])]
     return "\n".join(lines)
 
 

@@ -62,18 +62,21 @@ def copy_bandwidth_gbs(num_bytes: int = 1 << 29) -> float:
     return 2 * num_bytes / seconds / 1e9
 
 
-def _kv_name(kv_dtype: Union[str, torch.dtype]) -> str:
-    return kv_dtype if isinstance(kv_dtype, str) else str(kv_dtype).replace("torch.", "")
+def _kv_name(kv_cache_dtype: Union[str, torch.dtype]) -> str:
+    return kv_cache_dtype if isinstance(kv_cache_dtype, str) else str(kv_cache_dtype).replace("torch.", "")
 
 
-def _decode_inputs(context: int, batch: int, block_size: int, kv_dtype: str, shuffle: bool, seed: int = 0):
+def _decode_inputs(context: int, batch: int, block_size: int, kv_cache_dtype: str, shuffle: bool, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = (context + block_size - 1) // block_size
-    num_blocks = blocks_per_seq * batch
-    ids = torch.randperm(num_blocks, generator=gen) if shuffle else torch.arange(num_blocks)
+    num_kv_blocks = blocks_per_seq * batch
+    ids = torch.randperm(num_kv_blocks, generator=gen) if shuffle else torch.arange(num_kv_blocks)
     tables = ids.to(torch.int32).reshape(batch, blocks_per_seq).contiguous()
-    cache = torch.randn(num_blocks, 1, 2, NUM_KV_HEADS, block_size, HEAD_DIM, generator=gen)
-    cache = pack_rows(*quantize_rows(cache, kv_dtype)) if is_quantized(kv_dtype) else cache.to(getattr(torch, kv_dtype))
+    cache = torch.randn(num_kv_blocks, 1, 2, NUM_KV_HEADS, block_size, HEAD_DIM, generator=gen)
+    if is_quantized(kv_cache_dtype):
+        cache = pack_rows(*quantize_rows(cache, kv_cache_dtype))
+    else:
+        cache = cache.to(getattr(torch, kv_cache_dtype))
     q = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=gen)
     k = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, generator=gen)
     v = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, generator=gen)
@@ -81,21 +84,22 @@ def _decode_inputs(context: int, batch: int, block_size: int, kv_dtype: str, shu
     query_start = torch.arange(batch + 1, dtype=torch.int32)
     context_lens = torch.full((batch,), context, dtype=torch.int32)
     out = torch.empty_like(q)
+    options = kernels.AttentionOptions(0, HEAD_DIM**-0.5)
 
     def step() -> None:
-        kernels.paged_attention(q, k, v, cache, positions, query_start, context_lens, tables, layer=0,
-                                scale=HEAD_DIM**-0.5, out=out)  # fmt: skip
+        kernels.paged_attention(q, k, v, cache, positions, query_start, context_lens, tables, options, out=out)
 
     return step
 
 
-def measure_decode(context: int, batch: int, kv_dtype: Union[str, torch.dtype], copy_gbs: float, budget_s: float,
+def measure_decode(context: int, batch: int, kv_cache_dtype: Union[str, torch.dtype], copy_gbs: float, budget_s: float,
                    noise: Optional[NoiseMonitor] = None) -> DecodeResult:  # fmt: skip
-    kv_dtype = _kv_name(kv_dtype)
-    paged_times = sample_seconds(_decode_inputs(context, batch, 16, kv_dtype, shuffle=True), budget_s=budget_s)
-    contiguous_times = sample_seconds(_decode_inputs(context, batch, context, kv_dtype, shuffle=False), budget_s=budget_s)
+    kv_cache_dtype = _kv_name(kv_cache_dtype)
+    paged_times = sample_seconds(_decode_inputs(context, batch, 16, kv_cache_dtype, shuffle=True), budget_s=budget_s)
+    contiguous_times = sample_seconds(_decode_inputs(context, batch, context, kv_cache_dtype, shuffle=False),
+                                      budget_s=budget_s)
     floats: dict[str, float] = {}
-    if is_quantized(kv_dtype):  # the float caches, timed alongside on the same inputs
+    if is_quantized(kv_cache_dtype):  # the float caches, timed alongside on the same inputs
         for name in ("float32", "float16"):
             times = sample_seconds(_decode_inputs(context, batch, 16, name, shuffle=True), budget_s=budget_s)
             floats[f"{name}_ms"] = statistics.median(times) * 1e3
@@ -105,14 +109,14 @@ def measure_decode(context: int, batch: int, kv_dtype: Union[str, torch.dtype], 
         noise.add_samples(paged_times)
         noise.add_samples(contiguous_times)
     paged, contiguous = statistics.median(paged_times), statistics.median(contiguous_times)
-    kv_bytes = 2 * batch * context * NUM_KV_HEADS * kv_row_bytes(HEAD_DIM, kv_dtype)  # codes and scales read
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * kv_row_bytes(HEAD_DIM, kv_cache_dtype)  # codes and scales read
     bandwidth = kv_bytes / paged / 1e9
     return DecodeResult(context, batch, paged * 1e3, contiguous * 1e3, kv_bytes, bandwidth, bandwidth / copy_gbs,
                         paged / contiguous - 1, **floats)  # fmt: skip
 
 
 def run_kernel_bench(
-    kv_dtype: Union[str, torch.dtype] = "float32",
+    kv_cache_dtype: Union[str, torch.dtype] = "float32",
     contexts: tuple[int, ...] = CONTEXTS,
     batches: tuple[int, ...] = BATCHES,
     budget_s: float = 0.4,
@@ -127,7 +131,7 @@ def run_kernel_bench(
     for context in contexts:
         for batch in batches:
             say(f"decode: context {context}, batch {batch}")
-            results.append(measure_decode(context, batch, kv_dtype, copy_gbs, budget_s, monitor))
+            results.append(measure_decode(context, batch, kv_cache_dtype, copy_gbs, budget_s, monitor))
     monitor.stop()
     noise = monitor.result()
     long = [r for r in results if r.context >= 2048]
@@ -138,7 +142,7 @@ def run_kernel_bench(
         "device": "cpu",
         "threads": torch.get_num_threads(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-        "kv_dtype": _kv_name(kv_dtype),
+        "kv_cache_dtype": _kv_name(kv_cache_dtype),
         "heads": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM},
         "copy_bandwidth_gbs": copy_gbs,
         "decode": [asdict(r) for r in results],
@@ -161,7 +165,7 @@ def run_kernel_bench(
 def format_report(report: dict) -> str:
     """Human-readable table of run_kernel_bench's report."""
     lines = [
-        f"trtpaged kernel benchmark ({report['device']}, {report['threads']} threads, KV {report['kv_dtype']}, "
+        f"trtpaged kernel benchmark ({report['device']}, {report['threads']} threads, KV {report['kv_cache_dtype']}, "
         f"{report['heads']['num_heads']} heads / {report['heads']['num_kv_heads']} KV heads / "
         f"head_dim {report['heads']['head_dim']})",
         f"memory-copy bandwidth: {report['copy_bandwidth_gbs']:.1f} GB/s (read + write bytes)",
@@ -188,7 +192,8 @@ def format_report(report: dict) -> str:
         f"(target <= {s['target_paged_overhead']:.0%} mean): {s['overhead_verdict']}",
     ]
     if s.get("min_speedup_vs_float32_at_2048_plus") is not None:
-        lines.append(f"KV {report['kv_dtype']} vs float32 at 2048+ tokens: worst {s['min_speedup_vs_float32_at_2048_plus']:.2f}x "
+        lines.append(f"KV {report['kv_cache_dtype']} vs float32 at 2048+ tokens: worst "
+                     f"{s['min_speedup_vs_float32_at_2048_plus']:.2f}x "
                      f"as fast (target >= 1.00x, no slower): {s['speedup_verdict']}; KV GB/s counts the bytes "
                      "actually read (codes and fp16 scales)")
     return "\n".join(lines)

@@ -6,7 +6,7 @@ Measured side by side in one run on the current CUDA device, timed with CUDA eve
   read per second (the copy's source bytes) and bytes moved per second (read + written);
 - decode: one step of single-token queries over `context` cached tokens per sequence
   (9 query heads, 3 KV heads, head_dim 64, fp16 q/k/v, block_size 16, shuffled blocks; the
-  KV cache fp16 unless --kv-dtype says otherwise). Achieved bandwidth counts the K and V
+  KV cache fp16 unless --kv-cache-dtype says otherwise). Achieved bandwidth counts the K and V
   bytes the step must read (batch * context * kv_heads * 2 * the bytes of one cached row:
   head_dim values, or for int8 / fp8_e4m3 head_dim codes and the row's 2-byte scale),
   nothing else. The step includes the K/V write of the new token, the split-K decode, its
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import sys
 from dataclasses import asdict, dataclass
 from typing import Callable
 
@@ -31,12 +32,13 @@ import torch
 
 from trtpaged import kernels
 from trtpaged.kv_quant import is_quantized, pack_rows, quantize_rows, row_width
+from trtpaged.names import renamed_options
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 CONTEXTS = (512, 2048, 8192)
 BATCHES = (1, 8, 32)
 QUICK_CONTEXTS, QUICK_BATCHES = (2048, 8192), (8, 32)
-KV_DTYPES = ("float16", "float32", "bfloat16", "int8", "fp8_e4m3")
+KV_CACHE_DTYPES = ("float16", "float32", "bfloat16", "int8", "fp8_e4m3")
 _TORCH = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}
 TARGET_FRACTION = 0.70  # decode KV-read bandwidth vs copy bandwidth, long contexts
 
@@ -107,28 +109,31 @@ def copy_bandwidth(num_bytes: int = 1 << 30) -> dict:
     return {"bytes": num_bytes, "read_gbs": num_bytes / seconds / 1e9, "moved_gbs": 2 * num_bytes / seconds / 1e9}
 
 
-def _row_bytes(kv_dtype: str) -> int:
+def _row_bytes(kv_cache_dtype: str) -> int:
     """Bytes of one cached row of one head: head_dim values, or codes plus the fp16 scale."""
-    return row_width(HEAD_DIM, kv_dtype) * (1 if is_quantized(kv_dtype) else _TORCH[kv_dtype].itemsize)
+    element = 1 if is_quantized(kv_cache_dtype) else _TORCH[kv_cache_dtype].itemsize
+    return row_width(HEAD_DIM, kv_cache_dtype) * element
 
 
-def _pool(num_blocks: int, kv_dtype: str, gen: torch.Generator) -> torch.Tensor:
+def _pool(num_kv_blocks: int, kv_cache_dtype: str, gen: torch.Generator) -> torch.Tensor:
     """A random pool on the GPU: unit-normal values, quantized row by row for int8 / fp8_e4m3."""
-    shape = (num_blocks, 1, 2, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+    shape = (num_kv_blocks, 1, 2, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
     values = torch.randn(shape, generator=gen).to("cuda")
-    return pack_rows(*quantize_rows(values, kv_dtype)) if is_quantized(kv_dtype) else values.to(_TORCH[kv_dtype])
+    if is_quantized(kv_cache_dtype):
+        return pack_rows(*quantize_rows(values, kv_cache_dtype))
+    return values.to(_TORCH[kv_cache_dtype])
 
 
 def _decode_step(context: int, batch: int, shuffle: bool, seed: int = 0,
-                 kv_dtype: str = "float16") -> tuple[Callable[[], None], int]:
+                 kv_cache_dtype: str = "float16") -> tuple[Callable[[], None], int]:
     """A decode step calling the C ABI directly (prepared arguments, no per-call checks or syncs)."""
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = (context + BLOCK_SIZE - 1) // BLOCK_SIZE
-    num_blocks = blocks_per_seq * batch
-    ids = torch.randperm(num_blocks, generator=gen) if shuffle else torch.arange(num_blocks)
+    num_kv_blocks = blocks_per_seq * batch
+    ids = torch.randperm(num_kv_blocks, generator=gen) if shuffle else torch.arange(num_kv_blocks)
     dev = "cuda"
     tables = ids.to(torch.int32).reshape(batch, blocks_per_seq).to(dev)
-    cache = _pool(num_blocks, kv_dtype, gen)
+    cache = _pool(num_kv_blocks, kv_cache_dtype, gen)
     q = torch.randn(batch, NUM_HEADS, HEAD_DIM, device=dev, dtype=torch.float16)
     k = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, device=dev, dtype=torch.float16)
     v = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, device=dev, dtype=torch.float16)
@@ -140,8 +145,8 @@ def _decode_step(context: int, batch: int, shuffle: bool, seed: int = 0,
 
     lib = kernels.library()
     fp16 = kernels._DTYPE_CODES[torch.float16]
-    kv_code = kernels._KV_DTYPE_CODES[cache.dtype]
-    params = kernels._AttentionParams(batch, batch, blocks_per_seq, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, num_blocks,
+    kv_code = kernels._KV_CACHE_DTYPE_CODES[cache.dtype]
+    params = kernels._AttentionParams(batch, batch, blocks_per_seq, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, num_kv_blocks,
                                       1, 0, BLOCK_SIZE, HEAD_DIM**-0.5, fp16, kv_code)  # fmt: skip
     ws_size = lib.trtpaged_paged_attention_cuda_workspace_size(ctypes.byref(params), context)
     workspace = torch.empty(max(ws_size, 1), dtype=torch.uint8, device=dev)
@@ -158,13 +163,13 @@ def _decode_step(context: int, batch: int, shuffle: bool, seed: int = 0,
     return step, ws_size
 
 
-def measure_decode(context: int, batch: int, copy: dict, kv_dtype: str = "float16") -> DecodeResult:
-    paged_step, ws_size = _decode_step(context, batch, shuffle=True, kv_dtype=kv_dtype)
+def measure_decode(context: int, batch: int, copy: dict, kv_cache_dtype: str = "float16") -> DecodeResult:
+    paged_step, ws_size = _decode_step(context, batch, shuffle=True, kv_cache_dtype=kv_cache_dtype)
     paged = _Timer(paged_step).seconds()
     del paged_step
-    contiguous = _Timer(_decode_step(context, batch, shuffle=False, kv_dtype=kv_dtype)[0]).seconds()
-    fp16 = _Timer(_decode_step(context, batch, shuffle=True)[0]).seconds() if is_quantized(kv_dtype) else None
-    kv_bytes = 2 * batch * context * NUM_KV_HEADS * _row_bytes(kv_dtype)
+    contiguous = _Timer(_decode_step(context, batch, shuffle=False, kv_cache_dtype=kv_cache_dtype)[0]).seconds()
+    fp16 = _Timer(_decode_step(context, batch, shuffle=True)[0]).seconds() if is_quantized(kv_cache_dtype) else None
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * _row_bytes(kv_cache_dtype)
     bw = kv_bytes / paged / 1e9
     splits = ws_size // (4 * batch * NUM_HEADS * (HEAD_DIM + 2)) if ws_size else 1
     return DecodeResult(context, batch, int(splits), paged * 1e6, contiguous * 1e6, kv_bytes, bw,
@@ -172,25 +177,25 @@ def measure_decode(context: int, batch: int, copy: dict, kv_dtype: str = "float1
                         fp16 * 1e6 if fp16 is not None else None)  # fmt: skip
 
 
-def run_gpu_kernel_bench(json_out: bool, kv_dtype: str = "float16", quick: bool = False) -> dict:
-    """Runs the GPU kernel report for a KV cache of kv_dtype (KV_DTYPES), prints it (JSON when json_out,
+def run_gpu_kernel_bench(json_out: bool, kv_cache_dtype: str = "float16", quick: bool = False) -> dict:
+    """Runs the GPU kernel report for a KV cache of kv_cache_dtype (KV_CACHE_DTYPES), prints it (JSON when json_out,
     else a table) and returns it. quick: contexts 2048 and 8192 at batch 8 and 32 only."""
-    if kv_dtype not in KV_DTYPES:
-        raise ValueError(f"kv_dtype: {kv_dtype!r} not one of {', '.join(KV_DTYPES)}")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype: {kv_cache_dtype!r} not one of {', '.join(KV_CACHE_DTYPES)}")
     if not torch.cuda.is_available():
         raise RuntimeError("no CUDA device")
     if not kernels.has_cuda():
         raise RuntimeError("the trtpaged kernel library was built without CUDA kernels")
     copy = copy_bandwidth()
     contexts, batches = (QUICK_CONTEXTS, QUICK_BATCHES) if quick else (CONTEXTS, BATCHES)
-    results = [measure_decode(c, b, copy, kv_dtype) for c in contexts for b in batches]
+    results = [measure_decode(c, b, copy, kv_cache_dtype) for c in contexts for b in batches]
     long = [r for r in results if r.context >= 2048 and r.batch >= 8]
     report = {
         "device": torch.cuda.get_device_name(),
         "cuda_archs": kernels.cuda_archs(),
         "timing": "cuda-graph" if _Timer.graphs_ok else "eager",
         "heads": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM},
-        "kv_dtype": kv_dtype,
+        "kv_cache_dtype": kv_cache_dtype,
         "block_size": BLOCK_SIZE,
         "copy": copy,
         "decode": [asdict(r) for r in results],
@@ -210,11 +215,11 @@ def run_gpu_kernel_bench(json_out: bool, kv_dtype: str = "float16", quick: bool 
 def format_report(report: dict) -> str:
     """The report as a table and its verdict lines."""
     c, s = report["copy"], report["summary"]
-    quantized = is_quantized(report["kv_dtype"])
+    quantized = is_quantized(report["kv_cache_dtype"])
     lines = [
         f"trtpaged CUDA decode benchmark on {report['device']} (archs {report['cuda_archs']}, timing "
         f"{report['timing']}): {report['heads']['num_heads']} heads / {report['heads']['num_kv_heads']} KV heads / "
-        f"head_dim {report['heads']['head_dim']}, KV {report['kv_dtype']}, block_size {report['block_size']}",
+        f"head_dim {report['heads']['head_dim']}, KV {report['kv_cache_dtype']}, block_size {report['block_size']}",
         f"device copy of {c['bytes'] >> 20} MiB: {c['read_gbs']:.0f} GB/s read, {c['moved_gbs']:.0f} GB/s moved "
         "(read + written)",
         "",
@@ -238,8 +243,9 @@ def format_report(report: dict) -> str:
         f"worst {s['max_paged_overhead_pct']:+.1f}%",
     ]
     if quantized:
-        lines.append(f"{report['kv_dtype']} cache vs fp16 cache: worst speed-up {s['min_speedup_vs_float16']:.2f}x "
-                     f"(it reads {_row_bytes(report['kv_dtype']) / _row_bytes('float16'):.0%} of the bytes)")
+        lines.append(f"{report['kv_cache_dtype']} cache vs fp16 cache: worst speed-up "
+                     f"{s['min_speedup_vs_float16']:.2f}x "
+                     f"(it reads {_row_bytes(report['kv_cache_dtype']) / _row_bytes('float16'):.0%} of the bytes)")
     return "\n".join(lines)
 
 
@@ -247,10 +253,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--save", metavar="PATH", help="also write the report as JSON to PATH")
-    parser.add_argument("--kv-dtype", default="float16", choices=KV_DTYPES, help="KV cache dtype (default float16)")
+    parser.add_argument("--kv-cache-dtype", default="float16", choices=KV_CACHE_DTYPES,
+                        help="KV cache dtype (default float16)")
     parser.add_argument("--quick", action="store_true", help="contexts 2048 and 8192 at batch 8 and 32 only")
-    args = parser.parse_args()
-    report = run_gpu_kernel_bench(args.json, args.kv_dtype, args.quick)
+    args = parser.parse_args(renamed_options(sys.argv[1:]))
+    report = run_gpu_kernel_bench(args.json, args.kv_cache_dtype, args.quick)
     if args.save:
         with open(args.save, "w") as f:
             json.dump(report, f, indent=2)

@@ -1,6 +1,6 @@
 """`trtpaged bench kv-tiers ENGINE`: the same multi-turn traffic against servers with and without KV tiers.
 
-One run, one engine, one small pool (`--kv-blocks`; a first row has the engine's whole budget: the hit rate
+One run, one engine, one small pool (`--num-kv-blocks`; a first row has the engine's whole budget: the hit rate
 an unbounded cache would reach), servers started in this process one after
 another (loopback, the official HTTP path): tiers off, host memory, local disk, a restart on that
 disk (new conversations under the same system prompt), Redis, and a second replica on that Redis
@@ -37,7 +37,7 @@ def _warm_up(url: str) -> None:
 
 
 def run_kv_tiers_bench(
-    engine: Path, spec: MultiTurnSpec, kv_blocks: int, host_memory: str = "1GiB", disk_size: str = "4GiB",
+    engine: Path, spec: MultiTurnSpec, num_kv_blocks: int, host_memory: str = "1GiB", disk_size: str = "4GiB",
     remote: Optional[str] = None, llm_kwargs: Optional[dict[str, Any]] = None, seed: int = 0, rounds: int = 1,
     progress: Optional[Callable[[str], None]] = None,
 ) -> dict[str, Any]:  # fmt: skip
@@ -68,7 +68,7 @@ def run_kv_tiers_bench(
                     groups.append([("remote", {"remote": remote}, 0), ("remote, 2nd replica", {"remote": remote}, 0)])
                 for group in groups[r % len(groups):] + groups[:r % len(groups)]:
                     for name, tiers, variant in group:
-                        report = _run_row(engine, spec, kv_blocks, name, tiers, seed + r, variant, llm_kwargs, say)
+                        report = _run_row(engine, spec, num_kv_blocks, name, tiers, seed + r, variant, llm_kwargs, say)
                         runs.setdefault(name, []).append(report)
             finally:
                 shutil.rmtree(disk_dir, ignore_errors=True)
@@ -76,15 +76,15 @@ def run_kv_tiers_bench(
         if redis is not None:
             redis.kill()
     rows = {name: _combine(name, runs[name], runs["off"]) for name in runs}
-    return {"engine": str(engine), "kv_blocks": kv_blocks, "conversations": spec.conversations, "turns": spec.turns,
-            "think_time_s": spec.think_time_s, "rounds": rounds, "rows": rows}
+    return {"engine": str(engine), "num_kv_blocks": num_kv_blocks, "conversations": spec.conversations,
+            "turns": spec.turns, "think_time_s": spec.think_time_s, "rounds": rounds, "rows": rows}
 
 
-def _run_row(engine: Path, spec: MultiTurnSpec, kv_blocks: int, name: str, tiers: Optional[dict[str, Any]],
+def _run_row(engine: Path, spec: MultiTurnSpec, num_kv_blocks: int, name: str, tiers: Optional[dict[str, Any]],
              seed: int, variant: int, llm_kwargs: Optional[dict[str, Any]], say: Callable[[str], None]) -> dict:
     from trtpaged.server import start_server
 
-    blocks = None if name == "off, unbounded pool" else kv_blocks  # None: the engine's whole budget
+    blocks = None if name == "off, unbounded pool" else num_kv_blocks  # None: the engine's whole budget
     say(f"{name}: starting a server ({blocks or 'all'} KV blocks, seed {seed})")
     handle = start_server(engine, port=0, num_kv_blocks=blocks, kv_tiers=tiers, **(llm_kwargs or {}))
     try:
@@ -120,7 +120,7 @@ def format_kv_tiers(report: dict[str, Any]) -> str:
     """The rows as a markdown table."""
     head = ["tiers"] + [title for _, title, _ in COLUMNS]
     lines = [f"{report['conversations']} conversations x {report['turns']} turns, think time "
-             f"{report['think_time_s']} s, pool of {report['kv_blocks']} blocks ({report['engine']}); "
+             f"{report['think_time_s']} s, pool of {report['num_kv_blocks']} blocks ({report['engine']}); "
              f"{report['rounds']} rounds: times are medians, token counts sums", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, row in report["rows"].items():

@@ -42,7 +42,7 @@ from trtpaged.runtime.sampling_params import SamplingParams
 class Budget:
     """The KV budget and step limits every policy gets."""
 
-    num_blocks: int
+    num_kv_blocks: int
     block_size: int
     max_seq_len: int
     max_batch_size: int
@@ -50,7 +50,7 @@ class Budget:
 
     @property
     def capacity_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+        return self.num_kv_blocks * self.block_size
 
 
 SERIES = ("running", "utilisation", "slots", "computed", "blocks_with_sharing", "blocks_without_sharing", "waiting",
@@ -184,7 +184,7 @@ def simulate_paged(
     """
     config = RuntimeConfig(
         block_size=budget.block_size,
-        num_blocks=budget.num_blocks,
+        num_kv_blocks=budget.num_kv_blocks,
         max_batch_size=budget.max_batch_size,
         max_num_tokens=budget.max_num_tokens,
         max_seq_len=budget.max_seq_len,
@@ -220,7 +220,7 @@ def simulate_paged(
         size = entry_bytes(budget.block_size, 0) * (tier_blocks if tier_blocks is not None else 1 << 40)
         tiers = TierStack([HostMemoryTier(size)], bytes(32), 0)
         result.policy += f" + host tier ({'unbounded' if tier_blocks is None else f'{tier_blocks} blocks'})"
-    engine = LLMEngine(NullRunner(budget.num_blocks, on_step=during_step), config, tiers=tiers)
+    engine = LLMEngine(NullRunner(budget.num_kv_blocks, on_step=during_step), config, tiers=tiers)
     prompts = prompts if prompts is not None else prompt_token_ids(trace)
     # without sharing, parallel samples are separate requests: nothing is shared
     order = sorted(range(len(trace)), key=lambda i: (trace[i].arrival, i))
@@ -340,20 +340,20 @@ def run_memory_bench(
     return report
 
 
-def kv_dtype_blocks(budget: Budget, base_dtype: str, kv_dtype: str, head_dim: int) -> int:
-    """Blocks of kv_dtype in the memory of budget.num_blocks blocks of base_dtype (same model, block size).
+def kv_cache_dtype_blocks(budget: Budget, base_dtype: str, kv_cache_dtype: str, head_dim: int) -> int:
+    """Blocks of kv_cache_dtype in the memory of budget.num_kv_blocks blocks of base_dtype (same model, block size).
 
     Bytes per token are 2 * layers * kv_heads * (bytes of one head's row), so only the row sizes matter.
     """
     from trtpaged.manifest import kv_row_bytes
 
-    return budget.num_blocks * kv_row_bytes(head_dim, base_dtype) // kv_row_bytes(head_dim, kv_dtype)
+    return budget.num_kv_blocks * kv_row_bytes(head_dim, base_dtype) // kv_row_bytes(head_dim, kv_cache_dtype)
 
 
-def run_kv_dtype_comparison(
+def run_kv_cache_dtype_comparison(
     trace: list[TraceRequest],
     budget: Budget,
-    kv_dtypes: tuple[str, ...],
+    kv_cache_dtypes: tuple[str, ...],
     base_dtype: str,
     head_dim: int,
     progress: Optional[Callable[[str], None]] = None,
@@ -369,12 +369,12 @@ def run_kv_dtype_comparison(
 
     say = progress or (lambda _msg: None)
     rows = []
-    for kv_dtype in kv_dtypes:
-        say(f"paged, kv {kv_dtype}")
-        blocks = kv_dtype_blocks(budget, base_dtype, kv_dtype, head_dim)
-        rows.append({"kv_dtype": kv_dtype, "head_row_bytes": kv_row_bytes(head_dim, kv_dtype),
+    for kv_cache_dtype in kv_cache_dtypes:
+        say(f"paged, kv {kv_cache_dtype}")
+        blocks = kv_cache_dtype_blocks(budget, base_dtype, kv_cache_dtype, head_dim)
+        rows.append({"kv_cache_dtype": kv_cache_dtype, "head_row_bytes": kv_row_bytes(head_dim, kv_cache_dtype),
                      **_paged_row(trace, budget, blocks)})
-    by_name = {r["kv_dtype"]: r for r in rows}
+    by_name = {r["kv_cache_dtype"]: r for r in rows}
     for r in rows:
         for other in ("float16", "float32"):
             base = by_name.get(other)
@@ -388,9 +388,9 @@ def _paged_row(trace: list[TraceRequest], budget: Budget, blocks: int, reclaim_w
 
     "saturated running": mean running sequences over the steps where requests wait, i.e. while the KV budget
     (or max_batch_size) is what limits concurrency."""
-    r = simulate_paged(trace, replace(budget, num_blocks=blocks), sharing=False, reclaim_window=reclaim_window)
+    r = simulate_paged(trace, replace(budget, num_kv_blocks=blocks), sharing=False, reclaim_window=reclaim_window)
     busy = [run for run, wait in zip(r.running, r.waiting) if wait > 0]
-    return {"num_blocks": blocks, "steps": r.steps, "peak_running": r.peak_running, "mean_running": r.mean_running,
+    return {"num_kv_blocks": blocks, "steps": r.steps, "peak_running": r.peak_running, "mean_running": r.mean_running,
             "saturated_running": statistics.fmean(busy) if busy else None, "saturated_steps": len(busy),
             "preemptions": r.preemptions}
 
@@ -399,13 +399,13 @@ def run_tensor_parallel_comparison(
     trace: list[TraceRequest], budget: Budget, ranks: tuple[int, ...],
     progress: Optional[Callable[[str], None]] = None,
 ) -> list[dict]:
-    """The paged replay on 1 and on N ranks, each rank a device with the memory of `budget.num_blocks` one-rank
+    """The paged replay on 1 and on N ranks, each rank a device with the memory of `budget.num_kv_blocks` one-rank
     blocks: a rank's block holds 1/N of the KV heads, so N ranks hold N times the blocks (N times the memory)."""
     say = progress or (lambda _msg: None)
     rows = []
     for n in ranks:
         say(f"paged, {n} rank{'s' if n > 1 else ''}")
-        rows.append({"ranks": n, **_paged_row(trace, budget, budget.num_blocks * n)})
+        rows.append({"ranks": n, **_paged_row(trace, budget, budget.num_kv_blocks * n)})
     base = rows[0]["saturated_running"]
     for r in rows:
         r["saturated_running_vs_1_rank"] = r["saturated_running"] / base if base and r["saturated_running"] else None
@@ -420,7 +420,7 @@ def run_window_comparison(trace: list[TraceRequest], budget: Budget, window: int
     rows = []
     for reclaim in (False, True):
         say(f"paged, window {window}, {'reclaimed' if reclaim else 'full table'}")
-        rows.append({"reclaim": reclaim, **_paged_row(trace, budget, budget.num_blocks, window if reclaim else 0)})
+        rows.append({"reclaim": reclaim, **_paged_row(trace, budget, budget.num_kv_blocks, window if reclaim else 0)})
     base = rows[0]["mean_running"]
     for r in rows:
         r["mean_running_vs_full_table"] = r["mean_running"] / base if base else None
@@ -447,14 +447,14 @@ def format_tensor_parallel_table(rows: list[dict], base_blocks: int) -> str:
     for r in rows:
         vs = f"{r['saturated_running_vs_1_rank']:>9.2f}x" if r["saturated_running_vs_1_rank"] else f"{'-':>10}"
         sat = f"{r['saturated_running']:>8.1f}" if r["saturated_running"] else f"{'-':>8}"
-        lines.append(f"{r['ranks']:>5} {str(r['ranks']) + 'x':>10} {r['num_blocks']:>8} {r['steps']:>7} "
+        lines.append(f"{r['ranks']:>5} {str(r['ranks']) + 'x':>10} {r['num_kv_blocks']:>8} {r['steps']:>7} "
                      f"{r['peak_running']:>9} {r['mean_running']:>9.1f} {sat} {vs} {r['preemptions']:>8}")
     lines += ["a rank's KV block holds 1/N of the KV heads: the same block ids address every rank's share, so N",
               "devices hold N times the blocks; concurrency stops growing at max_batch_size"]
     return "\n".join(lines)
 
 
-def format_kv_dtype_table(rows: list[dict], base_dtype: str, base_blocks: int, head_dim: int) -> str:
+def format_kv_cache_dtype_table(rows: list[dict], base_dtype: str, base_blocks: int, head_dim: int) -> str:
     lines = [f"same KV memory as {base_blocks} {base_dtype} blocks (head_dim {head_dim}), paged replay without sharing:",
              f"{'kv dtype':<10} {'B/head row':>10} {'blocks':>8} {'steps':>7} {'peak run':>9} {'mean run':>9} "
              f"{'sat run':>8} {'vs fp16':>8} {'vs fp32':>8} {'preempt':>8}"]
@@ -462,7 +462,7 @@ def format_kv_dtype_table(rows: list[dict], base_dtype: str, base_blocks: int, h
         vs = [f"{r[k]:>7.2f}x" if r[k] else f"{'-':>8}"
               for k in ("saturated_running_vs_float16", "saturated_running_vs_float32")]
         sat = f"{r['saturated_running']:>8.1f}" if r["saturated_running"] else f"{'-':>8}"
-        lines.append(f"{r['kv_dtype']:<10} {r['head_row_bytes']:>10} {r['num_blocks']:>8} {r['steps']:>7} "
+        lines.append(f"{r['kv_cache_dtype']:<10} {r['head_row_bytes']:>10} {r['num_kv_blocks']:>8} {r['steps']:>7} "
                      f"{r['peak_running']:>9} {r['mean_running']:>9.1f} {sat} {vs[0]} {vs[1]} {r['preemptions']:>8}")
     lines += ["B/head row: bytes of one token's K (or V) for one head (int8/fp8: codes + fp16 scale)",
               "sat run: mean running sequences over the steps where requests wait (concurrency while the budget",
@@ -505,7 +505,8 @@ def format_memory_report(report: dict) -> str:
     b = report["budget"]
     lines = [
         f"trtpaged memory benchmark: {report['requests']} requests ({report['sequences']} sequences), "
-        f"KV budget {b['num_blocks']} blocks x {b['block_size']} tokens = {b['num_blocks'] * b['block_size']:,} slots, "
+        f"KV budget {b['num_kv_blocks']} blocks x {b['block_size']} tokens = "
+        f"{b['num_kv_blocks'] * b['block_size']:,} slots, "
         f"max_seq_len {b['max_seq_len']}, max_batch_size {b['max_batch_size']}, max_num_tokens {b['max_num_tokens']}",
         "",
         f"{'policy':<34} {'steps':>7} {'peak run':>9} {'mean run':>9} {'KV util':>8} {'tw run':>7} {'tw util':>8} "

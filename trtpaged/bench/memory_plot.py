@@ -13,7 +13,7 @@ def plot_memory_report(report: dict, path: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, (slots_ax, run_ax) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
-    capacity = report["budget"]["num_blocks"] * report["budget"]["block_size"]
+    capacity = report["budget"]["num_kv_blocks"] * report["budget"]["block_size"]
     for policy, series in report["series"].items():
         steps = range(len(series["slots"]))
         slots_ax.plot(steps, series["slots"], label=policy, linewidth=1.2)
@@ -24,7 +24,7 @@ def plot_memory_report(report: dict, path: str | Path) -> Path:
     run_ax.set_xlabel("step")
     slots_ax.legend(fontsize=8, loc="upper right")
     slots_ax.set_title(f"{report['requests']} requests ({report['sequences']} sequences), "
-                       f"{report['budget']['num_blocks']} blocks x {report['budget']['block_size']} tokens")  # fmt: skip
+                       f"{report['budget']['num_kv_blocks']} blocks x {report['budget']['block_size']} tokens")  # fmt: skip
     fig.tight_layout()
     out = Path(path)
     fig.savefig(out, dpi=110)

@@ -29,9 +29,9 @@ class NullRunner:
     backend = "null"
 
     def __init__(
-        self, num_blocks: int, vocab_size: int = 8, on_step: Optional[Callable[[StepBatch], None]] = None
+        self, num_kv_blocks: int, vocab_size: int = 8, on_step: Optional[Callable[[StepBatch], None]] = None
     ) -> None:
-        self.num_blocks = num_blocks
+        self.num_kv_blocks = num_kv_blocks
         self.vocab_size = vocab_size
         self.on_step = on_step  # sees each batch mid-step: blocks allocated, nothing freed yet
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from trtpaged.bench.noise import NoiseMonitor, assess
-from trtpaged.bench.workload import TraceRequest, load_trace, prompt_token_ids, synthetic_trace
+from trtpaged.bench.workload import TraceRequest, json_objects, load_trace, prompt_token_ids, synthetic_trace
 
 DEFAULT_MIX = {"num_requests": 16, "prompt_len": (32, 300), "output_len": (16, 240)}
 
@@ -114,21 +114,12 @@ def load_requests(path: str | Path, tokenizer: Callable[[str], list[int]], vocab
     if not (isinstance(first, dict) and "prompt" in first):
         return requests_from_trace(load_trace(path), vocab_size)
     out = []
-    for lineno, line in lines:
-        try:
-            data = json.loads(line)
-            if not isinstance(data, dict):
-                raise ValueError(f"expected a JSON object, got {type(data).__name__}")
-            unknown = set(data) - {"prompt", "output_len"}
-            if unknown:
-                raise ValueError(f"unknown field(s) {sorted(unknown)}; allowed: ['output_len', 'prompt']")
-            prompt, output_len = data.get("prompt"), data.get("output_len")
-            if not isinstance(prompt, str) or not prompt:
-                raise ValueError(f"prompt: must be a non-empty string, got {prompt!r}")
-            if not isinstance(output_len, int) or isinstance(output_len, bool) or output_len < 1:
-                raise ValueError(f"output_len: must be an integer >= 1, got {output_len!r}")
-        except ValueError as exc:
-            raise ValueError(f"{path}:{lineno}: {exc}") from exc
+    for where, data in json_objects(path, ("prompt", "output_len")):
+        prompt, output_len = data.get("prompt"), data.get("output_len")
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError(f"{where}: prompt: must be a non-empty string, got {prompt!r}")
+        if not isinstance(output_len, int) or isinstance(output_len, bool) or output_len < 1:
+            raise ValueError(f"{where}: output_len: must be an integer >= 1, got {output_len!r}")
         out.append(Request(tuple(tokenizer(prompt)), output_len))
     return out
 

@@ -11,11 +11,12 @@ neither field (`load_trace_with_sharing`).
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
+
+from trtpaged.json_input import json_object
 
 
 @dataclass(frozen=True)
@@ -47,19 +48,9 @@ def json_objects(path: str | Path, allowed: Iterable[str]) -> Iterator[tuple[str
     a line that is not a JSON object or has a field outside `allowed`."""
     allowed = set(allowed)
     for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            data = json.loads(line)
-        except ValueError as exc:
-            raise ValueError(f"{where}: {exc}") from exc
-        if not isinstance(data, dict):
-            raise ValueError(f"{where}: expected a JSON object, got {type(data).__name__}")
-        unknown = set(data) - allowed
-        if unknown:
-            raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
-        yield where, data
+        if line.strip():
+            where = f"{path}:{lineno}"
+            yield where, json_object(line, where, allowed)
 
 
 def load_trace(path: str | Path) -> list[TraceRequest]:

@@ -29,10 +29,10 @@ from trtpaged.tensorrt_env import (
     write_build_info,
 )
 
-# kv_cache_dtype values the CUDA kernels and the plugin have (plugins/src/cuda/dispatch.h with_kv_dtype;
-# the plugin's kv_dtype field, plugins/src/tensorrt/fields.cpp). A quantized pool is int8 bytes in the
+# kv_cache_dtype values the CUDA kernels and the plugin have (plugins/src/cuda/dispatch.h with_kv_cache_dtype;
+# the plugin's kv_cache_dtype field, plugins/src/tensorrt/fields.cpp). A quantized pool is int8 bytes in the
 # engine I/O, rows of head_dim + 2: codes and the row's fp16 scale.
-TENSORRT_KV_DTYPES = ("float32", "float16", "bfloat16", "int8", "fp8_e4m3")
+TENSORRT_KV_CACHE_DTYPES = ("float32", "float16", "bfloat16", "int8", "fp8_e4m3")
 
 
 def check_head_dims(onnx_path: Path, model: Optional[str] = None) -> None:
@@ -53,26 +53,26 @@ def check_head_dims(onnx_path: Path, model: Optional[str] = None) -> None:
         )
 
 
-def kv_dtype_reason(kv_cache_dtype: str) -> Optional[str]:
+def kv_cache_dtype_reason(kv_cache_dtype: str) -> Optional[str]:
     """Why a TensorRT engine cannot have a KV cache of kv_cache_dtype (naming it and the backend), or None."""
-    if kv_cache_dtype in TENSORRT_KV_DTYPES:
+    if kv_cache_dtype in TENSORRT_KV_CACHE_DTYPES:
         return None
     return (f"kv_cache_dtype {kv_cache_dtype} with backend tensorrt: the CUDA kernels and the TensorRT plugin have "
-            f"{', '.join(TENSORRT_KV_DTYPES)}; build with backend: torch")
+            f"{', '.join(TENSORRT_KV_CACHE_DTYPES)}; build with backend: torch")
 
 
-def check_kv_dtypes(onnx_path: Path, model: Optional[str] = None) -> None:
-    """Raises CompileError (kv_dtype_reason) unless every paged-attention node's kv_dtype attribute
+def check_kv_cache_dtypes(onnx_path: Path, model: Optional[str] = None) -> None:
+    """Raises CompileError (kv_cache_dtype_reason) unless every paged-attention node's kv_cache_dtype attribute
     ("auto": the pool tensor's float type) is one the CUDA kernels and the plugin have."""
     import onnx
 
     from trtpaged.builder.onnx_node import OP_TYPE
 
     graph = onnx.load(str(onnx_path), load_external_data=False).graph
-    kv_dtypes = {attr.s.decode() for node in graph.node if node.op_type == OP_TYPE
-                 for attr in node.attribute if attr.name == "kv_dtype"}
-    for kv_dtype in sorted(kv_dtypes - {"auto"}):
-        reason = kv_dtype_reason(kv_dtype)
+    kv_cache_dtypes = {attr.s.decode() for node in graph.node if node.op_type == OP_TYPE
+                 for attr in node.attribute if attr.name == "kv_cache_dtype"}
+    for kv_cache_dtype in sorted(kv_cache_dtypes - {"auto"}):
+        reason = kv_cache_dtype_reason(kv_cache_dtype)
         if reason:
             raise CompileError(f"{model or Path(onnx_path).name}: {reason}")
 
@@ -97,7 +97,7 @@ class ShapeProfile:
     num_seqs: tuple[int, int, int]
     max_blocks_per_seq: tuple[int, int, int]
     num_outputs: tuple[int, int, int]
-    num_blocks: tuple[int, int, int]
+    num_kv_blocks: tuple[int, int, int]
 
     @classmethod
     def from_limits(cls, limits: Limits, kv_cache: KVCacheBudget, kv_bytes_per_block: int) -> "ShapeProfile":
@@ -112,7 +112,7 @@ class ShapeProfile:
             num_seqs=(1, batch, batch),
             max_blocks_per_seq=(1, blocks_per_seq, blocks_per_seq),
             num_outputs=(1, batch, tokens),
-            num_blocks=(1, blocks, blocks),
+            num_kv_blocks=(1, blocks, blocks),
         )
 
     def dims(self, name: str) -> dict[int, tuple[int, int, int]]:
@@ -148,7 +148,7 @@ def compile_engine(
     """Parses `onnx_path` with the plugin library loaded, writes the serialized plan to `plan_path`
     and records the TensorRT version next to it (BUILD_INFO_FILE). `model` names the model in errors."""
     check_head_dims(onnx_path, model)
-    check_kv_dtypes(onnx_path, model)
+    check_kv_cache_dtypes(onnx_path, model)
     check_conformance(onnx_path, model)
     import tensorrt as trt
 

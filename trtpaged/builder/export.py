@@ -3,7 +3,7 @@
 The dynamo exporter traces the step model with its functional attention op
 (`trtpaged::paged_attention`), which the custom translation turns into one
 node per layer. Every dimension that varies between steps is dynamic:
-num_tokens, num_seqs, max_blocks_per_seq, num_outputs and num_blocks.
+num_tokens, num_seqs, max_blocks_per_seq, num_outputs and num_kv_blocks.
 Initializers that are model parameters become external data pointing into the
 weights safetensors file (no second copy of the weights).
 """
@@ -47,22 +47,22 @@ def graph_weights_path(onnx_path: Path) -> Path:
     return onnx_path.with_name(f"{onnx_path.stem}-tensorrt.safetensors")
 
 
-def export_onnx(model: LlamaStepModel, block_size: int, kv_dtype: torch.dtype | str, onnx_path: Path,
+def export_onnx(model: LlamaStepModel, block_size: int, kv_cache_dtype: torch.dtype | str, onnx_path: Path,
                 weights_path: Path) -> Path:
     """Exports `model` to `onnx_path`; its parameters become external data inside `weights_path` (written before),
     and its tensors that file lacks (a quantized model's TensorRT graph forms, builder/tensorrt_graph.py) external
     data inside `graph_weights_path(onnx_path)`, written here.
 
-    kv_dtype: the pool's torch dtype, or "int8" / "fp8_e4m3" for a quantized pool, which the graph
-    takes as int8 bytes (rows of head_dim + 2) with the format in each node's kv_dtype attribute."""
+    kv_cache_dtype: the pool's torch dtype, or "int8" / "fp8_e4m3" for a quantized pool, which the graph
+    takes as int8 bytes (rows of head_dim + 2) with the format in each node's kv_cache_dtype attribute."""
     import onnx_ir as ir
 
-    seqs, steps, num_blocks = standard_probe(model.dims.vocab_size, block_size)
-    pool = model.new_kv_cache(num_blocks, block_size, kv_dtype)
-    quantized = isinstance(kv_dtype, str) and is_quantized(kv_dtype)
+    seqs, steps, num_kv_blocks = standard_probe(model.dims.vocab_size, block_size)
+    pool = model.new_kv_cache(num_kv_blocks, block_size, kv_cache_dtype)
+    quantized = isinstance(kv_cache_dtype, str) and is_quantized(kv_cache_dtype)
     args = steps[1].args(pool.view(torch.int8) if quantized else pool)
     model.functional_cache = True
-    model.graph_kv_dtype = kv_dtype if quantized else None
+    model.graph_kv_cache_dtype = kv_cache_dtype if quantized else None
     try:
         with _quiet():
             program = torch.onnx.export(
@@ -75,7 +75,7 @@ def export_onnx(model: LlamaStepModel, block_size: int, kv_dtype: torch.dtype | 
         raise ExportError(f"ONNX export failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
     finally:
         model.functional_cache = False
-        model.graph_kv_dtype = None
+        model.graph_kv_cache_dtype = None
     graph = program.model.graph
     for node in graph:  # the exporter's per-node stack traces and source paths: 80% of the file, no use downstream
         node.metadata_props.clear()

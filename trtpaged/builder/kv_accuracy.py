@@ -12,7 +12,7 @@ context) three times through the real prefill + decode path:
    this is the margin the quantized cache had to flip: a near-tie when it is below the teacher-forced
    logit error).
 
-Tolerance (a build past it fails, with the figures): KV_ACCEPT[kv_dtype] is the least teacher-forced
+Tolerance (a build past it fails, with the figures): KV_ACCEPT[kv_cache_dtype] is the least teacher-forced
 top-1 agreement over all prompts (docs/quantization.md, "KV cache").
 """
 
@@ -44,7 +44,7 @@ class PromptKVAccuracy:
 
 @dataclass(frozen=True)
 class KVAccuracyReport:
-    kv_dtype: str
+    kv_cache_dtype: str
     threshold: float
     prompts: list[PromptKVAccuracy]
 
@@ -57,7 +57,7 @@ class KVAccuracyReport:
         return sum(p.top1_agreement * p.new_tokens for p in self.prompts) / sum(p.new_tokens for p in self.prompts)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"kv_dtype": self.kv_dtype, "threshold": self.threshold, "max_abs_diff": self.max_abs_diff,
+        return {"kv_cache_dtype": self.kv_cache_dtype, "threshold": self.threshold, "max_abs_diff": self.max_abs_diff,
                 "top1_agreement": self.top1_agreement, "prompts": [asdict(p) for p in self.prompts]}  # fmt: skip
 
     def line(self) -> str:
@@ -65,19 +65,20 @@ class KVAccuracyReport:
         gaps = [f"{p.divergence_gap:.3g} (moved {p.divergence_shift:.3g})" for p in self.prompts
                 if p.divergence_gap is not None and p.divergence_shift is not None]
         at = f", reference top-2 gap at the first difference {', '.join(gaps)}" if gaps else ""
-        return (f"KV {self.kv_dtype} vs float32 cache: max |dlogit| {self.max_abs_diff:.3g}, teacher-forced top-1 "
-                f"{self.top1_agreement:.1%} over {sum(p.new_tokens for p in self.prompts)} tokens; greedy identical "
+        return (f"KV {self.kv_cache_dtype} vs float32 cache: max |dlogit| {self.max_abs_diff:.3g}, "
+                f"teacher-forced top-1 {self.top1_agreement:.1%} over {sum(p.new_tokens for p in self.prompts)} "
+                "tokens; greedy identical "
                 f"for {greedy} tokens{at} (prompts of {', '.join(str(p.prompt_tokens) for p in self.prompts)} tokens)")
 
 
-def _generate(step_model: Any, prompt: list[int], kv_dtype: str, block_size: int, new_tokens: int,
+def _generate(step_model: Any, prompt: list[int], kv_cache_dtype: str, block_size: int, new_tokens: int,
               forced: Optional[list[int]] = None) -> tuple[list[int], torch.Tensor]:
     """Prefill then one decode step per token: (generated tokens, their logits [new_tokens, vocab]).
     With `forced`, those tokens are fed back instead of the argmax (teacher forcing)."""
     i32 = torch.int32
     n = len(prompt)
     blocks = -(-(n + new_tokens) // block_size)
-    cache = step_model.new_kv_cache(blocks, block_size, kv_dtype)
+    cache = step_model.new_kv_cache(blocks, block_size, kv_cache_dtype)
     table = torch.arange(blocks, dtype=i32)[None, :]
     tokens: list[int] = []
     rows = []
@@ -108,22 +109,22 @@ def _prompts(tokenizer: Any, vocab_size: int, max_seq_len: int, new_tokens: int)
     return out
 
 
-def measure_kv_accuracy(step_model: Any, tokenizer: Any, kv_dtype: str, block_size: int, max_seq_len: int,
+def measure_kv_accuracy(step_model: Any, tokenizer: Any, kv_cache_dtype: str, block_size: int, max_seq_len: int,
                         new_tokens: int = NEW_TOKENS, check: bool = True) -> KVAccuracyReport:
     """The three runs per prompt; raises AccuracyError when teacher-forced top-1 agreement is below
-    KV_ACCEPT[kv_dtype] (unless check is False)."""
+    KV_ACCEPT[kv_cache_dtype] (unless check is False)."""
     new_tokens = min(new_tokens, max_seq_len - 8)
     vocab = step_model.dims.vocab_size
     results = []
     for prompt in _prompts(tokenizer, vocab, max_seq_len, new_tokens):
         prompt = prompt[: max_seq_len - new_tokens]
         ref_tokens, ref_logits = _generate(step_model, prompt, "float32", block_size, new_tokens)
-        _, forced_logits = _generate(step_model, prompt, kv_dtype, block_size, new_tokens, forced=ref_tokens)
-        for what, logits in (("the float32 cache", ref_logits), (f"the {kv_dtype} cache", forced_logits)):
+        _, forced_logits = _generate(step_model, prompt, kv_cache_dtype, block_size, new_tokens, forced=ref_tokens)
+        for what, logits in (("the float32 cache", ref_logits), (f"the {kv_cache_dtype} cache", forced_logits)):
             if not bool(torch.isfinite(logits).all()):
                 raise AccuracyError(f"kv_accuracy: the step model with {what} gives NaN/inf logits; the weights "
                                     "or the config are broken")
-        free_tokens, _ = _generate(step_model, prompt, kv_dtype, block_size, new_tokens)
+        free_tokens, _ = _generate(step_model, prompt, kv_cache_dtype, block_size, new_tokens)
         same = [a == b for a, b in zip(ref_tokens, free_tokens)]
         prefix = same.index(False) if False in same else len(same)
         gap = shift = None
@@ -135,8 +136,8 @@ def measure_kv_accuracy(step_model: Any, tokenizer: Any, kv_dtype: str, block_si
         top1 = float((forced_logits.argmax(-1) == torch.tensor(ref_tokens)).float().mean())
         results.append(PromptKVAccuracy(len(prompt), new_tokens, float((forced_logits - ref_logits).abs().max()),
                                         top1, prefix, sum(same) / len(same), gap, shift))  # fmt: skip
-    report = KVAccuracyReport(kv_dtype, KV_ACCEPT[kv_dtype], results)
+    report = KVAccuracyReport(kv_cache_dtype, KV_ACCEPT[kv_cache_dtype], results)
     if check and report.top1_agreement < report.threshold:
-        raise AccuracyError(f"kv_accuracy: {report.line()}; kv_cache_dtype {kv_dtype} needs teacher-forced top-1 "
+        raise AccuracyError(f"kv_accuracy: {report.line()}; kv_cache_dtype {kv_cache_dtype} needs teacher-forced top-1 "
                             f"agreement >= {report.threshold:.0%}")
     return report

@@ -8,12 +8,12 @@ Inputs:  q [T, H, D], k [T, KVH, D], v [T, KVH, D], kv_cache (pool), positions [
          query_start [S+1], context_lens [S], block_tables [S, MB]
 Outputs: out [T, H, D], kv_cache_out (the updated pool; aliased to kv_cache by the plugin)
 Attributes: num_heads, num_kv_heads, head_dim, block_size, layer, sliding_window (int), scale,
-            logit_softcap (float), kv_dtype, plugin_version, plugin_namespace (string); kv_pool (string) and
+            logit_softcap (float), kv_cache_dtype, plugin_version, plugin_namespace (string); kv_pool (string) and
             num_layers (int) where the pool is passed by address (builder/onnx_pool.py: kv_cache is then int64 [2]
             and the node has the one output `out`)
 sliding_window > 0: each query reads only the sliding_window positions ending at its own (0: all);
 logit_softcap > 0: scores become cap * tanh(score / cap) (0: none); trtpaged_attention_options in the C ABI.
-kv_dtype: "auto" (the pool holds values of its own float type) or "int8" / "fp8_e4m3": the pool is
+kv_cache_dtype: "auto" (the pool holds values of its own float type) or "int8" / "fp8_e4m3": the pool is
 int8 bytes [..., block_size, head_dim + 2], each row head_dim codes and its fp16 scale
 (trtpaged/kv_quant.py); the plugin reads it as a field of the same name.
 """
@@ -76,8 +76,9 @@ def register_schema() -> OpSchema:
         OP_TYPE, __doc__ or "", [(name, types.get(name, "I")) for name in INPUTS],
         [("out", "T"), ("kv_cache_out?", "C")],  # no kv_cache_out where the pool is passed by address
         [("T", _FLOATS, "activations"), ("C", _POOLS, "KV pool"), ("I", ["tensor(int32)"], "indices")],
-        [(a, _INT) for a in INT_ATTRIBUTES] + [("scale", _FLOAT), ("logit_softcap", _FLOAT), ("kv_dtype", _STRING),
-                                               *PLUGIN_ATTRIBUTES, ("kv_pool?", _STRING), ("num_layers?", _INT)],
+        [(a, _INT) for a in INT_ATTRIBUTES] + [("scale", _FLOAT), ("logit_softcap", _FLOAT),
+                                               ("kv_cache_dtype", _STRING), *PLUGIN_ATTRIBUTES, ("kv_pool?", _STRING),
+                                               ("num_layers?", _INT)],
     )  # fmt: skip
 
 
@@ -92,13 +93,13 @@ def translation_table() -> dict:
     opset = onnxscript.values.Opset(DOMAIN, DOMAIN_VERSION)
 
     def paged_attention(q, k, v, kv_cache, positions, query_start, context_lens, block_tables,
-                        num_heads, num_kv_heads, head_dim, block_size, layer, scale, kv_dtype="auto",
+                        num_heads, num_kv_heads, head_dim, block_size, layer, scale, kv_cache_dtype="auto",
                         sliding_window=0, logit_softcap=0.0):
         return getattr(opset, OP_TYPE)(
             q, k, v, kv_cache, positions, query_start, context_lens, block_tables,
             num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
             layer=layer, sliding_window=int(sliding_window), scale=float(scale),
-            logit_softcap=float(logit_softcap), kv_dtype=kv_dtype, plugin_version=PLUGIN_VERSION,
+            logit_softcap=float(logit_softcap), kv_cache_dtype=kv_cache_dtype, plugin_version=PLUGIN_VERSION,
             plugin_namespace=PLUGIN_NAMESPACE,
         )
 

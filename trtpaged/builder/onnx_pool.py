@@ -6,9 +6,9 @@ node reads the previous one's `kv_cache_out`, the last is the graph output `kv_c
 a GPU run can measure them (TensorRT "may insert copies" of an aliased tensor):
 
 - `kv_pool: address`: no pool tensor in the network. Input `kv_cache_pool` is int64 [2]
-  {the pool's device address, num_blocks}, bound to pinned host memory, which every
+  {the pool's device address, num_kv_blocks}, bound to pinned host memory, which every
   paged-attention node reads and writes through (TensorRT-LLM's host KV pool pointers);
-  each node has the one output `out`, attributes kv_pool "address", num_layers, and kv_dtype
+  each node has the one output `out`, attributes kv_pool "address", num_layers, and kv_cache_dtype
   naming the pool's type (a float pool's too: no tensor shows it).
 - `quantized_pool: uint8 | float16`: an int8/fp8_e4m3 pool's bytes typed uint8, or fp16
   (rows of (head_dim + 2) / 2 elements), in case TensorRT refuses INT8 network I/O outside
@@ -28,7 +28,7 @@ from onnx import TensorProto, helper
 from trtpaged.builder.onnx_node import OP_TYPE
 
 POOL_INPUT, POOL_OUTPUT = "kv_cache", "kv_cache_out"
-POOL_ADDRESS_INPUT = "kv_cache_pool"  # int64 [2]: device address, num_blocks
+POOL_ADDRESS_INPUT = "kv_cache_pool"  # int64 [2]: device address, num_kv_blocks
 POOL_TYPES = {"int8": TensorProto.INT8, "uint8": TensorProto.UINT8, "float16": TensorProto.FLOAT16}
 _FLOAT_NAMES = {TensorProto.FLOAT: "float32", TensorProto.FLOAT16: "float16", TensorProto.BFLOAT16: "bfloat16"}
 
@@ -37,8 +37,8 @@ def _attention_nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
     return [n for n in graph.node if n.op_type == OP_TYPE]
 
 
-def _kv_dtype(node: onnx.NodeProto) -> str:
-    attr = next((a for a in node.attribute if a.name == "kv_dtype"), None)
+def _kv_cache_dtype(node: onnx.NodeProto) -> str:
+    attr = next((a for a in node.attribute if a.name == "kv_cache_dtype"), None)
     return attr.s.decode() if attr is not None else "auto"
 
 
@@ -62,7 +62,7 @@ def retype_quantized_pool(model: onnx.ModelProto, pool_type: str) -> bool:
     the graph has a quantized pool (a float pool is left as it is)."""
     graph = model.graph
     nodes = _attention_nodes(graph)
-    if not nodes or _kv_dtype(nodes[0]) in ("auto", *_FLOAT_NAMES.values()):
+    if not nodes or _kv_cache_dtype(nodes[0]) in ("auto", *_FLOAT_NAMES.values()):
         return False
     elem = POOL_TYPES[pool_type]
     names = _pool_values(graph)
@@ -93,11 +93,11 @@ def to_address_pool(model: onnx.ModelProto, num_layers: int) -> None:
         del node.output[1:]
         _set_attr(node, "kv_pool", "address")
         _set_attr(node, "num_layers", num_layers)
-        if _kv_dtype(node) == "auto":
+        if _kv_cache_dtype(node) == "auto":
             if float_name is None:
-                raise ValueError(f"{node.name}: kv_dtype auto over a pool of ONNX type "
+                raise ValueError(f"{node.name}: kv_cache_dtype auto over a pool of ONNX type "
                                  f"{pool_input.type.tensor_type.elem_type}")
-            _set_attr(node, "kv_dtype", float_name)
+            _set_attr(node, "kv_cache_dtype", float_name)
     index = list(graph.input).index(pool_input)
     graph.input.remove(pool_input)
     graph.input.insert(index, helper.make_tensor_value_info(POOL_ADDRESS_INPUT, TensorProto.INT64, [2]))

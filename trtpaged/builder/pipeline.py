@@ -35,7 +35,7 @@ from trtpaged.builder.verify import unsupported_reason, verify_onnx
 from trtpaged.builder.weights import save_weights
 from trtpaged.config import BuildConfig, ConfigError
 from trtpaged.kernels import KernelError
-from trtpaged.kv_formats import QUANTIZED_KV_DTYPES
+from trtpaged.kv_formats import QUANTIZED_KV_CACHE_DTYPES
 from trtpaged.manifest import Manifest, ModelDims
 from trtpaged.models.tensor_parallel import check_tensor_parallel
 from trtpaged.kv_budget import budget_blocks, machine_memory_bytes
@@ -128,8 +128,8 @@ def build_engine(
                         f"(float {float_bytes / 2**20:.1f} MiB)")
         # A quantized cache (int8, fp8_e4m3) is int8 bytes in the graph, its format a node attribute; the
         # kv_accuracy stage measures it against the full-precision cache.
-        kv_quantized = config.kv_cache_dtype in QUANTIZED_KV_DTYPES
-        graph_kv_dtype = config.kv_cache_dtype
+        kv_quantized = config.kv_cache_dtype in QUANTIZED_KV_CACHE_DTYPES
+        graph_kv_cache_dtype = config.kv_cache_dtype
         shards = shard_files(config.tensor_parallel)
         planned_blocker, warn_blocker = _compile_blocker(config)
         # The TensorRT graph form of the weights (model-tensorrt.safetensors, and an accuracy stage of its
@@ -155,7 +155,7 @@ def build_engine(
                     model = tensorrt_graph.to_tensorrt_graph(source)
                 if files["onnx_file"] is not None:
                     export_onnx(model, config.limits.block_size,
-                                graph_kv_dtype if kv_quantized else TORCH_DTYPES[graph_kv_dtype],
+                                graph_kv_cache_dtype if kv_quantized else TORCH_DTYPES[graph_kv_cache_dtype],
                                 tmp / files["onnx_file"], tmp / files["weights_file"])
             size = sum((tmp / f["weights_file"]).stat().st_size for f in shards) / 2**20
             reduces = f", {2 * dims.num_layers} all-reduce nodes each" if len(shards) > 1 else ""
@@ -164,7 +164,7 @@ def build_engine(
                     else f"{len(shards)} x {shards[0]['onnx_file']} ({dims.num_layers} paged-attention nodes"
                          f"{reduces}), weights {size:.1f} MiB")
         why_not = ("--skip-verify" if skip_verify else "no ONNX graph (see export)" if no_graph
-                   else unsupported_reason(config.dtype, graph_kv_dtype))
+                   else unsupported_reason(config.dtype, graph_kv_cache_dtype))
         if why_not:
             progress.skip("verify", why_not)
             verification: dict = {"skipped": True, "reason": why_not}
@@ -173,7 +173,7 @@ def build_engine(
                 graph_reference = graph.reference if graph is not None and graph.notes else reference_hf
                 try:
                     result = verify_onnx([tmp / f["onnx_file"] for f in shards], graph_reference, dims.vocab_size,
-                                         config.limits.block_size, config.dtype, graph_kv_dtype, step_model)
+                                         config.limits.block_size, config.dtype, graph_kv_cache_dtype, step_model)
                 except KernelError as e:
                     raise BuildError(f"verify: {e}") from None
                 verification = result.as_dict()
@@ -181,7 +181,7 @@ def build_engine(
                 if graph_reference is not reference_hf:
                     against = "HF with the TensorRT graph's de-quantized weights"
                 if kv_quantized:
-                    against = f"the eager step model with a {graph_kv_dtype} cache"
+                    against = f"the eager step model with a {graph_kv_cache_dtype} cache"
                 st.note(f"max abs diff {result.max_abs_diff:.3g} vs {against} (tolerance {result.tolerance:.3g}, "
                         f"{result.rows} logits rows, 2 steps)")
         graph_blocker = None  # why the TensorRT graph's re-quantized weights are too inaccurate to compile
@@ -269,8 +269,8 @@ def _preflight(
         check_output(out, force)
     except OutputDirError as e:
         raise ConfigError(str(e)) from None
-    kv_quantized = config.kv_cache_dtype in QUANTIZED_KV_DTYPES
-    kv_reason = trt_compile.kv_dtype_reason(config.kv_cache_dtype) if config.backend == "tensorrt" else None
+    kv_quantized = config.kv_cache_dtype in QUANTIZED_KV_CACHE_DTYPES
+    kv_reason = trt_compile.kv_cache_dtype_reason(config.kv_cache_dtype) if config.backend == "tensorrt" else None
     if kv_reason:
         raise ConfigError(f"{kv_reason} (or backend: auto)")
     blocker = tensorrt_env.unavailable_reason() if config.backend == "tensorrt" else None
@@ -297,7 +297,7 @@ def _compile_blocker(config: BuildConfig) -> tuple[Optional[str], Optional[str]]
     if config.tensor_parallel > 1:
         return (f"tensor_parallel {config.tensor_parallel}: the rank graphs run on the torch backend "
                 "(scripts/gpu_check.sh compiles them with the NCCL all-reduce plugin)"), None
-    unsupported = trt_compile.kv_dtype_reason(config.kv_cache_dtype) if config.backend == "auto" else None
+    unsupported = trt_compile.kv_cache_dtype_reason(config.kv_cache_dtype) if config.backend == "auto" else None
     return (f"backend auto: {unsupported}", unsupported) if unsupported else (None, None)
 
 
@@ -353,8 +353,8 @@ def _check_limits(config: BuildConfig, dims: ModelDims, block_bytes: int) -> Non
     fixed = budget.memory_bytes if budget.memory_bytes is not None else blocks * block_bytes
     machine = machine_memory_bytes()
     if fixed > machine:
-        key = "kv_cache.num_blocks" if budget.num_blocks is not None else "kv_cache.memory"
-        got = budget.num_blocks if budget.num_blocks is not None else budget.memory_bytes
+        key = "kv_cache.num_kv_blocks" if budget.num_kv_blocks is not None else "kv_cache.memory"
+        got = budget.num_kv_blocks if budget.num_kv_blocks is not None else budget.memory_bytes
         raise ConfigError(f"{key}: got {got}: a KV pool of {fixed / 2**30:.3g} GiB ({block_bytes} bytes a block); "
                           f"the most memory a device of this machine has is {machine / 2**30:.3g} GiB",
                           field=key, limit=machine)

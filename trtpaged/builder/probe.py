@@ -73,12 +73,12 @@ def pack_step(seqs: list[ProbeSequence], chunks: list[tuple[int, int, int]], all
 def standard_probe(
     vocab_size: int, block_size: int, seed: int = 0, all_rows: bool = False
 ) -> tuple[list[ProbeSequence], list[ProbeStep], int]:
-    """(sequences, [step 1, step 2], num_blocks) of the two-step probe described in the module docstring."""
+    """(sequences, [step 1, step 2], num_kv_blocks) of the two-step probe described in the module docstring."""
     gen = torch.Generator().manual_seed(seed)
     lengths = (55, 37, 13)  # A is 54 prompt tokens + 1 decoded
     needed = [-(-n // block_size) for n in lengths]
-    num_blocks = sum(needed) + 3
-    physical = torch.randperm(num_blocks, generator=gen).tolist()  # scattered, non-contiguous blocks
+    num_kv_blocks = sum(needed) + 3
+    physical = torch.randperm(num_kv_blocks, generator=gen).tolist()  # scattered, non-contiguous blocks
     seqs, used = [], 0
     for n, nb in zip(lengths, needed):
         tokens = torch.randint(0, vocab_size, (n,), generator=gen).tolist()
@@ -86,7 +86,7 @@ def standard_probe(
         used += nb
     step1 = pack_step(seqs, [(0, 0, 54), (1, 0, 20)], all_rows)
     step2 = pack_step(seqs, [(1, 20, 37), (2, 0, 13), (0, 54, 55)], all_rows)
-    return seqs, [step1, step2], num_blocks
+    return seqs, [step1, step2], num_kv_blocks
 
 
 @torch.no_grad()

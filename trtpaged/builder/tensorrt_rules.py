@@ -76,7 +76,7 @@ RULES = {r.id: r for r in (
     Rule("plugin-pool-io", "the paged-attention node's pool I/O is one form the plugin takes: aliased (input "
          "kv_cache a float pool, or a quantized pool's bytes typed INT8/UINT8/FP16, and output kv_cache_out "
          "aliased to it) or by address (input an INT64 [2] network input, one output, num_layers and a named "
-         "kv_dtype)",
+         "kv_cache_dtype)",
          "TensorRT NvInferRuntime.h IPluginV3OneBuildV2::getAliasedInput (an output aliases one input; only "
          "with PreviewFeature::kALIASED_PLUGIN_IO_10_03) and DataType; plugins/src/tensorrt/attention_io.cpp "
          "is_pool_type / check_shapes, fields.cpp validate"),
@@ -114,7 +114,7 @@ _INT, _FLOAT, _STRING = onnx.AttributeProto.INT, onnx.AttributeProto.FLOAT, onnx
 # the fields each trtpaged plugin creator declares (plugins/src/tensorrt/fields.cpp, allreduce_plugin.cpp)
 PLUGIN_FIELDS: dict[str, dict[str, int]] = {
     ATTENTION_OP: {"num_heads": _INT, "num_kv_heads": _INT, "head_dim": _INT, "block_size": _INT, "layer": _INT,
-                   "scale": _FLOAT, "kv_dtype": _STRING},
+                   "scale": _FLOAT, "kv_cache_dtype": _STRING},
     ALLREDUCE_OP: {"rank": _INT, "world_size": _INT},
 }
 # fields a creator takes when present and defaults when absent (fields.cpp: kv_pool "aliased"/"address",
@@ -265,7 +265,7 @@ def _check_plugin(node: onnx.NodeProto, where: str) -> Iterable[Violation]:
 
 def _check_pool_io(node: onnx.NodeProto, g: _Graph, where: str) -> Iterable[Violation]:
     kv_pool = (_attr(node, "kv_pool") or b"aliased").decode()
-    kv_dtype = (_attr(node, "kv_dtype") or b"auto").decode()
+    kv_cache_dtype = (_attr(node, "kv_cache_dtype") or b"auto").decode()
     pool = node.input[3] if len(node.input) > 3 else ""
     pool_type, pool_shape = g.types.get(pool), g.shapes.get(pool)
     outputs = [o for o in node.output if o]
@@ -279,13 +279,13 @@ def _check_pool_io(node: onnx.NodeProto, g: _Graph, where: str) -> Iterable[Viol
                       f"{_dtype_name(pool_type) if pool_type else '?'} {pool_shape}")
         if len(outputs) != 1:
             yield bad(f"kv_pool address: one output (out), got {len(outputs)}")
-        if _attr(node, "num_layers") is None or kv_dtype == "auto":
-            yield bad("kv_pool address: needs num_layers and kv_dtype naming the pool's type")
+        if _attr(node, "num_layers") is None or kv_cache_dtype == "auto":
+            yield bad("kv_pool address: needs num_layers and kv_cache_dtype naming the pool's type")
     elif kv_pool == "aliased":
-        quantized = kv_dtype in ("int8", "fp8_e4m3")
+        quantized = kv_cache_dtype in ("int8", "fp8_e4m3")
         allowed = _QUANTIZED_POOL_TYPES if quantized else _FLOATS
         if pool_type is not None and pool_type not in allowed:
-            yield bad(f"kv_cache is {_dtype_name(pool_type)}; kv_dtype {kv_dtype} takes "
+            yield bad(f"kv_cache is {_dtype_name(pool_type)}; kv_cache_dtype {kv_cache_dtype} takes "
                       f"{', '.join(sorted(map(_dtype_name, allowed)))}")
         if len(outputs) != 2:
             yield bad(f"kv_pool aliased: two outputs (out, kv_cache_out), got {len(outputs)}")

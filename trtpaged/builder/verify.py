@@ -52,11 +52,12 @@ class VerificationError(RuntimeError):
     """The exported graph's logits differ from HF's beyond the tolerance."""
 
 
-def unsupported_reason(dtype: str, kv_dtype: str) -> str | None:
+def unsupported_reason(dtype: str, kv_cache_dtype: str) -> str | None:
     """Why the CPU verifier cannot run a graph of these dtypes (numpy has no bfloat16), or None."""
-    if dtype in _NUMPY_DTYPES and (kv_dtype in _NUMPY_DTYPES or is_quantized(kv_dtype)):
+    if dtype in _NUMPY_DTYPES and (kv_cache_dtype in _NUMPY_DTYPES or is_quantized(kv_cache_dtype)):
         return None
-    return f"numpy cannot run a bfloat16 graph (dtype {dtype}, kv_cache_dtype {kv_dtype}); build float16 or float32 to verify"
+    return (f"numpy cannot run a bfloat16 graph (dtype {dtype}, kv_cache_dtype {kv_cache_dtype}); "
+            "build float16 or float32 to verify")
 
 
 @dataclass(frozen=True)
@@ -74,32 +75,33 @@ class VerificationResult:
 
 
 def verify_onnx(
-    onnx_path: Union[Path, Sequence[Path]], hf_model: Any, vocab_size: int, block_size: int, dtype: str, kv_dtype: str,
-    step_model: Any = None,
+    onnx_path: Union[Path, Sequence[Path]], hf_model: Any, vocab_size: int, block_size: int, dtype: str,
+    kv_cache_dtype: str, step_model: Any = None,
 ) -> VerificationResult:
     """Runs the probe through the ONNX graph (or the rank graphs, jointly) and HF (or, for a quantized
-    kv_dtype, the eager whole `step_model` over a cache of that kv_dtype); raises VerificationError past
+    kv_cache_dtype, the eager whole `step_model` over a cache of that kv_cache_dtype); raises VerificationError past
     the tolerance."""
     from onnx.reference import ReferenceEvaluator
 
     from trtpaged.builder.onnx_allreduce import AllReduceExchange, reference_op
     from trtpaged.builder.onnx_reference import TrtpagedPagedAttention
 
-    reason = unsupported_reason(dtype, kv_dtype)
+    reason = unsupported_reason(dtype, kv_cache_dtype)
     if reason:
         raise VerificationError(reason)
     paths = [onnx_path] if isinstance(onnx_path, (str, Path)) else list(onnx_path)
     exchange = AllReduceExchange(len(paths))
     ops = [TrtpagedPagedAttention, reference_op(exchange)]
     sessions = [ReferenceEvaluator(str(p), new_ops=ops) for p in paths]
-    seqs, steps, num_blocks = standard_probe(vocab_size, block_size, all_rows=True)
-    quantized = is_quantized(kv_dtype)
+    seqs, steps, num_kv_blocks = standard_probe(vocab_size, block_size, all_rows=True)
+    quantized = is_quantized(kv_cache_dtype)
     if quantized and step_model is None:
-        raise VerificationError(f"kv_cache_dtype {kv_dtype}: verifying the graph needs the step model to compare with")
-    pool_dtype = np.int8 if quantized else _NUMPY_DTYPES[kv_dtype]
-    pools = [np.zeros([num_blocks] + [d.dim_value for d in _kv_input(s).type.tensor_type.shape.dim[1:]],
+        raise VerificationError(f"kv_cache_dtype {kv_cache_dtype}: verifying the graph needs the step model "
+                                "to compare with")
+    pool_dtype = np.int8 if quantized else _NUMPY_DTYPES[kv_cache_dtype]
+    pools = [np.zeros([num_kv_blocks] + [d.dim_value for d in _kv_input(s).type.tensor_type.shape.dim[1:]],
                       dtype=pool_dtype) for s in sessions]
-    eager_pool = step_model.new_kv_cache(num_blocks, block_size, kv_dtype) if quantized else None
+    eager_pool = step_model.new_kv_cache(num_kv_blocks, block_size, kv_cache_dtype) if quantized else None
     worst, peak, rows = 0.0, 0.0, 0
     for step in steps:
         feeds = {name: t.numpy() for name, t in step.inputs.items()}
@@ -119,14 +121,14 @@ def verify_onnx(
         rows += len(step.rows)
     # a 16-bit KV cache under float32 activations rounds K and V as a 16-bit model would: its bound
     # (a quantized cache is compared with the step model over the same cache: the activations' bound)
-    precision = max((dtype, kv_dtype), key=lambda d: TOLERANCES.get(d, (0.0, 0.0))[1])
+    precision = max((dtype, kv_cache_dtype), key=lambda d: TOLERANCES.get(d, (0.0, 0.0))[1])
     atol, rtol = TOLERANCES[precision]
-    method = (f"onnx.reference vs the eager step model, both with a {kv_dtype} cache" if quantized
+    method = (f"onnx.reference vs the eager step model, both with a {kv_cache_dtype} cache" if quantized
               else "onnx.reference vs transformers forward")
     result = VerificationResult(max_abs_diff=worst, tolerance=atol + rtol * peak, max_abs_logit=peak, rows=rows,
                                 method=method)
     if not worst <= result.tolerance:
-        named = dtype if precision == dtype else f"kv_cache_dtype {kv_dtype}"
+        named = dtype if precision == dtype else f"kv_cache_dtype {kv_cache_dtype}"
         what = "step model" if quantized else "hf"
         raise VerificationError(
             f"verification failed: max |onnx - {what}| logits = {worst:.3g} over {rows} rows, tolerance {result.tolerance:.3g} "

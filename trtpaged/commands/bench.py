@@ -2,13 +2,29 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import click
 
-from trtpaged.kv_formats import KV_DTYPES
+from trtpaged.kv_formats import KV_CACHE_DTYPES
 from trtpaged.manifest import BACKENDS
+
+
+def _progress(msg: str) -> None:
+    """A benchmark's progress line, on stderr (stdout holds the report)."""
+    click.echo(f"  {msg}", err=True)
+
+
+def _print_report(run: Callable[[], dict], text: Callable[[dict], str], as_json: bool) -> None:
+    """Runs one benchmark and prints its report (JSON, or `text` of it); a ValueError (bad input) becomes a
+    one-line CLI error."""
+    try:
+        report = run()
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(json.dumps(report, indent=2) if as_json else text(report))
 
 
 @click.group(name="bench")
@@ -17,20 +33,20 @@ def command() -> None:
 
 
 @command.command(name="kernel")
-@click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default=None,
+@click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default=None,
               help="KV cache storage dtype (int8, fp8_e4m3: also timed against float32 and float16 on cpu, "
                    "float16 on cuda). Default: float32 on cpu, float16 on cuda.")  # fmt: skip
 @click.option("--device", type=click.Choice(("cpu", "cuda")), default="cpu", show_default=True,
               help="cpu: the OpenMP kernel; cuda: the CUDA kernel on the current GPU (HBM copy bandwidth as the bar).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--quick", is_flag=True, help="Shorter timing budget (noisier); on cuda, contexts 2048/8192 at batch 8/32.")
-def kernel(kv_dtype: Optional[str], device: str, as_json: bool, quick: bool) -> None:
+def kernel(kv_cache_dtype: Optional[str], device: str, as_json: bool, quick: bool) -> None:
     """Decode kernel: KV-read bandwidth vs memory-copy bandwidth, and paged vs contiguous overhead."""
     if device == "cuda":
         from trtpaged.bench.kernel_bench_gpu import run_gpu_kernel_bench
 
         try:
-            run_gpu_kernel_bench(as_json, kv_dtype or "float16", quick)
+            run_gpu_kernel_bench(as_json, kv_cache_dtype or "float16", quick)
         except RuntimeError as e:
             raise click.ClickException(str(e)) from None
         return
@@ -39,7 +55,7 @@ def kernel(kv_dtype: Optional[str], device: str, as_json: bool, quick: bool) -> 
     def progress(msg: str) -> None:
         click.echo(f"  {msg}", err=True)
 
-    report = run_kernel_bench(kv_dtype or "float32", budget_s=0.15 if quick else 0.4, progress=progress)
+    report = run_kernel_bench(kv_cache_dtype or "float32", budget_s=0.15 if quick else 0.4, progress=progress)
     click.echo(report_json(report) if as_json else format_report(report))
 
 
@@ -63,15 +79,15 @@ def kernel(kv_dtype: Optional[str], device: str, as_json: bool, quick: bool) -> 
 @click.option("--sharing-table", is_flag=True, help="Also: memory saved by sharing for n = 2, 4, 6 and beam width 2, 4, 6.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write KV slots and running sequences over time to a PNG.")
 @click.option("--seed", default=0, show_default=True)
-@click.option("--num-blocks", type=int, help="KV blocks (default: the engine's budget, else 1456).")
+@click.option("--num-kv-blocks", type=int, help="KV blocks (default: the engine's budget, else 1456).")
 @click.option("--block-size", type=int, help="Tokens per block (default: the engine's, else 16).")
 @click.option("--max-seq-len", type=int, help="Default: the engine's, else 2048.")
 @click.option("--max-batch-size", type=int, help="Default: the engine's, else 256.")
 @click.option("--max-num-tokens", type=int, help="Default: the engine's, else 2048.")
-@click.option("--kv-dtype", type=click.Choice(KV_DTYPES),
+@click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES),
               help="Also: the paged replay with the same KV memory held as float32, float16 and this cache dtype.")
 @click.option("--head-dim", type=click.IntRange(min=1),
-              help="With --kv-dtype: head_dim that sizes a quantized row (default: the engine's, else 64).")
+              help="With --kv-cache-dtype: head_dim that sizes a quantized row (default: the engine's, else 64).")
 @click.option("--tensor-parallel", type=click.IntRange(min=1), default=None,
               help="Also: the paged replay on N ranks, each a device with the memory of the budget (N x the memory; "
                    "default: the engine's tensor_parallel when above 1).")
@@ -85,27 +101,25 @@ def kernel(kv_dtype: Optional[str], device: str, as_json: bool, quick: bool) -> 
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.pass_context
 def memory(ctx, engine, trace, num_requests, prompt_len, output_len, shared_prefix, num_prefixes, n, beam_width, preset,
-           sharing_table, plot, seed, num_blocks, block_size, max_seq_len, max_batch_size, max_num_tokens,
-           kv_dtype, head_dim, tensor_parallel, kv_tier_blocks, window, as_json) -> None:  # fmt: skip
+           sharing_table, plot, seed, num_kv_blocks, block_size, max_seq_len, max_batch_size, max_num_tokens,
+           kv_cache_dtype, head_dim, tensor_parallel, kv_tier_blocks, window, as_json) -> None:  # fmt: skip
     """Concurrency and KV utilisation of one workload: contiguous reservations vs paged vs paged + sharing.
 
     Replays the workload through trtpaged's real scheduler and block pool (no model runs) and
     through contiguous-reservation baselines, all with the same KV budget, side by side; and
     reports the memory saved by sharing (parallel samples, beams, shared prefixes). The budget's blocks
-    are of the engine's kv_cache_dtype (without an engine: float16); --kv-dtype converts that memory.
+    are of the engine's kv_cache_dtype (without an engine: float16); --kv-cache-dtype converts that memory.
     The budget is one device's: for a tensor-parallel engine, its blocks per rank over tensor_parallel.
     With --trace, --n or --beam-width fill the lines that give neither field; the synthetic options
     are errors (they cannot apply to a trace).
     """
-    import json
-
     from click.core import ParameterSource
 
     from trtpaged.bench.memory_bench import (Budget, format_memory_report, format_sharing_table, run_memory_bench,
                                              run_sharing_table)  # fmt: skip
     from trtpaged.bench.workload import PRESETS, load_trace_with_sharing, parse_range, synthetic_trace
 
-    defaults = {"num_blocks": 1456, "block_size": 16, "max_seq_len": 2048, "max_batch_size": 256,
+    defaults = {"num_kv_blocks": 1456, "block_size": 16, "max_seq_len": 2048, "max_batch_size": 256,
                 "max_num_tokens": 2048}  # fmt: skip
     base_dtype, engine_head_dim = "float16", 64
     try:
@@ -116,7 +130,7 @@ def memory(ctx, engine, trace, num_requests, prompt_len, output_len, shared_pref
             tier_sizes = parse_tier_blocks(kv_tier_blocks)
         if engine:
             from trtpaged.manifest import read_manifest
-            from trtpaged.kv_budget import resolve_num_blocks
+            from trtpaged.kv_budget import resolve_num_kv_blocks
 
             manifest = read_manifest(engine)
             base_dtype, engine_head_dim = manifest.kv_cache_dtype, manifest.dims.head_dim
@@ -126,11 +140,11 @@ def memory(ctx, engine, trace, num_requests, prompt_len, output_len, shared_pref
             if window is None and manifest.dims.max_window:
                 window = manifest.dims.max_window
             # one device's memory in one-rank blocks (a rank's block is 1/tensor_parallel of one)
-            defaults = {"num_blocks": max(1, resolve_num_blocks(manifest) // manifest.tensor_parallel),
+            defaults = {"num_kv_blocks": max(1, resolve_num_kv_blocks(manifest) // manifest.tensor_parallel),
                         "block_size": limits.block_size,
                         "max_seq_len": limits.max_seq_len, "max_batch_size": limits.max_batch_size,
                         "max_num_tokens": limits.max_num_tokens}  # fmt: skip
-        given = {"num_blocks": num_blocks, "block_size": block_size, "max_seq_len": max_seq_len,
+        given = {"num_kv_blocks": num_kv_blocks, "block_size": block_size, "max_seq_len": max_seq_len,
                  "max_batch_size": max_batch_size, "max_num_tokens": max_num_tokens}  # fmt: skip
         budget = Budget(**{k: v if v is not None else defaults[k] for k, v in given.items()})
         if trace:
@@ -162,13 +176,14 @@ def memory(ctx, engine, trace, num_requests, prompt_len, output_len, shared_pref
     del report["series"]  # per-step series: for the plot, too long to print
     if sharing_table:
         report["sharing_table"] = run_sharing_table(requests, budget, progress=progress)
-    if kv_dtype:
-        from trtpaged.bench.memory_bench import format_kv_dtype_table, run_kv_dtype_comparison
+    if kv_cache_dtype:
+        from trtpaged.bench.memory_bench import format_kv_cache_dtype_table, run_kv_cache_dtype_comparison
 
-        dtypes = tuple(dict.fromkeys(("float32", "float16", kv_dtype)))
+        dtypes = tuple(dict.fromkeys(("float32", "float16", kv_cache_dtype)))
         hd = head_dim or engine_head_dim
-        report["kv_dtypes"] = {"base_dtype": base_dtype, "base_blocks": budget.num_blocks, "head_dim": hd,
-                               "rows": run_kv_dtype_comparison(requests, budget, dtypes, base_dtype, hd, progress)}
+        rows = run_kv_cache_dtype_comparison(requests, budget, dtypes, base_dtype, hd, progress)
+        report["kv_cache_dtypes"] = {"base_dtype": base_dtype, "base_blocks": budget.num_kv_blocks, "head_dim": hd,
+                                     "rows": rows}
     if tensor_parallel and tensor_parallel > 1:
         from trtpaged.bench.memory_bench import run_tensor_parallel_comparison
 
@@ -187,17 +202,17 @@ def memory(ctx, engine, trace, num_requests, prompt_len, output_len, shared_pref
     click.echo(format_memory_report(report))
     if sharing_table:
         click.echo("\n" + format_sharing_table(report["sharing_table"]))
-    if kv_dtype:
-        k = report["kv_dtypes"]
-        click.echo("\n" + format_kv_dtype_table(k["rows"], k["base_dtype"], k["base_blocks"], k["head_dim"]))
+    if kv_cache_dtype:
+        k = report["kv_cache_dtypes"]
+        click.echo("\n" + format_kv_cache_dtype_table(k["rows"], k["base_dtype"], k["base_blocks"], k["head_dim"]))
     if "tensor_parallel" in report:
         from trtpaged.bench.memory_bench import format_tensor_parallel_table
 
-        click.echo("\n" + format_tensor_parallel_table(report["tensor_parallel"], budget.num_blocks))
+        click.echo("\n" + format_tensor_parallel_table(report["tensor_parallel"], budget.num_kv_blocks))
     if "kv_tiers" in report:
         from trtpaged.bench.memory_bench import format_tier_table
 
-        click.echo("\n" + format_tier_table(report["kv_tiers"], budget.num_blocks))
+        click.echo("\n" + format_tier_table(report["kv_tiers"], budget.num_kv_blocks))
     if "window" in report:
         from trtpaged.bench.memory_bench import format_window_table
 
@@ -221,7 +236,7 @@ def qlinear(as_json: bool, quick: bool, working_set_mb: Optional[int], threads: 
     report = run_qlinear_bench(
         working_set_bytes=working_set_mb << 20 if working_set_mb else None,
         budget_s=0.1 if quick else 0.3,
-        progress=lambda msg: click.echo(f"  {msg}", err=True),
+        progress=_progress,
     )
     click.echo(report_json(report) if as_json else format_report(report))
 
@@ -261,7 +276,7 @@ def serve(base_url, trace, num_requests, prompt_len, output_len, request_rate, m
         except ValueError as exc:
             raise click.ClickException(str(exc)) from exc
         report = asyncio.run(run_multi_turn(base_url, spec, model, api_key, endpoint == "chat", max_concurrency, seed,
-                                            progress=lambda msg: click.echo(f"  {msg}", err=True)))  # fmt: skip
+                                            progress=_progress))  # fmt: skip
         click.echo(report_json(report) if as_json else format_report(report) + "\n" + format_multi_turn(report))
         return
 
@@ -278,13 +293,13 @@ def serve(base_url, trace, num_requests, prompt_len, output_len, request_rate, m
         raise click.ClickException(str(exc)) from exc
     report = asyncio.run(run_serve_bench(base_url, prompts_from_trace(workload, seed), rate, max_concurrency, model,
                                          api_key, endpoint == "chat", ignore_eos, seed,
-                                         progress=lambda msg: click.echo(f"  {msg}", err=True)))  # fmt: skip
+                                         progress=_progress))  # fmt: skip
     click.echo(report_json(report) if as_json else format_report(report))
 
 
 @command.command(name="kv-tiers")
 @click.argument("engine", type=click.Path(exists=True, file_okay=False))
-@click.option("--kv-blocks", type=click.IntRange(min=1), required=True,
+@click.option("--num-kv-blocks", type=click.IntRange(min=1), required=True,
               help="The pool's blocks: small enough that it cannot hold every live history.")
 @click.option("--multi-turn", default="8:4", show_default=True, metavar="N:K", help="N conversations of K turns.")
 @click.option("--system-words", default=64, show_default=True, help="The shared system prompt's words.")
@@ -301,21 +316,17 @@ def serve(base_url, trace, num_requests, prompt_len, output_len, request_rate, m
 @click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True,
               help="Repeat every row, the rows' order rotated each round (times: medians over rounds).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def kv_tiers(engine, kv_blocks, multi_turn, system_words, user_words, output_len, think_time, host_memory, disk_size,
-             remote, backend, device, seed, rounds, as_json) -> None:  # fmt: skip
+def kv_tiers(engine, num_kv_blocks, multi_turn, system_words, user_words, output_len, think_time, host_memory,
+             disk_size, remote, backend, device, seed, rounds, as_json) -> None:  # fmt: skip
     """Multi-turn traffic against servers with KV tiers off, host, disk (and a restart), Redis (and a 2nd replica)."""
-    import json
-
     from trtpaged.bench.kv_tiers_bench import format_kv_tiers, run_kv_tiers_bench
 
-    try:
+    def run() -> dict:
         spec = multi_turn_spec(multi_turn, output_len, system_words, user_words, think_time)
-        report = run_kv_tiers_bench(Path(engine), spec, kv_blocks, host_memory, disk_size, remote,
-                                    {"backend": backend, "device": device}, seed, rounds,
-                                    progress=lambda msg: click.echo(f"  {msg}", err=True))  # fmt: skip
-    except ValueError as exc:
-        raise click.ClickException(str(exc)) from exc
-    click.echo(json.dumps(report, indent=2) if as_json else format_kv_tiers(report))
+        return run_kv_tiers_bench(Path(engine), spec, num_kv_blocks, host_memory, disk_size, remote,
+                                  {"backend": backend, "device": device}, seed, rounds, progress=_progress)
+
+    _print_report(run, format_kv_tiers, as_json)
 
 
 @command.command(name="serve-ratio")
@@ -327,13 +338,10 @@ def kv_tiers(engine, kv_blocks, multi_turn, system_words, user_words, output_len
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def serve_ratio(engine, repeats, max_tokens, concurrency, server_args, as_json) -> None:
     """trtpaged serve (official openai client, streaming) against the Python API on the same prompts: both ratios."""
-    import json
-
     from trtpaged.bench.serve_ratio import format_ratio, run_serve_ratio
 
-    report = run_serve_ratio(Path(engine), repeats, max_tokens, concurrency, tuple(server_args),
-                             progress=lambda msg: click.echo(f"  {msg}", err=True))  # fmt: skip
-    click.echo(json.dumps(report, indent=2) if as_json else format_ratio(report))
+    _print_report(lambda: run_serve_ratio(Path(engine), repeats, max_tokens, concurrency, tuple(server_args),
+                                          progress=_progress), format_ratio, as_json)
 
 
 @command.command(name="structured")
@@ -346,16 +354,10 @@ def serve_ratio(engine, repeats, max_tokens, concurrency, server_args, as_json) 
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def structured(engine, batch, steps, repeats, temperature, as_json) -> None:
     """Decode step time with half the batch under a JSON schema (xgrammar) vs none, interleaved in one run."""
-    import json
-
     from trtpaged.bench.structured_bench import format_structured, run_structured_bench
 
-    try:
-        report = run_structured_bench(Path(engine), batch, steps, repeats, temperature,
-                                      progress=lambda msg: click.echo(f"  {msg}", err=True))  # fmt: skip
-    except ValueError as exc:
-        raise click.ClickException(str(exc)) from exc
-    click.echo(json.dumps(report, indent=2) if as_json else format_structured(report))
+    _print_report(lambda: run_structured_bench(Path(engine), batch, steps, repeats, temperature, progress=_progress),
+                  format_structured, as_json)
 
 
 @command.command(name="throughput")
@@ -379,8 +381,6 @@ def structured(engine, batch, steps, repeats, temperature, as_json) -> None:
 def throughput(engine, trace, num_requests, baseline, hf_batch_size, no_prefix_caching_row, engine2, profile, seed,
                rounds, as_json) -> None:  # fmt: skip
     """End-to-end throughput and latency: trtpaged vs HF transformers on the same requests, side by side."""
-    import json
-
     from trtpaged.bench.throughput_bench import (default_requests, format_throughput_report, load_requests,
                                                  run_throughput_bench)  # fmt: skip
     from trtpaged.manifest import read_manifest

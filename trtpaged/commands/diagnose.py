@@ -11,12 +11,13 @@ def _kv_from_engine(engine: str):
     from trtpaged.bench.diagnose import ModelKV
     from trtpaged.bench.memory_bench import Budget
     from trtpaged.manifest import read_manifest
-    from trtpaged.kv_budget import resolve_num_blocks
+    from trtpaged.kv_budget import resolve_num_kv_blocks
     from trtpaged.runtime.llm import load_tokenizer
 
     manifest = read_manifest(engine)
     lim = manifest.limits
-    budget = Budget(resolve_num_blocks(manifest), lim.block_size, lim.max_seq_len, lim.max_batch_size, lim.max_num_tokens)
+    budget = Budget(resolve_num_kv_blocks(manifest), lim.block_size, lim.max_seq_len, lim.max_batch_size,
+                    lim.max_num_tokens)
     tokenizer = load_tokenizer(Path(engine), manifest)
     kv = ModelKV(manifest.kv_bytes_per_token, budget, f"engine {engine}")
     return kv, (lambda text: list(tokenizer.encode(text))), manifest.dims.vocab_size
@@ -32,7 +33,7 @@ def _kv_from_config(path: str):
     from trtpaged.config import load_config
     from trtpaged.models.dims import dims_from_hf_config
     from trtpaged.models.hf import load_hf
-    from trtpaged.kv_budget import resolve_num_blocks
+    from trtpaged.kv_budget import resolve_num_kv_blocks
 
     config = load_config(path)
     spec, lim = config.model, config.limits
@@ -48,7 +49,8 @@ def _kv_from_config(path: str):
     # the fields kv_budget reads; one rank's block is 1/tensor_parallel of the whole one
     plan = SimpleNamespace(kv_bytes_per_block_per_rank=per_token * lim.block_size // config.tensor_parallel,
                            limits=lim, kv_cache=config.kv_cache)
-    budget = Budget(resolve_num_blocks(plan), lim.block_size, lim.max_seq_len, lim.max_batch_size, lim.max_num_tokens)
+    budget = Budget(resolve_num_kv_blocks(plan), lim.block_size, lim.max_seq_len, lim.max_batch_size,
+                    lim.max_num_tokens)
     return ModelKV(per_token, budget, f"config {path}"), None, dims.vocab_size
 
 

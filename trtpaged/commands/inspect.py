@@ -59,8 +59,8 @@ def command(engine_dir: Path, avg_len: int | None, memory: str | None, as_json: 
     click.echo("memory plan:")
     for line in plan.lines(avg_len):
         click.echo(f"  {line}")
-    if plan.num_blocks is not None:
-        click.echo(f"  weights + KV budget:  {format_bytes(weight_bytes + plan.num_blocks * plan.bytes_per_block)}")
+    if plan.num_kv_blocks is not None:
+        click.echo(f"  weights + KV budget:  {format_bytes(weight_bytes + plan.num_kv_blocks * plan.bytes_per_block)}")
 
 
 def _weight_bytes(engine_dir: Path, manifest) -> int:
@@ -130,7 +130,7 @@ def _manifest_lines(m, weight_bytes: int) -> list[str]:
     if kv:
         greedy = ", ".join(f"{p['greedy_prefix']}/{p['new_tokens']}" for p in kv["prompts"])
         lengths = ", ".join(str(p["prompt_tokens"]) for p in kv["prompts"])
-        lines.insert(-2, f"  KV cache {kv['kv_dtype']} vs float32 cache: max |dlogit| {kv['max_abs_diff']:.3g}, "
+        lines.insert(-2, f"  KV cache {kv['kv_cache_dtype']} vs float32 cache: max |dlogit| {kv['max_abs_diff']:.3g}, "
                          f"teacher-forced top-1 {kv['top1_agreement']:.1%} (tolerance {kv['threshold']:.0%}); "
                          f"greedy identical for {greedy} tokens (prompts of {lengths} tokens)")
     lines += [f"    {name:<34} {sha[:12]}" for name, sha in sorted(m.files.items())]

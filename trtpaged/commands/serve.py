@@ -33,7 +33,7 @@ from trtpaged.manifest import BACKENDS
 @click.option("--max-batch-size", type=int, default=None, help="Sequences per step (at most the engine's build limit).")
 @click.option("--max-num-tokens", type=int, default=None, help="Tokens per step (at most the engine's build limit).")
 @click.option("--max-seq-len", type=int, default=None, help="Prompt + output tokens per sequence (at most the build limit).")
-@click.option("--kv-blocks", type=click.IntRange(min=1), default=None,
+@click.option("--num-kv-blocks", type=click.IntRange(min=1), default=None,
               help="KV-cache blocks in the pool (default: the manifest's budget); refused beyond the device's free memory.")
 @click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True)
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when present).")
@@ -58,7 +58,7 @@ from trtpaged.manifest import BACKENDS
 @click.option("--request-log-prompts", is_flag=True,
               help="With --request-log: also log each prompt's token ids (off by default: prompts may be private).")
 def command(engine, host, port, served_model_name, api_key, max_waiting, request_timeout, shutdown_timeout,
-            max_body_bytes, max_prompt_tokens, max_batch_size, max_num_tokens, max_seq_len, kv_blocks, backend,
+            max_body_bytes, max_prompt_tokens, max_batch_size, max_num_tokens, max_seq_len, num_kv_blocks, backend,
             device, tensor_parallel_size, speculative_config, kv_host_memory, kv_disk_path, kv_disk_size, kv_remote,
             request_log, request_log_prompts) -> None:  # fmt: skip
     """Serve ENGINE over /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics."""
@@ -80,7 +80,7 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
         )  # fmt: skip
         handle = start_server(
             engine, host=host, port=port, served_model_name=served_model_name, options=options, backend=backend,
-            device=device, num_kv_blocks=kv_blocks, max_num_tokens=max_num_tokens, max_batch_size=max_batch_size,
+            device=device, num_kv_blocks=num_kv_blocks, max_num_tokens=max_num_tokens, max_batch_size=max_batch_size,
             max_seq_len=max_seq_len, tensor_parallel=tensor_parallel_size, speculative_config=speculative_config,
             kv_tiers=tier_options(kv_host_memory, kv_disk_path, kv_disk_size, kv_remote),
         )  # fmt: skip

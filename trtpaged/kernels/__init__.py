@@ -12,7 +12,7 @@ names the argument), and dispatch to the CPU or CUDA kernels by the tensors' dev
 
 from trtpaged.kernels._library import (
     _DTYPE_CODES,
-    _KV_DTYPE_CODES,
+    _KV_CACHE_DTYPE_CODES,
     BUILD_HINT,
     LIBRARY_NAME,
     KernelError,
@@ -25,7 +25,8 @@ from trtpaged.kernels._library import (
     library_candidates,
     version,
 )
-from trtpaged.kernels.attention import AttentionStep, attention_options, paged_attention
+from trtpaged.attention_options import AttentionOptions
+from trtpaged.kernels.attention import AttentionStep, paged_attention
 from trtpaged.kernels.blocks import Pairs, copy_blocks, swap_blocks
 from trtpaged.kernels.fused import has_fused_ops, rmsnorm, rope_qk, silu_mul
 from trtpaged.kernels.isa import (
@@ -51,8 +52,8 @@ from trtpaged.kernels.sampling import greedy_rows, has_greedy_rows
 
 __all__ = [
     "ATTENTION_CPU_PATHS", "ATTENTION_PATH_OF_ISA", "BUILD_HINT", "CPU_ISAS", "LIBRARY_NAME",
-    "QLINEAR_FLOAT_ACTIVATIONS", "QLINEAR_INT8_ACTIVATIONS", "AttentionStep", "KernelError",
-    "KernelLibraryNotFound", "LlamaLayers", "Pairs", "QLinearOp", "attention_cpu_path", "attention_options",
+    "QLINEAR_FLOAT_ACTIVATIONS", "QLINEAR_INT8_ACTIVATIONS", "AttentionOptions", "AttentionStep", "KernelError",
+    "KernelLibraryNotFound", "LlamaLayers", "Pairs", "QLinearOp", "attention_cpu_path",
     "available", "best_cpu_isa", "copy_blocks", "cpu_isa", "cuda_archs", "describe_cpu_isa", "greedy_rows",
     "has_cuda", "has_fused_ops", "has_greedy_rows", "has_llama_layers",
     "library", "library_candidates", "paged_attention", "qlinear", "qlinear_pack", "qlinear_packed_bytes",

@@ -16,7 +16,7 @@ from typing import Iterable
 
 import torch
 
-from trtpaged.kv_formats import FLOAT_KV_DTYPES, KV_FORMATS, QUANTIZED_KV_DTYPES, SCALE_BYTES
+from trtpaged.kv_formats import FLOAT_KV_CACHE_DTYPES, KV_FORMATS, QUANTIZED_KV_CACHE_DTYPES, SCALE_BYTES
 from trtpaged.kv_quant import STORAGE_DTYPES
 
 LIBRARY_NAME = "libtrtpaged_kernels.so"
@@ -25,9 +25,10 @@ BUILD_HINT = (
     "or point TRTPAGED_KERNELS_LIB at libtrtpaged_kernels.so"
 )
 
-_DTYPE_CODES = {getattr(torch, name): KV_FORMATS[name].abi_code for name in FLOAT_KV_DTYPES}
+_DTYPE_CODES = {getattr(torch, name): KV_FORMATS[name].abi_code for name in FLOAT_KV_CACHE_DTYPES}
 # Pool dtypes: the float ones, plus the quantized caches (trtpaged.kv_quant: rows of head_dim + 2 bytes).
-_KV_DTYPE_CODES = {**_DTYPE_CODES, **{STORAGE_DTYPES[name]: KV_FORMATS[name].abi_code for name in QUANTIZED_KV_DTYPES}}
+_KV_CACHE_DTYPE_CODES = {**_DTYPE_CODES,
+                         **{STORAGE_DTYPES[name]: KV_FORMATS[name].abi_code for name in QUANTIZED_KV_CACHE_DTYPES}}
 _QUANTIZED_POOL_DTYPES = tuple(STORAGE_DTYPES.values())
 _STATUS_NAMES = {1: "invalid argument", 2: "unsupported", 3: "CUDA error", 4: "not built"}
 
@@ -56,13 +57,13 @@ class _AttentionParams(ctypes.Structure):
         ("num_heads", ctypes.c_int32),
         ("num_kv_heads", ctypes.c_int32),
         ("head_dim", ctypes.c_int32),
-        ("num_blocks", ctypes.c_int32),
+        ("num_kv_blocks", ctypes.c_int32),
         ("num_layers", ctypes.c_int32),
         ("layer", ctypes.c_int32),
         ("block_size", ctypes.c_int32),
         ("scale", ctypes.c_float),
         ("io_dtype", ctypes.c_int),
-        ("kv_dtype", ctypes.c_int),
+        ("kv_cache_dtype", ctypes.c_int),
     ]
 
 

@@ -8,9 +8,10 @@ from typing import Optional
 
 import torch
 
+from trtpaged.attention_options import AttentionOptions
 from trtpaged.kernels._library import (
     _DTYPE_CODES,
-    _KV_DTYPE_CODES,
+    _KV_CACHE_DTYPE_CODES,
     _AttentionOptions,
     _AttentionParams,
     _check,
@@ -23,28 +24,14 @@ from trtpaged.kernels._library import (
 
 
 def paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_cache: torch.Tensor,
-    positions: torch.Tensor,
-    query_start: torch.Tensor,
-    context_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    *,
-    layer: int,
-    scale: float,
-    out: Optional[torch.Tensor] = None,
-    max_context_len: Optional[int] = None,
-    sliding_window: int = 0,
-    logit_softcap: float = 0.0,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+    positions: torch.Tensor, query_start: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
+    options: AttentionOptions, *, out: Optional[torch.Tensor] = None, max_context_len: Optional[int] = None,
 ) -> torch.Tensor:
-    """Writes the step's K/V into kv_cache (in place) and returns causal paged attention.
+    """Writes the step's K/V into layer `options.layer` of kv_cache (in place) and returns causal paged
+    attention with the options' scale, sliding window and logit soft-cap.
 
-    sliding_window > 0: each query reads only the sliding_window positions ending at its own;
-    logit_softcap > 0: scores are soft-capped, cap * tanh(score / cap) (trtpaged_attention_options).
-
-    q [T, H, D], k/v [T, KVH, D] (one dtype), kv_cache [num_blocks, num_layers, 2, KVH,
+    q [T, H, D], k/v [T, KVH, D] (one dtype), kv_cache [num_kv_blocks, num_layers, 2, KVH,
     block_size, D] (float), or [..., block_size, D + 2] int8 / float8_e4m3fn for a quantized cache
     (trtpaged.kv_quant), positions [T], query_start [S+1], context_lens [S], block_tables
     [S, max_blocks] (int32). Returns out [T, H, D] in q.dtype. On CUDA, max_context_len
@@ -58,13 +45,13 @@ def paged_attention(
     _require(q, "q", ndim=3, dtypes=float_dtypes, device=device)
     _require(k, "k", ndim=3, dtypes=(q.dtype,), device=device)
     _require(v, "v", ndim=3, dtypes=(q.dtype,), device=device)
-    _require(kv_cache, "kv_cache", ndim=6, dtypes=tuple(_KV_DTYPE_CODES), device=device)
+    _require(kv_cache, "kv_cache", ndim=6, dtypes=tuple(_KV_CACHE_DTYPE_CODES), device=device)
     _require(positions, "positions", ndim=1, dtypes=index_dtypes, device=device)
     _require(query_start, "query_start", ndim=1, dtypes=index_dtypes, device=device)
     _require(context_lens, "context_lens", ndim=1, dtypes=index_dtypes, device=device)
     _require(block_tables, "block_tables", ndim=2, dtypes=index_dtypes, device=device)
     num_tokens, num_heads, head_dim = q.shape
-    num_blocks, num_layers, two, num_kv_heads, block_size, _ = kv_cache.shape
+    num_kv_blocks, num_layers, two, num_kv_heads, block_size, _ = kv_cache.shape
     cache_head_dim = _pool_head_dim(kv_cache)
     num_seqs = block_tables.shape[0]
     if two != 2:
@@ -89,10 +76,11 @@ def paged_attention(
             raise ValueError(f"out: shape {tuple(out.shape)}, expected {tuple(q.shape)}")
     params = _AttentionParams(
         num_tokens, num_seqs, block_tables.shape[1], num_heads, num_kv_heads, head_dim,
-        num_blocks, num_layers, layer, block_size, scale, _DTYPE_CODES[q.dtype], _KV_DTYPE_CODES[kv_cache.dtype],
+        num_kv_blocks, num_layers, options.layer, block_size, options.scale, _DTYPE_CODES[q.dtype],
+        _KV_CACHE_DTYPE_CODES[kv_cache.dtype],
     )  # fmt: skip
     lib = library()
-    opts = ctypes.byref(attention_options(sliding_window, logit_softcap))
+    opts = ctypes.byref(_c_options(options))
     pointers = [_ptr(t) for t in (q, k, v, kv_cache, positions, query_start, context_lens, block_tables, out)]
     if device.type == "cpu":
         _check("paged_attention", lib.trtpaged_paged_attention_ex_cpu(ctypes.byref(params), opts, *pointers))
@@ -111,13 +99,11 @@ def paged_attention(
     return out
 
 
-def attention_options(sliding_window: int = 0, logit_softcap: float = 0.0) -> _AttentionOptions:
-    """The C ABI's trtpaged_attention_options; raises ValueError naming a bad value."""
-    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or not 0 <= sliding_window < 1 << 31:
-        raise ValueError(f"sliding_window: got {sliding_window!r}; expected an int >= 0 (0: none)")
-    if not 0.0 <= float(logit_softcap) < float("inf"):
-        raise ValueError(f"logit_softcap: got {logit_softcap!r}; expected a finite float >= 0 (0: none)")
-    return _AttentionOptions(sliding_window, float(logit_softcap))
+def _c_options(options: AttentionOptions) -> _AttentionOptions:
+    """The C ABI's trtpaged_attention_options of `options` (checked when they were made)."""
+    if not isinstance(options, AttentionOptions):
+        raise ValueError(f"options: expected an AttentionOptions, got {type(options).__name__}")
+    return _AttentionOptions(options.sliding_window, float(options.logit_softcap))
 
 
 class AttentionStep:
@@ -126,7 +112,7 @@ class AttentionStep:
     `paged_attention` checks every tensor on every call; a step calls it once
     per layer with the same index tensors and pool. This checks those once and
     keeps the call's parameters, so that each layer costs one C call:
-    `step(layer, q, k, v, scale) -> out`. q/k/v must be dense, of one float
+    `step(q, k, v, options) -> out` (options: the layer's AttentionOptions). q/k/v must be dense, of one float
     dtype, with num_tokens rows (checked cheaply per call).
     """
 
@@ -134,11 +120,11 @@ class AttentionStep:
                  context_lens: torch.Tensor, block_tables: torch.Tensor, num_heads: int,
                  max_context_len: Optional[int] = None) -> None:
         device = kv_cache.device
-        _require(kv_cache, "kv_cache", ndim=6, dtypes=tuple(_KV_DTYPE_CODES), device=device)
+        _require(kv_cache, "kv_cache", ndim=6, dtypes=tuple(_KV_CACHE_DTYPE_CODES), device=device)
         for name, t, ndim in (("positions", positions, 1), ("query_start", query_start, 1),
                               ("context_lens", context_lens, 1), ("block_tables", block_tables, 2)):
             _require(t, name, ndim=ndim, dtypes=(torch.int32,), device=device)
-        num_blocks, num_layers, _, num_kv_heads, block_size, _ = kv_cache.shape
+        num_kv_blocks, num_layers, _, num_kv_heads, block_size, _ = kv_cache.shape
         head_dim = _pool_head_dim(kv_cache)
         num_seqs = block_tables.shape[0]
         if query_start.shape[0] != num_seqs + 1 or context_lens.shape[0] != num_seqs:
@@ -147,14 +133,15 @@ class AttentionStep:
         self.num_tokens, self.device = int(positions.shape[0]), device
         self._params = _AttentionParams(
             self.num_tokens, num_seqs, block_tables.shape[1], num_heads, num_kv_heads, head_dim,
-            num_blocks, num_layers, 0, block_size, 1.0, _DTYPE_CODES[torch.float32], _KV_DTYPE_CODES[kv_cache.dtype],
+            num_kv_blocks, num_layers, 0, block_size, 1.0, _DTYPE_CODES[torch.float32],
+            _KV_CACHE_DTYPE_CODES[kv_cache.dtype],
         )  # fmt: skip
         self._params_ref = ctypes.byref(self._params)
         self._tensors = (kv_cache, positions, query_start, context_lens, block_tables)  # keeps them alive
         self._pointers = tuple(t.data_ptr() for t in self._tensors)
         lib = library()
         self._workspace: Optional[torch.Tensor] = None
-        self._options: dict[tuple[int, float], tuple[_AttentionOptions, object]] = {}
+        self._options: dict[AttentionOptions, tuple[_AttentionOptions, object]] = {}
         if device.type == "cpu":
             self._fn = lib.trtpaged_paged_attention_ex_cpu
         elif device.type == "cuda":
@@ -165,24 +152,22 @@ class AttentionStep:
         else:
             raise ValueError(f"kv_cache: device {device} not supported (cpu or cuda)")
 
-    def _options_ref(self, sliding_window: int, logit_softcap: float) -> object:
-        key = (sliding_window, logit_softcap)
-        if key not in self._options:
-            opts = attention_options(sliding_window, logit_softcap)
-            self._options[key] = (opts, ctypes.byref(opts))
-        return self._options[key][1]
+    def _options_ref(self, options: AttentionOptions) -> object:
+        if options not in self._options:
+            opts = _c_options(options)
+            self._options[options] = (opts, ctypes.byref(opts))
+        return self._options[options][1]
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                 sliding_window: int = 0, logit_softcap: float = 0.0) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions) -> torch.Tensor:
         if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()) or q.shape[0] != self.num_tokens:
             raise ValueError(f"q/k/v: expected dense tensors with {self.num_tokens} rows")
         if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPE_CODES:
             raise ValueError(f"q/k/v: one float dtype expected, got {q.dtype}, {k.dtype}, {v.dtype}")
         p = self._params
-        p.layer, p.scale, p.io_dtype = layer, scale, _DTYPE_CODES[q.dtype]
+        p.layer, p.scale, p.io_dtype = options.layer, options.scale, _DTYPE_CODES[q.dtype]
         out = torch.empty_like(q)
         cache, positions, query_start, context_lens, block_tables = self._pointers
-        args = (self._params_ref, self._options_ref(sliding_window, logit_softcap), q.data_ptr(), k.data_ptr(),
+        args = (self._params_ref, self._options_ref(options), q.data_ptr(), k.data_ptr(),
                 v.data_ptr(), cache, positions, query_start,
                 context_lens, block_tables, out.data_ptr())
         if self.device.type == "cpu":

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trtpaged import kv_quant
+from trtpaged.attention_options import AttentionOptions
 from trtpaged.manifest import ModelDims
 from trtpaged.models import attention_op  # noqa: F401  (registers torch.ops.trtpaged.*)
 from trtpaged.models.all_reduce import RankReduce
@@ -109,6 +110,7 @@ class PagedSelfAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = dims.num_heads, dims.num_kv_heads, dims.head_dim
         self.scale = dims.attention_scale or self.head_dim**-0.5
         self.window, self.softcap = dims.window_of(layer), dims.attn_logit_softcap
+        self.options = AttentionOptions(layer, self.scale, self.window, self.softcap)
         self.rope = layer not in dims.nope_layers
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         prefix = f"layers.{layer}.self_attn."
@@ -143,10 +145,10 @@ class PagedSelfAttention(nn.Module):
             out, kv_cache = torch.ops.trtpaged.paged_attention(
                 q, k, v, kv_cache, *step,
                 self.num_heads, self.num_kv_heads, self.head_dim, kv_cache.shape[4], self.layer, self.scale,
-                attend.kv_dtype, self.window, self.softcap,
+                attend.kv_cache_dtype, self.window, self.softcap,
             )
         else:
-            out = attend(self.layer, q, k, v, self.scale, self.window, self.softcap)
+            out = attend(q, k, v, self.options)
         return self._output(out.reshape(-1, self.num_heads * self.head_dim)), kv_cache
 
     def _output(self, out: torch.Tensor) -> torch.Tensor:
@@ -158,7 +160,7 @@ class PagedSelfAttention(nn.Module):
         """The eager float32 CPU form of forward: RoPE and the dense q/k/v copies in one kernel call."""
         q, k, v = ops.rope_qk(self.qkv_proj(x), cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
                               dense=True)
-        out = attend(self.layer, q, k, v, self.scale, self.window, self.softcap)
+        out = attend(q, k, v, self.options)
         return self._output(out.view(-1, self.num_heads * self.head_dim))
 
 
@@ -241,7 +243,7 @@ class LlamaStepModel(nn.Module):
     `functional_cache=False` (eager, the torch backend): the pool is updated in
     place and the very tensor passed in is returned. `functional_cache=True`
     (ONNX export): each layer returns an updated pool, so the graph is pure.
-    `graph_kv_dtype` ("int8" or "fp8_e4m3", set by the export) names the format of
+    `graph_kv_cache_dtype` ("int8" or "fp8_e4m3", set by the export) names the format of
     an int8-byte pool in the functional form; None: the pool's own dtype says.
 
     Tensor parallelism: `dims` are one rank's (models/tensor_parallel.py:
@@ -256,7 +258,7 @@ class LlamaStepModel(nn.Module):
                  quant: Optional[QuantPlan] = None, reduce: Optional[RankReduce] = None):
         super().__init__()
         self.dims, self.dtype, self.functional_cache, self.reduce = dims, dtype, functional_cache, reduce
-        self.graph_kv_dtype: Optional[str] = None
+        self.graph_kv_cache_dtype: Optional[str] = None
         self.quant: QuantPlan = dict(quant or {})
         embed_scheme = self.quant.get("embed_tokens")
         self.embed_tokens: nn.Module = (
@@ -293,7 +295,8 @@ class LlamaStepModel(nn.Module):
             tables["local"] = self.local_rotary(positions, h.dtype)
         step = (positions, query_start, context_lens, block_tables)
         if self.functional_cache:
-            attend = attention_op.Functional(self.graph_kv_dtype or kv_quant.pool_kv_dtype(kv_cache) or "auto")
+            pool_format = self.graph_kv_cache_dtype or kv_quant.pool_kv_cache_dtype(kv_cache) or "auto"
+            attend = attention_op.Functional(pool_format)
             return self._torch_layers(h, tables, step, logits_index, kv_cache, attend)
         cos, sin = tables["global"]
         plan = self.execution_plan or self._decide_execution_plan()
@@ -366,15 +369,15 @@ class LlamaStepModel(nn.Module):
         return torch.tanh(logits / cap) * cap if cap else logits
 
     def new_kv_cache(
-        self, num_blocks: int, block_size: int, dtype: torch.dtype | str | None = None, device="cpu"
+        self, num_kv_blocks: int, block_size: int, dtype: torch.dtype | str | None = None, device="cpu"
     ) -> torch.Tensor:
-        """A zeroed pool [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]; dtype "int8" or
+        """A zeroed pool [num_kv_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]; dtype "int8" or
         "fp8_e4m3" gives a quantized pool (rows of head_dim + 2 bytes, trtpaged.kv_quant)."""
         d = self.dims
         if isinstance(dtype, str) and kv_quant.is_quantized(dtype):
-            shape = (num_blocks, d.num_layers, 2, d.num_kv_heads, block_size, d.head_dim + kv_quant.SCALE_BYTES)
+            shape = (num_kv_blocks, d.num_layers, 2, d.num_kv_heads, block_size, d.head_dim + kv_quant.SCALE_BYTES)
             return torch.zeros(shape, dtype=kv_quant.STORAGE_DTYPES[dtype], device=device)
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
-        shape = (num_blocks, d.num_layers, 2, d.num_kv_heads, block_size, d.head_dim)
+        shape = (num_kv_blocks, d.num_layers, 2, d.num_kv_heads, block_size, d.head_dim)
         return torch.zeros(shape, dtype=dtype or self.dtype, device=device)

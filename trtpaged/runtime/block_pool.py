@@ -131,13 +131,13 @@ class BlockPool:
     hash collision can cost a miss but never return wrong K/V.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True, hash_fn: HashFn = chain_hash) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks: must be >= 1, got {num_blocks}")
-        self.num_blocks = num_blocks
+    def __init__(self, num_kv_blocks: int, enable_caching: bool = True, hash_fn: HashFn = chain_hash) -> None:
+        if num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks: must be >= 1, got {num_kv_blocks}")
+        self.num_kv_blocks = num_kv_blocks
         self.enable_caching = enable_caching
         self.hash_fn = hash_fn
-        self.blocks = [KVBlock(block_id=i) for i in range(num_blocks)]
+        self.blocks = [KVBlock(block_id=i) for i in range(num_kv_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self._cache: dict[int, dict[int, KVBlock]] = {}  # hash -> {block_id: block}
         self.num_evictions = 0
@@ -154,7 +154,7 @@ class BlockPool:
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self.free_queue)
+        return self.num_kv_blocks - len(self.free_queue)
 
     @property
     def num_cached(self) -> int:

@@ -32,7 +32,7 @@ class AllocationPlan:
     requests: tuple[AllocRequest, ...]
     copy_last: tuple[bool, ...]  # per request: copy its shared last block before writing (copy-on-write)
     new_blocks: tuple[int, ...]  # per request: blocks appended to its table
-    num_blocks: int  # free-queue blocks consumed: copies + new blocks + cache hits now in the free queue + tier loads
+    num_kv_blocks: int  # free-queue blocks consumed: copies, new blocks, cache hits now free, tier loads
 
 
 class KVCacheManager:
@@ -53,7 +53,7 @@ class KVCacheManager:
 
     def __init__(
         self,
-        num_blocks: int,
+        num_kv_blocks: int,
         block_size: int,
         enable_prefix_caching: bool = True,
         num_host_blocks: int = 0,
@@ -66,7 +66,7 @@ class KVCacheManager:
         self.reclaim_window = reclaim_window
         self.num_reclaimed = 0  # blocks returned by `reclaim` (a shared block counts once per table)
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching, hash_fn=hash_fn)
+        self.pool = BlockPool(num_kv_blocks, enable_caching=enable_prefix_caching, hash_fn=hash_fn)
         self.host_pool: Optional[BlockPool] = BlockPool(num_host_blocks, enable_caching=False) if num_host_blocks else None
         # None: a block returned by `reclaim` (only ever a leading run of the table)
         self.tables: dict[int, list[Optional[KVBlock]]] = {}
@@ -178,8 +178,8 @@ class KVCacheManager:
 
         A sequence given cache hits has their K/V from here on: the caller (the scheduler, which owns
         sequence state) sets its `num_computed_tokens` to `len(hits) * block_size`."""
-        if plan.num_blocks > self.pool.num_free:
-            raise RuntimeError(f"allocate: the plan takes {plan.num_blocks} blocks, {self.pool.num_free} free")
+        if plan.num_kv_blocks > self.pool.num_free:
+            raise RuntimeError(f"allocate: the plan takes {plan.num_kv_blocks} blocks, {self.pool.num_free} free")
         for seq, _, hits in plan.requests:  # take every hit off the free queue before anything is evicted
             if hits:
                 self._adopt_hits(seq, hits)
@@ -394,7 +394,7 @@ class KVCacheManager:
         tiers = {} if self.tiers is None else {"prefix_cache_tier_hits_tokens": self.tier_hits_tokens,
                                                **self.tiers.stats()}
         return {
-            "kv_blocks_total": self.pool.num_blocks,
+            "kv_blocks_total": self.pool.num_kv_blocks,
             "kv_blocks_used": used,
             "kv_blocks_free": self.pool.num_free,
             "kv_blocks_cached": self.pool.num_cached,

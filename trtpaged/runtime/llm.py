@@ -9,7 +9,7 @@ from typing import Any, Optional, Sequence as Seq, Union
 
 from trtpaged.engine_files import verify_engine_dir
 from trtpaged.manifest import EngineDirError, Manifest, engine_path, read_manifest
-from trtpaged.runtime.runners import load_runner, resolve_device, resolve_num_blocks
+from trtpaged.runtime.runners import load_runner, resolve_device, resolve_num_kv_blocks
 from trtpaged.runtime.runners.base import pool_block_bytes
 from trtpaged.runtime.kv_tiers.config import KVTierConfig, manifest_fingerprint
 from trtpaged.runtime.llm_engine import LLMEngine, Prompt
@@ -111,10 +111,10 @@ class LLM:
         self.manifest = read_manifest(self.engine_dir)
         verify_engine_dir(self.engine_dir, self.manifest)  # before anything of the dir is loaded
         limits = self.manifest.limits
-        num_blocks = resolve_num_blocks(self.manifest, device, num_kv_blocks)
+        num_kv_blocks = resolve_num_kv_blocks(self.manifest, device, num_kv_blocks)
         self.config = RuntimeConfig(
             block_size=limits.block_size,
-            num_blocks=num_blocks,
+            num_kv_blocks=num_kv_blocks,
             max_batch_size=_tightened("max_batch_size", max_batch_size, limits.max_batch_size),
             max_num_tokens=_tightened("max_num_tokens", max_num_tokens, limits.max_num_tokens),
             max_seq_len=_tightened("max_seq_len", max_seq_len, limits.max_seq_len),
@@ -126,7 +126,7 @@ class LLM:
             reclaim_window=self.manifest.dims.max_window if reclaim_windowed_blocks else 0,
         )
         self.tokenizer = load_tokenizer(self.engine_dir, self.manifest)
-        runner = load_runner(self.engine_dir, self.manifest, num_blocks, backend, device, num_host_blocks,
+        runner = load_runner(self.engine_dir, self.manifest, num_kv_blocks, backend, device, num_host_blocks,
                              self.manifest.tensor_parallel if tensor_parallel is None else tensor_parallel)
         # Ready means ready: the first batch's one-off costs (scratch growth, first-touched pages, the
         # LM head's packing, thread start) are paid here, in one step of the largest shape (runtime/warmup.py).

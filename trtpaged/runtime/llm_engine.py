@@ -46,15 +46,16 @@ class LLMEngine:
         self, runner: ModelRunner, config: RuntimeConfig, tokenizer: Optional[Any] = None,
         eos_token_ids: Seq[int] = (), vocab_size: Optional[int] = None, tiers: Optional[TierStack] = None,
     ) -> None:  # fmt: skip
-        if runner.num_blocks != config.num_blocks:
-            raise ValueError(f"num_blocks: runner pool has {runner.num_blocks} blocks, config says {config.num_blocks}")
+        if runner.num_kv_blocks != config.num_kv_blocks:
+            raise ValueError(f"num_kv_blocks: runner pool has {runner.num_kv_blocks} blocks, "
+                             f"config says {config.num_kv_blocks}")
         self.runner = runner
         self.config = config
         self.tokenizer = tokenizer
         self.eos_token_ids = list(eos_token_ids)
         self.vocab_size = vocab_size  # token-id prompts are checked against it when known
         self.kv = KVCacheManager(
-            config.num_blocks, config.block_size, config.enable_prefix_caching, config.num_host_blocks, tiers=tiers,
+            config.num_kv_blocks, config.block_size, config.enable_prefix_caching, config.num_host_blocks, tiers=tiers,
             reclaim_window=config.reclaim_window,
         )
         self.scheduler = Scheduler(config, self.kv, self.eos_token_ids)

@@ -15,7 +15,7 @@ class RuntimeConfig:
     """Scheduler and KV-cache settings. Built from the manifest's limits, optionally tightened."""
 
     block_size: int
-    num_blocks: int
+    num_kv_blocks: int
     max_batch_size: int  # sequences per step
     max_num_tokens: int  # tokens per step (prefill chunks + decode tokens)
     max_seq_len: int  # prompt + output tokens of one sequence
@@ -28,7 +28,7 @@ class RuntimeConfig:
     reclaim_window: int = 0
 
     def __post_init__(self) -> None:
-        positive = ("block_size", "num_blocks", "max_batch_size", "max_num_tokens", "max_seq_len")
+        positive = ("block_size", "num_kv_blocks", "max_batch_size", "max_num_tokens", "max_seq_len")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"RuntimeConfig.{name}: must be >= 1, got {getattr(self, name)}")

@@ -66,12 +66,12 @@ def check_request(c: RuntimeConfig, num_prompt_tokens: int, params: SamplingPara
             c.max_seq_len - 1,
         )
     blocks = -(-num_prompt_tokens // c.block_size)
-    if blocks > c.num_blocks:
+    if blocks > c.num_kv_blocks:
         raise RequestError(
             "prompt",
             f"{num_prompt_tokens} tokens need {blocks} KV blocks, more than the whole pool "
-            f"(num_blocks {c.num_blocks}, block_size {c.block_size})",
-            c.num_blocks * c.block_size,
+            f"(num_kv_blocks {c.num_kv_blocks}, block_size {c.block_size})",
+            c.num_kv_blocks * c.block_size,
         )
     room = c.max_seq_len - num_prompt_tokens
     if params.max_tokens is not None and params.max_tokens > room:
@@ -354,7 +354,7 @@ class Scheduler:
                     self._commit(group, drafted[0], sample, budget, out, drafted[1])
                     done.add(group.request_id)
                     continue
-            while (plan := self.kv.plan_allocation(requests)).num_blocks > self.kv.pool.num_free:
+            while (plan := self.kv.plan_allocation(requests)).num_kv_blocks > self.kv.pool.num_free:
                 victim = next(g for g in reversed(self.running) if g.request_id not in done)
                 if victim is group and not done and len(self.running) == 1:
                     self._refuse(group, out)
@@ -425,7 +425,7 @@ class Scheduler:
         if not drafts:
             return None
         plan = self.kv.plan_allocation(drafted)
-        if plan.num_blocks + reserve > self.kv.pool.num_free:
+        if plan.num_kv_blocks + reserve > self.kv.pool.num_free:
             return None
         return plan, drafts
 
@@ -455,7 +455,7 @@ class Scheduler:
             if requests is None:
                 return
             plan = self.kv.plan_allocation(requests)
-            if plan.num_blocks > self.kv.pool.num_free:
+            if plan.num_kv_blocks > self.kv.pool.num_free:
                 if not self.running and not out.scheduled:  # an empty pool cannot hold it: it never will
                     self.waiting.popleft()
                     self._refuse(group, out)

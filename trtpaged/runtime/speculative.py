@@ -9,11 +9,12 @@ docs/speculative.md.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
+
+from trtpaged.json_input import json_object
 
 METHODS = ("ngram",)
 MAX_SPECULATIVE_TOKENS = 16  # per sequence and step; a verification step's rows grow with it
@@ -74,18 +75,7 @@ class SpeculativeConfig:
         """A config from a JSON object text, a dict, or a config (None stays None); ValueError naming the field."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as exc:
-                raise ValueError(f"speculative_config: not JSON ({exc})") from None
-        if not isinstance(value, Mapping):
-            raise ValueError(f"speculative_config: must be a JSON object, got {type(value).__name__}")
-        unknown = set(value) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"speculative_config: unknown field(s) {sorted(unknown)}; "
-                             f"allowed: {sorted(cls.__dataclass_fields__)}")  # fmt: skip
-        return cls(**value)
+        return cls(**json_object(value, "speculative_config", cls.__dataclass_fields__))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

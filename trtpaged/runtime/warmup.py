@@ -34,14 +34,14 @@ def warmup_shape(config: RuntimeConfig) -> WarmupShape:
     """max_num_tokens tokens (fewer only where the pool or max_seq_len cannot hold them) over
     max_batch_size sequences, as evenly as possible, each sequence on its own blocks."""
     bs = config.block_size
-    seqs = min(config.max_batch_size, config.max_num_tokens, config.num_blocks)
+    seqs = min(config.max_batch_size, config.max_num_tokens, config.num_kv_blocks)
     tokens = min(config.max_num_tokens, seqs * config.max_seq_len)
 
     def lengths(total: int) -> list[int]:
         return [total // seqs + (1 if i < total % seqs else 0) for i in range(seqs)]
 
     # each sequence needs ceil(len / bs) blocks of its own; shrink until the pool holds them all
-    while tokens > seqs and sum(math.ceil(n / bs) for n in lengths(tokens)) > config.num_blocks:
+    while tokens > seqs and sum(math.ceil(n / bs) for n in lengths(tokens)) > config.num_kv_blocks:
         tokens -= max(1, (tokens - seqs) // 8)
     return WarmupShape(tuple(lengths(tokens)))
 

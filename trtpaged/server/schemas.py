@@ -145,11 +145,16 @@ class CompletionChoice(BaseModel):
     prompt_logprobs: Optional[PromptLogprobs] = None
 
 
-class CompletionResponse(BaseModel):
+class _Reply(BaseModel):
+    """What every completion reply and stream chunk carries: its id, creation time and model."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
+
+
+class CompletionResponse(_Reply):
+    object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: Optional[Usage] = None
 
@@ -189,11 +194,8 @@ class ChatChoice(BaseModel):
     stop_reason: Optional[Union[int, str]] = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_Reply):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: Optional[PromptLogprobs] = None
@@ -218,22 +220,14 @@ class ChatChunkChoice(BaseModel):
     finish_reason: Optional[str] = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Reply):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
     usage: Optional[Usage] = None
 
 
-class CompletionChunk(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Optional[Usage] = None
+class CompletionChunk(CompletionResponse):
+    """A completions stream chunk: OpenAI streams text_completion objects of the reply's own shape."""
 
 
 class ModelCard(BaseModel):

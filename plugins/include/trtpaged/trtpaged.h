@@ -7,10 +7,10 @@
  *   argument and the limit is available from trtpaged_last_error() (per thread).
  * - Tensors are dense, row-major, contiguous. Index tensors are int32.
  * - The KV pool is block-major (docs/architecture.md, "KV layout"):
- *     kv_cache[num_blocks][num_layers][2][num_kv_heads][block_size][head_dim]
+ *     kv_cache[num_kv_blocks][num_layers][2][num_kv_heads][block_size][head_dim]
  *   where index 0 of the "2" axis is K and 1 is V.
- * - Quantized KV cache (kv_dtype TRTPAGED_INT8 or TRTPAGED_FP8_E4M3): the pool is bytes,
- *     kv_cache[num_blocks][num_layers][2][num_kv_heads][block_size][head_dim + 2]
+ * - Quantized KV cache (kv_cache_dtype TRTPAGED_INT8 or TRTPAGED_FP8_E4M3): the pool is bytes,
+ *     kv_cache[num_kv_blocks][num_layers][2][num_kv_heads][block_size][head_dim + 2]
  *   each token row of one head holding head_dim 1-byte codes followed by that row's scale as
  *   IEEE fp16 (little-endian). The value is code * scale, with scale = fp16(max|x| / M)
  *   (round to nearest even) and codes made with that stored scale: int8 codes are
@@ -55,8 +55,8 @@ typedef enum trtpaged_dtype {
   TRTPAGED_FLOAT32 = 0,
   TRTPAGED_FLOAT16 = 1,
   TRTPAGED_BFLOAT16 = 2,
-  TRTPAGED_INT8 = 3,     /* kv_dtype only: quantized KV cache, see "Quantized KV cache" below */
-  TRTPAGED_FP8_E4M3 = 4  /* kv_dtype only: quantized KV cache (OCP e4m3fn codes) */
+  TRTPAGED_INT8 = 3,     /* kv_cache_dtype only: quantized KV cache, see "Quantized KV cache" below */
+  TRTPAGED_FP8_E4M3 = 4  /* kv_cache_dtype only: quantized KV cache (OCP e4m3fn codes) */
 } trtpaged_dtype;
 
 /* Shapes and options of one paged-attention call (one layer, one step). */
@@ -67,13 +67,13 @@ typedef struct trtpaged_attention_params {
   int32_t num_heads;          /* query heads; a multiple of num_kv_heads */
   int32_t num_kv_heads;
   int32_t head_dim;
-  int32_t num_blocks;         /* blocks in the pool */
+  int32_t num_kv_blocks;         /* blocks in the pool */
   int32_t num_layers;         /* layers in the pool */
   int32_t layer;              /* layer this call reads and writes, in [0, num_layers) */
   int32_t block_size;         /* tokens per block: 8, 16, 32, 64 or 128 */
   float scale;                /* softmax scale, usually 1/sqrt(head_dim) */
   trtpaged_dtype io_dtype;    /* dtype of q, k, v and out: float32, float16 or bfloat16 */
-  trtpaged_dtype kv_dtype;    /* dtype of kv_cache (any); accumulation is always fp32 */
+  trtpaged_dtype kv_cache_dtype;    /* dtype of kv_cache (any); accumulation is always fp32 */
 } trtpaged_attention_params;
 
 /*
@@ -81,7 +81,7 @@ typedef struct trtpaged_attention_params {
  *
  *   q            [num_tokens, num_heads, head_dim]      io_dtype
  *   k, v         [num_tokens, num_kv_heads, head_dim]   io_dtype (new K/V of each token)
- *   kv_cache     the pool (layout above)                kv_dtype, updated in place
+ *   kv_cache     the pool (layout above)                kv_cache_dtype, updated in place
  *   positions    [num_tokens]          absolute position of each token
  *   query_start  [num_seqs + 1]        CSR offsets of each sequence's tokens
  *   context_lens [num_seqs]            KV length of each sequence after this step
@@ -93,7 +93,7 @@ typedef struct trtpaged_attention_params {
  * sequence's cached tokens. Requirements checked on the CPU path (the CUDA path
  * checks scalars; index contents live on the device): 0 <= positions[t] <
  * context_lens[s], query_start non-decreasing from 0 to num_tokens, every block
- * id used in [0, num_blocks).
+ * id used in [0, num_kv_blocks).
  * The CUDA path reads only scalars on the host to decide which kernels to launch:
  * a call with num_tokens == num_seqs is taken as decode-only (so there every
  * sequence must have exactly one new token; the CPU path also accepts sequences
@@ -125,12 +125,12 @@ TRTPAGED_API int trtpaged_paged_attention_cuda(const trtpaged_attention_params* 
 /*
  * Copy-on-write: for each pair i, copy block pairs[2i] to block pairs[2i+1]
  * (every layer, K and V: one contiguous chunk of block_bytes). pairs is a host
- * array of 2*num_pairs ids in [0, num_blocks); destinations must be distinct
+ * array of 2*num_pairs ids in [0, num_kv_blocks); destinations must be distinct
  * and must not be sources.
  */
-TRTPAGED_API int trtpaged_copy_blocks_cpu(void* kv_cache, int32_t num_blocks, size_t block_bytes,
+TRTPAGED_API int trtpaged_copy_blocks_cpu(void* kv_cache, int32_t num_kv_blocks, size_t block_bytes,
                                           const int32_t* pairs, int32_t num_pairs);
-TRTPAGED_API int trtpaged_copy_blocks_cuda(void* kv_cache, int32_t num_blocks, size_t block_bytes,
+TRTPAGED_API int trtpaged_copy_blocks_cuda(void* kv_cache, int32_t num_kv_blocks, size_t block_bytes,
                                            const int32_t* pairs, int32_t num_pairs, void* stream);
 
 /*
@@ -139,12 +139,12 @@ TRTPAGED_API int trtpaged_copy_blocks_cuda(void* kv_cache, int32_t num_blocks, s
  * pairs is a host array. The _cpu version needs both pools in host memory; the
  * _cuda version accepts any mix of device and (preferably pinned) host memory.
  */
-TRTPAGED_API int trtpaged_swap_blocks_cpu(const void* src_pool, int32_t src_num_blocks,
-                                          void* dst_pool, int32_t dst_num_blocks,
+TRTPAGED_API int trtpaged_swap_blocks_cpu(const void* src_pool, int32_t src_num_kv_blocks,
+                                          void* dst_pool, int32_t dst_num_kv_blocks,
                                           size_t block_bytes, const int32_t* pairs,
                                           int32_t num_pairs);
-TRTPAGED_API int trtpaged_swap_blocks_cuda(const void* src_pool, int32_t src_num_blocks,
-                                           void* dst_pool, int32_t dst_num_blocks,
+TRTPAGED_API int trtpaged_swap_blocks_cuda(const void* src_pool, int32_t src_num_kv_blocks,
+                                           void* dst_pool, int32_t dst_num_kv_blocks,
                                            size_t block_bytes, const int32_t* pairs,
                                            int32_t num_pairs, void* stream);
 

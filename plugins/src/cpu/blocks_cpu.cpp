@@ -18,21 +18,21 @@ int copy_pairs(const char* src, char* dst, size_t block_bytes, const int32_t* pa
 
 extern "C" {
 
-TRTPAGED_API int trtpaged_copy_blocks_cpu(void* kv_cache, int32_t num_blocks, size_t block_bytes,
+TRTPAGED_API int trtpaged_copy_blocks_cpu(void* kv_cache, int32_t num_kv_blocks, size_t block_bytes,
                                           const int32_t* pairs, int32_t num_pairs) {
   using namespace trtpaged;
   try {
     if (num_pairs > 0 && !kv_cache) return fail(TRTPAGED_ERR_INVALID_ARGUMENT, "kv_cache: null pointer");
     if (block_bytes == 0) return fail(TRTPAGED_ERR_INVALID_ARGUMENT, "block_bytes: must be > 0");
-    if (int rc = validate_block_pairs(pairs, num_pairs, num_blocks, num_blocks, true)) return rc;
+    if (int rc = validate_block_pairs(pairs, num_pairs, num_kv_blocks, num_kv_blocks, true)) return rc;
     return copy_pairs(static_cast<const char*>(kv_cache), static_cast<char*>(kv_cache), block_bytes, pairs, num_pairs);
   } catch (const std::exception& e) {
     return fail(TRTPAGED_ERR_INVALID_ARGUMENT, std::string("copy_blocks_cpu: ") + e.what());
   }
 }
 
-TRTPAGED_API int trtpaged_swap_blocks_cpu(const void* src_pool, int32_t src_num_blocks, void* dst_pool,
-                                          int32_t dst_num_blocks, size_t block_bytes, const int32_t* pairs,
+TRTPAGED_API int trtpaged_swap_blocks_cpu(const void* src_pool, int32_t src_num_kv_blocks, void* dst_pool,
+                                          int32_t dst_num_kv_blocks, size_t block_bytes, const int32_t* pairs,
                                           int32_t num_pairs) {
   using namespace trtpaged;
   try {
@@ -41,7 +41,7 @@ TRTPAGED_API int trtpaged_swap_blocks_cpu(const void* src_pool, int32_t src_num_
     if (block_bytes == 0) return fail(TRTPAGED_ERR_INVALID_ARGUMENT, "block_bytes: must be > 0");
     if (src_pool == dst_pool)
       return fail(TRTPAGED_ERR_INVALID_ARGUMENT, "dst_pool: same pool as src_pool (use copy_blocks)");
-    if (int rc = validate_block_pairs(pairs, num_pairs, src_num_blocks, dst_num_blocks, false)) return rc;
+    if (int rc = validate_block_pairs(pairs, num_pairs, src_num_kv_blocks, dst_num_kv_blocks, false)) return rc;
     return copy_pairs(static_cast<const char*>(src_pool), static_cast<char*>(dst_pool), block_bytes, pairs, num_pairs);
   } catch (const std::exception& e) {
     return fail(TRTPAGED_ERR_INVALID_ARGUMENT, std::string("swap_blocks_cpu: ") + e.what());

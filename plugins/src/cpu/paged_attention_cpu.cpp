@@ -43,9 +43,9 @@ int validate_indices(const trtpaged_attention_params& p, int32_t window, const i
     }
     for (int32_t b = first_block; b < used_blocks; ++b) {
       const int32_t id = block_tables[int64_t(s) * p.max_blocks_per_seq + b];
-      if (id < 0 || id >= p.num_blocks)
+      if (id < 0 || id >= p.num_kv_blocks)
         return bad("block_tables[" + std::to_string(s) + "][" + std::to_string(b) + "]: block " + std::to_string(id) +
-                   " out of range [0, num_blocks = " + std::to_string(p.num_blocks) + ")");
+                   " out of range [0, num_kv_blocks = " + std::to_string(p.num_kv_blocks) + ")");
     }
   }
   return TRTPAGED_OK;

@@ -378,7 +378,7 @@ void dispatch_kv(const trtpaged_attention_params& p, const trtpaged_attention_op
   const IO* ki = static_cast<const IO*>(k);
   const IO* vi = static_cast<const IO*>(v);
   IO* oi = static_cast<IO*>(out);
-  switch (p.kv_dtype) {
+  switch (p.kv_cache_dtype) {
     case TRTPAGED_FLOAT32:
       return paged_attention(p, opt, qi, ki, vi, static_cast<float*>(cache), positions, query_start, block_tables, oi);
     case TRTPAGED_FLOAT16:

@@ -33,10 +33,10 @@ int copy_pairs(const char* src, char* dst, size_t block_bytes, const int32_t* pa
 
 }  // namespace
 
-extern "C" TRTPAGED_API int trtpaged_copy_blocks_cuda(void* kv_cache, int32_t num_blocks, size_t block_bytes,
+extern "C" TRTPAGED_API int trtpaged_copy_blocks_cuda(void* kv_cache, int32_t num_kv_blocks, size_t block_bytes,
                                                       const int32_t* pairs, int32_t num_pairs, void* stream) {
   try {
-    const int rc = trtpaged::validate_block_pairs(pairs, num_pairs, num_blocks, num_blocks, true);
+    const int rc = trtpaged::validate_block_pairs(pairs, num_pairs, num_kv_blocks, num_kv_blocks, true);
     if (rc != TRTPAGED_OK) return rc;
     if (num_pairs == 0 || block_bytes == 0) return trtpaged::ok();
     if (kv_cache == nullptr) return trtpaged::fail(TRTPAGED_ERR_INVALID_ARGUMENT, "kv_cache is NULL");
@@ -50,11 +50,11 @@ extern "C" TRTPAGED_API int trtpaged_copy_blocks_cuda(void* kv_cache, int32_t nu
   }
 }
 
-extern "C" TRTPAGED_API int trtpaged_swap_blocks_cuda(const void* src_pool, int32_t src_num_blocks, void* dst_pool,
-                                                      int32_t dst_num_blocks, size_t block_bytes,
+extern "C" TRTPAGED_API int trtpaged_swap_blocks_cuda(const void* src_pool, int32_t src_num_kv_blocks, void* dst_pool,
+                                                      int32_t dst_num_kv_blocks, size_t block_bytes,
                                                       const int32_t* pairs, int32_t num_pairs, void* stream) {
   try {
-    const int rc = trtpaged::validate_block_pairs(pairs, num_pairs, src_num_blocks, dst_num_blocks, false);
+    const int rc = trtpaged::validate_block_pairs(pairs, num_pairs, src_num_kv_blocks, dst_num_kv_blocks, false);
     if (rc != TRTPAGED_OK) return rc;
     if (num_pairs == 0 || block_bytes == 0) return trtpaged::ok();
     if (src_pool == nullptr || dst_pool == nullptr) {

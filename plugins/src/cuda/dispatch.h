@@ -35,10 +35,10 @@ bool with_dtype(trtpaged_dtype dtype, F&& f) {
   return false;
 }
 
-// Calls f(TypeTag<T>{}) for the pool element type of a kv_dtype: the float types, or the one-byte
-// code types of the quantized caches (Int8Code, Fp8Code); false if kv_dtype is unknown.
+// Calls f(TypeTag<T>{}) for the pool element type of a kv_cache_dtype: the float types, or the one-byte
+// code types of the quantized caches (Int8Code, Fp8Code); false if kv_cache_dtype is unknown.
 template <typename F>
-bool with_kv_dtype(trtpaged_dtype dtype, F&& f) {
+bool with_kv_cache_dtype(trtpaged_dtype dtype, F&& f) {
   switch (dtype) {
     case TRTPAGED_INT8:
       f(TypeTag<Int8Code>{});
@@ -77,7 +77,7 @@ bool with_kernel_types(int head_dim, trtpaged_dtype io, trtpaged_dtype kv, F&& f
   bool io_ok = false;
   bool kv_ok = false;
   const bool dim_ok = with_head_dim(head_dim, [&](auto dim) {
-    io_ok = with_dtype(io, [&](auto io_tag) { kv_ok = with_kv_dtype(kv, [&](auto kv_tag) { f(dim, io_tag, kv_tag); }); });
+    io_ok = with_dtype(io, [&](auto io_tag) { kv_ok = with_kv_cache_dtype(kv, [&](auto kv_tag) { f(dim, io_tag, kv_tag); }); });
   });
   return dim_ok && io_ok && kv_ok;
 }

@@ -20,7 +20,7 @@ __device__ __forceinline__ int64_t kv_head_offset(const PagedArgs& a, int block,
 }
 
 __device__ __forceinline__ bool block_valid(const PagedArgs& a, int block) {
-  return block >= 0 && block < a.num_blocks;
+  return block >= 0 && block < a.num_kv_blocks;
 }
 
 // KV tokens of sequence s readable this step: context_lens[s] clamped to the table and max_context_len.

@@ -29,7 +29,7 @@ struct PagedArgs {
   int group;  // num_heads / num_kv_heads
   int head_dim;
   int kv_row;  // elements of one token row of one head in the pool: head_dim, or head_dim + 2 bytes (int8/fp8)
-  int num_blocks;
+  int num_kv_blocks;
   int num_layers;
   int layer;
   int block_size;

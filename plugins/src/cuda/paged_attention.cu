@@ -124,8 +124,8 @@ extern "C" TRTPAGED_API int trtpaged_paged_attention_ex_cuda(const trtpaged_atte
     a.num_kv_heads = p.num_kv_heads;
     a.group = p.num_heads / p.num_kv_heads;
     a.head_dim = p.head_dim;
-    a.kv_row = trtpaged::kv_dtype_quantized(p.kv_dtype) ? p.head_dim + 2 : p.head_dim;
-    a.num_blocks = p.num_blocks;
+    a.kv_row = trtpaged::kv_cache_dtype_quantized(p.kv_cache_dtype) ? p.head_dim + 2 : p.head_dim;
+    a.num_kv_blocks = p.num_kv_blocks;
     a.num_layers = p.num_layers;
     a.layer = p.layer;
     a.block_size = p.block_size;
@@ -136,15 +136,15 @@ extern "C" TRTPAGED_API int trtpaged_paged_attention_ex_cuda(const trtpaged_atte
     a.softcap_log2 = opt.logit_softcap * 1.4426950408889634f;
 
     cudaStream_t s = static_cast<cudaStream_t>(stream);
-    cudaError_t err = launch_write_kv(a, p.io_dtype, p.kv_dtype, s);
+    cudaError_t err = launch_write_kv(a, p.io_dtype, p.kv_cache_dtype, s);
     if (err != cudaSuccess) return cuda_error("paged attention K/V write", err);
     const LaunchParts parts = launch_parts(p);
     if (parts.decode) {
-      err = launch_decode(a, decode, p.io_dtype, p.kv_dtype, s);
+      err = launch_decode(a, decode, p.io_dtype, p.kv_cache_dtype, s);
       if (err != cudaSuccess) return cuda_error("paged attention decode", err);
     }
     if (parts.prefill) {
-      err = launch_prefill(a, prefill, p.io_dtype, p.kv_dtype, s);
+      err = launch_prefill(a, prefill, p.io_dtype, p.kv_cache_dtype, s);
       if (err != cudaSuccess) return cuda_error("paged attention prefill", err);
     }
     return trtpaged::ok();

@@ -124,7 +124,7 @@ cudaError_t launch_write_kv(const PagedArgs& a, trtpaged_dtype io, trtpaged_dtyp
   bool io_ok = false;
   bool kv_ok = false;
   io_ok = with_dtype(io, [&](auto io_tag) {
-    kv_ok = with_kv_dtype(kv, [&](auto kv_tag) {
+    kv_ok = with_kv_cache_dtype(kv, [&](auto kv_tag) {
       using IoT = typename decltype(io_tag)::type;
       using KvT = typename decltype(kv_tag)::type;
       if constexpr (KvFormat<KvT>::quantized) {

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <memory>
 #include <set>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
@@ -200,6 +201,23 @@ void read_quantization(const json& q, Manifest& m, const std::string& where) {
   }
 }
 
+// Deprecated spellings of manifest fields written by older builds, read as their one name for one
+// release (the same table as trtpaged/names.py RENAMED_KEYS).
+constexpr std::pair<const char*, const char*> kRenamedKeys[] = {{"kv_dtype", "kv_cache_dtype"},
+                                                                  {"num_blocks", "num_kv_blocks"}};
+
+json renamed(const json& obj, const std::string& prefix, const std::string& where) {
+  json out = obj;
+  for (const auto& [old_name, new_name] : kRenamedKeys) {
+    if (!out.is_object() || !out.contains(old_name)) continue;
+    if (out.contains(new_name))
+      invalid(where + ": " + prefix + new_name + ": set twice (" + prefix + old_name + " is its deprecated spelling)");
+    out[new_name] = out[old_name];
+    out.erase(old_name);
+  }
+  return out;
+}
+
 }  // namespace
 
 int64_t Manifest::kv_row_bytes() const {
@@ -295,15 +313,16 @@ Manifest read_manifest(const std::string& root) {
     limits.bad("max_num_tokens", std::to_string(m.max_num_tokens) + " is less than max_batch_size " +
                                      std::to_string(m.max_batch_size));
 
-  Fields kv(top.object("kv_cache"), "kv_cache.", where);
-  kv.only({"num_blocks", "memory_bytes", "fraction"});
-  m.kv_num_blocks = kv.integer("num_blocks", 1, kMaxKvBlocks, false);
+  const json kv_obj = renamed(top.object("kv_cache"), "kv_cache.", where);
+  Fields kv(kv_obj, "kv_cache.", where);
+  kv.only({"num_kv_blocks", "memory_bytes", "fraction"});
+  m.num_kv_blocks = kv.integer("num_kv_blocks", 1, kMaxKvBlocks, false);
   m.kv_memory_bytes = kv.integer("memory_bytes", 1, kMaxKvMemory, false);
   m.kv_fraction = kv.number("fraction", false, 0);
   if (kv.get("fraction", false) && !(std::isfinite(m.kv_fraction) && m.kv_fraction > 0 && m.kv_fraction <= 1))
     kv.bad("fraction", "got " + std::to_string(m.kv_fraction) + "; expected a number in (0, 1]");
-  if ((m.kv_num_blocks > 0) + (m.kv_memory_bytes > 0) + (m.kv_fraction > 0) != 1)
-    invalid(where + ": kv_cache: exactly one of num_blocks, memory_bytes, fraction must be set");
+  if ((m.num_kv_blocks > 0) + (m.kv_memory_bytes > 0) + (m.kv_fraction > 0) != 1)
+    invalid(where + ": kv_cache: exactly one of num_kv_blocks, memory_bytes, fraction must be set");
 
   m.dtype = top.string("dtype");
   if (m.dtype != "float32" && m.dtype != "float16" && m.dtype != "bfloat16")

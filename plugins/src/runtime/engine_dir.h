@@ -26,7 +26,7 @@ struct Manifest {
   RopeScaling rope;
   bool tie_word_embeddings = false, attention_bias = false, o_proj_bias = false, mlp_bias = false;
   int64_t max_batch_size = 0, max_num_tokens = 0, max_seq_len = 0, block_size = 0;
-  int64_t kv_num_blocks = 0, kv_memory_bytes = 0;  // 0: not set
+  int64_t num_kv_blocks = 0, kv_memory_bytes = 0;  // 0: not set
   double kv_fraction = 0;                          // 0: not set
   std::string dtype, kv_cache_dtype, weights_file;
   std::vector<int64_t> eos_token_ids;

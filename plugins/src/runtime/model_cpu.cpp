@@ -171,7 +171,7 @@ CpuModel::CpuModel(const Manifest& manifest, const std::string& weights_path) : 
                                                           {"bfloat16", TRTPAGED_BFLOAT16},
                                                           {"int8", TRTPAGED_INT8},
                                                           {"fp8_e4m3", TRTPAGED_FP8_E4M3}};
-  kv_dtype_ = kv_codes.at(m_.kv_cache_dtype);
+  kv_cache_dtype_ = kv_codes.at(m_.kv_cache_dtype);
   eps_ = float(m_.rms_norm_eps);
   scale_ = float(std::pow(double(m_.head_dim), -0.5));
   WeightFile w(weights_path);
@@ -321,7 +321,7 @@ void CpuModel::layers_fused(float* stream, float* last, const trtpaged_attention
   }
 }
 
-void CpuModel::step(const StepView& s, void* pool, int32_t num_blocks, float* logits) {
+void CpuModel::step(const StepView& s, void* pool, int32_t num_kv_blocks, float* logits) {
   const int64_t rows = s.num_tokens, h = m_.hidden_size;
   stream_.resize(size_t(rows * h));
   last_.resize(size_t(rows * h));
@@ -334,12 +334,12 @@ void CpuModel::step(const StepView& s, void* pool, int32_t num_blocks, float* lo
   attn.num_heads = int32_t(m_.num_heads);
   attn.num_kv_heads = int32_t(m_.num_kv_heads);
   attn.head_dim = int32_t(m_.head_dim);
-  attn.num_blocks = num_blocks;
+  attn.num_kv_blocks = num_kv_blocks;
   attn.num_layers = int32_t(m_.num_layers);
   attn.block_size = int32_t(m_.block_size);
   attn.scale = scale_;
   attn.io_dtype = TRTPAGED_FLOAT32;
-  attn.kv_dtype = kv_dtype_;
+  attn.kv_cache_dtype = kv_cache_dtype_;
   if (rows > 0) {
     if (one_call_)
       check_kernel(trtpaged_llama_layers_cpu(described_.data(), int32_t(described_.size()), int32_t(h),

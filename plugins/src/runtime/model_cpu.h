@@ -49,11 +49,11 @@ class CpuModel {
   // Loads the weights (root/manifest.weights_file), checked against the manifest's dims and
   // quantization: every tensor present with its shape and dtype, no other, float ones finite.
   CpuModel(const Manifest& manifest, const std::string& weights_path);
-  // Runs one step over pool (kv_dtype pool of num_blocks blocks); logits [num_outputs, vocab].
-  void step(const StepView& s, void* pool, int32_t num_blocks, float* logits);
+  // Runs one step over pool (kv_cache_dtype pool of num_kv_blocks blocks); logits [num_outputs, vocab].
+  void step(const StepView& s, void* pool, int32_t num_kv_blocks, float* logits);
   bool quantized() const { return quantized_; }
   bool one_call() const { return one_call_; }
-  trtpaged_dtype kv_dtype() const { return kv_dtype_; }
+  trtpaged_dtype kv_cache_dtype() const { return kv_cache_dtype_; }
 
  private:
   void embed(const int32_t* ids, int32_t rows, float* out) const;
@@ -62,7 +62,7 @@ class CpuModel {
                     const StepView& s);
 
   Manifest m_;
-  trtpaged_dtype kv_dtype_ = TRTPAGED_FLOAT32;
+  trtpaged_dtype kv_cache_dtype_ = TRTPAGED_FLOAT32;
   bool quantized_ = false, one_call_ = false;
   float eps_ = 0, scale_ = 0;
   // embedding: a float table, or int8 rows with per-group scales

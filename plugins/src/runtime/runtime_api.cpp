@@ -26,7 +26,7 @@ struct trtpaged_runtime {
   Manifest manifest;
   std::unique_ptr<CpuModel> model;
   Limits limits{};
-  int32_t num_blocks = 0;
+  int32_t num_kv_blocks = 0;
   int64_t block_bytes = 0;
   std::unique_ptr<unsigned char, void (*)(void*)> pool{nullptr, [](void* p) { std::free(p); }};
   std::unique_ptr<Scheduler> scheduler;
@@ -92,9 +92,9 @@ int64_t kv_blocks(const Manifest& m, const trtpaged_open_options& o, const char*
   } else if (o.kv_bytes > 0) {
     *field = "options.kv_bytes";
     blocks = o.kv_bytes / per_block;
-  } else if (m.kv_num_blocks > 0) {
-    *field = "kv_cache.num_blocks";
-    blocks = m.kv_num_blocks;
+  } else if (m.num_kv_blocks > 0) {
+    *field = "kv_cache.num_kv_blocks";
+    blocks = m.num_kv_blocks;
   } else if (m.kv_memory_bytes > 0) {
     *field = "kv_cache.memory_bytes";
     blocks = m.kv_memory_bytes / per_block;
@@ -153,9 +153,9 @@ void check_step(const trtpaged_runtime& rt, const trtpaged_step_inputs& s, size_
               std::to_string(used) + " blocks, more than max_blocks_per_seq");
     for (int32_t j = 0; j < used; ++j) {
       const int32_t id = s.block_tables[int64_t(q) * s.max_blocks_per_seq + j];
-      if (id < 0 || id >= rt.num_blocks)
+      if (id < 0 || id >= rt.num_kv_blocks)
         invalid("inputs.block_tables[" + std::to_string(q) + "][" + std::to_string(j) + "]: block " +
-                std::to_string(id) + " is outside the pool [0, " + std::to_string(rt.num_blocks) + ")");
+                std::to_string(id) + " is outside the pool [0, " + std::to_string(rt.num_kv_blocks) + ")");
     }
     for (int32_t t = a; t < b; ++t)
       if (s.positions[t] < 0 || s.positions[t] >= len)
@@ -171,7 +171,7 @@ void check_step(const trtpaged_runtime& rt, const trtpaged_step_inputs& s, size_
 void run_model(trtpaged_runtime& rt, const trtpaged_step_inputs& s, float* logits) {
   StepView v{s.num_tokens,     s.num_seqs,      s.max_blocks_per_seq, s.num_outputs, s.input_ids,
              s.positions,      s.query_start,   s.context_lens,       s.block_tables, s.logits_index};
-  rt.model->step(v, rt.pool.get(), rt.num_blocks, logits);
+  rt.model->step(v, rt.pool.get(), rt.num_kv_blocks, logits);
 }
 
 // One request-level iteration (the Python LLMEngine.step's order: schedule, copies, step, sample, update).
@@ -182,7 +182,7 @@ int32_t run_requests_step(trtpaged_runtime& rt) {
     if (!out.block_copies.empty()) {
       std::vector<int32_t> pairs;
       for (auto& c : out.block_copies) pairs.insert(pairs.end(), {c.first, c.second});
-      check_kernel(trtpaged_copy_blocks_cpu(rt.pool.get(), rt.num_blocks, size_t(rt.block_bytes), pairs.data(),
+      check_kernel(trtpaged_copy_blocks_cpu(rt.pool.get(), rt.num_kv_blocks, size_t(rt.block_bytes), pairs.data(),
                                             int32_t(out.block_copies.size())),
                    "copy_blocks");
     }
@@ -325,7 +325,7 @@ TRTPAGED_API trtpaged_status trtpaged_runtime_open(const char* engine_dir, const
       raise(TRTPAGED_ERR_OUT_OF_MEMORY, std::string(field) + ": " + std::to_string(blocks) + " blocks of " +
                                             std::to_string(rt->block_bytes) + " bytes need more than the " +
                                             std::to_string(available) + " bytes this host has available");
-    rt->num_blocks = int32_t(blocks);
+    rt->num_kv_blocks = int32_t(blocks);
     const std::string weights = engine_path(root, m.weights_file, "weights_file");
     rt->model = std::make_unique<CpuModel>(m, weights);  // checks the header before reading any tensor
     void* pool = std::calloc(size_t(blocks), size_t(rt->block_bytes));
@@ -334,7 +334,7 @@ TRTPAGED_API trtpaged_status trtpaged_runtime_open(const char* engine_dir, const
             std::string(field) + ": cannot allocate " + std::to_string(blocks) + " KV blocks");
     rt->pool.reset(static_cast<unsigned char*>(pool));
     std::vector<int32_t> eos(m.eos_token_ids.begin(), m.eos_token_ids.end());
-    rt->scheduler = std::make_unique<Scheduler>(rt->limits, rt->num_blocks, o.enable_prefix_caching != 0, eos);
+    rt->scheduler = std::make_unique<Scheduler>(rt->limits, rt->num_kv_blocks, o.enable_prefix_caching != 0, eos);
     *out = rt.release();
   });
 }
@@ -357,7 +357,7 @@ TRTPAGED_API trtpaged_status trtpaged_runtime_get_info(const trtpaged_runtime* r
     out->max_batch_size = rt->limits.max_batch_size;
     out->max_num_tokens = rt->limits.max_num_tokens;
     out->max_seq_len = rt->limits.max_seq_len;
-    out->num_kv_blocks = rt->num_blocks;
+    out->num_kv_blocks = rt->num_kv_blocks;
     out->kv_bytes_per_block = rt->block_bytes;
     out->num_eos_token_ids = int32_t(std::min<size_t>(8, m.eos_token_ids.size()));
     for (int32_t i = 0; i < out->num_eos_token_ids; ++i) out->eos_token_ids[i] = int32_t(m.eos_token_ids[size_t(i)]);
@@ -385,7 +385,7 @@ TRTPAGED_API trtpaged_status trtpaged_runtime_copy_blocks(trtpaged_runtime* rt, 
   return guarded([&] {
     need(rt, "runtime");
     if (num_pairs > 0) need(pairs, "pairs");
-    check_kernel(trtpaged_copy_blocks_cpu(rt->pool.get(), rt->num_blocks, size_t(rt->block_bytes), pairs, num_pairs),
+    check_kernel(trtpaged_copy_blocks_cpu(rt->pool.get(), rt->num_kv_blocks, size_t(rt->block_bytes), pairs, num_pairs),
                  "copy_blocks");
   });
 }
@@ -483,7 +483,7 @@ TRTPAGED_API trtpaged_status trtpaged_runtime_get_stats(const trtpaged_runtime* 
     out->num_tokens_computed = rt->num_tokens_computed;
     out->num_preemptions = rt->scheduler->num_preemptions();
     out->kv_blocks_free = rt->scheduler->pool().num_free();
-    out->kv_blocks_used = rt->num_blocks - rt->scheduler->pool().num_free();
+    out->kv_blocks_used = rt->num_kv_blocks - rt->scheduler->pool().num_free();
     out->prefix_cache_hits_tokens = rt->scheduler->prefix_hits_tokens();
   });
 }

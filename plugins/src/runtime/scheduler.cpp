@@ -12,11 +12,11 @@ namespace trtpaged::rt {
 
 // ---- block pool -----------------------------------------------------------------------------------
 
-BlockPool::BlockPool(int32_t num_blocks, bool enable_caching) : caching_(enable_caching) {
+BlockPool::BlockPool(int32_t num_kv_blocks, bool enable_caching) : caching_(enable_caching) {
   head_.next_free = &tail_;
   tail_.prev_free = &head_;
-  blocks_.reserve(size_t(num_blocks));
-  for (int32_t i = 0; i < num_blocks; ++i) {
+  blocks_.reserve(size_t(num_kv_blocks));
+  for (int32_t i = 0; i < num_kv_blocks; ++i) {
     blocks_.push_back(std::make_unique<Block>());
     blocks_.back()->id = i;
     append(blocks_.back().get());
@@ -120,8 +120,8 @@ void BlockPool::cache(Block* block, uint64_t hash, const std::vector<int32_t>& t
 
 // ---- scheduler --------------------------------------------------------------------------------------
 
-Scheduler::Scheduler(const Limits& limits, int32_t num_blocks, bool enable_caching, std::vector<int32_t> eos)
-    : limits_(limits), pool_(num_blocks, enable_caching), eos_(std::move(eos)) {}
+Scheduler::Scheduler(const Limits& limits, int32_t num_kv_blocks, bool enable_caching, std::vector<int32_t> eos)
+    : limits_(limits), pool_(num_kv_blocks, enable_caching), eos_(std::move(eos)) {}
 
 uint64_t Scheduler::chain_hash(bool has_parent, uint64_t parent_hash, const int32_t* tokens) const {
   // FNV-1a over the parent's hash and the block's tokens; a collision costs a miss, never wrong K/V
@@ -141,9 +141,9 @@ void Scheduler::check_request(int64_t n, int64_t max_tokens) const {
             " max_seq_len (" + std::to_string(max_seq_len) + "), leaving no room for a generated token (at most " +
             std::to_string(max_seq_len - 1) + " prompt tokens)");
   const int64_t blocks = (n + bs - 1) / bs;
-  if (blocks > pool_.num_blocks())
+  if (blocks > pool_.num_kv_blocks())
     invalid("prompt_len: " + std::to_string(n) + " tokens need " + std::to_string(blocks) +
-            " KV blocks, more than the whole pool (num_kv_blocks " + std::to_string(pool_.num_blocks()) +
+            " KV blocks, more than the whole pool (num_kv_blocks " + std::to_string(pool_.num_kv_blocks()) +
             ", block_size " + std::to_string(bs) + ")");
   const int64_t room = max_seq_len - n;
   if (max_tokens < 1 || max_tokens > room)
@@ -255,7 +255,7 @@ void Scheduler::plan_allocation(Plan* p) const {
     if (p->num_tokens > 0 && j < table_len) p->copy_last = it->second[size_t(j)]->ref_cnt > 1;
   }
   p->new_blocks = p->num_tokens > 0 ? std::max(0, (start + p->num_tokens + bs - 1) / bs - table_len) : 0;
-  p->num_blocks = int32_t(p->copy_last) + p->new_blocks + reclaimed;
+  p->num_kv_blocks = int32_t(p->copy_last) + p->new_blocks + reclaimed;
 }
 
 void Scheduler::allocate(const Plan& p, SchedulerOutput* out) {
@@ -311,7 +311,7 @@ void Scheduler::admit(int32_t* budget, SchedulerOutput* out) {
                                                                                        : int32_t(p.hits.size()) *
                                                                                              limits_.block_size);
     plan_allocation(&p);
-    if (p.num_blocks > pool_.num_free()) {
+    if (p.num_kv_blocks > pool_.num_free()) {
       if (running_.empty() && out->scheduled.empty()) {  // an empty pool cannot hold it: it never will
         waiting_.pop_front();
         finish(r, TRTPAGED_FINISH_LENGTH);
@@ -342,7 +342,7 @@ SchedulerOutput Scheduler::schedule() {
                               (p.hits.empty() ? r->num_computed : int32_t(p.hits.size()) * limits_.block_size);
     const bool sample = p.num_tokens == remaining;
     bool committed = true;
-    for (plan_allocation(&p); p.num_blocks > pool_.num_free(); plan_allocation(&p)) {
+    for (plan_allocation(&p); p.num_kv_blocks > pool_.num_free(); plan_allocation(&p)) {
       Request* victim = nullptr;
       for (auto it = running_.rbegin(); it != running_.rend(); ++it)
         if (!done.count(*it)) {

@@ -36,8 +36,8 @@ struct Block {
 // Every block of the pool, their LRU free queue and the prefix cache (hash -> blocks).
 class BlockPool {
  public:
-  BlockPool(int32_t num_blocks, bool enable_caching);
-  int32_t num_blocks() const { return int32_t(blocks_.size()); }
+  BlockPool(int32_t num_kv_blocks, bool enable_caching);
+  int32_t num_kv_blocks() const { return int32_t(blocks_.size()); }
   int32_t num_free() const { return free_len_; }
   bool caching() const { return caching_; }
   std::vector<Block*> allocate(int32_t count);
@@ -103,7 +103,7 @@ struct Limits {
 
 class Scheduler {
  public:
-  Scheduler(const Limits& limits, int32_t num_blocks, bool enable_caching, std::vector<int32_t> eos);
+  Scheduler(const Limits& limits, int32_t num_kv_blocks, bool enable_caching, std::vector<int32_t> eos);
   // Refuses (invalid argument) a request that can never run; naming the argument and the limit.
   void check_request(int64_t num_prompt_tokens, int64_t max_tokens) const;
   void add(Request* r);
@@ -127,7 +127,7 @@ class Scheduler {
     std::vector<Block*> hits;
     bool copy_last = false;
     int32_t new_blocks = 0;
-    int32_t num_blocks = 0;  // free-queue blocks it takes
+    int32_t num_kv_blocks = 0;  // free-queue blocks it takes
   };
   std::vector<Block*> find_cached_prefix(const Request* r) const;
   // Tokens this step and whether it samples after it; false when nothing fits the budget.

@@ -103,7 +103,7 @@ void check_shapes(AttentionFields const& f, Dims const* in, int32_t nbInputs, Da
     expect(in[kv], kv, 2, f.head_dim, "head_dim");
   }
   if (address(f)) {
-    expect(pool, kKvCache, 0, 2, "2 (the pool's device address, num_blocks)");
+    expect(pool, kKvCache, 0, 2, "2 (the pool's device address, num_kv_blocks)");
   } else {
     expect(pool, kKvCache, 2, 2, "2 (K and V)");
     expect(pool, kKvCache, 3, f.num_kv_heads, "num_kv_heads");
@@ -133,7 +133,7 @@ trtpaged_attention_params make_params(AttentionFields const& f, Dims const* in, 
   p.num_heads = f.num_heads;
   p.num_kv_heads = f.num_kv_heads;
   p.head_dim = f.head_dim;
-  p.num_blocks = address(f) ? 1 : to_i32(in[kKvCache].d[0], "num_blocks");
+  p.num_kv_blocks = address(f) ? 1 : to_i32(in[kKvCache].d[0], "num_kv_blocks");
   p.num_layers = address(f) ? f.num_layers : to_i32(in[kKvCache].d[1], "num_layers");
   p.layer = f.layer;
   p.block_size = f.block_size;
@@ -141,15 +141,15 @@ trtpaged_attention_params make_params(AttentionFields const& f, Dims const* in, 
   p.io_dtype = kernel_dtype(io_type, "q");
   DataType named{};
   if (!is_pool_type(f, kv_type)) {
-    throw std::invalid_argument(std::string(kPluginName) + ": kv_cache's type does not fit kv_dtype " +
+    throw std::invalid_argument(std::string(kPluginName) + ": kv_cache's type does not fit kv_cache_dtype " +
                                 kv_format_name(f.kv_format) + " and kv_pool " + kv_pool_name(f.kv_pool));
   }
   if (quantized(f.kv_format)) {
-    p.kv_dtype = f.kv_format == KvFormat::kInt8 ? TRTPAGED_INT8 : TRTPAGED_FP8_E4M3;
+    p.kv_cache_dtype = f.kv_format == KvFormat::kInt8 ? TRTPAGED_INT8 : TRTPAGED_FP8_E4M3;
   } else if (named_float(f.kv_format, &named)) {
-    p.kv_dtype = kernel_dtype(named, "kv_dtype");
+    p.kv_cache_dtype = kernel_dtype(named, "kv_cache_dtype");
   } else {
-    p.kv_dtype = kernel_dtype(kv_type, "kv_cache");
+    p.kv_cache_dtype = kernel_dtype(kv_type, "kv_cache");
   }
   return p;
 }
@@ -160,7 +160,7 @@ PoolAddress read_pool_address(AttentionFields const& f, void const* host_input) 
   int64_t const* values = static_cast<int64_t const*>(host_input);
   if (values[0] == 0) throw std::invalid_argument(std::string(kPluginName) + ": kv_cache address is null");
   if (values[1] < 1 || values[1] > std::numeric_limits<int32_t>::max()) {
-    throw std::invalid_argument(std::string(kPluginName) + ": kv_cache num_blocks " + std::to_string(values[1]) +
+    throw std::invalid_argument(std::string(kPluginName) + ": kv_cache num_kv_blocks " + std::to_string(values[1]) +
                                 " is not in [1, 2^31)");
   }
   return {reinterpret_cast<void*>(static_cast<intptr_t>(values[0])), static_cast<int32_t>(values[1])};

@@ -19,7 +19,7 @@ enum Input : int32_t {
   kQ = 0,           // [num_tokens, num_heads, head_dim]
   kK = 1,           // [num_tokens, num_kv_heads, head_dim]
   kV = 2,           // [num_tokens, num_kv_heads, head_dim]
-  kKvCache = 3,     // [num_blocks, num_layers, 2, num_kv_heads, block_size, row], row: head_dim, or head_dim + 2
+  kKvCache = 3,     // [num_kv_blocks, num_layers, 2, num_kv_heads, block_size, row], row: head_dim, or head_dim + 2
                     // bytes when quantized (in the pool type's elements); kv_pool address: int64 [2] on the host
   kPositions = 4,   // [num_tokens] int32
   kQueryStart = 5,  // [num_seqs + 1] int32
@@ -45,16 +45,16 @@ bool is_pool_type(AttentionFields const& f, nvinfer1::DataType type) noexcept;
 void check_shapes(AttentionFields const& f, nvinfer1::Dims const* inputs, int32_t nbInputs,
                   nvinfer1::DataType pool_type);
 
-// Kernel params of one call, from the resolved input shapes and types. With kv_pool address, num_blocks
+// Kernel params of one call, from the resolved input shapes and types. With kv_pool address, num_kv_blocks
 // is 1 here (enqueue sets it from the host tensor) and num_layers the field's.
 trtpaged_attention_params make_params(AttentionFields const& f, nvinfer1::Dims const* inputs,
                                       nvinfer1::DataType io_type, nvinfer1::DataType kv_type);
 
-// {device address, num_blocks} of the pool from kv_pool address's host tensor; throws std::invalid_argument
-// unless the address is set and num_blocks >= 1.
+// {device address, num_kv_blocks} of the pool from kv_pool address's host tensor; throws std::invalid_argument
+// unless the address is set and num_kv_blocks >= 1.
 struct PoolAddress {
   void* pool;
-  int32_t num_blocks;
+  int32_t num_kv_blocks;
 };
 PoolAddress read_pool_address(AttentionFields const& f, void const* host_input);
 

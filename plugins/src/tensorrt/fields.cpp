@@ -19,7 +19,10 @@ using nvinfer1::PluginFieldType;
 constexpr char const* kIntFields[] = {"num_heads", "num_kv_heads", "head_dim", "block_size", "layer"};
 constexpr char const* kScale = "scale";
 constexpr char const* kWorkspace = "workspace_bytes";  // optional: absent in the ONNX node
-constexpr char const* kKvDtype = "kv_dtype";           // optional string: auto (absent), int8, fp8_e4m3, ...
+constexpr char const* kKvCacheDtype = "kv_cache_dtype";  // optional string: auto (absent), int8, fp8_e4m3, ...
+// Deprecated spelling of kv_cache_dtype in the ONNX graphs and engine.plan files of older builds, read for one
+// release (trtpaged/names.py RENAMED_KEYS).
+constexpr char const* kKvCacheDtypeDeprecated = "kv_dtype";
 constexpr char const* kKvPool = "kv_pool";             // optional string: aliased (absent), address
 constexpr char const* kNumLayers = "num_layers";       // optional int: required with kv_pool address
 constexpr KvFormat kFormats[] = {KvFormat::kAuto,    KvFormat::kInt8,    KvFormat::kFp8E4M3,
@@ -72,8 +75,8 @@ KvFormat parse_kv_format(std::string const& name) {
   for (KvFormat f : kFormats) {
     if (name == kv_format_name(f)) return f;
   }
-  throw field_error(kKvDtype, "\"" + name + "\" is not one of auto, int8, fp8_e4m3, float32, float16, bfloat16 "
-                              "(kv_cache_dtype of the build)");
+  throw field_error(kKvCacheDtype, "\"" + name + "\" is not one of auto, int8, fp8_e4m3, float32, float16, "
+                                   "bfloat16 (kv_cache_dtype of the build)");
 }
 
 KvPool parse_kv_pool(std::string const& name) {
@@ -108,8 +111,8 @@ void validate(AttentionFields const& f) {
                                         std::to_string(f.layer) + "), got " + std::to_string(f.num_layers));
     }
     if (f.kv_format == KvFormat::kAuto) {
-      throw field_error(kKvDtype, "kv_pool address needs the pool's type named (float32, float16, bfloat16, int8 or "
-                                  "fp8_e4m3): no pool tensor shows it");
+      throw field_error(kKvCacheDtype, "kv_pool address needs the pool's type named (float32, float16, bfloat16, "
+                                       "int8 or fp8_e4m3): no pool tensor shows it");
     }
   }
 }
@@ -152,7 +155,7 @@ AttentionFields parse_fields(PluginFieldCollection const* fc) {
     if (name == kScale) {
       f.scale = static_cast<float>(read_float(field));
       seen_scale = true;
-    } else if (name == kKvDtype) {
+    } else if (name == kKvCacheDtype || name == kKvCacheDtypeDeprecated) {
       f.kv_format = parse_kv_format(read_string(field));
     } else if (name == kWindow) {
       int64_t const value = read_int(field);
@@ -192,7 +195,7 @@ PluginFieldCollection const* field_names() noexcept {
       PluginField(kIntFields[3], nullptr, PluginFieldType::kINT32, 1),
       PluginField(kIntFields[4], nullptr, PluginFieldType::kINT32, 1),
       PluginField(kScale, nullptr, PluginFieldType::kFLOAT32, 1),
-      PluginField(kKvDtype, nullptr, PluginFieldType::kCHAR, 0),
+      PluginField(kKvCacheDtype, nullptr, PluginFieldType::kCHAR, 0),
       PluginField(kWindow, nullptr, PluginFieldType::kINT32, 1),
       PluginField(kSoftcap, nullptr, PluginFieldType::kFLOAT32, 1),
       PluginField(kKvPool, nullptr, PluginFieldType::kCHAR, 0),
@@ -203,7 +206,7 @@ PluginFieldCollection const* field_names() noexcept {
 }
 
 SerializedFields::SerializedFields(AttentionFields const& values)
-    : mValues(values), mKvDtype(kv_format_name(values.kv_format)), mKvPool(kv_pool_name(values.kv_pool)) {
+    : mValues(values), mKvCacheDtype(kv_format_name(values.kv_format)), mKvPool(kv_pool_name(values.kv_pool)) {
   auto const i32 = PluginFieldType::kINT32;
   mFields = {
       PluginField(kIntFields[0], &mValues.num_heads, i32, 1),
@@ -212,7 +215,8 @@ SerializedFields::SerializedFields(AttentionFields const& values)
       PluginField(kIntFields[3], &mValues.block_size, i32, 1),
       PluginField(kIntFields[4], &mValues.layer, i32, 1),
       PluginField(kScale, &mValues.scale, PluginFieldType::kFLOAT32, 1),
-      PluginField(kKvDtype, mKvDtype.c_str(), PluginFieldType::kCHAR, static_cast<int32_t>(mKvDtype.size())),
+      PluginField(kKvCacheDtype, mKvCacheDtype.c_str(), PluginFieldType::kCHAR,
+                  static_cast<int32_t>(mKvCacheDtype.size())),
       PluginField(kWindow, &mValues.sliding_window, i32, 1),
       PluginField(kSoftcap, &mValues.logit_softcap, PluginFieldType::kFLOAT32, 1),
       PluginField(kKvPool, mKvPool.c_str(), PluginFieldType::kCHAR, static_cast<int32_t>(mKvPool.size())),

@@ -17,14 +17,14 @@ constexpr char const* kPluginName = "TrtpagedPagedAttention";
 constexpr char const* kPluginVersion = "1";
 constexpr char const* kPluginNamespace = "trtpaged";
 
-// How the plugin reads the pool (the node's kv_dtype attribute): kAuto as values of the pool tensor's
+// How the plugin reads the pool (the node's kv_cache_dtype attribute): kAuto as values of the pool tensor's
 // own float type; kInt8 / kFp8E4M3 as one-byte codes with an fp16 scale per row, rows of head_dim + 2
 // bytes (trtpaged/trtpaged.h, "Quantized KV cache"), the pool tensor's type int8, uint8 or fp16 (the
 // same bytes: tensorrt.quantized_pool); kFloat32 / kFloat16 / kBFloat16 name a float pool's type where
 // no pool tensor shows it (kv_pool address).
 enum class KvFormat : int32_t { kAuto = 0, kInt8 = 1, kFp8E4M3 = 2, kFloat32 = 3, kFloat16 = 4, kBFloat16 = 5 };
 
-// The kv_dtype attribute's spelling of a format: "auto", "int8", "fp8_e4m3", "float32", "float16", "bfloat16".
+// The kv_cache_dtype attribute's spelling of a format: "auto", "int8", "fp8_e4m3", "float32", "float16", "bfloat16".
 char const* kv_format_name(KvFormat format) noexcept;
 
 // True for the one-byte-code formats (int8, fp8_e4m3).
@@ -32,7 +32,7 @@ bool kv_format_quantized(KvFormat format) noexcept;
 
 // Where the pool is (the node's kv_pool attribute, model.yaml tensorrt.kv_pool):
 // kAliased: input kv_cache is the pool tensor and output kv_cache_out is aliased to it (updated in place);
-// kAddress: input kv_cache is an int64 [2] host tensor {the pool's device address, num_blocks} that the
+// kAddress: input kv_cache is an int64 [2] host tensor {the pool's device address, num_kv_blocks} that the
 //           plugin writes through, and the plugin has one output (TensorRT-LLM's host pool pointers).
 enum class KvPool : int32_t { kAliased = 0, kAddress = 1 };
 
@@ -46,7 +46,7 @@ struct AttentionFields {
   int32_t block_size{0};
   int32_t layer{0};
   float scale{0.F};
-  KvFormat kv_format{KvFormat::kAuto};  // optional field kv_dtype (absent: auto)
+  KvFormat kv_format{KvFormat::kAuto};  // optional field kv_cache_dtype (absent: auto)
   int32_t sliding_window{0};  // optional field: the layer's sliding window (absent or 0: none)
   float logit_softcap{0.F};   // optional field: attention score soft-cap (absent or 0: none)
   KvPool kv_pool{KvPool::kAliased};     // optional field kv_pool (absent: aliased)
@@ -77,7 +77,7 @@ class SerializedFields {
 
  private:
   AttentionFields mValues;
-  std::string mKvDtype;  // kv_format_name(mValues.kv_format), the kv_dtype field's characters
+  std::string mKvCacheDtype;  // kv_format_name(mValues.kv_format), the kv_cache_dtype field's characters
   std::string mKvPool;   // kv_pool_name(mValues.kv_pool)
   std::vector<nvinfer1::PluginField> mFields;
   nvinfer1::PluginFieldCollection mCollection{};

@@ -156,11 +156,11 @@ int32_t PagedAttentionPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginT
     trtpaged_attention_params p = make_params(mFields, dims, inputDesc[kQ].type, inputDesc[kKvCache].type);
     void* pool = nullptr;
     if (mFields.kv_pool == KvPool::kAddress) {
-      // int64 {address, num_blocks} in pinned host memory (the runner binds it; readable here and, through
+      // int64 {address, num_kv_blocks} in pinned host memory (the runner binds it; readable here and, through
       // unified addressing, by the device): the pool itself is no tensor of the network
       PoolAddress const where = read_pool_address(mFields, inputs[kKvCache]);
       pool = where.pool;
-      p.num_blocks = where.num_blocks;
+      p.num_kv_blocks = where.num_kv_blocks;
     } else {
       // The pool is updated in place: its output is aliased to input kKvCache.
       pool = outputs[kKvCacheOut];

@@ -33,7 +33,8 @@ struct Fields {
   int32_t num_heads = 8, num_kv_heads = 2, head_dim = 64, block_size = 16, layer = 0;
   float scale = 0.125F;
   int64_t workspace_bytes = -1;  // -1: not given
-  std::string kv_dtype;          // "": not given (auto)
+  std::string kv_cache_dtype;    // "": not given (auto)
+  char const* kv_cache_dtype_name = "kv_cache_dtype";  // "kv_dtype": the deprecated spelling of older plans
   std::string kv_pool;           // "": not given (aliased)
   int32_t num_layers = -1;       // -1: not given
   PluginField fields[10];
@@ -48,8 +49,9 @@ struct Fields {
     fields[n++] = PluginField("layer", &layer, PluginFieldType::kINT32, 1);
     fields[n++] = PluginField("scale", &scale, PluginFieldType::kFLOAT32, 1);
     if (workspace_bytes >= 0) fields[n++] = PluginField("workspace_bytes", &workspace_bytes, PluginFieldType::kINT64, 1);
-    if (!kv_dtype.empty()) {  // as TensorRT's ONNX parser passes a string attribute: no terminator counted
-      fields[n++] = PluginField("kv_dtype", kv_dtype.data(), PluginFieldType::kCHAR, static_cast<int32_t>(kv_dtype.size()));
+    if (!kv_cache_dtype.empty()) {  // as TensorRT's ONNX parser passes a string attribute: no terminator counted
+      fields[n++] = PluginField(kv_cache_dtype_name, kv_cache_dtype.data(), PluginFieldType::kCHAR,
+                                static_cast<int32_t>(kv_cache_dtype.size()));
     }
     if (!kv_pool.empty()) {
       fields[n++] = PluginField("kv_pool", kv_pool.data(), PluginFieldType::kCHAR, static_cast<int32_t>(kv_pool.size()));
@@ -95,7 +97,9 @@ std::string serialized_string(PagedAttentionPlugin* plugin, char const* name) {
   return "";
 }
 
-std::string serialized_kv_dtype(PagedAttentionPlugin* plugin) { return serialized_string(plugin, "kv_dtype"); }
+std::string serialized_kv_cache_dtype(PagedAttentionPlugin* plugin) {
+  return serialized_string(plugin, "kv_cache_dtype");
+}
 
 // Build-time descriptors of the 8 inputs over a profile from (1, 1, 1) to (2048, 4, 256).
 void profile(DynamicPluginTensorDesc* in, int64_t pool_row, DataType pool_type) {
@@ -112,17 +116,17 @@ void profile(DynamicPluginTensorDesc* in, int64_t pool_row, DataType pool_type) 
   }
 }
 
-// The quantized KV cache: kv_dtype travels as a plugin field, the pool is int8 bytes with rows of
+// The quantized KV cache: kv_cache_dtype travels as a plugin field, the pool is int8 bytes with rows of
 // head_dim + 2, and anything else is refused naming what is wrong.
-void check_kv_dtype_field(PagedAttentionCreator& creator) {
+void check_kv_cache_dtype_field(PagedAttentionCreator& creator) {
   for (char const* name : {"int8", "fp8_e4m3"}) {
     Fields f;
-    f.kv_dtype = name;
+    f.kv_cache_dtype = name;
     std::unique_ptr<IPluginV3> p(creator.createPlugin("layer0", f.collection(), TensorRTPhase::kBUILD));
-    check(p != nullptr, "kv_dtype int8 / fp8_e4m3 must be accepted");
+    check(p != nullptr, "kv_cache_dtype int8 / fp8_e4m3 must be accepted");
     if (p == nullptr) continue;
     PagedAttentionPlugin* plugin = as_plugin(p.get());
-    check(serialized_kv_dtype(plugin) == name, "kv_dtype is serialized as given");
+    check(serialized_kv_cache_dtype(plugin) == name, "kv_cache_dtype is serialized as given");
     DynamicPluginTensorDesc in[10]{};
     DynamicPluginTensorDesc out[2]{};
     profile(in, 66, DataType::kINT8);
@@ -139,7 +143,15 @@ void check_kv_dtype_field(PagedAttentionCreator& creator) {
     // the serialized fields recreate the same plugin (TensorRT's runtime phase)
     std::unique_ptr<IPluginV3> again(
         creator.createPlugin("layer0", plugin->getFieldsToSerialize(), TensorRTPhase::kRUNTIME));
-    check(again != nullptr && serialized_kv_dtype(as_plugin(again.get())) == name, "kv_dtype survives serialization");
+    check(again != nullptr && serialized_kv_cache_dtype(as_plugin(again.get())) == name,
+          "kv_cache_dtype survives serialization");
+    // an engine.plan of an older build names the field kv_dtype: read as kv_cache_dtype, serialized the new way
+    Fields old;
+    old.kv_cache_dtype = name;
+    old.kv_cache_dtype_name = "kv_dtype";
+    std::unique_ptr<IPluginV3> read(creator.createPlugin("layer0", old.collection(), TensorRTPhase::kRUNTIME));
+    check(read != nullptr && serialized_kv_cache_dtype(as_plugin(read.get())) == name,
+          "the deprecated field name kv_dtype reads as kv_cache_dtype");
   }
   {  // a float (auto) plugin does not take an int8 pool
     Fields f;
@@ -147,14 +159,15 @@ void check_kv_dtype_field(PagedAttentionCreator& creator) {
     DynamicPluginTensorDesc in[10]{};
     profile(in, 64, DataType::kINT8);
     check(p != nullptr && !as_plugin(p.get())->supportsFormatCombination(3, in, 8, 2),
-          "without kv_dtype an int8 pool is refused");
-    check(p != nullptr && serialized_kv_dtype(as_plugin(p.get())) == "auto", "no kv_dtype field serializes as auto");
+          "without kv_cache_dtype an int8 pool is refused");
+    check(p != nullptr && serialized_kv_cache_dtype(as_plugin(p.get())) == "auto",
+          "no kv_cache_dtype field serializes as auto");
   }
   {
     Fields f;
-    f.kv_dtype = "int4";
+    f.kv_cache_dtype = "int4";
     std::unique_ptr<IPluginV3> p(creator.createPlugin("layer0", f.collection(), TensorRTPhase::kBUILD));
-    check(p == nullptr, "kv_dtype int4 must be refused at createPlugin");
+    check(p == nullptr, "kv_cache_dtype int4 must be refused at createPlugin");
   }
 }
 
@@ -162,9 +175,9 @@ void check_kv_dtype_field(PagedAttentionCreator& creator) {
 // (rows of (head_dim + 2) / 2 elements); a float type other than fp16 is not the bytes.
 void check_quantized_pool_types(PagedAttentionCreator& creator) {
   Fields f;
-  f.kv_dtype = "int8";
+  f.kv_cache_dtype = "int8";
   std::unique_ptr<IPluginV3> p(creator.createPlugin("layer0", f.collection(), TensorRTPhase::kBUILD));
-  if (p == nullptr) return check(false, "kv_dtype int8 plugin");
+  if (p == nullptr) return check(false, "kv_cache_dtype int8 plugin");
   PagedAttentionPlugin* plugin = as_plugin(p.get());
   DynamicPluginTensorDesc in[10]{};
   DynamicPluginTensorDesc out[2]{};
@@ -180,32 +193,32 @@ void check_quantized_pool_types(PagedAttentionCreator& creator) {
   check(!plugin->supportsFormatCombination(3, in, 8, 2), "a quantized pool typed fp32 is refused");
 }
 
-// tensorrt.kv_pool address: input 3 is int64 [2] {address, num_blocks} on the host, one output, nothing aliased.
+// tensorrt.kv_pool address: input 3 is int64 [2] {address, num_kv_blocks} on the host, one output, nothing aliased.
 void check_address_pool(PagedAttentionCreator& creator) {
   {
     Fields f;
     f.kv_pool = "address";
-    f.kv_dtype = "float16";
+    f.kv_cache_dtype = "float16";
     std::unique_ptr<IPluginV3> missing(creator.createPlugin("layer0", f.collection(), TensorRTPhase::kBUILD));
     check(missing == nullptr, "kv_pool address without num_layers is refused");
     f.num_layers = 2;
-    f.kv_dtype = "";
+    f.kv_cache_dtype = "";
     std::unique_ptr<IPluginV3> unnamed(creator.createPlugin("layer0", f.collection(), TensorRTPhase::kBUILD));
-    check(unnamed == nullptr, "kv_pool address with kv_dtype auto is refused (no pool tensor shows its type)");
+    check(unnamed == nullptr, "kv_pool address with kv_cache_dtype auto is refused (no pool tensor shows its type)");
     f.kv_pool = "adress";
-    f.kv_dtype = "float16";
+    f.kv_cache_dtype = "float16";
     std::unique_ptr<IPluginV3> typo(creator.createPlugin("layer0", f.collection(), TensorRTPhase::kBUILD));
     check(typo == nullptr, "kv_pool adress is refused");
   }
   for (char const* kv : {"float16", "int8"}) {
     Fields f;
     f.kv_pool = "address";
-    f.kv_dtype = kv;
+    f.kv_cache_dtype = kv;
     f.num_layers = 2;
     f.workspace_bytes = 1 << 20;
     std::unique_ptr<IPluginV3> p(creator.createPlugin("layer0", f.collection(), TensorRTPhase::kBUILD));
     if (p == nullptr) {
-      check(false, "kv_pool address with num_layers and a named kv_dtype");
+      check(false, "kv_pool address with num_layers and a named kv_cache_dtype");
       continue;
     }
     PagedAttentionPlugin* plugin = as_plugin(p.get());
@@ -231,8 +244,8 @@ void check_address_pool(PagedAttentionCreator& creator) {
     std::unique_ptr<IPluginV3> again(
         creator.createPlugin("layer0", plugin->getFieldsToSerialize(), TensorRTPhase::kRUNTIME));
     check(again != nullptr && as_plugin(again.get())->getNbOutputs() == 1 &&
-              serialized_string(as_plugin(again.get()), "kv_dtype") == kv,
-          "kv_pool address, num_layers and kv_dtype survive serialization");
+              serialized_string(as_plugin(again.get()), "kv_cache_dtype") == kv,
+          "kv_pool address, num_layers and kv_cache_dtype survive serialization");
     if (again == nullptr) continue;
     // enqueue reads the host tensor and refuses a null address before any CUDA call
     PluginTensorDesc step[8]{};
@@ -255,7 +268,7 @@ void check_address_pool(PagedAttentionCreator& creator) {
     f.kv_pool = trtpaged::trt::KvPool::kAddress;
     int64_t host[2] = {0x7f0000001000, 512};
     trtpaged::trt::PoolAddress const a = trtpaged::trt::read_pool_address(f, host);
-    check(a.pool == reinterpret_cast<void*>(0x7f0000001000) && a.num_blocks == 512, "pool address read from host");
+    check(a.pool == reinterpret_cast<void*>(0x7f0000001000) && a.num_kv_blocks == 512, "pool address read from host");
     host[1] = 0;
     bool threw = false;
     try {
@@ -263,7 +276,7 @@ void check_address_pool(PagedAttentionCreator& creator) {
     } catch (std::invalid_argument const&) {
       threw = true;
     }
-    check(threw, "num_blocks 0 is refused");
+    check(threw, "num_kv_blocks 0 is refused");
   }
 }
 
@@ -339,7 +352,7 @@ int main() {
     }
   }
 
-  check_kv_dtype_field(creator);
+  check_kv_cache_dtype_field(creator);
   check_quantized_pool_types(creator);
   check_address_pool(creator);
 

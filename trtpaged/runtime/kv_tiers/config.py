@@ -122,5 +122,5 @@ def manifest_fingerprint(manifest: Any, block_shape: tuple[int, ...], pool_dtype
     block size, one rank's block shape and the tensor-parallel world size (an entry holds every rank's
     shard in rank order). Anything else is free to change between runs."""
     return engine_fingerprint(files=manifest.files, source=manifest.source, dtype=manifest.dtype,
-                              kv_dtype=manifest.kv_cache_dtype, block_size=manifest.limits.block_size,
+                              kv_cache_dtype=manifest.kv_cache_dtype, block_size=manifest.limits.block_size,
                               ranks=manifest.tensor_parallel, block_shape=list(block_shape), pool_dtype=pool_dtype)

@@ -9,11 +9,11 @@ import torch
 
 from trtpaged.manifest import BACKENDS, Manifest
 from trtpaged.runtime.runners.base import ModelRunner, StepBatch
-from trtpaged.kv_budget import resolve_num_blocks
+from trtpaged.kv_budget import resolve_num_kv_blocks
 from trtpaged.runtime.runners.torch_runner import TorchRunner
 
 
-__all__ = ["BACKENDS", "ModelRunner", "StepBatch", "TorchRunner", "available_devices", "default_device", "load_runner", "resolve_device", "resolve_num_blocks",
+__all__ = ["BACKENDS", "ModelRunner", "StepBatch", "TorchRunner", "available_devices", "default_device", "load_runner", "resolve_device", "resolve_num_kv_blocks",
            "select_backend"]
 
 
@@ -76,10 +76,10 @@ def select_backend(engine_dir: Path, manifest: Manifest, backend: str = "auto") 
 
 
 def load_runner(
-    engine_dir: Path, manifest: Manifest, num_blocks: int, backend: str = "auto",
+    engine_dir: Path, manifest: Manifest, num_kv_blocks: int, backend: str = "auto",
     device: Optional[str] = None, num_host_blocks: int = 0, tensor_parallel: int = 1,
 ) -> ModelRunner:
-    """Builds the selected backend's runner over a pool of `num_blocks` blocks.
+    """Builds the selected backend's runner over a pool of `num_kv_blocks` blocks.
 
     tensor_parallel > 1 (it must equal the engine's): rank 0 of a tensor-parallel run on the torch backend,
     the other ranks started as local processes, or joining through torchrun's variables when WORLD_SIZE is set.
@@ -93,7 +93,7 @@ def load_runner(
                              "use 'torch' or 'auto'")
         from trtpaged.runtime.tp import Rendezvous, start_tensor_parallel
 
-        return start_tensor_parallel(engine_dir, manifest, num_blocks, device or default_device(), num_host_blocks,
+        return start_tensor_parallel(engine_dir, manifest, num_kv_blocks, device or default_device(), num_host_blocks,
                                      Rendezvous.from_env())
     chosen = select_backend(engine_dir, manifest, backend)
     on_cuda = device is None or device.startswith("cuda")
@@ -105,6 +105,6 @@ def load_runner(
             raise ValueError(f"backend: 'tensorrt' cannot run here: {why_not}; use 'torch' or 'auto'")
         from trtpaged.runtime.runners.tensorrt_runner import TensorRTRunner
 
-        return TensorRTRunner.from_engine_dir(engine_dir, num_blocks, device=device or "cuda",
+        return TensorRTRunner.from_engine_dir(engine_dir, num_kv_blocks, device=device or "cuda",
                                               num_host_blocks=num_host_blocks)
-    return TorchRunner.from_engine_dir(engine_dir, num_blocks, device=device or default_device(), num_host_blocks=num_host_blocks)
+    return TorchRunner.from_engine_dir(engine_dir, num_kv_blocks, device=device or default_device(), num_host_blocks=num_host_blocks)

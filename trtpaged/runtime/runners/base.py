@@ -32,7 +32,7 @@ class ModelRunner(Protocol):
     """
 
     backend: str
-    num_blocks: int
+    num_kv_blocks: int
 
     def step(self, batch: StepBatch) -> torch.Tensor:
         """Runs one packed step, writing new K/V in place; returns float32 logits [num_outputs, vocab]."""

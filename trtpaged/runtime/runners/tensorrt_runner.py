@@ -6,7 +6,7 @@ torch stream. The KV pool is bound both as input `kv_cache` and as output
 `kv_cache_out`: the plugin aliases the two and updates the pool in place. An
 engine built with `tensorrt.kv_pool: address` (builder/onnx_pool.py) has no pool
 tensor: its input `kv_cache_pool` is bound to a pinned host int64 [2] holding the
-pool's device address and num_blocks, which the plugin writes through; the pool's
+pool's device address and num_kv_blocks, which the plugin writes through; the pool's
 layout then comes from the manifest. A quantized pool's bytes are allocated in the
 type the engine declares (int8, uint8 or fp16 pairs: `tensorrt.quantized_pool`).
 Block copies and swaps go through the kernel library, as in the torch backend.
@@ -40,11 +40,11 @@ def _torch_dtype(trt: Any, dtype: Any) -> torch.dtype:
 def pool_block_layout(manifest: Any) -> tuple[tuple[int, ...], torch.dtype]:
     """(one block's shape [num_layers, 2, num_kv_heads, block_size, row], dtype) of an engine dir's KV pool:
     row head_dim values, or head_dim + 2 int8 bytes for a quantized cache."""
-    from trtpaged.kv_formats import QUANTIZED_KV_DTYPES
+    from trtpaged.kv_formats import QUANTIZED_KV_CACHE_DTYPES
     from trtpaged.models.loading import TORCH_DTYPES
 
     d, kv = manifest.dims, manifest.kv_cache_dtype
-    quantized = kv in QUANTIZED_KV_DTYPES
+    quantized = kv in QUANTIZED_KV_CACHE_DTYPES
     shape = (d.num_layers, 2, d.num_kv_heads, manifest.limits.block_size, d.head_dim + 2 if quantized else d.head_dim)
     return shape, torch.int8 if quantized else TORCH_DTYPES[kv]
 
@@ -53,9 +53,9 @@ class TensorRTRunner:
     """Runs a serialized TensorRT plan over a KV pool it allocates on `device`."""
 
     backend = "tensorrt"
-    _pool_address: Optional[torch.Tensor] = None  # kv_pool address: pinned int64 [2] {pool address, num_blocks}
+    _pool_address: Optional[torch.Tensor] = None  # kv_pool address: pinned int64 [2] {pool address, num_kv_blocks}
 
-    def __init__(self, plan_path: str | Path, num_blocks: int, device: str = "cuda", num_host_blocks: int = 0,
+    def __init__(self, plan_path: str | Path, num_kv_blocks: int, device: str = "cuda", num_host_blocks: int = 0,
                  plugin_library: Optional[Path] = None,
                  pool_layout: Optional[tuple[tuple[int, ...], torch.dtype]] = None) -> None:
         """pool_layout: one block's shape and dtype (pool_block_layout), needed by an engine without a pool tensor
@@ -94,17 +94,17 @@ class TensorRTRunner:
             block_shape, pool_dtype = pool_layout
         else:
             max_pool = dims_tuple(self._engine.get_tensor_profile_shape(POOL_INPUT, 0)[2])
-            if num_blocks > max_pool[0]:
-                raise ValueError(f"num_kv_blocks: {num_blocks} exceeds the {max_pool[0]} blocks engine.plan was "
+            if num_kv_blocks > max_pool[0]:
+                raise ValueError(f"num_kv_blocks: {num_kv_blocks} exceeds the {max_pool[0]} blocks engine.plan was "
                                  "built for; rebuild with a larger kv_cache budget")
             block_shape = tuple(max_pool[1:])
             pool_dtype = _torch_dtype(trt, self._engine.get_tensor_dtype(POOL_INPUT))
-        pool_shape = (num_blocks, *block_shape)
+        pool_shape = (num_kv_blocks, *block_shape)
         self.kv_cache = torch.zeros(pool_shape, dtype=pool_dtype, device=self.device)
         if by_address:  # read by the plugin on the host at enqueue (pinned: also readable by the device)
-            self._pool_address = torch.tensor([self.kv_cache.data_ptr(), num_blocks], dtype=torch.int64,
+            self._pool_address = torch.tensor([self.kv_cache.data_ptr(), num_kv_blocks], dtype=torch.int64,
                                               pin_memory=self.device.type == "cuda")
-        self.num_blocks = num_blocks
+        self.num_kv_blocks = num_kv_blocks
         self._logits_dtype = _torch_dtype(trt, self._engine.get_tensor_dtype(LOGITS))
         self.vocab_size = dims_tuple(self._engine.get_tensor_shape(LOGITS))[-1]
         self.host_cache = (
@@ -117,7 +117,7 @@ class TensorRTRunner:
         self._kernels = kernels
 
     @classmethod
-    def from_engine_dir(cls, engine_dir: str | Path, num_blocks: int, device: str = "cuda",
+    def from_engine_dir(cls, engine_dir: str | Path, num_kv_blocks: int, device: str = "cuda",
                         num_host_blocks: int = 0) -> "TensorRTRunner":
         import tensorrt as trt
 
@@ -128,7 +128,7 @@ class TensorRTRunner:
         if not manifest.plan_file:
             raise ValueError(f"{engine_dir}: the engine dir has no engine.plan (built without TensorRT)")
         check_build_info(Path(engine_dir), str(trt.__version__))  # CompileError (a RuntimeError): one line
-        return cls(Path(engine_dir) / manifest.plan_file, num_blocks, device, num_host_blocks,
+        return cls(Path(engine_dir) / manifest.plan_file, num_kv_blocks, device, num_host_blocks,
                    pool_layout=pool_block_layout(manifest))
 
     @torch.inference_mode()

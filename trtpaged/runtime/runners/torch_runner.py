@@ -39,7 +39,7 @@ class TorchRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.device = kv_cache.device
-        self.num_blocks = int(kv_cache.shape[0])
+        self.num_kv_blocks = int(kv_cache.shape[0])
         host_shape = (num_host_blocks, *kv_cache.shape[1:])
         pin = self.device.type == "cuda"
         self.host_cache = torch.zeros(host_shape, dtype=kv_cache.dtype, pin_memory=pin) if num_host_blocks else None
@@ -56,17 +56,18 @@ class TorchRunner:
 
     @classmethod
     def from_engine_dir(
-        cls, engine_dir: str | Path, num_blocks: int, device: str = "cpu", num_host_blocks: int = 0
+        cls, engine_dir: str | Path, num_kv_blocks: int, device: str = "cpu", num_host_blocks: int = 0
     ) -> "TorchRunner":
         """Loads the engine dir's weights into the step model and allocates the pool."""
         from trtpaged.models import load_step_model
-        from trtpaged.kv_formats import KV_DTYPES
+        from trtpaged.kv_formats import KV_CACHE_DTYPES
         from trtpaged.manifest import read_manifest
 
-        kv_dtype = read_manifest(engine_dir).kv_cache_dtype
+        kv_cache_dtype = read_manifest(engine_dir).kv_cache_dtype
         model, manifest = load_step_model(engine_dir, device=device)
         bs = manifest.limits.block_size
-        pool = model.new_kv_cache(num_blocks, bs, kv_dtype if kv_dtype in KV_DTYPES else None, device=device)
+        pool = model.new_kv_cache(num_kv_blocks, bs, kv_cache_dtype if kv_cache_dtype in KV_CACHE_DTYPES else None,
+                                  device=device)
         return cls(model, pool, num_host_blocks)
 
     @torch.inference_mode()

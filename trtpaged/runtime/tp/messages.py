@@ -5,7 +5,7 @@
 
 | op | fields | payload |
 |---|---|---|
-| INIT | num_blocks, num_host_blocks, manifest fingerprint (63 bits) | - |
+| INIT | num_kv_blocks, num_host_blocks, manifest fingerprint (63 bits) | - |
 | STEP | num_tokens, num_seqs, max_blocks_per_seq | input_ids, positions, query_start, context_lens, block_tables |
 | COPY, SWAP_OUT, SWAP_IN | number of pairs | the (src, dst) pairs |
 | READ_BLOCKS | number of blocks | block ids; then rank 1, 2, .. each broadcast their shards' bytes (uint8) |

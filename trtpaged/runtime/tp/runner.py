@@ -35,7 +35,7 @@ class TensorParallelRunner:
 
     def __init__(self, local: TorchRunner, coll: Collectives, workers: Optional[WorkerSet]) -> None:
         self.local, self.coll, self.workers = local, coll, workers
-        self.num_blocks = local.num_blocks
+        self.num_kv_blocks = local.num_kv_blocks
         self.world_size = coll.world_size
         self._failure: Optional[str] = None
         self._broken = [False]  # shared with the finalizer: no STOP once a rank failed
@@ -148,7 +148,7 @@ def rank_devices(device: str, world_size: int) -> dict[int, str]:
 
 
 def start_tensor_parallel(
-    engine_dir: Path, manifest: Manifest, num_blocks: int, device: str = "cpu", num_host_blocks: int = 0,
+    engine_dir: Path, manifest: Manifest, num_kv_blocks: int, device: str = "cpu", num_host_blocks: int = 0,
     rendezvous: Optional[Rendezvous] = None, timeout_s: Optional[float] = None,
 ) -> TensorParallelRunner:
     """Rank 0 of a tensor-parallel engine: its shard loaded, the other ranks joined and their pools allocated.
@@ -177,10 +177,10 @@ def start_tensor_parallel(
         wait_for_ranks(store, rz, workers.failure if workers is not None else lambda: None)
         coll = make_groups(store, rz, torch.device(devices[0]))
         reduce.group = coll
-        messages.send(coll, Op.INIT, [num_blocks, num_host_blocks, messages.fingerprint(manifest.to_json())])
+        messages.send(coll, Op.INIT, [num_kv_blocks, num_host_blocks, messages.fingerprint(manifest.to_json())])
     except BaseException:
         if workers is not None:
             workers.stop(grace_s=0.0)
         raise
-    pool = model.new_kv_cache(num_blocks, manifest.limits.block_size, manifest.kv_cache_dtype, device=devices[0])
+    pool = model.new_kv_cache(num_kv_blocks, manifest.limits.block_size, manifest.kv_cache_dtype, device=devices[0])
     return TensorParallelRunner(TorchRunner(model, pool, num_host_blocks), coll, workers)

@@ -46,12 +46,12 @@ def run_worker(engine_dir: Path, rz: Rendezvous, device: str = "cpu") -> None:
     op, fields, _ = messages.receive(coll)
     if op != Op.INIT:
         raise RuntimeError(f"rank {rz.rank}: expected INIT from rank 0, got {op.name}")
-    num_blocks, num_host_blocks, engine_print = fields[:3]
+    num_kv_blocks, num_host_blocks, engine_print = fields[:3]
     if engine_print != messages.fingerprint(manifest.to_json()):
         raise RuntimeError(f"rank {rz.rank}: {engine_dir} is not the engine rank 0 loaded (manifest differs)")
-    kv_dtype = manifest.kv_cache_dtype
-    runner = TorchRunner(model, model.new_kv_cache(num_blocks, manifest.limits.block_size, kv_dtype, device=device),
-                         num_host_blocks)
+    kv_cache_dtype = manifest.kv_cache_dtype
+    pool = model.new_kv_cache(num_kv_blocks, manifest.limits.block_size, kv_cache_dtype, device=device)
+    runner = TorchRunner(model, pool, num_host_blocks)
     while True:
         op, fields, payload = messages.receive(coll)
         if op == Op.STOP:

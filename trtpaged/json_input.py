@@ -1,0 +1,24 @@
+"""A JSON object from user input, checked in one place: JSON text (or an already parsed value) that must be
+an object whose fields are all known. Used by the speculative config, trace and request-log lines."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterable, Mapping
+
+
+def json_object(value: Any, where: str, allowed: Iterable[str]) -> dict[str, Any]:
+    """`value` (JSON text, or a parsed value) as a dict whose fields are all in `allowed`; ValueError starting
+    with `where` (a field name or "file:line") for text that is not JSON, a non-object, or an unknown field."""
+    if isinstance(value, (str, bytes)):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"{where}: not JSON ({exc})") from None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{where}: expected a JSON object, got {type(value).__name__}")
+    allowed = set(allowed)
+    unknown = set(value) - allowed
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+    return dict(value)
