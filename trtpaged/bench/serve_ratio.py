@@ -228,11 +228,13 @@ class ApiSide:
         return tokens / wall, [o.outputs[0].text for o in outs], step_ms
 
 
-def client_decode_rate(url: str, max_tokens: int) -> tuple[float, str]:
-    """(tok/s from the first content chunk to the last, the text) of one streamed chat request."""
+def client_decode_rate(url: str, max_tokens: int) -> tuple[float, str, float]:
+    """(tok/s from the first content chunk to the last, the text, the client's CPU seconds for the request:
+    the client made beforehand, as the API's `LLM` is) of one streamed chat request."""
     import openai
 
     client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    cpu = time.thread_time()
     first = last = None
     tokens, text = 0, ""
     stream = client.chat.completions.create(
@@ -246,11 +248,12 @@ def client_decode_rate(url: str, max_tokens: int) -> tuple[float, str]:
             text += chunk.choices[0].delta.content
         if chunk.usage:
             tokens = chunk.usage.completion_tokens
+    cpu = time.thread_time() - cpu
     client.close()
-    return (tokens - 1) / (last - first), text
+    return (tokens - 1) / (last - first), text, cpu
 
 
-async def _client_batch(url: str, num_requests: int, max_tokens: int) -> tuple[float, list[str]]:
+async def _client_batch(url: str, num_requests: int, max_tokens: int) -> tuple[float, list[str], float]:
     import openai
 
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
@@ -267,15 +270,16 @@ async def _client_batch(url: str, num_requests: int, max_tokens: int) -> tuple[f
                 tokens = chunk.usage.completion_tokens
         return tokens, text
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.thread_time()
     results = await asyncio.gather(*(one(i) for i in range(num_requests)))
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.thread_time() - cpu
     await client.close()
-    return sum(t for t, _ in results) / wall, [text for _, text in results]
+    return sum(t for t, _ in results) / wall, [text for _, text in results], cpu
 
 
-def client_batch_rate(url: str, num_requests: int, max_tokens: int) -> tuple[float, list[str]]:
-    """(output tok/s over the wall time, texts) of N concurrent streamed chat requests."""
+def client_batch_rate(url: str, num_requests: int, max_tokens: int) -> tuple[float, list[str], float]:
+    """(output tok/s over the wall time, texts, the client's CPU seconds over that time) of N concurrent
+    streamed chat requests."""
     return asyncio.run(_client_batch(url, num_requests, max_tokens))
 
 
@@ -311,10 +315,9 @@ def run_serve_ratio(engine: Path, repeats: int = 5, max_tokens: int = 128, concu
                 cpu["single"].add(0, api=time.process_time() - api_cpu)
                 series["api_single"].values.append(rate)
                 steps["api_single"].values.append(step)
-                before, threads, client_cpu = server.metrics(), server.thread_cpu_seconds(), time.thread_time()
-                rate, served_text = client_decode_rate(server.url, max_tokens)
-                cpu["single"].add(max_tokens, client=time.thread_time() - client_cpu,
-                                  **_cpu_delta(threads, server.thread_cpu_seconds()))  # fmt: skip
+                before, threads = server.metrics(), server.thread_cpu_seconds()
+                rate, served_text, client_cpu = client_decode_rate(server.url, max_tokens)
+                cpu["single"].add(max_tokens, client=client_cpu, **_cpu_delta(threads, server.thread_cpu_seconds()))
                 series["serve_single"].values.append(rate)
                 steps["serve_single"].values.append(engine_step_ms(before, server.metrics()) or 0.0)
                 same_single &= served_text == api_text
@@ -323,9 +326,9 @@ def run_serve_ratio(engine: Path, repeats: int = 5, max_tokens: int = 128, concu
                 cpu["batch"].add(0, api=time.process_time() - api_cpu)
                 series["api_batch"].values.append(rate)
                 steps["api_batch"].values.append(step)
-                before, threads, client_cpu = server.metrics(), server.thread_cpu_seconds(), time.thread_time()
-                rate, served_texts = client_batch_rate(server.url, concurrency, max_tokens)
-                cpu["batch"].add(concurrency * max_tokens, client=time.thread_time() - client_cpu,
+                before, threads = server.metrics(), server.thread_cpu_seconds()
+                rate, served_texts, client_cpu = client_batch_rate(server.url, concurrency, max_tokens)
+                cpu["batch"].add(concurrency * max_tokens, client=client_cpu,
                                  **_cpu_delta(threads, server.thread_cpu_seconds()))  # fmt: skip
                 series["serve_batch"].values.append(rate)
                 steps["serve_batch"].values.append(engine_step_ms(before, server.metrics()) or 0.0)
