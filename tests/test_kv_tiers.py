@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import socket
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -87,11 +89,20 @@ def cached_bytes(engine: LLMEngine, prompt: list[int]) -> list[bytes]:
     return engine.runner.read_blocks(blocks)
 
 
+def loaded_prefix(kv, seq: Sequence, timeout: float = 10.0) -> list:
+    """The sequence's prefix hits once its tier read (started by `prefetch`, as the scheduler does) is done."""
+    deadline = time.monotonic() + timeout
+    while not kv.prefetch(seq):
+        assert time.monotonic() < deadline, "the tier read did not finish"
+        kv.wait_for_loads(0.05)
+    return kv.find_cached_prefix(seq)
+
+
 def assert_pool_whole(engine: LLMEngine) -> None:
     pool = engine.kv.pool
     assert pool.num_free == pool.num_kv_blocks
     assert all(b.ref_cnt == 0 for b in pool.blocks)
-    assert not engine.kv.tables and not engine.kv._staged
+    assert not engine.kv.tables and not engine.kv._loads and engine.kv.staged_blocks() == 0
 
 
 @pytest.fixture(scope="module")
@@ -193,15 +204,16 @@ def test_restored_blocks_are_bit_identical_and_outputs_unchanged(step_model, ref
     assert len(computed) == 4
     for prompt in TRAFFIC[1:4]:
         outputs.append(run_one(engine, prompt))
-    probe = Sequence(10**6, A)
-    assert isinstance(engine.kv.find_cached_prefix(probe)[0], TierHit)  # A left the pool
-    engine.kv.free(probe)
     engine.kv.tiers.flush()
+    probe = Sequence(10**6, A)
+    assert isinstance(loaded_prefix(engine.kv, probe)[0], TierHit)  # A left the pool
+    engine.kv.free(probe)
     computed_before = engine.num_tokens_computed
     outputs.append(run_one(engine, A))
     assert engine.num_tokens_computed - computed_before == len(A) - 4 * BS + 3  # only the tail and the decodes
     assert cached_bytes(engine, A) == computed  # bit-identical to the computed blocks
     for prompt in TRAFFIC[5:]:
+        engine.kv.tiers.flush()  # write-backs run on the writer thread: B's must be stored before B returns
         outputs.append(run_one(engine, prompt))
     assert outputs == reference[kv_cache_dtype]
     stats = engine.stats()
@@ -253,8 +265,9 @@ def test_a_block_evicted_before_its_load_ran_is_saved_from_the_loaded_bytes(step
     engine = make_engine(step_model, KVTierConfig(host_memory=1 << 20))
     outputs = [run_one(engine, p) for p in TRAFFIC[:4]]
     kv = engine.kv
+    kv.tiers.flush()
     probe = Sequence(10**6 + 1, A)
-    hits = kv.find_cached_prefix(probe)
+    hits = loaded_prefix(kv, probe)
     assert len(hits) == 4 and all(isinstance(h, TierHit) for h in hits)
     kv.allocate(kv.plan_allocation([(probe, len(A) - 4 * BS, hits)]))
     kv.free(probe)  # its blocks are cached, free, not yet loaded
@@ -354,3 +367,171 @@ def test_killed_redis_finishes_every_request_correctly_and_reconnects(step_model
     finally:
         engine.close()
         restarted.kill()
+
+
+# ---- loads overlap compute --------------------------------------------------------------------
+class GatedProxy:
+    """A TCP proxy in front of the real redis-server whose replies wait while `gate` is clear: a store that
+    is slow for as long as the test says. Requests pass at once; only the answers are held."""
+
+    def __init__(self, port: int) -> None:
+        self.gate = threading.Event()
+        self.gate.set()
+        self._target = port
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._sockets: list[socket.socket] = [self._listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self._listener.getsockname()[1]}/0"
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self._target))
+            self._sockets += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, gated: bool) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                if gated:
+                    self.gate.wait()
+                dst.sendall(data)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.gate.set()
+        for s in self._sockets:
+            s.close()
+
+
+E = _prompt(11, 40)
+LONG = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def _steps_until(engine: LLMEngine, done, timeout: float = 60.0) -> list:
+    outputs, deadline = [], time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline
+        outputs += engine.step()
+    return outputs
+
+
+def _tokens(outputs, rid: str) -> list[int]:
+    final = [o for o in outputs if o.request_id == rid and o.finished]
+    assert len(final) == 1
+    return list(final[0].outputs[0].token_ids)
+
+
+@pytest.fixture
+def gated(redis_server):
+    proxy = GatedProxy(redis_server.port)
+    yield proxy
+    proxy.close()
+
+
+def _engine_with_a_in_redis(step_model, reference, proxy: GatedProxy, load_timeout_s: float,
+                            hold: bool = True) -> LLMEngine:  # fmt: skip
+    """A (and B, C, D) computed, A's blocks evicted from the pool and written to Redis behind the proxy, which
+    then holds the store's answers (with `hold`) until the test opens its gate."""
+    engine = make_engine(step_model, KVTierConfig(remote=proxy.url, remote_timeout_s=30.0, load_timeout_s=load_timeout_s))
+    assert [run_one(engine, p) for p in TRAFFIC[:4]] == reference[None][:4]
+    engine.kv.tiers.flush()
+    assert engine.kv.pool.lookup(engine.kv.pool.hash_fn(None, tuple(A[:BS])), tuple(A[:BS]), None) is None
+    if hold:
+        proxy.gate.clear()
+    return engine
+
+
+@needs_redis
+def test_a_request_waits_for_its_prefix_load_while_others_compute(step_model, reference, gated):
+    """The ordering truth: while the store holds its answer, the loading request stays queued and another
+    request decodes step after step (so the step loop never waited on the read); once the answer comes, it is
+    admitted with its 4 blocks restored and both outputs equal the tiers-off engine's."""
+    plain = make_engine(step_model)
+    plain.add_request(E, LONG, "e")
+    long_ref = _tokens(_steps_until(plain, lambda: not plain.has_unfinished()), "e")
+    engine = _engine_with_a_in_redis(step_model, reference, gated, load_timeout_s=30.0, hold=False)
+    engine.add_request(E, LONG, "e")
+    outputs = _steps_until(engine, lambda: bool(engine.scheduler.running))  # E's own read (a miss) is done
+    gated.gate.clear()
+    engine.add_request(A, GREEDY, "a")
+    decoded = []
+    for _ in range(5):
+        outputs += engine.step()
+        decoded.append(engine.groups["e"].seqs[0].num_output_tokens)
+        assert [g.request_id for g in engine.scheduler.waiting] == ["a"] and engine.kv.loads_pending()
+        assert engine.kv.staged_blocks() == 4  # A's 4 full blocks are being read
+    assert decoded == sorted(set(decoded)) and len(decoded) == 5  # E decoded a token in each of those steps
+    hits_before = engine.stats()["prefix_cache_tier_hits_tokens"]
+    computed_before = engine.num_tokens_computed
+    gated.gate.set()
+    outputs += _steps_until(engine, lambda: not engine.has_unfinished())
+    assert _tokens(outputs, "e") == long_ref and _tokens(outputs, "a") == reference[None][0]
+    stats = engine.stats()
+    assert stats["prefix_cache_tier_hits_tokens"] - hits_before == 4 * BS
+    assert stats["kv_tier_load_timeouts"] == 0
+    assert engine.num_tokens_computed - computed_before >= len(A) - 4 * BS  # A's tail (and E's last decodes)
+    assert engine.groups == {} and engine.kv.staged_blocks() == 0
+    assert_pool_whole(engine)
+    engine.close()
+
+
+@needs_redis
+def test_abort_during_a_pending_load_frees_its_staging_and_leaks_nothing(step_model, reference, gated):
+    engine = _engine_with_a_in_redis(step_model, reference, gated, load_timeout_s=30.0)
+    engine.add_request(A, GREEDY, "a")
+    for _ in range(3):
+        assert engine.step() == []  # nothing to compute: the idle step waits briefly for the read, no longer
+    assert engine.kv.loads_pending() and engine.kv.staged_blocks() == 4
+    assert engine.abort("a")
+    assert engine.kv.staged_blocks() == 0 and not engine.kv.loads_pending()
+    assert_pool_whole(engine)
+    gated.gate.set()  # the cancelled read's answer arrives now and is dropped
+    engine.kv.tiers.flush()
+    assert run_one(engine, A) == reference[None][0]  # a new request for A loads it as usual
+    assert engine.stats()["prefix_cache_tier_hits_tokens"] == 4 * BS
+    assert_pool_whole(engine)
+    engine.close()
+
+
+@needs_redis
+def test_a_store_slower_than_the_load_deadline_degrades_to_recompute(step_model, reference, gated):
+    engine = _engine_with_a_in_redis(step_model, reference, gated, load_timeout_s=0.3)
+    computed_before = engine.num_tokens_computed
+    started = time.monotonic()
+    try:
+        assert run_one(engine, A) == reference[None][0]
+    finally:
+        gated.gate.set()
+    assert time.monotonic() - started < 10.0  # the deadline, not the store's 30 s timeout
+    stats = engine.stats()
+    assert stats["kv_tier_load_timeouts"] == 1 and stats["prefix_cache_tier_hits_tokens"] == 0
+    assert engine.num_tokens_computed - computed_before == len(A) + 3  # all of A, then its decodes
+    assert_pool_whole(engine)
+    engine.close()
+
+
+def test_ttft_breakdown_adds_up_and_counts_the_prefill_steps(step_model):
+    """Two 70-token prompts under a 128-token step budget: A's prompt and 58 of B's share step 1 (A samples);
+    B's last 12 tokens and A's first decode token make step 2 (B samples). The parts sum to the TTFT, counted
+    from the arrival time the server gives (A: half a second before it was added)."""
+    engine = make_engine(step_model)
+    engine.add_request(A, GREEDY, "a", arrival_time=time.monotonic() - 0.5)
+    engine.add_request(B, GREEDY, "b")
+    while engine.has_unfinished():
+        engine.step()
+    a, b = engine.ttft_breakdown()
+    assert (a["prefill_steps"], a["shared_tokens"], b["prefill_steps"], b["shared_tokens"]) == (1, 58, 2, 70 + 1)
+    for r in (a, b):
+        parts = r["submit_wait_s"] + r["tier_wait_s"] + r["admission_wait_s"] + r["prefill_s"]
+        assert parts == pytest.approx(r["ttft_s"])
+        assert r["prompt_tokens"] == 70 and r["cached_tokens"] == 0 and 0 < r["prefill_step_s"] <= r["prefill_s"]
+    assert a["submit_wait_s"] == pytest.approx(0.5, abs=0.05) and b["submit_wait_s"] == 0.0

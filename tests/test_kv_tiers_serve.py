@@ -30,6 +30,8 @@ SMALL_POOL = 20  # four live histories of 100-200 tokens do not fit: turns find 
     ({"remote": "http://127.0.0.1:6379"}, "kv_tiers.remote"),
     ({"remote": {"url": "redis://127.0.0.1:1", "timeout_s": 0}}, "kv_tiers.remote.timeout_s"),
     ({"remote": {"url": "redis://127.0.0.1:1", "timeout_s": "1"}}, "kv_tiers.remote.timeout_s"),
+    ({"host_memory": "1MiB", "load_timeout_s": 0}, "kv_tiers.load_timeout_s"),
+    ({"host_memory": "1MiB", "load_timeout_s": "2"}, "kv_tiers.load_timeout_s"),
     ([1], "kv_tiers"),
 ])  # fmt: skip
 def test_tier_config_errors_name_the_field(spec, field):
@@ -40,8 +42,9 @@ def test_tier_config_errors_name_the_field(spec, field):
 
 def test_tier_config_parses_sizes_and_builds_in_order(tmp_path):
     config = KVTierConfig.parse({"host_memory": "1MiB", "disk": {"path": str(tmp_path), "size": "2MB"},
-                                 "remote": {"url": "redis://127.0.0.1:1/0", "timeout_s": 0.1}})
+                                 "remote": {"url": "redis://127.0.0.1:1/0", "timeout_s": 0.1}, "load_timeout_s": 3})
     assert (config.host_memory, config.disk_size, config.remote_timeout_s) == (1 << 20, 2_000_000, 0.1)
+    assert config.load_timeout_s == 3.0
     pytest.importorskip("redis")
     stack = config.build(bytes(32), 64)
     assert [t.name for t in stack.tiers] == ["host", "disk", "remote"]

@@ -269,6 +269,17 @@ def test_float_activations_shapes(isa: str, bits: int, m: int, n: int, k: int) -
     check_float(bits, m, n, k, 32, seed=m * 1000 + n)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("m", [1, 2, 4, 16])
+@pytest.mark.parametrize("activations", ["float", "int8"])
+def test_long_tiles(isa: str, bits: int, m: int, activations: str) -> None:
+    # K = 1536 (down_proj's): tiles long enough that the AVX2 kernels prefetch the next tile; N = 40 is
+    # three tiles, the last one half padding. M covers the limb rows (1), the float tiles' 2 and 4 rows
+    # per call, and a batch of 16.
+    checker = check_float if activations == "float" else check
+    checker(bits, m, 40, 1536, 32, bias=True, seed=m * 10 + bits)
+
+
 @pytest.mark.parametrize("bits,group", [(8, 64), (8, 128), (8, "k"), (4, 64), (4, 128)])
 def test_float_activations_group_sizes(isa: str, bits: int, group) -> None:
     k = 384 if group != "k" else 576

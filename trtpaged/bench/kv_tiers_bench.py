@@ -16,11 +16,12 @@ import shutil
 import statistics
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from trtpaged.bench.multi_turn import MultiTurnSpec, run_multi_turn
 from trtpaged.bench.redis_process import RedisProcess
 
+ROW_GROUPS = ("unbounded", "off", "host", "disk", "remote")
 COLUMNS = (("p50_ttft_ms", "TTFT p50 ms", "{:.0f}"), ("p99_ttft_ms", "TTFT p99 ms", "{:.0f}"),
            ("prefill_tokens_computed", "prefill computed", "{}"), ("prefix_hit_rate", "hit rate", "{:.2f}"),
            ("prefix_tier_hit_tokens", "tier-hit tokens", "{}"),
@@ -39,10 +40,10 @@ def _warm_up(url: str) -> None:
 def run_kv_tiers_bench(
     engine: Path, spec: MultiTurnSpec, num_kv_blocks: int, host_memory: str = "1GiB", disk_size: str = "4GiB",
     remote: Optional[str] = None, llm_kwargs: Optional[dict[str, Any]] = None, seed: int = 0, rounds: int = 1,
-    progress: Optional[Callable[[str], None]] = None,
+    progress: Optional[Callable[[str], None]] = None, rows: Optional[Sequence[str]] = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """Runs every row (remote rows when `remote` is given or redis-server is installed) `rounds` times;
-    returns the report.
+    """Runs every row (remote rows when `remote` is given or redis-server is installed; only the groups named
+    in `rows`, among ROW_GROUPS, when given; "off" always) `rounds` times; returns the report.
 
     Rows that depend on each other run together as a group (disk then its restart, Redis then the second
     replica). Round r uses seed + r (other conversations: nothing cached in one round helps another), a
@@ -50,22 +51,30 @@ def run_kv_tiers_bench(
     whose load drifts; times are the median over rounds, token counts the sum.
     """
     say = progress or (lambda _msg: None)
+    wanted = set(rows or ROW_GROUPS) | {"off"}
+    unknown = wanted - set(ROW_GROUPS)
+    if unknown:
+        raise ValueError(f"--rows: unknown {', '.join(sorted(unknown))}; expected some of {', '.join(ROW_GROUPS)}")
+    if "remote" not in wanted:
+        remote = ""
     runs: dict[str, list[dict[str, Any]]] = {}
     redis = None
     try:
-        if remote is None and shutil.which("redis-server"):
+        if remote is None and shutil.which("redis-server"):  # "": no remote rows
             redis = RedisProcess()
             remote = redis.url
         for r in range(rounds):
             disk_dir = Path(tempfile.mkdtemp(prefix="trtpaged-kv-disk-"))
             try:
                 disk = {"path": str(disk_dir), "size": disk_size}
-                groups: list[list[tuple[str, Optional[dict[str, Any]], int]]] = [
-                    [("off, unbounded pool", None, 0)], [("off", None, 0)], [("host", {"host_memory": host_memory}, 0)],
-                    [("disk", {"disk": disk}, 0), ("disk, restarted", {"disk": disk}, 1)],
-                ]
+                named: dict[str, list[tuple[str, Optional[dict[str, Any]], int]]] = {
+                    "unbounded": [("off, unbounded pool", None, 0)], "off": [("off", None, 0)],
+                    "host": [("host", {"host_memory": host_memory}, 0)],
+                    "disk": [("disk", {"disk": disk}, 0), ("disk, restarted", {"disk": disk}, 1)],
+                }
                 if remote:
-                    groups.append([("remote", {"remote": remote}, 0), ("remote, 2nd replica", {"remote": remote}, 0)])
+                    named["remote"] = [("remote", {"remote": remote}, 0), ("remote, 2nd replica", {"remote": remote}, 0)]
+                groups = [group for name, group in named.items() if name in wanted]
                 for group in groups[r % len(groups):] + groups[:r % len(groups)]:
                     for name, tiers, variant in group:
                         report = _run_row(engine, spec, num_kv_blocks, name, tiers, seed + r, variant, llm_kwargs, say)
@@ -89,7 +98,9 @@ def _run_row(engine: Path, spec: MultiTurnSpec, num_kv_blocks: int, name: str, t
     handle = start_server(engine, port=0, num_kv_blocks=blocks, kv_tiers=tiers, **(llm_kwargs or {}))
     try:
         _warm_up(handle.url)
+        skip = len(handle.loop.call(lambda e: e.ttft_breakdown()))  # the warm-up's
         report = asyncio.run(run_multi_turn(handle.url, spec, seed=seed, variant=variant))
+        report["ttft_breakdown"] = summarize_ttft(handle.loop.call(lambda e: e.ttft_breakdown())[skip:])
     finally:
         handle.shutdown()  # flushes the pool's cached prefixes to the tiers
     say(f"{name}: {report['completed']} turns ({report['failed']} failed), TTFT p50/p99 "
@@ -99,11 +110,38 @@ def _run_row(engine: Path, spec: MultiTurnSpec, num_kv_blocks: int, name: str, t
     return report
 
 
+BREAKDOWN = (("ttft_ms", "server TTFT"), ("submit_wait_ms", "until the engine takes it"), ("tier_wait_ms", "tier wait"), ("admission_wait_ms", "admission wait"),
+             ("prefill_ms", "prefill"), ("own_compute_ms", "own tokens' share"), ("computed_tokens", "tokens computed"),
+             ("shared_tokens", "others' tokens in its steps"), ("prefill_steps", "steps"))  # fmt: skip
+
+
+def summarize_ttft(records: list[dict[str, float]]) -> dict[str, float]:
+    """Medians over requests of `LLMEngine.ttft_breakdown` (ms; tokens; steps). `own_compute_ms`: the part of
+    its prefill steps' time that its own prompt tokens account for, pro rata of the steps' tokens."""
+    if not records:
+        return {}
+    def med(fn: Callable[[dict[str, float]], float]) -> float:
+        return statistics.median(fn(r) for r in records)
+
+    def own(r: dict[str, float]) -> float:
+        computed = r["prompt_tokens"] - r["cached_tokens"]
+        return 1000.0 * r["prefill_step_s"] * computed / max(1.0, computed + r["shared_tokens"])
+
+    return {"ttft_ms": med(lambda r: 1000.0 * r["ttft_s"]), "tier_wait_ms": med(lambda r: 1000.0 * r["tier_wait_s"]),
+            "submit_wait_ms": med(lambda r: 1000.0 * r.get("submit_wait_s", 0.0)),
+            "admission_wait_ms": med(lambda r: 1000.0 * r["admission_wait_s"]),
+            "prefill_ms": med(lambda r: 1000.0 * r["prefill_s"]), "own_compute_ms": med(own),
+            "computed_tokens": med(lambda r: r["prompt_tokens"] - r["cached_tokens"]),
+            "shared_tokens": med(lambda r: r["shared_tokens"]), "prefill_steps": med(lambda r: r["prefill_steps"])}
+
+
 def _combine(name: str, runs: list[dict[str, Any]], off: list[dict[str, Any]]) -> dict[str, Any]:
     """One row from its rounds: medians of times, sums of tokens, and whether every reply equals tiers-off's."""
     row: dict[str, Any] = {}
     for key in ("p50_ttft_ms", "p99_ttft_ms", "first_turn_mean_ttft_ms", "request_throughput"):
         row[key] = statistics.median(run[key] for run in runs)
+    parts = [run["ttft_breakdown"] for run in runs if run.get("ttft_breakdown")]
+    row["ttft_breakdown"] = {k: statistics.median(p[k] for p in parts) for k, _ in BREAKDOWN} if parts else {}
     for key in ("prefill_tokens_computed", "prefix_tier_hit_tokens", "failed", "completed"):
         values = [run[key] for run in runs]
         row[key] = None if None in values else sum(values)
@@ -128,4 +166,12 @@ def format_kv_tiers(report: dict[str, Any]) -> str:
         if row.get("failed"):
             cells[0] += f" ({row['failed']} failed)"
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "TTFT from the server's side (the request submitted to its first token; the client's TTFT adds HTTP "
+              "and tokenizing), medians over requests, each column on its own (ms, tokens; `own tokens' share`: the "
+              "prefill steps' time pro rata of the request's own computed tokens, the rest is other requests' tokens "
+              "in those steps)",
+              "", "| tiers | " + " | ".join(title for _, title in BREAKDOWN) + " |", "|" + "---|" * (len(BREAKDOWN) + 1)]
+    for name, row in report["rows"].items():
+        parts = row.get("ttft_breakdown") or {}
+        lines.append("| " + " | ".join([name] + [f"{parts[k]:.0f}" if k in parts else "n/a" for k, _ in BREAKDOWN]) + " |")
     return "\n".join(lines)

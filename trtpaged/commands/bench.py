@@ -315,16 +315,21 @@ def serve(base_url, trace, num_requests, prompt_len, output_len, request_rate, m
 @click.option("--seed", default=0, show_default=True)
 @click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True,
               help="Repeat every row, the rows' order rotated each round (times: medians over rounds).")
+@click.option("--max-num-tokens", type=click.IntRange(min=1), default=None,
+              help="Tokens per step (the chunked-prefill budget; default: the engine's).")
+@click.option("--rows", default=None, metavar="LIST",
+              help="Only these rows, comma-separated among unbounded, off, host, disk, remote (default: all).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def kv_tiers(engine, num_kv_blocks, multi_turn, system_words, user_words, output_len, think_time, host_memory,
-             disk_size, remote, backend, device, seed, rounds, as_json) -> None:  # fmt: skip
+             disk_size, remote, backend, device, seed, rounds, max_num_tokens, rows, as_json) -> None:  # fmt: skip
     """Multi-turn traffic against servers with KV tiers off, host, disk (and a restart), Redis (and a 2nd replica)."""
     from trtpaged.bench.kv_tiers_bench import format_kv_tiers, run_kv_tiers_bench
 
     def run() -> dict:
         spec = multi_turn_spec(multi_turn, output_len, system_words, user_words, think_time)
-        return run_kv_tiers_bench(Path(engine), spec, num_kv_blocks, host_memory, disk_size, remote,
-                                  {"backend": backend, "device": device}, seed, rounds, progress=_progress)
+        llm_kwargs = {"backend": backend, "device": device, "max_num_tokens": max_num_tokens}
+        return run_kv_tiers_bench(Path(engine), spec, num_kv_blocks, host_memory, disk_size, remote, llm_kwargs, seed,
+                                  rounds, progress=_progress, rows=rows.split(",") if rows else None)
 
     _print_report(run, format_kv_tiers, as_json)
 

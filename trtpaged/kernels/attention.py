@@ -141,7 +141,8 @@ class AttentionStep:
         self._pointers = tuple(t.data_ptr() for t in self._tensors)
         lib = library()
         self._workspace: Optional[torch.Tensor] = None
-        self._options: dict[AttentionOptions, tuple[_AttentionOptions, object]] = {}
+        # id(options) -> (options, its C struct, a pointer to it); options kept, so its id stays its own
+        self._options: dict[int, tuple[AttentionOptions, _AttentionOptions, object]] = {}
         if device.type == "cpu":
             self._fn = lib.trtpaged_paged_attention_ex_cpu
         elif device.type == "cuda":
@@ -153,10 +154,11 @@ class AttentionStep:
             raise ValueError(f"kv_cache: device {device} not supported (cpu or cuda)")
 
     def _options_ref(self, options: AttentionOptions) -> object:
-        if options not in self._options:
+        entry = self._options.get(id(options))  # a layer passes its one options object: no hashing of fields
+        if entry is None:
             opts = _c_options(options)
-            self._options[options] = (opts, ctypes.byref(opts))
-        return self._options[options][1]
+            entry = self._options[id(options)] = (options, opts, ctypes.byref(opts))
+        return entry[2]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions) -> torch.Tensor:
         if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()) or q.shape[0] != self.num_tokens:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence as Seq, Union
 
 from trtpaged.runtime.block_pool import BlockPool, HashFn, KVBlock, chain_hash
 from trtpaged.runtime.kv_tiers.entry import ROOT, chain_key
+from trtpaged.runtime.kv_tiers.loader import TierLoad
 from trtpaged.runtime.kv_tiers.stack import BlockRecord, TierHit, TierStack
 from trtpaged.runtime.sequence import Sequence
 
@@ -80,7 +82,12 @@ class KVCacheManager:
         self.tier_hits_tokens = 0
         self._records: dict[int, BlockRecord] = {}  # block_id -> record, while the block is cached
         self._tier_keys: dict[int, list[bytes]] = {}  # seq_id -> tier keys of its leading full blocks
-        self._staged: dict[int, dict[int, TierHit]] = {}  # seq_id -> block index -> hit fetched while it waits
+        # seq_id -> the tier read for a waiting sequence (its staged hits), until it is admitted or goes away
+        self._loads: dict[int, TierLoad] = {}
+        self.max_staged_blocks = num_kv_blocks  # blocks that loads may hold in staging (and read ahead) together
+        self.tier_loads_started = 0
+        self.tier_load_timeouts = 0  # loads given up at their deadline (the rest of the prefix is recomputed)
+        self.tier_load_wait_seconds = 0.0  # submission to done, summed over finished loads
         self._pending_saves: list[TierSave] = []
         self._pending_loads: dict[int, bytes] = {}  # block_id -> bytes to write before the step
         if self.tiers is not None:
@@ -88,54 +95,136 @@ class KVCacheManager:
 
     # ---- prefix cache -------------------------------------------------------------------------
     def find_cached_prefix(self, seq: Sequence) -> list[PrefixHit]:
-        """Longest run of full blocks matching the sequence's tokens: cached pool blocks, then
-        blocks found in the tiers below the pool (when there are tiers).
+        """Longest run of full blocks matching the sequence's tokens: cached pool blocks, then the
+        blocks its tier load (`prefetch`) found after them. Reads nothing from a tier.
 
         Never covers the last token: its logits are needed, so it is always computed.
-        A tier lookup reads the entry now (synchronously) and keeps it with the waiting
-        sequence, so a request that waits several steps reads it once.
         """
         if not self.pool.enable_caching or seq.seq_id in self.tables:
             return []
+        hits: list[PrefixHit] = list(self._pool_run(seq))
+        load = self._loads.get(seq.seq_id)
+        if load is not None and load.done:
+            staged = {hit.index: hit for hit in load.hits}
+            for record in self._tier_records(seq, hits):
+                hit = staged.get(len(hits))
+                if hit is None or hit.record != record:
+                    break
+                hits.append(hit)
+        return hits
+
+    def _pool_run(self, seq: Sequence) -> list[KVBlock]:
         bs = self.block_size
-        hits: list[PrefixHit] = []
+        run: list[KVBlock] = []
         parent, prev_hash = None, None
-        num_full = (len(seq.token_ids) - 1) // bs
-        for j in range(num_full):
+        for j in range((len(seq.token_ids) - 1) // bs):
             tokens = tuple(seq.token_ids[j * bs : (j + 1) * bs])
             h = self.pool.hash_fn(prev_hash, tokens)
             block = self.pool.lookup(h, tokens, parent)
             if block is None:
                 break
-            hits.append(block)
+            run.append(block)
             parent, prev_hash = block.ref, h
-        if self.tiers is not None and len(hits) < num_full:
-            hits += self._tier_hits(seq, hits, num_full)
-        return hits
+        return run
 
-    def _tier_hits(self, seq: Sequence, pool_hits: list[PrefixHit], num_full: int) -> list[TierHit]:
-        assert self.tiers is not None
+    def _tier_records(self, seq: Sequence, pool_run: Seq[PrefixHit]) -> list[BlockRecord]:
+        """The records of the sequence's full blocks after `pool_run` (what a tier would hold for them)."""
+        if self.tiers is None:
+            return []
         bs, fp = self.block_size, self.tiers.fingerprint
         parent = ROOT
-        if pool_hits:
-            last = self._records.get(pool_hits[-1].block_id)  # type: ignore[union-attr]
+        if pool_run:
+            last = self._records.get(pool_run[-1].block_id)  # type: ignore[union-attr]
             if last is None:  # cached before the tiers knew it: no key to continue the chain from
                 return []
             parent = last.key
-        staged = self._staged.setdefault(seq.seq_id, {})
-        out: list[TierHit] = []
-        for j in range(len(pool_hits), num_full):
+        records = []
+        for j in range(len(pool_run), (len(seq.token_ids) - 1) // bs):
             tokens = tuple(seq.token_ids[j * bs : (j + 1) * bs])
-            record = BlockRecord(chain_key(fp, parent, tokens), parent, tokens)
-            hit = staged.get(j)
-            if hit is None or hit.record != record:
-                found = self.tiers.lookup(record)
-                if found is None:
-                    break
-                hit = staged[j] = TierHit(j, record, *found)
-            out.append(hit)
-            parent = record.key
+            records.append(BlockRecord(chain_key(fp, parent, tokens), parent, tokens))
+            parent = records[-1].key
+        return records
+
+    # ---- tier loads for waiting sequences -----------------------------------------------------
+    def prefetch(self, seq: Sequence) -> bool:
+        """Whether the sequence's prefix is ready for admission: starts (once) the tier read of its full blocks
+        after the pool's run and answers False while that read is pending. The read runs on the tiers' loader
+        thread; a read past its deadline is given up (what it found is kept). A finished read that no longer
+        starts where the pool's run ends (a pool block it followed was evicted meanwhile) is made once more."""
+        if self.tiers is None or not self.pool.enable_caching or seq.seq_id in self.tables:
+            return True
+        load = self._loads.get(seq.seq_id)
+        if load is not None:
+            if not load.done and not load.expire(time.monotonic()):
+                return False
+            self._note_finished(load)
+            if self.tiers.extend(load):  # blocks the pool evicted while it ran may be in a tier now
+                return False
+            if load.is_retry:
+                return True
+        run = self._pool_run(seq)
+        if load is not None and len(run) >= load.first_index:
+            return True
+        records = self._tier_records(seq, run)
+        if not records:
+            return True
+        if self.staged_blocks() - (load.num_blocks if load else 0) + len(records) > self.max_staged_blocks:
+            return load is not None  # no room to read ahead now: a first read waits, a retry is not made
+        shared = self._shared_hits(records, len(run))
+        if shared is None:
+            return False  # another waiting sequence is reading these blocks now: take them from it when done
+        new = self.tiers.start_load(len(run), records, shared)
+        new.is_retry = load is not None
+        self._loads[seq.seq_id] = new
+        self.tier_loads_started += 1
+        if not new.done:
+            return False
+        self._note_finished(new)
+        return True
+
+    def _shared_hits(self, records: Seq[BlockRecord], first_index: int) -> Optional[list[TierHit]]:
+        """The leading `records` that other sequences' finished reads hold (one read per block, e.g. for a
+        system prompt that many waiting requests share), or None while a pending read covers the first one
+        not held: waiting for it costs less than reading the block twice."""
+        held: dict[bytes, TierHit] = {}
+        reading: set[bytes] = set()
+        for load in self._loads.values():
+            if load.done:
+                held.update((hit.record.key, hit) for hit in load.hits)
+            else:
+                reading.update(record.key for record in load.records)
+        out: list[TierHit] = []
+        for k, record in enumerate(records):
+            hit = held.get(record.key)
+            if hit is None:
+                return None if record.key in reading else out
+            out.append(TierHit(first_index + k, record, hit.payload, hit.tier))
         return out
+
+    def _note_finished(self, load: TierLoad) -> None:
+        if not load.counted:
+            load.counted = True
+            self.tier_load_timeouts += load.expired
+            self.tier_load_wait_seconds += (load.finished_at or load.submitted) - load.submitted
+
+    def loads_pending(self) -> bool:
+        """Some waiting sequence's tier read is still running."""
+        return any(not load.done for load in self._loads.values())
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Blocks until a pending tier read finishes or `timeout` passes: for a step with nothing to compute."""
+        if self.tiers is not None and self.tiers.loader is not None and self.loads_pending():
+            self.tiers.loader.wait(timeout)
+
+    def staged_blocks(self) -> int:
+        """Blocks that tier reads hold in staging (or may still read, while pending), over every waiting sequence."""
+        return sum(load.num_blocks for load in self._loads.values())
+
+    def _drop_load(self, seq_id: int) -> None:
+        """Forgets the sequence's tier read (admitted, aborted, preempted): its staged blocks go with it."""
+        load = self._loads.pop(seq_id, None)
+        if load is not None:
+            load.cancel()
 
     # ---- check, then commit -------------------------------------------------------------------
     def plan_allocation(self, requests: Seq[AllocRequest]) -> AllocationPlan:
@@ -186,6 +275,7 @@ class KVCacheManager:
         for seq, _, hits in plan.requests:
             if hits and isinstance(hits[-1], TierHit):
                 self._load_tier_hits(seq, [h for h in hits if isinstance(h, TierHit)])
+            self._drop_load(seq.seq_id)  # admitted: what its read staged is in the pool now, or not needed
         copies: list[tuple[int, int]] = []
         for (seq, _, _), copy, new in zip(plan.requests, plan.copy_last, plan.new_blocks):
             table = self.tables.setdefault(seq.seq_id, [])
@@ -225,7 +315,6 @@ class KVCacheManager:
             table.append(block)
             hashes.append(h)
             keys.append(hit.record.key)
-        self._staged.pop(seq.seq_id, None)
         self.tiers.num_loads += len(hits)
         self.tier_hits_tokens += len(hits) * self.block_size
 
@@ -319,7 +408,7 @@ class KVCacheManager:
         self._hashes.pop(seq.seq_id, None)
         self._first_live.pop(seq.seq_id, None)
         self._tier_keys.pop(seq.seq_id, None)
-        self._staged.pop(seq.seq_id, None)
+        self._drop_load(seq.seq_id)
 
     def truncate(self, seq: Sequence) -> int:
         """Frees the table's blocks past the sequence's computed tokens (tail first); returns how many.
@@ -391,8 +480,11 @@ class KVCacheManager:
                 filled[block.block_id] = max(filled.get(block.block_id, 0), f)
         used = self.pool.num_used
         tokens = sum(filled.values())
-        tiers = {} if self.tiers is None else {"prefix_cache_tier_hits_tokens": self.tier_hits_tokens,
-                                               **self.tiers.stats()}
+        tiers = {} if self.tiers is None else {
+            "prefix_cache_tier_hits_tokens": self.tier_hits_tokens, **self.tiers.stats(),
+            "kv_tier_loads_started": self.tier_loads_started, "kv_tier_loads_pending": len(self._loads),
+            "kv_tier_staged_blocks": self.staged_blocks(), "kv_tier_load_timeouts": self.tier_load_timeouts,
+            "kv_tier_load_wait_seconds": self.tier_load_wait_seconds}
         return {
             "kv_blocks_total": self.pool.num_kv_blocks,
             "kv_blocks_used": used,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import deque
 import operator
 import time
 from typing import Any, Optional, Sequence as Seq, Union
@@ -26,6 +27,8 @@ from trtpaged.runtime.sequence import Sequence, SequenceGroup
 Prompt = Union[str, Seq[int]]
 
 PHASES = ("schedule", "prepare", "model", "sample", "update", "output")
+LOAD_POLL_S = 0.02  # an idle step's longest wait for a tier read (new requests are taken between steps)
+TTFT_RECORDS = 4096  # the most recent requests `ttft_breakdown` keeps
 
 
 class LLMEngine:
@@ -70,6 +73,7 @@ class LLMEngine:
         self.num_block_copies = 0
         self.num_tokens_computed = 0
         self.phase_seconds: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        self._ttft: deque[dict[str, float]] = deque(maxlen=TTFT_RECORDS)
 
     def encode(self, prompt: Prompt) -> tuple[Optional[str], list[int]]:
         """(text or None, token ids) of a text or token-id prompt."""
@@ -91,8 +95,10 @@ class LLMEngine:
             raise RequestError("prompt", f"token id {bad} is outside the vocabulary [0, {vocab})", vocab)
         return None, ids
 
-    def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None) -> str:
-        """Queues a request; raises `RequestError` (naming the field and limit) if it can never run."""
+    def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None,
+                    arrival_time: Optional[float] = None) -> str:  # fmt: skip
+        """Queues a request; raises `RequestError` (naming the field and limit) if it can never run.
+        `arrival_time` (time.monotonic()): when it reached the server, for `ttft_breakdown`."""
         params = params or SamplingParams()
         text, token_ids = self.encode(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._request_ids)}"
@@ -113,6 +119,8 @@ class LLMEngine:
             seq.grammar = self.grammars.matcher(compiled)
             self.num_constrained_requests += 1
         self.scheduler.add(group)
+        if arrival_time is not None:
+            group.times["arrived"] = min(arrival_time, group.times["queued"])
         self.groups[request_id] = group
         return request_id
 
@@ -146,7 +154,10 @@ class LLMEngine:
         clock = _PhaseClock(self.phase_seconds)
         out = self.scheduler.schedule()
         clock.lap("schedule")
-        return self.run_scheduled(out, clock)
+        results = self.run_scheduled(out, clock)
+        if out.is_empty and self.kv.loads_pending():  # nothing to compute until a tier read lands
+            self.kv.wait_for_loads(LOAD_POLL_S)
+        return results
 
     def run_scheduled(self, out: SchedulerOutput, clock: Optional[_PhaseClock] = None) -> list[RequestOutput]:
         """The rest of `step()` for a plan that `scheduler.schedule()` just returned."""
@@ -158,6 +169,7 @@ class LLMEngine:
             self.runner.write_blocks(out.tier_loads)
         touched = list(out.refused)
         if not out.is_empty:
+            started = time.perf_counter()
             self.runner.copy_blocks(out.block_copies)
             batch, rows, scored = build_step_batch(out, self.kv)
             clock.lap("prepare")
@@ -170,6 +182,7 @@ class LLMEngine:
             self.scheduler.update_from_output(out, samples, prompt_scores)
             clock.lap("update")
             self.scheduler.finish_stopped(self.processor.detokenize(out.sampled_groups))
+            self._note_prefill(out, time.perf_counter() - started)
             touched += out.sampled_groups
             self.num_steps += 1
             self.num_block_copies += len(out.block_copies)
@@ -180,6 +193,44 @@ class LLMEngine:
                 self.groups.pop(group.request_id, None)
         clock.lap("output")
         return results
+
+    def _note_prefill(self, out: SchedulerOutput, seconds: float) -> None:
+        """Per request until its first token: the steps that computed its prompt, what else they computed and
+        their time; at the first token, one `ttft_breakdown` record."""
+        total = out.num_tokens
+        seen: set[str] = set()
+        for item in out.scheduled:
+            group = item.group
+            if "first_token" in group.times or group.request_id in seen:
+                continue
+            seen.add(group.request_id)
+            own = sum(s.num_tokens for s in out.scheduled if s.group is group)
+            group.prefill_steps += 1
+            group.prefill_shared_tokens += total - own
+            group.prefill_step_seconds += seconds
+        now = time.monotonic()
+        for group in out.sampled_groups:
+            if "first_token" in group.times:
+                continue
+            group.times["first_token"] = now
+            t = group.times
+            ready, arrived = t.get("ready", t["queued"]), t.get("arrived", t["queued"])
+            self._ttft.append({
+                "ttft_s": now - arrived, "submit_wait_s": t["queued"] - arrived, "tier_wait_s": ready - t["queued"],
+                "admission_wait_s": t["scheduled"] - ready, "prefill_s": now - t["scheduled"],
+                "prefill_steps": group.prefill_steps, "prompt_tokens": len(group.prompt_token_ids),
+                "cached_tokens": group.num_cached_tokens or 0, "shared_tokens": group.prefill_shared_tokens,
+                "prefill_step_s": group.prefill_step_seconds,
+            })  # fmt: skip
+
+    def ttft_breakdown(self) -> list[dict[str, float]]:
+        """Where each recent request's time to first token went, from its arrival (seconds): `submit_wait_s`
+        (from `arrival_time`, when given, until the engine took it: a server's engine thread takes requests
+        between steps), `tier_wait_s` (its prefix loading from a KV tier), `admission_wait_s` (queued for
+        blocks or the token budget), `prefill_s` (first scheduled to first token: `prefill_steps` steps that
+        also computed `shared_tokens` of other requests). HTTP and tokenizing before the submission are not
+        in it."""
+        return list(self._ttft)
 
     def _scored_prompts(self, scored: Seq[PromptRows]) -> dict[str, tuple[list[int], int]]:
         return {s.request_id: (self.groups[s.request_id].prompt_token_ids,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional, Sequence as Seq, Union
@@ -26,6 +27,9 @@ from trtpaged.runtime.sampling_params import SamplingParams
 from trtpaged.runtime.sequence import Sequence, SequenceGroup, SequenceStatus
 from trtpaged.runtime.structured import accepts
 from trtpaged.runtime.speculative import AcceptanceTracker, SpecDecodeStats, ngram_propose
+
+# Waiting groups whose prefix reads from the KV tiers start at the end of each schedule (the queue's head)
+PREFETCH_AHEAD = 64
 
 # What one group's step produced: a run of tokens per sample (index order before the first fork,
 # then `group.seqs` order; one token, or a speculating sequence's verified run), the beam step, or
@@ -164,6 +168,7 @@ class Scheduler:
     def add(self, group: SequenceGroup) -> None:
         """Queues a request after `check_request`."""
         self.check_request(len(group.prompt_token_ids), group.params)
+        group.times["queued"] = time.monotonic()
         group.set_status(SequenceStatus.WAITING)
         self._insert(self.waiting, group)
 
@@ -371,6 +376,8 @@ class Scheduler:
             if not self.swapped:
                 self._admit(budget, out, done)
         out.scheduled.sort(key=lambda s: s.num_tokens == 1)  # prefill chunks first, then decode tokens
+        for group in itertools.islice(self.waiting, PREFETCH_AHEAD):  # their tier reads run while this step computes
+            self._prefix_ready(group)
         out.tier_saves, out.tier_loads = self.kv.take_tier_transfers()
         return out
 
@@ -435,6 +442,7 @@ class Scheduler:
             if seq.seq_id not in self.kv.tables:
                 self.kv.note_prefix_query(seq)
         if group.num_cached_tokens is None:  # first scheduled: the prompt tokens the prefix cache held
+            group.times["scheduled"] = time.monotonic()
             group.num_cached_tokens = sum(len(hits) for _, _, hits in plan.requests) * self.kv.block_size
         out.block_copies += self.kv.allocate(plan)
         for seq, _, hits in plan.requests:
@@ -449,23 +457,35 @@ class Scheduler:
             out.sampled_groups.append(group)
 
     def _admit(self, budget: list[int], out: SchedulerOutput, done: set[str]) -> None:
-        while self.waiting:
-            group = self.waiting[0]
+        """Admits waiting groups in arrival order; the first that does not fit stops admission. A group whose
+        prefix is still loading from a KV tier is passed over (it stays queued, its place kept)."""
+        for group in list(self.waiting):
+            if not self._prefix_ready(group):
+                continue
             requests, sample = self._plan(group, budget)
             if requests is None:
                 return
             plan = self.kv.plan_allocation(requests)
             if plan.num_kv_blocks > self.kv.pool.num_free:
                 if not self.running and not out.scheduled:  # an empty pool cannot hold it: it never will
-                    self.waiting.popleft()
+                    self.waiting.remove(group)
                     self._refuse(group, out)
                     continue
                 return
-            self.waiting.popleft()
+            self.waiting.remove(group)
             group.set_status(SequenceStatus.RUNNING)
             self._insert(self.running, group)
             self._commit(group, plan, sample, budget, out)
             done.add(group.request_id)
+
+    def _prefix_ready(self, group: SequenceGroup) -> bool:
+        """Starts the tier reads of a waiting group's prefix (`KVCacheManager.prefetch`); whether all are done."""
+        if group.scores_prompt:  # computes every prompt token: no prefix hits to read
+            return True
+        ready = all([self.kv.prefetch(seq) for seq in group.seqs])  # a list: every sequence's read starts
+        if ready and "ready" not in group.times:
+            group.times["ready"] = time.monotonic()
+        return ready
 
     def _swap_in(self, budget: list[int], out: SchedulerOutput) -> None:
         while self.swapped and self.kv.can_swap_in(self.swapped[0].seqs):

@@ -164,6 +164,12 @@ class SequenceGroup:
             [None] if params.prompt_logprobs is not None else None)
         self.prompt_logprobs_sent = False  # whether a DELTA output carried them
         self.bad_words: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token ids (set by the engine)
+        # monotonic times of its first: "queued", "ready" (prefix reads from KV tiers done), "scheduled",
+        # "first_token"; the engine's TTFT breakdown (`LLMEngine.ttft_breakdown`)
+        self.times: dict[str, float] = {}
+        self.prefill_steps = 0  # steps that computed part of its prompt
+        self.prefill_shared_tokens = 0  # tokens of other requests in those steps
+        self.prefill_step_seconds = 0.0  # wall time of those steps (forward and the rest of the step)
 
     @property
     def scores_prompt(self) -> bool:

@@ -316,7 +316,7 @@ class EngineLoop:
         added: list[str] = []
         try:
             for rid, prompt, params in requests:
-                self.engine.add_request(prompt, params, rid)
+                self.engine.add_request(prompt, params, rid, arrival_time=arrival)
                 added.append(rid)
                 self._subs[rid] = sub
                 self._timing[rid] = _Timing(arrival, len(prompt), params=params, step=self.engine.num_steps)

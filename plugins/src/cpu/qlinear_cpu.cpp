@@ -44,6 +44,8 @@ using trtpaged::fail;
 
 constexpr int kRows = 16;   // output rows per tile
 constexpr int kMaxMB = 8;   // activation rows per kernel call (register blocking), at most
+// Tiles at least this long get the next tile prefetched by the two-pass AVX2 kernels (qlinear_tile256.inc).
+constexpr size_t kPrefetchTileBytes = 12288;
 
 using trtpaged::cpu::Isa;
 using trtpaged::cpu::kAvx2;
@@ -406,8 +408,12 @@ __attribute__((target("avx2,fma,f16c"))) void ftile_avx2_mb(const TileArgs& t, f
 
 template <int BITS>
 __attribute__((target("avx2,fma,f16c"))) int ftile_avx2(const TileArgs& t, int count, float* out) {
-  if (count >= 2) return ftile_avx2_mb<BITS, 2>(t, out), 2;
-  return ftile_avx2_mb<BITS, 1>(t, out), 1;
+  switch (std::min(count, 4)) {
+    case 4: return ftile_avx2_mb<BITS, 4>(t, out), 4;
+    case 3: return ftile_avx2_mb<BITS, 3>(t, out), 3;
+    case 2: return ftile_avx2_mb<BITS, 2>(t, out), 2;
+    default: return ftile_avx2_mb<BITS, 1>(t, out), 1;
+  }
 }
 
 
@@ -447,8 +453,10 @@ constexpr int kLimbs = 3;
 // Float activations take the limbs for int8 weights at any batch, and for int4 weights up to this
 // many rows; above it the float tiles are as fast or faster (bench qlinear, AVX-512 VNNI: int4
 // gate_up 3072 x 576, M = 1: limbs 33 us, float tiles 44 us; M = 8: 167 / 165 us; M = 16: 333 /
-// 320 us; int8 lm_head 49152 x 576, M = 1: 611 / 819 us; M = 16: 4.3 / 5.5 ms).
-constexpr int64_t kLimbMaxRowsInt4 = 4;
+// 320 us; int8 lm_head 49152 x 576, M = 1: 611 / 819 us; M = 16: 4.3 / 5.5 ms). Plain AVX2 (no
+// vpdpbusd) takes the float tiles from 2 rows on: forced AVX2 on the EPYC, one thread, limbs / float
+// tiles of 4 rows, int4 gate_up M = 2: 1.15x, M = 3: 1.65x, M = 4: 1.54x; M = 1: 0.70x.
+int64_t limb_max_rows_int4(Isa isa) { return isa == kAvx2 ? 1 : 4; }
 
 // max |x| over a block of 32.
 inline float block_amax_scalar(const float* x) {
@@ -721,7 +729,7 @@ TRTPAGED_API trtpaged_status trtpaged_qlinear_cpu_ex(const float* x, int64_t m, 
     const bool float_acts = activations == TRTPAGED_QLINEAR_FLOAT_ACTIVATIONS;
     static thread_local CallBuffers buf;
     Acts acts{};
-    if (float_acts && (bits == 8 || m <= kLimbMaxRowsInt4)) {
+    if (float_acts && (bits == 8 || m <= limb_max_rows_int4(isa))) {
       quantize_activations(x, m, kLimbs, l, isa, buf, acts);
       run_tiles(l, tile_kernel(isa, bits, false), &acts, nullptr, nullptr, m * kLimbs,
                 static_cast<const uint8_t*>(packed), bias, y, kLimbs, tile_max_rows(isa));

@@ -46,3 +46,22 @@ class KVTier(Protocol):
 
     def close(self) -> None:
         ...
+
+
+@dataclass(frozen=True)
+class BlockRecord:
+    """What identifies a full block's content below the pool."""
+
+    key: bytes
+    parent: bytes
+    tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TierHit:
+    """A verified block found in a tier for block `index` of a sequence; `payload` is its pool bytes."""
+
+    index: int
+    record: BlockRecord
+    payload: bytes
+    tier: str

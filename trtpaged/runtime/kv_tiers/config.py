@@ -1,7 +1,8 @@
 """The tiers' settings (LLM(kv_tiers=...), `trtpaged serve --kv-*`) and building the stack for one engine.
 
     kv_tiers = {"host_memory": "8GiB", "disk": {"path": "/var/cache/trtpaged", "size": "100GiB"},
-                "remote": "redis://127.0.0.1:6379/0"}      # or {"url": ..., "timeout_s": 0.5}
+                "remote": "redis://127.0.0.1:6379/0",      # or {"url": ..., "timeout_s": 0.5}
+                "load_timeout_s": 2.0}                     # the longest a waiting request waits for its prefix
 
 Every error is a ValueError naming the field (`kv_tiers.disk.size`) and what is allowed.
 """
@@ -17,7 +18,7 @@ from trtpaged.runtime.kv_tiers.host import HostMemoryTier
 from trtpaged.runtime.kv_tiers.remote import RedisTier, check_redis_url
 from trtpaged.runtime.kv_tiers.stack import TierStack
 
-KEYS = ("host_memory", "disk", "remote")
+KEYS = ("host_memory", "disk", "remote", "load_timeout_s")
 DISK_KEYS = ("path", "size")
 REMOTE_KEYS = ("url", "timeout_s")
 MAX_TIMEOUT_S = 60.0
@@ -32,6 +33,7 @@ class KVTierConfig:
     disk_size: int = 0  # bytes
     remote: Optional[str] = None  # redis://HOST:PORT[/DB]
     remote_timeout_s: float = 0.5  # per store operation
+    load_timeout_s: float = 2.0  # a waiting request's prefix read from the tiers; past it, the rest is recomputed
 
     def __post_init__(self) -> None:
         if self.host_memory < 0:
@@ -44,6 +46,8 @@ class KVTierConfig:
             check_redis_url(self.remote)
         if not 0 < self.remote_timeout_s <= MAX_TIMEOUT_S:
             raise ValueError(f"kv_tiers.remote.timeout_s: must be in (0, {MAX_TIMEOUT_S}], got {self.remote_timeout_s}")
+        if not 0 < self.load_timeout_s <= MAX_TIMEOUT_S:
+            raise ValueError(f"kv_tiers.load_timeout_s: must be in (0, {MAX_TIMEOUT_S}], got {self.load_timeout_s}")
 
     @property
     def enabled(self) -> bool:
@@ -72,6 +76,11 @@ class KVTierConfig:
             return n
 
         values: dict[str, Any] = {}
+        if spec.get("load_timeout_s") is not None:
+            t = spec["load_timeout_s"]
+            if isinstance(t, bool) or not isinstance(t, (int, float)):
+                raise ValueError(f"kv_tiers.load_timeout_s: expected seconds, got {t!r}")
+            values["load_timeout_s"] = float(t)
         if spec.get("host_memory") is not None:
             values["host_memory"] = size(spec["host_memory"], "kv_tiers.host_memory")
         disk = spec.get("disk")
@@ -108,7 +117,7 @@ class KVTierConfig:
             tiers.append(DiskTier(self.disk_path, self.disk_size))
         if self.remote:
             tiers.append(RedisTier(self.remote, timeout_s=self.remote_timeout_s))
-        return TierStack(tiers, fingerprint, block_bytes)
+        return TierStack(tiers, fingerprint, block_bytes, load_timeout_s=self.load_timeout_s)
 
 
 def _known(spec: Mapping[str, Any], allowed: tuple[str, ...], where: str) -> None:

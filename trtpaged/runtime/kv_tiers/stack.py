@@ -1,11 +1,14 @@
 """The tiers below the pool, top (fastest) to bottom, as one lookup and one write-back path.
 
 Lookups go top-down and stop at the first verified entry; every tier asked and
-not holding one counts a miss. Write-back puts an evicted block into every tier
-that lacks it: inline for the host tier (a dict insert), through one background
-writer thread for slow tiers (disk, network), so a step never waits on them. The
-writer's queue is bounded; when it is full the write-back is dropped and counted
-(a later eviction of the same prefix will offer it again).
+not holding one counts a miss. With `background` (a serving engine), lookups run on
+the loader's threads (loader.py) and write-backs on one writer thread: the step copies
+an evicted block's bytes out of the pool and queues them; encoding the entry (its
+SHA-256) and every tier's put happen on the writer, so a step never waits on a
+tier. The writer's queue is bounded; when it is full the write-back is dropped and
+counted (a later eviction of the same prefix will offer it again). Without
+`background` (the replays of `bench memory` / `diagnose`, which must be
+deterministic) both happen inline.
 """
 
 from __future__ import annotations
@@ -13,34 +16,18 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from trtpaged.runtime.kv_tiers.base import KVTier
+from trtpaged.runtime.kv_tiers.base import BlockRecord, KVTier, TierHit
 from trtpaged.runtime.kv_tiers.entry import EntryMismatch, decode_entry, encode_entry
+from trtpaged.runtime.kv_tiers.loader import TierLoad, TierLoader
 
-
-@dataclass(frozen=True)
-class BlockRecord:
-    """What identifies a full block's content below the pool."""
-
-    key: bytes
-    parent: bytes
-    tokens: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class TierHit:
-    """A verified block found in a tier for block `index` of a sequence; `payload` is its pool bytes."""
-
-    index: int
-    record: BlockRecord
-    payload: bytes
-    tier: str
+__all__ = ["BlockRecord", "TierHit", "TierStack"]
 
 
 class TierStack:
-    def __init__(self, tiers: Sequence[KVTier], fingerprint: bytes, block_bytes: int, queue_size: int = 1024) -> None:
+    def __init__(self, tiers: Sequence[KVTier], fingerprint: bytes, block_bytes: int, queue_size: int = 1024,
+                 background: bool = True, load_timeout_s: float = 2.0) -> None:  # fmt: skip
         if not tiers:
             raise ValueError("kv tiers: at least one tier")
         self.tiers = list(tiers)
@@ -50,14 +37,30 @@ class TierStack:
         self.num_loads = 0  # blocks restored into the pool from a tier
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._writer: Optional[threading.Thread] = None
-        if any(t.slow for t in self.tiers):
+        self.loader: Optional[TierLoader] = None  # None: lookups run inline (`start_load` returns a finished load)
+        # write-backs queued for the writer, by key: found by lookups before they reach their tiers
+        self._unwritten: dict[bytes, tuple[BlockRecord, bytes]] = {}
+        self.num_saves = 0  # write-backs offered so far (a finished load looks again only after new ones)
+        if background:
+            if any(t.slow for t in self.tiers):
+                self.loader = TierLoader(lambda record: self.lookup(record, slow=True), load_timeout_s)
             self._writer = threading.Thread(target=self._write_loop, name="trtpaged-kv-tier-writer", daemon=True)
             self._writer.start()
 
     # ---- lookups ------------------------------------------------------------------------------
-    def lookup(self, record: BlockRecord) -> Optional[tuple[bytes, str]]:
-        """(payload, tier name) of the block, verified against this engine and prefix, or None."""
+    def lookup(self, record: BlockRecord, slow: Optional[bool] = None) -> Optional[tuple[bytes, str]]:
+        """(payload, tier name) of the block, verified against this engine and prefix, or None. `slow`: ask only
+        the slow tiers (True) or only the memory tier (False). A block whose write-back is still queued is
+        found there (the pool's own bytes of that block), counted as a hit of the top tier."""
+        queued = self._unwritten.get(record.key) if slow is not True else None
+        if queued is not None and queued[0] == record:
+            top = self.tiers[0]
+            top.counters.hits += 1
+            top.counters.bytes_read += len(queued[1])
+            return queued[1], top.name
         for tier in self.tiers:
+            if slow is not None and tier.slow != slow:
+                continue
             start = time.perf_counter()
             data = tier.get(record.key)
             try:
@@ -74,6 +77,47 @@ class TierStack:
             return payload, tier.name
         return None
 
+    def start_load(self, first_index: int, records: Sequence[BlockRecord], known: Sequence[TierHit] = ()) -> TierLoad:
+        """Looks up `records` (blocks `first_index ..` of a sequence) in order until the first miss, after the
+        leading ones `known` already holds (found by another sequence's load). The memory
+        tier is asked now (a dict lookup and a checksum, no I/O); what it lacks is read from the slow tiers
+        (disk, Redis) on the loader with `background`, else now. A load with nothing left to read
+        comes back done."""
+        load = TierLoad(first_index, records)
+        load.saves_seen = self.num_saves
+        load.hits += known
+        split = self.loader is not None  # memory tier now, slow tiers on the loader
+        for k in range(len(known), len(records)):
+            record = records[k]
+            found = self.lookup(record, slow=False if split else None)
+            if found is None:
+                break
+            load.hits.append(TierHit(first_index + k, record, *found))
+        if split and len(load.hits) < len(records):
+            return self.loader.submit(load)  # type: ignore[union-attr]
+        load.done = True
+        load.finished_at = load.submitted
+        return load
+
+    def extend(self, load: TierLoad) -> bool:
+        """Adds to a finished load the blocks after its hits that reached the memory tier or the write-back
+        queue since it last looked (blocks evicted while it ran). When one is missing there and there are slow
+        tiers, the rest goes back to the loader once (the writer may have stored it on disk or in Redis
+        meanwhile): True then, and the load is pending again."""
+        if not load.done or load.saves_seen == self.num_saves or len(load.hits) == len(load.records):
+            return False
+        load.saves_seen = self.num_saves
+        for k in range(len(load.hits), len(load.records)):
+            found = self.lookup(load.records[k], slow=False if self.loader is not None else None)
+            if found is None:
+                if self.loader is None or load.resumed or load.cancelled:
+                    return False
+                load.resumed, load.done = True, False
+                self.loader.submit(load)
+                return True
+            load.hits.append(TierHit(load.first_index + k, load.records[k], *found))
+        return False
+
     # ---- write-back ---------------------------------------------------------------------------
     @property
     def has_persistent(self) -> bool:
@@ -82,24 +126,29 @@ class TierStack:
 
     def save(self, records: Sequence[tuple[BlockRecord, bytes]], persistent_only: bool = False) -> None:
         """Offers evicted blocks' (record, payload) to every tier that lacks them (only the disk and remote
-        tiers with `persistent_only`)."""
-        slow_items = []
+        tiers with `persistent_only`): queued for the writer thread, or written now without `background`."""
+        self.num_saves += len(records)
         for record, payload in records:
-            entry = encode_entry(self.fingerprint, record.parent, record.tokens, payload)
-            for tier in self.tiers:
-                if not tier.slow and not persistent_only:
-                    if not tier.contains(record.key):
-                        tier.put(record.key, entry)
-            slow_items.append((record.key, entry))
-        if self._writer is None:
-            return
-        for item in slow_items:
+            if self._writer is None:
+                self._write(record, payload, persistent_only)
+                continue
+            self._unwritten[record.key] = (record, payload)  # before the writer may take it
             try:
-                self._queue.put_nowait(item)
+                self._queue.put_nowait((record, payload, persistent_only))
             except queue.Full:
-                for tier in self.tiers:
-                    if tier.slow:
-                        tier.counters.dropped += 1
+                self._unwritten.pop(record.key, None)
+                for tier in self._targets(persistent_only):
+                    tier.counters.dropped += 1
+
+    def _targets(self, persistent_only: bool) -> list[KVTier]:
+        return [t for t in self.tiers if t.slow or not persistent_only]
+
+    def _write(self, record: BlockRecord, payload: bytes, persistent_only: bool) -> None:
+        entry = None
+        for tier in self._targets(persistent_only):
+            if not tier.contains(record.key):
+                entry = entry or encode_entry(self.fingerprint, record.parent, record.tokens, payload)
+                tier.put(record.key, entry)
 
     def _write_loop(self) -> None:
         while True:
@@ -107,15 +156,13 @@ class TierStack:
             try:
                 if item is None:
                     return
-                key, entry = item
-                for tier in self.tiers:
-                    if tier.slow and not tier.contains(key):
-                        tier.put(key, entry)
+                self._write(*item)
             except Exception:  # noqa: BLE001  (a tier bug must not kill the writer; counted)
-                for tier in self.tiers:
-                    if tier.slow:
-                        tier.counters.errors += 1
+                for tier in self._targets(item[2]):
+                    tier.counters.errors += 1
             finally:
+                if item is not None:
+                    self._unwritten.pop(item[0].key, None)
                 self._queue.task_done()
 
     def flush(self) -> None:
@@ -124,7 +171,9 @@ class TierStack:
             self._queue.join()
 
     def close(self) -> None:
-        """Finishes the queued write-backs, stops the writer and closes the tiers; idempotent."""
+        """Finishes the queued write-backs, stops the loader and the writer and closes the tiers; idempotent."""
+        if self.loader is not None:
+            self.loader.close()
         if self._writer is not None:
             self._queue.put(None)
             self._writer.join()

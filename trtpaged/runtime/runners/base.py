@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence, Union, runtime_checkable
+from typing import Any, Callable, Optional, Protocol, Sequence, Union, runtime_checkable
 
+import numpy as np
 import torch
 
 
@@ -64,24 +65,60 @@ def pool_block_bytes(pool: torch.Tensor) -> int:
     return pool[0].numel() * pool.element_size() if pool.shape[0] else 0
 
 
-def read_pool_blocks(pool: torch.Tensor, block_ids: Sequence[int]) -> list[bytes]:
-    """`ModelRunner.read_blocks` over a block-major pool tensor: one gather, one device-to-host copy."""
-    if not block_ids:
-        return []
-    index = torch.tensor(list(block_ids), dtype=torch.long, device=pool.device)
-    rows = pool.index_select(0, index).cpu().reshape(len(block_ids), -1).view(torch.uint8).numpy()
-    return [row.tobytes() for row in rows]
+SwapFn = Callable[[torch.Tensor, torch.Tensor, list[tuple[int, int]]], None]
 
 
-def write_pool_blocks(pool: torch.Tensor, blocks: Sequence[tuple[int, Union[bytes, bytearray]]]) -> None:
-    """`ModelRunner.write_blocks` over a block-major pool tensor; every payload must be one block's bytes."""
-    if not blocks:
-        return
-    size = pool_block_bytes(pool)
-    for block_id, payload in blocks:
-        if len(payload) != size:
-            raise ValueError(f"write_blocks: block {block_id} payload is {len(payload)} bytes, blocks are {size}")
-    flat = bytearray(b"".join(payload for _, payload in blocks))
-    data = torch.frombuffer(flat, dtype=torch.uint8).view(pool.dtype).view(len(blocks), *pool.shape[1:])
-    index = torch.tensor([b for b, _ in blocks], dtype=torch.long, device=pool.device)
-    pool.index_copy_(0, index, data.to(pool.device))
+class BlockStaging:
+    """Host rows in a pool's block layout through which whole blocks travel between the pool and the KV tiers
+    (`ModelRunner.read_blocks` / `write_blocks`), moved by the runner's swap copy `swap(src_pool, dst_pool,
+    pairs)`: the copy preemption by swap uses, so tiers and swapping share one block-transfer path. On a CUDA
+    pool the rows are pinned (page-locked): the copies are DMA transfers with no pageable bounce buffer. The
+    rows grow to the largest batch seen and are reused."""
+
+    def __init__(self, swap: SwapFn) -> None:
+        self._swap = swap
+        self._rows: Optional[torch.Tensor] = None
+        self._copied: Optional[Any] = None  # a CUDA event: the last write's copy out of the rows is done
+
+    def _take(self, pool: torch.Tensor, n: int) -> torch.Tensor:
+        if self._copied is not None:
+            self._copied.synchronize()  # the rows are the previous write's source until its copy ran
+            self._copied = None
+        rows = self._rows
+        if rows is None or rows.shape[0] < n or rows.shape[1:] != pool.shape[1:] or rows.dtype != pool.dtype:
+            pin = pool.device.type == "cuda" and torch.cuda.is_available()
+            size = max(n, 2 * rows.shape[0] if rows is not None and rows.shape[1:] == pool.shape[1:] else n)
+            rows = self._rows = torch.empty((size, *pool.shape[1:]), dtype=pool.dtype, pin_memory=pin)
+        return rows
+
+    @staticmethod
+    def _bytes_view(rows: torch.Tensor, n: int):
+        return rows[:n].reshape(n, -1).view(torch.uint8).numpy()
+
+    def read(self, pool: torch.Tensor, block_ids: Sequence[int]) -> list[bytes]:
+        """The raw bytes of whole blocks of `pool`."""
+        n = len(block_ids)
+        if not n:
+            return []
+        rows = self._take(pool, n)
+        self._swap(pool, rows, [(int(b), i) for i, b in enumerate(block_ids)])
+        if pool.device.type == "cuda":
+            torch.cuda.current_stream(pool.device).synchronize()
+        return [row.tobytes() for row in self._bytes_view(rows, n)]
+
+    def write(self, pool: torch.Tensor, blocks: Sequence[tuple[int, Union[bytes, bytearray]]]) -> None:
+        """Overwrites whole blocks of `pool`; every payload must be one block's bytes."""
+        if not blocks:
+            return
+        size = pool_block_bytes(pool)
+        for block_id, payload in blocks:
+            if len(payload) != size:
+                raise ValueError(f"write_blocks: block {block_id} payload is {len(payload)} bytes, blocks are {size}")
+        rows = self._take(pool, len(blocks))
+        view = self._bytes_view(rows, len(blocks))
+        for i, (_, payload) in enumerate(blocks):
+            view[i] = np.frombuffer(payload, dtype=np.uint8)
+        self._swap(rows, pool, [(i, int(b)) for i, (b, _) in enumerate(blocks)])
+        if pool.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record(torch.cuda.current_stream(pool.device))

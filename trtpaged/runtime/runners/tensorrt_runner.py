@@ -21,7 +21,7 @@ import torch
 
 from trtpaged.step_io import INPUT_NAMES
 from trtpaged.tensorrt_env import dims_tuple
-from trtpaged.runtime.runners.base import StepBatch, read_pool_blocks, write_pool_blocks
+from trtpaged.runtime.runners.base import BlockStaging, StepBatch
 
 POOL_INPUT, POOL_OUTPUT, LOGITS = "kv_cache", "kv_cache_out", "logits"
 POOL_ADDRESS_INPUT = "kv_cache_pool"  # builder/onnx_pool.py
@@ -115,6 +115,7 @@ class TensorRTRunner:
         if not kernels.available() or not kernels.has_cuda():
             raise RuntimeError("the TensorRT backend needs the kernel library built with CUDA for block copies and swaps")
         self._kernels = kernels
+        self._staging = BlockStaging(lambda src, dst, pairs: kernels.swap_blocks(src, dst, pairs))
 
     @classmethod
     def from_engine_dir(cls, engine_dir: str | Path, num_kv_blocks: int, device: str = "cuda",
@@ -193,7 +194,7 @@ class TensorRTRunner:
         return self.host_cache
 
     def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
-        return read_pool_blocks(self.kv_cache, block_ids)
+        return self._staging.read(self.kv_cache, block_ids)
 
     def write_blocks(self, blocks: Sequence[tuple[int, bytes]]) -> None:
-        write_pool_blocks(self.kv_cache, blocks)
+        self._staging.write(self.kv_cache, blocks)

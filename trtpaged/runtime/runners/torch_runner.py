@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from trtpaged.runtime.runners.base import StepBatch, read_pool_blocks, write_pool_blocks
+from trtpaged.runtime.runners.base import BlockStaging, StepBatch
 
 log = logging.getLogger("trtpaged.runtime")
 
@@ -44,6 +44,7 @@ class TorchRunner:
         pin = self.device.type == "cuda"
         self.host_cache = torch.zeros(host_shape, dtype=kv_cache.dtype, pin_memory=pin) if num_host_blocks else None
         self._kernels = _kernels(self.device)
+        self._staging = BlockStaging(self._swap)  # the KV tiers' blocks move as swapped blocks do
         self.execution_plan: Optional[str] = None
         set_plan = getattr(model, "set_execution_plan", None)
         if set_plan is not None:  # a step model: how its layers run here is decided once, now
@@ -112,7 +113,7 @@ class TorchRunner:
             self._swap(self.host_cache, self.kv_cache, pairs)
 
     def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
-        return read_pool_blocks(self.kv_cache, block_ids)
+        return self._staging.read(self.kv_cache, block_ids)
 
     def write_blocks(self, blocks: Sequence[tuple[int, bytes]]) -> None:
-        write_pool_blocks(self.kv_cache, blocks)
+        self._staging.write(self.kv_cache, blocks)

@@ -1,0 +1,131 @@
+"""Tier reads for waiting sequences on a background thread, so that the step loop never waits on one.
+
+The scheduler asks for a waiting sequence's blocks after the pool's run (`TierLoader.submit`); a
+loader thread looks them up in order, top tier first, until the first block no tier has, and keeps
+the verified entries with the load (staging in host memory). The scheduler admits the sequence once
+its load is `done` and copies the staged bytes into the blocks it allocates then. A load that is not
+done by its deadline is given up (`expire`): the sequence runs with the blocks found so far and
+recomputes the rest, so a slow or dead store costs at most the deadline, never a failed request.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Callable, Optional, Sequence
+
+from trtpaged.runtime.kv_tiers.base import BlockRecord, TierHit
+
+# (payload, tier name) of a verified entry, or None: `TierStack.lookup`
+Lookup = Callable[[BlockRecord], Optional[tuple[bytes, str]]]
+
+
+class TierLoad:
+    """One sequence's read of blocks `first_index ..` (their `records`). `hits` grows on the loader
+    thread, contiguous from `first_index`; the scheduler reads it once the load is `done` (or expired)."""
+
+    def __init__(self, first_index: int, records: Sequence[BlockRecord], deadline: float = float("inf")) -> None:
+        self.first_index = first_index
+        self.records = tuple(records)
+        self.deadline = deadline
+        self.submitted = time.monotonic()
+        self.hits: list[TierHit] = []
+        self.done = False  # every lookup it will make is made (or it was cancelled / expired)
+        self.cancelled = False
+        self.expired = False  # given up at its deadline: `hits` are what it found until then
+        self.finished_at: Optional[float] = None
+        self.is_retry = False  # the owner's second read for the same sequence
+        self.counted = False  # the owner has counted it finished
+        self.saves_seen = 0  # the stack's write-back count when it last looked in the memory tier
+        self.resumed = False  # sent back to the loader once for blocks written back after it ran
+        self._lock = threading.Lock()  # `hits` stops growing once the load is cancelled
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks this load may hold in staging: what it found once done, what it may find until then."""
+        return len(self.hits) if self.done else len(self.records)
+
+    def cancel(self) -> None:
+        """The sequence went away (admitted, aborted, preempted): `hits` grows no more."""
+        with self._lock:
+            self.cancelled = True
+
+    def expire(self, now: float) -> bool:
+        """Gives the load up if it is past its deadline and not done; True when it did. `hits` is final then."""
+        with self._lock:
+            if self.done or now < self.deadline:
+                return False
+            self.expired = self.cancelled = True
+            self._finish(now)
+            return True
+
+    def _add(self, hit: TierHit) -> bool:
+        with self._lock:
+            if not self.cancelled:
+                self.hits.append(hit)
+            return not self.cancelled
+
+    def _finish(self, now: float) -> None:
+        self.finished_at = now
+        self.done = True
+
+
+class TierLoader:
+    """`threads` background threads running `TierLoad`s in submission order, one load per thread at a time
+    (loads of requests arriving together read in parallel: a store's round trips overlap; hashing and
+    socket and file reads release the GIL).
+
+    A store that blocks holds a thread up to its own operation timeout; the loads queued behind
+    it expire at their deadlines meanwhile, so a waiting sequence never waits longer than `timeout_s`.
+    """
+
+    def __init__(self, lookup: Lookup, timeout_s: float = 2.0, threads: int = 4) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"kv_tiers.load_timeout_s: must be > 0 seconds, got {timeout_s}")
+        self.timeout_s = timeout_s
+        self._lookup = lookup
+        self._jobs: queue.Queue[Optional[TierLoad]] = queue.Queue()
+        self._finished = threading.Condition()
+        self._threads = [threading.Thread(target=self._run, name=f"trtpaged-kv-tier-loader-{i}", daemon=True)
+                         for i in range(threads)]  # fmt: skip
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, load: TierLoad) -> TierLoad:
+        """Queues the load's records after the hits it already has; its deadline is `timeout_s` from now."""
+        load.deadline = time.monotonic() + self.timeout_s
+        self._jobs.put(load)
+        return load
+
+    def wait(self, timeout: float) -> None:
+        """Blocks until some load finishes or `timeout` seconds pass (for a step with nothing to compute)."""
+        with self._finished:
+            self._finished.wait(timeout)
+
+    def close(self) -> None:
+        """Stops the threads after the loads they are running; idempotent."""
+        alive = [thread for thread in self._threads if thread.is_alive()]
+        for _ in alive:
+            self._jobs.put(None)
+        for thread in alive:
+            thread.join()
+
+    def _run(self) -> None:
+        while (load := self._jobs.get()) is not None:
+            try:
+                for k in range(len(load.hits), len(load.records)):
+                    if load.cancelled or time.monotonic() >= load.deadline:
+                        break
+                    record = load.records[k]
+                    found = self._lookup(record)
+                    if found is None or not load._add(TierHit(load.first_index + k, record, *found)):
+                        break
+            except Exception:  # noqa: BLE001  (a tier bug ends this load with what it found; lookups count errors)
+                pass
+            finally:
+                with self._finished:
+                    with load._lock:
+                        if not load.done:
+                            load._finish(time.monotonic())
+                    self._finished.notify_all()
