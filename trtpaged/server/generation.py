@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import time
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Optional, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Optional
 
 from pydantic import BaseModel
 
@@ -31,7 +30,7 @@ from trtpaged.server.engine_loop import (
 )
 from trtpaged.server.errors import ApiError, from_runtime_error, overloaded
 from trtpaged.server.protocol import GenerationRequest, parse_generation
-from trtpaged.server.responses import Echo, ResponseBuilder, logprob_token_ids, top_entries
+from trtpaged.server.responses import Echo, ResponseBuilder, logprob_token_ids, sse, top_entries
 from trtpaged.server.schemas import dump
 from trtpaged.server.stream_state import CompletionAccumulator, StreamState
 from trtpaged.server.tool_parsers import ToolCallStream
@@ -73,12 +72,6 @@ def runtime_failure(exc: Exception) -> ApiError:
     if isinstance(exc, RequestTimeout):
         return ApiError("request: exceeded the server's request timeout and was aborted", None, 504, "timeout_error")
     return ApiError(str(exc) if isinstance(exc, EngineFailure) else "internal server error", None, 500, "server_error")
-
-
-def sse(data: Union[BaseModel, dict, str]) -> bytes:
-    """One Server-Sent Event."""
-    payload = data if isinstance(data, str) else json.dumps(dump(data) if isinstance(data, BaseModel) else data)
-    return f"data: {payload}\n\n".encode()
 
 
 class GenerationService:
@@ -252,7 +245,7 @@ class GenerationService:
                             strings = await self._token_strings(logprob_token_ids(d.token_ids, d.logprobs))
                             offset = state.advance_offset(d.index, [strings[t] for t in d.token_ids])
                             logprobs = builder.stream_logprobs(d.token_ids, d.logprobs, strings, offset)
-                        yield sse(builder.chunk(d.index, d.text, d.finish_reason, logprobs))
+                        yield builder.event(d.index, d.text, d.finish_reason, logprobs)
         except (EngineFailure, ShuttingDown, RequestTimeout) as exc:
             s.summary.finish_reasons = [type(exc).__name__]
             yield sse(dump(runtime_failure(exc).body()))

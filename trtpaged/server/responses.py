@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence, Union
+
+from pydantic import BaseModel
 
 from trtpaged.runtime.outputs import CompletionOutput, RequestOutput
 from trtpaged.server.tool_parsers import CallStart, Content, Event, ToolCallStream
@@ -27,6 +30,7 @@ from trtpaged.server.schemas import (
     TokenLogprob,
     TopLogprob,
     Usage,
+    dump,
 )
 
 TokenStrings = Mapping[int, str]  # token id -> its text, decoded on the engine thread
@@ -53,6 +57,15 @@ def top_entries(entries: Sequence[Entry], token_ids: Sequence[int], k: int) -> l
         top[token] = entry[token]
         out.append(top)
     return out
+
+
+def sse(data: Union[BaseModel, dict, str]) -> bytes:
+    """One Server-Sent Event."""
+    payload = data if isinstance(data, str) else json.dumps(dump(data) if isinstance(data, BaseModel) else data)
+    return f"data: {payload}\n\n".encode()
+
+
+_TEXT_MARK = "\x01trtpaged-text\x01"  # a text no model name or id holds: where a template's text goes
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
@@ -117,6 +130,8 @@ class ResponseBuilder:
     chat: bool
     top_logprobs: Optional[int] = None  # requested top-k, or None when logprobs are off
     tools: Optional[ToolChoice] = None  # chat: outputs are (or, for auto, may hold) tool calls
+    # choice index -> the text chunk's event around its text (see event); None: no template
+    _templates: dict[int, Optional[tuple[str, str]]] = field(default_factory=dict, compare=False, repr=False)
 
     def _envelope(self) -> dict[str, Any]:
         return {"id": self.request_id, "created": self.created, "model": self.model}
@@ -215,6 +230,28 @@ class ResponseBuilder:
                 deltas.append(Delta(tool_calls=[DeltaToolCall(index=e.index, function=piece)]))
         envelope = self._envelope()
         return [ChatCompletionChunk(**envelope, choices=[ChatChunkChoice(index=index, delta=d)]) for d in deltas]
+
+    def event(self, index: int, text: Optional[str], finish_reason: Optional[str] = None,
+              logprobs: Union[ChatLogprobs, CompletionLogprobs, None] = None) -> bytes:
+        """`sse(self.chunk(...))`. The chunk of almost every token (text, no finish reason, no log-probs)
+        comes from a template serialized once per choice, with only its text JSON-encoded: the same bytes
+        without building and dumping three pydantic models per token."""
+        if text and finish_reason is None and logprobs is None:
+            template = self._templates.get(index, ())
+            if template == ():
+                template = self._templates[index] = self._text_template(index)
+            if template is not None:
+                return f"{template[0]}{json.dumps(text)}{template[1]}".encode()
+        return sse(self.chunk(index, text, finish_reason, logprobs))
+
+    def _text_template(self, index: int) -> Optional[tuple[str, str]]:
+        """The text chunk's event split around its (JSON-encoded) text, or None if the split is ambiguous."""
+        whole = sse(self.chunk(index, _TEXT_MARK)).decode()
+        mark = json.dumps(_TEXT_MARK)
+        if whole.count(mark) != 1:
+            return None
+        head, tail = whole.split(mark)
+        return head, tail
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> Union[ChatCompletionChunk, CompletionChunk]:
         """The last chunk when stream_options.include_usage is set: no choices, the request's usage."""
