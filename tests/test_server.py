@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import socket
+import sys
 import threading
 import time
 import urllib.error
@@ -36,6 +38,19 @@ def server(tiny_engine_dir):
     yield handle
     handle.shutdown()
 
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OS thread names are read from /proc (Linux)")
+def test_server_threads_carry_their_os_names(server):
+    """`bench serve-ratio` splits the server's CPU by its threads' OS names: the engine's and the event loop's."""
+    names = set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.add(f.read().strip())
+        except OSError:
+            continue
+    assert {"trtpaged-engine", "trtpaged-http"} <= names, names
 
 def request(server, path, body=None, method=None, raw=None, headers=None):
     """(status, headers, parsed JSON or text) of one HTTP request."""

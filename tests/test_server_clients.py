@@ -117,3 +117,7 @@ def test_bench_serve_ratio_runs_both_sides_on_the_same_prompts(tiny_engine_dir):
     assert all(min(v) > 0 for v in report["step_ms"].values())
     assert report["single_ratio"] > 0 and report["batch_ratio"] > 0
     assert "serve / LLM.generate" in format_ratio(report)
+    # CPU per token by side (/proc's 10 ms ticks: only the 3-stream runs are long enough to be sure of a tick)
+    us = report["cpu_us_per_token"]["batch"]
+    assert us["api"] > 0 and us["engine"] > 0 and us["client"] > 0, us
+    assert "HTTP/event loop" in format_ratio(report)

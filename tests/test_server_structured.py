@@ -103,9 +103,12 @@ def test_streamed_tool_calls(client):
     chunks = list(client.chat.completions.create(
         model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=60, temperature=1.0, stream=True,
         tool_choice={"type": "function", "function": {"name": "get_weather"}}))  # fmt: skip
-    calls = [tc for ch in chunks for c in ch.choices for tc in (c.delta.tool_calls or [])]
-    assert len(calls) == 1 and calls[0].function.name == "get_weather" and calls[0].index == 0
-    _validate_call(calls[0])
+    deltas = [tc for ch in chunks for c in ch.choices for tc in (c.delta.tool_calls or [])]
+    first, rest = deltas[0], deltas[1:]  # id, type and name first; then pieces of the arguments
+    assert first.index == 0 and first.function.name == "get_weather" and first.id.startswith("call_")
+    assert rest and all(d.index == 0 and d.id is None and d.function.name is None for d in rest)
+    first.function.arguments += "".join(d.function.arguments for d in rest)
+    _validate_call(first)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
@@ -127,7 +130,7 @@ def test_tool_choice_none_generates_text(client):
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"structured_outputs": {"bogus": 1}}, "structured_outputs"),
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
-    ({"tools": TOOLS}, "tool_choice"),  # "auto" by default: refused
+    ({"tools": TOOLS}, "tool_choice"),  # "auto" by default: refused (this template takes no tools)
     ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
@@ -151,6 +154,19 @@ def test_bad_specs_are_400s_naming_the_field(client, server, extra, field):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, extra_body=extra)
     assert info.value.body["param"] == field, info.value.body
+    wait_idle(server)
+
+
+def test_auto_is_refused_where_the_template_takes_no_tools(client, server):
+    """The tiny engine's chat template takes no tools: auto (asked for, or the default with tools) is a 400 on
+    tool_choice that says why (tests/test_server_tools.py serves auto on a template that takes them)."""
+    import openai
+
+    for extra in ({"tool_choice": "auto"}, {}):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=4, **extra)
+        body = info.value.body
+        assert body["param"] == "tool_choice" and "chat template does not take tools" in body["message"], body
     wait_idle(server)
 
 

@@ -129,3 +129,20 @@ def test_bench_structured_times_full_batches_and_counts_constrained_rows(tiny_en
     assert report["ratio"] == pytest.approx(rounds["constrained"] / rounds["plain"])
     assert report["constrained_requests"] == 2 * 2  # the warm-up's and the round's 2 constrained rows
     assert "ratio (median of rounds)" in format_structured(report)
+
+
+
+def test_the_special_token_that_ends_an_output_is_not_its_text(llm):
+    """With skip_special_tokens=False the EOS that ended a sequence stays out of its text (vLLM's rule), unless
+    include_stop_str_in_output asks for it."""
+    eos = llm.tokenizer.eos_token_id
+
+    def one(**kw):
+        params = SamplingParams(max_tokens=8, temperature=1.0, structured_outputs=Grammar(choice=["hi"]),
+                                skip_special_tokens=False, **kw)  # fmt: skip
+        return llm.generate(["x"], params)[0].outputs[0]
+
+    completion = one()
+    assert completion.token_ids[-1] == eos and completion.finish_reason == "stop"
+    assert completion.text == llm.tokenizer.decode(completion.token_ids[:-1], skip_special_tokens=False) == "hi"
+    assert one(include_stop_str_in_output=True).text == "hi" + llm.tokenizer.eos_token

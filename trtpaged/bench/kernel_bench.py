@@ -21,11 +21,12 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from trtpaged import kernels
 import statistics
 
+from trtpaged import kernels, kv_pool_memory
+
 from trtpaged.bench.noise import Noise, NoiseMonitor, verdict
-from trtpaged.bench.timing import best_seconds, sample_seconds
+from trtpaged.bench.timing import best_seconds, interleaved_samples
 from trtpaged.kv_quant import is_quantized, pack_rows, quantize_rows
 from trtpaged.manifest import kv_row_bytes
 
@@ -72,11 +73,14 @@ def _decode_inputs(context: int, batch: int, block_size: int, kv_cache_dtype: st
     num_kv_blocks = blocks_per_seq * batch
     ids = torch.randperm(num_kv_blocks, generator=gen) if shuffle else torch.arange(num_kv_blocks)
     tables = ids.to(torch.int32).reshape(batch, blocks_per_seq).contiguous()
-    cache = torch.randn(num_kv_blocks, 1, 2, NUM_KV_HEADS, block_size, HEAD_DIM, generator=gen)
+    values = torch.randn(num_kv_blocks, 1, 2, NUM_KV_HEADS, block_size, HEAD_DIM, generator=gen)
     if is_quantized(kv_cache_dtype):
-        cache = pack_rows(*quantize_rows(cache, kv_cache_dtype))
+        values = pack_rows(*quantize_rows(values, kv_cache_dtype))
     else:
-        cache = cache.to(getattr(torch, kv_cache_dtype))
+        values = values.to(getattr(torch, kv_cache_dtype))
+    cache = kv_pool_memory.zeros(tuple(values.shape), values.dtype)  # the memory an engine's pool has
+    cache.copy_(values)
+    del values
     q = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=gen)
     k = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, generator=gen)
     v = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, generator=gen)
@@ -95,19 +99,18 @@ def _decode_inputs(context: int, batch: int, block_size: int, kv_cache_dtype: st
 def measure_decode(context: int, batch: int, kv_cache_dtype: Union[str, torch.dtype], copy_gbs: float, budget_s: float,
                    noise: Optional[NoiseMonitor] = None) -> DecodeResult:  # fmt: skip
     kv_cache_dtype = _kv_name(kv_cache_dtype)
-    paged_times = sample_seconds(_decode_inputs(context, batch, 16, kv_cache_dtype, shuffle=True), budget_s=budget_s)
-    contiguous_times = sample_seconds(_decode_inputs(context, batch, context, kv_cache_dtype, shuffle=False),
-                                      budget_s=budget_s)
-    floats: dict[str, float] = {}
+    steps = {"paged": _decode_inputs(context, batch, 16, kv_cache_dtype, shuffle=True),
+             "contiguous": _decode_inputs(context, batch, context, kv_cache_dtype, shuffle=False)}  # fmt: skip
     if is_quantized(kv_cache_dtype):  # the float caches, timed alongside on the same inputs
         for name in ("float32", "float16"):
-            times = sample_seconds(_decode_inputs(context, batch, 16, name, shuffle=True), budget_s=budget_s)
-            floats[f"{name}_ms"] = statistics.median(times) * 1e3
-            if noise is not None:
-                noise.add_samples(times)
+            steps[name] = _decode_inputs(context, batch, 16, name, shuffle=True)
+    # alternated in short rounds, so that a change of the machine's load falls on every layout alike
+    samples = interleaved_samples(steps, budget_s=budget_s * len(steps))
+    paged_times, contiguous_times = samples["paged"], samples["contiguous"]
+    floats = {f"{name}_ms": statistics.median(samples[name]) * 1e3 for name in ("float32", "float16") if name in samples}
     if noise is not None:
-        noise.add_samples(paged_times)
-        noise.add_samples(contiguous_times)
+        for times in samples.values():
+            noise.add_samples(times)
     paged, contiguous = statistics.median(paged_times), statistics.median(contiguous_times)
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * kv_row_bytes(HEAD_DIM, kv_cache_dtype)  # codes and scales read
     bandwidth = kv_bytes / paged / 1e9
@@ -140,6 +143,8 @@ def run_kernel_bench(
     vs_float32 = [r.float32_ms / r.paged_ms for r in long if r.float32_ms]
     return {
         "device": "cpu",
+        "isa": kernels.describe_cpu_isa(),
+        "attention_path": kernels.attention_cpu_path(),
         "threads": torch.get_num_threads(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "kv_cache_dtype": _kv_name(kv_cache_dtype),
@@ -168,6 +173,8 @@ def format_report(report: dict) -> str:
         f"trtpaged kernel benchmark ({report['device']}, {report['threads']} threads, KV {report['kv_cache_dtype']}, "
         f"{report['heads']['num_heads']} heads / {report['heads']['num_kv_heads']} KV heads / "
         f"head_dim {report['heads']['head_dim']})",
+        f"instruction set: {report.get('isa', 'not reported')}; attention kernel copy: "
+        f"{report.get('attention_path', 'not reported')}",
         f"memory-copy bandwidth: {report['copy_bandwidth_gbs']:.1f} GB/s (read + write bytes)",
         "",
         f"{'context':>8} {'batch':>6} {'paged ms':>10} {'contig ms':>10} {'KV GB/s':>9} {'of copy':>8} {'paged ovh':>10}"

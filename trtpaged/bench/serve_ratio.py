@@ -9,7 +9,10 @@ In one run, on the same engine and the same chat prompts (greedy, `ignore_eos`),
   concurrent streaming `openai` clients' output tokens / wall time.
 
 Each serve round also reads the server's `/metrics` (`engine_step_seconds_total`, `engine_steps_total`),
-so the engine's own step time in the server is printed next to the API's. Each ratio is the median over
+so the engine's own step time in the server is printed next to the API's, and the CPU seconds per
+generated token of each side (the API's process; the server's engine thread with its OpenMP workers, its
+HTTP event loop and the rest; the `openai` client), which other processes' load leaves nearly unchanged
+where it swings the rates: what the front end costs, against the CPU the kernels need. Each ratio is the median over
 the rounds of serve / API within the round; with the spread or other processes' CPU use above trtpaged's noise rule (bench/noise.py)
 the verdict is refused.
 """
@@ -94,6 +97,28 @@ class ServerProcess:
             return 0.0
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
+    def thread_cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds so far of the server's threads by role (from their OS names, see server/thread_names.py):
+        "engine" (the engine thread and the kernels' OpenMP workers it started), "http" (uvicorn's event loop:
+        SSE chunks, HTTP, sockets) and "other"; {} off Linux."""
+        from trtpaged.server import thread_names
+
+        roles = {thread_names.ENGINE: "engine", thread_names.HTTP: "http"}
+        totals = {"engine": 0.0, "http": 0.0, "other": 0.0}
+        try:
+            tids = os.listdir(f"/proc/{self.proc.pid}/task")
+        except OSError:
+            return {}
+        for tid in tids:
+            try:
+                with open(f"/proc/{self.proc.pid}/task/{tid}/stat") as f:
+                    stat = f.read()
+            except OSError:  # the thread ended
+                continue
+            comm, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat.rsplit(")", 1)[1].split()
+            totals[roles.get(comm, "other")] += (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")
+        return totals
+
     def voluntary_switches(self) -> int:
         """Voluntary context switches of all the server's threads so far (an OpenMP thread that sleeps at a
         barrier makes one); 0 off Linux."""
@@ -119,6 +144,29 @@ def paired_ratio(served: list[float], api: list[float]) -> float:
     """Median over the rounds of serve / API, each round's two runs back to back (robust to load drifting
     between rounds, which a ratio of the two medians is not)."""
     return statistics.median(s / a for s, a in zip(served, api) if a > 0)
+
+
+class CpuPerToken:
+    """CPU microseconds per generated token, by who spent them, summed over the rounds (load-robust where
+    wall-clock rates are not: other processes' load stretches a run's time, not its own CPU seconds)."""
+
+    KEYS = ("api", "engine", "http", "other", "client")
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(self.KEYS, 0.0)
+        self.tokens = 0  # counted on the serve side: the API side generates the same tokens
+
+    def add(self, tokens: int, **seconds: float) -> None:
+        self.tokens += tokens
+        for key, value in seconds.items():
+            self.seconds[key] += value
+
+    def per_token_us(self) -> dict[str, float]:
+        return {k: 1e6 * v / self.tokens if self.tokens else 0.0 for k, v in self.seconds.items()}
+
+
+def _cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before.get(k, 0.0) for k in after}
 
 
 def engine_step_ms(before: dict[str, float], after: dict[str, float]) -> Optional[float]:
@@ -180,11 +228,13 @@ class ApiSide:
         return tokens / wall, [o.outputs[0].text for o in outs], step_ms
 
 
-def client_decode_rate(url: str, max_tokens: int) -> tuple[float, str]:
-    """(tok/s from the first content chunk to the last, the text) of one streamed chat request."""
+def client_decode_rate(url: str, max_tokens: int) -> tuple[float, str, float]:
+    """(tok/s from the first content chunk to the last, the text, the client's CPU seconds for the request:
+    the client made beforehand, as the API's `LLM` is) of one streamed chat request."""
     import openai
 
     client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    cpu = time.thread_time()
     first = last = None
     tokens, text = 0, ""
     stream = client.chat.completions.create(
@@ -198,11 +248,12 @@ def client_decode_rate(url: str, max_tokens: int) -> tuple[float, str]:
             text += chunk.choices[0].delta.content
         if chunk.usage:
             tokens = chunk.usage.completion_tokens
+    cpu = time.thread_time() - cpu
     client.close()
-    return (tokens - 1) / (last - first), text
+    return (tokens - 1) / (last - first), text, cpu
 
 
-async def _client_batch(url: str, num_requests: int, max_tokens: int) -> tuple[float, list[str]]:
+async def _client_batch(url: str, num_requests: int, max_tokens: int) -> tuple[float, list[str], float]:
     import openai
 
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
@@ -219,15 +270,16 @@ async def _client_batch(url: str, num_requests: int, max_tokens: int) -> tuple[f
                 tokens = chunk.usage.completion_tokens
         return tokens, text
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.thread_time()
     results = await asyncio.gather(*(one(i) for i in range(num_requests)))
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.thread_time() - cpu
     await client.close()
-    return sum(t for t, _ in results) / wall, [text for _, text in results]
+    return sum(t for t, _ in results) / wall, [text for _, text in results], cpu
 
 
-def client_batch_rate(url: str, num_requests: int, max_tokens: int) -> tuple[float, list[str]]:
-    """(output tok/s over the wall time, texts) of N concurrent streamed chat requests."""
+def client_batch_rate(url: str, num_requests: int, max_tokens: int) -> tuple[float, list[str], float]:
+    """(output tok/s over the wall time, texts, the client's CPU seconds over that time) of N concurrent
+    streamed chat requests."""
     return asyncio.run(_client_batch(url, num_requests, max_tokens))
 
 
@@ -244,6 +296,7 @@ def run_serve_ratio(engine: Path, repeats: int = 5, max_tokens: int = 128, concu
     steps = {k: Series(k) for k in ("api_single", "serve_single", "api_batch", "serve_batch")}
     same_single, same_batch = True, concurrency
     monitor = NoiseMonitor()
+    cpu = {"single": CpuPerToken(), "batch": CpuPerToken()}
     server_cpu = wall = 0.0
     try:
         # Warm both sides, and leave every round the same prefix-cache state: the rounds' prompts are
@@ -257,19 +310,26 @@ def run_serve_ratio(engine: Path, repeats: int = 5, max_tokens: int = 128, concu
         with monitor:
             for r in range(repeats):
                 progress(f"round {r + 1}/{repeats}")
+                api_cpu = time.process_time()  # this process: the API's thread and its OpenMP workers
                 rate, api_text, step = api.decode_rate(max_tokens)
+                cpu["single"].add(0, api=time.process_time() - api_cpu)
                 series["api_single"].values.append(rate)
                 steps["api_single"].values.append(step)
-                before = server.metrics()
-                rate, served_text = client_decode_rate(server.url, max_tokens)
+                before, threads = server.metrics(), server.thread_cpu_seconds()
+                rate, served_text, client_cpu = client_decode_rate(server.url, max_tokens)
+                cpu["single"].add(max_tokens, client=client_cpu, **_cpu_delta(threads, server.thread_cpu_seconds()))
                 series["serve_single"].values.append(rate)
                 steps["serve_single"].values.append(engine_step_ms(before, server.metrics()) or 0.0)
                 same_single &= served_text == api_text
+                api_cpu = time.process_time()
                 rate, api_texts, step = api.batch_rate(concurrency, max_tokens)
+                cpu["batch"].add(0, api=time.process_time() - api_cpu)
                 series["api_batch"].values.append(rate)
                 steps["api_batch"].values.append(step)
-                before = server.metrics()
-                rate, served_texts = client_batch_rate(server.url, concurrency, max_tokens)
+                before, threads = server.metrics(), server.thread_cpu_seconds()
+                rate, served_texts, client_cpu = client_batch_rate(server.url, concurrency, max_tokens)
+                cpu["batch"].add(concurrency * max_tokens, client=client_cpu,
+                                 **_cpu_delta(threads, server.thread_cpu_seconds()))  # fmt: skip
                 series["serve_batch"].values.append(rate)
                 steps["serve_batch"].values.append(engine_step_ms(before, server.metrics()) or 0.0)
                 same_batch = min(same_batch, sum(a == b for a, b in zip(api_texts, served_texts)))
@@ -292,6 +352,7 @@ def run_serve_ratio(engine: Path, repeats: int = 5, max_tokens: int = 128, concu
         "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ},
         "series": {k: s.values for k, s in series.items()},
         "step_ms": {k: s.values for k, s in steps.items()},
+        "cpu_us_per_token": {k: c.per_token_us() for k, c in cpu.items()},
         "labels": {k: s.name for k, s in series.items()},
         "single_ratio": single, "batch_ratio": batch,
         "same_text_single": same_single, "same_text_batch": f"{same_batch}/{concurrency}",
@@ -307,6 +368,12 @@ def format_ratio(report: dict) -> str:
         s = Series(report["labels"][key], values)
         steps = report["step_ms"][key]
         lines.append(f"{s.describe('')}  engine step {statistics.median(steps):.2f} ms")
+    for mode, label in (("single", "1 stream"), ("batch", f"{report['concurrency']} streams")):
+        us = report["cpu_us_per_token"][mode]
+        serve = us["engine"] + us["http"] + us["other"]
+        lines.append(f"CPU us/token, {label}: API {us['api']:.0f} | serve {serve:.0f} = engine+kernels "
+                     f"{us['engine']:.0f} + HTTP/event loop {us['http']:.0f} + other {us['other']:.0f} | "
+                     f"openai client {us['client']:.0f}")  # fmt: skip
     lines.append(f"single stream: serve / API = {report['single_ratio']:.2f} (median of the rounds' ratios; "
                  f"target >= {TARGET:.2f}): "
                  f"{report['verdict_single']}; same text: {report['same_text_single']}")  # fmt: skip

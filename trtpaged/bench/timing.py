@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Mapping
 
 
 def best_seconds(fn: Callable[[], object], *, warmup: int = 2, min_reps: int = 5, budget_s: float = 0.5) -> float:
     """Shortest wall time of fn(): what the machine can do (STREAM's convention)."""
     return min(_times(fn, warmup, min_reps, budget_s))
-
-
-def sample_seconds(fn: Callable[[], object], *, warmup: int = 2, min_reps: int = 5, budget_s: float = 0.5) -> list[float]:
-    """Every repeat's wall time (for medians and spreads: see trtpaged.bench.noise)."""
-    return _times(fn, warmup, min_reps, budget_s)
 
 
 def _times(fn: Callable[[], object], warmup: int, min_reps: int, budget_s: float) -> list[float]:
@@ -27,4 +22,26 @@ def _times(fn: Callable[[], object], warmup: int, min_reps: int, budget_s: float
         times.append(time.perf_counter() - t0)
         if len(times) >= 200:
             break
+    return times
+
+
+def interleaved_samples(fns: Mapping[str, Callable[[], object]], *, rounds: int = 8, warmup: int = 2, min_reps: int = 5,
+                        budget_s: float = 0.5) -> dict[str, list[float]]:
+    """Every repeat's wall time of each fn, the fns taking turns in `rounds` rounds of budget_s / rounds
+    shared among them: an A/B whose sides see the same machine (a load that comes and goes lands on all)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    share = budget_s / rounds / max(1, len(fns))
+    per_round = max(1, -(-min_reps // rounds))
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            done = 0
+            while done < per_round or (time.perf_counter() - start < share and len(times[name]) < 200):
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+                done += 1
     return times

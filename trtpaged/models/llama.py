@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trtpaged import kv_quant
+from trtpaged import kv_pool_memory, kv_quant
 from trtpaged.attention_options import AttentionOptions
 from trtpaged.manifest import ModelDims
 from trtpaged.models import attention_op  # noqa: F401  (registers torch.ops.trtpaged.*)
@@ -372,12 +372,13 @@ class LlamaStepModel(nn.Module):
         self, num_kv_blocks: int, block_size: int, dtype: torch.dtype | str | None = None, device="cpu"
     ) -> torch.Tensor:
         """A zeroed pool [num_kv_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]; dtype "int8" or
-        "fp8_e4m3" gives a quantized pool (rows of head_dim + 2 bytes, trtpaged.kv_quant)."""
+        "fp8_e4m3" gives a quantized pool (rows of head_dim + 2 bytes, trtpaged.kv_quant). On the CPU its
+        memory is advised for huge pages (trtpaged.kv_pool_memory)."""
         d = self.dims
         if isinstance(dtype, str) and kv_quant.is_quantized(dtype):
             shape = (num_kv_blocks, d.num_layers, 2, d.num_kv_heads, block_size, d.head_dim + kv_quant.SCALE_BYTES)
-            return torch.zeros(shape, dtype=kv_quant.STORAGE_DTYPES[dtype], device=device)
+            return kv_pool_memory.zeros(shape, kv_quant.STORAGE_DTYPES[dtype], device)
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         shape = (num_kv_blocks, d.num_layers, 2, d.num_kv_heads, block_size, d.head_dim)
-        return torch.zeros(shape, dtype=dtype or self.dtype, device=device)
+        return kv_pool_memory.zeros(shape, dtype or self.dtype, device)

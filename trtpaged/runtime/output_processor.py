@@ -48,6 +48,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Optional[Any]) -> None:
         self.tokenizer = tokenizer
+        self._specials: Optional[frozenset[int]] = None
 
     # ---- text ---------------------------------------------------------------------------------
     def detokenize(self, groups: Seq[SequenceGroup]) -> list[Stopped]:
@@ -76,6 +77,10 @@ class OutputProcessor:
         if seq.detokenizer is None:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids, params.skip_special_tokens)
         ended_on_token = seq.finish_reason == "stop"  # EOS or a stop token id: no stop string after it
+        unshown = 0
+        if ended_on_token and not params.skip_special_tokens and not params.include_stop_str_in_output \
+                and new_tokens[-1] in self._special_ids():  # fmt: skip
+            unshown, new_tokens = 1, new_tokens[:-1]  # the special token that ended it is not text (vLLM's rule)
         steps = [new_tokens] if not params.stop or ended_on_token else [[t] for t in new_tokens]
         for tokens in steps:
             delta = "".join(seq.detokenizer.add(t) for t in tokens)
@@ -86,9 +91,15 @@ class OutputProcessor:
                 if hit is not None:
                     index, stop = hit
                     return stop, index + (len(stop) if params.include_stop_str_in_output else 0)
+        seq.num_decoded_tokens += unshown
         if seq.is_finished:
             seq.output_text += seq.detokenizer.flush()
         return None
+
+    def _special_ids(self) -> frozenset[int]:
+        if self._specials is None:
+            self._specials = frozenset(getattr(self.tokenizer, "all_special_ids", ()))
+        return self._specials
 
     def _decode(self, token_ids: Seq[int], skip_special: bool) -> str:
         if self.tokenizer is None:

@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Sequence, TypeVar
@@ -21,6 +22,7 @@ from trtpaged.runtime.llm_engine import LLMEngine
 from trtpaged.runtime.outputs import RequestOutput
 from trtpaged.runtime.sampling_params import SamplingParams
 from trtpaged.server.metrics import ServerMetrics
+from trtpaged.server import thread_names
 from trtpaged.server.request_log import RequestLog
 
 log = logging.getLogger("trtpaged.server")
@@ -68,21 +70,48 @@ class _Timing:
     step: int = 0  # engine steps run before the request was added
 
 
-@dataclass
 class Subscription:
-    """Outputs of one HTTP request's engine requests, in the order the engine produced them."""
+    """Outputs of one HTTP request's engine requests, in the order the engine produced them.
 
-    request_ids: list[str]
-    loop: "EngineLoop"
-    aio: asyncio.AbstractEventLoop
-    queue: "asyncio.Queue[Any]" = field(default_factory=asyncio.Queue)
+    The engine thread hands items over with `_put_all` (one event-loop wake-up per step for all
+    subscriptions); a reader waits on one future, with a timer for its periodic checks, instead of
+    `asyncio.wait_for`, which made a task, a future and a timer for every wait, i.e. every token.
+    """
+
+    def __init__(self, request_ids: list[str], loop: "EngineLoop", aio: asyncio.AbstractEventLoop) -> None:
+        self.request_ids = request_ids
+        self.loop = loop
+        self.aio = aio
+        self._items: deque[Any] = deque()
+        self._waiter: Optional[asyncio.Future] = None
 
     def put(self, item: Any) -> None:
         """Called on the engine thread."""
         try:
-            self.aio.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.aio.call_soon_threadsafe(self._push, item)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
+
+    def _push(self, item: Any) -> None:
+        """Called on the event loop."""
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _next(self, timeout_s: float) -> Any:
+        """The next item, or None after `timeout_s` without one."""
+        if not self._items:
+            waiter = self._waiter = self.aio.create_future()
+            timer = self.aio.call_later(timeout_s, _wake, waiter)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
+            if not self._items:
+                return None
+        return self._items.popleft()
 
     async def outputs(
         self, disconnected: Callable[[], Awaitable[bool]], timeout_s: Optional[float] = None, poll_s: float = 0.25
@@ -95,13 +124,7 @@ class Subscription:
         next_check = start + poll_s
         try:
             while pending:
-                try:  # an output that is already there needs no timer (wait_for makes a task per call)
-                    item = self.queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    try:
-                        item = await asyncio.wait_for(self.queue.get(), poll_s)
-                    except asyncio.TimeoutError:
-                        item = None
+                item = await self._next(poll_s)
                 now = time.monotonic()
                 if now >= next_check:  # outputs may arrive every step: check on a clock
                     next_check = now + poll_s
@@ -124,11 +147,16 @@ class Subscription:
                 self.loop.abort(sorted(pending))
 
 
+def _wake(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 def _deliver(items: Sequence[tuple[Subscription, Any]]) -> None:
     """Hands a step's outputs to their subscriptions: one wake-up of each event loop per step, not one per output."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Subscription, Any]]] = {}
     for sub, item in items:
-        by_loop.setdefault(sub.aio, []).append((sub.queue, item))
+        by_loop.setdefault(sub.aio, []).append((sub, item))
     for aio, batch in by_loop.items():
         try:
             aio.call_soon_threadsafe(_put_all, batch)
@@ -136,9 +164,9 @@ def _deliver(items: Sequence[tuple[Subscription, Any]]) -> None:
             pass
 
 
-def _put_all(batch: Sequence[tuple[asyncio.Queue, Any]]) -> None:
-    for q, item in batch:
-        q.put_nowait(item)
+def _put_all(batch: Sequence[tuple[Subscription, Any]]) -> None:
+    for sub, item in batch:
+        sub._push(item)
 
 
 class EngineLoop:
@@ -180,6 +208,7 @@ class EngineLoop:
         loaded: Future = Future()
 
         def run() -> None:
+            thread_names.name_this_thread(thread_names.ENGINE)  # before load: its OpenMP workers get the name
             try:
                 made = load()
                 loop = cls(engine_of(made), metrics, max_waiting, request_log)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
+import logging
 import time
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Optional, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Optional
 
 from pydantic import BaseModel
 
@@ -30,11 +30,14 @@ from trtpaged.server.engine_loop import (
 )
 from trtpaged.server.errors import ApiError, from_runtime_error, overloaded
 from trtpaged.server.protocol import GenerationRequest, parse_generation
-from trtpaged.server.responses import Echo, ResponseBuilder, logprob_token_ids, top_entries
+from trtpaged.server.responses import Echo, ResponseBuilder, logprob_token_ids, sse, top_entries
 from trtpaged.server.schemas import dump
 from trtpaged.server.stream_state import CompletionAccumulator, StreamState
+from trtpaged.server.tool_parsers import ToolCallStream
+from trtpaged.server.tools import tool_format
 
 Disconnected = Callable[[], Awaitable[bool]]
+log = logging.getLogger("trtpaged.server")
 
 
 @dataclass
@@ -71,12 +74,6 @@ def runtime_failure(exc: Exception) -> ApiError:
     return ApiError(str(exc) if isinstance(exc, EngineFailure) else "internal server error", None, 500, "server_error")
 
 
-def sse(data: Union[BaseModel, dict, str]) -> bytes:
-    """One Server-Sent Event."""
-    payload = data if isinstance(data, str) else json.dumps(dump(data) if isinstance(data, BaseModel) else data)
-    return f"data: {payload}\n\n".encode()
-
-
 class GenerationService:
     """Runs OpenAI generation requests on the engine loop; shared by all request handlers."""
 
@@ -89,10 +86,13 @@ class GenerationService:
         self.vocab_size = llm.manifest.dims.vocab_size
         self.max_prompt_tokens = max_prompt_tokens
         self.request_timeout_s = request_timeout_s
+        self.auto_tools = auto = tool_format(getattr(llm.tokenizer, "chat_template", None),
+                                             llm.manifest.dims.architecture)  # fmt: skip
+        log.info("tool_choice auto: %s", f"{auto.format.name} calls" if auto.format else f"refused ({auto.reason})")
 
     async def submit(self, body: Any, chat: bool) -> Submitted:
         """Validates, tokenizes and queues one request; raises ApiError before anything is sent."""
-        req = parse_generation(body, chat, self.model_name, self.vocab_size)
+        req = parse_generation(body, chat, self.model_name, self.vocab_size, self.auto_tools)
         params = self._params(req, req.max_tokens)  # None: fitted to each prompt below
         self._check_num_prompts(req)
         prompts = await self._tokenize(req)
@@ -217,7 +217,7 @@ class GenerationService:
         params, builder = s.params, s.builder
         state = StreamState(params.n, builder.top_logprobs is not None)
         echoed: set[int] = set()  # prompts whose echo chunk went out
-        tool_text: dict[int, str] = {}  # choice -> constrained output so far (tool calls)
+        tool_readers: dict[int, ToolCallStream] = {}  # choice -> its tool-call parser
         if s.req.chat:
             for p in range(len(s.index)):
                 for i in range(params.n):
@@ -235,17 +235,17 @@ class GenerationService:
                             if d.finish_reason:
                                 yield sse(builder.chunk(d.index, "", d.finish_reason))
                             continue
-                        if s.req.tools is not None:  # calls go out whole, once parsed
-                            tool_text[d.index] = tool_text.get(d.index, "") + d.text
-                            if d.finish_reason:
-                                yield sse(builder.tool_calls_chunk(d.index, tool_text.pop(d.index), d.finish_reason))
+                        if s.req.tools is not None:  # content and calls as the parser reads them
+                            reader = tool_readers.setdefault(d.index, s.req.tools.stream())
+                            for chunk in builder.tool_stream_chunks(d.index, reader, d.text, d.finish_reason):
+                                yield sse(chunk)
                             continue
                         logprobs = None
                         if builder.top_logprobs is not None and d.logprobs is not None:
                             strings = await self._token_strings(logprob_token_ids(d.token_ids, d.logprobs))
                             offset = state.advance_offset(d.index, [strings[t] for t in d.token_ids])
                             logprobs = builder.stream_logprobs(d.token_ids, d.logprobs, strings, offset)
-                        yield sse(builder.chunk(d.index, d.text, d.finish_reason, logprobs))
+                        yield builder.event(d.index, d.text, d.finish_reason, logprobs)
         except (EngineFailure, ShuttingDown, RequestTimeout) as exc:
             s.summary.finish_reasons = [type(exc).__name__]
             yield sse(dump(runtime_failure(exc).body()))

@@ -13,7 +13,7 @@ from typing import Any, Optional, Union
 from pydantic import ValidationError
 
 from trtpaged.server import constraints
-from trtpaged.server.tools import ToolChoice, tool_choice
+from trtpaged.server.tools import AutoTools, ToolChoice, tool_choice
 from trtpaged.server.errors import ApiError, from_runtime_error, from_validation_error
 from trtpaged.server.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -42,7 +42,7 @@ class GenerationRequest:
     echo: bool = False  # completions: the prompt (and its log-probs) come before the completion
     echo_only: bool = False  # echo with max_tokens 0: the prompt is scored, nothing is returned after it
     prompt_logprobs: Optional[int] = None  # vLLM's prompt_logprobs field (returned in its own form)
-    tools: Optional[ToolChoice] = None  # chat: the output is tool calls (tool_choice required or named)
+    tools: Optional[ToolChoice] = None  # chat: the output is (or, for auto, may hold) tool calls
 
 
 def _token_list(ids: list[int], vocab_size: int) -> list[int]:
@@ -116,8 +116,11 @@ def _logprobs(req: Union[CompletionRequest, ChatCompletionRequest], names: dict[
     return k
 
 
-def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int) -> GenerationRequest:
-    """Validates a decoded JSON body against the endpoint's schema; raises ApiError (400 or 404)."""
+def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int,
+                     auto_tools: AutoTools = AutoTools(None, "the server was not told the model's tool-call format")
+                     ) -> GenerationRequest:  # fmt: skip
+    """Validates a decoded JSON body against the endpoint's schema; raises ApiError (400 or 404). `auto_tools`:
+    the engine's tool-call format, for tool_choice "auto"."""
     if not isinstance(body, dict):
         raise ApiError(f"body: must be a JSON object, got {type(body).__name__}", "body")
     try:
@@ -134,7 +137,7 @@ def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int) 
     sampling = {k: getattr(req, k) for k in _SAMPLING_FIELDS if getattr(req, k) is not None}
     try:
         sampling.update(_constraint_fields(req, vocab_size))
-        tools = _tools(req, sampling)
+        tools = _tools(req, sampling, auto_tools)
     except ValueError as exc:  # StructuredOutputsParams' own checks name the request field that set it
         raise from_runtime_error(exc, names) from None
     stop = [req.stop] if isinstance(req.stop, str) else req.stop
@@ -194,13 +197,20 @@ def _constraint_fields(req: Union[CompletionRequest, ChatCompletionRequest], voc
     return out
 
 
-def _tools(req: Union[CompletionRequest, ChatCompletionRequest], sampling: dict[str, Any]) -> Optional[ToolChoice]:
-    """Chat tools: their grammar becomes the request's (a second grammar field is a 400 naming tool_choice)."""
+def _tools(req: Union[CompletionRequest, ChatCompletionRequest], sampling: dict[str, Any],
+           auto: AutoTools) -> Optional[ToolChoice]:  # fmt: skip
+    """Chat tools: required / named: their grammar becomes the request's (a second grammar field is a 400 naming
+    tool_choice). Auto: the model writes freely (a grammar field still applies) and its text keeps special tokens
+    unless skip_special_tokens is set, since some formats' markers are special tokens ([TOOL_CALLS],
+    <|python_tag|>)."""
     if not isinstance(req, ChatCompletionRequest):
         return None
-    tools = tool_choice(req.tools, req.tool_choice)
+    tools = tool_choice(req.tools, req.tool_choice, auto)
     if tools is None:
         return None
+    if tools.auto is not None:
+        sampling.setdefault("skip_special_tokens", False)
+        return tools
     if "structured_outputs" in sampling:
         raise ApiError("tool_choice: tool calls already constrain the output; drop response_format / "
                        "structured_outputs / guided_*", "tool_choice")  # fmt: skip

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence, Union
 
+from pydantic import BaseModel
+
 from trtpaged.runtime.outputs import CompletionOutput, RequestOutput
+from trtpaged.server.tool_parsers import CallStart, Content, Event, ToolCallStream
 from trtpaged.server.tools import ToolChoice
 from trtpaged.server.schemas import (
     AssistantMessage,
@@ -19,12 +23,14 @@ from trtpaged.server.schemas import (
     CompletionLogprobs,
     CompletionResponse,
     Delta,
+    DeltaFunctionCall,
     DeltaToolCall,
     PromptLogprob,
     PromptLogprobs,
     TokenLogprob,
     TopLogprob,
     Usage,
+    dump,
 )
 
 TokenStrings = Mapping[int, str]  # token id -> its text, decoded on the engine thread
@@ -51,6 +57,15 @@ def top_entries(entries: Sequence[Entry], token_ids: Sequence[int], k: int) -> l
         top[token] = entry[token]
         out.append(top)
     return out
+
+
+def sse(data: Union[BaseModel, dict, str]) -> bytes:
+    """One Server-Sent Event."""
+    payload = data if isinstance(data, str) else json.dumps(dump(data) if isinstance(data, BaseModel) else data)
+    return f"data: {payload}\n\n".encode()
+
+
+_TEXT_MARK = "\x01trtpaged-text\x01"  # a text no model name or id holds: where a template's text goes
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
@@ -114,7 +129,9 @@ class ResponseBuilder:
     created: int
     chat: bool
     top_logprobs: Optional[int] = None  # requested top-k, or None when logprobs are off
-    tools: Optional[ToolChoice] = None  # chat: outputs are tool calls
+    tools: Optional[ToolChoice] = None  # chat: outputs are (or, for auto, may hold) tool calls
+    # choice index -> the text chunk's event around its text (see event); None: no template
+    _templates: dict[int, Optional[tuple[str, str]]] = field(default_factory=dict, compare=False, repr=False)
 
     def _envelope(self) -> dict[str, Any]:
         return {"id": self.request_id, "created": self.created, "model": self.model}
@@ -144,11 +161,12 @@ class ResponseBuilder:
                 common = {"index": p * n + c.index, "logprobs": self._logprobs(token_ids, logprobs, strings),
                           "finish_reason": c.finish_reason, "stop_reason": _stop_reason(c)}  # fmt: skip
                 if self.chat:
-                    calls = self.tools.calls(text) if self.tools is not None and c.finish_reason == "stop" else None
-                    if calls is not None:
+                    content, calls = text, None
+                    if self.tools is not None and c.finish_reason == "stop":
+                        content, calls = self.tools.parse(text)
+                    if calls:
                         common["finish_reason"] = "tool_calls"
-                    message = AssistantMessage(content=None, tool_calls=calls) if calls else AssistantMessage(content=text)
-                    choices.append(ChatChoice(message=message, **common))
+                    choices.append(ChatChoice(message=AssistantMessage(content=content, tool_calls=calls), **common))
                 else:
                     scored = vllm_prompt_logprobs(out.prompt_logprobs, strings) if (
                         prompt_logprobs and out.prompt_logprobs is not None) else None  # fmt: skip
@@ -178,17 +196,62 @@ class ResponseBuilder:
         choice = CompletionChoice(index=index, text=text or "", logprobs=logprobs, finish_reason=finish_reason)
         return CompletionChunk(**self._envelope(), choices=[choice])
 
-    def tool_calls_chunk(self, index: int, text: str, finish_reason: Optional[str]) -> ChatCompletionChunk:
-        """A streamed choice's tool calls, sent whole once its constrained output finished (its text as
-        content when it did not complete, e.g. cut by max_tokens)."""
-        calls = self.tools.calls(text) if self.tools is not None and finish_reason == "stop" else None
-        if calls is None:
-            delta = Delta(content=text or None)
-        else:
-            delta = Delta(tool_calls=[DeltaToolCall(index=i, **call) for i, call in enumerate(calls)])
-            finish_reason = "tool_calls"
-        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)
-        return ChatCompletionChunk(**self._envelope(), choices=[choice])
+    def tool_stream_chunks(self, index: int, reader: ToolCallStream, text: str,
+                           finish_reason: Optional[str]) -> list[ChatCompletionChunk]:  # fmt: skip
+        """The chunks of a streamed tool-call choice's new text (read by its `reader`); once it ends, the last
+        chunk with finish_reason "tool_calls" when the choice's calls all completed as JSON objects."""
+        chunks = self.tool_chunks(index, reader.feed(text))
+        if finish_reason:
+            chunks += self.tool_chunks(index, reader.finish())
+            finish = "tool_calls" if finish_reason == "stop" and reader.ok else finish_reason
+            chunks.append(self.chunk(index, "", finish))
+        return chunks
+
+    def tool_chunks(self, index: int, events: Sequence[Event]) -> list[ChatCompletionChunk]:
+        """A streamed choice's tool-call parser events as chunks: content, a call's start (id, type, name,
+        arguments ""), then pieces of its arguments (runs of pieces joined)."""
+        deltas: list[Delta] = []
+        for e in events:
+            last = deltas[-1] if deltas else None
+            if isinstance(e, Content):
+                if last is not None and last.content is not None:
+                    last.content += e.text
+                else:
+                    deltas.append(Delta(content=e.text))
+            elif isinstance(e, CallStart):
+                start = DeltaToolCall(index=e.index, id=e.id, type="function",
+                                      function=DeltaFunctionCall(name=e.name, arguments=""))
+                deltas.append(Delta(tool_calls=[start]))
+            elif (last is not None and last.tool_calls and last.tool_calls[0].id is None
+                  and last.tool_calls[0].index == e.index):  # fmt: skip
+                last.tool_calls[0].function.arguments += e.text
+            else:
+                piece = DeltaFunctionCall(arguments=e.text)
+                deltas.append(Delta(tool_calls=[DeltaToolCall(index=e.index, function=piece)]))
+        envelope = self._envelope()
+        return [ChatCompletionChunk(**envelope, choices=[ChatChunkChoice(index=index, delta=d)]) for d in deltas]
+
+    def event(self, index: int, text: Optional[str], finish_reason: Optional[str] = None,
+              logprobs: Union[ChatLogprobs, CompletionLogprobs, None] = None) -> bytes:
+        """`sse(self.chunk(...))`. The chunk of almost every token (text, no finish reason, no log-probs)
+        comes from a template serialized once per choice, with only its text JSON-encoded: the same bytes
+        without building and dumping three pydantic models per token."""
+        if text and finish_reason is None and logprobs is None:
+            template = self._templates.get(index, ())
+            if template == ():
+                template = self._templates[index] = self._text_template(index)
+            if template is not None:
+                return f"{template[0]}{json.dumps(text)}{template[1]}".encode()
+        return sse(self.chunk(index, text, finish_reason, logprobs))
+
+    def _text_template(self, index: int) -> Optional[tuple[str, str]]:
+        """The text chunk's event split around its (JSON-encoded) text, or None if the split is ambiguous."""
+        whole = sse(self.chunk(index, _TEXT_MARK)).decode()
+        mark = json.dumps(_TEXT_MARK)
+        if whole.count(mark) != 1:
+            return None
+        head, tail = whole.split(mark)
+        return head, tail
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> Union[ChatCompletionChunk, CompletionChunk]:
         """The last chunk when stream_options.include_usage is set: no choices, the request's usage."""

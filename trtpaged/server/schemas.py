@@ -182,8 +182,27 @@ class AssistantMessage(BaseModel):
         return {k: v for k, v in handler(self).items() if k != "tool_calls" or v is not None}
 
 
-class DeltaToolCall(ToolCall):
+class _WithoutNulls(BaseModel):
+    """A stream delta part: fields left unset (None) are left out of the JSON."""
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_WithoutNulls):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class DeltaToolCall(_WithoutNulls):
+    """A streamed tool call: the first delta of a call carries its id, type and name (arguments ""), the next
+    ones pieces of its arguments."""
+
     index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: DeltaFunctionCall
 
 
 class ChatChoice(BaseModel):
@@ -201,16 +220,12 @@ class ChatCompletionResponse(_Reply):
     prompt_logprobs: Optional[PromptLogprobs] = None
 
 
-class Delta(BaseModel):
+class Delta(_WithoutNulls):
     """A chat stream delta; absent fields are left out (`{}` on the last chunk of a choice)."""
 
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
     tool_calls: Optional[list[DeltaToolCall]] = None
-
-    @model_serializer(mode="wrap")
-    def _without_nulls(self, handler: Any) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChunkChoice(BaseModel):

@@ -1,36 +1,90 @@
-"""OpenAI tool calls on the grammar engine: `tools` + `tool_choice` -> an output grammar, and the constrained
-output -> `tool_calls`.
+"""OpenAI tool calls: `tools` + `tool_choice` -> an output grammar or a tool-call parser, and the output ->
+`tool_calls`.
 
 `tool_choice: {"type": "function", "function": {"name": N}}` constrains the output to N's arguments (its
 `parameters` schema); `"required"` to a JSON array of one or more calls `[{"name": ..., "parameters": {...}}]`,
-each matching one tool's schema. `"none"` generates text. `"auto"` (OpenAI's default when tools are given)
-needs a per-model-family parser of free-form tool calls, which this server does not have: it is refused.
+each matching one tool's schema. `"none"` generates text. `"auto"` (OpenAI's default when tools are given) lets
+the model write freely and reads its calls with the parser of its chat template's format (`tool_format`); an
+engine whose template takes no tools, or writes calls in no format we read, refuses it.
 """
 
 from __future__ import annotations
 
-import json
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from trtpaged.runtime.sampling_params import StructuredOutputsParams
 from trtpaged.server.errors import ApiError
+from trtpaged.server.tool_parsers import FORMATS, HERMES, LLAMA3_JSON, MISTRAL, PHI4_MINI, REQUIRED, Format
+from trtpaged.server.tool_parsers import ToolCallStream, parse_all
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 MAX_TOOLS = 128
 
 
+# Chat-template text that shows which format the model writes calls in (the template's own instructions or its
+# rendering of past calls), checked in this order; then the architecture's usual format.
+_TEMPLATE_MARKERS = (("<tool_call>", HERMES), ("[TOOL_CALLS]", MISTRAL), ("functools", PHI4_MINI),
+                     ("<|python_tag|>", LLAMA3_JSON))  # fmt: skip
+_FAMILY_FORMATS = {"Qwen2ForCausalLM": HERMES, "Qwen3ForCausalLM": HERMES, "SmolLM3ForCausalLM": HERMES,
+                   "MistralForCausalLM": MISTRAL, "Phi3ForCausalLM": PHI4_MINI}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class AutoTools:
+    """How this engine answers `tool_choice: "auto"`: the format its model writes calls in, or why it cannot."""
+
+    format: Optional[Format]
+    reason: str = ""  # when format is None
+
+
+def _template_takes_tools(template: str) -> bool:
+    """Whether the chat template reads the `tools` variable (jinja2's own analysis; a regex when it cannot parse
+    a template that uses transformers' extensions)."""
+    try:
+        import jinja2
+        from jinja2 import meta
+
+        return "tools" in meta.find_undeclared_variables(jinja2.Environment().parse(template))
+    except Exception:  # noqa: BLE001 - jinja2 refuses templates with transformers' extension tags
+        return re.search(r"(?<![\w.])tools\b", template) is not None
+
+
+def tool_format(chat_template: Any, architecture: str) -> AutoTools:
+    """The tool-call format of an engine's model, from its chat template (a dict of templates: its "tool_use"
+    one) and, when the template shows none, its architecture."""
+    if isinstance(chat_template, dict):
+        chat_template = chat_template.get("tool_use") or chat_template.get("default")
+    if not isinstance(chat_template, str) or not chat_template:
+        return AutoTools(None, "the engine has no chat template")
+    if not _template_takes_tools(chat_template):
+        return AutoTools(None, "this model's chat template does not take tools")
+    for marker, fmt in _TEMPLATE_MARKERS:
+        if marker in chat_template:
+            return AutoTools(fmt)
+    if "<|start_header_id|>" in chat_template and '"parameters"' in chat_template:  # Llama 3.2 / 3.3's template
+        return AutoTools(LLAMA3_JSON)
+    if architecture in _FAMILY_FORMATS:
+        return AutoTools(_FAMILY_FORMATS[architecture])
+    return AutoTools(None, f"no tool-call parser for this model ({architecture}); the formats read are "
+                           f"{', '.join(sorted(FORMATS))}")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class ToolChoice:
-    """What a chat request's tools ask of the output: `named` set for a forced function, else "required"."""
+    """What a chat request's tools ask of the output: `named` set for a forced function, `auto` for free text
+    read by the model's format, else "required"."""
 
     tools: dict[str, dict[str, Any]]  # name -> its parameters schema
     definitions: list[dict[str, Any]]  # the tools as given (for the chat template)
     named: Optional[str] = None
+    auto: Optional[Format] = None
 
-    def grammar(self) -> StructuredOutputsParams:
+    def grammar(self) -> Optional[StructuredOutputsParams]:
+        """The output grammar (None for auto: the model writes freely)."""
+        if self.auto is not None:
+            return None
         if self.named is not None:
             return StructuredOutputsParams(json=self.tools[self.named], origin="tool_choice")
         calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
@@ -39,21 +93,21 @@ class ToolChoice:
         schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
         return StructuredOutputsParams(json=schema, origin="tool_choice")
 
-    def calls(self, text: str) -> Optional[list[dict[str, Any]]]:
-        """OpenAI `tool_calls` from a finished constrained output; None if it is not complete (e.g. cut by
-        max_tokens), in which case the text is returned as content."""
-        try:
-            value = json.loads(text)
-        except ValueError:
-            return None
-        if self.named is not None:
-            pairs = [(self.named, value)]
-        elif isinstance(value, list) and all(isinstance(c, dict) and c.get("name") in self.tools for c in value):
-            pairs = [(c["name"], c.get("parameters", {})) for c in value]
-        else:
-            return None
-        return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                 "function": {"name": name, "arguments": json.dumps(args)}} for name, args in pairs]  # fmt: skip
+    def _format(self) -> Optional[Format]:
+        return self.auto if self.auto is not None else (None if self.named is not None else REQUIRED)
+
+    def stream(self) -> ToolCallStream:
+        """An incremental reader of one choice's output (for a streamed answer)."""
+        return ToolCallStream(self._format(), self.tools, self.named)
+
+    def parse(self, text: str) -> tuple[Optional[str], Optional[list[dict[str, Any]]]]:
+        """(content, OpenAI `tool_calls` or None) of a finished output: calls only when the whole output reads as
+        calls (and content) in the format; else the text is content. The arguments are the model's JSON text."""
+        content, calls = parse_all(self._format(), self.tools, text, self.named)
+        if not calls:
+            return text, None
+        return content, [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                         for c in calls]  # fmt: skip
 
 
 def _tool(index: int, value: Any) -> tuple[str, dict[str, Any]]:
@@ -74,8 +128,9 @@ def _tool(index: int, value: Any) -> tuple[str, dict[str, Any]]:
     return name, params
 
 
-def tool_choice(tools: Optional[list[Any]], choice: Any) -> Optional[ToolChoice]:
-    """The request's tool constraint, None for "none" or no tools; a bad spec is a 400 naming the field."""
+def tool_choice(tools: Optional[list[Any]], choice: Any, auto: AutoTools = AutoTools(None, "")) -> Optional[ToolChoice]:
+    """The request's tool handling, None for "none" or no tools; a bad spec is a 400 naming the field. `auto`: the
+    engine's tool-call format, for tool_choice "auto"."""
     if choice is not None and not tools and choice != "none":
         raise ApiError("tool_choice: needs tools", "tool_choice")
     if not tools:
@@ -92,9 +147,11 @@ def tool_choice(tools: Optional[list[Any]], choice: Any) -> Optional[ToolChoice]
     if choice == "none":
         return None
     if choice == "auto":
-        raise ApiError("tool_choice: 'auto' (the default when tools are given) needs a model-specific tool-call "
-                       "parser, which this server does not have; send 'required' or "
-                       "{'type': 'function', 'function': {'name': ...}}", "tool_choice")  # fmt: skip
+        if auto.format is None:
+            raise ApiError(f"tool_choice: 'auto' (the default when tools are given) is not available: {auto.reason}; "
+                           "send 'required', 'none' or {'type': 'function', 'function': {'name': ...}}",
+                           "tool_choice")  # fmt: skip
+        return ToolChoice(specs, list(tools), auto=auto.format)
     if choice == "required":
         return ToolChoice(specs, list(tools))
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \

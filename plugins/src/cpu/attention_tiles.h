@@ -53,14 +53,16 @@ inline float hsum(const fvec& v) {
   return c[0] + c[1];
 }
 
-// Requests [p, p + bytes) into L2. Blocks hold one head's K (or V) in a chunk of
+// Requests [p, p + bytes) into L2, every 64-byte line. Blocks hold one head's K (or V) in a chunk of
 // block_size * head_dim values, so a sequence's keys are short runs that the hardware
 // prefetcher, which stops at page boundaries, follows poorly (about 15% faster decode from
-// DRAM here; prefetching into L1 instead gained nothing). A volatile asm: a loop of
-// __builtin_prefetch has no side effects and GCC may delete it.
+// DRAM here; prefetching into L1 instead gained nothing). One request per 128 bytes relied on
+// Intel's adjacent-line prefetcher to fetch the other line; AMD cores have none, and the paged
+// decode there was ~40% slower than the contiguous one until every line was requested. A volatile
+// asm: a loop of __builtin_prefetch has no side effects and GCC may delete it.
 inline void prefetch_bytes(const void* ptr, int64_t bytes) {
   const char* p = static_cast<const char*>(ptr);
-  for (int64_t off = 0; off < bytes; off += 128) {
+  for (int64_t off = 0; off < bytes; off += 64) {
 #if defined(__x86_64__) || defined(__i386__)
     asm volatile("prefetcht1 %0" : : "m"(p[off]));
 #else
@@ -69,14 +71,34 @@ inline void prefetch_bytes(const void* ptr, int64_t bytes) {
   }
 }
 
-// The blocks of the next tile, prefetched one per block of this tile from the outer loops.
+// The next tile's K (or V) rows, requested a few at a time as the loops read this tile's rows of the
+// same index: the next tile has this tile's geometry (runs of `run` rows behind one pointer), so the
+// requests are spread evenly over the tile's work. (One request burst per run stalled the loop of the
+// contiguous layout, whose run is the whole tile, once every line was requested: the core's miss
+// buffers filled.)
 struct NextBlocks {
-  const void* const* blocks = nullptr;  // count entries
-  int64_t count = 0;
-  int64_t bytes = 0;  // per block
+  static constexpr int64_t kRows = 8;  // rows per request in the loops that go one row at a time
+  const void* const* blocks = nullptr;
+  int64_t rows = 0;  // rows of the next tile; 0: nothing to request
+  int64_t run = 0;
+  int64_t row_bytes = 0;
 
-  void prefetch(int64_t b) const {
-    if (b < count) prefetch_bytes(blocks[b], bytes);
+  // Rows [i, i + count) of the next tile's run b (those that exist).
+  void prefetch(int64_t b, int64_t i, int64_t count) const {
+    const int64_t left = rows - b * run - i;
+    if (left <= 0) return;
+    prefetch_bytes(static_cast<const char*>(blocks[b]) + i * row_bytes, std::min({count, left, run - i}) * row_bytes);
+  }
+  // For loops over the rows i of run b one by one: every kRows-th row requests the next kRows.
+  void prefetch_row(int64_t b, int64_t i) const {
+    if (i % kRows == 0) prefetch(b, i, kRows);
+  }
+  // Rows [j, rows) at once: those beyond the rows this tile's loops read.
+  void prefetch_from(int64_t j) const {
+    for (int64_t b = j / run; b * run < rows; ++b) {
+      const int64_t i = std::max<int64_t>(0, j - b * run);
+      prefetch(b, i, run - i);
+    }
   }
 };
 
@@ -90,9 +112,9 @@ void tile_scores(const float* q, int64_t d_runtime, const float* const* kp, int6
     for (int r = 0; r < NR; ++r)
       for (int i = 0; i < kVecs; ++i) qv[r][i] = load_vec(q + r * D + i * kLanes);
     for (int64_t b = 0, j = 0; j < n; ++b) {
-      next.prefetch(b);
       const float* k = kp[b];
-      for (const int64_t end = std::min(n, j + bs); j < end; ++j, k += D) {
+      for (const int64_t start = j, end = std::min(n, j + bs); j < end; ++j, k += D) {
+        next.prefetch_row(b, j - start);
         fvec part[NR] = {};
         for (int i = 0; i < kVecs; ++i) {
           const fvec kv = load_vec(k + i * kLanes);
@@ -104,9 +126,9 @@ void tile_scores(const float* q, int64_t d_runtime, const float* const* kp, int6
   } else {
     const int64_t d = d_runtime;
     for (int64_t b = 0, j = 0; j < n; ++b) {
-      next.prefetch(b);
       const float* k = kp[b];
-      for (const int64_t end = std::min(n, j + bs); j < end; ++j, k += d) {
+      for (const int64_t start = j, end = std::min(n, j + bs); j < end; ++j, k += d) {
+        next.prefetch_row(b, j - start);
         fvec part[NR] = {};
         for (int64_t i = 0; i < d; i += kLanes) {
           const fvec kv = load_vec(k + i);
@@ -129,9 +151,9 @@ void tile_accumulate(const float* weights, int64_t stride, const float* const* v
     for (int r = 0; r < NR; ++r)
       for (int i = 0; i < kVecs; ++i) a[r][i] = load_vec(acc + r * D + i * kLanes);
     for (int64_t b = 0, j = 0; j < n; ++b) {
-      next.prefetch(b);
       const float* v = vp[b];
-      for (const int64_t end = std::min(n, j + bs); j < end; ++j, v += D) {
+      for (const int64_t start = j, end = std::min(n, j + bs); j < end; ++j, v += D) {
+        next.prefetch_row(b, j - start);
         for (int i = 0; i < kVecs; ++i) {
           const fvec vv = load_vec(v + i * kLanes);
           for (int r = 0; r < NR; ++r) a[r][i] += weights[r * stride + j] * vv;
@@ -143,9 +165,9 @@ void tile_accumulate(const float* weights, int64_t stride, const float* const* v
   } else {
     const int64_t d = d_runtime;
     for (int64_t b = 0, j = 0; j < n; ++b) {
-      next.prefetch(b);
       const float* v = vp[b];
-      for (const int64_t end = std::min(n, j + bs); j < end; ++j, v += d) {
+      for (const int64_t start = j, end = std::min(n, j + bs); j < end; ++j, v += d) {
+        next.prefetch_row(b, j - start);
         for (int r = 0; r < NR; ++r) {
           const float w = weights[r * stride + j];
           float* a = acc + r * d;
@@ -396,14 +418,14 @@ void tile_scores_fused(const float* q, const uint8_t* const* kp, int64_t bs, int
   constexpr int kVecs = D / kLanes;
   constexpr int64_t kRow = kRowBytes<Codec, D, Elem>;
   for (int64_t b = 0, j = 0; j < n; ++b) {
-    next.prefetch(b);
     const uint8_t* k = kp[b];
-    const int64_t end = std::min(n, j + bs);
+    const int64_t start = j, end = std::min(n, j + bs);
     // Several query rows share each key: a converted (non-fp32) group of keys is staged as floats
     // once, rather than converted again for every row.
     constexpr bool kStage = !std::is_same_v<Codec, FloatRows> && NR > 1;
     alignas(64) float staged[kStage ? kLanes * D : 1];
     for (; j + kLanes <= end; j += kLanes, k += kLanes * kRow) {
+      next.prefetch(b, j - start, kLanes);
       fvec factor = fvec{} + 1.0f;
       if constexpr (Codec::kScaled)
         for (int l = 0; l < kLanes; ++l) factor[l] = row_factor<Codec>(k + l * kRow, D * Elem);
@@ -431,6 +453,7 @@ void tile_scores_fused(const float* q, const uint8_t* const* kp, int64_t bs, int
       }
     }
     for (; j < end; ++j, k += kRow) {
+      next.prefetch_row(b, j - start);
       fvec part[NR] = {};
       for (int i = 0; i < kVecs; ++i) {
         const fvec kv = Codec::load(k + i * kLanes * Elem);
@@ -451,9 +474,9 @@ void tile_accumulate_fused(const float* weights, int64_t stride, const uint8_t* 
   for (int r = 0; r < NR; ++r)
     for (int i = 0; i < kVecs; ++i) a[r][i] = load_vec(acc + r * D + i * kLanes);
   for (int64_t b = 0, j = 0; j < n; ++b) {
-    next.prefetch(b);
     const uint8_t* v = vp[b];
-    for (const int64_t end = std::min(n, j + bs); j < end; ++j, v += kRow) {
+    for (const int64_t start = j, end = std::min(n, j + bs); j < end; ++j, v += kRow) {
+      next.prefetch_row(b, j - start);
       const float factor = row_factor<Codec>(v, D * Elem);
       float w[NR];
       for (int r = 0; r < NR; ++r) w[r] = weights[r * stride + j] * factor;

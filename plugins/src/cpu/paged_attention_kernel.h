@@ -16,6 +16,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -178,10 +179,16 @@ const float* as_float(const T* src, int64_t rows, int64_t d, float* buf) {
 // so small blocks cost no more softmax bookkeeping than one large contiguous block.
 // Writes the normalised output, or for a split task its partial (acc, max, sum) into
 // `partials` rows of head_dim + 2 floats.
-template <typename IO, typename KV>
-void run_task(const Task& task, const trtpaged_attention_params& p, const trtpaged_attention_options& opt,
-              const PoolLayout& pool, const IO* q, const KV* cache, const int32_t* positions,
-              const int32_t* block_tables, IO* out, float* partials, Scratch& sc) {
+//
+// The thread's next task is claimed (claim()) when this one reaches its last tile, and that task's
+// first tile is prefetched in place of a next tile, so that a thread streams its keys without a
+// stall at task boundaries; `prefetched` says the caller's claim already prefetched this task's
+// first tile. Returns the claimed task (nullptr when none is left).
+template <typename IO, typename KV, typename Claim>
+const Task* run_task(const Task& task, const trtpaged_attention_params& p, const trtpaged_attention_options& opt,
+                     const PoolLayout& pool, const IO* q, const KV* cache, const int32_t* positions,
+                     const int32_t* block_tables, IO* out, float* partials, Scratch& sc, Claim&& claim,
+                     bool prefetched) {
   const int32_t group = p.num_heads / p.num_kv_heads;
   const int64_t d = p.head_dim, bs = p.block_size;
   // Tiles are whole blocks when blocks are small, and slices of a block when blocks are
@@ -219,14 +226,17 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const trtpag
       sc.pos[size_t(r)] = positions[t];
     }
   }
-  const int32_t* table = block_tables + int64_t(task.seq) * p.max_blocks_per_seq;
-  auto key_ptr = [&](int64_t key, int kv) {
-    return cache + pool.offset(table[key / bs], p.layer, kv, task.kv_head) + (key % bs) * pool.row;
+  auto key_ptr_of = [&](const Task& of, int64_t key, int kv) {
+    const int32_t* table = block_tables + int64_t(of.seq) * p.max_blocks_per_seq;
+    return cache + pool.offset(table[key / bs], p.layer, kv, of.kv_head) + (key % bs) * pool.row;
   };
+  auto key_ptr = [&](int64_t key, int kv) { return key_ptr_of(task, key, kv); };
+  const Task* next_task = nullptr;
+  bool claimed = false;
   for (int64_t tile = task.k_begin; tile < task.k_end; tile += tile_keys) {
     const int64_t tile_n = std::min<int64_t>(tile_keys, task.k_end - tile);
     const int64_t nblocks = (tile_n + run - 1) / run;
-    if (tile == task.k_begin) {
+    if (tile == task.k_begin && !prefetched) {
       // Nothing prefetched the first tile: request all of its runs at once, so that they
       // are fetched in parallel rather than one demand miss after another.
       for (int64_t b = 0; b < nblocks; ++b) {
@@ -245,18 +255,30 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const trtpag
       sc.kp[size_t(b)] = as_float(key_ptr(tile + b * run, 0), n, d, sc.kf.data() + b * run * d);
       sc.vp[size_t(b)] = as_float(key_ptr(tile + b * run, 1), n, d, sc.vf.data() + b * run * d);
     }
-    // K and V blocks of the next tile, requested while this tile is computed
-    const int64_t next_tile = tile + tile_keys;
-    const int64_t next_n = std::clamp<int64_t>(task.k_end - next_tile, 0, tile_keys);
+    // K and V blocks of the next tile, requested while this tile is computed: this task's, or at
+    // its last tile the first one of the thread's next task
+    int64_t next_tile = tile + tile_keys;
+    const Task* next_of = &task;
+    if (next_tile >= task.k_end) {
+      next_task = claim();
+      claimed = true;
+      next_of = next_task;
+      next_tile = next_task ? next_task->k_begin : 0;
+    }
+    const int64_t next_n = next_of ? std::clamp<int64_t>(next_of->k_end - next_tile, 0, tile_keys) : 0;
     const int64_t next_blocks = (next_n + run - 1) / run;
     for (int64_t b = 0; b < next_blocks; ++b) {
-      sc.knext[size_t(b)] = key_ptr(next_tile + b * run, 0);
-      sc.vnext[size_t(b)] = key_ptr(next_tile + b * run, 1);
+      sc.knext[size_t(b)] = key_ptr_of(*next_of, next_tile + b * run, 0);
+      sc.vnext[size_t(b)] = key_ptr_of(*next_of, next_tile + b * run, 1);
     }
-    const int64_t run_bytes = run * pool.row * int64_t(sizeof(KV));
+    const int64_t row_bytes = pool.row * int64_t(sizeof(KV));
+    if (next_n > tile_n) {  // the loops below request the next tile's rows up to this tile's length
+      NextBlocks{sc.knext.data(), next_n, run, row_bytes}.prefetch_from(tile_n);
+      NextBlocks{sc.vnext.data(), next_n, run, row_bytes}.prefetch_from(tile_n);
+    }
     for (int32_t r0 = 0; r0 < rows; r0 += kRowGroup) {
-      const NextBlocks next_k{sc.knext.data(), r0 == 0 ? next_blocks : 0, run_bytes};
-      const NextBlocks next_v{sc.vnext.data(), r0 == 0 ? next_blocks : 0, run_bytes};
+      const NextBlocks next_k{sc.knext.data(), r0 == 0 ? next_n : 0, run, row_bytes};
+      const NextBlocks next_v{sc.vnext.data(), r0 == 0 ? next_n : 0, run, row_bytes};
       const int nr = std::min(kRowGroup, rows - r0);
       int64_t limits[kRowGroup], firsts[kRowGroup];  // each row's visible keys in the tile: [first, limit)
       int64_t group_limit = 0;
@@ -302,6 +324,7 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const trtpag
         accumulate_for(nr, scores, tile_keys, sc.vp.data(), run, group_limit, sc.acc.data() + r0 * d, d, next_v);
     }
   }
+  if (!claimed) next_task = claim();  // a task with no keys
   for (int32_t r = 0; r < rows; ++r) {
     const float* acc = sc.acc.data() + r * d;
     const int32_t t = task.q_begin + r / group;
@@ -317,6 +340,7 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const trtpag
       for (int64_t i = 0; i < d; ++i) store(dst[i], acc[i] * inv);
     }
   }
+  return next_task;
 }
 
 // Combines the partials of the split tasks that start a split group (split == 0).
@@ -358,12 +382,21 @@ void paged_attention(const trtpaged_attention_params& p, const trtpaged_attentio
   // Partial rows are indexed by task.partial * rows; rows per task <= kQueryChunk * group.
   const int64_t max_rows = int64_t(kQueryChunk) * (p.num_heads / p.num_kv_heads);
   std::vector<float> partials(size_t(num_partials * max_rows * (p.head_dim + 2)));
+  // Tasks are handed out one at a time, as schedule(dynamic, 1) would, but a thread claims its next
+  // one before it finishes the current one (run_task), to prefetch it.
+  std::atomic<size_t> next_task{0};
+  auto claim = [&]() -> const Task* {
+    const size_t i = next_task.fetch_add(1, std::memory_order_relaxed);
+    return i < tasks.size() ? &tasks[i] : nullptr;
+  };
 #pragma omp parallel
   {
     Scratch scratch;
-#pragma omp for schedule(dynamic, 1)
-    for (size_t i = 0; i < tasks.size(); ++i)
-      run_task(tasks[i], p, opt, pool, q, cache, positions, block_tables, out, partials.data(), scratch);
+    bool prefetched = false;
+    for (const Task* task = claim(); task != nullptr; prefetched = true)
+      task = run_task(*task, p, opt, pool, q, cache, positions, block_tables, out, partials.data(), scratch, claim,
+                      prefetched);
+#pragma omp barrier
 #pragma omp for schedule(dynamic, 1)
     for (size_t i = 0; i < tasks.size(); ++i)
       if (tasks[i].partial >= 0 && tasks[i].split == 0) merge_splits(tasks[i], p, partials.data(), out);

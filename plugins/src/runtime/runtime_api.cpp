@@ -1,5 +1,6 @@
 // The C API of libtrtpaged_runtime (trtpaged/runtime.h): argument checks, the KV pool, the request
 // table, and the boundary where internal errors become a status and trtpaged_last_error().
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -78,6 +79,22 @@ int32_t tightened(const char* name, int32_t value, int64_t limit) {
     invalid(std::string("options.") + name + ": must be in [1, " + std::to_string(limit) +
             "] (the engine's build limit) or 0, got " + std::to_string(value));
   return value;
+}
+
+// The KV pool: zeroed, 2 MiB-aligned and advised for transparent huge pages, as trtpaged/kv_pool_memory.py
+// does for the Python runtime (the paged attention reads short runs of rows from blocks scattered
+// over the pool; with 4 KiB pages each run costs a TLB miss). Pages are touched here, not at the first
+// step. nullptr when out of memory.
+void* allocate_pool(size_t bytes) {
+  constexpr size_t kHugePage = size_t(2) << 20;
+  const size_t rounded = (std::max<size_t>(bytes, 1) + kHugePage - 1) / kHugePage * kHugePage;
+  void* pool = std::aligned_alloc(kHugePage, rounded);
+  if (!pool) return nullptr;
+#ifdef MADV_HUGEPAGE
+  madvise(pool, rounded, MADV_HUGEPAGE);  // a hint: 4 KiB pages where THP is off
+#endif
+  std::memset(pool, 0, rounded);
+  return pool;
 }
 
 // Blocks of the pool: the options' override, else the manifest's budget (trtpaged/kv_budget.py's rules).
@@ -328,7 +345,7 @@ TRTPAGED_API trtpaged_status trtpaged_runtime_open(const char* engine_dir, const
     rt->num_kv_blocks = int32_t(blocks);
     const std::string weights = engine_path(root, m.weights_file, "weights_file");
     rt->model = std::make_unique<CpuModel>(m, weights);  // checks the header before reading any tensor
-    void* pool = std::calloc(size_t(blocks), size_t(rt->block_bytes));
+    void* pool = allocate_pool(size_t(blocks) * size_t(rt->block_bytes));
     if (!pool)
       raise(TRTPAGED_ERR_OUT_OF_MEMORY,
             std::string(field) + ": cannot allocate " + std::to_string(blocks) + " KV blocks");

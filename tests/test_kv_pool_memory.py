@@ -1,0 +1,51 @@
+"""KV pool host memory (trtpaged.kv_pool_memory): zeroed like torch.zeros, 2 MiB-aligned, and backed by
+huge pages where the kernel's transparent huge page setting allows it (checked in /proc/self/smaps)."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+
+from trtpaged import kv_pool_memory
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _huge_kb_of(ptr: int) -> int:
+    """AnonHugePages (kB) of the mapping that holds address ptr, from /proc/self/smaps."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= ptr < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int8], ids=str)
+def test_pool_is_zeroed_aligned_and_writable(dtype: torch.dtype) -> None:
+    shape = (160, 3, 2, 3, 16, 64)  # 160 blocks of a 3-layer pool: 2.8-11 MiB
+    pool = kv_pool_memory.zeros(shape, dtype)
+    assert pool.shape == shape and pool.dtype == dtype and pool.is_contiguous()
+    assert pool.data_ptr() % kv_pool_memory.HUGE_PAGE == 0
+    assert not pool.any()
+    pool[-1, -1, -1, -1, -1, -1] = 7
+    pool[0].fill_(1)
+    gc.collect()  # the tensor alone keeps the mapping alive
+    assert int(pool.count_nonzero()) == pool[0].numel() + 1 and pool[-1, -1, -1, -1, -1, -1].item() == 7
+
+
+def test_pools_under_a_huge_page_are_plain_zeros() -> None:
+    small = kv_pool_memory.zeros((2, 1, 2, 1, 16, 64), torch.float32)
+    assert small.shape == (2, 1, 2, 1, 16, 64) and small.dtype == torch.float32 and not small.any()
+
+
+@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="transparent huge pages are off")
+def test_pool_is_backed_by_huge_pages() -> None:
+    pool = kv_pool_memory.zeros((1024, 1, 2, 3, 16, 64), torch.float32)  # 24 MiB
+    assert _huge_kb_of(pool.data_ptr()) >= 2048, "no 2 MiB page backs the pool"

@@ -1,0 +1,184 @@
+"""Tool calls over HTTP with the official `openai` client, on a tiny engine whose chat template takes tools and
+asks for hermes-style `<tool_call>` blocks (Qwen2.5's form): `tool_choice: "auto"` (and tools without
+tool_choice) reads the calls out of the model's text. The random model's output is forced with a one-choice
+grammar (`guided_choice`), so that the generated text IS a given tool call, text, or malformed call; the expected
+answer is that text read by the format's rules. Streaming: the calls' first deltas carry id / type / name, later
+ones pieces of the arguments, which join to the non-streamed arguments. Named and required calls stream the same
+way. (An engine whose template takes no tools refuses auto: tests/test_server_structured.py.)"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from tests.test_server import wait_idle
+from tests.test_server_scoring import client  # noqa: F401 - the openai client of this module's `server`
+from trtpaged.engine_files import sha256_file
+from trtpaged.manifest import MANIFEST_NAME
+from trtpaged.server import start_server
+
+pytest.importorskip("openai", reason="the openai package is not installed (pip install openai)")
+jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is not installed")
+pytest.importorskip("xgrammar", reason="xgrammar is not installed (pip install xgrammar)")
+
+MODEL = "tiny-tools"
+# Qwen2.5's tool prompt cut to fit the tiny engine's 512 positions (byte tokens: the tools by name only), in the
+# tiny byte-level tokenizer's specials.
+HERMES_TEMPLATE = """{%- if tools %}<|bos|>system
+Tools: {% for tool in tools %}{{ tool.function.name }} {% endfor %}
+Call as <tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|eos|>
+{% endif %}{% for m in messages %}{% if m.role == 'assistant' and m.tool_calls %}<|bos|>assistant
+{% for tc in m.tool_calls %}<tool_call>
+{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments }}}
+</tool_call>{% endfor %}<|eos|>
+{% elif m.role == 'tool' %}<|bos|>user
+<tool_response>{{ m.content }}</tool_response><|eos|>
+{% else %}<|bos|>{{ m.role }}
+{{ m.content }}<|eos|>
+{% endif %}{% endfor %}{% if add_generation_prompt %}<|bos|>assistant
+{% endif %}"""
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "required": ["a", "b"], "additionalProperties": False}}},
+]  # fmt: skip
+MESSAGES = [{"role": "user", "content": "Weather in Paris, and 2 + 40?"}]
+ONE_CALL = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n'
+            '</tool_call>')  # fmt: skip
+TWO_CALLS = ('<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 40}}\n</tool_call>\n<tool_call>\n'
+             '{"arguments": {"city": "Rome, \\"IT\\"", "unit": "F"}, "name": "get_weather"}\n</tool_call>')  # fmt: skip
+# (forced output, expected content, expected calls [(name, arguments)]) by the hermes format's rules
+CASES = [
+    (ONE_CALL, "Let me look.", [("get_weather", {"city": "Paris", "unit": "C"})]),
+    (TWO_CALLS, None, [("add", {"a": 2, "b": 40}), ("get_weather", {"city": 'Rome, "IT"', "unit": "F"})]),
+    ("It is sunny in Paris.", "It is sunny in Paris.", []),
+    ('<tool_call>\n{"name": "fly", "arguments": {}}\n</tool_call>', None, []),  # not a tool: content
+]
+
+
+@pytest.fixture(scope="module")
+def tools_engine_dir(tiny_engine_dir, tmp_path_factory):
+    """The tiny engine with a tools-capable (hermes-style) chat template, its manifest's hashes rewritten."""
+    out = tmp_path_factory.mktemp("engines") / "tiny-tools"
+    shutil.copytree(tiny_engine_dir, out)
+    (out / "tokenizer" / "chat_template.jinja").write_text(HERMES_TEMPLATE)
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    manifest["chat_template"] = HERMES_TEMPLATE
+    manifest["files"] = {rel: sha256_file(out / rel) for rel in manifest["files"]}
+    (out / MANIFEST_NAME).write_text(json.dumps(manifest))
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(tools_engine_dir):
+    handle = start_server(tools_engine_dir, port=0, served_model_name=MODEL, device="cpu")
+    yield handle
+    handle.shutdown(timeout=0)
+
+
+def _create(client, forced, stream=False, **kw):
+    kw.setdefault("tools", TOOLS)
+    return client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=200, temperature=0,
+                                          stream=stream, extra_body={"guided_choice": [forced]}, **kw)  # fmt: skip
+
+
+def _streamed(chunks):
+    """(content, [(id, name, arguments)], finish_reason) of a streamed choice, the calls joined by index."""
+    content, calls, finish = "", {}, None
+    for chunk in chunks:
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for tc in c.delta.tool_calls or []:
+                if tc.id is not None:  # the first delta of a call: id, type, name, no arguments yet
+                    assert tc.index not in calls and tc.type == "function" and tc.function.arguments == ""
+                    calls[tc.index] = [tc.id, tc.function.name, ""]
+                else:
+                    assert tc.function.name is None
+                    calls[tc.index][2] += tc.function.arguments
+            finish = c.finish_reason or finish
+    return content or None, [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("forced, content, calls", CASES)
+def test_auto_reads_the_models_calls(client, forced, content, calls):
+    for extra in ({}, {"tool_choice": "auto"}):  # tools without tool_choice: auto, as OpenAI has it
+        choice = _create(client, forced, **extra).choices[0]
+        assert choice.message.content == (content if calls else forced)
+        got = [(tc.function.name, json.loads(tc.function.arguments)) for tc in choice.message.tool_calls or []]
+        assert got == calls
+        assert choice.finish_reason == ("tool_calls" if calls else "stop")
+        for tc in choice.message.tool_calls or []:
+            assert tc.id.startswith("call_") and tc.type == "function"
+            schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == tc.function.name)
+            jsonschema.validate(json.loads(tc.function.arguments), schema)
+
+
+@pytest.mark.parametrize("forced, content, calls", CASES)
+def test_streamed_auto_joins_to_the_full_answer(client, forced, content, calls):
+    full = _create(client, forced).choices[0]
+    streamed_content, streamed_calls, finish = _streamed(_create(client, forced, stream=True))
+    assert finish == full.finish_reason
+    assert streamed_content == full.message.content
+    assert [(n, a) for _, n, a in streamed_calls] == [(tc.function.name, tc.function.arguments)
+                                                      for tc in full.message.tool_calls or []]  # fmt: skip
+    assert all(i.startswith("call_") for i, _, _ in streamed_calls)
+
+
+def test_arguments_arrive_in_pieces(client):
+    chunks = list(_create(client, ONE_CALL, stream=True))
+    pieces = [tc.function.arguments for ch in chunks for c in ch.choices for tc in c.delta.tool_calls or []
+              if tc.id is None]  # fmt: skip
+    assert len(pieces) > 1 and "".join(pieces) == '{"city": "Paris", "unit": "C"}'
+
+
+def test_tools_reach_the_template_and_free_generation_runs(client, server, tools_engine_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tools_engine_dir / "tokenizer"))
+
+    def prompt_len(**kw):
+        return len(tok.encode(tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False, **kw),
+                              add_special_tokens=False))  # fmt: skip
+
+    resp = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=12, n=3,
+                                          temperature=1.0, seed=3)  # fmt: skip
+    assert resp.usage.prompt_tokens == prompt_len(tools=TOOLS) > prompt_len() + len("get_weather add")
+    for choice in resp.choices:  # a random model writes no call: its text comes back as content
+        assert choice.finish_reason in ("stop", "length") and isinstance(choice.message.content, str)
+    history = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "add", "arguments": '{"a": 2, "b": 40}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+    ]  # fmt: skip
+    follow = client.chat.completions.create(  # the call and its result rendered back through the template
+        model=MODEL, messages=history, tools=TOOLS, max_tokens=20, temperature=0,
+        extra_body={"guided_choice": ["It is 42."]})  # fmt: skip
+    assert follow.choices[0].message.content == "It is 42." and follow.choices[0].message.tool_calls is None
+    wait_idle(server)
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "add"}}, "required"])
+def test_forced_calls_stream_in_pieces_like_the_full_answer(client, tool_choice):
+    kw = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": tool_choice, "max_tokens": 160,
+          "temperature": 1.0}  # fmt: skip
+    for seed in range(16):  # a random model may write calls until max_tokens: the first seed whose calls end
+        full = client.chat.completions.create(seed=seed, **kw).choices[0]
+        if full.finish_reason != "length":
+            break
+    kw["seed"] = seed
+    assert full.finish_reason == "tool_calls" and full.message.content is None
+    content, calls, finish = _streamed(client.chat.completions.create(stream=True, **kw))
+    assert finish == "tool_calls" and content is None
+    assert [(n, a) for _, n, a in calls] == [(tc.function.name, tc.function.arguments)
+                                             for tc in full.message.tool_calls]  # fmt: skip
+    for _, name, arguments in calls:
+        schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
+        jsonschema.validate(json.loads(arguments), schema)
+
