@@ -13,7 +13,7 @@ import torch
 
 from conftest import EXAMPLES, build_from_dict
 from runtime_helpers import RandomLogitsEngine, hf_greedy, run_staggered, runtime_config, step_engine, tiny_hf
-from test_speculative import EOS, assert_accounting, greedy_chain, joint_probs, run_storm
+from test_speculative import EOS, assert_accounting, assert_target_distribution, greedy_chain, run_storm
 from trtpaged.runtime.draft import DraftProposer
 from trtpaged.runtime.llm_engine import LLMEngine
 from trtpaged.runtime.sampling_params import SamplingParams
@@ -118,31 +118,10 @@ def test_the_draft_catches_up_on_the_bonus_token(hf, draft_hf, prompts):
 def test_sampled_distribution_is_the_targets(hf, draft_hf, prompts):
     """Chi-square of 3-token outputs against the target's exact joint probabilities (HF forward), the draft
     sampling from its own q != p: min(1, p/q) acceptance and the residual norm(max(0, p - q))."""
-    from scipy.stats import chisquare
-
     prompt = prompts[1]
-    temperature, top_k, draws = 1.0, 3, 1500
-    params = SamplingParams(max_tokens=3, temperature=temperature, top_k=top_k, ignore_eos=True)
     engine = make(hf, draft_hf, draft_spec(2), draft_blocks=512, num_kv_blocks=512, max_batch_size=64,
                   max_num_tokens=1024)  # fmt: skip
-    torch.manual_seed(0)
-    outs = run_staggered(engine, [(prompt, params)] * draws, every=0)
-    counts = collections.Counter(tuple(o.outputs[0].token_ids) for o in outs)
-    expected = joint_probs(hf, prompt, temperature, top_k)
-    assert set(counts) <= set(expected)
-    cells = sorted(expected)
-    observed = [counts.get(c, 0) for c in cells]
-    # cells expected below 5 draws pooled into one, as the chi-square approximation needs
-    small = [i for i, c in enumerate(cells) if expected[c] * draws < 5]
-    big = [i for i in range(len(cells)) if i not in small]
-    obs = [observed[i] for i in big] + ([sum(observed[i] for i in small)] if small else [])
-    exp = [expected[cells[i]] * draws for i in big]
-    exp += [sum(expected[cells[i]] * draws for i in small)] if small else []
-    result = chisquare(obs, exp)
-    stats = engine.stats()
-    assert stats["spec_decode_num_accepted_tokens"] > 300  # speculation took part, accepting ...
-    assert stats["spec_decode_num_draft_tokens"] - stats["spec_decode_num_accepted_tokens"] > 100  # ... and rejecting
-    assert result.pvalue > 1e-3, (obs, [round(e) for e in exp])
+    assert_target_distribution(engine, hf, prompt, top_k=3, draws=1500, min_accepted=300, min_rejected=100)
     assert engine.scheduler.draft.kv.pool.num_free == 512
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-from trtpaged.runtime.runners.base import StepBatch
+from trtpaged.runtime.runners.base import StepBatch, StepPacker
 from trtpaged.runtime.kv_cache_manager import KVCacheManager
 from trtpaged.runtime.scheduler import SchedulerOutput
 
@@ -28,12 +28,8 @@ def build_step_batch(out: SchedulerOutput, kv: KVCacheManager) -> tuple[StepBatc
     A speculating sequence's chunk is its uncomputed token then its draft, and every position of it
     gets a logits row (in order, from the sequence's row on): row i verifies `draft[i]`.
     """
-    input_ids: list[int] = []
-    positions: list[int] = []
-    query_start = [0]
-    context_lens: list[int] = []
-    tables: list[list[int]] = []
-    logits_index: list[int] = []
+    step = StepPacker()
+    logits_index = step.logits_index
     rows: dict[int, int] = {}
     scored: list[PromptRows] = []
     for item in out.scheduled:
@@ -43,20 +39,13 @@ def build_step_batch(out: SchedulerOutput, kv: KVCacheManager) -> tuple[StepBatc
             # position p's logits score token p + 1; positions already scored (before a preemption) are skipped
             first, last = max(item.start, len(scores) - 1), min(end, item.seq.num_prompt_tokens - 1)
             if first < last:
-                packed = len(input_ids) - item.start  # packed row of position 0 of this sequence
+                packed = len(step.input_ids) - item.start  # packed row of position 0 of this sequence
                 start_row = len(logits_index)
                 logits_index += range(packed + first, packed + last)
                 scored.append(PromptRows(item.group.request_id, first + 1, list(range(start_row, len(logits_index)))))
-        if item.draft:
-            input_ids += item.seq.token_ids[item.start : end - len(item.draft)]
-            input_ids += item.draft
-        else:
-            input_ids += item.seq.token_ids[item.start : end]
-        positions += range(item.start, end)
-        query_start.append(len(input_ids))
-        context_lens.append(end)
-        tables.append(kv.block_table(item.seq))
+        tokens = item.seq.token_ids[item.start : end - len(item.draft)] + list(item.draft)
+        step.add(tokens, item.start, kv.block_table(item.seq))
         if item.sample:
             rows[item.seq.seq_id] = len(logits_index)
-            logits_index += range(len(input_ids) - 1 - len(item.draft), len(input_ids))
-    return StepBatch.pack(input_ids, positions, query_start, context_lens, tables, logits_index), rows, scored
+            logits_index += range(len(step.input_ids) - 1 - len(item.draft), len(step.input_ids))
+    return step.batch(), rows, scored

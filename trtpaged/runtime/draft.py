@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence as Seq
 import torch
 
 from trtpaged.runtime.kv_cache_manager import KVCacheManager
-from trtpaged.runtime.runners.base import ModelRunner, StepBatch
+from trtpaged.runtime.runners.base import ModelRunner, StepPacker
 from trtpaged.runtime.sampler import filter_logits
 from trtpaged.runtime.sampling_params import SamplingParams
 
@@ -180,25 +180,16 @@ class DraftProposer:
     def _step(self, chunks: list[tuple[_Mirror, int]], wants_logits: list[bool]) -> torch.Tensor:
         """One packed draft step computing `n` tokens of each mirror; logits of the last position of the
         mirrors that want them, in order."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        query_start = [0]
-        context_lens: list[int] = []
-        tables: list[list[int]] = []
-        logits_index: list[int] = []
+        step = StepPacker()
         for (mirror, n), wants in zip(chunks, wants_logits):
             start = mirror.num_computed_tokens
-            input_ids += mirror.token_ids[start : start + n]
-            positions += range(start, start + n)
-            query_start.append(len(input_ids))
-            context_lens.append(start + n)
-            tables.append(self.kv.block_table(mirror))  # type: ignore[arg-type]
+            step.add(mirror.token_ids[start : start + n], start, self.kv.block_table(mirror))  # type: ignore[arg-type]
             if wants:
-                logits_index.append(len(input_ids) - 1)
+                step.logits_index.append(len(step.input_ids) - 1)
             mirror.num_computed_tokens = start + n
-        batch = StepBatch.pack(input_ids, positions, query_start, context_lens, tables, logits_index)
+        batch = step.batch()
         self.num_steps += 1
-        self.num_tokens_computed += len(input_ids)
+        self.num_tokens_computed += len(step.input_ids)
         return self.runner.step(batch).float().cpu()
 
     @staticmethod

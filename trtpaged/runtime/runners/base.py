@@ -41,6 +41,30 @@ class StepBatch:
         )
 
 
+
+class StepPacker:
+    """Collects sequences' chunks, one after another, into the lists `StepBatch.pack` takes."""
+
+    def __init__(self) -> None:
+        self.input_ids: list[int] = []
+        self.positions: list[int] = []
+        self.query_start: list[int] = [0]
+        self.context_lens: list[int] = []
+        self.tables: list[list[int]] = []
+        self.logits_index: list[int] = []
+
+    def add(self, tokens: Sequence[int], start: int, table: list[int]) -> None:
+        """One sequence's chunk: `tokens` at positions `start ..`, its KV read through `table`."""
+        self.input_ids += tokens
+        self.positions += range(start, start + len(tokens))
+        self.query_start.append(len(self.input_ids))
+        self.context_lens.append(start + len(tokens))
+        self.tables.append(table)
+
+    def batch(self) -> StepBatch:
+        return StepBatch.pack(self.input_ids, self.positions, self.query_start, self.context_lens, self.tables,
+                              self.logits_index)  # fmt: skip
+
 @runtime_checkable
 class ModelRunner(Protocol):
     """What the runtime needs from a backend (torch, TensorRT). It owns the KV pool (and the host pool for swap).
