@@ -83,3 +83,18 @@ def test_the_runner_decides_and_reports_the_plan(tiny_engine_dir):
     llm = LLM(tiny_engine_dir, device="cpu")
     assert llm.execution_plan.startswith("torch: fused (")  # examples/tiny.yaml: float32 weights
     assert llm.engine.runner.model.execution_plan.layers == "fused"
+
+
+def test_inspect_shows_the_plan_the_runner_decides(tiny_engine_dir):
+    """`trtpaged inspect --plan` prints the plan that loading the engine decides on this machine."""
+    from click.testing import CliRunner
+
+    from trtpaged import LLM
+    from trtpaged.cli import main
+
+    result = CliRunner().invoke(main, ["inspect", str(tiny_engine_dir), "--plan"])
+    assert result.exit_code == 0, result.output
+    line = [x for x in result.output.splitlines() if x.startswith("execution plan on this machine's CPU: ")]
+    assert len(line) == 1
+    runner_plan = LLM(tiny_engine_dir, device="cpu").engine.runner.model.execution_plan
+    assert line[0].split(": ", 1)[1] == str(runner_plan)

@@ -19,8 +19,11 @@ import click
 @click.option("--draft", "draft_dir", default=None, type=click.Path(path_type=Path),
               help="Also check DIR as a speculative draft engine for this one (speculative_config method "
                    "draft_model: the same tokenizer, max_seq_len; docs/speculative.md) and show its KV pool.")
+@click.option("--plan", "show_plan", is_flag=True,
+              help="Also load the weights on this machine's CPU and print the execution plan the torch runner "
+                   "would run (c_layers / fused / torch, and why; docs/architecture.md).")
 def command(engine_dir: Path, avg_len: int | None, memory: str | None, as_json: bool, full_verify: bool,
-            draft_dir: Path | None) -> None:  # fmt: skip
+            draft_dir: Path | None, show_plan: bool) -> None:  # fmt: skip
     """Print ENGINE_DIR's manifest and memory plan (bytes per token, blocks, concurrent sequences).
 
     The dir is checked as a load checks it (paths, sizes, safetensors headers, weight shapes against
@@ -76,6 +79,24 @@ def command(engine_dir: Path, avg_len: int | None, memory: str | None, as_json: 
                    "its own KV pool:")
         for line in draft_plan.lines(avg_len):
             click.echo(f"  {line}")
+    if show_plan:
+        click.echo(f"execution plan on this machine's CPU: {_execution_plan(engine_dir, manifest)}")
+
+
+def _execution_plan(engine_dir: Path, manifest) -> str:
+    """The plan `TorchRunner` decides for this engine on this machine's CPU, from its loaded weights."""
+    if "torch" not in manifest.backends:
+        return f"none: the engine has no torch backend ({', '.join(manifest.backends)})"
+    if manifest.tensor_parallel > 1:
+        return "fused or torch: each tensor-parallel rank decides at load (c_layers would skip its all-reduces)"
+    from trtpaged.models import load_step_model
+    from trtpaged.models.execution_plan import decide_execution_plan
+
+    try:
+        model, _ = load_step_model(engine_dir, device="cpu")
+        return str(decide_execution_plan(model))
+    except (OSError, ValueError, RuntimeError) as e:
+        raise click.ClickException(f"--plan: {e}") from None
 
 
 def _weight_bytes(engine_dir: Path, manifest) -> int:
