@@ -83,6 +83,9 @@ def test_the_runner_decides_and_reports_the_plan(tiny_engine_dir):
     llm = LLM(tiny_engine_dir, device="cpu")
     assert llm.execution_plan.startswith("torch: fused (")  # examples/tiny.yaml: float32 weights
     assert llm.engine.runner.model.execution_plan.layers == "fused"
+    stats = llm.engine.stats()
+    assert {k: v for k, v in stats.items() if k.startswith("execution_plan_")} == {
+        "execution_plan_c_layers": 0.0, "execution_plan_fused": 1.0, "execution_plan_torch": 0.0}
 
 
 def test_inspect_shows_the_plan_the_runner_decides(tiny_engine_dir):

@@ -316,6 +316,9 @@ def test_models_health_metrics(server):
     assert m['time_to_first_token_seconds_bucket{le="+Inf"}'] == m["time_to_first_token_seconds_count"]
     assert m['request_success_total{finished_reason="length"}'] >= 1
     assert m["prefix_cache_queries_total"] >= m["prefix_cache_hits_total"]
+    plans = {k: v for k, v in m.items() if k.startswith("execution_plan_info")}  # the tiny engine: float32, fused
+    assert plans == {f'execution_plan_info{{layers="{mode}"}}': float(mode == "fused")
+                     for mode in ("c_layers", "fused", "torch")}  # fmt: skip
 
 
 def test_engine_is_loaded_on_the_thread_that_steps_it(server, tiny_engine_dir):

@@ -9,6 +9,7 @@ import time
 from typing import Any, Optional, Sequence as Seq, Union
 
 from trtpaged.errors import RequestError
+from trtpaged.models.execution_plan import LAYER_MODES
 from trtpaged.runtime.batch_builder import PromptRows, build_step_batch
 from trtpaged.runtime.beam_search import BeamSearch
 from trtpaged.runtime.draft import DraftProposer
@@ -293,6 +294,9 @@ class LLMEngine:
             stats.update(self.scheduler.spec_stats.to_stats(), spec_decode_num_speculative_tokens=spec.num_speculative_tokens)
             if self.scheduler.draft is not None:
                 stats.update(self.scheduler.draft.stats())
+        plan = getattr(getattr(self.runner, "model", None), "execution_plan", None)
+        if plan is not None:  # the eager runner's plan, one-hot (stats are numbers): execution_plan_<layers> = 1
+            stats.update({f"execution_plan_{mode}": float(plan.layers == mode) for mode in LAYER_MODES})
         return stats
 
 

@@ -47,6 +47,7 @@ ENGINE_STATS: dict[str, tuple[str, str, str]] = {
                                       "Prompt tokens restored from a KV tier below the pool (part of the hits)."),
     "kv_tier_blocks_loaded": ("kv_tier_blocks_loaded", "counter", "Blocks restored into the pool from a KV tier."),
 }  # fmt: skip
+PLAN = "execution_plan_"  # stats keys PLAN + "<layers>": 1 for the eager runner's plan, 0 for the others
 PER_POS = "spec_decode_num_accepted_tokens_per_pos"  # stats keys PER_POS + "_<i>": accepted at draft position i
 # Per-tier counters (`kv_tier_<tier>_<field>` in LLMEngine.stats()): one family each, labelled
 # tier="host|disk|remote".
@@ -93,6 +94,13 @@ class _EngineStatsCollector(Collector):
                 for tier in tiers:
                     family.add_metric([tier], float(stats[f"kv_tier_{tier}_{field}"]))
                 yield family
+        plans = [k[len(PLAN) :] for k in sorted(stats) if k.startswith(PLAN)]
+        if plans:
+            family = GaugeMetricFamily(PREFIX + "execution_plan_info", "The eager runner's execution plan (1: this one).",
+                                       labels=["layers"])  # fmt: skip
+            for layers in plans:
+                family.add_metric([layers], float(stats[PLAN + layers]))
+            yield family
         total = stats.get("kv_blocks_total", 0)
         used = stats.get("kv_blocks_used", 0) / total if total else 0.0
         yield GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "KV-cache usage: blocks used / total (1 = 100%).", value=used)
