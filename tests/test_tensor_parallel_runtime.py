@@ -250,8 +250,10 @@ def test_serve_command_exits_with_the_reason(tiny_kv4_engines):
                             env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
-        startup = [proc.stdout.readline() for _ in range(2)]  # the execution plan's log line, then ready
-        assert "execution plan: fused" in startup[0] and "ready at" in startup[1], startup
+        startup = []  # the start-up log lines (the execution plan, the tool-call format, ...) until ready
+        while len(startup) < 10 and not any("ready at" in line for line in startup):
+            startup.append(proc.stdout.readline())
+        assert "ready at" in startup[-1] and any("execution plan: fused" in line for line in startup), startup
         children = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
                                                     text=True).stdout.split()]
         assert len(children) == 1
