@@ -95,7 +95,7 @@ class DraftProposer:
     def propose(self, requests: Seq[DraftRequest]) -> dict[int, Proposal]:
         """Up to `k` tokens for each request (fewer, or none, when the draft's pool, token budget or
         max_seq_len do not allow them), by sequence id."""
-        active: list[tuple[_Mirror, DraftRequest]] = []
+        active: list[tuple[_Mirror, DraftRequest, int]] = []  # with the tokens of its catch-up computed now
         budget = self.max_num_tokens
         for req in requests:
             mirror = self._sync(req)
@@ -109,7 +109,7 @@ class DraftProposer:
                 continue
             self.kv.allocate(plan)
             budget -= n
-            active.append((mirror, req))
+            active.append((mirror, req, n))
         return self._run(active)
 
     def rollback(self, seq_id: int, token_ids: Seq[int]) -> None:
@@ -151,18 +151,15 @@ class DraftProposer:
         mirror.token_ids = list(req.token_ids)
         return mirror
 
-    def _run(self, active: list[tuple[_Mirror, DraftRequest]]) -> dict[int, Proposal]:
-        """The catch-up step (each sequence's uncomputed tokens; those that caught up sample d1), then step
-        r computes d_r and samples d_(r+1) for the sequences proposing more than r tokens."""
+    def _run(self, active: list[tuple[_Mirror, DraftRequest, int]]) -> dict[int, Proposal]:
+        """The catch-up step (`n` uncomputed tokens of each sequence, as `propose` budgeted them; those that
+        caught up sample d1), then step r computes d_r and samples d_(r+1) for the sequences proposing more
+        than r tokens."""
         if not active:
             return {}
-        chunks, budget = [], self.max_num_tokens
-        for mirror, req in active:
-            n = min(len(mirror.token_ids) - mirror.num_computed_tokens, budget)
-            budget -= n
-            chunks.append((mirror, n, mirror.num_computed_tokens + n == len(mirror.token_ids)))
-        logits = self._step([(m, n) for m, n, _ in chunks], [caught_up for _, _, caught_up in chunks])
-        live = [(m, r) for (m, _, caught_up), (_, r) in zip(chunks, active) if caught_up]
+        caught_up = [m.num_computed_tokens + n == len(m.token_ids) for m, _, n in active]
+        logits = self._step([(m, n) for m, _, n in active], caught_up)
+        live = [(m, r) for (m, r, _), done in zip(active, caught_up) if done]
         tokens: dict[int, list[int]] = {m.seq_id: [] for m, _ in live}
         probs: dict[int, list[torch.Tensor]] = {m.seq_id: [] for m, _ in live}
         for round_ in range(max((r.k for _, r in live), default=0)):
