@@ -85,6 +85,33 @@ def test_output_kinds_delta_and_final_only_reassemble_the_cumulative_output(llm)
     assert [tokens[i] for i in (0, 1)] == [c.token_ids for c in cumulative.outputs]
 
 
+def test_delta_stream_interval_hands_over_every_nth_token(llm):
+    """stream_interval N: the first token at once, then N tokens per output, the end at once; joined, the
+    deltas are the one-token-per-step run's tokens and text (n=2: each sample keeps its own count)."""
+    from trtpaged.errors import RequestError
+    from trtpaged.runtime.outputs import RequestOutputKind
+
+    base = dict(max_tokens=11, temperature=1.0, seed=3, n=2, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    def run(interval):
+        request_id = llm.engine.add_request("tell me a story", SamplingParams(**base, stream_interval=interval))
+        counts, tokens, texts = {0: [], 1: []}, {0: [], 1: []}, {0: "", 1: ""}
+        while llm.engine.has_unfinished():
+            for out in llm.engine.step():
+                for c in out.outputs if out.request_id == request_id else ():
+                    counts[c.index].append(len(c.token_ids))
+                    tokens[c.index] += c.token_ids
+                    texts[c.index] += c.text
+        return counts, tokens, texts
+
+    one, four = run(1), run(4)
+    assert one[0] == {0: [1] * 11, 1: [1] * 11}
+    assert four[0] == {0: [1, 4, 4, 2], 1: [1, 4, 4, 2]}
+    assert four[1:] == one[1:] and len(one[1][0]) == 11
+    with pytest.raises(RequestError, match="stream_interval: must be >= 1"):
+        SamplingParams(stream_interval=0)
+
+
 def test_delta_holds_back_only_what_could_start_a_stop_string(llm):
     """A stop string the text never starts holds nothing back: each step's delta is the one without stops.
     One the text does start is held until the text moves past it."""

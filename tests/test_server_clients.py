@@ -61,6 +61,37 @@ def test_openai_client_chat_completions_streaming_n(client, llm):
     assert [m.id for m in client.models.list().data] == ["tiny"]
 
 
+def test_stream_interval_joins_tokens_into_fewer_chunks(tiny_engine_dir, llm):
+    """`--stream-interval 4` through a real server and the official client: the first token's chunk at once,
+    then 4 tokens a chunk (counted by their log-prob entries), the last chunk at the end; joined, the chunks
+    are the non-streamed text (also with a stop string the runtime holds back, and for chat)."""
+    openai = pytest.importorskip("openai", reason="the openai package is not installed (pip install openai)")
+    with pytest.raises(ValueError, match="stream_interval: must be positive"):
+        ServerOptions(stream_interval=0)
+    handle = start_server(tiny_engine_dir, port=0, served_model_name="tiny", device="cpu",
+                          options=ServerOptions(stream_interval=4))  # fmt: skip
+    try:
+        client = openai.OpenAI(base_url=handle.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        body = dict(model="tiny", prompt="once upon", max_tokens=11, temperature=0, extra_body={"ignore_eos": True})
+        whole = client.completions.create(**body).choices[0].text
+        truth = llm.generate(["once upon"], SamplingParams(max_tokens=11, temperature=0.0, ignore_eos=True))[0]
+        assert whole == truth.outputs[0].text
+        chunks = [c for c in client.completions.create(**body, logprobs=1, stream=True) if c.choices]
+        assert [len(c.choices[0].logprobs.tokens) for c in chunks] == [1, 4, 4, 2]
+        assert "".join(c.choices[0].text for c in chunks) == whole
+        stop = whole[3:5]
+        streamed = "".join(c.choices[0].text for c in client.completions.create(**body, stop=stop, stream=True))
+        assert streamed == client.completions.create(**body, stop=stop).choices[0].text == whole[: whole.index(stop)]
+        messages = [{"role": "user", "content": "hello"}]
+        chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=9, temperature=0)
+        deltas = client.chat.completions.create(model="tiny", messages=messages, max_tokens=9, temperature=0,
+                                                stream=True)  # fmt: skip
+        assert "".join(c.choices[0].delta.content or "" for c in deltas) == chat.choices[0].message.content
+        wait_idle(handle)
+    finally:
+        handle.shutdown(timeout=0)
+
+
 def test_openai_client_sees_typed_errors(client):
     import openai
 

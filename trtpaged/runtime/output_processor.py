@@ -180,11 +180,15 @@ class OutputProcessor:
         )
 
     def _delta_completions(self, group: SequenceGroup) -> list[CompletionOutput]:
-        """What each sequence gained since its last delta; sequences with nothing new are left out."""
+        """What each sequence gained since its last delta; sequences with nothing new, or fewer than
+        `stream_interval` new tokens while running (after their first token), are left out."""
         params = group.params
         completions = []
         for seq in self._by_index(group):
             sent = seq.emitted
+            interval = params.stream_interval
+            if interval > 1 and sent.tokens and not seq.is_finished and seq.num_output_tokens - sent.tokens < interval:
+                continue
             text = self._visible_text(seq, params.stop)
             tokens = seq.output_token_ids[sent.tokens :]
             if not tokens and len(text) <= sent.chars and (sent.final or not seq.is_finished):

@@ -160,6 +160,9 @@ class SamplingParams:
     structured_outputs: Optional[StructuredOutputsParams] = None  # a grammar the output must follow
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what each step's RequestOutput holds
+    # DELTA outputs only: a running sequence's new tokens are handed over once it has this many (its first
+    # token and its end at once); 1: every step. `trtpaged serve --stream-interval` sets it for streams.
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -184,7 +187,8 @@ class SamplingParams:
         if _is_int(self.top_k) and self.top_k == -1:  # vLLM's spelling of "off"
             object.__setattr__(self, "top_k", 0)
         self._check_token_filters()
-        for name in ("max_tokens", "n", "beam_width", "top_k", "seed", "logprobs", "prompt_logprobs"):
+        for name in ("max_tokens", "n", "beam_width", "top_k", "seed", "logprobs", "prompt_logprobs",
+                     "stream_interval"):
             value = getattr(self, name)
             if not _is_int(value) and not (value is None and name in ("max_tokens", "seed", "logprobs",
                                                                        "prompt_logprobs")):
@@ -212,6 +216,7 @@ class SamplingParams:
             ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be >= 0", 0),
             ("prompt_logprobs", self.prompt_logprobs is None or self.prompt_logprobs >= 0, "must be >= 0", 0),
             ("output_kind", isinstance(self.output_kind, RequestOutputKind), "must be a RequestOutputKind", None),
+            ("stream_interval", self.stream_interval >= 1, "must be >= 1", 1),
         ]
         for name, ok, rule, limit in checks:
             if not ok:

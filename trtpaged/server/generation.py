@@ -78,8 +78,9 @@ class GenerationService:
     """Runs OpenAI generation requests on the engine loop; shared by all request handlers."""
 
     def __init__(self, llm: LLM, loop: EngineLoop, model_name: str, max_prompt_tokens: Optional[int] = None,
-                 request_timeout_s: Optional[float] = None) -> None:  # fmt: skip
+                 request_timeout_s: Optional[float] = None, stream_interval: int = 1) -> None:  # fmt: skip
         self.llm = llm
+        self.stream_interval = stream_interval  # tokens per streamed chunk (SamplingParams.stream_interval)
         self.loop = loop
         self.model_name = model_name
         self.max_seq_len = llm.config.max_seq_len
@@ -114,10 +115,11 @@ class GenerationService:
     # ---- request -> engine requests -----------------------------------------------------------
     def _params(self, req: GenerationRequest, max_tokens: Optional[int]) -> SamplingParams:
         """The engine request's parameters. Every request is served from DELTA outputs: each step hands over
-        only what is new (stop strings held back by the runtime), a stream sends it on, a full body joins it."""
+        only what is new (stop strings held back by the runtime), a stream sends it on (every
+        `stream_interval` tokens), a full body joins it."""
         try:
             return SamplingParams(max_tokens=max_tokens, logprobs=req.logprobs, output_kind=RequestOutputKind.DELTA,
-                                  **req.sampling)
+                                  stream_interval=self.stream_interval if req.stream else 1, **req.sampling)
         except ValueError as exc:
             raise from_runtime_error(exc, req.names) from None
 

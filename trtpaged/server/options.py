@@ -19,6 +19,8 @@ class ServerOptions:
     body arrives slower (408). `shutdown_timeout_s` is how long shutdown lets requests in flight finish.
     `request_log`: a JSON Lines file that gets one line per finished request (appended; see
     `trtpaged.server.request_log`); `request_log_prompts` adds the prompt token ids to each line.
+    `stream_interval`: tokens per streamed chunk (a stream's first token and its end go at once): fewer,
+    longer chunks cost the server's event loop and the clients less CPU per token; 1 (default): one per token.
     """
 
     served_model_name: Optional[str] = None
@@ -32,6 +34,7 @@ class ServerOptions:
     retry_after_s: int = 1
     request_log: Optional[str] = None
     request_log_prompts: bool = False
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if self.api_key is None and os.environ.get(API_KEY_ENV):
@@ -43,6 +46,7 @@ class ServerOptions:
             ("request_timeout_s", self.request_timeout_s is None or self.request_timeout_s > 0),
             ("body_timeout_s", self.body_timeout_s > 0),
             ("shutdown_timeout_s", self.shutdown_timeout_s >= 0),
+            ("stream_interval", isinstance(self.stream_interval, int) and self.stream_interval >= 1),
         ]
         for name, ok in checks:
             if not ok:

@@ -141,7 +141,8 @@ def start_server(
             request_log.close()
         raise
     name = served_model_name or options.served_model_name or llm.engine_dir.resolve().name
-    service = GenerationService(llm, loop, name, options.max_prompt_tokens, options.request_timeout_s)
+    service = GenerationService(llm, loop, name, options.max_prompt_tokens, options.request_timeout_s,
+                                options.stream_interval)
     card = ModelCard(id=name, created=int(time.time()), root=str(llm.engine_dir), max_model_len=llm.config.max_seq_len)
     draining = Draining()
     app = create_app(service, loop, metrics, card, options, draining)
