@@ -454,7 +454,7 @@ constexpr int kLimbs = 3;
 // weights and the limbs read fewer bytes per weight than the float tiles convert; from two rows on
 // the work is compute, where three limb rows cost as much as or more than one float row. Forced ISA on
 // the EPYC (AVX-512 VNNI, Zen 4), one thread, interleaved calls, limbs / float tiles: int8 lm_head
-// 49152 x 576, AVX-512 M = 2: 1.07x, M = 4: 1.51x, M = 6: 1.05x, M = 16: 0.99x; plain AVX2 M = 2:
+// 49152 x 576, AVX-512 M = 4: 1.34-1.51x, M = 2, 6, 8, 16: 0.84-1.07x (noise); plain AVX2 M = 2:
 // 1.35x, M = 4: 1.75x, M = 16: 1.82x; int4 gate_up 3072 x 576, AVX-512 M = 4: 1.03x; plain AVX2 M = 2:
 // 1.15x, M = 4: 1.54x (M = 1: 0.70x). AVX-VNNI (untested: no such CPU here) keeps the limbs for int8
 // at any batch and for int4 up to 4 rows, as measured on AVX-512 before its float tiles were timed so.
