@@ -40,6 +40,9 @@ class MultiTurnSpec:
     user_words: int = 24
     output_tokens: int = 16
     think_time_s: float = 0.5
+    # False: every conversation starts at once and thinks exactly think_time_s (they move in lockstep);
+    # True: first turns spread uniformly over one think time, each think time uniform in [0.5, 1.5] x think_time_s
+    stagger: bool = False
 
     def __post_init__(self) -> None:
         for name in ("conversations", "turns", "output_tokens"):
@@ -98,6 +101,7 @@ async def run_multi_turn(
     system = _words(random.Random(seed), spec.system_words)
     rng = random.Random(f"{seed}/{variant}")
     users = [[_words(rng, spec.user_words) for _ in range(spec.turns)] for _ in range(spec.conversations)]
+    pauses = _pauses(spec, random.Random(f"{seed}/{variant}/think"))
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     connections = max_concurrency or spec.conversations
     results: list[RequestResult] = []
@@ -109,8 +113,8 @@ async def run_multi_turn(
         async def conversation(c: int) -> None:
             history = [{"role": "system", "content": system}] if system else []
             for turn in range(spec.turns):
-                if turn:
-                    await asyncio.sleep(spec.think_time_s)
+                if pauses[c][turn]:
+                    await asyncio.sleep(pauses[c][turn])
                 history.append({"role": "user", "content": users[c][turn]})
                 body = _body(history, spec, model, chat)
                 if limit is None:
@@ -138,6 +142,15 @@ async def run_multi_turn(
     report.update(conversations=spec.conversations, turns=spec.turns, think_time_s=spec.think_time_s,
                   replies=replies)
     return report
+
+
+def _pauses(spec: MultiTurnSpec, rng: random.Random) -> list[list[float]]:
+    """Seconds each conversation waits before each turn (the first: its start; then the think times)."""
+    if not spec.stagger:
+        return [[0.0] + [spec.think_time_s] * (spec.turns - 1) for _ in range(spec.conversations)]
+    t = spec.think_time_s
+    return [[rng.uniform(0.0, t)] + [rng.uniform(0.5 * t, 1.5 * t) for _ in range(spec.turns - 1)]
+            for _ in range(spec.conversations)]
 
 
 def multi_turn_figures(before: dict[str, float], after: dict[str, float], input_tokens: int) -> dict[str, Any]:
