@@ -3,7 +3,8 @@
 Every conversation starts with the same system prompt; each turn sends the whole
 history (system prompt, every earlier user message and reply) plus a new user
 message, waits for the streamed reply, then thinks for `think_time_s` before the
-next turn. With more live histories than the KV pool holds, a turn finds its
+next turn (with `stagger`, the conversations start at random moments of one think time and
+each think time varies, so they do not arrive in lockstep). With more live histories than the KV pool holds, a turn finds its
 history in the pool only if nothing evicted it meanwhile: the case the KV tiers
 (docs/kv_tiers.md) are for. Besides vLLM's latency figures the report has the
 prefix-cache side, from the server's /metrics before and after: prompt tokens
@@ -136,7 +137,8 @@ async def run_multi_turn(
     if progress:
         progress(f"{len(results)} turns in {duration:.1f} s")
     report = make_report(results, duration, float("inf"), max_concurrency, base_url)
-    report.update(multi_turn_figures(before, after, report["total_input_tokens"]))
+    report.update(multi_turn_figures(before, after, report["total_input_tokens"],
+                                     report["total_output_tokens"] - report["completed"]))
     ok_first = sorted(r.ttft * 1000.0 for r in first_turn if r.ok)
     report["first_turn_mean_ttft_ms"] = sum(ok_first) / len(ok_first) if ok_first else 0.0
     report.update(conversations=spec.conversations, turns=spec.turns, think_time_s=spec.think_time_s,
@@ -153,16 +155,24 @@ def _pauses(spec: MultiTurnSpec, rng: random.Random) -> list[list[float]]:
             for _ in range(spec.conversations)]
 
 
-def multi_turn_figures(before: dict[str, float], after: dict[str, float], input_tokens: int) -> dict[str, Any]:
-    """Prefix-cache deltas between two scrapes: hit rate, tier hits, prompt tokens computed (None: not trtpaged)."""
+def multi_turn_figures(before: dict[str, float], after: dict[str, float], input_tokens: int,
+                       decode_tokens: Optional[int] = None) -> dict[str, Any]:  # fmt: skip
+    """Prefix-cache deltas between two scrapes: hit rate, tier hits, prompt tokens computed (None: not trtpaged).
+
+    `decode_tokens`: the tokens decode steps computed (each reply's tokens but its last); with it, prompt tokens
+    computed are the server's computed tokens less those (a preempted request's recomputation included), else
+    the prompt tokens less the hits (which count a re-admitted request's hits again)."""
     if CACHE_COUNTERS["prefix_cache_queries"] not in after:
         return {"prefix_hit_rate": None, "prefix_tier_hit_tokens": None, "prefill_tokens_computed": None}
     delta = {k: after.get(name, 0.0) - before.get(name, 0.0) for k, name in CACHE_COUNTERS.items()}
     queries, hits = delta["prefix_cache_queries"], delta["prefix_cache_hits"]
+    computed = input_tokens - hits
+    if decode_tokens is not None and CACHE_COUNTERS["tokens_computed"] in after:
+        computed = delta["tokens_computed"] - decode_tokens
     return {
         "prefix_hit_rate": hits / queries if queries else 0.0,
         "prefix_tier_hit_tokens": int(delta["prefix_cache_tier_hits"]),
-        "prefill_tokens_computed": int(input_tokens - hits),
+        "prefill_tokens_computed": int(computed),
     }
 
 
