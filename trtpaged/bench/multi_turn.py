@@ -4,7 +4,8 @@ Every conversation starts with the same system prompt; each turn sends the whole
 history (system prompt, every earlier user message and reply) plus a new user
 message, waits for the streamed reply, then thinks for `think_time_s` before the
 next turn (with `stagger`, the conversations start at random moments of one think time and
-each think time varies, so they do not arrive in lockstep). With more live histories than the KV pool holds, a turn finds its
+each think time varies, so they do not arrive in lockstep). With more live histories than
+the KV pool holds, a turn finds its
 history in the pool only if nothing evicted it meanwhile: the case the KV tiers
 (docs/kv_tiers.md) are for. Besides vLLM's latency figures the report has the
 prefix-cache side, from the server's /metrics before and after: prompt tokens

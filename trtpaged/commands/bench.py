@@ -326,7 +326,8 @@ def serve(base_url, trace, num_requests, prompt_len, output_len, request_rate, m
               help="Only these rows, comma-separated among unbounded, off, host, disk, remote (default: all).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def kv_tiers(engine, num_kv_blocks, multi_turn, system_words, user_words, output_len, think_time, stagger,
-             host_memory, disk_size, remote, backend, device, seed, rounds, max_num_tokens, rows, as_json) -> None:  # fmt: skip
+             host_memory, disk_size, remote, backend, device, seed, rounds, max_num_tokens, rows,
+             as_json) -> None:  # fmt: skip
     """Multi-turn traffic against servers with KV tiers off, host, disk (and a restart), Redis (and a 2nd replica)."""
     from trtpaged.bench.kv_tiers_bench import format_kv_tiers, run_kv_tiers_bench
 
