@@ -36,7 +36,7 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64
 CONTEXTS = (512, 2048, 8192)
 BATCHES = (1, 8, 32)
 TARGET_BANDWIDTH_FRACTION = 0.5  # decode at >= 2048 tokens vs copy bandwidth
-TARGET_PAGED_OVERHEAD = 0.10
+TARGET_PAGED_OVERHEAD = 0.05  # mean over the cases (issue 21)
 
 
 @dataclass
