@@ -18,7 +18,7 @@ exactly its requested length):
 Each system runs in its own process (so peak RSS is its own), after a one-request warm-up.
 With rounds > 1 trtpaged runs the workload again in the same process, each round on fresh prompts of
 the same lengths (no prefix-cache hits between rounds), and reports every round's wall: the first
-batch after loading against the next ones. Each row says which instruction set ran it.
+batch after loading (no warm-up request then: `LLM(...)` returning is "ready") against the next ones. Each row says which instruction set ran it.
 Per system: useful output tok/s (requested output tokens / wall), computed tok/s (every token
 position run through the model, prompts, padding and decode steps past a request's end
 included / wall), wall time, TTFT (from t=0, queueing included) and per-output-token latency
@@ -164,8 +164,10 @@ def run_trtpaged(engine_dir: str, requests: list[Request], name: str = "trtpaged
     from trtpaged.runtime.sampling_params import SamplingParams
 
     llm = LLM(engine_dir, enable_prefix_caching=enable_prefix_caching, speculative_config=speculative_config)
-    # warm-up shorter than the smallest block (4 + 3 tokens < 8): it leaves nothing in the prefix cache
-    llm.generate([list(requests[0].prompt_ids[:4])], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    if rounds == 1:
+        # warm-up shorter than the smallest block (4 + 3 tokens < 8): it leaves nothing in the prefix cache.
+        # With rounds > 1 there is none: the first round is the first batch after LLM(...) returned.
+        llm.generate([list(requests[0].prompt_ids[:4])], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     spec_before = _spec_counters(llm.engine.stats())
     result = _timed_round(llm.engine, requests, name, say, "bench", sequential)
     if speculative_config is not None:
