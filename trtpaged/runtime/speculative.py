@@ -99,20 +99,25 @@ def ngram_propose(token_ids: Sequence[int], k: int, n_min: int, n_max: int) -> l
 
     Model-free prompt lookup over the prompt and the output so far; [] when nothing matches. Preferring a
     full continuation matters for periodic text: the latest occurrence of a repeated token is the one right
-    before it, followed by one token.
+    before it, followed by one token. It runs for every speculating sequence every step, so it is one
+    vectorised scan for the last token; only those hits are checked for the longer n-grams.
     """
     length = len(token_ids)
     if k < 1 or length < n_min + 1:
         return []
-    tokens = np.asarray(token_ids, dtype=np.int64)
+    tokens = np.fromiter(token_ids, dtype=np.int64, count=length)
+    ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])  # where an earlier n-gram would end
+    if not ends.size:
+        return []
     for n in range(min(n_max, length - 1), n_min - 1, -1):
-        suffix = tokens[length - n :]
-        # windows starting at 0 .. length-n-1: every occurrence but the suffix itself
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if hits.size:
-            full = hits[hits + n + k <= length]
-            start = int(full[-1] if full.size else hits[0]) + n
+        starts = ends[ends >= n - 1] - (n - 1)
+        for back in range(1, n):  # the n-gram's earlier tokens, one offset at a time
+            if not starts.size:
+                break
+            starts = starts[tokens[starts + n - 1 - back] == tokens[length - 1 - back]]
+        if starts.size:
+            full = starts[starts + n + k <= length]
+            start = int(full[-1] if full.size else starts[0]) + n
             return tokens[start : start + k].tolist()
     return []
 
