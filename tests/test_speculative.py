@@ -217,7 +217,8 @@ def _verified_share(num_seqs: int, row_cost: float) -> tuple[float, list[list[in
         outputs.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
     assert engine.kv.pool.num_free == 128
     seq_steps = sum(int(b.query_start.shape[0]) - 1 for b in runner.batches[1:])  # the first step prefills
-    return engine.stats()["spec_decode_num_drafts"] / seq_steps, [outputs[k] for k in sorted(outputs, key=lambda r: int(r.rsplit("-", 1)[-1]))]
+    in_order = sorted(outputs, key=lambda request_id: int(request_id.rsplit("-", 1)[-1]))
+    return engine.stats()["spec_decode_num_drafts"] / seq_steps, [outputs[k] for k in in_order]
 
 
 def test_the_cost_rule_speculates_where_it_pays():
