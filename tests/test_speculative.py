@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 
-from runtime_helpers import RandomLogitsEngine, hf_beams, hf_greedy, run_staggered, runtime_config, step_engine, tiny_hf
+from runtime_helpers import (RandomLogitsEngine, hf_beams, hf_greedy, run_staggered, runtime_config,
+                             serve_one_completion, step_engine, tiny_hf)  # fmt: skip
 from trtpaged.runtime.llm_engine import LLMEngine
 from trtpaged.runtime.sampling_params import SamplingParams
 from trtpaged.runtime.speculative import AcceptanceTracker, SpeculativeConfig, ngram_propose
@@ -446,26 +447,13 @@ def test_sampled_distribution_is_the_targets(hf, prompts):
 def test_server_speculates_and_exposes_spec_decode_metrics(tiny_engine_dir):
     """A real loopback server with --speculative-config semantics: the official openai client gets the same
     greedy text as `LLM` without speculation, and /metrics carries the spec_decode counters."""
-    import urllib.request
-
     from trtpaged import LLM
-    from trtpaged.server import start_server
 
-    openai = pytest.importorskip("openai", reason="the openai package is not installed (pip install openai)")
     prompt = "abcabcabcabcabcabc"
     want = LLM(tiny_engine_dir, device="cpu").generate(prompt, SamplingParams(max_tokens=24, temperature=0.0))
     spec = SpeculativeConfig.parse('{"num_speculative_tokens": 4, "min_acceptance_rate": 0}')
-    handle = start_server(tiny_engine_dir, port=0, device="cpu", speculative_config=spec)
-    try:
-        client = openai.OpenAI(base_url=handle.url + "/v1", api_key="none", max_retries=0, timeout=60)
-        got = client.completions.create(model=handle.model_name, prompt=prompt, max_tokens=24, temperature=0.0)
-        with urllib.request.urlopen(handle.url + "/metrics", timeout=60) as resp:
-            metrics = resp.read().decode()
-    finally:
-        handle.shutdown()
-    assert got.choices[0].text == want[0].outputs[0].text
-    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-              if line.startswith("trtpaged:spec_decode")}  # fmt: skip
+    text, values = serve_one_completion(tiny_engine_dir, prompt, 24, spec)
+    assert text == want[0].outputs[0].text
     label = '{method="ngram"}'
     drafts, proposed, accepted = (values[f"trtpaged:spec_decode_num_{k}_total{label}"]
                                   for k in ("drafts", "draft_tokens", "accepted_tokens"))  # fmt: skip
