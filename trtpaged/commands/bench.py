@@ -393,9 +393,12 @@ def structured(engine, batch, steps, repeats, temperature, as_json) -> None:
                    "transformers' assisted generation (prompt lookup, or the draft engine's model as assistant_model; "
                    "one request at a time) as its peer.")
 @click.option("--sequential", is_flag=True, help="One request at a time (single-stream decode) in every row.")
+@click.option("--peer-time-limit", type=click.FloatRange(min=0, min_open=True), default=900.0, show_default=True,
+              help="Seconds each transformers row may take; a row past it is reported as timed out and the run "
+                   "goes on.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def throughput(engine, trace, num_requests, baseline, hf_batch_size, no_prefix_caching_row, engine2, profile, seed,
-               rounds, speculative_config, sequential, as_json) -> None:  # fmt: skip
+               rounds, speculative_config, sequential, peer_time_limit, as_json) -> None:  # fmt: skip
     """End-to-end throughput and latency: trtpaged vs HF transformers on the same requests, side by side."""
     from trtpaged.bench.throughput_bench import (default_requests, format_throughput_report, load_requests,
                                                  run_throughput_bench)  # fmt: skip
@@ -428,7 +431,7 @@ def throughput(engine, trace, num_requests, baseline, hf_batch_size, no_prefix_c
     except (ValueError, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from exc
     report = run_throughput_bench(engine, requests, baseline, hf_batch_size, no_prefix_caching_row, engine2, progress,
-                                  rounds, speculative_config, sequential)  # fmt: skip
+                                  rounds, speculative_config, sequential, peer_time_limit)  # fmt: skip
     if profile:
         from trtpaged.bench.step_profile import run_step_profile
 
