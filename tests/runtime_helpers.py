@@ -122,3 +122,26 @@ def hf_beams(hf, prompt: Sequence[int], max_new_tokens: int, width: int, eos: in
         length = int((idx >= 0).sum())
         seqs.append(row[len(prompt) : len(prompt) + length].tolist())
     return seqs
+
+
+def serve_one_completion(engine_dir: Any, prompt: str, max_tokens: int, speculative_config: Any) -> tuple[str, dict]:
+    """A real loopback server with `speculative_config`: the official openai client's greedy completion text,
+    then the server's trtpaged:spec_decode* metrics (name with labels -> value)."""
+    import urllib.request
+
+    import pytest
+
+    from trtpaged.server import start_server
+
+    openai = pytest.importorskip("openai", reason="the openai package is not installed (pip install openai)")
+    handle = start_server(engine_dir, port=0, device="cpu", speculative_config=speculative_config)
+    try:
+        client = openai.OpenAI(base_url=handle.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        got = client.completions.create(model=handle.model_name, prompt=prompt, max_tokens=max_tokens, temperature=0.0)
+        with urllib.request.urlopen(handle.url + "/metrics", timeout=60) as resp:
+            metrics = resp.read().decode()
+    finally:
+        handle.shutdown()
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+              if line.startswith("trtpaged:spec_decode")}  # fmt: skip
+    return got.choices[0].text, values

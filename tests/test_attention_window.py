@@ -54,6 +54,13 @@ def test_window_long_decode_and_chunk_split_across_threads(path: str) -> None:
     _check(make_batch([(3001, 1), (2500, 40)], num_layers=1, seed=5), 700, layer=0)
 
 
+def test_window_in_one_large_block_split_by_tiles(path: str) -> None:
+    # one sequence in one block larger than a tile (the contiguous layout): its key range is split into
+    # whole tiles, the first one starting at the tile of the window's first key
+    _check(make_batch([(3001, 1)], block_size=4096, num_layers=1, seed=8), 700, layer=0)
+    _check(make_batch([(3001, 1)], block_size=4096, num_layers=1, seed=9), 1500, layer=0)
+
+
 @pytest.mark.parametrize("softcap", [0.5, 50.0])
 def test_softcap_with_and_without_window(path: str, softcap: float) -> None:
     batch = make_batch(MIXED_SPECS, seed=11)

@@ -146,3 +146,18 @@ def test_cli_speculation_rows_side_by_side(tiny_engine_dir, tmp_path) -> None:
         report["systems"][1]["useful_tok_s"] / report["systems"][0]["useful_tok_s"])
     bad = CliRunner().invoke(main, ["bench", "throughput", str(tiny_engine_dir), "--speculative-config", '{"k": 1}'])
     assert bad.exit_code != 0 and "speculative_config: unknown field(s) ['k']" in bad.output
+
+
+def test_a_peer_row_past_its_time_limit_is_reported_and_the_run_goes_on(tiny_engine_dir) -> None:
+    """transformers' row gets less time than its process takes to start: it is ended and reported as timed out;
+    the trtpaged rows keep their figures and no ratio against the missing row is printed."""
+    from trtpaged.bench.throughput_bench import format_throughput_report, run_throughput_bench
+
+    report = run_throughput_bench(str(tiny_engine_dir), REQUESTS, baseline="hf", peer_time_limit=0.05)
+    trtpaged, hf = report["systems"]
+    assert not trtpaged["timed_out"] and trtpaged["useful_tokens"] == 14
+    assert hf["timed_out"] and hf["name"] == "hf transformers (static batches)" and "timed out" in hf["notes"][0]
+    assert report["ratio_vs_baseline"] is None
+    text = format_throughput_report(report)
+    assert text.splitlines()[4].split() == ["hf", "transformers", "(static", "batches)", "timed", "out"]
+    assert "trtpaged / hf" not in text

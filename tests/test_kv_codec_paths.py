@@ -205,9 +205,13 @@ def test_smollm2_shapes_every_layer(path: str, kv_cache_dtype: str) -> None:
 @pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16", "bfloat16", "int8", "fp8_e4m3"])
 def test_attention_every_path(path: str, kv_cache_dtype: str) -> None:
     # The attention loops of each copy (AVX-512: 16 lanes, AVX2: 8, scalar: SSE) over every cache dtype,
-    # block sizes that split a tile and one larger than a tile, a long context split over key ranges.
+    # block sizes that split a tile and one larger than a tile, a long context split over key ranges (one
+    # KV head per task), one in a single block split by tiles, and batches of decodes (a task per
+    # sequence over all its 3 KV heads).
+    decodes = [(1000 + 37 * i, 1) for i in range(8)]
     for spec, block_size, head_dim in ((MIXED_SPECS, 16, 64), (MIXED_SPECS, 8, 128), ([(700, 9), (0, 40)], 32, 80),
-                                       ([(3001, 1)], 16, 64)):
+                                       ([(3001, 1)], 16, 64), ([(3001, 1)], 4096, 64), (decodes, 16, 64),
+                                       (decodes + [(40, 60)], 64, 128)):
         batch = make_batch(spec, block_size=block_size, head_dim=head_dim, num_layers=2, seed=block_size + head_dim)
         if kv_cache_dtype in STORAGE_DTYPES:
             pool = pack_rows(*quantize_rows(batch.kv_cache, kv_cache_dtype))

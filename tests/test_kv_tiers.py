@@ -23,7 +23,7 @@ from trtpaged.bench.redis_process import RedisProcess
 from trtpaged.runtime.kv_tiers.config import KVTierConfig
 from trtpaged.runtime.kv_tiers.disk import DiskTier
 from trtpaged.runtime.kv_tiers.entry import ROOT, EntryMismatch, chain_key, decode_entry, encode_entry
-from trtpaged.runtime.kv_tiers.entry import engine_fingerprint
+from trtpaged.runtime.kv_tiers.entry import engine_fingerprint, entry_bytes
 from trtpaged.runtime.kv_tiers.host import HostMemoryTier
 from trtpaged.runtime.kv_tiers.stack import BlockRecord, TierHit, TierStack
 from trtpaged.runtime.llm_engine import LLMEngine
@@ -169,14 +169,33 @@ def test_stack_counts_bad_entries_as_misses(tmp_path: Path):
 
 
 def test_host_tier_is_bounded_lru():
-    tier = HostMemoryTier(300)
+    def record(i: int) -> BlockRecord:
+        return BlockRecord(bytes([i]) * 32, ROOT, (i,) * BS)
+
+    size = entry_bytes(BS, 100)  # a block counts as its encoded entry's size
+    tier = HostMemoryTier(3 * size)
     for i in range(4):
-        tier.put(bytes([i]), b"x" * 100)
-    assert tier.used_bytes == 300 and tier.counters.evictions == 1
-    assert not tier.contains(b"\0") and tier.contains(b"\3")
-    tier.get(b"\1")  # most recently used now: \2 goes next
-    tier.put(b"\4", b"y" * 100)
-    assert tier.contains(b"\1") and not tier.contains(b"\2")
+        tier.put_block(record(i), bytes([i]) * 100)
+    assert tier.used_bytes == 3 * size and tier.num_entries == 3 and tier.counters.evictions == 1
+    assert not tier.contains(record(0).key) and tier.contains(record(3).key)
+    assert tier.get_block(record(1)) == bytes([1]) * 100  # most recently used now: 2 goes next
+    tier.put_block(record(4), b"y" * 100)
+    assert tier.contains(record(1).key) and not tier.contains(record(2).key)
+
+
+def test_host_tier_answers_only_the_exact_record():
+    """The host tier keeps the pool's bytes with their record and answers a lookup only for an equal record
+    (the pool's exact-identity rule): the same key with another parent or other tokens is an invalid miss."""
+    fp = _fingerprint(None)
+    tokens = tuple(range(BS))
+    good = BlockRecord(chain_key(fp, ROOT, tokens), ROOT, tokens)
+    stack = TierStack([HostMemoryTier(1 << 20)], fp, 64, background=False)
+    stack.save([(good, b"k" * 64)])
+    assert stack.lookup(good) == (b"k" * 64, "host")
+    for other in (BlockRecord(good.key, good.key, tokens), BlockRecord(good.key, ROOT, tokens[:-1] + (7,))):
+        assert stack.lookup(other) is None
+    host = stack.tiers[0]
+    assert host.counters.hits == 1 and host.counters.misses == 2 and host.counters.invalid == 2
 
 
 def test_disk_tier_is_bounded_and_persistent(tmp_path: Path):

@@ -4,11 +4,14 @@ multi-turn traffic (bench serve --multi-turn's client), /metrics per tier, and a
 from __future__ import annotations
 
 import asyncio
+import random
+from dataclasses import replace
 
 import httpx
 import pytest
 
-from trtpaged.bench.multi_turn import MultiTurnSpec, run_multi_turn
+from trtpaged.bench.kv_tiers_bench import live_history_blocks
+from trtpaged.bench.multi_turn import MultiTurnSpec, _pauses, run_multi_turn
 from trtpaged.bench.server_metrics import parse_prometheus
 from trtpaged.runtime.kv_tiers.config import KVTierConfig
 from trtpaged.runtime.llm import LLM
@@ -74,10 +77,10 @@ def test_llm_restart_finds_its_system_prompt_on_disk(tiny_engine_dir, tmp_path):
     assert stats["num_tokens_computed"] == (3 + 3) + (2 + 3)
 
 
-def _serve_multi_turn(engine_dir, tiers):
+def _serve_multi_turn(engine_dir, tiers, spec=SPEC):
     handle = start_server(engine_dir, port=0, device="cpu", num_kv_blocks=SMALL_POOL, kv_tiers=tiers)
     try:
-        report = asyncio.run(run_multi_turn(handle.url, SPEC, seed=3))
+        report = asyncio.run(run_multi_turn(handle.url, spec, seed=3))
         metrics = httpx.get(handle.url + "/metrics").text
         pool_stats = handle.llm.stats()
     finally:
@@ -87,7 +90,8 @@ def _serve_multi_turn(engine_dir, tiers):
 
 def test_server_with_host_tier_answers_multi_turn_traffic_as_without(tiny_engine_dir):
     off, _, _ = _serve_multi_turn(tiny_engine_dir, None)
-    host, metrics, stats = _serve_multi_turn(tiny_engine_dir, {"host_memory": "8MiB"})
+    # staggered arrivals: other timing, the same conversations
+    host, metrics, stats = _serve_multi_turn(tiny_engine_dir, {"host_memory": "8MiB"}, replace(SPEC, stagger=True))
     assert off["failed"] == host["failed"] == 0 and host["completed"] == SPEC.conversations * SPEC.turns
     assert host["replies"] == off["replies"]  # greedy: the tiers change what is computed, never the answer
     assert host["prefix_tier_hit_tokens"] > 0 and host["prefix_hit_rate"] > off["prefix_hit_rate"]
@@ -96,6 +100,23 @@ def test_server_with_host_tier_answers_multi_turn_traffic_as_without(tiny_engine
     values = parse_prometheus(metrics)
     assert values["trtpaged:prefix_cache_tier_hits_total"] == stats["prefix_cache_tier_hits_tokens"] > 0
     assert stats["kv_blocks_used"] == 0  # every request finished: no block held
+    assert stats["kv_blocks_free"] == SMALL_POOL and stats["kv_tier_staged_blocks"] == 0
+
+
+def test_multi_turn_pauses_lockstep_and_staggered():
+    lockstep = _pauses(SPEC, random.Random(1))
+    assert lockstep == [[0.0] + [SPEC.think_time_s] * (SPEC.turns - 1)] * SPEC.conversations
+    spec = replace(SPEC, stagger=True, think_time_s=2.0)
+    pauses = _pauses(spec, random.Random(1))
+    assert pauses == _pauses(spec, random.Random(1))  # seeded: every row of a run sees the same arrivals
+    assert len(pauses) == spec.conversations and all(len(p) == spec.turns for p in pauses)
+    assert all(0.0 <= p[0] <= 2.0 and all(1.0 <= t <= 3.0 for t in p[1:]) for p in pauses)
+    assert len({p[0] for p in pauses}) == spec.conversations  # the first turns do not arrive together
+
+
+def test_live_history_blocks_is_the_conversations_mean_history():
+    report = {"completed": 6, "total_input_tokens": 6 * 100}
+    assert live_history_blocks(report, SPEC, 16) == SPEC.conversations * (100 + SPEC.output_tokens) / 16
 
 
 def test_tensor_parallel_restore_is_bit_identical_on_every_rank(tiny_kv4_engines, tmp_path):

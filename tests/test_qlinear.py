@@ -263,19 +263,21 @@ def check_float(bits: int, m: int, n: int, k: int, group: int, *, bias: bool = F
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 17])
+# 1: the limb rows; 2..8 and 16: the float tiles, whose calls take 4 rows, and their tails (5, 7: odd); 17: a
+# batch past them
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 16, 17])
 @pytest.mark.parametrize("n,k", [(1, 32), (7, 96), (100, 576)])
 def test_float_activations_shapes(isa: str, bits: int, m: int, n: int, k: int) -> None:
     check_float(bits, m, n, k, 32, seed=m * 1000 + n)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("m", [1, 2, 4, 16])
+@pytest.mark.parametrize("m", [1, 2, 4, 6, 16])
 @pytest.mark.parametrize("activations", ["float", "int8"])
 def test_long_tiles(isa: str, bits: int, m: int, activations: str) -> None:
     # K = 1536 (down_proj's): tiles long enough that the AVX2 kernels prefetch the next tile; N = 40 is
-    # three tiles, the last one half padding. M covers the limb rows (1), the float tiles' 2 and 4 rows
-    # per call, and a batch of 16.
+    # three tiles, the last one half padding. M covers the limb rows (1), the float tiles' 2 and 4 rows per
+    # call, 4 + 2 (a speculative verification step's 6), and a batch of 16.
     checker = check_float if activations == "float" else check
     checker(bits, m, 40, 1536, 32, bias=True, seed=m * 10 + bits)
 

@@ -9,13 +9,15 @@ import random
 import pytest
 import torch
 
-from runtime_helpers import RandomLogitsEngine, hf_beams, hf_greedy, run_staggered, runtime_config, step_engine, tiny_hf
+from runtime_helpers import (RandomLogitsEngine, hf_beams, hf_greedy, run_staggered, runtime_config,
+                             serve_one_completion, step_engine, tiny_hf)  # fmt: skip
 from trtpaged.runtime.llm_engine import LLMEngine
 from trtpaged.runtime.sampling_params import SamplingParams
-from trtpaged.runtime.speculative import SpeculativeConfig, ngram_propose
+from trtpaged.runtime.speculative import AcceptanceTracker, SpeculativeConfig, ngram_propose
 
 EOS = 257
-ALWAYS = dict(disable_by_batch_size=None, min_acceptance_rate=0.0)  # speculate at any batch size and acceptance
+# speculate at any batch size and acceptance
+ALWAYS = dict(disable_by_batch_size=None, min_acceptance_rate=0.0, verify_row_cost=0.0)
 
 
 # ---- the proposer -----------------------------------------------------------------------------------
@@ -196,6 +198,65 @@ def test_sequences_below_the_acceptance_rate_stop_proposing():
     stats = engine.stats()
     assert stats["spec_decode_num_drafts"] - sampled >= 12  # 59 tokens in runs of up to 5
     assert engine.kv.pool.num_free == 64
+
+
+def _verified_share(num_seqs: int, row_cost: float) -> tuple[float, list[list[int]]]:
+    """`num_seqs` seeded sampled sequences over a two-token random walk (each n-gram draft token is accepted
+    with probability 1/2, independently), all at once: verified drafts per decoding sequence-step, and the
+    outputs."""
+    spec = SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=None, verify_row_cost=row_cost)
+    config = runtime_config(num_kv_blocks=128, block_size=4, max_batch_size=8, max_num_tokens=64, speculative=spec)
+    runner = RandomLogitsEngine(128, 6)
+    runner.table.fill_(-30.0)
+    runner.table[:, :2] = 0.0  # tokens 0 and 1 equally likely after any token
+    engine = LLMEngine(runner, config, None, [])
+    for i in range(num_seqs):
+        engine.add_request([0, 1, 1, 0, 1, 0, 0, 1], SamplingParams(max_tokens=60, temperature=1.0, seed=i,
+                                                                    ignore_eos=True))  # fmt: skip
+    outputs = {}
+    while engine.has_unfinished():
+        outputs.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    assert engine.kv.pool.num_free == 128
+    seq_steps = sum(int(b.query_start.shape[0]) - 1 for b in runner.batches[1:])  # the first step prefills
+    in_order = sorted(outputs, key=lambda request_id: int(request_id.rsplit("-", 1)[-1]))
+    return engine.stats()["spec_decode_num_drafts"] / seq_steps, [outputs[k] for k in in_order]
+
+
+def test_the_cost_rule_speculates_where_it_pays():
+    """Drafts accepted half the time pay alone (a row costs 0.3 of a step) but not among 8 decoding sequences,
+    whose step already yields 8 tokens for 1 + 0.3 * 7 of cost; with free rows they are always verified.
+    What each request returns does not depend on any of it (seeded)."""
+    alone, alone_out = _verified_share(1, 0.3)
+    batch, batch_out = _verified_share(8, 0.3)
+    free, free_out = _verified_share(8, 0.0)
+    assert alone > 3 * batch and free > 0.9, (alone, batch, free)
+    assert batch_out[0] == alone_out[0] and batch_out == free_out
+
+
+def test_a_draft_model_sequence_that_does_not_pay_backs_off_and_probes():
+    """Without free shadow proposals a sequence whose drafts are rejected probes one token at growing
+    intervals (twice as long after each rejected probe, up to a cap); an accepted probe restarts the short
+    interval. An n-gram sequence (free shadows) is never given a probe."""
+    tracker = AcceptanceTracker(row_cost=0.3)
+    for _ in range(4):
+        tracker.observe(0, 4, 0)
+        tracker.observe(1, 4, 0)
+
+    def next_probe() -> int:
+        for steps in range(1, 10_000):
+            assert tracker.tokens(1, 4, 1) == 0  # free shadows: no probe
+            if tracker.tokens(0, 4, 1, free_shadow=False):
+                return steps
+        raise AssertionError("no probe")
+
+    gaps = []
+    for _ in range(6):
+        gaps.append(next_probe())
+        tracker.observe(0, 1, 0)
+    assert all(b == min(2 * a, gaps[-1]) for a, b in zip(gaps, gaps[1:])) and gaps[-1] > gaps[0], gaps
+    assert next_probe() == gaps[-1]
+    tracker.observe(0, 1, 1)  # accepted: back to the short wait
+    assert next_probe() == gaps[0]
 
 
 # ---- the tiny model against HF ------------------------------------------------------------------------
@@ -386,27 +447,21 @@ def test_sampled_distribution_is_the_targets(hf, prompts):
 def test_server_speculates_and_exposes_spec_decode_metrics(tiny_engine_dir):
     """A real loopback server with --speculative-config semantics: the official openai client gets the same
     greedy text as `LLM` without speculation, and /metrics carries the spec_decode counters."""
-    import urllib.request
-
     from trtpaged import LLM
-    from trtpaged.server import start_server
 
-    openai = pytest.importorskip("openai", reason="the openai package is not installed (pip install openai)")
     prompt = "abcabcabcabcabcabc"
     want = LLM(tiny_engine_dir, device="cpu").generate(prompt, SamplingParams(max_tokens=24, temperature=0.0))
     spec = SpeculativeConfig.parse('{"num_speculative_tokens": 4, "min_acceptance_rate": 0}')
-    handle = start_server(tiny_engine_dir, port=0, device="cpu", speculative_config=spec)
-    try:
-        client = openai.OpenAI(base_url=handle.url + "/v1", api_key="none", max_retries=0, timeout=60)
-        got = client.completions.create(model=handle.model_name, prompt=prompt, max_tokens=24, temperature=0.0)
-        with urllib.request.urlopen(handle.url + "/metrics", timeout=60) as resp:
-            metrics = resp.read().decode()
-    finally:
-        handle.shutdown()
-    assert got.choices[0].text == want[0].outputs[0].text
-    drafts = [line for line in metrics.splitlines() if line.startswith("trtpaged:spec_decode_num_drafts_total")]
-    assert drafts and float(drafts[0].split()[-1]) > 0
-    assert 'trtpaged:spec_decode_num_accepted_tokens_per_pos_total{position="0"}' in metrics
+    text, values = serve_one_completion(tiny_engine_dir, prompt, 24, spec)
+    assert text == want[0].outputs[0].text
+    label = '{method="ngram"}'
+    drafts, proposed, accepted = (values[f"trtpaged:spec_decode_num_{k}_total{label}"]
+                                  for k in ("drafts", "draft_tokens", "accepted_tokens"))  # fmt: skip
+    assert 0 < drafts <= proposed and 0 < accepted <= proposed
+    per_pos = [v for k, v in values.items() if k.startswith("trtpaged:spec_decode_num_accepted_tokens_per_pos_total")]
+    assert 'trtpaged:spec_decode_num_accepted_tokens_per_pos_total{method="ngram",position="0"}' in values
+    assert sum(per_pos) == accepted  # every accepted token at exactly one draft position
+    assert not any("draft_model" in k or "draft_kv" in k for k in values)  # n-gram has no draft engine
 
 
 # ---- SmolLM2 (slow) ---------------------------------------------------------------------------------

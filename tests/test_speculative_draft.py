@@ -12,14 +12,15 @@ import pytest
 import torch
 
 from conftest import EXAMPLES, build_from_dict
-from runtime_helpers import RandomLogitsEngine, hf_greedy, run_staggered, runtime_config, step_engine, tiny_hf
+from runtime_helpers import (RandomLogitsEngine, hf_greedy, run_staggered, runtime_config, serve_one_completion,
+                             step_engine, tiny_hf)  # fmt: skip
 from test_speculative import EOS, assert_accounting, assert_target_distribution, greedy_chain, run_storm
 from trtpaged.runtime.draft import DraftProposer
 from trtpaged.runtime.llm_engine import LLMEngine
 from trtpaged.runtime.sampling_params import SamplingParams
 from trtpaged.runtime.speculative import SpeculativeConfig
 
-ALWAYS = dict(disable_by_batch_size=None, min_acceptance_rate=0.0)
+ALWAYS = dict(disable_by_batch_size=None, min_acceptance_rate=0.0, verify_row_cost=0.0)
 
 
 def draft_spec(k: int, **kw) -> SpeculativeConfig:
@@ -239,6 +240,27 @@ def test_llm_with_a_draft_engine_dir(tiny_engine_dir, draft_dirs):
             LLM(tiny_engine_dir, device="cpu", speculative_config={**config, "model": str(draft_dirs[key])})
     with pytest.raises(ValueError, match="speculative_config.model: .* is not a usable engine dir"):
         LLM(tiny_engine_dir, device="cpu", speculative_config={**config, "model": str(draft_dirs["short"]) + "-none"})
+
+
+def test_server_metrics_carry_the_method_and_the_draft_pool(tiny_engine_dir, draft_dirs):
+    """A real loopback server with a draft engine: the official openai client gets the text `LLM` gets without
+    speculation; /metrics labels the spec_decode counters method="draft_model" and shows the draft's pool
+    (the size `LLM.stats()` reports, every block free again once the request is done) and its steps."""
+    from trtpaged import LLM
+    from trtpaged.runtime.speculative import SpeculativeConfig
+
+    prompt = "abcabcabcabcabc"
+    want = LLM(tiny_engine_dir, device="cpu").generate(prompt, SamplingParams(max_tokens=16, temperature=0.0))
+    config = {"method": "draft_model", "model": str(draft_dirs["same_vocab"]), "num_speculative_tokens": 3}
+    pool = LLM(tiny_engine_dir, device="cpu", speculative_config=config).stats()["spec_decode_draft_kv_blocks_total"]
+    text, values = serve_one_completion(tiny_engine_dir, prompt, 16, SpeculativeConfig.parse(config))
+    assert text == want[0].outputs[0].text
+    assert values['trtpaged:spec_decode_num_drafts_total{method="draft_model"}'] > 0
+    assert not any('method="ngram"' in k for k in values)
+    assert values["trtpaged:spec_decode_draft_kv_cache_blocks"] == pool > 0
+    assert values["trtpaged:spec_decode_draft_kv_cache_blocks_free"] == pool
+    assert values["trtpaged:spec_decode_draft_steps_total"] > 0
+    assert values["trtpaged:spec_decode_draft_tokens_computed_total"] >= len(prompt)  # the prompt (a byte each), once
 
 
 def test_inspect_checks_a_draft(tiny_engine_dir, draft_dirs):

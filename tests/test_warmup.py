@@ -11,10 +11,11 @@ import math
 import resource
 
 import pytest
+import torch
 
 from tests.conftest import TINY_KV4
 from trtpaged.runtime.runtime_config import RuntimeConfig
-from trtpaged.runtime.warmup import warmup_batch, warmup_shape
+from trtpaged.runtime.warmup import decode_batch, warmup_batch, warmup_shape
 
 # int4 linears through the one-call C layers, an int8 LM head: every per-thread scratch and the lazy
 # LM-head packing are on the path; dims large enough that a max_num_tokens step's buffers are
@@ -135,3 +136,14 @@ def test_the_first_full_batch_touches_no_more_new_pages_than_the_second(quantize
     # warm, the first batch pays under a quarter of that: measured 37-39 pages against ~7,400 in a quiet
     # process, and up to ~800 in some runs (allocator/arena placement varies), which fixed bounds failed on
     assert first - second < (cold_first - cold_second) / 4, (first, second, cold_first, cold_second)
+
+
+def test_the_decode_warmup_step_reruns_each_sequences_last_position():
+    prefill, _ = warmup_batch(_config(max_batch_size=4, max_num_tokens=100))
+    decode = decode_batch(prefill)
+    lengths = prefill.context_lens.tolist()
+    assert decode.query_start.tolist() == list(range(len(lengths) + 1))
+    assert decode.positions.tolist() == [n - 1 for n in lengths]
+    assert decode.context_lens.tolist() == lengths
+    assert torch.equal(decode.block_tables, prefill.block_tables)
+    assert decode.logits_index.tolist() == list(range(len(lengths)))

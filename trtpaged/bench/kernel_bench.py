@@ -7,7 +7,9 @@ Everything is measured side by side in one run on this machine:
   and batch sizes, with SmolLM2-like heads (9 query heads, 3 KV heads, head_dim 64),
 - the same decode over a contiguous cache (one block per sequence, identity table) against the paged
   cache (block_size 16, shuffled blocks): the paging overhead in percent. The kernel streams both in
-  tiles of the same size, so the difference is the paging alone.
+  tiles of the same size and splits both into the same tasks on the same threads (a long context's key
+  range is split in whole tiles of the one large block as in whole blocks of the paged one), so the
+  difference is the paging alone.
 - with a quantized cache (int8, fp8_e4m3): the bytes actually read (codes and scales), and the paged
   decode timed with a float32 and a float16 cache at the same context and batch, side by side.
 """
@@ -34,7 +36,7 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64
 CONTEXTS = (512, 2048, 8192)
 BATCHES = (1, 8, 32)
 TARGET_BANDWIDTH_FRACTION = 0.5  # decode at >= 2048 tokens vs copy bandwidth
-TARGET_PAGED_OVERHEAD = 0.10
+TARGET_PAGED_OVERHEAD = 0.05  # mean over the cases (issue 21)
 
 
 @dataclass

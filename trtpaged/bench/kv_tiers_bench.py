@@ -26,7 +26,8 @@ COLUMNS = (("p50_ttft_ms", "TTFT p50 ms", "{:.0f}"), ("p99_ttft_ms", "TTFT p99 m
            ("prefill_tokens_computed", "prefill computed", "{}"), ("prefix_hit_rate", "hit rate", "{:.2f}"),
            ("prefix_tier_hit_tokens", "tier-hit tokens", "{}"),
            ("first_turn_mean_ttft_ms", "1st-turn TTFT ms", "{:.0f}"),
-           ("request_throughput", "req/s", "{:.2f}"), ("same_replies", "replies = off", "{}"))  # fmt: skip
+           ("request_throughput", "req/s", "{:.2f}"), ("ttft_p50_vs_off", "TTFT p50 vs off", "{:.2f}x"),
+           ("same_replies", "replies = off", "{}"))  # fmt: skip
 
 
 def _warm_up(url: str) -> None:
@@ -86,7 +87,8 @@ def run_kv_tiers_bench(
             redis.kill()
     rows = {name: _combine(name, runs[name], runs["off"]) for name in runs}
     return {"engine": str(engine), "num_kv_blocks": num_kv_blocks, "conversations": spec.conversations,
-            "turns": spec.turns, "think_time_s": spec.think_time_s, "rounds": rounds, "rows": rows}
+            "turns": spec.turns, "think_time_s": spec.think_time_s, "stagger": spec.stagger, "rounds": rounds,
+            "rows": rows}
 
 
 def _run_row(engine: Path, spec: MultiTurnSpec, num_kv_blocks: int, name: str, tiers: Optional[dict[str, Any]],
@@ -101,6 +103,7 @@ def _run_row(engine: Path, spec: MultiTurnSpec, num_kv_blocks: int, name: str, t
         skip = len(handle.loop.call(lambda e: e.ttft_breakdown()))  # the warm-up's
         report = asyncio.run(run_multi_turn(handle.url, spec, seed=seed, variant=variant))
         report["ttft_breakdown"] = summarize_ttft(handle.loop.call(lambda e: e.ttft_breakdown())[skip:])
+        report["live_history_blocks"] = live_history_blocks(report, spec, handle.llm.config.block_size)
     finally:
         handle.shutdown()  # flushes the pool's cached prefixes to the tiers
     say(f"{name}: {report['completed']} turns ({report['failed']} failed), TTFT p50/p99 "
@@ -108,6 +111,16 @@ def _run_row(engine: Path, spec: MultiTurnSpec, num_kv_blocks: int, name: str, t
         f"{report['prefill_tokens_computed']}, hit rate {report['prefix_hit_rate']}, tier-hit tokens "
         f"{report['prefix_tier_hit_tokens']}")
     return report
+
+
+def live_history_blocks(report: dict[str, Any], spec: MultiTurnSpec, block_size: int) -> float:
+    """KV blocks of every conversation's history (its last prompt and reply) at a mean turn: the mean prompt
+    plus a reply, in blocks, times the conversations. The pool's share of the live histories is the pool's
+    blocks over this."""
+    if not report.get("completed"):
+        return 0.0
+    mean_prompt = report["total_input_tokens"] / report["completed"]
+    return spec.conversations * (mean_prompt + spec.output_tokens) / block_size
 
 
 BREAKDOWN = (("ttft_ms", "server TTFT"), ("submit_wait_ms", "until the engine takes it"), ("tier_wait_ms", "tier wait"), ("admission_wait_ms", "admission wait"),
@@ -145,6 +158,9 @@ def _combine(name: str, runs: list[dict[str, Any]], off: list[dict[str, Any]]) -
     for key in ("prefill_tokens_computed", "prefix_tier_hit_tokens", "failed", "completed"):
         values = [run[key] for run in runs]
         row[key] = None if None in values else sum(values)
+    row["live_history_blocks"] = statistics.median(run.get("live_history_blocks", 0.0) for run in runs)
+    row["ttft_p50_vs_off"] = statistics.median(ref["p50_ttft_ms"] / run["p50_ttft_ms"] if run["p50_ttft_ms"] else 0.0
+                                               for run, ref in zip(runs, off))  # round by round
     rates = [run["prefix_hit_rate"] for run in runs]
     row["prefix_hit_rate"] = None if None in rates else statistics.mean(rates)
     # the restarted server runs other conversations: nothing to compare
@@ -157,9 +173,13 @@ def _combine(name: str, runs: list[dict[str, Any]], off: list[dict[str, Any]]) -
 def format_kv_tiers(report: dict[str, Any]) -> str:
     """The rows as a markdown table."""
     head = ["tiers"] + [title for _, title, _ in COLUMNS]
+    live = (report["rows"].get("off") or {}).get("live_history_blocks") or 0.0
+    share = report["num_kv_blocks"] / live if live else 0.0
     lines = [f"{report['conversations']} conversations x {report['turns']} turns, think time "
              f"{report['think_time_s']} s, pool of {report['num_kv_blocks']} blocks ({report['engine']}); "
-             f"{report['rounds']} rounds: times are medians, token counts sums", "",
+             f"{report['rounds']} rounds: times are medians, token counts sums; "
+             f"{'staggered' if report.get('stagger') else 'lockstep'} conversations; live histories at a mean turn "
+             f"{live:.0f} blocks: the pool holds {share:.0%} of them", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, row in report["rows"].items():
         cells = [name] + ["n/a" if row.get(key) is None else fmt.format(row[key]) for key, _, fmt in COLUMNS]

@@ -3,7 +3,9 @@
 Every conversation starts with the same system prompt; each turn sends the whole
 history (system prompt, every earlier user message and reply) plus a new user
 message, waits for the streamed reply, then thinks for `think_time_s` before the
-next turn. With more live histories than the KV pool holds, a turn finds its
+next turn (with `stagger`, the conversations start at random moments of one think time and
+each think time varies, so they do not arrive in lockstep). With more live histories than
+the KV pool holds, a turn finds its
 history in the pool only if nothing evicted it meanwhile: the case the KV tiers
 (docs/kv_tiers.md) are for. Besides vLLM's latency figures the report has the
 prefix-cache side, from the server's /metrics before and after: prompt tokens
@@ -40,6 +42,9 @@ class MultiTurnSpec:
     user_words: int = 24
     output_tokens: int = 16
     think_time_s: float = 0.5
+    # False: every conversation starts at once and thinks exactly think_time_s (they move in lockstep);
+    # True: first turns spread uniformly over one think time, each think time uniform in [0.5, 1.5] x think_time_s
+    stagger: bool = False
 
     def __post_init__(self) -> None:
         for name in ("conversations", "turns", "output_tokens"):
@@ -98,6 +103,7 @@ async def run_multi_turn(
     system = _words(random.Random(seed), spec.system_words)
     rng = random.Random(f"{seed}/{variant}")
     users = [[_words(rng, spec.user_words) for _ in range(spec.turns)] for _ in range(spec.conversations)]
+    pauses = _pauses(spec, random.Random(f"{seed}/{variant}/think"))
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     connections = max_concurrency or spec.conversations
     results: list[RequestResult] = []
@@ -109,8 +115,8 @@ async def run_multi_turn(
         async def conversation(c: int) -> None:
             history = [{"role": "system", "content": system}] if system else []
             for turn in range(spec.turns):
-                if turn:
-                    await asyncio.sleep(spec.think_time_s)
+                if pauses[c][turn]:
+                    await asyncio.sleep(pauses[c][turn])
                 history.append({"role": "user", "content": users[c][turn]})
                 body = _body(history, spec, model, chat)
                 if limit is None:
@@ -132,7 +138,8 @@ async def run_multi_turn(
     if progress:
         progress(f"{len(results)} turns in {duration:.1f} s")
     report = make_report(results, duration, float("inf"), max_concurrency, base_url)
-    report.update(multi_turn_figures(before, after, report["total_input_tokens"]))
+    report.update(multi_turn_figures(before, after, report["total_input_tokens"],
+                                     report["total_output_tokens"] - report["completed"]))
     ok_first = sorted(r.ttft * 1000.0 for r in first_turn if r.ok)
     report["first_turn_mean_ttft_ms"] = sum(ok_first) / len(ok_first) if ok_first else 0.0
     report.update(conversations=spec.conversations, turns=spec.turns, think_time_s=spec.think_time_s,
@@ -140,16 +147,33 @@ async def run_multi_turn(
     return report
 
 
-def multi_turn_figures(before: dict[str, float], after: dict[str, float], input_tokens: int) -> dict[str, Any]:
-    """Prefix-cache deltas between two scrapes: hit rate, tier hits, prompt tokens computed (None: not trtpaged)."""
+def _pauses(spec: MultiTurnSpec, rng: random.Random) -> list[list[float]]:
+    """Seconds each conversation waits before each turn (the first: its start; then the think times)."""
+    if not spec.stagger:
+        return [[0.0] + [spec.think_time_s] * (spec.turns - 1) for _ in range(spec.conversations)]
+    t = spec.think_time_s
+    return [[rng.uniform(0.0, t)] + [rng.uniform(0.5 * t, 1.5 * t) for _ in range(spec.turns - 1)]
+            for _ in range(spec.conversations)]
+
+
+def multi_turn_figures(before: dict[str, float], after: dict[str, float], input_tokens: int,
+                       decode_tokens: Optional[int] = None) -> dict[str, Any]:  # fmt: skip
+    """Prefix-cache deltas between two scrapes: hit rate, tier hits, prompt tokens computed (None: not trtpaged).
+
+    `decode_tokens`: the tokens decode steps computed (each reply's tokens but its last); with it, prompt tokens
+    computed are the server's computed tokens less those (a preempted request's recomputation included), else
+    the prompt tokens less the hits (which count a re-admitted request's hits again)."""
     if CACHE_COUNTERS["prefix_cache_queries"] not in after:
         return {"prefix_hit_rate": None, "prefix_tier_hit_tokens": None, "prefill_tokens_computed": None}
     delta = {k: after.get(name, 0.0) - before.get(name, 0.0) for k, name in CACHE_COUNTERS.items()}
     queries, hits = delta["prefix_cache_queries"], delta["prefix_cache_hits"]
+    computed = input_tokens - hits
+    if decode_tokens is not None and CACHE_COUNTERS["tokens_computed"] in after:
+        computed = delta["tokens_computed"] - decode_tokens
     return {
         "prefix_hit_rate": hits / queries if queries else 0.0,
         "prefix_tier_hit_tokens": int(delta["prefix_cache_tier_hits"]),
-        "prefill_tokens_computed": int(input_tokens - hits),
+        "prefill_tokens_computed": int(computed),
     }
 
 

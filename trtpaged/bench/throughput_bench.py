@@ -18,7 +18,7 @@ exactly its requested length):
 Each system runs in its own process (so peak RSS is its own), after a one-request warm-up.
 With rounds > 1 trtpaged runs the workload again in the same process, each round on fresh prompts of
 the same lengths (no prefix-cache hits between rounds), and reports every round's wall: the first
-batch after loading against the next ones. Each row says which instruction set ran it.
+batch after loading (no warm-up request then: `LLM(...)` returning is "ready") against the next ones. Each row says which instruction set ran it.
 Per system: useful output tok/s (requested output tokens / wall), computed tok/s (every token
 position run through the model, prompts, padding and decode steps past a request's end
 included / wall), wall time, TTFT (from t=0, queueing included) and per-output-token latency
@@ -70,6 +70,16 @@ class SystemResult:
     notes: list[str] = field(default_factory=list)
     isa: str = ""  # the instruction set the system's CPU code ran (forced or chosen)
     round_walls: list[float] = field(default_factory=list)  # --rounds: wall of each round, the first included
+    timed_out: bool = False  # a peer row stopped at its time limit: no figures
+
+
+def timed_out_result(name: str, limit_s: float) -> SystemResult:
+    """The row of a system stopped at `limit_s` seconds: no figures (nan), a note saying so."""
+    nan = math.nan
+    return SystemResult(name=name, useful_tok_s=nan, computed_tok_s=nan, wall_s=nan, ttft_p50_s=nan, ttft_p99_s=nan,
+                        tpot_p50_s=nan, tpot_p99_s=nan, peak_rss_mb=nan, useful_tokens=0, computed_tokens=0,
+                        notes=[f"timed out after {limit_s:g} s (the peer time limit): no figures"],
+                        timed_out=True)  # fmt: skip
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -164,8 +174,10 @@ def run_trtpaged(engine_dir: str, requests: list[Request], name: str = "trtpaged
     from trtpaged.runtime.sampling_params import SamplingParams
 
     llm = LLM(engine_dir, enable_prefix_caching=enable_prefix_caching, speculative_config=speculative_config)
-    # warm-up shorter than the smallest block (4 + 3 tokens < 8): it leaves nothing in the prefix cache
-    llm.generate([list(requests[0].prompt_ids[:4])], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    if rounds == 1:
+        # warm-up shorter than the smallest block (4 + 3 tokens < 8): it leaves nothing in the prefix cache.
+        # With rounds > 1 there is none: the first round is the first batch after LLM(...) returned.
+        llm.generate([list(requests[0].prompt_ids[:4])], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     spec_before = _spec_counters(llm.engine.stats())
     result = _timed_round(llm.engine, requests, name, say, "bench", sequential)
     if speculative_config is not None:
@@ -304,13 +316,15 @@ def run_hf(engine_dir: str, requests: list[Request], batch_size: int, prompt_loo
                     last = times[-1] if assisted else times[r.output_len - 1]
                     tpot.append((last - times[0]) / (r.output_len - 1))
         wall = time.perf_counter() - start
-    if assistant_dir is not None:
-        name = f"hf assistant_model ({Path(assistant_dir).name}, {prompt_lookup or 4} tokens)"
-    else:
-        name = f"hf prompt lookup ({prompt_lookup} tokens)" if prompt_lookup else "hf transformers (static batches)"
-    result = _result(name, requests, wall, computed, ttft, tpot, monitor)
+    result = _result(hf_row_name(prompt_lookup, assistant_dir), requests, wall, computed, ttft, tpot, monitor)
     result.isa = isa
     return result
+
+
+def hf_row_name(prompt_lookup: Optional[int] = None, assistant_dir: Optional[str] = None) -> str:
+    if assistant_dir is not None:
+        return f"hf assistant_model ({Path(assistant_dir).name}, {prompt_lookup or 4} tokens)"
+    return f"hf prompt lookup ({prompt_lookup} tokens)" if prompt_lookup else "hf transformers (static batches)"
 
 
 def _child(kind: str, args: tuple, queue) -> None:
@@ -321,17 +335,25 @@ def _child(kind: str, args: tuple, queue) -> None:
         queue.put(("error", f"{type(exc).__name__}: {exc}"))
 
 
-def run_isolated(kind: str, *args) -> SystemResult:
+def run_isolated(kind: str, *args, time_limit: Optional[float] = None, name: str = "") -> SystemResult:
     """Runs one system in a fresh process: its own peak RSS, no state left by the others.
 
     The HF baseline runs with OpenMP's default waiting, as its users run it, not with the bounded
-    spin trtpaged sets for itself on import (trtpaged/__init__.py)."""
+    spin trtpaged sets for itself on import (trtpaged/__init__.py). `time_limit`: after that many seconds
+    the process is ended and the row (`name`) says it timed out, and the run goes on."""
+    import queue as queues
+
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=_child, args=(kind, args, queue))
     with _baseline_env(kind == "hf"):
         proc.start()
-    status, payload = queue.get()
+    try:
+        status, payload = queue.get(timeout=time_limit)
+    except queues.Empty:
+        proc.kill()
+        proc.join()
+        return timed_out_result(name or kind, float(time_limit or 0))
     proc.join()
     if status != "ok":
         raise RuntimeError(f"{kind} run failed: {payload}")
@@ -365,8 +387,10 @@ def run_throughput_bench(
     rounds: int = 1,
     speculative_config: Optional[dict] = None,
     sequential: bool = False,
+    peer_time_limit: Optional[float] = None,
 ) -> dict:
-    """Every system on the same requests; returns the JSON report (see module docstring)."""
+    """Every system on the same requests; returns the JSON report (see module docstring). `peer_time_limit`:
+    seconds each transformers row may take; one that takes longer is reported as timed out."""
     from trtpaged.manifest import read_manifest
 
     say = progress or (lambda _m: None)
@@ -396,13 +420,16 @@ def run_throughput_bench(
         draft = speculative_config.get("model") if method == "draft_model" else None
         say(f"hf transformers generate, {'assistant_model ' + draft if draft else 'prompt lookup'} of {k} tokens, "
             "one request at a time")  # fmt: skip
-        systems.append(run_isolated("hf", engine_dir, requests, 1, k, draft, sequential))
+        systems.append(run_isolated("hf", engine_dir, requests, 1, k, draft, sequential, time_limit=peer_time_limit,
+                                    name=hf_row_name(k, draft)))  # fmt: skip
     if baseline == "hf":
         say(f"hf transformers generate, static batches of {batch_size}")
-        systems.append(run_isolated("hf", engine_dir, requests, batch_size, None, None, sequential))
-        if speculative_config is not None:
+        systems.append(run_isolated("hf", engine_dir, requests, batch_size, None, None, sequential,
+                                    time_limit=peer_time_limit, name=hf_row_name()))  # fmt: skip
+        if speculative_config is not None and not (systems[-2].timed_out or systems[-1].timed_out):
             hf_spec_ratio = systems[-2].useful_tok_s / systems[-1].useful_tok_s
-    ratio = systems[0].useful_tok_s / systems[-1].useful_tok_s if baseline == "hf" else None
+    hf_ok = baseline == "hf" and not systems[-1].timed_out
+    ratio = systems[0].useful_tok_s / systems[-1].useful_tok_s if hf_ok else None
     loads = [s.foreign_cores for s in systems if s.foreign_cores is not None]
     noise = assess(0.0, max(loads) if loads else None, multiprocessing.cpu_count())
     return {
@@ -417,6 +444,7 @@ def run_throughput_bench(
         "hf_assisted_ratio": hf_spec_ratio,  # hf assisted generation / hf plain, useful tok/s
         "sequential": sequential,
         "rounds": rounds,
+        "peer_time_limit_s": peer_time_limit,
         "noise": noise.to_dict(),
     }
 
@@ -434,6 +462,9 @@ def format_throughput_report(report: dict) -> str:
         f"{'TPOT p50':>9} {'TPOT p99':>9} {'peak RSS MB':>12}",
     ]
     for s in report["systems"]:
+        if s.get("timed_out"):
+            lines.append(f"{s['name']:<34} {'timed out':>12}")
+            continue
         lines.append(
             f"{s['name']:<34} {s['useful_tok_s']:>12.1f} {s['computed_tok_s']:>14.1f} {s['wall_s']:>8.1f} "
             f"{s['ttft_p50_s']:>8.2f}s {s['ttft_p99_s']:>8.2f}s {s['tpot_p50_s'] * 1e3:>7.1f}ms "

@@ -142,7 +142,8 @@ def build_engine(
             no_graph = quantized is not None and graph is None
             if no_graph:  # the torch backend runs weights.safetensors; the ONNX graph is TensorRT's input only
                 shards = [{**files, "onnx_file": None} for files in shards]
-            for line in graph.notes if graph else ():
+            spread = tensorrt_graph.spread_note(graph.state) if graph else None
+            for line in [*(graph.notes if graph else ()), *([spread] if spread else [])]:
                 progress.echo(f"export   TensorRT graph: {line}")
             for rank, files in enumerate(shards):
                 model = rank_step_model(step_model, plan, config.tensor_parallel, rank, config.quantization)

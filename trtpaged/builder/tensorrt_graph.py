@@ -8,12 +8,17 @@ group 32), int8 per channel or per group (GGUF Q8_0). The graph holds:
   the engine's packing), laid out [K, N] as the MatMul's weight, scales [K/B, N]
   in the compute dtype, and the offset term `group sums of x times offsets`
   with offsets + 8 * scales, so W = s * (q - 8) + (o + 8s) = s * q + o exactly;
+- int4, group 32 (GGUF Q4_1), exactly, in twice the int4 bytes: every 64 inputs
+  become two blocks of 64, the first holding the chunk's first group of 32 and
+  zero codes, the second zero codes and its second group, so that each block
+  has one scale; the MatMul takes x with each 64-input chunk repeated twice
+  ([M, 2K]), and the offset term sums x per group of 32 (`SPLIT_GROUPS`);
 - int8 per channel: codes [K, N], 1-D scales [N] in the compute dtype, axis 1;
 - the embedding table as a float (compute dtype) table: Gather of a float
   constant, no de-quantization after a Gather.
 
-Where the engine's layout has no such form (int4 groups of 32, as the exact GGUF
-Q4_1 weights are; int8 per group, as GGUF Q8_0 is), `graph_weights` re-quantizes
+Where the engine's layout has no such form (int4 groups of 16, or of 32 where K is
+no multiple of 64; int8 per group, as GGUF Q8_0 is), `graph_weights` re-quantizes
 that tensor for the graph from the source (float) weights: int4 block 64 (or
 int8 per channel where K is no multiple of 64), int8 per channel; the build log
 names each such tensor. A tied LM head is untied in the graph for that (the
@@ -36,12 +41,18 @@ from trtpaged.models.qlinear import QuantizedEmbedding, QuantizedLinear, set_act
 from trtpaged.models.quant import QuantizedWeight, quantize, unpack_int4
 
 INT4_BLOCKS = (64, 128)  # what TensorRT's INT4 block quantization takes (tensorrt_rules.INT4_BLOCK_SIZES)
+# int4 group sizes the graph holds exactly by spreading each block of 64 inputs over several blocks, one group
+# in each (module docstring): group size -> copies of x. Only 2: group 16 would take as many bytes as fp16.
+SPLIT_GROUPS = {32: 2}
 REQUANTIZED = "re-quantized for the TensorRT graph"
 
 
 def expressible(bits: int, group_size: int, in_features: int) -> bool:
-    """True when the graph can hold a weight of this layout exactly (int4 block 64/128, int8 per channel)."""
-    return group_size in INT4_BLOCKS if bits == 4 else group_size == in_features
+    """True when the graph can hold a weight of this layout exactly (int4 block 64/128, int4 group 32 spread
+    over blocks of 64, int8 per channel)."""
+    if bits != 4:
+        return group_size == in_features
+    return group_size in INT4_BLOCKS or (group_size in SPLIT_GROUPS and in_features % INT4_BLOCKS[0] == 0)
 
 
 def _graph_layout(bits: int, in_features: int) -> tuple[int, Optional[int]]:
@@ -101,6 +112,15 @@ def graph_weights(quantized: QuantizedState, dims: ModelDims,
             requantize("lm_head", "lm_head", weight, source["embed_tokens.weight"])
             notes[-1] = notes[-1].replace("lm_head:", "lm_head (tied to embed_tokens; untied in the graph):")
     return QuantizedState(state, plan, origin), graph_dims, notes
+
+
+def spread_note(graph_state: QuantizedState) -> Optional[str]:
+    """One build-log line on the tensors the graph holds spread over twice their inputs, or None."""
+    spread = [m for m, (bits, group) in graph_state.plan.items() if bits == 4 and group in SPLIT_GROUPS]
+    if not spread:
+        return None
+    return (f"{len(spread)} int4 group-{graph_state.plan[spread[0]][1]} tensors held exactly as blocks of "
+            f"{INT4_BLOCKS[0]}, spread over twice their inputs (twice their int4 bytes in the graph)")
 
 
 def graph_step_model(graph_state: QuantizedState, dims: ModelDims, dtype: torch.dtype, activations: str):
@@ -176,8 +196,20 @@ def _signed_int4(packed: torch.Tensor) -> torch.Tensor:
     return (unpack_int4(packed).to(torch.int16) ^ 8).sub(8).to(torch.int8)
 
 
+def _spread_groups(codes: torch.Tensor, group_size: int, copies: int) -> torch.Tensor:
+    """[N, K] nibble codes -> [N, copies * K]: each chunk of copies * group_size inputs becomes `copies` such
+    chunks, the r-th keeping only the chunk's r-th group and zero codes (signed 0) elsewhere."""
+    n, k = codes.shape
+    chunk = codes.reshape(n, k // (copies * group_size), 1, copies, group_size)
+    keep = torch.eye(copies, dtype=torch.bool)[:, :, None]  # [copy, group in chunk, 1]
+    return torch.where(keep, chunk, torch.zeros((), dtype=codes.dtype)).reshape(n, copies * k)
+
+
 class TensorRTLinear(nn.Module):
-    """y = x @ DequantizeLinear(codes) (+ group sums of x @ offsets) + b: the graph form of a QuantizedLinear."""
+    """y = x @ DequantizeLinear(codes) (+ group sums of x @ offsets) + b: the graph form of a QuantizedLinear.
+
+    A group-32 int4 weight is spread over twice the inputs (`SPLIT_GROUPS`): the MatMul then takes x with each
+    block of 64 inputs repeated `copies` times."""
 
     def __init__(self, linear: QuantizedLinear, dtype: torch.dtype) -> None:
         super().__init__()
@@ -185,10 +217,15 @@ class TensorRTLinear(nn.Module):
         if not expressible(w.bits, w.group_size, w.in_features):
             raise ValueError(f"int{w.bits} group {w.group_size}: no TensorRT form (re-quantize with graph_weights)")
         self.bits, self.in_features, self.out_features = w.bits, w.in_features, w.out_features
-        self.block_size = w.group_size if w.bits == 4 else 0
+        self.copies = SPLIT_GROUPS.get(w.group_size, 1) if w.bits == 4 else 1
+        self.block_size = w.group_size * self.copies if w.bits == 4 else 0
+        self.offset_group = w.group_size if w.bits == 4 else 0
         scales = w.scales.to(torch.float32)
         if w.bits == 4:
-            signed = (w.int_codes() ^ 8).t().contiguous()  # q - 8 as two's-complement nibbles, [K, N]
+            signed = w.int_codes() ^ 8  # q - 8 as two's-complement nibbles, [N, K]
+            if self.copies > 1:  # block b of the spread weight holds group b: its scale is scales[:, b] as stored
+                signed = _spread_groups(signed, w.group_size, self.copies)
+            signed = signed.t().contiguous()  # [K (times copies), N]
             codes = (signed[:, 0::2] | (signed[:, 1::2] << 4)).to(torch.uint8)
             offsets = (w.offsets.to(torch.float32) + 8 * scales).t()  # s*(q-8) + (o+8s) = s*q + o
             self.register_buffer("tensorrt_offsets", offsets.to(dtype).contiguous())
@@ -203,14 +240,21 @@ class TensorRTLinear(nn.Module):
     def dequantized(self) -> torch.Tensor:
         """W [N, K] float32 as the graph computes it (for tests and the reference)."""
         w = dequantize_linear(self.tensorrt_codes, self.tensorrt_scales.float(), self.bits, self.block_size)
+        if self.copies > 1:  # the copies of a chunk hold disjoint groups (zeros elsewhere): their sum is exact
+            w = w.reshape(-1, self.copies, self.block_size, self.out_features).sum(1).reshape(self.in_features, -1)
         if self.tensorrt_offsets is not None:
-            w = w + self.tensorrt_offsets.float().repeat_interleave(self.block_size, dim=0)
+            w = w + self.tensorrt_offsets.float().repeat_interleave(self.offset_group, dim=0)
         return w.t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.matmul(x, dequantize_linear(self.tensorrt_codes, self.tensorrt_scales, self.bits, self.block_size))
+        weight = dequantize_linear(self.tensorrt_codes, self.tensorrt_scales, self.bits, self.block_size)
+        spread = x
+        if self.copies > 1:
+            chunks = x.reshape(x.shape[0], -1, 1, self.block_size)
+            spread = torch.cat([chunks] * self.copies, dim=2).reshape(x.shape[0], -1)
+        y = torch.matmul(spread, weight)
         if self.tensorrt_offsets is not None:
-            sums = x.reshape(x.shape[0], -1, self.block_size).sum(-1)
+            sums = x.reshape(x.shape[0], -1, self.offset_group).sum(-1)
             y = y + torch.matmul(sums, self.tensorrt_offsets)
         return y if self.bias is None else y + self.bias
 

@@ -261,9 +261,12 @@ def qlinear(as_json: bool, quick: bool, working_set_mb: Optional[int], threads: 
 @click.option("--user-words", default=24, show_default=True, help="Multi-turn: words of each user message.")
 @click.option("--think-time", default=0.5, show_default=True,
               help="Multi-turn: seconds between a reply and the next turn.")
+@click.option("--stagger", is_flag=True,
+              help="Multi-turn: conversations start spread over one think time, think times vary 0.5-1.5x.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def serve(base_url, trace, num_requests, prompt_len, output_len, request_rate, max_concurrency, model, api_key,
-          endpoint, ignore_eos, seed, multi_turn, system_words, user_words, think_time, as_json) -> None:  # fmt: skip
+          endpoint, ignore_eos, seed, multi_turn, system_words, user_words, think_time, stagger,
+          as_json) -> None:  # fmt: skip
     """Serving benchmark: TTFT, TPOT, ITL, end-to-end latency and throughput of a running server."""
     import asyncio
 
@@ -272,7 +275,7 @@ def serve(base_url, trace, num_requests, prompt_len, output_len, request_rate, m
         from trtpaged.bench.serve_bench import format_report, report_json
 
         try:
-            spec = multi_turn_spec(multi_turn, output_len, system_words, user_words, think_time)
+            spec = multi_turn_spec(multi_turn, output_len, system_words, user_words, think_time, stagger)
         except ValueError as exc:
             raise click.ClickException(str(exc)) from exc
         report = asyncio.run(run_multi_turn(base_url, spec, model, api_key, endpoint == "chat", max_concurrency, seed,
@@ -306,6 +309,8 @@ def serve(base_url, trace, num_requests, prompt_len, output_len, request_rate, m
 @click.option("--user-words", default=24, show_default=True, help="Words of each user message.")
 @click.option("--output-len", default="16", show_default=True, help="Tokens of each reply.")
 @click.option("--think-time", default=0.5, show_default=True, help="Seconds between a reply and the next turn.")
+@click.option("--stagger", is_flag=True,
+              help="Conversations start spread over one think time, think times vary 0.5-1.5x (default: lockstep).")
 @click.option("--host-memory", default="1GiB", show_default=True, help="The host tier's size.")
 @click.option("--disk-size", default="4GiB", show_default=True, help="The disk tier's size (a temporary directory).")
 @click.option("--remote", default=None, metavar="URL",
@@ -320,13 +325,14 @@ def serve(base_url, trace, num_requests, prompt_len, output_len, request_rate, m
 @click.option("--rows", default=None, metavar="LIST",
               help="Only these rows, comma-separated among unbounded, off, host, disk, remote (default: all).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def kv_tiers(engine, num_kv_blocks, multi_turn, system_words, user_words, output_len, think_time, host_memory,
-             disk_size, remote, backend, device, seed, rounds, max_num_tokens, rows, as_json) -> None:  # fmt: skip
+def kv_tiers(engine, num_kv_blocks, multi_turn, system_words, user_words, output_len, think_time, stagger,
+             host_memory, disk_size, remote, backend, device, seed, rounds, max_num_tokens, rows,
+             as_json) -> None:  # fmt: skip
     """Multi-turn traffic against servers with KV tiers off, host, disk (and a restart), Redis (and a 2nd replica)."""
     from trtpaged.bench.kv_tiers_bench import format_kv_tiers, run_kv_tiers_bench
 
     def run() -> dict:
-        spec = multi_turn_spec(multi_turn, output_len, system_words, user_words, think_time)
+        spec = multi_turn_spec(multi_turn, output_len, system_words, user_words, think_time, stagger)
         llm_kwargs = {"backend": backend, "device": device, "max_num_tokens": max_num_tokens}
         return run_kv_tiers_bench(Path(engine), spec, num_kv_blocks, host_memory, disk_size, remote, llm_kwargs, seed,
                                   rounds, progress=_progress, rows=rows.split(",") if rows else None)
@@ -387,9 +393,12 @@ def structured(engine, batch, steps, repeats, temperature, as_json) -> None:
                    "transformers' assisted generation (prompt lookup, or the draft engine's model as assistant_model; "
                    "one request at a time) as its peer.")
 @click.option("--sequential", is_flag=True, help="One request at a time (single-stream decode) in every row.")
+@click.option("--peer-time-limit", type=click.FloatRange(min=0, min_open=True), default=900.0, show_default=True,
+              help="Seconds each transformers row may take; a row past it is reported as timed out and the run "
+                   "goes on.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def throughput(engine, trace, num_requests, baseline, hf_batch_size, no_prefix_caching_row, engine2, profile, seed,
-               rounds, speculative_config, sequential, as_json) -> None:  # fmt: skip
+               rounds, speculative_config, sequential, peer_time_limit, as_json) -> None:  # fmt: skip
     """End-to-end throughput and latency: trtpaged vs HF transformers on the same requests, side by side."""
     from trtpaged.bench.throughput_bench import (default_requests, format_throughput_report, load_requests,
                                                  run_throughput_bench)  # fmt: skip
@@ -422,7 +431,7 @@ def throughput(engine, trace, num_requests, baseline, hf_batch_size, no_prefix_c
     except (ValueError, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from exc
     report = run_throughput_bench(engine, requests, baseline, hf_batch_size, no_prefix_caching_row, engine2, progress,
-                                  rounds, speculative_config, sequential)  # fmt: skip
+                                  rounds, speculative_config, sequential, peer_time_limit)  # fmt: skip
     if profile:
         from trtpaged.bench.step_profile import run_step_profile
 
@@ -437,11 +446,12 @@ def throughput(engine, trace, num_requests, baseline, hf_batch_size, no_prefix_c
         click.echo("\n" + format_step_profile(report["profile"]))
 
 
-def multi_turn_spec(multi_turn: str, output_len: str, system_words: int, user_words: int, think_time: float):
+def multi_turn_spec(multi_turn: str, output_len: str, system_words: int, user_words: int, think_time: float,
+                    stagger: bool = False):
     """The --multi-turn options as a MultiTurnSpec (the reply length: --output-len's lower bound)."""
     from trtpaged.bench.multi_turn import MultiTurnSpec, parse_multi_turn
     from trtpaged.bench.workload import parse_range
 
     conversations, turns = parse_multi_turn(multi_turn)
     return MultiTurnSpec(conversations, turns, system_words, user_words, parse_range(output_len, "--output-len")[0],
-                         think_time)
+                         think_time, stagger)

@@ -44,7 +44,7 @@ from trtpaged.manifest import BACKENDS
 @click.option("--speculative-config", default=None, metavar="JSON",
               help='Speculative decoding, a JSON object, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                    "(fields: method (ngram or draft_model), model (the draft engine dir), num_speculative_tokens, "
-                   "prompt_lookup_min, prompt_lookup_max, disable_by_batch_size, min_acceptance_rate; "
+                   "prompt_lookup_min, prompt_lookup_max, disable_by_batch_size, verify_row_cost, min_acceptance_rate; "
                    "docs/speculative.md).")
 @click.option("--kv-host-memory", default=None, metavar="SIZE",
               help="KV tier: host memory for prefix blocks the pool evicts, e.g. 8GiB (docs/kv_tiers.md).")

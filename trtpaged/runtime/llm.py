@@ -70,8 +70,8 @@ class LLM:
     carries the spec_decode_* counters.
 
     Before returning, the runner runs one warm-up step of the engine's largest shape (max_num_tokens
-    tokens, max_batch_size sequences; `warmup=False` skips it), so the first batch runs at the speed of
-    the next ones (trtpaged/runtime/warmup.py).
+    tokens, max_batch_size sequences) and one decode step of those sequences (`warmup=False` skips
+    both), so the first batch runs at the speed of the next ones (trtpaged/runtime/warmup.py).
 
     `kv_tiers` puts tiers below the KV pool (docs/kv_tiers.md): cached prefix blocks the pool evicts
     are written back to host memory, a local disk directory and/or a Redis server, and a later

@@ -23,6 +23,7 @@ from trtpaged.runtime.sampler import greedy_kernel, sample_groups
 from trtpaged.runtime.sampling_params import SamplingParams
 from trtpaged.runtime.scheduler import Scheduler, SchedulerOutput
 from trtpaged.runtime.scoring import score_prompts
+from trtpaged.runtime.speculative import METHODS
 from trtpaged.runtime.structured import GrammarCache
 from trtpaged.runtime.sequence import Sequence, SequenceGroup
 
@@ -292,6 +293,7 @@ class LLMEngine:
         spec = self.config.speculative
         if spec is not None:
             stats.update(self.scheduler.spec_stats.to_stats(), spec_decode_num_speculative_tokens=spec.num_speculative_tokens)
+            stats.update({f"spec_decode_method_{m}": float(m == spec.method) for m in METHODS})  # one-hot: numbers
             if self.scheduler.draft is not None:
                 stats.update(self.scheduler.draft.stats())
         plan = getattr(getattr(self.runner, "model", None), "execution_plan", None)

@@ -162,7 +162,8 @@ class Scheduler:
         self.num_swap_outs = 0
         self.spec_stats = SpecDecodeStats()
         spec = config.speculative
-        self.acceptance = AcceptanceTracker(spec.min_acceptance_rate if spec is not None else 0.0)
+        self.acceptance = AcceptanceTracker(spec.verify_row_cost, spec.min_acceptance_rate) if spec else None
+        self._num_decoding = 0  # this step's decoding sequences (what a verified row competes with)
 
     # ---- requests -----------------------------------------------------------------------------
     def new_seq_id(self) -> int:
@@ -247,7 +248,8 @@ class Scheduler:
                 group.seqs.append(child)
         for seq, run in zip(list(group.seqs), runs):
             draft = drafts.get(seq.seq_id)
-            self.acceptance.check_shadow(seq.seq_id, run[0].token_id)
+            if self.acceptance is not None:
+                self.acceptance.check_shadow(seq.seq_id, run[0].token_id)
             reason = None
             for sample in run:  # a token-level stop inside a verified run ends it there
                 seq.append_token(sample.token_id, sample.logprob, sample.top_logprobs)
@@ -269,6 +271,7 @@ class Scheduler:
         accepted tokens enter the prefix cache."""
         accepted = len(run) - 1
         self.spec_stats.record(len(draft), accepted)
+        assert self.acceptance is not None
         self.acceptance.observe(seq.seq_id, len(draft), accepted)
         computed = seq.num_computed_tokens + 1 + accepted
         seq.num_computed_tokens = min(computed, len(seq.token_ids))  # a stop inside the run appended fewer
@@ -320,7 +323,8 @@ class Scheduler:
     def _free(self, group: SequenceGroup, seq: Sequence) -> None:
         """The one path by which a finished sequence gives its blocks back."""
         self.kv.free(seq)
-        self.acceptance.forget(seq.seq_id)
+        if self.acceptance is not None:
+            self.acceptance.forget(seq.seq_id)
         if self.draft is not None:
             self.draft.forget(seq.seq_id)
         if seq in group.seqs:
@@ -355,7 +359,8 @@ class Scheduler:
         budget = [self.config.max_num_tokens, self.config.max_batch_size]
         done: set[str] = set()
         preempted = False
-        speculate = self._speculates(sum(len(g.seqs) for g in self.running if g.is_decoding() and g.beam is None))
+        self._num_decoding = sum(len(g.seqs) for g in self.running if g.is_decoding() and g.beam is None)
+        speculate = self._speculates(self._num_decoding)
         proposals = self._propose_with_draft() if speculate and self.draft is not None else {}
         decoding_left = sum(len(g.seqs) for g in self.running if g.is_decoding())
         for group in sorted(self.running, key=lambda g: not g.is_decoding()):  # decoding first, stable
@@ -433,19 +438,18 @@ class Scheduler:
 
     def _propose_with_draft(self) -> dict[int, Proposal]:
         """The draft model's proposals for every sequence that may speculate this step, in one batched pass
-        (the budget may cut them later); a sequence below the acceptance rate rests (AcceptanceTracker)."""
-        spec, draft = self.config.speculative, self.draft
-        assert spec is not None and draft is not None
+        (the budget may cut them later), each of the tokens that pay (AcceptanceTracker.tokens; one that does
+        not pay rests, then probes)."""
+        spec, draft, acceptance = self.config.speculative, self.draft, self.acceptance
+        assert spec is not None and draft is not None and acceptance is not None
         requests: list[DraftRequest] = []
         for group in self.running:
             if not self._may_speculate(group):
                 continue
             for seq in group.seqs:
                 k = min(spec.num_speculative_tokens, self._room(group.params, seq))
+                k = acceptance.tokens(seq.seq_id, k, self._num_decoding, free_shadow=False)
                 if k < 1:
-                    continue
-                if not self.acceptance.wants(seq.seq_id):
-                    self.acceptance.rest(seq.seq_id)
                     continue
                 requests.append(DraftRequest(seq.seq_id, seq.token_ids, k, group.params))
                 self._proposed[seq.seq_id] = seq
@@ -458,8 +462,8 @@ class Scheduler:
         included), no draft past max_seq_len or the request's max_tokens, and leaving `reserve` free blocks
         for the sequences still to decode this step. Speculation never preempts anything. `proposals`: the
         draft model's (cut here to the budget), else n-gram lookup."""
-        spec = self.config.speculative
-        assert spec is not None
+        spec, acceptance = self.config.speculative, self.acceptance
+        assert spec is not None and acceptance is not None
         tokens_left -= len(requests)
         drafts: dict[int, Proposal] = {}
         drafted: list[AllocRequest] = []
@@ -472,9 +476,10 @@ class Scheduler:
             else:
                 draft = tuple(ngram_propose(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max))
                 probs = None
-                if draft and not self.acceptance.wants(seq.seq_id):
-                    self.acceptance.shadow(seq.seq_id, draft[0])
-                    draft = ()
+                pays = acceptance.tokens(seq.seq_id, len(draft), self._num_decoding)
+                if draft and not pays:
+                    acceptance.shadow(seq.seq_id, draft[0])
+                draft = draft[:pays]
             if draft:
                 drafts[seq.seq_id] = Proposal(draft, probs)
                 tokens_left -= len(draft)

@@ -22,11 +22,15 @@ METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16  # per sequence and step; a verification step's rows grow with it
 # Speculation is off in a step with this many decoding sequences or more (measured: docs/speculative.md).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
-# A sequence verifies drafts while its recent acceptance rate is at least this (measured: docs/speculative.md).
-DEFAULT_MIN_ACCEPTANCE_RATE = 0.6
-ACCEPTANCE_EMA = 0.2  # weight of the newest observation in a sequence's acceptance rate
-# A draft-model sequence below the acceptance rate (no free shadow proposals) tries again after this many steps.
+# A sequence never verifies drafts while its recent acceptance rate is below this (0: the cost rule alone decides).
+DEFAULT_MIN_ACCEPTANCE_RATE = 0.0
+# What one more query row adds to a one-row decode step, as a fraction of that step (measured: docs/speculative.md).
+DEFAULT_VERIFY_ROW_COST = 0.3
+ACCEPTANCE_DECAY = 0.8  # a sequence's acceptance counts fade by this per verification (about its last 5)
+# A draft-model sequence that does not pay (no free shadow proposals) probes one token after this many steps,
+# twice as many after each probe that is rejected, up to MAX_RETRY_AFTER_STEPS.
 RETRY_AFTER_STEPS = 16
+MAX_RETRY_AFTER_STEPS = 256
 
 
 @dataclass(frozen=True)
@@ -40,10 +44,14 @@ class SpeculativeConfig:
     num_speculative_tokens: tokens proposed per sequence and step (1..16).
     disable_by_batch_size: a step with this many decoding sequences or more does not speculate
     (its verification rows would cost more than the weight reads they save); None: never off.
-    min_acceptance_rate: a sequence whose recent acceptance rate (an exponential average over its
-    verifications, and while it does not verify, of whether its proposal's first token was the one it
-    then produced) is below this proposes nothing; 0: always propose. A draft model has no free shadow
-    proposal: such a sequence rests `RETRY_AFTER_STEPS` steps, then verifies once more.
+    verify_row_cost: what one more query row adds to a one-row decode step, as a fraction of it. Below the
+    batch-size cap a sequence verifies the number of draft tokens that maximises the step's expected tokens
+    per unit of cost at its recent per-token acceptance rate (`best_draft_length`, the rule in
+    docs/speculative.md), none when no number beats not speculating; 0: rows are free, always propose.
+    min_acceptance_rate: a floor: a sequence whose recent acceptance rate is below it proposes nothing
+    (0: none). A sequence that does not pay keeps a shadow proposal (n-gram lookup is free) whose first
+    token updates its rate; a draft model has none, so such a sequence probes one token after
+    `RETRY_AFTER_STEPS` steps, backing off twice as long after each rejected probe.
     """
 
     method: str = "ngram"
@@ -53,6 +61,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 3
     disable_by_batch_size: Optional[int] = DEFAULT_DISABLE_BY_BATCH_SIZE
     min_acceptance_rate: float = DEFAULT_MIN_ACCEPTANCE_RATE
+    verify_row_cost: float = DEFAULT_VERIFY_ROW_COST
 
     def __post_init__(self) -> None:
         def _int(name: str, low: int, high: Optional[int] = None, optional: bool = False) -> None:
@@ -78,6 +87,9 @@ class SpeculativeConfig:
         rate = self.min_acceptance_rate
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0:
             raise ValueError(f"speculative_config.min_acceptance_rate: must be a number in [0, 1], got {rate!r}")
+        cost = self.verify_row_cost
+        if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0.0 <= cost <= 1.0:
+            raise ValueError(f"speculative_config.verify_row_cost: must be a number in [0, 1], got {cost!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min: must be <= prompt_lookup_max "
                              f"({self.prompt_lookup_max}), got {self.prompt_lookup_min}")  # fmt: skip
@@ -99,67 +111,113 @@ def ngram_propose(token_ids: Sequence[int], k: int, n_min: int, n_max: int) -> l
 
     Model-free prompt lookup over the prompt and the output so far; [] when nothing matches. Preferring a
     full continuation matters for periodic text: the latest occurrence of a repeated token is the one right
-    before it, followed by one token.
+    before it, followed by one token. It runs for every speculating sequence every step, so it is one
+    vectorised scan for the last token; only those hits are checked for the longer n-grams.
     """
     length = len(token_ids)
     if k < 1 or length < n_min + 1:
         return []
-    tokens = np.asarray(token_ids, dtype=np.int64)
+    tokens = np.fromiter(token_ids, dtype=np.int64, count=length)
+    ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])  # where an earlier n-gram would end
+    if not ends.size:
+        return []
     for n in range(min(n_max, length - 1), n_min - 1, -1):
-        suffix = tokens[length - n :]
-        # windows starting at 0 .. length-n-1: every occurrence but the suffix itself
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if hits.size:
-            full = hits[hits + n + k <= length]
-            start = int(full[-1] if full.size else hits[0]) + n
+        starts = ends[ends >= n - 1] - (n - 1)
+        for back in range(1, n):  # the n-gram's earlier tokens, one offset at a time
+            if not starts.size:
+                break
+            starts = starts[tokens[starts + n - 1 - back] == tokens[length - 1 - back]]
+        if starts.size:
+            full = starts[starts + n + k <= length]
+            start = int(full[-1] if full.size else starts[0]) + n
             return tokens[start : start + k].tolist()
     return []
 
 
-class AcceptanceTracker:
-    """Each speculating sequence's recent acceptance rate, and whether it should verify drafts now.
+def best_draft_length(rate: float, k_max: int, row_cost: float, num_decoding: int) -> int:
+    """The number of draft tokens, 0..k_max, that maximises a step's expected tokens per unit of cost.
 
-    A verification updates the rate with accepted / proposed. A sequence below the threshold keeps a
-    shadow proposal (free for n-gram lookup): whether its first token is the token the sequence then
-    produced updates the rate too, so a sequence whose text turns to copying starts speculating again.
+    The step has `num_decoding` one-row sequences; a step of r rows costs 1 + row_cost * (r - 1) one-row
+    steps; verifying k draft tokens whose acceptances are independent with probability `rate` adds k rows
+    and yields rate + rate^2 + ... + rate^k tokens on average (a run stops at its first rejection), on top
+    of the one token each sequence gets anyway. 0 when no draft length beats the step without one.
+    """
+    best, best_value = 0, num_decoding / (1 + row_cost * (num_decoding - 1))
+    expected, term = 0.0, 1.0
+    for k in range(1, k_max + 1):
+        term *= rate
+        expected += term
+        value = (num_decoding + expected) / (1 + row_cost * (num_decoding - 1 + k))
+        if value > best_value:
+            best, best_value = k, value
+    return best
+
+
+class AcceptanceTracker:
+    """Each speculating sequence's recent per-token acceptance rate, and how many draft tokens it verifies.
+
+    A verification of k tokens of which a were accepted tried a + 1 tokens (the first rejected one
+    included) or k (all accepted); the rate is accepted / tried over fading counts (ACCEPTANCE_DECAY per
+    verification), starting at 1. `tokens` gives the draft tokens that pay (`best_draft_length`). A sequence at 0
+    keeps a shadow proposal when proposing is free (n-gram): whether its first token is the token the
+    sequence then produced counts as one tried token, so a sequence whose text turns to copying speculates
+    again. Without shadows (a draft model) it probes one token after RETRY_AFTER_STEPS steps, and after
+    each rejected probe waits twice as long (up to MAX_RETRY_AFTER_STEPS).
     """
 
-    def __init__(self, min_rate: float) -> None:
+    def __init__(self, row_cost: float, min_rate: float = 0.0) -> None:
+        self.row_cost = row_cost
         self.min_rate = min_rate
-        self._rate: dict[int, float] = {}
+        self._counts: dict[int, tuple[float, float]] = {}  # seq id -> fading (accepted, tried)
         self._shadow: dict[int, int] = {}
         self._idle: dict[int, int] = {}
+        self._wait: dict[int, int] = {}  # a resting sequence's steps between probes
+        self._probing: set[int] = set()
 
-    def wants(self, seq_id: int) -> bool:
-        return self._rate.get(seq_id, 1.0) >= self.min_rate
+    def rate(self, seq_id: int) -> float:
+        accepted, tried = self._counts.get(seq_id, (1.0, 1.0))
+        return accepted / tried
 
-    def _update(self, seq_id: int, value: float) -> None:
-        self._rate[seq_id] = (1 - ACCEPTANCE_EMA) * self._rate.get(seq_id, 1.0) + ACCEPTANCE_EMA * value
+    def tokens(self, seq_id: int, k_max: int, num_decoding: int, free_shadow: bool = True) -> int:
+        """How many of up to `k_max` draft tokens the sequence verifies in a step of `num_decoding` decoding
+        sequences (`best_draft_length` at its rate; 0: none; without `free_shadow` a resting sequence counts
+        the step and may get a one-token probe)."""
+        rate = self.rate(seq_id)
+        k = best_draft_length(rate, k_max, self.row_cost, num_decoding) if rate >= self.min_rate else 0
+        if k or free_shadow or k_max < 1:
+            self._idle.pop(seq_id, None)
+            return k
+        idle = self._idle.get(seq_id, 0) + 1
+        if idle < self._wait.get(seq_id, RETRY_AFTER_STEPS):
+            self._idle[seq_id] = idle
+            return 0
+        self._idle.pop(seq_id, None)
+        self._probing.add(seq_id)
+        return 1
 
     def observe(self, seq_id: int, proposed: int, accepted: int) -> None:
-        self._update(seq_id, accepted / proposed)
+        self._count(seq_id, accepted, accepted + 1 if accepted < proposed else proposed)
+        if seq_id in self._probing:
+            self._probing.discard(seq_id)
+            wait = self._wait.get(seq_id, RETRY_AFTER_STEPS)
+            self._wait[seq_id] = RETRY_AFTER_STEPS if accepted else min(2 * wait, MAX_RETRY_AFTER_STEPS)
+
+    def _count(self, seq_id: int, accepted: float, tried: float) -> None:
+        old_accepted, old_tried = self._counts.get(seq_id, (1.0, 1.0))
+        self._counts[seq_id] = (ACCEPTANCE_DECAY * old_accepted + accepted, ACCEPTANCE_DECAY * old_tried + tried)
 
     def shadow(self, seq_id: int, first_token: int) -> None:
         self._shadow[seq_id] = first_token
 
-    def rest(self, seq_id: int) -> None:
-        """A step without a proposal for a sequence below the rate (a draft model's): after RETRY_AFTER_STEPS
-        of them its rate is set to the threshold, so that the next verification decides."""
-        idle = self._idle.get(seq_id, 0) + 1
-        if idle >= RETRY_AFTER_STEPS:
-            self._rate[seq_id], idle = self.min_rate, 0
-        self._idle[seq_id] = idle
-
     def check_shadow(self, seq_id: int, produced: int) -> None:
         first = self._shadow.pop(seq_id, None)
         if first is not None:
-            self._update(seq_id, float(first == produced))
+            self._count(seq_id, float(first == produced), 1.0)
 
     def forget(self, seq_id: int) -> None:
-        self._rate.pop(seq_id, None)
-        self._shadow.pop(seq_id, None)
-        self._idle.pop(seq_id, None)
+        for table in (self._counts, self._shadow, self._idle, self._wait):
+            table.pop(seq_id, None)
+        self._probing.discard(seq_id)
 
 
 @dataclass

@@ -66,11 +66,24 @@ def warmup_batch(config: RuntimeConfig) -> tuple[StepBatch, list[int]]:
     return batch, list(range(next_block))
 
 
+def decode_batch(prefill: StepBatch) -> StepBatch:
+    """One decode-shaped step after `prefill`: each of its sequences runs its last position again (one
+    token, a logits row), on the same blocks."""
+    lengths = prefill.context_lens.tolist()
+    tables = prefill.block_tables.tolist()
+    n = len(lengths)
+    return StepBatch.pack([0] * n, [length - 1 for length in lengths], list(range(n + 1)), lengths, tables,
+                          list(range(n)))
+
+
 def warm_up(runner: ModelRunner, config: RuntimeConfig) -> int:
-    """Runs the warm-up step on `runner` (all its blocks must be free) and zeroes the blocks it wrote;
-    returns the step's token count."""
+    """Runs the warm-up step on `runner` (all its blocks must be free), then one decode step of as many
+    sequences (the first decode batch's kernels and shapes: at 16 rows a quantized linear may take
+    another path than at the prefill's thousands), and zeroes the blocks they wrote; returns the
+    warm-up step's token count."""
     batch, blocks = warmup_batch(config)
     runner.step(batch)
+    runner.step(decode_batch(batch))
     pool = getattr(runner, "kv_cache", None)
     if isinstance(pool, torch.Tensor) and blocks:
         pool[blocks[0] : blocks[-1] + 1].zero_()

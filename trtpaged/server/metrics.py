@@ -40,15 +40,29 @@ ENGINE_STATS: dict[str, tuple[str, str, str]] = {
     "num_constrained_requests": ("structured_output_requests", "counter", "Requests with an output grammar."),
     "num_grammars_compiled": ("grammar_compilations", "counter", "Output grammars compiled (cache misses)."),
     "num_grammar_cache_hits": ("grammar_cache_hits", "counter", "Output grammars found compiled in the cache."),
-    "spec_decode_num_drafts": ("spec_decode_num_drafts", "counter", "Speculative drafts verified (sequence-steps)."),
-    "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "counter", "Speculative tokens proposed and verified."),
-    "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "counter", "Speculative tokens accepted."),
+    "spec_decode_draft_kv_blocks_total": ("spec_decode_draft_kv_cache_blocks", "gauge",
+                                          "KV-cache blocks in the draft engine's pool (draft_model)."),
+    "spec_decode_draft_kv_blocks_free": ("spec_decode_draft_kv_cache_blocks_free", "gauge",
+                                         "Free blocks in the draft engine's pool (draft_model)."),
+    "spec_decode_draft_num_steps": ("spec_decode_draft_steps", "counter", "Steps the draft engine ran (draft_model)."),
+    "spec_decode_draft_num_tokens_computed": ("spec_decode_draft_tokens_computed", "counter",
+                                              "Tokens the draft engine computed (draft_model)."),
     "prefix_cache_tier_hits_tokens": ("prefix_cache_tier_hits", "counter",
                                       "Prompt tokens restored from a KV tier below the pool (part of the hits)."),
     "kv_tier_blocks_loaded": ("kv_tier_blocks_loaded", "counter", "Blocks restored into the pool from a KV tier."),
 }  # fmt: skip
 PLAN = "execution_plan_"  # stats keys PLAN + "<layers>": 1 for the eager runner's plan, 0 for the others
 PER_POS = "spec_decode_num_accepted_tokens_per_pos"  # stats keys PER_POS + "_<i>": accepted at draft position i
+# Speculative decoding's counters, labelled method="ngram|draft_model" as vLLM labels them; the engine's
+# method is the stats key SPEC_METHOD + "<method>" that is 1.
+SPEC_METHOD = "spec_decode_method_"
+SPEC_STATS: dict[str, tuple[str, str]] = {
+    "spec_decode_num_drafts": ("spec_decode_num_drafts", "Speculative drafts verified (sequence-steps)."),
+    "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "Speculative tokens proposed and verified."),
+    "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Speculative tokens accepted."),
+    "spec_decode_num_steps_disabled": ("spec_decode_num_steps_disabled",
+                                       "Steps in which the batch-size rule turned speculation off."),
+}  # fmt: skip
 # Per-tier counters (`kv_tier_<tier>_<field>` in LLMEngine.stats()): one family each, labelled
 # tier="host|disk|remote".
 TIER_NAMES = ("host", "disk", "remote")
@@ -80,13 +94,7 @@ class _EngineStatsCollector(Collector):
             if key in stats:
                 family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
                 yield family(PREFIX + name, help_text, value=float(stats[key]))
-        per_pos = sorted((int(k[len(PER_POS) + 1 :]), v) for k, v in stats.items() if k.startswith(PER_POS + "_"))
-        if per_pos:
-            family = CounterMetricFamily(PREFIX + PER_POS, "Speculative tokens accepted, by draft position.",
-                                         labels=["position"])  # fmt: skip
-            for pos, value in per_pos:
-                family.add_metric([str(pos)], float(value))
-            yield family
+        yield from _spec_metrics(stats)
         for field, (name, help_text) in TIER_STATS.items():
             tiers = [t for t in TIER_NAMES if f"kv_tier_{t}_{field}" in stats]
             if tiers:
@@ -104,6 +112,25 @@ class _EngineStatsCollector(Collector):
         total = stats.get("kv_blocks_total", 0)
         used = stats.get("kv_blocks_used", 0) / total if total else 0.0
         yield GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "KV-cache usage: blocks used / total (1 = 100%).", value=used)
+
+
+def _spec_metrics(stats: Mapping[str, float]) -> Iterator[Metric]:
+    """The spec_decode_* counters, labelled with the engine's method (none when it does not speculate)."""
+    method = next((k[len(SPEC_METHOD) :] for k in sorted(stats) if k.startswith(SPEC_METHOD) and stats[k]), None)
+    if method is None:
+        return
+    for key, (name, help_text) in SPEC_STATS.items():
+        if key in stats:
+            family = CounterMetricFamily(PREFIX + name, help_text, labels=["method"])
+            family.add_metric([method], float(stats[key]))
+            yield family
+    per_pos = sorted((int(k[len(PER_POS) + 1 :]), v) for k, v in stats.items() if k.startswith(PER_POS + "_"))
+    if per_pos:
+        family = CounterMetricFamily(PREFIX + PER_POS, "Speculative tokens accepted, by draft position.",
+                                     labels=["method", "position"])  # fmt: skip
+        for pos, value in per_pos:
+            family.add_metric([method, str(pos)], float(value))
+        yield family
 
 
 class ServerMetrics:

@@ -7,10 +7,13 @@
 // Everything here has internal linkage, and the headers below live in a namespace named for
 // the target, so no copy built for one ISA can be linked into another's path.
 //
-// Work is split into tasks (sequence, kv head, chunk of query tokens, range of
+// Work is split into tasks (sequence, kv heads, chunk of query tokens, range of
 // keys) run by OpenMP threads. Each task streams its keys block by block with
 // an online softmax, so a block is converted to fp32 once and read by all the
-// query heads of its GQA group. Long contexts with few tasks are split over key
+// query heads of its GQA group. When there are tasks enough for every thread, a
+// task takes all the KV heads of its sequence: it then reads each block's K and V
+// of every head (one contiguous run per block and layer) tile by tile, instead of
+// one head's slice of every block, a few KiB apart. Long contexts with few tasks are split over key
 // ranges and merged afterwards (flash-decoding on the CPU) so every core works
 // on batch-1 decode too.
 #pragma once
@@ -58,7 +61,7 @@ struct PoolLayout {
 };
 
 struct Task {
-  int32_t seq, kv_head;
+  int32_t seq, kv_head, num_kv;  // kv heads [kv_head, kv_head + num_kv)
   int32_t q_begin, q_end;  // packed token range
   int32_t k_begin, k_end;  // key positions [k_begin, k_end)
   int32_t split, num_splits;
@@ -98,12 +101,18 @@ void write_kv(const trtpaged_attention_params& p, const PoolLayout& pool, const 
 std::vector<Task> plan_tasks(const trtpaged_attention_params& p, int32_t window, const int32_t* positions,
                              const int32_t* query_start, int64_t* num_partials) {
   std::vector<Task> tasks;
-  int64_t unsplit = 0;
+  int64_t chunks = 0;  // (sequence, query chunk) pairs
   for (int32_t s = 0; s < p.num_seqs; ++s) {
     const int32_t q_len = query_start[s + 1] - query_start[s];
-    unsplit += int64_t((q_len + kQueryChunk - 1) / kQueryChunk) * p.num_kv_heads;
+    chunks += (q_len + kQueryChunk - 1) / kQueryChunk;
   }
   const int64_t want = 2 * int64_t(num_threads());
+  // All of a sequence's KV heads in one task when that leaves every thread work, else one head per task
+  const int32_t heads_per_task = chunks >= want ? p.num_kv_heads : 1;
+  const int64_t unsplit = chunks * (p.num_kv_heads / heads_per_task);
+  // Split ranges are whole runs (a block, or a tile of a large block), so that each task reads whole runs
+  const int32_t unit = p.block_size < kTileKeys ? p.block_size
+                                                : (p.block_size % kTileKeys == 0 ? kTileKeys : p.block_size);
   *num_partials = 0;
   for (int32_t s = 0; s < p.num_seqs; ++s) {
     for (int32_t q0 = query_start[s]; q0 < query_start[s + 1]; q0 += kQueryChunk) {
@@ -115,19 +124,18 @@ std::vector<Task> plan_tasks(const trtpaged_attention_params& p, int32_t window,
       }
       // a sliding window skips the whole blocks before the first key any query of the chunk reads
       const int32_t first_key = window > 0 ? std::max(0, min_pos - window + 1) : 0;
-      const int32_t first = first_key / p.block_size * p.block_size;
+      const int32_t first = first_key / unit * unit;
       const int32_t num_keys = max_pos + 1 - first;
       int32_t splits = 1;
       if (unsplit < want && num_keys >= 2 * kMinKeysPerSplit)
         splits = int32_t(std::min<int64_t>((want + unsplit - 1) / unsplit, num_keys / kMinKeysPerSplit));
-      // split ranges are whole blocks so each task reads whole blocks
-      const int32_t blocks = (num_keys + p.block_size - 1) / p.block_size;
-      const int32_t blocks_per_split = (blocks + splits - 1) / splits;
-      splits = (blocks + blocks_per_split - 1) / blocks_per_split;
-      for (int32_t h = 0; h < p.num_kv_heads; ++h) {
+      const int32_t units = (num_keys + unit - 1) / unit;
+      const int32_t units_per_split = (units + splits - 1) / splits;
+      splits = (units + units_per_split - 1) / units_per_split;
+      for (int32_t h = 0; h < p.num_kv_heads; h += heads_per_task) {
         for (int32_t i = 0; i < splits; ++i) {
-          Task task{s, h, q0, q1, first + i * blocks_per_split * p.block_size,
-                    first + std::min(num_keys, (i + 1) * blocks_per_split * p.block_size), i, splits, -1};
+          Task task{s, h, heads_per_task, q0, q1, first + i * units_per_split * unit,
+                    first + std::min(num_keys, (i + 1) * units_per_split * unit), i, splits, -1};
           if (splits > 1) task.partial = (*num_partials)++;
           tasks.push_back(task);
         }
@@ -157,6 +165,7 @@ struct Scratch {
   std::vector<const float*> kp, vp;
   std::vector<const uint8_t*> kc, vc;  // rows read in place by the fused loops
   std::vector<const void*> knext, vnext;
+  std::vector<const void*> base, next_base;  // a tile's runs: K rows of the task's first KV head
 };
 
 // Returns `rows` cached rows of d values as floats: src itself for fp32, else converted (or
@@ -176,7 +185,8 @@ const float* as_float(const T* src, int64_t rows, int64_t d, float* buf) {
 
 // Runs one task. Keys are processed in tiles of whole blocks (about kTileKeys keys): the
 // scores of a tile are computed block by block, then one online-softmax update per tile,
-// so small blocks cost no more softmax bookkeeping than one large contiguous block.
+// so small blocks cost no more softmax bookkeeping than one large contiguous block. A task of
+// several KV heads runs each tile for every head in turn (the tile's blocks hold all of them).
 // Writes the normalised output, or for a split task its partial (acc, max, sum) into
 // `partials` rows of head_dim + 2 floats.
 //
@@ -196,7 +206,8 @@ const Task* run_task(const Task& task, const trtpaged_attention_params& p, const
   const int64_t tile_keys = bs < kTileKeys ? kTileKeys / bs * bs : (bs % kTileKeys == 0 ? kTileKeys : bs);
   const int64_t run = std::min(bs, tile_keys);  // contiguous keys behind one pointer
   const int64_t tile_blocks = tile_keys / run;
-  const int32_t rows = (task.q_end - task.q_begin) * group;
+  const int32_t head_rows = (task.q_end - task.q_begin) * group;  // rows of one KV head
+  const int32_t rows = head_rows * task.num_kv;                    // row r: kv head r / head_rows
   sc.q.resize(size_t(rows * d));
   sc.acc.assign(size_t(rows * d), 0.0f);
   sc.m.assign(size_t(rows), kNegInf);
@@ -211,49 +222,47 @@ const Task* run_task(const Task& task, const trtpaged_attention_params& p, const
   const bool fused = kFusable && fused_head_dim(d);
   sc.kc.resize(size_t(tile_blocks));
   sc.vc.resize(size_t(tile_blocks));
+  sc.base.resize(size_t(tile_blocks));
   sc.knext.resize(size_t(tile_blocks));
   sc.vnext.resize(size_t(tile_blocks));
+  sc.next_base.resize(size_t(tile_blocks));
   if (!std::is_same_v<KV, float>) {
     sc.kf.resize(size_t(tile_keys * d));
     sc.vf.resize(size_t(tile_keys * d));
   }
-  for (int32_t t = task.q_begin; t < task.q_end; ++t) {
-    for (int32_t g = 0; g < group; ++g) {
-      const int32_t r = (t - task.q_begin) * group + g;
-      const IO* src = q + (int64_t(t) * p.num_heads + int64_t(task.kv_head) * group + g) * d;
-      float* dst = sc.q.data() + r * d;
-      for (int64_t i = 0; i < d; ++i) dst[i] = to_float(src[i]) * p.scale;
-      sc.pos[size_t(r)] = positions[t];
-    }
+  for (int32_t r = 0; r < rows; ++r) {
+    const int32_t t = task.q_begin + (r % head_rows) / group;
+    const int32_t head = (task.kv_head + r / head_rows) * group + r % group;
+    const IO* src = q + (int64_t(t) * p.num_heads + head) * d;
+    float* dst = sc.q.data() + r * d;
+    for (int64_t i = 0; i < d; ++i) dst[i] = to_float(src[i]) * p.scale;
+    sc.pos[size_t(r)] = positions[t];
   }
-  auto key_ptr_of = [&](const Task& of, int64_t key, int kv) {
+  // A key's row of K in the task's first KV head; that head's V and the other heads' K and V are at
+  // fixed distances from it in the block (PoolLayout).
+  auto key_ptr_of = [&](const Task& of, int64_t key) {
     const int32_t* table = block_tables + int64_t(of.seq) * p.max_blocks_per_seq;
-    return cache + pool.offset(table[key / bs], p.layer, kv, of.kv_head) + (key % bs) * pool.row;
+    return cache + pool.offset(table[key / bs], p.layer, 0, of.kv_head) + (key % bs) * pool.row;
   };
-  auto key_ptr = [&](int64_t key, int kv) { return key_ptr_of(task, key, kv); };
+  const int64_t head_step = pool.head_elems(), v_step = p.num_kv_heads * pool.head_elems();
+  const int64_t row_bytes = pool.row * int64_t(sizeof(KV));
   const Task* next_task = nullptr;
   bool claimed = false;
   for (int64_t tile = task.k_begin; tile < task.k_end; tile += tile_keys) {
     const int64_t tile_n = std::min<int64_t>(tile_keys, task.k_end - tile);
     const int64_t nblocks = (tile_n + run - 1) / run;
+    for (int64_t b = 0; b < nblocks; ++b) sc.base[size_t(b)] = key_ptr_of(task, tile + b * run);
     if (tile == task.k_begin && !prefetched) {
       // Nothing prefetched the first tile: request all of its runs at once, so that they
       // are fetched in parallel rather than one demand miss after another.
       for (int64_t b = 0; b < nblocks; ++b) {
-        const int64_t bytes = std::min<int64_t>(run, tile_n - b * run) * pool.row * int64_t(sizeof(KV));
-        prefetch_bytes(key_ptr(tile + b * run, 0), bytes);
-        prefetch_bytes(key_ptr(tile + b * run, 1), bytes);
+        const int64_t bytes = std::min<int64_t>(run, tile_n - b * run) * row_bytes;
+        const KV* k0 = static_cast<const KV*>(sc.base[size_t(b)]);
+        for (int32_t h = 0; h < task.num_kv; ++h) {
+          prefetch_bytes(k0 + h * head_step, bytes);
+          prefetch_bytes(k0 + h * head_step + v_step, bytes);
+        }
       }
-    }
-    for (int64_t b = 0; b < nblocks; ++b) {
-      const int64_t n = std::min<int64_t>(run, tile_n - b * run);
-      if (fused) {
-        sc.kc[size_t(b)] = reinterpret_cast<const uint8_t*>(key_ptr(tile + b * run, 0));
-        sc.vc[size_t(b)] = reinterpret_cast<const uint8_t*>(key_ptr(tile + b * run, 1));
-        continue;
-      }
-      sc.kp[size_t(b)] = as_float(key_ptr(tile + b * run, 0), n, d, sc.kf.data() + b * run * d);
-      sc.vp[size_t(b)] = as_float(key_ptr(tile + b * run, 1), n, d, sc.vf.data() + b * run * d);
     }
     // K and V blocks of the next tile, requested while this tile is computed: this task's, or at
     // its last tile the first one of the thread's next task
@@ -267,68 +276,86 @@ const Task* run_task(const Task& task, const trtpaged_attention_params& p, const
     }
     const int64_t next_n = next_of ? std::clamp<int64_t>(next_of->k_end - next_tile, 0, tile_keys) : 0;
     const int64_t next_blocks = (next_n + run - 1) / run;
-    for (int64_t b = 0; b < next_blocks; ++b) {
-      sc.knext[size_t(b)] = key_ptr_of(*next_of, next_tile + b * run, 0);
-      sc.vnext[size_t(b)] = key_ptr_of(*next_of, next_tile + b * run, 1);
-    }
-    const int64_t row_bytes = pool.row * int64_t(sizeof(KV));
-    if (next_n > tile_n) {  // the loops below request the next tile's rows up to this tile's length
-      NextBlocks{sc.knext.data(), next_n, run, row_bytes}.prefetch_from(tile_n);
-      NextBlocks{sc.vnext.data(), next_n, run, row_bytes}.prefetch_from(tile_n);
-    }
-    for (int32_t r0 = 0; r0 < rows; r0 += kRowGroup) {
-      const NextBlocks next_k{sc.knext.data(), r0 == 0 ? next_n : 0, run, row_bytes};
-      const NextBlocks next_v{sc.vnext.data(), r0 == 0 ? next_n : 0, run, row_bytes};
-      const int nr = std::min(kRowGroup, rows - r0);
-      int64_t limits[kRowGroup], firsts[kRowGroup];  // each row's visible keys in the tile: [first, limit)
-      int64_t group_limit = 0;
-      for (int i = 0; i < nr; ++i) {
-        const int64_t pos = sc.pos[size_t(r0 + i)];
-        limits[i] = std::clamp<int64_t>(pos - tile + 1, 0, tile_n);  // causal
-        firsts[i] = opt.sliding_window > 0 ? std::clamp<int64_t>(pos - opt.sliding_window + 1 - tile, 0, tile_n) : 0;
-        if (firsts[i] >= limits[i]) firsts[i] = limits[i] = 0;  // the whole tile is outside the row's window
-        group_limit = std::max(group_limit, limits[i]);
-      }
-      if (group_limit == 0) continue;
-      float* scores = sc.scores.data();
-      if (fused)
-        scores_fused_for<Codec, kElem>(nr, sc.q.data() + r0 * d, d, sc.kc.data(), run, group_limit, scores, tile_keys,
-                                       next_k);
-      else
-        scores_for(nr, sc.q.data() + r0 * d, d, sc.kp.data(), run, group_limit, scores, tile_keys, next_k);
-      for (int i = 0; i < nr; ++i) {
-        float* row = scores + i * tile_keys;
-        const int64_t limit = limits[i], first = firsts[i];
-        if (opt.logit_softcap > 0.0f) {
-          const float cap = opt.logit_softcap, inv_cap = 1.0f / opt.logit_softcap;
-          for (int64_t j = first; j < limit; ++j) row[j] = cap * std::tanh(row[j] * inv_cap);
+    for (int64_t b = 0; b < next_blocks; ++b) sc.next_base[size_t(b)] = key_ptr_of(*next_of, next_tile + b * run);
+    // every task of a call has the same heads (plan_tasks), so the next task's head h follows this one's
+    auto run_of = [&](const std::vector<const void*>& bases, int64_t b, int32_t h, int kv) {
+      return static_cast<const KV*>(bases[size_t(b)]) + h * head_step + kv * v_step;
+    };
+    for (int32_t h = 0; h < task.num_kv; ++h) {
+      for (int64_t b = 0; b < nblocks; ++b) {
+        if (fused) {
+          sc.kc[size_t(b)] = reinterpret_cast<const uint8_t*>(run_of(sc.base, b, h, 0));
+          sc.vc[size_t(b)] = reinterpret_cast<const uint8_t*>(run_of(sc.base, b, h, 1));
+          continue;
         }
-        const float tile_max = max_of(row + first, limit - first);
-        float& m = sc.m[size_t(r0 + i)];
-        const float m_new = std::max(m, tile_max);
-        const float alpha = (m == kNegInf || limit == 0) ? (limit == 0 ? 1.0f : 0.0f) : std::exp(m - m_new);
-        const float sum = exp_shifted_row(row, first, limit, group_limit, m_new);
-        if (limit == 0) continue;
-        sc.l[size_t(r0 + i)] = sc.l[size_t(r0 + i)] * alpha + sum;
-        if (alpha != 1.0f) {
-          float* acc = sc.acc.data() + (r0 + i) * d;
+        const int64_t n = std::min<int64_t>(run, tile_n - b * run);
+        sc.kp[size_t(b)] = as_float(run_of(sc.base, b, h, 0), n, d, sc.kf.data() + b * run * d);
+        sc.vp[size_t(b)] = as_float(run_of(sc.base, b, h, 1), n, d, sc.vf.data() + b * run * d);
+      }
+      for (int64_t b = 0; b < next_blocks; ++b) {
+        sc.knext[size_t(b)] = run_of(sc.next_base, b, h, 0);
+        sc.vnext[size_t(b)] = run_of(sc.next_base, b, h, 1);
+      }
+      if (next_n > tile_n) {  // the loops below request the next tile's rows up to this tile's length
+        NextBlocks{sc.knext.data(), next_n, run, row_bytes}.prefetch_from(tile_n);
+        NextBlocks{sc.vnext.data(), next_n, run, row_bytes}.prefetch_from(tile_n);
+      }
+      for (int32_t r0 = h * head_rows; r0 < (h + 1) * head_rows; r0 += kRowGroup) {
+        const bool first_group = r0 == h * head_rows;
+        const NextBlocks next_k{sc.knext.data(), first_group ? next_n : 0, run, row_bytes};
+        const NextBlocks next_v{sc.vnext.data(), first_group ? next_n : 0, run, row_bytes};
+        const int nr = std::min(kRowGroup, (h + 1) * head_rows - r0);
+        int64_t limits[kRowGroup], firsts[kRowGroup];  // each row's visible keys in the tile: [first, limit)
+        int64_t group_limit = 0;
+        for (int i = 0; i < nr; ++i) {
+          const int64_t pos = sc.pos[size_t(r0 + i)];
+          limits[i] = std::clamp<int64_t>(pos - tile + 1, 0, tile_n);  // causal
+          firsts[i] =
+              opt.sliding_window > 0 ? std::clamp<int64_t>(pos - opt.sliding_window + 1 - tile, 0, tile_n) : 0;
+          if (firsts[i] >= limits[i]) firsts[i] = limits[i] = 0;  // the whole tile is outside the row's window
+          group_limit = std::max(group_limit, limits[i]);
+        }
+        if (group_limit == 0) continue;
+        float* scores = sc.scores.data();
+        if (fused)
+          scores_fused_for<Codec, kElem>(nr, sc.q.data() + r0 * d, d, sc.kc.data(), run, group_limit, scores,
+                                         tile_keys, next_k);
+        else
+          scores_for(nr, sc.q.data() + r0 * d, d, sc.kp.data(), run, group_limit, scores, tile_keys, next_k);
+        for (int i = 0; i < nr; ++i) {
+          float* row = scores + i * tile_keys;
+          const int64_t limit = limits[i], first = firsts[i];
+          if (opt.logit_softcap > 0.0f) {
+            const float cap = opt.logit_softcap, inv_cap = 1.0f / opt.logit_softcap;
+            for (int64_t j = first; j < limit; ++j) row[j] = cap * std::tanh(row[j] * inv_cap);
+          }
+          const float tile_max = max_of(row + first, limit - first);
+          float& m = sc.m[size_t(r0 + i)];
+          const float m_new = std::max(m, tile_max);
+          const float alpha = (m == kNegInf || limit == 0) ? (limit == 0 ? 1.0f : 0.0f) : std::exp(m - m_new);
+          const float sum = exp_shifted_row(row, first, limit, group_limit, m_new);
+          if (limit == 0) continue;
+          sc.l[size_t(r0 + i)] = sc.l[size_t(r0 + i)] * alpha + sum;
+          if (alpha != 1.0f) {
+            float* acc = sc.acc.data() + (r0 + i) * d;
 #pragma omp simd
-          for (int64_t k = 0; k < d; ++k) acc[k] *= alpha;
+            for (int64_t k = 0; k < d; ++k) acc[k] *= alpha;
+          }
+          m = m_new;
         }
-        m = m_new;
+        if (fused)
+          accumulate_fused_for<Codec, kElem>(nr, scores, tile_keys, sc.vc.data(), run, group_limit,
+                                             sc.acc.data() + r0 * d, d, next_v);
+        else
+          accumulate_for(nr, scores, tile_keys, sc.vp.data(), run, group_limit, sc.acc.data() + r0 * d, d, next_v);
       }
-      if (fused)
-        accumulate_fused_for<Codec, kElem>(nr, scores, tile_keys, sc.vc.data(), run, group_limit, sc.acc.data() + r0 * d,
-                                           d, next_v);
-      else
-        accumulate_for(nr, scores, tile_keys, sc.vp.data(), run, group_limit, sc.acc.data() + r0 * d, d, next_v);
     }
   }
   if (!claimed) next_task = claim();  // a task with no keys
   for (int32_t r = 0; r < rows; ++r) {
     const float* acc = sc.acc.data() + r * d;
-    const int32_t t = task.q_begin + r / group;
-    const int32_t head = task.kv_head * group + r % group;
+    const int32_t t = task.q_begin + (r % head_rows) / group;
+    const int32_t head = (task.kv_head + r / head_rows) * group + r % group;
     if (task.partial >= 0) {
       float* dst = partials + ((task.partial * rows) + r) * (d + 2);
       std::copy(acc, acc + d, dst);
@@ -348,7 +375,8 @@ template <typename IO>
 void merge_splits(const Task& first, const trtpaged_attention_params& p, const float* partials, IO* out) {
   const int32_t group = p.num_heads / p.num_kv_heads;
   const int64_t d = p.head_dim;
-  const int32_t rows = (first.q_end - first.q_begin) * group;
+  const int32_t head_rows = (first.q_end - first.q_begin) * group;
+  const int32_t rows = head_rows * first.num_kv;
   std::vector<float> acc(static_cast<size_t>(d));
   for (int32_t r = 0; r < rows; ++r) {
     float m_max = kNegInf;
@@ -363,8 +391,8 @@ void merge_splits(const Task& first, const trtpaged_attention_params& p, const f
       l += part[d + 1] * w;
       for (int64_t j = 0; j < d; ++j) acc[size_t(j)] += part[j] * w;
     }
-    const int32_t t = first.q_begin + r / group;
-    const int32_t head = first.kv_head * group + r % group;
+    const int32_t t = first.q_begin + (r % head_rows) / group;
+    const int32_t head = (first.kv_head + r / head_rows) * group + r % group;
     IO* dst = out + (int64_t(t) * p.num_heads + head) * d;
     for (int64_t j = 0; j < d; ++j) store(dst[j], acc[size_t(j)] / l);
   }
@@ -379,8 +407,8 @@ void paged_attention(const trtpaged_attention_params& p, const trtpaged_attentio
   write_kv(p, pool, k, v, cache, positions, query_start, block_tables);
   int64_t num_partials = 0;
   const std::vector<Task> tasks = plan_tasks(p, opt.sliding_window, positions, query_start, &num_partials);
-  // Partial rows are indexed by task.partial * rows; rows per task <= kQueryChunk * group.
-  const int64_t max_rows = int64_t(kQueryChunk) * (p.num_heads / p.num_kv_heads);
+  // Partial rows are indexed by task.partial * rows; rows per task <= kQueryChunk * num_heads.
+  const int64_t max_rows = int64_t(kQueryChunk) * p.num_heads;
   std::vector<float> partials(size_t(num_partials * max_rows * (p.head_dim + 2)));
   // Tasks are handed out one at a time, as schedule(dynamic, 1) would, but a thread claims its next
   // one before it finishes the current one (run_task), to prefetch it.

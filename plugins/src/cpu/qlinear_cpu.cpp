@@ -450,13 +450,18 @@ struct CallBuffers {
 
 // Float activations as kLimbs int8 limb rows (see the top of the file).
 constexpr int kLimbs = 3;
-// Float activations take the limbs for int8 weights at any batch, and for int4 weights up to this
-// many rows; above it the float tiles are as fast or faster (bench qlinear, AVX-512 VNNI: int4
-// gate_up 3072 x 576, M = 1: limbs 33 us, float tiles 44 us; M = 8: 167 / 165 us; M = 16: 333 /
-// 320 us; int8 lm_head 49152 x 576, M = 1: 611 / 819 us; M = 16: 4.3 / 5.5 ms). Plain AVX2 (no
-// vpdpbusd) takes the float tiles from 2 rows on: forced AVX2 on the EPYC, one thread, limbs / float
-// tiles of 4 rows, int4 gate_up M = 2: 1.15x, M = 3: 1.65x, M = 4: 1.54x; M = 1: 0.70x.
-int64_t limb_max_rows_int4(Isa isa) { return isa == kAvx2 ? 1 : 4; }
+// Float activations take the limbs up to this many rows, the float tiles above. One row streams the
+// weights and the limbs read fewer bytes per weight than the float tiles convert; from two rows on
+// the work is compute, where three limb rows cost as much as or more than one float row. Forced ISA on
+// the EPYC (AVX-512 VNNI, Zen 4), one thread, interleaved calls, limbs / float tiles: int8 lm_head
+// 49152 x 576, AVX-512 M = 4: 1.34-1.51x, M = 2, 6, 8, 16: 0.84-1.07x (noise); plain AVX2 M = 2:
+// 1.35x, M = 4: 1.75x, M = 16: 1.82x; int4 gate_up 3072 x 576, AVX-512 M = 4: 1.03x; plain AVX2 M = 2:
+// 1.15x, M = 4: 1.54x (M = 1: 0.70x). AVX-VNNI (untested: no such CPU here) keeps the limbs for int8
+// at any batch and for int4 up to 4 rows, as measured on AVX-512 before its float tiles were timed so.
+int64_t limb_max_rows(Isa isa, int bits) {
+  if (isa == kAvxVnni) return bits == 8 ? INT64_MAX : 4;
+  return 1;
+}
 
 // max |x| over a block of 32.
 inline float block_amax_scalar(const float* x) {
@@ -729,7 +734,7 @@ TRTPAGED_API trtpaged_status trtpaged_qlinear_cpu_ex(const float* x, int64_t m, 
     const bool float_acts = activations == TRTPAGED_QLINEAR_FLOAT_ACTIVATIONS;
     static thread_local CallBuffers buf;
     Acts acts{};
-    if (float_acts && (bits == 8 || m <= limb_max_rows_int4(isa))) {
+    if (float_acts && m <= limb_max_rows(isa, bits)) {
       quantize_activations(x, m, kLimbs, l, isa, buf, acts);
       run_tiles(l, tile_kernel(isa, bits, false), &acts, nullptr, nullptr, m * kLimbs,
                 static_cast<const uint8_t*>(packed), bias, y, kLimbs, tile_max_rows(isa));

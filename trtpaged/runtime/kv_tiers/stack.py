@@ -19,7 +19,7 @@ import time
 from typing import Optional, Sequence
 
 from trtpaged.runtime.kv_tiers.base import BlockRecord, KVTier, TierHit
-from trtpaged.runtime.kv_tiers.entry import EntryMismatch, decode_entry, encode_entry
+from trtpaged.runtime.kv_tiers.entry import EntryMismatch, decode_entry, encode_entry, entry_bytes
 from trtpaged.runtime.kv_tiers.loader import TierLoad, TierLoader
 
 __all__ = ["BlockRecord", "TierHit", "TierStack"]
@@ -62,6 +62,15 @@ class TierStack:
             if slow is not None and tier.slow != slow:
                 continue
             start = time.perf_counter()
+            if getattr(tier, "holds_blocks", False):  # the pool's own bytes, kept in this process (host.py)
+                payload = tier.get_block(record)
+                tier.counters.load_seconds += time.perf_counter() - start
+                if payload is None:
+                    tier.counters.misses += 1
+                    continue
+                tier.counters.hits += 1
+                tier.counters.bytes_read += entry_bytes(len(record.tokens), len(payload))
+                return payload, tier.name
             data = tier.get(record.key)
             try:
                 payload = decode_entry(data, self.fingerprint, record.parent, record.tokens, self.block_bytes)
@@ -80,7 +89,7 @@ class TierStack:
     def start_load(self, first_index: int, records: Sequence[BlockRecord], known: Sequence[TierHit] = ()) -> TierLoad:
         """Looks up `records` (blocks `first_index ..` of a sequence) in order until the first miss, after the
         leading ones `known` already holds (found by another sequence's load). The memory
-        tier is asked now (a dict lookup and a checksum, no I/O); what it lacks is read from the slow tiers
+        tier is asked now (a dict lookup and a record comparison, no I/O); what it lacks is read from the slow tiers
         (disk, Redis) on the loader with `background`, else now. A load with nothing left to read
         comes back done."""
         load = TierLoad(first_index, records)
@@ -146,9 +155,13 @@ class TierStack:
     def _write(self, record: BlockRecord, payload: bytes, persistent_only: bool) -> None:
         entry = None
         for tier in self._targets(persistent_only):
-            if not tier.contains(record.key):
-                entry = entry or encode_entry(self.fingerprint, record.parent, record.tokens, payload)
-                tier.put(record.key, entry)
+            if tier.contains(record.key):
+                continue
+            if getattr(tier, "holds_blocks", False):
+                tier.put_block(record, payload)
+                continue
+            entry = entry or encode_entry(self.fingerprint, record.parent, record.tokens, payload)
+            tier.put(record.key, entry)
 
     def _write_loop(self) -> None:
         while True:
