@@ -161,3 +161,15 @@ def test_a_peer_row_past_its_time_limit_is_reported_and_the_run_goes_on(tiny_eng
     text = format_throughput_report(report)
     assert text.splitlines()[4].split() == ["hf", "transformers", "(static", "batches)", "timed", "out"]
     assert "trtpaged / hf" not in text
+
+
+@pytest.mark.parametrize("command,option", [(["bench", "throughput"], "--peer-time-limit"),
+                                            (["serve"], "--request-timeout"), (["serve"], "--shutdown-timeout")])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_time_options_refuse_non_finite_values_before_loading(command, option, value, tmp_path):
+    """A range check compares, and nan compares false: the option is refused by name before any engine dir is
+    read (tmp_path holds none, so getting that far would fail differently)."""
+    result = CliRunner().invoke(main, [*command, str(tmp_path), option, value])
+    assert result.exit_code == 2
+    assert f"Invalid value for '{option}'" in result.output
+    assert ("not in the range" if value == "-inf" else "not a finite number") in result.output

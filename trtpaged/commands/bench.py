@@ -8,6 +8,7 @@ from typing import Callable, Optional
 
 import click
 
+from trtpaged.commands.option_types import FiniteFloatRange
 from trtpaged.kv_formats import KV_CACHE_DTYPES
 from trtpaged.manifest import BACKENDS
 
@@ -360,7 +361,7 @@ def serve_ratio(engine, repeats, max_tokens, concurrency, server_args, as_json) 
 @click.option("--batch", type=click.IntRange(min=2), default=16, show_default=True, help="Requests decoding together.")
 @click.option("--steps", type=click.IntRange(min=2), default=32, show_default=True, help="Decode steps timed per run.")
 @click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="Interleaved rounds.")
-@click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
+@click.option("--temperature", type=FiniteFloatRange(min=0.0), default=0.0, show_default=True,
               help="Of every row (0: greedy; unconstrained greedy rows keep the one-pass path).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def structured(engine, batch, steps, repeats, temperature, as_json) -> None:
@@ -393,7 +394,7 @@ def structured(engine, batch, steps, repeats, temperature, as_json) -> None:
                    "transformers' assisted generation (prompt lookup, or the draft engine's model as assistant_model; "
                    "one request at a time) as its peer.")
 @click.option("--sequential", is_flag=True, help="One request at a time (single-stream decode) in every row.")
-@click.option("--peer-time-limit", type=click.FloatRange(min=0, min_open=True), default=900.0, show_default=True,
+@click.option("--peer-time-limit", type=FiniteFloatRange(min=0, min_open=True), default=900.0, show_default=True,
               help="Seconds each transformers row may take; a row past it is reported as timed out and the run "
                    "goes on.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")

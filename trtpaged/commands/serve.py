@@ -10,6 +10,7 @@ import threading
 
 import click
 
+from trtpaged.commands.option_types import FiniteFloatRange
 from trtpaged.errors import FatalEngineError
 from trtpaged.manifest import BACKENDS
 
@@ -24,9 +25,9 @@ from trtpaged.manifest import BACKENDS
               help="Require 'Authorization: Bearer KEY' on /v1/* (/health and /metrics stay open).")
 @click.option("--max-waiting", type=click.IntRange(min=1), default=256, show_default=True,
               help="Requests that may wait for admission; beyond it: 503 with Retry-After.")
-@click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
+@click.option("--request-timeout", type=FiniteFloatRange(min=0, min_open=True), default=600.0, show_default=True,
               help="Seconds a request may run before it is aborted (504).")
-@click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
+@click.option("--shutdown-timeout", type=FiniteFloatRange(min=0), default=30.0, show_default=True,
               help="On SIGTERM/Ctrl-C: seconds requests in flight may finish before the rest are aborted.")
 @click.option("--max-body-bytes", type=click.IntRange(min=1), default=8 << 20, show_default=True, help="Largest request body (413 beyond).")
 @click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=None, help="Longest prompt accepted (default: max_seq_len - 1).")
