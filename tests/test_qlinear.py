@@ -282,6 +282,20 @@ def test_long_tiles(isa: str, bits: int, m: int, activations: str) -> None:
     checker(bits, m, 40, 1536, 32, bias=True, seed=m * 10 + bits)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_int8_activations_row_results_do_not_depend_on_the_batch(isa: str, bits: int) -> None:
+    # A speculative verification step (or a batch) runs a sequence's rows together with others: with int8
+    # activations each row's output must be bit-identical to that row run alone, for every register block
+    # (AVX-512: 1-8 rows per call, AVX2: 1-4) and tail, so speculation never changes what a request returns.
+    codes, scales, offsets, _ = make_weight(bits, 40, 576, 32, seed=31)
+    packed = kernels.qlinear_pack(bits, codes, scales, offsets, 32)
+    x = torch.randn(17, 576, generator=torch.Generator().manual_seed(32)) * 2
+    alone = torch.cat([kernels.qlinear(x[i : i + 1], packed, bits, 40, 576, 32) for i in range(17)])
+    for m in (2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17):
+        assert torch.equal(kernels.qlinear(x[:m], packed, bits, 40, 576, 32), alone[:m]), m
+    check(bits, 17, 40, 576, 32, seed=31, x=x)  # and the rows are right
+
+
 @pytest.mark.parametrize("bits,group", [(8, 64), (8, 128), (8, "k"), (4, 64), (4, 128)])
 def test_float_activations_group_sizes(isa: str, bits: int, group) -> None:
     k = 384 if group != "k" else 576
