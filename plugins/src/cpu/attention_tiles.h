@@ -452,15 +452,34 @@ void tile_scores_fused(const float* q, const uint8_t* const* kp, int64_t bs, int
         store_vec(scores + r * stride + j, row);
       }
     }
-    for (; j < end; ++j, k += kRow) {
-      next.prefetch_row(b, j - start);
-      fvec part[NR] = {};
-      for (int i = 0; i < kVecs; ++i) {
-        const fvec kv = Codec::load(k + i * kLanes * Elem);
-        for (int r = 0; r < NR; ++r) part[r] += load_vec(q + r * D + i * kLanes) * kv;
+    if (j < end) {
+      // The block's last keys, fewer than kLanes: one group padded with zero keys, summed as above. A key's
+      // score then does not depend on n, which is the longest visible range of the rows that share the
+      // call: a key that ends one row's range alone can sit inside a full group when a later query row of
+      // the same sequence (a speculative verification step) runs with it, and the per-key sum rounded
+      // differently there (greedy outputs changed with speculation on).
+      const int64_t left = end - j;
+      next.prefetch(b, j - start, left);
+      alignas(64) float padded[kLanes * D];
+      fvec factor = fvec{} + 1.0f;
+      for (int l = 0; l < kLanes; ++l)
+        for (int i = 0; i < kVecs; ++i)
+          store_vec(padded + l * D + i * kLanes, l < left ? Codec::load(k + l * kRow + i * kLanes * Elem) : fvec{});
+      if constexpr (Codec::kScaled)
+        for (int l = 0; l < left; ++l) factor[l] = row_factor<Codec>(k + l * kRow, D * Elem);
+      for (int r = 0; r < NR; ++r) {
+        const float* qr = q + r * D;
+        fvec part[kLanes];
+        for (int l = 0; l < kLanes; ++l) {
+          fvec sum = load_vec(qr) * load_vec(padded + l * D);
+          for (int i = 1; i < kVecs; ++i) sum += load_vec(qr + i * kLanes) * load_vec(padded + l * D + i * kLanes);
+          part[l] = sum;
+        }
+        fvec row = sum_lanes_transposed(part);
+        if constexpr (Codec::kScaled) row *= factor;
+        std::memcpy(scores + r * stride + j, &row, size_t(left) * sizeof(float));
       }
-      const float factor = row_factor<Codec>(k, D * Elem);
-      for (int r = 0; r < NR; ++r) scores[r * stride + j] = hsum(part[r]) * factor;
+      j = end;
     }
   }
 }
