@@ -192,55 +192,6 @@ int tile_scalar(const TileArgs& t, int count, float* out) {
   return mb;
 }
 
-// 512-bit, int8 activations: lane r of a register holds 4 consecutive inputs of row r (one
-// "quad"); x's matching 4 bytes are broadcast, so vpdpbusd does 16 rows x 4 inputs and no
-// horizontal sum is needed. A block = 8 vpdpbusd + 1 convert + 1 multiply + 1 FMA per act row.
-template <int BITS, int MB>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"))) void tile_avx512_mb(
-    const TileArgs& t, float* out) {
-  const Layout& l = *t.l;
-  const Acts& a = *t.a;
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  __m512 acc[MB];
-  for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < l.nblocks; ++b) {
-    const uint8_t* blk = t.tile + b * l.block_bytes;
-    const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + l.block_codes)));
-    __m512i w[8];
-    if (BITS == 8) {
-      for (int g = 0; g < 8; ++g) w[g] = _mm512_loadu_si512(blk + 64 * g);
-    } else {
-      for (int g = 0; g < 4; ++g) {
-        const __m512i v = _mm512_loadu_si512(blk + 64 * g);
-        w[g] = _mm512_and_si512(v, low4);
-        w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      }
-    }
-    for (int i = 0; i < MB; ++i) {
-      const int64_t row = t.m0 + i;
-      const int8_t* xb = a.xq + row * l.k + b * 32;
-      const BlockRecord rec = a.rec[row * l.nblocks + b];
-      __m512i s0 = BITS == 8 ? _mm512_set1_epi32(rec.nbias) : _mm512_setzero_si512();
-      __m512i s1 = _mm512_setzero_si512();
-      for (int g = 0; g < 8; g += 2) {
-        s0 = _mm512_dpbusd_epi32(s0, w[g], _mm512_set1_epi32(load_u32(xb + 4 * g)));
-        s1 = _mm512_dpbusd_epi32(s1, w[g + 1], _mm512_set1_epi32(load_u32(xb + 4 * g + 4)));
-      }
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_mul_ps(sw, _mm512_set1_ps(rec.dx)),
-                               acc[i]);
-    }
-  }
-  if (BITS == 4) {
-    const uint16_t* oh = reinterpret_cast<const uint16_t*>(t.tile + l.nblocks * l.block_bytes);
-    for (int64_t g = 0; g < l.ngroups; ++g) {
-      const __m512 o = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(oh + g * kRows)));
-      for (int i = 0; i < MB; ++i)
-        acc[i] = _mm512_fmadd_ps(o, _mm512_set1_ps(a.group_sums[(t.m0 + i) * l.ngroups + g]), acc[i]);
-    }
-  }
-  for (int i = 0; i < MB; ++i) _mm512_storeu_ps(out + i * kRows, acc[i]);
-}
-
 // s += dpbusd(w, x's 4 bytes at p broadcast to every lane), the broadcast folded into the instruction as
 // its {1to16} memory operand (GCC loads it into a register first: one more instruction per dot product).
 __attribute__((target("avx512f,avx512vnni"))) inline __m512i dpbusd_bcast(__m512i s, __m512i w, const int8_t* p) {
@@ -248,12 +199,13 @@ __attribute__((target("avx512f,avx512vnni"))) inline __m512i dpbusd_bcast(__m512
   return s;
 }
 
-// Several activation rows: the same sums, with the loops turned round. Each code register is
-// decoded once per block and used by every row before the next is loaded (rows inner), so a block
-// keeps one int32 sum per row live instead of all 8 code registers plus two sums per row. The row-outer
-// form above spilled from 8 rows on (an 8-row call cost 2x a 6-row one). Integer sums are exact in any
-// order and the float steps per row are those of tile_avx512_mb: results are bit-identical to it, so
-// a row's output does not depend on how many rows share the call.
+// 512-bit, int8 activations: lane r of a register holds 4 consecutive inputs of row r (one "quad");
+// x's matching 4 bytes are broadcast, so vpdpbusd does 16 rows x 4 inputs and no horizontal sum is
+// needed. A block = 8 vpdpbusd + 1 convert + 1 multiply + 1 FMA per activation row. Rows inner: each
+// code register is decoded once per block and used by every row before the next is loaded, so a block
+// keeps one int32 sum per row live (a row-outer form, all 8 code registers held across the rows, spilled
+// from 8 rows on: an 8-row call cost 2x a 6-row one). Integer sums are exact in any order and each row's
+// float steps do not depend on the others: a row's output does not depend on how many rows share the call.
 template <int BITS, int MB>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"))) void tile_avx512_rows(
     const TileArgs& t, float* out) {
@@ -316,7 +268,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"))) in
     case 4: return tile_avx512_rows<BITS, 4>(t, out), 4;
     case 3: return tile_avx512_rows<BITS, 3>(t, out), 3;
     case 2: return tile_avx512_rows<BITS, 2>(t, out), 2;
-    default: return tile_avx512_mb<BITS, 1>(t, out), 1;
+    default: return tile_avx512_rows<BITS, 1>(t, out), 1;
   }
 }
 
