@@ -394,7 +394,8 @@ def format_ratio(report: dict) -> str:
     for mode, label in (("single", "1 stream"), ("batch", streams), ("bare", f"{streams}, bare reader")):
         us = report["cpu_us_per_token"][mode]
         serve = us["engine"] + us["http"] + us["other"]
-        lines.append(f"CPU us/token, {label}: API {us['api']:.0f} | serve {serve:.0f} = engine+kernels "
+        api = "" if mode == "bare" else f"API {us['api']:.0f} | "  # the bare run shares the batch run's API side
+        lines.append(f"CPU us/token, {label}: {api}serve {serve:.0f} = engine+kernels "
                      f"{us['engine']:.0f} + HTTP/event loop {us['http']:.0f} + other {us['other']:.0f} | "
                      f"{'bare reader' if mode == 'bare' else 'openai client'} {us['client']:.0f}")  # fmt: skip
     lines.append(f"single stream: serve / API = {report['single_ratio']:.2f} (median of the rounds' ratios; "
