@@ -137,6 +137,16 @@ def test_cli_bench_serve_json(server):
     assert report["completed"] == 4 and report["total_output_tokens"] == 16 and report["request_rate"] == 50.0
 
 
+def test_bare_reader_refuses_an_error_answer(server):
+    """The bare reader of `bench serve-ratio` reports a refused stream by its status, not as an empty text
+    (this server wants an API key, which the reader does not send)."""
+    from trtpaged.bench.sse_reader import bare_batch_rate
+
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
+    with pytest.raises(ValueError, match="401"):
+        bare_batch_rate(server.url, [body])
+
+
 def test_bench_serve_ratio_runs_both_sides_on_the_same_prompts(tiny_engine_dir):
     """`bench serve-ratio` on the tiny engine: a real `trtpaged serve` child and the Python API give the same
     greedy texts, and every figure is a measured rate."""
