@@ -251,3 +251,42 @@ def test_quantized_step_model_runs_all_layers_in_one_call_with_the_same_logits(m
     assert len(calls) == len(one_call)
     for a, b in zip(one_call, per_layer):
         assert torch.equal(a, b)
+
+
+def test_int8_activation_step_rows_do_not_depend_on_the_rows_run_with_them():
+    # What keeps greedy outputs the same with speculation on (w4a8: int4 weights, int8 activations): a 6-row
+    # verification step gives each row the logits of that row decoded alone, bit for bit, on every CPU ISA.
+    # The context puts a row at 31 keys: one short of a vector (16 or 8 lanes) alone, inside a full group with
+    # the next row (the attention's tail case); head_dim 64 takes the fused attention loops.
+    from trtpaged.builder.quantize import quantized_step_model
+
+    config = parse_config({"model": {"tiny": {"num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 96,
+                                              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64}},
+                           "quantization": {"weights": "int4", "group_size": 32, "activations": "int8"}})
+    hf = load_hf(config.model)
+    dims = dims_from_hf_config(hf.config)
+    model = quantized_step_model(hf.model, config.model, dims, config.quantization, torch.float32)[0]
+    tokens = torch.randint(0, dims.vocab_size, (34,), generator=torch.Generator().manual_seed(9)).tolist()
+    ctx, rows, i32 = 28, 6, torch.int32
+
+    def step(cache, first: int, count: int) -> torch.Tensor:
+        with torch.no_grad():
+            return model(torch.tensor(tokens[first : first + count], dtype=i32), torch.arange(first, first + count,
+                         dtype=i32), torch.tensor([0, count], dtype=i32), torch.tensor([first + count], dtype=i32),
+                         torch.tensor([[0, 1, 2]], dtype=i32), torch.arange(count, dtype=i32), cache)[0]  # fmt: skip
+
+    try:
+        for isa in [name for name in kernels.CPU_ISAS if name in ("scalar", "avx2", "avx512vnni")]:
+            try:
+                kernels.set_cpu_isa(isa)
+            except kernels.KernelError:
+                continue
+            cache = model.new_kv_cache(3, 16)
+            step(cache, 0, ctx)
+            prefilled = cache.clone()
+            together = step(cache, ctx, rows)
+            cache.copy_(prefilled)
+            for i in range(rows):
+                assert torch.equal(step(cache, ctx + i, 1)[0], together[i]), (isa, i)
+    finally:
+        kernels.set_cpu_isa(None)
