@@ -205,9 +205,9 @@ def test_smollm2_shapes_every_layer(path: str, kv_cache_dtype: str) -> None:
 @pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16", "bfloat16", "int8", "fp8_e4m3"])
 def test_attention_every_path(path: str, kv_cache_dtype: str) -> None:
     # The attention loops of each copy (AVX-512: 16 lanes, AVX2: 8, scalar: SSE) over every cache dtype,
-    # block sizes that split a tile and one larger than a tile, a long context split over key ranges (one
-    # KV head per task), one in a single block split by tiles, and batches of decodes (a task per
-    # sequence over all its 3 KV heads).
+    # block sizes that split a tile and one larger than a tile, a long context split over key ranges in
+    # whole tiles, one in a single block split by tiles, and batches of decodes (every task over all 3 KV
+    # heads of its sequence).
     decodes = [(1000 + 37 * i, 1) for i in range(8)]
     for spec, block_size, head_dim in ((MIXED_SPECS, 16, 64), (MIXED_SPECS, 8, 128), ([(700, 9), (0, 40)], 32, 80),
                                        ([(3001, 1)], 16, 64), ([(3001, 1)], 4096, 64), (decodes, 16, 64),
