@@ -1,6 +1,7 @@
 // How fast one core reads a 256 MiB pool as runs of B bytes (the whole runs that fit), in order or
 // shuffled (as a paged KV pool's blocks), with a prefetcht1 of every line D bytes ahead of the reads
-// (0: none, the hardware prefetchers alone). docs/benchmarks.md, "Paged overhead, round 8". Build and run (x86-64 with AVX-512F):
+// (0: none, the hardware prefetchers alone). docs/benchmarks.md, "Paged overhead, round 8".
+// Build and run (x86-64 with AVX-512F):
 //   gcc -O2 -march=native -o /tmp/read_runs scripts/read_runs.c && /tmp/read_runs B D SHUFFLE
 #include <immintrin.h>
 #include <stdio.h>
