@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from trtpaged.bench.redis_process import RedisProcess
+from trtpaged.runtime.kv_tiers.checked import CheckedTier, EntryCodec
 from trtpaged.runtime.kv_tiers.config import KVTierConfig
 from trtpaged.runtime.kv_tiers.disk import DiskTier
 from trtpaged.runtime.kv_tiers.entry import ROOT, EntryMismatch, chain_key, decode_entry, encode_entry
@@ -144,7 +145,7 @@ def test_entry_round_trip_and_every_bad_entry_is_a_mismatch():
 def test_stack_counts_bad_entries_as_misses(tmp_path: Path):
     fp = _fingerprint(None)
     disk = DiskTier(tmp_path, 1 << 20)
-    stack = TierStack([disk], fp, 64)
+    stack = TierStack([CheckedTier(disk, EntryCodec(fp, 64))], fp)
     records = []
     parent = ROOT
     for j in range(4):
@@ -168,6 +169,27 @@ def test_stack_counts_bad_entries_as_misses(tmp_path: Path):
     assert disk.counters.invalid == 3 and disk.counters.misses == 4
 
 
+def test_checked_tiers_sharing_a_codec_store_each_block_as_its_own_entry(tmp_path: Path):
+    """Two disk stores behind one codec (as disk and Redis are): the codec reuses the entry it just encoded only
+    for the same record, so a second block with the same payload object gets its own entry, and each store
+    answers exactly its records."""
+    fp = _fingerprint(None)
+    codec = EntryCodec(fp, 64)
+    first = CheckedTier(DiskTier(tmp_path / "a", 1 << 20), codec)
+    second = CheckedTier(DiskTier(tmp_path / "b", 1 << 20), codec)
+    stack = TierStack([first, second], fp, background=False)
+    payload = b"p" * 64
+    a_tokens, b_tokens = tuple(range(BS)), tuple(range(BS, 2 * BS))
+    a = BlockRecord(chain_key(fp, ROOT, a_tokens), ROOT, a_tokens)
+    b = BlockRecord(chain_key(fp, a.key, b_tokens), a.key, b_tokens)
+    stack.save([(a, payload), (b, payload)])
+    for store in (first.store, second.store):
+        assert decode_entry(store.get(a.key), fp, ROOT, a_tokens, 64) == payload
+        assert decode_entry(store.get(b.key), fp, a.key, b_tokens, 64) == payload
+    assert second.get_block(BlockRecord(b.key, ROOT, b_tokens)) is None  # the key, another parent: invalid
+    assert second.counters.invalid == 1 and first.counters.puts == second.counters.puts == 2
+
+
 def test_host_tier_is_bounded_lru():
     def record(i: int) -> BlockRecord:
         return BlockRecord(bytes([i]) * 32, ROOT, (i,) * BS)
@@ -189,7 +211,7 @@ def test_host_tier_answers_only_the_exact_record():
     fp = _fingerprint(None)
     tokens = tuple(range(BS))
     good = BlockRecord(chain_key(fp, ROOT, tokens), ROOT, tokens)
-    stack = TierStack([HostMemoryTier(1 << 20)], fp, 64, background=False)
+    stack = TierStack([HostMemoryTier(1 << 20)], fp, background=False)
     stack.save([(good, b"k" * 64)])
     assert stack.lookup(good) == (b"k" * 64, "host")
     for other in (BlockRecord(good.key, good.key, tokens), BlockRecord(good.key, ROOT, tokens[:-1] + (7,))):
@@ -363,7 +385,7 @@ def test_redis_restore_is_bit_identical_and_shared_by_a_second_replica(step_mode
 @needs_redis
 def test_killed_redis_finishes_every_request_correctly_and_reconnects(step_model, reference, redis_server):
     engine = make_engine(step_model, KVTierConfig(remote=redis_server.url, remote_timeout_s=0.2))
-    remote = engine.kv.tiers.tiers[0]
+    remote = engine.kv.tiers.tiers[0].store
     remote.retry_after_s = 0.2
     outputs = []
     for i, prompt in enumerate(TRAFFIC):

@@ -20,7 +20,7 @@ from trtpaged.runtime.llm_engine import LLMEngine
 from trtpaged.runtime.sampling_params import SamplingParams
 from trtpaged.runtime.speculative import SpeculativeConfig
 
-ALWAYS = dict(disable_by_batch_size=None, min_acceptance_rate=0.0, verify_row_cost=0.0)
+ALWAYS = dict(disable_by_batch_size=None, min_acceptance_rate=0.0, verify_row_cost=0.0, draft_token_cost=0.0)
 
 
 def draft_spec(k: int, **kw) -> SpeculativeConfig:
@@ -227,7 +227,7 @@ def test_llm_with_a_draft_engine_dir(tiny_engine_dir, draft_dirs):
     params = SamplingParams(max_tokens=20, temperature=0.0)
     want = LLM(tiny_engine_dir, device="cpu").generate(prompts, params)
     config = {"method": "draft_model", "model": str(draft_dirs["same_vocab"]), "num_speculative_tokens": 3,
-              "min_acceptance_rate": 0}  # fmt: skip
+              "min_acceptance_rate": 0, "draft_token_cost": 0}  # fmt: skip
     llm = LLM(tiny_engine_dir, device="cpu", speculative_config=config)
     got = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
@@ -251,7 +251,8 @@ def test_server_metrics_carry_the_method_and_the_draft_pool(tiny_engine_dir, dra
 
     prompt = "abcabcabcabcabc"
     want = LLM(tiny_engine_dir, device="cpu").generate(prompt, SamplingParams(max_tokens=16, temperature=0.0))
-    config = {"method": "draft_model", "model": str(draft_dirs["same_vocab"]), "num_speculative_tokens": 3}
+    config = {"method": "draft_model", "model": str(draft_dirs["same_vocab"]), "num_speculative_tokens": 3,
+              "draft_token_cost": 0}  # fmt: skip
     pool = LLM(tiny_engine_dir, device="cpu", speculative_config=config).stats()["spec_decode_draft_kv_blocks_total"]
     text, values = serve_one_completion(tiny_engine_dir, prompt, 16, SpeculativeConfig.parse(config))
     assert text == want[0].outputs[0].text
@@ -261,6 +262,55 @@ def test_server_metrics_carry_the_method_and_the_draft_pool(tiny_engine_dir, dra
     assert values["trtpaged:spec_decode_draft_kv_cache_blocks_free"] == pool
     assert values["trtpaged:spec_decode_draft_steps_total"] > 0
     assert values["trtpaged:spec_decode_draft_tokens_computed_total"] >= len(prompt)  # the prompt (a byte each), once
+
+
+def test_a_draft_as_costly_as_the_target_is_never_run(tiny_engine_dir, draft_dirs):
+    """The default draft_token_cost is the ratio of the engines' weight bytes: the target drafting for itself
+    costs a whole step per draft token, so no draft length pays even at full acceptance: the draft never
+    runs (no probes either) and the text is the same. A smaller draft gets its smaller ratio."""
+    from trtpaged import LLM
+
+    prompts = ["abcabcabcabcabc", "the cat sat on the mat, the cat"]
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    want = LLM(tiny_engine_dir, device="cpu").generate(prompts, params)
+    config = {"method": "draft_model", "model": str(tiny_engine_dir), "num_speculative_tokens": 4}
+    llm = LLM(tiny_engine_dir, device="cpu", speculative_config=config)
+    got = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    stats = llm.stats()
+    assert stats["spec_decode_draft_token_cost"] == 1.0
+    assert stats["spec_decode_num_drafts"] == 0 and stats["spec_decode_draft_num_steps"] == 0
+
+    def weights(path):
+        return (path / "weights.safetensors").stat().st_size
+
+    small = draft_dirs["same_vocab"]  # one layer of the target's two
+    llm = LLM(tiny_engine_dir, device="cpu", speculative_config={**config, "model": str(small)})
+    assert llm.stats()["spec_decode_draft_token_cost"] == pytest.approx(weights(small) / weights(tiny_engine_dir))
+    assert 0 < llm.stats()["spec_decode_draft_token_cost"] < 1
+
+
+def test_draft_token_cost_in_the_rule():
+    """k draft tokens add k draft steps to the cost: a draft that costs a whole step never pays, a cheap one
+    with a high acceptance verifies the most it may, and a dearer draft never verifies more tokens."""
+    from trtpaged.runtime.speculative import AcceptanceTracker, best_draft_length
+
+    assert best_draft_length(1.0, 4, 0.3, 1, draft_cost=1.0) == 0
+    assert best_draft_length(0.95, 4, 0.3, 1, draft_cost=0.2) == 4
+    for rate in (0.5, 0.8, 0.95):
+        lengths = [best_draft_length(rate, 8, 0.3, 1, draft_cost=c / 10) for c in range(11)]
+        assert lengths == sorted(lengths, reverse=True)
+    costly, cheap = AcceptanceTracker(0.3, draft_cost=1.0), AcceptanceTracker(0.3, draft_cost=0.2)
+    assert [costly.tokens(1, 4, 1, free_shadow=False) for _ in range(600)] == [0] * 600  # no probes either
+    assert cheap.tokens(1, 4, 1, free_shadow=False) == 4
+
+
+@pytest.mark.parametrize("value", [-0.1, 101, float("nan"), float("inf"), True, "1"])
+def test_draft_token_cost_is_checked(value):
+    with pytest.raises(ValueError, match=r"speculative_config.draft_token_cost: must be a number in \[0, 100.0\]"):
+        SpeculativeConfig(method="draft_model", model="d", draft_token_cost=value)
+    with pytest.raises(ValueError, match="speculative_config.draft_token_cost: only for method draft_model"):
+        SpeculativeConfig(method="ngram", draft_token_cost=0.5)
 
 
 def test_inspect_checks_a_draft(tiny_engine_dir, draft_dirs):
@@ -289,7 +339,7 @@ def test_smollm2_greedy_identical_with_a_draft_engine(request):
     texts = [plain.chat_prompt([{"role": "user", "content": "Name three colours."}]), "The capital of France is"]
     params = SamplingParams(max_tokens=16, temperature=0.0)
     want = plain.generate(texts, params)
-    config = {"method": "draft_model", "model": engine_dir, "num_speculative_tokens": 4}
+    config = {"method": "draft_model", "model": engine_dir, "num_speculative_tokens": 4, "draft_token_cost": 0}
     spec = LLM(engine_dir, device="cpu", num_kv_blocks=64, warmup=False, speculative_config=config)
     got = spec.generate(texts, params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]

@@ -118,6 +118,14 @@ def _entry(name: str, info: Any, base: int, bad) -> TensorEntry:
     return TensorEntry(dtype, tuple(shape), base + offsets[0], base + offsets[1])
 
 
+def held_weight_bytes(engine_dir: Path, manifest: Manifest) -> int:
+    """Bytes of rank 0's weights as the runtime holds them (the quantized codes and scales where quantized)."""
+    if manifest.quantization.get("weight_bytes"):
+        return int(manifest.quantization["weight_bytes"])
+    path = engine_dir / manifest.weights_file  # rank 0's shard: what one device holds
+    return path.stat().st_size if path.is_file() else 0
+
+
 def sha256_file(path: Path) -> str:
     """Hex sha256 of a file, read in 1 MiB chunks."""
     digest = hashlib.sha256()

@@ -218,7 +218,7 @@ def simulate_paged(
         from trtpaged.runtime.kv_tiers.stack import TierStack
 
         size = entry_bytes(budget.block_size, 0) * (tier_blocks if tier_blocks is not None else 1 << 40)
-        tiers = TierStack([HostMemoryTier(size)], bytes(32), 0, background=False)  # a deterministic replay
+        tiers = TierStack([HostMemoryTier(size)], bytes(32), background=False)  # a deterministic replay
         result.policy += f" + host tier ({'unbounded' if tier_blocks is None else f'{tier_blocks} blocks'})"
     engine = LLMEngine(NullRunner(budget.num_kv_blocks, on_step=during_step), config, tiers=tiers)
     prompts = prompts if prompts is not None else prompt_token_ids(trace)

@@ -34,7 +34,7 @@ def command(engine_dir: Path, avg_len: int | None, memory: str | None, as_json: 
 
     from trtpaged.memory_plan import format_bytes, plan_memory
     from trtpaged.config import parse_size
-    from trtpaged.engine_files import verify_engine_dir
+    from trtpaged.engine_files import held_weight_bytes, verify_engine_dir
     from trtpaged.manifest import read_manifest
     from trtpaged.models.loading import checked_weights
     from trtpaged.runtime.llm import load_tokenizer
@@ -52,15 +52,18 @@ def command(engine_dir: Path, avg_len: int | None, memory: str | None, as_json: 
         draft_plan = None
         if draft_dir is not None:
             from trtpaged.runtime.draft import check_draft
+            from trtpaged.runtime.speculative import estimate_draft_token_cost
 
             draft_manifest = check_draft(str(draft_dir), manifest, tokenizer, manifest.limits.max_seq_len)
             draft_plan = plan_memory(draft_manifest, memory_bytes)
+            draft_cost = estimate_draft_token_cost(held_weight_bytes(Path(draft_dir), draft_manifest),
+                                                   held_weight_bytes(engine_dir, manifest))  # fmt: skip
     except (OSError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     if as_json:
         click.echo(manifest.to_json())
         return
-    weight_bytes = _weight_bytes(engine_dir, manifest)
+    weight_bytes = held_weight_bytes(engine_dir, manifest)
     for line in _manifest_lines(manifest, weight_bytes):
         click.echo(line)
     if manifest.quantization:
@@ -76,7 +79,8 @@ def command(engine_dir: Path, avg_len: int | None, memory: str | None, as_json: 
         click.echo(f"  weights + KV budget:  {format_bytes(weight_bytes + plan.num_kv_blocks * plan.bytes_per_block)}")
     if draft_plan is not None:
         click.echo(f"speculative draft {draft_dir}: compatible (same tokenizer, max_seq_len covers this engine's); "
-                   "its own KV pool:")
+                   f"a draft step costs about {draft_cost:.2f} of a one-row step here (weight bytes: the default "
+                   "draft_token_cost); its own KV pool:")
         for line in draft_plan.lines(avg_len):
             click.echo(f"  {line}")
     if show_plan:
@@ -97,14 +101,6 @@ def _execution_plan(engine_dir: Path, manifest) -> str:
         return str(decide_execution_plan(model))
     except (OSError, ValueError, RuntimeError) as e:
         raise click.ClickException(f"--plan: {e}") from None
-
-
-def _weight_bytes(engine_dir: Path, manifest) -> int:
-    """Bytes of the weights as the runtime holds them (the quantized codes and scales where quantized)."""
-    if manifest.quantization.get("weight_bytes"):
-        return int(manifest.quantization["weight_bytes"])
-    path = engine_dir / manifest.weights_file  # rank 0's shard: what one device holds
-    return path.stat().st_size if path.is_file() else 0
 
 
 def _cuda_weight_bytes(engine_dir: Path, manifest) -> int:

@@ -77,7 +77,7 @@ class DraftProposer:
     """
 
     def __init__(self, runner: ModelRunner, num_kv_blocks: int, block_size: int, max_num_tokens: int,
-                 max_seq_len: int, vocab_size: int, source: str = "") -> None:  # fmt: skip
+                 max_seq_len: int, vocab_size: int, source: str = "", token_cost: float = 0.0) -> None:  # fmt: skip
         if runner.num_kv_blocks != num_kv_blocks:
             raise ValueError(f"num_kv_blocks: the draft runner's pool has {runner.num_kv_blocks} blocks, "
                              f"not {num_kv_blocks}")  # fmt: skip
@@ -87,6 +87,7 @@ class DraftProposer:
         self.max_seq_len = max_seq_len
         self.vocab_size = vocab_size
         self.source = source  # the engine dir, for stats and errors
+        self.token_cost = token_cost  # one draft step, in one-row target steps (the cost rule's draft_token_cost)
         self.mirrors: dict[int, _Mirror] = {}
         self.num_steps = 0
         self.num_tokens_computed = 0
@@ -133,7 +134,8 @@ class DraftProposer:
         return {"spec_decode_draft_kv_blocks_total": self.kv.pool.num_kv_blocks,
                 "spec_decode_draft_kv_blocks_free": self.kv.pool.num_free,
                 "spec_decode_draft_num_steps": self.num_steps,
-                "spec_decode_draft_num_tokens_computed": self.num_tokens_computed}  # fmt: skip
+                "spec_decode_draft_num_tokens_computed": self.num_tokens_computed,
+                "spec_decode_draft_token_cost": self.token_cost}  # fmt: skip
 
     # ---- internals -------------------------------------------------------------------------------
     def _sync(self, req: DraftRequest) -> _Mirror:
@@ -238,14 +240,20 @@ def check_draft(model: str, target_manifest: Any, target_tokenizer: Any, max_seq
     return manifest
 
 
-def load_draft(model: str, target_manifest: Any, target_tokenizer: Any, backend: str, device: str,
-               max_seq_len: int) -> DraftProposer:  # fmt: skip
-    """The draft engine dir `model` (checked by `check_draft`) as a proposer, its pool the draft's own KV budget."""
+def load_draft(model: str, target_dir: Path, target_manifest: Any, target_tokenizer: Any, backend: str, device: str,
+               max_seq_len: int, token_cost: Optional[float] = None) -> DraftProposer:  # fmt: skip
+    """The draft engine dir `model` (checked by `check_draft`) as a proposer, its pool the draft's own KV budget.
+    `token_cost`: `speculative_config.draft_token_cost`; None estimates it from the engines' weight bytes."""
+    from trtpaged.engine_files import held_weight_bytes
     from trtpaged.runtime.runners import load_runner, resolve_num_kv_blocks
+    from trtpaged.runtime.speculative import estimate_draft_token_cost
 
     manifest = check_draft(model, target_manifest, target_tokenizer, max_seq_len)
+    if token_cost is None:
+        token_cost = estimate_draft_token_cost(held_weight_bytes(Path(model), manifest),
+                                               held_weight_bytes(Path(target_dir), target_manifest))  # fmt: skip
     num_kv_blocks = resolve_num_kv_blocks(manifest, device, None)
     runner = load_runner(Path(model), manifest, num_kv_blocks, backend, device)
     limits = manifest.limits
     return DraftProposer(runner, num_kv_blocks, limits.block_size, limits.max_num_tokens, limits.max_seq_len,
-                         manifest.dims.vocab_size, str(model))
+                         manifest.dims.vocab_size, str(model), token_cost)

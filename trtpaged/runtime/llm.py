@@ -149,7 +149,8 @@ class LLM:
             from trtpaged.runtime.draft import load_draft
 
             try:
-                draft = load_draft(spec.model, self.manifest, self.tokenizer, backend, device, self.config.max_seq_len)
+                draft = load_draft(spec.model, self.engine_dir, self.manifest, self.tokenizer, backend, device,
+                                   self.config.max_seq_len, spec.draft_token_cost)
             except BaseException:
                 getattr(runner, "close", lambda: None)()
                 raise

@@ -162,7 +162,9 @@ class Scheduler:
         self.num_swap_outs = 0
         self.spec_stats = SpecDecodeStats()
         spec = config.speculative
-        self.acceptance = AcceptanceTracker(spec.verify_row_cost, spec.min_acceptance_rate) if spec else None
+        draft_cost = draft.token_cost if draft is not None else 0.0
+        self.acceptance = (AcceptanceTracker(spec.verify_row_cost, spec.min_acceptance_rate, draft_cost)
+                           if spec else None)  # fmt: skip
         self._num_decoding = 0  # this step's decoding sequences (what a verified row competes with)
 
     # ---- requests -----------------------------------------------------------------------------

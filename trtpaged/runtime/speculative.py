@@ -26,6 +26,8 @@ DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 DEFAULT_MIN_ACCEPTANCE_RATE = 0.0
 # What one more query row adds to a one-row decode step, as a fraction of that step (measured: docs/speculative.md).
 DEFAULT_VERIFY_ROW_COST = 0.3
+# A draft step costing more than this many one-row target steps is a configuration error, not a draft.
+MAX_DRAFT_TOKEN_COST = 100.0
 ACCEPTANCE_DECAY = 0.8  # a sequence's acceptance counts fade by this per verification (about its last 5)
 # A draft-model sequence that does not pay (no free shadow proposals) probes one token after this many steps,
 # twice as many after each probe that is rejected, up to MAX_RETRY_AFTER_STEPS.
@@ -48,6 +50,9 @@ class SpeculativeConfig:
     batch-size cap a sequence verifies the number of draft tokens that maximises the step's expected tokens
     per unit of cost at its recent per-token acceptance rate (`best_draft_length`, the rule in
     docs/speculative.md), none when no number beats not speculating; 0: rows are free, always propose.
+    draft_token_cost: draft_model only: what one draft step adds, as a fraction of a one-row target step;
+    k draft tokens cost k draft steps on top of the verification (`best_draft_length`). None: estimated at
+    load from the two engines' weight bytes (`estimate_draft_token_cost`); 0: the draft is free.
     min_acceptance_rate: a floor: a sequence whose recent acceptance rate is below it proposes nothing
     (0: none). A sequence that does not pay keeps a shadow proposal (n-gram lookup is free) whose first
     token updates its rate; a draft model has none, so such a sequence probes one token after
@@ -62,6 +67,7 @@ class SpeculativeConfig:
     disable_by_batch_size: Optional[int] = DEFAULT_DISABLE_BY_BATCH_SIZE
     min_acceptance_rate: float = DEFAULT_MIN_ACCEPTANCE_RATE
     verify_row_cost: float = DEFAULT_VERIFY_ROW_COST
+    draft_token_cost: Optional[float] = None
 
     def __post_init__(self) -> None:
         def _int(name: str, low: int, high: Optional[int] = None, optional: bool = False) -> None:
@@ -90,6 +96,15 @@ class SpeculativeConfig:
         cost = self.verify_row_cost
         if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0.0 <= cost <= 1.0:
             raise ValueError(f"speculative_config.verify_row_cost: must be a number in [0, 1], got {cost!r}")
+        draft_cost = self.draft_token_cost
+        if draft_cost is not None:
+            if self.method != "draft_model":
+                raise ValueError(f"speculative_config.draft_token_cost: only for method draft_model "
+                                 f"(method is {self.method!r})")  # fmt: skip
+            bad = isinstance(draft_cost, bool) or not isinstance(draft_cost, (int, float))
+            if bad or not 0.0 <= draft_cost <= MAX_DRAFT_TOKEN_COST:
+                raise ValueError(f"speculative_config.draft_token_cost: must be a number in "
+                                 f"[0, {MAX_DRAFT_TOKEN_COST}], got {draft_cost!r}")  # fmt: skip
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min: must be <= prompt_lookup_max "
                              f"({self.prompt_lookup_max}), got {self.prompt_lookup_min}")  # fmt: skip
@@ -134,23 +149,33 @@ def ngram_propose(token_ids: Sequence[int], k: int, n_min: int, n_max: int) -> l
     return []
 
 
-def best_draft_length(rate: float, k_max: int, row_cost: float, num_decoding: int) -> int:
+def best_draft_length(rate: float, k_max: int, row_cost: float, num_decoding: int, draft_cost: float = 0.0) -> int:
     """The number of draft tokens, 0..k_max, that maximises a step's expected tokens per unit of cost.
 
     The step has `num_decoding` one-row sequences; a step of r rows costs 1 + row_cost * (r - 1) one-row
     steps; verifying k draft tokens whose acceptances are independent with probability `rate` adds k rows
     and yields rate + rate^2 + ... + rate^k tokens on average (a run stops at its first rejection), on top
-    of the one token each sequence gets anyway. 0 when no draft length beats the step without one.
+    of the one token each sequence gets anyway. Proposing them costs k * `draft_cost` one-row steps (k draft
+    model steps; 0 for n-gram lookup). 0 when no draft length beats the step without one.
     """
     best, best_value = 0, num_decoding / (1 + row_cost * (num_decoding - 1))
     expected, term = 0.0, 1.0
     for k in range(1, k_max + 1):
         term *= rate
         expected += term
-        value = (num_decoding + expected) / (1 + row_cost * (num_decoding - 1 + k))
+        value = (num_decoding + expected) / (1 + row_cost * (num_decoding - 1 + k) + draft_cost * k)
         if value > best_value:
             best, best_value = k, value
     return best
+
+
+def estimate_draft_token_cost(draft_weight_bytes: int, target_weight_bytes: int) -> float:
+    """A draft step's cost in one-row target steps, estimated as the ratio of the weight bytes each engine
+    holds: a decode step of one sequence streams its weights once, so an int4 draft of a float target
+    costs a fraction of its step and a draft the size of the target costs a whole one (so it never pays)."""
+    if target_weight_bytes <= 0:
+        return 1.0
+    return min(MAX_DRAFT_TOKEN_COST, draft_weight_bytes / target_weight_bytes)
 
 
 class AcceptanceTracker:
@@ -162,12 +187,14 @@ class AcceptanceTracker:
     keeps a shadow proposal when proposing is free (n-gram): whether its first token is the token the
     sequence then produced counts as one tried token, so a sequence whose text turns to copying speculates
     again. Without shadows (a draft model) it probes one token after RETRY_AFTER_STEPS steps, and after
-    each rejected probe waits twice as long (up to MAX_RETRY_AFTER_STEPS).
+    each rejected probe waits twice as long (up to MAX_RETRY_AFTER_STEPS); where not even an always-accepted
+    draft would pay (a draft as costly as the target), it does not probe.
     """
 
-    def __init__(self, row_cost: float, min_rate: float = 0.0) -> None:
+    def __init__(self, row_cost: float, min_rate: float = 0.0, draft_cost: float = 0.0) -> None:
         self.row_cost = row_cost
         self.min_rate = min_rate
+        self.draft_cost = draft_cost
         self._counts: dict[int, tuple[float, float]] = {}  # seq id -> fading (accepted, tried)
         self._shadow: dict[int, int] = {}
         self._idle: dict[int, int] = {}
@@ -183,10 +210,12 @@ class AcceptanceTracker:
         sequences (`best_draft_length` at its rate; 0: none; without `free_shadow` a resting sequence counts
         the step and may get a one-token probe)."""
         rate = self.rate(seq_id)
-        k = best_draft_length(rate, k_max, self.row_cost, num_decoding) if rate >= self.min_rate else 0
+        k = best_draft_length(rate, k_max, self.row_cost, num_decoding, self.draft_cost) if rate >= self.min_rate else 0
         if k or free_shadow or k_max < 1:
             self._idle.pop(seq_id, None)
             return k
+        if best_draft_length(1.0, k_max, self.row_cost, num_decoding, self.draft_cost) == 0:
+            return 0  # not even a draft that is always right would pay here: no probe
         idle = self._idle.get(seq_id, 0) + 1
         if idle < self._wait.get(seq_id, RETRY_AFTER_STEPS):
             self._idle[seq_id] = idle

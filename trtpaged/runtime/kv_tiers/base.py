@@ -1,4 +1,5 @@
-"""The tier interface: a byte store keyed by tier keys (entry.py), with its own bound and counters."""
+"""The tier interface: a store of whole blocks by record (`KVTier`), with its own bound and counters; the byte stores
+below the checked tiers (`ByteStore`)."""
 
 from __future__ import annotations
 
@@ -26,19 +27,43 @@ class TierCounters:
 
 
 class KVTier(Protocol):
-    """One level below the pool. Operations never raise for a missing or unreachable entry:
-    `get` returns None, `put` and `contains` report failure through `counters.errors`."""
+    """One level below the pool, holding whole blocks by their record. Operations never raise for a missing or
+    unreachable block: `get_block` returns None, `put_block` reports failure through `counters`."""
 
     name: str
     counters: TierCounters
     slow: bool  # written from the background writer (disk, network) rather than inline
 
+    def get_block(self, record: BlockRecord) -> Optional[bytes]:
+        """The payload stored for exactly `record` (key, parent and tokens), or None. Something else stored under
+        the key counts `invalid`; a hit counts its `bytes_read`. Hits and misses are the stack's to count."""
+        ...
+
+    def put_block(self, record: BlockRecord, payload: bytes) -> None:
+        """Stores the block, evicting what the tier's bound requires."""
+        ...
+
+    def contains(self, key: bytes) -> bool:
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+class ByteStore(Protocol):
+    """A keyed store of bytes that can come back truncated, flipped or written by another engine (a directory, a
+    Redis server): a tier through `CheckedTier` (checked.py), which stores self-checking entries in it."""
+
+    name: str
+    counters: TierCounters
+    slow: bool
+
     def get(self, key: bytes) -> Optional[bytes]:
-        """The stored entry under `key`, or None."""
+        """The stored bytes under `key`, or None."""
         ...
 
     def put(self, key: bytes, entry: bytes) -> None:
-        """Stores `entry` under `key`, evicting what the tier's bound requires."""
+        """Stores `entry` under `key`, evicting what the store's bound requires."""
         ...
 
     def contains(self, key: bytes) -> bool:

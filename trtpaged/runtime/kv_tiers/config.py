@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
 
+from trtpaged.runtime.kv_tiers.base import KVTier
+from trtpaged.runtime.kv_tiers.checked import CheckedTier, EntryCodec
 from trtpaged.runtime.kv_tiers.disk import DiskTier
 from trtpaged.runtime.kv_tiers.entry import engine_fingerprint
 from trtpaged.runtime.kv_tiers.host import HostMemoryTier
@@ -110,14 +112,15 @@ class KVTierConfig:
         """The stack for one engine (None without tiers); the remote tier connects lazily."""
         if not self.enabled:
             return None
-        tiers: list[Any] = []
+        tiers: list[KVTier] = []
+        codec = EntryCodec(fingerprint, block_bytes)
         if self.host_memory:
             tiers.append(HostMemoryTier(self.host_memory))
         if self.disk_path:
-            tiers.append(DiskTier(self.disk_path, self.disk_size))
+            tiers.append(CheckedTier(DiskTier(self.disk_path, self.disk_size), codec))
         if self.remote:
-            tiers.append(RedisTier(self.remote, timeout_s=self.remote_timeout_s))
-        return TierStack(tiers, fingerprint, block_bytes, load_timeout_s=self.load_timeout_s)
+            tiers.append(CheckedTier(RedisTier(self.remote, timeout_s=self.remote_timeout_s), codec))
+        return TierStack(tiers, fingerprint, load_timeout_s=self.load_timeout_s)
 
 
 def _known(spec: Mapping[str, Any], allowed: tuple[str, ...], where: str) -> None:

@@ -1,4 +1,5 @@
-"""Local-disk tier: one file per entry under a directory, persistent across restarts, bounded in size.
+"""Local-disk store (a tier through checked.py): one file per entry under a directory, persistent across restarts,
+bounded in size.
 
 Files are written to a temporary name and renamed into place (a crash leaves no
 half-written entry under a real name; a truncated one from elsewhere fails its

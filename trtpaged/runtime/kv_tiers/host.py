@@ -28,7 +28,6 @@ class HostMemoryTier:
     """
 
     slow = False
-    holds_blocks = True  # get_block / put_block by record, instead of encoded entries (TierStack)
 
     def __init__(self, capacity_bytes: int, name: str = "host") -> None:
         if capacity_bytes < 1:
@@ -59,6 +58,7 @@ class HostMemoryTier:
                 self.counters.invalid += 1
                 return None
             self._blocks.move_to_end(record.key)
+            self.counters.bytes_read += found[2]
             return found[1]
 
     def contains(self, key: bytes) -> bool:

@@ -1,4 +1,5 @@
-"""Remote tier: a Redis server shared by replicas (redis-py client, as LMCache's remote backend).
+"""Remote store (a tier through checked.py): a Redis server shared by replicas (redis-py client, as LMCache's
+remote backend).
 
 Every operation has a bounded timeout. A store that is down or slow costs at most
 one timeout, then the tier stays quiet for `retry_after_s` (lookups are misses,

@@ -1,9 +1,11 @@
 """The tiers below the pool, top (fastest) to bottom, as one lookup and one write-back path.
 
-Lookups go top-down and stop at the first verified entry; every tier asked and
-not holding one counts a miss. With `background` (a serving engine), lookups run on
+Every tier holds whole blocks by record (base.py: `KVTier`); the disk and remote
+ones check their entries themselves (checked.py), so the stack treats all alike.
+Lookups go top-down and stop at the first tier holding the block; every tier asked
+and not holding it counts a miss. With `background` (a serving engine), lookups run on
 the loader's threads (loader.py) and write-backs on one writer thread: the step copies
-an evicted block's bytes out of the pool and queues them; encoding the entry (its
+an evicted block's bytes out of the pool and queues them; encoding entries (their
 SHA-256) and every tier's put happen on the writer, so a step never waits on a
 tier. The writer's queue is bounded; when it is full the write-back is dropped and
 counted (a later eviction of the same prefix will offer it again). Without
@@ -19,20 +21,19 @@ import time
 from typing import Optional, Sequence
 
 from trtpaged.runtime.kv_tiers.base import BlockRecord, KVTier, TierHit
-from trtpaged.runtime.kv_tiers.entry import EntryMismatch, decode_entry, encode_entry, entry_bytes
 from trtpaged.runtime.kv_tiers.loader import TierLoad, TierLoader
 
 __all__ = ["BlockRecord", "TierHit", "TierStack"]
 
 
 class TierStack:
-    def __init__(self, tiers: Sequence[KVTier], fingerprint: bytes, block_bytes: int, queue_size: int = 1024,
-                 background: bool = True, load_timeout_s: float = 2.0) -> None:  # fmt: skip
+    def __init__(self, tiers: Sequence[KVTier], fingerprint: bytes, queue_size: int = 1024, background: bool = True,
+                 load_timeout_s: float = 2.0) -> None:  # fmt: skip
+        """`fingerprint`: the engine's (entry.py), from which the blocks' tier keys are chained."""
         if not tiers:
             raise ValueError("kv tiers: at least one tier")
         self.tiers = list(tiers)
         self.fingerprint = fingerprint
-        self.block_bytes = block_bytes
         self.load_seconds = 0.0
         self.num_loads = 0  # blocks restored into the pool from a tier
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
@@ -49,7 +50,7 @@ class TierStack:
 
     # ---- lookups ------------------------------------------------------------------------------
     def lookup(self, record: BlockRecord, slow: Optional[bool] = None) -> Optional[tuple[bytes, str]]:
-        """(payload, tier name) of the block, verified against this engine and prefix, or None. `slow`: ask only
+        """(payload, tier name) of exactly this block (the tiers' `get_block` rule), or None. `slow`: ask only
         the slow tiers (True) or only the memory tier (False). A block whose write-back is still queued is
         found there (the pool's own bytes of that block), counted as a hit of the top tier."""
         queued = self._unwritten.get(record.key) if slow is not True else None
@@ -62,27 +63,12 @@ class TierStack:
             if slow is not None and tier.slow != slow:
                 continue
             start = time.perf_counter()
-            if getattr(tier, "holds_blocks", False):  # the pool's own bytes, kept in this process (host.py)
-                payload = tier.get_block(record)
-                tier.counters.load_seconds += time.perf_counter() - start
-                if payload is None:
-                    tier.counters.misses += 1
-                    continue
-                tier.counters.hits += 1
-                tier.counters.bytes_read += entry_bytes(len(record.tokens), len(payload))
-                return payload, tier.name
-            data = tier.get(record.key)
-            try:
-                payload = decode_entry(data, self.fingerprint, record.parent, record.tokens, self.block_bytes)
-            except EntryMismatch as e:
+            payload = tier.get_block(record)
+            tier.counters.load_seconds += time.perf_counter() - start
+            if payload is None:
                 tier.counters.misses += 1
-                if e.reason != "missing":
-                    tier.counters.invalid += 1
                 continue
-            finally:
-                tier.counters.load_seconds += time.perf_counter() - start
             tier.counters.hits += 1
-            tier.counters.bytes_read += len(data)  # type: ignore[arg-type]
             return payload, tier.name
         return None
 
@@ -153,15 +139,9 @@ class TierStack:
         return [t for t in self.tiers if t.slow or not persistent_only]
 
     def _write(self, record: BlockRecord, payload: bytes, persistent_only: bool) -> None:
-        entry = None
         for tier in self._targets(persistent_only):
-            if tier.contains(record.key):
-                continue
-            if getattr(tier, "holds_blocks", False):
+            if not tier.contains(record.key):
                 tier.put_block(record, payload)
-                continue
-            entry = entry or encode_entry(self.fingerprint, record.parent, record.tokens, payload)
-            tier.put(record.key, entry)
 
     def _write_loop(self) -> None:
         while True:
