@@ -11,7 +11,7 @@
 // keys) run by OpenMP threads. Each task streams its keys block by block with
 // an online softmax, so a block is converted to fp32 once and read by all the
 // query heads of its GQA group. A task takes all the KV heads of its sequence whenever
-// that leaves every thread a task: it then reads each block's K and V of every head
+// that leaves every thread two tasks: it then reads each block's K and V of every head
 // (one contiguous run per block and layer) tile by tile, instead of one head's slice
 // of every block, a few KiB apart. Long contexts with few tasks are split over key
 // ranges in whole tiles and merged afterwards (flash-decoding on the CPU) so every
@@ -153,11 +153,11 @@ std::vector<Task> plan_tasks_of(const trtpaged_attention_params& p, int32_t wind
   return tasks;
 }
 
-// A task takes all of a sequence's KV heads whenever that leaves every thread work (with key-range splits
-// where the sequences alone are too few): a block's K and V of every head are then one contiguous run (24
-// KiB for SmolLM2-like fp32 heads) read within one tile, where a task of one head reads a 4 KiB slice of
-// each block, and scattered 4 KiB runs read from DRAM at about two thirds of 24 KiB runs' rate on one
-// core here (docs/benchmarks.md). Else (short contexts of one or two sequences), one head per task.
+// A task takes all of a sequence's KV heads whenever that still gives each thread two tasks (with key-range
+// splits where the sequences alone are too few): a block's K and V of every head are then one contiguous run
+// (24 KiB for SmolLM2-like fp32 heads) read within one tile, where a task of one head reads a 4 KiB slice of
+// each block, and scattered 4 KiB runs read from DRAM at about 0.75x of 24 KiB runs' rate on one core here
+// (docs/benchmarks.md). Else (short prompts and contexts of one or two sequences), one head per task.
 std::vector<Task> plan_tasks(const trtpaged_attention_params& p, int32_t window, const int32_t* positions,
                              const int32_t* query_start, int64_t* num_partials) {
   int64_t chunks = 0;  // (sequence, query chunk) pairs
@@ -167,7 +167,7 @@ std::vector<Task> plan_tasks(const trtpaged_attention_params& p, int32_t window,
   }
   std::vector<Task> all_heads = plan_tasks_of(p, window, positions, query_start, chunks, p.num_kv_heads,
                                               num_partials);
-  if (p.num_kv_heads == 1 || int64_t(all_heads.size()) >= num_threads()) return all_heads;
+  if (p.num_kv_heads == 1 || int64_t(all_heads.size()) >= 2 * int64_t(num_threads())) return all_heads;
   return plan_tasks_of(p, window, positions, query_start, chunks, 1, num_partials);
 }
 
