@@ -137,6 +137,16 @@ def test_cli_bench_serve_json(server):
     assert report["completed"] == 4 and report["total_output_tokens"] == 16 and report["request_rate"] == 50.0
 
 
+def test_bare_reader_refuses_an_error_answer(server):
+    """The bare reader of `bench serve-ratio` reports a refused stream by its status, not as an empty text
+    (this server wants an API key, which the reader does not send)."""
+    from trtpaged.bench.sse_reader import bare_batch_rate
+
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
+    with pytest.raises(ValueError, match="401"):
+        bare_batch_rate(server.url, [body])
+
+
 def test_bench_serve_ratio_runs_both_sides_on_the_same_prompts(tiny_engine_dir):
     """`bench serve-ratio` on the tiny engine: a real `trtpaged serve` child and the Python API give the same
     greedy texts, and every figure is a measured rate."""
@@ -144,6 +154,7 @@ def test_bench_serve_ratio_runs_both_sides_on_the_same_prompts(tiny_engine_dir):
 
     report = run_serve_ratio(tiny_engine_dir, repeats=2, max_tokens=6, concurrency=3)
     assert report["same_text_single"] is True and report["same_text_batch"] == "3/3"
+    assert report["same_text_bare"] == "3/3" and report["bare_ratio"] > 0  # the bare reader's texts are the API's
     assert all(len(v) == 2 and min(v) > 0 for v in report["series"].values())
     assert all(min(v) > 0 for v in report["step_ms"].values())
     assert report["single_ratio"] > 0 and report["batch_ratio"] > 0
@@ -152,3 +163,4 @@ def test_bench_serve_ratio_runs_both_sides_on_the_same_prompts(tiny_engine_dir):
     us = report["cpu_us_per_token"]["batch"]
     assert us["api"] > 0 and us["engine"] > 0 and us["client"] > 0, us
     assert "HTTP/event loop" in format_ratio(report)
+    assert "bare reader" in format_ratio(report) and report["cpu_us_per_token"]["bare"]["engine"] > 0

@@ -6,7 +6,9 @@ In one run, on the same engine and the same chat prompts (greedy, `ignore_eos`),
   first), i.e. 127 / (t(128 tokens) - t(1 token)), against the same rate seen by the official `openai`
   client streaming from `trtpaged serve` (a separate process on loopback, as a user runs it);
 - concurrent: `LLM.generate`'s useful tok/s (output tokens / wall time) on N requests against N
-  concurrent streaming `openai` clients' output tokens / wall time.
+  concurrent streaming `openai` clients' output tokens / wall time;
+- the same N streams read by a bare reader (`bench/sse_reader.py`) that spends almost no CPU: what the
+  server itself reaches when no client parses chunks on the same cores (informational, not a target).
 
 Each serve round also reads the server's `/metrics` (`engine_step_seconds_total`, `engine_steps_total`),
 so the engine's own step time in the server is printed next to the API's, and the CPU seconds per
@@ -33,6 +35,7 @@ from typing import Any, Callable, Optional
 
 from trtpaged.bench.noise import NoiseMonitor, assess, verdict
 from trtpaged.bench.server_metrics import parse_prometheus
+from trtpaged.bench.sse_reader import bare_batch_rate
 
 TARGET = 0.90  # serve / API, for both ratios
 PASSAGE = ("The river runs past the old mill, where the stones still turn on a windless day. Children gather at the "
@@ -277,6 +280,13 @@ async def _client_batch(url: str, num_requests: int, max_tokens: int) -> tuple[f
     return sum(t for t, _ in results) / wall, [text for _, text in results], cpu
 
 
+def bare_bodies(num_requests: int, max_tokens: int) -> list[dict[str, Any]]:
+    """The chat requests the `openai` clients send, as JSON bodies for the bare reader."""
+    return [{"model": SERVED_NAME, "messages": conversation(i), "max_tokens": max_tokens, "temperature": 0.0,
+             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+            for i in range(num_requests)]  # fmt: skip
+
+
 def client_batch_rate(url: str, num_requests: int, max_tokens: int) -> tuple[float, list[str], float]:
     """(output tok/s over the wall time, texts, the client's CPU seconds over that time) of N concurrent
     streamed chat requests."""
@@ -292,11 +302,13 @@ def run_serve_ratio(engine: Path, repeats: int = 5, max_tokens: int = 128, concu
     series = {k: Series(label) for k, label in (
         ("api_single", "Python API decode (tok/s)"), ("serve_single", "serve, openai client, 1 stream (tok/s)"),
         ("api_batch", f"LLM.generate, {concurrency} requests (tok/s)"),
-        ("serve_batch", f"serve, {concurrency} concurrent streams (tok/s)"))}  # fmt: skip
-    steps = {k: Series(k) for k in ("api_single", "serve_single", "api_batch", "serve_batch")}
-    same_single, same_batch = True, concurrency
+        ("serve_batch", f"serve, {concurrency} concurrent streams (tok/s)"),
+        ("serve_bare", f"serve, {concurrency} streams, bare reader (tok/s)"))}  # fmt: skip
+    steps = {k: Series(k) for k in series}
+    same_single, same_batch, same_bare = True, concurrency, concurrency
     monitor = NoiseMonitor()
-    cpu = {"single": CpuPerToken(), "batch": CpuPerToken()}
+    cpu = {"single": CpuPerToken(), "batch": CpuPerToken(), "bare": CpuPerToken()}
+    bodies = bare_bodies(concurrency, max_tokens)
     server_cpu = wall = 0.0
     try:
         # Warm both sides, and leave every round the same prefix-cache state: the rounds' prompts are
@@ -306,6 +318,7 @@ def run_serve_ratio(engine: Path, repeats: int = 5, max_tokens: int = 128, concu
         client_decode_rate(server.url, 8)
         api.batch_rate(concurrency, 8)
         client_batch_rate(server.url, concurrency, 8)
+        bare_batch_rate(server.url, bare_bodies(concurrency, 8))
         server_cpu, wall = server.cpu_seconds(), time.perf_counter()
         with monitor:
             for r in range(repeats):
@@ -333,6 +346,13 @@ def run_serve_ratio(engine: Path, repeats: int = 5, max_tokens: int = 128, concu
                 series["serve_batch"].values.append(rate)
                 steps["serve_batch"].values.append(engine_step_ms(before, server.metrics()) or 0.0)
                 same_batch = min(same_batch, sum(a == b for a, b in zip(api_texts, served_texts)))
+                before, threads = server.metrics(), server.thread_cpu_seconds()
+                rate, bare_texts, reader_cpu = bare_batch_rate(server.url, bodies)
+                cpu["bare"].add(concurrency * max_tokens, client=reader_cpu,
+                                **_cpu_delta(threads, server.thread_cpu_seconds()))  # fmt: skip
+                series["serve_bare"].values.append(rate)
+                steps["serve_bare"].values.append(engine_step_ms(before, server.metrics()) or 0.0)
+                same_bare = min(same_bare, sum(a == b for a, b in zip(api_texts, bare_texts)))
         server_cpu, wall = server.cpu_seconds() - server_cpu, time.perf_counter() - wall
     finally:
         server.close()
@@ -346,6 +366,7 @@ def run_serve_ratio(engine: Path, repeats: int = 5, max_tokens: int = 128, concu
     noise = assess(max(monitor.spreads), foreign, os.cpu_count() or 1)
     single = paired_ratio(series["serve_single"].values, series["api_single"].values)
     batch = paired_ratio(series["serve_batch"].values, series["api_batch"].values)
+    bare = paired_ratio(series["serve_bare"].values, series["api_batch"].values)
     return {
         "engine": str(engine), "repeats": repeats, "max_tokens": max_tokens, "concurrency": concurrency,
         "server_args": list(server_args),
@@ -354,30 +375,36 @@ def run_serve_ratio(engine: Path, repeats: int = 5, max_tokens: int = 128, concu
         "step_ms": {k: s.values for k, s in steps.items()},
         "cpu_us_per_token": {k: c.per_token_us() for k, c in cpu.items()},
         "labels": {k: s.name for k, s in series.items()},
-        "single_ratio": single, "batch_ratio": batch,
+        "single_ratio": single, "batch_ratio": batch, "bare_ratio": bare,
         "same_text_single": same_single, "same_text_batch": f"{same_batch}/{concurrency}",
+        "same_text_bare": f"{same_bare}/{concurrency}",
         "noise": noise.to_dict(), "noise_text": noise.describe(),
         "verdict_single": verdict(single >= TARGET, noise), "verdict_batch": verdict(batch >= TARGET, noise),
     }  # fmt: skip
 
 
 def format_ratio(report: dict) -> str:
-    """The report as text: each figure's median and repeats, the engine step times, the two ratios."""
+    """The report as text: each figure's median and repeats, the engine step times, the ratios."""
     lines = []
     for key, values in report["series"].items():
         s = Series(report["labels"][key], values)
         steps = report["step_ms"][key]
         lines.append(f"{s.describe('')}  engine step {statistics.median(steps):.2f} ms")
-    for mode, label in (("single", "1 stream"), ("batch", f"{report['concurrency']} streams")):
+    streams = f"{report['concurrency']} streams"
+    for mode, label in (("single", "1 stream"), ("batch", streams), ("bare", f"{streams}, bare reader")):
         us = report["cpu_us_per_token"][mode]
         serve = us["engine"] + us["http"] + us["other"]
-        lines.append(f"CPU us/token, {label}: API {us['api']:.0f} | serve {serve:.0f} = engine+kernels "
+        api = "" if mode == "bare" else f"API {us['api']:.0f} | "  # the bare run shares the batch run's API side
+        lines.append(f"CPU us/token, {label}: {api}serve {serve:.0f} = engine+kernels "
                      f"{us['engine']:.0f} + HTTP/event loop {us['http']:.0f} + other {us['other']:.0f} | "
-                     f"openai client {us['client']:.0f}")  # fmt: skip
+                     f"{'bare reader' if mode == 'bare' else 'openai client'} {us['client']:.0f}")  # fmt: skip
     lines.append(f"single stream: serve / API = {report['single_ratio']:.2f} (median of the rounds' ratios; "
                  f"target >= {TARGET:.2f}): "
                  f"{report['verdict_single']}; same text: {report['same_text_single']}")  # fmt: skip
     lines.append(f"{report['concurrency']} streams:  serve / LLM.generate = {report['batch_ratio']:.2f} "
                  f"(target >= {TARGET:.2f}): {report['verdict_batch']}; same texts: {report['same_text_batch']}")  # fmt: skip
+    lines.append(f"{report['concurrency']} streams, bare reader: serve / LLM.generate = {report['bare_ratio']:.2f} "
+                 f"(the server without a client's parsing on the same cores; not a target); "
+                 f"same texts: {report['same_text_bare']}")  # fmt: skip
     lines.append(report["noise_text"])
     return "\n".join(lines)

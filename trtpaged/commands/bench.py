@@ -343,7 +343,7 @@ def kv_tiers(engine, num_kv_blocks, multi_turn, system_words, user_words, output
 
 @command.command(name="serve-ratio")
 @click.argument("engine", type=click.Path(exists=True, file_okay=False))
-@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="Rounds of the four runs, alternating.")
+@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="Rounds of the five runs, alternating.")
 @click.option("--max-tokens", type=click.IntRange(min=2), default=128, show_default=True, help="Tokens per request (greedy, ignore_eos).")
 @click.option("--concurrency", type=click.IntRange(min=1), default=16, show_default=True, help="Concurrent requests of the batch runs.")
 @click.option("--server-arg", "server_args", multiple=True, help="Passed on to trtpaged serve (repeatable).")

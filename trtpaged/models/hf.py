@@ -3,7 +3,7 @@
 transformers reads configs, weights and tokenizers (never from a hub: every
 source is a local path); its own forward is the reference trtpaged's step
 model is checked against. `source_architecture` is the cheap pre-flight check
-(reads config.json or the GGUF header only).
+(reads config.json or the first entries of the GGUF header only: gguf_header.py).
 """
 
 from __future__ import annotations
@@ -58,6 +58,14 @@ def source_architecture(spec: ModelSpec) -> str:
 
 
 def _gguf_architecture(path: Path, key: str) -> str:
+    from trtpaged.models.gguf_header import GGUFHeaderError, read_string_field
+
+    try:
+        found = read_string_field(path, "general.architecture")
+        if found is not None:
+            return found
+    except GGUFHeaderError:
+        pass  # GGUFReader below: it reads every form the format has, and says what is wrong with the file
     try:
         from gguf import GGUFReader
 
@@ -92,7 +100,9 @@ def load_hf(spec: ModelSpec, dtype: torch.dtype = torch.float32) -> HFModel:
     with _no_progress_bars():
         config = AutoConfig.from_pretrained(where, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
-        model, info = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, output_loading_info=True, **kwargs)
+        # the config loaded above: from_pretrained would parse the GGUF's metadata again for it
+        model, info = AutoModelForCausalLM.from_pretrained(where, config=config, dtype=dtype, output_loading_info=True,
+                                                           **kwargs)  # fmt: skip
     _check_loaded(spec, info)
     return HFModel(model=model.eval(), tokenizer=tokenizer, config=config)
 
