@@ -61,6 +61,18 @@ def test_window_in_one_large_block_split_by_tiles(path: str) -> None:
     _check(make_batch([(3001, 1)], block_size=4096, num_layers=1, seed=9), 1500, layer=0)
 
 
+def test_one_long_decode_split_into_tasks_of_every_head(path: str) -> None:
+    # a single decode over 3000 keys on 2 threads: 4 tasks of all 3 KV heads, the key range split into whole
+    # tiles of 16 blocks counted from the window's first block (not a tile boundary), the last block partial
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the kernel's OpenMP threads too: the plan depends on them
+    try:
+        _check(make_batch([(3000, 1)], num_layers=1, seed=13), 2500, layer=0)
+        _check(make_batch([(3000, 1)], num_layers=1, seed=14), 0, layer=0)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("softcap", [0.5, 50.0])
 def test_softcap_with_and_without_window(path: str, softcap: float) -> None:
     batch = make_batch(MIXED_SPECS, seed=11)

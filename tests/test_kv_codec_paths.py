@@ -202,12 +202,22 @@ def test_smollm2_shapes_every_layer(path: str, kv_cache_dtype: str) -> None:
     assert worst <= bound, f"max abs error {worst} against attention on the de-quantized cache (bound {bound:.3g})"
 
 
+@pytest.fixture
+def two_threads():
+    """Runs the test on 2 OpenMP threads (torch's runtime is the kernels' too), so that the kernel plans its
+    tasks as on a 2-core machine whatever this one has."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16", "bfloat16", "int8", "fp8_e4m3"])
-def test_attention_every_path(path: str, kv_cache_dtype: str) -> None:
+def test_attention_every_path(path: str, kv_cache_dtype: str, two_threads: None) -> None:
     # The attention loops of each copy (AVX-512: 16 lanes, AVX2: 8, scalar: SSE) over every cache dtype,
-    # block sizes that split a tile and one larger than a tile, a long context split over key ranges (one
-    # KV head per task), one in a single block split by tiles, and batches of decodes (a task per
-    # sequence over all its 3 KV heads).
+    # block sizes that split a tile and one larger than a tile, a long decode split over key ranges in whole
+    # tiles (4 tasks of all 3 KV heads on 2 threads), one in a single block split by tiles, and batches of
+    # decodes (every task over all 3 KV heads of its sequence).
     decodes = [(1000 + 37 * i, 1) for i in range(8)]
     for spec, block_size, head_dim in ((MIXED_SPECS, 16, 64), (MIXED_SPECS, 8, 128), ([(700, 9), (0, 40)], 32, 80),
                                        ([(3001, 1)], 16, 64), ([(3001, 1)], 4096, 64), (decodes, 16, 64),

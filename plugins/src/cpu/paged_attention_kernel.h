@@ -10,12 +10,12 @@
 // Work is split into tasks (sequence, kv heads, chunk of query tokens, range of
 // keys) run by OpenMP threads. Each task streams its keys block by block with
 // an online softmax, so a block is converted to fp32 once and read by all the
-// query heads of its GQA group. When there are tasks enough for every thread, a
-// task takes all the KV heads of its sequence: it then reads each block's K and V
-// of every head (one contiguous run per block and layer) tile by tile, instead of
-// one head's slice of every block, a few KiB apart. Long contexts with few tasks are split over key
-// ranges and merged afterwards (flash-decoding on the CPU) so every core works
-// on batch-1 decode too.
+// query heads of its GQA group. A task takes all the KV heads of its sequence whenever
+// that leaves every thread two tasks: it then reads each block's K and V of every head
+// (one contiguous run per block and layer) tile by tile, instead of one head's slice
+// of every block, a few KiB apart. Long contexts with few tasks are split over key
+// ranges in whole tiles and merged afterwards (flash-decoding on the CPU) so every
+// core works on batch-1 decode too.
 #pragma once
 
 #include <algorithm>
@@ -98,21 +98,28 @@ void write_kv(const trtpaged_attention_params& p, const PoolLayout& pool, const 
   }
 }
 
-std::vector<Task> plan_tasks(const trtpaged_attention_params& p, int32_t window, const int32_t* positions,
-                             const int32_t* query_start, int64_t* num_partials) {
+// Keys per tile (one online-softmax update): whole blocks when blocks are small, and slices of a block
+// when blocks are large (a multiple of kTileKeys), so that every layout streams the same tile size.
+int64_t tile_keys_of(int64_t block_size) {
+  return block_size < kTileKeys ? kTileKeys / block_size * block_size
+                                : (block_size % kTileKeys == 0 ? kTileKeys : block_size);
+}
+
+// The tasks of a call, each of `heads_per_task` KV heads (1 or all of them).
+std::vector<Task> plan_tasks_of(const trtpaged_attention_params& p, int32_t window, const int32_t* positions,
+                                const int32_t* query_start, int64_t chunks, int32_t heads_per_task,
+                                int64_t* num_partials) {
   std::vector<Task> tasks;
-  int64_t chunks = 0;  // (sequence, query chunk) pairs
-  for (int32_t s = 0; s < p.num_seqs; ++s) {
-    const int32_t q_len = query_start[s + 1] - query_start[s];
-    chunks += (q_len + kQueryChunk - 1) / kQueryChunk;
-  }
   const int64_t want = 2 * int64_t(num_threads());
-  // All of a sequence's KV heads in one task when that leaves every thread work, else one head per task
-  const int32_t heads_per_task = chunks >= want ? p.num_kv_heads : 1;
   const int64_t unsplit = chunks * (p.num_kv_heads / heads_per_task);
-  // Split ranges are whole runs (a block, or a tile of a large block), so that each task reads whole runs
+  // A task of every head does as much work per key as num_kv_heads tasks of one
+  const int32_t min_keys = std::max(1, kMinKeysPerSplit / heads_per_task);
+  // A window's first key is rounded down to a whole run (a block, or a tile of a large block); split
+  // ranges are whole tiles, the same keys in every layout, so that the contiguous and paged layouts run
+  // the same tasks
   const int32_t unit = p.block_size < kTileKeys ? p.block_size
                                                 : (p.block_size % kTileKeys == 0 ? kTileKeys : p.block_size);
+  const int32_t split_unit = int32_t(tile_keys_of(p.block_size));
   *num_partials = 0;
   for (int32_t s = 0; s < p.num_seqs; ++s) {
     for (int32_t q0 = query_start[s]; q0 < query_start[s + 1]; q0 += kQueryChunk) {
@@ -127,15 +134,16 @@ std::vector<Task> plan_tasks(const trtpaged_attention_params& p, int32_t window,
       const int32_t first = first_key / unit * unit;
       const int32_t num_keys = max_pos + 1 - first;
       int32_t splits = 1;
-      if (unsplit < want && num_keys >= 2 * kMinKeysPerSplit)
-        splits = int32_t(std::min<int64_t>((want + unsplit - 1) / unsplit, num_keys / kMinKeysPerSplit));
-      const int32_t units = (num_keys + unit - 1) / unit;
+      if (unsplit < want && num_keys >= 2 * min_keys)
+        splits = int32_t(std::min<int64_t>((want + unsplit - 1) / unsplit, num_keys / min_keys));
+      const int32_t units = (num_keys + split_unit - 1) / split_unit;
       const int32_t units_per_split = (units + splits - 1) / splits;
       splits = (units + units_per_split - 1) / units_per_split;
+      const int32_t keys_per_split = units_per_split * split_unit;
       for (int32_t h = 0; h < p.num_kv_heads; h += heads_per_task) {
         for (int32_t i = 0; i < splits; ++i) {
-          Task task{s, h, heads_per_task, q0, q1, first + i * units_per_split * unit,
-                    first + std::min(num_keys, (i + 1) * units_per_split * unit), i, splits, -1};
+          Task task{s, h, heads_per_task, q0, q1, first + i * keys_per_split,
+                    first + std::min(num_keys, (i + 1) * keys_per_split), i, splits, -1};
           if (splits > 1) task.partial = (*num_partials)++;
           tasks.push_back(task);
         }
@@ -143,6 +151,24 @@ std::vector<Task> plan_tasks(const trtpaged_attention_params& p, int32_t window,
     }
   }
   return tasks;
+}
+
+// A task takes all of a sequence's KV heads whenever that still gives each thread two tasks (with key-range
+// splits where the sequences alone are too few): a block's K and V of every head are then one contiguous run
+// (24 KiB for SmolLM2-like fp32 heads) read within one tile, where a task of one head reads a 4 KiB slice of
+// each block, and scattered 4 KiB runs read from DRAM at about 0.75x of 24 KiB runs' rate on one core here
+// (docs/benchmarks.md). Else (short prompts and contexts of one or two sequences), one head per task.
+std::vector<Task> plan_tasks(const trtpaged_attention_params& p, int32_t window, const int32_t* positions,
+                             const int32_t* query_start, int64_t* num_partials) {
+  int64_t chunks = 0;  // (sequence, query chunk) pairs
+  for (int32_t s = 0; s < p.num_seqs; ++s) {
+    const int32_t q_len = query_start[s + 1] - query_start[s];
+    chunks += (q_len + kQueryChunk - 1) / kQueryChunk;
+  }
+  std::vector<Task> all_heads = plan_tasks_of(p, window, positions, query_start, chunks, p.num_kv_heads,
+                                              num_partials);
+  if (p.num_kv_heads == 1 || int64_t(all_heads.size()) >= 2 * int64_t(num_threads())) return all_heads;
+  return plan_tasks_of(p, window, positions, query_start, chunks, 1, num_partials);
 }
 
 // The fused loops' reader for a cache element type, and whether those loops cover it on this build
@@ -201,9 +227,7 @@ const Task* run_task(const Task& task, const trtpaged_attention_params& p, const
                      bool prefetched) {
   const int32_t group = p.num_heads / p.num_kv_heads;
   const int64_t d = p.head_dim, bs = p.block_size;
-  // Tiles are whole blocks when blocks are small, and slices of a block when blocks are
-  // large (bs a multiple of kTileKeys), so that every layout streams the same tile size.
-  const int64_t tile_keys = bs < kTileKeys ? kTileKeys / bs * bs : (bs % kTileKeys == 0 ? kTileKeys : bs);
+  const int64_t tile_keys = tile_keys_of(bs);
   const int64_t run = std::min(bs, tile_keys);  // contiguous keys behind one pointer
   const int64_t tile_blocks = tile_keys / run;
   const int32_t head_rows = (task.q_end - task.q_begin) * group;  // rows of one KV head
