@@ -241,11 +241,12 @@ def test_a_query_row_does_not_depend_on_the_rows_with_it(path: str, kv_cache_dty
     # A speculative verification step runs a sequence's next rows together; each row's output must be
     # bit-identical to the row run alone (one decode step), or greedy outputs change with speculation on.
     # Contexts whose last block ends one key short of a vector (16 or 8 lanes) and their neighbours: those
-    # keys are scored as a partial group alone and inside a full group with the later rows.
+    # keys are scored as a partial group alone and inside a full group with the later rows. Contexts next to
+    # the key-range split grid (512 keys) and past it: a row alone and among later rows reads the same splits.
     heads, kv_heads, d, bs, rows = 9, 3, 64, 16, 6
     gen = torch.Generator().manual_seed(5)
     opt = AttentionOptions(0, d**-0.5)
-    for ctx in (102, 103, 110, 111, 126):
+    for ctx in (102, 103, 110, 111, 126, 507, 509, 766, 768, 1100):
         nb = (ctx + rows + bs - 1) // bs
         shape = (nb + 1, 1, 2, kv_heads, bs, d + 2 if kv_cache_dtype in STORAGE_DTYPES else d)
         dtype = STORAGE_DTYPES.get(kv_cache_dtype) or getattr(torch, kv_cache_dtype)

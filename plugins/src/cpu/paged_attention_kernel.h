@@ -13,9 +13,9 @@
 // query heads of its GQA group. A task takes all the KV heads of its sequence whenever
 // that leaves every thread two tasks: it then reads each block's K and V of every head
 // (one contiguous run per block and layer) tile by tile, instead of one head's slice
-// of every block, a few KiB apart. Long contexts with few tasks are split over key
-// ranges in whole tiles and merged afterwards (flash-decoding on the CPU) so every
-// core works on batch-1 decode too.
+// of every block, a few KiB apart. Contexts longer than kSplitKeys are split over key
+// ranges of a fixed grid and merged afterwards (flash-decoding on the CPU), so every
+// core works on batch-1 decode too, and a row's splits are the same in every call.
 #pragma once
 
 #include <algorithm>
@@ -38,7 +38,10 @@ namespace trtpaged::cpu {
 namespace {
 
 constexpr int kQueryChunk = 16;        // query tokens per task
-constexpr int kMinKeysPerSplit = 512;  // don't split key ranges shorter than this
+// Key ranges are split over tasks on a fixed grid of this many keys (whole tiles), counted from key 0, in
+// every call: a row's keys fall into the same splits whatever rows and sequences share the call, so its
+// result does not depend on them (a speculative verification step gives each row the bits of a decode step).
+constexpr int kSplitKeys = 512;
 constexpr int kTileKeys = 256;         // keys per online-softmax update
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -65,7 +68,7 @@ struct Task {
   int32_t q_begin, q_end;  // packed token range
   int32_t k_begin, k_end;  // key positions [k_begin, k_end)
   int32_t split, num_splits;
-  int64_t partial;  // index of this task's partial results, -1 when unsplit
+  int64_t partial;  // first row of this task's partial results in `partials`, -1 when unsplit
 };
 
 template <typename IO, typename KV>
@@ -107,19 +110,16 @@ int64_t tile_keys_of(int64_t block_size) {
 
 // The tasks of a call, each of `heads_per_task` KV heads (1 or all of them).
 std::vector<Task> plan_tasks_of(const trtpaged_attention_params& p, int32_t window, const int32_t* positions,
-                                const int32_t* query_start, int64_t chunks, int32_t heads_per_task,
-                                int64_t* num_partials) {
+                                const int32_t* query_start, int32_t heads_per_task, int64_t* num_partials) {
+  const int32_t group = p.num_heads / p.num_kv_heads;
   std::vector<Task> tasks;
-  const int64_t want = 2 * int64_t(num_threads());
-  const int64_t unsplit = chunks * (p.num_kv_heads / heads_per_task);
-  // A task of every head does as much work per key as num_kv_heads tasks of one
-  const int32_t min_keys = std::max(1, kMinKeysPerSplit / heads_per_task);
   // A window's first key is rounded down to a whole run (a block, or a tile of a large block); split
   // ranges are whole tiles, the same keys in every layout, so that the contiguous and paged layouts run
   // the same tasks
   const int32_t unit = p.block_size < kTileKeys ? p.block_size
                                                 : (p.block_size % kTileKeys == 0 ? kTileKeys : p.block_size);
-  const int32_t split_unit = int32_t(tile_keys_of(p.block_size));
+  const int64_t split_unit = tile_keys_of(p.block_size);
+  const int32_t grid = int32_t((kSplitKeys + split_unit - 1) / split_unit * split_unit);
   *num_partials = 0;
   for (int32_t s = 0; s < p.num_seqs; ++s) {
     for (int32_t q0 = query_start[s]; q0 < query_start[s + 1]; q0 += kQueryChunk) {
@@ -132,19 +132,17 @@ std::vector<Task> plan_tasks_of(const trtpaged_attention_params& p, int32_t wind
       // a sliding window skips the whole blocks before the first key any query of the chunk reads
       const int32_t first_key = window > 0 ? std::max(0, min_pos - window + 1) : 0;
       const int32_t first = first_key / unit * unit;
-      const int32_t num_keys = max_pos + 1 - first;
-      int32_t splits = 1;
-      if (unsplit < want && num_keys >= 2 * min_keys)
-        splits = int32_t(std::min<int64_t>((want + unsplit - 1) / unsplit, num_keys / min_keys));
-      const int32_t units = (num_keys + split_unit - 1) / split_unit;
-      const int32_t units_per_split = (units + splits - 1) / splits;
-      splits = (units + units_per_split - 1) / units_per_split;
-      const int32_t keys_per_split = units_per_split * split_unit;
+      const int32_t end = max_pos + 1;
+      const int32_t first_cell = first / grid;
+      const int32_t splits = (end - 1) / grid - first_cell + 1;
       for (int32_t h = 0; h < p.num_kv_heads; h += heads_per_task) {
         for (int32_t i = 0; i < splits; ++i) {
-          Task task{s, h, heads_per_task, q0, q1, first + i * keys_per_split,
-                    first + std::min(num_keys, (i + 1) * keys_per_split), i, splits, -1};
-          if (splits > 1) task.partial = (*num_partials)++;
+          Task task{s, h, heads_per_task, q0, q1, std::max(first, (first_cell + i) * grid),
+                    std::min(end, (first_cell + i + 1) * grid), i, splits, -1};
+          if (splits > 1) {  // its rows of partials follow the previous split task's
+            task.partial = *num_partials;
+            *num_partials += int64_t(q1 - q0) * group * heads_per_task;
+          }
           tasks.push_back(task);
         }
       }
@@ -153,22 +151,16 @@ std::vector<Task> plan_tasks_of(const trtpaged_attention_params& p, int32_t wind
   return tasks;
 }
 
-// A task takes all of a sequence's KV heads whenever that still gives each thread two tasks (with key-range
-// splits where the sequences alone are too few): a block's K and V of every head are then one contiguous run
+// A task takes all of a sequence's KV heads whenever that still gives each thread two tasks (with the key-range
+// splits of the fixed grid): a block's K and V of every head are then one contiguous run
 // (24 KiB for SmolLM2-like fp32 heads) read within one tile, where a task of one head reads a 4 KiB slice of
 // each block, and scattered 4 KiB runs read from DRAM at about 0.75x of 24 KiB runs' rate on one core here
 // (docs/benchmarks.md). Else (short prompts and contexts of one or two sequences), one head per task.
 std::vector<Task> plan_tasks(const trtpaged_attention_params& p, int32_t window, const int32_t* positions,
                              const int32_t* query_start, int64_t* num_partials) {
-  int64_t chunks = 0;  // (sequence, query chunk) pairs
-  for (int32_t s = 0; s < p.num_seqs; ++s) {
-    const int32_t q_len = query_start[s + 1] - query_start[s];
-    chunks += (q_len + kQueryChunk - 1) / kQueryChunk;
-  }
-  std::vector<Task> all_heads = plan_tasks_of(p, window, positions, query_start, chunks, p.num_kv_heads,
-                                              num_partials);
+  std::vector<Task> all_heads = plan_tasks_of(p, window, positions, query_start, p.num_kv_heads, num_partials);
   if (p.num_kv_heads == 1 || int64_t(all_heads.size()) >= 2 * int64_t(num_threads())) return all_heads;
-  return plan_tasks_of(p, window, positions, query_start, chunks, 1, num_partials);
+  return plan_tasks_of(p, window, positions, query_start, 1, num_partials);
 }
 
 // The fused loops' reader for a cache element type, and whether those loops cover it on this build
@@ -381,7 +373,7 @@ const Task* run_task(const Task& task, const trtpaged_attention_params& p, const
     const int32_t t = task.q_begin + (r % head_rows) / group;
     const int32_t head = (task.kv_head + r / head_rows) * group + r % group;
     if (task.partial >= 0) {
-      float* dst = partials + ((task.partial * rows) + r) * (d + 2);
+      float* dst = partials + (task.partial + r) * (d + 2);
       std::copy(acc, acc + d, dst);
       dst[d] = sc.m[size_t(r)];
       dst[d + 1] = sc.l[size_t(r)];
@@ -405,11 +397,11 @@ void merge_splits(const Task& first, const trtpaged_attention_params& p, const f
   for (int32_t r = 0; r < rows; ++r) {
     float m_max = kNegInf;
     for (int32_t i = 0; i < first.num_splits; ++i)
-      m_max = std::max(m_max, partials[((first.partial + i) * rows + r) * (d + 2) + d]);
+      m_max = std::max(m_max, partials[(first.partial + int64_t(i) * rows + r) * (d + 2) + d]);
     std::fill(acc.begin(), acc.end(), 0.0f);
     float l = 0.0f;
     for (int32_t i = 0; i < first.num_splits; ++i) {
-      const float* part = partials + ((first.partial + i) * rows + r) * (d + 2);
+      const float* part = partials + (first.partial + int64_t(i) * rows + r) * (d + 2);
       if (part[d + 1] == 0.0f) continue;  // no key of this split was visible to the row
       const float w = std::exp(part[d] - m_max);
       l += part[d + 1] * w;
@@ -418,7 +410,8 @@ void merge_splits(const Task& first, const trtpaged_attention_params& p, const f
     const int32_t t = first.q_begin + (r % head_rows) / group;
     const int32_t head = (first.kv_head + r / head_rows) * group + r % group;
     IO* dst = out + (int64_t(t) * p.num_heads + head) * d;
-    for (int64_t j = 0; j < d; ++j) store(dst[j], acc[size_t(j)] / l);
+    const float inv = 1.0f / l;  // as an unsplit task normalises: one split gives the same bits
+    for (int64_t j = 0; j < d; ++j) store(dst[j], acc[size_t(j)] * inv);
   }
 }
 
@@ -431,9 +424,7 @@ void paged_attention(const trtpaged_attention_params& p, const trtpaged_attentio
   write_kv(p, pool, k, v, cache, positions, query_start, block_tables);
   int64_t num_partials = 0;
   const std::vector<Task> tasks = plan_tasks(p, opt.sliding_window, positions, query_start, &num_partials);
-  // Partial rows are indexed by task.partial * rows; rows per task <= kQueryChunk * num_heads.
-  const int64_t max_rows = int64_t(kQueryChunk) * p.num_heads;
-  std::vector<float> partials(size_t(num_partials * max_rows * (p.head_dim + 2)));
+  std::vector<float> partials(size_t(num_partials * (p.head_dim + 2)));  // num_partials: rows
   // Tasks are handed out one at a time, as schedule(dynamic, 1) would, but a thread claims its next
   // one before it finishes the current one (run_task), to prefetch it.
   std::atomic<size_t> next_task{0};
