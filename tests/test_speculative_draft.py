@@ -345,3 +345,19 @@ def test_smollm2_greedy_identical_with_a_draft_engine(request):
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     stats = spec.stats()
     assert stats["spec_decode_acceptance_rate"] > 0.9 and stats["num_steps"] < plain.stats()["num_steps"]
+
+
+@pytest.mark.parametrize("held", [-1, "106000000", 1.5, True, float("nan")])
+def test_a_lying_weight_bytes_figure_is_refused_by_name(tiny_engine_dir, held):
+    """The default draft_token_cost reads the manifest's quantization.weight_bytes, an untrusted figure: a
+    negative, fractional, boolean or text value is an EngineDirError naming the field, not a ratio."""
+    import dataclasses
+
+    from trtpaged.engine_files import held_weight_bytes
+    from trtpaged.manifest import EngineDirError, read_manifest
+
+    manifest = dataclasses.replace(read_manifest(tiny_engine_dir), quantization={"weight_bytes": held})
+    with pytest.raises(EngineDirError, match="quantization.weight_bytes: expected a whole number of bytes >= 0"):
+        held_weight_bytes(tiny_engine_dir, manifest)
+    good = dataclasses.replace(manifest, quantization={"weight_bytes": 12345})
+    assert held_weight_bytes(tiny_engine_dir, good) == 12345

@@ -119,9 +119,14 @@ def _entry(name: str, info: Any, base: int, bad) -> TensorEntry:
 
 
 def held_weight_bytes(engine_dir: Path, manifest: Manifest) -> int:
-    """Bytes of rank 0's weights as the runtime holds them (the quantized codes and scales where quantized)."""
-    if manifest.quantization.get("weight_bytes"):
-        return int(manifest.quantization["weight_bytes"])
+    """Bytes of rank 0's weights as the runtime holds them (the quantized codes and scales where quantized).
+    The manifest's figure is untrusted: anything but a whole number of bytes >= 0 is an EngineDirError."""
+    held = manifest.quantization.get("weight_bytes")
+    if held is not None and (isinstance(held, bool) or not isinstance(held, int) or held < 0):
+        raise EngineDirError(engine_dir / MANIFEST_NAME, "quantization.weight_bytes",
+                             f"expected a whole number of bytes >= 0, got {held!r}", limit=0)  # fmt: skip
+    if held:
+        return held
     path = engine_dir / manifest.weights_file  # rank 0's shard: what one device holds
     return path.stat().st_size if path.is_file() else 0
 
