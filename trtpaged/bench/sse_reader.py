@@ -81,7 +81,7 @@ def chat_text(payloads: list[Any]) -> tuple[str, int]:
     return text, tokens
 
 
-async def _batch(url: str, bodies: list[dict[str, Any]]) -> tuple[float, list[str], float, int]:
+async def _batch(url: str, bodies: list[dict[str, Any]]) -> tuple[float, list[str], float]:
     u = urlparse(url)
     host, port = u.hostname or "127.0.0.1", u.port or 80
     start, cpu = time.perf_counter(), time.thread_time()
@@ -89,11 +89,10 @@ async def _batch(url: str, bodies: list[dict[str, Any]]) -> tuple[float, list[st
     wall, cpu = time.perf_counter() - start, time.thread_time() - cpu
     results = [chat_text(sse_payloads(raw)) for raw in raws]  # after the clock: not part of the run
     tokens = sum(t for _, t in results)
-    return tokens / wall, [text for text, _ in results], cpu, tokens
+    return tokens / wall, [text for text, _ in results], cpu
 
 
 def bare_batch_rate(url: str, bodies: list[dict[str, Any]]) -> tuple[float, list[str], float]:
     """(output tok/s over the wall time, texts, the reader's CPU seconds while the streams ran) of the chat
     request `bodies` streamed concurrently (each with `stream_options.include_usage`)."""
-    rate, texts, cpu, _ = asyncio.run(_batch(url, bodies))
-    return rate, texts, cpu
+    return asyncio.run(_batch(url, bodies))
