@@ -219,7 +219,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"))) vo
   for (int64_t b = 0; b < l.nblocks; ++b) {
     const uint8_t* blk = t.tile + b * l.block_bytes;
     __m512i s[MB];
-    for (int i = 0; i < MB; ++i) s[i] = BITS == 8 ? _mm512_set1_epi32(r0[i * l.nblocks + b].nbias) : _mm512_setzero_si512();
+    for (int i = 0; i < MB; ++i)
+      s[i] = BITS == 8 ? _mm512_set1_epi32(r0[i * l.nblocks + b].nbias) : _mm512_setzero_si512();
     const int8_t* xb = x0 + b * 32;
     if (BITS == 8) {
       for (int g = 0; g < 8; ++g) {
