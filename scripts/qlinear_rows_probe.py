@@ -1,0 +1,149 @@
+"""One CPU linear at a few row counts, two kernel libraries interleaved, one thread: GFLOP/s against a pure-FMA peak.
+docs/benchmarks.md, issue 21 ("The AVX2 multi-row linears").
+
+    PYTHONPATH=$PWD python scripts/qlinear_rows_probe.py [--old LIB] [--new LIB] [--isa avx2] [--rows 1,4,8,16,32]
+
+SmolLM2-135M's shapes (qkv 576->960, o 576->576, gate_up 576->3072, down 1536->576 in int4, the LM head 576->49152
+in int8) on the paths the engines take: int4 with float activations (the int4 engine), int4 with int8 activations
+(w4a8) and the int8 LM head both ways. Weights stay in cache (the same weight every call): at several rows these
+linears are compute-bound, which is what this measures. Each round times a batch of calls of each library in turn
+(thread CPU time, so other load on the machine counts less); the medians over the rounds are reported as
+GFLOP/s = 2 M K N / t, and as a fraction of the peak of this core's FMA units at the ISA's vector width, timed with
+a loop of independent FMAs compiled here (cc) in the same run. --old defaults to $TRTPAGED_KERNELS_LIB (e.g. main's
+build), --new to this checkout's build/dev library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPES = {  # name: (bits, n, k)
+    "qkv": (4, 960, 576),
+    "o": (4, 576, 576),
+    "gate_up": (4, 3072, 576),
+    "down": (4, 576, 1536),
+    "lm_head": (8, 49152, 576),
+}
+GROUP = 32
+PEAK_SOURCE = r"""
+#include <immintrin.h>
+/* 12 independent FMA chains (enough for 2 units of latency <= 6), iters x 12 FMAs of `width` floats. */
+__attribute__((target("avx2,fma"))) float fma256(long iters) {
+  __m256 a[12]; const __m256 m = _mm256_set1_ps(0.999f), c = _mm256_set1_ps(1e-3f);
+  for (int i = 0; i < 12; ++i) a[i] = _mm256_set1_ps((float)i);
+  for (long it = 0; it < iters; ++it)
+    for (int i = 0; i < 12; ++i) a[i] = _mm256_fmadd_ps(a[i], m, c);
+  __m256 s = a[0]; for (int i = 1; i < 12; ++i) s = _mm256_add_ps(s, a[i]);
+  return _mm256_cvtss_f32(s);
+}
+__attribute__((target("avx512f"))) float fma512(long iters) {
+  __m512 a[12]; const __m512 m = _mm512_set1_ps(0.999f), c = _mm512_set1_ps(1e-3f);
+  for (int i = 0; i < 12; ++i) a[i] = _mm512_set1_ps((float)i);
+  for (long it = 0; it < iters; ++it)
+    for (int i = 0; i < 12; ++i) a[i] = _mm512_fmadd_ps(a[i], m, c);
+  __m512 s = a[0]; for (int i = 1; i < 12; ++i) s = _mm512_add_ps(s, a[i]);
+  return _mm512_reduce_add_ps(s);
+}
+"""
+
+
+def fma_peak_gflops(width: int, rounds: int) -> float:
+    """Best GFLOP/s of a loop of independent FMAs of `width` bits on this thread (2 flops per lane per FMA)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src, lib = Path(tmp) / "peak.c", Path(tmp) / "peak.so"
+        src.write_text(PEAK_SOURCE)
+        subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+        fn = getattr(ctypes.CDLL(str(lib)), f"fma{width}")
+        fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_long]
+        iters, best = 2_000_000, 0.0
+        for _ in range(rounds):
+            t0 = time.thread_time()
+            fn(iters)
+            best = max(best, iters * 12 * (width // 32) * 2 / (time.thread_time() - t0) / 1e9)
+        return best
+
+
+def load(path: str) -> ctypes.CDLL:
+    lib = ctypes.CDLL(path)
+    lib.trtpaged_qlinear_cpu_ex.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32,
+                                            ctypes.c_int64, ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p,
+                                            ctypes.c_void_p, ctypes.c_int32]  # fmt: skip
+    lib.trtpaged_cpu_isa.restype = ctypes.c_char_p
+    return lib
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--old", default=os.environ.get("TRTPAGED_KERNELS_LIB", "/work/wt/lib0/libtrtpaged_kernels.so"))
+    parser.add_argument("--new", default=str(ROOT / "build/dev/libtrtpaged_kernels.so"))
+    parser.add_argument("--isa", default="avx2", help="TRTPAGED_CPU_ISA for both libraries")
+    parser.add_argument("--rows", default="1,4,8,16,32")
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--budget-ms", type=float, default=20.0, help="time per library per round and case")
+    args = parser.parse_args()
+    os.environ["TRTPAGED_CPU_ISA"] = args.isa
+    os.environ["OMP_NUM_THREADS"] = "1"  # before the libraries' OpenMP starts
+    import torch  # after OMP_NUM_THREADS
+
+    from trtpaged.kernels import qlinear_pack
+
+    torch.set_num_threads(1)
+    libs = {"old": load(args.old), "new": load(args.new)}
+    for name, lib in libs.items():
+        print(f"{name}: {getattr(args, name)} isa {lib.trtpaged_cpu_isa().decode()}")
+    width = 512 if args.isa == "avx512vnni" else 256
+    peak = fma_peak_gflops(width, 5)
+    print(f"FMA peak, one thread, {width}-bit: {peak:.1f} GFLOP/s; load average {open('/proc/loadavg').read().strip()}")
+    paths = [("int4 float acts", 1, ("qkv", "o", "gate_up", "down")), ("int4 int8 acts", 0, ("qkv", "o", "gate_up",
+             "down")), ("int8 lm_head float acts", 1, ("lm_head",)), ("int8 lm_head int8 acts", 0, ("lm_head",))]
+    rows = [int(r) for r in args.rows.split(",")]
+    wanted = set(args.shapes.split(","))
+    gen = torch.Generator().manual_seed(0)
+    print(f"{'path':24} {'shape':8} {'M':>3} {'old GF/s':>9} {'new GF/s':>9} {'new/old':>8} {'old %pk':>8} {'new %pk':>8}")
+    for label, acts, names in paths:
+        for shape in (s for s in names if s in wanted):
+            bits, n, k = SHAPES[shape]
+            if bits == 8:
+                codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+                offsets = None
+            else:
+                codes = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
+                offsets = (torch.randn(n, k // GROUP, generator=gen) * 0.05).half().float()
+            scales = (torch.rand(n, k // GROUP, generator=gen) * 0.01 + 1e-3).half().float()
+            packed = qlinear_pack(bits, codes, scales, offsets, GROUP)
+            for m in rows:
+                x = torch.randn(m, k, generator=gen)
+                ys = {name: torch.empty(m, n) for name in libs}
+                calls = {name: (lambda lib=lib, y=ys[name]: lib.trtpaged_qlinear_cpu_ex(
+                    x.data_ptr(), m, packed.data_ptr(), bits, n, k, GROUP, None, y.data_ptr(), acts))
+                    for name, lib in libs.items()}  # fmt: skip
+                for call in calls.values():
+                    assert call() == 0
+                t0 = time.thread_time()
+                calls["old"]()
+                reps = max(1, int(args.budget_ms / 1e3 / max(time.thread_time() - t0, 1e-6)))
+                times: dict[str, list[float]] = {name: [] for name in libs}
+                for _ in range(args.rounds):
+                    for name, call in calls.items():
+                        t0 = time.thread_time()
+                        for _ in range(reps):
+                            call()
+                        times[name].append((time.thread_time() - t0) / reps)
+                flops = 2.0 * m * k * n
+                gf = {name: flops / statistics.median(t) / 1e9 for name, t in times.items()}
+                print(f"{label:24} {shape:8} {m:3d} {gf['old']:9.1f} {gf['new']:9.1f} {gf['new'] / gf['old']:7.2f}x"
+                      f" {100 * gf['old'] / peak:7.0f}% {100 * gf['new'] / peak:7.0f}%", flush=True)
+    print(f"load average {open('/proc/loadavg').read().strip()}")
+
+
+if __name__ == "__main__":
+    main()
