@@ -392,6 +392,14 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) int ftile_avx
 constexpr int kFloatChunkBlocks = 4;  // 128 inputs: 8 KiB of decoded weights
 constexpr int kFloatMaxRows = 64;     // activation rows per call
 
+// 2^e for |e| < 127, from its bits (a constant where e is: std::ldexp is a library call)
+inline float pow2(int e) {
+  const uint32_t bits = uint32_t(127 + e) << 23;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
 // w[j * kRows + r] = the weight of tile row r, input j of blocks b0 .. b0 + nb - 1 (without int4 offsets).
 template <int BITS>
 __attribute__((target("avx2,fma,f16c"))) void decode_chunk_avx2(const Layout& l, const uint8_t* tile, int64_t b0,
@@ -408,7 +416,7 @@ __attribute__((target("avx2,fma,f16c"))) void decode_chunk_avx2(const Layout& l,
         __m256 s[8];
         for (int e = 0; e < 8; ++e) {
           const int shift = 8 * (e % 4) + 4 * (e / 4);
-          s[e] = shift == 28 ? sw : _mm256_mul_ps(sw, _mm256_set1_ps(std::ldexp(1.f, -shift)));
+          s[e] = shift == 28 ? sw : _mm256_mul_ps(sw, _mm256_set1_ps(pow2(-shift)));
         }
 #pragma GCC unroll 4
         for (int g = 0; g < 4; ++g) {
@@ -427,7 +435,7 @@ __attribute__((target("avx2,fma,f16c"))) void decode_chunk_avx2(const Layout& l,
         // (scale * 2^-8e) - 128 * scale in one FMA, whose one rounding leaves the exact q * scale
         const __m256 nbias = _mm256_mul_ps(sw, _mm256_set1_ps(-128.f));
         __m256 s[4];
-        for (int e = 0; e < 4; ++e) s[e] = e % 3 == 0 ? sw : _mm256_mul_ps(sw, _mm256_set1_ps(std::ldexp(1.f, -8 * e)));
+        for (int e = 0; e < 4; ++e) s[e] = e % 3 == 0 ? sw : _mm256_mul_ps(sw, _mm256_set1_ps(pow2(-8 * e)));
 #pragma GCC unroll 8
         for (int g = 0; g < 8; ++g) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * g + 32 * half));
@@ -442,55 +450,115 @@ __attribute__((target("avx2,fma,f16c"))) void decode_chunk_avx2(const Layout& l,
   }
 }
 
-// acc[i * kRows + r] += sum over j < kc of w[j * kRows + r] * x[i * ldx + j], for R rows, j in order.
-template <int R>
-__attribute__((target("avx2,fma"))) void float_rows_avx2(const float* w, int kc, const float* x, int64_t ldx,
-                                                         float* acc) {
-  __m256 a0[R], a1[R];
-  for (int i = 0; i < R; ++i) {
-    a0[i] = _mm256_loadu_ps(acc + i * kRows);
-    a1[i] = _mm256_loadu_ps(acc + i * kRows + 8);
+// acc[i * kRows + r] += sum over j < kc of w[j * kRows + r] * x[i * ldx + j], for R <= 6 rows, j in order.
+// DUAL (R <= 3): also acc2 += the same over w2 and x2, two independent chains interleaved (few rows alone would
+// wait on the FMA latency). Named accumulators, not arrays: GCC kept arrays of them in registers but also
+// stored every one to the stack after each FMA (2x slower).
+#define TRTPAGED_FROW_LOAD(i)                          \
+  __m256 p##i = _mm256_setzero_ps(), q##i = p##i;     \
+  __m256 u##i = p##i, v##i = p##i;                    \
+  if constexpr (R > i) {                              \
+    p##i = _mm256_loadu_ps(acc + i * kRows);          \
+    q##i = _mm256_loadu_ps(acc + i * kRows + 8);      \
+    if constexpr (DUAL) {                             \
+      u##i = _mm256_loadu_ps(acc2 + i * kRows);       \
+      v##i = _mm256_loadu_ps(acc2 + i * kRows + 8);   \
+    }                                                 \
   }
+#define TRTPAGED_FROW_FMA(i)                                   \
+  if constexpr (R > i) {                                      \
+    const __m256 xb = _mm256_broadcast_ss(x + i * ldx + j);   \
+    p##i = _mm256_fmadd_ps(w0, xb, p##i);                     \
+    q##i = _mm256_fmadd_ps(w1, xb, q##i);                     \
+    if constexpr (DUAL) {                                     \
+      const __m256 xc = _mm256_broadcast_ss(x2 + i * ldx + j); \
+      u##i = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + j * kRows), xc, u##i);     \
+      v##i = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + j * kRows + 8), xc, v##i); \
+    }                                                         \
+  }
+#define TRTPAGED_FROW_STORE(i)                    \
+  if constexpr (R > i) {                         \
+    _mm256_storeu_ps(acc + i * kRows, p##i);       \
+    _mm256_storeu_ps(acc + i * kRows + 8, q##i);   \
+    if constexpr (DUAL) {                        \
+      _mm256_storeu_ps(acc2 + i * kRows, u##i);     \
+      _mm256_storeu_ps(acc2 + i * kRows + 8, v##i); \
+    }                                            \
+  }
+template <int R, bool DUAL = false>
+__attribute__((target("avx2,fma"))) void float_rows_avx2(const float* w, int kc, const float* x, int64_t ldx,
+                                                         float* acc, const float* w2 = nullptr,
+                                                         const float* x2 = nullptr, float* acc2 = nullptr) {
+  static_assert(R >= 1 && R <= (DUAL ? 3 : 6), "1 to 6 rows, 1 to 3 dual");
+  TRTPAGED_FROW_LOAD(0) TRTPAGED_FROW_LOAD(1) TRTPAGED_FROW_LOAD(2)
+  TRTPAGED_FROW_LOAD(3) TRTPAGED_FROW_LOAD(4) TRTPAGED_FROW_LOAD(5)
   for (int j = 0; j < kc; ++j) {
     const __m256 w0 = _mm256_loadu_ps(w + j * kRows), w1 = _mm256_loadu_ps(w + j * kRows + 8);
-    for (int i = 0; i < R; ++i) {
-      const __m256 xb = _mm256_broadcast_ss(x + i * ldx + j);
-      a0[i] = _mm256_fmadd_ps(w0, xb, a0[i]);
-      a1[i] = _mm256_fmadd_ps(w1, xb, a1[i]);
-    }
+    TRTPAGED_FROW_FMA(0) TRTPAGED_FROW_FMA(1) TRTPAGED_FROW_FMA(2)
+    TRTPAGED_FROW_FMA(3) TRTPAGED_FROW_FMA(4) TRTPAGED_FROW_FMA(5)
   }
-  for (int i = 0; i < R; ++i) {
-    _mm256_storeu_ps(acc + i * kRows, a0[i]);
-    _mm256_storeu_ps(acc + i * kRows + 8, a1[i]);
-  }
+  TRTPAGED_FROW_STORE(0) TRTPAGED_FROW_STORE(1) TRTPAGED_FROW_STORE(2)
+  TRTPAGED_FROW_STORE(3) TRTPAGED_FROW_STORE(4) TRTPAGED_FROW_STORE(5)
 }
+#undef TRTPAGED_FROW_LOAD
+#undef TRTPAGED_FROW_FMA
+#undef TRTPAGED_FROW_STORE
 
+// Each row and 8 outputs sum in two FMA chains, over blocks [0, h) and [h, nblocks) (h = nblocks / 2), added at
+// the end: up to 3 rows run both chains at once, more rows one after the other; the same sums either way.
 template <int BITS>
 __attribute__((target("avx2,fma,f16c"))) int ftile_avx2(const TileArgs& t, int count, float* out) {
   const Layout& l = *t.l;
   const int m = std::min(count, kFloatMaxRows);
-  alignas(32) float w[kFloatChunkBlocks * 32 * kRows];
+  const int64_t h = l.nblocks / 2;
+  alignas(32) float w[kFloatChunkBlocks * 32 * kRows], w2[kFloatChunkBlocks * 32 * kRows];
+  alignas(32) float out2[kFloatMaxRows * kRows];  // the second chains
   std::fill(out, out + m * kRows, 0.f);
-  for (int64_t b0 = 0; b0 < l.nblocks; b0 += kFloatChunkBlocks) {
-    const int nb = int(std::min<int64_t>(kFloatChunkBlocks, l.nblocks - b0));
-    decode_chunk_avx2<BITS>(l, t.tile, b0, nb, w);
-    const float* xc = t.x + b0 * 32;
-    for (int i = 0; i < m;) {
-      // groups of at most 6 rows, as even as possible: 4 rows or more keep both FMA units busy
-      const int left = m - i, groups = (left + 5) / 6, r = (left + groups - 1) / groups;
-      float* acc = out + i * kRows;
-      const float* xr = xc + i * l.k;
-      switch (r) {
-        case 6: float_rows_avx2<6>(w, nb * 32, xr, l.k, acc); break;
-        case 5: float_rows_avx2<5>(w, nb * 32, xr, l.k, acc); break;
-        case 4: float_rows_avx2<4>(w, nb * 32, xr, l.k, acc); break;
-        case 3: float_rows_avx2<3>(w, nb * 32, xr, l.k, acc); break;
-        case 2: float_rows_avx2<2>(w, nb * 32, xr, l.k, acc); break;
-        default: float_rows_avx2<1>(w, nb * 32, xr, l.k, acc); break;
+  std::fill(out2, out2 + m * kRows, 0.f);
+  // rows i .. i + r - 1 over the decoded blocks b0 .. b0 + nb - 1 of w, into acc
+  auto rows = [&](const float* wc, int64_t b0, int nb, int i, int r, float* acc) {
+    const float* xr = t.x + i * l.k + b0 * 32;
+    switch (r) {
+      case 6: float_rows_avx2<6>(wc, nb * 32, xr, l.k, acc); break;
+      case 5: float_rows_avx2<5>(wc, nb * 32, xr, l.k, acc); break;
+      case 4: float_rows_avx2<4>(wc, nb * 32, xr, l.k, acc); break;
+      case 3: float_rows_avx2<3>(wc, nb * 32, xr, l.k, acc); break;
+      case 2: float_rows_avx2<2>(wc, nb * 32, xr, l.k, acc); break;
+      default: float_rows_avx2<1>(wc, nb * 32, xr, l.k, acc); break;
+    }
+  };
+  int64_t hi_done = h;  // the second chains' blocks before this are summed
+  if (m <= 3) {
+    for (int64_t b0 = 0; b0 < h; b0 += kFloatChunkBlocks) {
+      const int nb = int(std::min<int64_t>(kFloatChunkBlocks, h - b0));
+      decode_chunk_avx2<BITS>(l, t.tile, b0, nb, w);
+      decode_chunk_avx2<BITS>(l, t.tile, h + b0, nb, w2);
+      const float* x1 = t.x + b0 * 32;
+      const float* x2 = t.x + (h + b0) * 32;
+      switch (m) {
+        case 3: float_rows_avx2<3, true>(w, nb * 32, x1, l.k, out, w2, x2, out2); break;
+        case 2: float_rows_avx2<2, true>(w, nb * 32, x1, l.k, out, w2, x2, out2); break;
+        default: float_rows_avx2<1, true>(w, nb * 32, x1, l.k, out, w2, x2, out2); break;
       }
-      i += r;
+    }
+    hi_done = 2 * h;
+  }
+  for (int chain = m <= 3 ? 1 : 0; chain < 2; ++chain) {
+    const int64_t bbeg = chain == 0 ? 0 : hi_done, bend = chain == 0 ? h : l.nblocks;
+    float* acc = chain == 0 ? out : out2;
+    for (int64_t b0 = bbeg; b0 < bend; b0 += kFloatChunkBlocks) {
+      const int nb = int(std::min<int64_t>(kFloatChunkBlocks, bend - b0));
+      decode_chunk_avx2<BITS>(l, t.tile, b0, nb, w);
+      for (int i = 0; i < m;) {
+        // groups of at most 6 rows, as even as possible: 4 rows or more keep both FMA units busy
+        const int left = m - i, groups = (left + 5) / 6, r = (left + groups - 1) / groups;
+        rows(w, b0, nb, i, r, acc + i * kRows);
+        i += r;
+      }
     }
   }
+  for (int i = 0; i < m * kRows; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_add_ps(_mm256_loadu_ps(out + i), _mm256_loadu_ps(out2 + i)));
   if constexpr (BITS == 4) {
     const uint16_t* oh = reinterpret_cast<const uint16_t*>(t.tile + l.nblocks * l.block_bytes);
     for (int i = 0; i < m; ++i) {
