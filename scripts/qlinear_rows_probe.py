@@ -8,7 +8,7 @@ in int8) on the paths the engines take: int4 with float activations (the int4 en
 (w4a8) and the int8 LM head both ways. Weights stay in cache (the same weight every call): at several rows these
 linears are compute-bound, which is what this measures. Each round times a batch of calls of each library in turn
 (thread CPU time, so other load on the machine counts less); the medians over the rounds are reported as
-GFLOP/s = 2 M K N / t, and as a fraction of the peak of this core's FMA units at the ISA's vector width, timed with
+GFLOP/s = 2 M K N / t (and whether the two libraries' outputs are bit-identical), and as a fraction of the peak of this core's FMA units at the ISA's vector width, timed with
 a loop of independent FMAs compiled here (cc) in the same run. --old defaults to $TRTPAGED_KERNELS_LIB (e.g. main's
 build), --new to this checkout's build/dev library.
 """
@@ -110,7 +110,7 @@ def main() -> None:
     rows = [int(r) for r in args.rows.split(",")]
     wanted = set(args.shapes.split(","))
     gen = torch.Generator().manual_seed(0)
-    print(f"{'path':24} {'shape':8} {'M':>3} {'old GF/s':>9} {'new GF/s':>9} {'new/old':>8} {'old %pk':>8} {'new %pk':>8}")
+    print(f"{'path':24} {'shape':8} {'M':>3} {'old GF/s':>9} {'new GF/s':>9} {'new/old':>8} {'old %pk':>8} {'new %pk':>8}  same bits")
     for label, acts, names in paths:
         for shape in (s for s in names if s in wanted):
             bits, n, k = SHAPES[shape]
@@ -130,6 +130,7 @@ def main() -> None:
                     for name, lib in libs.items()}  # fmt: skip
                 for call in calls.values():
                     assert call() == 0
+                same = "yes" if torch.equal(ys["old"], ys["new"]) else f"no ({(ys['old'] - ys['new']).abs().max():.1e})"
                 t0 = time.thread_time()
                 calls["old"]()
                 reps = max(1, int(args.budget_ms / 1e3 / max(time.thread_time() - t0, 1e-6)))
@@ -143,7 +144,7 @@ def main() -> None:
                 flops = 2.0 * m * k * n
                 gf = {name: flops / statistics.median(t) / 1e9 for name, t in times.items()}
                 print(f"{label:24} {shape:8} {m:3d} {gf['old']:9.1f} {gf['new']:9.1f} {gf['new'] / gf['old']:7.2f}x"
-                      f" {100 * gf['old'] / peak:7.0f}% {100 * gf['new'] / peak:7.0f}%", flush=True)
+                      f" {100 * gf['old'] / peak:7.0f}% {100 * gf['new'] / peak:7.0f}%  {same}", flush=True)
     print(f"load average {open('/proc/loadavg').read().strip()}")
 
 

@@ -296,6 +296,24 @@ def test_int8_activations_row_results_do_not_depend_on_the_batch(isa: str, bits:
     check(bits, 17, 40, 576, 32, seed=31, x=x)  # and the rows are right
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("k", [96, 576])
+def test_float_activations_row_results_do_not_depend_on_the_batch(isa: str, bits: int, k: int) -> None:
+    # From two rows on, float activations run the float tiles: a row's output must be bit-identical whichever rows
+    # share the call (speculation's verification steps), for every row count, register block and tail (AVX2 int4:
+    # 1-3 rows run both halves of the blocks at once, more rows in groups of 4-6, calls of up to 64 rows; K = 96
+    # has an odd number of blocks).
+    codes, scales, offsets, _ = make_weight(bits, 40, k, 32, seed=41)
+    packed = kernels.qlinear_pack(bits, codes, scales, offsets, 32)
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(42)) * 2
+    every = kernels.qlinear(x, packed, bits, 40, k, 32, float_activations=True)
+    for m in (2, 3, 4, 5, 7, 8, 13, 16, 17):
+        assert torch.equal(kernels.qlinear(x[:m], packed, bits, 40, k, 32, float_activations=True), every[:m]), m
+        assert torch.equal(kernels.qlinear(x[70 - m :], packed, bits, 40, k, 32, float_activations=True),
+                           every[70 - m :]), m  # fmt: skip
+    check_float(bits, 70, 40, k, 32, seed=41, x=x)  # and the rows are right
+
+
 @pytest.mark.parametrize("bits,group", [(8, 64), (8, 128), (8, "k"), (4, 64), (4, 128)])
 def test_float_activations_group_sizes(isa: str, bits: int, group) -> None:
     k = 384 if group != "k" else 576

@@ -382,13 +382,75 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) int ftile_avx
   }
 }
 
-// Float activations, AVX2: a chunk of kFloatChunkBlocks blocks of the tile is decoded once into floats
-// (code x block scale, exact in fp32: at most 8 x 11 significant bits), then register-blocked microkernels
-// run every activation row of the call (up to kFloatMaxRows) over it, 4-6 rows x the tile's two 8-row
-// vectors at a time. Each row and vector keeps one FMA chain over its inputs in order, whatever the row
-// count and grouping: a row's output does not depend on the rows with it. (The form before this decoded
-// the codes in registers for every call of at most 4 rows: 3 decode instructions per 4 FMAs, about half
-// the FMA peak; see docs/benchmarks.md, issue 21.)
+// Float activations, AVX2, int8 weights: ftile_avx2_mb, up to 4 rows per call (the code registers decoded
+// for each call; the int4 weights' form below measured slower for the LM head at 2-8 rows: docs/benchmarks.md).
+template <int BITS, int MB>
+__attribute__((target("avx2,fma,f16c"))) void ftile_avx2_mb(const TileArgs& t, float* out) {
+  const Layout& l = *t.l;
+  const __m256i flip = _mm256_set1_epi8(char(0x80));
+  const __m256i low4 = _mm256_set1_epi32(0x0F);
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[MB];
+    for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < l.nblocks; ++b) {
+      const uint8_t* blk = t.tile + b * l.block_bytes;
+      const __m256 sw =
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + l.block_codes + 16 * half)));
+      __m256 s[MB][2];
+      for (int i = 0; i < MB; ++i) s[i][0] = s[i][1] = _mm256_setzero_ps();
+#pragma GCC unroll 8
+      for (int g = 0; g < (BITS == 8 ? 8 : 4); ++g) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * g + 32 * half));
+#pragma GCC unroll 8
+        for (int e = 0; e < (BITS == 8 ? 4 : 8); ++e) {
+          __m256i c;
+          int j;
+          if (BITS == 8) {
+            const __m256i q = _mm256_xor_si256(v, flip);
+            c = e == 3 ? _mm256_srai_epi32(q, 24) : _mm256_srai_epi32(_mm256_slli_epi32(q, 24 - 8 * e), 24);
+            j = 4 * g + e;
+          } else {
+            const int byte = e % 4, nib = e / 4;
+            c = _mm256_and_si256(_mm256_srli_epi32(v, 8 * byte + 4 * nib), low4);
+            j = 4 * (g + 4 * nib) + byte;
+          }
+          const __m256 wf = _mm256_cvtepi32_ps(c);
+          for (int i = 0; i < MB; ++i)
+            s[i][e & 1] = _mm256_fmadd_ps(wf, _mm256_set1_ps(t.x[i * l.k + b * 32 + j]), s[i][e & 1]);
+        }
+      }
+      for (int i = 0; i < MB; ++i) acc[i] = _mm256_fmadd_ps(_mm256_add_ps(s[i][0], s[i][1]), sw, acc[i]);
+    }
+    if (BITS == 4) {
+      const uint16_t* oh = reinterpret_cast<const uint16_t*>(t.tile + l.nblocks * l.block_bytes);
+      for (int64_t g = 0; g < l.ngroups; ++g) {
+        const __m256 o = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(oh + g * kRows + 8 * half)));
+        for (int i = 0; i < MB; ++i)
+          acc[i] = _mm256_fmadd_ps(o, _mm256_set1_ps(t.xgroup[(t.m0 + i) * l.ngroups + g]), acc[i]);
+      }
+    }
+    for (int i = 0; i < MB; ++i) _mm256_storeu_ps(out + i * kRows + 8 * half, acc[i]);
+  }
+}
+
+template <int BITS>
+__attribute__((target("avx2,fma,f16c"))) int ftile_avx2_rows(const TileArgs& t, int count, float* out) {
+  switch (std::min(count, 4)) {
+    case 4: return ftile_avx2_mb<BITS, 4>(t, out), 4;
+    case 3: return ftile_avx2_mb<BITS, 3>(t, out), 3;
+    case 2: return ftile_avx2_mb<BITS, 2>(t, out), 2;
+    default: return ftile_avx2_mb<BITS, 1>(t, out), 1;
+  }
+}
+
+// Float activations, AVX2, int4 weights: a chunk of kFloatChunkBlocks blocks of the tile is decoded once into
+// floats (code x block scale: exact in fp32, 4 x 11 significant bits), then register-blocked microkernels run every
+// activation row of the call (up to kFloatMaxRows) over it, 4-6 rows x the tile's two 8-row vectors at a time
+// (ftile_avx2_mb decodes the codes in registers for every call of at most 4 rows: 3 decode instructions per 4
+// FMAs, and one load per FMA). Each row and 8 outputs sum in two FMA chains, over blocks [0, h) and
+// [h, nblocks), inputs in order, whatever the row count and grouping: a row's output does not depend on the rows
+// with it. Single thread, forced AVX2 on the EPYC, against ftile_avx2_mb (scripts/qlinear_rows_probe.py,
+// docs/benchmarks.md, issue 21): 1.05-1.35x at 6-64 rows, 0.7-0.8x at 2-4 (the decode's multiply and store).
 constexpr int kFloatChunkBlocks = 4;  // 128 inputs: 8 KiB of decoded weights
 constexpr int kFloatMaxRows = 64;     // activation rows per call
 
@@ -400,8 +462,7 @@ inline float pow2(int e) {
   return f;
 }
 
-// w[j * kRows + r] = the weight of tile row r, input j of blocks b0 .. b0 + nb - 1 (without int4 offsets).
-template <int BITS>
+// w[j * kRows + r] = the int4 weight of tile row r, input j of blocks b0 .. b0 + nb - 1 (without the offsets).
 __attribute__((target("avx2,fma,f16c"))) void decode_chunk_avx2(const Layout& l, const uint8_t* tile, int64_t b0,
                                                                    int nb, float* w) {
   for (int bb = 0; bb < nb; ++bb) {
@@ -410,40 +471,23 @@ __attribute__((target("avx2,fma,f16c"))) void decode_chunk_avx2(const Layout& l,
     for (int half = 0; half < 2; ++half) {
       const __m256 sw =
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + l.block_codes + 16 * half)));
-      if constexpr (BITS == 4) {
-        // The code is masked in place (q * 2^shift, exact in float) and its scale carries 2^-shift: the product
-        // is q * scale exactly, one shift saved; the top nibble (shift 28) would set the sign bit, so it shifts.
-        __m256 s[8];
-        for (int e = 0; e < 8; ++e) {
-          const int shift = 8 * (e % 4) + 4 * (e / 4);
-          s[e] = shift == 28 ? sw : _mm256_mul_ps(sw, _mm256_set1_ps(pow2(-shift)));
-        }
+      // The code is masked in place (q * 2^shift, exact in float) and its scale carries 2^-shift: the product is
+      // q * scale exactly, one shift saved; the top nibble (shift 28) would set the sign bit, so it shifts.
+      __m256 s[8];
+      for (int e = 0; e < 8; ++e) {
+        const int shift = 8 * (e % 4) + 4 * (e / 4);
+        s[e] = shift == 28 ? sw : _mm256_mul_ps(sw, _mm256_set1_ps(pow2(-shift)));
+      }
 #pragma GCC unroll 4
-        for (int g = 0; g < 4; ++g) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * g + 32 * half));
+      for (int g = 0; g < 4; ++g) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * g + 32 * half));
 #pragma GCC unroll 8
-          for (int e = 0; e < 8; ++e) {  // quad g in the low nibbles, quad g + 4 in the high
-            const int byte = e % 4, nib = e / 4, shift = 8 * byte + 4 * nib;
-            const __m256i c =
-                shift == 28 ? _mm256_srli_epi32(v, 28) : _mm256_and_si256(v, _mm256_set1_epi32(0xF << shift));
-            _mm256_storeu_ps(wb + (4 * (g + 4 * nib) + byte) * kRows + 8 * half,
-                             _mm256_mul_ps(_mm256_cvtepi32_ps(c), s[e]));
-          }
-        }
-      } else {
-        // Stored bytes are q + 128, masked in place (the top one shifted down): (q + 128) * 2^(8e) *
-        // (scale * 2^-8e) - 128 * scale in one FMA, whose one rounding leaves the exact q * scale
-        const __m256 nbias = _mm256_mul_ps(sw, _mm256_set1_ps(-128.f));
-        __m256 s[4];
-        for (int e = 0; e < 4; ++e) s[e] = e % 3 == 0 ? sw : _mm256_mul_ps(sw, _mm256_set1_ps(pow2(-8 * e)));
-#pragma GCC unroll 8
-        for (int g = 0; g < 8; ++g) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * g + 32 * half));
-#pragma GCC unroll 4
-          for (int e = 0; e < 4; ++e) {
-            const __m256i c = e == 3 ? _mm256_srli_epi32(v, 24) : _mm256_and_si256(v, _mm256_set1_epi32(0xFF << 8 * e));
-            _mm256_storeu_ps(wb + (4 * g + e) * kRows + 8 * half, _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), s[e], nbias));
-          }
+        for (int e = 0; e < 8; ++e) {  // quad g in the low nibbles, quad g + 4 in the high
+          const int byte = e % 4, nib = e / 4, shift = 8 * byte + 4 * nib;
+          const __m256i c =
+              shift == 28 ? _mm256_srli_epi32(v, 28) : _mm256_and_si256(v, _mm256_set1_epi32(0xF << shift));
+          _mm256_storeu_ps(wb + (4 * (g + 4 * nib) + byte) * kRows + 8 * half,
+                           _mm256_mul_ps(_mm256_cvtepi32_ps(c), s[e]));
         }
       }
     }
@@ -506,8 +550,7 @@ __attribute__((target("avx2,fma"))) void float_rows_avx2(const float* w, int kc,
 
 // Each row and 8 outputs sum in two FMA chains, over blocks [0, h) and [h, nblocks) (h = nblocks / 2), added at
 // the end: up to 3 rows run both chains at once, more rows one after the other; the same sums either way.
-template <int BITS>
-__attribute__((target("avx2,fma,f16c"))) int ftile_avx2(const TileArgs& t, int count, float* out) {
+__attribute__((target("avx2,fma,f16c"))) int ftile_avx2_decoded(const TileArgs& t, int count, float* out) {
   const Layout& l = *t.l;
   const int m = std::min(count, kFloatMaxRows);
   const int64_t h = l.nblocks / 2;
@@ -531,8 +574,8 @@ __attribute__((target("avx2,fma,f16c"))) int ftile_avx2(const TileArgs& t, int c
   if (m <= 3) {
     for (int64_t b0 = 0; b0 < h; b0 += kFloatChunkBlocks) {
       const int nb = int(std::min<int64_t>(kFloatChunkBlocks, h - b0));
-      decode_chunk_avx2<BITS>(l, t.tile, b0, nb, w);
-      decode_chunk_avx2<BITS>(l, t.tile, h + b0, nb, w2);
+      decode_chunk_avx2(l, t.tile, b0, nb, w);
+      decode_chunk_avx2(l, t.tile, h + b0, nb, w2);
       const float* x1 = t.x + b0 * 32;
       const float* x2 = t.x + (h + b0) * 32;
       switch (m) {
@@ -548,7 +591,7 @@ __attribute__((target("avx2,fma,f16c"))) int ftile_avx2(const TileArgs& t, int c
     float* acc = chain == 0 ? out : out2;
     for (int64_t b0 = bbeg; b0 < bend; b0 += kFloatChunkBlocks) {
       const int nb = int(std::min<int64_t>(kFloatChunkBlocks, bend - b0));
-      decode_chunk_avx2<BITS>(l, t.tile, b0, nb, w);
+      decode_chunk_avx2(l, t.tile, b0, nb, w);
       for (int i = 0; i < m;) {
         // groups of at most 6 rows, as even as possible: 4 rows or more keep both FMA units busy
         const int left = m - i, groups = (left + 5) / 6, r = (left + groups - 1) / groups;
@@ -559,7 +602,7 @@ __attribute__((target("avx2,fma,f16c"))) int ftile_avx2(const TileArgs& t, int c
   }
   for (int i = 0; i < m * kRows; i += 8)
     _mm256_storeu_ps(out + i, _mm256_add_ps(_mm256_loadu_ps(out + i), _mm256_loadu_ps(out2 + i)));
-  if constexpr (BITS == 4) {
+  {  // the int4 offsets x sums of x per group
     const uint16_t* oh = reinterpret_cast<const uint16_t*>(t.tile + l.nblocks * l.block_bytes);
     for (int i = 0; i < m; ++i) {
       __m256 a0 = _mm256_loadu_ps(out + i * kRows), a1 = _mm256_loadu_ps(out + i * kRows + 8);
@@ -583,7 +626,7 @@ TileKernel tile_kernel(Isa isa, int bits, bool float_activations) {
     switch (isa) {
       case kAvx512Vnni: return bits == 8 ? ftile_avx512<8> : ftile_avx512<4>;
       case kAvxVnni:
-      case kAvx2: return bits == 8 ? ftile_avx2<8> : ftile_avx2<4>;
+      case kAvx2: return bits == 8 ? ftile_avx2_rows<8> : ftile_avx2_decoded;
       default: return bits == 8 ? tile_scalar<8, true> : tile_scalar<4, true>;
     }
   }
@@ -910,7 +953,7 @@ TRTPAGED_API trtpaged_status trtpaged_qlinear_cpu_ex(const float* x, int64_t m, 
     }
     run_tiles(l, tile_kernel(isa, bits, float_acts), float_acts ? nullptr : &acts, float_acts ? x : nullptr,
               float_acts && bits == 4 ? buf.group_sums.data() : nullptr, m, static_cast<const uint8_t*>(packed), bias,
-              y, 1, float_acts && (isa == kAvx2 || isa == kAvxVnni) ? kFloatMaxRows : kMaxMB);
+              y, 1, float_acts && bits == 4 && (isa == kAvx2 || isa == kAvxVnni) ? kFloatMaxRows : kMaxMB);
     return trtpaged_status(ok());
   } catch (const std::exception& e) {
     return trtpaged_status(fail(TRTPAGED_ERR_INVALID_ARGUMENT, std::string("qlinear_cpu: ") + e.what()));
