@@ -453,6 +453,7 @@ __attribute__((target("avx2,fma,f16c"))) int ftile_avx2_rows(const TileArgs& t, 
 // docs/benchmarks.md, issue 21): 1.05-1.35x at 6-64 rows, 0.7-0.8x at 2-4 (the decode's multiply and store).
 constexpr int kFloatChunkBlocks = 4;  // 128 inputs: 8 KiB of decoded weights
 constexpr int kFloatMaxRows = 64;     // activation rows per call
+constexpr int kFloatDualRows = 4;     // fewer rows run both chains at once (4-11 rows so: 0.6-0.9x)
 
 // 2^e for |e| < 127, from its bits (a constant where e is: std::ldexp is a library call)
 inline float pow2(int e) {
@@ -571,22 +572,29 @@ __attribute__((target("avx2,fma,f16c"))) int ftile_avx2_decoded(const TileArgs& 
     }
   };
   int64_t hi_done = h;  // the second chains' blocks before this are summed
-  if (m <= 3) {
+  const bool dual = m < kFloatDualRows;
+  if (dual) {
     for (int64_t b0 = 0; b0 < h; b0 += kFloatChunkBlocks) {
       const int nb = int(std::min<int64_t>(kFloatChunkBlocks, h - b0));
       decode_chunk_avx2(l, t.tile, b0, nb, w);
       decode_chunk_avx2(l, t.tile, h + b0, nb, w2);
-      const float* x1 = t.x + b0 * 32;
-      const float* x2 = t.x + (h + b0) * 32;
-      switch (m) {
-        case 3: float_rows_avx2<3, true>(w, nb * 32, x1, l.k, out, w2, x2, out2); break;
-        case 2: float_rows_avx2<2, true>(w, nb * 32, x1, l.k, out, w2, x2, out2); break;
-        default: float_rows_avx2<1, true>(w, nb * 32, x1, l.k, out, w2, x2, out2); break;
+      for (int i = 0; i < m;) {
+        const int left = m - i, groups = (left + 2) / 3, r = (left + groups - 1) / groups;  // <= 3, even
+        const float* x1 = t.x + i * l.k + b0 * 32;
+        const float* x2 = x1 + h * 32;
+        float* a1 = out + i * kRows;
+        float* a2 = out2 + i * kRows;
+        switch (r) {
+          case 3: float_rows_avx2<3, true>(w, nb * 32, x1, l.k, a1, w2, x2, a2); break;
+          case 2: float_rows_avx2<2, true>(w, nb * 32, x1, l.k, a1, w2, x2, a2); break;
+          default: float_rows_avx2<1, true>(w, nb * 32, x1, l.k, a1, w2, x2, a2); break;
+        }
+        i += r;
       }
     }
     hi_done = 2 * h;
   }
-  for (int chain = m <= 3 ? 1 : 0; chain < 2; ++chain) {
+  for (int chain = dual ? 1 : 0; chain < 2; ++chain) {
     const int64_t bbeg = chain == 0 ? 0 : hi_done, bend = chain == 0 ? h : l.nblocks;
     float* acc = chain == 0 ? out : out2;
     for (int64_t b0 = bbeg; b0 < bend; b0 += kFloatChunkBlocks) {
