@@ -443,189 +443,188 @@ __attribute__((target("avx2,fma,f16c"))) int ftile_avx2_rows(const TileArgs& t, 
   }
 }
 
-// Float activations, AVX2, int4 weights. Per row, 8 outputs and block: one FMA chain over the block's 32 codes
-// (as floats, in the packed order: quad register g, element e) times x, then acc = fma(that, block scale, acc),
-// blocks in order, then the offsets x group sums of x. Two kernels compute exactly that, so a row's output does
-// not depend on the rows with it:
-// - up to 4 rows (ftile_avx2_int4_rows): codes decoded in registers, both halves of the tile per pass (2 x rows
-//   chains; ftile_avx2_mb, for int8 weights, does one half per pass with two chains per row: one more load per
-//   FMA);
-// - 5 to kFloatMaxRows rows (ftile_avx2_int4_decoded): a chunk of kFloatChunkBlocks blocks decoded to floats once
-//   into an L1 buffer, then 4-6 rows x the tile's two 8-row vectors (up to 12 chains in registers) per group of
-//   rows: no decode work in the FMA loop, 2 weight loads and 6 broadcasts per 12 FMAs.
-// Single thread, forced AVX2 on the EPYC, against the previous form (ftile_avx2_mb for int4 too):
-// scripts/qlinear_rows_probe.py, docs/benchmarks.md (issue 21).
-constexpr int kFloatChunkBlocks = 4;       // blocks decoded at a time: 8.4 KiB of floats
-constexpr int kFloatMaxRows = 64;          // activation rows per call
-constexpr int kDecodedBlock = 33 * kRows;  // floats of one decoded block: 32 codes and the 16 scales
+// Float activations, AVX2, int4 weights: a chunk of kFloatChunkBlocks blocks of the tile is decoded once into
+// floats (code x block scale: exact in fp32, 4 x 11 significant bits), then register-blocked microkernels run every
+// activation row of the call (up to kFloatMaxRows) over it, 4-6 rows x the tile's two 8-row vectors at a time
+// (ftile_avx2_mb decodes the codes in registers for every call of at most 4 rows: 3 decode instructions per 4
+// FMAs, and one load per FMA). Each row and 8 outputs sum in two FMA chains, over blocks [0, h) and
+// [h, nblocks), inputs in order, whatever the row count and grouping: a row's output does not depend on the rows
+// with it. Single thread, forced AVX2 on the EPYC, against ftile_avx2_mb (scripts/qlinear_rows_probe.py,
+// docs/benchmarks.md, issue 21): 1.05-1.35x at 6-64 rows, 0.7-0.8x at 2-4 (the decode's multiply and store).
+constexpr int kFloatChunkBlocks = 4;  // 128 inputs: 8 KiB of decoded weights
+constexpr int kFloatMaxRows = 64;     // activation rows per call
+constexpr int kFloatDualRows = 4;     // fewer rows run both chains at once (4-11 rows so: 0.6-0.9x)
 
-// Input index of position p = 8 g + e of an int4 block's codes (quad g in the low nibbles, quad g + 4 in the high).
-constexpr int int4_input_at(int p) { return 4 * (p / 8 + 4 * ((p % 8) / 4)) + p % 4; }
+// 2^e for |e| < 127, from its bits (a constant where e is: std::ldexp is a library call)
+inline float pow2(int e) {
+  const uint32_t bits = uint32_t(127 + e) << 23;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
 
-// w[bb * kDecodedBlock + p * kRows + r] = code at position p of tile row r in block b0 + bb, as a float; then the
-// block's 16 scales.
+// w[j * kRows + r] = the int4 weight of tile row r, input j of blocks b0 .. b0 + nb - 1 (without the offsets).
 __attribute__((target("avx2,fma,f16c"))) void decode_chunk_avx2(const Layout& l, const uint8_t* tile, int64_t b0,
                                                                    int nb, float* w) {
-  const __m256i low4 = _mm256_set1_epi32(0x0F);
   for (int bb = 0; bb < nb; ++bb) {
     const uint8_t* blk = tile + (b0 + bb) * l.block_bytes;
-    float* wb = w + bb * kDecodedBlock;
+    float* wb = w + bb * 32 * kRows;
     for (int half = 0; half < 2; ++half) {
-      _mm256_storeu_ps(wb + 32 * kRows + 8 * half, _mm256_cvtph_ps(_mm_loadu_si128(
-                                                       reinterpret_cast<const __m128i*>(blk + l.block_codes + 16 * half))));
+      const __m256 sw =
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + l.block_codes + 16 * half)));
+      // The code is masked in place (q * 2^shift, exact in float) and its scale carries 2^-shift: the product is
+      // q * scale exactly, one shift saved; the top nibble (shift 28) would set the sign bit, so it shifts.
+      __m256 s[8];
+      for (int e = 0; e < 8; ++e) {
+        const int shift = 8 * (e % 4) + 4 * (e / 4);
+        s[e] = shift == 28 ? sw : _mm256_mul_ps(sw, _mm256_set1_ps(pow2(-shift)));
+      }
 #pragma GCC unroll 4
       for (int g = 0; g < 4; ++g) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * g + 32 * half));
 #pragma GCC unroll 8
-        for (int e = 0; e < 8; ++e)
-          _mm256_storeu_ps(wb + (8 * g + e) * kRows + 8 * half,
-                           _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 8 * (e % 4) + 4 * (e / 4)), low4)));
+        for (int e = 0; e < 8; ++e) {  // quad g in the low nibbles, quad g + 4 in the high
+          const int byte = e % 4, nib = e / 4, shift = 8 * byte + 4 * nib;
+          const __m256i c =
+              shift == 28 ? _mm256_srli_epi32(v, 28) : _mm256_and_si256(v, _mm256_set1_epi32(0xF << shift));
+          _mm256_storeu_ps(wb + (4 * (g + 4 * nib) + byte) * kRows + 8 * half,
+                           _mm256_mul_ps(_mm256_cvtepi32_ps(c), s[e]));
+        }
       }
     }
   }
 }
 
-// acc[i * kRows + r] (i < R) = fma(block sum, scale, acc) for each block of the decoded chunk w, x at the chunk's
-// first input (row stride ldx). Named registers, not arrays: GCC kept arrays of accumulators in registers but also
-// stored every one to the stack after each FMA.
-#define TRTPAGED_FROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
-#define TRTPAGED_FROW_ZERO(i)                           \
-  __m256 p##i = _mm256_setzero_ps(), q##i = p##i;      \
-  const float* x##i = xb + (R > i ? i : 0) * ldx;
-#define TRTPAGED_FROW_FMA(i)                                          \
-  if constexpr (R > i) {                                             \
-    const __m256 xv = _mm256_broadcast_ss(x##i + int4_input_at(p));  \
-    p##i = _mm256_fmadd_ps(w0, xv, p##i);                            \
-    q##i = _mm256_fmadd_ps(w1, xv, q##i);                            \
+// acc[i * kRows + r] += sum over j < kc of w[j * kRows + r] * x[i * ldx + j], for R <= 6 rows, j in order.
+// DUAL (R <= 3): also acc2 += the same over w2 and x2, two independent chains interleaved (few rows alone would
+// wait on the FMA latency). Named accumulators, not arrays: GCC kept arrays of them in registers but also
+// stored every one to the stack after each FMA (2x slower).
+#define TRTPAGED_FROW_LOAD(i)                          \
+  __m256 p##i = _mm256_setzero_ps(), q##i = p##i;     \
+  __m256 u##i = p##i, v##i = p##i;                    \
+  if constexpr (R > i) {                              \
+    p##i = _mm256_loadu_ps(acc + i * kRows);          \
+    q##i = _mm256_loadu_ps(acc + i * kRows + 8);      \
+    if constexpr (DUAL) {                             \
+      u##i = _mm256_loadu_ps(acc2 + i * kRows);       \
+      v##i = _mm256_loadu_ps(acc2 + i * kRows + 8);   \
+    }                                                 \
   }
-#define TRTPAGED_FROW_SCALE(i)                                                                 \
-  if constexpr (R > i) {                                                                      \
-    float* a = acc + i * kRows;                                                               \
-    _mm256_storeu_ps(a, _mm256_fmadd_ps(p##i, sw0, _mm256_loadu_ps(a)));                      \
-    _mm256_storeu_ps(a + 8, _mm256_fmadd_ps(q##i, sw1, _mm256_loadu_ps(a + 8)));              \
+#define TRTPAGED_FROW_FMA(i)                                   \
+  if constexpr (R > i) {                                      \
+    const __m256 xb = _mm256_broadcast_ss(x + i * ldx + j);   \
+    p##i = _mm256_fmadd_ps(w0, xb, p##i);                     \
+    q##i = _mm256_fmadd_ps(w1, xb, q##i);                     \
+    if constexpr (DUAL) {                                     \
+      const __m256 xc = _mm256_broadcast_ss(x2 + i * ldx + j); \
+      u##i = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + j * kRows), xc, u##i);     \
+      v##i = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + j * kRows + 8), xc, v##i); \
+    }                                                         \
   }
-template <int R>
-__attribute__((target("avx2,fma"))) void float_rows_avx2(const float* w, int nb, const float* x, int64_t ldx,
-                                                         float* acc) {
-  static_assert(R >= 1 && R <= 6, "1 to 6 rows");
-  for (int bb = 0; bb < nb; ++bb) {
-    const float* wb = w + bb * kDecodedBlock;
-    const float* xb = x + bb * 32;
-    TRTPAGED_FROWS(TRTPAGED_FROW_ZERO)
-#pragma GCC unroll 32
-    for (int p = 0; p < 32; ++p) {
-      __m256 w0 = _mm256_loadu_ps(wb + p * kRows), w1 = _mm256_loadu_ps(wb + p * kRows + 8);
-      asm("" : "+x"(w0), "+x"(w1));  // in registers: GCC would fold the loads into every row's FMAs
-      TRTPAGED_FROWS(TRTPAGED_FROW_FMA)
-    }
-    const __m256 sw0 = _mm256_loadu_ps(wb + 32 * kRows), sw1 = _mm256_loadu_ps(wb + 32 * kRows + 8);
-    TRTPAGED_FROWS(TRTPAGED_FROW_SCALE)
+#define TRTPAGED_FROW_STORE(i)                    \
+  if constexpr (R > i) {                         \
+    _mm256_storeu_ps(acc + i * kRows, p##i);       \
+    _mm256_storeu_ps(acc + i * kRows + 8, q##i);   \
+    if constexpr (DUAL) {                        \
+      _mm256_storeu_ps(acc2 + i * kRows, u##i);     \
+      _mm256_storeu_ps(acc2 + i * kRows + 8, v##i); \
+    }                                            \
   }
+template <int R, bool DUAL = false>
+__attribute__((target("avx2,fma"))) void float_rows_avx2(const float* w, int kc, const float* x, int64_t ldx,
+                                                         float* acc, const float* w2 = nullptr,
+                                                         const float* x2 = nullptr, float* acc2 = nullptr) {
+  static_assert(R >= 1 && R <= (DUAL ? 3 : 6), "1 to 6 rows, 1 to 3 dual");
+  TRTPAGED_FROW_LOAD(0) TRTPAGED_FROW_LOAD(1) TRTPAGED_FROW_LOAD(2)
+  TRTPAGED_FROW_LOAD(3) TRTPAGED_FROW_LOAD(4) TRTPAGED_FROW_LOAD(5)
+  for (int j = 0; j < kc; ++j) {
+    const __m256 w0 = _mm256_loadu_ps(w + j * kRows), w1 = _mm256_loadu_ps(w + j * kRows + 8);
+    TRTPAGED_FROW_FMA(0) TRTPAGED_FROW_FMA(1) TRTPAGED_FROW_FMA(2)
+    TRTPAGED_FROW_FMA(3) TRTPAGED_FROW_FMA(4) TRTPAGED_FROW_FMA(5)
+  }
+  TRTPAGED_FROW_STORE(0) TRTPAGED_FROW_STORE(1) TRTPAGED_FROW_STORE(2)
+  TRTPAGED_FROW_STORE(3) TRTPAGED_FROW_STORE(4) TRTPAGED_FROW_STORE(5)
 }
-#undef TRTPAGED_FROW_ZERO
+#undef TRTPAGED_FROW_LOAD
 #undef TRTPAGED_FROW_FMA
-#undef TRTPAGED_FROW_SCALE
+#undef TRTPAGED_FROW_STORE
 
-// The int4 offsets x each row's group sums of x, after the blocks.
-__attribute__((target("avx2,fma,f16c"))) void add_int4_offsets_avx2(const TileArgs& t, int m, float* out) {
-  const Layout& l = *t.l;
-  const uint16_t* oh = reinterpret_cast<const uint16_t*>(t.tile + l.nblocks * l.block_bytes);
-  for (int i = 0; i < m; ++i)
-    for (int half = 0; half < 2; ++half) {
-      __m256 a = _mm256_loadu_ps(out + i * kRows + 8 * half);
-      for (int64_t g = 0; g < l.ngroups; ++g) {
-        const __m256 o = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(oh + g * kRows + 8 * half)));
-        a = _mm256_fmadd_ps(o, _mm256_set1_ps(t.xgroup[(t.m0 + i) * l.ngroups + g]), a);
-      }
-      _mm256_storeu_ps(out + i * kRows + 8 * half, a);
-    }
-}
-
-__attribute__((target("avx2,fma,f16c"))) int ftile_avx2_int4_decoded(const TileArgs& t, int count, float* out) {
+// Each row and 8 outputs sum in two FMA chains, over blocks [0, h) and [h, nblocks) (h = nblocks / 2), added at
+// the end: up to 3 rows run both chains at once, more rows one after the other; the same sums either way.
+__attribute__((target("avx2,fma,f16c"))) int ftile_avx2_decoded(const TileArgs& t, int count, float* out) {
   const Layout& l = *t.l;
   const int m = std::min(count, kFloatMaxRows);
-  alignas(32) float w[kFloatChunkBlocks * kDecodedBlock];
+  const int64_t h = l.nblocks / 2;
+  alignas(32) float w[kFloatChunkBlocks * 32 * kRows], w2[kFloatChunkBlocks * 32 * kRows];
+  alignas(32) float out2[kFloatMaxRows * kRows];  // the second chains
   std::fill(out, out + m * kRows, 0.f);
-  for (int64_t b0 = 0; b0 < l.nblocks; b0 += kFloatChunkBlocks) {
-    const int nb = int(std::min<int64_t>(kFloatChunkBlocks, l.nblocks - b0));
-    decode_chunk_avx2(l, t.tile, b0, nb, w);
-    for (int i = 0; i < m;) {
-      const int left = m - i, groups = (left + 5) / 6, r = (left + groups - 1) / groups;  // <= 6, as even as can be
-      const float* xr = t.x + i * l.k + b0 * 32;
-      float* acc = out + i * kRows;
-      switch (r) {
-        case 6: float_rows_avx2<6>(w, nb, xr, l.k, acc); break;
-        case 5: float_rows_avx2<5>(w, nb, xr, l.k, acc); break;
-        case 4: float_rows_avx2<4>(w, nb, xr, l.k, acc); break;
-        case 3: float_rows_avx2<3>(w, nb, xr, l.k, acc); break;
-        case 2: float_rows_avx2<2>(w, nb, xr, l.k, acc); break;
-        default: float_rows_avx2<1>(w, nb, xr, l.k, acc); break;
+  std::fill(out2, out2 + m * kRows, 0.f);
+  // rows i .. i + r - 1 over the decoded blocks b0 .. b0 + nb - 1 of w, into acc
+  auto rows = [&](const float* wc, int64_t b0, int nb, int i, int r, float* acc) {
+    const float* xr = t.x + i * l.k + b0 * 32;
+    switch (r) {
+      case 6: float_rows_avx2<6>(wc, nb * 32, xr, l.k, acc); break;
+      case 5: float_rows_avx2<5>(wc, nb * 32, xr, l.k, acc); break;
+      case 4: float_rows_avx2<4>(wc, nb * 32, xr, l.k, acc); break;
+      case 3: float_rows_avx2<3>(wc, nb * 32, xr, l.k, acc); break;
+      case 2: float_rows_avx2<2>(wc, nb * 32, xr, l.k, acc); break;
+      default: float_rows_avx2<1>(wc, nb * 32, xr, l.k, acc); break;
+    }
+  };
+  int64_t hi_done = h;  // the second chains' blocks before this are summed
+  const bool dual = m < kFloatDualRows;
+  if (dual) {
+    for (int64_t b0 = 0; b0 < h; b0 += kFloatChunkBlocks) {
+      const int nb = int(std::min<int64_t>(kFloatChunkBlocks, h - b0));
+      decode_chunk_avx2(l, t.tile, b0, nb, w);
+      decode_chunk_avx2(l, t.tile, h + b0, nb, w2);
+      for (int i = 0; i < m;) {
+        const int left = m - i, groups = (left + 2) / 3, r = (left + groups - 1) / groups;  // <= 3, even
+        const float* x1 = t.x + i * l.k + b0 * 32;
+        const float* x2 = x1 + h * 32;
+        float* a1 = out + i * kRows;
+        float* a2 = out2 + i * kRows;
+        switch (r) {
+          case 3: float_rows_avx2<3, true>(w, nb * 32, x1, l.k, a1, w2, x2, a2); break;
+          case 2: float_rows_avx2<2, true>(w, nb * 32, x1, l.k, a1, w2, x2, a2); break;
+          default: float_rows_avx2<1, true>(w, nb * 32, x1, l.k, a1, w2, x2, a2); break;
+        }
+        i += r;
       }
-      i += r;
+    }
+    hi_done = 2 * h;
+  }
+  for (int chain = dual ? 1 : 0; chain < 2; ++chain) {
+    const int64_t bbeg = chain == 0 ? 0 : hi_done, bend = chain == 0 ? h : l.nblocks;
+    float* acc = chain == 0 ? out : out2;
+    for (int64_t b0 = bbeg; b0 < bend; b0 += kFloatChunkBlocks) {
+      const int nb = int(std::min<int64_t>(kFloatChunkBlocks, bend - b0));
+      decode_chunk_avx2(l, t.tile, b0, nb, w);
+      for (int i = 0; i < m;) {
+        // groups of at most 6 rows, as even as possible: 4 rows or more keep both FMA units busy
+        const int left = m - i, groups = (left + 5) / 6, r = (left + groups - 1) / groups;
+        rows(w, b0, nb, i, r, acc + i * kRows);
+        i += r;
+      }
     }
   }
-  add_int4_offsets_avx2(t, m, out);
+  for (int i = 0; i < m * kRows; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_add_ps(_mm256_loadu_ps(out + i), _mm256_loadu_ps(out2 + i)));
+  {  // the int4 offsets x sums of x per group
+    const uint16_t* oh = reinterpret_cast<const uint16_t*>(t.tile + l.nblocks * l.block_bytes);
+    for (int i = 0; i < m; ++i) {
+      __m256 a0 = _mm256_loadu_ps(out + i * kRows), a1 = _mm256_loadu_ps(out + i * kRows + 8);
+      for (int64_t g = 0; g < l.ngroups; ++g) {
+        const __m256 xs = _mm256_set1_ps(t.xgroup[(t.m0 + i) * l.ngroups + g]);
+        a0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(oh + g * kRows))), xs, a0);
+        a1 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(oh + g * kRows + 8))),
+                             xs, a1);
+      }
+      _mm256_storeu_ps(out + i * kRows, a0);
+      _mm256_storeu_ps(out + i * kRows + 8, a1);
+    }
+  }
   return m;
-}
-
-// Up to 4 rows, codes decoded in registers, both halves of the tile at once; the block sums of
-// ftile_avx2_int4_decoded's order.
-#define TRTPAGED_FROW_FMA(i)                                          \
-  if constexpr (R > i) {                                             \
-    const __m256 xv = _mm256_broadcast_ss(x##i + int4_input_at(p));  \
-    p##i = _mm256_fmadd_ps(w0, xv, p##i);                            \
-    q##i = _mm256_fmadd_ps(w1, xv, q##i);                            \
-  }
-#define TRTPAGED_FROW_ZERO(i)                           \
-  __m256 p##i = _mm256_setzero_ps(), q##i = p##i;      \
-  const float* x##i = xb + (R > i ? i : 0) * l.k;
-#define TRTPAGED_FROW_SCALE(i)                                                                 \
-  if constexpr (R > i) {                                                                      \
-    float* a = out + i * kRows;                                                               \
-    _mm256_storeu_ps(a, _mm256_fmadd_ps(p##i, sw0, _mm256_loadu_ps(a)));                      \
-    _mm256_storeu_ps(a + 8, _mm256_fmadd_ps(q##i, sw1, _mm256_loadu_ps(a + 8)));              \
-  }
-template <int R>
-__attribute__((target("avx2,fma,f16c"))) void ftile_avx2_int4_rows(const TileArgs& t, float* out) {
-  static_assert(R >= 1 && R <= 4, "1 to 4 rows");
-  const Layout& l = *t.l;
-  const __m256i low4 = _mm256_set1_epi32(0x0F);
-  std::fill(out, out + R * kRows, 0.f);
-  for (int64_t b = 0; b < l.nblocks; ++b) {
-    const uint8_t* blk = t.tile + b * l.block_bytes;
-    const float* xb = t.x + b * 32;
-    TRTPAGED_FROWS(TRTPAGED_FROW_ZERO)
-#pragma GCC unroll 4
-    for (int g = 0; g < 4; ++g) {
-      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * g));
-      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * g + 32));
-#pragma GCC unroll 8
-      for (int e = 0; e < 8; ++e) {
-        const int p = 8 * g + e, shift = 8 * (e % 4) + 4 * (e / 4);
-        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v0, shift), low4));
-        const __m256 w1 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v1, shift), low4));
-        TRTPAGED_FROWS(TRTPAGED_FROW_FMA)
-      }
-    }
-    const __m256 sw0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + l.block_codes)));
-    const __m256 sw1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + l.block_codes + 16)));
-    TRTPAGED_FROWS(TRTPAGED_FROW_SCALE)
-  }
-  add_int4_offsets_avx2(t, R, out);
-}
-#undef TRTPAGED_FROWS
-#undef TRTPAGED_FROW_ZERO
-#undef TRTPAGED_FROW_FMA
-#undef TRTPAGED_FROW_SCALE
-
-__attribute__((target("avx2,fma,f16c"))) int ftile_avx2_int4(const TileArgs& t, int count, float* out) {
-  switch (count) {
-    case 1: return ftile_avx2_int4_rows<1>(t, out), 1;
-    case 2: return ftile_avx2_int4_rows<2>(t, out), 2;
-    case 3: return ftile_avx2_int4_rows<3>(t, out), 3;
-    case 4: return ftile_avx2_int4_rows<4>(t, out), 4;
-    default: return ftile_avx2_int4_decoded(t, count, out);
-  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -635,7 +634,7 @@ TileKernel tile_kernel(Isa isa, int bits, bool float_activations) {
     switch (isa) {
       case kAvx512Vnni: return bits == 8 ? ftile_avx512<8> : ftile_avx512<4>;
       case kAvxVnni:
-      case kAvx2: return bits == 8 ? ftile_avx2_rows<8> : ftile_avx2_int4;
+      case kAvx2: return bits == 8 ? ftile_avx2_rows<8> : ftile_avx2_decoded;
       default: return bits == 8 ? tile_scalar<8, true> : tile_scalar<4, true>;
     }
   }
