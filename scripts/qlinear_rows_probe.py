@@ -1,5 +1,5 @@
 """One CPU linear at a few row counts, two kernel libraries interleaved, one thread: GFLOP/s against a pure-FMA peak.
-docs/benchmarks.md, issue 21 ("The AVX2 multi-row linears").
+docs/benchmarks.md, issue 21 ("Round 9: the AVX2 multi-row float linears").
 
     PYTHONPATH=$PWD python scripts/qlinear_rows_probe.py [--old LIB] [--new LIB] [--isa avx2] [--rows 1,4,8,16,32]
 
@@ -8,9 +8,10 @@ in int8) on the paths the engines take: int4 with float activations (the int4 en
 (w4a8) and the int8 LM head both ways. Weights stay in cache (the same weight every call): at several rows these
 linears are compute-bound, which is what this measures. Each round times a batch of calls of each library in turn
 (thread CPU time, so other load on the machine counts less); the medians over the rounds are reported as
-GFLOP/s = 2 M K N / t (and whether the two libraries' outputs are bit-identical), and as a fraction of the peak of this core's FMA units at the ISA's vector width, timed with
-a loop of independent FMAs compiled here (cc) in the same run. --old defaults to $TRTPAGED_KERNELS_LIB (e.g. main's
-build), --new to this checkout's build/dev library.
+GFLOP/s = 2 M K N / t, whether the two libraries' outputs are bit-identical, and the fraction of the peak of this
+core's FMA units at the ISA's vector width, timed with a loop of independent FMAs compiled here (cc) in the same
+run (the int8-activation paths are integer work, which that peak does not bound). --old defaults to
+$TRTPAGED_KERNELS_LIB (e.g. main's build), --new to this checkout's build/dev library.
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ def main() -> None:
     rows = [int(r) for r in args.rows.split(",")]
     wanted = set(args.shapes.split(","))
     gen = torch.Generator().manual_seed(0)
-    print(f"{'path':24} {'shape':8} {'M':>3} {'old GF/s':>9} {'new GF/s':>9} {'new/old':>8} {'old %pk':>8} {'new %pk':>8}  same bits")
+    print(f"{'path':24} {'shape':8} {'M':>3} {'old GF/s':>9} {'new GF/s':>9} {'new/old':>8} {'old %pk':>8} "
+          f"{'new %pk':>8}  same bits")
     for label, acts, names in paths:
         for shape in (s for s in names if s in wanted):
             bits, n, k = SHAPES[shape]

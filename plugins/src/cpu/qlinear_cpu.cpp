@@ -449,8 +449,11 @@ __attribute__((target("avx2,fma,f16c"))) int ftile_avx2_rows(const TileArgs& t, 
 // (ftile_avx2_mb decodes the codes in registers for every call of at most 4 rows: 3 decode instructions per 4
 // FMAs, and one load per FMA). Each row and 8 outputs sum in two FMA chains, over blocks [0, h) and
 // [h, nblocks), inputs in order, whatever the row count and grouping: a row's output does not depend on the rows
-// with it. Single thread, forced AVX2 on the EPYC, against ftile_avx2_mb (scripts/qlinear_rows_probe.py,
-// docs/benchmarks.md, issue 21): 1.05-1.35x at 6-64 rows, 0.7-0.8x at 2-4 (the decode's multiply and store).
+// with it. Single thread, forced AVX2 on the EPYC, against ftile_avx2_mb for int4 (scripts/qlinear_rows_probe.py,
+// docs/benchmarks.md, issue 21): 1.04-1.24x at 16 rows, 1.09-1.38x at 32, 1.32-1.35x at 64, about even at 5-8,
+// 0.57-0.89x at 2-4 (the decode's multiply and store per call); the 16-request int4 mix 1.09-1.18x (quiet A/B).
+// A form with ftile_avx2_mb's per-block scaling (4 rows decoded in registers, more over the chunk: no multiply
+// in the decode, no loss at 2-4 rows) measured 0.9-1.06x at 5-32 rows and 1.02-1.10x on the mix.
 constexpr int kFloatChunkBlocks = 4;  // 128 inputs: 8 KiB of decoded weights
 constexpr int kFloatMaxRows = 64;     // activation rows per call
 constexpr int kFloatDualRows = 4;     // fewer rows run both chains at once (4-11 rows so: 0.6-0.9x)
@@ -616,7 +619,8 @@ __attribute__((target("avx2,fma,f16c"))) int ftile_avx2_decoded(const TileArgs& 
       __m256 a0 = _mm256_loadu_ps(out + i * kRows), a1 = _mm256_loadu_ps(out + i * kRows + 8);
       for (int64_t g = 0; g < l.ngroups; ++g) {
         const __m256 xs = _mm256_set1_ps(t.xgroup[(t.m0 + i) * l.ngroups + g]);
-        a0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(oh + g * kRows))), xs, a0);
+        a0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(oh + g * kRows))), xs,
+                             a0);
         a1 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(oh + g * kRows + 8))),
                              xs, a1);
       }
@@ -666,8 +670,9 @@ constexpr int kLimbs = 3;
 // the EPYC (AVX-512 VNNI, Zen 4), one thread, interleaved calls, limbs / float tiles: int8 lm_head
 // 49152 x 576, AVX-512 M = 4: 1.34-1.51x, M = 2, 6, 8, 16: 0.84-1.07x (noise); plain AVX2 M = 2:
 // 1.35x, M = 4: 1.75x, M = 16: 1.82x; int4 gate_up 3072 x 576, AVX-512 M = 4: 1.03x; plain AVX2 M = 2:
-// 1.15x, M = 4: 1.54x (M = 1: 0.70x). AVX-VNNI (untested: no such CPU here) keeps the limbs for int8
-// at any batch and for int4 up to 4 rows, as measured on AVX-512 before its float tiles were timed so.
+// 1.15x, M = 4: 1.54x (M = 1: 0.70x), against the float tiles before ftile_avx2_decoded. AVX-VNNI (untested:
+// no such CPU here) keeps the limbs for int8 at any batch and for int4 up to 4 rows, as measured on AVX-512
+// before its float tiles were timed so.
 int64_t limb_max_rows(Isa isa, int bits) {
   if (isa == kAvxVnni) return bits == 8 ? INT64_MAX : 4;
   return 1;
