@@ -34,28 +34,21 @@ SHAPES = {  # name: (bits, n, k)
     "lm_head": (8, 49152, 576),
 }
 GROUP = 32
-PEAK_SOURCE = r"""
-#include <immintrin.h>
-/* 12 independent FMA chains (enough for 2 units of latency <= 6) held in registers (the unroll), iters x 12 FMAs. */
-__attribute__((target("avx2,fma"))) float fma256(long iters) {
-  __m256 a[12]; const __m256 m = _mm256_set1_ps(0.999f), c = _mm256_set1_ps(1e-3f);
-  for (int i = 0; i < 12; ++i) a[i] = _mm256_set1_ps((float)i);
+# 12 independent FMA chains (enough for 2 units of latency <= 6) held in registers (the unroll), iters x 12 FMAs.
+PEAK_FUNCTION = r"""
+__attribute__((target("{target}"))) float fma{width}(long iters) {{
+  __m{width} a[12]; const __m{width} m = _mm{width}_set1_ps(0.999f), c = _mm{width}_set1_ps(1e-3f);
+  for (int i = 0; i < 12; ++i) a[i] = _mm{width}_set1_ps((float)i);
   for (long it = 0; it < iters; ++it)
 #pragma GCC unroll 12
-    for (int i = 0; i < 12; ++i) a[i] = _mm256_fmadd_ps(a[i], m, c);
-  __m256 s = a[0]; for (int i = 1; i < 12; ++i) s = _mm256_add_ps(s, a[i]);
-  return _mm256_cvtss_f32(s);
-}
-__attribute__((target("avx512f"))) float fma512(long iters) {
-  __m512 a[12]; const __m512 m = _mm512_set1_ps(0.999f), c = _mm512_set1_ps(1e-3f);
-  for (int i = 0; i < 12; ++i) a[i] = _mm512_set1_ps((float)i);
-  for (long it = 0; it < iters; ++it)
-#pragma GCC unroll 12
-    for (int i = 0; i < 12; ++i) a[i] = _mm512_fmadd_ps(a[i], m, c);
-  __m512 s = a[0]; for (int i = 1; i < 12; ++i) s = _mm512_add_ps(s, a[i]);
-  return _mm512_reduce_add_ps(s);
-}
+    for (int i = 0; i < 12; ++i) a[i] = _mm{width}_fmadd_ps(a[i], m, c);
+  __m{width} s = a[0]; for (int i = 1; i < 12; ++i) s = _mm{width}_add_ps(s, a[i]);
+  return {reduce};
+}}
 """
+PEAK_SOURCE = "#include <immintrin.h>\n" + "".join(
+    PEAK_FUNCTION.format(width=width, target=target, reduce=reduce)
+    for width, target, reduce in ((256, "avx2,fma", "_mm256_cvtss_f32(s)"), (512, "avx512f", "_mm512_reduce_add_ps(s)")))
 
 
 def fma_peak_gflops(width: int, rounds: int) -> float:
