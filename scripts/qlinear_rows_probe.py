@@ -48,7 +48,8 @@ __attribute__((target("{target}"))) float fma{width}(long iters) {{
 """
 PEAK_SOURCE = "#include <immintrin.h>\n" + "".join(
     PEAK_FUNCTION.format(width=width, target=target, reduce=reduce)
-    for width, target, reduce in ((256, "avx2,fma", "_mm256_cvtss_f32(s)"), (512, "avx512f", "_mm512_reduce_add_ps(s)")))
+    for width, target, reduce in ((256, "avx2,fma", "_mm256_cvtss_f32(s)"),
+                                  (512, "avx512f", "_mm512_reduce_add_ps(s)")))
 
 
 def fma_peak_gflops(width: int, rounds: int) -> float:
