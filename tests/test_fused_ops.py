@@ -257,17 +257,19 @@ def test_int8_activation_step_rows_do_not_depend_on_the_rows_run_with_them():
     # What keeps greedy outputs the same with speculation on (w4a8: int4 weights, int8 activations): a 6-row
     # verification step gives each row the logits of that row decoded alone, bit for bit, on every CPU ISA.
     # The context puts a row at 31 keys: one short of a vector (16 or 8 lanes) alone, inside a full group with
-    # the next row (the attention's tail case); head_dim 64 takes the fused attention loops.
+    # the next row (the attention's tail case); head_dim 64 takes the fused attention loops. 3 query heads per KV
+    # head: with 3 rows, the last row's last head is scored alone in a group (of up to 4 query rows), while alone
+    # its 3 heads share one. Both an fp32 and an fp16 KV cache (the fused loops convert the latter).
     from trtpaged.builder.quantize import quantized_step_model
 
-    config = parse_config({"model": {"tiny": {"num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 96,
-                                              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64}},
+    config = parse_config({"model": {"tiny": {"num_hidden_layers": 2, "hidden_size": 192, "intermediate_size": 96,
+                                              "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 64}},
                            "quantization": {"weights": "int4", "group_size": 32, "activations": "int8"}})
     hf = load_hf(config.model)
     dims = dims_from_hf_config(hf.config)
     model = quantized_step_model(hf.model, config.model, dims, config.quantization, torch.float32)[0]
     tokens = torch.randint(0, dims.vocab_size, (34,), generator=torch.Generator().manual_seed(9)).tolist()
-    ctx, rows, i32 = 28, 6, torch.int32
+    ctx, i32 = 28, torch.int32
 
     def step(cache, first: int, count: int) -> torch.Tensor:
         with torch.no_grad():
@@ -281,12 +283,13 @@ def test_int8_activation_step_rows_do_not_depend_on_the_rows_run_with_them():
                 kernels.set_cpu_isa(isa)
             except kernels.KernelError:
                 continue
-            cache = model.new_kv_cache(3, 16)
-            step(cache, 0, ctx)
-            prefilled = cache.clone()
-            together = step(cache, ctx, rows)
-            cache.copy_(prefilled)
-            for i in range(rows):
-                assert torch.equal(step(cache, ctx + i, 1)[0], together[i]), (isa, i)
+            for kv_dtype, rows in ((None, 6), ("float16", 6), ("float16", 3), (None, 3)):
+                cache = model.new_kv_cache(3, 16, dtype=kv_dtype)
+                step(cache, 0, ctx)
+                prefilled = cache.clone()
+                together = step(cache, ctx, rows)
+                cache.copy_(prefilled)
+                for i in range(rows):
+                    assert torch.equal(step(cache, ctx + i, 1)[0], together[i]), (isa, kv_dtype, rows, i)
     finally:
         kernels.set_cpu_isa(None)
