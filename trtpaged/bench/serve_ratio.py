@@ -461,7 +461,8 @@ def format_ratio(report: dict) -> str:
                      f"target >= {TARGET:.2f}): {r['verdict_single']}; same text: {r['same_text_single']}")  # fmt: skip
         lines.append(f"  {streams}:  serve / LLM.generate = {r['batch_ratio']:.2f} (target >= {TARGET:.2f}): "
                      f"{r['verdict_batch']}; same texts: {r['same_text_batch']}")  # fmt: skip
-        lines.append(f"  {streams}, bare reader: serve / LLM.generate = {r['bare_ratio']:.2f} (the server without "
-                     f"a client's parsing on the same cores; not a target); same texts: {r['same_text_bare']}")  # fmt: skip
+        lines.append(f"  {streams}, bare reader: serve / LLM.generate = {r['bare_ratio']:.2f} (the server "
+                     f"without a client's parsing on the same cores; not a target); "
+                     f"same texts: {r['same_text_bare']}")  # fmt: skip
     lines.append(report["noise_text"])
     return "\n".join(lines)
