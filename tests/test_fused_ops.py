@@ -290,3 +290,46 @@ def test_int8_activation_step_rows_do_not_depend_on_the_rows_run_with_them():
                 assert torch.equal(step(cache, ctx + i, 1)[0], together[i]), (isa, i)
     finally:
         kernels.set_cpu_isa(None)
+
+
+@pytest.mark.parametrize("layers", ["c_layers", "fused", "torch"])
+def test_float_activation_one_sequence_step_rows_are_those_of_decoding_each_alone(layers: str):
+    # What keeps an int4 engine's (float activations) greedy outputs the same with speculation on: the CPU
+    # kernels run one row as int8 limbs and several as float tiles, which round differently, so a step that
+    # decodes one sequence is run `row_invariant` (the runtime's batch_builder marks it), and then each row of
+    # its 6-row verification step gets the logits (and the LM head's) of that row decoded alone, bit for bit,
+    # on every CPU ISA and in every execution plan.
+    from trtpaged.builder.quantize import quantized_step_model
+
+    config = parse_config({"model": {"tiny": {"num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 96,
+                                              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64}},
+                           "quantization": {"weights": "int4", "group_size": 32, "activations": "float"}})
+    hf = load_hf(config.model)
+    dims = dims_from_hf_config(hf.config)
+    model = quantized_step_model(hf.model, config.model, dims, config.quantization, torch.float32)[0]
+    model.set_execution_plan(ExecutionPlan(layers, "the test's plan"))
+    tokens = torch.randint(0, dims.vocab_size, (34,), generator=torch.Generator().manual_seed(9)).tolist()
+    ctx, rows, i32 = 28, 6, torch.int32
+
+    def step(cache, first: int, count: int, row_invariant: bool) -> torch.Tensor:
+        with torch.no_grad():
+            return model(torch.tensor(tokens[first : first + count], dtype=i32), torch.arange(first, first + count,
+                         dtype=i32), torch.tensor([0, count], dtype=i32), torch.tensor([first + count], dtype=i32),
+                         torch.tensor([[0, 1, 2]], dtype=i32), torch.arange(count, dtype=i32), cache,
+                         row_invariant=row_invariant)[0]  # fmt: skip
+
+    try:
+        for isa in [name for name in kernels.CPU_ISAS if name in ("scalar", "avx2", "avx512vnni")]:
+            try:
+                kernels.set_cpu_isa(isa)
+            except kernels.KernelError:
+                continue
+            cache = model.new_kv_cache(3, 16)
+            step(cache, 0, ctx, False)
+            prefilled = cache.clone()
+            together = step(cache, ctx, rows, True)
+            cache.copy_(prefilled)
+            for i in range(rows):
+                assert torch.equal(step(cache, ctx + i, 1, False)[0], together[i]), (isa, i)
+    finally:
+        kernels.set_cpu_isa(None)
