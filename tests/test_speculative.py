@@ -297,6 +297,45 @@ def test_greedy_identical_to_hf_and_to_no_speculation(hf, prompts, k):
     assert engine.kv.pool.num_free == engine.config.num_kv_blocks
 
 
+def test_int4_engine_single_stream_returns_the_same_with_speculation(hf, prompts):
+    # An int4 engine keeps float activations, whose CPU kernels run one row as int8 limbs and several as
+    # float tiles (different rounding). A single stream's steps decode one sequence, so the runtime runs them
+    # row_invariant: a verification step of 1 + k rows gives each row the logits of a one-row decode step.
+    # Then greedy tokens and every returned log-prob are bit-identical with speculation on and off, on each
+    # CPU ISA. (Without that, the log-probs differ on every ISA and a near-tie can flip a token.)
+    from trtpaged import kernels
+    from trtpaged.builder.quantize import quantized_step_model
+    from trtpaged.config import parse_config
+    from trtpaged.models import dims_from_hf_config
+    from trtpaged.runtime.runners import TorchRunner
+
+    built = parse_config({"model": {"tiny": {}}, "quantization": {"weights": "int4", "group_size": 32,
+                                                                  "activations": "float"}})  # fmt: skip
+    model = quantized_step_model(hf.model, built.model, dims_from_hf_config(hf.config), built.quantization,
+                                 torch.float32)[0]  # fmt: skip
+
+    def run(spec) -> list[tuple[list[int], list, float]]:
+        config = runtime_config(speculative=spec)
+        engine = LLMEngine(TorchRunner(model, model.new_kv_cache(config.num_kv_blocks, config.block_size)),
+                           config, hf.tokenizer, [EOS])  # fmt: skip
+        params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=1)
+        # one stream: the copy-heavy prompts one at a time
+        outs = [run_staggered(engine, [(p, params)])[0].outputs[0] for p in prompts[3:]]
+        if spec is not None:
+            assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
+        return [(o.token_ids, o.logprobs, o.cumulative_logprob) for o in outs]
+
+    try:
+        for isa in [name for name in kernels.CPU_ISAS if name in ("scalar", "avx2", "avx512vnni")]:
+            try:
+                kernels.set_cpu_isa(isa)
+            except kernels.KernelError:
+                continue
+            assert run(SpeculativeConfig(num_speculative_tokens=5, **ALWAYS)) == run(None), isa
+    finally:
+        kernels.set_cpu_isa(None)
+
+
 def make_steps(hf, prompts, params) -> int:
     engine = make(hf)
     run_staggered(engine, [(p, params) for p in prompts], every=2)
