@@ -486,6 +486,11 @@ constexpr int kLimbs = 3;
 // 1.35x, M = 4: 1.75x, M = 16: 1.82x; int4 gate_up 3072 x 576, AVX-512 M = 4: 1.03x; plain AVX2 M = 2:
 // 1.15x, M = 4: 1.54x (M = 1: 0.70x). AVX-VNNI (untested: no such CPU here) keeps the limbs for int8
 // at any batch and for int4 up to 4 rows, as measured on AVX-512 before its float tiles were timed so.
+// The two round differently, so under this rule a row's y depends on how many rows share the call. Where that
+// must not be (a one-sequence speculative verification step, whose rows must get the logits of one-row decode
+// steps), the caller passes FLOAT_LIMB activations: the limbs at every M. That costs a 6-row SmolLM2 int4 step
+// 1.02-1.07x of the float tiles on AVX-512 and 1.22x on plain AVX2 (4 rows: 1.14x on both), so only such steps
+// take it; batches keep this rule (docs/speculative.md, "Greedy identity on quantized engines").
 int64_t limb_max_rows(Isa isa, int bits) {
   if (isa == kAvxVnni) return bits == 8 ? INT64_MAX : 4;
   return 1;
