@@ -253,27 +253,30 @@ def test_quantized_step_model_runs_all_layers_in_one_call_with_the_same_logits(m
         assert torch.equal(a, b)
 
 
-def test_int8_activation_step_rows_do_not_depend_on_the_rows_run_with_them():
-    # What keeps greedy outputs the same with speculation on (w4a8: int4 weights, int8 activations): a 6-row
-    # verification step gives each row the logits of that row decoded alone, bit for bit, on every CPU ISA.
-    # The context puts a row at 31 keys: one short of a vector (16 or 8 lanes) alone, inside a full group with
-    # the next row (the attention's tail case); head_dim 64 takes the fused attention loops.
+def _assert_step_rows_are_rows_alone(activations: str, plan: str | None = None, row_invariant: bool = False):
+    """A tiny int4-weight model's 6-row step (one sequence, at 28 keys) gives each row the logits of decoding
+    it alone, bit for bit, on every CPU ISA. The context puts a row at 31 keys: one short of a vector (16 or 8
+    lanes) alone, inside a full group with the next row (the attention's tail case); head_dim 64 takes the fused
+    attention loops. `row_invariant`: how the 6-row step runs (the one-row steps never need it)."""
     from trtpaged.builder.quantize import quantized_step_model
 
     config = parse_config({"model": {"tiny": {"num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 96,
                                               "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64}},
-                           "quantization": {"weights": "int4", "group_size": 32, "activations": "int8"}})
+                           "quantization": {"weights": "int4", "group_size": 32, "activations": activations}})
     hf = load_hf(config.model)
     dims = dims_from_hf_config(hf.config)
     model = quantized_step_model(hf.model, config.model, dims, config.quantization, torch.float32)[0]
+    if plan is not None:
+        model.set_execution_plan(ExecutionPlan(plan, "the test's plan"))
     tokens = torch.randint(0, dims.vocab_size, (34,), generator=torch.Generator().manual_seed(9)).tolist()
     ctx, rows, i32 = 28, 6, torch.int32
 
-    def step(cache, first: int, count: int) -> torch.Tensor:
+    def step(cache, first: int, count: int, invariant: bool = False) -> torch.Tensor:
         with torch.no_grad():
             return model(torch.tensor(tokens[first : first + count], dtype=i32), torch.arange(first, first + count,
                          dtype=i32), torch.tensor([0, count], dtype=i32), torch.tensor([first + count], dtype=i32),
-                         torch.tensor([[0, 1, 2]], dtype=i32), torch.arange(count, dtype=i32), cache)[0]  # fmt: skip
+                         torch.tensor([[0, 1, 2]], dtype=i32), torch.arange(count, dtype=i32), cache,
+                         row_invariant=invariant)[0]  # fmt: skip
 
     try:
         for isa in [name for name in kernels.CPU_ISAS if name in ("scalar", "avx2", "avx512vnni")]:
@@ -284,7 +287,7 @@ def test_int8_activation_step_rows_do_not_depend_on_the_rows_run_with_them():
             cache = model.new_kv_cache(3, 16)
             step(cache, 0, ctx)
             prefilled = cache.clone()
-            together = step(cache, ctx, rows)
+            together = step(cache, ctx, rows, row_invariant)
             cache.copy_(prefilled)
             for i in range(rows):
                 assert torch.equal(step(cache, ctx + i, 1)[0], together[i]), (isa, i)
@@ -292,44 +295,17 @@ def test_int8_activation_step_rows_do_not_depend_on_the_rows_run_with_them():
         kernels.set_cpu_isa(None)
 
 
-@pytest.mark.parametrize("layers", ["c_layers", "fused", "torch"])
-def test_float_activation_one_sequence_step_rows_are_those_of_decoding_each_alone(layers: str):
+def test_int8_activation_step_rows_do_not_depend_on_the_rows_run_with_them():
+    # What keeps greedy outputs the same with speculation on (w4a8: int4 weights, int8 activations): a 6-row
+    # verification step gives each row the logits of that row decoded alone, with no help from the runtime.
+    _assert_step_rows_are_rows_alone("int8")
+
+
+@pytest.mark.parametrize("plan", ["c_layers", "fused", "torch"])
+def test_float_activation_one_sequence_step_rows_are_those_of_decoding_each_alone(plan: str):
     # What keeps an int4 engine's (float activations) greedy outputs the same with speculation on: the CPU
     # kernels run one row as int8 limbs and several as float tiles, which round differently, so a step that
     # decodes one sequence is run `row_invariant` (the runtime's batch_builder marks it), and then each row of
-    # its 6-row verification step gets the logits (and the LM head's) of that row decoded alone, bit for bit,
-    # on every CPU ISA and in every execution plan.
-    from trtpaged.builder.quantize import quantized_step_model
-
-    config = parse_config({"model": {"tiny": {"num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 96,
-                                              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64}},
-                           "quantization": {"weights": "int4", "group_size": 32, "activations": "float"}})
-    hf = load_hf(config.model)
-    dims = dims_from_hf_config(hf.config)
-    model = quantized_step_model(hf.model, config.model, dims, config.quantization, torch.float32)[0]
-    model.set_execution_plan(ExecutionPlan(layers, "the test's plan"))
-    tokens = torch.randint(0, dims.vocab_size, (34,), generator=torch.Generator().manual_seed(9)).tolist()
-    ctx, rows, i32 = 28, 6, torch.int32
-
-    def step(cache, first: int, count: int, row_invariant: bool) -> torch.Tensor:
-        with torch.no_grad():
-            return model(torch.tensor(tokens[first : first + count], dtype=i32), torch.arange(first, first + count,
-                         dtype=i32), torch.tensor([0, count], dtype=i32), torch.tensor([first + count], dtype=i32),
-                         torch.tensor([[0, 1, 2]], dtype=i32), torch.arange(count, dtype=i32), cache,
-                         row_invariant=row_invariant)[0]  # fmt: skip
-
-    try:
-        for isa in [name for name in kernels.CPU_ISAS if name in ("scalar", "avx2", "avx512vnni")]:
-            try:
-                kernels.set_cpu_isa(isa)
-            except kernels.KernelError:
-                continue
-            cache = model.new_kv_cache(3, 16)
-            step(cache, 0, ctx, False)
-            prefilled = cache.clone()
-            together = step(cache, ctx, rows, True)
-            cache.copy_(prefilled)
-            for i in range(rows):
-                assert torch.equal(step(cache, ctx + i, 1, False)[0], together[i]), (isa, i)
-    finally:
-        kernels.set_cpu_isa(None)
+    # its 6-row verification step gets the logits (and the LM head's) of that row decoded alone, in every
+    # execution plan.
+    _assert_step_rows_are_rows_alone("float", plan, row_invariant=True)

@@ -151,6 +151,23 @@ def test_accept_reject_storm_keeps_exact_accounting(mode, caching):
     assert all(b.ref_cnt == 0 for b in engine.kv.pool.blocks)
 
 
+def test_exactly_the_steps_that_decode_one_sequence_are_row_invariant():
+    """The batch builder marks a step `row_invariant` when it decodes one sequence: its only sequence has every
+    row's logits (its one new token, then any draft); a prefill chunk, or two sequences, keep the fast path."""
+    config = runtime_config(num_kv_blocks=64, block_size=4, max_num_tokens=64,
+                            speculative=SpeculativeConfig(num_speculative_tokens=3, **ALWAYS))  # fmt: skip
+    runner = RandomLogitsEngine(64, 8)
+    engine = LLMEngine(runner, config, None, [])
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    run_staggered(engine, [([1, 2, 3, 4, 5, 6] * 3, params), ([3, 4] * 5, params)], every=6)
+    kinds = collections.Counter()
+    for batch in runner.batches:
+        one_decoding = batch.query_start.numel() == 2 and batch.logits_index.numel() == batch.num_tokens
+        assert batch.row_invariant == one_decoding
+        kinds[(batch.row_invariant, batch.num_tokens > 1)] += 1
+    assert all(kinds[kind] > 0 for kind in ((True, True), (True, False), (False, True))), kinds
+
+
 def test_disabled_at_batch_size_and_budget_counts_drafts():
     """At `disable_by_batch_size` decoding sequences a step proposes nothing; below it, drafts count
     against max_num_tokens."""

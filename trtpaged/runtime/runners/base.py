@@ -9,9 +9,13 @@ import numpy as np
 import torch
 
 
+STEP_HINTS = ("row_invariant",)  # StepBatch's fields that are not engine inputs
+
+
 @dataclass(frozen=True)
 class StepBatch:
-    """The step inputs of the engine I/O contract (docs/architecture.md), int32 tensors on the host."""
+    """The step inputs of the engine I/O contract (docs/architecture.md), int32 tensors on the host, then the
+    step's hints (`STEP_HINTS`): how an eager backend may compute, not graph inputs."""
 
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
@@ -19,8 +23,8 @@ class StepBatch:
     context_lens: torch.Tensor  # [num_seqs]
     block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq], padded with 0
     logits_index: torch.Tensor  # [num_outputs]
-    # the step decodes one sequence: a backend whose rows' results can depend on the rows run with them
-    # computes each row as a step of that row alone would (LlamaStepModel.forward's `row_invariant`)
+    # hint: the step decodes one sequence, so a backend whose rows' results can depend on the rows run with
+    # them computes each row as a step of that row alone would (LlamaStepModel.forward's `row_invariant`)
     row_invariant: bool = False
 
     @property
