@@ -118,3 +118,38 @@ def test_zero_options_equal_the_plain_call() -> None:
     b = kernels.paged_attention(*batch.args()[:3], batch.kv_cache.clone(), *batch.args()[4:],
                                 AttentionOptions(1, batch.scale, sliding_window=0, logit_softcap=0.0))
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", [torch.float32, torch.float16])
+def test_a_windowed_query_row_does_not_depend_on_the_rows_with_it(path: str, kv_cache_dtype: torch.dtype) -> None:
+    # A speculative verification step runs a sequence's next rows together: with a sliding window each row's
+    # first key differs, and the task starts at the earliest. Each row's output must still be the bits of the
+    # row run alone (a decode step): the online-softmax tiles end at the same keys either way. Windows whose
+    # first keys cross a block (16 keys) or a tile (256 keys) boundary among the rows, on 1 and 2 threads
+    # (2: long contexts split into tasks on the 512-key grid).
+    heads, kv_heads, d, bs, rows = 9, 3, 64, 16, 6
+    gen = torch.Generator().manual_seed(21)
+    threads = torch.get_num_threads()
+    try:
+        for num_threads, ctx, window in ((1, 300, 37), (1, 600, 300), (2, 1300, 1030), (2, 1290, 200), (1, 90, 500)):
+            torch.set_num_threads(num_threads)
+            opt = AttentionOptions(0, d**-0.5, sliding_window=window)
+            nb = (ctx + rows + bs - 1) // bs
+            pool = torch.zeros((nb + 1, 1, 2, kv_heads, bs, d), dtype=kv_cache_dtype)
+            table = torch.arange(1, nb + 1, dtype=torch.int32)[None]
+            q = torch.randn(ctx + rows, heads, d, generator=gen)
+            k, v = torch.randn(ctx + rows, kv_heads, d, generator=gen), torch.randn(ctx + rows, kv_heads, d, generator=gen)
+
+            def run(first: int, count: int) -> torch.Tensor:
+                pos = torch.arange(first, first + count, dtype=torch.int32)
+                return kernels.paged_attention(q[first : first + count], k[first : first + count],
+                                               v[first : first + count], pool, pos,
+                                               torch.tensor([0, count], dtype=torch.int32),
+                                               torch.tensor([first + count], dtype=torch.int32), table, opt)  # fmt: skip
+
+            run(0, ctx)
+            together = run(ctx, rows)
+            for i in range(rows):
+                assert torch.equal(run(ctx + i, 1)[0], together[i]), (num_threads, ctx, window, i)
+    finally:
+        torch.set_num_threads(threads)

@@ -236,14 +236,20 @@ def test_attention_every_path(path: str, kv_cache_dtype: str, two_threads: None)
         assert err <= 2e-5, f"{spec}, block {block_size}, head_dim {head_dim}: max abs error {err}"
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16", "int8"])
-def test_a_query_row_does_not_depend_on_the_rows_with_it(path: str, kv_cache_dtype: str) -> None:
+@pytest.mark.parametrize("heads,kv_heads,rows", [(9, 3, 6), (9, 3, 3), (4, 4, 5)])
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16", "bfloat16", "int8"])
+def test_a_query_row_does_not_depend_on_the_rows_with_it(
+    path: str, kv_cache_dtype: str, heads: int, kv_heads: int, rows: int
+) -> None:
     # A speculative verification step runs a sequence's next rows together; each row's output must be
     # bit-identical to the row run alone (one decode step), or greedy outputs change with speculation on.
     # Contexts whose last block ends one key short of a vector (16 or 8 lanes) and their neighbours: those
     # keys are scored as a partial group alone and inside a full group with the later rows. Contexts next to
     # the key-range split grid (512 keys) and past it: a row alone and among later rows reads the same splits.
-    heads, kv_heads, d, bs, rows = 9, 3, 64, 16, 6
+    # The query rows of a KV head go through the score loops in groups of up to 4: GQA 9/3 with 6 rows
+    # makes groups of 4 and 2, with 3 rows (and MHA with 5) a last group of one row, where alone the row's
+    # heads share a group (GQA) or the row is a group of one (MHA).
+    d, bs = 64, 16
     gen = torch.Generator().manual_seed(5)
     opt = AttentionOptions(0, d**-0.5)
     for ctx in (102, 103, 110, 111, 126, 507, 509, 766, 768, 1100):

@@ -220,6 +220,34 @@ def test_host_tier_answers_only_the_exact_record():
     assert host.counters.hits == 1 and host.counters.misses == 2 and host.counters.invalid == 2
 
 
+def test_a_queued_write_back_is_read_as_many_bytes_as_the_written_block():
+    """A lookup that finds a block still queued for the writer counts a hit of the top tier and the block's entry
+    bytes, as the tier counts the same block once written (round 8 counted the bare payload there)."""
+    gate = threading.Event()
+
+    class GatedHost(HostMemoryTier):
+        def put_block(self, record: BlockRecord, payload: bytes) -> None:
+            gate.wait(10)
+            super().put_block(record, payload)
+
+    fp = _fingerprint(None)
+    tokens = tuple(range(BS))
+    good = BlockRecord(chain_key(fp, ROOT, tokens), ROOT, tokens)
+    stack = TierStack([GatedHost(1 << 20)], fp, background=True)
+    host = stack.tiers[0]
+    try:
+        stack.save([(good, b"q" * 96)])
+        assert stack.lookup(good) == (b"q" * 96, "host") and host.num_entries == 0  # still queued
+        queued = host.counters.bytes_read
+        gate.set()
+        stack.flush()
+        assert host.num_entries == 1 and stack.lookup(good) == (b"q" * 96, "host")
+        assert queued == entry_bytes(BS, 96) and host.counters.bytes_read == 2 * queued and host.counters.hits == 2
+    finally:
+        gate.set()
+        stack.close()
+
+
 def test_disk_tier_is_bounded_and_persistent(tmp_path: Path):
     tier = DiskTier(tmp_path, 1000)
     for i in range(5):

@@ -61,35 +61,98 @@ def test_openai_client_chat_completions_streaming_n(client, llm):
     assert [m.id for m in client.models.list().data] == ["tiny"]
 
 
-def test_stream_interval_joins_tokens_into_fewer_chunks(tiny_engine_dir, llm):
-    """`--stream-interval 4` through a real server and the official client: the first token's chunk at once,
-    then 4 tokens a chunk (counted by their log-prob entries), the last chunk at the end; joined, the chunks
-    are the non-streamed text (also with a stop string the runtime holds back, and for chat)."""
+@pytest.fixture(scope="module")
+def client3(tiny_engine_dir):
+    """The official client of a second server on the same engine at `--stream-interval 3`."""
     openai = pytest.importorskip("openai", reason="the openai package is not installed (pip install openai)")
-    with pytest.raises(ValueError, match="stream_interval: must be positive"):
-        ServerOptions(stream_interval=0)
     handle = start_server(tiny_engine_dir, port=0, served_model_name="tiny", device="cpu",
-                          options=ServerOptions(stream_interval=4))  # fmt: skip
-    try:
-        client = openai.OpenAI(base_url=handle.url + "/v1", api_key="none", max_retries=0, timeout=60)
-        body = dict(model="tiny", prompt="once upon", max_tokens=11, temperature=0, extra_body={"ignore_eos": True})
-        whole = client.completions.create(**body).choices[0].text
-        truth = llm.generate(["once upon"], SamplingParams(max_tokens=11, temperature=0.0, ignore_eos=True))[0]
-        assert whole == truth.outputs[0].text
-        chunks = [c for c in client.completions.create(**body, logprobs=1, stream=True) if c.choices]
-        assert [len(c.choices[0].logprobs.tokens) for c in chunks] == [1, 4, 4, 2]
-        assert "".join(c.choices[0].text for c in chunks) == whole
-        stop = whole[3:5]
-        streamed = "".join(c.choices[0].text for c in client.completions.create(**body, stop=stop, stream=True))
-        assert streamed == client.completions.create(**body, stop=stop).choices[0].text == whole[: whole.index(stop)]
-        messages = [{"role": "user", "content": "hello"}]
-        chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=9, temperature=0)
-        deltas = client.chat.completions.create(model="tiny", messages=messages, max_tokens=9, temperature=0,
-                                                stream=True)  # fmt: skip
-        assert "".join(c.choices[0].delta.content or "" for c in deltas) == chat.choices[0].message.content
-        wait_idle(handle)
-    finally:
-        handle.shutdown(timeout=0)
+                          options=ServerOptions(api_key=KEY, stream_interval=3))  # fmt: skip
+    yield openai.OpenAI(base_url=handle.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    wait_idle(handle)
+    handle.shutdown(timeout=0)
+
+
+def _token_entries(logprobs, chat: bool) -> list[tuple]:
+    """One (token, logprob, top log-probs[, text offset]) per token of a choice's logprobs field (either format)."""
+    if logprobs is None:
+        return []
+    if chat:
+        return [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs]) for e in logprobs.content]
+    return list(zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, logprobs.text_offset))
+
+
+def _assembled(chunks, chat: bool) -> tuple[dict[int, tuple], dict[int, list[int]], object]:
+    """Per choice index: (text, token entries, finish reasons of its chunks in order, finish reason) joined from
+    a stream; per choice the tokens of each chunk that carried any; the usage chunk's usage."""
+    joined: dict[int, list] = {}
+    sizes: dict[int, list[int]] = {}
+    usage = None
+    for chunk in chunks:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            text, entries, finishes = joined.setdefault(c.index, ["", [], []])
+            joined[c.index][0] = text + ((c.delta.content or "") if chat else c.text)
+            new = _token_entries(c.logprobs, chat)
+            entries += new
+            finishes.append(c.finish_reason)
+            if new:
+                sizes.setdefault(c.index, []).append(len(new))
+    # the finish reason comes once, with the choice's last chunk
+    for index, (_, _, finishes) in joined.items():
+        assert all(f is None for f in finishes[:-1]) and finishes[-1] is not None, (index, finishes)
+    return {i: (t, e, f[-1]) for i, (t, e, f) in joined.items()}, sizes, usage
+
+
+def _whole(body, chat: bool) -> dict[int, tuple]:
+    """Per choice index: (text, token entries, finish reason) of a non-streamed body."""
+    return {c.index: ((c.message.content if chat else c.text), _token_entries(c.logprobs, chat), c.finish_reason)
+            for c in body.choices}  # fmt: skip
+
+
+def test_stream_interval_changes_only_the_chunking(client, client3):
+    """`--stream-interval 3` through a real server and the official client: per choice, the first token's chunk at
+    once, then 3 tokens a chunk (all their log-prob entries in it), the rest with the finish reason; assembled,
+    texts, log-probs (tokens, values, top-k, text offsets), finish reasons and usage equal the same request
+    streamed at interval 1 and answered whole: n=2 sampled, a stop string, and chat."""
+    sampled = dict(model="tiny", prompt="once upon", max_tokens=11, temperature=1.0, seed=7, n=2, logprobs=2,
+                   extra_body={"ignore_eos": True})  # fmt: skip
+    stream = dict(stream=True, stream_options={"include_usage": True})
+    whole = client.completions.create(**sampled)
+    one, sizes1, usage1 = _assembled(client.completions.create(**sampled, **stream), chat=False)
+    three, sizes3, usage3 = _assembled(client3.completions.create(**sampled, **stream), chat=False)
+    assert one == three == _whole(whole, chat=False)
+    assert len(three) == 2 and three[0][0] != three[1][0]  # two different samples, each chunked on its own
+    assert all(finish == "length" and len(entries) == 11 for _, entries, finish in three.values())
+    assert sizes1 == {0: [1] * 11, 1: [1] * 11} and sizes3 == {0: [1, 3, 3, 3, 1], 1: [1, 3, 3, 3, 1]}
+    assert usage1 == usage3 == whole.usage
+
+    greedy = dict(model="tiny", prompt="once upon", max_tokens=11, temperature=0, logprobs=1,
+                  extra_body={"ignore_eos": True})  # fmt: skip
+    text = client.completions.create(**greedy).choices[0].text
+    stop = text[5:7]
+    cut = client.completions.create(**greedy, stop=stop)
+    one, _, _ = _assembled(client.completions.create(**greedy, stop=stop, **stream), chat=False)
+    three, _, _ = _assembled(client3.completions.create(**greedy, stop=stop, **stream), chat=False)
+    assert one == three == _whole(cut, chat=False)
+    assert three[0][0] == text[: text.index(stop)] and three[0][2] == "stop"  # nothing past the stop was sent
+
+    chat = dict(model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=9, temperature=0,
+                logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})  # fmt: skip
+    whole = client.chat.completions.create(**chat)
+    one, _, _ = _assembled(client.chat.completions.create(**chat, **stream), chat=True)
+    three, sizes3, usage3 = _assembled(client3.chat.completions.create(**chat, **stream), chat=True)
+    assert one == three == _whole(whole, chat=True) and len(three[0][1]) == 9
+    assert sizes3 == {0: [1, 3, 3, 2]} and usage3 == whole.usage
+
+
+def test_stream_interval_is_checked(tiny_engine_dir):
+    """A bad interval is refused naming it: by `trtpaged serve` before the engine loads, and by ServerOptions."""
+    for bad in ("0", "-2", "two", "1.5"):
+        result = CliRunner().invoke(main, ["serve", str(tiny_engine_dir), "--stream-interval", bad])
+        assert result.exit_code == 2 and "--stream-interval" in result.output, (bad, result.output)
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="stream_interval: must be an integer >= 1"):
+            ServerOptions(stream_interval=bad)
 
 
 def test_openai_client_sees_typed_errors(client):
@@ -148,19 +211,33 @@ def test_bare_reader_refuses_an_error_answer(server):
 
 
 def test_bench_serve_ratio_runs_both_sides_on_the_same_prompts(tiny_engine_dir):
-    """`bench serve-ratio` on the tiny engine: a real `trtpaged serve` child and the Python API give the same
-    greedy texts, and every figure is a measured rate."""
+    """`bench serve-ratio` on the tiny engine, at stream intervals 1 and 3 (one `trtpaged serve` child each):
+    both servers and the Python API give the same greedy texts, and every figure is a measured rate."""
     from trtpaged.bench.serve_ratio import format_ratio, run_serve_ratio
 
-    report = run_serve_ratio(tiny_engine_dir, repeats=2, max_tokens=6, concurrency=3)
-    assert report["same_text_single"] is True and report["same_text_batch"] == "3/3"
-    assert report["same_text_bare"] == "3/3" and report["bare_ratio"] > 0  # the bare reader's texts are the API's
+    report = run_serve_ratio(tiny_engine_dir, repeats=2, max_tokens=6, concurrency=3, stream_intervals=(1, 3))
+    assert sorted(report["series"]) == sorted(["api_single", "api_batch"] + [
+        f"serve_{m}@{n}" for m in ("single", "batch", "bare") for n in (1, 3)])  # fmt: skip
     assert all(len(v) == 2 and min(v) > 0 for v in report["series"].values())
     assert all(min(v) > 0 for v in report["step_ms"].values())
-    assert report["single_ratio"] > 0 and report["batch_ratio"] > 0
-    assert "serve / LLM.generate" in format_ratio(report)
-    # CPU per token by side (/proc's 10 ms ticks: only the 3-stream runs are long enough to be sure of a tick)
-    us = report["cpu_us_per_token"]["batch"]
-    assert us["api"] > 0 and us["engine"] > 0 and us["client"] > 0, us
-    assert "HTTP/event loop" in format_ratio(report)
-    assert "bare reader" in format_ratio(report) and report["cpu_us_per_token"]["bare"]["engine"] > 0
+    assert list(report["by_interval"]) == ["1", "3"]
+    text = format_ratio(report)
+    for interval, r in report["by_interval"].items():
+        assert r["same_text_single"] is True and r["same_text_batch"] == "3/3", interval
+        assert r["same_text_bare"] == "3/3" and r["bare_ratio"] > 0  # the bare reader's texts are the API's
+        assert r["single_ratio"] > 0 and r["batch_ratio"] > 0
+        # CPU per token by side (/proc's 10 ms ticks: only the 3-stream runs are long enough to be sure of a tick)
+        us = r["cpu_us_per_token"]["batch"]
+        assert us["api"] > 0 and us["engine"] > 0 and us["client"] > 0, us
+        assert r["cpu_us_per_token"]["bare"]["engine"] > 0
+        assert f"--stream-interval {interval}:" in text
+    assert "serve / LLM.generate" in text and "HTTP/event loop" in text and "bare reader" in text
+
+
+def test_bench_serve_ratio_refuses_bad_stream_intervals(tiny_engine_dir):
+    """Refused before any engine loads, naming the option: below 1, repeated, or also passed to the server."""
+    for args, message in ((["--stream-interval", "0"], "--stream-interval"),
+                          (["--stream-interval", "2", "--stream-interval", "2"], "stream_interval: each value"),
+                          (["--server-arg=--stream-interval=4"], "--stream-interval is set by the benchmark")):
+        result = CliRunner().invoke(main, ["bench", "serve-ratio", str(tiny_engine_dir), *args])
+        assert result.exit_code != 0 and message in result.output, (args, result.output)

@@ -17,7 +17,7 @@ from tests.test_server import wait_idle
 from tests.test_server_scoring import client  # noqa: F401 - the openai client of this module's `server`
 from trtpaged.engine_files import sha256_file
 from trtpaged.manifest import MANIFEST_NAME
-from trtpaged.server import start_server
+from trtpaged.server import ServerOptions, start_server
 
 pytest.importorskip("openai", reason="the openai package is not installed (pip install openai)")
 jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is not installed")
@@ -129,6 +129,26 @@ def test_streamed_auto_joins_to_the_full_answer(client, forced, content, calls):
     assert [(n, a) for _, n, a in streamed_calls] == [(tc.function.name, tc.function.arguments)
                                                       for tc in full.message.tool_calls or []]  # fmt: skip
     assert all(i.startswith("call_") for i, _, _ in streamed_calls)
+
+
+def test_streamed_calls_at_stream_interval_3_join_to_the_full_answer(client, tools_engine_dir):
+    """A server at `--stream-interval 3` hands the tool-call parser 3 tokens of text at a time: streamed calls
+    still join to the interval-1 server's full answers (content, names, arguments, finish reason)."""
+    import openai
+
+    handle = start_server(tools_engine_dir, port=0, served_model_name=MODEL, device="cpu",
+                          options=ServerOptions(stream_interval=3))  # fmt: skip
+    try:
+        client3 = openai.OpenAI(base_url=handle.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        for forced, _, _ in CASES:
+            full = _create(client, forced).choices[0]
+            content, calls, finish = _streamed(_create(client3, forced, stream=True))
+            assert (content, finish) == (full.message.content, full.finish_reason), forced
+            assert [(n, a) for _, n, a in calls] == [(tc.function.name, tc.function.arguments)
+                                                     for tc in full.message.tool_calls or []], forced  # fmt: skip
+        wait_idle(handle)
+    finally:
+        handle.shutdown(timeout=0)
 
 
 def test_arguments_arrive_in_pieces(client):

@@ -553,3 +553,26 @@ def test_smollm2_greedy_identical_with_speculation(smollm2_int4):
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     stats = spec_engine.stats()
     assert stats["spec_decode_num_accepted_tokens"] >= 5 and stats["num_steps"] < 3 + 3 * 15
+
+
+def test_the_default_row_cost_follows_the_engine_arithmetic(tiny_engine_dir) -> None:
+    """Without verify_row_cost, an engine's speculation prices a verified row by how its linears compute (the
+    per-row costs measured in runtime/verify_cost.py: float weights stream once whatever the rows, int8
+    activations pay integer dot products per row, float activations on quantized weights FMA per row); a
+    given value wins; null is the default, anything else outside [0, 1] is refused by name."""
+    from trtpaged import LLM
+    from trtpaged.runtime.verify_cost import default_verify_row_cost
+
+    float_cost = default_verify_row_cost({})
+    w4a8_cost = default_verify_row_cost({"weights": "int4", "activations": "int8", "group_size": 32})
+    int4_cost = default_verify_row_cost({"weights": "int4", "activations": "float", "group_size": 32})
+    assert 0 < float_cost < w4a8_cost < int4_cost <= 1
+    llm = LLM(tiny_engine_dir, device="cpu", warmup=False, speculative_config={"num_speculative_tokens": 2})
+    assert llm.stats()["spec_decode_verify_row_cost"] == float_cost
+    given = LLM(tiny_engine_dir, device="cpu", warmup=False,
+                speculative_config='{"num_speculative_tokens": 2, "verify_row_cost": 0.45}')
+    assert given.stats()["spec_decode_verify_row_cost"] == 0.45
+    assert SpeculativeConfig.parse('{"verify_row_cost": null}').row_cost == SpeculativeConfig().row_cost
+    for bad in (-0.1, 1.5, float("nan"), True, "0.2"):
+        with pytest.raises(ValueError, match="speculative_config.verify_row_cost: must be a number in"):
+            SpeculativeConfig(verify_row_cost=bad)

@@ -17,6 +17,11 @@ HTTP event loop and the rest; the `openai` client), which other processes' load 
 where it swings the rates: what the front end costs, against the CPU the kernels need. Each ratio is the median over
 the rounds of serve / API within the round; with the spread or other processes' CPU use above trtpaged's noise rule (bench/noise.py)
 the verdict is refused.
+
+With several `--stream-interval` values, one `serve` child runs per value (tokens per streamed chunk; see
+`ServerOptions.stream_interval`) and every round runs each of them right after the API's run, in a rotating
+order: the intervals' ratios come from the same rounds, so load drifting between separate runs does not
+decide which interval looks faster.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from trtpaged.bench.noise import NoiseMonitor, assess, verdict
 from trtpaged.bench.server_metrics import parse_prometheus
@@ -293,118 +298,171 @@ def client_batch_rate(url: str, num_requests: int, max_tokens: int) -> tuple[flo
     return asyncio.run(_client_batch(url, num_requests, max_tokens))
 
 
+def check_stream_intervals(stream_intervals: Sequence[int], server_args: Sequence[str]) -> tuple[int, ...]:
+    """The intervals to compare (one `serve` each), checked: distinct integers >= 1, none also in `server_args`."""
+    intervals = tuple(stream_intervals) or (1,)
+    for n in intervals:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"stream_interval: must be an integer >= 1, got {n!r}")
+    if len(set(intervals)) != len(intervals):
+        raise ValueError(f"stream_interval: each value at most once, got {list(intervals)}")
+    if any(a == "--stream-interval" or a.startswith("--stream-interval=") for a in server_args):
+        raise ValueError("server_args: --stream-interval is set by the benchmark's own --stream-interval option")
+    return intervals
+
+
+class ServeArm:
+    """One `trtpaged serve` child at one `--stream-interval`, and what its rounds measured."""
+
+    MODES = ("single", "batch", "bare")
+
+    def __init__(self, engine: Path, interval: int, server_args: tuple[str, ...], concurrency: int) -> None:
+        self.interval = interval
+        self.server = ServerProcess(engine, (*server_args, "--stream-interval", str(interval)))
+        at = f", interval {interval}"
+        self.series = {"single": Series(f"serve, openai client, 1 stream{at} (tok/s)"),
+                       "batch": Series(f"serve, {concurrency} streams{at} (tok/s)"),
+                       "bare": Series(f"serve, {concurrency} streams, bare reader{at} (tok/s)")}  # fmt: skip
+        self.steps = {m: Series(m) for m in self.MODES}
+        self.cpu = {m: CpuPerToken() for m in self.MODES}
+        self.same_single, self.same = True, {"batch": concurrency, "bare": concurrency}
+        self.cpu_start = 0.0
+
+    def measure(self, mode: str, run: Callable[[str], tuple[float, Any, float]], tokens: int,
+                api_cpu: float) -> tuple[Any, float]:  # fmt: skip
+        """Runs one timed client run against this server and records its rate, engine step and CPU per token;
+        returns (the texts, the rate)."""
+        before, threads = self.server.metrics(), self.server.thread_cpu_seconds()
+        rate, texts, client_cpu = run(self.server.url)
+        self.cpu[mode].add(tokens, api=api_cpu, client=client_cpu,
+                           **_cpu_delta(threads, self.server.thread_cpu_seconds()))  # fmt: skip
+        self.series[mode].values.append(rate)
+        self.steps[mode].values.append(engine_step_ms(before, self.server.metrics()) or 0.0)
+        return texts, rate
+
+
 def run_serve_ratio(engine: Path, repeats: int = 5, max_tokens: int = 128, concurrency: int = 16,
-                    server_args: tuple[str, ...] = (), progress: Callable[[str], None] = lambda _: None) -> dict:  # fmt: skip
-    """Runs the comparison (API and serve rounds alternating) and returns the report (see `format_ratio`)."""
-    progress("loading the engine in this process and starting trtpaged serve")
+                    server_args: tuple[str, ...] = (), progress: Callable[[str], None] = lambda _: None,
+                    stream_intervals: Sequence[int] = (1,)) -> dict:  # fmt: skip
+    """Runs the comparison (API and serve rounds alternating; with several `stream_intervals`, one server
+    each, their runs in a rotating order after the API's in every round) and returns the report (see
+    `format_ratio`)."""
+    intervals = check_stream_intervals(stream_intervals, server_args)
+    progress("loading the engine in this process and starting trtpaged serve"
+             + (f" at stream intervals {', '.join(map(str, intervals))}" if len(intervals) > 1 else ""))
     api = ApiSide(engine)
-    server = ServerProcess(engine, server_args)
-    series = {k: Series(label) for k, label in (
-        ("api_single", "Python API decode (tok/s)"), ("serve_single", "serve, openai client, 1 stream (tok/s)"),
-        ("api_batch", f"LLM.generate, {concurrency} requests (tok/s)"),
-        ("serve_batch", f"serve, {concurrency} concurrent streams (tok/s)"),
-        ("serve_bare", f"serve, {concurrency} streams, bare reader (tok/s)"))}  # fmt: skip
-    steps = {k: Series(k) for k in series}
-    same_single, same_batch, same_bare = True, concurrency, concurrency
+    arms: list[ServeArm] = []
     monitor = NoiseMonitor()
-    cpu = {"single": CpuPerToken(), "batch": CpuPerToken(), "bare": CpuPerToken()}
+    api_series = {"single": Series("Python API decode (tok/s)"),
+                  "batch": Series(f"LLM.generate, {concurrency} requests (tok/s)")}  # fmt: skip
+    api_steps = {m: Series(m) for m in api_series}
     bodies = bare_bodies(concurrency, max_tokens)
-    server_cpu = wall = 0.0
+    wall = 0.0
     try:
+        for n in intervals:
+            arms.append(ServeArm(engine, n, tuple(server_args), concurrency))
         # Warm both sides, and leave every round the same prefix-cache state: the rounds' prompts are
         # cached from here on (without this the first round alone prefilled the 16 prompts in full, and
         # read as a slow first batch).
         api.decode_rate(8)
-        client_decode_rate(server.url, 8)
         api.batch_rate(concurrency, 8)
-        client_batch_rate(server.url, concurrency, 8)
-        bare_batch_rate(server.url, bare_bodies(concurrency, 8))
-        server_cpu, wall = server.cpu_seconds(), time.perf_counter()
+        for arm in arms:
+            client_decode_rate(arm.server.url, 8)
+            client_batch_rate(arm.server.url, concurrency, 8)
+            bare_batch_rate(arm.server.url, bare_bodies(concurrency, 8))
+            arm.cpu_start = arm.server.cpu_seconds()
+        wall = time.perf_counter()
         with monitor:
             for r in range(repeats):
                 progress(f"round {r + 1}/{repeats}")
+                order = arms[r % len(arms):] + arms[: r % len(arms)]  # no server always right after the API
                 api_cpu = time.process_time()  # this process: the API's thread and its OpenMP workers
                 rate, api_text, step = api.decode_rate(max_tokens)
-                cpu["single"].add(0, api=time.process_time() - api_cpu)
-                series["api_single"].values.append(rate)
-                steps["api_single"].values.append(step)
-                before, threads = server.metrics(), server.thread_cpu_seconds()
-                rate, served_text, client_cpu = client_decode_rate(server.url, max_tokens)
-                cpu["single"].add(max_tokens, client=client_cpu, **_cpu_delta(threads, server.thread_cpu_seconds()))
-                series["serve_single"].values.append(rate)
-                steps["serve_single"].values.append(engine_step_ms(before, server.metrics()) or 0.0)
-                same_single &= served_text == api_text
+                api_cpu = time.process_time() - api_cpu
+                api_series["single"].values.append(rate)
+                api_steps["single"].values.append(step)
+                for arm in order:
+                    text, _ = arm.measure("single", lambda url: client_decode_rate(url, max_tokens), max_tokens,
+                                          api_cpu)  # fmt: skip
+                    arm.same_single &= text == api_text
                 api_cpu = time.process_time()
                 rate, api_texts, step = api.batch_rate(concurrency, max_tokens)
-                cpu["batch"].add(0, api=time.process_time() - api_cpu)
-                series["api_batch"].values.append(rate)
-                steps["api_batch"].values.append(step)
-                before, threads = server.metrics(), server.thread_cpu_seconds()
-                rate, served_texts, client_cpu = client_batch_rate(server.url, concurrency, max_tokens)
-                cpu["batch"].add(concurrency * max_tokens, client=client_cpu,
-                                 **_cpu_delta(threads, server.thread_cpu_seconds()))  # fmt: skip
-                series["serve_batch"].values.append(rate)
-                steps["serve_batch"].values.append(engine_step_ms(before, server.metrics()) or 0.0)
-                same_batch = min(same_batch, sum(a == b for a, b in zip(api_texts, served_texts)))
-                before, threads = server.metrics(), server.thread_cpu_seconds()
-                rate, bare_texts, reader_cpu = bare_batch_rate(server.url, bodies)
-                cpu["bare"].add(concurrency * max_tokens, client=reader_cpu,
-                                **_cpu_delta(threads, server.thread_cpu_seconds()))  # fmt: skip
-                series["serve_bare"].values.append(rate)
-                steps["serve_bare"].values.append(engine_step_ms(before, server.metrics()) or 0.0)
-                same_bare = min(same_bare, sum(a == b for a, b in zip(api_texts, bare_texts)))
-        server_cpu, wall = server.cpu_seconds() - server_cpu, time.perf_counter() - wall
+                api_cpu = time.process_time() - api_cpu
+                api_series["batch"].values.append(rate)
+                api_steps["batch"].values.append(step)
+                for arm in order:
+                    texts, _ = arm.measure("batch", lambda url: client_batch_rate(url, concurrency, max_tokens),
+                                           concurrency * max_tokens, api_cpu)  # fmt: skip
+                    arm.same["batch"] = min(arm.same["batch"], sum(a == b for a, b in zip(api_texts, texts)))
+                    texts, _ = arm.measure("bare", lambda url: bare_batch_rate(url, bodies), concurrency * max_tokens,
+                                           0.0)  # the batch run's API side serves both  # fmt: skip
+                    arm.same["bare"] = min(arm.same["bare"], sum(a == b for a, b in zip(api_texts, texts)))
+        wall = time.perf_counter() - wall
+        server_cpu = sum(arm.server.cpu_seconds() - arm.cpu_start for arm in arms)
     finally:
-        server.close()
+        for arm in arms:
+            arm.server.close()
     # the verdicts are on the paired ratios, so their noise is the spread of the rounds' ratios (a machine whose
     # speed drifts between rounds moves both runs of a round together; the runs' own spreads are in the report)
-    for served, api_side in (("serve_single", "api_single"), ("serve_batch", "api_batch")):
-        monitor.add_samples([s / a for s, a in zip(series[served].values, series[api_side].values) if a > 0])
+    for arm in arms:
+        for mode in ("single", "batch"):
+            monitor.add_samples([s / a for s, a in zip(arm.series[mode].values, api_series[mode].values) if a > 0])
     foreign = monitor.foreign_cores()
-    if foreign is not None:  # the server is our own child: its CPU use is not other processes' load
+    if foreign is not None:  # the servers are our own children: their CPU use is not other processes' load
         foreign = max(0.0, foreign - server_cpu / wall)
     noise = assess(max(monitor.spreads), foreign, os.cpu_count() or 1)
-    single = paired_ratio(series["serve_single"].values, series["api_single"].values)
-    batch = paired_ratio(series["serve_batch"].values, series["api_batch"].values)
-    bare = paired_ratio(series["serve_bare"].values, series["api_batch"].values)
+    series = {f"api_{m}": s for m, s in api_series.items()}
+    steps = {f"api_{m}": s for m, s in api_steps.items()}
+    by_interval = {}
+    for arm in arms:
+        series.update({f"serve_{m}@{arm.interval}": s for m, s in arm.series.items()})
+        steps.update({f"serve_{m}@{arm.interval}": s for m, s in arm.steps.items()})
+        single = paired_ratio(arm.series["single"].values, api_series["single"].values)
+        batch = paired_ratio(arm.series["batch"].values, api_series["batch"].values)
+        by_interval[str(arm.interval)] = {
+            "single_ratio": single, "batch_ratio": batch,
+            "bare_ratio": paired_ratio(arm.series["bare"].values, api_series["batch"].values),
+            "same_text_single": arm.same_single, "same_text_batch": f"{arm.same['batch']}/{concurrency}",
+            "same_text_bare": f"{arm.same['bare']}/{concurrency}",
+            "cpu_us_per_token": {m: c.per_token_us() for m, c in arm.cpu.items()},
+            "verdict_single": verdict(single >= TARGET, noise), "verdict_batch": verdict(batch >= TARGET, noise),
+        }  # fmt: skip
     return {
         "engine": str(engine), "repeats": repeats, "max_tokens": max_tokens, "concurrency": concurrency,
-        "server_args": list(server_args),
+        "server_args": list(server_args), "stream_intervals": list(intervals),
         "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ},
         "series": {k: s.values for k, s in series.items()},
         "step_ms": {k: s.values for k, s in steps.items()},
-        "cpu_us_per_token": {k: c.per_token_us() for k, c in cpu.items()},
         "labels": {k: s.name for k, s in series.items()},
-        "single_ratio": single, "batch_ratio": batch, "bare_ratio": bare,
-        "same_text_single": same_single, "same_text_batch": f"{same_batch}/{concurrency}",
-        "same_text_bare": f"{same_bare}/{concurrency}",
+        "by_interval": by_interval,
         "noise": noise.to_dict(), "noise_text": noise.describe(),
-        "verdict_single": verdict(single >= TARGET, noise), "verdict_batch": verdict(batch >= TARGET, noise),
     }  # fmt: skip
 
 
 def format_ratio(report: dict) -> str:
-    """The report as text: each figure's median and repeats, the engine step times, the ratios."""
+    """The report as text: each figure's median and repeats, the engine step times, then per stream interval
+    the CPU per token by side and the ratios."""
     lines = []
     for key, values in report["series"].items():
         s = Series(report["labels"][key], values)
         steps = report["step_ms"][key]
         lines.append(f"{s.describe('')}  engine step {statistics.median(steps):.2f} ms")
     streams = f"{report['concurrency']} streams"
-    for mode, label in (("single", "1 stream"), ("batch", streams), ("bare", f"{streams}, bare reader")):
-        us = report["cpu_us_per_token"][mode]
-        serve = us["engine"] + us["http"] + us["other"]
-        api = "" if mode == "bare" else f"API {us['api']:.0f} | "  # the bare run shares the batch run's API side
-        lines.append(f"CPU us/token, {label}: {api}serve {serve:.0f} = engine+kernels "
-                     f"{us['engine']:.0f} + HTTP/event loop {us['http']:.0f} + other {us['other']:.0f} | "
-                     f"{'bare reader' if mode == 'bare' else 'openai client'} {us['client']:.0f}")  # fmt: skip
-    lines.append(f"single stream: serve / API = {report['single_ratio']:.2f} (median of the rounds' ratios; "
-                 f"target >= {TARGET:.2f}): "
-                 f"{report['verdict_single']}; same text: {report['same_text_single']}")  # fmt: skip
-    lines.append(f"{report['concurrency']} streams:  serve / LLM.generate = {report['batch_ratio']:.2f} "
-                 f"(target >= {TARGET:.2f}): {report['verdict_batch']}; same texts: {report['same_text_batch']}")  # fmt: skip
-    lines.append(f"{report['concurrency']} streams, bare reader: serve / LLM.generate = {report['bare_ratio']:.2f} "
-                 f"(the server without a client's parsing on the same cores; not a target); "
-                 f"same texts: {report['same_text_bare']}")  # fmt: skip
+    for interval, r in report["by_interval"].items():
+        lines.append(f"--stream-interval {interval}:")
+        for mode, label in (("single", "1 stream"), ("batch", streams), ("bare", f"{streams}, bare reader")):
+            us = r["cpu_us_per_token"][mode]
+            serve = us["engine"] + us["http"] + us["other"]
+            api = "" if mode == "bare" else f"API {us['api']:.0f} | "  # the bare run shares the batch run's API side
+            lines.append(f"  CPU us/token, {label}: {api}serve {serve:.0f} = engine+kernels "
+                         f"{us['engine']:.0f} + HTTP/event loop {us['http']:.0f} + other {us['other']:.0f} | "
+                         f"{'bare reader' if mode == 'bare' else 'openai client'} {us['client']:.0f}")  # fmt: skip
+        lines.append(f"  single stream: serve / API = {r['single_ratio']:.2f} (median of the rounds' ratios; "
+                     f"target >= {TARGET:.2f}): {r['verdict_single']}; same text: {r['same_text_single']}")  # fmt: skip
+        lines.append(f"  {streams}:  serve / LLM.generate = {r['batch_ratio']:.2f} (target >= {TARGET:.2f}): "
+                     f"{r['verdict_batch']}; same texts: {r['same_text_batch']}")  # fmt: skip
+        lines.append(f"  {streams}, bare reader: serve / LLM.generate = {r['bare_ratio']:.2f} (the server "
+                     f"without a client's parsing on the same cores; not a target); "
+                     f"same texts: {r['same_text_bare']}")  # fmt: skip
     lines.append(report["noise_text"])
     return "\n".join(lines)

@@ -347,13 +347,17 @@ def kv_tiers(engine, num_kv_blocks, multi_turn, system_words, user_words, output
 @click.option("--max-tokens", type=click.IntRange(min=2), default=128, show_default=True, help="Tokens per request (greedy, ignore_eos).")
 @click.option("--concurrency", type=click.IntRange(min=1), default=16, show_default=True, help="Concurrent requests of the batch runs.")
 @click.option("--server-arg", "server_args", multiple=True, help="Passed on to trtpaged serve (repeatable).")
+@click.option("--stream-interval", "stream_intervals", type=click.IntRange(min=1), multiple=True,
+              help="serve's --stream-interval (tokens per streamed chunk); repeat it to compare several in the same "
+                   "rounds, one server each.  [default: 1]")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def serve_ratio(engine, repeats, max_tokens, concurrency, server_args, as_json) -> None:
+def serve_ratio(engine, repeats, max_tokens, concurrency, server_args, stream_intervals, as_json) -> None:
     """trtpaged serve (official openai client, streaming) against the Python API on the same prompts: both ratios."""
     from trtpaged.bench.serve_ratio import format_ratio, run_serve_ratio
 
     _print_report(lambda: run_serve_ratio(Path(engine), repeats, max_tokens, concurrency, tuple(server_args),
-                                          progress=_progress), format_ratio, as_json)
+                                          progress=_progress, stream_intervals=stream_intervals or (1,)),
+                  format_ratio, as_json)  # fmt: skip
 
 
 @command.command(name="structured")

@@ -77,6 +77,10 @@ def command(engine_dir: Path, avg_len: int | None, memory: str | None, as_json: 
         click.echo(f"  {line}")
     if plan.num_kv_blocks is not None:
         click.echo(f"  weights + KV budget:  {format_bytes(weight_bytes + plan.num_kv_blocks * plan.bytes_per_block)}")
+    from trtpaged.runtime.verify_cost import default_verify_row_cost
+
+    click.echo(f"speculation: a verified draft token adds about {default_verify_row_cost(manifest.quantization):.2f} "
+               "of a one-row step here (the default verify_row_cost for this engine's arithmetic)")
     if draft_plan is not None:
         click.echo(f"speculative draft {draft_dir}: compatible (same tokenizer, max_seq_len covers this engine's); "
                    f"a draft step costs about {draft_cost:.2f} of a one-row step here (weight bytes: the default "

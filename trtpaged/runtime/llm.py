@@ -17,6 +17,7 @@ from trtpaged.runtime.outputs import RequestOutput, RequestOutputKind
 from trtpaged.runtime.runtime_config import RuntimeConfig
 from trtpaged.runtime.sampling_params import SamplingParams
 from trtpaged.runtime.speculative import SpeculativeConfig
+from trtpaged.runtime.verify_cost import default_verify_row_cost
 from trtpaged.runtime.warmup import warm_up
 
 
@@ -132,6 +133,10 @@ class LLM:
         # Ready means ready: the first batch's one-off costs (scratch growth, first-touched pages, the
         # LM head's packing, thread start) are paid here, in one step of the largest shape (runtime/warmup.py).
         self.warmup_tokens = warm_up(runner, self.config) if warmup else 0
+        spec = self.config.speculative
+        if spec is not None and spec.verify_row_cost is None:  # the cost rule's row cost for this engine's arithmetic
+            cost = default_verify_row_cost(self.manifest.quantization)
+            self.config = dataclasses.replace(self.config, speculative=dataclasses.replace(spec, verify_row_cost=cost))
         eos = list(self.manifest.eos_token_ids) or ([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
         tiers = None
         if tier_config.enabled:  # an entry holds one block of every tensor-parallel rank, rank 0's first

@@ -273,8 +273,8 @@ class LLMEngine:
 
     def stats(self) -> dict[str, float]:
         """KV-cache (now and peak), sharing, prefix-cache and scheduling counters; speculative decoding's
-        (spec_decode_*: drafts, draft tokens, accepted tokens, acceptance rate, mean acceptance length; a draft
-        model's pool and steps) when on."""
+        (spec_decode_*: drafts, draft tokens, accepted tokens, acceptance rate, mean acceptance length, the cost
+        rule's verify_row_cost; a draft model's pool and steps) when on."""
         stats: dict[str, float] = dict(self.kv.stats(self.scheduler.live_seqs()))
         stats.update(
             num_preemptions=self.scheduler.num_preemptions,
@@ -292,7 +292,8 @@ class LLMEngine:
         )
         spec = self.config.speculative
         if spec is not None:
-            stats.update(self.scheduler.spec_stats.to_stats(), spec_decode_num_speculative_tokens=spec.num_speculative_tokens)
+            stats.update(self.scheduler.spec_stats.to_stats(), spec_decode_num_speculative_tokens=spec.num_speculative_tokens,
+                         spec_decode_verify_row_cost=spec.row_cost)  # fmt: skip
             stats.update({f"spec_decode_method_{m}": float(m == spec.method) for m in METHODS})  # one-hot: numbers
             if self.scheduler.draft is not None:
                 stats.update(self.scheduler.draft.stats())

@@ -163,7 +163,7 @@ class Scheduler:
         self.spec_stats = SpecDecodeStats()
         spec = config.speculative
         draft_cost = draft.token_cost if draft is not None else 0.0
-        self.acceptance = (AcceptanceTracker(spec.verify_row_cost, spec.min_acceptance_rate, draft_cost)
+        self.acceptance = (AcceptanceTracker(spec.row_cost, spec.min_acceptance_rate, draft_cost)
                            if spec else None)  # fmt: skip
         self._num_decoding = 0  # this step's decoding sequences (what a verified row competes with)
 

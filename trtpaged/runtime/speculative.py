@@ -24,7 +24,8 @@ MAX_SPECULATIVE_TOKENS = 16  # per sequence and step; a verification step's rows
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 # A sequence never verifies drafts while its recent acceptance rate is below this (0: the cost rule alone decides).
 DEFAULT_MIN_ACCEPTANCE_RATE = 0.0
-# What one more query row adds to a one-row decode step, as a fraction of that step (measured: docs/speculative.md).
+# What one more query row adds to a one-row decode step, as a fraction of that step, where neither given nor set
+# from the engine's arithmetic (runtime/verify_cost.py; an engine built without `LLM`).
 DEFAULT_VERIFY_ROW_COST = 0.3
 # A draft step costing more than this many one-row target steps is a configuration error, not a draft.
 MAX_DRAFT_TOKEN_COST = 100.0
@@ -50,6 +51,8 @@ class SpeculativeConfig:
     batch-size cap a sequence verifies the number of draft tokens that maximises the step's expected tokens
     per unit of cost at its recent per-token acceptance rate (`best_draft_length`, the rule in
     docs/speculative.md), none when no number beats not speculating; 0: rows are free, always propose.
+    None: the engine's kind (`default_verify_row_cost`: float weights 0.07, int8 activations 0.2, float
+    activations on quantized weights 0.3, as measured), DEFAULT_VERIFY_ROW_COST where no engine sets it.
     draft_token_cost: draft_model only: what one draft step adds, as a fraction of a one-row target step;
     k draft tokens cost k draft steps on top of the verification (`best_draft_length`). None: estimated at
     load from the two engines' weight bytes (`estimate_draft_token_cost`); 0: the draft is free.
@@ -66,7 +69,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 3
     disable_by_batch_size: Optional[int] = DEFAULT_DISABLE_BY_BATCH_SIZE
     min_acceptance_rate: float = DEFAULT_MIN_ACCEPTANCE_RATE
-    verify_row_cost: float = DEFAULT_VERIFY_ROW_COST
+    verify_row_cost: Optional[float] = None
     draft_token_cost: Optional[float] = None
 
     def __post_init__(self) -> None:
@@ -94,7 +97,8 @@ class SpeculativeConfig:
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0:
             raise ValueError(f"speculative_config.min_acceptance_rate: must be a number in [0, 1], got {rate!r}")
         cost = self.verify_row_cost
-        if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0.0 <= cost <= 1.0:
+        bad_cost = isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0.0 <= cost <= 1.0
+        if cost is not None and bad_cost:
             raise ValueError(f"speculative_config.verify_row_cost: must be a number in [0, 1], got {cost!r}")
         draft_cost = self.draft_token_cost
         if draft_cost is not None:
@@ -118,6 +122,11 @@ class SpeculativeConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def row_cost(self) -> float:
+        """verify_row_cost, or DEFAULT_VERIFY_ROW_COST where it was neither given nor set for an engine."""
+        return DEFAULT_VERIFY_ROW_COST if self.verify_row_cost is None else float(self.verify_row_cost)
 
 
 def ngram_propose(token_ids: Sequence[int], k: int, n_min: int, n_max: int) -> list[int]:

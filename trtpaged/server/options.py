@@ -46,11 +46,13 @@ class ServerOptions:
             ("request_timeout_s", self.request_timeout_s is None or self.request_timeout_s > 0),
             ("body_timeout_s", self.body_timeout_s > 0),
             ("shutdown_timeout_s", self.shutdown_timeout_s >= 0),
-            ("stream_interval", isinstance(self.stream_interval, int) and self.stream_interval >= 1),
         ]
         for name, ok in checks:
             if not ok:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)!r}")
+        interval = self.stream_interval
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+            raise ValueError(f"stream_interval: must be an integer >= 1 (tokens per streamed chunk), got {interval!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key: must not be empty")
         if self.request_log is not None and not str(self.request_log):

@@ -420,9 +420,11 @@ void tile_scores_fused(const float* q, const uint8_t* const* kp, int64_t bs, int
   for (int64_t b = 0, j = 0; j < n; ++b) {
     const uint8_t* k = kp[b];
     const int64_t start = j, end = std::min(n, j + bs);
-    // Several query rows share each key: a converted (non-fp32) group of keys is staged as floats
-    // once, rather than converted again for every row.
-    constexpr bool kStage = !std::is_same_v<Codec, FloatRows> && NR > 1;
+    // A converted (non-fp32) group of keys is staged as floats once, rather than converted again for every
+    // row. Also with one row: the loop that converted inside the products rounded some scores differently
+    // from the staged one, so a query row alone in its group (MHA, or the last of a GQA head's rows) scored
+    // otherwise than inside a group of rows (greedy outputs changed with speculation on).
+    constexpr bool kStage = !std::is_same_v<Codec, FloatRows>;
     alignas(64) float staged[kStage ? kLanes * D : 1];
     for (; j + kLanes <= end; j += kLanes, k += kLanes * kRow) {
       next.prefetch(b, j - start, kLanes);

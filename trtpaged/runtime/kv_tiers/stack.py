@@ -21,6 +21,7 @@ import time
 from typing import Optional, Sequence
 
 from trtpaged.runtime.kv_tiers.base import BlockRecord, KVTier, TierHit
+from trtpaged.runtime.kv_tiers.entry import entry_bytes
 from trtpaged.runtime.kv_tiers.loader import TierLoad, TierLoader
 
 __all__ = ["BlockRecord", "TierHit", "TierStack"]
@@ -57,7 +58,7 @@ class TierStack:
         if queued is not None and queued[0] == record:
             top = self.tiers[0]
             top.counters.hits += 1
-            top.counters.bytes_read += len(queued[1])
+            top.counters.bytes_read += entry_bytes(len(record.tokens), len(queued[1]))  # as the tiers count a hit
             return queued[1], top.name
         for tier in self.tiers:
             if slow is not None and tier.slow != slow:

@@ -1,0 +1,39 @@
+"""The speculation cost rule's default `verify_row_cost` for an engine, from how its linears compute.
+
+What one more query row adds to a one-row decode step depends on the engine's arithmetic. Measured on SmolLM2
+(a one-sequence step of 6 rows against 1 row at 128 keys of context, 9 interleaved pairs, quiet 2-core EPYC;
+per extra row, as a fraction of the one-row step):
+
+| engine | AVX-512 VNNI | AVX2 (forced) |
+|---|---|---|
+| float32 weights: the weights are streamed once whatever the rows | 0.065 | 0.07-0.09 |
+| int4 weights, int8 activations (w4a8): integer dot products per row | 0.17-0.19 | 0.22-0.26 |
+| int4 weights, float activations: FMA per row | 0.29-0.32 | 0.29-0.37 |
+
+The int4 row was measured with the float tiles; a one-sequence step now runs its rows as limbs (StepBatch's
+`row_invariant`), which makes it about 0.31 per row on AVX-512 and 0.40 on AVX2 (docs/benchmarks.md, round 9,
+"greedy identity of the int4 engine"); 0.3 is kept.
+
+A constant (0.3, rounds 5-8) was right for the last kind only: it kept float32 and w4a8 engines from
+verifying drafts that pay. Timing the steps at load instead was tried and dropped: with the kernels' two
+OpenMP threads sharing the cores with anything else, a step took 20x its time and the ratio came out
+anywhere from 0.001 to 0.63, a wrong value kept for the engine's life.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+FLOAT_WEIGHTS_ROW_COST = 0.07
+INT8_ACTIVATIONS_ROW_COST = 0.2
+FLOAT_ACTIVATIONS_ROW_COST = 0.3
+
+
+def default_verify_row_cost(quantization: Mapping[str, Any]) -> float:
+    """The per-row cost of a verification step for an engine with this manifest `quantization` ({} for
+    float weights; "weights" and "activations" otherwise), from the table in this module's docstring."""
+    if not quantization or not quantization.get("weights"):
+        return FLOAT_WEIGHTS_ROW_COST
+    if quantization.get("activations") == "int8":
+        return INT8_ACTIVATIONS_ROW_COST
+    return FLOAT_ACTIVATIONS_ROW_COST
