@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from runtime_helpers import for_each_cpu_isa
 from trtpaged import kernels
 from trtpaged.builder.probe import standard_probe
 from trtpaged.config import parse_config
@@ -282,22 +283,17 @@ def _assert_step_rows_are_rows_alone(activations: str, cases, plan: str | None =
                          torch.tensor([[0, 1, 2]], dtype=i32), torch.arange(count, dtype=i32), cache,
                          row_invariant=invariant)[0]  # fmt: skip
 
-    try:
-        for isa in [name for name in kernels.CPU_ISAS if name in ("scalar", "avx2", "avx512vnni")]:
-            try:
-                kernels.set_cpu_isa(isa)
-            except kernels.KernelError:
-                continue
-            for kv_dtype, rows in cases:
-                cache = model.new_kv_cache(3, 16, dtype=kv_dtype)
-                step(cache, 0, ctx)
-                prefilled = cache.clone()
-                together = step(cache, ctx, rows, row_invariant)
-                cache.copy_(prefilled)
-                for i in range(rows):
-                    assert torch.equal(step(cache, ctx + i, 1)[0], together[i]), (isa, kv_dtype, rows, i)
-    finally:
-        kernels.set_cpu_isa(None)
+    def check(isa: str) -> None:
+        for kv_dtype, rows in cases:
+            cache = model.new_kv_cache(3, 16, dtype=kv_dtype)
+            step(cache, 0, ctx)
+            prefilled = cache.clone()
+            together = step(cache, ctx, rows, row_invariant)
+            cache.copy_(prefilled)
+            for i in range(rows):
+                assert torch.equal(step(cache, ctx + i, 1)[0], together[i]), (isa, kv_dtype, rows, i)
+
+    for_each_cpu_isa(check)
 
 
 def test_int8_activation_step_rows_do_not_depend_on_the_rows_run_with_them():

@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from runtime_helpers import (RandomLogitsEngine, hf_beams, hf_greedy, run_staggered, runtime_config,
-                             serve_one_completion, step_engine, tiny_hf)  # fmt: skip
+from runtime_helpers import (RandomLogitsEngine, for_each_cpu_isa, hf_beams, hf_greedy, run_staggered,
+                             runtime_config, serve_one_completion, step_engine, tiny_hf)  # fmt: skip
 from trtpaged.runtime.llm_engine import LLMEngine
 from trtpaged.runtime.sampling_params import SamplingParams
 from trtpaged.runtime.speculative import AcceptanceTracker, SpeculativeConfig, ngram_propose
@@ -320,7 +320,6 @@ def test_int4_engine_single_stream_returns_the_same_with_speculation(hf, prompts
     # row_invariant: a verification step of 1 + k rows gives each row the logits of a one-row decode step.
     # Then greedy tokens and every returned log-prob are bit-identical with speculation on and off, on each
     # CPU ISA. (Without that, the log-probs differ on every ISA and a near-tie can flip a token.)
-    from trtpaged import kernels
     from trtpaged.builder.quantize import quantized_step_model
     from trtpaged.config import parse_config
     from trtpaged.models import dims_from_hf_config
@@ -342,15 +341,10 @@ def test_int4_engine_single_stream_returns_the_same_with_speculation(hf, prompts
             assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
         return [(o.token_ids, o.logprobs, o.cumulative_logprob) for o in outs]
 
-    try:
-        for isa in [name for name in kernels.CPU_ISAS if name in ("scalar", "avx2", "avx512vnni")]:
-            try:
-                kernels.set_cpu_isa(isa)
-            except kernels.KernelError:
-                continue
-            assert run(SpeculativeConfig(num_speculative_tokens=5, **ALWAYS)) == run(None), isa
-    finally:
-        kernels.set_cpu_isa(None)
+    def check(isa: str) -> None:
+        assert run(SpeculativeConfig(num_speculative_tokens=5, **ALWAYS)) == run(None), isa
+
+    for_each_cpu_isa(check)
 
 
 def make_steps(hf, prompts, params) -> int:
