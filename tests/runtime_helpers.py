@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -14,6 +14,22 @@ from trtpaged.runtime.runtime_config import RuntimeConfig
 from trtpaged.runtime.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def for_each_cpu_isa(check: Callable[[str], None]) -> None:
+    """Runs check(isa) with the CPU kernels forced to each of scalar, AVX2 and AVX-512 VNNI that this CPU has;
+    the best is restored afterwards, whatever check raised."""
+    from trtpaged import kernels
+
+    try:
+        for isa in [name for name in kernels.CPU_ISAS if name in ("scalar", "avx2", "avx512vnni")]:
+            try:
+                kernels.set_cpu_isa(isa)
+            except kernels.KernelError:
+                continue
+            check(isa)
+    finally:
+        kernels.set_cpu_isa(None)
 
 
 class RandomLogitsEngine:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from runtime_helpers import for_each_cpu_isa
 from trtpaged import kernels
 from trtpaged.builder.probe import standard_probe
 from trtpaged.config import parse_config
@@ -253,43 +254,59 @@ def test_quantized_step_model_runs_all_layers_in_one_call_with_the_same_logits(m
         assert torch.equal(a, b)
 
 
-def test_int8_activation_step_rows_do_not_depend_on_the_rows_run_with_them():
-    # What keeps greedy outputs the same with speculation on (w4a8: int4 weights, int8 activations): a 6-row
-    # verification step gives each row the logits of that row decoded alone, bit for bit, on every CPU ISA.
-    # The context puts a row at 31 keys: one short of a vector (16 or 8 lanes) alone, inside a full group with
-    # the next row (the attention's tail case); head_dim 64 takes the fused attention loops. 3 query heads per KV
-    # head: with 3 rows, the last row's last head is scored alone in a group (of up to 4 query rows), while alone
-    # its 3 heads share one. Both an fp32 and an fp16 KV cache (the fused loops convert the latter).
+def _assert_step_rows_are_rows_alone(activations: str, cases, plan: str | None = None,
+                                     row_invariant: bool = False):  # fmt: skip
+    """A tiny int4-weight model's step of one sequence at 28 keys gives each row the logits of decoding it alone,
+    bit for bit, on every CPU ISA, for each (KV cache dtype, rows) of `cases`. The context puts a row at 31
+    keys: one short of a vector (16 or 8 lanes) alone, inside a full group with the next row (the attention's
+    tail case); head_dim 64 takes the fused attention loops. 3 query heads per KV head: with 3 rows, the last
+    row's last head is scored alone in a group (of up to 4 query rows), while alone its 3 heads share one. An
+    fp16 KV cache is converted by the fused loops. `row_invariant`: how the multi-row step runs (the one-row
+    steps never need it)."""
     from trtpaged.builder.quantize import quantized_step_model
 
     config = parse_config({"model": {"tiny": {"num_hidden_layers": 2, "hidden_size": 192, "intermediate_size": 96,
                                               "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 64}},
-                           "quantization": {"weights": "int4", "group_size": 32, "activations": "int8"}})
+                           "quantization": {"weights": "int4", "group_size": 32, "activations": activations}})
     hf = load_hf(config.model)
     dims = dims_from_hf_config(hf.config)
     model = quantized_step_model(hf.model, config.model, dims, config.quantization, torch.float32)[0]
+    if plan is not None:
+        model.set_execution_plan(ExecutionPlan(plan, "the test's plan"))
     tokens = torch.randint(0, dims.vocab_size, (34,), generator=torch.Generator().manual_seed(9)).tolist()
     ctx, i32 = 28, torch.int32
 
-    def step(cache, first: int, count: int) -> torch.Tensor:
+    def step(cache, first: int, count: int, invariant: bool = False) -> torch.Tensor:
         with torch.no_grad():
             return model(torch.tensor(tokens[first : first + count], dtype=i32), torch.arange(first, first + count,
                          dtype=i32), torch.tensor([0, count], dtype=i32), torch.tensor([first + count], dtype=i32),
-                         torch.tensor([[0, 1, 2]], dtype=i32), torch.arange(count, dtype=i32), cache)[0]  # fmt: skip
+                         torch.tensor([[0, 1, 2]], dtype=i32), torch.arange(count, dtype=i32), cache,
+                         row_invariant=invariant)[0]  # fmt: skip
 
-    try:
-        for isa in [name for name in kernels.CPU_ISAS if name in ("scalar", "avx2", "avx512vnni")]:
-            try:
-                kernels.set_cpu_isa(isa)
-            except kernels.KernelError:
-                continue
-            for kv_dtype, rows in ((None, 6), ("float16", 6), ("float16", 3), (None, 3)):
-                cache = model.new_kv_cache(3, 16, dtype=kv_dtype)
-                step(cache, 0, ctx)
-                prefilled = cache.clone()
-                together = step(cache, ctx, rows)
-                cache.copy_(prefilled)
-                for i in range(rows):
-                    assert torch.equal(step(cache, ctx + i, 1)[0], together[i]), (isa, kv_dtype, rows, i)
-    finally:
-        kernels.set_cpu_isa(None)
+    def check(isa: str) -> None:
+        for kv_dtype, rows in cases:
+            cache = model.new_kv_cache(3, 16, dtype=kv_dtype)
+            step(cache, 0, ctx)
+            prefilled = cache.clone()
+            together = step(cache, ctx, rows, row_invariant)
+            cache.copy_(prefilled)
+            for i in range(rows):
+                assert torch.equal(step(cache, ctx + i, 1)[0], together[i]), (isa, kv_dtype, rows, i)
+
+    for_each_cpu_isa(check)
+
+
+def test_int8_activation_step_rows_do_not_depend_on_the_rows_run_with_them():
+    # What keeps greedy outputs the same with speculation on (w4a8: int4 weights, int8 activations): a 6-row
+    # verification step gives each row the logits of that row decoded alone, with no help from the runtime.
+    _assert_step_rows_are_rows_alone("int8", ((None, 6), ("float16", 6), ("float16", 3), (None, 3)))
+
+
+@pytest.mark.parametrize("plan", ["c_layers", "fused", "torch"])
+def test_float_activation_one_sequence_step_rows_are_those_of_decoding_each_alone(plan: str):
+    # What keeps an int4 engine's (float activations) greedy outputs the same with speculation on: the CPU
+    # kernels run one row as int8 limbs and several as float tiles, which round differently, so a step that
+    # decodes one sequence is run `row_invariant` (the runtime's batch_builder marks it), and then each row of
+    # its 6-row verification step gets the logits (and the LM head's) of that row decoded alone, in every
+    # execution plan.
+    _assert_step_rows_are_rows_alone("float", ((None, 6), ("float16", 3)), plan, row_invariant=True)

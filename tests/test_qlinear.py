@@ -314,6 +314,26 @@ def test_float_activations_row_results_do_not_depend_on_the_batch(isa: str, bits
     check_float(bits, 70, 40, k, 32, seed=41, x=x)  # and the rows are right
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_float_activations_as_limbs_row_results_do_not_depend_on_the_batch(isa: str, bits: int) -> None:
+    # Float activations run one row as int8 limbs and several as float tiles, which round differently;
+    # `limbs=True` (a one-sequence speculative verification step) gives every row, at every row count and
+    # register block, the bits of that row run alone, which is the one-row call of plain float activations.
+    codes, scales, offsets, w = make_weight(bits, 40, 576, 32, seed=33)
+    packed = kernels.qlinear_pack(bits, codes, scales, offsets, 32)
+    x = torch.randn(17, 576, generator=torch.Generator().manual_seed(34)) * 2
+    alone = torch.cat([kernels.qlinear(x[i : i + 1], packed, bits, 40, 576, 32, float_activations=True)
+                       for i in range(17)])  # fmt: skip
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17):
+        assert torch.equal(kernels.qlinear(x[:m], packed, bits, 40, 576, 32, float_activations=True, limbs=True),
+                           alone[:m]), m  # fmt: skip
+    op = kernels.QLinearOp(packed, bits, 40, 576, 32)
+    assert torch.equal(op(x[:6], float_activations=True, limbs=True), alone[:6])
+    ref = x.double() @ w.T  # and the rows are right: fp32 rounding level, as the float tiles
+    tiles = kernels.qlinear(x, packed, bits, 40, 576, 32, float_activations=True).double()
+    assert (alone.double() - ref).abs().max() <= 2 * (tiles - ref).abs().max() + 1e-4
+
+
 @pytest.mark.parametrize("bits,group", [(8, 64), (8, 128), (8, "k"), (4, 64), (4, 128)])
 def test_float_activations_group_sizes(isa: str, bits: int, group) -> None:
     k = 384 if group != "k" else 576
@@ -360,9 +380,10 @@ def test_activations_value_is_checked() -> None:
     packed = kernels.qlinear_pack(8, codes, scales, None, 32)
     x, y = torch.randn(1, 64), torch.empty(1, 4)
     status = kernels.library().trtpaged_qlinear_cpu_ex(x.data_ptr(), 1, packed.data_ptr(), 8, 4, 64, 32, None,
-                                                       y.data_ptr(), 2)  # fmt: skip
+                                                       y.data_ptr(), 3)  # fmt: skip
     assert status != 0
-    assert "activations: must be 0 (int8) or 1 (float32), got 2" in kernels.library().trtpaged_last_error().decode()
+    assert ("activations: must be 0 (int8), 1 (float32) or 2 (float32 as limbs), got 3"
+            in kernels.library().trtpaged_last_error().decode())
 
 
 @pytest.mark.parametrize("activations", ["float", "int8"])

@@ -255,10 +255,13 @@ def run_all(e: LLMEngine) -> list:
 
 
 def test_step_batch_carries_the_exported_inputs_in_order():
-    """The runner's step inputs are the ONNX graph's inputs (the pool aside, which the runner owns)."""
+    """The runner's step inputs are the ONNX graph's inputs (the pool aside, which the runner owns), then the
+    hints an eager backend may use."""
     import dataclasses
 
     from trtpaged.step_io import INPUT_NAMES
-    from trtpaged.runtime.runners.base import StepBatch
+    from trtpaged.runtime.runners.base import STEP_HINTS, StepBatch
 
-    assert tuple(f.name for f in dataclasses.fields(StepBatch)) + ("kv_cache",) == INPUT_NAMES
+    names = tuple(f.name for f in dataclasses.fields(StepBatch))
+    assert names[: len(INPUT_NAMES) - 1] + ("kv_cache",) == INPUT_NAMES
+    assert names[len(INPUT_NAMES) - 1 :] == STEP_HINTS

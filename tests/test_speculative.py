@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from runtime_helpers import (RandomLogitsEngine, hf_beams, hf_greedy, run_staggered, runtime_config,
-                             serve_one_completion, step_engine, tiny_hf)  # fmt: skip
+from runtime_helpers import (RandomLogitsEngine, for_each_cpu_isa, hf_beams, hf_greedy, run_staggered,
+                             runtime_config, serve_one_completion, step_engine, tiny_hf)  # fmt: skip
 from trtpaged.runtime.llm_engine import LLMEngine
 from trtpaged.runtime.sampling_params import SamplingParams
 from trtpaged.runtime.speculative import AcceptanceTracker, SpeculativeConfig, ngram_propose
@@ -149,6 +149,23 @@ def test_accept_reject_storm_keeps_exact_accounting(mode, caching):
             assert done[request_id].outputs[0].token_ids == expected[i], i
     assert engine.kv.pool.num_free == num_kv_blocks
     assert all(b.ref_cnt == 0 for b in engine.kv.pool.blocks)
+
+
+def test_exactly_the_steps_that_decode_one_sequence_are_row_invariant():
+    """The batch builder marks a step `row_invariant` when it decodes one sequence: its only sequence has every
+    row's logits (its one new token, then any draft); a prefill chunk, or two sequences, keep the fast path."""
+    config = runtime_config(num_kv_blocks=64, block_size=4, max_num_tokens=64,
+                            speculative=SpeculativeConfig(num_speculative_tokens=3, **ALWAYS))  # fmt: skip
+    runner = RandomLogitsEngine(64, 8)
+    engine = LLMEngine(runner, config, None, [])
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    run_staggered(engine, [([1, 2, 3, 4, 5, 6] * 3, params), ([3, 4] * 5, params)], every=6)
+    kinds = collections.Counter()
+    for batch in runner.batches:
+        one_decoding = batch.query_start.numel() == 2 and batch.logits_index.numel() == batch.num_tokens
+        assert batch.row_invariant == one_decoding
+        kinds[(batch.row_invariant, batch.num_tokens > 1)] += 1
+    assert all(kinds[kind] > 0 for kind in ((True, True), (True, False), (False, True))), kinds
 
 
 def test_disabled_at_batch_size_and_budget_counts_drafts():
@@ -295,6 +312,39 @@ def test_greedy_identical_to_hf_and_to_no_speculation(hf, prompts, k):
     assert stats["spec_decode_num_accepted_tokens"] > 0
     assert stats["num_steps"] < make_steps(hf, prompts, params)
     assert engine.kv.pool.num_free == engine.config.num_kv_blocks
+
+
+def test_int4_engine_single_stream_returns_the_same_with_speculation(hf, prompts):
+    # An int4 engine keeps float activations, whose CPU kernels run one row as int8 limbs and several as
+    # float tiles (different rounding). A single stream's steps decode one sequence, so the runtime runs them
+    # row_invariant: a verification step of 1 + k rows gives each row the logits of a one-row decode step.
+    # Then greedy tokens and every returned log-prob are bit-identical with speculation on and off, on each
+    # CPU ISA. (Without that, the log-probs differ on every ISA and a near-tie can flip a token.)
+    from trtpaged.builder.quantize import quantized_step_model
+    from trtpaged.config import parse_config
+    from trtpaged.models import dims_from_hf_config
+    from trtpaged.runtime.runners import TorchRunner
+
+    built = parse_config({"model": {"tiny": {}}, "quantization": {"weights": "int4", "group_size": 32,
+                                                                  "activations": "float"}})  # fmt: skip
+    model = quantized_step_model(hf.model, built.model, dims_from_hf_config(hf.config), built.quantization,
+                                 torch.float32)[0]  # fmt: skip
+
+    def run(spec) -> list[tuple[list[int], list, float]]:
+        config = runtime_config(speculative=spec)
+        engine = LLMEngine(TorchRunner(model, model.new_kv_cache(config.num_kv_blocks, config.block_size)),
+                           config, hf.tokenizer, [EOS])  # fmt: skip
+        params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=1)
+        # one stream: the copy-heavy prompts one at a time
+        outs = [run_staggered(engine, [(p, params)])[0].outputs[0] for p in prompts[3:]]
+        if spec is not None:
+            assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
+        return [(o.token_ids, o.logprobs, o.cumulative_logprob) for o in outs]
+
+    def check(isa: str) -> None:
+        assert run(SpeculativeConfig(num_speculative_tokens=5, **ALWAYS)) == run(None), isa
+
+    for_each_cpu_isa(check)
 
 
 def make_steps(hf, prompts, params) -> int:

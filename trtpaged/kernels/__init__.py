@@ -42,6 +42,7 @@ from trtpaged.kernels.isa import (
 from trtpaged.kernels.layers import LlamaLayers, has_llama_layers
 from trtpaged.kernels.qlinear import (
     QLINEAR_FLOAT_ACTIVATIONS,
+    QLINEAR_FLOAT_LIMB_ACTIVATIONS,
     QLINEAR_INT8_ACTIVATIONS,
     QLinearOp,
     qlinear,
@@ -52,7 +53,8 @@ from trtpaged.kernels.sampling import greedy_rows, has_greedy_rows
 
 __all__ = [
     "ATTENTION_CPU_PATHS", "ATTENTION_PATH_OF_ISA", "BUILD_HINT", "CPU_ISAS", "LIBRARY_NAME",
-    "QLINEAR_FLOAT_ACTIVATIONS", "QLINEAR_INT8_ACTIVATIONS", "AttentionOptions", "AttentionStep", "KernelError",
+    "QLINEAR_FLOAT_ACTIVATIONS", "QLINEAR_FLOAT_LIMB_ACTIVATIONS", "QLINEAR_INT8_ACTIVATIONS",
+    "AttentionOptions", "AttentionStep", "KernelError",
     "KernelLibraryNotFound", "LlamaLayers", "Pairs", "QLinearOp", "attention_cpu_path",
     "available", "best_cpu_isa", "copy_blocks", "cpu_isa", "cuda_archs", "describe_cpu_isa", "greedy_rows",
     "has_cuda", "has_fused_ops", "has_greedy_rows", "has_llama_layers",

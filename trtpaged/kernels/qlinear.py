@@ -64,6 +64,15 @@ def qlinear_pack(
 
 QLINEAR_INT8_ACTIVATIONS = 0  # TRTPAGED_QLINEAR_INT8_ACTIVATIONS
 QLINEAR_FLOAT_ACTIVATIONS = 1  # TRTPAGED_QLINEAR_FLOAT_ACTIVATIONS
+QLINEAR_FLOAT_LIMB_ACTIVATIONS = 2  # TRTPAGED_QLINEAR_FLOAT_LIMB_ACTIVATIONS
+
+
+def activations_code(float_activations: bool, limbs: bool) -> int:
+    """The C `activations` value: int8, float (limbs or float tiles by the row count), or float as limbs at
+    every row count (each row's result that of the row run alone)."""
+    if not float_activations:
+        return QLINEAR_INT8_ACTIVATIONS
+    return QLINEAR_FLOAT_LIMB_ACTIVATIONS if limbs else QLINEAR_FLOAT_ACTIVATIONS
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,13 +91,16 @@ def qlinear(
     bias: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
     float_activations: bool = False,
+    limbs: bool = False,
 ) -> torch.Tensor:
     """y = x @ W^T (+ bias) for a weight packed by qlinear_pack; x float32 [..., k] on the CPU.
 
     float_activations=False quantizes x to int8 per block of 32 (integer dot products, fastest
     for many rows); True keeps x in float32 (exact de-quantized weights, fp32 FMA: as accurate
-    as F.linear on them, about as fast at a few rows). Returns out (float32 [..., n], allocated
-    when None). For repeated calls on one weight, QLinearOp checks its arguments once.
+    as F.linear on them, about as fast at a few rows). With float activations, one row runs as int8
+    limbs and several as float tiles, which round differently; `limbs=True` takes the limbs at every
+    row count, so each row's result is bit-identical to that row run alone. Returns out (float32
+    [..., n], allocated when None). For repeated calls on one weight, QLinearOp checks its arguments once.
     """
     packed_bytes, fn = _qlinear_call(bits, n, k, group_size)
     if x.dtype is not torch.float32 or not x.is_cpu or not x.is_contiguous() or x.dim() == 0 or x.shape[-1] != k:
@@ -107,7 +119,8 @@ def qlinear(
     ):
         raise ValueError(f"bias: expected a contiguous float32 CPU tensor of shape ({n},)")
     status = fn(x.data_ptr(), m, packed.data_ptr(), bits, n, k, group_size,
-                bias.data_ptr() if bias is not None else None, out.data_ptr(), int(float_activations))  # fmt: skip
+                bias.data_ptr() if bias is not None else None, out.data_ptr(),
+                activations_code(float_activations, limbs))  # fmt: skip
     if status:
         _check("qlinear", status)
     return out
@@ -136,8 +149,9 @@ class QLinearOp:
         self.packed, self.bias, self.n, self.k, self._fn = packed, bias, n, k, fn
         self._args = (packed.data_ptr(), bits, n, k, group_size, bias.data_ptr() if bias is not None else None)
 
-    def __call__(self, x: torch.Tensor, float_activations: bool = False) -> torch.Tensor:
-        """y = x @ W^T (+ bias), float32 [..., n], for x float32 [..., k] contiguous on the CPU."""
+    def __call__(self, x: torch.Tensor, float_activations: bool = False, limbs: bool = False) -> torch.Tensor:
+        """y = x @ W^T (+ bias), float32 [..., n], for x float32 [..., k] contiguous on the CPU (activations
+        as `qlinear` takes them)."""
         k = self.k
         if x.dtype is not torch.float32 or not x.is_cpu or not x.is_contiguous() or x.dim() == 0 or x.shape[-1] != k:
             raise ValueError(
@@ -147,7 +161,7 @@ class QLinearOp:
         out = x.new_empty(x.shape[:-1] + (self.n,))  # float32 CPU, as x
         packed, bits, n, _, group, bias = self._args
         status = self._fn(x.data_ptr(), x.numel() // k, packed, bits, n, k, group, bias, out.data_ptr(),
-                          1 if float_activations else 0)  # fmt: skip
+                          activations_code(float_activations, limbs))  # fmt: skip
         if status:
             _check("qlinear", status)
         return out

@@ -46,6 +46,11 @@ def make_linear(name: str, in_features: int, out_features: int, bias: bool, dtyp
     return QuantizedLinear(in_features, out_features, bits, group_size, bias, dtype)
 
 
+def project(linear: nn.Module, x: torch.Tensor, row_invariant: bool) -> torch.Tensor:
+    """linear(x); a quantized linear computes each row as if alone when `row_invariant` (LlamaStepModel.forward)."""
+    return linear(x, row_invariant) if row_invariant and isinstance(linear, QuantizedLinear) else linear(x)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 and cast back, as HF Llama does; `gemma`: scaled by (1 + weight) in float32,
     then cast, as HF Gemma does."""
@@ -128,10 +133,11 @@ class PagedSelfAttention(nn.Module):
         step: "StepIndex",
         kv_cache: torch.Tensor,
         attend: Optional[Callable[..., torch.Tensor]],
+        row_invariant: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """attend: the step's eager attention (attention_op.eager_attention), or attention_op.Functional
         for the functional op (export)."""
-        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q, k, v = project(self.qkv_proj, x, row_invariant).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.contiguous().view(-1, self.num_kv_heads, self.head_dim)  # the kernel takes dense tensors
@@ -149,19 +155,20 @@ class PagedSelfAttention(nn.Module):
             )
         else:
             out = attend(q, k, v, self.options)
-        return self._output(out.reshape(-1, self.num_heads * self.head_dim)), kv_cache
+        return self._output(out.reshape(-1, self.num_heads * self.head_dim), row_invariant), kv_cache
 
-    def _output(self, out: torch.Tensor) -> torch.Tensor:
-        y = self.o_proj(out)
+    def _output(self, out: torch.Tensor, row_invariant: bool) -> torch.Tensor:
+        y = project(self.o_proj, out, row_invariant)
         return y if self.reduce is None else self.reduce(y)
 
     def forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      attend: Callable[..., torch.Tensor], ops: ModuleType) -> torch.Tensor:
+                      attend: Callable[..., torch.Tensor], ops: ModuleType,
+                      row_invariant: bool = False) -> torch.Tensor:  # fmt: skip
         """The eager float32 CPU form of forward: RoPE and the dense q/k/v copies in one kernel call."""
-        q, k, v = ops.rope_qk(self.qkv_proj(x), cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
-                              dense=True)
+        q, k, v = ops.rope_qk(project(self.qkv_proj, x, row_invariant), cos, sin, self.num_heads, self.num_kv_heads,
+                              self.head_dim, dense=True)
         out = attend(q, k, v, self.options)
-        return self._output(out.view(-1, self.num_heads * self.head_dim))
+        return self._output(out.view(-1, self.num_heads * self.head_dim), row_invariant)
 
 
 class SwiGLU(nn.Module):
@@ -179,16 +186,16 @@ class SwiGLU(nn.Module):
         self.gate_up_proj = make_linear(prefix + "gate_up_proj", h, 2 * self.intermediate, bias, dtype, quant)
         self.down_proj = make_linear(prefix + "down_proj", self.intermediate, h, bias, dtype, quant)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+    def forward(self, x: torch.Tensor, row_invariant: bool = False) -> torch.Tensor:
+        gate, up = project(self.gate_up_proj, x, row_invariant).split(self.intermediate, dim=-1)
         gate = F.gelu(gate, approximate="tanh") if self.act == "gelu_tanh" else F.silu(gate)
-        return self._down(gate * up)
+        return self._down(gate * up, row_invariant)
 
-    def forward_fused(self, x: torch.Tensor, ops: ModuleType) -> torch.Tensor:
-        return self._down(ops.silu_mul(self.gate_up_proj(x)))
+    def forward_fused(self, x: torch.Tensor, ops: ModuleType, row_invariant: bool = False) -> torch.Tensor:
+        return self._down(ops.silu_mul(project(self.gate_up_proj, x, row_invariant)), row_invariant)
 
-    def _down(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.down_proj(x)
+    def _down(self, x: torch.Tensor, row_invariant: bool) -> torch.Tensor:
+        y = project(self.down_proj, x, row_invariant)
         return y if self.reduce is None else self.reduce(y)
 
 
@@ -209,18 +216,19 @@ class DecoderLayer(nn.Module):
         # which cos/sin table the layer rotates with: windowed layers of a model with a local RoPE base have their own
         self.rope_table = "local" if dims.local_rope_theta and dims.window_of(layer) else "global"
 
-    def forward(self, h, cos, sin, step, kv_cache, attend):
-        attn, kv_cache = self.self_attn(self.input_layernorm(h), cos, sin, step, kv_cache, attend)
+    def forward(self, h, cos, sin, step, kv_cache, attend, row_invariant: bool = False):
+        attn, kv_cache = self.self_attn(self.input_layernorm(h), cos, sin, step, kv_cache, attend, row_invariant)
         if self.pre_feedforward_layernorm is not None and self.post_feedforward_layernorm is not None:
             h = h + self.post_attention_layernorm(attn)
-            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h))), kv_cache
+            mlp = self.mlp(self.pre_feedforward_layernorm(h), row_invariant)
+            return h + self.post_feedforward_layernorm(mlp), kv_cache
         h = h + attn
-        h = h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self.mlp(self.post_attention_layernorm(h), row_invariant)
         return h, kv_cache
 
     def forward_fused(self, h: torch.Tensor, residual: Optional[torch.Tensor], cos: torch.Tensor,
-                      sin: torch.Tensor, attend: Callable[..., torch.Tensor],
-                      ops: ModuleType) -> tuple[torch.Tensor, torch.Tensor]:
+                      sin: torch.Tensor, attend: Callable[..., torch.Tensor], ops: ModuleType,
+                      row_invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The eager float32 CPU form of forward, with the residual adds inside the norms: takes and
         returns (block output, residual stream), the stream being h + residual (just h when residual is
         None, at the first layer). The stream tensor is updated in place."""
@@ -228,9 +236,9 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm.forward_fused(h, None, ops), h
         else:
             x, residual = self.input_layernorm.forward_fused(h, residual, ops)
-        attn = self.self_attn.forward_fused(x, cos, sin, attend, ops)
+        attn = self.self_attn.forward_fused(x, cos, sin, attend, ops, row_invariant)
         x, residual = self.post_attention_layernorm.forward_fused(attn, residual, ops)
-        return self.mlp.forward_fused(x, ops), residual
+        return self.mlp.forward_fused(x, ops, row_invariant), residual
 
 
 # positions, query_start, context_lens, block_tables
@@ -285,8 +293,17 @@ class LlamaStepModel(nn.Module):
         block_tables: torch.Tensor,
         logits_index: torch.Tensor,
         kv_cache: torch.Tensor,
+        row_invariant: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One step: returns (logits float32 [num_outputs, vocab], kv_cache)."""
+        """One step: returns (logits float32 [num_outputs, vocab], kv_cache).
+
+        `row_invariant`: the quantized linears with float activations (and the LM head) compute each row as a
+        step of that row alone would. The CPU kernels run one row as int8 limbs and several as float tiles,
+        which round differently; this takes the limbs at every row count. The runtime sets it for a step
+        that decodes one sequence, so that a speculative verification step gives each row the logits of a
+        plain decode step (docs/speculative.md). Other steps (and int8-activation engines, whose rows never
+        depend on the others) are unaffected.
+        """
         h = self.embed_tokens(input_ids.long())
         if self.dims.embed_scale != 1.0:  # Gemma: the normalizer rounded to the activations' dtype, as HF does
             h = h * torch.tensor(self.dims.embed_scale, dtype=h.dtype)
@@ -297,7 +314,7 @@ class LlamaStepModel(nn.Module):
         if self.functional_cache:
             pool_format = self.graph_kv_cache_dtype or kv_quant.pool_kv_cache_dtype(kv_cache) or "auto"
             attend = attention_op.Functional(pool_format)
-            return self._torch_layers(h, tables, step, logits_index, kv_cache, attend)
+            return self._torch_layers(h, tables, step, logits_index, kv_cache, attend, row_invariant)
         cos, sin = tables["global"]
         plan = self.execution_plan or self._decide_execution_plan()
         # once per step, not per layer: on CUDA the kernel would otherwise sync to find it in every layer
@@ -305,28 +322,29 @@ class LlamaStepModel(nn.Module):
         attend = attention_op.eager_attention(kv_cache, positions, query_start, context_lens, block_tables,
                                               self.dims.num_heads, max_context_len, plan.attention == "reference")
         if plan.layers == "torch" or torch.compiler.is_exporting():
-            return self._torch_layers(h, tables, step, logits_index, kv_cache, attend)
+            return self._torch_layers(h, tables, step, logits_index, kv_cache, attend, row_invariant)
         from trtpaged import kernels as ops
 
         # h is this step's fresh embedding output: the fused layers may update it in place
         residual = None
         if self._layer_runner is not None:
-            h, residual = self._layer_runner(h, cos, sin, attend), h
+            h, residual = self._layer_runner(h, cos, sin, attend, row_invariant), h
         else:
             for layer in self.layers:
-                h, residual = layer.forward_fused(h, residual, cos, sin, attend, ops)
+                h, residual = layer.forward_fused(h, residual, cos, sin, attend, ops, row_invariant)
         rows = logits_index.long()
         if residual is None:  # no layers
             h = self.norm.forward_fused(h.index_select(0, rows), None, ops)
         else:
             h, _ = self.norm.forward_fused(h.index_select(0, rows), residual.index_select(0, rows), ops)
-        return self._head(h).float(), kv_cache
+        return self._head(h, row_invariant).float(), kv_cache
 
-    def _torch_layers(self, h, tables, step, logits_index, kv_cache, attend) -> tuple[torch.Tensor, torch.Tensor]:
+    def _torch_layers(self, h, tables, step, logits_index, kv_cache, attend,
+                      row_invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         for layer in self.layers:
-            h, kv_cache = layer(h, *tables[layer.rope_table], step, kv_cache, attend)
+            h, kv_cache = layer(h, *tables[layer.rope_table], step, kv_cache, attend, row_invariant)
         h = self.norm(h.index_select(0, logits_index.long()))
-        return self._head(h).float(), kv_cache
+        return self._head(h, row_invariant).float(), kv_cache
 
     def _decide_execution_plan(self) -> ExecutionPlan:
         self.set_execution_plan(decide_execution_plan(self))
@@ -358,11 +376,11 @@ class LlamaStepModel(nn.Module):
         return kernels.LlamaLayers(described, self.dims.hidden_size, self.dims.intermediate_size,
                                    self.layers[0].input_layernorm.eps, self.layers[0].self_attn.scale)
 
-    def _head(self, h: torch.Tensor) -> torch.Tensor:
+    def _head(self, h: torch.Tensor, row_invariant: bool = False) -> torch.Tensor:
         if self.lm_head is not None:
-            logits = self.lm_head(h)
+            logits = project(self.lm_head, h, row_invariant)
         elif isinstance(self.embed_tokens, QuantizedEmbedding):
-            logits = self.embed_tokens.linear(h)
+            logits = self.embed_tokens.linear(h, row_invariant)
         else:
             logits = F.linear(h, self.embed_tokens.weight)
         cap = self.dims.final_logit_softcap

@@ -142,7 +142,9 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, int{self.bits}, group={self.group_size}"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, row_invariant: bool = False) -> torch.Tensor:
+        """`row_invariant`: with float activations on the CPU kernels, each row's result is that of the row
+        computed alone (the kernels' limbs at every row count; see LlamaStepModel.forward)."""
         if torch.compiler.is_exporting():
             raise RuntimeError(f"{self.extra_repr()}: export the TensorRT graph form (builder.tensorrt_graph."
                                "to_tensorrt_graph), not the engine layout")
@@ -153,7 +155,7 @@ class QuantizedLinear(nn.Module):
             op = self._op if self._op is not None else self._make_op()
             if op is not None:
                 x = x.contiguous()
-                return op(x, self.activations == "float")
+                return op(x, self.activations == "float", row_invariant)
         if self._dense is None:
             self._dense = self.weight_q.dequantize(x.dtype)
         return F.linear(x, self._dense, self.bias)
@@ -209,6 +211,6 @@ class QuantizedEmbedding(nn.Module):
         codes, scales = head.codes.index_select(0, input_ids), head.scales.index_select(0, input_ids)
         return dequantize_weight(codes, scales, 8, head.group_size).to(self.dtype)
 
-    def linear(self, h: torch.Tensor) -> torch.Tensor:
-        """h @ E^T: the tied LM head."""
-        return self.head(h)
+    def linear(self, h: torch.Tensor, row_invariant: bool = False) -> torch.Tensor:
+        """h @ E^T: the tied LM head (`row_invariant` as QuantizedLinear.forward takes it)."""
+        return self.head(h, row_invariant)

@@ -27,6 +27,10 @@ def build_step_batch(out: SchedulerOutput, kv: KVCacheManager) -> tuple[StepBatc
 
     A speculating sequence's chunk is its uncomputed token then its draft, and every position of it
     gets a logits row (in order, from the sequence's row on): row i verifies `draft[i]`.
+
+    A step of one sequence with one uncomputed token (a decode step, with or without a draft) is marked
+    `row_invariant`: its rows then get the logits of one-row decode steps, so speculation does not change a
+    single stream's greedy output (docs/speculative.md). Steps of several sequences keep the faster arithmetic.
     """
     step = StepPacker()
     logits_index = step.logits_index
@@ -48,4 +52,5 @@ def build_step_batch(out: SchedulerOutput, kv: KVCacheManager) -> tuple[StepBatc
         if item.sample:
             rows[item.seq.seq_id] = len(logits_index)
             logits_index += range(len(step.input_ids) - 1 - len(item.draft), len(step.input_ids))
-    return step.batch(), rows, scored
+    one = out.scheduled[0] if len(out.scheduled) == 1 else None
+    return step.batch(row_invariant=one is not None and one.num_tokens - len(one.draft) == 1), rows, scored

@@ -10,6 +10,10 @@ per extra row, as a fraction of the one-row step):
 | int4 weights, int8 activations (w4a8): integer dot products per row | 0.17-0.19 | 0.22-0.26 |
 | int4 weights, float activations: FMA per row | 0.29-0.32 | 0.29-0.37 |
 
+The int4 row was measured with the float tiles; a one-sequence step now runs its rows as limbs (StepBatch's
+`row_invariant`), which makes it about 0.31 per row on AVX-512 and 0.40 on AVX2 (docs/benchmarks.md, round 9,
+"greedy identity of the int4 engine"); 0.3 is kept.
+
 A constant (0.3, rounds 5-8) was right for the last kind only: it kept float32 and w4a8 engines from
 verifying drafts that pay. Timing the steps at load instead was tried and dropped: with the kernels' two
 OpenMP threads sharing the cores with anything else, a step took 20x its time and the ratio came out

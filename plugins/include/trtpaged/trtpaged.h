@@ -184,15 +184,19 @@ TRTPAGED_API trtpaged_status trtpaged_qlinear_cpu(const float* x, int64_t m, con
                                                   float* y);
 /* activations of trtpaged_qlinear_cpu_ex. INT8: x quantized per block of 32 as described above
  * (integer dot products: fastest, by far for large m). FLOAT: y equals x @ W^T up to fp32
- * rounding, as F.linear on the de-quantized weight would be: for int8 weights and int4 with
- * m <= 4, each block of x is split into three int8 limbs (x = d q1 + d/254 q2 + d/254^2 q3, what
- * is left out below max|x| * 6.1e-8) run through the integer kernels and summed; otherwise the
+ * rounding, as F.linear on the de-quantized weight would be: for m = 1 (AVX-VNNI: int8 weights at
+ * any m, int4 up to m = 4), each block of x is split into three int8 limbs (x = d q1 + d/254 q2 +
+ * d/254^2 q3, what is left out below max|x| * 6.1e-8) run through the integer kernels and summed; otherwise the
  * codes are converted to float and dotted with x in fp32, times the block's scale, and (bits 4)
  * the offsets times float sums of x per group are added. Costs more per weight byte than INT8
  * (about 1.3-2.5x on AVX-512), for accuracy. */
 #define TRTPAGED_QLINEAR_INT8_ACTIVATIONS 0
 #define TRTPAGED_QLINEAR_FLOAT_ACTIVATIONS 1
-/* trtpaged_qlinear_cpu with a choice of activations (one of the two values above; other
+/* FLOAT_LIMB: as FLOAT, but the three limbs at every m, so each row of y is bit-identical to that row
+ * run alone (FLOAT picks limbs or float tiles by m, and the two round differently): for a step whose
+ * rows must give the logits a one-row step would (a one-sequence speculative verification). */
+#define TRTPAGED_QLINEAR_FLOAT_LIMB_ACTIVATIONS 2
+/* trtpaged_qlinear_cpu with a choice of activations (one of the three values above; other
  * values: INVALID_ARGUMENT). Same packed form. */
 TRTPAGED_API trtpaged_status trtpaged_qlinear_cpu_ex(const float* x, int64_t m, const void* packed, int32_t bits,
                                                      int64_t n, int64_t k, int32_t group_size, const float* bias,
@@ -248,7 +252,7 @@ TRTPAGED_API trtpaged_status trtpaged_greedy_rows_cpu(const float* logits, int64
                                                       int64_t n, int64_t* argmax, float* logsumexp);
 
 /* One quantized linear of a layer, as trtpaged_qlinear_cpu_ex takes it (packed by
- * trtpaged_qlinear_pack; bias may be NULL; activations: one of the two values above). */
+ * trtpaged_qlinear_pack; bias may be NULL; activations: one of the three values above). */
 typedef struct trtpaged_qlinear_weight {
   const void* packed;
   const float* bias;

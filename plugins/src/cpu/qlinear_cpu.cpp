@@ -9,6 +9,8 @@
 //     outputs are summed. What is left out is below max|x| * 6.1e-8 per block: fp32 rounding level.
 //   * float tiles (larger batches): x stays float32, weight codes converted to float in
 //     registers, fp32 FMA.
+//   The two round differently. FLOAT activations choose by the row count (limb_max_rows); FLOAT_LIMB
+//   activations take the limbs at every row count, so that each row's y is that of the row run alone.
 //
 // This file is compiled without -march=native: every SIMD variant carries its own
 // __attribute__((target)) and one is chosen at run time, so the library runs on any x86-64.
@@ -650,8 +652,9 @@ TileKernel tile_kernel(Isa isa, int bits, bool float_activations) {
   }
 }
 
-// Activation rows one call of an int8-activation tile kernel takes at most.
-int tile_max_rows(Isa isa) { return isa == kAvx512Vnni ? 8 : 4; }
+// Activation rows one call of an int8-activation tile kernel takes at most (plain AVX2 int4: 5, 6 or 8, so
+// two rows' three limb rows share one pass over the tile's weights).
+int tile_max_rows(Isa isa, int bits) { return isa == kAvx512Vnni || (isa == kAvx2 && bits == 4) ? 8 : 4; }
 
 // ---------------------------------------------------------------------------------------------
 // Per-call buffers, one set per calling thread, reused across calls (no allocation per decode step).
@@ -673,6 +676,12 @@ constexpr int kLimbs = 3;
 // 1.15x, M = 4: 1.54x (M = 1: 0.70x), against the float tiles before ftile_avx2_decoded. AVX-VNNI (untested:
 // no such CPU here) keeps the limbs for int8 at any batch and for int4 up to 4 rows, as measured on AVX-512
 // before its float tiles were timed so.
+// The two round differently, so under this rule a row's y depends on how many rows share the call. Where that
+// must not be (a one-sequence speculative verification step, whose rows must get the logits of one-row decode
+// steps), the caller passes FLOAT_LIMB activations: the limbs at every M. That costs a 6-row SmolLM2 int4 step
+// 1.02-1.07x of the float tiles on AVX-512 and 1.22x on plain AVX2 (4 rows: 1.14x on both; measured against the
+// float tiles before ftile_avx2_decoded), so only such steps take it; batches keep this rule
+// (docs/speculative.md, "Greedy identity on quantized engines").
 int64_t limb_max_rows(Isa isa, int bits) {
   if (isa == kAvxVnni) return bits == 8 ? INT64_MAX : 4;
   return 1;
@@ -936,9 +945,11 @@ TRTPAGED_API trtpaged_status trtpaged_qlinear_cpu_ex(const float* x, int64_t m, 
   using namespace trtpaged;
   try {
     if (int rc = validate_shape(bits, n, k, group_size)) return trtpaged_status(rc);
-    if (activations != TRTPAGED_QLINEAR_INT8_ACTIVATIONS && activations != TRTPAGED_QLINEAR_FLOAT_ACTIVATIONS)
+    if (activations != TRTPAGED_QLINEAR_INT8_ACTIVATIONS && activations != TRTPAGED_QLINEAR_FLOAT_ACTIVATIONS &&
+        activations != TRTPAGED_QLINEAR_FLOAT_LIMB_ACTIVATIONS)
       return trtpaged_status(fail(TRTPAGED_ERR_INVALID_ARGUMENT,
-                                  "activations: must be 0 (int8) or 1 (float32), got " + std::to_string(activations)));
+                                  "activations: must be 0 (int8), 1 (float32) or 2 (float32 as limbs), got " +
+                                      std::to_string(activations)));
     if (m < 0) return trtpaged_status(fail(TRTPAGED_ERR_INVALID_ARGUMENT, "m: must be >= 0, got " + std::to_string(m)));
     if (m == 0) return trtpaged_status(ok());
     if (!x) return trtpaged_status(fail(TRTPAGED_ERR_INVALID_ARGUMENT, "x: null pointer"));
@@ -946,13 +957,14 @@ TRTPAGED_API trtpaged_status trtpaged_qlinear_cpu_ex(const float* x, int64_t m, 
     if (!y) return trtpaged_status(fail(TRTPAGED_ERR_INVALID_ARGUMENT, "y: null pointer"));
     const Layout l = make_layout(bits, n, k, group_size);
     const Isa isa = trtpaged::cpu::current_isa();
-    const bool float_acts = activations == TRTPAGED_QLINEAR_FLOAT_ACTIVATIONS;
+    const bool limbs_always = activations == TRTPAGED_QLINEAR_FLOAT_LIMB_ACTIVATIONS;
+    const bool float_acts = activations == TRTPAGED_QLINEAR_FLOAT_ACTIVATIONS || limbs_always;
     static thread_local CallBuffers buf;
     Acts acts{};
-    if (float_acts && m <= limb_max_rows(isa, bits)) {
+    if (float_acts && (limbs_always || m <= limb_max_rows(isa, bits))) {
       quantize_activations(x, m, kLimbs, l, isa, buf, acts);
       run_tiles(l, tile_kernel(isa, bits, false), &acts, nullptr, nullptr, m * kLimbs,
-                static_cast<const uint8_t*>(packed), bias, y, kLimbs, tile_max_rows(isa));
+                static_cast<const uint8_t*>(packed), bias, y, kLimbs, tile_max_rows(isa, bits));
       return trtpaged_status(ok());
     }
     if (float_acts) {

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import numpy as np
 import torch
 
 
+STEP_HINTS = ("row_invariant",)  # StepBatch's fields that are not engine inputs
+
+
 @dataclass(frozen=True)
 class StepBatch:
-    """The step inputs of the engine I/O contract (docs/architecture.md), int32 tensors on the host."""
+    """The step inputs of the engine I/O contract (docs/architecture.md), int32 tensors on the host, then the
+    step's hints (`STEP_HINTS`): how an eager backend may compute, not graph inputs."""
 
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
@@ -19,6 +23,9 @@ class StepBatch:
     context_lens: torch.Tensor  # [num_seqs]
     block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq], padded with 0
     logits_index: torch.Tensor  # [num_outputs]
+    # hint: the step decodes one sequence, so a backend whose rows' results can depend on the rows run with
+    # them computes each row as a step of that row alone would (LlamaStepModel.forward's `row_invariant`)
+    row_invariant: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -61,9 +68,10 @@ class StepPacker:
         self.context_lens.append(start + len(tokens))
         self.tables.append(table)
 
-    def batch(self) -> StepBatch:
-        return StepBatch.pack(self.input_ids, self.positions, self.query_start, self.context_lens, self.tables,
-                              self.logits_index)  # fmt: skip
+    def batch(self, row_invariant: bool = False) -> StepBatch:
+        batch = StepBatch.pack(self.input_ids, self.positions, self.query_start, self.context_lens, self.tables,
+                               self.logits_index)  # fmt: skip
+        return replace(batch, row_invariant=True) if row_invariant else batch
 
 @runtime_checkable
 class ModelRunner(Protocol):

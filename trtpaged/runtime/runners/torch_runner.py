@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from pathlib import Path
 from typing import Optional, Sequence
@@ -46,6 +47,8 @@ class TorchRunner:
         self._kernels = _kernels(self.device)
         self._staging = BlockStaging(self._swap)  # the KV tiers' blocks move as swapped blocks do
         self.execution_plan: Optional[str] = None
+        # a step model takes the step's `row_invariant` (StepBatch); another module gets the contract's arguments
+        self._row_invariant = "row_invariant" in inspect.signature(model.forward).parameters
         set_plan = getattr(model, "set_execution_plan", None)
         if set_plan is not None:  # a step model: how its layers run here is decided once, now
             from trtpaged.models.execution_plan import decide_execution_plan
@@ -77,7 +80,10 @@ class TorchRunner:
             t.to(self.device, non_blocking=True)
             for t in (batch.input_ids, batch.positions, batch.query_start, batch.context_lens, batch.block_tables, batch.logits_index)
         ]
-        logits, kv_cache = self.model(*args, self.kv_cache)
+        if batch.row_invariant and self._row_invariant:
+            logits, kv_cache = self.model(*args, self.kv_cache, row_invariant=True)
+        else:
+            logits, kv_cache = self.model(*args, self.kv_cache)
         if kv_cache is not self.kv_cache:  # a functional model: keep the updated pool
             self.kv_cache = kv_cache
         return logits.float()

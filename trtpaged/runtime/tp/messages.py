@@ -71,16 +71,17 @@ def step_message(batch: StepBatch) -> tuple[list[int], torch.Tensor]:
     tables = batch.block_tables
     payload = torch.cat([batch.input_ids.flatten(), batch.positions.flatten(), batch.query_start.flatten(),
                          batch.context_lens.flatten(), tables.flatten()]).to(torch.int32)
-    return [batch.num_tokens, int(batch.context_lens.numel()), int(tables.shape[1]) if tables.dim() == 2 else 0], payload
+    width = int(tables.shape[1]) if tables.dim() == 2 else 0
+    return [batch.num_tokens, int(batch.context_lens.numel()), width, int(batch.row_invariant)], payload
 
 
 def step_batch(fields: list[int], payload: torch.Tensor) -> StepBatch:
     """The StepBatch of a received STEP (logits_index empty)."""
-    tokens, seqs, width = fields[:3]
+    tokens, seqs, width, row_invariant = fields[:4]
     input_ids, positions, query_start, context_lens, tables = payload.split(
         [tokens, tokens, seqs + 1, seqs, seqs * width])
     return StepBatch(input_ids, positions, query_start, context_lens, tables.view(seqs, width),
-                     torch.empty(0, dtype=torch.int32))
+                     torch.empty(0, dtype=torch.int32), bool(row_invariant))
 
 
 def pairs_payload(pairs: Sequence[tuple[int, int]]) -> torch.Tensor:
