@@ -52,7 +52,7 @@ class SpeculativeConfig:
     per unit of cost at its recent per-token acceptance rate (`best_draft_length`, the rule in
     docs/speculative.md), none when no number beats not speculating; 0: rows are free, always propose.
     None: the engine's kind (`default_verify_row_cost`: float weights 0.07, int8 activations 0.2, float
-    activations on quantized weights 0.3, as measured), DEFAULT_VERIFY_ROW_COST where no engine sets it.
+    activations on quantized weights 0.4, as measured), DEFAULT_VERIFY_ROW_COST where no engine sets it.
     draft_token_cost: draft_model only: what one draft step adds, as a fraction of a one-row target step;
     k draft tokens cost k draft steps on top of the verification (`best_draft_length`). None: estimated at
     load from the two engines' weight bytes (`estimate_draft_token_cost`); 0: the draft is free.

@@ -8,11 +8,11 @@ per extra row, as a fraction of the one-row step):
 |---|---|---|
 | float32 weights: the weights are streamed once whatever the rows | 0.065 | 0.07-0.09 |
 | int4 weights, int8 activations (w4a8): integer dot products per row | 0.17-0.19 | 0.22-0.26 |
-| int4 weights, float activations: FMA per row | 0.29-0.32 | 0.29-0.37 |
+| int4 weights, float activations, as float tiles (steps of several sequences) | 0.29-0.32 | 0.29-0.37 |
+| the same as limbs (a one-sequence step: StepBatch's `row_invariant`) | 0.32-0.41 | 0.44-0.48 |
 
-The int4 row was measured with the float tiles; a one-sequence step now runs its rows as limbs (StepBatch's
-`row_invariant`), which makes it about 0.31 per row on AVX-512 and 0.40 on AVX2 (docs/benchmarks.md, round 9,
-"greedy identity of the int4 engine"); 0.3 is kept.
+A one-sequence verification step of a float-activation engine runs its rows as limbs, so that each row gets
+the bits of a one-row step (greedy outputs unchanged by speculation); its default is the limbs' cost.
 
 A constant (0.3, rounds 5-8) was right for the last kind only: it kept float32 and w4a8 engines from
 verifying drafts that pay. Timing the steps at load instead was tried and dropped: with the kernels' two
@@ -26,7 +26,7 @@ from typing import Any, Mapping
 
 FLOAT_WEIGHTS_ROW_COST = 0.07
 INT8_ACTIVATIONS_ROW_COST = 0.2
-FLOAT_ACTIVATIONS_ROW_COST = 0.3
+FLOAT_ACTIVATIONS_ROW_COST = 0.4
 
 
 def default_verify_row_cost(quantization: Mapping[str, Any]) -> float:
