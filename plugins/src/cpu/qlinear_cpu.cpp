@@ -656,6 +656,12 @@ TileKernel tile_kernel(Isa isa, int bits, bool float_activations) {
 // two rows' three limb rows share one pass over the tile's weights).
 int tile_max_rows(Isa isa, int bits) { return isa == kAvx512Vnni || (isa == kAvx2 && bits == 4) ? 8 : 4; }
 
+// Activation rows one call of tile_kernel's float-activation kernel takes at most: ftile_avx2_decoded (int4 on
+// AVX2 and AVX-VNNI) runs every row of a call over each decoded chunk, the others kMaxMB.
+int float_tile_max_rows(Isa isa, int bits) {
+  return bits == 4 && (isa == kAvx2 || isa == kAvxVnni) ? kFloatMaxRows : kMaxMB;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Per-call buffers, one set per calling thread, reused across calls (no allocation per decode step).
 struct CallBuffers {
@@ -978,7 +984,7 @@ TRTPAGED_API trtpaged_status trtpaged_qlinear_cpu_ex(const float* x, int64_t m, 
     }
     run_tiles(l, tile_kernel(isa, bits, float_acts), float_acts ? nullptr : &acts, float_acts ? x : nullptr,
               float_acts && bits == 4 ? buf.group_sums.data() : nullptr, m, static_cast<const uint8_t*>(packed), bias,
-              y, 1, float_acts && bits == 4 && (isa == kAvx2 || isa == kAvxVnni) ? kFloatMaxRows : kMaxMB);
+              y, 1, float_acts ? float_tile_max_rows(isa, bits) : kMaxMB);
     return trtpaged_status(ok());
   } catch (const std::exception& e) {
     return trtpaged_status(fail(TRTPAGED_ERR_INVALID_ARGUMENT, std::string("qlinear_cpu: ") + e.what()));
