@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
 import threading
 
 import click
@@ -70,9 +69,9 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
     from trtpaged.server import ServerOptions, start_server
 
     if "WORLD_SIZE" in os.environ and os.environ.get("RANK", "0") not in ("", "0"):  # a torchrun-style rank > 0
-        from trtpaged.runtime.tp.worker import main as worker_main
+        from trtpaged.runtime.tp.worker import exit_process, main as worker_main
 
-        sys.exit(worker_main([str(engine)] + (["--device", device] if device else [])))
+        exit_process(worker_main([str(engine)] + (["--device", device] if device else [])))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     try:
         from trtpaged.runtime.speculative import SpeculativeConfig

@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import NoReturn, Optional
 
 from trtpaged.runtime.tp.rendezvous import Rendezvous, default_timeout_s
 
@@ -118,6 +118,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
+def exit_process(code: int) -> NoReturn:
+    """Ends a worker process without the interpreter's teardown.
+
+    After STOP (or a failure already reported on stderr) nothing is left to write. The teardown's
+    destructors of gloo's threads and the TCPStore client race rank 0 closing its side; one of them
+    aborted a worker that had received STOP (SIGABRT, "terminate called without an active exception").
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _default_device() -> str:
     import torch
 
@@ -125,4 +137,4 @@ def _default_device() -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
