@@ -283,17 +283,21 @@ def test_long_tiles(isa: str, bits: int, m: int, activations: str) -> None:
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_int8_activations_row_results_do_not_depend_on_the_batch(isa: str, bits: int) -> None:
+@pytest.mark.parametrize("k", [96, 576])
+def test_int8_activations_row_results_do_not_depend_on_the_batch(isa: str, bits: int, k: int) -> None:
     # A speculative verification step (or a batch) runs a sequence's rows together with others: with int8
     # activations each row's output must be bit-identical to that row run alone, for every register block
-    # (AVX-512: 1-8 rows per call, AVX2: 1-4) and tail, so speculation never changes what a request returns.
-    codes, scales, offsets, _ = make_weight(bits, 40, 576, 32, seed=31)
+    # (AVX-512: 1-8 rows per call, AVX2 int8 weights: 1-4; AVX2 int4: 1-6, and from 8 rows every row of a call of
+    # up to 64 over each unpacked chunk of 8 blocks, in groups of up to 5) and tail, so speculation never changes
+    # what a request returns. K = 96: one short chunk; 576: two chunks and a tail of 2 blocks.
+    codes, scales, offsets, _ = make_weight(bits, 40, k, 32, seed=31)
     packed = kernels.qlinear_pack(bits, codes, scales, offsets, 32)
-    x = torch.randn(17, 576, generator=torch.Generator().manual_seed(32)) * 2
-    alone = torch.cat([kernels.qlinear(x[i : i + 1], packed, bits, 40, 576, 32) for i in range(17)])
-    for m in (2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17):
-        assert torch.equal(kernels.qlinear(x[:m], packed, bits, 40, 576, 32), alone[:m]), m
-    check(bits, 17, 40, 576, 32, seed=31, x=x)  # and the rows are right
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(32)) * 2
+    alone = torch.cat([kernels.qlinear(x[i : i + 1], packed, bits, 40, k, 32) for i in range(70)])
+    for m in (2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 70):
+        assert torch.equal(kernels.qlinear(x[:m], packed, bits, 40, k, 32), alone[:m]), m
+        assert torch.equal(kernels.qlinear(x[70 - m :], packed, bits, 40, k, 32), alone[70 - m :]), m
+    check(bits, 70, 40, k, 32, seed=31, x=x)  # and the rows are right
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -292,13 +292,163 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"))) in
 #undef TRTPAGED_TILE256_NAME
 #undef TRTPAGED_TILE256_TARGET
 
+// Plain AVX2, int4 weights, int8 activations, from kW4MinRows rows on: tile_avx256_mb runs the tile's halves (rows
+// 0-7, 8-15) in two passes, unpacks the nibbles in every call of at most 8 rows and broadcasts each quad of x once
+// per half. Here a chunk of kW4ChunkBlocks blocks is unpacked once per call into an L1 buffer (codes as bytes 0..15,
+// block scales as floats), and a microkernel runs up to kW4GroupRows rows x both halves over it: one broadcast of x
+// feeds the two halves' products. Per row and block: 8 broadcasts, 16 vpmaddubsw, 14 vpaddw and the float steps
+// (against 16, 16, 16 and the unpacking's share). The integer sums are exact in any order and each row's float
+// steps are tile_avx256_mb's (per block fma(sum, scale x dx) in block order, then the offsets per group in order):
+// the same bits whichever kernel or rows a row gets. Single thread, forced AVX2 on the EPYC, against tile_avx256_mb
+// (scripts/qlinear_rows_probe.py, docs/benchmarks.md): 1.06-1.18x at 12-64 rows, about even at 8, 0.94x at 5.
+constexpr int kW4MinRows = 8;       // so 5-7 rows keep tile_avx256_mb's 5- and 6-row forms
+constexpr int kW4ChunkBlocks = 8;   // 256 inputs: 4 KiB of codes
+constexpr int kW4MaxRows = 64;      // activation rows per call
+// Rows per microkernel call: two int16 sums per row in registers, besides two code registers and a broadcast (6 rows
+// spilled a sum: its store and reload then chained the quads, slower; 4 rows measured the same as 5).
+constexpr int kW4GroupRows = 5;
+constexpr size_t kW4BlockCodes = 512;  // unpacked codes of a block: 8 quads x 2 halves x 32 bytes
+
+// codes[bb][q][h] (32 bytes: quad q of rows 8h .. 8h + 7, one code a byte) and sw[bb][16] of blocks b0 .. b0 + nb - 1.
+__attribute__((target("avx2,fma,f16c"))) void unpack_chunk_w4_avx2(const Layout& l, const uint8_t* tile, int64_t b0,
+                                                                      int nb, uint8_t* codes, float* sw) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int bb = 0; bb < nb; ++bb) {
+    const uint8_t* blk = tile + (b0 + bb) * l.block_bytes;
+    uint8_t* cb = codes + bb * kW4BlockCodes;
+    for (int g = 0; g < 4; ++g)
+      for (int h = 0; h < 2; ++h) {  // quad g in the low nibbles, quad g + 4 in the high
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * g + 32 * h));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(cb + 64 * g + 32 * h), _mm256_and_si256(v, low4));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(cb + 64 * (g + 4) + 32 * h),
+                            _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+      }
+    for (int h = 0; h < 2; ++h)
+      _mm256_storeu_ps(sw + bb * kRows + 8 * h, _mm256_cvtph_ps(_mm_loadu_si128(
+                                                    reinterpret_cast<const __m128i*>(blk + l.block_codes + 16 * h))));
+  }
+}
+
+// acc[i * kRows + r] += the terms of blocks 0 .. nb - 1 of the chunk for rows i < R (xq, rec: row 0 at the chunk's
+// first block). The last quad is peeled: each row's float steps follow its last products, so no row's sums wait in
+// memory for the others' (with all rows' float steps after the quads GCC spilled the sums: 3-5% slower).
+template <int R>
+__attribute__((target("avx2,fma,f16c"))) void w4_rows_avx2(const uint8_t* codes, const float* sw, int nb,
+                                                           const int8_t* xq, int64_t k, const BlockRecord* rec,
+                                                           int64_t nblocks, float* acc) {
+  for (int bb = 0; bb < nb; ++bb) {
+    const uint8_t* cb = codes + bb * kW4BlockCodes;
+    const int8_t* xb = xq + bb * 32;
+    __m256i s0[R], s1[R];  // int16 pair sums of the two halves: at most 8 * 2 * 15 * 127 < 2^15
+#pragma GCC unroll 8
+    for (int q = 0; q < 7; ++q) {
+      __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 64 * q));
+      __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 64 * q + 32));
+      // Order barriers, as in qlinear_tile256.inc: without them GCC computed the whole block's products ahead of
+      // the sums and spilled them.
+      asm volatile("" : "+x"(w0), "+x"(w1));
+#pragma GCC unroll 5
+      for (int i = 0; i < R; ++i) {
+        const __m256i xv = _mm256_set1_epi32(load_u32(xb + i * k + 4 * q));
+        const __m256i p0 = _mm256_maddubs_epi16(w0, xv), p1 = _mm256_maddubs_epi16(w1, xv);
+        s0[i] = q == 0 ? p0 : _mm256_add_epi16(s0[i], p0);
+        s1[i] = q == 0 ? p1 : _mm256_add_epi16(s1[i], p1);
+      }
+#pragma GCC unroll 5
+      for (int i = 0; i < R; ++i) asm volatile("" : "+x"(s0[i]), "+x"(s1[i]));
+    }
+    __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 64 * 7));
+    __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 64 * 7 + 32));
+    asm volatile("" : "+x"(w0), "+x"(w1));
+#pragma GCC unroll 5
+    for (int i = 0; i < R; ++i) {
+      const __m256i xv = _mm256_set1_epi32(load_u32(xb + i * k + 28));
+      const __m256i t0 = _mm256_add_epi16(s0[i], _mm256_maddubs_epi16(w0, xv));
+      const __m256i t1 = _mm256_add_epi16(s1[i], _mm256_maddubs_epi16(w1, xv));
+      const __m256 dx = _mm256_set1_ps(rec[i * nblocks + bb].dx);
+      const __m256i ones16 = _mm256_set1_epi16(1);
+      float* a = acc + i * kRows;
+      const __m256 sc0 = _mm256_mul_ps(_mm256_loadu_ps(sw + bb * kRows), dx);
+      const __m256 sc1 = _mm256_mul_ps(_mm256_loadu_ps(sw + bb * kRows + 8), dx);
+      _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(t0, ones16)), sc0, _mm256_loadu_ps(a)));
+      _mm256_storeu_ps(a + 8,
+                       _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(t1, ones16)), sc1, _mm256_loadu_ps(a + 8)));
+    }
+  }
+}
+
+// out[(i0 + i) * kRows + r] += the int4 offsets x the group sums of rows i0 .. i0 + R - 1, groups in order (R rows
+// at once: one row alone would wait on the FMA latency at every group).
+template <int R>
+__attribute__((target("avx2,fma,f16c"))) void w4_offsets_avx2(const TileArgs& t, int i0, float* out) {
+  const Layout& l = *t.l;
+  const uint16_t* oh = reinterpret_cast<const uint16_t*>(t.tile + l.nblocks * l.block_bytes);
+  const float* gs = t.a->group_sums + (t.m0 + i0) * l.ngroups;
+  float* o = out + i0 * kRows;
+  __m256 a0[R], a1[R];
+  for (int i = 0; i < R; ++i) {
+    a0[i] = _mm256_loadu_ps(o + i * kRows);
+    a1[i] = _mm256_loadu_ps(o + i * kRows + 8);
+  }
+  for (int64_t g = 0; g < l.ngroups; ++g) {
+    const __m256 o0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(oh + g * kRows)));
+    const __m256 o1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(oh + g * kRows + 8)));
+    for (int i = 0; i < R; ++i) {
+      const __m256 s = _mm256_set1_ps(gs[i * l.ngroups + g]);
+      a0[i] = _mm256_fmadd_ps(o0, s, a0[i]);
+      a1[i] = _mm256_fmadd_ps(o1, s, a1[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    _mm256_storeu_ps(o + i * kRows, a0[i]);
+    _mm256_storeu_ps(o + i * kRows + 8, a1[i]);
+  }
+}
+
+__attribute__((target("avx2,fma,f16c"))) int tile_avx2_w4_decoded(const TileArgs& t, int count, float* out) {
+  const Layout& l = *t.l;
+  const Acts& a = *t.a;
+  const int m = std::min(count, kW4MaxRows);
+  alignas(32) uint8_t codes[kW4ChunkBlocks * kW4BlockCodes];
+  alignas(32) float sw[kW4ChunkBlocks * kRows];
+  std::fill(out, out + m * kRows, 0.f);
+  for (int64_t b0 = 0; b0 < l.nblocks; b0 += kW4ChunkBlocks) {
+    const int nb = int(std::min<int64_t>(kW4ChunkBlocks, l.nblocks - b0));
+    unpack_chunk_w4_avx2(l, t.tile, b0, nb, codes, sw);
+    for (int i = 0; i < m;) {
+      // groups of at most kW4GroupRows rows, as even as possible
+      const int left = m - i, groups = (left + kW4GroupRows - 1) / kW4GroupRows, r = (left + groups - 1) / groups;
+      const int8_t* xq = a.xq + (t.m0 + i) * l.k + b0 * 32;
+      const BlockRecord* rec = a.rec + (t.m0 + i) * l.nblocks + b0;
+      float* acc = out + i * kRows;
+      switch (r) {
+        case 5: w4_rows_avx2<5>(codes, sw, nb, xq, l.k, rec, l.nblocks, acc); break;
+        case 4: w4_rows_avx2<4>(codes, sw, nb, xq, l.k, rec, l.nblocks, acc); break;
+        case 3: w4_rows_avx2<3>(codes, sw, nb, xq, l.k, rec, l.nblocks, acc); break;
+        case 2: w4_rows_avx2<2>(codes, sw, nb, xq, l.k, rec, l.nblocks, acc); break;
+        default: w4_rows_avx2<1>(codes, sw, nb, xq, l.k, rec, l.nblocks, acc); break;
+      }
+      i += r;
+    }
+  }
+  for (int i = 0; i < m; i += 4) {
+    switch (std::min(m - i, 4)) {
+      case 4: w4_offsets_avx2<4>(t, i, out); break;
+      case 3: w4_offsets_avx2<3>(t, i, out); break;
+      case 2: w4_offsets_avx2<2>(t, i, out); break;
+      default: w4_offsets_avx2<1>(t, i, out); break;
+    }
+  }
+  return m;
+}
+
 template <int BITS>
 __attribute__((target("avx2,fma,f16c"))) int tile_avx2(const TileArgs& t, int count, float* out) {
-  // int4 takes up to 8 rows per call (rows inner: one sum and one accumulator per row), int8 weights 4 (their
-  // one-pass form holds two of each per row). Thread CPU time against 4-row calls, gate_up / down / qkv: 5 and 6
-  // rows 0.86-0.88x, 8 rows 0.94-1.01x, 16 rows 0.91-0.99x.
+  // int4: from kW4MinRows rows on, every row of the call over each unpacked chunk; 5-7 rows in one call (rows inner:
+  // one sum and one accumulator per row); int8 weights 4 (their one-pass form holds two of each per row). Thread
+  // CPU time against 4-row calls, gate_up / down / qkv: 5 and 6 rows 0.86-0.88x.
+  if (BITS == 4 && count >= kW4MinRows) return tile_avx2_w4_decoded(t, count, out);
   if (BITS == 4 && count >= 5) {
-    if (count >= 8) return tile_avx256_mb<BITS, 8, false>(t, out), 8;
     if (count >= 6) return tile_avx256_mb<BITS, 6, false>(t, out), 6;
     return tile_avx256_mb<BITS, 5, false>(t, out), 5;
   }
@@ -652,9 +802,12 @@ TileKernel tile_kernel(Isa isa, int bits, bool float_activations) {
   }
 }
 
-// Activation rows one call of an int8-activation tile kernel takes at most (plain AVX2 int4: 5, 6 or 8, so
-// two rows' three limb rows share one pass over the tile's weights).
-int tile_max_rows(Isa isa, int bits) { return isa == kAvx512Vnni || (isa == kAvx2 && bits == 4) ? 8 : 4; }
+// Activation rows one call of an int8-activation tile kernel takes at most (plain AVX2 int4: every row of the call
+// over each unpacked chunk, tile_avx2_w4_decoded).
+int tile_max_rows(Isa isa, int bits) {
+  if (isa == kAvx2 && bits == 4) return kW4MaxRows;
+  return isa == kAvx512Vnni ? 8 : 4;
+}
 
 // Activation rows one call of tile_kernel's float-activation kernel takes at most: ftile_avx2_decoded (int4 on
 // AVX2 and AVX-VNNI) runs every row of a call over each decoded chunk, the others kMaxMB.
@@ -984,7 +1137,7 @@ TRTPAGED_API trtpaged_status trtpaged_qlinear_cpu_ex(const float* x, int64_t m, 
     }
     run_tiles(l, tile_kernel(isa, bits, float_acts), float_acts ? nullptr : &acts, float_acts ? x : nullptr,
               float_acts && bits == 4 ? buf.group_sums.data() : nullptr, m, static_cast<const uint8_t*>(packed), bias,
-              y, 1, float_acts ? float_tile_max_rows(isa, bits) : kMaxMB);
+              y, 1, float_acts ? float_tile_max_rows(isa, bits) : std::max(kMaxMB, tile_max_rows(isa, bits)));
     return trtpaged_status(ok());
   } catch (const std::exception& e) {
     return trtpaged_status(fail(TRTPAGED_ERR_INVALID_ARGUMENT, std::string("qlinear_cpu: ") + e.what()));
