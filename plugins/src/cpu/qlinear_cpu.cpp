@@ -415,6 +415,13 @@ __attribute__((target("avx2,fma,f16c"))) int tile_avx2_w4_decoded(const TileArgs
   for (int64_t b0 = 0; b0 < l.nblocks; b0 += kW4ChunkBlocks) {
     const int nb = int(std::min<int64_t>(kW4ChunkBlocks, l.nblocks - b0));
     unpack_chunk_w4_avx2(l, t.tile, b0, nb, codes, sw);
+    // The next chunk's bytes (after the last chunk: the offsets and the next tile, the caller's next work item) are
+    // requested while this one is computed: the unpacking reads a chunk in a burst and then nothing for a long while,
+    // which the hardware prefetcher does not run ahead of (weights streamed from memory: each chunk started cold).
+    // (addresses past the packed weights after the last tile: prefetches do not fault)
+    const uintptr_t next = reinterpret_cast<uintptr_t>(t.tile) + size_t(b0 + nb) * l.block_bytes;
+    for (size_t c = 0; c < kW4ChunkBlocks * l.block_bytes; c += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(next + c), _MM_HINT_T0);
     for (int i = 0; i < m;) {
       // groups of at most kW4GroupRows rows, as even as possible
       const int left = m - i, groups = (left + kW4GroupRows - 1) / kW4GroupRows, r = (left + groups - 1) / groups;
