@@ -11,6 +11,7 @@ No TensorRT here: the rules are taken from the parser's source and TensorRT's qu
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import onnx
@@ -146,11 +147,14 @@ def _example_cases() -> list[tuple[str, dict]]:
     return cases
 
 
-def export_tiny_graphs(case: dict, out: Path, tie: bool = True) -> list[Path]:
+def export_tiny_graphs(case: dict, out: Path, tie: bool = True, trace_every_rank: bool = False,
+                       rank_models: Optional[list] = None) -> list[Path]:
     """The rank graphs the build's export stage writes for `case` on the tiny dims, in the case's own dtype
-    (float16 too, which a CPU build would turn into float32), without verification."""
+    (float16 too, which a CPU build would turn into float32), without verification. The build traces rank 0
+    and makes the other ranks' graphs from it; `trace_every_rank` traces each rank's model instead.
+    `rank_models` gets the exported step models appended."""
     from trtpaged.builder import tensorrt_graph
-    from trtpaged.builder.export import export_onnx
+    from trtpaged.builder.export import export_onnx, export_other_rank
     from trtpaged.builder.pipeline import rank_step_model, shard_files
     from trtpaged.builder.quantize import quantized_step_model
     from trtpaged.builder.weights import save_weights
@@ -161,7 +165,7 @@ def export_tiny_graphs(case: dict, out: Path, tie: bool = True) -> list[Path]:
 
     data = {**TINY_KV4, "dtype": case["dtype"], "kv_cache_dtype": case["kv_cache_dtype"],
             "tensor_parallel": case["tensor_parallel"]}
-    data["model"] = {"tiny": {**TINY_KV4["model"]["tiny"], "tie_word_embeddings": tie}}
+    data["model"] = {"tiny": {**TINY_KV4["model"]["tiny"], "tie_word_embeddings": tie, **case.get("tiny", {})}}
     if case["quantization"]:
         data["quantization"] = case["quantization"]
     config = parse_config(data)
@@ -186,9 +190,52 @@ def export_tiny_graphs(case: dict, out: Path, tie: bool = True) -> list[Path]:
             if len(shards) > 1:
                 source = rank_step_model(source, graph.state.plan, config.tensor_parallel, rank, config.quantization)
             rank_model = tensorrt_graph.to_tensorrt_graph(source)
-        paths.append(export_onnx(rank_model, config.limits.block_size, kv, out / files["onnx_file"],
-                                 out / files["weights_file"]))
+        if rank_models is not None:
+            rank_models.append(rank_model)
+        if rank > 0 and not trace_every_rank:
+            paths.append(export_other_rank(paths[0], rank_model, rank, out / files["onnx_file"],
+                                           out / files["weights_file"]))
+        else:
+            paths.append(export_onnx(rank_model, config.limits.block_size, kv, out / files["onnx_file"],
+                                     out / files["weights_file"]))
     return paths
+
+
+@pytest.mark.parametrize("quantization, tiny", [
+    (None, {"attention_bias": True}),  # q/k/v biases sliced per rank, o_proj bias zero on rank 1
+    ({"weights": "int4", "group_size": 32, "lm_head": "int8"}, {}),  # the TensorRT forms' side file
+], ids=["float-biases", "int4"])
+def test_a_rank_graph_made_from_rank_0s_equals_its_own_trace(quantization, tiny, tmp_path):
+    """The build traces rank 0 only; rank 1's graph made from it must be the graph tracing rank 1 gives:
+    the same nodes and attributes (the all-reduce's rank included) and the same initializers, byte for byte."""
+    from trtpaged.builder.export import export_other_rank
+    from trtpaged.builder.onnx_allreduce import OP_TYPE as ALLREDUCE
+
+    case = {"quantization": quantization, "dtype": "float32", "kv_cache_dtype": "auto", "tensor_parallel": 2,
+            "tiny": tiny}
+    models: list = []
+    traced = export_tiny_graphs(case, tmp_path, tie=False, trace_every_rank=True, rank_models=models)
+    if tiny.get("attention_bias"):
+        assert any(name.endswith("o_proj.bias") for name in models[1].state_dict())
+    made = export_other_rank(traced[0], models[1], 1, tmp_path / "made-rank1.onnx",
+                             tmp_path / "weights-rank1.safetensors")  # its own side file, if the model has one
+    assert check_graph(made) == []
+    onnx.checker.check_model(str(made), full_check=True)
+    want, got = onnx.load(str(traced[1])), onnx.load(str(made))  # external data read in
+
+    def nodes(model):
+        return [(n.domain, n.op_type, [(a.name, onnx.helper.get_attribute_value(a)) for a in n.attribute])
+                for n in model.graph.node]
+
+    def tensors(model):
+        return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+
+    assert nodes(got) == nodes(want)
+    assert any(n[1] == ALLREDUCE and ("rank", 1) in n[2] for n in nodes(got))
+    a, b = tensors(want), tensors(got)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].tobytes() == b[name].tobytes(), name
 
 
 @pytest.mark.parametrize("name,case", _example_cases(), ids=[n for n, _ in _example_cases()])

@@ -79,6 +79,47 @@ def export_onnx(model: LlamaStepModel, block_size: int, kv_cache_dtype: torch.dt
     graph = program.model.graph
     for node in graph:  # the exporter's per-node stack traces and source paths: 80% of the file, no use downstream
         node.metadata_props.clear()
+    _bind_to_files(graph, model, onnx_path, weights_path)
+    onnx_quant.lower_dequantize_nodes(program.model)
+    ir.save(program.model, onnx_path)
+    return onnx_path
+
+
+def export_other_rank(rank0_onnx_path: Path, model: LlamaStepModel, rank: int, onnx_path: Path,
+                      weights_path: Path) -> Path:
+    """Rank `rank`'s graph made from rank 0's (`export_onnx`'s output) instead of tracing `model` again.
+
+    The ranks' step models differ only in their weight shards and in the rank their all-reduce nodes carry:
+    the same graph, pointed at `weights_path` (this rank's shard, written before) and its own side file,
+    with every all-reduce node's rank set. The build's verify stage runs the rank graphs jointly against HF.
+    """
+    import onnx_ir as ir
+
+    ir_model = ir.load(rank0_onnx_path)
+    graph = ir_model.graph
+    rank0_files = {value.const_value.location for value in graph.initializers.values()
+                   if isinstance(value.const_value, ir.ExternalTensor)}
+    _bind_to_files(graph, model, onnx_path, weights_path)
+    left = sorted(name for name, value in graph.initializers.items()
+                  if isinstance(value.const_value, ir.ExternalTensor) and value.const_value.location in rank0_files)
+    if left:
+        raise ExportError(f"rank {rank}: initializers {left[:3]} are not in {weights_path.name}")
+    reduces = 0
+    for node in graph:
+        if node.op_type == onnx_allreduce.OP_TYPE:
+            node.attributes["rank"] = ir.AttrInt64("rank", rank)
+            reduces += 1
+    if reduces == 0:
+        raise ExportError(f"{rank0_onnx_path.name} has no {onnx_allreduce.OP_TYPE} node: not a rank graph")
+    ir.save(ir_model, onnx_path)
+    return onnx_path
+
+
+def _bind_to_files(graph, model: LlamaStepModel, onnx_path: Path, weights_path: Path) -> None:
+    """Makes each initializer that is one of `model`'s tensors external data: its bytes in `weights_path`, or
+    in the side file `graph_weights_path(onnx_path)` (written here) for the tensors that file lacks."""
+    import onnx_ir as ir
+
     offsets = tensor_offsets(weights_path)
     graph_only = {name: t.detach().contiguous() for name, t in model.state_dict().items()
                   if name not in offsets and name in graph.initializers}
@@ -103,9 +144,6 @@ def export_onnx(model: LlamaStepModel, block_size: int, kv_cache_dtype: torch.dt
             raise ExportError(
                 f"initializer {name} ({tensor.nbytes} bytes) is not a model parameter; it would duplicate weights"
             )
-    onnx_quant.lower_dequantize_nodes(program.model)
-    ir.save(program.model, onnx_path)
-    return onnx_path
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ from trtpaged import tensorrt_env
 from trtpaged.builder import compile as trt_compile
 from trtpaged.builder import onnx_pool, tensorrt_graph
 from trtpaged.builder.engine_dir import OutputDirError, check_output, file_hashes, staged_output, write_manifest
-from trtpaged.builder.export import export_onnx
+from trtpaged.builder.export import export_onnx, export_other_rank
 from trtpaged.builder.accuracy import AccuracyError, graph_accuracy_reason, measure_accuracy, measure_graph_accuracy
 from trtpaged.builder.kv_accuracy import measure_kv_accuracy
 from trtpaged.builder.progress import Progress
@@ -154,10 +154,15 @@ def build_engine(
                         source = rank_step_model(source, graph.state.plan, config.tensor_parallel, rank,
                                                  config.quantization)
                     model = tensorrt_graph.to_tensorrt_graph(source)
-                if files["onnx_file"] is not None:
+                if files["onnx_file"] is None:
+                    continue
+                onnx_path, weights_path = tmp / files["onnx_file"], tmp / files["weights_file"]
+                if rank > 0:  # traced once: the other ranks' graphs are rank 0's, rebound to their shards
+                    export_other_rank(tmp / shards[0]["onnx_file"], model, rank, onnx_path, weights_path)
+                else:
                     export_onnx(model, config.limits.block_size,
                                 graph_kv_cache_dtype if kv_quantized else TORCH_DTYPES[graph_kv_cache_dtype],
-                                tmp / files["onnx_file"], tmp / files["weights_file"])
+                                onnx_path, weights_path)
             size = sum((tmp / f["weights_file"]).stat().st_size for f in shards) / 2**20
             reduces = f", {2 * dims.num_layers} all-reduce nodes each" if len(shards) > 1 else ""
             st.note(f"weights {size:.1f} MiB; no ONNX graph: the TensorRT graph of quantized weights is written "

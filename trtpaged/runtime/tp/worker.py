@@ -21,8 +21,8 @@ from typing import NoReturn, Optional
 from trtpaged.runtime.tp.rendezvous import Rendezvous, default_timeout_s
 
 
-def run_worker(engine_dir: Path, rz: Rendezvous, device: str = "cpu") -> None:
-    """The whole life of one non-zero rank; raises on any failure."""
+def run_worker(engine_dir: Path, rz: Rendezvous, device: str = "cpu") -> NoReturn:
+    """The whole life of one non-zero rank: ends the process at STOP (code 0); raises on any failure."""
     import torch
 
     from trtpaged.manifest import read_manifest
@@ -55,7 +55,7 @@ def run_worker(engine_dir: Path, rz: Rendezvous, device: str = "cpu") -> None:
     while True:
         op, fields, payload = messages.receive(coll)
         if op == Op.STOP:
-            return
+            exit_process(0)  # with the groups and the store still held: no destructor runs
         if op == Op.STEP:
             runner.step(messages.step_batch(fields, payload))
         elif op == Op.COPY:
@@ -108,22 +108,21 @@ def main(argv: Optional[list[str]] = None) -> int:
                 raise ValueError("WORLD_SIZE: not set; give --rank/--world-size/--master-addr/--master-port or the "
                                  "torchrun variables")
         device = args.device or _default_device()
-        run_worker(args.engine, rz, device)
+        run_worker(args.engine, rz, device)  # exits at STOP
     except KeyboardInterrupt:
         return 1
     except Exception as exc:  # noqa: BLE001  (one line for the launcher's log; rank 0 reports the exit)
         print(f"trtpaged tp worker (rank {args.rank if args.rank is not None else os.environ.get('RANK')}): "
               f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", file=sys.stderr, flush=True)
         return 1
-    return 0
 
 
 def exit_process(code: int) -> NoReturn:
     """Ends a worker process without the interpreter's teardown.
 
-    After STOP (or a failure already reported on stderr) nothing is left to write. The teardown's
-    destructors of gloo's threads and the TCPStore client race rank 0 closing its side; one of them
-    aborted a worker that had received STOP (SIGABRT, "terminate called without an active exception").
+    After STOP (or a failure already reported on stderr) nothing is left to write. Destroying gloo's
+    groups and the TCPStore client races rank 0 closing its side: a worker that had received STOP once
+    aborted there (SIGABRT, "terminate called without an active exception").
     """
     sys.stdout.flush()
     sys.stderr.flush()
