@@ -303,7 +303,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"))) in
 // (scripts/qlinear_rows_probe.py, docs/benchmarks.md): 1.06-1.18x at 12-64 rows, about even at 8, 0.94x at 5.
 constexpr int kW4MinRows = 8;       // so 5-7 rows keep tile_avx256_mb's 5- and 6-row forms
 constexpr int kW4ChunkBlocks = 8;   // 256 inputs: 4 KiB of codes
-constexpr int kW4MaxRows = 64;      // activation rows per call
+constexpr int kW4MaxRows = 64;      // activation rows per call (run_tiles' output buffer holds kFloatMaxRows)
 // Rows per microkernel call: two int16 sums per row in registers, besides two code registers and a broadcast (6 rows
 // spilled a sum: its store and reload then chained the quads, slower; 4 rows measured the same as 5).
 constexpr int kW4GroupRows = 5;
@@ -615,6 +615,7 @@ __attribute__((target("avx2,fma,f16c"))) int ftile_avx2_rows(const TileArgs& t, 
 // in the decode, no loss at 2-4 rows) measured 0.9-1.06x at 5-32 rows and 1.02-1.10x on the mix.
 constexpr int kFloatChunkBlocks = 4;  // 128 inputs: 8 KiB of decoded weights
 constexpr int kFloatMaxRows = 64;     // activation rows per call
+static_assert(kW4MaxRows <= kFloatMaxRows, "run_tiles' output buffer holds kFloatMaxRows rows");
 constexpr int kFloatDualRows = 4;     // fewer rows run both chains at once (4-11 rows so: 0.6-0.9x)
 
 // 2^e for |e| < 127, from its bits (a constant where e is: std::ldexp is a library call)
