@@ -282,6 +282,13 @@ def test_long_tiles(isa: str, bits: int, m: int, activations: str) -> None:
     checker(bits, m, 40, 1536, 32, bias=True, seed=m * 10 + bits)
 
 
+def assert_first_and_last_rows_give(run, x: torch.Tensor, want: torch.Tensor, counts) -> None:
+    """run(rows) on the first m and on the last m rows of x is bit-identical to those rows of `want`, per m."""
+    for m in counts:
+        assert torch.equal(run(x[:m]), want[:m]), m
+        assert torch.equal(run(x[len(x) - m :]), want[len(x) - m :]), m
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("k", [96, 576])
 def test_int8_activations_row_results_do_not_depend_on_the_batch(isa: str, bits: int, k: int) -> None:
@@ -294,9 +301,8 @@ def test_int8_activations_row_results_do_not_depend_on_the_batch(isa: str, bits:
     packed = kernels.qlinear_pack(bits, codes, scales, offsets, 32)
     x = torch.randn(70, k, generator=torch.Generator().manual_seed(32)) * 2
     alone = torch.cat([kernels.qlinear(x[i : i + 1], packed, bits, 40, k, 32) for i in range(70)])
-    for m in (2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 70):
-        assert torch.equal(kernels.qlinear(x[:m], packed, bits, 40, k, 32), alone[:m]), m
-        assert torch.equal(kernels.qlinear(x[70 - m :], packed, bits, 40, k, 32), alone[70 - m :]), m
+    assert_first_and_last_rows_give(lambda rows: kernels.qlinear(rows, packed, bits, 40, k, 32), x, alone,
+                                    (2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 70))
     check(bits, 70, 40, k, 32, seed=31, x=x)  # and the rows are right
 
 
@@ -311,10 +317,8 @@ def test_float_activations_row_results_do_not_depend_on_the_batch(isa: str, bits
     packed = kernels.qlinear_pack(bits, codes, scales, offsets, 32)
     x = torch.randn(70, k, generator=torch.Generator().manual_seed(42)) * 2
     every = kernels.qlinear(x, packed, bits, 40, k, 32, float_activations=True)
-    for m in (2, 3, 4, 5, 7, 8, 13, 16, 17):
-        assert torch.equal(kernels.qlinear(x[:m], packed, bits, 40, k, 32, float_activations=True), every[:m]), m
-        assert torch.equal(kernels.qlinear(x[70 - m :], packed, bits, 40, k, 32, float_activations=True),
-                           every[70 - m :]), m  # fmt: skip
+    assert_first_and_last_rows_give(lambda rows: kernels.qlinear(rows, packed, bits, 40, k, 32, float_activations=True),
+                                    x, every, (2, 3, 4, 5, 7, 8, 13, 16, 17))
     check_float(bits, 70, 40, k, 32, seed=41, x=x)  # and the rows are right
 
 
