@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import numpy as np
@@ -33,7 +33,8 @@ class StepBatch:
 
     @classmethod
     def pack(cls, input_ids: Sequence[int], positions: Sequence[int], query_start: Sequence[int],
-             context_lens: Sequence[int], tables: Sequence[Sequence[int]], logits_index: Sequence[int]) -> "StepBatch":
+             context_lens: Sequence[int], tables: Sequence[Sequence[int]], logits_index: Sequence[int],
+             row_invariant: bool = False) -> "StepBatch":
         """The batch of these lists, block tables padded with 0 to the longest."""
         width = max((len(t) for t in tables), default=0)
         padded = [list(t) + [0] * (width - len(t)) for t in tables]
@@ -45,6 +46,7 @@ class StepBatch:
             context_lens=torch.tensor(context_lens, dtype=i32),
             block_tables=torch.tensor(padded, dtype=i32).reshape(len(tables), width),
             logits_index=torch.tensor(logits_index, dtype=i32),
+            row_invariant=row_invariant,
         )
 
 
@@ -69,9 +71,8 @@ class StepPacker:
         self.tables.append(table)
 
     def batch(self, row_invariant: bool = False) -> StepBatch:
-        batch = StepBatch.pack(self.input_ids, self.positions, self.query_start, self.context_lens, self.tables,
-                               self.logits_index)  # fmt: skip
-        return replace(batch, row_invariant=True) if row_invariant else batch
+        return StepBatch.pack(self.input_ids, self.positions, self.query_start, self.context_lens, self.tables,
+                              self.logits_index, row_invariant)  # fmt: skip
 
 @runtime_checkable
 class ModelRunner(Protocol):
