@@ -26,9 +26,9 @@ LARGE = ((32768, 1), (65536, 1), (16384, 2))
 KEYS_PER_ROUND = 200_000  # calls per round: about this many cached keys over all sequences
 
 
-def probe(context: int, batch: int, kv: str, rounds: int) -> tuple[float, float]:
+def probe(context: int, batch: int, kv: str, rounds: int, block_size: int = 16) -> tuple[float, float]:
     """Median seconds per call of the paged and the contiguous layout."""
-    steps = {"paged": _decode_inputs(context, batch, 16, kv, shuffle=True),
+    steps = {"paged": _decode_inputs(context, batch, block_size, kv, shuffle=True),
              "contiguous": _decode_inputs(context, batch, context, kv, shuffle=False)}  # fmt: skip
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     calls = max(3, KEYS_PER_ROUND // (context * batch))
@@ -50,15 +50,16 @@ def main() -> None:
     parser.add_argument("cases", nargs="?", help="CONTEXTxBATCH,... (default: bench kernel's and three larger)")
     parser.add_argument("--kv", default="float32", help="KV cache dtype (float32, float16, bfloat16, int8, fp8_e4m3)")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per block of the paged layout")
     args = parser.parse_args()
     if args.cases:
         cases = [tuple(int(x) for x in case.split("x")) for case in args.cases.split(",")]
     else:
         cases = [(c, b) for c in CONTEXTS for b in BATCHES] + list(LARGE)
-    print(f"isa {kernels.describe_cpu_isa()}, {torch.get_num_threads()} threads, KV {args.kv}")
+    print(f"isa {kernels.describe_cpu_isa()}, {torch.get_num_threads()} threads, KV {args.kv}, block {args.block_size}")
     overheads = []
     for context, batch in cases:
-        paged, contiguous = probe(context, batch, args.kv, args.rounds)
+        paged, contiguous = probe(context, batch, args.kv, args.rounds, args.block_size)
         overheads.append(paged / contiguous - 1)
         print(f"{context:>6} x {batch:<3} paged {paged * 1e3:8.3f} ms  contiguous {contiguous * 1e3:8.3f} ms  "
               f"overhead {overheads[-1]:+6.1%}", flush=True)

@@ -57,3 +57,22 @@ def test_kernel_bench_verdicts_follow_the_noise() -> None:
         else:
             assert summary[key].startswith("no verdict (noisy run: ")
     assert "noise: worst spread" in format_report(report)
+
+
+def test_kernel_bench_times_the_paged_layout_at_the_block_size_asked() -> None:
+    from click.testing import CliRunner
+
+    from trtpaged import kernels
+    from trtpaged.bench.kernel_bench import format_report, run_kernel_bench
+    from trtpaged.cli import main
+
+    refused = CliRunner().invoke(main, ["bench", "kernel", "--block-size", "48"])
+    assert refused.exit_code == 2 and "--block-size" in refused.output and "'64'" in refused.output
+    if not kernels.available():
+        pytest.skip("kernel library not built")
+    report = run_kernel_bench("float32", contexts=(200,), batches=(2,), budget_s=0.02, block_size=64)
+    assert report["block_size"] == 64
+    assert "paged blocks of 64 tokens" in format_report(report)
+    # 200 keys in blocks of 64: 4 blocks per sequence, the last partly filled; both layouts were timed
+    (case,) = report["decode"]
+    assert case["paged_ms"] > 0 and case["contiguous_ms"] > 0

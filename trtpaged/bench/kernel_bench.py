@@ -6,7 +6,7 @@ Everything is measured side by side in one run on this machine:
 - the decode kernel's achieved KV-read bandwidth (bytes of K and V read per second) for several contexts
   and batch sizes, with SmolLM2-like heads (9 query heads, 3 KV heads, head_dim 64),
 - the same decode over a contiguous cache (one block per sequence, identity table) against the paged
-  cache (block_size 16, shuffled blocks): the paging overhead in percent. The kernel streams both in
+  cache (block_size 16 unless told, shuffled blocks): the paging overhead in percent. The kernel streams both in
   tiles of the same size and splits both into the same tasks on the same threads (a long context's key
   range is split in whole tiles of the one large block as in whole blocks of the paged one), so the
   difference is the paging alone.
@@ -37,6 +37,7 @@ CONTEXTS = (512, 2048, 8192)
 BATCHES = (1, 8, 32)
 TARGET_BANDWIDTH_FRACTION = 0.5  # decode at >= 2048 tokens vs copy bandwidth
 TARGET_PAGED_OVERHEAD = 0.05  # mean over the cases (issue 21)
+DEFAULT_BLOCK_SIZE = 16  # model.yaml's default
 
 
 @dataclass
@@ -99,13 +100,13 @@ def _decode_inputs(context: int, batch: int, block_size: int, kv_cache_dtype: st
 
 
 def measure_decode(context: int, batch: int, kv_cache_dtype: Union[str, torch.dtype], copy_gbs: float, budget_s: float,
-                   noise: Optional[NoiseMonitor] = None) -> DecodeResult:  # fmt: skip
+                   noise: Optional[NoiseMonitor] = None, block_size: int = DEFAULT_BLOCK_SIZE) -> DecodeResult:  # fmt: skip
     kv_cache_dtype = _kv_name(kv_cache_dtype)
-    steps = {"paged": _decode_inputs(context, batch, 16, kv_cache_dtype, shuffle=True),
+    steps = {"paged": _decode_inputs(context, batch, block_size, kv_cache_dtype, shuffle=True),
              "contiguous": _decode_inputs(context, batch, context, kv_cache_dtype, shuffle=False)}  # fmt: skip
     if is_quantized(kv_cache_dtype):  # the float caches, timed alongside on the same inputs
         for name in ("float32", "float16"):
-            steps[name] = _decode_inputs(context, batch, 16, name, shuffle=True)
+            steps[name] = _decode_inputs(context, batch, block_size, name, shuffle=True)
     # alternated in short rounds, so that a change of the machine's load falls on every layout alike
     samples = interleaved_samples(steps, budget_s=budget_s * len(steps))
     paged_times, contiguous_times = samples["paged"], samples["contiguous"]
@@ -126,8 +127,10 @@ def run_kernel_bench(
     batches: tuple[int, ...] = BATCHES,
     budget_s: float = 0.4,
     progress: Optional[Callable[[str], None]] = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> dict:
-    """Runs the whole CPU kernel report and returns it as a dict (see module docstring)."""
+    """Runs the whole CPU kernel report and returns it as a dict (see module docstring); block_size: tokens per
+    block of the paged layout."""
     say = progress or (lambda _msg: None)
     monitor = NoiseMonitor().start()
     say("measuring memory-copy bandwidth")
@@ -136,7 +139,7 @@ def run_kernel_bench(
     for context in contexts:
         for batch in batches:
             say(f"decode: context {context}, batch {batch}")
-            results.append(measure_decode(context, batch, kv_cache_dtype, copy_gbs, budget_s, monitor))
+            results.append(measure_decode(context, batch, kv_cache_dtype, copy_gbs, budget_s, monitor, block_size))
     monitor.stop()
     noise = monitor.result()
     long = [r for r in results if r.context >= 2048]
@@ -150,6 +153,7 @@ def run_kernel_bench(
         "threads": torch.get_num_threads(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "kv_cache_dtype": _kv_name(kv_cache_dtype),
+        "block_size": block_size,
         "heads": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM},
         "copy_bandwidth_gbs": copy_gbs,
         "decode": [asdict(r) for r in results],
@@ -174,7 +178,7 @@ def format_report(report: dict) -> str:
     lines = [
         f"trtpaged kernel benchmark ({report['device']}, {report['threads']} threads, KV {report['kv_cache_dtype']}, "
         f"{report['heads']['num_heads']} heads / {report['heads']['num_kv_heads']} KV heads / "
-        f"head_dim {report['heads']['head_dim']})",
+        f"head_dim {report['heads']['head_dim']}, paged blocks of {report.get('block_size', DEFAULT_BLOCK_SIZE)} tokens)",
         f"instruction set: {report.get('isa', 'not reported')}; attention kernel copy: "
         f"{report.get('attention_path', 'not reported')}",
         f"memory-copy bandwidth: {report['copy_bandwidth_gbs']:.1f} GB/s (read + write bytes)",

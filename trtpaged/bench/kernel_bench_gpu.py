@@ -34,7 +34,7 @@ from trtpaged import kernels
 from trtpaged.kv_quant import is_quantized, pack_rows, quantize_rows, row_width
 from trtpaged.names import renamed_options
 
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16  # BLOCK_SIZE: the default of the paged layout
 CONTEXTS = (512, 2048, 8192)
 BATCHES = (1, 8, 32)
 QUICK_CONTEXTS, QUICK_BATCHES = (2048, 8192), (8, 32)
@@ -115,25 +115,25 @@ def _row_bytes(kv_cache_dtype: str) -> int:
     return row_width(HEAD_DIM, kv_cache_dtype) * element
 
 
-def _pool(num_kv_blocks: int, kv_cache_dtype: str, gen: torch.Generator) -> torch.Tensor:
+def _pool(num_kv_blocks: int, block_size: int, kv_cache_dtype: str, gen: torch.Generator) -> torch.Tensor:
     """A random pool on the GPU: unit-normal values, quantized row by row for int8 / fp8_e4m3."""
-    shape = (num_kv_blocks, 1, 2, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+    shape = (num_kv_blocks, 1, 2, NUM_KV_HEADS, block_size, HEAD_DIM)
     values = torch.randn(shape, generator=gen).to("cuda")
     if is_quantized(kv_cache_dtype):
         return pack_rows(*quantize_rows(values, kv_cache_dtype))
     return values.to(_TORCH[kv_cache_dtype])
 
 
-def _decode_step(context: int, batch: int, shuffle: bool, seed: int = 0,
-                 kv_cache_dtype: str = "float16") -> tuple[Callable[[], None], int]:
+def _decode_step(context: int, batch: int, shuffle: bool, seed: int = 0, kv_cache_dtype: str = "float16",
+                 block_size: int = BLOCK_SIZE) -> tuple[Callable[[], None], int]:
     """A decode step calling the C ABI directly (prepared arguments, no per-call checks or syncs)."""
     gen = torch.Generator().manual_seed(seed)
-    blocks_per_seq = (context + BLOCK_SIZE - 1) // BLOCK_SIZE
+    blocks_per_seq = (context + block_size - 1) // block_size
     num_kv_blocks = blocks_per_seq * batch
     ids = torch.randperm(num_kv_blocks, generator=gen) if shuffle else torch.arange(num_kv_blocks)
     dev = "cuda"
     tables = ids.to(torch.int32).reshape(batch, blocks_per_seq).to(dev)
-    cache = _pool(num_kv_blocks, kv_cache_dtype, gen)
+    cache = _pool(num_kv_blocks, block_size, kv_cache_dtype, gen)
     q = torch.randn(batch, NUM_HEADS, HEAD_DIM, device=dev, dtype=torch.float16)
     k = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, device=dev, dtype=torch.float16)
     v = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, device=dev, dtype=torch.float16)
@@ -147,7 +147,7 @@ def _decode_step(context: int, batch: int, shuffle: bool, seed: int = 0,
     fp16 = kernels._DTYPE_CODES[torch.float16]
     kv_code = kernels._KV_CACHE_DTYPE_CODES[cache.dtype]
     params = kernels._AttentionParams(batch, batch, blocks_per_seq, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, num_kv_blocks,
-                                      1, 0, BLOCK_SIZE, HEAD_DIM**-0.5, fp16, kv_code)  # fmt: skip
+                                      1, 0, block_size, HEAD_DIM**-0.5, fp16, kv_code)  # fmt: skip
     ws_size = lib.trtpaged_paged_attention_cuda_workspace_size(ctypes.byref(params), context)
     workspace = torch.empty(max(ws_size, 1), dtype=torch.uint8, device=dev)
     ptrs = [ctypes.c_void_p(t.data_ptr()) for t in tensors]
@@ -163,12 +163,15 @@ def _decode_step(context: int, batch: int, shuffle: bool, seed: int = 0,
     return step, ws_size
 
 
-def measure_decode(context: int, batch: int, copy: dict, kv_cache_dtype: str = "float16") -> DecodeResult:
-    paged_step, ws_size = _decode_step(context, batch, shuffle=True, kv_cache_dtype=kv_cache_dtype)
+def measure_decode(context: int, batch: int, copy: dict, kv_cache_dtype: str = "float16",
+                   block_size: int = BLOCK_SIZE) -> DecodeResult:
+    paged_step, ws_size = _decode_step(context, batch, shuffle=True, kv_cache_dtype=kv_cache_dtype,
+                                       block_size=block_size)
     paged = _Timer(paged_step).seconds()
     del paged_step
     contiguous = _Timer(_decode_step(context, batch, shuffle=False, kv_cache_dtype=kv_cache_dtype)[0]).seconds()
-    fp16 = _Timer(_decode_step(context, batch, shuffle=True)[0]).seconds() if is_quantized(kv_cache_dtype) else None
+    fp16 = (_Timer(_decode_step(context, batch, shuffle=True, block_size=block_size)[0]).seconds()
+            if is_quantized(kv_cache_dtype) else None)
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * _row_bytes(kv_cache_dtype)
     bw = kv_bytes / paged / 1e9
     splits = ws_size // (4 * batch * NUM_HEADS * (HEAD_DIM + 2)) if ws_size else 1
@@ -177,9 +180,11 @@ def measure_decode(context: int, batch: int, copy: dict, kv_cache_dtype: str = "
                         fp16 * 1e6 if fp16 is not None else None)  # fmt: skip
 
 
-def run_gpu_kernel_bench(json_out: bool, kv_cache_dtype: str = "float16", quick: bool = False) -> dict:
+def run_gpu_kernel_bench(json_out: bool, kv_cache_dtype: str = "float16", quick: bool = False,
+                         block_size: int = BLOCK_SIZE) -> dict:
     """Runs the GPU kernel report for a KV cache of kv_cache_dtype (KV_CACHE_DTYPES), prints it (JSON when json_out,
-    else a table) and returns it. quick: contexts 2048 and 8192 at batch 8 and 32 only."""
+    else a table) and returns it. quick: contexts 2048 and 8192 at batch 8 and 32 only. block_size: tokens per
+    block of the paged layout."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype: {kv_cache_dtype!r} not one of {', '.join(KV_CACHE_DTYPES)}")
     if not torch.cuda.is_available():
@@ -188,7 +193,7 @@ def run_gpu_kernel_bench(json_out: bool, kv_cache_dtype: str = "float16", quick:
         raise RuntimeError("the trtpaged kernel library was built without CUDA kernels")
     copy = copy_bandwidth()
     contexts, batches = (QUICK_CONTEXTS, QUICK_BATCHES) if quick else (CONTEXTS, BATCHES)
-    results = [measure_decode(c, b, copy, kv_cache_dtype) for c in contexts for b in batches]
+    results = [measure_decode(c, b, copy, kv_cache_dtype, block_size) for c in contexts for b in batches]
     long = [r for r in results if r.context >= 2048 and r.batch >= 8]
     report = {
         "device": torch.cuda.get_device_name(),
@@ -196,7 +201,7 @@ def run_gpu_kernel_bench(json_out: bool, kv_cache_dtype: str = "float16", quick:
         "timing": "cuda-graph" if _Timer.graphs_ok else "eager",
         "heads": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM},
         "kv_cache_dtype": kv_cache_dtype,
-        "block_size": BLOCK_SIZE,
+        "block_size": block_size,
         "copy": copy,
         "decode": [asdict(r) for r in results],
         "summary": {

@@ -9,6 +9,7 @@ from typing import Callable, Optional
 import click
 
 from trtpaged.commands.option_types import FiniteFloatRange
+from trtpaged.config import BLOCK_SIZES
 from trtpaged.kv_formats import KV_CACHE_DTYPES
 from trtpaged.manifest import BACKENDS
 
@@ -41,13 +42,15 @@ def command() -> None:
               help="cpu: the OpenMP kernel; cuda: the CUDA kernel on the current GPU (HBM copy bandwidth as the bar).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--quick", is_flag=True, help="Shorter timing budget (noisier); on cuda, contexts 2048/8192 at batch 8/32.")
-def kernel(kv_cache_dtype: Optional[str], device: str, as_json: bool, quick: bool) -> None:
+@click.option("--block-size", type=click.Choice([str(b) for b in BLOCK_SIZES]), default="16", show_default=True,
+              help="Tokens per block of the paged cache (model.yaml's block_size).")
+def kernel(kv_cache_dtype: Optional[str], device: str, as_json: bool, quick: bool, block_size: str) -> None:
     """Decode kernel: KV-read bandwidth vs memory-copy bandwidth, and paged vs contiguous overhead."""
     if device == "cuda":
         from trtpaged.bench.kernel_bench_gpu import run_gpu_kernel_bench
 
         try:
-            run_gpu_kernel_bench(as_json, kv_cache_dtype or "float16", quick)
+            run_gpu_kernel_bench(as_json, kv_cache_dtype or "float16", quick, int(block_size))
         except RuntimeError as e:
             raise click.ClickException(str(e)) from None
         return
@@ -56,7 +59,8 @@ def kernel(kv_cache_dtype: Optional[str], device: str, as_json: bool, quick: boo
     def progress(msg: str) -> None:
         click.echo(f"  {msg}", err=True)
 
-    report = run_kernel_bench(kv_cache_dtype or "float32", budget_s=0.15 if quick else 0.4, progress=progress)
+    report = run_kernel_bench(kv_cache_dtype or "float32", budget_s=0.15 if quick else 0.4, progress=progress,
+                              block_size=int(block_size))
     click.echo(report_json(report) if as_json else format_report(report))
 
 
