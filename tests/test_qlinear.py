@@ -323,6 +323,25 @@ def test_float_activations_row_results_do_not_depend_on_the_batch(isa: str, bits
 
 
 @pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("activations", ["int8", "float"])
+def test_many_rows_run_in_bands_of_rows(isa: str, bits: int, activations: str) -> None:
+    # A prefill's rows are run in bands whose activations fit in the L2 (K = 1536: 64 float rows, 256 int8 rows
+    # a band), each band over every tile: 613 rows make 10 float bands and 3 int8 bands, the last ones partial,
+    # over 3 tiles, the last partial. Every row is right, and each band's rows are those of the rows alone.
+    n, k, m = 40, 1536, 613
+    float_acts = activations == "float"
+    codes, scales, offsets, _ = make_weight(bits, n, k, 32, seed=51)
+    packed = kernels.qlinear_pack(bits, codes, scales, offsets, 32)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(52)) * 2
+    every = kernels.qlinear(x, packed, bits, n, k, 32, float_activations=float_acts)
+    for start in (0, 60, 250, 510, 600):  # chunks of 13 rows across band edges
+        rows = x[start : start + 13]
+        assert torch.equal(kernels.qlinear(rows, packed, bits, n, k, 32, float_activations=float_acts),
+                           every[start : start + 13]), start
+    (check_float if float_acts else check)(bits, m, n, k, 32, seed=51, x=x)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
 def test_float_activations_as_limbs_row_results_do_not_depend_on_the_batch(isa: str, bits: int) -> None:
     # Float activations run one row as int8 limbs and several as float tiles, which round differently;
     # `limbs=True` (a one-sequence speculative verification step) gives every row, at every row count and
