@@ -147,3 +147,19 @@ def test_the_decode_warmup_step_reruns_each_sequences_last_position():
     assert decode.context_lens.tolist() == lengths
     assert torch.equal(decode.block_tables, prefill.block_tables)
     assert decode.logits_index.tolist() == list(range(len(lengths)))
+
+
+def test_loading_and_generating_do_not_import_the_compiler_stack(quantized_engine):
+    # Serving needs no torch._dynamo (nor sympy, which it imports): importing them took about 2 s of every engine
+    # load, through the meta-device build's element-wise ops and a custom op's first call. A fresh interpreter,
+    # as `trtpaged serve` and `generate` start.
+    import subprocess
+    import sys
+
+    script = ("import sys; from trtpaged import LLM, SamplingParams; "
+              f"llm = LLM({str(quantized_engine)!r}); "
+              "out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)); "
+              "print(len(out[0].outputs[0].token_ids), sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split("\n")[-2] == "3 []", run.stdout

@@ -48,12 +48,17 @@ def set_activations(model: nn.Module, activations: str) -> None:
         set_plan(model.execution_plan)
 
 
-@torch.library.custom_op("trtpaged::dequantize_weight", mutates_args=())
-def dequantize_weight(codes: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
     """W [N, K] float32 = scales (per group of `group_size` inputs) * codes; int4 codes come packed [N, K/2]."""
     q = (unpack_int4(codes) if bits == 4 else codes).to(torch.float32)
     n, k = q.shape
     return (q.view(n, k // group_size, group_size) * scales[:, :, None]).view(n, k)
+
+
+@torch.library.custom_op("trtpaged::dequantize_weight", mutates_args=())
+def dequantize_weight(codes: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """dequantize as one op of a traced graph."""
+    return dequantize(codes, scales, bits, group_size)
 
 
 @dequantize_weight.register_fake
@@ -209,7 +214,9 @@ class QuantizedEmbedding(nn.Module):
             raise RuntimeError("embedding: export the TensorRT graph form (a float table), not the int8 rows")
         head = self.head
         codes, scales = head.codes.index_select(0, input_ids), head.scales.index_select(0, input_ids)
-        return dequantize_weight(codes, scales, 8, head.group_size).to(self.dtype)
+        # the plain function, not the custom op: nothing traces this, and a custom op's first call imports
+        # torch._dynamo (about 2 s of an engine's load)
+        return dequantize(codes, scales, 8, head.group_size).to(self.dtype)
 
     def linear(self, h: torch.Tensor, row_invariant: bool = False) -> torch.Tensor:
         """h @ E^T: the tied LM head (`row_invariant` as QuantizedLinear.forward takes it)."""

@@ -15,6 +15,10 @@ from typing import Optional
 import torch
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+# The frequencies are computed on the host whatever device is the default: models are built on the meta device
+# (loading.py), where these few element-wise ops would go through torch's Python references, whose first use
+# imports torch._dynamo and sympy (about 2 s of every engine load). The module's .to(device) moves them.
+_HOST = torch.device("cpu")
 
 
 def rope_type(rope_scaling: Optional[dict]) -> str:
@@ -29,7 +33,7 @@ def inv_frequencies(head_dim: int, rope_theta: float, rope_scaling: Optional[dic
     """Returns (inv_freq [head_dim // 2] float32, attention scaling of cos/sin); head_dim here is the
     rotary dims (head_dim * partial_rotary_factor)."""
     kind = rope_type(rope_scaling)
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=_HOST).to(torch.float) / head_dim
     inv_freq = 1.0 / (rope_theta**exponents)
     if kind == "default":
         return inv_freq, 1.0
@@ -66,8 +70,8 @@ def _longrope(dim: int, base: float, p: dict, max_position_embeddings: int) -> t
     scaling = p.get("attention_factor")
     if scaling is None:
         scaling = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    short = torch.tensor(p["short_factor"], dtype=torch.float32)
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    short = torch.tensor(p["short_factor"], dtype=torch.float32, device=_HOST)
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=_HOST).float() / dim
     return 1.0 / (short * base**exponents), float(scaling)
 
 
@@ -93,9 +97,9 @@ def _yarn(dim: int, base: float, p: dict, max_position_embeddings: int) -> tuple
     if p.get("truncate", True):
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
-    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    pos_freqs = base ** (torch.arange(0, dim, 2, device=_HOST).float() / dim)
     extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
-    ramp = (torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) if high != low else 0.001)
+    ramp = (torch.arange(dim // 2, dtype=torch.float32, device=_HOST) - low) / ((high - low) if high != low else 0.001)
     extrapolation_factor = 1 - ramp.clamp(0, 1)
     inv_freq = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
     return inv_freq, float(scaling)
