@@ -149,15 +149,18 @@ def test_the_decode_warmup_step_reruns_each_sequences_last_position():
     assert decode.logits_index.tolist() == list(range(len(lengths)))
 
 
-def test_loading_and_generating_do_not_import_the_compiler_stack(quantized_engine):
+@pytest.mark.parametrize("engine", ["quantized_engine", "tiny_engine_dir"])
+def test_loading_and_generating_do_not_import_the_compiler_stack(engine: str, request: pytest.FixtureRequest):
     # Serving needs no torch._dynamo (nor sympy, which it imports): importing them took about 2 s of every engine
-    # load, through the meta-device build's element-wise ops and a custom op's first call. A fresh interpreter,
-    # as `trtpaged serve` and `generate` start.
+    # load, through the meta-device build (module initializers, RoPE's element-wise ops) and a custom op's first
+    # call. A fresh interpreter, as `trtpaged serve` and `generate` start; an int4 engine and a float one.
     import subprocess
     import sys
 
+    engine_dir = request.getfixturevalue(engine)
+
     script = ("import sys; from trtpaged import LLM, SamplingParams; "
-              f"llm = LLM({str(quantized_engine)!r}); "
+              f"llm = LLM({str(engine_dir)!r}); "
               "out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)); "
               "print(len(out[0].outputs[0].token_ids), sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))")
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -64,4 +65,9 @@ def command(model_yaml: Path, output: Path | None, skip_verify: bool, force: boo
         raise click.ClickException(f"build failed writing {e.filename or 'the engine dir'}: {e.strerror or e}") from None
     except KeyboardInterrupt:
         click.echo("build interrupted; nothing was written", err=True)
-        sys.exit(130)
+        # os._exit, not sys.exit: an interrupt that lands inside a nested interpreter run (a module being imported
+        # runs code through one) leaves CPython flagged "unhandled KeyboardInterrupt", and a normal exit then kills
+        # the process with SIGINT (status -2) instead of 130. The temp dir is already removed.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
@@ -59,13 +60,38 @@ def step_model_from_hf(hf_model: Any, dims: ModelDims, dtype: torch.dtype = torc
     return with_weights(dims, dtype, state, "cpu")
 
 
+# torch.nn.init's fillers, which nn.Linear / nn.Embedding call when built
+_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "kaiming_uniform_",
+                   "kaiming_normal_", "xavier_uniform_", "xavier_normal_")
+
+
+@contextlib.contextmanager
+def _skipping_init() -> Iterator[None]:
+    """torch.nn.init's fillers do nothing inside: a model built on the meta device has no values to fill, and on
+    meta tensors they run torch's Python references, whose first use imports torch._dynamo and sympy (about 2 s
+    of an engine's load)."""
+    saved = {name: getattr(torch.nn.init, name) for name in _INIT_FUNCTIONS}
+    try:
+        for name in _INIT_FUNCTIONS:
+            setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+
+
+def meta_step_model(dims: ModelDims, dtype: torch.dtype, **kwargs: Any) -> LlamaStepModel:
+    """LlamaStepModel(dims, dtype, **kwargs) on the meta device: shapes, no values."""
+    with torch.device("meta"), _skipping_init():
+        return LlamaStepModel(dims, dtype, **kwargs)
+
+
 def with_weights(dims: ModelDims, dtype: torch.dtype, state: dict[str, torch.Tensor], device,
                  quant: Optional[QuantPlan] = None, reduce: Optional[RankReduce] = None) -> LlamaStepModel:
     """Builds the model on the meta device (no random init) and adopts `state` as its parameters and buffers.
 
     `reduce`: one tensor-parallel rank's all-reduce (dims, state and plan are then that rank's)."""
-    with torch.device("meta"):
-        model = LlamaStepModel(dims, dtype, quant=quant, reduce=reduce)
+    model = meta_step_model(dims, dtype, quant=quant, reduce=reduce)
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary = Rotary(dims).to(device)  # non-persistent buffers are not in the state dict
     if model.local_rotary is not None:
@@ -127,8 +153,7 @@ def check_weights(engine_dir: Path, manifest: Manifest, rank: int = 0) -> dict[s
     header = read_safetensors_header(path, field)
     plan = shard_plan(quant_plan(engine_dir, manifest), manifest.dims, n)
     try:
-        with torch.device("meta"):
-            model = LlamaStepModel(shard_dims(manifest.dims, n), TORCH_DTYPES[manifest.dtype], quant=plan)
+        model = meta_step_model(shard_dims(manifest.dims, n), TORCH_DTYPES[manifest.dtype], quant=plan)
     except (ValueError, RuntimeError, KeyError) as e:
         raise EngineDirError(engine_dir / MANIFEST_NAME, "dims", f"no step model has these dims ({e})") from None
     expected = model.state_dict()
