@@ -5,8 +5,8 @@ docs/benchmarks.md, "Paged overhead, round 8".
 
 CASES: comma-separated CONTEXTxBATCH (default: `bench kernel`'s nine and 32768x1, 65536x1, 16384x2, whose
 KV (48-96 MB) outgrows the 32 MiB L3 where `bench kernel`'s batch-1 cases stay resident). The inputs are
-`bench kernel`'s (blocks of 16 shuffled over a huge-page pool, against one block per sequence); each round
-times a batch of calls of each layout in turn, and the medians over the rounds are compared. With
+`bench kernel`'s (blocks of 16 tokens, or --block-size, shuffled over a huge-page pool, against one block per
+sequence); each round times a batch of calls of each layout in turn, and the medians over the rounds are compared. With
 OMP_NUM_THREADS=1 the time is the thread's CPU time (robust to other load), else wall time. Set
 TRTPAGED_KERNELS_LIB and TRTPAGED_CPU_ISA to choose the library and the ISA.
 """
@@ -21,12 +21,13 @@ import torch
 
 from trtpaged import kernels
 from trtpaged.bench.kernel_bench import BATCHES, CONTEXTS, _decode_inputs
+from trtpaged.manifest import DEFAULT_BLOCK_SIZE
 
 LARGE = ((32768, 1), (65536, 1), (16384, 2))
 KEYS_PER_ROUND = 200_000  # calls per round: about this many cached keys over all sequences
 
 
-def probe(context: int, batch: int, kv: str, rounds: int, block_size: int = 16) -> tuple[float, float]:
+def probe(context: int, batch: int, kv: str, rounds: int, block_size: int = DEFAULT_BLOCK_SIZE) -> tuple[float, float]:
     """Median seconds per call of the paged and the contiguous layout."""
     steps = {"paged": _decode_inputs(context, batch, block_size, kv, shuffle=True),
              "contiguous": _decode_inputs(context, batch, context, kv, shuffle=False)}  # fmt: skip
@@ -50,7 +51,7 @@ def main() -> None:
     parser.add_argument("cases", nargs="?", help="CONTEXTxBATCH,... (default: bench kernel's and three larger)")
     parser.add_argument("--kv", default="float32", help="KV cache dtype (float32, float16, bfloat16, int8, fp8_e4m3)")
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per block of the paged layout")
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per block of the paged layout")
     args = parser.parse_args()
     if args.cases:
         cases = [tuple(int(x) for x in case.split("x")) for case in args.cases.split(",")]

@@ -26,7 +26,7 @@ from typing import Any, Optional
 import yaml
 
 from trtpaged.kv_formats import KV_CACHE_DTYPES
-from trtpaged.manifest import BACKENDS, DTYPE_BYTES, KVCacheBudget, Limits
+from trtpaged.manifest import BACKENDS, BLOCK_SIZES, DEFAULT_BLOCK_SIZE, DTYPE_BYTES, KVCacheBudget, Limits
 from trtpaged.names import renamed_keys
 
 DTYPES = tuple(DTYPE_BYTES)
@@ -59,7 +59,6 @@ tensorrt:                  # the TensorRT engine's forms (docs/tensorrt.md); def
                            #   address an int64 host input the plugin writes through; no pool tensor)
   quantized_pool: int8     #   int8 | uint8 | float16: the I/O type of an int8/fp8_e4m3 pool's bytes
 """
-BLOCK_SIZES = (8, 16, 32, 64, 128)
 MODEL_SOURCES = ("hf_dir", "gguf", "package", "tiny")
 TOP_LEVEL_KEYS = (
     "model", "dtype", "kv_cache_dtype", "max_batch_size", "max_num_tokens", "max_seq_len",
@@ -272,7 +271,7 @@ def parse_config(
         max_batch_size=_bounded_int(data.get("max_batch_size", 8), "max_batch_size", fail, 1, MAX_BATCH_SIZE),
         max_num_tokens=_bounded_int(data.get("max_num_tokens", 512), "max_num_tokens", fail, 1, MAX_NUM_TOKENS),
         max_seq_len=_bounded_int(data.get("max_seq_len", 2048), "max_seq_len", fail, 1, MAX_SEQ_LEN),
-        block_size=_positive_int(data.get("block_size", 16), "block_size", fail),
+        block_size=_positive_int(data.get("block_size", DEFAULT_BLOCK_SIZE), "block_size", fail),
     )
     if limits.max_seq_len < MIN_SEQ_LEN:
         raise fail("max_seq_len", f"got {limits.max_seq_len}; at least {MIN_SEQ_LEN} tokens (prompt + output "

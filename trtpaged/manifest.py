@@ -27,7 +27,8 @@ MANIFEST_NAME = "trtpaged.json"
 BACKENDS = ("auto", "torch", "tensorrt")
 DTYPE_BYTES = {name: KV_FORMATS[name].element_bytes for name in FLOAT_KV_CACHE_DTYPES}  # compute dtypes
 MAX_MANIFEST_BYTES = 16 << 20
-BLOCK_SIZES = (8, 16, 32, 64, 128)
+BLOCK_SIZES = (8, 16, 32, 64, 128)  # tokens per KV block an engine may have
+DEFAULT_BLOCK_SIZE = 16  # model.yaml's when it gives none
 MAX_KV_BLOCKS = 2**31 - 1  # block ids are int32 in the block tables
 MAX_KV_MEMORY = 1 << 50
 # upper bounds of the dims and limits a manifest may state (far above any model trtpaged runs)

@@ -30,14 +30,13 @@ from trtpaged import kernels, kv_pool_memory
 from trtpaged.bench.noise import Noise, NoiseMonitor, verdict
 from trtpaged.bench.timing import best_seconds, interleaved_samples
 from trtpaged.kv_quant import is_quantized, pack_rows, quantize_rows
-from trtpaged.manifest import kv_row_bytes
+from trtpaged.manifest import DEFAULT_BLOCK_SIZE, kv_row_bytes
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64
 CONTEXTS = (512, 2048, 8192)
 BATCHES = (1, 8, 32)
 TARGET_BANDWIDTH_FRACTION = 0.5  # decode at >= 2048 tokens vs copy bandwidth
 TARGET_PAGED_OVERHEAD = 0.05  # mean over the cases (issue 21)
-DEFAULT_BLOCK_SIZE = 16  # model.yaml's default
 
 
 @dataclass

@@ -32,9 +32,10 @@ import torch
 
 from trtpaged import kernels
 from trtpaged.kv_quant import is_quantized, pack_rows, quantize_rows, row_width
+from trtpaged.manifest import DEFAULT_BLOCK_SIZE
 from trtpaged.names import renamed_options
 
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16  # BLOCK_SIZE: the default of the paged layout
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64
 CONTEXTS = (512, 2048, 8192)
 BATCHES = (1, 8, 32)
 QUICK_CONTEXTS, QUICK_BATCHES = (2048, 8192), (8, 32)
@@ -125,7 +126,7 @@ def _pool(num_kv_blocks: int, block_size: int, kv_cache_dtype: str, gen: torch.G
 
 
 def _decode_step(context: int, batch: int, shuffle: bool, seed: int = 0, kv_cache_dtype: str = "float16",
-                 block_size: int = BLOCK_SIZE) -> tuple[Callable[[], None], int]:
+                 block_size: int = DEFAULT_BLOCK_SIZE) -> tuple[Callable[[], None], int]:
     """A decode step calling the C ABI directly (prepared arguments, no per-call checks or syncs)."""
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = (context + block_size - 1) // block_size
@@ -164,7 +165,7 @@ def _decode_step(context: int, batch: int, shuffle: bool, seed: int = 0, kv_cach
 
 
 def measure_decode(context: int, batch: int, copy: dict, kv_cache_dtype: str = "float16",
-                   block_size: int = BLOCK_SIZE) -> DecodeResult:
+                   block_size: int = DEFAULT_BLOCK_SIZE) -> DecodeResult:
     paged_step, ws_size = _decode_step(context, batch, shuffle=True, kv_cache_dtype=kv_cache_dtype,
                                        block_size=block_size)
     paged = _Timer(paged_step).seconds()
@@ -181,7 +182,7 @@ def measure_decode(context: int, batch: int, copy: dict, kv_cache_dtype: str = "
 
 
 def run_gpu_kernel_bench(json_out: bool, kv_cache_dtype: str = "float16", quick: bool = False,
-                         block_size: int = BLOCK_SIZE) -> dict:
+                         block_size: int = DEFAULT_BLOCK_SIZE) -> dict:
     """Runs the GPU kernel report for a KV cache of kv_cache_dtype (KV_CACHE_DTYPES), prints it (JSON when json_out,
     else a table) and returns it. quick: contexts 2048 and 8192 at batch 8 and 32 only. block_size: tokens per
     block of the paged layout."""

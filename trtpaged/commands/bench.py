@@ -9,9 +9,8 @@ from typing import Callable, Optional
 import click
 
 from trtpaged.commands.option_types import FiniteFloatRange
-from trtpaged.config import BLOCK_SIZES
 from trtpaged.kv_formats import KV_CACHE_DTYPES
-from trtpaged.manifest import BACKENDS
+from trtpaged.manifest import BACKENDS, BLOCK_SIZES, DEFAULT_BLOCK_SIZE
 
 
 def _progress(msg: str) -> None:
@@ -42,7 +41,8 @@ def command() -> None:
               help="cpu: the OpenMP kernel; cuda: the CUDA kernel on the current GPU (HBM copy bandwidth as the bar).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--quick", is_flag=True, help="Shorter timing budget (noisier); on cuda, contexts 2048/8192 at batch 8/32.")
-@click.option("--block-size", type=click.Choice([str(b) for b in BLOCK_SIZES]), default="16", show_default=True,
+@click.option("--block-size", type=click.Choice([str(b) for b in BLOCK_SIZES]), default=str(DEFAULT_BLOCK_SIZE),
+              show_default=True,
               help="Tokens per block of the paged cache (model.yaml's block_size).")
 def kernel(kv_cache_dtype: Optional[str], device: str, as_json: bool, quick: bool, block_size: str) -> None:
     """Decode kernel: KV-read bandwidth vs memory-copy bandwidth, and paged vs contiguous overhead."""
@@ -124,7 +124,7 @@ def memory(ctx, engine, trace, num_requests, prompt_len, output_len, shared_pref
                                              run_sharing_table)  # fmt: skip
     from trtpaged.bench.workload import PRESETS, load_trace_with_sharing, parse_range, synthetic_trace
 
-    defaults = {"num_kv_blocks": 1456, "block_size": 16, "max_seq_len": 2048, "max_batch_size": 256,
+    defaults = {"num_kv_blocks": 1456, "block_size": DEFAULT_BLOCK_SIZE, "max_seq_len": 2048, "max_batch_size": 256,
                 "max_num_tokens": 2048}  # fmt: skip
     base_dtype, engine_head_dim = "float16", 64
     try:
