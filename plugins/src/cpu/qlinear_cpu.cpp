@@ -989,10 +989,10 @@ void run_tiles(const Layout& l, TileKernel kernel, const Acts* acts, const float
   const int64_t nchunks = (m + mchunk - 1) / mchunk;
   const int64_t row_bytes = l.k * (x ? int64_t(sizeof(float)) : int64_t(sizeof(int8_t)));
   const int64_t band = std::max<int64_t>(1, kBandBytes / (row_bytes * mchunk));  // chunks per band
+  const int64_t band_items = l.ntiles * band;  // work items of a whole band
   const int64_t items = l.ntiles * nchunks;
   const double work = double(l.ntiles) * kRows * double(l.k) * double(m);
   auto run_item = [&](int64_t item) {
-    const int64_t band_items = l.ntiles * band;
     const int64_t b0 = item / band_items * band;  // the band's first chunk
     const int64_t width = std::min(band, nchunks - b0);
     const int64_t within = item - b0 * l.ntiles;
