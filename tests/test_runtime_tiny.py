@@ -107,6 +107,23 @@ def test_seeded_sampling_reproducible_across_batch_compositions(hf, prompts):
     assert alone.outputs[0].token_ids != alone.outputs[1].token_ids
 
 
+def test_stop_reasons_and_the_text_a_stop_token_leaves(hf, prompts, reference):
+    """vLLM's rules: a stop token id is the stop reason and its text is left out unless include_stop_str_in_output
+    (the text is then that of the tokens before it, or up to it, as max_tokens cuts them); the model's own EOS
+    has no stop reason."""
+    engine = make(hf)
+    ids = reference[2]
+    k = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])
+    def text(**kw):
+        return run_staggered(engine, [(prompts[2], SamplingParams(temperature=0.0, **kw))])[0].outputs[0]
+    for include, length in ((False, k), (True, k + 1)):
+        out = text(max_tokens=MAX_TOKENS, stop_token_ids=[ids[k]], include_stop_str_in_output=include)
+        assert (out.token_ids, out.finish_reason, out.stop_reason) == (ids[: k + 1], "stop", ids[k])
+        assert out.text == text(max_tokens=length).text
+    eos = text(max_tokens=MAX_TOKENS, logit_bias={EOS: 100.0})
+    assert (eos.token_ids, eos.finish_reason, eos.stop_reason) == ([EOS], "stop", None)
+
+
 def test_stop_token_ids_logprobs_and_abort(hf, prompts, reference):
     engine = make(hf)
     stop_at = reference[2][3]

@@ -61,6 +61,62 @@ def test_openai_client_chat_completions_streaming_n(client, llm):
     assert [m.id for m in client.models.list().data] == ["tiny"]
 
 
+def _stream_end(chunks) -> tuple[str, object, object]:
+    """(joined text, finish_reason, stop_reason) of a streamed single choice (completions or chat)."""
+    text, finish, stop = "", None, None
+    for chunk in chunks:
+        for c in chunk.choices:
+            text += (c.delta.content or "") if hasattr(c, "delta") else c.text
+            if c.finish_reason:
+                finish, stop = c.finish_reason, getattr(c, "stop_reason", None)
+    return text, finish, stop
+
+
+def test_stop_token_ids_and_stop_reasons_streamed_and_whole(client, llm):
+    """A stop token id ends the text before its own text (the text of the first k tokens, cut by max_tokens),
+    or after it with include_stop_str_in_output; its id is the stop_reason, streamed or not, completions or
+    chat, and so is a stop string."""
+    greedy = llm.generate(["once upon"], SamplingParams(max_tokens=16, temperature=0.0))[0].outputs[0]
+    ids = greedy.token_ids
+    k = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])  # the stop token's first appearance
+    def first(n: int) -> str:
+        return llm.generate(["once upon"], SamplingParams(max_tokens=n, temperature=0.0))[0].outputs[0].text
+    for include, expected in ((False, first(k)), (True, first(k + 1))):
+        kw = dict(model="tiny", prompt="once upon", max_tokens=16, temperature=0,
+                  extra_body={"stop_token_ids": [ids[k]], "include_stop_str_in_output": include})  # fmt: skip
+        whole = client.completions.create(**kw).choices[0]
+        assert (whole.text, whole.finish_reason, whole.stop_reason) == (expected, "stop", ids[k])
+        assert _stream_end(client.completions.create(stream=True, **kw)) == (expected, "stop", ids[k])
+    stop = greedy.text[len(first(k)):][:2]
+    kw = dict(model="tiny", prompt="once upon", max_tokens=16, temperature=0, stop=[stop])
+    whole = client.completions.create(**kw).choices[0]
+    assert (whole.finish_reason, whole.stop_reason) == ("stop", stop) and stop not in whole.text
+    assert _stream_end(client.completions.create(stream=True, **kw)) == (whole.text, "stop", stop)
+
+    messages = [{"role": "user", "content": "hello"}]
+    chat_ids = llm.chat(messages, SamplingParams(max_tokens=16, temperature=0.0)).outputs[0].token_ids
+    j = next(i for i in range(1, len(chat_ids)) if chat_ids[i] not in chat_ids[:i])
+    kw = dict(model="tiny", messages=messages, max_tokens=16, temperature=0, extra_body={"stop_token_ids": [chat_ids[j]]})
+    whole = client.chat.completions.create(**kw).choices[0]
+    assert (whole.finish_reason, whole.stop_reason) == ("stop", chat_ids[j])
+    assert _stream_end(client.chat.completions.create(stream=True, **kw)) == (whole.message.content, "stop",
+                                                                            chat_ids[j])  # fmt: skip
+
+
+def test_openai_platform_fields_and_text_parts(client, llm):
+    """store / metadata / service_tier (what SDKs send for OpenAI's platform) are accepted and change nothing;
+    a message's text parts are its lines."""
+    messages = [{"role": "user", "content": "hello\nworld"}]
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
+    tagged = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0, store=False,
+                                            metadata={"run": "a"}, service_tier="auto")  # fmt: skip
+    assert tagged.choices[0].message.content == plain.choices[0].message.content
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "world"}]}]
+    joined = client.chat.completions.create(model="tiny", messages=parts, max_tokens=6, temperature=0)
+    assert joined.usage.prompt_tokens == len(llm.chat_prompt(messages)) == plain.usage.prompt_tokens
+    assert joined.choices[0].message.content == plain.choices[0].message.content
+
+
 @pytest.fixture(scope="module")
 def client3(tiny_engine_dir):
     """The official client of a second server on the same engine at `--stream-interval 3`."""

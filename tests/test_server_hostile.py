@@ -103,6 +103,11 @@ HOSTILE = [
     ("33 stop strings", J({"prompt": "hi", "stop": [f"s{i}" for i in range(33)]}), {}, 400, "stop"),
     ("a 129-character stop string", J({"prompt": "hi", "stop": ["x" * 129]}), {}, 400, "stop"),
     ("1025 stop token ids", J({"prompt": "hi", "stop_token_ids": [1] * 1025}), {}, 400, "stop_token_ids"),
+    # a seed past 64 bits would wrap onto another seed's draws (2**64 sampled as 0)
+    ("seed = 2**64", J({"prompt": "hi", "max_tokens": 2, "seed": 2**64}), {}, 400, "seed"),
+    ("seed = -2**63 - 1", J({"prompt": "hi", "max_tokens": 2, "seed": -(2**63) - 1}), {}, 400, "seed"),
+    ("prompt_logprobs in a stream", J({"prompt": "hi", "max_tokens": 2, "prompt_logprobs": 1, "stream": True}), {},
+     400, "prompt_logprobs"),
     ("UTF-16 body with BOM", '{"prompt": "hi", "max_tokens": 2}'.encode("utf-16"), {}, 400, "body"),
     ("UTF-16-LE body", '{"prompt": "hi", "max_tokens": 2}'.encode("utf-16-le"), {}, 400, "body"),
     ("UTF-32 body", '{"prompt": "hi", "max_tokens": 2}'.encode("utf-32"), {}, 400, "body"),

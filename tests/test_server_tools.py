@@ -202,3 +202,58 @@ def test_forced_calls_stream_in_pieces_like_the_full_answer(client, tool_choice)
         schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
         jsonschema.validate(json.loads(arguments), schema)
 
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "add"}}, "required"])
+def test_calls_cut_short_read_the_same_streamed_and_whole(client, tool_choice):
+    """An output that max_tokens cuts inside a call: the whole answer holds the call as far as it was written
+    (what the stream sent, joined), finish_reason "length"; its arguments begin the uncut call's."""
+    kw = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": tool_choice, "temperature": 0}
+    uncut = client.chat.completions.create(max_tokens=160, **kw)
+    full_calls = [(tc.function.name, tc.function.arguments) for tc in uncut.choices[0].message.tool_calls or []]
+    kw["max_tokens"] = uncut.usage.completion_tokens - 2  # past the first call's name, before its end
+    cut = client.chat.completions.create(**kw).choices[0]
+    assert cut.finish_reason == "length" and cut.message.tool_calls
+    calls = [(tc.function.name, tc.function.arguments) for tc in cut.message.tool_calls]
+    content, streamed, finish = _streamed(client.chat.completions.create(stream=True, **kw))
+    assert (content, [(n, a) for _, n, a in streamed], finish) == (cut.message.content, calls, "length")
+    if full_calls:  # the uncut call ended: the cut one is its beginning
+        name, arguments = calls[-1]
+        assert full_calls[len(calls) - 1][0] == name and full_calls[len(calls) - 1][1].startswith(arguments)
+
+
+def test_streamed_calls_carry_their_logprobs(client):
+    kw = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "temperature": 0,
+          "max_tokens": 40, "logprobs": True, "top_logprobs": 2}  # fmt: skip
+    whole = client.chat.completions.create(**kw)
+    entries = [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in whole.choices[0].logprobs.content]
+    assert len(entries) == whole.usage.completion_tokens
+    streamed = [(e.token, e.logprob, [t.token for t in e.top_logprobs])
+                for chunk in client.chat.completions.create(stream=True, **kw) for c in chunk.choices
+                if c.logprobs is not None for e in c.logprobs.content]  # fmt: skip
+    assert streamed == entries
+
+
+def test_parallel_tool_calls_false_makes_one_call(client):
+    kw = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "max_tokens": 160,
+          "temperature": 1.0, "parallel_tool_calls": False}  # fmt: skip
+    ended = 0
+    for seed in range(12):  # a random model may write until max_tokens: count the answers whose call ended
+        choice = client.chat.completions.create(seed=seed, **kw).choices[0]
+        assert len(choice.message.tool_calls or []) <= 1
+        if choice.finish_reason == "tool_calls":
+            ended += 1
+            assert len(choice.message.tool_calls) == 1
+    assert ended
+
+
+def test_a_call_cut_by_a_stop_string_reads_the_same_streamed_and_whole(client):
+    kw = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "temperature": 0, "max_tokens": 160,
+          "tool_choice": {"type": "function", "function": {"name": "add"}}}  # fmt: skip
+    uncut = client.chat.completions.create(**kw).choices[0].message.tool_calls[0].function.arguments
+    cut = client.chat.completions.create(stop=[","], **kw).choices[0]  # both keys are required: a comma between
+    assert (cut.finish_reason, cut.stop_reason) == ("stop", ",")
+    calls = [(tc.function.name, tc.function.arguments) for tc in cut.message.tool_calls]
+    assert calls == [("add", uncut[: uncut.index(",")])]
+    content, streamed, finish = _streamed(client.chat.completions.create(stream=True, stop=[","], **kw))
+    assert (content, [(n, a) for _, n, a in streamed], finish) == (cut.message.content, calls, "stop")

@@ -78,9 +78,12 @@ class OutputProcessor:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids, params.skip_special_tokens)
         ended_on_token = seq.finish_reason == "stop"  # EOS or a stop token id: no stop string after it
         unshown = 0
-        if ended_on_token and not params.skip_special_tokens and not params.include_stop_str_in_output \
-                and new_tokens[-1] in self._special_ids():  # fmt: skip
-            unshown, new_tokens = 1, new_tokens[:-1]  # the special token that ended it is not text (vLLM's rule)
+        if ended_on_token and not params.include_stop_str_in_output and (
+                new_tokens[-1] in params.stop_token_ids
+                or (not params.skip_special_tokens and new_tokens[-1] in self._special_ids())):  # fmt: skip
+            # vLLM's rule: the stop token id (or the special token, EOS) that ended it is not part of the text
+            # unless include_stop_str_in_output
+            unshown, new_tokens = 1, new_tokens[:-1]
         steps = [new_tokens] if not params.stop or ended_on_token else [[t] for t in new_tokens]
         for tokens in steps:
             delta = "".join(seq.detokenizer.add(t) for t in tokens)

@@ -217,6 +217,9 @@ class SamplingParams:
             ("prompt_logprobs", self.prompt_logprobs is None or self.prompt_logprobs >= 0, "must be >= 0", 0),
             ("output_kind", isinstance(self.output_kind, RequestOutputKind), "must be a RequestOutputKind", None),
             ("stream_interval", self.stream_interval >= 1, "must be >= 1", 1),
+            # a 64-bit generator seed; wider values would wrap onto another seed's draws (vLLM's int64 range)
+            ("seed", self.seed is None or -(2**63) <= self.seed < 2**63, "must be in [-2**63, 2**63)",
+             "[-2**63, 2**63)"),
         ]
         for name, ok, rule, limit in checks:
             if not ok:

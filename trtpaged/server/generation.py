@@ -235,19 +235,20 @@ class GenerationService:
                     for d in state.deltas(s.index[out.request_id], out):
                         if s.req.echo_only:  # the one sampled token is not part of the answer
                             if d.finish_reason:
-                                yield sse(builder.chunk(d.index, "", d.finish_reason))
-                            continue
-                        if s.req.tools is not None:  # content and calls as the parser reads them
-                            reader = tool_readers.setdefault(d.index, s.req.tools.stream())
-                            for chunk in builder.tool_stream_chunks(d.index, reader, d.text, d.finish_reason):
-                                yield sse(chunk)
+                                yield sse(builder.chunk(d.index, "", d.finish_reason, stop_reason=d.stop_reason))
                             continue
                         logprobs = None
                         if builder.top_logprobs is not None and d.logprobs is not None:
                             strings = await self._token_strings(logprob_token_ids(d.token_ids, d.logprobs))
                             offset = state.advance_offset(d.index, [strings[t] for t in d.token_ids])
                             logprobs = builder.stream_logprobs(d.token_ids, d.logprobs, strings, offset)
-                        yield builder.event(d.index, d.text, d.finish_reason, logprobs)
+                        if s.req.tools is not None:  # content and calls as the parser reads them
+                            reader = tool_readers.setdefault(d.index, s.req.tools.stream())
+                            for chunk in builder.tool_stream_chunks(d.index, reader, d.text, d.finish_reason,
+                                                                    logprobs, d.stop_reason):  # fmt: skip
+                                yield sse(chunk)
+                            continue
+                        yield builder.event(d.index, d.text, d.finish_reason, logprobs, d.stop_reason)
         except (EngineFailure, ShuttingDown, RequestTimeout) as exc:
             s.summary.finish_reasons = [type(exc).__name__]
             yield sse(dump(runtime_failure(exc).body()))

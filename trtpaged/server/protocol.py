@@ -71,7 +71,7 @@ def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     for msg in req.messages:
         content = msg.content or ""
         if isinstance(content, list):
-            content = "".join(part.text for part in content)
+            content = "\n".join(part.text for part in content)  # text parts are lines of one message, as in vLLM
         extra = {k: v for k, v in (msg.model_extra or {}).items() if k in ("tool_calls", "tool_call_id", "name")}
         out.append({"role": msg.role, "content": content, **extra})
     return out
@@ -161,6 +161,9 @@ def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int,
     scored = [k for k in (req.prompt_logprobs, logprobs if echo else None) if k is not None]
     if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_LOGPROBS:
         raise ApiError(f"prompt_logprobs: must be in [0, {MAX_LOGPROBS}], got {req.prompt_logprobs}", "prompt_logprobs")
+    if req.prompt_logprobs is not None and req.stream:
+        raise ApiError("prompt_logprobs: not available with stream: true (as in vLLM); send the request without "
+                       "streaming, or use echo with logprobs (completions)", "prompt_logprobs")  # fmt: skip
     if scored:
         sampling["prompt_logprobs"] = max(scored)
     return GenerationRequest(
@@ -205,7 +208,7 @@ def _tools(req: Union[CompletionRequest, ChatCompletionRequest], sampling: dict[
     <|python_tag|>)."""
     if not isinstance(req, ChatCompletionRequest):
         return None
-    tools = tool_choice(req.tools, req.tool_choice, auto)
+    tools = tool_choice(req.tools, req.tool_choice, auto, req.parallel_tool_calls is not False)
     if tools is None:
         return None
     if tools.auto is not None:

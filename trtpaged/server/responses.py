@@ -161,10 +161,13 @@ class ResponseBuilder:
                 common = {"index": p * n + c.index, "logprobs": self._logprobs(token_ids, logprobs, strings),
                           "finish_reason": c.finish_reason, "stop_reason": _stop_reason(c)}  # fmt: skip
                 if self.chat:
-                    content, calls = text, None
-                    if self.tools is not None and c.finish_reason == "stop":
-                        content, calls = self.tools.parse(text)
-                    if calls:
+                    content, calls, complete = text, None, False
+                    if self.tools is not None and c.finish_reason == "stop" and common["stop_reason"] is None:
+                        content, calls = self.tools.parse(text)  # ended on its own: calls only if well-formed
+                        complete = calls is not None
+                    elif self.tools is not None:  # cut short: read as its stream read it (the calls so far)
+                        content, calls, complete = self.tools.read_partial(text)
+                    if calls and complete and c.finish_reason == "stop":
                         common["finish_reason"] = "tool_calls"
                     choices.append(ChatChoice(message=AssistantMessage(content=content, tool_calls=calls), **common))
                 else:
@@ -187,24 +190,34 @@ class ResponseBuilder:
         finish_reason: Optional[str] = None,
         logprobs: Union[ChatLogprobs, CompletionLogprobs, None] = None,
         role: bool = False,
+        stop_reason: Union[int, str, None] = None,
     ) -> Union[ChatCompletionChunk, CompletionChunk]:
-        """One streamed choice delta. Chat: `role` sends the assistant role (the first chunk of a choice)."""
+        """One streamed choice delta. Chat: `role` sends the assistant role (the first chunk of a choice).
+        `stop_reason` (with the finish reason): the stop string or stop token id that ended the choice."""
         if self.chat:
             delta = Delta(role="assistant", content="") if role else Delta(content=text or None)
-            choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
+            choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
+                                     stop_reason=stop_reason)  # fmt: skip
             return ChatCompletionChunk(**self._envelope(), choices=[choice])
-        choice = CompletionChoice(index=index, text=text or "", logprobs=logprobs, finish_reason=finish_reason)
+        choice = CompletionChoice(index=index, text=text or "", logprobs=logprobs, finish_reason=finish_reason,
+                                  stop_reason=stop_reason)  # fmt: skip
         return CompletionChunk(**self._envelope(), choices=[choice])
 
-    def tool_stream_chunks(self, index: int, reader: ToolCallStream, text: str,
-                           finish_reason: Optional[str]) -> list[ChatCompletionChunk]:  # fmt: skip
+    def tool_stream_chunks(self, index: int, reader: ToolCallStream, text: str, finish_reason: Optional[str],
+                           logprobs: Optional[ChatLogprobs] = None,
+                           stop_reason: Union[int, str, None] = None) -> list[ChatCompletionChunk]:  # fmt: skip
         """The chunks of a streamed tool-call choice's new text (read by its `reader`); once it ends, the last
-        chunk with finish_reason "tool_calls" when the choice's calls all completed as JSON objects."""
+        chunk with finish_reason "tool_calls" when the choice's calls all completed as JSON objects. The delta's
+        `logprobs` go with its first chunk (a chunk with an empty delta when the reader holds its text back)."""
         chunks = self.tool_chunks(index, reader.feed(text))
         if finish_reason:
             chunks += self.tool_chunks(index, reader.finish())
             finish = "tool_calls" if finish_reason == "stop" and reader.ok else finish_reason
-            chunks.append(self.chunk(index, "", finish))
+            chunks.append(self.chunk(index, "", finish, stop_reason=stop_reason))
+        if logprobs is not None and (chunks or logprobs.content):
+            if not chunks:
+                chunks.append(self.chunk(index, None))
+            chunks[0].choices[0].logprobs = logprobs
         return chunks
 
     def tool_chunks(self, index: int, events: Sequence[Event]) -> list[ChatCompletionChunk]:
@@ -232,7 +245,8 @@ class ResponseBuilder:
         return [ChatCompletionChunk(**envelope, choices=[ChatChunkChoice(index=index, delta=d)]) for d in deltas]
 
     def event(self, index: int, text: Optional[str], finish_reason: Optional[str] = None,
-              logprobs: Union[ChatLogprobs, CompletionLogprobs, None] = None) -> bytes:
+              logprobs: Union[ChatLogprobs, CompletionLogprobs, None] = None,
+              stop_reason: Union[int, str, None] = None) -> bytes:  # fmt: skip
         """`sse(self.chunk(...))`. The chunk of almost every token (text, no finish reason, no log-probs)
         comes from a template serialized once per choice, with only its text JSON-encoded: the same bytes
         without building and dumping three pydantic models per token."""
@@ -242,7 +256,7 @@ class ResponseBuilder:
                 template = self._templates[index] = self._text_template(index)
             if template is not None:
                 return f"{template[0]}{json.dumps(text)}{template[1]}".encode()
-        return sse(self.chunk(index, text, finish_reason, logprobs))
+        return sse(self.chunk(index, text, finish_reason, logprobs, stop_reason=stop_reason))
 
     def _text_template(self, index: int) -> Optional[tuple[str, str]]:
         """The text chunk's event split around its (JSON-encoded) text, or None if the split is ambiguous."""

@@ -50,6 +50,10 @@ class _SamplingFields(_Strict):
     beam_width: Optional[StrictInt] = None
     early_stopping: Optional[Union[StrictBool, Literal["never"]]] = None
     user: Optional[StrictStr] = None
+    # OpenAI fields about its own platform (storage, tagging, billing tier): accepted, without effect here
+    store: Optional[StrictBool] = None
+    metadata: Optional[dict[str, StrictStr]] = None
+    service_tier: Optional[StrictStr] = None
     logit_bias: Optional[dict[str, Number]] = None  # token id (as a string, OpenAI's form) -> bias
     allowed_token_ids: Optional[list[StrictInt]] = None  # vLLM
     bad_words: Optional[Union[StrictStr, list[StrictStr]]] = None  # vLLM
@@ -94,6 +98,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Optional[StrictInt] = None
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Any] = None
+    parallel_tool_calls: Optional[StrictBool] = None  # false: tool_choice "required" makes exactly one call
     functions: Optional[list[Any]] = None
     function_call: Optional[Any] = None
 
@@ -233,6 +238,7 @@ class ChatChunkChoice(BaseModel):
     delta: Delta
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None  # vLLM's: the stop string or stop token id that ended it
 
 
 class ChatCompletionChunk(_Reply):

@@ -8,7 +8,7 @@ classes only number the choices and keep what the OpenAI bodies need.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence, Union
 
 from trtpaged.runtime.outputs import CompletionOutput, RequestOutput
 
@@ -22,6 +22,7 @@ class ChoiceDelta:
     token_ids: list[int]
     logprobs: Optional[list[Mapping[int, float]]]
     finish_reason: Optional[str]
+    stop_reason: Union[int, str, None] = None  # with the finish: the stop string or stop token id
 
 
 @dataclass
@@ -51,7 +52,8 @@ class StreamState:
             finish = c.finish_reason if c.finish_reason in ("stop", "length") else None
             choice.finish_reason = c.finish_reason
             if c.text or finish or (self.with_tokens and c.token_ids):
-                result.append(ChoiceDelta(index, c.text, c.token_ids, c.logprobs, finish))
+                stop = c.stop_reason if finish and isinstance(c.stop_reason, (int, str)) else None
+                result.append(ChoiceDelta(index, c.text, c.token_ids, c.logprobs, finish, stop))
         return result
 
     def advance_offset(self, index: int, token_strings: Sequence[str]) -> int:

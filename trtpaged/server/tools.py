@@ -17,7 +17,7 @@ from typing import Any, Optional
 from trtpaged.runtime.sampling_params import StructuredOutputsParams
 from trtpaged.server.errors import ApiError
 from trtpaged.server.tool_parsers import FORMATS, HERMES, LLAMA3_JSON, MISTRAL, PHI4_MINI, REQUIRED, Format
-from trtpaged.server.tool_parsers import ToolCallStream, parse_all
+from trtpaged.server.tool_parsers import CallStart, Content, ToolCallStream, parse_all
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 MAX_TOOLS = 128
@@ -80,6 +80,7 @@ class ToolChoice:
     definitions: list[dict[str, Any]]  # the tools as given (for the chat template)
     named: Optional[str] = None
     auto: Optional[Format] = None
+    parallel: bool = True  # parallel_tool_calls: false makes "required" exactly one call (auto: not enforced)
 
     def grammar(self) -> Optional[StructuredOutputsParams]:
         """The output grammar (None for auto: the model writes freely)."""
@@ -90,7 +91,10 @@ class ToolChoice:
         calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
                   "required": ["name", "parameters"], "additionalProperties": False}
                  for name, schema in self.tools.items()]  # fmt: skip
-        schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+        schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                                  "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}  # fmt: skip
+        if not self.parallel:
+            schema["maxItems"] = 1
         return StructuredOutputsParams(json=schema, origin="tool_choice")
 
     def _format(self) -> Optional[Format]:
@@ -108,6 +112,23 @@ class ToolChoice:
             return text, None
         return content, [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                          for c in calls]  # fmt: skip
+
+    def read_partial(self, text: str) -> tuple[Optional[str], Optional[list[dict[str, Any]]], bool]:
+        """(content, `tool_calls` or None, whether every call completed) of an output that did not end on its
+        own (max_tokens, a stop string or stop token): what a stream of it sent, joined (calls with the arguments
+        written so far), so that the streamed and the whole answer agree."""
+        reader = self.stream()
+        content: list[str] = []
+        calls: dict[int, dict[str, Any]] = {}
+        for event in reader.feed(text) + reader.finish():
+            if isinstance(event, Content):
+                content.append(event.text)
+            elif isinstance(event, CallStart):
+                calls[event.index] = {"id": event.id, "type": "function",
+                                      "function": {"name": event.name, "arguments": ""}}  # fmt: skip
+            elif event.index in calls:
+                calls[event.index]["function"]["arguments"] += event.text
+        return ("".join(content) or None), ([calls[i] for i in sorted(calls)] or None), reader.ok
 
 
 def _tool(index: int, value: Any) -> tuple[str, dict[str, Any]]:
@@ -128,9 +149,10 @@ def _tool(index: int, value: Any) -> tuple[str, dict[str, Any]]:
     return name, params
 
 
-def tool_choice(tools: Optional[list[Any]], choice: Any, auto: AutoTools = AutoTools(None, "")) -> Optional[ToolChoice]:
+def tool_choice(tools: Optional[list[Any]], choice: Any, auto: AutoTools = AutoTools(None, ""),
+                parallel: bool = True) -> Optional[ToolChoice]:  # fmt: skip
     """The request's tool handling, None for "none" or no tools; a bad spec is a 400 naming the field. `auto`: the
-    engine's tool-call format, for tool_choice "auto"."""
+    engine's tool-call format, for tool_choice "auto"; `parallel`: parallel_tool_calls."""
     if choice is not None and not tools and choice != "none":
         raise ApiError("tool_choice: needs tools", "tool_choice")
     if not tools:
@@ -151,9 +173,9 @@ def tool_choice(tools: Optional[list[Any]], choice: Any, auto: AutoTools = AutoT
             raise ApiError(f"tool_choice: 'auto' (the default when tools are given) is not available: {auto.reason}; "
                            "send 'required', 'none' or {'type': 'function', 'function': {'name': ...}}",
                            "tool_choice")  # fmt: skip
-        return ToolChoice(specs, list(tools), auto=auto.format)
+        return ToolChoice(specs, list(tools), auto=auto.format, parallel=parallel)
     if choice == "required":
-        return ToolChoice(specs, list(tools))
+        return ToolChoice(specs, list(tools), parallel=parallel)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
         and isinstance(choice.get("function"), dict) else None  # fmt: skip
     if name is None:
@@ -161,4 +183,4 @@ def tool_choice(tools: Optional[list[Any]], choice: Any, auto: AutoTools = AutoT
                        f"{{'name': ...}}}}, got {choice!r:.80}", "tool_choice")  # fmt: skip
     if name not in specs:
         raise ApiError(f"tool_choice: no tool named {name!r:.64} in tools", "tool_choice")
-    return ToolChoice(specs, list(tools), named=name)
+    return ToolChoice(specs, list(tools), named=name, parallel=parallel)
