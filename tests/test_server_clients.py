@@ -117,6 +117,26 @@ def test_openai_platform_fields_and_text_parts(client, llm):
     assert joined.choices[0].message.content == plain.choices[0].message.content
 
 
+def test_continue_final_message_extends_the_assistants_text(client, llm):
+    """vLLM's chat options: the last assistant message left open is continued; the prompt is the template's text
+    up to that message's end (the tiny template written out by hand)."""
+    import openai
+
+    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Once upon"}]
+    body = {"add_generation_prompt": False, "continue_final_message": True}
+    got = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0, extra_body=body)
+    prompt = llm.tokenizer.encode("<|bos|>user\nhello<|eos|>\n<|bos|>assistant\nOnce upon", add_special_tokens=False)
+    truth = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))[0].outputs[0].text
+    assert (got.choices[0].message.content, got.usage.prompt_tokens) == (truth, len(prompt))
+    for extra, param in (({"continue_final_message": True}, "continue_final_message"),  # with a generation prompt
+                         ({"add_generation_prompt": False, "continue_final_message": True}, "continue_final_message"),
+                         ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs")):
+        msgs = messages if len(extra) == 1 or "chat_template_kwargs" in extra else messages[:1]
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, extra_body=extra)
+        assert err.value.body["param"] == param, extra
+
+
 @pytest.fixture(scope="module")
 def client3(tiny_engine_dir):
     """The official client of a second server on the same engine at `--stream-interval 3`."""

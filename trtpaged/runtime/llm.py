@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence as Seq, Union
 
 from trtpaged.engine_files import verify_engine_dir
+from trtpaged.errors import RequestError
 from trtpaged.manifest import EngineDirError, Manifest, engine_path, read_manifest
 from trtpaged.runtime.runners import load_runner, resolve_device, resolve_num_kv_blocks
 from trtpaged.runtime.runners.base import pool_block_bytes
@@ -19,6 +20,12 @@ from trtpaged.runtime.sampling_params import SamplingParams
 from trtpaged.runtime.speculative import SpeculativeConfig
 from trtpaged.runtime.verify_cost import default_verify_row_cost
 from trtpaged.runtime.warmup import warm_up
+
+# apply_chat_template's own arguments, which chat_prompt's template_kwargs may not set
+_TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
+                                 "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+                                 "truncation", "max_length", "return_tensors", "return_dict",
+                                 "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens"})
 
 
 def _tightened(name: str, value: Optional[int], limit: int) -> int:
@@ -218,11 +225,27 @@ class LLM:
         outs = self.generate([self.chat_prompt(c) for c in conversations], sampling_params)  # type: ignore[arg-type]
         return outs if batch else outs[0]
 
-    def chat_prompt(self, messages: Seq[dict], tools: Optional[Seq[dict]] = None) -> list[int]:
+    def chat_prompt(self, messages: Seq[dict], tools: Optional[Seq[dict]] = None, *,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:  # fmt: skip
         """Token ids of a conversation under the chat template, ready for the assistant's turn (`tools`: OpenAI
-        tool definitions, for templates that show them to the model)."""
-        extra = {"tools": list(tools)} if tools else {}
-        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False, **extra)
+        tool definitions, for templates that show them to the model). As vLLM's chat options:
+        `continue_final_message` leaves the last (assistant) message open for the model to continue, instead of
+        starting a new turn; `template_kwargs` are more variables for the template (e.g. `enable_thinking`)."""
+        if add_generation_prompt and continue_final_message:
+            raise RequestError("continue_final_message", "cannot be combined with add_generation_prompt: set "
+                               "add_generation_prompt to false to continue the last message")  # fmt: skip
+        if continue_final_message and (not messages or messages[-1].get("role") != "assistant"):
+            raise RequestError("continue_final_message", "needs the last message to be the assistant's")
+        extra = dict(template_kwargs or {})
+        reserved = sorted(set(extra) & _TEMPLATE_ARGUMENTS)
+        if reserved:
+            raise RequestError("chat_template_kwargs", f"may not set {reserved} (the request's own fields)")
+        if tools:
+            extra["tools"] = list(tools)
+        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                                  continue_final_message=continue_final_message, tokenize=False,
+                                                  **extra)  # fmt: skip
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def close(self) -> None:

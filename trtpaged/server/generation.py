@@ -146,7 +146,8 @@ class GenerationService:
 
         def run(engine: LLMEngine) -> list[list[int]]:
             if req.chat:
-                return [self.llm.chat_prompt(req.messages, req.tools.definitions if req.tools else None)]
+                return [self.llm.chat_prompt(req.messages, req.tools.definitions if req.tools else None,
+                                             **req.chat_options)]  # fmt: skip
             return [engine.encode(p)[1] for p in req.prompts]
 
         field_name = "messages" if req.chat else "prompt"

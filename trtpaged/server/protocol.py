@@ -43,6 +43,7 @@ class GenerationRequest:
     echo_only: bool = False  # echo with max_tokens 0: the prompt is scored, nothing is returned after it
     prompt_logprobs: Optional[int] = None  # vLLM's prompt_logprobs field (returned in its own form)
     tools: Optional[ToolChoice] = None  # chat: the output is (or, for auto, may hold) tool calls
+    chat_options: dict[str, Any] = field(default_factory=dict)  # chat: LLM.chat_prompt's keyword options
 
 
 def _token_list(ids: list[int], vocab_size: int) -> list[int]:
@@ -180,7 +181,14 @@ def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int,
         echo_only=echo_only,
         prompt_logprobs=req.prompt_logprobs,
         tools=tools,
+        chat_options=_chat_options(req) if isinstance(req, ChatCompletionRequest) else {},
     )
+
+
+def _chat_options(req: ChatCompletionRequest) -> dict[str, Any]:
+    return {"add_generation_prompt": req.add_generation_prompt is not False,
+            "continue_final_message": bool(req.continue_final_message),
+            "template_kwargs": req.chat_template_kwargs}  # fmt: skip
 
 
 def _constraint_fields(req: Union[CompletionRequest, ChatCompletionRequest], vocab_size: int) -> dict[str, Any]:

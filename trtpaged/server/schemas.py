@@ -99,6 +99,10 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Any] = None
     parallel_tool_calls: Optional[StrictBool] = None  # false: tool_choice "required" makes exactly one call
+    # vLLM's chat options (LLM.chat_prompt): continue the last assistant message, more template variables
+    add_generation_prompt: Optional[StrictBool] = True
+    continue_final_message: Optional[StrictBool] = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
     functions: Optional[list[Any]] = None
     function_call: Optional[Any] = None
 
