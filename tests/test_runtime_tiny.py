@@ -124,6 +124,29 @@ def test_stop_reasons_and_the_text_a_stop_token_leaves(hf, prompts, reference):
     assert (eos.token_ids, eos.finish_reason, eos.stop_reason) == ([EOS], "stop", None)
 
 
+def test_min_tokens_holds_off_eos_stop_tokens_and_stop_strings(hf, prompts, reference):
+    """With EOS pushed to the top (logit_bias), min_tokens 5 makes the model's other choices first: the first 5
+    tokens are Hugging Face's greedy ones, then EOS. A stop token id or stop string met before min_tokens does
+    not end the output; once past it they do."""
+    engine = make(hf)
+    ids = reference[2]
+    assert EOS not in ids[:5]
+    def run(**kw):
+        return run_staggered(engine, [(prompts[2], SamplingParams(temperature=0.0, **kw))])[0].outputs[0]
+    out = run(max_tokens=MAX_TOKENS, logit_bias={EOS: 100.0}, min_tokens=5)
+    assert (out.token_ids, out.finish_reason) == (ids[:5] + [EOS], "stop")
+    k = next(i for i in range(1, 6) if ids[i] not in ids[:i])
+    held = run(max_tokens=MAX_TOKENS, stop_token_ids=[ids[k]], min_tokens=k + 2)
+    assert ids[k] not in held.token_ids[: k + 2] and len(held.token_ids) >= k + 2
+    stop = run(max_tokens=MAX_TOKENS).text[:1]
+    assert run(max_tokens=MAX_TOKENS, stop=[stop]).text == ""
+    late = run(max_tokens=MAX_TOKENS, stop=[stop], min_tokens=3)
+    assert late.text.startswith(run(max_tokens=3).text) and (late.finish_reason, late.stop_reason) in (
+        ("stop", stop), ("length", None))  # fmt: skip
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+
+
 def test_stop_token_ids_logprobs_and_abort(hf, prompts, reference):
     engine = make(hf)
     stop_at = reference[2][3]

@@ -77,6 +77,11 @@ HOSTILE = [
     ("unsupported feature", J({"prompt": "x", "suffix": "y"}), {}, 400, "suffix"),
     ("chat content as number", J({"messages": [{"role": "user", "content": 5}]}), {"path": "/v1/chat/completions"},
      400, "messages"),
+    ("chat image part", J({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}]}),
+     {"path": "/v1/chat/completions"}, 400, "messages"),
+    ("chat text part without text", J({"messages": [{"role": "user", "content": [{"type": "text"}]}]}),
+     {"path": "/v1/chat/completions"}, 400, "messages"),
     ("chat without messages", J({"messages": []}), {"path": "/v1/chat/completions"}, 400, "messages"),
     ("unknown model", J({"prompt": "x", "model": "gpt-5"}), {}, 404, "model"),
     ("missing API key", J({"prompt": "x"}), {"Authorization": ""}, 401, None),
@@ -103,6 +108,8 @@ HOSTILE = [
     ("33 stop strings", J({"prompt": "hi", "stop": [f"s{i}" for i in range(33)]}), {}, 400, "stop"),
     ("a 129-character stop string", J({"prompt": "hi", "stop": ["x" * 129]}), {}, 400, "stop"),
     ("1025 stop token ids", J({"prompt": "hi", "stop_token_ids": [1] * 1025}), {}, 400, "stop_token_ids"),
+    ("stop token id outside the vocabulary", J({"prompt": "hi", "stop_token_ids": [320]}), {}, 400, "stop_token_ids"),
+    ("negative stop token id", J({"prompt": "hi", "stop_token_ids": [-1]}), {}, 400, "stop_token_ids"),
     # a seed past 64 bits would wrap onto another seed's draws (2**64 sampled as 0)
     ("seed = 2**64", J({"prompt": "hi", "max_tokens": 2, "seed": 2**64}), {}, 400, "seed"),
     ("seed = -2**63 - 1", J({"prompt": "hi", "max_tokens": 2, "seed": -(2**63) - 1}), {}, 400, "seed"),

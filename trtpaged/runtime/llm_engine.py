@@ -122,6 +122,9 @@ class LLMEngine:
         seq = Sequence(self.scheduler.new_seq_id(), token_ids)
         group = SequenceGroup(request_id, next(self._arrivals), text, seq, params, beam)
         group.bad_words = bad_words
+        if params.min_tokens:
+            ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            group.min_tokens_banned = tuple(sorted(ends))
         if compiled is not None:
             seq.grammar = self.grammars.matcher(compiled)
             self.num_constrained_requests += 1
@@ -132,11 +135,13 @@ class LLMEngine:
         return request_id
 
     def _token_filters(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
-        """Checks logit_bias and allowed_token_ids against the vocabulary; returns the bad words' token ids
-        (each word as the tokenizer spells it alone and after a space, as vLLM does)."""
+        """Checks logit_bias, allowed_token_ids and stop_token_ids against the vocabulary; returns the bad words'
+        token ids (each word as the tokenizer spells it alone and after a space, as vLLM does)."""
         vocab = self.vocab_size
-        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
-            bad = next((t for t in ids if vocab is not None and t >= vocab), None)
+        checked = (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ()),
+                   ("stop_token_ids", params.stop_token_ids))
+        for name, ids in checked:
+            bad = next((t for t in ids if t < 0 or (vocab is not None and t >= vocab)), None)
             if bad is not None:
                 raise RequestError(name, f"token id {bad} is outside the vocabulary [0, {vocab})", vocab)
         if not params.bad_words:

@@ -89,7 +89,7 @@ class OutputProcessor:
             delta = "".join(seq.detokenizer.add(t) for t in tokens)
             seq.num_decoded_tokens += len(tokens)
             seq.output_text += delta
-            if params.stop and not ended_on_token:
+            if params.stop and not ended_on_token and seq.num_decoded_tokens > params.min_tokens:
                 hit = find_stop_string(seq.output_text, params.stop, len(delta))
                 if hit is not None:
                     index, stop = hit

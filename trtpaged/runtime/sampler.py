@@ -69,6 +69,7 @@ class SampleRow:
     generator: Optional[torch.Generator] = None
     grammar: Optional[Any] = None  # the sequence's grammar matcher (read here, advanced by the scheduler)
     bad_words: Sequence[Sequence[int]] = ()  # token-id spellings of the request's bad words
+    banned: Sequence[int] = ()  # tokens that may not come yet (EOS and stop token ids before min_tokens)
 
 
 def _column(values: Sequence[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -88,8 +89,9 @@ def _padded(rows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def apply_token_filters(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
-    """In place, for the rows that ask: the grammar's bitmask, allowed_token_ids, bad words (a word's last
-    token where the output ends with the rest of it), then logit_bias (added, as OpenAI does)."""
+    """In place, for the rows that ask: the grammar's bitmask, allowed_token_ids, the ends min_tokens holds off,
+    bad words (a word's last token where the output ends with the rest of it), then logit_bias (added, as OpenAI
+    does)."""
     constrained = [(i, r.grammar) for i, r in enumerate(rows) if r.grammar is not None]
     if constrained:
         from trtpaged.runtime.structured import mask_logits
@@ -101,6 +103,8 @@ def apply_token_filters(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torc
             keep = torch.zeros(logits.shape[1], dtype=torch.bool)
             keep[list(p.allowed_token_ids)] = True
             logits[i].masked_fill_(~keep, float("-inf"))
+        if r.banned:
+            logits[i, list(r.banned)] = float("-inf")
         if r.bad_words:
             output = r.token_ids[r.num_prompt_tokens :]
             banned = [w[-1] for w in r.bad_words
@@ -354,7 +358,8 @@ def _targets(group: "SequenceGroup", rows: dict[int, int], drafts: Mapping[int, 
         first, gen = rows[seq.seq_id], group.generators[index]
         targets.append(_Target(group.request_id, tuple(
             SampleRow(first + i, params, seq.token_ids + list(draft[:i]) if history and i else seq.token_ids,
-                      seq.num_prompt_tokens, gen, seq.grammar, group.bad_words)
+                      seq.num_prompt_tokens, gen, seq.grammar, group.bad_words,
+                      group.min_tokens_banned if seq.num_output_tokens + i < params.min_tokens else ())
             for i in range(len(draft) + 1)), draft, draft_probs.get(seq.seq_id) if draft else None))  # fmt: skip
     return targets
 
@@ -442,9 +447,11 @@ def _blocked(logits: torch.Tensor, rows: Sequence[SampleRow], got: Sequence[Opti
         if s is None and r.params.filters_tokens and not bool(_unsound(logits[[r.logits_row]].float()).any()):
             p = r.params
             field = (p.structured_outputs.origin if p.structured_outputs is not None else "allowed_token_ids"
-                     if p.allowed_token_ids is not None else "bad_words" if p.bad_words else "logit_bias")
+                     if p.allowed_token_ids is not None else "bad_words" if p.bad_words else "logit_bias"
+                     if p.logit_bias else "min_tokens")  # fmt: skip
             return SampleFailure(f"{field}: the request's token filters (output grammar, allowed_token_ids, "
-                                 "bad_words, logit_bias) leave no token that may be sampled next", field)  # fmt: skip
+                                 "bad_words, logit_bias, min_tokens) leave no token that may be sampled next",
+                                 field)  # fmt: skip
     return None
 
 

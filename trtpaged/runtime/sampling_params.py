@@ -163,6 +163,9 @@ class SamplingParams:
     # DELTA outputs only: a running sequence's new tokens are handed over once it has this many (its first
     # token and its end at once); 1: every step. `trtpaged serve --stream-interval` sets it for streams.
     stream_interval: int = 1
+    # vLLM's: EOS and the stop token ids cannot be sampled, and stop strings do not end the output, before this
+    # many output tokens
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -188,7 +191,7 @@ class SamplingParams:
             object.__setattr__(self, "top_k", 0)
         self._check_token_filters()
         for name in ("max_tokens", "n", "beam_width", "top_k", "seed", "logprobs", "prompt_logprobs",
-                     "stream_interval"):
+                     "stream_interval", "min_tokens"):
             value = getattr(self, name)
             if not _is_int(value) and not (value is None and name in ("max_tokens", "seed", "logprobs",
                                                                        "prompt_logprobs")):
@@ -217,6 +220,8 @@ class SamplingParams:
             ("prompt_logprobs", self.prompt_logprobs is None or self.prompt_logprobs >= 0, "must be >= 0", 0),
             ("output_kind", isinstance(self.output_kind, RequestOutputKind), "must be a RequestOutputKind", None),
             ("stream_interval", self.stream_interval >= 1, "must be >= 1", 1),
+            ("min_tokens", self.min_tokens >= 0 and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
+             "must be in [0, max_tokens]", "[0, max_tokens]"),
             # a 64-bit generator seed; wider values would wrap onto another seed's draws (vLLM's int64 range)
             ("seed", self.seed is None or -(2**63) <= self.seed < 2**63, "must be in [-2**63, 2**63)",
              "[-2**63, 2**63)"),
@@ -230,6 +235,8 @@ class SamplingParams:
                                    self.beam_width)
             if self.stop:
                 raise RequestError("stop", "stop strings are not supported with beam search")
+            if self.min_tokens:
+                raise RequestError("min_tokens", "not supported with beam search")
             for name in ("structured_outputs", "logit_bias", "allowed_token_ids", "bad_words"):
                 if getattr(self, name):
                     what = self.structured_outputs.origin if name == "structured_outputs" else name  # type: ignore
@@ -273,7 +280,7 @@ class SamplingParams:
     def filters_tokens(self) -> bool:
         """Whether something besides the model and penalties decides which tokens may be sampled."""
         return bool(self.logit_bias or self.allowed_token_ids is not None or self.bad_words
-                    or self.structured_outputs is not None)  # fmt: skip
+                    or self.structured_outputs is not None or self.min_tokens)  # fmt: skip
 
     @property
     def use_beam_search(self) -> bool:

@@ -164,6 +164,7 @@ class SequenceGroup:
             [None] if params.prompt_logprobs is not None else None)
         self.prompt_logprobs_sent = False  # whether a DELTA output carried them
         self.bad_words: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token ids (set by the engine)
+        self.min_tokens_banned: tuple[int, ...] = ()  # EOS and stop token ids, masked before params.min_tokens
         # monotonic times of its first: "queued", "ready" (prefix reads from KV tiers done), "scheduled",
         # "first_token"; the engine's TTFT breakdown (`LLMEngine.ttft_breakdown`)
         self.times: dict[str, float] = {}

@@ -20,7 +20,7 @@ from trtpaged.server.schemas import ChatCompletionRequest, CompletionRequest
 MAX_LOGPROBS = 20  # top log-probs per token a request may ask for (OpenAI's limit)
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "n", "seed", "presence_penalty", "frequency_penalty",
                     "repetition_penalty", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
-                    "length_penalty")  # fmt: skip
+                    "length_penalty", "min_tokens")  # fmt: skip
 _UNSUPPORTED = ("suffix", "functions", "function_call")
 
 Prompt = Union[str, list[int]]
@@ -69,13 +69,27 @@ def _prompts(value: Any, vocab_size: int) -> list[Prompt]:
 def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     """The conversation for the chat template: role and text, plus the tool-call keys templates read."""
     out = []
-    for msg in req.messages:
+    for m, msg in enumerate(req.messages):
         content = msg.content or ""
-        if isinstance(content, list):
-            content = "\n".join(part.text for part in content)  # text parts are lines of one message, as in vLLM
+        if isinstance(content, list):  # text parts are lines of one message, as in vLLM
+            content = "\n".join(_text_part(part, f"messages[{m}].content[{p}]") for p, part in enumerate(content))
         extra = {k: v for k, v in (msg.model_extra or {}).items() if k in ("tool_calls", "tool_call_id", "name")}
         out.append({"role": msg.role, "content": content, **extra})
     return out
+
+
+def _text_part(part: Any, where: str) -> str:
+    """A content part's text: {"type": "text", "text": str} (this server reads text only)."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind != "text":
+        got = f"type {kind!r:.40}" if isinstance(part, dict) else type(part).__name__
+        raise ApiError(f"{where}: only text parts ({{'type': 'text', 'text': ...}}) are supported, got {got}",
+                       "messages")  # fmt: skip
+    if set(part) - {"type", "text"}:
+        raise ApiError(f"{where}: unknown keys {sorted(set(part) - {'type', 'text'})!r:.80}", "messages")
+    if not isinstance(part.get("text"), str):
+        raise ApiError(f"{where}.text: must be a string, got {type(part.get('text')).__name__}", "messages")
+    return part["text"]
 
 
 def _beam_fields(req: Union[CompletionRequest, ChatCompletionRequest], names: dict[str, str]) -> dict[str, Any]:

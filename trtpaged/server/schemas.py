@@ -28,6 +28,7 @@ class _SamplingFields(_Strict):
 
     model: Optional[StrictStr] = None
     max_tokens: Optional[StrictInt] = None
+    min_tokens: Optional[StrictInt] = None  # vLLM: no EOS / stop before this many tokens
     temperature: Optional[Number] = None
     top_p: Optional[Number] = None
     top_k: Optional[StrictInt] = None
@@ -76,17 +77,12 @@ class CompletionRequest(_SamplingFields):
     suffix: Optional[StrictStr] = None
 
 
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: StrictStr
-
-
 class ChatMessage(BaseModel):
     """One conversation turn; extra keys (name, tool_call_id, ...) are carried, not used."""
 
     model_config = ConfigDict(extra="allow")
     role: StrictStr
-    content: Optional[Union[StrictStr, list[TextPart]]] = None
+    content: Optional[Union[StrictStr, list[Any]]] = None  # a list: content parts (protocol.py reads text ones)
 
 
 class ChatCompletionRequest(_SamplingFields):
