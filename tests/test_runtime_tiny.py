@@ -147,6 +147,22 @@ def test_min_tokens_holds_off_eos_stop_tokens_and_stop_strings(hf, prompts, refe
         SamplingParams(max_tokens=4, min_tokens=5)
 
 
+def test_beams_that_end_on_a_stop_token_leave_its_text_out(hf, prompts):
+    engine = make(hf)
+    beams = dict(max_tokens=10, temperature=0.0, beam_width=3, n=3)
+    free = run_staggered(engine, [(prompts[3], SamplingParams(**beams))])[0].outputs
+    stops = sorted({c.token_ids[4] for c in free})  # tokens the beams reach: some hypotheses end on them
+    for include in (False, True):
+        outs = run_staggered(engine, [(prompts[3], SamplingParams(stop_token_ids=stops, skip_special_tokens=False,
+                                                                  include_stop_str_in_output=include, **beams))])
+        ended = [c for c in outs[0].outputs if c.finish_reason == "stop"]
+        assert ended
+        for c in ended:
+            shown = c.token_ids if include else c.token_ids[:-1]
+            assert c.stop_reason == c.token_ids[-1] in stops
+            assert c.text == hf.tokenizer.decode(shown, skip_special_tokens=False)
+
+
 def test_stop_token_ids_logprobs_and_abort(hf, prompts, reference):
     engine = make(hf)
     stop_at = reference[2][3]

@@ -110,6 +110,7 @@ HOSTILE = [
     ("1025 stop token ids", J({"prompt": "hi", "stop_token_ids": [1] * 1025}), {}, 400, "stop_token_ids"),
     ("stop token id outside the vocabulary", J({"prompt": "hi", "stop_token_ids": [320]}), {}, 400, "stop_token_ids"),
     ("negative stop token id", J({"prompt": "hi", "stop_token_ids": [-1]}), {}, 400, "stop_token_ids"),
+    ("min_tokens past what max_seq_len leaves", J({"prompt": "hi", "min_tokens": 100000}), {}, 400, "min_tokens"),
     # a seed past 64 bits would wrap onto another seed's draws (2**64 sampled as 0)
     ("seed = 2**64", J({"prompt": "hi", "max_tokens": 2, "seed": 2**64}), {}, 400, "seed"),
     ("seed = -2**63 - 1", J({"prompt": "hi", "max_tokens": 2, "seed": -(2**63) - 1}), {}, 400, "seed"),

@@ -214,15 +214,23 @@ class LLM:
         self,
         messages: Union[Seq[dict], Seq[Seq[dict]]],
         sampling_params: Union[None, SamplingParams, Seq[SamplingParams]] = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Optional[dict[str, Any]] = None,
     ) -> Union[RequestOutput, list[RequestOutput]]:
         """Applies the engine's chat template and generates the assistant's reply.
 
         One conversation (a list of messages) returns one RequestOutput; a list of
         conversations returns a list, in order, generated together (as vLLM's `LLM.chat`).
+        The keyword options are `chat_prompt`'s (vLLM's names).
         """
         batch = bool(messages) and not isinstance(messages[0], dict)
         conversations = list(messages) if batch else [messages]
-        outs = self.generate([self.chat_prompt(c) for c in conversations], sampling_params)  # type: ignore[arg-type]
+        options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
+                   "template_kwargs": chat_template_kwargs}  # fmt: skip
+        prompts = [self.chat_prompt(c, **options) for c in conversations]  # type: ignore[arg-type]
+        outs = self.generate(prompts, sampling_params)  # type: ignore[arg-type]
         return outs if batch else outs[0]
 
     def chat_prompt(self, messages: Seq[dict], tools: Optional[Seq[dict]] = None, *,

@@ -48,7 +48,6 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Optional[Any]) -> None:
         self.tokenizer = tokenizer
-        self._specials: Optional[frozenset[int]] = None
 
     # ---- text ---------------------------------------------------------------------------------
     def detokenize(self, groups: Seq[SequenceGroup]) -> list[Stopped]:
@@ -78,11 +77,9 @@ class OutputProcessor:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids, params.skip_special_tokens)
         ended_on_token = seq.finish_reason == "stop"  # EOS or a stop token id: no stop string after it
         unshown = 0
-        if ended_on_token and not params.include_stop_str_in_output and (
-                new_tokens[-1] in params.stop_token_ids
-                or (not params.skip_special_tokens and new_tokens[-1] in self._special_ids())):  # fmt: skip
-            # vLLM's rule: the stop token id (or the special token, EOS) that ended it is not part of the text
-            # unless include_stop_str_in_output
+        if ended_on_token and not params.include_stop_str_in_output:
+            # vLLM's rule: the token that ended it (EOS, a stop token id, the end a grammar took) is not part of
+            # the text unless include_stop_str_in_output
             unshown, new_tokens = 1, new_tokens[:-1]
         steps = [new_tokens] if not params.stop or ended_on_token else [[t] for t in new_tokens]
         for tokens in steps:
@@ -98,11 +95,6 @@ class OutputProcessor:
         if seq.is_finished:
             seq.output_text += seq.detokenizer.flush()
         return None
-
-    def _special_ids(self) -> frozenset[int]:
-        if self._specials is None:
-            self._specials = frozenset(getattr(self.tokenizer, "all_special_ids", ()))
-        return self._specials
 
     def _decode(self, token_ids: Seq[int], skip_special: bool) -> str:
         if self.tokenizer is None:
@@ -217,16 +209,16 @@ class OutputProcessor:
             hyps = [(h.token_ids, h.cumulative_logprob) for h in beam.best(params.n)]
         else:
             hyps = [(tuple(s.output_token_ids), s.cumulative_logprob) for s in group.seqs[: params.n]]
-        return [
-            CompletionOutput(
-                index=i,
-                text=self._decode(tokens, params.skip_special_tokens),
-                token_ids=list(tokens),
-                cumulative_logprob=logprob,
-                finish_reason=self._beam_finish_reason(group, tokens),
-            )
-            for i, (tokens, logprob) in enumerate(hyps)
-        ]
+        outputs = []
+        for i, (tokens, logprob) in enumerate(hyps):
+            finish = self._beam_finish_reason(group, tokens)
+            ended_on_token = finish == "stop"  # EOS or a stop token id: as for sampled outputs, not text
+            shown = tokens[:-1] if ended_on_token and not params.include_stop_str_in_output else tokens
+            stop = tokens[-1] if ended_on_token and tokens[-1] in params.stop_token_ids else None
+            outputs.append(CompletionOutput(index=i, text=self._decode(shown, params.skip_special_tokens),
+                                            token_ids=list(tokens), cumulative_logprob=logprob, finish_reason=finish,
+                                            stop_reason=stop))  # fmt: skip
+        return outputs
 
     @staticmethod
     def _beam_finish_reason(group: SequenceGroup, tokens: Seq[int]) -> Optional[str]:

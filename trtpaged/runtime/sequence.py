@@ -18,7 +18,7 @@ def make_generator(seed: Optional[int], index: int) -> Optional[torch.Generator]
     """A private RNG for output `index` of a seeded request: reproducible whatever else is batched."""
     if seed is None:
         return None
-    return torch.Generator().manual_seed((seed + index * _SEED_STRIDE) % (2**63))
+    return torch.Generator().manual_seed((seed + index * _SEED_STRIDE) % (2**64))  # every int64 seed its own
 
 
 class SequenceStatus(enum.Enum):

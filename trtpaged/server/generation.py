@@ -168,9 +168,9 @@ class GenerationService:
     def _fit_max_tokens(self, req: GenerationRequest, params: SamplingParams, prompt_len: int) -> SamplingParams:
         """Unset max_tokens: what max_seq_len leaves. Then the runtime's own `check_request` on this
         prompt, so that a request of several prompts is refused before any of them is queued."""
-        if req.max_tokens is None:
-            params = dataclasses.replace(params, max_tokens=max(1, self.max_seq_len - prompt_len))
         try:
+            if req.max_tokens is None:  # re-checks the fields that depend on it (min_tokens)
+                params = dataclasses.replace(params, max_tokens=max(1, self.max_seq_len - prompt_len))
             check_request(self.llm.config, prompt_len, params)
         except RequestError as exc:
             raise from_runtime_error(exc, req.names) from None

@@ -79,17 +79,18 @@ def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
 
 
 def _text_part(part: Any, where: str) -> str:
-    """A content part's text: {"type": "text", "text": str} (this server reads text only)."""
+    """A content part's text: {"type": "text", "text": str}, or an assistant's {"type": "refusal", "refusal": str}
+    (this server reads text only)."""
     kind = part.get("type") if isinstance(part, dict) else None
-    if kind != "text":
+    if kind not in ("text", "refusal"):
         got = f"type {kind!r:.40}" if isinstance(part, dict) else type(part).__name__
         raise ApiError(f"{where}: only text parts ({{'type': 'text', 'text': ...}}) are supported, got {got}",
                        "messages")  # fmt: skip
-    if set(part) - {"type", "text"}:
-        raise ApiError(f"{where}: unknown keys {sorted(set(part) - {'type', 'text'})!r:.80}", "messages")
-    if not isinstance(part.get("text"), str):
-        raise ApiError(f"{where}.text: must be a string, got {type(part.get('text')).__name__}", "messages")
-    return part["text"]
+    if set(part) - {"type", kind}:
+        raise ApiError(f"{where}: unknown keys {sorted(set(part) - {'type', kind})!r:.80}", "messages")
+    if not isinstance(part.get(kind), str):
+        raise ApiError(f"{where}.{kind}: must be a string, got {type(part.get(kind)).__name__}", "messages")
+    return part[kind]
 
 
 def _beam_fields(req: Union[CompletionRequest, ChatCompletionRequest], names: dict[str, str]) -> dict[str, Any]:

@@ -445,7 +445,7 @@ void tile_scores_fused(const float* q, const uint8_t* const* kp, int64_t bs, int
         // Read the staged keys from memory in every row's products: otherwise GCC hoists their 64 loads out of
         // the row loop and spills them to a second stack copy (a load and a store per vector and group),
         // which made the loop store-bound (fp16 KV: 1.1-1.4x slower decode attention, same results).
-        if constexpr (kStage) asm volatile("" : : : "memory");
+        if constexpr (kStage && D == 64) asm volatile("" : : : "memory");  // head_dim 128: measured no gain
         const float* qr = q + r * D;
         fvec part[kLanes];
         for (int l = 0; l < kLanes; ++l) {
@@ -496,10 +496,19 @@ void tile_scores_fused(const float* q, const uint8_t* const* kp, int64_t bs, int
 // either way.
 template <int NR, int kVecs>
 constexpr int accumulate_slice() {
-  constexpr int budget = kLanes == 16 ? 24 : 12;  // leave registers for the value row and the row weights
+  // leave registers for the value row and the row weights: 32 AVX-512, 16 AVX, 16 SSE ones holding half a vector
+#if defined(__AVX512F__)
+  constexpr int budget = 24;
+#elif defined(__AVX__)
+  constexpr int budget = 12;
+#else
+  constexpr int budget = 6;
+#endif
   int slice = kVecs;
   while (slice > 1 && (NR * slice > budget || kVecs % slice != 0)) --slice;
-  return slice;
+  // One row, or more than 4 passes (AVX2, head_dim 128, 4 rows: 8 passes of 2 vectors), measured slower than
+  // one spilling pass: each pass reloads the rows' weights for few products.
+  return NR == 1 || kVecs / slice > 4 ? kVecs : slice;
 }
 
 template <int D, int NR, class Codec, int Elem>
@@ -515,7 +524,8 @@ void tile_accumulate_fused(const float* weights, int64_t stride, const uint8_t* 
     for (int64_t b = 0, j = 0; j < n; ++b) {
       const uint8_t* v = vp[b];
       for (const int64_t start = j, end = std::min(n, j + bs); j < end; ++j, v += kRow) {
-        if (s == 0) next.prefetch_row(b, j - start);
+        // the next tile's requests spread over the passes (a burst of them fills the miss buffers)
+        if ((j - start) / NextBlocks::kRows % (kVecs / kSlice) == s / kSlice) next.prefetch_row(b, j - start);
         const float factor = row_factor<Codec>(v, D * Elem);
         float w[NR];
         for (int r = 0; r < NR; ++r) w[r] = weights[r * stride + j] * factor;
