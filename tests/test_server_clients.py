@@ -104,12 +104,14 @@ def test_stop_token_ids_and_stop_reasons_streamed_and_whole(client, llm):
 
 
 def test_openai_platform_fields_and_text_parts(client, llm):
-    """store / metadata / service_tier (what SDKs send for OpenAI's platform) are accepted and change nothing;
+    """store / metadata / service_tier / prompt_cache_key / safety_identifier (what SDKs send for OpenAI's
+    platform) are accepted and change nothing;
     a message's text parts are its lines."""
     messages = [{"role": "user", "content": "hello\nworld"}]
     plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
     tagged = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0, store=False,
-                                            metadata={"run": "a"}, service_tier="auto")  # fmt: skip
+                                            metadata={"run": "a"}, service_tier="auto",
+                                            extra_body={"prompt_cache_key": "k", "safety_identifier": "u1"})  # fmt: skip
     assert tagged.choices[0].message.content == plain.choices[0].message.content
     parts = [{"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "world"}]}]
     joined = client.chat.completions.create(model="tiny", messages=parts, max_tokens=6, temperature=0)

@@ -51,10 +51,13 @@ class _SamplingFields(_Strict):
     beam_width: Optional[StrictInt] = None
     early_stopping: Optional[Union[StrictBool, Literal["never"]]] = None
     user: Optional[StrictStr] = None
-    # OpenAI fields about its own platform (storage, tagging, billing tier): accepted, without effect here
+    # OpenAI fields about its own platform (storage, tagging, billing tier, its prompt cache's routing, abuse
+    # tracking): accepted, without effect here
     store: Optional[StrictBool] = None
     metadata: Optional[dict[str, StrictStr]] = None
     service_tier: Optional[StrictStr] = None
+    prompt_cache_key: Optional[StrictStr] = None
+    safety_identifier: Optional[StrictStr] = None
     logit_bias: Optional[dict[str, Number]] = None  # token id (as a string, OpenAI's form) -> bias
     allowed_token_ids: Optional[list[StrictInt]] = None  # vLLM
     bad_words: Optional[Union[StrictStr, list[StrictStr]]] = None  # vLLM
