@@ -77,9 +77,7 @@ class OutputProcessor:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids, params.skip_special_tokens)
         ended_on_token = seq.finish_reason == "stop"  # EOS or a stop token id: no stop string after it
         unshown = 0
-        if ended_on_token and not params.include_stop_str_in_output:
-            # vLLM's rule: the token that ended it (EOS, a stop token id, the end a grammar took) is not part of
-            # the text unless include_stop_str_in_output
+        if not params.shows_end_token(seq.finish_reason):  # the EOS / stop token id / grammar end that ended it
             unshown, new_tokens = 1, new_tokens[:-1]
         steps = [new_tokens] if not params.stop or ended_on_token else [[t] for t in new_tokens]
         for tokens in steps:
@@ -212,9 +210,8 @@ class OutputProcessor:
         outputs = []
         for i, (tokens, logprob) in enumerate(hyps):
             finish = self._beam_finish_reason(group, tokens)
-            ended_on_token = finish == "stop"  # EOS or a stop token id: as for sampled outputs, not text
-            shown = tokens[:-1] if ended_on_token and not params.include_stop_str_in_output else tokens
-            stop = tokens[-1] if ended_on_token and tokens[-1] in params.stop_token_ids else None
+            shown = tokens if params.shows_end_token(finish) else tokens[:-1]
+            stop = params.stop_reason_of(tokens[-1]) if finish == "stop" else None
             outputs.append(CompletionOutput(index=i, text=self._decode(shown, params.skip_special_tokens),
                                             token_ids=list(tokens), cumulative_logprob=logprob, finish_reason=finish,
                                             stop_reason=stop))  # fmt: skip

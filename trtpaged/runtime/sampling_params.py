@@ -276,6 +276,16 @@ class SamplingParams:
                                "characters", MAX_BAD_WORDS)  # fmt: skip
         object.__setattr__(self, "bad_words", tuple(words))
 
+    def stop_reason_of(self, token: int) -> Optional[int]:
+        """The stop reason of an output that ended on `token`: its id when it is one of stop_token_ids; none for
+        the model's own end (EOS, a grammar's end), as in vLLM."""
+        return token if token in self.stop_token_ids else None
+
+    def shows_end_token(self, finish_reason: Optional[str]) -> bool:
+        """Whether an output's last token is part of its text: not when it ended on a token (finish "stop" before
+        any stop string is looked for) unless include_stop_str_in_output, as in vLLM."""
+        return finish_reason != "stop" or self.include_stop_str_in_output
+
     @property
     def filters_tokens(self) -> bool:
         """Whether something besides the model and penalties decides which tokens may be sampled."""

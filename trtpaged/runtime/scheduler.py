@@ -285,12 +285,10 @@ class Scheduler:
         """Token-level stops: a stop token id (its id is the stop reason), EOS, max_tokens or max_seq_len (stop
         strings are textual). The model's own end (EOS, or the end a complete grammar took) has no stop reason, as
         in vLLM."""
-        if token in params.stop_token_ids:
-            return "stop", token
-        if not params.ignore_eos and token in self.eos_token_ids:
-            return "stop", None
-        if seq.grammar is not None and seq.grammar.is_terminated():  # the grammar is complete and took its end
-            return "stop", None
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids) or (
+            seq.grammar is not None and seq.grammar.is_terminated()  # the grammar is complete and took its end
+        ):
+            return "stop", params.stop_reason_of(token)
         if (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) or (
             len(seq.token_ids) >= self.config.max_seq_len
         ):

@@ -8,8 +8,9 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 from pydantic import BaseModel
 
-from trtpaged.runtime.outputs import CompletionOutput, RequestOutput
+from trtpaged.runtime.outputs import RequestOutput
 from trtpaged.server.tool_parsers import CallStart, Content, Event, ToolCallStream
+from trtpaged.server.stream_state import stop_reason
 from trtpaged.server.tools import ToolChoice
 from trtpaged.server.schemas import (
     AssistantMessage,
@@ -159,7 +160,7 @@ class ResponseBuilder:
                     text, token_ids = e.text + text, e.token_ids + list(token_ids)
                     logprobs = None if e.logprobs is None or logprobs is None else e.logprobs + list(logprobs)
                 common = {"index": p * n + c.index, "logprobs": self._logprobs(token_ids, logprobs, strings),
-                          "finish_reason": c.finish_reason, "stop_reason": _stop_reason(c)}  # fmt: skip
+                          "finish_reason": c.finish_reason, "stop_reason": stop_reason(c)}  # fmt: skip
                 if self.chat:
                     content, calls, complete = text, None, False
                     if self.tools is not None and c.finish_reason == "stop" and common["stop_reason"] is None:
@@ -276,7 +277,3 @@ class ResponseBuilder:
                         strings: TokenStrings, offset: int) -> Union[ChatLogprobs, CompletionLogprobs, None]:
         """Log-probs of the tokens in one streamed delta (completions offsets continue from `offset`)."""
         return self._logprobs(token_ids, logprobs, strings, offset)
-
-
-def _stop_reason(c: CompletionOutput) -> Any:
-    return c.stop_reason if isinstance(c.stop_reason, (str, int)) else None

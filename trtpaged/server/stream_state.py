@@ -13,6 +13,11 @@ from typing import Mapping, Optional, Sequence, Union
 from trtpaged.runtime.outputs import CompletionOutput, RequestOutput
 
 
+def stop_reason(c: CompletionOutput) -> Union[int, str, None]:
+    """A completion's stop reason as the bodies carry it: the stop string or stop token id, else None."""
+    return c.stop_reason if isinstance(c.stop_reason, (str, int)) else None
+
+
 @dataclass
 class ChoiceDelta:
     """New text and tokens of one choice since the last chunk; `finish_reason` once it ends."""
@@ -52,8 +57,8 @@ class StreamState:
             finish = c.finish_reason if c.finish_reason in ("stop", "length") else None
             choice.finish_reason = c.finish_reason
             if c.text or finish or (self.with_tokens and c.token_ids):
-                stop = c.stop_reason if finish and isinstance(c.stop_reason, (int, str)) else None
-                result.append(ChoiceDelta(index, c.text, c.token_ids, c.logprobs, finish, stop))
+                result.append(ChoiceDelta(index, c.text, c.token_ids, c.logprobs, finish,
+                                          stop_reason(c) if finish else None))  # fmt: skip
         return result
 
     def advance_offset(self, index: int, token_strings: Sequence[str]) -> int:

@@ -22,10 +22,17 @@ constexpr int kRowGroup = 4;
 
 // One SIMD register of floats (GCC/Clang vector extension): 16 lanes with AVX-512, else 8
 // (AVX/AVX2, or two SSE/NEON registers). head_dim is a multiple of 16 on the CPU.
+// kAccumulators: the fvec accumulators a loop may keep live and leave registers for its operands (32 AVX-512
+// registers, 16 AVX ones, 16 SSE ones holding half an fvec each).
 #if defined(__AVX512F__)
 constexpr int kLanes = 16;
+constexpr int kAccumulators = 24;
+#elif defined(__AVX__)
+constexpr int kLanes = 8;
+constexpr int kAccumulators = 12;
 #else
 constexpr int kLanes = 8;
+constexpr int kAccumulators = 6;
 #endif
 typedef float fvec __attribute__((vector_size(kLanes * sizeof(float))));
 typedef float f32x8 __attribute__((vector_size(32)));
@@ -496,16 +503,8 @@ void tile_scores_fused(const float* q, const uint8_t* const* kp, int64_t bs, int
 // either way.
 template <int NR, int kVecs>
 constexpr int accumulate_slice() {
-  // leave registers for the value row and the row weights: 32 AVX-512, 16 AVX, 16 SSE ones holding half a vector
-#if defined(__AVX512F__)
-  constexpr int budget = 24;
-#elif defined(__AVX__)
-  constexpr int budget = 12;
-#else
-  constexpr int budget = 6;
-#endif
   int slice = kVecs;
-  while (slice > 1 && (NR * slice > budget || kVecs % slice != 0)) --slice;
+  while (slice > 1 && (NR * slice > kAccumulators || kVecs % slice != 0)) --slice;
   // One row, or more than 4 passes (AVX2, head_dim 128, 4 rows: 8 passes of 2 vectors), measured slower than
   // one spilling pass: each pass reloads the rows' weights for few products.
   return NR == 1 || kVecs / slice > 4 ? kVecs : slice;
