@@ -34,8 +34,24 @@ from trtpaged.server.schemas import (
     dump,
 )
 
-TokenStrings = Mapping[int, str]  # token id -> its text, decoded on the engine thread
 Entry = Optional[Mapping[int, float]]  # one token's log-prob and top-k (None: the first prompt token)
+
+
+@dataclass(frozen=True)
+class TokenStrings:
+    """What log-probs show of each token, read on the engine thread: its decoded `text` (text offsets, echo,
+    prompt_logprobs' decoded_token), its own bytes (`raw`, chat's `bytes`; see token_bytes) and its name (the
+    text, or "token_id:<id>" with vLLM's return_tokens_as_token_ids)."""
+
+    text: Mapping[int, str]
+    raw: Mapping[int, bytes] = field(default_factory=dict)
+    as_ids: bool = False
+
+    def name(self, token: int) -> str:
+        return f"token_id:{token}" if self.as_ids else self.text[token]
+
+    def bytes_of(self, token: int) -> list[int]:
+        return list(self.raw[token] if token in self.raw else self.text[token].encode("utf-8"))
 
 
 @dataclass(frozen=True)
@@ -89,20 +105,29 @@ def completion_logprobs(
     an echoed prompt's first token has no log-prob (null, as OpenAI sends it)."""
     body: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token, entry in zip(token_ids, logprobs):
-        text = strings[token]
-        body["tokens"].append(text)
+        body["tokens"].append(strings.name(token))
         body["token_logprobs"].append(None if entry is None else entry.get(token))
         body["top_logprobs"].append(None if entry is None else
-                                    {strings[t]: lp for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])})
+                                    {strings.name(t): lp for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])})
         body["text_offset"].append(offset)
-        offset += len(text)
+        offset += len(strings.text[token])
     return CompletionLogprobs(**body), offset
 
 
-def vllm_prompt_logprobs(entries: Sequence[Entry], strings: TokenStrings) -> PromptLogprobs:
-    """vLLM's prompt_logprobs field: per prompt token, None or {token id: {logprob, decoded_token}}."""
-    return [None if e is None else {str(t): PromptLogprob(logprob=lp, decoded_token=strings[t]) for t, lp in e.items()}
-            for e in entries]  # fmt: skip
+def vllm_prompt_logprobs(entries: Sequence[Entry], token_ids: Sequence[int], strings: TokenStrings) -> PromptLogprobs:
+    """vLLM's prompt_logprobs field: per prompt token, None or {token id: {logprob, rank, decoded_token}}: the
+    prompt token's rank as the runtime counted it in the whole vocabulary (`scoring.PromptLogprob.rank`), the
+    top-k's their places 1..k."""
+    out: PromptLogprobs = []
+    for token, entry in zip(token_ids, entries):
+        if entry is None:
+            out.append(None)
+            continue
+        ranks = {t: place for place, (t, _) in enumerate(sorted(entry.items(), key=lambda kv: -kv[1]), 1)}
+        ranks[token] = getattr(entry, "rank", ranks[token])
+        out.append({str(t): PromptLogprob(logprob=lp, rank=ranks[t], decoded_token=strings.text[t])
+                    for t, lp in entry.items()})  # fmt: skip
+    return out
 
 
 def chat_logprobs(
@@ -111,8 +136,7 @@ def chat_logprobs(
     """The chat format: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
 
     def item(token: int, logprob: Optional[float]) -> dict[str, Any]:
-        text = strings[token]
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": strings.name(token), "logprob": logprob, "bytes": strings.bytes_of(token)}
 
     content = []
     for token, entry in zip(token_ids, logprobs):
@@ -172,7 +196,7 @@ class ResponseBuilder:
                         common["finish_reason"] = "tool_calls"
                     choices.append(ChatChoice(message=AssistantMessage(content=content, tool_calls=calls), **common))
                 else:
-                    scored = vllm_prompt_logprobs(out.prompt_logprobs, strings) if (
+                    scored = vllm_prompt_logprobs(out.prompt_logprobs, out.prompt_token_ids, strings) if (
                         prompt_logprobs and out.prompt_logprobs is not None) else None  # fmt: skip
                     choices.append(CompletionChoice(text=text, prompt_logprobs=scored, **common))
         prompt_tokens = sum(len(o.prompt_token_ids) for o in finals)
@@ -180,7 +204,8 @@ class ResponseBuilder:
         body = {**self._envelope(), "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
         if self.chat:
             if prompt_logprobs and finals and finals[0].prompt_logprobs is not None:
-                body["prompt_logprobs"] = vllm_prompt_logprobs(finals[0].prompt_logprobs, strings)
+                body["prompt_logprobs"] = vllm_prompt_logprobs(finals[0].prompt_logprobs, finals[0].prompt_token_ids,
+                                                               strings)
             return ChatCompletionResponse(**body)
         return CompletionResponse(**body)
 
@@ -192,17 +217,19 @@ class ResponseBuilder:
         logprobs: Union[ChatLogprobs, CompletionLogprobs, None] = None,
         role: bool = False,
         stop_reason: Union[int, str, None] = None,
+        usage: Optional[Usage] = None,
     ) -> Union[ChatCompletionChunk, CompletionChunk]:
         """One streamed choice delta. Chat: `role` sends the assistant role (the first chunk of a choice).
-        `stop_reason` (with the finish reason): the stop string or stop token id that ended the choice."""
+        `stop_reason` (with the finish reason): the stop string or stop token id that ended the choice. `usage`:
+        the choice's usage so far (stream_options.continuous_usage_stats)."""
         if self.chat:
             delta = Delta(role="assistant", content="") if role else Delta(content=text or None)
             choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
                                      stop_reason=stop_reason)  # fmt: skip
-            return ChatCompletionChunk(**self._envelope(), choices=[choice])
+            return ChatCompletionChunk(**self._envelope(), choices=[choice], usage=usage)
         choice = CompletionChoice(index=index, text=text or "", logprobs=logprobs, finish_reason=finish_reason,
                                   stop_reason=stop_reason)  # fmt: skip
-        return CompletionChunk(**self._envelope(), choices=[choice])
+        return CompletionChunk(**self._envelope(), choices=[choice], usage=usage)
 
     def tool_stream_chunks(self, index: int, reader: ToolCallStream, text: str, finish_reason: Optional[str],
                            logprobs: Optional[ChatLogprobs] = None,
@@ -247,17 +274,17 @@ class ResponseBuilder:
 
     def event(self, index: int, text: Optional[str], finish_reason: Optional[str] = None,
               logprobs: Union[ChatLogprobs, CompletionLogprobs, None] = None,
-              stop_reason: Union[int, str, None] = None) -> bytes:  # fmt: skip
-        """`sse(self.chunk(...))`. The chunk of almost every token (text, no finish reason, no log-probs)
+              stop_reason: Union[int, str, None] = None, usage: Optional[Usage] = None) -> bytes:  # fmt: skip
+        """`sse(self.chunk(...))`. The chunk of almost every token (text, no finish reason, no log-probs, no usage)
         comes from a template serialized once per choice, with only its text JSON-encoded: the same bytes
         without building and dumping three pydantic models per token."""
-        if text and finish_reason is None and logprobs is None:
+        if text and finish_reason is None and logprobs is None and usage is None:
             template = self._templates.get(index, ())
             if template == ():
                 template = self._templates[index] = self._text_template(index)
             if template is not None:
                 return f"{template[0]}{json.dumps(text)}{template[1]}".encode()
-        return sse(self.chunk(index, text, finish_reason, logprobs, stop_reason=stop_reason))
+        return sse(self.chunk(index, text, finish_reason, logprobs, stop_reason=stop_reason, usage=usage))
 
     def _text_template(self, index: int) -> Optional[tuple[str, str]]:
         """The text chunk's event split around its (JSON-encoded) text, or None if the split is ambiguous."""

@@ -20,7 +20,8 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    include_usage: Optional[StrictBool] = False
+    include_usage: Optional[StrictBool] = None  # unset: false, or true with continuous_usage_stats (vLLM's default)
+    continuous_usage_stats: Optional[StrictBool] = False  # vLLM: every chunk carries its choice's usage so far
 
 
 class _SamplingFields(_Strict):
@@ -62,6 +63,8 @@ class _SamplingFields(_Strict):
     allowed_token_ids: Optional[list[StrictInt]] = None  # vLLM
     bad_words: Optional[Union[StrictStr, list[StrictStr]]] = None  # vLLM
     prompt_logprobs: Optional[StrictInt] = None  # vLLM: log-probs of the prompt's tokens
+    truncate_prompt_tokens: Optional[StrictInt] = None  # vLLM: keep the prompt's last k tokens (-1: max_seq_len)
+    return_tokens_as_token_ids: Optional[StrictBool] = None  # vLLM: logprobs name tokens "token_id:<id>"
     # Structured outputs (docs/structured_outputs.md): OpenAI's response_format, vLLM's two spellings
     response_format: Optional[dict[str, Any]] = None
     structured_outputs: Optional[dict[str, Any]] = None
@@ -121,9 +124,10 @@ class CompletionLogprobs(BaseModel):
 
 
 class PromptLogprob(BaseModel):
-    """vLLM's form of one prompt log-prob entry (keyed by token id)."""
+    """vLLM's form of one prompt log-prob entry (keyed by token id): rank 1 is the position's most likely token."""
 
     logprob: float
+    rank: int
     decoded_token: str
 
 
