@@ -127,6 +127,9 @@ HOSTILE = [
     ("chat truncate_prompt_tokens 2**63", J({"messages": [{"role": "user", "content": "hi"}],
                                              "truncate_prompt_tokens": 2**63}), {"path": "/v1/chat/completions"}, 400,
      "truncate_prompt_tokens"),
+    ("truncation_side middle", J({"prompt": "hi", "truncate_prompt_tokens": 1, "truncation_side": "middle"}), {}, 400,
+     "truncation_side"),
+    ("priority 1 (no priority scheduling)", J({"prompt": "hi", "priority": 1}), {}, 400, "priority"),
     ("continuous_usage_stats with include_usage false", J({"prompt": "hi", "stream": True, "stream_options": {
         "include_usage": False, "continuous_usage_stats": True}}), {}, 400, "stream_options"),
     ("continuous_usage_stats without stream", J({"prompt": "hi", "stream_options": {"continuous_usage_stats": True}}),

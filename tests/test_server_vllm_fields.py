@@ -72,8 +72,9 @@ def test_continuous_usage_stats_put_each_choices_usage_in_every_chunk(client, ll
 
 
 def test_truncate_prompt_tokens_keeps_the_last_k(client, llm):
-    """The completion of the prompt's last k tokens (text, token ids or a chat's templated prompt), and usage
-    counts k; echo shows the kept part; -1 (max_seq_len) and a k past the prompt keep it whole."""
+    """The completion of the prompt's last k tokens (text, token ids or a chat's templated prompt), or its first k
+    with truncation_side "right", and usage counts k; echo shows the kept part; -1 (max_seq_len) and a k past the
+    prompt keep it whole. priority 0 (vLLM's default) is accepted."""
     ids = llm.tokenizer.encode(TEXT, add_special_tokens=False)
     greedy = SamplingParams(max_tokens=6, temperature=0.0)
     kept = llm.generate([ids[-10:]], greedy)[0].outputs[0].text
@@ -83,6 +84,9 @@ def test_truncate_prompt_tokens_keeps_the_last_k(client, llm):
         resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
                                          extra_body={"truncate_prompt_tokens": 10})  # fmt: skip
         assert resp.choices[0].text == kept and resp.usage.prompt_tokens == 10
+    first = client.completions.create(model=MODEL, prompt=TEXT, max_tokens=6, temperature=0,
+                                      extra_body={"truncate_prompt_tokens": 10, "truncation_side": "right"})
+    assert first.choices[0].text == llm.generate([ids[:10]], greedy)[0].outputs[0].text != kept
     echoed = client.completions.create(model=MODEL, prompt=TEXT, max_tokens=6, temperature=0, echo=True,
                                        extra_body={"truncate_prompt_tokens": 10})  # fmt: skip
     assert echoed.choices[0].text == llm.tokenizer.decode(ids[-10:]) + kept
@@ -94,7 +98,7 @@ def test_truncate_prompt_tokens_keeps_the_last_k(client, llm):
     full = llm.chat_prompt(MESSAGES)
     truth = llm.generate([full[-12:]], greedy)[0].outputs[0].text
     chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0,
-                                          extra_body={"truncate_prompt_tokens": 12})  # fmt: skip
+                                          extra_body={"truncate_prompt_tokens": 12, "priority": 0})  # fmt: skip
     assert chat.choices[0].message.content == truth and chat.usage.prompt_tokens == 12
 
 

@@ -167,7 +167,8 @@ class GenerationService:
         except Exception as exc:  # noqa: BLE001 - a template or tokenizer error is the request's fault
             raise ApiError(f"{field_name}: could not be tokenized ({type(exc).__name__})", field_name) from None
         if keep is not None:  # vLLM's: the last k tokens (a chat prompt's too: its template's start may go)
-            prompts = [p[-(self.max_seq_len if keep == -1 else keep):] for p in prompts]
+            keep = self.max_seq_len if keep == -1 else keep
+            prompts = [p[-keep:] if req.truncate_left else p[:keep] for p in prompts]
         limit = self.max_prompt_tokens
         longest = max((len(p) for p in prompts), default=0)
         if limit is not None and longest > limit:

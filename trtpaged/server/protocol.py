@@ -46,6 +46,7 @@ class GenerationRequest:
     chat_options: dict[str, Any] = field(default_factory=dict)  # chat: LLM.chat_prompt's keyword options
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
     truncate_prompt_tokens: Optional[int] = None  # keep the prompt's last k tokens; -1: max_seq_len
+    truncate_left: bool = True  # truncation_side "left" (vLLM's default): the last k; "right": the first k
     tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
 
 
@@ -175,6 +176,9 @@ def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int,
     if truncate is not None and truncate < 1 and truncate != -1:
         raise ApiError(f"truncate_prompt_tokens: must be >= 1 (the prompt's last k tokens are kept) or -1 "
                        f"(max_seq_len), got {truncate}", "truncate_prompt_tokens")  # fmt: skip
+    if req.priority not in (None, 0):
+        raise ApiError(f"priority: this server schedules first come, first served; only 0 is accepted (as vLLM "
+                       f"without priority scheduling), got {req.priority}", "priority")  # fmt: skip
     echo = bool(getattr(req, "echo", False))
     logprobs = _logprobs(req, names)
     echo_only = echo and max_tokens == 0
@@ -205,6 +209,7 @@ def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int,
         chat_options=_chat_options(req) if isinstance(req, ChatCompletionRequest) else {},
         continuous_usage=continuous_usage,
         truncate_prompt_tokens=truncate,
+        truncate_left=req.truncation_side != "right",
         tokens_as_ids=bool(req.return_tokens_as_token_ids),
     )
 
