@@ -6,31 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_server import wait_idle
-from trtpaged import LLM, SamplingParams
-from trtpaged.server import start_server
+from tests.test_server import llm, wait_idle  # noqa: F401 - LLM on the same engine, the truth
+from tests.test_server_scoring import MODEL, client, server  # noqa: F401 - the same fixtures, one server per module
+from trtpaged import SamplingParams
 
-MODEL = "tiny-vllm"
 MESSAGES = [{"role": "user", "content": "hello"}]
 TEXT = "The quick brown fox jumps over the lazy dog"
-
-
-@pytest.fixture(scope="module")
-def server(tiny_engine_dir):
-    handle = start_server(tiny_engine_dir, port=0, served_model_name=MODEL, device="cpu")
-    yield handle
-    handle.shutdown(timeout=0)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    openai = pytest.importorskip("openai", reason="the openai package is not installed (pip install openai)")
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_engine_dir):
-    return LLM(tiny_engine_dir, device="cpu")
 
 
 def _usage(chunk) -> tuple[int, int, int]:
