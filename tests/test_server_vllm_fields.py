@@ -132,3 +132,45 @@ def test_chat_logprobs_bytes_are_each_tokens_own_bytes(client, server):
     raw = b"".join(bytes(e.bytes) for e in free.logprobs.content)
     assert len(raw) == 24 and raw.decode("utf-8", errors="replace") == free.message.content
     wait_idle(server)
+
+
+def _joined_ids(chunks) -> tuple[dict[int, list[int]], dict[int, list]]:
+    """Per choice: its token ids joined from a stream's chunks; the prompt token ids its chunks carried."""
+    ids: dict[int, list[int]] = {}
+    prompts: dict[int, list] = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            ids.setdefault(c.index, []).extend(c.model_extra.get("token_ids") or [])
+            prompt = chunk.model_extra.get("prompt_token_ids") or c.model_extra.get("prompt_token_ids")
+            if prompt is not None:
+                prompts.setdefault(c.index, []).append(prompt)
+    return ids, prompts
+
+
+def test_return_token_ids_whole_and_streamed(client, llm):
+    """The prompt's token ids (per choice on completions, on the response for chat) and each choice's generated
+    ids, equal to LLM's; streamed: the prompt's with each choice's first chunk only, each chunk its new ids.
+    Without the field no body carries them."""
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    ids = llm.tokenizer.encode(TEXT, add_special_tokens=False)
+    prompts = ["once upon", ids]
+    truth = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    prompt_ids = [llm.tokenizer.encode("once upon", add_special_tokens=False), ids]
+    req = dict(model=MODEL, prompt=prompts, max_tokens=6, temperature=0)
+    asked = {"ignore_eos": True, "return_token_ids": True}
+    whole = client.completions.create(**req, extra_body=asked)
+    assert [(c.model_extra["prompt_token_ids"], c.model_extra["token_ids"]) for c in whole.choices] == list(
+        zip(prompt_ids, truth))
+    joined, sent = _joined_ids(client.completions.create(**req, extra_body=asked, stream=True))
+    assert joined == {0: truth[0], 1: truth[1]} and sent == {0: [prompt_ids[0]], 1: [prompt_ids[1]]}
+    plain = client.completions.create(**req, extra_body={"ignore_eos": True}).choices
+    assert all("token_ids" not in c.model_extra and "prompt_token_ids" not in c.model_extra for c in plain)
+
+    chat_truth = llm.chat(MESSAGES, greedy).outputs[0].token_ids
+    req = dict(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0,
+               extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+    whole = client.chat.completions.create(**req)
+    assert whole.model_extra["prompt_token_ids"] == llm.chat_prompt(MESSAGES)
+    assert whole.choices[0].model_extra["token_ids"] == chat_truth
+    joined, sent = _joined_ids(client.chat.completions.create(**req, stream=True))
+    assert joined == {0: chat_truth} and sent == {0: [llm.chat_prompt(MESSAGES)]}

@@ -61,7 +61,7 @@ class Submitted:
     index: dict[str, int]  # engine request id -> prompt index
     builder: ResponseBuilder
     summary: Summary
-    prompt_tokens: list[int] = field(default_factory=list)  # per prompt, after truncate_prompt_tokens
+    prompts: list[list[int]] = field(default_factory=list)  # token ids per prompt, after truncate_prompt_tokens
 
 
 def runtime_failure(exc: Exception) -> ApiError:
@@ -111,9 +111,10 @@ class GenerationService:
             raise from_runtime_error(exc, req.names) from None
         except (Overloaded, ShuttingDown) as exc:
             raise overloaded(str(exc)) from None
-        builder = ResponseBuilder(summary.request_id, self.model_name, int(time.time()), chat, req.logprobs, req.tools)
+        builder = ResponseBuilder(summary.request_id, self.model_name, int(time.time()), chat, req.logprobs, req.tools,
+                                  req.return_token_ids)  # fmt: skip
         index = {rid: i for i, (rid, _, _) in enumerate(requests)}
-        return Submitted(req, params, sub, index, builder, summary, [len(ids) for ids in prompts])
+        return Submitted(req, params, sub, index, builder, summary, prompts)
 
     # ---- request -> engine requests -----------------------------------------------------------
     def _params(self, req: GenerationRequest, max_tokens: Optional[int]) -> SamplingParams:
@@ -238,28 +239,34 @@ class GenerationService:
         """Server-Sent Events: chunks, the usage chunk if asked for, then `[DONE]`. A failure after the
         stream started is sent as an error event (then `[DONE]`); a cancelled stream aborts its requests."""
         params, builder = s.params, s.builder
-        state = StreamState(params.n, builder.top_logprobs is not None)
+        state = StreamState(params.n, builder.top_logprobs is not None or s.req.return_token_ids)
+        ids = s.req.return_token_ids
+        first = _FirstChunks(s) if ids else None  # return_token_ids: the prompt's ids go with a choice's first chunk
         echoed: set[int] = set()  # prompts whose echo chunk went out
         tool_readers: dict[int, ToolCallStream] = {}  # choice -> its tool-call parser
         if s.req.chat:
             for p in range(len(s.index)):
                 for i in range(params.n):
                     index = p * params.n + i
-                    yield sse(builder.chunk(index, "", role=True, usage=_chunk_usage(s, state, index)))
+                    yield sse(builder.chunk(index, "", role=True, usage=_chunk_usage(s, state, index),
+                                            prompt_token_ids=first.take(index) if first else None))  # fmt: skip
         try:
             # Disconnects cancel this generator (the ASGI server's disconnect listener); no polling here.
             async with aclosing(s.sub.outputs(_never, self.request_timeout_s)) as outputs:
                 async for out in outputs:
                     if s.req.echo and s.index[out.request_id] not in echoed:
                         echoed.add(s.index[out.request_id])
-                        async for event in self._echo_chunks(s, state, s.index[out.request_id], out):
+                        async for event in self._echo_chunks(s, state, s.index[out.request_id], out, first):
                             yield event
                     for d in state.deltas(s.index[out.request_id], out):
                         so_far = _chunk_usage(s, state, d.index)
+                        new_ids = ([] if s.req.echo_only else list(d.token_ids)) if ids else None
+                        prompt_ids = first.take(d.index) if first else None
                         if s.req.echo_only:  # the one sampled token is not part of the answer
                             if d.finish_reason:
                                 yield sse(builder.chunk(d.index, "", d.finish_reason, stop_reason=d.stop_reason,
-                                                        usage=so_far))  # fmt: skip
+                                                        usage=so_far, token_ids=new_ids,
+                                                        prompt_token_ids=prompt_ids))  # fmt: skip
                             continue
                         logprobs = None
                         if builder.top_logprobs is not None and d.logprobs is not None:
@@ -269,11 +276,16 @@ class GenerationService:
                         if s.req.tools is not None:  # content and calls as the parser reads them
                             reader = tool_readers.setdefault(d.index, s.req.tools.stream())
                             for chunk in builder.tool_stream_chunks(d.index, reader, d.text, d.finish_reason,
-                                                                    logprobs, d.stop_reason):  # fmt: skip
+                                                                    logprobs, d.stop_reason, new_ids):  # fmt: skip
                                 chunk.usage = so_far
                                 yield sse(chunk)
                             continue
-                        yield builder.event(d.index, d.text, d.finish_reason, logprobs, d.stop_reason, so_far)
+                        if prompt_ids is not None:
+                            yield sse(builder.chunk(d.index, d.text, d.finish_reason, logprobs,
+                                                    stop_reason=d.stop_reason, usage=so_far, token_ids=new_ids,
+                                                    prompt_token_ids=prompt_ids))  # fmt: skip
+                            continue
+                        yield builder.event(d.index, d.text, d.finish_reason, logprobs, d.stop_reason, so_far, new_ids)
         except (EngineFailure, ShuttingDown, RequestTimeout) as exc:
             s.summary.finish_reasons = [type(exc).__name__]
             yield sse(dump(runtime_failure(exc).body()))
@@ -287,8 +299,8 @@ class GenerationService:
         yield sse("[DONE]")
 
 
-    async def _echo_chunks(self, s: Submitted, state: StreamState, prompt: int, out: RequestOutput
-                           ) -> AsyncIterator[bytes]:  # fmt: skip
+    async def _echo_chunks(self, s: Submitted, state: StreamState, prompt: int, out: RequestOutput,
+                           first: Optional[_FirstChunks]) -> AsyncIterator[bytes]:  # fmt: skip
         """`echo` in a stream: each choice of a prompt starts with the prompt's text (and its log-probs)."""
         (echo,) = await self._echoes(s.req, [out])
         strings = await self._token_strings(s.req, logprob_token_ids(echo.token_ids, echo.logprobs) if echo.logprobs
@@ -298,7 +310,9 @@ class GenerationService:
             if echo.logprobs is not None:
                 offset = state.advance_offset(index, [strings.text[t] for t in echo.token_ids])
                 logprobs = s.builder.stream_logprobs(echo.token_ids, echo.logprobs, strings, offset)
-            yield sse(s.builder.chunk(index, echo.text, None, logprobs, usage=_chunk_usage(s, state, index)))
+            yield sse(s.builder.chunk(index, echo.text, None, logprobs, usage=_chunk_usage(s, state, index),
+                                      token_ids=[] if first else None, prompt_token_ids=first.take(index) if first
+                                      else None))  # fmt: skip
 
 
 async def _never() -> bool:
@@ -310,7 +324,21 @@ def _chunk_usage(s: Submitted, state: StreamState, index: int) -> Optional[Usage
     tokens that choice generated so far; None when not asked for."""
     if not s.req.continuous_usage:
         return None
-    return usage(s.prompt_tokens[index // s.params.n], 0 if s.req.echo_only else state.tokens_of(index))
+    return usage(len(s.prompts[index // s.params.n]), 0 if s.req.echo_only else state.tokens_of(index))
+
+
+class _FirstChunks:
+    """return_token_ids in a stream: the prompt's token ids, given once per choice (with its first chunk)."""
+
+    def __init__(self, s: Submitted) -> None:
+        self.s = s
+        self.sent: set[int] = set()
+
+    def take(self, index: int) -> Optional[list[int]]:
+        if index in self.sent:
+            return None
+        self.sent.add(index)
+        return list(self.s.prompts[index // self.s.params.n])
 
 
 def _summarise(summary: Summary, finals: list[RequestOutput], echo_only: bool = False) -> None:

@@ -48,6 +48,7 @@ class GenerationRequest:
     truncate_prompt_tokens: Optional[int] = None  # keep the prompt's last k tokens; -1: max_seq_len
     truncate_left: bool = True  # truncation_side "left" (vLLM's default): the last k; "right": the first k
     tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
+    return_token_ids: bool = False  # vLLM's: bodies and chunks carry the prompt's and the choices' token ids
 
 
 def _token_list(ids: list[int], vocab_size: int) -> list[int]:
@@ -211,6 +212,7 @@ def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int,
         truncate_prompt_tokens=truncate,
         truncate_left=req.truncation_side != "right",
         tokens_as_ids=bool(req.return_tokens_as_token_ids),
+        return_token_ids=bool(req.return_token_ids),
     )
 
 
