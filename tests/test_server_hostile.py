@@ -134,6 +134,7 @@ HOSTILE = [
         "include_usage": False, "continuous_usage_stats": True}}), {}, 400, "stream_options"),
     ("continuous_usage_stats without stream", J({"prompt": "hi", "stream_options": {"continuous_usage_stats": True}}),
      {}, 400, "stream_options"),
+    ("return_token_ids as number", J({"prompt": "hi", "return_token_ids": 1}), {}, 400, "return_token_ids"),
     ("return_tokens_as_token_ids as string", J({"prompt": "hi", "logprobs": 1, "return_tokens_as_token_ids": "yes"}),
      {}, 400, "return_tokens_as_token_ids"),
     ("UTF-16 body with BOM", '{"prompt": "hi", "max_tokens": 2}'.encode("utf-16"), {}, 400, "body"),
