@@ -129,6 +129,7 @@ HOSTILE = [
      "truncate_prompt_tokens"),
     ("truncation_side middle", J({"prompt": "hi", "truncate_prompt_tokens": 1, "truncation_side": "middle"}), {}, 400,
      "truncation_side"),
+    ("stream_interval 0", J({"prompt": "hi", "stream": True, "stream_interval": 0}), {}, 400, "stream_interval"),
     ("priority 1 (no priority scheduling)", J({"prompt": "hi", "priority": 1}), {}, 400, "priority"),
     ("continuous_usage_stats with include_usage false", J({"prompt": "hi", "stream": True, "stream_options": {
         "include_usage": False, "continuous_usage_stats": True}}), {}, 400, "stream_options"),

@@ -174,3 +174,15 @@ def test_return_token_ids_whole_and_streamed(client, llm):
     assert whole.choices[0].model_extra["token_ids"] == chat_truth
     joined, sent = _joined_ids(client.chat.completions.create(**req, stream=True))
     assert joined == {0: chat_truth} and sent == {0: [llm.chat_prompt(MESSAGES)]}
+
+
+def test_a_requests_stream_interval_raises_the_servers(client):
+    """vLLM's per-request stream_interval on a server at interval 1: the first token at once, then 3 tokens a chunk,
+    the rest with the finish reason; the tokens and text are the whole answer's. A non-streamed request ignores it."""
+    req = dict(model=MODEL, prompt="once upon", max_tokens=11, temperature=0, logprobs=0)
+    whole = client.completions.create(**req, extra_body={"ignore_eos": True, "stream_interval": 3}).choices[0]
+    chunks = list(client.completions.create(**req, stream=True, extra_body={"ignore_eos": True, "stream_interval": 3}))
+    sizes = [len(c.choices[0].logprobs.tokens) for c in chunks if c.choices and c.choices[0].logprobs]
+    assert sizes == [1, 3, 3, 3, 1]
+    assert "".join(c.choices[0].text for c in chunks) == whole.text
+    assert [t for c in chunks for t in c.choices[0].logprobs.tokens] == whole.logprobs.tokens

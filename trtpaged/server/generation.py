@@ -120,10 +120,11 @@ class GenerationService:
     def _params(self, req: GenerationRequest, max_tokens: Optional[int]) -> SamplingParams:
         """The engine request's parameters. Every request is served from DELTA outputs: each step hands over
         only what is new (stop strings held back by the runtime), a stream sends it on (every
-        `stream_interval` tokens), a full body joins it."""
+        `stream_interval` tokens: the server's, or the request's when larger, as vLLM's), a full body joins it."""
+        interval = max(self.stream_interval, req.stream_interval) if req.stream else 1
         try:
             return SamplingParams(max_tokens=max_tokens, logprobs=req.logprobs, output_kind=RequestOutputKind.DELTA,
-                                  stream_interval=self.stream_interval if req.stream else 1, **req.sampling)
+                                  stream_interval=interval, **req.sampling)
         except ValueError as exc:
             raise from_runtime_error(exc, req.names) from None
 

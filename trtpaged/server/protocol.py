@@ -49,6 +49,7 @@ class GenerationRequest:
     truncate_left: bool = True  # truncation_side "left" (vLLM's default): the last k; "right": the first k
     tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
     return_token_ids: bool = False  # vLLM's: bodies and chunks carry the prompt's and the choices' token ids
+    stream_interval: int = 1  # vLLM's: tokens per streamed chunk (raised to the server's --stream-interval)
 
 
 def _token_list(ids: list[int], vocab_size: int) -> list[int]:
@@ -177,6 +178,9 @@ def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int,
     if truncate is not None and truncate < 1 and truncate != -1:
         raise ApiError(f"truncate_prompt_tokens: must be >= 1 (the prompt's last k tokens are kept) or -1 "
                        f"(max_seq_len), got {truncate}", "truncate_prompt_tokens")  # fmt: skip
+    if req.stream_interval is not None and req.stream_interval < 1:
+        raise ApiError(f"stream_interval: must be >= 1 (tokens per streamed chunk), got {req.stream_interval}",
+                       "stream_interval")  # fmt: skip
     if req.priority not in (None, 0):
         raise ApiError(f"priority: this server schedules first come, first served; only 0 is accepted (as vLLM "
                        f"without priority scheduling), got {req.priority}", "priority")  # fmt: skip
@@ -213,6 +217,7 @@ def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int,
         truncate_left=req.truncation_side != "right",
         tokens_as_ids=bool(req.return_tokens_as_token_ids),
         return_token_ids=bool(req.return_token_ids),
+        stream_interval=req.stream_interval or 1,
     )
 
 

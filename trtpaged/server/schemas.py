@@ -47,6 +47,7 @@ class _SamplingFields(_Strict):
     skip_special_tokens: Optional[StrictBool] = None
     stream: Optional[StrictBool] = False
     stream_options: Optional[StreamOptions] = None
+    stream_interval: Optional[StrictInt] = None  # vLLM: tokens per streamed chunk, at least the server's
     use_beam_search: Optional[StrictBool] = False
     best_of: Optional[StrictInt] = None
     beam_width: Optional[StrictInt] = None
