@@ -116,6 +116,28 @@ HOSTILE = [
     ("seed = -2**63 - 1", J({"prompt": "hi", "max_tokens": 2, "seed": -(2**63) - 1}), {}, 400, "seed"),
     ("prompt_logprobs in a stream", J({"prompt": "hi", "max_tokens": 2, "prompt_logprobs": 1, "stream": True}), {},
      400, "prompt_logprobs"),
+    # vLLM's fields: truncate_prompt_tokens keeps k >= 1 tokens (-1: max_seq_len, 512 here), as an integer
+    ("truncate_prompt_tokens 0", J({"prompt": "hi", "truncate_prompt_tokens": 0}), {}, 400, "truncate_prompt_tokens"),
+    ("truncate_prompt_tokens -2", J({"prompt": "hi", "truncate_prompt_tokens": -2}), {}, 400,
+     "truncate_prompt_tokens"),
+    ("truncate_prompt_tokens past max_seq_len", J({"prompt": "hi", "truncate_prompt_tokens": 513}), {}, 400,
+     "truncate_prompt_tokens"),
+    ("truncate_prompt_tokens as string", J({"prompt": "hi", "truncate_prompt_tokens": "5"}), {}, 400,
+     "truncate_prompt_tokens"),
+    ("chat truncate_prompt_tokens 2**63", J({"messages": [{"role": "user", "content": "hi"}],
+                                             "truncate_prompt_tokens": 2**63}), {"path": "/v1/chat/completions"}, 400,
+     "truncate_prompt_tokens"),
+    ("truncation_side middle", J({"prompt": "hi", "truncate_prompt_tokens": 1, "truncation_side": "middle"}), {}, 400,
+     "truncation_side"),
+    ("stream_interval 0", J({"prompt": "hi", "stream": True, "stream_interval": 0}), {}, 400, "stream_interval"),
+    ("priority 1 (no priority scheduling)", J({"prompt": "hi", "priority": 1}), {}, 400, "priority"),
+    ("continuous_usage_stats with include_usage false", J({"prompt": "hi", "stream": True, "stream_options": {
+        "include_usage": False, "continuous_usage_stats": True}}), {}, 400, "stream_options"),
+    ("continuous_usage_stats without stream", J({"prompt": "hi", "stream_options": {"continuous_usage_stats": True}}),
+     {}, 400, "stream_options"),
+    ("return_token_ids as number", J({"prompt": "hi", "return_token_ids": 1}), {}, 400, "return_token_ids"),
+    ("return_tokens_as_token_ids as string", J({"prompt": "hi", "logprobs": 1, "return_tokens_as_token_ids": "yes"}),
+     {}, 400, "return_tokens_as_token_ids"),
     ("UTF-16 body with BOM", '{"prompt": "hi", "max_tokens": 2}'.encode("utf-16"), {}, 400, "body"),
     ("UTF-16-LE body", '{"prompt": "hi", "max_tokens": 2}'.encode("utf-16-le"), {}, 400, "body"),
     ("UTF-32 body", '{"prompt": "hi", "max_tokens": 2}'.encode("utf-32"), {}, 400, "body"),
@@ -140,6 +162,13 @@ def test_hostile_inputs_are_4xx_and_the_server_lives(server):
     m = wait_idle(server)
     assert not any(k.startswith("http_requests_total") and 'status="5' in k for k in m), m
     assert m["kv_cache_blocks_used"] == 0
+
+
+def test_truncation_brings_a_prompt_under_the_servers_limit(server):
+    """truncate_prompt_tokens cuts before the server's max_prompt_tokens (400) is checked, as in vLLM."""
+    status, _, out = post(server, J({"prompt": [5] * 450, "max_tokens": 2, "truncate_prompt_tokens": 100}))
+    assert status == 200 and out["usage"]["prompt_tokens"] == 100, out
+    assert post(server, J({"prompt": [5] * 450, "max_tokens": 2, "truncate_prompt_tokens": -1}))[0] == 400
 
 
 def test_api_key_guards_v1_only(server):
