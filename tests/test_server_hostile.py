@@ -141,6 +141,29 @@ HOSTILE = [
     ("UTF-16 body with BOM", '{"prompt": "hi", "max_tokens": 2}'.encode("utf-16"), {}, 400, "body"),
     ("UTF-16-LE body", '{"prompt": "hi", "max_tokens": 2}'.encode("utf-16-le"), {}, 400, "body"),
     ("UTF-32 body", '{"prompt": "hi", "max_tokens": 2}'.encode("utf-32"), {}, 400, "body"),
+    ("tokenize without a key", J({"prompt": "x"}), {"path": "/tokenize", "Authorization": "Bearer nope"}, 401, None),
+    ("tokenize prompt as number", J({"prompt": 5}), {"path": "/tokenize"}, 400, "prompt"),
+    ("tokenize token ids", J({"prompt": [5, 6]}), {"path": "/tokenize"}, 400, "prompt"),
+    ("tokenize unknown field", J({"prompt": "x", "max_tokens": 3}), {"path": "/tokenize"}, 400, "max_tokens"),
+    ("tokenize prompt and messages", J({"prompt": "x", "messages": [{"role": "user", "content": "hi"}]}),
+     {"path": "/tokenize"}, 400, "prompt"),
+    ("tokenize no messages", J({"messages": []}), {"path": "/tokenize"}, 400, "messages"),
+    ("tokenize image part", J({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}),
+     {"path": "/tokenize"}, 400, "messages"),
+    ("tokenize continue_final_message with the generation prompt", J({
+        "messages": [{"role": "assistant", "content": "hi"}], "continue_final_message": True}),
+     {"path": "/tokenize"}, 400, "continue_final_message"),
+    ("tokenize a tool without a name", J({"messages": [{"role": "user", "content": "hi"}],
+                                          "tools": [{"type": "function", "function": {}}]}),
+     {"path": "/tokenize"}, 400, "tools"),
+    ("tokenize reserved template argument", J({"messages": [{"role": "user", "content": "hi"}],
+                                               "chat_template_kwargs": {"messages": []}}),
+     {"path": "/tokenize"}, 400, "chat_template_kwargs"),
+    ("detokenize out-of-vocab id", J({"tokens": [5, 320]}), {"path": "/detokenize"}, 400, "tokens"),
+    ("detokenize negative id", J({"tokens": [-1]}), {"path": "/detokenize"}, 400, "tokens"),
+    ("detokenize ids as strings", J({"tokens": ["5"]}), {"path": "/detokenize"}, 400, "tokens"),
+    ("detokenize without tokens", J({"model": "tiny"}), {"path": "/detokenize"}, 400, "tokens"),
+    ("detokenize another model", J({"model": "other", "tokens": [5]}), {"path": "/detokenize"}, 404, "model"),
 ]
 
 
@@ -171,8 +194,11 @@ def test_truncation_brings_a_prompt_under_the_servers_limit(server):
     assert post(server, J({"prompt": [5] * 450, "max_tokens": 2, "truncate_prompt_tokens": -1}))[0] == 400
 
 
-def test_api_key_guards_v1_only(server):
+def test_api_key_guards_all_but_health_metrics_and_version(server):
     assert request(server, "/v1/models")[0] == 401
+    assert request(server, "/tokenize", {"prompt": "x"})[0] == 401
+    assert request(server, "/tokenize", {"prompt": "x"}, headers=AUTH)[0] == 200
+    assert request(server, "/version")[0] == 200
     assert request(server, "/v1/models", headers=AUTH)[0] == 200
     assert request(server, "/health")[0] == 200 and request(server, "/metrics")[0] == 200
     events = stream(server, "/v1/completions", {"prompt": "k", "max_tokens": 2}, headers=AUTH)

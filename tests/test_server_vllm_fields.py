@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_server import llm, wait_idle  # noqa: F401 - LLM on the same engine, the truth
+from tests.test_server import llm, request, wait_idle  # noqa: F401 - LLM on the same engine, the truth
 from tests.test_server_scoring import MODEL, client, server  # noqa: F401 - the same fixtures, one server per module
 from trtpaged import SamplingParams
 
@@ -186,3 +186,50 @@ def test_a_requests_stream_interval_raises_the_servers(client):
     assert sizes == [1, 3, 3, 3, 1]
     assert "".join(c.choices[0].text for c in chunks) == whole.text
     assert [t for c in chunks for t in c.choices[0].logprobs.tokens] == whole.logprobs.tokens
+
+
+def test_tokenize_counts_what_the_generation_endpoints_count(client, llm, server):
+    """/tokenize of a prompt is the tokenizer's ids (and the `usage.prompt_tokens` /v1/completions reports for it);
+    of messages, the chat template's ids (what /v1/chat/completions counts, with tools and chat options too);
+    /detokenize gives the tokenizer's text back."""
+    tok = llm.tokenizer
+    status, _, out = request(server, "/tokenize", {"model": MODEL, "prompt": TEXT, "return_token_strs": True})
+    assert status == 200, out
+    assert out["tokens"] == tok.encode(TEXT) and out["count"] == len(out["tokens"])
+    assert out["token_strs"] == tok.convert_ids_to_tokens(out["tokens"])
+    assert out["max_model_len"] == llm.config.max_seq_len
+    done = client.completions.create(model=MODEL, prompt=TEXT, max_tokens=1)
+    assert done.usage.prompt_tokens == out["count"]
+    plain = request(server, "/tokenize", {"prompt": TEXT, "add_special_tokens": False})[2]
+    assert plain["tokens"] == tok.encode(TEXT, add_special_tokens=False) and plain["token_strs"] is None
+
+    conversation = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [
+        {"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]}]  # fmt: skip
+    out = request(server, "/tokenize", {"messages": conversation})[2]
+    assert out["tokens"] == llm.chat_prompt([conversation[0], {"role": "user", "content": "hello\nthere"}])
+    done = client.chat.completions.create(model=MODEL, messages=conversation, max_tokens=1)
+    assert done.usage.prompt_tokens == out["count"]
+    prefill = [*conversation, {"role": "assistant", "content": "Sure"}]
+    body = {"messages": prefill, "add_generation_prompt": False, "continue_final_message": True}
+    out = request(server, "/tokenize", body)[2]
+    text = tok.apply_chat_template(llm_messages(prefill), add_generation_prompt=False, continue_final_message=True,
+                                   tokenize=False)  # fmt: skip
+    assert out["tokens"] == tok.encode(text, add_special_tokens=False)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]  # fmt: skip
+    out = request(server, "/tokenize", {"messages": conversation, "tools": tools})[2]
+    done = client.chat.completions.create(model=MODEL, messages=conversation, tools=tools, tool_choice="required",
+                                          max_tokens=1)  # fmt: skip
+    assert done.usage.prompt_tokens == out["count"]
+
+    ids = tok.encode(TEXT) + [tok.eos_token_id]
+    out = request(server, "/detokenize", {"model": MODEL, "tokens": ids})[2]
+    assert out == {"prompt": tok.decode(ids, skip_special_tokens=False)}
+    assert request(server, "/tokenize", {"model": "other", "prompt": "x"})[0] == 404
+    wait_idle(server)
+
+
+def llm_messages(conversation: list[dict]) -> list[dict]:
+    """The conversation as the chat template sees it: text parts joined as lines."""
+    return [{**m, "content": "\n".join(p["text"] for p in m["content"]) if isinstance(m["content"], list)
+             else m["content"]} for m in conversation]  # fmt: skip

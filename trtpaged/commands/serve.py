@@ -66,7 +66,8 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
             max_body_bytes, max_prompt_tokens, max_batch_size, max_num_tokens, max_seq_len, num_kv_blocks, backend,
             device, tensor_parallel_size, speculative_config, kv_host_memory, kv_disk_path, kv_disk_size, kv_remote,
             request_log, request_log_prompts, stream_interval) -> None:  # fmt: skip
-    """Serve ENGINE over /v1/completions, /v1/chat/completions, /v1/models, /version, /health and /metrics."""
+    """Serve ENGINE over /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /version, /health
+    and /metrics."""
     from trtpaged.server import ServerOptions, start_server
 
     if "WORLD_SIZE" in os.environ and os.environ.get("RANK", "0") not in ("", "0"):  # a torchrun-style rank > 0

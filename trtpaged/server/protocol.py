@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from trtpaged.server import constraints
 from trtpaged.server.tools import AutoTools, ToolChoice, tool_choice
 from trtpaged.server.errors import ApiError, from_runtime_error, from_validation_error
-from trtpaged.server.schemas import ChatCompletionRequest, CompletionRequest
+from trtpaged.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, TokenizeChatRequest
 
 MAX_LOGPROBS = 20  # top log-probs per token a request may ask for (OpenAI's limit)
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "n", "seed", "presence_penalty", "frequency_penalty",
@@ -52,6 +52,13 @@ class GenerationRequest:
     stream_interval: int = 1  # vLLM's: tokens per streamed chunk (raised to the server's --stream-interval)
 
 
+def check_model(model: Optional[str], served_model: str) -> None:
+    """A request's `model`, when given, must be the served one (404 otherwise, as OpenAI answers)."""
+    if model is not None and model != served_model:
+        raise ApiError(f"model: {model!r} does not exist; this server serves {served_model!r}", "model", 404,
+                       "not_found_error", "model_not_found")  # fmt: skip
+
+
 def _token_list(ids: list[int], vocab_size: int) -> list[int]:
     if not ids:
         raise ApiError("prompt: a token-id prompt must be a non-empty array of integers", "prompt")
@@ -72,10 +79,10 @@ def _prompts(value: Any, vocab_size: int) -> list[Prompt]:
     return [p if isinstance(p, str) else _token_list(p, vocab_size) for p in value]
 
 
-def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """The conversation for the chat template: role and text, plus the tool-call keys templates read."""
     out = []
-    for m, msg in enumerate(req.messages):
+    for m, msg in enumerate(messages):
         content = msg.content or ""
         if isinstance(content, list):  # text parts are lines of one message, as in vLLM
             content = "\n".join(_text_part(part, f"messages[{m}].content[{p}]") for p, part in enumerate(content))
@@ -149,9 +156,7 @@ def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int,
         req = (ChatCompletionRequest if chat else CompletionRequest).model_validate(body)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
-    if req.model is not None and req.model != served_model:
-        raise ApiError(f"model: {req.model!r} does not exist; this server serves {served_model!r}", "model", 404,
-                       "not_found_error", "model_not_found")  # fmt: skip
+    check_model(req.model, served_model)
     for name in _UNSUPPORTED:
         if getattr(req, name, None) not in (None, False, "", [], {}, "none"):
             raise ApiError(f"{name}: not supported by this server", name)
@@ -200,7 +205,7 @@ def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int,
     return GenerationRequest(
         chat=chat,
         prompts=[] if chat else _prompts(req.prompt, vocab_size),  # type: ignore[union-attr]
-        messages=_messages(req) if isinstance(req, ChatCompletionRequest) else [],
+        messages=chat_messages(req.messages) if isinstance(req, ChatCompletionRequest) else [],
         sampling=sampling,
         max_tokens=max_tokens,
         stream=bool(req.stream),
@@ -211,7 +216,7 @@ def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int,
         echo_only=echo_only,
         prompt_logprobs=req.prompt_logprobs,
         tools=tools,
-        chat_options=_chat_options(req) if isinstance(req, ChatCompletionRequest) else {},
+        chat_options=chat_options(req) if isinstance(req, ChatCompletionRequest) else {},
         continuous_usage=continuous_usage,
         truncate_prompt_tokens=truncate,
         truncate_left=req.truncation_side != "right",
@@ -236,7 +241,9 @@ def _usage_options(req: Union[CompletionRequest, ChatCompletionRequest]) -> tupl
     return bool(options.include_usage) or continuous, continuous
 
 
-def _chat_options(req: ChatCompletionRequest) -> dict[str, Any]:
+def chat_options(req: Union[ChatCompletionRequest, TokenizeChatRequest]) -> dict[str, Any]:
+    """LLM.chat_prompt's options from a chat body (vLLM's add_generation_prompt, continue_final_message,
+    chat_template_kwargs)."""
     return {"add_generation_prompt": req.add_generation_prompt is not False,
             "continue_final_message": bool(req.continue_final_message),
             "template_kwargs": req.chat_template_kwargs}  # fmt: skip

@@ -114,6 +114,50 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 # ---- responses -----------------------------------------------------------------------------------
+class TokenizeCompletionRequest(_Strict):
+    """POST /tokenize with a text prompt."""
+
+    model: Optional[StrictStr] = None
+    prompt: StrictStr
+    add_special_tokens: StrictBool = True  # what the tokenizer adds (a BOS), as /v1/completions does
+    return_token_strs: Optional[StrictBool] = False
+
+
+class TokenizeChatRequest(_Strict):
+    """POST /tokenize with a conversation, under the chat template."""
+
+    model: Optional[StrictStr] = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: Optional[StrictBool] = True
+    continue_final_message: Optional[StrictBool] = False
+    add_special_tokens: StrictBool = False  # on top of the template's own (which writes its BOS itself)
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[Any]] = None
+    return_token_strs: Optional[StrictBool] = False
+
+
+class TokenizeResponse(BaseModel):
+    """The /tokenize answer."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: Optional[list[str]] = None  # the vocabulary's spelling of each token, when asked for
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize."""
+
+    model: Optional[StrictStr] = None
+    tokens: list[StrictInt]
+
+
+class DetokenizeResponse(BaseModel):
+    """The /detokenize answer."""
+
+    prompt: str
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
