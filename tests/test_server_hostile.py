@@ -116,7 +116,7 @@ HOSTILE = [
     ("seed = -2**63 - 1", J({"prompt": "hi", "max_tokens": 2, "seed": -(2**63) - 1}), {}, 400, "seed"),
     ("prompt_logprobs in a stream", J({"prompt": "hi", "max_tokens": 2, "prompt_logprobs": 1, "stream": True}), {},
      400, "prompt_logprobs"),
-    # vLLM's fields: truncate_prompt_tokens keeps k >= 1 tokens (-1: max_seq_len, 512 here), as an integer
+    # vLLM's fields: truncate_prompt_tokens keeps k >= 1 tokens (-1: as many as fit), as an integer
     ("truncate_prompt_tokens 0", J({"prompt": "hi", "truncate_prompt_tokens": 0}), {}, 400, "truncate_prompt_tokens"),
     ("truncate_prompt_tokens -2", J({"prompt": "hi", "truncate_prompt_tokens": -2}), {}, 400,
      "truncate_prompt_tokens"),

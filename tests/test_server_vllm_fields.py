@@ -83,6 +83,29 @@ def test_truncate_prompt_tokens_keeps_the_last_k(client, llm):
     assert chat.choices[0].message.content == truth and chat.usage.prompt_tokens == 12
 
 
+def test_truncate_prompt_tokens_minus_1_fits_a_long_prompt_beside_its_output(client, llm, server):
+    """-1 keeps as many of the prompt's last tokens as max_seq_len leaves beside max_tokens (vLLM's max_model_len -
+    max_tokens; unset max_tokens: the one token it needs), so a prompt longer than the context is answered; a k that
+    leaves no room for max_tokens is a 400 on truncate_prompt_tokens naming the limit, as in vLLM."""
+    limit = llm.config.max_seq_len
+    ids = llm.tokenizer.encode("abcdefghij" * (limit // 10 + 10), add_special_tokens=False)
+    assert len(ids) > limit
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    resp = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0,
+                                     extra_body={"truncate_prompt_tokens": -1, "ignore_eos": True})  # fmt: skip
+    assert resp.usage.prompt_tokens == limit - 6
+    assert resp.choices[0].text == llm.generate([ids[-(limit - 6):]], greedy)[0].outputs[0].text
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "ab" * limit}],
+                                          extra_body={"truncate_prompt_tokens": -1})  # fmt: skip
+    assert (chat.usage.prompt_tokens, chat.usage.completion_tokens) == (limit - 1, 1)
+    openai = pytest.importorskip("openai")
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=6, extra_body={"truncate_prompt_tokens": limit})
+    error = bad.value.body
+    assert error["param"] == "truncate_prompt_tokens" and f"at most {limit - 6}" in error["message"], error
+    wait_idle(server)
+
+
 def test_return_tokens_as_token_ids(client, llm):
     """Tokens and top log-prob keys are "token_id:<id>" (the ids LLM.generate samples), log-probs, text offsets and
     chat bytes as without the field."""

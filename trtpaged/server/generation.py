@@ -156,10 +156,7 @@ class GenerationService:
             return [engine.encode(p)[1] for p in req.prompts]
 
         field_name = "messages" if req.chat else "prompt"
-        keep = req.truncate_prompt_tokens
-        if keep is not None and keep > self.max_seq_len:
-            raise ApiError(f"truncate_prompt_tokens: {keep} exceeds max_seq_len ({self.max_seq_len})",
-                           "truncate_prompt_tokens")  # fmt: skip
+        keep = self._kept_tokens(req)
         try:
             prompts = await self.loop.call_async(run)
         except ValueError as exc:
@@ -169,13 +166,28 @@ class GenerationService:
         except Exception as exc:  # noqa: BLE001 - a template or tokenizer error is the request's fault
             raise ApiError(f"{field_name}: could not be tokenized ({type(exc).__name__})", field_name) from None
         if keep is not None:  # vLLM's: the last k tokens (a chat prompt's too: its template's start may go)
-            keep = self.max_seq_len if keep == -1 else keep
             prompts = [p[-keep:] if req.truncate_left else p[:keep] for p in prompts]
         limit = self.max_prompt_tokens
         longest = max((len(p) for p in prompts), default=0)
         if limit is not None and longest > limit:
             raise ApiError(f"{field_name}: {longest} tokens exceeds this server's prompt limit ({limit})", field_name)
         return prompts
+
+    def _kept_tokens(self, req: GenerationRequest) -> Optional[int]:
+        """truncate_prompt_tokens as vLLM reads it: at most what max_seq_len leaves beside the output (max_tokens;
+        unset: the one token, or min_tokens, it needs at least), -1 that much. An output that leaves no room is
+        max_tokens' fault, which `check_request` names."""
+        k = req.truncate_prompt_tokens
+        if k is None:
+            return None
+        output = req.max_tokens if req.max_tokens is not None else max(1, req.sampling.get("min_tokens") or 0)
+        room = self.max_seq_len - output
+        if room < 1:
+            return max(k, 1)
+        if k > room:
+            raise ApiError(f"truncate_prompt_tokens: {k} prompt tokens + {output} output tokens exceeds max_seq_len "
+                           f"({self.max_seq_len}); at most {room} here (-1: that many)", "truncate_prompt_tokens")
+        return room if k == -1 else k
 
     def _fit_max_tokens(self, req: GenerationRequest, params: SamplingParams, prompt_len: int) -> SamplingParams:
         """Unset max_tokens: what max_seq_len leaves. Then the runtime's own `check_request` on this

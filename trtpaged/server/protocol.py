@@ -45,7 +45,7 @@ class GenerationRequest:
     tools: Optional[ToolChoice] = None  # chat: the output is (or, for auto, may hold) tool calls
     chat_options: dict[str, Any] = field(default_factory=dict)  # chat: LLM.chat_prompt's keyword options
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
-    truncate_prompt_tokens: Optional[int] = None  # keep the prompt's last k tokens; -1: max_seq_len
+    truncate_prompt_tokens: Optional[int] = None  # keep the prompt's last k tokens; -1: as many as fit
     truncate_left: bool = True  # truncation_side "left" (vLLM's default): the last k; "right": the first k
     tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
     return_token_ids: bool = False  # vLLM's: bodies and chunks carry the prompt's and the choices' token ids
@@ -181,8 +181,9 @@ def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int,
     include_usage, continuous_usage = _usage_options(req)
     truncate = req.truncate_prompt_tokens
     if truncate is not None and truncate < 1 and truncate != -1:
-        raise ApiError(f"truncate_prompt_tokens: must be >= 1 (the prompt's last k tokens are kept) or -1 "
-                       f"(max_seq_len), got {truncate}", "truncate_prompt_tokens")  # fmt: skip
+        raise ApiError(f"truncate_prompt_tokens: must be >= 1 (the prompt's last k tokens are kept) or -1 (as many "
+                       f"as max_seq_len leaves beside max_tokens), got {truncate}",
+                       "truncate_prompt_tokens")  # fmt: skip
     if req.stream_interval is not None and req.stream_interval < 1:
         raise ApiError(f"stream_interval: must be >= 1 (tokens per streamed chunk), got {req.stream_interval}",
                        "stream_interval")  # fmt: skip

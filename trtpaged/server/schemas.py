@@ -64,7 +64,7 @@ class _SamplingFields(_Strict):
     allowed_token_ids: Optional[list[StrictInt]] = None  # vLLM
     bad_words: Optional[Union[StrictStr, list[StrictStr]]] = None  # vLLM
     prompt_logprobs: Optional[StrictInt] = None  # vLLM: log-probs of the prompt's tokens
-    truncate_prompt_tokens: Optional[StrictInt] = None  # vLLM: keep the prompt's last k tokens (-1: max_seq_len)
+    truncate_prompt_tokens: Optional[StrictInt] = None  # vLLM: keep the prompt's last k tokens (-1: as many as fit)
     truncation_side: Optional[Literal["left", "right"]] = None  # vLLM: "right" keeps the first k tokens instead
     priority: Optional[StrictInt] = None  # vLLM: only 0 without priority scheduling (this server: first come first)
     return_tokens_as_token_ids: Optional[StrictBool] = None  # vLLM: logprobs name tokens "token_id:<id>"
