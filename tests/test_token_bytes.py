@@ -39,18 +39,38 @@ def test_byte_level_bpe_pieces_map_through_the_byte_table():
     assert any("\ufffd" in fast.decode([t]) for t in ids)  # what the decoded text alone would have given
 
 
-def test_byte_fallback_tokens_are_their_byte():
-    """Characters outside the vocabulary fall back to <0xNN> tokens: each is its one byte."""
+def _sentencepiece_bpe(decoder) -> transformers.PreTrainedTokenizerFast:
+    """A Llama 2 style BPE: words start with "▁", characters outside the vocabulary fall back to <0xNN>."""
     vocab = {"<unk>": 0, "▁h": 1, "▁": 2, "h": 3}
     vocab.update({f"<0x{b:02X}>": 4 + b for b in range(256)})
     tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[("▁", "h")], byte_fallback=True, unk_token="<unk>"))
     tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])  # fmt: skip
-    fast = _fast(tok, unk_token="<unk>")
+    tok.decoder = decoder
+    return _fast(tok, unk_token="<unk>")
+
+
+LLAMA2_DECODER = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])  # fmt: skip
+
+
+def test_byte_fallback_tokens_are_their_byte():
+    """Characters outside the vocabulary fall back to <0xNN> tokens: each is its one byte."""
+    fast = _sentencepiece_bpe(LLAMA2_DECODER)
     ids = fast.encode("h😀世", add_special_tokens=False)
     assert fast.convert_ids_to_tokens(ids)[0] == "▁h" and len(ids) == 1 + 4 + 3
     assert _joined(fast, ids[1:]) == "😀世".encode("utf-8")
+
+
+def test_a_sentencepiece_words_space_is_in_its_bytes():
+    """"▁h" after other tokens adds " h" to the text, though decoded alone it is "h" (the decoder strips a text's
+    first space): the bytes of the tokens after the first are the text they add, with a Replace + Strip decoder
+    (Llama 2, Mistral) and with a Metaspace one."""
+    for decoder in (LLAMA2_DECODER, decoders.Metaspace()):
+        fast = _sentencepiece_bpe(decoder)
+        ids = fast.encode("h😀 h世 hh", add_special_tokens=False)
+        assert fast.decode(fast.convert_tokens_to_ids(["▁h"])) == "h"
+        added = fast.decode(ids)[len(fast.decode(ids[:1])):]
+        assert " h" in added and _joined(fast, ids[1:]) == added.encode("utf-8")
 
 
 def test_other_tokenizers_give_the_texts_utf8():
