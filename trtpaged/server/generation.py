@@ -253,7 +253,7 @@ class GenerationService:
         stream started is sent as an error event (then `[DONE]`); a cancelled stream aborts its requests."""
         params, builder = s.params, s.builder
         state = StreamState(params.n, builder.top_logprobs is not None or s.req.return_token_ids)
-        ids = s.req.return_token_ids
+        ids, continuous = s.req.return_token_ids, s.req.continuous_usage  # per chunk: nothing when not asked for
         first = _FirstChunks(s) if ids else None  # return_token_ids: the prompt's ids go with a choice's first chunk
         echoed: set[int] = set()  # prompts whose echo chunk went out
         tool_readers: dict[int, ToolCallStream] = {}  # choice -> its tool-call parser
@@ -272,7 +272,7 @@ class GenerationService:
                         async for event in self._echo_chunks(s, state, s.index[out.request_id], out, first):
                             yield event
                     for d in state.deltas(s.index[out.request_id], out):
-                        so_far = _chunk_usage(s, state, d.index)
+                        so_far = _chunk_usage(s, state, d.index) if continuous else None
                         new_ids = ([] if s.req.echo_only else list(d.token_ids)) if ids else None
                         prompt_ids = first.take(d.index) if first else None
                         if s.req.echo_only:  # the one sampled token is not part of the answer
