@@ -97,6 +97,28 @@ def test_prompt_logprobs_field_is_checked():
         SamplingParams(prompt_logprobs=1.5)
 
 
+def test_tied_tokens_never_share_a_rank():
+    """Exact ties (a low-precision lm_head's logits tie often): a scored entry's ranks are distinct, its top-k
+    tokens' are their places 1..k (as vLLM reports them) and the prompt token's is a rank its log-prob can have
+    (the tokens above it ahead, its ties either way), in the runtime's entries and in vLLM's server field."""
+    from trtpaged.runtime.batch_builder import PromptRows
+    from trtpaged.runtime.scoring import score_prompts
+    from trtpaged.server.responses import TokenStrings, vllm_prompt_logprobs
+
+    row = torch.tensor([2.0, 2.0, 2.0, 1.0, 1.0, 0.0])
+    prompt = [5, 0, 1, 2, 3, 4, 5]  # each token scored by the same row: tied at the top, tied below the top-k, last
+    for k in (0, 1, 2, 3, 4):
+        (entries,) = score_prompts(row.repeat(6, 1), [PromptRows("r", 1, list(range(6)))], {"r": (prompt, k)}).values()
+        field = vllm_prompt_logprobs([None, *entries], prompt, TokenStrings({t: str(t) for t in range(6)}))
+        logprobs = torch.log_softmax(row, 0)
+        for token, entry, shown in zip(prompt[1:], entries, field[1:]):
+            ranks = {int(t): v.rank for t, v in shown.items()}
+            assert ranks[token] == entry.rank and len(set(ranks.values())) == len(ranks), (k, token, ranks)
+            assert sorted(r for t, r in ranks.items() if t != token or len(entry) == k) == list(range(1, k + 1))
+            lp = logprobs[token]
+            assert int((logprobs > lp).sum()) + 1 <= entry.rank <= int((logprobs >= lp).sum()), (k, token, ranks)
+
+
 @pytest.mark.slow
 def test_prompt_logprobs_match_hf_on_smollm2(smollm2_engine_dir):
     """SmolLM2-135M (float32 engine) over HTTP-free LLM.generate, chunked: within verification's float32 tolerance."""

@@ -15,7 +15,8 @@ from trtpaged.runtime.batch_builder import PromptRows
 class PromptLogprob(dict):
     """One scored prompt token: {token: log-prob} for the prompt token plus the top-k alternatives when asked for
     (a plain dict to every reader), and `rank`, the prompt token's rank in the model's distribution at that
-    position (1: the most likely token; tokens of equal log-prob count as ahead, as vLLM counts them)."""
+    position (1: the most likely token; tokens of equal log-prob count as ahead, as vLLM counts them; a token
+    among the top-k: its place there, as vLLM reports it, so that tied tokens never share a rank)."""
 
     def __init__(self, items: dict[int, float], rank: int) -> None:
         super().__init__(items)
@@ -39,12 +40,14 @@ def score_prompts(logits: torch.Tensor, spans: Sequence[PromptRows], prompts: di
         targets = torch.tensor(token_ids[span.first : span.first + len(span.rows)], dtype=torch.long)
         chosen = logprobs.gather(1, targets.unsqueeze(1))
         ranks = (logprobs >= chosen).sum(dim=1).tolist()
-        entries = [PromptLogprob({t: lp}, rank)
-                   for t, lp, rank in zip(targets.tolist(), chosen.squeeze(1).tolist(), ranks)]  # fmt: skip
+        tokens = targets.tolist()
+        entries = [PromptLogprob({t: lp}, rank) for t, lp, rank in zip(tokens, chosen.squeeze(1).tolist(), ranks)]
         k = min(k, logprobs.shape[1])
         if k > 0:
             values, ids = torch.topk(logprobs, k, dim=1)
-            for entry, row_ids, row_values in zip(entries, ids.tolist(), values.tolist()):
+            for entry, token, row_ids, row_values in zip(entries, tokens, ids.tolist(), values.tolist()):
                 entry.update(zip(row_ids, row_values))
+                if token in row_ids:
+                    entry.rank = row_ids.index(token) + 1
         out.setdefault(span.request_id, []).extend(entries)
     return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence, Union
@@ -117,14 +118,16 @@ def completion_logprobs(
 def vllm_prompt_logprobs(entries: Sequence[Entry], token_ids: Sequence[int], strings: TokenStrings) -> PromptLogprobs:
     """vLLM's prompt_logprobs field: per prompt token, None or {token id: {logprob, rank, decoded_token}}: the
     prompt token's rank as the runtime counted it in the whole vocabulary (`scoring.PromptLogprob.rank`), the
-    top-k's their places 1..k."""
+    top-k's their places 1..k, the prompt token's place left to it (tied tokens never share a rank)."""
     out: PromptLogprobs = []
     for token, entry in zip(token_ids, entries):
         if entry is None:
             out.append(None)
             continue
-        ranks = {t: place for place, (t, _) in enumerate(sorted(entry.items(), key=lambda kv: -kv[1]), 1)}
-        ranks[token] = getattr(entry, "rank", ranks[token])
+        order = sorted(entry, key=lambda t: -entry[t])
+        rank = getattr(entry, "rank", None) or order.index(token) + 1
+        places = (place for place in itertools.count(1) if place != rank)
+        ranks = {t: rank if t == token else next(places) for t in order}
         out.append({str(t): PromptLogprob(logprob=lp, rank=ranks[t], decoded_token=strings.text[t])
                     for t, lp in entry.items()})  # fmt: skip
     return out
