@@ -8,9 +8,9 @@ value ranges are the runtime's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Optional, TypeVar, Union
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from trtpaged.server import constraints
 from trtpaged.server.tools import AutoTools, ToolChoice, tool_choice
@@ -24,6 +24,7 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "n", "seed", "pres
 _UNSUPPORTED = ("suffix", "functions", "function_call")
 
 Prompt = Union[str, list[int]]
+_Body = TypeVar("_Body", bound=BaseModel)
 
 
 @dataclass
@@ -50,6 +51,16 @@ class GenerationRequest:
     tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
     return_token_ids: bool = False  # vLLM's: bodies and chunks carry the prompt's and the choices' token ids
     stream_interval: int = 1  # vLLM's: tokens per streamed chunk (raised to the server's --stream-interval)
+
+
+def validated(model_type: type[_Body], body: Any) -> _Body:
+    """A decoded JSON body as the endpoint's request model; a 400 naming the field otherwise."""
+    if not isinstance(body, dict):
+        raise ApiError(f"body: must be a JSON object, got {type(body).__name__}", "body")
+    try:
+        return model_type.model_validate(body)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
 
 
 def check_model(model: Optional[str], served_model: str) -> None:
@@ -150,12 +161,7 @@ def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int,
                      ) -> GenerationRequest:  # fmt: skip
     """Validates a decoded JSON body against the endpoint's schema; raises ApiError (400 or 404). `auto_tools`:
     the engine's tool-call format, for tool_choice "auto"."""
-    if not isinstance(body, dict):
-        raise ApiError(f"body: must be a JSON object, got {type(body).__name__}", "body")
-    try:
-        req = (ChatCompletionRequest if chat else CompletionRequest).model_validate(body)
-    except ValidationError as exc:
-        raise from_validation_error(exc) from None
+    req = validated(ChatCompletionRequest if chat else CompletionRequest, body)
     check_model(req.model, served_model)
     for name in _UNSUPPORTED:
         if getattr(req, name, None) not in (None, False, "", [], {}, "none"):

@@ -7,15 +7,13 @@ and tools), so `count` is the `usage.prompt_tokens` the same body would get ther
 
 from __future__ import annotations
 
-from typing import Any, Optional
-
-from pydantic import BaseModel, ValidationError
+from typing import Any, Optional, Union
 
 from trtpaged.runtime.llm import LLM
 from trtpaged.runtime.llm_engine import LLMEngine
 from trtpaged.server.engine_loop import EngineLoop
-from trtpaged.server.errors import ApiError, from_runtime_error, from_validation_error
-from trtpaged.server.protocol import chat_messages, chat_options, check_model
+from trtpaged.server.errors import ApiError, from_runtime_error
+from trtpaged.server.protocol import chat_messages, chat_options, check_model, validated
 from trtpaged.server.schemas import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -24,15 +22,6 @@ from trtpaged.server.schemas import (
     TokenizeResponse,
 )
 from trtpaged.server.tools import tool_choice
-
-
-def _parse(model_type: type[BaseModel], body: Any) -> Any:
-    if not isinstance(body, dict):
-        raise ApiError(f"body: must be a JSON object, got {type(body).__name__}", "body")
-    try:
-        return model_type.model_validate(body)
-    except ValidationError as exc:
-        raise from_validation_error(exc) from None
 
 
 class Tokenization:
@@ -48,7 +37,9 @@ class Tokenization:
     async def tokenize(self, body: Any) -> TokenizeResponse:
         """A `prompt` or `messages` body -> its token ids; raises ApiError naming the field."""
         chat = isinstance(body, dict) and "messages" in body
-        req = _parse(TokenizeChatRequest if chat else TokenizeCompletionRequest, body)
+        kind: type[Union[TokenizeChatRequest, TokenizeCompletionRequest]]
+        kind = TokenizeChatRequest if chat else TokenizeCompletionRequest
+        req = validated(kind, body)
         check_model(req.model, self.model_name)
         if isinstance(req, TokenizeChatRequest):
             messages = chat_messages(req.messages)
@@ -80,7 +71,7 @@ class Tokenization:
 
     async def detokenize(self, body: Any) -> DetokenizeResponse:
         """A `tokens` body -> their text (special tokens included, as vLLM's /detokenize)."""
-        req = _parse(DetokenizeRequest, body)
+        req = validated(DetokenizeRequest, body)
         check_model(req.model, self.model_name)
         bad = next((i for i, t in enumerate(req.tokens) if not 0 <= t < self.vocab_size), None)
         if bad is not None:
