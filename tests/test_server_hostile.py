@@ -5,6 +5,7 @@ Also: API key (401), body limits (413), a slow client (408), overload (503 + Ret
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import socket
@@ -14,6 +15,7 @@ import time
 import pytest
 
 from tests.test_server import metrics, request, stream, wait_idle
+from trtpaged import SamplingParams
 from trtpaged.server import ServerOptions, start_server
 
 KEY = "sk-hostile-test"
@@ -185,6 +187,28 @@ def test_hostile_inputs_are_4xx_and_the_server_lives(server):
     m = wait_idle(server)
     assert not any(k.startswith("http_requests_total") and 'status="5' in k for k in m), m
     assert m["kv_cache_blocks_used"] == 0
+
+
+def test_a_caller_gone_while_its_call_waits_leaves_the_engine_loop_running(server):
+    """A client that disconnects while its work waits in the engine thread's queue (a logprobs stream's token texts,
+    a request's submit) cancels the await: the engine thread skips the cancelled work, where answering it raised and
+    ended the loop (every request after: 503), and the cancelled submit queues nothing."""
+    loop = server.loop
+
+    async def cancel_while_queued():
+        busy = asyncio.ensure_future(loop.call_async(lambda engine: time.sleep(0.3)))
+        await asyncio.sleep(0.05)  # the engine thread is inside the busy call: what follows waits in its queue
+        gone = [asyncio.ensure_future(loop.call_async(lambda engine: "unread")),
+                asyncio.ensure_future(loop.submit([("gone-0", [5, 6, 7], SamplingParams(max_tokens=40))]))]
+        await asyncio.sleep(0.05)
+        for task in gone:
+            task.cancel()
+        await busy
+        return await loop.call_async(lambda engine: engine.has_unfinished())
+
+    assert asyncio.run(cancel_while_queued()) is False
+    assert loop.alive and post(server, J({"prompt": "alive", "max_tokens": 2}))[0] == 200
+    assert wait_idle(server)["kv_cache_blocks_used"] == 0
 
 
 def test_truncation_brings_a_prompt_under_the_servers_limit(server):

@@ -246,7 +246,11 @@ class EngineLoop:
     async def submit(self, requests: Sequence[tuple[str, list[int], SamplingParams]]) -> Subscription:
         """Adds (request_id, prompt token ids, params) all or none; raises add_request's ValueError or Overloaded."""
         sub = Subscription([rid for rid, _, _ in requests], self, asyncio.get_running_loop())
-        await asyncio.wrap_future(self._send("submit", (list(requests), sub, time.monotonic())))
+        try:
+            await asyncio.wrap_future(self._send("submit", (list(requests), sub, time.monotonic())))
+        except asyncio.CancelledError:  # the caller is gone; if the engine thread had begun adding them, end them
+            self.abort(sub.request_ids)
+            raise
         return sub
 
     def abort(self, request_ids: Sequence[str]) -> None:
@@ -290,6 +294,8 @@ class EngineLoop:
                 return
 
     def _execute(self, kind: str, payload: Any, future: Optional[Future]) -> None:
+        if future is not None and not future.set_running_or_notify_cancel():
+            return  # its caller is gone (a cancelled await: a client that disconnected): nothing to run or answer
         if future is not None and self._stopped.is_set():
             future.set_exception(ShuttingDown("the server is shutting down"))
             return
