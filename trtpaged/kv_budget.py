@@ -66,6 +66,20 @@ def check_pool_fits(blocks: int, bytes_per_block: int, available: int, field: st
                                    f"{_gib(available)}", available)
 
 
+def check_host_pool(num_host_blocks: int, bytes_per_block: int, device: str, num_kv_blocks: int) -> None:
+    """Raises ValueError (KVBudgetError for the size) when the host pool of swap preemption, `num_host_blocks`
+    blocks, is not a count or does not fit the host's available memory, less the KV pool's when that is on the
+    host too (before either is allocated)."""
+    if isinstance(num_host_blocks, bool) or not isinstance(num_host_blocks, int) or num_host_blocks < 0:
+        raise ValueError(f"num_host_blocks: must be an integer >= 0, got {num_host_blocks!r}")
+    available = available_memory_bytes("cpu")
+    where = "the host now"
+    if not device.startswith("cuda"):
+        available = max(0, available - num_kv_blocks * bytes_per_block)
+        where += f" besides the KV pool of {num_kv_blocks} blocks"
+    check_pool_fits(num_host_blocks, bytes_per_block, available, "num_host_blocks", where)
+
+
 def _gib(n: int) -> str:
     return f"{n / 2**30:.3g} GiB"
 

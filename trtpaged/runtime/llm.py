@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import Any, Optional, Sequence as Seq, Union
 
 from trtpaged.engine_files import verify_engine_dir
-from trtpaged.errors import RequestError
+from trtpaged.errors import RequestError, check_unicode
 from trtpaged.manifest import EngineDirError, Manifest, engine_path, read_manifest
+from trtpaged.kv_budget import check_host_pool
 from trtpaged.runtime.runners import load_runner, resolve_device, resolve_num_kv_blocks
 from trtpaged.runtime.runners.base import pool_block_bytes
 from trtpaged.runtime.kv_tiers.config import KVTierConfig, manifest_fingerprint
@@ -34,6 +35,21 @@ def _tightened(name: str, value: Optional[int], limit: int) -> int:
     if not 1 <= value <= limit:
         raise ValueError(f"{name}: must be in [1, {limit}] (the engine's build limit), got {value}")
     return value
+
+
+def _prompt_list(prompts: Any) -> list[Prompt]:
+    """`generate`'s prompts as a list: text, or token ids (a list, tuple, numpy array or tensor), or a list of those.
+    Raises RequestError("prompt") for anything else."""
+    if hasattr(prompts, "tolist") and not isinstance(prompts, (str, list, tuple)):
+        prompts = prompts.tolist()  # an array or tensor of token ids (or a 2-D one of several prompts)
+    first = prompts[0] if isinstance(prompts, (list, tuple)) and prompts else None
+    one_of_ids = hasattr(first, "__index__") and not hasattr(first, "__len__")  # an int or numpy int, not an array
+    if isinstance(prompts, str) or one_of_ids:
+        return [prompts]  # one prompt
+    if not isinstance(prompts, (list, tuple)):
+        raise RequestError("prompt", "must be text, a list of token ids or a list of those, got "
+                           f"{type(prompts).__name__}")
+    return [p.tolist() if hasattr(p, "tolist") and not isinstance(p, (str, list, tuple)) else p for p in prompts]
 
 
 def load_tokenizer(engine_dir: Path, manifest: Manifest) -> Any:
@@ -121,6 +137,7 @@ class LLM:
         verify_engine_dir(self.engine_dir, self.manifest)  # before anything of the dir is loaded
         limits = self.manifest.limits
         num_kv_blocks = resolve_num_kv_blocks(self.manifest, device, num_kv_blocks)
+        check_host_pool(num_host_blocks, self.manifest.kv_bytes_per_block_per_rank, device, num_kv_blocks)
         self.config = RuntimeConfig(
             block_size=limits.block_size,
             num_kv_blocks=num_kv_blocks,
@@ -185,12 +202,14 @@ class LLM:
         with finish_reason "error" and `error` set, and the others complete; a failure of the step
         itself (the model raising) raises here, and this call's requests are aborted.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+        prompts = _prompt_list(prompts)
         params = sampling_params or SamplingParams()
         per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"sampling_params: {len(per_prompt)} given for {len(prompts)} prompts")
+        wrong = next((sp for sp in per_prompt if not isinstance(sp, SamplingParams)), None)
+        if wrong is not None:
+            raise TypeError(f"sampling_params: a SamplingParams or a list of them, got {type(wrong).__name__}")
         final_only = RequestOutputKind.FINAL_ONLY  # only the finished outputs are kept: build no others
         per_prompt = [dataclasses.replace(sp, output_kind=final_only) for sp in per_prompt]
         ids: list[str] = []
@@ -254,7 +273,7 @@ class LLM:
         text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
                                                   continue_final_message=continue_final_message, tokenize=False,
                                                   **extra)  # fmt: skip
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return list(self.tokenizer.encode(check_unicode("messages", text), add_special_tokens=False))
 
     def close(self) -> None:
         """Writes the cached prefixes to the KV tiers (if any), stops the other tensor-parallel ranks; idempotent."""

@@ -580,7 +580,10 @@ class Scheduler:
                 self._proposed.pop(seq.seq_id, None)
 
     def _refuse(self, group: SequenceGroup, out: SchedulerOutput) -> None:
-        """The only running group outgrew the whole pool: it ends here (finish_reason 'length')."""
+        """The only running group outgrew the whole pool: it ends here (finish_reason 'length'); a beam search
+        returns its beams as they are."""
+        if group.beam is not None:
+            group.beam.cut([s.output_token_ids for s in group.seqs], [s.cumulative_logprob for s in group.seqs])
         for seq in group.seqs:
             seq.finish("length")
         self._finish_group(group)
