@@ -41,8 +41,10 @@ class TraceRequest:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"{name}: must be an integer, got {value!r}")
-            if not low <= value <= high:
-                raise ValueError(f"{name}: must be in [{low}, {high}], got {value}")
+            if value < low:
+                raise ValueError(f"{name}: must be >= {low}, got {value}")
+            if value > high:
+                raise ValueError(f"{name}: must be at most {high}, got {value}")
         if self.prefix_id is not None and (not isinstance(self.prefix_id, int) or isinstance(self.prefix_id, bool)):
             raise ValueError(f"prefix_id: must be an integer, got {self.prefix_id!r}")
         if self.prefix_len > self.prompt_len:
