@@ -205,6 +205,10 @@ def test_prompts_the_tokenizer_cannot_take_are_refused_naming_the_field(tiny_eng
     assert llm.stats()["kv_blocks_used"] == 0 and not llm.engine.has_unfinished()
     with pytest.raises(RequestError, match="messages: not valid Unicode"):
         llm.chat([{"role": "user", "content": "\ud800"}], SamplingParams(max_tokens=2))
+    with pytest.raises(RequestError, match="messages: must be a list of messages"):  # was: transformers' TypeError
+        llm.chat("hi", SamplingParams(max_tokens=2))
+    with pytest.raises(RequestError, match="chat_template_kwargs: must be a mapping, got list"):
+        llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2), chat_template_kwargs=[1])
 
 
 def test_token_id_arrays_are_prompts_and_wrong_params_are_named(tiny_engine_dir):

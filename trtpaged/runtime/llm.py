@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 from pathlib import Path
-from typing import Any, Optional, Sequence as Seq, Union
+from typing import Any, Mapping, Optional, Sequence as Seq, Union
 
 from trtpaged.engine_files import verify_engine_dir
 from trtpaged.errors import RequestError, check_unicode
@@ -259,6 +259,11 @@ class LLM:
         tool definitions, for templates that show them to the model). As vLLM's chat options:
         `continue_final_message` leaves the last (assistant) message open for the model to continue, instead of
         starting a new turn; `template_kwargs` are more variables for the template (e.g. `enable_thinking`)."""
+        if not isinstance(messages, (list, tuple)) or not all(isinstance(m, Mapping) for m in messages):
+            raise RequestError("messages", "must be a list of messages ({'role': ..., 'content': ...}), got "
+                               f"{messages!r:.80}")  # fmt: skip
+        if template_kwargs is not None and not isinstance(template_kwargs, Mapping):
+            raise RequestError("chat_template_kwargs", f"must be a mapping, got {type(template_kwargs).__name__}")
         if add_generation_prompt and continue_final_message:
             raise RequestError("continue_final_message", "cannot be combined with add_generation_prompt: set "
                                "add_generation_prompt to false to continue the last message")  # fmt: skip
