@@ -35,13 +35,16 @@ def make(hf, **kw) -> LLMEngine:
 
 
 def check(entries, prompt, reference, k):
-    """Every entry holds the prompt token's log-prob and the top-k, all equal to HF's (max abs diff returned)."""
+    """Every entry holds the prompt token's log-prob and the top-k, all equal to HF's, and the prompt token's rank
+    in HF's row (max abs diff returned)."""
     assert entries[0] is None and len(entries) == len(prompt)
     worst = 0.0
     for j, entry in enumerate(entries[1:]):
         row = reference[j]
         top = torch.topk(row, k).indices.tolist() if k else []
         assert set(entry) == {prompt[j + 1], *top}
+        lp = float(row[prompt[j + 1]])  # rank 1: the most likely; a tie within TOL may fall either way
+        assert int((row > lp + TOL).sum()) + 1 <= entry.rank <= int((row >= lp - TOL).sum()), (j, entry.rank)
         for token, lp in entry.items():
             worst = max(worst, abs(lp - float(row[token])))
     assert worst < TOL

@@ -116,9 +116,54 @@ HOSTILE = [
     ("seed = -2**63 - 1", J({"prompt": "hi", "max_tokens": 2, "seed": -(2**63) - 1}), {}, 400, "seed"),
     ("prompt_logprobs in a stream", J({"prompt": "hi", "max_tokens": 2, "prompt_logprobs": 1, "stream": True}), {},
      400, "prompt_logprobs"),
+    # vLLM's fields: truncate_prompt_tokens keeps k >= 1 tokens (-1: max_seq_len, 512 here), as an integer
+    ("truncate_prompt_tokens 0", J({"prompt": "hi", "truncate_prompt_tokens": 0}), {}, 400, "truncate_prompt_tokens"),
+    ("truncate_prompt_tokens -2", J({"prompt": "hi", "truncate_prompt_tokens": -2}), {}, 400,
+     "truncate_prompt_tokens"),
+    ("truncate_prompt_tokens past max_seq_len", J({"prompt": "hi", "truncate_prompt_tokens": 513}), {}, 400,
+     "truncate_prompt_tokens"),
+    ("truncate_prompt_tokens as string", J({"prompt": "hi", "truncate_prompt_tokens": "5"}), {}, 400,
+     "truncate_prompt_tokens"),
+    ("chat truncate_prompt_tokens 2**63", J({"messages": [{"role": "user", "content": "hi"}],
+                                             "truncate_prompt_tokens": 2**63}), {"path": "/v1/chat/completions"}, 400,
+     "truncate_prompt_tokens"),
+    ("truncation_side middle", J({"prompt": "hi", "truncate_prompt_tokens": 1, "truncation_side": "middle"}), {}, 400,
+     "truncation_side"),
+    ("stream_interval 0", J({"prompt": "hi", "stream": True, "stream_interval": 0}), {}, 400, "stream_interval"),
+    ("priority 1 (no priority scheduling)", J({"prompt": "hi", "priority": 1}), {}, 400, "priority"),
+    ("continuous_usage_stats with include_usage false", J({"prompt": "hi", "stream": True, "stream_options": {
+        "include_usage": False, "continuous_usage_stats": True}}), {}, 400, "stream_options"),
+    ("continuous_usage_stats without stream", J({"prompt": "hi", "stream_options": {"continuous_usage_stats": True}}),
+     {}, 400, "stream_options"),
+    ("return_token_ids as number", J({"prompt": "hi", "return_token_ids": 1}), {}, 400, "return_token_ids"),
+    ("return_tokens_as_token_ids as string", J({"prompt": "hi", "logprobs": 1, "return_tokens_as_token_ids": "yes"}),
+     {}, 400, "return_tokens_as_token_ids"),
     ("UTF-16 body with BOM", '{"prompt": "hi", "max_tokens": 2}'.encode("utf-16"), {}, 400, "body"),
     ("UTF-16-LE body", '{"prompt": "hi", "max_tokens": 2}'.encode("utf-16-le"), {}, 400, "body"),
     ("UTF-32 body", '{"prompt": "hi", "max_tokens": 2}'.encode("utf-32"), {}, 400, "body"),
+    ("tokenize without a key", J({"prompt": "x"}), {"path": "/tokenize", "Authorization": "Bearer nope"}, 401, None),
+    ("tokenize prompt as number", J({"prompt": 5}), {"path": "/tokenize"}, 400, "prompt"),
+    ("tokenize token ids", J({"prompt": [5, 6]}), {"path": "/tokenize"}, 400, "prompt"),
+    ("tokenize unknown field", J({"prompt": "x", "max_tokens": 3}), {"path": "/tokenize"}, 400, "max_tokens"),
+    ("tokenize prompt and messages", J({"prompt": "x", "messages": [{"role": "user", "content": "hi"}]}),
+     {"path": "/tokenize"}, 400, "prompt"),
+    ("tokenize no messages", J({"messages": []}), {"path": "/tokenize"}, 400, "messages"),
+    ("tokenize image part", J({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}),
+     {"path": "/tokenize"}, 400, "messages"),
+    ("tokenize continue_final_message with the generation prompt", J({
+        "messages": [{"role": "assistant", "content": "hi"}], "continue_final_message": True}),
+     {"path": "/tokenize"}, 400, "continue_final_message"),
+    ("tokenize a tool without a name", J({"messages": [{"role": "user", "content": "hi"}],
+                                          "tools": [{"type": "function", "function": {}}]}),
+     {"path": "/tokenize"}, 400, "tools"),
+    ("tokenize reserved template argument", J({"messages": [{"role": "user", "content": "hi"}],
+                                               "chat_template_kwargs": {"messages": []}}),
+     {"path": "/tokenize"}, 400, "chat_template_kwargs"),
+    ("detokenize out-of-vocab id", J({"tokens": [5, 320]}), {"path": "/detokenize"}, 400, "tokens"),
+    ("detokenize negative id", J({"tokens": [-1]}), {"path": "/detokenize"}, 400, "tokens"),
+    ("detokenize ids as strings", J({"tokens": ["5"]}), {"path": "/detokenize"}, 400, "tokens"),
+    ("detokenize without tokens", J({"model": "tiny"}), {"path": "/detokenize"}, 400, "tokens"),
+    ("detokenize another model", J({"model": "other", "tokens": [5]}), {"path": "/detokenize"}, 404, "model"),
 ]
 
 
@@ -142,8 +187,18 @@ def test_hostile_inputs_are_4xx_and_the_server_lives(server):
     assert m["kv_cache_blocks_used"] == 0
 
 
-def test_api_key_guards_v1_only(server):
+def test_truncation_brings_a_prompt_under_the_servers_limit(server):
+    """truncate_prompt_tokens cuts before the server's max_prompt_tokens (400) is checked, as in vLLM."""
+    status, _, out = post(server, J({"prompt": [5] * 450, "max_tokens": 2, "truncate_prompt_tokens": 100}))
+    assert status == 200 and out["usage"]["prompt_tokens"] == 100, out
+    assert post(server, J({"prompt": [5] * 450, "max_tokens": 2, "truncate_prompt_tokens": -1}))[0] == 400
+
+
+def test_api_key_guards_all_but_health_metrics_and_version(server):
     assert request(server, "/v1/models")[0] == 401
+    assert request(server, "/tokenize", {"prompt": "x"})[0] == 401
+    assert request(server, "/tokenize", {"prompt": "x"}, headers=AUTH)[0] == 200
+    assert request(server, "/version")[0] == 200
     assert request(server, "/v1/models", headers=AUTH)[0] == 200
     assert request(server, "/health")[0] == 200 and request(server, "/metrics")[0] == 200
     events = stream(server, "/v1/completions", {"prompt": "k", "max_tokens": 2}, headers=AUTH)

@@ -37,6 +37,12 @@ def hf_scores(hf, ids):
         return torch.log_softmax(hf.model(torch.tensor([ids])).logits[0].float(), dim=-1)
 
 
+def hf_ranks(row: torch.Tensor, token: int, tol: float = 1e-4) -> range:
+    """The ranks (1: most likely) a token may have in a row of HF's log-probs, its ties within `tol` either way."""
+    lp = float(row[token])
+    return range(int((row > lp + tol).sum()) + 1, int((row >= lp - tol).sum()) + 1)
+
+
 def test_echo_logprobs_max_tokens_0_scores_the_prompt(client, server, hf):
     ids = hf.tokenizer.encode(PROMPT)
     ref = hf_scores(hf, ids)
@@ -75,6 +81,9 @@ def test_vllm_prompt_logprobs_field(client, hf):
         entry = scored[j]
         assert str(ids[j]) in entry and len(entry) <= 3
         assert abs(entry[str(ids[j])]["logprob"] - float(ref[j - 1, ids[j]])) < 1e-4
+        assert entry[str(ids[j])]["rank"] in hf_ranks(ref[j - 1], ids[j])  # vLLM's rank: 1 = the most likely
+        top = torch.topk(ref[j - 1], 2).indices.tolist()
+        assert [entry[str(t)]["rank"] for t in top] == [1, 2]
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
                                           extra_body={"prompt_logprobs": 0})  # fmt: skip
     assert chat.model_extra["prompt_logprobs"][0] is None and len(chat.model_extra["prompt_logprobs"]) > 3

@@ -234,6 +234,21 @@ def test_streamed_calls_carry_their_logprobs(client):
     assert streamed == entries
 
 
+def test_streamed_calls_carry_their_token_ids(client):
+    """vLLM's return_token_ids through the tool-call parser: the streamed chunks' ids join to the whole answer's,
+    which are the tokens its log-probs name (return_tokens_as_token_ids), one per completion token."""
+    kw = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "temperature": 0,
+          "max_tokens": 40, "logprobs": True, "extra_body": {"return_token_ids": True,
+                                                             "return_tokens_as_token_ids": True}}  # fmt: skip
+    resp = client.chat.completions.create(**kw)
+    whole, ids = resp.choices[0], resp.choices[0].model_extra["token_ids"]
+    assert [e.token for e in whole.logprobs.content] == [f"token_id:{t}" for t in ids]
+    assert len(ids) == resp.usage.completion_tokens and whole.message.tool_calls
+    streamed = [t for chunk in client.chat.completions.create(stream=True, **kw) for c in chunk.choices
+                for t in c.model_extra.get("token_ids") or []]  # fmt: skip
+    assert streamed == ids
+
+
 def test_parallel_tool_calls_false_makes_one_call(client):
     kw = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "max_tokens": 160,
           "temperature": 1.0, "parallel_tool_calls": False}  # fmt: skip

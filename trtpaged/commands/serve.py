@@ -44,7 +44,8 @@ from trtpaged.manifest import BACKENDS
 @click.option("--speculative-config", default=None, metavar="JSON",
               help='Speculative decoding, a JSON object, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                    "(fields: method (ngram or draft_model), model (the draft engine dir), num_speculative_tokens, "
-                   "prompt_lookup_min, prompt_lookup_max, disable_by_batch_size, verify_row_cost, min_acceptance_rate; "
+                   "prompt_lookup_min, prompt_lookup_max, disable_by_batch_size, verify_row_cost, draft_token_cost, "
+                   "min_acceptance_rate; "
                    "docs/speculative.md).")
 @click.option("--kv-host-memory", default=None, metavar="SIZE",
               help="KV tier: host memory for prefix blocks the pool evicts, e.g. 8GiB (docs/kv_tiers.md).")
@@ -65,7 +66,8 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
             max_body_bytes, max_prompt_tokens, max_batch_size, max_num_tokens, max_seq_len, num_kv_blocks, backend,
             device, tensor_parallel_size, speculative_config, kv_host_memory, kv_disk_path, kv_disk_size, kv_remote,
             request_log, request_log_prompts, stream_interval) -> None:  # fmt: skip
-    """Serve ENGINE over /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics."""
+    """Serve ENGINE over /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /version, /health
+    and /metrics."""
     from trtpaged.server import ServerOptions, start_server
 
     if "WORLD_SIZE" in os.environ and os.environ.get("RANK", "0") not in ("", "0"):  # a torchrun-style rank > 0

@@ -254,11 +254,13 @@ class LLM:
 
     def chat_prompt(self, messages: Seq[dict], tools: Optional[Seq[dict]] = None, *,
                     add_generation_prompt: bool = True, continue_final_message: bool = False,
-                    template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:  # fmt: skip
+                    template_kwargs: Optional[dict[str, Any]] = None, add_special_tokens: bool = False
+                    ) -> list[int]:  # fmt: skip
         """Token ids of a conversation under the chat template, ready for the assistant's turn (`tools`: OpenAI
         tool definitions, for templates that show them to the model). As vLLM's chat options:
         `continue_final_message` leaves the last (assistant) message open for the model to continue, instead of
-        starting a new turn; `template_kwargs` are more variables for the template (e.g. `enable_thinking`)."""
+        starting a new turn; `template_kwargs` are more variables for the template (e.g. `enable_thinking`);
+        `add_special_tokens`: what the tokenizer adds (a BOS) on top of the template's own text."""
         if not isinstance(messages, (list, tuple)) or not all(isinstance(m, Mapping) for m in messages):
             raise RequestError("messages", "must be a list of messages ({'role': ..., 'content': ...}), got "
                                f"{messages!r:.80}")  # fmt: skip
@@ -278,7 +280,7 @@ class LLM:
         text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
                                                   continue_final_message=continue_final_message, tokenize=False,
                                                   **extra)  # fmt: skip
-        return list(self.tokenizer.encode(check_unicode("messages", text), add_special_tokens=False))
+        return list(self.tokenizer.encode(check_unicode("messages", text), add_special_tokens=add_special_tokens))
 
     def close(self) -> None:
         """Writes the cached prefixes to the KV tiers (if any), stops the other tensor-parallel ranks; idempotent."""

@@ -11,12 +11,24 @@ import torch
 
 from trtpaged.runtime.batch_builder import PromptRows
 
-PromptLogprob = dict[int, float]  # the prompt token's log-prob, plus the top-k alternatives when asked for
+
+class PromptLogprob(dict):
+    """One scored prompt token: {token: log-prob} for the prompt token plus the top-k alternatives when asked for
+    (a plain dict to every reader), and `rank`, the prompt token's rank in the model's distribution at that
+    position (1: the most likely token; tokens of equal log-prob count as ahead, as vLLM counts them)."""
+
+    def __init__(self, items: dict[int, float], rank: int) -> None:
+        super().__init__(items)
+        self.rank = rank
+
+    def __reduce__(self) -> tuple:  # a copy or pickle keeps the rank
+        return (PromptLogprob, (dict(self), self.rank))
 
 
 def score_prompts(logits: torch.Tensor, spans: Sequence[PromptRows], prompts: dict[str, tuple[list[int], int]]
                   ) -> dict[str, list[PromptLogprob]]:  # fmt: skip
-    """For each span, one entry per scored token: {token: log-prob} plus the `k` most likely tokens.
+    """For each span, one entry per scored token: {token: log-prob} plus the `k` most likely tokens, with the
+    token's rank.
 
     `prompts[request_id]` is (prompt token ids, k). The log-softmax is over the raw logits (the model's
     distribution, as vLLM's prompt_logprobs and OpenAI's echo report it)."""
@@ -25,8 +37,10 @@ def score_prompts(logits: torch.Tensor, spans: Sequence[PromptRows], prompts: di
         token_ids, k = prompts[span.request_id]
         logprobs = torch.log_softmax(logits[span.rows].float(), dim=1)
         targets = torch.tensor(token_ids[span.first : span.first + len(span.rows)], dtype=torch.long)
-        chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
-        entries = [{t: lp} for t, lp in zip(targets.tolist(), chosen)]
+        chosen = logprobs.gather(1, targets.unsqueeze(1))
+        ranks = (logprobs >= chosen).sum(dim=1).tolist()
+        entries = [PromptLogprob({t: lp}, rank)
+                   for t, lp, rank in zip(targets.tolist(), chosen.squeeze(1).tolist(), ranks)]  # fmt: skip
         k = min(k, logprobs.shape[1])
         if k > 0:
             values, ids = torch.topk(logprobs, k, dim=1)

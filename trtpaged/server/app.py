@@ -1,7 +1,7 @@
 """The FastAPI application: routes, API-key check, body limits, errors as OpenAI error bodies.
 
 Handlers never touch the engine: they validate, then go through `GenerationService`
-and `EngineLoop`, which own every call into the runtime.
+(or `Tokenization`) and `EngineLoop`, which own every call into the runtime.
 """
 
 from __future__ import annotations
@@ -25,10 +25,13 @@ from trtpaged.server.errors import ApiError, overloaded
 from trtpaged.server.generation import GenerationService, Submitted, runtime_failure
 from trtpaged.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
 from trtpaged.server.options import ServerOptions
+from trtpaged.server.protocol import check_model
 from trtpaged.server.schemas import ModelCard, ModelList, dump
+from trtpaged.server.tokenization import Tokenization
 
 log = logging.getLogger("trtpaged.server")
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/version")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics",
+          "/version")
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -227,10 +230,27 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
 
     @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorize)])
     async def model(model_id: str) -> JSONResponse:
-        if model_id != card.id:
-            raise ApiError(f"model: {model_id!r} does not exist; this server serves {card.id!r}", "model", 404,
-                           "not_found_error", "model_not_found")  # fmt: skip
+        check_model(model_id, card.id)
         return JSONResponse(dump(card))
+
+    tokenization = Tokenization(service.llm, loop, service.model_name)
+
+    async def tokenizer_call(request: Request, handler: Callable[[Any], Awaitable[Any]]) -> Response:
+        try:
+            answer = await handler(parse_json(await read_body(request)))
+        except ClientGone:
+            return Response(status_code=499)
+        except (EngineFailure, ShuttingDown) as exc:
+            return error_response(runtime_failure(exc))
+        return JSONResponse(dump(answer))
+
+    @app.post("/tokenize", dependencies=[Depends(authorize)])
+    async def tokenize(request: Request) -> Response:
+        return await tokenizer_call(request, tokenization.tokenize)
+
+    @app.post("/detokenize", dependencies=[Depends(authorize)])
+    async def detokenize(request: Request) -> Response:
+        return await tokenizer_call(request, tokenization.detokenize)
 
     @app.get("/health")
     async def health() -> JSONResponse:

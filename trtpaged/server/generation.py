@@ -30,9 +30,10 @@ from trtpaged.server.engine_loop import (
 )
 from trtpaged.server.errors import ApiError, from_runtime_error, overloaded
 from trtpaged.server.protocol import GenerationRequest, parse_generation
-from trtpaged.server.responses import Echo, ResponseBuilder, logprob_token_ids, sse, top_entries
-from trtpaged.server.schemas import dump
+from trtpaged.server.responses import Echo, ResponseBuilder, TokenStrings, logprob_token_ids, sse, top_entries, usage
+from trtpaged.server.schemas import Usage, dump
 from trtpaged.server.stream_state import CompletionAccumulator, StreamState
+from trtpaged.server.token_bytes import token_bytes_reader
 from trtpaged.server.tool_parsers import ToolCallStream
 from trtpaged.server.tools import tool_format
 
@@ -60,6 +61,7 @@ class Submitted:
     index: dict[str, int]  # engine request id -> prompt index
     builder: ResponseBuilder
     summary: Summary
+    prompts: list[list[int]] = field(default_factory=list)  # token ids per prompt, after truncate_prompt_tokens
 
 
 def runtime_failure(exc: Exception) -> ApiError:
@@ -87,6 +89,7 @@ class GenerationService:
         self.vocab_size = llm.manifest.dims.vocab_size
         self.max_prompt_tokens = max_prompt_tokens
         self.request_timeout_s = request_timeout_s
+        self._read_bytes: Optional[Callable[[int, str], bytes]] = None  # made on the engine thread, on first use
         self.auto_tools = auto = tool_format(getattr(llm.tokenizer, "chat_template", None),
                                              llm.manifest.dims.architecture)  # fmt: skip
         log.info("tool_choice auto: %s", f"{auto.format.name} calls" if auto.format else f"refused ({auto.reason})")
@@ -108,18 +111,20 @@ class GenerationService:
             raise from_runtime_error(exc, req.names) from None
         except (Overloaded, ShuttingDown) as exc:
             raise overloaded(str(exc)) from None
-        builder = ResponseBuilder(summary.request_id, self.model_name, int(time.time()), chat, req.logprobs, req.tools)
+        builder = ResponseBuilder(summary.request_id, self.model_name, int(time.time()), chat, req.logprobs, req.tools,
+                                  req.return_token_ids)  # fmt: skip
         index = {rid: i for i, (rid, _, _) in enumerate(requests)}
-        return Submitted(req, params, sub, index, builder, summary)
+        return Submitted(req, params, sub, index, builder, summary, prompts)
 
     # ---- request -> engine requests -----------------------------------------------------------
     def _params(self, req: GenerationRequest, max_tokens: Optional[int]) -> SamplingParams:
         """The engine request's parameters. Every request is served from DELTA outputs: each step hands over
         only what is new (stop strings held back by the runtime), a stream sends it on (every
-        `stream_interval` tokens), a full body joins it."""
+        `stream_interval` tokens: the server's, or the request's when larger, as vLLM's), a full body joins it."""
+        interval = max(self.stream_interval, req.stream_interval) if req.stream else 1
         try:
             return SamplingParams(max_tokens=max_tokens, logprobs=req.logprobs, output_kind=RequestOutputKind.DELTA,
-                                  stream_interval=self.stream_interval if req.stream else 1, **req.sampling)
+                                  stream_interval=interval, **req.sampling)
         except ValueError as exc:
             raise from_runtime_error(exc, req.names) from None
 
@@ -151,6 +156,10 @@ class GenerationService:
             return [engine.encode(p)[1] for p in req.prompts]
 
         field_name = "messages" if req.chat else "prompt"
+        keep = req.truncate_prompt_tokens
+        if keep is not None and keep > self.max_seq_len:
+            raise ApiError(f"truncate_prompt_tokens: {keep} exceeds max_seq_len ({self.max_seq_len})",
+                           "truncate_prompt_tokens")  # fmt: skip
         try:
             prompts = await self.loop.call_async(run)
         except ValueError as exc:
@@ -159,6 +168,9 @@ class GenerationService:
             raise overloaded(str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - a template or tokenizer error is the request's fault
             raise ApiError(f"{field_name}: could not be tokenized ({type(exc).__name__})", field_name) from None
+        if keep is not None:  # vLLM's: the last k tokens (a chat prompt's too: its template's start may go)
+            keep = self.max_seq_len if keep == -1 else keep
+            prompts = [p[-keep:] if req.truncate_left else p[:keep] for p in prompts]
         limit = self.max_prompt_tokens
         longest = max((len(p) for p in prompts), default=0)
         if limit is not None and longest > limit:
@@ -177,11 +189,21 @@ class GenerationService:
         return params
 
     # ---- answers ------------------------------------------------------------------------------
-    async def _token_strings(self, ids: Iterable[int]) -> dict[int, str]:
+    async def _token_strings(self, req: GenerationRequest, ids: Iterable[int]) -> TokenStrings:
+        """The tokens' texts (and, for chat, their own bytes), read on the engine thread."""
         ids = sorted(set(ids))
         if not ids:
-            return {}
-        return await self.loop.call_async(lambda e: {t: e.tokenizer.decode([t], skip_special_tokens=False) for t in ids})
+            return TokenStrings({}, as_ids=req.tokens_as_ids)
+
+        def read(engine: LLMEngine) -> TokenStrings:
+            text = {t: engine.tokenizer.decode([t], skip_special_tokens=False) for t in ids}
+            if not req.chat:
+                return TokenStrings(text, as_ids=req.tokens_as_ids)
+            if self._read_bytes is None:
+                self._read_bytes = token_bytes_reader(engine.tokenizer)
+            return TokenStrings(text, {t: self._read_bytes(t, text[t]) for t in ids}, req.tokens_as_ids)
+
+        return await self.loop.call_async(read)
 
     async def respond(self, s: Submitted, disconnected: Disconnected) -> BaseModel:
         """The full (non-streamed) body once every choice finished; raises ClientGone or the engine's error."""
@@ -199,7 +221,7 @@ class GenerationService:
         for out in ordered:
             if s.req.prompt_logprobs is not None or (echoes and s.builder.top_logprobs is not None):
                 ids |= logprob_token_ids(out.prompt_token_ids, out.prompt_logprobs)
-        body = s.builder.full(ordered, s.params.n, await self._token_strings(ids), echoes, s.req.echo_only,
+        body = s.builder.full(ordered, s.params.n, await self._token_strings(s.req, ids), echoes, s.req.echo_only,
                               s.req.prompt_logprobs is not None)  # fmt: skip
         _summarise(s.summary, ordered, s.req.echo_only)
         return body
@@ -218,38 +240,53 @@ class GenerationService:
         """Server-Sent Events: chunks, the usage chunk if asked for, then `[DONE]`. A failure after the
         stream started is sent as an error event (then `[DONE]`); a cancelled stream aborts its requests."""
         params, builder = s.params, s.builder
-        state = StreamState(params.n, builder.top_logprobs is not None)
+        state = StreamState(params.n, builder.top_logprobs is not None or s.req.return_token_ids)
+        ids = s.req.return_token_ids
+        first = _FirstChunks(s) if ids else None  # return_token_ids: the prompt's ids go with a choice's first chunk
         echoed: set[int] = set()  # prompts whose echo chunk went out
         tool_readers: dict[int, ToolCallStream] = {}  # choice -> its tool-call parser
         if s.req.chat:
             for p in range(len(s.index)):
                 for i in range(params.n):
-                    yield sse(builder.chunk(p * params.n + i, "", role=True))
+                    index = p * params.n + i
+                    yield sse(builder.chunk(index, "", role=True, usage=_chunk_usage(s, state, index),
+                                            prompt_token_ids=first.take(index) if first else None))  # fmt: skip
         try:
             # Disconnects cancel this generator (the ASGI server's disconnect listener); no polling here.
             async with aclosing(s.sub.outputs(_never, self.request_timeout_s)) as outputs:
                 async for out in outputs:
                     if s.req.echo and s.index[out.request_id] not in echoed:
                         echoed.add(s.index[out.request_id])
-                        async for event in self._echo_chunks(s, state, s.index[out.request_id], out):
+                        async for event in self._echo_chunks(s, state, s.index[out.request_id], out, first):
                             yield event
                     for d in state.deltas(s.index[out.request_id], out):
+                        so_far = _chunk_usage(s, state, d.index)
+                        new_ids = ([] if s.req.echo_only else list(d.token_ids)) if ids else None
+                        prompt_ids = first.take(d.index) if first else None
                         if s.req.echo_only:  # the one sampled token is not part of the answer
                             if d.finish_reason:
-                                yield sse(builder.chunk(d.index, "", d.finish_reason, stop_reason=d.stop_reason))
+                                yield sse(builder.chunk(d.index, "", d.finish_reason, stop_reason=d.stop_reason,
+                                                        usage=so_far, token_ids=new_ids,
+                                                        prompt_token_ids=prompt_ids))  # fmt: skip
                             continue
                         logprobs = None
                         if builder.top_logprobs is not None and d.logprobs is not None:
-                            strings = await self._token_strings(logprob_token_ids(d.token_ids, d.logprobs))
-                            offset = state.advance_offset(d.index, [strings[t] for t in d.token_ids])
+                            strings = await self._token_strings(s.req, logprob_token_ids(d.token_ids, d.logprobs))
+                            offset = state.advance_offset(d.index, [strings.text[t] for t in d.token_ids])
                             logprobs = builder.stream_logprobs(d.token_ids, d.logprobs, strings, offset)
                         if s.req.tools is not None:  # content and calls as the parser reads them
                             reader = tool_readers.setdefault(d.index, s.req.tools.stream())
                             for chunk in builder.tool_stream_chunks(d.index, reader, d.text, d.finish_reason,
-                                                                    logprobs, d.stop_reason):  # fmt: skip
+                                                                    logprobs, d.stop_reason, new_ids):  # fmt: skip
+                                chunk.usage = so_far
                                 yield sse(chunk)
                             continue
-                        yield builder.event(d.index, d.text, d.finish_reason, logprobs, d.stop_reason)
+                        if prompt_ids is not None:
+                            yield sse(builder.chunk(d.index, d.text, d.finish_reason, logprobs,
+                                                    stop_reason=d.stop_reason, usage=so_far, token_ids=new_ids,
+                                                    prompt_token_ids=prompt_ids))  # fmt: skip
+                            continue
+                        yield builder.event(d.index, d.text, d.finish_reason, logprobs, d.stop_reason, so_far, new_ids)
         except (EngineFailure, ShuttingDown, RequestTimeout) as exc:
             s.summary.finish_reasons = [type(exc).__name__]
             yield sse(dump(runtime_failure(exc).body()))
@@ -263,21 +300,46 @@ class GenerationService:
         yield sse("[DONE]")
 
 
-    async def _echo_chunks(self, s: Submitted, state: StreamState, prompt: int, out: RequestOutput
-                           ) -> AsyncIterator[bytes]:  # fmt: skip
+    async def _echo_chunks(self, s: Submitted, state: StreamState, prompt: int, out: RequestOutput,
+                           first: Optional[_FirstChunks]) -> AsyncIterator[bytes]:  # fmt: skip
         """`echo` in a stream: each choice of a prompt starts with the prompt's text (and its log-probs)."""
         (echo,) = await self._echoes(s.req, [out])
-        strings = await self._token_strings(logprob_token_ids(echo.token_ids, echo.logprobs)) if echo.logprobs else {}
+        strings = await self._token_strings(s.req, logprob_token_ids(echo.token_ids, echo.logprobs) if echo.logprobs
+                                            else ())  # fmt: skip
         for i in range(s.params.n):
             index, logprobs = prompt * s.params.n + i, None
             if echo.logprobs is not None:
-                offset = state.advance_offset(index, [strings[t] for t in echo.token_ids])
+                offset = state.advance_offset(index, [strings.text[t] for t in echo.token_ids])
                 logprobs = s.builder.stream_logprobs(echo.token_ids, echo.logprobs, strings, offset)
-            yield sse(s.builder.chunk(index, echo.text, None, logprobs))
+            yield sse(s.builder.chunk(index, echo.text, None, logprobs, usage=_chunk_usage(s, state, index),
+                                      token_ids=[] if first else None, prompt_token_ids=first.take(index) if first
+                                      else None))  # fmt: skip
 
 
 async def _never() -> bool:
     return False
+
+
+def _chunk_usage(s: Submitted, state: StreamState, index: int) -> Optional[Usage]:
+    """stream_options.continuous_usage_stats: a chunk's usage, as vLLM reports it: its choice's prompt and the
+    tokens that choice generated so far; None when not asked for."""
+    if not s.req.continuous_usage:
+        return None
+    return usage(len(s.prompts[index // s.params.n]), 0 if s.req.echo_only else state.tokens_of(index))
+
+
+class _FirstChunks:
+    """return_token_ids in a stream: the prompt's token ids, given once per choice (with its first chunk)."""
+
+    def __init__(self, s: Submitted) -> None:
+        self.s = s
+        self.sent: set[int] = set()
+
+    def take(self, index: int) -> Optional[list[int]]:
+        if index in self.sent:
+            return None
+        self.sent.add(index)
+        return list(self.s.prompts[index // self.s.params.n])
 
 
 def _summarise(summary: Summary, finals: list[RequestOutput], echo_only: bool = False) -> None:

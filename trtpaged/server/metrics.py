@@ -164,7 +164,7 @@ class ServerMetrics:
         self.http.labels(route=route, status=str(status)).inc()
 
     def observe_rejected(self, reason: str) -> None:
-        """A request refused with 503 (overload, draining) or 504 (timeout)."""
+        """A request refused with 503 before running (overloaded, draining); a 504 timeout ends a running request."""
         self.rejected.labels(reason=reason).inc()
 
     def observe_first_token(self, ttft: float) -> None:

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from trtpaged.server import constraints
 from trtpaged.server.tools import AutoTools, ToolChoice, tool_choice
 from trtpaged.server.errors import ApiError, from_runtime_error, from_validation_error
-from trtpaged.server.schemas import ChatCompletionRequest, CompletionRequest
+from trtpaged.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, TokenizeChatRequest
 
 MAX_LOGPROBS = 20  # top log-probs per token a request may ask for (OpenAI's limit)
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "n", "seed", "presence_penalty", "frequency_penalty",
@@ -44,6 +44,19 @@ class GenerationRequest:
     prompt_logprobs: Optional[int] = None  # vLLM's prompt_logprobs field (returned in its own form)
     tools: Optional[ToolChoice] = None  # chat: the output is (or, for auto, may hold) tool calls
     chat_options: dict[str, Any] = field(default_factory=dict)  # chat: LLM.chat_prompt's keyword options
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
+    truncate_prompt_tokens: Optional[int] = None  # keep the prompt's last k tokens; -1: max_seq_len
+    truncate_left: bool = True  # truncation_side "left" (vLLM's default): the last k; "right": the first k
+    tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
+    return_token_ids: bool = False  # vLLM's: bodies and chunks carry the prompt's and the choices' token ids
+    stream_interval: int = 1  # vLLM's: tokens per streamed chunk (raised to the server's --stream-interval)
+
+
+def check_model(model: Optional[str], served_model: str) -> None:
+    """A request's `model`, when given, must be the served one (404 otherwise, as OpenAI answers)."""
+    if model is not None and model != served_model:
+        raise ApiError(f"model: {model!r} does not exist; this server serves {served_model!r}", "model", 404,
+                       "not_found_error", "model_not_found")  # fmt: skip
 
 
 def _token_list(ids: list[int], vocab_size: int) -> list[int]:
@@ -66,10 +79,10 @@ def _prompts(value: Any, vocab_size: int) -> list[Prompt]:
     return [p if isinstance(p, str) else _token_list(p, vocab_size) for p in value]
 
 
-def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """The conversation for the chat template: role and text, plus the tool-call keys templates read."""
     out = []
-    for m, msg in enumerate(req.messages):
+    for m, msg in enumerate(messages):
         content = msg.content or ""
         if isinstance(content, list):  # text parts are lines of one message, as in vLLM
             content = "\n".join(_text_part(part, f"messages[{m}].content[{p}]") for p, part in enumerate(content))
@@ -143,9 +156,7 @@ def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int,
         req = (ChatCompletionRequest if chat else CompletionRequest).model_validate(body)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
-    if req.model is not None and req.model != served_model:
-        raise ApiError(f"model: {req.model!r} does not exist; this server serves {served_model!r}", "model", 404,
-                       "not_found_error", "model_not_found")  # fmt: skip
+    check_model(req.model, served_model)
     for name in _UNSUPPORTED:
         if getattr(req, name, None) not in (None, False, "", [], {}, "none"):
             raise ApiError(f"{name}: not supported by this server", name)
@@ -167,8 +178,17 @@ def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int,
         max_tokens = 16  # OpenAI's completions default
     if chat:
         names["prompt"] = "messages"
-    if req.stream_options is not None and not req.stream:
-        raise ApiError("stream_options: only allowed with stream: true", "stream_options")
+    include_usage, continuous_usage = _usage_options(req)
+    truncate = req.truncate_prompt_tokens
+    if truncate is not None and truncate < 1 and truncate != -1:
+        raise ApiError(f"truncate_prompt_tokens: must be >= 1 (the prompt's last k tokens are kept) or -1 "
+                       f"(max_seq_len), got {truncate}", "truncate_prompt_tokens")  # fmt: skip
+    if req.stream_interval is not None and req.stream_interval < 1:
+        raise ApiError(f"stream_interval: must be >= 1 (tokens per streamed chunk), got {req.stream_interval}",
+                       "stream_interval")  # fmt: skip
+    if req.priority not in (None, 0):
+        raise ApiError(f"priority: this server schedules first come, first served; only 0 is accepted (as vLLM "
+                       f"without priority scheduling), got {req.priority}", "priority")  # fmt: skip
     echo = bool(getattr(req, "echo", False))
     logprobs = _logprobs(req, names)
     echo_only = echo and max_tokens == 0
@@ -185,22 +205,45 @@ def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int,
     return GenerationRequest(
         chat=chat,
         prompts=[] if chat else _prompts(req.prompt, vocab_size),  # type: ignore[union-attr]
-        messages=_messages(req) if isinstance(req, ChatCompletionRequest) else [],
+        messages=chat_messages(req.messages) if isinstance(req, ChatCompletionRequest) else [],
         sampling=sampling,
         max_tokens=max_tokens,
         stream=bool(req.stream),
-        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        include_usage=include_usage,
         logprobs=logprobs,
         names=names,
         echo=echo,
         echo_only=echo_only,
         prompt_logprobs=req.prompt_logprobs,
         tools=tools,
-        chat_options=_chat_options(req) if isinstance(req, ChatCompletionRequest) else {},
+        chat_options=chat_options(req) if isinstance(req, ChatCompletionRequest) else {},
+        continuous_usage=continuous_usage,
+        truncate_prompt_tokens=truncate,
+        truncate_left=req.truncation_side != "right",
+        tokens_as_ids=bool(req.return_tokens_as_token_ids),
+        return_token_ids=bool(req.return_token_ids),
+        stream_interval=req.stream_interval or 1,
     )
 
 
-def _chat_options(req: ChatCompletionRequest) -> dict[str, Any]:
+def _usage_options(req: Union[CompletionRequest, ChatCompletionRequest]) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage) from stream_options. continuous_usage_stats (vLLM's) puts each choice's
+    usage so far in every chunk; as in vLLM it comes with the closing usage chunk, include_usage unset."""
+    options = req.stream_options
+    if options is None:
+        return False, False
+    if not req.stream:
+        raise ApiError("stream_options: only allowed with stream: true", "stream_options")
+    continuous = bool(options.continuous_usage_stats)
+    if continuous and options.include_usage is False:
+        raise ApiError("stream_options: continuous_usage_stats needs include_usage (true or unset), got "
+                       "include_usage: false", "stream_options")  # fmt: skip
+    return bool(options.include_usage) or continuous, continuous
+
+
+def chat_options(req: Union[ChatCompletionRequest, TokenizeChatRequest]) -> dict[str, Any]:
+    """LLM.chat_prompt's options from a chat body (vLLM's add_generation_prompt, continue_final_message,
+    chat_template_kwargs)."""
     return {"add_generation_prompt": req.add_generation_prompt is not False,
             "continue_final_message": bool(req.continue_final_message),
             "template_kwargs": req.chat_template_kwargs}  # fmt: skip

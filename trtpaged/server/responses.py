@@ -34,8 +34,24 @@ from trtpaged.server.schemas import (
     dump,
 )
 
-TokenStrings = Mapping[int, str]  # token id -> its text, decoded on the engine thread
 Entry = Optional[Mapping[int, float]]  # one token's log-prob and top-k (None: the first prompt token)
+
+
+@dataclass(frozen=True)
+class TokenStrings:
+    """What log-probs show of each token, read on the engine thread: its decoded `text` (text offsets, echo,
+    prompt_logprobs' decoded_token), its own bytes (`raw`, chat's `bytes`; see token_bytes) and its name (the
+    text, or "token_id:<id>" with vLLM's return_tokens_as_token_ids)."""
+
+    text: Mapping[int, str]
+    raw: Mapping[int, bytes] = field(default_factory=dict)
+    as_ids: bool = False
+
+    def name(self, token: int) -> str:
+        return f"token_id:{token}" if self.as_ids else self.text[token]
+
+    def bytes_of(self, token: int) -> list[int]:
+        return list(self.raw[token] if token in self.raw else self.text[token].encode("utf-8"))
 
 
 @dataclass(frozen=True)
@@ -89,20 +105,29 @@ def completion_logprobs(
     an echoed prompt's first token has no log-prob (null, as OpenAI sends it)."""
     body: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token, entry in zip(token_ids, logprobs):
-        text = strings[token]
-        body["tokens"].append(text)
+        body["tokens"].append(strings.name(token))
         body["token_logprobs"].append(None if entry is None else entry.get(token))
         body["top_logprobs"].append(None if entry is None else
-                                    {strings[t]: lp for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])})
+                                    {strings.name(t): lp for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])})
         body["text_offset"].append(offset)
-        offset += len(text)
+        offset += len(strings.text[token])
     return CompletionLogprobs(**body), offset
 
 
-def vllm_prompt_logprobs(entries: Sequence[Entry], strings: TokenStrings) -> PromptLogprobs:
-    """vLLM's prompt_logprobs field: per prompt token, None or {token id: {logprob, decoded_token}}."""
-    return [None if e is None else {str(t): PromptLogprob(logprob=lp, decoded_token=strings[t]) for t, lp in e.items()}
-            for e in entries]  # fmt: skip
+def vllm_prompt_logprobs(entries: Sequence[Entry], token_ids: Sequence[int], strings: TokenStrings) -> PromptLogprobs:
+    """vLLM's prompt_logprobs field: per prompt token, None or {token id: {logprob, rank, decoded_token}}: the
+    prompt token's rank as the runtime counted it in the whole vocabulary (`scoring.PromptLogprob.rank`), the
+    top-k's their places 1..k."""
+    out: PromptLogprobs = []
+    for token, entry in zip(token_ids, entries):
+        if entry is None:
+            out.append(None)
+            continue
+        ranks = {t: place for place, (t, _) in enumerate(sorted(entry.items(), key=lambda kv: -kv[1]), 1)}
+        ranks[token] = getattr(entry, "rank", ranks[token])
+        out.append({str(t): PromptLogprob(logprob=lp, rank=ranks[t], decoded_token=strings.text[t])
+                    for t, lp in entry.items()})  # fmt: skip
+    return out
 
 
 def chat_logprobs(
@@ -111,8 +136,7 @@ def chat_logprobs(
     """The chat format: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
 
     def item(token: int, logprob: Optional[float]) -> dict[str, Any]:
-        text = strings[token]
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": strings.name(token), "logprob": logprob, "bytes": strings.bytes_of(token)}
 
     content = []
     for token, entry in zip(token_ids, logprobs):
@@ -131,6 +155,7 @@ class ResponseBuilder:
     chat: bool
     top_logprobs: Optional[int] = None  # requested top-k, or None when logprobs are off
     tools: Optional[ToolChoice] = None  # chat: outputs are (or, for auto, may hold) tool calls
+    token_ids: bool = False  # vLLM's return_token_ids: bodies carry the prompt's and the choices' token ids
     # choice index -> the text chunk's event around its text (see event); None: no template
     _templates: dict[int, Optional[tuple[str, str]]] = field(default_factory=dict, compare=False, repr=False)
 
@@ -150,7 +175,9 @@ class ResponseBuilder:
              prompt_logprobs: bool = False) -> Union[ChatCompletionResponse, CompletionResponse]:  # fmt: skip
         """The non-streamed body: one choice per prompt x completion, numbered prompt-major. Completions with
         `echoes`: each prompt's text (and log-probs) before its completion, which `echo_only` leaves out;
-        `prompt_logprobs`: vLLM's field, per choice (completions) or for the request (chat)."""
+        `prompt_logprobs`: vLLM's field, per choice (completions) or for the request (chat). With `token_ids`
+        (return_token_ids), each choice its generated token ids (not the echo's), the prompt's per choice
+        (completions) or for the request (chat)."""
         choices: list[Any] = []
         for p, out in enumerate(finals):
             for c in out.outputs:
@@ -160,7 +187,8 @@ class ResponseBuilder:
                     text, token_ids = e.text + text, e.token_ids + list(token_ids)
                     logprobs = None if e.logprobs is None or logprobs is None else e.logprobs + list(logprobs)
                 common = {"index": p * n + c.index, "logprobs": self._logprobs(token_ids, logprobs, strings),
-                          "finish_reason": c.finish_reason, "stop_reason": stop_reason(c)}  # fmt: skip
+                          "finish_reason": c.finish_reason, "stop_reason": stop_reason(c),
+                          "token_ids": ([] if echo_only else list(c.token_ids)) if self.token_ids else None}
                 if self.chat:
                     content, calls, complete = text, None, False
                     if self.tools is not None and c.finish_reason == "stop" and common["stop_reason"] is None:
@@ -172,15 +200,20 @@ class ResponseBuilder:
                         common["finish_reason"] = "tool_calls"
                     choices.append(ChatChoice(message=AssistantMessage(content=content, tool_calls=calls), **common))
                 else:
-                    scored = vllm_prompt_logprobs(out.prompt_logprobs, strings) if (
+                    scored = vllm_prompt_logprobs(out.prompt_logprobs, out.prompt_token_ids, strings) if (
                         prompt_logprobs and out.prompt_logprobs is not None) else None  # fmt: skip
-                    choices.append(CompletionChoice(text=text, prompt_logprobs=scored, **common))
+                    prompt_ids = list(out.prompt_token_ids) if self.token_ids else None
+                    choices.append(CompletionChoice(text=text, prompt_logprobs=scored, prompt_token_ids=prompt_ids,
+                                                    **common))  # fmt: skip
         prompt_tokens = sum(len(o.prompt_token_ids) for o in finals)
         completion_tokens = 0 if echo_only else sum(len(c.token_ids) for o in finals for c in o.outputs)
         body = {**self._envelope(), "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
         if self.chat:
             if prompt_logprobs and finals and finals[0].prompt_logprobs is not None:
-                body["prompt_logprobs"] = vllm_prompt_logprobs(finals[0].prompt_logprobs, strings)
+                body["prompt_logprobs"] = vllm_prompt_logprobs(finals[0].prompt_logprobs, finals[0].prompt_token_ids,
+                                                               strings)
+            if self.token_ids and finals:
+                body["prompt_token_ids"] = list(finals[0].prompt_token_ids)
             return ChatCompletionResponse(**body)
         return CompletionResponse(**body)
 
@@ -192,33 +225,42 @@ class ResponseBuilder:
         logprobs: Union[ChatLogprobs, CompletionLogprobs, None] = None,
         role: bool = False,
         stop_reason: Union[int, str, None] = None,
+        usage: Optional[Usage] = None,
+        token_ids: Optional[list[int]] = None,
+        prompt_token_ids: Optional[list[int]] = None,
     ) -> Union[ChatCompletionChunk, CompletionChunk]:
         """One streamed choice delta. Chat: `role` sends the assistant role (the first chunk of a choice).
-        `stop_reason` (with the finish reason): the stop string or stop token id that ended the choice."""
+        `stop_reason` (with the finish reason): the stop string or stop token id that ended the choice. `usage`:
+        the choice's usage so far (stream_options.continuous_usage_stats). `token_ids`, `prompt_token_ids`
+        (return_token_ids): the chunk's new tokens, the prompt's (with a choice's first chunk)."""
         if self.chat:
             delta = Delta(role="assistant", content="") if role else Delta(content=text or None)
             choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
-                                     stop_reason=stop_reason)  # fmt: skip
-            return ChatCompletionChunk(**self._envelope(), choices=[choice])
+                                     stop_reason=stop_reason, token_ids=token_ids)  # fmt: skip
+            return ChatCompletionChunk(**self._envelope(), choices=[choice], usage=usage,
+                                       prompt_token_ids=prompt_token_ids)  # fmt: skip
         choice = CompletionChoice(index=index, text=text or "", logprobs=logprobs, finish_reason=finish_reason,
-                                  stop_reason=stop_reason)  # fmt: skip
-        return CompletionChunk(**self._envelope(), choices=[choice])
+                                  stop_reason=stop_reason, token_ids=token_ids,
+                                  prompt_token_ids=prompt_token_ids)  # fmt: skip
+        return CompletionChunk(**self._envelope(), choices=[choice], usage=usage)
 
     def tool_stream_chunks(self, index: int, reader: ToolCallStream, text: str, finish_reason: Optional[str],
-                           logprobs: Optional[ChatLogprobs] = None,
-                           stop_reason: Union[int, str, None] = None) -> list[ChatCompletionChunk]:  # fmt: skip
+                           logprobs: Optional[ChatLogprobs] = None, stop_reason: Union[int, str, None] = None,
+                           token_ids: Optional[list[int]] = None) -> list[ChatCompletionChunk]:  # fmt: skip
         """The chunks of a streamed tool-call choice's new text (read by its `reader`); once it ends, the last
         chunk with finish_reason "tool_calls" when the choice's calls all completed as JSON objects. The delta's
-        `logprobs` go with its first chunk (a chunk with an empty delta when the reader holds its text back)."""
+        `logprobs` and `token_ids` go with its first chunk (a chunk with an empty delta when the reader holds its
+        text back)."""
         chunks = self.tool_chunks(index, reader.feed(text))
         if finish_reason:
             chunks += self.tool_chunks(index, reader.finish())
             finish = "tool_calls" if finish_reason == "stop" and reader.ok else finish_reason
             chunks.append(self.chunk(index, "", finish, stop_reason=stop_reason))
-        if logprobs is not None and (chunks or logprobs.content):
+        if (logprobs is not None or token_ids is not None) and (chunks or logprobs and logprobs.content or token_ids):
             if not chunks:
                 chunks.append(self.chunk(index, None))
             chunks[0].choices[0].logprobs = logprobs
+            chunks[0].choices[0].token_ids = token_ids
         return chunks
 
     def tool_chunks(self, index: int, events: Sequence[Event]) -> list[ChatCompletionChunk]:
@@ -247,17 +289,19 @@ class ResponseBuilder:
 
     def event(self, index: int, text: Optional[str], finish_reason: Optional[str] = None,
               logprobs: Union[ChatLogprobs, CompletionLogprobs, None] = None,
-              stop_reason: Union[int, str, None] = None) -> bytes:  # fmt: skip
-        """`sse(self.chunk(...))`. The chunk of almost every token (text, no finish reason, no log-probs)
-        comes from a template serialized once per choice, with only its text JSON-encoded: the same bytes
-        without building and dumping three pydantic models per token."""
-        if text and finish_reason is None and logprobs is None:
+              stop_reason: Union[int, str, None] = None, usage: Optional[Usage] = None,
+              token_ids: Optional[list[int]] = None) -> bytes:  # fmt: skip
+        """`sse(self.chunk(...))`. The chunk of almost every token (text, no finish reason, log-probs, usage or
+        token ids) comes from a template serialized once per choice, with only its text JSON-encoded: the same
+        bytes without building and dumping three pydantic models per token."""
+        if text and finish_reason is None and logprobs is None and usage is None and token_ids is None:
             template = self._templates.get(index, ())
             if template == ():
                 template = self._templates[index] = self._text_template(index)
             if template is not None:
                 return f"{template[0]}{json.dumps(text)}{template[1]}".encode()
-        return sse(self.chunk(index, text, finish_reason, logprobs, stop_reason=stop_reason))
+        return sse(self.chunk(index, text, finish_reason, logprobs, stop_reason=stop_reason, usage=usage,
+                              token_ids=token_ids))  # fmt: skip
 
     def _text_template(self, index: int) -> Optional[tuple[str, str]]:
         """The text chunk's event split around its (JSON-encoded) text, or None if the split is ambiguous."""

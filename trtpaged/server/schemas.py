@@ -20,7 +20,8 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    include_usage: Optional[StrictBool] = False
+    include_usage: Optional[StrictBool] = None  # unset: false, or true with continuous_usage_stats (vLLM's default)
+    continuous_usage_stats: Optional[StrictBool] = False  # vLLM: every chunk carries its choice's usage so far
 
 
 class _SamplingFields(_Strict):
@@ -46,6 +47,7 @@ class _SamplingFields(_Strict):
     skip_special_tokens: Optional[StrictBool] = None
     stream: Optional[StrictBool] = False
     stream_options: Optional[StreamOptions] = None
+    stream_interval: Optional[StrictInt] = None  # vLLM: tokens per streamed chunk, at least the server's
     use_beam_search: Optional[StrictBool] = False
     best_of: Optional[StrictInt] = None
     beam_width: Optional[StrictInt] = None
@@ -62,6 +64,11 @@ class _SamplingFields(_Strict):
     allowed_token_ids: Optional[list[StrictInt]] = None  # vLLM
     bad_words: Optional[Union[StrictStr, list[StrictStr]]] = None  # vLLM
     prompt_logprobs: Optional[StrictInt] = None  # vLLM: log-probs of the prompt's tokens
+    truncate_prompt_tokens: Optional[StrictInt] = None  # vLLM: keep the prompt's last k tokens (-1: max_seq_len)
+    truncation_side: Optional[Literal["left", "right"]] = None  # vLLM: "right" keeps the first k tokens instead
+    priority: Optional[StrictInt] = None  # vLLM: only 0 without priority scheduling (this server: first come first)
+    return_tokens_as_token_ids: Optional[StrictBool] = None  # vLLM: logprobs name tokens "token_id:<id>"
+    return_token_ids: Optional[StrictBool] = None  # vLLM: the prompt's and each choice's token ids in the answer
     # Structured outputs (docs/structured_outputs.md): OpenAI's response_format, vLLM's two spellings
     response_format: Optional[dict[str, Any]] = None
     structured_outputs: Optional[dict[str, Any]] = None
@@ -107,6 +114,50 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 # ---- responses -----------------------------------------------------------------------------------
+class TokenizeCompletionRequest(_Strict):
+    """POST /tokenize with a text prompt."""
+
+    model: Optional[StrictStr] = None
+    prompt: StrictStr
+    add_special_tokens: StrictBool = True  # what the tokenizer adds (a BOS), as /v1/completions does
+    return_token_strs: Optional[StrictBool] = False
+
+
+class TokenizeChatRequest(_Strict):
+    """POST /tokenize with a conversation, under the chat template."""
+
+    model: Optional[StrictStr] = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: Optional[StrictBool] = True
+    continue_final_message: Optional[StrictBool] = False
+    add_special_tokens: StrictBool = False  # on top of the template's own (which writes its BOS itself)
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[Any]] = None
+    return_token_strs: Optional[StrictBool] = False
+
+
+class TokenizeResponse(BaseModel):
+    """The /tokenize answer."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: Optional[list[str]] = None  # the vocabulary's spelling of each token, when asked for
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize."""
+
+    model: Optional[StrictStr] = None
+    tokens: list[StrictInt]
+
+
+class DetokenizeResponse(BaseModel):
+    """The /detokenize answer."""
+
+    prompt: str
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
@@ -121,9 +172,10 @@ class CompletionLogprobs(BaseModel):
 
 
 class PromptLogprob(BaseModel):
-    """vLLM's form of one prompt log-prob entry (keyed by token id)."""
+    """vLLM's form of one prompt log-prob entry (keyed by token id): rank 1 is the position's most likely token."""
 
     logprob: float
+    rank: int
     decoded_token: str
 
 
@@ -144,13 +196,26 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
-class CompletionChoice(BaseModel):
+class _WithTokenIds(BaseModel):
+    """A body part that carries vLLM's return_token_ids fields, left out of the JSON unless asked for."""
+
+    @model_serializer(mode="wrap")
+    def _without_unasked_token_ids(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None or k not in _TOKEN_ID_FIELDS}
+
+
+_TOKEN_ID_FIELDS = ("token_ids", "prompt_token_ids")
+
+
+class CompletionChoice(_WithTokenIds):
     index: int
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
     prompt_logprobs: Optional[PromptLogprobs] = None
+    prompt_token_ids: Optional[list[int]] = None  # return_token_ids (a stream: with the choice's first chunk)
+    token_ids: Optional[list[int]] = None  # return_token_ids (a stream: the chunk's new tokens)
 
 
 class _Reply(BaseModel):
@@ -213,19 +278,21 @@ class DeltaToolCall(_WithoutNulls):
     function: DeltaFunctionCall
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(_WithTokenIds):
     index: int
     message: AssistantMessage
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
+    token_ids: Optional[list[int]] = None  # return_token_ids
 
 
-class ChatCompletionResponse(_Reply):
+class ChatCompletionResponse(_Reply, _WithTokenIds):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: Optional[PromptLogprobs] = None
+    prompt_token_ids: Optional[list[int]] = None  # return_token_ids
 
 
 class Delta(_WithoutNulls):
@@ -236,18 +303,20 @@ class Delta(_WithoutNulls):
     tool_calls: Optional[list[DeltaToolCall]] = None
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(_WithTokenIds):
     index: int
     delta: Delta
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None  # vLLM's: the stop string or stop token id that ended it
+    token_ids: Optional[list[int]] = None  # return_token_ids: the chunk's new tokens
 
 
-class ChatCompletionChunk(_Reply):
+class ChatCompletionChunk(_Reply, _WithTokenIds):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     choices: list[ChatChunkChoice]
     usage: Optional[Usage] = None
+    prompt_token_ids: Optional[list[int]] = None  # return_token_ids: with a choice's first chunk
 
 
 class CompletionChunk(CompletionResponse):

@@ -68,6 +68,11 @@ class StreamState:
         choice.text_offset += sum(len(s) for s in token_strings)
         return start
 
+    def tokens_of(self, index: int) -> int:
+        """Completion tokens of one choice so far."""
+        choice = self.choices.get(index)
+        return choice.tokens if choice is not None else 0
+
     @property
     def completion_tokens(self) -> int:
         return sum(c.tokens for c in self.choices.values())

@@ -1,0 +1,235 @@
+"""vLLM's request fields a vLLM user of `trtpaged serve` sends, through a real server and the official `openai`
+client, checked against `LLM` on the same engine: stream_options.continuous_usage_stats, truncate_prompt_tokens,
+return_tokens_as_token_ids, and chat logprobs' `bytes` (the token's own bytes, as OpenAI sends them)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.test_server import llm, request, wait_idle  # noqa: F401 - LLM on the same engine, the truth
+from tests.test_server_scoring import MODEL, client, server  # noqa: F401 - the same fixtures, one server per module
+from trtpaged import SamplingParams
+
+MESSAGES = [{"role": "user", "content": "hello"}]
+TEXT = "The quick brown fox jumps over the lazy dog"
+
+
+def _usage(chunk) -> tuple[int, int, int]:
+    return chunk.usage.prompt_tokens, chunk.usage.completion_tokens, chunk.usage.total_tokens
+
+
+def test_continuous_usage_stats_put_each_choices_usage_in_every_chunk(client, llm, server):
+    """Every chunk (the chat role chunks too) carries its choice's prompt and the tokens that choice generated so
+    far, counted here from the chunks' log-prob entries; the closing chunk the request's totals."""
+    prompt_len = len(llm.chat_prompt(MESSAGES))
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=7, temperature=1.0, seed=3, n=2, logprobs=True, top_logprobs=0,
+        stream=True, stream_options={"continuous_usage_stats": True}, extra_body={"ignore_eos": True}))  # fmt: skip
+    counted = {0: 0, 1: 0}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        counted[choice.index] += len(choice.logprobs.content) if choice.logprobs else 0
+        assert _usage(chunk) == (prompt_len, counted[choice.index], prompt_len + counted[choice.index])
+    assert counted == {0: 7, 1: 7}
+    assert chunks[-1].choices == [] and _usage(chunks[-1]) == (prompt_len, 14, prompt_len + 14)
+
+    prompts = ["once upon", "a much longer prompt than the first"]
+    lens = [len(llm.tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
+    chunks = list(client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=5, temperature=0, logprobs=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+    counted = {0: 0, 1: 0}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        counted[choice.index] += len(choice.logprobs.tokens)
+        p = lens[choice.index]
+        assert _usage(chunk) == (p, counted[choice.index], p + counted[choice.index])
+    assert counted == {0: 5, 1: 5} and _usage(chunks[-1]) == (sum(lens), 10, sum(lens) + 10)
+
+    plain = list(client.completions.create(model=MODEL, prompt="once upon", max_tokens=4, temperature=0, stream=True,
+                                           stream_options={"include_usage": True}))  # fmt: skip
+    assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage.completion_tokens == 4
+    wait_idle(server)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_k(client, llm):
+    """The completion of the prompt's last k tokens (text, token ids or a chat's templated prompt), or its first k
+    with truncation_side "right", and usage counts k; echo shows the kept part; -1 (max_seq_len) and a k past the
+    prompt keep it whole. priority 0 (vLLM's default) is accepted."""
+    ids = llm.tokenizer.encode(TEXT, add_special_tokens=False)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    kept = llm.generate([ids[-10:]], greedy)[0].outputs[0].text
+    whole = llm.generate([ids], greedy)[0].outputs[0].text
+    assert kept != whole  # the cut changes the answer
+    for prompt in (TEXT, ids):
+        resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                         extra_body={"truncate_prompt_tokens": 10})  # fmt: skip
+        assert resp.choices[0].text == kept and resp.usage.prompt_tokens == 10
+    first = client.completions.create(model=MODEL, prompt=TEXT, max_tokens=6, temperature=0,
+                                      extra_body={"truncate_prompt_tokens": 10, "truncation_side": "right"})
+    assert first.choices[0].text == llm.generate([ids[:10]], greedy)[0].outputs[0].text != kept
+    echoed = client.completions.create(model=MODEL, prompt=TEXT, max_tokens=6, temperature=0, echo=True,
+                                       extra_body={"truncate_prompt_tokens": 10})  # fmt: skip
+    assert echoed.choices[0].text == llm.tokenizer.decode(ids[-10:]) + kept
+    for k in (-1, len(ids), 500):
+        resp = client.completions.create(model=MODEL, prompt=TEXT, max_tokens=6, temperature=0,
+                                         extra_body={"truncate_prompt_tokens": k})  # fmt: skip
+        assert resp.choices[0].text == whole and resp.usage.prompt_tokens == len(ids)
+
+    full = llm.chat_prompt(MESSAGES)
+    truth = llm.generate([full[-12:]], greedy)[0].outputs[0].text
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0,
+                                          extra_body={"truncate_prompt_tokens": 12, "priority": 0})  # fmt: skip
+    assert chat.choices[0].message.content == truth and chat.usage.prompt_tokens == 12
+
+
+def test_return_tokens_as_token_ids(client, llm):
+    """Tokens and top log-prob keys are "token_id:<id>" (the ids LLM.generate samples), log-probs, text offsets and
+    chat bytes as without the field."""
+    truth = llm.generate(["once upon"], SamplingParams(max_tokens=5, temperature=0.0, logprobs=2))[0].outputs[0]
+    req = dict(model=MODEL, prompt="once upon", max_tokens=5, temperature=0, logprobs=2)
+    named = client.completions.create(**req, extra_body={"return_tokens_as_token_ids": True}).choices[0].logprobs
+    plain = client.completions.create(**req).choices[0].logprobs
+    assert named.tokens == [f"token_id:{t}" for t in truth.token_ids]
+    assert [set(top) for top in named.top_logprobs] == [{f"token_id:{t}" for t in e} for e in truth.logprobs]
+    for top, entry in zip(named.top_logprobs, truth.logprobs):
+        assert all(abs(top[f"token_id:{t}"] - lp) < 1e-4 for t, lp in entry.items())
+    assert named.token_logprobs == plain.token_logprobs and named.text_offset == plain.text_offset
+
+    chat = dict(model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    truth = llm.chat(MESSAGES, SamplingParams(max_tokens=5, temperature=0.0, logprobs=2)).outputs[0]
+    named = client.chat.completions.create(**chat, extra_body={"return_tokens_as_token_ids": True}).choices[0]
+    plain = client.chat.completions.create(**chat).choices[0]
+    assert [e.token for e in named.logprobs.content] == [f"token_id:{t}" for t in truth.token_ids]
+    for e, p in zip(named.logprobs.content, plain.logprobs.content):
+        assert all(t.token.startswith("token_id:") for t in e.top_logprobs)
+        assert (e.logprob, e.bytes, [t.bytes for t in e.top_logprobs]) == (p.logprob, p.bytes,
+                                                                            [t.bytes for t in p.top_logprobs])
+
+
+def test_chat_logprobs_bytes_are_each_tokens_own_bytes(client, server):
+    """A character split over several byte-level tokens (é, an emoji, CJK: 2-4 one-byte tokens each): each token's
+    bytes are its own (OpenAI's form), so that all of them joined are the answer's UTF-8, whole and streamed; a
+    free (random-model) answer's bytes decode to its text."""
+    pytest.importorskip("xgrammar", reason="xgrammar is not installed (pip install xgrammar)")
+    answer = "héllo 😀 世界"
+    req = dict(model=MODEL, messages=MESSAGES, max_tokens=40, temperature=1.0, logprobs=True, top_logprobs=3,
+               extra_body={"guided_choice": [answer]})  # fmt: skip
+    choice = client.chat.completions.create(**req).choices[0]
+    assert choice.message.content == answer
+    *entries, end = choice.logprobs.content  # the grammar's end: the EOS token, which is not text
+    assert end.token == "<|eos|>" and bytes(end.bytes) == b"<|eos|>"
+    assert b"".join(bytes(e.bytes) for e in entries) == answer.encode("utf-8")
+    assert len(entries) == len(answer.encode("utf-8"))  # the tiny tokenizer: one token per byte
+    tops = [t for e in entries for t in e.top_logprobs if t.token and not t.token.startswith("<|")]  # byte tokens
+    assert tops and all(len(t.bytes) == 1 for t in tops)
+    streamed = client.chat.completions.create(**req, stream=True)
+    joined = b"".join(bytes(e.bytes) for c in streamed for ch in c.choices if ch.logprobs for e in ch.logprobs.content)
+    assert joined == answer.encode("utf-8") + b"<|eos|>"
+
+    free = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0,
+                                          logprobs=True, extra_body={"ignore_eos": True}).choices[0]  # fmt: skip
+    raw = b"".join(bytes(e.bytes) for e in free.logprobs.content)
+    assert len(raw) == 24 and raw.decode("utf-8", errors="replace") == free.message.content
+    wait_idle(server)
+
+
+def _joined_ids(chunks) -> tuple[dict[int, list[int]], dict[int, list]]:
+    """Per choice: its token ids joined from a stream's chunks; the prompt token ids its chunks carried."""
+    ids: dict[int, list[int]] = {}
+    prompts: dict[int, list] = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            ids.setdefault(c.index, []).extend(c.model_extra.get("token_ids") or [])
+            prompt = chunk.model_extra.get("prompt_token_ids") or c.model_extra.get("prompt_token_ids")
+            if prompt is not None:
+                prompts.setdefault(c.index, []).append(prompt)
+    return ids, prompts
+
+
+def test_return_token_ids_whole_and_streamed(client, llm):
+    """The prompt's token ids (per choice on completions, on the response for chat) and each choice's generated
+    ids, equal to LLM's; streamed: the prompt's with each choice's first chunk only, each chunk its new ids.
+    Without the field no body carries them."""
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    ids = llm.tokenizer.encode(TEXT, add_special_tokens=False)
+    prompts = ["once upon", ids]
+    truth = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    prompt_ids = [llm.tokenizer.encode("once upon", add_special_tokens=False), ids]
+    req = dict(model=MODEL, prompt=prompts, max_tokens=6, temperature=0)
+    asked = {"ignore_eos": True, "return_token_ids": True}
+    whole = client.completions.create(**req, extra_body=asked)
+    assert [(c.model_extra["prompt_token_ids"], c.model_extra["token_ids"]) for c in whole.choices] == list(
+        zip(prompt_ids, truth))
+    joined, sent = _joined_ids(client.completions.create(**req, extra_body=asked, stream=True))
+    assert joined == {0: truth[0], 1: truth[1]} and sent == {0: [prompt_ids[0]], 1: [prompt_ids[1]]}
+    plain = client.completions.create(**req, extra_body={"ignore_eos": True}).choices
+    assert all("token_ids" not in c.model_extra and "prompt_token_ids" not in c.model_extra for c in plain)
+
+    chat_truth = llm.chat(MESSAGES, greedy).outputs[0].token_ids
+    req = dict(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0,
+               extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+    whole = client.chat.completions.create(**req)
+    assert whole.model_extra["prompt_token_ids"] == llm.chat_prompt(MESSAGES)
+    assert whole.choices[0].model_extra["token_ids"] == chat_truth
+    joined, sent = _joined_ids(client.chat.completions.create(**req, stream=True))
+    assert joined == {0: chat_truth} and sent == {0: [llm.chat_prompt(MESSAGES)]}
+
+
+def test_a_requests_stream_interval_raises_the_servers(client):
+    """vLLM's per-request stream_interval on a server at interval 1: the first token at once, then 3 tokens a chunk,
+    the rest with the finish reason; the tokens and text are the whole answer's. A non-streamed request ignores it."""
+    req = dict(model=MODEL, prompt="once upon", max_tokens=11, temperature=0, logprobs=0)
+    whole = client.completions.create(**req, extra_body={"ignore_eos": True, "stream_interval": 3}).choices[0]
+    chunks = list(client.completions.create(**req, stream=True, extra_body={"ignore_eos": True, "stream_interval": 3}))
+    sizes = [len(c.choices[0].logprobs.tokens) for c in chunks if c.choices and c.choices[0].logprobs]
+    assert sizes == [1, 3, 3, 3, 1]
+    assert "".join(c.choices[0].text for c in chunks) == whole.text
+    assert [t for c in chunks for t in c.choices[0].logprobs.tokens] == whole.logprobs.tokens
+
+
+def test_tokenize_counts_what_the_generation_endpoints_count(client, llm, server):
+    """/tokenize of a prompt is the tokenizer's ids (and the `usage.prompt_tokens` /v1/completions reports for it);
+    of messages, the chat template's ids (what /v1/chat/completions counts, with tools and chat options too);
+    /detokenize gives the tokenizer's text back."""
+    tok = llm.tokenizer
+    status, _, out = request(server, "/tokenize", {"model": MODEL, "prompt": TEXT, "return_token_strs": True})
+    assert status == 200, out
+    assert out["tokens"] == tok.encode(TEXT) and out["count"] == len(out["tokens"])
+    assert out["token_strs"] == tok.convert_ids_to_tokens(out["tokens"])
+    assert out["max_model_len"] == llm.config.max_seq_len
+    done = client.completions.create(model=MODEL, prompt=TEXT, max_tokens=1)
+    assert done.usage.prompt_tokens == out["count"]
+    plain = request(server, "/tokenize", {"prompt": TEXT, "add_special_tokens": False})[2]
+    assert plain["tokens"] == tok.encode(TEXT, add_special_tokens=False) and plain["token_strs"] is None
+
+    conversation = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [
+        {"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]}]  # fmt: skip
+    out = request(server, "/tokenize", {"messages": conversation})[2]
+    assert out["tokens"] == llm.chat_prompt([conversation[0], {"role": "user", "content": "hello\nthere"}])
+    done = client.chat.completions.create(model=MODEL, messages=conversation, max_tokens=1)
+    assert done.usage.prompt_tokens == out["count"]
+    prefill = [*conversation, {"role": "assistant", "content": "Sure"}]
+    body = {"messages": prefill, "add_generation_prompt": False, "continue_final_message": True}
+    out = request(server, "/tokenize", body)[2]
+    text = tok.apply_chat_template(llm_messages(prefill), add_generation_prompt=False, continue_final_message=True,
+                                   tokenize=False)  # fmt: skip
+    assert out["tokens"] == tok.encode(text, add_special_tokens=False)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]  # fmt: skip
+    out = request(server, "/tokenize", {"messages": conversation, "tools": tools})[2]
+    done = client.chat.completions.create(model=MODEL, messages=conversation, tools=tools, tool_choice="required",
+                                          max_tokens=1)  # fmt: skip
+    assert done.usage.prompt_tokens == out["count"]
+
+    ids = tok.encode(TEXT) + [tok.eos_token_id]
+    out = request(server, "/detokenize", {"model": MODEL, "tokens": ids})[2]
+    assert out == {"prompt": tok.decode(ids, skip_special_tokens=False)}
+    assert request(server, "/tokenize", {"model": "other", "prompt": "x"})[0] == 404
+    wait_idle(server)
+
+
+def llm_messages(conversation: list[dict]) -> list[dict]:
+    """The conversation as the chat template sees it: text parts joined as lines."""
+    return [{**m, "content": "\n".join(p["text"] for p in m["content"]) if isinstance(m["content"], list)
+             else m["content"]} for m in conversation]  # fmt: skip
