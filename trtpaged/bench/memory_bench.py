@@ -185,6 +185,9 @@ def simulate_contiguous(trace: list[TraceRequest], budget: Budget, reserve: str)
             tokens_left -= req.prompt_len
             computed += req.prompt_len * copies
             admitted_any = True
+        if not running:  # nothing to compute until the next arrival: the paged replays take no step either
+            step = trace[pending[0]].arrival if pending else step + 1
+            continue
         for seq in running:
             seq.generated += 1
         stored = sum(s.prompt_len + s.generated - 1 for s in running)
