@@ -238,3 +238,13 @@ def test_a_host_pool_beyond_the_hosts_memory_is_refused_before_loading(tiny_engi
     with pytest.raises(ValueError, match="num_host_blocks: must be an integer >= 0, got 2.5"):
         LLM(tiny_engine_dir, device="cpu", preemption_mode="swap", num_host_blocks=2.5)
     assert not loaded
+
+
+@pytest.mark.parametrize("option,value", [("max_batch_size", 4.0), ("max_num_tokens", 100.0), ("max_seq_len", True),
+                                          ("num_kv_blocks", "64")])
+def test_llm_limits_that_are_not_integers_are_refused_before_loading(tiny_engine_dir, option, value):
+    from trtpaged import LLM
+
+    # was: a TypeError from the warm-up's range() (floats), max_seq_len True taken as 1, "must be >= 1, got 64"
+    with pytest.raises(ValueError, match=f"{option}: must be an integer"):
+        LLM(tiny_engine_dir, device="cpu", **{option: value})

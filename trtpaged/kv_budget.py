@@ -124,7 +124,7 @@ def kv_blocks(manifest: Manifest, free_memory: Optional[int] = None, override: O
     """
     if override is not None:
         if isinstance(override, bool) or not isinstance(override, int) or override < 1:
-            raise ValueError(f"num_kv_blocks: must be >= 1, got {override}")
+            raise ValueError(f"num_kv_blocks: must be an integer >= 1, got {override!r}")
         return override
     return budget_blocks(manifest.limits, manifest.kv_cache, manifest.kv_bytes_per_block_per_rank, free_memory)
 

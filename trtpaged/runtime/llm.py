@@ -32,6 +32,8 @@ _TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents
 def _tightened(name: str, value: Optional[int], limit: int) -> int:
     if value is None:
         return limit
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}: must be an integer in [1, {limit}] (the engine's build limit), got {value!r}")
     if not 1 <= value <= limit:
         raise ValueError(f"{name}: must be in [1, {limit}] (the engine's build limit), got {value}")
     return value
