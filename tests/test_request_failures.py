@@ -13,7 +13,7 @@ import math
 import pytest
 from click.testing import CliRunner
 
-from runtime_helpers import RandomLogitsEngine, runtime_config
+from runtime_helpers import RandomLogitsEngine, hf_from_engine_dir, runtime_config
 from trtpaged.cli import main
 from trtpaged.runtime.llm_engine import LLMEngine
 from trtpaged.runtime.outputs import RequestOutput
@@ -248,3 +248,30 @@ def test_llm_limits_that_are_not_integers_are_refused_before_loading(tiny_engine
     # was: a TypeError from the warm-up's range() (floats), max_seq_len True taken as 1, "must be >= 1, got 64"
     with pytest.raises(ValueError, match=f"{option}: must be an integer"):
         LLM(tiny_engine_dir, device="cpu", **{option: value})
+
+
+def test_logprobs_beyond_max_logprobs_are_refused_naming_the_field(tiny_engine_dir):
+    """At most max_logprobs (vLLM's default 20) top log-probs per token; a larger limit gives that many, each the
+    log-softmax of the model's logits; -1 allows the whole vocabulary. Refused before anything is allocated."""
+    import torch
+
+    from trtpaged import LLM
+    from trtpaged.errors import RequestError
+
+    llm = LLM(tiny_engine_dir, device="cpu", warmup=False)
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(RequestError, match=f"{name}: 21 exceeds max_logprobs \\(20\\)") as info:
+            llm.generate([5, 6, 7], SamplingParams(max_tokens=2, **{name: 21}))
+        assert info.value.field == name and info.value.limit == 20
+        assert llm.stats()["kv_blocks_used"] == 0 and not llm.engine.has_unfinished()
+    with pytest.raises(ValueError, match="max_logprobs: must be >= 0, or -1"):
+        LLM(tiny_engine_dir, device="cpu", warmup=False, max_logprobs=2.5)
+    vocab = llm.manifest.dims.vocab_size
+    wide = LLM(tiny_engine_dir, device="cpu", warmup=False, max_logprobs=-1)
+    (out,) = wide.generate([5, 6, 7], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=vocab))
+    hf = hf_from_engine_dir(tiny_engine_dir)
+    with torch.no_grad():
+        truth = torch.log_softmax(hf.model(torch.tensor([[5, 6, 7]])).logits[0, 0].double(), dim=-1)
+    entry = out.prompt_logprobs[1]  # the log-probs over the whole vocabulary at the second prompt position
+    assert len(entry) == vocab
+    assert max(abs(entry[t] - truth[t].item()) for t in range(vocab)) < 1e-4

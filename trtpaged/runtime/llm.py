@@ -81,7 +81,9 @@ class LLM:
     tightened: `max_num_tokens`, `max_batch_size`, `max_seq_len`; the KV pool
     size defaults to the manifest's budget (`num_kv_blocks` overrides it). For a model whose every layer
     has a sliding window (Mistral-style), blocks wholly before a sequence's window go back to the pool as
-    it advances; `reclaim_windowed_blocks=False` keeps them (docs/families.md).
+    it advances; `reclaim_windowed_blocks=False` keeps them (docs/families.md). A request may ask for at most
+    `max_logprobs` top log-probs per token (`logprobs`, `prompt_logprobs`; vLLM's default 20, -1: the whole
+    vocabulary).
 
     `tensor_parallel=N` (default: the engine's) runs an engine built with
     `tensor_parallel: N` on N ranks: the other N-1 start here as processes (CPU: gloo over loopback;
@@ -128,6 +130,7 @@ class LLM:
         warmup: bool = True,
         kv_tiers: Union[None, KVTierConfig, dict] = None,
         reclaim_windowed_blocks: bool = True,
+        max_logprobs: int = 20,
     ) -> None:
         device = resolve_device(device)
         tier_config = KVTierConfig.parse(kv_tiers)
@@ -152,6 +155,7 @@ class LLM:
             speculative=SpeculativeConfig.parse(speculative_config),
             # a model whose every layer is windowed returns the blocks before each sequence's window
             reclaim_window=self.manifest.dims.max_window if reclaim_windowed_blocks else 0,
+            max_logprobs=max_logprobs,
         )
         self.tokenizer = load_tokenizer(self.engine_dir, self.manifest)
         runner = load_runner(self.engine_dir, self.manifest, num_kv_blocks, backend, device, num_host_blocks,

@@ -89,6 +89,11 @@ def check_request(c: RuntimeConfig, num_prompt_tokens: int, params: SamplingPara
             f"({c.max_seq_len}); at most {room} here",
             room,
         )
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, name)
+        if k is not None and c.max_logprobs >= 0 and k > c.max_logprobs:
+            raise RequestError(name, f"{k} exceeds max_logprobs ({c.max_logprobs}), the most top log-probs per "
+                                     "token this engine returns", c.max_logprobs)  # fmt: skip
     if params.num_seqs > c.max_batch_size:
         name = "beam_width" if params.use_beam_search else "n"
         raise RequestError(name, f"{params.num_seqs} sequences exceeds max_batch_size ({c.max_batch_size})",
