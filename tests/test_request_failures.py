@@ -237,7 +237,9 @@ def test_a_host_pool_beyond_the_hosts_memory_is_refused_before_loading(tiny_engi
     assert info.value.field == "num_host_blocks" and not loaded
     with pytest.raises(ValueError, match="num_host_blocks: must be an integer >= 0, got 2.5"):
         LLM(tiny_engine_dir, device="cpu", preemption_mode="swap", num_host_blocks=2.5)
-    assert not loaded
+    with pytest.raises(KVBudgetError, match=r"kv_tiers.host_memory: 9.31e\+08 GiB exceeds what the host has") as info:
+        LLM(tiny_engine_dir, device="cpu", kv_tiers={"host_memory": "1000000TB"})  # was: accepted, grew until OOM
+    assert info.value.field == "kv_tiers.host_memory" and not loaded
 
 
 @pytest.mark.parametrize("option,value", [("max_batch_size", 4.0), ("max_num_tokens", 100.0), ("max_seq_len", True),

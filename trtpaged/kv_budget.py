@@ -80,6 +80,18 @@ def check_host_pool(num_host_blocks: int, bytes_per_block: int, device: str, num
     check_pool_fits(num_host_blocks, bytes_per_block, available, "num_host_blocks", where)
 
 
+def check_host_tier(host_memory: int, bytes_per_block: int, device: str, num_kv_blocks: int,
+                    num_host_blocks: int) -> None:
+    """Raises KVBudgetError when the host-memory KV tier (`kv_tiers.host_memory` bytes) does not fit the host's
+    available memory less the pools it shares it with (the KV pool on a CPU device, a swap pool): it fills as
+    the pool evicts prefix blocks, hours after loading, so it is checked before anything loads."""
+    taken = num_host_blocks + (0 if device.startswith("cuda") else num_kv_blocks)
+    available = max(0, available_memory_bytes("cpu") - taken * bytes_per_block)
+    if host_memory > available:
+        raise KVBudgetError("kv_tiers.host_memory", f"{_gib(host_memory)} exceeds what the host has now besides the "
+                                                     f"engine's pools ({_gib(available)})", available)  # fmt: skip
+
+
 def _gib(n: int) -> str:
     return f"{n / 2**30:.3g} GiB"
 

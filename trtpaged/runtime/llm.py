@@ -10,7 +10,7 @@ from typing import Any, Mapping, Optional, Sequence as Seq, Union
 from trtpaged.engine_files import verify_engine_dir
 from trtpaged.errors import RequestError, check_unicode
 from trtpaged.manifest import EngineDirError, Manifest, engine_path, read_manifest
-from trtpaged.kv_budget import check_host_pool
+from trtpaged.kv_budget import check_host_pool, check_host_tier
 from trtpaged.runtime.runners import load_runner, resolve_device, resolve_num_kv_blocks
 from trtpaged.runtime.runners.base import pool_block_bytes
 from trtpaged.runtime.kv_tiers.config import KVTierConfig, manifest_fingerprint
@@ -143,6 +143,9 @@ class LLM:
         limits = self.manifest.limits
         num_kv_blocks = resolve_num_kv_blocks(self.manifest, device, num_kv_blocks)
         check_host_pool(num_host_blocks, self.manifest.kv_bytes_per_block_per_rank, device, num_kv_blocks)
+        if tier_config.host_memory:
+            check_host_tier(tier_config.host_memory, self.manifest.kv_bytes_per_block_per_rank, device, num_kv_blocks,
+                            num_host_blocks)  # fmt: skip
         self.config = RuntimeConfig(
             block_size=limits.block_size,
             num_kv_blocks=num_kv_blocks,
