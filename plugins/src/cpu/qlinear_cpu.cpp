@@ -541,8 +541,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) int ftile_avx
   }
 }
 
-// Float activations, AVX2, int8 weights: ftile_avx2_mb, up to 4 rows per call (the code registers decoded
-// for each call; the int4 weights' form below measured slower for the LM head at 2-8 rows: docs/benchmarks.md).
+// Float activations, AVX2, int8 weights, up to 8 rows (ftile_avx2_w8 below takes more): ftile_avx2_mb, up to 4 rows
+// per call (the code registers decoded for each call; the int4 weights' form below measured slower for the LM head at
+// 2-8 rows: docs/benchmarks.md). Its second pass over a tile (from cache) requests the next tile's int8 blocks: the
+// LM head streams 28 MB of them, and 2-7 rows ran 1.25-1.6x so (docs/benchmarks.md, round 13).
 template <int BITS, int MB>
 __attribute__((target("avx2,fma,f16c"))) void ftile_avx2_mb(const TileArgs& t, float* out) {
   const Layout& l = *t.l;
@@ -553,6 +555,11 @@ __attribute__((target("avx2,fma,f16c"))) void ftile_avx2_mb(const TileArgs& t, f
     for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < l.nblocks; ++b) {
       const uint8_t* blk = t.tile + b * l.block_bytes;
+      if (BITS == 8 && half == 1) {  // the next tile's block (past the weights after the last: prefetches do not fault)
+        const uintptr_t next = reinterpret_cast<uintptr_t>(t.tile) + l.tile_bytes + size_t(b) * l.block_bytes;
+        for (size_t c = 0; c < l.block_bytes; c += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(next + c), _MM_HINT_T1);
+      }
       const __m256 sw =
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + l.block_codes + 16 * half)));
       __m256 s[MB][2];
@@ -791,6 +798,111 @@ __attribute__((target("avx2,fma,f16c"))) int ftile_avx2_decoded(const TileArgs& 
   return m;
 }
 
+// Float activations, AVX2, int8 weights (the LM head), from kF8MinRows rows: ftile_avx2_mb's sums over a chunk of
+// kF8ChunkBlocks blocks decoded once per call into floats (the codes, unscaled, and the block scales), run for
+// every row of the call (up to kFloatMaxRows), 3 rows x both halves of the tile at a time (12 accumulators; 2
+// weight loads and 3 broadcasts per 6 FMAs, against ftile_avx2_mb's decode of each code register per call of at
+// most 4 rows and one broadcast per FMA). Each row's float steps are ftile_avx2_mb's: per block and 8 outputs, two
+// FMA chains from zero over the even and the odd inputs in order, added, then fma(sum, block scale, acc) in block
+// order: the same bits whichever kernel, row count or grouping a row gets.
+constexpr int kF8ChunkBlocks = 4;  // 128 inputs: 8 KiB of decoded codes
+constexpr int kF8MinRows = 9;
+
+// w[bb * 32 * kRows + j * kRows + r] = code of tile row r, input j of block b0 + bb (as a float, unscaled);
+// sw[bb * kRows + r] = its block scale.
+__attribute__((target("avx2,fma,f16c"))) void decode_chunk_w8_avx2(const Layout& l, const uint8_t* tile, int64_t b0,
+                                                                      int nb, float* w, float* sw) {
+  const __m256i flip = _mm256_set1_epi8(char(0x80));
+  for (int bb = 0; bb < nb; ++bb) {
+    const uint8_t* blk = tile + (b0 + bb) * l.block_bytes;
+    float* wb = w + bb * 32 * kRows;
+    for (int half = 0; half < 2; ++half) {
+#pragma GCC unroll 8
+      for (int g = 0; g < 8; ++g) {
+        const __m256i q = _mm256_xor_si256(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * g + 32 * half)), flip);
+#pragma GCC unroll 4
+        for (int e = 0; e < 4; ++e) {
+          const __m256i c = e == 3 ? _mm256_srai_epi32(q, 24) : _mm256_srai_epi32(_mm256_slli_epi32(q, 24 - 8 * e), 24);
+          _mm256_storeu_ps(wb + (4 * g + e) * kRows + 8 * half, _mm256_cvtepi32_ps(c));
+        }
+      }
+      _mm256_storeu_ps(sw + bb * kRows + 8 * half, _mm256_cvtph_ps(_mm_loadu_si128(
+                                                        reinterpret_cast<const __m128i*>(blk + l.block_codes + 16 * half))));
+    }
+  }
+}
+
+// acc[i * kRows + r] += the terms of blocks 0 .. nb - 1 of the decoded chunk for rows i < R <= 3 (x: row 0 at the
+// chunk's first input). Named accumulators: e/o the even / odd inputs' chains, 0/1 the tile's halves.
+#define TRTPAGED_F8_ZERO(i) __m256 e0##i = _mm256_setzero_ps(), e1##i = e0##i, o0##i = e0##i, o1##i = e0##i;
+#define TRTPAGED_F8_FMA(i, c, j)                                              \
+  if constexpr (R > i) {                                                      \
+    const __m256 xb = _mm256_broadcast_ss(xr + i * ldx + (j));                \
+    c##0##i = _mm256_fmadd_ps(w0, xb, c##0##i);                               \
+    c##1##i = _mm256_fmadd_ps(w1, xb, c##1##i);                               \
+  }
+#define TRTPAGED_F8_STEP(c, j)                                                                            \
+  {                                                                                                       \
+    __m256 w0 = _mm256_loadu_ps(wb + (j) * kRows), w1 = _mm256_loadu_ps(wb + (j) * kRows + 8);            \
+    asm("" : "+x"(w0), "+x"(w1)); /* loaded once for all rows, not folded into each row's FMA */          \
+    TRTPAGED_F8_FMA(0, c, j) TRTPAGED_F8_FMA(1, c, j) TRTPAGED_F8_FMA(2, c, j)                            \
+  }
+#define TRTPAGED_F8_SCALE(i)                                                                                 \
+  if constexpr (R > i) {                                                                                     \
+    float* a = acc + i * kRows;                                                                              \
+    _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_add_ps(e0##i, o0##i), s0, _mm256_loadu_ps(a)));              \
+    _mm256_storeu_ps(a + 8, _mm256_fmadd_ps(_mm256_add_ps(e1##i, o1##i), s1, _mm256_loadu_ps(a + 8)));      \
+  }
+template <int R>
+__attribute__((target("avx2,fma"))) void w8_float_rows_avx2(const float* w, const float* sw, int nb, const float* x,
+                                                            int64_t ldx, float* acc) {
+  static_assert(R >= 1 && R <= 3, "1 to 3 rows");
+  for (int bb = 0; bb < nb; ++bb) {
+    const float* wb = w + bb * 32 * kRows;
+    const float* xr = x + bb * 32;
+    TRTPAGED_F8_ZERO(0) TRTPAGED_F8_ZERO(1) TRTPAGED_F8_ZERO(2)
+    for (int j = 0; j < 32; j += 2) {
+      TRTPAGED_F8_STEP(e, j)
+      TRTPAGED_F8_STEP(o, j + 1)
+    }
+    const __m256 s0 = _mm256_loadu_ps(sw + bb * kRows), s1 = _mm256_loadu_ps(sw + bb * kRows + 8);
+    TRTPAGED_F8_SCALE(0) TRTPAGED_F8_SCALE(1) TRTPAGED_F8_SCALE(2)
+  }
+}
+#undef TRTPAGED_F8_ZERO
+#undef TRTPAGED_F8_FMA
+#undef TRTPAGED_F8_STEP
+#undef TRTPAGED_F8_SCALE
+
+__attribute__((target("avx2,fma,f16c"))) int ftile_avx2_w8(const TileArgs& t, int count, float* out) {
+  if (count < kF8MinRows) return ftile_avx2_rows<8>(t, count, out);
+  const Layout& l = *t.l;
+  const int m = std::min(count, kFloatMaxRows);
+  alignas(32) float w[kF8ChunkBlocks * 32 * kRows], sw[kF8ChunkBlocks * kRows];
+  std::fill(out, out + m * kRows, 0.f);
+  for (int64_t b0 = 0; b0 < l.nblocks; b0 += kF8ChunkBlocks) {
+    const int nb = int(std::min<int64_t>(kF8ChunkBlocks, l.nblocks - b0));
+    decode_chunk_w8_avx2(l, t.tile, b0, nb, w, sw);
+    {  // the same blocks of the next tile (the caller's next work item, or past the weights: prefetches do not fault)
+      const uintptr_t next = reinterpret_cast<uintptr_t>(t.tile) + l.tile_bytes + size_t(b0) * l.block_bytes;
+      for (size_t c = 0; c < size_t(nb) * l.block_bytes; c += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(next + c), _MM_HINT_T1);
+    }
+    for (int i = 0; i < m;) {
+      const int left = m - i, groups = (left + 2) / 3, r = (left + groups - 1) / groups;  // groups of 2-3 rows
+      const float* xr = t.x + i * l.k + b0 * 32;
+      switch (r) {
+        case 3: w8_float_rows_avx2<3>(w, sw, nb, xr, l.k, out + i * kRows); break;
+        case 2: w8_float_rows_avx2<2>(w, sw, nb, xr, l.k, out + i * kRows); break;
+        default: w8_float_rows_avx2<1>(w, sw, nb, xr, l.k, out + i * kRows); break;
+      }
+      i += r;
+    }
+  }
+  return m;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Dispatch: the kernels of the ISA in use (chosen in isa.cpp).
 TileKernel tile_kernel(Isa isa, int bits, bool float_activations) {
@@ -798,7 +910,7 @@ TileKernel tile_kernel(Isa isa, int bits, bool float_activations) {
     switch (isa) {
       case kAvx512Vnni: return bits == 8 ? ftile_avx512<8> : ftile_avx512<4>;
       case kAvxVnni:
-      case kAvx2: return bits == 8 ? ftile_avx2_rows<8> : ftile_avx2_decoded;
+      case kAvx2: return bits == 8 ? ftile_avx2_w8 : ftile_avx2_decoded;
       default: return bits == 8 ? tile_scalar<8, true> : tile_scalar<4, true>;
     }
   }
@@ -817,11 +929,10 @@ int tile_max_rows(Isa isa, int bits) {
   return isa == kAvx512Vnni ? 8 : 4;
 }
 
-// Activation rows one call of tile_kernel's float-activation kernel takes at most: ftile_avx2_decoded (int4 on
-// AVX2 and AVX-VNNI) runs every row of a call over each decoded chunk, the others kMaxMB.
-int float_tile_max_rows(Isa isa, int bits) {
-  return bits == 4 && (isa == kAvx2 || isa == kAvxVnni) ? kFloatMaxRows : kMaxMB;
-}
+// Activation rows one call of tile_kernel's float-activation kernel takes at most: on AVX2 and AVX-VNNI
+// ftile_avx2_decoded (int4) and ftile_avx2_w8 (int8, from kF8MinRows rows) run every row of a call over each decoded
+// chunk, the others kMaxMB.
+int float_tile_max_rows(Isa isa) { return isa == kAvx2 || isa == kAvxVnni ? kFloatMaxRows : kMaxMB; }
 
 // ---------------------------------------------------------------------------------------------
 // Per-call buffers, one set per calling thread, reused across calls (no allocation per decode step).
@@ -1157,7 +1268,7 @@ TRTPAGED_API trtpaged_status trtpaged_qlinear_cpu_ex(const float* x, int64_t m, 
     }
     run_tiles(l, tile_kernel(isa, bits, float_acts), float_acts ? nullptr : &acts, float_acts ? x : nullptr,
               float_acts && bits == 4 ? buf.group_sums.data() : nullptr, m, static_cast<const uint8_t*>(packed), bias,
-              y, 1, float_acts ? float_tile_max_rows(isa, bits) : std::max(kMaxMB, tile_max_rows(isa, bits)));
+              y, 1, float_acts ? float_tile_max_rows(isa) : std::max(kMaxMB, tile_max_rows(isa, bits)));
     return trtpaged_status(ok());
   } catch (const std::exception& e) {
     return trtpaged_status(fail(TRTPAGED_ERR_INVALID_ARGUMENT, std::string("qlinear_cpu: ") + e.what()));
