@@ -374,6 +374,21 @@ def test_float_activations_edge_codes_and_bias(isa: str, bits: int, fill: int) -
     check_float(bits, 5, 10, 96, 32, codes_fill=fill, bias=True, seed=6)
 
 
+@pytest.mark.parametrize("fill", [None, 127, -128])
+def test_float_activations_int8_weights_many_rows(isa: str, fill: Optional[int]) -> None:
+    # AVX2, int8 weights (the LM head): from 9 rows every row of a call (up to 64) runs over chunks of 4 decoded
+    # blocks, 3 or 2 rows at a time; fewer rows run the per-call kernel, which must give the same bits. K = 288:
+    # 9 blocks, two chunks and a tail of one; N = 40: the last tile half padding; 67 rows: a call of 64 and a
+    # 3-row tail; 9-12 rows: groups of 3 and 2; the edge codes.
+    codes, scales, _, _ = make_weight(8, 40, 288, 32, seed=61, codes_fill=fill)
+    packed = kernels.qlinear_pack(8, codes, scales, None, 32)
+    x = torch.randn(67, 288, generator=torch.Generator().manual_seed(62)) * 2
+    every = kernels.qlinear(x, packed, 8, 40, 288, 32, float_activations=True)
+    assert_first_and_last_rows_give(lambda rows: kernels.qlinear(rows, packed, 8, 40, 288, 32, float_activations=True),
+                                    x, every, (2, 8, 9, 10, 11, 12, 64))
+    check_float(8, 67, 40, 288, 32, bias=True, seed=61, codes_fill=fill, x=x)  # and the rows are right
+
+
 def test_float_activations_is_more_accurate_than_int8() -> None:
     # The reason the path exists: on the same weight, float activations land much closer to x @ W^T.
     codes, scales, offsets, w = make_weight(4, 64, 576, 32, seed=12)

@@ -827,8 +827,8 @@ __attribute__((target("avx2,fma,f16c"))) void decode_chunk_w8_avx2(const Layout&
           _mm256_storeu_ps(wb + (4 * g + e) * kRows + 8 * half, _mm256_cvtepi32_ps(c));
         }
       }
-      _mm256_storeu_ps(sw + bb * kRows + 8 * half, _mm256_cvtph_ps(_mm_loadu_si128(
-                                                        reinterpret_cast<const __m128i*>(blk + l.block_codes + 16 * half))));
+      const __m128i sh = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + l.block_codes + 16 * half));
+      _mm256_storeu_ps(sw + bb * kRows + 8 * half, _mm256_cvtph_ps(sh));
     }
   }
 }
