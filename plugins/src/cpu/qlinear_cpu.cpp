@@ -804,8 +804,11 @@ __attribute__((target("avx2,fma,f16c"))) int ftile_avx2_decoded(const TileArgs& 
 // weight loads and 3 broadcasts per 6 FMAs, against ftile_avx2_mb's decode of each code register per call of at
 // most 4 rows and one broadcast per FMA). Each row's float steps are ftile_avx2_mb's: per block and 8 outputs, two
 // FMA chains from zero over the even and the odd inputs in order, added, then fma(sum, block scale, acc) in block
-// order: the same bits whichever kernel, row count or grouping a row gets.
-constexpr int kF8ChunkBlocks = 4;  // 128 inputs: 8 KiB of decoded codes
+// order: the same bits whichever kernel, row count or grouping a row gets. While a chunk runs, the same blocks of
+// the next tile are requested. LM head, one thread, forced AVX2 on the EPYC, quiet (scripts/qlinear_rows_probe.py,
+// docs/benchmarks.md round 13): against ftile_avx2_mb with the same prefetch 1.04-1.17x at 9-16 rows, 1.20x at 32,
+// 0.94-1.04x at 6-8 (so 8 rows or fewer keep it); against main's kernel 1.18-1.44x at 9-32 rows.
+constexpr int kF8ChunkBlocks = 4;  // 128 inputs: 8 KiB of decoded codes (6 blocks measured the same)
 constexpr int kF8MinRows = 9;
 
 // w[bb * 32 * kRows + j * kRows + r] = code of tile row r, input j of block b0 + bb (as a float, unscaled);
