@@ -48,6 +48,10 @@ constexpr int kRows = 16;   // output rows per tile
 constexpr int kMaxMB = 8;   // activation rows per kernel call (register blocking), at most
 // Tiles at least this long get the next tile prefetched by the two-pass AVX2 kernels (qlinear_tile256.inc).
 constexpr size_t kPrefetchTileBytes = 12288;
+// Packed weights at least this large (the LM head: 28 MB in int8) do not stay in a core's caches between calls: the
+// AVX2 int8-weight float-activation kernels request the next tile while one runs (TileArgs::prefetch_next). Weights
+// held in the L2 or L3 measured 0.85-0.90x with it at 2-4 rows (one more load-port op per 8.5 code bytes).
+constexpr size_t kPrefetchWeightBytes = size_t(8) << 20;
 
 using trtpaged::cpu::Isa;
 using trtpaged::cpu::kAvx2;
@@ -139,6 +143,7 @@ struct TileArgs {
   const Acts* a;           // int8 activations
   const float* x;          // float activations: x[m0], row stride l->k
   const float* xgroup;     // float activations, int4: sums of x per group, [m][ngroups]
+  bool prefetch_next;      // request the next tile (the caller's next work item) while this one runs
 };
 
 using TileKernel = int (*)(const TileArgs&, int count, float* out);
@@ -555,7 +560,7 @@ __attribute__((target("avx2,fma,f16c"))) void ftile_avx2_mb(const TileArgs& t, f
     for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < l.nblocks; ++b) {
       const uint8_t* blk = t.tile + b * l.block_bytes;
-      if (BITS == 8 && half == 1) {  // the next tile's block (past the weights after the last: prefetches do not fault)
+      if (BITS == 8 && half == 1 && t.prefetch_next) {  // the next tile's block (prefetches past the end do not fault)
         const uintptr_t next = reinterpret_cast<uintptr_t>(t.tile) + l.tile_bytes + size_t(b) * l.block_bytes;
         for (size_t c = 0; c < l.block_bytes; c += 64)
           _mm_prefetch(reinterpret_cast<const char*>(next + c), _MM_HINT_T1);
@@ -887,7 +892,7 @@ __attribute__((target("avx2,fma,f16c"))) int ftile_avx2_w8(const TileArgs& t, in
   for (int64_t b0 = 0; b0 < l.nblocks; b0 += kF8ChunkBlocks) {
     const int nb = int(std::min<int64_t>(kF8ChunkBlocks, l.nblocks - b0));
     decode_chunk_w8_avx2(l, t.tile, b0, nb, w, sw);
-    {  // the same blocks of the next tile (the caller's next work item, or past the weights: prefetches do not fault)
+    if (t.prefetch_next) {  // the same blocks of the next tile (past the last: prefetches do not fault)
       const uintptr_t next = reinterpret_cast<uintptr_t>(t.tile) + l.tile_bytes + size_t(b0) * l.block_bytes;
       for (size_t c = 0; c < size_t(nb) * l.block_bytes; c += 64)
         _mm_prefetch(reinterpret_cast<const char*>(next + c), _MM_HINT_T1);
@@ -1106,6 +1111,7 @@ void run_tiles(const Layout& l, TileKernel kernel, const Acts* acts, const float
   const int64_t band_items = l.ntiles * band;  // work items of a whole band
   const int64_t items = l.ntiles * nchunks;
   const double work = double(l.ntiles) * kRows * double(l.k) * double(m);
+  const bool stream_weights = size_t(l.ntiles) * l.tile_bytes >= kPrefetchWeightBytes;
   auto run_item = [&](int64_t item) {
     const int64_t b0 = item / band_items * band;  // the band's first chunk
     const int64_t width = std::min(band, nchunks - b0);
@@ -1117,7 +1123,8 @@ void run_tiles(const Layout& l, TileKernel kernel, const Acts* acts, const float
     const int rows = int(std::min<int64_t>(kRows, l.n - tile * kRows));
     for (int64_t m0 = mbeg; m0 < mend;) {
       alignas(64) float out[kFloatMaxRows * kRows];
-      const TileArgs args{&l, tp, m0, acts, x ? x + m0 * l.k : nullptr, xgroup};
+      // the first call of a tile requests the next one
+      const TileArgs args{&l, tp, m0, acts, x ? x + m0 * l.k : nullptr, xgroup, stream_weights && m0 == mbeg};
       const int want = int(std::min<int64_t>(call_rows, mend - m0));
       // The y lines this call writes are requested (for writing) while the tile is computed: with
       // wide outputs (the LM head) they are cache misses, which the stores below would otherwise wait on.
