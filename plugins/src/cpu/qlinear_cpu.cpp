@@ -550,7 +550,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) int ftile_avx
 // per call (the code registers decoded for each call; the int4 weights' form below measured slower for the LM head at
 // 2-8 rows: docs/benchmarks.md). Its second pass over a tile (from cache) requests the next tile's int8 blocks: the
 // LM head streams 28 MB of them, and 2-7 rows ran 1.25-1.6x so (docs/benchmarks.md, round 13).
-template <int BITS, int MB>
+template <int BITS, int MB, bool PREFETCH = false>
 __attribute__((target("avx2,fma,f16c"))) void ftile_avx2_mb(const TileArgs& t, float* out) {
   const Layout& l = *t.l;
   const __m256i flip = _mm256_set1_epi8(char(0x80));
@@ -560,7 +560,7 @@ __attribute__((target("avx2,fma,f16c"))) void ftile_avx2_mb(const TileArgs& t, f
     for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < l.nblocks; ++b) {
       const uint8_t* blk = t.tile + b * l.block_bytes;
-      if (BITS == 8 && half == 1 && t.prefetch_next) {  // the next tile's block (prefetches past the end do not fault)
+      if (PREFETCH && half == 1) {  // the next tile's block (prefetches past the end do not fault)
         const uintptr_t next = reinterpret_cast<uintptr_t>(t.tile) + l.tile_bytes + size_t(b) * l.block_bytes;
         for (size_t c = 0; c < l.block_bytes; c += 64)
           _mm_prefetch(reinterpret_cast<const char*>(next + c), _MM_HINT_T1);
@@ -606,6 +606,14 @@ __attribute__((target("avx2,fma,f16c"))) void ftile_avx2_mb(const TileArgs& t, f
 
 template <int BITS>
 __attribute__((target("avx2,fma,f16c"))) int ftile_avx2_rows(const TileArgs& t, int count, float* out) {
+  if (BITS == 8 && t.prefetch_next) {  // a form of its own: the branch in the loop cost weights held in cache 4-8%
+    switch (std::min(count, 4)) {
+      case 4: return ftile_avx2_mb<BITS, 4, true>(t, out), 4;
+      case 3: return ftile_avx2_mb<BITS, 3, true>(t, out), 3;
+      case 2: return ftile_avx2_mb<BITS, 2, true>(t, out), 2;
+      default: return ftile_avx2_mb<BITS, 1, true>(t, out), 1;
+    }
+  }
   switch (std::min(count, 4)) {
     case 4: return ftile_avx2_mb<BITS, 4>(t, out), 4;
     case 3: return ftile_avx2_mb<BITS, 3>(t, out), 3;
