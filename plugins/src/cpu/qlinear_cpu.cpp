@@ -604,21 +604,15 @@ __attribute__((target("avx2,fma,f16c"))) void ftile_avx2_mb(const TileArgs& t, f
   }
 }
 
-template <int BITS>
-__attribute__((target("avx2,fma,f16c"))) int ftile_avx2_rows(const TileArgs& t, int count, float* out) {
-  if (BITS == 8 && t.prefetch_next) {  // a form of its own: the branch in the loop cost weights held in cache 4-8%
-    switch (std::min(count, 4)) {
-      case 4: return ftile_avx2_mb<BITS, 4, true>(t, out), 4;
-      case 3: return ftile_avx2_mb<BITS, 3, true>(t, out), 3;
-      case 2: return ftile_avx2_mb<BITS, 2, true>(t, out), 2;
-      default: return ftile_avx2_mb<BITS, 1, true>(t, out), 1;
-    }
-  }
+// PREFETCH: the form that requests the next tile (TileArgs::prefetch_next), an instance of its own (a branch in the
+// loop, or both forms compiled into one function, cost weights held in cache about 5%).
+template <int BITS, bool PREFETCH = false>
+__attribute__((target("avx2,fma,f16c"), noinline)) int ftile_avx2_rows(const TileArgs& t, int count, float* out) {
   switch (std::min(count, 4)) {
-    case 4: return ftile_avx2_mb<BITS, 4>(t, out), 4;
-    case 3: return ftile_avx2_mb<BITS, 3>(t, out), 3;
-    case 2: return ftile_avx2_mb<BITS, 2>(t, out), 2;
-    default: return ftile_avx2_mb<BITS, 1>(t, out), 1;
+    case 4: return ftile_avx2_mb<BITS, 4, PREFETCH>(t, out), 4;
+    case 3: return ftile_avx2_mb<BITS, 3, PREFETCH>(t, out), 3;
+    case 2: return ftile_avx2_mb<BITS, 2, PREFETCH>(t, out), 2;
+    default: return ftile_avx2_mb<BITS, 1, PREFETCH>(t, out), 1;
   }
 }
 
@@ -891,8 +885,7 @@ __attribute__((target("avx2,fma"))) void w8_float_rows_avx2(const float* w, cons
 #undef TRTPAGED_F8_STEP
 #undef TRTPAGED_F8_SCALE
 
-__attribute__((target("avx2,fma,f16c"))) int ftile_avx2_w8(const TileArgs& t, int count, float* out) {
-  if (count < kF8MinRows) return ftile_avx2_rows<8>(t, count, out);
+__attribute__((target("avx2,fma,f16c"))) int ftile_avx2_w8_decoded(const TileArgs& t, int count, float* out) {
   const Layout& l = *t.l;
   const int m = std::min(count, kFloatMaxRows);
   alignas(32) float w[kF8ChunkBlocks * 32 * kRows], sw[kF8ChunkBlocks * kRows];
@@ -917,6 +910,12 @@ __attribute__((target("avx2,fma,f16c"))) int ftile_avx2_w8(const TileArgs& t, in
     }
   }
   return m;
+}
+
+// Float activations, AVX2 and AVX-VNNI, int8 weights: the decoded chunks from kF8MinRows rows, ftile_avx2_mb below.
+__attribute__((target("avx2,fma,f16c"))) int ftile_avx2_w8(const TileArgs& t, int count, float* out) {
+  if (count >= kF8MinRows) return ftile_avx2_w8_decoded(t, count, out);
+  return t.prefetch_next ? ftile_avx2_rows<8, true>(t, count, out) : ftile_avx2_rows<8>(t, count, out);
 }
 
 // ---------------------------------------------------------------------------------------------
