@@ -548,8 +548,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) int ftile_avx
 
 // Float activations, AVX2, int8 weights, up to 8 rows (ftile_avx2_w8 below takes more): ftile_avx2_mb, up to 4 rows
 // per call (the code registers decoded for each call; the int4 weights' form below measured slower for the LM head at
-// 2-8 rows: docs/benchmarks.md). Its second pass over a tile (from cache) requests the next tile's int8 blocks: the
-// LM head streams 28 MB of them, and 2-7 rows ran 1.25-1.6x so (docs/benchmarks.md, round 13).
+// 2-8 rows: docs/benchmarks.md). PREFETCH (weights of kPrefetchWeightBytes or more): its second pass over a tile
+// (from cache) requests the next tile's int8 blocks; the LM head (28 MB of them) ran 1.2x so at 4-8 rows (round 13).
 template <int BITS, int MB, bool PREFETCH = false>
 __attribute__((target("avx2,fma,f16c"))) void ftile_avx2_mb(const TileArgs& t, float* out) {
   const Layout& l = *t.l;
@@ -811,10 +811,11 @@ __attribute__((target("avx2,fma,f16c"))) int ftile_avx2_decoded(const TileArgs& 
 // weight loads and 3 broadcasts per 6 FMAs, against ftile_avx2_mb's decode of each code register per call of at
 // most 4 rows and one broadcast per FMA). Each row's float steps are ftile_avx2_mb's: per block and 8 outputs, two
 // FMA chains from zero over the even and the odd inputs in order, added, then fma(sum, block scale, acc) in block
-// order: the same bits whichever kernel, row count or grouping a row gets. While a chunk runs, the same blocks of
-// the next tile are requested. LM head, one thread, forced AVX2 on the EPYC, quiet (scripts/qlinear_rows_probe.py,
-// docs/benchmarks.md round 13): against ftile_avx2_mb with the same prefetch 1.04-1.17x at 9-16 rows, 1.20x at 32,
-// 0.94-1.04x at 6-8 (so 8 rows or fewer keep it); against main's kernel 1.18-1.44x at 9-32 rows.
+// order: the same bits whichever kernel, row count or grouping a row gets. With TileArgs::prefetch_next, while a
+// chunk runs the same blocks of the next tile are requested. One thread, forced AVX2 on the EPYC, quiet
+// (scripts/qlinear_rows_probe.py, docs/benchmarks.md round 13): LM head 1.16-1.45x main's kernel at 9-32 rows, 1.07x
+// at 64 (1.03-1.15x of ftile_avx2_mb with the same prefetch); int8 weights held in cache 1.07-1.29x at 9-64 rows;
+// at 8 rows 0.90-1.04x of ftile_avx2_mb, so 8 or fewer keep it.
 constexpr int kF8ChunkBlocks = 4;  // 128 inputs: 8 KiB of decoded codes (6 blocks measured the same)
 constexpr int kF8MinRows = 9;
 
