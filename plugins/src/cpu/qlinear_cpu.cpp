@@ -886,6 +886,8 @@ __attribute__((target("avx2,fma"))) void w8_float_rows_avx2(const float* w, cons
 #undef TRTPAGED_F8_STEP
 #undef TRTPAGED_F8_SCALE
 
+// Chunk by chunk in block order, the call's rows in groups of 3 or 2 (as even as possible: a lone row would wait on
+// the FMA latency).
 __attribute__((target("avx2,fma,f16c"))) int ftile_avx2_w8_decoded(const TileArgs& t, int count, float* out) {
   const Layout& l = *t.l;
   const int m = std::min(count, kFloatMaxRows);
