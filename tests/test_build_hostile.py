@@ -56,6 +56,11 @@ def _one_line_failure(r, *words: str) -> str:
     ({"max_seq_len": 1}, ["max_seq_len: got 1; at least 16"]),
     ({"model": {"tiny": {"seed": "abc"}}}, ["model.tiny.seed: got 'abc'"]),
     ({"model": {"tiny": {"rope_theta": -1.0}}}, ["model.tiny.rope_theta: got -1.0"]),
+    # factor 0 built an engine of NaN logits (--skip-verify); YAML reads 1e300 as a string
+    ({"model": {"tiny": {"rope_scaling": {"rope_type": "linear", "factor": 0}}}},
+     ["model.tiny.rope_scaling.factor: got 0; expected a number > 0"]),
+    ({"model": {"tiny": {"rope_scaling": {"rope_type": "linear", "factor": "1e300"}}}},
+     ["model.tiny.rope_scaling.factor: got '1e300'"]),
     ({"kv_cache": {"num_kv_blocks": 10**15}}, ["kv_cache.num_kv_blocks: got 1000000000000000; at most 2147483647"]),
     ({"kv_cache": {"num_kv_blocks": 2**31 - 1}}, ["kv_cache.num_kv_blocks: got 2147483647: a KV pool of 1.64e+04 GiB",
                                                "the most memory a device of this machine has"]),

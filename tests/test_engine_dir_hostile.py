@@ -132,6 +132,11 @@ def _wrong_dims(e: Path) -> None:
     _edit_manifest(e, dims={**data["dims"], "intermediate_size": 256})
 
 
+def _rope_factor_zero(e: Path) -> None:
+    data = json.loads((e / MANIFEST_NAME).read_text())
+    _edit_manifest(e, dims={**data["dims"], "rope_scaling": {"rope_type": "linear", "factor": 0}})
+
+
 def _unknown_field(e: Path) -> None:
     _edit_manifest(e, weights_sha="abc")
 
@@ -197,6 +202,8 @@ BROKEN = {
     "missing tokenizer dir": (_no_tokenizer, False, "tokenizer_dir", "missing"),
     "wrong dims": (_wrong_dims, False, "layers.0.mlp.gate_up_proj.weight", "the manifest's dims need"),
     "unknown manifest field": (_unknown_field, False, "weights_sha", "unknown field"),
+    # was: loaded, and every request failed on NaN logits
+    "rope_scaling factor 0": (_rope_factor_zero, False, "dims", "gives non-finite rotary frequencies"),
     "weights not hashed": (_unlisted_weights, False, "weights_file", "not listed in the manifest's files"),
     "extra tokenizer file": (_tokenizer_extra_file, False, "tokenizer_dir", "does not list"),
     "num_kv_blocks 10^15": (_kv_blocks_beyond_int32, False, "kv_cache.num_kv_blocks", "int32 block ids"),

@@ -272,3 +272,12 @@ def test_kv_tier_what_if_reaches_an_unbounded_pool_s_hits() -> None:
     assert "| unbounded | 53.3% | 512 |" in format_tier_table(rows, small.num_kv_blocks)  # 512 of 12 x 80 tokens
     with pytest.raises(ValueError, match="--kv-tier-blocks"):
         parse_tier_blocks("4,0")
+
+
+def test_idle_steps_between_arrivals_count_in_no_replay() -> None:
+    # The same request twice, 1000 steps apart: every policy computes for 2 x 10 steps, one sequence running.
+    # Before, the contiguous replays counted the 990 idle steps (the paged ones never did): paged "50x faster".
+    budget = Budget(num_kv_blocks=64, block_size=16, max_seq_len=512, max_batch_size=8, max_num_tokens=256)
+    report = run_memory_bench([TraceRequest(20, 10), TraceRequest(20, 10, arrival=1000)], budget)
+    for p in report["policies"]:
+        assert (p["steps"], p["mean_running"], p["speedup_in_steps_vs_reserve_max"]) == (20, 1.0, 1.0), p

@@ -13,7 +13,7 @@ import math
 import pytest
 from click.testing import CliRunner
 
-from runtime_helpers import RandomLogitsEngine, runtime_config
+from runtime_helpers import RandomLogitsEngine, hf_from_engine_dir, runtime_config
 from trtpaged.cli import main
 from trtpaged.runtime.llm_engine import LLMEngine
 from trtpaged.runtime.outputs import RequestOutput
@@ -169,3 +169,111 @@ def test_generate_cli_reports_a_request_that_failed_in_a_step(tiny_engine_dir, m
     result = CliRunner().invoke(main, ["generate", str(tiny_engine_dir), "--prompt", "hi", "--max-tokens", "20"])
     assert result.exit_code == 1, result.output
     assert result.output.strip().splitlines()[-1] == "Error: the request failed: " + NON_FINITE, result.output
+
+
+def test_a_beam_search_the_pool_cannot_hold_to_the_end_returns_its_beams_as_a_length_limit_would():
+    # 3 beams of a 6-token prompt on a pool of 5 blocks of 4 tokens: the beams outgrow it after a few tokens and
+    # the search is cut there. The truth: the same search with max_tokens at the cut on a pool that holds it.
+    params = SamplingParams(max_tokens=40, beam_width=3, n=3, ignore_eos=True)
+    prompt = [3, 1, 4, 1, 5, 9]
+    cut = run(fake_engine(num_kv_blocks=5), [(prompt, params)])["req-0"]
+    assert len(cut.outputs) == 3 and cut.error is None, cut  # was: no output at all
+    lengths = {len(c.token_ids) for c in cut.outputs}
+    assert len(lengths) == 1 and 0 < lengths.pop() < 40
+    limit = len(cut.outputs[0].token_ids)
+    truth = run(fake_engine(), [(prompt, SamplingParams(max_tokens=limit, beam_width=3, n=3, ignore_eos=True))])
+    expected = truth["req-0"].outputs
+    assert [(c.token_ids, c.finish_reason) for c in cut.outputs] == [(c.token_ids, "length") for c in expected]
+    assert [c.cumulative_logprob for c in cut.outputs] == pytest.approx([c.cumulative_logprob for c in expected])
+
+
+@pytest.mark.parametrize("prompt,params,field", [
+    ("caf\udce9", SamplingParams(max_tokens=2), "prompt"),  # a lone surrogate (JSON "\udce9", a bad decode)
+    ("hi", SamplingParams(max_tokens=2, bad_words=["\ud800x"]), "bad_words"),
+    (None, SamplingParams(max_tokens=2), "prompt"),
+    (7, SamplingParams(max_tokens=2), "prompt"),
+    ({"prompt": "hi"}, SamplingParams(max_tokens=2), "prompt"),
+])
+def test_prompts_the_tokenizer_cannot_take_are_refused_naming_the_field(tiny_engine_dir, prompt, params, field):
+    from trtpaged import LLM
+    from trtpaged.errors import RequestError
+
+    llm = LLM(tiny_engine_dir, device="cpu", warmup=False)
+    with pytest.raises(RequestError) as info:  # was: TypeError from the tokenizers library, or from indexing
+        llm.generate(prompt, params)
+    assert info.value.field == field
+    assert llm.stats()["kv_blocks_used"] == 0 and not llm.engine.has_unfinished()
+    with pytest.raises(RequestError, match="messages: not valid Unicode"):
+        llm.chat([{"role": "user", "content": "\ud800"}], SamplingParams(max_tokens=2))
+    with pytest.raises(RequestError, match="messages: must be a list of messages"):  # was: transformers' TypeError
+        llm.chat("hi", SamplingParams(max_tokens=2))
+    with pytest.raises(RequestError, match="chat_template_kwargs: must be a mapping, got list"):
+        llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2), chat_template_kwargs=[1])
+
+
+def test_token_id_arrays_are_prompts_and_wrong_params_are_named(tiny_engine_dir):
+    import numpy as np
+
+    from trtpaged import LLM
+
+    llm = LLM(tiny_engine_dir, device="cpu", warmup=False)
+    greedy = SamplingParams(max_tokens=3, temperature=0.0)
+    truth = [o.outputs[0].token_ids for o in llm.generate([[5, 6, 7], [8, 9]], greedy)]
+    assert [o.outputs[0].token_ids for o in llm.generate(np.array([5, 6, 7]), greedy)] == truth[:1]
+    assert [o.outputs[0].token_ids for o in llm.generate([np.array([5, 6, 7]), (8, 9)], greedy)] == truth
+    with pytest.raises(TypeError, match="sampling_params: a SamplingParams or a list of them, got dict"):
+        llm.generate("hi", {"max_tokens": 3})
+
+
+def test_a_host_pool_beyond_the_hosts_memory_is_refused_before_loading(tiny_engine_dir, monkeypatch):
+    from trtpaged import LLM
+    from trtpaged.kv_budget import KVBudgetError
+    from trtpaged.runtime.runners import torch_runner
+
+    loaded = []
+    monkeypatch.setattr(torch_runner.TorchRunner, "from_engine_dir", lambda *a, **k: loaded.append(a))
+    with pytest.raises(KVBudgetError, match=r"num_host_blocks: 1099511627776 blocks of \d+ bytes need") as info:
+        LLM(tiny_engine_dir, device="cpu", preemption_mode="swap", num_host_blocks=2**40)  # was: torch's alloc error
+    assert info.value.field == "num_host_blocks" and not loaded
+    with pytest.raises(ValueError, match="num_host_blocks: must be an integer >= 0, got 2.5"):
+        LLM(tiny_engine_dir, device="cpu", preemption_mode="swap", num_host_blocks=2.5)
+    with pytest.raises(KVBudgetError, match=r"kv_tiers.host_memory: 9.31e\+08 GiB exceeds what the host has") as info:
+        LLM(tiny_engine_dir, device="cpu", kv_tiers={"host_memory": "1000000TB"})  # was: accepted, grew until OOM
+    assert info.value.field == "kv_tiers.host_memory" and not loaded
+
+
+@pytest.mark.parametrize("option,value", [("max_batch_size", 4.0), ("max_num_tokens", 100.0), ("max_seq_len", True),
+                                          ("num_kv_blocks", "64")])
+def test_llm_limits_that_are_not_integers_are_refused_before_loading(tiny_engine_dir, option, value):
+    from trtpaged import LLM
+
+    # was: a TypeError from the warm-up's range() (floats), max_seq_len True taken as 1, "must be >= 1, got 64"
+    with pytest.raises(ValueError, match=f"{option}: must be an integer"):
+        LLM(tiny_engine_dir, device="cpu", **{option: value})
+
+
+def test_logprobs_beyond_max_logprobs_are_refused_naming_the_field(tiny_engine_dir):
+    """At most max_logprobs (vLLM's default 20) top log-probs per token; a larger limit gives that many, each the
+    log-softmax of the model's logits; -1 allows the whole vocabulary. Refused before anything is allocated."""
+    import torch
+
+    from trtpaged import LLM
+    from trtpaged.errors import RequestError
+
+    llm = LLM(tiny_engine_dir, device="cpu", warmup=False)
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(RequestError, match=f"{name}: 21 exceeds max_logprobs \\(20\\)") as info:
+            llm.generate([5, 6, 7], SamplingParams(max_tokens=2, **{name: 21}))
+        assert info.value.field == name and info.value.limit == 20
+        assert llm.stats()["kv_blocks_used"] == 0 and not llm.engine.has_unfinished()
+    with pytest.raises(ValueError, match="max_logprobs: must be >= 0, or -1"):
+        LLM(tiny_engine_dir, device="cpu", warmup=False, max_logprobs=2.5)
+    vocab = llm.manifest.dims.vocab_size
+    wide = LLM(tiny_engine_dir, device="cpu", warmup=False, max_logprobs=-1)
+    (out,) = wide.generate([5, 6, 7], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=vocab))
+    hf = hf_from_engine_dir(tiny_engine_dir)
+    with torch.no_grad():
+        truth = torch.log_softmax(hf.model(torch.tensor([[5, 6, 7]])).logits[0, 0].double(), dim=-1)
+    entry = out.prompt_logprobs[1]  # the log-probs over the whole vocabulary at the second prompt position
+    assert len(entry) == vocab
+    assert max(abs(entry[t] - truth[t].item()) for t in range(vocab)) < 1e-4

@@ -486,6 +486,9 @@ def _check_rope_scaling(spec: Any, fail) -> None:
             raise fail(where, f"got {_show(value)}; expected a number, a string or a list of numbers")
         elif isinstance(value, float) and not math.isfinite(value):
             raise fail(where, f"got {value}; expected a finite number")
+    factor = spec.get("factor")  # positions (or frequencies) are divided by it: 0 makes every logit NaN
+    if "factor" in spec and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0):
+        raise fail(f"{key}.factor", f"got {_show(factor)}; expected a number > 0")
 
 
 def _section(spec: Any, key: str, keys: tuple[str, ...], example: str, fail) -> bool:

@@ -23,3 +23,14 @@ class RequestError(ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.limit = limit
+
+
+def check_unicode(field: str, text: str) -> str:
+    """`text`, when a tokenizer can take it: a str that encodes to UTF-8 (a lone surrogate, which a JSON `\\ud800`
+    escape or a bad decode leaves, does not; the tokenizers library raises a bare TypeError on it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RequestError(field, f"not valid Unicode text: {exc.reason} (character {exc.start}, "
+                           f"{text[exc.start]!r})") from None  # fmt: skip
+    return text

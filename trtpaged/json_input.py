@@ -15,6 +15,8 @@ def json_object(value: Any, where: str, allowed: Iterable[str]) -> dict[str, Any
             value = json.loads(value)
         except ValueError as exc:
             raise ValueError(f"{where}: not JSON ({exc})") from None
+        except RecursionError:
+            raise ValueError(f"{where}: not JSON this reader takes (nested too deeply)") from None
     if not isinstance(value, Mapping):
         raise ValueError(f"{where}: expected a JSON object, got {type(value).__name__}")
     allowed = set(allowed)

@@ -66,6 +66,32 @@ def check_pool_fits(blocks: int, bytes_per_block: int, available: int, field: st
                                    f"{_gib(available)}", available)
 
 
+def check_host_pool(num_host_blocks: int, bytes_per_block: int, device: str, num_kv_blocks: int) -> None:
+    """Raises ValueError (KVBudgetError for the size) when the host pool of swap preemption, `num_host_blocks`
+    blocks, is not a count or does not fit the host's available memory, less the KV pool's when that is on the
+    host too (before either is allocated)."""
+    if isinstance(num_host_blocks, bool) or not isinstance(num_host_blocks, int) or num_host_blocks < 0:
+        raise ValueError(f"num_host_blocks: must be an integer >= 0, got {num_host_blocks!r}")
+    available = available_memory_bytes("cpu")
+    where = "the host now"
+    if not device.startswith("cuda"):
+        available = max(0, available - num_kv_blocks * bytes_per_block)
+        where += f" besides the KV pool of {num_kv_blocks} blocks"
+    check_pool_fits(num_host_blocks, bytes_per_block, available, "num_host_blocks", where)
+
+
+def check_host_tier(host_memory: int, bytes_per_block: int, device: str, num_kv_blocks: int,
+                    num_host_blocks: int) -> None:
+    """Raises KVBudgetError when the host-memory KV tier (`kv_tiers.host_memory` bytes) does not fit the host's
+    available memory less the pools it shares it with (the KV pool on a CPU device, a swap pool): it fills as
+    the pool evicts prefix blocks, hours after loading, so it is checked before anything loads."""
+    taken = num_host_blocks + (0 if device.startswith("cuda") else num_kv_blocks)
+    available = max(0, available_memory_bytes("cpu") - taken * bytes_per_block)
+    if host_memory > available:
+        raise KVBudgetError("kv_tiers.host_memory", f"{_gib(host_memory)} exceeds what the host has now besides the "
+                                                     f"engine's pools ({_gib(available)})", available)  # fmt: skip
+
+
 def _gib(n: int) -> str:
     return f"{n / 2**30:.3g} GiB"
 
@@ -110,7 +136,7 @@ def kv_blocks(manifest: Manifest, free_memory: Optional[int] = None, override: O
     """
     if override is not None:
         if isinstance(override, bool) or not isinstance(override, int) or override < 1:
-            raise ValueError(f"num_kv_blocks: must be >= 1, got {override}")
+            raise ValueError(f"num_kv_blocks: must be an integer >= 1, got {override!r}")
         return override
     return budget_blocks(manifest.limits, manifest.kv_cache, manifest.kv_bytes_per_block_per_rank, free_memory)
 

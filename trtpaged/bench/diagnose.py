@@ -122,7 +122,7 @@ def read_request_log(path: str | Path, tokenize: Optional[Callable[[str], list[i
             if "finish_reasons" in data and type(data["output_len"]) is int and data["output_len"] == 0:
                 out.skipped_without_output += 1  # the server refused it: no token, nothing to replay
                 continue
-            ids = _prompt_ids(data, given[0], tokenize)
+            ids = _prompt_ids(data, given[0], tokenize, vocab_size)
             fields = {k: v for k, v in data.items() if k in TRACE_FIELDS and k != "arrival"}  # arrival: below
             req = TraceRequest(prompt_len=len(ids) if ids is not None else data["prompt_len"], **fields)
             if ids is None:
@@ -213,7 +213,8 @@ def _check_server_fields(data: dict) -> None:
         raise ValueError(f"finish_reasons: must be a list of strings, got {reasons!r}")
 
 
-def _prompt_ids(data: dict, field: str, tokenize: Optional[Callable[[str], list[int]]]) -> Optional[list[int]]:
+def _prompt_ids(data: dict, field: str, tokenize: Optional[Callable[[str], list[int]]],
+                vocab_size: int) -> Optional[list[int]]:  # fmt: skip
     value = data[field]
     if field == "prompt":
         if not isinstance(value, str) or not value:
@@ -224,6 +225,9 @@ def _prompt_ids(data: dict, field: str, tokenize: Optional[Callable[[str], list[
     if field == "prompt_token_ids":
         if not isinstance(value, list) or not value or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
             raise ValueError("prompt_token_ids: must be a non-empty list of integers")
+        bad = next((t for t in value if not 0 <= t < vocab_size), None)
+        if bad is not None:  # the replay's engine would refuse it
+            raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab_size})")
         return list(value)
     return None
 

@@ -48,9 +48,41 @@ class Budget:
     max_batch_size: int
     max_num_tokens: int
 
+    def __post_init__(self) -> None:
+        for name in ("num_kv_blocks", "block_size", "max_seq_len", "max_batch_size", "max_num_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')}: must be an integer >= 1, got {value!r}")
+        if self.max_num_tokens < self.max_batch_size:
+            raise ValueError(f"--max-num-tokens: must be >= max_batch_size ({self.max_batch_size}), "
+                             f"got {self.max_num_tokens}")  # fmt: skip
+
     @property
     def capacity_tokens(self) -> int:
         return self.num_kv_blocks * self.block_size
+
+
+def never_fits(req: TraceRequest, budget: Budget) -> Optional[str]:
+    """Why no policy can ever run `req` under `budget` (the runtime's `check_request` rules), or None. Every
+    replay refuses such a request (`PolicyResult.refused`); an output longer than max_seq_len leaves is cut there
+    instead, as a server's length limit cuts it."""
+    if req.prompt_len >= budget.max_seq_len:
+        return f"prompt_len {req.prompt_len} leaves no room for output under max_seq_len {budget.max_seq_len}"
+    blocks = -(-req.prompt_len // budget.block_size)
+    if blocks > budget.num_kv_blocks:
+        return f"prompt_len {req.prompt_len} needs {blocks} KV blocks, more than the budget's {budget.num_kv_blocks}"
+    if req.n * req.beam_width > budget.max_batch_size:
+        return (f"{req.n * req.beam_width} sequences (n x beam_width) exceed max_batch_size "
+                f"{budget.max_batch_size}")  # fmt: skip
+    return None
+
+
+def check_fits(trace: list[TraceRequest], budget: Budget) -> None:
+    """ValueError naming the first request (1-based) that `budget` can never run (`never_fits`)."""
+    for i, req in enumerate(trace, 1):
+        why = never_fits(req, budget)
+        if why is not None:
+            raise ValueError(f"request {i}: {why}: this KV budget and its limits can never run it")
 
 
 SERIES = ("running", "utilisation", "slots", "computed", "blocks_with_sharing", "blocks_without_sharing", "waiting",
@@ -139,7 +171,7 @@ def simulate_contiguous(trace: list[TraceRequest], budget: Budget, reserve: str)
             copies = req.n * req.beam_width  # without sharing, every sample or beam holds its own copy
             per_seq = budget.max_seq_len if reserve == "max_seq_len" else min(budget.max_seq_len, req.prompt_len + req.output_len)
             need = per_seq * copies
-            if need > budget.capacity_tokens or req.n * req.beam_width > budget.max_batch_size:
+            if need > budget.capacity_tokens or never_fits(req, budget) is not None:
                 waiting.pop(0)
                 result.refused += 1
                 continue
@@ -153,6 +185,9 @@ def simulate_contiguous(trace: list[TraceRequest], budget: Budget, reserve: str)
             tokens_left -= req.prompt_len
             computed += req.prompt_len * copies
             admitted_any = True
+        if not running:  # nothing to compute until the next arrival: the paged replays take no step either
+            step = trace[pending[0]].arrival if pending else step + 1
+            continue
         for seq in running:
             seq.generated += 1
         stored = sum(s.prompt_len + s.generated - 1 for s in running)
@@ -226,21 +261,24 @@ def simulate_paged(
     order = sorted(range(len(trace)), key=lambda i: (trace[i].arrival, i))
     step = 0
     while order or engine.has_unfinished():
+        if not engine.has_unfinished():  # an idle engine computes nothing until the next arrival
+            step = max(step, trace[order[0]].arrival)
         while order and trace[order[0]].arrival <= step:
             i = order.pop(0)
             req = trace[i]
+            if never_fits(req, budget) is not None:
+                result.refused += 1
+                continue
             copies = 1 if sharing else req.n * req.beam_width
+            output_len = min(req.output_len, budget.max_seq_len - req.prompt_len)  # as simulate_contiguous
             if sharing and req.beam_width > 1:
-                params = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True,
+                params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True,
                                         beam_width=req.beam_width, n=min(req.n, req.beam_width))  # fmt: skip
             else:
-                params = SamplingParams(max_tokens=req.output_len, temperature=1.0, seed=i, ignore_eos=True,
+                params = SamplingParams(max_tokens=output_len, temperature=1.0, seed=i, ignore_eos=True,
                                         n=req.n if sharing else 1)  # fmt: skip
             for _ in range(copies):
-                try:
-                    engine.add_request(prompts[i], params)
-                except ValueError:
-                    result.refused += 1
+                engine.add_request(prompts[i], params)
         engine.step()
         step += 1
     stats = engine.stats()
@@ -513,12 +551,17 @@ def format_memory_report(report: dict) -> str:
         f"{'tokens':>9} {'run x':>6} {'speed-up':>9} {'preempt':>8}",
     ]
     for p in report["policies"]:
+        run_x, speedup = p["mean_running_vs_reserve_max"], p["speedup_in_steps_vs_reserve_max"]
         lines.append(
             f"{p['policy']:<34} {p['steps']:>7} {p['peak_running']:>9} {p['mean_running']:>9.1f} "
             f"{p['mean_utilisation']:>7.1%} {p['time_weighted_running']:>7.1f} {p['time_weighted_utilisation']:>7.1%} "
-            f"{p['tokens_computed']:>9} {p['mean_running_vs_reserve_max']:>6.2f} "
-            f"{p['speedup_in_steps_vs_reserve_max']:>8.2f}x {p['preemptions']:>8}"
+            f"{p['tokens_computed']:>9} {'-' if run_x is None else f'{run_x:.2f}':>6} "
+            f"{'-' if speedup is None else f'{speedup:.2f}x':>9} {p['preemptions']:>8}"
         )
+    refused = {p["policy"]: p["refused"] for p in report["policies"] if p["refused"]}
+    if refused:
+        lines.append(f"refused, of {report['requests']} requests (this budget can never run them): "
+                     + "; ".join(f"{name} {n}" for name, n in refused.items()))
     sh = report["sharing"]
     lines += [
         "",

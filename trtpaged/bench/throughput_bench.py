@@ -40,7 +40,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from trtpaged.bench.noise import NoiseMonitor, assess
-from trtpaged.bench.workload import TraceRequest, json_objects, load_trace, prompt_token_ids, synthetic_trace
+from trtpaged.bench.workload import (TraceRequest, json_objects, load_trace, prompt_token_ids, read_lines,
+                                     synthetic_trace)  # fmt: skip
 
 DEFAULT_MIX = {"num_requests": 16, "prompt_len": (32, 300), "output_len": (16, 240)}
 
@@ -120,12 +121,12 @@ def load_requests(path: str | Path, tokenizer: Callable[[str], list[int]], vocab
 
     Errors name the line and the field.
     """
-    lines = [(i, line) for i, line in enumerate(Path(path).read_text().splitlines(), 1) if line.strip()]
+    lines = [(i, line) for i, line in enumerate(read_lines(path), 1) if line.strip()]
     if not lines:
         raise ValueError(f"{path}: no requests")
     try:
         first = json.loads(lines[0][1])
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise ValueError(f"{path}:{lines[0][0]}: {exc}") from exc
     if not (isinstance(first, dict) and "prompt" in first):
         return requests_from_trace(load_trace(path), vocab_size)
@@ -136,8 +137,20 @@ def load_requests(path: str | Path, tokenizer: Callable[[str], list[int]], vocab
             raise ValueError(f"{where}: prompt: must be a non-empty string, got {prompt!r}")
         if not isinstance(output_len, int) or isinstance(output_len, bool) or output_len < 1:
             raise ValueError(f"{where}: output_len: must be an integer >= 1, got {output_len!r}")
-        out.append(Request(tuple(tokenizer(prompt)), output_len))
+        try:
+            out.append(Request(tuple(tokenizer(prompt)), output_len))
+        except ValueError as exc:  # text the tokenizer cannot take (RequestError)
+            raise ValueError(f"{where}: {exc}") from None
     return out
+
+
+def check_requests(requests: list[Request], max_seq_len: int, source: str) -> None:
+    """ValueError naming the request when its prompt and output_len do not fit the engine's max_seq_len (before
+    anything loads: the engine would refuse it mid-run)."""
+    for i, r in enumerate(requests, 1):
+        if len(r.prompt_ids) + r.output_len > max_seq_len:
+            raise ValueError(f"{source}: request {i}: {len(r.prompt_ids)} prompt tokens + output_len {r.output_len} "
+                             f"exceed the engine's max_seq_len ({max_seq_len})")
 
 
 # ---- systems ----------------------------------------------------------------------------------

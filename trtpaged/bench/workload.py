@@ -16,7 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
+from trtpaged.config import MAX_BATCH_SIZE, MAX_SEQ_LEN
 from trtpaged.json_input import json_object
+
+# The latest arrival step a trace may give: a replay runs every step up to it.
+MAX_ARRIVAL_STEP = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -30,13 +34,17 @@ class TraceRequest:
     beam_width: int = 1
 
     def __post_init__(self) -> None:
-        for name, low in (("prompt_len", 1), ("output_len", 1), ("arrival", 0), ("prefix_len", 0), ("n", 1),
-                          ("beam_width", 1)):  # fmt: skip
+        # the highs are a model.yaml's own (max_seq_len, max_batch_size): no engine runs more
+        for name, low, high in (("prompt_len", 1, MAX_SEQ_LEN), ("output_len", 1, MAX_SEQ_LEN),
+                                ("arrival", 0, MAX_ARRIVAL_STEP), ("prefix_len", 0, MAX_SEQ_LEN),
+                                ("n", 1, MAX_BATCH_SIZE), ("beam_width", 1, MAX_BATCH_SIZE)):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"{name}: must be an integer, got {value!r}")
             if value < low:
-                raise ValueError(f"{name}: must be >= {low}, got {getattr(self, name)}")
+                raise ValueError(f"{name}: must be >= {low}, got {value}")
+            if value > high:
+                raise ValueError(f"{name}: must be at most {high}, got {value}")
         if self.prefix_id is not None and (not isinstance(self.prefix_id, int) or isinstance(self.prefix_id, bool)):
             raise ValueError(f"prefix_id: must be an integer, got {self.prefix_id!r}")
         if self.prefix_len > self.prompt_len:
@@ -47,10 +55,18 @@ def json_objects(path: str | Path, allowed: Iterable[str]) -> Iterator[tuple[str
     """("path:line", object) for each non-blank line of a JSON Lines file; ValueError naming the line for
     a line that is not a JSON object or has a field outside `allowed`."""
     allowed = set(allowed)
-    for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for lineno, line in enumerate(read_lines(path), 1):
         if line.strip():
             where = f"{path}:{lineno}"
             yield where, json_object(line, where, allowed)
+
+
+def read_lines(path: str | Path) -> list[str]:
+    """The lines of a text file; ValueError naming the file when it is not UTF-8 text."""
+    try:
+        return Path(path).read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); expected JSON Lines") from None
 
 
 def load_trace(path: str | Path) -> list[TraceRequest]:
@@ -118,6 +134,8 @@ def synthetic_trace(
     """Uniformly random lengths, all arriving at step 0; optional shared system prompts."""
     if num_requests < 1:
         raise ValueError(f"num_requests: must be >= 1, got {num_requests}")
+    if shared_prefix_len and num_prefixes < 1:
+        raise ValueError(f"--num-prefixes: must be >= 1 with a shared prefix, got {num_prefixes}")
     rng = random.Random(seed)
     out = []
     for _ in range(num_requests):

@@ -177,7 +177,10 @@ def memory(ctx, engine, trace, num_requests, prompt_len, output_len, shared_pref
     if plot:
         from trtpaged.bench.memory_plot import plot_memory_report
 
-        click.echo(f"  plot: {plot_memory_report(report, plot)}", err=True)
+        try:
+            click.echo(f"  plot: {plot_memory_report(report, plot)}", err=True)
+        except OSError as exc:
+            raise click.ClickException(f"--plot: cannot write {plot} ({exc.strerror or exc})") from exc
     del report["series"]  # per-step series: for the plot, too long to print
     if sharing_table:
         report["sharing_table"] = run_sharing_table(requests, budget, progress=progress)
@@ -409,22 +412,25 @@ def structured(engine, batch, steps, repeats, temperature, as_json) -> None:
 def throughput(engine, trace, num_requests, baseline, hf_batch_size, no_prefix_caching_row, engine2, profile, seed,
                rounds, speculative_config, sequential, peer_time_limit, as_json) -> None:  # fmt: skip
     """End-to-end throughput and latency: trtpaged vs HF transformers on the same requests, side by side."""
-    from trtpaged.bench.throughput_bench import (default_requests, format_throughput_report, load_requests,
-                                                 run_throughput_bench)  # fmt: skip
+    from trtpaged.bench.throughput_bench import (check_requests, default_requests, format_throughput_report,
+                                                 load_requests, run_throughput_bench)  # fmt: skip
+    from trtpaged.errors import check_unicode
     from trtpaged.manifest import read_manifest
 
     def progress(msg: str) -> None:
         click.echo(f"  {msg}", err=True)
 
-    manifest = read_manifest(engine)
     try:
+        manifest = read_manifest(engine)
         if trace:
             from pathlib import Path
 
             from trtpaged.runtime.llm import load_tokenizer
 
             tokenizer = load_tokenizer(Path(engine), manifest)
-            requests = load_requests(trace, lambda text: list(tokenizer.encode(text)), manifest.dims.vocab_size)
+            requests = load_requests(trace, lambda text: list(tokenizer.encode(check_unicode("prompt", text))),
+                                     manifest.dims.vocab_size)  # fmt: skip
+            check_requests(requests, manifest.limits.max_seq_len, trace)
         else:
             if num_requests < 1:
                 raise ValueError(f"--num-requests: must be >= 1, got {num_requests}")

@@ -10,6 +10,7 @@ def _kv_from_engine(engine: str):
 
     from trtpaged.bench.diagnose import ModelKV
     from trtpaged.bench.memory_bench import Budget
+    from trtpaged.errors import check_unicode
     from trtpaged.manifest import read_manifest
     from trtpaged.kv_budget import resolve_num_kv_blocks
     from trtpaged.runtime.llm import load_tokenizer
@@ -20,7 +21,7 @@ def _kv_from_engine(engine: str):
                     lim.max_num_tokens)
     tokenizer = load_tokenizer(Path(engine), manifest)
     kv = ModelKV(manifest.kv_bytes_per_token, budget, f"engine {engine}")
-    return kv, (lambda text: list(tokenizer.encode(text))), manifest.dims.vocab_size
+    return kv, (lambda text: list(tokenizer.encode(check_unicode("prompt", text)))), manifest.dims.vocab_size
 
 
 def _kv_from_config(path: str):
@@ -79,6 +80,7 @@ def command(log, engine, config_path, metrics_url, metrics_samples, step_time, k
     import json
 
     from trtpaged.bench.diagnose import diagnose, format_diagnosis, read_request_log
+    from trtpaged.bench.memory_bench import check_fits
 
     if bool(engine) == bool(config_path):
         raise click.UsageError("give exactly one of --engine DIR or --config model.yaml")
@@ -88,7 +90,8 @@ def command(log, engine, config_path, metrics_url, metrics_samples, step_time, k
         tier_sizes = parse_tier_blocks(kv_tier_blocks) if kv_tier_blocks is not None else None
         kv, tokenize, vocab = _kv_from_engine(engine) if engine else _kv_from_config(config_path)
         data = read_request_log(log, tokenize, vocab, step_time=step_time)
-    except ValueError as exc:
+        check_fits(data.trace, kv.budget)
+    except (ValueError, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from exc
     metrics = None
     if metrics_url:

@@ -39,14 +39,20 @@ def inv_frequencies(head_dim: int, rope_theta: float, rope_scaling: Optional[dic
         return inv_freq, 1.0
     params = dict(rope_scaling or {})
     if kind == "linear":
-        return inv_freq / float(params["factor"]), 1.0
-    if kind == "llama3":
-        return _llama3(inv_freq, params), 1.0
-    if kind == "longrope":
-        return _longrope(head_dim, rope_theta, params, max_position_embeddings)
-    if kind == "yarn":
-        return _yarn(head_dim, rope_theta, params, max_position_embeddings)
-    raise ValueError(f"rope_scaling.rope_type: got {kind!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        scaled = inv_freq / float(params["factor"]), 1.0
+    elif kind == "llama3":
+        scaled = _llama3(inv_freq, params), 1.0
+    elif kind == "longrope":
+        scaled = _longrope(head_dim, rope_theta, params, max_position_embeddings)
+    elif kind == "yarn":
+        scaled = _yarn(head_dim, rope_theta, params, max_position_embeddings)
+    else:
+        raise ValueError(f"rope_scaling.rope_type: got {kind!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    # an engine dir's parameters are untrusted: a factor of 0 (or equal llama3 frequency factors) would make every
+    # position's angle, and so every logit, NaN
+    if not bool(torch.isfinite(scaled[0]).all()) or not math.isfinite(scaled[1]):
+        raise ValueError(f"rope_scaling: {params!r:.120} gives non-finite rotary frequencies")
+    return scaled
 
 
 def _llama3(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:

@@ -94,6 +94,14 @@ class BeamSearch:
         done = all_end or not running or self._cannot_improve(finished, running[0].cumulative_logprob, gen_len)
         return BeamStep(() if done else tuple(running), tuple(finished), done)
 
+    def cut(self, outputs: Seq[Seq[int]], cumulative: Seq[float]) -> None:
+        """The search ends with these running beams where they are (the KV pool cannot hold them longer): each
+        becomes a hypothesis scored at its length, as reaching the length limit makes it, and the best `width` of
+        them and the finished ones are kept."""
+        cut = [BeamHypothesis(tuple(o), self._penalised(c, max(1, len(o))), c) for o, c in zip(outputs, cumulative)]
+        self.finished = sorted(self.finished + cut, key=lambda h: -h.score)[: self.width]
+        self.done = True
+
     def apply(self, decision: BeamStep) -> None:
         """Takes a step's hypotheses and end (called by the scheduler)."""
         self.finished, self.done = list(decision.finished), decision.done

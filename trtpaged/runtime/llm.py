@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 import gc
 from pathlib import Path
-from typing import Any, Optional, Sequence as Seq, Union
+from typing import Any, Mapping, Optional, Sequence as Seq, Union
 
 from trtpaged.engine_files import verify_engine_dir
-from trtpaged.errors import RequestError
+from trtpaged.errors import RequestError, check_unicode
 from trtpaged.manifest import EngineDirError, Manifest, engine_path, read_manifest
+from trtpaged.kv_budget import check_host_pool, check_host_tier
 from trtpaged.runtime.runners import load_runner, resolve_device, resolve_num_kv_blocks
 from trtpaged.runtime.runners.base import pool_block_bytes
 from trtpaged.runtime.kv_tiers.config import KVTierConfig, manifest_fingerprint
@@ -31,9 +32,26 @@ _TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents
 def _tightened(name: str, value: Optional[int], limit: int) -> int:
     if value is None:
         return limit
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}: must be an integer in [1, {limit}] (the engine's build limit), got {value!r}")
     if not 1 <= value <= limit:
         raise ValueError(f"{name}: must be in [1, {limit}] (the engine's build limit), got {value}")
     return value
+
+
+def _prompt_list(prompts: Any) -> list[Prompt]:
+    """`generate`'s prompts as a list: text, or token ids (a list, tuple, numpy array or tensor), or a list of those.
+    Raises RequestError("prompt") for anything else."""
+    if hasattr(prompts, "tolist") and not isinstance(prompts, (str, list, tuple)):
+        prompts = prompts.tolist()  # an array or tensor of token ids (or a 2-D one of several prompts)
+    first = prompts[0] if isinstance(prompts, (list, tuple)) and prompts else None
+    one_of_ids = hasattr(first, "__index__") and not hasattr(first, "__len__")  # an int or numpy int, not an array
+    if isinstance(prompts, str) or one_of_ids:
+        return [prompts]  # one prompt
+    if not isinstance(prompts, (list, tuple)):
+        raise RequestError("prompt", "must be text, a list of token ids or a list of those, got "
+                           f"{type(prompts).__name__}")
+    return [p.tolist() if hasattr(p, "tolist") and not isinstance(p, (str, list, tuple)) else p for p in prompts]
 
 
 def load_tokenizer(engine_dir: Path, manifest: Manifest) -> Any:
@@ -63,7 +81,9 @@ class LLM:
     tightened: `max_num_tokens`, `max_batch_size`, `max_seq_len`; the KV pool
     size defaults to the manifest's budget (`num_kv_blocks` overrides it). For a model whose every layer
     has a sliding window (Mistral-style), blocks wholly before a sequence's window go back to the pool as
-    it advances; `reclaim_windowed_blocks=False` keeps them (docs/families.md).
+    it advances; `reclaim_windowed_blocks=False` keeps them (docs/families.md). A request may ask for at most
+    `max_logprobs` top log-probs per token (`logprobs`, `prompt_logprobs`; vLLM's default 20, -1: the whole
+    vocabulary).
 
     `tensor_parallel=N` (default: the engine's) runs an engine built with
     `tensor_parallel: N` on N ranks: the other N-1 start here as processes (CPU: gloo over loopback;
@@ -110,6 +130,7 @@ class LLM:
         warmup: bool = True,
         kv_tiers: Union[None, KVTierConfig, dict] = None,
         reclaim_windowed_blocks: bool = True,
+        max_logprobs: int = 20,
     ) -> None:
         device = resolve_device(device)
         tier_config = KVTierConfig.parse(kv_tiers)
@@ -121,6 +142,10 @@ class LLM:
         verify_engine_dir(self.engine_dir, self.manifest)  # before anything of the dir is loaded
         limits = self.manifest.limits
         num_kv_blocks = resolve_num_kv_blocks(self.manifest, device, num_kv_blocks)
+        check_host_pool(num_host_blocks, self.manifest.kv_bytes_per_block_per_rank, device, num_kv_blocks)
+        if tier_config.host_memory:
+            check_host_tier(tier_config.host_memory, self.manifest.kv_bytes_per_block_per_rank, device, num_kv_blocks,
+                            num_host_blocks)  # fmt: skip
         self.config = RuntimeConfig(
             block_size=limits.block_size,
             num_kv_blocks=num_kv_blocks,
@@ -133,6 +158,7 @@ class LLM:
             speculative=SpeculativeConfig.parse(speculative_config),
             # a model whose every layer is windowed returns the blocks before each sequence's window
             reclaim_window=self.manifest.dims.max_window if reclaim_windowed_blocks else 0,
+            max_logprobs=max_logprobs,
         )
         self.tokenizer = load_tokenizer(self.engine_dir, self.manifest)
         runner = load_runner(self.engine_dir, self.manifest, num_kv_blocks, backend, device, num_host_blocks,
@@ -185,12 +211,14 @@ class LLM:
         with finish_reason "error" and `error` set, and the others complete; a failure of the step
         itself (the model raising) raises here, and this call's requests are aborted.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+        prompts = _prompt_list(prompts)
         params = sampling_params or SamplingParams()
         per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"sampling_params: {len(per_prompt)} given for {len(prompts)} prompts")
+        wrong = next((sp for sp in per_prompt if not isinstance(sp, SamplingParams)), None)
+        if wrong is not None:
+            raise TypeError(f"sampling_params: a SamplingParams or a list of them, got {type(wrong).__name__}")
         final_only = RequestOutputKind.FINAL_ONLY  # only the finished outputs are kept: build no others
         per_prompt = [dataclasses.replace(sp, output_kind=final_only) for sp in per_prompt]
         ids: list[str] = []
@@ -242,6 +270,11 @@ class LLM:
         `continue_final_message` leaves the last (assistant) message open for the model to continue, instead of
         starting a new turn; `template_kwargs` are more variables for the template (e.g. `enable_thinking`);
         `add_special_tokens`: what the tokenizer adds (a BOS) on top of the template's own text."""
+        if not isinstance(messages, (list, tuple)) or not all(isinstance(m, Mapping) for m in messages):
+            raise RequestError("messages", "must be a list of messages ({'role': ..., 'content': ...}), got "
+                               f"{messages!r:.80}")  # fmt: skip
+        if template_kwargs is not None and not isinstance(template_kwargs, Mapping):
+            raise RequestError("chat_template_kwargs", f"must be a mapping, got {type(template_kwargs).__name__}")
         if add_generation_prompt and continue_final_message:
             raise RequestError("continue_final_message", "cannot be combined with add_generation_prompt: set "
                                "add_generation_prompt to false to continue the last message")  # fmt: skip
@@ -256,7 +289,7 @@ class LLM:
         text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
                                                   continue_final_message=continue_final_message, tokenize=False,
                                                   **extra)  # fmt: skip
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return list(self.tokenizer.encode(check_unicode("messages", text), add_special_tokens=add_special_tokens))
 
     def close(self) -> None:
         """Writes the cached prefixes to the KV tiers (if any), stops the other tensor-parallel ranks; idempotent."""

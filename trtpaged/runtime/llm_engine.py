@@ -8,7 +8,7 @@ import operator
 import time
 from typing import Any, Optional, Sequence as Seq, Union
 
-from trtpaged.errors import RequestError
+from trtpaged.errors import RequestError, check_unicode
 from trtpaged.models.execution_plan import LAYER_MODES
 from trtpaged.runtime.batch_builder import PromptRows, build_step_batch
 from trtpaged.runtime.beam_search import BeamSearch
@@ -87,9 +87,13 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("prompt", "text prompts need a tokenizer; pass token ids")
-            return prompt, list(self.tokenizer.encode(prompt))
+            return prompt, list(self.tokenizer.encode(check_unicode("prompt", prompt)))
+        try:
+            tokens = iter(prompt)
+        except TypeError:
+            raise RequestError("prompt", f"must be text or a list of token ids, got {type(prompt).__name__}") from None
         ids = []
-        for t in prompt:
+        for t in tokens:
             try:
                 if isinstance(t, bool):
                     raise TypeError(t)
@@ -148,7 +152,7 @@ class LLMEngine:
             return ()
         if self.tokenizer is None:
             raise RequestError("bad_words", "needs the engine's tokenizer")
-        spellings = {tuple(self.tokenizer.encode(prefix + word, add_special_tokens=False))
+        spellings = {tuple(self.tokenizer.encode(prefix + check_unicode("bad_words", word), add_special_tokens=False))
                      for word in params.bad_words for prefix in ("", " ")}  # fmt: skip
         return tuple(sorted(s for s in spellings if s))
 

@@ -26,6 +26,10 @@ class RuntimeConfig:
     # > 0: every layer of the model has a sliding window of at most this many tokens, and blocks wholly
     # before a sequence's window go back to the pool as it advances (KVCacheManager.reclaim); 0: never
     reclaim_window: int = 0
+    # the most top log-probs a request may ask for per token (logprobs, prompt_logprobs); -1: the whole
+    # vocabulary. vLLM's default: each entry is a Python dict entry per token, so an unbounded k on a large
+    # vocabulary would build gigabytes of them.
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         positive = ("block_size", "num_kv_blocks", "max_batch_size", "max_num_tokens", "max_seq_len")
@@ -41,6 +45,9 @@ class RuntimeConfig:
             raise ValueError(f"RuntimeConfig.preemption_mode: one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.reclaim_window < 0:
             raise ValueError(f"RuntimeConfig.reclaim_window: must be >= 0, got {self.reclaim_window}")
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"RuntimeConfig.max_logprobs: must be >= 0, or -1 (the whole vocabulary), got "
+                             f"{self.max_logprobs!r}")
         if self.num_host_blocks < 0:
             raise ValueError(f"RuntimeConfig.num_host_blocks: must be >= 0, got {self.num_host_blocks}")
         if self.preemption_mode == "swap" and self.num_host_blocks == 0:

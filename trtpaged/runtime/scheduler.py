@@ -89,6 +89,11 @@ def check_request(c: RuntimeConfig, num_prompt_tokens: int, params: SamplingPara
             f"({c.max_seq_len}); at most {room} here",
             room,
         )
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, name)
+        if k is not None and c.max_logprobs >= 0 and k > c.max_logprobs:
+            raise RequestError(name, f"{k} exceeds max_logprobs ({c.max_logprobs}), the most top log-probs per "
+                                     "token this engine returns", c.max_logprobs)  # fmt: skip
     if params.num_seqs > c.max_batch_size:
         name = "beam_width" if params.use_beam_search else "n"
         raise RequestError(name, f"{params.num_seqs} sequences exceeds max_batch_size ({c.max_batch_size})",
@@ -580,7 +585,10 @@ class Scheduler:
                 self._proposed.pop(seq.seq_id, None)
 
     def _refuse(self, group: SequenceGroup, out: SchedulerOutput) -> None:
-        """The only running group outgrew the whole pool: it ends here (finish_reason 'length')."""
+        """The only running group outgrew the whole pool: it ends here (finish_reason 'length'); a beam search
+        returns its beams as they are."""
+        if group.beam is not None:
+            group.beam.cut([s.output_token_ids for s in group.seqs], [s.cumulative_logprob for s in group.seqs])
         for seq in group.seqs:
             seq.finish("length")
         self._finish_group(group)

@@ -1,0 +1,126 @@
+"""Trace and request-log files are untrusted input (`bench memory --trace`, `diagnose`, `bench throughput --trace`).
+
+Each bad file is refused in one line naming the file (and the line and field where there is one), before any
+replay or engine load; a request that no KV budget could run is refused by every replay alike.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from trtpaged.bench.memory_bench import Budget, run_memory_bench
+from trtpaged.bench.workload import TraceRequest
+from trtpaged.cli import main
+
+
+def _one_line_failure(r, *words: str) -> str:
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (r.output, r.exception)
+    assert lines and lines[-1].startswith("Error: ") and "Traceback" not in r.output, r.output
+    for w in words:
+        assert w in lines[-1], lines[-1]
+    return lines[-1]
+
+
+def _file(tmp_path: Path, content: bytes) -> str:
+    path = tmp_path / "trace.jsonl"
+    path.write_bytes(content)
+    return str(path)
+
+
+# what the file holds -> words of the one-line error (the file name is checked too)
+BAD = {
+    "binary": (b"\xff\xfe\x00{" * 40, "not UTF-8 text (invalid start byte at byte 0)"),
+    "deep nesting": (b'{"prompt_len": ' + b"[" * 100_000 + b"]" * 100_000 + b', "output_len": 5}\n',
+                     "trace.jsonl:1: not JSON this reader takes (nested too deeply)"),
+    "huge prompt_len": (b'{"prompt_len": 1000000000000, "output_len": 5}\n',
+                         "trace.jsonl:1: prompt_len: must be at most 16777216, got 1000000000000"),
+    "huge n": (b'{"prompt_len": 5, "output_len": 5, "n": 1000000000}\n',
+               "trace.jsonl:1: n: must be at most 65536, got 1000000000"),
+    "huge arrival": (b'{"prompt_len": 5, "output_len": 5, "arrival": 100000000000000000000}\n',
+                      "arrival: must be at most 1000000, got 100000000000000000000"),
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD))
+@pytest.mark.parametrize("command", ["bench memory", "diagnose"])
+def test_a_bad_trace_is_refused_in_one_line(tiny_engine_dir, tmp_path, command, kind):
+    content, words = BAD[kind]
+    path = _file(tmp_path, content)
+    args = ["bench", "memory", "--trace", path] if command == "bench memory" else ["diagnose", path]
+    _one_line_failure(CliRunner().invoke(main, [*args, "--engine" if command == "diagnose" else "--num-kv-blocks",
+                                                str(tiny_engine_dir) if command == "diagnose" else "64"]), words)
+
+
+@pytest.mark.parametrize("line,words", [
+    ('{"prompt_token_ids": [1, -1], "output_len": 5}', "trace.jsonl:1: prompt_token_ids: token id -1 is outside the "
+                                                       "vocabulary [0, 320)"),
+    ('{"prompt": "caf\\udce9", "output_len": 5}', "trace.jsonl:1: prompt: not valid Unicode text"),
+    ('{"prompt_len": 600, "output_len": 5}', "request 1: prompt_len 600 leaves no room for output under max_seq_len "
+                                             "512"),
+])
+def test_diagnose_refuses_log_lines_the_engine_could_never_run(tiny_engine_dir, tmp_path, line, words):
+    # before: each was silently dropped from the replay ("requests queued in 0 of 0 steps"), or a TypeError
+    path = _file(tmp_path, (line + "\n").encode())
+    _one_line_failure(CliRunner().invoke(main, ["diagnose", path, "--engine", str(tiny_engine_dir)]), words)
+
+
+def test_diagnose_with_a_dir_that_is_not_an_engine_is_one_line(tmp_path):
+    path = _file(tmp_path, b'{"prompt_len": 5, "output_len": 5}\n')
+    _one_line_failure(CliRunner().invoke(main, ["diagnose", path, "--engine", str(tmp_path)]),
+                      "not an engine dir (no trtpaged.json)")
+
+
+@pytest.mark.parametrize("flag,value,words", [
+    ("--num-kv-blocks", "0", "--num-kv-blocks: must be an integer >= 1, got 0"),
+    ("--block-size", "-3", "--block-size: must be an integer >= 1, got -3"),
+    ("--max-num-tokens", "1", "--max-num-tokens: must be >= max_batch_size (256), got 1"),
+])
+def test_bench_memory_refuses_a_budget_without_room_in_one_line(flag, value, words):
+    _one_line_failure(CliRunner().invoke(main, ["bench", "memory", "--num-requests", "3", flag, value]), words)
+
+
+def test_every_replay_refuses_the_same_requests_and_cuts_the_same_outputs():
+    # max_seq_len 512: a 600-token prompt and 16 samples (max_batch_size 8) can never run; a 400-token prompt
+    # asking for 300 tokens is cut at 112, as a server's length limit cuts it. Before, the paged replays also
+    # refused the cut one (and reported the steps of a smaller workload than the contiguous ones ran).
+    budget = Budget(num_kv_blocks=128, block_size=16, max_seq_len=512, max_batch_size=8, max_num_tokens=512)
+    trace = [TraceRequest(prompt_len=600, output_len=5), TraceRequest(prompt_len=10, output_len=5, n=16),
+             TraceRequest(prompt_len=400, output_len=300), TraceRequest(prompt_len=20, output_len=8)]
+    report = run_memory_bench(trace, budget)
+    policies = {p["policy"]: p for p in report["policies"]}
+    assert {name: p["refused"] for name, p in policies.items()} == dict.fromkeys(policies, 2)
+    # one decode token per running sequence per step: the longest runs 112 steps from its prompt step
+    assert {name: p["steps"] for name, p in policies.items()} == dict.fromkeys(policies, 112)
+    r = CliRunner().invoke(main, ["bench", "memory", "--trace", _trace_file(trace), "--num-kv-blocks", "128",
+                                  "--max-seq-len", "512", "--max-batch-size", "8", "--max-num-tokens", "512"])
+    assert r.exit_code == 0 and "refused, of 4 requests (this budget can never run them)" in r.output, r.output
+
+
+def _trace_file(trace: list[TraceRequest]) -> str:
+    import json
+    import tempfile
+
+    path = Path(tempfile.mkdtemp()) / "trace.jsonl"
+    path.write_text("".join(json.dumps({"prompt_len": t.prompt_len, "output_len": t.output_len, "n": t.n}) + "\n"
+                            for t in trace))
+    return str(path)
+
+
+def test_a_budget_that_refuses_everything_still_reports(tmp_path):
+    path = _file(tmp_path, b'{"prompt_len": 100, "output_len": 5}\n')
+    r = CliRunner().invoke(main, ["bench", "memory", "--trace", path, "--num-kv-blocks", "2"])  # was: a TypeError
+    assert r.exit_code == 0 and r.exception is None, r.output
+    assert "refused, of 1 requests (this budget can never run them): contiguous, reserve max_seq_len 1" in r.output
+
+
+def test_bench_throughput_refuses_a_trace_beyond_max_seq_len_before_loading(tiny_engine_dir, tmp_path, monkeypatch):
+    from trtpaged.runtime import llm
+
+    monkeypatch.setattr(llm.LLM, "__init__", lambda *a, **k: pytest.fail("the engine was loaded"))
+    path = _file(tmp_path, b'{"prompt": "hello there", "output_len": 600}\n')
+    r = CliRunner().invoke(main, ["bench", "throughput", str(tiny_engine_dir), "--trace", path, "--baseline", "none"])
+    _one_line_failure(r, "trace.jsonl: request 1:", "prompt tokens + output_len 600 exceed the engine's max_seq_len (512)")
