@@ -374,6 +374,43 @@ def test_float_activations_edge_codes_and_bias(isa: str, bits: int, fill: int) -
     check_float(bits, 5, 10, 96, 32, codes_fill=fill, bias=True, seed=6)
 
 
+@pytest.mark.parametrize("fill", [None, 127, -128])
+def test_float_activations_int8_weights_many_rows(isa: str, fill: Optional[int]) -> None:
+    # AVX2, int8 weights (the LM head): from 9 rows every row of a call (up to 64) runs over chunks of 4 decoded
+    # blocks, 3 or 2 rows at a time; fewer rows run the per-call kernel, which must give the same bits. K = 288:
+    # 9 blocks, two chunks and a tail of one; N = 40: the last tile half padding; 67 rows: a call of 64 and a
+    # 3-row tail; 9-12 rows: groups of 3 and 2; the edge codes.
+    codes, scales, _, _ = make_weight(8, 40, 288, 32, seed=61, codes_fill=fill)
+    packed = kernels.qlinear_pack(8, codes, scales, None, 32)
+    x = torch.randn(67, 288, generator=torch.Generator().manual_seed(62)) * 2
+    every = kernels.qlinear(x, packed, 8, 40, 288, 32, float_activations=True)
+    assert_first_and_last_rows_give(lambda rows: kernels.qlinear(rows, packed, 8, 40, 288, 32, float_activations=True),
+                                    x, every, (2, 8, 9, 10, 11, 12, 64))
+    check_float(8, 67, 40, 288, 32, bias=True, seed=61, codes_fill=fill, x=x)  # and the rows are right
+
+
+def test_float_activations_int8_weights_streamed(isa: str) -> None:
+    # Packed int8 weights of 8 MiB or more (the LM head) have each call request the next tile while one runs
+    # (past the last tile after it): the outputs are those of the same rows packed as a small weight, which
+    # does not, and right. N = 16400: 1025 tiles, 10 MB, the last tile partial.
+    n, k = 16400, 576
+    g = torch.Generator().manual_seed(71)
+    codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = (torch.rand(n, k // 32, generator=g) * 0.02 + 0.001).half().float()
+    packed = kernels.qlinear_pack(8, codes, scales, None, 32)
+    assert packed.numel() >= 8 << 20
+    x = torch.randn(16, k, generator=g) * 2
+    for m in (2, 4, 6, 9, 16):
+        y = kernels.qlinear(x[:m], packed, 8, n, k, 32, float_activations=True)
+        for rows in (slice(0, 40), slice(n - 40, n)):
+            small = kernels.qlinear_pack(8, codes[rows].contiguous(), scales[rows].contiguous(), None, 32)
+            want = kernels.qlinear(x[:m], small, 8, 40, k, 32, float_activations=True)
+            assert torch.equal(y[:, rows], want), (m, rows)
+            w = codes[rows].double() * scales[rows].double().repeat_interleave(32, 1)
+            err = (want.double() - x[:m].double() @ w.T).abs()
+            assert (err <= (k + 4) * 2.0**-24 * (x[:m].double().abs() @ w.abs().T)).all()
+
+
 def test_float_activations_is_more_accurate_than_int8() -> None:
     # The reason the path exists: on the same weight, float activations land much closer to x @ W^T.
     codes, scales, offsets, w = make_weight(4, 64, 576, 32, seed=12)

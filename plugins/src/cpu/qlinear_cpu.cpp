@@ -48,6 +48,10 @@ constexpr int kRows = 16;   // output rows per tile
 constexpr int kMaxMB = 8;   // activation rows per kernel call (register blocking), at most
 // Tiles at least this long get the next tile prefetched by the two-pass AVX2 kernels (qlinear_tile256.inc).
 constexpr size_t kPrefetchTileBytes = 12288;
+// Packed weights at least this large (the LM head: 28 MB in int8) do not stay in a core's caches between calls: the
+// AVX2 int8-weight float-activation kernels request the next tile while one runs (TileArgs::prefetch_next). Weights
+// held in the L2 or L3 measured 0.85-0.90x with it at 2-4 rows (one more load-port op per 8.5 code bytes).
+constexpr size_t kPrefetchWeightBytes = size_t(8) << 20;
 
 using trtpaged::cpu::Isa;
 using trtpaged::cpu::kAvx2;
@@ -139,6 +143,7 @@ struct TileArgs {
   const Acts* a;           // int8 activations
   const float* x;          // float activations: x[m0], row stride l->k
   const float* xgroup;     // float activations, int4: sums of x per group, [m][ngroups]
+  bool prefetch_next;      // request the next tile (the caller's next work item) while this one runs
 };
 
 using TileKernel = int (*)(const TileArgs&, int count, float* out);
@@ -541,9 +546,11 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) int ftile_avx
   }
 }
 
-// Float activations, AVX2, int8 weights: ftile_avx2_mb, up to 4 rows per call (the code registers decoded
-// for each call; the int4 weights' form below measured slower for the LM head at 2-8 rows: docs/benchmarks.md).
-template <int BITS, int MB>
+// Float activations, AVX2, int8 weights, up to 8 rows (ftile_avx2_w8 below takes more): ftile_avx2_mb, up to 4 rows
+// per call (the code registers decoded for each call; the int4 weights' form below measured slower for the LM head at
+// 2-8 rows: docs/benchmarks.md). PREFETCH (weights of kPrefetchWeightBytes or more): its second pass over a tile
+// (from cache) requests the next tile's int8 blocks; the LM head (28 MB of them) ran 1.2x so at 4-8 rows (round 13).
+template <int BITS, int MB, bool PREFETCH = false>
 __attribute__((target("avx2,fma,f16c"))) void ftile_avx2_mb(const TileArgs& t, float* out) {
   const Layout& l = *t.l;
   const __m256i flip = _mm256_set1_epi8(char(0x80));
@@ -553,6 +560,11 @@ __attribute__((target("avx2,fma,f16c"))) void ftile_avx2_mb(const TileArgs& t, f
     for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < l.nblocks; ++b) {
       const uint8_t* blk = t.tile + b * l.block_bytes;
+      if (PREFETCH && half == 1) {  // the next tile's block (prefetches past the end do not fault)
+        const uintptr_t next = reinterpret_cast<uintptr_t>(t.tile) + l.tile_bytes + size_t(b) * l.block_bytes;
+        for (size_t c = 0; c < l.block_bytes; c += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(next + c), _MM_HINT_T1);
+      }
       const __m256 sw =
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + l.block_codes + 16 * half)));
       __m256 s[MB][2];
@@ -592,13 +604,15 @@ __attribute__((target("avx2,fma,f16c"))) void ftile_avx2_mb(const TileArgs& t, f
   }
 }
 
-template <int BITS>
-__attribute__((target("avx2,fma,f16c"))) int ftile_avx2_rows(const TileArgs& t, int count, float* out) {
+// PREFETCH: the form that requests the next tile (TileArgs::prefetch_next), an instance of its own (a branch in the
+// loop, or both forms compiled into one function, cost weights held in cache about 5%).
+template <int BITS, bool PREFETCH = false>
+__attribute__((target("avx2,fma,f16c"), noinline)) int ftile_avx2_rows(const TileArgs& t, int count, float* out) {
   switch (std::min(count, 4)) {
-    case 4: return ftile_avx2_mb<BITS, 4>(t, out), 4;
-    case 3: return ftile_avx2_mb<BITS, 3>(t, out), 3;
-    case 2: return ftile_avx2_mb<BITS, 2>(t, out), 2;
-    default: return ftile_avx2_mb<BITS, 1>(t, out), 1;
+    case 4: return ftile_avx2_mb<BITS, 4, PREFETCH>(t, out), 4;
+    case 3: return ftile_avx2_mb<BITS, 3, PREFETCH>(t, out), 3;
+    case 2: return ftile_avx2_mb<BITS, 2, PREFETCH>(t, out), 2;
+    default: return ftile_avx2_mb<BITS, 1, PREFETCH>(t, out), 1;
   }
 }
 
@@ -791,6 +805,122 @@ __attribute__((target("avx2,fma,f16c"))) int ftile_avx2_decoded(const TileArgs& 
   return m;
 }
 
+// Float activations, AVX2, int8 weights (the LM head), from kF8MinRows rows: ftile_avx2_mb's sums over a chunk of
+// kF8ChunkBlocks blocks decoded once per call into floats (the codes, unscaled, and the block scales), run for
+// every row of the call (up to kFloatMaxRows), 3 rows x both halves of the tile at a time (12 accumulators; 2
+// weight loads and 3 broadcasts per 6 FMAs, against ftile_avx2_mb's decode of each code register per call of at
+// most 4 rows and one broadcast per FMA). Each row's float steps are ftile_avx2_mb's: per block and 8 outputs, two
+// FMA chains from zero over the even and the odd inputs in order, added, then fma(sum, block scale, acc) in block
+// order: the same bits whichever kernel, row count or grouping a row gets. With TileArgs::prefetch_next, while a
+// chunk runs the same blocks of the next tile are requested. One thread, forced AVX2 on the EPYC, quiet
+// (scripts/qlinear_rows_probe.py, docs/benchmarks.md round 13): LM head 1.16-1.45x main's kernel at 9-32 rows, 1.07x
+// at 64 (1.03-1.15x of ftile_avx2_mb with the same prefetch); int8 weights held in cache 1.07-1.29x at 9-64 rows;
+// at 8 rows 0.90-1.04x of ftile_avx2_mb, so 8 or fewer keep it.
+constexpr int kF8ChunkBlocks = 4;  // 128 inputs: 8 KiB of decoded codes (6 blocks measured the same)
+constexpr int kF8MinRows = 9;
+
+// w[bb * 32 * kRows + j * kRows + r] = code of tile row r, input j of block b0 + bb (as a float, unscaled);
+// sw[bb * kRows + r] = its block scale.
+__attribute__((target("avx2,fma,f16c"))) void decode_chunk_w8_avx2(const Layout& l, const uint8_t* tile, int64_t b0,
+                                                                      int nb, float* w, float* sw) {
+  const __m256i flip = _mm256_set1_epi8(char(0x80));
+  for (int bb = 0; bb < nb; ++bb) {
+    const uint8_t* blk = tile + (b0 + bb) * l.block_bytes;
+    float* wb = w + bb * 32 * kRows;
+    for (int half = 0; half < 2; ++half) {
+#pragma GCC unroll 8
+      for (int g = 0; g < 8; ++g) {
+        const __m256i q = _mm256_xor_si256(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * g + 32 * half)), flip);
+#pragma GCC unroll 4
+        for (int e = 0; e < 4; ++e) {
+          const __m256i c = e == 3 ? _mm256_srai_epi32(q, 24) : _mm256_srai_epi32(_mm256_slli_epi32(q, 24 - 8 * e), 24);
+          _mm256_storeu_ps(wb + (4 * g + e) * kRows + 8 * half, _mm256_cvtepi32_ps(c));
+        }
+      }
+      const __m128i sh = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + l.block_codes + 16 * half));
+      _mm256_storeu_ps(sw + bb * kRows + 8 * half, _mm256_cvtph_ps(sh));
+    }
+  }
+}
+
+// acc[i * kRows + r] += the terms of blocks 0 .. nb - 1 of the decoded chunk for rows i < R <= 3 (x: row 0 at the
+// chunk's first input). Named accumulators: e/o the even / odd inputs' chains, 0/1 the tile's halves.
+#define TRTPAGED_F8_ZERO(i) __m256 e0##i = _mm256_setzero_ps(), e1##i = e0##i, o0##i = e0##i, o1##i = e0##i;
+#define TRTPAGED_F8_FMA(i, c, j)                                              \
+  if constexpr (R > i) {                                                      \
+    const __m256 xb = _mm256_broadcast_ss(xr + i * ldx + (j));                \
+    c##0##i = _mm256_fmadd_ps(w0, xb, c##0##i);                               \
+    c##1##i = _mm256_fmadd_ps(w1, xb, c##1##i);                               \
+  }
+#define TRTPAGED_F8_STEP(c, j)                                                                            \
+  {                                                                                                       \
+    __m256 w0 = _mm256_loadu_ps(wb + (j) * kRows), w1 = _mm256_loadu_ps(wb + (j) * kRows + 8);            \
+    asm("" : "+x"(w0), "+x"(w1)); /* loaded once for all rows, not folded into each row's FMA */          \
+    TRTPAGED_F8_FMA(0, c, j) TRTPAGED_F8_FMA(1, c, j) TRTPAGED_F8_FMA(2, c, j)                            \
+  }
+#define TRTPAGED_F8_SCALE(i)                                                                                 \
+  if constexpr (R > i) {                                                                                     \
+    float* a = acc + i * kRows;                                                                              \
+    _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_add_ps(e0##i, o0##i), s0, _mm256_loadu_ps(a)));              \
+    _mm256_storeu_ps(a + 8, _mm256_fmadd_ps(_mm256_add_ps(e1##i, o1##i), s1, _mm256_loadu_ps(a + 8)));      \
+  }
+template <int R>
+__attribute__((target("avx2,fma"))) void w8_float_rows_avx2(const float* w, const float* sw, int nb, const float* x,
+                                                            int64_t ldx, float* acc) {
+  static_assert(R >= 1 && R <= 3, "1 to 3 rows");
+  for (int bb = 0; bb < nb; ++bb) {
+    const float* wb = w + bb * 32 * kRows;
+    const float* xr = x + bb * 32;
+    TRTPAGED_F8_ZERO(0) TRTPAGED_F8_ZERO(1) TRTPAGED_F8_ZERO(2)
+    for (int j = 0; j < 32; j += 2) {
+      TRTPAGED_F8_STEP(e, j)
+      TRTPAGED_F8_STEP(o, j + 1)
+    }
+    const __m256 s0 = _mm256_loadu_ps(sw + bb * kRows), s1 = _mm256_loadu_ps(sw + bb * kRows + 8);
+    TRTPAGED_F8_SCALE(0) TRTPAGED_F8_SCALE(1) TRTPAGED_F8_SCALE(2)
+  }
+}
+#undef TRTPAGED_F8_ZERO
+#undef TRTPAGED_F8_FMA
+#undef TRTPAGED_F8_STEP
+#undef TRTPAGED_F8_SCALE
+
+// Chunk by chunk in block order, the call's rows in groups of 3 or 2 (as even as possible: a lone row would wait on
+// the FMA latency).
+__attribute__((target("avx2,fma,f16c"))) int ftile_avx2_w8_decoded(const TileArgs& t, int count, float* out) {
+  const Layout& l = *t.l;
+  const int m = std::min(count, kFloatMaxRows);
+  alignas(32) float w[kF8ChunkBlocks * 32 * kRows], sw[kF8ChunkBlocks * kRows];
+  std::fill(out, out + m * kRows, 0.f);
+  for (int64_t b0 = 0; b0 < l.nblocks; b0 += kF8ChunkBlocks) {
+    const int nb = int(std::min<int64_t>(kF8ChunkBlocks, l.nblocks - b0));
+    decode_chunk_w8_avx2(l, t.tile, b0, nb, w, sw);
+    if (t.prefetch_next) {  // the same blocks of the next tile (past the last: prefetches do not fault)
+      const uintptr_t next = reinterpret_cast<uintptr_t>(t.tile) + l.tile_bytes + size_t(b0) * l.block_bytes;
+      for (size_t c = 0; c < size_t(nb) * l.block_bytes; c += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(next + c), _MM_HINT_T1);
+    }
+    for (int i = 0; i < m;) {
+      const int left = m - i, groups = (left + 2) / 3, r = (left + groups - 1) / groups;  // groups of 2-3 rows
+      const float* xr = t.x + i * l.k + b0 * 32;
+      switch (r) {
+        case 3: w8_float_rows_avx2<3>(w, sw, nb, xr, l.k, out + i * kRows); break;
+        case 2: w8_float_rows_avx2<2>(w, sw, nb, xr, l.k, out + i * kRows); break;
+        default: w8_float_rows_avx2<1>(w, sw, nb, xr, l.k, out + i * kRows); break;
+      }
+      i += r;
+    }
+  }
+  return m;
+}
+
+// Float activations, AVX2 and AVX-VNNI, int8 weights: the decoded chunks from kF8MinRows rows, ftile_avx2_mb below.
+__attribute__((target("avx2,fma,f16c"))) int ftile_avx2_w8(const TileArgs& t, int count, float* out) {
+  if (count >= kF8MinRows) return ftile_avx2_w8_decoded(t, count, out);
+  return t.prefetch_next ? ftile_avx2_rows<8, true>(t, count, out) : ftile_avx2_rows<8>(t, count, out);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Dispatch: the kernels of the ISA in use (chosen in isa.cpp).
 TileKernel tile_kernel(Isa isa, int bits, bool float_activations) {
@@ -798,7 +928,7 @@ TileKernel tile_kernel(Isa isa, int bits, bool float_activations) {
     switch (isa) {
       case kAvx512Vnni: return bits == 8 ? ftile_avx512<8> : ftile_avx512<4>;
       case kAvxVnni:
-      case kAvx2: return bits == 8 ? ftile_avx2_rows<8> : ftile_avx2_decoded;
+      case kAvx2: return bits == 8 ? ftile_avx2_w8 : ftile_avx2_decoded;
       default: return bits == 8 ? tile_scalar<8, true> : tile_scalar<4, true>;
     }
   }
@@ -817,11 +947,10 @@ int tile_max_rows(Isa isa, int bits) {
   return isa == kAvx512Vnni ? 8 : 4;
 }
 
-// Activation rows one call of tile_kernel's float-activation kernel takes at most: ftile_avx2_decoded (int4 on
-// AVX2 and AVX-VNNI) runs every row of a call over each decoded chunk, the others kMaxMB.
-int float_tile_max_rows(Isa isa, int bits) {
-  return bits == 4 && (isa == kAvx2 || isa == kAvxVnni) ? kFloatMaxRows : kMaxMB;
-}
+// Activation rows one call of tile_kernel's float-activation kernel takes at most: on AVX2 and AVX-VNNI
+// ftile_avx2_decoded (int4) and ftile_avx2_w8 (int8, from kF8MinRows rows) run every row of a call over each decoded
+// chunk, the others kMaxMB.
+int float_tile_max_rows(Isa isa) { return isa == kAvx2 || isa == kAvxVnni ? kFloatMaxRows : kMaxMB; }
 
 // ---------------------------------------------------------------------------------------------
 // Per-call buffers, one set per calling thread, reused across calls (no allocation per decode step).
@@ -992,6 +1121,7 @@ void run_tiles(const Layout& l, TileKernel kernel, const Acts* acts, const float
   const int64_t band_items = l.ntiles * band;  // work items of a whole band
   const int64_t items = l.ntiles * nchunks;
   const double work = double(l.ntiles) * kRows * double(l.k) * double(m);
+  const bool stream_weights = size_t(l.ntiles) * l.tile_bytes >= kPrefetchWeightBytes;
   auto run_item = [&](int64_t item) {
     const int64_t b0 = item / band_items * band;  // the band's first chunk
     const int64_t width = std::min(band, nchunks - b0);
@@ -1003,7 +1133,8 @@ void run_tiles(const Layout& l, TileKernel kernel, const Acts* acts, const float
     const int rows = int(std::min<int64_t>(kRows, l.n - tile * kRows));
     for (int64_t m0 = mbeg; m0 < mend;) {
       alignas(64) float out[kFloatMaxRows * kRows];
-      const TileArgs args{&l, tp, m0, acts, x ? x + m0 * l.k : nullptr, xgroup};
+      // the first call of a tile requests the next one
+      const TileArgs args{&l, tp, m0, acts, x ? x + m0 * l.k : nullptr, xgroup, stream_weights && m0 == mbeg};
       const int want = int(std::min<int64_t>(call_rows, mend - m0));
       // The y lines this call writes are requested (for writing) while the tile is computed: with
       // wide outputs (the LM head) they are cache misses, which the stores below would otherwise wait on.
@@ -1157,7 +1288,7 @@ TRTPAGED_API trtpaged_status trtpaged_qlinear_cpu_ex(const float* x, int64_t m, 
     }
     run_tiles(l, tile_kernel(isa, bits, float_acts), float_acts ? nullptr : &acts, float_acts ? x : nullptr,
               float_acts && bits == 4 ? buf.group_sums.data() : nullptr, m, static_cast<const uint8_t*>(packed), bias,
-              y, 1, float_acts ? float_tile_max_rows(isa, bits) : std::max(kMaxMB, tile_max_rows(isa, bits)));
+              y, 1, float_acts ? float_tile_max_rows(isa) : std::max(kMaxMB, tile_max_rows(isa, bits)));
     return trtpaged_status(ok());
   } catch (const std::exception& e) {
     return trtpaged_status(fail(TRTPAGED_ERR_INVALID_ARGUMENT, std::string("qlinear_cpu: ") + e.what()));
