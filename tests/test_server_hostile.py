@@ -382,3 +382,20 @@ def test_stream_hold_back_equals_its_definition_and_is_cheap_at_the_caps():
     stops = ["".join(rng.choice("QZJXKV") for _ in range(MAX_STOP_STRING_CHARS)) for _ in range(MAX_STOP_STRINGS)]
     seconds = min(timeit.repeat(lambda: held_back("abc" * 400, stops), number=100, repeat=3)) / 100
     assert seconds < 2e-4, seconds  # ~8 us here; the character-by-character loop took ~375 us
+
+
+def test_a_text_too_long_by_its_length_alone_is_refused_before_tokenizing(server):
+    """The tiny tokenizer's tokens stand for at most 7 bytes (its specials), so 3000 bytes of text make at least 429
+    tokens, past this server's 400: refused from the length (runtime/prompt_bound.py), where the engine thread
+    would otherwise tokenize it first; a chat counts its messages together; truncate_prompt_tokens still takes it."""
+    status, _, out = post(server, J({"prompt": "x" * 3000, "max_tokens": 2}))
+    assert status == 400 and out["error"]["param"] == "prompt", out
+    assert "3000 bytes of text make at least 429 tokens with this tokenizer, more than a prompt may have here (400)" \
+        in out["error"]["message"]  # fmt: skip
+    messages = [{"role": "user", "content": "y" * 1500}, {"role": "assistant", "content": "z" * 1500}]
+    status, _, out = post(server, J({"messages": messages, "max_tokens": 2}), path="/v1/chat/completions")
+    assert status == 400 and out["error"]["param"] == "messages" and "3000 bytes" in out["error"]["message"], out
+    status, _, out = post(server, J({"prompt": "x" * 3000, "max_tokens": 2, "truncate_prompt_tokens": 100}))
+    assert status == 200 and out["usage"]["prompt_tokens"] == 100, out
+    assert post(server, J({"prompt": "x" * 390, "max_tokens": 2}))[0] == 200  # under both limits
+    wait_idle(server)

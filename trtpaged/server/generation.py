@@ -17,6 +17,7 @@ from trtpaged.errors import RequestError
 from trtpaged.runtime.llm import LLM
 from trtpaged.runtime.llm_engine import LLMEngine
 from trtpaged.runtime.outputs import RequestOutput, RequestOutputKind
+from trtpaged.runtime.prompt_bound import prompt_bound
 from trtpaged.runtime.sampling_params import SamplingParams
 from trtpaged.runtime.scheduler import check_request
 from trtpaged.server.engine_loop import (
@@ -90,6 +91,7 @@ class GenerationService:
         self.max_prompt_tokens = max_prompt_tokens
         self.request_timeout_s = request_timeout_s
         self._read_bytes: Optional[Callable[[int, str], bytes]] = None  # made on the engine thread, on first use
+        self.prompt_bound = prompt_bound(llm.tokenizer) if llm.tokenizer is not None else None
         self.auto_tools = auto = tool_format(getattr(llm.tokenizer, "chat_template", None),
                                              llm.manifest.dims.architecture)  # fmt: skip
         log.info("tool_choice auto: %s", f"{auto.format.name} calls" if auto.format else f"refused ({auto.reason})")
@@ -157,6 +159,8 @@ class GenerationService:
 
         field_name = "messages" if req.chat else "prompt"
         keep = self._kept_tokens(req)
+        if keep is None:
+            self._refuse_texts_too_long(req, field_name)
         try:
             prompts = await self.loop.call_async(run)
         except ValueError as exc:
@@ -172,6 +176,26 @@ class GenerationService:
         if limit is not None and longest > limit:
             raise ApiError(f"{field_name}: {longest} tokens exceeds this server's prompt limit ({limit})", field_name)
         return prompts
+
+    def _refuse_texts_too_long(self, req: GenerationRequest, field_name: str) -> None:
+        """A text that makes more tokens than a prompt may have, told by its length alone (runtime/prompt_bound.py),
+        is refused before the engine thread spends time tokenizing it (megabytes: seconds of every stream's time).
+        A chat's bound counts its messages' text, which the template's own text only adds to."""
+        if self.prompt_bound is None:
+            return
+        limit = self.max_seq_len - 1 if self.max_prompt_tokens is None else min(self.max_prompt_tokens,
+                                                                                self.max_seq_len - 1)  # fmt: skip
+        def size(text: str) -> int:
+            return len(text.encode("utf-8", errors="surrogatepass"))
+
+        sizes = ([sum(size(m.get("content") or "") for m in req.messages)] if req.chat
+                 else [size(p) for p in req.prompts if isinstance(p, str)])  # fmt: skip
+        for nbytes in sizes:
+            fewest = self.prompt_bound.fewest_tokens(nbytes)
+            if fewest > limit:
+                raise ApiError(f"{field_name}: {nbytes} bytes of text make at least {fewest} tokens with this "
+                               f"tokenizer, more than a prompt may have here ({limit}); send less text, or set "
+                               f"truncate_prompt_tokens", field_name)  # fmt: skip
 
     def _kept_tokens(self, req: GenerationRequest) -> Optional[int]:
         """truncate_prompt_tokens as vLLM reads it: at most what max_seq_len leaves beside the output (max_tokens;
