@@ -72,11 +72,8 @@ def check_host_pool(num_host_blocks: int, bytes_per_block: int, device: str, num
     host too (before either is allocated)."""
     if isinstance(num_host_blocks, bool) or not isinstance(num_host_blocks, int) or num_host_blocks < 0:
         raise ValueError(f"num_host_blocks: must be an integer >= 0, got {num_host_blocks!r}")
-    available = available_memory_bytes("cpu")
-    where = "the host now"
-    if not device.startswith("cuda"):
-        available = max(0, available - num_kv_blocks * bytes_per_block)
-        where += f" besides the KV pool of {num_kv_blocks} blocks"
+    available = _host_left(bytes_per_block, device, num_kv_blocks)
+    where = "the host now" + ("" if device.startswith("cuda") else f" besides the KV pool of {num_kv_blocks} blocks")
     check_pool_fits(num_host_blocks, bytes_per_block, available, "num_host_blocks", where)
 
 
@@ -85,11 +82,17 @@ def check_host_tier(host_memory: int, bytes_per_block: int, device: str, num_kv_
     """Raises KVBudgetError when the host-memory KV tier (`kv_tiers.host_memory` bytes) does not fit the host's
     available memory less the pools it shares it with (the KV pool on a CPU device, a swap pool): it fills as
     the pool evicts prefix blocks, hours after loading, so it is checked before anything loads."""
-    taken = num_host_blocks + (0 if device.startswith("cuda") else num_kv_blocks)
-    available = max(0, available_memory_bytes("cpu") - taken * bytes_per_block)
+    available = _host_left(bytes_per_block, device, num_kv_blocks, num_host_blocks)
     if host_memory > available:
         raise KVBudgetError("kv_tiers.host_memory", f"{_gib(host_memory)} exceeds what the host has now besides the "
                                                      f"engine's pools ({_gib(available)})", available)  # fmt: skip
+
+
+def _host_left(bytes_per_block: int, device: str, num_kv_blocks: int, num_host_blocks: int = 0) -> int:
+    """The host's available memory less the engine's blocks held there: a swap pool's, and the KV pool's on a CPU
+    device."""
+    held = num_host_blocks + (0 if device.startswith("cuda") else num_kv_blocks)
+    return max(0, available_memory_bytes("cpu") - held * bytes_per_block)
 
 
 def _gib(n: int) -> str:

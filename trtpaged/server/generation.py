@@ -317,12 +317,8 @@ class GenerationService:
                                 chunk.usage = so_far
                                 yield sse(chunk)
                             continue
-                        if prompt_ids is not None:
-                            yield sse(builder.chunk(d.index, d.text, d.finish_reason, logprobs,
-                                                    stop_reason=d.stop_reason, usage=so_far, token_ids=new_ids,
-                                                    prompt_token_ids=prompt_ids))  # fmt: skip
-                            continue
-                        yield builder.event(d.index, d.text, d.finish_reason, logprobs, d.stop_reason, so_far, new_ids)
+                        yield builder.event(d.index, d.text, d.finish_reason, logprobs, d.stop_reason, so_far, new_ids,
+                                            prompt_ids)  # fmt: skip
         except (EngineFailure, ShuttingDown, RequestTimeout) as exc:
             s.summary.finish_reasons = [type(exc).__name__]
             yield sse(dump(runtime_failure(exc).body()))

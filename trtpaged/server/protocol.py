@@ -73,10 +73,7 @@ def check_model(model: Optional[str], served_model: str) -> None:
 def _token_list(ids: list[int], vocab_size: int) -> list[int]:
     if not ids:
         raise ApiError("prompt: a token-id prompt must be a non-empty array of integers", "prompt")
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise ApiError(f"prompt: token id {bad} is outside the vocabulary [0, {vocab_size})", "prompt")
-    return list(ids)
+    return list(constraints.token_ids_in_vocab("prompt", ids, vocab_size))
 
 
 def _prompts(value: Any, vocab_size: int) -> list[Prompt]:

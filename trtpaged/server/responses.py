@@ -293,18 +293,20 @@ class ResponseBuilder:
     def event(self, index: int, text: Optional[str], finish_reason: Optional[str] = None,
               logprobs: Union[ChatLogprobs, CompletionLogprobs, None] = None,
               stop_reason: Union[int, str, None] = None, usage: Optional[Usage] = None,
-              token_ids: Optional[list[int]] = None) -> bytes:  # fmt: skip
+              token_ids: Optional[list[int]] = None,
+              prompt_token_ids: Optional[list[int]] = None) -> bytes:  # fmt: skip
         """`sse(self.chunk(...))`. The chunk of almost every token (text, no finish reason, log-probs, usage or
         token ids) comes from a template serialized once per choice, with only its text JSON-encoded: the same
         bytes without building and dumping three pydantic models per token."""
-        if text and finish_reason is None and logprobs is None and usage is None and token_ids is None:
+        if text and finish_reason is None and logprobs is None and usage is None and token_ids is None \
+                and prompt_token_ids is None:
             template = self._templates.get(index, ())
             if template == ():
                 template = self._templates[index] = self._text_template(index)
             if template is not None:
                 return f"{template[0]}{json.dumps(text)}{template[1]}".encode()
         return sse(self.chunk(index, text, finish_reason, logprobs, stop_reason=stop_reason, usage=usage,
-                              token_ids=token_ids))  # fmt: skip
+                              token_ids=token_ids, prompt_token_ids=prompt_token_ids))  # fmt: skip
 
     def _text_template(self, index: int) -> Optional[tuple[str, str]]:
         """The text chunk's event split around its (JSON-encoded) text, or None if the split is ambiguous."""

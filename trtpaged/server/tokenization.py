@@ -11,6 +11,7 @@ from typing import Any, Optional, Union
 
 from trtpaged.runtime.llm import LLM
 from trtpaged.runtime.llm_engine import LLMEngine
+from trtpaged.server.constraints import token_ids_in_vocab
 from trtpaged.server.engine_loop import EngineLoop
 from trtpaged.server.errors import ApiError, from_runtime_error
 from trtpaged.server.protocol import chat_messages, chat_options, check_model, validated
@@ -73,10 +74,7 @@ class Tokenization:
         """A `tokens` body -> their text (special tokens included, as vLLM's /detokenize)."""
         req = validated(DetokenizeRequest, body)
         check_model(req.model, self.model_name)
-        bad = next((i for i, t in enumerate(req.tokens) if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ApiError(f"tokens[{bad}]: token id {req.tokens[bad]} is outside the vocabulary "
-                           f"[0, {self.vocab_size})", "tokens")  # fmt: skip
+        token_ids_in_vocab("tokens", req.tokens, self.vocab_size)
 
         def run(engine: LLMEngine) -> str:
             if engine.tokenizer is None:
