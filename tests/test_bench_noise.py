@@ -76,3 +76,39 @@ def test_kernel_bench_times_the_paged_layout_at_the_block_size_asked() -> None:
     # 200 keys in blocks of 64: 4 blocks per sequence, the last partly filled; both layouts were timed
     (case,) = report["decode"]
     assert case["paged_ms"] > 0 and case["contiguous_ms"] > 0
+
+
+def test_the_median_interval_holds_the_population_median_as_often_as_it_claims() -> None:
+    import math
+    import random
+
+    from trtpaged.bench.noise import median_interval
+
+    assert median_interval([1.0, 2.0, 3.0, 4.0]) is None  # 4 samples: at most 87.5% coverage
+    assert median_interval([5.0, 1.0, 4.0, 2.0, 3.0]) == (1.0, 5.0)
+    assert median_interval([float(x) for x in range(9)]) == (1.0, 7.0)  # k = 2: coverage 1 - 2 * 10 / 512
+    rng = random.Random(7)
+    for n in (5, 9, 12):
+        trials = 4000
+        # a skewed distribution whose median is known exactly: exponential(1), median ln 2
+        held = sum(lo <= math.log(2) <= hi for lo, hi in
+                   (median_interval([rng.expovariate(1.0) for _ in range(n)]) for _ in range(trials)))  # fmt: skip
+        assert held / trials >= 0.88, (n, held / trials)  # >= 0.9 claimed; 4000 trials: 1.6 points of slack
+
+
+def test_interval_verdicts_need_the_rounds_on_one_side_of_the_target() -> None:
+    from trtpaged.bench.noise import interval_verdict
+
+    quiet = assess(0.4, 0.1, cpus=2)  # a wide spread alone does not refuse an interval verdict
+    assert interval_verdict([0.95, 1.0, 0.93, 1.1, 0.97], 0.9, True, quiet).startswith("met (")
+    assert interval_verdict([0.7, 0.8, 0.85, 0.6, 0.88], 0.9, True, quiet).startswith("NOT met (")
+    straddle = interval_verdict([0.95, 1.0, 0.67, 1.1, 0.97], 0.9, True, quiet)
+    assert straddle.startswith("no verdict") and "straddles" in straddle
+    # lower is better (structured outputs: constrained / plain <= 1.1)
+    assert interval_verdict([1.02, 1.05, 1.0, 1.08, 1.01], 1.1, False, quiet).startswith("met (")
+    assert interval_verdict([1.2, 1.3, 1.15, 1.25, 1.4], 1.1, False, quiet).startswith("NOT met (")
+    busy = assess(0.01, 0.9, cpus=2)
+    assert "0.90 cores" in interval_verdict([1.0] * 5, 0.9, True, busy)
+    # fewer than 5 rounds: the spread rule, as before
+    assert interval_verdict([1.0, 1.0, 1.0], 0.9, True, assess(0.0, 0.1, cpus=2)) == "met"
+    assert interval_verdict([1.0, 1.0, 1.0], 0.9, True, quiet).startswith("no verdict (noisy run")

@@ -10,10 +10,17 @@ trustworthy:
   /proc/stat (all CPUs' busy time) minus our own process's CPU time (os.times), divided
   by the wall time. A foreign load near a whole core on a 2-core machine means our
   threads shared their cores.
+
+A verdict on a target for a ratio measured in interleaved rounds (serve / API, constrained /
+plain) can instead come from the rounds themselves (`interval_verdict`): a distribution-free
+confidence interval for the median round, from its order statistics. On a VM whose speed swings
+between rounds the spread rule refuses almost every run; the interval gives a verdict when the
+rounds agree on which side of the target the median lies, and refuses it when they straddle it.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -22,6 +29,7 @@ from typing import Optional, Sequence
 
 MAX_SPREAD = 0.10  # (p90 - p10) / median above this: the repeats disagree too much
 MAX_FOREIGN_CORES = 0.5  # other processes' CPU use (in cores) above this: we shared our cores
+CONFIDENCE = 0.9  # coverage of the median's interval in `interval_verdict`
 
 
 def spread(samples: Sequence[float]) -> float:
@@ -154,3 +162,44 @@ def verdict(ok: bool, noise: Noise) -> str:
     if not noise.trustworthy:
         return f"no verdict (noisy run: {noise.reason}; rerun on a quieter machine)"
     return "met" if ok else "NOT met"
+
+
+def median_interval(samples: Sequence[float], confidence: float = CONFIDENCE) -> Optional[tuple[float, float]]:
+    """A distribution-free interval that holds the samples' population median with probability >= `confidence`:
+    the k-th smallest and k-th largest sample, for the largest k whose coverage 1 - 2 P(Binomial(n, 1/2) < k)
+    reaches it. Assumes only that the samples are independent draws of one distribution. None when there are
+    too few samples for that coverage (below 5 at 0.9: even the smallest and largest of 4 hold the median with
+    probability 0.875)."""
+    n = len(samples)
+    ordered = sorted(samples)
+    k_best = None
+    below = 0  # P(Binomial(n, 1/2) < k) * 2**n
+    for k in range(1, n // 2 + 1):
+        below += math.comb(n, k - 1)
+        if 1.0 - 2.0 * below / 2**n < confidence:
+            break
+        k_best = k
+    return None if k_best is None else (ordered[k_best - 1], ordered[n - k_best])
+
+
+def interval_verdict(samples: Sequence[float], target: float, higher_is_better: bool, noise: Noise,
+                     confidence: float = CONFIDENCE) -> str:  # fmt: skip
+    """The verdict on `median(samples) >= target` (or <= when not `higher_is_better`) from the median's
+    confidence interval: 'met' when the whole interval is on the good side, 'NOT met' when it is wholly on the
+    other, else a refusal (the rounds straddle the target). Other processes' load over the noise rule's limit
+    refuses it as well; with too few samples for an interval the spread rule (`verdict`) decides."""
+    interval = median_interval(samples, confidence)
+    if interval is None:
+        return verdict((statistics.median(samples) >= target) == higher_is_better, noise) if samples else \
+            "no verdict (no rounds)"
+    if noise.foreign_cores is not None and noise.foreign_cores > MAX_FOREIGN_CORES:
+        return (f"no verdict (noisy run: other processes used {noise.foreign_cores:.2f} cores > "
+                f"{MAX_FOREIGN_CORES:.2f}; rerun on a quieter machine)")  # fmt: skip
+    lo, hi = interval
+    good, bad = (lo >= target, hi < target) if higher_is_better else (hi <= target, lo > target)
+    where = f"{confidence:.0%} interval of the median round [{lo:.2f}, {hi:.2f}] over {len(samples)} rounds"
+    if good:
+        return f"met ({where})"
+    if bad:
+        return f"NOT met ({where})"
+    return f"no verdict ({where} straddles the target {target:.2f}; run more rounds or on a quieter machine)"

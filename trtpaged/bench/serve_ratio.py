@@ -15,8 +15,9 @@ so the engine's own step time in the server is printed next to the API's, and th
 generated token of each side (the API's process; the server's engine thread with its OpenMP workers, its
 HTTP event loop and the rest; the `openai` client), which other processes' load leaves nearly unchanged
 where it swings the rates: what the front end costs, against the CPU the kernels need. Each ratio is the median over
-the rounds of serve / API within the round; with the spread or other processes' CPU use above trtpaged's noise rule (bench/noise.py)
-the verdict is refused.
+the rounds of serve / API within the round. The verdicts come from the 90% interval of that median (bench/noise.py
+`interval_verdict`, from 5 rounds on): given when the rounds put it on one side of the target, refused when they
+straddle it or other processes took more than half a core; with fewer rounds, the spread rule decides.
 
 With several `--stream-interval` values, one `serve` child runs per value (tokens per streamed chunk; see
 `ServerOptions.stream_interval`) and every round runs each of them right after the API's run, in a rotating
@@ -38,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from trtpaged.bench.noise import NoiseMonitor, assess, verdict
+from trtpaged.bench.noise import NoiseMonitor, assess, interval_verdict
 from trtpaged.bench.server_metrics import parse_prometheus
 from trtpaged.bench.sse_reader import bare_batch_rate
 
@@ -148,10 +149,15 @@ class ServerProcess:
                 self.proc.kill()
 
 
+def round_ratios(served: list[float], api: list[float]) -> list[float]:
+    """Each round's serve / API, the round's two runs back to back (robust to load drifting between rounds,
+    which a ratio of the two medians is not)."""
+    return [s / a for s, a in zip(served, api) if a > 0]
+
+
 def paired_ratio(served: list[float], api: list[float]) -> float:
-    """Median over the rounds of serve / API, each round's two runs back to back (robust to load drifting
-    between rounds, which a ratio of the two medians is not)."""
-    return statistics.median(s / a for s, a in zip(served, api) if a > 0)
+    """Median over the rounds of serve / API."""
+    return statistics.median(round_ratios(served, api))
 
 
 class CpuPerToken:
@@ -417,15 +423,18 @@ def run_serve_ratio(engine: Path, repeats: int = 5, max_tokens: int = 128, concu
     for arm in arms:
         series.update({f"serve_{m}@{arm.interval}": s for m, s in arm.series.items()})
         steps.update({f"serve_{m}@{arm.interval}": s for m, s in arm.steps.items()})
-        single = paired_ratio(arm.series["single"].values, api_series["single"].values)
-        batch = paired_ratio(arm.series["batch"].values, api_series["batch"].values)
+        singles = round_ratios(arm.series["single"].values, api_series["single"].values)
+        batches = round_ratios(arm.series["batch"].values, api_series["batch"].values)
+        single, batch = statistics.median(singles), statistics.median(batches)
         by_interval[str(arm.interval)] = {
             "single_ratio": single, "batch_ratio": batch,
             "bare_ratio": paired_ratio(arm.series["bare"].values, api_series["batch"].values),
             "same_text_single": arm.same_single, "same_text_batch": f"{arm.same['batch']}/{concurrency}",
             "same_text_bare": f"{arm.same['bare']}/{concurrency}",
             "cpu_us_per_token": {m: c.per_token_us() for m, c in arm.cpu.items()},
-            "verdict_single": verdict(single >= TARGET, noise), "verdict_batch": verdict(batch >= TARGET, noise),
+            "single_rounds": singles, "batch_rounds": batches,
+            "verdict_single": interval_verdict(singles, TARGET, True, noise),
+            "verdict_batch": interval_verdict(batches, TARGET, True, noise),
         }  # fmt: skip
     return {
         "engine": str(engine), "repeats": repeats, "max_tokens": max_tokens, "concurrency": concurrency,
@@ -457,10 +466,12 @@ def format_ratio(report: dict) -> str:
             lines.append(f"  CPU us/token, {label}: {api}serve {serve:.0f} = engine+kernels "
                          f"{us['engine']:.0f} + HTTP/event loop {us['http']:.0f} + other {us['other']:.0f} | "
                          f"{'bare reader' if mode == 'bare' else 'openai client'} {us['client']:.0f}")  # fmt: skip
-        lines.append(f"  single stream: serve / API = {r['single_ratio']:.2f} (median of the rounds' ratios; "
-                     f"target >= {TARGET:.2f}): {r['verdict_single']}; same text: {r['same_text_single']}")  # fmt: skip
-        lines.append(f"  {streams}:  serve / LLM.generate = {r['batch_ratio']:.2f} (target >= {TARGET:.2f}): "
-                     f"{r['verdict_batch']}; same texts: {r['same_text_batch']}")  # fmt: skip
+        rounds = {m: " / ".join(f"{x:.2f}" for x in r.get(f"{m}_rounds", [])) for m in ("single", "batch")}
+        lines.append(f"  single stream: serve / API = {r['single_ratio']:.2f} (median of the rounds' ratios "
+                     f"{rounds['single']}; target >= {TARGET:.2f}): {r['verdict_single']}; "
+                     f"same text: {r['same_text_single']}")  # fmt: skip
+        lines.append(f"  {streams}:  serve / LLM.generate = {r['batch_ratio']:.2f} (rounds {rounds['batch']}; "
+                     f"target >= {TARGET:.2f}): {r['verdict_batch']}; same texts: {r['same_text_batch']}")  # fmt: skip
         lines.append(f"  {streams}, bare reader: serve / LLM.generate = {r['bare_ratio']:.2f} (the server "
                      f"without a client's parsing on the same cores; not a target); "
                      f"same texts: {r['same_text_bare']}")  # fmt: skip

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from trtpaged.bench.noise import Noise, NoiseMonitor, verdict
+from trtpaged.bench.noise import Noise, NoiseMonitor, interval_verdict
 from trtpaged.runtime.sampling_params import SamplingParams, StructuredOutputsParams
 
 TARGET = 1.10  # constrained step time / unconstrained step time
@@ -93,15 +93,15 @@ def run_structured_bench(engine_dir: Path, batch: int = 16, steps: int = 32, rep
         progress(f"round {r + 1}/{repeats}: unconstrained {medians['plain'] * 1e3:.2f} ms/step, half constrained "
                  f"{medians['constrained'] * 1e3:.2f} ms/step, ratio {medians['ratio']:.3f}")  # fmt: skip
     monitor.stop()
-    # the verdict is on the interleaved ratio, so its noise is the spread of the rounds' ratios: a VM whose speed
-    # drifts between rounds moves both halves of a round together (single steps on 2 cores spread far more)
+    # the verdict is on the interleaved ratio: from the interval of the median round (a VM whose speed drifts
+    # between rounds moves both halves of a round together); the rounds' spread is reported beside it
     monitor.add_samples([r["ratio"] for r in rounds])
     noise = monitor.result()
     ratio = statistics.median(r["ratio"] for r in rounds)
     return {
         "engine": str(engine_dir), "batch": batch, "constrained_rows": batch // 2, "steps": steps,
         "temperature": temperature, "rounds": rounds, "ratio": ratio, "target": TARGET,
-        "verdict": verdict(ratio <= TARGET, noise), "noise": noise.to_dict(),
+        "verdict": interval_verdict([r["ratio"] for r in rounds], TARGET, False, noise), "noise": noise.to_dict(),
         "loadavg": os.getloadavg(), "vocab_seconds": vocab_seconds, "first_compile_seconds": compile_seconds,
         "constrained_requests": llm.stats()["num_constrained_requests"],
     }  # fmt: skip
