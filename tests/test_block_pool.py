@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trtpaged.runtime.block_pool import BlockPool
+from trtpaged.runtime.block_pool import BlockPool, chain_hash
 from trtpaged.runtime.block_pool import FreeBlockQueue
 from trtpaged.runtime.block_pool import KVBlock
 from trtpaged.runtime.kv_cache_manager import KVCacheManager
@@ -116,6 +116,38 @@ def test_hash_collisions_never_return_wrong_blocks():
     assert hits == []
     hits = kv.find_cached_prefix(seq(2, [1, 2, 3, 4, 5, 6, 7, 8, 1]))
     assert ids(hits) == kv.block_table(a)[:2]
+
+
+@pytest.mark.parametrize("hash_fn", [chain_hash, lambda parent, tokens: 0], ids=["chain_hash", "every_hash_collides"])
+def test_cache_salt_shares_blocks_only_under_the_same_salt(hash_fn):
+    """vLLM's cache_salt: a prompt's cached blocks are hits for the same prompt under the same salt (unsalted: for
+    unsalted ones) and for no other salt, even when every hash collides (the salt is the first block's parent)."""
+    kv = KVCacheManager(num_kv_blocks=32, block_size=BS, hash_fn=hash_fn)
+    prompt = list(range(10, 23))  # three full blocks + 1 token
+    owners = {}
+    for salt in ("tenant-a", None, "tenant-b"):
+        owner = Sequence(len(owners), prompt, cache_salt=salt)
+        assert kv.find_cached_prefix(owner) == []  # nothing cached under this salt yet
+        compute(kv, owner, 13)
+        owners[salt] = owner
+    assert kv.pool.num_cached == 3 * 3 and kv.pool.num_used == 3 * 4
+    tables = {salt: kv.block_table(s) for salt, s in owners.items()}
+    assert len({b for t in tables.values() for b in t}) == 3 * 4  # no block shared across salts
+    for k, salt in enumerate(("tenant-a", None, "tenant-b")):
+        again = Sequence(10 + k, prompt, cache_salt=salt)
+        hits = kv.find_cached_prefix(again)
+        assert ids(hits) == tables[salt][:3]
+        assert _blocks_needed(kv, [(again, 1, hits)]) == 1  # only its last block is new
+        compute(kv, again, 1, hits)
+        assert kv.block_table(again)[:3] == tables[salt][:3]
+    for salt in ("tenant-c", "Tenant-a", "tenant-a "):  # an unknown salt, or one that is almost another
+        stranger = Sequence(99, prompt, cache_salt=salt)
+        assert kv.find_cached_prefix(stranger) == [] and _blocks_needed(kv, [(stranger, 13, ())]) == 4
+    assert kv.prefix_hits_tokens == 3 * 3 * BS
+    assert kv.stats(list(owners.values()))["kv_blocks_saved_by_sharing"] == 3 * 3
+    # a fork (n samples, beams) keeps its parent's salt, and so caches under it
+    child = owners["tenant-a"].fork(50, 1)
+    assert child.cache_salt == "tenant-a"
 
 
 def test_stale_parent_after_eviction_cannot_match():

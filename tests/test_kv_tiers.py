@@ -7,6 +7,7 @@ held when a block was computed: a restored block must equal them bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import shutil
@@ -23,7 +24,7 @@ from trtpaged.bench.redis_process import RedisProcess
 from trtpaged.runtime.kv_tiers.checked import CheckedTier, EntryCodec
 from trtpaged.runtime.kv_tiers.config import KVTierConfig
 from trtpaged.runtime.kv_tiers.disk import DiskTier
-from trtpaged.runtime.kv_tiers.entry import ROOT, EntryMismatch, chain_key, decode_entry, encode_entry
+from trtpaged.runtime.kv_tiers.entry import ROOT, EntryMismatch, chain_key, decode_entry, encode_entry, root_key
 from trtpaged.runtime.kv_tiers.entry import engine_fingerprint, entry_bytes
 from trtpaged.runtime.kv_tiers.host import HostMemoryTier
 from trtpaged.runtime.kv_tiers.stack import BlockRecord, TierHit, TierStack
@@ -69,8 +70,8 @@ def make_engine(model, tiers: Optional[KVTierConfig] = None, kv_cache_dtype: Opt
     return LLMEngine(TorchRunner(model, pool), config, None, [], tiers=stack)
 
 
-def run_one(engine: LLMEngine, prompt: list[int]) -> list[int]:
-    rid = engine.add_request(prompt, GREEDY)
+def run_one(engine: LLMEngine, prompt: list[int], params: SamplingParams = GREEDY) -> list[int]:
+    rid = engine.add_request(prompt, params)
     out = None
     while engine.has_unfinished():
         for o in engine.step():
@@ -289,6 +290,41 @@ def test_restored_blocks_are_bit_identical_and_outputs_unchanged(step_model, ref
     assert stats[f"kv_tier_{tier}_hits"] >= 8 and stats["kv_tier_blocks_loaded"] >= 8
     assert stats["prefix_cache_tier_hits_tokens"] == stats["kv_tier_blocks_loaded"] * BS
     assert stats[f"kv_tier_{tier}_invalid"] == 0
+    assert_pool_whole(engine)
+    engine.close()
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_salted_prefix_is_found_in_a_tier_only_under_its_salt(step_model, reference, tmp_path, tier):
+    """cache_salt below the pool: A's blocks, computed under salt "s1" and evicted to a tier, are keyed from the
+    salt's root; an unsalted or otherwise salted lookup of A finds none of them (it recomputes), a lookup under
+    "s1" restores all four, and every output is the tiers-off engine's."""
+    config = (KVTierConfig(host_memory=1 << 20) if tier == "host"
+              else KVTierConfig(disk_path=str(tmp_path), disk_size=1 << 22))  # fmt: skip
+    engine = make_engine(step_model, config)
+    salted = dataclasses.replace(GREEDY, cache_salt="s1")
+    assert run_one(engine, A, salted) == reference[None][0]
+    for prompt in (B, C, D):  # evict A's blocks to the tier
+        run_one(engine, prompt)
+    engine.kv.tiers.flush()
+    fp = _fingerprint(None)
+    (store,) = engine.kv.tiers.tiers
+    assert store.contains(chain_key(fp, root_key(fp, "s1"), A[:BS]))
+    assert not store.contains(chain_key(fp, ROOT, A[:BS])) and root_key(fp, "s1") != root_key(fp, "s2") != ROOT
+    for salt in (None, "s2"):
+        probe = Sequence(10**6, A, cache_salt=salt)
+        assert loaded_prefix(engine.kv, probe) == []
+        engine.kv.free(probe)
+    before = engine.num_tokens_computed
+    assert run_one(engine, A, dataclasses.replace(GREEDY, cache_salt="s2")) == reference[None][0]
+    assert engine.num_tokens_computed - before == len(A) + 3  # nothing restored: the whole prompt computed
+    probe = Sequence(10**6, A, cache_salt="s1")
+    hits = loaded_prefix(engine.kv, probe)
+    assert len(hits) == 4 and all(isinstance(h, TierHit) for h in hits)
+    engine.kv.free(probe)
+    before = engine.num_tokens_computed
+    assert run_one(engine, A, salted) == reference[None][0]
+    assert engine.num_tokens_computed - before == len(A) - 4 * BS + 3  # its four blocks restored
     assert_pool_whole(engine)
     engine.close()
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from click.testing import CliRunner
 
 from runtime_helpers import hf_from_engine_dir, hf_greedy
 from trtpaged import LLM, SamplingParams
 from trtpaged.cli import main
+from trtpaged.errors import RequestError
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +148,29 @@ def test_chat_takes_one_conversation_or_a_batch(llm):
     assert isinstance(batch, list) and len(batch) == 2
     assert batch[0].outputs[0].token_ids == single.outputs[0].token_ids
     assert batch[1].prompt_token_ids == llm.chat_prompt(two)
+
+
+def test_cache_salt_shares_prefix_blocks_only_under_the_same_salt(llm, tiny_engine_dir):
+    """LLM.generate with SamplingParams.cache_salt (vLLM's): a 50-token prompt (3 full blocks of 16) finds its 48
+    cached tokens again under the same salt (or none, as before) and none under any other salt; the outputs are
+    HF's greedy ones whatever the salt."""
+    hf = hf_from_engine_dir(tiny_engine_dir)
+    prompt = list(range(100, 150))
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    truth = hf_greedy(hf, prompt, 4, None)
+    cached = []
+    for salt in (None, None, "tenant-a", "tenant-a", "tenant-b", None, "tenant-b"):
+        hits = llm.stats()["prefix_cache_hits_tokens"]
+        (out,) = llm.generate([prompt], dataclasses.replace(greedy, cache_salt=salt))
+        assert out.outputs[0].token_ids == truth
+        assert llm.stats()["prefix_cache_hits_tokens"] - hits == out.num_cached_tokens
+        cached.append(out.num_cached_tokens)
+    assert cached == [0, 48, 0, 48, 0, 48, 48]
+    for bad, words in (("", "1 to 128 characters"), ("x" * 129, "1 to 128 characters"), (7, "int"),
+                       ("\ud800", "not valid Unicode")):  # fmt: skip
+        with pytest.raises(RequestError, match=f"cache_salt: .*{words}") as refused:
+            SamplingParams(cache_salt=bad)
+        assert refused.value.field == "cache_salt"
 
 
 def test_refusal_names_the_limit(llm):

@@ -8,10 +8,11 @@ owns both and the hash -> block cache.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
 
-# (block_id, generation) of the block a cached block follows in its hash chain.
-ParentRef = Optional[tuple[int, int]]
+# (block_id, generation) of the block a cached block follows in its hash chain; for a sequence's first block, the
+# sequence's cache salt (None: unsalted), so that blocks of different salts never match, whatever their hashes.
+ParentRef = Union[None, str, tuple[int, int]]
 
 
 @dataclass(eq=False)
@@ -118,6 +119,12 @@ HashFn = Callable[[Optional[int], tuple[int, ...]], int]
 def chain_hash(parent_hash: Optional[int], token_ids: tuple[int, ...]) -> int:
     """Hash of a full block: its predecessor's hash and its own token ids."""
     return hash((parent_hash, token_ids))
+
+
+def root_hash(cache_salt: Optional[str]) -> Optional[int]:
+    """The parent hash of a sequence's first block: None, or one of its cache salt (vLLM's `cache_salt`: the salt
+    goes into the first block's hash, and through the chain into every later one)."""
+    return None if cache_salt is None else hash(("cache_salt", cache_salt))
 
 
 class BlockPool:

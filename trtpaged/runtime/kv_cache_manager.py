@@ -6,8 +6,8 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence as Seq, Union
 
-from trtpaged.runtime.block_pool import BlockPool, HashFn, KVBlock, chain_hash
-from trtpaged.runtime.kv_tiers.entry import ROOT, chain_key
+from trtpaged.runtime.block_pool import BlockPool, HashFn, KVBlock, chain_hash, root_hash
+from trtpaged.runtime.kv_tiers.entry import chain_key, root_key
 from trtpaged.runtime.kv_tiers.loader import TierLoad
 from trtpaged.runtime.kv_tiers.stack import BlockRecord, TierHit, TierStack
 from trtpaged.runtime.sequence import Sequence
@@ -96,7 +96,8 @@ class KVCacheManager:
     # ---- prefix cache -------------------------------------------------------------------------
     def find_cached_prefix(self, seq: Sequence) -> list[PrefixHit]:
         """Longest run of full blocks matching the sequence's tokens: cached pool blocks, then the
-        blocks its tier load (`prefetch`) found after them. Reads nothing from a tier.
+        blocks its tier load (`prefetch`) found after them. Reads nothing from a tier. Only blocks
+        cached by sequences of the same `cache_salt` match (the salt is the first block's parent).
 
         Never covers the last token: its logits are needed, so it is always computed.
         """
@@ -116,7 +117,7 @@ class KVCacheManager:
     def _pool_run(self, seq: Sequence) -> list[KVBlock]:
         bs = self.block_size
         run: list[KVBlock] = []
-        parent, prev_hash = None, None
+        parent, prev_hash = seq.cache_salt, root_hash(seq.cache_salt)  # a first block follows its salt
         for j in range((len(seq.token_ids) - 1) // bs):
             tokens = tuple(seq.token_ids[j * bs : (j + 1) * bs])
             h = self.pool.hash_fn(prev_hash, tokens)
@@ -132,7 +133,7 @@ class KVCacheManager:
         if self.tiers is None:
             return []
         bs, fp = self.block_size, self.tiers.fingerprint
-        parent = ROOT
+        parent = root_key(fp, seq.cache_salt)
         if pool_run:
             last = self._records.get(pool_run[-1].block_id)  # type: ignore[union-attr]
             if last is None:  # cached before the tiers knew it: no key to continue the chain from
@@ -308,8 +309,8 @@ class KVCacheManager:
         table, hashes, keys = self.tables[seq.seq_id], self._hashes[seq.seq_id], self._tier_keys[seq.seq_id]
         for hit, block in zip(hits, self.pool.allocate(len(hits))):
             tokens = hit.record.tokens
-            h = self.pool.hash_fn(hashes[-1] if hashes else None, tokens)
-            if self.pool.cache(block, h, tokens, table[-1].ref if table else None):
+            h = self.pool.hash_fn(hashes[-1] if hashes else root_hash(seq.cache_salt), tokens)
+            if self.pool.cache(block, h, tokens, table[-1].ref if table else seq.cache_salt):
                 self._records[block.block_id] = hit.record
             self._pending_loads[block.block_id] = hit.payload
             table.append(block)
@@ -353,11 +354,11 @@ class KVCacheManager:
         keys = self._tier_keys.setdefault(seq.seq_id, []) if self.tiers is not None else None
         for j in range(len(hashes), seq.num_computed_tokens // bs):
             tokens = tuple(seq.token_ids[j * bs : (j + 1) * bs])
-            h = self.pool.hash_fn(hashes[-1] if hashes else None, tokens)
-            cached = self.pool.cache(table[j], h, tokens, table[j - 1].ref if j else None)
+            h = self.pool.hash_fn(hashes[-1] if hashes else root_hash(seq.cache_salt), tokens)
+            cached = self.pool.cache(table[j], h, tokens, table[j - 1].ref if j else seq.cache_salt)
             hashes.append(h)
             if keys is not None:
-                parent = keys[-1] if keys else ROOT
+                parent = keys[-1] if keys else root_key(self.tiers.fingerprint, seq.cache_salt)
                 record = BlockRecord(chain_key(self.tiers.fingerprint, parent, tokens), parent, tokens)
                 keys.append(record.key)
                 if cached:

@@ -82,12 +82,14 @@ class LLMEngine:
         self.phase_seconds: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self._ttft: deque[dict[str, float]] = deque(maxlen=TTFT_RECORDS)
 
-    def encode(self, prompt: Prompt) -> tuple[Optional[str], list[int]]:
-        """(text or None, token ids) of a text or token-id prompt."""
+    def encode(self, prompt: Prompt, add_special_tokens: bool = True) -> tuple[Optional[str], list[int]]:
+        """(text or None, token ids) of a text or token-id prompt; `add_special_tokens`: what the tokenizer adds to
+        a text (a BOS), as `tokenizer.encode` does by default."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("prompt", "text prompts need a tokenizer; pass token ids")
-            return prompt, list(self.tokenizer.encode(check_unicode("prompt", prompt)))
+            return prompt, list(self.tokenizer.encode(check_unicode("prompt", prompt),
+                                                      add_special_tokens=add_special_tokens))  # fmt: skip
         try:
             tokens = iter(prompt)
         except TypeError:
@@ -123,7 +125,7 @@ class LLMEngine:
         if params.use_beam_search:
             room = self.config.max_seq_len - len(token_ids)
             beam = BeamSearch(params, self.eos_token_ids, max(1, min(params.max_tokens or room, room)))
-        seq = Sequence(self.scheduler.new_seq_id(), token_ids)
+        seq = Sequence(self.scheduler.new_seq_id(), token_ids, cache_salt=params.cache_salt)
         group = SequenceGroup(request_id, next(self._arrivals), text, seq, params, beam)
         group.bad_words = bad_words
         if params.min_tokens:

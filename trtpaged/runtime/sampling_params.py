@@ -7,7 +7,7 @@ import json
 import math
 from typing import Any, Mapping, Optional, Union
 
-from trtpaged.errors import RequestError
+from trtpaged.errors import RequestError, check_unicode
 from trtpaged.runtime.outputs import RequestOutputKind
 
 _GREEDY_EPS = 1e-5  # temperatures below this sample greedily (as vLLM does)
@@ -24,6 +24,7 @@ MAX_ALLOWED_TOKEN_IDS = 1 << 20  # allowed_token_ids per request (a vocabulary's
 MAX_BAD_WORDS = 64  # bad words per request: each is matched against the output tail at every sample
 MAX_BAD_WORD_CHARS = 128
 MAX_GRAMMAR_CHARS = 64 * 1024  # a schema, regex or grammar's text, and the joined choices
+MAX_CACHE_SALT_CHARS = 128  # vLLM's limit on cache_salt
 
 
 def _is_int(value: Any) -> bool:
@@ -131,8 +132,8 @@ class SamplingParams:
     max_tokens, n, beam_width >= 1 (the engine then bounds them by max_seq_len and
     max_batch_size, before anything is allocated); logprobs, prompt_logprobs >= 0; at most
     32 stop strings of 1..128 characters and 1024 stop token ids; logit_bias: at most 1024
-    token ids, each biased by [-100, 100]; at most 64 bad words of 1..128 characters.
-    The token filters and `structured_outputs` are refused with beam search.
+    token ids, each biased by [-100, 100]; at most 64 bad words of 1..128 characters; `cache_salt`: 1..128
+    characters. The token filters and `structured_outputs` are refused with beam search.
     """
 
     max_tokens: Optional[int] = 16  # None: until EOS/stop or max_seq_len
@@ -166,6 +167,9 @@ class SamplingParams:
     # vLLM's: EOS and the stop token ids cannot be sampled, and stop strings do not end the output, before this
     # many output tokens
     min_tokens: int = 0
+    # vLLM's: the request shares prefix-cache blocks (in the pool and the KV tiers) only with requests of the same
+    # salt; None shares with the other unsalted ones. A secret per tenant keeps one from timing another's prompts.
+    cache_salt: Optional[str] = None
 
     def __post_init__(self) -> None:
         stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -243,6 +247,13 @@ class SamplingParams:
                     raise RequestError(what, "not supported with beam search (use n samples instead)")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise RequestError("structured_outputs", "must be a StructuredOutputsParams")
+        salt = self.cache_salt
+        if salt is not None:
+            if not isinstance(salt, str) or not 1 <= len(salt) <= MAX_CACHE_SALT_CHARS:
+                got = f"{len(salt)} characters" if isinstance(salt, str) else type(salt).__name__
+                raise RequestError("cache_salt", f"must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters (or "
+                                   f"None), got {got}", MAX_CACHE_SALT_CHARS)  # fmt: skip
+            check_unicode("cache_salt", salt)
 
     def _check_token_filters(self) -> None:
         """logit_bias, allowed_token_ids and bad_words: types, counts and ranges (token ids against the

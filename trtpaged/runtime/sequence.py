@@ -47,8 +47,10 @@ class Sequence:
     token sampled last step), and sampling happens once all are computed.
     """
 
-    def __init__(self, seq_id: int, prompt_token_ids: list[int], index: int = 0) -> None:
+    def __init__(self, seq_id: int, prompt_token_ids: list[int], index: int = 0,
+                 cache_salt: Optional[str] = None) -> None:  # fmt: skip
         self.seq_id = seq_id
+        self.cache_salt = cache_salt  # its request's: prefix-cache blocks are shared only under the same salt
         self.index = index  # position among the request's outputs
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)

@@ -183,7 +183,7 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
             raise overloaded("the server is shutting down", options.retry_after_s)
         try:
             body = parse_json(await read_body(request))
-            submitted = await service.submit(body, chat)
+            submitted = await service.submit(body, chat, request.headers.get("x-request-id"))
         except ClientGone:
             return Response(status_code=499)
         except ApiError as exc:
@@ -194,7 +194,7 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
             raise
         if submitted.req.stream:
             return StreamingResponse(_logged_stream(request, submitted, start), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Request-Id": submitted.summary.request_id})
+                                     headers={"Cache-Control": "no-cache", "X-Request-Id": submitted.summary.header_id})
         try:
             answer = await service.respond(submitted, request.is_disconnected)
         except ClientGone:
@@ -205,7 +205,7 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
             _log(request, error.status, error.message, start)
             return error_response(error)
         _log(request, 200, "", start, submitted)
-        return JSONResponse(dump(answer), headers={"X-Request-Id": submitted.summary.request_id})
+        return JSONResponse(dump(answer), headers={"X-Request-Id": submitted.summary.header_id})
 
     async def _logged_stream(request: Request, s: Submitted, start: float) -> AsyncIterator[bytes]:
         status, note = 499, "client disconnected; request aborted"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import time
 import uuid
@@ -30,11 +31,12 @@ from trtpaged.server.engine_loop import (
     Subscription,
 )
 from trtpaged.server.errors import ApiError, from_runtime_error, overloaded
-from trtpaged.server.protocol import GenerationRequest, parse_generation
+from trtpaged.server.protocol import GenerationRequest, check_request_id, parse_generation
 from trtpaged.server.responses import Echo, ResponseBuilder, TokenStrings, logprob_token_ids, sse, top_entries, usage
 from trtpaged.server.schemas import Usage, dump
 from trtpaged.server.stream_state import CompletionAccumulator, StreamState
 from trtpaged.server.token_bytes import token_bytes_reader
+from trtpaged.server.tokenization import encode_prompt
 from trtpaged.server.tool_parsers import ToolCallStream
 from trtpaged.server.tools import tool_format
 
@@ -46,7 +48,8 @@ log = logging.getLogger("trtpaged.server")
 class Summary:
     """What the server logs about one finished HTTP generation request."""
 
-    request_id: str = "-"
+    request_id: str = "-"  # the answer's id
+    header_id: str = "-"  # the answer's X-Request-Id: the caller's id when it gave one (as vLLM), else request_id
     prompt_tokens: int = 0
     completion_tokens: int = 0
     finish_reasons: list[str] = field(default_factory=list)
@@ -92,20 +95,29 @@ class GenerationService:
         self.request_timeout_s = request_timeout_s
         self._read_bytes: Optional[Callable[[int, str], bytes]] = None  # made on the engine thread, on first use
         self.prompt_bound = prompt_bound(llm.tokenizer) if llm.tokenizer is not None else None
+        self._submits = itertools.count()  # makes engine request ids unique when callers reuse a request_id
         self.auto_tools = auto = tool_format(getattr(llm.tokenizer, "chat_template", None),
                                              llm.manifest.dims.architecture)  # fmt: skip
         log.info("tool_choice auto: %s", f"{auto.format.name} calls" if auto.format else f"refused ({auto.reason})")
 
-    async def submit(self, body: Any, chat: bool) -> Submitted:
-        """Validates, tokenizes and queues one request; raises ApiError before anything is sent."""
+    async def submit(self, body: Any, chat: bool, header_id: Optional[str] = None) -> Submitted:
+        """Validates, tokenizes and queues one request; raises ApiError before anything is sent. The answer's id is
+        "cmpl-<id>" ("chatcmpl-<id>") of the caller's id, as vLLM's: the X-Request-Id header (`header_id`), else the
+        body's request_id, else a random one."""
+        caller_id = check_request_id(header_id, "X-Request-Id")
         req = parse_generation(body, chat, self.model_name, self.vocab_size, self.auto_tools)
+        caller_id = caller_id if caller_id is not None else req.request_id
         params = self._params(req, req.max_tokens)  # None: fitted to each prompt below
         self._check_num_prompts(req)
         prompts = await self._tokenize(req)
         if params.structured_outputs is not None:
             await self._compile_grammar(req, params)
-        summary = Summary(request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}")
-        requests = [(f"{summary.request_id}-{i}", ids, self._fit_max_tokens(req, params, len(ids)))
+        answer_id = f"{'chatcmpl' if chat else 'cmpl'}-{caller_id if caller_id is not None else uuid.uuid4().hex}"
+        summary = Summary(request_id=answer_id, header_id=caller_id if caller_id is not None else answer_id)
+        # Engine ids end in this submit's own number: two requests under one caller id never share one (an engine
+        # id's last "-" field is the number, so equal ids would be one submit's, whose prompt indices differ).
+        serial = next(self._submits)
+        requests = [(f"{answer_id}-{i}-{serial}", ids, self._fit_max_tokens(req, params, len(ids)))
                     for i, ids in enumerate(prompts)]  # fmt: skip
         try:
             sub = await self.loop.submit(requests)
@@ -153,9 +165,9 @@ class GenerationService:
 
         def run(engine: LLMEngine) -> list[list[int]]:
             if req.chat:
-                return [self.llm.chat_prompt(req.messages, req.tools.definitions if req.tools else None,
-                                             **req.chat_options)]  # fmt: skip
-            return [engine.encode(p)[1] for p in req.prompts]
+                return [encode_prompt(self.llm, engine, None, req.messages, req.tools.definitions if req.tools else
+                                      None, req.chat_options, req.add_special_tokens)]  # fmt: skip
+            return [encode_prompt(self.llm, engine, p, None, None, {}, req.add_special_tokens) for p in req.prompts]
 
         field_name = "messages" if req.chat else "prompt"
         keep = self._kept_tokens(req)

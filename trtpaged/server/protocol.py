@@ -20,7 +20,8 @@ from trtpaged.server.schemas import ChatCompletionRequest, ChatMessage, Completi
 MAX_LOGPROBS = 20  # top log-probs per token a request may ask for (OpenAI's limit)
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "n", "seed", "presence_penalty", "frequency_penalty",
                     "repetition_penalty", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
-                    "length_penalty", "min_tokens")  # fmt: skip
+                    "length_penalty", "min_tokens", "cache_salt")  # fmt: skip
+MAX_REQUEST_ID_CHARS = 256  # a caller's request id (the body's request_id or the X-Request-Id header)
 _UNSUPPORTED = ("suffix", "functions", "function_call")
 
 Prompt = Union[str, list[int]]
@@ -51,6 +52,8 @@ class GenerationRequest:
     tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
     return_token_ids: bool = False  # vLLM's: bodies and chunks carry the prompt's and the choices' token ids
     stream_interval: int = 1  # vLLM's: tokens per streamed chunk (raised to the server's --stream-interval)
+    add_special_tokens: bool = True  # vLLM's: what the tokenizer adds (a BOS); default true for text, false for chat
+    request_id: Optional[str] = None  # vLLM's: the caller's id for the request (the answer's id is built from it)
 
 
 def validated(model_type: type[_Body], body: Any) -> _Body:
@@ -61,6 +64,19 @@ def validated(model_type: type[_Body], body: Any) -> _Body:
         return model_type.model_validate(body)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
+
+
+def check_request_id(value: Optional[str], field_name: str) -> Optional[str]:
+    """A caller's request id (the body's `request_id`, the X-Request-Id header): 1 to MAX_REQUEST_ID_CHARS printable
+    ASCII characters, since it goes into the answer's id, a response header and the server's log lines."""
+    if value is None:
+        return None
+    if not 1 <= len(value) <= MAX_REQUEST_ID_CHARS:
+        raise ApiError(f"{field_name}: must be 1 to {MAX_REQUEST_ID_CHARS} characters, got {len(value)}", field_name)
+    bad = next((c for c in value if not " " <= c <= "~"), None)
+    if bad is not None:
+        raise ApiError(f"{field_name}: must be printable ASCII characters, got {bad!r}", field_name)
+    return value
 
 
 def check_model(model: Optional[str], served_model: str) -> None:
@@ -227,6 +243,8 @@ def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int,
         tokens_as_ids=bool(req.return_tokens_as_token_ids),
         return_token_ids=bool(req.return_token_ids),
         stream_interval=req.stream_interval or 1,
+        add_special_tokens=req.add_special_tokens,
+        request_id=check_request_id(req.request_id, "request_id"),
     )
 
 

@@ -69,6 +69,8 @@ class _SamplingFields(_Strict):
     priority: Optional[StrictInt] = None  # vLLM: only 0 without priority scheduling (this server: first come first)
     return_tokens_as_token_ids: Optional[StrictBool] = None  # vLLM: logprobs name tokens "token_id:<id>"
     return_token_ids: Optional[StrictBool] = None  # vLLM: the prompt's and each choice's token ids in the answer
+    request_id: Optional[StrictStr] = None  # vLLM: the caller's id; the answer's id is "cmpl-<it>" ("chatcmpl-<it>")
+    cache_salt: Optional[StrictStr] = None  # vLLM: prefix-cache blocks are shared only under the same salt
     # Structured outputs (docs/structured_outputs.md): OpenAI's response_format, vLLM's two spellings
     response_format: Optional[dict[str, Any]] = None
     structured_outputs: Optional[dict[str, Any]] = None
@@ -85,6 +87,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: Optional[StrictInt] = None
     echo: Optional[StrictBool] = False
     suffix: Optional[StrictStr] = None
+    add_special_tokens: StrictBool = True  # vLLM: what the tokenizer adds to a text prompt (a BOS)
 
 
 class ChatMessage(BaseModel):
@@ -109,6 +112,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: Optional[StrictBool] = True
     continue_final_message: Optional[StrictBool] = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    add_special_tokens: StrictBool = False  # vLLM: on top of the template's own text (which writes its BOS itself)
     functions: Optional[list[Any]] = None
     function_call: Optional[Any] = None
 

@@ -7,10 +7,10 @@ and tools), so `count` is the `usage.prompt_tokens` the same body would get ther
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 from trtpaged.runtime.llm import LLM
-from trtpaged.runtime.llm_engine import LLMEngine
+from trtpaged.runtime.llm_engine import LLMEngine, Prompt
 from trtpaged.server.constraints import token_ids_in_vocab
 from trtpaged.server.engine_loop import EngineLoop
 from trtpaged.server.errors import ApiError, from_runtime_error
@@ -23,6 +23,21 @@ from trtpaged.server.schemas import (
     TokenizeResponse,
 )
 from trtpaged.server.tools import tool_choice
+
+
+def encode_prompt(llm: LLM, engine: LLMEngine, prompt: Optional[Prompt], messages: Optional[list[dict[str, Any]]],
+                  tools: Optional[Sequence[dict]], chat_options: dict[str, Any], add_special_tokens: bool
+                  ) -> list[int]:  # fmt: skip
+    """A prompt's token ids as /v1/completions, /v1/chat/completions and /tokenize all make them (one rule, so that
+    /tokenize counts what the generation endpoints count): `messages` under the chat template (with the tools'
+    definitions and the chat options), else a text prompt through the tokenizer; a token-id prompt is kept as given.
+    `add_special_tokens` (vLLM's): what the tokenizer adds (a BOS), on top of the template's text for messages; the
+    request schemas default it as vLLM does, true for a text prompt and false for messages (their template writes
+    its own). Runs on the engine thread (the tokenizer's)."""
+    if messages is not None:
+        return llm.chat_prompt(messages, tools, add_special_tokens=add_special_tokens, **chat_options)
+    assert prompt is not None
+    return engine.encode(prompt, add_special_tokens=add_special_tokens)[1]
 
 
 class Tokenization:
@@ -52,10 +67,10 @@ class Tokenization:
             if tokenizer is None:
                 raise ApiError("prompt: this engine has no tokenizer; nothing to tokenize with", "prompt")
             if isinstance(req, TokenizeChatRequest):
-                ids = self.llm.chat_prompt(messages, tools.definitions if tools else None,
-                                           add_special_tokens=req.add_special_tokens, **options)  # fmt: skip
+                ids = encode_prompt(self.llm, engine, None, messages, tools.definitions if tools else None, options,
+                                    req.add_special_tokens)  # fmt: skip
             else:
-                ids = list(tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+                ids = encode_prompt(self.llm, engine, req.prompt, None, None, {}, req.add_special_tokens)
             strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
             return list(ids), strs
 

@@ -2,9 +2,9 @@
 
 A tier key names one full block's content for one engine: the SHA-256 chain
 `key_j = sha256(fingerprint, key_{j-1}, tokens of block j)`, so it covers every
-token before the block and the engine that computed it. An entry carries, in
-front of the block's bytes, everything needed to prove it is the block asked
-for: the engine fingerprint, the parent key, the block's own token ids, the
+token before the block and the engine that computed it (key_{-1}: ROOT, or a key of
+the sequence's cache salt, `root_key`). An entry carries, in front of the block's
+bytes, everything needed to prove it is the block asked for: the engine fingerprint, the parent key, the block's own token ids, the
 payload's length and SHA-256. `decode_entry` checks all of them; any mismatch
 (a truncated file, a flipped bit, another engine's entry, a different prefix)
 is a miss, never wrong K/V.
@@ -46,6 +46,14 @@ def engine_fingerprint(**fields: Any) -> bytes:
 
 def _tokens_bytes(tokens: Sequence[int]) -> bytes:
     return struct.pack(f"<{len(tokens)}i", *tokens)
+
+
+def root_key(fingerprint: bytes, cache_salt: Optional[str] = None) -> bytes:
+    """The parent key of a sequence's first block: ROOT, or for a salted sequence a key of its salt, so that a
+    tier never hands a salted block to a sequence with another salt or none (every later key chains from it)."""
+    if cache_salt is None:
+        return ROOT
+    return hashlib.sha256(fingerprint + b"cache_salt\0" + cache_salt.encode("utf-8")).digest()
 
 
 def chain_key(fingerprint: bytes, parent: bytes, tokens: Sequence[int]) -> bytes:
