@@ -294,7 +294,8 @@ def assert_first_and_last_rows_give(run, x: torch.Tensor, want: torch.Tensor, co
 def test_int8_activations_row_results_do_not_depend_on_the_batch(isa: str, bits: int, k: int) -> None:
     # A speculative verification step (or a batch) runs a sequence's rows together with others: with int8
     # activations each row's output must be bit-identical to that row run alone, for every register block
-    # (AVX-512: 1-8 rows per call, AVX2 int8 weights: 1-4; AVX2 int4: 1-6, and from 8 rows every row of a call of
+    # (AVX-512: 1-8 rows per call, AVX2 int8 weights: 1-4; AVX2 int4: 1-3 in one pass over both halves, 4-6 in
+    # two, and from 8 rows every row of a call of
     # up to 64 over each unpacked chunk of 8 blocks, in groups of up to 5) and tail, so speculation never changes
     # what a request returns. K = 96: one short chunk; 576: two chunks and a tail of 2 blocks.
     codes, scales, offsets, _ = make_weight(bits, 40, k, 32, seed=31)

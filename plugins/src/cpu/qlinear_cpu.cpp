@@ -454,15 +454,110 @@ __attribute__((target("avx2,fma,f16c"))) int tile_avx2_w4_decoded(const TileArgs
   return m;
 }
 
+// Plain AVX2, int4 weights, int8 activations, 1-3 rows (one float-activation row's 3 limbs: the M = 1 decode step of a
+// float-activation engine): both halves of the tile in one pass over the blocks, unpacked in registers, so one
+// broadcast of x feeds both halves' products and one row's offsets run as two FMA chains (tile_avx256_mb's two passes
+// broadcast each quad of x once per half, and one row's offsets were one chain per half, waiting on the FMA latency).
+// Rows inner, as there; 1-2 rows keep their accumulators in registers, 3 in `out` (two int16 sums per row, four code
+// registers and two broadcasts leave no room). The integer sums are exact in any order and each row's float steps are
+// tile_avx256_mb's (per half and block fma(sum, scale x dx) in block order, then the offsets per group in order): the
+// same bits. It issues fewer instructions than the two passes for the same multiplies on any CPU (no staging in L1,
+// nothing CPU-dependent to choose). Thread CPU time on the Zen 1-class EPYC against tile_avx256_mb
+// (scripts/qlinear_rows_probe.py, docs/benchmarks.md issue 21 round 14): int8 activations 1.16-1.25x at 1-2 rows,
+// float activations at M = 1 (3 limb rows) 1.03-1.08x; 4 rows measured 0.98-1.03x (noise), so 4 keep the two passes.
+constexpr int kW4OnePassMaxRows = 3;
+template <int MB>
+__attribute__((target("avx2,fma,f16c"))) void tile_avx2_w4_onepass(const TileArgs& t, float* out) {
+  static_assert(MB >= 1 && MB <= kW4OnePassMaxRows, "1 to 3 rows");
+  const Layout& l = *t.l;
+  const Acts& a = *t.a;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  constexpr bool kRegAcc = MB <= 2;
+  __m256 acc[MB][2];
+  for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  if constexpr (!kRegAcc) std::fill(out, out + MB * kRows, 0.f);
+  const int8_t* x0 = a.xq + t.m0 * l.k;
+  const BlockRecord* r0 = a.rec + t.m0 * l.nblocks;
+  for (int64_t b = 0; b < l.nblocks; ++b) {
+    const uint8_t* blk = t.tile + b * l.block_bytes;
+    const int8_t* xb = x0 + b * 32;
+    __m256i s[MB][2];  // int16 pair sums of the two halves: at most 8 * 2 * 15 * 127 < 2^15
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; ++g) {  // quad g in the low nibbles, quad g + 4 in the high
+      __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * g));
+      __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * g + 32));
+      // Order barriers, as in qlinear_tile256.inc: each code register used by every row and dropped.
+      asm volatile("" : "+x"(v0), "+x"(v1));
+      const __m256i lo0 = _mm256_and_si256(v0, low4), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
+      const __m256i lo1 = _mm256_and_si256(v1, low4), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
+#pragma GCC unroll 3
+      for (int i = 0; i < MB; ++i) {
+        const __m256i xl = _mm256_set1_epi32(load_u32(xb + i * l.k + 4 * g));
+        const __m256i xh = _mm256_set1_epi32(load_u32(xb + i * l.k + 4 * g + 16));
+        const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xl), _mm256_maddubs_epi16(hi0, xh));
+        const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xl), _mm256_maddubs_epi16(hi1, xh));
+        s[i][0] = g == 0 ? p0 : _mm256_add_epi16(s[i][0], p0);
+        s[i][1] = g == 0 ? p1 : _mm256_add_epi16(s[i][1], p1);
+      }
+#pragma GCC unroll 4
+      for (int i = 0; i < MB; ++i) asm volatile("" : "+x"(s[i][0]), "+x"(s[i][1]));
+    }
+    const __m256i ones16 = _mm256_set1_epi16(1);
+    const __m256 sw0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + l.block_codes)));
+    const __m256 sw1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + l.block_codes + 16)));
+#pragma GCC unroll 4
+    for (int i = 0; i < MB; ++i) {
+      const __m256 dx = _mm256_set1_ps(r0[i * l.nblocks + b].dx);
+      const __m256 f0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[i][0], ones16));
+      const __m256 f1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[i][1], ones16));
+      if constexpr (kRegAcc) {
+        acc[i][0] = _mm256_fmadd_ps(f0, _mm256_mul_ps(sw0, dx), acc[i][0]);
+        acc[i][1] = _mm256_fmadd_ps(f1, _mm256_mul_ps(sw1, dx), acc[i][1]);
+      } else {
+        float* o = out + i * kRows;
+        _mm256_storeu_ps(o, _mm256_fmadd_ps(f0, _mm256_mul_ps(sw0, dx), _mm256_loadu_ps(o)));
+        _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(f1, _mm256_mul_ps(sw1, dx), _mm256_loadu_ps(o + 8)));
+      }
+    }
+  }
+  if constexpr (!kRegAcc)
+    for (int i = 0; i < MB; ++i) {
+      acc[i][0] = _mm256_loadu_ps(out + i * kRows);
+      acc[i][1] = _mm256_loadu_ps(out + i * kRows + 8);
+    }
+  const uint16_t* oh = reinterpret_cast<const uint16_t*>(t.tile + l.nblocks * l.block_bytes);
+  const float* gs = a.group_sums + t.m0 * l.ngroups;
+  for (int64_t g = 0; g < l.ngroups; ++g) {
+    const __m256 o0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(oh + g * kRows)));
+    const __m256 o1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(oh + g * kRows + 8)));
+    for (int i = 0; i < MB; ++i) {
+      const __m256 x = _mm256_set1_ps(gs[i * l.ngroups + g]);
+      acc[i][0] = _mm256_fmadd_ps(o0, x, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(o1, x, acc[i][1]);
+    }
+  }
+  for (int i = 0; i < MB; ++i) {
+    _mm256_storeu_ps(out + i * kRows, acc[i][0]);
+    _mm256_storeu_ps(out + i * kRows + 8, acc[i][1]);
+  }
+}
+
 template <int BITS>
 __attribute__((target("avx2,fma,f16c"))) int tile_avx2(const TileArgs& t, int count, float* out) {
   // int4: from kW4MinRows rows on, every row of the call over each unpacked chunk; 5-7 rows in one call (rows inner:
-  // one sum and one accumulator per row); int8 weights 4 (their one-pass form holds two of each per row). Thread
-  // CPU time against 4-row calls, gate_up / down / qkv: 5 and 6 rows 0.86-0.88x.
+  // one sum and one accumulator per row); 1-3 rows both halves in one pass; int8 weights 4 (their one-pass form
+  // holds two of each per row). Thread CPU time against 4-row calls, gate_up / down / qkv: 5 and 6 rows 0.86-0.88x.
   if (BITS == 4 && count >= kW4MinRows) return tile_avx2_w4_decoded(t, count, out);
   if (BITS == 4 && count >= 5) {
     if (count >= 6) return tile_avx256_mb<BITS, 6, false>(t, out), 6;
     return tile_avx256_mb<BITS, 5, false>(t, out), 5;
+  }
+  if (BITS == 4 && count <= kW4OnePassMaxRows) {
+    switch (count) {
+      case 3: return tile_avx2_w4_onepass<3>(t, out), 3;
+      case 2: return tile_avx2_w4_onepass<2>(t, out), 2;
+      default: return tile_avx2_w4_onepass<1>(t, out), 1;
+    }
   }
   switch (std::min(count, 4)) {
     case 4: return tile_avx256_mb<BITS, 4, false>(t, out), 4;
