@@ -69,6 +69,33 @@ def load_tokenizer(engine_dir: Path, manifest: Manifest) -> Any:
     return tokenizer
 
 
+def chat_prompt_ids(tokenizer: Any, messages: Seq[dict], tools: Optional[Seq[dict]] = None, *,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    template_kwargs: Optional[dict[str, Any]] = None, add_special_tokens: bool = False
+                    ) -> list[int]:  # fmt: skip
+    """`LLM.chat_prompt` with a given tokenizer (the server's own copy, off the engine thread)."""
+    if not isinstance(messages, (list, tuple)) or not all(isinstance(m, Mapping) for m in messages):
+        raise RequestError("messages", "must be a list of messages ({'role': ..., 'content': ...}), got "
+                           f"{messages!r:.80}")  # fmt: skip
+    if template_kwargs is not None and not isinstance(template_kwargs, Mapping):
+        raise RequestError("chat_template_kwargs", f"must be a mapping, got {type(template_kwargs).__name__}")
+    if add_generation_prompt and continue_final_message:
+        raise RequestError("continue_final_message", "cannot be combined with add_generation_prompt: set "
+                           "add_generation_prompt to false to continue the last message")  # fmt: skip
+    if continue_final_message and (not messages or messages[-1].get("role") != "assistant"):
+        raise RequestError("continue_final_message", "needs the last message to be the assistant's")
+    extra = dict(template_kwargs or {})
+    reserved = sorted(set(extra) & _TEMPLATE_ARGUMENTS)
+    if reserved:
+        raise RequestError("chat_template_kwargs", f"may not set {reserved} (the request's own fields)")
+    if tools:
+        extra["tools"] = list(tools)
+    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                         continue_final_message=continue_final_message, tokenize=False,
+                                         **extra)  # fmt: skip
+    return list(tokenizer.encode(check_unicode("messages", text), add_special_tokens=add_special_tokens))
+
+
 class LLM:
     """Loads an engine dir and generates with continuous batching and KV sharing.
 
@@ -270,26 +297,9 @@ class LLM:
         `continue_final_message` leaves the last (assistant) message open for the model to continue, instead of
         starting a new turn; `template_kwargs` are more variables for the template (e.g. `enable_thinking`);
         `add_special_tokens`: what the tokenizer adds (a BOS) on top of the template's own text."""
-        if not isinstance(messages, (list, tuple)) or not all(isinstance(m, Mapping) for m in messages):
-            raise RequestError("messages", "must be a list of messages ({'role': ..., 'content': ...}), got "
-                               f"{messages!r:.80}")  # fmt: skip
-        if template_kwargs is not None and not isinstance(template_kwargs, Mapping):
-            raise RequestError("chat_template_kwargs", f"must be a mapping, got {type(template_kwargs).__name__}")
-        if add_generation_prompt and continue_final_message:
-            raise RequestError("continue_final_message", "cannot be combined with add_generation_prompt: set "
-                               "add_generation_prompt to false to continue the last message")  # fmt: skip
-        if continue_final_message and (not messages or messages[-1].get("role") != "assistant"):
-            raise RequestError("continue_final_message", "needs the last message to be the assistant's")
-        extra = dict(template_kwargs or {})
-        reserved = sorted(set(extra) & _TEMPLATE_ARGUMENTS)
-        if reserved:
-            raise RequestError("chat_template_kwargs", f"may not set {reserved} (the request's own fields)")
-        if tools:
-            extra["tools"] = list(tools)
-        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
-                                                  continue_final_message=continue_final_message, tokenize=False,
-                                                  **extra)  # fmt: skip
-        return list(self.tokenizer.encode(check_unicode("messages", text), add_special_tokens=add_special_tokens))
+        return chat_prompt_ids(self.tokenizer, messages, tools, add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message, template_kwargs=template_kwargs,
+                               add_special_tokens=add_special_tokens)  # fmt: skip
 
     def close(self) -> None:
         """Writes the cached prefixes to the KV tiers (if any), stops the other tensor-parallel ranks; idempotent."""

@@ -34,6 +34,33 @@ LOAD_POLL_S = 0.02  # an idle step's longest wait for a tier read (new requests 
 TTFT_RECORDS = 4096  # the most recent requests `ttft_breakdown` keeps
 
 
+def encode_prompt(tokenizer: Optional[Any], vocab_size: Optional[int], prompt: Prompt,
+                  add_special_tokens: bool = True) -> tuple[Optional[str], list[int]]:
+    """(text or None, token ids) of a text or token-id prompt: text through `tokenizer` (`add_special_tokens`: what
+    it adds, a BOS, as `tokenizer.encode` does by default), token ids checked against `vocab_size` (when known).
+    `LLMEngine.encode` with the engine's tokenizer; the server calls it with its own copy, off the engine thread."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise RequestError("prompt", "text prompts need a tokenizer; pass token ids")
+        return prompt, list(tokenizer.encode(check_unicode("prompt", prompt), add_special_tokens=add_special_tokens))
+    try:
+        tokens = iter(prompt)
+    except TypeError:
+        raise RequestError("prompt", f"must be text or a list of token ids, got {type(prompt).__name__}") from None
+    ids = []
+    for t in tokens:
+        try:
+            if isinstance(t, bool):
+                raise TypeError(t)
+            ids.append(operator.index(t))  # ints, numpy ints
+        except TypeError:
+            raise RequestError("prompt", "a token-id prompt must be a list of ints") from None
+    bad = next((t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
+    if bad is not None:
+        raise RequestError("prompt", f"token id {bad} is outside the vocabulary [0, {vocab_size})", vocab_size)
+    return None, ids
+
+
 class LLMEngine:
     """Owns the requests, the scheduler and the KV-cache manager; drives one `ModelRunner`.
 
@@ -85,28 +112,7 @@ class LLMEngine:
     def encode(self, prompt: Prompt, add_special_tokens: bool = True) -> tuple[Optional[str], list[int]]:
         """(text or None, token ids) of a text or token-id prompt; `add_special_tokens`: what the tokenizer adds to
         a text (a BOS), as `tokenizer.encode` does by default."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError("prompt", "text prompts need a tokenizer; pass token ids")
-            return prompt, list(self.tokenizer.encode(check_unicode("prompt", prompt),
-                                                      add_special_tokens=add_special_tokens))  # fmt: skip
-        try:
-            tokens = iter(prompt)
-        except TypeError:
-            raise RequestError("prompt", f"must be text or a list of token ids, got {type(prompt).__name__}") from None
-        ids = []
-        for t in tokens:
-            try:
-                if isinstance(t, bool):
-                    raise TypeError(t)
-                ids.append(operator.index(t))  # ints, numpy ints
-            except TypeError:
-                raise RequestError("prompt", "a token-id prompt must be a list of ints") from None
-        vocab = self.vocab_size
-        bad = next((t for t in ids if t < 0 or (vocab is not None and t >= vocab)), None)
-        if bad is not None:
-            raise RequestError("prompt", f"token id {bad} is outside the vocabulary [0, {vocab})", vocab)
-        return None, ids
+        return encode_prompt(self.tokenizer, self.vocab_size, prompt, add_special_tokens)
 
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None,
                     arrival_time: Optional[float] = None) -> str:  # fmt: skip

@@ -1,8 +1,8 @@
 """How many tokens a text makes at least, from its length alone, without tokenizing it.
 
-Tokenizing is linear in the text but not free (SmolLM2's tokenizer: about 1 s per MB), and the server does it
-on the engine thread: a megabytes-long prompt that could never fit would stall every running stream while it
-is tokenized, only to be refused after. With this bound such a prompt is refused before.
+Tokenizing is linear in the text but not free (SmolLM2's tokenizer: about 1 s per MB): a megabytes-long prompt
+that could never fit would hold the server's tokenizer thread (and a core) for seconds, every request queued
+behind it, only to be refused after. With this bound such a prompt is refused before.
 
 The bound: each token stands for at most `max_token_bytes` bytes of the text the tokenizer's model sees, so a
 text of B bytes makes at least B / max_token_bytes tokens. It holds only where nothing drops text before the

@@ -1,7 +1,7 @@
 """The FastAPI application: routes, API-key check, body limits, errors as OpenAI error bodies.
 
 Handlers never touch the engine: they validate, then go through `GenerationService`
-(or `Tokenization`) and `EngineLoop`, which own every call into the runtime.
+(or `Tokenization`), `TokenizerWorker` (every tokenizer call) and `EngineLoop` (every engine call).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from trtpaged import __version__
-from trtpaged.server.engine_loop import ClientGone, EngineFailure, EngineLoop, RequestTimeout, ShuttingDown
+from trtpaged.server.engine_loop import ClientGone, EngineFailure, EngineLoop, Overloaded, RequestTimeout, ShuttingDown
 from trtpaged.server.errors import ApiError, overloaded
 from trtpaged.server.generation import GenerationService, Submitted, runtime_failure
 from trtpaged.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
@@ -233,15 +233,18 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
         check_model(model_id, card.id)
         return JSONResponse(dump(card))
 
-    tokenization = Tokenization(service.llm, loop, service.model_name)
+    tokenization = Tokenization(service.llm, service.tokens, service.model_name)
 
     async def tokenizer_call(request: Request, handler: Callable[[Any], Awaitable[Any]]) -> Response:
         try:
-            answer = await handler(parse_json(await read_body(request)))
+            answer = await handler(parse_json(await read_body(request)))  # a model, or its JSON body already made
         except ClientGone:
             return Response(status_code=499)
-        except (EngineFailure, ShuttingDown) as exc:
-            return error_response(runtime_failure(exc))
+        except (Overloaded, ShuttingDown) as exc:  # the tokenizer's queue is full, or the server stops
+            metrics.observe_rejected("overloaded")
+            return error_response(overloaded(str(exc), options.retry_after_s))
+        if isinstance(answer, bytes):
+            return Response(answer, media_type="application/json")
         return JSONResponse(dump(answer))
 
     @app.post("/tokenize", dependencies=[Depends(authorize)])

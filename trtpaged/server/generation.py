@@ -16,7 +16,6 @@ from pydantic import BaseModel
 
 from trtpaged.errors import RequestError
 from trtpaged.runtime.llm import LLM
-from trtpaged.runtime.llm_engine import LLMEngine
 from trtpaged.runtime.outputs import RequestOutput, RequestOutputKind
 from trtpaged.runtime.prompt_bound import prompt_bound
 from trtpaged.runtime.sampling_params import SamplingParams
@@ -36,7 +35,8 @@ from trtpaged.server.responses import Echo, ResponseBuilder, TokenStrings, logpr
 from trtpaged.server.schemas import Usage, dump
 from trtpaged.server.stream_state import CompletionAccumulator, StreamState
 from trtpaged.server.token_bytes import token_bytes_reader
-from trtpaged.server.tokenization import encode_prompt
+from trtpaged.server.tokenization import prompt_token_ids
+from trtpaged.server.tokenizer_worker import TokenizerWorker
 from trtpaged.server.tool_parsers import ToolCallStream
 from trtpaged.server.tools import tool_format
 
@@ -81,19 +81,22 @@ def runtime_failure(exc: Exception) -> ApiError:
 
 
 class GenerationService:
-    """Runs OpenAI generation requests on the engine loop; shared by all request handlers."""
+    """Runs OpenAI generation requests on the engine loop; shared by all request handlers. Their tokenizer
+    work (prompts, chat templates, log-probs' token strings, echo texts) runs on `tokens`' threads."""
 
-    def __init__(self, llm: LLM, loop: EngineLoop, model_name: str, max_prompt_tokens: Optional[int] = None,
-                 request_timeout_s: Optional[float] = None, stream_interval: int = 1) -> None:  # fmt: skip
+    def __init__(self, llm: LLM, loop: EngineLoop, tokens: TokenizerWorker, model_name: str,
+                 max_prompt_tokens: Optional[int] = None, request_timeout_s: Optional[float] = None,
+                 stream_interval: int = 1) -> None:  # fmt: skip
         self.llm = llm
         self.stream_interval = stream_interval  # tokens per streamed chunk (SamplingParams.stream_interval)
         self.loop = loop
+        self.tokens = tokens
         self.model_name = model_name
         self.max_seq_len = llm.config.max_seq_len
         self.vocab_size = llm.manifest.dims.vocab_size
         self.max_prompt_tokens = max_prompt_tokens
         self.request_timeout_s = request_timeout_s
-        self._read_bytes: Optional[Callable[[int, str], bytes]] = None  # made on the engine thread, on first use
+        self._read_bytes: Optional[Callable[[int, str], bytes]] = None  # made on the outputs lane, on first use
         self.prompt_bound = prompt_bound(llm.tokenizer) if llm.tokenizer is not None else None
         self._submits = itertools.count()  # makes engine request ids unique when callers reuse a request_id
         self.auto_tools = auto = tool_format(getattr(llm.tokenizer, "chat_template", None),
@@ -161,23 +164,24 @@ class GenerationService:
                            f"({limit}), the most requests it queues at once; send at most {limit}", "prompt")
 
     async def _tokenize(self, req: GenerationRequest) -> list[list[int]]:
-        """Prompt token ids, computed on the engine thread (the only thread that touches the tokenizer)."""
+        """Prompt token ids, computed on the prompts lane (its own tokenizer: the engine thread steps meanwhile)."""
+        vocab = self.vocab_size
 
-        def run(engine: LLMEngine) -> list[list[int]]:
+        def run(tokenizer: Any) -> list[list[int]]:
             if req.chat:
-                return [encode_prompt(self.llm, engine, None, req.messages, req.tools.definitions if req.tools else
-                                      None, req.chat_options, req.add_special_tokens)]  # fmt: skip
-            return [encode_prompt(self.llm, engine, p, None, None, {}, req.add_special_tokens) for p in req.prompts]
+                return [prompt_token_ids(tokenizer, vocab, None, req.messages, req.tools.definitions if req.tools else
+                                         None, req.chat_options, req.add_special_tokens)]  # fmt: skip
+            return [prompt_token_ids(tokenizer, vocab, p, None, None, {}, req.add_special_tokens) for p in req.prompts]
 
         field_name = "messages" if req.chat else "prompt"
         keep = self._kept_tokens(req)
         if keep is None:
             self._refuse_texts_too_long(req, field_name)
         try:
-            prompts = await self.loop.call_async(run)
+            prompts = await self.tokens.prompt(run)
         except ValueError as exc:
             raise from_runtime_error(exc, req.names) from None
-        except ShuttingDown as exc:
+        except (ShuttingDown, Overloaded) as exc:
             raise overloaded(str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - a template or tokenizer error is the request's fault
             raise ApiError(f"{field_name}: could not be tokenized ({type(exc).__name__})", field_name) from None
@@ -191,7 +195,7 @@ class GenerationService:
 
     def _refuse_texts_too_long(self, req: GenerationRequest, field_name: str) -> None:
         """A text that makes more tokens than a prompt may have, told by its length alone (runtime/prompt_bound.py),
-        is refused before the engine thread spends time tokenizing it (megabytes: seconds of every stream's time).
+        is refused before it is tokenized (megabytes: seconds of a tokenizer thread, and of a core).
         A chat's bound counts its messages' text, which the template's own text only adds to."""
         if self.prompt_bound is None:
             return
@@ -238,20 +242,20 @@ class GenerationService:
 
     # ---- answers ------------------------------------------------------------------------------
     async def _token_strings(self, req: GenerationRequest, ids: Iterable[int]) -> TokenStrings:
-        """The tokens' texts (and, for chat, their own bytes), read on the engine thread."""
+        """The tokens' texts (and, for chat, their own bytes), read on the outputs lane."""
         ids = sorted(set(ids))
         if not ids:
             return TokenStrings({}, as_ids=req.tokens_as_ids)
 
-        def read(engine: LLMEngine) -> TokenStrings:
-            text = {t: engine.tokenizer.decode([t], skip_special_tokens=False) for t in ids}
+        def read(tokenizer: Any) -> TokenStrings:
+            text = {t: tokenizer.decode([t], skip_special_tokens=False) for t in ids}
             if not req.chat:
                 return TokenStrings(text, as_ids=req.tokens_as_ids)
-            if self._read_bytes is None:
-                self._read_bytes = token_bytes_reader(engine.tokenizer)
+            if self._read_bytes is None:  # the outputs lane is one thread: one tokenizer, one reader
+                self._read_bytes = token_bytes_reader(tokenizer)
             return TokenStrings(text, {t: self._read_bytes(t, text[t]) for t in ids}, req.tokens_as_ids)
 
-        return await self.loop.call_async(read)
+        return await self.tokens.output(read)
 
     async def respond(self, s: Submitted, disconnected: Disconnected) -> BaseModel:
         """The full (non-streamed) body once every choice finished; raises ClientGone or the engine's error."""
@@ -278,7 +282,7 @@ class GenerationService:
         """Each prompt as `echo` shows it: its own text (token-id prompts decoded), tokens and log-probs
         (cut to the `logprobs` asked for, when asked)."""
         outs = list(outs)
-        texts = await self.loop.call_async(lambda e: [o.prompt if o.prompt is not None else e.tokenizer.decode(
+        texts = await self.tokens.output(lambda tokenizer: [o.prompt if o.prompt is not None else tokenizer.decode(
             o.prompt_token_ids, skip_special_tokens=False) for o in outs])  # fmt: skip
         k = req.logprobs
         return [Echo(text, list(o.prompt_token_ids), None if k is None or o.prompt_logprobs is None else

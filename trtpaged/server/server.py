@@ -1,4 +1,5 @@
-"""Wiring: bind the socket -> load the engine -> engine thread -> uvicorn; and a handle to stop them."""
+"""Wiring: bind the socket -> load the engine -> engine thread -> tokenizer threads -> uvicorn; and a handle to
+stop them."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any, Optional, Union
 
 import uvicorn
 
-from trtpaged.runtime.llm import LLM
+from trtpaged.runtime.llm import LLM, load_tokenizer
 from trtpaged.server.app import Draining, create_app
 from trtpaged.server.engine_loop import EngineLoop
 from trtpaged.server.generation import GenerationService
@@ -21,6 +22,7 @@ from trtpaged.server.options import ServerOptions
 from trtpaged.server.request_log import RequestLog
 from trtpaged.server import thread_names
 from trtpaged.server.schemas import ModelCard
+from trtpaged.server.tokenizer_worker import TokenizerWorker
 
 log = logging.getLogger("trtpaged.server")
 
@@ -50,9 +52,9 @@ def bind(host: str, port: int) -> socket.socket:
 class ServerHandle:
     """A running server: its URL, the `LLM` it serves, and `shutdown()`."""
 
-    def __init__(self, server: uvicorn.Server, sock: socket.socket, loop: EngineLoop, llm: LLM, model_name: str,
-                 options: ServerOptions, draining: Draining) -> None:  # fmt: skip
-        self.server, self.loop, self.llm, self.model_name = server, loop, llm, model_name
+    def __init__(self, server: uvicorn.Server, sock: socket.socket, loop: EngineLoop, tokens: TokenizerWorker,
+                 llm: LLM, model_name: str, options: ServerOptions, draining: Draining) -> None:  # fmt: skip
+        self.server, self.loop, self.tokens, self.llm, self.model_name = server, loop, tokens, llm, model_name
         self.request_log = loop.request_log
         self.options, self.draining = options, draining
         host, port = sock.getsockname()[:2]
@@ -73,6 +75,7 @@ class ServerHandle:
         while not self.server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 self.loop.shutdown()
+                self.tokens.shutdown()
                 if self.request_log is not None:
                     self.request_log.close()
                 raise RuntimeError("the HTTP server did not start (see the log)")
@@ -97,6 +100,7 @@ class ServerHandle:
         if self.loop.num_in_flight:
             log.warning("shutdown: aborting %d requests still in flight", self.loop.num_in_flight)
         self.loop.shutdown()  # what is left ends with ShuttingDown (an error event / 503) and frees its blocks
+        self.tokens.shutdown(1.0)  # its queued jobs end with ShuttingDown; one running a long text is left to end
         if self.request_log is not None:
             self.request_log.close()
         self.server.should_exit = True
@@ -140,8 +144,17 @@ def start_server(
         if request_log is not None:
             request_log.close()
         raise
+    try:  # the front end's own tokenizer copies, loaded from the engine dir as LLM loaded the engine's
+        tokens = TokenizerWorker.start(lambda: load_tokenizer(llm.engine_dir, llm.manifest), options.max_waiting)
+    except BaseException:
+        loop.shutdown()
+        llm.close()
+        sock.close()
+        if request_log is not None:
+            request_log.close()
+        raise
     name = served_model_name or options.served_model_name or llm.engine_dir.resolve().name
-    service = GenerationService(llm, loop, name, options.max_prompt_tokens, options.request_timeout_s,
+    service = GenerationService(llm, loop, tokens, name, options.max_prompt_tokens, options.request_timeout_s,
                                 options.stream_interval)
     card = ModelCard(id=name, created=int(time.time()), root=str(llm.engine_dir), max_model_len=llm.config.max_seq_len)
     draining = Draining()
@@ -151,4 +164,4 @@ def start_server(
     config = uvicorn.Config(app, loop="auto", http="auto", log_level="warning", access_log=False, lifespan="off",
                             timeout_keep_alive=30, timeout_graceful_shutdown=5)  # fmt: skip
     server = uvicorn.Server(config)
-    return ServerHandle(server, sock, loop, llm, name, options, draining).start()
+    return ServerHandle(server, sock, loop, tokens, llm, name, options, draining).start()

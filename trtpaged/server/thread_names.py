@@ -12,6 +12,7 @@ import sys
 
 ENGINE = "trtpaged-engine"  # the engine thread and the kernels' OpenMP workers it starts
 HTTP = "trtpaged-http"  # uvicorn's event loop
+TOKENIZER = "trtpaged-tok"  # the tokenizer lanes (server/tokenizer_worker.py)
 _PR_SET_NAME = 15
 
 

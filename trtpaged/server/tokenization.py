@@ -7,12 +7,13 @@ and tools), so `count` is the `usage.prompt_tokens` the same body would get ther
 
 from __future__ import annotations
 
+import json
 from typing import Any, Optional, Sequence, Union
 
-from trtpaged.runtime.llm import LLM
-from trtpaged.runtime.llm_engine import LLMEngine, Prompt
+from trtpaged.runtime.llm import LLM, chat_prompt_ids
+from trtpaged.runtime.llm_engine import Prompt, encode_prompt
 from trtpaged.server.constraints import token_ids_in_vocab
-from trtpaged.server.engine_loop import EngineLoop
+from trtpaged.server.engine_loop import Overloaded, ShuttingDown
 from trtpaged.server.errors import ApiError, from_runtime_error
 from trtpaged.server.protocol import chat_messages, chat_options, check_model, validated
 from trtpaged.server.schemas import (
@@ -20,38 +21,40 @@ from trtpaged.server.schemas import (
     DetokenizeResponse,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
-    TokenizeResponse,
 )
+from trtpaged.server.tokenizer_worker import TokenizerWorker
 from trtpaged.server.tools import tool_choice
 
 
-def encode_prompt(llm: LLM, engine: LLMEngine, prompt: Optional[Prompt], messages: Optional[list[dict[str, Any]]],
-                  tools: Optional[Sequence[dict]], chat_options: dict[str, Any], add_special_tokens: bool
-                  ) -> list[int]:  # fmt: skip
+def prompt_token_ids(tokenizer: Any, vocab_size: Optional[int], prompt: Optional[Prompt],
+                     messages: Optional[list[dict[str, Any]]], tools: Optional[Sequence[dict]],
+                     chat_options: dict[str, Any], add_special_tokens: bool) -> list[int]:  # fmt: skip
     """A prompt's token ids as /v1/completions, /v1/chat/completions and /tokenize all make them (one rule, so that
     /tokenize counts what the generation endpoints count): `messages` under the chat template (with the tools'
-    definitions and the chat options), else a text prompt through the tokenizer; a token-id prompt is kept as given.
-    `add_special_tokens` (vLLM's): what the tokenizer adds (a BOS), on top of the template's text for messages; the
-    request schemas default it as vLLM does, true for a text prompt and false for messages (their template writes
-    its own). Runs on the engine thread (the tokenizer's)."""
+    definitions and the chat options), else a text prompt through the tokenizer; a token-id prompt is kept as given
+    (checked against the vocabulary). `add_special_tokens` (vLLM's): what the tokenizer adds (a BOS), on top of the
+    template's text for messages; the request schemas default it as vLLM does, true for a text prompt and false for
+    messages (their template writes its own). Runs on the tokenizer worker's prompts lane, with its tokenizer."""
     if messages is not None:
-        return llm.chat_prompt(messages, tools, add_special_tokens=add_special_tokens, **chat_options)
+        return chat_prompt_ids(tokenizer, messages, tools, add_special_tokens=add_special_tokens, **chat_options)
     assert prompt is not None
-    return engine.encode(prompt, add_special_tokens=add_special_tokens)[1]
+    return encode_prompt(tokenizer, vocab_size, prompt, add_special_tokens)[1]
 
 
 class Tokenization:
-    """The two endpoints' work; the tokenizer is only touched on the engine thread (`EngineLoop.call_async`)."""
+    """The two endpoints' work, on the tokenizer worker's prompts lane (never the engine thread): a full lane is
+    `Overloaded` (a 503), as a full waiting queue is for generation."""
 
-    def __init__(self, llm: LLM, loop: EngineLoop, model_name: str) -> None:
+    def __init__(self, llm: LLM, tokens: TokenizerWorker, model_name: str) -> None:
         self.llm = llm
-        self.loop = loop
+        self.tokens = tokens
         self.model_name = model_name
         self.max_seq_len = llm.config.max_seq_len
         self.vocab_size = llm.manifest.dims.vocab_size
 
-    async def tokenize(self, body: Any) -> TokenizeResponse:
-        """A `prompt` or `messages` body -> its token ids; raises ApiError naming the field."""
+    async def tokenize(self, body: Any) -> bytes:
+        """A `prompt` or `messages` body -> the JSON body of its `TokenizeResponse` (made on the tokenizer's
+        thread, see `tokenize_json`); raises ApiError naming the field."""
         chat = isinstance(body, dict) and "messages" in body
         kind: type[Union[TokenizeChatRequest, TokenizeCompletionRequest]]
         kind = TokenizeChatRequest if chat else TokenizeCompletionRequest
@@ -62,28 +65,27 @@ class Tokenization:
             tools = tool_choice(req.tools, "required") if req.tools else None  # validated as the chat endpoint does
             options = chat_options(req)
 
-        def run(engine: LLMEngine) -> tuple[list[int], Optional[list[str]]]:
-            tokenizer = engine.tokenizer
+        def run(tokenizer: Any) -> bytes:
             if tokenizer is None:
                 raise ApiError("prompt: this engine has no tokenizer; nothing to tokenize with", "prompt")
             if isinstance(req, TokenizeChatRequest):
-                ids = encode_prompt(self.llm, engine, None, messages, tools.definitions if tools else None, options,
-                                    req.add_special_tokens)  # fmt: skip
+                ids = prompt_token_ids(tokenizer, self.vocab_size, None, messages, tools.definitions if tools else None,
+                                       options, req.add_special_tokens)  # fmt: skip
             else:
-                ids = encode_prompt(self.llm, engine, req.prompt, None, None, {}, req.add_special_tokens)
+                ids = prompt_token_ids(tokenizer, self.vocab_size, req.prompt, None, None, {}, req.add_special_tokens)
             strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
-            return list(ids), strs
+            return tokenize_json(len(ids), self.max_seq_len, ids, strs)
 
         field_name = "messages" if chat else "prompt"
         try:
-            ids, strs = await self.loop.call_async(run)
-        except ApiError:
+            answer = await self.tokens.prompt(run)
+        except (ApiError, ShuttingDown, Overloaded):  # the app answers the last two with a 503
             raise
         except ValueError as exc:
             raise from_runtime_error(exc, {"prompt": field_name}) from None
         except Exception as exc:  # noqa: BLE001 - a template or tokenizer error is the request's fault
             raise ApiError(f"{field_name}: could not be tokenized ({type(exc).__name__})", field_name) from None
-        return TokenizeResponse(count=len(ids), max_model_len=self.max_seq_len, tokens=ids, token_strs=strs)
+        return answer
 
     async def detokenize(self, body: Any) -> DetokenizeResponse:
         """A `tokens` body -> their text (special tokens included, as vLLM's /detokenize)."""
@@ -91,9 +93,33 @@ class Tokenization:
         check_model(req.model, self.model_name)
         token_ids_in_vocab("tokens", req.tokens, self.vocab_size)
 
-        def run(engine: LLMEngine) -> str:
-            if engine.tokenizer is None:
+        def run(tokenizer: Any) -> str:
+            if tokenizer is None:
                 raise ApiError("tokens: this engine has no tokenizer; nothing to detokenize with", "tokens")
-            return engine.tokenizer.decode(list(req.tokens), skip_special_tokens=False)
+            return tokenizer.decode(list(req.tokens), skip_special_tokens=False)
 
-        return DetokenizeResponse(prompt=await self.loop.call_async(run))
+        return DetokenizeResponse(prompt=await self.tokens.prompt(run))
+
+
+_SLICE = 1 << 14  # items per piece of a long list: one short call each, so other threads get the GIL between them
+
+
+def tokenize_json(count: int, max_model_len: int, tokens: Sequence[int], token_strs: Optional[Sequence[str]]) -> bytes:
+    """`TokenizeResponse` as the bytes `JSONResponse` makes of it, written a slice of the lists at a time.
+
+    One `json.dumps` of a million token ids holds the GIL for about 0.25 s (every engine step waits for it);
+    slices of `_SLICE` items hold it for a few milliseconds each."""
+    parts = ['{"count":', str(int(count)), ',"max_model_len":', str(int(max_model_len)), ',"tokens":[']
+    for i in range(0, len(tokens), _SLICE):
+        parts.append(("," if i else "") + ",".join(map(str, map(int, tokens[i:i + _SLICE]))))
+    parts.append('],"token_strs":')
+    if token_strs is None:
+        parts.append("null")
+    else:
+        parts.append("[")
+        for i in range(0, len(token_strs), _SLICE):
+            piece = json.dumps(list(token_strs[i:i + _SLICE]), ensure_ascii=False, separators=(",", ":"))
+            parts.append(("," if i else "") + piece[1:-1])
+        parts.append("]")
+    parts.append("}")
+    return "".join(parts).encode("utf-8")

@@ -1,0 +1,213 @@
+"""The server tokenizes off the engine thread (server/tokenizer_worker.py): while a long text is tokenized, the
+engine goes on stepping the requests in flight; answers stay the tokenizer's own; the lanes' queue is bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import random
+import threading
+import time
+
+import pytest
+from starlette.responses import JSONResponse
+from transformers import AutoTokenizer
+
+from trtpaged.server import start_server
+from trtpaged.server.engine_loop import Overloaded, ShuttingDown
+from trtpaged.server.options import ServerOptions
+from trtpaged.server.schemas import TokenizeResponse, dump
+from trtpaged.server.tokenization import _SLICE, tokenize_json
+from trtpaged.server.tokenizer_worker import PROMPT_THREADS, TokenizerLane
+
+from test_server import request, wait_idle
+
+TEXT = ("The quick brown fox jumps over the lazy dog; 12345 ünïcödé. " * 40_000)[:2_000_000]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_engine_dir):
+    handle = start_server(tiny_engine_dir, port=0, device="cpu")
+    yield handle
+    handle.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_engine_dir):
+    """The engine dir's tokenizer, loaded here: the truth for ids, and how long TEXT takes to tokenize."""
+    return AutoTokenizer.from_pretrained(str(tiny_engine_dir / "tokenizer"))
+
+
+class _Streams:
+    """Two clients that stream completions back to back, so that the engine always has a request to step;
+    and a watcher that notes when the engine's step counter moves."""
+
+    def __init__(self, server) -> None:
+        self.server, self.stop, self.moves = server, threading.Event(), []
+        self.threads = [threading.Thread(target=self._client, daemon=True) for _ in range(2)]
+        self.threads.append(threading.Thread(target=self._watch, daemon=True))
+
+    def _client(self) -> None:
+        while not self.stop.is_set():
+            conn = http.client.HTTPConnection(self.server.host, self.server.port, timeout=60)
+            body = {"prompt": "hello", "max_tokens": 300, "ignore_eos": True, "stream": True}
+            conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            assert resp.status == 200
+            resp.read()
+            conn.close()
+
+    def _watch(self) -> None:
+        engine = self.server.llm.engine
+        seen = engine.num_steps
+        while not self.stop.is_set():
+            if engine.num_steps != seen:
+                seen = engine.num_steps
+                self.moves.append(time.perf_counter())
+            time.sleep(0.002)
+
+    def __enter__(self) -> "_Streams":
+        for t in self.threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while len(self.moves) < 20:  # the streams run
+            assert time.monotonic() < deadline, "the engine did not start stepping"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(60)
+
+    def longest_stall(self, start: float, end: float) -> float:
+        """The longest time within [start, end] that the step counter did not move."""
+        times = [start, *(t for t in self.moves if start < t < end), end]
+        return max(b - a for a, b in zip(times, times[1:]))
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/v1/completions"])
+def test_engine_steps_while_a_long_text_is_tokenized(server, reference, path):
+    """A 2 MB text (2M tokens of the tiny engine's byte-level tokenizer; ~1 s per MB here) tokenized by /tokenize,
+    or by a completion that keeps its last 8 tokens: the engine's step counter keeps moving all along. When the
+    engine thread tokenized, it stood still for the whole tokenization (at least `alone`, the time the text takes
+    to tokenize here with nothing else running); the bound is a third of that."""
+    start = time.perf_counter()
+    truth = reference.encode(TEXT)
+    alone = time.perf_counter() - start
+    assert alone > 0.3, f"TEXT tokenizes in {alone:.2f} s: too short to tell a stall from a step"
+    body = ({"prompt": TEXT} if path == "/tokenize"
+            else {"prompt": TEXT, "truncate_prompt_tokens": 8, "max_tokens": 1, "echo": True})  # fmt: skip
+    with _Streams(server) as streams:
+        start = time.perf_counter()
+        status, _, out = request(server, path, body)
+        end = time.perf_counter()
+    assert status == 200, out
+    if path == "/tokenize":
+        assert out["count"] == len(truth) and out["tokens"] == truth
+    else:
+        assert out["usage"]["prompt_tokens"] == 8 and out["choices"][0]["text"].startswith(reference.decode(truth[-8:]))
+    stall = streams.longest_stall(start, end)
+    assert stall < alone / 3, (f"the engine stood still {stall:.2f} s of the {end - start:.2f} s that {path} took "
+                               f"(the text alone tokenizes in {alone:.2f} s)")  # fmt: skip
+    wait_idle(server)
+
+
+def test_tokenizer_threads_have_their_own_tokenizer_and_os_name(server):
+    """Each tokenizer thread owns a copy of the engine's tokenizer (a fast tokenizer is not shared between
+    threads), loaded from the engine dir (same vocabulary and template), and carries the OS name `bench
+    serve-ratio` reads."""
+
+    def own(tok):
+        time.sleep(0.2)  # all of a lane's threads are busy at once: each answers one job
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm") as f:
+            return tok, f.read().strip()
+
+    jobs = [server.tokens.prompts.send(own) for _ in range(PROMPT_THREADS)] + [server.tokens.outputs.send(own)]
+    copies = [job.result(30) for job in jobs]
+    engine_tok = server.llm.tokenizer
+    assert len({id(engine_tok), *(id(tok) for tok, _ in copies)}) == PROMPT_THREADS + 2
+    for tok, name in copies:
+        assert tok.get_vocab() == engine_tok.get_vocab() and tok.chat_template == engine_tok.chat_template
+        assert name == "trtpaged-tok"
+
+
+def test_a_full_tokenizer_queue_is_a_503_and_the_server_goes_on(tiny_engine_dir):
+    """max_waiting bounds the tokenizer's queue as it bounds the engine's: with the prompts lane's threads busy
+    and one request waiting for them, the next /tokenize or completion is refused (503, Retry-After) before it
+    is queued; the waiting one is answered, and so are those after."""
+    handle = start_server(tiny_engine_dir, port=0, device="cpu", options=ServerOptions(max_waiting=1))
+    try:
+        lane = handle.tokens.prompts
+        busy = []
+        for _ in range(PROMPT_THREADS):  # each thread busy, as with a long text
+            busy.append(lane.send(lambda tok: time.sleep(1.0)))
+            while not busy[-1].running():
+                time.sleep(0.005)
+        waiting: list = []
+        sender = threading.Thread(target=lambda: waiting.append(request(handle, "/tokenize", {"prompt": "hello"})))
+        sender.start()
+        deadline = time.monotonic() + 10
+        while lane.num_waiting < 1:
+            assert time.monotonic() < deadline, "the request did not reach the tokenizer's queue"
+            time.sleep(0.005)
+        status, headers, out = request(handle, "/tokenize", {"prompt": "short"})
+        assert status == 503 and headers["Retry-After"] == "1", out
+        assert "1 requests are waiting to be tokenized (max_waiting 1)" in out["error"]["message"]
+        status, _, out = request(handle, "/v1/completions", {"prompt": "short", "max_tokens": 2})
+        assert status == 503 and "waiting to be tokenized" in out["error"]["message"], out
+        assert not any(b.done() for b in busy)  # all of that while the lane was busy
+        sender.join(30)
+        status, _, out = waiting[0]
+        assert status == 200 and out["tokens"] == handle.llm.tokenizer.encode("hello"), out
+        assert request(handle, "/tokenize", {"prompt": "short"})[0] == 200
+        assert request(handle, "/v1/completions", {"prompt": "short", "max_tokens": 2})[0] == 200
+    finally:
+        handle.shutdown()
+
+
+def test_a_cancelled_caller_leaves_the_lane_running(reference):
+    """A caller that is cancelled while its job waits (a client that disconnected) has its job skipped, never run,
+    and the lane goes on; once shut down, queued jobs end with ShuttingDown and new ones are refused."""
+    lane = TokenizerLane("test-lane", max_waiting=4).start(lambda: reference)
+    ran: list[str] = []
+
+    async def cancel_while_queued():
+        busy = asyncio.ensure_future(lane.run(lambda tok: time.sleep(0.3)))
+        await asyncio.sleep(0.05)  # the lane's thread is inside the busy job: what follows waits in its queue
+        gone = asyncio.ensure_future(lane.run(lambda tok: ran.append("gone")))
+        await asyncio.sleep(0.05)
+        gone.cancel()
+        await busy
+        return await lane.run(lambda tok: tok.encode("hello world"))
+
+    try:
+        assert asyncio.run(cancel_while_queued()) == reference.encode("hello world")
+        assert ran == [] and lane.num_waiting == 0
+        blocker = lane.send(lambda tok: time.sleep(0.3))
+        while not blocker.running():
+            time.sleep(0.005)
+        queued = lane.send(lambda tok: ran.append("queued"))
+        with pytest.raises(Overloaded):  # beyond max_waiting
+            for _ in range(5):
+                lane.send(lambda tok: None)
+    finally:
+        lane.shutdown()
+    assert blocker.result() is None
+    with pytest.raises(ShuttingDown):
+        queued.result(5)
+    with pytest.raises(ShuttingDown):
+        lane.send(lambda tok: None)
+    assert ran == []
+
+
+def test_tokenize_json_is_the_bytes_of_the_response_model():
+    """/tokenize's body, written a slice at a time, is byte for byte what JSONResponse makes of TokenizeResponse."""
+    rng = random.Random(0)
+    pieces = ["a", '"q"', "\\", "é", "\u2581x", "\n", "<|im_end|>", "\U0001f600", "\u0000"]
+    for n in (0, 1, _SLICE, _SLICE + 1, 3 * _SLICE + 5):
+        ids = [rng.randrange(50_000) for _ in range(n)]
+        for strs in (None, [rng.choice(pieces) for _ in ids]):
+            model = TokenizeResponse(count=n, max_model_len=512, tokens=ids, token_strs=strs)
+            assert tokenize_json(n, 512, ids, strs) == JSONResponse(dump(model)).body

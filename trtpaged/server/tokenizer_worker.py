@@ -1,0 +1,167 @@
+"""The server's tokenizer threads: the front end's tokenizer work runs here, never on the engine thread.
+
+While the engine thread tokenizes, no step runs and every stream stalls (a 200 KB prompt: ~0.2 s; a 4 MB
+/tokenize body: seconds). So each lane below is a thread that owns its own copy of the engine's tokenizer,
+loaded from the engine dir as `LLM` loads it: a fast tokenizer is not to be shared between threads
+(transformers' encode sets the Rust tokenizer's truncation and padding when they differ from what it wants,
+a mutable borrow that fails with "Already borrowed" while another thread is inside the same tokenizer).
+transformers' fast `encode` goes through `tokenizers`' `encode_batch`, which releases the GIL while it
+tokenizes (`Tokenizer.encode` does not): the engine thread steps meanwhile.
+
+Two lanes, so that running requests never wait behind a new one's long prompt:
+- `prompts`: what a request needs before it can be queued (prompt token ids and chat templates, /tokenize,
+  /detokenize), taken first come first served by `PROMPT_THREADS` threads, so that one long text does not hold
+  up the short prompts behind it (with one thread, requests that arrived during a 4 MB /tokenize waited for it,
+  and the engine, its streams done, sat idle); a short prompt may thus reach the engine before a long one that
+  arrived earlier. At most `max_waiting` jobs wait: beyond that `Overloaded` (a 503);
+- `outputs`: what requests already running need (token strings and bytes of log-probs, echo texts), unbounded,
+  one thread.
+The engine thread keeps what belongs to the engine: adding requests, its incremental detokenizer (stop
+strings), and reading the vocabulary into the grammar compiler once (`GrammarCache.prepare`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable, Optional, TypeVar
+
+from trtpaged.server import thread_names
+from trtpaged.server.engine_loop import Overloaded, ShuttingDown
+
+T = TypeVar("T")
+_STOP = object()
+PROMPT_THREADS = 2  # the prompts lane's threads
+
+
+class TokenizerLane:
+    """`threads` threads, each with its own tokenizer, taking jobs `fn(tokenizer)` in the order they were sent."""
+
+    def __init__(self, name: str, max_waiting: Optional[int] = None, threads: int = 1) -> None:
+        self.name = name
+        self.max_waiting = max_waiting
+        self.num_threads = threads
+        self._jobs: "queue.Queue[Any]" = queue.Queue()
+        self._lock = threading.Lock()  # sending a job and stopping: no job is queued behind the stop
+        self._waiting = 0  # jobs sent and not yet taken by the thread
+        self._stopped = False
+        self._threads: list[threading.Thread] = []
+
+    def start(self, load: Callable[[], Any]) -> "TokenizerLane":
+        """Starts the threads, each of which loads its own tokenizer with `load()`; returns once all loaded, or
+        raises what `load` raised (the threads stopped)."""
+
+        def run(loaded: Future) -> None:
+            thread_names.name_this_thread(thread_names.TOKENIZER)
+            try:
+                tokenizer = load()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller of start
+                loaded.set_exception(exc)
+                return
+            loaded.set_result(None)
+            self._work(tokenizer)
+
+        loads: list[Future] = []
+        for _ in range(self.num_threads):
+            loads.append(Future())
+            self._threads.append(threading.Thread(target=run, args=(loads[-1],), name=self.name, daemon=True))
+            self._threads[-1].start()
+        try:
+            for loaded in loads:
+                loaded.result()
+        except BaseException:
+            self.shutdown()
+            raise
+        return self
+
+    @property
+    def num_waiting(self) -> int:
+        """Jobs sent and not yet begun."""
+        return self._waiting
+
+    def send(self, fn: Callable[[Any], T]) -> "Future[T]":
+        """Queues `fn(tokenizer)`; raises `Overloaded` when `max_waiting` jobs already wait, `ShuttingDown`
+        once stopped."""
+        future: Future = Future()
+        with self._lock:
+            if self._stopped:
+                raise ShuttingDown("the server is shutting down")
+            if self.max_waiting is not None and self._waiting >= self.max_waiting:
+                raise Overloaded(f"{self._waiting} requests are waiting to be tokenized (max_waiting "
+                                 f"{self.max_waiting}); retry later")  # fmt: skip
+            self._waiting += 1
+            self._jobs.put((fn, future))
+        return future
+
+    async def run(self, fn: Callable[[Any], T]) -> T:
+        """`fn(tokenizer)` on this lane's thread, awaited without blocking the event loop. A caller cancelled
+        while its job waits leaves the job skipped, never run."""
+        return await asyncio.wrap_future(self.send(fn))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stops the threads after their current jobs (waiting up to `timeout` s for each); jobs still queued end
+        with ShuttingDown."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            for _ in self._threads:
+                self._jobs.put(_STOP)
+        for thread in self._threads:
+            thread.join(timeout)
+
+    def _work(self, tokenizer: Any) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is _STOP:
+                return
+            fn, future = job
+            with self._lock:
+                self._waiting -= 1
+                stopped = self._stopped
+            if not future.set_running_or_notify_cancel():
+                continue  # its caller is gone (a client that disconnected): nothing to run or answer
+            if stopped:
+                future.set_exception(ShuttingDown("the server is shutting down"))
+                continue
+            try:
+                future.set_result(fn(tokenizer))
+            except Exception as exc:  # noqa: BLE001 - the caller gets the error, the lane lives on
+                future.set_exception(exc)
+
+
+class TokenizerWorker:
+    """The server's two tokenizer lanes (see the module docstring): `prompts` and `outputs`."""
+
+    def __init__(self, prompts: TokenizerLane, outputs: TokenizerLane) -> None:
+        self.prompts = prompts
+        self.outputs = outputs
+
+    @classmethod
+    def start(cls, load: Callable[[], Any], max_waiting: Optional[int] = None) -> "TokenizerWorker":
+        """Both lanes, each with its own tokenizer from `load()` (loaded on its own thread)."""
+        prompts = TokenizerLane("trtpaged-tokenizer-prompts", max_waiting, PROMPT_THREADS)
+        outputs = TokenizerLane("trtpaged-tokenizer-outputs")  # one thread: GenerationService keeps one bytes reader
+        started: list[TokenizerLane] = []
+        try:
+            for lane in (prompts, outputs):
+                started.append(lane.start(load))
+        except BaseException:
+            for lane in started:
+                lane.shutdown()
+            raise
+        return cls(prompts, outputs)
+
+    async def prompt(self, fn: Callable[[Any], T]) -> T:
+        """`fn(tokenizer)` for a request not yet queued; raises `Overloaded` when the lane is full."""
+        return await self.prompts.run(fn)
+
+    async def output(self, fn: Callable[[Any], T]) -> T:
+        """`fn(tokenizer)` for a request already running."""
+        return await self.outputs.run(fn)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        for lane in (self.prompts, self.outputs):
+            lane.shutdown(timeout)
