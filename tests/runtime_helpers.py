@@ -16,6 +16,14 @@ from trtpaged.runtime.sampling_params import SamplingParams
 REPO = Path(__file__).resolve().parents[1]
 
 
+def openai_client(url: str, api_key: str = "none") -> Any:
+    """The official `openai` client on a test server at `url` (no retries; the test skips without the package)."""
+    import pytest
+
+    openai = pytest.importorskip("openai", reason="the openai package is not installed (pip install openai)")
+    return openai.OpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0, timeout=60)
+
+
 def for_each_cpu_isa(check: Callable[[str], None]) -> None:
     """Runs check(isa) with the CPU kernels forced to each of scalar, AVX2 and AVX-512 VNNI that this CPU has;
     the best is restored afterwards, whatever check raised."""

@@ -14,6 +14,8 @@ from trtpaged.bench.serve_bench import ServeRequest, format_report, run_serve_be
 from trtpaged.cli import main
 from trtpaged.server import ServerOptions, start_server
 
+from runtime_helpers import openai_client
+
 KEY = "sk-clients-test"
 
 
@@ -32,8 +34,7 @@ def llm(tiny_engine_dir):
 
 @pytest.fixture(scope="module")
 def client(server):
-    openai = pytest.importorskip("openai", reason="the openai package is not installed (pip install openai)")
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    return openai_client(server.url, KEY)
 
 
 def test_openai_client_chat_completions_streaming_n(client, llm):

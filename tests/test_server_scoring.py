@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime_helpers import hf_from_engine_dir
+from runtime_helpers import hf_from_engine_dir, openai_client
 from tests.test_server import stream, wait_idle
 from trtpaged.server import start_server
 
@@ -23,8 +23,7 @@ def server(tiny_engine_dir):
 
 @pytest.fixture(scope="module")
 def client(server):
-    openai = pytest.importorskip("openai", reason="the openai package is not installed (pip install openai)")
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    return openai_client(server.url)
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,8 @@ from trtpaged.engine_files import sha256_file
 from trtpaged.manifest import MANIFEST_NAME
 from trtpaged.server import start_server
 
+from runtime_helpers import openai_client
+
 MODEL = "tiny-bos"
 BOS = 256  # the tiny tokenizer's <|bos|>
 TEXT = "The quick brown fox"
@@ -73,8 +75,7 @@ def server(engine_dir):
 
 @pytest.fixture(scope="module")
 def client(server):
-    openai = pytest.importorskip("openai", reason="the openai package is not installed (pip install openai)")
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    return openai_client(server.url)
 
 
 def _greedy_text(llm, ids: list[int]) -> str:
