@@ -358,3 +358,22 @@ def test_a_long_stage_prints_heartbeats_with_elapsed_time():
     with progress.stage("patch"):
         pass
     assert not lines[-1].startswith("patch    ...")  # a quick stage prints only its end line
+
+
+def test_export_leaves_out_the_quadratic_rewrite_rule_only_while_exporting() -> None:
+    """The exporter's optimizer runs without SlicesSplit; onnxscript's own rule list is back afterwards, also when
+    the export inside raised."""
+    from onnxscript import rewriter
+
+    from trtpaged.builder.export import _without_quadratic_rewrites
+
+    before = rewriter._DEFAULT_REWRITE_RULES
+    names = [getattr(r, "name", None) for r in before]
+    assert "SlicesSplit" in names
+    with _without_quadratic_rewrites():
+        inside = [getattr(r, "name", None) for r in rewriter._DEFAULT_REWRITE_RULES]
+    assert inside == [n for n in names if n != "SlicesSplit"]
+    assert rewriter._DEFAULT_REWRITE_RULES is before
+    with pytest.raises(RuntimeError, match="export failed"), _without_quadratic_rewrites():
+        raise RuntimeError("export failed")
+    assert rewriter._DEFAULT_REWRITE_RULES is before
