@@ -84,19 +84,29 @@ def tiny_hf():
 
 
 def hf_from_engine_dir(engine_dir: Path):
-    """The transformers model an engine dir was built from (its manifest records the source)."""
-    from trtpaged.config import ModelSpec
+    """The transformers model an engine dir was built from (its manifest records the source); see shared_hf."""
+    from trtpaged.models import spec_from_manifest
     from trtpaged.manifest import read_manifest
+
+    return shared_hf(spec_from_manifest(read_manifest(engine_dir)))
+
+
+_FILE_MODELS: dict[tuple, Any] = {}
+
+
+def shared_hf(spec):
+    """load_hf(spec) in float32. A model read from a GGUF file (SmolLM2 takes 15-40 s on 2 cores) is loaded
+    once per test session per file version and shared, so callers must not change it; other sources are
+    loaded afresh each time."""
     from trtpaged.models import load_hf
 
-    src = dict(read_manifest(engine_dir).source)
-    spec = ModelSpec(
-        kind=src["kind"],
-        path=Path(src["path"]) if src.get("path") else None,
-        package=src.get("package"),
-        tiny=dict(src["tiny"]) if src.get("tiny") else None,
-    )
-    return load_hf(spec)
+    if spec.kind not in ("gguf", "package"):
+        return load_hf(spec)
+    stat = Path(spec.path).stat()
+    key = (str(Path(spec.path).resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _FILE_MODELS:
+        _FILE_MODELS[key] = load_hf(spec)
+    return _FILE_MODELS[key]
 
 
 def step_engine(hf, config: RuntimeConfig) -> TorchRunner:

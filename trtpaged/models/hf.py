@@ -19,6 +19,7 @@ import torch
 
 from trtpaged.config import ConfigError, ModelSpec
 from trtpaged.manifest import Manifest
+from trtpaged.models import gguf_once
 from trtpaged.models.dims import (
     ARCHITECTURES_BY_MODEL_TYPE,
     MODEL_TYPES,
@@ -97,7 +98,7 @@ def load_hf(spec: ModelSpec, dtype: torch.dtype = torch.float32) -> HFModel:
     else:
         kwargs["gguf_file"] = spec.path.name
         where = str(spec.path.parent)
-    with _no_progress_bars():
+    with _no_progress_bars(), gguf_once.parsed_once():
         config = AutoConfig.from_pretrained(where, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
         # the config loaded above: from_pretrained would parse the GGUF's metadata again for it
