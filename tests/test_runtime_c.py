@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from c_runtime import REPO, CError, CRuntime, StepInputs, build, generate, i32_array, load, parse_outputs
+from c_runtime import (REPO, CError, CRuntime, StepInputs, build, generate, i32_array, load, parse_outputs,
+                       setup_build_dir)
 from trtpaged import LLM, SamplingParams
 
 MAX_TOKENS = 24
@@ -27,7 +28,8 @@ BATCH = {"num_kv_blocks": 8, "max_num_tokens": 48}
 
 @pytest.fixture(scope="session")
 def build_dir() -> Path:
-    return build(REPO / "build" / "tests" / "c-runtime")  # not build/*/, where the kernel loader looks
+    # a dir of its own is not build/*/, where the kernel loader looks
+    return build(setup_build_dir() or REPO / "build" / "tests" / "c-runtime")
 
 
 @pytest.fixture(scope="session")
