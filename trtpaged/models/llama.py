@@ -69,9 +69,10 @@ class RMSNorm(nn.Module):
             # the same float32 arithmetic in one op (a third faster eagerly); the exported graph keeps the
             # explicit form
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        h = x.float()
+        # no cast where x is float32 already: each would be two more nodes per norm for the exporter to trace
+        h = x if x.dtype == torch.float32 else x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return self.weight * (h if x.dtype == torch.float32 else h.to(x.dtype))
 
     def forward_fused(self, x: torch.Tensor, residual: Optional[torch.Tensor], ops: ModuleType):
         """One kernel call: rmsnorm(x), or (rmsnorm(x + residual), x + residual) written into residual."""
