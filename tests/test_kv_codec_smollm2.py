@@ -89,35 +89,36 @@ def test_real_activations_every_path(smollm2, kv_cache_dtype: str) -> None:
         kernels.set_cpu_isa(None)
 
 
-def _first_layers(hf_model, n: int):
-    """A new model of hf_model's class: its first n decoder layers, embeddings, final norm and LM head, with
-    the same weights (hf_model itself is shared and left as it is)."""
+@pytest.fixture(scope="module")
+def smollm2_first_layers(smollm2):
+    """(hf model, step model, dims) of a new model of SmolLM2's class with its first VERIFY_LAYERS decoder
+    layers, embeddings, final norm and LM head, the same weights (the shared model is left as it is)."""
     import copy
-
-    config = copy.deepcopy(hf_model.config)
-    config.num_hidden_layers = n
-    if getattr(config, "layer_types", None):
-        config.layer_types = config.layer_types[:n]
-    small = type(hf_model)(config).eval()
-    keep = {k: v for k, v in hf_model.state_dict().items()
-            if not k.startswith("model.layers.") or int(k.split(".")[2]) < n}
-    missing, unexpected = small.load_state_dict(keep, strict=False)
-    assert not unexpected and all("rotary_emb" in k for k in missing), (missing, unexpected)
-    return small
-
-
-@pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
-def test_build_verification_passes_every_path(smollm2, kv_cache_dtype: str, tmp_path: Path) -> None:
-    from trtpaged.builder.export import export_onnx
-    from trtpaged.builder.weights import save_weights
-    from trtpaged.builder.verify import verify_onnx
 
     from trtpaged.models import dims_from_hf_config
     from trtpaged.models.loading import step_model_from_hf
 
-    hf_model = _first_layers(smollm2[0], VERIFY_LAYERS)
-    dims = dims_from_hf_config(hf_model.config, smollm2[2].max_position_embeddings)
-    step_model = step_model_from_hf(hf_model, dims, torch.float32)
+    hf_model, _, full_dims = smollm2
+    config = copy.deepcopy(hf_model.config)
+    config.num_hidden_layers = VERIFY_LAYERS
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:VERIFY_LAYERS]
+    small = type(hf_model)(config).eval()
+    keep = {k: v for k, v in hf_model.state_dict().items()
+            if not k.startswith("model.layers.") or int(k.split(".")[2]) < VERIFY_LAYERS}
+    missing, unexpected = small.load_state_dict(keep, strict=False)
+    assert not unexpected and all("rotary_emb" in k for k in missing), (missing, unexpected)
+    dims = dims_from_hf_config(config, full_dims.max_position_embeddings)
+    return small, step_model_from_hf(small, dims, torch.float32), dims
+
+
+@pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
+def test_build_verification_passes_every_path(smollm2_first_layers, kv_cache_dtype: str, tmp_path: Path) -> None:
+    from trtpaged.builder.export import export_onnx
+    from trtpaged.builder.weights import save_weights
+    from trtpaged.builder.verify import verify_onnx
+
+    hf_model, step_model, dims = smollm2_first_layers
     onnx_path, weights = tmp_path / "model.onnx", tmp_path / "weights.safetensors"
     save_weights(step_model, weights)
     export_onnx(step_model, 16, kv_cache_dtype, onnx_path, weights)
