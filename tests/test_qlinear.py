@@ -289,6 +289,27 @@ def assert_first_and_last_rows_give(run, x: torch.Tensor, want: torch.Tensor, co
         assert torch.equal(run(x[len(x) - m :]), want[len(x) - m :]), m
 
 
+def test_plain_avx2_int8_weights_take_the_float_tiles_from_one_row_on() -> None:
+    # On plain AVX2 one float row of int8 weights (the LM head) runs the float tiles, not three int8 limb rows (the
+    # limbs' integer work costs more there): a row alone then has the bits it gets in any batch (2-8 rows: one
+    # register-blocked form, 9 and more: the decoded chunks) and as limbs, without the limbs' cost.
+    if "avx2" not in available_isas():
+        pytest.skip("this CPU has no AVX2")
+    codes, scales, offsets, w = make_weight(8, 40, 576, 32, seed=35)
+    packed = kernels.qlinear_pack(8, codes, scales, offsets, 32)
+    x = torch.randn(12, 576, generator=torch.Generator().manual_seed(36)) * 2
+    kernels.set_cpu_isa("avx2")
+    try:
+        alone = torch.cat([kernels.qlinear(x[i : i + 1], packed, 8, 40, 576, 32, float_activations=True)
+                           for i in range(len(x))])  # fmt: skip
+        for m in (2, 3, 4, 8, 9, 12):
+            assert torch.equal(kernels.qlinear(x[:m], packed, 8, 40, 576, 32, float_activations=True), alone[:m]), m
+        assert torch.equal(kernels.qlinear(x, packed, 8, 40, 576, 32, float_activations=True, limbs=True), alone)
+        check_float(8, 12, 40, 576, 32, seed=35, x=x)  # and the rows are right: fp32 rounding level
+    finally:
+        kernels.set_cpu_isa(None)
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("k", [96, 576])
 def test_int8_activations_row_results_do_not_depend_on_the_batch(isa: str, bits: int, k: int) -> None:

@@ -194,7 +194,9 @@ TRTPAGED_API trtpaged_status trtpaged_qlinear_cpu(const float* x, int64_t m, con
 #define TRTPAGED_QLINEAR_FLOAT_ACTIVATIONS 1
 /* FLOAT_LIMB: as FLOAT, but the three limbs at every m, so each row of y is bit-identical to that row
  * run alone (FLOAT picks limbs or float tiles by m, and the two round differently): for a step whose
- * rows must give the logits a one-row step would (a one-sequence speculative verification). */
+ * rows must give the logits a one-row step would (a one-sequence speculative verification). Where
+ * FLOAT runs one row as float tiles too (plain AVX2, int8 weights), both run the float tiles, whose
+ * rows have the same bits at every m. */
 #define TRTPAGED_QLINEAR_FLOAT_LIMB_ACTIVATIONS 2
 /* trtpaged_qlinear_cpu with a choice of activations (one of the three values above; other
  * values: INVALID_ARGUMENT). Same packed form. */

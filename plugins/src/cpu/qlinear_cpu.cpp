@@ -10,7 +10,8 @@
 //   * float tiles (larger batches): x stays float32, weight codes converted to float in
 //     registers, fp32 FMA.
 //   The two round differently. FLOAT activations choose by the row count (limb_max_rows); FLOAT_LIMB
-//   activations take the limbs at every row count, so that each row's y is that of the row run alone.
+//   activations take the limbs at every row count, so that each row's y is that of the row run alone (where one row
+//   takes the float tiles, plain AVX2 int8 weights, both take the float tiles: the same bits at every row count).
 //
 // This file is compiled without -march=native: every SIMD variant carries its own
 // __attribute__((target)) and one is chosen at run time, so the library runs on any x86-64.
@@ -577,6 +578,25 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) int tile_avxvnni(const TileArgs
   }
 }
 
+// Float activations, AVX2, int8 weights: input e (0-3) of each lane's quad as an int32, from the sign-flipped codes q.
+// vpshufb moves byte e of every 32-bit lane to the lane's top byte (the other three zeroed) and one arithmetic shift
+// sign-extends it (byte 3 is on top already): the integers of a left and a right shift, with one shift instead of
+// two. On the Zen 1-class EPYC the vector shifts run on one pipe, which the two-shift decode saturated: an L1-resident
+// loop of decode, convert and FMA ran 6.1-6.5 weights/ns against 5.3-5.4 (docs/benchmarks.md, round 18).
+template <int E>
+__attribute__((target("avx2"))) inline __m256i w8_input_avx2(__m256i q) {
+  static_assert(E >= 0 && E <= 3, "a quad's input 0-3");
+  if constexpr (E == 3) {
+    return _mm256_srai_epi32(q, 24);
+  } else {
+    constexpr int32_t kZero = 0x808080;  // index bit 7 zeroes a byte
+    const __m256i to_top = _mm256_setr_epi32(E << 24 | kZero, (4 + E) << 24 | kZero, (8 + E) << 24 | kZero,
+                                             (12 + E) << 24 | kZero, E << 24 | kZero, (4 + E) << 24 | kZero,
+                                             (8 + E) << 24 | kZero, (12 + E) << 24 | kZero);
+    return _mm256_srai_epi32(_mm256_shuffle_epi8(q, to_top), 24);
+  }
+}
+
 // Float activations: x stays float32. Element e of every lane's quad (one input of 16 rows)
 // is shifted into place, converted to float and FMA'd with x broadcast; per block the fp32
 // sum is scaled by the block's scales, and int4 adds offsets x float group sums of x. Two
@@ -673,7 +693,8 @@ __attribute__((target("avx2,fma,f16c"))) void ftile_avx2_mb(const TileArgs& t, f
           int j;
           if (BITS == 8) {
             const __m256i q = _mm256_xor_si256(v, flip);
-            c = e == 3 ? _mm256_srai_epi32(q, 24) : _mm256_srai_epi32(_mm256_slli_epi32(q, 24 - 8 * e), 24);
+            c = e == 0 ? w8_input_avx2<0>(q) : e == 1 ? w8_input_avx2<1>(q) : e == 2 ? w8_input_avx2<2>(q)
+                                                                               : w8_input_avx2<3>(q);
             j = 4 * g + e;
           } else {
             const int byte = e % 4, nib = e / 4;
@@ -929,7 +950,8 @@ __attribute__((target("avx2,fma,f16c"))) void decode_chunk_w8_avx2(const Layout&
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * g + 32 * half)), flip);
 #pragma GCC unroll 4
         for (int e = 0; e < 4; ++e) {
-          const __m256i c = e == 3 ? _mm256_srai_epi32(q, 24) : _mm256_srai_epi32(_mm256_slli_epi32(q, 24 - 8 * e), 24);
+          const __m256i c = e == 0 ? w8_input_avx2<0>(q) : e == 1 ? w8_input_avx2<1>(q) : e == 2 ? w8_input_avx2<2>(q)
+                                                                                       : w8_input_avx2<3>(q);
           _mm256_storeu_ps(wb + (4 * g + e) * kRows + 8 * half, _mm256_cvtepi32_ps(c));
         }
       }
@@ -1073,8 +1095,14 @@ constexpr int kLimbs = 3;
 // 1.02-1.07x of the float tiles on AVX-512 and 1.22x on plain AVX2 (4 rows: 1.14x on both; measured against the
 // float tiles before ftile_avx2_decoded), so only such steps take it; batches keep this rule
 // (docs/speculative.md, "Greedy identity on quantized engines").
+// Plain AVX2, int8 weights (the LM head): none, the float tiles at every row count. There one row's float tile runs
+// about 1.3x as fast as the three limb rows' integer work on the Zen 1-class EPYC (an L1-resident loop of each: 6.1-6.5
+// against 4.8-4.9 weights/ns, with the tile's vpshufb decode; the LM head at one row, 2 threads: 1.08-1.26x, as a
+// 6-row FLOAT_LIMB call 1.6-2.0x), and the float tiles give a row the same bits at every row count, so FLOAT_LIMB
+// takes them too (a row's y is still that of the row alone).
 int64_t limb_max_rows(Isa isa, int bits) {
   if (isa == kAvxVnni) return bits == 8 ? INT64_MAX : 4;
+  if (isa == kAvx2 && bits == 8) return 0;
   return 1;
 }
 
@@ -1366,7 +1394,8 @@ TRTPAGED_API trtpaged_status trtpaged_qlinear_cpu_ex(const float* x, int64_t m, 
     const bool float_acts = activations == TRTPAGED_QLINEAR_FLOAT_ACTIVATIONS || limbs_always;
     static thread_local CallBuffers buf;
     Acts acts{};
-    if (float_acts && (limbs_always || m <= limb_max_rows(isa, bits))) {
+    const int64_t limb_rows = limb_max_rows(isa, bits);
+    if (float_acts && limb_rows > 0 && (limbs_always || m <= limb_rows)) {
       quantize_activations(x, m, kLimbs, l, isa, buf, acts);
       run_tiles(l, tile_kernel(isa, bits, false), &acts, nullptr, nullptr, m * kLimbs,
                 static_cast<const uint8_t*>(packed), bias, y, kLimbs, tile_max_rows(isa, bits));
