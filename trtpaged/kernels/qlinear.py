@@ -99,7 +99,8 @@ def qlinear(
     for many rows); True keeps x in float32 (exact de-quantized weights, fp32 FMA: as accurate
     as F.linear on them, about as fast at a few rows). With float activations, one row runs as int8
     limbs and several as float tiles, which round differently; `limbs=True` takes the limbs at every
-    row count, so each row's result is bit-identical to that row run alone. Returns out (float32
+    row count, so each row's result is bit-identical to that row run alone (plain AVX2 runs int8
+    weights as float tiles at every row count, which gives the same). Returns out (float32
     [..., n], allocated when None). For repeated calls on one weight, QLinearOp checks its arguments once.
     """
     packed_bytes, fn = _qlinear_call(bits, n, k, group_size)

@@ -300,7 +300,8 @@ class LlamaStepModel(nn.Module):
 
         `row_invariant`: the quantized linears with float activations (and the LM head) compute each row as a
         step of that row alone would. The CPU kernels run one row as int8 limbs and several as float tiles,
-        which round differently; this takes the limbs at every row count. The runtime sets it for a step
+        which round differently; this takes the limbs at every row count (where one row runs as float tiles too,
+        plain AVX2 int8 weights, the float tiles). The runtime sets it for a step
         that decodes one sequence, so that a speculative verification step gives each row the logits of a
         plain decode step (docs/speculative.md). Other steps (and int8-activation engines, whose rows never
         depend on the others) are unaffected.

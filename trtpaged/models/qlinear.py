@@ -149,7 +149,8 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, row_invariant: bool = False) -> torch.Tensor:
         """`row_invariant`: with float activations on the CPU kernels, each row's result is that of the row
-        computed alone (the kernels' limbs at every row count; see LlamaStepModel.forward)."""
+        computed alone (the kernels' limbs at every row count, or their float tiles where one row takes them too;
+        see LlamaStepModel.forward)."""
         if torch.compiler.is_exporting():
             raise RuntimeError(f"{self.extra_repr()}: export the TensorRT graph form (builder.tensorrt_graph."
                                "to_tensorrt_graph), not the engine layout")

@@ -12,7 +12,9 @@ per extra row, as a fraction of the one-row step):
 | the same as limbs (a one-sequence step: StepBatch's `row_invariant`) | 0.32-0.41 | 0.44-0.48 |
 
 A one-sequence verification step of a float-activation engine runs its rows as limbs, so that each row gets
-the bits of a one-row step (greedy outputs unchanged by speculation); its default is the limbs' cost.
+the bits of a one-row step (greedy outputs unchanged by speculation); its default is the limbs' cost. (The
+AVX2 column predates plain AVX2's int8 LM head taking the float tiles at every row count, whose 6-row call ran
+1.6-2.0x faster than its limbs: the AVX2 limb row costs less now; not re-measured, the default left as it is.)
 
 A constant (0.3, rounds 5-8) was right for the last kind only: it kept float32 and w4a8 engines from
 verifying drafts that pay. Timing the steps at load instead was tried and dropped: with the kernels' two
