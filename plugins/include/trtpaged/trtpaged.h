@@ -185,10 +185,11 @@ TRTPAGED_API trtpaged_status trtpaged_qlinear_cpu(const float* x, int64_t m, con
 /* activations of trtpaged_qlinear_cpu_ex. INT8: x quantized per block of 32 as described above
  * (integer dot products: fastest, by far for large m). FLOAT: y equals x @ W^T up to fp32
  * rounding, as F.linear on the de-quantized weight would be: for m = 1 (AVX-VNNI: int8 weights at
- * any m, int4 up to m = 4; plain AVX2 int8 weights: never), each block of x is split into three int8 limbs (x = d q1 + d/254 q2 +
- * d/254^2 q3, what is left out below max|x| * 6.1e-8) run through the integer kernels and summed; otherwise the
- * codes are converted to float and dotted with x in fp32, times the block's scale, and (bits 4)
- * the offsets times float sums of x per group are added. Costs more per weight byte than INT8
+ * any m, int4 up to m = 4; plain AVX2 int8 weights: never), each block of x is split into three
+ * int8 limbs (x = d q1 + d/254 q2 + d/254^2 q3, what is left out below max|x| * 6.1e-8) run
+ * through the integer kernels and summed; otherwise the codes are converted to float and dotted
+ * with x in fp32, times the block's scale, and (bits 4) the offsets times float sums of x per group
+ * are added. Costs more per weight byte than INT8
  * (about 1.3-2.5x on AVX-512), for accuracy. */
 #define TRTPAGED_QLINEAR_INT8_ACTIVATIONS 0
 #define TRTPAGED_QLINEAR_FLOAT_ACTIVATIONS 1

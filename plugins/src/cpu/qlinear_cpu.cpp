@@ -583,18 +583,14 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) int tile_avxvnni(const TileArgs
 // sign-extends it (byte 3 is on top already): the integers of a left and a right shift, with one shift instead of
 // two. On the Zen 1-class EPYC the vector shifts run on one pipe, which the two-shift decode saturated: an L1-resident
 // loop of decode, convert and FMA ran 6.1-6.5 weights/ns against 5.3-5.4 (docs/benchmarks.md, round 18).
-template <int E>
-__attribute__((target("avx2"))) inline __m256i w8_input_avx2(__m256i q) {
-  static_assert(E >= 0 && E <= 3, "a quad's input 0-3");
-  if constexpr (E == 3) {
-    return _mm256_srai_epi32(q, 24);
-  } else {
-    constexpr int32_t kZero = 0x808080;  // index bit 7 zeroes a byte
-    const __m256i to_top = _mm256_setr_epi32(E << 24 | kZero, (4 + E) << 24 | kZero, (8 + E) << 24 | kZero,
-                                             (12 + E) << 24 | kZero, E << 24 | kZero, (4 + E) << 24 | kZero,
-                                             (8 + E) << 24 | kZero, (12 + E) << 24 | kZero);
-    return _mm256_srai_epi32(_mm256_shuffle_epi8(q, to_top), 24);
-  }
+// Called in loops unrolled over e, so e and the shuffle index are constants.
+__attribute__((target("avx2"))) inline __m256i w8_input_avx2(__m256i q, int e) {
+  if (e == 3) return _mm256_srai_epi32(q, 24);
+  const int32_t zero = 0x808080;  // index bit 7 zeroes a byte
+  const __m256i to_top = _mm256_setr_epi32(e << 24 | zero, (4 + e) << 24 | zero, (8 + e) << 24 | zero,
+                                           (12 + e) << 24 | zero, e << 24 | zero, (4 + e) << 24 | zero,
+                                           (8 + e) << 24 | zero, (12 + e) << 24 | zero);
+  return _mm256_srai_epi32(_mm256_shuffle_epi8(q, to_top), 24);
 }
 
 // Float activations: x stays float32. Element e of every lane's quad (one input of 16 rows)
@@ -693,8 +689,7 @@ __attribute__((target("avx2,fma,f16c"))) void ftile_avx2_mb(const TileArgs& t, f
           int j;
           if (BITS == 8) {
             const __m256i q = _mm256_xor_si256(v, flip);
-            c = e == 0 ? w8_input_avx2<0>(q) : e == 1 ? w8_input_avx2<1>(q) : e == 2 ? w8_input_avx2<2>(q)
-                                                                               : w8_input_avx2<3>(q);
+            c = w8_input_avx2(q, e);
             j = 4 * g + e;
           } else {
             const int byte = e % 4, nib = e / 4;
@@ -950,9 +945,7 @@ __attribute__((target("avx2,fma,f16c"))) void decode_chunk_w8_avx2(const Layout&
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * g + 32 * half)), flip);
 #pragma GCC unroll 4
         for (int e = 0; e < 4; ++e) {
-          const __m256i c = e == 0 ? w8_input_avx2<0>(q) : e == 1 ? w8_input_avx2<1>(q) : e == 2 ? w8_input_avx2<2>(q)
-                                                                                       : w8_input_avx2<3>(q);
-          _mm256_storeu_ps(wb + (4 * g + e) * kRows + 8 * half, _mm256_cvtepi32_ps(c));
+          _mm256_storeu_ps(wb + (4 * g + e) * kRows + 8 * half, _mm256_cvtepi32_ps(w8_input_avx2(q, e)));
         }
       }
       const __m128i sh = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + l.block_codes + 16 * half));
