@@ -37,7 +37,8 @@ step "installing dependencies"
 "$PY" -m pip install -q "scikit-build-core>=0.10" "transformers>=4.45" "onnx>=1.16" "onnxscript>=0.2" "click>=8.1" \
   "pyyaml>=6" "safetensors>=0.4" "numpy>=1.24" "gguf>=0.10" "accelerate>=0.30" "fastapi>=0.115" "uvicorn>=0.30" \
   "uvloop>=0.19" "httptools>=0.6" \
-  "pydantic>=2.12" "prometheus-client>=0.20" "httpx>=0.27" "pytest>=8" "hypothesis>=6.100" "openai>=1.40" \
+  "pydantic>=2.12" "prometheus-client>=0.20" "httpx>=0.27" "pytest>=8" "pytest-xdist>=3.5" "filelock>=3.12" \
+  "hypothesis>=6.100" "openai>=1.40" \
   "matplotlib>=3.7" "redis>=5" "jsonschema>=4"
 if ! command -v redis-server >/dev/null 2>&1; then
   # the KV tiers' shared store (docs/kv_tiers.md); its tests skip without it

@@ -6,4 +6,9 @@ cd "$(dirname "$0")/.."
 if [ "${TRTPAGED_SETUP_DONE:-}" != 1 ]; then
   bash scripts/setup.sh
 fi
-exec ${PYTHON:-python3} -m pytest -q -ra --durations=20 "$@"
+# one pytest-xdist worker per core, at most 4 (a worker's kernels and torch use every core: more would only
+# contend); whole test files go to one worker, and the workers share the engine dirs that tests/conftest.py
+# builds. TRTPAGED_TEST_WORKERS=0 runs everything in this one process.
+cores=$(nproc 2>/dev/null || echo 1)
+workers=${TRTPAGED_TEST_WORKERS:-$((cores > 4 ? 4 : cores))}
+exec ${PYTHON:-python3} -m pytest -q -ra --durations=20 -n "$workers" --dist loadfile "$@"

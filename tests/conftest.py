@@ -1,10 +1,18 @@
-"""Shared fixtures: engine dirs built once per test session with the Python build API."""
+"""Shared fixtures: engine dirs built once per test run with the Python build API.
+
+Under pytest-xdist (scripts/test.sh runs the suite on one worker per core) the workers share each engine
+dir: the first to need it builds it under a file lock in the run's common temp dir, the others wait and
+reuse it, so a 90 s SmolLM2 build is paid once, not once per worker.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Callable
 
 import pytest
+from filelock import FileLock
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -20,10 +28,25 @@ def _build(example: str, out: Path) -> Path:
     return out
 
 
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], Path]) -> Path:
+    """build(out) run once per test run for `name`, shared by every xdist worker (tests must not change it).
+
+    The builder moves a finished engine dir into place in one rename, so an existing dir is a whole one;
+    a build that failed leaves none and the next worker to ask builds it again (and fails the same way).
+    """
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return build(tmp_path_factory.mktemp("engines") / name)
+    shared = tmp_path_factory.getbasetemp().parent / "shared-engines"
+    shared.mkdir(exist_ok=True)
+    out = shared / name
+    with FileLock(str(shared / f"{name}.lock")):
+        return out if out.is_dir() else build(out)
+
+
 @pytest.fixture(scope="session")
 def tiny_engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The engine dir of examples/tiny.yaml (random-weight 2-layer Llama, float32, block_size 16)."""
-    return _build("tiny.yaml", tmp_path_factory.mktemp("engines") / "tiny")
+    return built_once(tmp_path_factory, "tiny", lambda out: _build("tiny.yaml", out))
 
 
 @pytest.fixture(scope="session")
@@ -32,7 +55,7 @@ def smollm2_engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     Built float32 on a CPU-only machine (about 2 minutes on 2 cores); mark tests using it slow.
     """
-    return _build("smollm2.yaml", tmp_path_factory.mktemp("engines") / "smollm2")
+    return built_once(tmp_path_factory, "smollm2", lambda out: _build("smollm2.yaml", out))
 
 
 @pytest.fixture(scope="session")
@@ -41,7 +64,7 @@ def smollm2_int4_engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     Its build includes the accuracy stage (HF greedy continuations); mark tests using it slow.
     """
-    return _build("smollm2-int4.yaml", tmp_path_factory.mktemp("engines") / "smollm2-int4")
+    return built_once(tmp_path_factory, "smollm2-int4", lambda out: _build("smollm2-int4.yaml", out))
 
 
 # A tiny random Llama with 4 KV heads (8 query heads), the tensor-parallel tests' model: the same config
@@ -69,11 +92,5 @@ def build_from_dict(data: dict, out: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_kv4_engines(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     """tensor_parallel -> engine dir of TINY_KV4 built for 1 and for 2 ranks."""
-    root = tmp_path_factory.mktemp("tp-engines")
-    return {n: build_from_dict({**TINY_KV4, "tensor_parallel": n}, root / f"tiny-kv4-tp{n}") for n in (1, 2)}
-
-
-@pytest.fixture(scope="session")
-def smollm2_tp3_engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """examples/smollm2-tp3.yaml: SmolLM2-135M (9 heads, 3 KV heads) split over 3 ranks; mark tests slow."""
-    return _build("smollm2-tp3.yaml", tmp_path_factory.mktemp("engines") / "smollm2-tp3")
+    return {n: built_once(tmp_path_factory, f"tiny-kv4-tp{n}",
+                          lambda out, n=n: build_from_dict({**TINY_KV4, "tensor_parallel": n}, out)) for n in (1, 2)}
