@@ -2,10 +2,13 @@
 ops), the LM head, the rest of the model call. docs/benchmarks.md, "Small multi-row steps".
 
     PYTHONPATH=$PWD python scripts/step_rows.py ENGINE [--rows 1,2,4,6,8,16] [--mode verify|batch] [--seconds S]
+        [--float-tiles]
     PYTHONPATH=$PWD python scripts/step_rows.py ENGINE --ab LIB_A LIB_B [--rounds R] [...]
 
-verify: one sequence with a 128-token context and M new tokens, logits for every row (a speculative
-verification step); batch: M sequences of 128 tokens decoding one token each (logits for each). The rows
+verify: one sequence with a 128-token context and M new tokens, logits for every row, each row computed as if
+alone (StepBatch's `row_invariant`, as the runtime runs a speculative verification step; --float-tiles drops
+it, for the arithmetic of a step of several sequences); batch: M sequences of 128 tokens decoding one token
+each (logits for each). The rows
 are timed round-robin (one step of each M in turn) on the same loaded weights, medians over the samples.
 The linears are also timed on their own: every layer's four linears and the LM head called with M rows of
 the shape they get in the step, so attention and the layers' small ops are the decoder call minus them.
@@ -29,7 +32,7 @@ import torch
 CONTEXT = 128
 
 
-def _batches(runner, rows: int, mode: str, vocab: int, block_size: int):
+def _batches(runner, rows: int, mode: str, vocab: int, block_size: int, row_invariant: bool):
     """The StepBatch of M rows and a prefill batch that fills the context it reads."""
     from trtpaged.runtime.runners.base import StepPacker
 
@@ -46,7 +49,7 @@ def _batches(runner, rows: int, mode: str, vocab: int, block_size: int):
     prefill.logits_index = [len(prefill.input_ids) - 1]
     step.logits_index = list(range(len(step.input_ids)))
     assert 1 + seqs * per_seq <= runner.num_kv_blocks
-    return prefill.batch(), step.batch()
+    return prefill.batch(), step.batch(row_invariant=row_invariant)
 
 
 def _median_us(fn: Callable[[], object], repeats: int) -> float:
@@ -58,7 +61,7 @@ def _median_us(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(samples)
 
 
-def measure(engine: str, rows_list: list[int], mode: str, seconds: float) -> dict:
+def measure(engine: str, rows_list: list[int], mode: str, seconds: float, float_tiles: bool = False) -> dict:
     from trtpaged import kernels
     from trtpaged.runtime.runners import TorchRunner
 
@@ -66,7 +69,8 @@ def measure(engine: str, rows_list: list[int], mode: str, seconds: float) -> dic
     model = runner.model
     dims = model.dims
     block_size = 16
-    batches = {m: _batches(runner, m, mode, dims.vocab_size, block_size) for m in rows_list}
+    row_invariant = mode == "verify" and not float_tiles
+    batches = {m: _batches(runner, m, mode, dims.vocab_size, block_size, row_invariant) for m in rows_list}
     for prefill, _ in batches.values():
         runner.step(prefill)
     # The decoder layers' one C call and the LM head are timed inside the model call.
@@ -103,17 +107,18 @@ def measure(engine: str, rows_list: list[int], mode: str, seconds: float) -> dic
             ops.append((lin.cpu_op(), lin.activations == "float"))
     head = model.lm_head if model.lm_head is not None else model.embed_tokens.head
     head_op = (head.cpu_op(), head.activations == "float")
-    result = {"mode": mode, "isa": kernels.cpu_isa(), "threads": torch.get_num_threads(), "rows": {}}
+    result = {"mode": mode + (" (row-invariant)" if row_invariant else ""), "isa": kernels.cpu_isa(),
+              "threads": torch.get_num_threads(), "rows": {}}
     repeats = max(5, len(step_times[rows_list[0]]) // 2)
     for m in rows_list:
         xs = {k: torch.randn(m, k) for k in {op.k for op, _ in ops} | {head_op[0].k}}
 
         def linears():
             for op, fl in ops:
-                op(xs[op.k], fl)
+                op(xs[op.k], fl, row_invariant)
 
         linears_us = _median_us(linears, repeats)
-        head_us = _median_us(lambda: head_op[0](xs[head_op[0].k], head_op[1]), repeats)
+        head_us = _median_us(lambda: head_op[0](xs[head_op[0].k], head_op[1], row_invariant), repeats)
         step_us = statistics.median(step_times[m])
         layers_us = statistics.median(layer_times[m])
         result["rows"][m] = {"step_us": step_us, "layers_us": layers_us, "linears_us": linears_us,
@@ -137,7 +142,7 @@ def run_ab(args) -> None:
     """Alternates the measurement between two kernel libraries; prints each run and B / A per M."""
     runs: dict[str, list[dict]] = {"A": [], "B": []}
     cmd = [sys.executable, __file__, args.engine, "--rows", args.rows, "--mode", args.mode, "--seconds",
-           str(args.seconds), "--json"]
+           str(args.seconds), "--json"] + (["--float-tiles"] if args.float_tiles else [])
     print("load", open("/proc/loadavg").read().strip(), flush=True)
     for i in range(args.rounds):
         for name, lib in (("A", args.ab[0]), ("B", args.ab[1])) if i % 2 == 0 else (("B", args.ab[1]),
@@ -162,6 +167,7 @@ def main() -> None:
     p.add_argument("--rows", default="1,2,4,6,8,16")
     p.add_argument("--mode", choices=("verify", "batch"), default="verify")
     p.add_argument("--seconds", type=float, default=6.0)
+    p.add_argument("--float-tiles", action="store_true", help="verify mode without row_invariant")
     p.add_argument("--json", action="store_true")
     p.add_argument("--ab", nargs=2, metavar=("LIB_A", "LIB_B"))
     p.add_argument("--rounds", type=int, default=4)
@@ -170,7 +176,7 @@ def main() -> None:
         run_ab(args)
         return
     rows = [int(x) for x in args.rows.split(",")]
-    result = measure(args.engine, rows, args.mode, args.seconds)
+    result = measure(args.engine, rows, args.mode, args.seconds, args.float_tiles)
     print(json.dumps(result) if args.json else format_result(result))
 
 

@@ -413,10 +413,12 @@ def test_float_activations_int8_weights_many_rows(isa: str, fill: Optional[int])
     check_float(8, 67, 40, 288, 32, bias=True, seed=61, codes_fill=fill, x=x)  # and the rows are right
 
 
-def test_float_activations_int8_weights_streamed(isa: str) -> None:
+@pytest.mark.parametrize("float_activations", [True, False], ids=["float-acts", "int8-acts"])
+def test_int8_weights_streamed(isa: str, float_activations: bool) -> None:
     # Packed int8 weights of 8 MiB or more (the LM head) have each call request the next tile while one runs
-    # (past the last tile after it): the outputs are those of the same rows packed as a small weight, which
-    # does not, and right. N = 16400: 1025 tiles, 10 MB, the last tile partial.
+    # (past the last tile after it), with float and with int8 activations (w4a8's LM head): the outputs are those
+    # of the same rows packed as a small weight, which does not, and right. N = 16400: 1025 tiles, 10 MB, the
+    # last tile partial; 1 row: int8 activations' two passes per tile, 2 and more: one pass.
     n, k = 16400, 576
     g = torch.Generator().manual_seed(71)
     codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
@@ -424,15 +426,20 @@ def test_float_activations_int8_weights_streamed(isa: str) -> None:
     packed = kernels.qlinear_pack(8, codes, scales, None, 32)
     assert packed.numel() >= 8 << 20
     x = torch.randn(16, k, generator=g) * 2
-    for m in (2, 4, 6, 9, 16):
-        y = kernels.qlinear(x[:m], packed, 8, n, k, 32, float_activations=True)
+    for m in (1, 2, 4, 6, 9, 16):
+        y = kernels.qlinear(x[:m], packed, 8, n, k, 32, float_activations=float_activations)
         for rows in (slice(0, 40), slice(n - 40, n)):
             small = kernels.qlinear_pack(8, codes[rows].contiguous(), scales[rows].contiguous(), None, 32)
-            want = kernels.qlinear(x[:m], small, 8, 40, k, 32, float_activations=True)
+            want = kernels.qlinear(x[:m], small, 8, 40, k, 32, float_activations=float_activations)
             assert torch.equal(y[:, rows], want), (m, rows)
             w = codes[rows].double() * scales[rows].double().repeat_interleave(32, 1)
-            err = (want.double() - x[:m].double() @ w.T).abs()
-            assert (err <= (k + 4) * 2.0**-24 * (x[:m].double().abs() @ w.abs().T)).all()
+            if float_activations:
+                err = (want.double() - x[:m].double() @ w.T).abs()
+                assert (err <= (k + 4) * 2.0**-24 * (x[:m].double().abs() @ w.abs().T)).all()
+            else:  # the quantized-activation reference, as check() holds every int8-activation path to
+                x_deq, _ = quantize_activations(x[:m])
+                err = (want.double() - x_deq @ w.T).abs()
+                assert (err <= 1e-5 * (x_deq.abs() @ w.abs().T) + 1e-6).all()
 
 
 def test_float_activations_is_more_accurate_than_int8() -> None:

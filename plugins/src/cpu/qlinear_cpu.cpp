@@ -547,7 +547,7 @@ template <int BITS>
 __attribute__((target("avx2,fma,f16c"))) int tile_avx2(const TileArgs& t, int count, float* out) {
   // int4: from kW4MinRows rows on, every row of the call over each unpacked chunk; 5-7 rows in one call (rows inner:
   // one sum and one accumulator per row); 1-3 rows both halves in one pass; int8 weights 4 (their one-pass form
-  // holds two of each per row). Thread CPU time against 4-row calls, gate_up / down / qkv: 5 and 6 rows 0.86-0.88x.
+  // holds two of each per row), and one row in one pass where the weights stream (the LM head). Thread CPU time against 4-row calls, gate_up / down / qkv: 5 and 6 rows 0.86-0.88x.
   if (BITS == 4 && count >= kW4MinRows) return tile_avx2_w4_decoded(t, count, out);
   if (BITS == 4 && count >= 5) {
     if (count >= 6) return tile_avx256_mb<BITS, 6, false>(t, out), 6;
@@ -564,7 +564,9 @@ __attribute__((target("avx2,fma,f16c"))) int tile_avx2(const TileArgs& t, int co
     case 4: return tile_avx256_mb<BITS, 4, false>(t, out), 4;
     case 3: return tile_avx256_mb<BITS, 3, false>(t, out), 3;
     case 2: return tile_avx256_mb<BITS, 2, false>(t, out), 2;
-    default: return tile_avx256_mb<BITS, 1, false>(t, out), 1;
+    default:
+      if (BITS == 8 && t.prefetch_next) return tile_avx256_mb<BITS, 1, false, true>(t, out), 1;
+      return tile_avx256_mb<BITS, 1, false>(t, out), 1;
   }
 }
 
