@@ -172,6 +172,8 @@ def main() -> None:
     p.add_argument("--ab", nargs=2, metavar=("LIB_A", "LIB_B"))
     p.add_argument("--rounds", type=int, default=4)
     args = p.parse_args()
+    if args.float_tiles and args.mode != "verify":
+        p.error("--float-tiles: only with --mode verify (a batch step's rows take the float tiles already)")
     if args.ab:
         run_ab(args)
         return

@@ -12,14 +12,17 @@ per extra row, as a fraction of the one-row step):
 | the same as limbs (a one-sequence step: StepBatch's `row_invariant`) | 0.32-0.41 | 0.44-0.48 |
 
 A one-sequence verification step of a float-activation engine runs its rows as limbs, so that each row gets
-the bits of a one-row step (greedy outputs unchanged by speculation); its default is the limbs' cost.
+the bits of a one-row step (greedy outputs unchanged by speculation); its default is the limbs' cost. (The
+table's AVX2 column, a Zen 4 forced to AVX2, predates plain AVX2's int8 LM head taking the float tiles at every
+row count, round 18.)
 
 The cost follows the core more than the instruction set. On a Zen 1-class EPYC (AVX2 only, 256-bit operations
 split in two, one vector-multiply pipe: a one-row step is already compute-bound there) the same measurement
-(`scripts/step_rows.py ENGINE --rows 1,6 --mode verify`, round 19, after plain AVX2's int8 LM head took the float
-tiles) gave w4a8 0.36-0.41 and int4 as limbs 0.64-0.71 per row (as float tiles: 0.45). The defaults stay those of
-the table: on such a CPU, `speculative_config.verify_row_cost` 0.4 (w4a8) or 0.7 (int4) keeps the rule from
-proposing drafts that cost more than they yield.
+(`scripts/step_rows.py ENGINE --rows 1,6 --mode verify`, with round 19's kernels: round 18's float-tile LM head,
+and the streamed int8-activation LM head that made w4a8's one-row step faster and so its row ratio higher) gave
+w4a8 0.36-0.41 and int4 as limbs 0.64-0.71 per row (as float tiles: 0.45). The defaults stay those of the table:
+on such a CPU, `speculative_config.verify_row_cost` 0.4 (w4a8) or 0.7 (int4) keeps the rule from proposing
+drafts that cost more than they yield.
 
 A constant (0.3, rounds 5-8) was right for the last kind only: it kept float32 and w4a8 engines from
 verifying drafts that pay. Timing the steps at load instead was tried and dropped: with the kernels' two

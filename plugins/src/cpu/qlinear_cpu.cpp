@@ -47,11 +47,13 @@ using trtpaged::fail;
 
 constexpr int kRows = 16;   // output rows per tile
 constexpr int kMaxMB = 8;   // activation rows per kernel call (register blocking), at most
-// Tiles at least this long get the next tile prefetched by the two-pass AVX2 kernels (qlinear_tile256.inc).
+// Tiles at least this long get the next tile prefetched in the second pass of the two-pass AVX2 kernels
+// (qlinear_tile256.inc).
 constexpr size_t kPrefetchTileBytes = 12288;
 // Packed weights at least this large (the LM head: 28 MB in int8) do not stay in a core's caches between calls: the
-// AVX2 int8-weight float-activation kernels request the next tile while one runs (TileArgs::prefetch_next). Weights
-// held in the L2 or L3 measured 0.85-0.90x with it at 2-4 rows (one more load-port op per 8.5 code bytes).
+// AVX2 int8-weight kernels request the next tile while one runs (TileArgs::prefetch_next), the float-activation ones
+// and the int8-activation one-pass tiles (qlinear_tile256.inc). Weights held in the L2 or L3 measured 0.85-0.90x with
+// it at 2-4 float rows (one more load-port op per 8.5 code bytes).
 constexpr size_t kPrefetchWeightBytes = size_t(8) << 20;
 
 using trtpaged::cpu::Isa;
@@ -546,8 +548,10 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2_w4_onepass(const TileArg
 template <int BITS>
 __attribute__((target("avx2,fma,f16c"))) int tile_avx2(const TileArgs& t, int count, float* out) {
   // int4: from kW4MinRows rows on, every row of the call over each unpacked chunk; 5-7 rows in one call (rows inner:
-  // one sum and one accumulator per row); 1-3 rows both halves in one pass; int8 weights 4 (their one-pass form
-  // holds two of each per row), and one row in one pass where the weights stream (the LM head). Thread CPU time against 4-row calls, gate_up / down / qkv: 5 and 6 rows 0.86-0.88x.
+  // one sum and one accumulator per row); 1-3 rows both halves in one pass. int8 weights: 4 rows a call (their
+  // one-pass form holds two of each per row); one row runs two passes, or one where the weights stream from memory
+  // (TileArgs::prefetch_next: the LM head). Thread CPU time against 4-row calls, gate_up / down / qkv: 5 and 6 rows
+  // 0.86-0.88x.
   if (BITS == 4 && count >= kW4MinRows) return tile_avx2_w4_decoded(t, count, out);
   if (BITS == 4 && count >= 5) {
     if (count >= 6) return tile_avx256_mb<BITS, 6, false>(t, out), 6;
