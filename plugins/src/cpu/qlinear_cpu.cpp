@@ -569,7 +569,8 @@ __attribute__((target("avx2,fma,f16c"))) int tile_avx2(const TileArgs& t, int co
     case 3: return tile_avx256_mb<BITS, 3, false>(t, out), 3;
     case 2: return tile_avx256_mb<BITS, 2, false>(t, out), 2;
     default:
-      if (BITS == 8 && t.prefetch_next) return tile_avx256_mb<BITS, 1, false, true>(t, out), 1;
+      if constexpr (BITS == 8)  // int4 rows never get here (tile_avx2_w4_onepass): no streamed int4 instance
+        if (t.prefetch_next) return tile_avx256_mb<BITS, 1, false, true>(t, out), 1;
       return tile_avx256_mb<BITS, 1, false>(t, out), 1;
   }
 }
