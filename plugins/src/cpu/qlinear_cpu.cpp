@@ -1086,9 +1086,12 @@ constexpr int kLimbs = 3;
 // the EPYC (AVX-512 VNNI, Zen 4), one thread, interleaved calls, limbs / float tiles: int8 lm_head
 // 49152 x 576, AVX-512 M = 4: 1.34-1.51x, M = 2, 6, 8, 16: 0.84-1.07x (noise); plain AVX2 M = 2:
 // 1.35x, M = 4: 1.75x, M = 16: 1.82x; int4 gate_up 3072 x 576, AVX-512 M = 4: 1.03x; plain AVX2 M = 2:
-// 1.15x, M = 4: 1.54x (M = 1: 0.70x), against the float tiles before ftile_avx2_decoded. AVX-VNNI (untested:
-// no such CPU here) keeps the limbs for int8 at any batch and for int4 up to 4 rows, as measured on AVX-512
-// before its float tiles were timed so.
+// 1.15x, M = 4: 1.54x (M = 1: 0.70x), against the float tiles before ftile_avx2_decoded. AVX-VNNI keeps the limbs for
+// int8 at any batch (a row's bits at every row count) and for int4 takes them at one row only, as AVX-512 does: up to
+// 4 rows, as it had them, the rows of a 2-4 row call differed from the same rows among 5 or more
+// (test_float_activations_row_results_do_not_depend_on_the_batch, on the first AVX-VNNI CPU here, a Xeon with
+// AVX-512 too). The float tiles cost that CPU's int4 calls of 2 and 3 rows 0.66-0.69x and 0.82-0.86x (one thread,
+// SmolLM2's shapes in cache; 4 rows even).
 // The two round differently, so under this rule a row's y depends on how many rows share the call. Where that
 // must not be (a one-sequence speculative verification step, whose rows must get the logits of one-row decode
 // steps), the caller passes FLOAT_LIMB activations: the limbs at every M. That costs a 6-row SmolLM2 int4 step
@@ -1101,7 +1104,7 @@ constexpr int kLimbs = 3;
 // 6-row FLOAT_LIMB call 1.6-2.0x), and the float tiles give a row the same bits at every row count, so FLOAT_LIMB
 // takes them too (a row's y is still that of the row alone).
 int64_t limb_max_rows(Isa isa, int bits) {
-  if (isa == kAvxVnni) return bits == 8 ? INT64_MAX : 4;
+  if (isa == kAvxVnni) return bits == 8 ? INT64_MAX : 1;
   if (isa == kAvx2 && bits == 8) return 0;
   return 1;
 }
