@@ -416,10 +416,10 @@ def test_float_activations_int8_weights_many_rows(isa: str, fill: Optional[int])
 @pytest.mark.parametrize("float_activations", [True, False], ids=["float-acts", "int8-acts"])
 def test_int8_weights_streamed(isa: str, float_activations: bool) -> None:
     # Packed int8 weights of 8 MiB or more (the LM head) have each call request the next tile while one runs
-    # (past the last tile after it), with float and with int8 activations (w4a8's LM head): the outputs are those
-    # of the same rows packed as a small weight, which does not, and right. N = 16392: 1025 tiles, 10 MB, the
-    # last tile half padding. With int8 activations one row of the streamed weight runs both halves of a tile in
-    # one pass, the small weight's row two passes: the same bits either way.
+    # (past the last tile after it), with float and with int8 activations (w4a8's LM head), at any row count: the
+    # outputs are those of the same rows packed as a small weight, and right. N = 16392: 1025 tiles, 10 MB, the
+    # last tile half padding. (A small weight requests too in calls of up to 16 rows, decode steps: see
+    # test_decode_calls_give_the_rows_of_a_larger_call for the kernels that take there.)
     n, k = 16392, 576
     g = torch.Generator().manual_seed(71)
     codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
@@ -441,6 +441,25 @@ def test_int8_weights_streamed(isa: str, float_activations: bool) -> None:
                 x_deq, _ = quantize_activations(x[:m])
                 err = (want.double() - x_deq @ w.T).abs()
                 assert (err <= 1e-5 * (x_deq.abs() @ w.abs().T) + 1e-6).all()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("k", [96, 576])
+def test_decode_calls_give_the_rows_of_a_larger_call(isa: str, bits: int, k: int) -> None:
+    # Calls of up to 16 activation rows (decode steps) request the next tile while one runs, whatever the weight's
+    # size (a model's weights come back from memory at every step), and one row of int8 weights then runs both
+    # halves of a tile in one pass on plain AVX2. Int8-activation rows do not depend on the rows that share the
+    # call, so each row must equal the same row at the end of a call of 16 more rows, which requests nothing (past
+    # 16 rows, below 8 MiB) and ends in a call of the last rows alone (two passes for one int8 row), and be right.
+    # N = 40: three tiles, the last half padding; K = 96 has an odd number of blocks.
+    codes, scales, offsets, _ = make_weight(bits, 40, k, 32, seed=81)
+    packed = kernels.qlinear_pack(bits, codes, scales, offsets, 32)
+    g = torch.Generator().manual_seed(82)
+    x, others = torch.randn(16, k, generator=g) * 2, torch.randn(16, k, generator=g) * 2
+    for m in (1, 2, 3, 5, 16):
+        y = kernels.qlinear(x[:m], packed, bits, 40, k, 32)
+        assert torch.equal(y, kernels.qlinear(torch.cat([others, x[:m]]), packed, bits, 40, k, 32)[16:]), m
+        check(bits, m, 40, k, 32, seed=81, x=x[:m])
 
 
 def test_float_activations_is_more_accurate_than_int8() -> None:

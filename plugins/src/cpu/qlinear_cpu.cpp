@@ -50,11 +50,20 @@ constexpr int kMaxMB = 8;   // activation rows per kernel call (register blockin
 // Tiles at least this long get the next tile prefetched in the second pass of the two-pass AVX2 kernels
 // (qlinear_tile256.inc).
 constexpr size_t kPrefetchTileBytes = 12288;
-// Packed weights at least this large (the LM head: 28 MB in int8) do not stay in a core's caches between calls: the
-// AVX2 int8-weight kernels request the next tile while one runs (TileArgs::prefetch_next), the float-activation ones
-// and the int8-activation one-pass tiles (qlinear_tile256.inc). Weights held in the L2 or L3 measured 0.85-0.90x with
-// it at 2-4 float rows (one more load-port op per 8.5 code bytes).
+// Weights that come from memory: the kernels that can request the next tile while one runs do so
+// (TileArgs::prefetch_next; which ones: where they read it). Two cases:
+// - packed weights of kPrefetchWeightBytes and up (the LM head: 28 MB in int8) do not stay in a core's caches between
+//   calls, at any row count. Weights held in the L2 or L3 measured 0.85-0.90x with it at 2-4 float rows on AVX2 (one
+//   more load-port op per 8.5 code bytes);
+// - calls of at most kStreamedMaxRows activation rows (decode steps: one row of int8 activations per sequence, or a
+//   float row's three limb rows), whatever the weight's size: a model's linears together outgrow the caches, so each
+//   weight comes back from memory at the next step, and a tile's few rows of compute leave the memory idle between
+//   demand misses. SmolLM2's 120 body linears, each weight read once per step as in a decode step, two threads, on a
+//   Xeon with AVX-512 (docs/benchmarks.md, round 20), one row: int4 weights 1.28-1.37x on AVX2, 1.17-1.31x on
+//   AVX-512, 1.17-1.22x on AVX-VNNI; int8 weights with int8 activations at 4-16 rows 1.2-1.6x on AVX2 and up to 1.18x
+//   on AVX-512. The same calls on weights held in the L2 (one layer's again and again) measured 0.82-0.97x.
 constexpr size_t kPrefetchWeightBytes = size_t(8) << 20;
+constexpr int64_t kStreamedMaxRows = 16;
 
 using trtpaged::cpu::Isa;
 using trtpaged::cpu::kAvx2;
@@ -151,6 +160,20 @@ struct TileArgs {
 
 using TileKernel = int (*)(const TileArgs&, int count, float* out);
 
+// Requests (into the L2) block b of the next tile, the caller's next work item, and line b of that tile's tail (int4
+// offsets): called at each block of a tile, it requests the whole next tile spread over this one's blocks, a few
+// lines at a time (a whole tile at once filled the core's miss buffers). Past the last tile the addresses lie beyond
+// the packed weights: prefetches do not fault. always_inline: as a call, GCC 12 at -O2 and up found the function free of
+// side effects (IPA mod-ref) and deleted it, prefetches and all.
+__attribute__((always_inline)) inline void request_next_tile_block(const TileArgs& t, int64_t b) {
+  const Layout& l = *t.l;
+  const uintptr_t next = reinterpret_cast<uintptr_t>(t.tile) + l.tile_bytes;
+  for (size_t c = 0; c < l.block_bytes; c += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(next + size_t(b) * l.block_bytes + c), _MM_HINT_T1);
+  const size_t tail = size_t(l.nblocks) * l.block_bytes + 64 * size_t(b);
+  if (tail < l.tile_bytes) _mm_prefetch(reinterpret_cast<const char*>(next + tail), _MM_HINT_T1);
+}
+
 inline int32_t load_u32(const void* p) {
   int32_t v;
   std::memcpy(&v, p, sizeof(v));
@@ -228,6 +251,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"))) vo
   const BlockRecord* r0 = a.rec + t.m0 * l.nblocks;
   for (int64_t b = 0; b < l.nblocks; ++b) {
     const uint8_t* blk = t.tile + b * l.block_bytes;
+    if (t.prefetch_next) request_next_tile_block(t, b);
     __m512i s[MB];
     for (int i = 0; i < MB; ++i)
       s[i] = BITS == 8 ? _mm512_set1_epi32(r0[i * l.nblocks + b].nbias) : _mm512_setzero_si512();
@@ -483,6 +507,7 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2_w4_onepass(const TileArg
   const BlockRecord* r0 = a.rec + t.m0 * l.nblocks;
   for (int64_t b = 0; b < l.nblocks; ++b) {
     const uint8_t* blk = t.tile + b * l.block_bytes;
+    if (t.prefetch_next) request_next_tile_block(t, b);
     const int8_t* xb = x0 + b * 32;
     __m256i s[MB][2];  // int16 pair sums of the two halves: at most 8 * 2 * 15 * 127 < 2^15
 #pragma GCC unroll 4
@@ -678,11 +703,7 @@ __attribute__((target("avx2,fma,f16c"))) void ftile_avx2_mb(const TileArgs& t, f
     for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < l.nblocks; ++b) {
       const uint8_t* blk = t.tile + b * l.block_bytes;
-      if (PREFETCH && half == 1) {  // the next tile's block (prefetches past the end do not fault)
-        const uintptr_t next = reinterpret_cast<uintptr_t>(t.tile) + l.tile_bytes + size_t(b) * l.block_bytes;
-        for (size_t c = 0; c < l.block_bytes; c += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(next + c), _MM_HINT_T1);
-      }
+      if (PREFETCH && half == 1) request_next_tile_block(t, b);
       const __m256 sw =
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + l.block_codes + 16 * half)));
       __m256 s[MB][2];
@@ -1013,11 +1034,8 @@ __attribute__((target("avx2,fma,f16c"))) int ftile_avx2_w8_decoded(const TileArg
   for (int64_t b0 = 0; b0 < l.nblocks; b0 += kF8ChunkBlocks) {
     const int nb = int(std::min<int64_t>(kF8ChunkBlocks, l.nblocks - b0));
     decode_chunk_w8_avx2(l, t.tile, b0, nb, w, sw);
-    if (t.prefetch_next) {  // the same blocks of the next tile (past the last: prefetches do not fault)
-      const uintptr_t next = reinterpret_cast<uintptr_t>(t.tile) + l.tile_bytes + size_t(b0) * l.block_bytes;
-      for (size_t c = 0; c < size_t(nb) * l.block_bytes; c += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(next + c), _MM_HINT_T1);
-    }
+    if (t.prefetch_next)  // the same blocks of the next tile
+      for (int b = 0; b < nb; ++b) request_next_tile_block(t, b0 + b);
     for (int i = 0; i < m;) {
       const int left = m - i, groups = (left + 2) / 3, r = (left + groups - 1) / groups;  // groups of 2-3 rows
       const float* xr = t.x + i * l.k + b0 * 32;
@@ -1247,7 +1265,7 @@ void run_tiles(const Layout& l, TileKernel kernel, const Acts* acts, const float
   const int64_t band_items = l.ntiles * band;  // work items of a whole band
   const int64_t items = l.ntiles * nchunks;
   const double work = double(l.ntiles) * kRows * double(l.k) * double(m);
-  const bool stream_weights = size_t(l.ntiles) * l.tile_bytes >= kPrefetchWeightBytes;
+  const bool stream_weights = size_t(l.ntiles) * l.tile_bytes >= kPrefetchWeightBytes || m <= kStreamedMaxRows;
   auto run_item = [&](int64_t item) {
     const int64_t b0 = item / band_items * band;  // the band's first chunk
     const int64_t width = std::min(band, nchunks - b0);
