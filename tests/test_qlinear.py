@@ -446,19 +446,20 @@ def test_int8_weights_streamed(isa: str, float_activations: bool) -> None:
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("k", [96, 576])
 def test_decode_calls_give_the_rows_of_a_larger_call(isa: str, bits: int, k: int) -> None:
-    # Calls of up to 16 activation rows (decode steps) request the next tile while one runs, whatever the weight's
-    # size (a model's weights come back from memory at every step), and one row of int8 weights then runs both
-    # halves of a tile in one pass on plain AVX2. Int8-activation rows do not depend on the rows that share the
-    # call, so each row must equal the same row at the end of a call of 16 more rows, which requests nothing (past
-    # 16 rows, below 8 MiB) and ends in a call of the last rows alone (two passes for one int8 row), and be right.
-    # N = 40: three tiles, the last half padding; K = 96 has an odd number of blocks.
+    # Calls of up to 16 rows (decode steps) request the next tile while one runs, whatever the weight's size (a
+    # model's weights come back from memory at every step), and one row of int8 weights then runs both halves of a
+    # tile in one pass on plain AVX2. Int8-activation rows do not depend on the rows that share the call, so each
+    # row must equal the same row after 64 others: a call past 16 rows on a weight below 8 MiB requests nothing,
+    # and its last rows are a chunk of work of their own (64 rows a chunk), run by the same kernel calls as the
+    # decode call's rows (two passes for one int8 row). And right. N = 40: three tiles, the last half padding;
+    # K = 96 has an odd number of blocks.
     codes, scales, offsets, _ = make_weight(bits, 40, k, 32, seed=81)
     packed = kernels.qlinear_pack(bits, codes, scales, offsets, 32)
     g = torch.Generator().manual_seed(82)
-    x, others = torch.randn(16, k, generator=g) * 2, torch.randn(16, k, generator=g) * 2
+    x, others = torch.randn(16, k, generator=g) * 2, torch.randn(64, k, generator=g) * 2
     for m in (1, 2, 3, 5, 16):
         y = kernels.qlinear(x[:m], packed, bits, 40, k, 32)
-        assert torch.equal(y, kernels.qlinear(torch.cat([others, x[:m]]), packed, bits, 40, k, 32)[16:]), m
+        assert torch.equal(y, kernels.qlinear(torch.cat([others, x[:m]]), packed, bits, 40, k, 32)[64:]), m
         check(bits, m, 40, k, 32, seed=81, x=x[:m])
 
 

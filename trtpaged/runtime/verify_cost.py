@@ -22,7 +22,9 @@ split in two, one vector-multiply pipe: a one-row step is already compute-bound 
 and the streamed int8-activation LM head that made w4a8's one-row step faster and so its row ratio higher) gave
 w4a8 0.36-0.41 and int4 as limbs 0.64-0.71 per row (as float tiles: 0.45). The defaults stay those of the table:
 on such a CPU, `speculative_config.verify_row_cost` 0.4 (w4a8) or 0.7 (int4) keeps the rule from proposing
-drafts that cost more than they yield.
+drafts that cost more than they yield. Round 20's kernels request each next weight tile in decode steps, which
+made one-row steps 1.2-1.5x faster and 6-row ones less so: on a 2-vCPU Xeon, per extra row, w4a8 0.22 (forced
+AVX2) and 0.13 (AVX-512), int4 as limbs 0.33 and 0.28 (docs/benchmarks.md, round 20), still within the defaults.
 
 A constant (0.3, rounds 5-8) was right for the last kind only: it kept float32 and w4a8 engines from
 verifying drafts that pay. Timing the steps at load instead was tried and dropped: with the kernels' two

@@ -55,13 +55,14 @@ constexpr size_t kPrefetchTileBytes = 12288;
 // - packed weights of kPrefetchWeightBytes and up (the LM head: 28 MB in int8) do not stay in a core's caches between
 //   calls, at any row count. Weights held in the L2 or L3 measured 0.85-0.90x with it at 2-4 float rows on AVX2 (one
 //   more load-port op per 8.5 code bytes);
-// - calls of at most kStreamedMaxRows activation rows (decode steps: one row of int8 activations per sequence, or a
-//   float row's three limb rows), whatever the weight's size: a model's linears together outgrow the caches, so each
+// - calls of at most kStreamedMaxRows rows of x (decode steps of up to 16 sequences; a float row's three limb rows
+//   count as one), whatever the weight's size: a model's linears together outgrow the caches, so each
 //   weight comes back from memory at the next step, and a tile's few rows of compute leave the memory idle between
 //   demand misses. SmolLM2's 120 body linears, each weight read once per step as in a decode step, two threads, on a
-//   Xeon with AVX-512 (docs/benchmarks.md, round 20), one row: int4 weights 1.28-1.37x on AVX2, 1.17-1.31x on
-//   AVX-512, 1.17-1.22x on AVX-VNNI; int8 weights with int8 activations at 4-16 rows 1.2-1.6x on AVX2 and up to 1.18x
-//   on AVX-512. The same calls on weights held in the L2 (one layer's again and again) measured 0.82-0.97x.
+//   Xeon with AVX-512 and AVX-VNNI (docs/benchmarks.md, round 20), one row: int4 weights 1.28-1.38x on AVX2,
+//   1.17-1.31x on AVX-512, 1.14-1.25x on AVX-VNNI; int4 at 4-16 rows of int8 activations 1.12-1.29x on AVX-512;
+//   int8 weights with int8 activations at 4-16 rows 1.2-1.6x on AVX2, up to 1.18x on AVX-512. The same calls on
+//   weights held in the L2 (one layer's again and again) measured 0.84-1.02x.
 constexpr size_t kPrefetchWeightBytes = size_t(8) << 20;
 constexpr int64_t kStreamedMaxRows = 16;
 
@@ -171,7 +172,7 @@ __attribute__((always_inline)) inline void request_next_tile_block(const TileArg
   for (size_t c = 0; c < l.block_bytes; c += 64)
     _mm_prefetch(reinterpret_cast<const char*>(next + size_t(b) * l.block_bytes + c), _MM_HINT_T1);
   const size_t tail = size_t(l.nblocks) * l.block_bytes + 64 * size_t(b);
-  if (tail < l.tile_bytes) _mm_prefetch(reinterpret_cast<const char*>(next + tail), _MM_HINT_T1);
+  if (l.bits == 4 && tail < l.tile_bytes) _mm_prefetch(reinterpret_cast<const char*>(next + tail), _MM_HINT_T1);
 }
 
 inline int32_t load_u32(const void* p) {
@@ -575,8 +576,8 @@ __attribute__((target("avx2,fma,f16c"))) int tile_avx2(const TileArgs& t, int co
   // int4: from kW4MinRows rows on, every row of the call over each unpacked chunk; 5-7 rows in one call (rows inner:
   // one sum and one accumulator per row); 1-3 rows both halves in one pass. int8 weights: 4 rows a call (their
   // one-pass form holds two of each per row); one row runs two passes, or one where the weights stream from memory
-  // (TileArgs::prefetch_next: the LM head). Thread CPU time against 4-row calls, gate_up / down / qkv: 5 and 6 rows
-  // 0.86-0.88x.
+  // (TileArgs::prefetch_next: the LM head, and a tile's first call in a decode step). Thread CPU time against 4-row
+  // calls, gate_up / down / qkv: 5 and 6 rows 0.86-0.88x.
   if (BITS == 4 && count >= kW4MinRows) return tile_avx2_w4_decoded(t, count, out);
   if (BITS == 4 && count >= 5) {
     if (count >= 6) return tile_avx256_mb<BITS, 6, false>(t, out), 6;
@@ -691,8 +692,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) int ftile_avx
 
 // Float activations, AVX2, int8 weights, up to 8 rows (ftile_avx2_w8 below takes more): ftile_avx2_mb, up to 4 rows
 // per call (the code registers decoded for each call; the int4 weights' form below measured slower for the LM head at
-// 2-8 rows: docs/benchmarks.md). PREFETCH (weights of kPrefetchWeightBytes or more): its second pass over a tile
-// (from cache) requests the next tile's int8 blocks; the LM head (28 MB of them) ran 1.2x so at 4-8 rows (round 13).
+// 2-8 rows: docs/benchmarks.md). PREFETCH (TileArgs::prefetch_next: weights of kPrefetchWeightBytes or more, and
+// decode steps): its second pass over a tile (from cache) requests the next tile's int8 blocks; the LM head (28 MB of
+// them) ran 1.2x so at 4-8 rows (round 13).
 template <int BITS, int MB, bool PREFETCH = false>
 __attribute__((target("avx2,fma,f16c"))) void ftile_avx2_mb(const TileArgs& t, float* out) {
   const Layout& l = *t.l;
@@ -1265,7 +1267,8 @@ void run_tiles(const Layout& l, TileKernel kernel, const Acts* acts, const float
   const int64_t band_items = l.ntiles * band;  // work items of a whole band
   const int64_t items = l.ntiles * nchunks;
   const double work = double(l.ntiles) * kRows * double(l.k) * double(m);
-  const bool stream_weights = size_t(l.ntiles) * l.tile_bytes >= kPrefetchWeightBytes || m <= kStreamedMaxRows;
+  const bool stream_weights =
+      size_t(l.ntiles) * l.tile_bytes >= kPrefetchWeightBytes || m / limbs <= kStreamedMaxRows;
   auto run_item = [&](int64_t item) {
     const int64_t b0 = item / band_items * band;  // the band's first chunk
     const int64_t width = std::min(band, nchunks - b0);
