@@ -457,7 +457,7 @@ def test_decode_calls_give_the_rows_of_a_larger_call(isa: str, bits: int, k: int
     packed = kernels.qlinear_pack(bits, codes, scales, offsets, 32)
     g = torch.Generator().manual_seed(82)
     x, others = torch.randn(16, k, generator=g) * 2, torch.randn(64, k, generator=g) * 2
-    for m in (1, 2, 3, 5, 16):
+    for m in (1, 2, 3, 4, 5, 6, 16):  # plain AVX2 int4: one pass at 1-3 rows, two passes at 4-6, chunks at 16
         y = kernels.qlinear(x[:m], packed, bits, 40, k, 32)
         assert torch.equal(y, kernels.qlinear(torch.cat([others, x[:m]]), packed, bits, 40, k, 32)[64:]), m
         check(bits, m, 40, k, 32, seed=81, x=x[:m])
