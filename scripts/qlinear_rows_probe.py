@@ -77,6 +77,22 @@ def load(path: str) -> ctypes.CDLL:
     return lib
 
 
+def random_packed(bits: int, n: int, k: int, gen):
+    """A random [n, k] weight (int8 or int4 codes, fp16-exact scales and int4 offsets) packed for qlinear."""
+    import torch
+
+    from trtpaged.kernels import qlinear_pack
+
+    if bits == 8:
+        codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+        offsets = None
+    else:
+        codes = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
+        offsets = (torch.randn(n, k // GROUP, generator=gen) * 0.05).half().float()
+    scales = (torch.rand(n, k // GROUP, generator=gen) * 0.01 + 1e-3).half().float()
+    return qlinear_pack(bits, codes, scales, offsets, GROUP)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--old", default=os.environ.get("TRTPAGED_KERNELS_LIB", "/work/wt/lib0/libtrtpaged_kernels.so"))
@@ -90,8 +106,6 @@ def main() -> None:
     os.environ["TRTPAGED_CPU_ISA"] = args.isa
     os.environ["OMP_NUM_THREADS"] = "1"  # before the libraries' OpenMP starts
     import torch  # after OMP_NUM_THREADS
-
-    from trtpaged.kernels import qlinear_pack
 
     torch.set_num_threads(1)
     libs = {"old": load(args.old), "new": load(args.new)}
@@ -110,14 +124,7 @@ def main() -> None:
     for label, acts, names in paths:
         for shape in (s for s in names if s in wanted):
             bits, n, k = SHAPES[shape]
-            if bits == 8:
-                codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
-                offsets = None
-            else:
-                codes = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
-                offsets = (torch.randn(n, k // GROUP, generator=gen) * 0.05).half().float()
-            scales = (torch.rand(n, k // GROUP, generator=gen) * 0.01 + 1e-3).half().float()
-            packed = qlinear_pack(bits, codes, scales, offsets, GROUP)
+            packed = random_packed(bits, n, k, gen)
             for m in rows:
                 x = torch.randn(m, k, generator=gen)
                 ys = {name: torch.empty(m, n) for name in libs}

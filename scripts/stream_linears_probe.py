@@ -22,9 +22,10 @@ import os
 import statistics
 import time
 
-SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (n, k) of qkv, o, gate_up, down
+from qlinear_rows_probe import GROUP, SHAPES, load, random_packed  # this script's folder
+
+BODY = ("qkv", "o", "gate_up", "down")
 LAYERS = 30
-GROUP = 32
 
 
 def main() -> None:
@@ -42,30 +43,12 @@ def main() -> None:
     threads = os.environ.setdefault("OMP_NUM_THREADS", "2")  # before the libraries' OpenMP starts
     import torch
 
-    from trtpaged.kernels import qlinear_pack
-
-    libs = {}
-    for name in ("old", "new"):
-        lib = ctypes.CDLL(getattr(args, name))
-        lib.trtpaged_qlinear_cpu_ex.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32,
-                                                ctypes.c_int64, ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p,
-                                                ctypes.c_void_p, ctypes.c_int32]  # fmt: skip
-        lib.trtpaged_cpu_isa.restype = ctypes.c_char_p
-        libs[name] = lib
+    libs = {name: load(getattr(args, name)) for name in ("old", "new")}
+    for name, lib in libs.items():
         print(f"{name}: {getattr(args, name)} isa {lib.trtpaged_cpu_isa().decode()}")
+    shapes = [SHAPES[name][1:] for name in BODY]  # (n, k); the bits are --bits
     gen = torch.Generator().manual_seed(0)
-    layers = []
-    for _ in range(LAYERS):
-        weights = []
-        for n, k in SHAPES:
-            if args.bits == 8:
-                codes, offsets = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8), None
-            else:
-                codes = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
-                offsets = (torch.randn(n, k // GROUP, generator=gen) * 0.05).half().float()
-            scales = (torch.rand(n, k // GROUP, generator=gen) * 0.01 + 1e-3).half().float()
-            weights.append((qlinear_pack(args.bits, codes, scales, offsets, GROUP), n, k))
-        layers.append(weights)
+    layers = [[(random_packed(args.bits, n, k, gen), n, k) for n, k in shapes] for _ in range(LAYERS)]
     megabytes = sum(w.numel() for layer in layers for w, _, _ in layer) / 1e6
     acts = 1 if args.activations == "float" else 0
     print(f"int{args.bits} weights, {args.activations} activations, {threads} threads, {megabytes:.1f} MB; "
@@ -73,7 +56,7 @@ def main() -> None:
     flush = torch.empty(64 << 20, dtype=torch.uint8)
     for m in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(m, k, generator=gen) for k in (576, 1536)}
-        ys = {n: torch.empty(m, n) for n, _ in SHAPES}
+        ys = {n: torch.empty(m, n) for n, _ in shapes}
 
         def step(lib: ctypes.CDLL, order: list) -> float:
             flush.add_(1)
