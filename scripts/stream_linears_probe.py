@@ -55,7 +55,7 @@ def main() -> None:
           f"load average {open('/proc/loadavg').read().strip()}")
     flush = torch.empty(64 << 20, dtype=torch.uint8)
     for m in (int(r) for r in args.rows.split(",")):
-        xs = {k: torch.randn(m, k, generator=gen) for k in (576, 1536)}
+        xs = {k: torch.randn(m, k, generator=gen) for k in sorted({k for _, k in shapes})}
         ys = {n: torch.empty(m, n) for n, _ in shapes}
 
         def step(lib: ctypes.CDLL, order: list) -> float:
