@@ -152,21 +152,32 @@ def _wake(waiter: asyncio.Future) -> None:
         waiter.set_result(None)
 
 
-def _deliver(items: Sequence[tuple[Subscription, Any]]) -> None:
-    """Hands a step's outputs to their subscriptions: one wake-up of each event loop per step, not one per output."""
+# How long the engine thread waits, after handing a step's outputs over, for the event loop to run the readers
+# they woke (`EngineLoop._wait_flushed`).
+FLUSH_WAIT_S = 0.002
+
+
+def _deliver(items: Sequence[tuple[Subscription, Any]]) -> list[threading.Event]:
+    """Hands a step's outputs to their subscriptions: one wake-up of each event loop per step, not one per
+    output. Returns an event per loop, set once that loop has run the readers the outputs woke."""
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Subscription, Any]]] = {}
     for sub, item in items:
         by_loop.setdefault(sub.aio, []).append((sub, item))
+    flushed: list[threading.Event] = []
     for aio, batch in by_loop.items():
+        done = threading.Event()
         try:
-            aio.call_soon_threadsafe(_put_all, batch)
+            aio.call_soon_threadsafe(_put_all, batch, done)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
+            continue
+        flushed.append(done)
+    return flushed
 
 
-def _put_all(batch: Sequence[tuple[Subscription, Any]]) -> None:
+def _put_all(batch: Sequence[tuple[Subscription, Any]], done: threading.Event) -> None:
     for sub, item in batch:
         sub._push(item)
+    asyncio.get_running_loop().call_soon(done.set)  # in the loop's next pass, after the readers just woken
 
 
 class EngineLoop:
@@ -190,6 +201,8 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="trtpaged-engine", daemon=True)
         self._stopped = threading.Event()
         self.fatal: Optional[str] = None  # why the engine cannot go on (FatalEngineError), once it happened
+        self.flush_wait_s = FLUSH_WAIT_S
+        self._flushing: list[threading.Event] = []  # the last step's hand-overs (see _wait_flushed)
 
     @classmethod
     def start_loaded(cls, load: Callable[[], T], engine_of: Callable[[T], LLMEngine], metrics: ServerMetrics,
@@ -370,7 +383,28 @@ class EngineLoop:
             delivered.append((sub, out))
             if out.finished:
                 self._forget(out.request_id)
-        _deliver(delivered)
+        self._wait_flushed(_deliver(delivered))
+
+    def _wait_flushed(self, flushed: list[threading.Event]) -> None:
+        """Waits up to `flush_wait_s` until the event loops have run the readers this step's outputs woke.
+
+        The readers' Python (SSE chunks, socket writes) needs the GIL. Without the wait they took it at the
+        engine's first release in the next step's serial Python (a torch call) and the engine waited for all of
+        it there, and longer when the client woken by a write preempted the event loop's thread on its core while
+        that thread held the GIL. Waiting here, the engine holds no GIL and its OpenMP workers are idle: the
+        readers run at once, and the clients they wake parse on the idle core while the engine goes on with
+        its serial work (docs/benchmarks.md, round 22). A loop still behind from an earlier step (busy with
+        something else) is not waited on again until it caught up, so it delays one step, not every step."""
+        if not flushed:
+            return
+        behind = any(not done.is_set() for done in self._flushing)
+        self._flushing = flushed  # a loop runs its callbacks in order: these set means the earlier ones are
+        if behind:
+            return
+        deadline = time.monotonic() + self.flush_wait_s
+        for done in flushed:
+            if not done.wait(max(0.0, deadline - time.monotonic())):
+                return
 
     def _fail_request(self, rid: str, sub: Subscription, reason: str, field: Optional[str] = None) -> None:
         """Ends an HTTP request whose engine request `rid` failed (already finished and freed by the
