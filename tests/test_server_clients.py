@@ -258,6 +258,9 @@ def test_bench_serve_against_the_server(server):
     report = asyncio.run(run_serve_bench(server.url, requests, float("inf"), max_concurrency=3, api_key=KEY))
     steps1, seconds1 = server.loop.call(steps_and_seconds)
     assert report["engine_step_ms"] == pytest.approx(1000 * (seconds1 - seconds0) / (steps1 - steps0), rel=1e-6)
+    # after each step that streamed tokens the engine waited for the event loop to run their readers
+    assert report["handoff_wait_ms"] > 0
+    assert "Mean hand-over wait (ms):" in format_report(report)
     assert 0 < report["server_tpot_ms"] and "Mean engine step (ms):" in format_report(report)
     assert report["completed"] == 6 and report["failed"] == 0
     assert report["total_output_tokens"] == sum(r.max_tokens for r in requests)  # ignore_eos: exact lengths
@@ -299,6 +302,8 @@ def test_bench_serve_ratio_runs_both_sides_on_the_same_prompts(tiny_engine_dir):
         f"serve_{m}@{n}" for m in ("single", "batch", "bare") for n in (1, 3)])  # fmt: skip
     assert all(len(v) == 2 and min(v) > 0 for v in report["series"].values())
     assert all(min(v) > 0 for v in report["step_ms"].values())
+    assert sorted(report["handoff_ms"]) == sorted(k for k in report["series"] if k.startswith("serve_"))
+    assert all(min(v) > 0 for v in report["handoff_ms"].values())  # every serve run streamed, so waited
     assert list(report["by_interval"]) == ["1", "3"]
     text = format_ratio(report)
     for interval, r in report["by_interval"].items():
@@ -311,6 +316,7 @@ def test_bench_serve_ratio_runs_both_sides_on_the_same_prompts(tiny_engine_dir):
         assert r["cpu_us_per_token"]["bare"]["engine"] > 0
         assert f"--stream-interval {interval}:" in text
     assert "serve / LLM.generate" in text and "HTTP/event loop" in text and "bare reader" in text
+    assert "hand-over wait" in text
 
 
 def test_bench_serve_ratio_refuses_bad_stream_intervals(tiny_engine_dir):

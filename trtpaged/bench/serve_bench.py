@@ -168,6 +168,8 @@ def engine_side(before: dict[str, float], after: dict[str, float]) -> dict[str, 
         "engine_step_ms": 1000.0 * delta("engine_step_seconds_total") / steps
         if steps and "trtpaged:engine_step_seconds_total" in after else None,
         "server_tpot_ms": 1000.0 * delta("request_time_per_output_token_seconds_sum") / tpots if tpots else None,
+        "handoff_wait_ms": 1000.0 * delta("engine_handoff_wait_seconds_total") / steps
+        if steps and "trtpaged:engine_handoff_wait_seconds_total" in after else None,
     }
 
 
@@ -293,7 +295,8 @@ def format_report(report: dict[str, Any]) -> str:
         for p in PERCENTILES:
             row(f"P{p} {key.upper()} (ms):", report[f"p{p}_{key}_ms"])
     lines.append("{s:{c}^60}".format(s=" Server side (trtpaged /metrics) ", c="-"))
-    for key, label in (("engine_step_ms", "Mean engine step (ms):"), ("server_tpot_ms", "Mean server-side TPOT (ms):")):
+    for key, label in (("engine_step_ms", "Mean engine step (ms):"), ("handoff_wait_ms", "Mean hand-over wait (ms):"),
+                       ("server_tpot_ms", "Mean server-side TPOT (ms):")):  # fmt: skip
         value = report.get(key)
         row(label, "n/a" if value is None else float(value))
     row("Mean client-side TPOT (ms):", report["mean_tpot_ms"])

@@ -183,13 +183,18 @@ def _cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, f
     return {k: after[k] - before.get(k, 0.0) for k in after}
 
 
-def engine_step_ms(before: dict[str, float], after: dict[str, float]) -> Optional[float]:
-    """Mean engine step (ms) between two /metrics scrapes, or None when the server does not report it."""
-    key_s, key_n = "trtpaged:engine_step_seconds_total", "trtpaged:engine_steps_total"
+def engine_step_ms(before: dict[str, float], after: dict[str, float],
+                   key_s: str = "trtpaged:engine_step_seconds_total") -> Optional[float]:  # fmt: skip
+    """Mean engine step (ms) between two /metrics scrapes, or None when the server does not report it; with
+    `key_s` another per-step time (the hand-over wait: `trtpaged:engine_handoff_wait_seconds_total`)."""
+    key_n = "trtpaged:engine_steps_total"
     if key_s not in after or key_n not in after:
         return None
     steps = after[key_n] - before.get(key_n, 0.0)
     return 1000.0 * (after[key_s] - before.get(key_s, 0.0)) / steps if steps else None
+
+
+HANDOFF_KEY = "trtpaged:engine_handoff_wait_seconds_total"
 
 
 class ApiSide:
@@ -330,6 +335,7 @@ class ServeArm:
                        "batch": Series(f"serve, {concurrency} streams{at} (tok/s)"),
                        "bare": Series(f"serve, {concurrency} streams, bare reader{at} (tok/s)")}  # fmt: skip
         self.steps = {m: Series(m) for m in self.MODES}
+        self.handoff = {m: Series(m) for m in self.MODES}  # the engine's wait for the event loop, ms a step
         self.cpu = {m: CpuPerToken() for m in self.MODES}
         self.same_single, self.same = True, {"batch": concurrency, "bare": concurrency}
         self.cpu_start = 0.0
@@ -343,7 +349,9 @@ class ServeArm:
         self.cpu[mode].add(tokens, api=api_cpu, client=client_cpu,
                            **_cpu_delta(threads, self.server.thread_cpu_seconds()))  # fmt: skip
         self.series[mode].values.append(rate)
-        self.steps[mode].values.append(engine_step_ms(before, self.server.metrics()) or 0.0)
+        after = self.server.metrics()
+        self.steps[mode].values.append(engine_step_ms(before, after) or 0.0)
+        self.handoff[mode].values.append(engine_step_ms(before, after, HANDOFF_KEY) or 0.0)
         return texts, rate
 
 
@@ -419,10 +427,12 @@ def run_serve_ratio(engine: Path, repeats: int = 5, max_tokens: int = 128, concu
     noise = assess(max(monitor.spreads), foreign, os.cpu_count() or 1)
     series = {f"api_{m}": s for m, s in api_series.items()}
     steps = {f"api_{m}": s for m, s in api_steps.items()}
+    handoffs: dict[str, Series] = {}
     by_interval = {}
     for arm in arms:
         series.update({f"serve_{m}@{arm.interval}": s for m, s in arm.series.items()})
         steps.update({f"serve_{m}@{arm.interval}": s for m, s in arm.steps.items()})
+        handoffs.update({f"serve_{m}@{arm.interval}": s for m, s in arm.handoff.items()})
         singles = round_ratios(arm.series["single"].values, api_series["single"].values)
         batches = round_ratios(arm.series["batch"].values, api_series["batch"].values)
         single, batch = statistics.median(singles), statistics.median(batches)
@@ -442,6 +452,7 @@ def run_serve_ratio(engine: Path, repeats: int = 5, max_tokens: int = 128, concu
         "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ},
         "series": {k: s.values for k, s in series.items()},
         "step_ms": {k: s.values for k, s in steps.items()},
+        "handoff_ms": {k: s.values for k, s in handoffs.items()},
         "labels": {k: s.name for k, s in series.items()},
         "by_interval": by_interval,
         "noise": noise.to_dict(), "noise_text": noise.describe(),
@@ -454,8 +465,9 @@ def format_ratio(report: dict) -> str:
     lines = []
     for key, values in report["series"].items():
         s = Series(report["labels"][key], values)
-        steps = report["step_ms"][key]
-        lines.append(f"{s.describe('')}  engine step {statistics.median(steps):.2f} ms")
+        steps, handoff = report["step_ms"][key], report.get("handoff_ms", {}).get(key)
+        wait = f" + hand-over wait {statistics.median(handoff):.2f} ms" if handoff else ""
+        lines.append(f"{s.describe('')}  engine step {statistics.median(steps):.2f} ms{wait}")
     streams = f"{report['concurrency']} streams"
     for interval, r in report["by_interval"].items():
         lines.append(f"--stream-interval {interval}:")

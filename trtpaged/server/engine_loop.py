@@ -401,10 +401,11 @@ class EngineLoop:
         self._flushing = flushed  # a loop runs its callbacks in order: these set means the earlier ones are
         if behind:
             return
-        deadline = time.monotonic() + self.flush_wait_s
+        start = time.monotonic()
         for done in flushed:
-            if not done.wait(max(0.0, deadline - time.monotonic())):
-                return
+            if not done.wait(max(0.0, start + self.flush_wait_s - time.monotonic())):
+                break
+        self.metrics.observe_handoff_wait(time.monotonic() - start)
 
     def _fail_request(self, rid: str, sub: Subscription, reason: str, field: Optional[str] = None) -> None:
         """Ends an HTTP request whose engine request `rid` failed (already finished and freed by the

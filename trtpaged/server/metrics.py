@@ -159,6 +159,9 @@ class ServerMetrics:
         self.http = Counter(PREFIX + "http_requests", "HTTP requests by route and status.", ["route", "status"], registry=r)
         self.rejected = Counter(PREFIX + "requests_rejected", "Requests refused before running, by reason.",
                                 ["reason"], registry=r)  # fmt: skip
+        self.handoff_wait = Counter(PREFIX + "engine_handoff_wait_seconds",
+                                    "Wall time the engine thread waited, after its steps, for the event loop to run "
+                                    "the readers of their outputs.", registry=r)  # fmt: skip
 
     def observe_http(self, route: str, status: int) -> None:
         self.http.labels(route=route, status=str(status)).inc()
@@ -166,6 +169,9 @@ class ServerMetrics:
     def observe_rejected(self, reason: str) -> None:
         """A request refused with 503 before running (overloaded, draining); a 504 timeout ends a running request."""
         self.rejected.labels(reason=reason).inc()
+
+    def observe_handoff_wait(self, seconds: float) -> None:
+        self.handoff_wait.inc(seconds)
 
     def observe_first_token(self, ttft: float) -> None:
         self.ttft.observe(ttft)
