@@ -62,10 +62,13 @@ from trtpaged.manifest import BACKENDS
 @click.option("--stream-interval", type=click.IntRange(min=1), default=1, show_default=True,
               help="Tokens per streamed chunk (a stream's first token and its end go at once); above 1, the server "
                    "and its clients spend less CPU per token.")
+@click.option("--pin-threads", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="The engine thread and the event loop on one core, the kernels' OpenMP workers on the others; "
+                   "auto: when the workers and the engine thread fill every core the process may use.")
 def command(engine, host, port, served_model_name, api_key, max_waiting, request_timeout, shutdown_timeout,
             max_body_bytes, max_prompt_tokens, max_batch_size, max_num_tokens, max_seq_len, num_kv_blocks, backend,
             device, tensor_parallel_size, speculative_config, kv_host_memory, kv_disk_path, kv_disk_size, kv_remote,
-            request_log, request_log_prompts, stream_interval) -> None:  # fmt: skip
+            request_log, request_log_prompts, stream_interval, pin_threads) -> None:  # fmt: skip
     """Serve ENGINE over /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /version, /health
     and /metrics."""
     from trtpaged.server import ServerOptions, start_server
@@ -83,6 +86,7 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
             api_key=api_key, max_waiting=max_waiting, request_timeout_s=request_timeout,
             shutdown_timeout_s=shutdown_timeout, max_body_bytes=max_body_bytes, max_prompt_tokens=max_prompt_tokens,
             request_log=request_log, request_log_prompts=request_log_prompts, stream_interval=stream_interval,
+            pin_threads=pin_threads,
         )  # fmt: skip
         handle = start_server(
             engine, host=host, port=port, served_model_name=served_model_name, options=options, backend=backend,

@@ -244,6 +244,11 @@ class EngineLoop:
         return self._thread.is_alive() and not self._stopped.is_set()
 
     @property
+    def thread_id(self) -> int:
+        """The OS id of the thread that steps the engine (its OpenMP workers are the threads it started)."""
+        return self._thread.native_id or 0
+
+    @property
     def num_in_flight(self) -> int:
         """Engine requests submitted and not yet finished or aborted."""
         return len(self._subs)

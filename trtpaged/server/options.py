@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 API_KEY_ENV = "TRTPAGED_API_KEY"
+PIN_MODES = ("auto", "on", "off")  # ServerOptions.pin_threads
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,8 @@ class ServerOptions:
     `trtpaged.server.request_log`); `request_log_prompts` adds the prompt token ids to each line.
     `stream_interval`: tokens per streamed chunk (a stream's first token and its end go at once): fewer,
     longer chunks cost the server's event loop and the clients less CPU per token; 1 (default): one per token.
+    `pin_threads` ("auto", "on", "off"): the engine thread and the event loop's thread on one core, the kernels'
+    OpenMP workers on the others (`trtpaged.server.thread_pinning`); "auto" when the team fills every core.
     """
 
     served_model_name: Optional[str] = None
@@ -35,6 +38,7 @@ class ServerOptions:
     request_log: Optional[str] = None
     request_log_prompts: bool = False
     stream_interval: int = 1
+    pin_threads: str = "auto"
 
     def __post_init__(self) -> None:
         if self.api_key is None and os.environ.get(API_KEY_ENV):
@@ -53,6 +57,8 @@ class ServerOptions:
         interval = self.stream_interval
         if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
             raise ValueError(f"stream_interval: must be an integer >= 1 (tokens per streamed chunk), got {interval!r}")
+        if self.pin_threads not in PIN_MODES:
+            raise ValueError(f"pin_threads: must be one of {', '.join(PIN_MODES)}, got {self.pin_threads!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key: must not be empty")
         if self.request_log is not None and not str(self.request_log):

@@ -20,7 +20,7 @@ from trtpaged.server.generation import GenerationService
 from trtpaged.server.metrics import ServerMetrics
 from trtpaged.server.options import ServerOptions
 from trtpaged.server.request_log import RequestLog
-from trtpaged.server import thread_names
+from trtpaged.server import thread_names, thread_pinning
 from trtpaged.server.schemas import ModelCard
 from trtpaged.server.tokenizer_worker import TokenizerWorker
 
@@ -63,6 +63,7 @@ class ServerHandle:
         self._sock = sock
         self._thread = threading.Thread(target=self._serve, name=thread_names.HTTP, daemon=True)
         self._closed = False
+        self.pinning: Optional[thread_pinning.Pinning] = None  # set by start()
 
     def _serve(self) -> None:
         thread_names.name_this_thread(thread_names.HTTP)
@@ -80,6 +81,8 @@ class ServerHandle:
                     self.request_log.close()
                 raise RuntimeError("the HTTP server did not start (see the log)")
             time.sleep(0.01)
+        self.pinning = thread_pinning.pin_server_threads(self.options.pin_threads, self.loop.thread_id,
+                                                         self._thread.native_id)  # fmt: skip
         return self
 
     @property

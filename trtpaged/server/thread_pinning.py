@@ -1,0 +1,113 @@
+"""Which cores the server's threads run on when the kernels' OpenMP team fills every core the process may use.
+
+There the front end (the event loop's thread, and clients on the same machine) runs only by taking a core from
+the team. After each step the engine thread waits for the event loop (`EngineLoop._wait_flushed`), so the engine
+thread's core is idle exactly while the event loop works: the two share one core, and the OpenMP workers get the
+others. Left to the OS, the event loop often ran on a worker's core, where a client woken by its socket write was
+placed too (the write's wake-up favours the writer's core) and preempted it while it held the GIL that the engine
+thread waited for. Pinned, the clients find the workers' cores idle during the wait and parse there while the
+engine thread goes on (docs/benchmarks.md, round 22).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, TypeVar
+
+from trtpaged.server import thread_names
+from trtpaged.server.options import PIN_MODES as MODES
+
+log = logging.getLogger("trtpaged.server")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Pinning:
+    """The cores of the engine thread and the event loop's thread (`front`), and of the OpenMP workers."""
+
+    front: frozenset[int]
+    workers: frozenset[int]
+
+
+def supported() -> bool:
+    """Thread affinity by thread id: Linux."""
+    return sys.platform.startswith("linux") and hasattr(os, "sched_setaffinity")
+
+
+def plan(mode: str, allowed: set[int], team: int) -> Optional[Pinning]:
+    """The pinning `mode` asks for, given the cores the process may use and the kernels' team (the engine thread
+    and its OpenMP workers): "off" none; "on" whenever there are two cores or more; "auto" also only when the
+    team has a thread for every allowed core (with fewer, the front end has a core of its own)."""
+    if mode not in MODES:
+        raise ValueError(f"pin_threads: must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "off" or len(allowed) < 2 or (mode == "auto" and team < len(allowed)):
+        return None
+    first = min(allowed)
+    return Pinning(frozenset({first}), frozenset(allowed - {first}))
+
+
+def engine_workers(engine_tid: int, tasks: Path = Path("/proc/self/task")) -> list[int]:
+    """Thread ids of the engine thread's workers: this process's threads that carry its OS name (the engine
+    thread names itself before it loads, and the threads it starts inherit the name), other than itself."""
+    found = []
+    for task in tasks.iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        if name == thread_names.ENGINE[:15] and int(task.name) != engine_tid:
+            found.append(int(task.name))
+    return sorted(found)
+
+
+def pin_server_threads(mode: str, engine_tid: int, http_tid: int) -> Optional[Pinning]:
+    """Applies `plan(mode, ...)` to the engine thread, the event loop's thread and the engine's workers (found
+    after the engine loaded, when its OpenMP team exists); returns what it applied, or None."""
+    if mode == "off" or not supported():
+        return None
+    allowed = set(os.sched_getaffinity(0))
+    workers = engine_workers(engine_tid)
+    pinning = plan(mode, allowed, 1 + len(workers))
+    if pinning is None:
+        return None
+    try:
+        for tid in (engine_tid, http_tid):
+            os.sched_setaffinity(tid, pinning.front)
+        for tid in workers:
+            os.sched_setaffinity(tid, pinning.workers)
+    except OSError as exc:  # a thread that ended, or a container that refuses: run unpinned
+        log.warning("threads left unpinned (%s)", exc)
+        unpin(allowed, [engine_tid, http_tid, *workers])
+        return None
+    log.info("threads: engine and event loop on CPU %s, %d OpenMP worker%s on CPU %s", _cpus(pinning.front),
+             len(workers), "" if len(workers) == 1 else "s", _cpus(pinning.workers))  # fmt: skip
+    return pinning
+
+
+def unpin(allowed: set[int], tids: list[int]) -> None:
+    """Gives threads every allowed core again (those that ended are skipped)."""
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, allowed)
+        except OSError:
+            pass
+
+
+def on_every_core(fn: Callable[..., T], allowed: frozenset[int]) -> Callable[..., T]:
+    """`fn`, run on a thread that may use every core in `allowed`: for work the event loop's thread hands to new
+    threads (they inherit its pinning)."""
+
+    def run(*args, **kwargs) -> T:
+        if supported() and set(os.sched_getaffinity(0)) != set(allowed):
+            os.sched_setaffinity(0, allowed)
+        return fn(*args, **kwargs)
+
+    return run
+
+
+def _cpus(cpus: frozenset[int]) -> str:
+    return ",".join(str(c) for c in sorted(cpus))
