@@ -310,7 +310,8 @@ def test_bench_serve_ratio_runs_both_sides_on_the_same_prompts(tiny_engine_dir):
         assert r["same_text_single"] is True and r["same_text_batch"] == "3/3", interval
         assert r["same_text_bare"] == "3/3" and r["bare_ratio"] > 0  # the bare reader's texts are the API's
         assert r["single_ratio"] > 0 and r["batch_ratio"] > 0
-        # CPU per token by side (/proc's 10 ms ticks: only the 3-stream runs are long enough to be sure of a tick)
+        # CPU per token by side (the server's threads from /proc's schedstat, in ns; the API's and the client's from
+        # 10 ms clock ticks: only the 3-stream runs are long enough to be sure of one)
         us = r["cpu_us_per_token"]["batch"]
         assert us["api"] > 0 and us["engine"] > 0 and us["client"] > 0, us
         assert r["cpu_us_per_token"]["bare"]["engine"] > 0

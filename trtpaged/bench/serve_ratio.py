@@ -119,13 +119,17 @@ class ServerProcess:
         except OSError:
             return {}
         for tid in tids:
+            task = f"/proc/{self.proc.pid}/task/{tid}"
             try:
-                with open(f"/proc/{self.proc.pid}/task/{tid}/stat") as f:
+                with open(f"{task}/stat") as f:
                     stat = f.read()
             except OSError:  # the thread ended
                 continue
             comm, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat.rsplit(")", 1)[1].split()
-            totals[roles.get(comm, "other")] += (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")
+            seconds = _schedstat_seconds(task)
+            if seconds is None:  # no schedstat: the clock ticks (10 ms each) of utime + stime
+                seconds = (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")
+            totals[roles.get(comm, "other")] += seconds
         return totals
 
     def voluntary_switches(self) -> int:
@@ -177,6 +181,16 @@ class CpuPerToken:
 
     def per_token_us(self) -> dict[str, float]:
         return {k: 1e6 * v / self.tokens if self.tokens else 0.0 for k, v in self.seconds.items()}
+
+
+def _schedstat_seconds(task: str) -> Optional[float]:
+    """A thread's time on a CPU from /proc/.../schedstat (nanoseconds; a short run's engine or event loop may not
+    reach one 10 ms clock tick), or None where the kernel does not keep it."""
+    try:
+        with open(f"{task}/schedstat") as f:
+            return int(f.read().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
