@@ -10,8 +10,9 @@ In one run, on the same engine and the same chat prompts (greedy, `ignore_eos`),
 - the same N streams read by a bare reader (`bench/sse_reader.py`) that spends almost no CPU: what the
   server itself reaches when no client parses chunks on the same cores (informational, not a target).
 
-Each serve round also reads the server's `/metrics` (`engine_step_seconds_total`, `engine_steps_total`),
-so the engine's own step time in the server is printed next to the API's, and the CPU seconds per
+Each serve round also reads the server's `/metrics` (`engine_step_seconds_total`, `engine_steps_total`,
+`engine_handoff_wait_seconds_total`; `serve_bench.engine_side`), so the engine's own step time in the server, and
+its wait for the event loop after each step, are printed next to the API's step, and the CPU seconds per
 generated token of each side (the API's process; the server's engine thread with its OpenMP workers, its
 HTTP event loop and the rest; the `openai` client), which other processes' load leaves nearly unchanged
 where it swings the rates: what the front end costs, against the CPU the kernels need. Each ratio is the median over
@@ -40,6 +41,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from trtpaged.bench.noise import NoiseMonitor, assess, interval_verdict
+from trtpaged.bench.serve_bench import engine_side
 from trtpaged.bench.server_metrics import parse_prometheus
 from trtpaged.bench.sse_reader import bare_batch_rate
 
@@ -197,20 +199,6 @@ def _cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, f
     return {k: after[k] - before.get(k, 0.0) for k in after}
 
 
-def engine_step_ms(before: dict[str, float], after: dict[str, float],
-                   key_s: str = "trtpaged:engine_step_seconds_total") -> Optional[float]:  # fmt: skip
-    """Mean engine step (ms) between two /metrics scrapes, or None when the server does not report it; with
-    `key_s` another per-step time (the hand-over wait: `trtpaged:engine_handoff_wait_seconds_total`)."""
-    key_n = "trtpaged:engine_steps_total"
-    if key_s not in after or key_n not in after:
-        return None
-    steps = after[key_n] - before.get(key_n, 0.0)
-    return 1000.0 * (after[key_s] - before.get(key_s, 0.0)) / steps if steps else None
-
-
-HANDOFF_KEY = "trtpaged:engine_handoff_wait_seconds_total"
-
-
 class ApiSide:
     """The Python API on the engine, in this process."""
 
@@ -363,9 +351,9 @@ class ServeArm:
         self.cpu[mode].add(tokens, api=api_cpu, client=client_cpu,
                            **_cpu_delta(threads, self.server.thread_cpu_seconds()))  # fmt: skip
         self.series[mode].values.append(rate)
-        after = self.server.metrics()
-        self.steps[mode].values.append(engine_step_ms(before, after) or 0.0)
-        self.handoff[mode].values.append(engine_step_ms(before, after, HANDOFF_KEY) or 0.0)
+        server = engine_side(before, self.server.metrics())
+        self.steps[mode].values.append(server["engine_step_ms"] or 0.0)
+        self.handoff[mode].values.append(server["handoff_wait_ms"] or 0.0)
         return texts, rate
 
 

@@ -50,11 +50,11 @@ def plan(mode: str, allowed: set[int], team: int) -> Optional[Pinning]:
     return Pinning(frozenset({first}), frozenset(allowed - {first}))
 
 
-def engine_workers(engine_tid: int, tasks: Path = Path("/proc/self/task")) -> list[int]:
+def engine_workers(engine_tid: int) -> list[int]:
     """Thread ids of the engine thread's workers: this process's threads that carry its OS name (the engine
     thread names itself before it loads, and the threads it starts inherit the name), other than itself."""
     found = []
-    for task in tasks.iterdir():
+    for task in Path("/proc/self/task").iterdir():
         try:
             name = (task / "comm").read_text().strip()
         except OSError:  # the thread ended meanwhile
