@@ -1,7 +1,10 @@
-"""The fused CPU ops (rmsnorm, rope_qk, silu_mul) against plain float64 torch, and the step model's
-fused eager path against its torch path."""
+"""The fused CPU ops (rmsnorm, rope_qk, silu_mul, greedy_rows) against plain float64 torch, on each compiled copy
+of their row loops this CPU runs (forced in-process with kernels.set_cpu_isa), and the step model's fused eager
+path against its torch path."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -17,6 +20,31 @@ pytestmark = pytest.mark.skipif(not (kernels.available() and kernels.has_fused_o
                                 reason="kernel library with the fused ops not built")
 
 ROWS = [1, 3, 130]
+
+
+def _row_isas() -> list[str]:
+    """The ISAs whose copy of the row loops this CPU runs (one per copy: AVX-VNNI runs the AVX2 copy)."""
+    names = []
+    if not (kernels.available() and kernels.has_fused_ops()):
+        return ["scalar"]
+    try:
+        for name in ("scalar", "avx2", "avx512vnni"):
+            try:
+                kernels.set_cpu_isa(name)
+                names.append(name)
+            except kernels.KernelError:
+                pass
+    finally:
+        kernels.set_cpu_isa(None)
+    return names
+
+
+@pytest.fixture(params=_row_isas())
+def row_isa(request: pytest.FixtureRequest):
+    """The fused ops' row loops forced to one compiled copy for the test; the best is restored afterwards."""
+    kernels.set_cpu_isa(request.param)
+    yield request.param
+    kernels.set_cpu_isa(None)
 
 
 def _randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -45,7 +73,7 @@ def _cos_sin(rows: int, head_dim: int, seed: int) -> tuple[torch.Tensor, torch.T
 
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("hidden", [64, 576, 4096])
-def test_rmsnorm_matches_float64(rows, hidden):
+def test_rmsnorm_matches_float64(rows, hidden, row_isa):
     x, w = _randn(rows, hidden, seed=1, scale=3.0), _randn(hidden, seed=2)
     out = kernels.rmsnorm(x, w, 1e-5)
     torch.testing.assert_close(out.double(), _rmsnorm_ref(x, w, 1e-5), rtol=2e-6, atol=2e-6)
@@ -53,7 +81,7 @@ def test_rmsnorm_matches_float64(rows, hidden):
 
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("hidden", [64, 576, 4096])
-def test_rmsnorm_with_residual_writes_the_stream_and_normalizes_it(rows, hidden):
+def test_rmsnorm_with_residual_writes_the_stream_and_normalizes_it(rows, hidden, row_isa):
     x, res, w = _randn(rows, hidden, seed=3), _randn(rows, hidden, seed=4, scale=5.0), _randn(hidden, seed=5)
     expected_h = x.double() + res.double()
     res_before = res.clone()
@@ -68,7 +96,7 @@ def test_rmsnorm_with_residual_writes_the_stream_and_normalizes_it(rows, hidden)
     torch.testing.assert_close(out2, out, rtol=0, atol=0)
 
 
-def test_rmsnorm_out_may_be_x():
+def test_rmsnorm_out_may_be_x(row_isa):
     x, w = _randn(5, 96, seed=6), _randn(96, seed=7)
     expected = _rmsnorm_ref(x, w, 1e-5)
     assert kernels.rmsnorm(x, w, 1e-5, out=x) is x
@@ -77,7 +105,7 @@ def test_rmsnorm_out_may_be_x():
 
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 64), (6, 1, 128)])
-def test_rope_qk_matches_hf_rotate_half(rows, heads, kv_heads, head_dim):
+def test_rope_qk_matches_hf_rotate_half(rows, heads, kv_heads, head_dim, row_isa):
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
     qkv = _randn(rows, q_size + 2 * kv_size, seed=8)
     cos, sin = _cos_sin(rows, head_dim, seed=9)
@@ -103,7 +131,7 @@ def test_rope_qk_matches_hf_rotate_half(rows, heads, kv_heads, head_dim):
 
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("intermediate", [64, 1536, 11008])
-def test_silu_mul_matches_float64(rows, intermediate):
+def test_silu_mul_matches_float64(rows, intermediate, row_isa):
     gate_up = _randn(rows, 2 * intermediate, seed=10, scale=4.0)
     gate_up[0, :8] = torch.tensor([-200.0, -88.5, -87.0, -30.0, 30.0, 87.5, 200.0, 0.0])  # the exp's range ends
     g, u = gate_up.double().split(intermediate, dim=-1)
@@ -113,7 +141,7 @@ def test_silu_mul_matches_float64(rows, intermediate):
     assert kernels.silu_mul(gate_up, out=out) is out
 
 
-def test_zero_rows_are_a_no_op():
+def test_zero_rows_are_a_no_op(row_isa):
     w = torch.ones(64)
     assert kernels.rmsnorm(torch.empty(0, 64), w, 1e-5).shape == (0, 64)
     assert kernels.silu_mul(torch.empty(0, 128)).shape == (0, 64)
@@ -214,7 +242,7 @@ def test_rmsnorm_module_torch_path_matches_float64(dtype):
 
 
 @pytest.mark.parametrize("vocab", [1, 15, 16, 17, 49152])
-def test_greedy_rows_match_argmax_and_float64_logsumexp(vocab):
+def test_greedy_rows_match_argmax_and_float64_logsumexp(vocab, row_isa):
     logits = _randn(6, vocab, seed=vocab, scale=4.0)
     if vocab > 20:  # a tie for the maximum: the first index wins, as in torch.argmax
         logits[2, 7] = logits[2, vocab - 3] = logits[2].max() + 1.0
@@ -222,6 +250,38 @@ def test_greedy_rows_match_argmax_and_float64_logsumexp(vocab):
     argmax, lse = kernels.greedy_rows(logits, rows)
     assert torch.equal(argmax, logits[rows].argmax(dim=1))
     torch.testing.assert_close(lse.double(), torch.logsumexp(logits[rows].double(), dim=1), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("vocab", [40, 47, 64, 49152])
+def test_greedy_rows_first_maximum_wherever_the_ties_fall(vocab, row_isa):
+    """Ties within one 16-wide lane, across lanes (a later lane's index smaller), in the tail past the last full
+    16, at index 0; a row of -inf takes index 0 as torch.argmax does (its log-sum-exp is not finite: the sampler
+    gives such a row no token)."""
+    base = _randn(1, vocab, seed=100 + vocab)
+    top = float(base.max()) + 1.0
+    last = vocab - 1
+    ties = [(3, 19), (20, 35), (9, 16), (13, 24), (5, last), (0, vocab // 2), (last,), (vocab - 2, last)]
+    logits = base.repeat(len(ties) + 1, 1)
+    for r, where in enumerate(ties):
+        for i in where:
+            logits[r, i] = top
+    logits[len(ties)] = float("-inf")
+    rows = torch.arange(logits.shape[0], dtype=torch.int64)
+    argmax, lse = kernels.greedy_rows(logits, rows)
+    assert argmax.tolist() == logits.argmax(dim=1).tolist() == [min(w) for w in ties] + [0]
+    torch.testing.assert_close(lse[:-1].double(), torch.logsumexp(logits[:-1].double(), dim=1), rtol=1e-6,
+                               atol=1e-6)  # fmt: skip
+    assert not math.isfinite(lse[-1].item())
+
+
+def test_greedy_rows_give_a_row_with_nan_a_non_finite_logsumexp(row_isa):
+    logits = _randn(3, 100, seed=7)
+    logits[0, 40] = float("nan")
+    logits[1, 0] = float("nan")
+    logits[2] = float("nan")
+    argmax, lse = kernels.greedy_rows(logits, torch.arange(3, dtype=torch.int64))
+    assert not torch.isfinite(lse).any()
+    assert ((0 <= argmax) & (argmax < 100)).all()
 
 
 def test_greedy_rows_refuses_rows_out_of_range():

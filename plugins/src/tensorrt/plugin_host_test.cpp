@@ -149,6 +149,7 @@ void check_kv_cache_dtype_field(PagedAttentionCreator& creator) {
     Fields old;
     old.kv_cache_dtype = name;
     old.kv_cache_dtype_name = "kv_dtype";
+    old.workspace_bytes = 4096;  // a plan's fields record it (the runtime phase refuses a plan without)
     std::unique_ptr<IPluginV3> read(creator.createPlugin("layer0", old.collection(), TensorRTPhase::kRUNTIME));
     check(read != nullptr && serialized_kv_cache_dtype(as_plugin(read.get())) == name,
           "the deprecated field name kv_dtype reads as kv_cache_dtype");
