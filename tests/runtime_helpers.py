@@ -24,17 +24,37 @@ def openai_client(url: str, api_key: str = "none") -> Any:
     return openai.OpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0, timeout=60)
 
 
+def cpu_isas(among: Optional[Sequence[str]] = None) -> list[str]:
+    """The CPU kernels' instruction sets this machine runs (kernels.set_cpu_isa accepts them), lowest first, of
+    `among` when given (e.g. one per compiled copy: AVX-VNNI runs the AVX2 copies); ["scalar"] without the kernel
+    library. The best is restored afterwards."""
+    from trtpaged import kernels
+
+    if not kernels.available():
+        return ["scalar"]
+    names = []
+    try:
+        for name in kernels.CPU_ISAS:
+            if among is not None and name not in among:
+                continue
+            try:
+                kernels.set_cpu_isa(name)
+                names.append(name)
+            except kernels.KernelError:
+                pass
+    finally:
+        kernels.set_cpu_isa(None)
+    return names
+
+
 def for_each_cpu_isa(check: Callable[[str], None]) -> None:
     """Runs check(isa) with the CPU kernels forced to each of scalar, AVX2 and AVX-512 VNNI that this CPU has;
     the best is restored afterwards, whatever check raised."""
     from trtpaged import kernels
 
     try:
-        for isa in [name for name in kernels.CPU_ISAS if name in ("scalar", "avx2", "avx512vnni")]:
-            try:
-                kernels.set_cpu_isa(isa)
-            except kernels.KernelError:
-                continue
+        for isa in cpu_isas(("scalar", "avx2", "avx512vnni")):
+            kernels.set_cpu_isa(isa)
             check(isa)
     finally:
         kernels.set_cpu_isa(None)

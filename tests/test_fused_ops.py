@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from runtime_helpers import for_each_cpu_isa
+from runtime_helpers import cpu_isas, for_each_cpu_isa
 from trtpaged import kernels
 from trtpaged.builder.probe import standard_probe
 from trtpaged.config import parse_config
@@ -20,26 +20,10 @@ pytestmark = pytest.mark.skipif(not (kernels.available() and kernels.has_fused_o
                                 reason="kernel library with the fused ops not built")
 
 ROWS = [1, 3, 130]
+ROW_COPIES = ("scalar", "avx2", "avx512vnni")  # one ISA per compiled copy of the row loops
 
 
-def _row_isas() -> list[str]:
-    """The ISAs whose copy of the row loops this CPU runs (one per copy: AVX-VNNI runs the AVX2 copy)."""
-    names = []
-    if not (kernels.available() and kernels.has_fused_ops()):
-        return ["scalar"]
-    try:
-        for name in ("scalar", "avx2", "avx512vnni"):
-            try:
-                kernels.set_cpu_isa(name)
-                names.append(name)
-            except kernels.KernelError:
-                pass
-    finally:
-        kernels.set_cpu_isa(None)
-    return names
-
-
-@pytest.fixture(params=_row_isas())
+@pytest.fixture(params=cpu_isas(ROW_COPIES))
 def row_isa(request: pytest.FixtureRequest):
     """The fused ops' row loops forced to one compiled copy for the test; the best is restored afterwards."""
     kernels.set_cpu_isa(request.param)

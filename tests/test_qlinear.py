@@ -18,29 +18,13 @@ from typing import Optional
 import pytest
 import torch
 
+from runtime_helpers import cpu_isas
 from trtpaged import kernels
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="kernel library not built")
 
 
-def available_isas() -> list[str]:
-    """Every instruction set this CPU runs (set_cpu_isa accepts it), lowest first."""
-    if not kernels.available():
-        return ["scalar"]
-    names = []
-    try:
-        for name in kernels.CPU_ISAS:
-            try:
-                kernels.set_cpu_isa(name)
-                names.append(name)
-            except kernels.KernelError:
-                pass
-    finally:
-        kernels.set_cpu_isa(None)
-    return names
-
-
-@pytest.fixture(params=available_isas())
+@pytest.fixture(params=cpu_isas())
 def isa(request: pytest.FixtureRequest):
     kernels.set_cpu_isa(request.param)
     yield request.param
@@ -160,7 +144,7 @@ def test_every_isa_agrees_with_the_best() -> None:
     x = torch.randn(9, 576)
     results = {}
     try:
-        for name in available_isas():
+        for name in cpu_isas():
             kernels.set_cpu_isa(name)
             assert kernels.cpu_isa() == name
             results[name] = kernels.qlinear(x, packed, 4, 37, 576, 64)
@@ -293,7 +277,7 @@ def test_plain_avx2_int8_weights_take_the_float_tiles_from_one_row_on() -> None:
     # On plain AVX2 one float row of int8 weights (the LM head) runs the float tiles, not three int8 limb rows (the
     # limbs' integer work costs more there): a row alone then has the bits it gets in any batch (2-8 rows: one
     # register-blocked form, 9 and more: the decoded chunks) and as limbs, without the limbs' cost.
-    if "avx2" not in available_isas():
+    if "avx2" not in cpu_isas():
         pytest.skip("this CPU has no AVX2")
     codes, scales, offsets, w = make_weight(8, 40, 576, 32, seed=35)
     packed = kernels.qlinear_pack(8, codes, scales, offsets, 32)
