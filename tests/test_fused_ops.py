@@ -179,7 +179,7 @@ def _probe_logits(model, dims, block_size: int = 8) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("overrides", [{}, {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True},
                                        {"num_key_value_heads": 4, "head_dim": 32}])
-def test_step_model_fused_path_equals_torch_path(monkeypatch, overrides):
+def test_step_model_fused_path_equals_torch_path(monkeypatch, overrides, row_isa):
     hf, dims = _tiny(**overrides)
     model = step_model_from_hf(hf.model, dims)
     calls = {"rmsnorm": 0, "rope_qk": 0, "silu_mul": 0}
@@ -256,6 +256,23 @@ def test_greedy_rows_first_maximum_wherever_the_ties_fall(vocab, row_isa):
     torch.testing.assert_close(lse[:-1].double(), torch.logsumexp(logits[:-1].double(), dim=1), rtol=1e-6,
                                atol=1e-6)  # fmt: skip
     assert not math.isfinite(lse[-1].item())
+
+
+def test_greedy_rows_of_every_length_with_many_ties_and_minus_inf(row_isa):
+    """Rows of 1 to 80 elements (every tail length of every lane width, one and two sets of lanes) holding small
+    integers, so the maximum repeats at random places, with some -inf: the first maximum and the log-sum-exp of
+    torch."""
+    g = torch.Generator().manual_seed(23)
+    for n in range(1, 81):
+        logits = torch.randint(-3, 4, (6, n), generator=g).float()
+        logits[logits == -3] = float("-inf")
+        logits[0, :] = float("-inf")  # a whole row of -inf: index 0, as torch.argmax
+        rows = torch.arange(6, dtype=torch.int64)
+        argmax, lse = kernels.greedy_rows(logits, rows)
+        assert argmax.tolist() == logits.argmax(dim=1).tolist(), n
+        finite = torch.isfinite(logits.amax(dim=1))
+        torch.testing.assert_close(lse[finite].double(), torch.logsumexp(logits[finite].double(), dim=1), rtol=1e-6,
+                                   atol=1e-6)  # fmt: skip
 
 
 def test_greedy_rows_give_a_row_with_nan_a_non_finite_logsumexp(row_isa):
