@@ -93,10 +93,9 @@ void rotate_heads(const float* src, int64_t heads, int64_t d, const float* c, co
 
 // Greedy choice over one logits row: the first index of the maximum, and log(sum(exp(x))). Three passes, each
 // kGreedyLanes wide, the target's own vector width (an AVX-512 width on AVX2 is split into scalar maxima there:
-// 84 against 18 us a 49152-wide row): the maximum, in two independent sets of lanes so that the max chains
+// 77 against 21 us a 49152-wide row): the maximum, in two independent sets of lanes so that the max chains
 // overlap; the first element equal to it, a vector compare at a time, stopping at the first hit (a model's
-// choice is often an early, frequent token: this beat tracking each lane's index during the max, 112 against
-// 131 us for 16 real SmolLM2 rows, and loses to it only on late maxima); then the exponentials of x - max (<= 0).
+// choice is often an early, frequent token, so this pass is usually short); then the exponentials of x - max.
 #if defined(__AVX512F__)
 constexpr int kGreedyLanes = 16;
 #elif defined(__AVX2__)
