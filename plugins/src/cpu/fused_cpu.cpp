@@ -75,7 +75,7 @@ TRTPAGED_API trtpaged_status trtpaged_rmsnorm_cpu(const float* x, const float* r
   for_rows(rows, rows * hidden, [&](int64_t r) {
     const int64_t off = r * hidden;
     row(x + off, residual ? residual + off : nullptr, weight, eps, hidden, out + off,
-                         residual ? residual_out + off : nullptr);
+        residual ? residual_out + off : nullptr);
   });
   return trtpaged_status(trtpaged::ok());
 }

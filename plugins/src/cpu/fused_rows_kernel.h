@@ -67,8 +67,8 @@ void silu_mul_row(const float* g, const float* u, int64_t n, float* o) {
 }
 
 // h = x + residual (into h), then out = rmsnorm(h); without residual, out = rmsnorm(x).
-void rmsnorm_residual_row(const float* x, const float* residual, const float* w, float eps,
-                                              int64_t n, float* out, float* h) {
+void rmsnorm_residual_row(const float* x, const float* residual, const float* w, float eps, int64_t n, float* out,
+                          float* h) {
   if (residual) {
     for (int64_t i = 0; i < n; ++i) h[i] = x[i] + residual[i];
     x = h;
@@ -77,8 +77,7 @@ void rmsnorm_residual_row(const float* x, const float* residual, const float* w,
 }
 
 // HF rotate-half RoPE of one head: y = x * cos + cat(-x2, x1) * sin.
-void rotate_heads(const float* src, int64_t heads, int64_t d, const float* c, const float* sn,
-                                      float* dst) {
+void rotate_heads(const float* src, int64_t heads, int64_t d, const float* c, const float* sn, float* dst) {
   const int64_t half = d / 2;
   for (int64_t h = 0; h < heads; ++h) {
     const float* x = src + h * d;
