@@ -21,9 +21,12 @@ import torch
 import yaml
 from click.testing import CliRunner
 
-from trtpaged.builder.engine_dir import BUILD_LOCK, remove_dead_builds
+from trtpaged.builder.engine_dir import BUILD_LOCK, remove_dead_builds, staged_output
+from trtpaged.builder.interrupts import signals_interrupt_the_build
+from trtpaged.builder.progress import Progress
 from trtpaged.cli import main
 from trtpaged.config import parse_config
+from trtpaged.manifest import MANIFEST_NAME
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TINY = yaml.safe_load((EXAMPLES / "tiny.yaml").read_text())
@@ -174,6 +177,79 @@ def test_sigterm_during_a_build_cleans_up_like_ctrl_c(tmp_path):
     assert proc.returncode == 130 and "build interrupted; nothing was written" in output, output
     assert "Traceback" not in output
     assert not parent.exists()  # the temp dir, and the parent the build created, are gone
+
+
+class _SignalsInItsFinalizer:
+    """Sends `signum` to this process from `__del__`, so the Python handler runs inside the finalizer, where
+    CPython prints and drops what it raises (what happened to a real build's SIGTERM in CI)."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+
+    def __del__(self):
+        os.kill(os.getpid(), self.signum)
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:  # bytecodes for the handler to run between
+            pass
+
+
+@pytest.fixture
+def unraisable(monkeypatch):
+    """What reaches sys.unraisablehook (the "Exception ignored in" report)."""
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    return seen
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_an_interrupt_a_finalizer_swallows_still_stops_the_build_and_nothing_is_written(tmp_path, unraisable, signum):
+    output, reached = tmp_path / "engines" / "e", []
+    with pytest.raises(KeyboardInterrupt):
+        with signals_interrupt_the_build(), staged_output(output) as tmp:
+            (tmp / "weights.safetensors").write_bytes(b"x")
+            _SignalsInItsFinalizer(signum)  # dropped at once: its __del__ runs here
+            reached.append(True)  # the interrupt did not propagate
+    assert reached == [True]  # so it was swallowed, as in CI, and raised again before the rename
+    assert not (tmp_path / "engines").exists()
+    assert unraisable == []  # and not reported as "Exception ignored"
+
+
+def test_an_interrupt_a_finalizer_swallows_fails_the_stage_it_landed_in(tmp_path, unraisable):
+    lines = []
+    progress = Progress(lines.append)
+    with pytest.raises(KeyboardInterrupt), signals_interrupt_the_build():
+        with progress.stage("export"):
+            _SignalsInItsFinalizer(signal.SIGTERM)
+        with progress.stage("verify"):
+            raise AssertionError("the build went on to the next stage")
+    assert lines[-1].startswith("export   failed after") and unraisable == []
+
+
+def test_a_signal_during_the_final_rename_neither_splits_it_nor_fails_the_complete_build(tmp_path, monkeypatch):
+    output = tmp_path / "e"
+    output.mkdir()
+    (output / MANIFEST_NAME).write_text("{}")  # an engine dir already there, replaced with force
+    real_rename, renames = os.rename, []
+
+    def rename_after_a_signal(src, dst):
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives between the two renames of the replacement
+        renames.append(dst)
+        real_rename(src, dst)
+        for _ in range(100_000):  # bytecodes for the handler to run between
+            pass
+
+    interrupted = None
+    try:
+        with signals_interrupt_the_build():
+            with staged_output(output, force=True) as tmp:
+                (tmp / "new").write_text("new")
+                monkeypatch.setattr(os, "rename", rename_after_a_signal)
+    except KeyboardInterrupt as e:  # (a KeyboardInterrupt escaping a test would end the whole pytest run)
+        interrupted = e
+    monkeypatch.undo()
+    assert len(renames) == 2  # the old dir moved aside, the new one into place
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e"] and (output / "new").read_text() == "new"
+    assert interrupted is None
 
 
 def test_a_killed_builds_temp_dir_is_removed_by_the_next_build_and_a_live_ones_is_not(tmp_path):

@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from trtpaged.builder.interrupts import held, hold_from_here, raise_if_interrupted
 from trtpaged.config import ConfigError
 from trtpaged.engine_files import sha256_file
 from trtpaged.manifest import MANIFEST_NAME, Manifest
@@ -68,12 +69,15 @@ def staged_output(output: Path, force: bool = False) -> Iterator[Path]:
     try:
         lock = _hold_lock(tmp)
         yield tmp
+        raise_if_interrupted()  # one a finalizer swallowed: nothing is written
+        hold_from_here()  # a signal from here on cannot leave the old engine dir moved aside and the new one not in
         (tmp / BUILD_LOCK).unlink()  # not part of the engine dir; the fd keeps the lock until the rename is done
         _replace(tmp, output)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if created is not None:
-            shutil.rmtree(created, ignore_errors=True)
+        with held():
+            shutil.rmtree(tmp, ignore_errors=True)
+            if created is not None:
+                shutil.rmtree(created, ignore_errors=True)
         raise
     finally:
         if lock is not None:
@@ -114,27 +118,6 @@ def remove_dead_builds(parent: Path) -> list[Path]:
         finally:
             os.close(fd)
     return removed
-
-
-@contextlib.contextmanager
-def terminate_as_interrupt() -> Iterator[None]:
-    """SIGTERM raises KeyboardInterrupt while the block runs (main thread only), so a terminated build
-    cleans up as Ctrl-C does; the previous handler is restored after."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _first_missing_ancestor(path: Path) -> Path | None:

@@ -7,6 +7,8 @@ import threading
 import time
 from typing import Callable, Iterator
 
+from trtpaged.builder.interrupts import raise_if_interrupted
+
 HEARTBEAT_SECONDS = 10.0
 
 
@@ -41,6 +43,7 @@ class Progress:
         ticker.start()
         try:
             yield stage
+            raise_if_interrupted()  # a Ctrl-C or SIGTERM that a finalizer swallowed during the stage
         except BaseException:
             done.set()
             ticker.join()

@@ -50,13 +50,13 @@ checkpoint missing tensors of the architecture, fail the load stage.
 @click.option("--force", is_flag=True, help="Replace an existing engine dir at the output (once the new one is complete).")
 def command(model_yaml: Path, output: Path | None, skip_verify: bool, force: bool) -> None:
     from trtpaged.builder import BuildError, build_engine
-    from trtpaged.builder.engine_dir import terminate_as_interrupt
     from trtpaged.builder.export import ExportError
+    from trtpaged.builder.interrupts import signals_interrupt_the_build
     from trtpaged.builder.verify import VerificationError
     from trtpaged.config import ConfigError, load_config
 
     try:
-        with terminate_as_interrupt():  # SIGTERM cleans up as Ctrl-C does: the temp dir is removed
+        with signals_interrupt_the_build():  # Ctrl-C and SIGTERM stop the build: the temp dir is removed
             config = load_config(model_yaml)
             build_engine(config, output, skip_verify=skip_verify, force=force, echo=click.echo)
     except (ConfigError, BuildError, ExportError, VerificationError) as e:
