@@ -238,9 +238,9 @@ def test_greedy_rows_match_argmax_and_float64_logsumexp(vocab, row_isa):
 
 @pytest.mark.parametrize("vocab", [40, 47, 64, 49152])
 def test_greedy_rows_first_maximum_wherever_the_ties_fall(vocab, row_isa):
-    """Ties within one 16-wide lane, across lanes (a later lane's index smaller), in the tail past the last full
-    16, at index 0; a row of -inf takes index 0 as torch.argmax does (its log-sum-exp is not finite: the sampler
-    gives such a row no token)."""
+    """Ties within one vector, across vectors (the copies' widths: 16, 8 or 4 lanes, and two sets of them), in the
+    tail past the last full vector, at index 0; a row of -inf takes index 0 as torch.argmax does (its log-sum-exp
+    is not finite: the sampler gives such a row no token)."""
     base = _randn(1, vocab, seed=100 + vocab)
     top = float(base.max()) + 1.0
     last = vocab - 1
