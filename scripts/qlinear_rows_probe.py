@@ -1,4 +1,4 @@
-"""One CPU linear at a few row counts, two kernel libraries interleaved, one thread: GFLOP/s against a pure-FMA peak.
+"""One CPU linear at a few row counts, two kernel libraries interleaved, one thread: GFLOP/s against the ISA's peak.
 docs/benchmarks.md, issue 21 ("Round 9: the AVX2 multi-row float linears").
 
     PYTHONPATH=$PWD python scripts/qlinear_rows_probe.py [--old LIB] [--new LIB] [--isa avx2] [--rows 1,4,8,16,32]
@@ -8,9 +8,12 @@ in int8) on the paths the engines take: int4 with float activations (the int4 en
 (w4a8) and the int8 LM head both ways. Weights stay in cache (the same weight every call): at several rows these
 linears are compute-bound, which is what this measures. Each round times a batch of calls of each library in turn
 (thread CPU time, so other load on the machine counts less); the medians over the rounds are reported as
-GFLOP/s = 2 M K N / t, whether the two libraries' outputs are bit-identical, and the fraction of the peak of this
-core's FMA units at the ISA's vector width, timed with a loop of independent FMAs compiled here (cc) in the same
-run (the int8-activation paths are integer work, which that peak does not bound). --old defaults to
+GFLOP/s = 2 M K N / t, whether the two libraries' outputs are bit-identical, and the fraction of a peak of this
+core timed in the same run with loops compiled here (cc): float activations against independent FMAs at the ISA's
+vector width; int8 activations against the ISA's integer dot product with its accumulation, 2 ops per multiply-add
+(plain AVX2: vpmaddubsw and a vpaddw of the int16 pairs, the least any kernel adds per product; AVX-VNNI and
+AVX-512 VNNI: vpdpbusd). No kernel reaches either: it also unpacks codes, broadcasts x and scales per block
+(the int8 LM head on plain AVX2 also takes |w| and x's sign per product). --old defaults to
 $TRTPAGED_KERNELS_LIB (e.g. main's build), --new to this checkout's build/dev library.
 """
 
@@ -46,26 +49,60 @@ __attribute__((target("{target}"))) float fma{width}(long iters) {{
   return {reduce};
 }}
 """
+# 8 independent accumulation chains (int16 on plain AVX2, int32 with VNNI); the code registers pass an empty asm each iteration so that the
+# products are not hoisted out of the loop. {dot}(acc, w, x): one dot-product step of 4 bytes x 4 bytes per 32-bit lane.
+INT_PEAK_FUNCTION = r"""
+__attribute__((target("{target}"))) int {name}(long iters) {{
+  __m{width}i a[8], w[4]; const __m{width}i x = _mm{width}_set1_epi8(3);
+  for (int i = 0; i < 8; ++i) a[i] = _mm{width}_set1_epi32(i);
+  for (int g = 0; g < 4; ++g) w[g] = _mm{width}_set1_epi8((char)(g + 1));
+  for (long it = 0; it < iters; ++it) {{
+    for (int g = 0; g < 4; ++g) __asm__ volatile("" : "+x"(w[g]));
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) a[i] = {dot};
+  }}
+  __m{width}i s = a[0]; for (int i = 1; i < 8; ++i) s = _mm{width}_add_epi32(s, a[i]);
+  return _mm_cvtsi128_si32(_mm{width}_castsi{width}_si128(s));
+}}
+"""
+INT_PEAKS = {  # ISA: (function, vector width, target, one dot-product step)
+    "avx2": ("maddubs256", 256, "avx2", "_mm256_add_epi16(a[i], _mm256_maddubs_epi16(w[i % 4], x))"),
+    "avxvnni": ("dpbusd256", 256, "avx2,avxvnni", "_mm256_dpbusd_avx_epi32(a[i], w[i % 4], x)"),
+    "avx512vnni": ("dpbusd512", 512, "avx512f,avx512bw,avx512vnni", "_mm512_dpbusd_epi32(a[i], w[i % 4], x)"),
+}
 PEAK_SOURCE = "#include <immintrin.h>\n" + "".join(
     PEAK_FUNCTION.format(width=width, target=target, reduce=reduce)
     for width, target, reduce in ((256, "avx2,fma", "_mm256_cvtss_f32(s)"),
-                                  (512, "avx512f", "_mm512_reduce_add_ps(s)")))
+                                  (512, "avx512f", "_mm512_reduce_add_ps(s)"))) + "".join(
+    INT_PEAK_FUNCTION.format(name=name, width=width, target=target, dot=dot)
+    for name, width, target, dot in INT_PEAKS.values())
 
 
-def fma_peak_gflops(width: int, rounds: int) -> float:
-    """Best GFLOP/s of a loop of independent FMAs of `width` bits on this thread (2 flops per lane per FMA)."""
+def _best_rate(fn, ops_per_iter: int, rounds: int) -> float:
+    """Best G-ops/s of fn(iters) on this thread over `rounds` runs."""
+    iters, best = 2_000_000, 0.0
+    for _ in range(rounds):
+        t0 = time.thread_time()
+        fn(iters)
+        best = max(best, iters * ops_per_iter / (time.thread_time() - t0) / 1e9)
+    return best
+
+
+def peaks_gflops(isa: str, rounds: int) -> tuple[float, float]:
+    """This thread's best (float, integer) rates for `isa`, in GFLOP/s (2 ops per multiply-add): independent FMAs at
+    the ISA's vector width, and its integer dot product with accumulation (INT_PEAKS; a multiply-add per byte of the vector)."""
+    width = 512 if isa == "avx512vnni" else 256
+    name, int_width, _, _ = INT_PEAKS.get(isa, INT_PEAKS["avx2"])
     with tempfile.TemporaryDirectory() as tmp:
         src, lib = Path(tmp) / "peak.c", Path(tmp) / "peak.so"
         src.write_text(PEAK_SOURCE)
         subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
-        fn = getattr(ctypes.CDLL(str(lib)), f"fma{width}")
-        fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_long]
-        iters, best = 2_000_000, 0.0
-        for _ in range(rounds):
-            t0 = time.thread_time()
-            fn(iters)
-            best = max(best, iters * 12 * (width // 32) * 2 / (time.thread_time() - t0) / 1e9)
-        return best
+        so = ctypes.CDLL(str(lib))
+        fma = getattr(so, f"fma{width}")
+        fma.restype, fma.argtypes = ctypes.c_float, [ctypes.c_long]
+        dot = getattr(so, name)
+        dot.restype, dot.argtypes = ctypes.c_int, [ctypes.c_long]
+        return (_best_rate(fma, 12 * (width // 32) * 2, rounds), _best_rate(dot, 8 * (int_width // 8) * 2, rounds))
 
 
 def load(path: str) -> ctypes.CDLL:
@@ -111,9 +148,10 @@ def main() -> None:
     libs = {"old": load(args.old), "new": load(args.new)}
     for name, lib in libs.items():
         print(f"{name}: {getattr(args, name)} isa {lib.trtpaged_cpu_isa().decode()}")
-    width = 512 if args.isa == "avx512vnni" else 256
-    peak = fma_peak_gflops(width, 5)
-    print(f"FMA peak, one thread, {width}-bit: {peak:.1f} GFLOP/s; load average {open('/proc/loadavg').read().strip()}")
+    float_peak, int_peak = peaks_gflops(args.isa, 5)
+    print(f"peaks, one thread ({args.isa}): FMA {float_peak:.1f} GFLOP/s, integer dot "
+          f"{INT_PEAKS.get(args.isa, INT_PEAKS['avx2'])[0]} {int_peak:.1f} GOP/s; load average "
+          f"{open('/proc/loadavg').read().strip()}")
     paths = [("int4 float acts", 1, ("qkv", "o", "gate_up", "down")), ("int4 int8 acts", 0, ("qkv", "o", "gate_up",
              "down")), ("int8 lm_head float acts", 1, ("lm_head",)), ("int8 lm_head int8 acts", 0, ("lm_head",))]
     rows = [int(r) for r in args.rows.split(",")]
@@ -125,6 +163,7 @@ def main() -> None:
         for shape in (s for s in names if s in wanted):
             bits, n, k = SHAPES[shape]
             packed = random_packed(bits, n, k, gen)
+            peak = float_peak if acts == 1 else int_peak
             for m in rows:
                 x = torch.randn(m, k, generator=gen)
                 ys = {name: torch.empty(m, n) for name in libs}
