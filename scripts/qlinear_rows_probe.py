@@ -49,8 +49,9 @@ __attribute__((target("{target}"))) float fma{width}(long iters) {{
   return {reduce};
 }}
 """
-# 8 independent accumulation chains (int16 on plain AVX2, int32 with VNNI); the code registers pass an empty asm each iteration so that the
-# products are not hoisted out of the loop. {dot}(acc, w, x): one dot-product step of 4 bytes x 4 bytes per 32-bit lane.
+# 8 independent accumulation chains (int16 on plain AVX2, int32 with VNNI); the code registers pass an empty asm
+# each iteration so that the products are not hoisted out of the loop. {dot}: one dot-product step, 4 bytes x 4
+# bytes per 32-bit lane.
 INT_PEAK_FUNCTION = r"""
 __attribute__((target("{target}"))) int {name}(long iters) {{
   __m{width}i a[8], w[4]; const __m{width}i x = _mm{width}_set1_epi8(3);
@@ -90,7 +91,8 @@ def _best_rate(fn, ops_per_iter: int, rounds: int) -> float:
 
 def peaks_gflops(isa: str, rounds: int) -> tuple[float, float]:
     """This thread's best (float, integer) rates for `isa`, in GFLOP/s (2 ops per multiply-add): independent FMAs at
-    the ISA's vector width, and its integer dot product with accumulation (INT_PEAKS; a multiply-add per byte of the vector)."""
+    the ISA's vector width, and its integer dot product with accumulation (INT_PEAKS; a multiply-add per byte of the
+    vector)."""
     width = 512 if isa == "avx512vnni" else 256
     name, int_width, _, _ = INT_PEAKS.get(isa, INT_PEAKS["avx2"])
     with tempfile.TemporaryDirectory() as tmp:
