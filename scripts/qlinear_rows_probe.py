@@ -27,6 +27,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {  # name: (bits, n, k)
@@ -79,7 +80,7 @@ PEAK_SOURCE = "#include <immintrin.h>\n" + "".join(
     for name, width, target, dot in INT_PEAKS.values())
 
 
-def _best_rate(fn, ops_per_iter: int, rounds: int) -> float:
+def _best_rate(fn: Callable[[int], object], ops_per_iter: int, rounds: int) -> float:
     """Best G-ops/s of fn(iters) on this thread over `rounds` runs."""
     iters, best = 2_000_000, 0.0
     for _ in range(rounds):
