@@ -225,6 +225,32 @@ def test_an_interrupt_a_finalizer_swallows_fails_the_stage_it_landed_in(tmp_path
     assert lines[-1].startswith("export   failed after") and unraisable == []
 
 
+def test_a_signal_while_the_handlers_go_in_still_leaves_them_as_they_were(monkeypatch):
+    # Ctrl-C right after the build's SIGINT handler is installed, before the block runs: the interrupt stops the
+    # build, and the process's handlers and unraisable hook are the ones it had, not the build's.
+    signals = (signal.SIGINT, signal.SIGTERM)
+    before, hook_before = {s: signal.getsignal(s) for s in signals}, sys.unraisablehook
+    real_signal, sent = signal.signal, []
+
+    def install_then_interrupt(signum, handler):
+        previous = real_signal(signum, handler)
+        if not sent and signum == signal.SIGINT and handler is not before[signal.SIGINT]:
+            sent.append(signum)
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(100_000):  # bytecodes for the handler to run between
+                pass
+        return previous
+
+    monkeypatch.setattr(signal, "signal", install_then_interrupt)
+    ran = []
+    with pytest.raises(KeyboardInterrupt):
+        with signals_interrupt_the_build():
+            ran.append(True)
+    monkeypatch.undo()
+    assert sent == [signal.SIGINT] and ran == []
+    assert {s: signal.getsignal(s) for s in signals} == before and sys.unraisablehook is hook_before
+
+
 def test_a_signal_during_the_final_rename_neither_splits_it_nor_fails_the_complete_build(tmp_path, monkeypatch):
     output = tmp_path / "e"
     output.mkdir()

@@ -18,7 +18,7 @@ import contextlib
 import signal
 import sys
 import threading
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 
 class BuildInterrupted(KeyboardInterrupt):
@@ -41,8 +41,8 @@ def _on_signal(signum: int, frame: object) -> None:
         raise BuildInterrupted(f"signal {signum}")
 
 
-def _drop_our_interrupts(previous_hook):
-    def hook(unraisable) -> None:
+def _drop_our_interrupts(previous_hook: Callable[[Any], object]) -> Callable[[Any], None]:
+    def hook(unraisable: Any) -> None:
         if not isinstance(unraisable.exc_value, BuildInterrupted):
             previous_hook(unraisable)
     return hook
@@ -52,19 +52,24 @@ def _drop_our_interrupts(previous_hook):
 def signals_interrupt_the_build() -> Iterator[None]:
     """While the block runs, SIGINT and SIGTERM raise BuildInterrupted (a KeyboardInterrupt), and one that a
     finalizer swallowed is raised again at the next `raise_if_interrupted`. Main thread only (elsewhere the
-    block runs with the handlers as they are); the previous handlers are restored after."""
+    block runs with the handlers as they are); the previous handlers are restored after, also when a signal
+    arrives while they are being installed."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    # Read before any is replaced: a signal may arrive (and our handler raise) between the install and a store.
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     previous_hook = sys.unraisablehook
-    sys.unraisablehook = _drop_our_interrupts(previous_hook)
     _state.installed, _state.received, _state.holding = True, None, False
     try:
+        sys.unraisablehook = _drop_our_interrupts(previous_hook)
+        for s in previous:
+            signal.signal(s, _on_signal)
         yield
     finally:
         for s, handler in previous.items():
-            signal.signal(s, handler)
+            # None: a handler set outside Python, which Python cannot put back; the default then, not ours
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
         sys.unraisablehook = previous_hook
         _state.installed, _state.received, _state.holding = False, None, False
 
