@@ -90,10 +90,10 @@ def _best_rate(fn: Callable[[int], object], ops_per_iter: int, rounds: int) -> f
     return best
 
 
-def peaks_gflops(isa: str, rounds: int) -> tuple[float, float]:
+def peaks_gflops(isa: str, rounds: int) -> tuple[float, float, str]:
     """This thread's best (float, integer) rates for `isa`, in GFLOP/s (2 ops per multiply-add): independent FMAs at
     the ISA's vector width, and its integer dot product with accumulation (INT_PEAKS; a multiply-add per byte of the
-    vector)."""
+    vector); and the integer loop's name."""
     width = 512 if isa == "avx512vnni" else 256
     name, int_width, _, _ = INT_PEAKS.get(isa, INT_PEAKS["avx2"])
     with tempfile.TemporaryDirectory() as tmp:
@@ -105,7 +105,8 @@ def peaks_gflops(isa: str, rounds: int) -> tuple[float, float]:
         fma.restype, fma.argtypes = ctypes.c_float, [ctypes.c_long]
         dot = getattr(so, name)
         dot.restype, dot.argtypes = ctypes.c_int, [ctypes.c_long]
-        return (_best_rate(fma, 12 * (width // 32) * 2, rounds), _best_rate(dot, 8 * (int_width // 8) * 2, rounds))
+        return (_best_rate(fma, 12 * (width // 32) * 2, rounds), _best_rate(dot, 8 * (int_width // 8) * 2, rounds),
+                name)
 
 
 def load(path: str) -> ctypes.CDLL:
@@ -151,9 +152,9 @@ def main() -> None:
     libs = {"old": load(args.old), "new": load(args.new)}
     for name, lib in libs.items():
         print(f"{name}: {getattr(args, name)} isa {lib.trtpaged_cpu_isa().decode()}")
-    float_peak, int_peak = peaks_gflops(args.isa, 5)
-    print(f"peaks, one thread ({args.isa}): FMA {float_peak:.1f} GFLOP/s, integer dot "
-          f"{INT_PEAKS.get(args.isa, INT_PEAKS['avx2'])[0]} {int_peak:.1f} GOP/s; load average "
+    float_peak, int_peak, int_loop = peaks_gflops(args.isa, 5)
+    print(f"peaks, one thread ({args.isa}): FMA {float_peak:.1f} GFLOP/s, integer dot {int_loop} {int_peak:.1f} GOP/s; "
+          f"load average "
           f"{open('/proc/loadavg').read().strip()}")
     paths = [("int4 float acts", 1, ("qkv", "o", "gate_up", "down")), ("int4 int8 acts", 0, ("qkv", "o", "gate_up",
              "down")), ("int8 lm_head float acts", 1, ("lm_head",)), ("int8 lm_head int8 acts", 0, ("lm_head",))]
