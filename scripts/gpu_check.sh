@@ -8,7 +8,8 @@
 #   4. the GPU kernel benchmark (fraction of measured HBM copy bandwidth, paged vs contiguous), and
 #      its int8 / fp8_e4m3 KV cache variant (`trtpaged bench kernel --device cuda --kv-cache-dtype ... --quick`:
 #      bytes actually read, time against the fp16 cache);
-#   5. end to end without TensorRT (scripts/gpu_e2e.py): engines built on the GPU from models made here
+#   5. end to end without TensorRT (scripts/gpu_e2e.py; TRTPAGED_GPU_E2E_MODELS picks the models): engines built
+#      on the GPU from models made here
 #      (SmolLM2's config and a ~1.1B Llama shape, random weights), greedy equality of the CUDA torch
 #      runner with HF, and output tok/s of trtpaged fp16 / int4 / int8 vs HF static batching at batch 1, 64;
 #   6. with TensorRT: build the SmolLM2 engine, check that the KV pool is updated in place
@@ -26,6 +27,9 @@ BUILD="${TRTPAGED_GPU_BUILD_DIR:-/tmp/trtpaged_gpu_build}"
 ARCHS="${TRTPAGED_CUDA_ARCHS:-90}"
 JOBS="$(nproc 2>/dev/null || echo 4)"
 mkdir -p "$RESULTS"
+if ! command -v python >/dev/null 2>&1; then  # images with only python3 on the PATH
+  mkdir -p "$BUILD.bin" && ln -sfn "$(command -v python3)" "$BUILD.bin/python" && export PATH="$BUILD.bin:$PATH"
+fi
 SUMMARY="$RESULTS/summary.txt"
 : >"$SUMMARY"
 status=0
@@ -47,6 +51,22 @@ python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version
   2>&1 | tee -a "$RESULTS/device.txt"
 TRT_VERSION="$(python -c 'import tensorrt; print(tensorrt.__version__)' 2>/dev/null || true)"
 note "device: $(head -1 "$RESULTS/device.txt"); TensorRT: ${TRT_VERSION:-not importable}"
+# Host cost of one eager kernel launch: what bounds an eager decode step (one launch per op), ours and HF's.
+python - <<'PY' 2>&1 | tee -a "$SUMMARY"
+import time, torch
+x = torch.zeros(16, device="cuda")
+for _ in range(200):
+    x.add_(1)
+torch.cuda.synchronize()
+best = float("inf")
+for _ in range(5):
+    t0 = time.perf_counter()
+    for _ in range(2000):
+        x.add_(1)
+    torch.cuda.synchronize()
+    best = min(best, (time.perf_counter() - t0) / 2000)
+print(f"launch: {best * 1e6:.1f} us per eager launch of a tiny kernel (best of 5 x 2000)")
+PY
 
 TRT_ROOT=""
 for root in "${TENSORRT_ROOT:-}" /usr/include/x86_64-linux-gnu /usr/local/tensorrt /opt/tensorrt; do
@@ -111,7 +131,7 @@ unset TENSORRT_ROOT  # the header-only plugin build tests rebuild it: step 1 did
 cd "$REPO"
 
 step "tests (pytest -m gpu; tensorrt-marked tests when TensorRT is importable)"
-tests=(tests/test_kernels_gpu.py tests/test_kernels.py tests/test_qlinear_cuda.py)
+tests=(tests/test_kernels_gpu.py tests/test_kernels.py tests/test_qlinear_cuda.py tests/test_block_staging.py)
 marks="gpu"
 if [ -n "$TRT_VERSION" ] && [ -n "$PLUGIN" ]; then tests+=(tests/test_tensorrt.py); marks="gpu or tensorrt"; fi
 timeout "$(budget 90)" python -m pytest -m "$marks" "${tests[@]}" -q -rs -p no:cacheprovider \
@@ -139,12 +159,13 @@ done
 
 step "end to end: engines built here from random-weight models, greedy vs HF, tok/s vs HF static batching"
 E2E_SECONDS="$(budget 240)"
-timeout "$E2E_SECONDS" python scripts/gpu_e2e.py --out "$BUILD/e2e" --seconds "$((E2E_SECONDS - 30))" 2>&1 \
+timeout "$E2E_SECONDS" python scripts/gpu_e2e.py --out "$BUILD/e2e" --seconds "$((E2E_SECONDS - 30))" \
+  --models "${TRTPAGED_GPU_E2E_MODELS:-smollm2,llama1b}" 2>&1 \
   | tee "$RESULTS/e2e.log"
 rc=${PIPESTATUS[0]}
 grep '^e2e ' "$RESULTS/e2e.log" | grep -v ': FAILED' >>"$SUMMARY"
 grep '^e2e .*: FAILED' "$RESULTS/e2e.log" | head -5 >>"$SUMMARY"
-cp "$BUILD/e2e/e2e.json" "$RESULTS/" 2>/dev/null
+cp "$BUILD/e2e/e2e.json" "$BUILD"/e2e/*.trace.txt "$RESULTS/" 2>/dev/null
 note "e2e exit $rc$([ "$rc" -eq 124 ] && echo ' (timed out: see e2e.log for the step)')"
 [ "$rc" -eq 0 ] || status=1
 

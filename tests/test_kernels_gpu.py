@@ -385,7 +385,10 @@ def test_quantized_blocks_copy_and_swap_as_bytes(kernels, kv_cache_dtype: str) -
 def test_step_model_on_cuda_with_a_quantized_cache_matches_the_cpu_kernels(kernels, kv_cache_dtype: str) -> None:
     # End to end through the torch backend's step model (head_dim 64, a CUDA head_dim): the probe's two
     # steps over a quantized pool on the GPU give the CPU kernels' logits and (but for codes at a rounding
-    # boundary, where the two devices' matmuls differ in the last bit) the same pool bytes.
+    # boundary, where the two devices' matmuls differ in the last bit) the same pool bytes. Such a code moves
+    # by a whole step, so the logits may differ by more than float rounding: on the CPU, weights off by 2e-7
+    # relative moved the logits by up to 3.4e-3 of their largest (int8 and fp8 alike), a tenth of what the
+    # quantization itself moves them (the same model with a float32 cache). The bound is half the latter.
     from trtpaged.builder.probe import standard_probe
     from trtpaged.config import parse_config
     from trtpaged.models import dims_from_hf_config, load_hf, step_model_from_hf
@@ -399,13 +402,17 @@ def test_step_model_on_cuda_with_a_quantized_cache_matches_the_cpu_kernels(kerne
     gpu_model = step_model_from_hf(hf.model, dims, torch.float32).to("cuda")
     _, steps, num_kv_blocks = standard_probe(dims.vocab_size, 16, seed=5, all_rows=True)
     cpu_pool = cpu_model.new_kv_cache(num_kv_blocks, 16, kv_cache_dtype)
+    float_pool = cpu_model.new_kv_cache(num_kv_blocks, 16, None)
     gpu_pool = gpu_model.new_kv_cache(num_kv_blocks, 16, kv_cache_dtype, device="cuda")
     for step in steps:
         with torch.no_grad():
             ref, _ = cpu_model(*step.args(cpu_pool))
+            unquantized, _ = cpu_model(*step.args(float_pool))
             out, _ = gpu_model(*(t.to("cuda") for t in step.args(gpu_pool)[:-1]), gpu_pool)
         torch.cuda.synchronize()
-        assert (out.cpu() - ref).abs().max().item() <= 1e-3 * max(1.0, ref.abs().max().item())
+        quantization_effect = (ref - unquantized).abs().max().item()
+        bound = max(1e-3 * max(1.0, ref.abs().max().item()), 0.5 * quantization_effect)
+        assert (out.cpu() - ref).abs().max().item() <= bound
     differ = (gpu_pool.cpu().view(torch.uint8) != cpu_pool.view(torch.uint8)).float().mean().item()
     assert differ < 0.01, f"{differ:.2%} of the pool's bytes differ"
     assert cpu_pool.view(torch.uint8).any()

@@ -21,7 +21,7 @@ gpu = pytest.mark.skipif(NO_CUDA, reason="no CUDA device: the GPU path of the qu
 
 def _reference(x: torch.Tensor, weight, bias) -> torch.Tensor:
     w = weight.dequantize(torch.float64)
-    return torch.nn.functional.linear(x.double(), w.to(x.device), None if bias is None else bias.double())
+    return torch.nn.functional.linear(x.double(), w.to(x.device), None if bias is None else bias.double().to(x.device))
 
 
 @pytest.mark.parametrize("bits,group", [(4, 32), (4, 128), (8, None), (8, 32)])
@@ -104,13 +104,19 @@ def test_int8_on_cuda_keeps_int8_codes_on_the_device(group):
 def test_quantized_engine_on_cuda_holds_quantized_weights_and_matches_the_cpu_logits(tmp_path):
     """A tiny int4 engine loaded on the GPU: device weight bytes well under the float model's, logits as the CPU
     engine's (the exact layout) within bf16 rounding."""
-    from tests.conftest import TINY_KV4, build_from_dict
+    from tests.conftest import TINY_KV4
+    from trtpaged.builder import build_engine
+    from trtpaged.config import parse_config
     from trtpaged.models import load_step_model
     from trtpaged.models.qlinear import prepare_cuda
 
-    engine = build_from_dict({**TINY_KV4, "dtype": "float16",
-                              "quantization": {"weights": "int4", "group_size": 32, "lm_head": "int8"}},
-                             tmp_path / "e")
+    # No build verification: its int4 accuracy gate (80% top-1 against the float model) is for real models;
+    # this random tiny model's logits are too close for it (63% on an H200). The test compares logits itself.
+    tiny = {**TINY_KV4["model"]["tiny"], "num_attention_heads": 2, "num_key_value_heads": 1}  # head_dim 64 (CUDA)
+    engine = tmp_path / "e"
+    build_engine(parse_config({**TINY_KV4, "model": {"tiny": tiny}, "dtype": "float16",
+                               "quantization": {"weights": "int4", "group_size": 32, "lm_head": "int8"}}),
+                 engine, skip_verify=True, echo=lambda _line: None)
     gpu_model, manifest = load_step_model(engine, device="cuda")
     cpu_model, _ = load_step_model(engine, device="cpu")
     d = manifest.dims
