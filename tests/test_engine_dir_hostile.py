@@ -293,6 +293,18 @@ def test_kv_pools_beyond_the_device_memory_are_refused_before_allocating(tiny_en
     assert r.exit_code == 1 and r.output.count("\n") == 1 and "kv_cache.num_kv_blocks" in r.output, r.output
 
 
+def test_a_head_dim_without_cuda_kernels_is_refused_at_load_on_cuda(tiny_engine_dir):
+    # tiny.yaml's head_dim 16 has CPU kernels but no CUDA ones: on a GPU the load says so before any weight
+    # goes to the device (was: the first step failed inside the attention kernel, found on an H200).
+    from trtpaged.models import load_step_model
+    from trtpaged.models.dims import CUDA_HEAD_DIMS
+
+    assert read_manifest(tiny_engine_dir).dims.head_dim not in CUDA_HEAD_DIMS
+    with pytest.raises(ValueError, match=r"head_dim: .* has head_dim 16; the CUDA kernels support 64, 80, 96, 128"):
+        load_step_model(tiny_engine_dir, device="cuda")
+    assert load_step_model(tiny_engine_dir, device="cpu")[1].dims.head_dim == 16
+
+
 def test_serve_refuses_a_bad_port_and_too_many_kv_blocks_in_one_line(tiny_engine_dir):
     r = _cli("serve", str(tiny_engine_dir), "--port", "70000")
     assert r.exit_code == 2 and "Traceback" not in r.output and "70000 is not in the range 0<=x<=65535" in r.output

@@ -12,6 +12,7 @@ import torch
 from trtpaged.engine_files import TensorEntry, read_safetensors_header
 from trtpaged.manifest import MANIFEST_NAME, EngineDirError, Manifest, ModelDims, engine_path, read_manifest
 from trtpaged.models.all_reduce import RankReduce
+from trtpaged.models.dims import CUDA_HEAD_DIMS
 from trtpaged.models.llama import LlamaStepModel, QuantPlan, Rotary
 from trtpaged.models.tensor_parallel import shard_dims, shard_plan
 from trtpaged.models.qlinear import set_activations
@@ -196,9 +197,14 @@ def load_step_model(engine_dir: str | Path, device: str | torch.device = "cpu",
 
     The weights are checked before use: names, shapes and dtypes against the manifest's dims (from the
     header, before any tensor is read), then every float tensor for NaN/inf. Raises EngineDirError.
-    A tensor-parallel engine (manifest.tensor_parallel > 1) needs `reduce`, whose rank picks the shard."""
+    A tensor-parallel engine (manifest.tensor_parallel > 1) needs `reduce`, whose rank picks the shard.
+    On a CUDA device, a head_dim the CUDA kernels lack is a ValueError here, not a failed first step."""
     engine_dir = Path(engine_dir)
     manifest = read_manifest(engine_dir)
+    head_dim = manifest.dims.head_dim
+    if torch.device(device).type == "cuda" and head_dim not in CUDA_HEAD_DIMS:
+        raise ValueError(f"head_dim: {engine_dir} has head_dim {head_dim}; the CUDA kernels support "
+                         f"{', '.join(map(str, CUDA_HEAD_DIMS))} (run it on the CPU: --device cpu)")
     n = manifest.tensor_parallel
     if (reduce.world_size if reduce is not None else 1) != n:
         got = reduce.world_size if reduce is not None else 1
