@@ -51,12 +51,14 @@ def gpu_tolerance(io_dtype: torch.dtype) -> float:
     return max(tolerance(io_dtype), 5e-5)
 
 
-def run_both(kernels, batch: Batch, layer: int, max_context_len: Optional[int]):
+def run_both(kernels, batch: Batch, layer: int, max_context_len: Optional[int],
+             options: Optional[AttentionOptions] = None):
     """One call on the GPU and on the reference (CPU): (the GPU batch, the kernel's output, the reference's
-    pool after the call, max |kernel - reference| of the outputs)."""
+    pool after the call, max |kernel - reference| of the outputs). `options` (default: `layer`, no window,
+    no soft-cap) go to both."""
     gpu = batch.to("cuda")
     ref_cache = batch.kv_cache.clone()
-    options = AttentionOptions(layer, batch.scale)
+    options = options or AttentionOptions(layer, batch.scale)
     out = kernels.paged_attention(*gpu.args(), options, max_context_len=max_context_len)
     args = batch.args()
     ref = paged_attention_reference(*args[:3], ref_cache, *args[4:], options)
@@ -65,8 +67,9 @@ def run_both(kernels, batch: Batch, layer: int, max_context_len: Optional[int]):
     return gpu, out, ref_cache, err
 
 
-def assert_matches(kernels, batch: Batch, layer: int = 1, max_context_len: Optional[int] = None) -> None:
-    gpu, out, ref_cache, err = run_both(kernels, batch, layer, max_context_len)
+def assert_matches(kernels, batch: Batch, layer: int = 1, max_context_len: Optional[int] = None,
+                   options: Optional[AttentionOptions] = None) -> None:
+    gpu, out, ref_cache, err = run_both(kernels, batch, layer, max_context_len, options)
     assert out.dtype == batch.q.dtype and out.shape == batch.q.shape
     # Slot by slot: the new K/V landed where the reference put them, nothing else changed.
     assert torch.equal(gpu.kv_cache.cpu(), ref_cache)
@@ -260,6 +263,38 @@ def test_bad_block_pairs_are_rejected_on_the_host(kernels) -> None:
     assert torch.equal(pool, before)
 
 
+# ---- sliding window and logit soft-cap (Mistral, Gemma 2 and 3) ---------------------------
+#
+# The same reference, which masks densely in float64: a query at position p reads p - window + 1 .. p;
+# with a soft-cap, scores become cap * tanh(score / cap) before the softmax.
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 37, 300])
+@pytest.mark.parametrize("block_size", [8, 16, 64])
+def test_sliding_window_mixed_batch(kernels, window: int, block_size: int) -> None:
+    batch = make_batch(MIXED_SPECS, block_size=block_size, io_dtype=torch.float16, kv_cache_dtype=torch.float16,
+                       seed=window + block_size)
+    assert_matches(kernels, batch, options=AttentionOptions(1, batch.scale, sliding_window=window))
+
+
+@pytest.mark.parametrize("window", [700, 1100, 2600, 6000])
+def test_sliding_window_over_long_decodes_split_across_ctas(kernels, window: int) -> None:
+    # thousands of cached keys: the split decode starts at the window's first tile, and splits wholly
+    # before the window must add nothing when the reduce merges them; a window longer than every context
+    specs = [(3001, 1), (5000, 1), (2500, 40), (255, 1)]
+    batch = make_batch(specs, num_layers=1, io_dtype=torch.bfloat16, kv_cache_dtype=torch.bfloat16, seed=window)
+    assert_matches(kernels, batch, layer=0, options=AttentionOptions(0, batch.scale, sliding_window=window))
+
+
+@pytest.mark.parametrize("softcap", [0.5, 50.0])
+@pytest.mark.parametrize("window", [0, 37])
+def test_logit_softcap_with_and_without_window(kernels, softcap: float, window: int) -> None:
+    batch = make_batch(MIXED_SPECS + [(3001, 1)], num_layers=2, seed=11)
+    batch.q.mul_(6.0)  # large scores, so that the cap changes the softmax
+    options = AttentionOptions(1, batch.scale, sliding_window=window, logit_softcap=softcap)
+    assert_matches(kernels, batch, options=options)
+
+
 # ---- quantized KV cache (int8, fp8_e4m3) --------------------------------------------------
 #
 # Truths: the pool bytes the CUDA write makes equal PyTorch's own quantization (trtpaged.kv_quant:
@@ -278,8 +313,9 @@ def quantized(batch: Batch, kv_cache_dtype: str) -> Batch:
     return Batch(batch.q, batch.k, batch.v, pool, *batch.args()[4:], scale=batch.scale)
 
 
-def assert_quantized_matches(kernels, batch: Batch, layer: int = 1, max_context_len: Optional[int] = None) -> None:
-    gpu, _, ref_cache, err = run_both(kernels, batch, layer, max_context_len)
+def assert_quantized_matches(kernels, batch: Batch, layer: int = 1, max_context_len: Optional[int] = None,
+                             options: Optional[AttentionOptions] = None) -> None:
+    gpu, _, ref_cache, err = run_both(kernels, batch, layer, max_context_len, options)
     # every byte of the pool (codes and scales, every slot and layer) as PyTorch quantizes it
     assert torch.equal(gpu.kv_cache.cpu().view(torch.uint8), ref_cache.view(torch.uint8))
     assert err <= gpu_tolerance(batch.q.dtype), f"max abs error {err} against the de-quantizing reference"
@@ -291,6 +327,14 @@ def test_quantized_mixed_batch_every_block_size(kernels, kv_cache_dtype: str, bl
     io_dtype = DTYPES[block_size.bit_length() % 3]
     batch = make_batch(MIXED_SPECS, block_size=block_size, io_dtype=io_dtype, seed=40 + block_size)
     assert_quantized_matches(kernels, quantized(batch, kv_cache_dtype))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", QUANT_KV)
+def test_quantized_cache_with_window_and_softcap(kernels, kv_cache_dtype: str) -> None:
+    batch = make_batch(MIXED_SPECS + [(3001, 1)], num_layers=2, io_dtype=torch.float16, seed=12)
+    batch.q.mul_(3.0)
+    options = AttentionOptions(1, batch.scale, sliding_window=37, logit_softcap=30.0)
+    assert_quantized_matches(kernels, quantized(batch, kv_cache_dtype), options=options)
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
