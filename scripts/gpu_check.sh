@@ -11,7 +11,8 @@
 #   5. end to end without TensorRT (scripts/gpu_e2e.py; TRTPAGED_GPU_E2E_MODELS picks the models): engines built
 #      on the GPU from models made here
 #      (SmolLM2's config and a ~1.1B Llama shape, random weights), greedy equality of the CUDA torch
-#      runner with HF, and output tok/s of trtpaged fp16 / int4 / int8 vs HF static batching at batch 1, 64;
+#      runner with HF, output tok/s of trtpaged fp16 / int4 / int8 vs HF static batching at batch 1, 64, and
+#      a batch-1 profile (kernel launches and device-busy time per token: host- or device-bound);
 #   6. with TensorRT: build the SmolLM2 engine, check that the KV pool is updated in place
 #      (no pool-sized copy per step, activation memory vs pool bytes), greedy equality vs torch;
 #   7. with >= 2 GPUs: tensor parallelism on 2 ranks (NCCL through torch.distributed, greedy vs

@@ -11,7 +11,9 @@ Steps, each named in its result line (a failure names its step, and the next ste
            (float32, SmolLM2 config; initializer_range 0.1 keeps random logits away from ties);
   speed    output tokens/s in one run: trtpaged fp16 / int4 / int8 (continuous batching, LLM.generate)
            against HF transformers static batching (generate, fp16), at batch 1 and 64, prompt 64 and
-           output 64 tokens, EOS ignored.
+           output 64 tokens, EOS ignored;
+  profile  SmolLM2 fp16 at batch 1, per output token: wall ms, kernel launches and device-busy ms
+           (torch.profiler): host-bound or device-bound.
 Results: DIR/e2e.json and one line per result on stdout (prefixed "e2e "); exit status 1 on any failure.
 """
 
@@ -40,6 +42,8 @@ MODELS: dict[str, dict[str, Any]] = {
 SCHEMES = {"fp16": None, "int4": {"weights": "int4", "group_size": 32, "lm_head": "int8"},
            "int8": {"weights": "int8", "lm_head": "int8"}}
 PROMPT_LEN, OUTPUT_LEN = 64, 64
+PROFILE_LINE = ("{wall_ms_per_token:.2f} ms wall, {launches_per_token:.0f} kernel launches, "
+                "device busy {device_busy_ms_per_token:.2f} ms")
 
 
 def make_model(name: str, out: Path, init: float = 0.02) -> Path:
@@ -118,6 +122,36 @@ def trtpaged_speed(engine: Path, prompts: list[list[int]]) -> float:
     del llm
     torch.cuda.empty_cache()
     return sum(len(o.outputs[0].token_ids) for o in outs) / wall
+
+
+def step_profile(engine: Path, prompt: list[int], new: int = 32, device: str = "cuda") -> dict[str, float]:
+    """Where a batch-1 generate's time goes, per output token: wall ms (no profiler), kernel launches and
+    device-busy ms (torch.profiler, a second run). Launches x host cost per launch against the wall says
+    whether the step is bound by the host (eager launches) or by the device."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from trtpaged import LLM, SamplingParams
+
+    llm = LLM(engine, backend="torch", device=device)
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    llm.generate([prompt], params)  # warm-up
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    llm.generate([prompt], params)
+    sync()
+    wall = time.perf_counter() - start
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        llm.generate([prompt], params)
+        sync()
+    del llm
+    events = prof.key_averages()
+    launches = sum(e.count for e in events if "LaunchKernel" in e.key)
+    device_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events)
+    return {"wall_ms_per_token": wall / new * 1e3, "launches_per_token": launches / new,
+            "device_busy_ms_per_token": device_us / 1e3 / new}
 
 
 def hf_speed(hf_dir: Path, prompts: list[list[int]]) -> float:
@@ -221,6 +255,12 @@ def main(argv: list[str] | None = None) -> int:
             cells = [f"{k} {v:.0f}" + (f" ({v / hf:.2f}x)" if hf and k != "hf" else "") if v else f"{k} -"
                      for k, v in row.items()]
             say(f"speed {m} batch {batch} (output tok/s, vs HF static): " + ", ".join(cells))
+    if ("smollm2", "fp16") in engines:
+        prompt = random_prompts(1, PROMPT_LEN, seed=3)[0]
+        prof = step("profile smollm2 fp16 batch 1", lambda: step_profile(engines[("smollm2", "fp16")], prompt))
+        if prof is not None:
+            report["profile"] = prof
+            say("profile smollm2 fp16 batch 1 (per output token): " + PROFILE_LINE.format(**prof))
     (args.out / "e2e.json").write_text(json.dumps(report, indent=2))
     say(f"done in {time.time() - start:.0f} s, {len(report['failures'])} failure(s)")
     return 1 if failed else 0

@@ -73,3 +73,13 @@ def test_e2e_script_is_run_by_the_check_and_its_imports_exist() -> None:
         if quantization:
             data["quantization"] = quantization
         assert parse_config(data).quantization.enabled == (scheme != "fp16")
+
+
+def test_e2e_step_profile_runs_on_the_cpu(tiny_engine_dir) -> None:
+    """The profile step's code path without a GPU: a wall time per token, no kernel launches, no device time."""
+    spec = importlib.util.spec_from_file_location("gpu_e2e", E2E)
+    e2e = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(e2e)
+    got = e2e.step_profile(tiny_engine_dir, list(range(5, 21)), new=4, device="cpu")
+    assert got["wall_ms_per_token"] > 0 and got["launches_per_token"] == 0 == got["device_busy_ms_per_token"]
+    assert "kernel launches" in e2e.PROFILE_LINE.format(**got)
