@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # One prepared check for a machine with an NVIDIA GPU (PyTorch, nvcc, cmake and ninja installed;
 # no network, nothing is pip-installed). Budget: under 8 minutes on an H200.
+# trtpaged's own Python dependencies must import (an image without pydantic, fastapi, starlette, uvicorn,
+# httptools or gguf: install their wheels first, e.g. pip install --no-index --no-deps --target DIR *.whl and
+# PYTHONPATH=DIR).
 #   1. build the kernel library (sm_$ARCHS) and, when TensorRT headers are found, the plugin
 #      library for their major (nm/readelf: only the two entry points, no libnvinfer);
 #   2. ptxas register use and spills;
