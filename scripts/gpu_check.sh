@@ -56,7 +56,7 @@ python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version
 TRT_VERSION="$(python -c 'import tensorrt; print(tensorrt.__version__)' 2>/dev/null || true)"
 note "device: $(head -1 "$RESULTS/device.txt"); TensorRT: ${TRT_VERSION:-not importable}"
 # Host cost of one eager kernel launch: what bounds an eager decode step (one launch per op), ours and HF's.
-python - <<'PY' 2>&1 | tee -a "$SUMMARY"
+timeout "$(budget 30)" python - <<'PY' 2>&1 | tail -1 | tee -a "$SUMMARY"
 import time, torch
 x = torch.zeros(16, device="cuda")
 for _ in range(200):

@@ -9,11 +9,11 @@ Steps, each named in its result line (a failure names its step, and the next ste
            backend torch, no verification (the test suite verifies builds);
   greedy   the CUDA torch runner's greedy tokens against HF transformers' generate on the same GPU
            (float32, SmolLM2 config; initializer_range 0.1 keeps random logits away from ties);
+  profile  SmolLM2 fp16 at batch 1, per output token: wall ms, kernel launches and device-busy ms
+           (torch.profiler): host-bound or device-bound;
   speed    output tokens/s in one run: trtpaged fp16 / int4 / int8 (continuous batching, LLM.generate)
            against HF transformers static batching (generate, fp16), at batch 1 and 64, prompt 64 and
-           output 64 tokens, EOS ignored;
-  profile  SmolLM2 fp16 at batch 1, per output token: wall ms, kernel launches and device-busy ms
-           (torch.profiler): host-bound or device-bound.
+           output 64 tokens, EOS ignored.
 Results: DIR/e2e.json and one line per result on stdout (prefixed "e2e "); exit status 1 on any failure.
 """
 
@@ -129,27 +129,31 @@ def step_profile(engine: Path, prompt: list[int], new: int = 32, device: str = "
     device-busy ms (torch.profiler, a second run). Launches x host cost per launch against the wall says
     whether the step is bound by the host (eager launches) or by the device."""
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from trtpaged import LLM, SamplingParams
 
+    on_cuda = torch.device(device).type == "cuda"
     llm = LLM(engine, backend="torch", device=device)
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     llm.generate([prompt], params)  # warm-up
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync = torch.cuda.synchronize if on_cuda else (lambda: None)
     sync()
     start = time.perf_counter()
     llm.generate([prompt], params)
     sync()
     wall = time.perf_counter() - start
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     with profile(activities=activities) as prof:
         llm.generate([prompt], params)
         sync()
     del llm
     events = prof.key_averages()
     launches = sum(e.count for e in events if "LaunchKernel" in e.key)
-    device_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events)
+    # device events only: the profiler also files each kernel's time under the CPU launch that queued it
+    device_us = sum(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+                    for e in events if e.device_type == DeviceType.CUDA)
     return {"wall_ms_per_token": wall / new * 1e3, "launches_per_token": launches / new,
             "device_busy_ms_per_token": device_us / 1e3 / new}
 
@@ -241,6 +245,13 @@ def main(argv: list[str] | None = None) -> int:
             say(f"greedy smollm2 fp32 vs HF: {sum(result['equal'])}/{len(result['equal'])} prompts token-identical "
                 f"(first divergence {result['first_divergence']})" + ("" if ok else " FAILED"))
 
+    if ("smollm2", "fp16") in engines:
+        prompt = random_prompts(1, PROMPT_LEN, seed=3)[0]
+        prof = step("profile smollm2 fp16 batch 1", lambda: step_profile(engines[("smollm2", "fp16")], prompt))
+        if prof is not None:
+            report["profile"] = prof
+            say("profile smollm2 fp16 batch 1 (per output token): " + PROFILE_LINE.format(**prof))
+
     for m in names:
         for batch in (1, 64):
             prompts = random_prompts(batch, PROMPT_LEN, seed=batch)
@@ -255,12 +266,6 @@ def main(argv: list[str] | None = None) -> int:
             cells = [f"{k} {v:.0f}" + (f" ({v / hf:.2f}x)" if hf and k != "hf" else "") if v else f"{k} -"
                      for k, v in row.items()]
             say(f"speed {m} batch {batch} (output tok/s, vs HF static): " + ", ".join(cells))
-    if ("smollm2", "fp16") in engines:
-        prompt = random_prompts(1, PROMPT_LEN, seed=3)[0]
-        prof = step("profile smollm2 fp16 batch 1", lambda: step_profile(engines[("smollm2", "fp16")], prompt))
-        if prof is not None:
-            report["profile"] = prof
-            say("profile smollm2 fp16 batch 1 (per output token): " + PROFILE_LINE.format(**prof))
     (args.out / "e2e.json").write_text(json.dumps(report, indent=2))
     say(f"done in {time.time() - start:.0f} s, {len(report['failures'])} failure(s)")
     return 1 if failed else 0

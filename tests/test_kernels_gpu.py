@@ -56,6 +56,7 @@ def run_both(kernels, batch: Batch, layer: int, max_context_len: Optional[int],
     """One call on the GPU and on the reference (CPU): (the GPU batch, the kernel's output, the reference's
     pool after the call, max |kernel - reference| of the outputs). `options` (default: `layer`, no window,
     no soft-cap) go to both."""
+    assert options is None or options.layer == layer, "options name another layer than the call's"
     gpu = batch.to("cuda")
     ref_cache = batch.kv_cache.clone()
     options = options or AttentionOptions(layer, batch.scale)
@@ -431,8 +432,9 @@ def test_step_model_on_cuda_with_a_quantized_cache_matches_the_cpu_kernels(kerne
     # steps over a quantized pool on the GPU give the CPU kernels' logits and (but for codes at a rounding
     # boundary, where the two devices' matmuls differ in the last bit) the same pool bytes. Such a code moves
     # by a whole step, so the logits may differ by more than float rounding: on the CPU, weights off by 2e-7
-    # relative moved the logits by up to 3.4e-3 of their largest (int8 and fp8 alike), a tenth of what the
-    # quantization itself moves them (the same model with a float32 cache). The bound is half the latter.
+    # relative moved the logits by up to 3.4e-3 of their largest (int8; 6.8e-4 fp8), while the quantization
+    # itself (against the same model with a float32 cache) moves them by 2.8e-2 (int8) and 1.3e-1 (fp8). The
+    # bound: 1e-2 of the largest logit, or half the quantization's own effect where that is smaller.
     from trtpaged.builder.probe import standard_probe
     from trtpaged.config import parse_config
     from trtpaged.models import dims_from_hf_config, load_hf, step_model_from_hf
@@ -454,9 +456,10 @@ def test_step_model_on_cuda_with_a_quantized_cache_matches_the_cpu_kernels(kerne
             unquantized, _ = cpu_model(*step.args(float_pool))
             out, _ = gpu_model(*(t.to("cuda") for t in step.args(gpu_pool)[:-1]), gpu_pool)
         torch.cuda.synchronize()
-        quantization_effect = (ref - unquantized).abs().max().item()
-        bound = max(1e-3 * max(1.0, ref.abs().max().item()), 0.5 * quantization_effect)
-        assert (out.cpu() - ref).abs().max().item() <= bound
+        scale = max(1.0, ref.abs().max().item())
+        bound = max(1e-3 * scale, min(1e-2 * scale, 0.5 * (ref - unquantized).abs().max().item()))
+        err = (out.cpu() - ref).abs().max().item()
+        assert err <= bound, f"GPU vs CPU logits differ by {err:.3g} (bound {bound:.3g}, largest {scale:.3g})"
     differ = (gpu_pool.cpu().view(torch.uint8) != cpu_pool.view(torch.uint8)).float().mean().item()
     assert differ < 0.01, f"{differ:.2%} of the pool's bytes differ"
     assert cpu_pool.view(torch.uint8).any()

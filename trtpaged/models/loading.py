@@ -204,7 +204,7 @@ def load_step_model(engine_dir: str | Path, device: str | torch.device = "cpu",
     head_dim = manifest.dims.head_dim
     if torch.device(device).type == "cuda" and head_dim not in CUDA_HEAD_DIMS:
         raise ValueError(f"head_dim: {engine_dir} has head_dim {head_dim}; the CUDA kernels support "
-                         f"{', '.join(map(str, CUDA_HEAD_DIMS))} (run it on the CPU: --device cpu)")
+                         f"{', '.join(map(str, CUDA_HEAD_DIMS))}; run it on the CPU (--device cpu, or device=\"cpu\")")
     n = manifest.tensor_parallel
     if (reduce.world_size if reduce is not None else 1) != n:
         got = reduce.world_size if reduce is not None else 1
