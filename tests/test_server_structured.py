@@ -4,6 +4,7 @@ bad specs are 400s naming the field."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -20,6 +21,8 @@ SCHEMA = {
                    "code": {"type": "string", "pattern": "^[A-Z]{3}$"}},
     "required": ["city", "days", "code"], "additionalProperties": False,
 }  # fmt: skip
+DEEP_SCHEMA = functools.reduce(lambda inner, _: {"type": "array", "items": inner}, range(100), {"type": "string"})
+
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                       "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
@@ -124,6 +127,8 @@ def test_tool_choice_none_generates_text(client):
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": "nope"}}, "response_format"),
     ({"guided_regex": "(("}, "guided_regex"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": DEEP_SCHEMA}}},
+     "response_format"),  # nested 100 deep: refused before xgrammar compiles it
     ({"guided_json": "{broken"}, "guided_json"),
     ({"guided_choice": []}, "guided_choice"),
     ({"structured_outputs": {"grammar": "root ::= "}}, "structured_outputs"),

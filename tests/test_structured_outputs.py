@@ -120,6 +120,29 @@ def test_structured_params_are_checked():
     assert info.value.field == "guided_regex" and "beam search" in str(info.value)
 
 
+def _arrays(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def test_a_schema_nested_past_the_limit_is_refused_before_compiling(llm):
+    # xgrammar's compile time grows faster than the nesting: 900 levels (a 25 KB body) took 39 s of CPU
+    from trtpaged.runtime.sampling_params import MAX_SCHEMA_DEPTH
+
+    deepest = _arrays(MAX_SCHEMA_DEPTH - 1)  # MAX_SCHEMA_DEPTH levels of objects and arrays in all
+    Grammar(json=deepest)
+    before = llm.stats()["num_grammars_compiled"]
+    for schema in (_arrays(MAX_SCHEMA_DEPTH), json.dumps(_arrays(MAX_SCHEMA_DEPTH)), "[" * 30000 + "]" * 30000):
+        with pytest.raises(RequestError, match=f"nests objects and arrays more than {MAX_SCHEMA_DEPTH} deep") as info:
+            llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=Grammar(json=schema)))
+        assert info.value.field == "structured_outputs" and info.value.limit == MAX_SCHEMA_DEPTH
+    assert llm.stats()["num_grammars_compiled"] == before and not llm.engine.has_unfinished()
+    out = llm.generate(["x"], SamplingParams(max_tokens=8, structured_outputs=Grammar(json=deepest)))[0]
+    assert out.outputs[0].text.startswith("[")
+
+
 def test_bench_structured_times_full_batches_and_counts_constrained_rows(tiny_engine_dir):
     from trtpaged.bench.structured_bench import format_structured, run_structured_bench
 
