@@ -139,6 +139,11 @@ def test_a_schema_nested_past_the_limit_is_refused_before_compiling(llm):
             llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=Grammar(json=schema)))
         assert info.value.field == "structured_outputs" and info.value.limit == MAX_SCHEMA_DEPTH
     assert llm.stats()["num_grammars_compiled"] == before and not llm.engine.has_unfinished()
+    cyclic: dict = {"type": "array"}
+    cyclic["items"] = cyclic
+    for schema in (_arrays(5000), cyclic):  # json.dumps recursed past Python's limit on the first
+        with pytest.raises(RequestError, match="nests objects and arrays"):
+            Grammar(json=schema)
     out = llm.generate(["x"], SamplingParams(max_tokens=8, structured_outputs=Grammar(json=deepest)))[0]
     assert out.outputs[0].text.startswith("[")
 

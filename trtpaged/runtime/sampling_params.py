@@ -71,6 +71,13 @@ def _nesting_depth(schema: Union[str, Mapping[str, Any]], limit: int) -> int:
     return deepest
 
 
+def _check_schema_depth(field_name: str, schema: Union[str, Mapping[str, Any]]) -> None:
+    """RequestError naming `field_name` when the schema nests objects and arrays past MAX_SCHEMA_DEPTH."""
+    if _nesting_depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+        raise RequestError(field_name, f"json schema nests objects and arrays more than {MAX_SCHEMA_DEPTH} deep",
+                           MAX_SCHEMA_DEPTH)
+
+
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """A grammar that constrains a request's output (vLLM's `StructuredOutputsParams`); set exactly one of:
@@ -92,6 +99,7 @@ class StructuredOutputsParams:
             raise RequestError(name, f"set exactly one of {', '.join(_STRUCTURED_KINDS)}, got {given or 'none'}")
         if self.json is not None:
             if isinstance(self.json, Mapping):
+                _check_schema_depth(name, self.json)  # first: json.dumps recurses through the nesting
                 try:
                     text = json.dumps(self.json, sort_keys=True)
                 except (TypeError, ValueError) as exc:
@@ -103,10 +111,8 @@ class StructuredOutputsParams:
             if len(text) > MAX_GRAMMAR_CHARS:
                 raise RequestError(name, f"json schema of {len(text)} characters exceeds {MAX_GRAMMAR_CHARS}",
                                    MAX_GRAMMAR_CHARS)
-            depth = _nesting_depth(self.json if isinstance(self.json, Mapping) else text, MAX_SCHEMA_DEPTH)
-            if depth > MAX_SCHEMA_DEPTH:
-                raise RequestError(name, f"json schema nests objects and arrays more than {MAX_SCHEMA_DEPTH} deep",
-                                   MAX_SCHEMA_DEPTH)
+            if isinstance(self.json, str):
+                _check_schema_depth(name, text)
         for kind in ("regex", "grammar"):
             value = getattr(self, kind)
             if value is not None and (not isinstance(value, str) or not value):
