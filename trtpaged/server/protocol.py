@@ -110,23 +110,10 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         content = msg.content or ""
         if isinstance(content, list):  # text parts are lines of one message, as in vLLM
             content = "\n".join(_text_part(part, f"messages[{m}].content[{p}]") for p, part in enumerate(content))
-        extra = {k: v for k, v in (msg.model_extra or {}).items() if k in ("tool_calls", "tool_call_id", "name")}
-        for key, value in extra.items():
-            _check_template_key(key, value, f"messages[{m}].{key}")
+        given = ("tool_calls", "tool_call_id", "name")  # as the request gave them (schemas.ChatMessage types them)
+        extra = {k: getattr(msg, k) for k in given if k in msg.model_fields_set}
         out.append({"role": msg.role, "content": content, **extra})
     return out
-
-
-def _check_template_key(key: str, value: Any, where: str) -> None:
-    """The tool-call keys a message hands the chat template have the types OpenAI gives them (null: absent):
-    `tool_calls` a list of objects, `tool_call_id` and `name` strings."""
-    if value is None:
-        return
-    if key == "tool_calls":
-        if not (isinstance(value, list) and all(isinstance(call, dict) for call in value)):
-            raise ApiError(f"{where}: must be a list of tool call objects, got {type(value).__name__}", "messages")
-    elif not isinstance(value, str):
-        raise ApiError(f"{where}: must be a string, got {type(value).__name__}", "messages")
 
 
 def _text_part(part: Any, where: str) -> str:

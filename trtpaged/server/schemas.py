@@ -91,11 +91,15 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(BaseModel):
-    """One conversation turn; extra keys (name, tool_call_id, ...) are carried, not used."""
+    """One conversation turn; the tool-call keys chat templates read are typed as OpenAI types them, other extra
+    keys are carried, not used."""
 
     model_config = ConfigDict(extra="allow")
     role: StrictStr
     content: Optional[Union[StrictStr, list[Any]]] = None  # a list: content parts (protocol.py reads text ones)
+    name: Optional[StrictStr] = None
+    tool_call_id: Optional[StrictStr] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
 
 
 class ChatCompletionRequest(_SamplingFields):
