@@ -154,8 +154,7 @@ def main() -> None:
         print(f"{name}: {getattr(args, name)} isa {lib.trtpaged_cpu_isa().decode()}")
     float_peak, int_peak, int_loop = peaks_gflops(args.isa, 5)
     print(f"peaks, one thread ({args.isa}): FMA {float_peak:.1f} GFLOP/s, integer dot {int_loop} {int_peak:.1f} GOP/s; "
-          f"load average "
-          f"{open('/proc/loadavg').read().strip()}")
+          f"load average {open('/proc/loadavg').read().strip()}")
     paths = [("int4 float acts", 1, ("qkv", "o", "gate_up", "down")), ("int4 int8 acts", 0, ("qkv", "o", "gate_up",
              "down")), ("int8 lm_head float acts", 1, ("lm_head",)), ("int8 lm_head int8 acts", 0, ("lm_head",))]
     rows = [int(r) for r in args.rows.split(",")]
