@@ -17,6 +17,9 @@ import pytest
 from tests.test_server import metrics, request, stream, wait_idle
 from trtpaged import SamplingParams
 from trtpaged.server import ServerOptions, start_server
+from trtpaged.server.errors import ApiError
+from trtpaged.server.protocol import validated
+from trtpaged.server.schemas import CompletionRequest
 
 KEY = "sk-hostile-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -416,3 +419,14 @@ def test_a_text_too_long_by_its_length_alone_is_refused_before_tokenizing(server
     assert status == 200 and out["usage"]["prompt_tokens"] == 100, out
     assert post(server, J({"prompt": "x" * 390, "max_tokens": 2}))[0] == 200  # under both limits
     wait_idle(server)
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "presence_penalty", "repetition_penalty"])
+def test_a_number_given_as_text_is_one_error_naming_the_field_as_a_number(field):
+    """A float field given "0.5" is refused in one line that says a number is wanted (a union of int and
+    float worded it as two errors, the first 'temperature.int: Input should be a valid integer')."""
+    with pytest.raises(ApiError) as caught:
+        validated(CompletionRequest, {"prompt": "x", field: "0.5"})
+    assert caught.value.param == field
+    assert str(caught.value) == f"{field}: Input should be a valid number, got '0.5'"
+    assert validated(CompletionRequest, {"prompt": "x", field: 1}).model_dump()[field] == 1.0

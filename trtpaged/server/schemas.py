@@ -11,7 +11,9 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_serializer
 
-Number = Union[StrictInt, StrictFloat]
+# A JSON number; an integer is read as a float. (A union of int and float would word a string's
+# refusal as two errors, the first "should be a valid integer".)
+Number = StrictFloat
 TokenIds = list[StrictInt]
 
 
