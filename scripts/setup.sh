@@ -34,7 +34,7 @@ else
   step "torch already installed: $("$PY" -c 'import torch; print(torch.__version__)') (kept)"
 fi
 step "installing dependencies"
-"$PY" -m pip install -q "scikit-build-core>=0.10" "transformers>=4.45" "onnx>=1.16" "onnxscript>=0.2" "click>=8.1" \
+"$PY" -m pip install -q "scikit-build-core>=0.10" "transformers>=5.0" "onnx>=1.16" "onnxscript>=0.2" "click>=8.1" \
   "pyyaml>=6" "safetensors>=0.4" "numpy>=1.24" "gguf>=0.10" "accelerate>=0.30" "fastapi>=0.115" "uvicorn>=0.30" \
   "uvloop>=0.19" "httptools>=0.6" \
   "pydantic>=2.12" "prometheus-client>=0.20" "httpx>=0.27" "pytest>=8" "pytest-xdist>=3.5" "filelock>=3.12" \

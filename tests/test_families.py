@@ -152,6 +152,16 @@ def test_unsupported_variants_are_refused_naming_the_key(overrides, key):
         dims_from_hf_config(hf.config, 256)
 
 
+@pytest.mark.parametrize("name", ["qwen2-window", "gemma2", "gemma3"])
+def test_a_window_without_layer_kinds_is_refused_not_dropped(name):
+    """A config with a sliding window but no layer_types (what transformers before 4.53 gives these families)
+    is refused naming the key: building every layer global would answer wrongly past the window."""
+    hf_config = load_hf(_config(name).model).config
+    hf_config.layer_types = None
+    with pytest.raises(UnsupportedModelError, match="layer_types: .* sliding_window 12 .* transformers >= 5"):
+        dims_from_hf_config(hf_config, 256)
+
+
 def test_moe_is_refused_naming_the_key():
     from transformers import Qwen3MoeConfig
 

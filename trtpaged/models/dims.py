@@ -56,7 +56,13 @@ def _layer_windows(config: Any, arch: str) -> tuple[int, ...]:
     elif arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
         windows = (window,) * config.num_hidden_layers
     else:
-        windows = ()
+        # transformers before 4.53 gives no layer_types; which layers slide then follows other keys per family
+        # (max_window_layers, a layer-index pattern), which an empty answer here would silently drop
+        import transformers
+
+        raise UnsupportedModelError(
+            f"layer_types: {arch} has sliding_window {window} but the config names no layer kinds; transformers "
+            f"{transformers.__version__} does not give them: install transformers >= 5")
     return windows if any(windows) else ()
 
 
