@@ -64,6 +64,15 @@ def _one_line_failure(r, *words: str) -> str:
      ["model.tiny.rope_scaling.factor: got 0; expected a number > 0"]),
     ({"model": {"tiny": {"rope_scaling": {"rope_type": "linear", "factor": "1e300"}}}},
      ["model.tiny.rope_scaling.factor: got '1e300'"]),
+    # RoPE scaling stretches the trained length by its factor (linear; yarn from its original length), no further
+    ({"model": {"tiny": {"max_position_embeddings": 64, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}}},
+     ["max_seq_len: got 512; the model was trained for 256 tokens (max_position_embeddings 64 with linear RoPE "
+      "scaling factor 4)"]),
+    ({"model": {"tiny": {"max_position_embeddings": 256, "rope_scaling": {
+        "rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}}}},
+     ["max_seq_len: got 512; the model was trained for 128 tokens"]),
+    ({"model": {"tiny": {"max_position_embeddings": 128}}},
+     ["max_seq_len: got 512; the model was trained for max_position_embeddings 128"]),
     ({"kv_cache": {"num_kv_blocks": 10**15}}, ["kv_cache.num_kv_blocks: got 1000000000000000; at most 2147483647"]),
     ({"kv_cache": {"num_kv_blocks": 2**31 - 1}}, ["kv_cache.num_kv_blocks: got 2147483647: a KV pool of 1.64e+04 GiB",
                                                "the most memory a device of this machine has"]),

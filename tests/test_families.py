@@ -6,6 +6,7 @@ prefix-cache hits."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import onnx
@@ -17,6 +18,7 @@ from trtpaged.attention_options import AttentionOptions
 from trtpaged.builder.probe import hf_logits, standard_probe
 from trtpaged.config import parse_config
 from trtpaged.models import UnsupportedModelError, dims_from_hf_config, load_hf, step_model_from_hf
+from trtpaged.models.dims import trained_max_seq_len
 from trtpaged.runtime.llm_engine import LLMEngine
 from trtpaged.runtime.sampling_params import SamplingParams
 
@@ -160,6 +162,19 @@ def test_a_window_without_layer_kinds_is_refused_not_dropped(name):
     hf_config.layer_types = None
     with pytest.raises(UnsupportedModelError, match="layer_types: .* sliding_window 12 .* transformers >= 5"):
         dims_from_hf_config(hf_config, 256)
+
+
+@pytest.mark.parametrize("scaling,length", [
+    (None, 64),
+    ({"rope_type": "linear", "factor": 4.0}, 256),
+    ({"rope_type": "yarn", "factor": 2.0}, 128),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}, 128),
+    ({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8}, 64),  # already the long length
+])
+def test_the_trained_length_stretches_with_linear_and_yarn_scaling(scaling, length):
+    """vLLM's derived max_model_len: the length build checks max_seq_len against."""
+    dims = dims_from_hf_config(load_hf(_config("qwen3").model).config, 256)
+    assert trained_max_seq_len(dataclasses.replace(dims, max_position_embeddings=64, rope_scaling=scaling)) == length
 
 
 def test_moe_is_refused_naming_the_key():

@@ -37,6 +37,8 @@ from trtpaged.config import BuildConfig, ConfigError
 from trtpaged.kernels import KernelError
 from trtpaged.kv_formats import QUANTIZED_KV_CACHE_DTYPES
 from trtpaged.manifest import Manifest, ModelDims
+from trtpaged.models.dims import trained_max_seq_len
+from trtpaged.models.rope import rope_type
 from trtpaged.models.tensor_parallel import check_tensor_parallel
 from trtpaged.kv_budget import budget_blocks, machine_memory_bytes
 
@@ -345,10 +347,14 @@ def _config_plan(config: BuildConfig, dims: ModelDims) -> dict[str, tuple[int, i
 
 def _check_limits(config: BuildConfig, dims: ModelDims, block_bytes: int) -> None:
     limits = config.limits
-    if limits.max_seq_len > dims.max_position_embeddings and not dims.rope_scaling:
-        raise ConfigError(f"max_seq_len: got {limits.max_seq_len}; the model was trained for "
-                          f"max_position_embeddings {dims.max_position_embeddings}", field="max_seq_len",
-                          limit=dims.max_position_embeddings)
+    trained = trained_max_seq_len(dims)
+    if limits.max_seq_len > trained:
+        scaling = dims.rope_scaling or {}
+        made_for = (f"max_position_embeddings {trained}" if trained == dims.max_position_embeddings else
+                    f"{trained} tokens (max_position_embeddings {dims.max_position_embeddings} with "
+                    f"{rope_type(scaling)} RoPE scaling factor {float(scaling.get('factor') or 1):g})")
+        raise ConfigError(f"max_seq_len: got {limits.max_seq_len}; the model was trained for {made_for}",
+                          field="max_seq_len", limit=trained)
     budget = config.kv_cache
     try:
         blocks = budget_blocks(limits, budget, block_bytes)  # the runtime's count; None for a fraction

@@ -93,7 +93,8 @@ def dims_from_hf_config(config: Any, max_seq_len: Optional[int] = None) -> Model
         raise UnsupportedModelError(f"{act_key}: got {act!r}; the gated MLP implements {', '.join(ACTIVATIONS)}")
     theta, scaling, partial = _rope(config)
     if rope_type(scaling) not in SUPPORTED_ROPE_TYPES:
-        raise UnsupportedModelError(f"rope_type: got {rope_type(scaling)!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        raise UnsupportedModelError(f"rope_scaling.rope_type: got {rope_type(scaling)!r}; "
+                                    f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     if rope_type(scaling) == "longrope":
         original = int((scaling or {}).get("original_max_position_embeddings")
                        or getattr(config, "original_max_position_embeddings", 0) or 0)
@@ -167,3 +168,17 @@ def dims_from_hf_config(config: Any, max_seq_len: Optional[int] = None) -> Model
         final_logit_softcap=_softcap(config, "final_logit_softcapping") if gemma else 0.0,
         local_rope_theta=local_theta,
     )
+
+
+def trained_max_seq_len(dims: ModelDims) -> int:
+    """The longest sequence the model is made for, derived as vLLM derives it: max_position_embeddings, times the
+    factor of linear and yarn RoPE scaling (yarn's from its original_max_position_embeddings when the config gives
+    one); llama3 and longrope configs already state their extended length there."""
+    scaling = dims.rope_scaling or {}
+    kind = rope_type(scaling)
+    factor = float(scaling.get("factor") or 1.0)
+    if kind == "linear":
+        return int(dims.max_position_embeddings * factor)
+    if kind == "yarn":
+        return int(int(scaling.get("original_max_position_embeddings") or dims.max_position_embeddings) * factor)
+    return dims.max_position_embeddings
