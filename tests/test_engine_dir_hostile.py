@@ -137,6 +137,11 @@ def _rope_factor_zero(e: Path) -> None:
     _edit_manifest(e, dims={**data["dims"], "rope_scaling": {"rope_type": "linear", "factor": 0}})
 
 
+def _rope_factor_below_float32(e: Path) -> None:
+    data = json.loads((e / MANIFEST_NAME).read_text())
+    _edit_manifest(e, dims={**data["dims"], "rope_scaling": {"rope_type": "linear", "factor": 1e-300}})
+
+
 def _unknown_field(e: Path) -> None:
     _edit_manifest(e, weights_sha="abc")
 
@@ -204,6 +209,8 @@ BROKEN = {
     "unknown manifest field": (_unknown_field, False, "weights_sha", "unknown field"),
     # was: loaded, and every request failed on NaN logits
     "rope_scaling factor 0": (_rope_factor_zero, False, "dims", "gives non-finite rotary frequencies"),
+    # finite and positive as a double, 0 as a float32
+    "rope_scaling factor 1e-300": (_rope_factor_below_float32, False, "dims", "gives non-finite rotary frequencies"),
     "weights not hashed": (_unlisted_weights, False, "weights_file", "not listed in the manifest's files"),
     "extra tokenizer file": (_tokenizer_extra_file, False, "tokenizer_dir", "does not list"),
     "num_kv_blocks 10^15": (_kv_blocks_beyond_int32, False, "kv_cache.num_kv_blocks", "int32 block ids"),

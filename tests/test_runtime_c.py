@@ -167,12 +167,36 @@ def edited_engine(src: Path, dst: Path, edit) -> Path:
     (lambda m: m["dims"].update(hidden_size=96), "invalid_argument", "embed_tokens.weight"),
     (lambda m: m.update(quantization={"modules": {"lm_head": [3, 32]}}), "invalid_argument", "quantization.modules"),
     (lambda m: m.update(surprise=1), "invalid_argument", "surprise: unknown field"),
+    # finite and positive as a double, 0 as a float: every angle would be NaN
+    (lambda m: m["dims"].update(rope_scaling={"rope_type": "linear", "factor": 1e-300}), "invalid_argument",
+     "dims.rope_scaling: factor 1e-300 gives non-finite rotary frequencies"),
 ])
 def test_open_refuses_bad_engine_dirs(lib, tiny_engine_dir, tmp_path, edit, status, named):
     engine = edited_engine(tiny_engine_dir, tmp_path / "engine", edit)
     with pytest.raises(CError) as e:
         CRuntime(lib, engine)
     assert e.value.status == status and named in e.value.message
+
+
+def test_json_nested_past_the_limit_is_refused_not_a_stack_overflow(lib, tiny_engine_dir, tmp_path):
+    """A manifest field or a safetensors header nested 100,000 deep is refused in one message: the error message's
+    dump of the value recursed once per level and overflowed the stack (SIGSEGV)."""
+    deep = "[" * 100_000 + "]" * 100_000
+    engine = edited_engine(tiny_engine_dir, tmp_path / "manifest", lambda m: m["dims"].update(num_layers=0))
+    path = engine / "trtpaged.json"
+    path.write_text(path.read_text().replace('"num_layers": 0', f'"num_layers": {deep}'))
+    with pytest.raises(CError, match="trtpaged.json: \\(file\\): JSON nested deeper than 64 levels"):
+        CRuntime(lib, engine)
+    engine = edited_engine(tiny_engine_dir, tmp_path / "weights", lambda m: None)
+    weights = engine / "weights.safetensors"
+    data = weights.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + size])
+    name = next(k for k in header if k != "__metadata__")
+    text = json.dumps(header).replace(json.dumps(header[name]["shape"]), deep, 1).encode()
+    weights.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + size:])
+    with pytest.raises(CError, match="weights_file: not a valid safetensors file: the header nests deeper than 64"):
+        CRuntime(lib, engine)
 
 
 def test_manifest_of_an_older_build_opens_the_same(lib, tiny_engine_dir, tmp_path):
@@ -203,6 +227,9 @@ def test_open_refuses_unsafe_weights(lib, tiny_engine_dir, tmp_path):
     with pytest.raises(CError, match="engine_dir: .* does not exist") as e:
         CRuntime(lib, tmp_path / "missing")
     assert e.value.status == "io"
+    with pytest.raises(CError) as e:
+        CRuntime(lib, "")
+    assert e.value.message == "engine_dir: empty path"  # was: "'' does not exist (Success)"
     with pytest.raises(CError, match="options.num_kv_blocks, options.kv_bytes: set at most one"):
         CRuntime(lib, tiny_engine_dir, num_kv_blocks=4, kv_bytes=1 << 20)
     with pytest.raises(CError, match="options.max_seq_len: must be in \\[1, 512\\]"):
@@ -240,6 +267,10 @@ def test_bad_requests_and_steps_name_the_argument(lib, tiny_engine_dir):
                                   ("logits_index", [2], r"inputs.logits_index\[0\]: got 2")]:
             with pytest.raises(CError, match=named):
                 run_c_step(rt, {**good, key: value})
+        # query_start is checked whole before positions are read through it (was: read past positions' end)
+        with pytest.raises(CError, match=r"inputs.query_start\[2\]: decreases"):
+            run_c_step(rt, dict(input_ids=[1, 2], positions=[0, 1], query_start=[0, 100, 2], context_lens=[2, 2],
+                                block_tables=[[0], [1]], logits_index=[1]))
         run_c_step(rt, good)
         rt.add([1, 2, 3], 2)  # in flight: the step API would share its pool
         with pytest.raises(CError, match="runtime: 1 requests are unfinished"):

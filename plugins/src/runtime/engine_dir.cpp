@@ -39,7 +39,22 @@ const std::map<std::string, std::pair<int, int>> kKvFormats = {
     {"float32", {4, 0}}, {"float16", {2, 0}}, {"bfloat16", {2, 0}}, {"int8", {1, 2}}, {"fp8_e4m3", {1, 2}}};
 const std::set<std::string> kArchitectures = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"};
 
+// Manifests and safetensors headers nest 3 or 4 levels; nlohmann's dump, copy and comparison recurse, so a value
+// nested 100,000 deep would overflow the stack (in an error message, at that).
+constexpr int kMaxJsonDepth = 64;
+struct JsonTooDeep {};
+
+// Parses untrusted JSON, throwing JsonTooDeep past kMaxJsonDepth levels (json::exception when it is not JSON).
+json parse_bounded(const std::string& text) {
+  return json::parse(text, [](int depth, json::parse_event_t, json&) {
+    if (depth > kMaxJsonDepth) throw JsonTooDeep{};
+    return true;
+  });
+}
+
 std::string show(const json& v) {
+  if (v.is_array() && v.size() > 8) return "a list of " + std::to_string(v.size()) + " items";
+  if (v.is_object() && v.size() > 8) return "an object of " + std::to_string(v.size()) + " keys";
   std::string s = v.dump();
   return s.size() > 80 ? s.substr(0, 80) + "..." : s;
 }
@@ -233,7 +248,8 @@ int64_t TensorEntry::numel() const {
 
 std::string resolve_engine_dir(const std::string& engine_dir) {
   struct stat st {};
-  if (engine_dir.empty() || ::stat(engine_dir.c_str(), &st) != 0)
+  if (engine_dir.empty()) invalid("engine_dir: empty path");
+  if (::stat(engine_dir.c_str(), &st) != 0)
     raise(TRTPAGED_ERR_IO, "engine_dir: '" + engine_dir + "' does not exist (" + std::strerror(errno) + ")");
   if (!S_ISDIR(st.st_mode)) invalid("engine_dir: '" + engine_dir + "' is not a directory");
   std::string root = real_path(engine_dir);
@@ -259,9 +275,11 @@ Manifest read_manifest(const std::string& root) {
     raise(TRTPAGED_ERR_IO, where + ": (file): missing; not an engine dir (build one with trtpaged build)");
   json data;
   try {
-    data = json::parse(read_small_file(where, kMaxManifestBytes, "(file)"));
+    data = parse_bounded(read_small_file(where, kMaxManifestBytes, "(file)"));
   } catch (const json::exception& e) {
     invalid(where + ": (file): not valid JSON (" + e.what() + ")");
+  } catch (const JsonTooDeep&) {
+    invalid(where + ": (file): JSON nested deeper than " + std::to_string(kMaxJsonDepth) + " levels");
   }
   if (!data.is_object()) invalid(where + ": (file): expected a JSON object, got " + show(data));
   const json* version = data.contains("format_version") ? &data["format_version"] : nullptr;
@@ -396,9 +414,11 @@ std::map<std::string, TensorEntry> read_safetensors_header(const std::string& pa
     raise(TRTPAGED_ERR_IO, path + ": " + field + ": short read of the header");
   json header;
   try {
-    header = json::parse(raw);
+    header = parse_bounded(raw);
   } catch (const json::exception&) {
     bad("the header is not JSON");
+  } catch (const JsonTooDeep&) {
+    bad("the header nests deeper than " + std::to_string(kMaxJsonDepth) + " levels");
   }
   if (!header.is_object()) bad("the header is not a JSON object");
   const uint64_t base = 8 + header_len;

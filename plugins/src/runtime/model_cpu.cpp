@@ -248,6 +248,13 @@ CpuModel::CpuModel(const Manifest& manifest, const std::string& weights_path) : 
       float blended = (1 - smooth) * scaled / factor + smooth * scaled;
       inv = (!(wavelen < high_wavelen) && !(wavelen > low_wavelen)) ? blended : scaled;
     }
+    // as rope.py refuses: a factor finite as a double may not be as a float (1e-300 -> 0, then inv = inf), and a
+    // non-finite frequency makes every position's angle, and so every logit, NaN
+    if (!std::isfinite(inv)) {
+      char factor[32];
+      std::snprintf(factor, sizeof factor, "%g", m_.rope.factor);
+      invalid(std::string("dims.rope_scaling: factor ") + factor + " gives non-finite rotary frequencies in float32");
+    }
     inv_freq_.push_back(inv);
   }
 }

@@ -158,9 +158,13 @@ void check_step(const trtpaged_runtime& rt, const trtpaged_step_inputs& s, size_
               " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
   if (s.query_start[0] != 0 || s.query_start[s.num_seqs] != s.num_tokens)
     invalid("inputs.query_start: must run from 0 to num_tokens");
+  // all of query_start before any of positions is read through it: with 0 <= query_start[q] <= query_start[q + 1]
+  // and the last one num_tokens, every index below stays inside positions
+  for (int32_t q = 0; q < s.num_seqs; ++q)
+    if (s.query_start[q + 1] < s.query_start[q])
+      invalid("inputs.query_start[" + std::to_string(q + 1) + "]: decreases");
   for (int32_t q = 0; q < s.num_seqs; ++q) {
     const int32_t a = s.query_start[q], b = s.query_start[q + 1], len = s.context_lens[q];
-    if (b < a) invalid("inputs.query_start[" + std::to_string(q + 1) + "]: decreases");
     if (len < 1 || len > l.max_seq_len)
       invalid("inputs.context_lens[" + std::to_string(q) + "]: got " + std::to_string(len) +
               "; expected 1 to max_seq_len " + std::to_string(l.max_seq_len));
