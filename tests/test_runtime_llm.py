@@ -33,6 +33,25 @@ def test_generate_text_and_token_prompts_match_hf(llm, tiny_engine_dir):
         assert completion.finish_reason in ("stop", "length")
 
 
+def test_vllm_prompt_dicts_and_the_model_keyword_give_the_same_outputs(llm, tiny_engine_dir):
+    """What a vLLM script passes: LLM(model=...), {"prompt": text} and {"prompt_token_ids": ids}, alone or listed."""
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in llm.generate(["hello there", [5, 6, 7, 8]], greedy)]
+    as_dicts = llm.generate([{"prompt": "hello there"}, {"prompt_token_ids": [5, 6, 7, 8]}], greedy)
+    assert [o.outputs[0].token_ids for o in as_dicts] == plain
+    assert [o.prompt for o in as_dicts] == ["hello there", None]
+    assert llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, greedy)[0].outputs[0].token_ids == plain[1]
+    for bad in ({"prompt": "x", "multi_modal_data": {}}, {}):
+        with pytest.raises(RequestError, match="a prompt dict holds 'prompt'") as e:
+            llm.generate([bad], greedy)
+        assert e.value.field == "prompt"
+    assert llm.get_tokenizer() is llm.tokenizer
+    by_name = LLM(model=tiny_engine_dir, device="cpu", warmup=False)
+    assert by_name.generate(["hello there"], greedy)[0].outputs[0].token_ids == plain[0]
+    with pytest.raises(TypeError, match="give the engine dir once"):
+        LLM(tiny_engine_dir, engine=tiny_engine_dir)
+
+
 def test_limits_come_from_the_manifest_and_only_tighten(llm, tiny_engine_dir):
     assert llm.stats()["kv_blocks_total"] == llm.manifest.kv_cache.num_kv_blocks == llm.config.num_kv_blocks
     assert llm.engine.runner.num_kv_blocks == llm.config.num_kv_blocks

@@ -39,19 +39,33 @@ def _tightened(name: str, value: Optional[int], limit: int) -> int:
     return value
 
 
+def _unwrapped(prompt: Any) -> Any:
+    """vLLM's prompt dicts as what they hold: {"prompt_token_ids": ids} (TokensPrompt) or {"prompt": text}
+    (TextPrompt); an array or tensor of token ids as a list; anything else as it is."""
+    if isinstance(prompt, Mapping):
+        unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+        if unknown or not prompt:
+            raise RequestError("prompt", "a prompt dict holds 'prompt' (text) or 'prompt_token_ids', got keys "
+                               f"{sorted(prompt)!r:.120}")
+        prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
+    if hasattr(prompt, "tolist") and not isinstance(prompt, (str, list, tuple)):
+        prompt = prompt.tolist()  # an array or tensor of token ids (or a 2-D one of several prompts)
+    return prompt
+
+
 def _prompt_list(prompts: Any) -> list[Prompt]:
-    """`generate`'s prompts as a list: text, or token ids (a list, tuple, numpy array or tensor), or a list of those.
-    Raises RequestError("prompt") for anything else."""
-    if hasattr(prompts, "tolist") and not isinstance(prompts, (str, list, tuple)):
-        prompts = prompts.tolist()  # an array or tensor of token ids (or a 2-D one of several prompts)
+    """`generate`'s prompts as a list: text, or token ids (a list, tuple, numpy array or tensor), or vLLM's
+    {"prompt": text} / {"prompt_token_ids": ids}, or a list of those. Raises RequestError("prompt") for anything
+    else."""
+    prompts = _unwrapped(prompts)
     first = prompts[0] if isinstance(prompts, (list, tuple)) and prompts else None
     one_of_ids = hasattr(first, "__index__") and not hasattr(first, "__len__")  # an int or numpy int, not an array
     if isinstance(prompts, str) or one_of_ids:
         return [prompts]  # one prompt
     if not isinstance(prompts, (list, tuple)):
-        raise RequestError("prompt", "must be text, a list of token ids or a list of those, got "
+        raise RequestError("prompt", "must be text, a list of token ids, a prompt dict or a list of those, got "
                            f"{type(prompts).__name__}")
-    return [p.tolist() if hasattr(p, "tolist") and not isinstance(p, (str, list, tuple)) else p for p in prompts]
+    return [_unwrapped(p) for p in prompts]
 
 
 def load_tokenizer(engine_dir: Path, manifest: Manifest) -> Any:
@@ -104,7 +118,8 @@ class LLM:
     ...                SamplingParams(max_tokens=16, temperature=0))
     >>> out.outputs[0].text
 
-    Limits default to the engine's build limits (manifest) and may be
+    The engine dir comes first (`model=`, vLLM's name for it, or `engine=`). Limits default to the engine's
+    build limits (manifest) and may be
     tightened: `max_num_tokens`, `max_batch_size`, `max_seq_len`; the KV pool
     size defaults to the manifest's budget (`num_kv_blocks` overrides it). For a model whose every layer
     has a sliding window (Mistral-style), blocks wholly before a sequence's window go back to the pool as
@@ -141,8 +156,9 @@ class LLM:
 
     def __init__(
         self,
-        engine: Union[str, Path],
+        model: Union[str, Path, None] = None,
         *,
+        engine: Union[str, Path, None] = None,
         backend: str = "auto",
         device: Optional[str] = None,
         num_kv_blocks: Optional[int] = None,
@@ -159,6 +175,9 @@ class LLM:
         reclaim_windowed_blocks: bool = True,
         max_logprobs: int = 20,
     ) -> None:
+        if (model is None) == (engine is None):
+            raise TypeError("LLM: give the engine dir once, as model (vLLM's name for it) or as engine")
+        engine = model if engine is None else engine
         device = resolve_device(device)
         tier_config = KVTierConfig.parse(kv_tiers)
         if tier_config.enabled and not enable_prefix_caching:
@@ -233,7 +252,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in prompt order.
 
-        A prompt is text or a list of token ids; one SamplingParams applies to all, or pass one per prompt.
+        A prompt is text or a list of token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}; one
+        SamplingParams applies to all, or pass one per prompt.
         A prompt that fails inside a step on its own (e.g. NaN logits in its rows) comes back finished,
         with finish_reason "error" and `error` set, and the others complete; a failure of the step
         itself (the model raising) raises here, and this call's requests are aborted.
@@ -300,6 +320,10 @@ class LLM:
         return chat_prompt_ids(self.tokenizer, messages, tools, add_generation_prompt=add_generation_prompt,
                                continue_final_message=continue_final_message, template_kwargs=template_kwargs,
                                add_special_tokens=add_special_tokens)  # fmt: skip
+
+    def get_tokenizer(self) -> Any:
+        """The engine dir's tokenizer (vLLM's accessor; the same object as `tokenizer`)."""
+        return self.tokenizer
 
     def close(self) -> None:
         """Writes the cached prefixes to the KV tiers (if any), stops the other tensor-parallel ranks; idempotent."""
