@@ -364,6 +364,49 @@ def test_disk_tier_survives_a_restart_and_skips_bad_entries(step_model, referenc
     foreign.close()
 
 
+def test_sequences_sharing_a_tier_prefix_stage_it_once_and_share_its_blocks(step_model):
+    """The n samples of a preempted request wait with the same prompt, whose blocks a tier holds: their reads
+    stage those blocks once (was: counted per sequence, so the second read waited for room the first one held
+    until the group's admission, for ever) and the group's admission loads them once, shared. A request first in
+    line reads even when staging is full of other waiting requests' blocks, which may wait for it."""
+    long_prompt = _prompt(7, 10 * BS + 5)  # 10 full blocks; staging holds NUM_KV_BLOCKS = 12
+    engine = make_engine(step_model, KVTierConfig(host_memory=1 << 22))
+    for prompt in (long_prompt, A, B, C):  # the last three evict the first one's blocks into the tier
+        run_one(engine, prompt)
+    other = _prompt(8, 6 * BS + 1)
+    run_one(engine, other)
+    for prompt in (A, B, C):
+        run_one(engine, prompt)
+    engine.kv.tiers.flush()
+    kv = engine.kv
+    first, second = (Sequence(10**6 + i, long_prompt + [5 + i, 6, 7]) for i in range(2))  # two samples' tokens
+    assert kv.prefetch(first) and kv.staged_blocks() == 10
+    assert kv.prefetch(second) and kv.staged_blocks() == 10  # the same 10 blocks, staged once
+    hits = [kv.find_cached_prefix(s) for s in (first, second)]
+    assert [sum(isinstance(h, TierHit) for h in hit) for hit in hits] == [10, 10]
+    plan = kv.plan_allocation([(s, len(s.token_ids) - 10 * BS, h) for s, h in zip((first, second), hits)])
+    assert plan.num_kv_blocks == 10 + 2  # the prompt's blocks once, and each sample's own last block
+    kv.allocate(plan)
+    assert kv.tables[first.seq_id][:10] == kv.tables[second.seq_id][:10]
+    assert all(b.ref_cnt == 2 for b in kv.tables[first.seq_id][:10])
+    assert engine.stats()["kv_tier_blocks_loaded"] >= 10
+    for s in (first, second):
+        kv.free(s)
+    # 6 blocks of `other` staged for a waiting request leave no room for the 10 of one behind it
+    evict = [_prompt(20 + i) for i in range(3)]
+    for prompt in evict:
+        run_one(engine, prompt)
+    engine.kv.tiers.flush()
+    waiting, later = Sequence(10**6 + 2, other + [9]), Sequence(10**6 + 3, long_prompt + [9])
+    assert kv.prefetch(waiting) and kv.staged_blocks() == 6
+    assert not kv.prefetch(later)  # waits for room ...
+    assert kv.prefetch(later, first_in_line=True) and kv.staged_blocks() == 16  # ... unless it is first in line
+    for s in (waiting, later):
+        kv.free(s)
+    assert_pool_whole(engine)
+    engine.close()
+
+
 def test_a_block_evicted_before_its_load_ran_is_saved_from_the_loaded_bytes(step_model, reference):
     """A tier hit loaded into block X and X evicted again in the same schedule: the write-back must
     carry the loaded bytes, not X's stale ones, and the load must not overwrite X's new owner."""

@@ -147,11 +147,16 @@ class KVCacheManager:
         return records
 
     # ---- tier loads for waiting sequences -----------------------------------------------------
-    def prefetch(self, seq: Sequence) -> bool:
+    def prefetch(self, seq: Sequence, first_in_line: bool = False) -> bool:
         """Whether the sequence's prefix is ready for admission: starts (once) the tier read of its full blocks
         after the pool's run and answers False while that read is pending. The read runs on the tiers' loader
         thread; a read past its deadline is given up (what it found is kept). A finished read that no longer
-        starts where the pool's run ends (a pool block it followed was evicted meanwhile) is made once more."""
+        starts where the pool's run ends (a pool block it followed was evicted meanwhile) is made once more.
+
+        A read waits while staging has no room for its blocks, except the reads of the request first in line
+        (`first_in_line`): the staging that other waiting requests hold is freed only when they are admitted, which
+        may wait for this one, so the oldest request's reads always go ahead (staging may then pass
+        `max_staged_blocks` by that request's own blocks)."""
         if self.tiers is None or not self.pool.enable_caching or seq.seq_id in self.tables:
             return True
         load = self._loads.get(seq.seq_id)
@@ -169,7 +174,7 @@ class KVCacheManager:
         records = self._tier_records(seq, run)
         if not records:
             return True
-        if self.staged_blocks() - (load.num_blocks if load else 0) + len(records) > self.max_staged_blocks:
+        if not first_in_line and self._staged_with(seq.seq_id, records) > self.max_staged_blocks:
             return load is not None  # no room to read ahead now: a first read waits, a retry is not made
         shared = self._shared_hits(records, len(run))
         if shared is None:
@@ -218,8 +223,26 @@ class KVCacheManager:
             self.tiers.loader.wait(timeout)
 
     def staged_blocks(self) -> int:
-        """Blocks that tier reads hold in staging (or may still read, while pending), over every waiting sequence."""
-        return sum(load.num_blocks for load in self._loads.values())
+        """Blocks that tier reads hold in staging (or may still read, while pending), over every waiting sequence;
+        a block that several reads hold (a prompt its n samples share) is held once."""
+        return len(self._staged_keys())
+
+    def _staged_keys(self, but: Optional[int] = None) -> set[bytes]:
+        keys: set[bytes] = set()
+        for seq_id, load in self._loads.items():
+            if seq_id == but:
+                continue
+            if load.done:  # what it found
+                keys.update(hit.record.key for hit in load.hits)
+            else:  # what it may still find
+                keys.update(record.key for record in load.records)
+        return keys
+
+    def _staged_with(self, seq_id: int, records: Seq[BlockRecord]) -> int:
+        """Staged blocks if the sequence's read of `records` replaced the one it has (if any)."""
+        keys = self._staged_keys(but=seq_id)
+        keys.update(record.key for record in records)
+        return len(keys)
 
     def _drop_load(self, seq_id: int) -> None:
         """Forgets the sequence's tier read (admitted, aborted, preempted): its staged blocks go with it."""
@@ -239,12 +262,12 @@ class KVCacheManager:
         reclaimed: set[int] = set()  # cache hits that sit in the free queue now
         copies: list[bool] = []
         new_blocks: list[int] = []
-        loads = 0
+        loads: set[bytes] = set()  # a block two sequences of the plan read from a tier is loaded once, then shared
         for seq, num_tokens, hits in requests:
             copy, new = False, 0
             if hits:
                 reclaimed.update(b.block_id for b in hits if isinstance(b, KVBlock) and b.ref_cnt == 0)
-                loads += sum(isinstance(b, TierHit) for b in hits)
+                loads.update(b.record.key for b in hits if isinstance(b, TierHit))
                 start, table_len = len(hits) * bs, len(hits)
             else:
                 table = self.tables.get(seq.seq_id, [])
@@ -259,7 +282,7 @@ class KVCacheManager:
                 new = max(0, _cdiv(start + num_tokens, bs) - table_len)
             copies.append(copy)
             new_blocks.append(new)
-        total = sum(copies) + sum(new_blocks) + len(reclaimed) + loads
+        total = sum(copies) + sum(new_blocks) + len(reclaimed) + len(loads)
         return AllocationPlan(tuple(requests), tuple(copies), tuple(new_blocks), total)
 
     def allocate(self, plan: AllocationPlan) -> list[tuple[int, int]]:
@@ -273,9 +296,10 @@ class KVCacheManager:
         for seq, _, hits in plan.requests:  # take every hit off the free queue before anything is evicted
             if hits:
                 self._adopt_hits(seq, hits)
+        loaded: dict[bytes, KVBlock] = {}
         for seq, _, hits in plan.requests:
             if hits and isinstance(hits[-1], TierHit):
-                self._load_tier_hits(seq, [h for h in hits if isinstance(h, TierHit)])
+                self._load_tier_hits(seq, [h for h in hits if isinstance(h, TierHit)], loaded)
             self._drop_load(seq.seq_id)  # admitted: what its read staged is in the pool now, or not needed
         copies: list[tuple[int, int]] = []
         for (seq, _, _), copy, new in zip(plan.requests, plan.copy_last, plan.new_blocks):
@@ -303,20 +327,28 @@ class KVCacheManager:
             self._tier_keys[seq.seq_id] = [self._records[b.block_id].key for b in blocks]
         self.prefix_hits_tokens += len(hits) * self.block_size
 
-    def _load_tier_hits(self, seq: Sequence, hits: Seq[TierHit]) -> None:
-        """Fresh blocks for tier hits, cached at once (their bytes are written before the step runs)."""
+    def _load_tier_hits(self, seq: Sequence, hits: Seq[TierHit], loaded: dict[bytes, KVBlock]) -> None:
+        """Fresh blocks for tier hits, cached at once (their bytes are written before the step runs). A block an
+        earlier sequence of the same plan loaded (`loaded`: tier key -> block; e.g. the n samples of a preempted
+        request, whose prompt comes back from a tier for each) is shared instead of loaded again."""
         assert self.tiers is not None
         table, hashes, keys = self.tables[seq.seq_id], self._hashes[seq.seq_id], self._tier_keys[seq.seq_id]
-        for hit, block in zip(hits, self.pool.allocate(len(hits))):
+        fresh = iter(self.pool.allocate(sum(hit.record.key not in loaded for hit in hits)))
+        for hit in hits:
             tokens = hit.record.tokens
             h = self.pool.hash_fn(hashes[-1] if hashes else root_hash(seq.cache_salt), tokens)
-            if self.pool.cache(block, h, tokens, table[-1].ref if table else seq.cache_salt):
-                self._records[block.block_id] = hit.record
-            self._pending_loads[block.block_id] = hit.payload
+            block = loaded.get(hit.record.key)
+            if block is not None:
+                self.pool.touch([block])
+            else:
+                block = loaded[hit.record.key] = next(fresh)
+                if self.pool.cache(block, h, tokens, table[-1].ref if table else seq.cache_salt):
+                    self._records[block.block_id] = hit.record
+                self._pending_loads[block.block_id] = hit.payload
+                self.tiers.num_loads += 1
             table.append(block)
             hashes.append(h)
             keys.append(hit.record.key)
-        self.tiers.num_loads += len(hits)
         self.tier_hits_tokens += len(hits) * self.block_size
 
     def _on_evict(self, block: KVBlock) -> None:

@@ -547,7 +547,8 @@ class Scheduler:
         """Starts the tier reads of a waiting group's prefix (`KVCacheManager.prefetch`); whether all are done."""
         if group.scores_prompt:  # computes every prompt token: no prefix hits to read
             return True
-        ready = all([self.kv.prefetch(seq) for seq in group.seqs])  # a list: every sequence's read starts
+        first = bool(self.waiting) and self.waiting[0] is group
+        ready = all([self.kv.prefetch(seq, first) for seq in group.seqs])  # a list: every sequence's read starts
         if ready and "ready" not in group.times:
             group.times["ready"] = time.monotonic()
         return ready

@@ -41,11 +41,6 @@ class TierLoad:
         self.resumed = False  # sent back to the loader once for blocks written back after it ran
         self._lock = threading.Lock()  # `hits` stops growing once the load is cancelled
 
-    @property
-    def num_blocks(self) -> int:
-        """Blocks this load may hold in staging: what it found once done, what it may find until then."""
-        return len(self.hits) if self.done else len(self.records)
-
     def cancel(self) -> None:
         """The sequence went away (admitted, aborted, preempted): `hits` grows no more."""
         with self._lock:
