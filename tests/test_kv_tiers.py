@@ -168,6 +168,35 @@ def test_stack_counts_bad_entries_as_misses(tmp_path: Path):
     assert [stack.lookup(r) for r in records] == [None] * 4
     assert disk.counters.hits == before
     assert disk.counters.invalid == 3 and disk.counters.misses == 4
+    # a bad entry is removed, so the next write-back replaces it (was: skipped for ever, the key being present)
+    assert not any(p.exists() for p in paths) and disk.num_entries == 0 and disk.used_bytes == 0
+    stack.save(list(zip(records, payloads)))
+    stack.flush()
+    assert [stack.lookup(r) for r in records] == [(p, "disk") for p in payloads]
+
+
+def test_what_another_process_puts_under_an_entry_name_is_read_no_further_than_its_checks(tmp_path: Path):
+    """A FIFO (whose open would block the loader thread, and shutdown with it), a 1 GiB sparse file (read whole
+    into memory), a link and a directory under entries' names: each is an invalid entry at once, and removed."""
+    fp = _fingerprint(None)
+    disk = DiskTier(tmp_path, 1 << 20)
+    stack = TierStack([CheckedTier(disk, EntryCodec(fp, 64))], fp)
+    records = [BlockRecord(chain_key(fp, ROOT, (j,) * BS), ROOT, (j,) * BS) for j in range(4)]
+    paths = [disk.path_of(r.key) for r in records]
+    os.mkfifo(paths[0])
+    with open(paths[1], "wb") as f:
+        f.truncate(1 << 30)
+    paths[2].symlink_to(tmp_path / "elsewhere")
+    paths[3].mkdir()
+    found: list = []
+    reader = threading.Thread(target=lambda: found.extend(stack.lookup(r) for r in records), daemon=True)
+    reader.start()
+    reader.join(10.0)  # a blocking open of the FIFO would hang here (the daemon thread is left behind)
+    assert not reader.is_alive() and found == [None] * 4
+    assert disk.counters.invalid == 4 and not any(p.exists() or p.is_symlink() for p in paths)
+    stack.save([(records[0], b"x" * 64)])
+    stack.flush()
+    assert stack.lookup(records[0]) == (b"x" * 64, "disk")
 
 
 def test_checked_tiers_sharing_a_codec_store_each_block_as_its_own_entry(tmp_path: Path):
@@ -258,8 +287,11 @@ def test_disk_tier_is_bounded_and_persistent(tmp_path: Path):
     again = DiskTier(tmp_path, 700)  # a restart with a smaller size evicts the oldest down to it
     assert again.num_entries == 2 and again.get(bytes([4]) * 32) == b"z" * 300
     assert again.get(bytes([0]) * 32) is None
+    assert again.get(bytes([3]) * 32) == b"z" * 300  # a hit makes an entry the most recent ...
+    again.put(bytes([5]) * 32, b"z" * 300)  # ... so the next put evicts the other one
+    assert again.get(bytes([4]) * 32) is None and again.get(bytes([3]) * 32) == b"z" * 300
     with pytest.raises(ValueError, match="disk.path"):
-        DiskTier(tmp_path / again.path_of(bytes([4]) * 32).name / "sub", 10)
+        DiskTier(tmp_path / again.path_of(bytes([3]) * 32).name / "sub", 10)
 
 
 # ---- restores through the engine --------------------------------------------------------------
@@ -461,6 +493,32 @@ def redis_url():
     server = RedisServer()
     yield server.url
     server.kill()
+
+
+@needs_redis
+def test_a_wrong_typed_redis_key_is_a_bad_entry_not_an_outage(redis_url):
+    """A list under an entry's key (WRONGTYPE on GET) is an invalid entry, deleted so the next write-back replaces
+    it; the tier stays up (was: counted an outage, each such lookup silencing the tier for retry_after_s)."""
+    import redis
+
+    from trtpaged.runtime.kv_tiers.remote import KEY_PREFIX, RedisTier
+
+    fp = _fingerprint(None)
+    remote = RedisTier(redis_url)
+    stack = TierStack([CheckedTier(remote, EntryCodec(fp, 64))], fp)
+    records = [BlockRecord(chain_key(fp, ROOT, (j,) * BS), ROOT, (j,) * BS) for j in range(2)]
+    client = redis.Redis.from_url(redis_url)
+    client.rpush(KEY_PREFIX + records[0].key, b"not an entry")
+    stack.save([(records[1], b"y" * 64)])
+    stack.flush()
+    assert stack.lookup(records[0]) is None
+    assert remote.is_up and remote.counters.errors == 0 and remote.counters.invalid == 1
+    assert not client.exists(KEY_PREFIX + records[0].key)
+    assert stack.lookup(records[1]) == (b"y" * 64, "remote")  # the tier answers the next lookup
+    stack.save([(records[0], b"x" * 64)])
+    stack.flush()
+    assert stack.lookup(records[0]) == (b"x" * 64, "remote")
+    stack.close()
 
 
 @needs_redis

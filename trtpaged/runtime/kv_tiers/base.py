@@ -58,8 +58,13 @@ class ByteStore(Protocol):
     counters: TierCounters
     slow: bool
 
-    def get(self, key: bytes) -> Optional[bytes]:
-        """The stored bytes under `key`, or None."""
+    def get(self, key: bytes, max_bytes: Optional[int] = None) -> Optional[bytes]:
+        """The stored bytes under `key` (at most `max_bytes` + 1 of them, so an oversized entry is read no further
+        than it takes to fail its checks), or None. Never blocks on what another process put under the key."""
+        ...
+
+    def discard(self, key: bytes) -> None:
+        """Removes what is stored under `key` (an entry that failed its checks), so a write-back can replace it."""
         ...
 
     def put(self, key: bytes, entry: bytes) -> None:

@@ -7,7 +7,7 @@ import threading
 from typing import Optional
 
 from trtpaged.runtime.kv_tiers.base import BlockRecord, ByteStore, TierCounters
-from trtpaged.runtime.kv_tiers.entry import EntryMismatch, decode_entry, encode_entry
+from trtpaged.runtime.kv_tiers.entry import EntryMismatch, decode_entry, encode_entry, entry_bytes
 
 
 class EntryCodec:
@@ -55,12 +55,14 @@ class CheckedTier:
         return self.store.slow
 
     def get_block(self, record: BlockRecord) -> Optional[bytes]:
-        data = self.store.get(record.key)
+        data = self.store.get(record.key, entry_bytes(len(record.tokens), self.codec.block_bytes))
         try:
             payload = self.codec.decode(data, record)
         except EntryMismatch as e:
             if e.reason != "missing":
                 self.counters.invalid += 1
+                # a bad entry would stay a miss for ever: write-backs skip a key the store holds
+                self.store.discard(record.key)
             return None
         self.counters.bytes_read += len(data)  # type: ignore[arg-type]
         return payload

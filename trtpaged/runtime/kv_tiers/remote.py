@@ -45,7 +45,8 @@ class RedisTier:
         self.counters = TierCounters()
         self.retry_after_s = retry_after_s
         self.ttl_s = ttl_s
-        self._errors = (redis.ConnectionError, redis.TimeoutError, OSError, redis.ResponseError)
+        self._errors = (redis.ConnectionError, redis.TimeoutError, OSError, redis.ResponseError,
+                        redis.exceptions.InvalidResponse)
         self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                             retry_on_timeout=False, health_check_interval=0)
         self._down_until = 0.0
@@ -61,14 +62,19 @@ class RedisTier:
             return None
         try:
             return fn(*args)
-        except self._errors:
+        except self._errors as e:
+            if str(e).startswith("WRONGTYPE"):  # something else under our key: a bad entry, not a store that is down
+                return b""
             self.counters.errors += 1
             with self._lock:
                 self._down_until = time.monotonic() + self.retry_after_s
             return None
 
-    def get(self, key: bytes) -> Optional[bytes]:
+    def get(self, key: bytes, max_bytes: Optional[int] = None) -> Optional[bytes]:
         return self._call(self._client.get, KEY_PREFIX + key)
+
+    def discard(self, key: bytes) -> None:
+        self._call(self._client.delete, KEY_PREFIX + key)
 
     def contains(self, key: bytes) -> bool:
         return bool(self._call(self._client.exists, KEY_PREFIX + key))
