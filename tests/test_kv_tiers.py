@@ -143,7 +143,7 @@ def test_entry_round_trip_and_every_bad_entry_is_a_mismatch():
     assert chain_key(fp, ROOT, tokens) != chain_key(other, ROOT, tokens)
 
 
-def test_stack_counts_bad_entries_as_misses(tmp_path: Path):
+def test_stack_counts_bad_entries_as_misses(tmp_path: Path, caplog):
     fp = _fingerprint(None)
     disk = DiskTier(tmp_path, 1 << 20)
     stack = TierStack([CheckedTier(disk, EntryCodec(fp, 64))], fp)
@@ -168,6 +168,8 @@ def test_stack_counts_bad_entries_as_misses(tmp_path: Path):
     assert [stack.lookup(r) for r in records] == [None] * 4
     assert disk.counters.hits == before
     assert disk.counters.invalid == 3 and disk.counters.misses == 4
+    warned = [r.getMessage() for r in caplog.records if "failed its checks" in r.getMessage()]
+    assert warned == ["kv tier disk: an entry failed its checks (truncated) and is removed; 1 so far"], warned
     # a bad entry is removed, so the next write-back replaces it (was: skipped for ever, the key being present)
     assert not any(p.exists() for p in paths) and disk.num_entries == 0 and disk.used_bytes == 0
     stack.save(list(zip(records, payloads)))

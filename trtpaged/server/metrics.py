@@ -50,6 +50,9 @@ ENGINE_STATS: dict[str, tuple[str, str, str]] = {
     "prefix_cache_tier_hits_tokens": ("prefix_cache_tier_hits", "counter",
                                       "Prompt tokens restored from a KV tier below the pool (part of the hits)."),
     "kv_tier_blocks_loaded": ("kv_tier_blocks_loaded", "counter", "Blocks restored into the pool from a KV tier."),
+    "kv_tier_load_timeouts": ("kv_tier_load_timeouts", "counter",
+                              "Tier loads given up at their deadline (the rest of the prefix recomputed)."),
+    "kv_tier_staged_blocks": ("kv_tier_staged_blocks", "gauge", "Blocks that tier loads hold for waiting requests."),
 }  # fmt: skip
 PLAN = "execution_plan_"  # stats keys PLAN + "<layers>": 1 for the eager runner's plan, 0 for the others
 PER_POS = "spec_decode_num_accepted_tokens_per_pos"  # stats keys PER_POS + "_<i>": accepted at draft position i

@@ -3,11 +3,14 @@ when the entry proves to be the block asked for, so a truncated, flipped or fore
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Optional
 
 from trtpaged.runtime.kv_tiers.base import BlockRecord, ByteStore, TierCounters
 from trtpaged.runtime.kv_tiers.entry import EntryMismatch, decode_entry, encode_entry, entry_bytes
+
+log = logging.getLogger("trtpaged.runtime")
 
 
 class EntryCodec:
@@ -61,6 +64,9 @@ class CheckedTier:
         except EntryMismatch as e:
             if e.reason != "missing":
                 self.counters.invalid += 1
+                if self.counters.invalid in (1, 10, 100) or self.counters.invalid % 1000 == 0:
+                    log.warning("kv tier %s: an entry failed its checks (%s) and is removed; %d so far",
+                                self.name, e.reason, self.counters.invalid)
                 # a bad entry would stay a miss for ever: write-backs skip a key the store holds
                 self.store.discard(record.key)
             return None

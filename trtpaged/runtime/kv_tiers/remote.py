@@ -11,6 +11,7 @@ server's business (`maxmemory` with an LRU policy; `.ci/run` starts one so);
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Optional
@@ -19,6 +20,7 @@ from urllib.parse import urlparse
 from trtpaged.runtime.kv_tiers.base import TierCounters
 
 KEY_PREFIX = b"trtpaged:kv:"
+log = logging.getLogger("trtpaged.runtime")
 
 
 def check_redis_url(url: str) -> str:
@@ -50,6 +52,7 @@ class RedisTier:
         self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                             retry_on_timeout=False, health_check_interval=0)
         self._down_until = 0.0
+        self._failing = False  # since the last failure, nothing has succeeded (logged once each way)
         self._lock = threading.Lock()  # the down-window only; redis-py's pool is thread-safe
 
     @property
@@ -61,14 +64,24 @@ class RedisTier:
         if not self.is_up:
             return None
         try:
-            return fn(*args)
+            answer = fn(*args)
         except self._errors as e:
             if str(e).startswith("WRONGTYPE"):  # something else under our key: a bad entry, not a store that is down
                 return b""
             self.counters.errors += 1
             with self._lock:
                 self._down_until = time.monotonic() + self.retry_after_s
+                first, self._failing = not self._failing, True
+            if first:
+                log.warning("kv tier %s: %s (%s); lookups miss and write-backs are dropped, retried every %g s",
+                            self.name, type(e).__name__, str(e)[:200], self.retry_after_s)
             return None
+        if self._failing:
+            with self._lock:
+                back, self._failing = self._failing, False
+            if back:
+                log.warning("kv tier %s: reachable again", self.name)
+        return answer
 
     def get(self, key: bytes, max_bytes: Optional[int] = None) -> Optional[bytes]:
         return self._call(self._client.get, KEY_PREFIX + key)
