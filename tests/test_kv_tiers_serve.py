@@ -31,6 +31,9 @@ SMALL_POOL = 20  # four live histories of 100-200 tokens do not fit: turns find 
     ({"disk": {"path": "/tmp/x", "size": "1GiB", "ttl": 3}}, "kv_tiers.disk.ttl"),
     ({"disk": {"path": "", "size": "1GiB"}}, "kv_tiers.disk.path"),
     ({"remote": "http://127.0.0.1:6379"}, "kv_tiers.remote"),
+    ({"remote": "redis://127.0.0.1:99999"}, "kv_tiers.remote"),  # was: "Port out of range 0-65535", unnamed
+    ({"remote": "redis://127.0.0.1:6379/abc"}, "kv_tiers.remote"),  # redis-py took database 0
+    ({"remote": "redis://127.0.0.1:6379/-1"}, "kv_tiers.remote"),  # every operation then failed
     ({"remote": {"url": "redis://127.0.0.1:1", "timeout_s": 0}}, "kv_tiers.remote.timeout_s"),
     ({"remote": {"url": "redis://127.0.0.1:1", "timeout_s": "1"}}, "kv_tiers.remote.timeout_s"),
     ({"host_memory": "1MiB", "load_timeout_s": 0}, "kv_tiers.load_timeout_s"),
@@ -52,6 +55,16 @@ def test_tier_config_parses_sizes_and_builds_in_order(tmp_path):
     stack = config.build(bytes(32), 64)
     assert [t.name for t in stack.tiers] == ["host", "disk", "remote"]
     stack.close()
+
+
+@pytest.mark.parametrize("tiers, field", [({"host_memory": "1.5KB"}, "kv_tiers.host_memory"),
+                                          ({"disk": {"path": "PATH", "size": 1}}, "kv_tiers.disk.size")])
+def test_a_tier_too_small_for_one_block_is_refused(tiny_engine_dir, tmp_path, tiers, field):
+    """Accepted before, and no block could ever be stored."""
+    if "disk" in tiers:
+        tiers = {"disk": {**tiers["disk"], "path": str(tmp_path)}}
+    with pytest.raises(ValueError, match=f"^{field}: .* bytes hold no block; one block's entry is .* bytes"):
+        LLM(tiny_engine_dir, device="cpu", warmup=False, kv_tiers=tiers)
 
 
 def test_llm_refuses_tiers_without_prefix_caching(tiny_engine_dir):

@@ -15,7 +15,7 @@ from typing import Any, Mapping, Optional, Union
 from trtpaged.runtime.kv_tiers.base import KVTier
 from trtpaged.runtime.kv_tiers.checked import CheckedTier, EntryCodec
 from trtpaged.runtime.kv_tiers.disk import DiskTier
-from trtpaged.runtime.kv_tiers.entry import engine_fingerprint
+from trtpaged.runtime.kv_tiers.entry import engine_fingerprint, entry_bytes
 from trtpaged.runtime.kv_tiers.host import HostMemoryTier
 from trtpaged.runtime.kv_tiers.remote import RedisTier, check_redis_url
 from trtpaged.runtime.kv_tiers.stack import TierStack
@@ -108,10 +108,16 @@ class KVTierConfig:
             values["remote"] = remote
         return cls(**values)
 
-    def build(self, fingerprint: bytes, block_bytes: int) -> Optional[TierStack]:
-        """The stack for one engine (None without tiers); the remote tier connects lazily."""
+    def build(self, fingerprint: bytes, block_bytes: int, block_size: Optional[int] = None) -> Optional[TierStack]:
+        """The stack for one engine (None without tiers); the remote tier connects lazily. With `block_size`, a
+        host or disk size too small for one block's entry is refused (ValueError naming it)."""
         if not self.enabled:
             return None
+        if block_size is not None:
+            one = entry_bytes(block_size, block_bytes)
+            for key, size in (("kv_tiers.host_memory", self.host_memory), ("kv_tiers.disk.size", self.disk_size)):
+                if size and size < one:
+                    raise ValueError(f"{key}: {size} bytes hold no block; one block's entry is {one} bytes")
         tiers: list[KVTier] = []
         codec = EntryCodec(fingerprint, block_bytes)
         if self.host_memory:

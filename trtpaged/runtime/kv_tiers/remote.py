@@ -28,6 +28,13 @@ def check_redis_url(url: str) -> str:
     parsed = urlparse(url)
     if parsed.scheme not in ("redis", "rediss", "unix") or (parsed.scheme != "unix" and not parsed.hostname):
         raise ValueError(f"kv_tiers.remote: expected redis://HOST:PORT[/DB], got {url!r}")
+    try:
+        parsed.port  # noqa: B018  (parses it: out of range raises)
+    except ValueError as e:
+        raise ValueError(f"kv_tiers.remote: {e} in {url!r}") from None
+    db = parsed.path.strip("/") if parsed.scheme != "unix" else ""
+    if db and not db.isdigit():  # redis-py would use database 0 for "abc" and fail every operation for "-1"
+        raise ValueError(f"kv_tiers.remote: the database after the host must be a number >= 0, got {db!r} in {url!r}")
     return url
 
 
