@@ -70,7 +70,8 @@ def _one_line_failure(r, *words: str) -> str:
       "scaling factor 4)"]),
     ({"model": {"tiny": {"max_position_embeddings": 256, "rope_scaling": {
         "rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}}}},
-     ["max_seq_len: got 512; the model was trained for 128 tokens"]),
+     ["max_seq_len: got 512; the model was trained for 128 tokens (original_max_position_embeddings 64 with yarn "
+      "RoPE scaling factor 2)"]),
     ({"model": {"tiny": {"max_position_embeddings": 128}}},
      ["max_seq_len: got 512; the model was trained for max_position_embeddings 128"]),
     ({"kv_cache": {"num_kv_blocks": 10**15}}, ["kv_cache.num_kv_blocks: got 1000000000000000; at most 2147483647"]),

@@ -46,8 +46,10 @@ def test_vllm_prompt_dicts_and_the_model_keyword_give_the_same_outputs(llm, tiny
             llm.generate([bad], greedy)
         assert e.value.field == "prompt"
     assert llm.get_tokenizer() is llm.tokenizer
-    by_name = LLM(model=tiny_engine_dir, device="cpu", warmup=False)
-    assert by_name.generate(["hello there"], greedy)[0].outputs[0].token_ids == plain[0]
+    with LLM(model=tiny_engine_dir, device="cpu", warmup=False) as by_name:
+        assert by_name.generate(["hello there"], greedy)[0].outputs[0].token_ids == plain[0]
+    with pytest.raises(RequestError, match="must be a list of ints|list of ints"):
+        llm.generate({"prompt_token_ids": [[5, 6], [7]]}, greedy)  # one dict is one prompt, not two
     with pytest.raises(TypeError, match="give the engine dir once"):
         LLM(tiny_engine_dir, engine=tiny_engine_dir)
 

@@ -350,9 +350,12 @@ def _check_limits(config: BuildConfig, dims: ModelDims, block_bytes: int) -> Non
     trained = trained_max_seq_len(dims)
     if limits.max_seq_len > trained:
         scaling = dims.rope_scaling or {}
-        made_for = (f"max_position_embeddings {trained}" if trained == dims.max_position_embeddings else
-                    f"{trained} tokens (max_position_embeddings {dims.max_position_embeddings} with "
-                    f"{rope_type(scaling)} RoPE scaling factor {float(scaling.get('factor') or 1):g})")
+        original = scaling.get("original_max_position_embeddings") if rope_type(scaling) == "yarn" else None
+        base = (f"original_max_position_embeddings {original}" if original
+                else f"max_position_embeddings {dims.max_position_embeddings}")
+        made_for = (f"max_position_embeddings {trained}" if trained == dims.max_position_embeddings and not original
+                    else f"{trained} tokens ({base} with {rope_type(scaling)} RoPE scaling factor "
+                    f"{float(scaling.get('factor') or 1):g})")
         raise ConfigError(f"max_seq_len: got {limits.max_seq_len}; the model was trained for {made_for}",
                           field="max_seq_len", limit=trained)
     budget = config.kv_cache

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence as Seq, Union
 
@@ -84,6 +85,7 @@ class KVCacheManager:
         self._tier_keys: dict[int, list[bytes]] = {}  # seq_id -> tier keys of its leading full blocks
         # seq_id -> the tier read for a waiting sequence (its staged hits), until it is admitted or goes away
         self._loads: dict[int, TierLoad] = {}
+        self._staged: Optional[Counter[bytes]] = None  # staged block key -> reads holding it (None: recount)
         self.max_staged_blocks = num_kv_blocks  # blocks that loads may hold in staging (and read ahead) together
         self.tier_loads_started = 0
         self.tier_load_timeouts = 0  # loads given up at their deadline (the rest of the prefix is recomputed)
@@ -164,8 +166,12 @@ class KVCacheManager:
             if not load.done and not load.expire(time.monotonic()):
                 return False
             self._note_finished(load)
+            found = len(load.hits)
             if self.tiers.extend(load):  # blocks the pool evicted while it ran may be in a tier now
+                self._staged = None
                 return False
+            if len(load.hits) != found:
+                self._staged = None
             if load.is_retry:
                 return True
         run = self._pool_run(seq)
@@ -182,6 +188,7 @@ class KVCacheManager:
         new = self.tiers.start_load(len(run), records, shared)
         new.is_retry = load is not None
         self._loads[seq.seq_id] = new
+        self._staged = None
         self.tier_loads_started += 1
         if not new.done:
             return False
@@ -210,6 +217,7 @@ class KVCacheManager:
     def _note_finished(self, load: TierLoad) -> None:
         if not load.counted:
             load.counted = True
+            self._staged = None  # it holds what it found now, not what it might have
             self.tier_load_timeouts += load.expired
             self.tier_load_wait_seconds += (load.finished_at or load.submitted) - load.submitted
 
@@ -225,30 +233,32 @@ class KVCacheManager:
     def staged_blocks(self) -> int:
         """Blocks that tier reads hold in staging (or may still read, while pending), over every waiting sequence;
         a block that several reads hold (a prompt its n samples share) is held once."""
-        return len(self._staged_keys())
+        return len(self._staged_counts())
 
-    def _staged_keys(self, but: Optional[int] = None) -> set[bytes]:
-        keys: set[bytes] = set()
-        for seq_id, load in self._loads.items():
-            if seq_id == but:
-                continue
-            if load.done:  # what it found
-                keys.update(hit.record.key for hit in load.hits)
-            else:  # what it may still find
-                keys.update(record.key for record in load.records)
-        return keys
+    def _staged_counts(self) -> Counter[bytes]:
+        """Staged block key -> how many reads hold it. Kept until a read starts, ends, is seen finished or grows;
+        a read that finished unseen still counts what it might have read, a superset of what it found."""
+        if self._staged is None:
+            self._staged = Counter()
+            for load in self._loads.values():
+                self._staged.update(_load_keys(load))
+        return self._staged
 
     def _staged_with(self, seq_id: int, records: Seq[BlockRecord]) -> int:
         """Staged blocks if the sequence's read of `records` replaced the one it has (if any)."""
-        keys = self._staged_keys(but=seq_id)
-        keys.update(record.key for record in records)
-        return len(keys)
+        counts = self._staged_counts()
+        load = self._loads.get(seq_id)
+        own = _load_keys(load) if load is not None else set()
+        held_by_others = len(counts) - sum(1 for key in own if counts[key] == 1)
+        wanted = {record.key for record in records}
+        return held_by_others + sum(1 for key in wanted if counts[key] - (key in own) <= 0)
 
     def _drop_load(self, seq_id: int) -> None:
         """Forgets the sequence's tier read (admitted, aborted, preempted): its staged blocks go with it."""
         load = self._loads.pop(seq_id, None)
         if load is not None:
             load.cancel()
+            self._staged = None
 
     # ---- check, then commit -------------------------------------------------------------------
     def plan_allocation(self, requests: Seq[AllocRequest]) -> AllocationPlan:
@@ -540,3 +550,8 @@ class KVCacheManager:
 def _live(table: Seq[Optional[KVBlock]]) -> list[KVBlock]:
     """A table's blocks that are still held (not reclaimed)."""
     return [b for b in table if b is not None]
+
+
+def _load_keys(load: TierLoad) -> set[bytes]:
+    """The block keys a tier read holds in staging: what it found once done, what it may still find until then."""
+    return {hit.record.key for hit in load.hits} if load.done else {record.key for record in load.records}

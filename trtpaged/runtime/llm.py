@@ -43,10 +43,9 @@ def _unwrapped(prompt: Any) -> Any:
     """vLLM's prompt dicts as what they hold: {"prompt_token_ids": ids} (TokensPrompt) or {"prompt": text}
     (TextPrompt); an array or tensor of token ids as a list; anything else as it is."""
     if isinstance(prompt, Mapping):
-        unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
-        if unknown or not prompt:
+        if not prompt or set(prompt) - {"prompt", "prompt_token_ids"}:
             raise RequestError("prompt", "a prompt dict holds 'prompt' (text) or 'prompt_token_ids', got keys "
-                               f"{sorted(prompt)!r:.120}")
+                               f"{sorted(map(repr, prompt))!r:.120}")
         prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
     if hasattr(prompt, "tolist") and not isinstance(prompt, (str, list, tuple)):
         prompt = prompt.tolist()  # an array or tensor of token ids (or a 2-D one of several prompts)
@@ -57,6 +56,8 @@ def _prompt_list(prompts: Any) -> list[Prompt]:
     """`generate`'s prompts as a list: text, or token ids (a list, tuple, numpy array or tensor), or vLLM's
     {"prompt": text} / {"prompt_token_ids": ids}, or a list of those. Raises RequestError("prompt") for anything
     else."""
+    if isinstance(prompts, Mapping):
+        return [_unwrapped(prompts)]  # one prompt, whatever it holds
     prompts = _unwrapped(prompts)
     first = prompts[0] if isinstance(prompts, (list, tuple)) and prompts else None
     one_of_ids = hasattr(first, "__index__") and not hasattr(first, "__len__")  # an int or numpy int, not an array

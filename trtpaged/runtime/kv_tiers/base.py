@@ -59,8 +59,9 @@ class ByteStore(Protocol):
     slow: bool
 
     def get(self, key: bytes, max_bytes: Optional[int] = None) -> Optional[bytes]:
-        """The stored bytes under `key` (at most `max_bytes` + 1 of them, so an oversized entry is read no further
-        than it takes to fail its checks), or None. Never blocks on what another process put under the key."""
+        """The stored bytes under `key`, or None. A store that can bound its read returns at most `max_bytes` + 1
+        of them (an oversized entry is read no further than it takes to fail its checks). Never blocks on what
+        another process put under the key."""
         ...
 
     def discard(self, key: bytes) -> None:

@@ -11,6 +11,7 @@ removed (`discard`), so the next write-back of that block replaces it.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import stat
@@ -73,11 +74,16 @@ class DiskTier:
             # non-blocking, not through a link: a FIFO under an entry's name would block the loader (and shutdown)
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
         except FileNotFoundError:
-            with self._lock:  # removed by someone else: no longer counted against the size
-                self._bytes -= self._sizes.pop(path.name, 0)
+            if path.name in self._sizes:
+                with self._lock:  # removed by someone else (not just renamed in by put): no longer counted
+                    if not os.path.lexists(path):
+                        self._bytes -= self._sizes.pop(path.name, 0)
             return None
-        except OSError:
-            return b""  # a link or something unreadable under the name: an entry that fails its checks
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENXIO):  # a link or a socket under the name: an entry that fails its checks
+                return b""
+            self.counters.errors += 1  # out of descriptors, EIO, ...: the entry may be good, so it stays
+            return None
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 return b""
@@ -101,16 +107,15 @@ class DiskTier:
         return b"".join(chunks)
 
     def discard(self, key: bytes) -> None:
-        name = self.path_of(key).name
+        path = self.path_of(key)
         with self._lock:
-            try:
-                (self.root / name).unlink(missing_ok=True)
-            except IsADirectoryError:
-                shutil.rmtree(self.root / name, ignore_errors=True)
-            except OSError:
-                self.counters.errors += 1
-                return
-            self._bytes -= self._sizes.pop(name, 0)
+            self._bytes -= self._sizes.pop(path.name, 0)
+        try:  # outside the lock: a planted directory tree may take a while
+            path.unlink(missing_ok=True)
+        except IsADirectoryError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            self.counters.errors += 1
 
     def contains(self, key: bytes) -> bool:
         return self.path_of(key).name in self._sizes

@@ -73,16 +73,9 @@ class RedisTier:
         try:
             answer = fn(*args)
         except self._errors as e:
-            if str(e).startswith("WRONGTYPE"):  # something else under our key: a bad entry, not a store that is down
-                return b""
-            self.counters.errors += 1
-            with self._lock:
-                self._down_until = time.monotonic() + self.retry_after_s
-                first, self._failing = not self._failing, True
-            if first:
-                log.warning("kv tier %s: %s (%s); lookups miss and write-backs are dropped, retried every %g s",
-                            self.name, type(e).__name__, str(e)[:200], self.retry_after_s)
-            return None
+            if not str(e).startswith("WRONGTYPE"):
+                return self._failed(e)
+            answer = b""  # something else under our key: a bad entry, not a store that is down
         if self._failing:
             with self._lock:
                 back, self._failing = self._failing, False
@@ -90,7 +83,19 @@ class RedisTier:
                 log.warning("kv tier %s: reachable again", self.name)
         return answer
 
+    def _failed(self, e: Exception) -> None:
+        """Counts the failure and keeps the tier quiet for retry_after_s; the first of a run is logged."""
+        self.counters.errors += 1
+        with self._lock:
+            self._down_until = time.monotonic() + self.retry_after_s
+            first, self._failing = not self._failing, True
+        if first:
+            log.warning("kv tier %s: %s (%s); lookups miss and write-backs are dropped, retried every %g s",
+                        self.name, type(e).__name__, str(e)[:200], self.retry_after_s)
+
     def get(self, key: bytes, max_bytes: Optional[int] = None) -> Optional[bytes]:
+        # max_bytes is not applied: a value's size is the server's bound (maxmemory), and a GETRANGE would not tell
+        # a missing key from an empty value
         return self._call(self._client.get, KEY_PREFIX + key)
 
     def discard(self, key: bytes) -> None:
