@@ -80,7 +80,7 @@ class DiskTier:
                         self._bytes -= self._sizes.pop(path.name, 0)
             return None
         except OSError as e:
-            if e.errno in (errno.ELOOP, errno.ENXIO):  # a link or a socket under the name: an entry that fails its checks
+            if e.errno in (errno.ELOOP, errno.ENXIO):  # a link or a socket under the name: a bad entry
                 return b""
             self.counters.errors += 1  # out of descriptors, EIO, ...: the entry may be good, so it stays
             return None
