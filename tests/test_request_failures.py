@@ -192,7 +192,7 @@ def test_a_beam_search_the_pool_cannot_hold_to_the_end_returns_its_beams_as_a_le
     ("hi", SamplingParams(max_tokens=2, bad_words=["\ud800x"]), "bad_words"),
     (None, SamplingParams(max_tokens=2), "prompt"),
     (7, SamplingParams(max_tokens=2), "prompt"),
-    ({"prompt": "hi"}, SamplingParams(max_tokens=2), "prompt"),
+    ({"text": "hi"}, SamplingParams(max_tokens=2), "prompt"),  # vLLM's {"prompt": ...} is taken; other keys are not
 ])
 def test_prompts_the_tokenizer_cannot_take_are_refused_naming_the_field(tiny_engine_dir, prompt, params, field):
     from trtpaged import LLM
