@@ -174,7 +174,7 @@ def test_a_window_without_layer_kinds_is_refused_not_dropped(name):
 def test_the_trained_length_stretches_with_linear_and_yarn_scaling(scaling, length):
     """vLLM's derived max_model_len: the length build checks max_seq_len against."""
     dims = dims_from_hf_config(load_hf(_config("qwen3").model).config, 256)
-    assert trained_max_seq_len(dataclasses.replace(dims, max_position_embeddings=64, rope_scaling=scaling)) == length
+    assert trained_max_seq_len(dataclasses.replace(dims, max_position_embeddings=64, rope_scaling=scaling))[0] == length
 
 
 def test_moe_is_refused_naming_the_key():

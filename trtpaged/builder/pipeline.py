@@ -38,7 +38,6 @@ from trtpaged.kernels import KernelError
 from trtpaged.kv_formats import QUANTIZED_KV_CACHE_DTYPES
 from trtpaged.manifest import Manifest, ModelDims
 from trtpaged.models.dims import trained_max_seq_len
-from trtpaged.models.rope import rope_type
 from trtpaged.models.tensor_parallel import check_tensor_parallel
 from trtpaged.kv_budget import budget_blocks, machine_memory_bytes
 
@@ -347,15 +346,8 @@ def _config_plan(config: BuildConfig, dims: ModelDims) -> dict[str, tuple[int, i
 
 def _check_limits(config: BuildConfig, dims: ModelDims, block_bytes: int) -> None:
     limits = config.limits
-    trained = trained_max_seq_len(dims)
+    trained, made_for = trained_max_seq_len(dims)
     if limits.max_seq_len > trained:
-        scaling = dims.rope_scaling or {}
-        original = scaling.get("original_max_position_embeddings") if rope_type(scaling) == "yarn" else None
-        base = (f"original_max_position_embeddings {original}" if original
-                else f"max_position_embeddings {dims.max_position_embeddings}")
-        made_for = (f"max_position_embeddings {trained}" if trained == dims.max_position_embeddings and not original
-                    else f"{trained} tokens ({base} with {rope_type(scaling)} RoPE scaling factor "
-                    f"{float(scaling.get('factor') or 1):g})")
         raise ConfigError(f"max_seq_len: got {limits.max_seq_len}; the model was trained for {made_for}",
                           field="max_seq_len", limit=trained)
     budget = config.kv_cache

@@ -170,15 +170,18 @@ def dims_from_hf_config(config: Any, max_seq_len: Optional[int] = None) -> Model
     )
 
 
-def trained_max_seq_len(dims: ModelDims) -> int:
-    """The longest sequence the model is made for, derived as vLLM derives it: max_position_embeddings, times the
-    factor of linear and yarn RoPE scaling (yarn's from its original_max_position_embeddings when the config gives
-    one); llama3 and longrope configs already state their extended length there."""
+def trained_max_seq_len(dims: ModelDims) -> tuple[int, str]:
+    """The longest sequence the model is made for, and how that follows from the config (for a refusal's message),
+    derived as vLLM derives it: max_position_embeddings, times the factor of linear and yarn RoPE scaling (yarn's
+    from its original_max_position_embeddings when the config gives one); llama3 and longrope configs already state
+    their extended length there."""
     scaling = dims.rope_scaling or {}
     kind = rope_type(scaling)
-    factor = float(scaling.get("factor") or 1.0)
-    if kind == "linear":
-        return int(dims.max_position_embeddings * factor)
-    if kind == "yarn":
-        return int(int(scaling.get("original_max_position_embeddings") or dims.max_position_embeddings) * factor)
-    return dims.max_position_embeddings
+    base_key, base = "max_position_embeddings", dims.max_position_embeddings
+    if kind == "yarn" and scaling.get("original_max_position_embeddings"):
+        base_key, base = "original_max_position_embeddings", int(scaling["original_max_position_embeddings"])
+    factor = float(scaling.get("factor") or 1.0) if kind in ("linear", "yarn") else 1.0
+    tokens = int(base * factor)
+    if base_key == "max_position_embeddings" and tokens == base:
+        return tokens, f"max_position_embeddings {tokens}"
+    return tokens, f"{tokens} tokens ({base_key} {base} with {kind} RoPE scaling factor {factor:g})"
