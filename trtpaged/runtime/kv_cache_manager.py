@@ -167,11 +167,11 @@ class KVCacheManager:
                 return False
             self._note_finished(load)
             found = len(load.hits)
-            if self.tiers.extend(load):  # blocks the pool evicted while it ran may be in a tier now
-                self._staged = None
+            resumed = self.tiers.extend(load)  # blocks the pool evicted while it ran may be in a tier now
+            if resumed or len(load.hits) != found:
+                self._staged = None  # it holds more now, or may
+            if resumed:
                 return False
-            if len(load.hits) != found:
-                self._staged = None
             if load.is_retry:
                 return True
         run = self._pool_run(seq)
