@@ -14,6 +14,7 @@ from trtpaged.bench.kv_tiers_bench import live_history_blocks
 from trtpaged.bench.multi_turn import MultiTurnSpec, _pauses, run_multi_turn
 from trtpaged.bench.server_metrics import parse_prometheus
 from trtpaged.runtime.kv_tiers.config import KVTierConfig
+import trtpaged.runtime.llm as llm_module
 from trtpaged.runtime.llm import LLM
 from trtpaged.runtime.sampling_params import SamplingParams
 from trtpaged.server import start_server
@@ -59,12 +60,17 @@ def test_tier_config_parses_sizes_and_builds_in_order(tmp_path):
 
 @pytest.mark.parametrize("tiers, field", [({"host_memory": "1.5KB"}, "kv_tiers.host_memory"),
                                           ({"disk": {"path": "PATH", "size": 1}}, "kv_tiers.disk.size")])
-def test_a_tier_too_small_for_one_block_is_refused(tiny_engine_dir, tmp_path, tiers, field):
-    """Accepted before, and no block could ever be stored."""
+def test_a_tier_too_small_for_one_block_is_refused_before_the_weights_load(tiny_engine_dir, tmp_path, monkeypatch,
+                                                                           tiers, field):
+    """Accepted before, and no block could ever be stored; then refused, but only once the model had loaded."""
     if "disk" in tiers:
         tiers = {"disk": {**tiers["disk"], "path": str(tmp_path)}}
+    loads = []
+    real_load = llm_module.load_runner
+    monkeypatch.setattr(llm_module, "load_runner", lambda *a, **k: loads.append(1) or real_load(*a, **k))
     with pytest.raises(ValueError, match=f"^{field}: .* bytes hold no block; one block's entry is .* bytes"):
         LLM(tiny_engine_dir, device="cpu", warmup=False, kv_tiers=tiers)
+    assert loads == []
 
 
 def test_llm_refuses_tiers_without_prefix_caching(tiny_engine_dir):

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -276,6 +277,42 @@ def test_bad_requests_and_steps_name_the_argument(lib, tiny_engine_dir):
         with pytest.raises(CError, match="runtime: 1 requests are unfinished"):
             run_c_step(rt, good)
         assert lib_.trtpaged_runtime_close(None) is None
+
+
+# Steps through a positions array that ends where an unmapped page begins: reading one element past it is a
+# SIGSEGV, so this fails on a runtime that reads positions through query_start before checking it (what an
+# ordinary allocation only shows under AddressSanitizer). A process of its own, so that the crash is not pytest's.
+GUARDED_STEP = """
+import ctypes, mmap, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from c_runtime import CError, CRuntime, StepInputs, i32_array, load
+lib = load(Path(sys.argv[2]))
+page = mmap.PAGESIZE
+pages = mmap.mmap(-1, 2 * page)
+base = ctypes.addressof(ctypes.c_char.from_buffer(pages))
+libc = ctypes.CDLL(None)
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+assert libc.mprotect(base + page, page, 0) == 0  # PROT_NONE
+positions = (ctypes.c_int32 * 2).from_address(base + page - 8)
+positions[0], positions[1] = 0, 1
+arrays = {k: i32_array(v) for k, v in dict(input_ids=[1, 2], query_start=[0, 100, 2], context_lens=[2, 2],
+                                           block_tables=[0, 1], logits_index=[1]).items()}
+ptr = lambda a: ctypes.cast(a, ctypes.c_void_p)
+inputs = StepInputs(2, 2, 1, 1, ptr(arrays["input_ids"]), base + page - 8, ptr(arrays["query_start"]),
+                    ptr(arrays["context_lens"]), ptr(arrays["block_tables"]), ptr(arrays["logits_index"]))
+logits = (ctypes.c_float * 320)()
+with CRuntime(lib, Path(sys.argv[3]), num_kv_blocks=4) as rt:
+    status = lib.trtpaged_runtime_step(rt.handle, ctypes.byref(inputs), ctypes.cast(logits, ctypes.c_void_p), 320)
+    print(status, lib.trtpaged_last_error().decode())
+"""
+
+
+def test_query_start_is_checked_before_positions_are_read_through_it(build_dir, tiny_engine_dir):
+    run = subprocess.run([sys.executable, "-c", GUARDED_STEP, str(REPO / "tests"), str(build_dir),
+                          str(tiny_engine_dir)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, f"exit {run.returncode}: {run.stderr[-2000:]}"
+    assert run.stdout.startswith("1 inputs.query_start[2]: decreases"), run.stdout
 
 
 def test_smoke_script(build_dir, tiny_engine_dir):

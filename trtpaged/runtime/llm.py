@@ -190,6 +190,9 @@ class LLM:
         limits = self.manifest.limits
         num_kv_blocks = resolve_num_kv_blocks(self.manifest, device, num_kv_blocks)
         check_host_pool(num_host_blocks, self.manifest.kv_bytes_per_block_per_rank, device, num_kv_blocks)
+        if tier_config.enabled:  # an entry holds one block of every rank: refused here, not after the weights load
+            tier_config.check_room(limits.block_size,
+                                   self.manifest.tensor_parallel * self.manifest.kv_bytes_per_block_per_rank)
         if tier_config.host_memory:
             check_host_tier(tier_config.host_memory, self.manifest.kv_bytes_per_block_per_rank, device, num_kv_blocks,
                             num_host_blocks)  # fmt: skip

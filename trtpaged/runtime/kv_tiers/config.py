@@ -108,16 +108,21 @@ class KVTierConfig:
             values["remote"] = remote
         return cls(**values)
 
+    def check_room(self, block_size: int, block_bytes: int) -> None:
+        """Refuses (ValueError naming it) a host or disk size too small for one entry of `block_bytes` (one block of
+        every tensor-parallel rank). LLM calls it with the manifest's figure before any weight is loaded."""
+        one = entry_bytes(block_size, block_bytes)
+        for key, size in (("kv_tiers.host_memory", self.host_memory), ("kv_tiers.disk.size", self.disk_size)):
+            if size and size < one:
+                raise ValueError(f"{key}: {size} bytes hold no block; one block's entry is {one} bytes")
+
     def build(self, fingerprint: bytes, block_bytes: int, block_size: Optional[int] = None) -> Optional[TierStack]:
         """The stack for one engine (None without tiers); the remote tier connects lazily. With `block_size`, a
         host or disk size too small for one block's entry is refused (ValueError naming it)."""
         if not self.enabled:
             return None
         if block_size is not None:
-            one = entry_bytes(block_size, block_bytes)
-            for key, size in (("kv_tiers.host_memory", self.host_memory), ("kv_tiers.disk.size", self.disk_size)):
-                if size and size < one:
-                    raise ValueError(f"{key}: {size} bytes hold no block; one block's entry is {one} bytes")
+            self.check_room(block_size, block_bytes)
         tiers: list[KVTier] = []
         codec = EntryCodec(fingerprint, block_bytes)
         if self.host_memory:
