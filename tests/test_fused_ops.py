@@ -285,6 +285,18 @@ def test_greedy_rows_give_a_row_with_nan_a_non_finite_logsumexp(row_isa):
     assert ((0 <= argmax) & (argmax < 100)).all()
 
 
+def test_silu_mul_carries_a_non_finite_gate_to_its_own_output_only(row_isa):
+    """The exponential takes 2^n from the rounding constant's bits, not from a float-to-int conversion (undefined for
+    a NaN): a NaN gate gives NaN where it is, +inf gives inf, and every other element is torch's."""
+    gate_up = _randn(3, 2 * 40, seed=11) * 6
+    gate_up[0, 5], gate_up[1, 39] = float("nan"), float("inf")
+    out = kernels.silu_mul(gate_up)
+    gate, up = gate_up[:, :40], gate_up[:, 40:]
+    want = gate * torch.sigmoid(gate) * up
+    assert torch.isnan(out[0, 5]) and torch.isnan(out).sum() == 1
+    torch.testing.assert_close(out, want, rtol=2e-6, atol=1e-6, equal_nan=True)
+
+
 def test_greedy_rows_refuses_rows_out_of_range():
     with pytest.raises(ValueError, match=r"rows: indices must be in \[0, 3\)"):
         kernels.greedy_rows(torch.zeros(3, 8), torch.tensor([0, 3]))

@@ -187,6 +187,7 @@ void tile_accumulate(const float* weights, int64_t stride, const float* const* v
 }
 
 typedef int32_t ivec __attribute__((vector_size(kLanes * sizeof(int32_t))));
+typedef uint32_t uvec __attribute__((vector_size(kLanes * sizeof(uint32_t))));
 
 // exp(x) for x <= 0, kLanes at a time: x = n ln2 + r (Cody-Waite), exp(r) by a degree-6
 // polynomial, 2^n from the exponent bits; relative error below 2e-7, and x below -87 gives ~1e-38
@@ -194,7 +195,8 @@ typedef int32_t ivec __attribute__((vector_size(kLanes * sizeof(int32_t))));
 // kernel's own time at decode.
 inline fvec exp_nonpositive_vec(fvec x) {
   x = x < -87.0f ? fvec{} - 87.0f : x;
-  const fvec n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2^23)
+  const fvec t = x * 1.44269504f + 12582912.0f;  // round to nearest (1.5 * 2^23): n in t's low bits
+  const fvec n = t - 12582912.0f;
   const fvec r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
   fvec poly = fvec{} + 1.0f / 720.0f;
   poly = poly * r + 1.0f / 120.0f;
@@ -203,7 +205,11 @@ inline fvec exp_nonpositive_vec(fvec x) {
   poly = poly * r + 0.5f;
   poly = poly * r + 1.0f;
   poly = poly * r + 1.0f;
-  const ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
+  // 2^n from t's bits as unsigned integers: no float-to-int conversion, which is undefined for a NaN
+  // (a NaN still comes out, through poly)
+  uvec bits;
+  std::memcpy(&bits, &t, sizeof(bits));
+  bits = (bits - 0x4B400000u + 127u) << 23;
   fvec scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return poly * scale;

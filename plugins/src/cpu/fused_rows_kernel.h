@@ -40,7 +40,8 @@ inline void rmsnorm_row(const float* h, const float* w, float eps, int64_t n, fl
 // polynomial, 2^n from the exponent bits. Relative error ~2 ulp; below -87 it flushes to 0.
 inline float exp_nonpositive(float x) {
   x = x < -87.f ? -87.f : x;
-  const float n = (x * 1.44269504f + 12582912.f) - 12582912.f;  // round to nearest (1.5 * 2^23 trick)
+  const float t = x * 1.44269504f + 12582912.f;  // round to nearest (1.5 * 2^23 trick): n in t's low bits
+  const float n = t - 12582912.f;
   const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // Cody-Waite ln2 split
   float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
@@ -49,7 +50,11 @@ inline float exp_nonpositive(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  const int32_t bits = (int32_t(n) + 127) << 23;
+  // 2^n from t's bits as unsigned integers: no float-to-int conversion, which is undefined for a NaN x
+  // (a NaN still comes out, through p)
+  uint32_t t_bits;
+  __builtin_memcpy(&t_bits, &t, sizeof(t_bits));
+  const uint32_t bits = (t_bits - 0x4B400000u + 127u) << 23;
   float scale;
   __builtin_memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
