@@ -47,8 +47,19 @@ def check(entries, prompt, reference, k):
         assert int((row > lp + TOL).sum()) + 1 <= entry.rank <= int((row >= lp - TOL).sum()), (j, entry.rank)
         for token, lp in entry.items():
             worst = max(worst, abs(lp - float(row[token])))
+        check_logprob_fields(entry, top, prompt[j + 1], entry.rank)
     assert worst < TOL
     return worst
+
+
+def check_logprob_fields(entry, top, token, token_rank, tokenizer=None):
+    """vLLM's Logprob fields: `.logprob` the value itself, `.rank` the place of a top-k entry (the scored token's
+    own rank otherwise), `.decoded_token` the token decoded alone (when the engine has a tokenizer)."""
+    for t, lp in entry.items():
+        assert lp.logprob == float(lp)
+        assert lp.rank == (top.index(t) + 1 if t in top else token_rank if t == token else None), (t, lp.rank)
+        if tokenizer is not None:
+            assert lp.decoded_token == tokenizer.decode([t])
 
 
 @pytest.mark.parametrize("max_num_tokens", [256, 24])  # one step, and chunks of 24 (odd splits of 97)
@@ -61,6 +72,30 @@ def test_prompt_logprobs_match_hf_forward(hf, max_num_tokens):
     for prompt, out in zip(prompts, outs):
         check(out.prompt_logprobs, prompt, hf_prompt_logprobs(hf, prompt), 4)
     assert engine.kv.pool.num_free == engine.config.num_kv_blocks
+
+
+def test_sampled_tokens_logprobs_carry_vllm_ranks_and_texts(hf):
+    """Per output token: the sampled token's log-prob and rank (tokens at least as likely, itself included) in HF's
+    distribution, and the top-3 with their places, each with its text decoded alone."""
+    prompt = [(5 * i + 2) % 250 for i in range(30)]
+    params = SamplingParams(max_tokens=10, temperature=1.5, seed=7, logprobs=3, ignore_eos=True)
+    out = run_staggered(make(hf), [(prompt, params)])[0]
+    (c,) = out.outputs
+    with torch.no_grad():
+        logits = hf.model(torch.tensor([prompt + c.token_ids[:-1]])).logits[0].float()
+    rows = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 :]
+    ranks = []
+    for row, token, entry in zip(rows, c.token_ids, c.logprobs, strict=True):
+        top = torch.topk(row, 3).indices.tolist()
+        assert set(entry) == {token, *top}
+        lp = float(row[token])
+        assert abs(entry[token] - lp) < TOL
+        rank = entry[token].rank if token not in top else None
+        if rank is not None:
+            assert int((row > lp + TOL).sum()) + 1 <= rank <= int((row >= lp - TOL).sum()), rank
+        ranks.append(rank)
+        check_logprob_fields(entry, top, token, rank, hf.tokenizer)
+    assert any(r is not None and r > 3 for r in ranks), ranks  # at 1.5 some draws fall outside the top 3
 
 
 def test_prefix_cache_hits_do_not_drop_prompt_logprobs(hf):

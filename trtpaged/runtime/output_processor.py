@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence as Seq
 
 from trtpaged.runtime.detokenizer import IncrementalDetokenizer
-from trtpaged.runtime.outputs import CompletionOutput, RequestOutput, RequestOutputKind
+from trtpaged.runtime.outputs import CompletionOutput, Logprob, RequestOutput, RequestOutputKind
 from trtpaged.runtime.sequence import Sequence, SequenceGroup
 
 # A sequence whose text reached this stop string, the length its text keeps, and its output tokens up to the
@@ -48,6 +48,22 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Optional[Any]) -> None:
         self.tokenizer = tokenizer
+        self._token_texts: dict[int, str] = {}  # a token's text alone (at most the vocabulary's size)
+
+    def _named(self, entries: list) -> list:
+        """`entries` (per token, {token id: Logprob}, or None) with each Logprob's `decoded_token` filled in, as
+        vLLM's: the token decoded alone."""
+        if self.tokenizer is None:
+            return entries
+        texts = self._token_texts
+        for entry in entries:
+            for token, logprob in (entry or {}).items():
+                if isinstance(logprob, Logprob) and logprob.decoded_token is None:
+                    text = texts.get(token)
+                    if text is None:
+                        text = texts[token] = self.tokenizer.decode([token])
+                    logprob.decoded_token = text
+        return entries
 
     # ---- text ---------------------------------------------------------------------------------
     def detokenize(self, groups: Seq[SequenceGroup]) -> list[Stopped]:
@@ -138,15 +154,14 @@ class OutputProcessor:
             prompt_logprobs=self._prompt_logprobs(group, kind),
         )
 
-    @staticmethod
-    def _prompt_logprobs(group: SequenceGroup, kind: RequestOutputKind) -> Optional[list[Optional[dict[int, float]]]]:
+    def _prompt_logprobs(self, group: SequenceGroup, kind: RequestOutputKind) -> Optional[list[Optional[dict[int, float]]]]:
         if group.prompt_logprobs is None or group.scores_prompt:
             return None
         if kind is RequestOutputKind.DELTA:
             if group.prompt_logprobs_sent:
                 return None
             group.prompt_logprobs_sent = True
-        return list(group.prompt_logprobs)
+        return self._named(list(group.prompt_logprobs))
 
     @staticmethod
     def _by_index(group: SequenceGroup) -> list[Sequence]:
@@ -167,7 +182,7 @@ class OutputProcessor:
             text=seq.output_text if final else self._visible_text(seq, params.stop),
             token_ids=seq.output_token_ids,
             cumulative_logprob=seq.cumulative_logprob,
-            logprobs=list(seq.logprobs) if params.logprobs is not None else None,
+            logprobs=self._named(list(seq.logprobs)) if params.logprobs is not None else None,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
         )
@@ -191,7 +206,7 @@ class OutputProcessor:
                 text=text[sent.chars :],
                 token_ids=tokens,
                 cumulative_logprob=seq.cumulative_logprob,
-                logprobs=list(seq.logprobs[sent.tokens :]) if params.logprobs is not None else None,
+                logprobs=self._named(list(seq.logprobs[sent.tokens :])) if params.logprobs is not None else None,
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,
             ))  # fmt: skip

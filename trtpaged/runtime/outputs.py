@@ -7,6 +7,30 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 
+class Logprob(float):
+    """One token's log-probability in `logprobs` / `prompt_logprobs`: a float to every reader, with vLLM's
+    `Logprob` fields: `logprob` (the same value), `rank` (the token's place in the model's distribution, 1 = the
+    most likely; tokens of equal log-prob count as ahead, and a top-k entry has its place there, as vLLM reports
+    them) and `decoded_token` (the token's text alone; None without a tokenizer)."""
+
+    def __new__(cls, logprob: float, rank: Optional[int] = None, decoded_token: Optional[str] = None) -> "Logprob":
+        self = super().__new__(cls, logprob)
+        self.rank, self.decoded_token = rank, decoded_token
+        return self
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __reduce__(self) -> tuple:  # a copy or pickle keeps the fields
+        return (Logprob, (float(self), self.rank, self.decoded_token))
+
+    def __repr__(self) -> str:
+        return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
+
+    __str__ = float.__repr__
+
+
 class RequestOutputKind(enum.Enum):
     """What `LLMEngine.step()` returns for a request (as vLLM's `RequestOutputKind`).
 
@@ -24,15 +48,21 @@ class RequestOutputKind(enum.Enum):
 
 @dataclass
 class CompletionOutput:
-    """One generated sequence. `token_ids` includes a final EOS token; `text` never shows it."""
+    """One generated sequence. `token_ids` includes a final EOS token; `text` never shows it. `logprobs`: per
+    output token, {token id: `Logprob`} for the sampled token and the top-k."""
 
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float = 0.0
-    logprobs: Optional[list[dict[int, float]]] = None
+    logprobs: Optional[list[dict[int, Logprob]]] = None
     finish_reason: Optional[str] = None  # "stop", "length", "abort", "error", or None while running
     stop_reason: Optional[object] = None  # the stop string or token id that matched
+    lora_request: None = None  # vLLM's field; trtpaged serves no LoRA adapters
+
+    def finished(self) -> bool:
+        """Whether this sequence has ended (vLLM's method)."""
+        return self.finish_reason is not None
 
 
 @dataclass
@@ -51,4 +81,8 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: per prompt token {token: log-prob, + top-k}, None for the first token (each a
     # `scoring.PromptLogprob`: its `.rank` is the prompt token's rank, 1 = most likely); set once the whole prompt is
     # computed (DELTA outputs: in the first output after that only)
-    prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
+    prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
+    # vLLM's fields without a counterpart here (no LoRA adapters; no per-request metrics object: `LLM.stats()` has
+    # the counters), so that code reading them finds None
+    metrics: None = None
+    lora_request: None = None

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
+from trtpaged.runtime.outputs import Logprob
 from trtpaged.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ class Sample:
 
     token_id: int
     logprob: float  # under the model's distribution (raw logits)
-    top_logprobs: Optional[dict[int, float]]  # the sampled token plus the top-k, when asked for
+    top_logprobs: Optional[dict[int, Logprob]]  # the sampled token plus the top-k, when asked for
 
 
 Run = tuple[Sample, ...]  # the tokens one sequence gains in a step: one, or a verified speculative run
@@ -259,20 +260,25 @@ def _sample_rows(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[Option
     return [None if bad[i] else Sample(t, lp, tl) for i, (t, lp, tl) in enumerate(zip(tokens, chosen, top))]
 
 
-def _top_logprobs(logprobs: torch.Tensor, tokens: list[int], ks: list[Optional[int]]) -> list[Optional[dict[int, float]]]:
-    """Per row: the sampled token's log-prob plus the k most likely, or None when not requested."""
-    out: list[Optional[dict[int, float]]] = [None] * len(tokens)
+def _top_logprobs(logprobs: torch.Tensor, tokens: list[int], ks: list[Optional[int]]) -> list[Optional[dict[int, Logprob]]]:
+    """Per row: the sampled token's log-prob plus the k most likely, or None when not requested; each with its rank
+    (the sampled token: how many tokens have a log-prob >= its own; a top-k entry: its place there, as vLLM)."""
+    out: list[Optional[dict[int, Logprob]]] = [None] * len(tokens)
     wanted = [i for i, k in enumerate(ks) if k is not None]
     if not wanted:
         return out
+    rows = logprobs[wanted]
     k_max = min(max(ks[i] for i in wanted), logprobs.shape[1])  # type: ignore[type-var]
-    values, ids = torch.topk(logprobs[wanted], k_max, dim=1) if k_max > 0 else (None, None)
-    chosen = logprobs[wanted].gather(1, torch.tensor([tokens[i] for i in wanted]).unsqueeze(1)).squeeze(1).tolist()
+    values, ids = torch.topk(rows, k_max, dim=1) if k_max > 0 else (None, None)
+    chosen_col = rows.gather(1, torch.tensor([tokens[i] for i in wanted]).unsqueeze(1))
+    ranks = (rows >= chosen_col).sum(dim=1).tolist()
+    chosen = chosen_col.squeeze(1).tolist()
     for j, i in enumerate(wanted):
-        row = {tokens[i]: chosen[j]}
+        row = {tokens[i]: Logprob(chosen[j], ranks[j])}
         k = ks[i] or 0
         if k and values is not None:
-            row.update(zip(ids[j, :k].tolist(), values[j, :k].tolist()))
+            row.update((t, Logprob(v, place)) for place, (t, v) in
+                       enumerate(zip(ids[j, :k].tolist(), values[j, :k].tolist()), start=1))  # fmt: skip
         out[i] = row
     return out
 

@@ -10,10 +10,11 @@ from typing import Sequence
 import torch
 
 from trtpaged.runtime.batch_builder import PromptRows
+from trtpaged.runtime.outputs import Logprob
 
 
 class PromptLogprob(dict):
-    """One scored prompt token: {token: log-prob} for the prompt token plus the top-k alternatives when asked for
+    """One scored prompt token: {token: `Logprob`} for the prompt token plus the top-k alternatives when asked for
     (a plain dict to every reader), and `rank`, the prompt token's rank in the model's distribution at that
     position (1: the most likely token; tokens of equal log-prob count as ahead, as vLLM counts them; a token
     among the top-k: its place there, as vLLM reports it, so that tied tokens never share a rank)."""
@@ -41,12 +42,13 @@ def score_prompts(logits: torch.Tensor, spans: Sequence[PromptRows], prompts: di
         chosen = logprobs.gather(1, targets.unsqueeze(1))
         ranks = (logprobs >= chosen).sum(dim=1).tolist()
         tokens = targets.tolist()
-        entries = [PromptLogprob({t: lp}, rank) for t, lp, rank in zip(tokens, chosen.squeeze(1).tolist(), ranks)]
+        entries = [PromptLogprob({t: Logprob(lp, rank)}, rank)
+                   for t, lp, rank in zip(tokens, chosen.squeeze(1).tolist(), ranks)]  # fmt: skip
         k = min(k, logprobs.shape[1])
         if k > 0:
             values, ids = torch.topk(logprobs, k, dim=1)
             for entry, token, row_ids, row_values in zip(entries, tokens, ids.tolist(), values.tolist()):
-                entry.update(zip(row_ids, row_values))
+                entry.update((t, Logprob(v, place)) for place, (t, v) in enumerate(zip(row_ids, row_values), start=1))
                 if token in row_ids:
                     entry.rank = row_ids.index(token) + 1
         out.setdefault(span.request_id, []).extend(entries)
