@@ -110,6 +110,70 @@ def test_invalid_grammars_are_refused_naming_the_field(llm, grammar):
     assert not llm.engine.has_unfinished()
 
 
+# (schema, a document that breaks it): xgrammar 0.2.9 compiles each schema and its grammar accepts the document
+UNENFORCED = [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, [1, 1], "uniqueItems"),
+    ({"type": "object", "properties": {"n": {"type": "integer", "not": {"const": 3}}}, "required": ["n"]},
+     {"n": 3}, "not"),
+    ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}}, [1], "contains"),
+    ({"type": "integer", "if": {"minimum": 5}, "then": {"maximum": 6}}, 9, "if"),
+    ({"allOf": [{"type": "integer", "minimum": 5}, {"type": "integer", "maximum": 6}]}, 9, "allOf"),
+    ({"oneOf": [{"type": "integer", "minimum": 0}, {"type": "integer", "maximum": 10}]}, 5, "oneOf"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "dependentRequired": {"a": ["b"]}}, {"a": 1}, "dependentRequired"),
+    ({"type": "string", "format": "regex"}, "(", "format 'regex'"),
+    ({"$defs": {"i": {"type": "integer"}}, "$ref": "#/$defs/i", "minimum": 5}, 1, "beside a $ref"),
+    ({"$ref": "http://example.com/schema.json"}, None, "$ref outside"),  # any document: nothing is checked
+    ({"type": "object", "required": ["z"]}, {}, "required property 'z'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("schema, breaking, named", UNENFORCED, ids=[c[2] for c in UNENFORCED])
+def test_a_schema_the_grammar_would_not_enforce_is_refused_naming_the_keyword(llm, schema, breaking, named):
+    """Accepted before, and an output could finish "stop" with JSON its own schema refuses."""
+    from xgrammar.testing import _is_grammar_accept_string
+
+    if breaking is not None:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(breaking, schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+    grammar = xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    document = json.dumps(breaking if breaking is not None else {"any": ["thing"]})
+    assert _is_grammar_accept_string(grammar, document), "xgrammar enforces it now: revisit the list"
+    with pytest.raises(RequestError) as info:
+        llm.generate(["x"], SamplingParams(structured_outputs=Grammar(json=schema, origin="response_format")))
+    assert info.value.field == "response_format" and named in str(info.value), str(info.value)
+    assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("schema", [
+    {"oneOf": [{"type": "integer"}, {"type": "string"}]},
+    {"oneOf": [{"type": "object", "properties": {"k": {"const": "a"}, "x": {"type": "integer"}}, "required": ["k", "x"]},
+               {"type": "object", "properties": {"k": {"const": "b"}, "y": {"type": "boolean"}}, "required": ["k", "y"]}]},
+    {"type": "object", "properties": {"d": {"type": "string", "format": "date"}, "r": {"$ref": "#/$defs/r"}},
+     "required": ["d", "r"], "$defs": {"r": {"type": "integer", "description": "a ref with an annotation"}}},
+    {"type": "object", "properties": {"v": {"allOf": [{"type": "integer", "minimum": 5}]}}, "required": ["v"]},
+])  # fmt: skip
+def test_schemas_the_grammar_enforces_are_taken(llm, schema):
+    params = SamplingParams(max_tokens=60, temperature=1.0, seed=1, n=4, structured_outputs=Grammar(json=schema))
+    for text, reason in texts(llm.generate(PROMPTS[:2], params)):
+        if reason == "stop":
+            jsonschema.validate(json.loads(text), schema)
+
+
+def test_schemas_in_another_key_order_are_other_grammars(llm):
+    """The grammar writes properties in the schema's order, so a cached grammar of the same keys in another order
+    is not the one to use (it was: the cache key sorted the keys)."""
+    def output(order):
+        schema = {"type": "object", "properties": {k: {"type": "boolean"} for k in order}, "required": sorted(order),
+                  "additionalProperties": False}
+        outs = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=12, temperature=1.0, seed=2,
+                                                          structured_outputs=Grammar(json=schema)))
+        return outs[0].outputs[0].text
+
+    assert output(("answer", "reasoning")).startswith('{"answer"')
+    assert output(("reasoning", "answer")).startswith('{"reasoning"')
+
+
 def test_structured_params_are_checked():
     for kwargs in ({}, {"json": {}, "regex": "a"}, {"choice": []}, {"choice": ["a", ""]}, {"regex": ""}):
         with pytest.raises(RequestError) as info:

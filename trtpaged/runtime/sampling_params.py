@@ -137,8 +137,8 @@ class StructuredOutputsParams:
     def key(self) -> tuple[str, str]:
         """What identifies the compiled grammar (the grammar cache's key)."""
         kind = self.kind
-        if kind == "json":
-            value = self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+        if kind == "json":  # in its own key order: the grammar generates properties in that order
+            value = self.json if isinstance(self.json, str) else json.dumps(self.json)
         elif kind == "choice":
             value = json.dumps(self.choice)
         elif kind == "json_object":

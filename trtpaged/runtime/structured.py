@@ -20,6 +20,7 @@ import torch
 
 from trtpaged.errors import RequestError
 from trtpaged.runtime.sampling_params import StructuredOutputsParams
+from trtpaged.runtime.schema_features import unenforced_feature
 
 DEFAULT_CACHE_SIZE = 256  # distinct compiled grammars kept
 _XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
@@ -89,10 +90,17 @@ class GrammarCache:
     @staticmethod
     def _compile(compiler: Any, params: StructuredOutputsParams) -> Any:
         kind = params.kind
+        if kind == "json":
+            schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
+            try:
+                parsed = json.loads(schema)
+            except ValueError as exc:  # xgrammar's message for malformed JSON names no field
+                raise RequestError(params.origin, f"invalid json: {exc}") from None
+            why = unenforced_feature(parsed)
+            if why is not None:
+                raise RequestError(params.origin, f"the JSON schema's {why}")
         try:
             if kind == "json":
-                schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
-                json.loads(schema)  # xgrammar's message for malformed JSON names no field
                 return compiler.compile_json_schema(schema, any_whitespace=False)
             if kind == "json_object":  # an object with any members (xgrammar's builtin JSON also allows arrays)
                 return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
