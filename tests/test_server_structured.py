@@ -143,6 +143,15 @@ def test_tool_choice_none_generates_text(client):
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}], "tool_choice": "required"}, "tools"),
     ({"tools": [{"type": "other"}], "tool_choice": "required"}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}],
+      "tool_choice": "required"}, "tools"),
+    # not a JSON schema: refused whatever tool_choice is (was: a 200 with "none", a 400 on tool_choice otherwise)
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}],
+      "tool_choice": "none"}, "tools"),
+    ({"tools": [*TOOLS, {"type": "function", "function": {"name": "g", "parameters": {"properties": 5}}}],
+      "tool_choice": {"type": "function", "function": {"name": TOOLS[0]["function"]["name"]}}}, "tools"),
+    # a schema, but one the grammar would not enforce: the forced call's grammar is refused
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}}}],
       "tool_choice": "required"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "tool_choice"),
     ({"logit_bias": {"99999": 1}}, "logit_bias"),

@@ -51,7 +51,7 @@ def _within(value: float, bounds: tuple[float, float]) -> bool:
 _STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
-def _nesting_depth(schema: Union[str, Mapping[str, Any]], limit: int) -> int:
+def nesting_depth(schema: Union[str, Mapping[str, Any]], limit: int) -> int:
     """How deep objects and arrays nest in a JSON document (its text, or parsed), counted until past `limit`;
     text that does not parse counts 0 (the compile names what is wrong with it)."""
     if isinstance(schema, str):
@@ -73,7 +73,7 @@ def _nesting_depth(schema: Union[str, Mapping[str, Any]], limit: int) -> int:
 
 def _check_schema_depth(field_name: str, schema: Union[str, Mapping[str, Any]]) -> None:
     """RequestError naming `field_name` when the schema nests objects and arrays past MAX_SCHEMA_DEPTH."""
-    if _nesting_depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+    if nesting_depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
         raise RequestError(field_name, f"json schema nests objects and arrays more than {MAX_SCHEMA_DEPTH} deep",
                            MAX_SCHEMA_DEPTH)
 

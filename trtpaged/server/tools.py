@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from trtpaged.runtime.sampling_params import StructuredOutputsParams
+from trtpaged.runtime.sampling_params import MAX_SCHEMA_DEPTH, StructuredOutputsParams, nesting_depth
 from trtpaged.server.errors import ApiError
 from trtpaged.server.tool_parsers import FORMATS, HERMES, LLAMA3_JSON, MISTRAL, PHI4_MINI, REQUIRED, Format
 from trtpaged.server.tool_parsers import CallStart, Content, ToolCallStream, parse_all
@@ -146,7 +146,22 @@ def _tool(index: int, value: Any) -> tuple[str, dict[str, Any]]:
     params = fn.get("parameters", {"type": "object", "properties": {}})
     if not isinstance(params, dict):
         raise ApiError(f"{where}.function.parameters: must be a JSON schema object", "tools")
+    _check_parameters(f"{where}.function.parameters", params)
     return name, params
+
+
+def _check_parameters(where: str, schema: dict[str, Any]) -> None:
+    """A 400 on `tools` for parameters that are not a JSON schema (draft 2020-12's metaschema), whatever tool_choice
+    is: a tool the model is shown, or may be forced to call, must say what its arguments are."""
+    import jsonschema
+
+    if nesting_depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:  # the metaschema check recurses through it
+        raise ApiError(f"{where}: nests objects and arrays more than {MAX_SCHEMA_DEPTH} deep", "tools")
+    try:
+        jsonschema.Draft202012Validator.check_schema(schema)
+    except jsonschema.SchemaError as e:
+        at = "".join(f"[{p!r}]" for p in e.absolute_path)
+        raise ApiError(f"{where}{at}: not a JSON schema: {e.message[:200]}", "tools") from None
 
 
 def tool_choice(tools: Optional[list[Any]], choice: Any, auto: AutoTools = AutoTools(None, ""),
