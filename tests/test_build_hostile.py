@@ -261,10 +261,10 @@ def test_a_signal_while_the_handlers_go_in_still_leaves_them_as_they_were(monkey
     assert {s: signal.getsignal(s) for s in signals} == before and sys.unraisablehook is hook_before
 
 
-def test_a_signal_during_the_final_rename_neither_splits_it_nor_fails_the_complete_build(tmp_path, monkeypatch):
+def test_a_signal_during_the_final_rename_neither_splits_it_nor_fails_the_complete_build(tmp_path, monkeypatch,
+                                                                                          tiny_engine_dir):
     output = tmp_path / "e"
-    output.mkdir()
-    (output / MANIFEST_NAME).write_text("{}")  # an engine dir already there, replaced with force
+    shutil.copytree(tiny_engine_dir, output)  # an engine dir already there, replaced with force
     real_rename, renames = os.rename, []
 
     def rename_after_a_signal(src, dst):

@@ -345,6 +345,24 @@ def test_build_refuses_an_existing_engine_dir_unless_forced(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["engine"]  # replaced in place, no leftovers
 
 
+def test_force_replaces_only_an_engine_dir_and_nothing_else_in_it(tmp_path):
+    """--force took any dir holding a file named trtpaged.json for an engine dir, and deleted it whole."""
+    out = tmp_path / "engine"
+    assert _cli("build", str(EXAMPLES / "tiny.yaml"), "-o", str(out), "--skip-verify").exit_code == 0
+    (out / "notes.txt").write_text("mine")
+    r = _cli("build", str(EXAMPLES / "tiny.yaml"), "-o", str(out), "--skip-verify", "--force")
+    assert r.exit_code == 1 and "holds files its trtpaged.json does not name (notes.txt)" in r.output, r.output
+    assert (out / "notes.txt").read_text() == "mine"
+    project = tmp_path / "project"
+    (project / "sub").mkdir(parents=True)
+    (project / "trtpaged.json").write_text('{"my": "project settings"}')
+    (project / "sub" / "x").write_text("1")
+    r = _cli("build", str(EXAMPLES / "tiny.yaml"), "-o", str(project), "--skip-verify", "--force")
+    assert r.exit_code == 1 and "holds a trtpaged.json that is not an engine's" in r.output, r.output
+    assert (project / "sub" / "x").read_text() == "1" and sorted(p.name for p in tmp_path.iterdir()) == ["engine",
+                                                                                                         "project"]
+
+
 def test_a_long_stage_prints_heartbeats_with_elapsed_time():
     from trtpaged.builder.progress import Progress
 

@@ -44,6 +44,33 @@ def check_output(output: Path, force: bool = False) -> None:
         if not force:
             raise OutputDirError(f"output: {output} is an engine dir already; pass --force to replace it "
                                  "(it is replaced only once the new build is complete)")
+        foreign = _not_engine_files(output)
+        if foreign:
+            raise OutputDirError(f"output: {output} {foreign}; refusing to replace it, even with --force (remove it "
+                                 "yourself if it is to go)")
+
+
+def _not_engine_files(output: Path, most: int = 5) -> str:
+    """What in `output` is not its engine's (a manifest that does not read, or files it does not name, up to `most`
+    of them), as text; "" when `output` is an engine dir and nothing else, so that --force replacing it
+    deletes no one's files."""
+    from trtpaged.manifest import EngineDirError, read_manifest
+
+    try:
+        manifest = read_manifest(output)
+    except (EngineDirError, OSError, ValueError) as e:
+        return f"holds a {MANIFEST_NAME} that is not an engine's ({str(e)[:160]})"
+    named = {Path(path) for _, path in manifest.file_fields()} | {Path(MANIFEST_NAME)}
+    extra: list[str] = []
+    for path in sorted(output.rglob("*")):
+        relative = path.relative_to(output)
+        if path.is_dir() and not path.is_symlink() and any(p == relative or relative in p.parents for p in named):
+            continue  # a directory that holds named files (the tokenizer dir)
+        if relative not in named and not any(parent in named for parent in relative.parents):
+            extra.append(str(relative))
+            if len(extra) == most:
+                break
+    return f"holds files its {MANIFEST_NAME} does not name ({', '.join(extra)})" if extra else ""
 
 
 @contextlib.contextmanager
