@@ -74,6 +74,10 @@ def _one_line_failure(r, *words: str) -> str:
       "RoPE scaling factor 2)"]),
     ({"model": {"tiny": {"max_position_embeddings": 128}}},
      ["max_seq_len: got 512; the model was trained for max_position_embeddings 128"]),
+    # each size within its bound, together 241 GiB: the build was OOM-killed (and other processes with it)
+    ({"model": {"tiny": {"hidden_size": 8192, "intermediate_size": 32768, "num_hidden_layers": 64,
+                         "vocab_size": 1 << 18, "num_attention_heads": 64}}},
+     ["model.tiny: about 241.0 GiB of float32 weights exceed a tiny model's 4 GiB", "(now 8192, 32768, 64, 262144)"]),
     ({"kv_cache": {"num_kv_blocks": 10**15}}, ["kv_cache.num_kv_blocks: got 1000000000000000; at most 2147483647"]),
     ({"kv_cache": {"num_kv_blocks": 2**31 - 1}}, ["kv_cache.num_kv_blocks: got 2147483647: a KV pool of 1.64e+04 GiB",
                                                "the most memory a device of this machine has"]),

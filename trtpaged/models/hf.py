@@ -139,6 +139,19 @@ def _no_progress_bars():
             hf_logging.enable_progress_bar()
 
 
+MAX_TINY_BYTES = 4 << 30  # a random test model's weights; past this the build would page or be OOM-killed
+
+
+def _tiny_parameters(config: Any) -> int:
+    """The decoder's parameter count from its config (attention, gated MLP, embedding and an untied LM head)."""
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // max(heads, 1)
+    layer = hidden * head_dim * 2 * (heads + kv_heads) + 3 * hidden * config.intermediate_size
+    embeddings = config.vocab_size * hidden * (1 if getattr(config, "tie_word_embeddings", False) else 2)
+    return config.num_hidden_layers * layer + embeddings
+
+
 def _load_tiny(tiny: dict[str, Any], dtype: torch.dtype) -> HFModel:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -152,6 +165,12 @@ def _load_tiny(tiny: dict[str, Any], dtype: torch.dtype) -> HFModel:
     except Exception as e:  # noqa: BLE001  (transformers' config validators raise their own error types)
         cause = e.__cause__ or e
         raise ConfigError(f"model.tiny: transformers rejects this {arch} config: {cause}") from None
+    size = _tiny_parameters(config) * torch.empty((), dtype=dtype).element_size()
+    if size > MAX_TINY_BYTES:  # before a random model of that size is allocated (keys left out take HF's defaults)
+        raise ConfigError(f"model.tiny: about {size / 2**30:.1f} GiB of {str(dtype).removeprefix('torch.')} weights exceed a tiny model's "
+                          f"{MAX_TINY_BYTES >> 30} GiB; set smaller hidden_size, intermediate_size, num_hidden_layers "
+                          f"or vocab_size (now {config.hidden_size}, {config.intermediate_size}, "
+                          f"{config.num_hidden_layers}, {config.vocab_size})", limit=MAX_TINY_BYTES)
     torch.manual_seed(int(seed))
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return HFModel(model=model.eval(), tokenizer=make_tiny_tokenizer(), config=config)
