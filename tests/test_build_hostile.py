@@ -103,6 +103,18 @@ def _hf_dir(tmp_path: Path) -> Path:
     return tmp_path / "hf"
 
 
+@pytest.mark.parametrize("config_json, words", [
+    ("[1, 2]", "holds a JSON list; expected an object"),  # was: AttributeError, a traceback
+    ('{"architectures": "LlamaForCausalLM"}', "config.json's architectures is 'LlamaForCausalLM'; expected a list"),
+])  # fmt: skip
+def test_a_config_json_of_the_wrong_shape_is_one_line(tmp_path, config_json, words):
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(config_json)
+    r = _cli("build", str(_yaml(tmp_path, {**TINY, "model": {"hf_dir": "hf"}})), "-o", str(tmp_path / "out"))
+    _one_line_failure(r, "model.hf_dir", words)
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_checkpoint_without_the_weights_fails_naming_the_missing_tensors(tmp_path):
     from safetensors.torch import save_file
 

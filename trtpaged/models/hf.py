@@ -44,9 +44,16 @@ def source_architecture(spec: ModelSpec) -> str:
     elif spec.kind == "hf_dir":
         key = "model.hf_dir"
         try:
-            archs = json.loads((spec.path / "config.json").read_text()).get("architectures") or []
+            hf_config = json.loads((spec.path / "config.json").read_text())
         except (OSError, ValueError) as e:
             raise ConfigError(f"{key}: cannot read {spec.path / 'config.json'}: {e}") from None
+        if not isinstance(hf_config, dict):
+            raise ConfigError(f"{key}: {spec.path / 'config.json'} holds a JSON {type(hf_config).__name__}; expected "
+                              "an object (a transformers config)")
+        archs = hf_config.get("architectures") or []
+        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+            raise ConfigError(f"{key}: config.json's architectures is {str(archs)[:80]!r}; expected a list of class "
+                              "names such as [\"LlamaForCausalLM\"]")
         arch = archs[0] if archs else "(none listed in config.json)"
     else:
         key = f"model.{spec.kind}"
