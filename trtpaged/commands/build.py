@@ -9,13 +9,14 @@ from pathlib import Path
 import click
 
 from trtpaged.config import MODEL_YAML_SCHEMA
+from trtpaged.models.dims import SUPPORTED_ARCHITECTURES
 
 _HELP = """Build an engine dir from MODEL_YAML.
 
 \b
 model.yaml keys (examples in examples/; unknown keys are errors; paths are relative to the yaml):
 """ + MODEL_YAML_SCHEMA + """\
-Supported: LlamaForCausalLM (Llama, SmolLM2), MistralForCausalLM, Qwen2ForCausalLM.
+Supported: """ + ", ".join(SUPPORTED_ARCHITECTURES) + """ (docs/families.md).
 Nothing is ever downloaded. kv_cache.num_kv_blocks is at most 2^31-1, and a fixed KV
 budget beyond the memory of this machine's largest device is refused.
 YAML aliases (*name), nesting deeper than 16 levels and files over 1 MiB are
