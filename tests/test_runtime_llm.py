@@ -54,6 +54,88 @@ def test_vllm_prompt_dicts_and_the_model_keyword_give_the_same_outputs(llm, tiny
         LLM(tiny_engine_dir, engine=tiny_engine_dir)
 
 
+def test_vllm_engine_arguments_set_what_they_mean_or_are_refused_naming_them(tiny_engine_dir):
+    with LLM(tiny_engine_dir, device="cpu", warmup=False, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
+             tensor_parallel_size=1, dtype="auto", kv_cache_dtype="float32", enforce_eager=True,
+             trust_remote_code=False, disable_log_stats=True, gpu_memory_utilization=0.9,
+             swap_space=0.5) as llm:  # fmt: skip
+        c = llm.config
+        assert (c.max_seq_len, c.max_batch_size, c.max_num_tokens) == (128, 4, 64)
+        assert c.num_host_blocks == (1 << 29) // llm.manifest.kv_bytes_per_block_per_rank > 0
+    for kwargs, words in [({"dtype": "bfloat16"}, "dtype: 'bfloat16', but the engine was built with 'float32'"),
+                          ({"block_size": 32}, "block_size: 32, but the engine was built with 16"),
+                          ({"tokenizer": "/elsewhere"}, "tokenizer: '/elsewhere'; an engine dir carries its own"),
+                          ({"max_model_len": 100, "max_seq_len": 200}, "max_model_len: 100 and max_seq_len"),
+                          ({"max_model_len": 10**6}, r"max_seq_len: must be in \[1, 512\]"),
+                          ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization: expected a fraction in \(0, 1\]"),
+                          ({"seed": -1}, r"seed: expected an integer in \[0, 2\*\*63\)")]:  # fmt: skip
+        with pytest.raises(ValueError, match=words):
+            LLM(tiny_engine_dir, device="cpu", warmup=False, **kwargs)
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['pipeline_parallel_size'\]"):
+        LLM(tiny_engine_dir, device="cpu", warmup=False, pipeline_parallel_size=2)
+
+
+def test_the_seed_argument_makes_unseeded_sampling_repeat(tiny_engine_dir):
+    """vLLM's LLM(seed=...): requests without a seed of their own draw the same tokens in every run."""
+    def draws(seed):
+        with LLM(tiny_engine_dir, device="cpu", warmup=False, seed=seed) as llm:
+            outs = llm.generate(["a", "b"], SamplingParams(max_tokens=8, temperature=1.0, n=2, ignore_eos=True))
+            return [c.token_ids for o in outs for c in o.outputs]
+
+    first = draws(5)
+    assert draws(5) == first and draws(6) != first
+
+
+def test_max_tokens_past_the_room_left_is_cut_to_it_offline(llm, tiny_engine_dir):
+    """vLLM's offline API runs such a request to max_model_len ("length"); it was refused, and with it the batch."""
+    hf = hf_from_engine_dir(tiny_engine_dir)
+    long_prompt = [(7 * i) % 250 + 3 for i in range(llm.config.max_seq_len - 5)]
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True, min_tokens=10)
+    short, cut = llm.generate([[5, 6, 7], long_prompt], params)
+    assert len(short.outputs[0].token_ids) == 64
+    assert cut.outputs[0].token_ids == hf_greedy(hf, long_prompt, 5, None) and cut.outputs[0].finish_reason == "length"
+    with pytest.raises(RequestError, match="prompt: 512 tokens reaches max_seq_len") as refused:
+        llm.generate([[5] * llm.config.max_seq_len], params)
+    assert refused.value.field == "prompt" and llm.engine.kv.pool.num_used == 0
+
+
+def test_generate_takes_vllms_call_options(llm):
+    finished = []
+
+    class Bar:  # use_tqdm's other form: the tqdm-like class to use
+        def __init__(self, total, desc):
+            self.total = total
+
+        def update(self, n):
+            finished.append(n)
+
+        def close(self):
+            finished.append("closed")
+
+    greedy = SamplingParams(max_tokens=3, temperature=0.0)
+    with_bar = llm.generate(["a", "b", "c"], greedy, use_tqdm=Bar)
+    assert finished == [1, 1, 1, "closed"]
+    assert [o.outputs[0].token_ids for o in llm.generate(["a", "b", "c"], greedy, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in with_bar]  # fmt: skip
+    with pytest.raises(ValueError, match="lora_request: trtpaged serves no LoRA adapters"):
+        llm.generate(["a"], greedy, lora_request=object())
+    salted = llm.generate({"prompt_token_ids": list(range(100, 150)), "cache_salt": "tenant-z"}, greedy)[0]
+    again = llm.generate({"prompt_token_ids": list(range(100, 150)), "cache_salt": "tenant-z"}, greedy)[0]
+    other = llm.generate({"prompt_token_ids": list(range(100, 150)), "cache_salt": "tenant-y"}, greedy)[0]
+    assert (salted.num_cached_tokens, again.num_cached_tokens, other.num_cached_tokens) == (0, 48, 0)
+
+
+def test_chat_returns_a_list_with_the_templated_prompt_and_takes_a_template(llm):
+    one = [{"role": "user", "content": "hi"}]
+    greedy = SamplingParams(max_tokens=3, temperature=0.0)
+    outs = llm.chat(one, greedy, use_tqdm=False)
+    text = llm.tokenizer.apply_chat_template(one, add_generation_prompt=True, tokenize=False)
+    assert len(outs) == 1 and outs[0].prompt == text
+    assert outs[0].prompt_token_ids == llm.tokenizer.encode(text, add_special_tokens=False)
+    (plain,) = llm.chat(one, greedy, chat_template="{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    assert plain.prompt == "[hi]" and plain.prompt_token_ids == llm.tokenizer.encode("[hi]", add_special_tokens=False)
+
+
 def test_limits_come_from_the_manifest_and_only_tighten(llm, tiny_engine_dir):
     assert llm.stats()["kv_blocks_total"] == llm.manifest.kv_cache.num_kv_blocks == llm.config.num_kv_blocks
     assert llm.engine.runner.num_kv_blocks == llm.config.num_kv_blocks
@@ -164,7 +246,7 @@ def test_chat_takes_one_conversation_or_a_batch(llm):
     params = SamplingParams(max_tokens=6, temperature=0.0)
     one = [{"role": "user", "content": "hi"}]
     two = [{"role": "user", "content": "what is 2 + 2?"}]
-    single = llm.chat(one, params)
+    (single,) = llm.chat(one, params)  # a list of one, as vLLM's
     batch = llm.chat([one, two], params)
     assert isinstance(batch, list) and len(batch) == 2
     assert batch[0].outputs[0].token_ids == single.outputs[0].token_ids
@@ -200,7 +282,7 @@ def test_refusal_names_the_limit(llm):
 
 
 def test_cli_generate_streams_what_the_api_generates(llm, tiny_engine_dir):
-    greedy = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=6, temperature=0.0))
+    (greedy,) = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=6, temperature=0.0))
     result = CliRunner().invoke(main, ["generate", str(tiny_engine_dir), "--prompt", "hi", "--max-tokens", "6", "--chat"])
     assert result.exit_code == 0, result.output
     assert result.stdout == greedy.outputs[0].text + "\n"

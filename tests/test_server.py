@@ -134,7 +134,7 @@ def test_chat_matches_llm(server, llm):
     status, _, body = request(server, "/v1/chat/completions",
                               {"messages": messages, "max_completion_tokens": 8, "temperature": 0, "logprobs": True, "top_logprobs": 1})
     plain = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-    truth = llm.chat(plain, greedy(8))
+    (truth,) = llm.chat(plain, greedy(8))
     assert status == 200 and body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
     choice = body["choices"][0]
     assert choice["message"] == {"role": "assistant", "content": truth.outputs[0].text}
@@ -154,7 +154,7 @@ def test_streaming_equals_non_streamed(server, llm):
     chat = stream(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "yo"}], "max_tokens": 6, "temperature": 0})
     assert chat[0]["choices"][0]["delta"]["role"] == "assistant" and chat[-1] == "[DONE]"
     content = "".join(e["choices"][0]["delta"].get("content", "") for e in chat[:-1])
-    assert content == llm.chat([{"role": "user", "content": "yo"}], greedy(6)).outputs[0].text
+    assert content == llm.chat([{"role": "user", "content": "yo"}], greedy(6))[0].outputs[0].text
     stop = truth.text[3:5]  # a stop string inside the greedy text: streamed text must stop before it too
     events = stream(server, "/v1/completions", {**body, "stop": stop})
     status, _, plain = request(server, "/v1/completions", {**body, "stop": stop, "stream_options": None})

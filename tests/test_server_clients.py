@@ -41,7 +41,7 @@ def test_openai_client_chat_completions_streaming_n(client, llm):
     greedy = SamplingParams(max_tokens=8, temperature=0.0)
     messages = [{"role": "user", "content": "hello"}]
     chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
-    assert chat.choices[0].message.content == llm.chat(messages, greedy).outputs[0].text
+    assert chat.choices[0].message.content == llm.chat(messages, greedy)[0].outputs[0].text
     assert chat.usage.prompt_tokens == len(llm.chat_prompt(messages))
 
     comp = client.completions.create(model="tiny", prompt="once upon", max_tokens=8, temperature=0)
@@ -95,7 +95,7 @@ def test_stop_token_ids_and_stop_reasons_streamed_and_whole(client, llm):
     assert _stream_end(client.completions.create(stream=True, **kw)) == (whole.text, "stop", stop)
 
     messages = [{"role": "user", "content": "hello"}]
-    chat_ids = llm.chat(messages, SamplingParams(max_tokens=16, temperature=0.0)).outputs[0].token_ids
+    chat_ids = llm.chat(messages, SamplingParams(max_tokens=16, temperature=0.0))[0].outputs[0].token_ids
     j = next(i for i in range(1, len(chat_ids)) if chat_ids[i] not in chat_ids[:i])
     kw = dict(model="tiny", messages=messages, max_tokens=16, temperature=0, extra_body={"stop_token_ids": [chat_ids[j]]})
     whole = client.chat.completions.create(**kw).choices[0]

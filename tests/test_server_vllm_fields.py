@@ -120,7 +120,7 @@ def test_return_tokens_as_token_ids(client, llm):
     assert named.token_logprobs == plain.token_logprobs and named.text_offset == plain.text_offset
 
     chat = dict(model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
-    truth = llm.chat(MESSAGES, SamplingParams(max_tokens=5, temperature=0.0, logprobs=2)).outputs[0]
+    truth = llm.chat(MESSAGES, SamplingParams(max_tokens=5, temperature=0.0, logprobs=2))[0].outputs[0]
     named = client.chat.completions.create(**chat, extra_body={"return_tokens_as_token_ids": True}).choices[0]
     plain = client.chat.completions.create(**chat).choices[0]
     assert [e.token for e in named.logprobs.content] == [f"token_id:{t}" for t in truth.token_ids]
@@ -189,7 +189,7 @@ def test_return_token_ids_whole_and_streamed(client, llm):
     plain = client.completions.create(**req, extra_body={"ignore_eos": True}).choices
     assert all("token_ids" not in c.model_extra and "prompt_token_ids" not in c.model_extra for c in plain)
 
-    chat_truth = llm.chat(MESSAGES, greedy).outputs[0].token_ids
+    chat_truth = llm.chat(MESSAGES, greedy)[0].outputs[0].token_ids
     req = dict(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0,
                extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
     whole = client.chat.completions.create(**req)

@@ -195,7 +195,7 @@ def test_cache_salt_shares_cached_blocks_only_under_the_same_salt(client, llm, s
     assert found == [0, 48, 0, 48, 0, 48, 48]
 
     messages = [{"role": "user", "content": "a conversation long enough to fill two blocks of sixteen tokens"}]
-    chat_truth = llm.chat(messages, GREEDY).outputs[0].text
+    chat_truth = llm.chat(messages, GREEDY)[0].outputs[0].text
     found = []
     for salt in ("chat-a", "chat-a", "chat-b"):
         before = _hits(server)

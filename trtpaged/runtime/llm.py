@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence as Seq, Union
+from typing import Any, Callable, Mapping, Optional, Sequence as Seq, Union
 
 from trtpaged.engine_files import verify_engine_dir
 from trtpaged.errors import RequestError, check_unicode
@@ -20,6 +20,7 @@ from trtpaged.runtime.runtime_config import RuntimeConfig
 from trtpaged.runtime.sampling_params import SamplingParams
 from trtpaged.runtime.speculative import SpeculativeConfig
 from trtpaged.runtime.verify_cost import default_verify_row_cost
+from trtpaged.runtime.vllm_args import apply_vllm_args
 from trtpaged.runtime.warmup import warm_up
 
 # apply_chat_template's own arguments, which chat_prompt's template_kwargs may not set
@@ -39,34 +40,54 @@ def _tightened(name: str, value: Optional[int], limit: int) -> int:
     return value
 
 
+_PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
+
+
+def _salt(prompt: Any) -> Optional[str]:
+    """A vLLM prompt dict's cache_salt (None without one)."""
+    return prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
+
+
 def _unwrapped(prompt: Any) -> Any:
     """vLLM's prompt dicts as what they hold: {"prompt_token_ids": ids} (TokensPrompt) or {"prompt": text}
-    (TextPrompt); an array or tensor of token ids as a list; anything else as it is."""
+    (TextPrompt), either with an optional "cache_salt" (`_salt`); an array or tensor of token ids as a list;
+    anything else as it is."""
     if isinstance(prompt, Mapping):
-        if not prompt or set(prompt) - {"prompt", "prompt_token_ids"}:
-            raise RequestError("prompt", "a prompt dict holds 'prompt' (text) or 'prompt_token_ids', got keys "
-                               f"{sorted(map(repr, prompt))!r:.120}")
+        if not {"prompt", "prompt_token_ids"} & set(prompt) or set(prompt) - _PROMPT_KEYS:
+            raise RequestError("prompt", "a prompt dict holds 'prompt' (text) or 'prompt_token_ids', and maybe "
+                               f"'cache_salt', got keys {sorted(map(repr, prompt))!r:.120}")
         prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
     if hasattr(prompt, "tolist") and not isinstance(prompt, (str, list, tuple)):
         prompt = prompt.tolist()  # an array or tensor of token ids (or a 2-D one of several prompts)
     return prompt
 
 
-def _prompt_list(prompts: Any) -> list[Prompt]:
-    """`generate`'s prompts as a list: text, or token ids (a list, tuple, numpy array or tensor), or vLLM's
-    {"prompt": text} / {"prompt_token_ids": ids}, or a list of those. Raises RequestError("prompt") for anything
-    else."""
+def _prompt_list(prompts: Any) -> list[tuple[Prompt, Optional[str]]]:
+    """`generate`'s prompts as a list of (prompt, cache_salt): text, or token ids (a list, tuple, numpy array or
+    tensor), or vLLM's {"prompt": text} / {"prompt_token_ids": ids} (with an optional "cache_salt"), or a list of
+    those. Raises RequestError("prompt") for anything else."""
     if isinstance(prompts, Mapping):
-        return [_unwrapped(prompts)]  # one prompt, whatever it holds
+        return [(_unwrapped(prompts), _salt(prompts))]  # one prompt, whatever it holds
     prompts = _unwrapped(prompts)
     first = prompts[0] if isinstance(prompts, (list, tuple)) and prompts else None
     one_of_ids = hasattr(first, "__index__") and not hasattr(first, "__len__")  # an int or numpy int, not an array
     if isinstance(prompts, str) or one_of_ids:
-        return [prompts]  # one prompt
+        return [(prompts, None)]  # one prompt
     if not isinstance(prompts, (list, tuple)):
         raise RequestError("prompt", "must be text, a list of token ids, a prompt dict or a list of those, got "
                            f"{type(prompts).__name__}")
-    return [_unwrapped(p) for p in prompts]
+    return [(_unwrapped(p), _salt(p)) for p in prompts]
+
+
+def _progress_bar(use_tqdm: Union[bool, Callable[..., Any]], total: int) -> Any:
+    """vLLM's `use_tqdm`: a bar of finished prompts (shown on a terminal only), or a given tqdm-like class's."""
+    if not use_tqdm or total == 0:
+        return None
+    if callable(use_tqdm):
+        return use_tqdm(total=total, desc="Processed prompts")
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="Processed prompts", disable=None)
 
 
 def load_tokenizer(engine_dir: Path, manifest: Manifest) -> Any:
@@ -89,6 +110,16 @@ def chat_prompt_ids(tokenizer: Any, messages: Seq[dict], tools: Optional[Seq[dic
                     template_kwargs: Optional[dict[str, Any]] = None, add_special_tokens: bool = False
                     ) -> list[int]:  # fmt: skip
     """`LLM.chat_prompt` with a given tokenizer (the server's own copy, off the engine thread)."""
+    text = chat_prompt_text(tokenizer, messages, tools, add_generation_prompt=add_generation_prompt,
+                            continue_final_message=continue_final_message, template_kwargs=template_kwargs)
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+def chat_prompt_text(tokenizer: Any, messages: Seq[dict], tools: Optional[Seq[dict]] = None, *,
+                     add_generation_prompt: bool = True, continue_final_message: bool = False,
+                     template_kwargs: Optional[dict[str, Any]] = None, chat_template: Optional[str] = None) -> str:
+    """The conversation under the chat template (the tokenizer's, or `chat_template`), as text; `chat_prompt_ids`'
+    checks and options."""
     if not isinstance(messages, (list, tuple)) or not all(isinstance(m, Mapping) for m in messages):
         raise RequestError("messages", "must be a list of messages ({'role': ..., 'content': ...}), got "
                            f"{messages!r:.80}")  # fmt: skip
@@ -105,21 +136,25 @@ def chat_prompt_ids(tokenizer: Any, messages: Seq[dict], tools: Optional[Seq[dic
         raise RequestError("chat_template_kwargs", f"may not set {reserved} (the request's own fields)")
     if tools:
         extra["tools"] = list(tools)
+    if chat_template is not None:
+        extra["chat_template"] = chat_template
     text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
                                          continue_final_message=continue_final_message, tokenize=False,
                                          **extra)  # fmt: skip
-    return list(tokenizer.encode(check_unicode("messages", text), add_special_tokens=add_special_tokens))
+    return check_unicode("messages", text)
 
 
 class LLM:
     """Loads an engine dir and generates with continuous batching and KV sharing.
 
     >>> llm = LLM("engines/smollm2")
-    >>> out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+    >>> (out,) = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
     ...                SamplingParams(max_tokens=16, temperature=0))
     >>> out.outputs[0].text
 
-    The engine dir comes first (`model=`, vLLM's name for it, or `engine=`). Limits default to the engine's
+    The engine dir comes first (`model=`, vLLM's name for it, or `engine=`). vLLM's engine arguments
+    (`max_model_len`, `max_num_seqs`, `seed`, `dtype`, ...) are taken as `trtpaged/runtime/vllm_args.py` says,
+    or refused naming them. Limits default to the engine's
     build limits (manifest) and may be
     tightened: `max_num_tokens`, `max_batch_size`, `max_seq_len`; the KV pool
     size defaults to the manifest's budget (`num_kv_blocks` overrides it). For a model whose every layer
@@ -175,6 +210,7 @@ class LLM:
         kv_tiers: Union[None, KVTierConfig, dict] = None,
         reclaim_windowed_blocks: bool = True,
         max_logprobs: int = 20,
+        **vllm_args: Any,
     ) -> None:
         if (model is None) == (engine is None):
             raise TypeError("LLM: give the engine dir once, as model (vLLM's name for it) or as engine")
@@ -187,6 +223,11 @@ class LLM:
         self.engine_dir = path.parent if path.is_file() else path
         self.manifest = read_manifest(self.engine_dir)
         verify_engine_dir(self.engine_dir, self.manifest)  # before anything of the dir is loaded
+        ours = {"max_seq_len": max_seq_len, "max_batch_size": max_batch_size, "max_num_tokens": max_num_tokens,
+                "tensor_parallel": tensor_parallel, "num_host_blocks": num_host_blocks}  # fmt: skip
+        apply_vllm_args(vllm_args, ours, self.manifest, engine, device)
+        max_seq_len, max_batch_size, max_num_tokens = ours["max_seq_len"], ours["max_batch_size"], ours["max_num_tokens"]
+        tensor_parallel, num_host_blocks = ours["tensor_parallel"], ours["num_host_blocks"]
         limits = self.manifest.limits
         num_kv_blocks = resolve_num_kv_blocks(self.manifest, device, num_kv_blocks)
         check_host_pool(num_host_blocks, self.manifest.kv_bytes_per_block_per_rank, device, num_kv_blocks)
@@ -253,16 +294,25 @@ class LLM:
         self,
         prompts: Union[Prompt, Seq[Prompt]],
         sampling_params: Union[None, SamplingParams, Seq[SamplingParams]] = None,
+        use_tqdm: Union[bool, Callable[..., Any]] = True,
+        lora_request: None = None,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in prompt order.
 
-        A prompt is text or a list of token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}; one
-        SamplingParams applies to all, or pass one per prompt.
+        A prompt is text or a list of token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids} (with an
+        optional "cache_salt"); one SamplingParams applies to all, or pass one per prompt. As in vLLM's offline
+        API, a `max_tokens` past the room the prompt leaves in max_seq_len is cut to that room (the output then
+        ends "length" there); a prompt that leaves no room is refused.
+        `use_tqdm` (vLLM's): a progress bar of finished prompts on a terminal (a callable: the tqdm-like class to
+        use); `lora_request` must be None (no adapters here).
         A prompt that fails inside a step on its own (e.g. NaN logits in its rows) comes back finished,
         with finish_reason "error" and `error` set, and the others complete; a failure of the step
         itself (the model raising) raises here, and this call's requests are aborted.
         """
-        prompts = _prompt_list(prompts)
+        if lora_request is not None:
+            raise ValueError("lora_request: trtpaged serves no LoRA adapters (merge one into the model, then build)")
+        pairs = _prompt_list(prompts)
+        prompts, salts = [p for p, _ in pairs], [salt for _, salt in pairs]
         params = sampling_params or SamplingParams()
         per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
@@ -271,46 +321,64 @@ class LLM:
         if wrong is not None:
             raise TypeError(f"sampling_params: a SamplingParams or a list of them, got {type(wrong).__name__}")
         final_only = RequestOutputKind.FINAL_ONLY  # only the finished outputs are kept: build no others
-        per_prompt = [dataclasses.replace(sp, output_kind=final_only) for sp in per_prompt]
+        per_prompt = [dataclasses.replace(sp, output_kind=final_only, **({"cache_salt": salt} if salt else {}))
+                      for sp, salt in zip(per_prompt, salts)]  # fmt: skip
         ids: list[str] = []
         results: dict[str, RequestOutput] = {}
+        bar = None
         try:
             for p, sp in zip(prompts, per_prompt):
-                ids.append(self.engine.add_request(p, sp))
+                ids.append(self.engine.add_request(p, sp, fit_max_tokens=True))
+            bar = _progress_bar(use_tqdm, len(ids))
             while self.engine.has_unfinished():
                 for out in self.engine.step():
                     if out.finished:
                         results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
         except BaseException:
             # All or nothing: a refused prompt, a failed step or Ctrl-C must not leave this
             # call's requests queued or holding KV blocks.
             for request_id in ids:
                 self.engine.abort(request_id)
             raise
+        finally:
+            if bar is not None:
+                bar.close()
         return [results[i] for i in ids]
 
     def chat(
         self,
         messages: Union[Seq[dict], Seq[Seq[dict]]],
         sampling_params: Union[None, SamplingParams, Seq[SamplingParams]] = None,
+        use_tqdm: Union[bool, Callable[..., Any]] = True,
+        lora_request: None = None,
+        chat_template: Optional[str] = None,
         *,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: Optional[dict[str, Any]] = None,
-    ) -> Union[RequestOutput, list[RequestOutput]]:
-        """Applies the engine's chat template and generates the assistant's reply.
+        tools: Optional[Seq[dict]] = None,
+    ) -> list[RequestOutput]:
+        """Applies the chat template (the engine's, or `chat_template`) and generates the assistant's reply.
 
-        One conversation (a list of messages) returns one RequestOutput; a list of
-        conversations returns a list, in order, generated together (as vLLM's `LLM.chat`).
-        The keyword options are `chat_prompt`'s (vLLM's names).
+        As vLLM's `LLM.chat`: one conversation (a list of messages) or a list of conversations, generated
+        together; returns one RequestOutput per conversation, in order, whose `prompt` is the templated text.
+        The keyword options are `chat_prompt`'s (vLLM's names); `use_tqdm` and `lora_request` are `generate`'s.
         """
         batch = bool(messages) and not isinstance(messages[0], dict)
         conversations = list(messages) if batch else [messages]
-        options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
-                   "template_kwargs": chat_template_kwargs}  # fmt: skip
-        prompts = [self.chat_prompt(c, **options) for c in conversations]  # type: ignore[arg-type]
-        outs = self.generate(prompts, sampling_params)  # type: ignore[arg-type]
-        return outs if batch else outs[0]
+        if chat_template is not None and (not isinstance(chat_template, str) or not chat_template.strip()):
+            raise RequestError("chat_template", "must be a Jinja template's text")
+        texts = [chat_prompt_text(self.tokenizer, c, tools, add_generation_prompt=add_generation_prompt,
+                                  continue_final_message=continue_final_message, template_kwargs=chat_template_kwargs,
+                                  chat_template=chat_template)
+                 for c in conversations]  # type: ignore[arg-type]  # fmt: skip
+        prompts = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        for out, text in zip(outs, texts):
+            out.prompt = text
+        return outs
 
     def chat_prompt(self, messages: Seq[dict], tools: Optional[Seq[dict]] = None, *,
                     add_generation_prompt: bool = True, continue_final_message: bool = False,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 from collections import deque
 import operator
@@ -115,11 +117,16 @@ class LLMEngine:
         return encode_prompt(self.tokenizer, self.vocab_size, prompt, add_special_tokens)
 
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None,
-                    arrival_time: Optional[float] = None) -> str:  # fmt: skip
+                    arrival_time: Optional[float] = None, fit_max_tokens: bool = False) -> str:  # fmt: skip
         """Queues a request; raises `RequestError` (naming the field and limit) if it can never run.
-        `arrival_time` (time.monotonic()): when it reached the server, for `ttft_breakdown`."""
+        `arrival_time` (time.monotonic()): when it reached the server, for `ttft_breakdown`. `fit_max_tokens`: a
+        max_tokens past the room the prompt leaves in max_seq_len is cut to that room (vLLM's offline API), where
+        it is otherwise refused (its server)."""
         params = params or SamplingParams()
         text, token_ids = self.encode(prompt)
+        room = self.config.max_seq_len - len(token_ids)
+        if fit_max_tokens and params.max_tokens is not None and 1 <= room < params.max_tokens:
+            params = dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
         request_id = request_id if request_id is not None else f"req-{next(self._request_ids)}"
         if request_id in self.groups:
             raise RequestError("request_id", f"{request_id!r} is already in use")
