@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 from click.testing import CliRunner
 
-from runtime_helpers import hf_from_engine_dir, hf_greedy
-from trtpaged import LLM, SamplingParams
+from runtime_helpers import hf_beams, hf_from_engine_dir, hf_greedy
+from trtpaged import BeamSearchParams, GuidedDecodingParams, LLM, SamplingParams
 from trtpaged.cli import main
 from trtpaged.errors import RequestError
 
@@ -134,6 +134,61 @@ def test_chat_returns_a_list_with_the_templated_prompt_and_takes_a_template(llm)
     assert outs[0].prompt_token_ids == llm.tokenizer.encode(text, add_special_tokens=False)
     (plain,) = llm.chat(one, greedy, chat_template="{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
     assert plain.prompt == "[hi]" and plain.prompt_token_ids == llm.tokenizer.encode("[hi]", add_special_tokens=False)
+
+
+def test_vllm_sampling_fields(llm, tiny_engine_dir):
+    hf = hf_from_engine_dir(tiny_engine_dir)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompt = list(range(20, 60))
+    (cut,) = llm.generate([prompt], dataclasses.replace(greedy, truncate_prompt_tokens=10))
+    assert cut.prompt_token_ids == prompt[-10:] and cut.outputs[0].token_ids == hf_greedy(hf, prompt[-10:], 6, None)
+    (plain,) = llm.generate([prompt], greedy)
+    (bare,) = llm.generate([prompt], dataclasses.replace(greedy, detokenize=False))
+    assert bare.outputs[0].token_ids == plain.outputs[0].token_ids and plain.outputs[0].text and bare.outputs[0].text == ""
+    choices = ["red", "green", "blue"]
+    outs = llm.generate(["a", "b"], SamplingParams(max_tokens=8, temperature=1.0, n=3, seed=4,
+                                                   guided_decoding=GuidedDecodingParams(choice=choices)))
+    assert {c.text for o in outs for c in o.outputs} <= set(choices)
+    assert SamplingParams.from_optional(n=None, max_tokens=4, temperature=None) == SamplingParams(max_tokens=4)
+    assert greedy.clone() == greedy and greedy.clone() is not greedy
+    for kwargs, field in [({"guided_decoding": GuidedDecodingParams(regex="a"), "structured_outputs": GuidedDecodingParams(regex="b")},
+                           "guided_decoding"),
+                          ({"detokenize": False, "stop": ["x"]}, "stop"),
+                          ({"best_of": 3}, "best_of"),
+                          ({"logits_processors": [lambda ids, logits: logits]}, "logits_processors"),
+                          ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens")]:  # fmt: skip
+        with pytest.raises(RequestError) as refused:
+            SamplingParams(**kwargs)
+        assert refused.value.field == field
+    with pytest.raises(RequestError) as refused:
+        GuidedDecodingParams(regex="a", backend="outlines")
+    assert refused.value.field == "guided_decoding.backend"
+
+
+def test_logprobs_minus_one_is_the_whole_vocabulary(tiny_engine_dir):
+    with LLM(tiny_engine_dir, device="cpu", warmup=False, max_logprobs=-1) as everything:
+        (out,) = everything.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0.0, logprobs=-1,
+                                                                 prompt_logprobs=-1))  # fmt: skip
+        vocab = everything.manifest.dims.vocab_size
+        assert [len(entry) for entry in out.outputs[0].logprobs] == [vocab, vocab]
+        assert [len(entry) for entry in out.prompt_logprobs[1:]] == [vocab, vocab]
+    with LLM(tiny_engine_dir, device="cpu", warmup=False) as capped, pytest.raises(RequestError) as refused:
+        capped.generate([[5, 6, 7]], SamplingParams(max_tokens=2, logprobs=-1))
+    assert refused.value.field == "logprobs" and "exceeds max_logprobs (20)" in str(refused.value)
+
+
+def test_vllm_beam_search_call_gives_hfs_beams_with_the_prompt_in_front(llm, tiny_engine_dir):
+    hf = hf_from_engine_dir(tiny_engine_dir)
+    eos = llm.manifest.eos_token_ids[0]
+    prompts = [[9, 30, 41, 7, 80], [100, 3, 3, 12]]
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], BeamSearchParams(beam_width=3, max_tokens=8))
+    for prompt, out in zip(prompts, outs):
+        assert [s.tokens[len(prompt):] for s in out.sequences] == hf_beams(hf, prompt, 8, 3, eos)
+        for seq in out.sequences:
+            assert seq.tokens[: len(prompt)] == prompt and seq.text == llm.tokenizer.decode(seq.tokens)
+            assert seq.finish_reason in ("stop", "length") and seq.cum_logprob < 0
+    with pytest.raises(RequestError, match="temperature"):
+        llm.beam_search([[1, 2]], BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.7))
 
 
 def test_limits_come_from_the_manifest_and_only_tighten(llm, tiny_engine_dir):

@@ -22,17 +22,20 @@ if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ an
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "BeamSearchParams",
+           "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+# Where each public name lives (the names vLLM's scripts import from `vllm` and `vllm.sampling_params`).
+_EXPORTS = {"LLM": "trtpaged.runtime.llm", "SamplingParams": "trtpaged.runtime.sampling_params",
+            "StructuredOutputsParams": "trtpaged.runtime.sampling_params",
+            "GuidedDecodingParams": "trtpaged.runtime.sampling_params", "BeamSearchParams": "trtpaged.runtime.beam_api",
+            "RequestOutput": "trtpaged.runtime.outputs", "CompletionOutput": "trtpaged.runtime.outputs",
+            "Logprob": "trtpaged.runtime.outputs"}  # fmt: skip
 
 
 def __getattr__(name: str):
     # Imported lazily so that `trtpaged --version` and the builder don't pay for the runtime.
-    if name == "LLM":
-        from trtpaged.runtime.llm import LLM
+    if name in _EXPORTS:
+        import importlib
 
-        return LLM
-    if name == "SamplingParams":
-        from trtpaged.runtime.sampling_params import SamplingParams
-
-        return SamplingParams
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'trtpaged' has no attribute {name!r}")

@@ -13,6 +13,7 @@ from trtpaged.manifest import EngineDirError, Manifest, engine_path, read_manife
 from trtpaged.kv_budget import check_host_pool, check_host_tier
 from trtpaged.runtime.runners import load_runner, resolve_device, resolve_num_kv_blocks
 from trtpaged.runtime.runners.base import pool_block_bytes
+from trtpaged.runtime.beam_api import BeamSearchOutput, BeamSearchParams, beam_outputs
 from trtpaged.runtime.kv_tiers.config import KVTierConfig, manifest_fingerprint
 from trtpaged.runtime.llm_engine import LLMEngine, Prompt
 from trtpaged.runtime.outputs import RequestOutput, RequestOutputKind
@@ -396,6 +397,26 @@ class LLM:
     def get_tokenizer(self) -> Any:
         """The engine dir's tokenizer (vLLM's accessor; the same object as `tokenizer`)."""
         return self.tokenizer
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """vLLM's name of `engine` (add_request / step / abort / has_unfinished)."""
+        return self.engine
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's accessor: what `generate` uses when given no SamplingParams."""
+        return SamplingParams()
+
+    def beam_search(self, prompts: Any, params: BeamSearchParams, lora_request: None = None,
+                    use_tqdm: Union[bool, Callable[..., Any]] = False,
+                    concurrency_limit: Optional[int] = None) -> list[BeamSearchOutput]:  # fmt: skip
+        """vLLM's beam-search call: `params.beam_width` beams per prompt (prompts as `generate` takes them), each
+        returned with the prompt's tokens and text in front (trtpaged/runtime/beam_api.py). `concurrency_limit`
+        is taken for vLLM's signature; the scheduler bounds concurrency here."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params: a BeamSearchParams, got {type(params).__name__}")
+        outs = self.generate(prompts, params.sampling_params(), use_tqdm=use_tqdm, lora_request=lora_request)
+        return beam_outputs(outs, self.tokenizer)
 
     def close(self) -> None:
         """Writes the cached prefixes to the KV tiers (if any), stops the other tensor-parallel ranks; idempotent."""

@@ -124,6 +124,13 @@ class LLMEngine:
         it is otherwise refused (its server)."""
         params = params or SamplingParams()
         text, token_ids = self.encode(prompt)
+        if params.truncate_prompt_tokens is not None:  # vLLM's: the last k tokens (-1: all that leave max_tokens room)
+            k = params.truncate_prompt_tokens
+            k = k if k > 0 else max(1, self.config.max_seq_len - (params.max_tokens or 1))
+            token_ids = token_ids[-k:]
+        whole = {name: self.vocab_size for name in ("logprobs", "prompt_logprobs") if getattr(params, name) == -1}
+        if whole and self.vocab_size is not None:  # vLLM's -1: the whole vocabulary (max_logprobs permitting)
+            params = dataclasses.replace(params, **whole)
         room = self.config.max_seq_len - len(token_ids)
         if fit_max_tokens and params.max_tokens is not None and 1 <= room < params.max_tokens:
             params = dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))

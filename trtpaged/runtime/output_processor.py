@@ -89,6 +89,9 @@ class OutputProcessor:
         new_tokens = seq.output_token_ids[seq.num_decoded_tokens :]
         if not new_tokens:
             return None
+        if not params.detokenize:  # vLLM's detokenize=False: token ids only
+            seq.num_decoded_tokens += len(new_tokens)
+            return None
         if seq.detokenizer is None:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids, params.skip_special_tokens)
         ended_on_token = seq.finish_reason == "stop"  # EOS or a stop token id: no stop string after it
@@ -227,7 +230,8 @@ class OutputProcessor:
             finish = self._beam_finish_reason(group, tokens)
             shown = tokens if params.shows_end_token(finish) else tokens[:-1]
             stop = params.stop_reason_of(tokens[-1]) if finish == "stop" else None
-            outputs.append(CompletionOutput(index=i, text=self._decode(shown, params.skip_special_tokens),
+            text = self._decode(shown, params.skip_special_tokens) if params.detokenize else ""
+            outputs.append(CompletionOutput(index=i, text=text,
                                             token_ids=list(tokens), cumulative_logprob=logprob, finish_reason=finish,
                                             stop_reason=stop))  # fmt: skip
         return outputs

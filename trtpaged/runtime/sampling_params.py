@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 import json
 import math
@@ -148,6 +149,28 @@ class StructuredOutputsParams:
         return kind, value  # type: ignore[return-value]
 
 
+def GuidedDecodingParams(json: Any = None, regex: Optional[str] = None, choice: Any = None,  # noqa: N802
+                         grammar: Optional[str] = None, json_object: Optional[bool] = None, backend: Optional[str] = None,
+                         whitespace_pattern: Optional[str] = None, structural_tag: Optional[str] = None,
+                         **flags: Any) -> StructuredOutputsParams:  # fmt: skip
+    """vLLM <= 0.10's `GuidedDecodingParams` (for `SamplingParams(guided_decoding=...)`), as the
+    `StructuredOutputsParams` it became: the backend is xgrammar ("auto" and "xgrammar" are taken), and
+    whitespace_pattern / structural_tag are refused; its disable_* flags (bools) change nothing here (JSON is
+    compact and a schema's additionalProperties holds)."""
+    for name, value in (("whitespace_pattern", whitespace_pattern), ("structural_tag", structural_tag)):
+        if value is not None:
+            raise RequestError(f"guided_decoding.{name}", "not supported")
+    if backend not in (None, "auto", "xgrammar"):
+        raise RequestError("guided_decoding.backend", f"only xgrammar here, got {backend!r:.40}")
+    flag = next((k for k, v in flags.items()
+                 if k not in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties")
+                 or not isinstance(v, bool)), None)  # fmt: skip
+    if flag is not None:
+        raise TypeError(f"GuidedDecodingParams got an unexpected argument {flag}={flags[flag]!r:.40}")
+    return StructuredOutputsParams(json=json, regex=regex, choice=choice, grammar=grammar,
+                                   json_object=bool(json_object), origin="guided_decoding")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to generate one request's completions. Invalid values raise `RequestError` naming the field.
@@ -203,8 +226,34 @@ class SamplingParams:
     # vLLM's: the request shares prefix-cache blocks (in the pool and the KV tiers) only with requests of the same
     # salt; None shares with the other unsalted ones. A secret per tenant keeps one from timing another's prompts.
     cache_salt: Optional[str] = None
+    # vLLM's: keep only the prompt's last k tokens (-1: as many as max_seq_len holds beside max_tokens)
+    truncate_prompt_tokens: Optional[int] = None
+    detokenize: bool = True  # vLLM's: False leaves every output's text empty (token ids only; no stop strings)
+    # vLLM's, taken for scripts that pass them: the tokenizers here are fast ones, whose decode puts no spaces
+    # between special tokens either way; extra_args are for custom samplers (there are none here)
+    spaces_between_special_tokens: bool = True
+    extra_args: Optional[Mapping[str, Any]] = None
+    best_of: Optional[int] = None  # vLLM's (V0): only None or n without beam search (vLLM V1 dropped best_of)
+    logits_processors: Optional[tuple[Any, ...]] = None  # vLLM's: only None or empty (no Python hooks in a step)
+    guided_decoding: Optional[StructuredOutputsParams] = None  # vLLM <= 0.10's name of structured_outputs
+
+    @classmethod
+    def from_optional(cls, **kwargs: Any) -> "SamplingParams":
+        """vLLM's constructor in which None means the default."""
+        return cls(**{k: v for k, v in kwargs.items() if v is not None})
+
+    def clone(self) -> "SamplingParams":
+        """A checked copy (vLLM's)."""
+        return dataclasses.replace(self)
 
     def __post_init__(self) -> None:
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise RequestError("guided_decoding", "give structured_outputs or guided_decoding (its old name), "
+                                   "not both")  # fmt: skip
+            object.__setattr__(self, "structured_outputs", self.guided_decoding)
+            object.__setattr__(self, "guided_decoding", None)
+        self._check_vllm_fields()
         stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)):
             raise RequestError("stop", f"must be a str or a list of str, got {self.stop!r:.80}")
@@ -253,8 +302,9 @@ class SamplingParams:
             ("n", self.n >= 1, "must be >= 1", 1),
             ("beam_width", self.beam_width >= 1, "must be >= 1", 1),
             ("early_stopping", self.early_stopping in (True, False, "never"), "must be True, False or 'never'", None),
-            ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be >= 0", 0),
-            ("prompt_logprobs", self.prompt_logprobs is None or self.prompt_logprobs >= 0, "must be >= 0", 0),
+            ("logprobs", self.logprobs is None or self.logprobs >= -1, "must be >= 0 (or -1: the whole vocabulary)", 0),
+            ("prompt_logprobs", self.prompt_logprobs is None or self.prompt_logprobs >= -1,
+             "must be >= 0 (or -1: the whole vocabulary)", 0),
             ("output_kind", isinstance(self.output_kind, RequestOutputKind), "must be a RequestOutputKind", None),
             ("stream_interval", self.stream_interval >= 1, "must be >= 1", 1),
             ("min_tokens", self.min_tokens >= 0 and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
@@ -287,6 +337,24 @@ class SamplingParams:
                 raise RequestError("cache_salt", f"must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters (or "
                                    f"None), got {got}", MAX_CACHE_SALT_CHARS)  # fmt: skip
             check_unicode("cache_salt", salt)
+
+    def _check_vllm_fields(self) -> None:
+        for name in ("detokenize", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise RequestError(name, f"must be true or false, got {getattr(self, name)!r:.80}")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or not (k >= 1 or k == -1)):
+            raise RequestError("truncate_prompt_tokens", f"must be an integer >= 1 or -1, got {k!r:.80}", 1)
+        if not self.detokenize and self.stop:
+            raise RequestError("stop", "stop strings need the text: not with detokenize=False")
+        if self.extra_args is not None and not isinstance(self.extra_args, Mapping):
+            raise RequestError("extra_args", f"must be a mapping, got {type(self.extra_args).__name__}")
+        if self.best_of is not None and self.best_of != self.n and not (_is_int(self.best_of) and self.beam_width > 1):
+            raise RequestError("best_of", f"only n ({self.n}) is supported, got {self.best_of!r:.80} (vLLM V1 dropped "
+                               "best_of; use n, or beam_width for beam search)", self.n)  # fmt: skip
+        if self.logits_processors:
+            raise RequestError("logits_processors", "Python logits processors are not supported (use logit_bias, "
+                               "allowed_token_ids, bad_words or structured_outputs)")  # fmt: skip
 
     def _check_token_filters(self) -> None:
         """logit_bias, allowed_token_ids and bad_words: types, counts and ranges (token ids against the
