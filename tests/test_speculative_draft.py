@@ -215,7 +215,9 @@ def draft_dirs(tmp_path_factory):
     return {"same_vocab": build_from_dict(_tiny(tiny={"seed": 1, "num_hidden_layers": 1}),
                                           root / "tiny-draft"),
             "other_vocab": build_from_dict(_tiny(tiny={"vocab_size": 300}), root / "tiny-v300"),
-            "short": build_from_dict(_tiny(max_seq_len=256), root / "tiny-short")}  # fmt: skip
+            "short": build_from_dict(_tiny(max_seq_len=256), root / "tiny-short"),
+            "one_seq": build_from_dict(_tiny(tiny={"seed": 1, "num_hidden_layers": 1}, max_batch_size=1,
+                                             max_num_tokens=64), root / "tiny-one-seq")}  # fmt: skip
 
 
 def test_llm_with_a_draft_engine_dir(tiny_engine_dir, draft_dirs):
@@ -240,6 +242,35 @@ def test_llm_with_a_draft_engine_dir(tiny_engine_dir, draft_dirs):
             LLM(tiny_engine_dir, device="cpu", speculative_config={**config, "model": str(draft_dirs[key])})
     with pytest.raises(ValueError, match="speculative_config.model: .* is not a usable engine dir"):
         LLM(tiny_engine_dir, device="cpu", speculative_config={**config, "model": str(draft_dirs["short"]) + "-none"})
+
+
+def test_a_draft_steps_no_more_sequences_than_its_engine_takes(tiny_engine_dir, draft_dirs, monkeypatch):
+    """A draft built for one sequence at a time got packed steps of several (a TensorRT plan refuses a batch
+    outside its profile); now the others do not speculate that step, and greedy outputs stay the same. A bad
+    draft is refused before the target's weights load."""
+    from trtpaged import LLM
+    import trtpaged.runtime.llm as llm_module
+
+    prompts = ["abcabcabcabcabc", "the cat sat on the mat, the cat", "xyzxyzxyz"]
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    want = LLM(tiny_engine_dir, device="cpu", warmup=False).generate(prompts, params)
+    config = {"method": "draft_model", "model": str(draft_dirs["one_seq"]), "num_speculative_tokens": 3,
+              "min_acceptance_rate": 0, "draft_token_cost": 0}  # fmt: skip
+    llm = LLM(tiny_engine_dir, device="cpu", warmup=False, speculative_config=config)
+    draft_runner = llm.engine.scheduler.draft.runner
+    seqs_per_step = []
+    real_step = draft_runner.step
+    monkeypatch.setattr(draft_runner, "step", lambda batch: seqs_per_step.append(len(batch.context_lens)) or
+                        real_step(batch))  # fmt: skip
+    got = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert seqs_per_step and max(seqs_per_step) == 1 and llm.stats()["spec_decode_num_drafts"] > 0
+    loads = []
+    real_load = llm_module.load_runner
+    monkeypatch.setattr(llm_module, "load_runner", lambda *a, **k: loads.append(1) or real_load(*a, **k))
+    with pytest.raises(ValueError, match="speculative_config.model: .*vocab_size is 300"):
+        LLM(tiny_engine_dir, device="cpu", speculative_config={**config, "model": str(draft_dirs["other_vocab"])})
+    assert loads == []
 
 
 def test_server_metrics_carry_the_method_and_the_draft_pool(tiny_engine_dir, draft_dirs):

@@ -73,17 +73,21 @@ class DraftProposer:
     """Proposes with a draft model on its own pool (`runner` owns `num_kv_blocks` blocks of `block_size` tokens).
 
     `max_num_tokens` bounds a draft step's tokens: a first proposal whose catch-up (the prompt) does not fit
-    is computed in chunks over several steps and proposes nothing until it has caught up.
+    is computed in chunks over several steps and proposes nothing until it has caught up. `max_batch_size` bounds
+    its sequences (the draft engine's build limit, which a TensorRT plan's profile enforces): past it, the other
+    sequences do not speculate that step.
     """
 
     def __init__(self, runner: ModelRunner, num_kv_blocks: int, block_size: int, max_num_tokens: int,
-                 max_seq_len: int, vocab_size: int, source: str = "", token_cost: float = 0.0) -> None:  # fmt: skip
+                 max_seq_len: int, vocab_size: int, source: str = "", token_cost: float = 0.0,
+                 max_batch_size: Optional[int] = None) -> None:  # fmt: skip
         if runner.num_kv_blocks != num_kv_blocks:
             raise ValueError(f"num_kv_blocks: the draft runner's pool has {runner.num_kv_blocks} blocks, "
                              f"not {num_kv_blocks}")  # fmt: skip
         self.runner = runner
         self.kv = KVCacheManager(num_kv_blocks, block_size, enable_prefix_caching=False)
         self.max_num_tokens = max_num_tokens
+        self.max_batch_size = max_batch_size or max_num_tokens  # sequences in one draft step (a plan's profile)
         self.max_seq_len = max_seq_len
         self.vocab_size = vocab_size
         self.source = source  # the engine dir, for stats and errors
@@ -99,6 +103,8 @@ class DraftProposer:
         active: list[tuple[_Mirror, DraftRequest, int]] = []  # with the tokens of its catch-up computed now
         budget = self.max_num_tokens
         for req in requests:
+            if len(active) == self.max_batch_size:
+                break  # the draft engine's batch is full: the others do not speculate this step
             mirror = self._sync(req)
             catch_up = len(mirror.token_ids) - mirror.num_computed_tokens
             if req.k < 1 or budget < 1 or len(mirror.token_ids) + req.k > self.max_seq_len:
@@ -241,14 +247,15 @@ def check_draft(model: str, target_manifest: Any, target_tokenizer: Any, max_seq
 
 
 def load_draft(model: str, target_dir: Path, target_manifest: Any, target_tokenizer: Any, backend: str, device: str,
-               max_seq_len: int, token_cost: Optional[float] = None) -> DraftProposer:  # fmt: skip
-    """The draft engine dir `model` (checked by `check_draft`) as a proposer, its pool the draft's own KV budget.
-    `token_cost`: `speculative_config.draft_token_cost`; None estimates it from the engines' weight bytes."""
+               max_seq_len: int, token_cost: Optional[float] = None, checked: Any = None) -> DraftProposer:  # fmt: skip
+    """The draft engine dir `model` (checked by `check_draft`, unless `checked` is the manifest it returned) as a
+    proposer, its pool the draft's own KV budget. `token_cost`: `speculative_config.draft_token_cost`; None
+    estimates it from the engines' weight bytes."""
     from trtpaged.engine_files import held_weight_bytes
     from trtpaged.runtime.runners import load_runner, resolve_num_kv_blocks
     from trtpaged.runtime.speculative import estimate_draft_token_cost
 
-    manifest = check_draft(model, target_manifest, target_tokenizer, max_seq_len)
+    manifest = checked if checked is not None else check_draft(model, target_manifest, target_tokenizer, max_seq_len)
     if token_cost is None:
         token_cost = estimate_draft_token_cost(held_weight_bytes(Path(model), manifest),
                                                held_weight_bytes(Path(target_dir), target_manifest))  # fmt: skip
@@ -256,4 +263,4 @@ def load_draft(model: str, target_dir: Path, target_manifest: Any, target_tokeni
     runner = load_runner(Path(model), manifest, num_kv_blocks, backend, device)
     limits = manifest.limits
     return DraftProposer(runner, num_kv_blocks, limits.block_size, limits.max_num_tokens, limits.max_seq_len,
-                         manifest.dims.vocab_size, str(model), token_cost)
+                         manifest.dims.vocab_size, str(model), token_cost, limits.max_batch_size)

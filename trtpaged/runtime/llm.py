@@ -253,6 +253,12 @@ class LLM:
             max_logprobs=max_logprobs,
         )
         self.tokenizer = load_tokenizer(self.engine_dir, self.manifest)
+        spec = self.config.speculative
+        draft_manifest = None
+        if spec is not None and spec.method == "draft_model":  # from manifests and tokenizers: before any weight loads
+            from trtpaged.runtime.draft import check_draft
+
+            draft_manifest = check_draft(spec.model, self.manifest, self.tokenizer, self.config.max_seq_len)
         runner = load_runner(self.engine_dir, self.manifest, num_kv_blocks, backend, device, num_host_blocks,
                              self.manifest.tensor_parallel if tensor_parallel is None else tensor_parallel)
         # Ready means ready: the first batch's one-off costs (scratch growth, first-touched pages, the
@@ -280,7 +286,7 @@ class LLM:
 
             try:
                 draft = load_draft(spec.model, self.engine_dir, self.manifest, self.tokenizer, backend, device,
-                                   self.config.max_seq_len, spec.draft_token_cost)
+                                   self.config.max_seq_len, spec.draft_token_cost, checked=draft_manifest)
             except BaseException:
                 getattr(runner, "close", lambda: None)()
                 raise
