@@ -188,6 +188,18 @@ def _kv_blocks_beyond_int32(e: Path) -> None:
     _edit_manifest(e, kv_cache={**data["kv_cache"], "num_kv_blocks": 10**15})
 
 
+def _verification_without_tolerance(e: Path) -> None:
+    _edit_manifest(e, verification={"max_abs_diff": 0})
+
+
+def _quantization_without_weights(e: Path) -> None:
+    _edit_manifest(e, quantization={"group_size": 32})
+
+
+def _quantization_origin_a_number(e: Path) -> None:
+    _edit_manifest(e, quantization={"weights": "int8", "origin": 5})
+
+
 # kind -> (damage, rehash too?, the field the error names, words in it)
 BROKEN = {
     "weights_file ../": (_parent_path, False, "weights_file", "not a path inside the engine dir"),
@@ -215,6 +227,11 @@ BROKEN = {
     "extra tokenizer file": (_tokenizer_extra_file, False, "tokenizer_dir", "does not list"),
     "num_kv_blocks 10^15": (_kv_blocks_beyond_int32, False, "kv_cache.num_kv_blocks", "int32 block ids"),
     "garbage tokenizer.json, rehashed": (_garbage_tokenizer, True, "tokenizer_dir", "transformers cannot load it"),
+    # were: a KeyError / AttributeError traceback from inspect, while LLM loaded the engine
+    "verification without tolerance": (_verification_without_tolerance, False, "verification.tolerance",
+                                       "expected a finite number"),
+    "quantization without weights": (_quantization_without_weights, False, "quantization.weights", "one of int8, int4"),
+    "quantization.origin a number": (_quantization_origin_a_number, False, "quantization.origin", "expected"),
 }
 
 

@@ -333,6 +333,7 @@ def _check_values(m: Manifest, where: str | Path) -> None:
         if (set(shard) != {"weights_file", "onnx_file"} or not isinstance(shard["weights_file"], str)
                 or not isinstance(shard["onnx_file"], (str, type(None)))):
             raise bad(f"shards[{rank}]", "expected {\"weights_file\": NAME, \"onnx_file\": NAME or null}")
+    _check_summaries(m, bad)
     for name, digest in m.files.items():
         if not _SHA256.fullmatch(digest):
             raise bad(f"files[{name!r}]", f"got {digest[:80]!r}; expected a sha256 hex digest")
@@ -341,6 +342,36 @@ def _check_values(m: Manifest, where: str | Path) -> None:
 
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+QUANTIZED_WEIGHTS = ("int8", "int4")
+
+
+def _check_summaries(m: Manifest, bad: Any) -> None:
+    """The verification and quantization summaries, which inspect prints and the runtime reads: the types their
+    readers assume (a hand-edited manifest got a traceback from `inspect`)."""
+    def number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+    v = m.verification
+    if v and not v.get("skipped"):
+        for key in ("max_abs_diff", "tolerance"):
+            if not number(v.get(key)):
+                raise bad(f"verification.{key}", f"got {v.get(key)!r:.80}; expected a finite number")
+    q = m.quantization
+    if not q:
+        return
+    if q.get("weights") not in QUANTIZED_WEIGHTS:
+        raise bad("quantization.weights", f"got {q.get('weights')!r:.80}; one of {', '.join(QUANTIZED_WEIGHTS)}")
+    group = q.get("group_size")
+    if group is not None and (not isinstance(group, int) or isinstance(group, bool) or group < 1):
+        raise bad("quantization.group_size", f"got {group!r:.80}; expected a positive integer or null")
+    for key in ("lm_head", "activations"):
+        if q.get(key) is not None and not isinstance(q[key], str):
+            raise bad(f"quantization.{key}", f"got {q[key]!r:.80}; expected a string")
+    origin = q.get("origin", {})
+    if not isinstance(origin, dict) or not all(isinstance(k, str) and isinstance(n, int) for k, n in origin.items()):
+        raise bad("quantization.origin", f"got {origin!r:.80}; expected {{how: module count}}")
+    if not isinstance(q.get("modules", {}), dict):
+        raise bad("quantization.modules", f"got {q.get('modules')!r:.80}; expected {{module: [bits, group_size]}}")
 
 
 def _check_relative(rel: str, name: str, where: str | Path) -> None:
