@@ -7,6 +7,7 @@ nothing afterwards.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -101,6 +102,18 @@ def _hf_dir(tmp_path: Path) -> Path:
     hf.model.save_pretrained(tmp_path / "hf")
     hf.tokenizer.save_pretrained(tmp_path / "hf")
     return tmp_path / "hf"
+
+
+@pytest.mark.parametrize("eps", ["NaN", -1.0])
+def test_a_model_whose_dims_no_reader_takes_is_not_built_even_unverified(tmp_path, eps):
+    """rms_norm_eps NaN or -1 built with --skip-verify, and inspect, LLM and generate then refused the engine."""
+    hf = _hf_dir(tmp_path)
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "rms_norm_eps": float(eps)}))
+    r = _cli("build", str(_yaml(tmp_path, {**TINY, "model": {"hf_dir": "hf"}})), "-o", str(tmp_path / "out"),
+             "--skip-verify")
+    _one_line_failure(r, "model.hf_dir: the model's rms_norm_eps got", "expected a finite positive number")
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("config_json, words", [

@@ -281,12 +281,9 @@ def _adapter() -> pydantic.TypeAdapter:
     return _ADAPTER
 
 
-def _check_values(m: Manifest, where: str | Path) -> None:
-    """What the types allow but no engine has: sizes out of bounds, non-finite numbers, inconsistent counts."""
-    def bad(name: str, message: str, limit: Any = None) -> EngineDirError:
-        return EngineDirError(where, name, message, limit)
-
-    d = m.dims
+def check_dim_values(d: ModelDims, bad: Any) -> None:
+    """The model dims' values as an engine's manifest must hold them (sizes in bounds, finite positive epsilon
+    and rope theta); `bad(field, message, limit)` makes the error to raise (the build's, or a reader's)."""
     for name, high in _DIM_BOUNDS.items():
         value = getattr(d, name)
         if not 1 <= value <= high:
@@ -297,6 +294,15 @@ def _check_values(m: Manifest, where: str | Path) -> None:
             raise bad(f"dims.{name}", f"got {value}; expected a finite positive number")
     if d.num_heads % d.num_kv_heads:
         raise bad("dims.num_kv_heads", f"{d.num_kv_heads} does not divide num_heads {d.num_heads}")
+
+
+def _check_values(m: Manifest, where: str | Path) -> None:
+    """What the types allow but no engine has: sizes out of bounds, non-finite numbers, inconsistent counts."""
+    def bad(name: str, message: str, limit: Any = None) -> EngineDirError:
+        return EngineDirError(where, name, message, limit)
+
+    d = m.dims
+    check_dim_values(d, bad)
     lim = m.limits
     for name, high in _LIMIT_BOUNDS.items():
         value = getattr(lim, name)

@@ -36,7 +36,7 @@ from trtpaged.builder.weights import save_weights
 from trtpaged.config import BuildConfig, ConfigError
 from trtpaged.kernels import KernelError
 from trtpaged.kv_formats import QUANTIZED_KV_CACHE_DTYPES
-from trtpaged.manifest import Manifest, ModelDims
+from trtpaged.manifest import Manifest, ModelDims, check_dim_values
 from trtpaged.models.dims import trained_max_seq_len
 from trtpaged.models.tensor_parallel import check_tensor_parallel
 from trtpaged.kv_budget import budget_blocks, machine_memory_bytes
@@ -98,6 +98,9 @@ def build_engine(
                 dims = dims_from_hf_config(hf.config, config.limits.max_seq_len)
             except UnsupportedModelError as e:
                 raise ConfigError(f"model.{config.model.kind}: {e}") from None
+            # what every reader of the engine dir refuses, refused here (was: built, with --skip-verify)
+            check_dim_values(dims, lambda name, message, limit=None: ConfigError(
+                f"model.{config.model.kind}: the model's {name.removeprefix('dims.')} {message}", limit=limit))
             tp_blocker = check_tensor_parallel(dims, config.tensor_parallel, _config_plan(config, dims))
             if tp_blocker:
                 raise ConfigError(tp_blocker)
