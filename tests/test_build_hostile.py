@@ -104,6 +104,22 @@ def _hf_dir(tmp_path: Path) -> Path:
     return tmp_path / "hf"
 
 
+@pytest.mark.parametrize("change, words", [
+    # was: transformers' RuntimeError ("look at the above report") with its report on the console only
+    ({"intermediate_size": 200}, "tensors have shapes other than config.json's sizes give: "
+                                 "model.layers.0.mlp.down_proj.weight (checkpoint [64, 128], config [64, 200])"),
+    # was: a model of 10^9 x 64 floats allocated before any check (the machine's memory)
+    ({"vocab_size": 10**9}, "config.json's sizes give about 476.8 GiB of float32 weights"),
+])  # fmt: skip
+def test_a_config_json_that_lies_about_its_checkpoint_is_one_line_naming_it(tmp_path, change, words):
+    hf = _hf_dir(tmp_path)
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, **change}))
+    r = _cli("build", str(_yaml(tmp_path, {**TINY, "model": {"hf_dir": "hf"}})), "-o", str(tmp_path / "out"))
+    _one_line_failure(r, "model.hf_dir", words)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("eps", ["NaN", -1.0])
 def test_a_model_whose_dims_no_reader_takes_is_not_built_even_unverified(tmp_path, eps):
     """rms_norm_eps NaN or -1 built with --skip-verify, and inspect, LLM and generate then refused the engine."""

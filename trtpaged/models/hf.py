@@ -107,10 +107,14 @@ def load_hf(spec: ModelSpec, dtype: torch.dtype = torch.float32) -> HFModel:
         where = str(spec.path.parent)
     with _no_progress_bars(), gguf_once.parsed_once():
         config = AutoConfig.from_pretrained(where, **kwargs)
+        if spec.kind == "hf_dir":
+            _check_config_against_checkpoint(spec.path, config)
         tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
         # the config loaded above: from_pretrained would parse the GGUF's metadata again for it
+        # a tensor whose shape is not the config's is reported in `info` (and refused below, naming it and both
+        # shapes), where transformers would raise with its report on the console only
         model, info = AutoModelForCausalLM.from_pretrained(where, config=config, dtype=dtype, output_loading_info=True,
-                                                           **kwargs)  # fmt: skip
+                                                           ignore_mismatched_sizes=True, **kwargs)  # fmt: skip
     _check_loaded(spec, info)
     return HFModel(model=model.eval(), tokenizer=tokenizer, config=config)
 
@@ -122,13 +126,15 @@ class MissingWeightsError(ValueError):
 def _check_loaded(spec: ModelSpec, info: dict[str, Any]) -> None:
     """Refuses a checkpoint with missing or wrongly shaped tensors; unexpected extra tensors are ignored."""
     missing = sorted(k for k in info.get("missing_keys", ()) if "rotary_emb" not in k)
-    mismatched = sorted(str(k[0]) if isinstance(k, (list, tuple)) else str(k) for k in info.get("mismatched_keys", ()))
+    mismatched = sorted(f"{k[0]} (checkpoint {list(k[1])}, config {list(k[2])})" if isinstance(k, (list, tuple))
+                        and len(k) == 3 else str(k[0] if isinstance(k, (list, tuple)) else k)
+                        for k in info.get("mismatched_keys", ()))  # fmt: skip
     if missing:
         raise MissingWeightsError(f"{spec.path} has no weights for {len(missing)} tensors of the architecture: "
                                   f"{', '.join(missing[:6])}{', ...' if len(missing) > 6 else ''}")
     if mismatched:
-        raise MissingWeightsError(f"{spec.path}: {len(mismatched)} tensors have shapes other than the config's: "
-                                  f"{', '.join(mismatched[:6])}{', ...' if len(mismatched) > 6 else ''}")
+        raise MissingWeightsError(f"{spec.path}: {len(mismatched)} tensors have shapes other than config.json's "
+                                  f"sizes give: {', '.join(mismatched[:4])}{', ...' if len(mismatched) > 4 else ''}")
 
 
 @contextlib.contextmanager
@@ -136,14 +142,29 @@ def _no_progress_bars():
     """transformers' and the GGUF converter's tqdm bars would drown the builder's stage lines."""
     from transformers.utils import logging as hf_logging
 
-    enabled = hf_logging.is_progress_bar_enabled()
+    enabled, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
     hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()  # its load report: what _check_loaded refuses, it says in one line
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # tqdm.auto bars of the GGUF converter
             yield
     finally:
+        hf_logging.set_verbosity(verbosity)
         if enabled:
             hf_logging.enable_progress_bar()
+
+
+def _check_config_against_checkpoint(path: Path, config: Any) -> None:
+    """Refuses a config.json whose sizes make a model far larger than the checkpoint's files, before transformers
+    allocates it (a vocab_size of 10^9 beside a small checkpoint would take the machine's memory): the model in
+    float32 may be up to 4x a checkpoint of 8-bit files, and no more than that plus a margin."""
+    held = sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin") for f in path.glob(pattern) if f.is_file())
+    wanted = _tiny_parameters(config) * 4
+    if held and wanted > 4 * held + (256 << 20):
+        raise ConfigError(f"model.hf_dir: config.json's sizes give about {wanted / 2**30:.1f} GiB of float32 weights "
+                          f"(hidden_size {config.hidden_size}, intermediate_size {config.intermediate_size}, "
+                          f"num_hidden_layers {config.num_hidden_layers}, vocab_size {config.vocab_size}), but the "
+                          f"checkpoint's files hold {held / 2**30:.2f} GiB; config.json does not describe them")
 
 
 MAX_TINY_BYTES = 4 << 30  # a random test model's weights; past this the build would page or be OOM-killed
