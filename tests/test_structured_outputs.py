@@ -121,8 +121,11 @@ UNENFORCED = [
     ({"oneOf": [{"type": "integer", "minimum": 0}, {"type": "integer", "maximum": 10}]}, 5, "oneOf"),
     ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
       "dependentRequired": {"a": ["b"]}}, {"a": 1}, "dependentRequired"),
-    ({"type": "string", "format": "regex"}, "(", "format 'regex'"),
-    ({"$defs": {"i": {"type": "integer"}}, "$ref": "#/$defs/i", "minimum": 5}, 1, "beside a $ref"),
+    ({"type": "string", "pattern": "^a+$", "maxLength": 2}, "aaaa", "beside a pattern"),
+    ({"type": "number", "multipleOf": 0.5}, 0.3, "multipleOf"),
+    ({"minimum": 5, "anyOf": [{"type": "integer"}, {"type": "null"}]}, 1, "beside anyOf (minimum)"),
+    ({"anyOf": [{"maxLength": 2}, {"pattern": "^x"}]}, "hello", "without a 'type'"),
+    ({"$defs": {"i": {"type": "integer"}}, "$ref": "#/$defs/i", "minimum": 5}, 1, "beside $ref (minimum)"),
     ({"$ref": "http://example.com/schema.json"}, None, "$ref outside"),  # any document: nothing is checked
     ({"type": "object", "required": ["z"]}, {}, "required property 'z'"),
 ]  # fmt: skip
@@ -145,19 +148,67 @@ def test_a_schema_the_grammar_would_not_enforce_is_refused_naming_the_keyword(ll
     assert not llm.engine.has_unfinished()
 
 
-@pytest.mark.parametrize("schema", [
-    {"oneOf": [{"type": "integer"}, {"type": "string"}]},
-    {"oneOf": [{"type": "object", "properties": {"k": {"const": "a"}, "x": {"type": "integer"}}, "required": ["k", "x"]},
-               {"type": "object", "properties": {"k": {"const": "b"}, "y": {"type": "boolean"}}, "required": ["k", "y"]}]},
-    {"type": "object", "properties": {"d": {"type": "string", "format": "date"}, "r": {"$ref": "#/$defs/r"}},
-     "required": ["d", "r"], "$defs": {"r": {"type": "integer", "description": "a ref with an annotation"}}},
-    {"type": "object", "properties": {"v": {"allOf": [{"type": "integer", "minimum": 5}]}}, "required": ["v"]},
-])  # fmt: skip
-def test_schemas_the_grammar_enforces_are_taken(llm, schema):
-    params = SamplingParams(max_tokens=60, temperature=1.0, seed=1, n=4, structured_outputs=Grammar(json=schema))
+def _pydantic_schema() -> dict:
+    """What pydantic writes for a discriminated union, Optional fields and a list of models ($defs and $refs)."""
+    from typing import Annotated, Literal, Optional, Union
+
+    from pydantic import BaseModel, Field
+
+    class Cat(BaseModel):
+        kind: Literal["cat"]
+        meows: int
+
+    class Dog(BaseModel):
+        kind: Literal["dog"]
+        barks: bool
+
+    class Item(BaseModel):
+        name: str
+        price: Optional[float] = None
+
+    class Pet(BaseModel):
+        pet: Annotated[Union[Cat, Dog], Field(discriminator="kind")]
+        items: list[Item]
+
+    return Pet.model_json_schema()
+
+
+# (schema, a document that breaks it): taken, and xgrammar's grammar refuses the document
+ENFORCED = [
+    ({"oneOf": [{"type": "integer"}, {"type": "string"}]}, "true"),
+    ({"oneOf": [{"type": "object", "properties": {"k": {"const": "a"}, "x": {"type": "integer"}}, "required": ["k", "x"]},
+                {"type": "object", "properties": {"k": {"const": "b"}, "y": {"type": "boolean"}}, "required": ["k", "y"]}]},
+     '{"k": "a", "y": true}'),
+    ({"type": "object", "properties": {"d": {"type": "string", "format": "date"}, "r": {"$ref": "#/$defs/r"}},
+      "required": ["d", "r"], "$defs": {"r": {"type": "integer", "description": "a ref with an annotation"}}},
+     '{"d": "2020-13-45", "r": 1}'),
+    ({"type": "object", "properties": {"v": {"allOf": [{"type": "integer", "minimum": 5}]}}, "required": ["v"]},
+     '{"v": 1}'),
+    (_pydantic_schema(), '{"pet": {"kind": "cat", "barks": true}, "items": []}'),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("schema, breaking", ENFORCED)
+def test_schemas_the_grammar_enforces_are_taken(llm, schema, breaking):
+    from xgrammar.testing import _is_grammar_accept_string
+
+    grammar = xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    assert not _is_grammar_accept_string(grammar, breaking)
+    params = SamplingParams(max_tokens=60, temperature=1.0, seed=1, n=2, structured_outputs=Grammar(json=schema))
     for text, reason in texts(llm.generate(PROMPTS[:2], params)):
         if reason == "stop":
             jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.parametrize("schema", [{"type": "object", "required": [["a"]]}, {"oneOf": [{"properties": [1]}, {"required": 5}]},
+                                    {"$ref": 5}, {"$ref": "#/nope"}, {"oneOf": [{"$ref": "#"}, {"$ref": "#"}]}])  # fmt: skip
+def test_a_malformed_schema_is_a_request_error_not_a_crash(llm, schema):
+    """The checker met shapes the compiler refuses (a list where a name goes): a TypeError, a 500 from serve."""
+    try:
+        llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=Grammar(json=schema)))
+    except RequestError as e:
+        assert e.field == "structured_outputs"
+    assert not llm.engine.has_unfinished()
 
 
 def test_schemas_in_another_key_order_are_other_grammars(llm):

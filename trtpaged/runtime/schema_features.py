@@ -3,9 +3,11 @@
 xgrammar compiles these schemas without a word and then lets through outputs that break them: a request
 would finish "stop" with JSON that fails its own schema. Such a schema is refused instead, naming the
 keyword and where it sits, as vLLM's xgrammar backend refuses what it cannot enforce. Measured against
-xgrammar 0.2.9 (a violating document accepted by the compiled grammar): the keywords below, formats outside
-`ENFORCED_FORMATS`, a `$ref` outside the document or with constraints beside it, a `required` property that
-`properties` does not define, and a `oneOf` whose branches can overlap (compiled as `anyOf`).
+xgrammar 0.2.9 (a violating document accepted by the compiled grammar): the keywords in UNENFORCED, a string
+length beside a pattern or a format, multipleOf on a number, type-specific constraints in a schema without a
+type, constraints beside a $ref / anyOf / oneOf, a $ref outside the document, a `required` property that
+`properties` does not define, and a `oneOf` whose branches can overlap (compiled as `anyOf`). `format` is an
+annotation in JSON Schema 2020-12 (validators do not check it unless asked), so formats are not refused.
 """
 
 from __future__ import annotations
@@ -25,51 +27,65 @@ UNENFORCED = {
     "dependentSchemas": "'dependentSchemas' is not enforced",
     "dependencies": "'dependencies' is not enforced",
 }
-ENFORCED_FORMATS = frozenset({
-    "date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uri-reference", "uuid",
-    "uri-template", "json-pointer", "relative-json-pointer",
-})  # fmt: skip
-# what may sit beside a $ref without constraining anything
-_REF_SIBLINGS = frozenset({"$ref", "$defs", "definitions", "$schema", "$id", "$comment", "title", "description",
-                           "default", "examples", "deprecated", "readOnly", "writeOnly"})  # fmt: skip
+# what may sit beside a $ref, anyOf or oneOf without constraining anything
+_ANNOTATIONS = frozenset({"$defs", "definitions", "$schema", "$id", "$comment", "title", "description", "default",
+                          "examples", "deprecated", "readOnly", "writeOnly", "discriminator"})  # fmt: skip
+# keywords that constrain one type only: without a "type" (or enum / const / $ref / a combinator) they are ignored
+_TYPED = frozenset({"minLength", "maxLength", "pattern", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+                    "multipleOf", "minItems", "maxItems", "items", "prefixItems", "properties", "required",
+                    "additionalProperties", "minProperties", "maxProperties", "patternProperties",
+                    "propertyNames"})  # fmt: skip
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SUBSCHEMA = ("additionalProperties", "items", "propertyNames", "unevaluatedProperties", "unevaluatedItems")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_MAX_REF_HOPS = 32
 
 
 def unenforced_feature(schema: Any) -> Optional[str]:
     """Why the grammar engine would not enforce `schema` (a parsed JSON schema), naming the keyword and its place
-    as a JSON pointer (`#/properties/tags`); None when every keyword in it is enforced."""
+    as a JSON pointer (`#/properties/tags`); None when every constraint in it is enforced. Values of the wrong
+    type are left to the grammar compiler, which names them."""
     for path, node in _subschemas(schema):
-        for keyword, why in UNENFORCED.items():
-            if keyword in node:
-                return f"{why} (at {path})"
-        if node.get("uniqueItems") is True:
-            return f"'uniqueItems' is not enforced (at {path})"
-        fmt = node.get("format")
-        if isinstance(fmt, str) and fmt not in ENFORCED_FORMATS and _may_be_string(node):
-            return f"format {fmt!r} is not enforced; enforced: {', '.join(sorted(ENFORCED_FORMATS))} (at {path})"
-        ref = node.get("$ref")
-        if isinstance(ref, str):
-            if not ref.startswith("#"):
-                return f"a $ref outside the schema ({ref[:80]!r}) is not followed (at {path})"
-            beside = sorted(set(node) - _REF_SIBLINGS)
+        why = _node_feature(node, schema)
+        if why is not None:
+            return f"{why} (at {path})"
+    return None
+
+
+def _node_feature(node: dict, root: Any) -> Optional[str]:
+    for keyword, why in UNENFORCED.items():
+        if keyword in node:
+            return why
+    if node.get("uniqueItems") is True:
+        return "'uniqueItems' is not enforced"
+    if ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
+        return "minLength / maxLength beside a pattern or a format are not enforced"
+    if "multipleOf" in node and node.get("type") != "integer":
+        return "'multipleOf' is enforced on integers only"
+    ref = node.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
+        return f"a $ref outside the schema ({ref[:80]!r}) is not followed"
+    for combinator, allowed in (("$ref", ()), ("anyOf", ("type",)), ("oneOf", ("type",))):
+        if combinator in node:
+            beside = sorted(set(node) - _ANNOTATIONS - {combinator, *allowed})
             if beside:
-                return f"constraints beside a $ref ({', '.join(beside)}) are not enforced (at {path})"
-        all_of = node.get("allOf")
-        if isinstance(all_of, list) and len(all_of) > 1:
-            return f"'allOf' with more than one schema is not enforced (at {path})"
-        one_of = node.get("oneOf")
-        if isinstance(one_of, list) and len(one_of) > 1 and not _disjoint(one_of):
-            return (f"'oneOf' whose branches may overlap is enforced as 'anyOf' (at {path}); use 'anyOf', or give "
-                    "the branches distinct types or a property with a distinct 'const' each")
-        required, properties = node.get("required"), node.get("properties")
-        if isinstance(required, list):
-            defined = properties if isinstance(properties, dict) else {}
-            missing = next((name for name in required if name not in defined), None)
-            if missing is not None:
-                return f"required property {missing!r} is not defined in 'properties', so it is never generated " \
-                       f"(at {path})"
+                return f"constraints beside {combinator} ({', '.join(beside)}) are not enforced"
+    typed = sorted(k for k in _TYPED if k in node)
+    if typed and not any(k in node for k in ("type", "enum", "const", "$ref", "anyOf", "oneOf", "allOf")):
+        return f"constraints without a 'type' ({', '.join(typed)}) are not enforced"
+    all_of = node.get("allOf")
+    if isinstance(all_of, list) and len(all_of) > 1:
+        return "'allOf' with more than one schema is not enforced"
+    one_of = node.get("oneOf")
+    if isinstance(one_of, list) and len(one_of) > 1 and not _disjoint(one_of, root):
+        return ("'oneOf' whose branches may overlap is enforced as 'anyOf'; use 'anyOf', or give the branches "
+                "distinct types or a required property with a distinct 'const' each")
+    required, properties = node.get("required"), node.get("properties")
+    if isinstance(required, list):
+        defined = properties if isinstance(properties, dict) else {}
+        missing = next((name for name in required if isinstance(name, str) and name not in defined), None)
+        if missing is not None:
+            return f"required property {missing!r} is not defined in 'properties', so the grammar does not require it"
     return None
 
 
@@ -98,23 +114,38 @@ def _escaped(name: Any) -> str:
     return str(name).replace("~", "~0").replace("/", "~1")
 
 
-def _may_be_string(node: dict) -> bool:
-    kind = node.get("type")
-    return kind is None or kind == "string" or (isinstance(kind, list) and "string" in kind)
+def _resolved(node: Any, root: Any) -> Any:
+    """`node` with local $refs (`#/...`) followed, up to a bound (None where one does not resolve)."""
+    for _ in range(_MAX_REF_HOPS):
+        ref = node.get("$ref") if isinstance(node, dict) else None
+        if not isinstance(ref, str):
+            return node
+        if not ref.startswith("#"):
+            return None
+        node = root
+        for part in ref[1:].split("/")[1:] if ref != "#" else []:
+            part = part.replace("~1", "/").replace("~0", "~")
+            node = node.get(part) if isinstance(node, dict) else None
+    return None
 
 
-def _disjoint(branches: list) -> bool:
+def _disjoint(branches: list, root: Any) -> bool:
     """Whether no document can match two branches, by a simple proof: pairwise distinct single types, or a
-    property every branch requires with a distinct `const` in each (a discriminator)."""
+    property every branch requires with a distinct `const` (or one-value `enum`) in each (a discriminator)."""
+    branches = [_resolved(b, root) for b in branches]
     if not all(isinstance(b, dict) for b in branches):
         return False
     types = [b.get("type") for b in branches]
     if all(isinstance(t, str) for t in types) and len(set(types)) == len(types) \
             and not {"integer", "number"} <= set(types):  # an integer is a number too
         return True
-    common = set.intersection(*(set(b.get("required") or ()) for b in branches))
+    required = [b.get("required") for b in branches]
+    if not all(isinstance(r, list) for r in required):
+        return False
+    common = set.intersection(*(set(r for r in req if isinstance(r, str)) for req in required))
     for name in sorted(common):
-        consts = [_const_of(b.get("properties", {}).get(name)) for b in branches]
+        consts = [_const_of(_resolved((b.get("properties") or {}).get(name) if isinstance(b.get("properties"), dict)
+                                      else None, root)) for b in branches]  # fmt: skip
         if all(c is not None for c in consts) and len({repr(c) for c in consts}) == len(consts):
             return True
     return False

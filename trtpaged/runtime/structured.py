@@ -96,7 +96,10 @@ class GrammarCache:
                 parsed = json.loads(schema)
             except ValueError as exc:  # xgrammar's message for malformed JSON names no field
                 raise RequestError(params.origin, f"invalid json: {exc}") from None
-            why = unenforced_feature(parsed)
+            try:
+                why = unenforced_feature(parsed)
+            except RecursionError:  # $refs or nesting past what the checker follows: the compiler would not do better
+                why = "nesting or $ref chains are too deep to check"
             if why is not None:
                 raise RequestError(params.origin, f"the JSON schema's {why}")
         try:
