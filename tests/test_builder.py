@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -361,6 +362,16 @@ def test_force_replaces_only_an_engine_dir_and_nothing_else_in_it(tmp_path):
     assert r.exit_code == 1 and "holds a trtpaged.json that is not an engine's" in r.output, r.output
     assert (project / "sub" / "x").read_text() == "1" and sorted(p.name for p in tmp_path.iterdir()) == ["engine",
                                                                                                          "project"]
+    # a manifest naming "." as a dir took in everything; one of another format version is still an engine's
+    (out / "notes.txt").unlink()
+    manifest = json.loads((out / "trtpaged.json").read_text())
+    (out / "trtpaged.json").write_text(json.dumps({**manifest, "tokenizer_dir": ".", "format_version": 99}))
+    (out / "mine").mkdir()
+    (out / "mine" / "data").write_text("mine")
+    r = _cli("build", str(EXAMPLES / "tiny.yaml"), "-o", str(out), "--skip-verify", "--force")
+    assert r.exit_code == 1 and "does not name (mine/data)" in r.output, r.output
+    shutil.rmtree(out / "mine")
+    assert _cli("build", str(EXAMPLES / "tiny.yaml"), "-o", str(out), "--skip-verify", "--force").exit_code == 0
 
 
 def test_a_long_stage_prints_heartbeats_with_elapsed_time():

@@ -188,6 +188,10 @@ def _kv_blocks_beyond_int32(e: Path) -> None:
     _edit_manifest(e, kv_cache={**data["kv_cache"], "num_kv_blocks": 10**15})
 
 
+def _tokenizer_dir_dot(e: Path) -> None:
+    _edit_manifest(e, tokenizer_dir=".")
+
+
 def _verification_without_tolerance(e: Path) -> None:
     _edit_manifest(e, verification={"max_abs_diff": 0})
 
@@ -227,6 +231,7 @@ BROKEN = {
     "extra tokenizer file": (_tokenizer_extra_file, False, "tokenizer_dir", "does not list"),
     "num_kv_blocks 10^15": (_kv_blocks_beyond_int32, False, "kv_cache.num_kv_blocks", "int32 block ids"),
     "garbage tokenizer.json, rehashed": (_garbage_tokenizer, True, "tokenizer_dir", "transformers cannot load it"),
+    "tokenizer_dir .": (_tokenizer_dir_dot, False, "tokenizer_dir", "not a path inside the engine dir"),
     # were: a KeyError / AttributeError traceback from inspect, while LLM loaded the engine
     "verification without tolerance": (_verification_without_tolerance, False, "verification.tolerance",
                                        "expected a finite number"),

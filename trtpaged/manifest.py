@@ -383,7 +383,7 @@ def _check_summaries(m: Manifest, bad: Any) -> None:
 def _check_relative(rel: str, name: str, where: str | Path) -> None:
     """A path inside the engine dir as written: relative, no `..`, no backslashes or NUL."""
     parts = PurePosixPath(rel).parts
-    if not rel or "\0" in rel or "\\" in rel or PurePosixPath(rel).is_absolute() or ".." in parts or len(rel) > 4096:
+    if not rel or not parts or "\0" in rel or "\\" in rel or PurePosixPath(rel).is_absolute() or ".." in parts or len(rel) > 4096:
         raise EngineDirError(where, name, f"{rel[:200]!r} is not a path inside the engine dir "
                              "(absolute paths and '..' are refused)")
 

@@ -51,23 +51,32 @@ def check_output(output: Path, force: bool = False) -> None:
 
 
 def _not_engine_files(output: Path, most: int = 5) -> str:
-    """What in `output` is not its engine's (a manifest that does not read, or files it does not name, up to `most`
-    of them), as text; "" when `output` is an engine dir and nothing else, so that --force replacing it
-    deletes no one's files."""
-    from trtpaged.manifest import EngineDirError, read_manifest
+    """What in `output` is not its engine's, as text ("" when nothing is), so that --force replacing it deletes no
+    one's files: a trtpaged.json that is not an engine's manifest (a JSON object with an integer format_version and
+    a `files` map; read leniently, so that an engine of another format version can be rebuilt), or files that
+    neither it nor its `files` map names (up to `most` of them)."""
+    import json
 
     try:
-        manifest = read_manifest(output)
-    except (EngineDirError, OSError, ValueError) as e:
+        data = json.loads((output / MANIFEST_NAME).read_text())
+    except (OSError, ValueError) as e:
         return f"holds a {MANIFEST_NAME} that is not an engine's ({str(e)[:160]})"
-    named = {Path(path) for _, path in manifest.file_fields()} | {Path(MANIFEST_NAME)}
+    files = data.get("files") if isinstance(data, dict) else None
+    version = data.get("format_version") if isinstance(data, dict) else None
+    if not isinstance(version, int) or isinstance(version, bool) or not isinstance(files, dict):
+        return f"holds a {MANIFEST_NAME} that is not an engine's (no format_version and files map)"
+    named = {MANIFEST_NAME}
+    for name in [*files, *(data.get(k) for k in ("weights_file", "onnx_file", "plan_file")),
+                 *(v for shard in data.get("shards") or [] if isinstance(shard, dict) for v in shard.values())]:
+        if isinstance(name, str) and name not in ("", ".") and not name.startswith("/") and ".." not in name.split("/"):
+            named.add(name)
     extra: list[str] = []
     for path in sorted(output.rglob("*")):
-        relative = path.relative_to(output)
-        if path.is_dir() and not path.is_symlink() and any(p == relative or relative in p.parents for p in named):
-            continue  # a directory that holds named files (the tokenizer dir)
-        if relative not in named and not any(parent in named for parent in relative.parents):
-            extra.append(str(relative))
+        if path.is_dir() and not path.is_symlink():
+            continue  # a directory goes with the files in it
+        relative = path.relative_to(output).as_posix()
+        if relative not in named:
+            extra.append(relative)
             if len(extra) == most:
                 break
     return f"holds files its {MANIFEST_NAME} does not name ({', '.join(extra)})" if extra else ""
