@@ -191,3 +191,18 @@ def test_logit_bias_and_allowed_ids_over_http(client):
     allowed = client.completions.create(model=MODEL, prompt="x", max_tokens=8, temperature=1.0, n=4,
                                         extra_body={"allowed_token_ids": [64, 65], "ignore_eos": True})  # fmt: skip
     assert all(set(c.text) <= {"a", "b"} and len(c.text) == 8 for c in allowed.choices)
+
+
+@pytest.mark.parametrize("parameters", [
+    {"type": "array", "items": [{"type": "integer"}]},  # draft 7's tuple items
+    {"type": "integer", "minimum": 1, "exclusiveMinimum": True},  # draft 4's boolean exclusiveMinimum
+    {"type": "object", "properties": {"w": {"type": "string", "pattern": "^\\p{L}+$"}}},  # ECMA, not Python's re
+    {"$schema": "http://json-schema.org/draft-07/schema#", "type": "array", "items": [{"type": "integer"}]},
+])  # fmt: skip
+def test_tool_parameters_of_older_drafts_are_schemas_too(parameters):
+    """What OpenAI and vLLM take as a tool's parameters is not refused by the metaschema check."""
+    from trtpaged.server.tools import tool_choice
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    assert tool_choice(tools, "none") is None
+    assert tool_choice(tools, "required").tools == {"f": parameters}

@@ -151,17 +151,22 @@ def _tool(index: int, value: Any) -> tuple[str, dict[str, Any]]:
 
 
 def _check_parameters(where: str, schema: dict[str, Any]) -> None:
-    """A 400 on `tools` for parameters that are not a JSON schema (draft 2020-12's metaschema), whatever tool_choice
-    is: a tool the model is shown, or may be forced to call, must say what its arguments are."""
+    """A 400 on `tools` for parameters that are not a JSON schema (of the draft it names, else of 2020-12, 7 or 4),
+    whatever tool_choice is: a tool the model is shown, or may be forced to call, must say what its arguments are."""
     import jsonschema
 
     if nesting_depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:  # the metaschema check recurses through it
         raise ApiError(f"{where}: nests objects and arrays more than {MAX_SCHEMA_DEPTH} deep", "tools")
-    try:
-        jsonschema.Draft202012Validator.check_schema(schema)
-    except jsonschema.SchemaError as e:
-        at = "".join(f"[{p!r}]" for p in e.absolute_path)
-        raise ApiError(f"{where}{at}: not a JSON schema: {e.message[:200]}", "tools") from None
+    # the draft the schema names ($schema), or without one any of 2020-12, 7 and 4 (tools written for older drafts:
+    # tuple `items`, a boolean exclusiveMinimum), checked against its metaschema without format checks: a pattern
+    # in ECMA syntax (\p{L}) is not Python's re, and OpenAI and vLLM take it
+    drafts = ([jsonschema.validators.validator_for(schema)] if isinstance(schema.get("$schema"), str) else
+              [jsonschema.Draft202012Validator, jsonschema.Draft7Validator, jsonschema.Draft4Validator])
+    errors = [jsonschema.exceptions.best_match(d(d.META_SCHEMA).iter_errors(schema)) for d in drafts]
+    error = None if any(e is None for e in errors) else errors[0]
+    if error is not None:
+        at = "".join(f"[{p!r}]" for p in error.absolute_path)
+        raise ApiError(f"{where}{at}: not a JSON schema: {error.message[:200]}", "tools")
 
 
 def tool_choice(tools: Optional[list[Any]], choice: Any, auto: AutoTools = AutoTools(None, ""),
