@@ -127,7 +127,7 @@ def test_prompt_logprobs_survive_preemption(hf):
 
 def test_prompt_logprobs_field_is_checked():
     with pytest.raises(ValueError, match="prompt_logprobs"):
-        SamplingParams(prompt_logprobs=-1)
+        SamplingParams(prompt_logprobs=-2)  # -1 is the whole vocabulary (vLLM)
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=1.5)
 

@@ -242,7 +242,7 @@ class ApiSide:
         prompts = [self.llm.chat_prompt(conversation(i)) for i in range(num_requests)]
         steps0, seconds0 = engine.num_steps, sum(engine.phase_seconds.values())
         start = time.perf_counter()
-        outs = self.llm.generate(prompts, self._params(max_tokens))
+        outs = self.llm.generate(prompts, self._params(max_tokens), use_tqdm=False)
         wall = time.perf_counter() - start
         step_ms = 1000.0 * (sum(engine.phase_seconds.values()) - seconds0) / max(1, engine.num_steps - steps0)
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)

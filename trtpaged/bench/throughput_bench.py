@@ -190,7 +190,8 @@ def run_trtpaged(engine_dir: str, requests: list[Request], name: str = "trtpaged
     if rounds == 1:
         # warm-up shorter than the smallest block (4 + 3 tokens < 8): it leaves nothing in the prefix cache.
         # With rounds > 1 there is none: the first round is the first batch after LLM(...) returned.
-        llm.generate([list(requests[0].prompt_ids[:4])], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        llm.generate([list(requests[0].prompt_ids[:4])], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+                     use_tqdm=False)
     spec_before = _spec_counters(llm.engine.stats())
     result = _timed_round(llm.engine, requests, name, say, "bench", sequential)
     if speculative_config is not None:

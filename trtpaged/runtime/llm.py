@@ -328,7 +328,8 @@ class LLM:
         if wrong is not None:
             raise TypeError(f"sampling_params: a SamplingParams or a list of them, got {type(wrong).__name__}")
         final_only = RequestOutputKind.FINAL_ONLY  # only the finished outputs are kept: build no others
-        per_prompt = [dataclasses.replace(sp, output_kind=final_only, **({"cache_salt": salt} if salt else {}))
+        per_prompt = [dataclasses.replace(sp, output_kind=final_only,
+                                          **({"cache_salt": salt} if salt is not None else {}))
                       for sp, salt in zip(per_prompt, salts)]  # fmt: skip
         ids: list[str] = []
         results: dict[str, RequestOutput] = {}

@@ -50,13 +50,14 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._token_texts: dict[int, str] = {}  # a token's text alone (at most the vocabulary's size)
 
-    def _named(self, entries: list) -> list:
-        """`entries` (per token, {token id: Logprob}, or None) with each Logprob's `decoded_token` filled in, as
-        vLLM's: the token decoded alone."""
+    def _named(self, entries: list, start: int = 0) -> list:
+        """`entries` (per token, {token id: Logprob}, or None), each Logprob from `start` on given its
+        `decoded_token`, as vLLM's: the token decoded alone (callers pass where the last call stopped, so that each
+        entry is named once)."""
         if self.tokenizer is None:
             return entries
         texts = self._token_texts
-        for entry in entries:
+        for entry in entries[start:]:
             for token, logprob in (entry or {}).items():
                 if isinstance(logprob, Logprob) and logprob.decoded_token is None:
                     text = texts.get(token)
@@ -157,6 +158,12 @@ class OutputProcessor:
             prompt_logprobs=self._prompt_logprobs(group, kind),
         )
 
+    def _name_new(self, seq: Sequence, params: Any) -> None:
+        """Names the sequence's per-token log-probs not named before (none with detokenize=False, as vLLM)."""
+        if params.detokenize:
+            self._named(seq.logprobs, seq.logprobs_named)
+        seq.logprobs_named = len(seq.logprobs)
+
     def _prompt_logprobs(self, group: SequenceGroup, kind: RequestOutputKind) -> Optional[list[Optional[dict[int, float]]]]:
         if group.prompt_logprobs is None or group.scores_prompt:
             return None
@@ -164,7 +171,9 @@ class OutputProcessor:
             if group.prompt_logprobs_sent:
                 return None
             group.prompt_logprobs_sent = True
-        return self._named(list(group.prompt_logprobs))
+        named, group.prompt_logprobs_named = group.prompt_logprobs_named, len(group.prompt_logprobs)
+        return self._named(list(group.prompt_logprobs), named) if group.params.detokenize else \
+            list(group.prompt_logprobs)  # fmt: skip
 
     @staticmethod
     def _by_index(group: SequenceGroup) -> list[Sequence]:
@@ -185,7 +194,7 @@ class OutputProcessor:
             text=seq.output_text if final else self._visible_text(seq, params.stop),
             token_ids=seq.output_token_ids,
             cumulative_logprob=seq.cumulative_logprob,
-            logprobs=self._named(list(seq.logprobs)) if params.logprobs is not None else None,
+            logprobs=self._name_new(seq, params) or list(seq.logprobs) if params.logprobs is not None else None,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
         )
@@ -209,7 +218,8 @@ class OutputProcessor:
                 text=text[sent.chars :],
                 token_ids=tokens,
                 cumulative_logprob=seq.cumulative_logprob,
-                logprobs=self._named(list(seq.logprobs[sent.tokens :])) if params.logprobs is not None else None,
+                logprobs=self._name_new(seq, params) or seq.logprobs[sent.tokens :] if params.logprobs is not None
+                else None,
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,
             ))  # fmt: skip

@@ -13,6 +13,8 @@ class Logprob(float):
     most likely; tokens of equal log-prob count as ahead, and a top-k entry has its place there, as vLLM reports
     them) and `decoded_token` (the token's text alone; None without a tokenizer)."""
 
+    __slots__ = ("rank", "decoded_token")  # 56 bytes a value, not a float's 24 plus a dict's 300
+
     def __new__(cls, logprob: float, rank: Optional[int] = None, decoded_token: Optional[str] = None) -> "Logprob":
         self = super().__new__(cls, logprob)
         self.rank, self.decoded_token = rank, decoded_token

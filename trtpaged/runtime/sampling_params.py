@@ -162,11 +162,11 @@ def GuidedDecodingParams(json: Any = None, regex: Optional[str] = None, choice: 
             raise RequestError(f"guided_decoding.{name}", "not supported")
     if backend not in (None, "auto", "xgrammar"):
         raise RequestError("guided_decoding.backend", f"only xgrammar here, got {backend!r:.40}")
-    flag = next((k for k, v in flags.items()
-                 if k not in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties")
-                 or not isinstance(v, bool)), None)  # fmt: skip
-    if flag is not None:
-        raise TypeError(f"GuidedDecodingParams got an unexpected argument {flag}={flags[flag]!r:.40}")
+    for key, value in flags.items():
+        if key not in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties"):
+            raise TypeError(f"GuidedDecodingParams got an unexpected argument {key!r}")
+        if not isinstance(value, bool):
+            raise RequestError(f"guided_decoding.{key}", f"must be true or false, got {value!r:.40}")
     return StructuredOutputsParams(json=json, regex=regex, choice=choice, grammar=grammar,
                                    json_object=bool(json_object), origin="guided_decoding")
 

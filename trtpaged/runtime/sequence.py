@@ -61,6 +61,7 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.token_logprobs: list[float] = []  # each output token's log-prob (a cut run gives them back)
         self.logprobs: list[dict[int, float]] = []
+        self.logprobs_named = 0  # entries of `logprobs` whose decoded_token the output processor has filled in
         self.output_text = ""
         self.detokenizer = None  # an IncrementalDetokenizer, set by the output processor
         self.num_decoded_tokens = 0  # output tokens already detokenized
@@ -98,6 +99,7 @@ class Sequence:
         if cut >= len(self.token_ids):
             return
         del self.token_ids[cut:], self.token_logprobs[num_output_tokens:], self.logprobs[num_output_tokens:]
+        self.logprobs_named = min(self.logprobs_named, len(self.logprobs))
         self.cumulative_logprob = sum(self.token_logprobs)  # the same additions, in order, as append_token's
 
     def finish(self, reason: str, stop_reason: Optional[object] = None) -> None:
@@ -165,6 +167,7 @@ class SequenceGroup:
         self.prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = (
             [None] if params.prompt_logprobs is not None else None)
         self.prompt_logprobs_sent = False  # whether a DELTA output carried them
+        self.prompt_logprobs_named = 0  # entries whose decoded_token the output processor has filled in
         self.bad_words: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token ids (set by the engine)
         self.min_tokens_banned: tuple[int, ...] = ()  # EOS and stop token ids, masked before params.min_tokens
         # monotonic times of its first: "queued", "ready" (prefix reads from KV tiers done), "scheduled",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import random
+from pathlib import Path
 from typing import Any, Optional
 
 from trtpaged.manifest import Manifest
@@ -85,7 +86,7 @@ def _check_built_in(args: dict[str, Any], manifest: Manifest, model: Any) -> Non
         raise ValueError(f"{name}: {value!r}, but the engine was built with {engine[name]!r}; it is fixed at build "
                          "time (model.yaml), so build an engine with it")
     tokenizer = args.get("tokenizer")
-    if tokenizer is not None and str(tokenizer) != str(model):
+    if tokenizer is not None and Path(str(tokenizer)).resolve() != Path(str(model)).resolve():
         raise ValueError(f"tokenizer: {str(tokenizer)[:120]!r}; an engine dir carries its own tokenizer (the one it "
                          "was built with), so only the engine dir itself may be given")
 
