@@ -227,7 +227,8 @@ class LLM:
         ours = {"max_seq_len": max_seq_len, "max_batch_size": max_batch_size, "max_num_tokens": max_num_tokens,
                 "tensor_parallel": tensor_parallel, "num_host_blocks": num_host_blocks}  # fmt: skip
         apply_vllm_args(vllm_args, ours, self.manifest, engine, device)
-        max_seq_len, max_batch_size, max_num_tokens = ours["max_seq_len"], ours["max_batch_size"], ours["max_num_tokens"]
+        max_seq_len, max_batch_size = ours["max_seq_len"], ours["max_batch_size"]
+        max_num_tokens = ours["max_num_tokens"]
         tensor_parallel, num_host_blocks = ours["tensor_parallel"], ours["num_host_blocks"]
         limits = self.manifest.limits
         num_kv_blocks = resolve_num_kv_blocks(self.manifest, device, num_kv_blocks)

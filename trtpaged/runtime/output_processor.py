@@ -164,7 +164,8 @@ class OutputProcessor:
             self._named(seq.logprobs, seq.logprobs_named)
         seq.logprobs_named = len(seq.logprobs)
 
-    def _prompt_logprobs(self, group: SequenceGroup, kind: RequestOutputKind) -> Optional[list[Optional[dict[int, float]]]]:
+    def _prompt_logprobs(self, group: SequenceGroup,
+                         kind: RequestOutputKind) -> Optional[list[Optional[dict[int, Logprob]]]]:  # fmt: skip
         if group.prompt_logprobs is None or group.scores_prompt:
             return None
         if kind is RequestOutputKind.DELTA:

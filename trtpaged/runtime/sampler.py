@@ -260,7 +260,8 @@ def _sample_rows(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[Option
     return [None if bad[i] else Sample(t, lp, tl) for i, (t, lp, tl) in enumerate(zip(tokens, chosen, top))]
 
 
-def _top_logprobs(logprobs: torch.Tensor, tokens: list[int], ks: list[Optional[int]]) -> list[Optional[dict[int, Logprob]]]:
+def _top_logprobs(logprobs: torch.Tensor, tokens: list[int],
+                  ks: list[Optional[int]]) -> list[Optional[dict[int, Logprob]]]:  # fmt: skip
     """Per row: the sampled token's log-prob plus the k most likely, or None when not requested; each with its rank
     (the sampled token: how many tokens have a log-prob >= its own; a top-k entry: its place there, as vLLM)."""
     out: list[Optional[dict[int, Logprob]]] = [None] * len(tokens)

@@ -150,7 +150,8 @@ class StructuredOutputsParams:
 
 
 def GuidedDecodingParams(json: Any = None, regex: Optional[str] = None, choice: Any = None,  # noqa: N802
-                         grammar: Optional[str] = None, json_object: Optional[bool] = None, backend: Optional[str] = None,
+                         grammar: Optional[str] = None, json_object: Optional[bool] = None,
+                         backend: Optional[str] = None,
                          whitespace_pattern: Optional[str] = None, structural_tag: Optional[str] = None,
                          **flags: Any) -> StructuredOutputsParams:  # fmt: skip
     """vLLM <= 0.10's `GuidedDecodingParams` (for `SamplingParams(guided_decoding=...)`), as the
