@@ -108,6 +108,8 @@ def _hf_dir(tmp_path: Path) -> Path:
     # was: transformers' RuntimeError ("look at the above report") with its report on the console only
     ({"intermediate_size": 200}, "tensors have shapes other than config.json's sizes give: "
                                  "model.layers.0.mlp.down_proj.weight (checkpoint [64, 128], config [64, 200])"),
+    ({"num_key_value_heads": 0}, "config.json's num_key_value_heads is 0; expected a positive integer"),  # was a
+    # ZeroDivisionError
     # was: a model of 10^9 x 64 floats allocated before any check (the machine's memory)
     ({"vocab_size": 10**9}, "config.json's sizes give about 476.8 GiB of float32 weights"),
 ])  # fmt: skip

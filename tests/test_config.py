@@ -157,6 +157,15 @@ def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path):
     assert "line 5, column 16" in str(info.value)  # where the first alias is
 
 
+def test_a_key_given_twice_is_refused_naming_it(tmp_path):
+    """PyYAML keeps the last of two: a max_seq_len written twice built with the second, silently."""
+    (tmp_path / "dup.yaml").write_text("model: {tiny: {seed: 1, seed: 2}}\nmax_seq_len: 64\n")
+    with pytest.raises(ConfigError, match="line 1: key 'seed' is given twice"):
+        load_config(tmp_path / "dup.yaml")
+    (tmp_path / "ok.yaml").write_text("model: {tiny: {seed: 1}}\nmax_seq_len: 64\n")
+    assert load_config(tmp_path / "ok.yaml").limits.max_seq_len == 64
+
+
 def test_a_single_alias_is_refused_and_deep_nesting_is_bounded(tmp_path):
     (tmp_path / "alias.yaml").write_text("model: {tiny: {}}\nmax_batch_size: &n 4\nmax_num_tokens: *n\n")
     with pytest.raises(ConfigError, match="aliases"):

@@ -88,7 +88,7 @@ TINY_DEFAULTS: dict[str, Any] = {
     "initializer_range": 0.1,  # larger than HF's 0.02 so that random logits are far from uniform
 }
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+               "pb": 10**15, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50}
 # Bounds that keep a model.yaml from asking for what no build or machine can hold (the errors name them).
 MIN_SEQ_LEN = 16  # a prompt of a few tokens and a reply; below it an engine refuses nearly every request
 MAX_SEQ_LEN = 1 << 24
@@ -225,6 +225,17 @@ class _ModelYamlLoader(yaml.SafeLoader):
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        # a key given twice would be the last one silently (PyYAML's rule): say which
+        seen: set = set()
+        for key_node, _ in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            if key is not None and key in seen:
+                mark = key_node.start_mark
+                raise yaml.YAMLError(f"line {mark.line + 1}: key {key!r} is given twice")
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 def load_config(path: str | Path) -> BuildConfig:

@@ -155,9 +155,14 @@ def _no_progress_bars():
 
 
 def _check_config_against_checkpoint(path: Path, config: Any) -> None:
-    """Refuses a config.json whose sizes make a model far larger than the checkpoint's files, before transformers
-    allocates it (a vocab_size of 10^9 beside a small checkpoint would take the machine's memory): the model in
+    """Refuses a config.json whose sizes are not positive integers, or make a model far larger than the
+    checkpoint's files, before transformers allocates it (a vocab_size of 10^9 beside a small checkpoint would take the machine's memory): the model in
     float32 may be up to 4x a checkpoint of 8-bit files, and no more than that plus a margin."""
+    for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                 "vocab_size", "head_dim"):
+        value = getattr(config, name, None)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ConfigError(f"model.hf_dir: config.json's {name} is {value!r:.40}; expected a positive integer")
     held = sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin") for f in path.glob(pattern) if f.is_file())
     wanted = _tiny_parameters(config) * 4
     if held and wanted > 4 * held + (256 << 20):
