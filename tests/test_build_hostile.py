@@ -330,7 +330,7 @@ def test_a_signal_during_the_final_rename_neither_splits_it_nor_fails_the_comple
     except KeyboardInterrupt as e:  # (a KeyboardInterrupt escaping a test would end the whole pytest run)
         interrupted = e
     monkeypatch.undo()
-    assert len(renames) == 2  # the old dir moved aside, the new one into place
+    assert len([d for d in renames if Path(d).name != BUILD_LOCK]) == 2  # the old dir aside, the new one in place
     assert sorted(p.name for p in tmp_path.iterdir()) == ["e"] and (output / "new").read_text() == "new"
     assert interrupted is None
 
@@ -363,6 +363,38 @@ def test_a_killed_builds_temp_dir_is_removed_by_the_next_build_and_a_live_ones_i
     assert r.exit_code == 0, r.output
     assert sorted(p.name for p in parent.iterdir()) == ["live", "tiny"]
     assert not (parent / "tiny" / BUILD_LOCK).exists()
+
+
+KILLED_MID_REPLACE = """
+import os, signal, sys
+from pathlib import Path
+from trtpaged.builder.engine_dir import staged_output
+output = Path(sys.argv[1])
+real_rename = os.rename
+def rename(src, dst):
+    real_rename(src, dst)
+    if Path(dst).name == "engine":  # the old engine dir is aside, the new one not yet in place
+        os.kill(os.getpid(), signal.SIGKILL)
+with staged_output(output, force=True) as tmp:
+    (tmp / "trtpaged.json").write_text("{}")
+    os.rename = rename
+"""
+
+
+def test_a_build_killed_between_the_renames_of_a_replacement_is_undone_by_the_next(tmp_path, tiny_engine_dir):
+    """SIGKILL (an OOM kill, a power cut) between moving the old engine dir aside and moving the new one in left
+    no engine dir at the output, and both dirs hidden beside it for ever."""
+    output = tmp_path / "e"
+    shutil.copytree(tiny_engine_dir, output)
+    before = sorted(p.name for p in output.iterdir())
+    killed = subprocess.run([sys.executable, "-c", KILLED_MID_REPLACE, str(output)], capture_output=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
+    assert not output.exists() and len(list(tmp_path.glob(".e.old-*"))) == 1 and len(list(tmp_path.glob(".e.tmp-*"))) == 1
+    removed = remove_dead_builds(tmp_path)
+    assert len(removed) == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["e"]
+    assert sorted(p.name for p in output.iterdir()) == before  # the old engine dir, back in place
+    r = _cli("inspect", str(output), "--verify")
+    assert r.exit_code == 0, r.output
 
 
 def test_a_temp_dir_without_a_lock_is_not_provably_dead_and_stays(tmp_path):

@@ -120,39 +120,66 @@ def staged_output(output: Path, force: bool = False) -> Iterator[Path]:
             os.close(lock)
 
 
-def _hold_lock(tmp: Path) -> int:
+def _hold_lock(tmp: Path, note: str = "") -> int:
     """Creates tmp/BUILD_LOCK already locked (made under another name and renamed once locked, so no one
-    sees it unlocked), with this process's pid for people; returns the fd that holds the lock."""
+    sees it unlocked), with this process's pid for people and `note` on a second line; returns the fd that holds
+    the lock."""
     partial = tmp / (BUILD_LOCK + ".new")
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    os.write(fd, f"{os.getpid()}\n".encode())
+    os.write(fd, f"{os.getpid()}\n{note}\n".encode())
     os.rename(partial, tmp / BUILD_LOCK)
     return fd
+
+
+def _dead_lock(directory: Path) -> tuple[int, str] | None:
+    """(fd holding it now, its note) when directory/BUILD_LOCK exists and no live process holds it; else None."""
+    try:
+        fd = os.open(directory / BUILD_LOCK, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None  # held: the build is alive
+    lines = os.read(fd, 4096).decode(errors="replace").splitlines()
+    return fd, (lines[1] if len(lines) > 1 else "")
 
 
 def remove_dead_builds(parent: Path) -> list[Path]:
     """Removes the temp dirs of builds into `parent` that were killed (SIGKILL, a crash): those whose
     BUILD_LOCK nobody holds any more. A live build's temp dir, or one without a lock (not provably
-    dead), is left alone. Returns what was removed."""
+    dead), is left alone. A build killed between the two renames of a replacement (`_replace`) left the old
+    engine dir aside in a `.NAME.old-*` dir: it goes back to NAME when NAME is missing, and that build's complete
+    temp dir (named in the lock) is removed. Returns what was removed."""
     removed = []
-    for tmp in sorted(parent.glob(".*.tmp-*")):
-        lock_path = tmp / BUILD_LOCK
-        try:
-            fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
+    for holder in sorted(parent.glob(".*.old-*")):
+        dead = _dead_lock(holder) if holder.is_dir() and not holder.is_symlink() else None
+        if dead is None:
             continue
+        fd, tmp_name = dead
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            continue  # held: the build is alive
-        try:
-            if tmp.is_dir() and not tmp.is_symlink():
-                shutil.rmtree(tmp, ignore_errors=True)
-                removed.append(tmp)
+            output = parent / holder.name[1:].rsplit(".old-", 1)[0]
+            if not output.exists() and (holder / "engine").is_dir():
+                os.rename(holder / "engine", output)  # the old engine dir back where it was
+            new = parent / tmp_name if tmp_name.startswith(f".{output.name}.tmp-") and "/" not in tmp_name else None
+            if new is not None and new.is_dir() and not (new / BUILD_LOCK).exists():
+                shutil.rmtree(new, ignore_errors=True)
+                removed.append(new)
+            shutil.rmtree(holder, ignore_errors=True)
+            removed.append(holder)
         finally:
             os.close(fd)
+    for tmp in sorted(parent.glob(".*.tmp-*")):
+        dead = _dead_lock(tmp) if tmp.is_dir() and not tmp.is_symlink() else None
+        if dead is None:
+            continue
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed.append(tmp)
+        finally:
+            os.close(dead[0])
     return removed
 
 
@@ -178,9 +205,15 @@ def _replace(tmp: Path, output: Path) -> None:
         os.rename(tmp, output)
         return
     old = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.parent))
-    os.rename(output, old / "engine")
-    os.rename(tmp, output)
-    shutil.rmtree(old, ignore_errors=True)
+    # held while the old engine dir is aside: if this process dies between the renames, the next build into this
+    # parent finds the lock dead, puts the old engine dir back and removes `tmp` (remove_dead_builds)
+    lock = _hold_lock(old, note=tmp.name)
+    try:
+        os.rename(output, old / "engine")
+        os.rename(tmp, output)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        os.close(lock)
 
 
 def file_hashes(root: Path) -> dict[str, str]:
