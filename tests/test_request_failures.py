@@ -9,6 +9,7 @@ run without the faulty one.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import pytest
 from click.testing import CliRunner
@@ -40,12 +41,21 @@ def fake_engine(num_kv_blocks: int = 64) -> LLMEngine:
 
 
 def run(engine: LLMEngine, requests) -> dict[str, RequestOutput]:
-    ids = [engine.add_request(p, sp) for p, sp in requests]
+    """Runs (prompt, params) requests, or (prompt, params, {field: value}): values no check would pass, set on
+    the engine's own copy of the params once the request is queued (as if a range were wrong)."""
+    ids = [add(engine, *r) for r in requests]
     done: dict[str, RequestOutput] = {}
     while engine.has_unfinished():
         done.update((o.request_id, o) for o in engine.step() if o.finished)
     assert engine.kv.pool.num_used == 0 and not engine.groups
     return {i: done[i] for i in ids}
+
+
+def add(engine: LLMEngine, prompt, params: SamplingParams, corrupt: Optional[dict] = None) -> str:
+    request_id = engine.add_request(prompt, params)
+    for name, value in (corrupt or {}).items():
+        setattr(engine.groups[request_id].params, name, value)
+    return request_id
 
 
 def tokens(out: RequestOutput) -> list[tuple[list[int], str]]:
@@ -86,10 +96,9 @@ def test_non_finite_logits_fail_only_their_request(value):
 def test_a_raising_beam_score_fails_only_its_request():
     # length_penalty 2000 (refused by SamplingParams today) made 2 ** 2000 raise OverflowError in the step
     runaway = SamplingParams(max_tokens=2, beam_width=2, ignore_eos=True)
-    object.__setattr__(runaway, "length_penalty", 2000.0)
     truth = list(run(fake_engine(), OTHERS).values())
     engine = fake_engine()
-    mixed = list(run(engine, [([3, 4, 5], runaway)] + OTHERS).values())
+    mixed = list(run(engine, [([3, 4, 5], runaway, {"length_penalty": 2000.0})] + OTHERS).values())
     assert mixed[0].error == "sampling failed (OverflowError); see the log"
     assert [tokens(o) for o in mixed[1:]] == [tokens(o) for o in truth]
 
@@ -98,19 +107,17 @@ def test_a_raising_batched_draw_is_retried_per_group():
     # a value no validation would pass makes the batched draw raise: each group is then sampled
     # alone, and only the one that raises alone fails
     broken = SamplingParams(max_tokens=3, temperature=1.0)
-    object.__setattr__(broken, "top_p", None)
     truth = list(run(fake_engine(), OTHERS).values())
-    mixed = list(run(fake_engine(), [([3, 4, 5], broken)] + OTHERS).values())
+    mixed = list(run(fake_engine(), [([3, 4, 5], broken, {"top_p": None})] + OTHERS).values())
     assert mixed[0].error == "sampling failed (TypeError); see the log"
     assert [tokens(o) for o in mixed[1:]] == [tokens(o) for o in truth]
 
 
 def test_a_failure_of_every_group_is_the_steps_own_and_raises():
     broken = SamplingParams(max_tokens=3, temperature=1.0)
-    object.__setattr__(broken, "top_p", None)
     engine = fake_engine()
     for prompt in ([3, 4, 5], [6, 7]):
-        engine.add_request(prompt, broken)
+        add(engine, prompt, broken, {"top_p": None})
     with pytest.raises(TypeError):
         engine.step()
 

@@ -66,7 +66,7 @@ def test_vllm_engine_arguments_set_what_they_mean_or_are_refused_naming_them(tin
                           ({"block_size": 32}, "block_size: 32, but the engine was built with 16"),
                           ({"tokenizer": "/elsewhere"}, "tokenizer: '/elsewhere'; an engine dir carries its own"),
                           ({"max_model_len": 100, "max_seq_len": 200}, "max_model_len: 100 and max_seq_len"),
-                          ({"max_model_len": 10**6}, r"max_seq_len: must be in \[1, 512\]"),
+                          ({"max_model_len": 10**6}, r"max_model_len: must be an integer in \[1, 512\]"),
                           ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization: expected a fraction in \(0, 1\]"),
                           ({"seed": -1}, r"seed: expected an integer in \[0, 2\*\*63\)")]:  # fmt: skip
         with pytest.raises(ValueError, match=words):
@@ -180,15 +180,42 @@ def test_logprobs_minus_one_is_the_whole_vocabulary(tiny_engine_dir):
 def test_vllm_beam_search_call_gives_hfs_beams_with_the_prompt_in_front(llm, tiny_engine_dir):
     hf = hf_from_engine_dir(tiny_engine_dir)
     eos = llm.manifest.eos_token_ids[0]
-    prompts = [[9, 30, 41, 7, 80], [100, 3, 3, 12]]
-    outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], BeamSearchParams(beam_width=3, max_tokens=8))
-    for prompt, out in zip(prompts, outs):
-        assert [s.tokens[len(prompt):] for s in out.sequences] == hf_beams(hf, prompt, 8, 3, eos)
-        for seq in out.sequences:
-            assert seq.tokens[: len(prompt)] == prompt and seq.text == llm.tokenizer.decode(seq.tokens)
-            assert seq.finish_reason in ("stop", "length") and seq.cum_logprob < 0
+    prompts = [[9, 30, 41, 7, 80], [99, 297, 64, 203, 49, 192, 62], [216, 75, 219, 155, 184, 46]]  # 2 with EOS beams
+    for keep_end in (False, True):
+        params = BeamSearchParams(beam_width=3, max_tokens=12, include_stop_str_in_output=keep_end)
+        outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
+        for prompt, out in zip(prompts, outs):
+            truth = hf_beams(hf, prompt, 12, 3, eos)  # an ended beam's EOS is shown with include_stop_str_in_output
+            assert [s.tokens[len(prompt):] for s in out.sequences] == \
+                [t if keep_end or not t or t[-1] != eos else t[:-1] for t in truth]  # fmt: skip
+            for seq, t in zip(out.sequences, truth):
+                assert seq.tokens[: len(prompt)] == prompt and seq.text == llm.tokenizer.decode(seq.tokens)
+                assert seq.finish_reason == ("stop" if t[-1] == eos else "length") and seq.cum_logprob < 0
+                assert seq.stop_reason == (eos if t[-1] == eos else None)
+    assert any(t[-1] == eos for p in prompts for t in hf_beams(hf, p, 12, 3, eos)), "no beam ended: EOS untested"
     with pytest.raises(RequestError, match="temperature"):
         llm.beam_search([[1, 2]], BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.7))
+    with pytest.raises(RequestError) as refused:
+        BeamSearchParams(beam_width=0, max_tokens=4)
+    assert refused.value.field == "beam_width"
+
+
+def test_sampling_params_change_as_in_vllms_examples(llm):
+    """vLLM's basic/generate.py sets fields on get_default_sampling_params(); a request keeps the values it was
+    given even when the caller changes them afterwards; guided_decoding reads back."""
+    sp = llm.get_default_sampling_params()
+    sp.max_tokens, sp.temperature = 5, 0.0
+    (out,) = llm.generate(["hello"], sp)
+    assert len(out.outputs[0].token_ids) <= 5
+    request = llm.engine.add_request([5, 6, 7], sp)
+    sp.max_tokens = 1
+    while llm.engine.has_unfinished():
+        finished = [o for o in llm.engine.step() if o.finished and o.request_id == request]
+    assert len(finished[0].outputs[0].token_ids) in range(2, 6)
+    guided = GuidedDecodingParams(choice=["yes", "no"])
+    assert SamplingParams(guided_decoding=guided).guided_decoding is guided
+    with pytest.raises(TypeError, match="vLLM's engine takes request_id first"):
+        llm.engine.add_request("r1", "hello", sp)
 
 
 def test_limits_come_from_the_manifest_and_only_tighten(llm, tiny_engine_dir):

@@ -335,7 +335,7 @@ def test_penalties_that_overflow_a_row_fail_that_row_only():
     # inf, and that row alone gets no token
     logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(6)) * 10
     runaway = SamplingParams(temperature=1.0)
-    object.__setattr__(runaway, "repetition_penalty", 1e-300)
+    runaway.repetition_penalty = 1e-300
     rows = [row(0, SamplingParams(temperature=0.0)), row(1, runaway, range(40), 40),
             row(2, SamplingParams(seed=1), seed=1)]
     got = sample(logits, rows)

@@ -26,6 +26,12 @@ class BeamSearchParams:
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
 
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise RequestError(name, f"must be an integer >= 1, got {value!r:.40}", 1)
+
     def sampling_params(self) -> SamplingParams:
         if self.temperature != 0.0:
             raise RequestError("temperature", f"beam search here is deterministic: must be 0, got {self.temperature!r}")
@@ -54,15 +60,20 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]
 
 
-def beam_outputs(outs: list[RequestOutput], tokenizer: Any) -> list[BeamSearchOutput]:
-    """`generate`'s beam-search outputs in vLLM's `beam_search` shapes."""
+def beam_outputs(outs: list[RequestOutput], params: BeamSearchParams, tokenizer: Any) -> list[BeamSearchOutput]:
+    """`generate`'s beam-search outputs in vLLM's `beam_search` shapes: a beam that ended on its end token keeps
+    it only with include_stop_str_in_output, and names it as its stop_reason. Per-token log-probs are not kept
+    for beams here (`logprobs` is empty); `cum_logprob` is the beam's sum."""
     results = []
     for out in outs:
         sequences = []
         for c in out.outputs:
-            tokens = list(out.prompt_token_ids) + list(c.token_ids)
+            ended = c.finish_reason == "stop" and bool(c.token_ids)
+            generated = list(c.token_ids[:-1] if ended and not params.include_stop_str_in_output else c.token_ids)
+            tokens = list(out.prompt_token_ids) + generated
             text = tokenizer.decode(tokens) if tokenizer is not None else None
             sequences.append(BeamSearchSequence(tokens=tokens, cum_logprob=c.cumulative_logprob, text=text,
-                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))  # fmt: skip
+                                                finish_reason=c.finish_reason,
+                                                stop_reason=c.token_ids[-1] if ended else None))  # fmt: skip
         results.append(BeamSearchOutput(sequences))
     return results

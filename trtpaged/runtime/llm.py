@@ -116,6 +116,34 @@ def chat_prompt_ids(tokenizer: Any, messages: Seq[dict], tools: Optional[Seq[dic
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
+def text_part(part: Any, where: str) -> str:
+    """A content part's text: {"type": "text", "text": str}, or an assistant's {"type": "refusal", "refusal": str}
+    (text only); RequestError("messages") for anything else."""
+    kind = part.get("type") if isinstance(part, Mapping) else None
+    if kind not in ("text", "refusal"):
+        got = f"type {kind!r:.40}" if isinstance(part, Mapping) else type(part).__name__
+        raise RequestError("messages", f"{where}: only text parts ({{'type': 'text', 'text': ...}}) are supported, "
+                           f"got {got}")  # fmt: skip
+    if set(part) - {"type", kind}:
+        raise RequestError("messages", f"{where}: unknown keys {sorted(set(part) - {'type', kind})!r:.80}")
+    if not isinstance(part.get(kind), str):
+        raise RequestError("messages", f"{where}.{kind}: must be a string, got {type(part.get(kind)).__name__}")
+    return part[kind]
+
+
+def _with_text_content(messages: Seq[Mapping]) -> list[dict]:
+    """Messages whose content is a list of parts (OpenAI's form) with their text parts joined by newlines, as
+    vLLM gives them to the template."""
+    out = []
+    for m, msg in enumerate(messages):
+        content = msg.get("content")
+        if isinstance(content, list):
+            msg = {**msg, "content": "\n".join(text_part(part, f"messages[{m}].content[{p}]")
+                                               for p, part in enumerate(content))}  # fmt: skip
+        out.append(msg)
+    return out
+
+
 def chat_prompt_text(tokenizer: Any, messages: Seq[dict], tools: Optional[Seq[dict]] = None, *,
                      add_generation_prompt: bool = True, continue_final_message: bool = False,
                      template_kwargs: Optional[dict[str, Any]] = None, chat_template: Optional[str] = None) -> str:
@@ -123,7 +151,8 @@ def chat_prompt_text(tokenizer: Any, messages: Seq[dict], tools: Optional[Seq[di
     checks and options."""
     if not isinstance(messages, (list, tuple)) or not all(isinstance(m, Mapping) for m in messages):
         raise RequestError("messages", "must be a list of messages ({'role': ..., 'content': ...}), got "
-                           f"{messages!r:.80}")  # fmt: skip
+                           f"{type(messages).__name__} {messages!r:.80}")  # fmt: skip
+    messages = _with_text_content(messages)
     if template_kwargs is not None and not isinstance(template_kwargs, Mapping):
         raise RequestError("chat_template_kwargs", f"must be a mapping, got {type(template_kwargs).__name__}")
     if add_generation_prompt and continue_final_message:
@@ -375,7 +404,10 @@ class LLM:
         together; returns one RequestOutput per conversation, in order, whose `prompt` is the templated text.
         The keyword options are `chat_prompt`'s (vLLM's names); `use_tqdm` and `lora_request` are `generate`'s.
         """
-        batch = bool(messages) and not isinstance(messages[0], dict)
+        if not isinstance(messages, (list, tuple)):
+            raise RequestError("messages", "must be a list of messages ({'role': ..., 'content': ...}) or a list of "
+                               f"such lists, got {type(messages).__name__}")  # fmt: skip
+        batch = bool(messages) and not isinstance(messages[0], Mapping)
         conversations = list(messages) if batch else [messages]
         if chat_template is not None and (not isinstance(chat_template, str) or not chat_template.strip()):
             raise RequestError("chat_template", "must be a Jinja template's text")
@@ -424,7 +456,7 @@ class LLM:
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params: a BeamSearchParams, got {type(params).__name__}")
         outs = self.generate(prompts, params.sampling_params(), use_tqdm=use_tqdm, lora_request=lora_request)
-        return beam_outputs(outs, self.tokenizer)
+        return beam_outputs(outs, params, self.tokenizer)
 
     def close(self) -> None:
         """Writes the cached prefixes to the KV tiers (if any), stops the other tensor-parallel ranks; idempotent."""

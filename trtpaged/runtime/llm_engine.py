@@ -122,7 +122,12 @@ class LLMEngine:
         `arrival_time` (time.monotonic()): when it reached the server, for `ttft_breakdown`. `fit_max_tokens`: a
         max_tokens past the room the prompt leaves in max_seq_len is cut to that room (vLLM's offline API), where
         it is otherwise refused (its server)."""
-        params = params or SamplingParams()
+        if params is not None and not isinstance(params, SamplingParams):
+            raise TypeError(f"params: a SamplingParams, got {type(params).__name__} (the arguments are prompt, "
+                            "params, request_id; vLLM's engine takes request_id first)")  # fmt: skip
+        # a copy checked again: SamplingParams can be changed after it is made (as vLLM's), unchecked, and the
+        # request must not see the caller's later changes
+        params = dataclasses.replace(params) if params is not None else SamplingParams()
         text, token_ids = self.encode(prompt)
         if params.truncate_prompt_tokens is not None:  # vLLM's: the last k tokens (-1: all that leave max_tokens room)
             k = params.truncate_prompt_tokens

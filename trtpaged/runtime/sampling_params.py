@@ -172,7 +172,7 @@ def GuidedDecodingParams(json: Any = None, regex: Optional[str] = None, choice: 
                                    json_object=bool(json_object), origin="guided_decoding")
 
 
-@dataclass(frozen=True)
+@dataclass
 class SamplingParams:
     """How to generate one request's completions. Invalid values raise `RequestError` naming the field.
 
@@ -248,12 +248,14 @@ class SamplingParams:
         return dataclasses.replace(self)
 
     def __post_init__(self) -> None:
-        if self.guided_decoding is not None:
-            if self.structured_outputs is not None:
+        guided = self.guided_decoding
+        if guided is not None:
+            if not isinstance(guided, StructuredOutputsParams):
+                raise RequestError("guided_decoding", f"must be a GuidedDecodingParams, got {type(guided).__name__}")
+            if self.structured_outputs is not None and self.structured_outputs is not guided:
                 raise RequestError("guided_decoding", "give structured_outputs or guided_decoding (its old name), "
                                    "not both")  # fmt: skip
-            object.__setattr__(self, "structured_outputs", self.guided_decoding)
-            object.__setattr__(self, "guided_decoding", None)
+            object.__setattr__(self, "structured_outputs", guided)  # and guided_decoding still reads it, as in vLLM
         self._check_vllm_fields()
         stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)):
@@ -350,9 +352,11 @@ class SamplingParams:
             raise RequestError("stop", "stop strings need the text: not with detokenize=False")
         if self.extra_args is not None and not isinstance(self.extra_args, Mapping):
             raise RequestError("extra_args", f"must be a mapping, got {type(self.extra_args).__name__}")
-        if self.best_of is not None and self.best_of != self.n and not (_is_int(self.best_of) and self.beam_width > 1):
-            raise RequestError("best_of", f"only n ({self.n}) is supported, got {self.best_of!r:.80} (vLLM V1 dropped "
-                               "best_of; use n, or beam_width for beam search)", self.n)  # fmt: skip
+        wanted = self.beam_width if self.beam_width > 1 else self.n  # beam search: the beams (vLLM V0's best_of)
+        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of != wanted):
+            raise RequestError("best_of", f"only {wanted} ({'beam_width' if self.beam_width > 1 else 'n'}) is "
+                               f"supported, got {self.best_of!r:.80} (vLLM V1 dropped best_of; use n, or beam_width "
+                               "for beam search)", wanted)  # fmt: skip
         if self.logits_processors:
             raise RequestError("logits_processors", "Python logits processors are not supported (use logit_bias, "
                                "allowed_token_ids, bad_words or structured_outputs)")  # fmt: skip

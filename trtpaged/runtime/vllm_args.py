@@ -40,9 +40,14 @@ def apply_vllm_args(args: dict[str, Any], ours: dict[str, Any], manifest: Manife
     if unknown:
         raise TypeError(f"LLM got unexpected keyword arguments {unknown}; of vLLM's engine arguments it takes "
                         f"{', '.join(ACCEPTED)}")
+    bounds = {"max_model_len": manifest.limits.max_seq_len, "max_num_seqs": manifest.limits.max_batch_size,
+              "max_num_batched_tokens": manifest.limits.max_num_tokens, "tensor_parallel_size": 64}  # fmt: skip
     for name, own in RENAMED.items():
         if args.get(name) is None:
             continue
+        value, high = args[name], bounds[name]
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= high:
+            raise ValueError(f"{name}: must be an integer in [1, {high}] (the engine's build limit), got {value!r:.40}")
         if ours.get(own) is not None and ours[own] != args[name]:
             raise ValueError(f"{name}: {args[name]!r} and {own} (its name here) {ours[own]!r} disagree; give one")
         ours[own] = args[name]

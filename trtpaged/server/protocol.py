@@ -12,6 +12,7 @@ from typing import Any, Optional, TypeVar, Union
 
 from pydantic import BaseModel, ValidationError
 
+from trtpaged.errors import RequestError
 from trtpaged.server import constraints
 from trtpaged.server.tools import AutoTools, ToolChoice, tool_choice
 from trtpaged.server.errors import ApiError, from_runtime_error, from_validation_error
@@ -117,18 +118,13 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 
 def _text_part(part: Any, where: str) -> str:
-    """A content part's text: {"type": "text", "text": str}, or an assistant's {"type": "refusal", "refusal": str}
-    (this server reads text only)."""
-    kind = part.get("type") if isinstance(part, dict) else None
-    if kind not in ("text", "refusal"):
-        got = f"type {kind!r:.40}" if isinstance(part, dict) else type(part).__name__
-        raise ApiError(f"{where}: only text parts ({{'type': 'text', 'text': ...}}) are supported, got {got}",
-                       "messages")  # fmt: skip
-    if set(part) - {"type", kind}:
-        raise ApiError(f"{where}: unknown keys {sorted(set(part) - {'type', kind})!r:.80}", "messages")
-    if not isinstance(part.get(kind), str):
-        raise ApiError(f"{where}.{kind}: must be a string, got {type(part.get(kind)).__name__}", "messages")
-    return part[kind]
+    """A content part's text (`runtime.llm.text_part`), a 400 naming messages otherwise."""
+    from trtpaged.runtime.llm import text_part  # the runtime's import, kept off this module's import time
+
+    try:
+        return text_part(part, where)
+    except RequestError as e:
+        raise ApiError(str(e).removeprefix("messages: "), "messages") from None
 
 
 def _beam_fields(req: Union[CompletionRequest, ChatCompletionRequest], names: dict[str, str]) -> dict[str, Any]:
