@@ -220,6 +220,15 @@ def test_calls_cut_short_read_the_same_streamed_and_whole(client, tool_choice):
     if full_calls:  # the uncut call ended: the cut one is its beginning
         name, arguments = calls[-1]
         assert full_calls[len(calls) - 1][0] == name and full_calls[len(calls) - 1][1].startswith(arguments)
+    # the grammar's call syntax is never content, at any cut (was: '"', '"parameters' or '[{"name": "add' beside
+    # the call, streamed and whole)
+    for max_tokens in range(1, uncut.usage.completion_tokens):
+        kw["max_tokens"] = max_tokens
+        cut = client.chat.completions.create(**kw).choices[0]
+        content, streamed, finish = _streamed(client.chat.completions.create(stream=True, **kw))
+        assert cut.message.content is None and not content, (max_tokens, cut.message.content, content)
+        calls = [(tc.function.name, tc.function.arguments) for tc in cut.message.tool_calls or []]
+        assert [(n, a) for _, n, a in streamed] == calls and finish == cut.finish_reason == "length"
 
 
 def test_streamed_calls_carry_their_logprobs(client):

@@ -198,12 +198,21 @@ class ToolCallStream:
         """Events for what the text's end decides (held content, a last call without its closing text)."""
         events = self.feed("", final=True)
         if self.state not in ("text", "content", "after_block", "done", "done_text"):  # a call cut off
+            if self._forced:  # the grammar's call syntax, cut (max_tokens): never content; the calls so far stand
+                self.malformed, self.state, self._held = True, "done", ""
+                return events
             self._fail()  # what of it did not go out as a call is content
             self._step(events, True)
         if self._held and not self.calls:
             events.append(Content(self._held))
         self._held = ""
         return events
+
+    @property
+    def _forced(self) -> bool:
+        """The output is calls by the grammar (tool_choice "required" or a named function), not the model's free
+        text: none of it is content."""
+        return self.fmt is REQUIRED or (self.fmt is None and self.named is not None)
 
     @property
     def ok(self) -> bool:
