@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from runtime_helpers import hf_beams, hf_from_engine_dir, hf_greedy
-from trtpaged import BeamSearchParams, GuidedDecodingParams, LLM, SamplingParams
+from trtpaged import BeamSearchParams, GuidedDecodingParams, LLM, SamplingParams, StructuredOutputsParams
 from trtpaged.cli import main
 from trtpaged.errors import RequestError
 
@@ -151,8 +151,8 @@ def test_vllm_sampling_fields(llm, tiny_engine_dir):
     assert {c.text for o in outs for c in o.outputs} <= set(choices)
     assert SamplingParams.from_optional(n=None, max_tokens=4, temperature=None) == SamplingParams(max_tokens=4)
     assert greedy.clone() == greedy and greedy.clone() is not greedy
-    for kwargs, field in [({"guided_decoding": GuidedDecodingParams(regex="a"), "structured_outputs": GuidedDecodingParams(regex="b")},
-                           "guided_decoding"),
+    for kwargs, field in [({"guided_decoding": GuidedDecodingParams(regex="a"),
+                            "structured_outputs": StructuredOutputsParams(regex="b")}, "guided_decoding"),
                           ({"detokenize": False, "stop": ["x"]}, "stop"),
                           ({"best_of": 3}, "best_of"),
                           ({"logits_processors": [lambda ids, logits: logits]}, "logits_processors"),
@@ -185,9 +185,8 @@ def test_vllm_beam_search_call_gives_hfs_beams_with_the_prompt_in_front(llm, tin
         params = BeamSearchParams(beam_width=3, max_tokens=12, include_stop_str_in_output=keep_end)
         outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
         for prompt, out in zip(prompts, outs):
-            truth = hf_beams(hf, prompt, 12, 3, eos)  # an ended beam's EOS is shown with include_stop_str_in_output
-            assert [s.tokens[len(prompt):] for s in out.sequences] == \
-                [t if keep_end or not t or t[-1] != eos else t[:-1] for t in truth]  # fmt: skip
+            truth = hf_beams(hf, prompt, 12, 3, eos)  # an ended beam keeps its EOS, as vLLM's offline beam_search
+            assert [s.tokens[len(prompt):] for s in out.sequences] == truth
             for seq, t in zip(out.sequences, truth):
                 assert seq.tokens[: len(prompt)] == prompt and seq.text == llm.tokenizer.decode(seq.tokens)
                 assert seq.finish_reason == ("stop" if t[-1] == eos else "length") and seq.cum_logprob < 0
@@ -213,7 +212,10 @@ def test_sampling_params_change_as_in_vllms_examples(llm):
         finished = [o for o in llm.engine.step() if o.finished and o.request_id == request]
     assert len(finished[0].outputs[0].token_ids) in range(2, 6)
     guided = GuidedDecodingParams(choice=["yes", "no"])
-    assert SamplingParams(guided_decoding=guided).guided_decoding is guided
+    sp = SamplingParams(guided_decoding=guided)
+    assert sp.guided_decoding is guided
+    sp.guided_decoding = GuidedDecodingParams(choice=["maybe"])  # set again: the new one is the grammar
+    assert dataclasses.replace(sp).structured_outputs.choice == ("maybe",)
     with pytest.raises(TypeError, match="vLLM's engine takes request_id first"):
         llm.engine.add_request("r1", "hello", sp)
 

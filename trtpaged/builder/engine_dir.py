@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import shutil
 import tempfile
@@ -23,6 +24,8 @@ from trtpaged.config import ConfigError
 from trtpaged.engine_files import sha256_file
 from trtpaged.manifest import MANIFEST_NAME, Manifest
 
+
+log = logging.getLogger("trtpaged")
 
 BUILD_LOCK = ".trtpaged-build.lock"  # inside a build's temp dir, flock-ed while the build runs
 
@@ -91,6 +94,8 @@ def staged_output(output: Path, force: bool = False) -> Iterator[Path]:
     leftovers from a live build's. Raises OutputDirError when the output's parent cannot be made.
     """
     output = output.resolve()
+    if output.parent.is_dir():  # a killed replacement's old engine dir back in place first, for check_output to see
+        remove_dead_builds(output.parent)
     check_output(output, force)
     created = _first_missing_ancestor(output.parent)
     try:
@@ -107,8 +112,7 @@ def staged_output(output: Path, force: bool = False) -> Iterator[Path]:
         yield tmp
         raise_if_interrupted()  # one a finalizer swallowed: nothing is written
         hold_from_here()  # a signal from here on cannot leave the old engine dir moved aside and the new one not in
-        (tmp / BUILD_LOCK).unlink()  # not part of the engine dir; the fd keeps the lock until the rename is done
-        _replace(tmp, output)
+        _replace(tmp, output)  # (it takes tmp's BUILD_LOCK out; the fd keeps the lock until the rename is done)
     except BaseException:
         with held():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -127,7 +131,7 @@ def _hold_lock(tmp: Path, note: str = "") -> int:
     partial = tmp / (BUILD_LOCK + ".new")
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    os.write(fd, f"{os.getpid()}\n{note}\n".encode())
+    os.write(fd, f"{os.getpid()}\n".encode() + os.fsencode(note).hex().encode() + b"\n")  # any name, as hex
     os.rename(partial, tmp / BUILD_LOCK)
     return fd
 
@@ -143,8 +147,12 @@ def _dead_lock(directory: Path) -> tuple[int, str] | None:
     except OSError:
         os.close(fd)
         return None  # held: the build is alive
-    lines = os.read(fd, 4096).decode(errors="replace").splitlines()
-    return fd, (lines[1] if len(lines) > 1 else "")
+    lines = os.read(fd, 8192).split(b"\n")
+    try:
+        note = os.fsdecode(bytes.fromhex(lines[1].decode())) if len(lines) > 1 else ""
+    except ValueError:
+        note = ""  # not ours (another build's format): nothing named
+    return fd, note
 
 
 def remove_dead_builds(parent: Path) -> list[Path]:
@@ -161,14 +169,17 @@ def remove_dead_builds(parent: Path) -> list[Path]:
         fd, tmp_name = dead
         try:
             output = parent / holder.name[1:].rsplit(".old-", 1)[0]
-            if not output.exists() and (holder / "engine").is_dir():
+            if not os.path.lexists(output) and (holder / "engine").is_dir():
                 os.rename(holder / "engine", output)  # the old engine dir back where it was
             new = parent / tmp_name if tmp_name.startswith(f".{output.name}.tmp-") and "/" not in tmp_name else None
             if new is not None and new.is_dir() and not (new / BUILD_LOCK).exists():
                 shutil.rmtree(new, ignore_errors=True)
                 removed.append(new)
-            shutil.rmtree(holder, ignore_errors=True)
-            removed.append(holder)
+            if not (holder / "engine").exists():
+                shutil.rmtree(holder, ignore_errors=True)
+                removed.append(holder)
+        except OSError as e:  # left for a later build: one holder that cannot go back stops no build
+            log.warning("%s: cannot put the engine dir it holds back (%s); left in place", holder, e)
         finally:
             os.close(fd)
     for tmp in sorted(parent.glob(".*.tmp-*")):
@@ -200,8 +211,11 @@ def _make_readable(root: Path) -> None:
 
 
 def _replace(tmp: Path, output: Path) -> None:
+    """`tmp` (without its BUILD_LOCK, which is not part of an engine dir) becomes `output`, an engine dir already
+    there replaced."""
     _make_readable(tmp)
-    if not output.exists():
+    if not os.path.lexists(output):
+        (tmp / BUILD_LOCK).unlink()
         os.rename(tmp, output)
         return
     old = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.parent))
@@ -209,8 +223,13 @@ def _replace(tmp: Path, output: Path) -> None:
     # parent finds the lock dead, puts the old engine dir back and removes `tmp` (remove_dead_builds)
     lock = _hold_lock(old, note=tmp.name)
     try:
+        (tmp / BUILD_LOCK).unlink()  # from here `old`'s lock vouches for tmp
         os.rename(output, old / "engine")
-        os.rename(tmp, output)
+        try:
+            os.rename(tmp, output)
+        except OSError:
+            os.rename(old / "engine", output)
+            raise
         shutil.rmtree(old, ignore_errors=True)
     finally:
         os.close(lock)

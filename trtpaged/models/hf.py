@@ -166,10 +166,25 @@ def _check_config_against_checkpoint(path: Path, config: Any) -> None:
     held = sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin") for f in path.glob(pattern) if f.is_file())
     wanted = _tiny_parameters(config) * 4
     if held and wanted > 4 * held + (256 << 20):
+        why = ("the weight files are Git LFS pointers, not weights (git lfs pull)" if _lfs_pointers(path) else
+               "a quantized checkpoint (quantization_config) is not supported; give its float weights or a GGUF"
+               if getattr(config, "quantization_config", None) else "config.json does not describe them")
         raise ConfigError(f"model.hf_dir: config.json's sizes give about {wanted / 2**30:.1f} GiB of float32 weights "
                           f"(hidden_size {config.hidden_size}, intermediate_size {config.intermediate_size}, "
                           f"num_hidden_layers {config.num_hidden_layers}, vocab_size {config.vocab_size}), but the "
-                          f"checkpoint's files hold {held / 2**30:.2f} GiB; config.json does not describe them")
+                          f"checkpoint's files hold {held / 2**30:.2f} GiB; {why}")
+
+
+def _lfs_pointers(path: Path) -> bool:
+    """Whether a weights file in `path` is a Git LFS pointer (a clone without `git lfs pull`)."""
+    for f in (*path.glob("*.safetensors"), *path.glob("*.bin")):
+        try:
+            with open(f, "rb") as handle:
+                if handle.read(24) == b"version https://git-lfs.":
+                    return True
+        except OSError:
+            continue
+    return False
 
 
 MAX_TINY_BYTES = 4 << 30  # a random test model's weights; past this the build would page or be OOM-killed

@@ -61,16 +61,17 @@ class BeamSearchOutput:
 
 
 def beam_outputs(outs: list[RequestOutput], params: BeamSearchParams, tokenizer: Any) -> list[BeamSearchOutput]:
-    """`generate`'s beam-search outputs in vLLM's `beam_search` shapes: a beam that ended on its end token keeps
-    it only with include_stop_str_in_output, and names it as its stop_reason. Per-token log-probs are not kept
-    for beams here (`logprobs` is empty); `cum_logprob` is the beam's sum."""
+    """`generate`'s beam-search outputs in the shapes of vLLM's offline `LLM.beam_search`: a beam that ended on its
+    end token keeps it in `tokens` and `text` (as vLLM's offline call does; its server drops it unless
+    include_stop_str_in_output, which is why that field is taken here), with finish_reason "stop" and the token as
+    stop_reason (vLLM leaves both None). Per-token log-probs are not kept for beams here (`logprobs` is empty);
+    `cum_logprob` is the beam's sum."""
     results = []
     for out in outs:
         sequences = []
         for c in out.outputs:
             ended = c.finish_reason == "stop" and bool(c.token_ids)
-            generated = list(c.token_ids[:-1] if ended and not params.include_stop_str_in_output else c.token_ids)
-            tokens = list(out.prompt_token_ids) + generated
+            tokens = list(out.prompt_token_ids) + list(c.token_ids)
             text = tokenizer.decode(tokens) if tokenizer is not None else None
             sequences.append(BeamSearchSequence(tokens=tokens, cum_logprob=c.cumulative_logprob, text=text,
                                                 finish_reason=c.finish_reason,

@@ -252,7 +252,8 @@ class SamplingParams:
         if guided is not None:
             if not isinstance(guided, StructuredOutputsParams):
                 raise RequestError("guided_decoding", f"must be a GuidedDecodingParams, got {type(guided).__name__}")
-            if self.structured_outputs is not None and self.structured_outputs is not guided:
+            given = self.structured_outputs
+            if given is not None and given is not guided and given.origin != "guided_decoding":
                 raise RequestError("guided_decoding", "give structured_outputs or guided_decoding (its old name), "
                                    "not both")  # fmt: skip
             object.__setattr__(self, "structured_outputs", guided)  # and guided_decoding still reads it, as in vLLM
@@ -352,9 +353,10 @@ class SamplingParams:
             raise RequestError("stop", "stop strings need the text: not with detokenize=False")
         if self.extra_args is not None and not isinstance(self.extra_args, Mapping):
             raise RequestError("extra_args", f"must be a mapping, got {type(self.extra_args).__name__}")
-        wanted = self.beam_width if self.beam_width > 1 else self.n  # beam search: the beams (vLLM V0's best_of)
+        beams = _is_int(self.beam_width) and self.beam_width > 1
+        wanted = self.beam_width if beams else self.n  # beam search: the beams (vLLM V0's best_of)
         if self.best_of is not None and (not _is_int(self.best_of) or self.best_of != wanted):
-            raise RequestError("best_of", f"only {wanted} ({'beam_width' if self.beam_width > 1 else 'n'}) is "
+            raise RequestError("best_of", f"only {wanted} ({'beam_width' if beams else 'n'}) is "
                                f"supported, got {self.best_of!r:.80} (vLLM V1 dropped best_of; use n, or beam_width "
                                "for beam search)", wanted)  # fmt: skip
         if self.logits_processors:
