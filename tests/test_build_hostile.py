@@ -366,35 +366,46 @@ def test_a_killed_builds_temp_dir_is_removed_by_the_next_build_and_a_live_ones_i
 
 
 KILLED_MID_REPLACE = """
-import os, signal, sys
+import os, shutil, signal, sys
 from pathlib import Path
 from trtpaged.builder.engine_dir import staged_output
-output = Path(sys.argv[1])
+output, when = Path(sys.argv[1]), sys.argv[2]
 real_rename = os.rename
 def rename(src, dst):
     real_rename(src, dst)
-    if Path(dst).name == "engine":  # the old engine dir is aside, the new one not yet in place
+    if when == "between" and Path(dst).name == "engine":  # the old engine dir aside, the new one not yet in place
         os.kill(os.getpid(), signal.SIGKILL)
+def rmtree(path, **kw):  # both renames done, the old engine dir not yet removed
+    os.kill(os.getpid(), signal.SIGKILL)
+if when == "after":
+    shutil.rmtree = rmtree
 with staged_output(output, force=True) as tmp:
     (tmp / "trtpaged.json").write_text("{}")
     os.rename = rename
 """
 
 
-def test_a_build_killed_between_the_renames_of_a_replacement_is_undone_by_the_next(tmp_path, tiny_engine_dir):
+@pytest.mark.parametrize("when", ["between", "after"])
+def test_a_build_killed_in_the_renames_of_a_replacement_is_undone_by_the_next(tmp_path, tiny_engine_dir, when):
     """SIGKILL (an OOM kill, a power cut) between moving the old engine dir aside and moving the new one in left
-    no engine dir at the output, and both dirs hidden beside it for ever."""
+    no engine dir at the output, and both dirs hidden beside it for ever; after both renames, the old dir stays
+    hidden until the next build removes it."""
     output = tmp_path / "e"
     shutil.copytree(tiny_engine_dir, output)
     before = sorted(p.name for p in output.iterdir())
-    killed = subprocess.run([sys.executable, "-c", KILLED_MID_REPLACE, str(output)], capture_output=True, timeout=120)
+    killed = subprocess.run([sys.executable, "-c", KILLED_MID_REPLACE, str(output), when], capture_output=True,
+                            timeout=120)  # fmt: skip
     assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
-    assert not output.exists() and len(list(tmp_path.glob(".e.old-*"))) == 1 and len(list(tmp_path.glob(".e.tmp-*"))) == 1
+    assert len(list(tmp_path.glob(".e.old-*"))) == 1
+    assert output.exists() == (when == "after") and len(list(tmp_path.glob(".e.tmp-*"))) == (when == "between")
     removed = remove_dead_builds(tmp_path)
-    assert len(removed) == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["e"]
-    assert sorted(p.name for p in output.iterdir()) == before  # the old engine dir, back in place
-    r = _cli("inspect", str(output), "--verify")
-    assert r.exit_code == 0, r.output
+    assert len(removed) == (2 if when == "between" else 1) and sorted(p.name for p in tmp_path.iterdir()) == ["e"]
+    if when == "between":
+        assert sorted(p.name for p in output.iterdir()) == before  # the old engine dir, back in place
+        r = _cli("inspect", str(output), "--verify")
+        assert r.exit_code == 0, r.output
+    else:
+        assert sorted(p.name for p in output.iterdir()) == ["trtpaged.json"]  # the new one (this test's stand-in)
 
 
 def test_a_temp_dir_without_a_lock_is_not_provably_dead_and_stays(tmp_path):

@@ -159,8 +159,9 @@ def remove_dead_builds(parent: Path) -> list[Path]:
     """Removes the temp dirs of builds into `parent` that were killed (SIGKILL, a crash): those whose
     BUILD_LOCK nobody holds any more. A live build's temp dir, or one without a lock (not provably
     dead), is left alone. A build killed between the two renames of a replacement (`_replace`) left the old
-    engine dir aside in a `.NAME.old-*` dir: it goes back to NAME when NAME is missing, and that build's complete
-    temp dir (named in the lock) is removed. Returns what was removed."""
+    engine dir aside in a `.NAME.old-*` dir: it goes back to NAME when NAME is missing (else the new one is in place
+    and the old one goes), and that build's complete temp dir (named in the lock) is removed. Returns what was
+    removed."""
     removed = []
     for holder in sorted(parent.glob(".*.old-*")):
         dead = _dead_lock(holder) if holder.is_dir() and not holder.is_symlink() else None
@@ -175,9 +176,8 @@ def remove_dead_builds(parent: Path) -> list[Path]:
             if new is not None and new.is_dir() and not (new / BUILD_LOCK).exists():
                 shutil.rmtree(new, ignore_errors=True)
                 removed.append(new)
-            if not (holder / "engine").exists():
-                shutil.rmtree(holder, ignore_errors=True)
-                removed.append(holder)
+            shutil.rmtree(holder, ignore_errors=True)  # put back above, or superseded by the engine dir at NAME
+            removed.append(holder)
         except OSError as e:  # left for a later build: one holder that cannot go back stops no build
             log.warning("%s: cannot put the engine dir it holds back (%s); left in place", holder, e)
         finally:
