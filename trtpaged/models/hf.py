@@ -164,7 +164,7 @@ def _check_config_against_checkpoint(path: Path, config: Any) -> None:
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ConfigError(f"model.hf_dir: config.json's {name} is {value!r:.40}; expected a positive integer")
     held = sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin") for f in path.glob(pattern) if f.is_file())
-    wanted = _tiny_parameters(config) * 4
+    wanted = _config_parameters(config) * 4
     if held and wanted > 4 * held + (256 << 20):
         why = ("the weight files are Git LFS pointers, not weights (git lfs pull)" if _lfs_pointers(path) else
                "a quantized checkpoint (quantization_config) is not supported; give its float weights or a GGUF"
@@ -190,7 +190,7 @@ def _lfs_pointers(path: Path) -> bool:
 MAX_TINY_BYTES = 4 << 30  # a random test model's weights; past this the build would page or be OOM-killed
 
 
-def _tiny_parameters(config: Any) -> int:
+def _config_parameters(config: Any) -> int:
     """The decoder's parameter count from its config (attention, gated MLP, embedding and an untied LM head)."""
     hidden, heads = config.hidden_size, config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -213,7 +213,7 @@ def _load_tiny(tiny: dict[str, Any], dtype: torch.dtype) -> HFModel:
     except Exception as e:  # noqa: BLE001  (transformers' config validators raise their own error types)
         cause = e.__cause__ or e
         raise ConfigError(f"model.tiny: transformers rejects this {arch} config: {cause}") from None
-    size = _tiny_parameters(config) * torch.empty((), dtype=dtype).element_size()
+    size = _config_parameters(config) * torch.empty((), dtype=dtype).element_size()
     if size > MAX_TINY_BYTES:  # before a random model of that size is allocated (keys left out take HF's defaults)
         raise ConfigError(f"model.tiny: about {size / 2**30:.1f} GiB of {str(dtype).removeprefix('torch.')} weights exceed a tiny model's "
                           f"{MAX_TINY_BYTES >> 30} GiB; set smaller hidden_size, intermediate_size, num_hidden_layers "

@@ -305,7 +305,7 @@ class LLM:
             ranks = self.manifest.tensor_parallel
             fingerprint = manifest_fingerprint(self.manifest, tuple(pool.shape[1:]), str(pool.dtype))
             try:
-                tiers = tier_config.build(fingerprint, ranks * pool_block_bytes(pool), self.config.block_size)
+                tiers = tier_config.build(fingerprint, ranks * pool_block_bytes(pool))
             except BaseException:  # e.g. a disk path that cannot be written: stop the ranks started above
                 getattr(runner, "close", lambda: None)()
                 raise

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-
 import itertools
 from collections import deque
 import operator
@@ -133,12 +132,14 @@ class LLMEngine:
             k = params.truncate_prompt_tokens
             k = k if k > 0 else max(1, self.config.max_seq_len - (params.max_tokens or 1))
             token_ids = token_ids[-k:]
-        whole = {name: self.vocab_size for name in ("logprobs", "prompt_logprobs") if getattr(params, name) == -1}
-        if whole and self.vocab_size is not None:  # vLLM's -1: the whole vocabulary (max_logprobs permitting)
-            params = dataclasses.replace(params, **whole)
+        changes: dict[str, Any] = {}
+        if self.vocab_size is not None:  # vLLM's -1: the whole vocabulary (max_logprobs permitting)
+            changes = {name: self.vocab_size for name in ("logprobs", "prompt_logprobs") if getattr(params, name) == -1}
         room = self.config.max_seq_len - len(token_ids)
         if fit_max_tokens and params.max_tokens is not None and 1 <= room < params.max_tokens:
-            params = dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
+            changes.update(max_tokens=room, min_tokens=min(params.min_tokens, room))
+        if changes:
+            params = dataclasses.replace(params, **changes)
         request_id = request_id if request_id is not None else f"req-{next(self._request_ids)}"
         if request_id in self.groups:
             raise RequestError("request_id", f"{request_id!r} is already in use")

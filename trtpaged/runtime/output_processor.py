@@ -172,9 +172,10 @@ class OutputProcessor:
             if group.prompt_logprobs_sent:
                 return None
             group.prompt_logprobs_sent = True
-        named, group.prompt_logprobs_named = group.prompt_logprobs_named, len(group.prompt_logprobs)
-        return self._named(list(group.prompt_logprobs), named) if group.params.detokenize else \
-            list(group.prompt_logprobs)  # fmt: skip
+        if group.params.detokenize:  # vLLM names no token when it does not detokenize
+            self._named(group.prompt_logprobs, group.prompt_logprobs_named)
+        group.prompt_logprobs_named = len(group.prompt_logprobs)
+        return list(group.prompt_logprobs)
 
     @staticmethod
     def _by_index(group: SequenceGroup) -> list[Sequence]:
@@ -190,12 +191,14 @@ class OutputProcessor:
 
     def _completion(self, seq: Sequence, group: SequenceGroup, final: bool) -> CompletionOutput:
         params = group.params
+        if params.logprobs is not None:
+            self._name_new(seq, params)
         return CompletionOutput(
             index=seq.index,
             text=seq.output_text if final else self._visible_text(seq, params.stop),
             token_ids=seq.output_token_ids,
             cumulative_logprob=seq.cumulative_logprob,
-            logprobs=self._name_new(seq, params) or list(seq.logprobs) if params.logprobs is not None else None,
+            logprobs=list(seq.logprobs) if params.logprobs is not None else None,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
         )
@@ -214,13 +217,14 @@ class OutputProcessor:
             tokens = seq.output_token_ids[sent.tokens :]
             if not tokens and len(text) <= sent.chars and (sent.final or not seq.is_finished):
                 continue
+            if params.logprobs is not None:
+                self._name_new(seq, params)
             completions.append(CompletionOutput(
                 index=seq.index,
                 text=text[sent.chars :],
                 token_ids=tokens,
                 cumulative_logprob=seq.cumulative_logprob,
-                logprobs=self._name_new(seq, params) or seq.logprobs[sent.tokens :] if params.logprobs is not None
-                else None,
+                logprobs=seq.logprobs[sent.tokens :] if params.logprobs is not None else None,
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,
             ))  # fmt: skip

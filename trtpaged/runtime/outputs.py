@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Logprob(float):
@@ -31,6 +34,17 @@ class Logprob(float):
         return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
 
     __str__ = float.__repr__
+
+
+def vocab_ranks(logprobs: torch.Tensor, chosen: torch.Tensor) -> list[int]:
+    """Per row of `logprobs` [rows, vocab], the rank of the log-prob in `chosen` [rows, 1]: how many tokens have a
+    log-prob at least as high (itself included; ties count as ahead, as vLLM counts them)."""
+    return (logprobs >= chosen).sum(dim=1).tolist()
+
+
+def ranked(ids: Sequence[int], values: Sequence[float]) -> Iterator[tuple[int, Logprob]]:
+    """A top-k list (most likely first) as (token, Logprob) with each token's place there as its rank."""
+    return ((t, Logprob(v, place)) for place, (t, v) in enumerate(zip(ids, values), start=1))
 
 
 class RequestOutputKind(enum.Enum):

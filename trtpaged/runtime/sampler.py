@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from trtpaged.runtime.outputs import Logprob
+from trtpaged.runtime.outputs import Logprob, ranked, vocab_ranks
 from trtpaged.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -272,14 +272,13 @@ def _top_logprobs(logprobs: torch.Tensor, tokens: list[int],
     k_max = min(max(ks[i] for i in wanted), logprobs.shape[1])  # type: ignore[type-var]
     values, ids = torch.topk(rows, k_max, dim=1) if k_max > 0 else (None, None)
     chosen_col = rows.gather(1, torch.tensor([tokens[i] for i in wanted]).unsqueeze(1))
-    ranks = (rows >= chosen_col).sum(dim=1).tolist()
+    ranks = vocab_ranks(rows, chosen_col)
     chosen = chosen_col.squeeze(1).tolist()
     for j, i in enumerate(wanted):
         row = {tokens[i]: Logprob(chosen[j], ranks[j])}
         k = ks[i] or 0
         if k and values is not None:
-            row.update((t, Logprob(v, place)) for place, (t, v) in
-                       enumerate(zip(ids[j, :k].tolist(), values[j, :k].tolist()), start=1))  # fmt: skip
+            row.update(ranked(ids[j, :k].tolist(), values[j, :k].tolist()))
         out[i] = row
     return out
 

@@ -10,7 +10,7 @@ from typing import Sequence
 import torch
 
 from trtpaged.runtime.batch_builder import PromptRows
-from trtpaged.runtime.outputs import Logprob
+from trtpaged.runtime.outputs import Logprob, ranked, vocab_ranks
 
 
 class PromptLogprob(dict):
@@ -40,7 +40,7 @@ def score_prompts(logits: torch.Tensor, spans: Sequence[PromptRows], prompts: di
         logprobs = torch.log_softmax(logits[span.rows].float(), dim=1)
         targets = torch.tensor(token_ids[span.first : span.first + len(span.rows)], dtype=torch.long)
         chosen = logprobs.gather(1, targets.unsqueeze(1))
-        ranks = (logprobs >= chosen).sum(dim=1).tolist()
+        ranks = vocab_ranks(logprobs, chosen)
         tokens = targets.tolist()
         entries = [PromptLogprob({t: Logprob(lp, rank)}, rank)
                    for t, lp, rank in zip(tokens, chosen.squeeze(1).tolist(), ranks)]  # fmt: skip
@@ -48,7 +48,7 @@ def score_prompts(logits: torch.Tensor, spans: Sequence[PromptRows], prompts: di
         if k > 0:
             values, ids = torch.topk(logprobs, k, dim=1)
             for entry, token, row_ids, row_values in zip(entries, tokens, ids.tolist(), values.tolist()):
-                entry.update((t, Logprob(v, place)) for place, (t, v) in enumerate(zip(row_ids, row_values), start=1))
+                entry.update(ranked(row_ids, row_values))
                 if token in row_ids:
                     entry.rank = row_ids.index(token) + 1
         out.setdefault(span.request_id, []).extend(entries)

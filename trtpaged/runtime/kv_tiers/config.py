@@ -116,13 +116,11 @@ class KVTierConfig:
             if size and size < one:
                 raise ValueError(f"{key}: {size} bytes hold no block; one block's entry is {one} bytes")
 
-    def build(self, fingerprint: bytes, block_bytes: int, block_size: Optional[int] = None) -> Optional[TierStack]:
-        """The stack for one engine (None without tiers); the remote tier connects lazily. With `block_size`, a
-        host or disk size too small for one block's entry is refused (ValueError naming it)."""
+    def build(self, fingerprint: bytes, block_bytes: int) -> Optional[TierStack]:
+        """The stack for one engine (None without tiers); the remote tier connects lazily. Sizes too small for one
+        entry are `check_room`'s to refuse, before the engine loads."""
         if not self.enabled:
             return None
-        if block_size is not None:
-            self.check_room(block_size, block_bytes)
         tiers: list[KVTier] = []
         codec = EntryCodec(fingerprint, block_bytes)
         if self.host_memory:
