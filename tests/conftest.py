@@ -7,6 +7,8 @@ reuse it, so a 90 s SmolLM2 build is paid once, not once per worker.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Callable
@@ -87,6 +89,16 @@ def build_from_dict(data: dict, out: Path) -> Path:
     build_engine(parse_config(data), out, echo=lines.append)
     out.with_suffix(".log").write_text("\n".join(lines) + "\n")
     return out
+
+
+def save_manifest(engine_dir: Path, data: dict) -> None:
+    """Writes an edited manifest the way a build writes one: its `content_sha256` recomputed over its other
+    fields (sha256 of their sorted, compact JSON), so the dir is self-consistent and a test reaches the checks
+    behind that hash."""
+    fields = {k: v for k, v in data.items() if k != "content_sha256"}
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    data = {**fields, "content_sha256": hashlib.sha256(text.encode()).hexdigest()}
+    (engine_dir / "trtpaged.json").write_text(json.dumps(data, indent=2))
 
 
 @pytest.fixture(scope="session")

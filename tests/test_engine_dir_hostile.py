@@ -20,6 +20,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from conftest import save_manifest
+
 from trtpaged.cli import main
 from trtpaged.engine_files import sha256_file, verify_engine_dir
 from trtpaged.manifest import MANIFEST_NAME, EngineDirError, read_manifest
@@ -45,7 +47,7 @@ def _edit_manifest(engine: Path, **changes) -> None:
     path = engine / MANIFEST_NAME
     data = json.loads(path.read_text())
     data.update(changes)
-    path.write_text(json.dumps(data))
+    save_manifest(engine, data)
 
 
 def _rehash(engine: Path) -> None:
@@ -53,7 +55,7 @@ def _rehash(engine: Path) -> None:
     data = json.loads((engine / MANIFEST_NAME).read_text())
     files = sorted(p for p in engine.rglob("*") if p.is_file() and p.name != MANIFEST_NAME)
     data["files"] = {p.relative_to(engine).as_posix(): sha256_file(p) for p in files}
-    (engine / MANIFEST_NAME).write_text(json.dumps(data))
+    save_manifest(engine, data)
 
 
 def _weights_data_start(path: Path) -> int:
@@ -90,6 +92,13 @@ def _random_bytes_in_place(e: Path) -> None:
 def _zero_hashes(e: Path) -> None:
     data = json.loads((e / MANIFEST_NAME).read_text())
     _edit_manifest(e, files={name: "0" * 64 for name in data["files"]})
+
+
+def _rope_theta_edited_by_hand(e: Path) -> None:
+    """A plausible value, in bounds, written without the build's hash of the manifest's fields."""
+    data = json.loads((e / MANIFEST_NAME).read_text())
+    data["dims"]["rope_theta"] *= 2
+    (e / MANIFEST_NAME).write_text(json.dumps(data, indent=2))
 
 
 def _truncate(e: Path) -> None:
@@ -214,6 +223,8 @@ BROKEN = {
     "1 MiB random into weights": (_random_bytes_into_weights, False, "weights_file", "the file has 1048576 after the header"),
     "random weights, same size and mtime": (_random_bytes_in_place, False, "files['weights.safetensors']", "sha256"),
     "zeroed hashes": (_zero_hashes, False, "files[", "sha256"),
+    # was: loaded, and every answer changed
+    "rope_theta edited by hand": (_rope_theta_edited_by_hand, False, "content_sha256", "edited after the build"),
     "truncated weights": (_truncate, False, "weights_file", "truncated"),
     "truncated weights, rehashed": (_truncate, True, "weights_file", "truncated"),
     "header length 2^62": (_huge_header, True, "weights_file", "header length 4611686018427387904"),
@@ -268,6 +279,22 @@ def test_the_intact_copy_loads_and_inspects(tiny_engine_dir, tmp_path):
     assert r.exit_code == 0 and "verified: 5 files" in r.output and "sha256 of every file" in r.output, r.output
     r = _cli("generate", str(engine), "--prompt", "hi", "--max-tokens", "2")
     assert r.exit_code == 0, r.output
+
+
+def test_the_manifest_hash_covers_values_not_their_spelling(tiny_engine_dir, tmp_path):
+    """Rewritten with other whitespace, key order and number spelling, the manifest still loads; without the hash
+    (an older build's) too; with any value changed and the hash kept it is refused (the table above)."""
+    engine = _copy(tiny_engine_dir, tmp_path)
+    data = json.loads((engine / MANIFEST_NAME).read_text())
+    assert len(data["content_sha256"]) == 64
+    text = json.dumps(dict(reversed(list(data.items()))), separators=(" ,", " : "))
+    text = text.replace('"rope_theta" : 10000.0', '"rope_theta" : 1e4')
+    assert "1e4" in text
+    (engine / MANIFEST_NAME).write_text(text)
+    assert read_manifest(engine).dims.rope_theta == 10000.0
+    del data["content_sha256"]
+    (engine / MANIFEST_NAME).write_text(json.dumps(data))
+    assert read_manifest(engine).dims.rope_theta == 10000.0
 
 
 def test_hashes_are_checked_in_full_once_then_by_stamp(tiny_engine_dir, tmp_path):

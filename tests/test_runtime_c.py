@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import save_manifest
+
 from c_runtime import (REPO, CError, CRuntime, StepInputs, build, generate, i32_array, load, parse_outputs,
                        setup_build_dir)
 from trtpaged import LLM, SamplingParams
@@ -152,7 +154,7 @@ def edited_engine(src: Path, dst: Path, edit) -> Path:
     shutil.copytree(src, dst)
     manifest = json.loads((dst / "trtpaged.json").read_text())
     edit(manifest)
-    (dst / "trtpaged.json").write_text(json.dumps(manifest))
+    save_manifest(dst, manifest)
     return dst
 
 
@@ -197,6 +199,18 @@ def test_json_nested_past_the_limit_is_refused_not_a_stack_overflow(lib, tiny_en
     text = json.dumps(header).replace(json.dumps(header[name]["shape"]), deep, 1).encode()
     weights.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + size:])
     with pytest.raises(CError, match="weights_file: not a valid safetensors file: the header nests deeper than 64"):
+        CRuntime(lib, engine)
+
+
+def test_the_manifest_hash_is_read_for_its_form(lib, tiny_engine_dir, tmp_path):
+    """content_sha256 (the build's hash of the manifest's fields) is taken as a field; its value is the Python
+    loader's to check, its form is checked here as the files' hashes are."""
+    engine = edited_engine(tiny_engine_dir, tmp_path / "engine", lambda m: None)
+    with CRuntime(lib, engine) as rt:
+        assert rt.info.num_kv_blocks == 256
+    path = engine / "trtpaged.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "content_sha256": 12}))
+    with pytest.raises(CError, match="trtpaged.json: content_sha256: got 12; expected a sha256 hex digest"):
         CRuntime(lib, engine)
 
 

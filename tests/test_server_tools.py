@@ -13,6 +13,8 @@ import shutil
 
 import pytest
 
+from conftest import save_manifest
+
 from tests.test_server import wait_idle
 from tests.test_server_scoring import client  # noqa: F401 - the openai client of this module's `server`
 from trtpaged.engine_files import sha256_file
@@ -72,7 +74,7 @@ def tools_engine_dir(tiny_engine_dir, tmp_path_factory):
     manifest = json.loads((out / MANIFEST_NAME).read_text())
     manifest["chat_template"] = HERMES_TEMPLATE
     manifest["files"] = {rel: sha256_file(out / rel) for rel in manifest["files"]}
-    (out / MANIFEST_NAME).write_text(json.dumps(manifest))
+    save_manifest(out, manifest)
     return out
 
 

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import save_manifest
+
 from tests.test_server import metrics, request, stream, wait_idle
 from trtpaged import LLM, SamplingParams
 from trtpaged.engine_files import sha256_file
@@ -50,7 +52,7 @@ def engine_dir(tiny_engine_dir, tmp_path_factory) -> Path:
     _adds_a_bos(out / "tokenizer" / "tokenizer.json")
     manifest = json.loads((out / MANIFEST_NAME).read_text())
     manifest["files"] = {name: sha256_file(out / name) for name in manifest["files"]}
-    (out / MANIFEST_NAME).write_text(json.dumps(manifest))
+    save_manifest(out, manifest)
     return out
 
 

@@ -15,6 +15,8 @@ import time
 import pytest
 import torch
 
+from conftest import save_manifest
+
 from greedy_fixtures import EOS, MAX_TOKENS, prompts, reference  # noqa: F401  (the shared fixtures)
 from runtime_helpers import REPO, hf_beams, hf_from_engine_dir, run_staggered
 from trtpaged import LLM, SamplingParams
@@ -176,7 +178,7 @@ def test_worker_failing_to_load_is_reported_at_start(tiny_kv4_engines, tmp_path)
     shard.write_bytes(bytes(data))
     raw = json.loads((engine / "trtpaged.json").read_text())
     raw["files"][shard.name] = sha256_file(shard)
-    (engine / "trtpaged.json").write_text(json.dumps(raw))
+    save_manifest(engine, raw)
     start = time.monotonic()
     with pytest.raises(TensorParallelError, match=r"rendezvous failed: rank 1 \(pid \d+\) exited with code 1"):
         LLM(engine, device="cpu")

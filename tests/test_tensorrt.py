@@ -21,6 +21,8 @@ import pytest
 import torch
 import yaml
 
+from conftest import save_manifest
+
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
 ENTRY_POINTS = {"getCreators", "setLoggerFinder"}
@@ -167,7 +169,7 @@ def trt_engine_dir(request, tmp_path_factory) -> Path:
 
     raw.update(plan_file=PLAN_FILE, backends=["torch", "tensorrt"])
     raw["files"][PLAN_FILE] = sha256_file(out / PLAN_FILE)  # an engine dir lists every file it holds
-    (out / MANIFEST_NAME).write_text(json.dumps(raw, indent=2))
+    save_manifest(out, raw)
     return out
 
 

@@ -7,6 +7,7 @@ max_seq_len). Bumping FORMAT_VERSION is required for incompatible changes.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -21,6 +22,10 @@ from trtpaged.names import renamed_keys
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "trtpaged.json"
+# the sha256 of the manifest's own fields, written by the build: an edit after the build (a rope_theta changed by
+# hand) is refused at load instead of changing the model's outputs. The files' hashes are under `files`; a manifest
+# without this field (built before it existed) is read without the check
+CONTENT_HASH = "content_sha256"
 
 # what runs an engine dir; "auto" (the default wherever a backend is chosen) takes TensorRT where its
 # plan, TensorRT, a GPU and the plugin exist, else torch
@@ -205,6 +210,7 @@ class Manifest:
         data["kv_bytes_per_token"] = self.kv_bytes_per_token
         data["kv_bytes_per_block"] = self.kv_bytes_per_block
         data["kv_bytes_per_token_per_rank"] = self.kv_bytes_per_token_per_rank
+        data[CONTENT_HASH] = content_sha256(data)
         return json.dumps(data, indent=2, sort_keys=True)
 
     def file_fields(self) -> list[tuple[str, str]]:
@@ -241,6 +247,8 @@ class Manifest:
         if version != FORMAT_VERSION:
             raise EngineDirError(where, "format_version", f"engine dir has {version!r}, this trtpaged reads "
                                  f"{FORMAT_VERSION}; rebuild the engine")
+        stated = data.pop(CONTENT_HASH, None)
+        written = content_sha256(data) if stated is not None else None
         data = _renamed({k: v for k, v in data.items() if k not in _DERIVED}, where)
         try:
             manifest = _adapter().validate_json(json.dumps(data))
@@ -250,6 +258,10 @@ class Manifest:
             message = "unknown field" if first["type"] == "unexpected_keyword_argument" else first["msg"]
             raise EngineDirError(where, name, message) from None
         _check_values(manifest, where)
+        # after the value checks, so that a value no engine has is named by its own field
+        if stated is not None and stated != written:
+            raise EngineDirError(where, CONTENT_HASH, "the manifest's fields no longer match the hash its build "
+                                 "wrote (edited after the build); rebuild the engine")
         return manifest
 
 
@@ -265,6 +277,17 @@ def _renamed(data: dict[str, Any], where: str | Path) -> dict[str, Any]:
         kv_checked = renamed_keys(checked["kv_cache"], "verification.kv_cache.", fail)
         data["verification"] = {**checked, "kv_cache": kv_checked}
     return data
+
+
+def content_sha256(data: dict[str, Any]) -> str:
+    """sha256 of a manifest's fields (all but CONTENT_HASH itself) in one canonical JSON form: whitespace, key
+    order and number spelling do not change it, any field's value does."""
+    fields = {k: v for k, v in data.items() if k != CONTENT_HASH}
+    try:
+        text = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    except ValueError:  # a NaN the value checks refuse; the hash then cannot match
+        text = repr(fields)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 _DERIVED = ("kv_bytes_per_token", "kv_bytes_per_block", "kv_bytes_per_token_per_rank")  # written by to_json

@@ -292,7 +292,7 @@ Manifest read_manifest(const std::string& root) {
   top.only({"dims", "limits", "kv_cache", "dtype", "kv_cache_dtype", "tokenizer_dir", "bos_token_id", "eos_token_ids",
             "chat_template", "weights_file", "onnx_file", "plan_file", "backends", "files", "source", "verification",
             "quantization", "tensor_parallel", "shards", "format_version", "kv_bytes_per_token", "kv_bytes_per_block",
-            "kv_bytes_per_token_per_rank", "tensorrt"});
+            "kv_bytes_per_token_per_rank", "tensorrt", "content_sha256"});
   top.object("tensorrt", false);  // the TensorRT build's forms (graph, pool form): nothing the CPU runtime reads
 
   Fields dims(top.object("dims"), "dims.", where);
@@ -372,6 +372,13 @@ Manifest read_manifest(const std::string& root) {
   check_relative(top.string("tokenizer_dir", false, "tokenizer"), "tokenizer_dir", where);
   for (const char* name : {"onnx_file", "plan_file"})
     if (top.get(name, false)) check_relative(top.string(name), name, where);
+  // the manifest's hash of its own fields: its form is checked, not its value (as with the files' hashes, that
+  // is `trtpaged inspect --verify` and the Python loader)
+  if (const json* own = top.get("content_sha256", false)) {
+    const std::string digest = own->is_string() ? own->get<std::string>() : "";
+    if (digest.size() != 64 || digest.find_first_not_of("0123456789abcdef") != std::string::npos)
+      top.bad("content_sha256", "got " + show(*own) + "; expected a sha256 hex digest");
+  }
   const json& files = top.object("files", false);
   for (auto it = files.begin(); it != files.end(); ++it) {
     const std::string field = "files['" + it.key() + "']";
