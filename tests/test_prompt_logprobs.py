@@ -144,7 +144,7 @@ def test_tied_tokens_never_share_a_rank():
     prompt = [5, 0, 1, 2, 3, 4, 5]  # each token scored by the same row: tied at the top, tied below the top-k, last
     for k in (0, 1, 2, 3, 4):
         (entries,) = score_prompts(row.repeat(6, 1), [PromptRows("r", 1, list(range(6)))], {"r": (prompt, k)}).values()
-        field = vllm_prompt_logprobs([None, *entries], prompt, TokenStrings({t: str(t) for t in range(6)}))
+        field = vllm_prompt_logprobs([None, *entries], TokenStrings({t: str(t) for t in range(6)}))
         logprobs = torch.log_softmax(row, 0)
         for token, entry, shown in zip(prompt[1:], entries, field[1:]):
             ranks = {int(t): v.rank for t, v in shown.items()}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence, Union
@@ -115,21 +114,18 @@ def completion_logprobs(
     return CompletionLogprobs(**body), offset
 
 
-def vllm_prompt_logprobs(entries: Sequence[Entry], token_ids: Sequence[int], strings: TokenStrings) -> PromptLogprobs:
-    """vLLM's prompt_logprobs field: per prompt token, None or {token id: {logprob, rank, decoded_token}}: the
-    prompt token's rank as the runtime counted it in the whole vocabulary (`scoring.PromptLogprob.rank`), the
-    top-k's their places 1..k, the prompt token's place left to it (tied tokens never share a rank)."""
+def vllm_prompt_logprobs(entries: Sequence[Entry], strings: TokenStrings) -> PromptLogprobs:
+    """vLLM's prompt_logprobs field: per prompt token, None or {token id: {logprob, rank, decoded_token}}, each
+    rank the runtime's (`outputs.Logprob.rank`: the prompt token's in the whole vocabulary, a top-k entry's its
+    place there, as vLLM reports them); a plain float's is its place in the entry."""
     out: PromptLogprobs = []
-    for token, entry in zip(token_ids, entries):
+    for entry in entries:
         if entry is None:
             out.append(None)
             continue
         order = sorted(entry, key=lambda t: -entry[t])
-        rank = getattr(entry, "rank", None) or order.index(token) + 1
-        places = (place for place in itertools.count(1) if place != rank)
-        ranks = {t: rank if t == token else next(places) for t in order}
-        out.append({str(t): PromptLogprob(logprob=lp, rank=ranks[t], decoded_token=strings.text[t])
-                    for t, lp in entry.items()})  # fmt: skip
+        out.append({str(t): PromptLogprob(logprob=lp, rank=getattr(lp, "rank", None) or order.index(t) + 1,
+                                          decoded_token=strings.text[t]) for t, lp in entry.items()})  # fmt: skip
     return out
 
 
@@ -203,7 +199,7 @@ class ResponseBuilder:
                         common["finish_reason"] = "tool_calls"
                     choices.append(ChatChoice(message=AssistantMessage(content=content, tool_calls=calls), **common))
                 else:
-                    scored = vllm_prompt_logprobs(out.prompt_logprobs, out.prompt_token_ids, strings) if (
+                    scored = vllm_prompt_logprobs(out.prompt_logprobs, strings) if (
                         prompt_logprobs and out.prompt_logprobs is not None) else None  # fmt: skip
                     prompt_ids = list(out.prompt_token_ids) if self.token_ids else None
                     choices.append(CompletionChoice(text=text, prompt_logprobs=scored, prompt_token_ids=prompt_ids,
@@ -213,8 +209,7 @@ class ResponseBuilder:
         body = {**self._envelope(), "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
         if self.chat:
             if prompt_logprobs and finals and finals[0].prompt_logprobs is not None:
-                body["prompt_logprobs"] = vllm_prompt_logprobs(finals[0].prompt_logprobs, finals[0].prompt_token_ids,
-                                                               strings)
+                body["prompt_logprobs"] = vllm_prompt_logprobs(finals[0].prompt_logprobs, strings)
             if self.token_ids and finals:
                 body["prompt_token_ids"] = list(finals[0].prompt_token_ids)
             return ChatCompletionResponse(**body)
