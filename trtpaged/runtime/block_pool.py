@@ -225,6 +225,18 @@ class BlockPool:
         self._cache.setdefault(block_hash, {})[block.block_id] = block
         return True
 
+    def forget_cached(self) -> int:
+        """Drops every cached prefix at once (nothing written back); only while no block is in use. Returns how
+        many blocks were cached."""
+        if self.num_used:
+            raise RuntimeError(f"forget_cached: {self.num_used} blocks in use")
+        cached = [block for bucket in self._cache.values() for block in bucket.values()]
+        for block in cached:
+            block.block_hash = block.token_ids = block.parent = None
+            block.generation += 1
+        self._cache.clear()
+        return len(cached)
+
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
             return

@@ -384,6 +384,15 @@ class KVCacheManager:
         if self.pool.enable_caching:
             self.prefix_queries_tokens += len(seq.token_ids)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets the pool's cached prefixes (vLLM's reset_prefix_cache): False, and nothing changed, while a block
+        is in use or a tier read is staged. The tiers below the pool keep theirs."""
+        if self.pool.num_used or self._loads or self._pending_loads or self._pending_saves:
+            return False
+        self.pool.forget_cached()
+        self._records.clear()
+        return True
+
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Registers the sequence's newly completed full blocks in the prefix cache.
 

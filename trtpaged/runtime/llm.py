@@ -443,6 +443,11 @@ class LLM:
         """vLLM's name of `engine` (add_request / step / abort / has_unfinished)."""
         return self.engine
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """vLLM's call: forgets the KV pool's cached prefixes (the next requests compute theirs again; KV tiers
+        keep theirs). True once done; between `generate` calls nothing is running, so it always succeeds then."""
+        return self.engine.reset_prefix_cache(reset_running_requests)
+
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's accessor: what `generate` uses when given no SamplingParams."""
         return SamplingParams()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 from collections import deque
 import operator
 import time
@@ -29,6 +30,7 @@ from trtpaged.runtime.structured import GrammarCache
 from trtpaged.runtime.sequence import Sequence, SequenceGroup
 
 Prompt = Union[str, Seq[int]]
+log = logging.getLogger("trtpaged.runtime")
 
 PHASES = ("schedule", "prepare", "model", "sample", "update", "output")
 LOAD_POLL_S = 0.02  # an idle step's longest wait for a tier read (new requests are taken between steps)
@@ -192,6 +194,16 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """vLLM's call: forgets every cached prefix in the KV pool, so that the next requests compute theirs again
+        (the KV tiers keep what they hold). False, and nothing changed, while requests are unfinished: here
+        `reset_running_requests` does not preempt them."""
+        if self.scheduler.has_unfinished():
+            log.warning("reset_prefix_cache: %d requests unfinished; the prefix cache was not reset",
+                         len(self.groups))
+            return False
+        return self.kv.reset_prefix_cache()
 
     def step(self) -> list[RequestOutput]:
         """One iteration: returns outputs of the requests that advanced or finished."""
