@@ -337,6 +337,75 @@ def test_chat_takes_one_conversation_or_a_batch(llm):
     assert batch[1].prompt_token_ids == llm.chat_prompt(two)
 
 
+def _text_of(tokenizer, token_ids, stop=()) -> tuple[str, str | None]:
+    """The independent truth for a finished output's text: the whole ids decoded, less an incomplete character at
+    the end (vLLM's text leaves it out), cut before the first stop string; and that stop string."""
+    text = tokenizer.decode(token_ids, skip_special_tokens=True).rstrip("\ufffd")
+    hits = [(text.find(s), s) for s in stop if s in text]
+    if not hits:
+        return text, None
+    index, first = min(hits)
+    return text[:index], first
+
+
+def test_an_output_cut_inside_a_character_leaves_it_out(llm):
+    """Every byte is a token in the tiny tokenizer: an output that ends inside a character's bytes (forced by
+    logit_bias) ends its text before that character, as vLLM's does; its token ids keep every byte."""
+    tok = llm.tokenizer
+    a, (first, second, _) = tok.encode("a")[0], tok.encode("世")
+    for bias, max_tokens in (({first: 100.0}, 1), ({a: 100.0}, 3), ({first: 100.0}, 2), ({second: 100.0}, 2)):
+        (out,) = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=max_tokens, logit_bias=bias, ignore_eos=True))
+        c = out.outputs[0]
+        assert c.finish_reason == "length" and len(c.token_ids) == max_tokens
+        assert c.text == _text_of(tok, c.token_ids)[0] and "\ufffd" not in c.text[-1:], (bias, c.text)
+
+
+@pytest.mark.slow
+def test_text_held_back_at_the_end_is_checked_for_stop_strings(smollm2_int4_engine_dir):
+    """SmolLM2's first answer token to an emoji list is a space and an emoji's first bytes: with max_tokens 1 the
+    space is the whole text (the incomplete emoji left out), and a stop string " " must cut it (was: the held-back
+    text was released at the finish without the stop-string check, and the answer held the stop string)."""
+    llm = LLM(smollm2_int4_engine_dir, device="cpu", num_kv_blocks=64)
+    prompt = "Emoji list: \U0001F600 \U0001F603 \U0001F604"
+    for max_tokens, stop in ((1, [" "]), (1, []), (3, []), (3, ["\ufffd"]), (5, [" "])):
+        (out,) = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=stop))
+        c = out.outputs[0]
+        text, hit = _text_of(llm.tokenizer, c.token_ids, stop)
+        assert (c.text, c.stop_reason) == (text, hit), (max_tokens, stop, c.text, c.token_ids)
+        assert c.finish_reason == ("stop" if hit else "length")
+
+
+def test_reset_prefix_cache_forgets_cached_blocks_only_when_nothing_runs(llm, tiny_engine_dir):
+    """vLLM's LLM.reset_prefix_cache: a prompt of 3 full blocks hits its 48 tokens, after a reset none (and the
+    answer is still HF's); while a request is unfinished the reset is refused and changes nothing."""
+    hf = hf_from_engine_dir(tiny_engine_dir)
+    prompt = list(range(200, 250))
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    truth = hf_greedy(hf, prompt, 4, None)
+    assert llm.reset_prefix_cache() is True
+    assert llm.stats()["kv_blocks_cached"] == 0
+    cached = []
+    for reset in (False, False, True, False):
+        if reset:
+            assert llm.reset_prefix_cache() is True
+            stats = llm.stats()
+            assert stats["kv_blocks_cached"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+        (out,) = llm.generate([prompt], greedy)
+        assert out.outputs[0].token_ids == truth
+        cached.append(out.num_cached_tokens)
+    assert cached == [0, 48, 0, 48]
+    request = llm.engine.add_request(prompt, greedy)
+    llm.engine.step()
+    before = llm.stats()["kv_blocks_cached"]
+    assert llm.reset_prefix_cache() is False and llm.reset_prefix_cache(reset_running_requests=True) is False
+    assert llm.stats()["kv_blocks_cached"] == before > 0
+    while llm.engine.has_unfinished():
+        for o in llm.engine.step():
+            if o.request_id == request and o.finished:
+                assert o.outputs[0].token_ids == truth and o.num_cached_tokens == 48
+    assert llm.reset_prefix_cache() is True
+
+
 def test_cache_salt_shares_prefix_blocks_only_under_the_same_salt(llm, tiny_engine_dir):
     """LLM.generate with SamplingParams.cache_salt (vLLM's): a 50-token prompt (3 full blocks of 16) finds its 48
     cached tokens again under the same salt (or none, as before) and none under any other salt; the outputs are

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 _CONTEXT_TOKENS = 6  # prompt tokens decoded with the output so leading spaces come out right
-_REPLACEMENT = "\ufffd"
+REPLACEMENT = "\ufffd"  # what a decode gives for the bytes of an incomplete character
 
 
 def _decode_stream(tokenizer: Any, skip_special_tokens: bool, context: Sequence[int]) -> Optional[tuple[Any, Any]]:
@@ -55,7 +55,7 @@ class IncrementalDetokenizer:
             return text
         prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full_text = self._decode(self.ids[self.prefix_offset :])
-        if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT):
+        if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT):
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return full_text[len(prefix_text) :]

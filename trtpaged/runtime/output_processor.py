@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence as Seq
 
-from trtpaged.runtime.detokenizer import IncrementalDetokenizer
+from trtpaged.runtime.detokenizer import REPLACEMENT, IncrementalDetokenizer
 from trtpaged.runtime.outputs import CompletionOutput, Logprob, RequestOutput, RequestOutputKind
 from trtpaged.runtime.sequence import Sequence, SequenceGroup
 
@@ -111,8 +111,24 @@ class OutputProcessor:
                     return stop, index + (len(stop) if params.include_stop_str_in_output else 0)
         seq.num_decoded_tokens += unshown
         if seq.is_finished:
-            seq.output_text += seq.detokenizer.flush()
+            self._flush(seq, params, ended_on_token)
         return None
+
+    @staticmethod
+    def _flush(seq: Sequence, params: Any, ended_on_token: bool) -> None:
+        """A finished sequence's text still held back, less an incomplete character at its end (the tokens end
+        inside it: vLLM's text leaves it out too, the token ids keep it); a stop string it completes cuts the
+        text there and makes the finish "stop", as anywhere else in the text."""
+        rest = seq.detokenizer.flush().rstrip(REPLACEMENT)
+        if not rest:
+            return
+        seq.output_text += rest
+        if params.stop and not ended_on_token and seq.num_decoded_tokens > params.min_tokens:
+            hit = find_stop_string(seq.output_text, params.stop, len(rest))
+            if hit is not None:
+                index, stop = hit
+                seq.output_text = seq.output_text[: index + (len(stop) if params.include_stop_str_in_output else 0)]
+                seq.finish("stop", stop)
 
     def _decode(self, token_ids: Seq[int], skip_special: bool) -> str:
         if self.tokenizer is None:
