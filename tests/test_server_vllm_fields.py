@@ -106,6 +106,19 @@ def test_truncate_prompt_tokens_minus_1_fits_a_long_prompt_beside_its_output(cli
     wait_idle(server)
 
 
+def test_completions_max_tokens_absent_is_16_and_null_is_the_room_left(llm, server):
+    """OpenAI's completions default of 16 applies when max_tokens is absent; an explicit null asks for what
+    max_seq_len leaves after the prompt (vLLM's rule; was: 16 as well)."""
+    limit = llm.config.max_seq_len
+    ids = llm.tokenizer.encode("abcdefghij" * limit, add_special_tokens=False)[: limit - 20]
+    for body, count in (({}, 16), ({"max_tokens": None}, 20)):
+        status, _, out = request(server, "/v1/completions", {"model": MODEL, "prompt": ids, "temperature": 0,
+                                                             "ignore_eos": True, **body})  # fmt: skip
+        assert status == 200 and out["usage"]["completion_tokens"] == count, (body, out)
+        assert out["choices"][0]["finish_reason"] == "length"
+    wait_idle(server)
+
+
 def test_return_tokens_as_token_ids(client, llm):
     """Tokens and top log-prob keys are "token_id:<id>" (the ids LLM.generate samples), log-probs, text offsets and
     chat bytes as without the field."""

@@ -190,8 +190,8 @@ def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int,
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         names["max_tokens"] = "max_completion_tokens"
         max_tokens = req.max_completion_tokens
-    elif not chat and max_tokens is None:
-        max_tokens = 16  # OpenAI's completions default
+    elif not chat and "max_tokens" not in req.model_fields_set:
+        max_tokens = 16  # OpenAI's completions default when the field is absent; an explicit null: the room left
     if chat:
         names["prompt"] = "messages"
     include_usage, continuous_usage = _usage_options(req)
