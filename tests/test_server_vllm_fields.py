@@ -143,6 +143,22 @@ def test_return_tokens_as_token_ids(client, llm):
                                                                             [t.bytes for t in p.top_logprobs])
 
 
+def test_chat_echo_puts_the_last_message_before_an_answer_of_its_role(client, llm):
+    """vLLM's chat `echo`: continuing an assistant message, the answer starts with that message's text, whole and
+    streamed (a first content chunk); after a user message (the answer is the assistant's) nothing is put before."""
+    continued = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Sure, "}]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    for messages, options, echoed in ((continued, {"add_generation_prompt": False, "continue_final_message": True},
+                                       "Sure, "), (MESSAGES, {}, "")):  # fmt: skip
+        truth = llm.chat(messages, greedy, **options)[0].outputs[0].text
+        req = dict(model=MODEL, messages=messages, max_tokens=6, temperature=0, extra_body={"echo": True, **options})
+        assert client.chat.completions.create(**req).choices[0].message.content == echoed + truth
+        chunks = [c for c in client.chat.completions.create(**req, stream=True) if c.choices]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == echoed + truth
+        if echoed:
+            assert chunks[1].choices[0].delta.content == echoed
+
+
 def test_chat_logprobs_bytes_are_each_tokens_own_bytes(client, server):
     """A character split over several byte-level tokens (é, an emoji, CJK: 2-4 one-byte tokens each): each token's
     bytes are its own (OpenAI's form), so that all of them joined are the answer's UTF-8, whole and streamed; a

@@ -132,7 +132,7 @@ class GenerationService:
         except (Overloaded, ShuttingDown) as exc:
             raise overloaded(str(exc)) from None
         builder = ResponseBuilder(summary.request_id, self.model_name, int(time.time()), chat, req.logprobs, req.tools,
-                                  req.return_token_ids)  # fmt: skip
+                                  req.return_token_ids, req.chat_echo)  # fmt: skip
         index = {rid: i for i, (rid, _, _) in enumerate(requests)}
         return Submitted(req, params, sub, index, builder, summary, prompts)
 
@@ -307,6 +307,8 @@ class GenerationService:
                     index = p * params.n + i
                     yield sse(builder.chunk(index, "", role=True, usage=_chunk_usage(s, state, index),
                                             prompt_token_ids=first.take(index) if first else None))  # fmt: skip
+                    if builder.echo:  # vLLM's chat echo: the last message's text as the first content
+                        yield sse(builder.chunk(index, builder.echo))
         try:
             # Disconnects cancel this generator (the ASGI server's disconnect listener); no polling here.
             async with aclosing(s.sub.outputs(_never, self.request_timeout_s)) as outputs:

@@ -44,6 +44,7 @@ class GenerationRequest:
     names: dict[str, str] = field(default_factory=dict)  # runtime field -> request field, for errors
     echo: bool = False  # completions: the prompt (and its log-probs) come before the completion
     echo_only: bool = False  # echo with max_tokens 0: the prompt is scored, nothing is returned after it
+    chat_echo: str = ""  # chat's echo (vLLM's): the text each answer starts with, the last message's
     prompt_logprobs: Optional[int] = None  # vLLM's prompt_logprobs field (returned in its own form)
     tools: Optional[ToolChoice] = None  # chat: the output is (or, for auto, may hold) tool calls
     chat_options: dict[str, Any] = field(default_factory=dict)  # chat: LLM.chat_prompt's keyword options
@@ -206,7 +207,8 @@ def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int,
     if req.priority not in (None, 0):
         raise ApiError(f"priority: this server schedules first come, first served; only 0 is accepted (as vLLM "
                        f"without priority scheduling), got {req.priority}", "priority")  # fmt: skip
-    echo = bool(getattr(req, "echo", False))
+    echo = not chat and bool(getattr(req, "echo", False))
+    messages = chat_messages(req.messages) if isinstance(req, ChatCompletionRequest) else []
     logprobs = _logprobs(req, names)
     echo_only = echo and max_tokens == 0
     if echo_only:
@@ -222,7 +224,7 @@ def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int,
     return GenerationRequest(
         chat=chat,
         prompts=[] if chat else _prompts(req.prompt, vocab_size),  # type: ignore[union-attr]
-        messages=chat_messages(req.messages) if isinstance(req, ChatCompletionRequest) else [],
+        messages=messages,
         sampling=sampling,
         max_tokens=max_tokens,
         stream=bool(req.stream),
@@ -231,6 +233,7 @@ def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int,
         names=names,
         echo=echo,
         echo_only=echo_only,
+        chat_echo=_chat_echo(req, messages) if isinstance(req, ChatCompletionRequest) and req.echo else "",
         prompt_logprobs=req.prompt_logprobs,
         tools=tools,
         chat_options=chat_options(req) if isinstance(req, ChatCompletionRequest) else {},
@@ -243,6 +246,14 @@ def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int,
         add_special_tokens=req.add_special_tokens,
         request_id=check_request_id(req.request_id, "request_id"),
     )
+
+
+def _chat_echo(req: ChatCompletionRequest, messages: list[dict[str, Any]]) -> str:
+    """vLLM's chat `echo`: the last message's text, put before each answer when its role is the answer's (the
+    assistant's, or with add_generation_prompt false the last message's own, as vLLM names the answer's role)."""
+    last = messages[-1]
+    answering = "assistant" if req.add_generation_prompt is not False else last["role"]
+    return last["content"] if last["role"] == answering else ""
 
 
 def _usage_options(req: Union[CompletionRequest, ChatCompletionRequest]) -> tuple[bool, bool]:

@@ -155,6 +155,7 @@ class ResponseBuilder:
     top_logprobs: Optional[int] = None  # requested top-k, or None when logprobs are off
     tools: Optional[ToolChoice] = None  # chat: outputs are (or, for auto, may hold) tool calls
     token_ids: bool = False  # vLLM's return_token_ids: bodies carry the prompt's and the choices' token ids
+    echo: str = ""  # chat's echo: the last message's text, before each answer (whole, or a first content chunk)
     # choice index -> the text chunk's event around its text (see event); None: no template
     _templates: dict[int, Optional[tuple[str, str]]] = field(default_factory=dict, compare=False, repr=False)
 
@@ -197,6 +198,8 @@ class ResponseBuilder:
                         content, calls, complete = self.tools.read_partial(text)
                     if calls and complete and c.finish_reason == "stop":
                         common["finish_reason"] = "tool_calls"
+                    if self.echo:
+                        content = self.echo + (content or "")
                     choices.append(ChatChoice(message=AssistantMessage(content=content, tool_calls=calls), **common))
                 else:
                     scored = vllm_prompt_logprobs(out.prompt_logprobs, strings) if (

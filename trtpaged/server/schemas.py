@@ -119,6 +119,7 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: Optional[StrictBool] = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
     add_special_tokens: StrictBool = False  # vLLM: on top of the template's own text (which writes its BOS itself)
+    echo: Optional[StrictBool] = False  # vLLM: the last message's text before the answer when the roles match
     functions: Optional[list[Any]] = None
     function_call: Optional[Any] = None
 
