@@ -337,6 +337,21 @@ def test_chat_takes_one_conversation_or_a_batch(llm):
     assert batch[1].prompt_token_ids == llm.chat_prompt(two)
 
 
+def test_chat_without_a_template_names_it(llm):
+    """An engine whose tokenizer has no chat template: chat is refused naming chat_template and the ways out (was:
+    transformers' message about its own default templates); a template given with the call still works."""
+    template, llm.tokenizer.chat_template = llm.tokenizer.chat_template, None
+    try:
+        with pytest.raises(RequestError, match="no chat template") as refused:
+            llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2))
+        assert refused.value.field == "chat_template"
+        (out,) = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2),
+                          chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+        assert out.prompt == "hi"
+    finally:
+        llm.tokenizer.chat_template = template
+
+
 def _text_of(tokenizer, token_ids, stop=()) -> tuple[str, str | None]:
     """The independent truth for a finished output's text: the whole ids decoded, less an incomplete character at
     the end (vLLM's text leaves it out), cut before the first stop string; and that stop string."""
