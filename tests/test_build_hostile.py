@@ -122,6 +122,16 @@ def test_a_config_json_that_lies_about_its_checkpoint_is_one_line_naming_it(tmp_
     assert not (tmp_path / "out").exists()
 
 
+def test_an_hf_dir_without_a_tokenizer_is_one_line_naming_the_files(tmp_path):
+    """was: transformers' message about slow tokenizers and sentencepiece, over several lines"""
+    hf = _hf_dir(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        (hf / name).unlink(missing_ok=True)
+    r = _cli("build", str(_yaml(tmp_path, {**TINY, "model": {"hf_dir": "hf"}})), "-o", str(tmp_path / "out"))
+    _one_line_failure(r, "model.hf_dir", "no tokenizer in")
+    assert "tokenizer.json, tokenizer.model" in r.output and not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("eps", ["NaN", -1.0])
 def test_a_model_whose_dims_no_reader_takes_is_not_built_even_unverified(tmp_path, eps):
     """rms_norm_eps NaN or -1 built with --skip-verify, and inspect, LLM and generate then refused the engine."""

@@ -109,6 +109,7 @@ def load_hf(spec: ModelSpec, dtype: torch.dtype = torch.float32) -> HFModel:
         config = AutoConfig.from_pretrained(where, **kwargs)
         if spec.kind == "hf_dir":
             _check_config_against_checkpoint(spec.path, config)
+            _check_tokenizer_files(spec.path)
         tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
         # the config loaded above: from_pretrained would parse the GGUF's metadata again for it
         # a tensor whose shape is not the config's is reported in `info` (and refused below, naming it and both
@@ -117,6 +118,20 @@ def load_hf(spec: ModelSpec, dtype: torch.dtype = torch.float32) -> HFModel:
                                                            ignore_mismatched_sizes=True, **kwargs)  # fmt: skip
     _check_loaded(spec, info)
     return HFModel(model=model.eval(), tokenizer=tokenizer, config=config)
+
+
+# what transformers builds a tokenizer from: the fast tokenizer's file, a sentencepiece or tiktoken model, a BPE pair
+_TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("tiktoken.model",), ("vocab.json", "merges.txt"),
+                    ("vocab.txt",))  # fmt: skip
+
+
+def _check_tokenizer_files(hf_dir: Path) -> None:
+    """An HF dir without any tokenizer file is refused naming the files (transformers' own message speaks of slow
+    tokenizers and sentencepiece)."""
+    if not any(all((hf_dir / name).is_file() for name in group) for group in _TOKENIZER_FILES):
+        names = ", ".join(" + ".join(group) for group in _TOKENIZER_FILES)
+        raise ValueError(f"no tokenizer in {hf_dir}: it needs one of {names} (copy the model's tokenizer files "
+                         "beside its config.json)")
 
 
 class MissingWeightsError(ValueError):
