@@ -289,3 +289,27 @@ def test_the_special_token_that_ends_an_output_is_not_its_text(llm):
     assert completion.token_ids[-1] == eos and completion.finish_reason == "stop"
     assert completion.text == llm.tokenizer.decode(completion.token_ids[:-1], skip_special_tokens=False) == "hi"
     assert one(include_stop_str_in_output=True).text == "hi" + llm.tokenizer.eos_token
+
+
+def test_the_grammar_cache_is_bounded_by_bytes_as_well_as_entries():
+    """Least recently used grammars go once the kept ones' memory (xgrammar's own count) passes max_bytes; the
+    newest stays whatever its size; a hit moves a grammar to the back."""
+    from trtpaged.models.tiny_tokenizer import make_tiny_tokenizer
+    from trtpaged.runtime.structured import GrammarCache
+
+    tok = make_tiny_tokenizer()
+    probe = GrammarCache(tok, len(tok), [tok.eos_token_id])
+    sizes = {n: probe.compile(Grammar(regex=f"[a-z]{{1,{n}}}")).memory_size_bytes for n in (100, 101, 102, 103)}
+    assert probe.cached_bytes == sum(sizes.values())
+    cache = GrammarCache(tok, len(tok), [tok.eos_token_id], max_bytes=sizes[100] + sizes[101] + sizes[102] // 2)
+    kept = []
+    for n in (100, 101, 100, 102, 103):
+        cache.compile(Grammar(regex=f"[a-z]{{1,{n}}}"))
+        kept = [k for k in kept if k != n] + [n]
+        while sum(sizes[k] for k in kept) > cache.max_bytes and len(kept) > 1:
+            kept.pop(0)
+        assert cache.cached_bytes == sum(sizes[k] for k in kept) <= cache.max_bytes, (n, kept)
+    assert (cache.num_compiled, cache.num_hits) == (4, 1) and kept == [102, 103]
+    tiny = GrammarCache(tok, len(tok), [tok.eos_token_id], max_bytes=1)
+    tiny.compile(Grammar(regex="[a-z]{1,100}"))
+    assert tiny.cached_bytes == sizes[100]  # the newest is kept

@@ -23,6 +23,9 @@ from trtpaged.runtime.sampling_params import StructuredOutputsParams
 from trtpaged.runtime.schema_features import unenforced_feature
 
 DEFAULT_CACHE_SIZE = 256  # distinct compiled grammars kept
+# and their memory (xgrammar's memory_size_bytes): a 64 KiB schema compiles to up to about 5 MB for a 49k vocabulary,
+# so 256 distinct ones could hold more than a GiB
+DEFAULT_CACHE_BYTES = 256 << 20
 _XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 
 
@@ -37,16 +40,20 @@ def xgrammar_available() -> bool:
 class GrammarCache:
     """Compiles grammars against one tokenizer; thread-safe (the server compiles off the engine thread).
 
-    `num_compiled` / `num_hits` count compilations and cache hits (server metrics)."""
+    Keeps the most recently used compiled grammars, at most `max_entries` of them and `max_bytes` of their memory
+    together (the newest is kept whatever its size). `num_compiled` / `num_hits` count compilations and cache hits
+    (server metrics), `cached_bytes` the memory kept."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
-                 max_entries: int = DEFAULT_CACHE_SIZE) -> None:  # fmt: skip
+                 max_entries: int = DEFAULT_CACHE_SIZE, max_bytes: int = DEFAULT_CACHE_BYTES) -> None:  # fmt: skip
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.cached_bytes = 0
         self._compiler: Any = None
-        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], tuple[Any, int]] = OrderedDict()  # key -> (compiled, its bytes)
         self._lock = threading.Lock()
         self.num_compiled = 0
         self.num_hits = 0
@@ -77,14 +84,17 @@ class GrammarCache:
             if found is not None:
                 self._cache.move_to_end(key)
                 self.num_hits += 1
-                return found
+                return found[0]
             compiler = self._xgr_compiler()
         compiled = self._compile(compiler, params)
+        size = int(getattr(compiled, "memory_size_bytes", 0))
         with self._lock:
-            self._cache[key] = compiled
+            replaced = self._cache.pop(key, None)  # compiled meanwhile by another thread
+            self.cached_bytes += size - (replaced[1] if replaced else 0)
+            self._cache[key] = (compiled, size)
             self.num_compiled += 1
-            while len(self._cache) > self.max_entries:
-                self._cache.popitem(last=False)
+            while len(self._cache) > self.max_entries or (self.cached_bytes > self.max_bytes and len(self._cache) > 1):
+                self.cached_bytes -= self._cache.popitem(last=False)[1][1]
         return compiled
 
     @staticmethod
