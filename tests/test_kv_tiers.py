@@ -8,6 +8,7 @@ held when a block was computed: a restored block must equal them bit for bit.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -399,6 +400,50 @@ def test_disk_tier_survives_a_restart_and_skips_bad_entries(step_model, referenc
     foreign.close()
 
 
+def _forged(entry: bytes, tokens: int) -> bytes:
+    """The entry with its payload zeroed and its SHA-256 recomputed: what anyone who can write to the store can do."""
+    start = 8 + 32 + 32 + 4 + 4 * tokens
+    length = int.from_bytes(entry[start:start + 8], "little")
+    payload = bytes(length)
+    return entry[:start + 8] + hashlib.sha256(payload).digest() + payload
+
+
+def test_with_a_secret_a_forged_or_foreign_signed_entry_is_a_miss(step_model, reference, tmp_path):
+    """Without a secret, an entry forged with a recomputed SHA-256 passes its checks (the store must be trusted);
+    with kv_tiers.secret_file, entries are HMAC-signed: a forged one, or one signed with another secret, is a
+    counted miss and the answer is the reference's; a holder of the secret finds the signed entries after a restart."""
+    fp = _fingerprint(None)
+    k0 = chain_key(fp, ROOT, A[:BS])
+    secret_file, other_file = tmp_path / "secret", tmp_path / "other"
+    secret_file.write_text("s3cret-" * 4 + "\n")
+    other_file.write_text("another-secret-bytes")
+    for secret in (None, secret_file):
+        root = tmp_path / ("signed" if secret else "plain")
+        spec = {"disk": {"path": str(root), "size": 1 << 22}, **({"secret_file": str(secret)} if secret else {})}
+        config = KVTierConfig.parse(spec)
+        first = make_engine(step_model, config)
+        assert run_one(first, A) == reference[None][0]
+        first.close()
+        restarted = make_engine(step_model, config)
+        assert run_one(restarted, A) == reference[None][0] and restarted.stats()["kv_tier_disk_hits"] == 4
+        restarted.close()
+        other = make_engine(step_model, KVTierConfig.parse({**spec, "secret_file": str(other_file)}))
+        assert run_one(other, A) == reference[None][0] and other.stats()["kv_tier_disk_hits"] == 0
+        other.close()
+        path = DiskTier(root, 1 << 22).path_of(k0)
+        path.write_bytes(_forged(path.read_bytes(), BS))
+        forged = make_engine(step_model, config)
+        answer = run_one(forged, A)
+        stats = forged.stats()
+        if secret is None:  # the limit of unsigned entries: the forged block is loaded
+            assert stats["kv_tier_disk_hits"] == 4 and stats["kv_tier_disk_invalid"] == 0
+        else:
+            assert answer == reference[None][0]
+            assert stats["kv_tier_disk_hits"] == 0 and stats["kv_tier_disk_invalid"] == 1
+            assert_pool_whole(forged)
+        forged.close()
+
+
 def test_sequences_sharing_a_tier_prefix_stage_it_once_and_share_its_blocks(step_model):
     """The n samples of a preempted request wait with the same prompt, whose blocks a tier holds: their reads
     stage those blocks once (was: counted per sequence, so the second read waited for room the first one held
@@ -523,6 +568,29 @@ def test_a_wrong_typed_redis_key_is_a_bad_entry_not_an_outage(redis_url):
     stack.flush()
     assert stack.lookup(records[0]) == (b"x" * 64, "remote")
     stack.close()
+
+
+@needs_redis
+def test_a_full_redis_drops_writes_and_still_answers_lookups(caplog):
+    """A Redis at maxmemory under noeviction refuses each SET (OutOfMemoryError): that write is dropped and logged
+    once, naming the policy to use; the store is not taken for down (was: every lookup missed for retry_after_s)."""
+    from trtpaged.runtime.kv_tiers.remote import RedisTier
+
+    server = RedisProcess(maxmemory="2mb", policy="noeviction")
+    try:
+        tier = RedisTier(server.url, timeout_s=2.0)
+        value = os.urandom(64 << 10)
+        puts = 0
+        while tier.counters.dropped == 0 and puts < 200:
+            tier.put(b"k%d" % puts, value)
+            puts += 1
+        assert 0 < tier.counters.puts < puts and tier.counters.dropped == 1 and tier.counters.errors == 0
+        tier.put(b"one more", value)
+        assert tier.is_up and tier.counters.dropped == 2 and tier.get(b"k0") == value
+        assert sum("maxmemory-policy allkeys-lru" in r.message for r in caplog.records) == 1
+        tier.close()
+    finally:
+        server.kill()
 
 
 @needs_redis

@@ -40,6 +40,12 @@ SMALL_POOL = 20  # four live histories of 100-200 tokens do not fit: turns find 
     ({"host_memory": "1MiB", "load_timeout_s": 0}, "kv_tiers.load_timeout_s"),
     ({"host_memory": "1MiB", "load_timeout_s": "2"}, "kv_tiers.load_timeout_s"),
     ([1], "kv_tiers"),
+    ({"host_memory": 1.5}, "kv_tiers.host_memory"),  # was: 1 byte
+    # were: accepted, then every operation failed with a TypeError / ValueError that nothing counted or named
+    ({"remote": "redis://127.0.0.1:6379/0?foo=bar"}, "kv_tiers.remote"),
+    ({"remote": "redis://127.0.0.1:6379/0?socket_timeout=abc"}, "kv_tiers.remote"),
+    ({"host_memory": "1MiB", "secret_file": "/nonexistent/secret"}, "kv_tiers.secret_file"),
+    ({"host_memory": "1MiB", "secret_file": 3}, "kv_tiers.secret_file"),
 ])  # fmt: skip
 def test_tier_config_errors_name_the_field(spec, field):
     with pytest.raises(ValueError) as e:
@@ -56,6 +62,39 @@ def test_tier_config_parses_sizes_and_builds_in_order(tmp_path):
     stack = config.build(bytes(32), 64)
     assert [t.name for t in stack.tiers] == ["host", "disk", "remote"]
     stack.close()
+
+
+def test_a_short_secret_is_refused_and_a_trailing_newline_is_not_part_of_it(tmp_path):
+    short, good = tmp_path / "short", tmp_path / "good"
+    short.write_text("x" * 15 + "\n")
+    good.write_text("y" * 16 + "\n")
+    with pytest.raises(ValueError, match="^kv_tiers.secret_file: .* holds 15 bytes; a secret is 16 to 4096 bytes"):
+        KVTierConfig.parse({"host_memory": "1MiB", "secret_file": str(short)})
+    config = KVTierConfig.parse({"host_memory": "1MiB", "secret_file": str(good)})
+    assert config.secret == b"y" * 16 and "yyyy" not in repr(config)
+
+
+def test_an_unwritable_disk_path_is_refused_before_the_weights_load(tiny_engine_dir, tmp_path, monkeypatch):
+    """was: refused naming the field, but only once the model had loaded"""
+    (tmp_path / "a-file").write_text("")
+    loads = []
+    real_load = llm_module.load_runner
+    monkeypatch.setattr(llm_module, "load_runner", lambda *a, **k: loads.append(1) or real_load(*a, **k))
+    with pytest.raises(ValueError, match="^kv_tiers.disk.path: .*a-file cannot be written"):
+        LLM(tiny_engine_dir, device="cpu", warmup=False,
+            kv_tiers={"disk": {"path": str(tmp_path / "a-file"), "size": "1MiB"}})
+    assert loads == []
+
+
+def test_serve_names_the_disk_flag_that_is_missing(tiny_engine_dir, tmp_path):
+    from click.testing import CliRunner
+
+    from trtpaged.cli import main
+
+    for given, missing in ((["--kv-disk-path", str(tmp_path)], "--kv-disk-size"), (["--kv-disk-size", "1GiB"],
+                                                                                   "--kv-disk-path")):  # fmt: skip
+        r = CliRunner().invoke(main, ["serve", str(tiny_engine_dir), "--port", "0", *given])
+        assert r.exit_code == 2 and f"{given[0]} needs {missing}" in r.output, r.output
 
 
 @pytest.mark.parametrize("tiers, field", [({"host_memory": "1.5KB"}, "kv_tiers.host_memory"),

@@ -325,7 +325,10 @@ def parse_size(value: Any) -> int:
     match = re.fullmatch(r"\s*([0-9]{0,30}\.?[0-9]{1,30})\s*([A-Za-z]{0,3})\s*", str(value)[:100])
     if not match or match.group(2).lower() not in _SIZE_UNITS:
         raise ValueError(f"{_show(value)} is not a size; use e.g. 2GiB, 512MiB, 1.5GB or a number of bytes")
-    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+    number, unit = float(match.group(1)), _SIZE_UNITS[match.group(2).lower()]
+    if unit == 1 and not number.is_integer():  # 1.5 bytes was 1 byte, silently
+        raise ValueError(f"{_show(value)} is not a whole number of bytes")
+    return int(number * unit)
 
 
 def _show(value: Any, width: int = 60) -> str:

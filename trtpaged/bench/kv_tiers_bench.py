@@ -12,6 +12,7 @@ equals the tiers-off run's.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import shutil
 import statistics
 import tempfile
@@ -59,6 +60,9 @@ def run_kv_tiers_bench(
     if "remote" not in wanted:
         remote = ""
     runs: dict[str, list[dict[str, Any]]] = {}
+    # every request of this run carries one salt: a Redis given with --remote may hold an earlier run's blocks,
+    # which would make the "remote" row (a cold first replica) warm; the second replica still finds the first's
+    salt = f"bench-{secrets.token_hex(8)}"
     redis = None
     try:
         if remote is None and shutil.which("redis-server"):  # "": no remote rows
@@ -78,7 +82,7 @@ def run_kv_tiers_bench(
                 groups = [group for name, group in named.items() if name in wanted]
                 for group in groups[r % len(groups):] + groups[:r % len(groups)]:
                     for name, tiers, variant in group:
-                        report = _run_row(engine, spec, num_kv_blocks, name, tiers, seed + r, variant, llm_kwargs, say)
+                        report = _run_row(engine, spec, num_kv_blocks, name, tiers, seed + r, variant, llm_kwargs, say, salt)
                         runs.setdefault(name, []).append(report)
             finally:
                 shutil.rmtree(disk_dir, ignore_errors=True)
@@ -92,7 +96,8 @@ def run_kv_tiers_bench(
 
 
 def _run_row(engine: Path, spec: MultiTurnSpec, num_kv_blocks: int, name: str, tiers: Optional[dict[str, Any]],
-             seed: int, variant: int, llm_kwargs: Optional[dict[str, Any]], say: Callable[[str], None]) -> dict:
+             seed: int, variant: int, llm_kwargs: Optional[dict[str, Any]], say: Callable[[str], None],
+             cache_salt: Optional[str] = None) -> dict:
     from trtpaged.server import start_server
 
     blocks = None if name == "off, unbounded pool" else num_kv_blocks  # None: the engine's whole budget
@@ -101,7 +106,7 @@ def _run_row(engine: Path, spec: MultiTurnSpec, num_kv_blocks: int, name: str, t
     try:
         _warm_up(handle.url)
         skip = len(handle.loop.call(lambda e: e.ttft_breakdown()))  # the warm-up's
-        report = asyncio.run(run_multi_turn(handle.url, spec, seed=seed, variant=variant))
+        report = asyncio.run(run_multi_turn(handle.url, spec, seed=seed, variant=variant, cache_salt=cache_salt))
         report["ttft_breakdown"] = summarize_ttft(handle.loop.call(lambda e: e.ttft_breakdown())[skip:])
         report["live_history_blocks"] = live_history_blocks(report, spec, handle.llm.config.block_size)
     finally:

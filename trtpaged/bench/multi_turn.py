@@ -72,11 +72,14 @@ def _words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(n))
 
 
-def _body(history: list[dict[str, str]], spec: MultiTurnSpec, model: Optional[str], chat: bool) -> dict[str, Any]:
+def _body(history: list[dict[str, str]], spec: MultiTurnSpec, model: Optional[str], chat: bool,
+          cache_salt: Optional[str] = None) -> dict[str, Any]:  # fmt: skip
     body: dict[str, Any] = {"max_tokens": spec.output_tokens, "stream": True, "temperature": 0.0,
                             "stream_options": {"include_usage": True}, "ignore_eos": True}  # fmt: skip
     if model:
         body["model"] = model
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
     if chat:
         body["messages"] = history
     else:  # plain text: the history is a prefix of the next turn's prompt, token for token in most tokenizers
@@ -89,13 +92,14 @@ def _body(history: list[dict[str, str]], spec: MultiTurnSpec, model: Optional[st
 async def run_multi_turn(
     base_url: str, spec: MultiTurnSpec, model: Optional[str] = None, api_key: Optional[str] = None,
     chat: bool = False, max_concurrency: Optional[int] = None, seed: int = 0, timeout_s: float = 600.0,
-    progress: Optional[Callable[[str], None]] = None, variant: int = 0,
+    progress: Optional[Callable[[str], None]] = None, variant: int = 0, cache_salt: Optional[str] = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Runs the conversations concurrently; the report of `make_report` plus the multi-turn figures and
     `replies` (each conversation's replies, in order: the greedy outputs to compare between runs).
 
     The system prompt depends on `seed` only, the user messages on `seed` and `variant`: another
-    variant is other conversations under the same system prompt."""
+    variant is other conversations under the same system prompt. `cache_salt` (vLLM's field, sent with every
+    request) keeps the run's prefix-cache blocks apart from whatever a shared KV tier already holds."""
     import httpx
 
     url = base_url.rstrip("/") + ("/v1/chat/completions" if chat else "/v1/completions")
@@ -118,7 +122,7 @@ async def run_multi_turn(
                 if pauses[c][turn]:
                     await asyncio.sleep(pauses[c][turn])
                 history.append({"role": "user", "content": users[c][turn]})
-                body = _body(history, spec, model, chat)
+                body = _body(history, spec, model, chat, cache_salt)
                 if limit is None:
                     result = await _one(client, url, body, headers)
                 else:

@@ -15,13 +15,15 @@ def free_port() -> int:
 
 
 class RedisProcess:
-    """Starts `redis-server` (no persistence, optional LRU bound) and waits until it accepts connections."""
+    """Starts `redis-server` (no persistence, optional memory bound, LRU by default) and waits until it accepts
+    connections."""
 
-    def __init__(self, port: Optional[int] = None, maxmemory: Optional[str] = None, start_timeout_s: float = 10.0):
+    def __init__(self, port: Optional[int] = None, maxmemory: Optional[str] = None, start_timeout_s: float = 10.0,
+                 policy: str = "allkeys-lru"):  # fmt: skip
         self.port = port or free_port()
         args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
         if maxmemory:
-            args += ["--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"]
+            args += ["--maxmemory", maxmemory, "--maxmemory-policy", policy]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + start_timeout_s
         while True:

@@ -52,6 +52,9 @@ from trtpaged.manifest import BACKENDS
 @click.option("--kv-disk-path", type=click.Path(file_okay=False), default=None,
               help="KV tier: a directory for prefix blocks, kept across restarts (with --kv-disk-size).")
 @click.option("--kv-disk-size", default=None, metavar="SIZE", help="KV tier: the disk directory's bound, e.g. 100GiB.")
+@click.option("--kv-secret-file", type=click.Path(dir_okay=False), default=None,
+              help="KV tiers: a file of 16+ secret bytes shared by the replicas; disk and Redis entries are signed "
+                   "with it, so that no one without it can change answers through the store.")
 @click.option("--kv-remote", default=None, metavar="URL",
               help="KV tier: a Redis server shared by replicas, redis://HOST:PORT[/DB].")
 @click.option("--request-log", type=click.Path(dir_okay=False), default=None,
@@ -68,7 +71,7 @@ from trtpaged.manifest import BACKENDS
 def command(engine, host, port, served_model_name, api_key, max_waiting, request_timeout, shutdown_timeout,
             max_body_bytes, max_prompt_tokens, max_batch_size, max_num_tokens, max_seq_len, num_kv_blocks, backend,
             device, tensor_parallel_size, speculative_config, kv_host_memory, kv_disk_path, kv_disk_size, kv_remote,
-            request_log, request_log_prompts, stream_interval, pin_threads) -> None:  # fmt: skip
+            kv_secret_file, request_log, request_log_prompts, stream_interval, pin_threads) -> None:  # fmt: skip
     """Serve ENGINE over /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /version, /health
     and /metrics."""
     from trtpaged.server import ServerOptions, start_server
@@ -92,7 +95,7 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
             engine, host=host, port=port, served_model_name=served_model_name, options=options, backend=backend,
             device=device, num_kv_blocks=num_kv_blocks, max_num_tokens=max_num_tokens, max_batch_size=max_batch_size,
             max_seq_len=max_seq_len, tensor_parallel=tensor_parallel_size, speculative_config=speculative_config,
-            kv_tiers=tier_options(kv_host_memory, kv_disk_path, kv_disk_size, kv_remote),
+            kv_tiers=tier_options(kv_host_memory, kv_disk_path, kv_disk_size, kv_remote, kv_secret_file),
         )  # fmt: skip
     except (ValueError, FileNotFoundError, OSError, FatalEngineError) as e:
         raise click.ClickException(str(e)) from None
@@ -113,13 +116,19 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
     click.echo("trtpaged serve: stopped", err=True)
 
 
-def tier_options(host_memory, disk_path, disk_size, remote):
+def tier_options(host_memory, disk_path, disk_size, remote, secret_file=None):
     """The `--kv-*` flags as LLM(kv_tiers=...), None when none is given (checked by KVTierConfig.parse)."""
     spec = {}
     if host_memory is not None:
         spec["host_memory"] = host_memory
-    if disk_path is not None or disk_size is not None:
-        spec["disk"] = {k: v for k, v in (("path", disk_path), ("size", disk_size)) if v is not None}
+    if (disk_path is None) != (disk_size is None):
+        given, missing = ("--kv-disk-path", "--kv-disk-size") if disk_size is None else ("--kv-disk-size",
+                                                                                          "--kv-disk-path")
+        raise click.UsageError(f"{given} needs {missing} (the disk tier's directory and its bound go together)")
+    if disk_path is not None:
+        spec["disk"] = {"path": disk_path, "size": disk_size}
     if remote is not None:
         spec["remote"] = remote
+    if secret_file is not None:
+        spec["secret_file"] = secret_file
     return spec or None

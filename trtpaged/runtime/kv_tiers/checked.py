@@ -17,9 +17,10 @@ class EntryCodec:
     """One engine's entries: its fingerprint and block size. Shared by the checked tiers of a stack, it keeps the
     last entry it encoded, so a write-back to both disk and Redis hashes the block once."""
 
-    def __init__(self, fingerprint: bytes, block_bytes: int) -> None:
+    def __init__(self, fingerprint: bytes, block_bytes: int, secret: Optional[bytes] = None) -> None:
         self.fingerprint = fingerprint
         self.block_bytes = block_bytes
+        self._secret = secret  # entry.py: entries signed and checked with it (HMAC-SHA256)
         self._last: Optional[tuple[BlockRecord, bytes, bytes]] = None  # record, payload, entry
         self._lock = threading.Lock()
 
@@ -28,14 +29,14 @@ class EntryCodec:
             last = self._last
             if last is not None and last[1] is payload and last[0] == record:
                 return last[2]
-        entry = encode_entry(self.fingerprint, record.parent, record.tokens, payload)
+        entry = encode_entry(self.fingerprint, record.parent, record.tokens, payload, self._secret)
         with self._lock:
             self._last = (record, payload, entry)
         return entry
 
     def decode(self, data: Optional[bytes], record: BlockRecord) -> bytes:
         """The payload of `data` if it is `record`'s block of this engine; raises EntryMismatch."""
-        return decode_entry(data, self.fingerprint, record.parent, record.tokens, self.block_bytes)
+        return decode_entry(data, self.fingerprint, record.parent, record.tokens, self.block_bytes, self._secret)
 
 
 class CheckedTier:

@@ -2,28 +2,32 @@
 
     kv_tiers = {"host_memory": "8GiB", "disk": {"path": "/var/cache/trtpaged", "size": "100GiB"},
                 "remote": "redis://127.0.0.1:6379/0",      # or {"url": ..., "timeout_s": 0.5}
-                "load_timeout_s": 2.0}                     # the longest a waiting request waits for its prefix
+                "load_timeout_s": 2.0,                     # the longest a waiting request waits for its prefix
+                "secret_file": "/etc/trtpaged/kv-secret"}  # disk and Redis entries signed with its bytes
 
 Every error is a ValueError naming the field (`kv_tiers.disk.size`) and what is allowed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
 from trtpaged.runtime.kv_tiers.base import KVTier
 from trtpaged.runtime.kv_tiers.checked import CheckedTier, EntryCodec
-from trtpaged.runtime.kv_tiers.disk import DiskTier
+from trtpaged.runtime.kv_tiers.disk import DiskTier, writable_dir
 from trtpaged.runtime.kv_tiers.entry import engine_fingerprint, entry_bytes
 from trtpaged.runtime.kv_tiers.host import HostMemoryTier
 from trtpaged.runtime.kv_tiers.remote import RedisTier, check_redis_url
 from trtpaged.runtime.kv_tiers.stack import TierStack
 
-KEYS = ("host_memory", "disk", "remote", "load_timeout_s")
+KEYS = ("host_memory", "disk", "remote", "load_timeout_s", "secret_file")
 DISK_KEYS = ("path", "size")
 REMOTE_KEYS = ("url", "timeout_s")
 MAX_TIMEOUT_S = 60.0
+MIN_SECRET_BYTES = 16
+MAX_SECRET_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,9 @@ class KVTierConfig:
     remote: Optional[str] = None  # redis://HOST:PORT[/DB]
     remote_timeout_s: float = 0.5  # per store operation
     load_timeout_s: float = 2.0  # a waiting request's prefix read from the tiers; past it, the rest is recomputed
+    # disk and Redis entries are signed and checked with it (HMAC-SHA256, entry.py): without it, whoever can write
+    # to the directory or the Redis server can change answers
+    secret: Optional[bytes] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.host_memory < 0:
@@ -50,6 +57,9 @@ class KVTierConfig:
             raise ValueError(f"kv_tiers.remote.timeout_s: must be in (0, {MAX_TIMEOUT_S}], got {self.remote_timeout_s}")
         if not 0 < self.load_timeout_s <= MAX_TIMEOUT_S:
             raise ValueError(f"kv_tiers.load_timeout_s: must be in (0, {MAX_TIMEOUT_S}], got {self.load_timeout_s}")
+        if self.secret is not None and not MIN_SECRET_BYTES <= len(self.secret) <= MAX_SECRET_BYTES:
+            raise ValueError(f"kv_tiers.secret_file: the secret must be {MIN_SECRET_BYTES} to {MAX_SECRET_BYTES} "
+                             f"bytes, got {len(self.secret)}")
 
     @property
     def enabled(self) -> bool:
@@ -85,6 +95,8 @@ class KVTierConfig:
             values["load_timeout_s"] = float(t)
         if spec.get("host_memory") is not None:
             values["host_memory"] = size(spec["host_memory"], "kv_tiers.host_memory")
+        if spec.get("secret_file") is not None:
+            values["secret"] = read_secret(spec["secret_file"])
         disk = spec.get("disk")
         if disk is not None:
             if not isinstance(disk, Mapping) or "path" not in disk or "size" not in disk:
@@ -110,11 +122,14 @@ class KVTierConfig:
 
     def check_room(self, block_size: int, block_bytes: int) -> None:
         """Refuses (ValueError naming it) a host or disk size too small for one entry of `block_bytes` (one block of
-        every tensor-parallel rank). LLM calls it with the manifest's figure before any weight is loaded."""
+        every tensor-parallel rank), and a disk path this process cannot write. LLM calls it with the manifest's
+        figure before any weight is loaded."""
         one = entry_bytes(block_size, block_bytes)
         for key, size in (("kv_tiers.host_memory", self.host_memory), ("kv_tiers.disk.size", self.disk_size)):
             if size and size < one:
                 raise ValueError(f"{key}: {size} bytes hold no block; one block's entry is {one} bytes")
+        if self.disk_path:
+            writable_dir(self.disk_path)
 
     def build(self, fingerprint: bytes, block_bytes: int) -> Optional[TierStack]:
         """The stack for one engine (None without tiers); the remote tier connects lazily. Sizes too small for one
@@ -122,7 +137,7 @@ class KVTierConfig:
         if not self.enabled:
             return None
         tiers: list[KVTier] = []
-        codec = EntryCodec(fingerprint, block_bytes)
+        codec = EntryCodec(fingerprint, block_bytes, self.secret)
         if self.host_memory:
             tiers.append(HostMemoryTier(self.host_memory))
         if self.disk_path:
@@ -130,6 +145,22 @@ class KVTierConfig:
         if self.remote:
             tiers.append(CheckedTier(RedisTier(self.remote, timeout_s=self.remote_timeout_s), codec))
         return TierStack(tiers, fingerprint, load_timeout_s=self.load_timeout_s)
+
+
+def read_secret(path: Any) -> bytes:
+    """The bytes of a secret file, less a trailing newline; ValueError naming kv_tiers.secret_file."""
+    if not isinstance(path, (str, Path)) or not str(path):
+        raise ValueError(f"kv_tiers.secret_file: expected a file path, got {path!r}")
+    try:
+        with open(path, "rb") as f:
+            secret = f.read(MAX_SECRET_BYTES + 2)
+    except OSError as e:
+        raise ValueError(f"kv_tiers.secret_file: {path} cannot be read ({e.strerror or e})") from None
+    secret = secret.removesuffix(b"\n").removesuffix(b"\r")
+    if not MIN_SECRET_BYTES <= len(secret) <= MAX_SECRET_BYTES:
+        raise ValueError(f"kv_tiers.secret_file: {path} holds {len(secret)} bytes; a secret is {MIN_SECRET_BYTES} "
+                         f"to {MAX_SECRET_BYTES} bytes (e.g. `head -c 32 /dev/urandom | base64 > FILE`)")
+    return secret
 
 
 def _known(spec: Mapping[str, Any], allowed: tuple[str, ...], where: str) -> None:

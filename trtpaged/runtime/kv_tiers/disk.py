@@ -25,6 +25,19 @@ from trtpaged.runtime.kv_tiers.base import TierCounters
 SUFFIX = ".kv"
 
 
+def writable_dir(path: str | os.PathLike) -> Path:
+    """`path` as a directory this process can write (made if missing); ValueError naming kv_tiers.disk.path."""
+    root = Path(path)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / ".write-probe"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"kv_tiers.disk.path: {root} cannot be written ({e.strerror or e})") from None
+    return root
+
+
 class DiskTier:
     slow = True
 
@@ -32,14 +45,7 @@ class DiskTier:
         if capacity_bytes < 1:
             raise ValueError(f"kv_tiers.disk.size: must be > 0 bytes, got {capacity_bytes}")
         self.name = name
-        self.root = Path(path)
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            probe = self.root / ".write-probe"
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as e:
-            raise ValueError(f"kv_tiers.disk.path: {self.root} cannot be written ({e.strerror or e})") from None
+        self.root = writable_dir(path)
         self.capacity_bytes = capacity_bytes
         self.counters = TierCounters()
         self._lock = threading.Lock()

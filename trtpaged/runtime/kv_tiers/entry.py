@@ -9,6 +9,11 @@ payload's length and SHA-256. `decode_entry` checks all of them; any mismatch
 (a truncated file, a flipped bit, another engine's entry, a different prefix)
 is a miss, never wrong K/V.
 
+Those checks stop accidents, not a writer: whoever can write to the store can
+compute a SHA-256 too. With a shared secret (`kv_tiers.secret_file`), the digest is
+an HMAC-SHA256 of the whole entry under it, so an entry not written by a holder
+of the secret fails its checks like a flipped bit.
+
     magic "TPKV1\\0\\0\\0" | fingerprint 32 | parent key 32 | n_tokens u32 | tokens int32 x n
     | payload length u64 | payload sha256 32 | payload
 """
@@ -16,6 +21,7 @@ is a miss, never wrong K/V.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import struct
 from typing import Any, Optional, Sequence
@@ -66,14 +72,26 @@ def entry_bytes(block_size: int, payload_bytes: int) -> int:
     return _HEAD.size + 4 * block_size + _TAIL.size + payload_bytes
 
 
-def encode_entry(fingerprint: bytes, parent: bytes, tokens: Sequence[int], payload: bytes) -> bytes:
+def _digest(secret: Optional[bytes], head: bytes | memoryview, length: int, payload: bytes | memoryview) -> bytes:
+    """The payload's SHA-256, or with a secret the HMAC-SHA256 of everything before the digest and the payload."""
+    if secret is None:
+        return hashlib.sha256(payload).digest()
+    mac = hmac.new(secret, head, hashlib.sha256)
+    mac.update(struct.pack("<Q", length))
+    mac.update(payload)
+    return mac.digest()
+
+
+def encode_entry(fingerprint: bytes, parent: bytes, tokens: Sequence[int], payload: bytes,
+                 secret: Optional[bytes] = None) -> bytes:  # fmt: skip
     head = _HEAD.pack(MAGIC, fingerprint, parent, len(tokens)) + _tokens_bytes(tokens)
-    return head + _TAIL.pack(len(payload), hashlib.sha256(payload).digest()) + payload
+    return head + _TAIL.pack(len(payload), _digest(secret, head, len(payload), payload)) + payload
 
 
 def decode_entry(data: Optional[bytes], fingerprint: bytes, parent: bytes, tokens: Sequence[int],
-                 payload_bytes: int) -> bytes:  # fmt: skip
-    """The payload of an entry proven to be `tokens` after `parent` for this engine; raises EntryMismatch."""
+                 payload_bytes: int, secret: Optional[bytes] = None) -> bytes:  # fmt: skip
+    """The payload of an entry proven to be `tokens` after `parent` for this engine (and, with `secret`, written
+    by a holder of it); raises EntryMismatch."""
     if data is None:
         raise EntryMismatch("missing")
     view = memoryview(data)
@@ -97,6 +115,6 @@ def decode_entry(data: Optional[bytes], fingerprint: bytes, parent: bytes, token
         raise EntryMismatch("foreign", f"payload of {length} bytes, this engine's blocks are {payload_bytes}")
     if len(payload) != length:
         raise EntryMismatch("truncated", f"payload {len(payload)} of {length} bytes")
-    if hashlib.sha256(payload).digest() != digest:
-        raise EntryMismatch("corrupted", "payload checksum")
+    if not hmac.compare_digest(_digest(secret, view[:offset], length, payload), digest):
+        raise EntryMismatch("corrupted", "payload checksum" if secret is None else "not signed with this secret")
     return bytes(payload)

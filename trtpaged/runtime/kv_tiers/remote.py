@@ -35,7 +35,22 @@ def check_redis_url(url: str) -> str:
     db = parsed.path.strip("/") if parsed.scheme != "unix" else ""
     if db and not db.isdigit():  # redis-py would use database 0 for "abc" and fail every operation for "-1"
         raise ValueError(f"kv_tiers.remote: the database after the host must be a number >= 0, got {db!r} in {url!r}")
+    _check_url_options(url)
     return url
+
+
+def _check_url_options(url: str) -> None:
+    """The URL's query options as redis-py reads them, tried on a connection object (nothing is opened): an option
+    it does not know failed every operation later with a TypeError that no tier counts as the store's."""
+    try:
+        import redis
+    except ImportError:
+        return  # RedisTier says that the client is missing
+    try:
+        redis.ConnectionPool.from_url(url).make_connection()
+    except (TypeError, ValueError) as e:
+        message = str(e).replace("AbstractConnection.__init__() got an unexpected keyword argument", "unknown option")
+        raise ValueError(f"kv_tiers.remote: {message} (in {url!r})") from None
 
 
 class RedisTier:
@@ -56,6 +71,8 @@ class RedisTier:
         self.ttl_s = ttl_s
         self._errors = (redis.ConnectionError, redis.TimeoutError, OSError, redis.ResponseError,
                         redis.exceptions.InvalidResponse)
+        self._full = redis.exceptions.OutOfMemoryError  # maxmemory reached under the noeviction policy
+        self._said_full = False
         self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                             retry_on_timeout=False, health_check_interval=0)
         self._down_until = 0.0
@@ -73,6 +90,8 @@ class RedisTier:
         try:
             answer = fn(*args)
         except self._errors as e:
+            if isinstance(e, self._full):  # the store is up: this write is dropped, lookups go on
+                return self._refused_write(e)
             if not str(e).startswith("WRONGTYPE"):
                 return self._failed(e)
             answer = b""  # something else under our key: a bad entry, not a store that is down
@@ -82,6 +101,13 @@ class RedisTier:
             if back:
                 log.warning("kv tier %s: reachable again", self.name)
         return answer
+
+    def _refused_write(self, e: Exception) -> None:
+        if not self._said_full:
+            self._said_full = True
+            log.warning("kv tier %s: the Redis server refuses writes (%s); write-backs are dropped until it has room. "
+                        "Run it with --maxmemory-policy allkeys-lru so that old blocks make room for new ones",
+                        self.name, str(e)[:200])
 
     def _failed(self, e: Exception) -> None:
         """Counts the failure and keeps the tier quiet for retry_after_s; the first of a run is logged."""
