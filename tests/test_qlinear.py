@@ -169,6 +169,13 @@ def test_env_var_forces_a_lower_isa() -> None:
     env = {**os.environ, "TRTPAGED_CPU_ISA": "scalar"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "scalar"
+    assert "TRTPAGED_CPU_ISA" not in out.stderr
+    best = kernels.best_cpu_isa()
+    for name in ("AVX2", "bogus"):  # was: ignored without a word, so a "forced" comparison ran the best ISA
+        env = {**os.environ, "TRTPAGED_CPU_ISA": name}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == best
+        assert f"TRTPAGED_CPU_ISA={name} ignored (expected scalar, avx2, avxvnni or avx512vnni)" in out.stderr
 
 
 def test_bad_arguments() -> None:

@@ -172,7 +172,9 @@ def edited_engine(src: Path, dst: Path, edit) -> Path:
     (lambda m: m.update(surprise=1), "invalid_argument", "surprise: unknown field"),
     # finite and positive as a double, 0 as a float: every angle would be NaN
     (lambda m: m["dims"].update(rope_scaling={"rope_type": "linear", "factor": 1e-300}), "invalid_argument",
-     "dims.rope_scaling: factor 1e-300 gives non-finite rotary frequencies"),
+     "trtpaged.json: dims.rope_scaling: factor 1e-300 gives non-finite rotary frequencies"),  # the file named too
+    (lambda m: m.update(kv_cache={"memory_bytes": 2**50}), "invalid_argument",
+     "trtpaged.json: kv_cache.memory_bytes: "),
 ])
 def test_open_refuses_bad_engine_dirs(lib, tiny_engine_dir, tmp_path, edit, status, named):
     engine = edited_engine(tiny_engine_dir, tmp_path / "engine", edit)
@@ -234,6 +236,12 @@ def test_open_refuses_unsafe_weights(lib, tiny_engine_dir, tmp_path):
     (engine / "weights.safetensors").symlink_to(outside)
     with pytest.raises(CError, match="outside the engine dir"):
         CRuntime(lib, engine)
+    # the manifest itself a link out of the dir (was: opened, where the Python loader refuses it)
+    manifest_link = edited_engine(tiny_engine_dir, tmp_path / "manifest-link", lambda m: None)
+    shutil.move(manifest_link / "trtpaged.json", tmp_path / "outside.json")
+    (manifest_link / "trtpaged.json").symlink_to(tmp_path / "outside.json")
+    with pytest.raises(CError, match=r"trtpaged.json: \(manifest\): resolves to .*outside the engine dir"):
+        CRuntime(lib, manifest_link)
     truncated = edited_engine(tiny_engine_dir, tmp_path / "short", lambda m: None)
     data = (truncated / "weights.safetensors").read_bytes()
     (truncated / "weights.safetensors").write_bytes(data[:-100])

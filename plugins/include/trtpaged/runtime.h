@@ -136,7 +136,7 @@ typedef enum trtpaged_finish_reason {
   TRTPAGED_FINISH_STOP = 1,  /* an EOS or stop token (the last token read) */
   TRTPAGED_FINISH_LENGTH = 2, /* max_tokens or max_seq_len, or the pool can never hold it */
   TRTPAGED_FINISH_ABORT = 3, /* trtpaged_request_abort */
-  TRTPAGED_FINISH_ERROR = 4  /* its logits were not finite */
+  TRTPAGED_FINISH_ERROR = 4  /* its logits were not finite, or the kernels failed in its step */
 } trtpaged_finish_reason;
 
 /* Queues a request: prompt [prompt_len] token ids in [0, vocab_size). Refused (INVALID_ARGUMENT,
@@ -148,7 +148,8 @@ TRTPAGED_API trtpaged_status trtpaged_request_add(trtpaged_runtime* runtime, con
 /* One iteration: schedules (decode first, then prefill chunks, then admits waiting requests in
  * arrival order within max_num_tokens and max_batch_size), runs the step and appends one token to
  * every request whose prompt is complete. *num_tokens (may be NULL): tokens computed (0: nothing
- * to do). A failure here (the kernels) leaves every request as it was before the step's tokens. */
+ * to do). A failure here (the kernels) returns its status and ends the step's requests with
+ * TRTPAGED_FINISH_ERROR (their blocks return to the pool); the other requests are as they were. */
 TRTPAGED_API trtpaged_status trtpaged_runtime_run_step(trtpaged_runtime* runtime, int32_t* num_tokens);
 /* Copies the tokens request_id generated since the last read (at most capacity; the rest stay for
  * the next read) to tokens, their count to *num_read and its state to *finish_reason. A finished

@@ -1,6 +1,7 @@
 // Run-time choice of the CPU kernels' instruction set (see isa.h) and its C ABI.
 #include "cpu/isa.h"
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -37,8 +38,8 @@ int isa_from_name(const char* name) {
   return -1;
 }
 
-// -1 until first use; then the ISA in use. Set from TRTPAGED_CPU_ISA at first use (when lower
-// than the best and supported; otherwise ignored), or by trtpaged_set_cpu_isa.
+// -1 until first use; then the ISA in use. Set from TRTPAGED_CPU_ISA at first use (when not above
+// the best and supported; otherwise ignored, said once on stderr), or by trtpaged_set_cpu_isa.
 int g_isa = -1;
 
 }  // namespace
@@ -48,9 +49,14 @@ Isa current_isa() {
   if (isa >= 0) return Isa(isa);
   Isa best = best_isa();
   Isa chosen = best;
-  if (const char* env = std::getenv("TRTPAGED_CPU_ISA")) {
+  if (const char* env = std::getenv("TRTPAGED_CPU_ISA"); env != nullptr && *env != '\0') {
     const int want = isa_from_name(env);
-    if (want >= 0 && want < best && isa_supported(Isa(want))) chosen = Isa(want);
+    if (want >= 0 && want <= best && isa_supported(Isa(want))) {
+      chosen = Isa(want);
+    } else {  // once, at first use: a force that silently did nothing would mislead a comparison
+      std::fprintf(stderr, "trtpaged: TRTPAGED_CPU_ISA=%.40s ignored (%s); the CPU kernels run %s\n", env,
+                   want < 0 ? "expected scalar, avx2, avxvnni or avx512vnni" : "this CPU lacks it", kIsaNames[best]);
+    }
   }
   __atomic_store_n(&g_isa, int(chosen), __ATOMIC_RELEASE);
   return chosen;

@@ -338,17 +338,33 @@ TRTPAGED_API trtpaged_status trtpaged_runtime_open(const char* engine_dir, const
     if (rt->limits.max_num_tokens < rt->limits.max_batch_size)
       invalid("options.max_num_tokens: " + std::to_string(rt->limits.max_num_tokens) + " is less than max_batch_size " +
               std::to_string(rt->limits.max_batch_size));
+    // a manifest field's error names the manifest, as every other one does; an option's is the caller's
+    const auto in_manifest = [&where](const Error& e) {
+      const std::string message = e.what();
+      const bool manifest = message.rfind("kv_cache.", 0) == 0 || message.rfind("dims.", 0) == 0;
+      return Error(e.status, manifest ? where + message : message);
+    };
     const char* field = "";
-    const int64_t blocks = kv_blocks(m, o, &field);
+    int64_t blocks = 0;
+    try {
+      blocks = kv_blocks(m, o, &field);
+    } catch (const Error& e) {
+      throw in_manifest(e);
+    }
     rt->block_bytes = m.kv_bytes_per_block();
     const int64_t available = meminfo_available();
     if (double(blocks) * double(rt->block_bytes) > double(available))
-      raise(TRTPAGED_ERR_OUT_OF_MEMORY, std::string(field) + ": " + std::to_string(blocks) + " blocks of " +
-                                            std::to_string(rt->block_bytes) + " bytes need more than the " +
-                                            std::to_string(available) + " bytes this host has available");
+      throw in_manifest(Error(TRTPAGED_ERR_OUT_OF_MEMORY,
+                              std::string(field) + ": " + std::to_string(blocks) + " blocks of " +
+                                  std::to_string(rt->block_bytes) + " bytes need more than the " +
+                                  std::to_string(available) + " bytes this host has available"));
     rt->num_kv_blocks = int32_t(blocks);
     const std::string weights = engine_path(root, m.weights_file, "weights_file");
-    rt->model = std::make_unique<CpuModel>(m, weights);  // checks the header before reading any tensor
+    try {
+      rt->model = std::make_unique<CpuModel>(m, weights);  // checks the header before reading any tensor
+    } catch (const Error& e) {
+      throw in_manifest(e);
+    }
     void* pool = allocate_pool(size_t(blocks) * size_t(rt->block_bytes));
     if (!pool)
       raise(TRTPAGED_ERR_OUT_OF_MEMORY,
