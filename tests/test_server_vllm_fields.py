@@ -182,7 +182,8 @@ def test_chat_logprobs_bytes_are_each_tokens_own_bytes(client, server):
     free = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0,
                                           logprobs=True, extra_body={"ignore_eos": True}).choices[0]  # fmt: skip
     raw = b"".join(bytes(e.bytes) for e in free.logprobs.content)
-    assert len(raw) == 24 and raw.decode("utf-8", errors="replace") == free.message.content
+    # the text ends before a character the 24 bytes end inside of (vLLM's rule)
+    assert len(raw) == 24 and raw.decode("utf-8", errors="replace").rstrip("\ufffd") == free.message.content
     wait_idle(server)
 
 

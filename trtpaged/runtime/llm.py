@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import logging
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence as Seq, Union
 
@@ -24,6 +25,7 @@ from trtpaged.runtime.verify_cost import default_verify_row_cost
 from trtpaged.runtime.vllm_args import apply_vllm_args
 from trtpaged.runtime.warmup import warm_up
 
+log = logging.getLogger("trtpaged.runtime")
 # apply_chat_template's own arguments, which chat_prompt's template_kwargs may not set
 _TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
                                  "add_generation_prompt", "continue_final_message", "tokenize", "padding",
@@ -325,6 +327,11 @@ class LLM:
                 getattr(runner, "close", lambda: None)()
                 raise
         self.engine = LLMEngine(runner, self.config, self.tokenizer, eos, self.manifest.dims.vocab_size, tiers, draft)
+        pool_tokens = self.config.num_kv_blocks * self.config.block_size
+        if pool_tokens < self.config.max_seq_len:  # vLLM refuses to start; here such a request ends early
+            log.warning("the KV pool holds %d tokens (%d blocks), fewer than max_seq_len %d: a request that "
+                        "outgrows it ends there (finish_reason length)", pool_tokens, self.config.num_kv_blocks,
+                        self.config.max_seq_len)
         # Everything loaded so far lives as long as the engine: moved out of the cyclic collector's
         # sight, so that the collections a serving loop triggers stop walking it (they were 3% of a
         # decode-bound benchmark's CPU time; vLLM's engine does the same).
