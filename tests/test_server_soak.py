@@ -130,6 +130,34 @@ def test_shutdown_drains_in_flight_then_aborts_the_rest(tiny_engine_dir):
     assert stats["kv_blocks_used"] == 0 and stats["num_running"] == stats["num_waiting"] == 0
 
 
+def test_a_cut_drain_aborts_what_is_in_flight_at_once(tiny_engine_dir):
+    """What a second Ctrl-C does (`cut_drain`): a shutdown waiting up to 60 s for a 400-token stream stops at once,
+    the stream ends with an error event, and its blocks return (was: the second signal waited the whole drain)."""
+    handle = start_server(tiny_engine_dir, port=0, device="cpu", options=ServerOptions(shutdown_timeout_s=60))
+    slowed(handle, 0.01)  # 400 tokens take >= 4 s
+    result = StreamResult()
+    try:
+        client = threading.Thread(target=stream_client, args=(handle, {"prompt": "long", "max_tokens": 400,
+                                                                       "ignore_eos": True}, None, result))  # fmt: skip
+        client.start()
+        while metrics(handle)["num_requests_running"] < 1:
+            time.sleep(0.02)
+        stopper = threading.Thread(target=handle.shutdown)
+        stopper.start()
+        time.sleep(0.3)
+        assert stopper.is_alive()  # draining
+        start = time.monotonic()
+        handle.cut_drain()
+        stopper.join(30)
+        client.join(30)
+        assert not stopper.is_alive() and time.monotonic() - start < 15
+    finally:
+        handle.shutdown(timeout=0)
+    assert result.events[-1] == "[DONE]" and result.events[-2]["error"]["code"] == "overloaded"
+    stats = handle.llm.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["num_running"] == stats["num_waiting"] == 0
+
+
 def test_request_timeout_aborts_and_frees(tiny_engine_dir):
     handle = start_server(tiny_engine_dir, port=0, device="cpu", options=ServerOptions(request_timeout_s=0.5))
     try:

@@ -23,11 +23,14 @@ from trtpaged.manifest import BACKENDS
 @click.option("--api-key", envvar="TRTPAGED_API_KEY", default=None, show_envvar=True,
               help="Require 'Authorization: Bearer KEY' on /v1/* (/health and /metrics stay open).")
 @click.option("--max-waiting", type=click.IntRange(min=1), default=256, show_default=True,
-              help="Requests that may wait for admission; beyond it: 503 with Retry-After.")
+              help="Requests that may wait for admission (counted as they arrive, before the next step admits "
+                   "any); beyond it: 503 with Retry-After.")
 @click.option("--request-timeout", type=FiniteFloatRange(min=0, min_open=True), default=600.0, show_default=True,
-              help="Seconds a request may run before it is aborted (504).")
+              help="Seconds from a request's arrival, its wait for admission included, until it is aborted "
+                   "(504).")
 @click.option("--shutdown-timeout", type=FiniteFloatRange(min=0), default=30.0, show_default=True,
-              help="On SIGTERM/Ctrl-C: seconds requests in flight may finish before the rest are aborted.")
+              help="On SIGTERM/Ctrl-C: seconds requests in flight may finish before the rest are aborted (a "
+                   "second signal aborts them at once).")
 @click.option("--max-body-bytes", type=click.IntRange(min=1), default=8 << 20, show_default=True, help="Largest request body (413 beyond).")
 @click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=None, help="Longest prompt accepted (default: max_seq_len - 1).")
 @click.option("--max-batch-size", type=int, default=None, help="Sequences per step (at most the engine's build limit).")
@@ -100,8 +103,14 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
     except (ValueError, FileNotFoundError, OSError, FatalEngineError) as e:
         raise click.ClickException(str(e)) from None
     stop = threading.Event()
+
+    def on_signal(*_: object) -> None:
+        if stop.is_set():  # a second signal while draining: abort what is in flight and stop now
+            handle.cut_drain()
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     notes = "API key required" if options.api_key else "no API key"
     if speculative_config is not None:
         notes += f"; speculative decoding {speculative_config.to_dict()}"
@@ -111,7 +120,8 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
     if handle.failure is not None:
         handle.shutdown(timeout=0)
         raise click.ClickException(f"the engine failed, server stopped: {handle.failure}")
-    click.echo(f"trtpaged serve: draining (up to {shutdown_timeout:g} s), then stopping", err=True)
+    click.echo(f"trtpaged serve: draining (up to {shutdown_timeout:g} s; Ctrl-C again to abort the requests in "
+               "flight), then stopping", err=True)
     handle.shutdown()
     click.echo("trtpaged serve: stopped", err=True)
 

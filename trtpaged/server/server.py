@@ -63,6 +63,7 @@ class ServerHandle:
         self._sock = sock
         self._thread = threading.Thread(target=self._serve, name=thread_names.HTTP, daemon=True)
         self._closed = False
+        self._drain_cut = threading.Event()  # set: the drain ends now (a second Ctrl-C)
         self.pinning: Optional[thread_pinning.Pinning] = None  # set by start()
 
     def _serve(self) -> None:
@@ -98,8 +99,8 @@ class ServerHandle:
         self._closed = True
         self.draining.event.set()
         deadline = time.monotonic() + (self.options.shutdown_timeout_s if timeout is None else timeout)
-        while self.loop.num_in_flight and time.monotonic() < deadline:
-            time.sleep(0.05)
+        while self.loop.num_in_flight and time.monotonic() < deadline and not self._drain_cut.is_set():
+            self._drain_cut.wait(0.05)
         if self.loop.num_in_flight:
             log.warning("shutdown: aborting %d requests still in flight", self.loop.num_in_flight)
         self.loop.shutdown()  # what is left ends with ShuttingDown (an error event / 503) and frees its blocks
@@ -110,6 +111,11 @@ class ServerHandle:
         self._thread.join(10.0)
         self._sock.close()
         self.llm.close()  # the other tensor-parallel ranks
+
+    def cut_drain(self) -> None:
+        """Ends a `shutdown`'s wait for the requests in flight at once: they are aborted (what a second Ctrl-C or
+        SIGTERM to `trtpaged serve` does, as uvicorn's own second signal forces its exit)."""
+        self._drain_cut.set()
 
     def __enter__(self) -> "ServerHandle":
         return self
