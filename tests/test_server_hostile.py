@@ -88,6 +88,9 @@ HOSTILE = [
     ("chat text part without text", J({"messages": [{"role": "user", "content": [{"type": "text"}]}]}),
      {"path": "/v1/chat/completions"}, 400, "messages"),
     ("chat without messages", J({"messages": []}), {"path": "/v1/chat/completions"}, 400, "messages"),
+    # was: taken as an empty message, and generated up to max_seq_len
+    ("chat user message without content", J({"messages": [{"role": "user"}]}), {"path": "/v1/chat/completions"},
+     400, "messages"),
     ("chat name as number", J({"messages": [{"role": "user", "content": "hi", "name": 5}]}),
      {"path": "/v1/chat/completions"}, 400, "messages"),
     ("chat tool_calls as string", J({"messages": [{"role": "user", "content": "hi"},

@@ -105,10 +105,15 @@ def _prompts(value: Any, vocab_size: int) -> list[Prompt]:
     return [p if isinstance(p, str) else _token_list(p, vocab_size) for p in value]
 
 
+_CONTENT_REQUIRED = ("system", "developer", "user", "tool")  # roles whose message OpenAI requires a content for
+
+
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """The conversation for the chat template: role and text, plus the tool-call keys templates read."""
     out = []
     for m, msg in enumerate(messages):
+        if msg.content is None and msg.role in _CONTENT_REQUIRED:  # OpenAI requires it; only an assistant's calls
+            raise ApiError(f"messages[{m}].content: required for a {msg.role} message", "messages")
         content = msg.content or ""
         if isinstance(content, list):  # text parts are lines of one message, as in vLLM
             content = "\n".join(_text_part(part, f"messages[{m}].content[{p}]") for p, part in enumerate(content))
