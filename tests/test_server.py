@@ -201,7 +201,8 @@ BAD = [
     ("/v1/completions", {"prompt": [5] * 500, "max_tokens": 20}, 400, "max_tokens", "max_seq_len (512)"),
     ("/v1/completions", {"prompt": [999999]}, 400, "prompt", "vocabulary [0, 320)"),
     ("/v1/completions", {"max_tokens": 4}, 400, "prompt", "required"),
-    ("/v1/completions", {"prompt": "x", "stop": 5}, 400, "stop", "string"),
+    # was: the first accepted form's rule only ("a valid string")
+    ("/v1/completions", {"prompt": "x", "stop": 5}, 400, "stop", "expected one of str, list[str]"),
     ("/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs", "[0, 20]"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 4, "bogus": 1}, 400, "bogus", "unknown field"),

@@ -41,15 +41,29 @@ def overloaded(message: str, retry_after_s: int = 1) -> ApiError:
 
 def from_validation_error(exc: ValidationError) -> ApiError:
     """The first schema violation as a 400 naming the top-level request field and the rule it broke."""
-    first = exc.errors(include_url=False)[0]
+    errors = exc.errors(include_url=False)
+    first = errors[0]
     loc = [str(p) for p in first.get("loc", ())]
     param = loc[0] if loc else "body"
-    where = param + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in loc[1:])
-    if first.get("type") == "extra_forbidden":
-        return ApiError(f"{where}: unknown field (not part of this API)", param)
     got = first.get("input")
     shown = repr(got) if isinstance(got, (int, float, str, bool, type(None))) else type(got).__name__
-    return ApiError(f"{where}: {first.get('msg', 'invalid')}, got {shown[:80]}", param)
+    # a value of a union type: pydantic reports one error per accepted form, each under the form's name at the same
+    # place (prompt.str, prompt.list[int], ...); naming only the first form's rule told the client the wrong thing
+    for i in range(1, len(loc)):
+        forms = list(dict.fromkeys(str(e["loc"][i]) for e in errors
+                                   if len(e["loc"]) > i and [str(p) for p in e["loc"][:i]] == loc[:i]))
+        if len(forms) > 1:
+            return ApiError(f"{_where(loc[:i])}: expected one of {', '.join(forms)}, got {shown[:80]}", param)
+    if first.get("type") == "extra_forbidden":
+        return ApiError(f"{_where(loc)}: unknown field (not part of this API)", param)
+    return ApiError(f"{_where(loc)}: {first.get('msg', 'invalid')}, got {shown[:80]}", param)
+
+
+def _where(loc: list[str]) -> str:
+    """A field's path as a request names it: messages[0].content."""
+    if not loc:
+        return "body"
+    return loc[0] + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in loc[1:])
 
 
 def from_runtime_error(exc: ValueError, names: Mapping[str, str]) -> ApiError:
