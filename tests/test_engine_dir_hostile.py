@@ -24,7 +24,7 @@ from conftest import save_manifest
 
 from trtpaged.cli import main
 from trtpaged.engine_files import sha256_file, verify_engine_dir
-from trtpaged.manifest import MANIFEST_NAME, EngineDirError, read_manifest
+from trtpaged.manifest import MANIFEST_NAME, EngineDirError, Manifest, read_manifest
 
 
 @pytest.fixture(autouse=True)
@@ -292,6 +292,10 @@ def test_the_manifest_hash_covers_values_not_their_spelling(tiny_engine_dir, tmp
     assert "1e4" in text
     (engine / MANIFEST_NAME).write_text(text)
     assert read_manifest(engine).dims.rope_theta == 10000.0
+    assert Manifest.from_dict(data).dims.rope_theta == 10000.0  # parsed JSON, derived fields and all
+    for bad in (12, "ABC", data["content_sha256"].upper()):  # a hash's form is checked before its value
+        with pytest.raises(EngineDirError, match="content_sha256: got .*; expected a sha256 hex digest"):
+            Manifest.from_dict({**data, "content_sha256": bad})
     del data["content_sha256"]
     (engine / MANIFEST_NAME).write_text(json.dumps(data))
     assert read_manifest(engine).dims.rope_theta == 10000.0

@@ -4,6 +4,7 @@ multi-turn traffic (bench serve --multi-turn's client), /metrics per tier, and a
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import random
 from dataclasses import replace
 
@@ -24,6 +25,10 @@ SPEC = MultiTurnSpec(conversations=4, turns=3, system_words=16, user_words=5, ou
 SMALL_POOL = 20  # four live histories of 100-200 tokens do not fit: turns find their history evicted
 
 
+NEEDS_REDIS_PY = pytest.mark.skipif(importlib.util.find_spec("redis") is None, reason="the redis client is not "
+                                    "installed (scripts/setup.sh installs it)")
+
+
 @pytest.mark.parametrize("spec, field", [
     ({"host": 1}, "kv_tiers.host"),
     ({"host_memory": "lots"}, "kv_tiers.host_memory"),
@@ -41,9 +46,11 @@ SMALL_POOL = 20  # four live histories of 100-200 tokens do not fit: turns find 
     ({"host_memory": "1MiB", "load_timeout_s": "2"}, "kv_tiers.load_timeout_s"),
     ([1], "kv_tiers"),
     ({"host_memory": 1.5}, "kv_tiers.host_memory"),  # was: 1 byte
-    # were: accepted, then every operation failed with a TypeError / ValueError that nothing counted or named
-    ({"remote": "redis://127.0.0.1:6379/0?foo=bar"}, "kv_tiers.remote"),
-    ({"remote": "redis://127.0.0.1:6379/0?socket_timeout=abc"}, "kv_tiers.remote"),
+    # were: accepted, then every operation failed with a TypeError / ValueError that nothing counted or named; a
+    # RedisError (not a ValueError) was a traceback
+    pytest.param({"remote": "redis://127.0.0.1:6379/0?foo=bar"}, "kv_tiers.remote", marks=NEEDS_REDIS_PY),
+    pytest.param({"remote": "redis://127.0.0.1:6379/0?socket_timeout=abc"}, "kv_tiers.remote", marks=NEEDS_REDIS_PY),
+    pytest.param({"remote": "rediss://127.0.0.1:1/0?ssl_cert_reqs=bogus"}, "kv_tiers.remote", marks=NEEDS_REDIS_PY),
     ({"host_memory": "1MiB", "secret_file": "/nonexistent/secret"}, "kv_tiers.secret_file"),
     ({"host_memory": "1MiB", "secret_file": 3}, "kv_tiers.secret_file"),
 ])  # fmt: skip
@@ -68,10 +75,20 @@ def test_a_short_secret_is_refused_and_a_trailing_newline_is_not_part_of_it(tmp_
     short, good = tmp_path / "short", tmp_path / "good"
     short.write_text("x" * 15 + "\n")
     good.write_text("y" * 16 + "\n")
+    disk = {"path": str(tmp_path / "kv"), "size": "1MiB"}
     with pytest.raises(ValueError, match="^kv_tiers.secret_file: .* holds 15 bytes; a secret is 16 to 4096 bytes"):
-        KVTierConfig.parse({"host_memory": "1MiB", "secret_file": str(short)})
-    config = KVTierConfig.parse({"host_memory": "1MiB", "secret_file": str(good)})
-    assert config.secret == b"y" * 16 and "yyyy" not in repr(config)
+        KVTierConfig.parse({"disk": disk, "secret_file": str(short)})
+    config = KVTierConfig.parse({"disk": disk, "secret_file": str(good), "remote": "redis://:hunter2@127.0.0.1:1/0"})
+    assert config.secret == b"y" * 16 and "yyyy" not in repr(config) and "hunter2" not in repr(config)
+    # nothing it would sign: refused rather than read and left unused
+    with pytest.raises(ValueError, match="^kv_tiers.secret_file: signs disk and Redis entries; set disk or remote"):
+        KVTierConfig.parse({"host_memory": "1MiB", "secret_file": str(good)})
+
+
+def test_a_password_in_a_redis_url_is_not_shown_in_errors():
+    with pytest.raises(ValueError) as e:
+        KVTierConfig.parse({"remote": "redis://:hunter2@127.0.0.1:6379/abc"})
+    assert "hunter2" not in str(e.value) and "redis://:***@127.0.0.1:6379/abc" in str(e.value)
 
 
 def test_an_unwritable_disk_path_is_refused_before_the_weights_load(tiny_engine_dir, tmp_path, monkeypatch):

@@ -203,6 +203,10 @@ BAD = [
     ("/v1/completions", {"max_tokens": 4}, 400, "prompt", "required"),
     # was: the first accepted form's rule only ("a valid string")
     ("/v1/completions", {"prompt": "x", "stop": 5}, 400, "stop", "expected one of str, list[str]"),
+    # several bad values (list items, dict values, fields) are not a union's forms: the first is named
+    ("/v1/chat/completions", {"messages": [{"role": 5, "content": "x"}, {"role": "user", "content": 5}]}, 400,
+     "messages", "messages[0].role: Input should be a valid string"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": "a", "2": "b"}}, 400, "logit_bias", "logit_bias[1]: "),
     ("/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs", "[0, 20]"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 4, "bogus": 1}, 400, "bogus", "unknown field"),

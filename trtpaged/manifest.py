@@ -23,8 +23,9 @@ from trtpaged.names import renamed_keys
 FORMAT_VERSION = 1
 MANIFEST_NAME = "trtpaged.json"
 # the sha256 of the manifest's own fields, written by the build: an edit after the build (a rope_theta changed by
-# hand) is refused at load instead of changing the model's outputs. The files' hashes are under `files`; a manifest
-# without this field (built before it existed) is read without the check
+# hand) is refused at load instead of changing the model's outputs. It catches edits, not tampering: whoever
+# rewrites the manifest can rewrite this hash too (or drop it: a manifest without it, as builds before it wrote
+# them, is read without the check). The files' hashes are under `files`
 CONTENT_HASH = "content_sha256"
 
 # what runs an engine dir; "auto" (the default wherever a backend is chosen) takes TensorRT where its
@@ -229,8 +230,6 @@ class Manifest:
     @classmethod
     def from_dict(cls, data: Any, where: str | Path = MANIFEST_NAME) -> "Manifest":
         """A manifest from parsed JSON; raises EngineDirError naming `where` and the field."""
-        if isinstance(data, dict):
-            data = {k: v for k, v in data.items() if k not in _DERIVED}
         return cls.from_json(json.dumps(data), where)
 
     @classmethod
@@ -248,6 +247,8 @@ class Manifest:
             raise EngineDirError(where, "format_version", f"engine dir has {version!r}, this trtpaged reads "
                                  f"{FORMAT_VERSION}; rebuild the engine")
         stated = data.pop(CONTENT_HASH, None)
+        if stated is not None and not (isinstance(stated, str) and _SHA256.fullmatch(stated)):
+            raise EngineDirError(where, CONTENT_HASH, f"got {str(stated)[:80]!r}; expected a sha256 hex digest")
         written = content_sha256(data) if stated is not None else None
         data = _renamed({k: v for k, v in data.items() if k not in _DERIVED}, where)
         try:
@@ -437,9 +438,9 @@ def read_manifest(engine_dir: str | Path) -> Manifest:
     manifest_path = path / MANIFEST_NAME
     if not manifest_path.is_file():
         raise FileNotFoundError(f"{path}: not an engine dir (no {MANIFEST_NAME}); build one with `trtpaged build`")
-    engine_path(path, MANIFEST_NAME, "(manifest)")
+    real = engine_path(path, MANIFEST_NAME, "(manifest)").resolve()  # read as checked: no link swapped in between
     try:
-        with open(manifest_path, "rb") as f:
+        with open(real, "rb") as f:
             text = f.read(MAX_MANIFEST_BYTES + 1)
     except OSError as e:
         raise EngineDirError(manifest_path, "(file)", f"cannot be read ({e.strerror or e})") from None

@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import threading
+from typing import Any, Optional
 
 import click
 
@@ -126,9 +127,10 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
     click.echo("trtpaged serve: stopped", err=True)
 
 
-def tier_options(host_memory, disk_path, disk_size, remote, secret_file=None):
+def tier_options(host_memory: Optional[str], disk_path: Optional[str], disk_size: Optional[str],
+                 remote: Optional[str], secret_file: Optional[str] = None) -> Optional[dict[str, Any]]:
     """The `--kv-*` flags as LLM(kv_tiers=...), None when none is given (checked by KVTierConfig.parse)."""
-    spec = {}
+    spec: dict[str, Any] = {}
     if host_memory is not None:
         spec["host_memory"] = host_memory
     if (disk_path is None) != (disk_size is None):

@@ -261,7 +261,8 @@ class OutputProcessor:
             finish = self._beam_finish_reason(group, tokens)
             shown = tokens if params.shows_end_token(finish) else tokens[:-1]
             stop = params.stop_reason_of(tokens[-1]) if finish == "stop" else None
-            text = self._decode(shown, params.skip_special_tokens) if params.detokenize else ""
+            # as any output: a character the tokens end inside of is left out
+            text = self._decode(shown, params.skip_special_tokens).rstrip(REPLACEMENT) if params.detokenize else ""
             outputs.append(CompletionOutput(index=i, text=text,
                                             token_ids=list(tokens), cumulative_logprob=logprob, finish_reason=finish,
                                             stop_reason=stop))  # fmt: skip

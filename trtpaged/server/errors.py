@@ -6,6 +6,7 @@ the runtime's `RequestError` carries `field` and `limit`.
 
 from __future__ import annotations
 
+import re
 from typing import Mapping, Optional
 
 from pydantic import ValidationError
@@ -39,6 +40,11 @@ def overloaded(message: str, retry_after_s: int = 1) -> ApiError:
     return ApiError(message, None, 503, "server_overloaded", "overloaded", {"Retry-After": str(retry_after_s)})
 
 
+# how pydantic names a union's member in an error's location (str, list[int], ChatMessage, function-after[...]), as
+# opposed to a field name, a list index or a dict key, where several errors are several bad values
+_UNION_FORM = re.compile(r"^((str|int|float|bool|none|bytes|any|list|dict|tuple|set|union)(\[.*\])?|[A-Z]\w*|function-.*)$")
+
+
 def from_validation_error(exc: ValidationError) -> ApiError:
     """The first schema violation as a 400 naming the top-level request field and the rule it broke."""
     errors = exc.errors(include_url=False)
@@ -52,7 +58,7 @@ def from_validation_error(exc: ValidationError) -> ApiError:
     for i in range(1, len(loc)):
         forms = list(dict.fromkeys(str(e["loc"][i]) for e in errors
                                    if len(e["loc"]) > i and [str(p) for p in e["loc"][:i]] == loc[:i]))
-        if len(forms) > 1:
+        if len(forms) > 1 and all(_UNION_FORM.match(form) for form in forms):
             return ApiError(f"{_where(loc[:i])}: expected one of {', '.join(forms)}, got {shown[:80]}", param)
     if first.get("type") == "extra_forbidden":
         return ApiError(f"{_where(loc)}: unknown field (not part of this API)", param)

@@ -308,7 +308,7 @@ class GenerationService:
                     yield sse(builder.chunk(index, "", role=True, usage=_chunk_usage(s, state, index),
                                             prompt_token_ids=first.take(index) if first else None))  # fmt: skip
                     if builder.echo:  # vLLM's chat echo: the last message's text as the first content
-                        yield sse(builder.chunk(index, builder.echo))
+                        yield sse(builder.chunk(index, builder.echo, usage=_chunk_usage(s, state, index)))
         try:
             # Disconnects cancel this generator (the ASGI server's disconnect listener); no polling here.
             async with aclosing(s.sub.outputs(_never, self.request_timeout_s)) as outputs:

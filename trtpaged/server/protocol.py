@@ -200,6 +200,7 @@ def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int,
         max_tokens = 16  # OpenAI's completions default when the field is absent; an explicit null: the room left
     if chat:
         names["prompt"] = "messages"
+        names["chat_template"] = "messages"  # an engine without a template: the request has no such field
     include_usage, continuous_usage = _usage_options(req)
     truncate = req.truncate_prompt_tokens
     if truncate is not None and truncate < 1 and truncate != -1:

@@ -1,6 +1,7 @@
 // Run-time choice of the CPU kernels' instruction set (see isa.h) and its C ABI.
 #include "cpu/isa.h"
 
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -41,6 +42,7 @@ int isa_from_name(const char* name) {
 // -1 until first use; then the ISA in use. Set from TRTPAGED_CPU_ISA at first use (when not above
 // the best and supported; otherwise ignored, said once on stderr), or by trtpaged_set_cpu_isa.
 int g_isa = -1;
+std::atomic_flag g_env_refusal_said = ATOMIC_FLAG_INIT;
 
 }  // namespace
 
@@ -53,7 +55,8 @@ Isa current_isa() {
     const int want = isa_from_name(env);
     if (want >= 0 && want <= best && isa_supported(Isa(want))) {
       chosen = Isa(want);
-    } else {  // once, at first use: a force that silently did nothing would mislead a comparison
+    } else if (!g_env_refusal_said.test_and_set()) {
+      // said once (two threads may both reach the first use): a force that did nothing would mislead a comparison
       std::fprintf(stderr, "trtpaged: TRTPAGED_CPU_ISA=%.40s ignored (%s); the CPU kernels run %s\n", env,
                    want < 0 ? "expected scalar, avx2, avxvnni or avx512vnni" : "this CPU lacks it", kIsaNames[best]);
     }

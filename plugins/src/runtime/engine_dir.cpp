@@ -273,10 +273,11 @@ Manifest read_manifest(const std::string& root) {
   struct stat st {};
   if (::stat(where.c_str(), &st) != 0 || !S_ISREG(st.st_mode))
     raise(TRTPAGED_ERR_IO, where + ": (file): missing; not an engine dir (build one with trtpaged build)");
-  engine_path(root, kManifestName, "(manifest)");  // a symlink out of the dir is refused, as by the Python loader
+  // a symlink out of the dir is refused, as by the Python loader; the file is read as resolved (no swap in between)
+  const std::string real = engine_path(root, kManifestName, "(manifest)");
   json data;
   try {
-    data = parse_bounded(read_small_file(where, kMaxManifestBytes, "(file)"));
+    data = parse_bounded(read_small_file(real, kMaxManifestBytes, "(file)"));
   } catch (const json::exception& e) {
     invalid(where + ": (file): not valid JSON (" + e.what() + ")");
   } catch (const JsonTooDeep&) {

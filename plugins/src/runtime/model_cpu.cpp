@@ -165,7 +165,8 @@ trtpaged_qlinear_weight Linear::described() const {
   return d;
 }
 
-CpuModel::CpuModel(const Manifest& manifest, const std::string& weights_path) : m_(manifest) {
+CpuModel::CpuModel(const Manifest& manifest, const std::string& weights_path, const std::string& manifest_where)
+    : m_(manifest) {
   const std::map<std::string, trtpaged_dtype> kv_codes = {{"float32", TRTPAGED_FLOAT32},
                                                           {"float16", TRTPAGED_FLOAT16},
                                                           {"bfloat16", TRTPAGED_BFLOAT16},
@@ -253,7 +254,7 @@ CpuModel::CpuModel(const Manifest& manifest, const std::string& weights_path) : 
     if (!std::isfinite(inv)) {
       char factor[32];
       std::snprintf(factor, sizeof factor, "%g", m_.rope.factor);
-      invalid(std::string("dims.rope_scaling: factor ") + factor + " gives non-finite rotary frequencies in float32");
+      invalid(manifest_where + "dims.rope_scaling: factor " + factor + " gives non-finite rotary frequencies in float32");
     }
     inv_freq_.push_back(inv);
   }

@@ -48,7 +48,8 @@ class CpuModel {
  public:
   // Loads the weights (root/manifest.weights_file), checked against the manifest's dims and
   // quantization: every tensor present with its shape and dtype, no other, float ones finite.
-  CpuModel(const Manifest& manifest, const std::string& weights_path);
+  // manifest_where: the manifest's path and ": ", in front of the errors of its fields.
+  CpuModel(const Manifest& manifest, const std::string& weights_path, const std::string& manifest_where = "");
   // Runs one step over pool (kv_cache_dtype pool of num_kv_blocks blocks); logits [num_outputs, vocab].
   void step(const StepView& s, void* pool, int32_t num_kv_blocks, float* logits);
   bool quantized() const { return quantized_; }

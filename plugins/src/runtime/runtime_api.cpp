@@ -98,7 +98,8 @@ void* allocate_pool(size_t bytes) {
 }
 
 // Blocks of the pool: the options' override, else the manifest's budget (trtpaged/kv_budget.py's rules).
-int64_t kv_blocks(const Manifest& m, const trtpaged_open_options& o, const char** field) {
+// *field: the setting the count came from, a manifest field named with `where` (the manifest's path and ": ").
+int64_t kv_blocks(const Manifest& m, const trtpaged_open_options& o, const std::string& where, std::string* field) {
   const int64_t per_block = m.kv_bytes_per_block();
   if (o.num_kv_blocks < 0 || o.kv_bytes < 0) invalid("options.num_kv_blocks/kv_bytes: must be >= 0 (0: not set)");
   if (o.num_kv_blocks > 0 && o.kv_bytes > 0) invalid("options.num_kv_blocks, options.kv_bytes: set at most one");
@@ -110,21 +111,21 @@ int64_t kv_blocks(const Manifest& m, const trtpaged_open_options& o, const char*
     *field = "options.kv_bytes";
     blocks = o.kv_bytes / per_block;
   } else if (m.num_kv_blocks > 0) {
-    *field = "kv_cache.num_kv_blocks";
+    *field = where + "kv_cache.num_kv_blocks";
     blocks = m.num_kv_blocks;
   } else if (m.kv_memory_bytes > 0) {
-    *field = "kv_cache.memory_bytes";
+    *field = where + "kv_cache.memory_bytes";
     blocks = m.kv_memory_bytes / per_block;
   } else {
-    *field = "kv_cache.fraction";
+    *field = where + "kv_cache.fraction";
     const double free_bytes = double(::sysconf(_SC_AVPHYS_PAGES)) * double(::sysconf(_SC_PAGE_SIZE));
     const int64_t useful = m.max_batch_size * ((m.max_seq_len + m.block_size - 1) / m.block_size);
     blocks = std::min(int64_t(free_bytes * m.kv_fraction) / per_block, useful);
   }
   if (blocks < 1)
-    invalid(std::string(*field) + ": holds no KV block of " + std::to_string(per_block) + " bytes");
+    invalid(*field + ": holds no KV block of " + std::to_string(per_block) + " bytes");
   if (blocks > (int64_t(1) << 31) - 1)
-    invalid(std::string(*field) + ": " + std::to_string(blocks) + " blocks; at most 2147483647 (int32 block ids)");
+    invalid(*field + ": " + std::to_string(blocks) + " blocks; at most 2147483647 (int32 block ids)");
   return blocks;
 }
 
@@ -338,37 +339,21 @@ TRTPAGED_API trtpaged_status trtpaged_runtime_open(const char* engine_dir, const
     if (rt->limits.max_num_tokens < rt->limits.max_batch_size)
       invalid("options.max_num_tokens: " + std::to_string(rt->limits.max_num_tokens) + " is less than max_batch_size " +
               std::to_string(rt->limits.max_batch_size));
-    // a manifest field's error names the manifest, as every other one does; an option's is the caller's
-    const auto in_manifest = [&where](const Error& e) {
-      const std::string message = e.what();
-      const bool manifest = message.rfind("kv_cache.", 0) == 0 || message.rfind("dims.", 0) == 0;
-      return Error(e.status, manifest ? where + message : message);
-    };
-    const char* field = "";
-    int64_t blocks = 0;
-    try {
-      blocks = kv_blocks(m, o, &field);
-    } catch (const Error& e) {
-      throw in_manifest(e);
-    }
+    std::string field;
+    const int64_t blocks = kv_blocks(m, o, where, &field);
     rt->block_bytes = m.kv_bytes_per_block();
     const int64_t available = meminfo_available();
     if (double(blocks) * double(rt->block_bytes) > double(available))
-      throw in_manifest(Error(TRTPAGED_ERR_OUT_OF_MEMORY,
-                              std::string(field) + ": " + std::to_string(blocks) + " blocks of " +
-                                  std::to_string(rt->block_bytes) + " bytes need more than the " +
-                                  std::to_string(available) + " bytes this host has available"));
+      raise(TRTPAGED_ERR_OUT_OF_MEMORY, field + ": " + std::to_string(blocks) + " blocks of " +
+                                            std::to_string(rt->block_bytes) + " bytes need more than the " +
+                                            std::to_string(available) + " bytes this host has available");
     rt->num_kv_blocks = int32_t(blocks);
     const std::string weights = engine_path(root, m.weights_file, "weights_file");
-    try {
-      rt->model = std::make_unique<CpuModel>(m, weights);  // checks the header before reading any tensor
-    } catch (const Error& e) {
-      throw in_manifest(e);
-    }
+    rt->model = std::make_unique<CpuModel>(m, weights, where);  // checks the header before reading any tensor
     void* pool = allocate_pool(size_t(blocks) * size_t(rt->block_bytes));
     if (!pool)
       raise(TRTPAGED_ERR_OUT_OF_MEMORY,
-            std::string(field) + ": cannot allocate " + std::to_string(blocks) + " KV blocks");
+            field + ": cannot allocate " + std::to_string(blocks) + " KV blocks");
     rt->pool.reset(static_cast<unsigned char*>(pool));
     std::vector<int32_t> eos(m.eos_token_ids.begin(), m.eos_token_ids.end());
     rt->scheduler = std::make_unique<Scheduler>(rt->limits, rt->num_kv_blocks, o.enable_prefix_caching != 0, eos);

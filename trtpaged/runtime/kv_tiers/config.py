@@ -37,7 +37,7 @@ class KVTierConfig:
     host_memory: int = 0  # bytes; 0: no host tier
     disk_path: Optional[str] = None
     disk_size: int = 0  # bytes
-    remote: Optional[str] = None  # redis://HOST:PORT[/DB]
+    remote: Optional[str] = field(default=None, repr=False)  # redis://HOST:PORT[/DB]; may hold a password
     remote_timeout_s: float = 0.5  # per store operation
     load_timeout_s: float = 2.0  # a waiting request's prefix read from the tiers; past it, the rest is recomputed
     # disk and Redis entries are signed and checked with it (HMAC-SHA256, entry.py): without it, whoever can write
@@ -57,9 +57,11 @@ class KVTierConfig:
             raise ValueError(f"kv_tiers.remote.timeout_s: must be in (0, {MAX_TIMEOUT_S}], got {self.remote_timeout_s}")
         if not 0 < self.load_timeout_s <= MAX_TIMEOUT_S:
             raise ValueError(f"kv_tiers.load_timeout_s: must be in (0, {MAX_TIMEOUT_S}], got {self.load_timeout_s}")
-        if self.secret is not None and not MIN_SECRET_BYTES <= len(self.secret) <= MAX_SECRET_BYTES:
-            raise ValueError(f"kv_tiers.secret_file: the secret must be {MIN_SECRET_BYTES} to {MAX_SECRET_BYTES} "
-                             f"bytes, got {len(self.secret)}")
+        if self.secret is not None:
+            _check_secret_size(len(self.secret), "the secret")
+            if not (self.disk_path or self.remote):
+                raise ValueError("kv_tiers.secret_file: signs disk and Redis entries; set disk or remote with it (the "
+                                 "host tier stays in the process and is not signed)")
 
     @property
     def enabled(self) -> bool:
@@ -157,10 +159,14 @@ def read_secret(path: Any) -> bytes:
     except OSError as e:
         raise ValueError(f"kv_tiers.secret_file: {path} cannot be read ({e.strerror or e})") from None
     secret = secret.removesuffix(b"\n").removesuffix(b"\r")
-    if not MIN_SECRET_BYTES <= len(secret) <= MAX_SECRET_BYTES:
-        raise ValueError(f"kv_tiers.secret_file: {path} holds {len(secret)} bytes; a secret is {MIN_SECRET_BYTES} "
-                         f"to {MAX_SECRET_BYTES} bytes (e.g. `head -c 32 /dev/urandom | base64 > FILE`)")
+    _check_secret_size(len(secret), str(path))
     return secret
+
+
+def _check_secret_size(size: int, what: str) -> None:
+    if not MIN_SECRET_BYTES <= size <= MAX_SECRET_BYTES:
+        raise ValueError(f"kv_tiers.secret_file: {what} holds {size} bytes; a secret is {MIN_SECRET_BYTES} to "
+                         f"{MAX_SECRET_BYTES} bytes (e.g. `head -c 32 /dev/urandom | base64 > FILE`)")
 
 
 def _known(spec: Mapping[str, Any], allowed: tuple[str, ...], where: str) -> None:

@@ -23,23 +23,33 @@ KEY_PREFIX = b"trtpaged:kv:"
 log = logging.getLogger("trtpaged.runtime")
 
 
+def redacted(url: str) -> str:
+    """The URL as messages and logs may show it: a password in it replaced by ***."""
+    parsed = urlparse(url)
+    if parsed.password is None:
+        return url
+    netloc = parsed.netloc.replace(f":{parsed.password}@", ":***@", 1)
+    return parsed._replace(netloc=netloc).geturl()
+
+
 def check_redis_url(url: str) -> str:
     """The URL if it is a redis:// (or rediss://, unix://) URL with a host; ValueError naming `remote` otherwise."""
+    shown = repr(redacted(url))
     parsed = urlparse(url)
     if parsed.scheme not in ("redis", "rediss", "unix") or (parsed.scheme != "unix" and not parsed.hostname):
-        raise ValueError(f"kv_tiers.remote: expected redis://HOST:PORT[/DB], got {url!r}")
+        raise ValueError(f"kv_tiers.remote: expected redis://HOST:PORT[/DB], got {shown}")
     try:
         parsed.port  # noqa: B018  (parses it: out of range raises)
     except ValueError as e:
-        raise ValueError(f"kv_tiers.remote: {e} in {url!r}") from None
+        raise ValueError(f"kv_tiers.remote: {e} in {shown}") from None
     db = parsed.path.strip("/") if parsed.scheme != "unix" else ""
     if db and not db.isdigit():  # redis-py would use database 0 for "abc" and fail every operation for "-1"
-        raise ValueError(f"kv_tiers.remote: the database after the host must be a number >= 0, got {db!r} in {url!r}")
-    _check_url_options(url)
+        raise ValueError(f"kv_tiers.remote: the database after the host must be a number >= 0, got {db!r} in {shown}")
+    _check_url_options(url, shown)
     return url
 
 
-def _check_url_options(url: str) -> None:
+def _check_url_options(url: str, shown: str) -> None:
     """The URL's query options as redis-py reads them, tried on a connection object (nothing is opened): an option
     it does not know failed every operation later with a TypeError that no tier counts as the store's."""
     try:
@@ -48,9 +58,9 @@ def _check_url_options(url: str) -> None:
         return  # RedisTier says that the client is missing
     try:
         redis.ConnectionPool.from_url(url).make_connection()
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, redis.RedisError) as e:
         message = str(e).replace("AbstractConnection.__init__() got an unexpected keyword argument", "unknown option")
-        raise ValueError(f"kv_tiers.remote: {message} (in {url!r})") from None
+        raise ValueError(f"kv_tiers.remote: {message} (in {shown})") from None
 
 
 class RedisTier:
