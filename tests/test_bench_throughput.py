@@ -115,6 +115,31 @@ def test_cli_bad_trace_names_line_and_field(tiny_engine_dir, tmp_path) -> None:
     assert result.exit_code != 0 and "bad.jsonl:2: output_len: must be an integer" in result.output
 
 
+@pytest.mark.parametrize("field, value", [("n", 4), ("beam_width", 3), ("arrival", 500)])
+def test_cli_refuses_trace_fields_it_would_not_replay(tiny_engine_dir, tmp_path, field, value) -> None:
+    """was: the line ran as one sequence at t=0 and the report counted it so, without a word"""
+    trace = tmp_path / "t.jsonl"
+    lines = [{"prompt_len": 20, "output_len": 4}, {"prompt_len": 20, "output_len": 4, field: value}]
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    result = CliRunner().invoke(main, ["bench", "throughput", str(tiny_engine_dir), "--trace", str(trace),
+                                       "--baseline", "none"])  # fmt: skip
+    assert result.exit_code != 0 and f"request 2: {field}: {value}; bench throughput submits" in result.output
+
+
+def test_the_rounds_walls_are_the_repeats_whose_spread_refuses_a_verdict() -> None:
+    """was: the spread was 0 whatever the rounds did, so a run noisy after its first round was trusted"""
+    from trtpaged.bench.throughput_bench import SystemResult, run_noise
+
+    def system(walls: list[float], load: float = 0.0) -> SystemResult:
+        return SystemResult("s", 1.0, 1.0, walls[0], 0, 0, 0, 0, 0, 1, 1, foreign_cores=load, round_walls=walls)
+
+    quiet = run_noise([system([1.02, 1.0, 1.01]), system([2.0])])
+    assert quiet.trustworthy and quiet.max_spread < 0.05
+    noisy = run_noise([system([1.02, 1.52, 1.0]), system([2.0])])
+    assert not noisy.trustworthy and "repeats spread" in noisy.reason and noisy.max_spread > 0.4
+    assert not run_noise([system([1.0]), system([1.0], load=1.2)]).trustworthy  # one round: the load alone
+
+
 
 def test_speculation_rows_account_their_tokens(tiny_engine_dir) -> None:
     """The speculation row outputs exactly the requested tokens, one request at a time, and reports its

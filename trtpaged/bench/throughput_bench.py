@@ -37,9 +37,9 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
-from trtpaged.bench.noise import NoiseMonitor, assess
+from trtpaged.bench.noise import Noise, NoiseMonitor, assess, spread
 from trtpaged.bench.workload import (TraceRequest, json_objects, load_trace, prompt_token_ids, read_lines,
                                      synthetic_trace)  # fmt: skip
 
@@ -102,7 +102,15 @@ def default_requests(vocab_size: int, num_requests: int = 16, seed: int = 0) -> 
 
 
 def requests_from_trace(trace: list[TraceRequest], vocab_size: int, seed: int = 0) -> list[Request]:
-    """Token ids for a memory-bench trace (shared prefixes identical); n and beam_width are not used here."""
+    """Token ids for a memory-bench trace (shared prefixes identical). Every request is one sequence submitted at
+    t=0, as the transformers baseline runs it: a line with n, beam_width or arrival is refused, naming it (they
+    were dropped without a word)."""
+    for line, r in enumerate(trace, 1):
+        for name, plain in (("n", 1), ("beam_width", 1), ("arrival", 0)):
+            if getattr(r, name) != plain:
+                raise ValueError(f"request {line}: {name}: {getattr(r, name)}; bench throughput submits every "
+                                 f"request at once as one sequence (its baseline's form); `bench memory` replays "
+                                 f"{name} (leave it out here)")
     ids = prompt_token_ids(trace, vocab=vocab_size, seed=seed)
     return [Request(tuple(p), r.output_len) for p, r in zip(ids, trace)]
 
@@ -201,8 +209,10 @@ def run_trtpaged(engine_dir: str, requests: list[Request], name: str = "trtpaged
     vocab = llm.manifest.dims.vocab_size
     for r in range(1, rounds):
         say(f"{name}: round {r + 1}/{rounds} (fresh prompts, same shapes)")
-        result.round_walls.append(_timed_round(llm.engine, fresh_prompts(requests, vocab, 1000 + r), name, say,
-                                              f"bench-r{r}", sequential).wall_s)
+        again = _timed_round(llm.engine, fresh_prompts(requests, vocab, 1000 + r), name, say, f"bench-r{r}", sequential)
+        result.round_walls.append(again.wall_s)
+        if again.foreign_cores is not None:  # the run's load is its noisiest round's
+            result.foreign_cores = max(result.foreign_cores or 0.0, again.foreign_cores)
     return result
 
 
@@ -444,8 +454,7 @@ def run_throughput_bench(
             hf_spec_ratio = systems[-2].useful_tok_s / systems[-1].useful_tok_s
     hf_ok = baseline == "hf" and not systems[-1].timed_out
     ratio = systems[0].useful_tok_s / systems[-1].useful_tok_s if hf_ok else None
-    loads = [s.foreign_cores for s in systems if s.foreign_cores is not None]
-    noise = assess(0.0, max(loads) if loads else None, multiprocessing.cpu_count())
+    noise = run_noise(systems)
     return {
         "engine": str(engine_dir),
         "requests": len(requests),
@@ -463,10 +472,16 @@ def run_throughput_bench(
     }
 
 
+def run_noise(systems: Sequence[SystemResult]) -> Noise:
+    """A run's noise: the spread of each system's rounds' walls (the repeats, with --rounds >= 2; one round is
+    judged by the load alone) and the most other processes' load any system saw in any round."""
+    loads = [s.foreign_cores for s in systems if s.foreign_cores is not None]
+    spreads = [spread(s.round_walls) for s in systems if len(s.round_walls) > 1]
+    return assess(max(spreads, default=0.0), max(loads) if loads else None, multiprocessing.cpu_count())
+
+
 def format_throughput_report(report: dict) -> str:
     """Human-readable table of run_throughput_bench's report."""
-    from trtpaged.bench.noise import Noise
-
     lines = [
         f"trtpaged throughput benchmark: {report['requests']} requests, {report['prompt_tokens']} prompt tokens, "
         f"{report['output_tokens']} output tokens (EOS ignored), "
