@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from click.testing import CliRunner
@@ -75,6 +76,49 @@ def test_scheduler_bound_at_the_batch_limit(tmp_path) -> None:
     bound = diagnose(trace, prompts, kv)["bound"]
     assert (bound["steps_with_queue"], bound["memory_bound_steps"], bound["batch_limit_steps"]) == (4, 0, 4)
     assert bound["replay_bound"] == "scheduler-bound"
+
+
+def test_the_batch_limit_counts_before_a_full_pool(tmp_path) -> None:
+    """Both binding (2 running of max 2, the third does not fit either): more memory would admit nothing, so the
+    steps are the batch limit's (was: memory-bound, and with 8x the blocks the same steps were scheduler-bound)."""
+    trace, prompts = load_request_log(_log(tmp_path, [{"prompt_len": 20, "output_len": 4}] * 3))
+    bounds = []
+    for blocks in (4, 32):
+        kv = ModelKV(10, Budget(num_kv_blocks=blocks, block_size=16, max_seq_len=32, max_batch_size=2,
+                                max_num_tokens=64), "t")  # fmt: skip
+        bounds.append(diagnose(trace, prompts, kv)["bound"])
+    for bound in bounds:
+        assert (bound["memory_bound_steps"], bound["batch_limit_steps"]) == (0, bound["steps_with_queue"])
+        assert bound["replay_bound"] == "scheduler-bound"
+    assert bounds[0]["steps"] == bounds[1]["steps"]
+
+
+def test_a_long_log_in_seconds_is_replayed_with_its_idle_hour_skipped(tmp_path) -> None:
+    """Two requests 30 minutes apart at 1.33 ms a step: 1,353,384 steps apart (was: refused, arrival above
+    1,000,000, naming no line); the replay skips the idle stretch, so it takes the steps of the work alone."""
+    rows = [{"prompt_len": 20, "output_len": 4, "arrival": 0.5, "step_time_s": 0.00133},
+            {"prompt_len": 20, "output_len": 4, "arrival": 1800.5, "step_time_s": 0.00133}]  # fmt: skip
+    trace, prompts = load_request_log(_log(tmp_path, rows))
+    assert [r.arrival for r in trace] == [0, math.ceil(1800 / 0.00133 - 1e-9)]
+    kv = ModelKV(10, Budget(num_kv_blocks=8, block_size=16, max_seq_len=32, max_batch_size=2, max_num_tokens=64), "t")
+    bound = diagnose(trace, prompts, kv)["bound"]
+    assert bound["steps"] == 2 * 4 and bound["steps_with_queue"] == 0
+
+
+def test_requests_logged_by_length_only_are_said_to_hide_their_sharing(tmp_path) -> None:
+    """A server log without --request-log-prompts: its requests get random tokens, so the replay finds no shared
+    prefix whatever the server found; the report says how many requests that is (was: 0% shared, next to the
+    server's own 34% cache hits, without a word)."""
+    from trtpaged.bench.diagnose import format_diagnosis
+
+    a = list(range(1, 41))
+    rows = [{"prompt_len": 40, "output_len": 2}, {"prompt_len": 40, "output_len": 2, "arrival": 1},
+            {"prompt_token_ids": a, "output_len": 2, "arrival": 2}]  # fmt: skip
+    data = read_request_log(_log(tmp_path, rows))
+    assert data.lengths_only == 2
+    kv = ModelKV(10, Budget(num_kv_blocks=64, block_size=16, max_seq_len=64, max_batch_size=8, max_num_tokens=64), "t")
+    text = format_diagnosis(diagnose(data.trace, data.prompts, kv, log=data))
+    assert "2 requests logged by length only: the sharing below cannot see theirs" in text
 
 
 def test_log_errors_name_line_and_field(tmp_path) -> None:

@@ -40,8 +40,11 @@ BAD = {
                          "trace.jsonl:1: prompt_len: must be at most 16777216, got 1000000000000"),
     "huge n": (b'{"prompt_len": 5, "output_len": 5, "n": 1000000000}\n',
                "trace.jsonl:1: n: must be at most 65536, got 1000000000"),
+    # was: "line 1: not JSON", with nothing said about the one-object-per-line form
+    "JSON array": (b'[{"prompt_len": 5, "output_len": 5}]\n', "trace.jsonl:1: expected JSON Lines, one request object"),
+    "pretty-printed": (b'{\n  "prompt_len": 5,\n  "output_len": 5\n}\n', "trace.jsonl:1: expected JSON Lines"),
     "huge arrival": (b'{"prompt_len": 5, "output_len": 5, "arrival": 100000000000000000000}\n',
-                      "arrival: must be at most 1000000, got 100000000000000000000"),
+                      "arrival: must be at most 2147483647, got 100000000000000000000"),
 }
 
 

@@ -66,6 +66,7 @@ class RequestLogData:
     skipped_without_output: int = 0  # server-log requests that produced no token (refused)
     output_tokens: int = 0  # the log's own count: output_lens where given, else output_len x n
     cached_tokens: Optional[int] = None  # prompt tokens the server found in its prefix cache, if logged
+    lengths_only: int = 0  # requests logged by their lengths alone (no prompt, no prefix_id): their sharing is unseen
 
     def summary(self) -> dict:
         """The report's `log` section."""
@@ -74,6 +75,7 @@ class RequestLogData:
         return {"requests": len(self.trace), "prompt_tokens": prompt_tokens, "output_tokens": self.output_tokens,
                 "arrival_unit": self.arrival_unit, "step_time_s": self.step_time_s,
                 "skipped_without_output": self.skipped_without_output, "observed_cached_tokens": cached,
+                "lengths_only": self.lengths_only,
                 "observed_cached_share": cached / prompt_tokens if cached is not None and prompt_tokens else None}
 
 
@@ -127,6 +129,7 @@ def read_request_log(path: str | Path, tokenize: Optional[Callable[[str], list[i
             req = TraceRequest(prompt_len=len(ids) if ids is not None else data["prompt_len"], **fields)
             if ids is None:
                 ids = []
+                out.lengths_only += req.prefix_id is None
                 if req.prefix_id is not None and req.prefix_len:
                     prefix = prefixes.setdefault(req.prefix_id, [rng.randrange(1, vocab_size) for _ in range(req.prefix_len)])
                     ids = list(prefix[: req.prefix_len])
@@ -137,8 +140,11 @@ def read_request_log(path: str | Path, tokenize: Optional[Callable[[str], list[i
     if not rows:
         raise ValueError(f"{path}: no requests")
     arrivals = _arrival_steps(rows, first_arrival is not None and first_arrival[1], step_time, step_times, out)
-    for (_, data, req, ids), arrival in zip(rows, arrivals):
-        out.trace.append(replace(req, arrival=arrival))
+    for (where, data, req, ids), arrival in zip(rows, arrivals):
+        try:
+            out.trace.append(replace(req, arrival=arrival))
+        except ValueError as exc:  # seconds over the step time: a log of months at a microsecond step
+            raise ValueError(f"{where}: {exc} (steps of {out.step_time_s} s)") from exc
         out.prompts.append(ids)
         out.output_tokens += sum(data["output_lens"]) if "output_lens" in data else req.output_len * req.n
         if "cached_tokens" in data:
@@ -326,7 +332,9 @@ def _lengths(trace: list[TraceRequest], kv: ModelKV) -> dict:
         "max_batch_size": b.max_batch_size,
         "fit_ratio": fit_paged / fit_reserve if fit_reserve else None,
     }
-    capped = " (capped by max_batch_size)" if fit_paged > b.max_batch_size else ""
+    runs = min(fit_paged, b.max_batch_size), min(fit_reserve, b.max_batch_size)
+    capped = (f"; at most max_batch_size {b.max_batch_size} run at once, so {runs[0]} against {runs[1]}"
+              f" ({_x(runs[0] / runs[1] if runs[1] else None)})" if fit_paged > b.max_batch_size else "")  # fmt: skip
     out["verdict"] = (
         f"{kv.kv_bytes_per_token / 1024:.1f} KiB of KV per token, {out['kv_bytes_per_seq_at_mean_len'] / 2**20:.1f} MiB "
         f"per sequence at the mean length {mean_len:.0f} of max_seq_len {b.max_seq_len}: the budget holds "
@@ -342,8 +350,10 @@ def _bound(report: dict, budget: Budget, metrics: Optional[dict]) -> dict:
     series = report["series"]["paged + sharing"]
     steps = len(series["running"])
     queued = [i for i in range(steps) if series["waiting"][i]]
-    memory = [i for i in queued if not series["head_fits"][i]]
-    batch = [i for i in queued if series["head_fits"][i] and series["running"][i] >= budget.max_batch_size]
+    # at the batch limit no request is admitted, whether or not the next one fits the pool: more memory buys
+    # nothing in such a step (was: counted memory-bound whenever the head did not fit)
+    batch = [i for i in queued if series["running"][i] >= budget.max_batch_size]
+    memory = [i for i in queued if not series["head_fits"][i] and series["running"][i] < budget.max_batch_size]
     token = len(queued) - len(memory) - len(batch)
     out = {
         "steps": steps,
@@ -416,4 +426,7 @@ def _log_line(log: dict) -> str:
         line += f"; the server found {log['observed_cached_share']:.1%} of prompt tokens in its prefix cache"
     if log["skipped_without_output"]:
         line += f"; {log['skipped_without_output']} requests without output (refused) left out"
+    if log.get("lengths_only"):  # a server log without --request-log-prompts: random tokens, so no sharing is seen
+        line += (f"; {log['lengths_only']} requests logged by length only: the sharing below cannot see theirs "
+                 "(log prompts with `serve --request-log-prompts`)")
     return line

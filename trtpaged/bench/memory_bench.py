@@ -160,6 +160,7 @@ def simulate_contiguous(trace: list[TraceRequest], budget: Budget, reserve: str)
     running: list[_ContiguousSeq] = []
     reserved = 0
     step = 0
+    taken = 0  # steps computed (an idle stretch until the next arrival is skipped, not taken)
     while pending or waiting or running:
         while pending and trace[pending[0]].arrival <= step:
             waiting.append(trace[pending.pop(0)])
@@ -197,7 +198,8 @@ def simulate_contiguous(trace: list[TraceRequest], budget: Budget, reserve: str)
             reserved -= s.reserved
         running = [s for s in running if s not in done]
         step += 1
-        if step > 10_000_000:
+        taken += 1
+        if taken > 10_000_000:
             raise RuntimeError("contiguous simulation did not finish")
     return result.finish()
 
@@ -231,7 +233,10 @@ def simulate_paged(
     def during_step(batch: StepBatch) -> None:
         # Blocks of this step are allocated and none freed yet; this step's tokens are being written.
         stats = engine.kv.stats(engine.scheduler.live_seqs())
-        num_seqs = int(batch.query_start.shape[0]) - 1
+        # sequences admitted, as the contiguous replay counts them: a request of n samples or beams counts n while
+        # its prompt is computed once, before it forks, as the replay without sharing counts its n copies (was:
+        # the step's batch rows, 1 for it, so sharing seemed to lower concurrency)
+        num_seqs = sum(len(g.seqs) if g.forked else g.params.num_seqs for g in engine.scheduler.running)
         result.record(num_seqs, int(stats["kv_tokens_stored"]) + batch.num_tokens, int(stats["kv_slots_allocated"]),
                       batch.num_tokens)  # fmt: skip
         used = int(stats["kv_blocks_used"])

@@ -20,7 +20,7 @@ from trtpaged.config import MAX_BATCH_SIZE, MAX_SEQ_LEN
 from trtpaged.json_input import json_object
 
 # The latest arrival step a trace may give: a replay runs every step up to it.
-MAX_ARRIVAL_STEP = 1_000_000
+MAX_ARRIVAL_STEP = (1 << 31) - 1  # a replay skips idle steps: a day's log at 1 ms a step is 8.6e7 of them
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,9 @@ def json_objects(path: str | Path, allowed: Iterable[str]) -> Iterator[tuple[str
     for lineno, line in enumerate(read_lines(path), 1):
         if line.strip():
             where = f"{path}:{lineno}"
+            if line.strip() in ("[", "{") or (line.lstrip().startswith("[") and lineno == 1):  # a whole JSON document
+                raise ValueError(f"{where}: expected JSON Lines, one request object per line (a JSON array or a "
+                                 "pretty-printed document is not read: write one object per line)")
             yield where, json_object(line, where, allowed)
 
 
