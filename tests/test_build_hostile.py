@@ -132,6 +132,19 @@ def test_an_hf_dir_without_a_tokenizer_is_one_line_naming_the_files(tmp_path):
     assert "tokenizer.json, tokenizer.model" in r.output and not (tmp_path / "out").exists()
 
 
+def test_a_random_model_refused_by_the_accuracy_gate_is_told_of_skip_verify(tmp_path):
+    """The tiny example's random weights in int4: flat logits flip under rounding, so the gate refuses them; the
+    one-line error says so and names --skip-verify, with which the same config builds."""
+    data = {**TINY, "quantization": {"weights": "int4"}}
+    r = _cli("build", str(_yaml(tmp_path, data)), "-o", str(tmp_path / "out"))
+    if r.exit_code == 0:
+        pytest.skip("these random weights passed the gate: nothing to say")
+    _one_line_failure(r, "accuracy:", "build those with --skip-verify")
+    assert not (tmp_path / "out").exists()
+    r = _cli("build", str(_yaml(tmp_path, data)), "-o", str(tmp_path / "out"), "--skip-verify")
+    assert r.exit_code == 0, r.output
+
+
 @pytest.mark.parametrize("eps", ["NaN", -1.0])
 def test_a_model_whose_dims_no_reader_takes_is_not_built_even_unverified(tmp_path, eps):
     """rms_norm_eps NaN or -1 built with --skip-verify, and inspect, LLM and generate then refused the engine."""

@@ -42,6 +42,9 @@ FAMILIES = {
                "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0, "hidden_activation": "gelu_pytorch_tanh"},
     "gemma3": {"architecture": "Gemma3ForCausalLM", "sliding_window": WINDOW, "query_pre_attn_scalar": 24,
                "sliding_window_pattern": 2, "hidden_activation": "gelu_pytorch_tanh"},
+    # a soft-cap Gemma 3's config may carry and transformers' Gemma 3 never applies (was: applied, 0.07 off HF)
+    "gemma3-attn-cap": {"architecture": "Gemma3ForCausalLM", "sliding_window_pattern": 2, "sliding_window": WINDOW,
+                        "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0},
 }
 
 
@@ -64,7 +67,8 @@ def test_dims_carry_what_makes_the_family(family):
                 "mistral-window": dims.layer_windows == (WINDOW,) * 4,
                 "qwen2-window": dims.layer_windows == (0, WINDOW, WINDOW, WINDOW),
                 "gemma2": dims.attn_logit_softcap == 5.0 and dims.layer_windows == (WINDOW, 0, WINDOW, 0),
-                "gemma3": dims.qk_norm and dims.local_rope_theta > 0 and dims.layer_windows == (WINDOW, 0, WINDOW, 0)}
+                "gemma3": dims.qk_norm and dims.local_rope_theta > 0 and dims.layer_windows == (WINDOW, 0, WINDOW, 0),
+                "gemma3-attn-cap": dims.attn_logit_softcap == 0.0 and dims.final_logit_softcap == 3.0}
     assert expected[name], dims
 
 
@@ -80,6 +84,46 @@ def test_step_model_matches_hf_forward(family, block_size):
             logits, _ = model(*step.args(cache))
         err = (logits - hf_logits(hf.model, seqs, step.rows)).abs().max().item()
         assert err < 1e-4
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_a_fused_checkpoint_quantizes_and_matches_hf_on_its_dequantized_weights(weights):
+    """Phi-3's checkpoint holds qkv_proj and gate_up_proj fused, where quantizing looked q/k/v up by name (a
+    KeyError traceback at build): the step model on the quantized weights equals transformers on the
+    de-quantized ones."""
+    from trtpaged.builder.quantize import dequantized_hf_model, quantized_step_model
+
+    config = _config("phi3", quantization={"weights": weights})
+    hf = load_hf(config.model)
+    dims = dims_from_hf_config(hf.config, config.limits.max_seq_len)
+    model, quantized = quantized_step_model(hf.model, config.model, dims, config.quantization, torch.float32)
+    reference = dequantized_hf_model(hf.model, dims, quantized)
+    assert reference is not hf.model and quantized.plan
+    seqs, steps, num_kv_blocks = standard_probe(dims.vocab_size, 16, seed=5, all_rows=True)
+    cache = model.new_kv_cache(num_kv_blocks, 16)
+    for step in steps:
+        with torch.no_grad():
+            logits, _ = model(*step.args(cache))
+        assert (logits - hf_logits(reference, seqs, step.rows)).abs().max().item() < 1e-3
+
+
+def test_swish_is_silu_as_transformers_reads_it():
+    """hidden_act "swish" (transformers' ACT2FN: SiLU) was refused; the step model matches transformers with it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, hidden_act="swish", max_position_embeddings=256)
+    hf = LlamaForCausalLM(config).eval()
+    dims = dims_from_hf_config(config, 256)
+    assert dims.hidden_act == "silu"
+    model = step_model_from_hf(hf, dims)
+    seqs, steps, num_kv_blocks = standard_probe(dims.vocab_size, 16, seed=3, all_rows=True)
+    cache = model.new_kv_cache(num_kv_blocks, 16)
+    for step in steps:
+        with torch.no_grad():
+            logits, _ = model(*step.args(cache))
+        assert (logits - hf_logits(hf, seqs, step.rows)).abs().max().item() < 1e-4
 
 
 def test_greedy_equals_hf_generate_beyond_the_window_chunked_and_with_prefix_hits(family):

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -114,6 +114,14 @@ def _carry(parts: tuple[str, ...], floats: list[torch.Tensor], gguf: dict[str, t
     return concat_rows(weights), f"gguf {'+'.join(types)} exact"
 
 
+def checkpoint_parts(module: str, parts: tuple[str, ...], present: Mapping[str, Any]) -> tuple[str, ...]:
+    """The HF modules a step-model linear is made of, as the checkpoint names them: `parts` (q/k/v, gate/up), or
+    the fused module itself where the checkpoint holds it fused (Phi-3's qkv_proj and gate_up_proj)."""
+    if f"{parts[0]}.weight" not in present and f"{module}.weight" in present:
+        return (module,)
+    return parts
+
+
 def quantize_state(
     state: dict[str, torch.Tensor],
     hf_parts: dict[str, torch.Tensor],
@@ -139,6 +147,7 @@ def quantize_state(
         origin[module] = how
 
     def one(module: str, parts: tuple[str, ...], bits: int, group_size: Optional[int]) -> tuple[QuantizedWeight, str]:
+        parts = checkpoint_parts(module, parts, hf_parts)
         floats = [hf_parts[f"{p}.weight"] for p in parts]
         carried = _carry(parts, floats, gguf, bits, group_size)
         if carried is not None:
@@ -201,7 +210,7 @@ def dequantized_hf_model(hf_model, dims: ModelDims, quantized: QuantizedState):
         weight = QuantizedWeight(bits, group, quantized.state[f"{prefix}.codes"], quantized.state[f"{prefix}.scales"],
                                  quantized.state.get(f"{prefix}.offsets")).dequantize()
         start = 0
-        for part in parts:
+        for part in checkpoint_parts(module, parts, {k.removeprefix("model."): v for k, v in params.items()}):
             name = f"model.{part}.weight" if f"model.{part}.weight" in params else f"{part}.weight"
             target = params[name]
             rows = target.shape[0]

@@ -13,7 +13,7 @@ MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qw
                "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text"}
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # the gated MLP activations the step model implements, by HF name
-ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}  # as ACT2FN
 # config keys of variants no listed family's step model implements (MoE and friends): refused by name
 _LLAMA_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM")  # attention_bias: q/k/v and o
 _REFUSED_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
@@ -164,7 +164,8 @@ def dims_from_hf_config(config: Any, max_seq_len: Optional[int] = None) -> Model
         gemma_norms=gemma,
         embed_scale=float(config.hidden_size) ** 0.5 if gemma else 1.0,
         attention_scale=float(scalar) ** -0.5 if scalar else 0.0,
-        attn_logit_softcap=_softcap(config, "attn_logit_softcapping") if gemma else 0.0,
+        # Gemma 3's config carries attn_logit_softcapping, but transformers' Gemma 3 attention never applies it
+        attn_logit_softcap=_softcap(config, "attn_logit_softcapping") if arch == "Gemma2ForCausalLM" else 0.0,
         final_logit_softcap=_softcap(config, "final_logit_softcapping") if gemma else 0.0,
         local_rope_theta=local_theta,
     )
