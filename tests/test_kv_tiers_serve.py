@@ -89,6 +89,9 @@ def test_a_password_in_a_redis_url_is_not_shown_in_errors():
     with pytest.raises(ValueError) as e:
         KVTierConfig.parse({"remote": "redis://:hunter2@127.0.0.1:6379/abc"})
     assert "hunter2" not in str(e.value) and "redis://:***@127.0.0.1:6379/abc" in str(e.value)
+    with pytest.raises(ValueError) as e:
+        KVTierConfig.parse({"remote": "redis://127.0.0.1:6379/abc?password=hunter2"})
+    assert "hunter2" not in str(e.value) and "password=***" in str(e.value)
 
 
 def test_an_unwritable_disk_path_is_refused_before_the_weights_load(tiny_engine_dir, tmp_path, monkeypatch):

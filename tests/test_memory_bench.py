@@ -282,13 +282,3 @@ def test_idle_steps_between_arrivals_count_in_no_replay() -> None:
     for p in report["policies"]:
         assert (p["steps"], p["mean_running"], p["speedup_in_steps_vs_reserve_max"]) == (20, 1.0, 1.0), p
 
-
-def test_parallel_samples_count_as_n_sequences_while_their_prompt_is_computed_once() -> None:
-    """One request of n=4 (prompt 32, 6 tokens each) alone: with sharing its 4 sequences run from the first step
-    (the prompt once); without, the 4 copies' prompts take two steps of the 64-token budget, so they start 2 then
-    4 (was: the sharing replay counted 1 in its prefill step, so sharing seemed to lower concurrency)."""
-    budget = Budget(num_kv_blocks=64, block_size=16, max_seq_len=64, max_batch_size=8, max_num_tokens=64)
-    series = run_memory_bench([TraceRequest(prompt_len=32, output_len=6, n=4)], budget)["series"]
-    shared, copies = series["paged + sharing"]["running"], series["paged"]["running"]
-    assert set(shared) == {4} and copies[:2] == [2, 4]
-    assert sum(shared) / len(shared) >= sum(copies) / len(copies)

@@ -374,6 +374,9 @@ def test_an_output_cut_inside_a_character_leaves_it_out(llm):
         c = out.outputs[0]
         assert c.finish_reason == "length" and len(c.token_ids) == max_tokens
         assert c.text == _text_of(tok, c.token_ids)[0] and "\ufffd" not in c.text[-1:], (bias, c.text)
+    # beams (decoded whole): 4 beams of 6 byte tokens of a random model, some of them ending inside a character
+    (beams,) = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, beam_width=4, n=4, ignore_eos=True))
+    assert [c.text for c in beams.outputs] == [_text_of(tok, c.token_ids)[0] for c in beams.outputs]
 
 
 @pytest.mark.slow

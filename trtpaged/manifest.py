@@ -423,7 +423,7 @@ def engine_path(engine_dir: str | Path, rel: str, name: str) -> Path:
         raise EngineDirError(full, name, f"cannot be resolved ({e})") from None
     if real != root and root not in real.parents:
         raise EngineDirError(full, name, f"resolves to {real}, outside the engine dir (a symlink out of it)")
-    return full
+    return real
 
 
 def read_manifest(engine_dir: str | Path) -> Manifest:
@@ -438,7 +438,7 @@ def read_manifest(engine_dir: str | Path) -> Manifest:
     manifest_path = path / MANIFEST_NAME
     if not manifest_path.is_file():
         raise FileNotFoundError(f"{path}: not an engine dir (no {MANIFEST_NAME}); build one with `trtpaged build`")
-    real = engine_path(path, MANIFEST_NAME, "(manifest)").resolve()  # read as checked: no link swapped in between
+    real = engine_path(path, MANIFEST_NAME, "(manifest)")  # read as checked (resolved): no link swapped in between
     try:
         with open(real, "rb") as f:
             text = f.read(MAX_MANIFEST_BYTES + 1)

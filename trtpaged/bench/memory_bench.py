@@ -233,10 +233,7 @@ def simulate_paged(
     def during_step(batch: StepBatch) -> None:
         # Blocks of this step are allocated and none freed yet; this step's tokens are being written.
         stats = engine.kv.stats(engine.scheduler.live_seqs())
-        # sequences admitted, as the contiguous replay counts them: a request of n samples or beams counts n while
-        # its prompt is computed once, before it forks, as the replay without sharing counts its n copies (was:
-        # the step's batch rows, 1 for it, so sharing seemed to lower concurrency)
-        num_seqs = sum(len(g.seqs) if g.forked else g.params.num_seqs for g in engine.scheduler.running)
+        num_seqs = int(batch.query_start.shape[0]) - 1
         result.record(num_seqs, int(stats["kv_tokens_stored"]) + batch.num_tokens, int(stats["kv_slots_allocated"]),
                       batch.num_tokens)  # fmt: skip
         used = int(stats["kv_blocks_used"])

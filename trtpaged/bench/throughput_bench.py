@@ -473,10 +473,12 @@ def run_throughput_bench(
 
 
 def run_noise(systems: Sequence[SystemResult]) -> Noise:
-    """A run's noise: the spread of each system's rounds' walls (the repeats, with --rounds >= 2; one round is
-    judged by the load alone) and the most other processes' load any system saw in any round."""
+    """A run's noise: the spread of each system's rounds' walls (the repeats: from 3 rounds on the rounds after the
+    first, which is the cold batch the report's "first / second" shows; with 2, both; one round is judged by the
+    load alone) and the most other processes' load any system saw in any round."""
     loads = [s.foreign_cores for s in systems if s.foreign_cores is not None]
-    spreads = [spread(s.round_walls) for s in systems if len(s.round_walls) > 1]
+    spreads = [spread(s.round_walls[1:] if len(s.round_walls) > 2 else s.round_walls) for s in systems
+               if len(s.round_walls) > 1]  # fmt: skip
     return assess(max(spreads, default=0.0), max(loads) if loads else None, multiprocessing.cpu_count())
 
 

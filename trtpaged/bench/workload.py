@@ -55,12 +55,15 @@ def json_objects(path: str | Path, allowed: Iterable[str]) -> Iterator[tuple[str
     """("path:line", object) for each non-blank line of a JSON Lines file; ValueError naming the line for
     a line that is not a JSON object or has a field outside `allowed`."""
     allowed = set(allowed)
+    first = True
     for lineno, line in enumerate(read_lines(path), 1):
         if line.strip():
             where = f"{path}:{lineno}"
-            if line.strip() in ("[", "{") or (line.lstrip().startswith("[") and lineno == 1):  # a whole JSON document
+            text = line.strip().lstrip("\ufeff")
+            if text in ("[", "{") or (first and text.startswith("[")):  # a whole JSON document, not JSON Lines
                 raise ValueError(f"{where}: expected JSON Lines, one request object per line (a JSON array or a "
                                  "pretty-printed document is not read: write one object per line)")
+            first = False
             yield where, json_object(line, where, allowed)
 
 

@@ -172,8 +172,8 @@ def chat_prompt_text(tokenizer: Any, messages: Seq[dict], tools: Optional[Seq[di
         extra["chat_template"] = chat_template
     elif not getattr(tokenizer, "chat_template", None):
         raise RequestError("chat_template", "this engine has no chat template (its model's tokenizer had none at "
-                           "build): send a plain prompt (LLM.generate, /v1/completions) or pass chat_template to "
-                           "LLM.chat")  # fmt: skip
+                           "build): send a plain prompt (/v1/completions, LLM.generate), or offline pass "
+                           "LLM.chat(..., chat_template=...)")  # fmt: skip
     text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
                                          continue_final_message=continue_final_message, tokenize=False,
                                          **extra)  # fmt: skip

@@ -42,13 +42,14 @@ def overloaded(message: str, retry_after_s: int = 1) -> ApiError:
 
 # how pydantic names a union's member in an error's location (str, list[int], ChatMessage, function-after[...]), as
 # opposed to a field name, a list index or a dict key, where several errors are several bad values
-_UNION_FORM = re.compile(r"^((str|int|float|bool|none|bytes|any|list|dict|tuple|set|union)(\[.*\])?|[A-Z]\w*|function-.*)$")
+_UNION_FORM = re.compile(r"^((str|int|float|bool|none|bytes|any|list|dict|tuple|set|union|literal)(\[.*\])?|function-.*)$")
 
 
 def from_validation_error(exc: ValidationError) -> ApiError:
     """The first schema violation as a 400 naming the top-level request field and the rule it broke."""
     errors = exc.errors(include_url=False)
     first = errors[0]
+    forms_of = [e for e in errors if e.get("type") != "extra_forbidden"]  # an unknown key is no union's form
     loc = [str(p) for p in first.get("loc", ())]
     param = loc[0] if loc else "body"
     got = first.get("input")
@@ -56,7 +57,7 @@ def from_validation_error(exc: ValidationError) -> ApiError:
     # a value of a union type: pydantic reports one error per accepted form, each under the form's name at the same
     # place (prompt.str, prompt.list[int], ...); naming only the first form's rule told the client the wrong thing
     for i in range(1, len(loc)):
-        forms = list(dict.fromkeys(str(e["loc"][i]) for e in errors
+        forms = list(dict.fromkeys(str(e["loc"][i]) for e in forms_of
                                    if len(e["loc"]) > i and [str(p) for p in e["loc"][:i]] == loc[:i]))
         if len(forms) > 1 and all(_UNION_FORM.match(form) for form in forms):
             return ApiError(f"{_where(loc[:i])}: expected one of {', '.join(forms)}, got {shown[:80]}", param)

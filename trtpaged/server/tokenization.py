@@ -82,7 +82,7 @@ class Tokenization:
         except (ApiError, ShuttingDown, Overloaded):  # the app answers the last two with a 503
             raise
         except ValueError as exc:
-            raise from_runtime_error(exc, {"prompt": field_name}) from None
+            raise from_runtime_error(exc, {"prompt": field_name, "chat_template": field_name}) from None
         except Exception as exc:  # noqa: BLE001 - a template or tokenizer error is the request's fault
             raise ApiError(f"{field_name}: could not be tokenized ({type(exc).__name__})", field_name) from None
         return answer

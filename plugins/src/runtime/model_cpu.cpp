@@ -254,7 +254,8 @@ CpuModel::CpuModel(const Manifest& manifest, const std::string& weights_path, co
     if (!std::isfinite(inv)) {
       char factor[32];
       std::snprintf(factor, sizeof factor, "%g", m_.rope.factor);
-      invalid(manifest_where + "dims.rope_scaling: factor " + factor + " gives non-finite rotary frequencies in float32");
+      invalid(manifest_where + "dims.rope_scaling: factor " + factor +
+              " gives non-finite rotary frequencies in float32");
     }
     inv_freq_.push_back(inv);
   }

@@ -12,6 +12,7 @@ server's business (`maxmemory` with an LRU policy; `.ci/run` starts one so);
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from typing import Optional
@@ -24,12 +25,15 @@ log = logging.getLogger("trtpaged.runtime")
 
 
 def redacted(url: str) -> str:
-    """The URL as messages and logs may show it: a password in it replaced by ***."""
+    """The URL as messages and logs may show it: a password in it (before the host, or a password= option)
+    replaced by ***."""
     parsed = urlparse(url)
-    if parsed.password is None:
+    if parsed.password is None and not re.search(r"(?i)(^|&)password=", parsed.query):
         return url
-    netloc = parsed.netloc.replace(f":{parsed.password}@", ":***@", 1)
-    return parsed._replace(netloc=netloc).geturl()
+    if parsed.password is not None:
+        parsed = parsed._replace(netloc=parsed.netloc.replace(f":{parsed.password}@", ":***@", 1))
+    query = re.sub(r"(?i)(^|&)(password=)[^&]*", r"\1\2***", parsed.query)
+    return parsed._replace(query=query).geturl()
 
 
 def check_redis_url(url: str) -> str:
