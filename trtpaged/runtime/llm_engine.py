@@ -201,7 +201,7 @@ class LLMEngine:
         `reset_running_requests` does not preempt them."""
         if self.scheduler.has_unfinished():
             log.warning("reset_prefix_cache: %d requests unfinished; the prefix cache was not reset",
-                         len(self.groups))
+                        len(self.groups))
             return False
         return self.kv.reset_prefix_cache()
 
