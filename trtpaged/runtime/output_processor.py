@@ -104,18 +104,28 @@ class OutputProcessor:
             delta = "".join(seq.detokenizer.add(t) for t in tokens)
             seq.num_decoded_tokens += len(tokens)
             seq.output_text += delta
-            if params.stop and not ended_on_token and seq.num_decoded_tokens > params.min_tokens:
-                hit = find_stop_string(seq.output_text, params.stop, len(delta))
-                if hit is not None:
-                    index, stop = hit
-                    return stop, index + (len(stop) if params.include_stop_str_in_output else 0)
+            hit = self._stop_in(seq, params, len(delta), ended_on_token)
+            if hit is not None:
+                return hit
         seq.num_decoded_tokens += unshown
         if seq.is_finished:
             self._flush(seq, params, ended_on_token)
         return None
 
     @staticmethod
-    def _flush(seq: Sequence, params: Any, ended_on_token: bool) -> None:
+    def _stop_in(seq: Sequence, params: Any, new_chars: int, ended_on_token: bool) -> Optional[tuple[str, int]]:
+        """(stop string, text length to keep) where the text's last `new_chars` completed a stop string; None after
+        an end token, within min_tokens, or without one."""
+        if not params.stop or ended_on_token or seq.num_decoded_tokens <= params.min_tokens:
+            return None
+        hit = find_stop_string(seq.output_text, params.stop, new_chars)
+        if hit is None:
+            return None
+        index, stop = hit
+        return stop, index + (len(stop) if params.include_stop_str_in_output else 0)
+
+    @classmethod
+    def _flush(cls, seq: Sequence, params: Any, ended_on_token: bool) -> None:
         """A finished sequence's text still held back, less an incomplete character at its end (the tokens end
         inside it: vLLM's text leaves it out too, the token ids keep it); a stop string it completes cuts the
         text there and makes the finish "stop", as anywhere else in the text."""
@@ -123,12 +133,11 @@ class OutputProcessor:
         if not rest:
             return
         seq.output_text += rest
-        if params.stop and not ended_on_token and seq.num_decoded_tokens > params.min_tokens:
-            hit = find_stop_string(seq.output_text, params.stop, len(rest))
-            if hit is not None:
-                index, stop = hit
-                seq.output_text = seq.output_text[: index + (len(stop) if params.include_stop_str_in_output else 0)]
-                seq.finish("stop", stop)
+        hit = cls._stop_in(seq, params, len(rest), ended_on_token)
+        if hit is not None:  # the sequence has finished: cut and re-finished here, not by the scheduler
+            stop, keep = hit
+            seq.output_text = seq.output_text[:keep]
+            seq.finish("stop", stop)
 
     def _decode(self, token_ids: Seq[int], skip_special: bool) -> str:
         if self.tokenizer is None:

@@ -40,8 +40,8 @@ def overloaded(message: str, retry_after_s: int = 1) -> ApiError:
     return ApiError(message, None, 503, "server_overloaded", "overloaded", {"Retry-After": str(retry_after_s)})
 
 
-# how pydantic names a union's member in an error's location (str, list[int], ChatMessage, function-after[...]), as
-# opposed to a field name, a list index or a dict key, where several errors are several bad values
+# how pydantic names a union's member in an error's location (str, list[int], literal['never'], function-after[...]),
+# as opposed to a field name, a list index or a dict key, where several errors are several bad values
 _UNION_FORM = re.compile(r"^((str|int|float|bool|none|bytes|any|list|dict|tuple|set|union|literal)(\[.*\])?|function-.*)$")
 
 
