@@ -173,3 +173,27 @@ def test_stop_token_ids_logprobs_and_abort(hf, prompts, reference):
     request = engine.add_request(prompts[6], GREEDY)
     engine.step()
     assert engine.abort(request) and engine.kv.pool.num_used == 0
+
+
+@pytest.mark.parametrize("beam", [False, True])
+def test_a_recomputed_group_shares_its_prompt_again(hf, beam):
+    """An n-sample request (or a beam search) preempted by recompute shares again what its sequences have in
+    common: each waits for the blocks an earlier one computes. Under load it ends as it does alone (was: every
+    sequence recomputed its whole history into blocks of its own, more than this pool holds, and the request
+    ended early with finish_reason "length")."""
+    g = torch.Generator().manual_seed(11)
+    prompt = torch.randint(0, 256, (40,), generator=g).tolist()  # 2 full blocks + 8 tokens
+    if beam:
+        params = SamplingParams(max_tokens=20, temperature=0.0, beam_width=4, n=4, ignore_eos=True)
+    else:
+        params = SamplingParams(max_tokens=20, n=4, temperature=1.0, seed=7, ignore_eos=True)
+    other = SamplingParams(max_tokens=60 if beam else 30, temperature=0.0, ignore_eos=True)
+    num_kv_blocks = 8 if beam else 12  # beams share more than the prompt: their common prefixes, as a tree
+    alone = run_staggered(make(hf, num_kv_blocks=num_kv_blocks, enable_prefix_caching=False), [(prompt, params)])[0]
+    engine = make(hf, num_kv_blocks=num_kv_blocks, enable_prefix_caching=False)
+    loaded = run_staggered(engine, [(list(range(20)), other), (prompt, params)])[1]
+    assert engine.stats()["num_preemptions"] > 0  # the scenario is the one intended
+    assert [c.finish_reason for c in loaded.outputs] == [c.finish_reason for c in alone.outputs] == ["length"] * 4
+    assert [c.token_ids for c in loaded.outputs] == [c.token_ids for c in alone.outputs]
+    assert all(len(c.token_ids) == 20 for c in loaded.outputs)
+    assert engine.kv.pool.num_used == 0

@@ -440,14 +440,26 @@ class KVCacheManager:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent (copy-on-write on its next write)."""
-        table = self.tables[parent.seq_id]
+        self._share(parent, child, len(self.tables[parent.seq_id]))
+
+    def _share(self, source: Sequence, seq: Sequence, num_blocks: int) -> None:
+        table = self.tables[source.seq_id][:num_blocks]
         self.pool.touch(_live(table))
-        self.tables[child.seq_id] = list(table)
-        self._hashes[child.seq_id] = list(self._hashes.get(parent.seq_id, []))
-        if parent.seq_id in self._first_live:
-            self._first_live[child.seq_id] = self._first_live[parent.seq_id]
-        if parent.seq_id in self._tier_keys:
-            self._tier_keys[child.seq_id] = list(self._tier_keys[parent.seq_id])
+        self.tables[seq.seq_id] = table
+        self._hashes[seq.seq_id] = self._hashes.get(source.seq_id, [])[:num_blocks]
+        if source.seq_id in self._first_live:
+            self._first_live[seq.seq_id] = min(self._first_live[source.seq_id], num_blocks)
+        if source.seq_id in self._tier_keys:
+            self._tier_keys[seq.seq_id] = self._tier_keys[source.seq_id][:num_blocks]
+
+    def share_blocks(self, source: Sequence, seq: Sequence, num_blocks: int) -> None:
+        """`seq`, which has no blocks, takes `source`'s first `num_blocks` blocks, full and computed (a
+        recomputed group's sequences sharing what they have in common again); a tier read it had staged for
+        itself is dropped."""
+        if seq.seq_id in self.tables:
+            raise RuntimeError(f"sequence {seq.seq_id}: sharing blocks into a sequence that already has blocks")
+        self._drop_load(seq.seq_id)
+        self._share(source, seq, num_blocks)
 
     def free(self, seq: Sequence) -> None:
         """Returns the sequence's blocks (device and host), tail first so shared prefixes are evicted last."""

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence as Seq, Union
 
 from trtpaged.errors import RequestError
 from trtpaged.runtime.beam_search import BeamStep
-from trtpaged.runtime.draft import DraftProposer, DraftRequest, Proposal
+from trtpaged.runtime.draft import DraftProposer, DraftRequest, Proposal, common_prefix
 from trtpaged.runtime.kv_cache_manager import AllocationPlan, AllocRequest, KVCacheManager, TierSave
 from trtpaged.runtime.runtime_config import RuntimeConfig
 from trtpaged.runtime.sampler import Run, SampleFailure
@@ -123,15 +123,32 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-def split_tokens(remaining: list[int], tokens_left: int, seqs_left: int) -> Optional[tuple[list[int], bool]]:
+def share_plan(seqs: Seq[Sequence], block_size: int) -> dict[int, tuple[Sequence, int]]:
+    """For a group about to recompute: each sequence after the first that has full blocks of tokens in common
+    with an earlier one -> (the earlier one with the most, how many blocks). Each sequence computes at least
+    its last token itself (its logits are sampled)."""
+    plan: dict[int, tuple[Sequence, int]] = {}
+    for i, seq in enumerate(seqs):
+        best, best_len = None, 0
+        for earlier in seqs[:i]:
+            common = min(common_prefix(seq.token_ids, earlier.token_ids), len(seq.token_ids) - 1)
+            if common > best_len:
+                best, best_len = earlier, common
+        if best is not None and best_len >= block_size:
+            plan[seq.seq_id] = (best, best_len // block_size)
+    return plan
+
+
+def split_tokens(remaining: list[int], tokens_left: int, seqs_left: int,
+                 hold_last: bool = False) -> Optional[tuple[list[int], bool]]:  # fmt: skip
     """Tokens per sequence of one group this step, and whether the group samples after it.
 
-    All of them if they fit; otherwise chunks that leave every sequence at least
-    one token short, so a group's sequences always sample in the same step.
+    All of them if they fit (and not `hold_last`: others of the group are still to join); otherwise chunks
+    that leave every sequence at least one token short, so a group's sequences always sample in the same step.
     """
     if len(remaining) > seqs_left or tokens_left <= 0:
         return None
-    if sum(remaining) <= tokens_left:
+    if sum(remaining) <= tokens_left and not hold_last:
         return list(remaining), True
     plan, left = [], tokens_left
     for r in remaining:
@@ -410,17 +427,33 @@ class Scheduler:
         return out
 
     def _plan(self, group: SequenceGroup, budget: list[int]) -> tuple[Optional[list[AllocRequest]], bool]:
-        hits = [[] if group.scores_prompt else self.kv.find_cached_prefix(s) for s in group.seqs]
+        seqs = self._take_shares(group) if group.pending_shares else group.seqs
+        hits = [[] if group.scores_prompt else self.kv.find_cached_prefix(s) for s in seqs]
         bs = self.kv.block_size
-        remaining = [
-            len(s.token_ids) - len(h) * bs if h else s.num_uncomputed_tokens for s, h in zip(group.seqs, hits)
-        ]
-        split = split_tokens(remaining, budget[0], budget[1])
+        remaining = [len(s.token_ids) - len(h) * bs if h else s.num_uncomputed_tokens for s, h in zip(seqs, hits)]
+        split = split_tokens(remaining, budget[0], budget[1], hold_last=bool(group.pending_shares))
         if split is None:
             return None, False
         plan, sample = split
-        requests = [(s, n, h) for s, n, h in zip(group.seqs, plan, hits) if n > 0]
+        requests = [(s, n, h) for s, n, h in zip(seqs, plan, hits) if n > 0]
         return requests, sample
+
+    def _take_shares(self, group: SequenceGroup) -> list[Sequence]:
+        """A recomputed group's sequences that wait for blocks an earlier one computes take them once it has
+        (as the first sample's fork gave them); returns the sequences that compute this step (those still
+        waiting compute nothing, and the others keep their last token until none waits: they sample
+        together)."""
+        bs = self.kv.block_size
+        for seq in group.seqs:
+            share = group.pending_shares.get(seq.seq_id)
+            if share is None:
+                continue
+            source, num_blocks = share
+            if source.seq_id not in group.pending_shares and source.num_computed_tokens >= num_blocks * bs:
+                self.kv.share_blocks(source, seq, num_blocks)
+                seq.num_computed_tokens = num_blocks * bs
+                del group.pending_shares[seq.seq_id]
+        return [s for s in group.seqs if s.seq_id not in group.pending_shares]
 
     def _speculates(self, num_decoding: int) -> bool:
         """Whether this step proposes tokens: speculation is configured, and fewer sequences decode than
@@ -574,6 +607,7 @@ class Scheduler:
         for seq in group.seqs:
             self.kv.free(seq)
             seq.num_computed_tokens = 0
+        group.pending_shares = share_plan(group.seqs, self.kv.block_size)
         group.set_status(SequenceStatus.WAITING)
         self._forget_drafts(group)
         self._insert(self.waiting, group)

@@ -154,6 +154,9 @@ class SequenceGroup:
         self.finished: list[Sequence] = []
         self.beam = beam
         self.forked = False  # whether the first sample has happened (n > 1 forks there)
+        # after a recompute preemption of several sequences: seq_id -> (an earlier sequence of the group, how
+        # many of its first blocks hold tokens both have); the sequence waits for them and shares them
+        self.pending_shares: dict[int, tuple[Sequence, int]] = {}
         # one RNG per output index of a seeded request, kept across preemption and batch changes
         self.generators: list[Optional[torch.Generator]] = [
             make_generator(params.seed, i) for i in range(params.n if beam is None else 0)
