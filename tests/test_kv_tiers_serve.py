@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
 import random
 from dataclasses import replace
 
@@ -83,6 +84,12 @@ def test_a_short_secret_is_refused_and_a_trailing_newline_is_not_part_of_it(tmp_
     # nothing it would sign: refused rather than read and left unused
     with pytest.raises(ValueError, match="^kv_tiers.secret_file: signs disk and Redis entries; set disk or remote"):
         KVTierConfig.parse({"host_memory": "1MiB", "secret_file": str(good)})
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # opening it would wait for a writer for ever (was: the server hung at start)
+    with pytest.raises(ValueError, match="^kv_tiers.secret_file: .*fifo is not a regular file"):
+        KVTierConfig.parse({"disk": disk, "secret_file": str(fifo)})
+    with pytest.raises(ValueError, match="^kv_tiers.secret_file: .* is not a regular file"):
+        KVTierConfig.parse({"disk": disk, "secret_file": str(tmp_path)})
 
 
 def test_a_password_in_a_redis_url_is_not_shown_in_errors():

@@ -10,6 +10,8 @@ Every error is a ValueError naming the field (`kv_tiers.disk.size`) and what is 
 
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
@@ -154,6 +156,8 @@ def read_secret(path: Any) -> bytes:
     if not isinstance(path, (str, Path)) or not str(path):
         raise ValueError(f"kv_tiers.secret_file: expected a file path, got {path!r}")
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO or a device would block or never end
+            raise ValueError(f"kv_tiers.secret_file: {path} is not a regular file")
         with open(path, "rb") as f:
             secret = f.read(MAX_SECRET_BYTES + 2)
     except OSError as e:
