@@ -117,13 +117,14 @@ def test_cli_bad_trace_names_line_and_field(tiny_engine_dir, tmp_path) -> None:
 
 @pytest.mark.parametrize("field, value", [("n", 4), ("beam_width", 3), ("arrival", 500)])
 def test_cli_refuses_trace_fields_it_would_not_replay(tiny_engine_dir, tmp_path, field, value) -> None:
-    """was: the line ran as one sequence at t=0 and the report counted it so, without a word"""
+    """was: the line ran as one sequence at t=0 and the report counted it so, without a word; the error names the
+    file's line (a blank line before it: was "request 2")"""
     trace = tmp_path / "t.jsonl"
     lines = [{"prompt_len": 20, "output_len": 4}, {"prompt_len": 20, "output_len": 4, field: value}]
-    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    trace.write_text("\n".join(json.dumps(line) + "\n" for line in lines))
     result = CliRunner().invoke(main, ["bench", "throughput", str(tiny_engine_dir), "--trace", str(trace),
                                        "--baseline", "none"])  # fmt: skip
-    assert result.exit_code != 0 and f"request 2: {field}: {value}; bench throughput submits" in result.output
+    assert result.exit_code != 0 and f"t.jsonl:3: {field}: {value}; bench throughput submits" in result.output
 
 
 def test_the_rounds_walls_are_the_repeats_whose_spread_refuses_a_verdict() -> None:

@@ -126,4 +126,4 @@ def test_bench_throughput_refuses_a_trace_beyond_max_seq_len_before_loading(tiny
     monkeypatch.setattr(llm.LLM, "__init__", lambda *a, **k: pytest.fail("the engine was loaded"))
     path = _file(tmp_path, b'{"prompt": "hello there", "output_len": 600}\n')
     r = CliRunner().invoke(main, ["bench", "throughput", str(tiny_engine_dir), "--trace", path, "--baseline", "none"])
-    _one_line_failure(r, "trace.jsonl: request 1:", "prompt tokens + output_len 600 exceed the engine's max_seq_len (512)")
+    _one_line_failure(r, "trace.jsonl:1:", "prompt tokens + output_len 600 exceed the engine's max_seq_len (512)")

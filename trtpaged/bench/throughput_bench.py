@@ -52,6 +52,7 @@ class Request:
 
     prompt_ids: tuple[int, ...]
     output_len: int
+    where: str = field(default="", compare=False)  # "file:line" of a request read from a file
 
 
 @dataclass
@@ -101,18 +102,20 @@ def default_requests(vocab_size: int, num_requests: int = 16, seed: int = 0) -> 
     return requests_from_trace(trace, vocab_size, seed)
 
 
-def requests_from_trace(trace: list[TraceRequest], vocab_size: int, seed: int = 0) -> list[Request]:
+def requests_from_trace(trace: list[TraceRequest], vocab_size: int, seed: int = 0,
+                        wheres: Optional[list[str]] = None) -> list[Request]:  # fmt: skip
     """Token ids for a memory-bench trace (shared prefixes identical). Every request is one sequence submitted at
     t=0, as the transformers baseline runs it: a line with n, beam_width or arrival is refused, naming it (they
-    were dropped without a word)."""
-    for line, r in enumerate(trace, 1):
+    were dropped without a word). `wheres`: each request's "file:line", when read from a file."""
+    wheres = wheres or [f"request {i}" for i in range(1, len(trace) + 1)]
+    for where, r in zip(wheres, trace):
         for name, plain in (("n", 1), ("beam_width", 1), ("arrival", 0)):
             if getattr(r, name) != plain:
-                raise ValueError(f"request {line}: {name}: {getattr(r, name)}; bench throughput submits every "
+                raise ValueError(f"{where}: {name}: {getattr(r, name)}; bench throughput submits every "
                                  f"request at once as one sequence (its baseline's form); `bench memory` replays "
                                  f"{name} (leave it out here)")
     ids = prompt_token_ids(trace, vocab=vocab_size, seed=seed)
-    return [Request(tuple(p), r.output_len) for p, r in zip(ids, trace)]
+    return [Request(tuple(p), r.output_len, where) for p, r, where in zip(ids, trace, wheres)]
 
 
 def fresh_prompts(requests: list[Request], vocab_size: int, seed: int) -> list[Request]:
@@ -137,7 +140,8 @@ def load_requests(path: str | Path, tokenizer: Callable[[str], list[int]], vocab
     except (ValueError, RecursionError) as exc:
         raise ValueError(f"{path}:{lines[0][0]}: {exc}") from exc
     if not (isinstance(first, dict) and "prompt" in first):
-        return requests_from_trace(load_trace(path), vocab_size)
+        wheres = [where for where, _ in json_objects(path, TraceRequest.__dataclass_fields__)]
+        return requests_from_trace(load_trace(path), vocab_size, wheres=wheres)
     out = []
     for where, data in json_objects(path, ("prompt", "output_len")):
         prompt, output_len = data.get("prompt"), data.get("output_len")
@@ -146,7 +150,7 @@ def load_requests(path: str | Path, tokenizer: Callable[[str], list[int]], vocab
         if not isinstance(output_len, int) or isinstance(output_len, bool) or output_len < 1:
             raise ValueError(f"{where}: output_len: must be an integer >= 1, got {output_len!r}")
         try:
-            out.append(Request(tuple(tokenizer(prompt)), output_len))
+            out.append(Request(tuple(tokenizer(prompt)), output_len, where))
         except ValueError as exc:  # text the tokenizer cannot take (RequestError)
             raise ValueError(f"{where}: {exc}") from None
     return out
@@ -157,7 +161,7 @@ def check_requests(requests: list[Request], max_seq_len: int, source: str) -> No
     anything loads: the engine would refuse it mid-run)."""
     for i, r in enumerate(requests, 1):
         if len(r.prompt_ids) + r.output_len > max_seq_len:
-            raise ValueError(f"{source}: request {i}: {len(r.prompt_ids)} prompt tokens + output_len {r.output_len} "
+            raise ValueError(f"{r.where or f'{source}: request {i}'}: {len(r.prompt_ids)} prompt tokens + output_len {r.output_len} "
                              f"exceed the engine's max_seq_len ({max_seq_len})")
 
 
