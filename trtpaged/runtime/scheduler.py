@@ -581,7 +581,8 @@ class Scheduler:
         if group.scores_prompt:  # computes every prompt token: no prefix hits to read
             return True
         first = bool(self.waiting) and self.waiting[0] is group
-        ready = all([self.kv.prefetch(seq, first) for seq in group.seqs])  # a list: every sequence's read starts
+        seqs = [s for s in group.seqs if s.seq_id not in group.pending_shares]  # the others share an earlier one's
+        ready = all([self.kv.prefetch(seq, first) for seq in seqs])  # a list: every sequence's read starts
         if ready and "ready" not in group.times:
             group.times["ready"] = time.monotonic()
         return ready
