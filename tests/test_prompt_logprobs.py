@@ -96,6 +96,12 @@ def test_sampled_tokens_logprobs_carry_vllm_ranks_and_texts(hf):
         ranks.append(rank)
         check_logprob_fields(entry, top, token, rank, hf.tokenizer)
     assert any(r is not None and r > 3 for r in ranks), ranks  # at 1.5 some draws fall outside the top 3
+    assert c.cumulative_logprob == pytest.approx(float(rows.gather(1, torch.tensor(c.token_ids)[:, None]).sum()),
+                                                 abs=1e-4)  # fmt: skip
+    # vLLM: cumulative_logprob is None when logprobs were not asked for (was: the sum all the same)
+    params = SamplingParams(max_tokens=10, temperature=1.5, seed=7, ignore_eos=True)
+    (plain,) = run_staggered(make(hf), [(prompt, params)])[0].outputs
+    assert plain.token_ids == c.token_ids and plain.cumulative_logprob is None and plain.logprobs is None
 
 
 def test_prefix_cache_hits_do_not_drop_prompt_logprobs(hf):

@@ -146,7 +146,7 @@ def test_llm_generate_returns_the_failed_request_finished_with_error(tiny_engine
 
     llm = LLM(tiny_engine_dir, device="cpu")
     others = [[20, 21, 22, 23, 24, 25, 26, 27, 28, 29], "a longer prompt than five tokens"]
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
     truth = llm.generate(others, params)
     runner = llm.engine.runner
     runner.step = poison_at_kv_length(runner.step, 5)

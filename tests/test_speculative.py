@@ -298,7 +298,7 @@ def prompts():
 
 @pytest.mark.parametrize("k", [1, 3, 7])
 def test_greedy_identical_to_hf_and_to_no_speculation(hf, prompts, k):
-    params = SamplingParams(max_tokens=40, temperature=0.0)
+    params = SamplingParams(max_tokens=40, temperature=0.0, logprobs=0)
     reference = [hf_greedy(hf, p, 40, EOS) for p in prompts]
     plain = run_staggered(make(hf), [(p, params) for p in prompts], every=2)
     engine = make(hf, SpeculativeConfig(num_speculative_tokens=k, **ALWAYS), block_size=8)
@@ -364,8 +364,8 @@ def test_stops_inside_an_accepted_run_are_exact(hf, prompts):
     for i, p in enumerate(prompts):
         out = runs[i]
         cut = len(out.token_ids) // 2
-        cases.append((p, SamplingParams(max_tokens=cut + 1, temperature=0.0)))
-        cases.append((p, SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=(out.token_ids[cut],))))
+        cases.append((p, SamplingParams(max_tokens=cut + 1, temperature=0.0, logprobs=0)))
+        cases.append((p, SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=(out.token_ids[cut],), logprobs=0)))
         text = out.text
         if len(text) > 6:
             cases.append((p, SamplingParams(max_tokens=40, temperature=0.0, stop=(text[len(text) // 2 : len(text) // 2 + 2],),

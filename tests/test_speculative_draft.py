@@ -80,7 +80,7 @@ def assert_draft_accounting(engine: LLMEngine) -> None:
 
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_identical_to_hf_and_to_no_speculation(hf, draft_hf, prompts, k):
-    params = SamplingParams(max_tokens=32, temperature=0.0)
+    params = SamplingParams(max_tokens=32, temperature=0.0, logprobs=0)
     reference = [hf_greedy(hf, p, 32, EOS) for p in prompts]
     engine = make(hf, draft_hf, draft_spec(k), block_size=8)
     got = run_staggered(engine, [(p, params) for p in prompts], every=2)

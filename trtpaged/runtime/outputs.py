@@ -70,7 +70,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    cumulative_logprob: float = 0.0
+    cumulative_logprob: Optional[float] = None  # the sum of its tokens' log-probs; None without `logprobs` (vLLM)
     logprobs: Optional[list[dict[int, Logprob]]] = None
     finish_reason: Optional[str] = None  # "stop", "length", "abort", "error", or None while running
     stop_reason: Optional[object] = None  # the stop string or token id that matched
