@@ -189,6 +189,24 @@ def test_detokenizer_never_splits_multibyte_characters():
     assert pieces[ids.index(tok.encode("🙂")[0])] == ""  # held back until the character is complete
 
 
+@pytest.mark.parametrize("clean_up", [False, True])  # tokenizers' DecodeStream, and the Python decodes
+def test_a_character_the_prompt_ends_inside_of_is_the_outputs_text(clean_up):
+    """A prompt cut inside a multi-byte character (token-id prompts, right truncation): the output token that
+    completes it emits the character, whole, and nothing of the prompt before it (vLLM's rule; was: the window's
+    prompt text came out again in front of it, or the character was dropped)."""
+    from trtpaged.models.tiny_tokenizer import make_tiny_tokenizer
+
+    tok = make_tiny_tokenizer()
+    tok.clean_up_tokenization_spaces = clean_up
+    for text, cut in (("ab 🙂 ok", 4), ("ab 🙂 ok", 5), ("xé!", 2), ("🙂🙂", 6)):
+        ids = tok.encode(text)
+        prompt, output = ids[:cut], ids[cut:]
+        detok = IncrementalDetokenizer(tok, prompt)
+        pieces = [detok.add(t) for t in output]
+        completed = tok.decode(ids)[len(tok.decode(prompt).rstrip("\ufffd")) :]
+        assert "".join(pieces) + detok.flush() == completed, (text, cut, pieces)
+
+
 def test_detokenizer_flushes_an_incomplete_tail():
     from trtpaged.models.tiny_tokenizer import make_tiny_tokenizer
 

@@ -8,9 +8,11 @@ _CONTEXT_TOKENS = 6  # prompt tokens decoded with the output so leading spaces c
 REPLACEMENT = "\ufffd"  # what a decode gives for the bytes of an incomplete character
 
 
-def _decode_stream(tokenizer: Any, skip_special_tokens: bool, context: Sequence[int]) -> Optional[tuple[Any, Any]]:
-    """(the Rust tokenizer, a `tokenizers` DecodeStream whose window starts with `context`) where the tokenizer has
-    one and its decode adds no clean-up of its own; None otherwise."""
+def _decode_stream(tokenizer: Any, skip_special_tokens: bool, context: Sequence[int],
+                   pending: Sequence[int]) -> Optional[tuple[Any, Any]]:  # fmt: skip
+    """(the Rust tokenizer, a `tokenizers` DecodeStream whose window starts with `context`, then stepped through
+    `pending`, tokens whose text is not complete yet) where the tokenizer has one and its decode adds no clean-up
+    of its own; None otherwise."""
     backend = getattr(tokenizer, "_tokenizer", None)
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return None
@@ -18,7 +20,10 @@ def _decode_stream(tokenizer: Any, skip_special_tokens: bool, context: Sequence[
         from tokenizers.decoders import DecodeStream
     except ImportError:  # tokenizers < 0.21
         return None
-    return backend, DecodeStream(ids=[int(t) for t in context], skip_special_tokens=skip_special_tokens)
+    stream = DecodeStream(ids=[int(t) for t in context], skip_special_tokens=skip_special_tokens)
+    for token in pending:  # held back inside the stream until a later token completes their character
+        stream.step(backend, int(token))
+    return backend, stream
 
 
 class IncrementalDetokenizer:
@@ -35,10 +40,15 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.ids: list[int] = [int(t) for t in prompt_token_ids[-_CONTEXT_TOKENS:]]
         self.prefix_offset = 0
+        # a prompt that ends inside a character: its last bytes are not text yet, and the output token that
+        # completes the character emits it whole (as vLLM does; was: the window's whole text came out again)
         self.read_offset = len(self.ids)
-        self._stream = _decode_stream(tokenizer, skip_special_tokens, self.ids)
+        while self.read_offset and self._decode(self.ids[: self.read_offset]).endswith(REPLACEMENT):
+            self.read_offset -= 1
+        self._stream = _decode_stream(tokenizer, skip_special_tokens, self.ids[: self.read_offset],
+                                      self.ids[self.read_offset :])  # fmt: skip
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special_tokens)
