@@ -102,6 +102,7 @@ OP_TYPES: dict[str, tuple[frozenset, tuple[int, ...]]] = {
     "Add": (_NUMERIC, (0, 1)), "Sub": (_NUMERIC, (0, 1)), "Mul": (_NUMERIC, (0, 1)), "Div": (_NUMERIC, (0, 1)),
     "Neg": (_NUMERIC, (0,)), "Pow": (_FLOATS, (0,)), "Sqrt": (_FLOATS, (0,)), "Reciprocal": (_FLOATS, (0,)),
     "Cos": (_FLOATS, (0,)), "Sin": (_FLOATS, (0,)), "Sigmoid": (_FLOATS, (0,)), "Softmax": (_FLOATS, (0,)),
+    "Gelu": (_FLOATS, (0,)), "Tanh": (_FLOATS, (0,)),  # Gemma's tanh GELU and soft-caps (importers Gelu, Tanh)
     "Cast": (_MOVABLE | {TensorProto.UINT8}, (0,)), "Concat": (_MOVABLE, ()), "Expand": (_MOVABLE, (0,)),
     "Gather": (_MOVABLE, (0,)), "Identity": (_MOVABLE, (0,)), "Reshape": (_MOVABLE, (0,)),
     "Shape": (_MOVABLE, (0,)), "Slice": (_MOVABLE, (0,)), "Split": (_MOVABLE, (0,)), "Squeeze": (_MOVABLE, (0,)),
