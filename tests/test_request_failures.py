@@ -210,7 +210,7 @@ def test_prompts_the_tokenizer_cannot_take_are_refused_naming_the_field(tiny_eng
         llm.generate(prompt, params)
     assert info.value.field == field
     assert llm.stats()["kv_blocks_used"] == 0 and not llm.engine.has_unfinished()
-    with pytest.raises(RequestError, match="messages: not valid Unicode"):
+    with pytest.raises(RequestError, match=r"messages\[0\].content: not valid Unicode"):
         llm.chat([{"role": "user", "content": "\ud800"}], SamplingParams(max_tokens=2))
     with pytest.raises(RequestError, match="messages: must be a list of messages"):  # was: transformers' TypeError
         llm.chat("hi", SamplingParams(max_tokens=2))

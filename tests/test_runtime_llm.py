@@ -353,6 +353,18 @@ def test_chat_without_a_template_names_it(llm):
         llm.tokenizer.chat_template = template
 
 
+def test_chat_names_an_empty_conversation_and_a_bad_character_where_it_is(llm):
+    """No messages (was: transformers' bare ValueError), and a lone surrogate named by its message and its place
+    in that message's content (was: its place in the rendered template)."""
+    with pytest.raises(RequestError, match="at least one message") as refused:
+        llm.chat([], SamplingParams(max_tokens=2))
+    assert refused.value.field == "messages"
+    bad = [{"role": "user", "content": "ok"}, {"role": "user", "content": "abc\ud800"}]
+    with pytest.raises(RequestError, match=r"character 3, '\\ud800'") as refused:
+        llm.chat(bad, SamplingParams(max_tokens=2))
+    assert refused.value.field == "messages[1].content"
+
+
 def _text_of(tokenizer, token_ids, stop=()) -> tuple[str, str | None]:
     """The independent truth for a finished output's text: the whole ids decoded, less an incomplete character at
     the end (vLLM's text leaves it out), cut before the first stop string; and that stop string."""

@@ -301,6 +301,8 @@ def test_stop_lists_are_capped_in_count_and_length():
             SamplingParams(**kwargs)
         assert (info.value.field, info.value.limit) == (field, limit)
         assert len(str(info.value)) < 200  # one line, not the list echoed back
+    with pytest.raises(RequestError, match="stop: not valid Unicode"):  # was: taken, and it could never match
+        SamplingParams(stop=["ok", "\ud800"])
 
 
 def test_extreme_values_within_range_sample_finite_tokens():

@@ -4,6 +4,7 @@ return_tokens_as_token_ids, and chat logprobs' `bytes` (the token's own bytes, a
 
 from __future__ import annotations
 
+import openai
 import pytest
 
 from tests.test_server import llm, request, wait_idle  # noqa: F401 - LLM on the same engine, the truth
@@ -239,6 +240,19 @@ def test_a_requests_stream_interval_raises_the_servers(client):
     assert sizes == [1, 3, 3, 3, 1]
     assert "".join(c.choices[0].text for c in chunks) == whole.text
     assert [t for c in chunks for t in c.choices[0].logprobs.tokens] == whole.logprobs.tokens
+
+
+def test_spaces_between_special_tokens_is_taken_on_both_endpoints(client, llm):
+    """vLLM's field (was: 400 unknown field): taken and checked, with the answer the Python API gives with it."""
+    truth = llm.generate(["once upon"], SamplingParams(max_tokens=6, temperature=0, spaces_between_special_tokens=False))
+    extra = {"spaces_between_special_tokens": False}
+    got = client.completions.create(model=MODEL, prompt="once upon", max_tokens=6, temperature=0, extra_body=extra)
+    assert got.choices[0].text == truth[0].outputs[0].text
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0, extra_body=extra)  # fmt: skip
+    assert chat.choices[0].message.content is not None
+    with pytest.raises(openai.BadRequestError, match="spaces_between_special_tokens"):
+        client.completions.create(model=MODEL, prompt="a", max_tokens=1, extra_body={"spaces_between_special_tokens": 1})
 
 
 def test_tokenize_counts_what_the_generation_endpoints_count(client, llm, server):

@@ -142,6 +142,8 @@ def _with_text_content(messages: Seq[Mapping]) -> list[dict]:
         if isinstance(content, list):
             msg = {**msg, "content": "\n".join(text_part(part, f"messages[{m}].content[{p}]")
                                                for p, part in enumerate(content))}  # fmt: skip
+        if isinstance(msg.get("content"), str):  # named here, where the position is the content's own
+            check_unicode(f"messages[{m}].content", msg["content"])
         out.append(msg)
     return out
 
@@ -154,6 +156,8 @@ def chat_prompt_text(tokenizer: Any, messages: Seq[dict], tools: Optional[Seq[di
     if not isinstance(messages, (list, tuple)) or not all(isinstance(m, Mapping) for m in messages):
         raise RequestError("messages", "must be a list of messages ({'role': ..., 'content': ...}), got "
                            f"{type(messages).__name__} {messages!r:.80}")  # fmt: skip
+    if not messages:
+        raise RequestError("messages", "must hold at least one message", 1)
     messages = _with_text_content(messages)
     if template_kwargs is not None and not isinstance(template_kwargs, Mapping):
         raise RequestError("chat_template_kwargs", f"must be a mapping, got {type(template_kwargs).__name__}")

@@ -270,6 +270,7 @@ class SamplingParams:
             if len(s) > MAX_STOP_STRING_CHARS:
                 raise RequestError("stop", f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters, "
                                    f"got {len(s)}", MAX_STOP_STRING_CHARS)  # fmt: skip
+            check_unicode("stop", s)  # a lone surrogate, which no output text can hold
         stop_ids = () if self.stop_token_ids is None else self.stop_token_ids
         if isinstance(stop_ids, (list, tuple)) and len(stop_ids) > MAX_STOP_TOKEN_IDS:
             raise RequestError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} token ids, got {len(stop_ids)}",

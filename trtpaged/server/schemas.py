@@ -47,6 +47,7 @@ class _SamplingFields(_Strict):
     ignore_eos: Optional[StrictBool] = None
     include_stop_str_in_output: Optional[StrictBool] = None
     skip_special_tokens: Optional[StrictBool] = None
+    spaces_between_special_tokens: Optional[StrictBool] = None  # vLLM's; a fast tokenizer's decode has no such choice
     stream: Optional[StrictBool] = False
     stream_options: Optional[StreamOptions] = None
     stream_interval: Optional[StrictInt] = None  # vLLM: tokens per streamed chunk, at least the server's
