@@ -314,3 +314,33 @@ def test_inspect_shows_the_weight_bytes_on_a_cuda_gpu(tiny_int8_engine):
     assert f"weights on a CUDA GPU (torch backend, still quantized): {format_bytes(want)}" in r.output
     assert want == (tiny_int8_engine / m.weights_file).stat().st_size - 8 - int.from_bytes(
         (tiny_int8_engine / m.weights_file).read_bytes()[:8], "little")  # int8: every tensor as stored
+
+
+def test_phi3_gguf_fused_blocks_are_carried_exactly(tmp_path):
+    """A Phi-3 GGUF holds q/k/v fused (attn_qkv) and gate/up fused (ffn_up), as Phi-3's checkpoints do: their Q4_0
+    blocks are carried bit for bit, each equal to the weight transformers loads from the file (was: re-quantized
+    from the de-quantized floats), and the build's engine records them so."""
+    from click.testing import CliRunner
+
+    from gguf_writer import write_phi3_gguf
+    from trtpaged.builder.quantize import read_gguf_exact
+    from trtpaged.cli import main
+    from trtpaged.config import ModelSpec
+    from trtpaged.manifest import read_manifest
+    from trtpaged.models import dims_from_hf_config, load_hf
+
+    path = write_phi3_gguf(tmp_path / "phi3.gguf")
+    hf = load_hf(ModelSpec(kind="gguf", path=path))
+    dims = dims_from_hf_config(hf.config, 256)
+    carried = read_gguf_exact(path, dims, hf.config.model_type)
+    weights = {k.removeprefix("model."): v for k, v in hf.model.state_dict().items()}
+    for layer in range(dims.num_layers):
+        for module in ("self_attn.qkv_proj", "mlp.gate_up_proj", "self_attn.o_proj", "mlp.down_proj"):
+            type_name, weight = carried[f"layers.{layer}.{module}"]
+            assert type_name == "Q4_0" and torch.equal(weight.dequantize(), weights[f"layers.{layer}.{module}.weight"])
+    data = {"model": {"gguf": str(path)}, "max_seq_len": 256, "kv_cache": {"num_kv_blocks": 32}, "backend": "torch",
+            "quantization": {"weights": "int4", "group_size": 32, "lm_head": "int8"}}
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(data))
+    r = CliRunner().invoke(main, ["build", str(tmp_path / "m.yaml"), "-o", str(tmp_path / "engine")])
+    assert r.exit_code == 0, r.output
+    assert read_manifest(tmp_path / "engine").quantization["origin"]["gguf Q4_0 exact"] == 4 * dims.num_layers

@@ -27,7 +27,7 @@ from trtpaged.models.quant import GGUF_BLOCK, GGUF_EXACT_TYPES, QuantizedWeight,
 _GGUF_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    "ffn_down": "mlp.down_proj", "attn_qkv": "self_attn.qkv_proj",  # Phi-3's fused q/k/v
 }
 _GGUF_NAMES = {"token_embd": "embed_tokens", "output": "lm_head"}
 
@@ -80,8 +80,9 @@ def read_gguf_exact(path: Path, dims: ModelDims, model_type: str) -> dict[str, t
         parts = tensor.name.split(".")
         if type_name not in GGUF_EXACT_TYPES or parts[-1] != "weight":
             continue
-        if parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
-            module = f"layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"
+        if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _GGUF_LAYER_NAMES:
+            fused_up = model_type == "phi3" and parts[2] == "ffn_up"  # Phi-3's ffn_up holds gate and up, fused
+            module = f"layers.{parts[1]}.{'mlp.gate_up_proj' if fused_up else _GGUF_LAYER_NAMES[parts[2]]}"
         elif parts[0] in _GGUF_NAMES and len(parts) == 2:
             module = _GGUF_NAMES[parts[0]]
         else:

@@ -3,7 +3,7 @@
 transformers reads configs, weights and tokenizers (never from a hub: every
 source is a local path); its own forward is the reference trtpaged's step
 model is checked against. `source_architecture` is the cheap pre-flight check
-(reads config.json or the first entries of the GGUF header only: gguf_header.py).
+(reads config.json, or the GGUF header only, checked against the file: gguf_header.py).
 """
 
 from __future__ import annotations
@@ -66,21 +66,12 @@ def source_architecture(spec: ModelSpec) -> str:
 
 
 def _gguf_architecture(path: Path, key: str) -> str:
-    from trtpaged.models.gguf_header import GGUFHeaderError, read_string_field
+    from trtpaged.models.gguf_header import GGUFHeaderError, read_layout
 
     try:
-        found = read_string_field(path, "general.architecture")
-        if found is not None:
-            return found
-    except GGUFHeaderError:
-        pass  # GGUFReader below: it reads every form the format has, and says what is wrong with the file
-    try:
-        from gguf import GGUFReader
-
-        field = GGUFReader(str(path)).fields["general.architecture"]
-        return str(field.contents())
-    except Exception as e:  # noqa: BLE001  (any parse failure means "unreadable GGUF")
-        raise ConfigError(f"{key}: {path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+        return read_layout(path).architecture
+    except GGUFHeaderError as e:
+        raise ConfigError(f"{key}: {path} is not a readable GGUF file: {e}") from None
 
 
 def spec_from_manifest(manifest: Manifest) -> ModelSpec:
@@ -105,11 +96,14 @@ def load_hf(spec: ModelSpec, dtype: torch.dtype = torch.float32) -> HFModel:
     else:
         kwargs["gguf_file"] = spec.path.name
         where = str(spec.path.parent)
+        _check_gguf_sizes(spec)
     with _no_progress_bars(), gguf_once.parsed_once():
         config = AutoConfig.from_pretrained(where, **kwargs)
         if spec.kind == "hf_dir":
             _check_config_against_checkpoint(spec.path, config)
             _check_tokenizer_files(spec.path)
+        else:
+            _check_config_against_gguf(spec, config)
         tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
         # the config loaded above: from_pretrained would parse the GGUF's metadata again for it
         # a tensor whose shape is not the config's is reported in `info` (and refused below, naming it and both
@@ -148,7 +142,8 @@ def _check_loaded(spec: ModelSpec, info: dict[str, Any]) -> None:
         raise MissingWeightsError(f"{spec.path} has no weights for {len(missing)} tensors of the architecture: "
                                   f"{', '.join(missing[:6])}{', ...' if len(missing) > 6 else ''}")
     if mismatched:
-        raise MissingWeightsError(f"{spec.path}: {len(mismatched)} tensors have shapes other than config.json's "
+        sizes = "config.json's" if spec.kind == "hf_dir" else "the GGUF metadata's"
+        raise MissingWeightsError(f"{spec.path}: {len(mismatched)} tensors have shapes other than {sizes} "
                                   f"sizes give: {', '.join(mismatched[:4])}{', ...' if len(mismatched) > 4 else ''}")
 
 
@@ -169,15 +164,61 @@ def _no_progress_bars():
             hf_logging.enable_progress_bar()
 
 
-def _check_config_against_checkpoint(path: Path, config: Any) -> None:
-    """Refuses a config.json whose sizes are not positive integers, or make a model far larger than the
-    checkpoint's files, before transformers allocates it (a vocab_size of 10^9 beside a small checkpoint would take the machine's memory): the model in
-    float32 may be up to 4x a checkpoint of 8-bit files, and no more than that plus a margin."""
+def _check_sizes(config: Any, where: str) -> None:
+    """The config's sizes are positive integers, and its attention heads a multiple of its KV heads."""
     for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                  "vocab_size", "head_dim"):
         value = getattr(config, name, None)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ConfigError(f"model.hf_dir: config.json's {name} is {value!r:.40}; expected a positive integer")
+            raise ConfigError(f"{where} {name} is {value!r:.40}; expected a positive integer")
+    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
+    if kv_heads and heads % kv_heads:
+        raise ConfigError(f"{where} num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+
+
+_GGUF_SIZE_KEYS = ("block_count", "embedding_length", "feed_forward_length", "context_length",
+                   "attention.head_count", "attention.head_count_kv")  # fmt: skip
+
+
+def _check_gguf_sizes(spec: ModelSpec) -> None:
+    """The GGUF's size entries are positive, before transformers turns them into a config (it divides by some)."""
+    from trtpaged.models.gguf_header import read_layout
+
+    layout = read_layout(spec.path)  # checked at the check stage; cached
+    for name in _GGUF_SIZE_KEYS:
+        key = f"{layout.architecture}.{name}"
+        if layout.integers.get(key, 1) < 1:
+            raise ConfigError(f"model.{spec.kind}: {spec.path.name}: its metadata's {key} is {layout.integers[key]}; "
+                              "expected a positive integer")
+
+
+def _check_config_against_gguf(spec: ModelSpec, config: Any) -> None:
+    """Refuses a GGUF whose metadata does not describe its tensors, before transformers allocates the model at the
+    metadata's sizes (a block_count of 10^6 or a feed_forward_length of 2^28 in a small file would take the
+    machine's memory; a block_count below the file's layers would drop layers without a word)."""
+    from trtpaged.models.gguf_header import read_layout
+
+    where = f"model.{spec.kind}: {spec.path.name}: its metadata's"
+    _check_sizes(config, where)
+    layout = read_layout(spec.path)  # checked at the check stage; cached
+    blocks = layout.block_indices
+    if blocks != set(range(config.num_hidden_layers)):
+        held = f"blocks {min(blocks)} to {max(blocks)} ({len(blocks)})" if blocks else "no blk.N tensors"
+        raise ConfigError(f"{where} block_count gives {config.num_hidden_layers} layers, but its tensors are for "
+                          f"{held}")  # fmt: skip
+    wanted, held_elements = _config_parameters(config), layout.num_elements
+    if wanted > held_elements + held_elements // 4 + (16 << 20):
+        raise ConfigError(f"{where} sizes give about {wanted:,} parameters (hidden_size {config.hidden_size}, "
+                          f"intermediate_size {config.intermediate_size}, num_hidden_layers "
+                          f"{config.num_hidden_layers}, vocab_size {config.vocab_size}), but its tensors hold "
+                          f"{held_elements:,}")  # fmt: skip
+
+
+def _check_config_against_checkpoint(path: Path, config: Any) -> None:
+    """Refuses a config.json whose sizes are not positive integers, or make a model far larger than the
+    checkpoint's files, before transformers allocates it (a vocab_size of 10^9 beside a small checkpoint would take the machine's memory): the model in
+    float32 may be up to 4x a checkpoint of 8-bit files, and no more than that plus a margin."""
+    _check_sizes(config, "model.hf_dir: config.json's")
     held = sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin") for f in path.glob(pattern) if f.is_file())
     wanted = _config_parameters(config) * 4
     if held and wanted > 4 * held + (256 << 20):
