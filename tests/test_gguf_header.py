@@ -188,3 +188,12 @@ def test_gguf_metadata_that_does_not_describe_its_tensors_is_refused_before_allo
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", never)
     with pytest.raises(ConfigError, match=message):
         load_hf(ModelSpec(kind="gguf", path=_smollm2_with(tmp_path, key, value)))
+
+
+def test_a_special_token_id_outside_the_vocabulary_is_named(tmp_path: Path):
+    """was: transformers' bare AssertionError ("Padding_idx must be within num_embeddings") at load"""
+    from trtpaged.config import ConfigError, ModelSpec
+    from trtpaged.models.hf import load_hf
+
+    with pytest.raises(ConfigError, match="tokenizer.ggml.padding_token_id is 60000; the vocabulary .* has 49152"):
+        load_hf(ModelSpec(kind="gguf", path=_smollm2_with(tmp_path, b"tokenizer.ggml.padding_token_id", 60000)))

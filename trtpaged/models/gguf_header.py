@@ -74,18 +74,23 @@ class _Reader:
         elif kind == STRING:
             self.skip(self.u64())
         elif kind == ARRAY:
-            element, count = self.u32(), self.u64()
-            if element in SCALAR_BYTES:
-                self.skip(count * SCALAR_BYTES[element])
-            elif element == STRING:
-                if count * 8 > self.left:  # each string takes at least its length field
-                    raise GGUFHeaderError(f"an array of {count} strings runs past the end of the file")
-                for _ in range(count):
-                    self.skip(self.u64())
-            else:
-                raise GGUFHeaderError(f"array element type {element}")
+            self.skip_array()
         else:
             raise GGUFHeaderError(f"value type {kind}")
+
+    def skip_array(self) -> int:
+        """Skips an array value; returns its length."""
+        element, count = self.u32(), self.u64()
+        if element in SCALAR_BYTES:
+            self.skip(count * SCALAR_BYTES[element])
+        elif element == STRING:
+            if count * 8 > self.left:  # each string takes at least its length field
+                raise GGUFHeaderError(f"an array of {count} strings runs past the end of the file")
+            for _ in range(count):
+                self.skip(self.u64())
+        else:
+            raise GGUFHeaderError(f"array element type {element}")
+        return count
 
 
 @dataclass(frozen=True)
@@ -106,6 +111,7 @@ class GGUFLayout:
     architecture: str
     tensors: tuple[TensorInfo, ...]
     integers: dict  # metadata key -> value, for every scalar integer entry
+    array_lengths: dict  # metadata key -> length, for every array entry
 
     @property
     def num_elements(self) -> int:
@@ -161,7 +167,7 @@ def _read_layout(path: str, size: int, mtime_ns: int) -> GGUFLayout:
                 raise GGUFHeaderError(f"metadata entry count {num_entries} runs past the end of the file")
             if num_tensors * 24 > r.left:  # each tensor entry takes at least a name length, n_dims, type, offset
                 raise GGUFHeaderError(f"tensor count {num_tensors} runs past the end of the file")
-            architecture, alignment, integers = None, DEFAULT_ALIGNMENT, {}
+            architecture, alignment, integers, array_lengths = None, DEFAULT_ALIGNMENT, {}, {}
             for i in range(num_entries):
                 length = r.u64()
                 if length > MAX_KEY_BYTES:
@@ -177,6 +183,8 @@ def _read_layout(path: str, size: int, mtime_ns: int) -> GGUFLayout:
                     alignment = r.u32()
                     if alignment < 1 or alignment & (alignment - 1):
                         raise GGUFHeaderError(f"general.alignment: {alignment} is not a power of two")
+                elif kind == ARRAY:
+                    array_lengths[name.decode()] = r.skip_array()
                 elif kind in _INTEGER_FORMATS:
                     integers[name.decode()] = struct.unpack(_INTEGER_FORMATS[kind], r.take(SCALAR_BYTES[kind]))[0]
                 else:
@@ -195,7 +203,7 @@ def _read_layout(path: str, size: int, mtime_ns: int) -> GGUFLayout:
     except UnicodeDecodeError as e:
         raise GGUFHeaderError(f"a key or name is not UTF-8: {e}") from None
     _check_placement(tensors, alignment, size - data_start)
-    return GGUFLayout(architecture, tuple(tensors), integers)
+    return GGUFLayout(architecture, tuple(tensors), integers, array_lengths)
 
 
 def _tensor_info(r: _Reader, index: int, sizes: dict[int, tuple[int, int]]) -> TensorInfo:

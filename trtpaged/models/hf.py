@@ -190,6 +190,12 @@ def _check_gguf_sizes(spec: ModelSpec) -> None:
         if layout.integers.get(key, 1) < 1:
             raise ConfigError(f"model.{spec.kind}: {spec.path.name}: its metadata's {key} is {layout.integers[key]}; "
                               "expected a positive integer")
+    vocabulary = layout.array_lengths.get("tokenizer.ggml.tokens")
+    for name in ("bos", "eos", "padding", "unknown", "eot"):  # the model's embedding takes the padding id
+        key = f"tokenizer.ggml.{name}_token_id"
+        if vocabulary is not None and not 0 <= layout.integers.get(key, 0) < vocabulary:
+            raise ConfigError(f"model.{spec.kind}: {spec.path.name}: its metadata's {key} is {layout.integers[key]}; "
+                              f"the vocabulary (tokenizer.ggml.tokens) has {vocabulary} tokens")
 
 
 def _check_config_against_gguf(spec: ModelSpec, config: Any) -> None:
