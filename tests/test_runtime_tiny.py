@@ -197,3 +197,30 @@ def test_a_recomputed_group_shares_its_prompt_again(hf, beam):
     assert [c.token_ids for c in loaded.outputs] == [c.token_ids for c in alone.outputs]
     assert all(len(c.token_ids) == 20 for c in loaded.outputs)
     assert engine.kv.pool.num_used == 0
+
+
+def test_a_recomputed_group_whose_prefix_is_cached_goes_on(hf):
+    """A preempted n=2 request whose first sample's full blocks are all still in the prefix cache: the sample
+    that waits to share them is not left waiting for a sequence with nothing left to compute (was: the request,
+    and every one queued behind it, never scheduled again). It ends as it does without the preemption."""
+    from trtpaged.runtime.scheduler import SchedulerOutput
+
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, 256, (32,), generator=g).tolist()
+    params = SamplingParams(max_tokens=30, n=2, temperature=1.0, seed=1, ignore_eos=True)
+    alone = run_staggered(make(hf), [(prompt, params)])[0]
+    engine = make(hf)
+    rid = engine.add_request(prompt, params)
+    group = engine.scheduler.running[0] if engine.scheduler.running else engine.scheduler.waiting[0]
+    while len(group.seqs[0].token_ids) < 49:  # 48 tokens computed: 3 full blocks, all cached
+        engine.step()
+    engine.scheduler._preempt(group, SchedulerOutput())  # what a full pool does to the newest request
+    later = engine.add_request(list(range(9)), SamplingParams(max_tokens=4, temperature=0.0))
+    done = {}
+    for _ in range(200):
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+        if not engine.has_unfinished():
+            break
+    assert set(done) == {rid, later}
+    assert [c.token_ids for c in done[rid].outputs] == [c.token_ids for c in alone.outputs]
+    assert engine.kv.pool.num_used == 0

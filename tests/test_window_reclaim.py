@@ -37,8 +37,8 @@ def reference(hf, prompts):
 
 
 def _engine(hf, reclaim: bool, **kw) -> LLMEngine:
-    config = runtime_config(num_kv_blocks=kw.pop("num_kv_blocks", 48), block_size=BLOCK, max_num_tokens=16,
-                            reclaim_window=WINDOW if reclaim else 0, **kw)
+    config = runtime_config(num_kv_blocks=kw.pop("num_kv_blocks", 48), block_size=BLOCK,
+                            max_num_tokens=kw.pop("max_num_tokens", 16), reclaim_window=WINDOW if reclaim else 0, **kw)
     return LLMEngine(step_engine(hf, config), config, hf.tokenizer, [EOS])
 
 
@@ -151,3 +151,47 @@ def test_bench_memory_window_comparison_on_a_long_output_trace():
     assert reclaimed["mean_running"] > 11 > 2 * full["mean_running"]
     assert reclaimed["steps"] < full["steps"]
     assert "returned to the pool" in format_window_table(rows, 64)
+
+
+def _hf_logprobs(hf, prompt: list[int], output: list[int]) -> list[float]:
+    """Each output token's log-prob in transformers' forward over the whole sequence."""
+    with torch.no_grad():
+        logits = hf.model(torch.tensor([prompt + output])).logits[0].float()
+    rows = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : -1]
+    return [float(row[t]) for row, t in zip(rows, output)]
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_recomputed_group_shares_blocks_its_first_sequence_has_not_reclaimed(hf, prompts, caching):
+    """Samples of a preempted n=3 request recompute; the first computes its history in one chunk and would reclaim
+    the blocks behind its window before the others take them (was: they took holes, and their windows read
+    another block's K/V: log-probs 0.2-0.4 off transformers'). Each sample's log-probs are transformers' on its
+    own tokens, every step's accounting is exact, and the pool ends whole."""
+    engine = _engine(hf, reclaim=True, num_kv_blocks=10, max_num_tokens=64, enable_prefix_caching=caching)
+    original = engine.runner.step
+
+    def step(batch):
+        _check_accounting(engine, batch)
+        return original(batch)
+
+    engine.runner.step = step
+    params = SamplingParams(max_tokens=30, temperature=1.0, n=3, seed=4, ignore_eos=True, logprobs=0)
+    outputs = run_staggered(engine, [(p, params) for p in prompts[:3]], 1)
+    assert engine.stats()["num_preemptions"] > 0 and engine.stats()["kv_blocks_reclaimed"] > 0
+    for prompt, out in zip(prompts, outputs):
+        for c in out.outputs:
+            assert len(c.token_ids) == 30
+            got = [entry[t] for t, entry in zip(c.token_ids, c.logprobs)]
+            assert got == pytest.approx(_hf_logprobs(hf, prompt, c.token_ids), abs=1e-4)
+    assert engine.kv.pool.num_free == engine.config.num_kv_blocks
+
+
+def test_swap_preemption_keeps_the_reclaimed_holes(hf, prompts, reference):
+    """Swapping out a sequence whose table has reclaimed entries moves the held blocks and keeps the holes (was:
+    AttributeError on the first hole, out of engine.step)."""
+    engine = _engine(hf, reclaim=True, num_kv_blocks=10, max_num_tokens=64, preemption_mode="swap", num_host_blocks=64)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    outputs = run_staggered(engine, [(p, params) for p in prompts], 1)
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    assert engine.stats()["num_swap_outs"] > 0 and engine.stats()["kv_blocks_reclaimed"] > 0
+    assert engine.kv.pool.num_free == engine.config.num_kv_blocks

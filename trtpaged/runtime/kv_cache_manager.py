@@ -522,7 +522,8 @@ class KVCacheManager:
             for block in src:
                 if block is None:  # reclaimed: stays a hole in the table
                     dst.append(None)
-                elif block.block_id in mapping:
+                    continue
+                if block.block_id in mapping:
                     dst_pool.touch([mapping[block.block_id]])
                 else:
                     (mapping[block.block_id],) = dst_pool.allocate(1)

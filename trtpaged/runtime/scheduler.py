@@ -123,15 +123,22 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+def _shares_from(group: SequenceGroup, seq: Sequence) -> bool:
+    """Whether a sequence of the group still waits to take blocks from `seq`."""
+    return any(source is seq for source, _ in group.pending_shares.values())
+
+
 def share_plan(seqs: Seq[Sequence], block_size: int) -> dict[int, tuple[Sequence, int]]:
     """For a group about to recompute: each sequence after the first that has full blocks of tokens in common
-    with an earlier one -> (the earlier one with the most, how many blocks). Each sequence computes at least
-    its last token itself (its logits are sampled)."""
+    with an earlier one -> (the earlier one with the most, how many blocks). Neither shares its last token:
+    each computes it itself (its logits are sampled), so the earlier one has computed the shared blocks
+    before it samples."""
     plan: dict[int, tuple[Sequence, int]] = {}
     for i, seq in enumerate(seqs):
         best, best_len = None, 0
         for earlier in seqs[:i]:
-            common = min(common_prefix(seq.token_ids, earlier.token_ids), len(seq.token_ids) - 1)
+            last = min(len(seq.token_ids), len(earlier.token_ids)) - 1
+            common = min(common_prefix(seq.token_ids, earlier.token_ids), last)
             if common > best_len:
                 best, best_len = earlier, common
         if best is not None and best_len >= block_size:
@@ -229,7 +236,8 @@ class Scheduler:
                 continue
             item.seq.num_computed_tokens += item.num_tokens
             self.kv.cache_computed_blocks(item.seq)
-            self.kv.reclaim(item.seq)  # after caching: a block's chain parent is kept until it is cached
+            if not _shares_from(item.group, item.seq):  # blocks others will take from it stay until they have
+                self.kv.reclaim(item.seq)  # after caching: a block's chain parent is kept until it is cached
             scores = scored.pop(item.group.request_id, None)
             if scores and item.group.prompt_logprobs is not None:
                 item.group.prompt_logprobs += scores
@@ -430,6 +438,8 @@ class Scheduler:
         seqs = self._take_shares(group) if group.pending_shares else group.seqs
         hits = [[] if group.scores_prompt else self.kv.find_cached_prefix(s) for s in seqs]
         bs = self.kv.block_size
+        if group.pending_shares:  # hits leave 2 tokens or more, so the held-back chunk computes some and all go on
+            hits = [h[: (len(s.token_ids) - 2) // bs] for s, h in zip(seqs, hits)]
         remaining = [len(s.token_ids) - len(h) * bs if h else s.num_uncomputed_tokens for s, h in zip(seqs, hits)]
         split = split_tokens(remaining, budget[0], budget[1], hold_last=bool(group.pending_shares))
         if split is None:
