@@ -128,6 +128,14 @@ UNENFORCED = [
     ({"$defs": {"i": {"type": "integer"}}, "$ref": "#/$defs/i", "minimum": 5}, 1, "beside $ref (minimum)"),
     ({"$ref": "http://example.com/schema.json"}, None, "$ref outside"),  # any document: nothing is checked
     ({"type": "object", "required": ["z"]}, {}, "required property 'z'"),
+    ({"$defs": {"P": {"$anchor": "pp", "type": "boolean"}}, "type": "object", "properties": {"a": {"$ref": "#pp"}},
+      "required": ["a"]}, {"a": "hello"}, "to an anchor"),
+    ({"$defs": {"I": {"$dynamicAnchor": "n", "type": "integer"}}, "type": "object",
+      "properties": {"a": {"$dynamicRef": "#n"}}, "required": ["a"]}, {"a": "s"}, "$dynamicRef"),
+    ({"type": "string", "format": "date", "pattern": "^2024"}, "2023-01-01", "beside a 'format'"),
+    ({"type": "string", "enum": ["a", 1]}, 1, "enum value 1 is not of type string"),
+    ({"type": "integer", "enum": [1.5, 2]}, 1.5, "enum value 1.5 is not of type integer"),
+    ({"type": "string", "const": 5}, 5, "const value 5"),
 ]  # fmt: skip
 
 
@@ -146,6 +154,16 @@ def test_a_schema_the_grammar_would_not_enforce_is_refused_naming_the_keyword(ll
         llm.generate(["x"], SamplingParams(structured_outputs=Grammar(json=schema, origin="response_format")))
     assert info.value.field == "response_format" and named in str(info.value), str(info.value)
     assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("combinator", ["anyOf", "oneOf", "allOf"])
+def test_an_empty_combinator_is_refused(llm, combinator):
+    """Not a valid schema (the metaschema asks for one subschema or more); was: compiled to a grammar that allows
+    only the end, so the answer was "" with finish "stop"."""
+    with pytest.raises(jsonschema.SchemaError):
+        jsonschema.Draft202012Validator.check_schema({combinator: []})
+    with pytest.raises(RequestError, match=f"an empty '{combinator}'"):
+        llm.generate(["x"], SamplingParams(structured_outputs=Grammar(json={combinator: []})))
 
 
 def _pydantic_schema() -> dict:

@@ -12,6 +12,7 @@ annotation in JSON Schema 2020-12 (validators do not check it unless asked), so 
 
 from __future__ import annotations
 
+import json
 from typing import Any, Iterator, Optional
 
 # keyword -> why it is refused (each one compiled and shown to accept a document that breaks it)
@@ -26,7 +27,11 @@ UNENFORCED = {
     "dependentRequired": "'dependentRequired' is not enforced",
     "dependentSchemas": "'dependentSchemas' is not enforced",
     "dependencies": "'dependencies' is not enforced",
+    "$dynamicRef": "'$dynamicRef' is not followed",
+    "$recursiveRef": "'$recursiveRef' is not followed",
 }
+_JSON_TYPES = {"string": (str,), "integer": (int, float), "number": (int, float), "boolean": (bool,), "null": (type(None),),
+               "array": (list,), "object": (dict,)}  # fmt: skip
 # what may sit beside a $ref, anyOf or oneOf without constraining anything
 _ANNOTATIONS = frozenset({"$defs", "definitions", "$schema", "$id", "$comment", "title", "description", "default",
                           "examples", "deprecated", "readOnly", "writeOnly", "discriminator"})  # fmt: skip
@@ -60,11 +65,20 @@ def _node_feature(node: dict, root: Any) -> Optional[str]:
         return "'uniqueItems' is not enforced"
     if ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
         return "minLength / maxLength beside a pattern or a format are not enforced"
+    if "pattern" in node and "format" in node:
+        return "a 'pattern' beside a 'format' is not enforced (the format is)"
+    for combinator in ("anyOf", "oneOf", "allOf"):
+        if node.get(combinator) == []:
+            return f"an empty '{combinator}' is not a valid schema (it needs at least one)"
+    mismatch = _value_outside_type(node)
+    if mismatch is not None:
+        return mismatch
     if "multipleOf" in node and node.get("type") != "integer":
         return "'multipleOf' is enforced on integers only"
     ref = node.get("$ref")
-    if isinstance(ref, str) and not ref.startswith("#"):
-        return f"a $ref outside the schema ({ref[:80]!r}) is not followed"
+    if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
+        where = "outside the schema" if not ref.startswith("#") else "to an anchor, not a JSON pointer"
+        return f"a $ref {where} ({ref[:80]!r}) is not followed"
     for combinator, allowed in (("$ref", ()), ("anyOf", ("type",)), ("oneOf", ("type",))):
         if combinator in node:
             beside = sorted(set(node) - _ANNOTATIONS - {combinator, *allowed})
@@ -86,6 +100,23 @@ def _node_feature(node: dict, root: Any) -> Optional[str]:
         missing = next((name for name in required if isinstance(name, str) and name not in defined), None)
         if missing is not None:
             return f"required property {missing!r} is not defined in 'properties', so the grammar does not require it"
+    return None
+
+
+def _value_outside_type(node: dict) -> Optional[str]:
+    """An `enum` or `const` value that the node's `type` does not allow: the grammar follows the values and
+    ignores the type, so it would let the value through."""
+    types = node.get("type")
+    types = [types] if isinstance(types, str) else types
+    if not isinstance(types, list) or not all(isinstance(t, str) and t in _JSON_TYPES for t in types):
+        return None
+    values = [node["const"]] if "const" in node else node.get("enum") if isinstance(node.get("enum"), list) else []
+    for value in values:
+        fits = any(isinstance(value, _JSON_TYPES[t]) and not (isinstance(value, bool) and t in ("integer", "number"))
+                   and not (t == "integer" and isinstance(value, float) and not value.is_integer()) for t in types)
+        if not fits:
+            keyword = "const" if "const" in node else "enum"
+            return f"{keyword} value {json.dumps(value)[:40]} is not of type {'/'.join(types)} (the grammar would allow it)"
     return None
 
 
