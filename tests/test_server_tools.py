@@ -21,7 +21,7 @@ from trtpaged.engine_files import sha256_file
 from trtpaged.manifest import MANIFEST_NAME
 from trtpaged.server import ServerOptions, start_server
 
-pytest.importorskip("openai", reason="the openai package is not installed (pip install openai)")
+openai = pytest.importorskip("openai", reason="the openai package is not installed (pip install openai)")
 jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is not installed")
 pytest.importorskip("xgrammar", reason="xgrammar is not installed (pip install xgrammar)")
 
@@ -283,3 +283,51 @@ def test_a_call_cut_by_a_stop_string_reads_the_same_streamed_and_whole(client):
     assert calls == [("add", uncut[: uncut.index(",")])]
     content, streamed, finish = _streamed(client.chat.completions.create(stream=True, stop=[","], **kw))
     assert (content, [(n, a) for _, n, a in streamed], finish) == (cut.message.content, calls, "stop")
+
+
+def test_a_tool_without_parameters_is_called_with_an_object(client):
+    """`parameters: {}` (or none) means an object of any properties, as OpenAI reads it (was: the named call's
+    grammar was the empty schema, any JSON value: the model wrote '"SmolLM"' as content, no call)."""
+    tools = [{"type": "function", "function": {"name": "ping", "parameters": {}}}]
+    kw = {"model": MODEL, "messages": MESSAGES, "tools": tools, "max_tokens": 120, "temperature": 1.0,
+          "tool_choice": {"type": "function", "function": {"name": "ping"}}}  # fmt: skip
+    ended = 0
+    for seed in range(8):  # a random model may write until max_tokens: count the answers whose call ended
+        choice = client.chat.completions.create(seed=seed, **kw).choices[0]
+        if choice.finish_reason == "length":
+            continue
+        ended += 1
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "ping" and isinstance(json.loads(call.function.arguments), dict)
+    assert ended
+
+
+def test_a_tool_whose_parameters_are_no_object_is_refused(client):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]
+    with pytest.raises(openai.BadRequestError, match=r"tools\[0\].function.parameters: must describe an object"):
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=tools, tool_choice="required")
+
+
+def test_required_calls_follow_each_tools_own_defs(client):
+    """A tool's $defs / definitions (pydantic writes them) are lifted to the root the required calls' grammar
+    is compiled from, where their $refs point (was: 400 "Cannot find field '$defs'")."""
+    date = {"type": "object", "properties": {"y": {"type": "integer"}}, "required": ["y"], "additionalProperties": False}
+    tools = [
+        {"type": "function", "function": {"name": "book", "parameters": {
+            "$defs": {"Date": date}, "type": "object", "properties": {"when": {"$ref": "#/$defs/Date"}},
+            "required": ["when"], "additionalProperties": False}}},
+        {"type": "function", "function": {"name": "old", "parameters": {
+            "definitions": {"N": {"type": "integer"}}, "type": "object", "properties": {"n": {"$ref": "#/definitions/N"}},
+            "required": ["n"], "additionalProperties": False}}},
+    ]  # fmt: skip
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    ended = 0
+    for seed in range(8):
+        choice = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=tools, tool_choice="required",
+                                                max_tokens=160, temperature=1.0, seed=seed).choices[0]  # fmt: skip
+        if choice.finish_reason != "tool_calls":
+            continue
+        ended += 1
+        for call in choice.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    assert ended

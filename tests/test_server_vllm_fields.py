@@ -4,7 +4,6 @@ return_tokens_as_token_ids, and chat logprobs' `bytes` (the token's own bytes, a
 
 from __future__ import annotations
 
-import openai
 import pytest
 
 from tests.test_server import llm, request, wait_idle  # noqa: F401 - LLM on the same engine, the truth
@@ -251,6 +250,8 @@ def test_spaces_between_special_tokens_is_taken_on_both_endpoints(client, llm):
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                           temperature=0, extra_body=extra)  # fmt: skip
     assert chat.choices[0].message.content is not None
+    import openai
+
     with pytest.raises(openai.BadRequestError, match="spaces_between_special_tokens"):
         client.completions.create(model=MODEL, prompt="a", max_tokens=1, extra_body={"spaces_between_special_tokens": 1})
 

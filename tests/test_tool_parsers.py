@@ -185,3 +185,10 @@ def test_format_from_template_and_family(template, architecture, expected):
 def test_no_format_says_why(template, architecture, reason):
     auto = tool_format(template, architecture)
     assert auto.format is None and reason in auto.reason
+
+
+def test_arguments_with_nan_or_infinity_are_not_json():
+    """Python's json reads NaN and Infinity, which JSON (RFC 8259) has not (was: a complete call)."""
+    for value in ("NaN", "Infinity", "-Infinity"):
+        text = '<tool_call>\n{"name": "add", "arguments": {"a": %s, "b": 1}}\n</tool_call>' % value
+        assert parse_all(HERMES, TOOLS, text) == (text, [])

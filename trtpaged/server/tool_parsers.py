@@ -83,9 +83,14 @@ class Call:
         if not self.complete:
             return False
         try:
-            return isinstance(json.loads(self.arguments), dict)
+            return isinstance(json.loads(self.arguments, parse_constant=_not_json), dict)
         except ValueError:
             return False
+
+
+def _not_json(name: str) -> None:
+    """NaN, Infinity and -Infinity, which Python's json reads and JSON (RFC 8259) does not have."""
+    raise ValueError(f"{name} is not JSON")
 
 
 class _Malformed(Exception):

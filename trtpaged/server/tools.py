@@ -88,11 +88,19 @@ class ToolChoice:
             return None
         if self.named is not None:
             return StructuredOutputsParams(json=self.tools[self.named], origin="tool_choice")
-        calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
-                  "required": ["name", "parameters"], "additionalProperties": False}
-                 for name, schema in self.tools.items()]  # fmt: skip
+        lifted: dict[str, dict[str, Any]] = {}  # the tools' $defs / definitions, at the root their $refs point to
+        calls = []
+        for name, parameters in self.tools.items():
+            parameters = dict(parameters)
+            for key in ("$defs", "definitions"):
+                for def_name, definition in (parameters.pop(key, None) or {}).items():
+                    if lifted.setdefault(key, {}).setdefault(def_name, definition) != definition:
+                        raise ApiError(f"tools: {key}/{def_name} differs between tools; tool_choice \"required\" "
+                                       "needs one definition per name", "tools")  # fmt: skip
+            calls.append({"type": "object", "properties": {"name": {"const": name}, "parameters": parameters},
+                          "required": ["name", "parameters"], "additionalProperties": False})
         schema: dict[str, Any] = {"type": "array", "minItems": 1,
-                                  "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}  # fmt: skip
+                                  "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, **lifted}  # fmt: skip
         if not self.parallel:
             schema["maxItems"] = 1
         return StructuredOutputsParams(json=schema, origin="tool_choice")
@@ -147,6 +155,12 @@ def _tool(index: int, value: Any) -> tuple[str, dict[str, Any]]:
     if not isinstance(params, dict):
         raise ApiError(f"{where}.function.parameters: must be a JSON schema object", "tools")
     _check_parameters(f"{where}.function.parameters", params)
+    kind = params.get("type")
+    if kind is None and not any(k in params for k in ("$ref", "anyOf", "oneOf", "allOf", "enum", "const")):
+        params = {**params, "type": "object"}  # `{}` (no constraint) is an object of any properties here
+    elif kind is not None and kind != "object":
+        raise ApiError(f"{where}.function.parameters: must describe an object (the call's arguments), got type "
+                       f"{kind!r:.40}", "tools")  # fmt: skip
     return name, params
 
 
