@@ -331,3 +331,16 @@ def test_the_grammar_cache_is_bounded_by_bytes_as_well_as_entries():
     tiny = GrammarCache(tok, len(tok), [tok.eos_token_id], max_bytes=1)
     tiny.compile(Grammar(regex="[a-z]{1,100}"))
     assert tiny.cached_bytes == sizes[100]  # the newest is kept
+
+
+def test_a_pattern_repeating_past_the_bound_is_refused_before_compiling():
+    """A 60-byte schema whose pattern repeats up to 16,000 times took xgrammar 27 s to compile (quadratic in the
+    bound), holding a core while other requests waited for theirs: refused, naming the field and the limit."""
+    from trtpaged.runtime.sampling_params import MAX_PATTERN_REPEAT
+
+    for schema in ({"type": "string", "pattern": "^[a-z]{1,16000}$"},
+                   json.dumps({"type": "object", "patternProperties": {"^x{3000}$": {"type": "integer"}}})):
+        with pytest.raises(RequestError) as info:
+            Grammar(json=schema, origin="response_format")
+        assert info.value.field == "response_format" and info.value.limit == MAX_PATTERN_REPEAT
+    Grammar(json={"type": "string", "pattern": f"^[a-z]{{1,{MAX_PATTERN_REPEAT}}}$"})

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 import json
 import math
+import re
 from typing import Any, Mapping, Optional, Union
 
 from trtpaged.errors import RequestError, check_unicode
@@ -28,6 +29,10 @@ MAX_GRAMMAR_CHARS = 64 * 1024  # a schema, regex or grammar's text, and the join
 # A JSON schema's nesting (objects and arrays): xgrammar's compile time grows faster than the depth (2 cores:
 # arrays 64 deep 0.03 s, 256 deep 0.7 s, 900 deep 39 s, in a 25 KB body); real schemas nest under 20.
 MAX_SCHEMA_DEPTH = 64
+# a schema `pattern`'s repetition bound ({n}, {n,m}): xgrammar compiles a bounded repeat inside a JSON string in
+# time about quadratic in it ({1,4000}: 1 s; {1,16000}: 27 s, on 2 cores), where the schema text is 60 bytes
+MAX_PATTERN_REPEAT = 1000
+_REPEAT = re.compile(r"\{(\d+)(?:,(\d*))?\}")
 MAX_CACHE_SALT_CHARS = 128  # vLLM's limit on cache_salt
 
 
@@ -79,6 +84,36 @@ def _check_schema_depth(field_name: str, schema: Union[str, Mapping[str, Any]]) 
                            MAX_SCHEMA_DEPTH)
 
 
+def _loads_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None  # the grammar compiler names what is wrong with it
+
+
+def _check_pattern_repeats(field_name: str, schema: Any) -> None:
+    """RequestError naming `field_name` for a `pattern` (or patternProperties key) whose repetition bound exceeds
+    MAX_PATTERN_REPEAT (the depth is bounded before this walk)."""
+    todo = [schema]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, list):
+            todo.extend(node)
+            continue
+        if not isinstance(node, Mapping):
+            continue
+        patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
+        if isinstance(node.get("patternProperties"), Mapping):
+            patterns += [k for k in node["patternProperties"] if isinstance(k, str)]
+        for pattern in patterns:
+            bound = max((int(n or 0) for m in _REPEAT.finditer(pattern) for n in m.groups()), default=0)
+            if bound > MAX_PATTERN_REPEAT:
+                raise RequestError(field_name, f"json schema pattern {pattern[:60]!r} repeats up to {bound} times; "
+                                   f"at most {MAX_PATTERN_REPEAT} (use maxLength without a pattern for long "
+                                   "strings)", MAX_PATTERN_REPEAT)  # fmt: skip
+        todo.extend(node.values())
+
+
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """A grammar that constrains a request's output (vLLM's `StructuredOutputsParams`); set exactly one of:
@@ -114,6 +149,7 @@ class StructuredOutputsParams:
                                    MAX_GRAMMAR_CHARS)
             if isinstance(self.json, str):
                 _check_schema_depth(name, text)
+            _check_pattern_repeats(name, self.json if isinstance(self.json, Mapping) else _loads_or_none(text))
         for kind in ("regex", "grammar"):
             value = getattr(self, kind)
             if value is not None and (not isinstance(value, str) or not value):
