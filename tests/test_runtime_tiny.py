@@ -224,3 +224,21 @@ def test_a_recomputed_group_whose_prefix_is_cached_goes_on(hf):
     assert set(done) == {rid, later}
     assert [c.token_ids for c in done[rid].outputs] == [c.token_ids for c in alone.outputs]
     assert engine.kv.pool.num_used == 0
+
+
+def test_a_group_waiting_to_share_can_be_swapped_out_and_back(hf):
+    """Swap preemption with a host pool too small for a whole n=3 group recomputes it (and plans its re-sharing);
+    preempted again while its samples wait to share, it is swapped: the waiting samples hold no blocks and get
+    none back (was: empty tables, and the next step raised 'sharing blocks into a sequence that already has
+    blocks'). Every request ends as it does alone."""
+    g = torch.Generator().manual_seed(8)
+    requests = [(torch.randint(0, 256, (30,), generator=g).tolist(),
+                 SamplingParams(max_tokens=20, n=3, temperature=1.0, seed=i, ignore_eos=True)) for i in range(3)]
+    config = dict(num_kv_blocks=12, block_size=8, max_num_tokens=12, preemption_mode="swap", num_host_blocks=3,
+                  enable_prefix_caching=False)  # fmt: skip
+    alone = [run_staggered(make(hf, **config), [r])[0] for r in requests]  # the pool cuts each at the same token
+    engine = make(hf, **config)
+    got = run_staggered(engine, requests)
+    assert engine.stats()["num_swap_outs"] > 0 and engine.stats()["num_preemptions"] > engine.stats()["num_swap_outs"]
+    assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in alone]
+    assert engine.kv.pool.num_used == 0

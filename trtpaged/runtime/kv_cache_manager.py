@@ -517,7 +517,9 @@ class KVCacheManager:
             raise RuntimeError("swap: no host pool (num_host_blocks is 0)")
         mapping: dict[int, KVBlock] = {}
         for seq in seqs:
-            src = src_tables.pop(seq.seq_id, [])
+            if seq.seq_id not in src_tables:  # holds nothing (waits to share a recomputed sequence's blocks)
+                continue
+            src = src_tables.pop(seq.seq_id)
             dst = []
             for block in src:
                 if block is None:  # reclaimed: stays a hole in the table
