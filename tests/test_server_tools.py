@@ -302,10 +302,11 @@ def test_a_tool_without_parameters_is_called_with_an_object(client):
     assert ended
 
 
-def test_a_tool_whose_parameters_are_no_object_is_refused(client):
+def test_a_forced_call_to_a_tool_whose_parameters_are_no_object_is_refused(client):
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]
-    with pytest.raises(openai.BadRequestError, match=r"tools\[0\].function.parameters: must describe an object"):
-        client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=tools, tool_choice="required")
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        with pytest.raises(openai.BadRequestError, match=r"tools\[0\].function.parameters: a forced call's arg"):
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=tools, tool_choice=choice)
 
 
 def test_required_calls_follow_each_tools_own_defs(client):

@@ -86,6 +86,10 @@ class ToolChoice:
         """The output grammar (None for auto: the model writes freely)."""
         if self.auto is not None:
             return None
+        for index, (name, parameters) in enumerate(self.tools.items()):  # what the grammar forces is an object
+            if (self.named is None or name == self.named) and parameters.get("type", "object") != "object":
+                raise ApiError(f"tools[{index}].function.parameters: a forced call's arguments are a JSON object; "
+                               f"got type {parameters['type']!r:.40}", "tools")  # fmt: skip
         if self.named is not None:
             return StructuredOutputsParams(json=self.tools[self.named], origin="tool_choice")
         lifted: dict[str, dict[str, Any]] = {}  # the tools' $defs / definitions, at the root their $refs point to
@@ -155,12 +159,8 @@ def _tool(index: int, value: Any) -> tuple[str, dict[str, Any]]:
     if not isinstance(params, dict):
         raise ApiError(f"{where}.function.parameters: must be a JSON schema object", "tools")
     _check_parameters(f"{where}.function.parameters", params)
-    kind = params.get("type")
-    if kind is None and not any(k in params for k in ("$ref", "anyOf", "oneOf", "allOf", "enum", "const")):
+    if "type" not in params and not any(k in params for k in ("$ref", "anyOf", "oneOf", "allOf", "enum", "const")):
         params = {**params, "type": "object"}  # `{}` (no constraint) is an object of any properties here
-    elif kind is not None and kind != "object":
-        raise ApiError(f"{where}.function.parameters: must describe an object (the call's arguments), got type "
-                       f"{kind!r:.40}", "tools")  # fmt: skip
     return name, params
 
 
