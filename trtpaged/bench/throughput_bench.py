@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from trtpaged.bench.noise import Noise, NoiseMonitor, assess, spread
-from trtpaged.bench.workload import (TraceRequest, json_objects, load_trace, prompt_token_ids, read_lines,
+from trtpaged.bench.workload import (TraceRequest, json_objects, load_trace_lines, prompt_token_ids, read_lines,
                                      synthetic_trace)  # fmt: skip
 
 DEFAULT_MIX = {"num_requests": 16, "prompt_len": (32, 300), "output_len": (16, 240)}
@@ -140,8 +140,8 @@ def load_requests(path: str | Path, tokenizer: Callable[[str], list[int]], vocab
     except (ValueError, RecursionError) as exc:
         raise ValueError(f"{path}:{lines[0][0]}: {exc}") from exc
     if not (isinstance(first, dict) and "prompt" in first):
-        wheres = [where for where, _ in json_objects(path, TraceRequest.__dataclass_fields__)]
-        return requests_from_trace(load_trace(path), vocab_size, wheres=wheres)
+        lines = load_trace_lines(path)  # one read: each request with its file:line
+        return requests_from_trace([r for _, r in lines], vocab_size, wheres=[where for where, _ in lines])
     out = []
     for where, data in json_objects(path, ("prompt", "output_len")):
         prompt, output_len = data.get("prompt"), data.get("output_len")

@@ -77,7 +77,28 @@ def read_lines(path: str | Path) -> list[str]:
 
 def load_trace(path: str | Path) -> list[TraceRequest]:
     """Reads a JSON Lines trace; errors name the line and the field."""
-    return load_trace_with_sharing(path)[0]
+    return [request for _, request in load_trace_lines(path)]
+
+
+def load_trace_lines(path: str | Path) -> list[tuple[str, TraceRequest]]:
+    """Each request of a JSON Lines trace with its "file:line"; errors name the line and the field."""
+    return _trace_entries(path, {})[0]
+
+
+def _trace_entries(path: str | Path, fill: dict) -> tuple[list[tuple[str, TraceRequest]], int]:
+    """("file:line", request) per line, `fill` set on the lines that give neither n nor beam_width; and how many
+    lines it filled."""
+    entries, filled = [], 0
+    for where, data in json_objects(path, TraceRequest.__dataclass_fields__):
+        if fill and "n" not in data and "beam_width" not in data:
+            data, filled = {**data, **fill}, filled + 1
+        try:
+            entries.append((where, TraceRequest(**data)))
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{where}: {exc}") from exc
+    if not entries:
+        raise ValueError(f"{path}: no requests")
+    return entries, filled
 
 
 def load_trace_with_sharing(path: str | Path, n: Optional[int] = None,
@@ -91,16 +112,8 @@ def load_trace_with_sharing(path: str | Path, n: Optional[int] = None,
     if n is not None and beam_width is not None:
         raise ValueError("--n, --beam-width: give one of them with --trace (a line is parallel sampling or a beam search)")
     flag, value = ("--n", {"n": n}) if n is not None else ("--beam-width", {"beam_width": beam_width})
-    requests, filled = [], 0
-    for where, data in json_objects(path, TraceRequest.__dataclass_fields__):
-        if (n is not None or beam_width is not None) and "n" not in data and "beam_width" not in data:
-            data, filled = {**data, **value}, filled + 1
-        try:
-            requests.append(TraceRequest(**data))
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"{where}: {exc}") from exc
-    if not requests:
-        raise ValueError(f"{path}: no requests")
+    entries, filled = _trace_entries(path, value if n is not None or beam_width is not None else {})
+    requests = [request for _, request in entries]
     if (n is not None or beam_width is not None) and not filled:
         raise ValueError(f"{flag}: every line of {path} gives its own n or beam_width, which wins; the flag "
                          "would change nothing")  # fmt: skip

@@ -202,7 +202,7 @@ def dequantized_hf_model(hf_model, dims: ModelDims, quantized: QuantizedState):
     if all(how.endswith("exact") for how in quantized.origin.values()):
         return hf_model
     model = copy.deepcopy(hf_model)
-    params = dict(model.named_parameters())
+    params = {name.removeprefix("model."): p for name, p in model.named_parameters()}  # the checkpoint's names
     for module, parts in {**hf_module_names(dims), "embed_tokens": ("embed_tokens",), "lm_head": ("lm_head",)}.items():
         if module not in quantized.plan:
             continue
@@ -211,9 +211,8 @@ def dequantized_hf_model(hf_model, dims: ModelDims, quantized: QuantizedState):
         weight = QuantizedWeight(bits, group, quantized.state[f"{prefix}.codes"], quantized.state[f"{prefix}.scales"],
                                  quantized.state.get(f"{prefix}.offsets")).dequantize()
         start = 0
-        for part in checkpoint_parts(module, parts, {k.removeprefix("model."): v for k, v in params.items()}):
-            name = f"model.{part}.weight" if f"model.{part}.weight" in params else f"{part}.weight"
-            target = params[name]
+        for part in checkpoint_parts(module, parts, params):
+            target = params[f"{part}.weight"]
             rows = target.shape[0]
             with torch.no_grad():
                 target.copy_(weight[start:start + rows].to(target.dtype))

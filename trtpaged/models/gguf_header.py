@@ -17,12 +17,13 @@ alignment and overlap against the file; anything else is a `GGUFHeaderError` nam
 from __future__ import annotations
 
 import functools
+import math
 import os
 import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Optional
+from typing import BinaryIO
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -115,13 +116,7 @@ class GGUFLayout:
 
     @property
     def num_elements(self) -> int:
-        total = 0
-        for t in self.tensors:
-            n = 1
-            for d in t.shape:
-                n *= d
-            total += n
-        return total
+        return sum(math.prod(t.shape) for t in self.tensors)
 
     @property
     def block_indices(self) -> set[int]:

@@ -20,6 +20,7 @@ import torch
 from trtpaged.config import ConfigError, ModelSpec
 from trtpaged.manifest import Manifest
 from trtpaged.models import gguf_once
+from trtpaged.models.gguf_header import GGUFHeaderError, GGUFLayout, read_layout
 from trtpaged.models.dims import (
     ARCHITECTURES_BY_MODEL_TYPE,
     MODEL_TYPES,
@@ -66,8 +67,6 @@ def source_architecture(spec: ModelSpec) -> str:
 
 
 def _gguf_architecture(path: Path, key: str) -> str:
-    from trtpaged.models.gguf_header import GGUFHeaderError, read_layout
-
     try:
         return read_layout(path).architecture
     except GGUFHeaderError as e:
@@ -96,14 +95,14 @@ def load_hf(spec: ModelSpec, dtype: torch.dtype = torch.float32) -> HFModel:
     else:
         kwargs["gguf_file"] = spec.path.name
         where = str(spec.path.parent)
-        _check_gguf_sizes(spec)
+        layout = _check_gguf_sizes(spec)
     with _no_progress_bars(), gguf_once.parsed_once():
         config = AutoConfig.from_pretrained(where, **kwargs)
         if spec.kind == "hf_dir":
             _check_config_against_checkpoint(spec.path, config)
             _check_tokenizer_files(spec.path)
         else:
-            _check_config_against_gguf(spec, config)
+            _check_config_against_gguf(spec, config, layout)
         tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
         # the config loaded above: from_pretrained would parse the GGUF's metadata again for it
         # a tensor whose shape is not the config's is reported in `info` (and refused below, naming it and both
@@ -180,33 +179,34 @@ _GGUF_SIZE_KEYS = ("block_count", "embedding_length", "feed_forward_length", "co
                    "attention.head_count", "attention.head_count_kv")  # fmt: skip
 
 
-def _check_gguf_sizes(spec: ModelSpec) -> None:
-    """The GGUF's size entries are positive, before transformers turns them into a config (it divides by some)."""
-    from trtpaged.models.gguf_header import read_layout
+def _gguf_where(spec: ModelSpec) -> str:
+    return f"model.{spec.kind}: {spec.path.name}: its metadata's"
 
+
+def _check_gguf_sizes(spec: ModelSpec) -> GGUFLayout:
+    """The GGUF's size entries are positive, before transformers turns them into a config (it divides by some);
+    returns its checked layout."""
     layout = read_layout(spec.path)  # checked at the check stage; cached
+    where = _gguf_where(spec)
     for name in _GGUF_SIZE_KEYS:
         key = f"{layout.architecture}.{name}"
         if layout.integers.get(key, 1) < 1:
-            raise ConfigError(f"model.{spec.kind}: {spec.path.name}: its metadata's {key} is {layout.integers[key]}; "
-                              "expected a positive integer")
+            raise ConfigError(f"{where} {key} is {layout.integers[key]}; expected a positive integer")
     vocabulary = layout.array_lengths.get("tokenizer.ggml.tokens")
     for name in ("bos", "eos", "padding", "unknown", "eot"):  # the model's embedding takes the padding id
         key = f"tokenizer.ggml.{name}_token_id"
         if vocabulary is not None and not 0 <= layout.integers.get(key, 0) < vocabulary:
-            raise ConfigError(f"model.{spec.kind}: {spec.path.name}: its metadata's {key} is {layout.integers[key]}; "
-                              f"the vocabulary (tokenizer.ggml.tokens) has {vocabulary} tokens")
+            raise ConfigError(f"{where} {key} is {layout.integers[key]}; the vocabulary (tokenizer.ggml.tokens) has "
+                              f"{vocabulary} tokens")
+    return layout
 
 
-def _check_config_against_gguf(spec: ModelSpec, config: Any) -> None:
+def _check_config_against_gguf(spec: ModelSpec, config: Any, layout: GGUFLayout) -> None:
     """Refuses a GGUF whose metadata does not describe its tensors, before transformers allocates the model at the
     metadata's sizes (a block_count of 10^6 or a feed_forward_length of 2^28 in a small file would take the
     machine's memory; a block_count below the file's layers would drop layers without a word)."""
-    from trtpaged.models.gguf_header import read_layout
-
-    where = f"model.{spec.kind}: {spec.path.name}: its metadata's"
+    where = _gguf_where(spec)
     _check_sizes(config, where)
-    layout = read_layout(spec.path)  # checked at the check stage; cached
     blocks = layout.block_indices
     if blocks != set(range(config.num_hidden_layers)):
         held = f"blocks {min(blocks)} to {max(blocks)} ({len(blocks)})" if blocks else "no blk.N tensors"
