@@ -19,7 +19,7 @@ from trtpaged.server.engine_loop import Overloaded, ShuttingDown
 from trtpaged.server.options import ServerOptions
 from trtpaged.server.schemas import TokenizeResponse, dump
 from trtpaged.server.tokenization import _SLICE, tokenize_json
-from trtpaged.server.tokenizer_worker import PROMPT_THREADS, TokenizerLane
+from trtpaged.server.tokenizer_worker import GRAMMAR_THREADS, PROMPT_THREADS, TokenizerLane
 
 from test_server import request, wait_idle
 
@@ -165,6 +165,41 @@ def test_a_full_tokenizer_queue_is_a_503_and_the_server_goes_on(tiny_engine_dir)
         assert status == 200 and out["tokens"] == handle.llm.tokenizer.encode("hello"), out
         assert request(handle, "/tokenize", {"prompt": "short"})[0] == 200
         assert request(handle, "/v1/completions", {"prompt": "short", "max_tokens": 2})[0] == 200
+    finally:
+        handle.shutdown()
+
+
+def test_a_full_grammar_queue_is_a_503_and_the_server_goes_on(tiny_engine_dir):
+    """Grammar compiles wait on their own lane, bounded by max_waiting: with its threads busy and one structured
+    request waiting, the next is refused (503) before it is queued, while a plain request is answered meanwhile;
+    the waiting one then gets its constrained answer."""
+    pytest.importorskip("xgrammar", reason="xgrammar is not installed (pip install xgrammar)")
+    handle = start_server(tiny_engine_dir, port=0, device="cpu", options=ServerOptions(max_waiting=1))
+    choice = {"prompt": "pick", "max_tokens": 4, "structured_outputs": {"choice": ["yes", "no"]}}
+    try:
+        lane = handle.tokens.grammars
+        release = threading.Event()
+        busy = []
+        for _ in range(GRAMMAR_THREADS):  # each thread busy, as with a slow compile
+            busy.append(lane.send(lambda _: release.wait(30)))
+            while not busy[-1].running():
+                time.sleep(0.005)
+        waiting: list = []
+        sender = threading.Thread(target=lambda: waiting.append(request(handle, "/v1/completions", choice)))
+        sender.start()
+        deadline = time.monotonic() + 10
+        while lane.num_waiting < 1:
+            assert time.monotonic() < deadline, "the request did not reach the grammars' queue"
+            time.sleep(0.005)
+        status, headers, out = request(handle, "/v1/completions", {**choice, "prompt": "again"})
+        assert status == 503 and headers["Retry-After"] == "1", out
+        assert "1 requests are waiting for their grammar to compile (max_waiting 1)" in out["error"]["message"]
+        assert request(handle, "/v1/completions", {"prompt": "plain", "max_tokens": 2})[0] == 200
+        release.set()
+        sender.join(30)
+        status, _, out = waiting[0]
+        assert status == 200 and out["choices"][0]["text"] in ("yes", "no"), out
+        wait_idle(handle)
     finally:
         handle.shutdown()
 

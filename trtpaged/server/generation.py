@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import itertools
 import logging
-import os
 import time
 import uuid
 from contextlib import aclosing
@@ -35,7 +33,6 @@ from trtpaged.server.protocol import GenerationRequest, check_request_id, parse_
 from trtpaged.server.responses import Echo, ResponseBuilder, TokenStrings, logprob_token_ids, sse, top_entries, usage
 from trtpaged.server.schemas import Usage, dump
 from trtpaged.server.stream_state import CompletionAccumulator, StreamState
-from trtpaged.server.thread_pinning import on_every_core, supported
 from trtpaged.server.token_bytes import token_bytes_reader
 from trtpaged.server.tokenization import prompt_token_ids
 from trtpaged.server.tokenizer_worker import TokenizerWorker
@@ -98,7 +95,6 @@ class GenerationService:
         self.vocab_size = llm.manifest.dims.vocab_size
         self.max_prompt_tokens = max_prompt_tokens
         self.request_timeout_s = request_timeout_s
-        self.cores = frozenset(os.sched_getaffinity(0)) if supported() else frozenset()  # the process's, unpinned
         self._read_bytes: Optional[Callable[[int, str], bytes]] = None  # made on the outputs lane, on first use
         self.prompt_bound = prompt_bound(llm.tokenizer) if llm.tokenizer is not None else None
         self._submits = itertools.count()  # makes engine request ids unique when callers reuse a request_id
@@ -149,15 +145,16 @@ class GenerationService:
             raise from_runtime_error(exc, req.names) from None
 
     async def _compile_grammar(self, req: GenerationRequest, params: SamplingParams) -> None:
-        """Compiles the request's grammar on a worker thread (once per distinct grammar, then cached), so that
+        """Compiles the request's grammar on the grammars lane (once per distinct grammar, then cached), so that
         the engine thread's add_request finds it compiled instead of stalling every running request."""
         grammars = self.llm.engine.grammars
         try:
             await self.loop.call_async(lambda e: grammars.prepare())  # the tokenizer is the engine thread's
-            # on a new thread of the event loop's, which may be pinned to one core: the compiler may use them all
-            await asyncio.to_thread(on_every_core(grammars.compile, self.cores), params.structured_outputs)
+            await self.tokens.grammar(lambda: grammars.compile(params.structured_outputs))
         except ValueError as exc:
             raise from_runtime_error(exc, req.names) from None
+        except (Overloaded, ShuttingDown) as exc:
+            raise overloaded(str(exc)) from None
 
     def _check_num_prompts(self, req: GenerationRequest) -> None:
         """Each prompt is one engine request: more than the waiting queue holds could never be admitted

@@ -16,13 +16,12 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, TypeVar
+from typing import Optional
 
 from trtpaged.server import thread_names
 from trtpaged.server.options import PIN_MODES as MODES
 
 log = logging.getLogger("trtpaged.server")
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -95,18 +94,6 @@ def unpin(allowed: set[int], tids: list[int]) -> None:
             os.sched_setaffinity(tid, allowed)
         except OSError:
             pass
-
-
-def on_every_core(fn: Callable[..., T], allowed: frozenset[int]) -> Callable[..., T]:
-    """`fn`, run on a thread that may use every core in `allowed`: for work the event loop's thread hands to new
-    threads (they inherit its pinning)."""
-
-    def run(*args, **kwargs) -> T:
-        if supported() and set(os.sched_getaffinity(0)) != set(allowed):
-            os.sched_setaffinity(0, allowed)
-        return fn(*args, **kwargs)
-
-    return run
 
 
 def _cpus(cpus: frozenset[int]) -> str:

@@ -15,7 +15,11 @@ Two lanes, so that running requests never wait behind a new one's long prompt:
   and the engine, its streams done, sat idle); a short prompt may thus reach the engine before a long one that
   arrived earlier. At most `max_waiting` jobs wait: beyond that `Overloaded` (a 503);
 - `outputs`: what requests already running need (token strings and bytes of log-probs, echo texts), unbounded,
-  one thread.
+  one thread;
+- `grammars`: compiling a structured-output request's grammar before it is queued (xgrammar's compiler holds the
+  vocabulary: these threads load no tokenizer), `GRAMMAR_THREADS` threads, at most `max_waiting` waiting, so
+  that a burst of distinct schemas is refused with a 503 instead of queueing without bound, and a compile whose
+  client went away before it began is never run.
 The engine thread keeps what belongs to the engine: adding requests, its incremental detokenizer (stop
 strings), and reading the vocabulary into the grammar compiler once (`GrammarCache.prepare`).
 """
@@ -34,13 +38,17 @@ from trtpaged.server.engine_loop import Overloaded, ShuttingDown
 T = TypeVar("T")
 _STOP = object()
 PROMPT_THREADS = 2  # the prompts lane's threads
+GRAMMAR_THREADS = 2  # the grammars lane's: a cached grammar is not held up behind one slow compile
 
 
 class TokenizerLane:
-    """`threads` threads, each with its own tokenizer, taking jobs `fn(tokenizer)` in the order they were sent."""
+    """`threads` threads, each with its own tokenizer, taking jobs `fn(tokenizer)` in the order they were sent.
+    `waiting_for` names what the jobs wait for in the `Overloaded` message."""
 
-    def __init__(self, name: str, max_waiting: Optional[int] = None, threads: int = 1) -> None:
+    def __init__(self, name: str, max_waiting: Optional[int] = None, threads: int = 1,
+                 waiting_for: str = "to be tokenized") -> None:
         self.name = name
+        self.waiting_for = waiting_for
         self.max_waiting = max_waiting
         self.num_threads = threads
         self._jobs: "queue.Queue[Any]" = queue.Queue()
@@ -89,7 +97,7 @@ class TokenizerLane:
             if self._stopped:
                 raise ShuttingDown("the server is shutting down")
             if self.max_waiting is not None and self._waiting >= self.max_waiting:
-                raise Overloaded(f"{self._waiting} requests are waiting to be tokenized (max_waiting "
+                raise Overloaded(f"{self._waiting} requests are waiting {self.waiting_for} (max_waiting "
                                  f"{self.max_waiting}); retry later")  # fmt: skip
             self._waiting += 1
             self._jobs.put((fn, future))
@@ -133,26 +141,29 @@ class TokenizerLane:
 
 
 class TokenizerWorker:
-    """The server's two tokenizer lanes (see the module docstring): `prompts` and `outputs`."""
+    """The server's front-end lanes (see the module docstring): `prompts`, `outputs` and `grammars`."""
 
-    def __init__(self, prompts: TokenizerLane, outputs: TokenizerLane) -> None:
+    def __init__(self, prompts: TokenizerLane, outputs: TokenizerLane, grammars: TokenizerLane) -> None:
         self.prompts = prompts
         self.outputs = outputs
+        self.grammars = grammars
 
     @classmethod
     def start(cls, load: Callable[[], Any], max_waiting: Optional[int] = None) -> "TokenizerWorker":
-        """Both lanes, each with its own tokenizer from `load()` (loaded on its own thread)."""
+        """The lanes: `prompts` and `outputs` each with its own tokenizer from `load()` (loaded on its own
+        thread), `grammars` with none."""
         prompts = TokenizerLane("trtpaged-tokenizer-prompts", max_waiting, PROMPT_THREADS)
         outputs = TokenizerLane("trtpaged-tokenizer-outputs")  # one thread: GenerationService keeps one bytes reader
+        grammars = TokenizerLane("trtpaged-grammars", max_waiting, GRAMMAR_THREADS, "for their grammar to compile")
         started: list[TokenizerLane] = []
         try:
-            for lane in (prompts, outputs):
-                started.append(lane.start(load))
+            for lane, lane_load in ((prompts, load), (outputs, load), (grammars, lambda: None)):
+                started.append(lane.start(lane_load))
         except BaseException:
             for lane in started:
                 lane.shutdown()
             raise
-        return cls(prompts, outputs)
+        return cls(prompts, outputs, grammars)
 
     async def prompt(self, fn: Callable[[Any], T]) -> T:
         """`fn(tokenizer)` for a request not yet queued; raises `Overloaded` when the lane is full."""
@@ -162,6 +173,10 @@ class TokenizerWorker:
         """`fn(tokenizer)` for a request already running."""
         return await self.outputs.run(fn)
 
+    async def grammar(self, fn: Callable[[], T]) -> T:
+        """`fn()` (a grammar compile) for a request not yet queued; raises `Overloaded` when the lane is full."""
+        return await self.grammars.run(lambda _: fn())
+
     def shutdown(self, timeout: float = 10.0) -> None:
-        for lane in (self.prompts, self.outputs):
+        for lane in (self.prompts, self.outputs, self.grammars):
             lane.shutdown(timeout)
