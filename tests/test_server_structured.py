@@ -51,6 +51,23 @@ def test_response_format_json_schema_on_both_endpoints(client, server):
     wait_idle(server)
 
 
+def test_json_schema_without_a_schema_is_an_object_and_the_empty_schema_any_value(client, server):
+    """OpenAI's json_schema with no schema: the answer is a JSON object; `{}`, the empty schema, lets any JSON
+    value through (a tiny random model writes long values: only the finished answers are parsed)."""
+    seen: dict[str, set] = {"absent": set(), "empty": set()}
+    for case, spec in (("absent", {"name": "any"}), ("empty", {"name": "any", "schema": {}})):
+        fmt = {"type": "json_schema", "json_schema": spec}
+        for seed in range(6):
+            resp = client.completions.create(model=MODEL, prompt="json:", max_tokens=48, temperature=1.0, seed=seed,
+                                             extra_body={"response_format": fmt})
+            choice = resp.choices[0]
+            if choice.finish_reason == "stop":
+                seen[case].add(type(json.loads(choice.text)).__name__)
+    assert seen["absent"] == {"dict"}, seen
+    assert seen["empty"] and seen["empty"] != {"dict"}, seen
+    wait_idle(server)
+
+
 def test_vllm_spellings_regex_choice_grammar_json(client):
     def texts(extra, n=6, max_tokens=40):
         resp = client.completions.create(model=MODEL, prompt="answer:", n=n, temperature=1.0, max_tokens=max_tokens,
@@ -126,6 +143,14 @@ def test_tool_choice_none_generates_text(client):
      "response_format"),
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": "nope"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}}, "response_format"),  # no name
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a\n", "schema": SCHEMA}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA, "strcit": True}}},
+     "response_format"),  # a misspelt key is not silently dropped
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA, "strict": "yes"}}},
+     "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f\n"}}], "tool_choice": "required"}, "tools"),
     ({"guided_regex": "(("}, "guided_regex"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": DEEP_SCHEMA}}},
      "response_format"),  # nested 100 deep: refused before xgrammar compiles it

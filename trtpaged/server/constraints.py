@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 from trtpaged.runtime.sampling_params import StructuredOutputsParams
 from trtpaged.server.errors import ApiError
+from trtpaged.server.tools import OPENAI_NAME
 
 _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -27,14 +28,38 @@ def _response_format(value: dict[str, Any]) -> Optional[StructuredOutputsParams]
     if kind == "json_object":
         return StructuredOutputsParams(json_object=True, origin="response_format")
     if kind == "json_schema":
-        spec = value.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-            raise ApiError("response_format.json_schema: must be an object {name, schema, strict?, description?} "
-                           "whose schema is a JSON schema object", "response_format")  # fmt: skip
-        schema = spec.get("schema", {})  # OpenAI: an absent schema means any JSON
-        return StructuredOutputsParams(json=schema or {"type": "object"}, origin="response_format")
+        return StructuredOutputsParams(json=_json_schema(value.get("json_schema")), origin="response_format")
     raise ApiError(f"response_format.type: must be 'text', 'json_object' or 'json_schema', got {kind!r:.80}",
                    "response_format")  # fmt: skip
+
+
+def _json_schema(spec: Any) -> Any:
+    """The schema of OpenAI's `json_schema: {name, schema?, strict?, description?}`, each key checked as OpenAI
+    checks it. An absent schema is any JSON object (the response is JSON, as json_object's); a given one is
+    enforced as written (`{}`, the empty schema, is any JSON value, as vLLM and the JSON Schema spec read it)."""
+    where = "response_format.json_schema"
+    if not isinstance(spec, dict):
+        raise ApiError(f"{where}: must be an object {{name, schema?, strict?, description?}}, got "
+                       f"{type(spec).__name__}", "response_format")  # fmt: skip
+    extra = set(spec) - {"name", "schema", "strict", "description"}
+    if extra:
+        raise ApiError(f"{where}: unknown keys {sorted(extra)} (it takes name, schema, strict, description)",
+                       "response_format")  # fmt: skip
+    name = spec.get("name")
+    if not isinstance(name, str) or not OPENAI_NAME.fullmatch(name):
+        raise ApiError(f"{where}.name: required, must match [A-Za-z0-9_-]{{1,64}}, got {name!r:.80}",
+                       "response_format")  # fmt: skip
+    for key, kind in (("strict", bool), ("description", str)):
+        if spec.get(key) is not None and not isinstance(spec[key], kind):
+            raise ApiError(f"{where}.{key}: must be a {kind.__name__}, got {type(spec[key]).__name__}",
+                           "response_format")  # fmt: skip
+    schema = spec.get("schema")
+    if schema is None:
+        return {"type": "object"}
+    if not isinstance(schema, dict):
+        raise ApiError(f"{where}.schema: must be a JSON schema object, got {type(schema).__name__}",
+                       "response_format")  # fmt: skip
+    return schema
 
 
 def _structured_outputs(value: dict[str, Any]) -> StructuredOutputsParams:

@@ -19,7 +19,7 @@ from trtpaged.server.errors import ApiError
 from trtpaged.server.tool_parsers import FORMATS, HERMES, LLAMA3_JSON, MISTRAL, PHI4_MINI, REQUIRED, Format
 from trtpaged.server.tool_parsers import CallStart, Content, ToolCallStream, parse_all
 
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+OPENAI_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 MAX_TOOLS = 128
 
 
@@ -153,7 +153,7 @@ def _tool(index: int, value: Any) -> tuple[str, dict[str, Any]]:
     if extra:
         raise ApiError(f"{where}.function: unknown keys {sorted(extra)}", "tools")
     name = fn.get("name")
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not OPENAI_NAME.fullmatch(name):
         raise ApiError(f"{where}.function.name: must match [A-Za-z0-9_-]{{1,64}}, got {name!r:.80}", "tools")
     params = fn.get("parameters", {"type": "object", "properties": {}})
     if not isinstance(params, dict):
