@@ -339,8 +339,12 @@ def test_a_pattern_repeating_past_the_bound_is_refused_before_compiling():
     from trtpaged.runtime.sampling_params import MAX_PATTERN_REPEAT
 
     for schema in ({"type": "string", "pattern": "^[a-z]{1,16000}$"},
-                   json.dumps({"type": "object", "patternProperties": {"^x{3000}$": {"type": "integer"}}})):
+                   json.dumps({"type": "object", "patternProperties": {"^x{3000}$": {"type": "integer"}}}),
+                   {"type": "object", "properties": {"a": {"anyOf": [{"type": "string", "pattern": "b{2000}"}]}}}):
         with pytest.raises(RequestError) as info:
             Grammar(json=schema, origin="response_format")
         assert info.value.field == "response_format" and info.value.limit == MAX_PATTERN_REPEAT
     Grammar(json={"type": "string", "pattern": f"^[a-z]{{1,{MAX_PATTERN_REPEAT}}}$"})
+    # a value is not a schema: a const, default or example that looks like one is data, whatever it holds
+    Grammar(json={"type": "object", "const": {"pattern": "a{5000}"}, "default": {"pattern": "a{5000}"},
+                  "examples": [{"pattern": "a{5000}"}]})

@@ -11,6 +11,7 @@ from typing import Any, Mapping, Optional, Union
 
 from trtpaged.errors import RequestError, check_unicode
 from trtpaged.runtime.outputs import RequestOutputKind
+from trtpaged.runtime.schema_features import subschemas
 
 _GREEDY_EPS = 1e-5  # temperatures below this sample greedily (as vLLM does)
 
@@ -94,24 +95,16 @@ def _loads_or_none(text: str) -> Any:
 def _check_pattern_repeats(field_name: str, schema: Any) -> None:
     """RequestError naming `field_name` for a `pattern` (or patternProperties key) whose repetition bound exceeds
     MAX_PATTERN_REPEAT (the depth is bounded before this walk)."""
-    todo = [schema]
-    while todo:
-        node = todo.pop()
-        if isinstance(node, list):
-            todo.extend(node)
-            continue
-        if not isinstance(node, Mapping):
-            continue
+    for path, node in subschemas(schema):
         patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
         if isinstance(node.get("patternProperties"), Mapping):
             patterns += [k for k in node["patternProperties"] if isinstance(k, str)]
         for pattern in patterns:
             bound = max((int(n or 0) for m in _REPEAT.finditer(pattern) for n in m.groups()), default=0)
             if bound > MAX_PATTERN_REPEAT:
-                raise RequestError(field_name, f"json schema pattern {pattern[:60]!r} repeats up to {bound} times; "
-                                   f"at most {MAX_PATTERN_REPEAT} (use maxLength without a pattern for long "
-                                   "strings)", MAX_PATTERN_REPEAT)  # fmt: skip
-        todo.extend(node.values())
+                raise RequestError(field_name, f"json schema pattern {pattern[:60]!r} (at {path}) repeats up to "
+                                   f"{bound} times; at most {MAX_PATTERN_REPEAT} (use maxLength without a pattern "
+                                   "for long strings)", MAX_PATTERN_REPEAT)  # fmt: skip
 
 
 @dataclass(frozen=True)

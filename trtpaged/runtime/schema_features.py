@@ -50,7 +50,7 @@ def unenforced_feature(schema: Any) -> Optional[str]:
     """Why the grammar engine would not enforce `schema` (a parsed JSON schema), naming the keyword and its place
     as a JSON pointer (`#/properties/tags`); None when every constraint in it is enforced. Values of the wrong
     type are left to the grammar compiler, which names them."""
-    for path, node in _subschemas(schema):
+    for path, node in subschemas(schema):
         why = _node_feature(node, schema)
         if why is not None:
             return f"{why} (at {path})"
@@ -120,8 +120,9 @@ def _value_outside_type(node: dict) -> Optional[str]:
     return None
 
 
-def _subschemas(schema: Any) -> Iterator[tuple[str, dict]]:
-    """Every schema object in `schema` with its JSON pointer, depth first (the nesting is bounded by the caller)."""
+def subschemas(schema: Any) -> Iterator[tuple[str, dict]]:
+    """Every schema object in `schema` with its JSON pointer, depth first (the nesting is bounded by the caller):
+    the values of keywords that hold schemas, never those of `const`, `enum`, `default` or `examples`."""
     todo = [("#", schema)]
     while todo:
         path, node = todo.pop()
