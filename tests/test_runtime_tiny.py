@@ -81,6 +81,19 @@ def test_beam_search_matches_hf(hf, prompts, width, length_penalty, early_stoppi
     assert engine.kv.pool.num_used == 0
 
 
+def test_beam_search_with_a_repetition_penalty_matches_hf(hf, prompts):
+    """HF applies its repetition penalty to the beams' log-probs; so do the beams here (they were scored
+    without it: HF's beams without the penalty came back)."""
+    engine = make(hf)
+    params = SamplingParams(max_tokens=10, beam_width=3, n=3, repetition_penalty=3.0)
+    outs = run_staggered(engine, [(p, params) for p in prompts[1:4]])
+    for prompt, out in zip(prompts[1:4], outs):
+        expected = hf_beams(hf, prompt, 10, 3, EOS, repetition_penalty=3.0)
+        assert [c.token_ids for c in out.outputs] == expected
+        assert expected != hf_beams(hf, prompt, 10, 3, EOS)  # the penalty changes the beams
+    assert engine.kv.pool.num_used == 0
+
+
 def test_parallel_samples_share_the_prompt_blocks(hf):
     engine = make(hf)
     prompt = list(range(40))  # 2 full blocks + 8 tokens

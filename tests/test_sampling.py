@@ -27,6 +27,10 @@ from trtpaged.runtime.sampling_params import SamplingParams
         ({"early_stopping": "sometimes"}, "early_stopping"),
         ({"beam_width": 2, "n": 3}, "n"),
         ({"beam_width": 2, "stop": ["x"]}, "stop"),
+        ({"beam_width": 2, "top_k": 5}, "top_k"),  # beams follow the log-probs: a sampling filter is not applied
+        ({"beam_width": 2, "top_p": 0.9}, "top_p"),
+        ({"beam_width": 2, "min_p": 0.1}, "min_p"),
+        ({"beam_width": 2, "logprobs": 1}, "logprobs"),
     ],
 )
 def test_params_errors_name_the_field(kwargs, field):
@@ -243,6 +247,31 @@ def test_beam_search_scores_and_length_penalty():
     # (1, EOS) scores log(0.27)/2 > log(0.5)/1, so the pool of 2 is full and no running beam can beat it
     assert [h.token_ids for h in beam.finished] == [(1, 0), (0,)]
     assert beam.done and keep == ()
+
+
+def test_beam_penalties_act_on_the_beams_log_probs():
+    """HF's order: the penalties change each beam's log-probs (not its logits), repetition over the prompt and the
+    beam's own tokens, presence and frequency over the beam's tokens; each candidate's score is its beam's score
+    plus the penalised log-prob, computed here by hand."""
+    params = SamplingParams(beam_width=2, n=2, max_tokens=4, repetition_penalty=2.0, presence_penalty=0.5,
+                            frequency_penalty=0.25)  # fmt: skip
+    logits = torch.tensor([[1.0, 2.0, 0.5, 0.0, -1.0], [0.0, 1.5, 2.5, -0.5, 1.0]])
+    outputs, cumulative, prompt = [[1, 1], [2]], [-1.0, -1.5], [3]
+    lp = torch.log_softmax(logits, dim=-1).tolist()
+    expected = {}
+    for b, (out, row) in enumerate(zip(outputs, lp)):
+        for t, value in enumerate(row):
+            if t in prompt or t in out:
+                value *= 2.0  # a log-prob is negative: the penalty makes it more so
+            count = out.count(t)
+            value -= 0.25 * count + (0.5 if count else 0.0)
+            expected[(b, t)] = cumulative[b] + value
+    decision = BeamSearch(params, eos_token_ids=[4], max_new_tokens=4).step(outputs, cumulative, logits, prompt)
+    best = sorted(expected.items(), key=lambda kv: -kv[1])
+    running = [(b, t) for (b, t), _ in best if t != 4][:2]
+    assert [(c.parent, c.token_id) for c in decision.running] == running
+    for c in decision.running:
+        assert c.cumulative_logprob == pytest.approx(expected[(c.parent, c.token_id)], abs=1e-6)
 
 
 def test_beam_search_stops_at_max_tokens():

@@ -7,6 +7,7 @@ from typing import Sequence as Seq
 
 import torch
 
+from trtpaged.runtime.sampler import SampleRow, apply_penalties
 from trtpaged.runtime.sampling_params import SamplingParams
 
 
@@ -42,8 +43,10 @@ class BeamStep:
 class BeamSearch:
     """One request's beam search state: the best `beam_width` finished hypotheses.
 
-    Each step takes the log-softmax of every running beam's logits, adds the
-    beam's cumulative log-prob, and keeps the top K = max(2, 1 + #eos) x width
+    Each step takes the log-softmax of every running beam's logits, applies the
+    request's penalties to those log-probs (HF's order: its logits processors act
+    on the beams' log-probs; repetition over the prompt and the beam's tokens,
+    presence and frequency over the beam's tokens), adds the beam's cumulative score, and keeps the top K = max(2, 1 + #eos) x width
     continuations. Those among the first `width` that end (EOS, stop token, or
     the length limit) become hypotheses scored sum_logprob / gen_len **
     length_penalty; the best `width` that do not end keep running. Stopping
@@ -65,14 +68,20 @@ class BeamSearch:
     def _penalised(self, logprob: float, length: int) -> float:
         return logprob / (length**self.params.length_penalty)
 
-    def step(self, outputs: Seq[Seq[int]], cumulative: Seq[float], logits: torch.Tensor) -> BeamStep:
+    def step(self, outputs: Seq[Seq[int]], cumulative: Seq[float], logits: torch.Tensor,
+             prompt: Seq[int] = ()) -> BeamStep:
         """Scores one more token; changes nothing (the scheduler applies the returned decision).
 
         `outputs[i]` and `cumulative[i]` are running beam i's generated tokens
-        and log-prob sum, `logits[i]` its next-token logits.
+        and score (its log-probs' sum, penalised), `logits[i]` its next-token logits;
+        `prompt`: the request's prompt tokens (the repetition penalty counts them).
         """
         vocab = logits.shape[-1]
-        scores = torch.log_softmax(logits.float(), dim=-1) + torch.tensor(cumulative, dtype=torch.float32)[:, None]
+        log_probs = torch.log_softmax(logits.float(), dim=-1)
+        p = self.params
+        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+            apply_penalties(log_probs, [SampleRow(i, p, [*prompt, *out], len(prompt)) for i, out in enumerate(outputs)])
+        scores = log_probs + torch.tensor(cumulative, dtype=torch.float32)[:, None]
         k = min(self.num_candidates, scores.numel())
         top_scores, top_index = torch.topk(scores.flatten(), k)
         gen_len = len(outputs[0]) + 1

@@ -422,7 +422,8 @@ def sample_groups(groups: Sequence["SequenceGroup"], logits: torch.Tensor, rows:
                 results[group.request_id] = _failed(group.request_id, NON_FINITE)
                 continue
             results[group.request_id] = _isolated(group.request_id, errors, lambda: group.beam.step(
-                [b.output_token_ids for b in beams], [b.cumulative_logprob for b in beams], beam_logits))
+                [b.output_token_ids for b in beams], [b.cumulative_logprob for b in beams], beam_logits,
+                beams[0].token_ids[: beams[0].num_prompt_tokens]))
             continue
         start = len(targets)
         targets += _targets(group, rows, drafts, draft_probs or {})

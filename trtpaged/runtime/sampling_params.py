@@ -219,7 +219,9 @@ class SamplingParams:
     max_batch_size, before anything is allocated); logprobs, prompt_logprobs >= 0; at most
     32 stop strings of 1..128 characters and 1024 stop token ids; logit_bias: at most 1024
     token ids, each biased by [-100, 100]; at most 64 bad words of 1..128 characters; `cache_salt`: 1..128
-    characters. The token filters and `structured_outputs` are refused with beam search.
+    characters. The token filters, `structured_outputs`, `top_k`, `top_p`, `min_p` and `logprobs` are refused with
+    beam search; its penalties apply to the beams' log-probs, as HF's logits processors do; temperature and seed do
+    not apply (beams are deterministic).
     """
 
     max_tokens: Optional[int] = 16  # None: until EOS/stop or max_seq_len
@@ -358,6 +360,16 @@ class SamplingParams:
                 raise RequestError("stop", "stop strings are not supported with beam search")
             if self.min_tokens:
                 raise RequestError("min_tokens", "not supported with beam search")
+            # beams follow the model's log-probs (HF's num_beams without sampling): a filter on which tokens may be
+            # drawn would not change them, so it is refused rather than ignored (vLLM's beam search refused them too)
+            for name, off in (("top_k", self.top_k in (0, -1)), ("top_p", self.top_p == 1.0),
+                              ("min_p", self.min_p == 0.0)):
+                if not off:
+                    raise RequestError(name, f"not applied by beam search (deterministic), got {getattr(self, name)!r}"
+                                       " (leave it at its default)")  # fmt: skip
+            if self.logprobs is not None:
+                raise RequestError("logprobs", "per-token log-probs are not kept for beams (each beam's "
+                                   "cumulative_logprob is its score)")  # fmt: skip
             for name in ("structured_outputs", "logit_bias", "allowed_token_ids", "bad_words"):
                 if getattr(self, name):
                     what = self.structured_outputs.origin if name == "structured_outputs" else name  # type: ignore
