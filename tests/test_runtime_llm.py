@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from runtime_helpers import hf_beams, hf_from_engine_dir, hf_greedy
@@ -78,13 +79,17 @@ def test_vllm_engine_arguments_set_what_they_mean_or_are_refused_naming_them(tin
 
 def test_the_seed_argument_makes_unseeded_sampling_repeat(tiny_engine_dir):
     """vLLM's LLM(seed=...): requests without a seed of their own draw the same tokens in every run."""
-    def draws(seed):
-        with LLM(tiny_engine_dir, device="cpu", warmup=False, seed=seed) as llm:
+    def draws(**seed):
+        with LLM(tiny_engine_dir, device="cpu", warmup=False, **seed) as llm:
             outs = llm.generate(["a", "b"], SamplingParams(max_tokens=8, temperature=1.0, n=2, ignore_eos=True))
             return [c.token_ids for o in outs for c in o.outputs]
 
-    first = draws(5)
-    assert draws(5) == first and draws(6) != first
+    first = draws(seed=5)
+    assert draws(seed=5) == first and draws(seed=6) != first
+    torch.manual_seed(123)  # what the process drew before must not matter: vLLM V1's default seed is 0
+    assert draws() == draws(seed=0)
+    torch.manual_seed(123)
+    assert draws(seed=None) != draws(seed=None)  # None: the RNGs left as they are, drawing on
 
 
 def test_max_tokens_past_the_room_left_is_cut_to_it_offline(llm, tiny_engine_dir):

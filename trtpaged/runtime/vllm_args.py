@@ -4,7 +4,7 @@ A script written for vLLM passes some of these; each is taken for what it means 
 - renamed limits: max_model_len (max_seq_len), max_num_seqs (max_batch_size), max_num_batched_tokens
   (max_num_tokens), tensor_parallel_size (tensor_parallel); given twice under both names with two values: refused;
 - seed: seeds the global RNGs once, as vLLM does, so that requests without their own seed draw the same tokens
-  run after run;
+  run after run; as in vLLM (V1) it defaults to 0, and `seed=None` leaves the RNGs as they are;
 - swap_space (GiB of host memory for swapped-out blocks): num_host_blocks;
 - settled when the engine was built, so only "auto" / None / the engine's own value is taken: dtype,
   kv_cache_dtype, quantization, block_size, tokenizer (the engine dir carries its tokenizer);
@@ -69,7 +69,7 @@ def apply_vllm_args(args: dict[str, Any], ours: dict[str, Any], manifest: Manife
         if ours.get("num_host_blocks"):
             raise ValueError("swap_space: num_host_blocks (its form here) is given too; give one")
         ours["num_host_blocks"] = int(swap * (1 << 30)) // manifest.kv_bytes_per_block_per_rank
-    seed = args.get("seed")
+    seed = args.get("seed", 0)  # vLLM V1's default: unseeded sampling repeats from run to run
     if seed is not None:
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
             raise ValueError(f"seed: expected an integer in [0, 2**63), got {seed!r}")
