@@ -370,6 +370,25 @@ def test_chat_names_an_empty_conversation_and_a_bad_character_where_it_is(llm):
     assert refused.value.field == "messages[1].content"
 
 
+def test_chat_names_a_malformed_message_and_takes_an_empty_assistant_turn(llm):
+    """A message without a role, or with content that is neither text nor parts, is named (was: jinja2's bare
+    UndefinedError out of the template); content None (an assistant turn that only called tools) is empty text,
+    as vLLM gives it; an error the template raises itself is a RequestError on messages."""
+    for bad, field in (([{"content": "hi"}], "messages[0].role"),
+                       ([{"role": "user", "content": "a"}, {"role": "user", "content": 5}], "messages[1].content")):
+        with pytest.raises(RequestError) as refused:
+            llm.chat(bad, SamplingParams(max_tokens=2))
+        assert refused.value.field == field
+    turns = [{"role": "user", "content": "a"}, {"role": "assistant", "content": None}, {"role": "user", "content": "b"}]
+    got = llm.chat(turns, SamplingParams(max_tokens=2))[0]
+    empty = [{**t, "content": t["content"] or ""} for t in turns]
+    assert got.prompt == llm.tokenizer.apply_chat_template(empty, add_generation_prompt=True, tokenize=False)
+    strict = "{% if messages|length > 1 %}{{ raise_exception('one message only') }}{% endif %}{{ messages[0].content }}"
+    with pytest.raises(RequestError, match="one message only") as refused:
+        llm.chat(turns, SamplingParams(max_tokens=2), chat_template=strict)
+    assert refused.value.field == "messages"
+
+
 def _text_of(tokenizer, token_ids, stop=()) -> tuple[str, str | None]:
     """The independent truth for a finished output's text: the whole ids decoded, less an incomplete character at
     the end (vLLM's text leaves it out), cut before the first stop string; and that stop string."""

@@ -135,6 +135,10 @@ def test_stop_reasons_and_the_text_a_stop_token_leaves(hf, prompts, reference):
         assert out.text == text(max_tokens=length).text
     eos = text(max_tokens=MAX_TOKENS, logit_bias={EOS: 100.0})
     assert (eos.token_ids, eos.finish_reason, eos.stop_reason) == ([EOS], "stop", None)
+    # EOS listed as a stop token too: vLLM looks for EOS first (no stop reason), unless EOS is ignored
+    for ignore_eos, reason in ((False, None), (True, EOS)):
+        both = text(max_tokens=MAX_TOKENS, logit_bias={EOS: 100.0}, stop_token_ids=[EOS], ignore_eos=ignore_eos)
+        assert (both.token_ids, both.finish_reason, both.stop_reason) == ([EOS], "stop", reason)
 
 
 def test_min_tokens_holds_off_eos_stop_tokens_and_stop_strings(hf, prompts, reference):

@@ -284,6 +284,7 @@ def test_beam_search_stops_at_max_tokens():
 def test_sampling_params_accept_vllm_spellings_and_reject_bad_types():
     assert SamplingParams(stop=None, stop_token_ids=None).stop == ()
     assert SamplingParams(top_k=-1).top_k == 0
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2  # vLLM's "no seed"
     for bad, field in ((dict(stop=[""]), "stop"), (dict(stop=[1]), "stop"), (dict(stop=5), "stop"), (dict(n=2.0), "n"),
                        (dict(max_tokens=2.5), "max_tokens"), (dict(temperature="0.5"), "temperature"),
                        (dict(top_p=float("nan")), "top_p"), (dict(stop_token_ids=["a"]), "stop_token_ids")):

@@ -59,6 +59,7 @@ class BeamSearch:
     def __init__(self, params: SamplingParams, eos_token_ids: Seq[int], max_new_tokens: int) -> None:
         self.params = params
         self.width = params.beam_width
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         self.num_candidates = max(2, 1 + len(set(eos_token_ids))) * self.width
         self.max_new_tokens = max_new_tokens

@@ -8,6 +8,8 @@ import logging
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence as Seq, Union
 
+import jinja2
+
 from trtpaged.engine_files import verify_engine_dir
 from trtpaged.errors import RequestError, check_unicode
 from trtpaged.manifest import EngineDirError, Manifest, engine_path, read_manifest
@@ -138,7 +140,15 @@ def _with_text_content(messages: Seq[Mapping]) -> list[dict]:
     vLLM gives them to the template."""
     out = []
     for m, msg in enumerate(messages):
+        if not isinstance(msg.get("role"), str):
+            raise RequestError(f"messages[{m}].role", f"required, a string (user, assistant, system, ...), got "
+                               f"{msg.get('role')!r:.40}")  # fmt: skip
         content = msg.get("content")
+        if content is None:  # an assistant turn that only called tools; vLLM gives the template an empty text
+            msg = {**msg, "content": ""}
+        elif not isinstance(content, (str, list)):
+            raise RequestError(f"messages[{m}].content", f"must be a string or a list of parts, got "
+                               f"{type(content).__name__}")  # fmt: skip
         if isinstance(content, list):
             msg = {**msg, "content": "\n".join(text_part(part, f"messages[{m}].content[{p}]")
                                                for p, part in enumerate(content))}  # fmt: skip
@@ -178,9 +188,12 @@ def chat_prompt_text(tokenizer: Any, messages: Seq[dict], tools: Optional[Seq[di
         raise RequestError("chat_template", "this engine has no chat template (its model's tokenizer had none at "
                            "build): send a plain prompt (/v1/completions, LLM.generate), or offline pass "
                            "LLM.chat(..., chat_template=...)")  # fmt: skip
-    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
-                                         continue_final_message=continue_final_message, tokenize=False,
-                                         **extra)  # fmt: skip
+    try:
+        text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message, tokenize=False,
+                                             **extra)  # fmt: skip
+    except jinja2.TemplateError as exc:  # the template's own raise_exception, or a key it needs and lacks
+        raise RequestError("messages", f"the chat template refused the conversation: {str(exc)[:200]}") from None
     return check_unicode("messages", text)
 
 

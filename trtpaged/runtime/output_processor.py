@@ -269,7 +269,7 @@ class OutputProcessor:
         for i, (tokens, logprob) in enumerate(hyps):
             finish = self._beam_finish_reason(group, tokens)
             shown = tokens if params.shows_end_token(finish) else tokens[:-1]
-            stop = params.stop_reason_of(tokens[-1]) if finish == "stop" else None
+            stop = params.stop_reason_of(tokens[-1], beam.eos_token_ids) if finish == "stop" else None
             # as any output: a character the tokens end inside of is left out
             text = self._decode(shown, params.skip_special_tokens).rstrip(REPLACEMENT) if params.detokenize else ""
             outputs.append(CompletionOutput(index=i, text=text,

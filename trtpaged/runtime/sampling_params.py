@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import json
 import math
 import re
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Collection, Mapping, Optional, Union
 
 from trtpaged.errors import RequestError, check_unicode
 from trtpaged.runtime.outputs import RequestOutputKind
@@ -232,7 +232,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # HF-style, over prompt and output tokens
     presence_penalty: float = 0.0  # OpenAI-style, over output tokens
     frequency_penalty: float = 0.0
-    seed: Optional[int] = None
+    seed: Optional[int] = None  # -1 (vLLM's spelling): None, the shared RNG
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -311,6 +311,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop_ids))
         if _is_int(self.top_k) and self.top_k == -1:  # vLLM's spelling of "off"
             object.__setattr__(self, "top_k", 0)
+        if _is_int(self.seed) and self.seed == -1:  # vLLM's spelling of "no seed": the shared RNG
+            object.__setattr__(self, "seed", None)
         self._check_token_filters()
         for name in ("max_tokens", "n", "beam_width", "top_k", "seed", "logprobs", "prompt_logprobs",
                      "stream_interval", "min_tokens"):
@@ -437,9 +439,12 @@ class SamplingParams:
                                "characters", MAX_BAD_WORDS)  # fmt: skip
         object.__setattr__(self, "bad_words", tuple(words))
 
-    def stop_reason_of(self, token: int) -> Optional[int]:
+    def stop_reason_of(self, token: int, eos_token_ids: Collection[int]) -> Optional[int]:
         """The stop reason of an output that ended on `token`: its id when it is one of stop_token_ids; none for
-        the model's own end (EOS, a grammar's end), as in vLLM."""
+        the model's own end (EOS, also when listed in stop_token_ids; a grammar's end), as in vLLM, which looks
+        for EOS first."""
+        if not self.ignore_eos and token in eos_token_ids:
+            return None
         return token if token in self.stop_token_ids else None
 
     def shows_end_token(self, finish_reason: Optional[str]) -> bool:

@@ -318,7 +318,7 @@ class Scheduler:
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids) or (
             seq.grammar is not None and seq.grammar.is_terminated()  # the grammar is complete and took its end
         ):
-            return "stop", params.stop_reason_of(token)
+            return "stop", params.stop_reason_of(token, self.eos_token_ids)
         if (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) or (
             len(seq.token_ids) >= self.config.max_seq_len
         ):
