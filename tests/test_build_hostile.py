@@ -156,15 +156,17 @@ def test_a_random_model_quantized_builds_and_a_broken_reference_is_refused(tmp_p
         measure_accuracy(hf.model, hf.tokenizer, other.model, model, 16, "int4")
 
 
-@pytest.mark.parametrize("eps", ["NaN", -1.0])
+@pytest.mark.parametrize("eps", ["NaN", -1.0, 1e308])
 def test_a_model_whose_dims_no_reader_takes_is_not_built_even_unverified(tmp_path, eps):
-    """rms_norm_eps NaN or -1 built with --skip-verify, and inspect, LLM and generate then refused the engine."""
+    """rms_norm_eps NaN or -1 built with --skip-verify, and inspect, LLM and generate then refused the engine;
+    1e308, finite as a double, is inf as the kernels' float32 (every step's norm would fail)."""
     hf = _hf_dir(tmp_path)
     config = json.loads((hf / "config.json").read_text())
     (hf / "config.json").write_text(json.dumps({**config, "rms_norm_eps": float(eps)}))
     r = _cli("build", str(_yaml(tmp_path, {**TINY, "model": {"hf_dir": "hf"}})), "-o", str(tmp_path / "out"),
              "--skip-verify")
-    _one_line_failure(r, "model.hf_dir: the model's rms_norm_eps got", "expected a finite positive number")
+    _one_line_failure(r, "model.hf_dir: the model's rms_norm_eps got", "expected a positive number, finite and not 0 "
+                      "in float32")
     assert not (tmp_path / "out").exists()
 
 

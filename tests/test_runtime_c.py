@@ -17,7 +17,7 @@ import torch
 
 from conftest import save_manifest
 
-from c_runtime import (REPO, CError, CRuntime, StepInputs, build, generate, i32_array, load, parse_outputs,
+from c_runtime import (REPO, CError, CRuntime, StepInputs, build, check, generate, i32_array, load, parse_outputs,
                        setup_build_dir)
 from trtpaged import LLM, SamplingParams
 
@@ -172,7 +172,11 @@ def edited_engine(src: Path, dst: Path, edit) -> Path:
     (lambda m: m.update(surprise=1), "invalid_argument", "surprise: unknown field"),
     # finite and positive as a double, 0 as a float: every angle would be NaN
     (lambda m: m["dims"].update(rope_scaling={"rope_type": "linear", "factor": 1e-300}), "invalid_argument",
-     "trtpaged.json: dims.rope_scaling: factor 1e-300 gives non-finite rotary frequencies"),  # the file named too
+     "trtpaged.json: dims.rope_theta / dims.rope_scaling: rope_theta 10000 with factor 1e-300 gives non-finite "
+     "rotary frequencies"),  # the file named too
+    # finite as a double, inf or 0 as the kernels' float: refused at open, naming the field (was: every step failed)
+    (lambda m: m["dims"].update(rms_norm_eps=1e308), "invalid_argument", "dims.rms_norm_eps: got 1e+308"),
+    (lambda m: m["dims"].update(rope_theta=1e-308), "invalid_argument", "dims.rope_theta: got 1e-308"),
     (lambda m: m.update(kv_cache={"memory_bytes": 2**50}), "invalid_argument",
      "trtpaged.json: kv_cache.memory_bytes: "),
 ])
@@ -259,6 +263,59 @@ def test_open_refuses_unsafe_weights(lib, tiny_engine_dir, tmp_path):
         CRuntime(lib, tiny_engine_dir, max_seq_len=513)
     with pytest.raises(CError, match="options.backend: 'tensorrt' is not implemented"):
         CRuntime(lib, tiny_engine_dir, backend=b"tensorrt")
+
+
+def test_the_step_api_is_refused_while_requests_run_and_forgets_the_prefix_cache(lib, tiny_engine_dir):
+    """copy_blocks, like step, is refused while a request runs (it would overwrite that request's K/V); and a step
+    API write empties the prefix cache, whose blocks it may have overwritten (was: the same prompt, run again,
+    hit the cache and read the step's K/V: other tokens)."""
+    prompt = SHARED[:40]  # two full blocks, cached once it ran
+    with CRuntime(lib, tiny_engine_dir, num_kv_blocks=16) as rt:
+        first = rt.generate([prompt], 8)[0]
+        hits = rt.stats().prefix_cache_hits_tokens
+        rid = rt.add(prompt, 8)
+        with pytest.raises(CError, match="requests are unfinished"):
+            check(lib, lib.trtpaged_runtime_copy_blocks(rt.handle, i32_array([0, 1]), 1))
+        while rt.read(rid)[1] == "running":
+            rt.run_step()
+        hits_again = rt.stats().prefix_cache_hits_tokens
+        assert hits_again >= hits + 32  # the second run found the first's two blocks
+        for block in range(16):  # the step API writes every block of the pool
+            run_c_step(rt, dict(input_ids=[9] * 16, positions=list(range(16)), query_start=[0, 16],
+                                context_lens=[16], block_tables=[[block]], logits_index=[15]))  # fmt: skip
+        check(lib, lib.trtpaged_runtime_copy_blocks(rt.handle, i32_array([0, 1]), 1))
+        assert rt.generate([prompt], 8)[0] == first
+        assert rt.stats().prefix_cache_hits_tokens == hits_again  # nothing found: the cache was emptied
+
+
+def test_a_prompt_longer_than_can_run_is_refused_before_it_is_read(lib, tiny_engine_dir):
+    """prompt_len is checked against max_seq_len before the prompt's ids are read (was: 2**20 ids read from a
+    4-id buffer); top_k -1 is off, as in vLLM and SamplingParams."""
+    with CRuntime(lib, tiny_engine_dir, num_kv_blocks=16) as rt:
+        rid = ctypes.c_int64()
+        status = lib.trtpaged_request_add(rt.handle, i32_array([1, 2, 3, 4]), 2**20, None, ctypes.byref(rid))
+        assert status == 1 and lib.trtpaged_last_error().decode().startswith("prompt_len: 1048576 tokens exceed")
+        greedy = rt.generate([PROMPTS[1]], 6)[0]
+        rid_off = rt.add(PROMPTS[1], 6, top_k=-1)
+        tokens: list[int] = []
+        while True:
+            got, reason = rt.read(rid_off)
+            tokens += got
+            if reason != "running":
+                break
+            rt.run_step()
+        assert tokens == greedy
+
+
+def test_a_message_quoting_bytes_that_are_not_utf8_escapes_them(lib, tiny_engine_dir, tmp_path):
+    """A corrupt manifest's bytes quoted in the error are written \\xNN: every binding can decode it as UTF-8."""
+    engine = tmp_path / "engine"
+    shutil.copytree(tiny_engine_dir, engine)
+    (engine / "trtpaged.json").write_bytes(b'{"format_version": 1, \xff\xfe "dims": caf\xc3\xa9}')
+    handle = ctypes.c_void_p()
+    assert lib.trtpaged_runtime_open(str(engine).encode(), None, ctypes.byref(handle)) != 0
+    message = lib.trtpaged_last_error().decode("utf-8")  # was: UnicodeDecodeError
+    assert "\\xff" in message and "trtpaged.json" in message
 
 
 def test_bad_requests_and_steps_name_the_argument(lib, tiny_engine_dir):

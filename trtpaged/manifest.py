@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import re
+import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Optional
@@ -305,6 +306,14 @@ def _adapter() -> pydantic.TypeAdapter:
     return _ADAPTER
 
 
+def _as_float32(value: float) -> float:
+    """`value` rounded to float32, as the kernels take it (inf past float32's range)."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.inf
+
+
 def check_dim_values(d: ModelDims, bad: Any) -> None:
     """The model dims' values as an engine's manifest must hold them (sizes in bounds, finite positive epsilon
     and rope theta); `bad(field, message, limit)` makes the error to raise (the build's, or a reader's)."""
@@ -314,8 +323,9 @@ def check_dim_values(d: ModelDims, bad: Any) -> None:
             raise bad(f"dims.{name}", f"got {value}; expected 1 to {high}", high)
     for name in ("rms_norm_eps", "rope_theta"):
         value = getattr(d, name)
-        if not (math.isfinite(value) and value > 0):
-            raise bad(f"dims.{name}", f"got {value}; expected a finite positive number")
+        if not (math.isfinite(value) and value > 0 and 0 < _as_float32(value) < math.inf):
+            raise bad(f"dims.{name}", f"got {value}; expected a positive number, finite and not 0 in float32 (the "
+                      "kernels' type)")  # fmt: skip
     if d.num_heads % d.num_kv_heads:
         raise bad("dims.num_kv_heads", f"{d.num_kv_heads} does not divide num_heads {d.num_heads}")
 

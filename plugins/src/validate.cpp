@@ -15,8 +15,45 @@ std::string dims_list(const AttentionLimits& limits) {
 }
 }  // namespace
 
+// The length of the well-formed UTF-8 sequence at s[i] (shortest form, no surrogates, at most U+10FFFF), 0 if none.
+static size_t utf8_sequence(const std::string& s, size_t i) {
+  const auto byte = [&](size_t k) { return static_cast<unsigned char>(s[k]); };
+  const unsigned char b = byte(i);
+  if (b < 0x80) return 1;
+  size_t n = b >= 0xF0 && b <= 0xF4 ? 4 : b >= 0xE0 ? 3 : b >= 0xC2 && b <= 0xDF ? 2 : 0;
+  if (n == 3 && b > 0xEF) n = 0;
+  if (n == 0 || i + n > s.size()) return 0;
+  for (size_t k = 1; k < n; ++k)
+    if ((byte(i + k) & 0xC0) != 0x80) return 0;
+  const unsigned char c = byte(i + 1);
+  if ((b == 0xE0 && c < 0xA0) || (b == 0xED && c > 0x9F) || (b == 0xF0 && c < 0x90) || (b == 0xF4 && c > 0x8F))
+    return 0;
+  return n;
+}
+
+// Messages may quote untrusted bytes (a corrupt manifest's): bytes that are not UTF-8 are written as \xNN, so
+// that every binding can decode trtpaged_last_error() as UTF-8.
+static std::string utf8_safe(const std::string& msg) {
+  std::string out;
+  out.reserve(msg.size());
+  for (size_t i = 0; i < msg.size();) {
+    const size_t n = utf8_sequence(msg, i);
+    if (n) {
+      out.append(msg, i, n);
+      i += n;
+      continue;
+    }
+    static const char hex[] = "0123456789abcdef";
+    const unsigned char b = static_cast<unsigned char>(msg[i++]);
+    out += "\\x";
+    out += hex[b >> 4];
+    out += hex[b & 15];
+  }
+  return out;
+}
+
 int fail(int code, const std::string& msg) {
-  g_last_error = msg;
+  g_last_error = utf8_safe(msg);
   return code;
 }
 

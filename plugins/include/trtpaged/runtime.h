@@ -104,10 +104,12 @@ typedef struct trtpaged_step_inputs {
 
 /* Runs one step; logits [num_outputs, vocab_size] float32 (logits_capacity: floats it holds). Every
  * input is checked before anything is written. Refused (INVALID_ARGUMENT) while requests of the
- * request API are unfinished: both would write the same pool. */
+ * request API are unfinished: both would write the same pool. It empties the request API's prefix
+ * cache (the blocks it wrote may be ones the cache offers); so does trtpaged_runtime_copy_blocks. */
 TRTPAGED_API trtpaged_status trtpaged_runtime_step(trtpaged_runtime* runtime, const trtpaged_step_inputs* inputs,
                                                    float* logits, size_t logits_capacity);
-/* Copies whole blocks (every layer, K and V): block pairs[2i] to pairs[2i+1] (copy-on-write). */
+/* Copies whole blocks (every layer, K and V): block pairs[2i] to pairs[2i+1] (copy-on-write). Refused
+ * while requests of the request API are unfinished, as trtpaged_runtime_step is. */
 TRTPAGED_API trtpaged_status trtpaged_runtime_copy_blocks(trtpaged_runtime* runtime, const int32_t* pairs,
                                                           int32_t num_pairs);
 
@@ -119,7 +121,7 @@ typedef struct trtpaged_sampling {
   uint32_t struct_size;           /* sizeof(trtpaged_sampling), set by _init */
   int32_t max_tokens;             /* >= 1, at most max_seq_len - prompt length */
   float temperature;              /* 0 (< 1e-5): greedy, the first most likely token; else sampled */
-  int32_t top_k;                  /* 0: off; else keep the k most likely (sampled only) */
+  int32_t top_k;                  /* 0 (or -1, vLLM's): off; else keep the k most likely (sampled only) */
   float top_p;                    /* (0, 1]; 1: off (sampled only) */
   int32_t has_seed;               /* 1: draw from a private generator seeded with seed */
   uint64_t seed;

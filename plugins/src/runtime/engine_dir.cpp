@@ -129,6 +129,15 @@ class Fields {
     if (!(std::isfinite(x) && x > 0)) bad(name, "got " + show(obj_.at(name)) + "; expected a finite positive number");
     return x;
   }
+  // as trtpaged/manifest.py: a value the kernels take as a float must stay finite and non-zero in float32
+  double positive_float32(const char* name) const {
+    const double x = positive(name);
+    const float f = float(x);
+    if (!(std::isfinite(f) && f > 0))
+      bad(name, "got " + show(obj_.at(name)) + "; expected a positive number, finite and not 0 in float32 (the "
+                "kernels' type)");
+    return x;
+  }
   bool boolean(const char* name, bool fallback) const {
     const json* v = get(name, false);
     if (!v) return fallback;
@@ -310,8 +319,8 @@ Manifest read_manifest(const std::string& root) {
   m.head_dim = dims.integer("head_dim", 1, 1024);
   m.vocab_size = dims.integer("vocab_size", 1, 1 << 22);
   m.max_position_embeddings = dims.integer("max_position_embeddings", 1, 1 << 24, false, 2048);
-  m.rms_norm_eps = dims.positive("rms_norm_eps");
-  m.rope_theta = dims.positive("rope_theta");
+  m.rms_norm_eps = dims.positive_float32("rms_norm_eps");
+  m.rope_theta = dims.positive_float32("rope_theta");
   m.tie_word_embeddings = dims.boolean("tie_word_embeddings", false);
   m.attention_bias = dims.boolean("attention_bias", false);
   m.o_proj_bias = dims.boolean("o_proj_bias", false);

@@ -252,9 +252,13 @@ CpuModel::CpuModel(const Manifest& manifest, const std::string& weights_path, co
     // as rope.py refuses: a factor finite as a double may not be as a float (1e-300 -> 0, then inv = inf), and a
     // non-finite frequency makes every position's angle, and so every logit, NaN
     if (!std::isfinite(inv)) {
-      char factor[32];
+      char theta[32], factor[32];
+      std::snprintf(theta, sizeof theta, "%g", m_.rope_theta);
       std::snprintf(factor, sizeof factor, "%g", m_.rope.factor);
-      invalid(manifest_where + "dims.rope_scaling: factor " + factor +
+      const bool scaled = m_.rope.type == "linear" || m_.rope.type == "llama3";
+      invalid(manifest_where + (scaled ? "dims.rope_theta / dims.rope_scaling: rope_theta " + std::string(theta) +
+                                             " with factor " + factor
+                                       : "dims.rope_theta: " + std::string(theta)) +
               " gives non-finite rotary frequencies in float32");
     }
     inv_freq_.push_back(inv);

@@ -388,16 +388,23 @@ TRTPAGED_API trtpaged_status trtpaged_runtime_get_info(const trtpaged_runtime* r
   });
 }
 
+// The step API and the request API write the same KV pool: the step API only while no request is unfinished,
+// and what it writes may overwrite blocks the prefix cache still offers (the caller forgets them first).
+static void refuse_while_requests_run(const trtpaged_runtime& rt) {
+  if (rt.scheduler->has_unfinished())
+    invalid("runtime: " + std::to_string(rt.scheduler->num_waiting() + rt.scheduler->num_running()) +
+            " requests are unfinished; the step API and the request API would write the same KV pool");
+}
+
 TRTPAGED_API trtpaged_status trtpaged_runtime_step(trtpaged_runtime* rt, const trtpaged_step_inputs* inputs,
                                                    float* logits, size_t logits_capacity) {
   return guarded([&] {
     need(rt, "runtime");
     need(inputs, "inputs");
     if (inputs->num_outputs > 0) need(logits, "logits");
-    if (rt->scheduler->has_unfinished())
-      invalid("runtime: " + std::to_string(rt->scheduler->num_waiting() + rt->scheduler->num_running()) +
-              " requests are unfinished; the step API and the request API would write the same KV pool");
+    refuse_while_requests_run(*rt);
     check_step(*rt, *inputs, logits_capacity);
+    rt->scheduler->forget_cached_prefixes();
     run_model(*rt, *inputs, logits);
   });
 }
@@ -407,6 +414,8 @@ TRTPAGED_API trtpaged_status trtpaged_runtime_copy_blocks(trtpaged_runtime* rt, 
   return guarded([&] {
     need(rt, "runtime");
     if (num_pairs > 0) need(pairs, "pairs");
+    refuse_while_requests_run(*rt);
+    rt->scheduler->forget_cached_prefixes();
     check_kernel(trtpaged_copy_blocks_cpu(rt->pool.get(), rt->num_kv_blocks, size_t(rt->block_bytes), pairs, num_pairs),
                  "copy_blocks");
   });
@@ -426,15 +435,17 @@ TRTPAGED_API trtpaged_status trtpaged_request_add(trtpaged_runtime* rt, const in
                 std::to_string(sizeof s) + " (call trtpaged_sampling_init)");
       s = *sampling;
     }
+    rt->scheduler->check_request(prompt_len, s.max_tokens);  // first: a length that cannot run is not read
     const int64_t vocab = rt->manifest.vocab_size;
     for (int32_t i = 0; i < prompt_len; ++i)
       if (prompt[i] < 0 || prompt[i] >= vocab)
         invalid("prompt[" + std::to_string(i) + "]: token id " + std::to_string(prompt[i]) +
                 " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
-    rt->scheduler->check_request(prompt_len, s.max_tokens);
     if (!(std::isfinite(s.temperature) && s.temperature >= 0))
       invalid("sampling.temperature: got " + std::to_string(s.temperature) + "; expected a finite number >= 0");
-    if (s.top_k < 0) invalid("sampling.top_k: got " + std::to_string(s.top_k) + "; expected >= 0 (0: off)");
+    if (s.top_k < -1)
+      invalid("sampling.top_k: got " + std::to_string(s.top_k) + "; expected >= 0 (0 or -1, vLLM's: off)");
+    if (s.top_k == -1) s.top_k = 0;
     if (!(s.top_p > 0 && s.top_p <= 1)) invalid("sampling.top_p: got " + std::to_string(s.top_p) + "; expected (0, 1]");
     if (s.num_stop_token_ids < 0 || s.num_stop_token_ids > 64)
       invalid("sampling.num_stop_token_ids: got " + std::to_string(s.num_stop_token_ids) + "; expected 0 to 64");

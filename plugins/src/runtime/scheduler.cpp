@@ -118,6 +118,10 @@ void BlockPool::cache(Block* block, uint64_t hash, const std::vector<int32_t>& t
   cache_[hash].push_back(block);
 }
 
+void BlockPool::forget_cached() {
+  for (auto& b : blocks_) evict(b.get());
+}
+
 // ---- scheduler --------------------------------------------------------------------------------------
 
 Scheduler::Scheduler(const Limits& limits, int32_t num_kv_blocks, bool enable_caching, std::vector<int32_t> eos)

@@ -45,6 +45,8 @@ class BlockPool {
   void free(const std::vector<Block*>& blocks);  // in the given order (tail blocks first)
   Block* lookup(uint64_t hash, const std::vector<int32_t>& tokens, const Block* parent) const;
   void cache(Block* block, uint64_t hash, const std::vector<int32_t>& tokens, const Block* parent);
+  // Drops every prefix-cache entry (the blocks stay free): their K/V may have been overwritten.
+  void forget_cached();
 
  private:
   void append(Block* b);
@@ -119,6 +121,8 @@ class Scheduler {
   int64_t num_preemptions() const { return num_preemptions_; }
   int64_t prefix_hits_tokens() const { return prefix_hits_tokens_; }
   const BlockPool& pool() const { return pool_; }
+  // Before the step API writes the pool (no request unfinished): cached prefixes may not survive it.
+  void forget_cached_prefixes() { pool_.forget_cached(); }
 
  private:
   struct Plan {
