@@ -30,15 +30,28 @@ def test_noisy_runs_get_no_verdict() -> None:
     assert "NOT trustworthy" in busy.describe()
 
 
+BURN = "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="needs /proc/stat")
 def test_foreign_load_counts_other_processes_not_ours() -> None:
-    burner = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"])
-    try:
-        with NoiseMonitor() as mon:
-            time.sleep(1.0)  # we use no CPU: what the monitor sees is the burner (and anyone else)
-    finally:
-        burner.wait()
+    """A process that is not ours (started by a parent that exits at once, so not our descendant) is foreign
+    load; our own children, live (a tensor-parallel rank, a server child), are our CPU time."""
+    from trtpaged.bench import process_tree
+
+    orphan = subprocess.run([sys.executable, "-c", "import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', "
+                             f"{BURN!r}], start_new_session=True)"], check=True)  # fmt: skip
+    assert orphan.returncode == 0
+    with NoiseMonitor() as mon:
+        time.sleep(1.0)  # we use no CPU: what the monitor sees is the burner (and anyone else)
     assert mon.foreign_cores() is not None and mon.foreign_cores() > 0.2
+    time.sleep(0.6)  # the orphan is done
+    before = process_tree.cpu_seconds()
+    child = subprocess.Popen([sys.executable, "-c", BURN])
+    time.sleep(1.0)
+    during = process_tree.cpu_seconds() - before  # the live child's CPU, before it exits
+    child.wait()
+    assert during > 0.5, during
 
 
 def test_kernel_bench_verdicts_follow_the_noise() -> None:

@@ -7,8 +7,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from trtpaged.bench.memory_bench import (Budget, run_memory_bench, run_sharing_table, simulate_contiguous,
-                                         simulate_paged)
+from trtpaged.bench.memory_bench import (Budget, format_memory_report, run_memory_bench, run_sharing_table,
+                                         simulate_contiguous, simulate_paged)
 from trtpaged.bench.workload import TraceRequest, load_trace, parse_range, synthetic_trace
 from trtpaged.cli import main
 
@@ -48,6 +48,17 @@ def test_sharing_stores_a_shared_prefix_once() -> None:
     # step 1: request 0 holds 48 + 1 computed tokens in 4 blocks; request 1 computes its 48 prompt tokens.
     assert plain.utilisation[1] == pytest.approx((49 + 48) / ((4 + 3) * 16))
     assert shared.utilisation[1] == pytest.approx((49 + 48 - 32) / ((4 + 3 - 2) * 16))
+
+
+def test_no_speed_up_is_shown_where_a_policy_refused_requests() -> None:
+    """Reserving max_seq_len (64 slots) in a 32-slot pool refuses every request, so its steps are no baseline: the
+    speed-up is None ('-'), not 0.00x; the mean-running ratio too."""
+    budget = Budget(num_kv_blocks=2, block_size=16, max_seq_len=64, max_batch_size=8, max_num_tokens=64)
+    report = run_memory_bench(THREE, budget)
+    by_name = {p["policy"]: p for p in report["policies"]}
+    assert by_name["contiguous, reserve max_seq_len"]["refused"] == 3 and by_name["paged"]["refused"] == 0
+    assert all(p["speedup_in_steps_vs_reserve_max"] is None for p in report["policies"])
+    assert "0.00x" not in format_memory_report(report)
 
 
 def test_paged_beats_reservations_on_a_mixed_workload() -> None:

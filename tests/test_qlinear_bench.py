@@ -25,3 +25,16 @@ def test_cells_carry_the_packed_bytes_and_the_fraction_of_the_streaming_limit() 
 
 def test_read_bandwidth_is_bytes_over_time() -> None:
     assert 0.01 < read_bandwidth_gbs(1 << 22, repeats=2) < 10_000
+
+
+@pytest.mark.parametrize("args", [["--threads", "-1"], ["--threads", "0"], ["--working-set-mb", "-5"],
+                                  ["--working-set-mb", "0"]])
+def test_bad_threads_and_working_set_are_refused_naming_the_option(args) -> None:
+    """Was: a traceback from torch.set_num_threads, or a negative working set run and printed as 0.0 GB/s."""
+    from click.testing import CliRunner
+
+    from trtpaged.cli import main
+
+    result = CliRunner().invoke(main, ["bench", "qlinear", "--quick", *args])
+    assert result.exit_code == 2 and args[0] in result.output and "Traceback" not in result.output, result.output
+

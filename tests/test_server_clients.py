@@ -327,3 +327,21 @@ def test_bench_serve_ratio_refuses_bad_stream_intervals(tiny_engine_dir):
                           (["--server-arg=--stream-interval=4"], "--stream-interval is set by the benchmark")):
         result = CliRunner().invoke(main, ["bench", "serve-ratio", str(tiny_engine_dir), *args])
         assert result.exit_code != 0 and message in result.output, (args, result.output)
+
+
+def test_bench_serve_ratio_names_why_its_server_did_not_start(tiny_engine_dir):
+    """A server argument that trtpaged serve refuses: one line quoting the server's own error, exit 1 (was: a
+    traceback ending "did not start (exit 2)", the server's reason sent to /dev/null)."""
+    result = CliRunner().invoke(main, ["bench", "serve-ratio", str(tiny_engine_dir), "--server-arg", "--bogus",
+                                       "--repeats", "1", "--max-tokens", "2"])  # fmt: skip
+    assert result.exit_code == 1 and result.exception.__class__ is SystemExit, result.output
+    assert "did not start (exit 2)" in result.output and "--bogus" in result.output, result.output
+
+
+def test_bench_serve_with_no_request_completed_exits_1_and_shows_no_zeros():
+    """Nothing reachable: the latency rows read n/a (not 0.00 ms) and the command fails naming the first error."""
+    result = CliRunner().invoke(main, ["bench", "serve", "--base-url", "http://127.0.0.1:1", "--num-requests", "2"])
+    assert result.exit_code == 1, result.output
+    assert "no request completed (2 failed; first: " in result.output
+    assert "Mean TTFT (ms):" in result.output and "0.00" not in result.output.split("Mean TTFT (ms):")[1].split("\n")[0]
+

@@ -100,6 +100,33 @@ def test_rope_frequencies_match_transformers(scaling):
     assert scale == 1.0
 
 
+@pytest.mark.parametrize("theta, head_dim", [(10000.0, 96), (100000.0, 80), (1000000.0, 128), (500000.0, 64)])
+def test_rotary_tables_are_correctly_rounded_as_the_c_runtime_takes_them(theta, head_dim):
+    """The power and cos/sin rounded once to float32 from double precision (what the C runtime's libm gives):
+    torch's float32 pow / cos / sin are one ulp off for some entries, which a w4a8 engine's int8 activations
+    turned into different tokens between the C and the Python runtime. Against math's double-precision results."""
+    import math
+    import struct
+
+    from trtpaged.manifest import ModelDims
+    from trtpaged.models.llama import Rotary
+
+    def f32(x: float) -> float:
+        return struct.unpack("f", struct.pack("f", x))[0]
+
+    inv, _ = inv_frequencies(head_dim, theta, None)
+    expected_inv = [f32(1.0 / f32(math.pow(theta, f32(2 * i / head_dim)))) for i in range(head_dim // 2)]
+    assert inv.tolist() == expected_inv
+    dims = ModelDims("LlamaForCausalLM", num_layers=1, hidden_size=head_dim * 2, intermediate_size=64, num_heads=2,
+                     num_kv_heads=2, head_dim=head_dim, vocab_size=16, rms_norm_eps=1e-5, rope_theta=theta)
+    positions = torch.tensor([0, 1, 7, 300, 4095, 8191])
+    cos, sin = Rotary(dims)(positions, torch.float32)
+    for row, p in enumerate(positions.tolist()):
+        angles = [f32(f32(float(p)) * f) for f in expected_inv] * 2
+        assert cos[row].tolist() == [f32(math.cos(a)) for a in angles]
+        assert sin[row].tolist() == [f32(math.sin(a)) for a in angles]
+
+
 def test_load_step_model_from_engine_dir(tiny_engine_dir):
     model, manifest = load_step_model(tiny_engine_dir)
     assert manifest.dims.num_layers == 2 and model.dtype == torch.float32

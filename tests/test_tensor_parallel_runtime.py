@@ -231,7 +231,13 @@ def test_server_stops_with_the_reason_when_a_rank_dies(tiny_kv4_engines):
     try:
         body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0}
         assert httpx.post(handle.url + "/v1/completions", json=body, timeout=60).status_code == 200
+        assert httpx.get(handle.url + "/health", timeout=60).status_code == 200
         os.kill(pids[0], signal.SIGKILL)
+        deadline = time.monotonic() + 10  # an idle server's health check sees the dead rank (was: 200 until a step)
+        while (health := httpx.get(handle.url + "/health", timeout=60)).status_code == 200:
+            assert time.monotonic() < deadline, "/health kept answering 200 with a dead rank"
+            time.sleep(0.05)
+        assert health.status_code == 503 and "rank 1" in health.json()["status"], health.text
         r = httpx.post(handle.url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 500
         deadline = time.monotonic() + 10

@@ -372,7 +372,9 @@ def run_memory_bench(
             {k: v for k, v in asdict(r).items() if k not in SERIES}
             | {
                 "mean_running_vs_reserve_max": r.mean_running / base.mean_running if base.mean_running else None,
-                "speedup_in_steps_vs_reserve_max": base.steps / r.steps if r.steps else None,
+                # steps compare only runs of the same requests: none where either refused some
+                "speedup_in_steps_vs_reserve_max": base.steps / r.steps
+                if r.steps and base.steps and not (r.refused or base.refused) else None,
             }
             for r in results
         ],
@@ -568,7 +570,8 @@ def format_memory_report(report: dict) -> str:
     lines += [
         "",
         "run x: mean running sequences / those of reserving max_seq_len (higher is better)",
-        "speed-up: steps to finish when reserving max_seq_len / this policy's steps (2.00x = done in half the steps)",
+        "speed-up: steps to finish when reserving max_seq_len / this policy's steps (2.00x = done in half the steps;",
+        "  '-' where either refused requests: they did not run the same work)",
         "tw run / tw util: running sequences and KV utilisation with each step weighted by the tokens it computed;",
         "  tokens: tokens computed in all (recompute preemptions compute prompts and outputs again)",
         f"sharing (paged + sharing): {sh['blocks_with_sharing']:.1f} blocks in use vs {sh['blocks_without_sharing']:.1f} "

@@ -7,7 +7,8 @@ trustworthy:
 
 - spread: (p90 - p10) / median of the repeated timings of one measurement;
 - foreign load: CPU time used by *other* processes while we ran, in cores, from
-  /proc/stat (all CPUs' busy time) minus our own process's CPU time (os.times), divided
+  /proc/stat (all CPUs' busy time) minus our own CPU time (this process and its descendants,
+  live or exited: tensor-parallel ranks and server children are ours; `process_tree`), divided
   by the wall time. A foreign load near a whole core on a 2-core machine means our
   threads shared their cores.
 
@@ -26,6 +27,8 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from typing import Optional, Sequence
+
+from trtpaged.bench import process_tree
 
 MAX_SPREAD = 0.10  # (p90 - p10) / median above this: the repeats disagree too much
 MAX_FOREIGN_CORES = 0.5  # other processes' CPU use (in cores) above this: we shared our cores
@@ -64,9 +67,6 @@ def _machine_busy_seconds() -> Optional[float]:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
-def _own_cpu_seconds() -> float:
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
 
 
 @dataclass
@@ -105,7 +105,7 @@ class NoiseMonitor:
 
     @staticmethod
     def _now() -> tuple[float, Optional[float], float]:
-        return time.perf_counter(), _machine_busy_seconds(), _own_cpu_seconds()
+        return time.perf_counter(), _machine_busy_seconds(), process_tree.cpu_seconds()
 
     def start(self) -> "NoiseMonitor":
         self._start, self._stop = self._now(), None

@@ -291,15 +291,16 @@ def format_report(report: dict[str, Any]) -> str:
     for key, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):  # fmt: skip
         lines.append("{s:{c}^60}".format(s=f" {title} ", c="-"))
-        row(f"Mean {key.upper()} (ms):", report[f"mean_{key}_ms"])
+        measured = report["completed"] > 0  # with none, the figures' zeros are no measurement
+        row(f"Mean {key.upper()} (ms):", report[f"mean_{key}_ms"] if measured else "n/a")
         for p in PERCENTILES:
-            row(f"P{p} {key.upper()} (ms):", report[f"p{p}_{key}_ms"])
+            row(f"P{p} {key.upper()} (ms):", report[f"p{p}_{key}_ms"] if measured else "n/a")
     lines.append("{s:{c}^60}".format(s=" Server side (trtpaged /metrics) ", c="-"))
     for key, label in (("engine_step_ms", "Mean engine step (ms):"), ("handoff_wait_ms", "Mean hand-over wait (ms):"),
                        ("server_tpot_ms", "Mean server-side TPOT (ms):")):  # fmt: skip
         value = report.get(key)
         row(label, "n/a" if value is None else float(value))
-    row("Mean client-side TPOT (ms):", report["mean_tpot_ms"])
+    row("Mean client-side TPOT (ms):", report["mean_tpot_ms"] if report["completed"] else "n/a")
     for example in report["error_examples"]:
         lines.append(f"error: {example}")
     lines.append("=" * 60)

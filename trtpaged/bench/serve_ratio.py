@@ -34,6 +34,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -75,14 +76,20 @@ class Series:
         return f"{self.name:<44}{self.median:8.1f} {unit}  ({shown})"
 
 
+class ServerStartError(RuntimeError):
+    """The benchmark's `trtpaged serve` child did not start; the message ends with what it wrote last."""
+
+
 class ServerProcess:
-    """`trtpaged serve ENGINE --port 0` in a child process (the environment it inherits decides OpenMP)."""
+    """`trtpaged serve ENGINE --port 0` in a child process (the environment it inherits decides OpenMP). Its
+    stderr goes to a temporary file (a pipe nobody reads could fill and stall it), quoted if it fails to start."""
 
     def __init__(self, engine: Path, extra_args: tuple[str, ...] = (), timeout_s: float = 300.0,
                  env: Optional[dict[str, str]] = None) -> None:  # fmt: skip
         cmd = [sys.executable, "-m", "trtpaged.cli", "serve", str(engine), "--port", "0",
                "--served-model-name", SERVED_NAME, *extra_args]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+        self._stderr = tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env)
         deadline = time.monotonic() + timeout_s
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
@@ -93,20 +100,14 @@ class ServerProcess:
             if time.monotonic() > deadline:
                 break
         self.close()
-        raise RuntimeError(f"trtpaged serve did not start (exit {self.proc.poll()})")
+        self._stderr.seek(0)
+        said = [line.strip() for line in self._stderr.read()[-4000:].splitlines() if line.strip()][-3:]
+        raise ServerStartError(f"trtpaged serve {' '.join(extra_args)} did not start (exit {self.proc.poll()})"
+                               + (": " + " | ".join(said) if said else ""))  # fmt: skip
 
     def metrics(self) -> dict[str, float]:
         with urllib.request.urlopen(self.url + "/metrics", timeout=30) as resp:
             return parse_prometheus(resp.read().decode())
-
-    def cpu_seconds(self) -> float:
-        """CPU time the server process used so far (0 off Linux): ours, not other processes' load."""
-        try:
-            with open(f"/proc/{self.proc.pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            return 0.0
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def thread_cpu_seconds(self) -> dict[str, float]:
         """CPU seconds so far of the server's threads by role (from their OS names, see server/thread_names.py):
@@ -153,6 +154,7 @@ class ServerProcess:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+                self.proc.wait()
 
 
 def round_ratios(served: list[float], api: list[float]) -> list[float]:
@@ -340,7 +342,6 @@ class ServeArm:
         self.handoff = {m: Series(m) for m in self.MODES}  # the engine's wait for the event loop, ms a step
         self.cpu = {m: CpuPerToken() for m in self.MODES}
         self.same_single, self.same = True, {"batch": concurrency, "bare": concurrency}
-        self.cpu_start = 0.0
 
     def measure(self, mode: str, run: Callable[[str], tuple[float, Any, float]], tokens: int,
                 api_cpu: float) -> tuple[Any, float]:  # fmt: skip
@@ -373,7 +374,6 @@ def run_serve_ratio(engine: Path, repeats: int = 5, max_tokens: int = 128, concu
                   "batch": Series(f"LLM.generate, {concurrency} requests (tok/s)")}  # fmt: skip
     api_steps = {m: Series(m) for m in api_series}
     bodies = bare_bodies(concurrency, max_tokens)
-    wall = 0.0
     try:
         for n in intervals:
             arms.append(ServeArm(engine, n, tuple(server_args), concurrency))
@@ -386,8 +386,6 @@ def run_serve_ratio(engine: Path, repeats: int = 5, max_tokens: int = 128, concu
             client_decode_rate(arm.server.url, 8)
             client_batch_rate(arm.server.url, concurrency, 8)
             bare_batch_rate(arm.server.url, bare_bodies(concurrency, 8))
-            arm.cpu_start = arm.server.cpu_seconds()
-        wall = time.perf_counter()
         with monitor:
             for r in range(repeats):
                 progress(f"round {r + 1}/{repeats}")
@@ -413,8 +411,6 @@ def run_serve_ratio(engine: Path, repeats: int = 5, max_tokens: int = 128, concu
                     texts, _ = arm.measure("bare", lambda url: bare_batch_rate(url, bodies), concurrency * max_tokens,
                                            0.0)  # the batch run's API side serves both  # fmt: skip
                     arm.same["bare"] = min(arm.same["bare"], sum(a == b for a, b in zip(api_texts, texts)))
-        wall = time.perf_counter() - wall
-        server_cpu = sum(arm.server.cpu_seconds() - arm.cpu_start for arm in arms)
     finally:
         for arm in arms:
             arm.server.close()
@@ -423,10 +419,8 @@ def run_serve_ratio(engine: Path, repeats: int = 5, max_tokens: int = 128, concu
     for arm in arms:
         for mode in ("single", "batch"):
             monitor.add_samples([s / a for s, a in zip(arm.series[mode].values, api_series[mode].values) if a > 0])
-    foreign = monitor.foreign_cores()
-    if foreign is not None:  # the servers are our own children: their CPU use is not other processes' load
-        foreign = max(0.0, foreign - server_cpu / wall)
-    noise = assess(max(monitor.spreads), foreign, os.cpu_count() or 1)
+    # the servers are our own children: the monitor counts their CPU as ours, not other processes' load
+    noise = assess(max(monitor.spreads), monitor.foreign_cores(), os.cpu_count() or 1)
     series = {f"api_{m}": s for m, s in api_series.items()}
     steps = {f"api_{m}": s for m, s in api_steps.items()}
     handoffs: dict[str, Series] = {}

@@ -32,13 +32,13 @@ import json
 import math
 import multiprocessing
 import os
-import resource
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from trtpaged.bench import process_tree
 from trtpaged.bench.noise import Noise, NoiseMonitor, assess, spread
 from trtpaged.bench.workload import (TraceRequest, json_objects, load_trace_lines, prompt_token_ids, read_lines,
                                      synthetic_trace)  # fmt: skip
@@ -178,7 +178,7 @@ def _result(name: str, requests: list[Request], wall: float, computed: int, ttft
         ttft_p99_s=percentile(ttft, 99),
         tpot_p50_s=percentile(tpot, 50),
         tpot_p99_s=percentile(tpot, 99),
-        peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        peak_rss_mb=process_tree.peak_rss_mb(),  # tensor-parallel ranks' too
         useful_tokens=useful,
         computed_tokens=computed,
         foreign_cores=monitor.foreign_cores(),

@@ -19,11 +19,13 @@ def _progress(msg: str) -> None:
 
 
 def _print_report(run: Callable[[], dict], text: Callable[[dict], str], as_json: bool) -> None:
-    """Runs one benchmark and prints its report (JSON, or `text` of it); a ValueError (bad input) becomes a
-    one-line CLI error."""
+    """Runs one benchmark and prints its report (JSON, or `text` of it); a ValueError (bad input) or a server
+    that did not start becomes a one-line CLI error."""
+    from trtpaged.bench.serve_ratio import ServerStartError
+
     try:
         report = run()
-    except ValueError as exc:
+    except (ValueError, ServerStartError) as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(json.dumps(report, indent=2) if as_json else text(report))
 
@@ -230,19 +232,20 @@ def memory(ctx, engine, trace, num_requests, prompt_len, output_len, shared_pref
 @command.command(name="qlinear")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--quick", is_flag=True, help="Shorter timing budget (noisier).")
-@click.option("--working-set-mb", type=int, help="Weight bytes each format rotates over (default: 2 x LLC).")
-@click.option("--threads", type=int, help="CPU threads for torch and our kernels (default: torch's).")
+@click.option("--working-set-mb", type=click.IntRange(1, 1 << 20),
+              help="Weight bytes each format rotates over (default: 2 x LLC).")
+@click.option("--threads", type=click.IntRange(1, 4096), help="CPU threads for torch and our kernels (default: torch's).")
 def qlinear(as_json: bool, quick: bool, working_set_mb: Optional[int], threads: Optional[int]) -> None:
     """Weight-only int8/int4 CPU linears vs fp32 F.linear on SmolLM2-135M shapes, weights from DRAM."""
     import torch
 
     from trtpaged.bench.qlinear_bench import format_report, report_json, run_qlinear_bench
 
-    if threads:
+    if threads is not None:
         torch.set_num_threads(threads)  # one OpenMP runtime: it also sets our kernels' threads
 
     report = run_qlinear_bench(
-        working_set_bytes=working_set_mb << 20 if working_set_mb else None,
+        working_set_bytes=working_set_mb << 20 if working_set_mb is not None else None,
         budget_s=0.1 if quick else 0.3,
         progress=_progress,
     )
@@ -289,6 +292,7 @@ def serve(base_url, trace, num_requests, prompt_len, output_len, request_rate, m
         report = asyncio.run(run_multi_turn(base_url, spec, model, api_key, endpoint == "chat", max_concurrency, seed,
                                             progress=_progress))  # fmt: skip
         click.echo(report_json(report) if as_json else format_report(report) + "\n" + format_multi_turn(report))
+        _refuse_an_empty_run(report)
         return
 
     from trtpaged.bench.serve_bench import format_report, prompts_from_trace, report_json, run_serve_bench
@@ -306,6 +310,14 @@ def serve(base_url, trace, num_requests, prompt_len, output_len, request_rate, m
                                          api_key, endpoint == "chat", ignore_eos, seed,
                                          progress=_progress))  # fmt: skip
     click.echo(report_json(report) if as_json else format_report(report))
+    _refuse_an_empty_run(report)
+
+
+def _refuse_an_empty_run(report: dict) -> None:
+    """A serving benchmark in which no request completed measured nothing: exit 1, saying why."""
+    if not report["completed"]:
+        first = report["error_examples"][0] if report["error_examples"] else "no request was sent"
+        raise click.ClickException(f"no request completed ({report['failed']} failed; first: {first})")
 
 
 @command.command(name="kv-tiers")

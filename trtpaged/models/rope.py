@@ -34,7 +34,9 @@ def inv_frequencies(head_dim: int, rope_theta: float, rope_scaling: Optional[dic
     rotary dims (head_dim * partial_rotary_factor)."""
     kind = rope_type(rope_scaling)
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=_HOST).to(torch.float) / head_dim
-    inv_freq = 1.0 / (rope_theta**exponents)
+    # the power correctly rounded to float32, as the C runtime's libm gives it (torch's float32 pow: 1 ulp off now
+    # and then), then the float32 division both take
+    inv_freq = 1.0 / (rope_theta ** exponents.double()).float()
     if kind == "default":
         return inv_freq, 1.0
     params = dict(rope_scaling or {})

@@ -255,10 +255,14 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
     async def detokenize(request: Request) -> Response:
         return await tokenizer_call(request, tokenization.detokenize)
 
+    runner_failure = getattr(service.llm.engine.runner, "failure", lambda: None)  # a tensor-parallel rank's
+
     @app.get("/health")
     async def health() -> JSONResponse:
-        if not loop.alive or draining:
-            state = "shutting down" if draining else "engine loop stopped"
+        failed = runner_failure() if loop.alive and not draining else None
+        if not loop.alive or draining or failed:
+            state = ("shutting down" if draining else "engine loop stopped" if not loop.alive
+                     else f"engine failed: {failed}")  # fmt: skip
             return JSONResponse({"status": state}, 503, headers={"Retry-After": str(options.retry_after_s)})
         return JSONResponse({"status": "ok"})
 

@@ -112,6 +112,14 @@ class TensorParallelRunner:
                 self.workers.stop(grace_s=0.0)
             raise TensorParallelError(self._failure) from exc
 
+    def failure(self) -> Optional[str]:
+        """Why the ranks can no longer step (a collective failed, or a local worker exited), or None: what a health
+        check reports before the next step would find it."""
+        if self._failure is not None:
+            return self._failure
+        dead = self.workers.failure() if self.workers is not None else None
+        return f"{dead} ({self.world_size} ranks)" if dead else None
+
     def close(self) -> None:
         """Sends STOP (unless a rank failed) and waits for the local workers; idempotent."""
         self._finalizer()

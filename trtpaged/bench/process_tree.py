@@ -1,0 +1,64 @@
+"""This process and its live descendants (tensor-parallel ranks, a server child): the CPU time and memory a
+benchmark row costs in all, read from /proc (Linux; elsewhere this process alone).
+
+`os.times()` counts a child's CPU only once it has exited and been waited for, and `getrusage` reports one
+process's peak RSS: a row whose ranks run in worker processes would charge their CPU to "other processes" and
+leave their memory out.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+
+
+def _stat_fields(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (which may hold spaces)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def live_descendants() -> list[int]:
+    """Pids of this process's live descendants (empty where /proc is unreadable)."""
+    try:
+        names = [n for n in os.listdir("/proc") if n.isdigit()]
+    except OSError:
+        return []
+    children: dict[int, list[int]] = {}
+    for name in names:
+        try:
+            children.setdefault(int(_stat_fields(int(name))[1]), []).append(int(name))
+        except (OSError, IndexError, ValueError):
+            continue  # exited meanwhile
+    found, todo = [], [os.getpid()]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process, of its children already waited for, and of its live descendants."""
+    t = os.times()
+    total = t.user + t.system + t.children_user + t.children_system
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for pid in live_descendants():
+        try:
+            fields = _stat_fields(pid)
+            total += (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
+def peak_rss_mb() -> float:
+    """This process's peak RSS plus each live descendant's (VmHWM), in MiB."""
+    total_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for pid in live_descendants():
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                total_kb += next((int(line.split()[1]) for line in f if line.startswith("VmHWM:")), 0)
+        except (OSError, IndexError, ValueError):
+            continue
+    return total_kb / 1024
