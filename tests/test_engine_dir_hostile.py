@@ -213,6 +213,22 @@ def _quantization_origin_a_number(e: Path) -> None:
     _edit_manifest(e, quantization={"weights": "int8", "origin": 5})
 
 
+def _dims(**changes):
+    def edit(e: Path) -> None:
+        data = json.loads((e / MANIFEST_NAME).read_text())
+        _edit_manifest(e, dims={**data["dims"], **changes})
+    return edit
+
+
+def _tokenizer_ids_past_the_vocabulary(e: Path) -> None:
+    path = e / "tokenizer" / "tokenizer.json"
+    data = json.loads(path.read_text())
+    vocab = data["model"]["vocab"]
+    for piece in list(vocab)[:60]:  # text with these pieces encodes to ids the model has no embedding for
+        vocab[piece] += 5000
+    path.write_text(json.dumps(data))
+
+
 # kind -> (damage, rehash too?, the field the error names, words in it)
 BROKEN = {
     "weights_file ../": (_parent_path, False, "weights_file", "not a path inside the engine dir"),
@@ -235,7 +251,7 @@ BROKEN = {
     "wrong dims": (_wrong_dims, False, "layers.0.mlp.gate_up_proj.weight", "the manifest's dims need"),
     "unknown manifest field": (_unknown_field, False, "weights_sha", "unknown field"),
     # was: loaded, and every request failed on NaN logits
-    "rope_scaling factor 0": (_rope_factor_zero, False, "dims", "gives non-finite rotary frequencies"),
+    "rope_scaling factor 0": (_rope_factor_zero, False, "dims.rope_scaling.factor", "finite positive"),
     # finite and positive as a double, 0 as a float32
     "rope_scaling factor 1e-300": (_rope_factor_below_float32, False, "dims", "gives non-finite rotary frequencies"),
     "weights not hashed": (_unlisted_weights, False, "weights_file", "not listed in the manifest's files"),
@@ -248,6 +264,16 @@ BROKEN = {
                                        "expected a finite number"),
     "quantization without weights": (_quantization_without_weights, False, "quantization.weights", "one of int8, int4"),
     "quantization.origin a number": (_quantization_origin_a_number, False, "quantization.origin", "expected"),
+    # were: tracebacks from the step model (rope shapes, a window per layer), or another model run than written
+    "partial_rotary_factor 5": (_dims(partial_rotary_factor=5.0), False, "dims.partial_rotary_factor", "(0, 1]"),
+    "a window for 1 of 2 layers": (_dims(layer_windows=[4]), False, "dims.layer_windows", "1 windows for 2 layers"),
+    "nope_layers past the layers": (_dims(nope_layers=[99]), False, "dims.nope_layers", "[0, 2)"),
+    "hidden_act relu": (_dims(hidden_act="relu"), False, "dims.hidden_act", "one of silu, gelu_tanh"),
+    "rope_scaling factor -3": (_dims(rope_scaling={"rope_type": "yarn", "factor": -3}), False,
+                               "dims.rope_scaling.factor", "finite positive"),
+    # was: a text with that token went to the embedding as an id past it (an IndexError traceback)
+    "tokenizer ids past the vocabulary, rehashed": (_tokenizer_ids_past_the_vocabulary, True, "tokenizer_dir",
+                                                    "past the model's vocabulary"),
 }
 
 
@@ -279,6 +305,27 @@ def test_the_intact_copy_loads_and_inspects(tiny_engine_dir, tmp_path):
     assert r.exit_code == 0 and "verified: 5 files" in r.output and "sha256 of every file" in r.output, r.output
     r = _cli("generate", str(engine), "--prompt", "hi", "--max-tokens", "2")
     assert r.exit_code == 0, r.output
+
+
+def test_a_hand_edited_verification_summary_is_shown_as_such(tiny_engine_dir, tmp_path):
+    """verification.accuracy / kv_cache are informational: in another form than a build writes, inspect says so in
+    its line (was: a KeyError / TypeError traceback) and the engine still loads."""
+    for summary in ({"max_abs_diff": 0.0, "tolerance": 1.0, "accuracy": {"x": 1}},
+                    {"max_abs_diff": 0.0, "tolerance": 1.0, "kv_cache": {"a": 1}},
+                    {"skipped": True, "accuracy": [1, 2]}):
+        engine = _copy(tiny_engine_dir, tmp_path / str(len(list(tmp_path.iterdir()))))
+        _edit_manifest(engine, verification=summary)
+        r = _cli("inspect", str(engine))
+        assert r.exit_code == 0 and "not in the form a build writes" in r.output, r.output
+
+
+def test_a_memory_budget_past_int32_block_ids_is_refused(tiny_engine_dir, tmp_path):
+    """memory_bytes of 10^15 would be 1.2e11 blocks, past the int32 block ids (inspect printed that pool)."""
+    engine = _copy(tiny_engine_dir, tmp_path)
+    _edit_manifest(engine, kv_cache={"num_kv_blocks": None, "memory_bytes": 10**15, "fraction": None})
+    for args in (["inspect", str(engine)], ["generate", str(engine), "--prompt", "hi", "--max-tokens", "2"]):
+        r = _cli(*args)
+        assert r.exit_code == 1 and "kv_cache.memory_bytes" in r.output and "int32 block ids" in r.output, r.output
 
 
 def test_the_manifest_hash_covers_values_not_their_spelling(tiny_engine_dir, tmp_path):

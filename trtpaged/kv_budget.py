@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from trtpaged.manifest import KVCacheBudget, Limits, Manifest
+from trtpaged.manifest import MAX_KV_BLOCKS, KVCacheBudget, Limits, Manifest
 
 
 def free_memory_bytes(device: str) -> int:
@@ -120,6 +120,9 @@ def budget_blocks(limits: Limits, budget: KVCacheBudget, bytes_per_block: int,
         blocks = int(budget.memory_bytes) // bytes_per_block
         if blocks < 1:
             raise ValueError(f"kv_cache.memory_bytes: {budget.memory_bytes} holds no block of {bytes_per_block} bytes")
+        if blocks > MAX_KV_BLOCKS:
+            raise ValueError(f"kv_cache.memory_bytes: {budget.memory_bytes} holds {blocks} blocks of {bytes_per_block} "
+                             f"bytes, past {MAX_KV_BLOCKS} (int32 block ids)")  # fmt: skip
         return blocks
     if budget.fraction is not None:
         if free_memory is None:

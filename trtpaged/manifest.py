@@ -328,6 +328,35 @@ def check_dim_values(d: ModelDims, bad: Any) -> None:
                       "kernels' type)")  # fmt: skip
     if d.num_heads % d.num_kv_heads:
         raise bad("dims.num_kv_heads", f"{d.num_kv_heads} does not divide num_heads {d.num_heads}")
+    _check_family_values(d, bad)
+
+
+HIDDEN_ACTS = ("silu", "gelu_tanh")  # the gated MLP activations the step model implements
+
+
+def _check_family_values(d: ModelDims, bad: Any) -> None:
+    """The fields beyond Llama's: values the step model can run (a hand-made manifest got tracebacks, or ran
+    something else than it said)."""
+    factor = d.partial_rotary_factor
+    rotary = int(d.head_dim * factor) if math.isfinite(factor) else 0
+    if not (0 < factor <= 1 and rotary >= 2 and rotary % 2 == 0):
+        raise bad("dims.partial_rotary_factor", f"got {factor}; expected a number in (0, 1] leaving an even number "
+                  f"(>= 2) of head_dim {d.head_dim}'s dims rotated")  # fmt: skip
+    if d.layer_windows and len(d.layer_windows) != d.num_layers:
+        raise bad("dims.layer_windows", f"{len(d.layer_windows)} windows for {d.num_layers} layers; one per layer "
+                  "(0: global) or none")  # fmt: skip
+    outside = [n for n in d.nope_layers if not 0 <= n < d.num_layers]
+    if outside or len(set(d.nope_layers)) != len(d.nope_layers):
+        raise bad("dims.nope_layers", f"got {list(d.nope_layers)[:16]}; expected distinct layer indices in [0, "
+                  f"{d.num_layers})")  # fmt: skip
+    if d.hidden_act not in HIDDEN_ACTS:
+        raise bad("dims.hidden_act", f"got {d.hidden_act!r:.40}; one of {', '.join(HIDDEN_ACTS)}")
+    scaling = d.rope_scaling or {}
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+        value = scaling.get(key)
+        if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                      and math.isfinite(value) and value > 0):  # fmt: skip
+            raise bad(f"dims.rope_scaling.{key}", f"got {value!r:.40}; expected a finite positive number")
 
 
 def _check_values(m: Manifest, where: str | Path) -> None:

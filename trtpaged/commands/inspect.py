@@ -155,19 +155,26 @@ def _manifest_lines(m, weight_bytes: int) -> list[str]:
         f"chat template {'yes' if m.chat_template else 'no'})",
         "  files:",
     ]
-    accuracy = verify.get("accuracy")
-    if accuracy:
-        fp, q8 = accuracy["full_precision_activations"], accuracy["torch_backend"]
-        lines.insert(-2, f"  accuracy vs unquantized ({accuracy['prompts']} prompts, {fp['positions']} positions): top-1 "
-                         f"{fp['agreement']:.1%} (float activations) / {q8['agreement']:.1%} (torch backend, "
-                         f"{q8['activations']} activations), "
-                         f"max |dlogit| {fp['max_abs_diff']:.3g} / {q8['max_abs_diff']:.3g}")
-    kv = verify.get("kv_cache")
-    if kv:
-        greedy = ", ".join(f"{p['greedy_prefix']}/{p['new_tokens']}" for p in kv["prompts"])
-        lengths = ", ".join(str(p["prompt_tokens"]) for p in kv["prompts"])
-        lines.insert(-2, f"  KV cache {kv['kv_cache_dtype']} vs float32 cache: max |dlogit| {kv['max_abs_diff']:.3g}, "
-                         f"teacher-forced top-1 {kv['top1_agreement']:.1%} (tolerance {kv['threshold']:.0%}); "
-                         f"greedy identical for {greedy} tokens (prompts of {lengths} tokens)")
+    for key, describe in (("accuracy", _accuracy_line), ("kv_cache", _kv_cache_line)):
+        if verify.get(key):
+            try:
+                lines.insert(-2, describe(verify[key]))
+            except (KeyError, TypeError, ValueError, AttributeError):  # informational: a hand edit is not fatal
+                lines.insert(-2, f"  verification.{key}: present, not in the form a build writes (not shown)")
     lines += [f"    {name:<34} {sha[:12]}" for name, sha in sorted(m.files.items())]
     return lines
+
+
+def _accuracy_line(accuracy: dict) -> str:
+    fp, q8 = accuracy["full_precision_activations"], accuracy["torch_backend"]
+    return (f"  accuracy vs unquantized ({accuracy['prompts']} prompts, {fp['positions']} positions): top-1 "
+            f"{fp['agreement']:.1%} (float activations) / {q8['agreement']:.1%} (torch backend, "
+            f"{q8['activations']} activations), max |dlogit| {fp['max_abs_diff']:.3g} / {q8['max_abs_diff']:.3g}")
+
+
+def _kv_cache_line(kv: dict) -> str:
+    greedy = ", ".join(f"{p['greedy_prefix']}/{p['new_tokens']}" for p in kv["prompts"])
+    lengths = ", ".join(str(p["prompt_tokens"]) for p in kv["prompts"])
+    return (f"  KV cache {kv['kv_cache_dtype']} vs float32 cache: max |dlogit| {kv['max_abs_diff']:.3g}, "
+            f"teacher-forced top-1 {kv['top1_agreement']:.1%} (tolerance {kv['threshold']:.0%}); "
+            f"greedy identical for {greedy} tokens (prompts of {lengths} tokens)")

@@ -105,6 +105,11 @@ def load_tokenizer(engine_dir: Path, manifest: Manifest) -> Any:
     except Exception as e:  # noqa: BLE001  (transformers and tokenizers raise many types for a bad dir)
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
         raise EngineDirError(path, "tokenizer_dir", f"transformers cannot load it ({type(e).__name__}: {first})") from None
+    highest = max(tokenizer.get_vocab().values(), default=-1)  # added tokens included
+    if highest >= manifest.dims.vocab_size:
+        raise EngineDirError(path, "tokenizer_dir", f"its token ids reach {highest}, past the model's vocabulary "
+                             f"(dims.vocab_size {manifest.dims.vocab_size}): a text could encode to an id the "
+                             "model has no embedding for")  # fmt: skip
     if manifest.chat_template and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = manifest.chat_template
     return tokenizer
