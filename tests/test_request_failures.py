@@ -9,6 +9,8 @@ run without the faulty one.
 from __future__ import annotations
 
 import math
+import re
+import time
 from typing import Optional
 
 import pytest
@@ -138,7 +140,7 @@ def test_a_raising_forward_is_not_blamed_on_a_request(tiny_engine_dir):
     finally:
         del runner.step
     assert llm.stats()["kv_blocks_used"] == 0 and not llm.engine.has_unfinished()
-    assert len(llm.generate(["a"], SamplingParams(max_tokens=3))[0].outputs[0].token_ids) == 3
+    assert len(llm.generate(["a"], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids) == 3
 
 
 def test_llm_generate_returns_the_failed_request_finished_with_error(tiny_engine_dir):
@@ -284,3 +286,38 @@ def test_logprobs_beyond_max_logprobs_are_refused_naming_the_field(tiny_engine_d
     entry = out.prompt_logprobs[1]  # the log-probs over the whole vocabulary at the second prompt position
     assert len(entry) == vocab
     assert max(abs(entry[t] - truth[t].item()) for t in range(vocab)) < 1e-4
+
+
+def test_a_stream_cut_by_an_engine_failure_is_logged_with_what_it_sent(tiny_engine_dir, caplog):
+    """The server log's line (which `diagnose` counts) of a stream that an engine failure ended carries the
+    prompt and the tokens already streamed (was: prompt=0 completion=0)."""
+    import logging
+
+    from test_server import stream
+    from trtpaged.server import start_server
+
+    handle = start_server(tiny_engine_dir, port=0, device="cpu")
+    runner = handle.llm.engine.runner
+    real, calls = runner.step, []
+
+    def fails_on_the_fourth_step(batch):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("kernel failed")
+        return real(batch)
+
+    runner.step = fails_on_the_fourth_step
+    try:
+        with caplog.at_level(logging.INFO, logger="trtpaged.server"):
+            events = stream(handle, "/v1/completions", {"prompt": "hello there", "max_tokens": 8, "ignore_eos": True})
+            for _ in range(50):  # the line is written once the response has ended
+                if any("finish=EngineFailure" in r.getMessage() for r in caplog.records):
+                    break
+                time.sleep(0.1)
+    finally:
+        handle.shutdown(timeout=0)
+    sent = [e for e in events if e != "[DONE]" and "choices" in e and e["choices"][0]["text"]]
+    assert sent and "error" in events[-2], events  # tokens streamed, then the failure's error event
+    line = next(r.getMessage() for r in caplog.records if "finish=EngineFailure" in r.getMessage())
+    prompt, completion = (int(re.search(rf"{k}=(\d+)", line).group(1)) for k in ("prompt", "completion"))
+    assert prompt == len(handle.llm.tokenizer.encode("hello there")) and completion >= len(sent) >= 1, line

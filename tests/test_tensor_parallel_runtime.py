@@ -134,9 +134,10 @@ def test_hung_worker_ends_at_the_timeout(tiny_kv4_engines, prompts, monkeypatch)
         llm.generate(prompts[:1], GREEDY)
         os.kill(pids[0], signal.SIGSTOP)  # alive, never answers
         start = time.monotonic()
-        with pytest.raises(TensorParallelError, match="step failed on 2 ranks"):
+        with pytest.raises(TensorParallelError, match="step failed on 2 ranks") as failed:
             llm.generate(prompts[:1], GREEDY)
         assert time.monotonic() - start < 60
+        assert f"alive but not answering: rank 1 (pid {pids[0]})" in str(failed.value)  # named, as a dead one is
     finally:
         llm.close()
     assert _gone(pids)

@@ -163,6 +163,7 @@ def _combine(name: str, runs: list[dict[str, Any]], off: list[dict[str, Any]]) -
     for key in ("prefill_tokens_computed", "prefix_tier_hit_tokens", "failed", "completed"):
         values = [run[key] for run in runs]
         row[key] = None if None in values else sum(values)
+    row["error_examples"] = sorted({e for run in runs for e in run.get("error_examples", [])})[:3]
     row["live_history_blocks"] = statistics.median(run.get("live_history_blocks", 0.0) for run in runs)
     row["ttft_p50_vs_off"] = statistics.median(ref["p50_ttft_ms"] / run["p50_ttft_ms"] if run["p50_ttft_ms"] else 0.0
                                                for run, ref in zip(runs, off))  # round by round
@@ -199,4 +200,9 @@ def format_kv_tiers(report: dict[str, Any]) -> str:
     for name, row in report["rows"].items():
         parts = row.get("ttft_breakdown") or {}
         lines.append("| " + " | ".join([name] + [f"{parts[k]:.0f}" if k in parts else "n/a" for k, _ in BREAKDOWN]) + " |")
+    failed = {name: row for name, row in report["rows"].items() if row.get("failed")}
+    if failed:  # the figures above are over the turns that completed: say which did not, and why
+        lines += ["", "failed turns (the figures above are over the completed ones; compare rows with care):"]
+        lines += [f"- {name}: {row['failed']} failed: {'; '.join(row.get('error_examples') or ['(no message)'])}"
+                  for name, row in failed.items()]
     return "\n".join(lines)

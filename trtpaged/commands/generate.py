@@ -22,7 +22,9 @@ _RUN_STATS = (
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 @click.option("--seed", type=int, default=None, help="Seed of the request's own RNG (reproducible samples).")
-@click.option("--n", "n", type=int, default=1, show_default=True, help="Parallel samples (they share the prompt's KV).")
+@click.option("--n", "n", type=int, default=None,
+              help="Parallel samples (they share the prompt's KV); with --beam-width, the best beams shown (default: "
+                   "1 sample, every beam).")
 @click.option("--beam-width", type=int, default=1, show_default=True, help="Beam search when > 1.")
 @click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True)
 @click.option("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when present).")
@@ -37,6 +39,8 @@ def command(engine, prompt, chat, max_tokens, temperature, top_p, seed, n, beam_
     from trtpaged.runtime.outputs import RequestOutputKind
     from trtpaged.runtime.sampling_params import SamplingParams
 
+    if n is None:
+        n = beam_width if beam_width > 1 else 1
     streaming = n == 1 and beam_width == 1
     kind = RequestOutputKind.DELTA if streaming else RequestOutputKind.FINAL_ONLY
     try:

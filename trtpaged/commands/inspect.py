@@ -13,7 +13,7 @@ import click
               help="Also show how many sequences of this average length (prompt + output) fit.")
 @click.option("--memory", "memory", default=None,
               help="Free device memory to evaluate a `fraction` KV budget with, e.g. 24GiB.")
-@click.option("--json", "as_json", is_flag=True, help="Print the raw trtpaged.json instead.")
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest (trtpaged.json's fields) as JSON instead.")
 @click.option("--verify", "full_verify", is_flag=True,
               help="Hash every file against the manifest even if this dir was verified before.")
 @click.option("--draft", "draft_dir", default=None, type=click.Path(path_type=Path),
@@ -40,6 +40,10 @@ def command(engine_dir: Path, avg_len: int | None, memory: str | None, as_json: 
     from trtpaged.runtime.llm import load_tokenizer
 
     try:
+        memory_bytes = parse_size(memory) if memory is not None else None
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="'--memory'") from None
+    try:
         manifest = read_manifest(engine_dir)
         start = time.perf_counter()
         verified = verify_engine_dir(engine_dir, manifest, full=full_verify)
@@ -47,7 +51,6 @@ def command(engine_dir: Path, avg_len: int | None, memory: str | None, as_json: 
         for rank in range(manifest.tensor_parallel):
             checked_weights(engine_dir, manifest, rank)
         tokenizer = load_tokenizer(engine_dir, manifest)
-        memory_bytes = parse_size(memory) if memory is not None else None
         plan = plan_memory(manifest, memory_bytes)
         draft_plan = None
         if draft_dir is not None:

@@ -339,6 +339,9 @@ class GenerationService:
                         yield builder.event(d.index, d.text, d.finish_reason, logprobs, d.stop_reason, so_far, new_ids,
                                             prompt_ids)  # fmt: skip
         except (EngineFailure, ShuttingDown, RequestTimeout) as exc:
+            # what was sent before the failure is logged as sent (the request log feeds `diagnose`)
+            s.summary.prompt_tokens = sum(state.prompt_tokens.values())
+            s.summary.completion_tokens = 0 if s.req.echo_only else state.completion_tokens
             s.summary.finish_reasons = [type(exc).__name__]
             yield sse(dump(runtime_failure(exc).body()))
             yield sse("[DONE]")

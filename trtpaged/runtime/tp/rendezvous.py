@@ -135,9 +135,9 @@ def mark_ready(store, rank: int) -> None:
 
 
 def wait_for_ranks(store, rz: Rendezvous, failure: Callable[[], Optional[str]] = lambda: None,
-                   poll_s: float = 0.05) -> None:
+                   poll_s: float = 0.05, local: bool = False) -> None:
     """Rank 0: returns once every rank is ready; raises TensorParallelError when `failure()` says a local rank
-    died, or at the timeout naming the ranks that never came."""
+    died, or at the timeout naming the ranks that never came (`local`: rank 0 started them itself)."""
     deadline = time.monotonic() + rz.timeout_s
     pending = list(range(1, rz.world_size))
     while pending:
@@ -151,7 +151,10 @@ def wait_for_ranks(store, rz: Rendezvous, failure: Callable[[], Optional[str]] =
             raise TensorParallelError(
                 f"tensor-parallel rendezvous timed out after {rz.timeout_s:g} s: rank(s) "
                 f"{', '.join(map(str, pending))} of {rz.world_size} did not join "
-                f"{rz.master_addr}:{store.port} (start them with MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK set)")
+                f"{rz.master_addr}:{store.port} " + (
+                    "(this process started them and they are alive: still loading, or stuck; a slow load needs a "
+                    "larger TRTPAGED_TP_TIMEOUT_S)" if local else
+                    "(start them with MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK set)"))
         time.sleep(poll_s)
 
 

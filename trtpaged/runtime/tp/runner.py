@@ -106,7 +106,7 @@ class TensorParallelRunner:
             yield
         except Exception as exc:  # noqa: BLE001  (gloo and NCCL raise RuntimeError or DistBackendError)
             self._broken[0] = True
-            why = _dead_workers(self.workers) or (str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            why = _dead_workers(self.workers) or _unanswered(self.workers, exc)
             self._failure = f"{what} failed on {self.world_size} ranks: {why}"
             if self.workers is not None:
                 self.workers.stop(grace_s=0.0)
@@ -135,6 +135,13 @@ def _dead_workers(workers: Optional[WorkerSet], wait_s: float = 1.0) -> Optional
         if why or time.monotonic() > deadline:
             return why
         time.sleep(0.02)
+
+
+def _unanswered(workers: Optional[WorkerSet], exc: Exception) -> str:
+    """The collective's own first line, and the local ranks that are alive yet did not answer (a hung rank)."""
+    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    alive = [f"rank {r} (pid {p.pid})" for r, p in workers.procs.items() if p.poll() is None] if workers else []
+    return f"{first}; alive but not answering: {', '.join(alive)}" if alive else first
 
 
 def _shutdown(coll: Collectives, workers: Optional[WorkerSet], broken: list[bool]) -> None:
@@ -182,7 +189,7 @@ def start_tensor_parallel(
     store = open_store(rz)
     workers = WorkerSet.start(Path(engine_dir), rz, store.port, devices) if rendezvous is None else None
     try:
-        wait_for_ranks(store, rz, workers.failure if workers is not None else lambda: None)
+        wait_for_ranks(store, rz, workers.failure if workers is not None else lambda: None, local=workers is not None)
         coll = make_groups(store, rz, torch.device(devices[0]))
         reduce.group = coll
         messages.send(coll, Op.INIT, [num_kv_blocks, num_host_blocks, messages.fingerprint(manifest.to_json())])
