@@ -9,6 +9,7 @@ import json
 import random
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 from starlette.responses import JSONResponse
@@ -135,6 +136,26 @@ def test_tokenizer_threads_have_their_own_tokenizer_and_os_name(server):
         assert name == "trtpaged-tok"
 
 
+def _occupy(lane: TokenizerLane, job) -> Future:
+    """Sends `job` to `lane`; returns once one of the lane's threads runs it."""
+    future = lane.send(job)
+    while not future.running():
+        time.sleep(0.005)
+    return future
+
+
+def _one_waiting(lane: TokenizerLane, call) -> Future:
+    """Runs `call` (an HTTP request) on a thread; returns its future once that request's job waits in `lane`."""
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(call)
+    pool.shutdown(wait=False)
+    deadline = time.monotonic() + 10
+    while lane.num_waiting < 1:
+        assert time.monotonic() < deadline, f"the request did not reach {lane.name}'s queue"
+        time.sleep(0.005)
+    return future
+
+
 def test_a_full_tokenizer_queue_is_a_503_and_the_server_goes_on(tiny_engine_dir):
     """max_waiting bounds the tokenizer's queue as it bounds the engine's: with the prompts lane's threads busy
     and one request waiting for them, the next /tokenize or completion is refused (503, Retry-After) before it
@@ -142,26 +163,15 @@ def test_a_full_tokenizer_queue_is_a_503_and_the_server_goes_on(tiny_engine_dir)
     handle = start_server(tiny_engine_dir, port=0, device="cpu", options=ServerOptions(max_waiting=1))
     try:
         lane = handle.tokens.prompts
-        busy = []
-        for _ in range(PROMPT_THREADS):  # each thread busy, as with a long text
-            busy.append(lane.send(lambda tok: time.sleep(1.0)))
-            while not busy[-1].running():
-                time.sleep(0.005)
-        waiting: list = []
-        sender = threading.Thread(target=lambda: waiting.append(request(handle, "/tokenize", {"prompt": "hello"})))
-        sender.start()
-        deadline = time.monotonic() + 10
-        while lane.num_waiting < 1:
-            assert time.monotonic() < deadline, "the request did not reach the tokenizer's queue"
-            time.sleep(0.005)
+        busy = [_occupy(lane, lambda tok: time.sleep(1.0)) for _ in range(PROMPT_THREADS)]  # as with long texts
+        waiting = _one_waiting(lane, lambda: request(handle, "/tokenize", {"prompt": "hello"}))
         status, headers, out = request(handle, "/tokenize", {"prompt": "short"})
         assert status == 503 and headers["Retry-After"] == "1", out
         assert "1 requests are waiting to be tokenized (max_waiting 1)" in out["error"]["message"]
         status, _, out = request(handle, "/v1/completions", {"prompt": "short", "max_tokens": 2})
         assert status == 503 and "waiting to be tokenized" in out["error"]["message"], out
         assert not any(b.done() for b in busy)  # all of that while the lane was busy
-        sender.join(30)
-        status, _, out = waiting[0]
+        status, _, out = waiting.result(30)
         assert status == 200 and out["tokens"] == handle.llm.tokenizer.encode("hello"), out
         assert request(handle, "/tokenize", {"prompt": "short"})[0] == 200
         assert request(handle, "/v1/completions", {"prompt": "short", "max_tokens": 2})[0] == 200
@@ -179,25 +189,15 @@ def test_a_full_grammar_queue_is_a_503_and_the_server_goes_on(tiny_engine_dir):
     try:
         lane = handle.tokens.grammars
         release = threading.Event()
-        busy = []
-        for _ in range(GRAMMAR_THREADS):  # each thread busy, as with a slow compile
-            busy.append(lane.send(lambda _: release.wait(30)))
-            while not busy[-1].running():
-                time.sleep(0.005)
-        waiting: list = []
-        sender = threading.Thread(target=lambda: waiting.append(request(handle, "/v1/completions", choice)))
-        sender.start()
-        deadline = time.monotonic() + 10
-        while lane.num_waiting < 1:
-            assert time.monotonic() < deadline, "the request did not reach the grammars' queue"
-            time.sleep(0.005)
+        for _ in range(GRAMMAR_THREADS):  # as with slow compiles
+            _occupy(lane, lambda _: release.wait(30))
+        waiting = _one_waiting(lane, lambda: request(handle, "/v1/completions", choice))
         status, headers, out = request(handle, "/v1/completions", {**choice, "prompt": "again"})
         assert status == 503 and headers["Retry-After"] == "1", out
         assert "1 requests are waiting for their grammar to compile (max_waiting 1)" in out["error"]["message"]
         assert request(handle, "/v1/completions", {"prompt": "plain", "max_tokens": 2})[0] == 200
         release.set()
-        sender.join(30)
-        status, _, out = waiting[0]
+        status, _, out = waiting.result(30)
         assert status == 200 and out["choices"][0]["text"] in ("yes", "no"), out
         wait_idle(handle)
     finally:

@@ -30,6 +30,7 @@ BUILT_IN = ("dtype", "kv_cache_dtype", "quantization", "block_size", "tokenizer"
 NO_EFFECT = ("enforce_eager", "trust_remote_code", "disable_log_stats")
 OTHERS = ("seed", "swap_space", "gpu_memory_utilization")
 ACCEPTED = (*RENAMED, *BUILT_IN, *NO_EFFECT, *OTHERS)
+DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # vLLM's spellings of dtype
 
 
 def apply_vllm_args(args: dict[str, Any], ours: dict[str, Any], manifest: Manifest, model: Any, device: str) -> None:
@@ -86,6 +87,8 @@ def _check_built_in(args: dict[str, Any], manifest: Manifest, model: Any) -> Non
               "block_size": manifest.limits.block_size, "quantization": _quantization(manifest)}  # fmt: skip
     for name in ("dtype", "kv_cache_dtype", "block_size", "quantization"):
         value = args.get(name)
+        if name == "dtype" and isinstance(value, str):
+            value = DTYPE_ALIASES.get(value, value)
         if value is None or value == "auto" or value == engine[name] or str(value) == f"torch.{engine[name]}":
             continue
         raise ValueError(f"{name}: {value!r}, but the engine was built with {engine[name]!r}; it is fixed at build "
