@@ -503,7 +503,8 @@ def test_cli_generate_streams_what_the_api_generates(llm, tiny_engine_dir):
     expected = "".join(f"--- [{c.index}] ({c.finish_reason})\n{c.text}\n" for c in sampled.outputs)
     assert result.stdout == expected
     beams = llm.generate("hi", SamplingParams(max_tokens=4, beam_width=3, n=3, temperature=0.0))[0]
-    result = CliRunner().invoke(main, ["generate", str(tiny_engine_dir), "--prompt", "hi", "--beam-width", "3", "--max-tokens", "4"])
+    result = CliRunner().invoke(main, ["generate", str(tiny_engine_dir), "--prompt", "hi", "--beam-width", "3",
+                                       "--max-tokens", "4"])  # fmt: skip
     assert result.exit_code == 0, result.output  # every beam, best first, as vLLM's beam_search returns them
     assert result.stdout == "".join(f"--- [{c.index}] ({c.finish_reason})\n{c.text}\n" for c in beams.outputs)
     result = CliRunner().invoke(main, ["generate", str(tiny_engine_dir), "--prompt", "hi", "--beam-width", "3", "--n", "1",

@@ -234,7 +234,8 @@ def memory(ctx, engine, trace, num_requests, prompt_len, output_len, shared_pref
 @click.option("--quick", is_flag=True, help="Shorter timing budget (noisier).")
 @click.option("--working-set-mb", type=click.IntRange(1, 1 << 20),
               help="Weight bytes each format rotates over (default: 2 x LLC).")
-@click.option("--threads", type=click.IntRange(1, 4096), help="CPU threads for torch and our kernels (default: torch's).")
+@click.option("--threads", type=click.IntRange(1, 4096),
+              help="CPU threads for torch and our kernels (default: torch's).")
 def qlinear(as_json: bool, quick: bool, working_set_mb: Optional[int], threads: Optional[int]) -> None:
     """Weight-only int8/int4 CPU linears vs fp32 F.linear on SmolLM2-135M shapes, weights from DRAM."""
     import torch

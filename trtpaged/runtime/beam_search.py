@@ -46,10 +46,11 @@ class BeamSearch:
     Each step takes the log-softmax of every running beam's logits, applies the
     request's penalties to those log-probs (HF's order: its logits processors act
     on the beams' log-probs; repetition over the prompt and the beam's tokens,
-    presence and frequency over the beam's tokens), adds the beam's cumulative score, and keeps the top K = max(2, 1 + #eos) x width
-    continuations. Those among the first `width` that end (EOS, stop token, or
-    the length limit) become hypotheses scored sum_logprob / gen_len **
-    length_penalty; the best `width` that do not end keep running. Stopping
+    presence and frequency over the beam's tokens), adds the beam's cumulative
+    score, and keeps the top K = max(2, 1 + #eos) x width continuations. Those
+    among the first `width` that end (EOS, stop token, or the length limit)
+    become hypotheses scored sum_logprob / gen_len ** length_penalty; the best
+    `width` that do not end keep running. Stopping
     follows HF: `early_stopping=True` stops once `width` hypotheses exist;
     False stops when the best running beam, scored at the current length,
     cannot beat the worst hypothesis; "never" uses the maximum length instead
