@@ -229,6 +229,11 @@ def _tokenizer_ids_past_the_vocabulary(e: Path) -> None:
     path.write_text(json.dumps(data))
 
 
+def _manifest_a_fifo(e: Path) -> None:
+    (e / MANIFEST_NAME).unlink()
+    os.mkfifo(e / MANIFEST_NAME)
+
+
 # kind -> (damage, rehash too?, the field the error names, words in it)
 BROKEN = {
     "weights_file ../": (_parent_path, False, "weights_file", "not a path inside the engine dir"),
@@ -274,6 +279,8 @@ BROKEN = {
     # was: a text with that token went to the embedding as an id past it (an IndexError traceback)
     "tokenizer ids past the vocabulary, rehashed": (_tokenizer_ids_past_the_vocabulary, True, "tokenizer_dir",
                                                     "past the model's vocabulary"),
+    # was: "not an engine dir (no trtpaged.json)"
+    "trtpaged.json a FIFO": (_manifest_a_fifo, False, "(file)", "is not a regular file"),
 }
 
 

@@ -476,6 +476,8 @@ def read_manifest(engine_dir: str | Path) -> Manifest:
         path = path.parent
     manifest_path = path / MANIFEST_NAME
     if not manifest_path.is_file():
+        if manifest_path.exists() or manifest_path.is_symlink():  # a FIFO, a dir, a dangling link: not "missing"
+            raise EngineDirError(manifest_path, "(file)", "is not a regular file")
         raise FileNotFoundError(f"{path}: not an engine dir (no {MANIFEST_NAME}); build one with `trtpaged build`")
     real = engine_path(path, MANIFEST_NAME, "(manifest)")  # read as checked (resolved): no link swapped in between
     try:
