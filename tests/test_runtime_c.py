@@ -17,8 +17,8 @@ import torch
 
 from conftest import save_manifest
 
-from c_runtime import (REPO, CError, CRuntime, StepInputs, build, check, generate, i32_array, load, parse_outputs,
-                       setup_build_dir)
+from c_runtime import (REPO, CError, CRuntime, Stats, StepInputs, build, check, generate, i32_array, load,
+                       parse_outputs, setup_build_dir)
 from trtpaged import LLM, SamplingParams
 
 MAX_TOKENS = 24
@@ -286,6 +286,45 @@ def test_the_step_api_is_refused_while_requests_run_and_forgets_the_prefix_cache
         check(lib, lib.trtpaged_runtime_copy_blocks(rt.handle, i32_array([0, 1]), 1))
         assert rt.generate([prompt], 8)[0] == first
         assert rt.stats().prefix_cache_hits_tokens == hits_again  # nothing found: the cache was emptied
+
+
+def test_two_threads_on_one_handle_are_refused_not_raced(lib, tiny_engine_dir):
+    """One thread at a time per handle (documented): a call that overlaps another thread's is refused with a
+    message saying so (was: a silent data race on the scheduler and the pool; TSan's SEGV), and the handle goes
+    on; the tokens of the requests equal those of a handle used by one thread."""
+    import threading
+
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    with CRuntime(lib, tiny_engine_dir, num_kv_blocks=16) as rt:
+        want = rt.generate(prompts, 64)
+    refused: list[str] = []
+    with CRuntime(lib, tiny_engine_dir, num_kv_blocks=16) as rt:
+        ids = [rt.add(p, 64) for p in prompts]
+        done = threading.Event()
+
+        def hammer() -> None:  # reads while the other thread steps
+            stats = Stats()
+            while not done.is_set():
+                if lib.trtpaged_runtime_get_stats(rt.handle, ctypes.byref(stats)) != 0:
+                    refused.append(lib.trtpaged_last_error().decode())
+
+        other = threading.Thread(target=hammer)
+        other.start()
+        try:
+            while True:
+                try:
+                    n = rt.run_step()
+                except CError as exc:
+                    assert "two threads at once" in exc.message
+                    continue
+                if n == 0:
+                    break
+        finally:
+            done.set()
+            other.join()
+        got = {rid: rt.read(rid)[0] for rid in ids}
+    assert refused and all("called from two threads at once" in m for m in refused), refused[:3]
+    assert [got[rid] for rid in ids] == want
 
 
 def test_a_prompt_longer_than_can_run_is_refused_before_it_is_read(lib, tiny_engine_dir):

@@ -21,6 +21,8 @@
  *
  * Thread safety and ownership: a trtpaged_runtime is used by one thread at a time (calls on
  * one handle must be serialized by the caller); different handles may run on different threads.
+ * A call that overlaps another thread's call on the same handle returns INVALID_ARGUMENT instead of
+ * racing (closing a handle another thread uses is still undefined).
  * The handle owns the weights and the KV pool; trtpaged_runtime_close frees them. Input arrays are
  * read during the call only (never kept); output arrays are written during the call only.
  */

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -37,6 +38,8 @@ struct trtpaged_runtime {
   std::mt19937_64 rng{std::random_device{}()};  // unseeded sampled requests
   std::vector<float> logits;
   std::vector<int32_t> ids, positions, query_start, context_lens, tables, logits_index;
+  // set while a call uses the handle: a second thread's overlapping call is refused, not a silent data race
+  mutable std::atomic<bool> in_call{false};
 };
 
 namespace {
@@ -62,6 +65,27 @@ trtpaged_status guarded(F&& body) {
 void need(const void* p, const char* name) {
   if (!p) invalid(std::string(name) + ": null pointer");
 }
+
+// Holds the handle for one call (`need(rt)` first). The contract is one thread at a time per handle; a call
+// that overlaps another's is refused instead of racing on the scheduler and the pool.
+class OneCall {
+ public:
+  explicit OneCall(const trtpaged_runtime& rt) : rt_(rt) {
+    if (rt_.in_call.exchange(true))
+      invalid("runtime: called from two threads at once; a handle takes one call at a time (serialize the calls, "
+              "or open a handle per thread)");
+    held_ = true;
+  }
+  ~OneCall() {
+    if (held_) rt_.in_call.store(false);
+  }
+  OneCall(const OneCall&) = delete;
+  OneCall& operator=(const OneCall&) = delete;
+
+ private:
+  const trtpaged_runtime& rt_;
+  bool held_ = false;
+};
 
 int64_t meminfo_available() {
   std::ifstream f("/proc/meminfo");
@@ -366,6 +390,7 @@ TRTPAGED_API void trtpaged_runtime_close(trtpaged_runtime* runtime) { delete run
 TRTPAGED_API trtpaged_status trtpaged_runtime_get_info(const trtpaged_runtime* rt, trtpaged_runtime_info* out) {
   return guarded([&] {
     need(rt, "runtime");
+    OneCall one(*rt);
     need(out, "out");
     const Manifest& m = rt->manifest;
     *out = trtpaged_runtime_info{};
@@ -400,6 +425,7 @@ TRTPAGED_API trtpaged_status trtpaged_runtime_step(trtpaged_runtime* rt, const t
                                                    float* logits, size_t logits_capacity) {
   return guarded([&] {
     need(rt, "runtime");
+    OneCall one(*rt);
     need(inputs, "inputs");
     if (inputs->num_outputs > 0) need(logits, "logits");
     refuse_while_requests_run(*rt);
@@ -413,6 +439,7 @@ TRTPAGED_API trtpaged_status trtpaged_runtime_copy_blocks(trtpaged_runtime* rt, 
                                                           int32_t num_pairs) {
   return guarded([&] {
     need(rt, "runtime");
+    OneCall one(*rt);
     if (num_pairs > 0) need(pairs, "pairs");
     refuse_while_requests_run(*rt);
     rt->scheduler->forget_cached_prefixes();
@@ -425,6 +452,7 @@ TRTPAGED_API trtpaged_status trtpaged_request_add(trtpaged_runtime* rt, const in
                                                   const trtpaged_sampling* sampling, int64_t* request_id) {
   return guarded([&] {
     need(rt, "runtime");
+    OneCall one(*rt);
     need(request_id, "request_id");
     if (prompt_len > 0) need(prompt, "prompt");
     trtpaged_sampling s;
@@ -472,6 +500,7 @@ TRTPAGED_API trtpaged_status trtpaged_runtime_run_step(trtpaged_runtime* rt, int
   if (num_tokens) *num_tokens = 0;
   return guarded([&] {
     need(rt, "runtime");
+    OneCall one(*rt);
     const int32_t n = run_requests_step(*rt);
     if (num_tokens) *num_tokens = n;
   });
@@ -482,6 +511,7 @@ TRTPAGED_API trtpaged_status trtpaged_request_read(trtpaged_runtime* rt, int64_t
   if (num_read) *num_read = 0;
   return guarded([&] {
     need(rt, "runtime");
+    OneCall one(*rt);
     need(num_read, "num_read");
     need(finish_reason, "finish_reason");
     if (capacity < 0) invalid("capacity: got " + std::to_string(capacity) + "; expected >= 0");
@@ -500,6 +530,7 @@ TRTPAGED_API trtpaged_status trtpaged_request_read(trtpaged_runtime* rt, int64_t
 TRTPAGED_API trtpaged_status trtpaged_request_abort(trtpaged_runtime* rt, int64_t request_id) {
   return guarded([&] {
     need(rt, "runtime");
+    OneCall one(*rt);
     Request& r = find_request(*rt, request_id);
     if (r.status != Status::kFinished) rt->scheduler->abort(&r);
   });
@@ -508,6 +539,7 @@ TRTPAGED_API trtpaged_status trtpaged_request_abort(trtpaged_runtime* rt, int64_
 TRTPAGED_API trtpaged_status trtpaged_runtime_get_stats(const trtpaged_runtime* rt, trtpaged_runtime_stats* out) {
   return guarded([&] {
     need(rt, "runtime");
+    OneCall one(*rt);
     need(out, "out");
     *out = trtpaged_runtime_stats{};
     out->num_waiting = rt->scheduler->num_waiting();
