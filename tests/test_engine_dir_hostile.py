@@ -276,9 +276,6 @@ BROKEN = {
     "hidden_act relu": (_dims(hidden_act="relu"), False, "dims.hidden_act", "one of silu, gelu_tanh"),
     "rope_scaling factor -3": (_dims(rope_scaling={"rope_type": "yarn", "factor": -3}), False,
                                "dims.rope_scaling.factor", "finite positive"),
-    # was: a text with that token went to the embedding as an id past it (an IndexError traceback)
-    "tokenizer ids past the vocabulary, rehashed": (_tokenizer_ids_past_the_vocabulary, True, "tokenizer_dir",
-                                                    "past the model's vocabulary"),
     # was: "not an engine dir (no trtpaged.json)"
     "trtpaged.json a FIFO": (_manifest_a_fifo, False, "(file)", "is not a regular file"),
 }
@@ -333,6 +330,27 @@ def test_a_memory_budget_past_int32_block_ids_is_refused(tiny_engine_dir, tmp_pa
     for args in (["inspect", str(engine)], ["generate", str(engine), "--prompt", "hi", "--max-tokens", "2"]):
         r = _cli(*args)
         assert r.exit_code == 1 and "kv_cache.memory_bytes" in r.output and "int32 block ids" in r.output, r.output
+
+
+def test_a_text_the_tokenizer_encodes_past_the_vocabulary_is_refused_per_request(tiny_engine_dir, tmp_path):
+    """A tokenizer may hold ids past the embedding (Gemma 3's image token sits at vocab_size), so the engine
+    loads; a text that encodes to one is refused naming the prompt (was: an IndexError traceback out of the
+    embedding), and other texts run."""
+    from trtpaged import LLM, SamplingParams
+    from trtpaged.errors import RequestError
+
+    engine = _copy(tiny_engine_dir, tmp_path)
+    _tokenizer_ids_past_the_vocabulary(engine)
+    _rehash(engine)
+    r = _cli("generate", str(engine), "--prompt", '!"#$%', "--max-tokens", "2")
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 1 and len(lines) == 1 and "outside the model's vocabulary [0, 320)" in lines[0], r.output
+    with LLM(engine, device="cpu", warmup=False) as llm:
+        with pytest.raises(RequestError) as refused:
+            llm.generate('!"#$%', SamplingParams(max_tokens=2))
+        assert refused.value.field == "prompt" and refused.value.limit == 320
+        assert llm.generate("hello", SamplingParams(max_tokens=2, ignore_eos=True))[0].outputs[0].token_ids
+        assert llm.stats()["kv_blocks_used"] == 0
 
 
 def test_the_manifest_hash_covers_values_not_their_spelling(tiny_engine_dir, tmp_path):

@@ -388,6 +388,9 @@ def test_chat_names_a_malformed_message_and_takes_an_empty_assistant_turn(llm):
     with pytest.raises(RequestError, match="one message only") as refused:
         llm.chat(turns, SamplingParams(max_tokens=2), chat_template=strict)
     assert refused.value.field == "messages"
+    with pytest.raises(RequestError, match="not a valid template") as refused:  # the caller's own template
+        llm.chat(turns, SamplingParams(max_tokens=2), chat_template="{% for m in messages %}{{ m.content }")
+    assert refused.value.field == "chat_template"
 
 
 def _text_of(tokenizer, token_ids, stop=()) -> tuple[str, str | None]:

@@ -105,11 +105,6 @@ def load_tokenizer(engine_dir: Path, manifest: Manifest) -> Any:
     except Exception as e:  # noqa: BLE001  (transformers and tokenizers raise many types for a bad dir)
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
         raise EngineDirError(path, "tokenizer_dir", f"transformers cannot load it ({type(e).__name__}: {first})") from None
-    highest = max(tokenizer.get_vocab().values(), default=-1)  # added tokens included
-    if highest >= manifest.dims.vocab_size:
-        raise EngineDirError(path, "tokenizer_dir", f"its token ids reach {highest}, past the model's vocabulary "
-                             f"(dims.vocab_size {manifest.dims.vocab_size}): a text could encode to an id the "
-                             "model has no embedding for")  # fmt: skip
     if manifest.chat_template and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = manifest.chat_template
     return tokenizer
@@ -197,6 +192,10 @@ def chat_prompt_text(tokenizer: Any, messages: Seq[dict], tools: Optional[Seq[di
         text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
                                              continue_final_message=continue_final_message, tokenize=False,
                                              **extra)  # fmt: skip
+    except jinja2.TemplateSyntaxError as exc:  # the template itself is broken: the caller's only if it gave it
+        if chat_template is None:
+            raise
+        raise RequestError("chat_template", f"not a valid template: {str(exc)[:200]}") from None
     except jinja2.TemplateError as exc:  # the template's own raise_exception, or a key it needs and lacks
         raise RequestError("messages", f"the chat template refused the conversation: {str(exc)[:200]}") from None
     return check_unicode("messages", text)

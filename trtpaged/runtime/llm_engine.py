@@ -45,7 +45,14 @@ def encode_prompt(tokenizer: Optional[Any], vocab_size: Optional[int], prompt: P
     if isinstance(prompt, str):
         if tokenizer is None:
             raise RequestError("prompt", "text prompts need a tokenizer; pass token ids")
-        return prompt, list(tokenizer.encode(check_unicode("prompt", prompt), add_special_tokens=add_special_tokens))
+        ids = list(tokenizer.encode(check_unicode("prompt", prompt), add_special_tokens=add_special_tokens))
+        # a tokenizer may hold ids past the embedding (Gemma 3's image token at vocab_size): refused per request
+        bad = next((t for t in ids if vocab_size is not None and t >= vocab_size), None)
+        if bad is not None:
+            raise RequestError("prompt", f"the text encodes to token id {bad} "
+                               f"({tokenizer.convert_ids_to_tokens(bad)!r:.40}), outside the model's vocabulary "
+                               f"[0, {vocab_size})", vocab_size)  # fmt: skip
+        return prompt, ids
     try:
         tokens = iter(prompt)
     except TypeError:

@@ -18,8 +18,9 @@ Two lanes, so that running requests never wait behind a new one's long prompt:
   one thread;
 - `grammars`: compiling a structured-output request's grammar before it is queued (xgrammar's compiler holds the
   vocabulary: these threads load no tokenizer), `GRAMMAR_THREADS` threads, at most `max_waiting` waiting, so
-  that a burst of distinct schemas is refused with a 503 instead of queueing without bound, and a compile whose
-  client went away before it began is never run.
+  that a burst of distinct schemas is refused with a 503 instead of queueing without bound.
+A job whose awaiting task is cancelled before it begins is skipped. A client that disconnects does not cancel it
+(nothing watches the connection before the request is queued): its request goes on, and its answer is dropped.
 The engine thread keeps what belongs to the engine: adding requests, its incremental detokenizer (stop
 strings), and reading the vocabulary into the grammar compiler once (`GrammarCache.prepare`).
 """

@@ -138,10 +138,11 @@ def _dead_workers(workers: Optional[WorkerSet], wait_s: float = 1.0) -> Optional
 
 
 def _unanswered(workers: Optional[WorkerSet], exc: Exception) -> str:
-    """The collective's own first line, and the local ranks that are alive yet did not answer (a hung rank)."""
+    """The collective's own first line, and the local ranks still alive, one or more of which did not answer (gloo
+    does not say which)."""
     first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     alive = [f"rank {r} (pid {p.pid})" for r, p in workers.procs.items() if p.poll() is None] if workers else []
-    return f"{first}; alive but not answering: {', '.join(alive)}" if alive else first
+    return f"{first}; no rank exited, alive (one or more not answering): {', '.join(alive)}" if alive else first
 
 
 def _shutdown(coll: Collectives, workers: Optional[WorkerSet], broken: list[bool]) -> None:
