@@ -67,8 +67,6 @@ def _machine_busy_seconds() -> Optional[float]:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
-
-
 @dataclass
 class Noise:
     """The noise of one run: the worst spread, other processes' CPU load, and whether to trust it."""

@@ -96,15 +96,15 @@ class Rotary(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        if torch.compiler.is_exporting() or emb.device.type != "cpu":
-            cos, sin = emb.cos(), emb.sin()
+        if torch.compiler.is_exporting() or freqs.device.type != "cpu":
+            cos, sin = freqs.cos(), freqs.sin()
         else:  # correctly rounded, as the C runtime's libm gives them (torch's float32 cos/sin: 5% of them 1 ulp off,
             # which int8 activations can turn into different tokens)
-            wide = emb.double()
+            wide = freqs.double()
             cos, sin = wide.cos().float(), wide.sin().float()
-        cos = cos * self.attention_scaling
-        sin = sin * self.attention_scaling
+        # each half of head_dim takes the same angles: computed once, then repeated
+        cos = torch.cat((cos, cos), dim=-1) * self.attention_scaling
+        sin = torch.cat((sin, sin), dim=-1) * self.attention_scaling
         return cos.to(dtype), sin.to(dtype)
 
 

@@ -42,17 +42,24 @@ def encode_prompt(tokenizer: Optional[Any], vocab_size: Optional[int], prompt: P
     """(text or None, token ids) of a text or token-id prompt: text through `tokenizer` (`add_special_tokens`: what
     it adds, a BOS, as `tokenizer.encode` does by default), token ids checked against `vocab_size` (when known).
     `LLMEngine.encode` with the engine's tokenizer; the server calls it with its own copy, off the engine thread."""
-    if isinstance(prompt, str):
+    text = prompt if isinstance(prompt, str) else None
+    if text is not None:
         if tokenizer is None:
             raise RequestError("prompt", "text prompts need a tokenizer; pass token ids")
-        ids = list(tokenizer.encode(check_unicode("prompt", prompt), add_special_tokens=add_special_tokens))
-        # a tokenizer may hold ids past the embedding (Gemma 3's image token at vocab_size): refused per request
-        bad = next((t for t in ids if vocab_size is not None and t >= vocab_size), None)
-        if bad is not None:
-            raise RequestError("prompt", f"the text encodes to token id {bad} "
-                               f"({tokenizer.convert_ids_to_tokens(bad)!r:.40}), outside the model's vocabulary "
-                               f"[0, {vocab_size})", vocab_size)  # fmt: skip
-        return prompt, ids
+        ids = list(tokenizer.encode(check_unicode("prompt", text), add_special_tokens=add_special_tokens))
+    else:
+        ids = _token_ids(prompt)
+    # one check for both: a tokenizer may hold ids past the embedding too (Gemma 3's image token at vocab_size)
+    bad = next((t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
+    if bad is not None:
+        what = (f"the text encodes to token id {bad} ({tokenizer.convert_ids_to_tokens(bad)!r:.40}), outside the "
+                f"model's vocabulary" if text is not None else f"token id {bad} is outside the vocabulary")
+        raise RequestError("prompt", f"{what} [0, {vocab_size})", vocab_size)
+    return text, ids
+
+
+def _token_ids(prompt: Any) -> list[int]:
+    """A token-id prompt as a list of ints (numpy ints too; not bools)."""
     try:
         tokens = iter(prompt)
     except TypeError:
@@ -65,10 +72,7 @@ def encode_prompt(tokenizer: Optional[Any], vocab_size: Optional[int], prompt: P
             ids.append(operator.index(t))  # ints, numpy ints
         except TypeError:
             raise RequestError("prompt", "a token-id prompt must be a list of ints") from None
-    bad = next((t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
-    if bad is not None:
-        raise RequestError("prompt", f"token id {bad} is outside the vocabulary [0, {vocab_size})", vocab_size)
-    return None, ids
+    return ids
 
 
 class LLMEngine:

@@ -364,7 +364,7 @@ class SamplingParams:
                 raise RequestError("min_tokens", "not supported with beam search")
             # beams follow the model's log-probs (HF's num_beams without sampling): a filter on which tokens may be
             # drawn would not change them, so it is refused rather than ignored (vLLM's beam search refused them too)
-            for name, off in (("top_k", self.top_k in (0, -1)), ("top_p", self.top_p == 1.0),
+            for name, off in (("top_k", self.top_k == 0), ("top_p", self.top_p == 1.0),  # top_k -1 is 0 by now
                               ("min_p", self.min_p == 0.0)):
                 if not off:
                     raise RequestError(name, f"not applied by beam search (deterministic), got {getattr(self, name)!r}"

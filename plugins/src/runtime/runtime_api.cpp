@@ -66,7 +66,7 @@ void need(const void* p, const char* name) {
   if (!p) invalid(std::string(name) + ": null pointer");
 }
 
-// Holds the handle for one call (`need(rt)` first). The contract is one thread at a time per handle; a call
+// Holds the handle for one call (`guarded_on`). The contract is one thread at a time per handle; a call
 // that overlaps another's is refused instead of racing on the scheduler and the pool.
 class OneCall {
  public:
@@ -86,6 +86,24 @@ class OneCall {
   const trtpaged_runtime& rt_;
   bool held_ = false;
 };
+
+// `guarded` for a call on a handle: the handle is checked, then held for the call (OneCall).
+template <typename Runtime, typename F>
+trtpaged_status guarded_on(Runtime* rt, F&& body) {
+  return guarded([&] {
+    need(rt, "runtime");
+    OneCall one(*rt);
+    body();
+  });
+}
+
+// The step API and the request API write the same KV pool: the step API only while no request is unfinished,
+// and what it writes may overwrite blocks the prefix cache still offers (the caller forgets them first).
+void refuse_while_requests_run(const trtpaged_runtime& rt) {
+  if (rt.scheduler->has_unfinished())
+    invalid("runtime: " + std::to_string(rt.scheduler->num_waiting() + rt.scheduler->num_running()) +
+            " requests are unfinished; the step API and the request API would write the same KV pool");
+}
 
 int64_t meminfo_available() {
   std::ifstream f("/proc/meminfo");
@@ -388,9 +406,7 @@ TRTPAGED_API trtpaged_status trtpaged_runtime_open(const char* engine_dir, const
 TRTPAGED_API void trtpaged_runtime_close(trtpaged_runtime* runtime) { delete runtime; }
 
 TRTPAGED_API trtpaged_status trtpaged_runtime_get_info(const trtpaged_runtime* rt, trtpaged_runtime_info* out) {
-  return guarded([&] {
-    need(rt, "runtime");
-    OneCall one(*rt);
+  return guarded_on(rt, [&] {
     need(out, "out");
     const Manifest& m = rt->manifest;
     *out = trtpaged_runtime_info{};
@@ -413,19 +429,9 @@ TRTPAGED_API trtpaged_status trtpaged_runtime_get_info(const trtpaged_runtime* r
   });
 }
 
-// The step API and the request API write the same KV pool: the step API only while no request is unfinished,
-// and what it writes may overwrite blocks the prefix cache still offers (the caller forgets them first).
-static void refuse_while_requests_run(const trtpaged_runtime& rt) {
-  if (rt.scheduler->has_unfinished())
-    invalid("runtime: " + std::to_string(rt.scheduler->num_waiting() + rt.scheduler->num_running()) +
-            " requests are unfinished; the step API and the request API would write the same KV pool");
-}
-
 TRTPAGED_API trtpaged_status trtpaged_runtime_step(trtpaged_runtime* rt, const trtpaged_step_inputs* inputs,
                                                    float* logits, size_t logits_capacity) {
-  return guarded([&] {
-    need(rt, "runtime");
-    OneCall one(*rt);
+  return guarded_on(rt, [&] {
     need(inputs, "inputs");
     if (inputs->num_outputs > 0) need(logits, "logits");
     refuse_while_requests_run(*rt);
@@ -437,9 +443,7 @@ TRTPAGED_API trtpaged_status trtpaged_runtime_step(trtpaged_runtime* rt, const t
 
 TRTPAGED_API trtpaged_status trtpaged_runtime_copy_blocks(trtpaged_runtime* rt, const int32_t* pairs,
                                                           int32_t num_pairs) {
-  return guarded([&] {
-    need(rt, "runtime");
-    OneCall one(*rt);
+  return guarded_on(rt, [&] {
     if (num_pairs > 0) need(pairs, "pairs");
     refuse_while_requests_run(*rt);
     rt->scheduler->forget_cached_prefixes();
@@ -450,9 +454,7 @@ TRTPAGED_API trtpaged_status trtpaged_runtime_copy_blocks(trtpaged_runtime* rt, 
 
 TRTPAGED_API trtpaged_status trtpaged_request_add(trtpaged_runtime* rt, const int32_t* prompt, int32_t prompt_len,
                                                   const trtpaged_sampling* sampling, int64_t* request_id) {
-  return guarded([&] {
-    need(rt, "runtime");
-    OneCall one(*rt);
+  return guarded_on(rt, [&] {
     need(request_id, "request_id");
     if (prompt_len > 0) need(prompt, "prompt");
     trtpaged_sampling s;
@@ -498,9 +500,7 @@ TRTPAGED_API trtpaged_status trtpaged_request_add(trtpaged_runtime* rt, const in
 
 TRTPAGED_API trtpaged_status trtpaged_runtime_run_step(trtpaged_runtime* rt, int32_t* num_tokens) {
   if (num_tokens) *num_tokens = 0;
-  return guarded([&] {
-    need(rt, "runtime");
-    OneCall one(*rt);
+  return guarded_on(rt, [&] {
     const int32_t n = run_requests_step(*rt);
     if (num_tokens) *num_tokens = n;
   });
@@ -509,9 +509,7 @@ TRTPAGED_API trtpaged_status trtpaged_runtime_run_step(trtpaged_runtime* rt, int
 TRTPAGED_API trtpaged_status trtpaged_request_read(trtpaged_runtime* rt, int64_t request_id, int32_t* tokens,
                                                    int32_t capacity, int32_t* num_read, int32_t* finish_reason) {
   if (num_read) *num_read = 0;
-  return guarded([&] {
-    need(rt, "runtime");
-    OneCall one(*rt);
+  return guarded_on(rt, [&] {
     need(num_read, "num_read");
     need(finish_reason, "finish_reason");
     if (capacity < 0) invalid("capacity: got " + std::to_string(capacity) + "; expected >= 0");
@@ -528,18 +526,14 @@ TRTPAGED_API trtpaged_status trtpaged_request_read(trtpaged_runtime* rt, int64_t
 }
 
 TRTPAGED_API trtpaged_status trtpaged_request_abort(trtpaged_runtime* rt, int64_t request_id) {
-  return guarded([&] {
-    need(rt, "runtime");
-    OneCall one(*rt);
+  return guarded_on(rt, [&] {
     Request& r = find_request(*rt, request_id);
     if (r.status != Status::kFinished) rt->scheduler->abort(&r);
   });
 }
 
 TRTPAGED_API trtpaged_status trtpaged_runtime_get_stats(const trtpaged_runtime* rt, trtpaged_runtime_stats* out) {
-  return guarded([&] {
-    need(rt, "runtime");
-    OneCall one(*rt);
+  return guarded_on(rt, [&] {
     need(out, "out");
     *out = trtpaged_runtime_stats{};
     out->num_waiting = rt->scheduler->num_waiting();
