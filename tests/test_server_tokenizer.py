@@ -22,7 +22,7 @@ from trtpaged.server.schemas import TokenizeResponse, dump
 from trtpaged.server.tokenization import _SLICE, tokenize_json
 from trtpaged.server.tokenizer_worker import GRAMMAR_THREADS, PROMPT_THREADS, TokenizerLane
 
-from test_server import request, wait_idle
+from test_server import metrics, request, wait_idle
 
 TEXT = ("The quick brown fox jumps over the lazy dog; 12345 ünïcödé. " * 40_000)[:2_000_000]
 
@@ -199,6 +199,43 @@ def test_a_full_grammar_queue_is_a_503_and_the_server_goes_on(tiny_engine_dir):
         release.set()
         status, _, out = waiting.result(30)
         assert status == 200 and out["choices"][0]["text"] in ("yes", "no"), out
+        wait_idle(handle)
+    finally:
+        handle.shutdown()
+
+
+def test_a_client_that_disconnects_while_waiting_on_a_lane_is_never_compiled_or_queued(tiny_engine_dir):
+    """A structured request whose client closes the connection while its grammar waits for the grammars lane is
+    dropped there: its compile never runs and nothing reaches the engine (no step, no grammar compiled), and the
+    requests after it are answered."""
+    pytest.importorskip("xgrammar", reason="xgrammar is not installed (pip install xgrammar)")
+    handle = start_server(tiny_engine_dir, port=0, device="cpu", options=ServerOptions(max_waiting=4))
+    schema = {"type": "object", "properties": {"gone": {"type": "integer"}}, "required": ["gone"]}
+    body = {"prompt": "a client that leaves", "max_tokens": 8,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "gone", "schema": schema}}}
+    try:
+        lane = handle.tokens.grammars
+        release = threading.Event()
+        busy = [_occupy(lane, lambda _: release.wait(30)) for _ in range(GRAMMAR_THREADS)]
+        before = handle.loop.call(lambda engine: engine.stats())
+        conn = http.client.HTTPConnection(handle.host, handle.port, timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        deadline = time.monotonic() + 10
+        while lane.num_waiting < 1:
+            assert time.monotonic() < deadline, "the request did not reach the grammars lane"
+            time.sleep(0.005)
+        conn.close()
+        gone = 'http_requests_total{route="/v1/completions",status="499"}'
+        deadline = time.monotonic() + 10
+        while metrics(handle).get(gone, 0) < 1:  # the server sees the close within its poll and answers 499
+            assert time.monotonic() < deadline, "the server did not notice the client leave"
+            time.sleep(0.05)
+        release.set()
+        assert all(b.result(30) for b in busy)
+        after = handle.loop.call(lambda engine: engine.stats())
+        assert after["num_grammars_compiled"] == before["num_grammars_compiled"]
+        assert after["num_steps"] == before["num_steps"]
+        assert request(handle, "/v1/completions", {"prompt": "plain", "max_tokens": 2})[0] == 200
         wait_idle(handle)
     finally:
         handle.shutdown()

@@ -12,7 +12,7 @@ import json
 import logging
 import threading
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -30,6 +30,7 @@ from trtpaged.server.schemas import ModelCard, ModelList, dump
 from trtpaged.server.tokenization import Tokenization
 
 log = logging.getLogger("trtpaged.server")
+T = TypeVar("T")
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics",
           "/version")
 
@@ -56,6 +57,23 @@ def parse_json(raw: bytes) -> Any:
         raise ApiError("body: JSON nested too deeply", "body") from None
     except ValueError as exc:
         raise ApiError(f"body: malformed JSON ({exc})", "body") from None
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T], poll_s: float = 0.25) -> T:
+    """`work`'s result, or ClientGone once the client has closed its connection: `work` (waiting on a lane or
+    the engine thread, or running there) is cancelled, so a job not yet begun never runs."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientGone()
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 class StatusCounter:
@@ -183,8 +201,10 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
             raise overloaded("the server is shutting down", options.retry_after_s)
         try:
             body = parse_json(await read_body(request))
-            submitted = await service.submit(body, chat, request.headers.get("x-request-id"))
+            submitting = service.submit(body, chat, request.headers.get("x-request-id"))
+            submitted = await unless_disconnected(request, submitting)
         except ClientGone:
+            _log(request, 499, "client disconnected before its request was queued", start)
             return Response(status_code=499)
         except ApiError as exc:
             if exc.status == 503:
@@ -237,7 +257,8 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
 
     async def tokenizer_call(request: Request, handler: Callable[[Any], Awaitable[Any]]) -> Response:
         try:
-            answer = await handler(parse_json(await read_body(request)))  # a model, or its JSON body already made
+            body = parse_json(await read_body(request))
+            answer = await unless_disconnected(request, handler(body))  # a model, or its JSON body already made
         except ClientGone:
             return Response(status_code=499)
         except (Overloaded, ShuttingDown) as exc:  # the tokenizer's queue is full, or the server stops

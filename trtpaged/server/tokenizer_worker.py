@@ -19,8 +19,8 @@ Two lanes, so that running requests never wait behind a new one's long prompt:
 - `grammars`: compiling a structured-output request's grammar before it is queued (xgrammar's compiler holds the
   vocabulary: these threads load no tokenizer), `GRAMMAR_THREADS` threads, at most `max_waiting` waiting, so
   that a burst of distinct schemas is refused with a 503 instead of queueing without bound.
-A job whose awaiting task is cancelled before it begins is skipped. A client that disconnects does not cancel it
-(nothing watches the connection before the request is queued): its request goes on, and its answer is dropped.
+A job whose awaiting task is cancelled before it begins is skipped: a client that disconnects while its request
+waits here is noticed within a poll (`app.unless_disconnected`), which cancels that task.
 The engine thread keeps what belongs to the engine: adding requests, its incremental detokenizer (stop
 strings), and reading the vocabulary into the grammar compiler once (`GrammarCache.prepare`).
 """
