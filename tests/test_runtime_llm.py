@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from runtime_helpers import hf_beams, hf_from_engine_dir, hf_greedy
 from trtpaged import BeamSearchParams, GuidedDecodingParams, LLM, SamplingParams, StructuredOutputsParams
 from trtpaged.cli import main
 from trtpaged.errors import RequestError
+from trtpaged.runtime import llm as llm_module
 
 
 @pytest.fixture(scope="module")
@@ -391,6 +393,27 @@ def test_chat_names_a_malformed_message_and_takes_an_empty_assistant_turn(llm):
     with pytest.raises(RequestError, match="not a valid template") as refused:  # the caller's own template
         llm.chat(turns, SamplingParams(max_tokens=2), chat_template="{% for m in messages %}{{ m.content }")
     assert refused.value.field == "chat_template"
+
+
+def test_a_chat_template_that_loops_without_end_is_stopped_at_its_deadline(llm, monkeypatch):
+    """An engine whose own template loops for hours (two nested range(100000), as a hostile engine dir may hold)
+    is stopped once rendering passes CHAT_TEMPLATE_SECONDS: a RequestError on messages (was: the call never
+    returned, its memory growing by ~100 MB/s); the next chat renders and runs as before, no block in use."""
+    monkeypatch.setattr(llm_module, "CHAT_TEMPLATE_SECONDS", 0.5)
+    one = [{"role": "user", "content": "hi"}]
+    (before,) = llm.chat(one, SamplingParams(max_tokens=3, temperature=0))
+    template = llm.tokenizer.chat_template
+    llm.tokenizer.chat_template = "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"
+    try:
+        start = time.monotonic()
+        with pytest.raises(RequestError, match="ran past 0.5 s") as refused:
+            llm.chat(one, SamplingParams(max_tokens=2))
+        assert refused.value.field == "messages" and time.monotonic() - start < 5
+    finally:
+        llm.tokenizer.chat_template = template
+    (after,) = llm.chat(one, SamplingParams(max_tokens=3, temperature=0))
+    assert after.prompt == before.prompt and after.outputs[0].token_ids == before.outputs[0].token_ids
+    assert llm.engine.stats()["kv_blocks_used"] == 0
 
 
 def _text_of(tokenizer, token_ids, stop=()) -> tuple[str, str | None]:

@@ -16,6 +16,7 @@ from trtpaged.manifest import EngineDirError, Manifest, engine_path, read_manife
 from trtpaged.kv_budget import check_host_pool, check_host_tier
 from trtpaged.runtime.runners import load_runner, resolve_device, resolve_num_kv_blocks
 from trtpaged.runtime.runners.base import pool_block_bytes
+from trtpaged.runtime.deadline import DeadlineExceeded, run_with_deadline
 from trtpaged.runtime.beam_api import BeamSearchOutput, BeamSearchParams, beam_outputs
 from trtpaged.runtime.kv_tiers.config import KVTierConfig, manifest_fingerprint
 from trtpaged.runtime.llm_engine import LLMEngine, Prompt
@@ -33,6 +34,7 @@ _TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents
                                  "add_generation_prompt", "continue_final_message", "tokenize", "padding",
                                  "truncation", "max_length", "return_tensors", "return_dict",
                                  "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens"})
+CHAT_TEMPLATE_SECONDS = 10.0  # the most one rendering of a chat template may take (a real one takes milliseconds)
 
 
 def _tightened(name: str, value: Optional[int], limit: int) -> int:
@@ -189,9 +191,12 @@ def chat_prompt_text(tokenizer: Any, messages: Seq[dict], tools: Optional[Seq[di
                            "build): send a plain prompt (/v1/completions, LLM.generate), or offline pass "
                            "LLM.chat(..., chat_template=...)")  # fmt: skip
     try:
-        text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
-                                             continue_final_message=continue_final_message, tokenize=False,
-                                             **extra)  # fmt: skip
+        text = run_with_deadline(lambda: tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            tokenize=False, **extra), CHAT_TEMPLATE_SECONDS)  # fmt: skip
+    except DeadlineExceeded:
+        raise RequestError("messages", f"the chat template ran past {CHAT_TEMPLATE_SECONDS:g} s rendering this "
+                           "conversation and was stopped (a template that loops without end)") from None
     except jinja2.TemplateSyntaxError as exc:  # the template itself is broken: the caller's only if it gave it
         if chat_template is None:
             raise
