@@ -191,6 +191,8 @@ def test_a_single_alias_is_refused_and_deep_nesting_is_bounded(tmp_path):
     ({"hidden_size": 10**9}, "model.tiny.hidden_size", "at most 8192"),
     ({"rope_scaling": {"factor": {"nested": 1}}}, "model.tiny.rope_scaling.factor", "expected a number"),
     ({"rope_scaling": {"long_factor": [1.0] * 5000}}, "model.tiny.rope_scaling.long_factor", "at most 4096"),
+    ({"rope_scaling": {"rope_type": "nope"}}, "model.tiny.rope_scaling.rope_type", "supported: default, linear"),
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "model.tiny.rope_scaling.type", "got 'dynamic'"),
     ({"architecture": ["LlamaForCausalLM"]}, "model.tiny.architecture", "expected an HF architecture name"),
 ])
 def test_tiny_fields_are_checked_by_value(tiny, field, words):

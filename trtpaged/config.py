@@ -500,6 +500,11 @@ def _check_rope_scaling(spec: Any, fail) -> None:
             raise fail(where, f"got {_show(value)}; expected a number, a string or a list of numbers")
         elif isinstance(value, float) and not math.isfinite(value):
             raise fail(where, f"got {value}; expected a finite number")
+    from trtpaged.models.rope import SUPPORTED_ROPE_TYPES, rope_type  # torch: only when a tiny spec scales rope
+
+    if rope_type(spec) not in SUPPORTED_ROPE_TYPES:
+        named = "rope_type" if "rope_type" in spec or "type" not in spec else "type"
+        raise fail(f"{key}.{named}", f"got {_show(rope_type(spec))}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     factor = spec.get("factor")  # positions (or frequencies) are divided by it: 0 makes every logit NaN
     if "factor" in spec and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0):
         raise fail(f"{key}.factor", f"got {_show(factor)}; expected a number > 0")
