@@ -139,6 +139,14 @@ def check_invariants(e: LLMEngine) -> None:
     seqs = list(e.scheduler.live_seqs())
     stats = kv.stats(seqs)
     tokens = stats["kv_tokens_stored"]
+    bs = kv.block_size
+    written = set()  # (block, slot) of every computed token: distinct tokens stored, counted a token at a time
+    for s in seqs:
+        table = kv.tables.get(s.seq_id, [])
+        for pos in range(min(s.num_computed_tokens, len(table) * bs)):
+            written.add((table[pos // bs].block_id, pos % bs))
+    assert tokens == len(written)
+    assert kv.pool.num_cached == sum(b.block_hash is not None for b in kv.pool.blocks)
     if tokens:
         bound = tokens / (tokens + len(seqs) * (kv.block_size - 1))
         assert stats["kv_utilisation"] >= bound - 1e-9

@@ -9,7 +9,8 @@ the memory benchmark measures.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -21,6 +22,17 @@ def stand_in_logits(tokens: torch.Tensor, positions: torch.Tensor, vocab_size: i
     v = torch.arange(vocab_size, dtype=torch.float64)
     phase = tokens.to(torch.float64)[:, None] * 1.618 + positions.to(torch.float64)[:, None] * 0.377
     return (3.0 * torch.sin(phase * (v + 1.0) + v * 2.399)).to(torch.float32)
+
+
+@contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """torch (and so its OpenMP runtime) on one thread within the block, as many as before after it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 class NullRunner:

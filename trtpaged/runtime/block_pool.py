@@ -147,6 +147,7 @@ class BlockPool:
         self.blocks = [KVBlock(block_id=i) for i in range(num_kv_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self._cache: dict[int, dict[int, KVBlock]] = {}  # hash -> {block_id: block}
+        self._num_cached = 0  # blocks in _cache's buckets
         self.num_evictions = 0
         self._num_shared_refs = 0  # references beyond the first on used blocks
         self.peak_used = 0  # most blocks in use at once
@@ -166,7 +167,7 @@ class BlockPool:
     @property
     def num_cached(self) -> int:
         """Blocks whose content is findable in the prefix cache (used or free)."""
-        return sum(len(bucket) for bucket in self._cache.values())
+        return self._num_cached
 
     def allocate(self, count: int) -> list[KVBlock]:
         """Takes `count` blocks from the front of the free queue, evicting cached content."""
@@ -223,6 +224,7 @@ class BlockPool:
             return False
         block.block_hash, block.token_ids, block.parent = block_hash, token_ids, parent
         self._cache.setdefault(block_hash, {})[block.block_id] = block
+        self._num_cached += 1
         return True
 
     def forget_cached(self) -> int:
@@ -235,6 +237,7 @@ class BlockPool:
             block.block_hash = block.token_ids = block.parent = None
             block.generation += 1
         self._cache.clear()
+        self._num_cached = 0
         return len(cached)
 
     def _evict(self, block: KVBlock) -> None:
@@ -244,6 +247,7 @@ class BlockPool:
             self.on_evict(block)
         bucket = self._cache[block.block_hash]
         del bucket[block.block_id]
+        self._num_cached -= 1
         if not bucket:
             del self._cache[block.block_hash]
         block.block_hash = block.token_ids = block.parent = None

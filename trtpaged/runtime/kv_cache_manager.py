@@ -538,13 +538,16 @@ class KVCacheManager:
     def stats(self, live_seqs: Iterable[Sequence]) -> dict[str, float]:
         """Block counts and utilisation: distinct tokens stored / slots of used blocks."""
         bs = self.block_size
-        filled: dict[int, int] = {}
-        for seq in live_seqs:
-            for j, block in enumerate(self.tables.get(seq.seq_id, [])):
-                if block is None:
-                    continue
-                f = min(bs, max(0, seq.num_computed_tokens - j * bs))
-                filled[block.block_id] = max(filled.get(block.block_id, 0), f)
+        filled: dict[int, int] = {}  # block id -> tokens written in it (the most any of its sequences wrote)
+        for seq in live_seqs:  # once a step in `bench memory`'s replay: its blocks are walked, not each token
+            table = self.tables.get(seq.seq_id, [])
+            full, rest = divmod(seq.num_computed_tokens, bs)
+            for block in table[:full]:
+                if block is not None:
+                    filled[block.block_id] = bs
+            partial = table[full] if rest and full < len(table) else None
+            if partial is not None and filled.get(partial.block_id, 0) < rest:
+                filled[partial.block_id] = rest
         used = self.pool.num_used
         tokens = sum(filled.values())
         tiers = {} if self.tiers is None else {
