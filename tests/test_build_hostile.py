@@ -122,6 +122,76 @@ def test_a_config_json_that_lies_about_its_checkpoint_is_one_line_naming_it(tmp_
     assert not (tmp_path / "out").exists()
 
 
+def test_a_head_of_its_own_is_the_engines_head_though_config_json_says_tied(tmp_path):
+    """config.json says tie_word_embeddings but the checkpoint holds lm_head.weight: transformers keeps that head
+    (untied), so the engine must too (was: the embedding as head, refused by verification, and with --skip-verify
+    an engine whose every token differed from transformers')."""
+    from transformers import AutoModelForCausalLM
+
+    from trtpaged import LLM, SamplingParams
+
+    hf = _hf_dir(tmp_path)
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    r = _cli("build", str(_yaml(tmp_path, {**TINY, "model": {"hf_dir": "hf"}})), "-o", str(tmp_path / "out"),
+             "--skip-verify")
+    assert r.exit_code == 0, r.output
+    reference = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    assert reference.lm_head.weight.data_ptr() != reference.model.embed_tokens.weight.data_ptr()
+    prompt = [5, 17, 42, 99, 7, 250, 3]
+    with torch.no_grad():
+        expected = torch.log_softmax(reference(torch.tensor([prompt])).logits[0, -1], -1)
+    llm = LLM(tmp_path / "out", device="cpu")
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, temperature=0, logprobs=5))
+    token = out.outputs[0].token_ids[0]
+    assert token == int(expected.argmax())
+    assert all(abs(lp.logprob - float(expected[t])) < 1e-4 for t, lp in out.outputs[0].logprobs[0].items())
+
+
+@pytest.mark.parametrize("change, words", [
+    # was: built, then refused by every reader ("eos_token_ids[1]: token id 6000 is outside the vocabulary")
+    ({"eos_token_id": 6000}, "the model's eos_token_id 6000 is outside its vocabulary (vocab_size 320)"),
+    # were: a ValueError traceback at export (-4), transformers' SDPA RuntimeError at verification (0)
+    ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": -4},
+     "sliding_window: got -4; expected a positive number of tokens"),
+    ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 0},
+     "sliding_window: got 0"),
+    # were: ZeroDivisionError, KeyError 'foo', TypeError on pow, AttributeError from torch, a broadcast error
+    ({"num_attention_heads": 0}, "config.json's num_attention_heads is 0; expected a positive integer"),
+    ({"rope_scaling": {"rope_type": "foo", "factor": 2.0}}, "config.json's rope_scaling.rope_type is 'foo'"),
+    ({"rope_theta": "abc"}, "config.json's rope_theta is 'abc'; expected a finite number > 0"),
+    ({"dtype": "bogus"}, "config.json's dtype is 'bogus'"),
+    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 3, "long_factor": [1.0] * 8,
+                       "original_max_position_embeddings": 512}},
+     "rope_scaling.short_factor holds 3 factors; expected 8, one per rotated pair of head_dim 16"),
+    # was: "verification failed" (transformers loads the class of model_type: Llama, without Mistral's window)
+    ({"architectures": ["MistralForCausalLM"], "model_type": "llama"}, "config.json's model_type is 'llama'; "
+                                                                       "expected 'mistral'"),
+])  # fmt: skip
+def test_config_json_values_no_reader_takes_are_refused_naming_them(tmp_path, change, words):
+    hf = _hf_dir(tmp_path)
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, **change}))
+    r = _cli("build", str(_yaml(tmp_path, {**TINY, "model": {"hf_dir": "hf"}})), "-o", str(tmp_path / "out"))
+    _one_line_failure(r, "model.hf_dir", words)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("template, words", [
+    ("{% for m in messages %}{{ m.content }", "unexpected '}'"),
+    ("{{ messages[0].content | nosuchfilter }}", "No filter named 'nosuchfilter'"),
+])
+def test_a_chat_template_that_does_not_compile_is_refused_at_build(tmp_path, template, words):
+    """was: built, and every chat request on the engine then failed with jinja2's error"""
+    hf = _hf_dir(tmp_path)
+    (hf / "chat_template.jinja").unlink(missing_ok=True)
+    tokenizer_config = json.loads((hf / "tokenizer_config.json").read_text())
+    (hf / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "chat_template": template}))
+    r = _cli("build", str(_yaml(tmp_path, {**TINY, "model": {"hf_dir": "hf"}})), "-o", str(tmp_path / "out"))
+    _one_line_failure(r, "model.hf_dir: the tokenizer's chat template is not a valid template", words)
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_hf_dir_without_a_tokenizer_is_one_line_naming_the_files(tmp_path):
     """was: transformers' message about slow tokenizers and sentencepiece, over several lines"""
     hf = _hf_dir(tmp_path)

@@ -272,6 +272,7 @@ BROKEN = {
     # were: tracebacks from the step model (rope shapes, a window per layer), or another model run than written
     "partial_rotary_factor 5": (_dims(partial_rotary_factor=5.0), False, "dims.partial_rotary_factor", "(0, 1]"),
     "a window for 1 of 2 layers": (_dims(layer_windows=[4]), False, "dims.layer_windows", "1 windows for 2 layers"),
+    "a negative window": (_dims(layer_windows=[4, -4]), False, "dims.layer_windows", "a number of tokens >= 0"),
     "nope_layers past the layers": (_dims(nope_layers=[99]), False, "dims.nope_layers", "[0, 2)"),
     "hidden_act relu": (_dims(hidden_act="relu"), False, "dims.hidden_act", "one of silu, gelu_tanh"),
     "rope_scaling factor -3": (_dims(rope_scaling={"rope_type": "yarn", "factor": -3}), False,

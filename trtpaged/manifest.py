@@ -345,6 +345,9 @@ def _check_family_values(d: ModelDims, bad: Any) -> None:
     if d.layer_windows and len(d.layer_windows) != d.num_layers:
         raise bad("dims.layer_windows", f"{len(d.layer_windows)} windows for {d.num_layers} layers; one per layer "
                   "(0: global) or none")  # fmt: skip
+    if any(w < 0 for w in d.layer_windows):
+        raise bad("dims.layer_windows", f"got {list(d.layer_windows)[:16]}; a window is a number of tokens >= 0 "
+                  "(0: global)")  # fmt: skip
     outside = [n for n in d.nope_layers if not 0 <= n < d.num_layers]
     if outside or len(set(d.nope_layers)) != len(d.nope_layers):
         raise bad("dims.nope_layers", f"got {list(d.nope_layers)[:16]}; expected distinct layer indices in [0, "

@@ -101,6 +101,8 @@ def build_engine(
             # what every reader of the engine dir refuses, refused here (was: built, with --skip-verify)
             check_dim_values(dims, lambda name, message, limit=None: ConfigError(
                 f"model.{config.model.kind}: the model's {name.removeprefix('dims.')} {message}", limit=limit))
+            _check_special_token_ids(hf, dims, f"model.{config.model.kind}")
+            _check_chat_template(hf.tokenizer, f"model.{config.model.kind}")
             tp_blocker = check_tensor_parallel(dims, config.tensor_parallel, _config_plan(config, dims))
             if tp_blocker:
                 raise ConfigError(tp_blocker)
@@ -384,14 +386,57 @@ def _token_ids(*values) -> list[int]:
     return out
 
 
+def _special_token_ids(hf) -> tuple[Optional[int], list[int]]:
+    """(bos, eos ids) as the manifest records them: from generation_config.json, config.json and the tokenizer."""
+    tok, gen = hf.tokenizer, getattr(hf.model, "generation_config", None)
+    eos = _token_ids(getattr(gen, "eos_token_id", None), getattr(hf.config, "eos_token_id", None), tok.eos_token_id)
+    bos = tok.bos_token_id if tok.bos_token_id is not None else getattr(hf.config, "bos_token_id", None)
+    return bos, eos
+
+
+def _check_special_token_ids(hf, dims: ModelDims, where: str) -> None:
+    """The bos and eos ids inside the vocabulary, as every reader of the manifest requires (was: built, then
+    refused at each load)."""
+    bos, eos = _special_token_ids(hf)
+    for name, token in [("bos_token_id", bos)] + [("eos_token_id", t) for t in eos]:
+        if token is not None and not 0 <= token < dims.vocab_size:
+            raise ConfigError(f"{where}: the model's {name} {token} is outside its vocabulary (vocab_size "
+                              f"{dims.vocab_size}); fix it in config.json, generation_config.json or the tokenizer's "
+                              "files")  # fmt: skip
+
+
+def _check_chat_template(tokenizer, where: str) -> None:
+    """The tokenizer's chat template compiles (jinja2 syntax, known filters and tests): was built, and every chat
+    request on the engine then failed with jinja2's error. Checked by rendering one user message with it, which
+    is also what compiles it; an error the template raises on purpose (raise_exception) is not a broken one."""
+    import jinja2
+
+    from trtpaged.runtime.deadline import DeadlineExceeded, run_with_deadline
+    from trtpaged.runtime.llm import CHAT_TEMPLATE_SECONDS
+
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        return
+    try:
+        run_with_deadline(lambda: tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                                                add_generation_prompt=True), CHAT_TEMPLATE_SECONDS)
+    except (jinja2.TemplateSyntaxError, jinja2.TemplateAssertionError) as exc:
+        raise ConfigError(f"{where}: the tokenizer's chat template is not a valid template ({str(exc)[:200]}); fix "
+                          "chat_template in tokenizer_config.json (or chat_template.jinja)") from None
+    except DeadlineExceeded:
+        raise ConfigError(f"{where}: the tokenizer's chat template ran past {CHAT_TEMPLATE_SECONDS:g} s rendering "
+                          "one user message (a template that loops without end)") from None
+    except Exception:  # noqa: BLE001 - the template's own refusal of this conversation, or a key it needs
+        pass
+
+
 def _manifest(
     config: BuildConfig, dims: ModelDims, hf, verification: dict, files: dict[str, str], plan_built: bool = False,
     quantization: Optional[dict] = None, shards: Optional[list[dict[str, str]]] = None,
     tensorrt: Optional[dict] = None,
 ) -> Manifest:
-    tok, gen = hf.tokenizer, getattr(hf.model, "generation_config", None)
-    eos = _token_ids(getattr(gen, "eos_token_id", None), getattr(hf.config, "eos_token_id", None), tok.eos_token_id)
-    bos = tok.bos_token_id if tok.bos_token_id is not None else getattr(hf.config, "bos_token_id", None)
+    tok = hf.tokenizer
+    bos, eos = _special_token_ids(hf)
     source = config.model.describe()
     source.update({"model_yaml": str(config.source_file) if config.source_file else None, "trtpaged_version": __version__})
     return Manifest(

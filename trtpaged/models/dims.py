@@ -46,16 +46,15 @@ def _rope(config: Any, layer_type: str = "full_attention") -> tuple[float, Optio
 
 def _layer_windows(config: Any, arch: str) -> tuple[int, ...]:
     """Each layer's sliding window (0: global), or () when no layer has one. transformers 5 names each
-    layer's kind in layer_types; Mistral (and Phi-3) apply sliding_window, when set, to every layer."""
-    window = int(getattr(config, "sliding_window", None) or 0)
+    layer's kind in layer_types; Mistral (and Phi-3) apply sliding_window, when set, to every layer; Llama has no
+    window (transformers ignores a sliding_window in a Llama config)."""
+    window = getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None)
-    if not window:
-        return ()
     if types:
-        windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+        slides = [t == "sliding_attention" for t in types]
     elif arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
-        windows = (window,) * config.num_hidden_layers
-    else:
+        slides = [True] * config.num_hidden_layers
+    elif arch in MODEL_TYPES and arch != "LlamaForCausalLM" and window:
         # transformers before 4.53 gives no layer_types; which layers slide then follows other keys per family
         # (max_window_layers, a layer-index pattern), which an empty answer here would silently drop
         import transformers
@@ -63,7 +62,14 @@ def _layer_windows(config: Any, arch: str) -> tuple[int, ...]:
         raise UnsupportedModelError(
             f"layer_types: {arch} has sliding_window {window} but the config names no layer kinds; transformers "
             f"{transformers.__version__} does not give them: install transformers >= 5")
-    return windows if any(windows) else ()
+    else:
+        return ()
+    if window is None or not any(slides):
+        return ()
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise UnsupportedModelError(f"sliding_window: got {window!r}; expected a positive number of tokens, or "
+                                    "null for no window")  # fmt: skip
+    return tuple(window if slide else 0 for slide in slides)
 
 
 def _softcap(config: Any, key: str) -> float:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from trtpaged.models.dims import (
     MODEL_TYPES,
     SUPPORTED_ARCHITECTURES,
 )
+from trtpaged.models.rope import SUPPORTED_ROPE_TYPES, rope_type
 
 
 @dataclass
@@ -63,7 +65,66 @@ def source_architecture(spec: ModelSpec) -> str:
         arch = ARCHITECTURES_BY_MODEL_TYPE.get(gguf_arch, f"GGUF architecture {gguf_arch!r}")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ConfigError(f"{key}: architecture {arch} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if spec.kind == "hf_dir":
+        _check_config_values(hf_config, arch, key)
     return arch
+
+
+_SIZE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "vocab_size", "head_dim")  # fmt: skip
+_DTYPE_NAMES = ("float32", "float16", "bfloat16", "float", "half", "auto")
+
+
+def _bad_value(key: str, name: str, got: Any, expected: str) -> ConfigError:
+    return ConfigError(f"{key}: config.json's {name} is {got!r:.60}; expected {expected}")
+
+
+def _check_config_values(raw: dict, arch: str, key: str) -> None:
+    """config.json's values transformers would fail on with a bare ZeroDivisionError, KeyError or TypeError (or
+    load as another family), refused naming the key before transformers reads it."""
+    wanted_type = MODEL_TYPES[arch]
+    model_type = raw.get("model_type")
+    if model_type is not None and model_type != wanted_type and ARCHITECTURES_BY_MODEL_TYPE.get(model_type) != arch:
+        raise _bad_value(key, "model_type", model_type, f"{wanted_type!r}, the model_type of architectures[0] {arch}")
+    for name in _SIZE_KEYS:
+        value = raw.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise _bad_value(key, name, value, "a positive integer")
+    dtype = raw.get("dtype", raw.get("torch_dtype"))
+    if dtype is not None and dtype not in _DTYPE_NAMES:
+        raise _bad_value(key, "dtype" if "dtype" in raw else "torch_dtype", dtype, f"one of {', '.join(_DTYPE_NAMES)}")
+    _check_theta(raw.get("rope_theta"), "rope_theta", key)
+    for rope_key in ("rope_parameters", "rope_scaling"):  # transformers 5's name, and 4's (read by 5 as well)
+        _check_rope_values(raw, raw.get(rope_key), rope_key, key)
+
+
+def _check_theta(theta: Any, name: str, key: str) -> None:
+    if theta is not None and (isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < math.inf):
+        raise _bad_value(key, name, theta, "a finite number > 0")
+
+
+def _check_rope_values(raw: dict, rope: Any, rope_key: str, key: str) -> None:
+    """One rope dict of config.json: its theta, a rope type trtpaged implements, longrope's factor counts."""
+    if rope is None:
+        return
+    if not isinstance(rope, dict):
+        raise _bad_value(key, rope_key, rope, "an object such as {\"rope_type\": \"linear\", \"factor\": 2.0}")
+    if any(isinstance(v, dict) for v in rope.values()):  # per layer type (Gemma 3): checked once loaded
+        return
+    _check_theta(rope.get("rope_theta"), f"{rope_key}.rope_theta", key)
+    kind = rope_type(rope)
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise _bad_value(key, f"{rope_key}.rope_type", kind, f"one of {', '.join(SUPPORTED_ROPE_TYPES)}")
+    heads, hidden = raw.get("num_attention_heads"), raw.get("hidden_size")
+    head_dim = raw.get("head_dim") or (hidden // heads if hidden and heads else None)
+    partial = raw.get("partial_rotary_factor") or 1.0
+    numeric = isinstance(partial, (int, float)) and not isinstance(partial, bool) and 0 < partial <= 1
+    rotated = int(head_dim * partial) if head_dim and numeric else None  # else: refused once loaded (dims)
+    for name in ("short_factor", "long_factor"):
+        factors = rope.get(name)
+        if kind == "longrope" and rotated and isinstance(factors, list) and len(factors) != rotated // 2:
+            raise ConfigError(f"{key}: config.json's {rope_key}.{name} holds {len(factors)} factors; expected "
+                              f"{rotated // 2}, one per rotated pair of head_dim {head_dim}")
 
 
 def _gguf_architecture(path: Path, key: str) -> str:
@@ -110,7 +171,16 @@ def load_hf(spec: ModelSpec, dtype: torch.dtype = torch.float32) -> HFModel:
         model, info = AutoModelForCausalLM.from_pretrained(where, config=config, dtype=dtype, output_loading_info=True,
                                                            ignore_mismatched_sizes=True, **kwargs)  # fmt: skip
     _check_loaded(spec, info)
+    _tie_as_loaded(model, config)
     return HFModel(model=model.eval(), tokenizer=tokenizer, config=config)
+
+
+def _tie_as_loaded(model: Any, config: Any) -> None:
+    """config.tie_word_embeddings as the loaded model has it: transformers keeps a checkpoint's own lm_head.weight
+    (a head of its own) even where config.json says the head is tied, and the engine's head must be that one."""
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = head is not None and head.weight.data_ptr() == embedding.weight.data_ptr()
+    config.tie_word_embeddings = tied
 
 
 # what transformers builds a tokenizer from: the fast tokenizer's file, a sentencepiece or tiktoken model, a BPE pair
