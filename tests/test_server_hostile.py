@@ -418,9 +418,29 @@ def test_a_text_too_long_by_its_length_alone_is_refused_before_tokenizing(server
     messages = [{"role": "user", "content": "y" * 1500}, {"role": "assistant", "content": "z" * 1500}]
     status, _, out = post(server, J({"messages": messages, "max_tokens": 2}), path="/v1/chat/completions")
     assert status == 400 and out["error"]["param"] == "messages" and "3000 bytes" in out["error"]["message"], out
+    # what the template renders besides the contents counts too (was: a 5 MB role tokenized in full, ~25 s)
+    long_role = [{"role": "u" * 3000, "content": "hi"}]
+    status, _, out = post(server, J({"messages": long_role, "max_tokens": 2}), path="/v1/chat/completions")
+    assert status == 400 and out["error"]["param"] == "messages", out
+    assert "bytes of text make at least" in out["error"]["message"], out
     status, _, out = post(server, J({"prompt": "x" * 3000, "max_tokens": 2, "truncate_prompt_tokens": 100}))
     assert status == 200 and out["usage"]["prompt_tokens"] == 100, out
     assert post(server, J({"prompt": "x" * 390, "max_tokens": 2}))[0] == 200  # under both limits
+    wait_idle(server)
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x"])
+def test_a_body_that_is_not_json_by_its_content_type_is_415(server, content_type):
+    """Only application/json (or +json, or no type: as FastAPI reads a body) is parsed: a web page may POST
+    text/plain or a form to a server on localhost from another origin without a CORS preflight (was: parsed as
+    JSON, and generation started); the server answers the next request."""
+    body = J({"prompt": "hi", "max_tokens": 2})
+    for path in ("/v1/completions", "/tokenize"):
+        status, _, out = post(server, body, {"Content-Type": content_type}, path=path)
+        assert status == 415 and out["error"]["param"] == "body" and "is not JSON" in out["error"]["message"], out
+    assert post(server, body, {"Content-Type": "application/json; charset=utf-8"})[0] == 200
+    assert post(server, body, {"Content-Type": ""})[0] == 200
     wait_idle(server)
 
 

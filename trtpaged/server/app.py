@@ -7,6 +7,7 @@ Handlers never touch the engine: they validate, then go through `GenerationServi
 from __future__ import annotations
 
 import asyncio
+import email.message
 import hmac
 import json
 import logging
@@ -41,6 +42,18 @@ def error_response(error: ApiError) -> JSONResponse:
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
+
+
+def is_json_content_type(value: str | None) -> bool:
+    """Whether a request body of this Content-Type is read as JSON: application/json or application/*+json, or
+    none given (as FastAPI reads a JSON body, so vLLM's server). Any other type (text/plain, a form) is refused:
+    a web page may send those cross-origin to a server on localhost without a CORS preflight."""
+    if not value:
+        return True
+    message = email.message.Message()
+    message["content-type"] = value
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
 
 
 def parse_json(raw: bytes) -> Any:
@@ -166,6 +179,11 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
     async def read_body(request: Request) -> bytes:
         declared = request.headers.get("content-length")
         limit = options.max_body_bytes
+        content_type = request.headers.get("content-type")
+        if not is_json_content_type(content_type):
+            await discard_body(request, limit)
+            raise ApiError(f"content-type: {content_type[:80]!r} is not JSON; send the body as application/json",
+                           "body", 415, headers={"Connection": "close"})  # fmt: skip
         if declared is not None:
             if not declared.isdigit():
                 raise ApiError("content-length: must be a non-negative integer", "body")

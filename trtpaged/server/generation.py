@@ -167,18 +167,23 @@ class GenerationService:
     async def _tokenize(self, req: GenerationRequest) -> list[list[int]]:
         """Prompt token ids, computed on the prompts lane (its own tokenizer: the engine thread steps meanwhile)."""
         vocab = self.vocab_size
+        field_name = "messages" if req.chat else "prompt"
+        keep = self._kept_tokens(req)
+        check = self._text_bound(field_name) if keep is None else None
 
         def run(tokenizer: Any) -> list[list[int]]:
             if req.chat:
                 return [prompt_token_ids(tokenizer, vocab, None, req.messages, req.tools.definitions if req.tools else
-                                         None, req.chat_options, req.add_special_tokens)]  # fmt: skip
-            return [prompt_token_ids(tokenizer, vocab, p, None, None, {}, req.add_special_tokens) for p in req.prompts]
+                                         None, req.chat_options, req.add_special_tokens, check)]  # fmt: skip
+            return [prompt_token_ids(tokenizer, vocab, p, None, None, {}, req.add_special_tokens, check)
+                    for p in req.prompts]  # fmt: skip
 
-        field_name = "messages" if req.chat else "prompt"
-        keep = self._kept_tokens(req)
-        if keep is None:
-            self._refuse_texts_too_long(req, field_name)
         try:
+            if check is not None:  # before the lane: what the request's own text makes at least
+                texts = ["".join(m.get("content") or "" for m in req.messages)] if req.chat else \
+                    [p for p in req.prompts if isinstance(p, str)]  # fmt: skip
+                for text in texts:
+                    check(text)
             prompts = await self.tokens.prompt(run)
         except ValueError as exc:
             raise from_runtime_error(exc, req.names) from None
@@ -194,25 +199,26 @@ class GenerationService:
             raise ApiError(f"{field_name}: {longest} tokens exceeds this server's prompt limit ({limit})", field_name)
         return prompts
 
-    def _refuse_texts_too_long(self, req: GenerationRequest, field_name: str) -> None:
-        """A text that makes more tokens than a prompt may have, told by its length alone (runtime/prompt_bound.py),
-        is refused before it is tokenized (megabytes: seconds of a tokenizer thread, and of a core).
-        A chat's bound counts its messages' text, which the template's own text only adds to."""
-        if self.prompt_bound is None:
-            return
+    def _text_bound(self, field_name: str) -> Optional[Callable[[str], None]]:
+        """A check that refuses a text making more tokens than a prompt may have, told by its length alone
+        (runtime/prompt_bound.py), before it is tokenized (megabytes: seconds of a tokenizer thread, and of a core);
+        None where the tokenizer gives no bound. A chat is checked on its messages' text before the lane, then on
+        the template's whole text (roles, and whatever else it renders) before that is tokenized."""
+        bound = self.prompt_bound
+        if bound is None:
+            return None
         limit = self.max_seq_len - 1 if self.max_prompt_tokens is None else min(self.max_prompt_tokens,
                                                                                 self.max_seq_len - 1)  # fmt: skip
-        def size(text: str) -> int:
-            return len(text.encode("utf-8", errors="surrogatepass"))
 
-        sizes = ([sum(size(m.get("content") or "") for m in req.messages)] if req.chat
-                 else [size(p) for p in req.prompts if isinstance(p, str)])  # fmt: skip
-        for nbytes in sizes:
-            fewest = self.prompt_bound.fewest_tokens(nbytes)
+        def check(text: str) -> None:
+            nbytes = len(text.encode("utf-8", errors="surrogatepass"))
+            fewest = bound.fewest_tokens(nbytes)
             if fewest > limit:
-                raise ApiError(f"{field_name}: {nbytes} bytes of text make at least {fewest} tokens with this "
-                               f"tokenizer, more than a prompt may have here ({limit}); send less text, or set "
-                               f"truncate_prompt_tokens", field_name)  # fmt: skip
+                raise RequestError(field_name, f"{nbytes} bytes of text make at least {fewest} tokens with this "
+                                   f"tokenizer, more than a prompt may have here ({limit}); send less text, or set "
+                                   "truncate_prompt_tokens", limit)  # fmt: skip
+
+        return check
 
     def _kept_tokens(self, req: GenerationRequest) -> Optional[int]:
         """truncate_prompt_tokens as vLLM reads it: at most what max_seq_len leaves beside the output (max_tokens;

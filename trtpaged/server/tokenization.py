@@ -8,9 +8,9 @@ and tools), so `count` is the `usage.prompt_tokens` the same body would get ther
 from __future__ import annotations
 
 import json
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
-from trtpaged.runtime.llm import LLM, chat_prompt_ids
+from trtpaged.runtime.llm import LLM, chat_prompt_text
 from trtpaged.runtime.llm_engine import Prompt, encode_prompt
 from trtpaged.server.constraints import token_ids_in_vocab
 from trtpaged.server.engine_loop import Overloaded, ShuttingDown
@@ -28,16 +28,23 @@ from trtpaged.server.tools import tool_choice
 
 def prompt_token_ids(tokenizer: Any, vocab_size: Optional[int], prompt: Optional[Prompt],
                      messages: Optional[list[dict[str, Any]]], tools: Optional[Sequence[dict]],
-                     chat_options: dict[str, Any], add_special_tokens: bool) -> list[int]:  # fmt: skip
+                     chat_options: dict[str, Any], add_special_tokens: bool,
+                     check_text: Optional[Callable[[str], None]] = None) -> list[int]:  # fmt: skip
     """A prompt's token ids as /v1/completions, /v1/chat/completions and /tokenize all make them (one rule, so that
     /tokenize counts what the generation endpoints count): `messages` under the chat template (with the tools'
     definitions and the chat options), else a text prompt through the tokenizer; a token-id prompt is kept as given
     (checked against the vocabulary). `add_special_tokens` (vLLM's): what the tokenizer adds (a BOS), on top of the
     template's text for messages; the request schemas default it as vLLM does, true for a text prompt and false for
-    messages (their template writes its own). Runs on the tokenizer worker's prompts lane, with its tokenizer."""
+    messages (their template writes its own). `check_text` sees the text before it is tokenized (and may refuse
+    it). Runs on the tokenizer worker's prompts lane, with its tokenizer."""
     if messages is not None:
-        return chat_prompt_ids(tokenizer, messages, tools, add_special_tokens=add_special_tokens, **chat_options)
+        text = chat_prompt_text(tokenizer, messages, tools, **chat_options)
+        if check_text is not None:
+            check_text(text)
+        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
     assert prompt is not None
+    if check_text is not None and isinstance(prompt, str):
+        check_text(prompt)
     return encode_prompt(tokenizer, vocab_size, prompt, add_special_tokens)[1]
 
 
