@@ -127,10 +127,11 @@ def test_tokenizer_threads_have_their_own_tokenizer_and_os_name(server):
         with open(f"/proc/self/task/{threading.get_native_id()}/comm") as f:
             return tok, f.read().strip()
 
-    jobs = [server.tokens.prompts.send(own) for _ in range(PROMPT_THREADS)] + [server.tokens.outputs.send(own)]
+    jobs = [server.tokens.prompts.send(own) for _ in range(PROMPT_THREADS)]
+    jobs += [server.tokens.texts.send(own), server.tokens.outputs.send(own)]
     copies = [job.result(30) for job in jobs]
     engine_tok = server.llm.tokenizer
-    assert len({id(engine_tok), *(id(tok) for tok, _ in copies)}) == PROMPT_THREADS + 2
+    assert len({id(engine_tok), *(id(tok) for tok, _ in copies)}) == PROMPT_THREADS + 3
     for tok, name in copies:
         assert tok.get_vocab() == engine_tok.get_vocab() and tok.chat_template == engine_tok.chat_template
         assert name == "trtpaged-tok"
@@ -157,24 +158,38 @@ def _one_waiting(lane: TokenizerLane, call) -> Future:
 
 
 def test_a_full_tokenizer_queue_is_a_503_and_the_server_goes_on(tiny_engine_dir):
-    """max_waiting bounds the tokenizer's queue as it bounds the engine's: with the prompts lane's threads busy
-    and one request waiting for them, the next /tokenize or completion is refused (503, Retry-After) before it
-    is queued; the waiting one is answered, and so are those after."""
+    """max_waiting bounds the tokenizer lanes' queues as it bounds the engine's: with the prompts lane's threads
+    busy and one completion waiting for them, the next completion is refused (503, Retry-After) before it is
+    queued, while /tokenize, on a lane of its own, is answered meanwhile; and the other way round (was: one lane,
+    where two 7 MB /tokenize bodies held every new request for ~45 s). The waiting ones are answered after."""
     handle = start_server(tiny_engine_dir, port=0, device="cpu", options=ServerOptions(max_waiting=1))
     try:
         lane = handle.tokens.prompts
-        busy = [_occupy(lane, lambda tok: time.sleep(1.0)) for _ in range(PROMPT_THREADS)]  # as with long texts
-        waiting = _one_waiting(lane, lambda: request(handle, "/tokenize", {"prompt": "hello"}))
-        status, headers, out = request(handle, "/tokenize", {"prompt": "short"})
+        release = threading.Event()
+        busy = [_occupy(lane, lambda tok: release.wait(30)) for _ in range(PROMPT_THREADS)]  # as with long texts
+        waiting = _one_waiting(lane, lambda: request(handle, "/v1/completions", {"prompt": "hello", "max_tokens": 2}))
+        status, headers, out = request(handle, "/v1/completions", {"prompt": "short", "max_tokens": 2})
         assert status == 503 and headers["Retry-After"] == "1", out
         assert "1 requests are waiting to be tokenized (max_waiting 1)" in out["error"]["message"]
-        status, _, out = request(handle, "/v1/completions", {"prompt": "short", "max_tokens": 2})
+        status, _, out = request(handle, "/tokenize", {"prompt": "short"})
+        assert status == 200 and out["tokens"] == handle.llm.tokenizer.encode("short"), out
+        assert not any(b.done() for b in busy)  # all of that while the prompts lane was busy
+        release.set()
+        assert waiting.result(30)[0] == 200
+
+        lane = handle.tokens.texts
+        release = threading.Event()
+        busy = [_occupy(lane, lambda tok: release.wait(30))]
+        waiting = _one_waiting(lane, lambda: request(handle, "/tokenize", {"prompt": "hello"}))
+        status, _, out = request(handle, "/detokenize", {"tokens": [65, 66]})
         assert status == 503 and "waiting to be tokenized" in out["error"]["message"], out
-        assert not any(b.done() for b in busy)  # all of that while the lane was busy
+        assert request(handle, "/v1/completions", {"prompt": "short", "max_tokens": 2})[0] == 200
+        assert not busy[0].done()
+        release.set()
         status, _, out = waiting.result(30)
         assert status == 200 and out["tokens"] == handle.llm.tokenizer.encode("hello"), out
         assert request(handle, "/tokenize", {"prompt": "short"})[0] == 200
-        assert request(handle, "/v1/completions", {"prompt": "short", "max_tokens": 2})[0] == 200
+        wait_idle(handle)
     finally:
         handle.shutdown()
 

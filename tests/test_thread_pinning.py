@@ -51,8 +51,7 @@ def test_server_pins_engine_and_event_loop_together_and_workers_apart(tiny_engin
         for tid in engine_workers(engine_tid):
             assert _affinity(tid) == allowed - {first}, tid
         assert _affinity(threading.get_native_id()) == allowed  # the caller's own thread is left alone
-        lanes = handle.tokens.prompts, handle.tokens.outputs, handle.tokens.grammars
-        for lane in lanes:  # the front end's lanes (a grammar compile, a long prompt) may use every core
+        for lane in handle.tokens.lanes:  # the front end's lanes (a grammar compile, a long prompt) may use every core
             assert all(_affinity(t.native_id) == allowed for t in lane._threads), lane.name
     finally:
         handle.shutdown()

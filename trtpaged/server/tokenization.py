@@ -85,7 +85,7 @@ class Tokenization:
 
         field_name = "messages" if chat else "prompt"
         try:
-            answer = await self.tokens.prompt(run)
+            answer = await self.tokens.text(run)
         except (ApiError, ShuttingDown, Overloaded):  # the app answers the last two with a 503
             raise
         except ValueError as exc:
@@ -105,7 +105,7 @@ class Tokenization:
                 raise ApiError("tokens: this engine has no tokenizer; nothing to detokenize with", "tokens")
             return tokenizer.decode(list(req.tokens), skip_special_tokens=False)
 
-        return DetokenizeResponse(prompt=await self.tokens.prompt(run))
+        return DetokenizeResponse(prompt=await self.tokens.text(run))
 
 
 _SLICE = 1 << 14  # items per piece of a long list: one short call each, so other threads get the GIL between them

@@ -8,12 +8,16 @@ a mutable borrow that fails with "Already borrowed" while another thread is insi
 transformers' fast `encode` goes through `tokenizers`' `encode_batch`, which releases the GIL while it
 tokenizes (`Tokenizer.encode` does not): the engine thread steps meanwhile.
 
-Two lanes, so that running requests never wait behind a new one's long prompt:
-- `prompts`: what a request needs before it can be queued (prompt token ids and chat templates, /tokenize,
-  /detokenize), taken first come first served by `PROMPT_THREADS` threads, so that one long text does not hold
-  up the short prompts behind it (with one thread, requests that arrived during a 4 MB /tokenize waited for it,
+Four lanes, so that running requests never wait behind a new one's long prompt, nor a new one behind a
+/tokenize:
+- `prompts`: what a request needs before it can be queued (prompt token ids and chat templates), taken first
+  come first served by `PROMPT_THREADS` threads, so that one long text does not hold
+  up the short prompts behind it (with one thread, requests that arrived during a long prompt waited for it,
   and the engine, its streams done, sat idle); a short prompt may thus reach the engine before a long one that
   arrived earlier. At most `max_waiting` jobs wait: beyond that `Overloaded` (a 503);
+- `texts`: /tokenize and /detokenize, one thread, at most `max_waiting` waiting: a client's texts to count
+  (up to the body limit: an 8 MB /tokenize takes seconds) never hold up a generation request's prompt (two such
+  bodies on the prompts lane held every new request for their ~45 s);
 - `outputs`: what requests already running need (token strings and bytes of log-probs, echo texts), unbounded,
   one thread;
 - `grammars`: compiling a structured-output request's grammar before it is queued (xgrammar's compiler holds the
@@ -144,31 +148,42 @@ class TokenizerLane:
 class TokenizerWorker:
     """The server's front-end lanes (see the module docstring): `prompts`, `outputs` and `grammars`."""
 
-    def __init__(self, prompts: TokenizerLane, outputs: TokenizerLane, grammars: TokenizerLane) -> None:
+    def __init__(self, prompts: TokenizerLane, texts: TokenizerLane, outputs: TokenizerLane,
+                 grammars: TokenizerLane) -> None:
         self.prompts = prompts
+        self.texts = texts
         self.outputs = outputs
         self.grammars = grammars
 
+    @property
+    def lanes(self) -> tuple[TokenizerLane, ...]:
+        return self.prompts, self.texts, self.outputs, self.grammars
+
     @classmethod
     def start(cls, load: Callable[[], Any], max_waiting: Optional[int] = None) -> "TokenizerWorker":
-        """The lanes: `prompts` and `outputs` each with its own tokenizer from `load()` (loaded on its own
-        thread), `grammars` with none."""
+        """The lanes: `prompts`, `texts` and `outputs` each with its own tokenizer from `load()` (loaded on its
+        own thread), `grammars` with none."""
         prompts = TokenizerLane("trtpaged-tokenizer-prompts", max_waiting, PROMPT_THREADS)
+        texts = TokenizerLane("trtpaged-tokenizer-texts", max_waiting)
         outputs = TokenizerLane("trtpaged-tokenizer-outputs")  # one thread: GenerationService keeps one bytes reader
         grammars = TokenizerLane("trtpaged-grammars", max_waiting, GRAMMAR_THREADS, "for their grammar to compile")
         started: list[TokenizerLane] = []
         try:
-            for lane, lane_load in ((prompts, load), (outputs, load), (grammars, lambda: None)):
+            for lane, lane_load in ((prompts, load), (texts, load), (outputs, load), (grammars, lambda: None)):
                 started.append(lane.start(lane_load))
         except BaseException:
             for lane in started:
                 lane.shutdown()
             raise
-        return cls(prompts, outputs, grammars)
+        return cls(prompts, texts, outputs, grammars)
 
     async def prompt(self, fn: Callable[[Any], T]) -> T:
         """`fn(tokenizer)` for a request not yet queued; raises `Overloaded` when the lane is full."""
         return await self.prompts.run(fn)
+
+    async def text(self, fn: Callable[[Any], T]) -> T:
+        """`fn(tokenizer)` for /tokenize or /detokenize; raises `Overloaded` when the lane is full."""
+        return await self.texts.run(fn)
 
     async def output(self, fn: Callable[[Any], T]) -> T:
         """`fn(tokenizer)` for a request already running."""
@@ -179,5 +194,5 @@ class TokenizerWorker:
         return await self.grammars.run(lambda _: fn())
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        for lane in (self.prompts, self.outputs, self.grammars):
+        for lane in self.lanes:
             lane.shutdown(timeout)
