@@ -429,6 +429,48 @@ def test_a_text_too_long_by_its_length_alone_is_refused_before_tokenizing(server
     wait_idle(server)
 
 
+def _raw_exchange(server, data: bytes, timeout: float = 10.0) -> bytes:
+    """What the server sends back on a fresh connection given `data`, until it closes (b"" if it closed silently;
+    a reset after its answer keeps the answer)."""
+    sock = socket.create_connection((server.host, server.port), timeout=timeout)
+    out = b""
+    try:
+        sock.sendall(data)
+        while chunk := sock.recv(65536):
+            out += chunk
+    except (ConnectionResetError, BrokenPipeError):
+        pass
+    finally:
+        sock.close()
+    return out
+
+
+def test_request_heads_are_bounded_in_bytes_headers_and_time(server, monkeypatch):
+    """A head past 1 MiB or 256 headers is a 431, a head begun and not finished within the head timeout a 408, a
+    connection that sends nothing is closed (were: a 200 MB header line held in memory, and a byte a second, or
+    silence, held a socket for ever); a request on a connection that had to wait is served as before."""
+    from trtpaged.server import http_protocol
+
+    monkeypatch.setattr(http_protocol, "HEAD_TIMEOUT_S", 0.5)
+    huge = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (2 << 20) + b"\r\n\r\n"
+    assert _raw_exchange(server, huge).startswith(b"HTTP/1.1 431 ")
+    many = b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(300)) + b"\r\n"
+    answer = _raw_exchange(server, many)
+    assert answer.startswith(b"HTTP/1.1 431 ") and answer.endswith(b"more than 256 headers"), answer
+    start = time.monotonic()
+    answer = _raw_exchange(server, b"GET /health HTTP/1.1\r\nHost: x\r\n")
+    assert answer.startswith(b"HTTP/1.1 408 ") and 0.4 < time.monotonic() - start < 5, answer
+    assert _raw_exchange(server, b"") == b""
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
+    conn.request("POST", "/v1/completions", J({"prompt": "hi", "max_tokens": 2}), {"Content-Type": "application/json",
+                                                                                     **AUTH})  # fmt: skip
+    assert conn.getresponse().read() and conn.sock is not None
+    conn.request("GET", "/health")  # the same connection, within the head timeout of the first answer's end
+    assert conn.getresponse().status == 200
+    conn.close()
+    wait_idle(server)
+
+
 @pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded",
                                           "multipart/form-data; boundary=x"])
 def test_a_body_that_is_not_json_by_its_content_type_is_415(server, content_type):

@@ -17,6 +17,7 @@ from trtpaged.runtime.llm import LLM, load_tokenizer
 from trtpaged.server.app import Draining, create_app
 from trtpaged.server.engine_loop import EngineLoop
 from trtpaged.server.generation import GenerationService
+from trtpaged.server.http_protocol import BoundedHeadProtocol
 from trtpaged.server.metrics import ServerMetrics
 from trtpaged.server.options import ServerOptions
 from trtpaged.server.request_log import RequestLog
@@ -170,7 +171,7 @@ def start_server(
     app = create_app(service, loop, metrics, card, options, draining)
     # "auto": uvloop's event loop and httptools' parser (installed with trtpaged), which spend less CPU per
     # streamed chunk than asyncio's loop and h11, CPU the kernels' threads share (docs/benchmarks.md)
-    config = uvicorn.Config(app, loop="auto", http="auto", log_level="warning", access_log=False, lifespan="off",
+    config = uvicorn.Config(app, loop="auto", http=BoundedHeadProtocol, log_level="warning", access_log=False, lifespan="off",
                             timeout_keep_alive=30, timeout_graceful_shutdown=5)  # fmt: skip
     server = uvicorn.Server(config)
     return ServerHandle(server, sock, loop, tokens, llm, name, options, draining).start()

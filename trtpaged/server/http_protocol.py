@@ -1,0 +1,113 @@
+"""uvicorn's httptools protocol with bounds on a request's head (request line and headers).
+
+httptools buffers a header line until it ends, and uvicorn waits for a request's head without a clock: one
+connection sending a 200 MB header line grew the server by 340 MB, one sending a byte a second (slowloris) or
+nothing at all held its socket for as long as it liked, and enough of those take every file descriptor. Here a
+head larger than `MAX_HEAD_BYTES` is answered 431, one with more than `MAX_HEADERS` headers too, and a head not
+complete within `HEAD_TIMEOUT_S` of the connection opening (or of its previous answer's end) is answered 408
+(a connection that sent nothing is just closed); each closes the connection. Bodies keep their own bounds (`ServerOptions.max_body_bytes`, `body_timeout_s`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Optional
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+MAX_HEAD_BYTES = 1 << 20  # bytes received while a head is incomplete (a read may hold some body bytes too)
+MAX_HEADERS = 256
+HEAD_TIMEOUT_S = 30.0
+_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+
+
+class _HeadRefused(Exception):
+    """Raised in a parser callback to stop the parser (httptools hands it on as a parser error, which uvicorn
+    answers with `send_400_response`, where the refusal is sent instead)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+class BoundedHeadProtocol(HttpToolsProtocol):
+    """HttpToolsProtocol whose request heads are bounded in bytes, headers and time (see the module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._in_head = True
+        self._head_bytes = 0
+        self._num_headers = 0
+        self._head_timer: Optional[asyncio.TimerHandle] = None
+        self._refusal: Optional[_HeadRefused] = None  # raised in a parser callback, answered by send_400_response
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._start_head()
+
+    def connection_lost(self, exc: Optional[Exception]) -> None:
+        self._stop_head_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._in_head:
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._refuse(431, f"the request's head passed {MAX_HEAD_BYTES} bytes")
+                return
+        super().data_received(data)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._num_headers += 1
+        if self._num_headers > MAX_HEADERS:
+            self._refusal = _HeadRefused(431, f"the request has more than {MAX_HEADERS} headers")
+            raise self._refusal
+        super().on_header(name, value)
+
+    def send_400_response(self, msg: str) -> None:
+        if self._refusal is not None:
+            self._refuse(self._refusal.status, self._refusal.message)
+        else:
+            super().send_400_response(msg)
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._stop_head_timer()
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._in_head, self._head_bytes, self._num_headers = True, 0, 0  # the next request's, if one comes
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._in_head:  # the clock starts once the answer is out: a stream may run for minutes
+            self._start_head()
+
+    def _start_head(self) -> None:
+        self._in_head = True
+        self._stop_head_timer()
+        self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_timed_out)
+
+    def _stop_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if not self._in_head or self.transport.is_closing():
+            return
+        if self._head_bytes:  # a head begun and not finished: answered
+            self._refuse(408, f"the request's head did not arrive within {HEAD_TIMEOUT_S:g} s")
+        else:  # nothing sent: closed as uvicorn closes an idle keep-alive connection
+            self.transport.close()
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answers `status` in plain text (as uvicorn answers a malformed request) and closes the connection."""
+        if self.transport.is_closing():
+            return
+        body = message.encode("ascii")
+        self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n"
+                             b"connection: close\r\n\r\n%s" % (status, _REASONS[status], len(body), body))
+        self.transport.close()
