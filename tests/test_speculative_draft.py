@@ -98,6 +98,40 @@ def test_greedy_identical_to_hf_and_to_no_speculation(hf, draft_hf, prompts, k):
     assert stats["spec_decode_draft_kv_blocks_free"] == stats["spec_decode_draft_kv_blocks_total"] == 64
 
 
+def test_a_stop_string_just_before_an_end_token_in_one_accepted_run_ends_the_output(hf, prompts):
+    """A draft equal to the target (every draft token accepted), so a stop string and the stop token id right
+    after it are verified in one run: the stop string ends the output, cut and named as without speculation
+    (was: the stop token id ended it, the stop string's text kept and stop_reason the token id)."""
+    g = torch.Generator().manual_seed(5)
+    many = prompts + [torch.randint(0, 256, (8,), generator=g).tolist() for _ in range(24)]
+    plain = make(hf)
+    outs = [o.outputs[0] for o in run_staggered(plain, [(p, SamplingParams(max_tokens=40, temperature=0.0))
+                                                        for p in many])]  # fmt: skip
+    cases = []
+    for p, out in zip(many, outs):
+        for k in range(2, len(out.token_ids)):  # the text token k - 1 adds is the stop string, token k the stop id
+            head, upto = (hf.tokenizer.decode(out.token_ids[:j]) for j in (k - 1, k))
+            added = upto[len(head):] if upto.startswith(head) else ""
+            fresh = out.token_ids[k] not in out.token_ids[:k] and added not in head
+            if added and "\ufffd" not in upto and fresh:  # text the detokenizer shows as it goes
+                cases.append((p, SamplingParams(max_tokens=40, temperature=0.0, stop=(added,), logprobs=0,
+                                                stop_token_ids=(out.token_ids[k],))))  # fmt: skip
+                break
+    assert len(cases) >= 3, cases
+    want = run_staggered(make(hf), cases)
+    engine = make(hf, copy.deepcopy(hf), draft_spec(8), block_size=8)
+    got = run_staggered(engine, cases)
+    for a, b in zip(got, want):
+        x, y = a.outputs[0], b.outputs[0]
+        assert (x.token_ids, x.text, x.finish_reason, x.stop_reason) == (y.token_ids, y.text, y.finish_reason,
+                                                                         y.stop_reason)  # fmt: skip
+        assert isinstance(y.stop_reason, str) and len(x.logprobs) == len(x.token_ids)
+        assert x.cumulative_logprob == pytest.approx(y.cumulative_logprob, abs=1e-3)
+    assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
+    assert engine.kv.pool.num_free == engine.config.num_kv_blocks
+    assert_draft_accounting(engine)
+
+
 def test_the_draft_catches_up_on_the_bonus_token(hf, draft_hf, prompts):
     """After every verification the draft's cache holds the sequence's tokens up to the accepted drafts it
     computed (never a rejected one); the next proposal computes the rest (the bonus token) first."""

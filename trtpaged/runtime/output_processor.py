@@ -99,12 +99,23 @@ class OutputProcessor:
         unshown = 0
         if not params.shows_end_token(seq.finish_reason):  # the EOS / stop token id / grammar end that ended it
             unshown, new_tokens = 1, new_tokens[:-1]
-        steps = [new_tokens] if not params.stop or ended_on_token else [[t] for t in new_tokens]
-        for tokens in steps:
+        steps = [new_tokens] if not params.stop else [[t] for t in new_tokens]
+        for i, tokens in enumerate(steps):
             delta = "".join(seq.detokenizer.add(t) for t in tokens)
             seq.num_decoded_tokens += len(tokens)
             seq.output_text += delta
-            hit = self._stop_in(seq, params, len(delta), ended_on_token)
+            # the end token's own text completes no stop string; the tokens of its run before it may
+            is_end_token = ended_on_token and not unshown and i == len(steps) - 1
+            hit = self._stop_in(seq, params, len(delta), is_end_token)
+            if hit is not None and ended_on_token:
+                # a stop string before the end token of the same speculative run: the sequence finished on that
+                # token already, so it is cut and re-finished here (as without speculation, where the stop
+                # string ends it a step before the end token is sampled)
+                stop, keep = hit
+                seq.output_text = seq.output_text[:keep]
+                seq.truncate_output(seq.num_decoded_tokens)
+                seq.finish("stop", stop)
+                return None
             if hit is not None:
                 return hit
         seq.num_decoded_tokens += unshown
@@ -113,10 +124,10 @@ class OutputProcessor:
         return None
 
     @staticmethod
-    def _stop_in(seq: Sequence, params: Any, new_chars: int, ended_on_token: bool) -> Optional[tuple[str, int]]:
-        """(stop string, text length to keep) where the text's last `new_chars` completed a stop string; None after
-        an end token, within min_tokens, or without one."""
-        if not params.stop or ended_on_token or seq.num_decoded_tokens <= params.min_tokens:
+    def _stop_in(seq: Sequence, params: Any, new_chars: int, after_end: bool) -> Optional[tuple[str, int]]:
+        """(stop string, text length to keep) where the text's last `new_chars` completed a stop string; None when
+        they are an end token's (`after_end`), within min_tokens, or without one."""
+        if not params.stop or after_end or seq.num_decoded_tokens <= params.min_tokens:
             return None
         hit = find_stop_string(seq.output_text, params.stop, new_chars)
         if hit is None:
