@@ -99,7 +99,8 @@ def _check_config_values(raw: dict, arch: str, key: str) -> None:
 
 
 def _check_theta(theta: Any, name: str, key: str) -> None:
-    if theta is not None and (isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < math.inf):
+    number = isinstance(theta, (int, float)) and not isinstance(theta, bool)
+    if theta is not None and not (number and 0 < theta < math.inf):
         raise _bad_value(key, name, theta, "a finite number > 0")
 
 

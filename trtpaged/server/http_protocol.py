@@ -5,7 +5,8 @@ connection sending a 200 MB header line grew the server by 340 MB, one sending a
 nothing at all held its socket for as long as it liked, and enough of those take every file descriptor. Here a
 head larger than `MAX_HEAD_BYTES` is answered 431, one with more than `MAX_HEADERS` headers too, and a head not
 complete within `HEAD_TIMEOUT_S` of the connection opening (or of its previous answer's end) is answered 408
-(a connection that sent nothing is just closed); each closes the connection. Bodies keep their own bounds (`ServerOptions.max_body_bytes`, `body_timeout_s`).
+(a connection that sent nothing is just closed); each closes the connection. Bodies keep their own bounds
+(`ServerOptions.max_body_bytes`, `body_timeout_s`).
 """
 
 from __future__ import annotations

@@ -171,7 +171,7 @@ def start_server(
     app = create_app(service, loop, metrics, card, options, draining)
     # "auto": uvloop's event loop and httptools' parser (installed with trtpaged), which spend less CPU per
     # streamed chunk than asyncio's loop and h11, CPU the kernels' threads share (docs/benchmarks.md)
-    config = uvicorn.Config(app, loop="auto", http=BoundedHeadProtocol, log_level="warning", access_log=False, lifespan="off",
-                            timeout_keep_alive=30, timeout_graceful_shutdown=5)  # fmt: skip
+    config = uvicorn.Config(app, loop="auto", http=BoundedHeadProtocol, log_level="warning", access_log=False,
+                            lifespan="off", timeout_keep_alive=30, timeout_graceful_shutdown=5)  # fmt: skip
     server = uvicorn.Server(config)
     return ServerHandle(server, sock, loop, tokens, llm, name, options, draining).start()
