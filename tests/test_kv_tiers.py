@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.util
+import logging
 import os
 import shutil
 import socket
@@ -24,7 +25,7 @@ import torch
 from trtpaged.bench.redis_process import RedisProcess
 from trtpaged.runtime.kv_tiers.checked import CheckedTier, EntryCodec
 from trtpaged.runtime.kv_tiers.config import KVTierConfig
-from trtpaged.runtime.kv_tiers.disk import DiskTier
+from trtpaged.runtime.kv_tiers.disk import DiskTier, namespace_of
 from trtpaged.runtime.kv_tiers.entry import ROOT, EntryMismatch, chain_key, decode_entry, encode_entry, root_key
 from trtpaged.runtime.kv_tiers.entry import engine_fingerprint, entry_bytes
 from trtpaged.runtime.kv_tiers.host import HostMemoryTier
@@ -282,6 +283,57 @@ def test_a_queued_write_back_is_read_as_many_bytes_as_the_written_block():
         stack.close()
 
 
+def test_engines_sharing_a_disk_dir_never_evict_each_others_entries(tmp_path: Path):
+    """Each engine's entries live under its own namespace: a small tier starting on the directory of a large one
+    leaves the large one's entries alone (was: it counted them as its own and evicted every one); replicas of
+    one engine (the same namespace) share theirs."""
+    large = DiskTier(tmp_path, 10_000, namespace="aaaa")
+    for i in range(5):
+        large.put(bytes([i]) * 32, b"z" * 300)
+    small = DiskTier(tmp_path, 400, namespace="bbbb")
+    small.put(bytes([9]) * 32, b"y" * 300)
+    small.put(bytes([8]) * 32, b"y" * 300)  # evicts its own first entry, nothing of the other's
+    assert small.num_entries == 1 and small.counters.evictions == 1
+    replica = DiskTier(tmp_path, 10_000, namespace="aaaa")
+    assert replica.num_entries == 5 and all(replica.get(bytes([i]) * 32) == b"z" * 300 for i in range(5))
+
+
+def test_a_disk_tier_that_meets_a_full_filesystem_or_a_removed_dir_recovers_and_says_so(tmp_path: Path, caplog,
+                                                                                        monkeypatch):
+    """ENOSPC on a write-back makes room by evicting this tier's oldest entries and writes again; a directory
+    removed under it is made again; a failure that remains is dropped, counted and logged once (were: every
+    later write-back dropped for the life of the process, without a line in the log)."""
+    import errno as errnos
+
+    tier = DiskTier(tmp_path, 10_000, namespace="ns")
+    for i in range(4):
+        tier.put(bytes([i]) * 32, b"z" * 300)
+    real_write = Path.write_bytes
+    full = {"left": 1}
+
+    def write_bytes(self, data):  # the filesystem is full once, as a tmpfs smaller than the tier's size is
+        if full["left"]:
+            full["left"] -= 1
+            raise OSError(errnos.ENOSPC, "No space left on device")
+        return real_write(self, data)
+
+    monkeypatch.setattr(Path, "write_bytes", write_bytes)
+    tier.put(bytes([7]) * 32, b"w" * 300)
+    assert tier.get(bytes([7]) * 32) == b"w" * 300 and tier.get(bytes([0]) * 32) is None  # the oldest made room
+    assert tier.counters.dropped == 0 and tier.counters.evictions >= 1
+    shutil.rmtree(tmp_path / "ns")
+    tier.put(bytes([8]) * 32, b"v" * 300)
+    assert tier.get(bytes([8]) * 32) == b"v" * 300 and tier.num_entries == 1
+    full["left"] = 2  # full even after making room: dropped, counted, logged once
+    with caplog.at_level(logging.WARNING, logger="trtpaged.runtime"):
+        tier.put(bytes([9]) * 32, b"u" * 300)
+        tier.put(bytes([10]) * 32, b"u" * 300)
+    assert tier.counters.dropped == 1 and tier.counters.errors == 1
+    assert [r.getMessage() for r in caplog.records if "a write-back (dropped) failed" in r.getMessage()] == [
+        f"kv tier disk: a write-back (dropped) failed in {tmp_path / 'ns'} (No space left on device); 1 failures so "
+        "far, 1 write-backs dropped"]
+
+
 def test_disk_tier_is_bounded_and_persistent(tmp_path: Path):
     tier = DiskTier(tmp_path, 1000)
     for i in range(5):
@@ -299,6 +351,22 @@ def test_disk_tier_is_bounded_and_persistent(tmp_path: Path):
 
 
 # ---- restores through the engine --------------------------------------------------------------
+def test_a_prefix_cache_reset_writes_the_pools_prefixes_back_to_the_tiers(step_model, reference):
+    """reset_prefix_cache forgets the pool's cached blocks, but not into nothing: they go to the tiers first (as
+    the pool's evictions would), so the next request finds A's four blocks in the host tier (was: 0, the hot
+    blocks lost from both), and its tokens are the reference's."""
+    engine = make_engine(step_model, KVTierConfig(host_memory=1 << 22))
+    assert run_one(engine, A) == reference[None][0]
+    assert engine.reset_prefix_cache() is True
+    assert engine.kv.pool.num_cached == 0
+    engine.kv.tiers.flush()
+    before = engine.num_tokens_computed
+    assert run_one(engine, A) == reference[None][0]
+    assert engine.stats()["kv_tier_host_hits"] == 4 and engine.num_tokens_computed - before == len(A) - 4 * BS + 3
+    assert_pool_whole(engine)
+    engine.close()
+
+
 @pytest.mark.parametrize("kv_cache_dtype", [None, "int8"], ids=["fp32", "int8"])
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_restored_blocks_are_bit_identical_and_outputs_unchanged(step_model, reference, tmp_path, tier, kv_cache_dtype):
@@ -381,7 +449,7 @@ def test_disk_tier_survives_a_restart_and_skips_bad_entries(step_model, referenc
     fp = _fingerprint(None)
     k0 = chain_key(fp, ROOT, A[:BS])
     k1 = chain_key(fp, k0, A[BS:2 * BS])
-    path = DiskTier(tmp_path, 1 << 22).path_of(k1)
+    path = DiskTier(tmp_path, 1 << 22, namespace=namespace_of(fp)).path_of(k1)
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 1
     path.write_bytes(bytes(data))
@@ -430,7 +498,7 @@ def test_with_a_secret_a_forged_or_foreign_signed_entry_is_a_miss(step_model, re
         other = make_engine(step_model, KVTierConfig.parse({**spec, "secret_file": str(other_file)}))
         assert run_one(other, A) == reference[None][0] and other.stats()["kv_tier_disk_hits"] == 0
         other.close()
-        path = DiskTier(root, 1 << 22).path_of(k0)
+        path = DiskTier(root, 1 << 22, namespace=namespace_of(fp)).path_of(k0)
         path.write_bytes(_forged(path.read_bytes(), BS))
         forged = make_engine(step_model, config)
         answer = run_one(forged, A)

@@ -386,7 +386,8 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         """Forgets the pool's cached prefixes (vLLM's reset_prefix_cache): False, and nothing changed, while a block
-        is in use or a tier read is staged. The tiers below the pool keep theirs."""
+        is in use or a tier read is staged. The tiers below the pool keep theirs (LLMEngine.reset_prefix_cache
+        writes the pool's back to them first)."""
         if self.pool.num_used or self._loads or self._pending_loads or self._pending_saves:
             return False
         self.pool.forget_cached()

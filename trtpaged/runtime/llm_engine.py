@@ -208,12 +208,14 @@ class LLMEngine:
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """vLLM's call: forgets every cached prefix in the KV pool, so that the next requests compute theirs again
-        (the KV tiers keep what they hold). False, and nothing changed, while requests are unfinished: here
+        (or find them in the KV tiers: the pool's cached blocks are written back to them first, as the pool's
+        evictions would have). False, and nothing changed, while requests are unfinished: here
         `reset_running_requests` does not preempt them."""
         if self.scheduler.has_unfinished():
             log.warning("reset_prefix_cache: %d requests unfinished; the prefix cache was not reset",
                         len(self.groups))
             return False
+        self._save_to_tiers(self.kv.cached_records())  # read before the pool forgets them
         return self.kv.reset_prefix_cache()
 
     def step(self) -> list[RequestOutput]:

@@ -18,7 +18,7 @@ from typing import Any, Mapping, Optional, Union
 
 from trtpaged.runtime.kv_tiers.base import KVTier
 from trtpaged.runtime.kv_tiers.checked import CheckedTier, EntryCodec
-from trtpaged.runtime.kv_tiers.disk import DiskTier, writable_dir
+from trtpaged.runtime.kv_tiers.disk import DiskTier, namespace_of, writable_dir
 from trtpaged.runtime.kv_tiers.entry import engine_fingerprint, entry_bytes
 from trtpaged.runtime.kv_tiers.host import HostMemoryTier
 from trtpaged.runtime.kv_tiers.remote import RedisTier, check_redis_url
@@ -145,7 +145,8 @@ class KVTierConfig:
         if self.host_memory:
             tiers.append(HostMemoryTier(self.host_memory))
         if self.disk_path:
-            tiers.append(CheckedTier(DiskTier(self.disk_path, self.disk_size), codec))
+            disk = DiskTier(self.disk_path, self.disk_size, namespace=namespace_of(fingerprint))
+            tiers.append(CheckedTier(disk, codec))
         if self.remote:
             tiers.append(CheckedTier(RedisTier(self.remote, timeout_s=self.remote_timeout_s), codec))
         return TierStack(tiers, fingerprint, load_timeout_s=self.load_timeout_s)

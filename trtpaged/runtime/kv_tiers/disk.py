@@ -7,15 +7,23 @@ checks). Recency is kept in memory and in the file's mtime, refreshed on each
 hit, so the least recently used entries go first when the directory outgrows
 `capacity_bytes`, also across restarts. An entry that fails its checks is
 removed (`discard`), so the next write-back of that block replaces it.
+
+Each engine keeps its entries in a subdirectory named by its fingerprint (`namespace`): engines sharing a
+directory never count or evict each other's files (a small tier starting beside a large one evicted all of its
+entries), while replicas of one engine share theirs. A full filesystem makes room by evicting this tier's oldest
+entries, a directory removed under a running server is made again, and failures are logged (the first, then at
+most one a minute) as well as counted.
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import shutil
 import stat
 import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Optional
@@ -23,6 +31,13 @@ from typing import Optional
 from trtpaged.runtime.kv_tiers.base import TierCounters
 
 SUFFIX = ".kv"
+LOG_EVERY_S = 60.0  # after the first, at most one failure line a minute
+log = logging.getLogger("trtpaged.runtime")
+
+
+def namespace_of(fingerprint: bytes) -> str:
+    """The subdirectory an engine's entries live in: its fingerprint's first 8 bytes, in hex."""
+    return fingerprint[:8].hex()
 
 
 def writable_dir(path: str | os.PathLike) -> Path:
@@ -41,14 +56,19 @@ def writable_dir(path: str | os.PathLike) -> Path:
 class DiskTier:
     slow = True
 
-    def __init__(self, path: str | os.PathLike, capacity_bytes: int, name: str = "disk") -> None:
+    def __init__(self, path: str | os.PathLike, capacity_bytes: int, name: str = "disk", namespace: str = "") -> None:
         if capacity_bytes < 1:
             raise ValueError(f"kv_tiers.disk.size: must be > 0 bytes, got {capacity_bytes}")
         self.name = name
-        self.root = writable_dir(path)
+        self.root = writable_dir(Path(path) / namespace if namespace else path)
         self.capacity_bytes = capacity_bytes
         self.counters = TierCounters()
         self._lock = threading.Lock()
+        self._logged_at: Optional[float] = None  # when a failure was last logged
+        free = shutil.disk_usage(self.root).free
+        if free < capacity_bytes:
+            log.warning("kv tier %s: %s has %d bytes free, less than the tier's size (%d); it will evict its oldest "
+                        "entries when the filesystem is full", name, self.root, free, capacity_bytes)
         # file name -> bytes of the entries on disk, least recently used first (a dict in order: an eviction takes the
         # first entries, where a scan of every file's mtime grew with the entries, 79 ms a write-back at 20,000)
         self._sizes: OrderedDict[str, int] = OrderedDict()
@@ -88,7 +108,7 @@ class DiskTier:
         except OSError as e:
             if e.errno in (errno.ELOOP, errno.ENXIO):  # a link or a socket under the name: a bad entry
                 return b""
-            self.counters.errors += 1  # out of descriptors, EIO, ...: the entry may be good, so it stays
+            self._failed("a read", e)  # out of descriptors, EIO, ...: the entry may be good, so it stays
             return None
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -102,8 +122,8 @@ class DiskTier:
                 chunks.append(chunk)
                 got += len(chunk)
             os.utime(fd)  # the recency a restart sorts by
-        except OSError:
-            self.counters.errors += 1
+        except OSError as e:
+            self._failed("a read", e)
             return None
         finally:
             os.close(fd)
@@ -135,11 +155,10 @@ class DiskTier:
         with self._lock:
             self._evict_to(self.capacity_bytes - len(entry))
             try:
-                tmp.write_bytes(entry)
-                os.replace(tmp, path)
-            except OSError:
-                self.counters.errors += 1
+                self._write(tmp, path, entry)
+            except OSError as e:
                 self.counters.dropped += 1
+                self._failed("a write-back (dropped)", e)
                 tmp.unlink(missing_ok=True)
                 return
             self._bytes += len(entry) - self._sizes.get(path.name, 0)
@@ -147,6 +166,34 @@ class DiskTier:
             self._sizes.move_to_end(path.name)
             self.counters.puts += 1
             self.counters.bytes_written += len(entry)
+
+    def _write(self, tmp: Path, path: Path, entry: bytes) -> None:
+        """Writes `entry` under `path`; once more after making room when the filesystem is full (this tier's
+        oldest entries) or the directory is gone (made again). Raises the OSError that remains."""
+        for attempt in (0, 1):
+            try:
+                tmp.write_bytes(entry)
+                os.replace(tmp, path)
+                return
+            except OSError as e:
+                tmp.unlink(missing_ok=True)
+                if attempt or e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.ENOENT):
+                    raise
+                if e.errno == errno.ENOENT:  # the directory was removed: its entries with it
+                    self.root.mkdir(parents=True, exist_ok=True)
+                    self._sizes.clear()
+                    self._bytes = 0
+                else:  # the filesystem holds less than the tier's size: make room for this entry and as much again
+                    self._evict_to(max(0, self._bytes - 2 * len(entry)))
+
+    def _failed(self, what: str, error: OSError) -> None:
+        """Counts a failed store operation and logs it: the first, then at most one every LOG_EVERY_S."""
+        self.counters.errors += 1
+        now = time.monotonic()
+        if self._logged_at is None or now - self._logged_at >= LOG_EVERY_S:
+            self._logged_at = now
+            log.warning("kv tier %s: %s failed in %s (%s); %d failures so far, %d write-backs dropped", self.name,
+                        what, self.root, error.strerror or error, self.counters.errors, self.counters.dropped)
 
     def _evict_to(self, limit: int) -> None:
         while self._bytes > limit and self._sizes:
