@@ -4,6 +4,7 @@ of GGUF families other than the one real GGUF on disk (SmolLM2's, whose vocabula
 from __future__ import annotations
 
 import importlib.util
+import math
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +34,80 @@ def _smollm2_vocabulary() -> tuple[list[str], list[int], list[str]]:
         if a in known and b in known and a + b in known:
             merges.append(merge)
     return tokens, types[:VOCAB], merges
+
+
+def _llama3_rope_factors(theta: float, head_dim: int, scaling: dict) -> list[float]:
+    """Llama 3.1's rope scaling as per-frequency divisors (what llama.cpp's converter stores as rope_freqs):
+    long wavelengths divided by `factor`, short ones kept, a smooth blend between, from the published formula."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelength = 2 * math.pi * theta ** (i / head_dim)
+        if wavelength < old / high:
+            out.append(1.0)
+        elif wavelength > old / low:
+            out.append(float(factor))
+        else:
+            smooth = (old / wavelength - low) / (high - low)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return out
+
+
+def write_llama_gguf(path: Path, rope_scaling: dict | None = None, seed: int = 0,
+                     extra: dict[str, np.ndarray] | None = None):
+    """A 2-layer Llama in `path` with float32 weights (q and k rows in llama.cpp's RoPE order), a rope_freqs
+    tensor when `rope_scaling` is Llama 3's, and the `extra` tensors; returns (path, the transformers model it was
+    made from)."""
+    import gguf
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    hidden, heads, kv_heads, layers, theta = 128, 4, 2, 2, 10000.0
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=256, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=1024,
+                         rope_theta=theta, rope_scaling=rope_scaling, tie_word_embeddings=False, bos_token_id=1,
+                         eos_token_id=2)  # fmt: skip
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, layers)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(1024)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(hidden // heads)
+    writer.add_rope_freq_base(theta)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    tokens, types, merges = _smollm2_vocabulary()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    for name, tensor in model.state_dict().items():
+        base, suffix = name.rsplit(".", 1)
+        mapped = names.get_name(base)
+        if mapped is None:
+            continue
+        data = tensor.detach().numpy().astype(np.float32)
+        if base.endswith(("q_proj", "k_proj")):  # llama.cpp's rotary pairs: each head's halves interleaved
+            n = heads if base.endswith("q_proj") else kv_heads
+            data = data.reshape(n, 2, data.shape[0] // n // 2, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
+        writer.add_tensor(f"{mapped}.{suffix}", data)
+    if rope_scaling is not None and rope_scaling.get("rope_type") == "llama3":
+        factors = _llama3_rope_factors(theta, hidden // heads, rope_scaling)
+        writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", np.array(factors, np.float32))
+    for name, data in (extra or {}).items():
+        writer.add_tensor(name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path, model
 
 
 def write_phi3_gguf(path: Path, weight_type: str = "Q4_0", seed: int = 0) -> Path:

@@ -113,6 +113,7 @@ class GGUFLayout:
     tensors: tuple[TensorInfo, ...]
     integers: dict  # metadata key -> value, for every scalar integer entry
     array_lengths: dict  # metadata key -> length, for every array entry
+    data_start: int = 0  # the data section's offset in the file (tensor offsets count from it)
 
     @property
     def num_elements(self) -> int:
@@ -198,7 +199,22 @@ def _read_layout(path: str, size: int, mtime_ns: int) -> GGUFLayout:
     except UnicodeDecodeError as e:
         raise GGUFHeaderError(f"a key or name is not UTF-8: {e}") from None
     _check_placement(tensors, alignment, size - data_start)
-    return GGUFLayout(architecture, tuple(tensors), integers, array_lengths)
+    return GGUFLayout(architecture, tuple(tensors), integers, array_lengths, data_start)
+
+
+F32 = 0  # ggml's type number of float32
+
+
+def read_f32_tensor(path: str | os.PathLike, layout: GGUFLayout, tensor: TensorInfo) -> list[float]:
+    """The values of a float32 tensor of the file (its placement checked by `read_layout`); for small tensors."""
+    if tensor.ggml_type != F32:
+        raise GGUFHeaderError(f"tensor {tensor.name!r}: ggml type {tensor.ggml_type}, not float32")
+    with open(path, "rb") as f:
+        f.seek(layout.data_start + tensor.offset)
+        data = f.read(tensor.nbytes)
+    if len(data) != tensor.nbytes:
+        raise GGUFHeaderError(f"tensor {tensor.name!r}: the file ends inside it")
+    return list(struct.unpack(f"<{tensor.nbytes // 4}f", data))
 
 
 def _tensor_info(r: _Reader, index: int, sizes: dict[int, tuple[int, int]]) -> TensorInfo:

@@ -21,7 +21,7 @@ import torch
 from trtpaged.config import ConfigError, ModelSpec
 from trtpaged.manifest import Manifest
 from trtpaged.models import gguf_once
-from trtpaged.models.gguf_header import GGUFHeaderError, GGUFLayout, read_layout
+from trtpaged.models.gguf_header import F32, GGUFHeaderError, GGUFLayout, read_f32_tensor, read_layout
 from trtpaged.models.dims import (
     ARCHITECTURES_BY_MODEL_TYPE,
     MODEL_TYPES,
@@ -165,6 +165,7 @@ def load_hf(spec: ModelSpec, dtype: torch.dtype = torch.float32) -> HFModel:
             _check_tokenizer_files(spec.path)
         else:
             _check_config_against_gguf(spec, config, layout)
+            _take_gguf_rope_factors(spec, config, layout)
         tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
         # the config loaded above: from_pretrained would parse the GGUF's metadata again for it
         # a tensor whose shape is not the config's is reported in `info` (and refused below, naming it and both
@@ -289,6 +290,46 @@ def _check_config_against_gguf(spec: ModelSpec, config: Any, layout: GGUFLayout)
                           f"intermediate_size {config.intermediate_size}, num_hidden_layers "
                           f"{config.num_hidden_layers}, vocab_size {config.vocab_size}), but its tensors hold "
                           f"{held_elements:,}")  # fmt: skip
+
+
+# llama.cpp's per-frequency rotary divisors: its form of Llama 3.1's rope scaling (and of any scaling of the
+# frequencies alone), computed from the HF config when the GGUF was made. transformers' GGUF loader drops the
+# tensor and the config it came from says nothing of it, so a model loaded without it rotates by other angles.
+ROPE_FREQS = "rope_freqs.weight"
+_UNREAD_ROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's LongRoPE, by length
+
+
+def _take_gguf_rope_factors(spec: ModelSpec, config: Any, layout: GGUFLayout) -> None:
+    """A GGUF's rope_freqs into the config, as the rope scaling transformers (and the step model) compute from:
+    LongRoPE with those factors at every length and no attention scaling, inv_freq_i = 1 / (factor_i *
+    theta^(2i/d)), which is llama.cpp's theta_i / factor_i. Phi-3's length-dependent factors are refused."""
+    where = f"model.{spec.kind}: {spec.path.name}"
+    tensors = {t.name: t for t in layout.tensors}
+    unread = [name for name in _UNREAD_ROPE_TENSORS if name in tensors]
+    if unread:
+        raise ConfigError(f"{where} holds {', '.join(unread)} (LongRoPE factors by sequence length), which "
+                          "transformers' GGUF loader drops and trtpaged does not read: the model would rotate by other "
+                          "angles than its own; build it from its HF checkpoint dir (model.hf_dir)")  # fmt: skip
+    info = tensors.get(ROPE_FREQS)
+    if info is None:
+        return
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    theta = float(params.get("rope_theta", getattr(config, "rope_theta", None) or 10000.0))
+    partial = float(params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0))
+    if rope_type(params) != "default":
+        raise ConfigError(f"{where} holds {ROPE_FREQS} and a rope scaling ({rope_type(params)}) both; one scaling of "
+                          "the rotary frequencies is read, not two")  # fmt: skip
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    pairs = int(head_dim * partial) // 2
+    if info.shape != (pairs,) or info.ggml_type != F32:
+        raise ConfigError(f"{where}: {ROPE_FREQS} has shape {list(info.shape)} and ggml type {info.ggml_type}; "
+                          f"expected {pairs} float32 factors, one per rotated pair of head_dim {head_dim}")
+    factors = read_f32_tensor(spec.path, layout, info)
+    if not all(math.isfinite(f) and f > 0 for f in factors):
+        raise ConfigError(f"{where}: {ROPE_FREQS} holds a factor that is not a finite number > 0")
+    config.rope_parameters = {**params, "rope_type": "longrope", "rope_theta": theta, "short_factor": factors,
+                              "long_factor": factors, "original_max_position_embeddings": config.max_position_embeddings,
+                              "factor": 1.0, "attention_factor": 1.0}  # fmt: skip
 
 
 def _check_config_against_checkpoint(path: Path, config: Any) -> None:
