@@ -426,3 +426,13 @@ def test_a_lying_weight_bytes_figure_is_refused_by_name(tiny_engine_dir, held):
         held_weight_bytes(tiny_engine_dir, manifest)
     good = dataclasses.replace(manifest, quantization={"weight_bytes": 12345})
     assert held_weight_bytes(tiny_engine_dir, good) == 12345
+
+
+def test_a_draft_vocabulary_that_differs_is_named_by_its_first_differing_token():
+    """The refusal of a draft whose tokenizer maps tokens to other ids says which token (was: no example)."""
+    from trtpaged.runtime.draft import _first_difference
+
+    target = {"a": 0, "b": 1, "c": 2}
+    assert _first_difference({"b": 0, "a": 1, "c": 2}, target) == "'a' is id 0 in the target's, id 1 in the draft's"
+    assert _first_difference({"a": 0, "c": 2}, target) == "'b' is id 1 in the target's, absent in the draft's"
+    assert _first_difference({**target, "d": 3}, target) == "'d' (id 3) is in the draft's only"

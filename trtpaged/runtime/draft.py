@@ -213,6 +213,17 @@ class DraftProposer:
         return token, torch.nn.functional.one_hot(torch.tensor(token), logits.shape[0]).float()
 
 
+def _first_difference(draft: dict[str, int], target: dict[str, int]) -> str:
+    """The first token (by the target's ids) whose id differs between two vocabularies, in words."""
+    for token, token_id in sorted(target.items(), key=lambda item: item[1]):
+        if draft.get(token) != token_id:
+            other = draft.get(token)
+            return (f"{token!r:.40} is id {token_id} in the target's, "
+                    f"{'absent' if other is None else f'id {other}'} in the draft's")
+    extra = next(iter(sorted(set(draft) - set(target), key=lambda t: draft[t])))
+    return f"{extra!r:.40} (id {draft[extra]}) is in the draft's only"
+
+
 def check_draft(model: str, target_manifest: Any, target_tokenizer: Any, max_seq_len: int) -> Any:
     """The draft engine dir `model`'s manifest, checked against a target with `target_manifest` and
     `target_tokenizer` before any weight loads: a verified engine dir, the same vocabulary (size and token
@@ -235,8 +246,9 @@ def check_draft(model: str, target_manifest: Any, target_tokenizer: Any, max_seq
         raise ValueError(f"{name}: the draft engine's vocab_size is {got}, the target's {want}; a draft must share "
                          "the target's tokenizer")  # fmt: skip
     if target_tokenizer is not None and tokenizer.get_vocab() != target_tokenizer.get_vocab():
-        raise ValueError(f"{name}: the draft engine's tokenizer maps tokens to other ids than the target's; a draft "
-                         "must share the target's tokenizer")  # fmt: skip
+        raise ValueError(f"{name}: the draft engine's tokenizer maps tokens to other ids than the target's "
+                         f"({_first_difference(tokenizer.get_vocab(), target_tokenizer.get_vocab())}); a draft must "
+                         "share the target's tokenizer")  # fmt: skip
     if manifest.limits.max_seq_len < max_seq_len:
         raise ValueError(f"{name}: the draft engine's max_seq_len ({manifest.limits.max_seq_len}) is below the "
                          f"target's ({max_seq_len})")  # fmt: skip
