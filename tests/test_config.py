@@ -201,6 +201,19 @@ def test_tiny_fields_are_checked_by_value(tiny, field, words):
     assert info.value.field == field and f"{field}: " in str(info.value) and words in str(info.value)
 
 
+@pytest.mark.parametrize("quantization,field", [
+    ({"weights": "none", "group_size": 32}, "quantization.group_size"),
+    ({"activations": "int8"}, "quantization.activations"),
+    ({"lm_head": "int8"}, "quantization.lm_head"),
+])
+def test_a_quantization_setting_without_quantized_weights_is_refused_not_ignored(quantization, field):
+    """was: accepted and ignored, and the engine built in full precision"""
+    with pytest.raises(ConfigError) as info:
+        parse_config({**TINY, "quantization": quantization})
+    assert info.value.field == field and "quantization.weights is none" in str(info.value)
+    assert parse_config({**TINY, "quantization": {"weights": "none"}}).quantization.enabled is False
+
+
 @pytest.mark.parametrize("data,field,limit", [
     ({"max_seq_len": 1}, "max_seq_len", 16),
     ({"max_seq_len": 2**40}, "max_seq_len", 2**24),

@@ -524,6 +524,10 @@ def _parse_quantization(spec: Any, fail) -> QuantizationConfig:
     if not _section(spec, "quantization", QUANT_KEYS, "{weights: int4, group_size: 32}", fail):
         return QuantizationConfig()
     weights = _choice(spec, "weights", WEIGHT_SCHEMES, "none", fail, "quantization.")
+    idle = [key for key in ("group_size", "lm_head", "activations") if key in spec] if weights == "none" else []
+    if idle:  # was: accepted and ignored, the engine built in full precision
+        raise fail(f"quantization.{idle[0]}", "is set but quantization.weights is none, so nothing is quantized; set "
+                   "weights: int8 or int4, or drop it")  # fmt: skip
     lm_head = _choice(spec, "lm_head", ("int8", "none"), "int8", fail, "quantization.")
     activations = _choice(spec, "activations", ("float", "int8"), "float", fail, "quantization.")
     group = spec.get("group_size", 32 if weights == "int4" else None)
