@@ -137,6 +137,9 @@ def test_entry_round_trip_and_every_bad_entry_is_a_mismatch():
         with pytest.raises(EntryMismatch) as e:
             decode_entry(data, fp, ROOT, tokens, len(payload))
         assert e.value.reason == reason
+    with pytest.raises(EntryMismatch) as e:  # bytes appended: not a truncation (the detail says what)
+        decode_entry(entry + b"x", fp, ROOT, tokens, len(payload))
+    assert (e.value.reason, e.value.detail) == ("corrupted", "payload 257+ of 256 bytes")
     for args in [(fp, chain_key(fp, ROOT, tokens), tokens, len(payload)),  # another parent
                  (fp, ROOT, tokens[:-1] + (999,), len(payload)),  # other tokens
                  (fp, ROOT, tokens, len(payload) + 4)]:  # another block shape
@@ -171,7 +174,8 @@ def test_stack_counts_bad_entries_as_misses(tmp_path: Path, caplog):
     assert disk.counters.hits == before
     assert disk.counters.invalid == 3 and disk.counters.misses == 4
     warned = [r.getMessage() for r in caplog.records if "failed its checks" in r.getMessage()]
-    assert warned == ["kv tier disk: an entry failed its checks (truncated) and is removed; 1 so far"], warned
+    assert warned == ["kv tier disk: an entry failed its checks (truncated: payload 61 of 64 bytes) and is removed; "
+                      "1 so far"], warned
     # a bad entry is removed, so the next write-back replaces it (was: skipped for ever, the key being present)
     assert not any(p.exists() for p in paths) and disk.num_entries == 0 and disk.used_bytes == 0
     stack.save(list(zip(records, payloads)))

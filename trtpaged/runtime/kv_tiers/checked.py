@@ -66,8 +66,8 @@ class CheckedTier:
             if e.reason != "missing":
                 self.counters.invalid += 1
                 if self.counters.invalid in (1, 10, 100) or self.counters.invalid % 1000 == 0:
-                    log.warning("kv tier %s: an entry failed its checks (%s) and is removed; %d so far",
-                                self.name, e.reason, self.counters.invalid)
+                    log.warning("kv tier %s: an entry failed its checks (%s) and is removed; %d so far", self.name,
+                                f"{e.reason}: {e.detail}" if e.detail else e.reason, self.counters.invalid)
                 # a bad entry would stay a miss for ever: write-backs skip a key the store holds
                 self.store.discard(record.key)
             return None

@@ -38,7 +38,7 @@ class EntryMismatch(ValueError):
 
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
+        self.reason, self.detail = reason, detail
 
 
 def engine_fingerprint(**fields: Any) -> bytes:
@@ -113,8 +113,9 @@ def decode_entry(data: Optional[bytes], fingerprint: bytes, parent: bytes, token
     payload = view[offset + _TAIL.size:]
     if length != payload_bytes:
         raise EntryMismatch("foreign", f"payload of {length} bytes, this engine's blocks are {payload_bytes}")
-    if len(payload) != length:
-        raise EntryMismatch("truncated", f"payload {len(payload)} of {length} bytes")
+    if len(payload) != length:  # longer: bytes appended (a store's read stops one past the entry's size)
+        raise EntryMismatch("truncated" if len(payload) < length else "corrupted",
+                            f"payload {len(payload)}{'' if len(payload) < length else '+'} of {length} bytes")
     if not hmac.compare_digest(_digest(secret, view[:offset], length, payload), digest):
         raise EntryMismatch("corrupted", "payload checksum" if secret is None else "not signed with this secret")
     return bytes(payload)
