@@ -317,6 +317,36 @@ def test_overload_is_503_with_retry_after(server):
     assert m['requests_rejected_total{reason="overloaded"}'] == 1
 
 
+def test_a_burst_to_an_idle_server_is_refused_only_beyond_the_batch_and_max_waiting(tiny_engine_dir):
+    """max_batch_size 4, max_waiting 2: a burst of 10 requests at an idle server while the engine thread is held
+    has 6 answered (4 placed in the next step's batch, 2 waiting) and 4 refused with 503 (was: the 4 the batch
+    would have taken counted as waiting too, and only 2 of 10 got in)."""
+    options = ServerOptions(max_waiting=2)
+    handle = start_server(tiny_engine_dir, port=0, device="cpu", options=options, max_batch_size=4)
+    release = threading.Event()
+    try:
+        held = threading.Thread(target=lambda: handle.loop.call(lambda e: release.wait(30)))
+        held.start()  # the engine thread runs nothing else until released: the burst all arrives before a step
+        body = J({"prompt": "burst", "max_tokens": 4, "ignore_eos": True})
+        results: list[int] = []
+        senders = [threading.Thread(target=lambda: results.append(post(handle, body, {"Authorization": ""})[0]))
+                   for _ in range(10)]  # fmt: skip
+        for t in senders:
+            t.start()
+        deadline = time.monotonic() + 20
+        while results.count(503) < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        release.set()
+        for t in senders:
+            t.join(60)
+        held.join(30)
+        assert sorted(results) == [200] * 6 + [503] * 4, results
+        wait_idle(handle)
+    finally:
+        release.set()
+        handle.shutdown()
+
+
 @pytest.fixture(scope="module")
 def batching_server(tiny_engine_dir):
     """Several requests per step (max_batch_size 8), a pool of 24 blocks (384 tokens), no API key."""

@@ -334,8 +334,13 @@ class EngineLoop:
 
     def _add(self, requests: list[tuple[str, list[int], SamplingParams]], sub: Subscription, arrival: float) -> None:
         if self.max_waiting is not None:
-            waiting = int(self.engine.stats()["num_waiting"])
-            if waiting + len(requests) > self.max_waiting:
+            # the batch's free places are taken at the next step: requests that fill them do not wait (was: a
+            # burst to an idle server counted every request as waiting, and refused the ones beyond max_waiting)
+            scheduler = self.engine.scheduler
+            waiting = len(scheduler.waiting)
+            placed = sum(len(group.seqs) for queue in (scheduler.running, scheduler.swapped) for group in queue)
+            free = max(0, self.engine.config.max_batch_size - placed)
+            if waiting + len(requests) > self.max_waiting + free:
                 raise Overloaded(f"{waiting} requests are waiting (max_waiting {self.max_waiting}); retry later")
         added: list[str] = []
         try:
