@@ -302,6 +302,27 @@ def test_engines_sharing_a_disk_dir_never_evict_each_others_entries(tmp_path: Pa
     assert replica.num_entries == 5 and all(replica.get(bytes([i]) * 32) == b"z" * 300 for i in range(5))
 
 
+def test_stale_entries_of_other_namespaces_go_when_the_directory_is_over_size(tmp_path: Path):
+    """Entries no running engine counts (an older build's namespace: a rebuild is another fingerprint; the flat
+    layout before namespaces) unused for a day are removed oldest first while the directory is over the starting
+    tier's size; recent ones of a live neighbour stay (was: kept for ever, the directory past every size)."""
+    from trtpaged.runtime.kv_tiers import disk as disk_module
+
+    old_build = DiskTier(tmp_path, 10_000, namespace="0" * 16)
+    live = DiskTier(tmp_path, 10_000, namespace="1" * 16)
+    for i in range(3):
+        old_build.put(bytes([i]) * 32, b"o" * 300)
+        live.put(bytes([i]) * 32, b"l" * 300)
+    legacy = tmp_path / (bytes([7]) * 32).hex()
+    legacy.with_suffix(".kv").write_bytes(b"x" * 300)
+    day_ago = time.time() - disk_module.STALE_S - 60
+    for path in [*(tmp_path / ("0" * 16)).iterdir(), legacy.with_suffix(".kv")]:
+        os.utime(path, (day_ago, day_ago))
+    DiskTier(tmp_path, 900, namespace="2" * 16)  # 4 stale + 3 live entries of 300 bytes: over, so the stale go
+    assert not (tmp_path / ("0" * 16)).exists() and not legacy.with_suffix(".kv").exists()
+    assert all(live.get(bytes([i]) * 32) == b"l" * 300 for i in range(3))
+
+
 def test_a_disk_tier_that_meets_a_full_filesystem_or_a_removed_dir_recovers_and_says_so(tmp_path: Path, caplog,
                                                                                         monkeypatch):
     """ENOSPC on a write-back makes room by evicting this tier's oldest entries and writes again; a directory

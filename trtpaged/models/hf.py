@@ -72,7 +72,8 @@ def source_architecture(spec: ModelSpec) -> str:
 
 _SIZE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "vocab_size", "head_dim")  # fmt: skip
-_DTYPE_NAMES = ("float32", "float16", "bfloat16", "float", "half", "auto")
+# rope types a family's config class renames as it loads (transformers' Phi3Config: the names of early releases)
+_ROPE_TYPE_ALIASES = {"Phi3ForCausalLM": {"su": "longrope", "yarn": "longrope"}}
 
 
 def _bad_value(key: str, name: str, got: Any, expected: str) -> ConfigError:
@@ -91,11 +92,12 @@ def _check_config_values(raw: dict, arch: str, key: str) -> None:
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise _bad_value(key, name, value, "a positive integer")
     dtype = raw.get("dtype", raw.get("torch_dtype"))
-    if dtype is not None and dtype not in _DTYPE_NAMES:
-        raise _bad_value(key, "dtype" if "dtype" in raw else "torch_dtype", dtype, f"one of {', '.join(_DTYPE_NAMES)}")
+    if dtype is not None and dtype != "auto" and not isinstance(getattr(torch, str(dtype), None), torch.dtype):
+        raise _bad_value(key, "dtype" if "dtype" in raw else "torch_dtype", dtype, "a torch dtype name such as "
+                         "float32, bfloat16 or float16 (trtpaged loads in float32 whatever it says)")  # fmt: skip
     _check_theta(raw.get("rope_theta"), "rope_theta", key)
     for rope_key in ("rope_parameters", "rope_scaling"):  # transformers 5's name, and 4's (read by 5 as well)
-        _check_rope_values(raw, raw.get(rope_key), rope_key, key)
+        _check_rope_values(raw, raw.get(rope_key), rope_key, key, _ROPE_TYPE_ALIASES.get(arch, {}))
 
 
 def _check_theta(theta: Any, name: str, key: str) -> None:
@@ -104,8 +106,9 @@ def _check_theta(theta: Any, name: str, key: str) -> None:
         raise _bad_value(key, name, theta, "a finite number > 0")
 
 
-def _check_rope_values(raw: dict, rope: Any, rope_key: str, key: str) -> None:
-    """One rope dict of config.json: its theta, a rope type trtpaged implements, longrope's factor counts."""
+def _check_rope_values(raw: dict, rope: Any, rope_key: str, key: str, aliases: dict[str, str]) -> None:
+    """One rope dict of config.json: its theta, a rope type trtpaged implements (after the family's `aliases`),
+    longrope's factor counts."""
     if rope is None:
         return
     if not isinstance(rope, dict):
@@ -113,7 +116,7 @@ def _check_rope_values(raw: dict, rope: Any, rope_key: str, key: str) -> None:
     if any(isinstance(v, dict) for v in rope.values()):  # per layer type (Gemma 3): checked once loaded
         return
     _check_theta(rope.get("rope_theta"), f"{rope_key}.rope_theta", key)
-    kind = rope_type(rope)
+    kind = aliases.get(rope_type(rope), rope_type(rope))
     if kind not in SUPPORTED_ROPE_TYPES:
         raise _bad_value(key, f"{rope_key}.rope_type", kind, f"one of {', '.join(SUPPORTED_ROPE_TYPES)}")
     heads, hidden = raw.get("num_attention_heads"), raw.get("hidden_size")

@@ -66,7 +66,8 @@ class _Watchdog:
     @staticmethod
     def done(call: _Call) -> None:
         """`call` returned (or raised): it is not stopped after this, and a stop still pending for its thread is
-        cleared, so that it cannot land in the caller."""
+        cleared, so that it cannot land in the caller (it may land in here, before the lock: see
+        `run_with_deadline`). Idempotent."""
         with call.lock:
             call.finished = True
             if call.stopped:
@@ -95,6 +96,13 @@ def run_with_deadline(fn: Callable[[], T], seconds: float) -> T:
         raise ValueError(f"seconds must be > 0, got {seconds}")
     call = _WATCHDOG.watch(seconds)
     try:
-        return fn()
-    finally:
+        result = fn()
+    except BaseException:
         _WATCHDOG.done(call)
+        raise
+    while True:  # fn returned: a stop that lands now, before `done` has cleared it, is not the caller's
+        try:
+            _WATCHDOG.done(call)  # (the watchdog stops a call once, so this runs at most twice)
+            return result
+        except DeadlineExceeded:
+            continue

@@ -82,6 +82,8 @@ async def unless_disconnected(request: Request, work: Awaitable[T], poll_s: floa
             if done:
                 return task.result()
             if await request.is_disconnected():
+                if task.done():  # it finished during that await: its caller's own disconnect check aborts what it made
+                    return task.result()
                 raise ClientGone()
     finally:
         if not task.done():

@@ -79,11 +79,17 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         super().on_message_complete()
         self._in_head, self._head_bytes, self._num_headers = True, 0, 0  # the next request's, if one comes
+        if self._answered():  # answered before its body was read (a 401, a 404): the clock starts now
+            self._start_head()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if self._in_head:  # the clock starts once the answer is out: a stream may run for minutes
-            self._start_head()
+        if self._in_head and self._answered():  # once the answer is out (a stream may run for minutes), and no
+            self._start_head()  # pipelined request that uvicorn has just begun answering is running
+
+    def _answered(self) -> bool:
+        """Whether no request of this connection is being answered."""
+        return self.cycle is None or self.cycle.response_complete
 
     def _start_head(self) -> None:
         self._in_head = True

@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import shutil
 import stat
 import threading
@@ -32,11 +33,13 @@ from trtpaged.runtime.kv_tiers.base import TierCounters
 
 SUFFIX = ".kv"
 LOG_EVERY_S = 60.0  # after the first, at most one failure line a minute
+STALE_S = 24 * 3600.0  # other namespaces' entries unused this long may go when the directory is over size
+_NAMESPACE = re.compile(r"[0-9a-f]{16}")
 log = logging.getLogger("trtpaged.runtime")
 
 
 def namespace_of(fingerprint: bytes) -> str:
-    """The subdirectory an engine's entries live in: its fingerprint's first 8 bytes, in hex."""
+    """The subdirectory an engine's entries live in: its fingerprint's first 8 bytes, in hex (16 characters)."""
     return fingerprint[:8].hex()
 
 
@@ -82,6 +85,50 @@ class DiskTier:
         self._bytes = sum(self._sizes.values())
         with self._lock:
             self._evict_to(self.capacity_bytes)  # a smaller size than the last run's
+        if namespace:
+            self._evict_stale_neighbours(Path(path))
+
+    def _evict_stale_neighbours(self, parent: Path) -> None:
+        """Removes the entries of other namespaces (other engines, or older builds of this one: a rebuild is another
+        fingerprint) and of the layout before namespaces that nobody used for STALE_S, oldest first, while the
+        whole directory is over this tier's size: what no running engine counts would otherwise stay for ever."""
+        found: list[tuple[int, str, int]] = []
+        total = self._bytes
+
+        def scan(directory: str) -> None:
+            nonlocal total
+            for entry in os.scandir(directory):
+                if entry.name.endswith(SUFFIX) and entry.is_file(follow_symlinks=False):
+                    st = entry.stat(follow_symlinks=False)
+                    found.append((st.st_mtime_ns, entry.path, st.st_size))
+                    total += st.st_size
+
+        try:
+            scan(str(parent))
+            for neighbour in self._neighbours(parent):
+                scan(neighbour)
+        except OSError as e:
+            self._failed("a scan of other engines' entries", e)
+            return
+        stale_before = (time.time() - STALE_S) * 1e9
+        for mtime_ns, path, size in sorted(found):
+            if total <= self.capacity_bytes or mtime_ns > stale_before:
+                break
+            try:
+                os.unlink(path)
+                total -= size
+            except OSError as e:
+                self._failed("removing a stale entry", e)
+        for neighbour in self._neighbours(parent):  # namespaces left empty go
+            try:
+                os.rmdir(neighbour)
+            except OSError:
+                pass  # not empty: in use or not yet stale
+
+    def _neighbours(self, parent: Path) -> list[str]:
+        """The other namespaces' directories under `parent`."""
+        return [entry.path for entry in os.scandir(parent) if _NAMESPACE.fullmatch(entry.name)
+                and entry.path != str(self.root) and entry.is_dir(follow_symlinks=False)]
 
     @property
     def used_bytes(self) -> int:
