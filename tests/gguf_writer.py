@@ -36,6 +36,48 @@ def _smollm2_vocabulary() -> tuple[list[str], list[int], list[str]]:
     return tokens, types[:VOCAB], merges
 
 
+def _gguf_writer(path: Path, architecture: str, config) -> "gguf.GGUFWriter":
+    """A GGUFWriter for `path` holding the model's sizes and SmolLM2's first VOCAB tokens (bos 1, eos 2)."""
+    import gguf
+
+    heads = config.num_attention_heads
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_dimension_count(config.hidden_size // heads)
+    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    tokens, types, merges = _smollm2_vocabulary()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    return writer
+
+
+def _gguf_tensors(model, names):
+    """(HF module name, llama.cpp tensor name, float32 array) of each of the model's tensors llama.cpp names."""
+    for name, tensor in model.state_dict().items():
+        base, suffix = name.rsplit(".", 1)
+        mapped = names.get_name(base)
+        if mapped is not None:
+            yield base, f"{mapped}.{suffix}", tensor.detach().numpy().astype(np.float32)
+
+
+def _write_out(writer) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def _llama3_rope_factors(theta: float, head_dim: int, scaling: dict) -> list[float]:
     """Llama 3.1's rope scaling as per-frequency divisors (what llama.cpp's converter stores as rope_freqs):
     long wavelengths divided by `factor`, short ones kept, a smooth blend between, from the published formula."""
@@ -70,43 +112,18 @@ def write_llama_gguf(path: Path, rope_scaling: dict | None = None, seed: int = 0
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, layers)
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_context_length(1024)
-    writer.add_embedding_length(hidden)
-    writer.add_block_count(layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_rope_dimension_count(hidden // heads)
-    writer.add_rope_freq_base(theta)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    tokens, types, merges = _smollm2_vocabulary()
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    for name, tensor in model.state_dict().items():
-        base, suffix = name.rsplit(".", 1)
-        mapped = names.get_name(base)
-        if mapped is None:
-            continue
-        data = tensor.detach().numpy().astype(np.float32)
+    writer = _gguf_writer(path, "llama", config)
+    for base, gguf_name, data in _gguf_tensors(model, names):
         if base.endswith(("q_proj", "k_proj")):  # llama.cpp's rotary pairs: each head's halves interleaved
             n = heads if base.endswith("q_proj") else kv_heads
             data = data.reshape(n, 2, data.shape[0] // n // 2, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
-        writer.add_tensor(f"{mapped}.{suffix}", data)
+        writer.add_tensor(gguf_name, data)
     if rope_scaling is not None and rope_scaling.get("rope_type") == "llama3":
         factors = _llama3_rope_factors(theta, hidden // heads, rope_scaling)
         writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", np.array(factors, np.float32))
     for name, data in (extra or {}).items():
         writer.add_tensor(name, data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _write_out(writer)
     return path, model
 
 
@@ -124,38 +141,13 @@ def write_phi3_gguf(path: Path, weight_type: str = "Q4_0", seed: int = 0) -> Pat
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.PHI3, layers)
-    writer = gguf.GGUFWriter(str(path), "phi3")
-    writer.add_context_length(1024)
-    writer.add_embedding_length(hidden)
-    writer.add_block_count(layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(heads)
-    writer.add_rope_dimension_count(hidden // heads)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    tokens, types, merges = _smollm2_vocabulary()
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    writer = _gguf_writer(path, "phi3", config)
     writer.add_pad_token_id(2)  # Phi3Config's own default, 32000, is past this vocabulary
     quant = gguf.GGMLQuantizationType[weight_type]
-    for name, tensor in model.state_dict().items():
-        base, suffix = name.rsplit(".", 1)
-        mapped = names.get_name(base)
-        if mapped is None:
-            continue
-        data = tensor.detach().numpy().astype(np.float32)
+    for _, gguf_name, data in _gguf_tensors(model, names):
         if data.ndim == 2:
-            writer.add_tensor(f"{mapped}.{suffix}", gguf.quants.quantize(data, quant), raw_dtype=quant)
+            writer.add_tensor(gguf_name, gguf.quants.quantize(data, quant), raw_dtype=quant)
         else:
-            writer.add_tensor(f"{mapped}.{suffix}", data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+            writer.add_tensor(gguf_name, data)
+    _write_out(writer)
     return path
