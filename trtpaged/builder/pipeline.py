@@ -411,8 +411,7 @@ def _check_chat_template(tokenizer, where: str) -> None:
     is also what compiles it; an error the template raises on purpose (raise_exception) is not a broken one."""
     import jinja2
 
-    from trtpaged.runtime.deadline import DeadlineExceeded, run_with_deadline
-    from trtpaged.runtime.llm import CHAT_TEMPLATE_SECONDS
+    from trtpaged.deadline import CHAT_TEMPLATE_SECONDS, DeadlineExceeded, run_with_deadline
 
     template = getattr(tokenizer, "chat_template", None)
     if not isinstance(template, str):

@@ -10,13 +10,13 @@ from typing import Any, Callable, Mapping, Optional, Sequence as Seq, Union
 
 import jinja2
 
+from trtpaged.deadline import CHAT_TEMPLATE_SECONDS, DeadlineExceeded, run_with_deadline
 from trtpaged.engine_files import verify_engine_dir
 from trtpaged.errors import RequestError, check_unicode
 from trtpaged.manifest import EngineDirError, Manifest, engine_path, read_manifest
 from trtpaged.kv_budget import check_host_pool, check_host_tier
 from trtpaged.runtime.runners import load_runner, resolve_device, resolve_num_kv_blocks
 from trtpaged.runtime.runners.base import pool_block_bytes
-from trtpaged.runtime.deadline import DeadlineExceeded, run_with_deadline
 from trtpaged.runtime.beam_api import BeamSearchOutput, BeamSearchParams, beam_outputs
 from trtpaged.runtime.kv_tiers.config import KVTierConfig, manifest_fingerprint
 from trtpaged.runtime.llm_engine import LLMEngine, Prompt
@@ -34,7 +34,6 @@ _TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents
                                  "add_generation_prompt", "continue_final_message", "tokenize", "padding",
                                  "truncation", "max_length", "return_tensors", "return_dict",
                                  "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens"})
-CHAT_TEMPLATE_SECONDS = 10.0  # the most one rendering of a chat template may take (a real one takes milliseconds)
 
 
 def _tightened(name: str, value: Optional[int], limit: int) -> int:

@@ -1,4 +1,5 @@
-"""A time limit on Python code running in the calling thread: the chat template's rendering.
+"""A time limit on Python code running in the calling thread: the chat template's rendering (the runtime's, and
+the build's check of the template; a module of its own so that both layers use it).
 
 A chat template is code from the engine dir (jinja2, compiled to Python by transformers and run in jinja2's
 sandbox, which bars file and attribute access but not loops): `{% for i in range(100000) %}` nested twice runs
@@ -18,6 +19,7 @@ import time
 from typing import Callable, TypeVar
 
 T = TypeVar("T")
+CHAT_TEMPLATE_SECONDS = 10.0  # the most one rendering of a chat template may take (a real one takes milliseconds)
 
 
 class DeadlineExceeded(Exception):
