@@ -30,7 +30,7 @@ class UnsupportedModelError(ValueError):
     """The HF model uses a feature trtpaged's step model does not implement."""
 
 
-def _rope(config: Any, layer_type: str = "full_attention") -> tuple[float, Optional[dict], float]:
+def rope_settings(config: Any, layer_type: str = "full_attention") -> tuple[float, Optional[dict], float]:
     """(rope_theta, rope_scaling or None, partial_rotary_factor) from a transformers 4.x (rope_theta,
     rope_scaling) or 5.x (rope_parameters, per layer type for Gemma 3) config."""
     params = dict(getattr(config, "rope_parameters", None) or {})
@@ -97,7 +97,7 @@ def dims_from_hf_config(config: Any, max_seq_len: Optional[int] = None) -> Model
     act = getattr(config, act_key, None) or getattr(config, "hidden_act", "silu")
     if act not in ACTIVATIONS:
         raise UnsupportedModelError(f"{act_key}: got {act!r}; the gated MLP implements {', '.join(ACTIVATIONS)}")
-    theta, scaling, partial = _rope(config)
+    theta, scaling, partial = rope_settings(config)
     if rope_type(scaling) not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(f"rope_scaling.rope_type: got {rope_type(scaling)!r}; "
                                     f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
@@ -134,7 +134,7 @@ def dims_from_hf_config(config: Any, max_seq_len: Optional[int] = None) -> Model
         raise UnsupportedModelError(f"layer_types: {len(windows)} entries for {num_layers} layers")
     local_theta = 0.0
     if gemma and windows and arch == "Gemma3ForCausalLM":
-        local_theta, local_scaling, _ = _rope(config, "sliding_attention")
+        local_theta, local_scaling, _ = rope_settings(config, "sliding_attention")
         if local_scaling is not None:
             raise UnsupportedModelError("rope_parameters.sliding_attention: only the default RoPE is implemented for "
                                         "the local layers")

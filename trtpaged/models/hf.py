@@ -12,6 +12,7 @@ import contextlib
 import io
 import json
 import math
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from trtpaged.models.dims import (
     ARCHITECTURES_BY_MODEL_TYPE,
     MODEL_TYPES,
     SUPPORTED_ARCHITECTURES,
+    rope_settings,
 )
 from trtpaged.models.rope import SUPPORTED_ROPE_TYPES, rope_type
 
@@ -70,8 +72,6 @@ def source_architecture(spec: ModelSpec) -> str:
     return arch
 
 
-_SIZE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-              "vocab_size", "head_dim")  # fmt: skip
 # rope types a family's config class renames as it loads (transformers' Phi3Config: the names of early releases)
 _ROPE_TYPE_ALIASES = {"Phi3ForCausalLM": {"su": "longrope", "yarn": "longrope"}}
 
@@ -87,10 +87,7 @@ def _check_config_values(raw: dict, arch: str, key: str) -> None:
     model_type = raw.get("model_type")
     if model_type is not None and model_type != wanted_type and ARCHITECTURES_BY_MODEL_TYPE.get(model_type) != arch:
         raise _bad_value(key, "model_type", model_type, f"{wanted_type!r}, the model_type of architectures[0] {arch}")
-    for name in _SIZE_KEYS:
-        value = raw.get(name)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise _bad_value(key, name, value, "a positive integer")
+    _check_sizes(types.SimpleNamespace(**raw), f"{key}: config.json's")
     dtype = raw.get("dtype", raw.get("torch_dtype"))
     if dtype is not None and dtype != "auto" and not isinstance(getattr(torch, str(dtype), None), torch.dtype):
         raise _bad_value(key, "dtype" if "dtype" in raw else "torch_dtype", dtype, "a torch dtype name such as "
@@ -245,8 +242,8 @@ def _check_sizes(config: Any, where: str) -> None:
         value = getattr(config, name, None)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ConfigError(f"{where} {name} is {value!r:.40}; expected a positive integer")
-    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
-    if kv_heads and heads % kv_heads:
+    heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    if heads and kv_heads and heads % kv_heads:
         raise ConfigError(f"{where} num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
 
 
@@ -316,11 +313,9 @@ def _take_gguf_rope_factors(spec: ModelSpec, config: Any, layout: GGUFLayout) ->
     info = tensors.get(ROPE_FREQS)
     if info is None:
         return
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    theta = float(params.get("rope_theta", getattr(config, "rope_theta", None) or 10000.0))
-    partial = float(params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0))
-    if rope_type(params) != "default":
-        raise ConfigError(f"{where} holds {ROPE_FREQS} and a rope scaling ({rope_type(params)}) both; one scaling of "
+    theta, scaling, partial = rope_settings(config)
+    if scaling is not None:
+        raise ConfigError(f"{where} holds {ROPE_FREQS} and a rope scaling ({rope_type(scaling)}) both; one scaling of "
                           "the rotary frequencies is read, not two")  # fmt: skip
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     pairs = int(head_dim * partial) // 2
@@ -330,9 +325,10 @@ def _take_gguf_rope_factors(spec: ModelSpec, config: Any, layout: GGUFLayout) ->
     factors = read_f32_tensor(spec.path, layout, info)
     if not all(math.isfinite(f) and f > 0 for f in factors):
         raise ConfigError(f"{where}: {ROPE_FREQS} holds a factor that is not a finite number > 0")
-    config.rope_parameters = {**params, "rope_type": "longrope", "rope_theta": theta, "short_factor": factors,
-                              "long_factor": factors, "original_max_position_embeddings": config.max_position_embeddings,
-                              "factor": 1.0, "attention_factor": 1.0}  # fmt: skip
+    config.rope_parameters = {**(getattr(config, "rope_parameters", None) or {}), "rope_type": "longrope",
+                              "rope_theta": theta, "short_factor": factors, "long_factor": factors,
+                              "original_max_position_embeddings": config.max_position_embeddings, "factor": 1.0,
+                              "attention_factor": 1.0}  # fmt: skip
 
 
 def _check_config_against_checkpoint(path: Path, config: Any) -> None:

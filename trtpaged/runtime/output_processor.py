@@ -109,12 +109,10 @@ class OutputProcessor:
             hit = self._stop_in(seq, params, len(delta), is_end_token)
             if hit is not None and ended_on_token:
                 # a stop string before the end token of the same speculative run: the sequence finished on that
-                # token already, so it is cut and re-finished here (as without speculation, where the stop
-                # string ends it a step before the end token is sampled)
-                stop, keep = hit
-                seq.output_text = seq.output_text[:keep]
+                # token already (as without speculation, where the stop string ends it a step before the end
+                # token is sampled), so its tokens after the stop string's go too
                 seq.truncate_output(seq.num_decoded_tokens)
-                seq.finish("stop", stop)
+                self._stop_finished(seq, *hit)
                 return None
             if hit is not None:
                 return hit
@@ -145,10 +143,15 @@ class OutputProcessor:
             return
         seq.output_text += rest
         hit = cls._stop_in(seq, params, len(rest), ended_on_token)
-        if hit is not None:  # the sequence has finished: cut and re-finished here, not by the scheduler
-            stop, keep = hit
-            seq.output_text = seq.output_text[:keep]
-            seq.finish("stop", stop)
+        if hit is not None:
+            cls._stop_finished(seq, *hit)
+
+    @staticmethod
+    def _stop_finished(seq: Sequence, stop: str, keep: int) -> None:
+        """A finished sequence whose text reached a stop string: cut there and re-finished here, not by the
+        scheduler (which has already freed it)."""
+        seq.output_text = seq.output_text[:keep]
+        seq.finish("stop", stop)
 
     def _decode(self, token_ids: Seq[int], skip_special: bool) -> str:
         if self.tokenizer is None:

@@ -56,6 +56,16 @@ def writable_dir(path: str | os.PathLike) -> Path:
     return root
 
 
+def _entries(directory: str | os.PathLike) -> list[tuple[int, str, int]]:
+    """(mtime in ns, path, size) of each entry file in `directory` (regular files only, not through links)."""
+    found = []
+    for entry in os.scandir(directory):
+        if entry.name.endswith(SUFFIX) and entry.is_file(follow_symlinks=False):
+            st = entry.stat(follow_symlinks=False)
+            found.append((st.st_mtime_ns, entry.path, st.st_size))
+    return found
+
+
 class DiskTier:
     slow = True
 
@@ -75,13 +85,8 @@ class DiskTier:
         # file name -> bytes of the entries on disk, least recently used first (a dict in order: an eviction takes the
         # first entries, where a scan of every file's mtime grew with the entries, 79 ms a write-back at 20,000)
         self._sizes: OrderedDict[str, int] = OrderedDict()
-        found = []
-        for entry in os.scandir(self.root):
-            if entry.name.endswith(SUFFIX) and entry.is_file(follow_symlinks=False):
-                st = entry.stat(follow_symlinks=False)
-                found.append((st.st_mtime_ns, entry.name, st.st_size))
-        for _, name, size in sorted(found):
-            self._sizes[name] = size
+        for _, path, size in sorted(_entries(self.root)):
+            self._sizes[os.path.basename(path)] = size
         self._bytes = sum(self._sizes.values())
         with self._lock:
             self._evict_to(self.capacity_bytes)  # a smaller size than the last run's
@@ -92,24 +97,13 @@ class DiskTier:
         """Removes the entries of other namespaces (other engines, or older builds of this one: a rebuild is another
         fingerprint) and of the layout before namespaces that nobody used for STALE_S, oldest first, while the
         whole directory is over this tier's size: what no running engine counts would otherwise stay for ever."""
-        found: list[tuple[int, str, int]] = []
-        total = self._bytes
-
-        def scan(directory: str) -> None:
-            nonlocal total
-            for entry in os.scandir(directory):
-                if entry.name.endswith(SUFFIX) and entry.is_file(follow_symlinks=False):
-                    st = entry.stat(follow_symlinks=False)
-                    found.append((st.st_mtime_ns, entry.path, st.st_size))
-                    total += st.st_size
-
         try:
-            scan(str(parent))
-            for neighbour in self._neighbours(parent):
-                scan(neighbour)
+            neighbours = self._neighbours(parent)
+            found = [entry for directory in (parent, *neighbours) for entry in _entries(directory)]
         except OSError as e:
             self._failed("a scan of other engines' entries", e)
             return
+        total = self._bytes + sum(size for _, _, size in found)
         stale_before = (time.time() - STALE_S) * 1e9
         for mtime_ns, path, size in sorted(found):
             if total <= self.capacity_bytes or mtime_ns > stale_before:
@@ -119,7 +113,7 @@ class DiskTier:
                 total -= size
             except OSError as e:
                 self._failed("removing a stale entry", e)
-        for neighbour in self._neighbours(parent):  # namespaces left empty go
+        for neighbour in neighbours:  # namespaces left empty go
             try:
                 os.rmdir(neighbour)
             except OSError:
