@@ -455,6 +455,19 @@ def test_text_held_back_at_the_end_is_checked_for_stop_strings(smollm2_int4_engi
         text, hit = _text_of(llm.tokenizer, c.token_ids, stop)
         assert (c.text, c.stop_reason) == (text, hit), (max_tokens, stop, c.text, c.token_ids)
         assert c.finish_reason == ("stop" if hit else "length")
+    # the emoji's last bytes as a stop token id: the text held back until it ends the output is checked too,
+    # whether the end token's text is shown or not (its own text completes no stop string)
+    (first, end_token) = llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0))[0].outputs[0].token_ids
+    for include in (False, True):
+        (out,) = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, stop=[" "], stop_token_ids=[
+            end_token], include_stop_str_in_output=include))
+        c = out.outputs[0]
+        text, hit = _text_of(llm.tokenizer, [first, end_token], [" "])
+        assert (c.text, c.stop_reason, c.finish_reason) == (text + hit * include, hit, "stop"), (include, c)
+        (out,) = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, stop_token_ids=[end_token],
+                                                       include_stop_str_in_output=include))
+        shown = [first, end_token] if include else [first]
+        assert (out.outputs[0].text, out.outputs[0].stop_reason) == (_text_of(llm.tokenizer, shown)[0], end_token)
 
 
 def test_reset_prefix_cache_forgets_cached_blocks_only_when_nothing_runs(llm, tiny_engine_dir):

@@ -67,3 +67,6 @@ class NullRunner:
 
     def write_blocks(self, blocks: Sequence[tuple[int, bytes]]) -> None:
         pass
+
+    def failure(self) -> Optional[str]:
+        return None

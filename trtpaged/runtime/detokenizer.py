@@ -70,9 +70,18 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return full_text[len(prefix_text) :]
 
-    def flush(self) -> str:
-        """Whatever text is still held back (an incomplete character at the very end)."""
+    def _held(self) -> str:
         prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full_text = self._decode(self.ids[self.prefix_offset :])
-        self.prefix_offset = self.read_offset = len(self.ids)
         return full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""
+
+    def held_text(self) -> str:
+        """The complete characters of the text held back so far (without its incomplete character at the end);
+        nothing changes."""
+        return self._held().rstrip(REPLACEMENT)
+
+    def flush(self) -> str:
+        """Whatever text is still held back (an incomplete character at the very end)."""
+        text = self._held()
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return text

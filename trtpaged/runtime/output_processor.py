@@ -100,17 +100,19 @@ class OutputProcessor:
         if not params.shows_end_token(seq.finish_reason):  # the EOS / stop token id / grammar end that ended it
             unshown, new_tokens = 1, new_tokens[:-1]
         steps = [new_tokens] if not params.stop else [[t] for t in new_tokens]
+        before_end: Optional[int] = None  # the text's length before a shown end token's (which completes no stop)
         for i, tokens in enumerate(steps):
+            if params.stop and ended_on_token and not unshown and i == len(steps) - 1:
+                before_end = len(seq.output_text) + len(seq.detokenizer.held_text())
             delta = "".join(seq.detokenizer.add(t) for t in tokens)
             seq.num_decoded_tokens += len(tokens)
             seq.output_text += delta
-            # the end token's own text completes no stop string; the tokens of its run before it may
-            is_end_token = ended_on_token and not unshown and i == len(steps) - 1
-            hit = self._stop_in(seq, params, len(delta), is_end_token)
+            hit = self._stop_in(seq, params, len(delta), before_end)
             if hit is not None and ended_on_token:
-                # a stop string before the end token of the same speculative run: the sequence finished on that
-                # token already (as without speculation, where the stop string ends it a step before the end
-                # token is sampled), so its tokens after the stop string's go too
+                # a stop string before the end token of the same speculative run (or held back by the
+                # detokenizer until it): the sequence finished on that token already (as without speculation,
+                # where the stop string ends it a step before the end token is sampled), so its tokens after the
+                # stop string's go too
                 seq.truncate_output(seq.num_decoded_tokens)
                 self._stop_finished(seq, *hit)
                 return None
@@ -118,31 +120,39 @@ class OutputProcessor:
                 return hit
         seq.num_decoded_tokens += unshown
         if seq.is_finished:
-            self._flush(seq, params, ended_on_token)
+            self._flush(seq, params, before_end)
         return None
 
     @staticmethod
-    def _stop_in(seq: Sequence, params: Any, new_chars: int, after_end: bool) -> Optional[tuple[str, int]]:
-        """(stop string, text length to keep) where the text's last `new_chars` completed a stop string; None when
-        they are an end token's (`after_end`), within min_tokens, or without one."""
-        if not params.stop or after_end or seq.num_decoded_tokens <= params.min_tokens:
+    def _stop_in(seq: Sequence, params: Any, new_chars: int, before: Optional[int] = None) -> Optional[tuple[str, int]]:
+        """(stop string, text length to keep) where the text's last `new_chars` completed a stop string; None
+        within min_tokens or without one. With `before`, only a stop string within the text's first `before`
+        characters counts (those after are a shown end token's text, which completes none)."""
+        if not params.stop or seq.num_decoded_tokens <= params.min_tokens:
             return None
-        hit = find_stop_string(seq.output_text, params.stop, new_chars)
+        text = seq.output_text
+        if before is not None:
+            new_chars -= len(text) - before
+            text = text[:before]
+            if new_chars <= 0:
+                return None
+        hit = find_stop_string(text, params.stop, new_chars)
         if hit is None:
             return None
         index, stop = hit
         return stop, index + (len(stop) if params.include_stop_str_in_output else 0)
 
     @classmethod
-    def _flush(cls, seq: Sequence, params: Any, ended_on_token: bool) -> None:
+    def _flush(cls, seq: Sequence, params: Any, before_end: Optional[int]) -> None:
         """A finished sequence's text still held back, less an incomplete character at its end (the tokens end
-        inside it: vLLM's text leaves it out too, the token ids keep it); a stop string it completes cuts the
-        text there and makes the finish "stop", as anywhere else in the text."""
+        inside it: vLLM's text leaves it out too, the token ids keep it); a stop string it completes before a
+        shown end token's text (`before_end`) cuts the text there and makes the finish "stop", as anywhere else
+        in the text."""
         rest = seq.detokenizer.flush().rstrip(REPLACEMENT)
         if not rest:
             return
         seq.output_text += rest
-        hit = cls._stop_in(seq, params, len(rest), ended_on_token)
+        hit = cls._stop_in(seq, params, len(rest), before_end)
         if hit is not None:
             cls._stop_finished(seq, *hit)
 

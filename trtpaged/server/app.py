@@ -296,7 +296,7 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
     async def detokenize(request: Request) -> Response:
         return await tokenizer_call(request, tokenization.detokenize)
 
-    runner_failure = getattr(service.llm.engine.runner, "failure", lambda: None)  # a tensor-parallel rank's
+    runner_failure = service.llm.engine.runner.failure
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -108,6 +108,11 @@ class ModelRunner(Protocol):
         """Overwrites whole blocks with bytes `read_blocks` returned (from this engine), (block id, bytes) pairs."""
         ...
 
+    def failure(self) -> Optional[str]:
+        """Why the runner can no longer step though no step has failed yet (a tensor-parallel rank that exited),
+        or None: what a health check reports."""
+        ...
+
 
 def pool_block_bytes(pool: torch.Tensor) -> int:
     """Bytes of one block of a block-major pool."""

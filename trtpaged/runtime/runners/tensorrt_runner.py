@@ -193,6 +193,10 @@ class TensorRTRunner:
             raise RuntimeError(f"{what}: the engine has no host pool (num_host_blocks is 0)")
         return self.host_cache
 
+    def failure(self) -> Optional[str]:
+        """Always None: a failure in this process shows as the failing step's error."""
+        return None
+
     def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
         return self._staging.read(self.kv_cache, block_ids)
 

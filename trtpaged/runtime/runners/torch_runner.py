@@ -118,6 +118,10 @@ class TorchRunner:
         if self.host_cache is not None:
             self._swap(self.host_cache, self.kv_cache, pairs)
 
+    def failure(self) -> Optional[str]:
+        """Always None: a failure in this process shows as the failing step's error."""
+        return None
+
     def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
         return self._staging.read(self.kv_cache, block_ids)
 
