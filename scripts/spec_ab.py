@@ -10,8 +10,8 @@ identical. --hf adds transformers' generate without and with prompt_lookup_num_t
 Prints wall ratios and the load average (docs/speculative.md#measured).
 """
 
+import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -94,7 +94,11 @@ def main(engine_dir: str, workload: str, k: int, with_hf: bool, num_mixes: int =
 
 
 if __name__ == "__main__":
-    argv = sys.argv[1:]
-    mixes = int(argv.pop(argv.index("--mixes") + 1)) if "--mixes" in argv else 2
-    args = [a for a in argv if a not in ("--hf", "--mixes")]
-    main(args[0], args[1], int(args[2]) if len(args) > 2 else 4, "--hf" in sys.argv, mixes)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("engine_dir")
+    parser.add_argument("workload", choices=["copy", "mix"])
+    parser.add_argument("k", nargs="?", type=int, default=4, help="draft tokens per step (default 4)")
+    parser.add_argument("--hf", action="store_true", help="also transformers' prompt lookup (copy only)")
+    parser.add_argument("--mixes", type=int, default=2, help="mixes run, alternating the order (default 2)")
+    args = parser.parse_args()
+    main(args.engine_dir, args.workload, args.k, args.hf, args.mixes)

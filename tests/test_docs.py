@@ -26,12 +26,32 @@ def test_readme_commands_table_is_the_cli_s():
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
 def test_links_stay_inside_the_repository_and_resolve(doc):
+    """Every link is a file of the repository (a web address only on loopback), and its #anchor a heading there."""
     for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
-        if target.startswith(("http://", "https://", "#", "mailto:")):
+        if target.startswith(("http://", "https://", "mailto:")):
+            assert re.match(r"https?://(127\.0\.0\.1|localhost)[:/]", target), f"{doc.name} links out: {target}"
             continue
-        path = (doc.parent / target.split("#")[0]).resolve()
+        file, _, anchor = target.partition("#")
+        path = (doc.parent / file).resolve() if file else doc
         assert path.is_relative_to(REPO), f"{doc.name} links outside the repository: {target}"
         assert path.exists(), f"{doc.name} links to a missing file: {target}"
+        if anchor and path.suffix == ".md":
+            assert anchor in heading_anchors(path), f"{doc.name} links to a missing heading: {target}"
+
+
+def heading_anchors(doc: Path) -> set[str]:
+    """The anchors a Markdown renderer gives `doc`'s headings: lower case, punctuation but - and _ dropped, spaces
+    as -, a repeated one numbered -1, -2, ... (code blocks' # lines are not headings)."""
+    anchors: set[str] = set()
+    text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)
+    for heading in re.findall(r"^#{1,6} +(.+?) *#*$", text, re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        anchor, n = slug, 0
+        while anchor in anchors:
+            n += 1
+            anchor = f"{slug}-{n}"
+        anchors.add(anchor)
+    return anchors
 
 
 @pytest.mark.parametrize("env, expected", [({}, "unset 10000"), ({"OMP_WAIT_POLICY": "passive"}, "passive unset"),

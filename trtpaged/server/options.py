@@ -14,7 +14,8 @@ PIN_MODES = ("auto", "on", "off")  # ServerOptions.pin_threads
 class ServerOptions:
     """Limits, security and shutdown behaviour of one server.
 
-    `api_key` (default: $TRTPAGED_API_KEY) is required as `Authorization: Bearer KEY` on /v1/* when set.
+    `api_key` (default: $TRTPAGED_API_KEY) is required as `Authorization: Bearer KEY` on /v1/*, /tokenize and
+    /detokenize when set.
     `max_waiting` bounds the engine's waiting queue (beyond it: 503 with Retry-After); None: no bound.
     `request_timeout_s` aborts a request that runs longer (504); `body_timeout_s` ends a request whose
     body arrives slower (408). `shutdown_timeout_s` is how long shutdown lets requests in flight finish.
