@@ -9,6 +9,7 @@ import http.client
 import json
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -392,3 +393,22 @@ def test_keep_alive_serves_several_requests_on_one_connection(server):
         assert conn.sock is first  # http.client reopens a closed connection: the same socket means keep-alive
     finally:
         conn.close()
+
+
+
+@pytest.mark.parametrize("soft, hard", [(256, None), (256, 512), (70000, 70000)])
+def test_serve_raises_a_low_open_files_limit_up_to_the_hard_one(soft, hard):
+    """Each connection holds a descriptor: serve lifts a soft limit of a few hundred towards 65536 (as vLLM's server
+    does), within the hard limit (None: the machine's), and never lowers one that is higher."""
+    import resource
+
+    system_hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    hard = system_hard if hard is None else hard
+    if system_hard != resource.RLIM_INFINITY and hard > system_hard:
+        pytest.skip(f"this machine's hard open-files limit is {system_hard}")
+    code = ("import resource; from trtpaged.commands.serve import raise_open_files_limit; "
+            f"resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {hard})); raise_open_files_limit(); "
+            "print(*resource.getrlimit(resource.RLIMIT_NOFILE))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    capped = 65536 if hard == resource.RLIM_INFINITY else min(65536, hard)
+    assert [int(v) for v in out] == [max(soft, capped), hard]

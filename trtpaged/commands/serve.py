@@ -85,6 +85,7 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
 
         exit_process(worker_main([str(engine)] + (["--device", device] if device else [])))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    raise_open_files_limit()
     try:
         from trtpaged.runtime.speculative import SpeculativeConfig
 
@@ -125,6 +126,26 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
                "flight), then stopping", err=True)
     handle.shutdown()
     click.echo("trtpaged serve: stopped", err=True)
+
+
+OPEN_FILES_WANTED = 65536
+
+
+def raise_open_files_limit(wanted: int = OPEN_FILES_WANTED) -> int:
+    """Raises this process's soft limit on open files towards `wanted` (never past the hard limit, never down), as
+    vLLM's server does: each connection holds a descriptor, and a soft limit of 1024 (a common default) is reached by
+    a thousand idle keep-alive clients. Returns the soft limit now in force."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            return target
+        except (ValueError, OSError) as exc:
+            logging.getLogger(__name__).warning("could not raise the open-files limit from %d: %s", soft, exc)
+    return soft
 
 
 def tier_options(host_memory: Optional[str], disk_path: Optional[str], disk_size: Optional[str],
