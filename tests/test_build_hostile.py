@@ -508,3 +508,21 @@ def test_a_temp_dir_without_a_lock_is_not_provably_dead_and_stays(tmp_path):
     odd.mkdir()
     (odd / "weights.safetensors").write_bytes(np.zeros(4, np.float32).tobytes())
     assert remove_dead_builds(tmp_path) == [] and odd.exists()
+
+
+def test_values_past_a_float16_kv_cache_s_range_are_named_as_the_cause(tmp_path):
+    """v_proj scaled by 1e6 keeps transformers' float32 logits finite, while the values overflow a float16 KV cache:
+    verification names that cache as the cause (was: "the model's weights or config are broken")."""
+    from safetensors.torch import load_file, save_file
+
+    hf = _hf_dir(tmp_path)
+    state = load_file(str(hf / "model.safetensors"))
+    state["model.layers.0.self_attn.v_proj.weight"] *= 1e6
+    save_file(state, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    for kv, words in (("float16", "overflow the float16 KV cache"), ("float32", None)):
+        data = {**TINY, "model": {"hf_dir": "hf"}, "kv_cache_dtype": kv}
+        r = _cli("build", str(_yaml(tmp_path, data)), "-o", str(tmp_path / kv))
+        if words:
+            _one_line_failure(r, "verify: the ONNX graph gives", words)
+        else:
+            assert r.exit_code == 0, r.output

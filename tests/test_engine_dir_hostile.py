@@ -277,6 +277,17 @@ BROKEN = {
     "hidden_act relu": (_dims(hidden_act="relu"), False, "dims.hidden_act", "one of silu, gelu_tanh"),
     "rope_scaling factor -3": (_dims(rope_scaling={"rope_type": "yarn", "factor": -3}), False,
                                "dims.rope_scaling.factor", "finite positive"),
+    # were: loaded, then token 0 for ever (embed_scale 0) or every request failed (NaN): a Llama's embeddings are
+    # not scaled and its logits not capped
+    "embed_scale 0": (_dims(embed_scale=0.0), False, "dims.embed_scale", "scales embeddings by 1"),
+    "embed_scale NaN": (_dims(embed_scale=float("nan")), False, "dims.embed_scale", "scales embeddings by 1"),
+    "final_logit_softcap inf": (_dims(final_logit_softcap=float("inf")), False, "dims.final_logit_softcap",
+                                "for Gemma"),
+    "final_logit_softcap 30 on a Llama": (_dims(final_logit_softcap=30.0), False, "dims.final_logit_softcap",
+                                          "for Gemma"),
+    "attention_scale -1": (_dims(attention_scale=-1.0), False, "dims.attention_scale", "for Gemma"),
+    "local_rope_theta NaN": (_dims(local_rope_theta=float("nan")), False, "dims.local_rope_theta", "for Gemma"),
+    "gemma_norms on a Llama": (_dims(gemma_norms=True), False, "dims.gemma_norms", "Gemma only"),
     # was: "not an engine dir (no trtpaged.json)"
     "trtpaged.json a FIFO": (_manifest_a_fifo, False, "(file)", "is not a regular file"),
 }

@@ -7,6 +7,8 @@ weights for the built engine; onnx.checker and onnx.reference for the graph.
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -344,3 +346,30 @@ def test_phi3_gguf_fused_blocks_are_carried_exactly(tmp_path):
     r = CliRunner().invoke(main, ["build", str(tmp_path / "m.yaml"), "-o", str(tmp_path / "engine")])
     assert r.exit_code == 0, r.output
     assert read_manifest(tmp_path / "engine").quantization["origin"]["gguf Q4_0 exact"] == 4 * dims.num_layers
+
+
+@pytest.mark.parametrize("value", [1e5, 0.1, 1e-30])
+def test_quantization_scales_that_are_not_float16_values_are_refused_naming_the_tensor(tiny_int8_engine, tmp_path,
+                                                                                      value):
+    """Scales are float16 values stored as float32 (the kernels keep them as float16): a hostile dir's 1e5 (past
+    float16), 0.1 or 1e-30 (rounded by float16) was refused by the kernel's packing without the tensor's name, or,
+    for the embedding head's, not at all."""
+    from safetensors.torch import load_file, save_file
+
+    from conftest import save_manifest
+    from trtpaged import LLM
+    from trtpaged.engine_files import sha256_file
+    from trtpaged.manifest import EngineDirError
+
+    for name in ("layers.0.self_attn.qkv_proj.scales", "embed_tokens.head.scales"):
+        engine = tmp_path / name
+        shutil.copytree(tiny_int8_engine, engine)
+        weights = load_file(engine / "weights.safetensors")
+        weights[name].view(-1)[3] = value
+        save_file(weights, engine / "weights.safetensors")
+        manifest = json.loads((engine / "trtpaged.json").read_text())
+        manifest["files"] = {rel: sha256_file(engine / rel) for rel in manifest["files"]}
+        save_manifest(engine, manifest)
+        with pytest.raises(EngineDirError) as info:
+            LLM(engine, device="cpu")
+        assert info.value.field == name and "not a float16 value" in str(info.value), info.value

@@ -120,6 +120,16 @@ def test_seeded_sampling_reproducible_across_batch_compositions(hf, prompts):
     assert alone.outputs[0].token_ids != alone.outputs[1].token_ids
 
 
+def test_seeds_that_differ_only_in_their_high_bits_draw_differently(hf, prompts):
+    """torch's CPU generator keeps 32 bits of a seed: 5, 5 + 2**32 and 5 + 2**40 drew the same tokens (and so did 0
+    and -2**63). Each seed of the int64 range draws its own, and the same seed the same."""
+    engine = make(hf)
+    seeds = [5, 5 + 2**32, 5 + 2**40, 5, 0, -(2**63)]
+    runs = run_staggered(engine, [(prompts[3], SamplingParams(max_tokens=8, temperature=1.0, seed=s)) for s in seeds])
+    tokens = [tuple(r.outputs[0].token_ids) for r in runs]
+    assert tokens[0] == tokens[3] and len({tokens[i] for i in (0, 1, 2, 4, 5)}) == 5, tokens
+
+
 def test_stop_reasons_and_the_text_a_stop_token_leaves(hf, prompts, reference):
     """vLLM's rules: a stop token id is the stop reason and its text is left out unless include_stop_str_in_output
     (the text is then that of the tokens before it, or up to it, as max_tokens cuts them); the model's own EOS

@@ -305,7 +305,7 @@ def test_tiny_temperature_samples_greedily_instead_of_crashing():
         ("repetition_penalty", (0.01, 100.0), (1e-300, 0.0099, 100.5, 1e308), "[0.01, 100]"),
         ("length_penalty", (-10.0, 10.0), (-1e308, -10.5, 2000.0, 1e308), "[-10, 10]"),
         ("presence_penalty", (-2.0, 2.0), (-2.01, 2.01), "[-2, 2]"),
-        ("temperature", (0.0, 1e-6, 1e308), (-1e-300, 10**400), None),
+        ("temperature", (0.0, 1e-6, 3.4e38), (-1e-300, 3.5e38, 1e308), "[0, 3.4e38]"),
         ("top_p", (1e-300, 1.0), (0.0, 1.0001), "(0, 1]"),
     ],
 )
@@ -342,9 +342,12 @@ def test_extreme_values_within_range_sample_finite_tokens():
     history = list(range(0, 97, 3))
     edges = [SamplingParams(temperature=t, repetition_penalty=rp, presence_penalty=pp, frequency_penalty=-pp,
                             top_p=1e-300 if t else 1.0, min_p=1.0 if rp > 1 else 0.0)
-             for t in (1e-5, 1e308) for rp in (0.01, 100.0) for pp in (-2.0, 2.0)]  # fmt: skip
+             for t in (1e-5, 3.4e38) for rp in (0.01, 100.0) for pp in (-2.0, 2.0)]  # fmt: skip
     samples = sample(logits, [row(i, p, history, 5) for i, p in enumerate(edges)])
     assert all(s is not None and math.isfinite(s.logprob) for s in samples), samples
+    # at the largest temperature the filters still act: top_k 1 is the argmax (was, at 1e39: a uniform draw)
+    capped = sample(logits, [row(i, SamplingParams(temperature=3.4e38, top_k=1, seed=i)) for i in range(8)])
+    assert [s.token_id for s in capped] == logits.argmax(dim=1).tolist()
 
 
 def test_beam_scores_stay_finite_at_the_length_penalty_bounds():

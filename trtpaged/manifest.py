@@ -354,6 +354,19 @@ def _check_family_values(d: ModelDims, bad: Any) -> None:
                   f"{d.num_layers})")  # fmt: skip
     if d.hidden_act not in HIDDEN_ACTS:
         raise bad("dims.hidden_act", f"got {d.hidden_act!r:.40}; one of {', '.join(HIDDEN_ACTS)}")
+    gemma = d.architecture.startswith("Gemma")
+    if d.gemma_norms != gemma:
+        raise bad("dims.gemma_norms", f"got {d.gemma_norms} for {d.architecture:.60}; Gemma's norms go with Gemma only")
+    # Gemma's embeddings are scaled by sqrt(hidden_size) (transformers computes it); other families' are not
+    scale = math.sqrt(d.hidden_size) if gemma else 1.0
+    if not (math.isfinite(d.embed_scale) and math.isclose(d.embed_scale, scale, rel_tol=1e-6)):
+        raise bad("dims.embed_scale", f"got {d.embed_scale}; {d.architecture:.60} scales embeddings by {scale:g}"
+                  + (" (sqrt(hidden_size))" if gemma else ""))  # fmt: skip
+    for name in ("attention_scale", "attn_logit_softcap", "final_logit_softcap", "local_rope_theta"):
+        value = getattr(d, name)
+        if value != 0 and not (gemma and math.isfinite(value) and value > 0 and 0 < _as_float32(value) < math.inf):
+            raise bad(f"dims.{name}", f"got {value}; expected 0 (none) or, for Gemma, a positive number, finite and "
+                      "not 0 in float32")  # fmt: skip
     scaling = d.rope_scaling or {}
     for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
         value = scaling.get(key)

@@ -27,7 +27,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -113,8 +113,11 @@ def verify_onnx(
         else:
             ref = hf_logits(hf_model, seqs, step.rows).numpy()
         _check_finite(ref, "quantized-cache step model" if quantized else "transformers (the reference)", step)
+        # the reference's logits are finite here: a 16-bit cache's range is what the graph can lose them to
+        cause = ("keys or values past float16's range (65504) overflow the float16 KV cache (the reference's logits "
+                 "are finite); build with kv_cache_dtype bfloat16 or float32" if kv_cache_dtype == "float16" else None)
         for rank, (logits, _) in enumerate(outs):
-            _check_finite(logits, "ONNX graph" + (f" of rank {rank}" if len(outs) > 1 else ""), step)
+            _check_finite(logits, "ONNX graph" + (f" of rank {rank}" if len(outs) > 1 else ""), step, cause)
         # max() would skip a NaN (nan > x is False): the checks above keep every value finite
         worst = max(worst, *(float(np.abs(logits.astype(np.float64) - ref).max()) for logits, _ in outs))
         peak = max(peak, float(np.abs(ref).max()))
@@ -137,13 +140,13 @@ def verify_onnx(
     return result
 
 
-def _check_finite(logits: np.ndarray, what: str, step: Any) -> None:
-    """NaN or inf logits fail verification, whatever the difference says."""
+def _check_finite(logits: np.ndarray, what: str, step: Any, cause: Optional[str] = None) -> None:
+    """NaN or inf logits fail verification, whatever the difference says; `cause`: the likely one, when known."""
     finite = np.isfinite(logits)
     if not finite.all():
         raise VerificationError(f"verify: the {what} gives {int((~finite).sum())} NaN/inf logits of {finite.size} "
-                                f"over {len(step.rows)} rows; the model's weights or config are broken "
-                                "(e.g. rope_theta, rms_norm_eps, NaN weights)")
+                                f"over {len(step.rows)} rows; " + (cause or "the model's weights or config are broken "
+                                "(e.g. rope_theta, rms_norm_eps, NaN weights)"))
 
 
 def _run_ranks(sessions: list, feeds: dict, pools: list, exchange: Any) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -188,7 +188,21 @@ def checked_weights(engine_dir: Path, manifest: Manifest, rank: int = 0) -> dict
         name, bad, numel = broken[0]
         raise EngineDirError(weights, name, f"{bad} of its {numel} values are NaN/inf (in {len(broken)} "
                              "tensor(s) in all); the weights are corrupt, rebuild the engine")
+    for name, tensor in state.items():
+        if name.endswith((".scales", ".offsets")) and tensor.dtype == torch.float32:
+            inexact = _not_float16(tensor)
+            if inexact is not None:
+                raise EngineDirError(weights, name, f"value {inexact:g} is not a float16 value; quantization scales "
+                                     "and offsets are float16 values stored as float32 (models/quant.py)")
     return state
+
+
+def _not_float16(tensor: torch.Tensor) -> Optional[float]:
+    """The first value of a float32 tensor that float16 does not hold exactly (None: all of them)."""
+    values = tensor.detach().cpu().numpy()
+    with np.errstate(over="ignore"):
+        exact = values.astype(np.float16).astype(np.float32) == values
+    return None if exact.all() else float(values[~exact].flat[0])
 
 
 def load_step_model(engine_dir: str | Path, device: str | torch.device = "cpu",

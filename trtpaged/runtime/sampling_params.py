@@ -20,6 +20,7 @@ MAX_STOP_STRINGS = 32  # stop strings per request: each is searched for after ev
 MAX_STOP_STRING_CHARS = 128  # characters per stop string (and text held back while streaming)
 MAX_STOP_TOKEN_IDS = 1024  # stop token ids per request: each sampled token is compared with them
 LENGTH_PENALTY_RANGE = (-10.0, 10.0)  # gen_len ** length_penalty stays finite for any max_seq_len < 2**64
+FLOAT32_MAX = 3.4028234663852886e38
 REPETITION_PENALTY_RANGE = (0.01, 100.0)  # logits scaled by <= 100x, then by 1/temperature <= 1e5: finite in fp32
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
 MAX_LOGIT_BIAS = 1024  # biased tokens per request (OpenAI allows 300; vLLM does not bound it)
@@ -212,7 +213,7 @@ class SamplingParams:
     (heuristic) or "never".
 
     Accepted ranges (so that no value can overflow or go NaN inside a step):
-    temperature >= 0 (below 1e-5: greedy); top_p in (0, 1]; min_p in [0, 1];
+    temperature in [0, 3.4e38] (below 1e-5: greedy); top_p in (0, 1]; min_p in [0, 1];
     top_k >= 0 (0 or -1: off); presence_penalty and frequency_penalty in [-2, 2]
     (OpenAI's); repetition_penalty in [0.01, 100]; length_penalty in [-10, 10];
     max_tokens, n, beam_width >= 1 (the engine then bounds them by max_seq_len and
@@ -327,7 +328,9 @@ class SamplingParams:
                 raise RequestError(name, f"must be a finite number, got {value!r:.80}")
         checks = [  # (field, ok, rule, limit)
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1 (None: up to max_seq_len)", 1),
-            ("temperature", self.temperature >= 0.0, "must be >= 0", 0.0),
+            # the sampler divides float32 logits by it: a larger one is inf there, and every filter and mask NaN
+            ("temperature", 0.0 <= self.temperature <= FLOAT32_MAX, "must be in [0, 3.4e38] (finite in float32)",
+             "[0, 3.4e38]"),
             ("top_k", self.top_k >= 0, "must be >= 0 (0 or -1 disables it)", 0),
             ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]", "(0, 1]"),
             ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]", "[0, 1]"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import hashlib
 from typing import Any, Optional
 
 import torch
@@ -18,7 +19,18 @@ def make_generator(seed: Optional[int], index: int) -> Optional[torch.Generator]
     """A private RNG for output `index` of a seeded request: reproducible whatever else is batched."""
     if seed is None:
         return None
-    return torch.Generator().manual_seed((seed + index * _SEED_STRIDE) % (2**64))  # every int64 seed its own
+    return torch.Generator().manual_seed(_seed32((seed + index * _SEED_STRIDE) % (2**64)))
+
+
+def _seed32(seed: int) -> int:
+    """torch's CPU generator (mt19937) keeps a seed's low 32 bits only, so seeds 5 and 5 + 2**32 gave one stream: the
+    high 32 bits are hashed into the low ones (a seed below 2**32 is kept as it is). Two seeds can still meet,
+    by chance (2**-32 a pair), not by their form."""
+    low, high = seed & 0xFFFFFFFF, seed >> 32
+    if not high:
+        return low
+    mixed = int.from_bytes(hashlib.blake2b(high.to_bytes(4, "little"), digest_size=4).digest(), "little")
+    return low ^ mixed
 
 
 class SequenceStatus(enum.Enum):
