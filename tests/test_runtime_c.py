@@ -179,12 +179,35 @@ def edited_engine(src: Path, dst: Path, edit) -> Path:
     (lambda m: m["dims"].update(rope_theta=1e-308), "invalid_argument", "dims.rope_theta: got 1e-308"),
     (lambda m: m.update(kv_cache={"memory_bytes": 2**50}), "invalid_argument",
      "trtpaged.json: kv_cache.memory_bytes: "),
+    # other families' features: valid engines the Python runtime runs (were "unknown field", invalid_argument)
+    (lambda m: m["dims"].update(layer_windows=[8, 0]), "unsupported",
+     "dims.layer_windows: sliding-window attention is not implemented by the C runtime"),
+    (lambda m: m["dims"].update(qk_norm=True), "unsupported", "dims.qk_norm: q/k norms"),
+    (lambda m: m["dims"].update(architecture="Gemma2ForCausalLM", gemma_norms=True), "unsupported",
+     "dims.gemma_norms: Gemma's norms"),
 ])
 def test_open_refuses_bad_engine_dirs(lib, tiny_engine_dir, tmp_path, edit, status, named):
     engine = edited_engine(tiny_engine_dir, tmp_path / "engine", edit)
     with pytest.raises(CError) as e:
         CRuntime(lib, engine)
     assert e.value.status == status and named in e.value.message
+
+
+def test_a_window_no_sequence_reaches_is_read_as_none(lib, tiny_engine_dir, tmp_path):
+    """A stock Mistral config's window (4096) built with a shorter max_seq_len never applies: the C runtime opens it
+    and answers as without one (a window one token inside max_seq_len is refused)."""
+    manifest = json.loads((tiny_engine_dir / "trtpaged.json").read_text())
+    longest, layers = manifest["limits"]["max_seq_len"], manifest["dims"]["num_layers"]
+    with CRuntime(lib, tiny_engine_dir) as rt:
+        want = rt.generate(PROMPTS[:2], 8)
+    engine = edited_engine(tiny_engine_dir, tmp_path / "far", lambda m: m["dims"].update(
+        layer_windows=[longest] + [0] * (layers - 1)))
+    with CRuntime(lib, engine) as rt:
+        assert rt.generate(PROMPTS[:2], 8) == want
+    engine = edited_engine(tiny_engine_dir, tmp_path / "near", lambda m: m["dims"].update(
+        layer_windows=[longest - 1] + [0] * (layers - 1)))
+    with pytest.raises(CError, match="dims.layer_windows: sliding-window attention"):
+        CRuntime(lib, engine)
 
 
 def test_json_nested_past_the_limit_is_refused_not_a_stack_overflow(lib, tiny_engine_dir, tmp_path):

@@ -207,6 +207,37 @@ void read_rope_scaling(const json& value, Manifest& m, const std::string& where)
   }
 }
 
+// The manifest writes a family field only where it differs from Llama's: each one present is a feature of another
+// family that this runtime does not implement (the Python runtime does), so it is refused as unsupported, naming it.
+// A window no sequence can reach (every layer's 0 or >= max_seq_len: a stock Mistral config built shorter) is no
+// window at all, and is read as none.
+void refuse_family_features(const json& dims, int64_t max_seq_len, const std::string& where) {
+  static const std::pair<const char*, const char*> kFeatures[] = {
+      {"layer_windows", "sliding-window attention"},
+      {"nope_layers", "layers without RoPE (SmolLM3)"},
+      {"qk_norm", "q/k norms (Qwen3, Gemma 3)"},
+      {"partial_rotary_factor", "partial rotary embeddings (Phi-3, Phi-4-mini)"},
+      {"hidden_act", "an MLP activation other than SiLU"},
+      {"gemma_norms", "Gemma's norms"},
+      {"embed_scale", "scaled embeddings (Gemma)"},
+      {"attention_scale", "an attention scale other than 1/sqrt(head_dim) (Gemma)"},
+      {"attn_logit_softcap", "attention logit soft-capping (Gemma 2)"},
+      {"final_logit_softcap", "final logit soft-capping (Gemma)"},
+      {"local_rope_theta", "a RoPE base of its own for windowed layers (Gemma 3)"},
+  };
+  for (const auto& [field, feature] : kFeatures) {
+    if (!dims.contains(field)) continue;
+    const json& value = dims[field];
+    if (std::string(field) == "layer_windows" && value.is_array() &&
+        std::all_of(value.begin(), value.end(), [&](const json& w) {
+          return w.is_number_integer() && (w.get<int64_t>() == 0 || w.get<int64_t>() >= max_seq_len);
+        }))
+      continue;
+    raise(TRTPAGED_ERR_UNSUPPORTED, where + ": dims." + field + ": " + feature + " is not implemented by the C "
+                                        "runtime; the Python runtime (trtpaged serve, LLM) runs this engine");
+  }
+}
+
 void read_quantization(const json& q, Manifest& m, const std::string& where) {
   Fields f(q, "quantization.", where);
   const json& modules = f.object("modules", false);
@@ -307,7 +338,14 @@ Manifest read_manifest(const std::string& root) {
   top.object("tensorrt", false);  // the TensorRT build's forms (graph, pool form): nothing the CPU runtime reads
 
   Fields dims(top.object("dims"), "dims.", where);
-  dims.only({"architecture", "num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
+  {
+    const json& limits_obj = top.object("limits");
+    const json* seq = limits_obj.contains("max_seq_len") ? &limits_obj["max_seq_len"] : nullptr;
+    // an unreadable max_seq_len reaches no window here; its own check below names it
+    refuse_family_features(top.object("dims"), seq && seq->is_number_integer() ? seq->get<int64_t>() : INT64_MAX,
+                           where);
+  }
+  dims.only({"layer_windows", "architecture", "num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
              "vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings",
              "tie_word_embeddings", "attention_bias", "o_proj_bias", "mlp_bias"});
   m.architecture = dims.string("architecture");
