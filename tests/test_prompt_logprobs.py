@@ -160,6 +160,23 @@ def test_tied_tokens_never_share_a_rank():
             assert int((logprobs > lp).sum()) + 1 <= entry.rank <= int((logprobs >= lp).sum()), (k, token, ranks)
 
 
+def test_a_position_whose_logits_are_not_finite_has_no_entry_and_the_others_are_exact():
+    """A request fails on non-finite logits (a model whose values overflow): its prompt log-probs were NaN for those
+    positions (handed to a Python caller as such); they are None, and the finite rows' entries are log_softmax's."""
+    from trtpaged.runtime.batch_builder import PromptRows
+    from trtpaged.runtime.scoring import score_prompts
+
+    logits = torch.randn(4, 9, generator=torch.Generator().manual_seed(3))
+    logits[1, 4], logits[3, 0] = float("nan"), float("inf")
+    prompt = [7, 2, 5, 1, 8]
+    (entries,) = score_prompts(logits, [PromptRows("r", 1, [0, 1, 2, 3])], {"r": (prompt, 2)}).values()
+    assert entries[1] is None and entries[3] is None
+    for row in (0, 2):
+        token, truth = prompt[row + 1], torch.log_softmax(logits[row], 0)
+        assert entries[row][token].logprob == pytest.approx(float(truth[token]), abs=1e-6)
+        assert set(entries[row]) == {token, *torch.topk(truth, 2).indices.tolist()}
+
+
 @pytest.mark.slow
 def test_prompt_logprobs_match_hf_on_smollm2(smollm2_engine_dir):
     """SmolLM2-135M (float32 engine) over HTTP-free LLM.generate, chunked: within verification's float32 tolerance."""

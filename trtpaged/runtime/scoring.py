@@ -5,7 +5,7 @@ Like the sampler, this only computes: the scheduler stores the results on the re
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -28,13 +28,14 @@ class PromptLogprob(dict):
 
 
 def score_prompts(logits: torch.Tensor, spans: Sequence[PromptRows], prompts: dict[str, tuple[list[int], int]]
-                  ) -> dict[str, list[PromptLogprob]]:  # fmt: skip
+                  ) -> dict[str, list[Optional[PromptLogprob]]]:  # fmt: skip
     """For each span, one entry per scored token: {token: log-prob} plus the `k` most likely tokens, with the
-    token's rank.
+    token's rank; None for a token whose logits are not finite (the request fails on them, and NaN is no
+    log-prob to hand anyone).
 
     `prompts[request_id]` is (prompt token ids, k). The log-softmax is over the raw logits (the model's
     distribution, as vLLM's prompt_logprobs and OpenAI's echo report it)."""
-    out: dict[str, list[PromptLogprob]] = {}
+    out: dict[str, list[Optional[PromptLogprob]]] = {}
     for span in spans:
         token_ids, k = prompts[span.request_id]
         logprobs = torch.log_softmax(logits[span.rows].float(), dim=1)
@@ -51,5 +52,6 @@ def score_prompts(logits: torch.Tensor, spans: Sequence[PromptRows], prompts: di
                 entry.update(ranked(row_ids, row_values))
                 if token in row_ids:
                     entry.rank = row_ids.index(token) + 1
-        out.setdefault(span.request_id, []).extend(entries)
+        finite = torch.isfinite(logits[span.rows]).all(dim=1).tolist()
+        out.setdefault(span.request_id, []).extend(e if ok else None for e, ok in zip(entries, finite))
     return out
