@@ -97,7 +97,7 @@ def test_beam_search_with_a_repetition_penalty_matches_hf(hf, prompts):
 def test_parallel_samples_share_the_prompt_blocks(hf):
     engine = make(hf)
     prompt = list(range(40))  # 2 full blocks + 8 tokens
-    engine.add_request(prompt, SamplingParams(max_tokens=4, n=4, temperature=1.0, seed=3))
+    engine.add_request(prompt, SamplingParams(max_tokens=4, n=4, temperature=1.0, seed=3, ignore_eos=True))
     engine.step()  # prefill once, then fork into 4 samples
     assert engine.kv.pool.num_used == 3
     assert engine.stats()["kv_blocks_saved_by_sharing"] == 3 * 3
