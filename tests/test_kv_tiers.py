@@ -305,7 +305,9 @@ def test_engines_sharing_a_disk_dir_never_evict_each_others_entries(tmp_path: Pa
 def test_stale_entries_of_other_namespaces_go_when_the_directory_is_over_size(tmp_path: Path):
     """Entries no running engine counts (an older build's namespace: a rebuild is another fingerprint; the flat
     layout before namespaces) unused for a day are removed oldest first while the directory is over the starting
-    tier's size; recent ones of a live neighbour stay (was: kept for ever, the directory past every size)."""
+    tier's size; recent ones of a live neighbour stay (was: kept for ever, the directory past every size). The
+    starting tier's own entries from its last run stay (a restart: was a failed scan of the wrong path, nothing
+    removed)."""
     from trtpaged.runtime.kv_tiers import disk as disk_module
 
     old_build = DiskTier(tmp_path, 10_000, namespace="0" * 16)
@@ -318,9 +320,12 @@ def test_stale_entries_of_other_namespaces_go_when_the_directory_is_over_size(tm
     day_ago = time.time() - disk_module.STALE_S - 60
     for path in [*(tmp_path / ("0" * 16)).iterdir(), legacy.with_suffix(".kv")]:
         os.utime(path, (day_ago, day_ago))
-    DiskTier(tmp_path, 900, namespace="2" * 16)  # 4 stale + 3 live entries of 300 bytes: over, so the stale go
+    DiskTier(tmp_path, 10_000, namespace="2" * 16).put(bytes([9]) * 32, b"r" * 300)  # its last run's entry
+    # the restart: 4 stale + 3 live entries of 300 bytes besides its own: over, so the stale go
+    restarted = DiskTier(tmp_path, 900, namespace="2" * 16)
     assert not (tmp_path / ("0" * 16)).exists() and not legacy.with_suffix(".kv").exists()
     assert all(live.get(bytes([i]) * 32) == b"l" * 300 for i in range(3))
+    assert restarted.get(bytes([9]) * 32) == b"r" * 300 and restarted.counters.errors == 0
 
 
 def test_a_disk_tier_that_meets_a_full_filesystem_or_a_removed_dir_recovers_and_says_so(tmp_path: Path, caplog,

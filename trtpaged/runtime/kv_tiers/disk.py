@@ -85,8 +85,8 @@ class DiskTier:
         # file name -> bytes of the entries on disk, least recently used first (a dict in order: an eviction takes the
         # first entries, where a scan of every file's mtime grew with the entries, 79 ms a write-back at 20,000)
         self._sizes: OrderedDict[str, int] = OrderedDict()
-        for _, path, size in sorted(_entries(self.root)):
-            self._sizes[os.path.basename(path)] = size
+        for _, entry, size in sorted(_entries(self.root)):
+            self._sizes[os.path.basename(entry)] = size
         self._bytes = sum(self._sizes.values())
         with self._lock:
             self._evict_to(self.capacity_bytes)  # a smaller size than the last run's
