@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -158,10 +159,10 @@ def test_a_cut_drain_aborts_what_is_in_flight_at_once(tiny_engine_dir):
     assert stats["kv_blocks_used"] == 0 and stats["num_running"] == stats["num_waiting"] == 0
 
 
-def test_request_timeout_aborts_and_frees(tiny_engine_dir):
+def test_request_timeout_aborts_and_frees(tiny_engine_dir, caplog):
     handle = start_server(tiny_engine_dir, port=0, device="cpu", options=ServerOptions(request_timeout_s=0.5))
     try:
-        slowed(handle, 0.01)  # 400 tokens take >= 4 s
+        restore = slowed(handle, 0.01)  # 400 tokens take >= 4 s
         body = {"prompt": "forever", "max_tokens": 400, "ignore_eos": True}
         status, _, out = request(handle, "/v1/completions", body)
         assert status == 504 and out["error"]["type"] == "timeout_error"
@@ -170,5 +171,15 @@ def test_request_timeout_aborts_and_frees(tiny_engine_dir):
         assert result.events[-1] == "[DONE]" and result.events[-2]["error"]["type"] == "timeout_error"
         m = wait_idle(handle)
         assert m['request_success_total{finished_reason="abort"}'] == 2 and m["kv_cache_blocks_used"] == 0
+        # a stream that times out before its first output logs its prompt's tokens (was prompt=0)
+        restore()
+        slowed(handle, 1.0)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="trtpaged.server"):
+            stream_client(handle, body, None, StreamResult())
+            wait_idle(handle)
+        prompt = len(handle.llm.tokenizer("forever")["input_ids"])
+        assert any(f"prompt={prompt} completion=0 finish=RequestTimeout" in r.getMessage() for r in caplog.records), \
+            [r.getMessage() for r in caplog.records]
     finally:
         handle.shutdown(timeout=0)

@@ -115,7 +115,8 @@ class GenerationService:
         if params.structured_outputs is not None:
             await self._compile_grammar(req, params)
         answer_id = f"{'chatcmpl' if chat else 'cmpl'}-{caller_id if caller_id is not None else uuid.uuid4().hex}"
-        summary = Summary(request_id=answer_id, header_id=caller_id if caller_id is not None else answer_id)
+        summary = Summary(request_id=answer_id, header_id=caller_id if caller_id is not None else answer_id,
+                          prompt_tokens=sum(len(ids) for ids in prompts))  # what a request that fails before any output logs
         # Engine ids end in this submit's own number: two requests under one caller id never share one (an engine
         # id's last "-" field is the number, so equal ids would be one submit's, whose prompt indices differ).
         serial = next(self._submits)
@@ -345,8 +346,8 @@ class GenerationService:
                         yield builder.event(d.index, d.text, d.finish_reason, logprobs, d.stop_reason, so_far, new_ids,
                                             prompt_ids)  # fmt: skip
         except (EngineFailure, ShuttingDown, RequestTimeout) as exc:
-            # what was sent before the failure is logged as sent (the request log feeds `diagnose`)
-            s.summary.prompt_tokens = sum(state.prompt_tokens.values())
+            # what was sent before the failure is logged as sent (the request log feeds `diagnose`); the prompt
+            # tokens are the submitted ones (none may have been sent: a request that timed out waiting)
             s.summary.completion_tokens = 0 if s.req.echo_only else state.completion_tokens
             s.summary.finish_reasons = [type(exc).__name__]
             yield sse(dump(runtime_failure(exc).body()))
