@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 
 import pytest
@@ -639,3 +640,27 @@ def test_a_pool_smaller_than_max_seq_len_is_said_at_start_and_a_lone_sequence_en
     # 64 slots: the 3 prompt tokens and 61 generated ones computed, and the token sampled from the last (never computed)
     assert len(first.token_ids) == 64 - 3 + 1 and first.finish_reason == "length"
     assert (second.token_ids, second.finish_reason) == (first.token_ids, "length")
+
+
+def test_generate_from_several_threads_at_once_answers_each_as_alone(llm):
+    """LLM.generate steps the engine until all its requests finish: two threads at once stepped one engine together
+    (KeyError / IndexError). Calls now run one at a time; every thread's answers are the single-threaded ones."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [[5 + i, 6, 7, 8 + i] for i in range(5)]
+    truth = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    results: list = []
+
+    def work() -> None:
+        try:
+            for _ in range(3):
+                results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        except Exception as exc:  # noqa: BLE001  (collected: the assertion below shows it)
+            results.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results == [truth] * 12
+    assert llm.stats()["kv_blocks_used"] == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import threading
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence as Seq, Union
 
@@ -352,6 +353,9 @@ class LLM:
                 getattr(runner, "close", lambda: None)()
                 raise
         self.engine = LLMEngine(runner, self.config, self.tokenizer, eos, self.manifest.dims.vocab_size, tiers, draft)
+        # calls from several threads run one at a time: each `generate` steps the engine until everything in
+        # it is finished, so two at once stepped one engine from two threads (KeyError, IndexError)
+        self._calls = threading.RLock()
         pool_tokens = self.config.num_kv_blocks * self.config.block_size
         if pool_tokens < self.config.max_seq_len:  # vLLM refuses to start; here such a request ends early
             log.warning("the KV pool holds %d tokens (%d blocks), fewer than max_seq_len %d: a request that "
@@ -378,6 +382,7 @@ class LLM:
         ends "length" there); a prompt that leaves no room is refused.
         `use_tqdm` (vLLM's): a progress bar of finished prompts on a terminal (a callable: the tqdm-like class to
         use); `lora_request` must be None (no adapters here).
+        Calls from several threads are safe and run one at a time (vLLM's LLM leaves that to the caller).
         A prompt that fails inside a step on its own (e.g. NaN logits in its rows) comes back finished,
         with finish_reason "error" and `error` set, and the others complete; a failure of the step
         itself (the model raising) raises here, and this call's requests are aborted.
@@ -397,6 +402,10 @@ class LLM:
         per_prompt = [dataclasses.replace(sp, output_kind=final_only,
                                           **({"cache_salt": salt} if salt is not None else {}))
                       for sp, salt in zip(per_prompt, salts)]  # fmt: skip
+        with self._calls:
+            return self._run(prompts, per_prompt, use_tqdm)
+
+    def _run(self, prompts: list, per_prompt: list[SamplingParams], use_tqdm: Any) -> list[RequestOutput]:
         ids: list[str] = []
         results: dict[str, RequestOutput] = {}
         bar = None
@@ -482,7 +491,8 @@ class LLM:
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """vLLM's call: forgets the KV pool's cached prefixes (the next requests compute theirs again; KV tiers
         keep theirs). True once done; between `generate` calls nothing is running, so it always succeeds then."""
-        return self.engine.reset_prefix_cache(reset_running_requests)
+        with self._calls:
+            return self.engine.reset_prefix_cache(reset_running_requests)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's accessor: what `generate` uses when given no SamplingParams."""
@@ -501,7 +511,8 @@ class LLM:
 
     def close(self) -> None:
         """Writes the cached prefixes to the KV tiers (if any), stops the other tensor-parallel ranks; idempotent."""
-        self.engine.close()
+        with self._calls:  # after a generate running in another thread
+            self.engine.close()
         close = getattr(self.engine.runner, "close", None)
         if close is not None:
             close()
