@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import queue
 import threading
 import time
@@ -122,16 +123,19 @@ class Subscription:
         pending = set(self.request_ids)
         start = time.monotonic()
         next_check = start + poll_s
+        deadline = start + timeout_s if timeout_s is not None else math.inf
         try:
             while pending:
-                item = await self._next(poll_s)
+                # a wait ends at the deadline, not at the next poll after it (was up to a poll late); an output
+                # that came meanwhile is still handed over
+                if time.monotonic() > deadline:
+                    raise RequestTimeout()
+                item = await self._next(max(0.0, min(poll_s, deadline - time.monotonic())))
                 now = time.monotonic()
                 if now >= next_check:  # outputs may arrive every step: check on a clock
                     next_check = now + poll_s
                     if await disconnected():
                         raise ClientGone()
-                    if timeout_s is not None and now - start > timeout_s:
-                        raise RequestTimeout()
                     if item is None and not self.loop.alive:
                         raise EngineFailure("the engine loop stopped")
                 if item is None:
