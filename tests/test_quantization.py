@@ -85,6 +85,22 @@ def test_gguf_blocks_dequantize_exactly_as_gguf_py(type_name):
     assert torch.equal(weight.dequantize(), truth)  # bit-exact: no second rounding
 
 
+def test_a_q4_0_block_whose_offset_float16_cannot_hold_is_refused_at_build():
+    """Q4_0 stores w = d * (q - 8): the kernels keep the offset -8d in float16, so a block with |d| > 8188 (weights
+    near 1e5; gguf-py writes them) built an engine that every load refused."""
+    from gguf import GGMLQuantizationType, quants
+
+    w = np.random.default_rng(2).normal(0, 0.05, (3, 64)).astype(np.float32)
+    w[1, 40] = 8300.0 * 8  # its block's |d| = max|w| / 8 (gguf's Q4_0): past the bound
+    raw = quants.quantize(w, GGMLQuantizationType.Q4_0)
+    with pytest.raises(ValueError, match="offset -8d past float16's range"):
+        from_gguf_blocks("Q4_0", raw, 64)
+    w[1, 40] = 8000.0 * 8  # inside: carried exactly as before
+    raw = quants.quantize(w, GGMLQuantizationType.Q4_0)
+    truth = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q4_0).astype(np.float32))
+    assert torch.equal(from_gguf_blocks("Q4_0", raw, 64).dequantize(), truth)
+
+
 def test_gguf_other_types_are_refused():
     with pytest.raises(ValueError, match="cannot be carried exactly"):
         from_gguf_blocks("Q6_K", np.zeros((1, 210), np.uint8), 256)

@@ -183,6 +183,8 @@ def edited_engine(src: Path, dst: Path, edit) -> Path:
     (lambda m: m["dims"].update(layer_windows=[8, 0]), "unsupported",
      "dims.layer_windows: sliding-window attention is not implemented by the C runtime"),
     (lambda m: m["dims"].update(qk_norm=True), "unsupported", "dims.qk_norm: q/k norms"),
+    (lambda m: m["dims"].update(layer_windows=[4096]), "invalid_argument", "dims.layer_windows: got [4096]; one window"),
+    (lambda m: m["dims"].update(layer_windows=[-1, 0]), "invalid_argument", "dims.layer_windows: got [-1,0]"),
     (lambda m: m["dims"].update(architecture="Gemma2ForCausalLM", gemma_norms=True), "unsupported",
      "dims.gemma_norms: Gemma's norms"),
 ])

@@ -471,6 +471,30 @@ def test_text_held_back_at_the_end_is_checked_for_stop_strings(smollm2_int4_engi
         assert (out.outputs[0].text, out.outputs[0].stop_reason) == (_text_of(llm.tokenizer, shown)[0], end_token)
 
 
+@pytest.mark.slow
+def test_a_stop_string_within_min_tokens_stays_text_when_held_back_text_ends_the_output(smollm2_int4_engine_dir):
+    """The output processor over SmolLM2's tokenizer: "x", then a space with an emoji's first bytes (held back),
+    then EOS shown as the stop token. "x" came within min_tokens, so it is text, not a stop, however the end token's
+    text is shown (a first version of the held-back check searched back into it: text "x", stop "x")."""
+    from transformers import AutoTokenizer
+
+    from trtpaged.runtime.output_processor import OutputProcessor
+    from trtpaged.runtime.sequence import Sequence, SequenceGroup
+
+    tok = AutoTokenizer.from_pretrained(smollm2_int4_engine_dir / "tokenizer")
+    held, x, eos = tok.encode(" \U0001F60F")[0], tok.encode("x")[0], tok.eos_token_id
+    assert tok.decode([held]).endswith("\ufffd")  # a space and the emoji's first bytes: its text waits
+    for include in (True, False):
+        seq = Sequence(1, tok.encode("Hi"))
+        group = SequenceGroup("r", 0, None, seq, SamplingParams(stop=["x"], min_tokens=2, stop_token_ids=[eos],
+                                                                include_stop_str_in_output=include))
+        for token in (x, held, eos):
+            seq.append_token(token)
+        seq.finish("stop", eos)
+        assert OutputProcessor(tok).detokenize([group]) == []
+        assert (seq.output_text, seq.stop_reason) == (_text_of(tok, [x, held])[0], eos), include
+
+
 def test_reset_prefix_cache_forgets_cached_blocks_only_when_nothing_runs(llm, tiny_engine_dir):
     """vLLM's LLM.reset_prefix_cache: a prompt of 3 full blocks hits its 48 tokens, after a reset none (and the
     answer is still HF's); while a request is unfinished the reset is refused and changes nothing."""

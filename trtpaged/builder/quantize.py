@@ -90,7 +90,10 @@ def read_gguf_exact(path: Path, dims: ModelDims, model_type: str) -> dict[str, t
         in_features = int(tensor.shape[0])
         if in_features % GGUF_BLOCK:
             continue
-        weight = from_gguf_blocks(type_name, tensor.data, in_features)
+        try:
+            weight = from_gguf_blocks(type_name, tensor.data, in_features)
+        except ValueError as exc:
+            raise ValueError(f"{tensor.name}: {exc}") from None
         if model_type == "llama" and parts[-2] in ("attn_q", "attn_k"):
             heads = dims.num_heads if parts[-2] == "attn_q" else dims.num_kv_heads
             weight = weight.rows(_reverse_permute_rows(weight.out_features, heads))

@@ -115,7 +115,8 @@ def verify_onnx(
         _check_finite(ref, "quantized-cache step model" if quantized else "transformers (the reference)", step)
         # the reference's logits are finite here: a 16-bit cache's range is what the graph can lose them to
         cause = ("keys or values past float16's range (65504) overflow the float16 KV cache (the reference's logits "
-                 "are finite); build with kv_cache_dtype bfloat16 or float32" if kv_cache_dtype == "float16" else None)
+                 "are finite); build with kv_cache_dtype bfloat16 or float32"
+                 if kv_cache_dtype == "float16" and dtype != "float16" else None)  # fmt: skip
         for rank, (logits, _) in enumerate(outs):
             _check_finite(logits, "ONNX graph" + (f" of rank {rank}" if len(outs) > 1 else ""), step, cause)
         # max() would skip a NaN (nan > x is False): the checks above keep every value finite

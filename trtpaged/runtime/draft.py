@@ -152,7 +152,7 @@ class DraftProposer:
         if mirror is None:
             gen = None
             if req.params.seed is not None and not req.params.greedy:
-                gen = make_generator(req.params.seed + 0x5DEECE66D, 0)  # not the request's own stream
+                gen = make_generator(req.params.seed, 0, offset=0x5DEECE66D)  # not the request's own stream
             mirror = self.mirrors[req.seq_id] = _Mirror(req.seq_id, [], 0, gen)
         keep = common_prefix(mirror.token_ids[: mirror.num_computed_tokens], req.token_ids)
         mirror.num_computed_tokens = min(keep, len(req.token_ids) - 1)

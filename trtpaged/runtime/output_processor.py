@@ -131,7 +131,7 @@ class OutputProcessor:
         if not params.stop or seq.num_decoded_tokens <= params.min_tokens:
             return None
         text = seq.output_text
-        if before is not None:
+        if before is not None and len(text) > before:  # only the end token's text is cut off the search
             new_chars -= len(text) - before
             text = text[:before]
             if new_chars <= 0:

@@ -94,8 +94,9 @@ class RequestOutput:
     num_cached_tokens: Optional[int] = None  # prompt tokens found in the prefix cache (None: not scheduled yet)
     error: Optional[str] = None  # why the request failed inside a step (then finished, finish_reason "error")
     error_field: Optional[str] = None  # the request field at fault, when the request's own settings caused it
-    # SamplingParams.prompt_logprobs: per prompt token {token: log-prob, + top-k}, None for the first token (each a
-    # `scoring.PromptLogprob`: its `.rank` is the prompt token's rank, 1 = most likely); set once the whole prompt is
+    # SamplingParams.prompt_logprobs: per prompt token {token: log-prob, + top-k}, None for the first token and any
+    # whose logits were not finite (each a `scoring.PromptLogprob`: its `.rank` is the prompt token's rank, 1 = most
+    # likely); set once the whole prompt is
     # computed (DELTA outputs: in the first output after that only)
     prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
     # vLLM's fields without a counterpart here (no LoRA adapters; no per-request metrics object: `LLM.stats()` has

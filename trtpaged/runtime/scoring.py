@@ -30,8 +30,8 @@ class PromptLogprob(dict):
 def score_prompts(logits: torch.Tensor, spans: Sequence[PromptRows], prompts: dict[str, tuple[list[int], int]]
                   ) -> dict[str, list[Optional[PromptLogprob]]]:  # fmt: skip
     """For each span, one entry per scored token: {token: log-prob} plus the `k` most likely tokens, with the
-    token's rank; None for a token whose logits are not finite (the request fails on them, and NaN is no
-    log-prob to hand anyone).
+    token's rank; None for a token whose logits are not finite (NaN is no log-prob to hand anyone; a request
+    fails on such logits where it samples).
 
     `prompts[request_id]` is (prompt token ids, k). The log-softmax is over the raw logits (the model's
     distribution, as vLLM's prompt_logprobs and OpenAI's echo report it)."""

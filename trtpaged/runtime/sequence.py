@@ -15,17 +15,18 @@ from trtpaged.runtime.sampling_params import SamplingParams
 _SEED_STRIDE = 0x9E3779B1
 
 
-def make_generator(seed: Optional[int], index: int) -> Optional[torch.Generator]:
-    """A private RNG for output `index` of a seeded request: reproducible whatever else is batched."""
+def make_generator(seed: Optional[int], index: int, offset: int = 0) -> Optional[torch.Generator]:
+    """A private RNG for output `index` of a seeded request: reproducible whatever else is batched. `offset`
+    gives another stream of the same seed (the draft engine's)."""
     if seed is None:
         return None
-    return torch.Generator().manual_seed(_seed32((seed + index * _SEED_STRIDE) % (2**64)))
+    return torch.Generator().manual_seed((_seed32(seed % 2**64) + index * _SEED_STRIDE + offset) % 2**32)
 
 
 def _seed32(seed: int) -> int:
     """torch's CPU generator (mt19937) keeps a seed's low 32 bits only, so seeds 5 and 5 + 2**32 gave one stream: the
     high 32 bits are hashed into the low ones (a seed below 2**32 is kept as it is). Two seeds can still meet,
-    by chance (2**-32 a pair), not by their form."""
+    by chance (2**-32 a pair), not by their form. The streams of seeds below 2**32 are those of before."""
     low, high = seed & 0xFFFFFFFF, seed >> 32
     if not high:
         return low

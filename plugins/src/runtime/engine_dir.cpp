@@ -228,11 +228,20 @@ void refuse_family_features(const json& dims, int64_t max_seq_len, const std::st
   for (const auto& [field, feature] : kFeatures) {
     if (!dims.contains(field)) continue;
     const json& value = dims[field];
-    if (std::string(field) == "layer_windows" && value.is_array() &&
-        std::all_of(value.begin(), value.end(), [&](const json& w) {
-          return w.is_number_integer() && (w.get<int64_t>() == 0 || w.get<int64_t>() >= max_seq_len);
-        }))
-      continue;
+    if (std::string(field) == "layer_windows") {  // the Python reader's checks: one window >= 0 per layer
+      const json* layers = dims.contains("num_layers") ? &dims["num_layers"] : nullptr;
+      bool counted = layers && layers->is_number_integer() && value.is_array() &&
+                     int64_t(value.size()) == layers->get<int64_t>();
+      if (!counted || !std::all_of(value.begin(), value.end(), [](const json& w) {
+            return w.is_number_integer() && w.get<int64_t>() >= 0;
+          }))
+        invalid(where + ": dims.layer_windows: got " + show(value) + "; one window (a number of tokens >= 0, 0: "
+                "global) per layer");
+      if (std::all_of(value.begin(), value.end(), [&](const json& w) {
+            return w.get<int64_t>() == 0 || w.get<int64_t>() >= max_seq_len;
+          }))
+        continue;
+    }
     raise(TRTPAGED_ERR_UNSUPPORTED, where + ": dims." + field + ": " + feature + " is not implemented by the C "
                                         "runtime; the Python runtime (trtpaged serve, LLM) runs this engine");
   }
