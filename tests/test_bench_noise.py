@@ -49,9 +49,12 @@ def test_foreign_load_counts_other_processes_not_ours() -> None:
     before = process_tree.cpu_seconds()
     child = subprocess.Popen([sys.executable, "-c", BURN])
     time.sleep(1.0)
-    during = process_tree.cpu_seconds() - before  # the live child's CPU, before it exits
+    with open(f"/proc/{child.pid}/stat") as f:  # the child's own account of its CPU (after the ")" of its name)
+        fields = f.read().rsplit(")", 1)[1].split()
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    during = process_tree.cpu_seconds() - before  # ours and the live child's, read after its own count
     child.wait()
-    assert during > 0.5, during
+    assert own > 0.1 and during >= own, (own, during)  # (a loaded machine gives the burner less than its 1 s)
 
 
 def test_kernel_bench_verdicts_follow_the_noise() -> None:
