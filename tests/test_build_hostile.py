@@ -526,3 +526,26 @@ def test_values_past_a_float16_kv_cache_s_range_are_named_as_the_cause(tmp_path)
             _one_line_failure(r, "verify: the ONNX graph gives", words)
         else:
             assert r.exit_code == 0, r.output
+
+
+def test_what_appears_at_the_output_during_a_build_is_checked_again_before_it_is_replaced(tmp_path):
+    """A build runs for minutes: a directory of someone's files made at the output meanwhile was moved aside and
+    deleted, and of two builds into one new dir both succeeded, the later replacing the first without --force.
+    The output is checked again at the end: nothing made there is lost, and the build fails naming it."""
+    from trtpaged.builder.engine_dir import OutputDirError
+
+    output = tmp_path / "engine"
+    with pytest.raises(OutputDirError, match="not an engine dir; refusing to replace it"):
+        with staged_output(output) as tmp:
+            (tmp / "trtpaged.json").write_text("{}")
+            output.mkdir()
+            (output / "thesis.txt").write_text("years of work")
+    assert (output / "thesis.txt").read_text() == "years of work"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["engine"]  # the build's temp dir is gone
+    second = tmp_path / "second"
+    with pytest.raises(OutputDirError, match="is an engine dir already; pass --force"):
+        with staged_output(second) as later:
+            (later / "trtpaged.json").write_text('{"from": "later"}')
+            with staged_output(second) as first:  # a build beside it that finishes first
+                (first / "trtpaged.json").write_text('{"from": "first"}')
+    assert (second / "trtpaged.json").read_text() == '{"from": "first"}'

@@ -112,7 +112,7 @@ def staged_output(output: Path, force: bool = False) -> Iterator[Path]:
         yield tmp
         raise_if_interrupted()  # one a finalizer swallowed: nothing is written
         hold_from_here()  # a signal from here on cannot leave the old engine dir moved aside and the new one not in
-        _replace(tmp, output)  # (it takes tmp's BUILD_LOCK out; the fd keeps the lock until the rename is done)
+        _replace(tmp, output, force)  # (it takes tmp's BUILD_LOCK out; the fd keeps the lock until the rename is done)
     except BaseException:
         with held():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -210,13 +210,15 @@ def _make_readable(root: Path) -> None:
         os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
 
 
-def _replace(tmp: Path, output: Path) -> None:
+def _replace(tmp: Path, output: Path, force: bool) -> None:
     """`tmp` (without its BUILD_LOCK, which is not part of an engine dir) becomes `output`, an engine dir already
-    there replaced."""
+    there replaced. What is at `output` is checked again first: a build runs for minutes, and a directory made there
+    meanwhile (someone's files, or a build beside this one that finished first) is not this build's to replace."""
+    check_output(output, force)
     _make_readable(tmp)
     if not os.path.lexists(output):
         (tmp / BUILD_LOCK).unlink()
-        os.rename(tmp, output)
+        os.rename(tmp, output)  # a directory with files made since the check fails this (ENOTEMPTY): nothing lost
         return
     old = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.parent))
     # held while the old engine dir is aside: if this process dies between the renames, the next build into this
