@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import pickle
 import shutil
 import struct
@@ -479,3 +481,17 @@ def test_tensor_parallel_shards_are_confined_and_checked(tiny_kv4_engines, tmp_p
     assert "not a valid safetensors file" in lines[0], r.output
     with pytest.raises(EngineDirError, match="shards\\[1\\].weights_file"):  # before any rank is started
         LLM(engine, device="cpu")
+
+
+def test_a_terminal_without_the_characters_gets_them_escaped_not_a_traceback(tiny_engine_dir, tmp_path):
+    """A latin-1 (or ASCII) terminal: a model path in Chinese in `inspect`'s lines (or a build's, or a model's
+    U+FFFD from `generate`) ended the command with UnicodeEncodeError's traceback; the characters come out escaped
+    and the command succeeds."""
+    engine = _copy(tiny_engine_dir, tmp_path)
+    data = json.loads((engine / MANIFEST_NAME).read_text())
+    _edit_manifest(engine, source={**data["source"], "path": "/models/引擎"})
+    env = {**os.environ, "PYTHONIOENCODING": "latin-1"}
+    out = subprocess.run([sys.executable, "-m", "trtpaged.cli", "inspect", str(engine)], env=env,
+                         capture_output=True)  # fmt: skip
+    assert out.returncode == 0 and b"Traceback" not in out.stderr, out.stderr[-400:]
+    assert b"from /models/\\u5f15\\u64ce" in out.stdout  # the path, escaped

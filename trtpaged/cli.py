@@ -7,6 +7,8 @@ only when invoked, so `trtpaged --help` stays fast.
 from __future__ import annotations
 
 import importlib
+import io
+import sys
 
 import click
 
@@ -47,6 +49,11 @@ class LazyGroup(click.Group):
 @click.version_option(__version__, prog_name="trtpaged")
 def main() -> None:
     """trtpaged: compile a Hugging Face causal LM into a paged-attention engine and serve it."""
+    # a terminal whose encoding lacks a character (latin-1, ASCII: a model's text, a path, U+FFFD) shows it escaped
+    # instead of ending the command with UnicodeEncodeError
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(errors="backslashreplace")
 
 
 if __name__ == "__main__":
