@@ -412,3 +412,16 @@ def test_serve_raises_a_low_open_files_limit_up_to_the_hard_one(soft, hard):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     capped = 65536 if hard == resource.RLIM_INFINITY else min(65536, hard)
     assert [int(v) for v in out] == [max(soft, capped), hard]
+
+
+def test_serve_that_cannot_write_its_ready_line_stops_cleanly(tiny_engine_dir):
+    """stdout on a full disk (or a closed pipe): the ready line fails after the server started; the command stops
+    the server and exits 1 (was: a segfault at exit, the server's threads still running)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with open("/dev/full", "w") as full:
+        out = subprocess.run([sys.executable, "-m", "trtpaged.cli", "serve", str(tiny_engine_dir), "--port",
+                              str(port), "--device", "cpu"], stdout=full, stderr=subprocess.PIPE, timeout=120)
+    assert out.returncode == 1 and b"Traceback" not in out.stderr, (out.returncode, out.stderr[-600:])
+    assert b"Error: cannot write the ready line to stdout (No space left on device)" in out.stderr

@@ -118,7 +118,11 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
         notes += f"; speculative decoding {speculative_config.to_dict()}"
     stopped = False
     try:
-        click.echo(f"trtpaged serve: {handle.model_name} ready at {handle.url} ({notes}; Ctrl-C or SIGTERM to stop)")
+        try:
+            click.echo(f"trtpaged serve: {handle.model_name} ready at {handle.url} ({notes}; Ctrl-C or SIGTERM to "
+                       "stop)")
+        except OSError as exc:
+            raise click.ClickException(f"cannot write the ready line to stdout ({exc.strerror or exc})") from None
         while not stop.wait(0.5) and handle.failure is None:
             pass
         if handle.failure is not None:
