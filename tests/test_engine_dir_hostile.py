@@ -406,6 +406,29 @@ def test_hashes_are_checked_in_full_once_then_by_stamp(tiny_engine_dir, tmp_path
         verify_engine_dir(engine, manifest)
 
 
+def test_no_stamp_where_home_is_nowhere_and_no_half_written_one_is_left(tiny_engine_dir, tmp_path, monkeypatch):
+    """HOME=/nonexistent (a service user's): the stamp's dirs were made under it; now no stamp is kept (every
+    load hashes). A stamp that cannot be written (a full disk) left its temp file, one per load; now none."""
+    import errno
+
+    from trtpaged import engine_files
+
+    engine = _copy(tiny_engine_dir, tmp_path)
+    manifest = read_manifest(engine)
+    monkeypatch.delenv("TRTPAGED_CACHE_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "nowhere"))
+    assert [verify_engine_dir(engine, manifest).method for _ in range(2)] == ["sha256", "sha256"]
+    assert not (tmp_path / "nowhere").exists()
+    monkeypatch.setenv("TRTPAGED_CACHE_DIR", str(tmp_path / "full"))
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(engine_files.json, "dump", no_space)
+    assert [verify_engine_dir(engine, manifest).method for _ in range(2)] == ["sha256", "sha256"]
+    assert list((tmp_path / "full" / "verified").iterdir()) == []
+
+
 def test_a_tokenizer_with_auto_map_never_runs_its_code(tiny_engine_dir, tmp_path):
     from trtpaged import LLM
 

@@ -13,6 +13,7 @@ again. `full=True` (`inspect --verify`) always hashes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -203,7 +204,12 @@ def _stamp(root: Path, manifest_digest: str, stats: dict[str, tuple[int, int, in
 
 
 def _stamp_path(root: Path) -> Optional[Path]:
-    base = os.environ.get("TRTPAGED_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "trtpaged")
+    base = os.environ.get("TRTPAGED_CACHE_DIR")
+    if not base:
+        home = os.path.expanduser("~")
+        if not os.path.isdir(home):  # HOME unset or nowhere (e.g. /nonexistent, which must never be made)
+            return None
+        base = os.path.join(home, ".cache", "trtpaged")
     if not os.path.isabs(base):
         return None
     stamp = Path(base) / "verified" / (hashlib.sha256(str(root).encode()).hexdigest() + ".json")
@@ -222,6 +228,7 @@ def _read_stamp(path: Path) -> Optional[dict]:
 
 def _write_stamp(path: Path, stamp: dict) -> None:
     """Atomically; a cache dir that cannot be written only means the next load hashes again."""
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".stamp-", dir=path.parent)
@@ -229,4 +236,6 @@ def _write_stamp(path: Path, stamp: dict) -> None:
             json.dump(stamp, f)
         os.replace(tmp, path)
     except OSError:
-        pass
+        if tmp is not None:  # a full filesystem: the half-written stamp goes (was one left per load)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
