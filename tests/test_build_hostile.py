@@ -549,3 +549,14 @@ def test_what_appears_at_the_output_during_a_build_is_checked_again_before_it_is
             with staged_output(second) as first:  # a build beside it that finishes first
                 (first / "trtpaged.json").write_text('{"from": "first"}')
     assert (second / "trtpaged.json").read_text() == '{"from": "first"}'
+
+
+def test_a_weights_file_that_cannot_be_written_is_an_os_error_naming_it(tmp_path):
+    """safetensors fails a write (a full disk, a directory gone) with its own SafetensorError, which the build's
+    one-line report of write failures did not take: a traceback. It is now an OSError naming the file."""
+    from trtpaged.builder.weights import write_safetensors
+
+    path = tmp_path / "gone" / "weights.safetensors"
+    with pytest.raises(OSError) as info:
+        write_safetensors({"w": torch.zeros(2)}, path, {"format": "pt"})
+    assert info.value.filename == str(path) and "No such file or directory" in info.value.strerror

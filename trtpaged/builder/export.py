@@ -22,7 +22,7 @@ from trtpaged.builder import onnx_allreduce, onnx_quant
 from trtpaged.builder.onnx_node import translation_table
 from trtpaged.builder.probe import standard_probe
 from trtpaged.step_io import INPUT_NAMES, STEP_INPUT_AXES
-from trtpaged.builder.weights import tensor_offsets
+from trtpaged.builder.weights import tensor_offsets, write_safetensors
 from trtpaged.kv_quant import is_quantized
 from trtpaged.models.llama import LlamaStepModel
 
@@ -125,10 +125,8 @@ def _bind_to_files(graph, model: LlamaStepModel, onnx_path: Path, weights_path: 
                   if name not in offsets and name in graph.initializers}
     external = {name: (weights_path, offset_length) for name, offset_length in offsets.items()}
     if graph_only:
-        from safetensors.torch import save_file
-
         side = graph_weights_path(onnx_path)
-        save_file(graph_only, str(side), metadata={"format": "pt", "producer": "trtpaged", "for": onnx_path.name})
+        write_safetensors(graph_only, side, {"format": "pt", "producer": "trtpaged", "for": onnx_path.name})
         external.update({name: (side, ol) for name, ol in tensor_offsets(side).items()})
     for name, value in list(graph.initializers.items()):
         tensor = value.const_value

@@ -15,11 +15,21 @@ from torch import nn
 
 def save_weights(model: nn.Module, path: Path) -> dict[str, torch.Tensor]:
     """Writes the model's persistent state (tied weights once) to safetensors; returns what was written."""
+    state = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
+    write_safetensors(state, path, {"format": "pt", "producer": "trtpaged"})
+    return state
+
+
+def write_safetensors(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """safetensors' save_file; its failure to write (a full disk: its own SafetensorError, which names no file) is
+    an OSError naming `path`, as any other write of the build fails."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    state = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
-    save_file(state, str(path), metadata={"format": "pt", "producer": "trtpaged"})
-    return state
+    try:
+        save_file(state, str(path), metadata=metadata)
+    except SafetensorError as exc:  # e.g. "Error while serializing: I/O error: No space left on device (os error 28)"
+        raise OSError(None, str(exc), str(path)) from None
 
 
 def tensor_offsets(path: Path) -> dict[str, tuple[int, int]]:
