@@ -4,6 +4,7 @@ huge pages where the kernel's transparent huge page setting allows it (checked i
 from __future__ import annotations
 
 import gc
+import os
 from pathlib import Path
 
 import pytest
@@ -49,3 +50,16 @@ def test_pools_under_a_huge_page_are_plain_zeros() -> None:
 def test_pool_is_backed_by_huge_pages() -> None:
     pool = kv_pool_memory.zeros((1024, 1, 2, 3, 16, 64), torch.float32)  # 24 MiB
     assert _huge_kb_of(pool.data_ptr()) >= 2048, "no 2 MiB page backs the pool"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/sys/vm/overcommit_memory")
+                    or open("/proc/sys/vm/overcommit_memory").read().strip() == "1",
+                    reason="the kernel grants any mapping (overcommit_memory 1): 1 TiB would be touched")
+def test_a_pool_the_host_cannot_hold_is_a_budget_error_naming_the_setting():
+    """mmap's ENOMEM (or torch's allocator failing, or a ulimit -v) was an OSError traceback from deep in the load;
+    it is a KVBudgetError on num_kv_blocks naming the bytes (the CLI's one-line error)."""
+    from trtpaged.kv_budget import KVBudgetError
+
+    with pytest.raises(KVBudgetError, match="the KV pool's 1099511627776 bytes could not be allocated") as info:
+        kv_pool_memory.zeros((1 << 40,), torch.uint8)
+    assert info.value.field == "num_kv_blocks"

@@ -16,6 +16,8 @@ import mmap
 
 import torch
 
+from trtpaged.kv_budget import KVBudgetError
+
 HUGE_PAGE = 2 << 20
 
 
@@ -29,6 +31,17 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     for n in shape:
         numel *= n
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    try:
+        return _zeros(shape, dtype, device, nbytes)
+    except (OSError, RuntimeError, MemoryError) as exc:  # ENOMEM from mmap, torch's allocator, a ulimit -v
+        if isinstance(exc, RuntimeError) and "alloc" not in str(exc).lower():
+            raise
+        raise KVBudgetError("num_kv_blocks", f"the KV pool's {nbytes} bytes could not be allocated ("
+                            f"{getattr(exc, 'strerror', None) or str(exc)[:120]}); ask for fewer blocks "
+                            "(num_kv_blocks, serve/generate --num-kv-blocks)") from None
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, nbytes: int) -> torch.Tensor:
     if torch.device(device).type != "cpu" or nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.zeros(shape, dtype=dtype, device=device)
     # MAP_PRIVATE: a shared anonymous mapping is shmem, which follows shmem_enabled instead
