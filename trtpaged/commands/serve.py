@@ -150,12 +150,16 @@ def raise_open_files_limit(wanted: int = OPEN_FILES_WANTED) -> int:
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    log = logging.getLogger(__name__)
+    if target < 4096:  # connections past it are reset by the kernel, with nothing in this server's log
+        log.warning("open files are limited to %d (the hard limit, ulimit -Hn): about that many connections at once",
+                    target)
     if soft != resource.RLIM_INFINITY and soft < target:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
             return target
         except (ValueError, OSError) as exc:
-            logging.getLogger(__name__).warning("could not raise the open-files limit from %d: %s", soft, exc)
+            log.warning("could not raise the open-files limit from %d: %s", soft, exc)
     return soft
 
 
