@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <string>
 
 #include "trtpaged/trtpaged.h"
@@ -12,6 +13,8 @@ namespace trtpaged {
 
 // Records msg as this thread's last error and returns code.
 int fail(int code, const std::string& msg);
+// What an exception caught at the C ABI's edge becomes: OUT_OF_MEMORY for std::bad_alloc, INVALID_ARGUMENT else.
+int fail_from(const std::exception& e, const char* where);
 // Clears this thread's last error and returns TRTPAGED_OK.
 int ok();
 

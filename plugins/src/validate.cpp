@@ -1,4 +1,5 @@
 // Error reporting and argument validation shared by every backend.
+#include <new>
 #include <string>
 #include <unordered_set>
 
@@ -55,6 +56,12 @@ static std::string utf8_safe(const std::string& msg) {
 int fail(int code, const std::string& msg) {
   g_last_error = utf8_safe(msg);
   return code;
+}
+
+int fail_from(const std::exception& e, const char* where) {
+  if (dynamic_cast<const std::bad_alloc*>(&e))
+    return fail(TRTPAGED_ERR_OUT_OF_MEMORY, std::string(where) + ": out of memory (" + e.what() + ")");
+  return fail(TRTPAGED_ERR_INVALID_ARGUMENT, std::string(where) + ": " + e.what());
 }
 
 int ok() {

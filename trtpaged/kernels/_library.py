@@ -30,7 +30,8 @@ _DTYPE_CODES = {getattr(torch, name): KV_FORMATS[name].abi_code for name in FLOA
 _KV_CACHE_DTYPE_CODES = {**_DTYPE_CODES,
                          **{STORAGE_DTYPES[name]: KV_FORMATS[name].abi_code for name in QUANTIZED_KV_CACHE_DTYPES}}
 _QUANTIZED_POOL_DTYPES = tuple(STORAGE_DTYPES.values())
-_STATUS_NAMES = {1: "invalid argument", 2: "unsupported", 3: "CUDA error", 4: "not built"}
+_STATUS_NAMES = {1: "invalid argument", 2: "unsupported", 3: "CUDA error", 4: "not built", 5: "I/O error",
+                 6: "out of memory"}
 
 
 class KernelError(RuntimeError):

@@ -48,7 +48,7 @@ typedef enum trtpaged_status {
   TRTPAGED_ERR_CUDA = 3,             /* a CUDA runtime call failed */
   TRTPAGED_ERR_NOT_BUILT = 4,        /* the library was built without this backend */
   TRTPAGED_ERR_IO = 5,               /* a file could not be opened or read (runtime.h) */
-  TRTPAGED_ERR_OUT_OF_MEMORY = 6     /* an allocation failed (runtime.h) */
+  TRTPAGED_ERR_OUT_OF_MEMORY = 6     /* an allocation failed */
 } trtpaged_status;
 
 typedef enum trtpaged_dtype {

@@ -27,7 +27,7 @@ TRTPAGED_API int trtpaged_copy_blocks_cpu(void* kv_cache, int32_t num_kv_blocks,
     if (int rc = validate_block_pairs(pairs, num_pairs, num_kv_blocks, num_kv_blocks, true)) return rc;
     return copy_pairs(static_cast<const char*>(kv_cache), static_cast<char*>(kv_cache), block_bytes, pairs, num_pairs);
   } catch (const std::exception& e) {
-    return fail(TRTPAGED_ERR_INVALID_ARGUMENT, std::string("copy_blocks_cpu: ") + e.what());
+    return fail_from(e, "copy_blocks_cpu");
   }
 }
 
@@ -44,7 +44,7 @@ TRTPAGED_API int trtpaged_swap_blocks_cpu(const void* src_pool, int32_t src_num_
     if (int rc = validate_block_pairs(pairs, num_pairs, src_num_kv_blocks, dst_num_kv_blocks, false)) return rc;
     return copy_pairs(static_cast<const char*>(src_pool), static_cast<char*>(dst_pool), block_bytes, pairs, num_pairs);
   } catch (const std::exception& e) {
-    return fail(TRTPAGED_ERR_INVALID_ARGUMENT, std::string("swap_blocks_cpu: ") + e.what());
+    return fail_from(e, "swap_blocks_cpu");
   }
 }
 

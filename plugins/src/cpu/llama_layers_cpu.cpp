@@ -100,6 +100,6 @@ extern "C" TRTPAGED_API trtpaged_status trtpaged_llama_layers_cpu(
     }
     return trtpaged_status(ok());
   } catch (const std::exception& e) {
-    return trtpaged_status(fail(TRTPAGED_ERR_INVALID_ARGUMENT, std::string("llama_layers_cpu: ") + e.what()));
+    return trtpaged_status(fail_from(e, "llama_layers_cpu"));
   }
 }

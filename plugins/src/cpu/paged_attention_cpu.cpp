@@ -82,7 +82,7 @@ extern "C" TRTPAGED_API int trtpaged_paged_attention_ex_cpu(const trtpaged_atten
     }
     return ok();
   } catch (const std::exception& e) {
-    return fail(TRTPAGED_ERR_INVALID_ARGUMENT, std::string("paged_attention_cpu: ") + e.what());
+    return fail_from(e, "paged_attention_cpu");
   }
 }
 

@@ -1392,7 +1392,7 @@ TRTPAGED_API trtpaged_status trtpaged_qlinear_pack(int32_t bits, int64_t n, int6
     }
     return trtpaged_status(ok());
   } catch (const std::exception& e) {
-    return trtpaged_status(fail(TRTPAGED_ERR_INVALID_ARGUMENT, std::string("qlinear_pack: ") + e.what()));
+    return trtpaged_status(fail_from(e, "qlinear_pack"));
   }
 }
 
@@ -1439,7 +1439,7 @@ TRTPAGED_API trtpaged_status trtpaged_qlinear_cpu_ex(const float* x, int64_t m, 
               y, 1, float_acts ? float_tile_max_rows(isa) : std::max(kMaxMB, tile_max_rows(isa, bits)));
     return trtpaged_status(ok());
   } catch (const std::exception& e) {
-    return trtpaged_status(fail(TRTPAGED_ERR_INVALID_ARGUMENT, std::string("qlinear_cpu: ") + e.what()));
+    return trtpaged_status(fail_from(e, "qlinear_cpu"));
   }
 }
 
