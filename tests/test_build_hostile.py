@@ -549,6 +549,24 @@ def test_what_appears_at_the_output_during_a_build_is_checked_again_before_it_is
             with staged_output(second) as first:  # a build beside it that finishes first
                 (first / "trtpaged.json").write_text('{"from": "first"}')
     assert (second / "trtpaged.json").read_text() == '{"from": "first"}'
+    # the same where the build made the output's parent: what is in it stays (was removed with the parent)
+    for name in ("made", "made2"):
+        output = tmp_path / name / "deeper" / "engine"
+        with pytest.raises(OutputDirError):
+            with staged_output(output) as later:
+                (later / "trtpaged.json").write_text('{"from": "later"}')
+                if name == "made":
+                    output.mkdir()
+                    (output / "thesis.txt").write_text("years of work")
+                else:
+                    with staged_output(output) as first:
+                        (first / "trtpaged.json").write_text('{"from": "first"}')
+        kept = "thesis.txt" if name == "made" else "trtpaged.json"
+        assert sorted(p.name for p in output.iterdir()) == [kept] and sorted(output.parent.iterdir()) == [output]
+    with pytest.raises(RuntimeError, match="fails"):  # a build that fails where it made the parent leaves nothing
+        with staged_output(tmp_path / "fresh" / "engine"):
+            raise RuntimeError("the build fails")
+    assert not (tmp_path / "fresh").exists()
 
 
 def test_a_weights_file_that_cannot_be_written_is_an_os_error_naming_it(tmp_path):

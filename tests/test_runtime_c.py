@@ -202,10 +202,10 @@ def test_a_window_no_sequence_reaches_is_read_as_none(lib, tiny_engine_dir, tmp_
     longest, layers = manifest["limits"]["max_seq_len"], manifest["dims"]["num_layers"]
     with CRuntime(lib, tiny_engine_dir) as rt:
         want = rt.generate(PROMPTS[:2], 8)
-    engine = edited_engine(tiny_engine_dir, tmp_path / "far", lambda m: m["dims"].update(
-        layer_windows=[longest] + [0] * (layers - 1)))
-    with CRuntime(lib, engine) as rt:
-        assert rt.generate(PROMPTS[:2], 8) == want
+    for name, windows in (("far", [longest] + [0] * (layers - 1)), ("none", [])):  # [] is none, as Python reads it
+        engine = edited_engine(tiny_engine_dir, tmp_path / name, lambda m: m["dims"].update(layer_windows=windows))
+        with CRuntime(lib, engine) as rt:
+            assert rt.generate(PROMPTS[:2], 8) == want
     engine = edited_engine(tiny_engine_dir, tmp_path / "near", lambda m: m["dims"].update(
         layer_windows=[longest - 1] + [0] * (layers - 1)))
     with pytest.raises(CError, match="dims.layer_windows: sliding-window attention"):

@@ -688,3 +688,26 @@ def test_generate_from_several_threads_at_once_answers_each_as_alone(llm):
         t.join(120)
     assert results == [truth] * 12
     assert llm.stats()["kv_blocks_used"] == 0
+
+    class CallsBack:  # a progress bar (vLLM's use_tqdm may be a tqdm-like class) that generates from its update
+        def __init__(self, *args, **kwargs) -> None:
+            pass
+
+        def update(self, n: int) -> None:
+            llm.generate(prompts[:1], params, use_tqdm=False)
+
+        def close(self) -> None:
+            pass
+
+    with pytest.raises(RuntimeError, match="called from inside a running call"):  # was: KeyError, a lost output
+        llm.generate(prompts, params, use_tqdm=CallsBack)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == truth
+    assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_a_closed_llm_refuses_calls(tiny_engine_dir):
+    closed = LLM(tiny_engine_dir, device="cpu")
+    closed.close()
+    closed.close()  # idempotent
+    with pytest.raises(RuntimeError, match="LLM.generate: this LLM is closed"):
+        closed.generate([[5, 6, 7]], SamplingParams(max_tokens=2))

@@ -103,8 +103,7 @@ def staged_output(output: Path, force: bool = False) -> Iterator[Path]:
         remove_dead_builds(output.parent)
         tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
     except OSError as e:
-        if created is not None:
-            shutil.rmtree(created, ignore_errors=True)
+        _remove_made_dirs(output.parent, created)
         raise OutputDirError(f"output: cannot create {output} ({e.strerror or e})") from None
     lock = None
     try:
@@ -116,8 +115,7 @@ def staged_output(output: Path, force: bool = False) -> Iterator[Path]:
     except BaseException:
         with held():
             shutil.rmtree(tmp, ignore_errors=True)
-            if created is not None:
-                shutil.rmtree(created, ignore_errors=True)
+            _remove_made_dirs(output.parent, created)
         raise
     finally:
         if lock is not None:
@@ -192,6 +190,22 @@ def remove_dead_builds(parent: Path) -> list[Path]:
         finally:
             os.close(dead[0])
     return removed
+
+
+def _remove_made_dirs(parent: Path, created: Path | None) -> None:
+    """Removes the directories this build made, from `parent` up to `created`, while they are empty: what someone
+    (or a build beside this one) put there during the build stays."""
+    if created is None:
+        return
+    path = parent
+    while True:
+        try:
+            os.rmdir(path)
+        except OSError:
+            return
+        if path == created:
+            return
+        path = path.parent
 
 
 def _first_missing_ancestor(path: Path) -> Path | None:

@@ -7,6 +7,7 @@ weights exist once on disk.
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 import torch
@@ -29,7 +30,9 @@ def write_safetensors(state: dict[str, torch.Tensor], path: Path, metadata: dict
     try:
         save_file(state, str(path), metadata=metadata)
     except SafetensorError as exc:  # e.g. "Error while serializing: I/O error: No space left on device (os error 28)"
-        raise OSError(None, str(exc), str(path)) from None
+        if "I/O error" not in str(exc):
+            raise
+        raise OSError(errno.EIO, str(exc), str(path)) from None
 
 
 def tensor_offsets(path: Path) -> dict[str, tuple[int, int]]:

@@ -165,7 +165,7 @@ def from_gguf_blocks(type_name: str, data: np.ndarray, in_features: int) -> Quan
     if type_name == "Q4_0":
         d = fp16(0)
         big = float(d.abs().max()) if d.numel() else 0.0
-        if big > 65504.0 / 8:  # the offset -8d is then past float16's range, which the kernels keep offsets in
+        if not big <= 65504.0 / 8:  # the offset -8d is then past float16's range, which the kernels keep offsets in
             raise ValueError(f"a Q4_0 block's scale d = {big:g} makes its offset -8d past float16's range (65504)")
         codes = torch.from_numpy(_gguf_nibbles(raw[:, :, 2:]))
         return QuantizedWeight(4, GGUF_BLOCK, pack_int4(codes), d, -8.0 * d)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import logging
 import threading
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence as Seq, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence as Seq, Union
 
 import jinja2
 
@@ -355,7 +356,9 @@ class LLM:
         self.engine = LLMEngine(runner, self.config, self.tokenizer, eos, self.manifest.dims.vocab_size, tiers, draft)
         # calls from several threads run one at a time: each `generate` steps the engine until everything in
         # it is finished, so two at once stepped one engine from two threads (KeyError, IndexError)
-        self._calls = threading.RLock()
+        self._calls = threading.Lock()
+        self._caller: Optional[int] = None  # the thread inside a call (one from inside it is refused, not deadlocked)
+        self._closed = False
         pool_tokens = self.config.num_kv_blocks * self.config.block_size
         if pool_tokens < self.config.max_seq_len:  # vLLM refuses to start; here such a request ends early
             log.warning("the KV pool holds %d tokens (%d blocks), fewer than max_seq_len %d: a request that "
@@ -382,7 +385,8 @@ class LLM:
         ends "length" there); a prompt that leaves no room is refused.
         `use_tqdm` (vLLM's): a progress bar of finished prompts on a terminal (a callable: the tqdm-like class to
         use); `lora_request` must be None (no adapters here).
-        Calls from several threads are safe and run one at a time (vLLM's LLM leaves that to the caller).
+        Calls from several threads run one at a time (vLLM's LLM leaves that to the caller); one from inside a
+        running call (its progress bar's callback) or after `close()` raises RuntimeError.
         A prompt that fails inside a step on its own (e.g. NaN logits in its rows) comes back finished,
         with finish_reason "error" and `error` set, and the others complete; a failure of the step
         itself (the model raising) raises here, and this call's requests are aborted.
@@ -402,8 +406,23 @@ class LLM:
         per_prompt = [dataclasses.replace(sp, output_kind=final_only,
                                           **({"cache_salt": salt} if salt is not None else {}))
                       for sp, salt in zip(per_prompt, salts)]  # fmt: skip
-        with self._calls:
+        with self._one_call("generate"):
             return self._run(prompts, per_prompt, use_tqdm)
+
+    @contextlib.contextmanager
+    def _one_call(self, name: str) -> Iterator[None]:
+        """Holds this LLM for one call: other threads wait their turn; the same thread (a progress bar's callback
+        calling generate) is refused, as is any call after close()."""
+        if self._caller == threading.get_ident():
+            raise RuntimeError(f"LLM.{name} called from inside a running call of this LLM (e.g. its progress bar)")
+        with self._calls:
+            if self._closed:
+                raise RuntimeError(f"LLM.{name}: this LLM is closed")
+            self._caller = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._caller = None
 
     def _run(self, prompts: list, per_prompt: list[SamplingParams], use_tqdm: Any) -> list[RequestOutput]:
         ids: list[str] = []
@@ -491,7 +510,7 @@ class LLM:
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """vLLM's call: forgets the KV pool's cached prefixes (the next requests compute theirs again; KV tiers
         keep theirs). True once done; between `generate` calls nothing is running, so it always succeeds then."""
-        with self._calls:
+        with self._one_call("reset_prefix_cache"):
             return self.engine.reset_prefix_cache(reset_running_requests)
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -511,11 +530,14 @@ class LLM:
 
     def close(self) -> None:
         """Writes the cached prefixes to the KV tiers (if any), stops the other tensor-parallel ranks; idempotent."""
-        with self._calls:  # after a generate running in another thread
+        if self._closed:
+            return
+        with self._one_call("close"):  # after a generate running in another thread; none runs after it
             self.engine.close()
-        close = getattr(self.engine.runner, "close", None)
-        if close is not None:
-            close()
+            close = getattr(self.engine.runner, "close", None)
+            if close is not None:
+                close()
+            self._closed = True
 
     def __enter__(self) -> "LLM":
         return self

@@ -128,7 +128,7 @@ class Subscription:
             while pending:
                 # a wait ends at the deadline, not at the next poll after it (was up to a poll late); an output
                 # that came meanwhile is still handed over
-                if time.monotonic() > deadline:
+                if not self._items and time.monotonic() > deadline:  # outputs already here are handed over
                     raise RequestTimeout()
                 item = await self._next(max(0.0, min(poll_s, deadline - time.monotonic())))
                 now = time.monotonic()

@@ -228,10 +228,10 @@ void refuse_family_features(const json& dims, int64_t max_seq_len, const std::st
   for (const auto& [field, feature] : kFeatures) {
     if (!dims.contains(field)) continue;
     const json& value = dims[field];
-    if (std::string(field) == "layer_windows") {  // the Python reader's checks: one window >= 0 per layer
+    if (std::string(field) == "layer_windows") {  // the Python reader's checks: one window >= 0 per layer, or none
       const json* layers = dims.contains("num_layers") ? &dims["num_layers"] : nullptr;
-      bool counted = layers && layers->is_number_integer() && value.is_array() &&
-                     int64_t(value.size()) == layers->get<int64_t>();
+      bool counted = value.is_array() && (value.empty() || (layers && layers->is_number_integer() &&
+                                                            int64_t(value.size()) == layers->get<int64_t>()));
       if (!counted || !std::all_of(value.begin(), value.end(), [](const json& w) {
             return w.is_number_integer() && w.get<int64_t>() >= 0;
           }))
