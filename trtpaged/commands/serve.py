@@ -116,7 +116,6 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
     notes = "API key required" if options.api_key else "no API key"
     if speculative_config is not None:
         notes += f"; speculative decoding {speculative_config.to_dict()}"
-    stopped = False
     try:
         try:
             click.echo(f"trtpaged serve: {handle.model_name} ready at {handle.url} ({notes}; Ctrl-C or SIGTERM to "
@@ -126,17 +125,15 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
         while not stop.wait(0.5) and handle.failure is None:
             pass
         if handle.failure is not None:
-            handle.shutdown(timeout=0)
-            stopped = True
             raise click.ClickException(f"the engine failed, server stopped: {handle.failure}")
         click.echo(f"trtpaged serve: draining (up to {shutdown_timeout:g} s; Ctrl-C again to abort the requests in "
                    "flight), then stopping", err=True)
         handle.shutdown()
-        stopped = True
         click.echo("trtpaged serve: stopped", err=True)
     finally:
-        if not stopped:  # e.g. the ready line could not be written (a closed pipe, a full disk): the server's
-            handle.shutdown(timeout=0)  # threads must end before the interpreter does (it crashed at exit)
+        # whatever ended the command (a failed engine, the ready line unwritable): the server's threads end before
+        # the interpreter does (it crashed at exit); after a drain this does nothing
+        handle.shutdown(timeout=0)
 
 
 OPEN_FILES_WANTED = 65536

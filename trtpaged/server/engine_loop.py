@@ -126,9 +126,9 @@ class Subscription:
         deadline = start + timeout_s if timeout_s is not None else math.inf
         try:
             while pending:
-                # a wait ends at the deadline, not at the next poll after it (was up to a poll late); an output
-                # that came meanwhile is still handed over
-                if not self._items and time.monotonic() > deadline:  # outputs already here are handed over
+                # a wait ends at the deadline, not at the next poll after it (was up to a poll late); outputs
+                # already here are handed over first
+                if not self._items and time.monotonic() > deadline:
                     raise RequestTimeout()
                 item = await self._next(max(0.0, min(poll_s, deadline - time.monotonic())))
                 now = time.monotonic()
