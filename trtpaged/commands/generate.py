@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 
 from trtpaged.manifest import BACKENDS
@@ -35,6 +37,8 @@ _RUN_STATS = (
 def command(engine, prompt, chat, max_tokens, temperature, top_p, seed, n, beam_width, backend, device,
             speculative_config, show_stats) -> None:  # fmt: skip
     """Generate a completion for one prompt, streaming text as it is decoded."""
+    if sys.stdout is None:  # started with stdout closed (>&-): the completion would be lost without a word
+        raise click.ClickException("stdout is closed: nowhere to write the completion")
     from trtpaged.runtime.llm import LLM
     from trtpaged.runtime.outputs import RequestOutputKind
     from trtpaged.runtime.sampling_params import SamplingParams
@@ -59,19 +63,27 @@ def command(engine, prompt, chat, max_tokens, temperature, top_p, seed, n, beam_
                 continue
             if streaming:
                 for delta in out.outputs:
-                    click.echo(delta.text, nl=False)
+                    _write(delta.text, nl=False)
             if out.finished:
                 final = out
     if streaming:
-        click.echo()
+        _write("")
     if final is not None and final.error is not None:
         raise click.ClickException(f"the request failed: {final.error}")
     if not streaming and final is not None:
         for completion in final.outputs:
-            click.echo(f"--- [{completion.index}] ({completion.finish_reason})")
-            click.echo(completion.text)
+            _write(f"--- [{completion.index}] ({completion.finish_reason})")
+            _write(completion.text)
     if show_stats:
         stats = llm.stats()
         click.echo(f"execution_plan: {llm.execution_plan}", err=True)
         for key in _RUN_STATS + tuple(k for k in stats if k.startswith("spec_decode_")):
             click.echo(f"{key}: {stats[key]}", err=True)
+
+
+def _write(text: str, nl: bool = True) -> None:
+    """The completion to stdout; a stdout that cannot take it (a full disk, a closed pipe) is one error line."""
+    try:
+        click.echo(text, nl=nl)
+    except OSError as exc:
+        raise click.ClickException(f"cannot write the completion to stdout ({exc.strerror or exc})") from None
