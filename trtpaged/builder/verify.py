@@ -103,6 +103,10 @@ def verify_onnx(
                       dtype=pool_dtype) for s in sessions]
     eager_pool = step_model.new_kv_cache(num_kv_blocks, block_size, kv_cache_dtype) if quantized else None
     worst, peak, rows = 0.0, 0.0, 0
+    # where the reference's logits are finite, a 16-bit cache's range is what the graph can lose them to
+    overflow = ("keys or values past float16's range (65504) overflow the float16 KV cache (the reference's logits "
+                "are finite); build with kv_cache_dtype bfloat16 or float32"
+                if kv_cache_dtype == "float16" and dtype != "float16" else None)  # fmt: skip
     for step in steps:
         feeds = {name: t.numpy() for name, t in step.inputs.items()}
         outs = _run_ranks(sessions, feeds, pools, exchange)
@@ -113,12 +117,8 @@ def verify_onnx(
         else:
             ref = hf_logits(hf_model, seqs, step.rows).numpy()
         _check_finite(ref, "quantized-cache step model" if quantized else "transformers (the reference)", step)
-        # the reference's logits are finite here: a 16-bit cache's range is what the graph can lose them to
-        cause = ("keys or values past float16's range (65504) overflow the float16 KV cache (the reference's logits "
-                 "are finite); build with kv_cache_dtype bfloat16 or float32"
-                 if kv_cache_dtype == "float16" and dtype != "float16" else None)  # fmt: skip
         for rank, (logits, _) in enumerate(outs):
-            _check_finite(logits, "ONNX graph" + (f" of rank {rank}" if len(outs) > 1 else ""), step, cause)
+            _check_finite(logits, "ONNX graph" + (f" of rank {rank}" if len(outs) > 1 else ""), step, overflow)
         # max() would skip a NaN (nan > x is False): the checks above keep every value finite
         worst = max(worst, *(float(np.abs(logits.astype(np.float64) - ref).max()) for logits, _ in outs))
         peak = max(peak, float(np.abs(ref).max()))

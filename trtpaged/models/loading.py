@@ -16,6 +16,7 @@ from trtpaged.models.dims import CUDA_HEAD_DIMS
 from trtpaged.models.llama import LlamaStepModel, QuantPlan, Rotary
 from trtpaged.models.tensor_parallel import shard_dims, shard_plan
 from trtpaged.models.qlinear import set_activations
+from trtpaged.models.quant import fp16_exact
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -199,10 +200,8 @@ def checked_weights(engine_dir: Path, manifest: Manifest, rank: int = 0) -> dict
 
 def _not_float16(tensor: torch.Tensor) -> Optional[float]:
     """The first value of a float32 tensor that float16 does not hold exactly (None: all of them)."""
-    values = tensor.detach().cpu().numpy()
-    with np.errstate(over="ignore"):
-        exact = values.astype(np.float16).astype(np.float32) == values
-    return None if exact.all() else float(values[~exact].flat[0])
+    exact = fp16_exact(tensor) == tensor
+    return None if bool(exact.all()) else float(tensor[~exact].flatten()[0])
 
 
 def load_step_model(engine_dir: str | Path, device: str | torch.device = "cpu",

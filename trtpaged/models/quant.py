@@ -99,7 +99,7 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((low, high), dim=-1).reshape(packed.shape[0], -1)
 
 
-def _fp16_exact(x: torch.Tensor) -> torch.Tensor:
+def fp16_exact(x: torch.Tensor) -> torch.Tensor:
     """x rounded to float16 precision, kept as float32 (values also clamp to float16's finite range)."""
     return x.clamp(-65504.0, 65504.0).to(torch.float16).to(torch.float32)
 
@@ -117,7 +117,7 @@ def quantize(weight: torch.Tensor, bits: int, group_size: Optional[int]) -> Quan
     groups = w.view(n, k // g, g)
     if bits == 8:
         absmax = groups.abs().amax(dim=-1)
-        scales = _fp16_exact(absmax / INT8_MAX)
+        scales = fp16_exact(absmax / INT8_MAX)
         scales = torch.where(scales > 0, scales, torch.ones_like(scales))
         q = torch.round(groups / scales[:, :, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
         return QuantizedWeight(8, g, q.view(n, k).contiguous(), scales.contiguous())
@@ -125,8 +125,8 @@ def quantize(weight: torch.Tensor, bits: int, group_size: Optional[int]) -> Quan
         if group_size is None:
             raise ValueError("group_size: int4 needs a group size (32, 64 or 128)")
         lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
-        offsets = _fp16_exact(lo)
-        scales = _fp16_exact((hi - offsets) / INT4_MAX)
+        offsets = fp16_exact(lo)
+        scales = fp16_exact((hi - offsets) / INT4_MAX)
         scales = torch.where(scales > 0, scales, torch.ones_like(scales))
         q = torch.round((groups - offsets[:, :, None]) / scales[:, :, None]).clamp(0, INT4_MAX)
         return QuantizedWeight(4, g, pack_int4(q.view(n, k)), scales.contiguous(), offsets.contiguous())

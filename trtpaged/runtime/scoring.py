@@ -38,7 +38,8 @@ def score_prompts(logits: torch.Tensor, spans: Sequence[PromptRows], prompts: di
     out: dict[str, list[Optional[PromptLogprob]]] = {}
     for span in spans:
         token_ids, k = prompts[span.request_id]
-        logprobs = torch.log_softmax(logits[span.rows].float(), dim=1)
+        rows = logits[span.rows]
+        logprobs = torch.log_softmax(rows.float(), dim=1)
         targets = torch.tensor(token_ids[span.first : span.first + len(span.rows)], dtype=torch.long)
         chosen = logprobs.gather(1, targets.unsqueeze(1))
         ranks = vocab_ranks(logprobs, chosen)
@@ -52,6 +53,6 @@ def score_prompts(logits: torch.Tensor, spans: Sequence[PromptRows], prompts: di
                 entry.update(ranked(row_ids, row_values))
                 if token in row_ids:
                     entry.rank = row_ids.index(token) + 1
-        finite = torch.isfinite(logits[span.rows]).all(dim=1).tolist()
+        finite = torch.isfinite(rows).all(dim=1).tolist()
         out.setdefault(span.request_id, []).extend(e if ok else None for e, ok in zip(entries, finite))
     return out
