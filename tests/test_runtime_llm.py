@@ -722,6 +722,43 @@ def test_generate_from_several_threads_at_once_answers_each_as_alone(llm):
     assert llm.stats()["kv_blocks_used"] == 0
 
 
+def test_stats_from_another_thread_waits_for_the_running_call(llm):
+    """stats() read the engine while another thread's generate stepped it (a step half applied could show). It now
+    waits for the running call; the call's own thread (its progress bar) still reads between steps."""
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (2, 8)]
+    seen: dict = {}
+
+    def read_from_another_thread() -> None:
+        seen["other"] = llm.stats()
+
+    class ReadsStats:
+        def __init__(self, *args, **kwargs) -> None:
+            self.other = threading.Thread(target=read_from_another_thread)
+
+        def update(self, n: int) -> None:
+            if "own" in seen:
+                return
+            seen["own"] = llm.stats()  # the owner thread: no deadlock
+            self.other.start()
+            self.other.join(0.5)
+            seen["other_done_during_call"] = "other" in seen
+
+        def close(self) -> None:
+            pass
+
+    bar = {}
+
+    def make_bar(*args, **kwargs):
+        bar["it"] = ReadsStats()
+        return bar["it"]
+
+    llm.generate([[5, 6, 7], [8, 9, 10]], params, use_tqdm=make_bar)
+    bar["it"].other.join(30)
+    assert seen["own"]["kv_blocks_used"] > 0  # read inside the call: the other request still holds its blocks
+    assert seen["other_done_during_call"] is False
+    assert seen["other"]["kv_blocks_used"] == 0  # read once the call had finished
+
+
 def test_a_closed_llm_refuses_calls(tiny_engine_dir):
     closed = LLM(tiny_engine_dir, device="cpu")
     closed.close()

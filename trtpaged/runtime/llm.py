@@ -554,5 +554,10 @@ class LLM:
         return f"{runner.backend}: {plan}" if plan else runner.backend
 
     def stats(self) -> dict[str, float]:
-        """KV blocks total/used/free/cached, utilisation, blocks saved by sharing, prefix hits, preemptions, steps."""
-        return self.engine.stats()
+        """KV blocks total/used/free/cached, utilisation, blocks saved by sharing, prefix hits, preemptions, steps.
+        Read between two calls of other threads (never a step half applied); a running call's own thread (its
+        progress bar) reads it between that call's steps."""
+        if self._caller == threading.get_ident():
+            return self.engine.stats()
+        with self._calls:
+            return self.engine.stats()
