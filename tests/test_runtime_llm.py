@@ -576,20 +576,25 @@ def test_cli_generate_streams_what_the_api_generates(llm, tiny_engine_dir):
     assert result.exit_code == 0 and result.stdout.count("--- [") == 1
 
 
-@pytest.mark.parametrize("stdout, words", [("full", "cannot write the completion to stdout (No space left on device)"),
-                                           ("closed", "stdout is closed: nowhere to write the completion")])
-def test_cli_generate_says_when_stdout_cannot_take_the_completion(tiny_engine_dir, stdout, words):
-    """A full disk was an OSError traceback; a closed stdout (>&-) exited 0 with the completion lost."""
+@pytest.mark.parametrize("what", ["completion", "inspect"])
+@pytest.mark.parametrize("stdout, words", [("full", "cannot write {} to stdout (No space left on device)"),
+                                           ("closed", "stdout is closed: nowhere to write {}")])
+def test_cli_says_when_stdout_cannot_take_the_results(tiny_engine_dir, what, stdout, words):
+    """A full disk was an OSError traceback (generate, inspect); a closed stdout (>&-) exited 0 with the output lost."""
     import subprocess
     import sys
 
-    command = [sys.executable, "-m", "trtpaged.cli", "generate", str(tiny_engine_dir), "--prompt", "hi",
-               "--max-tokens", "4", "--device", "cpu"]
+    if what == "completion":
+        args, words = ["generate", str(tiny_engine_dir), "--prompt", "hi", "--max-tokens", "4", "--device", "cpu"], \
+            words.format("the completion")
+    else:
+        args, words = ["inspect", str(tiny_engine_dir)], words.format("the results")
+    command = [sys.executable, "-m", "trtpaged.cli", *args]
     if stdout == "full":
         with open("/dev/full", "w") as full:
             out = subprocess.run(command, stdout=full, stderr=subprocess.PIPE, timeout=120)
     else:
-        out = subprocess.run(["bash", "-c", '"$@" >&-', "generate", *command], stderr=subprocess.PIPE, timeout=120)
+        out = subprocess.run(["bash", "-c", '"$@" >&-', "cli", *command], stderr=subprocess.PIPE, timeout=120)
     assert out.returncode == 1 and out.stderr.decode().strip().splitlines()[-1] == f"Error: {words}", out.stderr
 
 

@@ -9,6 +9,7 @@ from typing import Callable, Optional
 import click
 
 from trtpaged.commands.option_types import FiniteFloatRange
+from trtpaged.commands.stdout import echo
 from trtpaged.kv_formats import KV_CACHE_DTYPES
 from trtpaged.manifest import BACKENDS, BLOCK_SIZES, DEFAULT_BLOCK_SIZE
 
@@ -27,7 +28,7 @@ def _print_report(run: Callable[[], dict], text: Callable[[dict], str], as_json:
         report = run()
     except (ValueError, ServerStartError) as exc:
         raise click.ClickException(str(exc)) from exc
-    click.echo(json.dumps(report, indent=2) if as_json else text(report))
+    echo(json.dumps(report, indent=2) if as_json else text(report))
 
 
 @click.group(name="bench")
@@ -63,7 +64,7 @@ def kernel(kv_cache_dtype: Optional[str], device: str, as_json: bool, quick: boo
 
     report = run_kernel_bench(kv_cache_dtype or "float32", budget_s=0.15 if quick else 0.4, progress=progress,
                               block_size=int(block_size))
-    click.echo(report_json(report) if as_json else format_report(report))
+    echo(report_json(report) if as_json else format_report(report))
 
 
 @command.command(name="memory")
@@ -207,26 +208,26 @@ def memory(ctx, engine, trace, num_requests, prompt_len, output_len, shared_pref
 
         report["window"] = {"window": window, "rows": run_window_comparison(requests, budget, window, progress)}
     if as_json:
-        click.echo(json.dumps(report, indent=2))
+        echo(json.dumps(report, indent=2))
         return
-    click.echo(format_memory_report(report))
+    echo(format_memory_report(report))
     if sharing_table:
-        click.echo("\n" + format_sharing_table(report["sharing_table"]))
+        echo("\n" + format_sharing_table(report["sharing_table"]))
     if kv_cache_dtype:
         k = report["kv_cache_dtypes"]
-        click.echo("\n" + format_kv_cache_dtype_table(k["rows"], k["base_dtype"], k["base_blocks"], k["head_dim"]))
+        echo("\n" + format_kv_cache_dtype_table(k["rows"], k["base_dtype"], k["base_blocks"], k["head_dim"]))
     if "tensor_parallel" in report:
         from trtpaged.bench.memory_bench import format_tensor_parallel_table
 
-        click.echo("\n" + format_tensor_parallel_table(report["tensor_parallel"], budget.num_kv_blocks))
+        echo("\n" + format_tensor_parallel_table(report["tensor_parallel"], budget.num_kv_blocks))
     if "kv_tiers" in report:
         from trtpaged.bench.memory_bench import format_tier_table
 
-        click.echo("\n" + format_tier_table(report["kv_tiers"], budget.num_kv_blocks))
+        echo("\n" + format_tier_table(report["kv_tiers"], budget.num_kv_blocks))
     if "window" in report:
         from trtpaged.bench.memory_bench import format_window_table
 
-        click.echo("\n" + format_window_table(report["window"]["rows"], report["window"]["window"]))
+        echo("\n" + format_window_table(report["window"]["rows"], report["window"]["window"]))
 
 
 @command.command(name="qlinear")
@@ -250,7 +251,7 @@ def qlinear(as_json: bool, quick: bool, working_set_mb: Optional[int], threads: 
         budget_s=0.1 if quick else 0.3,
         progress=_progress,
     )
-    click.echo(report_json(report) if as_json else format_report(report))
+    echo(report_json(report) if as_json else format_report(report))
 
 
 @command.command(name="serve")
@@ -292,7 +293,7 @@ def serve(base_url, trace, num_requests, prompt_len, output_len, request_rate, m
             raise click.ClickException(str(exc)) from exc
         report = asyncio.run(run_multi_turn(base_url, spec, model, api_key, endpoint == "chat", max_concurrency, seed,
                                             progress=_progress))  # fmt: skip
-        click.echo(report_json(report) if as_json else format_report(report) + "\n" + format_multi_turn(report))
+        echo(report_json(report) if as_json else format_report(report) + "\n" + format_multi_turn(report))
         _refuse_an_empty_run(report)
         return
 
@@ -310,7 +311,7 @@ def serve(base_url, trace, num_requests, prompt_len, output_len, request_rate, m
     report = asyncio.run(run_serve_bench(base_url, prompts_from_trace(workload, seed), rate, max_concurrency, model,
                                          api_key, endpoint == "chat", ignore_eos, seed,
                                          progress=_progress))  # fmt: skip
-    click.echo(report_json(report) if as_json else format_report(report))
+    echo(report_json(report) if as_json else format_report(report))
     _refuse_an_empty_run(report)
 
 
@@ -465,13 +466,13 @@ def throughput(engine, trace, num_requests, baseline, hf_batch_size, no_prefix_c
 
         report["profile"] = run_step_profile(engine, say=progress)
     if as_json:
-        click.echo(json.dumps(report, indent=2))
+        echo(json.dumps(report, indent=2))
         return
-    click.echo(format_throughput_report(report))
+    echo(format_throughput_report(report))
     if profile:
         from trtpaged.bench.step_profile import format_step_profile
 
-        click.echo("\n" + format_step_profile(report["profile"]))
+        echo("\n" + format_step_profile(report["profile"]))
 
 
 def multi_turn_spec(multi_turn: str, output_len: str, system_words: int, user_words: int, think_time: float,

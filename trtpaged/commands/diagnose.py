@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from trtpaged.commands.stdout import echo
+
 
 def _kv_from_engine(engine: str):
     from pathlib import Path
@@ -104,6 +106,6 @@ def command(log, engine, config_path, metrics_url, metrics_samples, step_time, k
     report = diagnose(data.trace, data.prompts, kv, metrics, progress=lambda m: click.echo(f"  replaying: {m}", err=True),
                       log=data, tier_blocks=tier_sizes)  # fmt: skip
     if as_json:
-        click.echo(json.dumps(report, indent=2))
+        echo(json.dumps(report, indent=2))
     else:
-        click.echo(format_diagnosis(report))
+        echo(format_diagnosis(report))

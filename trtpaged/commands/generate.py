@@ -6,6 +6,7 @@ import sys
 
 import click
 
+from trtpaged.commands.stdout import echo
 from trtpaged.manifest import BACKENDS
 
 # Figures `--stats` prints: the run's peaks and totals, then the pool as the run left it.
@@ -83,7 +84,4 @@ def command(engine, prompt, chat, max_tokens, temperature, top_p, seed, n, beam_
 
 def _write(text: str, nl: bool = True) -> None:
     """The completion to stdout; a stdout that cannot take it (a full disk, a closed pipe) is one error line."""
-    try:
-        click.echo(text, nl=nl)
-    except OSError as exc:
-        raise click.ClickException(f"cannot write the completion to stdout ({exc.strerror or exc})") from None
+    echo(text, nl=nl, what="the completion")

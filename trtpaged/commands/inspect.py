@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from trtpaged.commands.stdout import echo
+
 
 @click.command(name="inspect")
 @click.argument("engine_dir", type=click.Path(exists=True, path_type=Path))
@@ -64,34 +66,34 @@ def command(engine_dir: Path, avg_len: int | None, memory: str | None, as_json: 
     except (OSError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     if as_json:
-        click.echo(manifest.to_json())
+        echo(manifest.to_json())
         return
     weight_bytes = held_weight_bytes(engine_dir, manifest)
     for line in _manifest_lines(manifest, weight_bytes):
-        click.echo(line)
+        echo(line)
     if manifest.quantization:
-        click.echo(f"  weights on a CUDA GPU (torch backend, still quantized): "
+        echo(f"  weights on a CUDA GPU (torch backend, still quantized): "
                    f"{format_bytes(_cuda_weight_bytes(engine_dir, manifest))}")
     how = ("sha256 of every file" if verified.method == "sha256" else
            "unchanged since verified (stamp; --verify hashes again)")
-    click.echo(f"verified: {verified.files} files, {format_bytes(verified.bytes)}: {how} ({seconds:.2f}s)")
-    click.echo("memory plan:")
+    echo(f"verified: {verified.files} files, {format_bytes(verified.bytes)}: {how} ({seconds:.2f}s)")
+    echo("memory plan:")
     for line in plan.lines(avg_len):
-        click.echo(f"  {line}")
+        echo(f"  {line}")
     if plan.num_kv_blocks is not None:
-        click.echo(f"  weights + KV budget:  {format_bytes(weight_bytes + plan.num_kv_blocks * plan.bytes_per_block)}")
+        echo(f"  weights + KV budget:  {format_bytes(weight_bytes + plan.num_kv_blocks * plan.bytes_per_block)}")
     from trtpaged.runtime.verify_cost import default_verify_row_cost
 
-    click.echo(f"speculation: a verified draft token adds about {default_verify_row_cost(manifest.quantization):.2f} "
+    echo(f"speculation: a verified draft token adds about {default_verify_row_cost(manifest.quantization):.2f} "
                "of a one-row step here (the default verify_row_cost for this engine's arithmetic)")
     if draft_plan is not None:
-        click.echo(f"speculative draft {draft_dir}: compatible (same tokenizer, max_seq_len covers this engine's); "
+        echo(f"speculative draft {draft_dir}: compatible (same tokenizer, max_seq_len covers this engine's); "
                    f"a draft step costs about {draft_cost:.2f} of a one-row step here (weight bytes: the default "
                    "draft_token_cost); its own KV pool:")
         for line in draft_plan.lines(avg_len):
-            click.echo(f"  {line}")
+            echo(f"  {line}")
     if show_plan:
-        click.echo(f"execution plan on this machine's CPU: {_execution_plan(engine_dir, manifest)}")
+        echo(f"execution plan on this machine's CPU: {_execution_plan(engine_dir, manifest)}")
 
 
 def _execution_plan(engine_dir: Path, manifest) -> str:
