@@ -207,10 +207,26 @@ void read_rope_scaling(const json& value, Manifest& m, const std::string& where)
   }
 }
 
+// dims.layer_windows, checked as the Python reader checks it (one window >= 0 per layer, or none): true when no
+// sequence reaches any layer's window (each 0, or >= max_seq_len: a stock Mistral config built shorter), which is no
+// window at all.
+bool windows_reach_no_sequence(const json& dims, int64_t max_seq_len, const std::string& where) {
+  const json& value = dims["layer_windows"];
+  const json* layers = dims.contains("num_layers") ? &dims["num_layers"] : nullptr;
+  bool counted = value.is_array() && (value.empty() || (layers && layers->is_number_integer() &&
+                                                        int64_t(value.size()) == layers->get<int64_t>()));
+  if (!counted || !std::all_of(value.begin(), value.end(), [](const json& w) {
+        return w.is_number_integer() && w.get<int64_t>() >= 0;
+      }))
+    invalid(where + ": dims.layer_windows: got " + show(value) + "; one window (a number of tokens >= 0, 0: "
+            "global) per layer");
+  return std::all_of(value.begin(), value.end(), [&](const json& w) {
+    return w.get<int64_t>() == 0 || w.get<int64_t>() >= max_seq_len;
+  });
+}
+
 // The manifest writes a family field only where it differs from Llama's: each one present is a feature of another
 // family that this runtime does not implement (the Python runtime does), so it is refused as unsupported, naming it.
-// A window no sequence can reach (every layer's 0 or >= max_seq_len: a stock Mistral config built shorter) is no
-// window at all, and is read as none.
 void refuse_family_features(const json& dims, int64_t max_seq_len, const std::string& where) {
   static const std::pair<const char*, const char*> kFeatures[] = {
       {"layer_windows", "sliding-window attention"},
@@ -227,21 +243,7 @@ void refuse_family_features(const json& dims, int64_t max_seq_len, const std::st
   };
   for (const auto& [field, feature] : kFeatures) {
     if (!dims.contains(field)) continue;
-    const json& value = dims[field];
-    if (std::string(field) == "layer_windows") {  // the Python reader's checks: one window >= 0 per layer, or none
-      const json* layers = dims.contains("num_layers") ? &dims["num_layers"] : nullptr;
-      bool counted = value.is_array() && (value.empty() || (layers && layers->is_number_integer() &&
-                                                            int64_t(value.size()) == layers->get<int64_t>()));
-      if (!counted || !std::all_of(value.begin(), value.end(), [](const json& w) {
-            return w.is_number_integer() && w.get<int64_t>() >= 0;
-          }))
-        invalid(where + ": dims.layer_windows: got " + show(value) + "; one window (a number of tokens >= 0, 0: "
-                "global) per layer");
-      if (std::all_of(value.begin(), value.end(), [&](const json& w) {
-            return w.get<int64_t>() == 0 || w.get<int64_t>() >= max_seq_len;
-          }))
-        continue;
-    }
+    if (std::string(field) == "layer_windows" && windows_reach_no_sequence(dims, max_seq_len, where)) continue;
     raise(TRTPAGED_ERR_UNSUPPORTED, where + ": dims." + field + ": " + feature + " is not implemented by the C "
                                         "runtime; the Python runtime (trtpaged serve, LLM) runs this engine");
   }
