@@ -255,7 +255,9 @@ def test_bench_serve_against_the_server(server):
         return engine.num_steps, sum(engine.phase_seconds.values())
 
     steps0, seconds0 = server.loop.call(steps_and_seconds)
-    report = asyncio.run(run_serve_bench(server.url, requests, float("inf"), max_concurrency=3, api_key=KEY))
+    # no warm-up: the engine's steps between these two reads are then the run's alone, as the report's are
+    report = asyncio.run(run_serve_bench(server.url, requests, float("inf"), max_concurrency=3, api_key=KEY,
+                                         warmup=False))  # fmt: skip
     steps1, seconds1 = server.loop.call(steps_and_seconds)
     assert report["engine_step_ms"] == pytest.approx(1000 * (seconds1 - seconds0) / (steps1 - steps0), rel=1e-6)
     # after each step that streamed tokens the engine waited for the event loop to run their readers

@@ -11,7 +11,21 @@ own TPOT (measured on the engine thread), next to the client's TPOT.
 Prompts are text made of common words (about one token per word with BPE tokenizers),
 identical across requests for a shared prefix_id; token counts come from the server's
 `usage` (stream_options.include_usage), so they are exact. A trace's `arrival` (a step
-number for `bench memory`) is ignored: arrivals come from the request rate.
+number for `bench memory`) is ignored: arrivals come from the request rate; its `n` is sent as
+`n`, its `beam_width` as `beam_width` (trtpaged's and TensorRT-LLM's field). The prompts
+depend on `seed` only: a second run with the same seed sends the same prompts, which a
+server with prefix caching then finds cached (use another seed for a cold run).
+
+Timing, per request (`stream_timings`), as vLLM's client times it where the two agree: TTFT is the
+time to the first chunk that carries generated output (text, a finish reason, token ids: a chat
+stream's role-only first chunk does not count); a request whose stream carried none failed.
+ITL are the gaps between consecutive chunks of one choice; TPOT is per sequence: a choice's time
+from its first chunk to its last over its tokens after the first (tokens per choice from
+`stream_options.continuous_usage_stats`, asked for with n > 1, else usage / n), the mean over the
+request's choices. A choice that arrived in one chunk (all of its text held back until its end, or
+a stream interval as long as the answer) has no TPOT or ITL. A beam search arrives whole at its
+end: it counts in the throughput and the E2E latency only. One warm-up request (fresh words, not
+counted) goes first, as vLLM's benchmark sends one.
 """
 
 from __future__ import annotations
@@ -43,6 +57,7 @@ class ServeRequest:
     prompt: str
     max_tokens: int
     n: int = 1
+    beam_width: int = 1  # > 1: a beam search of that width (one sequence returned)
 
 
 @dataclass
@@ -53,10 +68,12 @@ class RequestResult:
     error: str = ""
     ttft: float = 0.0
     e2e: float = 0.0
-    itl: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)  # gaps between chunks of one choice, every choice's
     prompt_tokens: int = 0
-    output_tokens: int = 0
+    output_tokens: int = 0  # all choices' together
     text: str = ""  # the first choice's generated text
+    tpot: Optional[float] = None  # per sequence, the mean over the choices; None: no choice streamed two chunks
+    streamed: bool = True  # False: a beam search, sent whole at its end (no TTFT, TPOT or ITL)
 
 
 def prompts_from_trace(trace: Sequence[TraceRequest], seed: int = 0) -> list[ServeRequest]:
@@ -69,15 +86,27 @@ def prompts_from_trace(trace: Sequence[TraceRequest], seed: int = 0) -> list[Ser
         if r.prefix_id is not None and r.prefix_len:
             words = list(prefixes.setdefault(r.prefix_id, [rng.choice(_WORDS) for _ in range(r.prefix_len)]))
         words += [rng.choice(_WORDS) for _ in range(r.prompt_len - len(words))]
-        out.append(ServeRequest(" ".join(words), r.output_len, r.n))
+        out.append(ServeRequest(" ".join(words), r.output_len, r.n, r.beam_width))
     return out
 
 
+def warmup_request(first: ServeRequest, seed: int = 0) -> ServeRequest:
+    """The uncounted request sent before the run: the first request's prompt length in other words (so it leaves
+    nothing in the prefix cache that the run's prompts share), at most 16 tokens, one greedy sequence."""
+    rng = random.Random(f"{seed}/warmup")
+    return ServeRequest(" ".join(rng.choice(_WORDS) for _ in range(len(first.prompt.split()))),
+                        min(first.max_tokens, 16))  # fmt: skip
+
+
 def _body(req: ServeRequest, model: Optional[str], chat: bool, ignore_eos: bool) -> dict[str, Any]:
-    body: dict[str, Any] = {"max_tokens": req.max_tokens, "stream": True, "stream_options": {"include_usage": True},
+    # continuous_usage_stats: each chunk says its choice's tokens so far (TPOT counts the tokens a chunk held)
+    body: dict[str, Any] = {"max_tokens": req.max_tokens, "stream": True,
+                            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
                             "temperature": 0.0 if req.n == 1 else 1.0}  # fmt: skip
     if req.n > 1:
         body["n"] = req.n
+    if req.beam_width > 1:
+        body["beam_width"] = req.beam_width
     if model:
         body["model"] = model
     if ignore_eos:
@@ -89,25 +118,86 @@ def _body(req: ServeRequest, model: Optional[str], chat: bool, ignore_eos: bool)
     return body
 
 
-def _has_text(chunk: dict[str, Any]) -> bool:
-    for choice in chunk.get("choices") or ():
-        if choice.get("text") or (choice.get("delta") or {}).get("content"):
-            return True
-    return False
+def _carries_output(choice: dict[str, Any]) -> bool:
+    """Whether a streamed choice carries generated output: text, a finish reason, token ids or log-probs, or a chat
+    delta with more than its role (vLLM's client counts any chunk with choices; trtpaged's chat stream sends a
+    role-only chunk before the first token, which would time TTFT at nothing)."""
+    if choice.get("text") or choice.get("finish_reason") or choice.get("token_ids") or choice.get("logprobs"):
+        return True
+    return any(value for key, value in (choice.get("delta") or {}).items() if key != "role")
 
 
-def _first_choice_text(chunk: dict[str, Any]) -> str:
-    for choice in chunk.get("choices") or ():
-        if choice.get("index", 0) == 0:
-            return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-    return ""
+def _choice_text(choice: dict[str, Any]) -> str:
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+
+
+@dataclass
+class _ChoiceTimes:
+    first: float
+    last: float
+    chunks: int = 1
+    gaps: list[float] = field(default_factory=list)
+    first_tokens: Optional[int] = None  # continuous usage stats: this choice's tokens at its first chunk
+    tokens: Optional[int] = None  # and at its last
+
+
+def stream_timings(result: RequestResult, start: float, events: Sequence[tuple[float, dict[str, Any]]], end: float,
+                   n: int = 1, beam: bool = False) -> RequestResult:  # fmt: skip
+    """Fills `result`'s timings and token counts from the stream's parsed chunks, each with the time it arrived
+    (`events`, in order; `start` the request's send time, `end` when its stream ended; see the module's doc)."""
+    choices: dict[int, _ChoiceTimes] = {}
+    for now, chunk in events:
+        usage = chunk.get("usage")
+        if usage and (n == 1 or not chunk.get("choices")):  # with n > 1, only the usage chunk has the totals
+            result.prompt_tokens = usage.get("prompt_tokens", 0)
+            result.output_tokens = usage.get("completion_tokens", 0)
+        for choice in chunk.get("choices") or ():
+            index = choice.get("index", 0)
+            if index == 0:
+                result.text += _choice_text(choice)
+            if not _carries_output(choice):
+                continue
+            times = choices.get(index)
+            if times is None:
+                times = choices[index] = _ChoiceTimes(now, now)
+            else:
+                times.gaps.append(now - times.last)
+                times.last, times.chunks = now, times.chunks + 1
+            if usage and usage.get("completion_tokens") is not None:  # continuous usage stats
+                times.tokens = usage["completion_tokens"]  # this choice's own tokens so far
+                if times.chunks == 1:
+                    times.first_tokens = times.tokens
+    result.e2e = end - start
+    if not choices:
+        result.ok = False
+        result.error = "no output chunk: the stream carried no generated token (a failed request, as in vLLM)"
+        return result
+    if not result.output_tokens:
+        result.output_tokens = sum(c.chunks for c in choices.values())  # no usage: one chunk is about one token
+    result.ttft = min(c.first for c in choices.values()) - start
+    result.streamed = not beam
+    if beam:
+        return result
+    result.itl = [gap for i in sorted(choices) for gap in choices[i].gaps]
+    per_choice = result.output_tokens / max(n, 1)
+    tpots = []
+    for c in choices.values():
+        if c.chunks < 2:
+            continue
+        if c.first_tokens is not None and c.tokens is not None:  # the tokens that came after the first chunk
+            after = c.tokens - c.first_tokens
+        else:  # no per-chunk usage: vLLM's count, as if the first chunk held one token
+            after = per_choice - 1
+        if after > 0:
+            tpots.append((c.last - c.first) / after)
+    result.tpot = sum(tpots) / len(tpots) if tpots else None
+    return result
 
 
 async def _one(client: Any, url: str, body: dict[str, Any], headers: dict[str, str]) -> RequestResult:
     result = RequestResult()
+    events: list[tuple[float, dict[str, Any]]] = []
     start = time.perf_counter()
-    last: Optional[float] = None
-    chunks = 0
     try:
         async with client.stream("POST", url, json=body, headers=headers) as resp:
             if resp.status_code != 200:
@@ -125,27 +215,16 @@ async def _one(client: Any, url: str, body: dict[str, Any], headers: dict[str, s
                 if "error" in chunk:
                     result.error = f"stream error: {chunk['error'].get('message', '')[:200]}"
                     return result
-                if chunk.get("usage"):
-                    result.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                    result.output_tokens = chunk["usage"]["completion_tokens"]
-                result.text += _first_choice_text(chunk)
-                if _has_text(chunk):
-                    now = time.perf_counter()
-                    chunks += 1
-                    if last is None:
-                        result.ttft = now - start
-                    else:
-                        result.itl.append(now - last)
-                    last = now
+                events.append((time.perf_counter(), chunk))
     except Exception as exc:  # noqa: BLE001 - a failed request is a result, not the end of the benchmark
         result.error = f"{type(exc).__name__}: {exc}"[:200]
         return result
-    result.e2e = time.perf_counter() - start
+    end = time.perf_counter()
     if not result.ok:
         result.error = "stream ended without [DONE]"
-    elif not result.output_tokens:
-        result.output_tokens = chunks  # the server sent no usage: one chunk is about one token
-    return result
+        result.e2e = end - start
+        return result
+    return stream_timings(result, start, events, end, body.get("n", 1), body.get("beam_width", 1) > 1)
 
 
 async def _scrape(client: Any, base_url: str) -> dict[str, float]:
@@ -203,9 +282,11 @@ async def run_serve_bench(
     seed: int = 0,
     timeout_s: float = 600.0,
     progress: Optional[Callable[[str], None]] = None,
+    warmup: bool = True,
 ) -> dict[str, Any]:
     """Sends `requests` (Poisson arrivals at `request_rate` req/s, at most `max_concurrency` in flight) and
-    returns the report as a dict (see `format_report`)."""
+    returns the report as a dict (see `format_report`). With `warmup`, one request of the first one's shape
+    (`warmup_request`) goes first and is not counted, nor is it in the server-side figures."""
     import httpx
 
     url = base_url.rstrip("/") + ("/v1/chat/completions" if chat else "/v1/completions")
@@ -223,6 +304,11 @@ async def run_serve_bench(
             async with limit:
                 return await _one(client, url, body, headers)
 
+        if warmup and requests:
+            if progress:
+                progress("warm-up request (not counted)")
+            # its failure is not the run's: the run's own requests report what the server answers
+            await _one(client, url, _body(warmup_request(requests[0], seed), model, chat, ignore_eos), headers)
         before = await _scrape(client, base_url)
         start = time.perf_counter()
         tasks = []
@@ -262,10 +348,13 @@ def make_report(results: Sequence[RequestResult], duration: float, request_rate:
         "output_throughput": out_tokens / duration if duration else 0.0,
         "total_token_throughput": (in_tokens + out_tokens) / duration if duration else 0.0,
     }
-    _stats("ttft", [r.ttft for r in ok], report)
-    tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    streamed = [r for r in ok if r.streamed]
+    tpots = [r.tpot for r in streamed if r.tpot is not None]
+    report["beam_search_requests"] = len(ok) - len(streamed)  # in the throughput and E2E only
+    report["tpot_requests"] = len(tpots)  # the streamed requests with a choice in two chunks or more
+    _stats("ttft", [r.ttft for r in streamed], report)
     _stats("tpot", tpots, report)
-    _stats("itl", [gap for r in ok for gap in r.itl], report)
+    _stats("itl", [gap for r in streamed for gap in r.itl], report)
     _stats("e2el", [r.e2e for r in ok], report)
     return report
 
@@ -288,10 +377,17 @@ def format_report(report: dict[str, Any]) -> str:
     row("Request throughput (req/s):", report["request_throughput"])
     row("Output token throughput (tok/s):", report["output_throughput"])
     row("Total token throughput (tok/s):", report["total_token_throughput"])
+    streamed = report["completed"] - report.get("beam_search_requests", 0)
+    if report.get("beam_search_requests"):
+        row("Beam-search requests (E2E only):", report["beam_search_requests"])
+    if streamed and report.get("tpot_requests", streamed) < streamed:
+        row("Requests timed for TPOT:", report["tpot_requests"])
+    timed = report.get("tpot_requests", streamed)  # a choice in two chunks or more: its gaps are the ITL
+    counted = {"ttft": streamed, "tpot": timed, "itl": timed, "e2el": report["completed"]}
     for key, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):  # fmt: skip
         lines.append("{s:{c}^60}".format(s=f" {title} ", c="-"))
-        measured = report["completed"] > 0  # with none, the figures' zeros are no measurement
+        measured = counted[key] > 0  # with none, the figures' zeros are no measurement
         row(f"Mean {key.upper()} (ms):", report[f"mean_{key}_ms"] if measured else "n/a")
         for p in PERCENTILES:
             row(f"P{p} {key.upper()} (ms):", report[f"p{p}_{key}_ms"] if measured else "n/a")
@@ -300,7 +396,7 @@ def format_report(report: dict[str, Any]) -> str:
                        ("server_tpot_ms", "Mean server-side TPOT (ms):")):  # fmt: skip
         value = report.get(key)
         row(label, "n/a" if value is None else float(value))
-    row("Mean client-side TPOT (ms):", report["mean_tpot_ms"] if report["completed"] else "n/a")
+    row("Mean client-side TPOT (ms):", report["mean_tpot_ms"] if counted["tpot"] else "n/a")
     for example in report["error_examples"]:
         lines.append(f"error: {example}")
     lines.append("=" * 60)

@@ -2,9 +2,13 @@
 
 In one run, on the same engine and the same chat prompts (greedy, `ignore_eos`), alternating:
 
-- single stream: the Python API's decode rate, (tokens - 1) / (time of the last token - time of the
-  first), i.e. 127 / (t(128 tokens) - t(1 token)), against the same rate seen by the official `openai`
-  client streaming from `trtpaged serve` (a separate process on loopback, as a user runs it);
+- single stream: the decode rate seen by the official `openai` client streaming from `trtpaged serve` (a
+  separate process on loopback, as a user runs it): the tokens that arrived after its first content chunk over
+  the time from that chunk to the last (`window_rate`; each chunk's token count from
+  `stream_options.continuous_usage_stats`: with a stream interval, or a first token whose text is held back, the
+  first chunk holds several tokens), against the Python API's rate over the same tokens (from the output that
+  completed the tokens the server's first chunk held, to its last output: with one token a chunk,
+  127 / (t(128 tokens) - t(1 token)));
 - concurrent: `LLM.generate`'s useful tok/s (output tokens / wall time) on N requests against N
   concurrent streaming `openai` clients' output tokens / wall time;
 - the same N streams read by a bare reader (`bench/sse_reader.py`) that spends almost no CPU: what the
@@ -214,8 +218,8 @@ class ApiSide:
 
         return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
-    def decode_rate(self, max_tokens: int) -> tuple[float, str, float]:
-        """(tok/s from the first token to the last, the text, mean step ms) of one request, as `LLM.chat` runs it."""
+    def decode_points(self, max_tokens: int) -> tuple[list[tuple[float, int]], str, float]:
+        """((time, tokens so far) at each output, the text, mean step ms) of one request, as `LLM.chat` runs it."""
         import dataclasses
 
         from trtpaged.runtime.outputs import RequestOutputKind
@@ -224,19 +228,18 @@ class ApiSide:
         params = dataclasses.replace(self._params(max_tokens), output_kind=RequestOutputKind.DELTA)
         steps0, seconds0 = engine.num_steps, sum(engine.phase_seconds.values())
         rid = engine.add_request(self.llm.chat_prompt(conversation(0)), params)
-        first = last = None
+        points: list[tuple[float, int]] = []
         tokens, text = 0, ""
         while engine.has_unfinished():
             for out in engine.step():
-                if out.request_id != rid or not out.outputs:
+                if out.request_id != rid or not out.outputs or not out.outputs[0].token_ids:
                     continue
                 now = time.perf_counter()
-                first = first or now
-                last = now
                 tokens += len(out.outputs[0].token_ids)
                 text += out.outputs[0].text
+                points.append((now, tokens))
         step_ms = 1000.0 * (sum(engine.phase_seconds.values()) - seconds0) / max(1, engine.num_steps - steps0)
-        return (tokens - 1) / (last - first), text, step_ms
+        return points, text, step_ms
 
     def batch_rate(self, num_requests: int, max_tokens: int) -> tuple[float, list[str], float]:
         """(useful tok/s, texts, mean step ms) of `LLM.generate` on the N chat prompts."""
@@ -251,29 +254,46 @@ class ApiSide:
         return tokens / wall, [o.outputs[0].text for o in outs], step_ms
 
 
-def client_decode_rate(url: str, max_tokens: int) -> tuple[float, str, float]:
-    """(tok/s from the first content chunk to the last, the text, the client's CPU seconds for the request:
-    the client made beforehand, as the API's `LLM` is) of one streamed chat request."""
+def window_rate(points: Sequence[tuple[float, int]], from_tokens: Optional[int] = None) -> float:
+    """Decode tok/s over a window of one stream's (time, tokens so far) points: the tokens that arrived after its
+    start over the time from its start to the last point. The window starts at the first point, or where the
+    tokens so far first reach `from_tokens` (another stream's first point: both rates then count the same
+    tokens). ValueError when the window holds no later point."""
+    i = 0 if from_tokens is None else next((k for k, (_, n) in enumerate(points) if n >= from_tokens), len(points))
+    if i >= len(points) - 1 or points[-1][0] <= points[i][0]:
+        total = points[-1][1] if points else 0
+        raise ValueError(f"single stream: the {total}-token answer came in "
+                         f"{'one chunk' if len(points) < 2 else 'chunks with nothing after the window start'}, "
+                         "so it has no decode rate: give --max-tokens more than every --stream-interval (and more "
+                         "than one chunk's worth)")  # fmt: skip
+    return (points[-1][1] - points[i][1]) / (points[-1][0] - points[i][0])
+
+
+def client_decode_points(url: str, max_tokens: int) -> tuple[list[tuple[float, int]], str, float]:
+    """((time, tokens so far) at each chunk that added tokens, the text, the client's CPU seconds for the request:
+    the client made beforehand, as the API's `LLM` is) of one streamed chat request; the tokens so far come from
+    `stream_options.continuous_usage_stats` (a chunk may hold several tokens)."""
     import openai
 
     client = openai.OpenAI(base_url=url + "/v1", api_key="none")
     cpu = time.thread_time()
-    first = last = None
-    tokens, text = 0, ""
+    points: list[tuple[float, int]] = []
+    text = ""
     stream = client.chat.completions.create(
         model=SERVED_NAME, messages=conversation(0), max_tokens=max_tokens, temperature=0.0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})  # fmt: skip
+        stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+        extra_body={"ignore_eos": True})  # fmt: skip
     for chunk in stream:
+        now = time.perf_counter()
         if chunk.choices and chunk.choices[0].delta.content:
-            now = time.perf_counter()
-            first = first or now
-            last = now
             text += chunk.choices[0].delta.content
-        if chunk.usage:
-            tokens = chunk.usage.completion_tokens
+        if chunk.choices and chunk.usage and chunk.usage.completion_tokens > (points[-1][1] if points else 0):
+            points.append((now, chunk.usage.completion_tokens))
     cpu = time.thread_time() - cpu
     client.close()
-    return (tokens - 1) / (last - first), text, cpu
+    if not points:
+        raise ValueError("single stream: the server sent no per-chunk usage (stream_options.continuous_usage_stats)")
+    return points, text, cpu
 
 
 async def _client_batch(url: str, num_requests: int, max_tokens: int) -> tuple[float, list[str], float]:
@@ -313,8 +333,10 @@ def client_batch_rate(url: str, num_requests: int, max_tokens: int) -> tuple[flo
     return asyncio.run(_client_batch(url, num_requests, max_tokens))
 
 
-def check_stream_intervals(stream_intervals: Sequence[int], server_args: Sequence[str]) -> tuple[int, ...]:
-    """The intervals to compare (one `serve` each), checked: distinct integers >= 1, none also in `server_args`."""
+def check_stream_intervals(stream_intervals: Sequence[int], server_args: Sequence[str],
+                           max_tokens: Optional[int] = None) -> tuple[int, ...]:  # fmt: skip
+    """The intervals to compare (one `serve` each), checked: distinct integers >= 1, none also in `server_args`,
+    each below `max_tokens` (a single stream needs a chunk after its first to have a decode rate)."""
     intervals = tuple(stream_intervals) or (1,)
     for n in intervals:
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -323,6 +345,10 @@ def check_stream_intervals(stream_intervals: Sequence[int], server_args: Sequenc
         raise ValueError(f"stream_interval: each value at most once, got {list(intervals)}")
     if any(a == "--stream-interval" or a.startswith("--stream-interval=") for a in server_args):
         raise ValueError("server_args: --stream-interval is set by the benchmark's own --stream-interval option")
+    if max_tokens is not None and max_tokens <= max(intervals):
+        raise ValueError(f"--max-tokens {max_tokens}: must be more than every --stream-interval (got "
+                         f"{max(intervals)}): the single stream's decode rate is timed from its first chunk to its "
+                         "last, so it needs two chunks")  # fmt: skip
     return intervals
 
 
@@ -338,6 +364,7 @@ class ServeArm:
         self.series = {"single": Series(f"serve, openai client, 1 stream{at} (tok/s)"),
                        "batch": Series(f"serve, {concurrency} streams{at} (tok/s)"),
                        "bare": Series(f"serve, {concurrency} streams, bare reader{at} (tok/s)")}  # fmt: skip
+        self.api_single = Series(f"Python API decode, the tokens after serve's first chunk{at} (tok/s)")
         self.steps = {m: Series(m) for m in self.MODES}
         self.handoff = {m: Series(m) for m in self.MODES}  # the engine's wait for the event loop, ms a step
         self.cpu = {m: CpuPerToken() for m in self.MODES}
@@ -364,7 +391,7 @@ def run_serve_ratio(engine: Path, repeats: int = 5, max_tokens: int = 128, concu
     """Runs the comparison (API and serve rounds alternating; with several `stream_intervals`, one server
     each, their runs in a rotating order after the API's in every round) and returns the report (see
     `format_ratio`)."""
-    intervals = check_stream_intervals(stream_intervals, server_args)
+    intervals = check_stream_intervals(stream_intervals, server_args, max_tokens)
     progress("loading the engine in this process and starting trtpaged serve"
              + (f" at stream intervals {', '.join(map(str, intervals))}" if len(intervals) > 1 else ""))
     api = ApiSide(engine)
@@ -380,10 +407,10 @@ def run_serve_ratio(engine: Path, repeats: int = 5, max_tokens: int = 128, concu
         # Warm both sides, and leave every round the same prefix-cache state: the rounds' prompts are
         # cached from here on (without this the first round alone prefilled the 16 prompts in full, and
         # read as a slow first batch).
-        api.decode_rate(8)
+        api.decode_points(8)
         api.batch_rate(concurrency, 8)
         for arm in arms:
-            client_decode_rate(arm.server.url, 8)
+            client_decode_points(arm.server.url, 8)
             client_batch_rate(arm.server.url, concurrency, 8)
             bare_batch_rate(arm.server.url, bare_bodies(concurrency, 8))
         with monitor:
@@ -391,13 +418,19 @@ def run_serve_ratio(engine: Path, repeats: int = 5, max_tokens: int = 128, concu
                 progress(f"round {r + 1}/{repeats}")
                 order = arms[r % len(arms):] + arms[: r % len(arms)]  # no server always right after the API
                 api_cpu = time.process_time()  # this process: the API's thread and its OpenMP workers
-                rate, api_text, step = api.decode_rate(max_tokens)
+                api_points, api_text, step = api.decode_points(max_tokens)
                 api_cpu = time.process_time() - api_cpu
-                api_series["single"].values.append(rate)
+                api_series["single"].values.append(window_rate(api_points))
                 api_steps["single"].values.append(step)
                 for arm in order:
-                    text, _ = arm.measure("single", lambda url: client_decode_rate(url, max_tokens), max_tokens,
-                                          api_cpu)  # fmt: skip
+
+                    def single(url: str, arm: ServeArm = arm) -> tuple[float, str, float]:
+                        points, text, cpu = client_decode_points(url, max_tokens)
+                        # the API's rate over the tokens this stream's rate counts: those after its first chunk
+                        arm.api_single.values.append(window_rate(api_points, points[0][1]))
+                        return window_rate(points), text, cpu
+
+                    text, _ = arm.measure("single", single, max_tokens, api_cpu)
                     arm.same_single &= text == api_text
                 api_cpu = time.process_time()
                 rate, api_texts, step = api.batch_rate(concurrency, max_tokens)
@@ -417,8 +450,8 @@ def run_serve_ratio(engine: Path, repeats: int = 5, max_tokens: int = 128, concu
     # the verdicts are on the paired ratios, so their noise is the spread of the rounds' ratios (a machine whose
     # speed drifts between rounds moves both runs of a round together; the runs' own spreads are in the report)
     for arm in arms:
-        for mode in ("single", "batch"):
-            monitor.add_samples([s / a for s, a in zip(arm.series[mode].values, api_series[mode].values) if a > 0])
+        monitor.add_samples(round_ratios(arm.series["single"].values, arm.api_single.values))
+        monitor.add_samples(round_ratios(arm.series["batch"].values, api_series["batch"].values))
     # the servers are our own children: the monitor counts their CPU as ours, not other processes' load
     noise = assess(max(monitor.spreads), monitor.foreign_cores(), os.cpu_count() or 1)
     series = {f"api_{m}": s for m, s in api_series.items()}
@@ -429,7 +462,7 @@ def run_serve_ratio(engine: Path, repeats: int = 5, max_tokens: int = 128, concu
         series.update({f"serve_{m}@{arm.interval}": s for m, s in arm.series.items()})
         steps.update({f"serve_{m}@{arm.interval}": s for m, s in arm.steps.items()})
         handoffs.update({f"serve_{m}@{arm.interval}": s for m, s in arm.handoff.items()})
-        singles = round_ratios(arm.series["single"].values, api_series["single"].values)
+        singles = round_ratios(arm.series["single"].values, arm.api_single.values)
         batches = round_ratios(arm.series["batch"].values, api_series["batch"].values)
         single, batch = statistics.median(singles), statistics.median(batches)
         by_interval[str(arm.interval)] = {
@@ -438,7 +471,7 @@ def run_serve_ratio(engine: Path, repeats: int = 5, max_tokens: int = 128, concu
             "same_text_single": arm.same_single, "same_text_batch": f"{arm.same['batch']}/{concurrency}",
             "same_text_bare": f"{arm.same['bare']}/{concurrency}",
             "cpu_us_per_token": {m: c.per_token_us() for m, c in arm.cpu.items()},
-            "single_rounds": singles, "batch_rounds": batches,
+            "single_rounds": singles, "batch_rounds": batches, "api_single": arm.api_single.values,
             "verdict_single": interval_verdict(singles, TARGET, True, noise),
             "verdict_batch": interval_verdict(batches, TARGET, True, noise),
         }  # fmt: skip
@@ -465,8 +498,13 @@ def format_ratio(report: dict) -> str:
         wait = f" + hand-over wait {statistics.median(handoff):.2f} ms" if handoff else ""
         lines.append(f"{s.describe('')}  engine step {statistics.median(steps):.2f} ms{wait}")
     streams = f"{report['concurrency']} streams"
+    # a noisy run's ratios are shown, but only as indicative (its verdicts are refused; docs/benchmarks.md)
+    noisy = "" if report["noise"]["trustworthy"] else "; noisy run: indicative only"
     for interval, r in report["by_interval"].items():
         lines.append(f"--stream-interval {interval}:")
+        if r.get("api_single"):
+            api = Series("Python API decode, the tokens serve's rate counts (tok/s)", r["api_single"])
+            lines.append(f"  {api.describe('')}")
         for mode, label in (("single", "1 stream"), ("batch", streams), ("bare", f"{streams}, bare reader")):
             us = r["cpu_us_per_token"][mode]
             serve = us["engine"] + us["http"] + us["other"]
@@ -476,12 +514,13 @@ def format_ratio(report: dict) -> str:
                          f"{'bare reader' if mode == 'bare' else 'openai client'} {us['client']:.0f}")  # fmt: skip
         rounds = {m: " / ".join(f"{x:.2f}" for x in r.get(f"{m}_rounds", [])) for m in ("single", "batch")}
         lines.append(f"  single stream: serve / API = {r['single_ratio']:.2f} (median of the rounds' ratios "
-                     f"{rounds['single']}; target >= {TARGET:.2f}): {r['verdict_single']}; "
+                     f"{rounds['single']}; target >= {TARGET:.2f}{noisy}): {r['verdict_single']}; "
                      f"same text: {r['same_text_single']}")  # fmt: skip
         lines.append(f"  {streams}:  serve / LLM.generate = {r['batch_ratio']:.2f} (rounds {rounds['batch']}; "
-                     f"target >= {TARGET:.2f}): {r['verdict_batch']}; same texts: {r['same_text_batch']}")  # fmt: skip
+                     f"target >= {TARGET:.2f}{noisy}): {r['verdict_batch']}; "
+                     f"same texts: {r['same_text_batch']}")  # fmt: skip
         lines.append(f"  {streams}, bare reader: serve / LLM.generate = {r['bare_ratio']:.2f} (the server "
-                     f"without a client's parsing on the same cores; not a target); "
+                     f"without a client's parsing on the same cores; not a target{noisy}); "
                      f"same texts: {r['same_text_bare']}")  # fmt: skip
     lines.append(report["noise_text"])
     return "\n".join(lines)

@@ -266,7 +266,9 @@ def qlinear(as_json: bool, quick: bool, working_set_mb: Optional[int], threads: 
 @click.option("--api-key", envvar="TRTPAGED_API_KEY", default=None, help="Sent as 'Authorization: Bearer KEY'.")
 @click.option("--endpoint", type=click.Choice(["completions", "chat"]), default="completions", show_default=True)
 @click.option("--ignore-eos/--no-ignore-eos", default=True, show_default=True, help="Ask for exactly the output length.")
-@click.option("--seed", default=0, show_default=True)
+@click.option("--seed", default=0, show_default=True,
+              help="The prompts' words: the same seed resends the same prompts, which a server with prefix "
+                   "caching finds cached (another seed for a cold run).")
 @click.option("--multi-turn", default=None, metavar="N:K",
               help="Multi-turn traffic: N conversations of K turns, each sending the whole history (with "
                    "--output-len N as the reply length); adds prefix hit rate and prefill tokens computed.")
