@@ -326,6 +326,11 @@ def test_models_health_metrics(server):
     assert m['time_to_first_token_seconds_bucket{le="+Inf"}'] == m["time_to_first_token_seconds_count"]
     assert m['request_success_total{finished_reason="length"}'] >= 1
     assert m["prefix_cache_queries_total"] >= m["prefix_cache_hits_total"]
+    # diagnose --metrics reads these gauges by their full names (it read trtpaged_* names no server exposes)
+    from trtpaged.bench.server_metrics import gauges, parse_prometheus
+
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as resp:
+        assert gauges(parse_prometheus(resp.read().decode())) == {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0}
     plans = {k: v for k, v in m.items() if k.startswith("execution_plan_info")}  # the tiny engine: float32, fused
     assert plans == {f'execution_plan_info{{layers="{mode}"}}': float(mode == "fused")
                      for mode in ("c_layers", "fused", "torch")}  # fmt: skip

@@ -45,6 +45,19 @@ BAD = {
     "pretty-printed": (b'{\n  "prompt_len": 5,\n  "output_len": 5\n}\n', "trace.jsonl:1: expected JSON Lines"),
     "huge arrival": (b'{"prompt_len": 5, "output_len": 5, "arrival": 100000000000000000000}\n',
                       "arrival: must be at most 2147483647, got 100000000000000000000"),
+    # json keeps the last of a repeated field without a word
+    "repeated field": (b'{"prompt_len": 5, "output_len": 5, "prompt_len": 9}\n',
+                       "trace.jsonl:1: field 'prompt_len' given twice"),
+    # was: "TraceRequest.__init__() missing 1 required positional argument" (bench memory)
+    "no output_len": (b'{"prompt_len": 5}\n', "trace.jsonl:1: output_len: required"),
+    # the replays built a 4-token shared prefix from line 1 and counted line 2's 8 as shared
+    "two lengths of one prefix": (b'{"prompt_len": 9, "output_len": 5, "prefix_id": 1, "prefix_len": 4}\n'
+                                  b'{"prompt_len": 9, "output_len": 5, "prefix_id": 1, "prefix_len": 8}\n',
+                                  "trace.jsonl:2: prefix_len: 8 for prefix_id 1, which"),
+    "prefix without an id": (b'{"prompt_len": 9, "output_len": 5, "prefix_len": 4}\n',
+                             "trace.jsonl:1: prefix_len: 4 shared with no one"),
+    "more beams returned than searched": (b'{"prompt_len": 9, "output_len": 5, "n": 3, "beam_width": 2}\n',
+                                          "trace.jsonl:1: n: 3 beams returned of beam_width 2"),
 }
 
 
@@ -69,6 +82,22 @@ def test_diagnose_refuses_log_lines_the_engine_could_never_run(tiny_engine_dir, 
     # before: each was silently dropped from the replay ("requests queued in 0 of 0 steps"), or a TypeError
     path = _file(tmp_path, (line + "\n").encode())
     _one_line_failure(CliRunner().invoke(main, ["diagnose", path, "--engine", str(tiny_engine_dir)]), words)
+
+
+def test_a_bom_starts_a_trace_as_it_starts_any_utf8_file(tiny_engine_dir, tmp_path):
+    """The BOM was stripped for the form check but the line parsed with it: "Unexpected UTF-8 BOM"."""
+    path = _file(tmp_path, "\ufeff".encode() + b'{"prompt_len": 5, "output_len": 3}\n')
+    r = CliRunner().invoke(main, ["bench", "memory", "--trace", path, "--num-kv-blocks", "64"])
+    assert r.exit_code == 0 and "1 requests" in r.output, r.output
+
+
+@pytest.mark.parametrize("arrival,step_time", [("1e308", "0.1"), ("2.5", "1e-320")])
+def test_diagnose_refuses_seconds_past_the_last_step(tiny_engine_dir, tmp_path, arrival, step_time):
+    """Seconds over the step time past float's range were an OverflowError traceback (ceil of inf)."""
+    path = _file(tmp_path, b'{"prompt_len": 5, "output_len": 3, "arrival": 0.0}\n'
+                           + f'{{"prompt_len": 5, "output_len": 3, "arrival": {arrival}}}\n'.encode())
+    _one_line_failure(CliRunner().invoke(main, ["diagnose", path, "--engine", str(tiny_engine_dir), "--step-time",
+                                                step_time]), "trace.jsonl:2: arrival:", "is past step 2147483647")
 
 
 def test_diagnose_with_a_dir_that_is_not_an_engine_is_one_line(tmp_path):

@@ -12,7 +12,9 @@ def json_object(value: Any, where: str, allowed: Iterable[str]) -> dict[str, Any
     with `where` (a field name or "file:line") for text that is not JSON, a non-object, or an unknown field."""
     if isinstance(value, (str, bytes)):
         try:
-            value = json.loads(value)
+            value = json.loads(value, object_pairs_hook=_without_repeats)
+        except _RepeatedField as exc:
+            raise ValueError(f"{where}: field {exc.args[0]!r} given twice (which one was meant?)") from None
         except ValueError as exc:
             raise ValueError(f"{where}: not JSON ({exc})") from None
         except RecursionError:
@@ -24,3 +26,17 @@ def json_object(value: Any, where: str, allowed: Iterable[str]) -> dict[str, Any
     if unknown:
         raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
     return dict(value)
+
+
+class _RepeatedField(Exception):
+    pass
+
+
+def _without_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json.loads' object hook: a field given twice is refused (json keeps the last silently)."""
+    out: dict[str, Any] = {}
+    for key, item in pairs:
+        if key in out:
+            raise _RepeatedField(key)
+        out[key] = item
+    return out

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from trtpaged.bench.memory_bench import Budget, format_tier_table, run_memory_bench, run_tier_what_if
-from trtpaged.bench.workload import TraceRequest, json_objects
+from trtpaged.bench.workload import MAX_ARRIVAL_STEP, TraceRequest, check_prefix_len, json_objects
 
 PROMPT_FIELDS = ("prompt", "prompt_token_ids", "prompt_len")
 TRACE_FIELDS = ("output_len", "arrival", "prefix_id", "prefix_len", "n", "beam_width")
@@ -96,6 +96,7 @@ def read_request_log(path: str | Path, tokenize: Optional[Callable[[str], list[i
     """
     rng = random.Random(seed)
     prefixes: dict[int, list[int]] = {}
+    prefix_lens: dict[int, tuple[int, str]] = {}
     rows: list[tuple[str, dict, TraceRequest, list[int]]] = []
     out = RequestLogData([], [])
     first_arrival: Optional[tuple[str, bool]] = None  # (where, is seconds) of the first line with an arrival
@@ -127,6 +128,7 @@ def read_request_log(path: str | Path, tokenize: Optional[Callable[[str], list[i
             ids = _prompt_ids(data, given[0], tokenize, vocab_size)
             fields = {k: v for k, v in data.items() if k in TRACE_FIELDS and k != "arrival"}  # arrival: below
             req = TraceRequest(prompt_len=len(ids) if ids is not None else data["prompt_len"], **fields)
+            check_prefix_len(prefix_lens, req, where)
             if ids is None:
                 ids = []
                 out.lengths_only += req.prefix_id is None
@@ -182,7 +184,14 @@ def _arrival_steps(rows: list[tuple[str, dict, TraceRequest, list[int]]], second
     out.arrival_unit, out.step_time_s = "seconds", step_time
     # a request that arrives during step k - 1 is first scheduled in step k (the tolerance absorbs float error)
     start = min(data["arrival"] for _, data, _, _ in rows)
-    return [max(0, math.ceil((data["arrival"] - start) / step_time - 1e-9)) for _, data, _, _ in rows]
+    steps = []
+    for where, data, _, _ in rows:
+        step = (data["arrival"] - start) / step_time - 1e-9  # inf where seconds over a tiny step time pass float's range
+        if not step <= MAX_ARRIVAL_STEP:
+            raise ValueError(f"{where}: arrival: {data['arrival']!r} s is past step {MAX_ARRIVAL_STEP} at "
+                             f"{step_time} s per step (the latest a replay runs)")
+        steps.append(max(0, math.ceil(step)))
+    return steps
 
 
 def _check_int(data: dict, name: str, low: int) -> None:
@@ -288,7 +297,7 @@ def _sharing(trace: list[TraceRequest], prompts: list[list[int]], report: dict, 
     prompt_tokens = sum(len(p) for p in prompts)
     # the prefix cache shares whole blocks, and never the prompt's last token
     shareable = sum(min(s, len(p) - 1) // block_size * block_size for s, p in zip(shared, prompts))
-    seqs = sum(r.n * r.beam_width for r in trace)
+    seqs = sum(r.num_seqs for r in trace)
     parallel = sum(r.n for r in trace if r.n > 1 and r.beam_width == 1)
     beams = sum(r.beam_width for r in trace if r.beam_width > 1)
     saved = report["sharing"]["memory_saved"]
@@ -316,7 +325,7 @@ def _sharing(trace: list[TraceRequest], prompts: list[list[int]], report: dict, 
 
 def _lengths(trace: list[TraceRequest], kv: ModelKV) -> dict:
     b = kv.budget
-    seq_lens = [min(b.max_seq_len, r.prompt_len + r.output_len) for r in trace for _ in range(r.n * r.beam_width)]
+    seq_lens = [min(b.max_seq_len, r.prompt_len + r.output_len) for r in trace for _ in range(r.num_seqs)]
     mean_len = sum(seq_lens) / len(seq_lens)
     # paged: each sequence wastes at most one partly filled block; half a block on average
     mean_blocks = sum(-(-n // b.block_size) for n in seq_lens) / len(seq_lens)

@@ -71,8 +71,8 @@ def never_fits(req: TraceRequest, budget: Budget) -> Optional[str]:
     blocks = -(-req.prompt_len // budget.block_size)
     if blocks > budget.num_kv_blocks:
         return f"prompt_len {req.prompt_len} needs {blocks} KV blocks, more than the budget's {budget.num_kv_blocks}"
-    if req.n * req.beam_width > budget.max_batch_size:
-        return (f"{req.n * req.beam_width} sequences (n x beam_width) exceed max_batch_size "
+    if req.num_seqs > budget.max_batch_size:
+        return (f"{req.num_seqs} sequences ({'beam_width' if req.beam_width > 1 else 'n'}) exceed max_batch_size "
                 f"{budget.max_batch_size}")  # fmt: skip
     return None
 
@@ -169,7 +169,7 @@ def simulate_contiguous(trace: list[TraceRequest], budget: Budget, reserve: str)
         admitted_any = False
         while waiting:
             req = waiting[0]
-            copies = req.n * req.beam_width  # without sharing, every sample or beam holds its own copy
+            copies = req.num_seqs  # without sharing, every sample or beam holds its own copy
             per_seq = budget.max_seq_len if reserve == "max_seq_len" else min(budget.max_seq_len, req.prompt_len + req.output_len)
             need = per_seq * copies
             if need > budget.capacity_tokens or never_fits(req, budget) is not None:
@@ -241,7 +241,10 @@ def _replay(trace: list[TraceRequest], budget: Budget, sharing: bool, prompts: O
     def during_step(batch: StepBatch) -> None:
         # Blocks of this step are allocated and none freed yet; this step's tokens are being written.
         stats = engine.kv.stats(engine.scheduler.live_seqs())
-        num_seqs = int(batch.query_start.shape[0]) - 1
+        # a group's samples (beams) run from admission, as the reservation replay's copies do, though its prompt
+        # is one sequence until the first sample forks it
+        num_seqs = sum(len(g.seqs) if g.forked else max(g.params.n, g.params.beam_width)
+                       for g in engine.scheduler.running)  # fmt: skip
         result.record(num_seqs, int(stats["kv_tokens_stored"]) + batch.num_tokens, int(stats["kv_slots_allocated"]),
                       batch.num_tokens)  # fmt: skip
         used = int(stats["kv_blocks_used"])
@@ -279,11 +282,11 @@ def _replay(trace: list[TraceRequest], budget: Budget, sharing: bool, prompts: O
             if never_fits(req, budget) is not None:
                 result.refused += 1
                 continue
-            copies = 1 if sharing else req.n * req.beam_width
+            copies = 1 if sharing else req.num_seqs
             output_len = min(req.output_len, budget.max_seq_len - req.prompt_len)  # as simulate_contiguous
             if sharing and req.beam_width > 1:
                 params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True,
-                                        beam_width=req.beam_width, n=min(req.n, req.beam_width))  # fmt: skip
+                                        beam_width=req.beam_width, n=req.n)  # fmt: skip
             else:
                 params = SamplingParams(max_tokens=output_len, temperature=1.0, seed=i, ignore_eos=True,
                                         n=req.n if sharing else 1)  # fmt: skip
@@ -373,7 +376,7 @@ def run_memory_bench(
     report = {
         "budget": asdict(budget),
         "requests": len(trace),
-        "sequences": sum(r.n * r.beam_width for r in trace),
+        "sequences": sum(r.num_seqs for r in trace),
         "sharing": results[-1].sharing(),
         "series": {r.policy: {k: getattr(r, k) for k in ("running", "slots", "waiting", "head_fits")} for r in results},
         "policies": [

@@ -8,9 +8,9 @@ from typing import Optional
 
 # gauge -> accepted metric names, trtpaged's first, then vLLM's (v0 and v1 spellings)
 GAUGES = {
-    "running": ("trtpaged_num_requests_running", "vllm:num_requests_running"),
-    "waiting": ("trtpaged_num_requests_waiting", "vllm:num_requests_waiting"),
-    "kv_usage": ("trtpaged_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "running": ("trtpaged:num_requests_running", "vllm:num_requests_running"),
+    "waiting": ("trtpaged:num_requests_waiting", "vllm:num_requests_waiting"),
+    "kv_usage": ("trtpaged:kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
 }
 KV_FULL = 0.90  # KV usage at or above this counts as full
 

@@ -5,7 +5,8 @@ A trace is JSON Lines, one request per line:
 Only prompt_len and output_len are required. Requests with the same prefix_id share their
 first prefix_len prompt tokens (a system prompt); arrival is the step at which the request
 is submitted (default 0); n is the number of parallel samples; beam_width > 1 makes the
-request a beam search of that width. `bench memory --n/--beam-width` fill the lines that give
+request a beam search of that width (n is then how many beams it returns, at most beam_width, as
+`serve --request-log` writes a beam request). `bench memory --n/--beam-width` fill the lines that give
 neither field (`load_trace_with_sharing`).
 """
 
@@ -49,6 +50,27 @@ class TraceRequest:
             raise ValueError(f"prefix_id: must be an integer, got {self.prefix_id!r}")
         if self.prefix_len > self.prompt_len:
             raise ValueError(f"prefix_len: {self.prefix_len} exceeds prompt_len {self.prompt_len}")
+        if self.prefix_len and self.prefix_id is None:
+            raise ValueError(f"prefix_len: {self.prefix_len} shared with no one (give prefix_id: the requests "
+                             "sharing a prefix have the same prefix_id)")
+        if self.beam_width > 1 and self.n > self.beam_width:  # a beam search returns n of its beams (serve logs it)
+            raise ValueError(f"n: {self.n} beams returned of beam_width {self.beam_width}: at most beam_width")
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences the request holds at once: its beam_width beams (n of them are returned), or its n samples."""
+        return self.beam_width if self.beam_width > 1 else self.n
+
+
+def check_prefix_len(seen: dict[int, tuple[int, str]], request: TraceRequest, where: str) -> None:
+    """One prefix_len per prefix_id over a trace (`seen`: prefix_id -> (prefix_len, the line that gave it)): lines
+    of one id naming other lengths would share what no replay can build the same way."""
+    if request.prefix_id is None:
+        return
+    length, first = seen.setdefault(request.prefix_id, (request.prefix_len, where))
+    if length != request.prefix_len:
+        raise ValueError(f"prefix_len: {request.prefix_len} for prefix_id {request.prefix_id}, which {first} gives "
+                         f"{length} (one length per shared prefix: give a longer one its own prefix_id)")
 
 
 def json_objects(path: str | Path, allowed: Iterable[str]) -> Iterator[tuple[str, dict]]:
@@ -64,7 +86,7 @@ def json_objects(path: str | Path, allowed: Iterable[str]) -> Iterator[tuple[str
                 raise ValueError(f"{where}: expected JSON Lines, one request object per line (a JSON array or a "
                                  "pretty-printed document is not read: write one object per line)")
             first = False
-            yield where, json_object(line, where, allowed)
+            yield where, json_object(text, where, allowed)
 
 
 def read_lines(path: str | Path) -> list[str]:
@@ -89,11 +111,17 @@ def _trace_entries(path: str | Path, fill: dict) -> tuple[list[tuple[str, TraceR
     """("file:line", request) per line, `fill` set on the lines that give neither n nor beam_width; and how many
     lines it filled."""
     entries, filled = [], 0
+    prefix_lens: dict[int, tuple[int, str]] = {}
     for where, data in json_objects(path, TraceRequest.__dataclass_fields__):
         if fill and "n" not in data and "beam_width" not in data:
             data, filled = {**data, **fill}, filled + 1
+        missing = next((name for name in ("prompt_len", "output_len") if name not in data), None)
+        if missing:
+            raise ValueError(f"{where}: {missing}: required")
         try:
-            entries.append((where, TraceRequest(**data)))
+            request = TraceRequest(**data)
+            check_prefix_len(prefix_lens, request, where)
+            entries.append((where, request))
         except (ValueError, TypeError) as exc:
             raise ValueError(f"{where}: {exc}") from exc
     if not entries:

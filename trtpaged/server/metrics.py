@@ -29,7 +29,7 @@ ENGINE_STATS: dict[str, tuple[str, str, str]] = {
     "kv_blocks_total": ("kv_cache_blocks", "gauge", "KV-cache blocks in the pool."),
     "kv_blocks_used": ("kv_cache_blocks_used", "gauge", "KV-cache blocks referenced by live sequences."),
     "kv_blocks_free": ("kv_cache_blocks_free", "gauge", "KV-cache blocks on the free queue (cached ones included)."),
-    "kv_blocks_cached": ("kv_cache_blocks_cached", "gauge", "Free blocks still holding a prefix-cache entry."),
+    "kv_blocks_cached": ("kv_cache_blocks_cached", "gauge", "Blocks holding a prefix-cache entry (used or free)."),
     "kv_utilisation": ("kv_cache_utilisation_perc", "gauge", "Tokens stored / slots of used blocks (1 - fragmentation)."),
     "kv_blocks_saved_by_sharing": ("kv_cache_blocks_saved_by_sharing", "gauge", "Block references beyond the first (shared blocks)."),
     "kv_evictions": ("kv_cache_evictions", "counter", "Cached blocks evicted for reuse."),
