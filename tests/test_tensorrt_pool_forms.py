@@ -3,7 +3,8 @@
 - `kv_pool: aliased` (the default): the pool a tensor the plugin updates in place;
 - `kv_pool: address`: the pool's device address and num_kv_blocks an int64 [2] host input the plugin
   writes through (no pool tensor in the network, TensorRT-LLM's pattern);
-- `quantized_pool: uint8 | float16`: an int8/fp8_e4m3 pool's bytes typed as plain uint8 or fp16 pairs.
+- `quantized_pool: float16`: an int8/fp8_e4m3 pool's bytes typed as fp16 pairs (no uint8: a plugin output may not be
+  kUINT8).
 
 Each form: the model.yaml field is parsed and recorded, the graph passes the conformance rules
 (builder/tensorrt_rules.py), and the TensorRT runner binds what the engine declares (a recording fake
@@ -38,7 +39,7 @@ def test_tensorrt_section_defaults_and_values():
 
 @pytest.mark.parametrize("spec,field,match", [
     ({"kv_pool": "pointer"}, "tensorrt.kv_pool", "allowed: aliased, address"),
-    ({"quantized_pool": "int16"}, "tensorrt.quantized_pool", "allowed: int8, uint8, float16"),
+    ({"quantized_pool": "int16"}, "tensorrt.quantized_pool", "allowed: int8, float16"),
     ({"graph": "never"}, "tensorrt.graph", "allowed: auto, always"),
     ({"kvpool": "address"}, "tensorrt.kvpool", "did you mean 'tensorrt.kv_pool'"),
     ("address", "tensorrt", "expected a mapping"),
@@ -98,10 +99,9 @@ def test_address_form_has_no_pool_tensor_and_conforms(graphs, kv, tmp_path):
     onnx.checker.check_model(str(path), full_check=True)
 
 
-@pytest.mark.parametrize("pool_type,elem,row", [("uint8", onnx.TensorProto.UINT8, 18),
-                                                ("float16", onnx.TensorProto.FLOAT16, 9)])
+@pytest.mark.parametrize("pool_type,elem,row", [("float16", onnx.TensorProto.FLOAT16, 9)])
 def test_retyped_quantized_pool_conforms_and_runs_as_the_int8_graph(graphs, pool_type, elem, row, tmp_path):
-    """The same bytes typed uint8 or fp16 pairs: onnx.reference gives the int8 graph's logits and pool bytes."""
+    """The same bytes typed fp16 pairs: onnx.reference gives the int8 graph's logits and pool bytes."""
     from onnx.reference import ReferenceEvaluator
 
     from trtpaged.builder.onnx_reference import TrtpagedPagedAttention
@@ -118,7 +118,7 @@ def test_retyped_quantized_pool_conforms_and_runs_as_the_int8_graph(graphs, pool
     onnx.checker.check_model(str(path), full_check=True)
 
     _, steps, num_kv_blocks = standard_probe(320, 16)
-    typed = {"uint8": np.uint8, "float16": np.float16}[pool_type]
+    typed = {"float16": np.float16}[pool_type]
     runs = {}
     for name, p, dtype, last in (("int8", graphs["int8"], np.int8, 18), (pool_type, path, typed, row)):
         session = ReferenceEvaluator(str(p), new_ops=[TrtpagedPagedAttention])
@@ -136,9 +136,24 @@ def test_retyped_quantized_pool_conforms_and_runs_as_the_int8_graph(graphs, pool
         assert np.array_equal(a, b)
 
 
+def test_a_quantized_pool_typed_uint8_breaks_the_plugin_output_rule(graphs, tmp_path):
+    """uint8 was a quantized_pool form; the aliased pool is also the plugin's output kv_cache_out, which TensorRT's
+    header forbids as kUINT8 (getOutputDataTypes). A graph typed so is refused, naming the rule."""
+    model = onnx.load(str(graphs["int8"]), load_external_data=False)
+    names = onnx_pool._pool_values(model.graph)
+    for info in (*model.graph.input, *model.graph.output, *model.graph.value_info):
+        if info.name in names:
+            info.type.tensor_type.elem_type = onnx.TensorProto.UINT8
+    path = tmp_path / "uint8.onnx"
+    onnx.save(model, str(path))
+    violations = check_graph(path)
+    assert violations and {v.rule for v in violations} == {"plugin-pool-io"}, format_violations(violations)
+    assert "kv_cache is UINT8" in str(violations[0])
+
+
 def test_defaults_leave_the_graph_alone_and_float_pools_are_not_retyped(graphs, tmp_path):
-    path, changed = _rewritten(graphs["float16"], tmp_path, "aliased", "uint8")
-    assert changed == []  # uint8 is for a quantized pool's bytes; a float16 pool keeps its type
+    path, changed = _rewritten(graphs["float16"], tmp_path, "aliased", "float16")
+    assert changed == []  # the form is for a quantized pool's bytes; a float16 pool keeps its type
     assert onnx_pool.apply_pool_form(path, "aliased", "int8", 2) == []
 
 
@@ -219,7 +234,7 @@ def fake_tensorrt(monkeypatch):
     from trtpaged import kernels, tensorrt_env
 
     trt = types.SimpleNamespace(__version__="10.16.0", float32="f32", float16="f16", bfloat16="bf16", int32="i32",
-                                int8="i8", uint8="u8", int64="i64", engine=None)
+                                int8="i8", int64="i64", engine=None)
     trt.Logger = type("Logger", (), {"WARNING": 2, "__init__": lambda self, level=None: None})
 
     class Runtime:
@@ -280,7 +295,7 @@ def test_address_engine_needs_the_pool_layout(fake_tensorrt, tmp_path, monkeypat
         _construct(fake_tensorrt, engine, tmp_path, pool_layout=None)
 
 
-@pytest.mark.parametrize("dtype,torch_dtype", [("u8", torch.uint8), ("f16", torch.float16), ("i8", torch.int8)])
+@pytest.mark.parametrize("dtype,torch_dtype", [("f16", torch.float16), ("i8", torch.int8)])
 def test_aliased_engine_allocates_the_pool_in_the_type_it_declares(fake_tensorrt, tmp_path, monkeypatch,
                                                                   dtype, torch_dtype):
     from trtpaged.runtime.runners import tensorrt_runner as mod

@@ -57,7 +57,7 @@ tensorrt:                  # the TensorRT engine's forms (docs/tensorrt.md); def
   graph: auto              #   auto: the TensorRT graph (model-tensorrt.safetensors) only where compile runs | always
   kv_pool: aliased         #   aliased (the pool a tensor the plugin updates in place) | address (its device
                            #   address an int64 host input the plugin writes through; no pool tensor)
-  quantized_pool: int8     #   int8 | uint8 | float16: the I/O type of an int8/fp8_e4m3 pool's bytes
+  quantized_pool: int8     #   int8 | float16: the I/O type of an int8/fp8_e4m3 pool's bytes
 """
 MODEL_SOURCES = ("hf_dir", "gguf", "package", "tiny")
 TOP_LEVEL_KEYS = (
@@ -70,7 +70,8 @@ QUANT_KEYS = ("weights", "group_size", "lm_head", "activations")
 TENSORRT_KEYS = ("graph", "kv_pool", "quantized_pool")
 TENSORRT_GRAPHS = ("auto", "always")
 KV_POOLS = ("aliased", "address")
-QUANTIZED_POOL_TYPES = ("int8", "uint8", "float16")
+# no uint8: a plugin output may not be kUINT8 (NvInferRuntime.h, IPluginV3OneBuild::getOutputDataTypes)
+QUANTIZED_POOL_TYPES = ("int8", "float16")
 TINY_KEYS = (
     "architecture", "seed", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling",

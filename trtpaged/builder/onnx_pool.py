@@ -10,7 +10,7 @@ a GPU run can measure them (TensorRT "may insert copies" of an aliased tensor):
   paged-attention node reads and writes through (TensorRT-LLM's host KV pool pointers);
   each node has the one output `out`, attributes kv_pool "address", num_layers, and kv_cache_dtype
   naming the pool's type (a float pool's too: no tensor shows it).
-- `quantized_pool: uint8 | float16`: an int8/fp8_e4m3 pool's bytes typed uint8, or fp16
+- `quantized_pool: float16`: an int8/fp8_e4m3 pool's bytes typed fp16
   (rows of (head_dim + 2) / 2 elements), in case TensorRT refuses INT8 network I/O outside
   quantization; the plugin takes the same bytes whatever the type.
 
@@ -29,7 +29,7 @@ from trtpaged.builder.onnx_node import OP_TYPE
 
 POOL_INPUT, POOL_OUTPUT = "kv_cache", "kv_cache_out"
 POOL_ADDRESS_INPUT = "kv_cache_pool"  # int64 [2]: device address, num_kv_blocks
-POOL_TYPES = {"int8": TensorProto.INT8, "uint8": TensorProto.UINT8, "float16": TensorProto.FLOAT16}
+POOL_TYPES = {"int8": TensorProto.INT8, "float16": TensorProto.FLOAT16}
 _FLOAT_NAMES = {TensorProto.FLOAT: "float32", TensorProto.FLOAT16: "float16", TensorProto.BFLOAT16: "bfloat16"}
 
 
@@ -58,7 +58,7 @@ def _pool_values(graph: onnx.GraphProto) -> set[str]:
 
 
 def retype_quantized_pool(model: onnx.ModelProto, pool_type: str) -> bool:
-    """Types a quantized pool's bytes as `pool_type` (int8 | uint8 | float16) along its chain; returns whether
+    """Types a quantized pool's bytes as `pool_type` (int8 | float16) along its chain; returns whether
     the graph has a quantized pool (a float pool is left as it is)."""
     graph = model.graph
     nodes = _attention_nodes(graph)

@@ -10,9 +10,9 @@ packed as uint8 [K, N/2], the bytes ONNX uses for INT4 [K, N]):
 - int4: `DequantizeLinear(codes INT4 [K, N], scales [K/B, N], axis=0, block_size=B)`;
 - int8: `DequantizeLinear(codes INT8 [K, N], scales [N], axis=1)` (per channel);
 
-scales in the compute dtype, output straight into the MatMul: the weight-only pattern
-TensorRT turns into weight-only GEMMs (rules: builder/tensorrt_rules.py), and what
-onnx.reference runs at verification.
+scales in the compute dtype, output straight into the MatMul (rules: builder/tensorrt_rules.py),
+and what onnx.reference runs at verification. TensorRT documents weight-only GEMMs for INT4;
+the int8 form parses, but may run as a de-quantization and a float GEMM (docs/quantization.md).
 """
 
 from __future__ import annotations

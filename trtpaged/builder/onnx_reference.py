@@ -78,7 +78,7 @@ class TrtpagedPagedAttention(OpRun):
              sliding_window=None, logit_softcap=None):
         kv_cache_dtype = kv_cache_dtype.decode() if isinstance(kv_cache_dtype, bytes) else (kv_cache_dtype or "auto")
         typed = kv_cache.dtype
-        if is_quantized(kv_cache_dtype):  # the pool's bytes, typed int8, uint8 or fp16 pairs (tensorrt.quantized_pool)
+        if is_quantized(kv_cache_dtype):  # the pool's bytes, typed int8 or fp16 pairs (tensorrt.quantized_pool)
             kv_cache = kv_cache.view(np.int8)
         out, cache = paged_attention_numpy(q, k, v, kv_cache, positions, query_start, context_lens, block_tables,
                                            layer=int(layer), block_size=int(block_size), scale=float(scale),

@@ -70,15 +70,17 @@ RULES = {r.id: r for r in (
          "de-quantization must be rooted at a constant, not at a Gather's output",
          "NVIDIA, Working with Quantized Types, as summarized in issue 20 item 4"),
     Rule("dq-feeds-matmul", "DequantizeLinear's output goes straight into a MatMul's weight input (no Cast, "
-         "Transpose or Gemm between), the weight-only GEMM pattern TensorRT fuses",
+         "Transpose or Gemm between), the pattern of NVIDIA's exporters (a weight-only GEMM for INT4; INT8 may run "
+         "as a de-quantization and a float GEMM)",
          "issue 20 item 7 (NVIDIA's exporters emit DequantizeLinear -> MatMul); the DQ output type is the "
          "scale's (QuantDequantLinearHelper), so a compute-dtype scale needs no Cast"),
     Rule("plugin-pool-io", "the paged-attention node's pool I/O is one form the plugin takes: aliased (input "
-         "kv_cache a float pool, or a quantized pool's bytes typed INT8/UINT8/FP16, and output kv_cache_out "
+         "kv_cache a float pool, or a quantized pool's bytes typed INT8/FP16, and output kv_cache_out "
          "aliased to it) or by address (input an INT64 [2] network input, one output, num_layers and a named "
          "kv_cache_dtype)",
          "TensorRT NvInferRuntime.h IPluginV3OneBuildV2::getAliasedInput (an output aliases one input; only "
-         "with PreviewFeature::kALIASED_PLUGIN_IO_10_03) and DataType; plugins/src/tensorrt/attention_io.cpp "
+         "with PreviewFeature::kALIASED_PLUGIN_IO_10_03), IPluginV3OneBuild::getOutputDataTypes (no kUINT8 output) and "
+         "DataType; plugins/src/tensorrt/attention_io.cpp "
          "is_pool_type / check_shapes, fields.cpp validate"),
     Rule("int4-even-last-dim", "an INT4 tensor's last dimension is even (packing)",
          f"{_PARSER} QuantDequantLinearHelper ('Quantization to INT4 is not supported for tensors with an odd "
@@ -122,7 +124,9 @@ PLUGIN_FIELDS: dict[str, dict[str, int]] = {
 # num_layers with address; sliding_window and logit_softcap 0, as a graph exported before they existed has none)
 PLUGIN_OPTIONAL_FIELDS: dict[str, dict[str, int]] = {ATTENTION_OP: {"kv_pool": _STRING, "num_layers": _INT,
                                                                     "sliding_window": _INT, "logit_softcap": _FLOAT}}
-_QUANTIZED_POOL_TYPES = frozenset({_I8, TensorProto.UINT8, _H})
+# not UINT8: the aliased pool is also the plugin's output kv_cache_out, and getOutputDataTypes may not give kUINT8
+# (NvInferRuntime.h, IPluginV3OneBuild::getOutputDataTypes: "DataType:kBOOL and DataType::kUINT8 are not supported")
+_QUANTIZED_POOL_TYPES = frozenset({_I8, _H})
 # attribute types loadFields turns into plugin fields (onnxOpImporters.cpp line 6112)
 PLUGIN_ATTRIBUTE_TYPES = frozenset({_INT, _FLOAT, _STRING, onnx.AttributeProto.INTS, onnx.AttributeProto.FLOATS,
                                     onnx.AttributeProto.STRINGS, onnx.AttributeProto.TENSOR})

@@ -31,8 +31,9 @@ bool with_dtype(trtpaged_dtype dtype, F&& f) {
     case TRTPAGED_BFLOAT16:
       f(TypeTag<__nv_bfloat16>{});
       return true;
+    default:  // the quantized codes and anything unknown: not an activation type
+      return false;
   }
-  return false;
 }
 
 // Calls f(TypeTag<T>{}) for the pool element type of a kv_cache_dtype: the float types, or the one-byte

@@ -1,5 +1,6 @@
 #include "tensorrt/allreduce_plugin.h"
 
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -59,7 +60,9 @@ AllReduceFields parse_allreduce_fields(PluginFieldCollection const* fc) {
     if (field.type == PluginFieldType::kINT32) {
       *slot = *static_cast<int32_t const*>(field.data);
     } else if (field.type == PluginFieldType::kINT64) {
-      *slot = static_cast<int32_t>(*static_cast<int64_t const*>(field.data));
+      int64_t const value = *static_cast<int64_t const*>(field.data);
+      if (value < INT32_MIN || value > INT32_MAX) throw field_error(name, "got " + std::to_string(value) + ", past int32");
+      *slot = static_cast<int32_t>(value);
     } else {
       throw field_error(name, "expected an int32 or int64 field");
     }

@@ -75,7 +75,8 @@ bool is_activation_type(DataType type) noexcept {
 
 bool is_pool_type(AttentionFields const& f, DataType type) noexcept {
   if (address(f)) return type == DataType::kINT64;
-  if (quantized(f.kv_format)) return type == DataType::kINT8 || type == DataType::kUINT8 || type == DataType::kHALF;
+  // not kUINT8: the aliased pool is also output kv_cache_out, and a plugin output may not be kUINT8 (getOutputDataTypes)
+  if (quantized(f.kv_format)) return type == DataType::kINT8 || type == DataType::kHALF;
   DataType named{};
   return named_float(f.kv_format, &named) ? type == named : is_activation_type(type);
 }
@@ -108,7 +109,7 @@ void check_shapes(AttentionFields const& f, Dims const* in, int32_t nbInputs, Da
     expect(pool, kKvCache, 2, 2, "2 (K and V)");
     expect(pool, kKvCache, 3, f.num_kv_heads, "num_kv_heads");
     expect(pool, kKvCache, 4, f.block_size, "block_size");
-    if (quantized(f.kv_format)) {  // head_dim + 2 bytes, as int8/uint8 or as fp16 pairs (head_dim is even)
+    if (quantized(f.kv_format)) {  // head_dim + 2 bytes, as int8 or as fp16 pairs (head_dim is even)
       expect(pool, kKvCache, 5, (f.head_dim + 2) / element_bytes(pool_type),
              (std::string("(head_dim + 2) bytes (a ") + kv_format_name(f.kv_format) +
               " row: codes, then its fp16 scale) in the pool type's elements").c_str());

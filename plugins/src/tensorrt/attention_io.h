@@ -36,7 +36,7 @@ int32_t output_count(AttentionFields const& f) noexcept;
 bool is_activation_type(nvinfer1::DataType type) noexcept;  // fp32, fp16 or bf16
 
 // The type input kKvCache may have: int64 (the address) for kv_pool address; else for a quantized format
-// int8, uint8 or fp16 (the row's bytes as those elements), for a named float format that type, for auto
+// int8 or fp16 (the row's bytes as those elements), for a named float format that type, for auto
 // any activation type.
 bool is_pool_type(AttentionFields const& f, nvinfer1::DataType type) noexcept;
 

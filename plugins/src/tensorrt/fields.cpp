@@ -20,8 +20,9 @@ constexpr char const* kIntFields[] = {"num_heads", "num_kv_heads", "head_dim", "
 constexpr char const* kScale = "scale";
 constexpr char const* kWorkspace = "workspace_bytes";  // optional: absent in the ONNX node
 constexpr char const* kKvCacheDtype = "kv_cache_dtype";  // optional string: auto (absent), int8, fp8_e4m3, ...
-// Deprecated spelling of kv_cache_dtype in the ONNX graphs and engine.plan files of older builds, read for one
-// release (trtpaged/names.py RENAMED_KEYS).
+// Deprecated spelling of kv_cache_dtype in the engine.plan files of older builds, read for one release
+// (trtpaged/names.py RENAMED_KEYS). An older ONNX graph's attribute of that name never arrives: the parser passes
+// only the fields getFieldNames lists (the build refuses such a graph first: builder/tensorrt_rules.py).
 constexpr char const* kKvCacheDtypeDeprecated = "kv_dtype";
 constexpr char const* kKvPool = "kv_pool";             // optional string: aliased (absent), address
 constexpr char const* kNumLayers = "num_layers";       // optional int: required with kv_pool address

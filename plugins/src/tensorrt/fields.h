@@ -19,7 +19,7 @@ constexpr char const* kPluginNamespace = "trtpaged";
 
 // How the plugin reads the pool (the node's kv_cache_dtype attribute): kAuto as values of the pool tensor's
 // own float type; kInt8 / kFp8E4M3 as one-byte codes with an fp16 scale per row, rows of head_dim + 2
-// bytes (trtpaged/trtpaged.h, "Quantized KV cache"), the pool tensor's type int8, uint8 or fp16 (the
+// bytes (trtpaged/trtpaged.h, "Quantized KV cache"), the pool tensor's type int8 or fp16 (the
 // same bytes: tensorrt.quantized_pool); kFloat32 / kFloat16 / kBFloat16 name a float pool's type where
 // no pool tensor shows it (kv_pool address).
 enum class KvFormat : int32_t { kAuto = 0, kInt8 = 1, kFp8E4M3 = 2, kFloat32 = 3, kFloat16 = 4, kBFloat16 = 5 };

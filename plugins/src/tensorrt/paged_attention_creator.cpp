@@ -13,11 +13,9 @@ nvinfer1::IPluginV3* PagedAttentionCreator::createPlugin(char const* name, nvinf
                                                          nvinfer1::TensorRTPhase phase) noexcept {
   std::string const where = std::string("createPlugin(") + (name != nullptr ? name : "") + ")";
   return guarded<nvinfer1::IPluginV3*>(where.c_str(), nullptr, [&] {
-    AttentionFields const fields = parse_fields(fc);
-    if (phase == nvinfer1::TensorRTPhase::kRUNTIME && fields.workspace_bytes < 0) {
-      throw std::invalid_argument("the plan does not record workspace_bytes (built by an older plugin); rebuild it");
-    }
-    return new PagedAttentionPlugin(fields);
+    (void)phase;  // a plan without workspace_bytes is read too: the header does not say which instance TensorRT
+                  // serializes, and one that never answered getWorkspaceSize has none (enqueue then trusts TensorRT)
+    return new PagedAttentionPlugin(parse_fields(fc));
   });
 }
 

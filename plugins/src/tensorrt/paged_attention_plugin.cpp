@@ -171,9 +171,9 @@ int32_t PagedAttentionPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginT
     }
     int32_t const max_context = max_context_len(mFields, dims[kBlockTables]);
     size_t const needed = trtpaged_paged_attention_cuda_workspace_size(&p, max_context);
-    // What TensorRT reserved (getWorkspaceSize at build, serialized into the plan). The runtime
-    // creator refuses a plan without it, so it is unknown only for build-time calls, which
-    // run on the instance TensorRT queried.
+    // What TensorRT reserved (getWorkspaceSize at build, serialized into the plan). Unknown where the
+    // serialized instance never answered getWorkspaceSize (the header leaves which instance TensorRT
+    // serializes open): TensorRT reserved the bound over the profile, which the shapes here are within.
     size_t const given = mWorkspaceBytes >= 0 ? static_cast<size_t>(mWorkspaceBytes) : needed;
     if (needed > given) {
       throw std::runtime_error("layer " + std::to_string(mFields.layer) + ": this step needs " +

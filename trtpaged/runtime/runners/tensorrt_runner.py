@@ -8,7 +8,7 @@ engine built with `tensorrt.kv_pool: address` (builder/onnx_pool.py) has no pool
 tensor: its input `kv_cache_pool` is bound to a pinned host int64 [2] holding the
 pool's device address and num_kv_blocks, which the plugin writes through; the pool's
 layout then comes from the manifest. A quantized pool's bytes are allocated in the
-type the engine declares (int8, uint8 or fp16 pairs: `tensorrt.quantized_pool`).
+type the engine declares (int8 or fp16 pairs: `tensorrt.quantized_pool`).
 Block copies and swaps go through the kernel library, as in the torch backend.
 """
 
@@ -29,9 +29,9 @@ _STEP_INPUTS = tuple(name for name in INPUT_NAMES if name != POOL_INPUT)
 
 
 def _torch_dtype(trt: Any, dtype: Any) -> torch.dtype:
-    # int8 / uint8 (or fp16 pairs): the bytes of a quantized KV pool (int8 or fp8_e4m3 codes with per-row scales)
+    # int8 (or fp16 pairs): the bytes of a quantized KV pool (int8 or fp8_e4m3 codes with per-row scales)
     table = {trt.float32: torch.float32, trt.float16: torch.float16, trt.bfloat16: torch.bfloat16, trt.int32: torch.int32,
-             trt.int8: torch.int8, trt.uint8: torch.uint8, trt.int64: torch.int64}
+             trt.int8: torch.int8, trt.int64: torch.int64}
     if dtype not in table:
         raise ValueError(f"engine.plan: tensor dtype {dtype} is not one trtpaged binds")
     return table[dtype]
