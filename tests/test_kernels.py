@@ -189,6 +189,52 @@ def test_python_side_checks_name_the_argument(small: Batch) -> None:
         call(small, query_start=small.query_start[:2].contiguous())
 
 
+def test_query_offsets_are_checked_before_positions_are_read(small: Batch) -> None:
+    """An offset past num_tokens made the check read positions past their end (ASan: heap-buffer-overflow) and
+    name "positions[...]" with a value from beyond the tensor."""
+    with pytest.raises(kernels.KernelError, match=r"query_start\[1\]: 10 must be in \[query_start\[0\] = 0, "
+                                                  r"num_tokens = 7\]"):
+        call(small, query_start=torch.tensor([0, 10, 7], dtype=torch.int32))
+
+
+def test_a_context_near_int32_max_still_has_its_blocks_checked() -> None:
+    """(len + block_size - 1) / block_size overflowed int32 for len near 2**31: no block id was checked and the
+    write went to block 10**9 (SIGSEGV). A 2**31 - 1 token context over blocks of 256 is 2**23 table entries."""
+    block_size, head_dim = 256, 64
+    length = (1 << 31) - 1
+    tables = torch.zeros(1, 1 << 23, dtype=torch.int32)
+    tables[0, -1] = 10**9  # the block of the new token's position, length - 1
+    cache = torch.zeros(1, 1, 2, 1, block_size, head_dim)
+    q = torch.randn(1, 1, head_dim)
+    with pytest.raises(kernels.KernelError, match=r"block_tables\[0\]\[8388607\]: block 1000000000 out of range"):
+        kernels.paged_attention(q, q.clone(), q.clone(), cache, torch.tensor([length - 1], dtype=torch.int32),
+                                torch.tensor([0, 1], dtype=torch.int32), torch.tensor([length], dtype=torch.int32),
+                                tables, options=AttentionOptions(0, 0.125))
+    assert not cache.any()
+
+
+def test_a_step_refuses_q_k_v_of_other_head_counts(small: Batch) -> None:
+    """AttentionStep checked only the rows: q with fewer heads, k/v with fewer KV heads or a smaller head_dim made
+    the kernel read and write past their ends (a hang, a malloc abort, or garbage read past k)."""
+    step = kernels.AttentionStep(small.kv_cache.clone(), small.positions, small.query_start, small.context_lens,
+                                 small.block_tables, num_heads=small.q.shape[1])  # fmt: skip
+    options = AttentionOptions(0, small.scale)
+    torch.testing.assert_close(step(small.q, small.k, small.v, options), call(small, small.kv_cache.clone()))
+    q, k, v = small.q, small.k, small.v
+    for bad in ((q[:, :4].contiguous(), k, v), (q, k[:, :1].contiguous(), v[:, :1].contiguous()),
+                (q[..., :32].contiguous(), k[..., :32].contiguous(), v[..., :32].contiguous())):
+        with pytest.raises(ValueError, match="q/k/v: 7 rows of"):
+            step(*bad, options)
+
+
+def test_block_pairs_past_int32_are_refused() -> None:
+    pool = torch.randn(4, 1, 2, 1, 8, 16)
+    before = pool.clone()
+    with pytest.raises(ValueError, match="pairs: block ids must fit in int32, got 4294967297"):
+        kernels.copy_blocks(pool, [((1 << 32) + 1, 3)])  # was: block 1 copied (the id wrapped)
+    assert torch.equal(pool, before)
+
+
 def test_null_pointers_return_an_error() -> None:
     lib = kernels.library()
     params = kernels._AttentionParams(1, 1, 1, 1, 1, 64, 1, 1, 0, 16, 0.125, 0, 0)

@@ -225,6 +225,11 @@ def test_packed_buffer_must_match_the_shape() -> None:
         kernels.qlinear(torch.randn(1, 64), packed, 8, 800, 64, 32)  # a larger weight than the one packed
     with pytest.raises(ValueError, match="packed: expected"):
         kernels.qlinear(torch.randn(1, 64), packed.view(torch.int8), 8, 8, 64, 32)
+    # a weight of fewer bytes than the one packed was read as a prefix of it: silent garbage
+    with pytest.raises(ValueError, match="packed: expected the 1-D uint8 CPU tensor of .* bytes"):
+        kernels.qlinear(torch.randn(1, 32), packed, 8, 8, 32, 32)
+    with pytest.raises(ValueError, match="packed: expected"):
+        kernels.QLinearOp(packed, 8, 8, 32, 32)
 
 
 # --- float activations ------------------------------------------------------------------------------

@@ -113,7 +113,8 @@ class AttentionStep:
     per layer with the same index tensors and pool. This checks those once and
     keeps the call's parameters, so that each layer costs one C call:
     `step(q, k, v, options) -> out` (options: the layer's AttentionOptions). q/k/v must be dense, of one float
-    dtype, with num_tokens rows (checked cheaply per call).
+    dtype, on the pool's device, with num_tokens rows of num_heads (q) or num_kv_heads (k, v) x head_dim elements
+    (checked cheaply per call: the kernel reads and writes that many).
     """
 
     def __init__(self, kv_cache: torch.Tensor, positions: torch.Tensor, query_start: torch.Tensor,
@@ -131,6 +132,8 @@ class AttentionStep:
             raise ValueError(f"query_start/context_lens: {query_start.shape[0]}/{context_lens.shape[0]} entries for "
                              f"{num_seqs} sequences")
         self.num_tokens, self.device = int(positions.shape[0]), device
+        # elements per row the kernel reads of q (and writes of out), and of k and v
+        self._row_sizes = (num_heads * head_dim, num_kv_heads * head_dim)
         self._params = _AttentionParams(
             self.num_tokens, num_seqs, block_tables.shape[1], num_heads, num_kv_heads, head_dim,
             num_kv_blocks, num_layers, 0, block_size, 1.0, _DTYPE_CODES[torch.float32],
@@ -165,6 +168,14 @@ class AttentionStep:
             raise ValueError(f"q/k/v: expected dense tensors with {self.num_tokens} rows")
         if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPE_CODES:
             raise ValueError(f"q/k/v: one float dtype expected, got {q.dtype}, {k.dtype}, {v.dtype}")
+        q_row, kv_row = self._row_sizes
+        rows = self.num_tokens
+        if q.numel() != rows * q_row or k.numel() != rows * kv_row or v.numel() != rows * kv_row:
+            raise ValueError(f"q/k/v: {rows} rows of {q_row} (num_heads x head_dim) / {kv_row} (num_kv_heads x "
+                             f"head_dim) elements expected, got shapes {tuple(q.shape)}, {tuple(k.shape)}, "
+                             f"{tuple(v.shape)}")
+        if not (q.device == k.device == v.device == self.device):
+            raise ValueError(f"q/k/v: on {self.device} expected, got {q.device}, {k.device}, {v.device}")
         p = self._params
         p.layer, p.scale, p.io_dtype = options.layer, options.scale, _DTYPE_CODES[q.dtype]
         out = torch.empty_like(q)

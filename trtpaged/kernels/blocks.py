@@ -17,6 +17,8 @@ def _pairs_array(pairs: Pairs, name: str = "pairs") -> torch.Tensor:
     t = pairs if isinstance(pairs, torch.Tensor) else torch.tensor(list(pairs), dtype=torch.int64).reshape(-1, 2)
     if t.dim() != 2 or t.shape[1] != 2:
         raise ValueError(f"{name}: expected shape [n, 2] of (src, dst) block ids, got {tuple(t.shape)}")
+    if t.numel() and t.dtype != torch.int32 and (t.min() < -(1 << 31) or t.max() >= 1 << 31):
+        raise ValueError(f"{name}: block ids must fit in int32, got {int(t.max() if t.max() >= 1 << 31 else t.min())}")
     return t.to(device="cpu", dtype=torch.int32).contiguous()
 
 

@@ -108,8 +108,9 @@ def qlinear(
         raise ValueError(
             f"x: expected a contiguous float32 CPU tensor [..., k = {k}], got {x.dtype} {tuple(x.shape)} on {x.device}"
         )
-    if packed.dtype is not torch.uint8 or not packed.is_cpu or packed.dim() != 1 or packed.numel() < packed_bytes:
-        raise ValueError(f"packed: expected the 1-D uint8 CPU tensor of {packed_bytes} bytes returned by qlinear_pack")
+    if packed.dtype is not torch.uint8 or not packed.is_cpu or packed.dim() != 1 or packed.numel() != packed_bytes:
+        raise ValueError(f"packed: expected the 1-D uint8 CPU tensor of {packed_bytes} bytes qlinear_pack returns "
+                         f"for this shape, got {packed.dtype} {tuple(packed.shape)} on {packed.device}")
     m = x.numel() // k
     if out is None:
         out = torch.empty(x.shape[:-1] + (n,), dtype=torch.float32)
@@ -139,7 +140,7 @@ class QLinearOp:
     def __init__(self, packed: torch.Tensor, bits: int, n: int, k: int, group_size: int,
                  bias: Optional[torch.Tensor] = None) -> None:  # fmt: skip
         packed_bytes, fn = _qlinear_call(bits, n, k, group_size)
-        if packed.dtype is not torch.uint8 or not packed.is_cpu or packed.dim() != 1 or packed.numel() < packed_bytes:
+        if packed.dtype is not torch.uint8 or not packed.is_cpu or packed.dim() != 1 or packed.numel() != packed_bytes:
             raise ValueError(
                 f"packed: expected the 1-D uint8 CPU tensor of {packed_bytes} bytes returned by qlinear_pack"
             )

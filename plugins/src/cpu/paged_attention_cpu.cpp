@@ -21,10 +21,15 @@ int validate_indices(const trtpaged_attention_params& p, int32_t window, const i
   if (query_start[p.num_seqs] != p.num_tokens)
     return bad("query_start[num_seqs]: " + std::to_string(query_start[p.num_seqs]) + " must equal num_tokens (" +
                std::to_string(p.num_tokens) + ")");
+  // every offset first: the loop below reads positions[query_start[s] .. query_start[s + 1])
+  for (int32_t s = 0; s < p.num_seqs; ++s)
+    if (query_start[s + 1] < query_start[s] || query_start[s + 1] > p.num_tokens)
+      return bad("query_start[" + std::to_string(s + 1) + "]: " + std::to_string(query_start[s + 1]) +
+                 " must be in [query_start[" + std::to_string(s) + "] = " + std::to_string(query_start[s]) +
+                 ", num_tokens = " + std::to_string(p.num_tokens) + "] (offsets must not decrease)");
   const int64_t max_len = int64_t(p.max_blocks_per_seq) * p.block_size;
   for (int32_t s = 0; s < p.num_seqs; ++s) {
     const std::string seq = "[" + std::to_string(s) + "]";
-    if (query_start[s + 1] < query_start[s]) return bad("query_start" + seq + ": offsets must not decrease");
     const int32_t len = context_lens[s];
     if (len < 0 || len > max_len)
       return bad("context_lens" + seq + ": " + std::to_string(len) + " out of range [0, max_blocks_per_seq * block_size = " +
@@ -34,14 +39,14 @@ int validate_indices(const trtpaged_attention_params& p, int32_t window, const i
       if (positions[t] < 0 || positions[t] >= len)
         return bad("positions[" + std::to_string(t) + "]: " + std::to_string(positions[t]) +
                    " out of range [0, context_lens" + seq + " = " + std::to_string(len) + ")");
-    const int32_t used_blocks = (len + p.block_size - 1) / p.block_size;
-    int32_t first_block = 0;
+    const int64_t used_blocks = (int64_t(len) + p.block_size - 1) / p.block_size;  // int32 overflowed near 2^31
+    int64_t first_block = 0;
     if (window > 0) {
       int32_t min_pos = len;
       for (int32_t t = query_start[s]; t < query_start[s + 1]; ++t) min_pos = std::min(min_pos, positions[t]);
       first_block = std::max(0, min_pos - window + 1) / p.block_size;
     }
-    for (int32_t b = first_block; b < used_blocks; ++b) {
+    for (int64_t b = first_block; b < used_blocks; ++b) {
       const int32_t id = block_tables[int64_t(s) * p.max_blocks_per_seq + b];
       if (id < 0 || id >= p.num_kv_blocks)
         return bad("block_tables[" + std::to_string(s) + "][" + std::to_string(b) + "]: block " + std::to_string(id) +
