@@ -135,6 +135,30 @@ def test_generate_takes_vllms_call_options(llm):
     assert (salted.num_cached_tokens, again.num_cached_tokens, other.num_cached_tokens) == (0, 48, 0)
 
 
+def test_the_engine_takes_vllms_prompt_dicts_as_generate_does(llm):
+    """LLMEngine.add_request({"prompt_token_ids": ...}) iterated the dict's keys ("a token-id prompt must be a list
+    of ints"), though LLM.generate and vLLM's engine take TokensPrompt / TextPrompt dicts."""
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    ids = list(range(200, 250))
+    truth = llm.generate([ids, "hello there"], greedy, use_tqdm=False)
+    engine = llm.engine
+
+    def run(prompt) -> list:
+        request_id = engine.add_request(prompt, greedy)
+        outs = {}
+        while engine.has_unfinished():
+            outs.update({o.request_id: o for o in engine.step() if o.finished})
+        return outs[request_id]
+
+    assert run({"prompt_token_ids": ids}).outputs[0].token_ids == truth[0].outputs[0].token_ids
+    assert run({"prompt": "hello there"}).outputs[0].token_ids == truth[1].outputs[0].token_ids
+    # a dict's cache_salt is the request's: another salt finds none of the 48 cached tokens, the same salt all
+    assert [run({"prompt_token_ids": ids, "cache_salt": salt}).num_cached_tokens for salt in ("t-a", "t-a", "t-b")] \
+        == [0, 48, 0]  # fmt: skip
+    with pytest.raises(RequestError, match="a prompt dict holds 'prompt'"):
+        engine.add_request({"text": "hi"}, greedy)
+
+
 def test_chat_returns_a_list_with_the_templated_prompt_and_takes_a_template(llm):
     one = [{"role": "user", "content": "hi"}]
     greedy = SamplingParams(max_tokens=3, temperature=0.0)

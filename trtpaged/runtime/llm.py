@@ -21,7 +21,7 @@ from trtpaged.runtime.runners import load_runner, resolve_device, resolve_num_kv
 from trtpaged.runtime.runners.base import pool_block_bytes
 from trtpaged.runtime.beam_api import BeamSearchOutput, BeamSearchParams, beam_outputs
 from trtpaged.runtime.kv_tiers.config import KVTierConfig, manifest_fingerprint
-from trtpaged.runtime.llm_engine import LLMEngine, Prompt
+from trtpaged.runtime.llm_engine import LLMEngine, Prompt, prompt_salt, unwrap_prompt
 from trtpaged.runtime.outputs import RequestOutput, RequestOutputKind
 from trtpaged.runtime.runtime_config import RuntimeConfig
 from trtpaged.runtime.sampling_params import SamplingParams
@@ -48,35 +48,13 @@ def _tightened(name: str, value: Optional[int], limit: int) -> int:
     return value
 
 
-_PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
-
-
-def _salt(prompt: Any) -> Optional[str]:
-    """A vLLM prompt dict's cache_salt (None without one)."""
-    return prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
-
-
-def _unwrapped(prompt: Any) -> Any:
-    """vLLM's prompt dicts as what they hold: {"prompt_token_ids": ids} (TokensPrompt) or {"prompt": text}
-    (TextPrompt), either with an optional "cache_salt" (`_salt`); an array or tensor of token ids as a list;
-    anything else as it is."""
-    if isinstance(prompt, Mapping):
-        if not {"prompt", "prompt_token_ids"} & set(prompt) or set(prompt) - _PROMPT_KEYS:
-            raise RequestError("prompt", "a prompt dict holds 'prompt' (text) or 'prompt_token_ids', and maybe "
-                               f"'cache_salt', got keys {sorted(map(repr, prompt))!r:.120}")
-        prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
-    if hasattr(prompt, "tolist") and not isinstance(prompt, (str, list, tuple)):
-        prompt = prompt.tolist()  # an array or tensor of token ids (or a 2-D one of several prompts)
-    return prompt
-
-
 def _prompt_list(prompts: Any) -> list[tuple[Prompt, Optional[str]]]:
     """`generate`'s prompts as a list of (prompt, cache_salt): text, or token ids (a list, tuple, numpy array or
     tensor), or vLLM's {"prompt": text} / {"prompt_token_ids": ids} (with an optional "cache_salt"), or a list of
     those. Raises RequestError("prompt") for anything else."""
     if isinstance(prompts, Mapping):
-        return [(_unwrapped(prompts), _salt(prompts))]  # one prompt, whatever it holds
-    prompts = _unwrapped(prompts)
+        return [(unwrap_prompt(prompts), prompt_salt(prompts))]  # one prompt, whatever it holds
+    prompts = unwrap_prompt(prompts)
     first = prompts[0] if isinstance(prompts, (list, tuple)) and prompts else None
     one_of_ids = hasattr(first, "__index__") and not hasattr(first, "__len__")  # an int or numpy int, not an array
     if isinstance(prompts, str) or one_of_ids:
@@ -84,7 +62,7 @@ def _prompt_list(prompts: Any) -> list[tuple[Prompt, Optional[str]]]:
     if not isinstance(prompts, (list, tuple)):
         raise RequestError("prompt", "must be text, a list of token ids, a prompt dict or a list of those, got "
                            f"{type(prompts).__name__}")
-    return [(_unwrapped(p), _salt(p)) for p in prompts]
+    return [(unwrap_prompt(p), prompt_salt(p)) for p in prompts]
 
 
 def _progress_bar(use_tqdm: Union[bool, Callable[..., Any]], total: int) -> Any:

@@ -8,6 +8,7 @@ import logging
 from collections import deque
 import operator
 import time
+from collections.abc import Mapping
 from typing import Any, Optional, Sequence as Seq, Union
 
 from trtpaged.errors import RequestError, check_unicode
@@ -35,6 +36,28 @@ log = logging.getLogger("trtpaged.runtime")
 PHASES = ("schedule", "prepare", "model", "sample", "update", "output")
 LOAD_POLL_S = 0.02  # an idle step's longest wait for a tier read (new requests are taken between steps)
 TTFT_RECORDS = 4096  # the most recent requests `ttft_breakdown` keeps
+
+
+_PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
+
+
+def prompt_salt(prompt: Any) -> Optional[str]:
+    """A vLLM prompt dict's cache_salt (None without one)."""
+    return prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
+
+
+def unwrap_prompt(prompt: Any) -> Any:
+    """vLLM's prompt dicts as what they hold: {"prompt_token_ids": ids} (TokensPrompt) or {"prompt": text}
+    (TextPrompt), either with an optional "cache_salt" (`prompt_salt`); an array or tensor of token ids as a list;
+    anything else as it is."""
+    if isinstance(prompt, Mapping):
+        if not {"prompt", "prompt_token_ids"} & set(prompt) or set(prompt) - _PROMPT_KEYS:
+            raise RequestError("prompt", "a prompt dict holds 'prompt' (text) or 'prompt_token_ids', and maybe "
+                               f"'cache_salt', got keys {sorted(map(repr, prompt))!r:.120}")
+        prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
+    if hasattr(prompt, "tolist") and not isinstance(prompt, (str, list, tuple)):
+        prompt = prompt.tolist()  # an array or tensor of token ids (or a 2-D one of several prompts)
+    return prompt
 
 
 def encode_prompt(tokenizer: Optional[Any], vocab_size: Optional[int], prompt: Prompt,
@@ -140,7 +163,10 @@ class LLMEngine:
         # a copy checked again: SamplingParams can be changed after it is made (as vLLM's), unchecked, and the
         # request must not see the caller's later changes
         params = dataclasses.replace(params) if params is not None else SamplingParams()
-        text, token_ids = self.encode(prompt)
+        salt = prompt_salt(prompt)  # vLLM's prompt dicts, as LLM.generate takes them
+        if salt is not None and params.cache_salt is None:
+            params = dataclasses.replace(params, cache_salt=salt)
+        text, token_ids = self.encode(unwrap_prompt(prompt))
         if params.truncate_prompt_tokens is not None:  # vLLM's: the last k tokens (-1: all that leave max_tokens room)
             k = params.truncate_prompt_tokens
             k = k if k > 0 else max(1, self.config.max_seq_len - (params.max_tokens or 1))
