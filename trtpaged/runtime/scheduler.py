@@ -567,8 +567,11 @@ class Scheduler:
     def _admit(self, budget: list[int], out: SchedulerOutput, done: set[str]) -> None:
         """Admits waiting groups in arrival order; the first that does not fit stops admission. A group whose
         prefix is still loading from a KV tier is passed over (it stays queued, its place kept)."""
-        for group in list(self.waiting):
+        index = 0  # walked from the front: a step looks at the groups it admits or passes over, not the whole queue
+        while index < len(self.waiting):
+            group = self.waiting[index]
             if not self._prefix_ready(group):
+                index += 1
                 continue
             requests, sample = self._plan(group, budget)
             if requests is None:
@@ -576,11 +579,11 @@ class Scheduler:
             plan = self.kv.plan_allocation(requests)
             if plan.num_kv_blocks > self.kv.pool.num_free:
                 if not self.running and not out.scheduled:  # an empty pool cannot hold it: it never will
-                    self.waiting.remove(group)
+                    del self.waiting[index]
                     self._refuse(group, out)
                     continue
                 return
-            self.waiting.remove(group)
+            del self.waiting[index]
             group.set_status(SequenceStatus.RUNNING)
             self._insert(self.running, group)
             self._commit(group, plan, sample, budget, out)
@@ -642,7 +645,9 @@ class Scheduler:
 
     @staticmethod
     def _insert(queue, group: SequenceGroup) -> None:
-        """Inserts keeping arrival order (preempted groups go back before newer ones)."""
-        keys = [g.arrival for g in queue]
-        index = bisect.bisect(keys, group.arrival)
-        queue.insert(index, group)
+        """Inserts keeping arrival order (preempted groups go back before newer ones). A new request is the newest:
+        appended, with no look at the queue (a list of every arrival per insert made a long queue quadratic)."""
+        if not queue or queue[-1].arrival <= group.arrival:
+            queue.append(group)
+            return
+        queue.insert(bisect.bisect(queue, group.arrival, key=lambda g: g.arrival), group)
