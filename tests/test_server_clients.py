@@ -108,12 +108,23 @@ def test_openai_platform_fields_and_text_parts(client, llm):
     """store / metadata / service_tier / prompt_cache_key / safety_identifier (what SDKs send for OpenAI's
     platform) are accepted and change nothing;
     a message's text parts are its lines."""
+    import openai
+
     messages = [{"role": "user", "content": "hello\nworld"}]
     plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
     tagged = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0, store=False,
                                             metadata={"run": "a"}, service_tier="auto",
                                             extra_body={"prompt_cache_key": "k", "safety_identifier": "u1"})  # fmt: skip
     assert tagged.choices[0].message.content == plain.choices[0].message.content
+    # what the SDK declares for reasoning models and predicted outputs: a 400 each before ("unknown field")
+    hinted = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                            reasoning_effort="low", verbosity="low", modalities=["text"],
+                                            prediction={"type": "content", "content": "hello"})  # fmt: skip
+    assert hinted.choices[0].message.content == plain.choices[0].message.content
+    for field, value in (("modalities", ["text", "audio"]), ("web_search_options", {"search_context_size": "low"}),
+                         ("audio", {"voice": "alloy", "format": "wav"})):
+        with pytest.raises(openai.BadRequestError, match=f"{field}: .*not supported by this server"):
+            client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, **{field: value})
     parts = [{"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "world"}]}]
     joined = client.chat.completions.create(model="tiny", messages=parts, max_tokens=6, temperature=0)
     assert joined.usage.prompt_tokens == len(llm.chat_prompt(messages)) == plain.usage.prompt_tokens

@@ -23,7 +23,7 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "n", "seed", "pres
                     "repetition_penalty", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
                     "spaces_between_special_tokens", "length_penalty", "min_tokens", "cache_salt")  # fmt: skip
 MAX_REQUEST_ID_CHARS = 256  # a caller's request id (the body's request_id or the X-Request-Id header)
-_UNSUPPORTED = ("suffix", "functions", "function_call")
+_UNSUPPORTED = ("suffix", "functions", "function_call", "audio", "web_search_options")
 
 Prompt = Union[str, list[int]]
 _Body = TypeVar("_Body", bound=BaseModel)
@@ -182,6 +182,9 @@ def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int,
     for name in _UNSUPPORTED:
         if getattr(req, name, None) not in (None, False, "", [], {}, "none"):
             raise ApiError(f"{name}: not supported by this server", name)
+    other = sorted(set(getattr(req, "modalities", None) or ()) - {"text"})
+    if other:
+        raise ApiError(f"modalities: {other} not supported by this server (text only)", "modalities")
     names: dict[str, str] = {}
     sampling = {k: getattr(req, k) for k in _SAMPLING_FIELDS if getattr(req, k) is not None}
     try:

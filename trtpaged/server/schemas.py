@@ -123,6 +123,15 @@ class ChatCompletionRequest(_SamplingFields):
     echo: Optional[StrictBool] = False  # vLLM: the last message's text before the answer when the roles match
     functions: Optional[list[Any]] = None
     function_call: Optional[Any] = None
+    # OpenAI fields that ask a reasoning model to think less or more, or to be terse (no model here reasons or
+    # reads them), or hand it a prediction of the answer (a speed hint: the answer is the same without it):
+    # accepted, without effect; modalities other than text and web search are refused (protocol.py)
+    reasoning_effort: Optional[StrictStr] = None
+    verbosity: Optional[StrictStr] = None
+    prediction: Optional[dict[str, Any]] = None
+    modalities: Optional[list[StrictStr]] = None
+    audio: Optional[dict[str, Any]] = None
+    web_search_options: Optional[dict[str, Any]] = None
 
 
 # ---- responses -----------------------------------------------------------------------------------
