@@ -160,6 +160,21 @@ def test_tied_tokens_never_share_a_rank():
             assert int((logprobs > lp).sum()) + 1 <= entry.rank <= int((logprobs >= lp).sum()), (k, token, ranks)
 
 
+def test_completions_top_logprobs_keep_the_best_of_tokens_shown_alike(hf):
+    """Byte tokens of a cut character all read "\ufffd": keyed by text, the completions format kept the last, i.e.
+    the worst-ranked one's log-prob (vLLM does the same); it now keeps the best's, as the chosen token shows."""
+    from trtpaged.server.responses import TokenStrings, completion_logprobs
+
+    alike = [t for t in range(300) if hf.tokenizer.decode([t]) == "\ufffd"][:3]
+    other = next(t for t in range(300) if hf.tokenizer.decode([t]) not in ("\ufffd", ""))
+    assert len(alike) == 3
+    entry = {alike[0]: -0.04, other: -1.2, alike[1]: -2.5, alike[2]: -5.36}
+    strings = TokenStrings({t: hf.tokenizer.decode([t]) for t in entry})
+    body, _ = completion_logprobs([alike[0]], [entry], strings, 0)
+    assert body.token_logprobs == [-0.04]
+    assert body.top_logprobs == [{"\ufffd": -0.04, hf.tokenizer.decode([other]): -1.2}]
+
+
 def test_a_position_whose_logits_are_not_finite_has_no_entry_and_the_others_are_exact():
     """A request fails on non-finite logits (a model whose values overflow): its prompt log-probs were NaN for those
     positions (handed to a Python caller as such); they are None, and the finite rows' entries are log_softmax's."""

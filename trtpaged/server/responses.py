@@ -107,11 +107,19 @@ def completion_logprobs(
     for token, entry in zip(token_ids, logprobs):
         body["tokens"].append(strings.name(token))
         body["token_logprobs"].append(None if entry is None else entry.get(token))
-        body["top_logprobs"].append(None if entry is None else
-                                    {strings.name(t): lp for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])})
+        body["top_logprobs"].append(None if entry is None else _top_by_name(entry, strings))
         body["text_offset"].append(offset)
         offset += len(strings.text[token])
     return CompletionLogprobs(**body), offset
+
+
+def _top_by_name(entry: Entry, strings: TokenStrings) -> dict[str, float]:
+    """A top-k entry keyed by token text, best first; tokens of one text (byte tokens of a cut character are all
+    "\ufffd") keep the best's log-prob, where a dict built best first kept the worst's."""
+    top: dict[str, float] = {}
+    for t, lp in sorted(entry.items(), key=lambda kv: -kv[1]):
+        top.setdefault(strings.name(t), lp)
+    return top
 
 
 def vllm_prompt_logprobs(entries: Sequence[Entry], strings: TokenStrings) -> PromptLogprobs:
