@@ -225,9 +225,8 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Stops a request now; its blocks return to the pool. False if it is unknown or done."""
-        group = self.scheduler.abort(request_id)
-        self.groups.pop(request_id, None)
-        return group is not None
+        group = self.groups.pop(request_id, None)
+        return group is not None and self.scheduler.abort(group)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

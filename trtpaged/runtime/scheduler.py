@@ -211,17 +211,24 @@ class Scheduler:
         group.set_status(SequenceStatus.WAITING)
         self._insert(self.waiting, group)
 
-    def abort(self, request_id: str) -> Optional[SequenceGroup]:
-        """Removes a request wherever it is and frees its blocks at once."""
-        for queue in (self.waiting, self.running, self.swapped):
-            for group in queue:
-                if group.request_id == request_id:
-                    queue.remove(group)
-                    for seq in group.seqs:
-                        seq.finish("abort")
-                    self._finish_group(group)
-                    return group
-        return None
+    def abort(self, group: SequenceGroup) -> bool:
+        """Removes a group from the queue its status names and frees its blocks at once; False if it is in none
+        (finished). Looked up by status, not by a scan of every queue for its id: aborting N queued requests, the
+        newest first, took O(N) each (16k: 14 s on the engine thread)."""
+        queue = {SequenceStatus.WAITING: self.waiting, SequenceStatus.RUNNING: self.running,
+                 SequenceStatus.SWAPPED: self.swapped}.get(group.status)  # fmt: skip
+        if queue is None:
+            return False
+        # every queue is kept in arrival order (`_insert`), each arrival its own: found by bisection (a scan from
+        # the front made a disconnect storm, newest first, quadratic)
+        index = bisect.bisect_left(queue, group.arrival, key=lambda g: g.arrival)
+        if index == len(queue) or queue[index] is not group:
+            return False  # not where its status says: nothing to abort
+        del queue[index]
+        for seq in group.seqs:
+            seq.finish("abort")
+        self._finish_group(group)
+        return True
 
     # ---- after the step -----------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, samples: Mapping[str, GroupSamples],
