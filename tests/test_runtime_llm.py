@@ -143,8 +143,8 @@ def test_the_engine_takes_vllms_prompt_dicts_as_generate_does(llm):
     truth = llm.generate([ids, "hello there"], greedy, use_tqdm=False)
     engine = llm.engine
 
-    def run(prompt) -> list:
-        request_id = engine.add_request(prompt, greedy)
+    def run(prompt, params=greedy) -> list:
+        request_id = engine.add_request(prompt, params)
         outs = {}
         while engine.has_unfinished():
             outs.update({o.request_id: o for o in engine.step() if o.finished})
@@ -155,6 +155,9 @@ def test_the_engine_takes_vllms_prompt_dicts_as_generate_does(llm):
     # a dict's cache_salt is the request's: another salt finds none of the 48 cached tokens, the same salt all
     assert [run({"prompt_token_ids": ids, "cache_salt": salt}).num_cached_tokens for salt in ("t-a", "t-a", "t-b")] \
         == [0, 48, 0]  # fmt: skip
+    salted = dataclasses.replace(greedy, cache_salt="t-z")  # the dict's salt wins, as in LLM.generate
+    assert run({"prompt_token_ids": ids, "cache_salt": "t-a"}, salted).num_cached_tokens == 48
+    assert llm.generate({"prompt_token_ids": ids, "cache_salt": "t-b"}, salted)[0].num_cached_tokens == 48
     with pytest.raises(RequestError, match="a prompt dict holds 'prompt'"):
         engine.add_request({"text": "hi"}, greedy)
 

@@ -89,6 +89,9 @@ def test_a_bom_starts_a_trace_as_it_starts_any_utf8_file(tiny_engine_dir, tmp_pa
     path = _file(tmp_path, "\ufeff".encode() + b'{"prompt_len": 5, "output_len": 3}\n')
     r = CliRunner().invoke(main, ["bench", "memory", "--trace", path, "--num-kv-blocks", "64"])
     assert r.exit_code == 0 and "1 requests" in r.output, r.output
+    from trtpaged.bench.throughput_bench import load_requests  # bench throughput's reader guesses the form first
+
+    assert len(load_requests(path, lambda text: [5] * len(text), 320)) == 1
 
 
 @pytest.mark.parametrize("arrival,step_time", [("1e308", "0.1"), ("2.5", "1e-320")])

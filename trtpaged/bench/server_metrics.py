@@ -47,7 +47,7 @@ def observe(url: str, samples: int = 3, interval_s: float = 1.0, max_batch_size:
 
 def classify(snaps: list[dict[str, Optional[float]]], max_batch_size: Optional[int] = None) -> dict:
     if all(s["running"] is None and s["waiting"] is None for s in snaps):
-        return {"samples": snaps, "verdict": "The metrics have no running/waiting gauges (trtpaged_* or vllm:*)."}
+        return {"samples": snaps, "verdict": "The metrics have no running/waiting gauges (trtpaged:* or vllm:*)."}
     queued = [s for s in snaps if (s["waiting"] or 0) > 0]
     full = [s for s in queued if s["kv_usage"] is not None and s["kv_usage"] >= KV_FULL]
     at_limit = [s for s in queued if max_batch_size and (s["running"] or 0) >= max_batch_size]

@@ -81,7 +81,7 @@ def json_objects(path: str | Path, allowed: Iterable[str]) -> Iterator[tuple[str
     for lineno, line in enumerate(read_lines(path), 1):
         if line.strip():
             where = f"{path}:{lineno}"
-            text = line.strip().lstrip("\ufeff")
+            text = line.strip()
             if text in ("[", "{") or (first and text.startswith("[")):  # a whole JSON document, not JSON Lines
                 raise ValueError(f"{where}: expected JSON Lines, one request object per line (a JSON array or a "
                                  "pretty-printed document is not read: write one object per line)")
@@ -90,9 +90,10 @@ def json_objects(path: str | Path, allowed: Iterable[str]) -> Iterator[tuple[str
 
 
 def read_lines(path: str | Path) -> list[str]:
-    """The lines of a text file; ValueError naming the file when it is not UTF-8 text."""
+    """The lines of a text file (a leading byte-order mark dropped, as editors write one); ValueError naming the
+    file when it is not UTF-8 text."""
     try:
-        return Path(path).read_text(encoding="utf-8").splitlines()
+        return Path(path).read_text(encoding="utf-8-sig").splitlines()
     except UnicodeDecodeError as exc:
         raise ValueError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); expected JSON Lines") from None
 

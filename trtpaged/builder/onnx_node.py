@@ -34,8 +34,8 @@ INT_ATTRIBUTES = ("num_heads", "num_kv_heads", "head_dim", "block_size", "layer"
 INPUTS = ("q", "k", "v", "kv_cache", "positions", "query_start", "context_lens", "block_tables")
 OUTPUTS = ("out", "kv_cache_out")
 _FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
-# int8 (uint8, or fp16 pairs): the bytes of a quantized pool; int64: the pool's address (builder/onnx_pool.py)
-_POOLS = _FLOATS + ["tensor(int8)", "tensor(uint8)", "tensor(int64)"]
+# int8 (or fp16 pairs): the bytes of a quantized pool; int64: the pool's address (builder/onnx_pool.py)
+_POOLS = _FLOATS + ["tensor(int8)", "tensor(int64)"]
 
 
 _INT, _FLOAT, _STRING = OpSchema.AttrType.INT, OpSchema.AttrType.FLOAT, OpSchema.AttrType.STRING

@@ -73,7 +73,7 @@ def command(engine_dir: Path, avg_len: int | None, memory: str | None, as_json: 
         echo(line)
     if manifest.quantization:
         echo(f"  weights on a CUDA GPU (torch backend, still quantized): "
-                   f"{format_bytes(_cuda_weight_bytes(engine_dir, manifest))}")
+             f"{format_bytes(_cuda_weight_bytes(engine_dir, manifest))}")
     how = ("sha256 of every file" if verified.method == "sha256" else
            "unchanged since verified (stamp; --verify hashes again)")
     echo(f"verified: {verified.files} files, {format_bytes(verified.bytes)}: {how} ({seconds:.2f}s)")
@@ -85,11 +85,11 @@ def command(engine_dir: Path, avg_len: int | None, memory: str | None, as_json: 
     from trtpaged.runtime.verify_cost import default_verify_row_cost
 
     echo(f"speculation: a verified draft token adds about {default_verify_row_cost(manifest.quantization):.2f} "
-               "of a one-row step here (the default verify_row_cost for this engine's arithmetic)")
+         "of a one-row step here (the default verify_row_cost for this engine's arithmetic)")
     if draft_plan is not None:
         echo(f"speculative draft {draft_dir}: compatible (same tokenizer, max_seq_len covers this engine's); "
-                   f"a draft step costs about {draft_cost:.2f} of a one-row step here (weight bytes: the default "
-                   "draft_token_cost); its own KV pool:")
+             f"a draft step costs about {draft_cost:.2f} of a one-row step here (weight bytes: the default "
+             "draft_token_cost); its own KV pool:")
         for line in draft_plan.lines(avg_len):
             echo(f"  {line}")
     if show_plan:

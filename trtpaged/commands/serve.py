@@ -11,6 +11,7 @@ from typing import Any, Optional
 import click
 
 from trtpaged.commands.option_types import FiniteFloatRange
+from trtpaged.commands.stdout import echo
 from trtpaged.errors import FatalEngineError
 from trtpaged.manifest import BACKENDS
 
@@ -117,11 +118,8 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
     if speculative_config is not None:
         notes += f"; speculative decoding {speculative_config.to_dict()}"
     try:
-        try:
-            click.echo(f"trtpaged serve: {handle.model_name} ready at {handle.url} ({notes}; Ctrl-C or SIGTERM to "
-                       "stop)")
-        except OSError as exc:
-            raise click.ClickException(f"cannot write the ready line to stdout ({exc.strerror or exc})") from None
+        echo(f"trtpaged serve: {handle.model_name} ready at {handle.url} ({notes}; Ctrl-C or SIGTERM to stop)",
+             what="the ready line")
         while not stop.wait(0.5) and handle.failure is None:
             pass
         if handle.failure is not None:

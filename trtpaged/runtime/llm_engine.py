@@ -151,9 +151,12 @@ class LLMEngine:
         a text (a BOS), as `tokenizer.encode` does by default."""
         return encode_prompt(self.tokenizer, self.vocab_size, prompt, add_special_tokens)
 
-    def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None,
-                    arrival_time: Optional[float] = None, fit_max_tokens: bool = False) -> str:  # fmt: skip
-        """Queues a request; raises `RequestError` (naming the field and limit) if it can never run.
+    def add_request(self, prompt: Union[Prompt, Mapping[str, Any]], params: Optional[SamplingParams] = None,
+                    request_id: Optional[str] = None, arrival_time: Optional[float] = None,
+                    fit_max_tokens: bool = False) -> str:  # fmt: skip
+        """Queues a request; raises `RequestError` (naming the field and limit) if it can never run. `prompt`: text,
+        token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids} with an optional "cache_salt" (which
+        wins over params.cache_salt, as in `LLM.generate`).
         `arrival_time` (time.monotonic()): when it reached the server, for `ttft_breakdown`. `fit_max_tokens`: a
         max_tokens past the room the prompt leaves in max_seq_len is cut to that room (vLLM's offline API), where
         it is otherwise refused (its server)."""
@@ -163,8 +166,8 @@ class LLMEngine:
         # a copy checked again: SamplingParams can be changed after it is made (as vLLM's), unchecked, and the
         # request must not see the caller's later changes
         params = dataclasses.replace(params) if params is not None else SamplingParams()
-        salt = prompt_salt(prompt)  # vLLM's prompt dicts, as LLM.generate takes them
-        if salt is not None and params.cache_salt is None:
+        salt = prompt_salt(prompt)  # a prompt dict's salt is the request's, over the params' (as in LLM.generate)
+        if salt is not None:
             params = dataclasses.replace(params, cache_salt=salt)
         text, token_ids = self.encode(unwrap_prompt(prompt))
         if params.truncate_prompt_tokens is not None:  # vLLM's: the last k tokens (-1: all that leave max_tokens room)
