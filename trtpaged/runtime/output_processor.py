@@ -87,7 +87,7 @@ class OutputProcessor:
         strings the tokens are decoded one at a time, so that a stop string reached inside a speculative run
         is found at the token that completed it (the tokens after it stay undecoded)."""
         params = group.params
-        new_tokens = seq.output_token_ids[seq.num_decoded_tokens :]
+        new_tokens = seq.output_tokens_from(seq.num_decoded_tokens)
         if not new_tokens:
             return None
         if not params.detokenize:  # vLLM's detokenize=False: token ids only
@@ -263,7 +263,7 @@ class OutputProcessor:
             if interval > 1 and sent.tokens and not seq.is_finished and seq.num_output_tokens - sent.tokens < interval:
                 continue
             text = self._visible_text(seq, params.stop)
-            tokens = seq.output_token_ids[sent.tokens :]
+            tokens = seq.output_tokens_from(sent.tokens)
             if not tokens and len(text) <= sent.chars and (sent.final or not seq.is_finished):
                 continue
             if params.logprobs is not None:

@@ -85,6 +85,11 @@ class Sequence:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
 
+    def output_tokens_from(self, start: int) -> list[int]:
+        """The output tokens from index `start` on, without copying those before it (a step's new ones: slicing
+        `output_token_ids` copied the whole output every step)."""
+        return self.token_ids[self.num_prompt_tokens + start :]
+
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
