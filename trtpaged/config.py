@@ -242,6 +242,8 @@ class _ModelYamlLoader(yaml.SafeLoader):
 def load_config(path: str | Path) -> BuildConfig:
     """Reads and validates a model.yaml; raises ConfigError."""
     path = Path(path)
+    if path.exists() and not path.is_file():  # a FIFO or a device would block the read below
+        raise ConfigError(f"{path}: not a regular file; expected a model.yaml")
     try:
         with open(path, "rb") as f:
             raw = f.read(MAX_CONFIG_BYTES + 1)

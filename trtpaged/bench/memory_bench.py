@@ -32,6 +32,7 @@ from typing import Callable, Optional, Sequence
 
 from trtpaged.bench.null_runner import NullRunner, one_torch_thread
 from trtpaged.bench.workload import TraceRequest, prompt_token_ids
+from trtpaged.config import MAX_BATCH_SIZE, MAX_NUM_KV_BLOCKS, MAX_NUM_TOKENS, MAX_SEQ_LEN
 from trtpaged.runtime.runners.base import StepBatch
 from trtpaged.runtime.llm_engine import LLMEngine
 from trtpaged.runtime.runtime_config import RuntimeConfig
@@ -49,10 +50,15 @@ class Budget:
     max_num_tokens: int
 
     def __post_init__(self) -> None:
-        for name in ("num_kv_blocks", "block_size", "max_seq_len", "max_batch_size", "max_num_tokens"):
+        # the highs are a model.yaml's own (a block as long as the longest sequence at most)
+        for name, high in (("num_kv_blocks", MAX_NUM_KV_BLOCKS), ("block_size", MAX_SEQ_LEN),
+                           ("max_seq_len", MAX_SEQ_LEN), ("max_batch_size", MAX_BATCH_SIZE),
+                           ("max_num_tokens", MAX_NUM_TOKENS)):  # fmt: skip
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')}: must be an integer >= 1, got {value!r}")
+            if value > high:
+                raise ValueError(f"--{name.replace('_', '-')}: must be at most {high}, got {value}")
         if self.max_num_tokens < self.max_batch_size:
             raise ValueError(f"--max-num-tokens: must be >= max_batch_size ({self.max_batch_size}), "
                              f"got {self.max_num_tokens}")  # fmt: skip

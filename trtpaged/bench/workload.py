@@ -160,12 +160,12 @@ PRESETS: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
 def parse_range(text: str, name: str) -> tuple[int, int]:
     """'128' or '64:512' -> (low, high)."""
     try:
-        low, _, high = text.partition(":")
-        lo, hi = int(low), int(high or low)
+        low, colon, high = text.partition(":")
+        lo, hi = int(low), int(high if colon else low)  # "64:" is no range (it was read as 64)
     except ValueError:
         raise ValueError(f"{name}: expected N or LOW:HIGH, got {text!r}") from None
-    if not 1 <= lo <= hi:
-        raise ValueError(f"{name}: expected 1 <= LOW <= HIGH, got {text!r}")
+    if not 1 <= lo <= hi <= MAX_SEQ_LEN:
+        raise ValueError(f"{name}: expected 1 <= LOW <= HIGH <= {MAX_SEQ_LEN}, got {text!r}")
     return lo, hi
 
 

@@ -38,9 +38,13 @@ class OutputDirError(ConfigError):
 
 
 def check_output(output: Path, force: bool = False) -> None:
-    """Raises OutputDirError if `output` is a file, a non-empty non-engine dir, or (unless `force`) an engine dir."""
-    if output.is_file():
-        raise OutputDirError(f"output: {output} is a file; expected a directory path")
+    """Raises OutputDirError if `output` is anything but a directory (a file, a FIFO, a device, a socket, a dangling
+    link), a non-empty non-engine dir, or (unless `force`) an engine dir."""
+    if not str(output):
+        raise OutputDirError("output: empty; expected a directory path")
+    if os.path.lexists(output) and not output.is_dir():
+        kind = "a file" if output.is_file() else "not a directory"
+        raise OutputDirError(f"output: {output} is {kind}; expected a directory path")
     if output.is_dir() and any(output.iterdir()):
         if not (output / MANIFEST_NAME).is_file():
             raise OutputDirError(f"output: {output} is a non-empty directory that is not an engine dir; refusing to replace it")

@@ -8,10 +8,28 @@ from typing import Callable, Optional
 
 import click
 
-from trtpaged.commands.option_types import FiniteFloatRange
+from trtpaged.commands.option_types import FiniteFloatRange, HttpUrl, RegularFile
 from trtpaged.commands.stdout import echo
 from trtpaged.kv_formats import KV_CACHE_DTYPES
 from trtpaged.manifest import BACKENDS, BLOCK_SIZES, DEFAULT_BLOCK_SIZE
+
+# the most a benchmark takes of each (past them a run would never end: 10**20 requests were accepted)
+MAX_REQUESTS = 1_000_000
+MAX_WORDS = 100_000
+MAX_ROUNDS = 1000
+MAX_THINK_S = 3600.0
+
+
+def _engine_dir(value, param):
+    """An engine dir option checked before any run (a non-engine dir failed after the main run, as a traceback)."""
+    if value is not None:
+        from trtpaged.manifest import read_manifest
+
+        try:
+            read_manifest(value)
+        except (OSError, ValueError) as exc:
+            raise click.BadParameter(str(exc), param=param) from None
+    return value
 
 
 def _progress(msg: str) -> None:
@@ -69,13 +87,15 @@ def kernel(kv_cache_dtype: Optional[str], device: str, as_json: bool, quick: boo
 
 @command.command(name="memory")
 @click.argument("engine", required=False, type=click.Path(exists=True, file_okay=False))
-@click.option("--trace", type=click.Path(exists=True, dir_okay=False),
+@click.option("--trace", type=RegularFile(),
               help="JSON Lines trace (prompt_len, output_len[, arrival, prefix_id, prefix_len, n, beam_width]).")
-@click.option("--num-requests", default=200, show_default=True, help="Synthetic workload: number of requests.")
+@click.option("--num-requests", type=click.IntRange(1, MAX_REQUESTS), default=200, show_default=True,
+              help="Synthetic workload: number of requests.")
 @click.option("--prompt-len", default="64:512", show_default=True, help="Synthetic: prompt length N or LOW:HIGH.")
 @click.option("--output-len", default="16:512", show_default=True, help="Synthetic: output length N or LOW:HIGH.")
 @click.option("--shared-prefix", default=0, show_default=True, help="Synthetic: tokens of shared system prompt.")
-@click.option("--num-prefixes", default=1, show_default=True, help="Synthetic: distinct shared prompts.")
+@click.option("--num-prefixes", type=click.IntRange(1, MAX_REQUESTS), default=1, show_default=True,
+              help="Synthetic: distinct shared prompts.")
 @click.option("--n", type=click.IntRange(min=1), default=1, show_default=True,
               help="Parallel samples per request. With --trace: set on the lines that give neither n nor beam_width "
                    "(a line's own value wins).")
@@ -96,7 +116,7 @@ def kernel(kv_cache_dtype: Optional[str], device: str, as_json: bool, quick: boo
               help="Also: the paged replay with the same KV memory held as float32, float16 and this cache dtype.")
 @click.option("--head-dim", type=click.IntRange(min=1),
               help="With --kv-cache-dtype: head_dim that sizes a quantized row (default: the engine's, else 64).")
-@click.option("--tensor-parallel", type=click.IntRange(min=1), default=None,
+@click.option("--tensor-parallel", type=click.IntRange(1, 64), default=None,
               help="Also: the paged replay on N ranks, each a device with the memory of the budget (N x the memory; "
                    "default: the engine's tensor_parallel when above 1).")
 @click.option("--kv-tier-blocks", default=None, metavar="N[,N..]",
@@ -255,13 +275,14 @@ def qlinear(as_json: bool, quick: bool, working_set_mb: Optional[int], threads: 
 
 
 @command.command(name="serve")
-@click.option("--base-url", required=True, help="The server, e.g. http://127.0.0.1:8000 (any OpenAI-compatible server).")
-@click.option("--trace", type=click.Path(exists=True, dir_okay=False), help="JSON Lines trace (as for bench memory).")
-@click.option("--num-requests", default=100, show_default=True, help="Synthetic workload: number of requests.")
+@click.option("--base-url", type=HttpUrl(), required=True, help="The server, e.g. http://127.0.0.1:8000 (any OpenAI-compatible server).")
+@click.option("--trace", type=RegularFile(), help="JSON Lines trace (as for bench memory).")
+@click.option("--num-requests", type=click.IntRange(1, MAX_REQUESTS), default=100, show_default=True,
+              help="Synthetic workload: number of requests.")
 @click.option("--prompt-len", default="32:256", show_default=True, help="Synthetic: prompt words N or LOW:HIGH.")
 @click.option("--output-len", default="16:128", show_default=True, help="Synthetic: output tokens N or LOW:HIGH.")
 @click.option("--request-rate", default="inf", show_default=True, help="Requests per second (Poisson), or inf.")
-@click.option("--max-concurrency", type=click.IntRange(min=1), default=None, help="Requests in flight at most.")
+@click.option("--max-concurrency", type=click.IntRange(1, MAX_REQUESTS), default=None, help="Requests in flight at most.")
 @click.option("--model", default=None, help="Model name to send (default: none; the server's own).")
 @click.option("--api-key", envvar="TRTPAGED_API_KEY", default=None, help="Sent as 'Authorization: Bearer KEY'.")
 @click.option("--endpoint", type=click.Choice(["completions", "chat"]), default="completions", show_default=True)
@@ -272,9 +293,9 @@ def qlinear(as_json: bool, quick: bool, working_set_mb: Optional[int], threads: 
 @click.option("--multi-turn", default=None, metavar="N:K",
               help="Multi-turn traffic: N conversations of K turns, each sending the whole history (with "
                    "--output-len N as the reply length); adds prefix hit rate and prefill tokens computed.")
-@click.option("--system-words", default=64, show_default=True, help="Multi-turn: the shared system prompt's words.")
-@click.option("--user-words", default=24, show_default=True, help="Multi-turn: words of each user message.")
-@click.option("--think-time", default=0.5, show_default=True,
+@click.option("--system-words", type=click.IntRange(1, MAX_WORDS), default=64, show_default=True, help="Multi-turn: the shared system prompt's words.")
+@click.option("--user-words", type=click.IntRange(1, MAX_WORDS), default=24, show_default=True, help="Multi-turn: words of each user message.")
+@click.option("--think-time", type=FiniteFloatRange(0, MAX_THINK_S), default=0.5, show_default=True,
               help="Multi-turn: seconds between a reply and the next turn.")
 @click.option("--stagger", is_flag=True,
               help="Multi-turn: conversations start spread over one think time, think times vary 0.5-1.5x.")
@@ -329,10 +350,10 @@ def _refuse_an_empty_run(report: dict) -> None:
 @click.option("--num-kv-blocks", type=click.IntRange(min=1), required=True,
               help="The pool's blocks: small enough that it cannot hold every live history.")
 @click.option("--multi-turn", default="8:4", show_default=True, metavar="N:K", help="N conversations of K turns.")
-@click.option("--system-words", default=64, show_default=True, help="The shared system prompt's words.")
-@click.option("--user-words", default=24, show_default=True, help="Words of each user message.")
+@click.option("--system-words", type=click.IntRange(1, MAX_WORDS), default=64, show_default=True, help="The shared system prompt's words.")
+@click.option("--user-words", type=click.IntRange(1, MAX_WORDS), default=24, show_default=True, help="Words of each user message.")
 @click.option("--output-len", default="16", show_default=True, help="Tokens of each reply.")
-@click.option("--think-time", default=0.5, show_default=True, help="Seconds between a reply and the next turn.")
+@click.option("--think-time", type=FiniteFloatRange(0, MAX_THINK_S), default=0.5, show_default=True, help="Seconds between a reply and the next turn.")
 @click.option("--stagger", is_flag=True,
               help="Conversations start spread over one think time, think times vary 0.5-1.5x (default: lockstep).")
 @click.option("--host-memory", default="1GiB", show_default=True, help="The host tier's size.")
@@ -342,7 +363,7 @@ def _refuse_an_empty_run(report: dict) -> None:
 @click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True)
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when present).")
 @click.option("--seed", default=0, show_default=True)
-@click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--rounds", type=click.IntRange(1, MAX_ROUNDS), default=1, show_default=True,
               help="Repeat every row, the rows' order rotated each round (times: medians over rounds).")
 @click.option("--max-num-tokens", type=click.IntRange(min=1), default=None,
               help="Tokens per step (the chunked-prefill budget; default: the engine's).")
@@ -368,7 +389,7 @@ def kv_tiers(engine, num_kv_blocks, multi_turn, system_words, user_words, output
 @click.argument("engine", type=click.Path(exists=True, file_okay=False))
 @click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="Rounds of the five runs, alternating.")
 @click.option("--max-tokens", type=click.IntRange(min=2), default=128, show_default=True, help="Tokens per request (greedy, ignore_eos).")
-@click.option("--concurrency", type=click.IntRange(min=1), default=16, show_default=True, help="Concurrent requests of the batch runs.")
+@click.option("--concurrency", type=click.IntRange(1, MAX_REQUESTS), default=16, show_default=True, help="Concurrent requests of the batch runs.")
 @click.option("--server-arg", "server_args", multiple=True, help="Passed on to trtpaged serve (repeatable).")
 @click.option("--stream-interval", "stream_intervals", type=click.IntRange(min=1), multiple=True,
               help="serve's --stream-interval (tokens per streamed chunk); repeat it to compare several in the same "
@@ -401,19 +422,19 @@ def structured(engine, batch, steps, repeats, temperature, as_json) -> None:
 
 @command.command(name="throughput")
 @click.argument("engine", type=click.Path(exists=True, file_okay=False))
-@click.option("--trace", type=click.Path(exists=True, dir_okay=False),
+@click.option("--trace", type=RegularFile(),
               help='JSON Lines: a bench-memory trace (prompt_len, output_len, ...; token ids are generated) '
                    'or prompts ({"prompt": text, "output_len": N}).')  # fmt: skip
-@click.option("--num-requests", default=16, show_default=True, help="Built-in mix: requests (prompts 32-300, outputs 16-240 tokens).")
+@click.option("--num-requests", type=click.IntRange(1, MAX_REQUESTS), default=16, show_default=True, help="Built-in mix: requests (prompts 32-300, outputs 16-240 tokens).")
 @click.option("--baseline", type=click.Choice(("hf", "none")), default="hf", show_default=True,
               help="hf: transformers generate with static batches on the engine's source model.")
 @click.option("--hf-batch-size", type=int, help="Baseline static batch size (default: the engine's max_batch_size).")
 @click.option("--no-prefix-caching-row", is_flag=True, help="Extra row: trtpaged with prefix caching off.")
-@click.option("--engine2", type=click.Path(exists=True, file_okay=False),
+@click.option("--engine2", type=click.Path(exists=True, file_okay=False), callback=lambda ctx, p, v: _engine_dir(v, p),
               help="Extra row: a second engine dir on the same requests (e.g. fp32 vs quantized).")
 @click.option("--profile", is_flag=True, help="Also: where a decode step's time goes (phases, and model ops at batch 1 and 16).")
 @click.option("--seed", default=0, show_default=True)
-@click.option("--rounds", default=1, show_default=True,
+@click.option("--rounds", type=click.IntRange(1, MAX_ROUNDS), default=1, show_default=True,
               help="trtpaged runs the workload this many times in one process, each round on fresh prompts of the "
                    "same shapes, and prints each round's wall: the first batch after loading vs the next.")
 @click.option("--speculative-config", default=None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from trtpaged.commands.option_types import HttpUrl, RegularFile
 from trtpaged.commands.stdout import echo
 
 
@@ -58,12 +59,14 @@ def _kv_from_config(path: str):
 
 
 @click.command(name="diagnose")
-@click.argument("log", type=click.Path(exists=True, dir_okay=False))
+@click.argument("log", type=RegularFile())
 @click.option("--engine", type=click.Path(exists=True, file_okay=False), help="Engine dir (KV bytes, budget, tokenizer).")
-@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
+@click.option("--config", "config_path", type=RegularFile(),
               help="model.yaml instead of an engine dir (reads the model's config only; no text prompts).")
-@click.option("--metrics", "metrics_url", help="Metrics URL of a running server (trtpaged serve, or vLLM-style).")
-@click.option("--metrics-samples", default=3, show_default=True, help="Samples of --metrics, 1 s apart.")
+@click.option("--metrics", "metrics_url", type=HttpUrl(),
+              help="Metrics URL of a running server (trtpaged serve, or vLLM-style).")
+@click.option("--metrics-samples", type=click.IntRange(1, 3600), default=3, show_default=True,
+              help="Samples of --metrics, 1 s apart.")
 @click.option("--step-time", type=float, default=None,
               help="Seconds per engine step for a log whose arrivals are seconds (default: the median of its lines' "
                    "step_time_s, as `trtpaged serve --request-log` writes).")

@@ -16,12 +16,21 @@ from trtpaged.errors import FatalEngineError
 from trtpaged.manifest import BACKENDS
 
 
+def _not_empty(value, param):
+    """An empty --host bound every interface without a word (the default is loopback); an empty model name is no
+    name a client can send."""
+    if value is not None and not value.strip():
+        raise click.BadParameter("must not be empty", param=param)
+    return value
+
+
 @click.command(name="serve")
 @click.argument("engine", type=click.Path(exists=True))
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--host", default="127.0.0.1", show_default=True, callback=lambda ctx, p, v: _not_empty(v, p),
+              help="Address to bind (0.0.0.0: every interface).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
               help="Port to bind (0: any free port).")
-@click.option("--served-model-name", default=None, help="Model name clients send and /v1/models lists (default: the engine dir's name).")
+@click.option("--served-model-name", default=None, callback=lambda ctx, p, v: _not_empty(v, p), help="Model name clients send and /v1/models lists (default: the engine dir's name).")
 @click.option("--api-key", envvar="TRTPAGED_API_KEY", default=None, show_envvar=True,
               help="Require 'Authorization: Bearer KEY' on /v1/* (/health, /metrics and /version stay open).")
 @click.option("--max-waiting", type=click.IntRange(min=1), default=256, show_default=True,
