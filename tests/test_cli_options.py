@@ -33,6 +33,7 @@ def test_build_never_replaces_what_is_not_a_directory(tmp_path):
     _refused(["build", str(REPO / "examples" / "tiny.yaml"), "-o", str(fifo)], "is not a directory")
     assert fifo.is_fifo()
     _refused(["build", str(fifo)], "not a regular file")  # a FIFO model.yaml blocked the read
+    _refused(["build", str(REPO / "examples" / "tiny.yaml"), "-o", ""], "-o", "must not be empty")  # was: the cwd
 
 
 @pytest.mark.parametrize("args,words", [

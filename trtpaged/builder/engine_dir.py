@@ -40,8 +40,6 @@ class OutputDirError(ConfigError):
 def check_output(output: Path, force: bool = False) -> None:
     """Raises OutputDirError if `output` is anything but a directory (a file, a FIFO, a device, a socket, a dangling
     link), a non-empty non-engine dir, or (unless `force`) an engine dir."""
-    if not str(output):
-        raise OutputDirError("output: empty; expected a directory path")
     if os.path.lexists(output) and not output.is_dir():
         kind = "a file" if output.is_file() else "not a directory"
         raise OutputDirError(f"output: {output} is {kind}; expected a directory path")

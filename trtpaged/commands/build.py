@@ -43,9 +43,16 @@ checkpoint missing tensors of the architecture, fail the load stage.
 """
 
 
+def _output(value: str | None, param) -> Path | None:
+    """-o as a Path; an empty one (Path("") is the current directory) is refused."""
+    if value is not None and not value.strip():
+        raise click.BadParameter("must not be empty (a directory path)", param=param)
+    return Path(value) if value is not None else None
+
+
 @click.command(name="build", help=_HELP)
 @click.argument("model_yaml", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path), default=None,
+@click.option("-o", "--output", type=click.Path(file_okay=False), default=None, callback=lambda ctx, p, v: _output(v, p),
               help="Engine dir to write (default: `output` in the yaml).")
 @click.option("--skip-verify", is_flag=True, help="Skip the ONNX-vs-transformers verification (big models).")
 @click.option("--force", is_flag=True, help="Replace an existing engine dir at the output (once the new one is complete).")
