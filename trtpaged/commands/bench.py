@@ -474,8 +474,6 @@ def throughput(engine, trace, num_requests, baseline, hf_batch_size, no_prefix_c
             requests = default_requests(manifest.dims.vocab_size, num_requests, seed)
         if hf_batch_size is not None and hf_batch_size < 1:
             raise ValueError(f"--hf-batch-size: must be >= 1, got {hf_batch_size}")
-        if rounds < 1:
-            raise ValueError(f"--rounds: must be >= 1, got {rounds}")
         if speculative_config is not None:
             from trtpaged.runtime.speculative import SpeculativeConfig
 
