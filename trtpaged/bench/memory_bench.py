@@ -249,8 +249,7 @@ def _replay(trace: list[TraceRequest], budget: Budget, sharing: bool, prompts: O
         stats = engine.kv.stats(engine.scheduler.live_seqs())
         # a group's samples (beams) run from admission, as the reservation replay's copies do, though its prompt
         # is one sequence until the first sample forks it
-        num_seqs = sum(len(g.seqs) if g.forked else max(g.params.n, g.params.beam_width)
-                       for g in engine.scheduler.running)  # fmt: skip
+        num_seqs = sum(len(g.seqs) if g.forked else g.params.num_seqs for g in engine.scheduler.running)
         result.record(num_seqs, int(stats["kv_tokens_stored"]) + batch.num_tokens, int(stats["kv_slots_allocated"]),
                       batch.num_tokens)  # fmt: skip
         used = int(stats["kv_blocks_used"])
