@@ -27,12 +27,13 @@ from trtpaged.server.generation import GenerationService, Submitted, runtime_fai
 from trtpaged.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
 from trtpaged.server.options import ServerOptions
 from trtpaged.server.protocol import check_model
+from trtpaged.server import responses_api
 from trtpaged.server.schemas import ModelCard, ModelList, dump
 from trtpaged.server.tokenization import Tokenization
 
 log = logging.getLogger("trtpaged.server")
 T = TypeVar("T")
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics",
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics",
           "/version")
 
 
@@ -214,13 +215,18 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
             raise ClientGone() from None
         return b"".join(chunks)
 
-    async def generate(request: Request, chat: bool) -> Response:
+    async def generate(request: Request, chat: bool, responses: bool = False) -> Response:
+        """One generation request; `responses`: a /v1/responses body, served as the chat body it translates to."""
         start = time.monotonic()
         if draining:
             metrics.observe_rejected("draining")
             raise overloaded("the server is shutting down", options.retry_after_s)
+        call = None
         try:
             body = parse_json(await read_body(request))
+            if responses:
+                call = responses_api.translate(body, service.model_name)
+                body = call.chat_body
             submitting = service.submit(body, chat, request.headers.get("x-request-id"))
             submitted = await unless_disconnected(request, submitting)
         except ClientGone:
@@ -231,10 +237,15 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
                 metrics.observe_rejected("overloaded")
                 exc.headers["Retry-After"] = str(options.retry_after_s)
             _log(request, exc.status, exc.message, start)
-            raise
+            raise responses_api.renamed(exc) if call is not None else exc from None
+        headers = {"X-Request-Id": submitted.summary.header_id}
         if submitted.req.stream:
-            return StreamingResponse(_logged_stream(request, submitted, start), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Request-Id": submitted.summary.header_id})
+            events = _logged_stream(request, submitted, start)
+            if call is not None:
+                rid = responses_api.response_id(submitted.summary.request_id)
+                events = responses_api.stream(call, rid, events, submitted.summary)
+            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache",
+                                                                                      **headers})  # fmt: skip
         try:
             answer = await service.respond(submitted, request.is_disconnected)
         except ClientGone:
@@ -245,7 +256,12 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
             _log(request, error.status, error.message, start)
             return error_response(error)
         _log(request, 200, "", start, submitted)
-        return JSONResponse(dump(answer), headers={"X-Request-Id": submitted.summary.header_id})
+        if call is not None:
+            summary = submitted.summary
+            return JSONResponse(responses_api.response_body(call, answer, summary.prompt_tokens,
+                                                            summary.completion_tokens, summary.cached_tokens),
+                                headers=headers)  # fmt: skip
+        return JSONResponse(dump(answer), headers=headers)
 
     async def _logged_stream(request: Request, s: Submitted, start: float) -> AsyncIterator[bytes]:
         status, note = 499, "client disconnected; request aborted"
@@ -263,6 +279,10 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat_completions(request: Request) -> Response:
         return await generate(request, chat=True)
+
+    @app.post("/v1/responses", dependencies=[Depends(authorize)])
+    async def create_response(request: Request) -> Response:
+        return await generate(request, chat=True, responses=True)
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models() -> JSONResponse:

@@ -51,6 +51,7 @@ class Summary:
     header_id: str = "-"  # the answer's X-Request-Id: the caller's id when it gave one (as vLLM), else request_id
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
     finish_reasons: list[str] = field(default_factory=list)
 
 
@@ -305,6 +306,7 @@ class GenerationService:
         first = _FirstChunks(s) if ids else None  # return_token_ids: the prompt's ids go with a choice's first chunk
         echoed: set[int] = set()  # prompts whose echo chunk went out
         tool_readers: dict[int, ToolCallStream] = {}  # choice -> its tool-call parser
+        cached: dict[int, int] = {}  # prompt -> its tokens found in the prefix cache
         if s.req.chat:
             for p in range(len(s.index)):
                 for i in range(params.n):
@@ -317,6 +319,8 @@ class GenerationService:
             # Disconnects cancel this generator (the ASGI server's disconnect listener); no polling here.
             async with aclosing(s.sub.outputs(_never, self.request_timeout_s)) as outputs:
                 async for out in outputs:
+                    if out.num_cached_tokens is not None:
+                        cached[s.index[out.request_id]] = out.num_cached_tokens
                     if s.req.echo and s.index[out.request_id] not in echoed:
                         echoed.add(s.index[out.request_id])
                         async for event in self._echo_chunks(s, state, s.index[out.request_id], out, first):
@@ -354,6 +358,7 @@ class GenerationService:
             yield sse("[DONE]")
             return
         s.summary.prompt_tokens = sum(state.prompt_tokens.values())
+        s.summary.cached_tokens = sum(cached.values())
         s.summary.completion_tokens = 0 if s.req.echo_only else state.completion_tokens
         s.summary.finish_reasons = state.finish_reasons
         if s.req.include_usage:
@@ -407,3 +412,4 @@ def _summarise(summary: Summary, finals: list[RequestOutput], echo_only: bool = 
     summary.prompt_tokens = sum(len(o.prompt_token_ids) for o in finals)
     summary.completion_tokens = 0 if echo_only else sum(len(c.token_ids) for o in finals for c in o.outputs)
     summary.finish_reasons = [c.finish_reason or "?" for o in finals for c in o.outputs]
+    summary.cached_tokens = sum(o.num_cached_tokens or 0 for o in finals)

@@ -134,6 +134,52 @@ class ChatCompletionRequest(_SamplingFields):
     web_search_options: Optional[dict[str, Any]] = None
 
 
+class ResponsesRequest(_Strict):
+    """POST /v1/responses (OpenAI's Responses API; server/responses_api.py serves it through chat). Items, tools
+    and text.format are checked there, where their errors can name the item."""
+
+    model: Optional[StrictStr] = None
+    input: Union[StrictStr, list[Any]]
+    instructions: Optional[StrictStr] = None
+    max_output_tokens: Optional[StrictInt] = None
+    temperature: Optional[Number] = None
+    top_p: Optional[Number] = None
+    top_logprobs: Optional[StrictInt] = None
+    include: Optional[list[StrictStr]] = None
+    stream: StrictBool = False
+    stream_options: Optional[dict[str, Any]] = None  # include_obfuscation: no padding is sent here
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Union[StrictStr, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[StrictBool] = None
+    text: Optional[dict[str, Any]] = None  # format (as chat's response_format), verbosity (no effect here)
+    reasoning: Optional[dict[str, Any]] = None  # no model here reasons: accepted, without effect
+    truncation: Optional[StrictStr] = None
+    max_tool_calls: Optional[StrictInt] = None
+    previous_response_id: Optional[StrictStr] = None  # refused: this server stores no responses
+    conversation: Optional[Any] = None
+    prompt: Optional[dict[str, Any]] = None
+    background: Optional[StrictBool] = None
+    # OpenAI's platform fields, accepted without effect (as chat's)
+    store: Optional[StrictBool] = None
+    metadata: Optional[dict[str, StrictStr]] = None
+    user: Optional[StrictStr] = None
+    service_tier: Optional[StrictStr] = None
+    prompt_cache_key: Optional[StrictStr] = None
+    prompt_cache_retention: Optional[StrictStr] = None
+    safety_identifier: Optional[StrictStr] = None
+    # vLLM's sampling extensions, as on chat
+    seed: Optional[StrictInt] = None
+    top_k: Optional[StrictInt] = None
+    min_p: Optional[Number] = None
+    repetition_penalty: Optional[Number] = None
+    presence_penalty: Optional[Number] = None
+    frequency_penalty: Optional[Number] = None
+    stop: Optional[Union[StrictStr, list[StrictStr]]] = None
+    cache_salt: Optional[StrictStr] = None
+    request_id: Optional[StrictStr] = None
+    structured_outputs: Optional[dict[str, Any]] = None  # vLLM's (docs/structured_outputs.md), beside text.format
+
+
 # ---- responses -----------------------------------------------------------------------------------
 class TokenizeCompletionRequest(_Strict):
     """POST /tokenize with a text prompt."""

@@ -1,0 +1,184 @@
+"""POST /v1/responses (OpenAI's Responses API) with the official `openai` client: the answer is the chat answer of
+the messages the request stands for (instructions as the system message, input items as turns), computed by the
+Python API; the stream's typed events join to the non-streamed Response; usage counts the chat prompt's tokens;
+function tools come back as function_call items; what the server cannot do is refused naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.test_server import wait_idle
+from tests.test_server_tools import ONE_CALL, TOOLS, TWO_CALLS, tools_engine_dir  # noqa: F401 - a fixture
+from trtpaged import LLM, SamplingParams
+from trtpaged.server import start_server
+
+from runtime_helpers import openai_client
+
+openai = pytest.importorskip("openai", reason="the openai package is not installed (pip install openai)")
+MODEL = "tiny"
+# the Responses API's function tools: chat's, flattened
+FLAT_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+
+
+@pytest.fixture(scope="module")
+def server(tools_engine_dir):  # noqa: F811 - the fixture imported above
+    handle = start_server(tools_engine_dir, port=0, served_model_name=MODEL, device="cpu")
+    yield handle
+    handle.shutdown(timeout=0)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai_client(server.url)
+
+
+@pytest.fixture(scope="module")
+def llm(tools_engine_dir):  # noqa: F811
+    return LLM(tools_engine_dir, device="cpu")
+
+
+def _chat_truth(llm, messages, max_tokens, tools=None):
+    out = llm.chat(messages, SamplingParams(max_tokens=max_tokens, temperature=0.0), tools=tools)[0]
+    return out.outputs[0], len(llm.chat_prompt(messages, tools=tools))
+
+
+def test_text_answer_is_the_chat_answer_of_its_messages(client, llm):
+    for max_tokens in (3, 40):
+        truth, prompt_len = _chat_truth(llm, [{"role": "system", "content": "Be brief."},
+                                              {"role": "user", "content": "hello there"}], max_tokens)  # fmt: skip
+        r = client.responses.create(model=MODEL, instructions="Be brief.", input="hello there",
+                                    max_output_tokens=max_tokens, temperature=0)  # fmt: skip
+        assert r.object == "response" and r.id.startswith("resp_") and r.model == MODEL
+        assert r.output_text == truth.text
+        assert (r.status, r.incomplete_details and r.incomplete_details.reason) == (
+            ("incomplete", "max_output_tokens") if truth.finish_reason == "length" else ("completed", None))
+        assert (r.usage.input_tokens, r.usage.output_tokens) == (prompt_len, len(truth.token_ids))
+        assert r.usage.total_tokens == prompt_len + len(truth.token_ids)
+        assert r.max_output_tokens == max_tokens and r.instructions == "Be brief." and r.store is False
+
+
+def test_stream_events_join_to_the_full_response(client, server):
+    kw = dict(model=MODEL, input=[{"role": "user", "content": [{"type": "input_text", "text": "tell me"}]}],
+              max_output_tokens=12, temperature=0)  # fmt: skip
+    full = client.responses.create(**kw)
+    events = list(client.responses.create(stream=True, **kw))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]  # fmt: skip
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          f"response.{full.status}"]  # fmt: skip
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert "".join(d.delta for d in deltas) == full.output_text == events[-4].text
+    assert {d.item_id for d in deltas} == {events[2].item.id}
+    last = events[-1].response
+    assert last.output_text == full.output_text and last.status == full.status
+    assert (last.usage.input_tokens, last.usage.output_tokens) == (full.usage.input_tokens, full.usage.output_tokens)
+    wait_idle(server)
+
+
+def test_logprobs_are_the_chat_logprobs(client):
+    r = client.responses.create(model=MODEL, input="hi", max_output_tokens=4, temperature=0, top_logprobs=2,
+                                include=["message.output_text.logprobs"])  # fmt: skip
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2)  # fmt: skip
+    got = r.output[0].content[0].logprobs
+    want = chat.choices[0].logprobs.content
+    # the second request finds the prompt in the prefix cache: its last row is computed in a smaller step
+    assert [(g.token, [t.token for t in g.top_logprobs]) for g in got] == \
+        [(w.token, [t.token for t in w.top_logprobs]) for w in want]  # fmt: skip
+    for g, w in zip(got, want):
+        assert [t.logprob for t in g.top_logprobs] == pytest.approx([t.logprob for t in w.top_logprobs], abs=1e-5)
+        assert g.logprob == pytest.approx(w.logprob, abs=1e-5)
+
+
+def test_items_become_the_conversation_turns(client, llm):
+    """A function call and its output, an assistant message and a developer message: the prompt the server
+    counts is the chat template's prompt of the same turns (developer as system)."""
+    items = [
+        {"type": "message", "role": "developer", "content": "Use tools."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Paris", "unit": "C"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "21 C"},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "It is 21 C."}]},
+        {"role": "user", "content": "Thanks"},
+    ]  # fmt: skip
+    messages = [
+        {"role": "system", "content": "Use tools."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 C"},
+        {"role": "assistant", "content": "It is 21 C."},
+        {"role": "user", "content": "Thanks"},
+    ]  # fmt: skip
+    truth, prompt_len = _chat_truth(llm, messages, 5)
+    r = client.responses.create(model=MODEL, input=items, max_output_tokens=5, temperature=0)
+    assert r.usage.input_tokens == prompt_len
+    assert r.output_text == truth.text
+
+
+@pytest.mark.parametrize("forced", [ONE_CALL, TWO_CALLS])
+def test_function_calls_are_output_items(client, forced):
+    """The model's calls (its text forced by a one-choice grammar) come back as function_call items, as chat reads
+    them; streamed, their argument deltas join to the same arguments."""
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "go"}], tools=TOOLS,
+                                          max_tokens=200, temperature=0,
+                                          extra_body={"structured_outputs": {"choice": [forced]}})  # fmt: skip
+    want = [(tc.function.name, tc.function.arguments) for tc in chat.choices[0].message.tool_calls]
+    kw = dict(model=MODEL, input="go", tools=FLAT_TOOLS, max_output_tokens=200, temperature=0,
+              extra_body={"structured_outputs": {"choice": [forced]}})  # fmt: skip
+    r = client.responses.create(**kw)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert [(c.name, c.arguments) for c in calls] == want
+    assert all(c.call_id.startswith("call_") and c.status == "completed" for c in calls)
+    texts = [o for o in r.output if o.type == "message"]
+    assert [t.content[0].text for t in texts] == ([chat.choices[0].message.content] if chat.choices[0].message.content
+                                                  else [])  # fmt: skip
+    events = list(client.responses.create(stream=True, **kw))
+    args: dict[int, str] = {}
+    for e in events:
+        if e.type == "response.function_call_arguments.delta":
+            args[e.output_index] = args.get(e.output_index, "") + e.delta
+    final = events[-1].response
+    streamed = [(o.name, args.get(i, "")) for i, o in enumerate(final.output) if o.type == "function_call"]
+    assert streamed == want
+    assert [json.loads(a) for _, a in streamed] == [json.loads(a) for _, a in want]
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"background": True}, "background"),
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"include": ["not.a.thing"]}, "include"),
+    ({"text": {"format": {"type": "yaml"}}}, "text"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+    ({"input": [{"role": "robot", "content": "x"}]}, "input"),
+    ({"input": [{"type": "file_search_call", "id": "x"}]}, "input"),
+    ({"max_output_tokens": 10**6}, "max_output_tokens"),
+    ({"temperature": -1.0}, "temperature"),
+    ({"frobnicate": 1}, "frobnicate"),
+])  # fmt: skip
+def test_what_cannot_be_served_is_refused_naming_the_field(client, server, extra, param):
+    body = {"model": MODEL, "input": "hi", **extra}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.post("/responses", body=body, cast_to=object)
+    assert err.value.body["param"] == param
+    assert err.value.body["message"].startswith(param.split(".")[0])
+    wait_idle(server)
+
+
+def test_a_repeated_prompt_reports_its_cached_tokens(client, server):
+    """The second of two equal requests finds every whole block of its prompt but the one holding the last token
+    (whose logits it must compute) in the prefix cache; the first finds none."""
+    kw = dict(model=MODEL, input="a prompt long enough to fill a few blocks " * 3, max_output_tokens=2, temperature=0)
+    first, second = client.responses.create(**kw), client.responses.create(**kw)
+    block_size = server.llm.config.block_size
+    prompt_len = second.usage.input_tokens
+    assert first.usage.input_tokens == prompt_len > 2 * block_size
+    assert first.usage.input_tokens_details.cached_tokens == 0
+    assert second.usage.input_tokens_details.cached_tokens == (prompt_len - 1) // block_size * block_size

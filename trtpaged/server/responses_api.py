@@ -1,0 +1,414 @@
+"""POST /v1/responses: OpenAI's Responses API, served through the chat completions path.
+
+A request becomes a chat completions body (`instructions` as the first system message, `input` items as messages,
+function tools and `text.format` in chat's spelling), is submitted as one, and its answer or stream is turned back
+into a Response object and the Responses API's typed stream events (`response.created` ... `response.completed`).
+
+The server keeps no responses: `previous_response_id` and `conversation` are refused (send the whole conversation
+in `input`), and `store` is accepted and answered false. Text in, text and function calls out.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Optional
+
+from pydantic import BaseModel
+
+from trtpaged.server.errors import ApiError
+from trtpaged.server.protocol import check_model, validated
+from trtpaged.server.schemas import ResponsesRequest
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# include values that name outputs this server never makes (built-in tools, images, reasoning): nothing to add
+_NOTHING_TO_INCLUDE = frozenset({
+    "code_interpreter_call.outputs", "computer_call_output.output.image_url", "file_search_call.results",
+    "message.input_image.image_url", "reasoning.encrypted_content", "web_search_call.results",
+    "web_search_call.action.sources",
+})  # fmt: skip
+# chat fields that carry over under the same name and meaning (vLLM's sampling extras among them)
+_SAME_FIELDS = ("model", "temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                "frequency_penalty", "stop", "user", "metadata", "service_tier", "prompt_cache_key", "safety_identifier",
+                "parallel_tool_calls", "cache_salt", "request_id", "structured_outputs")  # fmt: skip
+# a chat field's name in a refusal -> the Responses field the client sent
+_RESPONSES_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
+                    "response_format": "text.format", "logprobs": "include", "top_logprobs": "top_logprobs"}
+_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+_TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
+@dataclass
+class ResponsesCall:
+    """One Responses request: what was asked (echoed in the answer) and the chat body that serves it."""
+
+    req: ResponsesRequest
+    chat_body: dict[str, Any]
+    model: str
+    created_at: int
+
+
+def translate(body: Any, served_model: str) -> ResponsesCall:
+    """Validates a /v1/responses body and makes its chat completions body; ApiError naming the Responses field."""
+    req = validated(ResponsesRequest, body)
+    check_model(req.model, served_model)
+    for name in ("previous_response_id", "conversation", "prompt"):
+        if getattr(req, name) is not None:
+            raise ApiError(f"{name}: this server stores no responses or prompts; send the whole conversation in "
+                           "input", name)  # fmt: skip
+    if req.background:
+        raise ApiError("background: not supported by this server (responses are answered or streamed at once)",
+                       "background")  # fmt: skip
+    if req.truncation not in (None, "disabled"):
+        raise ApiError("truncation: only 'disabled' is supported (an input too long for the model is refused)",
+                       "truncation")  # fmt: skip
+    if req.max_tool_calls is not None:
+        raise ApiError("max_tool_calls: not supported by this server", "max_tool_calls")
+    chat: dict[str, Any] = {k: getattr(req, k) for k in _SAME_FIELDS if getattr(req, k) is not None}
+    chat["messages"] = _messages(req)
+    if req.max_output_tokens is not None:
+        chat["max_completion_tokens"] = req.max_output_tokens
+    chat.update(_logprobs(req))
+    if req.tools:
+        chat["tools"] = [_tool(i, t) for i, t in enumerate(req.tools)]
+    if req.tool_choice is not None:
+        chat["tool_choice"] = _tool_choice(req.tool_choice)
+    response_format = _response_format(req.text)
+    if response_format is not None:
+        chat["response_format"] = response_format
+    chat["stream"] = req.stream
+    return ResponsesCall(req, chat, served_model, int(time.time()))
+
+
+def renamed(error: ApiError) -> ApiError:
+    """A refusal of the chat body, naming the Responses field instead of the chat one it came from."""
+    chat_name = error.param
+    name = _RESPONSES_NAMES.get(chat_name or "")
+    if name is None:
+        return error
+    head, colon, rest = error.message.partition(":")
+    # "messages[2].content: ..." -> "input: ...": chat's message numbers are not the input's item numbers
+    message = f"{name}:{rest}" if colon and head.split("[")[0].split(".")[0] == chat_name else error.message
+    return ApiError(message, name, error.status, error.kind, error.code, error.headers)
+
+
+def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """instructions, then the input items, as chat messages."""
+    messages: list[dict[str, Any]] = []
+    if req.instructions:
+        messages.append({"role": "system", "content": req.instructions})
+    if isinstance(req.input, str):
+        messages.append({"role": "user", "content": req.input})
+        return messages
+    for i, item in enumerate(req.input):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise ApiError(f"{where}: must be an object (a message or a function call item)", "input")
+        kind = item.get("type", "message")
+        if kind == "message":
+            messages.append(_message(item, where))
+        elif kind == "function_call":
+            call = {"id": _text(item, "call_id", where), "type": "function",
+                    "function": {"name": _text(item, "name", where), "arguments": _text(item, "arguments", where)}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                last["tool_calls"].append(call)  # one turn's parallel calls: one assistant message
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            content = output if isinstance(output, str) else _parts(output, f"{where}.output")
+            messages.append({"role": "tool", "tool_call_id": _text(item, "call_id", where), "content": content})
+        elif kind == "reasoning":
+            continue  # a reasoning model's earlier thoughts: no model here reads them back
+        else:
+            raise ApiError(f"{where}.type: {str(kind)[:40]!r} is not supported by this server (message, "
+                           "function_call, function_call_output, reasoning)", "input")  # fmt: skip
+    if not any(m["role"] != "system" for m in messages):
+        raise ApiError("input: must hold at least one message", "input")
+    return messages
+
+
+def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
+    role = item.get("role")
+    if role not in _ROLES:
+        raise ApiError(f"{where}.role: must be one of {', '.join(_ROLES)}, got {str(role)[:40]!r}", "input")
+    content = item.get("content")
+    if not isinstance(content, str):
+        content = _parts(content, f"{where}.content")
+    return {"role": _ROLES[role], "content": content}
+
+
+def _parts(parts: Any, where: str) -> list[dict[str, str]]:
+    """Content parts as chat's text parts; any other kind (images, files, audio) is refused."""
+    if not isinstance(parts, list):
+        raise ApiError(f"{where}: must be a string or a list of content parts", "input")
+    out = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _TEXT_PARTS:
+            raise ApiError(f"{where}[{j}].type: {str(kind)[:40]!r} is not supported by this server (text only: "
+                           f"{', '.join(_TEXT_PARTS)})", "input")  # fmt: skip
+        out.append({"type": "text", "text": _text(part, _TEXT_PARTS[kind], f"{where}[{j}]")})
+    return out
+
+
+def _text(item: dict[str, Any], key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise ApiError(f"{where}.{key}: must be a string, got {type(value).__name__}", "input")
+    return value
+
+
+def _logprobs(req: ResponsesRequest) -> dict[str, Any]:
+    include = req.include or []
+    for i, name in enumerate(include):
+        if name != LOGPROBS_INCLUDE and name not in _NOTHING_TO_INCLUDE:
+            raise ApiError(f"include[{i}]: {name[:60]!r} is not a value this server knows", "include")
+    if LOGPROBS_INCLUDE not in include and not req.top_logprobs:
+        return {}
+    return {"logprobs": True, "top_logprobs": req.top_logprobs or 0}
+
+
+_TOOL_KEYS = ("name", "description", "parameters", "strict")
+
+
+def _tool(i: int, tool: Any) -> dict[str, Any]:
+    """A Responses function tool ({type, name, parameters, ...}) in chat's nested form."""
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+        raise ApiError(f"tools[{i}].type: {str(kind)[:40]!r} is not supported by this server (function tools "
+                       "only)", "tools")  # fmt: skip
+    extra = sorted(set(tool) - {"type", *_TOOL_KEYS})
+    if extra:
+        raise ApiError(f"tools[{i}].{extra[0]}: unknown field of a function tool", "tools")
+    return {"type": "function", "function": {k: tool[k] for k in _TOOL_KEYS if tool.get(k) is not None}}
+
+
+def _tool_choice(choice: Any) -> Any:
+    if isinstance(choice, str):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise ApiError("tool_choice: must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}",
+                   "tool_choice")  # fmt: skip
+
+
+def _response_format(text: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """text.format as chat's response_format (None: plain text)."""
+    if not text:
+        return None
+    extra = sorted(set(text) - {"format", "verbosity"})
+    if extra:
+        raise ApiError(f"text.{extra[0]}: unknown field", "text")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        spec = {k: fmt[k] for k in ("name", "schema", "description", "strict") if k in fmt}
+        return {"type": "json_schema", "json_schema": spec}
+    raise ApiError(f"text.format.type: must be text, json_object or json_schema, got {str(kind)[:40]!r}", "text")
+
+
+# ---- answers ------------------------------------------------------------------------------------
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def response_id(chat_id: str) -> str:
+    """The Response's id from its chat answer's ("chatcmpl-X" -> "resp_X")."""
+    return "resp_" + chat_id.removeprefix("chatcmpl-")
+
+
+def envelope(call: ResponsesCall, rid: str, status: str, output: list[dict[str, Any]],
+             usage: Optional[dict[str, Any]] = None, error: Optional[dict[str, Any]] = None) -> dict[str, Any]:  # fmt: skip
+    """The Response object: its state, output items, usage, and the request's settings as OpenAI echoes them."""
+    req = call.req
+    return {
+        "id": rid, "object": "response", "created_at": call.created_at, "status": status, "background": False,
+        "error": error,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "max_tool_calls": None,
+        "model": call.model, "output": output,
+        "parallel_tool_calls": True if req.parallel_tool_calls is None else req.parallel_tool_calls,
+        "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "store": False,
+        "temperature": req.temperature, "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
+        "tool_choice": "auto" if req.tool_choice is None else req.tool_choice, "tools": req.tools or [],
+        "top_logprobs": req.top_logprobs or 0, "top_p": req.top_p, "truncation": "disabled",
+        "usage": usage, "user": req.user, "metadata": req.metadata or {},
+    }  # fmt: skip
+
+
+def usage_of(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt_tokens + output_tokens}  # fmt: skip
+
+
+def _text_item(text: str, logprobs: Optional[list], status: str, item_id: Optional[str] = None) -> dict[str, Any]:
+    part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
+    if logprobs is not None:
+        part["logprobs"] = logprobs
+    return {"id": item_id or _item_id("msg"), "type": "message", "status": status, "role": "assistant",
+            "content": [part]}  # fmt: skip
+
+
+def _call_item(call_id: str, name: str, arguments: str, status: str, item_id: Optional[str] = None) -> dict[str, Any]:
+    return {"id": item_id or _item_id("fc"), "type": "function_call", "status": status, "call_id": call_id,
+            "name": name, "arguments": arguments}  # fmt: skip
+
+
+def response_body(call: ResponsesCall, chat_answer: BaseModel, prompt_tokens: int, output_tokens: int,
+                  cached_tokens: int) -> dict[str, Any]:  # fmt: skip
+    """The Response object of a finished chat answer (one choice)."""
+    answer = chat_answer.model_dump(mode="json")
+    (choice,) = answer["choices"]
+    message = choice["message"]
+    status = "incomplete" if choice["finish_reason"] == "length" else "completed"
+    output = []
+    calls = message.get("tool_calls") or []
+    if message.get("content") or not calls:
+        logprobs = (choice.get("logprobs") or {}).get("content") if call.chat_body.get("logprobs") else None
+        output.append(_text_item(message.get("content") or "", logprobs, status))
+    for c in calls:
+        output.append(_call_item(c["id"], c["function"]["name"], c["function"]["arguments"], "completed"))
+    return envelope(call, response_id(answer["id"]), status, output, usage_of(prompt_tokens, output_tokens,
+                                                                              cached_tokens))  # fmt: skip
+
+
+class EventStream:
+    """Chat completion chunks (as the chat stream sends them) -> the Responses API's stream events."""
+
+    def __init__(self, call: ResponsesCall, rid: str) -> None:
+        self.call, self.rid = call, rid
+        self.sequence = 0
+        self.output: list[dict[str, Any]] = []  # items in output order, as they are so far
+        self.text_index: Optional[int] = None  # the message item's output index, once text arrived
+        self.call_index: dict[int, int] = {}  # chat tool-call index -> output index
+        self.finish_reason: Optional[str] = None
+        self.want_logprobs = bool(call.chat_body.get("logprobs"))
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        data = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode()
+
+    def start(self) -> list[bytes]:
+        head = envelope(self.call, self.rid, "in_progress", [])
+        return [self.event("response.created", response=head), self.event("response.in_progress", response=head)]
+
+    def chunk(self, chunk: dict[str, Any]) -> list[bytes]:
+        events: list[bytes] = []
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") or {}
+            text = delta.get("content")
+            logprobs = ((choice.get("logprobs") or {}).get("content") or []) if self.want_logprobs else None
+            if text or logprobs:
+                events += self._text(text or "", logprobs)
+            for tc in delta.get("tool_calls") or ():
+                events += self._call(tc)
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+        return events
+
+    def _text(self, text: str, logprobs: Optional[list]) -> list[bytes]:
+        events = []
+        if self.text_index is None:
+            self.text_index = len(self.output)
+            item = _text_item("", [] if self.want_logprobs else None, "in_progress")
+            self.output.append(item)
+            events.append(self.event("response.output_item.added", output_index=self.text_index,
+                                     item={**item, "content": []}))  # fmt: skip
+            events.append(self.event("response.content_part.added", item_id=item["id"], output_index=self.text_index,
+                                     content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
+        item = self.output[self.text_index]
+        part = item["content"][0]
+        part["text"] += text
+        if logprobs is not None:
+            part["logprobs"] += logprobs
+        events.append(self.event("response.output_text.delta", item_id=item["id"], output_index=self.text_index,
+                                 content_index=0, delta=text, logprobs=logprobs or []))  # fmt: skip
+        return events
+
+    def _call(self, tc: dict[str, Any]) -> list[bytes]:
+        events = []
+        index = tc.get("index", 0)
+        fn = tc.get("function") or {}
+        if index not in self.call_index:
+            self.call_index[index] = len(self.output)
+            item = _call_item(tc.get("id") or _item_id("call"), fn.get("name") or "", "", "in_progress")
+            self.output.append(item)
+            events.append(self.event("response.output_item.added", output_index=self.call_index[index], item=item))
+        out = self.call_index[index]
+        item = self.output[out]
+        if fn.get("arguments"):
+            item["arguments"] += fn["arguments"]
+            events.append(self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=out,
+                                     delta=fn["arguments"]))  # fmt: skip
+        return events
+
+    def finish(self, prompt_tokens: int, output_tokens: int, cached_tokens: int) -> list[bytes]:
+        """The items' done events, then response.completed (or .incomplete when cut at max_output_tokens)."""
+        status = "incomplete" if self.finish_reason == "length" else "completed"
+        if not self.output:  # an empty answer is one empty message, as the non-streamed body has
+            events = self._text("", None)[:-1]
+        else:
+            events = []
+        for out, item in enumerate(self.output):
+            if item["type"] == "message":
+                item["status"] = status
+                part = item["content"][0]
+                done = {k: v for k, v in part.items() if k in ("logprobs",)}
+                events.append(self.event("response.output_text.done", item_id=item["id"], output_index=out,
+                                         content_index=0, text=part["text"], logprobs=done.get("logprobs") or []))
+                events.append(self.event("response.content_part.done", item_id=item["id"], output_index=out,
+                                         content_index=0, part=part))  # fmt: skip
+            else:
+                item["status"] = "completed"
+                events.append(self.event("response.function_call_arguments.done", item_id=item["id"],
+                                         output_index=out, name=item["name"], arguments=item["arguments"]))
+            events.append(self.event("response.output_item.done", output_index=out, item=item))
+        body = envelope(self.call, self.rid, status, self.output, usage_of(prompt_tokens, output_tokens, cached_tokens))
+        events.append(self.event(f"response.{status}", response=body))
+        return events
+
+    def failed(self, error: dict[str, Any]) -> bytes:
+        """A failure after the stream began (the engine failed, the request timed out): response.failed."""
+        body = envelope(self.call, self.rid, "failed", self.output,
+                        error={"code": error.get("code") or error.get("type") or "server_error",
+                               "message": error.get("message", "")})  # fmt: skip
+        return self.event("response.failed", response=body)
+
+
+def chat_events(raw: bytes) -> list[Any]:
+    """The JSON payloads of the chat stream's Server-Sent Events in `raw` ("[DONE]" left out)."""
+    out = []
+    for block in raw.decode().split("\n\n"):
+        if block.startswith("data: ") and block[6:] != "[DONE]":
+            out.append(json.loads(block[6:]))
+    return out
+
+
+async def stream(call: ResponsesCall, rid: str, chat_stream: AsyncIterator[bytes], summary: Any) -> AsyncIterator[bytes]:
+    """The Responses stream of one chat stream; `summary` (the request's Summary) holds the usage at its end."""
+    events = EventStream(call, rid)
+    for e in events.start():
+        yield e
+    async with aclosing(chat_stream):  # a client gone closes this stream: the chat stream's close aborts the request
+        async for raw in chat_stream:
+            for payload in chat_events(raw):
+                if "error" in payload:
+                    yield events.failed(payload["error"])
+                    return
+                for e in events.chunk(payload):
+                    yield e
+    for e in events.finish(summary.prompt_tokens, summary.completion_tokens, summary.cached_tokens):
+        yield e
