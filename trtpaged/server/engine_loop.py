@@ -69,6 +69,12 @@ class _Timing:
     reasons: dict[int, str] = field(default_factory=dict)  # completion index -> its finish reason, once it ended
     params: Optional[SamplingParams] = None
     step: int = 0  # engine steps run before the request was added
+    last_step: int = 0  # the engine's step count at the last output that brought a token
+    scored_only: bool = False  # echo with max_tokens 0: the token sampled to score the prompt is dropped, not output
+
+    def generated(self) -> int:
+        """Tokens generated so far, all completions together (what the client gets: none when scored_only)."""
+        return 0 if self.scored_only else sum(self.by_index.values())
 
 
 class Subscription:
@@ -265,11 +271,14 @@ class EngineLoop:
         """`call` for the event loop: awaits the result without blocking other requests."""
         return await asyncio.wrap_future(self._send("call", fn))
 
-    async def submit(self, requests: Sequence[tuple[str, list[int], SamplingParams]]) -> Subscription:
-        """Adds (request_id, prompt token ids, params) all or none; raises add_request's ValueError or Overloaded."""
+    async def submit(self, requests: Sequence[tuple[str, list[int], SamplingParams]],
+                     scored_only: bool = False) -> Subscription:  # fmt: skip
+        """Adds (request_id, prompt token ids, params) all or none; raises add_request's ValueError or Overloaded.
+        `scored_only`: the requests only score their prompts (echo, max_tokens 0), and the one token each samples
+        is dropped: the metrics count no output for them."""
         sub = Subscription([rid for rid, _, _ in requests], self, asyncio.get_running_loop())
         try:
-            await asyncio.wrap_future(self._send("submit", (list(requests), sub, time.monotonic())))
+            await asyncio.wrap_future(self._send("submit", (list(requests), sub, time.monotonic(), scored_only)))
         except asyncio.CancelledError:  # the caller is gone; if the engine thread had begun adding them, end them
             self.abort(sub.request_ids)
             raise
@@ -336,7 +345,8 @@ class EngineLoop:
             if future is not None:
                 future.set_exception(exc)
 
-    def _add(self, requests: list[tuple[str, list[int], SamplingParams]], sub: Subscription, arrival: float) -> None:
+    def _add(self, requests: list[tuple[str, list[int], SamplingParams]], sub: Subscription, arrival: float,
+             scored_only: bool = False) -> None:  # fmt: skip
         if self.max_waiting is not None:
             # the batch's free places are taken at the next step: requests that fill them do not wait (was: a
             # burst to an idle server counted every request as waiting, and refused the ones beyond max_waiting)
@@ -352,7 +362,8 @@ class EngineLoop:
                 self.engine.add_request(prompt, params, rid, arrival_time=arrival)
                 added.append(rid)
                 self._subs[rid] = sub
-                self._timing[rid] = _Timing(arrival, len(prompt), params=params, step=self.engine.num_steps)
+                self._timing[rid] = _Timing(arrival, len(prompt), params=params, step=self.engine.num_steps,
+                                            scored_only=scored_only)  # fmt: skip
         except Exception:
             for rid in added:
                 self.engine.abort(rid)
@@ -363,7 +374,7 @@ class EngineLoop:
         if self.engine.abort(rid):
             timing = self._timing.get(rid)
             if timing is not None:
-                self.metrics.observe_finished("abort", timing.prompt_tokens, timing.tokens,
+                self.metrics.observe_finished("abort", timing.prompt_tokens, timing.generated(),
                                               time.monotonic() - timing.arrival, None)  # fmt: skip
         self._forget(rid)
 
@@ -438,17 +449,25 @@ class EngineLoop:
             if c.finish_reason:
                 timing.reasons[c.index] = c.finish_reason
         longest = max(timing.by_index.values(), default=0)
-        if longest > timing.tokens:
+        if longest > timing.tokens and not timing.scored_only:
             if timing.first_token is None:
                 timing.first_token = now
                 self.metrics.observe_first_token(now - timing.arrival)
             elif timing.last_token is not None:
-                self.metrics.observe_token_gap(now - timing.last_token)
-            timing.last_token, timing.tokens = now, longest
+                # tokens held back for one output (stream_interval) came from several steps: one gap per step
+                # that made a token, of their mean, as vLLM times inter-token latency per engine step (a step
+                # that makes several tokens, speculation's, is one gap; steps the request sat out are none)
+                gaps = max(1, min(longest - timing.tokens, self.engine.num_steps - timing.last_step))
+                for _ in range(gaps):
+                    self.metrics.observe_token_gap((now - timing.last_token) / gaps)
+            timing.last_token, timing.tokens, timing.last_step = now, longest, self.engine.num_steps
         if out.finished:
-            tpot = (now - timing.first_token) / (longest - 1) if timing.first_token and longest > 1 else None
-            self.metrics.observe_finished(timing.reasons.get(0) or "length", timing.prompt_tokens,
-                                          sum(timing.by_index.values()), now - timing.arrival, tpot)  # fmt: skip
+            # no time per output token when every token came in one output (a beam search's answer): 0 s was wrong
+            spread = timing.first_token is not None and now > timing.first_token and longest > 1
+            tpot = (now - timing.first_token) / (longest - 1) if spread else None  # type: ignore[operator]
+            reason = "length" if timing.scored_only else timing.reasons.get(0) or "length"
+            self.metrics.observe_finished(reason, timing.prompt_tokens, timing.generated(), now - timing.arrival,
+                                          tpot)  # fmt: skip
             if self.request_log is not None:
                 self._log_finished(self.request_log, out, timing, now)
 
@@ -470,7 +489,7 @@ class EngineLoop:
             except Exception:  # noqa: BLE001 - state may be inconsistent after a failed step
                 log.exception("abort of %s failed", rid)
             timing = self._timing[rid]
-            self.metrics.observe_finished(reason, timing.prompt_tokens, timing.tokens,
+            self.metrics.observe_finished(reason, timing.prompt_tokens, timing.generated(),
                                           time.monotonic() - timing.arrival, None)  # fmt: skip
             sub.put(error)
             self._forget(rid)

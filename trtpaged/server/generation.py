@@ -124,7 +124,7 @@ class GenerationService:
         requests = [(f"{answer_id}-{i}-{serial}", ids, self._fit_max_tokens(req, params, len(ids)))
                     for i, ids in enumerate(prompts)]  # fmt: skip
         try:
-            sub = await self.loop.submit(requests)
+            sub = await self.loop.submit(requests, scored_only=req.echo_only)
         except ValueError as exc:
             raise from_runtime_error(exc, req.names) from None
         except (Overloaded, ShuttingDown) as exc:

@@ -1,0 +1,85 @@
+"""/metrics counts what the clients got: tokens of every choice of an aborted n>1 request, one inter-token gap per
+token-making engine step at any --stream-interval, no time per output token for an answer that came in one
+output (beam search), nothing generated for echo with max_tokens 0. The truth is the client's own count."""
+
+from __future__ import annotations
+
+import http.client
+import json
+
+import pytest
+
+from tests.test_server import metrics, request, wait_idle
+from trtpaged.server import ServerOptions, start_server
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_engine_dir):
+    handle = start_server(tiny_engine_dir, port=0, served_model_name=MODEL, device="cpu",
+                          options=ServerOptions(stream_interval=4))  # fmt: skip
+    yield handle
+    handle.shutdown(timeout=0)
+
+
+def _delta(before, after, name):
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def test_aborted_n3_stream_counts_every_choices_tokens(server):
+    before = metrics(server)
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 300, "n": 3, "ignore_eos": True, "stream": True,
+            "return_token_ids": True}  # fmt: skip
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    received: dict[int, int] = {}
+    while len(received) < 3 or min(received.values()) < 9:
+        line = resp.readline().decode()
+        if line.startswith("data: {"):
+            for c in json.loads(line[6:])["choices"]:
+                received[c["index"]] = received.get(c["index"], 0) + len(c.get("token_ids") or [])
+    conn.close()  # the client is gone mid-stream: the request is aborted
+    after = wait_idle(server)
+    assert _delta(before, after, 'request_success_total{finished_reason="abort"}') == 1
+    counted = _delta(before, after, "generation_tokens_total")
+    # every choice's tokens (at most a step or an interval more than the client read before it hung up)
+    assert sum(received.values()) <= counted <= sum(received.values()) + 3 * 8
+    assert _delta(before, after, "request_generation_tokens_sum") == counted
+
+
+def test_inter_token_gaps_are_per_token_at_stream_interval_4(server):
+    before = metrics(server)
+    status, _, answer = request(server, "/v1/completions", {"model": MODEL, "prompt": "Once upon a time",
+                                                           "max_tokens": 41, "ignore_eos": True, "stream": True})
+    assert status == 200
+    after = wait_idle(server)
+    # one request of 41 tokens, one token a step: 40 gaps, though the stream sent them 4 at a time
+    assert _delta(before, after, "inter_token_latency_seconds_count") == 40
+    assert _delta(before, after, "generation_tokens_total") == 41
+
+
+def test_beam_search_answer_has_no_time_per_output_token(server):
+    before = metrics(server)
+    status, _, answer = request(server, "/v1/completions", {"model": MODEL, "prompt": "abc def", "max_tokens": 12,
+                                                           "n": 2, "use_beam_search": True, "best_of": 3,
+                                                           "ignore_eos": True, "temperature": 0})  # fmt: skip
+    assert status == 200
+    after = wait_idle(server)
+    assert _delta(before, after, "generation_tokens_total") == answer["usage"]["completion_tokens"] == 24
+    # the answer came whole at the end: no per-token time to report (it was recorded as 0 s)
+    assert _delta(before, after, "request_time_per_output_token_seconds_count") == 0
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_echo_with_max_tokens_0_generates_nothing(server, n):
+    before = metrics(server)
+    status, _, answer = request(server, "/v1/completions", {"model": MODEL, "prompt": "echo this", "max_tokens": 0,
+                                                           "echo": True, "logprobs": 1, "n": n})  # fmt: skip
+    assert status == 200 and answer["usage"]["completion_tokens"] == 0
+    after = wait_idle(server)
+    assert _delta(before, after, "generation_tokens_total") == 0
+    assert _delta(before, after, "time_to_first_token_seconds_count") == 0
+    assert _delta(before, after, 'request_success_total{finished_reason="length"}') == 1
+    assert [c["finish_reason"] for c in answer["choices"]] == ["length"] * n
