@@ -10,11 +10,10 @@ import json
 import pytest
 
 from tests.test_server import wait_idle
+from tests.test_server_scoring import client  # noqa: F401 - the openai client of this module's `server`
 from tests.test_server_tools import ONE_CALL, TOOLS, TWO_CALLS, tools_engine_dir  # noqa: F401 - a fixture
 from trtpaged import LLM, SamplingParams
 from trtpaged.server import start_server
-
-from runtime_helpers import openai_client
 
 openai = pytest.importorskip("openai", reason="the openai package is not installed (pip install openai)")
 MODEL = "tiny"
@@ -27,11 +26,6 @@ def server(tools_engine_dir):  # noqa: F811 - the fixture imported above
     handle = start_server(tools_engine_dir, port=0, served_model_name=MODEL, device="cpu")
     yield handle
     handle.shutdown(timeout=0)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai_client(server.url)
 
 
 @pytest.fixture(scope="module")

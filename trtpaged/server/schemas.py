@@ -26,7 +26,18 @@ class StreamOptions(_Strict):
     continuous_usage_stats: Optional[StrictBool] = False  # vLLM: every chunk carries its choice's usage so far
 
 
-class _SamplingFields(_Strict):
+class _PlatformFields(_Strict):
+    """OpenAI fields about its own platform (storage, tagging, billing tier, its prompt cache's routing, abuse
+    tracking): accepted, without effect here."""
+
+    store: Optional[StrictBool] = None
+    metadata: Optional[dict[str, StrictStr]] = None
+    service_tier: Optional[StrictStr] = None
+    prompt_cache_key: Optional[StrictStr] = None
+    safety_identifier: Optional[StrictStr] = None
+
+
+class _SamplingFields(_PlatformFields):
     """Fields shared by completions and chat completions (OpenAI, plus vLLM's extensions)."""
 
     model: Optional[StrictStr] = None
@@ -56,13 +67,6 @@ class _SamplingFields(_Strict):
     beam_width: Optional[StrictInt] = None
     early_stopping: Optional[Union[StrictBool, Literal["never"]]] = None
     user: Optional[StrictStr] = None
-    # OpenAI fields about its own platform (storage, tagging, billing tier, its prompt cache's routing, abuse
-    # tracking): accepted, without effect here
-    store: Optional[StrictBool] = None
-    metadata: Optional[dict[str, StrictStr]] = None
-    service_tier: Optional[StrictStr] = None
-    prompt_cache_key: Optional[StrictStr] = None
-    safety_identifier: Optional[StrictStr] = None
     logit_bias: Optional[dict[str, Number]] = None  # token id (as a string, OpenAI's form) -> bias
     allowed_token_ids: Optional[list[StrictInt]] = None  # vLLM
     bad_words: Optional[Union[StrictStr, list[StrictStr]]] = None  # vLLM
@@ -134,7 +138,7 @@ class ChatCompletionRequest(_SamplingFields):
     web_search_options: Optional[dict[str, Any]] = None
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(_PlatformFields):
     """POST /v1/responses (OpenAI's Responses API; server/responses_api.py serves it through chat). Items, tools
     and text.format are checked there, where their errors can name the item."""
 
@@ -159,14 +163,8 @@ class ResponsesRequest(_Strict):
     conversation: Optional[Any] = None
     prompt: Optional[dict[str, Any]] = None
     background: Optional[StrictBool] = None
-    # OpenAI's platform fields, accepted without effect (as chat's)
-    store: Optional[StrictBool] = None
-    metadata: Optional[dict[str, StrictStr]] = None
     user: Optional[StrictStr] = None
-    service_tier: Optional[StrictStr] = None
-    prompt_cache_key: Optional[StrictStr] = None
-    prompt_cache_retention: Optional[StrictStr] = None
-    safety_identifier: Optional[StrictStr] = None
+    prompt_cache_retention: Optional[StrictStr] = None  # a platform field of the Responses API only
     # vLLM's sampling extensions, as on chat
     seed: Optional[StrictInt] = None
     top_k: Optional[StrictInt] = None
