@@ -52,6 +52,46 @@ def test_build_never_replaces_what_is_not_a_directory(tmp_path):
      ("--metrics-samples",)),
     (["serve", "ENGINE", "--host", ""], ("--host", "must not be empty")),
     (["serve", "ENGINE", "--served-model-name", " "], ("--served-model-name", "must not be empty")),
+    # generate's errors name its flags, not SamplingParams' fields (max_tokens, beam_width)
+    (["generate", "ENGINE", "--prompt", "hi", "--max-tokens", "0"], ("--max-tokens: must be >= 1",)),
+    (["generate", "ENGINE", "--prompt", "hi", "--n", "3", "--beam-width", "2"], ("--n: at most --beam-width (2)",)),
+    (["generate", "ENGINE", "--prompt", "hi", "--top-p", "2"], ("--top-p: must be in (0, 1]",)),
+    (["generate", "ENGINE", "--prompt", "hi", "--speculative-config", '{"method": "x"}'],
+     ("--speculative-config: method",)),
+    # a prompt limit max_seq_len never lets through was accepted (--device bogus: before the fix, fail, not serve)
+    (["serve", "ENGINE", "--port", "0", "--device", "bogus", "--max-prompt-tokens", "512"],
+     ("--max-prompt-tokens", "512 is more than the engine's max_seq_len 512", "at most 511")),
+    (["serve", "ENGINE", "--port", "0", "--device", "bogus", "--max-seq-len", "256", "--max-prompt-tokens", "300"],
+     ("--max-prompt-tokens", "--max-seq-len 256", "at most 255")),
+    # the KV tier flags' errors named kv_tiers.host_memory / kv_tiers.disk.size
+    (["serve", "ENGINE", "--port", "0", "--kv-host-memory", "abc"], ("--kv-host-memory", "is not a size")),
+    (["serve", "ENGINE", "--port", "0", "--kv-host-memory", "100"], ("--kv-host-memory: 100 bytes hold no block",)),
+    (["serve", "ENGINE", "--port", "0", "--kv-disk-path", "SCRATCH", "--kv-disk-size", "10"],
+     ("--kv-disk-size: 10 bytes hold no block",)),
+    # inspect's --avg-len and --memory were unbounded (0 sequences of 10**29 tokens; 10**42 bytes)
+    (["inspect", "ENGINE", "--avg-len", str(10**29)], ("--avg-len", "1<=x<=16777216")),
+    (["inspect", "ENGINE", "--avg-len", "513"], ("--avg-len", "more than the engine's max_seq_len 512")),
+    (["inspect", "ENGINE", "--memory", "2PiB"], ("--memory", "1 PiB")),
+    (["inspect", "ENGINE", "--memory", "0"], ("--memory", "0 bytes")),
+    # --plot: a suffix matplotlib cannot write failed as a traceback after the whole replay
+    (["bench", "memory", "--num-requests", "2", "--plot", "SCRATCH/plot.xyz"], ("--plot", "no .xyz file")),
+    (["bench", "memory", "--num-requests", "2", "--plot", "FIFO"], ("--plot", "is not a regular file")),
+    (["bench", "memory", "--num-requests", "2", "--plot", "SCRATCH/none/plot.png"], ("--plot", "does not exist")),
+    # bench kv-tiers: --rows ran a row given twice once; sizes were refused only when their row's server started
+    # (--multi-turn 0:0: before the fix, a quick error without the words, instead of a run)
+    (["bench", "kv-tiers", "ENGINE", "--num-kv-blocks", "16", "--rows", "host,host", "--multi-turn", "0:0"],
+     ("--rows", "host given more than once")),
+    (["bench", "kv-tiers", "ENGINE", "--num-kv-blocks", "16", "--rows", "off,", "--multi-turn", "0:0"],
+     ("--rows", "an empty name")),
+    (["bench", "kv-tiers", "ENGINE", "--num-kv-blocks", "16", "--host-memory", "abc", "--multi-turn", "0:0"],
+     ("--host-memory", "is not a size")),
+    (["bench", "kv-tiers", "ENGINE", "--num-kv-blocks", "16", "--rows", "off,host", "--host-memory", "100"],
+     ("--host-memory: 100 bytes hold no block",)),
+    # every turn failed (HTTP 400: the prompt needs more blocks than the whole pool), then a table of zeros, exit 0
+    (["bench", "kv-tiers", "ENGINE", "--num-kv-blocks", "16", "--rows", "off", "--multi-turn", "2:1",
+      "--think-time", "0"], ("--num-kv-blocks 16: the pool holds 256 tokens", "turn 1's prompt has", "give at least")),
+    (["bench", "kv-tiers", "ENGINE", "--num-kv-blocks", "64", "--rows", "off", "--multi-turn", "2:2",
+      "--think-time", "0"], ("turn 2's prompt", "more than the engine's max_seq_len 512")),
 ])
 def test_a_bad_option_is_refused_before_any_work(tiny_engine_dir, tmp_path, args, words):
     fifo = tmp_path / "fifo"
@@ -61,4 +101,27 @@ def test_a_bad_option_is_refused_before_any_work(tiny_engine_dir, tmp_path, args
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     names = {"FIFO": str(fifo), "ENGINE": str(tiny_engine_dir), "LOG": str(log), "SCRATCH": str(scratch)}
-    _refused([names.get(a, a) for a in args], *words)
+    _refused([names.get(a, a).replace("SCRATCH/", f"{scratch}/") for a in args], *words)
+    assert not any(scratch.iterdir()), list(scratch.iterdir())  # nothing written
+
+
+def test_serve_refuses_a_fifo_request_log(tiny_engine_dir, tmp_path):
+    """`serve --request-log FIFO` blocked in open() until a reader came: a server that never started, silent."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # before the fix: the open goes through, --device fails
+    try:
+        _refused(["serve", str(tiny_engine_dir), "--port", "0", "--device", "bogus", "--request-log", str(fifo)],
+                 "--request-log", "is not a regular file")
+    finally:
+        os.close(reader)
+    assert fifo.is_fifo()
+
+
+@pytest.mark.parametrize("name, magic", [("plot", b"\x89PNG"), ("plot.png", b"\x89PNG"), ("plot.svg", b"<?xml")])
+def test_plot_writes_exactly_the_path_given(tmp_path, name, magic):
+    """`bench memory --plot PATH` wrote PATH.png when PATH had no suffix."""
+    r = CliRunner().invoke(main, ["bench", "memory", "--num-requests", "2", "--plot", str(tmp_path / name)])
+    assert r.exit_code == 0, r.output
+    assert [p.name for p in tmp_path.iterdir()] == [name]  # no PATH.png beside it, no temporary file left
+    assert (tmp_path / name).read_bytes().startswith(magic)

@@ -40,7 +40,8 @@ def _warm_up(url: str) -> None:
 
 
 def run_kv_tiers_bench(
-    engine: Path, spec: MultiTurnSpec, num_kv_blocks: int, host_memory: str = "1GiB", disk_size: str = "4GiB",
+    engine: Path, spec: MultiTurnSpec, num_kv_blocks: int, host_memory: str | int = "1GiB",
+    disk_size: str | int = "4GiB",
     remote: Optional[str] = None, llm_kwargs: Optional[dict[str, Any]] = None, seed: int = 0, rounds: int = 1,
     progress: Optional[Callable[[str], None]] = None, rows: Optional[Sequence[str]] = None,
 ) -> dict[str, Any]:  # fmt: skip
@@ -53,12 +54,13 @@ def run_kv_tiers_bench(
     whose load drifts; times are the median over rounds, token counts the sum.
     """
     say = progress or (lambda _msg: None)
-    wanted = set(rows or ROW_GROUPS) | {"off"}
-    unknown = wanted - set(ROW_GROUPS)
-    if unknown:
-        raise ValueError(f"--rows: unknown {', '.join(sorted(unknown))}; expected some of {', '.join(ROW_GROUPS)}")
+    wanted = set(check_rows(rows) if rows is not None else ROW_GROUPS) | {"off"}
     if "remote" not in wanted:
         remote = ""
+    # refused before any server starts: a size or a pool the run can never use failed after whole rows had run
+    check_tier_sizes(engine, host_memory if "host" in wanted else None, disk_size if "disk" in wanted else None)
+    check_turns_fit(engine, spec, num_kv_blocks, seeds=[seed + r for r in range(min(rounds, CHECKED_ROUNDS))],
+                    variants=(0, 1) if "disk" in wanted else (0,), say=say)
     runs: dict[str, list[dict[str, Any]]] = {}
     # every request of this run carries one salt: a Redis given with --remote may hold an earlier run's blocks,
     # which would make the "remote" row (a cold first replica) warm; the second replica still finds the first's
@@ -93,6 +95,116 @@ def run_kv_tiers_bench(
     return {"engine": str(engine), "num_kv_blocks": num_kv_blocks, "conversations": spec.conversations,
             "turns": spec.turns, "think_time_s": spec.think_time_s, "stagger": spec.stagger, "rounds": rounds,
             "rows": rows}
+
+
+def check_rows(rows: Sequence[str]) -> list[str]:
+    """`--rows` as given (each once, among ROW_GROUPS); ValueError naming the flag. A name given twice was run
+    once without a word (each row runs once per round; --rounds repeats them)."""
+    rows = [r.strip() for r in rows]
+    if "" in rows:
+        raise ValueError(f"--rows: an empty name in {','.join(rows)!r}; expected some of {', '.join(ROW_GROUPS)}, "
+                         "comma-separated")
+    unknown = sorted(set(rows) - set(ROW_GROUPS))
+    if unknown:
+        raise ValueError(f"--rows: unknown {', '.join(unknown)}; expected some of {', '.join(ROW_GROUPS)}")
+    twice = sorted({r for r in rows if rows.count(r) > 1}, key=ROW_GROUPS.index)
+    if twice:
+        raise ValueError(f"--rows: {', '.join(twice)} given more than once; each row runs once a round (--rounds N "
+                         "repeats every row)")
+    return rows
+
+
+def check_tier_sizes(engine: Path, host_memory: Any, disk_size: Any) -> None:
+    """Refuses (ValueError naming --host-memory or --disk-size) a tier size that is no size or holds no block of
+    this engine, as a server with that tier would, before any row runs (None: that row does not run)."""
+    from trtpaged.config import parse_size
+    from trtpaged.manifest import read_manifest
+    from trtpaged.runtime.kv_tiers.entry import entry_bytes
+
+    manifest = read_manifest(engine)
+    one = entry_bytes(manifest.limits.block_size, manifest.tensor_parallel * manifest.kv_bytes_per_block_per_rank)
+    for flag, value in (("--host-memory", host_memory), ("--disk-size", disk_size)):
+        if value is None:
+            continue
+        try:
+            size = parse_size(value)
+        except ValueError as exc:
+            raise ValueError(f"{flag}: {exc}") from None
+        if size < one:
+            raise ValueError(f"{flag}: {size} bytes hold no block; one block's entry is {one} bytes")
+
+
+CHECKED_ROUNDS = 4  # rounds whose conversations check_turns_fit tokenizes (later ones: other words, same counts)
+
+
+def conversation_prompts(spec: MultiTurnSpec, seed: int, variant: int) -> list[list[str]]:
+    """Each conversation's prompt text at each turn as `run_multi_turn` sends it (plain text), with every earlier
+    reply empty: the replies are not known before the run, so each is a lower bound of the prompt it stands for."""
+    import random
+
+    from trtpaged.bench.multi_turn import _body, _words
+
+    system = _words(random.Random(seed), spec.system_words)  # run_multi_turn's draws, in its order
+    rng = random.Random(f"{seed}/{variant}")
+    users = [[_words(rng, spec.user_words) for _ in range(spec.turns)] for _ in range(spec.conversations)]
+    prompts = []
+    for conversation in users:
+        history = [{"role": "system", "content": system}] if system else []
+        texts = []
+        for user in conversation:
+            history.append({"role": "user", "content": user})
+            texts.append(_body(history, spec, None, False)["prompt"])
+            history.append({"role": "assistant", "content": ""})
+        prompts.append(texts)
+    return prompts
+
+
+def check_turns_fit(engine: Path, spec: MultiTurnSpec, num_kv_blocks: int, seeds: Sequence[int],
+                    variants: Sequence[int] = (0,), say: Callable[[str], None] = lambda _msg: None) -> None:
+    """Refuses (ValueError naming the flags) traffic of which some turn can never run: its prompt and reply need
+    more tokens than the pool of `num_kv_blocks` holds or max_seq_len allows. Such turns failed in every row (HTTP
+    400: the prompt needs more blocks than the whole pool), a whole run of them a table of zeros. A turn's prompt
+    is counted with its history's replies empty (a lower bound: the refusal is certain); when the estimate with
+    each reply `output_tokens` long passes the limit, `say` warns that those turns will likely fail."""
+    from trtpaged.manifest import read_manifest
+    from trtpaged.runtime.llm import load_tokenizer
+
+    manifest = read_manifest(engine)
+    tokenizer = load_tokenizer(engine, manifest)
+    block_size, max_seq_len = manifest.limits.block_size, manifest.limits.max_seq_len
+    pool_tokens = num_kv_blocks * block_size
+    longest = [0] * spec.turns  # per turn: the longest prompt (replies empty) of any conversation, seed, variant
+    for seed in seeds:
+        for variant in variants:
+            for texts in conversation_prompts(spec, seed, variant):
+                for turn, text in enumerate(texts):
+                    longest[turn] = max(longest[turn], len(tokenizer.encode(text)))
+    out = spec.output_tokens
+    needs = [prompt + out for prompt in longest]  # prompt + this turn's reply (the history's replies not counted)
+
+    def what(turn: int) -> str:
+        text = (f"turn 1's prompt has {longest[0]} tokens" if turn == 0 else
+                f"turn {turn + 1}'s prompt (the history of {turn} turn{'s' if turn > 1 else ''} before it) has at "
+                f"least {longest[turn]} tokens")
+        return (f"{text}, {needs[turn]} with its reply (--system-words {spec.system_words}, --user-words "
+                f"{spec.user_words}, --output-len {out})")
+
+    fix = "fewer words, fewer turns (--multi-turn N:K) or a shorter --output-len"
+    over = [turn for turn, need in enumerate(needs) if need > max_seq_len]
+    if over:  # no pool helps: the engine's limit
+        raise ValueError(f"{what(over[0])}: more than the engine's max_seq_len {max_seq_len}, so that turn fails in "
+                         f"every row; use {fix}")
+    over = [turn for turn, need in enumerate(needs) if need > pool_tokens]
+    if over:
+        blocks = -(-max(needs) // block_size)
+        raise ValueError(f"--num-kv-blocks {num_kv_blocks}: the pool holds {pool_tokens} tokens ({num_kv_blocks} "
+                         f"blocks of {block_size}) and {what(over[0])}, so that turn fails in every row (the prompt "
+                         f"needs more blocks than the whole pool); give at least {blocks} blocks, or {fix}")
+    estimate = longest[-1] + spec.turns * out  # the last turn with every reply `out` tokens long
+    room, bound = min((pool_tokens, "the pool"), (max_seq_len, "max_seq_len"))
+    if estimate > room:
+        say(f"warning: turn {spec.turns}'s prompt and reply come to about {estimate} tokens with the replies before "
+            f"it, more than {bound} ({room} tokens): such turns will likely fail in every row")
 
 
 def _run_row(engine: Path, spec: MultiTurnSpec, num_kv_blocks: int, name: str, tiers: Optional[dict[str, Any]],

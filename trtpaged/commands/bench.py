@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Callable, Optional
 
 import click
 
-from trtpaged.commands.option_types import FiniteFloatRange, HttpUrl, RegularFile
+from trtpaged.commands.option_types import FiniteFloatRange, HttpUrl, OutputFile, RegularFile, Size
 from trtpaged.commands.stdout import echo
 from trtpaged.kv_formats import KV_CACHE_DTYPES
 from trtpaged.manifest import BACKENDS, BLOCK_SIZES, DEFAULT_BLOCK_SIZE
@@ -105,7 +106,9 @@ def kernel(kv_cache_dtype: Optional[str], device: str, as_json: bool, quick: boo
 @click.option("--preset", type=click.Choice(("alpaca", "sharegpt")),
               help="Synthetic: prompt/output length ranges with the PagedAttention paper's dataset means.")
 @click.option("--sharing-table", is_flag=True, help="Also: memory saved by sharing for n = 2, 4, 6 and beam width 2, 4, 6.")
-@click.option("--plot", type=click.Path(dir_okay=False), help="Write KV slots and running sequences over time to a PNG.")
+@click.option("--plot", type=OutputFile(), callback=lambda ctx, p, v: _plot_path(v, p),
+              help="Write KV slots and running sequences over time to PATH, exactly: a PNG (or the format its "
+                   "suffix names: .svg, .pdf, ...).")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--num-kv-blocks", type=int, help="KV blocks (default: the engine's budget, else 1456).")
 @click.option("--block-size", type=int, help="Tokens per block (default: the engine's, else 16).")
@@ -201,7 +204,7 @@ def memory(ctx, engine, trace, num_requests, prompt_len, output_len, shared_pref
         from trtpaged.bench.memory_plot import plot_memory_report
 
         try:
-            click.echo(f"  plot: {plot_memory_report(report, plot)}", err=True)
+            click.echo(f"  plot: {_write_plot(plot_memory_report, report, plot)}", err=True)
         except OSError as exc:
             raise click.ClickException(f"--plot: cannot write {plot} ({exc.strerror or exc})") from exc
     del report["series"]  # per-step series: for the plot, too long to print
@@ -248,6 +251,41 @@ def memory(ctx, engine, trace, num_requests, prompt_len, output_len, shared_pref
         from trtpaged.bench.memory_bench import format_window_table
 
         echo("\n" + format_window_table(report["window"]["rows"], report["window"]["window"]))
+
+
+def _plot_path(value, param):
+    """--plot's PATH, refused before the replay when its directory is missing, or matplotlib cannot write the format
+    its suffix names (a traceback after the whole replay) or is not installed. No suffix: a PNG."""
+    if value is None:
+        return value
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise click.BadParameter("needs matplotlib (pip install matplotlib)", param=param) from None
+    parent = os.path.dirname(os.path.abspath(value))
+    if not os.path.isdir(parent):
+        raise click.BadParameter(f"{value!r}: its directory {parent!r} does not exist", param=param)
+    suffix = Path(value).suffix.lower().lstrip(".")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix and suffix not in formats:
+        raise click.BadParameter(f"{value!r}: matplotlib writes no .{suffix} file; give PATH.png (or one of "
+                                 f"{', '.join('.' + f for f in sorted(formats))}), or a PATH with no suffix for a PNG",
+                                 param=param)  # fmt: skip
+    return value
+
+
+def _write_plot(plot, report: dict, path: str) -> str:
+    """`plot(report, file)` onto exactly `path` (matplotlib appended .png to a PATH with no suffix): drawn to a
+    temporary file beside it whose suffix names the format (PATH's, else .png), then renamed over PATH, so that a
+    failed plot leaves an existing PATH as it was."""
+    out = Path(path)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp{out.suffix or '.png'}")
+    try:
+        plot(report, tmp)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return str(out)
 
 
 @command.command(name="qlinear")
@@ -356,8 +394,9 @@ def _refuse_an_empty_run(report: dict) -> None:
 @click.option("--think-time", type=FiniteFloatRange(0, MAX_THINK_S), default=0.5, show_default=True, help="Seconds between a reply and the next turn.")
 @click.option("--stagger", is_flag=True,
               help="Conversations start spread over one think time, think times vary 0.5-1.5x (default: lockstep).")
-@click.option("--host-memory", default="1GiB", show_default=True, help="The host tier's size.")
-@click.option("--disk-size", default="4GiB", show_default=True, help="The disk tier's size (a temporary directory).")
+@click.option("--host-memory", type=Size(), default="1GiB", show_default=True, help="The host tier's size.")
+@click.option("--disk-size", type=Size(), default="4GiB", show_default=True,
+              help="The disk tier's size (a temporary directory).")
 @click.option("--remote", default=None, metavar="URL",
               help="Redis for the remote rows (default: a redis-server started for the run when installed).")
 @click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True)
@@ -367,8 +406,9 @@ def _refuse_an_empty_run(report: dict) -> None:
               help="Repeat every row, the rows' order rotated each round (times: medians over rounds).")
 @click.option("--max-num-tokens", type=click.IntRange(min=1), default=None,
               help="Tokens per step (the chunked-prefill budget; default: the engine's).")
-@click.option("--rows", default=None, metavar="LIST",
-              help="Only these rows, comma-separated among unbounded, off, host, disk, remote (default: all).")
+@click.option("--rows", default=None, metavar="LIST", callback=lambda ctx, p, v: _rows(v, p),
+              help="Only these rows, comma-separated among unbounded, off, host, disk, remote, each once (default: "
+                   "all; off, the reference, always runs).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def kv_tiers(engine, num_kv_blocks, multi_turn, system_words, user_words, output_len, think_time, stagger,
              host_memory, disk_size, remote, backend, device, seed, rounds, max_num_tokens, rows,
@@ -376,13 +416,34 @@ def kv_tiers(engine, num_kv_blocks, multi_turn, system_words, user_words, output
     """Multi-turn traffic against servers with KV tiers off, host, disk (and a restart), Redis (and a 2nd replica)."""
     from trtpaged.bench.kv_tiers_bench import format_kv_tiers, run_kv_tiers_bench
 
+    reports = []
+
     def run() -> dict:
         spec = multi_turn_spec(multi_turn, output_len, system_words, user_words, think_time, stagger)
         llm_kwargs = {"backend": backend, "device": device, "max_num_tokens": max_num_tokens}
-        return run_kv_tiers_bench(Path(engine), spec, num_kv_blocks, host_memory, disk_size, remote, llm_kwargs, seed,
-                                  rounds, progress=_progress, rows=rows.split(",") if rows else None)
+        reports.append(run_kv_tiers_bench(Path(engine), spec, num_kv_blocks, host_memory, disk_size, remote,
+                                          llm_kwargs, seed, rounds, progress=_progress,
+                                          rows=rows))  # fmt: skip
+        return reports[-1]
 
     _print_report(run, format_kv_tiers, as_json)
+    empty = [name for name, row in reports[-1]["rows"].items() if not row.get("completed")]
+    if empty:  # a row in which no turn completed measured nothing: exit 1, saying why (its table row is zeros)
+        first = (reports[-1]["rows"][empty[0]].get("error_examples") or ["no message"])[0]
+        raise click.ClickException(f"no turn completed in row{'s' if len(empty) > 1 else ''} {', '.join(empty)} "
+                                   f"(first error: {first})")
+
+
+def _rows(value, param):
+    """--rows as a list of row names, each once among the bench's (refused at once, before any server starts)."""
+    if value is None:
+        return None
+    from trtpaged.bench.kv_tiers_bench import check_rows
+
+    try:
+        return check_rows(value.split(","))
+    except ValueError as exc:
+        raise click.BadParameter(str(exc).removeprefix("--rows: "), param=param) from None
 
 
 @command.command(name="serve-ratio")

@@ -6,8 +6,15 @@ import sys
 
 import click
 
+from trtpaged.commands.option_types import flag_error
 from trtpaged.commands.stdout import echo
 from trtpaged.manifest import BACKENDS
+
+# the request and LLM fields this command's flags set: their errors name the flag the user typed
+FLAGS = {"prompt": "--prompt", "messages": "--prompt", "max_tokens": "--max-tokens", "temperature": "--temperature",
+         "top_p": "--top-p", "seed": "--seed", "n": "--n", "beam_width": "--beam-width", "backend": "--backend",
+         "device": "--device", "speculative_config": "--speculative-config"}  # fmt: skip
+MENTIONED = ("max_tokens", "top_p", "beam_width")  # in other fields' errors ("n: at most beam_width (2) ...")
 
 # Figures `--stats` prints: the run's peaks and totals, then the pool as the run left it.
 _RUN_STATS = (
@@ -56,7 +63,7 @@ def command(engine, prompt, chat, max_tokens, temperature, top_p, seed, n, beam_
         loop = llm.engine
         request_id = loop.add_request(request, params)
     except (ValueError, FileNotFoundError) as e:
-        raise click.ClickException(str(e)) from None
+        raise click.ClickException(flag_error(str(e), FLAGS, MENTIONED)) from None
     final = None
     while loop.has_unfinished():
         for out in loop.step():

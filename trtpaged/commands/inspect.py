@@ -6,15 +6,18 @@ from pathlib import Path
 
 import click
 
+from trtpaged.commands.option_types import Size
 from trtpaged.commands.stdout import echo
+
+MAX_SEQ_LEN = 1 << 24  # trtpaged.config.MAX_SEQ_LEN, a model.yaml's bound (not imported: `inspect --help` stays fast)
 
 
 @click.command(name="inspect")
 @click.argument("engine_dir", type=click.Path(exists=True, path_type=Path))
-@click.option("--avg-len", type=click.IntRange(min=1), default=None,
-              help="Also show how many sequences of this average length (prompt + output) fit.")
-@click.option("--memory", "memory", default=None,
-              help="Free device memory to evaluate a `fraction` KV budget with, e.g. 24GiB.")
+@click.option("--avg-len", type=click.IntRange(1, MAX_SEQ_LEN), default=None,
+              help="Also show how many sequences of this average length (prompt + output; at most max_seq_len) fit.")
+@click.option("--memory", "memory", type=Size(), default=None,
+              help="Free device memory to evaluate a `fraction` KV budget with, e.g. 24GiB (1 byte to 1 PiB).")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest (trtpaged.json's fields) as JSON instead.")
 @click.option("--verify", "full_verify", is_flag=True,
               help="Hash every file against the manifest even if this dir was verified before.")
@@ -24,7 +27,7 @@ from trtpaged.commands.stdout import echo
 @click.option("--plan", "show_plan", is_flag=True,
               help="Also load the weights on this machine's CPU and print the execution plan the torch runner "
                    "would run (c_layers / fused / torch, and why; docs/architecture.md).")
-def command(engine_dir: Path, avg_len: int | None, memory: str | None, as_json: bool, full_verify: bool,
+def command(engine_dir: Path, avg_len: int | None, memory: int | None, as_json: bool, full_verify: bool,
             draft_dir: Path | None, show_plan: bool) -> None:  # fmt: skip
     """Print ENGINE_DIR's manifest and memory plan (bytes per token, blocks, concurrent sequences).
 
@@ -35,18 +38,18 @@ def command(engine_dir: Path, avg_len: int | None, memory: str | None, as_json: 
     import time
 
     from trtpaged.memory_plan import format_bytes, plan_memory
-    from trtpaged.config import parse_size
     from trtpaged.engine_files import held_weight_bytes, verify_engine_dir
     from trtpaged.manifest import read_manifest
     from trtpaged.models.loading import checked_weights
     from trtpaged.runtime.llm import load_tokenizer
 
-    try:
-        memory_bytes = parse_size(memory) if memory is not None else None
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="'--memory'") from None
+    memory_bytes = memory  # bytes (Size), bounded
     try:
         manifest = read_manifest(engine_dir)
+        _check_avg_len(avg_len, manifest)  # before the files are hashed (seconds for a large engine)
+        if memory_bytes is not None and manifest.kv_cache.fraction is None:
+            click.echo("--memory: not used: this engine's KV budget does not depend on free memory (it is "
+                       f"{_budget(manifest)}; only a `fraction` budget does)", err=True)  # fmt: skip
         start = time.perf_counter()
         verified = verify_engine_dir(engine_dir, manifest, full=full_verify)
         seconds = time.perf_counter() - start
@@ -94,6 +97,20 @@ def command(engine_dir: Path, avg_len: int | None, memory: str | None, as_json: 
             echo(f"  {line}")
     if show_plan:
         echo(f"execution plan on this machine's CPU: {_execution_plan(engine_dir, manifest)}")
+
+
+def _check_avg_len(avg_len: int | None, manifest) -> None:
+    """Refuses an --avg-len no sequence of this engine reaches (prompt + output is at most max_seq_len): the plan
+    printed 0 sequences of 10**29 tokens and went on."""
+    limit = manifest.limits.max_seq_len
+    if avg_len is not None and avg_len > limit:
+        raise click.BadParameter(f"{avg_len} is more than the engine's max_seq_len {limit}, the longest a sequence "
+                                 f"(prompt + output) can be; at most {limit}", param_hint="'--avg-len'")
+
+
+def _budget(manifest) -> str:
+    kv = manifest.kv_cache
+    return f"num_kv_blocks {kv.num_kv_blocks}" if kv.num_kv_blocks is not None else f"memory {kv.memory_bytes} bytes"
 
 
 def _execution_plan(engine_dir: Path, manifest) -> str:

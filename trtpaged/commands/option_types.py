@@ -1,10 +1,12 @@
-"""Click parameter types shared by the commands."""
+"""Click parameter types shared by the commands, and `flag_error`: a runtime error line in the flags' names."""
 
 from __future__ import annotations
 
 import math
 import os
+import re
 import stat
+from typing import Iterable, Mapping
 from urllib.parse import urlsplit
 
 import click
@@ -22,6 +24,66 @@ class RegularFile(click.Path):
         if not stat.S_ISREG(os.stat(path).st_mode):
             self.fail(f"{path!r} is not a regular file.", param, ctx)
         return path
+
+
+class OutputFile(click.Path):
+    """click.Path of a file a command writes, created when absent: an existing path must be a regular file (a FIFO
+    blocked the open until a reader came: a server that never started, with no output; a plot replaced it)."""
+
+    def __init__(self) -> None:
+        super().__init__(dir_okay=False)
+
+    def convert(self, value, param, ctx):
+        path = super().convert(value, param, ctx)
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:  # created by the command (which says so if it cannot)
+            return path
+        except OSError as exc:
+            self.fail(f"{path!r}: {exc.strerror or exc}.", param, ctx)
+        if not stat.S_ISREG(mode):
+            self.fail(f"{path!r} exists and is not a regular file.", param, ctx)
+        return path
+
+
+class Size(click.ParamType):
+    """A size in bytes, as `trtpaged.config.parse_size` reads it ("8GiB", "512MiB", a number of bytes), in
+    [1, 1 PiB] (model.yaml's bound on a KV memory budget): a bad one failed only when the engine was loading, naming
+    an internal field (`kv_tiers.host_memory`) instead of the flag."""
+
+    name = "size"
+
+    def convert(self, value, param, ctx):
+        from trtpaged.config import MAX_KV_MEMORY, parse_size
+
+        try:
+            size = parse_size(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+        if not 1 <= size <= MAX_KV_MEMORY:
+            self.fail(f"{value!r} is {size} bytes; expected 1 byte to {MAX_KV_MEMORY} (1 PiB).", param, ctx)
+        return size
+
+
+def flag_error(message: str, flags: Mapping[str, str], mentions: Iterable[str] = ()) -> str:
+    """`message`, a runtime error line "field: text" (RequestError's and the config errors' form), with the field
+    the user set through a flag named as that flag: "max_tokens: must be >= 1" -> "--max-tokens: must be >= 1", a
+    nested field "speculative_config.method: ..." -> "--speculative-config: method: ...". The `mentions` (fields of
+    `flags`) are named as their flags in the text too ("at most beam_width (2)" -> "at most --beam-width (2)");
+    a field no flag sets stays as it is."""
+    head, sep, rest = message.partition(": ")
+    if not sep:
+        return message
+    for field in sorted(flags, key=len, reverse=True):
+        if head == field:
+            head = flags[field]
+            break
+        if head.startswith(field + "."):
+            head, rest = flags[field], f"{head[len(field) + 1:]}: {rest}"
+            break
+    for field in mentions:
+        rest = re.sub(rf"(?<![\w.-]){re.escape(field)}(?![\w.])", flags[field], rest)
+    return f"{head}: {rest}"
 
 
 class HttpUrl(click.ParamType):

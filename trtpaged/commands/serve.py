@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import click
 
-from trtpaged.commands.option_types import FiniteFloatRange
+from trtpaged.commands.option_types import FiniteFloatRange, OutputFile, Size, flag_error
 from trtpaged.commands.stdout import echo
 from trtpaged.errors import FatalEngineError
 from trtpaged.manifest import BACKENDS
@@ -43,7 +43,8 @@ def _not_empty(value, param):
               help="On SIGTERM/Ctrl-C: seconds requests in flight may finish before the rest are aborted (a "
                    "second signal aborts them at once).")
 @click.option("--max-body-bytes", type=click.IntRange(min=1), default=8 << 20, show_default=True, help="Largest request body (413 beyond).")
-@click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=None, help="Longest prompt accepted (default: max_seq_len - 1).")
+@click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=None,
+              help="Longest prompt accepted (default and most: max_seq_len - 1).")
 @click.option("--max-batch-size", type=int, default=None, help="Sequences per step (at most the engine's build limit).")
 @click.option("--max-num-tokens", type=int, default=None, help="Tokens per step (at most the engine's build limit).")
 @click.option("--max-seq-len", type=int, default=None, help="Prompt + output tokens per sequence (at most the build limit).")
@@ -61,17 +62,18 @@ def _not_empty(value, param):
                    "prompt_lookup_min, prompt_lookup_max, disable_by_batch_size, verify_row_cost, draft_token_cost, "
                    "min_acceptance_rate; "
                    "docs/speculative.md).")
-@click.option("--kv-host-memory", default=None, metavar="SIZE",
+@click.option("--kv-host-memory", type=Size(), default=None, metavar="SIZE",
               help="KV tier: host memory for prefix blocks the pool evicts, e.g. 8GiB (docs/kv_tiers.md).")
 @click.option("--kv-disk-path", type=click.Path(file_okay=False), default=None,
               help="KV tier: a directory for prefix blocks, kept across restarts (with --kv-disk-size).")
-@click.option("--kv-disk-size", default=None, metavar="SIZE", help="KV tier: the disk directory's bound, e.g. 100GiB.")
+@click.option("--kv-disk-size", type=Size(), default=None, metavar="SIZE",
+              help="KV tier: the disk directory's bound, e.g. 100GiB.")
 @click.option("--kv-secret-file", type=click.Path(dir_okay=False), default=None,
               help="KV tiers: a file of 16+ secret bytes shared by the replicas; disk and Redis entries are signed "
                    "with it, so that no one without it can change answers through the store.")
 @click.option("--kv-remote", default=None, metavar="URL",
               help="KV tier: a Redis server shared by replicas, redis://HOST:PORT[/DB].")
-@click.option("--request-log", type=click.Path(dir_okay=False), default=None,
+@click.option("--request-log", type=OutputFile(), default=None,
               help="Append one JSON line per finished request to this file (arrival s, lengths, n, beam width, prefix "
                    "hits, finish reasons, latencies, step time): what `trtpaged diagnose` reads.")
 @click.option("--request-log-prompts", is_flag=True,
@@ -100,6 +102,7 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
         from trtpaged.runtime.speculative import SpeculativeConfig
 
         speculative_config = SpeculativeConfig.parse(speculative_config)  # refused before the model loads
+        check_max_prompt_tokens(engine, max_prompt_tokens, max_seq_len)
         options = ServerOptions(
             api_key=api_key, max_waiting=max_waiting, request_timeout_s=request_timeout,
             shutdown_timeout_s=shutdown_timeout, max_body_bytes=max_body_bytes, max_prompt_tokens=max_prompt_tokens,
@@ -113,7 +116,8 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
             kv_tiers=tier_options(kv_host_memory, kv_disk_path, kv_disk_size, kv_remote, kv_secret_file),
         )  # fmt: skip
     except (ValueError, FileNotFoundError, OSError, FatalEngineError) as e:
-        raise click.ClickException(str(e)) from None
+        message = e.strerror if isinstance(e, OSError) and e.strerror and e.filename is None else str(e)
+        raise click.ClickException(flag_error(message, FLAGS)) from None
     stop = threading.Event()
 
     def on_signal(*_: object) -> None:
@@ -141,6 +145,31 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
         # whatever ended the command (a failed engine, the ready line unwritable): the server's threads end before
         # the interpreter does (it crashed at exit); after a drain this does nothing
         handle.shutdown(timeout=0)
+
+
+# the runtime's fields this command's flags set: its errors name the flag the user typed
+FLAGS = {"max_batch_size": "--max-batch-size", "max_num_tokens": "--max-num-tokens", "max_seq_len": "--max-seq-len",
+         "num_kv_blocks": "--num-kv-blocks", "device": "--device", "backend": "--backend",
+         "tensor_parallel": "--tensor-parallel-size", "speculative_config": "--speculative-config",
+         "kv_tiers.host_memory": "--kv-host-memory", "kv_tiers.disk.path": "--kv-disk-path",
+         "kv_tiers.disk.size": "--kv-disk-size", "kv_tiers.remote": "--kv-remote",
+         "kv_tiers.secret_file": "--kv-secret-file"}  # fmt: skip
+
+
+def check_max_prompt_tokens(engine: str, max_prompt_tokens: Optional[int], max_seq_len: Optional[int]) -> None:
+    """Refuses a --max-prompt-tokens that max_seq_len could never let through (a prompt has at most max_seq_len - 1
+    tokens: the reply needs one): it was accepted, and the server refused such prompts by max_seq_len anyway."""
+    if max_prompt_tokens is None:
+        return
+    from trtpaged.manifest import read_manifest
+
+    build = read_manifest(engine).limits.max_seq_len
+    # a --max-seq-len past the build limit is LLM's to refuse, naming that limit
+    limit, which = (max_seq_len, "--max-seq-len") if max_seq_len is not None and max_seq_len <= build else \
+        (build, "the engine's max_seq_len")  # fmt: skip
+    if max_prompt_tokens > limit - 1:
+        raise click.BadParameter(f"{max_prompt_tokens} is more than {which} {limit} lets a prompt have: at most "
+                                 f"{limit - 1} (one token is left for the reply)", param_hint="'--max-prompt-tokens'")
 
 
 OPEN_FILES_WANTED = 65536
