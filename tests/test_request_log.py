@@ -140,7 +140,7 @@ def test_cli_request_log_errors_are_one_line_before_loading(tiny_engine_dir, tmp
     missing = tmp_path / "no-such-dir" / "log.jsonl"
     result = CliRunner().invoke(main, ["serve", str(tiny_engine_dir), "--port", "0", "--device", "cpu",
                                        "--request-log", str(missing)])  # fmt: skip
-    assert result.exit_code != 0 and "request_log: cannot open" in result.output and str(missing) in result.output
+    assert result.exit_code != 0 and "--request-log: cannot open" in result.output and str(missing) in result.output
     assert len(result.output.strip().splitlines()) == 1 and time.monotonic() - start < 5
     result = CliRunner().invoke(main, ["serve", str(tiny_engine_dir), "--port", "0", "--request-log-prompts"])
     assert result.exit_code != 0 and "request_log_prompts: needs request_log" in result.output

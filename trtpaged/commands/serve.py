@@ -88,8 +88,8 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
             max_body_bytes, max_prompt_tokens, max_batch_size, max_num_tokens, max_seq_len, num_kv_blocks, backend,
             device, tensor_parallel_size, speculative_config, kv_host_memory, kv_disk_path, kv_disk_size, kv_remote,
             kv_secret_file, request_log, request_log_prompts, stream_interval, pin_threads) -> None:  # fmt: skip
-    """Serve ENGINE over /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /version, /health
-    and /metrics."""
+    """Serve ENGINE over /v1/completions, /v1/chat/completions, /v1/responses, /v1/models, /tokenize, /detokenize,
+    /version, /health and /metrics."""
     from trtpaged.server import ServerOptions, start_server
 
     if "WORLD_SIZE" in os.environ and os.environ.get("RANK", "0") not in ("", "0"):  # a torchrun-style rank > 0
@@ -153,7 +153,7 @@ FLAGS = {"max_batch_size": "--max-batch-size", "max_num_tokens": "--max-num-toke
          "tensor_parallel": "--tensor-parallel-size", "speculative_config": "--speculative-config",
          "kv_tiers.host_memory": "--kv-host-memory", "kv_tiers.disk.path": "--kv-disk-path",
          "kv_tiers.disk.size": "--kv-disk-size", "kv_tiers.remote": "--kv-remote",
-         "kv_tiers.secret_file": "--kv-secret-file"}  # fmt: skip
+         "kv_tiers.secret_file": "--kv-secret-file", "request_log": "--request-log"}  # fmt: skip
 
 
 def check_max_prompt_tokens(engine: str, max_prompt_tokens: Optional[int], max_seq_len: Optional[int]) -> None:
