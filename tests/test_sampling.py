@@ -58,8 +58,12 @@ def reference_penalties(logits: torch.Tensor, token_ids: list[int], num_prompt: 
 
 
 def reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """The per-row semantics: temperature, then top-k, top-p (the top token always kept), min-p."""
+    """The per-row semantics, in vLLM's order: temperature, then min-p, then top-k, top-p (the top token always
+    kept)."""
     logits = logits / p.temperature
+    if p.min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     if 0 < p.top_k < logits.shape[0]:
         logits = logits.masked_fill(logits < torch.topk(logits, p.top_k).values[-1], float("-inf"))
     if p.top_p < 1.0:
@@ -68,9 +72,6 @@ def reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         drop = probs.cumsum(dim=-1) - probs >= p.top_p
         drop[0] = False
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    if p.min_p > 0.0:
-        probs = torch.softmax(logits, dim=-1)
-        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     return torch.softmax(logits, dim=-1)
 
 
@@ -86,6 +87,10 @@ def test_top_k_top_p_min_p_masks():
     assert kept(top_p=0.81) == [True, True, True, False]
     assert kept(top_p=0.1) == [True, False, False, False]
     assert kept(min_p=0.5) == [True, True, False, False]
+    # vLLM's order: min-p first (0.5 and 0.3 kept, renormalised to 0.625 and 0.375), then top-p over what is left;
+    # with min-p last (transformers' order) top-p's 0.6 of the whole distribution would keep 0.5 and 0.3 both
+    assert kept(min_p=0.5, top_p=0.6) == [True, False, False, False]
+    assert kept(min_p=0.5, top_p=0.7) == [True, True, False, False]
 
 
 def test_penalties():

@@ -141,9 +141,15 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Te
 
 
 def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p masking per row (each row's most likely token survives)."""
+    """Temperature, then min-p, then top-k and top-p masking per row (each row's most likely token survives).
+    vLLM's order: top-p reads the mass of what min-p left (transformers' warpers run min-p last, which keeps
+    tokens top-p would drop once min-p has cut the tail)."""
     num_rows, vocab = logits.shape
     logits = logits / _column([p.temperature for p in params])
+    min_p = [p.min_p for p in params]
+    if max(min_p) > 0.0:
+        probs = torch.softmax(logits, dim=1)
+        logits = logits.masked_fill(probs < _column(min_p) * probs.max(dim=1, keepdim=True).values, float("-inf"))
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     top_p = [p.top_p for p in params]
     if min(top_k) < vocab or min(top_p) < 1.0:
@@ -157,10 +163,6 @@ def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
             drop[:, 0] = False
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
-    min_p = [p.min_p for p in params]
-    if max(min_p) > 0.0:
-        probs = torch.softmax(logits, dim=1)
-        logits = logits.masked_fill(probs < _column(min_p) * probs.max(dim=1, keepdim=True).values, float("-inf"))
     return logits
 
 
