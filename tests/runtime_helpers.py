@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
@@ -163,13 +163,16 @@ def hf_greedy(hf, prompt: Sequence[int], max_new_tokens: int, eos: Optional[int]
     return tokens[: tokens.index(eos) + 1] if eos is not None and eos in tokens else tokens
 
 
-def hf_beams(hf, prompt: Sequence[int], max_new_tokens: int, width: int, eos: int, **kw: Any) -> list[list[int]]:
-    """HF beam search: every returned sequence's generated tokens, best first, padding removed."""
+def hf_beams(hf, prompt: Sequence[int], max_new_tokens: int, width: int, eos: Union[int, list[int]],
+             **kw: Any) -> list[list[int]]:  # fmt: skip
+    """HF beam search: every returned sequence's generated tokens, best first, padding removed. `eos`: one id, or
+    several (each ends a beam)."""
     with torch.no_grad():
         out = hf.model.generate(
             torch.tensor([list(prompt)]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             max_new_tokens=max_new_tokens, do_sample=False, num_beams=width, num_return_sequences=width,
-            eos_token_id=eos, pad_token_id=eos, return_dict_in_generate=True, **kw,
+            eos_token_id=eos, pad_token_id=eos if isinstance(eos, int) else eos[0], return_dict_in_generate=True,
+            **kw,
         )
     seqs = []
     for row, idx in zip(out.sequences, out.beam_indices):

@@ -190,6 +190,24 @@ def test_beams_that_end_on_a_stop_token_leave_its_text_out(hf, prompts):
             assert c.text == hf.tokenizer.decode(shown, skip_special_tokens=False)
 
 
+@pytest.mark.parametrize("num_stops", [2, 5])
+def test_beam_search_whose_best_tokens_are_stop_tokens_matches_hf(hf, prompts, num_stops):
+    """Stop token ids end beams as EOS does, so HF's truth is eos_token_id = [EOS] + stop ids, which keeps
+    (1 + #ids) x width candidates a step: `width` beams run on when the most likely next tokens all end one
+    (with candidates counted from EOS alone the search ended after one token, or ran with fewer beams)."""
+    engine = make(hf)
+    for prompt in prompts[1:4]:
+        with torch.no_grad():
+            next_logits = hf.model(torch.tensor([prompt])).logits[0, -1]
+        stops = [t for t in next_logits.topk(num_stops + 1).indices.tolist() if t != EOS][:num_stops]
+        params = SamplingParams(max_tokens=8, temperature=0.0, beam_width=3, n=3, early_stopping="never",
+                                stop_token_ids=stops, include_stop_str_in_output=True)  # fmt: skip
+        out = run_staggered(engine, [(prompt, params)])[0]
+        expected = hf_beams(hf, prompt, 8, 3, [EOS, *stops], early_stopping="never")
+        assert [c.token_ids for c in out.outputs] == expected
+    assert engine.kv.pool.num_used == 0
+
+
 def test_stop_token_ids_logprobs_and_abort(hf, prompts, reference):
     engine = make(hf)
     stop_at = reference[2][3]

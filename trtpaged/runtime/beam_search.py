@@ -62,7 +62,9 @@ class BeamSearch:
         self.width = params.beam_width
         self.eos_token_ids = frozenset(eos_token_ids)
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
-        self.num_candidates = max(2, 1 + len(set(eos_token_ids))) * self.width
+        # a stop token ends a beam as an EOS does: HF with eos_token_id = [eos] + stop ids keeps (1 + #ids) x width
+        # candidates, so that `width` beams still run when every ending token is among the best
+        self.num_candidates = max(2, 1 + len(self.stop_ids)) * self.width
         self.max_new_tokens = max_new_tokens
         self.finished: list[BeamHypothesis] = []
         self.done = False
