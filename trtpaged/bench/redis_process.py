@@ -7,6 +7,8 @@ import subprocess
 import time
 from typing import Optional
 
+from trtpaged.bench.child_process import popen_tied
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -24,7 +26,7 @@ class RedisProcess:
         args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
         if maxmemory:
             args += ["--maxmemory", maxmemory, "--maxmemory-policy", policy]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = popen_tied(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + start_timeout_s
         while True:
             try:

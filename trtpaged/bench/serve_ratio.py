@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from trtpaged.bench.child_process import popen_tied
 from trtpaged.bench.noise import NoiseMonitor, assess, interval_verdict
 from trtpaged.bench.serve_bench import engine_side
 from trtpaged.bench.server_metrics import parse_prometheus
@@ -93,7 +94,7 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "trtpaged.cli", "serve", str(engine), "--port", "0",
                "--served-model-name", SERVED_NAME, *extra_args]  # fmt: skip
         self._stderr = tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env)
+        self.proc = popen_tied(cmd, stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env)
         deadline = time.monotonic() + timeout_s
         assert self.proc.stdout is not None
         for line in self.proc.stdout:

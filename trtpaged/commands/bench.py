@@ -53,6 +53,9 @@ def _print_report(run: Callable[[], dict], text: Callable[[dict], str], as_json:
 @click.group(name="bench")
 def command() -> None:
     """Benchmarks: kernel, memory, throughput, qlinear, serve."""
+    from trtpaged.bench.child_process import exit_on_sigterm
+
+    exit_on_sigterm()  # a benchmark stopped by SIGTERM stops its servers and removes its temporary files
 
 
 @command.command(name="kernel")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import click
 
@@ -109,12 +111,14 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
             request_log=request_log, request_log_prompts=request_log_prompts, stream_interval=stream_interval,
             pin_threads=pin_threads,
         )  # fmt: skip
-        handle = start_server(
-            engine, host=host, port=port, served_model_name=served_model_name, options=options, backend=backend,
-            device=device, num_kv_blocks=num_kv_blocks, max_num_tokens=max_num_tokens, max_batch_size=max_batch_size,
-            max_seq_len=max_seq_len, tensor_parallel=tensor_parallel_size, speculative_config=speculative_config,
-            kv_tiers=tier_options(kv_host_memory, kv_disk_path, kv_disk_size, kv_remote, kv_secret_file),
-        )  # fmt: skip
+        with interrupts_end_the_load():
+            handle = start_server(
+                engine, host=host, port=port, served_model_name=served_model_name, options=options, backend=backend,
+                device=device, num_kv_blocks=num_kv_blocks, max_num_tokens=max_num_tokens,
+                max_batch_size=max_batch_size, max_seq_len=max_seq_len, tensor_parallel=tensor_parallel_size,
+                speculative_config=speculative_config,
+                kv_tiers=tier_options(kv_host_memory, kv_disk_path, kv_disk_size, kv_remote, kv_secret_file),
+            )  # fmt: skip
     except (ValueError, FileNotFoundError, OSError, FatalEngineError) as e:
         message = e.strerror if isinstance(e, OSError) and e.strerror and e.filename is None else str(e)
         raise click.ClickException(flag_error(message, FLAGS)) from None
@@ -145,6 +149,27 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
         # whatever ended the command (a failed engine, the ready line unwritable): the server's threads end before
         # the interpreter does (it crashed at exit); after a drain this does nothing
         handle.shutdown(timeout=0)
+
+
+@contextlib.contextmanager
+def interrupts_end_the_load() -> Iterator[None]:
+    """Ctrl-C or SIGTERM while the engine loads ends the process at once (status 130 / 143), with one line. Unwinding
+    instead left the engine thread inside torch's C++ while the interpreter shut down: "terminate called without
+    an active exception", SIGABRT. Nothing is written before the server is ready, so nothing is lost."""
+    def interrupt(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(signum)
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    except KeyboardInterrupt as exc:
+        signum = exc.args[0] if exc.args and isinstance(exc.args[0], int) else signal.SIGINT
+        click.echo("trtpaged serve: interrupted while loading the engine; not started", err=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + signum)  # as build's: a normal exit would wait on the engine thread's C++ call
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 # the runtime's fields this command's flags set: its errors name the flag the user typed
