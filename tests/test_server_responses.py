@@ -153,6 +153,11 @@ def test_function_calls_are_output_items(client, forced):
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input"),
     ({"input": [{"type": "file_search_call", "id": "x"}]}, "input"),
+    ({"input": [{"role": ["user"], "content": "x"}]}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": {"a": 1}, "text": "x"}]}]}, "input"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
+    ({"text": {"format": {"type": "json_object", "schema": {}}}}, "text"),
+    ({"text": {"verbosity": 5}}, "text"),
     ({"max_output_tokens": 10**6}, "max_output_tokens"),
     ({"temperature": -1.0}, "temperature"),
     ({"frobnicate": 1}, "frobnicate"),
@@ -175,4 +180,76 @@ def test_a_repeated_prompt_reports_its_cached_tokens(client, server):
     prompt_len = second.usage.input_tokens
     assert first.usage.input_tokens == prompt_len > 2 * block_size
     assert first.usage.input_tokens_details.cached_tokens == 0
-    assert second.usage.input_tokens_details.cached_tokens == (prompt_len - 1) // block_size * block_size
+    cached = second.usage.input_tokens_details.cached_tokens
+    assert cached == (prompt_len - 1) // block_size * block_size
+    # every full block of a prompt is written to the cache once computed: the first request's all, the second's none
+    # but the one holding the last token, when that block is full
+    assert first.usage.input_tokens_details.cache_write_tokens == prompt_len // block_size * block_size
+    assert second.usage.input_tokens_details.cache_write_tokens == prompt_len // block_size * block_size - cached
+
+
+def test_an_answers_text_and_calls_fed_back_are_one_assistant_turn(client, llm):
+    """What a client sends back after a tool call: the previous answer's items (its text, then its call), then
+    the call's output. The chat conversation they stand for has one assistant message with both."""
+    items = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "message", "role": "assistant", "status": "completed", "id": "msg_1",
+         "content": [{"type": "output_text", "text": "Let me look.", "annotations": []}]},
+        {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Paris", "unit": "C"}', "status": "completed"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "21 C"},
+    ]  # fmt: skip
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "Let me look.", "tool_calls": [{"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 C"},
+    ]  # fmt: skip
+    truth, prompt_len = _chat_truth(llm, messages, 4)
+    r = client.responses.create(model=MODEL, input=items, max_output_tokens=4, temperature=0)
+    assert (r.usage.input_tokens, r.output_text) == (prompt_len, truth.text)
+
+
+def test_streamed_items_finish_one_before_the_next_begins(client):
+    events = list(client.responses.create(model=MODEL, input="go", tools=FLAT_TOOLS, max_output_tokens=200,
+                                          temperature=0, stream=True,
+                                          extra_body={"structured_outputs": {"choice": [ONE_CALL]}}))  # fmt: skip
+    order = [(e.type, e.output_index) for e in events if e.type in ("response.output_item.added",
+                                                                     "response.output_item.done")]  # fmt: skip
+    # text, then the call: each item added, then done, before the next is added
+    assert order == [("response.output_item.added", 0), ("response.output_item.done", 0),
+                     ("response.output_item.added", 1), ("response.output_item.done", 1)]  # fmt: skip
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_a_call_cut_by_max_output_tokens_is_incomplete(client):
+    for stream in (False, True):
+        kw = dict(model=MODEL, input="go", tools=FLAT_TOOLS, tool_choice="required", max_output_tokens=30,
+                  temperature=0)  # fmt: skip
+        r = list(client.responses.create(stream=True, **kw))[-1].response if stream else client.responses.create(**kw)
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+        assert r.output[-1].type == "function_call" and r.output[-1].status == "incomplete"
+
+
+def test_an_empty_answer_is_one_empty_message_streamed_or_not(client, llm):
+    first = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=8, temperature=0.0))[0]
+    stop = first.outputs[0].text[:1]
+    assert stop
+    kw = dict(model=MODEL, input="hi", max_output_tokens=5, temperature=0, extra_body={"stop": [stop]})
+    whole = client.responses.create(**kw)
+    events = list(client.responses.create(stream=True, **kw))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    for r in (whole, events[-1].response):
+        assert r.status == "completed" and [(o.type, o.content[0].text) for o in r.output] == [("message", "")]
+
+
+def test_a_lone_surrogate_in_an_echoed_field_is_escaped_not_a_500(server):
+    """metadata and user are echoed in the Response; a lone surrogate there (valid JSON, not valid UTF-8 text) made
+    the write fail after the whole generation."""
+    import urllib.request
+
+    body = b'{"model": "tiny", "input": "hi", "max_output_tokens": 2, "metadata": {"k": "\\ud800"}, "user": "\\ud800"}'
+    req = urllib.request.Request(server.url + "/v1/responses", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        answer = json.loads(resp.read())
+    assert answer["metadata"] == {"k": "\ud800"} and answer["user"] == "\ud800"

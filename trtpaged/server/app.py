@@ -215,6 +215,9 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
             raise ClientGone() from None
         return b"".join(chunks)
 
+    config = service.llm.config
+    cache_block_size = config.block_size if config.enable_prefix_caching else 0  # a Response's cache_write_tokens
+
     async def generate(request: Request, chat: bool, responses: bool = False) -> Response:
         """One generation request; `responses`: a /v1/responses body, served as the chat body it translates to."""
         start = time.monotonic()
@@ -243,7 +246,7 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
             events = _logged_stream(request, submitted, start)
             if call is not None:
                 rid = responses_api.response_id(submitted.summary.request_id)
-                events = responses_api.stream(call, rid, events, submitted.summary)
+                events = responses_api.stream(call, rid, events, submitted.summary, cache_block_size)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache",
                                                                                       **headers})  # fmt: skip
         try:
@@ -258,9 +261,11 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
         _log(request, 200, "", start, submitted)
         if call is not None:
             summary = submitted.summary
-            return JSONResponse(responses_api.response_body(call, answer, summary.prompt_tokens,
-                                                            summary.completion_tokens, summary.cached_tokens),
-                                headers=headers)  # fmt: skip
+            usage = responses_api.usage_of(summary.prompt_tokens, summary.completion_tokens, summary.cached_tokens,
+                                           cache_block_size)  # fmt: skip
+            # ASCII JSON: a lone surrogate the client sent, echoed in the Response, is escaped (a UTF-8 write failed)
+            return Response(json.dumps(responses_api.response_body(call, answer, usage)), media_type="application/json",
+                            headers=headers)  # fmt: skip
         return JSONResponse(dump(answer), headers=headers)
 
     async def _logged_stream(request: Request, s: Submitted, start: float) -> AsyncIterator[bytes]:

@@ -11,6 +11,7 @@ in `input`), and `store` is accepted and answered false. Text in, text and funct
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from contextlib import aclosing
@@ -83,15 +84,26 @@ def translate(body: Any, served_model: str) -> ResponsesCall:
     return ResponsesCall(req, chat, served_model, int(time.time()))
 
 
+# chat's spellings in a refusal's text -> the Responses API's (a refusal of the chat body a Responses request became)
+_RESPONSES_SPELLINGS = (
+    (re.compile(r"\{'type': 'function', 'function': \{'name': \.\.\.\}\}"), "{'type': 'function', 'name': ...}"),
+    (re.compile(r"\b(tools\[\d+\])\.function\."), r"\1."),
+    (re.compile(r"\bmessages(\[\d+\])?(\.\w+)?"), "input"),
+    (re.compile(r"\bmax_(completion_)?tokens\b"), "max_output_tokens"),
+    (re.compile(r"\bresponse_format(\.json_schema)?\b"), "text.format"),
+    (re.compile(r", or set truncate_prompt_tokens"), ""),  # no such field here
+)
+
+
 def renamed(error: ApiError) -> ApiError:
-    """A refusal of the chat body, naming the Responses field instead of the chat one it came from."""
-    chat_name = error.param
-    name = _RESPONSES_NAMES.get(chat_name or "")
-    if name is None:
-        return error
-    head, colon, rest = error.message.partition(":")
-    # "messages[2].content: ..." -> "input: ...": chat's message numbers are not the input's item numbers
-    message = f"{name}:{rest}" if colon and head.split("[")[0].split(".")[0] == chat_name else error.message
+    """A refusal of the chat body, naming the Responses fields instead of the chat ones they became (chat's message
+    numbers are not the input's item numbers: a message is named `input`)."""
+    param = error.param or ""
+    base = re.split(r"[.\[]", param, maxsplit=1)[0]
+    name = _RESPONSES_NAMES.get(base, param or None)
+    message = error.message
+    for pattern, spelling in _RESPONSES_SPELLINGS:
+        message = pattern.sub(spelling, message)
     return ApiError(message, name, error.status, error.kind, error.code, error.headers)
 
 
@@ -114,8 +126,10 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             call = {"id": _text(item, "call_id", where), "type": "function",
                     "function": {"name": _text(item, "name", where), "arguments": _text(item, "arguments", where)}}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-                last["tool_calls"].append(call)  # one turn's parallel calls: one assistant message
+            if last is not None and last["role"] == "assistant":
+                # one turn: the text an answer began with and its calls (parallel calls too) are one assistant
+                # message, as the chat answer they came from was
+                last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
@@ -134,7 +148,7 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
     role = item.get("role")
-    if role not in _ROLES:
+    if not isinstance(role, str) or role not in _ROLES:
         raise ApiError(f"{where}.role: must be one of {', '.join(_ROLES)}, got {str(role)[:40]!r}", "input")
     content = item.get("content")
     if not isinstance(content, str):
@@ -149,7 +163,7 @@ def _parts(parts: Any, where: str) -> list[dict[str, str]]:
     out = []
     for j, part in enumerate(parts):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS:
+        if not isinstance(kind, str) or kind not in _TEXT_PARTS:
             raise ApiError(f"{where}[{j}].type: {str(kind)[:40]!r} is not supported by this server (text only: "
                            f"{', '.join(_TEXT_PARTS)})", "input")  # fmt: skip
         out.append({"type": "text", "text": _text(part, _TEXT_PARTS[kind], f"{where}[{j}]")})
@@ -197,25 +211,36 @@ def _tool_choice(choice: Any) -> Any:
                    "tool_choice")  # fmt: skip
 
 
+_FORMAT_KEYS = {"text": {"type"}, "json_object": {"type"},
+                "json_schema": {"type", "name", "schema", "description", "strict"}}  # fmt: skip
+_VERBOSITY = (None, "low", "medium", "high")
+
+
 def _response_format(text: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
-    """text.format as chat's response_format (None: plain text)."""
+    """text.format as chat's response_format (None: plain text); text.verbosity is checked, without effect."""
     if not text:
         return None
     extra = sorted(set(text) - {"format", "verbosity"})
     if extra:
         raise ApiError(f"text.{extra[0]}: unknown field", "text")
+    if text.get("verbosity") not in _VERBOSITY:
+        raise ApiError(f"text.verbosity: must be low, medium or high, got {str(text['verbosity'])[:40]!r}", "text")
     fmt = text.get("format")
     if fmt is None:
         return None
     kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if not isinstance(kind, str) or kind not in _FORMAT_KEYS:
+        raise ApiError(f"text.format.type: must be text, json_object or json_schema, got {str(kind)[:40]!r}", "text")
+    extra = sorted(set(fmt) - _FORMAT_KEYS[kind])
+    if extra:
+        raise ApiError(f"text.format.{extra[0]}: not a field of a {kind} format", "text")
     if kind == "text":
         return None
     if kind == "json_object":
         return {"type": "json_object"}
-    if kind == "json_schema":
-        spec = {k: fmt[k] for k in ("name", "schema", "description", "strict") if k in fmt}
-        return {"type": "json_schema", "json_schema": spec}
-    raise ApiError(f"text.format.type: must be text, json_object or json_schema, got {str(kind)[:40]!r}", "text")
+    if not isinstance(fmt.get("name"), str) or not isinstance(fmt.get("schema"), dict):
+        raise ApiError("text.format: a json_schema format needs a name (a string) and a schema (an object)", "text")
+    return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
 
 
 # ---- answers ------------------------------------------------------------------------------------
@@ -247,58 +272,78 @@ def envelope(call: ResponsesCall, rid: str, status: str, output: list[dict[str, 
     }  # fmt: skip
 
 
-def usage_of(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+def usage_of(prompt_tokens: int, output_tokens: int, cached_tokens: int, block_size: int) -> dict[str, Any]:
+    """The Response's usage. `block_size`: the prefix cache's (0: caching off), whose full prompt blocks not found
+    in the cache are written to it once computed (cache_write_tokens)."""
+    written = max(0, prompt_tokens // block_size * block_size - cached_tokens) if block_size else 0
+    return {"input_tokens": prompt_tokens,
+            "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": written},
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt_tokens + output_tokens}  # fmt: skip
 
 
-def _text_item(text: str, logprobs: Optional[list], status: str, item_id: Optional[str] = None) -> dict[str, Any]:
+def _text_item(text: str, logprobs: Optional[list], status: str) -> dict[str, Any]:
     part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
     if logprobs is not None:
         part["logprobs"] = logprobs
-    return {"id": item_id or _item_id("msg"), "type": "message", "status": status, "role": "assistant",
-            "content": [part]}  # fmt: skip
+    return {"id": _item_id("msg"), "type": "message", "status": status, "role": "assistant", "content": [part]}
 
 
-def _call_item(call_id: str, name: str, arguments: str, status: str, item_id: Optional[str] = None) -> dict[str, Any]:
-    return {"id": item_id or _item_id("fc"), "type": "function_call", "status": status, "call_id": call_id,
-            "name": name, "arguments": arguments}  # fmt: skip
+def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {"id": _item_id("fc"), "type": "function_call", "status": status, "call_id": call_id, "name": name,
+            "arguments": arguments}  # fmt: skip
 
 
-def response_body(call: ResponsesCall, chat_answer: BaseModel, prompt_tokens: int, output_tokens: int,
-                  cached_tokens: int) -> dict[str, Any]:  # fmt: skip
-    """The Response object of a finished chat answer (one choice)."""
+def _text_logprobs(entries: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """The log-prob entries of the tokens that wrote `text`, an answer's text before its calls: those that begin
+    within its bytes (the calls' tokens follow; function_call items carry no log-probs)."""
+    size, seen, kept = len(text.encode("utf-8", "surrogatepass")), 0, []
+    for entry in entries:
+        if seen >= size:
+            break
+        kept.append(entry)
+        seen += len(entry.get("bytes") or b"")
+    return kept
+
+
+def response_body(call: ResponsesCall, chat_answer: BaseModel, usage: dict[str, Any]) -> dict[str, Any]:
+    """The Response object of a finished chat answer (one choice): its text, then its calls; cut by
+    max_output_tokens, the last item is incomplete."""
     answer = chat_answer.model_dump(mode="json")
     (choice,) = answer["choices"]
     message = choice["message"]
     status = "incomplete" if choice["finish_reason"] == "length" else "completed"
-    output = []
     calls = message.get("tool_calls") or []
+    output = []
     if message.get("content") or not calls:
-        logprobs = (choice.get("logprobs") or {}).get("content") if call.chat_body.get("logprobs") else None
-        output.append(_text_item(message.get("content") or "", logprobs, status))
+        text = message.get("content") or ""
+        entries = (choice.get("logprobs") or {}).get("content") or []
+        logprobs = (_text_logprobs(entries, text) if calls else entries) if call.chat_body.get("logprobs") else None
+        output.append(_text_item(text, logprobs, "completed"))
     for c in calls:
         output.append(_call_item(c["id"], c["function"]["name"], c["function"]["arguments"], "completed"))
-    return envelope(call, response_id(answer["id"]), status, output, usage_of(prompt_tokens, output_tokens,
-                                                                              cached_tokens))  # fmt: skip
+    output[-1]["status"] = status
+    return envelope(call, response_id(answer["id"]), status, output, usage)
 
 
 class EventStream:
-    """Chat completion chunks (as the chat stream sends them) -> the Responses API's stream events."""
+    """Chat completion chunks (as the chat stream sends them) -> the Responses API's stream events. Items come one
+    after another, each finished before the next is added, as OpenAI streams them."""
 
     def __init__(self, call: ResponsesCall, rid: str) -> None:
         self.call, self.rid = call, rid
         self.sequence = 0
         self.output: list[dict[str, Any]] = []  # items in output order, as they are so far
-        self.text_index: Optional[int] = None  # the message item's output index, once text arrived
+        self.open: Optional[int] = None  # the output index of the item being written, if any
         self.call_index: dict[int, int] = {}  # chat tool-call index -> output index
         self.finish_reason: Optional[str] = None
         self.want_logprobs = bool(call.chat_body.get("logprobs"))
+        self.pending: list[dict[str, Any]] = []  # log-probs of tokens with no text yet (a cut character)
 
     def event(self, kind: str, **fields: Any) -> bytes:
         data = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
+        # ASCII JSON: a lone surrogate a client sent (echoed in the Response) is escaped, not a failed write
         return f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode()
 
     def start(self) -> list[bytes]:
@@ -309,33 +354,41 @@ class EventStream:
         events: list[bytes] = []
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
-            text = delta.get("content")
-            logprobs = ((choice.get("logprobs") or {}).get("content") or []) if self.want_logprobs else None
-            if text or logprobs:
-                events += self._text(text or "", logprobs)
+            text = delta.get("content") or ""
+            logprobs = ((choice.get("logprobs") or {}).get("content") or []) if self.want_logprobs else []
+            if text:
+                events += self._text(text, self.pending + logprobs)
+                self.pending = []
+            elif logprobs and not self.call_index:  # a call's tokens carry none (its item has no log-probs)
+                self.pending += logprobs
             for tc in delta.get("tool_calls") or ():
                 events += self._call(tc)
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
         return events
 
-    def _text(self, text: str, logprobs: Optional[list]) -> list[bytes]:
+    def _add(self, item: dict[str, Any], shown: dict[str, Any]) -> list[bytes]:
+        """Finishes the item being written, then adds `item` (`shown`: as the added event shows it)."""
+        events = self._finish_open("completed")
+        self.open = len(self.output)
+        self.output.append(item)
+        events.append(self.event("response.output_item.added", output_index=self.open, item=shown))
+        return events
+
+    def _text(self, text: str, logprobs: list[dict[str, Any]]) -> list[bytes]:
         events = []
-        if self.text_index is None:
-            self.text_index = len(self.output)
+        if self.open is None or self.output[self.open]["type"] != "message":
             item = _text_item("", [] if self.want_logprobs else None, "in_progress")
-            self.output.append(item)
-            events.append(self.event("response.output_item.added", output_index=self.text_index,
-                                     item={**item, "content": []}))  # fmt: skip
-            events.append(self.event("response.content_part.added", item_id=item["id"], output_index=self.text_index,
+            events += self._add(item, {**item, "content": []})
+            events.append(self.event("response.content_part.added", item_id=item["id"], output_index=self.open,
                                      content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
-        item = self.output[self.text_index]
+        item = self.output[self.open]
         part = item["content"][0]
         part["text"] += text
-        if logprobs is not None:
+        if self.want_logprobs:
             part["logprobs"] += logprobs
-        events.append(self.event("response.output_text.delta", item_id=item["id"], output_index=self.text_index,
-                                 content_index=0, delta=text, logprobs=logprobs or []))  # fmt: skip
+        events.append(self.event("response.output_text.delta", item_id=item["id"], output_index=self.open,
+                                 content_index=0, delta=text, logprobs=logprobs))  # fmt: skip
         return events
 
     def _call(self, tc: dict[str, Any]) -> list[bytes]:
@@ -343,10 +396,10 @@ class EventStream:
         index = tc.get("index", 0)
         fn = tc.get("function") or {}
         if index not in self.call_index:
-            self.call_index[index] = len(self.output)
+            self.pending = []  # tokens before the call that wrote no text: the call's own
             item = _call_item(tc.get("id") or _item_id("call"), fn.get("name") or "", "", "in_progress")
-            self.output.append(item)
-            events.append(self.event("response.output_item.added", output_index=self.call_index[index], item=item))
+            events += self._add(item, dict(item))
+            self.call_index[index] = self.open
         out = self.call_index[index]
         item = self.output[out]
         if fn.get("arguments"):
@@ -355,36 +408,50 @@ class EventStream:
                                      delta=fn["arguments"]))  # fmt: skip
         return events
 
-    def finish(self, prompt_tokens: int, output_tokens: int, cached_tokens: int) -> list[bytes]:
-        """The items' done events, then response.completed (or .incomplete when cut at max_output_tokens)."""
-        status = "incomplete" if self.finish_reason == "length" else "completed"
-        if not self.output:  # an empty answer is one empty message, as the non-streamed body has
-            events = self._text("", None)[:-1]
+    def _finish_open(self, status: str) -> list[bytes]:
+        """The done events of the item being written, with its final status."""
+        if self.open is None:
+            return []
+        out, item = self.open, self.output[self.open]
+        self.open = None
+        item["status"] = status
+        events = []
+        if item["type"] == "message":
+            part = item["content"][0]
+            events.append(self.event("response.output_text.done", item_id=item["id"], output_index=out,
+                                     content_index=0, text=part["text"], logprobs=part.get("logprobs") or []))
+            events.append(self.event("response.content_part.done", item_id=item["id"], output_index=out,
+                                     content_index=0, part=part))  # fmt: skip
         else:
-            events = []
-        for out, item in enumerate(self.output):
-            if item["type"] == "message":
-                item["status"] = status
-                part = item["content"][0]
-                done = {k: v for k, v in part.items() if k in ("logprobs",)}
-                events.append(self.event("response.output_text.done", item_id=item["id"], output_index=out,
-                                         content_index=0, text=part["text"], logprobs=done.get("logprobs") or []))
-                events.append(self.event("response.content_part.done", item_id=item["id"], output_index=out,
-                                         content_index=0, part=part))  # fmt: skip
-            else:
-                item["status"] = "completed"
-                events.append(self.event("response.function_call_arguments.done", item_id=item["id"],
-                                         output_index=out, name=item["name"], arguments=item["arguments"]))
-            events.append(self.event("response.output_item.done", output_index=out, item=item))
-        body = envelope(self.call, self.rid, status, self.output, usage_of(prompt_tokens, output_tokens, cached_tokens))
-        events.append(self.event(f"response.{status}", response=body))
+            events.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=out,
+                                     name=item["name"], arguments=item["arguments"]))  # fmt: skip
+        events.append(self.event("response.output_item.done", output_index=out, item=item))
+        return events
+
+    def finish(self, usage: dict[str, Any]) -> list[bytes]:
+        """The last item's done events (incomplete when cut at max_output_tokens), then response.completed or
+        response.incomplete."""
+        status = "incomplete" if self.finish_reason == "length" else "completed"
+        events: list[bytes] = []
+        if not self.output:  # an empty answer is one empty message, as the non-streamed body has
+            item = _text_item("", [] if self.want_logprobs else None, "in_progress")
+            events += self._add(item, {**item, "content": []})
+            events.append(self.event("response.content_part.added", item_id=item["id"], output_index=self.open,
+                                     content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
+        if self.pending and self.open is not None and self.output[self.open]["type"] == "message":
+            # tokens after the last text that wrote none (a stop string's, held back): the message's, as in the body
+            self.output[self.open]["content"][0]["logprobs"] += self.pending
+            self.pending = []
+        events += self._finish_open(status)
+        events.append(self.event(f"response.{status}", response=envelope(self.call, self.rid, status, self.output,
+                                                                         usage)))  # fmt: skip
         return events
 
     def failed(self, error: dict[str, Any]) -> bytes:
-        """A failure after the stream began (the engine failed, the request timed out): response.failed."""
+        """A failure after the stream began (the engine failed, the request timed out): response.failed, with
+        OpenAI's code for the server's failures (chat's error types are no Responses code)."""
         body = envelope(self.call, self.rid, "failed", self.output,
-                        error={"code": error.get("code") or error.get("type") or "server_error",
-                               "message": error.get("message", "")})  # fmt: skip
+                        error={"code": "server_error", "message": str(error.get("message", ""))})  # fmt: skip
         return self.event("response.failed", response=body)
 
 
@@ -397,8 +464,10 @@ def chat_events(raw: bytes) -> list[Any]:
     return out
 
 
-async def stream(call: ResponsesCall, rid: str, chat_stream: AsyncIterator[bytes], summary: Any) -> AsyncIterator[bytes]:
-    """The Responses stream of one chat stream; `summary` (the request's Summary) holds the usage at its end."""
+async def stream(call: ResponsesCall, rid: str, chat_stream: AsyncIterator[bytes], summary: Any,
+                 block_size: int) -> AsyncIterator[bytes]:  # fmt: skip
+    """The Responses stream of one chat stream; `summary` (the request's Summary) holds the usage at its end;
+    `block_size`: the prefix cache's (0: off)."""
     events = EventStream(call, rid)
     for e in events.start():
         yield e
@@ -410,5 +479,6 @@ async def stream(call: ResponsesCall, rid: str, chat_stream: AsyncIterator[bytes
                     return
                 for e in events.chunk(payload):
                     yield e
-    for e in events.finish(summary.prompt_tokens, summary.completion_tokens, summary.cached_tokens):
+    for e in events.finish(usage_of(summary.prompt_tokens, summary.completion_tokens, summary.cached_tokens,
+                                    block_size)):  # fmt: skip
         yield e
