@@ -25,7 +25,7 @@ import torch
 from trtpaged.bench.redis_process import RedisProcess
 from trtpaged.runtime.kv_tiers.checked import CheckedTier, EntryCodec
 from trtpaged.runtime.kv_tiers.config import KVTierConfig
-from trtpaged.runtime.kv_tiers.disk import DiskTier, namespace_of
+from trtpaged.runtime.kv_tiers.disk import ABANDONED_WRITE_S, DiskTier, namespace_of
 from trtpaged.runtime.kv_tiers.entry import ROOT, EntryMismatch, chain_key, decode_entry, encode_entry, root_key
 from trtpaged.runtime.kv_tiers.entry import engine_fingerprint, entry_bytes
 from trtpaged.runtime.kv_tiers.host import HostMemoryTier
@@ -911,3 +911,23 @@ def test_ttft_breakdown_adds_up_and_counts_the_prefill_steps(step_model):
         assert parts == pytest.approx(r["ttft_s"])
         assert r["prompt_tokens"] == 70 and r["cached_tokens"] == 0 and 0 < r["prefill_step_s"] <= r["prefill_s"]
     assert a["submit_wait_s"] == pytest.approx(0.5, abs=0.05) and b["submit_wait_s"] == 0.0
+
+
+def test_a_write_killed_half_way_is_removed_when_the_tier_opens(tmp_path: Path):
+    """A process killed between an entry's write and its rename leaves `.NAME.kv.PID.TID.tmp`, which no scan counted:
+    the next tier to open the directory removes it once its process is gone and it is old; a live process's write,
+    or a recent one, stays."""
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    old = time.time() - 2 * ABANDONED_WRITE_S
+    files = {name: tmp_path / name for name in (f".a.kv.{dead.pid}.7.tmp", f".b.kv.{os.getpid()}.7.tmp",
+                                                 f".c.kv.{dead.pid}.8.tmp")}  # fmt: skip
+    for path in files.values():
+        path.write_bytes(b"x" * 4096)
+    for name in (f".a.kv.{dead.pid}.7.tmp", f".b.kv.{os.getpid()}.7.tmp"):
+        os.utime(files[name], (old, old))
+    DiskTier(tmp_path, 1 << 20)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f".b.kv.{os.getpid()}.7.tmp", f".c.kv.{dead.pid}.8.tmp"])

@@ -66,6 +66,39 @@ def _entries(directory: str | os.PathLike) -> list[tuple[int, str, int]]:
     return found
 
 
+ABANDONED_WRITE_S = 60.0  # a temp file this old, of a process that is gone, is a write killed half-way
+
+
+def remove_abandoned_writes(directory: str | os.PathLike) -> int:
+    """Removes the temp files of entry writes whose process died before the rename (".NAME.kv.PID.TID.tmp", older
+    than ABANDONED_WRITE_S): no scan counted them, so each crash left up to an entry's bytes beyond the tier's size
+    for ever. A write of a live process, or a recent one (another container's pids are not seen here), is kept.
+    Returns how many went."""
+    removed, old_before = 0, time.time() - ABANDONED_WRITE_S
+    for entry in os.scandir(directory):
+        parts = entry.name.split(".")
+        if not (entry.name.startswith(".") and entry.name.endswith(".tmp") and len(parts) >= 5 and parts[-3].isdigit()):
+            continue
+        try:
+            if entry.stat(follow_symlinks=False).st_mtime > old_before or _process_alive(int(parts[-3])):
+                continue
+            os.unlink(entry.path)
+            removed += 1
+        except OSError:
+            continue  # gone meanwhile, or not ours to remove
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
 class DiskTier:
     slow = True
 
@@ -85,6 +118,7 @@ class DiskTier:
         # file name -> bytes of the entries on disk, least recently used first (a dict in order: an eviction takes the
         # first entries, where a scan of every file's mtime grew with the entries, 79 ms a write-back at 20,000)
         self._sizes: OrderedDict[str, int] = OrderedDict()
+        remove_abandoned_writes(self.root)
         for _, entry, size in sorted(_entries(self.root)):
             self._sizes[os.path.basename(entry)] = size
         self._bytes = sum(self._sizes.values())
