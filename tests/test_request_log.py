@@ -144,3 +144,25 @@ def test_cli_request_log_errors_are_one_line_before_loading(tiny_engine_dir, tmp
     assert len(result.output.strip().splitlines()) == 1 and time.monotonic() - start < 5
     result = CliRunner().invoke(main, ["serve", str(tiny_engine_dir), "--port", "0", "--request-log-prompts"])
     assert result.exit_code != 0 and "request_log_prompts: needs request_log" in result.output
+
+
+def test_a_restarted_server_continues_the_log_after_a_cut_last_line(tiny_engine_dir, tmp_path) -> None:
+    """A log written by a run that was killed mid-line, then appended to by a restarted server: the cut line is
+    removed (appended to, it made a line no reader parses), and the new run's arrivals follow the old run's end,
+    so `diagnose` reads the two runs one after the other instead of overlaid."""
+    log_path = tmp_path / "requests.jsonl"
+    earlier = {"arrival": 100.0, "prompt_len": 5, "output_len": 2, "output_lens": [2], "n": 1, "beam_width": 1,
+               "cached_tokens": 0, "finish_reasons": ["length"], "ttft_s": 0.01, "latency_s": 0.5, "steps": 2,
+               "step_time_s": 0.01}  # fmt: skip
+    log_path.write_text(json.dumps(earlier) + "\n" + json.dumps(earlier)[:40])
+    server = start_server(tiny_engine_dir, port=0, device="cpu", options=ServerOptions(request_log=str(log_path)))
+    try:
+        status, _, _ = request(server, "/v1/completions", {"prompt": "hi", "max_tokens": 3})
+        assert status == 200
+        lines = read_lines(log_path, 2)
+    finally:
+        server.shutdown(timeout=0)
+    assert lines[0] == earlier
+    assert lines[1]["arrival"] >= earlier["arrival"] + earlier["latency_s"]
+    result = CliRunner().invoke(main, ["diagnose", str(log_path), "--engine", str(tiny_engine_dir)])
+    assert result.exit_code == 0, result.output

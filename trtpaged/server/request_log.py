@@ -6,20 +6,24 @@ A line (the fields `trtpaged diagnose LOG` reads; README.md, Serving):
      "cached_tokens": 48, "finish_reasons": ["length", "stop"], "ttft_s": 0.041, "latency_s": 0.62,
      "steps": 18, "step_time_s": 0.021}
 
-arrival: seconds since the server started; output_len: the longest completion (what a replay gives each
+arrival: seconds since the log began (a server restarted on the same log goes on from where its last line
+ended, so that `diagnose` reads the runs one after the other, not overlaid); output_len: the longest completion (what a replay gives each
 of the n samples); output_lens / finish_reasons: per completion, in index order; cached_tokens: prompt
 tokens found in the prefix cache; steps: engine steps while the request was in flight; step_time_s: the
 server's mean engine-step time so far. `prompt_token_ids` only when prompts are logged (`log_prompts`).
 
 Lines are written by a writer thread from a bounded queue, never on the engine thread: a full queue drops
-the line (counted), and a failing disk stops the log (logged once) without failing any request.
+the line (counted), and a failing disk stops the log (logged once) without failing any request. A last line
+cut short (the process killed mid-write) is removed when the log is opened again.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
+import stat
 import threading
 import time
 from pathlib import Path
@@ -50,20 +54,53 @@ def finished_line(out: RequestOutput, output_lens: list[int], finish_reasons: li
     return line
 
 
+_TAIL_BYTES = 1 << 20  # where a log's last line is looked for
+
+
+def _end_of_last_run(path: Path) -> float:
+    """Where an existing log's timeline ends: its last line's arrival + latency (lines are written as requests
+    finish), 0 for a new or empty log. A last line without its newline (a write cut by a kill) is cut off first:
+    appended to, it would have made a line no reader can parse, for good."""
+    try:
+        f = open(path, "rb+")  # noqa: SIM115
+    except FileNotFoundError:
+        return 0.0
+    with f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return 0.0  # a device (/dev/full reads zeros without end) or a pipe: no earlier run to read
+        size = f.seek(0, 2)
+        start = max(0, size - _TAIL_BYTES)
+        f.seek(start)
+        tail = f.read(_TAIL_BYTES)
+        end = tail.rfind(b"\n")
+        if end < 0 and start > 0:
+            return 0.0  # a line longer than the tail: not a request log's; left as it is
+        if end + 1 < len(tail):
+            log.warning("request log %s: its last line was cut short (a process killed mid-write); removed", path)
+            f.truncate(start + end + 1)
+        last = tail[: end + 1].rstrip(b"\n").rsplit(b"\n", 1)[-1]
+    try:
+        line = json.loads(last)
+        return float(line["arrival"]) + float(line["latency_s"])
+    except (ValueError, KeyError, TypeError):
+        return 0.0  # not a line of ours: its timeline is unknown
+
+
 class RequestLog:
     """Appends JSON lines to `path` from a writer thread; each batch of queued lines is flushed at once."""
 
     def __init__(self, path: str | Path, log_prompts: bool = False, max_queued: int = 10_000) -> None:
         self.path = Path(path)
         self.log_prompts = log_prompts
-        self.started = time.monotonic()  # arrivals are seconds since the log was opened (the server's start)
         self.dropped = 0  # lines lost to a full queue, a line that could not be encoded, or a failed disk
         self.failed: Optional[str] = None  # why writing stopped, once it did
         self._queue: "queue.Queue[object]" = queue.Queue(max_queued)
         try:
+            resume_at = _end_of_last_run(self.path)
             self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed by the writer thread
         except OSError as exc:
             raise OSError(exc.errno, f"request_log: cannot open {self.path} for appending: {exc.strerror}") from None
+        self.started = time.monotonic() - resume_at  # arrivals: seconds since the log began
         self._thread = threading.Thread(target=self._write_loop, name="trtpaged-request-log", daemon=True)
         self._thread.start()
 
