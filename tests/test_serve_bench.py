@@ -101,6 +101,19 @@ def test_serve_ratio_refuses_max_tokens_within_one_stream_interval(tiny_engine_d
     assert "--max-tokens 4" in result.output and "--stream-interval" in result.output
 
 
+def test_serve_ratio_refuses_max_tokens_the_engine_has_no_room_for(tiny_engine_dir):
+    """The tiny engine's 512 positions leave about 55 tokens beside the benchmark's longest chat prompt: 64 is
+    refused before a server starts (was: every request refused, then the openai client's traceback)."""
+    llm = LLM(tiny_engine_dir, device="cpu")
+    from trtpaged.bench.serve_ratio import conversation
+
+    room = llm.config.max_seq_len - max(len(llm.chat_prompt(conversation(i))) for i in range(2))
+    result = CliRunner().invoke(main, ["bench", "serve-ratio", str(tiny_engine_dir), "--repeats", "1", "--max-tokens",
+                                       str(room + 1), "--concurrency", "2"])  # fmt: skip
+    assert result.exit_code == 1 and result.exception.__class__ is SystemExit, result.output
+    assert f"--max-tokens {room + 1}" in result.output and f"at most {room}" in result.output
+
+
 def test_serve_ratio_labels_a_noisy_run_s_ratios_indicative():
     """F11: the text of a report whose noise is not trustworthy says so on every ratio line."""
     from trtpaged.bench.serve_ratio import format_ratio

@@ -386,6 +386,16 @@ class ServeArm:
         return texts, rate
 
 
+def check_room(llm: Any, concurrency: int, max_tokens: int) -> None:
+    """Refuses a --max-tokens the engine's max_seq_len leaves no room for beside the longest of the prompts, before
+    any server starts (the server refused every request, and the benchmark ended in the client's traceback)."""
+    longest = max(len(llm.chat_prompt(conversation(i))) for i in range(max(concurrency, 1)))
+    room = llm.config.max_seq_len - longest
+    if max_tokens > room:
+        raise ValueError(f"--max-tokens {max_tokens}: the benchmark's longest prompt has {longest} tokens on this "
+                         f"engine, so its max_seq_len ({llm.config.max_seq_len}) leaves room for at most {room}")
+
+
 def run_serve_ratio(engine: Path, repeats: int = 5, max_tokens: int = 128, concurrency: int = 16,
                     server_args: tuple[str, ...] = (), progress: Callable[[str], None] = lambda _: None,
                     stream_intervals: Sequence[int] = (1,)) -> dict:  # fmt: skip
@@ -396,6 +406,7 @@ def run_serve_ratio(engine: Path, repeats: int = 5, max_tokens: int = 128, concu
     progress("loading the engine in this process and starting trtpaged serve"
              + (f" at stream intervals {', '.join(map(str, intervals))}" if len(intervals) > 1 else ""))
     api = ApiSide(engine)
+    check_room(api.llm, concurrency, max_tokens)
     arms: list[ServeArm] = []
     monitor = NoiseMonitor()
     api_series = {"single": Series("Python API decode (tok/s)"),
