@@ -125,3 +125,17 @@ def test_plot_writes_exactly_the_path_given(tmp_path, name, magic):
     assert r.exit_code == 0, r.output
     assert [p.name for p in tmp_path.iterdir()] == [name]  # no PATH.png beside it, no temporary file left
     assert (tmp_path / name).read_bytes().startswith(magic)
+
+
+def test_serve_takes_vllms_spellings_of_its_limits(tiny_engine_dir):
+    """A vLLM user's `--max-model-len`, `--max-num-seqs`, `--max-num-batched-tokens` and `--no-enable-prefix-caching`
+    set trtpaged's own limits (they were 'no such option', with suggestions of other limits)."""
+    from trtpaged.commands.serve import command as serve
+
+    ctx = serve.make_context("serve", [str(tiny_engine_dir), "--max-model-len", "256", "--max-num-seqs", "4",
+                                       "--max-num-batched-tokens", "128", "--no-enable-prefix-caching",
+                                       "--gpu-memory-utilization", "0.5"])  # fmt: skip
+    got = {k: ctx.params[k] for k in ("max_seq_len", "max_batch_size", "max_num_tokens", "enable_prefix_caching",
+                                      "gpu_memory_utilization")}  # fmt: skip
+    assert got == {"max_seq_len": 256, "max_batch_size": 4, "max_num_tokens": 128, "enable_prefix_caching": False,
+                   "gpu_memory_utilization": 0.5}  # fmt: skip

@@ -59,14 +59,16 @@ def test_vllm_prompt_dicts_and_the_model_keyword_give_the_same_outputs(llm, tiny
         LLM(tiny_engine_dir, engine=tiny_engine_dir)
 
 
-def test_vllm_engine_arguments_set_what_they_mean_or_are_refused_naming_them(tiny_engine_dir):
-    with LLM(tiny_engine_dir, device="cpu", warmup=False, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
+def test_vllm_engine_arguments_set_what_they_mean_or_are_refused_naming_them(tiny_engine_dir, caplog):
+    with caplog.at_level("WARNING"), LLM(tiny_engine_dir, device="cpu", warmup=False, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
              tensor_parallel_size=1, dtype="float", kv_cache_dtype="float32", enforce_eager=True,
              trust_remote_code=False, disable_log_stats=True, gpu_memory_utilization=0.9,
              swap_space=0.5) as llm:  # fmt: skip
         c = llm.config
         assert (c.max_seq_len, c.max_batch_size, c.max_num_tokens) == (128, 4, 64)
         assert c.num_host_blocks == (1 << 29) // llm.manifest.kv_bytes_per_block_per_rank > 0
+    # a fraction of GPU memory sizes nothing here (on a CPU either): said, not silently ignored
+    assert any("gpu_memory_utilization=0.9 has no effect" in r.getMessage() for r in caplog.records)
     for kwargs, words in [({"dtype": "bfloat16"}, "dtype: 'bfloat16', but the engine was built with 'float32'"),
                           ({"dtype": "half"}, "dtype: 'float16', but the engine was built with 'float32'"),  # vLLM's
                           ({"block_size": 32}, "block_size: 32, but the engine was built with 16"),

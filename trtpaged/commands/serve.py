@@ -47,11 +47,20 @@ def _not_empty(value, param):
 @click.option("--max-body-bytes", type=click.IntRange(min=1), default=8 << 20, show_default=True, help="Largest request body (413 beyond).")
 @click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=None,
               help="Longest prompt accepted (default and most: max_seq_len - 1).")
-@click.option("--max-batch-size", type=int, default=None, help="Sequences per step (at most the engine's build limit).")
-@click.option("--max-num-tokens", type=int, default=None, help="Tokens per step (at most the engine's build limit).")
-@click.option("--max-seq-len", type=int, default=None, help="Prompt + output tokens per sequence (at most the build limit).")
+@click.option("--max-batch-size", "--max-num-seqs", "max_batch_size", type=int, default=None,
+              help="Sequences per step (at most the engine's build limit; --max-num-seqs: vLLM's spelling).")
+@click.option("--max-num-tokens", "--max-num-batched-tokens", "max_num_tokens", type=int, default=None,
+              help="Tokens per step (at most the engine's build limit; --max-num-batched-tokens: vLLM's spelling).")
+@click.option("--max-seq-len", "--max-model-len", "max_seq_len", type=int, default=None,
+              help="Prompt + output tokens per sequence (at most the build limit; --max-model-len: vLLM's spelling).")
 @click.option("--num-kv-blocks", type=click.IntRange(min=1), default=None,
               help="KV-cache blocks in the pool (default: the manifest's budget); refused beyond the device's free memory.")
+@click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True,
+              help="Share the KV blocks of equal prompt prefixes between requests (vLLM's flag).")
+@click.option("--gpu-memory-utilization", type=FiniteFloatRange(0.0, 1.0, min_open=True), default=None,
+              help="vLLM's: accepted and checked, without effect: the KV pool is the engine's kv_cache budget "
+                   "(--num-kv-blocks sets it).")
+@click.option("--dtype", default=None, help="vLLM's: 'auto' or the engine's own dtype (set when it was built).")
 @click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True)
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when present).")
 @click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=None,
@@ -87,7 +96,8 @@ def _not_empty(value, param):
               help="The engine thread and the event loop on one core, the kernels' OpenMP workers on the others; "
                    "auto: when the workers and the engine thread fill every core the process may use.")
 def command(engine, host, port, served_model_name, api_key, max_waiting, request_timeout, shutdown_timeout,
-            max_body_bytes, max_prompt_tokens, max_batch_size, max_num_tokens, max_seq_len, num_kv_blocks, backend,
+            max_body_bytes, max_prompt_tokens, max_batch_size, max_num_tokens, max_seq_len, num_kv_blocks,
+            enable_prefix_caching, gpu_memory_utilization, dtype, backend,
             device, tensor_parallel_size, speculative_config, kv_host_memory, kv_disk_path, kv_disk_size, kv_remote,
             kv_secret_file, request_log, request_log_prompts, stream_interval, pin_threads) -> None:  # fmt: skip
     """Serve ENGINE over /v1/completions, /v1/chat/completions, /v1/responses, /v1/models, /tokenize, /detokenize,
@@ -118,6 +128,7 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
                 max_batch_size=max_batch_size, max_seq_len=max_seq_len, tensor_parallel=tensor_parallel_size,
                 speculative_config=speculative_config,
                 kv_tiers=tier_options(kv_host_memory, kv_disk_path, kv_disk_size, kv_remote, kv_secret_file),
+                enable_prefix_caching=enable_prefix_caching, **vllm_only(gpu_memory_utilization, dtype),
             )  # fmt: skip
     except (ValueError, FileNotFoundError, OSError, FatalEngineError) as e:
         message = e.strerror if isinstance(e, OSError) and e.strerror and e.filename is None else str(e)
@@ -151,6 +162,13 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
         handle.shutdown(timeout=0)
 
 
+def vllm_only(gpu_memory_utilization: Optional[float], dtype: Optional[str]) -> dict[str, Any]:
+    """vLLM's serve options with no setting of their own here, for LLM's vLLM arguments to check (a dtype other
+    than the engine's is refused; a memory fraction is said to have no effect)."""
+    given = {"gpu_memory_utilization": gpu_memory_utilization, "dtype": dtype}
+    return {name: value for name, value in given.items() if value is not None}
+
+
 @contextlib.contextmanager
 def interrupts_end_the_load() -> Iterator[None]:
     """Ctrl-C or SIGTERM while the engine loads ends the process at once (status 130 / 143), with one line. Unwinding
@@ -173,7 +191,8 @@ def interrupts_end_the_load() -> Iterator[None]:
 
 
 # the runtime's fields this command's flags set: its errors name the flag the user typed
-FLAGS = {"max_batch_size": "--max-batch-size", "max_num_tokens": "--max-num-tokens", "max_seq_len": "--max-seq-len",
+FLAGS = {"gpu_memory_utilization": "--gpu-memory-utilization", "dtype": "--dtype",
+         "enable_prefix_caching": "--enable-prefix-caching", "max_batch_size": "--max-batch-size", "max_num_tokens": "--max-num-tokens", "max_seq_len": "--max-seq-len",
          "num_kv_blocks": "--num-kv-blocks", "device": "--device", "backend": "--backend",
          "tensor_parallel": "--tensor-parallel-size", "speculative_config": "--speculative-config",
          "kv_tiers.host_memory": "--kv-host-memory", "kv_tiers.disk.path": "--kv-disk-path",

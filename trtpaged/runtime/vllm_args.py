@@ -10,7 +10,7 @@ A script written for vLLM passes some of these; each is taken for what it means 
   kv_cache_dtype, quantization, block_size, tokenizer (the engine dir carries its tokenizer);
 - without an effect on a compiled engine (no CUDA graphs to skip, no remote code, no stats logger):
   enforce_eager, trust_remote_code, disable_log_stats; gpu_memory_utilization is checked, and the KV pool
-  stays the engine's kv_cache budget (num_kv_blocks changes it), with a warning on a GPU.
+  stays the engine's kv_cache budget (num_kv_blocks changes it), with a warning.
 """
 
 from __future__ import annotations
@@ -60,9 +60,8 @@ def apply_vllm_args(args: dict[str, Any], ours: dict[str, Any], manifest: Manife
     if utilization is not None:
         if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
             raise ValueError(f"gpu_memory_utilization: expected a fraction in (0, 1], got {utilization!r}")
-        if device.startswith("cuda"):
-            log.warning("gpu_memory_utilization=%s: the KV pool is the engine's kv_cache budget here "
-                        "(num_kv_blocks sets it)", utilization)
+        log.warning("gpu_memory_utilization=%s has no effect: the KV pool is the engine's kv_cache budget (on %s "
+                    "too); num_kv_blocks sets its size", utilization, device)  # fmt: skip
     swap = args.get("swap_space")
     if swap is not None:
         if isinstance(swap, bool) or not isinstance(swap, (int, float)) or not 0 <= swap < 1 << 20:
