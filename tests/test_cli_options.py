@@ -139,3 +139,9 @@ def test_serve_takes_vllms_spellings_of_its_limits(tiny_engine_dir):
                                       "gpu_memory_utilization")}  # fmt: skip
     assert got == {"max_seq_len": 256, "max_batch_size": 4, "max_num_tokens": 128, "enable_prefix_caching": False,
                    "gpu_memory_utilization": 0.5}  # fmt: skip
+
+
+def test_build_of_a_checkpoint_dir_says_which_yaml_builds_it(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    result = CliRunner().invoke(main, ["build", str(tmp_path)])
+    assert result.exit_code == 2 and f"model: {{hf_dir: {tmp_path}}}" in result.output

@@ -253,3 +253,8 @@ def test_a_lone_surrogate_in_an_echoed_field_is_escaped_not_a_500(server):
     with urllib.request.urlopen(req, timeout=60) as resp:
         answer = json.loads(resp.read())
     assert answer["metadata"] == {"k": "\ud800"} and answer["user"] == "\ud800"
+
+
+def test_the_response_id_is_the_request_id_header(client):
+    raw = client.responses.with_raw_response.create(model=MODEL, input="hi", max_output_tokens=2)
+    assert raw.headers["x-request-id"] == raw.parse().id

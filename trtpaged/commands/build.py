@@ -50,8 +50,18 @@ def _output(value: str | None, param) -> Path | None:
     return Path(value) if value is not None else None
 
 
+def _model_yaml(value: Path, param: click.Parameter) -> Path:
+    """MODEL_YAML; a directory (a TensorRT-LLM habit: `--checkpoint_dir DIR`) is refused with the yaml that
+    builds it."""
+    if value.is_dir():
+        hint = f"model: {{hf_dir: {value}}}" if (value / "config.json").is_file() else "model: {hf_dir: DIR}"
+        raise click.BadParameter(f"{str(value)!r} is a directory; build takes a model.yaml, e.g. one holding "
+                                 f"`{hint}` (examples/*.yaml show the rest)", param=param)  # fmt: skip
+    return value
+
+
 @click.command(name="build", help=_HELP)
-@click.argument("model_yaml", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("model_yaml", type=click.Path(path_type=Path), callback=lambda ctx, p, v: _model_yaml(v, p))
 @click.option("-o", "--output", type=click.Path(file_okay=False), default=None, callback=lambda ctx, p, v: _output(v, p),
               help="Engine dir to write (default: `output` in the yaml).")
 @click.option("--skip-verify", is_flag=True, help="Skip the ONNX-vs-transformers verification (big models).")

@@ -241,12 +241,16 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
                 exc.headers["Retry-After"] = str(options.retry_after_s)
             _log(request, exc.status, exc.message, start)
             raise responses_api.renamed(exc) if call is not None else exc from None
-        headers = {"X-Request-Id": submitted.summary.header_id}
+        summary = submitted.summary
+        if call is not None:  # logged and answered under the Response's id
+            rid = responses_api.response_id(summary.request_id)
+            summary.header_id = rid if summary.header_id == summary.request_id else summary.header_id
+            summary.request_id = rid
+        headers = {"X-Request-Id": summary.header_id}
         if submitted.req.stream:
             events = _logged_stream(request, submitted, start)
             if call is not None:
-                rid = responses_api.response_id(submitted.summary.request_id)
-                events = responses_api.stream(call, rid, events, submitted.summary, cache_block_size)
+                events = responses_api.stream(call, summary.request_id, events, summary, cache_block_size)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache",
                                                                                       **headers})  # fmt: skip
         try:
@@ -260,7 +264,6 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
             return error_response(error)
         _log(request, 200, "", start, submitted)
         if call is not None:
-            summary = submitted.summary
             usage = responses_api.usage_of(summary.prompt_tokens, summary.completion_tokens, summary.cached_tokens,
                                            cache_block_size)  # fmt: skip
             # ASCII JSON: a lone surrogate the client sent, echoed in the Response, is escaped (a UTF-8 write failed)
