@@ -145,3 +145,12 @@ def test_build_of_a_checkpoint_dir_says_which_yaml_builds_it(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     result = CliRunner().invoke(main, ["build", str(tmp_path)])
     assert result.exit_code == 2 and f"model: {{hf_dir: {tmp_path}}}" in result.output
+
+
+def test_generate_says_greedy_samples_are_one_answer_repeated(tiny_engine_dir):
+    result = CliRunner().invoke(main, ["generate", str(tiny_engine_dir), "--prompt", "hi", "--n", "2", "--max-tokens",
+                                       "2", "--device", "cpu"])  # fmt: skip
+    assert result.exit_code == 0 and "the samples are one answer repeated" in result.output
+    sampled = CliRunner().invoke(main, ["generate", str(tiny_engine_dir), "--prompt", "hi", "--n", "2", "--max-tokens",
+                                        "2", "--temperature", "1", "--device", "cpu"])  # fmt: skip
+    assert sampled.exit_code == 0 and "one answer repeated" not in sampled.output
