@@ -12,6 +12,7 @@ from trtpaged.config import parse_config
 from trtpaged.models import load_hf
 from trtpaged.runtime.kv_cache_manager import KVCacheManager
 from trtpaged.runtime.llm_engine import LLMEngine
+from trtpaged.errors import RequestError
 from trtpaged.runtime.sampling_params import SamplingParams
 from trtpaged.runtime.sequence import Sequence
 
@@ -97,6 +98,23 @@ def test_a_pool_too_small_for_one_whole_sequence_still_generates_it(hf, prompts,
     outputs = run_staggered(engine, [(prompts[0], params)], 1)
     assert outputs[0].outputs[0].token_ids == reference[0]
     assert engine.stats()["num_preemptions"] == 0
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_prompt_longer_than_the_pool_runs_on_a_windowed_engine(hf, caching):
+    """A windowed engine holds a prompt's window and one chunk at a time, so a prompt of more blocks than the pool
+    is served (it was refused as needing every block at once), equal to HF, the pool whole after; a pool smaller
+    than a window and a chunk need is still refused up front."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (70, 200)]
+    engine = _engine(hf, reclaim=True, num_kv_blocks=6, max_batch_size=2, enable_prefix_caching=caching)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    outputs = run_staggered(engine, [(p, params) for p in prompts], 1)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, p, 20, None) for p in prompts]
+    assert engine.kv.pool.num_free == 6
+    small = _engine(hf, reclaim=True, num_kv_blocks=5)
+    with pytest.raises(RequestError, match="more than the whole pool"):
+        small.add_request(prompts[1], params)
 
 
 def test_reclaim_frees_shared_blocks_once_per_table_and_keeps_the_chain_parent():

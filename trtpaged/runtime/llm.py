@@ -338,7 +338,8 @@ class LLM:
         self._caller: Optional[int] = None  # the thread inside a call (one from inside it is refused, not deadlocked)
         self._closed = False
         pool_tokens = self.config.num_kv_blocks * self.config.block_size
-        if pool_tokens < self.config.max_seq_len:  # vLLM refuses to start; here such a request ends early
+        # vLLM refuses to start; here such a request ends early (a windowed engine's sequences hold only their window)
+        if pool_tokens < self.config.max_seq_len and not self.config.reclaim_window:
             log.warning("the KV pool holds %d tokens (%d blocks), fewer than max_seq_len %d: a request that "
                         "outgrows it ends there (finish_reason length)", pool_tokens, self.config.num_kv_blocks,
                         self.config.max_seq_len)

@@ -57,6 +57,14 @@ class ScheduledSeq:
     draft_probs: Optional[Any] = field(default=None, compare=False)
 
 
+def window_blocks(c: RuntimeConfig, num_prompt_tokens: int) -> int:
+    """The most blocks a prompt holds at once on an engine that reclaims windowed blocks (`c.reclaim_window` > 0):
+    its window and one chunk of prefill, a partial block at each end, and the chain parent the prefix cache
+    keeps (KVCacheManager.reclaim)."""
+    chunk = min(num_prompt_tokens, c.max_num_tokens)
+    return -(-(c.reclaim_window + chunk) // c.block_size) + 2
+
+
 def check_request(c: RuntimeConfig, num_prompt_tokens: int, params: SamplingParams) -> None:
     """Refuses a request that can never run under `c`: a `RequestError` naming the field and the limit.
 
@@ -74,6 +82,8 @@ def check_request(c: RuntimeConfig, num_prompt_tokens: int, params: SamplingPara
             c.max_seq_len - 1,
         )
     blocks = -(-num_prompt_tokens // c.block_size)
+    if c.reclaim_window:  # blocks before the window go back as the prompt's chunks advance: at most these live
+        blocks = min(blocks, window_blocks(c, num_prompt_tokens))
     if blocks > c.num_kv_blocks:
         raise RequestError(
             "prompt",
