@@ -915,19 +915,26 @@ def test_ttft_breakdown_adds_up_and_counts_the_prefill_steps(step_model):
 
 def test_a_write_killed_half_way_is_removed_when_the_tier_opens(tmp_path: Path):
     """A process killed between an entry's write and its rename leaves `.NAME.kv.PID.TID.tmp`, which no scan counted:
-    the next tier to open the directory removes it once its process is gone and it is old; a live process's write,
-    or a recent one, stays."""
+    the next tier to open the directory removes it once it is old and its process is gone, or the pid now names a
+    process that started after the write (a restarted server gets its old pid back); a write a live process may
+    still be making, or a recent one, stays; a pid no process can have does not stop the tier."""
     import subprocess
     import sys
+
+    from trtpaged.runtime.kv_tiers.disk import _process_start
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     old = time.time() - 2 * ABANDONED_WRITE_S
-    files = {name: tmp_path / name for name in (f".a.kv.{dead.pid}.7.tmp", f".b.kv.{os.getpid()}.7.tmp",
-                                                 f".c.kv.{dead.pid}.8.tmp")}  # fmt: skip
-    for path in files.values():
-        path.write_bytes(b"x" * 4096)
-    for name in (f".a.kv.{dead.pid}.7.tmp", f".b.kv.{os.getpid()}.7.tmp"):
-        os.utime(files[name], (old, old))
+    before_me = _process_start(os.getpid()) - 10  # written before this process started: not by it
+    files = {  # name -> mtime (None: just now)
+        f".a.kv.{dead.pid}.7.tmp": old, f".b.kv.1.7.tmp": old,  # pid 1 started at boot, before the write: kept
+        f".c.kv.{dead.pid}.8.tmp": None, f".d.kv.{os.getpid()}.7.tmp": min(old, before_me),
+        ".e.kv.99999999999999999999.1.tmp": old,
+    }  # fmt: skip
+    for name, mtime in files.items():
+        (tmp_path / name).write_bytes(b"x" * 4096)
+        if mtime is not None:
+            os.utime(tmp_path / name, (mtime, mtime))
     DiskTier(tmp_path, 1 << 20)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f".b.kv.{os.getpid()}.7.tmp", f".c.kv.{dead.pid}.8.tmp"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([".b.kv.1.7.tmp", f".c.kv.{dead.pid}.8.tmp"])

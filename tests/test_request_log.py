@@ -166,3 +166,17 @@ def test_a_restarted_server_continues_the_log_after_a_cut_last_line(tiny_engine_
     assert lines[1]["arrival"] >= earlier["arrival"] + earlier["latency_s"]
     result = CliRunner().invoke(main, ["diagnose", str(log_path), "--engine", str(tiny_engine_dir)])
     assert result.exit_code == 0, result.output
+
+
+def test_a_whole_last_line_without_its_newline_is_kept(tmp_path) -> None:
+    from trtpaged.server.request_log import RequestLog
+
+    line = {"arrival": 5.0, "prompt_len": 5, "output_len": 2, "output_lens": [2], "n": 1, "beam_width": 1,
+            "cached_tokens": 0, "finish_reasons": ["length"], "ttft_s": 0.01, "latency_s": 1.0, "steps": 2,
+            "step_time_s": 0.01}  # fmt: skip
+    path = tmp_path / "log.jsonl"
+    path.write_text(json.dumps(line) + "\n" + json.dumps(line))
+    log = RequestLog(path)
+    log.close()
+    assert [json.loads(x) for x in path.read_text().splitlines()] == [line, line]
+    assert time.monotonic() - log.started >= 6.0  # arrivals go on after the last line's end

@@ -258,3 +258,15 @@ def test_a_lone_surrogate_in_an_echoed_field_is_escaped_not_a_500(server):
 def test_the_response_id_is_the_request_id_header(client):
     raw = client.responses.with_raw_response.create(model=MODEL, input="hi", max_output_tokens=2)
     assert raw.headers["x-request-id"] == raw.parse().id
+
+
+def test_a_refusal_of_the_instructions_names_instructions(server):
+    import urllib.error
+    import urllib.request
+
+    body = b'{"model": "tiny", "input": "hi", "instructions": "\\ud800"}'
+    req = urllib.request.Request(server.url + "/v1/responses", data=body, headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=60)
+    error = json.loads(err.value.read())["error"]
+    assert err.value.code == 400 and error["param"] == "instructions" and error["message"].startswith("instructions:")

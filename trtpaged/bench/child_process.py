@@ -23,7 +23,8 @@ os.execvp(sys.argv[2], sys.argv[2:])
 
 def popen_tied(args: Sequence[str], **kwargs: Any) -> subprocess.Popen:
     """`subprocess.Popen(args, **kwargs)`, the child getting SIGTERM when this process exits (Linux): a benchmark
-    killed by SIGTERM or SIGKILL left its server running for ever, holding a model's memory and a port."""
+    killed by SIGTERM or SIGKILL left its server running for ever, holding a model's memory and a port. Call it
+    from the main thread: Linux sends the signal when the thread that started the child ends."""
     return subprocess.Popen([sys.executable, "-c", _TIE, str(os.getpid()), *args], **kwargs)
 
 

@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import click
 
@@ -54,7 +54,8 @@ def _not_empty(value, param):
 @click.option("--max-seq-len", "--max-model-len", "max_seq_len", type=int, default=None,
               help="Prompt + output tokens per sequence (at most the build limit; --max-model-len: vLLM's spelling).")
 @click.option("--num-kv-blocks", type=click.IntRange(min=1), default=None,
-              help="KV-cache blocks in the pool (default: the manifest's budget); refused beyond the device's free memory.")
+              help="KV-cache blocks in the pool (default: the manifest's budget); refused beyond the device's free "
+                   "memory.")
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True,
               help="Share the KV blocks of equal prompt prefixes between requests (vLLM's flag).")
 @click.option("--gpu-memory-utilization", type=FiniteFloatRange(0.0, 1.0, min_open=True), default=None,
@@ -132,7 +133,7 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
             )  # fmt: skip
     except (ValueError, FileNotFoundError, OSError, FatalEngineError) as e:
         message = e.strerror if isinstance(e, OSError) and e.strerror and e.filename is None else str(e)
-        raise click.ClickException(flag_error(message, FLAGS)) from None
+        raise click.ClickException(flag_error(message, typed_flags(sys.argv))) from None
     stop = threading.Event()
 
     def on_signal(*_: object) -> None:
@@ -192,12 +193,22 @@ def interrupts_end_the_load() -> Iterator[None]:
 
 # the runtime's fields this command's flags set: its errors name the flag the user typed
 FLAGS = {"gpu_memory_utilization": "--gpu-memory-utilization", "dtype": "--dtype",
-         "enable_prefix_caching": "--enable-prefix-caching", "max_batch_size": "--max-batch-size", "max_num_tokens": "--max-num-tokens", "max_seq_len": "--max-seq-len",
-         "num_kv_blocks": "--num-kv-blocks", "device": "--device", "backend": "--backend",
-         "tensor_parallel": "--tensor-parallel-size", "speculative_config": "--speculative-config",
-         "kv_tiers.host_memory": "--kv-host-memory", "kv_tiers.disk.path": "--kv-disk-path",
-         "kv_tiers.disk.size": "--kv-disk-size", "kv_tiers.remote": "--kv-remote",
-         "kv_tiers.secret_file": "--kv-secret-file", "request_log": "--request-log"}  # fmt: skip
+         "enable_prefix_caching": "--enable-prefix-caching", "max_batch_size": "--max-batch-size",
+         "max_num_tokens": "--max-num-tokens", "max_seq_len": "--max-seq-len", "num_kv_blocks": "--num-kv-blocks",
+         "device": "--device", "backend": "--backend", "tensor_parallel": "--tensor-parallel-size",
+         "speculative_config": "--speculative-config", "kv_tiers.host_memory": "--kv-host-memory",
+         "kv_tiers.disk.path": "--kv-disk-path", "kv_tiers.disk.size": "--kv-disk-size",
+         "kv_tiers.remote": "--kv-remote", "kv_tiers.secret_file": "--kv-secret-file",
+         "request_log": "--request-log"}  # fmt: skip
+# vLLM's spellings of three limits, which an error names when the user typed them
+VLLM_SPELLINGS = {"max_batch_size": "--max-num-seqs", "max_num_tokens": "--max-num-batched-tokens",
+                  "max_seq_len": "--max-model-len"}  # fmt: skip
+
+
+def typed_flags(argv: Sequence[str]) -> dict[str, str]:
+    """FLAGS, with vLLM's spelling of a limit where `argv` (the command line) used it."""
+    typed = {arg.split("=", 1)[0] for arg in argv}
+    return {**FLAGS, **{field: flag for field, flag in VLLM_SPELLINGS.items() if flag in typed}}
 
 
 def check_max_prompt_tokens(engine: str, max_prompt_tokens: Optional[int], max_seq_len: Optional[int]) -> None:
@@ -209,7 +220,8 @@ def check_max_prompt_tokens(engine: str, max_prompt_tokens: Optional[int], max_s
 
     build = read_manifest(engine).limits.max_seq_len
     # a --max-seq-len past the build limit is LLM's to refuse, naming that limit
-    limit, which = (max_seq_len, "--max-seq-len") if max_seq_len is not None and max_seq_len <= build else \
+    limit, which = (max_seq_len, typed_flags(sys.argv)["max_seq_len"]) if max_seq_len is not None and \
+        max_seq_len <= build else \
         (build, "the engine's max_seq_len")  # fmt: skip
     if max_prompt_tokens > limit - 1:
         raise click.BadParameter(f"{max_prompt_tokens} is more than {which} {limit} lets a prompt have: at most "
@@ -240,9 +252,10 @@ def raise_open_files_limit(wanted: int = OPEN_FILES_WANTED) -> int:
     return soft
 
 
-def tier_options(host_memory: Optional[str], disk_path: Optional[str], disk_size: Optional[str],
+def tier_options(host_memory: Optional[int], disk_path: Optional[str], disk_size: Optional[int],
                  remote: Optional[str], secret_file: Optional[str] = None) -> Optional[dict[str, Any]]:
-    """The `--kv-*` flags as LLM(kv_tiers=...), None when none is given (checked by KVTierConfig.parse)."""
+    """The `--kv-*` flags as LLM(kv_tiers=...), None when none is given (checked by KVTierConfig.parse); the
+    sizes in bytes, as `Size` read them."""
     spec: dict[str, Any] = {}
     if host_memory is not None:
         spec["host_memory"] = host_memory

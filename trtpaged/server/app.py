@@ -21,20 +21,20 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from trtpaged import __version__
+from trtpaged.server import responses_api
 from trtpaged.server.engine_loop import ClientGone, EngineFailure, EngineLoop, Overloaded, RequestTimeout, ShuttingDown
 from trtpaged.server.errors import ApiError, overloaded
 from trtpaged.server.generation import GenerationService, Submitted, runtime_failure
 from trtpaged.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
 from trtpaged.server.options import ServerOptions
 from trtpaged.server.protocol import check_model
-from trtpaged.server import responses_api
 from trtpaged.server.schemas import ModelCard, ModelList, dump
 from trtpaged.server.tokenization import Tokenization
 
 log = logging.getLogger("trtpaged.server")
 T = TypeVar("T")
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics",
-          "/version")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize",
+          "/health", "/metrics", "/version")
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -239,8 +239,9 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
             if exc.status == 503:
                 metrics.observe_rejected("overloaded")
                 exc.headers["Retry-After"] = str(options.retry_after_s)
-            _log(request, exc.status, exc.message, start)
-            raise responses_api.renamed(exc) if call is not None else exc from None
+            error = responses_api.renamed(exc, call) if call is not None else exc  # the client's field names
+            _log(request, error.status, error.message, start)
+            raise error from None
         summary = submitted.summary
         if call is not None:  # logged and answered under the Response's id
             rid = responses_api.response_id(summary.request_id)
@@ -261,7 +262,7 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
         except (EngineFailure, ShuttingDown, RequestTimeout) as exc:
             error = runtime_failure(exc)
             _log(request, error.status, error.message, start)
-            return error_response(error)
+            return error_response(responses_api.renamed(error, call) if call is not None else error)
         _log(request, 200, "", start, submitted)
         if call is not None:
             usage = responses_api.usage_of(summary.prompt_tokens, summary.completion_tokens, summary.cached_tokens,

@@ -7,8 +7,8 @@ A line (the fields `trtpaged diagnose LOG` reads; README.md, Serving):
      "steps": 18, "step_time_s": 0.021}
 
 arrival: seconds since the log began (a server restarted on the same log goes on from where its last line
-ended, so that `diagnose` reads the runs one after the other, not overlaid); output_len: the longest completion (what a replay gives each
-of the n samples); output_lens / finish_reasons: per completion, in index order; cached_tokens: prompt
+ended, so that `diagnose` reads the runs one after the other, not overlaid); output_len: the longest
+completion (what a replay gives each of the n samples); output_lens / finish_reasons: per completion, in index order; cached_tokens: prompt
 tokens found in the prefix cache; steps: engine steps while the request was in flight; step_time_s: the
 server's mean engine-step time so far. `prompt_token_ids` only when prompts are logged (`log_prompts`).
 
@@ -59,8 +59,8 @@ _TAIL_BYTES = 1 << 20  # where a log's last line is looked for
 
 def _end_of_last_run(path: Path) -> float:
     """Where an existing log's timeline ends: its last line's arrival + latency (lines are written as requests
-    finish), 0 for a new or empty log. A last line without its newline (a write cut by a kill) is cut off first:
-    appended to, it would have made a line no reader can parse, for good."""
+    finish), 0 for a new or empty log. A last line cut short by a kill is cut off first (appended to, it would have
+    made a line no reader can parse, for good); a whole one that lost only its newline gets it."""
     try:
         f = open(path, "rb+")  # noqa: SIM115
     except FileNotFoundError:
@@ -76,14 +76,23 @@ def _end_of_last_run(path: Path) -> float:
         if end < 0 and start > 0:
             return 0.0  # a line longer than the tail: not a request log's; left as it is
         if end + 1 < len(tail):
+            whole = _arrival_end(tail[end + 1 :])
+            if whole is not None:  # a whole line that lost only its newline: it is ended, not cut
+                f.write(b"\n")
+                return whole
             log.warning("request log %s: its last line was cut short (a process killed mid-write); removed", path)
             f.truncate(start + end + 1)
         last = tail[: end + 1].rstrip(b"\n").rsplit(b"\n", 1)[-1]
+    return _arrival_end(last) or 0.0
+
+
+def _arrival_end(line: bytes) -> Optional[float]:
+    """A request line's arrival + latency; None for anything else (a cut line, a line of another program)."""
     try:
-        line = json.loads(last)
-        return float(line["arrival"]) + float(line["latency_s"])
+        record = json.loads(line)
+        return float(record["arrival"]) + float(record["latency_s"])
     except (ValueError, KeyError, TypeError):
-        return 0.0  # not a line of ours: its timeline is unknown
+        return None
 
 
 class RequestLog:
@@ -117,7 +126,8 @@ class RequestLog:
             self.dropped += 1
 
     def record_finished(self, out: RequestOutput, **fields: Any) -> None:
-        """`record(finished_line(out, ...))`, for the engine thread: a line that cannot be built is dropped, never raised."""
+        """`record(finished_line(out, ...))`, for the engine thread: a line that cannot be built is dropped, never
+        raised."""
         try:
             self.record(finished_line(out, log_prompts=self.log_prompts, **fields))
         except Exception:  # noqa: BLE001 - the request log must never fail a request or the engine loop

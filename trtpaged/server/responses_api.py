@@ -33,11 +33,12 @@ _NOTHING_TO_INCLUDE = frozenset({
 })  # fmt: skip
 # chat fields that carry over under the same name and meaning (vLLM's sampling extras among them)
 _SAME_FIELDS = ("model", "temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                "frequency_penalty", "stop", "user", "metadata", "service_tier", "prompt_cache_key", "safety_identifier",
-                "parallel_tool_calls", "cache_salt", "request_id", "structured_outputs")  # fmt: skip
+                "frequency_penalty", "stop", "user", "metadata", "service_tier", "prompt_cache_key",
+                "safety_identifier", "parallel_tool_calls", "cache_salt", "request_id", "structured_outputs")
 # a chat field's name in a refusal -> the Responses field the client sent
-_RESPONSES_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
-                    "response_format": "text.format", "logprobs": "include", "top_logprobs": "top_logprobs"}
+_RESPONSES_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens",
+                    "max_tokens": "max_output_tokens", "response_format": "text.format", "logprobs": "include",
+                    "top_logprobs": "top_logprobs"}  # fmt: skip
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
 
@@ -95,13 +96,17 @@ _RESPONSES_SPELLINGS = (
 )
 
 
-def renamed(error: ApiError) -> ApiError:
+def renamed(error: ApiError, call: Optional[ResponsesCall] = None) -> ApiError:
     """A refusal of the chat body, naming the Responses fields instead of the chat ones they became (chat's message
-    numbers are not the input's item numbers: a message is named `input`)."""
+    numbers are not the input's item numbers: a message is named `input`; the first is `instructions` when the
+    request `call` had them)."""
     param = error.param or ""
+    message = error.message
+    if call is not None and call.req.instructions and re.match(r"messages\[0\](\.content)?$", param):
+        return ApiError(re.sub(r"^messages\[0\](\.content)?", "instructions", message), "instructions", error.status,
+                        error.kind, error.code, error.headers)  # fmt: skip
     base = re.split(r"[.\[]", param, maxsplit=1)[0]
     name = _RESPONSES_NAMES.get(base, param or None)
-    message = error.message
     for pattern, spelling in _RESPONSES_SPELLINGS:
         message = pattern.sub(spelling, message)
     return ApiError(message, name, error.status, error.kind, error.code, error.headers)
@@ -254,7 +259,8 @@ def response_id(chat_id: str) -> str:
 
 
 def envelope(call: ResponsesCall, rid: str, status: str, output: list[dict[str, Any]],
-             usage: Optional[dict[str, Any]] = None, error: Optional[dict[str, Any]] = None) -> dict[str, Any]:  # fmt: skip
+             usage: Optional[dict[str, Any]] = None,
+             error: Optional[dict[str, Any]] = None) -> dict[str, Any]:  # fmt: skip
     """The Response object: its state, output items, usage, and the request's settings as OpenAI echoes them."""
     req = call.req
     return {
@@ -439,20 +445,24 @@ class EventStream:
             events.append(self.event("response.content_part.added", item_id=item["id"], output_index=self.open,
                                      content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
         if self.pending and self.open is not None and self.output[self.open]["type"] == "message":
-            # tokens after the last text that wrote none (a stop string's, held back): the message's, as in the body
-            self.output[self.open]["content"][0]["logprobs"] += self.pending
+            # tokens after the last text that wrote none (a stop string's, held back): the message's, as in the
+            # body, sent in a last delta without text so that the deltas' log-probs add up to the done event's
+            events += self._text("", self.pending)
             self.pending = []
         events += self._finish_open(status)
         events.append(self.event(f"response.{status}", response=envelope(self.call, self.rid, status, self.output,
                                                                          usage)))  # fmt: skip
         return events
 
-    def failed(self, error: dict[str, Any]) -> bytes:
-        """A failure after the stream began (the engine failed, the request timed out): response.failed, with
-        OpenAI's code for the server's failures (chat's error types are no Responses code)."""
+    def failed(self, error: dict[str, Any]) -> list[bytes]:
+        """A failure after the stream began (the engine failed, the request timed out): the item being written
+        ends incomplete, then response.failed, with OpenAI's code for the server's failures (chat's error types
+        are no Responses code)."""
+        events = self._finish_open("incomplete")
         body = envelope(self.call, self.rid, "failed", self.output,
                         error={"code": "server_error", "message": str(error.get("message", ""))})  # fmt: skip
-        return self.event("response.failed", response=body)
+        events.append(self.event("response.failed", response=body))
+        return events
 
 
 def chat_events(raw: bytes) -> list[Any]:
@@ -469,16 +479,22 @@ async def stream(call: ResponsesCall, rid: str, chat_stream: AsyncIterator[bytes
     """The Responses stream of one chat stream; `summary` (the request's Summary) holds the usage at its end;
     `block_size`: the prefix cache's (0: off)."""
     events = EventStream(call, rid)
-    for e in events.start():
-        yield e
+    failed = False
     async with aclosing(chat_stream):  # a client gone closes this stream: the chat stream's close aborts the request
-        async for raw in chat_stream:
+        for e in events.start():
+            yield e
+        async for raw in chat_stream:  # read to its end, a failure's too: the request is logged as it ended
             for payload in chat_events(raw):
+                if failed:
+                    continue
                 if "error" in payload:
-                    yield events.failed(payload["error"])
-                    return
+                    failed = True
+                    for e in events.failed(payload["error"]):
+                        yield e
+                    continue
                 for e in events.chunk(payload):
                     yield e
-    for e in events.finish(usage_of(summary.prompt_tokens, summary.completion_tokens, summary.cached_tokens,
-                                    block_size)):  # fmt: skip
-        yield e
+    if not failed:
+        for e in events.finish(usage_of(summary.prompt_tokens, summary.completion_tokens, summary.cached_tokens,
+                                        block_size)):  # fmt: skip
+            yield e

@@ -72,15 +72,16 @@ ABANDONED_WRITE_S = 60.0  # a temp file this old, of a process that is gone, is 
 def remove_abandoned_writes(directory: str | os.PathLike) -> int:
     """Removes the temp files of entry writes whose process died before the rename (".NAME.kv.PID.TID.tmp", older
     than ABANDONED_WRITE_S): no scan counted them, so each crash left up to an entry's bytes beyond the tier's size
-    for ever. A write of a live process, or a recent one (another container's pids are not seen here), is kept.
-    Returns how many went."""
+    for ever. A write that a live process may still be making, or a recent one (another container's pids are not
+    seen here), is kept. Returns how many went."""
     removed, old_before = 0, time.time() - ABANDONED_WRITE_S
     for entry in os.scandir(directory):
         parts = entry.name.split(".")
         if not (entry.name.startswith(".") and entry.name.endswith(".tmp") and len(parts) >= 5 and parts[-3].isdigit()):
             continue
         try:
-            if entry.stat(follow_symlinks=False).st_mtime > old_before or _process_alive(int(parts[-3])):
+            mtime = entry.stat(follow_symlinks=False).st_mtime
+            if mtime > old_before or _writer_may_live(int(parts[-3]), mtime):
                 continue
             os.unlink(entry.path)
             removed += 1
@@ -89,14 +90,32 @@ def remove_abandoned_writes(directory: str | os.PathLike) -> int:
     return removed
 
 
-def _process_alive(pid: int) -> bool:
+def _writer_may_live(pid: int, written_at: float) -> bool:
+    """Whether process `pid` may still be writing a temp file last written at `written_at`: it runs, and it
+    started before then (a restarted server often gets its old pid back, in a container pid 1: a process that
+    started after the write is not its writer). Unknown start times count as alive."""
+    if not 0 < pid <= 1 << 22:  # past any pid_max: no process's
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except OSError:
         return True  # another user's process
-    return True
+    started = _process_start(pid)
+    return started is None or started <= written_at
+
+
+def _process_start(pid: int) -> Optional[float]:
+    """When `pid` started (seconds since the epoch), from /proc; None where that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            ticks = int(f.read().rsplit(b")", 1)[1].split()[19])  # field 22, starttime, after the command name
+        with open("/proc/stat", "rb") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
 
 
 class DiskTier:
