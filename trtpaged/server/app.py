@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from trtpaged import __version__
-from trtpaged.server import responses_api
+from trtpaged.server import responses_api, responses_output
 from trtpaged.server.engine_loop import ClientGone, EngineFailure, EngineLoop, Overloaded, RequestTimeout, ShuttingDown
 from trtpaged.server.errors import ApiError, overloaded
 from trtpaged.server.generation import GenerationService, Submitted, runtime_failure
@@ -244,14 +244,14 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
             raise error from None
         summary = submitted.summary
         if call is not None:  # logged and answered under the Response's id
-            rid = responses_api.response_id(summary.request_id)
+            rid = responses_output.response_id(summary.request_id)
             summary.header_id = rid if summary.header_id == summary.request_id else summary.header_id
             summary.request_id = rid
         headers = {"X-Request-Id": summary.header_id}
         if submitted.req.stream:
             events = _logged_stream(request, submitted, start)
             if call is not None:
-                events = responses_api.stream(call, summary.request_id, events, summary, cache_block_size)
+                events = responses_output.stream(call, summary.request_id, events, summary, cache_block_size)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache",
                                                                                       **headers})  # fmt: skip
         try:
@@ -265,11 +265,11 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
             return error_response(responses_api.renamed(error, call) if call is not None else error)
         _log(request, 200, "", start, submitted)
         if call is not None:
-            usage = responses_api.usage_of(summary.prompt_tokens, summary.completion_tokens, summary.cached_tokens,
-                                           cache_block_size)  # fmt: skip
+            usage = responses_output.usage_of(summary.prompt_tokens, summary.completion_tokens,
+                                              summary.cached_tokens, cache_block_size)  # fmt: skip
+            body = responses_output.response_body(call, answer, usage)
             # ASCII JSON: a lone surrogate the client sent, echoed in the Response, is escaped (a UTF-8 write failed)
-            return Response(json.dumps(responses_api.response_body(call, answer, usage)), media_type="application/json",
-                            headers=headers)  # fmt: skip
+            return Response(json.dumps(body), media_type="application/json", headers=headers)
         return JSONResponse(dump(answer), headers=headers)
 
     async def _logged_stream(request: Request, s: Submitted, start: float) -> AsyncIterator[bytes]:

@@ -1,0 +1,265 @@
+"""The answers of POST /v1/responses (server/responses_api.py translates the request): a finished chat answer
+as a Response object, and a chat stream as the Responses API's typed stream events (`response.created` ...
+`response.completed`, `.incomplete` or `.failed`)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from contextlib import aclosing
+from typing import Any, AsyncIterator, Optional
+
+from pydantic import BaseModel
+
+from trtpaged.server.responses_api import ResponsesCall
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def response_id(chat_id: str) -> str:
+    """The Response's id from its chat answer's ("chatcmpl-X" -> "resp_X")."""
+    return "resp_" + chat_id.removeprefix("chatcmpl-")
+
+
+def envelope(call: ResponsesCall, rid: str, status: str, output: list[dict[str, Any]],
+             usage: Optional[dict[str, Any]] = None,
+             error: Optional[dict[str, Any]] = None) -> dict[str, Any]:  # fmt: skip
+    """The Response object: its state, output items, usage, and the request's settings as OpenAI echoes them."""
+    req = call.req
+    return {
+        "id": rid, "object": "response", "created_at": call.created_at, "status": status, "background": False,
+        "error": error,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "max_tool_calls": None,
+        "model": call.model, "output": output,
+        "parallel_tool_calls": True if req.parallel_tool_calls is None else req.parallel_tool_calls,
+        "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "store": False,
+        "temperature": req.temperature, "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
+        "tool_choice": "auto" if req.tool_choice is None else req.tool_choice, "tools": req.tools or [],
+        "top_logprobs": req.top_logprobs or 0, "top_p": req.top_p, "truncation": "disabled",
+        "usage": usage, "user": req.user, "metadata": req.metadata or {},
+    }  # fmt: skip
+
+
+def usage_of(prompt_tokens: int, output_tokens: int, cached_tokens: int, block_size: int) -> dict[str, Any]:
+    """The Response's usage. `block_size`: the prefix cache's (0: caching off), whose full prompt blocks not found
+    in the cache are written to it once computed (cache_write_tokens)."""
+    written = max(0, prompt_tokens // block_size * block_size - cached_tokens) if block_size else 0
+    return {"input_tokens": prompt_tokens,
+            "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": written},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt_tokens + output_tokens}  # fmt: skip
+
+
+def _text_item(text: str, logprobs: Optional[list], status: str) -> dict[str, Any]:
+    part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
+    if logprobs is not None:
+        part["logprobs"] = logprobs
+    return {"id": _item_id("msg"), "type": "message", "status": status, "role": "assistant", "content": [part]}
+
+
+def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {"id": _item_id("fc"), "type": "function_call", "status": status, "call_id": call_id, "name": name,
+            "arguments": arguments}  # fmt: skip
+
+
+def _text_logprobs(entries: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """The log-prob entries of the tokens that wrote `text`, an answer's text before its calls: those that begin
+    within its bytes (the calls' tokens follow; function_call items carry no log-probs)."""
+    size, seen, kept = len(text.encode("utf-8", "surrogatepass")), 0, []
+    for entry in entries:
+        if seen >= size:
+            break
+        kept.append(entry)
+        seen += len(entry.get("bytes") or b"")
+    return kept
+
+
+def response_body(call: ResponsesCall, chat_answer: BaseModel, usage: dict[str, Any]) -> dict[str, Any]:
+    """The Response object of a finished chat answer (one choice): its text, then its calls; cut by
+    max_output_tokens, the last item is incomplete."""
+    answer = chat_answer.model_dump(mode="json")
+    (choice,) = answer["choices"]
+    message = choice["message"]
+    status = "incomplete" if choice["finish_reason"] == "length" else "completed"
+    calls = message.get("tool_calls") or []
+    output = []
+    if message.get("content") or not calls:
+        text = message.get("content") or ""
+        entries = (choice.get("logprobs") or {}).get("content") or []
+        logprobs = (_text_logprobs(entries, text) if calls else entries) if call.chat_body.get("logprobs") else None
+        output.append(_text_item(text, logprobs, "completed"))
+    for c in calls:
+        output.append(_call_item(c["id"], c["function"]["name"], c["function"]["arguments"], "completed"))
+    output[-1]["status"] = status
+    return envelope(call, response_id(answer["id"]), status, output, usage)
+
+
+class EventStream:
+    """Chat completion chunks (as the chat stream sends them) -> the Responses API's stream events. Items come one
+    after another, each finished before the next is added, as OpenAI streams them."""
+
+    def __init__(self, call: ResponsesCall, rid: str) -> None:
+        self.call, self.rid = call, rid
+        self.sequence = 0
+        self.output: list[dict[str, Any]] = []  # items in output order, as they are so far
+        self.open: Optional[int] = None  # the output index of the item being written, if any
+        self.call_index: dict[int, int] = {}  # chat tool-call index -> output index
+        self.finish_reason: Optional[str] = None
+        self.want_logprobs = bool(call.chat_body.get("logprobs"))
+        self.pending: list[dict[str, Any]] = []  # log-probs of tokens with no text yet (a cut character)
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        data = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        # ASCII JSON: a lone surrogate a client sent (echoed in the Response) is escaped, not a failed write
+        return f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode()
+
+    def start(self) -> list[bytes]:
+        head = envelope(self.call, self.rid, "in_progress", [])
+        return [self.event("response.created", response=head), self.event("response.in_progress", response=head)]
+
+    def chunk(self, chunk: dict[str, Any]) -> list[bytes]:
+        events: list[bytes] = []
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") or {}
+            text = delta.get("content") or ""
+            logprobs = ((choice.get("logprobs") or {}).get("content") or []) if self.want_logprobs else []
+            if text:
+                events += self._text(text, self.pending + logprobs)
+                self.pending = []
+            elif logprobs and not self.call_index:  # a call's tokens carry none (its item has no log-probs)
+                self.pending += logprobs
+            for tc in delta.get("tool_calls") or ():
+                events += self._call(tc)
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+        return events
+
+    def _add(self, item: dict[str, Any], shown: dict[str, Any]) -> list[bytes]:
+        """Finishes the item being written, then adds `item` (`shown`: as the added event shows it)."""
+        events = self._finish_open("completed")
+        self.open = len(self.output)
+        self.output.append(item)
+        events.append(self.event("response.output_item.added", output_index=self.open, item=shown))
+        return events
+
+    def _text(self, text: str, logprobs: list[dict[str, Any]]) -> list[bytes]:
+        events = []
+        if self.open is None or self.output[self.open]["type"] != "message":
+            item = _text_item("", [] if self.want_logprobs else None, "in_progress")
+            events += self._add(item, {**item, "content": []})
+            events.append(self.event("response.content_part.added", item_id=item["id"], output_index=self.open,
+                                     content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
+        item = self.output[self.open]
+        part = item["content"][0]
+        part["text"] += text
+        if self.want_logprobs:
+            part["logprobs"] += logprobs
+        events.append(self.event("response.output_text.delta", item_id=item["id"], output_index=self.open,
+                                 content_index=0, delta=text, logprobs=logprobs))  # fmt: skip
+        return events
+
+    def _call(self, tc: dict[str, Any]) -> list[bytes]:
+        events = []
+        index = tc.get("index", 0)
+        fn = tc.get("function") or {}
+        if index not in self.call_index:
+            self.pending = []  # tokens before the call that wrote no text: the call's own
+            item = _call_item(tc.get("id") or _item_id("call"), fn.get("name") or "", "", "in_progress")
+            events += self._add(item, dict(item))
+            self.call_index[index] = self.open
+        out = self.call_index[index]
+        item = self.output[out]
+        if fn.get("arguments"):
+            item["arguments"] += fn["arguments"]
+            events.append(self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=out,
+                                     delta=fn["arguments"]))  # fmt: skip
+        return events
+
+    def _finish_open(self, status: str) -> list[bytes]:
+        """The done events of the item being written, with its final status."""
+        if self.open is None:
+            return []
+        out, item = self.open, self.output[self.open]
+        self.open = None
+        item["status"] = status
+        events = []
+        if item["type"] == "message":
+            part = item["content"][0]
+            events.append(self.event("response.output_text.done", item_id=item["id"], output_index=out,
+                                     content_index=0, text=part["text"], logprobs=part.get("logprobs") or []))
+            events.append(self.event("response.content_part.done", item_id=item["id"], output_index=out,
+                                     content_index=0, part=part))  # fmt: skip
+        else:
+            events.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=out,
+                                     name=item["name"], arguments=item["arguments"]))  # fmt: skip
+        events.append(self.event("response.output_item.done", output_index=out, item=item))
+        return events
+
+    def finish(self, usage: dict[str, Any]) -> list[bytes]:
+        """The last item's done events (incomplete when cut at max_output_tokens), then response.completed or
+        response.incomplete."""
+        status = "incomplete" if self.finish_reason == "length" else "completed"
+        events: list[bytes] = []
+        if not self.output:  # an empty answer is one empty message, as the non-streamed body has
+            item = _text_item("", [] if self.want_logprobs else None, "in_progress")
+            events += self._add(item, {**item, "content": []})
+            events.append(self.event("response.content_part.added", item_id=item["id"], output_index=self.open,
+                                     content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
+        if self.pending and self.open is not None and self.output[self.open]["type"] == "message":
+            # tokens after the last text that wrote none (a stop string's, held back): the message's, as in the
+            # body, sent in a last delta without text so that the deltas' log-probs add up to the done event's
+            events += self._text("", self.pending)
+            self.pending = []
+        events += self._finish_open(status)
+        events.append(self.event(f"response.{status}", response=envelope(self.call, self.rid, status, self.output,
+                                                                         usage)))  # fmt: skip
+        return events
+
+    def failed(self, error: dict[str, Any]) -> list[bytes]:
+        """A failure after the stream began (the engine failed, the request timed out): the item being written
+        ends incomplete, then response.failed, with OpenAI's code for the server's failures (chat's error types
+        are no Responses code)."""
+        events = self._finish_open("incomplete")
+        body = envelope(self.call, self.rid, "failed", self.output,
+                        error={"code": "server_error", "message": str(error.get("message", ""))})  # fmt: skip
+        events.append(self.event("response.failed", response=body))
+        return events
+
+
+def chat_events(raw: bytes) -> list[Any]:
+    """The JSON payloads of the chat stream's Server-Sent Events in `raw` ("[DONE]" left out)."""
+    out = []
+    for block in raw.decode().split("\n\n"):
+        if block.startswith("data: ") and block[6:] != "[DONE]":
+            out.append(json.loads(block[6:]))
+    return out
+
+
+async def stream(call: ResponsesCall, rid: str, chat_stream: AsyncIterator[bytes], summary: Any,
+                 block_size: int) -> AsyncIterator[bytes]:  # fmt: skip
+    """The Responses stream of one chat stream; `summary` (the request's Summary) holds the usage at its end;
+    `block_size`: the prefix cache's (0: off)."""
+    events = EventStream(call, rid)
+    failed = False
+    async with aclosing(chat_stream):  # a client gone closes this stream: the chat stream's close aborts the request
+        for e in events.start():
+            yield e
+        async for raw in chat_stream:  # read to its end, a failure's too: the request is logged as it ended
+            for payload in chat_events(raw):
+                if failed:
+                    continue
+                if "error" in payload:
+                    failed = True
+                    for e in events.failed(payload["error"]):
+                        yield e
+                    continue
+                for e in events.chunk(payload):
+                    yield e
+    if not failed:
+        for e in events.finish(usage_of(summary.prompt_tokens, summary.completion_tokens, summary.cached_tokens,
+                                        block_size)):  # fmt: skip
+            yield e
