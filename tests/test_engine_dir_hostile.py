@@ -479,7 +479,7 @@ def test_serve_refuses_a_bad_port_and_too_many_kv_blocks_in_one_line(tiny_engine
     assert r.exit_code == 2 and "Traceback" not in r.output and "70000 is not in the range 0<=x<=65535" in r.output
     r = _cli("serve", str(tiny_engine_dir), "--port", "0", "--num-kv-blocks", str(2**31 - 1), "--device", "cpu")
     lines = r.output.strip().splitlines()
-    assert r.exit_code == 1 and lines[-1].startswith("Error: num_kv_blocks: 2147483647 blocks"), r.output
+    assert r.exit_code == 1 and lines[-1].startswith("Error: --num-kv-blocks: 2147483647 blocks"), r.output
     assert "Traceback" not in r.output
 
 

@@ -166,7 +166,7 @@ def test_generate_cli_refuses_a_huge_n_in_one_line(tiny_engine_dir):
     result = CliRunner().invoke(main, ["generate", str(tiny_engine_dir), "--prompt", "hi", "--n", str(10**12)])
     assert result.exit_code == 1, result.output
     lines = result.output.strip().splitlines()
-    assert lines == ["Error: n: 1000000000000 sequences exceeds max_batch_size (8)"], result.output
+    assert lines == ["Error: --n: 1000000000000 sequences exceeds max_batch_size (8)"], result.output
 
 
 def test_generate_cli_reports_a_request_that_failed_in_a_step(tiny_engine_dir, monkeypatch):

@@ -58,15 +58,15 @@ def command(engine, prompt, chat, max_tokens, temperature, top_p, seed, n, beam_
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, n=n,
                                 beam_width=beam_width, output_kind=kind)  # fmt: skip
-        if params.n > 1 and params.greedy and not params.use_beam_search:
-            click.echo(f"note: --n {params.n} at --temperature {temperature:g} (greedy): the samples are one answer "
-                       "repeated; give a --temperature above 0 to sample", err=True)  # fmt: skip
         llm = LLM(engine, backend=backend, device=device, speculative_config=speculative_config)
         request = llm.chat_prompt([{"role": "user", "content": prompt}]) if chat else prompt
         loop = llm.engine
         request_id = loop.add_request(request, params)
     except (ValueError, FileNotFoundError) as e:
         raise click.ClickException(flag_error(str(e), FLAGS, MENTIONED)) from None
+    if params.n > 1 and params.greedy and not params.use_beam_search:
+        click.echo(f"note: --n {params.n} at --temperature {temperature:g} (greedy): the samples are one answer "
+                   "repeated; give a --temperature above 0 to sample", err=True)  # fmt: skip
     final = None
     while loop.has_unfinished():
         for out in loop.step():
