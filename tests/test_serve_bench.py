@@ -112,6 +112,11 @@ def test_serve_ratio_refuses_max_tokens_the_engine_has_no_room_for(tiny_engine_d
                                        str(room + 1), "--concurrency", "2"])  # fmt: skip
     assert result.exit_code == 1 and result.exception.__class__ is SystemExit, result.output
     assert f"--max-tokens {room + 1}" in result.output and f"at most {room}" in result.output
+    # a smaller max_seq_len given to the servers leaves less room
+    smaller = CliRunner().invoke(main, ["bench", "serve-ratio", str(tiny_engine_dir), "--repeats", "1", "--max-tokens",
+                                        str(room), "--concurrency", "2", "--server-arg=--max-model-len",
+                                        f"--server-arg={llm.config.max_seq_len - 1}"])  # fmt: skip
+    assert smaller.exit_code == 1 and f"at most {room - 1}" in smaller.output, smaller.output
 
 
 def test_serve_ratio_labels_a_noisy_run_s_ratios_indicative():

@@ -292,6 +292,14 @@ def test_bench_structured_times_full_batches_and_counts_constrained_rows(tiny_en
     assert "ratio (median of rounds)" in format_structured(report)
 
 
+def test_bench_structured_default_batch_fits_the_engine(tiny_engine_dir):
+    """The default 16 requests were refused by an engine built for 8; the default is now what the engine takes."""
+    from trtpaged.bench.structured_bench import run_structured_bench
+
+    report = run_structured_bench(tiny_engine_dir, steps=2, repeats=1)
+    assert report["batch"] == 8  # examples/tiny.yaml's max_batch_size
+
+
 
 def test_the_special_token_that_ends_an_output_is_not_its_text(llm):
     """With skip_special_tokens=False the EOS that ended a sequence stays out of its text (vLLM's rule), unless

@@ -386,14 +386,28 @@ class ServeArm:
         return texts, rate
 
 
-def check_room(llm: Any, concurrency: int, max_tokens: int) -> None:
-    """Refuses a --max-tokens the engine's max_seq_len leaves no room for beside the longest of the prompts, before
-    any server starts (the server refused every request, and the benchmark ended in the client's traceback)."""
+def check_room(llm: Any, concurrency: int, max_tokens: int, server_args: Sequence[str] = ()) -> None:
+    """Refuses a --max-tokens the engine's max_seq_len (or a smaller one the servers are given, `--max-seq-len` /
+    `--max-model-len` among `server_args`) leaves no room for beside the longest of the prompts, before any server
+    starts (the server refused every request, and the benchmark ended in the client's traceback)."""
     longest = max(len(llm.chat_prompt(conversation(i))) for i in range(max(concurrency, 1)))
-    room = llm.config.max_seq_len - longest
+    limit = min([llm.config.max_seq_len, *_server_seq_lens(server_args)])
+    room = limit - longest
     if max_tokens > room:
         raise ValueError(f"--max-tokens {max_tokens}: the benchmark's longest prompt has {longest} tokens on this "
-                         f"engine, so its max_seq_len ({llm.config.max_seq_len}) leaves room for at most {room}")
+                         f"engine, so its max_seq_len ({limit}) leaves room for at most {room}")
+
+
+def _server_seq_lens(server_args: Sequence[str]) -> list[int]:
+    """The max_seq_len values among the servers' arguments (`--max-seq-len N`, `--max-model-len=N`)."""
+    found, args = [], list(server_args)
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if name in ("--max-seq-len", "--max-model-len"):
+            value = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+            if value.isdigit():
+                found.append(int(value))
+    return found
 
 
 def run_serve_ratio(engine: Path, repeats: int = 5, max_tokens: int = 128, concurrency: int = 16,
@@ -406,7 +420,7 @@ def run_serve_ratio(engine: Path, repeats: int = 5, max_tokens: int = 128, concu
     progress("loading the engine in this process and starting trtpaged serve"
              + (f" at stream intervals {', '.join(map(str, intervals))}" if len(intervals) > 1 else ""))
     api = ApiSide(engine)
-    check_room(api.llm, concurrency, max_tokens)
+    check_room(api.llm, concurrency, max_tokens, server_args)
     arms: list[ServeArm] = []
     monitor = NoiseMonitor()
     api_series = {"single": Series("Python API decode (tok/s)"),

@@ -14,7 +14,7 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from trtpaged.bench.noise import Noise, NoiseMonitor, interval_verdict
 from trtpaged.runtime.sampling_params import SamplingParams, StructuredOutputsParams
@@ -56,12 +56,19 @@ def _decode_step_times(llm: Any, prompts: list[str], params: list[SamplingParams
     return times
 
 
-def run_structured_bench(engine_dir: Path, batch: int = 16, steps: int = 32, repeats: int = 5,
-                         temperature: float = 0.0, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:  # fmt: skip
-    """The report (a dict): per-round median step times, the ratio and its verdict, compile time, load."""
+DEFAULT_BATCH = 16
+
+
+def run_structured_bench(engine_dir: Path, batch: Optional[int] = None, steps: int = 32, repeats: int = 5,
+                         temperature: float = 0.0,
+                         progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:  # fmt: skip
+    """The report (a dict): per-round median step times, the ratio and its verdict, compile time, load. `batch`:
+    requests decoding together (None: DEFAULT_BATCH, or the engine's max_batch_size when that is smaller)."""
     from trtpaged.runtime.llm import LLM
 
     llm = LLM(engine_dir)
+    if batch is None:
+        batch = min(DEFAULT_BATCH, llm.config.max_batch_size)
     if batch > llm.config.max_batch_size:
         raise ValueError(f"--batch: {batch} exceeds the engine's max_batch_size ({llm.config.max_batch_size})")
     prompts = _prompts(batch)

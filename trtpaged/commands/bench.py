@@ -470,7 +470,8 @@ def serve_ratio(engine, repeats, max_tokens, concurrency, server_args, stream_in
 
 @command.command(name="structured")
 @click.argument("engine", type=click.Path(exists=True, file_okay=False))
-@click.option("--batch", type=click.IntRange(min=2), default=16, show_default=True, help="Requests decoding together.")
+@click.option("--batch", type=click.IntRange(min=2), default=None,
+              help="Requests decoding together (default: 16, or the engine's max_batch_size when smaller).")
 @click.option("--steps", type=click.IntRange(min=2), default=32, show_default=True, help="Decode steps timed per run.")
 @click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="Interleaved rounds.")
 @click.option("--temperature", type=FiniteFloatRange(min=0.0), default=0.0, show_default=True,
