@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from trtpaged.bench.multi_turn import MultiTurnSpec, run_multi_turn
+from trtpaged.bench.multi_turn import MultiTurnSpec, conversation_words, request_body, run_multi_turn
 from trtpaged.bench.redis_process import RedisProcess
 
 ROW_GROUPS = ("unbounded", "off", "host", "disk", "remote")
@@ -140,20 +140,14 @@ CHECKED_ROUNDS = 4  # rounds whose conversations check_turns_fit tokenizes (late
 def conversation_prompts(spec: MultiTurnSpec, seed: int, variant: int) -> list[list[str]]:
     """Each conversation's prompt text at each turn as `run_multi_turn` sends it (plain text), with every earlier
     reply empty: the replies are not known before the run, so each is a lower bound of the prompt it stands for."""
-    import random
-
-    from trtpaged.bench.multi_turn import _body, _words
-
-    system = _words(random.Random(seed), spec.system_words)  # run_multi_turn's draws, in its order
-    rng = random.Random(f"{seed}/{variant}")
-    users = [[_words(rng, spec.user_words) for _ in range(spec.turns)] for _ in range(spec.conversations)]
+    system, users = conversation_words(spec, seed, variant)
     prompts = []
     for conversation in users:
         history = [{"role": "system", "content": system}] if system else []
         texts = []
         for user in conversation:
             history.append({"role": "user", "content": user})
-            texts.append(_body(history, spec, None, False)["prompt"])
+            texts.append(request_body(history, spec, None, False)["prompt"])
             history.append({"role": "assistant", "content": ""})
         prompts.append(texts)
     return prompts

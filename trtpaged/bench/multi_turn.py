@@ -72,7 +72,15 @@ def _words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(n))
 
 
-def _body(history: list[dict[str, str]], spec: MultiTurnSpec, model: Optional[str], chat: bool,
+def conversation_words(spec: MultiTurnSpec, seed: int, variant: int) -> tuple[str, list[list[str]]]:
+    """The system prompt (of `seed` alone) and each conversation's user messages (of `seed` and `variant`), in turn
+    order: the texts `run_multi_turn` sends, which `kv_tiers_bench.check_turns_fit` measures before a run."""
+    system = _words(random.Random(seed), spec.system_words)
+    rng = random.Random(f"{seed}/{variant}")
+    return system, [[_words(rng, spec.user_words) for _ in range(spec.turns)] for _ in range(spec.conversations)]
+
+
+def request_body(history: list[dict[str, str]], spec: MultiTurnSpec, model: Optional[str], chat: bool,
           cache_salt: Optional[str] = None) -> dict[str, Any]:  # fmt: skip
     body: dict[str, Any] = {"max_tokens": spec.output_tokens, "stream": True, "temperature": 0.0,
                             "stream_options": {"include_usage": True}, "ignore_eos": True}  # fmt: skip
@@ -104,9 +112,7 @@ async def run_multi_turn(
 
     url = base_url.rstrip("/") + ("/v1/chat/completions" if chat else "/v1/completions")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    system = _words(random.Random(seed), spec.system_words)
-    rng = random.Random(f"{seed}/{variant}")
-    users = [[_words(rng, spec.user_words) for _ in range(spec.turns)] for _ in range(spec.conversations)]
+    system, users = conversation_words(spec, seed, variant)
     pauses = _pauses(spec, random.Random(f"{seed}/{variant}/think"))
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     connections = max_concurrency or spec.conversations
@@ -122,7 +128,7 @@ async def run_multi_turn(
                 if pauses[c][turn]:
                     await asyncio.sleep(pauses[c][turn])
                 history.append({"role": "user", "content": users[c][turn]})
-                body = _body(history, spec, model, chat, cache_salt)
+                body = request_body(history, spec, model, chat, cache_salt)
                 if limit is None:
                     result = await _one(client, url, body, headers)
                 else:
