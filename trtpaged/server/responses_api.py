@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from trtpaged.server.errors import ApiError
 from trtpaged.server.protocol import check_model, validated
-from trtpaged.server.schemas import ResponsesRequest
+from trtpaged.server.schemas import GenerationFields, ResponsesRequest
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # include values that name outputs this server never makes (built-in tools, images, reasoning): nothing to add
@@ -26,10 +26,9 @@ _NOTHING_TO_INCLUDE = frozenset({
     "message.input_image.image_url", "reasoning.encrypted_content", "web_search_call.results",
     "web_search_call.action.sources",
 })  # fmt: skip
-# chat fields that carry over under the same name and meaning (vLLM's sampling extras among them)
-_SAME_FIELDS = ("model", "temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                "frequency_penalty", "stop", "user", "metadata", "service_tier", "prompt_cache_key",
-                "safety_identifier", "parallel_tool_calls", "cache_salt", "request_id", "structured_outputs")
+# chat fields that carry over under the same name and meaning (vLLM's sampling extras among them); `store` does
+# not: the answer says false whatever was asked
+_SAME_FIELDS = tuple(name for name in GenerationFields.model_fields if name != "store") + ("parallel_tool_calls",)
 # a chat field's name in a refusal -> the Responses field the client sent
 _RESPONSES_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens",
                     "max_tokens": "max_output_tokens", "response_format": "text.format", "logprobs": "include",

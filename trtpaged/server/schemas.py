@@ -37,23 +37,33 @@ class _PlatformFields(_Strict):
     safety_identifier: Optional[StrictStr] = None
 
 
-class _SamplingFields(_PlatformFields):
-    """Fields shared by completions and chat completions (OpenAI, plus vLLM's extensions)."""
+class GenerationFields(_PlatformFields):
+    """Fields every generation endpoint reads under the same name and meaning: completions, chat completions and
+    the Responses API (OpenAI's, plus vLLM's sampling extensions)."""
 
     model: Optional[StrictStr] = None
-    max_tokens: Optional[StrictInt] = None
-    min_tokens: Optional[StrictInt] = None  # vLLM: no EOS / stop before this many tokens
     temperature: Optional[Number] = None
     top_p: Optional[Number] = None
     top_k: Optional[StrictInt] = None
     min_p: Optional[Number] = None
-    n: Optional[StrictInt] = None
     seed: Optional[StrictInt] = None
     presence_penalty: Optional[Number] = None
     frequency_penalty: Optional[Number] = None
     repetition_penalty: Optional[Number] = None
-    length_penalty: Optional[Number] = None
     stop: Optional[Union[StrictStr, list[StrictStr]]] = None
+    user: Optional[StrictStr] = None
+    request_id: Optional[StrictStr] = None  # vLLM: the caller's id; the answer's id is "cmpl-<it>" ("chatcmpl-<it>")
+    cache_salt: Optional[StrictStr] = None  # vLLM: prefix-cache blocks are shared only under the same salt
+    structured_outputs: Optional[dict[str, Any]] = None  # vLLM's (docs/structured_outputs.md)
+
+
+class _SamplingFields(GenerationFields):
+    """Fields shared by completions and chat completions (OpenAI, plus vLLM's extensions)."""
+
+    max_tokens: Optional[StrictInt] = None
+    min_tokens: Optional[StrictInt] = None  # vLLM: no EOS / stop before this many tokens
+    n: Optional[StrictInt] = None
+    length_penalty: Optional[Number] = None
     stop_token_ids: Optional[list[StrictInt]] = None
     ignore_eos: Optional[StrictBool] = None
     include_stop_str_in_output: Optional[StrictBool] = None
@@ -66,7 +76,6 @@ class _SamplingFields(_PlatformFields):
     best_of: Optional[StrictInt] = None
     beam_width: Optional[StrictInt] = None
     early_stopping: Optional[Union[StrictBool, Literal["never"]]] = None
-    user: Optional[StrictStr] = None
     logit_bias: Optional[dict[str, Number]] = None  # token id (as a string, OpenAI's form) -> bias
     allowed_token_ids: Optional[list[StrictInt]] = None  # vLLM
     bad_words: Optional[Union[StrictStr, list[StrictStr]]] = None  # vLLM
@@ -76,11 +85,8 @@ class _SamplingFields(_PlatformFields):
     priority: Optional[StrictInt] = None  # vLLM: only 0 without priority scheduling (this server: first come first)
     return_tokens_as_token_ids: Optional[StrictBool] = None  # vLLM: logprobs name tokens "token_id:<id>"
     return_token_ids: Optional[StrictBool] = None  # vLLM: the prompt's and each choice's token ids in the answer
-    request_id: Optional[StrictStr] = None  # vLLM: the caller's id; the answer's id is "cmpl-<it>" ("chatcmpl-<it>")
-    cache_salt: Optional[StrictStr] = None  # vLLM: prefix-cache blocks are shared only under the same salt
     # Structured outputs (docs/structured_outputs.md): OpenAI's response_format, vLLM's two spellings
     response_format: Optional[dict[str, Any]] = None
-    structured_outputs: Optional[dict[str, Any]] = None
     guided_json: Optional[Union[StrictStr, dict[str, Any]]] = None
     guided_regex: Optional[StrictStr] = None
     guided_choice: Optional[list[StrictStr]] = None
@@ -138,16 +144,13 @@ class ChatCompletionRequest(_SamplingFields):
     web_search_options: Optional[dict[str, Any]] = None
 
 
-class ResponsesRequest(_PlatformFields):
+class ResponsesRequest(GenerationFields):
     """POST /v1/responses (OpenAI's Responses API; server/responses_api.py serves it through chat). Items, tools
     and text.format are checked there, where their errors can name the item."""
 
-    model: Optional[StrictStr] = None
     input: Union[StrictStr, list[Any]]
     instructions: Optional[StrictStr] = None
     max_output_tokens: Optional[StrictInt] = None
-    temperature: Optional[Number] = None
-    top_p: Optional[Number] = None
     top_logprobs: Optional[StrictInt] = None
     include: Optional[list[StrictStr]] = None
     stream: StrictBool = False
@@ -163,19 +166,7 @@ class ResponsesRequest(_PlatformFields):
     conversation: Optional[Any] = None
     prompt: Optional[dict[str, Any]] = None
     background: Optional[StrictBool] = None
-    user: Optional[StrictStr] = None
     prompt_cache_retention: Optional[StrictStr] = None  # a platform field of the Responses API only
-    # vLLM's sampling extensions, as on chat
-    seed: Optional[StrictInt] = None
-    top_k: Optional[StrictInt] = None
-    min_p: Optional[Number] = None
-    repetition_penalty: Optional[Number] = None
-    presence_penalty: Optional[Number] = None
-    frequency_penalty: Optional[Number] = None
-    stop: Optional[Union[StrictStr, list[StrictStr]]] = None
-    cache_salt: Optional[StrictStr] = None
-    request_id: Optional[StrictStr] = None
-    structured_outputs: Optional[dict[str, Any]] = None  # vLLM's (docs/structured_outputs.md), beside text.format
 
 
 # ---- responses -----------------------------------------------------------------------------------
