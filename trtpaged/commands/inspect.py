@@ -43,11 +43,10 @@ def command(engine_dir: Path, avg_len: int | None, memory: int | None, as_json: 
     from trtpaged.models.loading import checked_weights
     from trtpaged.runtime.llm import load_tokenizer
 
-    memory_bytes = memory  # bytes (Size), bounded
     try:
         manifest = read_manifest(engine_dir)
         _check_avg_len(avg_len, manifest)  # before the files are hashed (seconds for a large engine)
-        if memory_bytes is not None and manifest.kv_cache.fraction is None:
+        if memory is not None and manifest.kv_cache.fraction is None:
             click.echo("--memory: not used: this engine's KV budget does not depend on free memory (it is "
                        f"{_budget(manifest)}; only a `fraction` budget does)", err=True)  # fmt: skip
         start = time.perf_counter()
@@ -56,14 +55,14 @@ def command(engine_dir: Path, avg_len: int | None, memory: int | None, as_json: 
         for rank in range(manifest.tensor_parallel):
             checked_weights(engine_dir, manifest, rank)
         tokenizer = load_tokenizer(engine_dir, manifest)
-        plan = plan_memory(manifest, memory_bytes)
+        plan = plan_memory(manifest, memory)
         draft_plan = None
         if draft_dir is not None:
             from trtpaged.runtime.draft import check_draft
             from trtpaged.runtime.speculative import estimate_draft_token_cost
 
             draft_manifest = check_draft(str(draft_dir), manifest, tokenizer, manifest.limits.max_seq_len)
-            draft_plan = plan_memory(draft_manifest, memory_bytes)
+            draft_plan = plan_memory(draft_manifest, memory)
             draft_cost = estimate_draft_token_cost(held_weight_bytes(Path(draft_dir), draft_manifest),
                                                    held_weight_bytes(engine_dir, manifest))  # fmt: skip
     except (OSError, ValueError) as e:

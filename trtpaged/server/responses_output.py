@@ -146,13 +146,18 @@ class EventStream:
         events.append(self.event("response.output_item.added", output_index=self.open, item=shown))
         return events
 
+    def _open_text(self) -> list[bytes]:
+        """Adds an empty message item and its text part, unless a message is being written."""
+        if self.open is not None and self.output[self.open]["type"] == "message":
+            return []
+        item = _text_item("", [] if self.want_logprobs else None, "in_progress")
+        events = self._add(item, {**item, "content": []})
+        events.append(self.event("response.content_part.added", item_id=item["id"], output_index=self.open,
+                                 content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
+        return events
+
     def _text(self, text: str, logprobs: list[dict[str, Any]]) -> list[bytes]:
-        events = []
-        if self.open is None or self.output[self.open]["type"] != "message":
-            item = _text_item("", [] if self.want_logprobs else None, "in_progress")
-            events += self._add(item, {**item, "content": []})
-            events.append(self.event("response.content_part.added", item_id=item["id"], output_index=self.open,
-                                     content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
+        events = self._open_text()
         item = self.output[self.open]
         part = item["content"][0]
         part["text"] += text
@@ -205,10 +210,7 @@ class EventStream:
         status = "incomplete" if self.finish_reason == "length" else "completed"
         events: list[bytes] = []
         if not self.output:  # an empty answer is one empty message, as the non-streamed body has
-            item = _text_item("", [] if self.want_logprobs else None, "in_progress")
-            events += self._add(item, {**item, "content": []})
-            events.append(self.event("response.content_part.added", item_id=item["id"], output_index=self.open,
-                                     content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
+            events += self._open_text()
         if self.pending and self.open is not None and self.output[self.open]["type"] == "message":
             # tokens after the last text that wrote none (a stop string's, held back): the message's, as in the
             # body, sent in a last delta without text so that the deltas' log-probs add up to the done event's
