@@ -4,6 +4,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PROMPT=${1:-"What is the capital of France?"}
+# CUDA kernels only where a GPU could run them: nvcc compiles them for minutes on a machine without one
+if [ -z "${TRTPAGED_CUDA:-}" ] && ! { ls /dev/nvidia[0-9]* >/dev/null 2>&1 || nvidia-smi -L >/dev/null 2>&1; }; then
+  echo "[quickstart] no NVIDIA GPU here: the CUDA kernels are not built (TRTPAGED_CUDA=AUTO builds them anyway)"
+  export TRTPAGED_CUDA=OFF
+fi
 bash scripts/setup.sh
 ENGINE=engines/smollm2-int4
 if [ ! -f "$ENGINE/trtpaged.json" ]; then

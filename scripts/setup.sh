@@ -69,7 +69,13 @@ if [ ! -f /usr/include/nlohmann/json.hpp ]; then
     step "nlohmann-json3-dev is missing and cannot be installed here: the C runtime library will be skipped"
   fi
 fi
-step "building and installing trtpaged (CMake: CPU kernels, CUDA kernels where nvcc is found, C runtime)"
-"$PY" -m pip install -q --no-build-isolation --no-deps -e .
+# TRTPAGED_CUDA: AUTO (default) builds the CUDA kernels where nvcc is found, ON requires them, OFF skips them
+CUDA_CHOICE=${TRTPAGED_CUDA:-AUTO}
+case "$CUDA_CHOICE" in
+  AUTO|ON|OFF) ;;
+  *) echo "[setup] TRTPAGED_CUDA must be AUTO, ON or OFF, got '$CUDA_CHOICE'" >&2; exit 2 ;;
+esac
+step "building and installing trtpaged (CMake: CPU kernels, CUDA kernels: $CUDA_CHOICE, C runtime)"
+"$PY" -m pip install -q --no-build-isolation --no-deps -C cmake.define.TRTPAGED_CUDA="$CUDA_CHOICE" -e .
 "$PY" -c "from trtpaged import kernels; print('[setup] kernel library', kernels.version(), '(CUDA kernels: %s)' % ('yes, sm_' + kernels.cuda_archs() if kernels.has_cuda() else 'no'))"
 step "done in $((SECONDS - started))s"
