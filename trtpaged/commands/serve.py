@@ -16,6 +16,7 @@ from trtpaged.commands.option_types import FiniteFloatRange, OutputFile, Size, f
 from trtpaged.commands.stdout import echo
 from trtpaged.errors import FatalEngineError
 from trtpaged.manifest import BACKENDS
+from trtpaged.runtime.runtime_config import SCHEDULING_POLICIES
 
 
 def _not_empty(value, param):
@@ -58,6 +59,9 @@ def _not_empty(value, param):
                    "memory.")
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True,
               help="Share the KV blocks of equal prompt prefixes between requests (vLLM's flag).")
+@click.option("--scheduling-policy", type=click.Choice(SCHEDULING_POLICIES), default="fcfs", show_default=True,
+              help="vLLM's: fcfs serves requests in arrival order (a request's priority must be 0); priority serves "
+                   "lower `priority` values first, then arrival, and preempts the highest first.")
 @click.option("--gpu-memory-utilization", type=FiniteFloatRange(0.0, 1.0, min_open=True), default=None,
               help="vLLM's: accepted and checked, without effect: the KV pool is the engine's kv_cache budget "
                    "(--num-kv-blocks sets it).")
@@ -98,7 +102,7 @@ def _not_empty(value, param):
                    "auto: when the workers and the engine thread fill every core the process may use.")
 def command(engine, host, port, served_model_name, api_key, max_waiting, request_timeout, shutdown_timeout,
             max_body_bytes, max_prompt_tokens, max_batch_size, max_num_tokens, max_seq_len, num_kv_blocks,
-            enable_prefix_caching, gpu_memory_utilization, dtype, backend,
+            enable_prefix_caching, scheduling_policy, gpu_memory_utilization, dtype, backend,
             device, tensor_parallel_size, speculative_config, kv_host_memory, kv_disk_path, kv_disk_size, kv_remote,
             kv_secret_file, request_log, request_log_prompts, stream_interval, pin_threads) -> None:  # fmt: skip
     """Serve ENGINE over /v1/completions, /v1/chat/completions, /v1/responses, /v1/models, /tokenize, /detokenize,
@@ -129,7 +133,8 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
                 max_batch_size=max_batch_size, max_seq_len=max_seq_len, tensor_parallel=tensor_parallel_size,
                 speculative_config=speculative_config,
                 kv_tiers=tier_options(kv_host_memory, kv_disk_path, kv_disk_size, kv_remote, kv_secret_file),
-                enable_prefix_caching=enable_prefix_caching, **vllm_only(gpu_memory_utilization, dtype),
+                enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy,
+                **vllm_only(gpu_memory_utilization, dtype),
             )  # fmt: skip
     except (ValueError, FileNotFoundError, OSError, FatalEngineError) as e:
         message = e.strerror if isinstance(e, OSError) and e.strerror and e.filename is None else str(e)

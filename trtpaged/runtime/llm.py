@@ -202,7 +202,9 @@ class LLM:
     has a sliding window (Mistral-style), blocks wholly before a sequence's window go back to the pool as
     it advances; `reclaim_windowed_blocks=False` keeps them (docs/families.md). A request may ask for at most
     `max_logprobs` top log-probs per token (`logprobs`, `prompt_logprobs`; vLLM's default 20, -1: the whole
-    vocabulary).
+    vocabulary). `scheduling_policy="priority"` (vLLM's) serves requests by their priority (lower first, then
+    arrival: `generate(..., priority=[...])`, the server's `priority` field) and preempts the lowest first; the
+    default "fcfs" serves them in arrival order and accepts only priority 0.
 
     `tensor_parallel=N` (default: the engine's) runs an engine built with
     `tensor_parallel: N` on N ranks: the other N-1 start here as processes (CPU: gloo over loopback;
@@ -244,6 +246,7 @@ class LLM:
         max_seq_len: Optional[int] = None,
         enable_prefix_caching: bool = True,
         preemption_mode: str = "recompute",
+        scheduling_policy: str = "fcfs",
         num_host_blocks: int = 0,
         tensor_parallel: Optional[int] = None,
         speculative_config: Union[None, str, dict, SpeculativeConfig] = None,
@@ -287,6 +290,7 @@ class LLM:
             max_seq_len=_tightened("max_seq_len", max_seq_len, limits.max_seq_len),
             enable_prefix_caching=enable_prefix_caching,
             preemption_mode=preemption_mode,
+            scheduling_policy=scheduling_policy,
             num_host_blocks=num_host_blocks,
             speculative=SpeculativeConfig.parse(speculative_config),
             # a model whose every layer is windowed returns the blocks before each sequence's window
@@ -355,6 +359,7 @@ class LLM:
         sampling_params: Union[None, SamplingParams, Seq[SamplingParams]] = None,
         use_tqdm: Union[bool, Callable[..., Any]] = True,
         lora_request: None = None,
+        priority: Optional[Seq[int]] = None,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in prompt order.
 
@@ -363,7 +368,8 @@ class LLM:
         API, a `max_tokens` past the room the prompt leaves in max_seq_len is cut to that room (the output then
         ends "length" there); a prompt that leaves no room is refused.
         `use_tqdm` (vLLM's): a progress bar of finished prompts on a terminal (a callable: the tqdm-like class to
-        use); `lora_request` must be None (no adapters here).
+        use); `lora_request` must be None (no adapters here). `priority` (vLLM's): one per prompt, under
+        `scheduling_policy="priority"`; lower values are served first.
         Calls from several threads run one at a time (vLLM's LLM leaves that to the caller); one from inside a
         running call (its progress bar's callback) or after `close()` raises RuntimeError.
         A prompt that fails inside a step on its own (e.g. NaN logits in its rows) comes back finished,
@@ -381,12 +387,15 @@ class LLM:
         wrong = next((sp for sp in per_prompt if not isinstance(sp, SamplingParams)), None)
         if wrong is not None:
             raise TypeError(f"sampling_params: a SamplingParams or a list of them, got {type(wrong).__name__}")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"priority: {len(priorities)} given for {len(prompts)} prompts")
         final_only = RequestOutputKind.FINAL_ONLY  # only the finished outputs are kept: build no others
         per_prompt = [dataclasses.replace(sp, output_kind=final_only,
                                           **({"cache_salt": salt} if salt is not None else {}))
                       for sp, salt in zip(per_prompt, salts)]  # fmt: skip
         with self._one_call("generate"):
-            return self._run(prompts, per_prompt, use_tqdm)
+            return self._run(prompts, per_prompt, use_tqdm, priorities)
 
     @contextlib.contextmanager
     def _one_call(self, name: str) -> Iterator[None]:
@@ -403,13 +412,14 @@ class LLM:
             finally:
                 self._caller = None
 
-    def _run(self, prompts: list, per_prompt: list[SamplingParams], use_tqdm: Any) -> list[RequestOutput]:
+    def _run(self, prompts: list, per_prompt: list[SamplingParams], use_tqdm: Any,
+             priorities: Optional[list[int]] = None) -> list[RequestOutput]:  # fmt: skip
         ids: list[str] = []
         results: dict[str, RequestOutput] = {}
         bar = None
         try:
-            for p, sp in zip(prompts, per_prompt):
-                ids.append(self.engine.add_request(p, sp, fit_max_tokens=True))
+            for p, sp, priority in zip(prompts, per_prompt, priorities or [0] * len(prompts)):
+                ids.append(self.engine.add_request(p, sp, fit_max_tokens=True, priority=priority))
             bar = _progress_bar(use_tqdm, len(ids))
             while self.engine.has_unfinished():
                 for out in self.engine.step():

@@ -41,6 +41,18 @@ TTFT_RECORDS = 4096  # the most recent requests `ttft_breakdown` keeps
 _PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
 
 
+PRIORITY_BOUND = 1 << 63  # priorities are in [-2**63, 2**63): what a client's int64 holds
+
+
+def check_priority(priority: Any, policy: str) -> None:
+    """Raises RequestError naming `priority` unless it is an int64, and 0 where the policy is not "priority"."""
+    if isinstance(priority, bool) or not isinstance(priority, int) or not -PRIORITY_BOUND <= priority < PRIORITY_BOUND:
+        raise RequestError("priority", f"must be an integer in [-2**63, 2**63), got {priority!r:.40}")
+    if priority != 0 and policy != "priority":
+        raise RequestError("priority", f"{priority} needs priority scheduling (scheduling_policy \"priority\", serve "
+                                       f"--scheduling-policy priority); under {policy!r} only 0 is accepted")
+
+
 def prompt_salt(prompt: Any) -> Optional[str]:
     """A vLLM prompt dict's cache_salt (None without one)."""
     return prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
@@ -153,13 +165,15 @@ class LLMEngine:
 
     def add_request(self, prompt: Union[Prompt, Mapping[str, Any]], params: Optional[SamplingParams] = None,
                     request_id: Optional[str] = None, arrival_time: Optional[float] = None,
-                    fit_max_tokens: bool = False) -> str:  # fmt: skip
+                    fit_max_tokens: bool = False, priority: int = 0) -> str:  # fmt: skip
         """Queues a request; raises `RequestError` (naming the field and limit) if it can never run. `prompt`: text,
         token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids} with an optional "cache_salt" (which
         wins over params.cache_salt, as in `LLM.generate`).
         `arrival_time` (time.monotonic()): when it reached the server, for `ttft_breakdown`. `fit_max_tokens`: a
         max_tokens past the room the prompt leaves in max_seq_len is cut to that room (vLLM's offline API), where
-        it is otherwise refused (its server)."""
+        it is otherwise refused (its server). `priority` (vLLM's): under the "priority" scheduling policy, lower is
+        served first (admitted first, preempted last); only 0 otherwise."""
+        check_priority(priority, self.config.scheduling_policy)
         if params is not None and not isinstance(params, SamplingParams):
             raise TypeError(f"params: a SamplingParams, got {type(params).__name__} (the arguments are prompt, "
                             "params, request_id; vLLM's engine takes request_id first)")  # fmt: skip
@@ -194,7 +208,7 @@ class LLMEngine:
             room = self.config.max_seq_len - len(token_ids)
             beam = BeamSearch(params, self.eos_token_ids, max(1, min(params.max_tokens or room, room)))
         seq = Sequence(self.scheduler.new_seq_id(), token_ids, cache_salt=params.cache_salt)
-        group = SequenceGroup(request_id, next(self._arrivals), text, seq, params, beam)
+        group = SequenceGroup(request_id, next(self._arrivals), text, seq, params, beam, priority)
         group.bad_words = bad_words
         if params.min_tokens:
             ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))

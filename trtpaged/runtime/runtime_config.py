@@ -8,6 +8,8 @@ from typing import Optional
 from trtpaged.runtime.speculative import SpeculativeConfig
 
 PREEMPTION_MODES = ("recompute", "swap")
+# vLLM's two: first come first served, or by each request's priority (lower first), then arrival
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,7 @@ class RuntimeConfig:
     max_seq_len: int  # prompt + output tokens of one sequence
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
+    scheduling_policy: str = "fcfs"  # "priority": requests may carry a priority other than 0
     num_host_blocks: int = 0  # host-memory blocks for swap preemption
     speculative: Optional[SpeculativeConfig] = None  # speculative decoding (docs/speculative.md); None: off
     # > 0: every layer of the model has a sliding window of at most this many tokens, and blocks wholly
@@ -43,6 +46,9 @@ class RuntimeConfig:
             )
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"RuntimeConfig.preemption_mode: one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"RuntimeConfig.scheduling_policy: one of {SCHEDULING_POLICIES}, got "
+                             f"{self.scheduling_policy!r}")
         if self.reclaim_window < 0:
             raise ValueError(f"RuntimeConfig.reclaim_window: must be >= 0, got {self.reclaim_window}")
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:

@@ -156,6 +156,10 @@ def share_plan(seqs: Seq[Sequence], block_size: int) -> dict[int, tuple[Sequence
     return plan
 
 
+def _service_order(group: SequenceGroup) -> tuple[int, int]:
+    return group.priority, group.arrival
+
+
 def split_tokens(remaining: list[int], tokens_left: int, seqs_left: int,
                  hold_last: bool = False) -> Optional[tuple[list[int], bool]]:  # fmt: skip
     """Tokens per sequence of one group this step, and whether the group samples after it.
@@ -179,11 +183,13 @@ class Scheduler:
     """Continuous batching with a token budget, chunked prefill and preemption.
 
     Each step: running groups that decode, then running groups mid-prefill, then
-    swapped groups back in, then waiting groups admitted in arrival order
-    (FCFS: the first that does not fit stops admission). When a running group
-    cannot get its blocks, the newest running group not yet scheduled this step
-    is preempted whole: its blocks are freed and it is recomputed later, or
-    swapped to host memory.
+    swapped groups back in, then waiting groups admitted in service order
+    (the first that does not fit stops admission). When a running group
+    cannot get its blocks, the last running group in service order not yet
+    scheduled this step is preempted whole: its blocks are freed and it is
+    recomputed later, or swapped to host memory. Service order is arrival
+    order (FCFS), or under the "priority" policy each group's priority (lower
+    first), then arrival: vLLM's two policies.
     """
 
     def __init__(self, config: RuntimeConfig, kv: KVCacheManager, eos_token_ids: Iterable[int] = (),
@@ -229,9 +235,9 @@ class Scheduler:
                  SequenceStatus.SWAPPED: self.swapped}.get(group.status)  # fmt: skip
         if queue is None:
             return False
-        # every queue is kept in arrival order (`_insert`), each arrival its own: found by bisection (a scan from
+        # every queue is kept in service order (`_insert`), each arrival its own: found by bisection (a scan from
         # the front made a disconnect storm, newest first, quadratic)
-        index = bisect.bisect_left(queue, group.arrival, key=lambda g: g.arrival)
+        index = bisect.bisect_left(queue, _service_order(group), key=_service_order)
         if index == len(queue) or queue[index] is not group:
             return False  # not where its status says: nothing to abort
         del queue[index]
@@ -582,7 +588,7 @@ class Scheduler:
             out.sampled_groups.append(group)
 
     def _admit(self, budget: list[int], out: SchedulerOutput, done: set[str]) -> None:
-        """Admits waiting groups in arrival order; the first that does not fit stops admission. A group whose
+        """Admits waiting groups in service order; the first that does not fit stops admission. A group whose
         prefix is still loading from a KV tier is passed over (it stays queued, its place kept)."""
         index = 0  # walked from the front: a step looks at the groups it admits or passes over, not the whole queue
         while index < len(self.waiting):
@@ -662,9 +668,12 @@ class Scheduler:
 
     @staticmethod
     def _insert(queue, group: SequenceGroup) -> None:
-        """Inserts keeping arrival order (preempted groups go back before newer ones). A new request is the newest:
-        appended, with no look at the queue (a list of every arrival per insert made a long queue quadratic)."""
-        if not queue or queue[-1].arrival <= group.arrival:
+        """Inserts keeping the queue in service order: by priority (lower first; all 0 unless the scheduling policy
+        is "priority"), then arrival, so that preempted groups go back before newer ones and the last running group
+        is the one to preempt. A new request of the lowest priority is appended, with no look at the queue (a
+        bisect per insert over a long queue made it quadratic)."""
+        key = _service_order(group)
+        if not queue or _service_order(queue[-1]) <= key:
             queue.append(group)
             return
-        queue.insert(bisect.bisect(queue, group.arrival, key=lambda g: g.arrival), group)
+        queue.insert(bisect.bisect(queue, key, key=_service_order), group)

@@ -162,9 +162,11 @@ class SequenceGroup:
         first_seq: Sequence,
         params: SamplingParams,
         beam: Optional[BeamSearch] = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.arrival = arrival  # admission order: lower is older
+        self.priority = priority  # lower is served first; equal priorities by arrival (vLLM's priority policy)
         self.prompt = prompt
         self.prompt_token_ids = list(first_seq.token_ids)
         self.params = params

@@ -18,6 +18,7 @@ from trtpaged.runtime.llm import LLM
 from trtpaged.runtime.outputs import RequestOutput, RequestOutputKind
 from trtpaged.runtime.prompt_bound import prompt_bound
 from trtpaged.runtime.sampling_params import SamplingParams
+from trtpaged.runtime.llm_engine import check_priority
 from trtpaged.runtime.scheduler import check_request
 from trtpaged.server.engine_loop import (
     EngineFailure,
@@ -109,6 +110,10 @@ class GenerationService:
         body's request_id, else a random one."""
         caller_id = check_request_id(header_id, "X-Request-Id")
         req = parse_generation(body, chat, self.model_name, self.vocab_size, self.auto_tools)
+        try:  # before the prompt is tokenized
+            check_priority(req.priority, self.llm.config.scheduling_policy)
+        except RequestError as exc:
+            raise from_runtime_error(exc, req.names) from None
         caller_id = caller_id if caller_id is not None else req.request_id
         params = self._params(req, req.max_tokens)  # None: fitted to each prompt below
         self._check_num_prompts(req)
@@ -124,7 +129,7 @@ class GenerationService:
         requests = [(f"{answer_id}-{i}-{serial}", ids, self._fit_max_tokens(req, params, len(ids)))
                     for i, ids in enumerate(prompts)]  # fmt: skip
         try:
-            sub = await self.loop.submit(requests, scored_only=req.echo_only)
+            sub = await self.loop.submit(requests, scored_only=req.echo_only, priority=req.priority)
         except ValueError as exc:
             raise from_runtime_error(exc, req.names) from None
         except (Overloaded, ShuttingDown) as exc:

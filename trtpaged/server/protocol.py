@@ -56,6 +56,7 @@ class GenerationRequest:
     stream_interval: int = 1  # vLLM's: tokens per streamed chunk (raised to the server's --stream-interval)
     add_special_tokens: bool = True  # vLLM's: what the tokenizer adds (a BOS); default true for text, false for chat
     request_id: Optional[str] = None  # vLLM's: the caller's id for the request (the answer's id is built from it)
+    priority: int = 0  # vLLM's: lower is served first (the engine refuses other than 0 unless its policy is priority)
 
 
 def validated(model_type: type[_Body], body: Any) -> _Body:
@@ -213,9 +214,6 @@ def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int,
     if req.stream_interval is not None and req.stream_interval < 1:
         raise ApiError(f"stream_interval: must be >= 1 (tokens per streamed chunk), got {req.stream_interval}",
                        "stream_interval")  # fmt: skip
-    if req.priority not in (None, 0):
-        raise ApiError(f"priority: this server schedules first come, first served; only 0 is accepted (as vLLM "
-                       f"without priority scheduling), got {req.priority}", "priority")  # fmt: skip
     echo = not chat and bool(getattr(req, "echo", False))
     messages = chat_messages(req.messages) if isinstance(req, ChatCompletionRequest) else []
     logprobs = _logprobs(req, names)
@@ -254,6 +252,7 @@ def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int,
         stream_interval=req.stream_interval or 1,
         add_special_tokens=req.add_special_tokens,
         request_id=check_request_id(req.request_id, "request_id"),
+        priority=req.priority or 0,
     )
 
 

@@ -55,6 +55,7 @@ class GenerationFields(_PlatformFields):
     request_id: Optional[StrictStr] = None  # vLLM: the caller's id; the answer's id is "cmpl-<it>" ("chatcmpl-<it>")
     cache_salt: Optional[StrictStr] = None  # vLLM: prefix-cache blocks are shared only under the same salt
     structured_outputs: Optional[dict[str, Any]] = None  # vLLM's (docs/structured_outputs.md)
+    priority: Optional[StrictInt] = None  # vLLM: lower is served first under serve --scheduling-policy priority
 
 
 class _SamplingFields(GenerationFields):
@@ -82,7 +83,6 @@ class _SamplingFields(GenerationFields):
     prompt_logprobs: Optional[StrictInt] = None  # vLLM: log-probs of the prompt's tokens
     truncate_prompt_tokens: Optional[StrictInt] = None  # vLLM: keep the prompt's last k tokens (-1: as many as fit)
     truncation_side: Optional[Literal["left", "right"]] = None  # vLLM: "right" keeps the first k tokens instead
-    priority: Optional[StrictInt] = None  # vLLM: only 0 without priority scheduling (this server: first come first)
     return_tokens_as_token_ids: Optional[StrictBool] = None  # vLLM: logprobs name tokens "token_id:<id>"
     return_token_ids: Optional[StrictBool] = None  # vLLM: the prompt's and each choice's token ids in the answer
     # Structured outputs (docs/structured_outputs.md): OpenAI's response_format, vLLM's two spellings
