@@ -161,6 +161,12 @@ def test_function_calls_are_output_items(client, forced):
     ({"max_output_tokens": 10**6}, "max_output_tokens"),
     ({"temperature": -1.0}, "temperature"),
     ({"frobnicate": 1}, "frobnicate"),
+    ({"reasoning": {"effort": "ultra"}}, "reasoning"),
+    ({"reasoning": {"bogus": 1}}, "reasoning"),
+    ({"service_tier": "bogus"}, "service_tier"),
+    ({"stream_options": {"include_obfuscation": False}}, "stream_options"),  # without stream: true
+    ({"stream": True, "stream_options": {"include_usage": True}}, "stream_options"),  # chat's, not this API's
+    ({"max_tool_calls": -1}, "max_tool_calls"),
 ])  # fmt: skip
 def test_what_cannot_be_served_is_refused_naming_the_field(client, server, extra, param):
     body = {"model": MODEL, "input": "hi", **extra}
@@ -270,3 +276,66 @@ def test_a_refusal_of_the_instructions_names_instructions(server):
         urllib.request.urlopen(req, timeout=60)
     error = json.loads(err.value.read())["error"]
     assert err.value.code == 400 and error["param"] == "instructions" and error["message"].startswith("instructions:")
+
+
+def test_the_responses_own_defaults_and_platform_settings_are_taken_and_echoed(client, llm):
+    """What a Response echoes can be sent back: tool_choice "auto" (or "none") without tools, max_tool_calls (a cap
+    on built-in tools, none of which run here), reasoning and service_tier; the answer is the plain chat answer."""
+    truth, _ = _chat_truth(llm, [{"role": "user", "content": "hello there"}], 6)
+    for choice in ("auto", "none"):
+        r = client.responses.create(model=MODEL, input="hello there", max_output_tokens=6, temperature=0,
+                                    tool_choice=choice, max_tool_calls=3, reasoning={"effort": "low"},
+                                    service_tier="flex")  # fmt: skip
+        assert r.output_text == truth.text
+        assert (r.tool_choice, r.max_tool_calls, r.reasoning.effort, r.service_tier) == (choice, 3, "low", "flex")
+    plain = client.responses.create(model=MODEL, input="hello there", max_output_tokens=6, temperature=0)
+    assert (plain.tool_choice, plain.reasoning.effort, plain.service_tier) == ("auto", None, "auto")
+
+
+def test_a_refusal_keeps_the_clients_own_values_as_sent(client, server):
+    """Chat's field names in a refusal become the Responses API's, but not inside a value the client sent: a tool
+    named max_tokens is named max_tokens."""
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=MODEL, input="hi", tools=FLAT_TOOLS,
+                                tool_choice={"type": "function", "name": "max_tokens"})  # fmt: skip
+    assert "'max_tokens'" in err.value.body["message"] and "max_output_tokens" not in err.value.body["message"]
+    assert err.value.body["param"] == "tool_choice"
+    wait_idle(server)
+
+
+def test_a_body_request_id_is_the_response_id_as_given(client):
+    """vLLM's request_id names the Response as given (it was prefixed again: resp_resp_abc)."""
+    raw = client.responses.with_raw_response.create(model=MODEL, input="hi", max_output_tokens=2,
+                                                    extra_body={"request_id": "resp_abc"})  # fmt: skip
+    assert raw.parse().id == "resp_abc" == raw.headers["x-request-id"]
+
+
+def test_a_failed_stream_reports_the_tokens_it_spent(tools_engine_dir):  # noqa: F811
+    """A stream cut by the request timeout ends with response.failed, whose usage counts the output tokens sent
+    before it (one log-prob entry per token in the deltas), not null."""
+    import time
+
+    from runtime_helpers import openai_client
+    from trtpaged.server import ServerOptions
+
+    handle = start_server(tools_engine_dir, port=0, served_model_name=MODEL, device="cpu",
+                          options=ServerOptions(request_timeout_s=1.0))  # fmt: skip
+    backend = handle.llm.engine.runner
+    real_step = backend.step
+
+    def slow_step(batch):  # 400 tokens take >= 8 s: the timeout cuts the stream after some were sent
+        time.sleep(0.02)
+        return real_step(batch)
+
+    handle.loop.call(lambda e: setattr(backend, "step", slow_step))
+    try:
+        events = list(openai_client(handle.url).responses.create(
+            model=MODEL, input="hi", max_output_tokens=400, temperature=0, stream=True,
+            include=["message.output_text.logprobs"]))  # fmt: skip
+    finally:
+        handle.loop.call(lambda e: delattr(backend, "step"))
+        handle.shutdown(timeout=0)
+    sent = sum(len(e.logprobs) for e in events if e.type == "response.output_text.delta")
+    assert events[-1].type == "response.failed" and 0 < sent < 400, (events[-1].type, sent, events[-1])
+    usage = events[-1].response.usage
+    assert usage is not None and usage.output_tokens == sent and usage.input_tokens > 0

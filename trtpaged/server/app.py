@@ -244,7 +244,8 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
             raise error from None
         summary = submitted.summary
         if call is not None:  # logged and answered under the Response's id
-            rid = responses_output.response_id(summary.request_id)
+            # vLLM's: a body's request_id is the Response's id as given; else resp_ + the caller's or a random id
+            rid = call.req.request_id or responses_output.response_id(summary.request_id)
             summary.header_id = rid if summary.header_id == summary.request_id else summary.header_id
             summary.request_id = rid
         headers = {"X-Request-Id": summary.header_id}
@@ -267,7 +268,7 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
         if call is not None:
             usage = responses_output.usage_of(summary.prompt_tokens, summary.completion_tokens,
                                               summary.cached_tokens, cache_block_size)  # fmt: skip
-            body = responses_output.response_body(call, answer, usage)
+            body = responses_output.response_body(call, summary.request_id, answer, usage)
             # ASCII JSON: a lone surrogate the client sent, echoed in the Response, is escaped (a UTF-8 write failed)
             return Response(json.dumps(body), media_type="application/json", headers=headers)
         return JSONResponse(dump(answer), headers=headers)

@@ -61,8 +61,10 @@ def translate(body: Any, served_model: str) -> ResponsesCall:
     if req.truncation not in (None, "disabled"):
         raise ApiError("truncation: only 'disabled' is supported (an input too long for the model is refused)",
                        "truncation")  # fmt: skip
-    if req.max_tool_calls is not None:
-        raise ApiError("max_tool_calls: not supported by this server", "max_tool_calls")
+    if req.max_tool_calls is not None and req.max_tool_calls < 0:  # a cap on built-in tool calls: none are made here
+        raise ApiError(f"max_tool_calls: must be >= 0, got {req.max_tool_calls}", "max_tool_calls")
+    if req.stream_options is not None and not req.stream:
+        raise ApiError("stream_options: only allowed with stream: true", "stream_options")
     chat: dict[str, Any] = {k: getattr(req, k) for k in _SAME_FIELDS if getattr(req, k) is not None}
     chat["messages"] = _messages(req)
     if req.max_output_tokens is not None:
@@ -70,7 +72,8 @@ def translate(body: Any, served_model: str) -> ResponsesCall:
     chat.update(_logprobs(req))
     if req.tools:
         chat["tools"] = [_tool(i, t) for i, t in enumerate(req.tools)]
-    if req.tool_choice is not None:
+    if req.tool_choice is not None and (req.tools or req.tool_choice not in ("auto", "none")):
+        # "auto" and "none" without tools are the Responses API's defaults, which an echoed Response repeats
         chat["tool_choice"] = _tool_choice(req.tool_choice)
     response_format = _response_format(req.text)
     if response_format is not None:
@@ -79,9 +82,13 @@ def translate(body: Any, served_model: str) -> ResponsesCall:
     return ResponsesCall(req, chat, served_model, int(time.time()))
 
 
-# chat's spellings in a refusal's text -> the Responses API's (a refusal of the chat body a Responses request became)
+# chat's spellings in a refusal's text -> the Responses API's (a refusal of the chat body a Responses request became);
+# the first is chat's form of a tool_choice, the others are field names, renamed outside the quoted values the
+# client sent
+_CHAT_TOOL_CHOICE = (re.compile(r"\{'type': 'function', 'function': \{'name': \.\.\.\}\}"),
+                     "{'type': 'function', 'name': ...}")  # fmt: skip
+_QUOTED = re.compile(r"('[^']*'|\"[^\"]*\")")
 _RESPONSES_SPELLINGS = (
-    (re.compile(r"\{'type': 'function', 'function': \{'name': \.\.\.\}\}"), "{'type': 'function', 'name': ...}"),
     (re.compile(r"\b(tools\[\d+\])\.function\."), r"\1."),
     (re.compile(r"\bmessages(\[\d+\])?(\.\w+)?"), "input"),
     (re.compile(r"\bmax_(completion_)?tokens\b"), "max_output_tokens"),
@@ -101,9 +108,18 @@ def renamed(error: ApiError, call: Optional[ResponsesCall] = None) -> ApiError:
                         error.kind, error.code, error.headers)  # fmt: skip
     base = re.split(r"[.\[]", param, maxsplit=1)[0]
     name = _RESPONSES_NAMES.get(base, param or None)
-    for pattern, spelling in _RESPONSES_SPELLINGS:
-        message = pattern.sub(spelling, message)
-    return ApiError(message, name, error.status, error.kind, error.code, error.headers)
+    message = _CHAT_TOOL_CHOICE[0].sub(_CHAT_TOOL_CHOICE[1], message)
+    return ApiError(_renamed_text(message), name, error.status, error.kind, error.code, error.headers)
+
+
+def _renamed_text(message: str) -> str:
+    """`message` with chat's field names as the Responses API's, outside quoted values (a tool the client named
+    max_tokens stays max_tokens)."""
+    pieces = _QUOTED.split(message)  # odd indices: the quoted values
+    for i in range(0, len(pieces), 2):
+        for pattern, spelling in _RESPONSES_SPELLINGS:
+            pieces[i] = pattern.sub(spelling, pieces[i])
+    return "".join(pieces)
 
 
 def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:

@@ -32,15 +32,25 @@ def envelope(call: ResponsesCall, rid: str, status: str, output: list[dict[str, 
         "id": rid, "object": "response", "created_at": call.created_at, "status": status, "background": False,
         "error": error,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-        "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "max_tool_calls": None,
+        "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+        "max_tool_calls": req.max_tool_calls,
         "model": call.model, "output": output,
         "parallel_tool_calls": True if req.parallel_tool_calls is None else req.parallel_tool_calls,
-        "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "store": False,
+        "previous_response_id": None, "reasoning": _reasoning(req), "service_tier": req.service_tier or "auto",
+        "store": False,
         "temperature": req.temperature, "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
         "tool_choice": "auto" if req.tool_choice is None else req.tool_choice, "tools": req.tools or [],
         "top_logprobs": req.top_logprobs or 0, "top_p": req.top_p, "truncation": "disabled",
         "usage": usage, "user": req.user, "metadata": req.metadata or {},
     }  # fmt: skip
+
+
+def _reasoning(req: Any) -> dict[str, Any]:
+    """The request's reasoning settings, as the Response echoes them."""
+    asked = req.reasoning
+    if asked is None:
+        return {"effort": None, "summary": None}
+    return {"effort": asked.effort, "summary": asked.summary or asked.generate_summary}
 
 
 def usage_of(prompt_tokens: int, output_tokens: int, cached_tokens: int, block_size: int) -> dict[str, Any]:
@@ -77,8 +87,8 @@ def _text_logprobs(entries: list[dict[str, Any]], text: str) -> list[dict[str, A
     return kept
 
 
-def response_body(call: ResponsesCall, chat_answer: BaseModel, usage: dict[str, Any]) -> dict[str, Any]:
-    """The Response object of a finished chat answer (one choice): its text, then its calls; cut by
+def response_body(call: ResponsesCall, rid: str, chat_answer: BaseModel, usage: dict[str, Any]) -> dict[str, Any]:
+    """The Response object `rid` of a finished chat answer (one choice): its text, then its calls; cut by
     max_output_tokens, the last item is incomplete."""
     answer = chat_answer.model_dump(mode="json")
     (choice,) = answer["choices"]
@@ -94,7 +104,7 @@ def response_body(call: ResponsesCall, chat_answer: BaseModel, usage: dict[str, 
     for c in calls:
         output.append(_call_item(c["id"], c["function"]["name"], c["function"]["arguments"], "completed"))
     output[-1]["status"] = status
-    return envelope(call, response_id(answer["id"]), status, output, usage)
+    return envelope(call, rid, status, output, usage)
 
 
 class EventStream:
@@ -167,6 +177,16 @@ class EventStream:
                                  content_index=0, delta=text, logprobs=logprobs))  # fmt: skip
         return events
 
+    def _flush_pending(self) -> list[bytes]:
+        """Tokens after the last text that wrote none (a stop string's, held back; a character cut by the end): the
+        message's, as in the body, sent in a last delta without text so that the deltas' log-probs add up to the
+        done event's."""
+        if not (self.pending and self.open is not None and self.output[self.open]["type"] == "message"):
+            return []
+        events = self._text("", self.pending)
+        self.pending = []
+        return events
+
     def _call(self, tc: dict[str, Any]) -> list[bytes]:
         events = []
         index = tc.get("index", 0)
@@ -211,22 +231,19 @@ class EventStream:
         events: list[bytes] = []
         if not self.output:  # an empty answer is one empty message, as the non-streamed body has
             events += self._open_text()
-        if self.pending and self.open is not None and self.output[self.open]["type"] == "message":
-            # tokens after the last text that wrote none (a stop string's, held back): the message's, as in the
-            # body, sent in a last delta without text so that the deltas' log-probs add up to the done event's
-            events += self._text("", self.pending)
-            self.pending = []
+        events += self._flush_pending()
         events += self._finish_open(status)
         events.append(self.event(f"response.{status}", response=envelope(self.call, self.rid, status, self.output,
                                                                          usage)))  # fmt: skip
         return events
 
-    def failed(self, error: dict[str, Any]) -> list[bytes]:
+    def failed(self, error: dict[str, Any], usage: Optional[dict[str, Any]] = None) -> list[bytes]:
         """A failure after the stream began (the engine failed, the request timed out): the item being written
         ends incomplete, then response.failed, with OpenAI's code for the server's failures (chat's error types
-        are no Responses code)."""
-        events = self._finish_open("incomplete")
-        body = envelope(self.call, self.rid, "failed", self.output,
+        are no Responses code) and `usage`, the tokens spent until then."""
+        events = self._flush_pending()
+        events += self._finish_open("incomplete")
+        body = envelope(self.call, self.rid, "failed", self.output, usage,
                         error={"code": "server_error", "message": str(error.get("message", ""))})  # fmt: skip
         events.append(self.event("response.failed", response=body))
         return events
@@ -256,7 +273,9 @@ async def stream(call: ResponsesCall, rid: str, chat_stream: AsyncIterator[bytes
                     continue
                 if "error" in payload:
                     failed = True
-                    for e in events.failed(payload["error"]):
+                    spent = usage_of(summary.prompt_tokens, summary.completion_tokens, summary.cached_tokens,
+                                     block_size)  # fmt: skip
+                    for e in events.failed(payload["error"], spent):
                         yield e
                     continue
                 for e in events.chunk(payload):

@@ -32,7 +32,7 @@ class _PlatformFields(_Strict):
 
     store: Optional[StrictBool] = None
     metadata: Optional[dict[str, StrictStr]] = None
-    service_tier: Optional[StrictStr] = None
+    service_tier: Optional[Literal["auto", "default", "flex", "scale", "priority"]] = None
     prompt_cache_key: Optional[StrictStr] = None
     safety_identifier: Optional[StrictStr] = None
 
@@ -144,6 +144,20 @@ class ChatCompletionRequest(_SamplingFields):
     web_search_options: Optional[dict[str, Any]] = None
 
 
+class ResponsesStreamOptions(_Strict):
+    """The Responses API's stream_options."""
+
+    include_obfuscation: Optional[StrictBool] = None  # no padding is sent here either way
+
+
+class Reasoning(_Strict):
+    """The Responses API's reasoning settings: checked and echoed, without effect (no model here reasons)."""
+
+    effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh"]] = None
+    summary: Optional[Literal["auto", "concise", "detailed"]] = None
+    generate_summary: Optional[Literal["auto", "concise", "detailed"]] = None  # the older spelling of summary
+
+
 class ResponsesRequest(GenerationFields):
     """POST /v1/responses (OpenAI's Responses API; server/responses_api.py serves it through chat). Items, tools
     and text.format are checked there, where their errors can name the item."""
@@ -154,12 +168,12 @@ class ResponsesRequest(GenerationFields):
     top_logprobs: Optional[StrictInt] = None
     include: Optional[list[StrictStr]] = None
     stream: StrictBool = False
-    stream_options: Optional[dict[str, Any]] = None  # include_obfuscation: no padding is sent here
+    stream_options: Optional[ResponsesStreamOptions] = None
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Union[StrictStr, dict[str, Any]]] = None
     parallel_tool_calls: Optional[StrictBool] = None
     text: Optional[dict[str, Any]] = None  # format (as chat's response_format), verbosity (no effect here)
-    reasoning: Optional[dict[str, Any]] = None  # no model here reasons: accepted, without effect
+    reasoning: Optional[Reasoning] = None
     truncation: Optional[StrictStr] = None
     max_tool_calls: Optional[StrictInt] = None
     previous_response_id: Optional[StrictStr] = None  # refused: this server stores no responses
