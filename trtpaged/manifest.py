@@ -20,6 +20,7 @@ import pydantic
 
 from trtpaged.kv_formats import FLOAT_KV_CACHE_DTYPES, KV_CACHE_DTYPES, KV_FORMATS, kv_format
 from trtpaged.names import renamed_keys
+from trtpaged.sampling_defaults import check as check_sampling_defaults
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "trtpaged.json"
@@ -172,6 +173,9 @@ class Manifest:
     # the model.yaml's `tensorrt:` forms ({"graph", "kv_pool", "quantized_pool"}) and "graph_written": whether
     # model.onnx holds the TensorRT graph form of quantized weights (model-tensorrt.safetensors)
     tensorrt: dict[str, Any] = field(default_factory=dict)
+    # the model's recommended sampling settings (its generation_config.json; trtpaged/sampling_defaults.py):
+    # SamplingParams field -> value, used where a request sets none; left out of the JSON when empty
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 
     @property
@@ -209,6 +213,8 @@ class Manifest:
         for name in FAMILY_FIELDS:
             if data["dims"][name] == defaults[name].default or data["dims"][name] == ():
                 del data["dims"][name]
+        if not data["sampling_defaults"]:  # as builds before the field wrote them (and the C runtime reads them)
+            del data["sampling_defaults"]
         data["kv_bytes_per_token"] = self.kv_bytes_per_token
         data["kv_bytes_per_block"] = self.kv_bytes_per_block
         data["kv_bytes_per_token_per_rank"] = self.kv_bytes_per_token_per_rank
@@ -419,6 +425,11 @@ def _check_values(m: Manifest, where: str | Path) -> None:
                 or not isinstance(shard["onnx_file"], (str, type(None)))):
             raise bad(f"shards[{rank}]", "expected {\"weights_file\": NAME, \"onnx_file\": NAME or null}")
     _check_summaries(m, bad)
+    try:
+        check_sampling_defaults(m.sampling_defaults)
+    except ValueError as e:
+        name, _, message = str(e).partition(": ")
+        raise bad(name, message) from None
     for name, digest in m.files.items():
         if not _SHA256.fullmatch(digest):
             raise bad(f"files[{name!r}]", f"got {digest[:80]!r}; expected a sha256 hex digest")

@@ -39,6 +39,8 @@ from trtpaged.kv_formats import QUANTIZED_KV_CACHE_DTYPES
 from trtpaged.manifest import Manifest, ModelDims, check_dim_values
 from trtpaged.models.dims import trained_max_seq_len
 from trtpaged.models.tensor_parallel import check_tensor_parallel
+from trtpaged.sampling_defaults import GENERATION_CONFIG_FIELDS, from_generation_config
+from trtpaged.sampling_defaults import check as check_sampling_defaults
 from trtpaged.kv_budget import budget_blocks, machine_memory_bytes
 
 WEIGHTS_FILE = "weights.safetensors"
@@ -103,6 +105,7 @@ def build_engine(
                 f"model.{config.model.kind}: the model's {name.removeprefix('dims.')} {message}", limit=limit))
             _check_special_token_ids(hf, dims, f"model.{config.model.kind}")
             _check_chat_template(hf.tokenizer, f"model.{config.model.kind}")
+            _sampling_defaults(hf, f"model.{config.model.kind}")
             tp_blocker = check_tensor_parallel(dims, config.tensor_parallel, _config_plan(config, dims))
             if tp_blocker:
                 raise ConfigError(tp_blocker)
@@ -459,4 +462,18 @@ def _manifest(
         tensor_parallel=config.tensor_parallel,
         shards=list(shards) if shards and len(shards) > 1 else [],
         tensorrt=tensorrt or {},
+        sampling_defaults=_sampling_defaults(hf, "model"),
     )
+
+
+def _sampling_defaults(hf, where: str) -> dict:
+    """The sampling settings the model's generation config recommends (trtpaged/sampling_defaults.py), checked
+    before anything is written: a value no request could take refuses the build, naming the file's field."""
+    values = from_generation_config(getattr(hf.model, "generation_config", None))
+    try:
+        check_sampling_defaults(values)
+    except ValueError as e:
+        field_name = str(e).split(":", 1)[0].removeprefix("sampling_defaults.")
+        theirs = {ours: name for name, ours in GENERATION_CONFIG_FIELDS.items()}[field_name]
+        raise ConfigError(f"{where}: generation_config.json: {theirs}: {str(e).split(': ', 1)[1]}") from None
+    return values

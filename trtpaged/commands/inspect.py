@@ -174,6 +174,8 @@ def _manifest_lines(m, weight_bytes: int) -> list[str]:
         f"  backends: {', '.join(m.backends) or 'none'}; verification: {checked}",
         f"  tokenizer: {m.tokenizer_dir}/ (bos {m.bos_token_id}, eos {m.eos_token_ids}, "
         f"chat template {'yes' if m.chat_template else 'no'})",
+        *([f"  sampling_defaults (the model's generation config): "
+           f"{', '.join(f'{k} {v}' for k, v in sorted(m.sampling_defaults.items()))}"] if m.sampling_defaults else []),
         "  files:",
     ]
     for key, describe in (("accuracy", _accuracy_line), ("kv_cache", _kv_cache_line)):

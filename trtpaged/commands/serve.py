@@ -62,6 +62,10 @@ def _not_empty(value, param):
 @click.option("--scheduling-policy", type=click.Choice(SCHEDULING_POLICIES), default="fcfs", show_default=True,
               help="vLLM's: fcfs serves requests in arrival order (a request's priority must be 0); priority serves "
                    "lower `priority` values first, then arrival, and preempts the highest first.")
+@click.option("--generation-config", type=click.Choice(["auto", "vllm"]), default="auto", show_default=True,
+              help="vLLM's: auto samples with the model's recommended settings (its generation_config.json, recorded "
+                   "by the build) where a request sets none, and caps max_tokens at its max_new_tokens; vllm uses "
+                   "the API's defaults.")
 @click.option("--gpu-memory-utilization", type=FiniteFloatRange(0.0, 1.0, min_open=True), default=None,
               help="vLLM's: accepted and checked, without effect: the KV pool is the engine's kv_cache budget "
                    "(--num-kv-blocks sets it).")
@@ -102,7 +106,7 @@ def _not_empty(value, param):
                    "auto: when the workers and the engine thread fill every core the process may use.")
 def command(engine, host, port, served_model_name, api_key, max_waiting, request_timeout, shutdown_timeout,
             max_body_bytes, max_prompt_tokens, max_batch_size, max_num_tokens, max_seq_len, num_kv_blocks,
-            enable_prefix_caching, scheduling_policy, gpu_memory_utilization, dtype, backend,
+            enable_prefix_caching, scheduling_policy, generation_config, gpu_memory_utilization, dtype, backend,
             device, tensor_parallel_size, speculative_config, kv_host_memory, kv_disk_path, kv_disk_size, kv_remote,
             kv_secret_file, request_log, request_log_prompts, stream_interval, pin_threads) -> None:  # fmt: skip
     """Serve ENGINE over /v1/completions, /v1/chat/completions, /v1/responses, /v1/models, /tokenize, /detokenize,
@@ -134,6 +138,7 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
                 speculative_config=speculative_config,
                 kv_tiers=tier_options(kv_host_memory, kv_disk_path, kv_disk_size, kv_remote, kv_secret_file),
                 enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy,
+                generation_config=generation_config,
                 **vllm_only(gpu_memory_utilization, dtype),
             )  # fmt: skip
     except (ValueError, FileNotFoundError, OSError, FatalEngineError) as e:

@@ -48,6 +48,23 @@ def _tightened(name: str, value: Optional[int], limit: int) -> int:
     return value
 
 
+def model_sampling_defaults(engine_dir: Path, manifest: Manifest, generation_config: str) -> dict[str, Any]:
+    """vLLM's `generation_config`: "auto" takes the model's recommended sampling settings (the manifest's
+    sampling_defaults, from its generation_config.json), "vllm" none; checked as a request's own values are."""
+    if generation_config not in ("auto", "vllm"):
+        raise ValueError(f"generation_config: 'auto' (the model's, recorded by the build) or 'vllm' (none), got "
+                         f"{generation_config!r:.80}; a folder of its own is not read here (build with it)")
+    defaults = dict(manifest.sampling_defaults) if generation_config == "auto" else {}
+    try:
+        SamplingParams(**defaults)
+    except ValueError as e:
+        raise EngineDirError(engine_dir, f"sampling_defaults.{getattr(e, 'field', '')}", str(e)) from None
+    if defaults:
+        log.info("sampling defaults from the model's generation config (a request's own values win): %s",
+                 ", ".join(f"{k}={v}" for k, v in sorted(defaults.items())))  # fmt: skip
+    return defaults
+
+
 def _prompt_list(prompts: Any) -> list[tuple[Prompt, Optional[str]]]:
     """`generate`'s prompts as a list of (prompt, cache_salt): text, or token ids (a list, tuple, numpy array or
     tensor), or vLLM's {"prompt": text} / {"prompt_token_ids": ids} (with an optional "cache_salt"), or a list of
@@ -204,7 +221,10 @@ class LLM:
     `max_logprobs` top log-probs per token (`logprobs`, `prompt_logprobs`; vLLM's default 20, -1: the whole
     vocabulary). `scheduling_policy="priority"` (vLLM's) serves requests by their priority (lower first, then
     arrival: `generate(..., priority=[...])`, the server's `priority` field) and preempts the lowest first; the
-    default "fcfs" serves them in arrival order and accepts only priority 0.
+    default "fcfs" serves them in arrival order and accepts only priority 0. `generation_config="auto"` (vLLM's
+    default) samples with the model's recommended settings (its generation_config.json's temperature, top_p,
+    top_k, min_p, repetition_penalty and max_new_tokens, recorded by the build as `sampling_defaults`) when
+    `generate` is given no SamplingParams (`get_default_sampling_params()`); "vllm" ignores them.
 
     `tensor_parallel=N` (default: the engine's) runs an engine built with
     `tensor_parallel: N` on N ranks: the other N-1 start here as processes (CPU: gloo over loopback;
@@ -254,6 +274,7 @@ class LLM:
         kv_tiers: Union[None, KVTierConfig, dict] = None,
         reclaim_windowed_blocks: bool = True,
         max_logprobs: int = 20,
+        generation_config: str = "auto",
         **vllm_args: Any,
     ) -> None:
         if (model is None) == (engine is None):
@@ -297,6 +318,7 @@ class LLM:
             reclaim_window=self.manifest.dims.max_window if reclaim_windowed_blocks else 0,
             max_logprobs=max_logprobs,
         )
+        self.sampling_defaults = model_sampling_defaults(self.engine_dir, self.manifest, generation_config)
         self.tokenizer = load_tokenizer(self.engine_dir, self.manifest)
         spec = self.config.speculative
         draft_manifest = None
@@ -380,7 +402,7 @@ class LLM:
             raise ValueError("lora_request: trtpaged serves no LoRA adapters (merge one into the model, then build)")
         pairs = _prompt_list(prompts)
         prompts, salts = [p for p, _ in pairs], [salt for _, salt in pairs]
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"sampling_params: {len(per_prompt)} given for {len(prompts)} prompts")
@@ -503,8 +525,9 @@ class LLM:
             return self.engine.reset_prefix_cache(reset_running_requests)
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """vLLM's accessor: what `generate` uses when given no SamplingParams."""
-        return SamplingParams()
+        """vLLM's accessor: what `generate` uses when given no SamplingParams: the model's recommended settings
+        (`sampling_defaults`, from its generation config) over SamplingParams' own defaults."""
+        return SamplingParams(**self.sampling_defaults)
 
     def beam_search(self, prompts: Any, params: BeamSearchParams, lora_request: None = None,
                     use_tqdm: Union[bool, Callable[..., Any]] = False,

@@ -12,6 +12,7 @@ from typing import Any, Collection, Mapping, Optional, Union
 from trtpaged.errors import RequestError, check_unicode
 from trtpaged.runtime.outputs import RequestOutputKind
 from trtpaged.runtime.schema_features import subschemas
+from trtpaged.sampling_defaults import FLOAT32_MAX, REPETITION_PENALTY_RANGE  # a model's defaults are held to them too
 
 _GREEDY_EPS = 1e-5  # temperatures below this sample greedily (as vLLM does)
 
@@ -20,8 +21,6 @@ MAX_STOP_STRINGS = 32  # stop strings per request: each is searched for after ev
 MAX_STOP_STRING_CHARS = 128  # characters per stop string (and text held back while streaming)
 MAX_STOP_TOKEN_IDS = 1024  # stop token ids per request: each sampled token is compared with them
 LENGTH_PENALTY_RANGE = (-10.0, 10.0)  # gen_len ** length_penalty stays finite for any max_seq_len < 2**64
-FLOAT32_MAX = 3.4028234663852886e38
-REPETITION_PENALTY_RANGE = (0.01, 100.0)  # logits scaled by <= 100x, then by 1/temperature <= 1e5: finite in fp32
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
 MAX_LOGIT_BIAS = 1024  # biased tokens per request (OpenAI allows 300; vLLM does not bound it)
 MAX_ALLOWED_TOKEN_IDS = 1 << 20  # allowed_token_ids per request (a vocabulary's worth)

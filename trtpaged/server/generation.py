@@ -96,6 +96,8 @@ class GenerationService:
         self.max_seq_len = llm.config.max_seq_len
         self.vocab_size = llm.manifest.dims.vocab_size
         self.max_prompt_tokens = max_prompt_tokens
+        self.max_tokens_cap = llm.sampling_defaults.get("max_tokens")  # the model's: caps every request's (vLLM's)
+        self.sampling_defaults = {k: v for k, v in llm.sampling_defaults.items() if k != "max_tokens"}
         self.request_timeout_s = request_timeout_s
         self._read_bytes: Optional[Callable[[int, str], bytes]] = None  # made on the outputs lane, on first use
         self.prompt_bound = prompt_bound(llm.tokenizer) if llm.tokenizer is not None else None
@@ -145,9 +147,11 @@ class GenerationService:
         only what is new (stop strings held back by the runtime), a stream sends it on (every
         `stream_interval` tokens: the server's, or the request's when larger, as vLLM's), a full body joins it."""
         interval = max(self.stream_interval, req.stream_interval) if req.stream else 1
+        # the model's recommended settings where the request sets none (vLLM's rule); a beam search samples nothing
+        model = {} if req.sampling.get("beam_width", 1) > 1 else self.sampling_defaults
         try:
             return SamplingParams(max_tokens=max_tokens, logprobs=req.logprobs, output_kind=RequestOutputKind.DELTA,
-                                  stream_interval=interval, **req.sampling)
+                                  stream_interval=interval, **{**model, **req.sampling})
         except ValueError as exc:
             raise from_runtime_error(exc, req.names) from None
 
@@ -244,11 +248,15 @@ class GenerationService:
         return room if k == -1 else k
 
     def _fit_max_tokens(self, req: GenerationRequest, params: SamplingParams, prompt_len: int) -> SamplingParams:
-        """Unset max_tokens: what max_seq_len leaves. Then the runtime's own `check_request` on this
-        prompt, so that a request of several prompts is refused before any of them is queued."""
+        """Unset max_tokens: what max_seq_len leaves; at most the model's own max_tokens default, as vLLM caps it.
+        Then the runtime's own `check_request` on this prompt, so that a request of several prompts is refused
+        before any of them is queued."""
         try:
-            if req.max_tokens is None:  # re-checks the fields that depend on it (min_tokens)
-                params = dataclasses.replace(params, max_tokens=max(1, self.max_seq_len - prompt_len))
+            fitted = max(1, self.max_seq_len - prompt_len) if req.max_tokens is None else params.max_tokens
+            if self.max_tokens_cap is not None and fitted is not None:
+                fitted = min(fitted, self.max_tokens_cap)
+            if fitted != params.max_tokens:  # re-checks the fields that depend on it (min_tokens)
+                params = dataclasses.replace(params, max_tokens=fitted)
             check_request(self.llm.config, prompt_len, params)
         except RequestError as exc:
             raise from_runtime_error(exc, req.names) from None

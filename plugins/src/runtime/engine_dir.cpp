@@ -345,8 +345,9 @@ Manifest read_manifest(const std::string& root) {
   top.only({"dims", "limits", "kv_cache", "dtype", "kv_cache_dtype", "tokenizer_dir", "bos_token_id", "eos_token_ids",
             "chat_template", "weights_file", "onnx_file", "plan_file", "backends", "files", "source", "verification",
             "quantization", "tensor_parallel", "shards", "format_version", "kv_bytes_per_token", "kv_bytes_per_block",
-            "kv_bytes_per_token_per_rank", "tensorrt", "content_sha256"});
+            "kv_bytes_per_token_per_rank", "tensorrt", "sampling_defaults", "content_sha256"});
   top.object("tensorrt", false);  // the TensorRT build's forms (graph, pool form): nothing the CPU runtime reads
+  top.object("sampling_defaults", false);  // the model's sampling defaults: the caller's sampling settings rule here
 
   Fields dims(top.object("dims"), "dims.", where);
   {
