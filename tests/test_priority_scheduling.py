@@ -52,7 +52,12 @@ def test_fcfs_takes_only_priority_zero_and_names_the_field():
         assert info.value.field == "priority"
     p.add_request([1, 2], GREEDY, priority=2**63 - 1)
     p.add_request([1, 2], GREEDY, priority=-(2**63))
-    assert len(p.scheduler.waiting) == 2 and len(e.scheduler.waiting) == 1  # refused ones left nothing queued
+    import numpy as np
+
+    p.add_request([1, 2], GREEDY, priority=np.int64(3))  # vLLM takes numpy's integers too
+    assert [g.priority for g in p.scheduler.waiting] == [-(2**63), 3, 2**63 - 1]
+    assert all(type(g.priority) is int for g in p.scheduler.waiting)
+    assert len(p.scheduler.waiting) == 3 and len(e.scheduler.waiting) == 1  # refused ones left nothing queued
     with pytest.raises(ValueError, match="scheduling_policy"):
         runtime_config(scheduling_policy="lifo")
 
@@ -231,4 +236,38 @@ def test_aborts_find_requests_in_a_queue_ordered_by_priority():
         while alone.has_unfinished():
             last = {o.request_id: o for o in alone.step() if o.finished}
         assert outs[r].outputs[0].token_ids == last[a].outputs[0].token_ids
+    assert e.kv.pool.num_used == 0
+
+
+def test_a_prefilling_request_preempts_a_decoding_one_of_a_larger_value():
+    """The decoding request of priority 9 is scheduled before a prefill chunk in FCFS's order; under priority the
+    prefilling request of priority 0 comes first, so when its chunks outgrow the pool the request preempted is the
+    priority-9 one (it preempted itself, and then waited for the other to finish)."""
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    e = engine(num_kv_blocks=10, block_size=4, max_num_tokens=8, max_batch_size=4, max_seq_len=128)
+    low = e.add_request([1, 2], params, priority=9)
+    e.step()  # low decodes from here on
+    high = e.add_request(list(range(1, 34)), params, priority=0)  # 9 blocks, prefilled in chunks
+    while e.stats()["num_preemptions"] == 0:
+        e.step()
+    assert [g.request_id for g in e.scheduler.waiting] == [low]
+    assert finish_order(e) == [high, low] and e.kv.pool.num_used == 0
+
+
+def test_a_swapped_out_request_does_not_hold_back_one_that_comes_before_it():
+    """Swap preemption: a priority-9 request swapped out to host memory waits behind a later request of priority
+    -5, which is admitted into the free blocks at once (swapped groups held back every admission)."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    e = engine(num_kv_blocks=12, block_size=4, max_num_tokens=64, max_batch_size=4, preemption_mode="swap",
+               num_host_blocks=64)  # fmt: skip
+    first = e.add_request(list(range(1, 17)), params, priority=0)
+    low = e.add_request(list(range(3, 19)), params, priority=9)
+    while e.stats()["num_swap_outs"] == 0:
+        e.step()
+    assert [g.request_id for g in e.scheduler.swapped] == [low] and e.kv.pool.num_free >= 1
+    high = e.add_request([5, 6], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), priority=-5)
+    e.step()
+    assert high in [g.request_id for g in e.scheduler.running] or high not in e.groups  # admitted at once
+    order = finish_order(e)
+    assert order.index(high) < order.index(low) and sorted(order) == sorted([first, low, high])
     assert e.kv.pool.num_used == 0

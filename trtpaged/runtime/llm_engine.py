@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import numbers
 from collections import deque
 import operator
 import time
@@ -44,13 +45,16 @@ _PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
 PRIORITY_BOUND = 1 << 63  # priorities are in [-2**63, 2**63): what a client's int64 holds
 
 
-def check_priority(priority: Any, policy: str) -> None:
-    """Raises RequestError naming `priority` unless it is an int64, and 0 where the policy is not "priority"."""
-    if isinstance(priority, bool) or not isinstance(priority, int) or not -PRIORITY_BOUND <= priority < PRIORITY_BOUND:
+def check_priority(priority: Any, policy: str) -> int:
+    """`priority` as an int; RequestError naming it unless it is an integer (numpy's too) in int64's range, and 0
+    where the policy is not "priority"."""
+    if isinstance(priority, bool) or not isinstance(priority, numbers.Integral) or \
+            not -PRIORITY_BOUND <= priority < PRIORITY_BOUND:  # fmt: skip
         raise RequestError("priority", f"must be an integer in [-2**63, 2**63), got {priority!r:.40}")
     if priority != 0 and policy != "priority":
         raise RequestError("priority", f"{priority} needs priority scheduling (scheduling_policy \"priority\", serve "
                                        f"--scheduling-policy priority); under {policy!r} only 0 is accepted")
+    return int(priority)
 
 
 def prompt_salt(prompt: Any) -> Optional[str]:
@@ -173,7 +177,7 @@ class LLMEngine:
         max_tokens past the room the prompt leaves in max_seq_len is cut to that room (vLLM's offline API), where
         it is otherwise refused (its server). `priority` (vLLM's): under the "priority" scheduling policy, lower is
         served first (admitted first, preempted last); only 0 otherwise."""
-        check_priority(priority, self.config.scheduling_policy)
+        priority = check_priority(priority, self.config.scheduling_policy)
         if params is not None and not isinstance(params, SamplingParams):
             raise TypeError(f"params: a SamplingParams, got {type(params).__name__} (the arguments are prompt, "
                             "params, request_id; vLLM's engine takes request_id first)")  # fmt: skip

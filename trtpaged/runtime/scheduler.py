@@ -420,7 +420,9 @@ class Scheduler:
         speculate = self._speculates(self._num_decoding)
         proposals = self._propose_with_draft() if speculate and self.draft is not None else {}
         decoding_left = sum(len(g.seqs) for g in self.running if g.is_decoding())
-        for group in sorted(self.running, key=lambda g: not g.is_decoding()):  # decoding first, stable
+        # in service order, decoding first within a priority (stable): the groups a group may preempt for blocks,
+        # the last in service order, are then not yet scheduled this step unless they share its priority
+        for group in sorted(self.running, key=lambda g: (g.priority, not g.is_decoding())):
             if group.status is not SequenceStatus.RUNNING:
                 continue  # preempted (or refused) earlier this step
             if group.is_decoding():
@@ -447,10 +449,9 @@ class Scheduler:
             else:
                 self._commit(group, plan, sample, budget, out)
                 done.add(group.request_id)
-        if not preempted:
+        if not preempted:  # swapped and waiting groups come back in service order, each queue's head against the other's
             self._swap_in(budget, out)
-            if not self.swapped:
-                self._admit(budget, out, done)
+            self._admit(budget, out, done)
         out.scheduled.sort(key=lambda s: s.num_tokens == 1)  # prefill chunks first, then decode tokens
         for group in itertools.islice(self.waiting, PREFETCH_AHEAD):  # their tier reads run while this step computes
             self._prefix_ready(group)
@@ -588,11 +589,14 @@ class Scheduler:
             out.sampled_groups.append(group)
 
     def _admit(self, budget: list[int], out: SchedulerOutput, done: set[str]) -> None:
-        """Admits waiting groups in service order; the first that does not fit stops admission. A group whose
-        prefix is still loading from a KV tier is passed over (it stays queued, its place kept)."""
+        """Admits waiting groups in service order; the first that does not fit, or that a swapped-out group comes
+        before, stops admission. A group whose prefix is still loading from a KV tier is passed over (it stays
+        queued, its place kept)."""
         index = 0  # walked from the front: a step looks at the groups it admits or passes over, not the whole queue
         while index < len(self.waiting):
             group = self.waiting[index]
+            if self.swapped and _service_order(self.swapped[0]) < _service_order(group):
+                return
             if not self._prefix_ready(group):
                 index += 1
                 continue
@@ -624,7 +628,9 @@ class Scheduler:
         return ready
 
     def _swap_in(self, budget: list[int], out: SchedulerOutput) -> None:
-        while self.swapped and self.kv.can_swap_in(self.swapped[0].seqs):
+        """Swaps groups back in, in service order, while they fit and come before the waiting queue's head."""
+        while self.swapped and self.kv.can_swap_in(self.swapped[0].seqs) and not (
+                self.waiting and _service_order(self.waiting[0]) < _service_order(self.swapped[0])):
             group = self.swapped.popleft()
             out.swap_in += self.kv.swap_in(group.seqs)
             group.set_status(SequenceStatus.RUNNING)
