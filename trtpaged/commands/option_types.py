@@ -26,6 +26,33 @@ class RegularFile(click.Path):
         return path
 
 
+class ChatTemplate(click.ParamType):
+    """vLLM's --chat-template: a Jinja template's text (it has a brace or a newline), else the path of a regular
+    file holding one (UTF-8, at most MAX_TEMPLATE_BYTES). Converts to the template's text."""
+
+    name = "TEMPLATE"
+    MAX_TEMPLATE_BYTES = 1 << 20
+
+    def convert(self, value, param, ctx):
+        if not isinstance(value, str) or any(c in value for c in "{}\n"):
+            return value
+        try:  # opened without blocking: a FIFO's open waits for a writer
+            with os.fdopen(os.open(value, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                    self.fail(f"{value!r} is not a regular file (nor a template: it has no braces).", param, ctx)
+                data = f.read(self.MAX_TEMPLATE_BYTES + 1)
+        except OSError as e:
+            self.fail(f"{value!r} looks like a file's path (no braces), and it cannot be read: {e.strerror}.",
+                      param, ctx)  # fmt: skip
+        if len(data) > self.MAX_TEMPLATE_BYTES:
+            self.fail(f"{value!r} holds more than {self.MAX_TEMPLATE_BYTES} bytes; a chat template is far smaller.",
+                      param, ctx)  # fmt: skip
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
+            self.fail(f"{value!r} is not UTF-8 text.", param, ctx)
+
+
 class OutputFile(click.Path):
     """click.Path of a file a command writes, created when absent: an existing path must be a regular file (a FIFO
     blocked the open until a reader came: a server that never started, with no output; a plot replaced it)."""

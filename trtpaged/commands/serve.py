@@ -12,7 +12,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import click
 
-from trtpaged.commands.option_types import FiniteFloatRange, OutputFile, Size, flag_error
+from trtpaged.commands.option_types import ChatTemplate, FiniteFloatRange, OutputFile, Size, flag_error
 from trtpaged.commands.stdout import echo
 from trtpaged.errors import FatalEngineError
 from trtpaged.manifest import BACKENDS
@@ -62,6 +62,17 @@ def _not_empty(value, param):
 @click.option("--scheduling-policy", type=click.Choice(SCHEDULING_POLICIES), default="fcfs", show_default=True,
               help="vLLM's: fcfs serves requests in arrival order (a request's priority must be 0); priority serves "
                    "lower `priority` values first, then arrival, and preempts the highest first.")
+@click.option("--chat-template", type=ChatTemplate(), default=None,
+              help="vLLM's: a Jinja chat template (a file's path, or the template's text) that replaces the engine's "
+                   "for every chat request and /tokenize.")
+@click.option("--tool-call-parser", default=None, metavar="NAME",
+              help="vLLM's: the format tool_choice \"auto\" reads calls in: hermes, llama3_json, mistral or "
+                   "phi4_mini_json (default: the one the chat template shows, else the model family's).")
+@click.option("--enable-auto-tool-choice", is_flag=True,
+              help="vLLM's: accepted; tool_choice \"auto\" is on wherever the model's tool-call format is known.")
+@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True,
+              help="vLLM's: seeds the random generators once at start-up, so that requests without a seed of their "
+                   "own draw the same tokens run after run.")
 @click.option("--generation-config", type=click.Choice(["auto", "vllm"]), default="auto", show_default=True,
               help="vLLM's: auto samples with the model's recommended settings (its generation_config.json, recorded "
                    "by the build) where a request sets none, and caps max_tokens at its max_new_tokens; vllm uses "
@@ -106,7 +117,8 @@ def _not_empty(value, param):
                    "auto: when the workers and the engine thread fill every core the process may use.")
 def command(engine, host, port, served_model_name, api_key, max_waiting, request_timeout, shutdown_timeout,
             max_body_bytes, max_prompt_tokens, max_batch_size, max_num_tokens, max_seq_len, num_kv_blocks,
-            enable_prefix_caching, scheduling_policy, generation_config, gpu_memory_utilization, dtype, backend,
+            enable_prefix_caching, scheduling_policy, chat_template, tool_call_parser, enable_auto_tool_choice, seed,
+            generation_config, gpu_memory_utilization, dtype, backend,
             device, tensor_parallel_size, speculative_config, kv_host_memory, kv_disk_path, kv_disk_size, kv_remote,
             kv_secret_file, request_log, request_log_prompts, stream_interval, pin_threads) -> None:  # fmt: skip
     """Serve ENGINE over /v1/completions, /v1/chat/completions, /v1/responses, /v1/models, /tokenize, /detokenize,
@@ -128,7 +140,7 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
             api_key=api_key, max_waiting=max_waiting, request_timeout_s=request_timeout,
             shutdown_timeout_s=shutdown_timeout, max_body_bytes=max_body_bytes, max_prompt_tokens=max_prompt_tokens,
             request_log=request_log, request_log_prompts=request_log_prompts, stream_interval=stream_interval,
-            pin_threads=pin_threads,
+            pin_threads=pin_threads, tool_call_parser=tool_call_parser,
         )  # fmt: skip
         with interrupts_end_the_load():
             handle = start_server(
@@ -138,7 +150,7 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
                 speculative_config=speculative_config,
                 kv_tiers=tier_options(kv_host_memory, kv_disk_path, kv_disk_size, kv_remote, kv_secret_file),
                 enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy,
-                generation_config=generation_config,
+                generation_config=generation_config, chat_template=chat_template, seed=seed,
                 **vllm_only(gpu_memory_utilization, dtype),
             )  # fmt: skip
     except (ValueError, FileNotFoundError, OSError, FatalEngineError) as e:
@@ -206,6 +218,7 @@ FLAGS = {"gpu_memory_utilization": "--gpu-memory-utilization", "dtype": "--dtype
          "enable_prefix_caching": "--enable-prefix-caching", "max_batch_size": "--max-batch-size",
          "max_num_tokens": "--max-num-tokens", "max_seq_len": "--max-seq-len", "num_kv_blocks": "--num-kv-blocks",
          "device": "--device", "backend": "--backend", "tensor_parallel": "--tensor-parallel-size",
+         "tool_call_parser": "--tool-call-parser", "chat_template": "--chat-template", "seed": "--seed",
          "speculative_config": "--speculative-config", "kv_tiers.host_memory": "--kv-host-memory",
          "kv_tiers.disk.path": "--kv-disk-path", "kv_tiers.disk.size": "--kv-disk-size",
          "kv_tiers.remote": "--kv-remote", "kv_tiers.secret_file": "--kv-secret-file",

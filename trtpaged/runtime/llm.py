@@ -93,8 +93,9 @@ def _progress_bar(use_tqdm: Union[bool, Callable[..., Any]], total: int) -> Any:
     return tqdm(total=total, desc="Processed prompts", disable=None)
 
 
-def load_tokenizer(engine_dir: Path, manifest: Manifest) -> Any:
-    """The engine dir's tokenizer; never runs code it ships (trust_remote_code=False). Raises EngineDirError."""
+def load_tokenizer(engine_dir: Path, manifest: Manifest, chat_template: Optional[str] = None) -> Any:
+    """The engine dir's tokenizer; never runs code it ships (trust_remote_code=False). Raises EngineDirError.
+    `chat_template`: a template's text that replaces the engine's (vLLM's --chat-template)."""
     from transformers import AutoTokenizer
 
     path = engine_path(engine_dir, manifest.tokenizer_dir, "tokenizer_dir")
@@ -103,9 +104,33 @@ def load_tokenizer(engine_dir: Path, manifest: Manifest) -> Any:
     except Exception as e:  # noqa: BLE001  (transformers and tokenizers raise many types for a bad dir)
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
         raise EngineDirError(path, "tokenizer_dir", f"transformers cannot load it ({type(e).__name__}: {first})") from None
-    if manifest.chat_template and not getattr(tokenizer, "chat_template", None):
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    elif manifest.chat_template and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = manifest.chat_template
     return tokenizer
+
+
+MAX_CHAT_TEMPLATE_CHARS = 1 << 20
+
+
+def check_chat_template(tokenizer: Any, template: Any) -> None:
+    """Raises ValueError naming `chat_template` unless `template` is a Jinja template that compiles and renders a
+    user message in CHAT_TEMPLATE_SECONDS (one that loops without end is refused); an error the template raises
+    on purpose, refusing that one message, is not a broken template (the build's own check does the same)."""
+    if not isinstance(template, str) or not template.strip() or len(template) > MAX_CHAT_TEMPLATE_CHARS:
+        raise ValueError(f"chat_template: must be a Jinja template's text of 1 to {MAX_CHAT_TEMPLATE_CHARS} "
+                         f"characters, got {type(template).__name__} of {len(template) if isinstance(template, str) else 0}")
+    try:
+        run_with_deadline(lambda: tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                                                add_generation_prompt=True, chat_template=template),
+                          CHAT_TEMPLATE_SECONDS)  # fmt: skip
+    except DeadlineExceeded:
+        raise ValueError(f"chat_template: rendering one user message ran past {CHAT_TEMPLATE_SECONDS:g} s") from None
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat_template: not a Jinja template (line {e.lineno}: {str(e)[:200]})") from None
+    except Exception:  # noqa: BLE001 - the template's own refusal of this conversation, or a key it needs
+        pass
 
 
 def chat_prompt_ids(tokenizer: Any, messages: Seq[dict], tools: Optional[Seq[dict]] = None, *,
@@ -225,6 +250,7 @@ class LLM:
     default) samples with the model's recommended settings (its generation_config.json's temperature, top_p,
     top_k, min_p, repetition_penalty and max_new_tokens, recorded by the build as `sampling_defaults`) when
     `generate` is given no SamplingParams (`get_default_sampling_params()`); "vllm" ignores them.
+    `chat_template` (a Jinja template's text; vLLM's --chat-template) replaces the engine's for every chat.
 
     `tensor_parallel=N` (default: the engine's) runs an engine built with
     `tensor_parallel: N` on N ranks: the other N-1 start here as processes (CPU: gloo over loopback;
@@ -275,6 +301,7 @@ class LLM:
         reclaim_windowed_blocks: bool = True,
         max_logprobs: int = 20,
         generation_config: str = "auto",
+        chat_template: Optional[str] = None,
         **vllm_args: Any,
     ) -> None:
         if (model is None) == (engine is None):
@@ -320,6 +347,10 @@ class LLM:
         )
         self.sampling_defaults = model_sampling_defaults(self.engine_dir, self.manifest, generation_config)
         self.tokenizer = load_tokenizer(self.engine_dir, self.manifest)
+        if chat_template is not None:  # checked with the engine's tokenizer, before any weight loads
+            check_chat_template(self.tokenizer, chat_template)
+            self.tokenizer.chat_template = chat_template
+        self.chat_template = chat_template  # the override (None: the engine's), which new_tokenizer() applies too
         spec = self.config.speculative
         draft_manifest = None
         if spec is not None and spec.method == "draft_model":  # from manifests and tokenizers: before any weight loads
@@ -523,6 +554,10 @@ class LLM:
         keep theirs). True once done; between `generate` calls nothing is running, so it always succeeds then."""
         with self._one_call("reset_prefix_cache"):
             return self.engine.reset_prefix_cache(reset_running_requests)
+
+    def new_tokenizer(self) -> Any:
+        """A tokenizer of its own, as this LLM's (for another thread: a fast tokenizer is not shared)."""
+        return load_tokenizer(self.engine_dir, self.manifest, self.chat_template)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's accessor: what `generate` uses when given no SamplingParams: the model's recommended settings

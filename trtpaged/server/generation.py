@@ -87,7 +87,7 @@ class GenerationService:
 
     def __init__(self, llm: LLM, loop: EngineLoop, tokens: TokenizerWorker, model_name: str,
                  max_prompt_tokens: Optional[int] = None, request_timeout_s: Optional[float] = None,
-                 stream_interval: int = 1) -> None:  # fmt: skip
+                 stream_interval: int = 1, tool_call_parser: Optional[str] = None) -> None:  # fmt: skip
         self.llm = llm
         self.stream_interval = stream_interval  # tokens per streamed chunk (SamplingParams.stream_interval)
         self.loop = loop
@@ -103,7 +103,7 @@ class GenerationService:
         self.prompt_bound = prompt_bound(llm.tokenizer) if llm.tokenizer is not None else None
         self._submits = itertools.count()  # makes engine request ids unique when callers reuse a request_id
         self.auto_tools = auto = tool_format(getattr(llm.tokenizer, "chat_template", None),
-                                             llm.manifest.dims.architecture)  # fmt: skip
+                                             llm.manifest.dims.architecture, tool_call_parser)  # fmt: skip
         log.info("tool_choice auto: %s", f"{auto.format.name} calls" if auto.format else f"refused ({auto.reason})")
 
     async def submit(self, body: Any, chat: bool, header_id: Optional[str] = None) -> Submitted:

@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from trtpaged.server.tool_parsers import PARSER_NAMES
+
 API_KEY_ENV = "TRTPAGED_API_KEY"
 PIN_MODES = ("auto", "on", "off")  # ServerOptions.pin_threads
 
@@ -25,6 +27,8 @@ class ServerOptions:
     longer chunks cost the server's event loop and the clients less CPU per token; 1 (default): one per token.
     `pin_threads` ("auto", "on", "off"): the engine thread and the event loop's thread on one core, the kernels'
     OpenMP workers on the others (`trtpaged.server.thread_pinning`); "auto" when the team fills every core.
+    `tool_call_parser` (vLLM's --tool-call-parser: hermes, llama3_json, mistral, phi4_mini_json) is the format
+    `tool_choice: "auto"` reads calls in; None: the one the chat template shows (`trtpaged.server.tools`).
     """
 
     served_model_name: Optional[str] = None
@@ -40,6 +44,7 @@ class ServerOptions:
     request_log_prompts: bool = False
     stream_interval: int = 1
     pin_threads: str = "auto"
+    tool_call_parser: Optional[str] = None  # vLLM's name of the tool-call format; None: read from the chat template
 
     def __post_init__(self) -> None:
         if self.api_key is None and os.environ.get(API_KEY_ENV):
@@ -58,6 +63,9 @@ class ServerOptions:
         interval = self.stream_interval
         if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
             raise ValueError(f"stream_interval: must be an integer >= 1 (tokens per streamed chunk), got {interval!r}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSER_NAMES:
+            raise ValueError(f"tool_call_parser: {self.tool_call_parser!r:.40} is not a parser this server has; one "
+                             f"of {', '.join(sorted(PARSER_NAMES))}")  # fmt: skip
         if self.pin_threads not in PIN_MODES:
             raise ValueError(f"pin_threads: must be one of {', '.join(PIN_MODES)}, got {self.pin_threads!r}")
         if self.api_key is not None and not self.api_key:

@@ -13,7 +13,7 @@ from typing import Any, Optional, Union
 
 import uvicorn
 
-from trtpaged.runtime.llm import LLM, load_tokenizer
+from trtpaged.runtime.llm import LLM
 from trtpaged.server.app import Draining, create_app
 from trtpaged.server.engine_loop import EngineLoop
 from trtpaged.server.generation import GenerationService
@@ -155,7 +155,7 @@ def start_server(
             request_log.close()
         raise
     try:  # the front end's own tokenizer copies, loaded from the engine dir as LLM loaded the engine's
-        tokens = TokenizerWorker.start(lambda: load_tokenizer(llm.engine_dir, llm.manifest), options.max_waiting)
+        tokens = TokenizerWorker.start(llm.new_tokenizer, options.max_waiting)
     except BaseException:
         loop.shutdown()
         llm.close()
@@ -165,7 +165,7 @@ def start_server(
         raise
     name = served_model_name or options.served_model_name or llm.engine_dir.resolve().name
     service = GenerationService(llm, loop, tokens, name, options.max_prompt_tokens, options.request_timeout_s,
-                                options.stream_interval)
+                                options.stream_interval, options.tool_call_parser)
     card = ModelCard(id=name, created=int(time.time()), root=str(llm.engine_dir), max_model_len=llm.config.max_seq_len)
     draining = Draining()
     app = create_app(service, loop, metrics, card, options, draining)

@@ -47,6 +47,8 @@ MISTRAL = Format("mistral", ("[TOOL_CALLS]",), open="[", separator=",", close="]
 PHI4_MINI = Format("phi4_mini", ("functools",), open="[", separator=",", close="]")
 REQUIRED = Format("required", (), open="[", separator=",", close="]", args_keys=("parameters",))  # our grammar's form
 FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, PHI4_MINI)}
+# vLLM's --tool-call-parser names -> the format (vLLM calls Phi-4-mini's parser phi4_mini_json)
+PARSER_NAMES = {**FORMATS, "phi4_mini_json": PHI4_MINI}
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ from typing import Any, Optional
 
 from trtpaged.runtime.sampling_params import MAX_SCHEMA_DEPTH, StructuredOutputsParams, nesting_depth
 from trtpaged.server.errors import ApiError
-from trtpaged.server.tool_parsers import FORMATS, HERMES, LLAMA3_JSON, MISTRAL, PHI4_MINI, REQUIRED, Format
+from trtpaged.server.tool_parsers import (FORMATS, HERMES, LLAMA3_JSON, MISTRAL, PARSER_NAMES, PHI4_MINI, REQUIRED,
+                                          Format)
 from trtpaged.server.tool_parsers import CallStart, Content, ToolCallStream, parse_all
 
 OPENAI_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
@@ -51,9 +52,12 @@ def _template_takes_tools(template: str) -> bool:
         return re.search(r"(?<![\w.])tools\b", template) is not None
 
 
-def tool_format(chat_template: Any, architecture: str) -> AutoTools:
-    """The tool-call format of an engine's model, from its chat template (a dict of templates: its "tool_use"
-    one) and, when the template shows none, its architecture."""
+def tool_format(chat_template: Any, architecture: str, parser: Optional[str] = None) -> AutoTools:
+    """The tool-call format of an engine's model: `parser` (a PARSER_NAMES key, vLLM's --tool-call-parser, checked
+    by ServerOptions) when given, else read from its chat template (a dict of templates: its "tool_use" one) and,
+    when the template shows none, its architecture."""
+    if parser is not None:
+        return AutoTools(PARSER_NAMES[parser])
     if isinstance(chat_template, dict):
         chat_template = chat_template.get("tool_use") or chat_template.get("default")
     if not isinstance(chat_template, str) or not chat_template:

@@ -1,0 +1,107 @@
+"""vLLM's serve flags a vLLM launch script passes: --chat-template (a file or the text; replaces the engine's for
+chat and /tokenize), --tool-call-parser (the format tool_choice "auto" reads), --enable-auto-tool-choice and
+--seed. Truth: the template rendered here with jinja2 and the engine's tokenizer, and vLLM's documented rules."""
+
+from __future__ import annotations
+
+import jinja2
+import pytest
+from click.testing import CliRunner
+
+from runtime_helpers import openai_client
+from tests.test_server import request, wait_idle
+from tests.test_server_tools import HERMES_TEMPLATE, TOOLS
+from trtpaged import LLM, SamplingParams
+from trtpaged.cli import main
+from trtpaged.commands.option_types import ChatTemplate
+from trtpaged.server import ServerOptions, start_server
+
+openai = pytest.importorskip("openai", reason="the openai package is not installed (pip install openai)")
+MODEL = "tiny"
+TEMPLATE = ("{% for m in messages %}[{{ m['role'] | upper }}] {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}[ASSISTANT] {% endif %}")  # fmt: skip
+MESSAGES = [{"role": "user", "content": "what is two plus two"}]
+
+
+def _rendered_ids(llm: LLM, template: str, messages: list[dict]) -> list[int]:
+    text = jinja2.Template(template).render(messages=messages, add_generation_prompt=True)
+    return llm.tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_a_chat_template_replaces_the_engines_for_chat_and_tokenize(tiny_engine_dir, tmp_path):
+    plain = LLM(tiny_engine_dir, device="cpu")
+    want_ids = _rendered_ids(plain, TEMPLATE, MESSAGES)
+    assert want_ids != plain.chat_prompt(MESSAGES)  # the engine's own template makes other tokens
+    (tmp_path / "t.jinja").write_text(TEMPLATE)
+    template = ChatTemplate().convert(str(tmp_path / "t.jinja"), None, None)  # a file's path, as serve reads it
+    assert template == TEMPLATE
+    llm = LLM(tiny_engine_dir, device="cpu", chat_template=template)
+    assert llm.chat_prompt(MESSAGES) == want_ids
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    truth = llm.generate([want_ids], greedy, use_tqdm=False)[0].outputs[0].text
+    handle = start_server(tiny_engine_dir, port=0, served_model_name=MODEL, device="cpu", chat_template=template)
+    try:
+        status, _, body = request(handle, "/tokenize", {"model": MODEL, "messages": MESSAGES})
+        assert status == 200 and body["tokens"] == want_ids
+        r = openai_client(handle.url).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6,
+                                                              temperature=0, extra_body={"ignore_eos": True})
+        assert r.usage.prompt_tokens == len(want_ids) and r.choices[0].message.content == truth
+        wait_idle(handle)
+    finally:
+        handle.shutdown(timeout=0)
+
+
+def test_a_broken_chat_template_is_refused_before_the_weights_load(tiny_engine_dir):
+    with pytest.raises(ValueError, match=r"chat_template: not a Jinja template \(line 1"):
+        LLM(tiny_engine_dir, device="cpu", chat_template="{% for m in messages %}")
+    with pytest.raises(ValueError, match="chat_template: must be a Jinja template's text"):
+        LLM(tiny_engine_dir, device="cpu", chat_template="  ")
+
+
+@pytest.mark.parametrize("value, words", [
+    ("/no/such/template", "looks like a file's path (no braces), and it cannot be read: No such file"),
+    (".", "cannot be read: Is a directory"),
+    ("fifo", "is not a regular file"),  # was: open() waited for a writer, forever
+])  # fmt: skip
+def test_serve_refuses_a_chat_template_it_cannot_read_naming_the_flag(tiny_engine_dir, tmp_path, value, words):
+    import os
+
+    if value == "fifo":
+        value = str(tmp_path / "fifo")
+        os.mkfifo(value)
+    r = CliRunner().invoke(main, ["serve", str(tiny_engine_dir), "--chat-template", value])
+    assert r.exit_code == 2 and "--chat-template" in r.output and words in r.output, r.output
+
+
+def test_serve_refuses_a_template_file_that_is_not_utf8_or_too_large(tiny_engine_dir, tmp_path):
+    (tmp_path / "latin1.jinja").write_bytes("{{ 'caf\xe9' }}".encode("latin-1"))
+    (tmp_path / "huge.jinja").write_bytes(b"x" * ((1 << 20) + 1))
+    for name, words in (("latin1.jinja", "is not UTF-8 text"), ("huge.jinja", "holds more than 1048576 bytes")):
+        r = CliRunner().invoke(main, ["serve", str(tiny_engine_dir), "--chat-template", str(tmp_path / name)])
+        assert r.exit_code == 2 and words in r.output, r.output
+
+
+def test_tool_choice_auto_follows_the_template_or_the_named_parser(tiny_engine_dir):
+    """The tiny engine's template does not take tools: auto is refused. With a hermes template given by
+    --chat-template, or with --tool-call-parser hermes (vLLM's rule: the parser decides), auto is served."""
+    body = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": "auto", "max_tokens": 4}
+    for overrides, options, served in (({}, {}, False), ({"chat_template": HERMES_TEMPLATE}, {}, True),
+                                       ({}, {"tool_call_parser": "hermes"}, True)):  # fmt: skip
+        handle = start_server(tiny_engine_dir, port=0, served_model_name=MODEL, device="cpu",
+                              options=ServerOptions(**options), **overrides)  # fmt: skip
+        try:
+            status, _, answer = request(handle, "/v1/chat/completions", body)
+            assert (status == 200) == served, (overrides, options, answer)
+            if not served:
+                assert answer["error"]["param"] == "tool_choice"
+        finally:
+            handle.shutdown(timeout=0)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--tool-call-parser", "bogus"], "--tool-call-parser: 'bogus' is not a parser this server has"),
+    (["--seed", "-1"], "--seed"),
+])  # fmt: skip
+def test_serve_refuses_bad_vllm_flags_before_loading(tiny_engine_dir, args, words):
+    r = CliRunner().invoke(main, ["serve", str(tiny_engine_dir), *args])
+    assert r.exit_code in (1, 2) and words in r.output, r.output
