@@ -105,3 +105,21 @@ def test_tool_choice_auto_follows_the_template_or_the_named_parser(tiny_engine_d
 def test_serve_refuses_bad_vllm_flags_before_loading(tiny_engine_dir, args, words):
     r = CliRunner().invoke(main, ["serve", str(tiny_engine_dir), *args])
     assert r.exit_code in (1, 2) and words in r.output, r.output
+
+
+def test_max_logprobs_sets_the_bound_a_request_meets(tiny_engine_dir):
+    """vLLM's --max-logprobs (default 20): a chat request may ask for that many top log-probs per token, and one
+    more is refused naming top_logprobs; -1 is the whole vocabulary."""
+    for limit, asked, ok in ((30, 25, True), (30, 31, False), (-1, 320, True)):
+        handle = start_server(tiny_engine_dir, port=0, served_model_name=MODEL, device="cpu", max_logprobs=limit)
+        try:
+            status, _, body = request(handle, "/v1/chat/completions", {
+                "model": MODEL, "messages": MESSAGES, "max_tokens": 2, "logprobs": True, "top_logprobs": asked})
+            if ok:
+                entries = body["choices"][0]["logprobs"]["content"]
+                assert status == 200 and entries and all(len(e["top_logprobs"]) == asked for e in entries)
+            else:
+                assert status == 400 and body["error"]["param"] == "top_logprobs", body
+                assert f"must be in [0, {limit}]" in body["error"]["message"]
+        finally:
+            handle.shutdown(timeout=0)

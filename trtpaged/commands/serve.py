@@ -70,6 +70,9 @@ def _not_empty(value, param):
                    "phi4_mini_json (default: the one the chat template shows, else the model family's).")
 @click.option("--enable-auto-tool-choice", is_flag=True,
               help="vLLM's: accepted; tool_choice \"auto\" is on wherever the model's tool-call format is known.")
+@click.option("--max-logprobs", type=click.IntRange(min=-1), default=20, show_default=True,
+              help="vLLM's: the most top log-probs per token a request may ask for (logprobs, top_logprobs, "
+                   "prompt_logprobs); -1: the whole vocabulary.")
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True,
               help="vLLM's: seeds the random generators once at start-up, so that requests without a seed of their "
                    "own draw the same tokens run after run.")
@@ -117,7 +120,8 @@ def _not_empty(value, param):
                    "auto: when the workers and the engine thread fill every core the process may use.")
 def command(engine, host, port, served_model_name, api_key, max_waiting, request_timeout, shutdown_timeout,
             max_body_bytes, max_prompt_tokens, max_batch_size, max_num_tokens, max_seq_len, num_kv_blocks,
-            enable_prefix_caching, scheduling_policy, chat_template, tool_call_parser, enable_auto_tool_choice, seed,
+            enable_prefix_caching, scheduling_policy, chat_template, tool_call_parser, enable_auto_tool_choice,
+            max_logprobs, seed,
             generation_config, gpu_memory_utilization, dtype, backend,
             device, tensor_parallel_size, speculative_config, kv_host_memory, kv_disk_path, kv_disk_size, kv_remote,
             kv_secret_file, request_log, request_log_prompts, stream_interval, pin_threads) -> None:  # fmt: skip
@@ -151,6 +155,7 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
                 kv_tiers=tier_options(kv_host_memory, kv_disk_path, kv_disk_size, kv_remote, kv_secret_file),
                 enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy,
                 generation_config=generation_config, chat_template=chat_template, seed=seed,
+                max_logprobs=max_logprobs,
                 **vllm_only(gpu_memory_utilization, dtype),
             )  # fmt: skip
     except (ValueError, FileNotFoundError, OSError, FatalEngineError) as e:
@@ -219,6 +224,7 @@ FLAGS = {"gpu_memory_utilization": "--gpu-memory-utilization", "dtype": "--dtype
          "max_num_tokens": "--max-num-tokens", "max_seq_len": "--max-seq-len", "num_kv_blocks": "--num-kv-blocks",
          "device": "--device", "backend": "--backend", "tensor_parallel": "--tensor-parallel-size",
          "tool_call_parser": "--tool-call-parser", "chat_template": "--chat-template", "seed": "--seed",
+         "max_logprobs": "--max-logprobs",
          "speculative_config": "--speculative-config", "kv_tiers.host_memory": "--kv-host-memory",
          "kv_tiers.disk.path": "--kv-disk-path", "kv_tiers.disk.size": "--kv-disk-size",
          "kv_tiers.remote": "--kv-remote", "kv_tiers.secret_file": "--kv-secret-file",

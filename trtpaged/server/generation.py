@@ -96,6 +96,8 @@ class GenerationService:
         self.max_seq_len = llm.config.max_seq_len
         self.vocab_size = llm.manifest.dims.vocab_size
         self.max_prompt_tokens = max_prompt_tokens
+        limit = llm.config.max_logprobs  # the engine's (LLM(max_logprobs=...), serve --max-logprobs); -1: the vocabulary
+        self.max_logprobs = self.vocab_size if limit < 0 else limit
         self.max_tokens_cap = llm.sampling_defaults.get("max_tokens")  # the model's: caps every request's (vLLM's)
         self.sampling_defaults = {k: v for k, v in llm.sampling_defaults.items() if k != "max_tokens"}
         self.request_timeout_s = request_timeout_s
@@ -111,7 +113,7 @@ class GenerationService:
         "cmpl-<id>" ("chatcmpl-<id>") of the caller's id, as vLLM's: the X-Request-Id header (`header_id`), else the
         body's request_id, else a random one."""
         caller_id = check_request_id(header_id, "X-Request-Id")
-        req = parse_generation(body, chat, self.model_name, self.vocab_size, self.auto_tools)
+        req = parse_generation(body, chat, self.model_name, self.vocab_size, self.auto_tools, self.max_logprobs)
         try:  # before the prompt is tokenized
             check_priority(req.priority, self.llm.config.scheduling_policy)
         except RequestError as exc:

@@ -18,7 +18,7 @@ from trtpaged.server.tools import AutoTools, ToolChoice, tool_choice
 from trtpaged.server.errors import ApiError, from_runtime_error, from_validation_error
 from trtpaged.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, TokenizeChatRequest
 
-MAX_LOGPROBS = 20  # top log-probs per token a request may ask for (OpenAI's limit)
+MAX_LOGPROBS = 20  # top log-probs per token a request may ask for (OpenAI's limit; the server's max_logprobs default)
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "n", "seed", "presence_penalty", "frequency_penalty",
                     "repetition_penalty", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
                     "spaces_between_special_tokens", "length_penalty", "min_tokens", "cache_salt")  # fmt: skip
@@ -156,7 +156,8 @@ def _beam_fields(req: Union[CompletionRequest, ChatCompletionRequest], names: di
     return out
 
 
-def _logprobs(req: Union[CompletionRequest, ChatCompletionRequest], names: dict[str, str]) -> Optional[int]:
+def _logprobs(req: Union[CompletionRequest, ChatCompletionRequest], names: dict[str, str],
+              max_logprobs: int) -> Optional[int]:  # fmt: skip
     if isinstance(req, ChatCompletionRequest):
         if not req.logprobs:
             if req.top_logprobs is not None:
@@ -168,16 +169,17 @@ def _logprobs(req: Union[CompletionRequest, ChatCompletionRequest], names: dict[
         k, name = req.logprobs, "logprobs"
         if k is None:
             return None
-    if not 0 <= k <= MAX_LOGPROBS:
-        raise ApiError(f"{name}: must be in [0, {MAX_LOGPROBS}], got {k}", name)
+    if not 0 <= k <= max_logprobs:
+        raise ApiError(f"{name}: must be in [0, {max_logprobs}], got {k}", name)
     return k
 
 
 def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int,
-                     auto_tools: AutoTools = AutoTools(None, "the server was not told the model's tool-call format")
-                     ) -> GenerationRequest:  # fmt: skip
+                     auto_tools: AutoTools = AutoTools(None, "the server was not told the model's tool-call format"),
+                     max_logprobs: int = MAX_LOGPROBS) -> GenerationRequest:  # fmt: skip
     """Validates a decoded JSON body against the endpoint's schema; raises ApiError (400 or 404). `auto_tools`:
-    the engine's tool-call format, for tool_choice "auto"."""
+    the engine's tool-call format, for tool_choice "auto"; `max_logprobs`: the most top log-probs per token (and
+    prompt token) a request may ask for."""
     req = validated(ChatCompletionRequest if chat else CompletionRequest, body)
     check_model(req.model, served_model)
     for name in _UNSUPPORTED:
@@ -216,13 +218,13 @@ def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int,
                        "stream_interval")  # fmt: skip
     echo = not chat and bool(getattr(req, "echo", False))
     messages = chat_messages(req.messages) if isinstance(req, ChatCompletionRequest) else []
-    logprobs = _logprobs(req, names)
+    logprobs = _logprobs(req, names, max_logprobs)
     echo_only = echo and max_tokens == 0
     if echo_only:
         max_tokens = 1  # the prompt is computed and scored in the step that samples one token, which is dropped
     scored = [k for k in (req.prompt_logprobs, logprobs if echo else None) if k is not None]
-    if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_LOGPROBS:
-        raise ApiError(f"prompt_logprobs: must be in [0, {MAX_LOGPROBS}], got {req.prompt_logprobs}", "prompt_logprobs")
+    if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= max_logprobs:
+        raise ApiError(f"prompt_logprobs: must be in [0, {max_logprobs}], got {req.prompt_logprobs}", "prompt_logprobs")
     if req.prompt_logprobs is not None and req.stream:
         raise ApiError("prompt_logprobs: not available with stream: true (as in vLLM); send the request without "
                        "streaming, or use echo with logprobs (completions)", "prompt_logprobs")  # fmt: skip
