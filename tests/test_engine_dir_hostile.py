@@ -518,3 +518,34 @@ def test_a_terminal_without_the_characters_gets_them_escaped_not_a_traceback(tin
                          capture_output=True)  # fmt: skip
     assert out.returncode == 0 and b"Traceback" not in out.stderr, out.stderr[-400:]
     assert b"from /models/\\u5f15\\u64ce" in out.stdout  # the path, escaped
+
+
+LOADED_THEN_CHANGED = """
+import sys
+from trtpaged import LLM, SamplingParams
+engine, how = sys.argv[1], sys.argv[2]
+llm = LLM(engine, device="cpu")
+greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+before = llm.generate([[5, 6, 7]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+weights = engine + "/weights.safetensors"
+with open(weights, "r+b") as f:  # in place: the same file, as cp over it, rsync --inplace or a truncation do
+    if how == "truncate":
+        f.truncate(0)
+    else:
+        f.seek(4096)
+        f.write(bytes(range(256)) * 64)
+after = llm.generate([[5, 6, 7]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+print(list(before) == list(after))
+"""
+
+
+@pytest.mark.parametrize("how", ["truncate", "overwrite"])
+def test_a_weights_file_changed_in_place_after_the_load_changes_nothing(tiny_engine_dir, tmp_path, how):
+    """The weights are the process's own once loaded: a file truncated in place killed the process (SIGBUS, the
+    tensors were its mapping), and one rewritten in place changed the answers to bytes no check had read."""
+    engine = tmp_path / "engine"
+    shutil.copytree(tiny_engine_dir, engine)
+    done = subprocess.run([sys.executable, "-c", LOADED_THEN_CHANGED, str(engine), how], capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.strip().splitlines()[-1] == "True", done.stdout

@@ -174,16 +174,20 @@ def check_weights(engine_dir: Path, manifest: Manifest, rank: int = 0) -> dict[s
 
 
 def checked_weights(engine_dir: Path, manifest: Manifest, rank: int = 0) -> dict[str, torch.Tensor]:
-    """Rank `rank`'s weights (on the CPU) once `check_weights` passed and no float tensor holds NaN/inf;
-    raises EngineDirError."""
+    """Rank `rank`'s weights (on the CPU, in the process's own memory) once `check_weights` passed and no float
+    tensor holds NaN/inf; raises EngineDirError."""
     from safetensors.torch import load_file
 
     check_weights(engine_dir, manifest, rank)
     weights = Path(engine_dir) / manifest.rank_files(rank)["weights_file"]
     try:
-        state = load_file(str(weights), device="cpu")
+        mapped = load_file(str(weights), device="cpu")
     except Exception as e:  # noqa: BLE001  (safetensors raises its own error type)
         raise EngineDirError(weights, "weights_file", f"safetensors cannot read it ({type(e).__name__}: {e})") from None
+    # copied out of the file's mapping, one tensor at a time: a mapped tensor reads the file for as long as the
+    # model runs, so a weights file truncated in place killed the server (SIGBUS) and one rewritten in place
+    # changed its answers to weights no check had read
+    state = {name: mapped.pop(name).clone() for name in list(mapped)}
     broken = nonfinite_tensors(state)
     if broken:
         name, bad, numel = broken[0]
