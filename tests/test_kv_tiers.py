@@ -938,3 +938,48 @@ def test_a_write_killed_half_way_is_removed_when_the_tier_opens(tmp_path: Path):
             os.utime(tmp_path / name, (mtime, mtime))
     DiskTier(tmp_path, 1 << 20)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([".b.kv.1.7.tmp", f".c.kv.{dead.pid}.8.tmp"])
+
+
+def test_a_write_back_out_of_memory_is_dropped_not_the_requests(step_model, reference, caplog):
+    """Reading evicted blocks for the tiers ran out of memory (a host tier beyond the process's limit): the
+    requests of that step failed with it. Now the write-backs are dropped and counted, one warning says so, and
+    every answer is the tierless one."""
+    engine = make_engine(step_model, KVTierConfig(host_memory=1 << 22))
+    real_read = engine.runner.read_blocks
+
+    def out_of_memory(ids):
+        if ids:
+            raise MemoryError
+        return real_read(ids)
+
+    engine.runner.read_blocks = out_of_memory
+    with caplog.at_level(logging.WARNING, logger="trtpaged.runtime"):
+        got = [run_one(engine, p) for p in TRAFFIC]
+    assert got == reference[None]
+    (host,) = engine.kv.tiers.tiers
+    assert host.counters.dropped > 0 and host.counters.puts == 0
+    assert sum("out of memory reading" in r.message for r in caplog.records) == 1
+    assert_pool_whole(engine)
+
+
+def test_host_memory_available_is_bounded_by_the_address_space_limit(tmp_path):
+    """A host tier or pool sized by MemAvailable alone failed in steps under a tighter `ulimit -v`: the room
+    under RLIMIT_AS (less what the process maps already) bounds what the checks call available."""
+    import subprocess
+    import sys
+
+    script = (
+        "import resource\n"
+        "from trtpaged.kv_budget import KVBudgetError, _proc_value, available_memory_bytes, check_host_tier\n"
+        "mapped = _proc_value('/proc/self/status', 'VmSize:')\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (mapped + (512 << 20), resource.RLIM_INFINITY))\n"
+        "room = available_memory_bytes('cpu')\n"
+        "assert 0 < room <= 512 << 20, room\n"
+        "try:\n"
+        "    check_host_tier(10 << 30, 1 << 16, 'cpu', 4, 0)\n"
+        "except KVBudgetError as e:\n"
+        "    print('refused', e.field)\n"
+    )  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "refused kv_tiers.host_memory"

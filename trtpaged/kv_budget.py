@@ -19,17 +19,45 @@ def free_memory_bytes(device: str) -> int:
 
 
 def available_memory_bytes(device: str) -> int:
-    """Memory a new pool could take on `device` now: the GPU's free memory, or the host's MemAvailable
-    (free pages plus the page cache the kernel would give up; free pages alone where /proc is missing)."""
-    if not device.startswith("cuda"):
-        try:
-            with open("/proc/meminfo") as f:
-                for line in f:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024
-        except (OSError, ValueError, IndexError):
-            pass
-    return free_memory_bytes(device)
+    """Memory a new pool could take on `device` now: the GPU's free memory, or on the host the least of its
+    MemAvailable (free pages plus the page cache the kernel would give up; free pages alone where /proc is
+    missing), the room under this process's cgroup memory limit and the room under its address-space limit
+    (ulimit -v): a pool or host tier sized by MemAvailable alone failed inside steps under a tighter limit."""
+    if device.startswith("cuda"):
+        return free_memory_bytes(device)
+    host = _proc_value("/proc/meminfo", "MemAvailable:")
+    rooms = [free_memory_bytes(device) if host is None else host]
+    limit, used = _read_int("/sys/fs/cgroup/memory.max"), _read_int("/sys/fs/cgroup/memory.current")
+    if limit is not None and used is not None:
+        rooms.append(max(0, limit - used))
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    mapped = _proc_value("/proc/self/status", "VmSize:")
+    if soft != resource.RLIM_INFINITY and mapped is not None:
+        rooms.append(max(0, soft - mapped))
+    return min(rooms)
+
+
+def _proc_value(path: str, key: str) -> Optional[int]:
+    """A "KEY: N kB" line's bytes in a /proc file (None where it is missing or unreadable)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _read_int(path: str) -> Optional[int]:
+    """The integer a small control file holds (None: missing, unreadable, or "max")."""
+    try:
+        with open(path) as f:
+            return int(f.read(64).strip())
+    except (OSError, ValueError):
+        return None
 
 
 def machine_memory_bytes() -> int:

@@ -141,6 +141,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = list(eos_token_ids)
         self.vocab_size = vocab_size  # token-id prompts are checked against it when known
+        self._tier_memory_warned = False  # a write-back that ran out of memory was logged
         self.kv = KVCacheManager(
             config.num_kv_blocks, config.block_size, config.enable_prefix_caching, config.num_host_blocks, tiers=tiers,
             reclaim_window=config.reclaim_window,
@@ -357,9 +358,17 @@ class LLMEngine:
         if not saves or tiers is None:
             return
         ids = [where for _, where in saves if isinstance(where, int)]
-        read = iter(self.runner.read_blocks(ids))
-        tiers.save([(record, next(read) if isinstance(where, int) else where) for record, where in saves],
-                   persistent_only)
+        try:
+            read = iter(self.runner.read_blocks(ids))
+            tiers.save([(record, next(read) if isinstance(where, int) else where) for record, where in saves],
+                       persistent_only)
+        except MemoryError:  # a write-back is a cache's: given up (and counted), never the step's requests
+            tiers.drop(len(saves), persistent_only)
+            if not self._tier_memory_warned:
+                self._tier_memory_warned = True
+                log.warning("kv tiers: out of memory reading %d evicted blocks for write-back; they are dropped "
+                            "(and recomputed when asked for again); is --kv-host-memory beyond this process's "
+                            "memory limit?", len(saves))  # fmt: skip
 
     def flush_tiers(self) -> None:
         """Writes every block still in the pool's prefix cache to the disk and remote tiers and waits for

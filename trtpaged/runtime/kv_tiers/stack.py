@@ -136,6 +136,11 @@ class TierStack:
                 for tier in self._targets(persistent_only):
                     tier.counters.dropped += 1
 
+    def drop(self, num_records: int, persistent_only: bool = False) -> None:
+        """Counts write-backs given up before they were offered (their blocks could not be read)."""
+        for tier in self._targets(persistent_only):
+            tier.counters.dropped += num_records
+
     def _targets(self, persistent_only: bool) -> list[KVTier]:
         return [t for t in self.tiers if t.slow or not persistent_only]
 
