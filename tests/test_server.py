@@ -419,14 +419,67 @@ def test_serve_raises_a_low_open_files_limit_up_to_the_hard_one(soft, hard):
     assert [int(v) for v in out] == [max(soft, capped), hard]
 
 
-def test_serve_that_cannot_write_its_ready_line_stops_cleanly(tiny_engine_dir):
-    """stdout on a full disk (or a closed pipe): the ready line fails after the server started; the command stops
-    the server and exits 1 (was: a segfault at exit, the server's threads still running)."""
+def test_serve_that_cannot_write_its_ready_line_serves_on(tiny_engine_dir):
+    """stdout on a full disk (or a closed pipe): the ready line cannot be written; the server says so on stderr
+    and serves on, and a SIGTERM drains and stops it with exit 0 (it exited 1 just after /health said 200)."""
+    import signal as signals
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with open("/dev/full", "w") as full:
-        out = subprocess.run([sys.executable, "-m", "trtpaged.cli", "serve", str(tiny_engine_dir), "--port",
-                              str(port), "--device", "cpu"], stdout=full, stderr=subprocess.PIPE, timeout=120)
-    assert out.returncode == 1 and b"Traceback" not in out.stderr, (out.returncode, out.stderr[-600:])
-    assert b"Error: cannot write the ready line to stdout (No space left on device)" in out.stderr
+        proc = subprocess.Popen([sys.executable, "-m", "trtpaged.cli", "serve", str(tiny_engine_dir), "--port",
+                                 str(port), "--device", "cpu"], stdout=full, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-600:]
+            time.sleep(0.2)
+        time.sleep(1.0)  # past the ready line: the server must still be up
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+            assert r.status == 200
+        proc.send_signal(signals.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0 and b"Traceback" not in err, (proc.returncode, err[-600:])
+    assert b"cannot write the ready line to stdout (No space left on device); serving on" in err
+
+
+def test_a_sigterm_drains_when_stderr_cannot_be_written(tiny_engine_dir):
+    """stderr on a full disk (or closed, or its reader gone): the "draining" line cannot be written; the drain
+    still runs, so a stream in flight at SIGTERM ends whole and the command exits 0 (the failed line skipped the
+    drain: the stream got "the server is shutting down" and the exit was 1)."""
+    import signal as signals
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with open("/dev/full", "w") as full:
+        proc = subprocess.Popen([sys.executable, "-m", "trtpaged.cli", "serve", str(tiny_engine_dir), "--port",
+                                 str(port), "--device", "cpu"], stdout=subprocess.PIPE, stderr=full)  # fmt: skip
+    try:
+        proc.stdout.readline()  # the ready line
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 400, "ignore_eos": True,
+                                                            "stream": True}), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        first = resp.readline()
+        assert first.startswith(b"data: "), first
+        proc.send_signal(signals.SIGTERM)
+        rest = first + resp.read()
+        conn.close()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    events = [json.loads(line[6:]) for line in rest.split(b"\n") if line.startswith(b"data: {")]
+    assert not any("error" in e for e in events), events[-1]
+    assert events[-1]["choices"][0]["finish_reason"] == "length" and proc.returncode == 0

@@ -174,20 +174,32 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
     if speculative_config is not None:
         notes += f"; speculative decoding {speculative_config.to_dict()}"
     try:
-        echo(f"trtpaged serve: {handle.model_name} ready at {handle.url} ({notes}; Ctrl-C or SIGTERM to stop)",
-             what="the ready line")
+        try:  # a line for people and scripts; the server serves whether or not it can be written
+            echo(f"trtpaged serve: {handle.model_name} ready at {handle.url} ({notes}; Ctrl-C or SIGTERM to stop)",
+                 what="the ready line")
+        except click.ClickException as e:
+            note(f"trtpaged serve: {e.message}; serving on at {handle.url}")
         while not stop.wait(0.5) and handle.failure is None:
             pass
         if handle.failure is not None:
             raise click.ClickException(f"the engine failed, server stopped: {handle.failure}")
-        click.echo(f"trtpaged serve: draining (up to {shutdown_timeout:g} s; Ctrl-C again to abort the requests in "
-                   "flight), then stopping", err=True)
+        note(f"trtpaged serve: draining (up to {shutdown_timeout:g} s; Ctrl-C again to abort the requests in flight), "
+             "then stopping")
         handle.shutdown()
-        click.echo("trtpaged serve: stopped", err=True)
+        note("trtpaged serve: stopped")
     finally:
-        # whatever ended the command (a failed engine, the ready line unwritable): the server's threads end before
-        # the interpreter does (it crashed at exit); after a drain this does nothing
+        # whatever ended the command (a failed engine, an exception): the server's threads end before the
+        # interpreter does (it crashed at exit); after a drain this does nothing
         handle.shutdown(timeout=0)
+
+
+def note(text: str) -> None:
+    """A line on stderr, where a full disk, a closed stderr or a gone reader must not stop the server or skip its
+    drain (it did: a SIGTERM then failed the requests in flight)."""
+    try:
+        click.echo(text, err=True)
+    except (OSError, ValueError):
+        pass
 
 
 def vllm_only(gpu_memory_utilization: Optional[float], dtype: Optional[str]) -> dict[str, Any]:
