@@ -263,7 +263,7 @@ def build_engine(
                 st.note(f"{PLAN_FILE} {(tmp / PLAN_FILE).stat().st_size / 2**20:.1f} MiB" if plan_built
                         else "no engine.plan (backend auto: torch)")
         with progress.stage("write") as st:
-            hf.tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
+            _save_tokenizer(hf.tokenizer, tmp / TOKENIZER_DIR)
             manifest = _manifest(config, dims, hf, verification, file_hashes(tmp), plan_built,
                                  quantized.describe(config.quantization) if quantized is not None else {}, shards,
                                  {**config.tensorrt.describe(), "graph_written": graph is not None})
@@ -464,6 +464,19 @@ def _manifest(
         tensorrt=tensorrt or {},
         sampling_defaults=_sampling_defaults(hf, "model"),
     )
+
+
+def _save_tokenizer(tokenizer, out: Path) -> None:
+    """tokenizer.save_pretrained, whose Rust writer reports a full disk as a plain Exception ("No space left on
+    device (os error 28)"): raised as the OSError it is, so the build fails in one line naming the dir."""
+    try:
+        tokenizer.save_pretrained(str(out))
+    except OSError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the tokenizers library's own error type for I/O failures
+        if "os error" not in str(e):
+            raise
+        raise OSError(None, f"{str(e).strip()[:200]}", str(out)) from None
 
 
 def _sampling_defaults(hf, where: str) -> dict:
