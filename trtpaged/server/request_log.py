@@ -13,8 +13,9 @@ tokens found in the prefix cache; steps: engine steps while the request was in f
 server's mean engine-step time so far. `prompt_token_ids` only when prompts are logged (`log_prompts`).
 
 Lines are written by a writer thread from a bounded queue, never on the engine thread: a full queue drops
-the line (counted), and a failing disk stops the log (logged once) without failing any request. A last line
-cut short (the process killed mid-write) is removed when the log is opened again.
+the line (counted), and a failing disk stops the log (logged once) without failing any request, the log cut
+back to its last whole line. A last line cut short (the process killed mid-write) is removed when the log is
+opened again.
 """
 
 from __future__ import annotations
@@ -106,9 +107,14 @@ class RequestLog:
         self._queue: "queue.Queue[object]" = queue.Queue(max_queued)
         try:
             resume_at = _end_of_last_run(self.path)
-            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed by the writer thread
+            # a descriptor of its own, written a batch at a time: a failed write is cut back to the last whole line
+            # (a buffered file object would write its buffer's rest again when closed)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError as exc:
             raise OSError(exc.errno, f"request_log: cannot open {self.path} for appending: {exc.strerror}") from None
+        self._regular = stat.S_ISREG(os.fstat(self._fd).st_mode)
+        self._whole_bytes = os.fstat(self._fd).st_size if self._regular else 0  # the log up to its last whole line
+        self._pending: list[str] = []  # the batch's lines, written by _flush
         self.started = time.monotonic() - resume_at  # arrivals: seconds since the log began
         self._thread = threading.Thread(target=self._write_loop, name="trtpaged-request-log", daemon=True)
         self._thread.start()
@@ -160,7 +166,7 @@ class RequestLog:
                 self._flush()
         finally:
             try:
-                self._file.close()
+                os.close(self._fd)
             except OSError:
                 pass
 
@@ -174,20 +180,28 @@ class RequestLog:
             log.warning("request log %s: a line could not be encoded; dropped", self.path)
             self.dropped += 1
             return
-        try:
-            self._file.write(text)
-        except OSError as exc:
-            self._fail(exc)
+        self._pending.append(text)
 
     def _flush(self) -> None:
-        if self.failed is None:
-            try:
-                self._file.flush()
-            except OSError as exc:
-                self._fail(exc)
+        lines, data, self._pending = len(self._pending), "".join(self._pending).encode(), []
+        if self.failed is not None or not data:
+            return
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view):]
+            if self._regular:
+                self._whole_bytes += len(data)
+        except OSError as exc:
+            self._fail(exc, lines)
 
-    def _fail(self, exc: Exception) -> None:
+    def _fail(self, exc: Exception, lines: int) -> None:
         self.failed = f"{type(exc).__name__}: {exc}"
-        self.dropped += 1
+        self.dropped += lines
+        if self._regular:  # the part of the batch that was written is no line: `diagnose` refused the whole log
+            try:
+                os.ftruncate(self._fd, self._whole_bytes)
+            except OSError:
+                pass
         log.error("request log %s: writing failed (%s); request logging stopped, serving goes on", self.path,
                   self.failed)  # fmt: skip
