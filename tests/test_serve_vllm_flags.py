@@ -123,3 +123,23 @@ def test_max_logprobs_sets_the_bound_a_request_meets(tiny_engine_dir):
                 assert f"must be in [0, {limit}]" in body["error"]["message"]
         finally:
             handle.shutdown(timeout=0)
+
+
+@pytest.mark.parametrize("failure, words", [
+    (MemoryError(), "out of memory while loading the engine (an allocation failed)"),
+    (RuntimeError("llama_layers: out of memory: qlinear_cpu: out of memory (std::bad_alloc)"),
+     "out of memory while loading the engine (llama_layers: out of memory"),
+    (RuntimeError("can't start new thread"), "cannot start the server's threads"),
+])  # fmt: skip
+def test_serve_names_a_memory_or_thread_limit_hit_while_loading_in_one_line(tiny_engine_dir, monkeypatch, failure,
+                                                                           words):  # fmt: skip
+    """Under a memory or thread limit (ulimit -v, a cgroup), loading failed with a traceback from wherever the
+    allocation or thread start failed (the kernels' warm-up, the tokenizer lanes); it is one line naming it."""
+    import trtpaged.server as server_package
+
+    def fails(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(server_package, "start_server", fails)
+    r = CliRunner().invoke(main, ["serve", str(tiny_engine_dir)])
+    assert r.exit_code == 1 and words in r.output and "Traceback" not in r.output, r.output

@@ -161,6 +161,17 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
     except (ValueError, FileNotFoundError, OSError, FatalEngineError) as e:
         message = e.strerror if isinstance(e, OSError) and e.strerror and e.filename is None else str(e)
         raise click.ClickException(flag_error(message, typed_flags(sys.argv))) from None
+    except MemoryError as e:  # a memory limit (ulimit -v, a cgroup) below what loading the engine takes
+        raise click.ClickException(f"out of memory while loading the engine ({str(e) or 'an allocation failed'}): "
+                                   "lower --num-kv-blocks or raise the process's memory limit") from None
+    except RuntimeError as e:  # the kernels' and the thread module's words for the same limits
+        if "out of memory" in str(e):
+            raise click.ClickException(f"out of memory while loading the engine ({str(e)[:200]}): lower "
+                                       "--num-kv-blocks or raise the process's memory limit") from None
+        if "can't start new thread" in str(e):
+            raise click.ClickException("cannot start the server's threads (the process's thread or memory limit "
+                                       "is reached)") from None
+        raise
     stop = threading.Event()
 
     def on_signal(*_: object) -> None:
