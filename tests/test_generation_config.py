@@ -9,6 +9,7 @@ import json
 import shutil
 from pathlib import Path
 
+import openai
 import pytest
 import yaml
 from click.testing import CliRunner
@@ -114,14 +115,34 @@ def test_requests_sample_with_the_models_settings_where_they_set_none(engine_dir
         handle.shutdown(timeout=0)
 
 
-def test_a_generation_config_no_request_could_take_refuses_the_build(tmp_path):
-    hf = _hf_dir(tmp_path, {"temperature": -1.0})
+@pytest.mark.parametrize("generation_config, words", [
+    ({"temperature": -1.0}, "generation_config.json: temperature: got -1.0; expected in [0, 3.4e38]"),
+    ({"top_p": 10**400}, "generation_config.json: top_p: got 10000000000"),  # was an OverflowError traceback
+])  # fmt: skip
+def test_a_generation_config_no_request_could_take_refuses_the_build(tmp_path, generation_config, words):
+    hf = _hf_dir(tmp_path, generation_config)
     path = tmp_path / "model.yaml"
     path.write_text(yaml.safe_dump(_data(hf)))
     r = CliRunner().invoke(main, ["build", str(path), "-o", str(tmp_path / "out")])
-    assert r.exit_code == 1, r.output
-    assert "generation_config.json: temperature: got -1.0; expected in [0, 3.4e38]" in r.output.strip().splitlines()[-1]
+    assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+    last = r.output.strip().splitlines()[-1]
+    assert words in last and len(last) < 400, last
     assert not (tmp_path / "out").exists()
+
+
+def test_what_vllm_would_not_take_is_not_recorded(tmp_path):
+    """Without generation_config.json, config.json's legacy sampling keys are not the model's recommendation
+    (vLLM takes none); a max_new_tokens past any engine's length is recorded as the bound, not refused."""
+    from trtpaged.sampling_defaults import MAX_TOKENS_BOUND
+
+    hf = _hf_dir(tmp_path / "a", {})
+    (hf / "generation_config.json").unlink()
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "temperature": 0.3, "top_k": 3}))
+    assert read_manifest(build_from_dict(_data(hf), tmp_path / "a" / "engine")).sampling_defaults == {}
+    hf = _hf_dir(tmp_path / "b", {"max_new_tokens": 10**8})
+    assert read_manifest(build_from_dict(_data(hf), tmp_path / "b" / "engine")).sampling_defaults == {
+        "max_tokens": MAX_TOKENS_BOUND}
 
 
 @pytest.mark.parametrize("defaults, field", [
@@ -131,6 +152,7 @@ def test_a_generation_config_no_request_could_take_refuses_the_build(tmp_path):
     ({"repetition_penalty": float("nan")}, "sampling_defaults.repetition_penalty"),
     ({"max_tokens": 0}, "sampling_defaults.max_tokens"),
     ({"seed": 1}, "sampling_defaults.seed"),
+    ({"temperature": 10**400}, "sampling_defaults.temperature"),  # was an OverflowError traceback (isfinite)
 ])  # fmt: skip
 def test_an_edited_manifests_defaults_are_refused_naming_the_field(engine_dir, tmp_path, defaults, field):
     edited = tmp_path / "engine"
@@ -154,3 +176,37 @@ def test_the_c_runtime_opens_an_engine_with_sampling_defaults(engine_dir):
     assert run.returncode == 0, run.stderr
     got = parse_outputs(run.stdout)[0]
     assert [got[i] for i in range(len(prompts))] == want
+
+
+def test_the_c_runtime_refuses_the_defaults_python_refuses(engine_dir, tmp_path):
+    build_dir = build(setup_build_dir() or Path(__file__).resolve().parents[1] / "build" / "tests" / "c-runtime")
+    for defaults, field in (({"temperature": "hot"}, "sampling_defaults.temperature"),
+                            ({"top_p": 0.0}, "sampling_defaults.top_p"), ({"seed": 1}, "sampling_defaults.seed"),
+                            ({"max_tokens": 0}, "sampling_defaults.max_tokens")):  # fmt: skip
+        edited = tmp_path / f"engine-{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(engine_dir, edited)
+        data = json.loads((edited / MANIFEST_NAME).read_text())
+        data.pop("content_sha256")
+        save_manifest(edited, {**data, "sampling_defaults": defaults})
+        run = generate(build_dir, edited, [[5, 6]], "--max-tokens", "2")
+        assert run.returncode != 0 and field in run.stderr, (defaults, run.returncode, run.stderr[-400:])
+
+
+def test_the_server_caps_and_echoes_what_it_used(engine_dir):
+    """With the model's max_new_tokens 9: a request's own max_tokens past the room is refused as without the
+    cap (vLLM's order), a min_tokens past the cap is refused naming the cap, and a Response echoes the settings
+    it ran with (the model's temperature, top_p and the capped max_output_tokens), not nulls and 40."""
+    handle = start_server(engine_dir, port=0, served_model_name=MODEL, device="cpu")
+    try:
+        client = openai_client(handle.url)
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=MODEL, prompt="once upon", max_tokens=600)
+        assert err.value.body["param"] == "max_tokens"
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=MODEL, prompt="once upon", max_tokens=40, extra_body={"min_tokens": 20})
+        assert err.value.body["param"] == "min_tokens" and "max_new_tokens 9" in err.value.body["message"]
+        r = client.responses.create(model=MODEL, input="hello", max_output_tokens=40)
+        assert (r.temperature, r.top_p, r.max_output_tokens) == (0.6, 0.9, 9)
+        assert r.usage.output_tokens <= 9
+    finally:
+        handle.shutdown(timeout=0)

@@ -20,6 +20,7 @@ import pydantic
 
 from trtpaged.kv_formats import FLOAT_KV_CACHE_DTYPES, KV_CACHE_DTYPES, KV_FORMATS, kv_format
 from trtpaged.names import renamed_keys
+from trtpaged.sampling_defaults import SamplingDefaultError
 from trtpaged.sampling_defaults import check as check_sampling_defaults
 
 FORMAT_VERSION = 1
@@ -427,9 +428,8 @@ def _check_values(m: Manifest, where: str | Path) -> None:
     _check_summaries(m, bad)
     try:
         check_sampling_defaults(m.sampling_defaults)
-    except ValueError as e:
-        name, _, message = str(e).partition(": ")
-        raise bad(name, message) from None
+    except SamplingDefaultError as e:
+        raise bad(f"sampling_defaults.{e.field}", e.message) from None
     for name, digest in m.files.items():
         if not _SHA256.fullmatch(digest):
             raise bad(f"files[{name!r}]", f"got {digest[:80]!r}; expected a sha256 hex digest")

@@ -2,9 +2,10 @@
 
 A model's generation_config.json may set temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens.
 The build records those it sets, under `sampling_defaults` in the manifest (SamplingParams' names: max_new_tokens is
-max_tokens). A request that leaves such a field unset then samples with the model's value instead of the API's
-default (vLLM's rule); its max_tokens, given or not, is capped at max_tokens. The values are checked here (the
-manifest is untrusted input) against the ranges `SamplingParams` takes.
+max_tokens). A server request that leaves such a field unset then samples with the model's value instead of the API's
+default (vLLM's rule) and its max_tokens, given or not, is capped at the model's max_new_tokens (the server);
+`LLM.generate` given no SamplingParams uses them all (`LLM.get_default_sampling_params`). The values are checked
+here (the manifest is untrusted input) against the ranges `SamplingParams` takes.
 """
 
 from __future__ import annotations
@@ -21,26 +22,41 @@ REPETITION_PENALTY_RANGE = (0.01, 100.0)  # logits scaled by <= 100x, then by 1/
 MAX_TOKENS_BOUND = 1 << 24  # far beyond any engine's max_seq_len
 
 
+class SamplingDefaultError(ValueError):
+    """A sampling default no request could take: `field` (a SamplingParams name) and `message` (the rule)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"sampling_defaults.{field}: {message}")
+        self.field = field
+        self.message = message
+
+
 def from_generation_config(generation_config: Any) -> dict[str, Any]:
-    """The sampling fields a transformers GenerationConfig sets to other than transformers' own defaults (its diff
-    dict, as vLLM reads it), under SamplingParams' names; {} for None."""
+    """The sampling fields a GenerationConfig read from a model's generation_config.json sets to other than
+    transformers' own defaults (its diff dict, as vLLM reads it), under SamplingParams' names; {} for None. A
+    max_new_tokens past MAX_TOKENS_BOUND is recorded as the bound (it only caps max_tokens, which max_seq_len caps
+    far lower)."""
     if generation_config is None:
         return {}
     diff = generation_config.to_diff_dict()
-    return {ours: diff[theirs] for theirs, ours in GENERATION_CONFIG_FIELDS.items() if diff.get(theirs) is not None}
+    values = {ours: diff[theirs] for theirs, ours in GENERATION_CONFIG_FIELDS.items() if diff.get(theirs) is not None}
+    cap = values.get("max_tokens")
+    if isinstance(cap, int) and not isinstance(cap, bool) and cap > MAX_TOKENS_BOUND:
+        values["max_tokens"] = MAX_TOKENS_BOUND
+    return values
 
 
 def check(values: Mapping[str, Any]) -> None:
-    """Raises ValueError naming `sampling_defaults.<field>` for an unknown field or a value out of range."""
+    """Raises SamplingDefaultError for an unknown field or a value no request could take (SamplingParams'
+    ranges)."""
     for name, value in values.items():
-        where = f"sampling_defaults.{name}"
         if name not in FIELDS:
-            raise ValueError(f"{where}: unknown field; one of {', '.join(FIELDS)}")
+            raise SamplingDefaultError(name, f"unknown field; one of {', '.join(FIELDS)}")
         integer = name in ("top_k", "max_tokens")
         if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
-            raise ValueError(f"{where}: got {value!r:.80}; expected {'an integer' if integer else 'a number'}")
-        if not integer and not math.isfinite(value):
-            raise ValueError(f"{where}: got {value}; expected a finite number")
+            raise SamplingDefaultError(name, f"got {value!r:.80}; expected {'an integer' if integer else 'a number'}")
+        if isinstance(value, float) and not math.isfinite(value):  # an int compares with floats exactly, however big
+            raise SamplingDefaultError(name, f"got {value}; expected a finite number")
         ok, rule = {
             "temperature": (0 <= value <= FLOAT32_MAX, "in [0, 3.4e38]"),
             "top_p": (0 < value <= 1, "in (0, 1]"),
@@ -51,4 +67,4 @@ def check(values: Mapping[str, Any]) -> None:
             "max_tokens": (1 <= value <= MAX_TOKENS_BOUND, f"in [1, {MAX_TOKENS_BOUND}]"),
         }[name]  # fmt: skip
         if not ok:
-            raise ValueError(f"{where}: got {value}; expected {rule}")
+            raise SamplingDefaultError(name, f"got {value!r:.80}; expected {rule}")

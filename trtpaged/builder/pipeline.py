@@ -39,7 +39,7 @@ from trtpaged.kv_formats import QUANTIZED_KV_CACHE_DTYPES
 from trtpaged.manifest import Manifest, ModelDims, check_dim_values
 from trtpaged.models.dims import trained_max_seq_len
 from trtpaged.models.tensor_parallel import check_tensor_parallel
-from trtpaged.sampling_defaults import GENERATION_CONFIG_FIELDS, from_generation_config
+from trtpaged.sampling_defaults import GENERATION_CONFIG_FIELDS, SamplingDefaultError, from_generation_config
 from trtpaged.sampling_defaults import check as check_sampling_defaults
 from trtpaged.kv_budget import budget_blocks, machine_memory_bytes
 
@@ -105,7 +105,7 @@ def build_engine(
                 f"model.{config.model.kind}: the model's {name.removeprefix('dims.')} {message}", limit=limit))
             _check_special_token_ids(hf, dims, f"model.{config.model.kind}")
             _check_chat_template(hf.tokenizer, f"model.{config.model.kind}")
-            _sampling_defaults(hf, f"model.{config.model.kind}")
+            sampling_defaults = _sampling_defaults(config.model, f"model.{config.model.kind}")
             tp_blocker = check_tensor_parallel(dims, config.tensor_parallel, _config_plan(config, dims))
             if tp_blocker:
                 raise ConfigError(tp_blocker)
@@ -266,7 +266,8 @@ def build_engine(
             _save_tokenizer(hf.tokenizer, tmp / TOKENIZER_DIR)
             manifest = _manifest(config, dims, hf, verification, file_hashes(tmp), plan_built,
                                  quantized.describe(config.quantization) if quantized is not None else {}, shards,
-                                 {**config.tensorrt.describe(), "graph_written": graph is not None})
+                                 {**config.tensorrt.describe(), "graph_written": graph is not None},
+                                 sampling_defaults)  # fmt: skip
             write_manifest(tmp, manifest)
             st.note(f"{len(manifest.files) + 1} files, backends: {', '.join(manifest.backends)}")
     total = progress.total()
@@ -435,7 +436,7 @@ def _check_chat_template(tokenizer, where: str) -> None:
 def _manifest(
     config: BuildConfig, dims: ModelDims, hf, verification: dict, files: dict[str, str], plan_built: bool = False,
     quantization: Optional[dict] = None, shards: Optional[list[dict[str, str]]] = None,
-    tensorrt: Optional[dict] = None,
+    tensorrt: Optional[dict] = None, sampling_defaults: Optional[dict] = None,
 ) -> Manifest:
     tok = hf.tokenizer
     bos, eos = _special_token_ids(hf)
@@ -462,7 +463,7 @@ def _manifest(
         tensor_parallel=config.tensor_parallel,
         shards=list(shards) if shards and len(shards) > 1 else [],
         tensorrt=tensorrt or {},
-        sampling_defaults=_sampling_defaults(hf, "model"),
+        sampling_defaults=sampling_defaults or {},
     )
 
 
@@ -479,14 +480,25 @@ def _save_tokenizer(tokenizer, out: Path) -> None:
         raise OSError(None, f"{str(e).strip()[:200]}", str(out)) from None
 
 
-def _sampling_defaults(hf, where: str) -> dict:
-    """The sampling settings the model's generation config recommends (trtpaged/sampling_defaults.py), checked
-    before anything is written: a value no request could take refuses the build, naming the file's field."""
-    values = from_generation_config(getattr(hf.model, "generation_config", None))
+def _sampling_defaults(model, where: str) -> dict:
+    """The sampling settings the model's generation_config.json recommends (trtpaged/sampling_defaults.py), read
+    from the file as vLLM reads it; none for a model without one (a GGUF, a package, a tiny model: transformers'
+    config made from config.json, whose legacy sampling keys vLLM does not take either). Checked before anything is
+    written: a value no request could take refuses the build, naming the file's field."""
+    path = model.path / "generation_config.json" if model.kind == "hf_dir" else None
+    if path is None or not path.is_file():
+        return {}
+    from transformers import GenerationConfig
+
+    try:
+        generation_config = GenerationConfig.from_pretrained(str(model.path), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad file
+        raise ConfigError(f"{where}: generation_config.json: transformers cannot read it ({type(e).__name__}: "
+                          f"{str(e).strip()[:200]})") from None
+    values = from_generation_config(generation_config)
     try:
         check_sampling_defaults(values)
-    except ValueError as e:
-        field_name = str(e).split(":", 1)[0].removeprefix("sampling_defaults.")
-        theirs = {ours: name for name, ours in GENERATION_CONFIG_FIELDS.items()}[field_name]
-        raise ConfigError(f"{where}: generation_config.json: {theirs}: {str(e).split(': ', 1)[1]}") from None
+    except SamplingDefaultError as e:
+        theirs = {ours: name for name, ours in GENERATION_CONFIG_FIELDS.items()}[e.field]
+        raise ConfigError(f"{where}: generation_config.json: {theirs}: {e.message}") from None
     return values

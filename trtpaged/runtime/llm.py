@@ -48,17 +48,13 @@ def _tightened(name: str, value: Optional[int], limit: int) -> int:
     return value
 
 
-def model_sampling_defaults(engine_dir: Path, manifest: Manifest, generation_config: str) -> dict[str, Any]:
+def model_sampling_defaults(manifest: Manifest, generation_config: str) -> dict[str, Any]:
     """vLLM's `generation_config`: "auto" takes the model's recommended sampling settings (the manifest's
-    sampling_defaults, from its generation_config.json), "vllm" none; checked as a request's own values are."""
+    sampling_defaults, from its generation_config.json), "vllm" none."""
     if generation_config not in ("auto", "vllm"):
         raise ValueError(f"generation_config: 'auto' (the model's, recorded by the build) or 'vllm' (none), got "
                          f"{generation_config!r:.80}; a folder of its own is not read here (build with it)")
-    defaults = dict(manifest.sampling_defaults) if generation_config == "auto" else {}
-    try:
-        SamplingParams(**defaults)
-    except ValueError as e:
-        raise EngineDirError(engine_dir, f"sampling_defaults.{getattr(e, 'field', '')}", str(e)) from None
+    defaults = dict(manifest.sampling_defaults) if generation_config == "auto" else {}  # checked by read_manifest
     if defaults:
         log.info("sampling defaults from the model's generation config (a request's own values win): %s",
                  ", ".join(f"{k}={v}" for k, v in sorted(defaults.items())))  # fmt: skip
@@ -245,8 +241,8 @@ class LLM:
     it advances; `reclaim_windowed_blocks=False` keeps them (docs/families.md). A request may ask for at most
     `max_logprobs` top log-probs per token (`logprobs`, `prompt_logprobs`; vLLM's default 20, -1: the whole
     vocabulary). `scheduling_policy="priority"` (vLLM's) serves requests by their priority (lower first, then
-    arrival: `generate(..., priority=[...])`, the server's `priority` field) and preempts the lowest first; the
-    default "fcfs" serves them in arrival order and accepts only priority 0. `generation_config="auto"` (vLLM's
+    arrival: `generate(..., priority=[...])`, the server's `priority` field) and preempts the largest value first;
+    the default "fcfs" serves them in arrival order and accepts only priority 0. `generation_config="auto"` (vLLM's
     default) samples with the model's recommended settings (its generation_config.json's temperature, top_p,
     top_k, min_p, repetition_penalty and max_new_tokens, recorded by the build as `sampling_defaults`) when
     `generate` is given no SamplingParams (`get_default_sampling_params()`); "vllm" ignores them.
@@ -345,7 +341,7 @@ class LLM:
             reclaim_window=self.manifest.dims.max_window if reclaim_windowed_blocks else 0,
             max_logprobs=max_logprobs,
         )
-        self.sampling_defaults = model_sampling_defaults(self.engine_dir, self.manifest, generation_config)
+        self.sampling_defaults = model_sampling_defaults(self.manifest, generation_config)
         self.tokenizer = load_tokenizer(self.engine_dir, self.manifest)
         if chat_template is not None:  # checked with the engine's tokenizer, before any weight loads
             check_chat_template(self.tokenizer, chat_template)

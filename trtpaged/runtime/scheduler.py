@@ -676,8 +676,8 @@ class Scheduler:
     def _insert(queue, group: SequenceGroup) -> None:
         """Inserts keeping the queue in service order: by priority (lower first; all 0 unless the scheduling policy
         is "priority"), then arrival, so that preempted groups go back before newer ones and the last running group
-        is the one to preempt. A new request of the lowest priority is appended, with no look at the queue (a
-        bisect per insert over a long queue made it quadratic)."""
+        is the one to preempt. A group whose (priority, arrival) is not below the tail's (every new request under
+        fcfs) is appended, with no look at the queue (a bisect per insert over a long queue made it quadratic)."""
         key = _service_order(group)
         if not queue or _service_order(queue[-1]) <= key:
             queue.append(group)

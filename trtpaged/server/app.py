@@ -246,6 +246,8 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
         if call is not None:  # logged and answered under the Response's id
             # vLLM's: a body's request_id is the Response's id as given; else resp_ + the caller's or a random id
             rid = call.req.request_id or responses_output.response_id(summary.request_id)
+            call.used = {"temperature": submitted.params.temperature, "top_p": submitted.params.top_p,
+                         "max_output_tokens": submitted.max_tokens[0]}  # fmt: skip
             summary.header_id = rid if summary.header_id == summary.request_id else summary.header_id
             summary.request_id = rid
         headers = {"X-Request-Id": summary.header_id}

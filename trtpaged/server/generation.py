@@ -67,6 +67,7 @@ class Submitted:
     builder: ResponseBuilder
     summary: Summary
     prompts: list[list[int]] = field(default_factory=list)  # token ids per prompt, after truncate_prompt_tokens
+    max_tokens: list[int] = field(default_factory=list)  # per prompt, as fitted to its room and the model's cap
 
 
 def runtime_failure(exc: Exception) -> ApiError:
@@ -141,7 +142,8 @@ class GenerationService:
         builder = ResponseBuilder(summary.request_id, self.model_name, int(time.time()), chat, req.logprobs, req.tools,
                                   req.return_token_ids, req.chat_echo)  # fmt: skip
         index = {rid: i for i, (rid, _, _) in enumerate(requests)}
-        return Submitted(req, params, sub, index, builder, summary, prompts)
+        return Submitted(req, params, sub, index, builder, summary, prompts,
+                         [p.max_tokens for _, _, p in requests])  # fmt: skip
 
     # ---- request -> engine requests -----------------------------------------------------------
     def _params(self, req: GenerationRequest, max_tokens: Optional[int]) -> SamplingParams:
@@ -254,9 +256,18 @@ class GenerationService:
         Then the runtime's own `check_request` on this prompt, so that a request of several prompts is refused
         before any of them is queued."""
         try:
-            fitted = max(1, self.max_seq_len - prompt_len) if req.max_tokens is None else params.max_tokens
-            if self.max_tokens_cap is not None and fitted is not None:
-                fitted = min(fitted, self.max_tokens_cap)
+            if req.max_tokens is None:
+                fitted = max(1, self.max_seq_len - prompt_len)
+            else:  # the request's own max_tokens must fit the room first (vLLM's order), cap or no cap
+                check_request(self.llm.config, prompt_len, params)
+                fitted = params.max_tokens
+            cap = self.max_tokens_cap
+            if cap is not None and fitted is not None and fitted > cap:
+                if params.min_tokens > cap:
+                    name = req.names.get("min_tokens", "min_tokens")
+                    raise ApiError(f"{name}: {params.min_tokens} is more than this model's max_new_tokens {cap}, "
+                                   "which caps max_tokens (serve --generation-config vllm does not)", name)
+                fitted = cap
             if fitted != params.max_tokens:  # re-checks the fields that depend on it (min_tokens)
                 params = dataclasses.replace(params, max_tokens=fitted)
             check_request(self.llm.config, prompt_len, params)

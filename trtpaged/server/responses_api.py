@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from trtpaged.server.errors import ApiError
@@ -45,6 +45,9 @@ class ResponsesCall:
     chat_body: dict[str, Any]
     model: str
     created_at: int
+    # the settings the request ran with, as the Response echoes them (temperature, top_p, max_output_tokens): the
+    # request's own, else the model's recommended ones or the API's defaults; set once it is submitted
+    used: dict[str, Any] = field(default_factory=dict)
 
 
 def translate(body: Any, served_model: str) -> ResponsesCall:

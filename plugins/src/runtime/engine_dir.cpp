@@ -347,7 +347,26 @@ Manifest read_manifest(const std::string& root) {
             "quantization", "tensor_parallel", "shards", "format_version", "kv_bytes_per_token", "kv_bytes_per_block",
             "kv_bytes_per_token_per_rank", "tensorrt", "sampling_defaults", "content_sha256"});
   top.object("tensorrt", false);  // the TensorRT build's forms (graph, pool form): nothing the CPU runtime reads
-  top.object("sampling_defaults", false);  // the model's sampling defaults: the caller's sampling settings rule here
+  {  // the model's sampling defaults (trtpaged/sampling_defaults.py): checked as Python checks them, not used (the
+     // caller's sampling settings rule in this runtime)
+    Fields defaults(top.object("sampling_defaults", false), "sampling_defaults.", where);
+    defaults.only({"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens"});
+    struct Range {
+      const char* name;
+      double low, high;
+      bool low_open;
+    };
+    for (const Range& r : {Range{"temperature", 0.0, 3.4028234663852886e38, false}, Range{"top_p", 0.0, 1.0, true},
+                           Range{"min_p", 0.0, 1.0, false}, Range{"repetition_penalty", 0.01, 100.0, false}}) {
+      if (!defaults.get(r.name, false)) continue;
+      const double x = defaults.number(r.name);
+      if (!std::isfinite(x) || x > r.high || (r.low_open ? x <= r.low : x < r.low))
+        defaults.bad(r.name, "got " + show(*defaults.get(r.name, true)) + "; expected " + (r.low_open ? "(" : "[") +
+                                 show(json(r.low)) + ", " + show(json(r.high)) + "]");
+    }
+    defaults.integer("top_k", -1, INT64_MAX, false);
+    defaults.integer("max_tokens", 1, int64_t(1) << 24, false);
+  }
 
   Fields dims(top.object("dims"), "dims.", where);
   {
