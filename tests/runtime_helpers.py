@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
+import pytest
 import torch
 
 from trtpaged.runtime.runners import StepBatch, TorchRunner
@@ -202,3 +204,20 @@ def serve_one_completion(engine_dir: Any, prompt: str, max_tokens: int, speculat
     values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
               if line.startswith("trtpaged:spec_decode")}  # fmt: skip
     return got.choices[0].text, values
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` (e.g. "16k") mounted at `path` for the block: a real full disk. Skips the test where it
+    cannot be mounted (not root, or no permission to mount)."""
+    import os
+    import subprocess
+
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                                           capture_output=True).returncode != 0:  # fmt: skip
+        pytest.skip("needs a small tmpfs (mount as root) for a real full disk")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)

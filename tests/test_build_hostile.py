@@ -583,17 +583,10 @@ def test_a_weights_file_that_cannot_be_written_is_an_os_error_naming_it(tmp_path
 def test_a_full_disk_while_the_tokenizer_is_saved_is_an_oserror_naming_the_dir(tmp_path):
     """The tokenizers library reports ENOSPC as a plain Exception: the build printed a traceback instead of its
     one line "build failed writing DIR: No space left on device". A 12 KiB tmpfs holds no tokenizer."""
-    from runtime_helpers import tiny_hf
+    from runtime_helpers import small_tmpfs, tiny_hf
     from trtpaged.builder.pipeline import _save_tokenizer
 
-    small = tmp_path / "small"
-    small.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12k", "tmpfs", str(small)],
-                                           capture_output=True).returncode != 0:  # fmt: skip
-        pytest.skip("needs a small tmpfs (mount as root) for a real full disk")
-    try:
+    with small_tmpfs(tmp_path / "small", "12k") as small:
         with pytest.raises(OSError) as info:
             _save_tokenizer(tiny_hf().tokenizer, small / "tokenizer")
         assert info.value.filename == str(small / "tokenizer") and "No space left" in info.value.strerror
-    finally:
-        subprocess.run(["umount", str(small)], check=True)

@@ -185,17 +185,10 @@ def test_a_whole_last_line_without_its_newline_is_kept(tmp_path) -> None:
 def test_a_log_that_fills_its_disk_ends_at_its_last_whole_line(tmp_path) -> None:
     """A disk filling mid-batch left part of a line in the log, and `diagnose` then refused the whole log. The
     log is now cut back to its last whole line: every line it keeps parses. A real full disk: a 16 KiB tmpfs."""
-    import os
-    import subprocess
-
+    from runtime_helpers import small_tmpfs
     from trtpaged.server.request_log import RequestLog
 
-    small = tmp_path / "small"
-    small.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(small)],
-                                           capture_output=True).returncode != 0:  # fmt: skip
-        pytest.skip("needs a small tmpfs (mount as root) for a real full disk")
-    try:
+    with small_tmpfs(tmp_path / "small", "16k") as small:
         log = RequestLog(small / "requests.jsonl")
         for i in range(400):  # about 100 bytes a line: the disk fills within the first 200; small batches
             log.record({"arrival": float(i), "latency_s": 0.5, "pad": "x" * 80})
@@ -207,5 +200,3 @@ def test_a_log_that_fills_its_disk_ends_at_its_last_whole_line(tmp_path) -> None
         kept = [json.loads(line) for line in data.splitlines()]
         assert [r["arrival"] for r in kept] == [float(i) for i in range(len(kept))] and kept
         assert len(kept) + log.dropped == 400
-    finally:
-        subprocess.run(["umount", str(small)], check=True)
