@@ -940,16 +940,18 @@ def test_a_write_killed_half_way_is_removed_when_the_tier_opens(tmp_path: Path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([".b.kv.1.7.tmp", f".c.kv.{dead.pid}.8.tmp"])
 
 
-def test_a_write_back_out_of_memory_is_dropped_not_the_requests(step_model, reference, caplog):
-    """Reading evicted blocks for the tiers ran out of memory (a host tier beyond the process's limit): the
-    requests of that step failed with it. Now the write-backs are dropped and counted, one warning says so, and
-    every answer is the tierless one."""
+@pytest.mark.parametrize("error", [MemoryError(), RuntimeError("[enforce fail at alloc_cpu.cpp:117] . "
+                                                              "DefaultCPUAllocator: can't allocate memory")])
+def test_a_write_back_out_of_memory_is_dropped_not_the_requests(step_model, reference, caplog, error):
+    """Reading evicted blocks for the tiers ran out of memory (a host tier beyond the process's limit; torch's CPU
+    allocator says so with a RuntimeError): the requests of that step failed with it. Now the write-backs are
+    dropped and counted, one warning says so, and every answer is the tierless one."""
     engine = make_engine(step_model, KVTierConfig(host_memory=1 << 22))
     real_read = engine.runner.read_blocks
 
     def out_of_memory(ids):
         if ids:
-            raise MemoryError
+            raise error
         return real_read(ids)
 
     engine.runner.read_blocks = out_of_memory
@@ -983,3 +985,32 @@ def test_host_memory_available_is_bounded_by_the_address_space_limit(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "refused kv_tiers.host_memory"
+
+
+@pytest.mark.parametrize("layout, want", [
+    # v2, a limit two levels above the process's own group (systemd-run -p MemoryMax=): 1000 - (700 - 200)
+    ({"proc": "0::/a/b/c\n", "a/memory.max": "max", "a/b/memory.max": "1000", "a/b/memory.current": "700",
+      "a/b/memory.stat": "anon 500\ninactive_file 200\n", "a/b/c/memory.max": "max", "a/b/c/memory.current": "650"},
+     500),
+    # v2 in a container's namespace: the mount's root is its group
+    ({"proc": "0::/\n", "memory.max": "4096", "memory.current": "1024"}, 3072),
+    # v1, the memory controller's group by its path; other controllers' lines are not memory's
+    ({"proc": "9:name=systemd:/x\n4:cpu,cpuacct:/x\n3:memory:/x\n", "memory/x/memory.limit_in_bytes": "2000",
+      "memory/x/memory.usage_in_bytes": "1500", "memory/x/memory.stat": "total_inactive_file 300\n"}, 800),
+    # v1 in a container (the host's path is not under this mount): the root; "no limit" is a huge number
+    ({"proc": "3:memory:/docker/abc\n", "memory/memory.limit_in_bytes": "9223372036854771712",
+      "memory/memory.usage_in_bytes": "1500"}, None),
+    ({"proc": "0::/\n"}, None),
+])  # fmt: skip
+def test_the_cgroup_memory_room_is_read_where_the_limit_is(tmp_path, layout, want):
+    """The room under a cgroup memory limit (a host tier or pool past it failed inside steps, or the process was
+    OOM-killed): v2 at every level up from the process's group, v1 at its memory group, page cache that can be
+    given back counted free. The truth: the numbers in the files written here."""
+    from trtpaged.kv_budget import cgroup_memory_room
+
+    for rel, text in layout.items():
+        path = tmp_path / ("self_cgroup" if rel == "proc" else f"fs/{rel}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    (tmp_path / "fs").mkdir(exist_ok=True)
+    assert cgroup_memory_room(str(tmp_path / "fs"), str(tmp_path / "self_cgroup")) == want

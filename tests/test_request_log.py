@@ -190,13 +190,15 @@ def test_a_log_that_fills_its_disk_ends_at_its_last_whole_line(tmp_path) -> None
 
     with small_tmpfs(tmp_path / "small", "16k") as small:
         log = RequestLog(small / "requests.jsonl")
+        with open(small / "requests.jsonl", "a") as other:  # another writer (a /dev/stdout log gets the ready line)
+            other.write("a line of another writer\n")
         for i in range(400):  # about 100 bytes a line: the disk fills within the first 200; small batches
             log.record({"arrival": float(i), "latency_s": 0.5, "pad": "x" * 80})
             time.sleep(0.002)
         log.close()
         assert log.failed is not None and "No space left" in log.failed and log.dropped > 0
         data = (small / "requests.jsonl").read_bytes()
-        assert data.endswith(b"\n")
-        kept = [json.loads(line) for line in data.splitlines()]
+        assert data.startswith(b"a line of another writer\n") and data.endswith(b"\n")  # cut from the real end
+        kept = [json.loads(line) for line in data.splitlines()[1:]]
         assert [r["arrival"] for r in kept] == [float(i) for i in range(len(kept))] and kept
         assert len(kept) + log.dropped == 400

@@ -51,6 +51,17 @@ def test_a_chat_template_replaces_the_engines_for_chat_and_tokenize(tiny_engine_
         handle.shutdown(timeout=0)
 
 
+def test_a_chat_template_value_is_a_file_first_then_text_with_its_escapes(tmp_path):
+    """vLLM's order: a path that opens is read, braces in its name or not; else a value with a brace or a newline
+    is the template's text, its backslash escapes decoded (a template typed on one command line)."""
+    folder = tmp_path / "tmpl{v2}"
+    folder.mkdir()
+    (folder / "chat.jinja").write_text(TEMPLATE)
+    assert ChatTemplate().convert(str(folder / "chat.jinja"), None, None) == TEMPLATE
+    typed = r"{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    assert ChatTemplate().convert(typed, None, None) == "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+
+
 def test_a_broken_chat_template_is_refused_before_the_weights_load(tiny_engine_dir):
     with pytest.raises(ValueError, match=r"chat_template: not a Jinja template \(line 1"):
         LLM(tiny_engine_dir, device="cpu", chat_template="{% for m in messages %}")
@@ -129,6 +140,8 @@ def test_max_logprobs_sets_the_bound_a_request_meets(tiny_engine_dir):
     (MemoryError(), "out of memory while loading the engine (an allocation failed)"),
     (RuntimeError("llama_layers: out of memory: qlinear_cpu: out of memory (std::bad_alloc)"),
      "out of memory while loading the engine (llama_layers: out of memory"),
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:117] . DefaultCPUAllocator: can't allocate memory: you tried to "
+                  "allocate 1048576 bytes"), "out of memory while loading the engine ([enforce fail"),  # torch's
     (RuntimeError("can't start new thread"), "cannot start the server's threads"),
 ])  # fmt: skip
 def test_serve_names_a_memory_or_thread_limit_hit_while_loading_in_one_line(tiny_engine_dir, monkeypatch, failure,

@@ -25,6 +25,15 @@ class RequestError(ValueError):
         self.limit = limit
 
 
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` says an allocation failed: Python's MemoryError, or the RuntimeError torch's CPU allocator
+    ("DefaultCPUAllocator: can't allocate memory"), CUDA ("out of memory") and the kernels ("out of memory")
+    raise for it."""
+    if isinstance(exc, MemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and any(w in str(exc) for w in ("out of memory", "can't allocate memory"))
+
+
 def check_unicode(field: str, text: str) -> str:
     """`text`, when a tokenizer can take it: a str that encodes to UTF-8 (a lone surrogate, which a JSON `\\ud800`
     escape or a bad decode leaves, does not; the tokenizers library raises a bare TypeError on it)."""

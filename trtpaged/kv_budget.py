@@ -27,9 +27,9 @@ def available_memory_bytes(device: str) -> int:
         return free_memory_bytes(device)
     host = _proc_value("/proc/meminfo", "MemAvailable:")
     rooms = [free_memory_bytes(device) if host is None else host]
-    limit, used = _read_int("/sys/fs/cgroup/memory.max"), _read_int("/sys/fs/cgroup/memory.current")
-    if limit is not None and used is not None:
-        rooms.append(max(0, limit - used))
+    cgroup = cgroup_memory_room()
+    if cgroup is not None:
+        rooms.append(cgroup)
     import resource
 
     soft = resource.getrlimit(resource.RLIMIT_AS)[0]
@@ -37,6 +37,60 @@ def available_memory_bytes(device: str) -> int:
     if soft != resource.RLIM_INFINITY and mapped is not None:
         rooms.append(max(0, soft - mapped))
     return min(rooms)
+
+
+_NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as a huge number (2**63 rounded to pages)
+
+
+def cgroup_memory_room(root: str = "/sys/fs/cgroup", self_cgroup: str = "/proc/self/cgroup") -> Optional[int]:
+    """Bytes left under the tightest memory limit of this process's cgroups, the page cache they could give back
+    (inactive_file) counted as free; None without a limit. cgroup v2: every level from the process's own group up
+    to the root (a systemd-run MemoryMax= sits above it); v1: its memory controller's group, or the mount's root
+    (a container's own namespace)."""
+    try:
+        with open(self_cgroup) as f:
+            lines = f.read(1 << 16).splitlines()
+    except OSError:
+        return None
+    rooms = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        names = [n for n in path.split("/") if n]
+        v1 = "memory" in controllers.split(",")
+        if hierarchy == "0" and not controllers:  # v2: its own group, then each one above it
+            groups = [os.path.join(root, *names[:depth]) for depth in range(len(names), -1, -1)]
+            files = ("memory.max", "memory.current", "inactive_file")
+        elif v1:  # v1: its group as the host names it, else the mount's root (a container's namespace)
+            groups = [os.path.join(root, "memory", *names), os.path.join(root, "memory")]
+            files = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+        else:
+            continue
+        for group in groups:
+            limit, used = _read_int(os.path.join(group, files[0])), _read_int(os.path.join(group, files[1]))
+            if limit is None or used is None:
+                continue
+            if limit < _NO_LIMIT:
+                cache = _stat_value(os.path.join(group, "memory.stat"), files[2]) or 0
+                rooms.append(max(0, limit - max(0, used - cache)))
+            if v1:
+                break  # the first v1 group found is this process's
+    return min(rooms) if rooms else None
+
+
+def _stat_value(path: str, key: str) -> Optional[int]:
+    """A "key N" line's N in a cgroup memory.stat file (None where missing or unreadable)."""
+    try:
+        with open(path) as f:
+            for line in f.read(1 << 16).splitlines():
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def _proc_value(path: str, key: str) -> Optional[int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import math
 import os
 import re
@@ -27,21 +28,24 @@ class RegularFile(click.Path):
 
 
 class ChatTemplate(click.ParamType):
-    """vLLM's --chat-template: a Jinja template's text (it has a brace or a newline), else the path of a regular
-    file holding one (UTF-8, at most MAX_TEMPLATE_BYTES). Converts to the template's text."""
+    """vLLM's --chat-template: the path of a regular file holding a Jinja template (UTF-8, at most
+    MAX_TEMPLATE_BYTES), else, when no such file opens and the value has a brace or a newline, the template's text
+    (its backslash escapes decoded, as vLLM decodes them). Converts to the template's text."""
 
     name = "TEMPLATE"
     MAX_TEMPLATE_BYTES = 1 << 20
 
     def convert(self, value, param, ctx):
-        if not isinstance(value, str) or any(c in value for c in "{}\n"):
+        if not isinstance(value, str):
             return value
         try:  # opened without blocking: a FIFO's open waits for a writer
             with os.fdopen(os.open(value, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
                 if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                    self.fail(f"{value!r} is not a regular file (nor a template: it has no braces).", param, ctx)
+                    self.fail(f"{value!r} is not a regular file.", param, ctx)
                 data = f.read(self.MAX_TEMPLATE_BYTES + 1)
         except OSError as e:
+            if any(c in value for c in "{}\n"):
+                return _escapes_decoded(value)
             self.fail(f"{value!r} looks like a file's path (no braces), and it cannot be read: {e.strerror}.",
                       param, ctx)  # fmt: skip
         if len(data) > self.MAX_TEMPLATE_BYTES:
@@ -51,6 +55,15 @@ class ChatTemplate(click.ParamType):
             return data.decode("utf-8")
         except UnicodeDecodeError:
             self.fail(f"{value!r} is not UTF-8 text.", param, ctx)
+
+
+def _escapes_decoded(text: str) -> str:
+    """A template typed on a command line with its backslash escapes (\\n) as the characters they stand for, as
+    vLLM reads one; text that is not plain ASCII is kept as typed (the decoding would garble it)."""
+    try:
+        return codecs.decode(text.encode("ascii"), "unicode_escape")
+    except (UnicodeError, ValueError):
+        return text
 
 
 class OutputFile(click.Path):

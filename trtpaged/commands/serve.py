@@ -14,7 +14,7 @@ import click
 
 from trtpaged.commands.option_types import ChatTemplate, FiniteFloatRange, OutputFile, Size, flag_error
 from trtpaged.commands.stdout import echo
-from trtpaged.errors import FatalEngineError
+from trtpaged.errors import FatalEngineError, is_out_of_memory
 from trtpaged.manifest import BACKENDS
 from trtpaged.runtime.runtime_config import SCHEDULING_POLICIES
 
@@ -161,13 +161,11 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
     except (ValueError, FileNotFoundError, OSError, FatalEngineError) as e:
         message = e.strerror if isinstance(e, OSError) and e.strerror and e.filename is None else str(e)
         raise click.ClickException(flag_error(message, typed_flags(sys.argv))) from None
-    except MemoryError as e:  # a memory limit (ulimit -v, a cgroup) below what loading the engine takes
-        raise click.ClickException(f"out of memory while loading the engine ({str(e) or 'an allocation failed'}): "
-                                   "lower --num-kv-blocks or raise the process's memory limit") from None
-    except RuntimeError as e:  # the kernels' and the thread module's words for the same limits
-        if "out of memory" in str(e):
-            raise click.ClickException(f"out of memory while loading the engine ({str(e)[:200]}): lower "
-                                       "--num-kv-blocks or raise the process's memory limit") from None
+    except (MemoryError, RuntimeError) as e:  # a memory limit (ulimit -v, a cgroup) below what loading takes
+        if is_out_of_memory(e):
+            what = str(e)[:200] or "an allocation failed"
+            raise click.ClickException(f"out of memory while loading the engine ({what}): lower --num-kv-blocks or "
+                                       "raise the process's memory limit") from None
         if "can't start new thread" in str(e):
             raise click.ClickException("cannot start the server's threads (the process's thread or memory limit "
                                        "is reached)") from None

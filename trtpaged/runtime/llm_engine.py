@@ -12,7 +12,7 @@ import time
 from collections.abc import Mapping
 from typing import Any, Optional, Sequence as Seq, Union
 
-from trtpaged.errors import RequestError, check_unicode
+from trtpaged.errors import RequestError, check_unicode, is_out_of_memory
 from trtpaged.models.execution_plan import LAYER_MODES
 from trtpaged.runtime.batch_builder import PromptRows, build_step_batch
 from trtpaged.runtime.beam_search import BeamSearch
@@ -362,7 +362,9 @@ class LLMEngine:
             read = iter(self.runner.read_blocks(ids))
             tiers.save([(record, next(read) if isinstance(where, int) else where) for record, where in saves],
                        persistent_only)
-        except MemoryError:  # a write-back is a cache's: given up (and counted), never the step's requests
+        except (MemoryError, RuntimeError) as exc:  # a write-back is a cache's: given up (counted), never the step's
+            if not is_out_of_memory(exc):
+                raise
             tiers.drop(len(saves), persistent_only)
             if not self._tier_memory_warned:
                 self._tier_memory_warned = True

@@ -113,7 +113,6 @@ class RequestLog:
         except OSError as exc:
             raise OSError(exc.errno, f"request_log: cannot open {self.path} for appending: {exc.strerror}") from None
         self._regular = stat.S_ISREG(os.fstat(self._fd).st_mode)
-        self._whole_bytes = os.fstat(self._fd).st_size if self._regular else 0  # the log up to its last whole line
         self._pending: list[str] = []  # the batch's lines, written by _flush
         self.started = time.monotonic() - resume_at  # arrivals: seconds since the log began
         self._thread = threading.Thread(target=self._write_loop, name="trtpaged-request-log", daemon=True)
@@ -186,21 +185,23 @@ class RequestLog:
         lines, data, self._pending = len(self._pending), "".join(self._pending).encode(), []
         if self.failed is not None or not data:
             return
+        done = 0  # bytes of this batch written
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(self._fd, view):]
-            if self._regular:
-                self._whole_bytes += len(data)
+            while done < len(data):
+                done += os.write(self._fd, data[done:])
         except OSError as exc:
-            self._fail(exc, lines)
+            self._fail(exc, lines, data[:done])
 
-    def _fail(self, exc: Exception, lines: int) -> None:
+    def _fail(self, exc: Exception, lines: int, written: bytes) -> None:
+        """Stops the log; the part of the batch's last line that was written is cut off (`diagnose` refused a log
+        ending in a partial line), measured from the file's end, whatever else writes to it."""
         self.failed = f"{type(exc).__name__}: {exc}"
-        self.dropped += lines
-        if self._regular:  # the part of the batch that was written is no line: `diagnose` refused the whole log
+        whole = written.rfind(b"\n") + 1  # the batch's bytes up to its last whole line
+        self.dropped += lines - written[:whole].count(b"\n")
+        torn = len(written) - whole
+        if self._regular and torn:
             try:
-                os.ftruncate(self._fd, self._whole_bytes)
+                os.ftruncate(self._fd, max(0, os.fstat(self._fd).st_size - torn))
             except OSError:
                 pass
         log.error("request log %s: writing failed (%s); request logging stopped, serving goes on", self.path,
