@@ -327,15 +327,21 @@ def test_a_burst_to_an_idle_server_is_refused_only_beyond_the_batch_and_max_wait
     try:
         held = threading.Thread(target=lambda: handle.loop.call(lambda e: release.wait(30)))
         held.start()  # the engine thread runs nothing else until released: the burst all arrives before a step
+        deadline = time.monotonic() + 20
+        while (handle.loop._commands.qsize() or not held.is_alive()) and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the engine thread has taken the holding call off its queue
         body = J({"prompt": "burst", "max_tokens": 4, "ignore_eos": True})
         results: list[int] = []
         senders = [threading.Thread(target=lambda: results.append(post(handle, body, {"Authorization": ""})[0]))
                    for _ in range(10)]  # fmt: skip
-        for t in senders:
+        for i, t in enumerate(senders):
+            # one at a time into the held engine thread's queue: the tokenizer lanes, which also bound what waits
+            # by max_waiting, never hold more than one of them (ten at once overflowed a slow lane under load)
             t.start()
-        deadline = time.monotonic() + 20
-        while results.count(503) < 4 and time.monotonic() < deadline:
-            time.sleep(0.02)
+            deadline = time.monotonic() + 20
+            while handle.loop._commands.qsize() < i + 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert handle.loop._commands.qsize() == i + 1 and not results, results
         release.set()
         for t in senders:
             t.join(60)
