@@ -27,11 +27,14 @@ class RequestError(ValueError):
 
 def is_out_of_memory(exc: BaseException) -> bool:
     """Whether `exc` says an allocation failed: Python's MemoryError, or the RuntimeError torch's CPU allocator
-    ("DefaultCPUAllocator: can't allocate memory"), CUDA ("out of memory") and the kernels ("out of memory")
-    raise for it."""
+    ("DefaultCPUAllocator: can't allocate memory"), a CUDA one (torch.OutOfMemoryError, "out of memory") and the
+    kernels ("out of memory") raise for it. torch's class is known by its name: this module imports no torch."""
     if isinstance(exc, MemoryError):
         return True
-    return isinstance(exc, RuntimeError) and any(w in str(exc) for w in ("out of memory", "can't allocate memory"))
+    if not isinstance(exc, RuntimeError):
+        return False
+    text = str(exc).lower()
+    return type(exc).__name__ == "OutOfMemoryError" or "out of memory" in text or "can't allocate memory" in text
 
 
 def check_unicode(field: str, text: str) -> str:

@@ -16,6 +16,7 @@ import mmap
 
 import torch
 
+from trtpaged.errors import is_out_of_memory
 from trtpaged.kv_budget import KVBudgetError
 
 HUGE_PAGE = 2 << 20
@@ -34,18 +35,11 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     try:
         return _zeros(shape, dtype, device, nbytes)
     except (OSError, RuntimeError, MemoryError) as exc:  # ENOMEM from mmap, torch's allocators, a ulimit -v
-        if isinstance(exc, RuntimeError) and not _out_of_memory(exc):
+        if isinstance(exc, RuntimeError) and not is_out_of_memory(exc):
             raise
         raise KVBudgetError("num_kv_blocks", f"the KV pool's {nbytes} bytes could not be allocated ("
                             f"{getattr(exc, 'strerror', None) or str(exc)[:120]}); ask for fewer KV blocks "
                             "(num_kv_blocks)") from None
-
-
-def _out_of_memory(exc: RuntimeError) -> bool:
-    """torch's CPU allocator ("can't allocate memory") or a CUDA one (torch.OutOfMemoryError, "out of memory")."""
-    text = str(exc).lower()
-    return isinstance(exc, getattr(torch, "OutOfMemoryError", ())) or "out of memory" in text or \
-        "can't allocate memory" in text
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, nbytes: int) -> torch.Tensor:
