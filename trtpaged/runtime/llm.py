@@ -342,11 +342,10 @@ class LLM:
             max_logprobs=max_logprobs,
         )
         self.sampling_defaults = model_sampling_defaults(self.manifest, generation_config)
-        self.tokenizer = load_tokenizer(self.engine_dir, self.manifest)
+        self.chat_template = chat_template  # the override (None: the engine's), which every new_tokenizer() applies
+        self.tokenizer = self.new_tokenizer()
         if chat_template is not None:  # checked with the engine's tokenizer, before any weight loads
             check_chat_template(self.tokenizer, chat_template)
-            self.tokenizer.chat_template = chat_template
-        self.chat_template = chat_template  # the override (None: the engine's), which new_tokenizer() applies too
         spec = self.config.speculative
         draft_manifest = None
         if spec is not None and spec.method == "draft_model":  # from manifests and tokenizers: before any weight loads

@@ -268,9 +268,9 @@ class GenerationService:
                     raise ApiError(f"{name}: {params.min_tokens} is more than this model's max_new_tokens {cap}, "
                                    "which caps max_tokens (serve --generation-config vllm does not)", name)
                 fitted = cap
-            if fitted != params.max_tokens:  # re-checks the fields that depend on it (min_tokens)
+            if fitted != params.max_tokens:  # re-checks the fields that depend on it (min_tokens), then the limits
                 params = dataclasses.replace(params, max_tokens=fitted)
-            check_request(self.llm.config, prompt_len, params)
+                check_request(self.llm.config, prompt_len, params)
         except RequestError as exc:
             raise from_runtime_error(exc, req.names) from None
         return params
