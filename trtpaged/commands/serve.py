@@ -68,6 +68,9 @@ def _not_empty(value, param):
 @click.option("--tool-call-parser", default=None, metavar="NAME",
               help="vLLM's: the format tool_choice \"auto\" reads calls in: hermes, llama3_json, mistral or "
                    "phi4_mini_json (default: the one the chat template shows, else the model family's).")
+@click.option("--reasoning-parser", default=None, metavar="NAME",
+              help="vLLM's: split a reasoning model's thinking (<think>...</think>) from its answer in chat and "
+                   "Responses answers: deepseek_r1 or qwen3 (qwen3 also reads chat_template_kwargs' enable_thinking).")
 @click.option("--enable-auto-tool-choice", is_flag=True,
               help="vLLM's: accepted; tool_choice \"auto\" is on wherever the model's tool-call format is known.")
 @click.option("--max-logprobs", type=click.IntRange(min=-1), default=20, show_default=True,
@@ -120,8 +123,8 @@ def _not_empty(value, param):
                    "auto: when the workers and the engine thread fill every core the process may use.")
 def command(engine, host, port, served_model_name, api_key, max_waiting, request_timeout, shutdown_timeout,
             max_body_bytes, max_prompt_tokens, max_batch_size, max_num_tokens, max_seq_len, num_kv_blocks,
-            enable_prefix_caching, scheduling_policy, chat_template, tool_call_parser, enable_auto_tool_choice,
-            max_logprobs, seed,
+            enable_prefix_caching, scheduling_policy, chat_template, tool_call_parser, reasoning_parser,
+            enable_auto_tool_choice, max_logprobs, seed,
             generation_config, gpu_memory_utilization, dtype, backend,
             device, tensor_parallel_size, speculative_config, kv_host_memory, kv_disk_path, kv_disk_size, kv_remote,
             kv_secret_file, request_log, request_log_prompts, stream_interval, pin_threads) -> None:  # fmt: skip
@@ -144,7 +147,7 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
             api_key=api_key, max_waiting=max_waiting, request_timeout_s=request_timeout,
             shutdown_timeout_s=shutdown_timeout, max_body_bytes=max_body_bytes, max_prompt_tokens=max_prompt_tokens,
             request_log=request_log, request_log_prompts=request_log_prompts, stream_interval=stream_interval,
-            pin_threads=pin_threads, tool_call_parser=tool_call_parser,
+            pin_threads=pin_threads, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
         )  # fmt: skip
         with interrupts_end_the_load():
             handle = start_server(
@@ -244,7 +247,8 @@ FLAGS = {"gpu_memory_utilization": "--gpu-memory-utilization", "dtype": "--dtype
          "enable_prefix_caching": "--enable-prefix-caching", "max_batch_size": "--max-batch-size",
          "max_num_tokens": "--max-num-tokens", "max_seq_len": "--max-seq-len", "num_kv_blocks": "--num-kv-blocks",
          "device": "--device", "backend": "--backend", "tensor_parallel": "--tensor-parallel-size",
-         "tool_call_parser": "--tool-call-parser", "chat_template": "--chat-template", "seed": "--seed",
+         "tool_call_parser": "--tool-call-parser", "reasoning_parser": "--reasoning-parser",
+         "chat_template": "--chat-template", "seed": "--seed",
          "max_logprobs": "--max-logprobs",
          "speculative_config": "--speculative-config", "kv_tiers.host_memory": "--kv-host-memory",
          "kv_tiers.disk.path": "--kv-disk-path", "kv_tiers.disk.size": "--kv-disk-size",

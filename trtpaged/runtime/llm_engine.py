@@ -28,7 +28,7 @@ from trtpaged.runtime.sampling_params import SamplingParams
 from trtpaged.runtime.scheduler import Scheduler, SchedulerOutput
 from trtpaged.runtime.scoring import score_prompts
 from trtpaged.runtime.speculative import METHODS
-from trtpaged.runtime.structured import GrammarCache
+from trtpaged.runtime.structured import GatedMatcher, GrammarCache
 from trtpaged.runtime.sequence import Sequence, SequenceGroup
 
 Prompt = Union[str, Seq[int]]
@@ -220,6 +220,8 @@ class LLMEngine:
             group.min_tokens_banned = tuple(sorted(ends))
         if compiled is not None:
             seq.grammar = self.grammars.matcher(compiled)
+            if params.structured_outputs.starts_after:
+                seq.grammar = GatedMatcher(seq.grammar, params.structured_outputs.starts_after)
             self.num_constrained_requests += 1
         self.scheduler.add(group)
         if arrival_time is not None:
@@ -232,7 +234,9 @@ class LLMEngine:
         token ids (each word as the tokenizer spells it alone and after a space, as vLLM does)."""
         vocab = self.vocab_size
         checked = (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ()),
-                   ("stop_token_ids", params.stop_token_ids))
+                   ("stop_token_ids", params.stop_token_ids),
+                   ("structured_outputs.starts_after",
+                    params.structured_outputs.starts_after if params.structured_outputs else ()))
         for name, ids in checked:
             bad = next((t for t in ids if t < 0 or (vocab is not None and t >= vocab)), None)
             if bad is not None:

@@ -112,7 +112,9 @@ class StructuredOutputsParams:
     """A grammar that constrains a request's output (vLLM's `StructuredOutputsParams`); set exactly one of:
     `json` (a JSON schema, as a dict or its JSON text), `regex`, `choice` (the output is one of these
     strings), `grammar` (EBNF, as xgrammar reads it) or `json_object=True` (any JSON object).
-    `origin` is the request field that set it, named in errors (e.g. "response_format")."""
+    `origin` is the request field that set it, named in errors (e.g. "response_format").
+    `starts_after`: token ids that open the constrained part (a reasoning model's end-of-thinking tag, as the
+    server's reasoning parser sets it): the output is free until it contains them, and the grammar holds after."""
 
     json: Optional[Union[str, Mapping[str, Any]]] = None
     regex: Optional[str] = None
@@ -120,9 +122,15 @@ class StructuredOutputsParams:
     grammar: Optional[str] = None
     json_object: bool = False
     origin: str = field(default="structured_outputs", compare=False)
+    starts_after: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         name = self.origin
+        after = self.starts_after
+        if not isinstance(after, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                           for t in after):  # fmt: skip
+            raise RequestError(name, f"starts_after must be a list of token ids, got {after!r:.80}")
+        object.__setattr__(self, "starts_after", tuple(after))
         given = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise RequestError(name, f"set exactly one of {', '.join(_STRUCTURED_KINDS)}, got {given or 'none'}")

@@ -131,6 +131,39 @@ class GrammarCache:
         return xgr.GrammarMatcher(compiled)
 
 
+class GatedMatcher:
+    """A matcher that holds only once the output contains `starts_after` (a reasoning model's end-of-thinking
+    tag): before, every token is allowed and none is fed to the grammar; the tag's own tokens are not part of the
+    constrained text. It answers the calls the sampler and the scheduler make of a matcher."""
+
+    def __init__(self, matcher: Any, starts_after: Sequence[int]) -> None:
+        self.matcher = matcher
+        self.starts_after = tuple(starts_after)
+        self.recent: tuple[int, ...] = ()  # the last output tokens, up to the tag's length, until it is seen
+        self.open = not self.starts_after
+
+    def fill_next_token_bitmask(self, bitmask: Any, index: int = 0) -> bool:
+        if self.open:
+            return bool(self.matcher.fill_next_token_bitmask(bitmask, index))
+        bitmask[index].fill_(-1)  # every token allowed
+        return False
+
+    def accept_token(self, token_id: int) -> bool:
+        if self.open:
+            return bool(self.matcher.accept_token(token_id))
+        self.recent = (self.recent + (int(token_id),))[-len(self.starts_after) :]
+        self.open = self.recent == self.starts_after
+        return True
+
+    def is_terminated(self) -> bool:
+        return self.open and bool(self.matcher.is_terminated())
+
+    def fork(self) -> "GatedMatcher":
+        child = GatedMatcher(self.matcher.fork(), self.starts_after)
+        child.recent, child.open = self.recent, self.open
+        return child
+
+
 def _regex_literal(text: str) -> str:
     """`text` as a regex matching exactly it (xgrammar's regex dialect is ECMAScript-like)."""
     special = set("\\^$.|?*+()[]{}/")

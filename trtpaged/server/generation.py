@@ -37,6 +37,7 @@ from trtpaged.server.stream_state import CompletionAccumulator, StreamState
 from trtpaged.server.token_bytes import token_bytes_reader
 from trtpaged.server.tokenization import prompt_token_ids
 from trtpaged.server.tokenizer_worker import TokenizerWorker
+from trtpaged.server.reasoning import ReasoningReader, ReasoningSplit
 from trtpaged.server.tool_parsers import ToolCallStream
 from trtpaged.server.tools import tool_format
 
@@ -53,6 +54,7 @@ class Summary:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    reasoning_tokens: int = 0  # completion tokens that were reasoning (a server with a reasoning parser)
     finish_reasons: list[str] = field(default_factory=list)
 
 
@@ -88,7 +90,8 @@ class GenerationService:
 
     def __init__(self, llm: LLM, loop: EngineLoop, tokens: TokenizerWorker, model_name: str,
                  max_prompt_tokens: Optional[int] = None, request_timeout_s: Optional[float] = None,
-                 stream_interval: int = 1, tool_call_parser: Optional[str] = None) -> None:  # fmt: skip
+                 stream_interval: int = 1, tool_call_parser: Optional[str] = None,
+                 reasoning_parser: Optional[str] = None) -> None:  # fmt: skip
         self.llm = llm
         self.stream_interval = stream_interval  # tokens per streamed chunk (SamplingParams.stream_interval)
         self.loop = loop
@@ -108,6 +111,8 @@ class GenerationService:
         self.auto_tools = auto = tool_format(getattr(llm.tokenizer, "chat_template", None),
                                              llm.manifest.dims.architecture, tool_call_parser)  # fmt: skip
         log.info("tool_choice auto: %s", f"{auto.format.name} calls" if auto.format else f"refused ({auto.reason})")
+        # chat answers' reasoning split from their content (vLLM's --reasoning-parser); ValueError: not this model's
+        self.reasoning = ReasoningReader.for_tokenizer(reasoning_parser, llm.tokenizer) if reasoning_parser else None
 
     async def submit(self, body: Any, chat: bool, header_id: Optional[str] = None) -> Submitted:
         """Validates, tokenizes and queues one request; raises ApiError before anything is sent. The answer's id is
@@ -123,6 +128,12 @@ class GenerationService:
         params = self._params(req, req.max_tokens)  # None: fitted to each prompt below
         self._check_num_prompts(req)
         prompts = await self._tokenize(req)
+        in_reasoning = self.reasoning is not None and req.chat and self.reasoning.starts_in_reasoning(
+            prompts[0], req.chat_options.get("template_kwargs"))  # fmt: skip
+        if in_reasoning and params.structured_outputs is not None:  # the grammar holds for the answer (vLLM's)
+            assert self.reasoning is not None
+            params = dataclasses.replace(params, structured_outputs=dataclasses.replace(
+                params.structured_outputs, starts_after=self.reasoning.end_ids))  # fmt: skip
         if params.structured_outputs is not None:
             await self._compile_grammar(req, params)
         answer_id = f"{'chatcmpl' if chat else 'cmpl'}-{caller_id if caller_id is not None else uuid.uuid4().hex}"
@@ -140,7 +151,9 @@ class GenerationService:
         except (Overloaded, ShuttingDown) as exc:
             raise overloaded(str(exc)) from None
         builder = ResponseBuilder(summary.request_id, self.model_name, int(time.time()), chat, req.logprobs, req.tools,
-                                  req.return_token_ids, req.chat_echo)  # fmt: skip
+                                  req.return_token_ids, req.chat_echo,
+                                  self.reasoning.fmt if self.reasoning is not None and chat else None,
+                                  in_reasoning)  # fmt: skip
         index = {rid: i for i, (rid, _, _) in enumerate(requests)}
         return Submitted(req, params, sub, index, builder, summary, prompts,
                          [p.max_tokens for _, _, p in requests])  # fmt: skip
@@ -311,6 +324,11 @@ class GenerationService:
         body = s.builder.full(ordered, s.params.n, await self._token_strings(s.req, ids), echoes, s.req.echo_only,
                               s.req.prompt_logprobs is not None)  # fmt: skip
         _summarise(s.summary, ordered, s.req.echo_only)
+        if self.reasoning is not None and s.builder.reasoning is not None:
+            thoughts = [bool(choice.message.reasoning) for choice in body.choices]
+            outputs = [c for o in ordered for c in o.outputs]
+            s.summary.reasoning_tokens = sum(self.reasoning.reasoning_tokens(c.token_ids, thought)
+                                             for c, thought in zip(outputs, thoughts))  # fmt: skip
         return body
 
     async def _echoes(self, req: GenerationRequest, outs: Iterable[RequestOutput]) -> list[Echo]:
@@ -332,6 +350,9 @@ class GenerationService:
         first = _FirstChunks(s) if ids else None  # return_token_ids: the prompt's ids go with a choice's first chunk
         echoed: set[int] = set()  # prompts whose echo chunk went out
         tool_readers: dict[int, ToolCallStream] = {}  # choice -> its tool-call parser
+        thoughts: dict[int, ReasoningSplit] = {}  # choice -> its reasoning splitter (a server with a reasoning parser)
+        generated: dict[int, list[int]] = {}  # choice -> its tokens (with a reasoning parser: reasoning_tokens)
+        thinkers: set[int] = set()  # choices that wrote reasoning
         cached: dict[int, int] = {}  # prompt -> its tokens found in the prefix cache
         if s.req.chat:
             for p in range(len(s.index)):
@@ -351,6 +372,9 @@ class GenerationService:
                         echoed.add(s.index[out.request_id])
                         async for event in self._echo_chunks(s, state, s.index[out.request_id], out, first):
                             yield event
+                    if builder.reasoning is not None:  # every token, those of deltas without news too
+                        for c in out.outputs:
+                            generated.setdefault(s.index[out.request_id] * params.n + c.index, []).extend(c.token_ids)
                     for d in state.deltas(s.index[out.request_id], out):
                         so_far = _chunk_usage(s, state, d.index) if continuous else None
                         new_ids = ([] if s.req.echo_only else list(d.token_ids)) if ids else None
@@ -366,14 +390,30 @@ class GenerationService:
                             strings = await self._token_strings(s.req, logprob_token_ids(d.token_ids, d.logprobs))
                             offset = state.advance_offset(d.index, [strings.text[t] for t in d.token_ids])
                             logprobs = builder.stream_logprobs(d.token_ids, d.logprobs, strings, offset)
+                        text = d.text
+                        if builder.reasoning is not None:  # the reasoning first; the delta's tokens go with it
+                            split = thoughts.setdefault(d.index, ReasoningSplit(builder.reasoning,
+                                                                                builder.in_reasoning))  # fmt: skip
+                            thought, text = split.feed(text)
+                            if d.finish_reason:
+                                last_thought, last_text = split.finish()
+                                thought, text = thought + last_thought, text + last_text
+                            if thought:
+                                thinkers.add(d.index)
+                            if thought:
+                                yield sse(builder.reasoning_chunk(d.index, thought, logprobs, so_far, new_ids,
+                                                                  prompt_ids))  # fmt: skip
+                                logprobs, prompt_ids, new_ids = None, None, [] if ids else None
+                            if not (text or d.finish_reason or logprobs is not None or new_ids):
+                                continue
                         if s.req.tools is not None:  # content and calls as the parser reads them
                             reader = tool_readers.setdefault(d.index, s.req.tools.stream())
-                            for chunk in builder.tool_stream_chunks(d.index, reader, d.text, d.finish_reason,
+                            for chunk in builder.tool_stream_chunks(d.index, reader, text, d.finish_reason,
                                                                     logprobs, d.stop_reason, new_ids):  # fmt: skip
                                 chunk.usage = so_far
                                 yield sse(chunk)
                             continue
-                        yield builder.event(d.index, d.text, d.finish_reason, logprobs, d.stop_reason, so_far, new_ids,
+                        yield builder.event(d.index, text, d.finish_reason, logprobs, d.stop_reason, so_far, new_ids,
                                             prompt_ids)  # fmt: skip
         except (EngineFailure, ShuttingDown, RequestTimeout) as exc:
             # what was sent before the failure is logged as sent (the request log feeds `diagnose`); the prompt
@@ -387,6 +427,9 @@ class GenerationService:
         s.summary.cached_tokens = sum(cached.values())
         s.summary.completion_tokens = 0 if s.req.echo_only else state.completion_tokens
         s.summary.finish_reasons = state.finish_reasons
+        if self.reasoning is not None:
+            s.summary.reasoning_tokens = sum(self.reasoning.reasoning_tokens(ids, i in thinkers)
+                                             for i, ids in generated.items())  # fmt: skip
         if s.req.include_usage:
             yield sse(builder.usage_chunk(s.summary.prompt_tokens, s.summary.completion_tokens))
         yield sse("[DONE]")

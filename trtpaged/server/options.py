@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from trtpaged.server.reasoning import REASONING_PARSERS
 from trtpaged.server.tool_parsers import PARSER_NAMES
 
 API_KEY_ENV = "TRTPAGED_API_KEY"
@@ -29,6 +30,8 @@ class ServerOptions:
     OpenMP workers on the others (`trtpaged.server.thread_pinning`); "auto" when the team fills every core.
     `tool_call_parser` (vLLM's --tool-call-parser: hermes, llama3_json, mistral, phi4_mini_json) is the format
     `tool_choice: "auto"` reads calls in; None: the one the chat template shows (`trtpaged.server.tools`).
+    `reasoning_parser` (vLLM's --reasoning-parser: deepseek_r1, qwen3) splits a chat answer's reasoning from its
+    content (`trtpaged.server.reasoning`); None: the whole text is content.
     """
 
     served_model_name: Optional[str] = None
@@ -45,6 +48,7 @@ class ServerOptions:
     stream_interval: int = 1
     pin_threads: str = "auto"
     tool_call_parser: Optional[str] = None  # vLLM's name of the tool-call format; None: read from the chat template
+    reasoning_parser: Optional[str] = None  # vLLM's name of the reasoning format; None: no reasoning is split off
 
     def __post_init__(self) -> None:
         if self.api_key is None and os.environ.get(API_KEY_ENV):
@@ -66,6 +70,9 @@ class ServerOptions:
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSER_NAMES:
             raise ValueError(f"tool_call_parser: {self.tool_call_parser!r:.40} is not a parser this server has; one "
                              f"of {', '.join(sorted(PARSER_NAMES))}")  # fmt: skip
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser: {self.reasoning_parser!r:.40} is not a parser this server has; one "
+                             f"of {', '.join(sorted(REASONING_PARSERS))}")  # fmt: skip
         if self.pin_threads not in PIN_MODES:
             raise ValueError(f"pin_threads: must be one of {', '.join(PIN_MODES)}, got {self.pin_threads!r}")
         if self.api_key is not None and not self.api_key:

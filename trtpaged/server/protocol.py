@@ -120,6 +120,9 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             content = "\n".join(_text_part(part, f"messages[{m}].content[{p}]") for p, part in enumerate(content))
         given = ("tool_calls", "tool_call_id", "name")  # as the request gave them (schemas.ChatMessage types them)
         extra = {k: getattr(msg, k) for k in given if k in msg.model_fields_set}
+        thought = msg.reasoning if msg.reasoning is not None else msg.reasoning_content
+        if thought is not None:  # templates read either name (Qwen3's reasoning_content)
+            extra.update(reasoning=thought, reasoning_content=thought)
         out.append({"role": msg.role, "content": content, **extra})
     return out
 

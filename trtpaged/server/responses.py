@@ -9,6 +9,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 from pydantic import BaseModel
 
 from trtpaged.runtime.outputs import RequestOutput
+from trtpaged.server.reasoning import ReasoningFormat, split_text
 from trtpaged.server.tool_parsers import CallStart, Content, Event, ToolCallStream
 from trtpaged.server.stream_state import stop_reason
 from trtpaged.server.tools import ToolChoice
@@ -164,6 +165,8 @@ class ResponseBuilder:
     tools: Optional[ToolChoice] = None  # chat: outputs are (or, for auto, may hold) tool calls
     token_ids: bool = False  # vLLM's return_token_ids: bodies carry the prompt's and the choices' token ids
     echo: str = ""  # chat's echo: the last message's text, before each answer (whole, or a first content chunk)
+    reasoning: Optional[ReasoningFormat] = None  # chat with a reasoning parser: its tags
+    in_reasoning: bool = True  # with `reasoning`: whether the answers begin inside the reasoning (the prompt's end)
     # choice index -> the text chunk's event around its text (see event); None: no template
     _templates: dict[int, Optional[tuple[str, str]]] = field(default_factory=dict, compare=False, repr=False)
 
@@ -198,6 +201,10 @@ class ResponseBuilder:
                           "finish_reason": c.finish_reason, "stop_reason": stop_reason(c),
                           "token_ids": ([] if echo_only else list(c.token_ids)) if self.token_ids else None}
                 if self.chat:
+                    thought: Optional[str] = None
+                    if self.reasoning is not None:
+                        thought, answer = split_text(self.reasoning, self.in_reasoning, text)
+                        text = answer or ""
                     content, calls, complete = text, None, False
                     if self.tools is not None and c.finish_reason == "stop" and common["stop_reason"] is None:
                         content, calls = self.tools.parse(text)  # ended on its own: calls only if well-formed
@@ -208,7 +215,10 @@ class ResponseBuilder:
                         common["finish_reason"] = "tool_calls"
                     if self.echo:
                         content = self.echo + (content or "")
-                    choices.append(ChatChoice(message=AssistantMessage(content=content, tool_calls=calls), **common))
+                    elif self.reasoning is not None and not content:
+                        content = None  # vLLM's: no answer after the reasoning is a null content
+                    choices.append(ChatChoice(message=AssistantMessage(content=content, tool_calls=calls,
+                                                                       reasoning=thought), **common))  # fmt: skip
                 else:
                     scored = vllm_prompt_logprobs(out.prompt_logprobs, strings) if (
                         prompt_logprobs and out.prompt_logprobs is not None) else None  # fmt: skip
@@ -252,6 +262,13 @@ class ResponseBuilder:
                                   stop_reason=stop_reason, token_ids=token_ids,
                                   prompt_token_ids=prompt_token_ids)  # fmt: skip
         return CompletionChunk(**self._envelope(), choices=[choice], usage=usage)
+
+    def reasoning_chunk(self, index: int, text: str, logprobs: Optional[ChatLogprobs] = None,
+                        usage: Optional[Usage] = None, token_ids: Optional[list[int]] = None,
+                        prompt_token_ids: Optional[list[int]] = None) -> ChatCompletionChunk:  # fmt: skip
+        """A streamed chat choice's next piece of reasoning (a server with a reasoning parser)."""
+        choice = ChatChunkChoice(index=index, delta=Delta(reasoning=text), logprobs=logprobs, token_ids=token_ids)
+        return ChatCompletionChunk(**self._envelope(), choices=[choice], usage=usage, prompt_token_ids=prompt_token_ids)
 
     def tool_stream_chunks(self, index: int, reader: ToolCallStream, text: str, finish_reason: Optional[str],
                            logprobs: Optional[ChatLogprobs] = None, stop_reason: Union[int, str, None] = None,

@@ -53,13 +53,15 @@ def _reasoning(req: Any) -> dict[str, Any]:
     return {"effort": asked.effort, "summary": asked.summary or asked.generate_summary}
 
 
-def usage_of(prompt_tokens: int, output_tokens: int, cached_tokens: int, block_size: int) -> dict[str, Any]:
+def usage_of(prompt_tokens: int, output_tokens: int, cached_tokens: int, block_size: int,
+             reasoning_tokens: int = 0) -> dict[str, Any]:  # fmt: skip
     """The Response's usage. `block_size`: the prefix cache's (0: caching off), whose full prompt blocks not found
-    in the cache are written to it once computed (cache_write_tokens)."""
+    in the cache are written to it once computed (cache_write_tokens); `reasoning_tokens`: the output's reasoning
+    (a server with a reasoning parser)."""
     written = max(0, prompt_tokens // block_size * block_size - cached_tokens) if block_size else 0
     return {"input_tokens": prompt_tokens,
             "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": written},
-            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": prompt_tokens + output_tokens}  # fmt: skip
 
 
@@ -68,6 +70,12 @@ def _text_item(text: str, logprobs: Optional[list], status: str) -> dict[str, An
     if logprobs is not None:
         part["logprobs"] = logprobs
     return {"id": _item_id("msg"), "type": "message", "status": status, "role": "assistant", "content": [part]}
+
+
+def _reasoning_item(text: str, status: str) -> dict[str, Any]:
+    """A reasoning model's thinking (a server with a reasoning parser), as vLLM writes it: its text, no summary."""
+    return {"id": _item_id("rs"), "type": "reasoning", "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}], "encrypted_content": None, "status": status}
 
 
 def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
@@ -95,10 +103,12 @@ def response_body(call: ResponsesCall, rid: str, chat_answer: BaseModel, usage: 
     message = choice["message"]
     status = "incomplete" if choice["finish_reason"] == "length" else "completed"
     calls = message.get("tool_calls") or []
-    output = []
-    if message.get("content") or not calls:
+    output = [_reasoning_item(message["reasoning"], "completed")] if message.get("reasoning") else []
+    if message.get("content") or not (calls or output):
         text = message.get("content") or ""
-        entries = (choice.get("logprobs") or {}).get("content") or []
+        # the message's tokens follow the reasoning's (a reasoning item carries no log-probs)
+        thought = usage["output_tokens_details"]["reasoning_tokens"]
+        entries = ((choice.get("logprobs") or {}).get("content") or [])[thought:]
         logprobs = (_text_logprobs(entries, text) if calls else entries) if call.chat_body.get("logprobs") else None
         output.append(_text_item(text, logprobs, "completed"))
     for c in calls:
@@ -120,6 +130,7 @@ class EventStream:
         self.finish_reason: Optional[str] = None
         self.want_logprobs = bool(call.chat_body.get("logprobs"))
         self.pending: list[dict[str, Any]] = []  # log-probs of tokens with no text yet (a cut character)
+        self.thinking = False  # a reasoning item is being written and no answer text followed yet
 
     def event(self, kind: str, **fields: Any) -> bytes:
         data = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -135,8 +146,15 @@ class EventStream:
         events: list[bytes] = []
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
+            if delta.get("reasoning"):
+                events += self._reasoning(delta["reasoning"])
+                self.thinking, self.pending = True, []  # tokens before the reasoning: its start tag
             text = delta.get("content") or ""
             logprobs = ((choice.get("logprobs") or {}).get("content") or []) if self.want_logprobs else []
+            if text or delta.get("tool_calls"):
+                self.thinking = False
+            if self.thinking:  # the reasoning's tokens (its end tag's too): a reasoning item has no log-probs
+                logprobs = []
             if text:
                 events += self._text(text, self.pending + logprobs)
                 self.pending = []
@@ -175,6 +193,20 @@ class EventStream:
             part["logprobs"] += logprobs
         events.append(self.event("response.output_text.delta", item_id=item["id"], output_index=self.open,
                                  content_index=0, delta=text, logprobs=logprobs))  # fmt: skip
+        return events
+
+    def _reasoning(self, text: str) -> list[bytes]:
+        """The next piece of the reasoning item (added, with its text part, at its first piece)."""
+        events: list[bytes] = []
+        if self.open is None or self.output[self.open]["type"] != "reasoning":
+            item = _reasoning_item("", "in_progress")
+            events += self._add(item, {**item, "content": []})
+            events.append(self.event("response.content_part.added", item_id=item["id"], output_index=self.open,
+                                     content_index=0, part={"type": "reasoning_text", "text": ""}))  # fmt: skip
+        item = self.output[self.open]
+        item["content"][0]["text"] += text
+        events.append(self.event("response.reasoning_text.delta", item_id=item["id"], output_index=self.open,
+                                 content_index=0, delta=text))  # fmt: skip
         return events
 
     def _flush_pending(self) -> list[bytes]:
@@ -216,6 +248,12 @@ class EventStream:
             part = item["content"][0]
             events.append(self.event("response.output_text.done", item_id=item["id"], output_index=out,
                                      content_index=0, text=part["text"], logprobs=part.get("logprobs") or []))
+            events.append(self.event("response.content_part.done", item_id=item["id"], output_index=out,
+                                     content_index=0, part=part))  # fmt: skip
+        elif item["type"] == "reasoning":
+            part = item["content"][0]
+            events.append(self.event("response.reasoning_text.done", item_id=item["id"], output_index=out,
+                                     content_index=0, text=part["text"]))  # fmt: skip
             events.append(self.event("response.content_part.done", item_id=item["id"], output_index=out,
                                      content_index=0, part=part))  # fmt: skip
         else:
@@ -274,7 +312,7 @@ async def stream(call: ResponsesCall, rid: str, chat_stream: AsyncIterator[bytes
                 if "error" in payload:
                     failed = True
                     spent = usage_of(summary.prompt_tokens, summary.completion_tokens, summary.cached_tokens,
-                                     block_size)  # fmt: skip
+                                     block_size, summary.reasoning_tokens)  # fmt: skip
                     for e in events.failed(payload["error"], spent):
                         yield e
                     continue
@@ -282,5 +320,5 @@ async def stream(call: ResponsesCall, rid: str, chat_stream: AsyncIterator[bytes
                     yield e
     if not failed:
         for e in events.finish(usage_of(summary.prompt_tokens, summary.completion_tokens, summary.cached_tokens,
-                                        block_size)):  # fmt: skip
+                                        block_size, summary.reasoning_tokens)):  # fmt: skip
             yield e

@@ -113,6 +113,8 @@ class ChatMessage(BaseModel):
     name: Optional[StrictStr] = None
     tool_call_id: Optional[StrictStr] = None
     tool_calls: Optional[list[dict[str, Any]]] = None
+    reasoning: Optional[StrictStr] = None  # an assistant turn's reasoning (vLLM's; reasoning_content its old name)
+    reasoning_content: Optional[StrictStr] = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -133,9 +135,9 @@ class ChatCompletionRequest(_SamplingFields):
     echo: Optional[StrictBool] = False  # vLLM: the last message's text before the answer when the roles match
     functions: Optional[list[Any]] = None
     function_call: Optional[Any] = None
-    # OpenAI fields that ask a reasoning model to think less or more, or to be terse (no model here reasons or
-    # reads them), or hand it a prediction of the answer (a speed hint: the answer is the same without it):
-    # accepted, without effect; modalities other than text and web search are refused (protocol.py)
+    # OpenAI fields that ask a reasoning model to think less or more, or to be terse (no model family here reads
+    # them; --reasoning-parser only splits the thinking off), or hand it a prediction of the answer (a speed hint:
+    # the answer is the same without it): accepted, without effect; modalities other than text and web search are refused (protocol.py)
     reasoning_effort: Optional[StrictStr] = None
     verbosity: Optional[StrictStr] = None
     prediction: Optional[dict[str, Any]] = None
@@ -151,7 +153,8 @@ class ResponsesStreamOptions(_Strict):
 
 
 class Reasoning(_Strict):
-    """The Responses API's reasoning settings: checked and echoed, without effect (no model here reasons)."""
+    """The Responses API's reasoning settings: checked and echoed, without effect (no model family here reads an
+    effort; `serve --reasoning-parser` returns the thinking as a reasoning item)."""
 
     effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh"]] = None
     summary: Optional[Literal["auto", "concise", "detailed"]] = None
@@ -313,15 +316,17 @@ class ToolCall(BaseModel):
 
 
 class AssistantMessage(BaseModel):
-    """The reply: `content` (null when the reply is tool calls), and `tool_calls` only when there are some."""
+    """The reply: `content` (null when the reply is tool calls), and `tool_calls` only when there are some;
+    `reasoning` (vLLM's) only from a server with a reasoning parser."""
 
     role: Literal["assistant"] = "assistant"
     content: Optional[str]
     tool_calls: Optional[list[ToolCall]] = None
+    reasoning: Optional[str] = None
 
     @model_serializer(mode="wrap")
     def _without_empty_tool_calls(self, handler: Any) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if k != "tool_calls" or v is not None}
+        return {k: v for k, v in handler(self).items() if k not in ("tool_calls", "reasoning") or v is not None}
 
 
 class _WithoutNulls(BaseModel):
@@ -369,6 +374,7 @@ class Delta(_WithoutNulls):
 
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    reasoning: Optional[str] = None  # vLLM's: the reasoning's next piece (a server with a reasoning parser)
     tool_calls: Optional[list[DeltaToolCall]] = None
 
 

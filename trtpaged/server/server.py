@@ -154,18 +154,21 @@ def start_server(
         if request_log is not None:
             request_log.close()
         raise
+    name = served_model_name or options.served_model_name or llm.engine_dir.resolve().name
+    tokens: Optional[TokenizerWorker] = None
     try:  # the front end's own tokenizer copies, loaded from the engine dir as LLM loaded the engine's
         tokens = TokenizerWorker.start(llm.new_tokenizer, options.max_waiting)
-    except BaseException:
+        service = GenerationService(llm, loop, tokens, name, options.max_prompt_tokens, options.request_timeout_s,
+                                    options.stream_interval, options.tool_call_parser, options.reasoning_parser)
+    except BaseException:  # e.g. a reasoning parser whose tags this model cannot write
+        if tokens is not None:
+            tokens.shutdown()
         loop.shutdown()
         llm.close()
         sock.close()
         if request_log is not None:
             request_log.close()
         raise
-    name = served_model_name or options.served_model_name or llm.engine_dir.resolve().name
-    service = GenerationService(llm, loop, tokens, name, options.max_prompt_tokens, options.request_timeout_s,
-                                options.stream_interval, options.tool_call_parser)
     card = ModelCard(id=name, created=int(time.time()), root=str(llm.engine_dir), max_model_len=llm.config.max_seq_len)
     draining = Draining()
     app = create_app(service, loop, metrics, card, options, draining)

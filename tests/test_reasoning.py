@@ -1,0 +1,321 @@
+"""vLLM's --reasoning-parser: a chat answer's thinking (up to `</think>`) in `reasoning`, the rest in `content`, in
+the body and the stream alike; a structured output or forced tool call holds only after the thinking; the
+Responses API's reasoning items. Truth: the engine's own raw text for the same prompt and seed (the Python API),
+split by a plain `str.partition` reference written here, and the token ids themselves.
+
+The served model is the tiny random one with a vocabulary that spells two of the ids it samples often as
+`<think>` and `</think>` (added tokens, as Qwen3's are), so its answers really contain the tags."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import build_from_dict
+from runtime_helpers import openai_client
+from tests.test_server import wait_idle
+from trtpaged import LLM, SamplingParams
+from trtpaged.cli import main
+from trtpaged.runtime.sampling_params import StructuredOutputsParams
+from trtpaged.server import ServerOptions, start_server
+from trtpaged.server.reasoning import REASONING_PARSERS, ReasoningReader, ReasoningSplit, starts_in_reasoning
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+TINY = yaml.safe_load((EXAMPLES / "tiny.yaml").read_text())
+MODEL = "tiny-thinking"
+PROMPTS = ["hello there", "what is two plus two", "tell me a story", "why is the sky blue"]
+SEEDS = range(3)
+R1 = REASONING_PARSERS["deepseek_r1"]
+
+
+def reference(text: str, in_reasoning: bool, start: str = "<think>", end: str = "</think>") -> tuple:
+    """(reasoning, content) of a whole answer, each None when empty: a start tag that opens the answer is left out
+    and opens the reasoning; the reasoning runs to the first end tag (all of it when none comes)."""
+    if text.lstrip().startswith(start):
+        text, in_reasoning = text.lstrip()[len(start):], True
+    if not in_reasoning:
+        return None, text or None
+    thought, tag, rest = text.partition(end)
+    return thought or None, (rest or None) if tag else None
+
+
+PIECES = ["<think>", "</think>", "<", "</", "<th", "</thi", "think", ">", " ", "\n", "a", "bc", "é"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(PIECES), max_size=14), st.booleans(), st.lists(st.integers(0, 60), max_size=6))
+def test_any_text_in_any_pieces_splits_as_the_whole_partitions(pieces, in_reasoning, cuts):
+    text = "".join(pieces)
+    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    split = ReasoningSplit(R1, in_reasoning)
+    thought, content = "", ""
+    for a, b in zip(bounds, bounds[1:]):
+        r, c = split.feed(text[a:b])
+        thought, content = thought + r, content + c
+    r, c = split.finish()
+    thought, content = thought + r, content + c
+    assert (thought or None, content or None) == reference(text, in_reasoning)
+
+
+@pytest.mark.parametrize("prompt, kwargs, want", [
+    ([1, 2, 3], None, True),  # no tag: the model thinks first (vLLM's rule for both parsers)
+    ([1, 8, 2], None, True),  # the template opened the reasoning
+    ([1, 8, 2, 9, 3], None, False),  # ... and closed it (thinking turned off by the template)
+    ([8, 5, 9, 4, 8, 6], None, True),  # an earlier turn's closed reasoning, then a new one opened
+    ([8, 5, 9, 4], {"enable_thinking": True}, False),
+    ([1, 2], {"enable_thinking": False}, False),  # qwen3's switch; deepseek_r1 has none
+])  # fmt: skip
+def test_the_prompt_and_the_switch_decide_where_an_answer_starts(prompt, kwargs, want):
+    assert starts_in_reasoning(REASONING_PARSERS["qwen3"], prompt, [8], [9], kwargs) is want
+    assert starts_in_reasoning(R1, prompt, [8], [9], kwargs) is (want or bool(kwargs and not kwargs.get(
+        "enable_thinking", True)))  # fmt: skip
+    assert starts_in_reasoning(R1, [4, 7, 7, 5], [7, 7], [7, 5]) is False  # two-token tags, overlapping
+
+
+def test_a_parser_refuses_a_tokenizer_that_cannot_write_its_tags():
+    from trtpaged.models.tiny_tokenizer import make_tiny_tokenizer
+
+    tok = make_tiny_tokenizer()
+    assert ReasoningReader.for_tokenizer("qwen3", tok).end_ids == tuple(tok.encode("</think>"))  # bytes spell it
+    tok.add_special_tokens({"additional_special_tokens": ["</think>"]})
+    with pytest.raises(ValueError, match=r"reasoning_parser: qwen3's tag '</think>' is a special token"):
+        ReasoningReader.for_tokenizer("qwen3", tok)
+    with pytest.raises(ValueError, match=r"reasoning_parser: 'granite' is not a parser this server has; one of "
+                                         r"deepseek_r1, qwen3"):  # fmt: skip
+        ReasoningReader.for_tokenizer("granite", tok)
+    with pytest.raises(ValueError, match="reasoning_parser: 'nope'"):
+        ServerOptions(reasoning_parser="nope")
+
+
+def test_a_server_whose_model_cannot_write_the_tags_is_not_started(tiny_engine_dir, monkeypatch):
+    import threading
+
+    from trtpaged.server.reasoning import ReasoningFormat
+
+    monkeypatch.setitem(REASONING_PARSERS, "specials", ReasoningFormat("specials", "<|bos|>", "<|eos|>"))
+    before = threading.active_count()
+    with pytest.raises(ValueError, match=r"reasoning_parser: specials's tag '<\|bos\|>' is a special token"):
+        start_server(tiny_engine_dir, port=0, device="cpu", options=ServerOptions(reasoning_parser="specials"))
+    assert threading.active_count() <= before  # the engine thread and the tokenizer lanes were stopped
+
+
+def test_serve_names_the_flag_of_an_unknown_parser(tiny_engine_dir):
+    r = CliRunner().invoke(main, ["serve", str(tiny_engine_dir), "--port", "0", "--reasoning-parser", "nope"])
+    assert r.exit_code != 0 and "Traceback" not in r.output
+    assert "--reasoning-parser" in r.output and "deepseek_r1, qwen3" in r.output, r.output
+
+
+# ---- a grammar gated by the end of the thinking (the engine) --------------------------------------------------
+
+def test_a_gated_grammar_leaves_the_output_free_until_its_tokens_then_holds(tiny_engine_dir):
+    llm = LLM(tiny_engine_dir, device="cpu")
+    prompt = llm.chat_prompt([{"role": "user", "content": "tell me a story"}])
+    free = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    (truth,) = llm.generate([prompt], free, use_tqdm=False)
+    ids = truth.outputs[0].token_ids
+    k = next(i for i in range(3, len(ids)) if ids[i] not in ids[:i] and ids[i - 1] != ids[i])
+    for gate in ((ids[k],), (ids[k - 1], ids[k])):  # one token, and a run of two (a tag the tokenizer spells so)
+        grammar = StructuredOutputsParams(regex="[a-z]{3}", starts_after=gate)
+        params = SamplingParams(max_tokens=24, temperature=0.0, structured_outputs=grammar)
+        (out,) = llm.generate([prompt], params, use_tqdm=False)
+        got = out.outputs[0].token_ids
+        assert got[: k + 1] == ids[: k + 1]  # free, as without the grammar, through the gate
+        assert re.fullmatch("[a-z]{3}", llm.tokenizer.decode(got[k + 1 :], skip_special_tokens=True)), got
+        assert out.outputs[0].finish_reason == "stop"
+    with pytest.raises(ValueError, match=r"structured_outputs.starts_after: token id 999 is outside the vocabulary"):
+        gated = StructuredOutputsParams(regex="a", starts_after=(999,))
+        llm.generate([prompt], SamplingParams(structured_outputs=gated), use_tqdm=False)
+
+
+# ---- the server ----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tags(tiny_engine_dir) -> dict[int, str]:
+    """Two ids past the byte vocabulary that the tiny model samples in most answers to PROMPTS: the end tag, the
+    one it samples most; the start tag, the next."""
+    llm = LLM(tiny_engine_dir, device="cpu")
+    seen: Counter = Counter()
+    for text in PROMPTS:
+        prompt = llm.chat_prompt([{"role": "user", "content": text}])
+        for seed in SEEDS:
+            params = SamplingParams(max_tokens=40, temperature=0.8, seed=seed, ignore_eos=True)
+            seen.update({t for t in llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids if t >= 259})
+    (end, _), (start, _) = seen.most_common(2)
+    return {start: "<think>", end: "</think>"}
+
+
+@pytest.fixture(scope="module")
+def thinking_engine(tmp_path_factory, tags) -> Path:
+    from tokenizers import AddedToken
+
+    from trtpaged.config import parse_config
+    from trtpaged.models import load_hf
+
+    root = tmp_path_factory.mktemp("thinking")
+    hf = load_hf(parse_config({"model": {"tiny": TINY["model"]["tiny"]}}).model)
+    names = [tags.get(i, f"<|unused{i}|>") for i in range(259, TINY["model"]["tiny"]["vocab_size"])]
+    hf.tokenizer.add_tokens([AddedToken(n, special=False, normalized=False) for n in names])
+    hf.model.save_pretrained(root / "hf")
+    hf.tokenizer.save_pretrained(root / "hf")
+    return build_from_dict({**TINY, "model": {"hf_dir": str(root / "hf")}, "output": None}, root / "engine")
+
+
+@pytest.fixture(scope="module")
+def server(thinking_engine):
+    handle = start_server(thinking_engine, port=0, served_model_name=MODEL, device="cpu",
+                          options=ServerOptions(reasoning_parser="qwen3"))  # fmt: skip
+    yield handle
+    handle.shutdown(timeout=0)
+
+
+def _raw(engine: Path, messages: list, seed: int, **kwargs) -> tuple[str, list[int]]:
+    llm = LLM(engine, device="cpu")
+    prompt = llm.chat_prompt(messages, template_kwargs=kwargs.pop("chat_template_kwargs", None))
+    params = SamplingParams(**{"max_tokens": 40, "temperature": 0.8, "seed": seed, "ignore_eos": True, **kwargs})
+    c = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    return c.text, list(c.token_ids)
+
+
+def _streamed(client, **kwargs) -> tuple:
+    thought, content = "", ""
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            thought += getattr(choice.delta, "reasoning", None) or ""
+            content += choice.delta.content or ""
+    return thought or None, content or None
+
+
+@pytest.mark.parametrize("thinking", [None, False])
+def test_chat_answers_split_at_the_end_tag_in_the_body_and_the_stream(server, thinking_engine, thinking):
+    client = openai_client(server.url)
+    kwargs = {"chat_template_kwargs": {"enable_thinking": False}} if thinking is False else {}
+    both = 0
+    for text in PROMPTS:
+        messages = [{"role": "user", "content": text}]
+        for seed in SEEDS:
+            raw, _ = _raw(thinking_engine, messages, seed, **kwargs)
+            want = reference(raw, thinking is not False)
+            ask = dict(model=MODEL, messages=messages, max_tokens=40, temperature=0.8, seed=seed,
+                       extra_body={"ignore_eos": True, **kwargs})  # fmt: skip
+            message = client.chat.completions.create(**ask).choices[0].message
+            assert (getattr(message, "reasoning", None), message.content) == want, raw
+            assert _streamed(client, **ask) == want
+            both += bool(want[0] and want[1])
+    if thinking is None:
+        assert both >= 3  # the tags came in the middle of answers, not only at their ends
+    wait_idle(server)
+
+
+def test_a_response_format_holds_after_the_thinking_not_during_it(server, thinking_engine, tags):
+    client = openai_client(server.url)
+    end = next(t for t, name in tags.items() if name == "</think>")
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}}
+    checked = 0
+    for text in PROMPTS:
+        messages = [{"role": "user", "content": text}]
+        for seed in SEEDS:
+            raw, ids = _raw(thinking_engine, messages, seed)
+            ask = dict(model=MODEL, messages=messages, max_tokens=40, temperature=0.8, seed=seed,
+                       response_format=fmt, extra_body={"ignore_eos": True})  # fmt: skip
+            r = client.chat.completions.create(**ask)
+            message = r.choices[0].message
+            if end not in ids:  # never ended its thinking: all of it free, as without the format
+                assert (message.reasoning, message.content) == reference(raw, True)
+                continue
+            cut = ids.index(end)
+            free, _ = _raw(thinking_engine, messages, seed, max_tokens=cut + 1)
+            assert message.reasoning == reference(free, True)[0]  # the thinking as the model wrote it freely
+            assert isinstance(json.loads(message.content), int), message.content  # the format holds after it
+            checked += 1
+    assert checked >= 3
+    # thinking off: the format holds from the first token, and there is no reasoning
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=20,
+                                       response_format=fmt, extra_body=off)  # fmt: skip
+    message = r.choices[0].message
+    assert getattr(message, "reasoning", None) is None and isinstance(json.loads(message.content), int)
+    wait_idle(server)
+
+
+def test_a_forced_tool_call_comes_after_the_thinking(server, thinking_engine, tags):
+    """tool_choice "required": the model thinks freely, then its calls are forced and read from the content."""
+    from tests.test_server_tools import TOOLS
+
+    client = openai_client(server.url)
+    end = next(t for t, name in tags.items() if name == "</think>")
+    called = 0
+    for text in PROMPTS:
+        messages = [{"role": "user", "content": text}]
+        for seed in SEEDS:
+            raw, ids = _raw(thinking_engine, messages, seed)
+            r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=120, temperature=0.8,
+                                               seed=seed, tools=TOOLS, tool_choice="required",
+                                               extra_body={"ignore_eos": True})  # fmt: skip
+            choice = r.choices[0]
+            if end not in ids[:40]:
+                continue
+            cut = ids.index(end)
+            free, _ = _raw(thinking_engine, messages, seed, max_tokens=cut + 1)
+            assert choice.message.reasoning == reference(free, True)[0]
+            assert choice.message.tool_calls and choice.message.content is None  # forced: calls, even cut short
+            for call in choice.message.tool_calls:
+                assert call.function.name in ("get_weather", "add")
+                if choice.finish_reason == "tool_calls":  # the calls ended within max_tokens: whole JSON objects
+                    assert isinstance(json.loads(call.function.arguments), dict)
+            called += 1
+    assert called >= 2
+    wait_idle(server)
+
+
+def test_responses_carry_a_reasoning_item_before_the_message(server, thinking_engine, tags):
+    client = openai_client(server.url)
+    end = next(t for t, name in tags.items() if name == "</think>")
+    seen = 0
+    for text in PROMPTS:
+        for seed in SEEDS:
+            raw, ids = _raw(thinking_engine, [{"role": "user", "content": text}], seed, ignore_eos=False)
+            thought, content = reference(raw, True)
+            ask = dict(model=MODEL, input=text, max_output_tokens=40, temperature=0.8, extra_body={"seed": seed})
+            body = client.responses.create(**ask)
+            kinds = [item.type for item in body.output]
+            assert kinds == ["reasoning"] + (["message"] if content else []), kinds
+            assert body.output[0].content[0].text == thought
+            if content:
+                assert body.output[1].content[0].text == content
+            assert body.usage.output_tokens_details.reasoning_tokens == (ids.index(end) + 1 if end in ids else len(ids))
+            events = list(client.responses.create(stream=True, **ask))
+            done = events[-1].response
+            assert [item.model_dump() for item in done.output][0]["content"] == body.output[0].model_dump()["content"]
+            deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+            assert deltas == thought
+            assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == (content or "")
+            assert done.usage.output_tokens_details == body.usage.output_tokens_details
+            seen += bool(content)
+    assert seen >= 3
+    wait_idle(server)
+
+
+def test_a_past_turns_reasoning_reaches_the_template():
+    """vLLM gives an assistant message's `reasoning` (or its old name `reasoning_content`) to the chat template,
+    which reads either (Qwen3's reads reasoning_content)."""
+    from trtpaged.models.tiny_tokenizer import make_tiny_tokenizer
+    from trtpaged.runtime.llm import chat_prompt_text
+    from trtpaged.server.protocol import chat_messages
+    from trtpaged.server.schemas import ChatMessage
+
+    template = ("{% for m in messages %}{{ m['role'] }}:{{ m.get('reasoning_content', '-') }}|{{ m['content'] }};"
+                "{% endfor %}")  # fmt: skip
+    for key in ("reasoning", "reasoning_content"):
+        messages = [ChatMessage(role="user", content="q"), ChatMessage(role="assistant", content="a", **{key: "why"}),
+                    ChatMessage(role="user", content="q2")]  # fmt: skip
+        text = chat_prompt_text(make_tiny_tokenizer(), chat_messages(messages), add_generation_prompt=False,
+                                chat_template=template)  # fmt: skip
+        assert text == "user:-|q;assistant:why|a;user:-|q2;"
