@@ -13,6 +13,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
+import openai
 import pytest
 import yaml
 from click.testing import CliRunner
@@ -319,3 +320,37 @@ def test_a_past_turns_reasoning_reaches_the_template():
         text = chat_prompt_text(make_tiny_tokenizer(), chat_messages(messages), add_generation_prompt=False,
                                 chat_template=template)  # fmt: skip
         assert text == "user:-|q;assistant:why|a;user:-|q2;"
+
+
+def test_a_responses_reasoning_item_reaches_the_template_with_the_turn_it_led_to(tiny_engine_dir):
+    """Responses input as a client sends a conversation back (reasoning item, then the answer it led to): the
+    thinking goes with that assistant turn, as reasoning_content; an empty or summary-only item too."""
+    import jinja2
+
+    template = ("{% for m in messages %}{{ m['role'] }}:{{ m.get('reasoning_content', '-') }}|{{ m['content'] }};"
+                "{% endfor %}")  # fmt: skip
+    handle = start_server(tiny_engine_dir, port=0, served_model_name=MODEL, device="cpu", chat_template=template)
+    try:
+        client = openai_client(handle.url)
+        llm = LLM(tiny_engine_dir, device="cpu")
+        think = {"type": "reasoning", "id": "rs_1", "summary": [],
+                 "content": [{"type": "reasoning_text", "text": "hm"}]}  # fmt: skip
+        summary = {"type": "reasoning", "id": "rs_2", "summary": [{"type": "summary_text", "text": "short"}]}
+        call = {"type": "function_call", "call_id": "c1", "name": "add", "arguments": "{}"}
+        cases = [
+            ([think, {"role": "assistant", "content": "a"}],
+             [{"role": "assistant", "content": "a", "reasoning_content": "hm"}]),
+            ([summary, call], [{"role": "assistant", "content": "", "reasoning_content": "short"}]),  # calls only: ""
+            ([think, {"role": "user", "content": "x"}], [{"role": "user", "content": "x"}]),  # no turn of its own
+        ]  # fmt: skip
+        for items, want in cases:
+            r = client.responses.create(model=MODEL, input=[{"role": "user", "content": "q"}, *items,
+                                                            {"role": "user", "content": "q2"}], max_output_tokens=1)
+            rendered = jinja2.Template(template).render(messages=[{"role": "user", "content": "q"}, *want,
+                                                                  {"role": "user", "content": "q2"}])
+            assert r.usage.input_tokens == len(llm.tokenizer.encode(rendered, add_special_tokens=False)), rendered
+        with pytest.raises(openai.BadRequestError, match=r"input\[1\].content: must be a list of reasoning_text"):
+            client.responses.create(model=MODEL, input=[{"role": "user", "content": "q"},
+                                                        {**think, "content": [{"type": "output_text", "text": "x"}]}])
+    finally:
+        handle.shutdown(timeout=0)

@@ -133,6 +133,7 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     if isinstance(req.input, str):
         messages.append({"role": "user", "content": req.input})
         return messages
+    thought: Optional[str] = None  # a reasoning item's text, for the assistant turn that follows it
     for i, item in enumerate(req.input):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -154,14 +155,30 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             output = item.get("output")
             content = output if isinstance(output, str) else _parts(output, f"{where}.output")
             messages.append({"role": "tool", "tool_call_id": _text(item, "call_id", where), "content": content})
-        elif kind == "reasoning":
-            continue  # a reasoning model's earlier thoughts: no model here reads them back
+        elif kind == "reasoning":  # a reasoning model's earlier thinking: the template may show it (Qwen3's)
+            thought = _reasoning_text(item, where)
+            continue
         else:
             raise ApiError(f"{where}.type: {str(kind)[:40]!r} is not supported by this server (message, "
                            "function_call, function_call_output, reasoning)", "input")  # fmt: skip
+        if thought is not None and messages[-1]["role"] == "assistant":  # the turn the thinking led to
+            messages[-1].setdefault("reasoning", thought)
+        thought = None
     if not any(m["role"] != "system" for m in messages):
         raise ApiError("input: must hold at least one message", "input")
     return messages
+
+
+def _reasoning_text(item: dict[str, Any], where: str) -> str:
+    """A reasoning item's text: its reasoning_text parts (vLLM's and this server's), else its summary's."""
+    for key, part_type in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.get(key)
+        if not parts:
+            continue
+        if not isinstance(parts, list) or not all(isinstance(p, dict) and p.get("type") == part_type for p in parts):
+            raise ApiError(f"{where}.{key}: must be a list of {part_type} parts", "input")
+        return "".join(_text(p, "text", f"{where}.{key}[{j}]") for j, p in enumerate(parts))
+    return ""
 
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
