@@ -112,10 +112,42 @@ def test_tool_choice_auto_follows_the_template_or_the_named_parser(tiny_engine_d
 @pytest.mark.parametrize("args, words", [
     (["--tool-call-parser", "bogus"], "--tool-call-parser: 'bogus' is not a parser this server has"),
     (["--seed", "-1"], "--seed"),
+    (["--reasoning-parser", "granite"], "--reasoning-parser: 'granite' is not a parser this server has"),
+    (["--default-chat-template-kwargs", "{bad"], "--default-chat-template-kwargs': not JSON"),
+    (["--default-chat-template-kwargs", "[1]"], "must be a JSON object ({...}), got list"),
+    (["--default-chat-template-kwargs", '{"tools": []}'],
+     "--default-chat-template-kwargs: may not set ['tools'] (each request's own fields)"),
 ])  # fmt: skip
 def test_serve_refuses_bad_vllm_flags_before_loading(tiny_engine_dir, args, words):
     r = CliRunner().invoke(main, ["serve", str(tiny_engine_dir), *args])
     assert r.exit_code in (1, 2) and words in r.output, r.output
+
+
+def test_default_chat_template_kwargs_reach_every_chat_request_under_its_own(tiny_engine_dir):
+    """vLLM's --default-chat-template-kwargs: the template sees them in chat, Responses and /tokenize; a request's
+    chat_template_kwargs override them key by key. Truth: the template rendered here with jinja2."""
+    template = "{{ mood }}/{{ tone }}:{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    defaults = {"mood": "calm", "tone": "dry"}
+    llm = LLM(tiny_engine_dir, device="cpu")
+    handle = start_server(tiny_engine_dir, port=0, served_model_name=MODEL, device="cpu", chat_template=template,
+                          options=ServerOptions(default_chat_template_kwargs=defaults))  # fmt: skip
+    try:
+        client = openai_client(handle.url)
+        for own, want in ((None, "calm/dry:hi"), ({"tone": "wry"}, "calm/wry:hi")):
+            ids = llm.tokenizer.encode(jinja2.Template(template).render(messages=[{"content": "hi"}], **{
+                **defaults, **(own or {})}), add_special_tokens=False)  # fmt: skip
+            assert llm.tokenizer.decode(ids) == want
+            extra = {"chat_template_kwargs": own} if own else {}
+            status, _, body = request(handle, "/tokenize", {"model": MODEL, "messages": [{"role": "user",
+                                                                                           "content": "hi"}], **extra})
+            assert status == 200 and body["tokens"] == ids
+            r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                               extra_body=extra)  # fmt: skip
+            assert r.usage.prompt_tokens == len(ids)
+        r = client.responses.create(model=MODEL, input="hi", max_output_tokens=1)
+        assert r.usage.input_tokens == len(llm.tokenizer.encode("calm/dry:hi", add_special_tokens=False))
+    finally:
+        handle.shutdown(timeout=0)
 
 
 def test_max_logprobs_sets_the_bound_a_request_meets(tiny_engine_dir):

@@ -66,6 +66,25 @@ def _escapes_decoded(text: str) -> str:
         return text
 
 
+class JsonObject(click.ParamType):
+    """A JSON object typed on the command line (vLLM's JSON flags), as a dict."""
+
+    name = "json"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, dict):
+            return value
+        import json
+
+        try:
+            parsed = json.loads(value)
+        except ValueError as exc:
+            self.fail(f"not JSON ({exc}): {value[:80]!r}", param, ctx)
+        if not isinstance(parsed, dict):
+            self.fail(f"must be a JSON object ({{...}}), got {type(parsed).__name__}", param, ctx)
+        return parsed
+
+
 class OutputFile(click.Path):
     """click.Path of a file a command writes, created when absent: an existing path must be a regular file (a FIFO
     blocked the open until a reader came: a server that never started, with no output; a plot replaced it)."""

@@ -12,7 +12,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import click
 
-from trtpaged.commands.option_types import ChatTemplate, FiniteFloatRange, OutputFile, Size, flag_error
+from trtpaged.commands.option_types import ChatTemplate, FiniteFloatRange, JsonObject, OutputFile, Size, flag_error
 from trtpaged.commands.stdout import echo
 from trtpaged.errors import FatalEngineError, is_out_of_memory
 from trtpaged.manifest import BACKENDS
@@ -71,6 +71,9 @@ def _not_empty(value, param):
 @click.option("--reasoning-parser", default=None, metavar="NAME",
               help="vLLM's: split a reasoning model's thinking (<think>...</think>) from its answer in chat and "
                    "Responses answers: deepseek_r1 or qwen3 (qwen3 also reads chat_template_kwargs' enable_thinking).")
+@click.option("--default-chat-template-kwargs", type=JsonObject(), default=None, metavar="JSON",
+              help="vLLM's: chat template variables for every chat request, e.g. '{\"enable_thinking\": false}'; "
+                   "a request's chat_template_kwargs override them key by key.")
 @click.option("--enable-auto-tool-choice", is_flag=True,
               help="vLLM's: accepted; tool_choice \"auto\" is on wherever the model's tool-call format is known.")
 @click.option("--max-logprobs", type=click.IntRange(min=-1), default=20, show_default=True,
@@ -124,7 +127,7 @@ def _not_empty(value, param):
 def command(engine, host, port, served_model_name, api_key, max_waiting, request_timeout, shutdown_timeout,
             max_body_bytes, max_prompt_tokens, max_batch_size, max_num_tokens, max_seq_len, num_kv_blocks,
             enable_prefix_caching, scheduling_policy, chat_template, tool_call_parser, reasoning_parser,
-            enable_auto_tool_choice, max_logprobs, seed,
+            default_chat_template_kwargs, enable_auto_tool_choice, max_logprobs, seed,
             generation_config, gpu_memory_utilization, dtype, backend,
             device, tensor_parallel_size, speculative_config, kv_host_memory, kv_disk_path, kv_disk_size, kv_remote,
             kv_secret_file, request_log, request_log_prompts, stream_interval, pin_threads) -> None:  # fmt: skip
@@ -148,6 +151,7 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
             shutdown_timeout_s=shutdown_timeout, max_body_bytes=max_body_bytes, max_prompt_tokens=max_prompt_tokens,
             request_log=request_log, request_log_prompts=request_log_prompts, stream_interval=stream_interval,
             pin_threads=pin_threads, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+            default_chat_template_kwargs=default_chat_template_kwargs,
         )  # fmt: skip
         with interrupts_end_the_load():
             handle = start_server(
@@ -248,6 +252,7 @@ FLAGS = {"gpu_memory_utilization": "--gpu-memory-utilization", "dtype": "--dtype
          "max_num_tokens": "--max-num-tokens", "max_seq_len": "--max-seq-len", "num_kv_blocks": "--num-kv-blocks",
          "device": "--device", "backend": "--backend", "tensor_parallel": "--tensor-parallel-size",
          "tool_call_parser": "--tool-call-parser", "reasoning_parser": "--reasoning-parser",
+         "default_chat_template_kwargs": "--default-chat-template-kwargs",
          "chat_template": "--chat-template", "seed": "--seed",
          "max_logprobs": "--max-logprobs",
          "speculative_config": "--speculative-config", "kv_tiers.host_memory": "--kv-host-memory",

@@ -32,10 +32,10 @@ from trtpaged.runtime.warmup import warm_up
 
 log = logging.getLogger("trtpaged.runtime")
 # apply_chat_template's own arguments, which chat_prompt's template_kwargs may not set
-_TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
-                                 "add_generation_prompt", "continue_final_message", "tokenize", "padding",
-                                 "truncation", "max_length", "return_tensors", "return_dict",
-                                 "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens"})
+TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
+                                "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+                                "truncation", "max_length", "return_tensors", "return_dict",
+                                "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens"})
 
 
 def _tightened(name: str, value: Optional[int], limit: int) -> int:
@@ -196,7 +196,7 @@ def chat_prompt_text(tokenizer: Any, messages: Seq[dict], tools: Optional[Seq[di
     if continue_final_message and (not messages or messages[-1].get("role") != "assistant"):
         raise RequestError("continue_final_message", "needs the last message to be the assistant's")
     extra = dict(template_kwargs or {})
-    reserved = sorted(set(extra) & _TEMPLATE_ARGUMENTS)
+    reserved = sorted(set(extra) & TEMPLATE_ARGUMENTS)
     if reserved:
         raise RequestError("chat_template_kwargs", f"may not set {reserved} (the request's own fields)")
     if tools:

@@ -306,7 +306,7 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
         check_model(model_id, card.id)
         return JSONResponse(dump(card))
 
-    tokenization = Tokenization(service.llm, service.tokens, service.model_name)
+    tokenization = Tokenization(service.llm, service.tokens, service.model_name, service.template_defaults)
 
     async def tokenizer_call(request: Request, handler: Callable[[Any], Awaitable[Any]]) -> Response:
         try:

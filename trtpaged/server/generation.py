@@ -91,7 +91,8 @@ class GenerationService:
     def __init__(self, llm: LLM, loop: EngineLoop, tokens: TokenizerWorker, model_name: str,
                  max_prompt_tokens: Optional[int] = None, request_timeout_s: Optional[float] = None,
                  stream_interval: int = 1, tool_call_parser: Optional[str] = None,
-                 reasoning_parser: Optional[str] = None) -> None:  # fmt: skip
+                 reasoning_parser: Optional[str] = None,
+                 default_chat_template_kwargs: Optional[dict[str, Any]] = None) -> None:  # fmt: skip
         self.llm = llm
         self.stream_interval = stream_interval  # tokens per streamed chunk (SamplingParams.stream_interval)
         self.loop = loop
@@ -111,6 +112,7 @@ class GenerationService:
         self.auto_tools = auto = tool_format(getattr(llm.tokenizer, "chat_template", None),
                                              llm.manifest.dims.architecture, tool_call_parser)  # fmt: skip
         log.info("tool_choice auto: %s", f"{auto.format.name} calls" if auto.format else f"refused ({auto.reason})")
+        self.template_defaults = default_chat_template_kwargs  # every chat request's, under its own
         # chat answers' reasoning split from their content (vLLM's --reasoning-parser); ValueError: not this model's
         self.reasoning = ReasoningReader.for_tokenizer(reasoning_parser, llm.tokenizer) if reasoning_parser else None
 
@@ -119,7 +121,8 @@ class GenerationService:
         "cmpl-<id>" ("chatcmpl-<id>") of the caller's id, as vLLM's: the X-Request-Id header (`header_id`), else the
         body's request_id, else a random one."""
         caller_id = check_request_id(header_id, "X-Request-Id")
-        req = parse_generation(body, chat, self.model_name, self.vocab_size, self.auto_tools, self.max_logprobs)
+        req = parse_generation(body, chat, self.model_name, self.vocab_size, self.auto_tools, self.max_logprobs,
+                               self.template_defaults)  # fmt: skip
         try:  # before the prompt is tokenized
             check_priority(req.priority, self.llm.config.scheduling_policy)
         except RequestError as exc:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
+from trtpaged.runtime.llm import TEMPLATE_ARGUMENTS
 from trtpaged.server.reasoning import REASONING_PARSERS
 from trtpaged.server.tool_parsers import PARSER_NAMES
 
@@ -32,6 +33,8 @@ class ServerOptions:
     `tool_choice: "auto"` reads calls in; None: the one the chat template shows (`trtpaged.server.tools`).
     `reasoning_parser` (vLLM's --reasoning-parser: deepseek_r1, qwen3) splits a chat answer's reasoning from its
     content (`trtpaged.server.reasoning`); None: the whole text is content.
+    `default_chat_template_kwargs` (vLLM's --default-chat-template-kwargs): chat template variables every chat
+    request (and /tokenize of messages) gets; a request's own chat_template_kwargs override them key by key.
     """
 
     served_model_name: Optional[str] = None
@@ -49,6 +52,7 @@ class ServerOptions:
     pin_threads: str = "auto"
     tool_call_parser: Optional[str] = None  # vLLM's name of the tool-call format; None: read from the chat template
     reasoning_parser: Optional[str] = None  # vLLM's name of the reasoning format; None: no reasoning is split off
+    default_chat_template_kwargs: Optional[dict[str, Any]] = None  # e.g. {"enable_thinking": False}
 
     def __post_init__(self) -> None:
         if self.api_key is None and os.environ.get(API_KEY_ENV):
@@ -73,6 +77,13 @@ class ServerOptions:
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser: {self.reasoning_parser!r:.40} is not a parser this server has; one "
                              f"of {', '.join(sorted(REASONING_PARSERS))}")  # fmt: skip
+        defaults = self.default_chat_template_kwargs
+        if defaults is not None:
+            if not isinstance(defaults, dict) or not all(isinstance(k, str) for k in defaults):
+                raise ValueError(f"default_chat_template_kwargs: must be a JSON object, got {defaults!r:.80}")
+            reserved = sorted(set(defaults) & TEMPLATE_ARGUMENTS)
+            if reserved:
+                raise ValueError(f"default_chat_template_kwargs: may not set {reserved} (each request's own fields)")
         if self.pin_threads not in PIN_MODES:
             raise ValueError(f"pin_threads: must be one of {', '.join(PIN_MODES)}, got {self.pin_threads!r}")
         if self.api_key is not None and not self.api_key:

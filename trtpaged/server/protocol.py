@@ -8,7 +8,7 @@ value ranges are the runtime's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, TypeVar, Union
+from typing import Any, Mapping, Optional, TypeVar, Union
 
 from pydantic import BaseModel, ValidationError
 
@@ -179,10 +179,11 @@ def _logprobs(req: Union[CompletionRequest, ChatCompletionRequest], names: dict[
 
 def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int,
                      auto_tools: AutoTools = AutoTools(None, "the server was not told the model's tool-call format"),
-                     max_logprobs: int = MAX_LOGPROBS) -> GenerationRequest:  # fmt: skip
+                     max_logprobs: int = MAX_LOGPROBS,
+                     template_defaults: Optional[Mapping[str, Any]] = None) -> GenerationRequest:  # fmt: skip
     """Validates a decoded JSON body against the endpoint's schema; raises ApiError (400 or 404). `auto_tools`:
     the engine's tool-call format, for tool_choice "auto"; `max_logprobs`: the most top log-probs per token (and
-    prompt token) a request may ask for."""
+    prompt token) a request may ask for; `template_defaults`: the server's chat template variables."""
     req = validated(ChatCompletionRequest if chat else CompletionRequest, body)
     check_model(req.model, served_model)
     for name in _UNSUPPORTED:
@@ -248,7 +249,7 @@ def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int,
         chat_echo=_chat_echo(req, messages) if isinstance(req, ChatCompletionRequest) and req.echo else "",
         prompt_logprobs=req.prompt_logprobs,
         tools=tools,
-        chat_options=chat_options(req) if isinstance(req, ChatCompletionRequest) else {},
+        chat_options=chat_options(req, template_defaults) if isinstance(req, ChatCompletionRequest) else {},
         continuous_usage=continuous_usage,
         truncate_prompt_tokens=truncate,
         truncate_left=req.truncation_side != "right",
@@ -284,12 +285,17 @@ def _usage_options(req: Union[CompletionRequest, ChatCompletionRequest]) -> tupl
     return bool(options.include_usage) or continuous, continuous
 
 
-def chat_options(req: Union[ChatCompletionRequest, TokenizeChatRequest]) -> dict[str, Any]:
+def chat_options(req: Union[ChatCompletionRequest, TokenizeChatRequest],
+                 template_defaults: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:  # fmt: skip
     """LLM.chat_prompt's options from a chat body (vLLM's add_generation_prompt, continue_final_message,
-    chat_template_kwargs)."""
+    chat_template_kwargs, over the server's `template_defaults` key by key)."""
+    kwargs = req.chat_template_kwargs
+    if template_defaults:
+        kwargs = {**template_defaults, **kwargs} if isinstance(kwargs, dict) else (
+            dict(template_defaults) if kwargs is None else kwargs)  # not a mapping: refused as the request's
     return {"add_generation_prompt": req.add_generation_prompt is not False,
             "continue_final_message": bool(req.continue_final_message),
-            "template_kwargs": req.chat_template_kwargs}  # fmt: skip
+            "template_kwargs": kwargs}  # fmt: skip
 
 
 def _constraint_fields(req: Union[CompletionRequest, ChatCompletionRequest], vocab_size: int) -> dict[str, Any]:

@@ -159,7 +159,8 @@ def start_server(
     try:  # the front end's own tokenizer copies, loaded from the engine dir as LLM loaded the engine's
         tokens = TokenizerWorker.start(llm.new_tokenizer, options.max_waiting)
         service = GenerationService(llm, loop, tokens, name, options.max_prompt_tokens, options.request_timeout_s,
-                                    options.stream_interval, options.tool_call_parser, options.reasoning_parser)
+                                    options.stream_interval, options.tool_call_parser, options.reasoning_parser,
+                                    options.default_chat_template_kwargs)  # fmt: skip
     except BaseException:  # e.g. a reasoning parser whose tags this model cannot write
         if tokens is not None:
             tokens.shutdown()

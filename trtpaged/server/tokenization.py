@@ -52,8 +52,10 @@ class Tokenization:
     """The two endpoints' work, on the tokenizer worker's prompts lane (never the engine thread): a full lane is
     `Overloaded` (a 503), as a full waiting queue is for generation."""
 
-    def __init__(self, llm: LLM, tokens: TokenizerWorker, model_name: str) -> None:
+    def __init__(self, llm: LLM, tokens: TokenizerWorker, model_name: str,
+                 template_defaults: Optional[dict[str, Any]] = None) -> None:  # fmt: skip
         self.llm = llm
+        self.template_defaults = template_defaults  # the server's chat template variables
         self.tokens = tokens
         self.model_name = model_name
         self.max_seq_len = llm.config.max_seq_len
@@ -70,7 +72,7 @@ class Tokenization:
         if isinstance(req, TokenizeChatRequest):
             messages = chat_messages(req.messages)
             tools = tool_choice(req.tools, "required") if req.tools else None  # validated as the chat endpoint does
-            options = chat_options(req)
+            options = chat_options(req, self.template_defaults)
 
         def run(tokenizer: Any) -> bytes:
             if tokenizer is None:
