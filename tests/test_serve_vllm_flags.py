@@ -152,18 +152,27 @@ def test_default_chat_template_kwargs_reach_every_chat_request_under_its_own(tin
 
 def test_max_logprobs_sets_the_bound_a_request_meets(tiny_engine_dir):
     """vLLM's --max-logprobs (default 20): a chat request may ask for that many top log-probs per token, and one
-    more is refused naming top_logprobs; -1 is the whole vocabulary."""
-    for limit, asked, ok in ((30, 25, True), (30, 31, False), (-1, 320, True)):
+    more is refused naming top_logprobs; --max-logprobs -1 is the whole vocabulary, which a request asks for as
+    -1 too (vLLM's), within the server's bound."""
+    for limit, asked, ok in ((30, 25, True), (30, 31, False), (-1, 320, True), (-1, -1, True), (30, -1, False)):
         handle = start_server(tiny_engine_dir, port=0, served_model_name=MODEL, device="cpu", max_logprobs=limit)
         try:
             status, _, body = request(handle, "/v1/chat/completions", {
                 "model": MODEL, "messages": MESSAGES, "max_tokens": 2, "logprobs": True, "top_logprobs": asked})
+            want = 320 if asked == -1 else asked  # the tiny model's vocabulary
             if ok:
                 entries = body["choices"][0]["logprobs"]["content"]
-                assert status == 200 and entries and all(len(e["top_logprobs"]) == asked for e in entries)
+                assert status == 200 and entries and all(len(e["top_logprobs"]) == want for e in entries)
+                status, _, body = request(handle, "/v1/completions", {  # token ids as names: none collapse
+                    "model": MODEL, "prompt": "hi", "max_tokens": 1, "logprobs": asked, "prompt_logprobs": asked,
+                    "return_tokens_as_token_ids": True})  # fmt: skip
+                # the top `want`, and the token's own when it is not among them (vLLM's)
+                assert status == 200 and want <= len(body["choices"][0]["logprobs"]["top_logprobs"][0]) <= want + 1
+                assert all(want <= len(e) <= want + 1 for e in body["choices"][0]["prompt_logprobs"][1:])
             else:
                 assert status == 400 and body["error"]["param"] == "top_logprobs", body
-                assert f"must be in [0, {limit}]" in body["error"]["message"]
+                assert (f"must be in [0, {limit}]" if asked >= 0 else f"-1 (the whole vocabulary, 320) exceeds this "
+                        f"server's max_logprobs ({limit}") in body["error"]["message"]  # fmt: skip
         finally:
             handle.shutdown(timeout=0)
 

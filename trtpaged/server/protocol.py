@@ -159,8 +159,21 @@ def _beam_fields(req: Union[CompletionRequest, ChatCompletionRequest], names: di
     return out
 
 
+def _top_k(k: int, name: str, max_logprobs: int, vocab_size: int) -> int:
+    """A request's number of top log-probs, vLLM's -1 (the whole vocabulary) as that number, within the server's
+    max_logprobs."""
+    if k == -1:
+        if vocab_size > max_logprobs:
+            raise ApiError(f"{name}: -1 (the whole vocabulary, {vocab_size}) exceeds this server's max_logprobs "
+                           f"({max_logprobs}; serve --max-logprobs -1 allows it)", name)  # fmt: skip
+        return vocab_size
+    if not 0 <= k <= max_logprobs:
+        raise ApiError(f"{name}: must be in [0, {max_logprobs}] or -1 (the whole vocabulary), got {k}", name)
+    return k
+
+
 def _logprobs(req: Union[CompletionRequest, ChatCompletionRequest], names: dict[str, str],
-              max_logprobs: int) -> Optional[int]:  # fmt: skip
+              max_logprobs: int, vocab_size: int) -> Optional[int]:  # fmt: skip
     if isinstance(req, ChatCompletionRequest):
         if not req.logprobs:
             if req.top_logprobs is not None:
@@ -172,9 +185,7 @@ def _logprobs(req: Union[CompletionRequest, ChatCompletionRequest], names: dict[
         k, name = req.logprobs, "logprobs"
         if k is None:
             return None
-    if not 0 <= k <= max_logprobs:
-        raise ApiError(f"{name}: must be in [0, {max_logprobs}], got {k}", name)
-    return k
+    return _top_k(k, name, max_logprobs, vocab_size)
 
 
 def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int,
@@ -222,13 +233,13 @@ def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int,
                        "stream_interval")  # fmt: skip
     echo = not chat and bool(getattr(req, "echo", False))
     messages = chat_messages(req.messages) if isinstance(req, ChatCompletionRequest) else []
-    logprobs = _logprobs(req, names, max_logprobs)
+    logprobs = _logprobs(req, names, max_logprobs, vocab_size)
     echo_only = echo and max_tokens == 0
     if echo_only:
         max_tokens = 1  # the prompt is computed and scored in the step that samples one token, which is dropped
-    scored = [k for k in (req.prompt_logprobs, logprobs if echo else None) if k is not None]
-    if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= max_logprobs:
-        raise ApiError(f"prompt_logprobs: must be in [0, {max_logprobs}], got {req.prompt_logprobs}", "prompt_logprobs")
+    prompt_k = None if req.prompt_logprobs is None else _top_k(req.prompt_logprobs, "prompt_logprobs", max_logprobs,
+                                                                 vocab_size)  # fmt: skip
+    scored = [k for k in (prompt_k, logprobs if echo else None) if k is not None]
     if req.prompt_logprobs is not None and req.stream:
         raise ApiError("prompt_logprobs: not available with stream: true (as in vLLM); send the request without "
                        "streaming, or use echo with logprobs (completions)", "prompt_logprobs")  # fmt: skip
@@ -247,7 +258,7 @@ def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int,
         echo=echo,
         echo_only=echo_only,
         chat_echo=_chat_echo(req, messages) if isinstance(req, ChatCompletionRequest) and req.echo else "",
-        prompt_logprobs=req.prompt_logprobs,
+        prompt_logprobs=prompt_k,
         tools=tools,
         chat_options=chat_options(req, template_defaults) if isinstance(req, ChatCompletionRequest) else {},
         continuous_usage=continuous_usage,
