@@ -86,6 +86,9 @@ def test_logprobs_are_the_chat_logprobs(client):
     for g, w in zip(got, want):
         assert [t.logprob for t in g.top_logprobs] == pytest.approx([t.logprob for t in w.top_logprobs], abs=1e-5)
         assert g.logprob == pytest.approx(w.logprob, abs=1e-5)
+    # top_logprobs without the include asks for none, as OpenAI and vLLM answer it (echoed all the same)
+    r = client.responses.create(model=MODEL, input="hi", max_output_tokens=4, temperature=0, top_logprobs=2)
+    assert r.output[0].content[0].logprobs in (None, []) and r.top_logprobs == 2
 
 
 def test_items_become_the_conversation_turns(client, llm):

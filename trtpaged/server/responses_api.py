@@ -217,7 +217,7 @@ def _logprobs(req: ResponsesRequest) -> dict[str, Any]:
     for i, name in enumerate(include):
         if name != LOGPROBS_INCLUDE and name not in _NOTHING_TO_INCLUDE:
             raise ApiError(f"include[{i}]: {name[:60]!r} is not a value this server knows", "include")
-    if LOGPROBS_INCLUDE not in include and not req.top_logprobs:
+    if LOGPROBS_INCLUDE not in include:  # top_logprobs alone asks for none (OpenAI's and vLLM's rule)
         return {}
     return {"logprobs": True, "top_logprobs": req.top_logprobs or 0}
 
