@@ -27,7 +27,8 @@ from trtpaged import LLM, SamplingParams
 from trtpaged.cli import main
 from trtpaged.runtime.sampling_params import StructuredOutputsParams
 from trtpaged.server import ServerOptions, start_server
-from trtpaged.server.reasoning import REASONING_PARSERS, ReasoningReader, ReasoningSplit, starts_in_reasoning
+from trtpaged.runtime.reasoning import REASONING_PARSERS, ReasoningFormat, ReasoningReader, starts_in_reasoning
+from trtpaged.server.reasoning import ReasoningSplit
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TINY = yaml.safe_load((EXAMPLES / "tiny.yaml").read_text())
@@ -84,8 +85,17 @@ def test_the_prompt_and_the_switch_decide_where_an_answer_starts(prompt, kwargs,
 def test_a_parser_refuses_a_tokenizer_that_cannot_write_its_tags():
     from trtpaged.models.tiny_tokenizer import make_tiny_tokenizer
 
-    tok = make_tiny_tokenizer()
-    assert ReasoningReader.for_tokenizer("qwen3", tok).end_ids == tuple(tok.encode("</think>"))  # bytes spell it
+    from tokenizers import AddedToken
+
+    tok = make_tiny_tokenizer()  # bytes spell the tags, in pieces: refused, as vLLM refuses a vocabulary without them
+    with pytest.raises(ValueError, match=r"reasoning_parser: qwen3's tag '<think>' is not a token of this model's"):
+        ReasoningReader.for_tokenizer("qwen3", tok)
+    tok.add_tokens([AddedToken("<think>", special=False, normalized=False)])
+    with pytest.raises(ValueError, match=r"tag '</think>' is not a token"):
+        ReasoningReader.for_tokenizer("qwen3", tok)
+    tok.add_tokens([AddedToken("</think>", special=False, normalized=False)])
+    reader = ReasoningReader.for_tokenizer("qwen3", tok)
+    assert (reader.start_ids, reader.end_ids) == ((259,), (260,))  # the next free ids, as added
     tok.add_special_tokens({"additional_special_tokens": ["</think>"]})
     with pytest.raises(ValueError, match=r"reasoning_parser: qwen3's tag '</think>' is a special token"):
         ReasoningReader.for_tokenizer("qwen3", tok)
@@ -98,8 +108,6 @@ def test_a_parser_refuses_a_tokenizer_that_cannot_write_its_tags():
 
 def test_a_server_whose_model_cannot_write_the_tags_is_not_started(tiny_engine_dir, monkeypatch):
     import threading
-
-    from trtpaged.server.reasoning import ReasoningFormat
 
     monkeypatch.setitem(REASONING_PARSERS, "specials", ReasoningFormat("specials", "<|bos|>", "<|eos|>"))
     before = threading.active_count()
@@ -342,6 +350,8 @@ def test_a_responses_reasoning_item_reaches_the_template_with_the_turn_it_led_to
              [{"role": "assistant", "content": "a", "reasoning_content": "hm"}]),
             ([summary, call], [{"role": "assistant", "content": "", "reasoning_content": "short"}]),  # calls only: ""
             ([think, {"role": "user", "content": "x"}], [{"role": "user", "content": "x"}]),  # no turn of its own
+            ([think, summary, {"role": "assistant", "content": "a"}],  # two items before one turn: both, in order
+             [{"role": "assistant", "content": "a", "reasoning_content": "hm\n\nshort"}]),
         ]  # fmt: skip
         for items, want in cases:
             r = client.responses.create(model=MODEL, input=[{"role": "user", "content": "q"}, *items,
@@ -354,3 +364,154 @@ def test_a_responses_reasoning_item_reaches_the_template_with_the_turn_it_led_to
                                                         {**think, "content": [{"type": "output_text", "text": "x"}]}])
     finally:
         handle.shutdown(timeout=0)
+
+
+# ---- thinking_token_budget -------------------------------------------------------------------------------------
+
+def test_a_thinking_budget_forces_the_end_tag_after_that_many_tokens(thinking_engine, tags):
+    """vLLM's thinking_token_budget: the output is the free one for `budget` tokens, then the end tag, then the
+    model goes on; a model that closes its thinking sooner is not touched. Truth: the same seed without a budget."""
+    end = next(t for t, name in tags.items() if name == "</think>")
+    llm = LLM(thinking_engine, device="cpu", reasoning_parser="qwen3")
+    cut = untouched = 0
+    for text in PROMPTS:
+        prompt = llm.chat_prompt([{"role": "user", "content": text}])
+        for seed, temperature in [(s, 0.8) for s in SEEDS] + [(0, 0.0)]:
+            def run(**budget):
+                params = SamplingParams(max_tokens=40, temperature=temperature, seed=seed, ignore_eos=True, **budget)
+                return list(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
+
+            free = run()
+            natural = free.index(end) if end in free else len(free)
+            for budget in (0, 3, 11, 30):
+                got = run(thinking_token_budget=budget)
+                if natural <= budget:  # closed its thinking in time (or never thought that long)
+                    assert got == free
+                    untouched += 1
+                else:
+                    assert got[:budget] == free[:budget] and got[budget] == end, (budget, free, got)
+                    assert len(got) == 40  # and it goes on answering
+                    cut += 1
+    assert cut >= 5 and untouched >= 1
+    with pytest.raises(ValueError, match="thinking_token_budget: not supported with beam search"):
+        SamplingParams(beam_width=2, thinking_token_budget=3)
+    with pytest.raises(ValueError, match=r"thinking_token_budget: must be in \[0, 2\*\*31\)"):
+        SamplingParams(thinking_token_budget=-1)
+
+
+def test_a_thinking_budget_counts_from_a_start_tag_the_model_writes():
+    from trtpaged.runtime.reasoning import ThinkingBudget
+
+    budget = ThinkingBudget(2, (8,), (9,), thinking=False)
+    out = []
+    for token in [1, 2, 8, 3, 4, 5, 6]:  # the model's picks; a forced token replaces its pick
+        forced = budget.forced()
+        out.append(token if forced is None else forced)
+        budget.advance(out[-1])
+    assert out == [1, 2, 8, 3, 4, 9, 6]
+    two = ThinkingBudget(1, (8,), (7, 9), thinking=True)  # a two-token end tag is forced whole
+    out = []
+    for token in [1, 2, 3, 4]:
+        forced = two.forced()
+        out.append(token if forced is None else forced)
+        two.advance(out[-1])
+    assert out == [1, 7, 9, 4]
+
+
+def test_the_server_takes_a_thinking_budget(server, thinking_engine, tags):
+    client = openai_client(server.url)
+    end = next(t for t, name in tags.items() if name == "</think>")
+    llm = LLM(thinking_engine, device="cpu", reasoning_parser="qwen3")
+    for text in PROMPTS:
+        raw, ids = _raw(thinking_engine, [{"role": "user", "content": text}], 0)
+        if end in ids[:6]:
+            continue
+        ask = dict(model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=40, temperature=0.8, seed=0,
+                   extra_body={"ignore_eos": True, "thinking_token_budget": 5})  # fmt: skip
+        message = client.chat.completions.create(**ask).choices[0].message
+        assert message.reasoning == reference(llm.tokenizer.decode(ids[:5]), True)[0]
+        r = client.responses.create(model=MODEL, input=text, max_output_tokens=40, temperature=0.8,
+                                    extra_body={"seed": 0, "thinking_token_budget": 5})  # fmt: skip
+        assert r.usage.output_tokens_details.reasoning_tokens == 6  # five, then the forced end tag
+    with pytest.raises(openai.BadRequestError, match="thinking_token_budget: must be in"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                       extra_body={"thinking_token_budget": -5})  # fmt: skip
+    wait_idle(server)
+
+
+def test_a_thinking_budget_without_a_reasoning_parser_is_refused_naming_it(tiny_engine_dir):
+    handle = start_server(tiny_engine_dir, port=0, served_model_name=MODEL, device="cpu")
+    try:
+        with pytest.raises(openai.BadRequestError, match="thinking_token_budget: needs a reasoning parser") as info:
+            openai_client(handle.url).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "x"}], extra_body={"thinking_token_budget": 5})
+        assert info.value.body["param"] == "thinking_token_budget"
+        wait_idle(handle)
+    finally:
+        handle.shutdown(timeout=0)
+
+
+def _logprob_tokens(entries) -> list[str]:
+    return [e.token for e in entries or []]
+
+
+@pytest.mark.parametrize("options", [{"stream_interval": 3},
+                                     {"default_chat_template_kwargs": {"enable_thinking": False}}],
+                         ids=["interval3", "thinking-off"])  # fmt: skip
+def test_log_probs_and_reasoning_tokens_follow_the_split(thinking_engine, tags, options):
+    """Each token's log-prob goes with the part its text went to: the reasoning's (through the end tag) with the
+    reasoning, the rest with the answer; streamed (chunks of several tokens too) as in the body, and the Responses
+    message's log-probs are the answer's tokens. Thinking off: no reasoning, every token the message's."""
+    end = next(t for t, name in tags.items() if name == "</think>")
+    off = "default_chat_template_kwargs" in options
+    handle = start_server(thinking_engine, port=0, served_model_name=MODEL, device="cpu",
+                          options=ServerOptions(reasoning_parser="qwen3", **options))  # fmt: skip
+    try:
+        client = openai_client(handle.url)
+        for text in PROMPTS:
+            for seed in SEEDS:
+                messages = [{"role": "user", "content": text}]
+                kwargs = {"chat_template_kwargs": {"enable_thinking": False}} if off else {}
+                _, ids = _raw(thinking_engine, messages, seed, ignore_eos=False, **kwargs)
+                thought = 0 if off else (ids.index(end) + 1 if end in ids else len(ids))
+                ask = dict(model=MODEL, messages=messages, max_tokens=40, temperature=0.8, seed=seed, logprobs=True,
+                           top_logprobs=1)  # fmt: skip
+                body = client.chat.completions.create(**ask).choices[0]
+                assert len(body.logprobs.content) == len(ids)
+                parts = {"reasoning": [], "content": []}
+                for chunk in client.chat.completions.create(stream=True, **ask):
+                    for choice in chunk.choices:
+                        if choice.logprobs is None:
+                            continue
+                        part = "reasoning" if getattr(choice.delta, "reasoning", None) is not None else "content"
+                        parts[part] += _logprob_tokens(choice.logprobs.content)
+                assert parts["reasoning"] + parts["content"] == _logprob_tokens(body.logprobs.content)
+                assert len(parts["reasoning"]) == thought, (thought, parts)
+                ask = dict(model=MODEL, input=text, max_output_tokens=40, temperature=0.8, top_logprobs=1,
+                           include=["message.output_text.logprobs"], extra_body={"seed": seed})  # fmt: skip
+                r = client.responses.create(**ask)
+                assert r.usage.output_tokens_details.reasoning_tokens == thought
+                message = [item for item in r.output if item.type == "message"]
+                want = _logprob_tokens(body.logprobs.content)[thought:]
+                assert _logprob_tokens(message[0].content[0].logprobs if message else []) == want
+                events = list(client.responses.create(stream=True, **ask))
+                deltas = [e for e in events if e.type == "response.output_text.delta"]
+                streamed = [t for e in deltas for t in _logprob_tokens(e.logprobs)]
+                assert streamed == want
+                assert events[-1].response.usage.output_tokens_details.reasoning_tokens == thought
+        wait_idle(handle)
+    finally:
+        handle.shutdown(timeout=0)
+
+
+def test_a_tag_in_a_message_does_not_move_where_the_answer_starts(server, thinking_engine):
+    """Only the template's generation prompt says whether the answer starts in the thinking: a user who writes
+    "</think>" does not turn the split (or the grammar's gate) off."""
+    client = openai_client(server.url)
+    for seed in SEEDS:
+        messages = [{"role": "user", "content": "tell me a story </think>"}]
+        raw, _ = _raw(thinking_engine, messages, seed)
+        message = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0.8,
+                                                 seed=seed, extra_body={"ignore_eos": True}).choices[0].message
+        assert (message.reasoning, message.content) == reference(raw, True)
+    wait_idle(server)

@@ -23,6 +23,7 @@ from trtpaged.runtime.beam_api import BeamSearchOutput, BeamSearchParams, beam_o
 from trtpaged.runtime.kv_tiers.config import KVTierConfig, manifest_fingerprint
 from trtpaged.runtime.llm_engine import LLMEngine, Prompt, prompt_salt, unwrap_prompt
 from trtpaged.runtime.outputs import RequestOutput, RequestOutputKind
+from trtpaged.runtime.reasoning import ReasoningReader
 from trtpaged.runtime.runtime_config import RuntimeConfig
 from trtpaged.runtime.sampling_params import SamplingParams
 from trtpaged.runtime.speculative import SpeculativeConfig
@@ -247,6 +248,8 @@ class LLM:
     top_k, min_p, repetition_penalty and max_new_tokens, recorded by the build as `sampling_defaults`) when
     `generate` is given no SamplingParams (`get_default_sampling_params()`); "vllm" ignores them.
     `chat_template` (a Jinja template's text; vLLM's --chat-template) replaces the engine's for every chat.
+    `reasoning_parser` (vLLM's: "deepseek_r1", "qwen3") names the model's reasoning tags (`trtpaged.runtime.reasoning`):
+    it makes `SamplingParams.thinking_token_budget` available, and the server splits answers' thinking with it.
 
     `tensor_parallel=N` (default: the engine's) runs an engine built with
     `tensor_parallel: N` on N ranks: the other N-1 start here as processes (CPU: gloo over loopback;
@@ -298,6 +301,7 @@ class LLM:
         max_logprobs: int = 20,
         generation_config: str = "auto",
         chat_template: Optional[str] = None,
+        reasoning_parser: Optional[str] = None,
         **vllm_args: Any,
     ) -> None:
         if (model is None) == (engine is None):
@@ -346,6 +350,8 @@ class LLM:
         self.tokenizer = self.new_tokenizer()
         if chat_template is not None:  # checked with the engine's tokenizer, before any weight loads
             check_chat_template(self.tokenizer, chat_template)
+        # the tags as this tokenizer spells them; ValueError naming reasoning_parser before any weight loads
+        self.reasoning = ReasoningReader.for_tokenizer(reasoning_parser, self.tokenizer) if reasoning_parser else None
         spec = self.config.speculative
         draft_manifest = None
         if spec is not None and spec.method == "draft_model":  # from manifests and tokenizers: before any weight loads
@@ -384,6 +390,7 @@ class LLM:
                 getattr(runner, "close", lambda: None)()
                 raise
         self.engine = LLMEngine(runner, self.config, self.tokenizer, eos, self.manifest.dims.vocab_size, tiers, draft)
+        self.engine.reasoning = self.reasoning
         # calls from several threads run one at a time: each `generate` steps the engine until everything in
         # it is finished, so two at once stepped one engine from two threads (KeyError, IndexError)
         self._calls = threading.Lock()

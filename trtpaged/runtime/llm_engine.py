@@ -28,6 +28,7 @@ from trtpaged.runtime.sampling_params import SamplingParams
 from trtpaged.runtime.scheduler import Scheduler, SchedulerOutput
 from trtpaged.runtime.scoring import score_prompts
 from trtpaged.runtime.speculative import METHODS
+from trtpaged.runtime.reasoning import ReasoningReader, ThinkingBudget
 from trtpaged.runtime.structured import GatedMatcher, GrammarCache
 from trtpaged.runtime.sequence import Sequence, SequenceGroup
 
@@ -154,6 +155,7 @@ class LLMEngine:
         self.greedy_kernel = greedy_kernel()  # plain-greedy steps in one kernel pass: decided here, once
         self.grammars = GrammarCache(tokenizer, vocab_size or 0, self.eos_token_ids)
         self.num_constrained_requests = 0  # requests added with an output grammar
+        self.reasoning: Optional[ReasoningReader] = None  # a reasoning model's tags (LLM(reasoning_parser=...))
         self._arrivals = itertools.count()
         self._request_ids = itertools.count()
         self.groups: dict[str, SequenceGroup] = {}
@@ -218,6 +220,13 @@ class LLMEngine:
         if params.min_tokens:
             ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
             group.min_tokens_banned = tuple(sorted(ends))
+        if params.thinking_token_budget is not None:
+            if self.reasoning is None:
+                raise RequestError("thinking_token_budget", "needs a reasoning parser to know where the thinking ends "
+                                   "(serve --reasoning-parser, LLM(reasoning_parser=...))")  # fmt: skip
+            r = self.reasoning
+            seq.thinking = ThinkingBudget(params.thinking_token_budget, r.start_ids, r.end_ids,
+                                          r.starts_in_reasoning(token_ids, None))  # fmt: skip
         if compiled is not None:
             seq.grammar = self.grammars.matcher(compiled)
             if params.structured_outputs.starts_after:

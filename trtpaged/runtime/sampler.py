@@ -71,6 +71,7 @@ class SampleRow:
     grammar: Optional[Any] = None  # the sequence's grammar matcher (read here, advanced by the scheduler)
     bad_words: Sequence[Sequence[int]] = ()  # token-id spellings of the request's bad words
     banned: Sequence[int] = ()  # tokens that may not come yet (EOS and stop token ids before min_tokens)
+    forced: Optional[int] = None  # the one token that may come (a thinking budget's end tag)
 
 
 def _column(values: Sequence[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -106,6 +107,10 @@ def apply_token_filters(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torc
             logits[i].masked_fill_(~keep, float("-inf"))
         if r.banned:
             logits[i, list(r.banned)] = float("-inf")
+        if r.forced is not None:
+            keep = torch.zeros(logits.shape[1], dtype=torch.bool)
+            keep[r.forced] = True
+            logits[i].masked_fill_(~keep, float("-inf"))
         if r.bad_words:
             output = r.token_ids[r.num_prompt_tokens :]
             banned = [w[-1] for w in r.bad_words
@@ -367,7 +372,8 @@ def _targets(group: "SequenceGroup", rows: dict[int, int], drafts: Mapping[int, 
         targets.append(_Target(group.request_id, tuple(
             SampleRow(first + i, params, seq.token_ids + list(draft[:i]) if history and i else seq.token_ids,
                       seq.num_prompt_tokens, gen, seq.grammar, group.bad_words,
-                      group.min_tokens_banned if seq.num_output_tokens + i < params.min_tokens else ())
+                      group.min_tokens_banned if seq.num_output_tokens + i < params.min_tokens else (),
+                      seq.thinking.forced() if seq.thinking is not None else None)
             for i in range(len(draft) + 1)), draft, draft_probs.get(seq.seq_id) if draft else None))  # fmt: skip
     return targets
 

@@ -227,7 +227,7 @@ class SamplingParams:
     max_batch_size, before anything is allocated); logprobs, prompt_logprobs >= 0; at most
     32 stop strings of 1..128 characters and 1024 stop token ids; logit_bias: at most 1024
     token ids, each biased by [-100, 100]; at most 64 bad words of 1..128 characters; `cache_salt`: 1..128
-    characters. The token filters, `structured_outputs`, `top_k`, `top_p`, `min_p` and `logprobs` are refused with
+    characters; thinking_token_budget in [0, 2**31). The token filters, `thinking_token_budget`, `structured_outputs`, `top_k`, `top_p`, `min_p` and `logprobs` are refused with
     beam search; its penalties apply to the beams' log-probs, as HF's logits processors do; temperature and seed do
     not apply (beams are deterministic).
     """
@@ -263,6 +263,9 @@ class SamplingParams:
     # vLLM's: EOS and the stop token ids cannot be sampled, and stop strings do not end the output, before this
     # many output tokens
     min_tokens: int = 0
+    # vLLM's: after this many tokens of reasoning, the reasoning model's end tag is forced (an engine with a
+    # reasoning parser: LLM(reasoning_parser=...), serve --reasoning-parser); None: no budget
+    thinking_token_budget: Optional[int] = None
     # vLLM's: the request shares prefix-cache blocks (in the pool and the KV tiers) only with requests of the same
     # salt; None shares with the other unsalted ones. A secret per tenant keeps one from timing another's prompts.
     cache_salt: Optional[str] = None
@@ -323,10 +326,10 @@ class SamplingParams:
             object.__setattr__(self, "seed", None)
         self._check_token_filters()
         for name in ("max_tokens", "n", "beam_width", "top_k", "seed", "logprobs", "prompt_logprobs",
-                     "stream_interval", "min_tokens"):
+                     "stream_interval", "min_tokens", "thinking_token_budget"):
             value = getattr(self, name)
             if not _is_int(value) and not (value is None and name in ("max_tokens", "seed", "logprobs",
-                                                                       "prompt_logprobs")):
+                                                                       "prompt_logprobs", "thinking_token_budget")):
                 raise RequestError(name, f"must be an integer, got {value!r:.80}")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty", "length_penalty"):
@@ -357,6 +360,8 @@ class SamplingParams:
             ("stream_interval", self.stream_interval >= 1, "must be >= 1", 1),
             ("min_tokens", self.min_tokens >= 0 and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
              "must be in [0, max_tokens]", "[0, max_tokens]"),
+            ("thinking_token_budget", self.thinking_token_budget is None or 0 <= self.thinking_token_budget < 2**31,
+             "must be in [0, 2**31)", "[0, 2**31)"),
             # a 64-bit generator seed; wider values would wrap onto another seed's draws (vLLM's int64 range)
             ("seed", self.seed is None or -(2**63) <= self.seed < 2**63, "must be in [-2**63, 2**63)",
              "[-2**63, 2**63)"),
@@ -372,6 +377,8 @@ class SamplingParams:
                 raise RequestError("stop", "stop strings are not supported with beam search")
             if self.min_tokens:
                 raise RequestError("min_tokens", "not supported with beam search")
+            if self.thinking_token_budget is not None:
+                raise RequestError("thinking_token_budget", "not supported with beam search")
             # beams follow the model's log-probs (HF's num_beams without sampling): a filter on which tokens may be
             # drawn would not change them, so it is refused rather than ignored (vLLM's beam search refused them too)
             for name, off in (("top_k", self.top_k == 0), ("top_p", self.top_p == 1.0),  # top_k -1 is 0 by now
@@ -466,7 +473,8 @@ class SamplingParams:
     def filters_tokens(self) -> bool:
         """Whether something besides the model and penalties decides which tokens may be sampled."""
         return bool(self.logit_bias or self.allowed_token_ids is not None or self.bad_words
-                    or self.structured_outputs is not None or self.min_tokens)  # fmt: skip
+                    or self.structured_outputs is not None or self.min_tokens
+                    or self.thinking_token_budget is not None)  # fmt: skip
 
     @property
     def use_beam_search(self) -> bool:

@@ -311,6 +311,8 @@ class Scheduler:
                 if not accepts(seq.grammar, sample.token_id):
                     self._fail(group, f"its output grammar rejected token {sample.token_id}")
                     return
+                if seq.thinking is not None:
+                    seq.thinking.advance(sample.token_id)
                 reason = self._finish_reason(group.params, seq, sample.token_id)
                 if reason is not None:
                     break

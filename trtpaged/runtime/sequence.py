@@ -80,6 +80,7 @@ class Sequence:
         self.num_decoded_tokens = 0  # output tokens already detokenized
         self.emitted = _Emitted()  # what DELTA outputs have already returned
         self.grammar: Optional[Any] = None  # an xgrammar matcher in step with the output (structured outputs)
+        self.thinking: Optional[Any] = None  # a ThinkingBudget in step with the output (thinking_token_budget)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -137,6 +138,7 @@ class Sequence:
         child.output_text = ""
         child.emitted = _Emitted()
         child.grammar = self.grammar.fork() if self.grammar is not None else None
+        child.thinking = self.thinking.fork() if self.thinking is not None else None
         return child
 
     def __repr__(self) -> str:

@@ -35,9 +35,9 @@ from trtpaged.server.responses import Echo, ResponseBuilder, TokenStrings, logpr
 from trtpaged.server.schemas import Usage, dump
 from trtpaged.server.stream_state import CompletionAccumulator, StreamState
 from trtpaged.server.token_bytes import token_bytes_reader
-from trtpaged.server.tokenization import prompt_token_ids
+from trtpaged.server.tokenization import generation_prompt, prompt_token_ids
 from trtpaged.server.tokenizer_worker import TokenizerWorker
-from trtpaged.server.reasoning import ReasoningReader, ReasoningSplit
+from trtpaged.server.reasoning import ReasoningSplit, reasoning_cut, split_text
 from trtpaged.server.tool_parsers import ToolCallStream
 from trtpaged.server.tools import tool_format
 
@@ -91,7 +91,6 @@ class GenerationService:
     def __init__(self, llm: LLM, loop: EngineLoop, tokens: TokenizerWorker, model_name: str,
                  max_prompt_tokens: Optional[int] = None, request_timeout_s: Optional[float] = None,
                  stream_interval: int = 1, tool_call_parser: Optional[str] = None,
-                 reasoning_parser: Optional[str] = None,
                  default_chat_template_kwargs: Optional[dict[str, Any]] = None) -> None:  # fmt: skip
         self.llm = llm
         self.stream_interval = stream_interval  # tokens per streamed chunk (SamplingParams.stream_interval)
@@ -113,8 +112,8 @@ class GenerationService:
                                              llm.manifest.dims.architecture, tool_call_parser)  # fmt: skip
         log.info("tool_choice auto: %s", f"{auto.format.name} calls" if auto.format else f"refused ({auto.reason})")
         self.template_defaults = default_chat_template_kwargs  # every chat request's, under its own
-        # chat answers' reasoning split from their content (vLLM's --reasoning-parser); ValueError: not this model's
-        self.reasoning = ReasoningReader.for_tokenizer(reasoning_parser, llm.tokenizer) if reasoning_parser else None
+        # chat answers' reasoning split from their content (vLLM's --reasoning-parser: LLM(reasoning_parser=...))
+        self.reasoning = llm.reasoning
 
     async def submit(self, body: Any, chat: bool, header_id: Optional[str] = None) -> Submitted:
         """Validates, tokenizes and queues one request; raises ApiError before anything is sent. The answer's id is
@@ -130,9 +129,9 @@ class GenerationService:
         caller_id = caller_id if caller_id is not None else req.request_id
         params = self._params(req, req.max_tokens)  # None: fitted to each prompt below
         self._check_num_prompts(req)
-        prompts = await self._tokenize(req)
+        prompts, tail = await self._tokenize(req)
         in_reasoning = self.reasoning is not None and req.chat and self.reasoning.starts_in_reasoning(
-            prompts[0], req.chat_options.get("template_kwargs"))  # fmt: skip
+            prompts[0], req.chat_options.get("template_kwargs"), tail)  # fmt: skip
         if in_reasoning and params.structured_outputs is not None:  # the grammar holds for the answer (vLLM's)
             assert self.reasoning is not None
             params = dataclasses.replace(params, structured_outputs=dataclasses.replace(
@@ -195,19 +194,24 @@ class GenerationService:
             raise ApiError(f"prompt: {len(req.prompts)} prompts in one request exceeds this server's max_waiting "
                            f"({limit}), the most requests it queues at once; send at most {limit}", "prompt")
 
-    async def _tokenize(self, req: GenerationRequest) -> list[list[int]]:
-        """Prompt token ids, computed on the prompts lane (its own tokenizer: the engine thread steps meanwhile)."""
+    async def _tokenize(self, req: GenerationRequest) -> tuple[list[list[int]], Optional[str]]:
+        """Prompt token ids, computed on the prompts lane (its own tokenizer: the engine thread steps meanwhile),
+        and, for a chat request on a server with a reasoning parser, the template's generation prompt (where the
+        answer starts: in the thinking or not)."""
         vocab = self.vocab_size
         field_name = "messages" if req.chat else "prompt"
         keep = self._kept_tokens(req)
         check = self._text_bound(field_name) if keep is None else None
 
-        def run(tokenizer: Any) -> list[list[int]]:
+        def run(tokenizer: Any) -> tuple[list[list[int]], Optional[str]]:
             if req.chat:
-                return [prompt_token_ids(tokenizer, vocab, None, req.messages, req.tools.definitions if req.tools else
-                                         None, req.chat_options, req.add_special_tokens, check)]  # fmt: skip
+                tools = req.tools.definitions if req.tools else None
+                ids = prompt_token_ids(tokenizer, vocab, None, req.messages, tools, req.chat_options,
+                                       req.add_special_tokens, check)  # fmt: skip
+                tail = generation_prompt(tokenizer, req.messages, tools, req.chat_options) if self.reasoning else None
+                return [ids], tail
             return [prompt_token_ids(tokenizer, vocab, p, None, None, {}, req.add_special_tokens, check)
-                    for p in req.prompts]  # fmt: skip
+                    for p in req.prompts], None  # fmt: skip
 
         try:
             if check is not None:  # before the lane: what the request's own text makes at least
@@ -215,7 +219,7 @@ class GenerationService:
                     [p for p in req.prompts if isinstance(p, str)]  # fmt: skip
                 for text in texts:
                     check(text)
-            prompts = await self.tokens.prompt(run)
+            prompts, tail = await self.tokens.prompt(run)
         except ValueError as exc:
             raise from_runtime_error(exc, req.names) from None
         except (ShuttingDown, Overloaded) as exc:
@@ -228,7 +232,7 @@ class GenerationService:
         longest = max((len(p) for p in prompts), default=0)
         if limit is not None and longest > limit:
             raise ApiError(f"{field_name}: {longest} tokens exceeds this server's prompt limit ({limit})", field_name)
-        return prompts
+        return prompts, tail
 
     def _text_bound(self, field_name: str) -> Optional[Callable[[str], None]]:
         """A check that refuses a text making more tokens than a prompt may have, told by its length alone
@@ -328,10 +332,10 @@ class GenerationService:
                               s.req.prompt_logprobs is not None)  # fmt: skip
         _summarise(s.summary, ordered, s.req.echo_only)
         if self.reasoning is not None and s.builder.reasoning is not None:
-            thoughts = [bool(choice.message.reasoning) for choice in body.choices]
-            outputs = [c for o in ordered for c in o.outputs]
-            s.summary.reasoning_tokens = sum(self.reasoning.reasoning_tokens(c.token_ids, thought)
-                                             for c, thought in zip(outputs, thoughts))  # fmt: skip
+            fmt, start = s.builder.reasoning, s.builder.in_reasoning
+            s.summary.reasoning_tokens = sum(
+                self.reasoning.reasoning_tokens(c.token_ids, split_text(fmt, start, c.text)[2])
+                for o in ordered for c in o.outputs)  # fmt: skip
         return body
 
     async def _echoes(self, req: GenerationRequest, outs: Iterable[RequestOutput]) -> list[Echo]:
@@ -388,25 +392,35 @@ class GenerationService:
                                                         usage=so_far, token_ids=new_ids,
                                                         prompt_token_ids=prompt_ids))  # fmt: skip
                             continue
-                        logprobs = None
+                        logprobs, strings, offset = None, None, 0
                         if builder.top_logprobs is not None and d.logprobs is not None:
                             strings = await self._token_strings(s.req, logprob_token_ids(d.token_ids, d.logprobs))
                             offset = state.advance_offset(d.index, [strings.text[t] for t in d.token_ids])
                             logprobs = builder.stream_logprobs(d.token_ids, d.logprobs, strings, offset)
                         text = d.text
-                        if builder.reasoning is not None:  # the reasoning first; the delta's tokens go with it
+                        if builder.reasoning is not None:  # the reasoning first, with its tokens; then the answer
                             split = thoughts.setdefault(d.index, ReasoningSplit(builder.reasoning,
                                                                                 builder.in_reasoning))  # fmt: skip
+                            was_reasoning, was_entered = split.in_reasoning, split.entered
                             thought, text = split.feed(text)
                             if d.finish_reason:
                                 last_thought, last_text = split.finish()
                                 thought, text = thought + last_thought, text + last_text
-                            if thought:
+                            if split.entered:
                                 thinkers.add(d.index)
-                            if thought:
-                                yield sse(builder.reasoning_chunk(d.index, thought, logprobs, so_far, new_ids,
+                            token_ids = list(d.token_ids)
+                            cut = reasoning_cut(split, was_reasoning, was_entered, token_ids, self.reasoning.end_ids[0])
+                            if thought or (cut and (logprobs is not None or new_ids)):
+                                own = None  # the reasoning tokens' log-probs, and the rest for the answer
+                                if strings is not None and d.logprobs is not None:
+                                    own = builder.stream_logprobs(token_ids[:cut], d.logprobs[:cut], strings, offset)
+                                    logprobs = builder.stream_logprobs(token_ids[cut:], d.logprobs[cut:], strings,
+                                                                       offset) if cut < len(token_ids) else None
+                                yield sse(builder.reasoning_chunk(d.index, thought, own, so_far,
+                                                                  new_ids[:cut] if new_ids is not None else None,
                                                                   prompt_ids))  # fmt: skip
-                                logprobs, prompt_ids, new_ids = None, None, [] if ids else None
+                                prompt_ids = None
+                                new_ids = new_ids[cut:] if new_ids is not None else None
                             if not (text or d.finish_reason or logprobs is not None or new_ids):
                                 continue
                         if s.req.tools is not None:  # content and calls as the parser reads them

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from trtpaged.runtime.llm import TEMPLATE_ARGUMENTS
-from trtpaged.server.reasoning import REASONING_PARSERS
+from trtpaged.runtime.reasoning import REASONING_PARSERS
 from trtpaged.server.tool_parsers import PARSER_NAMES
 
 API_KEY_ENV = "TRTPAGED_API_KEY"

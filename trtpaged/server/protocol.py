@@ -21,7 +21,8 @@ from trtpaged.server.schemas import ChatCompletionRequest, ChatMessage, Completi
 MAX_LOGPROBS = 20  # top log-probs per token a request may ask for (OpenAI's limit; the server's max_logprobs default)
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "n", "seed", "presence_penalty", "frequency_penalty",
                     "repetition_penalty", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
-                    "spaces_between_special_tokens", "length_penalty", "min_tokens", "cache_salt")  # fmt: skip
+                    "spaces_between_special_tokens", "length_penalty", "min_tokens", "cache_salt",
+                    "thinking_token_budget")  # fmt: skip
 MAX_REQUEST_ID_CHARS = 256  # a caller's request id (the body's request_id or the X-Request-Id header)
 _UNSUPPORTED = ("suffix", "functions", "function_call", "audio", "web_search_options")
 

@@ -1,15 +1,10 @@
-"""A reasoning model's thinking, told apart from its answer (vLLM's `--reasoning-parser`).
+"""A reasoning model's thinking, told apart from its answer in text (vLLM's `--reasoning-parser`).
 
-Models such as DeepSeek-R1, QwQ, Qwen3 and SmolLM3 write their reasoning between `<think>` and `</think>` and the
-answer after it; the chat template often writes the `<think>` itself, at the end of the prompt. With a reasoning
-parser, a chat answer's text is split: the reasoning goes to the message's (or the stream delta's) `reasoning`
-field, the rest to `content`, and tool calls are read from the content only.
-
-Where a choice starts is read from its prompt (`starts_in_reasoning`): in the reasoning, unless the prompt already
-closed it (a template that turns thinking off writes an empty `<think></think>`) or the request turned it off
-(`chat_template_kwargs`, e.g. Qwen3's `enable_thinking: false`). An output that opens with the start tag (after
-whitespace) is in the reasoning whatever the prompt said, and the tag itself is left out; an output cut before the
-end tag is all reasoning, as in vLLM.
+With a reasoning parser (`trtpaged.runtime.reasoning`: the tags and where a choice starts), a chat answer's text is
+split: the reasoning goes to the message's (or the stream delta's) `reasoning` field, the rest to `content`, and
+tool calls are read from the content only. An output that opens with the start tag (after whitespace) is in the
+reasoning whatever the prompt said, and the tag itself is left out; an output cut before the end tag is all
+reasoning, as in vLLM.
 
 `ReasoningSplit` reads one choice's text piece by piece, holding back only a possible start of a tag, so a stream's
 pieces join to what `split_text` gives the whole text.
@@ -17,46 +12,9 @@ pieces join to what `split_text` gives the whole text.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Optional
 
-
-@dataclass(frozen=True)
-class ReasoningFormat:
-    """The tags around a model's reasoning, and the chat-template switch (if any) that turns thinking off."""
-
-    name: str
-    start: str = "<think>"
-    end: str = "</think>"
-    switch: Optional[str] = None  # a chat_template_kwargs key: False there means the model does not think
-
-
-# vLLM's --reasoning-parser names of the <think> formats
-REASONING_PARSERS = {f.name: f for f in (ReasoningFormat("deepseek_r1"),
-                                          ReasoningFormat("qwen3", switch="enable_thinking"))}  # fmt: skip
-
-
-def _last_index(ids: Sequence[int], tag: Sequence[int]) -> int:
-    """Where the last occurrence of the token run `tag` starts in `ids`; -1 if none (or `tag` is empty)."""
-    n = len(tag)
-    if n == 0:
-        return -1
-    first = tag[0]
-    for i in range(len(ids) - n, -1, -1):
-        if ids[i] == first and list(ids[i : i + n]) == list(tag):
-            return i
-    return -1
-
-
-def starts_in_reasoning(fmt: ReasoningFormat, prompt_ids: Sequence[int], start_ids: Sequence[int],
-                        end_ids: Sequence[int],
-                        template_kwargs: Optional[Mapping[str, Any]] = None) -> bool:  # fmt: skip
-    """Whether a choice of this prompt begins inside the reasoning: not when the request switched thinking off,
-    nor when the prompt's last end tag comes after its last start tag (the template closed the reasoning)."""
-    if fmt.switch is not None and (template_kwargs or {}).get(fmt.switch) is False:
-        return False
-    last_end = _last_index(prompt_ids, end_ids)
-    return last_end < 0 or last_end < _last_index(prompt_ids, start_ids)
+from trtpaged.runtime.reasoning import ReasoningFormat
 
 
 class ReasoningSplit:
@@ -67,6 +25,7 @@ class ReasoningSplit:
         self.in_reasoning = in_reasoning
         self.at_start = True  # nothing but whitespace read yet: a start tag may still open the output
         self.held = ""  # text that may be the beginning of a tag
+        self.entered = in_reasoning  # the output has been inside the reasoning (its tokens through the end tag are)
 
     def feed(self, text: str) -> tuple[str, str]:
         """The reasoning and the content that `text` (the next piece of the output) completes."""
@@ -76,7 +35,7 @@ class ReasoningSplit:
             rest = buf.lstrip()
             start = self.fmt.start
             if rest.startswith(start):
-                self.in_reasoning, self.at_start = True, False
+                self.in_reasoning, self.at_start, self.entered = True, False, True
                 buf = rest[len(start) :]
             elif not rest or start.startswith(rest):  # whitespace, or a start tag's beginning: wait for more
                 self.held = buf
@@ -114,65 +73,23 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def split_text(fmt: ReasoningFormat, in_reasoning: bool, text: str) -> tuple[Optional[str], Optional[str]]:
-    """A whole output's (reasoning, content), each None when empty."""
+def split_text(fmt: ReasoningFormat, in_reasoning: bool, text: str) -> tuple[Optional[str], Optional[str], bool]:
+    """A whole output's (reasoning, content), each None when empty, and whether it was ever inside the reasoning
+    (`ReasoningReader.reasoning_tokens` counts its tokens through the end tag then)."""
     split = ReasoningSplit(fmt, in_reasoning)
     r1, c1 = split.feed(text)
     r2, c2 = split.finish()
-    return (r1 + r2) or None, (c1 + c2) or None
+    return (r1 + r2) or None, (c1 + c2) or None, split.entered
 
 
-@dataclass(frozen=True)
-class ReasoningReader:
-    """A server's reasoning parser with its tags as the engine's tokenizer spells them."""
-
-    fmt: ReasoningFormat
-    start_ids: tuple[int, ...]
-    end_ids: tuple[int, ...]
-
-    @classmethod
-    def for_tokenizer(cls, name: str, tokenizer: Any) -> "ReasoningReader":
-        """The parser `name` (a key of REASONING_PARSERS) for this tokenizer; ValueError naming
-        reasoning_parser when the name is unknown or a tag has no spelling in the vocabulary."""
-        fmt = REASONING_PARSERS.get(name)
-        if fmt is None:
-            raise ValueError(f"reasoning_parser: {name!r:.40} is not a parser this server has; one of "
-                             f"{', '.join(sorted(REASONING_PARSERS))}")  # fmt: skip
-        if tokenizer is None:
-            raise ValueError("reasoning_parser: needs the engine's tokenizer (this engine has none)")
-        ids = []
-        for tag in (fmt.start, fmt.end):
-            spelled = tuple(int(t) for t in tokenizer.encode(tag, add_special_tokens=False))
-            if not spelled or tokenizer.decode(list(spelled), skip_special_tokens=False) != tag:
-                raise ValueError(f"reasoning_parser: {name}'s tag {tag!r} has no spelling in this model's vocabulary")
-            if set(spelled) & set(getattr(tokenizer, "all_special_ids", ()) or ()):
-                raise ValueError(f"reasoning_parser: {name}'s tag {tag!r} is a special token of this model, which "
-                                 "decoded text leaves out")  # fmt: skip
-            ids.append(spelled)
-        return cls(fmt, ids[0], ids[1])
-
-    def starts_in_reasoning(self, prompt_ids: Sequence[int], template_kwargs: Optional[Mapping[str, Any]]) -> bool:
-        return starts_in_reasoning(self.fmt, prompt_ids, self.start_ids, self.end_ids, template_kwargs)
-
-    def reasoning_tokens(self, output_ids: Sequence[int], thought: bool) -> int:
-        """How many of a choice's output tokens are its reasoning: those through the first end tag; all of them
-        when the reasoning never ended (`thought`: the choice has reasoning text), else none."""
-        found = _first_index(output_ids, self.end_ids)
-        if found >= 0:
-            return found + len(self.end_ids)
-        return len(output_ids) if thought else 0
-
-
-def _first_index(ids: Sequence[int], tag: Sequence[int]) -> int:
-    """Where the first occurrence of the token run `tag` starts in `ids`; -1 if none."""
-    n, ids = len(tag), list(ids)
-    start = 0
-    while n:
-        try:
-            i = ids.index(tag[0], start)
-        except ValueError:
-            return -1
-        if ids[i : i + n] == list(tag):
-            return i
-        start = i + 1
-    return -1
+def reasoning_cut(split: ReasoningSplit, was_reasoning: bool, was_entered: bool, token_ids: list[int],
+                  end_id: int) -> int:
+    """How many of a delta's tokens (`split` has just read their text) are reasoning: all while it stays inside,
+    those through the end tag's token where it closes, none outside it; `was_reasoning` / `was_entered`: the
+    split's state before the delta."""
+    active = was_reasoning or (split.entered and not was_entered)
+    if not active:
+        return 0
+    if split.in_reasoning:
+        return len(token_ids)
+    return token_ids.index(end_id) + 1 if end_id in token_ids else len(token_ids)

@@ -9,7 +9,8 @@ from typing import Any, Mapping, Optional, Sequence, Union
 from pydantic import BaseModel
 
 from trtpaged.runtime.outputs import RequestOutput
-from trtpaged.server.reasoning import ReasoningFormat, split_text
+from trtpaged.runtime.reasoning import ReasoningFormat
+from trtpaged.server.reasoning import split_text
 from trtpaged.server.tool_parsers import CallStart, Content, Event, ToolCallStream
 from trtpaged.server.stream_state import stop_reason
 from trtpaged.server.tools import ToolChoice
@@ -203,7 +204,7 @@ class ResponseBuilder:
                 if self.chat:
                     thought: Optional[str] = None
                     if self.reasoning is not None:
-                        thought, answer = split_text(self.reasoning, self.in_reasoning, text)
+                        thought, answer, _ = split_text(self.reasoning, self.in_reasoning, text)
                         text = answer or ""
                     content, calls, complete = text, None, False
                     if self.tools is not None and c.finish_reason == "stop" and common["stop_reason"] is None:

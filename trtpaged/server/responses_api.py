@@ -156,13 +156,15 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             content = output if isinstance(output, str) else _parts(output, f"{where}.output")
             messages.append({"role": "tool", "tool_call_id": _text(item, "call_id", where), "content": content})
         elif kind == "reasoning":  # a reasoning model's earlier thinking: the template may show it (Qwen3's)
-            thought = _reasoning_text(item, where)
+            text = _reasoning_text(item, where)
+            thought = text if thought is None else f"{thought}\n\n{text}"  # several items: one turn's, in order
             continue
         else:
             raise ApiError(f"{where}.type: {str(kind)[:40]!r} is not supported by this server (message, "
                            "function_call, function_call_output, reasoning)", "input")  # fmt: skip
         if thought is not None and messages[-1]["role"] == "assistant":  # the turn the thinking led to
-            messages[-1].setdefault("reasoning", thought)
+            last = messages[-1]
+            last["reasoning"] = f"{last['reasoning']}\n\n{thought}" if last.get("reasoning") else thought
         thought = None
     if not any(m["role"] != "system" for m in messages):
         raise ApiError("input: must hold at least one message", "input")

@@ -130,7 +130,6 @@ class EventStream:
         self.finish_reason: Optional[str] = None
         self.want_logprobs = bool(call.chat_body.get("logprobs"))
         self.pending: list[dict[str, Any]] = []  # log-probs of tokens with no text yet (a cut character)
-        self.thinking = False  # a reasoning item is being written and no answer text followed yet
 
     def event(self, kind: str, **fields: Any) -> bytes:
         data = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -148,12 +147,9 @@ class EventStream:
             delta = choice.get("delta") or {}
             if delta.get("reasoning"):
                 events += self._reasoning(delta["reasoning"])
-                self.thinking, self.pending = True, []  # tokens before the reasoning: its start tag
             text = delta.get("content") or ""
             logprobs = ((choice.get("logprobs") or {}).get("content") or []) if self.want_logprobs else []
-            if text or delta.get("tool_calls"):
-                self.thinking = False
-            if self.thinking:  # the reasoning's tokens (its end tag's too): a reasoning item has no log-probs
+            if "reasoning" in delta:  # the reasoning's tokens (its tags' too): a reasoning item has no log-probs
                 logprobs = []
             if text:
                 events += self._text(text, self.pending + logprobs)

@@ -56,6 +56,7 @@ class GenerationFields(_PlatformFields):
     cache_salt: Optional[StrictStr] = None  # vLLM: prefix-cache blocks are shared only under the same salt
     structured_outputs: Optional[dict[str, Any]] = None  # vLLM's (docs/structured_outputs.md)
     priority: Optional[StrictInt] = None  # vLLM: lower is served first under serve --scheduling-policy priority
+    thinking_token_budget: Optional[StrictInt] = None  # vLLM: the reasoning's end tag is forced after this many tokens
 
 
 class _SamplingFields(GenerationFields):

@@ -140,6 +140,8 @@ def start_server(
     num_kv_blocks, max_num_tokens, max_batch_size, max_seq_len, enable_prefix_caching, ...
     """
     options = options or ServerOptions()
+    if options.reasoning_parser is not None:  # the engine's too: thinking_token_budget reads its tags
+        llm_overrides.setdefault("reasoning_parser", options.reasoning_parser)
     sock = bind(host, port)
     request_log = None
     metrics = ServerMetrics()
@@ -159,9 +161,9 @@ def start_server(
     try:  # the front end's own tokenizer copies, loaded from the engine dir as LLM loaded the engine's
         tokens = TokenizerWorker.start(llm.new_tokenizer, options.max_waiting)
         service = GenerationService(llm, loop, tokens, name, options.max_prompt_tokens, options.request_timeout_s,
-                                    options.stream_interval, options.tool_call_parser, options.reasoning_parser,
+                                    options.stream_interval, options.tool_call_parser,
                                     options.default_chat_template_kwargs)  # fmt: skip
-    except BaseException:  # e.g. a reasoning parser whose tags this model cannot write
+    except BaseException:
         if tokens is not None:
             tokens.shutdown()
         loop.shutdown()

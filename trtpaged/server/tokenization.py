@@ -26,6 +26,18 @@ from trtpaged.server.tokenizer_worker import TokenizerWorker
 from trtpaged.server.tools import tool_choice
 
 
+def generation_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: Optional[Sequence[dict]],
+                      chat_options: dict[str, Any]) -> Optional[str]:
+    """The text the chat template adds to start the answer (its generation prompt: the conversation rendered with
+    it, less the conversation rendered without it); None when the request continues its last message, asks for no
+    generation prompt, or the two renderings do not nest."""
+    if chat_options.get("continue_final_message") or chat_options.get("add_generation_prompt") is False:
+        return None
+    full = chat_prompt_text(tokenizer, messages, tools, **chat_options)
+    bare = chat_prompt_text(tokenizer, messages, tools, **{**chat_options, "add_generation_prompt": False})
+    return full[len(bare) :] if full.startswith(bare) else None
+
+
 def prompt_token_ids(tokenizer: Any, vocab_size: Optional[int], prompt: Optional[Prompt],
                      messages: Optional[list[dict[str, Any]]], tools: Optional[Sequence[dict]],
                      chat_options: dict[str, Any], add_special_tokens: bool,
