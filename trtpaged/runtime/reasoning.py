@@ -2,8 +2,9 @@
 --reasoning-parser`), and the thinking budget that closes its reasoning after a number of tokens.
 
 Models such as DeepSeek-R1, QwQ, Qwen3 and SmolLM3 write their reasoning between `<think>` and `</think>` and the
-answer after it; the chat template often writes the `<think>` itself, at the end of the prompt. Where a choice
-starts is read from its prompt (`starts_in_reasoning`): in the reasoning, unless the prompt already closed it (a
+answer after it; the chat template often writes the `<think>` itself, at the end of the prompt. Each tag must be
+one token of the vocabulary (vLLM's rule). Where a choice starts is read from its prompt (`starts_in_reasoning`;
+the server reads only the template's generation prompt): in the reasoning, unless the prompt already closed it (a
 template that turns thinking off writes an empty `<think></think>`) or the request turned it off
 (`chat_template_kwargs`, e.g. Qwen3's `enable_thinking: false`). The server splits the text
 (`trtpaged.server.reasoning`); the engine uses the tags' token ids: a grammar gated by the end tag
