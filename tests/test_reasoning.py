@@ -197,7 +197,9 @@ def _streamed(client, **kwargs) -> tuple:
     thought, content = "", ""
     for chunk in client.chat.completions.create(stream=True, **kwargs):
         for choice in chunk.choices:
-            thought += getattr(choice.delta, "reasoning", None) or ""
+            piece = getattr(choice.delta, "reasoning", None)
+            assert getattr(choice.delta, "reasoning_content", None) == piece  # the older name, for its clients
+            thought += piece or ""
             content += choice.delta.content or ""
     return thought or None, content or None
 
@@ -216,6 +218,7 @@ def test_chat_answers_split_at_the_end_tag_in_the_body_and_the_stream(server, th
                        extra_body={"ignore_eos": True, **kwargs})  # fmt: skip
             message = client.chat.completions.create(**ask).choices[0].message
             assert (getattr(message, "reasoning", None), message.content) == want, raw
+            assert getattr(message, "reasoning_content", None) == want[0]
             assert _streamed(client, **ask) == want
             both += bool(want[0] and want[1])
     if thinking is None:

@@ -318,7 +318,8 @@ class ToolCall(BaseModel):
 
 class AssistantMessage(BaseModel):
     """The reply: `content` (null when the reply is tool calls), and `tool_calls` only when there are some;
-    `reasoning` (vLLM's) only from a server with a reasoning parser."""
+    `reasoning` (vLLM's) only from a server with a reasoning parser, also as `reasoning_content` (its older name,
+    which DeepSeek's API and many clients read)."""
 
     role: Literal["assistant"] = "assistant"
     content: Optional[str]
@@ -327,7 +328,10 @@ class AssistantMessage(BaseModel):
 
     @model_serializer(mode="wrap")
     def _without_empty_tool_calls(self, handler: Any) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if k not in ("tool_calls", "reasoning") or v is not None}
+        out = {k: v for k, v in handler(self).items() if k not in ("tool_calls", "reasoning") or v is not None}
+        if "reasoning" in out:
+            out["reasoning_content"] = out["reasoning"]
+        return out
 
 
 class _WithoutNulls(BaseModel):
@@ -377,6 +381,13 @@ class Delta(_WithoutNulls):
     content: Optional[str] = None
     reasoning: Optional[str] = None  # vLLM's: the reasoning's next piece (a server with a reasoning parser)
     tool_calls: Optional[list[DeltaToolCall]] = None
+
+    @model_serializer(mode="wrap")
+    def _with_old_reasoning_name(self, handler: Any) -> dict[str, Any]:
+        out = {k: v for k, v in handler(self).items() if v is not None}
+        if "reasoning" in out:  # also under its older name, as the message has it
+            out["reasoning_content"] = out["reasoning"]
+        return out
 
 
 class ChatChunkChoice(BaseModel):
