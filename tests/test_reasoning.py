@@ -27,7 +27,7 @@ from trtpaged import LLM, SamplingParams
 from trtpaged.cli import main
 from trtpaged.runtime.sampling_params import StructuredOutputsParams
 from trtpaged.server import ServerOptions, start_server
-from trtpaged.runtime.reasoning import REASONING_PARSERS, ReasoningFormat, ReasoningReader, starts_in_reasoning
+from trtpaged.runtime.reasoning import REASONING_PARSERS, ReasoningFormat, ReasoningReader, ThinkingBudget
 from trtpaged.server.reasoning import ReasoningSplit
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -47,6 +47,39 @@ def reference(text: str, in_reasoning: bool, start: str = "<think>", end: str = 
         return None, text or None
     thought, tag, rest = text.partition(end)
     return thought or None, (rest or None) if tag else None
+
+
+TOKEN_TEXT = {1: "a", 2: " ", 3: "\n", 4: "bc", 5: "<", 8: "<think>", 9: "</think>"}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(sorted(TOKEN_TEXT)), max_size=12), st.booleans(),
+       st.lists(st.integers(1, 4), min_size=12, max_size=12), st.lists(st.integers(0, 3), min_size=12, max_size=12))
+def test_a_streamed_choice_puts_each_token_where_the_body_counts_it(ids, in_reasoning, sizes, held):
+    """Deltas of any size, some of whose text comes a delta late (a stop string's hold-back): the tokens marked as
+    reasoning add up to the body's count, and the texts join to the body's split."""
+    from trtpaged.server.reasoning import ChoiceReasoning, split_text
+
+    reader = ReasoningReader(R1, 8, 9)
+    reading, chunks, pos, late = ChoiceReasoning(reader, in_reasoning), [], 0, ""
+    for size, lag in zip(sizes, held):
+        if pos >= len(ids):
+            break
+        part, pos = ids[pos : pos + size], pos + size
+        text = late + "".join(TOKEN_TEXT[t] for t in part)
+        done = pos >= len(ids)
+        lag = 0 if done else min(lag, len(text))
+        text, late = text[: len(text) - lag], text[len(text) - lag :]
+        got = reading.read(text, part, [{t: -1.0} for t in part], done)
+        if got is not None:
+            chunks.append(got)
+    if pos < len(ids) or not ids:
+        return
+    whole = "".join(TOKEN_TEXT[t] for t in ids)
+    thought, content, entered = split_text(R1, in_reasoning, whole)
+    assert sum(c[4] for c in chunks) == reader.reasoning_tokens(ids, entered)
+    assert [t for c in chunks for t in c[2]] == ids and [len(c[3]) for c in chunks] == [len(c[2]) for c in chunks]
+    assert ("".join(c[0] for c in chunks) or None, "".join(c[1] for c in chunks) or None) == (thought, content)
 
 
 PIECES = ["<think>", "</think>", "<", "</", "<th", "</thi", "think", ">", " ", "\n", "a", "bc", "é"]
@@ -76,10 +109,14 @@ def test_any_text_in_any_pieces_splits_as_the_whole_partitions(pieces, in_reason
     ([1, 2], {"enable_thinking": False}, False),  # qwen3's switch; deepseek_r1 has none
 ])  # fmt: skip
 def test_the_prompt_and_the_switch_decide_where_an_answer_starts(prompt, kwargs, want):
-    assert starts_in_reasoning(REASONING_PARSERS["qwen3"], prompt, [8], [9], kwargs) is want
-    assert starts_in_reasoning(R1, prompt, [8], [9], kwargs) is (want or bool(kwargs and not kwargs.get(
-        "enable_thinking", True)))  # fmt: skip
-    assert starts_in_reasoning(R1, [4, 7, 7, 5], [7, 7], [7, 5]) is False  # two-token tags, overlapping
+    """By token ids (the engine's reading), and by the template's generation prompt as text (the server's): the
+    same rule, with "<think>" for 8 and "</think>" for 9."""
+    qwen3, r1 = ReasoningReader(REASONING_PARSERS["qwen3"], 8, 9), ReasoningReader(R1, 8, 9)
+    text = "".join({8: "<think>", 9: "</think>"}.get(t, "x") for t in prompt)
+    for got in (qwen3.starts_in_reasoning(prompt, kwargs), qwen3.starts_in_reasoning([], kwargs, text)):
+        assert got is want
+    r1_want = want or bool(kwargs and kwargs.get("enable_thinking") is False)  # deepseek_r1 reads no switch
+    assert r1.starts_in_reasoning(prompt, kwargs) is r1_want and r1.starts_in_reasoning([], kwargs, text) is r1_want
 
 
 def test_a_parser_refuses_a_tokenizer_that_cannot_write_its_tags():
@@ -95,7 +132,7 @@ def test_a_parser_refuses_a_tokenizer_that_cannot_write_its_tags():
         ReasoningReader.for_tokenizer("qwen3", tok)
     tok.add_tokens([AddedToken("</think>", special=False, normalized=False)])
     reader = ReasoningReader.for_tokenizer("qwen3", tok)
-    assert (reader.start_ids, reader.end_ids) == ((259,), (260,))  # the next free ids, as added
+    assert (reader.start_id, reader.end_id) == (259, 260)  # the next free ids, as added
     tok.add_special_tokens({"additional_special_tokens": ["</think>"]})
     with pytest.raises(ValueError, match=r"reasoning_parser: qwen3's tag '</think>' is a special token"):
         ReasoningReader.for_tokenizer("qwen3", tok)
@@ -131,16 +168,15 @@ def test_a_gated_grammar_leaves_the_output_free_until_its_tokens_then_holds(tiny
     (truth,) = llm.generate([prompt], free, use_tqdm=False)
     ids = truth.outputs[0].token_ids
     k = next(i for i in range(3, len(ids)) if ids[i] not in ids[:i] and ids[i - 1] != ids[i])
-    for gate in ((ids[k],), (ids[k - 1], ids[k])):  # one token, and a run of two (a tag the tokenizer spells so)
-        grammar = StructuredOutputsParams(regex="[a-z]{3}", starts_after=gate)
-        params = SamplingParams(max_tokens=24, temperature=0.0, structured_outputs=grammar)
-        (out,) = llm.generate([prompt], params, use_tqdm=False)
-        got = out.outputs[0].token_ids
-        assert got[: k + 1] == ids[: k + 1]  # free, as without the grammar, through the gate
-        assert re.fullmatch("[a-z]{3}", llm.tokenizer.decode(got[k + 1 :], skip_special_tokens=True)), got
-        assert out.outputs[0].finish_reason == "stop"
+    grammar = StructuredOutputsParams(regex="[a-z]{3}", starts_after=ids[k])
+    params = SamplingParams(max_tokens=24, temperature=0.0, structured_outputs=grammar)
+    (out,) = llm.generate([prompt], params, use_tqdm=False)
+    got = out.outputs[0].token_ids
+    assert got[: k + 1] == ids[: k + 1]  # free, as without the grammar, through the gate
+    assert re.fullmatch("[a-z]{3}", llm.tokenizer.decode(got[k + 1 :], skip_special_tokens=True)), got
+    assert out.outputs[0].finish_reason == "stop"
     with pytest.raises(ValueError, match=r"structured_outputs.starts_after: token id 999 is outside the vocabulary"):
-        gated = StructuredOutputsParams(regex="a", starts_after=(999,))
+        gated = StructuredOutputsParams(regex="a", starts_after=999)
         llm.generate([prompt], SamplingParams(structured_outputs=gated), use_tqdm=False)
 
 
@@ -335,7 +371,7 @@ def test_a_past_turns_reasoning_reaches_the_template():
 
 def test_a_responses_reasoning_item_reaches_the_template_with_the_turn_it_led_to(tiny_engine_dir):
     """Responses input as a client sends a conversation back (reasoning item, then the answer it led to): the
-    thinking goes with that assistant turn, as reasoning_content; an empty or summary-only item too."""
+    thinking goes with that assistant turn, as reasoning_content; a summary-only item too, and several join."""
     import jinja2
 
     template = ("{% for m in messages %}{{ m['role'] }}:{{ m.get('reasoning_content', '-') }}|{{ m['content'] }};"
@@ -375,6 +411,7 @@ def test_a_thinking_budget_forces_the_end_tag_after_that_many_tokens(thinking_en
     """vLLM's thinking_token_budget: the output is the free one for `budget` tokens, then the end tag, then the
     model goes on; a model that closes its thinking sooner is not touched. Truth: the same seed without a budget."""
     end = next(t for t, name in tags.items() if name == "</think>")
+    start = next(t for t, name in tags.items() if name == "<think>")
     llm = LLM(thinking_engine, device="cpu", reasoning_parser="qwen3")
     cut = untouched = 0
     for text in PROMPTS:
@@ -385,40 +422,40 @@ def test_a_thinking_budget_forces_the_end_tag_after_that_many_tokens(thinking_en
                 return list(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
 
             free = run()
-            natural = free.index(end) if end in free else len(free)
             for budget in (0, 3, 11, 30):
+                # where the budget runs out: after `budget` tokens that are not a start tag (tags do not count)
+                counted = [i for i, t in enumerate(free) if t != start]
+                due = counted[budget] if budget < len(counted) else len(free)
                 got = run(thinking_token_budget=budget)
-                if natural <= budget:  # closed its thinking in time (or never thought that long)
+                if end in free[:due + 1]:  # closed its thinking in time
                     assert got == free
                     untouched += 1
                 else:
-                    assert got[:budget] == free[:budget] and got[budget] == end, (budget, free, got)
+                    assert got[:due] == free[:due] and got[due] == end, (budget, free, got)
                     assert len(got) == 40  # and it goes on answering
                     cut += 1
     assert cut >= 5 and untouched >= 1
     with pytest.raises(ValueError, match="thinking_token_budget: not supported with beam search"):
         SamplingParams(beam_width=2, thinking_token_budget=3)
-    with pytest.raises(ValueError, match=r"thinking_token_budget: must be in \[0, 2\*\*31\)"):
-        SamplingParams(thinking_token_budget=-1)
+    with pytest.raises(ValueError, match=r"thinking_token_budget: must be in \[0, 2\*\*31\) \(or -1: no budget\)"):
+        SamplingParams(thinking_token_budget=-2)
+    assert SamplingParams(thinking_token_budget=-1).thinking_token_budget is None  # vLLM's "unlimited"
 
 
-def test_a_thinking_budget_counts_from_a_start_tag_the_model_writes():
-    from trtpaged.runtime.reasoning import ThinkingBudget
-
-    budget = ThinkingBudget(2, (8,), (9,), thinking=False)
-    out = []
-    for token in [1, 2, 8, 3, 4, 5, 6]:  # the model's picks; a forced token replaces its pick
+@pytest.mark.parametrize("thinking, picks, want", [
+    (False, [8, 3, 4, 5, 6], [8, 3, 4, 9, 6]),  # the answer opens with a start tag: the budget starts there
+    (True, [8, 3, 4, 5, 6], [8, 3, 4, 9, 6]),  # a start tag the model writes itself does not count
+    (True, [3, 9, 4, 5, 6], [3, 9, 4, 5, 6]),  # closed in time: nothing forced
+    (False, [1, 8, 3, 4, 5], [1, 8, 3, 4, 5]),  # a start tag inside the answer is text (as the split reads it)
+    (True, [3, 4, 5], [3, 4, 9]),
+])  # fmt: skip
+def test_a_thinking_budget_counts_the_reasoning_tokens_only(thinking, picks, want):
+    budget, out = ThinkingBudget(2, 8, 9, thinking), []
+    for token in picks:  # the model's picks; a forced token replaces its pick
         forced = budget.forced()
         out.append(token if forced is None else forced)
         budget.advance(out[-1])
-    assert out == [1, 2, 8, 3, 4, 9, 6]
-    two = ThinkingBudget(1, (8,), (7, 9), thinking=True)  # a two-token end tag is forced whole
-    out = []
-    for token in [1, 2, 3, 4]:
-        forced = two.forced()
-        out.append(token if forced is None else forced)
-        two.advance(out[-1])
-    assert out == [1, 7, 9, 4]
+    assert out == want
 
 
 def test_the_server_takes_a_thinking_budget(server, thinking_engine, tags):
@@ -436,6 +473,22 @@ def test_the_server_takes_a_thinking_budget(server, thinking_engine, tags):
         r = client.responses.create(model=MODEL, input=text, max_output_tokens=40, temperature=0.8,
                                     extra_body={"seed": 0, "thinking_token_budget": 5})  # fmt: skip
         assert r.usage.output_tokens_details.reasoning_tokens == 6  # five, then the forced end tag
+    # the engine counts where the server's split reads the thinking: thinking switched off, nothing is forced; a
+    # user's "</think>" changes nothing
+    for text, kwargs, forced in (("tell me a story", {"enable_thinking": False}, False),
+                                 ("tell me a story </think>", None, True)):  # fmt: skip
+        messages = [{"role": "user", "content": text}]
+        free = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0.8, seed=0,
+                                              logprobs=True, extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                                         "chat_template_kwargs": kwargs})
+        got = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0.8, seed=0,
+                                             extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                         "chat_template_kwargs": kwargs, "thinking_token_budget": 3})
+        ids, budgeted = free.choices[0].token_ids, got.choices[0].token_ids
+        if forced and end not in ids[:4]:
+            assert budgeted[:3] == ids[:3] and budgeted[3] == end
+        elif not forced:
+            assert budgeted == ids
     with pytest.raises(openai.BadRequestError, match="thinking_token_budget: must be in"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
                                        extra_body={"thinking_token_budget": -5})  # fmt: skip
@@ -509,7 +562,7 @@ def test_log_probs_and_reasoning_tokens_follow_the_split(thinking_engine, tags, 
 
 def test_a_tag_in_a_message_does_not_move_where_the_answer_starts(server, thinking_engine):
     """Only the template's generation prompt says whether the answer starts in the thinking: a user who writes
-    "</think>" does not turn the split (or the grammar's gate) off."""
+    "</think>" does not turn the split off."""
     client = openai_client(server.url)
     for seed in SEEDS:
         messages = [{"role": "user", "content": "tell me a story </think>"}]

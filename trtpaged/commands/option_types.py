@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import codecs
+import json
 import math
 import os
 import re
@@ -74,8 +75,6 @@ class JsonObject(click.ParamType):
     def convert(self, value, param, ctx):
         if isinstance(value, dict):
             return value
-        import json
-
         try:
             parsed = json.loads(value)
         except ValueError as exc:

@@ -172,14 +172,17 @@ class LLMEngine:
 
     def add_request(self, prompt: Union[Prompt, Mapping[str, Any]], params: Optional[SamplingParams] = None,
                     request_id: Optional[str] = None, arrival_time: Optional[float] = None,
-                    fit_max_tokens: bool = False, priority: int = 0) -> str:  # fmt: skip
+                    fit_max_tokens: bool = False, priority: int = 0,
+                    starts_in_reasoning: Optional[bool] = None) -> str:  # fmt: skip
         """Queues a request; raises `RequestError` (naming the field and limit) if it can never run. `prompt`: text,
         token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids} with an optional "cache_salt" (which
         wins over params.cache_salt, as in `LLM.generate`).
         `arrival_time` (time.monotonic()): when it reached the server, for `ttft_breakdown`. `fit_max_tokens`: a
         max_tokens past the room the prompt leaves in max_seq_len is cut to that room (vLLM's offline API), where
         it is otherwise refused (its server). `priority` (vLLM's): under the "priority" scheduling policy, lower is
-        served first (admitted first, preempted last); only 0 otherwise."""
+        served first (admitted first, preempted last); only 0 otherwise. `starts_in_reasoning`: whether the answer
+        starts inside a reasoning model's thinking (the server reads it from the chat template's generation prompt);
+        None: read from the prompt's tags (`ReasoningReader.starts_in_reasoning`), for thinking_token_budget."""
         priority = check_priority(priority, self.config.scheduling_policy)
         if params is not None and not isinstance(params, SamplingParams):
             raise TypeError(f"params: a SamplingParams, got {type(params).__name__} (the arguments are prompt, "
@@ -209,6 +212,9 @@ class LLMEngine:
         # Before anything proportional to the request (its n generators, beams, sequences) is built.
         self.scheduler.check_request(len(token_ids), params)
         bad_words = self._token_filters(params)
+        if params.thinking_token_budget is not None and self.reasoning is None:
+            raise RequestError("thinking_token_budget", "needs a reasoning parser to know where the thinking ends "
+                               "(serve --reasoning-parser, LLM(reasoning_parser=...))")  # fmt: skip
         compiled = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
         beam = None
         if params.use_beam_search:
@@ -221,15 +227,13 @@ class LLMEngine:
             ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
             group.min_tokens_banned = tuple(sorted(ends))
         if params.thinking_token_budget is not None:
-            if self.reasoning is None:
-                raise RequestError("thinking_token_budget", "needs a reasoning parser to know where the thinking ends "
-                                   "(serve --reasoning-parser, LLM(reasoning_parser=...))")  # fmt: skip
             r = self.reasoning
-            seq.thinking = ThinkingBudget(params.thinking_token_budget, r.start_ids, r.end_ids,
-                                          r.starts_in_reasoning(token_ids, None))  # fmt: skip
+            assert r is not None  # checked above
+            thinking = r.starts_in_reasoning(token_ids) if starts_in_reasoning is None else starts_in_reasoning
+            seq.thinking = ThinkingBudget(params.thinking_token_budget, r.start_id, r.end_id, thinking)
         if compiled is not None:
             seq.grammar = self.grammars.matcher(compiled)
-            if params.structured_outputs.starts_after:
+            if params.structured_outputs.starts_after is not None:
                 seq.grammar = GatedMatcher(seq.grammar, params.structured_outputs.starts_after)
             self.num_constrained_requests += 1
         self.scheduler.add(group)
@@ -245,7 +249,8 @@ class LLMEngine:
         checked = (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ()),
                    ("stop_token_ids", params.stop_token_ids),
                    ("structured_outputs.starts_after",
-                    params.structured_outputs.starts_after if params.structured_outputs else ()))
+                    (params.structured_outputs.starts_after,) if params.structured_outputs and
+                    params.structured_outputs.starts_after is not None else ()))  # fmt: skip
         for name, ids in checked:
             bad = next((t for t in ids if t < 0 or (vocab is not None and t >= vocab)), None)
             if bad is not None:

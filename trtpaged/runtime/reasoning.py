@@ -32,38 +32,30 @@ REASONING_PARSERS = {f.name: f for f in (ReasoningFormat("deepseek_r1"),
                                           ReasoningFormat("qwen3", switch="enable_thinking"))}  # fmt: skip
 
 
-def _last_index(ids: Sequence[int], tag: Sequence[int]) -> int:
-    """Where the last occurrence of the token run `tag` starts in `ids`; -1 if none (or `tag` is empty)."""
-    n = len(tag)
-    if n == 0:
-        return -1
-    first = tag[0]
-    for i in range(len(ids) - n, -1, -1):
-        if ids[i] == first and list(ids[i : i + n]) == list(tag):
+def _last(ids: Sequence[int], token: int) -> int:
+    """Where `token` last stands in `ids`; -1 if nowhere."""
+    for i in range(len(ids) - 1, -1, -1):
+        if ids[i] == token:
             return i
     return -1
 
 
-def starts_in_reasoning(fmt: ReasoningFormat, prompt: Union[str, Sequence[int]], start: Union[str, Sequence[int]],
-                        end: Union[str, Sequence[int]],
-                        template_kwargs: Optional[Mapping[str, Any]] = None) -> bool:  # fmt: skip
-    """Whether a choice of this prompt (its text, or its token ids with the tags' ids) begins inside the
-    reasoning: not when the request switched thinking off, nor when the prompt's last end tag comes after its last
-    start tag (the template closed the reasoning)."""
-    if fmt.switch is not None and (template_kwargs or {}).get(fmt.switch) is False:
-        return False
-    last = (lambda tag: prompt.rfind(tag)) if isinstance(prompt, str) else (lambda tag: _last_index(prompt, tag))
-    last_end = last(end)
-    return last_end < 0 or last_end < last(start)
+def _closed(switched_off: bool, last_start: int, last_end: int) -> bool:
+    """Whether an answer starts outside the reasoning, given where the prompt's tags last stand (-1: nowhere)."""
+    return switched_off or (last_end >= 0 and last_end > last_start)
+
+
+def _switched_off(fmt: ReasoningFormat, template_kwargs: Optional[Mapping[str, Any]]) -> bool:
+    return fmt.switch is not None and (template_kwargs or {}).get(fmt.switch) is False
 
 
 @dataclass(frozen=True)
 class ReasoningReader:
-    """A server's reasoning parser with its tags as the engine's tokenizer spells them."""
+    """A reasoning parser with its tags' token ids in one model's vocabulary."""
 
     fmt: ReasoningFormat
-    start_ids: tuple[int, ...]
-    end_ids: tuple[int, ...]
+    start_id: int
+    end_id: int
 
     @classmethod
     def for_tokenizer(cls, name: str, tokenizer: Any) -> "ReasoningReader":
@@ -78,92 +70,73 @@ class ReasoningReader:
             raise ValueError("reasoning_parser: needs the engine's tokenizer (this engine has none)")
         ids = []
         vocab = tokenizer.get_vocab()
+        specials = set(getattr(tokenizer, "all_special_ids", ()) or ())
         for tag in (fmt.start, fmt.end):
             token = vocab.get(tag)
             if not isinstance(token, int) or tokenizer.decode([token], skip_special_tokens=False) != tag:
                 raise ValueError(f"reasoning_parser: {name}'s tag {tag!r} is not a token of this model's vocabulary "
                                  "(not a reasoning model of this format)")  # fmt: skip
-            spelled = (int(token),)
-            if set(spelled) & set(getattr(tokenizer, "all_special_ids", ()) or ()):
+            if token in specials:
                 raise ValueError(f"reasoning_parser: {name}'s tag {tag!r} is a special token of this model, which "
                                  "decoded text leaves out")  # fmt: skip
-            ids.append(spelled)
+            ids.append(int(token))
         return cls(fmt, ids[0], ids[1])
 
-    def starts_in_reasoning(self, prompt_ids: Sequence[int], template_kwargs: Optional[Mapping[str, Any]],
+    def starts_in_reasoning(self, prompt_ids: Sequence[int], template_kwargs: Optional[Mapping[str, Any]] = None,
                             generation_prompt: Optional[str] = None) -> bool:  # fmt: skip
-        """`starts_in_reasoning` of a prompt; given the chat template's `generation_prompt` (the text it adds to
-        start the answer), only that text is read: a tag in a message of the conversation changes nothing."""
-        if generation_prompt is None:
-            return starts_in_reasoning(self.fmt, prompt_ids, self.start_ids, self.end_ids, template_kwargs)
-        return starts_in_reasoning(self.fmt, generation_prompt, self.fmt.start, self.fmt.end, template_kwargs)
+        """Whether an answer to this prompt begins inside the reasoning: not when the request switched thinking
+        off, nor when the prompt's last end tag comes after its last start tag (the template closed it). Given the
+        chat template's `generation_prompt` (the text it adds to start the answer), only that text is read, so a tag
+        in a message of the conversation changes nothing; else the prompt's token ids are."""
+        off = _switched_off(self.fmt, template_kwargs)
+        if generation_prompt is not None:
+            text = generation_prompt
+            return not _closed(off, text.rfind(self.fmt.start), text.rfind(self.fmt.end))
+        return not _closed(off, _last(prompt_ids, self.start_id), _last(prompt_ids, self.end_id))
 
     def reasoning_tokens(self, output_ids: Sequence[int], entered: bool) -> int:
         """How many of a choice's output tokens are its reasoning (`entered`: the text's split was inside it): those
         through the first end tag, all of them when the reasoning never ended; none when it never thought."""
         if not entered:
             return 0
-        found = _first_index(output_ids, self.end_ids)
-        return found + len(self.end_ids) if found >= 0 else len(output_ids)
-
-
-def _first_index(ids: Sequence[int], tag: Sequence[int]) -> int:
-    """Where the first occurrence of the token run `tag` starts in `ids`; -1 if none."""
-    n, ids = len(tag), list(ids)
-    start = 0
-    while n:
-        try:
-            i = ids.index(tag[0], start)
-        except ValueError:
-            return -1
-        if ids[i : i + n] == list(tag):
-            return i
-        start = i + 1
-    return -1
+        ids = list(output_ids)
+        return ids.index(self.end_id) + 1 if self.end_id in ids else len(ids)
 
 
 class ThinkingBudget:
     """One sequence's thinking budget (vLLM's `thinking_token_budget`): once it has written `budget` tokens of
-    reasoning without closing it, the next tokens are forced to be the end tag. Counting starts with the output
-    when the prompt left the model thinking, else at a start tag it writes; the tags' own tokens do not count."""
+    reasoning without closing it, the next token is forced to be the end tag. Counting starts with the output when
+    the answer starts in the reasoning, else at a start tag written as the output's first token; the tags do not
+    count."""
 
-    def __init__(self, budget: int, start_ids: Sequence[int], end_ids: Sequence[int], thinking: bool) -> None:
+    def __init__(self, budget: int, start_id: int, end_id: int, thinking: bool) -> None:
         self.budget = budget
-        self.start_ids, self.end_ids = tuple(start_ids), tuple(end_ids)
+        self.start_id, self.end_id = start_id, end_id
         self.thinking = thinking  # inside the reasoning now
         self.spent = 0  # reasoning tokens written since it opened
-        self.recent: tuple[int, ...] = ()  # the last output tokens, as long as the longer tag
-        self.forcing = 0  # end-tag tokens already forced (0: not forcing)
+        self.seen = 0  # output tokens so far
         self.done = False  # the reasoning has been closed: nothing more to watch
 
     def forced(self) -> Optional[int]:
         """The token the next sample must be, or None."""
-        if self.done or not self.thinking:
-            return None
-        if self.forcing or self.spent >= self.budget:
-            return self.end_ids[self.forcing]
-        return None
+        return self.end_id if self.thinking and not self.done and self.spent >= self.budget else None
 
     def advance(self, token_id: int) -> None:
         """Follows one appended output token."""
+        first, self.seen = self.seen == 0, self.seen + 1
         if self.done:
             return
-        self.recent = (self.recent + (int(token_id),))[-max(len(self.start_ids), len(self.end_ids)) :]
+        if token_id == self.start_id:
+            self.thinking = self.thinking or first
+            return
         if not self.thinking:
-            if self.recent[-len(self.start_ids) :] == self.start_ids:
-                self.thinking, self.spent = True, 0
             return
-        if self.forcing or self.spent >= self.budget:
-            self.forcing += 1
-            if self.forcing == len(self.end_ids):
-                self.done = True
-            return
-        if self.recent[-len(self.end_ids) :] == self.end_ids:
+        if token_id == self.end_id:
             self.done = True
             return
         self.spent += 1
 
     def fork(self) -> "ThinkingBudget":
-        child = ThinkingBudget(self.budget, self.start_ids, self.end_ids, self.thinking)
-        child.spent, child.recent, child.forcing, child.done = self.spent, self.recent, self.forcing, self.done
+        child = ThinkingBudget(self.budget, self.start_id, self.end_id, self.thinking)
+        child.spent, child.seen, child.done = self.spent, self.seen, self.done
         return child

@@ -461,12 +461,12 @@ def _blocked(logits: torch.Tensor, rows: Sequence[SampleRow], got: Sequence[Opti
     for r, s in zip(rows, got):
         if s is None and r.params.filters_tokens and not bool(_unsound(logits[[r.logits_row]].float()).any()):
             p = r.params
-            field = (p.structured_outputs.origin if p.structured_outputs is not None else "allowed_token_ids"
-                     if p.allowed_token_ids is not None else "bad_words" if p.bad_words else "logit_bias"
-                     if p.logit_bias else "min_tokens")  # fmt: skip
+            field = ("thinking_token_budget" if r.forced is not None else p.structured_outputs.origin
+                     if p.structured_outputs is not None else "allowed_token_ids" if p.allowed_token_ids is not None
+                     else "bad_words" if p.bad_words else "logit_bias" if p.logit_bias else "min_tokens")  # fmt: skip
             return SampleFailure(f"{field}: the request's token filters (output grammar, allowed_token_ids, "
-                                 "bad_words, logit_bias, min_tokens) leave no token that may be sampled next",
-                                 field)  # fmt: skip
+                                 "bad_words, logit_bias, min_tokens, the thinking budget's end tag) leave no token "
+                                 "that may be sampled next", field)  # fmt: skip
     return None
 
 

@@ -113,8 +113,8 @@ class StructuredOutputsParams:
     `json` (a JSON schema, as a dict or its JSON text), `regex`, `choice` (the output is one of these
     strings), `grammar` (EBNF, as xgrammar reads it) or `json_object=True` (any JSON object).
     `origin` is the request field that set it, named in errors (e.g. "response_format").
-    `starts_after`: token ids that open the constrained part (a reasoning model's end-of-thinking tag, as the
-    server's reasoning parser sets it): the output is free until it contains them, and the grammar holds after."""
+    `starts_after`: the token that opens the constrained part (a reasoning model's end-of-thinking tag, as the
+    server's reasoning parser sets it): the output is free until it holds that token, and the grammar holds after."""
 
     json: Optional[Union[str, Mapping[str, Any]]] = None
     regex: Optional[str] = None
@@ -122,15 +122,13 @@ class StructuredOutputsParams:
     grammar: Optional[str] = None
     json_object: bool = False
     origin: str = field(default="structured_outputs", compare=False)
-    starts_after: tuple[int, ...] = ()
+    starts_after: Optional[int] = None
 
     def __post_init__(self) -> None:
         name = self.origin
         after = self.starts_after
-        if not isinstance(after, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                                           for t in after):  # fmt: skip
-            raise RequestError(name, f"starts_after must be a list of token ids, got {after!r:.80}")
-        object.__setattr__(self, "starts_after", tuple(after))
+        if after is not None and not (_is_int(after) and after >= 0):
+            raise RequestError(name, f"starts_after must be a token id, got {after!r:.80}")
         given = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise RequestError(name, f"set exactly one of {', '.join(_STRUCTURED_KINDS)}, got {given or 'none'}")
@@ -224,12 +222,13 @@ class SamplingParams:
     top_k >= 0 (0 or -1: off); presence_penalty and frequency_penalty in [-2, 2]
     (OpenAI's); repetition_penalty in [0.01, 100]; length_penalty in [-10, 10];
     max_tokens, n, beam_width >= 1 (the engine then bounds them by max_seq_len and
-    max_batch_size, before anything is allocated); logprobs, prompt_logprobs >= 0; at most
+    max_batch_size, before anything is allocated); logprobs, prompt_logprobs >= 0 (or -1: the vocabulary); at most
     32 stop strings of 1..128 characters and 1024 stop token ids; logit_bias: at most 1024
     token ids, each biased by [-100, 100]; at most 64 bad words of 1..128 characters; `cache_salt`: 1..128
-    characters; thinking_token_budget in [0, 2**31). The token filters, `thinking_token_budget`, `structured_outputs`, `top_k`, `top_p`, `min_p` and `logprobs` are refused with
-    beam search; its penalties apply to the beams' log-probs, as HF's logits processors do; temperature and seed do
-    not apply (beams are deterministic).
+    characters; thinking_token_budget in [0, 2**31). The token filters, `thinking_token_budget`,
+    `structured_outputs`, `top_k`, `top_p`, `min_p` and `logprobs` are refused with beam search; its penalties
+    apply to the beams' log-probs, as HF's logits processors do; temperature and seed do not apply (beams are
+    deterministic).
     """
 
     max_tokens: Optional[int] = 16  # None: until EOS/stop or max_seq_len
@@ -324,6 +323,8 @@ class SamplingParams:
             object.__setattr__(self, "top_k", 0)
         if _is_int(self.seed) and self.seed == -1:  # vLLM's spelling of "no seed": the shared RNG
             object.__setattr__(self, "seed", None)
+        if _is_int(self.thinking_token_budget) and self.thinking_token_budget == -1:  # vLLM's "no budget"
+            object.__setattr__(self, "thinking_token_budget", None)
         self._check_token_filters()
         for name in ("max_tokens", "n", "beam_width", "top_k", "seed", "logprobs", "prompt_logprobs",
                      "stream_interval", "min_tokens", "thinking_token_budget"):
@@ -361,7 +362,7 @@ class SamplingParams:
             ("min_tokens", self.min_tokens >= 0 and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
              "must be in [0, max_tokens]", "[0, max_tokens]"),
             ("thinking_token_budget", self.thinking_token_budget is None or 0 <= self.thinking_token_budget < 2**31,
-             "must be in [0, 2**31)", "[0, 2**31)"),
+             "must be in [0, 2**31) (or -1: no budget)", "[0, 2**31)"),
             # a 64-bit generator seed; wider values would wrap onto another seed's draws (vLLM's int64 range)
             ("seed", self.seed is None or -(2**63) <= self.seed < 2**63, "must be in [-2**63, 2**63)",
              "[-2**63, 2**63)"),

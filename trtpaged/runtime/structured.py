@@ -132,15 +132,14 @@ class GrammarCache:
 
 
 class GatedMatcher:
-    """A matcher that holds only once the output contains `starts_after` (a reasoning model's end-of-thinking
-    tag): before, every token is allowed and none is fed to the grammar; the tag's own tokens are not part of the
-    constrained text. It answers the calls the sampler and the scheduler make of a matcher."""
+    """A matcher that holds only once the output has written `starts_after` (a reasoning model's end-of-thinking
+    token): before, every token is allowed and none is fed to the grammar, that token included. It answers the
+    calls the sampler and the scheduler make of a matcher."""
 
-    def __init__(self, matcher: Any, starts_after: Sequence[int]) -> None:
+    def __init__(self, matcher: Any, starts_after: int) -> None:
         self.matcher = matcher
-        self.starts_after = tuple(starts_after)
-        self.recent: tuple[int, ...] = ()  # the last output tokens, up to the tag's length, until it is seen
-        self.open = not self.starts_after
+        self.starts_after = starts_after
+        self.open = False
 
     def fill_next_token_bitmask(self, bitmask: Any, index: int = 0) -> bool:
         if self.open:
@@ -151,8 +150,7 @@ class GatedMatcher:
     def accept_token(self, token_id: int) -> bool:
         if self.open:
             return bool(self.matcher.accept_token(token_id))
-        self.recent = (self.recent + (int(token_id),))[-len(self.starts_after) :]
-        self.open = self.recent == self.starts_after
+        self.open = token_id == self.starts_after
         return True
 
     def is_terminated(self) -> bool:
@@ -160,7 +158,7 @@ class GatedMatcher:
 
     def fork(self) -> "GatedMatcher":
         child = GatedMatcher(self.matcher.fork(), self.starts_after)
-        child.recent, child.open = self.recent, self.open
+        child.open = self.open
         return child
 
 

@@ -272,14 +272,16 @@ class EngineLoop:
         return await asyncio.wrap_future(self._send("call", fn))
 
     async def submit(self, requests: Sequence[tuple[str, list[int], SamplingParams]],
-                     scored_only: bool = False, priority: int = 0) -> Subscription:  # fmt: skip
-        """Adds (request_id, prompt token ids, params) all or none, each with `priority`; raises add_request's
-        ValueError or Overloaded. `scored_only`: the requests only score their prompts (echo, max_tokens 0), and the
-        one token each samples is dropped: the metrics count no output for them."""
+                     scored_only: bool = False, priority: int = 0,
+                     starts_in_reasoning: Optional[bool] = None) -> Subscription:  # fmt: skip
+        """Adds (request_id, prompt token ids, params) all or none, each with `priority` (and add_request's
+        `starts_in_reasoning`); raises add_request's ValueError or Overloaded. `scored_only`: the requests only score
+        their prompts (echo, max_tokens 0), and the one token each samples is dropped: the metrics count no output
+        for them."""
         sub = Subscription([rid for rid, _, _ in requests], self, asyncio.get_running_loop())
         try:
             await asyncio.wrap_future(self._send("submit", (list(requests), sub, time.monotonic(), scored_only,
-                                                            priority)))  # fmt: skip
+                                                            priority, starts_in_reasoning)))  # fmt: skip
         except asyncio.CancelledError:  # the caller is gone; if the engine thread had begun adding them, end them
             self.abort(sub.request_ids)
             raise
@@ -347,7 +349,7 @@ class EngineLoop:
                 future.set_exception(exc)
 
     def _add(self, requests: list[tuple[str, list[int], SamplingParams]], sub: Subscription, arrival: float,
-             scored_only: bool = False, priority: int = 0) -> None:  # fmt: skip
+             scored_only: bool = False, priority: int = 0, starts_in_reasoning: Optional[bool] = None) -> None:
         if self.max_waiting is not None:
             # the batch's free places are taken at the next step: requests that fill them do not wait (was: a
             # burst to an idle server counted every request as waiting, and refused the ones beyond max_waiting)
@@ -360,7 +362,8 @@ class EngineLoop:
         added: list[str] = []
         try:
             for rid, prompt, params in requests:
-                self.engine.add_request(prompt, params, rid, arrival_time=arrival, priority=priority)
+                self.engine.add_request(prompt, params, rid, arrival_time=arrival, priority=priority,
+                                        starts_in_reasoning=starts_in_reasoning)  # fmt: skip
                 added.append(rid)
                 self._subs[rid] = sub
                 self._timing[rid] = _Timing(arrival, len(prompt), params=params, step=self.engine.num_steps,

@@ -37,7 +37,7 @@ from trtpaged.server.stream_state import CompletionAccumulator, StreamState
 from trtpaged.server.token_bytes import token_bytes_reader
 from trtpaged.server.tokenization import generation_prompt, prompt_token_ids
 from trtpaged.server.tokenizer_worker import TokenizerWorker
-from trtpaged.server.reasoning import ReasoningSplit, reasoning_cut, split_text
+from trtpaged.server.reasoning import ChoiceReasoning, split_text
 from trtpaged.server.tool_parsers import ToolCallStream
 from trtpaged.server.tools import tool_format
 
@@ -128,6 +128,9 @@ class GenerationService:
             raise from_runtime_error(exc, req.names) from None
         caller_id = caller_id if caller_id is not None else req.request_id
         params = self._params(req, req.max_tokens)  # None: fitted to each prompt below
+        if params.thinking_token_budget is not None and self.reasoning is None:  # before the prompt is tokenized
+            raise ApiError("thinking_token_budget: needs a reasoning parser to know where the thinking ends (serve "
+                           "--reasoning-parser)", "thinking_token_budget")  # fmt: skip
         self._check_num_prompts(req)
         prompts, tail = await self._tokenize(req)
         in_reasoning = self.reasoning is not None and req.chat and self.reasoning.starts_in_reasoning(
@@ -135,7 +138,7 @@ class GenerationService:
         if in_reasoning and params.structured_outputs is not None:  # the grammar holds for the answer (vLLM's)
             assert self.reasoning is not None
             params = dataclasses.replace(params, structured_outputs=dataclasses.replace(
-                params.structured_outputs, starts_after=self.reasoning.end_ids))  # fmt: skip
+                params.structured_outputs, starts_after=self.reasoning.end_id))  # fmt: skip
         if params.structured_outputs is not None:
             await self._compile_grammar(req, params)
         answer_id = f"{'chatcmpl' if chat else 'cmpl'}-{caller_id if caller_id is not None else uuid.uuid4().hex}"
@@ -147,7 +150,8 @@ class GenerationService:
         requests = [(f"{answer_id}-{i}-{serial}", ids, self._fit_max_tokens(req, params, len(ids)))
                     for i, ids in enumerate(prompts)]  # fmt: skip
         try:
-            sub = await self.loop.submit(requests, scored_only=req.echo_only, priority=req.priority)
+            sub = await self.loop.submit(requests, scored_only=req.echo_only, priority=req.priority,
+                                         starts_in_reasoning=in_reasoning if self.reasoning and req.chat else None)
         except ValueError as exc:
             raise from_runtime_error(exc, req.names) from None
         except (Overloaded, ShuttingDown) as exc:
@@ -352,14 +356,14 @@ class GenerationService:
         """Server-Sent Events: chunks, the usage chunk if asked for, then `[DONE]`. A failure after the
         stream started is sent as an error event (then `[DONE]`); a cancelled stream aborts its requests."""
         params, builder = s.params, s.builder
-        state = StreamState(params.n, builder.top_logprobs is not None or s.req.return_token_ids)
+        # with a reasoning parser every delta with tokens counts (where the reasoning's tokens end)
+        state = StreamState(params.n, builder.top_logprobs is not None or s.req.return_token_ids or
+                            builder.reasoning is not None)  # fmt: skip
         ids, continuous = s.req.return_token_ids, s.req.continuous_usage  # per chunk: nothing when not asked for
         first = _FirstChunks(s) if ids else None  # return_token_ids: the prompt's ids go with a choice's first chunk
         echoed: set[int] = set()  # prompts whose echo chunk went out
         tool_readers: dict[int, ToolCallStream] = {}  # choice -> its tool-call parser
-        thoughts: dict[int, ReasoningSplit] = {}  # choice -> its reasoning splitter (a server with a reasoning parser)
-        generated: dict[int, list[int]] = {}  # choice -> its tokens (with a reasoning parser: reasoning_tokens)
-        thinkers: set[int] = set()  # choices that wrote reasoning
+        thoughts: dict[int, ChoiceReasoning] = {}  # choice -> its reasoning (a server with a reasoning parser)
         cached: dict[int, int] = {}  # prompt -> its tokens found in the prefix cache
         if s.req.chat:
             for p in range(len(s.index)):
@@ -379,9 +383,6 @@ class GenerationService:
                         echoed.add(s.index[out.request_id])
                         async for event in self._echo_chunks(s, state, s.index[out.request_id], out, first):
                             yield event
-                    if builder.reasoning is not None:  # every token, those of deltas without news too
-                        for c in out.outputs:
-                            generated.setdefault(s.index[out.request_id] * params.n + c.index, []).extend(c.token_ids)
                     for d in state.deltas(s.index[out.request_id], out):
                         so_far = _chunk_usage(s, state, d.index) if continuous else None
                         new_ids = ([] if s.req.echo_only else list(d.token_ids)) if ids else None
@@ -392,37 +393,32 @@ class GenerationService:
                                                         usage=so_far, token_ids=new_ids,
                                                         prompt_token_ids=prompt_ids))  # fmt: skip
                             continue
-                        logprobs, strings, offset = None, None, 0
-                        if builder.top_logprobs is not None and d.logprobs is not None:
+                        logprobs, text = None, d.text
+                        if self.reasoning is not None and builder.reasoning is not None:
+                            # the reasoning first, with its tokens' log-probs and ids; then the answer with the rest
+                            reading = thoughts.setdefault(d.index, ChoiceReasoning(self.reasoning,
+                                                                                   builder.in_reasoning))  # fmt: skip
+                            got = reading.read(d.text, d.token_ids, d.logprobs, bool(d.finish_reason))
+                            if got is None:  # its start is held back (whitespace, or part of a start tag)
+                                continue
+                            thought, text, token_ids, raw, cut = got
+                            own = None
+                            if builder.top_logprobs is not None and raw is not None:
+                                strings = await self._token_strings(s.req, logprob_token_ids(token_ids, raw))
+                                own = builder.stream_logprobs(token_ids[:cut], raw[:cut], strings, 0) if cut else None
+                                logprobs = builder.stream_logprobs(token_ids[cut:], raw[cut:], strings, 0) if \
+                                    cut < len(token_ids) else None  # fmt: skip
+                            new_ids = token_ids if ids else None
+                            if thought or (cut and (own is not None or ids)):
+                                yield sse(builder.reasoning_chunk(d.index, thought, own, so_far,
+                                                                  token_ids[:cut] if ids else None, prompt_ids))
+                                prompt_ids, new_ids = None, token_ids[cut:] if ids else None
+                            if not (text or d.finish_reason or logprobs is not None or new_ids):
+                                continue
+                        elif builder.top_logprobs is not None and d.logprobs is not None:
                             strings = await self._token_strings(s.req, logprob_token_ids(d.token_ids, d.logprobs))
                             offset = state.advance_offset(d.index, [strings.text[t] for t in d.token_ids])
                             logprobs = builder.stream_logprobs(d.token_ids, d.logprobs, strings, offset)
-                        text = d.text
-                        if builder.reasoning is not None:  # the reasoning first, with its tokens; then the answer
-                            split = thoughts.setdefault(d.index, ReasoningSplit(builder.reasoning,
-                                                                                builder.in_reasoning))  # fmt: skip
-                            was_reasoning, was_entered = split.in_reasoning, split.entered
-                            thought, text = split.feed(text)
-                            if d.finish_reason:
-                                last_thought, last_text = split.finish()
-                                thought, text = thought + last_thought, text + last_text
-                            if split.entered:
-                                thinkers.add(d.index)
-                            token_ids = list(d.token_ids)
-                            cut = reasoning_cut(split, was_reasoning, was_entered, token_ids, self.reasoning.end_ids[0])
-                            if thought or (cut and (logprobs is not None or new_ids)):
-                                own = None  # the reasoning tokens' log-probs, and the rest for the answer
-                                if strings is not None and d.logprobs is not None:
-                                    own = builder.stream_logprobs(token_ids[:cut], d.logprobs[:cut], strings, offset)
-                                    logprobs = builder.stream_logprobs(token_ids[cut:], d.logprobs[cut:], strings,
-                                                                       offset) if cut < len(token_ids) else None
-                                yield sse(builder.reasoning_chunk(d.index, thought, own, so_far,
-                                                                  new_ids[:cut] if new_ids is not None else None,
-                                                                  prompt_ids))  # fmt: skip
-                                prompt_ids = None
-                                new_ids = new_ids[cut:] if new_ids is not None else None
-                            if not (text or d.finish_reason or logprobs is not None or new_ids):
-                                continue
                         if s.req.tools is not None:  # content and calls as the parser reads them
                             reader = tool_readers.setdefault(d.index, s.req.tools.stream())
                             for chunk in builder.tool_stream_chunks(d.index, reader, text, d.finish_reason,
@@ -444,9 +440,7 @@ class GenerationService:
         s.summary.cached_tokens = sum(cached.values())
         s.summary.completion_tokens = 0 if s.req.echo_only else state.completion_tokens
         s.summary.finish_reasons = state.finish_reasons
-        if self.reasoning is not None:
-            s.summary.reasoning_tokens = sum(self.reasoning.reasoning_tokens(ids, i in thinkers)
-                                             for i, ids in generated.items())  # fmt: skip
+        s.summary.reasoning_tokens = sum(reading.reasoning_tokens for reading in thoughts.values())
         if s.req.include_usage:
             yield sse(builder.usage_chunk(s.summary.prompt_tokens, s.summary.completion_tokens))
         yield sse("[DONE]")

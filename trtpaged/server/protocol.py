@@ -169,7 +169,8 @@ def _top_k(k: int, name: str, max_logprobs: int, vocab_size: int) -> int:
                            f"({max_logprobs}; serve --max-logprobs -1 allows it)", name)  # fmt: skip
         return vocab_size
     if not 0 <= k <= max_logprobs:
-        raise ApiError(f"{name}: must be in [0, {max_logprobs}] or -1 (the whole vocabulary), got {k}", name)
+        whole = " or -1 (the whole vocabulary)" if vocab_size <= max_logprobs else ""
+        raise ApiError(f"{name}: must be in [0, {max_logprobs}]{whole}, got {k}", name)
     return k
 
 

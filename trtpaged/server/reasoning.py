@@ -12,9 +12,9 @@ pieces join to what `split_text` gives the whole text.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional, Sequence
 
-from trtpaged.runtime.reasoning import ReasoningFormat
+from trtpaged.runtime.reasoning import ReasoningFormat, ReasoningReader
 
 
 class ReasoningSplit:
@@ -82,14 +82,38 @@ def split_text(fmt: ReasoningFormat, in_reasoning: bool, text: str) -> tuple[Opt
     return (r1 + r2) or None, (c1 + c2) or None, split.entered
 
 
-def reasoning_cut(split: ReasoningSplit, was_reasoning: bool, was_entered: bool, token_ids: list[int],
-                  end_id: int) -> int:
-    """How many of a delta's tokens (`split` has just read their text) are reasoning: all while it stays inside,
-    those through the end tag's token where it closes, none outside it; `was_reasoning` / `was_entered`: the
-    split's state before the delta."""
-    active = was_reasoning or (split.entered and not was_entered)
-    if not active:
-        return 0
-    if split.in_reasoning:
-        return len(token_ids)
-    return token_ids.index(end_id) + 1 if end_id in token_ids else len(token_ids)
+class ChoiceReasoning:
+    """One streamed chat choice's reasoning: its text's split, and which of its tokens (their log-probs and ids) go
+    with the reasoning: those through the end tag's token once the text was inside the reasoning, as
+    `ReasoningReader.reasoning_tokens` counts them for the body. While the split holds the answer's first text back
+    (whitespace, or a start tag's beginning), the tokens are held back with it."""
+
+    def __init__(self, reader: ReasoningReader, in_reasoning: bool) -> None:
+        self.reader = reader
+        self.split = ReasoningSplit(reader.fmt, in_reasoning)
+        self.tokens: list[int] = []  # the choice's output tokens so far
+        self.held: tuple[list[int], Optional[list[Any]]] = ([], None)  # tokens (and log-probs) not yet placed
+
+    def read(self, text: str, token_ids: Sequence[int], logprobs: Optional[Sequence[Any]],
+             finished: bool) -> Optional[tuple[str, str, list[int], Optional[list[Any]], int]]:  # fmt: skip
+        """The next delta (every one, token-only ones too) -> (reasoning, content, its token ids with any held
+        before, their log-probs, how many of those tokens are reasoning); None while held back."""
+        thought, answer = self.split.feed(text)
+        if finished:
+            more_thought, more_answer = self.split.finish()
+            thought, answer = thought + more_thought, answer + more_answer
+        held_ids, held_logprobs = self.held
+        ids = held_ids + list(token_ids)
+        lps = None if logprobs is None else (held_logprobs or []) + list(logprobs)
+        if self.split.at_start and not finished:
+            self.held = (ids, lps)
+            return None
+        self.held = ([], None)
+        placed = len(self.tokens)
+        self.tokens += ids
+        cut = min(max(0, self.reasoning_tokens - placed), len(ids))
+        return thought, answer, ids, lps, cut
+
+    @property
+    def reasoning_tokens(self) -> int:
+        return self.reader.reasoning_tokens(self.tokens, self.split.entered)

@@ -138,7 +138,8 @@ class ChatCompletionRequest(_SamplingFields):
     function_call: Optional[Any] = None
     # OpenAI fields that ask a reasoning model to think less or more, or to be terse (no model family here reads
     # them; --reasoning-parser only splits the thinking off), or hand it a prediction of the answer (a speed hint:
-    # the answer is the same without it): accepted, without effect; modalities other than text and web search are refused (protocol.py)
+    # the answer is the same without it): accepted, without effect; modalities other than text and web search are
+    # refused (protocol.py)
     reasoning_effort: Optional[StrictStr] = None
     verbosity: Optional[StrictStr] = None
     prediction: Optional[dict[str, Any]] = None
@@ -327,7 +328,7 @@ class AssistantMessage(BaseModel):
     reasoning: Optional[str] = None
 
     @model_serializer(mode="wrap")
-    def _without_empty_tool_calls(self, handler: Any) -> dict[str, Any]:
+    def _without_absent_parts(self, handler: Any) -> dict[str, Any]:
         out = {k: v for k, v in handler(self).items() if k not in ("tool_calls", "reasoning") or v is not None}
         if "reasoning" in out:
             out["reasoning_content"] = out["reasoning"]
