@@ -31,13 +31,13 @@ from trtpaged.server.engine_loop import (
 )
 from trtpaged.server.errors import ApiError, from_runtime_error, overloaded
 from trtpaged.server.protocol import GenerationRequest, check_request_id, parse_generation
+from trtpaged.server.reasoning import ChoiceReasoning, split_text
 from trtpaged.server.responses import Echo, ResponseBuilder, TokenStrings, logprob_token_ids, sse, top_entries, usage
 from trtpaged.server.schemas import Usage, dump
 from trtpaged.server.stream_state import CompletionAccumulator, StreamState
 from trtpaged.server.token_bytes import token_bytes_reader
 from trtpaged.server.tokenization import generation_prompt, prompt_token_ids
 from trtpaged.server.tokenizer_worker import TokenizerWorker
-from trtpaged.server.reasoning import ChoiceReasoning, split_text
 from trtpaged.server.tool_parsers import ToolCallStream
 from trtpaged.server.tools import tool_format
 
