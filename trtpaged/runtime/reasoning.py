@@ -94,13 +94,19 @@ class ReasoningReader:
             return not _closed(off, text.rfind(self.fmt.start), text.rfind(self.fmt.end))
         return not _closed(off, _last(prompt_ids, self.start_id), _last(prompt_ids, self.end_id))
 
-    def reasoning_tokens(self, output_ids: Sequence[int], entered: bool) -> int:
-        """How many of a choice's output tokens are its reasoning (`entered`: the text's split was inside it): those
-        through the first end tag, all of them when the reasoning never ended; none when it never thought."""
+    def reasoning_span(self, output_ids: Sequence[int], entered: bool) -> int:
+        """How many of a choice's first output tokens belong to its reasoning (`entered`: the text's split was
+        inside it), its tags included: those through the first end tag, all of them when the reasoning never ended;
+        none when it never thought. Their log-probs go with the reasoning."""
         if not entered:
             return 0
         ids = list(output_ids)
         return ids.index(self.end_id) + 1 if self.end_id in ids else len(ids)
+
+    def reasoning_tokens(self, output_ids: Sequence[int], entered: bool) -> int:
+        """The reasoning's tokens as usage counts them (vLLM's count): its span less the tags."""
+        span = list(output_ids)[: self.reasoning_span(output_ids, entered)]
+        return sum(1 for t in span if t != self.start_id and t != self.end_id)
 
 
 class ThinkingBudget:

@@ -271,7 +271,7 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
             usage = responses_output.usage_of(summary.prompt_tokens, summary.completion_tokens,
                                               summary.cached_tokens, cache_block_size,
                                               summary.reasoning_tokens)  # fmt: skip
-            body = responses_output.response_body(call, summary.request_id, answer, usage)
+            body = responses_output.response_body(call, summary.request_id, answer, usage, summary.reasoning_span)
             # ASCII JSON: a lone surrogate the client sent, echoed in the Response, is escaped (a UTF-8 write failed)
             return Response(json.dumps(body), media_type="application/json", headers=headers)
         return JSONResponse(dump(answer), headers=headers)

@@ -54,7 +54,8 @@ class Summary:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens found in the prefix cache
-    reasoning_tokens: int = 0  # completion tokens that were reasoning (a server with a reasoning parser)
+    reasoning_tokens: int = 0  # completion tokens that were reasoning, its tags left out (a reasoning parser)
+    reasoning_span: int = 0  # completion tokens that went with the reasoning, its tags included
     finish_reasons: list[str] = field(default_factory=list)
 
 
@@ -337,9 +338,9 @@ class GenerationService:
         _summarise(s.summary, ordered, s.req.echo_only)
         if self.reasoning is not None and s.builder.reasoning is not None:
             fmt, start = s.builder.reasoning, s.builder.in_reasoning
-            s.summary.reasoning_tokens = sum(
-                self.reasoning.reasoning_tokens(c.token_ids, split_text(fmt, start, c.text)[2])
-                for o in ordered for c in o.outputs)  # fmt: skip
+            entered = [(c.token_ids, split_text(fmt, start, c.text)[2]) for o in ordered for c in o.outputs]
+            s.summary.reasoning_tokens = sum(self.reasoning.reasoning_tokens(*e) for e in entered)
+            s.summary.reasoning_span = sum(self.reasoning.reasoning_span(*e) for e in entered)
         return body
 
     async def _echoes(self, req: GenerationRequest, outs: Iterable[RequestOutput]) -> list[Echo]:
@@ -441,6 +442,7 @@ class GenerationService:
         s.summary.completion_tokens = 0 if s.req.echo_only else state.completion_tokens
         s.summary.finish_reasons = state.finish_reasons
         s.summary.reasoning_tokens = sum(reading.reasoning_tokens for reading in thoughts.values())
+        s.summary.reasoning_span = sum(reading.span for reading in thoughts.values())
         if s.req.include_usage:
             yield sse(builder.usage_chunk(s.summary.prompt_tokens, s.summary.completion_tokens))
         yield sse("[DONE]")

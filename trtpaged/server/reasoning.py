@@ -75,7 +75,7 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 def split_text(fmt: ReasoningFormat, in_reasoning: bool, text: str) -> tuple[Optional[str], Optional[str], bool]:
     """A whole output's (reasoning, content), each None when empty, and whether it was ever inside the reasoning
-    (`ReasoningReader.reasoning_tokens` counts its tokens through the end tag then)."""
+    (`ReasoningReader.reasoning_span`: its tokens through the end tag then)."""
     split = ReasoningSplit(fmt, in_reasoning)
     r1, c1 = split.feed(text)
     r2, c2 = split.finish()
@@ -85,7 +85,7 @@ def split_text(fmt: ReasoningFormat, in_reasoning: bool, text: str) -> tuple[Opt
 class ChoiceReasoning:
     """One streamed chat choice's reasoning: its text's split, and which of its tokens (their log-probs and ids) go
     with the reasoning: those through the end tag's token once the text was inside the reasoning, as
-    `ReasoningReader.reasoning_tokens` counts them for the body. While the split holds the answer's first text back
+    `ReasoningReader.reasoning_span` places them for the body. While the split holds the answer's first text back
     (whitespace, or a start tag's beginning), the tokens are held back with it."""
 
     def __init__(self, reader: ReasoningReader, in_reasoning: bool) -> None:
@@ -111,9 +111,15 @@ class ChoiceReasoning:
         self.held = ([], None)
         placed = len(self.tokens)
         self.tokens += ids
-        cut = min(max(0, self.reasoning_tokens - placed), len(ids))
+        cut = min(max(0, self.span - placed), len(ids))
         return thought, answer, ids, lps, cut
 
     @property
+    def span(self) -> int:
+        """The choice's first tokens that are its reasoning's, tags included (`ReasoningReader.reasoning_span`)."""
+        return self.reader.reasoning_span(self.tokens, self.split.entered)
+
+    @property
     def reasoning_tokens(self) -> int:
+        """Its reasoning tokens as usage counts them (`ReasoningReader.reasoning_tokens`)."""
         return self.reader.reasoning_tokens(self.tokens, self.split.entered)

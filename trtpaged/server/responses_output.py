@@ -95,9 +95,11 @@ def _text_logprobs(entries: list[dict[str, Any]], text: str) -> list[dict[str, A
     return kept
 
 
-def response_body(call: ResponsesCall, rid: str, chat_answer: BaseModel, usage: dict[str, Any]) -> dict[str, Any]:
-    """The Response object `rid` of a finished chat answer (one choice): its text, then its calls; cut by
-    max_output_tokens, the last item is incomplete."""
+def response_body(call: ResponsesCall, rid: str, chat_answer: BaseModel, usage: dict[str, Any],
+                  reasoning_span: int = 0) -> dict[str, Any]:  # fmt: skip
+    """The Response object `rid` of a finished chat answer (one choice): its reasoning, its text, then its calls;
+    cut by max_output_tokens, the last item is incomplete. `reasoning_span`: the answer's first tokens that were
+    its reasoning's (their log-probs are not the message's)."""
     answer = chat_answer.model_dump(mode="json")
     (choice,) = answer["choices"]
     message = choice["message"]
@@ -107,8 +109,7 @@ def response_body(call: ResponsesCall, rid: str, chat_answer: BaseModel, usage: 
     if message.get("content") or not (calls or output):
         text = message.get("content") or ""
         # the message's tokens follow the reasoning's (a reasoning item carries no log-probs)
-        thought = usage["output_tokens_details"]["reasoning_tokens"]
-        entries = ((choice.get("logprobs") or {}).get("content") or [])[thought:]
+        entries = ((choice.get("logprobs") or {}).get("content") or [])[reasoning_span:]
         logprobs = (_text_logprobs(entries, text) if calls else entries) if call.chat_body.get("logprobs") else None
         output.append(_text_item(text, logprobs, "completed"))
     for c in calls:
