@@ -210,10 +210,11 @@ class GenerationService:
 
         def run(tokenizer: Any) -> tuple[list[list[int]], Optional[str]]:
             if req.chat:
-                tools = req.tools.definitions if req.tools else None
+                tools, text = req.tools.definitions if req.tools else None, []
                 ids = prompt_token_ids(tokenizer, vocab, None, req.messages, tools, req.chat_options,
-                                       req.add_special_tokens, check)  # fmt: skip
-                tail = generation_prompt(tokenizer, req.messages, tools, req.chat_options) if self.reasoning else None
+                                       req.add_special_tokens, check, text)  # fmt: skip
+                tail = generation_prompt(tokenizer, req.messages, tools, req.chat_options, text[0]) if \
+                    self.reasoning else None  # fmt: skip
                 return [ids], tail
             return [prompt_token_ids(tokenizer, vocab, p, None, None, {}, req.add_special_tokens, check)
                     for p in req.prompts], None  # fmt: skip

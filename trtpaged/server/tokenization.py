@@ -27,13 +27,12 @@ from trtpaged.server.tools import tool_choice
 
 
 def generation_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: Optional[Sequence[dict]],
-                      chat_options: dict[str, Any]) -> Optional[str]:
-    """The text the chat template adds to start the answer (its generation prompt: the conversation rendered with
-    it, less the conversation rendered without it); None when the request continues its last message, asks for no
-    generation prompt, or the two renderings do not nest."""
+                      chat_options: dict[str, Any], full: str) -> Optional[str]:
+    """The text the chat template adds to start the answer (its generation prompt: `full`, the conversation
+    rendered with it, less the conversation rendered without it); None when the request continues its last message,
+    asks for no generation prompt, or the two renderings do not nest."""
     if chat_options.get("continue_final_message") or chat_options.get("add_generation_prompt") is False:
         return None
-    full = chat_prompt_text(tokenizer, messages, tools, **chat_options)
     bare = chat_prompt_text(tokenizer, messages, tools, **{**chat_options, "add_generation_prompt": False})
     return full[len(bare) :] if full.startswith(bare) else None
 
@@ -41,16 +40,20 @@ def generation_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: Opt
 def prompt_token_ids(tokenizer: Any, vocab_size: Optional[int], prompt: Optional[Prompt],
                      messages: Optional[list[dict[str, Any]]], tools: Optional[Sequence[dict]],
                      chat_options: dict[str, Any], add_special_tokens: bool,
-                     check_text: Optional[Callable[[str], None]] = None) -> list[int]:  # fmt: skip
+                     check_text: Optional[Callable[[str], None]] = None,
+                     rendered: Optional[list[str]] = None) -> list[int]:  # fmt: skip
     """A prompt's token ids as /v1/completions, /v1/chat/completions and /tokenize all make them (one rule, so that
     /tokenize counts what the generation endpoints count): `messages` under the chat template (with the tools'
     definitions and the chat options), else a text prompt through the tokenizer; a token-id prompt is kept as given
     (checked against the vocabulary). `add_special_tokens` (vLLM's): what the tokenizer adds (a BOS), on top of the
     template's text for messages; the request schemas default it as vLLM does, true for a text prompt and false for
     messages (their template writes its own). `check_text` sees the text before it is tokenized (and may refuse
-    it). Runs on the tokenizer worker's prompts lane, with its tokenizer."""
+    it); `rendered`, when given, gets the chat template's text. Runs on the tokenizer worker's prompts lane, with its
+    tokenizer."""
     if messages is not None:
         text = chat_prompt_text(tokenizer, messages, tools, **chat_options)
+        if rendered is not None:
+            rendered.append(text)
         if check_text is not None:
             check_text(text)
         return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
