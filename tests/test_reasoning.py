@@ -133,6 +133,8 @@ def test_a_parser_refuses_a_tokenizer_that_cannot_write_its_tags():
     tok.add_tokens([AddedToken("</think>", special=False, normalized=False)])
     reader = ReasoningReader.for_tokenizer("qwen3", tok)
     assert (reader.start_id, reader.end_id) == (259, 260)  # the next free ids, as added
+    assert {tok.convert_ids_to_tokens(i) for i in reader.blank_ids} >= {"Ġ", "Ċ"}  # byte-level " " and "\n"
+    assert all(not tok.decode([i]).strip() for i in reader.blank_ids) and tok.encode("a")[0] not in reader.blank_ids
     tok.add_special_tokens({"additional_special_tokens": ["</think>"]})
     with pytest.raises(ValueError, match=r"reasoning_parser: qwen3's tag '</think>' is a special token"):
         ReasoningReader.for_tokenizer("qwen3", tok)
@@ -449,9 +451,12 @@ def test_a_thinking_budget_forces_the_end_tag_after_that_many_tokens(thinking_en
     (True, [3, 9, 4, 5, 6], [3, 9, 4, 5, 6]),  # closed in time: nothing forced
     (False, [1, 8, 3, 4, 5], [1, 8, 3, 4, 5]),  # a start tag inside the answer is text (as the split reads it)
     (True, [3, 4, 5], [3, 4, 9]),
+    (False, [2, 2, 8, 3, 4, 5], [2, 2, 8, 3, 4, 9]),  # whitespace, then the start tag: it opens (as the split reads)
+    (True, [2, 8, 3, 4, 5], [2, 8, 3, 4, 9]),  # ... and that whitespace does not count
+    (False, [2, 1, 8, 3, 4], [2, 1, 8, 3, 4]),  # text before it: no
 ])  # fmt: skip
 def test_a_thinking_budget_counts_the_reasoning_tokens_only(thinking, picks, want):
-    budget, out = ThinkingBudget(2, 8, 9, thinking), []
+    budget, out = ThinkingBudget(2, 8, 9, thinking, blank_ids=frozenset({2})), []  # 2: a whitespace token
     for token in picks:  # the model's picks; a forced token replaces its pick
         forced = budget.forced()
         out.append(token if forced is None else forced)

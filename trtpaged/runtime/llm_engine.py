@@ -230,7 +230,7 @@ class LLMEngine:
             r = self.reasoning
             assert r is not None  # checked above
             thinking = r.starts_in_reasoning(token_ids) if starts_in_reasoning is None else starts_in_reasoning
-            seq.thinking = ThinkingBudget(params.thinking_token_budget, r.start_id, r.end_id, thinking)
+            seq.thinking = ThinkingBudget(params.thinking_token_budget, r.start_id, r.end_id, thinking, r.blank_ids)
         if compiled is not None:
             seq.grammar = self.grammars.matcher(compiled)
             if params.structured_outputs.starts_after is not None:

@@ -56,6 +56,7 @@ class ReasoningReader:
     fmt: ReasoningFormat
     start_id: int
     end_id: int
+    blank_ids: frozenset[int] = frozenset()  # tokens that write only whitespace (before a start tag, as the split)
 
     @classmethod
     def for_tokenizer(cls, name: str, tokenizer: Any) -> "ReasoningReader":
@@ -80,7 +81,9 @@ class ReasoningReader:
                 raise ValueError(f"reasoning_parser: {name}'s tag {tag!r} is a special token of this model, which "
                                  "decoded text leaves out")  # fmt: skip
             ids.append(int(token))
-        return cls(fmt, ids[0], ids[1])
+        size = len(tokenizer)
+        texts = tokenizer.batch_decode([[i] for i in range(size)], skip_special_tokens=False)
+        return cls(fmt, ids[0], ids[1], frozenset(i for i, text in enumerate(texts) if not text.strip()))
 
     def starts_in_reasoning(self, prompt_ids: Sequence[int], template_kwargs: Optional[Mapping[str, Any]] = None,
                             generation_prompt: Optional[str] = None) -> bool:  # fmt: skip
@@ -112,15 +115,17 @@ class ReasoningReader:
 class ThinkingBudget:
     """One sequence's thinking budget (vLLM's `thinking_token_budget`): once it has written `budget` tokens of
     reasoning without closing it, the next token is forced to be the end tag. Counting starts with the output when
-    the answer starts in the reasoning, else at a start tag written as the output's first token; the tags do not
-    count."""
+    the answer starts in the reasoning, else at a start tag that opens the output (after whitespace, as the text's
+    split reads it); the tags, and the whitespace before an opening start tag, do not count."""
 
-    def __init__(self, budget: int, start_id: int, end_id: int, thinking: bool) -> None:
+    def __init__(self, budget: int, start_id: int, end_id: int, thinking: bool,
+                 blank_ids: frozenset[int] = frozenset()) -> None:  # fmt: skip
         self.budget = budget
         self.start_id, self.end_id = start_id, end_id
+        self.blank_ids = blank_ids  # tokens that write only whitespace
         self.thinking = thinking  # inside the reasoning now
         self.spent = 0  # reasoning tokens written since it opened
-        self.seen = 0  # output tokens so far
+        self.leading = True  # only whitespace written so far: a start tag still opens the output
         self.done = False  # the reasoning has been closed: nothing more to watch
 
     def forced(self) -> Optional[int]:
@@ -129,11 +134,12 @@ class ThinkingBudget:
 
     def advance(self, token_id: int) -> None:
         """Follows one appended output token."""
-        first, self.seen = self.seen == 0, self.seen + 1
-        if self.done:
+        leading = self.leading
+        self.leading = leading and token_id in self.blank_ids
+        if self.done or self.leading:
             return
         if token_id == self.start_id:
-            self.thinking = self.thinking or first
+            self.thinking = self.thinking or leading
             return
         if not self.thinking:
             return
@@ -143,6 +149,6 @@ class ThinkingBudget:
         self.spent += 1
 
     def fork(self) -> "ThinkingBudget":
-        child = ThinkingBudget(self.budget, self.start_id, self.end_id, self.thinking)
-        child.spent, child.seen, child.done = self.spent, self.seen, self.done
+        child = ThinkingBudget(self.budget, self.start_id, self.end_id, self.thinking, self.blank_ids)
+        child.spent, child.leading, child.done = self.spent, self.leading, self.done
         return child
