@@ -581,3 +581,45 @@ def test_a_tag_in_a_message_does_not_move_where_the_answer_starts(server, thinki
                                                  seed=seed, extra_body={"ignore_eos": True}).choices[0].message
         assert (message.reasoning, message.content) == reference(raw, True)
     wait_idle(server)
+
+
+def test_responses_continue_a_partial_assistant_message_and_pass_the_effort_to_the_template(tiny_engine_dir):
+    """vLLM's Responses rules: an input that ends with an assistant message still in progress (or incomplete) is
+    continued, not answered; `reasoning.effort` (and chat's `reasoning_effort`) is the template variable
+    reasoning_effort. Truth: the template rendered here with jinja2."""
+    import jinja2
+
+    template = ("{{ reasoning_effort | default('-') }}:{% for m in messages %}{{ m['role'] }}={{ m['content'] }};"
+                "{% endfor %}{% if add_generation_prompt %}assistant={% endif %}")  # fmt: skip
+    handle = start_server(tiny_engine_dir, port=0, served_model_name=MODEL, device="cpu", chat_template=template)
+    llm = LLM(tiny_engine_dir, device="cpu")
+
+    def tokens(**kwargs) -> int:
+        return len(llm.tokenizer.encode(jinja2.Template(template).render(**kwargs), add_special_tokens=False))
+
+    try:
+        client = openai_client(handle.url)
+        partial = {"role": "assistant", "content": [{"type": "output_text", "text": "Once upon"}], "type": "message",
+                   "status": "incomplete"}  # fmt: skip
+        user = {"role": "user", "content": "a story"}
+        r = client.responses.create(model=MODEL, input=[user, partial], max_output_tokens=1)
+        # continued: the text ends in the message itself ("...=Once upon;" is what the template writes for it; the
+        # continuation starts right after its text, so the closing ";" is not part of the prompt)
+        full = jinja2.Template(template).render(messages=[user, {"role": "assistant", "content": "Once upon"}],
+                                                add_generation_prompt=False)  # fmt: skip
+        assert r.usage.input_tokens == len(llm.tokenizer.encode(full[: full.rindex("Once upon") + 9],
+                                                                add_special_tokens=False))  # fmt: skip
+        done = {**partial, "status": "completed"}
+        r = client.responses.create(model=MODEL, input=[user, done, {"role": "user", "content": "more"}],
+                                    max_output_tokens=1)  # a finished assistant turn: answered as before
+        turns = [user, {"role": "assistant", "content": "Once upon"}, {"role": "user", "content": "more"}]
+        assert r.usage.input_tokens == tokens(messages=turns, add_generation_prompt=True)
+        r = client.responses.create(model=MODEL, input="hi", max_output_tokens=1, reasoning={"effort": "high"})
+        want = tokens(reasoning_effort="high", messages=[{"role": "user", "content": "hi"}], add_generation_prompt=True)
+        assert r.usage.input_tokens == want and r.reasoning.effort == "high"
+        c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                           reasoning_effort="high")
+        assert c.usage.prompt_tokens == want
+        wait_idle(handle)
+    finally:
+        handle.shutdown(timeout=0)

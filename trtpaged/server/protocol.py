@@ -301,11 +301,15 @@ def _usage_options(req: Union[CompletionRequest, ChatCompletionRequest]) -> tupl
 def chat_options(req: Union[ChatCompletionRequest, TokenizeChatRequest],
                  template_defaults: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:  # fmt: skip
     """LLM.chat_prompt's options from a chat body (vLLM's add_generation_prompt, continue_final_message,
-    chat_template_kwargs, over the server's `template_defaults` key by key)."""
+    chat_template_kwargs, over the server's `template_defaults` key by key; reasoning_effort, when given, is a
+    template variable as in vLLM)."""
     kwargs = req.chat_template_kwargs
     if template_defaults:
         kwargs = {**template_defaults, **kwargs} if isinstance(kwargs, dict) else (
             dict(template_defaults) if kwargs is None else kwargs)  # not a mapping: refused as the request's
+    effort = getattr(req, "reasoning_effort", None)
+    if effort is not None and (kwargs is None or isinstance(kwargs, dict)):  # vLLM's: a template variable too
+        kwargs = {"reasoning_effort": effort, **(kwargs or {})}
     return {"add_generation_prompt": req.add_generation_prompt is not False,
             "continue_final_message": bool(req.continue_final_message),
             "template_kwargs": kwargs}  # fmt: skip

@@ -81,8 +81,20 @@ def translate(body: Any, served_model: str) -> ResponsesCall:
     response_format = _response_format(req.text)
     if response_format is not None:
         chat["response_format"] = response_format
+    if _continues(req.input):  # vLLM's: a partial assistant message last is continued, not answered
+        chat.update(continue_final_message=True, add_generation_prompt=False)
+    if req.reasoning is not None and req.reasoning.effort is not None:  # vLLM's: a template variable
+        chat["chat_template_kwargs"] = {"reasoning_effort": req.reasoning.effort}
     chat["stream"] = req.stream
     return ResponsesCall(req, chat, served_model, int(time.time()))
+
+
+def _continues(items: Any) -> bool:
+    """Whether the input ends with an assistant message that is still being written (status in_progress or
+    incomplete, as a Response cut by max_output_tokens leaves it): the answer continues it (vLLM's rule)."""
+    last = items[-1] if isinstance(items, list) and items else None
+    return (isinstance(last, dict) and last.get("type", "message") == "message" and last.get("role") == "assistant"
+            and last.get("status") in ("in_progress", "incomplete"))  # fmt: skip
 
 
 # chat's spellings in a refusal's text -> the Responses API's (a refusal of the chat body a Responses request became);

@@ -136,10 +136,10 @@ class ChatCompletionRequest(_SamplingFields):
     echo: Optional[StrictBool] = False  # vLLM: the last message's text before the answer when the roles match
     functions: Optional[list[Any]] = None
     function_call: Optional[Any] = None
-    # OpenAI fields that ask a reasoning model to think less or more, or to be terse (no model family here reads
-    # them; --reasoning-parser only splits the thinking off), or hand it a prediction of the answer (a speed hint:
-    # the answer is the same without it): accepted, without effect; modalities other than text and web search are
-    # refused (protocol.py)
+    # OpenAI fields that ask a reasoning model to think less or more, or to be terse, or hand it a prediction of the
+    # answer (a speed hint: the answer is the same without it): accepted; reasoning_effort is a chat template
+    # variable (vLLM's), which a template may read; the others are without effect; modalities other than text and
+    # web search are refused (protocol.py)
     reasoning_effort: Optional[StrictStr] = None
     verbosity: Optional[StrictStr] = None
     prediction: Optional[dict[str, Any]] = None
@@ -155,8 +155,9 @@ class ResponsesStreamOptions(_Strict):
 
 
 class Reasoning(_Strict):
-    """The Responses API's reasoning settings: checked and echoed, without effect (no model family here reads an
-    effort; `serve --reasoning-parser` returns the thinking as a reasoning item)."""
+    """The Responses API's reasoning settings: checked and echoed; `effort` is a chat template variable
+    (`reasoning_effort`, vLLM's), which a template may read; `serve --reasoning-parser` returns the thinking as a
+    reasoning item."""
 
     effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh"]] = None
     summary: Optional[Literal["auto", "concise", "detailed"]] = None
