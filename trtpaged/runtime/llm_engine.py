@@ -226,9 +226,8 @@ class LLMEngine:
         if params.min_tokens:
             ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
             group.min_tokens_banned = tuple(sorted(ends))
-        if params.thinking_token_budget is not None:
+        if params.thinking_token_budget is not None and self.reasoning is not None:  # (refused above without one)
             r = self.reasoning
-            assert r is not None  # checked above
             thinking = r.starts_in_reasoning(token_ids) if starts_in_reasoning is None else starts_in_reasoning
             seq.thinking = ThinkingBudget(params.thinking_token_budget, r.start_id, r.end_id, thinking, r.blank_ids)
         if compiled is not None:
