@@ -45,6 +45,14 @@ def _closed(switched_off: bool, last_start: int, last_end: int) -> bool:
     return switched_off or (last_end >= 0 and last_end > last_start)
 
 
+def span_of(length: int, first_end: int, entered: bool) -> int:
+    """`ReasoningReader.reasoning_span` of `length` output tokens whose first end tag stands at `first_end` (-1:
+    none yet), for a caller that follows the tokens as they come."""
+    if not entered:
+        return 0
+    return first_end + 1 if first_end >= 0 else length
+
+
 def _switched_off(fmt: ReasoningFormat, template_kwargs: Optional[Mapping[str, Any]]) -> bool:
     return fmt.switch is not None and (template_kwargs or {}).get(fmt.switch) is False
 
@@ -101,10 +109,8 @@ class ReasoningReader:
         """How many of a choice's first output tokens belong to its reasoning (`entered`: the text's split was
         inside it), its tags included: those through the first end tag, all of them when the reasoning never ended;
         none when it never thought. Their log-probs go with the reasoning."""
-        if not entered:
-            return 0
         ids = list(output_ids)
-        return ids.index(self.end_id) + 1 if self.end_id in ids else len(ids)
+        return span_of(len(ids), ids.index(self.end_id) if self.end_id in ids else -1, entered)
 
     def reasoning_tokens(self, output_ids: Sequence[int], entered: bool) -> int:
         """The reasoning's tokens as usage counts them (vLLM's count): its span less the tags."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from trtpaged.runtime.reasoning import ReasoningFormat, ReasoningReader
+from trtpaged.runtime.reasoning import ReasoningFormat, ReasoningReader, span_of
 
 
 class ReasoningSplit:
@@ -92,6 +92,7 @@ class ChoiceReasoning:
         self.reader = reader
         self.split = ReasoningSplit(reader.fmt, in_reasoning)
         self.tokens: list[int] = []  # the choice's output tokens so far
+        self.first_end = -1  # where the first end tag stands among them (-1: none yet)
         self.held: tuple[list[int], Optional[list[Any]]] = ([], None)  # tokens (and log-probs) not yet placed
 
     def read(self, text: str, token_ids: Sequence[int], logprobs: Optional[Sequence[Any]],
@@ -110,6 +111,8 @@ class ChoiceReasoning:
             return None
         self.held = ([], None)
         placed = len(self.tokens)
+        if self.first_end < 0 and self.reader.end_id in ids:  # found once, in the new tokens only (not a rescan)
+            self.first_end = placed + ids.index(self.reader.end_id)
         self.tokens += ids
         cut = min(max(0, self.span - placed), len(ids))
         return thought, answer, ids, lps, cut
@@ -117,7 +120,7 @@ class ChoiceReasoning:
     @property
     def span(self) -> int:
         """The choice's first tokens that are its reasoning's, tags included (`ReasoningReader.reasoning_span`)."""
-        return self.reader.reasoning_span(self.tokens, self.split.entered)
+        return span_of(len(self.tokens), self.first_end, self.split.entered)
 
     @property
     def reasoning_tokens(self) -> int:
