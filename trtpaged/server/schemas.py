@@ -318,6 +318,13 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
+def _with_old_reasoning_name(out: dict[str, Any]) -> dict[str, Any]:
+    """A serialized message or delta with its `reasoning` also under `reasoning_content` (the older name)."""
+    if "reasoning" in out:
+        out["reasoning_content"] = out["reasoning"]
+    return out
+
+
 class AssistantMessage(BaseModel):
     """The reply: `content` (null when the reply is tool calls), and `tool_calls` only when there are some;
     `reasoning` (vLLM's) only from a server with a reasoning parser, also as `reasoning_content` (its older name,
@@ -330,10 +337,8 @@ class AssistantMessage(BaseModel):
 
     @model_serializer(mode="wrap")
     def _without_absent_parts(self, handler: Any) -> dict[str, Any]:
-        out = {k: v for k, v in handler(self).items() if k not in ("tool_calls", "reasoning") or v is not None}
-        if "reasoning" in out:
-            out["reasoning_content"] = out["reasoning"]
-        return out
+        return _with_old_reasoning_name({k: v for k, v in handler(self).items()
+                                         if k not in ("tool_calls", "reasoning") or v is not None})  # fmt: skip
 
 
 class _WithoutNulls(BaseModel):
@@ -385,11 +390,8 @@ class Delta(_WithoutNulls):
     tool_calls: Optional[list[DeltaToolCall]] = None
 
     @model_serializer(mode="wrap")
-    def _with_old_reasoning_name(self, handler: Any) -> dict[str, Any]:
-        out = {k: v for k, v in handler(self).items() if v is not None}
-        if "reasoning" in out:  # also under its older name, as the message has it
-            out["reasoning_content"] = out["reasoning"]
-        return out
+    def _without_nulls(self, handler: Any) -> dict[str, Any]:  # the parent's, plus the older reasoning name
+        return _with_old_reasoning_name({k: v for k, v in handler(self).items() if v is not None})
 
 
 class ChatChunkChoice(BaseModel):
