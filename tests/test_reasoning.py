@@ -8,10 +8,12 @@ The served model is the tiny random one with a vocabulary that spells two of the
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections import Counter
 from pathlib import Path
+from typing import Optional
 
 import openai
 import pytest
@@ -164,7 +166,7 @@ def test_serve_names_the_flag_of_an_unknown_parser(tiny_engine_dir):
 # ---- a grammar gated by the end of the thinking (the engine) --------------------------------------------------
 
 def test_a_gated_grammar_leaves_the_output_free_until_its_tokens_then_holds(tiny_engine_dir):
-    llm = LLM(tiny_engine_dir, device="cpu")
+    llm = _llm(tiny_engine_dir)
     prompt = llm.chat_prompt([{"role": "user", "content": "tell me a story"}])
     free = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     (truth,) = llm.generate([prompt], free, use_tqdm=False)
@@ -188,7 +190,7 @@ def test_a_gated_grammar_leaves_the_output_free_until_its_tokens_then_holds(tiny
 def tags(tiny_engine_dir) -> dict[int, str]:
     """Two ids past the byte vocabulary that the tiny model samples in most answers to PROMPTS: the end tag, the
     one it samples most; the start tag, the next."""
-    llm = LLM(tiny_engine_dir, device="cpu")
+    llm = _llm(tiny_engine_dir)
     seen: Counter = Counter()
     for text in PROMPTS:
         prompt = llm.chat_prompt([{"role": "user", "content": text}])
@@ -223,8 +225,24 @@ def server(thinking_engine):
     handle.shutdown(timeout=0)
 
 
+@functools.lru_cache(maxsize=None)
+def _llm(engine: Path, reasoning_parser: Optional[str] = None) -> LLM:
+    """One engine loaded once for the module's truths (each generate is its own)."""
+    return LLM(engine, device="cpu", reasoning_parser=reasoning_parser)
+
+
+def _tag_id(tags: dict[int, str], name: str) -> int:
+    return next(t for t, tag in tags.items() if tag == name)
+
+
+def _free_thinking(engine: Path, messages: list, seed: int, ids: list[int], end: int) -> Optional[str]:
+    """The reasoning the model wrote freely through its first end tag (the same seed, nothing gating it)."""
+    free, _ = _raw(engine, messages, seed, max_tokens=ids.index(end) + 1)
+    return reference(free, True)[0]
+
+
 def _raw(engine: Path, messages: list, seed: int, **kwargs) -> tuple[str, list[int]]:
-    llm = LLM(engine, device="cpu")
+    llm = _llm(engine)
     prompt = llm.chat_prompt(messages, template_kwargs=kwargs.pop("chat_template_kwargs", None))
     params = SamplingParams(**{"max_tokens": 40, "temperature": 0.8, "seed": seed, "ignore_eos": True, **kwargs})
     c = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
@@ -266,7 +284,7 @@ def test_chat_answers_split_at_the_end_tag_in_the_body_and_the_stream(server, th
 
 def test_a_response_format_holds_after_the_thinking_not_during_it(server, thinking_engine, tags):
     client = openai_client(server.url)
-    end = next(t for t, name in tags.items() if name == "</think>")
+    end = _tag_id(tags, "</think>")
     fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}}
     checked = 0
     for text in PROMPTS:
@@ -280,9 +298,8 @@ def test_a_response_format_holds_after_the_thinking_not_during_it(server, thinki
             if end not in ids:  # never ended its thinking: all of it free, as without the format
                 assert (message.reasoning, message.content) == reference(raw, True)
                 continue
-            cut = ids.index(end)
-            free, _ = _raw(thinking_engine, messages, seed, max_tokens=cut + 1)
-            assert message.reasoning == reference(free, True)[0]  # the thinking as the model wrote it freely
+            # the thinking as the model wrote it freely
+            assert message.reasoning == _free_thinking(thinking_engine, messages, seed, ids, end)
             assert isinstance(json.loads(message.content), int), message.content  # the format holds after it
             checked += 1
     assert checked >= 3
@@ -300,7 +317,7 @@ def test_a_forced_tool_call_comes_after_the_thinking(server, thinking_engine, ta
     from tests.test_server_tools import TOOLS
 
     client = openai_client(server.url)
-    end = next(t for t, name in tags.items() if name == "</think>")
+    end = _tag_id(tags, "</think>")
     called = 0
     for text in PROMPTS:
         messages = [{"role": "user", "content": text}]
@@ -312,9 +329,7 @@ def test_a_forced_tool_call_comes_after_the_thinking(server, thinking_engine, ta
             choice = r.choices[0]
             if end not in ids[:40]:
                 continue
-            cut = ids.index(end)
-            free, _ = _raw(thinking_engine, messages, seed, max_tokens=cut + 1)
-            assert choice.message.reasoning == reference(free, True)[0]
+            assert choice.message.reasoning == _free_thinking(thinking_engine, messages, seed, ids, end)
             assert choice.message.tool_calls and choice.message.content is None  # forced: calls, even cut short
             for call in choice.message.tool_calls:
                 assert call.function.name in ("get_weather", "add")
@@ -327,7 +342,7 @@ def test_a_forced_tool_call_comes_after_the_thinking(server, thinking_engine, ta
 
 def test_responses_carry_a_reasoning_item_before_the_message(server, thinking_engine, tags):
     client = openai_client(server.url)
-    end = next(t for t, name in tags.items() if name == "</think>")
+    end = _tag_id(tags, "</think>")
     seen = 0
     for text in PROMPTS:
         for seed in SEEDS:
@@ -382,7 +397,7 @@ def test_a_responses_reasoning_item_reaches_the_template_with_the_turn_it_led_to
     handle = start_server(tiny_engine_dir, port=0, served_model_name=MODEL, device="cpu", chat_template=template)
     try:
         client = openai_client(handle.url)
-        llm = LLM(tiny_engine_dir, device="cpu")
+        llm = _llm(tiny_engine_dir)
         think = {"type": "reasoning", "id": "rs_1", "summary": [],
                  "content": [{"type": "reasoning_text", "text": "hm"}]}  # fmt: skip
         summary = {"type": "reasoning", "id": "rs_2", "summary": [{"type": "summary_text", "text": "short"}]}
@@ -413,9 +428,9 @@ def test_a_responses_reasoning_item_reaches_the_template_with_the_turn_it_led_to
 def test_a_thinking_budget_forces_the_end_tag_after_that_many_tokens(thinking_engine, tags):
     """vLLM's thinking_token_budget: the output is the free one for `budget` tokens, then the end tag, then the
     model goes on; a model that closes its thinking sooner is not touched. Truth: the same seed without a budget."""
-    end = next(t for t, name in tags.items() if name == "</think>")
-    start = next(t for t, name in tags.items() if name == "<think>")
-    llm = LLM(thinking_engine, device="cpu", reasoning_parser="qwen3")
+    end = _tag_id(tags, "</think>")
+    start = _tag_id(tags, "<think>")
+    llm = _llm(thinking_engine, "qwen3")
     cut = untouched = 0
     for text in PROMPTS:
         prompt = llm.chat_prompt([{"role": "user", "content": text}])
@@ -466,9 +481,9 @@ def test_a_thinking_budget_counts_the_reasoning_tokens_only(thinking, picks, wan
 
 def test_the_server_takes_a_thinking_budget(server, thinking_engine, tags):
     client = openai_client(server.url)
-    end = next(t for t, name in tags.items() if name == "</think>")
-    llm = LLM(thinking_engine, device="cpu", reasoning_parser="qwen3")
-    start = next(t for t, name in tags.items() if name == "<think>")
+    end = _tag_id(tags, "</think>")
+    llm = _llm(thinking_engine, "qwen3")
+    start = _tag_id(tags, "<think>")
     for text in PROMPTS:
         raw, ids = _raw(thinking_engine, [{"role": "user", "content": text}], 0, ignore_eos=False)
         counted = [i for i, t in enumerate(ids) if t != start]
@@ -527,7 +542,7 @@ def test_log_probs_and_reasoning_tokens_follow_the_split(thinking_engine, tags, 
     """Each token's log-prob goes with the part its text went to: the reasoning's (through the end tag) with the
     reasoning, the rest with the answer; streamed (chunks of several tokens too) as in the body, and the Responses
     message's log-probs are the answer's tokens. Thinking off: no reasoning, every token the message's."""
-    end = next(t for t, name in tags.items() if name == "</think>")
+    end = _tag_id(tags, "</think>")
     off = "default_chat_template_kwargs" in options
     handle = start_server(thinking_engine, port=0, served_model_name=MODEL, device="cpu",
                           options=ServerOptions(reasoning_parser="qwen3", **options))  # fmt: skip
@@ -592,7 +607,7 @@ def test_responses_continue_a_partial_assistant_message_and_pass_the_effort_to_t
     template = ("{{ reasoning_effort | default('-') }}:{% for m in messages %}{{ m['role'] }}={{ m['content'] }};"
                 "{% endfor %}{% if add_generation_prompt %}assistant={% endif %}")  # fmt: skip
     handle = start_server(tiny_engine_dir, port=0, served_model_name=MODEL, device="cpu", chat_template=template)
-    llm = LLM(tiny_engine_dir, device="cpu")
+    llm = _llm(tiny_engine_dir)
 
     def tokens(**kwargs) -> int:
         return len(llm.tokenizer.encode(jinja2.Template(template).render(**kwargs), add_special_tokens=False))
