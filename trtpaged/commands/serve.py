@@ -113,6 +113,10 @@ def _not_empty(value, param):
                    "with it, so that no one without it can change answers through the store.")
 @click.option("--kv-remote", default=None, metavar="URL",
               help="KV tier: a Redis server shared by replicas, redis://HOST:PORT[/DB].")
+@click.option("--responses-store-size", type=Size(), default=None, metavar="SIZE",
+              help="Keep finished /v1/responses answers in memory, up to SIZE (e.g. 256MiB; least recently used "
+                   "out), for GET /v1/responses/{id}, previous_response_id and background requests (default: none "
+                   "kept, unless VLLM_ENABLE_RESPONSES_API_STORE=1, vLLM's switch: 256MiB).")
 @click.option("--request-log", type=OutputFile(), default=None,
               help="Append one JSON line per finished request to this file (arrival s, lengths, n, beam width, prefix "
                    "hits, finish reasons, latencies, step time): what `trtpaged diagnose` reads.")
@@ -130,7 +134,8 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
             default_chat_template_kwargs, enable_auto_tool_choice, max_logprobs, seed,
             generation_config, gpu_memory_utilization, dtype, backend,
             device, tensor_parallel_size, speculative_config, kv_host_memory, kv_disk_path, kv_disk_size, kv_remote,
-            kv_secret_file, request_log, request_log_prompts, stream_interval, pin_threads) -> None:  # fmt: skip
+            kv_secret_file, responses_store_size, request_log, request_log_prompts, stream_interval,
+            pin_threads) -> None:  # fmt: skip
     """Serve ENGINE over /v1/completions, /v1/chat/completions, /v1/responses, /v1/models, /tokenize, /detokenize,
     /version, /health and /metrics."""
     from trtpaged.server import ServerOptions, start_server
@@ -151,7 +156,7 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
             shutdown_timeout_s=shutdown_timeout, max_body_bytes=max_body_bytes, max_prompt_tokens=max_prompt_tokens,
             request_log=request_log, request_log_prompts=request_log_prompts, stream_interval=stream_interval,
             pin_threads=pin_threads, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
-            default_chat_template_kwargs=default_chat_template_kwargs,
+            default_chat_template_kwargs=default_chat_template_kwargs, responses_store_size=responses_store_size,
         )  # fmt: skip
         with interrupts_end_the_load():
             handle = start_server(

@@ -28,7 +28,9 @@ from trtpaged.server.generation import GenerationService, Submitted, runtime_fai
 from trtpaged.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
 from trtpaged.server.options import ServerOptions
 from trtpaged.server.protocol import check_model
+from trtpaged.server.responses_store import ResponsesStore
 from trtpaged.server.schemas import ModelCard, ModelList, dump
+from trtpaged.server.stored_responses import StoredResponses
 from trtpaged.server.tokenization import Tokenization
 
 log = logging.getLogger("trtpaged.server")
@@ -217,6 +219,8 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
 
     config = service.llm.config
     cache_block_size = config.block_size if config.enable_prefix_caching else 0  # a Response's cache_write_tokens
+    size = options.responses_store_size
+    stored = StoredResponses(ResponsesStore(size) if size else None, service, cache_block_size)
 
     async def generate(request: Request, chat: bool, responses: bool = False) -> Response:
         """One generation request; `responses`: a /v1/responses body, served as the chat body it translates to."""
@@ -224,18 +228,21 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
         if draining:
             metrics.observe_rejected("draining")
             raise overloaded("the server is shutting down", options.retry_after_s)
-        call = None
+        call, claimed = None, None
         try:
             body = parse_json(await read_body(request))
             if responses:
-                call = responses_api.translate(body, service.model_name)
+                call = responses_api.translate(body, service.model_name, stored.store)
                 body = call.chat_body
+                claimed = stored.claim(call, request.headers.get("x-request-id"))
             submitting = service.submit(body, chat, request.headers.get("x-request-id"))
             submitted = await unless_disconnected(request, submitting)
         except ClientGone:
+            stored.release(claimed)
             _log(request, 499, "client disconnected before its request was queued", start)
             return Response(status_code=499)
         except ApiError as exc:
+            stored.release(claimed)
             if exc.status == 503:
                 metrics.observe_rejected("overloaded")
                 exc.headers["Retry-After"] = str(options.retry_after_s)
@@ -243,18 +250,43 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
             _log(request, error.status, error.message, start)
             raise error from None
         summary = submitted.summary
-        if call is not None:  # logged and answered under the Response's id
-            # vLLM's: a body's request_id is the Response's id as given; else resp_ + the caller's or a random id
-            rid = call.req.request_id or responses_output.response_id(summary.request_id)
-            call.used = {"temperature": submitted.params.temperature, "top_p": submitted.params.top_p,
-                         "max_output_tokens": submitted.max_tokens[0]}  # fmt: skip
-            summary.header_id = rid if summary.header_id == summary.request_id else summary.header_id
-            summary.request_id = rid
+        if call is None:
+            return await answer(request, submitted, start)
+        # logged and answered under the Response's id; vLLM's: a body's request_id is the Response's id as given,
+        # else resp_ + the caller's or a random id
+        rid = call.req.request_id or responses_output.response_id(summary.request_id)
+        stored.claim_random(call, rid, claimed)
+        call.used = {"temperature": submitted.params.temperature, "top_p": submitted.params.top_p,
+                     "max_output_tokens": submitted.max_tokens[0]}  # fmt: skip
+        summary.header_id = rid if summary.header_id == summary.request_id else summary.header_id
+        summary.request_id = rid
+        if call.req.background:
+            def ended(status: int, note: str, s: Submitted | None) -> None:
+                _log(request, status, note, start, s)
+
+            try:
+                queued = stored.start_background(call, rid, submitted, ended)
+            except ApiError as exc:
+                stored.release(rid)
+                raise responses_api.renamed(exc, call) from None
+            return Response(json.dumps(queued), media_type="application/json",
+                            headers={"X-Request-Id": summary.header_id})
+        try:
+            return await answer(request, submitted, start, call)
+        finally:
+            if not submitted.req.stream:  # a stream's claim ends with the stream
+                stored.release(rid)
+
+    async def answer(request: Request, submitted: Submitted, start: float,
+                     call: responses_api.ResponsesCall | None = None) -> Response:  # fmt: skip
+        """The answer to a queued request: its stream, or its whole body once it finished."""
+        summary = submitted.summary
         headers = {"X-Request-Id": summary.header_id}
         if submitted.req.stream:
             events = _logged_stream(request, submitted, start)
             if call is not None:
-                events = responses_output.stream(call, summary.request_id, events, summary, cache_block_size)
+                events = stored.released(summary.request_id, responses_output.stream(
+                    call, summary.request_id, events, summary, cache_block_size, stored.keep(call, summary.request_id)))
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache",
                                                                                       **headers})  # fmt: skip
         try:
@@ -272,6 +304,9 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
                                               summary.cached_tokens, cache_block_size,
                                               summary.reasoning_tokens)  # fmt: skip
             body = responses_output.response_body(call, summary.request_id, answer, usage, summary.reasoning_span)
+            keep = stored.keep(call, summary.request_id)
+            if keep is not None:
+                body["store"] = keep(body)
             # ASCII JSON: a lone surrogate the client sent, echoed in the Response, is escaped (a UTF-8 write failed)
             return Response(json.dumps(body), media_type="application/json", headers=headers)
         return JSONResponse(dump(answer), headers=headers)
@@ -296,6 +331,8 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
     @app.post("/v1/responses", dependencies=[Depends(authorize)])
     async def create_response(request: Request) -> Response:
         return await generate(request, chat=True, responses=True)
+
+    stored.add_routes(app, authorize)
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models() -> JSONResponse:

@@ -12,6 +12,8 @@ from trtpaged.server.tool_parsers import PARSER_NAMES
 
 API_KEY_ENV = "TRTPAGED_API_KEY"
 PIN_MODES = ("auto", "on", "off")  # ServerOptions.pin_threads
+VLLM_STORE_ENV = "VLLM_ENABLE_RESPONSES_API_STORE"
+DEFAULT_RESPONSES_STORE_SIZE = 256 << 20  # what vLLM's switch keeps here (vLLM's own store has no bound)
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,9 @@ class ServerOptions:
     content (`trtpaged.server.reasoning`); None: the whole text is content.
     `default_chat_template_kwargs` (vLLM's --default-chat-template-kwargs): chat template variables every chat
     request (and /tokenize of messages) gets; a request's own chat_template_kwargs override them key by key.
+    `responses_store_size`: bytes of finished Responses kept in memory for GET /v1/responses/{id},
+    `previous_response_id` and `background` (`trtpaged.server.responses_store`); None: none are kept, unless
+    $VLLM_ENABLE_RESPONSES_API_STORE (vLLM's switch) is 1, which keeps DEFAULT_RESPONSES_STORE_SIZE.
     """
 
     served_model_name: Optional[str] = None
@@ -53,10 +58,13 @@ class ServerOptions:
     tool_call_parser: Optional[str] = None  # vLLM's name of the tool-call format; None: read from the chat template
     reasoning_parser: Optional[str] = None  # vLLM's name of the reasoning format; None: no reasoning is split off
     default_chat_template_kwargs: Optional[dict[str, Any]] = None  # e.g. {"enable_thinking": False}
+    responses_store_size: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.api_key is None and os.environ.get(API_KEY_ENV):
             object.__setattr__(self, "api_key", os.environ[API_KEY_ENV])
+        if self.responses_store_size is None and os.environ.get(VLLM_STORE_ENV, "").strip().lower() in ("1", "true"):
+            object.__setattr__(self, "responses_store_size", DEFAULT_RESPONSES_STORE_SIZE)
         checks = [
             ("max_waiting", self.max_waiting is None or self.max_waiting >= 1),
             ("max_body_bytes", self.max_body_bytes >= 1),
@@ -64,6 +72,7 @@ class ServerOptions:
             ("request_timeout_s", self.request_timeout_s is None or self.request_timeout_s > 0),
             ("body_timeout_s", self.body_timeout_s > 0),
             ("shutdown_timeout_s", self.shutdown_timeout_s >= 0),
+            ("responses_store_size", self.responses_store_size is None or self.responses_store_size >= 1),
         ]
         for name, ok in checks:
             if not ok:

@@ -4,8 +4,11 @@ A request becomes a chat completions body (`instructions` as the first system me
 function tools and `text.format` in chat's spelling) and is submitted as one; server/responses_output.py turns its
 answer or stream back into a Response object and the Responses API's typed stream events.
 
-The server keeps no responses: `previous_response_id` and `conversation` are refused (send the whole conversation
-in `input`), and `store` is accepted and answered false. Text in, text and function calls out.
+A server started with a Responses store (`serve --responses-store-size`, server/responses_store.py) keeps each
+Response whose `store` is not false: `previous_response_id` continues one (its conversation, less its
+instructions, comes before this request's input), and `background` runs a request while the client polls it.
+Without one, `store` is answered false and `previous_response_id` is not found. `conversation` and `prompt` (stored
+conversations and prompts) are refused. Text in, text and function calls out.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any, Optional
 
 from trtpaged.server.errors import ApiError
 from trtpaged.server.protocol import check_model, validated
+from trtpaged.server.responses_store import ResponsesStore, not_found
 from trtpaged.server.schemas import GenerationFields, ResponsesRequest
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -45,22 +49,34 @@ class ResponsesCall:
     chat_body: dict[str, Any]
     model: str
     created_at: int
+    items: list[Any] = field(default_factory=list)  # the request's own input, as items (what a store keeps)
+    stored: bool = False  # kept by the server's Responses store (one is on, and `store` is not false)
     # the settings the request ran with, as the Response echoes them (temperature, top_p, max_output_tokens): the
     # request's own, else the model's recommended ones or the API's defaults; set once it is submitted
     used: dict[str, Any] = field(default_factory=dict)
 
 
-def translate(body: Any, served_model: str) -> ResponsesCall:
-    """Validates a /v1/responses body and makes its chat completions body; ApiError naming the Responses field."""
+def translate(body: Any, served_model: str, store: Optional[ResponsesStore] = None) -> ResponsesCall:
+    """Validates a /v1/responses body and makes its chat completions body; ApiError naming the Responses field.
+    `store`: the server's Responses store, if it keeps them (previous_response_id reads it)."""
     req = validated(ResponsesRequest, body)
     check_model(req.model, served_model)
-    for name in ("previous_response_id", "conversation", "prompt"):
+    for name in ("conversation", "prompt"):
         if getattr(req, name) is not None:
-            raise ApiError(f"{name}: this server stores no responses or prompts; send the whole conversation in "
-                           "input", name)  # fmt: skip
-    if req.background:
-        raise ApiError("background: not supported by this server (responses are answered or streamed at once)",
+            raise ApiError(f"{name}: this server stores no conversations or prompts; send the conversation in input"
+                           + (" or continue a stored response (previous_response_id)" if store else ""), name)
+    stored = store is not None and req.store is not False
+    if req.background and not stored:
+        raise ApiError("background: needs a stored response (store not false, on a server started with "
+                       "--responses-store-size)", "background")  # fmt: skip
+    if req.background and req.stream:
+        raise ApiError("background: not with stream: true on this server (poll GET /v1/responses/{id})",
                        "background")  # fmt: skip
+    history: list[Any] = []
+    if req.previous_response_id is not None:
+        if store is None:  # vLLM's answer without a store: not found
+            raise not_found(req.previous_response_id, "previous_response_id")
+        history = store.conversation(req.previous_response_id)
     if req.truncation not in (None, "disabled"):
         raise ApiError("truncation: only 'disabled' is supported (an input too long for the model is refused)",
                        "truncation")  # fmt: skip
@@ -68,8 +84,9 @@ def translate(body: Any, served_model: str) -> ResponsesCall:
         raise ApiError(f"max_tool_calls: must be >= 0, got {req.max_tool_calls}", "max_tool_calls")
     if req.stream_options is not None and not req.stream:
         raise ApiError("stream_options: only allowed with stream: true", "stream_options")
+    items = [{"type": "message", "role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
     chat: dict[str, Any] = {k: getattr(req, k) for k in _SAME_FIELDS if getattr(req, k) is not None}
-    chat["messages"] = _messages(req)
+    chat["messages"] = _messages(req.instructions, history, items)
     if req.max_output_tokens is not None:
         chat["max_completion_tokens"] = req.max_output_tokens
     chat.update(_logprobs(req))
@@ -81,12 +98,12 @@ def translate(body: Any, served_model: str) -> ResponsesCall:
     response_format = _response_format(req.text)
     if response_format is not None:
         chat["response_format"] = response_format
-    if _continues(req.input):  # vLLM's: a partial assistant message last is continued, not answered
+    if _continues(history + items):  # vLLM's: a partial assistant message last is continued, not answered
         chat.update(continue_final_message=True, add_generation_prompt=False)
     if req.reasoning is not None and req.reasoning.effort is not None:  # vLLM's: a template variable
         chat["chat_template_kwargs"] = {"reasoning_effort": req.reasoning.effort}
     chat["stream"] = req.stream
-    return ResponsesCall(req, chat, served_model, int(time.time()))
+    return ResponsesCall(req, chat, served_model, int(time.time()), items, stored)
 
 
 def _continues(items: Any) -> bool:
@@ -137,16 +154,14 @@ def _renamed_text(message: str) -> str:
     return "".join(pieces)
 
 
-def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
-    """instructions, then the input items, as chat messages."""
+def _messages(instructions: Optional[str], history: list[Any], items: list[Any]) -> list[dict[str, Any]]:
+    """instructions, then the items of a stored conversation (`history`) and of the request's input, as chat
+    messages (the input's items numbered as the client sent them)."""
     messages: list[dict[str, Any]] = []
-    if req.instructions:
-        messages.append({"role": "system", "content": req.instructions})
-    if isinstance(req.input, str):
-        messages.append({"role": "user", "content": req.input})
-        return messages
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
     thought: Optional[str] = None  # a reasoning item's text, for the assistant turn that follows it
-    for i, item in enumerate(req.input):
+    for i, item in enumerate(history + items, start=-len(history)):
         where = f"input[{i}]"
         if not isinstance(item, dict):
             raise ApiError(f"{where}: must be an object (a message or a function call item)", "input")

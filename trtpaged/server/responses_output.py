@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 import uuid
 from contextlib import aclosing
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 from pydantic import BaseModel
 
 from trtpaged.server.responses_api import ResponsesCall
+
+Keep = Callable[[dict[str, Any]], bool]  # stores a finished Response; False when it could not
 
 
 def _item_id(prefix: str) -> str:
@@ -29,15 +31,16 @@ def envelope(call: ResponsesCall, rid: str, status: str, output: list[dict[str, 
     """The Response object: its state, output items, usage, and the request's settings as OpenAI echoes them."""
     req = call.req
     return {
-        "id": rid, "object": "response", "created_at": call.created_at, "status": status, "background": False,
+        "id": rid, "object": "response", "created_at": call.created_at, "status": status,
+        "background": bool(req.background),
         "error": error,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": req.instructions, "max_output_tokens": call.used.get("max_output_tokens", req.max_output_tokens),
         "max_tool_calls": req.max_tool_calls,
         "model": call.model, "output": output,
         "parallel_tool_calls": True if req.parallel_tool_calls is None else req.parallel_tool_calls,
-        "previous_response_id": None, "reasoning": _reasoning(req), "service_tier": req.service_tier or "auto",
-        "store": False,
+        "previous_response_id": req.previous_response_id, "reasoning": _reasoning(req),
+        "service_tier": req.service_tier or "auto", "store": call.stored,
         "temperature": call.used.get("temperature", req.temperature), "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
         "tool_choice": "auto" if req.tool_choice is None else req.tool_choice, "tools": req.tools or [],
         "top_logprobs": req.top_logprobs or 0, "top_p": call.used.get("top_p", req.top_p), "truncation": "disabled",
@@ -122,8 +125,9 @@ class EventStream:
     """Chat completion chunks (as the chat stream sends them) -> the Responses API's stream events. Items come one
     after another, each finished before the next is added, as OpenAI streams them."""
 
-    def __init__(self, call: ResponsesCall, rid: str) -> None:
-        self.call, self.rid = call, rid
+    def __init__(self, call: ResponsesCall, rid: str, keep: Optional[Keep] = None) -> None:
+        """`keep`: stores the final Response (a server with a Responses store), False when it could not."""
+        self.call, self.rid, self.keep = call, rid, keep
         self.sequence = 0
         self.output: list[dict[str, Any]] = []  # items in output order, as they are so far
         self.open: Optional[int] = None  # the output index of the item being written, if any
@@ -268,9 +272,14 @@ class EventStream:
             events += self._open_text()
         events += self._flush_pending()
         events += self._finish_open(status)
-        events.append(self.event(f"response.{status}", response=envelope(self.call, self.rid, status, self.output,
-                                                                         usage)))  # fmt: skip
+        events.append(self.event(f"response.{status}", response=self._kept(envelope(self.call, self.rid, status,
+                                                                                    self.output, usage))))
         return events
+
+    def _kept(self, body: dict[str, Any]) -> dict[str, Any]:
+        if self.keep is not None:
+            body["store"] = self.keep(body)
+        return body
 
     def failed(self, error: dict[str, Any], usage: Optional[dict[str, Any]] = None) -> list[bytes]:
         """A failure after the stream began (the engine failed, the request timed out): the item being written
@@ -280,7 +289,7 @@ class EventStream:
         events += self._finish_open("incomplete")
         body = envelope(self.call, self.rid, "failed", self.output, usage,
                         error={"code": "server_error", "message": str(error.get("message", ""))})  # fmt: skip
-        events.append(self.event("response.failed", response=body))
+        events.append(self.event("response.failed", response=self._kept(body)))
         return events
 
 
@@ -294,10 +303,10 @@ def chat_events(raw: bytes) -> list[Any]:
 
 
 async def stream(call: ResponsesCall, rid: str, chat_stream: AsyncIterator[bytes], summary: Any,
-                 block_size: int) -> AsyncIterator[bytes]:  # fmt: skip
+                 block_size: int, keep: Optional[Keep] = None) -> AsyncIterator[bytes]:  # fmt: skip
     """The Responses stream of one chat stream; `summary` (the request's Summary) holds the usage at its end;
-    `block_size`: the prefix cache's (0: off)."""
-    events = EventStream(call, rid)
+    `block_size`: the prefix cache's (0: off); `keep` stores the final Response (EventStream's)."""
+    events = EventStream(call, rid, keep)
     failed = False
     async with aclosing(chat_stream):  # a client gone closes this stream: the chat stream's close aborts the request
         for e in events.start():

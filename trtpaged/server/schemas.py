@@ -182,7 +182,7 @@ class ResponsesRequest(GenerationFields):
     reasoning: Optional[Reasoning] = None
     truncation: Optional[StrictStr] = None
     max_tool_calls: Optional[StrictInt] = None
-    previous_response_id: Optional[StrictStr] = None  # refused: this server stores no responses
+    previous_response_id: Optional[StrictStr] = None  # a stored response's id (a server with a Responses store)
     conversation: Optional[Any] = None
     prompt: Optional[dict[str, Any]] = None
     background: Optional[StrictBool] = None

@@ -1,0 +1,217 @@
+"""Stored Responses (`serve --responses-store-size`) with the official `openai` client: a stored Response reads back
+as it was answered; `previous_response_id` answers as the same conversation sent whole in one request (OpenAI's
+definition: the earlier input and output, then the new input; the earlier instructions are not carried); a
+background request is polled to the answer the same request gets at once, and a cancel ends it with its blocks
+freed; the store's byte bound evicts the least recently used; ids are unique; refusals name the field."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tests.runtime_helpers import openai_client
+from tests.test_server import wait_idle
+from trtpaged.server import ServerOptions, start_server
+from trtpaged.server.responses_store import ResponsesStore
+
+openai = pytest.importorskip("openai", reason="the openai package is not installed (pip install openai)")
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_engine_dir):
+    handle = start_server(tiny_engine_dir, port=0, served_model_name=MODEL, device="cpu",
+                          options=ServerOptions(responses_store_size=1 << 20))  # fmt: skip
+    yield handle
+    handle.shutdown(timeout=0)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai_client(server.url)
+
+
+def _create(client, **kw):
+    return client.responses.create(model=MODEL, temperature=0, **kw)
+
+
+def _turn(r) -> list[dict]:
+    """A Response's output as input items a client would send back."""
+    return [o.model_dump(exclude_none=True) for o in r.output]
+
+
+def test_a_stored_response_reads_back_as_answered(client, server):
+    r = _create(client, input="hello there", max_output_tokens=6)
+    assert r.store is True
+    got = client.responses.retrieve(r.id)
+    assert got.model_dump() == r.model_dump()
+    events = list(_create(client, input="stream me", max_output_tokens=6, stream=True))
+    last = events[-1].response
+    assert last.store is True and client.responses.retrieve(last.id).model_dump() == last.model_dump()
+    unstored = _create(client, input="not kept", max_output_tokens=2, store=False)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError) as err:
+        client.responses.retrieve(unstored.id)
+    assert err.value.body["param"] == "response_id"
+    wait_idle(server)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_previous_response_id_answers_as_the_whole_conversation_sent_at_once(client, server, stream):
+    first = _create(client, instructions="Be terse.", input="hello there", max_output_tokens=5)
+    second = _create(client, input=[{"role": "user", "content": "and then?"}], max_output_tokens=7,
+                     previous_response_id=first.id, instructions="Be kind.")  # fmt: skip
+    whole = [{"role": "user", "content": "hello there"}, *_turn(first), {"role": "user", "content": "and then?"}]
+    truth = _create(client, input=whole, max_output_tokens=7, instructions="Be kind.", store=False)
+    assert second.previous_response_id == first.id
+    assert second.output_text == truth.output_text
+    assert second.usage.input_tokens == truth.usage.input_tokens
+    # a third turn walks the chain of two; a stream continues it the same way
+    kw = dict(input="more", max_output_tokens=6, previous_response_id=second.id)
+    third = _create(client, stream=True, **kw)
+    third = [e for e in third][-1].response if stream else _create(client, **kw)
+    whole += [*_turn(second), {"role": "user", "content": "more"}]
+    truth = _create(client, input=whole, max_output_tokens=6, store=False)
+    assert (third.output_text, third.usage.input_tokens) == (truth.output_text, truth.usage.input_tokens)
+    wait_idle(server)
+
+
+def test_a_cut_response_is_continued_by_an_empty_turn(client, server):
+    """A Response cut by max_output_tokens ends with an incomplete message: continuing it with no new input
+    continues that message (vLLM's rule for an unfinished assistant turn), as the same items sent whole do."""
+    cut = _create(client, input="write on", max_output_tokens=3)
+    assert cut.status == "incomplete"
+    went_on = _create(client, input=[], max_output_tokens=4, previous_response_id=cut.id)
+    truth = _create(client, input=[{"role": "user", "content": "write on"}, *_turn(cut)], max_output_tokens=4,
+                    store=False)  # fmt: skip
+    assert went_on.output_text == truth.output_text
+    wait_idle(server)
+
+
+def test_a_background_response_is_polled_to_the_answer(client, server):
+    queued = _create(client, input="in the background", max_output_tokens=12, background=True)
+    assert queued.status == "queued" and queued.background is True and queued.output == []
+    deadline = time.monotonic() + 60
+    while (r := client.responses.retrieve(queued.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    at_once = _create(client, input="in the background", max_output_tokens=12, store=False)
+    assert (r.status, r.output_text, r.usage.output_tokens) == (at_once.status, at_once.output_text,
+                                                                at_once.usage.output_tokens)  # fmt: skip
+    assert r.background is True
+    wait_idle(server)
+
+
+def test_a_cancelled_background_response_frees_its_blocks(client, server):
+    """Cancelled while the engine thread is held (so that it cannot finish first): it ends cancelled, short of
+    its length, and once the engine runs again no block is left in use."""
+    queued = _create(client, input="a long one", max_output_tokens=450, background=True)
+    release = threading.Event()
+    held = threading.Thread(target=lambda: server.loop.call(lambda e: release.wait(30)))
+    try:
+        held.start()
+        deadline = time.monotonic() + 20
+        while (server.loop._commands.qsize() or not held.is_alive()) and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the engine thread has taken the holding call off its queue
+        assert client.responses.retrieve(queued.id).status == "in_progress"
+        with pytest.raises(openai.BadRequestError) as err:  # a running response is cancelled, not deleted
+            client.responses.delete(queued.id)
+        assert err.value.body["param"] == "response_id"
+        cancelled = client.responses.cancel(queued.id)
+    finally:
+        release.set()
+        held.join(30)
+    assert cancelled.status == "cancelled" and cancelled.usage.output_tokens < 450
+    assert client.responses.retrieve(queued.id).status == "cancelled"
+    assert client.responses.cancel(queued.id).status == "cancelled"  # again: answered as it is
+    wait_idle(server)
+    done = _create(client, input="done", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.cancel(done.id)
+    assert "background" in err.value.body["message"]
+    client.responses.delete(queued.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(queued.id)
+
+
+def test_deleting_a_response_breaks_the_chains_through_it(client, server):
+    first = _create(client, input="one", max_output_tokens=2)
+    second = _create(client, input="two", max_output_tokens=2, previous_response_id=first.id)
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError) as err:
+        client.responses.delete(first.id)
+    for rid in (first.id, second.id):
+        with pytest.raises(openai.NotFoundError) as err:
+            _create(client, input="three", max_output_tokens=2, previous_response_id=rid)
+        assert err.value.body["param"] == "previous_response_id" and first.id in err.value.body["message"]
+    assert client.responses.retrieve(second.id).id == second.id  # itself still stored
+    wait_idle(server)
+
+
+def test_ids_name_one_stored_response(client, server):
+    kept = _create(client, input="x", max_output_tokens=2, extra_body={"request_id": "resp_mine"})
+    assert kept.id == "resp_mine"
+    for how in ({"extra_body": {"request_id": "resp_mine"}}, {"extra_headers": {"X-Request-Id": "mine"}}):
+        with pytest.raises(openai.BadRequestError) as err:
+            _create(client, input="y", max_output_tokens=2, **how)
+        assert err.value.body["param"] in ("request_id", "X-Request-Id") and "resp_mine" in err.value.body["message"]
+    assert client.responses.retrieve("resp_mine").output_text == kept.output_text  # not replaced
+    wait_idle(server)
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"background": True, "store": False}, "background"),
+    ({"background": True, "stream": True}, "background"),
+    ({"conversation": "conv_1"}, "conversation"),
+])  # fmt: skip
+def test_what_the_store_cannot_serve_is_refused_naming_the_field(client, server, extra, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.post("/responses", body={"model": MODEL, "input": "hi", **extra}, cast_to=object)
+    assert err.value.body["param"] == param
+    wait_idle(server)
+
+
+def test_a_server_without_a_store_keeps_nothing(tiny_engine_dir):
+    handle = start_server(tiny_engine_dir, port=0, served_model_name=MODEL, device="cpu")
+    try:
+        client = openai_client(handle.url)
+        r = _create(client, input="hi", max_output_tokens=2)
+        assert r.store is False
+        with pytest.raises(openai.NotFoundError) as err:
+            client.responses.retrieve(r.id)
+        assert "--responses-store-size" in err.value.body["message"]
+        with pytest.raises(openai.NotFoundError) as err:  # vLLM's answer without its store
+            _create(client, input="hi", max_output_tokens=2, previous_response_id=r.id)
+        assert err.value.body["param"] == "previous_response_id"
+        with pytest.raises(openai.BadRequestError) as err:
+            _create(client, input="hi", max_output_tokens=2, background=True)
+        assert err.value.body["param"] == "background"
+    finally:
+        handle.shutdown(timeout=0)
+
+
+def test_the_store_keeps_its_byte_bound_least_recently_used_out():
+    """The bound counts each entry's JSON; a read is a use; an entry larger than the bound is not kept; a
+    running (background) entry is never evicted."""
+    def body(rid: str, text: str) -> dict:
+        return {"id": rid, "output": [{"type": "message", "role": "assistant", "content": text}]}
+
+    store = ResponsesStore(700)
+    for rid in ("a", "b", "c"):
+        assert store.put(rid, body(rid, "x" * 100), [{"role": "user", "content": "q"}], None)
+    assert store.size <= 700 and len(store) == 3
+    store.get("a")  # a used: b is now the oldest
+    assert store.put("d", body("d", "x" * 100), [], "a")
+    assert store.get("b") is None and store.get("a") is not None and store.size <= 700
+    assert [i["content"] for i in store.conversation("d")] == ["q", "x" * 100, "x" * 100]
+    assert not store.put("huge", body("huge", "x" * 800), [], None) and store.get("huge") is None
+    assert len(store) == 3  # nothing else went for it
+    store.put("r", body("r", "y" * 100), [], None, running=True)
+    for i in range(10):
+        store.put(f"n{i}", body(f"n{i}", "z" * 100), [], None)
+    assert store.running("r") and store.get("r") is not None and store.size <= 700
+    with pytest.raises(Exception) as err:
+        store.reserve("r", "request_id")
+    assert "request_id" in str(err.value)

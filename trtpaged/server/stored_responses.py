@@ -1,0 +1,177 @@
+"""The server's side of stored Responses (`serve --responses-store-size`): ids claimed before a request is queued,
+finished Responses kept, background requests run and cancelled, and the routes that read them:
+GET /v1/responses/{id}, DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel (OpenAI's and vLLM's)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from contextlib import aclosing
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import Response
+
+from trtpaged.server import responses_output
+from trtpaged.server.engine_loop import ClientGone, EngineFailure, RequestTimeout, ShuttingDown
+from trtpaged.server.errors import ApiError
+from trtpaged.server.generation import GenerationService, Submitted, runtime_failure
+from trtpaged.server.responses_api import ResponsesCall
+from trtpaged.server.responses_output import Keep
+from trtpaged.server.responses_store import ResponsesStore, not_found
+
+log = logging.getLogger("trtpaged.server")
+CANCEL_WAIT_S = 30.0  # how long a cancel waits for its request to end (an abort takes a step or a poll, 0.25 s)
+Ended = Callable[[int, str, Optional[Submitted]], None]  # logs a background request's end: status, note
+
+
+class StoredResponses:
+    """Stored Responses and the background requests that make them; `store` None: the server keeps none (a client
+    asking for one gets a 404 saying so, as vLLM's without its store)."""
+
+    def __init__(self, store: Optional[ResponsesStore], service: GenerationService, block_size: int) -> None:
+        self.store = store
+        self.service = service
+        self.block_size = block_size  # the prefix cache's (0: off), for usage's cache_write_tokens
+        self.running: dict[str, tuple[asyncio.Task, asyncio.Event]] = {}  # background id -> its task, its cancel
+
+    def claim(self, call: ResponsesCall, header_id: Optional[str]) -> Optional[str]:
+        """Reserves the id a stored Response will have when the caller chose it (the body's request_id, else
+        X-Request-Id); a 400 when a stored or running response has it. None: the id will be random."""
+        if not call.stored or self.store is None:
+            return None
+        if call.req.request_id is not None:
+            rid, field = call.req.request_id, "request_id"
+        elif header_id is not None:
+            rid, field = responses_output.response_id(f"chatcmpl-{header_id}"), "X-Request-Id"
+        else:
+            return None
+        self.store.reserve(rid, field)
+        return rid
+
+    def claim_random(self, call: ResponsesCall, rid: str, claimed: Optional[str]) -> None:
+        """Reserves a random id `rid` (claim gave none)."""
+        if call.stored and self.store is not None and claimed is None:
+            self.store.reserve(rid, "request_id")
+
+    def release(self, rid: Optional[str]) -> None:
+        if rid is not None and self.store is not None:
+            self.store.release(rid)
+
+    async def released(self, rid: str, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """`events`, the stream of Response `rid`; its claimed id is given up when the stream ends (its Response
+        stored by then, or not at all when the client left)."""
+        try:
+            async with aclosing(events):
+                async for event in events:
+                    yield event
+        finally:
+            self.release(rid)
+
+    def keep(self, call: ResponsesCall, rid: str) -> Optional[Keep]:
+        """What stores the finished Response `rid` of `call` (None: it is not stored)."""
+        store = self.store
+        if not call.stored or store is None:
+            return None
+        return lambda body: store.put(rid, body, call.items, call.req.previous_response_id)
+
+    def start_background(self, call: ResponsesCall, rid: str, s: Submitted, ended: Ended) -> dict[str, Any]:
+        """Runs the queued request `s` in a task that stores its Response when it ends; returns the queued
+        Response, what the client gets now. `ended` logs the end."""
+        assert self.store is not None
+        queued = responses_output.envelope(call, rid, "queued", [])
+        if not self.store.put(rid, queued, call.items, call.req.previous_response_id, running=True):
+            self.service.loop.abort(sorted(s.index))
+            raise ApiError(f"input: larger than the Responses store's bound ({self.store.max_bytes} bytes)", "input")
+        cancel = asyncio.Event()
+        task = asyncio.get_running_loop().create_task(self._run(call, rid, s, cancel, ended))
+        self.running[rid] = (task, cancel)
+        return queued
+
+    async def _run(self, call: ResponsesCall, rid: str, s: Submitted, cancel: asyncio.Event, ended: Ended) -> None:
+        assert self.store is not None
+        previous = call.req.previous_response_id
+        self.store.put(rid, responses_output.envelope(call, rid, "in_progress", []), call.items, previous,
+                       running=True)  # fmt: skip
+
+        async def cancelled() -> bool:
+            return cancel.is_set()
+
+        status, note = 200, ""
+        try:
+            answer = await self.service.respond(s, cancelled)
+            body = responses_output.response_body(call, rid, answer, self._usage(s), s.summary.reasoning_span)
+        except ClientGone:
+            status, note = 499, "cancelled"
+            body = responses_output.envelope(call, rid, "cancelled", [], self._usage(s))
+        except Exception as exc:  # noqa: BLE001 - any failure ends this response as failed, never the server
+            if not isinstance(exc, (EngineFailure, ShuttingDown, RequestTimeout)):
+                log.exception("background response %s failed", rid)
+            error = runtime_failure(exc)
+            status, note = error.status, error.message
+            body = responses_output.envelope(call, rid, "failed", [], self._usage(s),
+                                             error={"code": "server_error", "message": error.message})  # fmt: skip
+        finally:
+            self.running.pop(rid, None)
+        self.store.put(rid, body, call.items, previous)
+        ended(status, note, s if status == 200 else None)
+
+    def _usage(self, s: Submitted) -> dict[str, Any]:
+        m = s.summary
+        return responses_output.usage_of(m.prompt_tokens, m.completion_tokens, m.cached_tokens, self.block_size,
+                                         m.reasoning_tokens)  # fmt: skip
+
+    # ---- routes -------------------------------------------------------------------------------
+    def stored(self, rid: str) -> dict[str, Any]:
+        body = self.store.get(rid) if self.store is not None else None
+        if body is None:
+            if self.store is None:
+                raise ApiError(f"response_id: no stored response {rid[:80]!r}: this server stores none (serve "
+                               "--responses-store-size)", "response_id", 404, "not_found_error")  # fmt: skip
+            raise not_found(rid)
+        return body
+
+    async def cancel(self, rid: str) -> dict[str, Any]:
+        """Cancels background response `rid` while it runs (a cancelled one is answered as it is)."""
+        body = self.stored(rid)
+        running = self.running.get(rid)
+        if running is None:
+            if body["status"] == "cancelled":
+                return body
+            why = "it did not run in the background" if not body.get("background") else f"it is {body['status']}"
+            raise ApiError(f"response_id: only a background response still running can be cancelled; {why}",
+                           "response_id")  # fmt: skip
+        task, cancel = running
+        cancel.set()
+        await asyncio.wait({task}, timeout=CANCEL_WAIT_S)  # not the task cancelled if this request is
+        return self.stored(rid)
+
+    def delete(self, rid: str) -> dict[str, Any]:
+        self.stored(rid)
+        if rid in self.running:
+            raise ApiError("response_id: a background response still running cannot be deleted; cancel it first",
+                           "response_id")  # fmt: skip
+        assert self.store is not None
+        self.store.delete(rid)
+        return {"id": rid, "object": "response", "deleted": True}
+
+    def add_routes(self, app: FastAPI, authorize: Callable[[Request], Awaitable[None]]) -> None:
+        @app.get("/v1/responses/{response_id:path}", dependencies=[Depends(authorize)])
+        async def get_response(response_id: str, request: Request) -> Response:
+            if request.query_params.get("stream", "false").lower() not in ("false", "0"):
+                raise ApiError("stream: a stored response is read whole on this server (stream: false)", "stream")
+            return _json(self.stored(response_id))
+
+        @app.delete("/v1/responses/{response_id:path}", dependencies=[Depends(authorize)])
+        async def delete_response(response_id: str) -> Response:
+            return _json(self.delete(response_id))
+
+        @app.post("/v1/responses/{response_id:path}/cancel", dependencies=[Depends(authorize)])
+        async def cancel_response(response_id: str) -> Response:
+            return _json(await self.cancel(response_id))
+
+
+def _json(body: dict[str, Any]) -> Response:
+    # ASCII JSON, as the Response was first answered: a lone surrogate a client sent is escaped, not a failed write
+    return Response(json.dumps(body), media_type="application/json")
