@@ -4,6 +4,8 @@ chat and /tokenize), --tool-call-parser (the format tool_choice "auto" reads), -
 
 from __future__ import annotations
 
+import os
+
 import jinja2
 import pytest
 from click.testing import CliRunner
@@ -197,3 +199,60 @@ def test_serve_names_a_memory_or_thread_limit_hit_while_loading_in_one_line(tiny
     monkeypatch.setattr(server_package, "start_server", fails)
     r = CliRunner().invoke(main, ["serve", str(tiny_engine_dir)])
     assert r.exit_code == 1 and words in r.output and "Traceback" not in r.output, r.output
+
+
+def test_a_vllm_launch_line_starts_the_server_unchanged(tiny_engine_dir):
+    """`trtpaged serve` run as a vLLM launch script runs it: VLLM_API_KEY guards the server, --max-model-len takes
+    vLLM's human-readable integers (0.3k = 300 tokens, which /v1/models reports), the flags with nothing to set
+    here start it with one line naming them, and SageMaker's /ping and /invocations answer as vLLM's do (an
+    invocation is the chat or completions request its body is)."""
+    import json
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import urllib.error
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRTPAGED_API_KEY"} | {"VLLM_API_KEY": "sk-vllm"}
+    proc = subprocess.Popen([sys.executable, "-m", "trtpaged.cli", "serve", str(tiny_engine_dir), "--port", str(port),
+                             "--device", "cpu", "--served-model-name", MODEL, "--max-model-len", "0.3k",
+                             "--trust-remote-code", "--disable-log-requests", "--enforce-eager", "--max-log-len",
+                             "100"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+
+    def call(path, body=None, key="sk-vllm"):
+        req = urllib.request.Request(url + path, json.dumps(body).encode() if body is not None else None,
+                                     {"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    try:
+        assert b"ready at" in proc.stdout.readline()
+        assert call("/v1/models", key="wrong")[0] == 401
+        status, models = call("/v1/models")
+        assert status == 200 and models["data"][0]["max_model_len"] == 300, models
+        assert call("/ping")[0] == 200 and call("/ping", {})[0] == 200
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0}
+        completion = {"model": MODEL, "prompt": "hi", "max_tokens": 5, "temperature": 0}
+        for body, path in ((chat, "/v1/chat/completions"), (completion, "/v1/completions")):
+            want, got = call(path, body)[1], call("/invocations", body)[1]
+            assert (got["object"], got["choices"], got["usage"]) == (want["object"], want["choices"], want["usage"])
+        status, out = call("/invocations", {"model": MODEL})
+        assert status == 400 and out["error"]["param"] == "body"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-600:]
+    line = next(line for line in err.decode().splitlines() if "vLLM flags without an effect" in line)
+    for flag in ("--trust-remote-code", "--disable-log-requests", "--enforce-eager", "--max-log-len"):
+        assert flag in line

@@ -301,3 +301,49 @@ def llm_messages(conversation: list[dict]) -> list[dict]:
     """The conversation as the chat template sees it: text parts joined as lines."""
     return [{**m, "content": "\n".join(p["text"] for p in m["content"]) if isinstance(m["content"], list)
              else m["content"]} for m in conversation]  # fmt: skip
+
+
+def test_a_request_past_the_context_says_so_as_openai_and_vllm_do(client, llm, server):
+    """A prompt that leaves no room for an output, a max_tokens past the room left, and a text too long by its
+    length alone are 400s with OpenAI's code `context_length_exceeded` and its sentence "This model's maximum
+    context length is N tokens", which client libraries look for (LiteLLM's ContextWindowExceededError); the
+    counts are the prompt's own (the tokenizer's, through LLM)."""
+    openai = pytest.importorskip("openai")
+    limit = llm.config.max_seq_len
+    too_long = [5] * limit
+    short = "hello there"
+    short_len = len(llm.tokenizer.encode(short, add_special_tokens=False))
+    chat_text = "ab " * limit
+    chat_len = len(llm.chat_prompt([{"role": "user", "content": chat_text}]))
+    cases = [
+        (lambda: client.completions.create(model=MODEL, prompt=too_long, max_tokens=1), "prompt", limit),
+        (lambda: client.completions.create(model=MODEL, prompt=short, max_tokens=limit), "max_tokens", short_len),
+        (lambda: client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": chat_text}],
+                                                max_tokens=1), "messages", chat_len),
+    ]  # fmt: skip
+    for send, param, tokens in cases:
+        with pytest.raises(openai.BadRequestError) as err:
+            send()
+        body = err.value.body
+        assert (body["param"], body["code"]) == (param, "context_length_exceeded"), body
+        assert f"This model's maximum context length is {limit} tokens. However, your request has {tokens} input " \
+            "tokens" in body["message"], body  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as err:  # refused by its length alone: at least that many
+        client.completions.create(model=MODEL, prompt="x" * (16 * limit), max_tokens=1)
+    assert err.value.body["code"] == "context_length_exceeded"
+    assert f"This model's maximum context length is {limit} tokens" in err.value.body["message"]
+    wait_idle(server)
+
+
+def test_chat_top_logprobs_0_without_logprobs_asks_for_none(client, server):
+    """Clients that always send top_logprobs: 0 (its default) get the plain answer, as vLLM gives it; a positive
+    top_logprobs without logprobs is still refused."""
+    openai = pytest.importorskip("openai")
+    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0)
+    plain = client.chat.completions.create(**kw)
+    zero = client.chat.completions.create(top_logprobs=0, **kw)
+    assert zero.choices[0].message.content == plain.choices[0].message.content and zero.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(top_logprobs=1, **kw)
+    assert err.value.body["param"] == "top_logprobs"
+    wait_idle(server)

@@ -16,13 +16,26 @@ class RequestError(ValueError):
     one: "prompt", "max_tokens", "n", "temperature", ...); `limit` is the bound
     it broke, when there is one (a number, or a description such as
     "max_seq_len - prompt tokens"). The message is for people; code reads the
-    fields (the server maps them to an OpenAI error body's `param`).
+    fields (the server maps them to an OpenAI error body's `param`, and `code`
+    to its `code`: CONTEXT_LENGTH_EXCEEDED for a prompt, or a prompt and its
+    output, longer than the model's context).
     """
 
-    def __init__(self, field: str, message: str, limit: Optional[Any] = None) -> None:
+    def __init__(self, field: str, message: str, limit: Optional[Any] = None, code: Optional[str] = None) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
         self.limit = limit
+        self.code = code
+
+
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's error code for it
+
+
+def context_length(max_seq_len: int, input_tokens: int) -> str:
+    """OpenAI's and vLLM's sentence for a request longer than the model's context, which client libraries look
+    for (LiteLLM's ContextWindowExceededError, agents that shorten their history on it)."""
+    return (f"This model's maximum context length is {max_seq_len} tokens. However, your request has {input_tokens} "
+            "input tokens")
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

@@ -8,6 +8,7 @@ import math
 import os
 import re
 import stat
+from fractions import Fraction
 from typing import Iterable, Mapping
 from urllib.parse import urlsplit
 
@@ -121,6 +122,32 @@ class Size(click.ParamType):
         if not 1 <= size <= MAX_KV_MEMORY:
             self.fail(f"{value!r} is {size} bytes; expected 1 byte to {MAX_KV_MEMORY} (1 PiB).", param, ctx)
         return size
+
+
+class HumanInt(click.ParamType):
+    """vLLM's human-readable integers (--max-model-len 32k): a plain integer, or one with a multiplier, lower case
+    decimal (k, m, g: 1k = 1000, 25.6k = 25600) and upper case binary (K, M, G: 1K = 1024, whole numbers only)."""
+
+    name = "integer"
+    _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9}
+    _BINARY = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        text = str(value).strip()
+        match = re.fullmatch(r"(\d+)(?:\.(\d+))?([kmgKMG]?)", text)
+        if match is not None:
+            whole, fraction, unit = match.groups()
+            if not unit and not fraction:
+                return int(whole)
+            if unit in self._DECIMAL:
+                number = Fraction(f"{whole}.{fraction or 0}") * self._DECIMAL[unit]
+                if number.denominator == 1:
+                    return int(number)
+            elif unit in self._BINARY and not fraction:
+                return int(whole) * self._BINARY[unit]
+        self.fail(f"{text[:40]!r} is not a whole number of tokens (e.g. 4096, 32k = 32000, 32K = 32768)", param, ctx)
 
 
 def flag_error(message: str, flags: Mapping[str, str], mentions: Iterable[str] = ()) -> str:

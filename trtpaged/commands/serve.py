@@ -12,8 +12,10 @@ from typing import Any, Iterator, Optional, Sequence
 
 import click
 
-from trtpaged.commands.option_types import ChatTemplate, FiniteFloatRange, JsonObject, OutputFile, Size, flag_error
+from trtpaged.commands.option_types import (ChatTemplate, FiniteFloatRange, HumanInt, JsonObject, OutputFile, Size,
+                                            flag_error)
 from trtpaged.commands.stdout import echo
+from trtpaged.commands.vllm_flags import no_effect_note, vllm_no_effect_options
 from trtpaged.errors import FatalEngineError, is_out_of_memory
 from trtpaged.manifest import BACKENDS
 from trtpaged.runtime.runtime_config import SCHEDULING_POLICIES
@@ -34,7 +36,7 @@ def _not_empty(value, param):
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
               help="Port to bind (0: any free port).")
 @click.option("--served-model-name", default=None, callback=lambda ctx, p, v: _not_empty(v, p), help="Model name clients send and /v1/models lists (default: the engine dir's name).")
-@click.option("--api-key", envvar="TRTPAGED_API_KEY", default=None, show_envvar=True,
+@click.option("--api-key", envvar=["TRTPAGED_API_KEY", "VLLM_API_KEY"], default=None, show_envvar=True,
               help="Require 'Authorization: Bearer KEY' on /v1/* (/health, /metrics and /version stay open).")
 @click.option("--max-waiting", type=click.IntRange(min=1), default=256, show_default=True,
               help="Requests that may wait for admission (counted as they arrive, before the next step admits "
@@ -50,9 +52,9 @@ def _not_empty(value, param):
               help="Longest prompt accepted (default and most: max_seq_len - 1).")
 @click.option("--max-batch-size", "--max-num-seqs", "max_batch_size", type=int, default=None,
               help="Sequences per step (at most the engine's build limit; --max-num-seqs: vLLM's spelling).")
-@click.option("--max-num-tokens", "--max-num-batched-tokens", "max_num_tokens", type=int, default=None,
+@click.option("--max-num-tokens", "--max-num-batched-tokens", "max_num_tokens", type=HumanInt(), default=None,
               help="Tokens per step (at most the engine's build limit; --max-num-batched-tokens: vLLM's spelling).")
-@click.option("--max-seq-len", "--max-model-len", "max_seq_len", type=int, default=None,
+@click.option("--max-seq-len", "--max-model-len", "max_seq_len", type=HumanInt(), default=None,
               help="Prompt + output tokens per sequence (at most the build limit; --max-model-len: vLLM's spelling).")
 @click.option("--num-kv-blocks", type=click.IntRange(min=1), default=None,
               help="KV-cache blocks in the pool (default: the manifest's budget); refused beyond the device's free "
@@ -128,6 +130,7 @@ def _not_empty(value, param):
 @click.option("--pin-threads", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
               help="The engine thread and the event loop on one core, the kernels' OpenMP workers on the others; "
                    "auto: when the workers and the engine thread fill every core the process may use.")
+@vllm_no_effect_options
 def command(engine, host, port, served_model_name, api_key, max_waiting, request_timeout, shutdown_timeout,
             max_body_bytes, max_prompt_tokens, max_batch_size, max_num_tokens, max_seq_len, num_kv_blocks,
             enable_prefix_caching, scheduling_policy, chat_template, tool_call_parser, reasoning_parser,
@@ -135,9 +138,9 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
             generation_config, gpu_memory_utilization, dtype, backend,
             device, tensor_parallel_size, speculative_config, kv_host_memory, kv_disk_path, kv_disk_size, kv_remote,
             kv_secret_file, responses_store_size, request_log, request_log_prompts, stream_interval,
-            pin_threads) -> None:  # fmt: skip
+            pin_threads, **vllm_flags) -> None:  # fmt: skip
     """Serve ENGINE over /v1/completions, /v1/chat/completions, /v1/responses, /v1/models, /tokenize, /detokenize,
-    /version, /health and /metrics."""
+    /version, /health, /metrics and SageMaker's /ping and /invocations."""
     from trtpaged.server import ServerOptions, start_server
 
     if "WORLD_SIZE" in os.environ and os.environ.get("RANK", "0") not in ("", "0"):  # a torchrun-style rank > 0
@@ -146,6 +149,8 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
         exit_process(worker_main([str(engine)] + (["--device", device] if device else [])))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     raise_open_files_limit()
+    if no_effect_note(vllm_flags):
+        note(no_effect_note(vllm_flags))
     try:
         from trtpaged.runtime.speculative import SpeculativeConfig
 

@@ -36,7 +36,7 @@ from trtpaged.server.tokenization import Tokenization
 log = logging.getLogger("trtpaged.server")
 T = TypeVar("T")
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize",
-          "/health", "/metrics", "/version")
+          "/health", "/metrics", "/version", "/ping", "/invocations")
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -222,15 +222,16 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
     size = options.responses_store_size
     stored = StoredResponses(ResponsesStore(size) if size else None, service, cache_block_size)
 
-    async def generate(request: Request, chat: bool, responses: bool = False) -> Response:
-        """One generation request; `responses`: a /v1/responses body, served as the chat body it translates to."""
+    async def generate(request: Request, chat: bool, responses: bool = False, given: Any = None) -> Response:
+        """One generation request; `responses`: a /v1/responses body, served as the chat body it translates to;
+        `given`: the body, already read (/invocations)."""
         start = time.monotonic()
         if draining:
             metrics.observe_rejected("draining")
             raise overloaded("the server is shutting down", options.retry_after_s)
         call, claimed = None, None
         try:
-            body = parse_json(await read_body(request))
+            body = parse_json(await read_body(request)) if given is None else given
             if responses:
                 call = responses_api.translate(body, service.model_name, stored.store)
                 body = call.chat_body
@@ -332,6 +333,18 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
     async def create_response(request: Request) -> Response:
         return await generate(request, chat=True, responses=True)
 
+    @app.post("/invocations", dependencies=[Depends(authorize)])
+    async def invocations(request: Request) -> Response:
+        """SageMaker's route, as vLLM serves it: a chat body (messages) or a completions body (prompt)."""
+        try:
+            body = parse_json(await read_body(request))
+        except ClientGone:
+            return Response(status_code=499)
+        if not isinstance(body, dict) or ("messages" in body) == ("prompt" in body):
+            raise ApiError("body: /invocations takes a chat completions body (messages) or a completions body "
+                           "(prompt)", "body")  # fmt: skip
+        return await generate(request, chat="messages" in body, given=body)
+
     stored.add_routes(app, authorize)
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
@@ -369,6 +382,8 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
     runner_failure = service.llm.engine.runner.failure
 
     @app.get("/health")
+    @app.get("/ping")  # SageMaker's health route, as vLLM serves it (GET and POST)
+    @app.post("/ping")
     async def health() -> JSONResponse:
         failed = runner_failure() if loop.alive and not draining else None
         if not loop.alive or draining or failed:

@@ -79,5 +79,5 @@ def from_runtime_error(exc: ValueError, names: Mapping[str, str]) -> ApiError:
     if isinstance(exc, RequestError):
         param = names.get(exc.field, exc.field)
         message = str(exc) if param == exc.field else f"{param}: {str(exc).removeprefix(exc.field + ': ')}"
-        return ApiError(message, param)
+        return ApiError(message, param, code=exc.code)
     return ApiError(str(exc))

@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Optional
 
 from pydantic import BaseModel
 
-from trtpaged.errors import RequestError
+from trtpaged.errors import CONTEXT_LENGTH_EXCEEDED, RequestError, context_length
 from trtpaged.runtime.llm import LLM
 from trtpaged.runtime.outputs import RequestOutput, RequestOutputKind
 from trtpaged.runtime.prompt_bound import prompt_bound
@@ -255,9 +255,12 @@ class GenerationService:
             nbytes = len(text.encode("utf-8", errors="surrogatepass"))
             fewest = bound.fewest_tokens(nbytes)
             if fewest > limit:
+                whole = limit == self.max_seq_len - 1  # the model's context, not the server's prompt limit
+                context = f" {context_length(self.max_seq_len, fewest)} or more." if whole else ""
                 raise RequestError(field_name, f"{nbytes} bytes of text make at least {fewest} tokens with this "
                                    f"tokenizer, more than a prompt may have here ({limit}); send less text, or set "
-                                   "truncate_prompt_tokens", limit)  # fmt: skip
+                                   f"truncate_prompt_tokens.{context}", limit,
+                                   CONTEXT_LENGTH_EXCEEDED if context else None)  # fmt: skip
 
         return check
 

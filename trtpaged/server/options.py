@@ -10,7 +10,8 @@ from trtpaged.runtime.llm import TEMPLATE_ARGUMENTS
 from trtpaged.runtime.reasoning import REASONING_PARSERS
 from trtpaged.server.tool_parsers import PARSER_NAMES
 
-API_KEY_ENV = "TRTPAGED_API_KEY"
+API_KEY_ENVS = ("TRTPAGED_API_KEY", "VLLM_API_KEY")  # the first set wins; vLLM's name, so that a vLLM deployment's
+# secret still guards the server (it served without a key)
 PIN_MODES = ("auto", "on", "off")  # ServerOptions.pin_threads
 VLLM_STORE_ENV = "VLLM_ENABLE_RESPONSES_API_STORE"
 DEFAULT_RESPONSES_STORE_SIZE = 256 << 20  # what vLLM's switch keeps here (vLLM's own store has no bound)
@@ -20,8 +21,8 @@ DEFAULT_RESPONSES_STORE_SIZE = 256 << 20  # what vLLM's switch keeps here (vLLM'
 class ServerOptions:
     """Limits, security and shutdown behaviour of one server.
 
-    `api_key` (default: $TRTPAGED_API_KEY) is required as `Authorization: Bearer KEY` on /v1/*, /tokenize and
-    /detokenize when set.
+    `api_key` (default: $TRTPAGED_API_KEY, else vLLM's $VLLM_API_KEY) is required as `Authorization: Bearer KEY`
+    on /v1/*, /tokenize, /detokenize and /invocations when set.
     `max_waiting` bounds the engine's waiting queue (beyond it: 503 with Retry-After); None: no bound.
     `request_timeout_s` aborts a request that runs longer (504); `body_timeout_s` ends a request whose
     body arrives slower (408). `shutdown_timeout_s` is how long shutdown lets requests in flight finish.
@@ -61,8 +62,9 @@ class ServerOptions:
     responses_store_size: Optional[int] = None
 
     def __post_init__(self) -> None:
-        if self.api_key is None and os.environ.get(API_KEY_ENV):
-            object.__setattr__(self, "api_key", os.environ[API_KEY_ENV])
+        key = next((os.environ[name] for name in API_KEY_ENVS if os.environ.get(name)), None)
+        if self.api_key is None and key:
+            object.__setattr__(self, "api_key", key)
         if self.responses_store_size is None and os.environ.get(VLLM_STORE_ENV, "").strip().lower() in ("1", "true"):
             object.__setattr__(self, "responses_store_size", DEFAULT_RESPONSES_STORE_SIZE)
         checks = [

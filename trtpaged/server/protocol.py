@@ -178,7 +178,7 @@ def _logprobs(req: Union[CompletionRequest, ChatCompletionRequest], names: dict[
               max_logprobs: int, vocab_size: int) -> Optional[int]:  # fmt: skip
     if isinstance(req, ChatCompletionRequest):
         if not req.logprobs:
-            if req.top_logprobs is not None:
+            if req.top_logprobs:  # 0 asks for nothing, as vLLM reads it (clients send it by default)
                 raise ApiError("top_logprobs: needs logprobs: true", "top_logprobs")
             return None
         names["logprobs"] = "top_logprobs"

@@ -1,0 +1,49 @@
+"""`vllm serve` flags that launch scripts pass and that have nothing to set here: accepted (hidden from --help),
+and each named at start-up with the reason it changes nothing, so that a script written for vLLM starts this
+server unchanged instead of failing on "No such option". A flag that would change answers or memory is not among
+them: those are refused, or have a real counterpart (--max-model-len, --max-num-seqs, ...)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import click
+
+# flag -> (whether it takes a value, why it changes nothing here)
+NO_EFFECT: dict[str, tuple[bool, str]] = {
+    "--trust-remote-code": (False, "an engine dir runs no model code of its own"),
+    "--disable-log-requests": (False, "the server logs one line per finished request, without its text"),
+    "--enable-log-requests": (False, "the server logs one line per finished request (--request-log: a file)"),
+    "--max-log-len": (True, "the log holds no prompt text"),
+    "--disable-log-stats": (False, "the engine's statistics are on /metrics, not in the log"),
+    "--enforce-eager": (False, "no CUDA graphs are captured"),
+    "--disable-uvicorn-access-log": (False, "the server writes no access log"),
+    "--disable-fastapi-docs": (False, "the server serves no documentation pages"),
+    "--enable-chunked-prefill": (False, "long prompts are always prefilled in chunks of --max-num-batched-tokens"),
+    "--enable-request-id-headers": (False, "every answer carries X-Request-Id"),
+    "--disable-frontend-multiprocessing": (False, "the HTTP front end and the engine share one process"),
+    "--download-dir": (True, "the engine dir is local: nothing is downloaded"),
+    "--load-format": (True, "an engine dir has one format"),
+}
+
+
+def _param(flag: str) -> str:
+    return "vllm_" + flag.lstrip("-").replace("-", "_")
+
+
+def vllm_no_effect_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Adds the NO_EFFECT flags to a click command as hidden options (keyword arguments named vllm_<flag>)."""
+    for flag, (takes_value, _) in reversed(NO_EFFECT.items()):
+        if takes_value:
+            command = click.option(flag, _param(flag), default=None, hidden=True)(command)
+        else:
+            command = click.option(flag, _param(flag), is_flag=True, default=False, hidden=True)(command)
+    return command
+
+
+def no_effect_note(given: Mapping[str, Any]) -> str:
+    """One line naming the NO_EFFECT flags that were given (`given`: the command's vllm_* arguments) and why each
+    changes nothing; "" when none was."""
+    used = [f"{flag} ({why})" for flag, (takes_value, why) in NO_EFFECT.items()
+            if given.get(_param(flag)) not in (None, False)]  # fmt: skip
+    return f"trtpaged serve: vLLM flags without an effect here: {'; '.join(used)}" if used else ""
