@@ -105,8 +105,8 @@ def test_stop_token_ids_and_stop_reasons_streamed_and_whole(client, llm):
 
 
 def test_openai_platform_fields_and_text_parts(client, llm):
-    """store / metadata / service_tier / prompt_cache_key / safety_identifier (what SDKs send for OpenAI's
-    platform) are accepted and change nothing;
+    """store / metadata / service_tier / prompt_cache_key / prompt_cache_retention / safety_identifier (what SDKs
+    send for OpenAI's platform) are accepted and change nothing;
     a message's text parts are its lines."""
     import openai
 
@@ -114,7 +114,8 @@ def test_openai_platform_fields_and_text_parts(client, llm):
     plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
     tagged = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0, store=False,
                                             metadata={"run": "a"}, service_tier="auto",
-                                            extra_body={"prompt_cache_key": "k", "safety_identifier": "u1"})  # fmt: skip
+                                            extra_body={"prompt_cache_key": "k", "safety_identifier": "u1",
+                                                        "prompt_cache_retention": "in-memory"})  # fmt: skip
     assert tagged.choices[0].message.content == plain.choices[0].message.content
     # what the SDK declares for reasoning models and predicted outputs: a 400 each before ("unknown field")
     hinted = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
@@ -129,6 +130,13 @@ def test_openai_platform_fields_and_text_parts(client, llm):
     joined = client.chat.completions.create(model="tiny", messages=parts, max_tokens=6, temperature=0)
     assert joined.usage.prompt_tokens == len(llm.chat_prompt(messages)) == plain.usage.prompt_tokens
     assert joined.choices[0].message.content == plain.choices[0].message.content
+    # Anthropic's prompt-cache hint on a part (LiteLLM passes it through) is another provider's: it changes nothing
+    parts[0]["content"][1]["cache_control"] = {"type": "ephemeral"}
+    hinted = client.chat.completions.create(model="tiny", messages=parts, max_tokens=6, temperature=0)
+    assert hinted.choices[0].message.content == plain.choices[0].message.content
+    parts[0]["content"][1]["bogus"] = 1
+    with pytest.raises(openai.BadRequestError, match="unknown keys .'bogus'."):
+        client.chat.completions.create(model="tiny", messages=parts, max_tokens=6)
 
 
 def test_continue_final_message_extends_the_assistants_text(client, llm):

@@ -140,6 +140,11 @@ def chat_prompt_ids(tokenizer: Any, messages: Seq[dict], tools: Optional[Seq[dic
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
+# keys a text part may carry for another provider's sake, with nothing to do here: Anthropic's prompt-cache hint,
+# which LiteLLM and Claude-oriented clients put on parts (vLLM ignores it too)
+_PART_HINTS = ("cache_control",)
+
+
 def text_part(part: Any, where: str) -> str:
     """A content part's text: {"type": "text", "text": str}, or an assistant's {"type": "refusal", "refusal": str}
     (text only); RequestError("messages") for anything else."""
@@ -148,7 +153,7 @@ def text_part(part: Any, where: str) -> str:
         got = f"type {kind!r:.40}" if isinstance(part, Mapping) else type(part).__name__
         raise RequestError("messages", f"{where}: only text parts ({{'type': 'text', 'text': ...}}) are supported, "
                            f"got {got}")  # fmt: skip
-    if set(part) - {"type", kind}:
+    if set(part) - {"type", kind, *_PART_HINTS}:
         raise RequestError("messages", f"{where}: unknown keys {sorted(set(part) - {'type', kind})!r:.80}")
     if not isinstance(part.get(kind), str):
         raise RequestError("messages", f"{where}.{kind}: must be a string, got {type(part.get(kind)).__name__}")

@@ -34,6 +34,7 @@ class _PlatformFields(_Strict):
     metadata: Optional[dict[str, StrictStr]] = None
     service_tier: Optional[Literal["auto", "default", "flex", "scale", "priority"]] = None
     prompt_cache_key: Optional[StrictStr] = None
+    prompt_cache_retention: Optional[Literal["in-memory", "in_memory", "24h"]] = None  # the SDK's, LiteLLM's spelling
     safety_identifier: Optional[StrictStr] = None
 
 
@@ -186,7 +187,6 @@ class ResponsesRequest(GenerationFields):
     conversation: Optional[Any] = None
     prompt: Optional[dict[str, Any]] = None
     background: Optional[StrictBool] = None
-    prompt_cache_retention: Optional[StrictStr] = None  # a platform field of the Responses API only
 
 
 # ---- responses -----------------------------------------------------------------------------------
