@@ -115,6 +115,9 @@ def _not_empty(value, param):
                    "with it, so that no one without it can change answers through the store.")
 @click.option("--kv-remote", default=None, metavar="URL",
               help="KV tier: a Redis server shared by replicas, redis://HOST:PORT[/DB].")
+@click.option("--enable-prompt-tokens-details", is_flag=True,
+              help="vLLM's: chat and completions usage carries prompt_tokens_details.cached_tokens, the prompt's "
+                   "tokens found in the prefix cache.")
 @click.option("--responses-store-size", type=Size(), default=None, metavar="SIZE",
               help="Keep finished /v1/responses answers in memory, up to SIZE (e.g. 256MiB; least recently used "
                    "out), for GET /v1/responses/{id}, previous_response_id and background requests (default: none "
@@ -137,8 +140,8 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
             default_chat_template_kwargs, enable_auto_tool_choice, max_logprobs, seed,
             generation_config, gpu_memory_utilization, dtype, backend,
             device, tensor_parallel_size, speculative_config, kv_host_memory, kv_disk_path, kv_disk_size, kv_remote,
-            kv_secret_file, responses_store_size, request_log, request_log_prompts, stream_interval,
-            pin_threads, **vllm_flags) -> None:  # fmt: skip
+            kv_secret_file, enable_prompt_tokens_details, responses_store_size, request_log, request_log_prompts,
+            stream_interval, pin_threads, **vllm_flags) -> None:  # fmt: skip
     """Serve ENGINE over /v1/completions, /v1/chat/completions, /v1/responses, /v1/models, /tokenize, /detokenize,
     /version, /health, /metrics and SageMaker's /ping and /invocations."""
     from trtpaged.server import ServerOptions, start_server
@@ -162,6 +165,7 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
             request_log=request_log, request_log_prompts=request_log_prompts, stream_interval=stream_interval,
             pin_threads=pin_threads, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
             default_chat_template_kwargs=default_chat_template_kwargs, responses_store_size=responses_store_size,
+            enable_prompt_tokens_details=enable_prompt_tokens_details,
         )  # fmt: skip
         with interrupts_end_the_load():
             handle = start_server(

@@ -33,7 +33,7 @@ from trtpaged.server.errors import ApiError, from_runtime_error, overloaded
 from trtpaged.server.protocol import GenerationRequest, check_request_id, parse_generation
 from trtpaged.server.reasoning import ChoiceReasoning, split_text
 from trtpaged.server.responses import Echo, ResponseBuilder, TokenStrings, logprob_token_ids, sse, top_entries, usage
-from trtpaged.server.schemas import Usage, dump
+from trtpaged.server.schemas import PromptTokensDetails, Usage, dump
 from trtpaged.server.stream_state import CompletionAccumulator, StreamState
 from trtpaged.server.token_bytes import token_bytes_reader
 from trtpaged.server.tokenization import generation_prompt, prompt_token_ids
@@ -92,7 +92,8 @@ class GenerationService:
     def __init__(self, llm: LLM, loop: EngineLoop, tokens: TokenizerWorker, model_name: str,
                  max_prompt_tokens: Optional[int] = None, request_timeout_s: Optional[float] = None,
                  stream_interval: int = 1, tool_call_parser: Optional[str] = None,
-                 default_chat_template_kwargs: Optional[dict[str, Any]] = None) -> None:  # fmt: skip
+                 default_chat_template_kwargs: Optional[dict[str, Any]] = None,
+                 prompt_tokens_details: bool = False) -> None:  # fmt: skip
         self.llm = llm
         self.stream_interval = stream_interval  # tokens per streamed chunk (SamplingParams.stream_interval)
         self.loop = loop
@@ -113,6 +114,7 @@ class GenerationService:
                                              llm.manifest.dims.architecture, tool_call_parser)  # fmt: skip
         log.info("tool_choice auto: %s", f"{auto.format.name} calls" if auto.format else f"refused ({auto.reason})")
         self.template_defaults = default_chat_template_kwargs  # every chat request's, under its own
+        self.prompt_tokens_details = prompt_tokens_details  # usage's cached_tokens (vLLM's flag of that name)
         # chat answers' reasoning split from their content (vLLM's --reasoning-parser: LLM(reasoning_parser=...))
         self.reasoning = llm.reasoning
 
@@ -340,6 +342,8 @@ class GenerationService:
         body = s.builder.full(ordered, s.params.n, await self._token_strings(s.req, ids), echoes, s.req.echo_only,
                               s.req.prompt_logprobs is not None)  # fmt: skip
         _summarise(s.summary, ordered, s.req.echo_only)
+        if self.prompt_tokens_details:
+            body.usage.prompt_tokens_details = PromptTokensDetails(cached_tokens=s.summary.cached_tokens)
         if self.reasoning is not None and s.builder.reasoning is not None:
             fmt, start = s.builder.reasoning, s.builder.in_reasoning
             entered = [(c.token_ids, split_text(fmt, start, c.text)[2]) for o in ordered for c in o.outputs]
@@ -448,7 +452,10 @@ class GenerationService:
         s.summary.reasoning_tokens = sum(reading.reasoning_tokens for reading in thoughts.values())
         s.summary.reasoning_span = sum(reading.span for reading in thoughts.values())
         if s.req.include_usage:
-            yield sse(builder.usage_chunk(s.summary.prompt_tokens, s.summary.completion_tokens))
+            last = builder.usage_chunk(s.summary.prompt_tokens, s.summary.completion_tokens)
+            if self.prompt_tokens_details:
+                last.usage.prompt_tokens_details = PromptTokensDetails(cached_tokens=s.summary.cached_tokens)
+            yield sse(last)
         yield sse("[DONE]")
 
 

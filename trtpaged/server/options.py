@@ -38,6 +38,8 @@ class ServerOptions:
     content (`trtpaged.server.reasoning`); None: the whole text is content.
     `default_chat_template_kwargs` (vLLM's --default-chat-template-kwargs): chat template variables every chat
     request (and /tokenize of messages) gets; a request's own chat_template_kwargs override them key by key.
+    `enable_prompt_tokens_details` (vLLM's --enable-prompt-tokens-details): chat and completions usage carries
+    `prompt_tokens_details.cached_tokens`, the prompt's tokens found in the prefix cache (else null).
     `responses_store_size`: bytes of finished Responses kept in memory for GET /v1/responses/{id},
     `previous_response_id` and `background` (`trtpaged.server.responses_store`); None: none are kept, unless
     $VLLM_ENABLE_RESPONSES_API_STORE (vLLM's switch) is 1, which keeps DEFAULT_RESPONSES_STORE_SIZE.
@@ -60,6 +62,7 @@ class ServerOptions:
     reasoning_parser: Optional[str] = None  # vLLM's name of the reasoning format; None: no reasoning is split off
     default_chat_template_kwargs: Optional[dict[str, Any]] = None  # e.g. {"enable_thinking": False}
     responses_store_size: Optional[int] = None
+    enable_prompt_tokens_details: bool = False  # vLLM's: usage.prompt_tokens_details.cached_tokens in answers
 
     def __post_init__(self) -> None:
         key = next((os.environ[name] for name in API_KEY_ENVS if os.environ.get(name)), None)

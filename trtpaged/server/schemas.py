@@ -234,10 +234,15 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # the prompt's tokens found in the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: Optional[PromptTokensDetails] = None  # serve --enable-prompt-tokens-details (vLLM's)
 
 
 class CompletionLogprobs(BaseModel):

@@ -162,7 +162,8 @@ def start_server(
         tokens = TokenizerWorker.start(llm.new_tokenizer, options.max_waiting)
         service = GenerationService(llm, loop, tokens, name, options.max_prompt_tokens, options.request_timeout_s,
                                     options.stream_interval, options.tool_call_parser,
-                                    options.default_chat_template_kwargs)  # fmt: skip
+                                    options.default_chat_template_kwargs,
+                                    options.enable_prompt_tokens_details)  # fmt: skip
     except BaseException:
         if tokens is not None:
             tokens.shutdown()
