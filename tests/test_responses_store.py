@@ -215,3 +215,37 @@ def test_the_store_keeps_its_byte_bound_least_recently_used_out():
     with pytest.raises(Exception) as err:
         store.reserve("r", "request_id")
     assert "request_id" in str(err.value)
+
+
+def test_truncation_auto_drops_the_oldest_turns_that_do_not_fit(client, server):
+    """OpenAI's truncation "auto": a conversation past the model's context (512 tokens here) is answered as the
+    same conversation with its oldest items dropped, from a user message on, as few as make it fit beside the
+    output, instructions kept; "disabled" (the default) refuses it naming the context; one that fits is whole."""
+    turns = []
+    for i in range(8):
+        turns += [{"role": "user", "content": f"question {i}: " + "tell me more " * 6},
+                  {"role": "assistant", "content": f"answer {i}: " + "here is more " * 6}]
+    turns.append({"role": "user", "content": "last question"})
+    kw = dict(instructions="Be brief.", max_output_tokens=40, store=False)
+    with pytest.raises(openai.BadRequestError) as err:
+        _create(client, input=turns, **kw)
+    assert err.value.body["code"] == "context_length_exceeded"
+    got = _create(client, input=turns, truncation="auto", **kw)
+    assert got.truncation == "auto"
+    fitting = [k for k in range(2, len(turns), 2) if _fits(client, turns[k:], **kw)]
+    k = fitting[0]  # the fewest user-led turns dropped
+    truth = _create(client, input=turns[k:], **kw)
+    assert (got.output_text, got.usage.input_tokens) == (truth.output_text, truth.usage.input_tokens)
+    assert not _fits(client, turns[k - 2:], **kw)
+    short = _create(client, input=turns[-3:], truncation="auto", **kw)
+    assert short.usage.input_tokens == _create(client, input=turns[-3:], **kw).usage.input_tokens
+    wait_idle(server)
+
+
+def _fits(client, items, **kw) -> bool:
+    try:
+        _create(client, input=items, **kw)
+    except openai.BadRequestError as err:
+        assert err.body["code"] == "context_length_exceeded"
+        return False
+    return True

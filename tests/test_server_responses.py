@@ -147,7 +147,7 @@ def test_function_calls_are_output_items(client, forced):
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"truncation": "auto"}, "truncation"),
+    ({"truncation": "middle"}, "truncation"),
     ({"background": True}, "background"),  # a background response must be stored: this server stores none
     ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"include": ["not.a.thing"]}, "include"),

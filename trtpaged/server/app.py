@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from trtpaged import __version__
+from trtpaged.errors import CONTEXT_LENGTH_EXCEEDED
 from trtpaged.server import responses_api, responses_output
 from trtpaged.server.engine_loop import ClientGone, EngineFailure, EngineLoop, Overloaded, RequestTimeout, ShuttingDown
 from trtpaged.server.errors import ApiError, overloaded
@@ -236,8 +237,11 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
                 call = responses_api.translate(body, service.model_name, stored.store)
                 body = call.chat_body
                 claimed = stored.claim(call, request.headers.get("x-request-id"))
+                if call.req.truncation == "auto":
+                    body = await unless_disconnected(request, fitted(call, request.headers.get("x-request-id")))
             submitting = service.submit(body, chat, request.headers.get("x-request-id"))
             submitted = await unless_disconnected(request, submitting)
+            assert submitted is not None
         except ClientGone:
             stored.release(claimed)
             _log(request, 499, "client disconnected before its request was queued", start)
@@ -277,6 +281,35 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
         finally:
             if not submitted.req.stream:  # a stream's claim ends with the stream
                 stored.release(rid)
+
+    async def fitted(call: responses_api.ResponsesCall, header_id: str | None) -> dict[str, Any]:
+        """The chat body of a Responses request with `truncation: "auto"`: its conversation as it is if it fits the
+        model's context beside its output, else with the fewest of its oldest items dropped that make it fit
+        (dry runs of the request, a binary search over where it may be cut); the refusal of the whole conversation
+        when no cut fits."""
+        try:
+            await service.submit(call.chat_body, True, header_id, dry_run=True)
+            return call.chat_body
+        except ApiError as exc:
+            if exc.code != CONTEXT_LENGTH_EXCEEDED:
+                raise
+            refusal = exc
+        cuts, fits = responses_api.cut_points(call), None
+        lo, hi = 0, len(cuts)
+        while lo < hi:  # the fewest items dropped: the first cut that fits (a later one fits too)
+            mid = (lo + hi) // 2
+            body = responses_api.without_oldest(call, cuts[mid])
+            try:
+                await service.submit(body, True, header_id, dry_run=True)
+            except ApiError as exc:
+                if exc.code != CONTEXT_LENGTH_EXCEEDED:
+                    raise
+                lo = mid + 1
+                continue
+            fits, hi = body, mid
+        if fits is None:
+            raise refusal
+        return fits
 
     async def answer(request: Request, submitted: Submitted, start: float,
                      call: responses_api.ResponsesCall | None = None) -> Response:  # fmt: skip

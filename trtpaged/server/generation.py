@@ -118,10 +118,11 @@ class GenerationService:
         # chat answers' reasoning split from their content (vLLM's --reasoning-parser: LLM(reasoning_parser=...))
         self.reasoning = llm.reasoning
 
-    async def submit(self, body: Any, chat: bool, header_id: Optional[str] = None) -> Submitted:
+    async def submit(self, body: Any, chat: bool, header_id: Optional[str] = None,
+                     dry_run: bool = False) -> Optional[Submitted]:  # fmt: skip
         """Validates, tokenizes and queues one request; raises ApiError before anything is sent. The answer's id is
         "cmpl-<id>" ("chatcmpl-<id>") of the caller's id, as vLLM's: the X-Request-Id header (`header_id`), else the
-        body's request_id, else a random one."""
+        body's request_id, else a random one. `dry_run`: every check, nothing queued (None)."""
         caller_id = check_request_id(header_id, "X-Request-Id")
         req = parse_generation(body, chat, self.model_name, self.vocab_size, self.auto_tools, self.max_logprobs,
                                self.template_defaults)  # fmt: skip
@@ -152,6 +153,8 @@ class GenerationService:
         serial = next(self._submits)
         requests = [(f"{answer_id}-{i}-{serial}", ids, self._fit_max_tokens(req, params, len(ids)))
                     for i, ids in enumerate(prompts)]  # fmt: skip
+        if dry_run:
+            return None
         try:
             sub = await self.loop.submit(requests, scored_only=req.echo_only, priority=req.priority,
                                          starts_in_reasoning=in_reasoning if self.reasoning and req.chat else None)

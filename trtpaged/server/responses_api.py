@@ -50,6 +50,7 @@ class ResponsesCall:
     model: str
     created_at: int
     items: list[Any] = field(default_factory=list)  # the request's own input, as items (what a store keeps)
+    conversation: list[Any] = field(default_factory=list)  # a stored conversation's items, then `items`
     stored: bool = False  # kept by the server's Responses store (one is on, and `store` is not false)
     # the settings the request ran with, as the Response echoes them (temperature, top_p, max_output_tokens): the
     # request's own, else the model's recommended ones or the API's defaults; set once it is submitted
@@ -77,9 +78,8 @@ def translate(body: Any, served_model: str, store: Optional[ResponsesStore] = No
         if store is None:  # vLLM's answer without a store: not found
             raise not_found(req.previous_response_id, "previous_response_id")
         history = store.conversation(req.previous_response_id)
-    if req.truncation not in (None, "disabled"):
-        raise ApiError("truncation: only 'disabled' is supported (an input too long for the model is refused)",
-                       "truncation")  # fmt: skip
+    if req.truncation not in (None, "disabled", "auto"):
+        raise ApiError(f"truncation: must be 'auto' or 'disabled', got {req.truncation[:40]!r}", "truncation")
     if req.max_tool_calls is not None and req.max_tool_calls < 0:  # a cap on built-in tool calls: none are made here
         raise ApiError(f"max_tool_calls: must be >= 0, got {req.max_tool_calls}", "max_tool_calls")
     if req.stream_options is not None and not req.stream:
@@ -103,7 +103,20 @@ def translate(body: Any, served_model: str, store: Optional[ResponsesStore] = No
     if req.reasoning is not None and req.reasoning.effort is not None:  # vLLM's: a template variable
         chat["chat_template_kwargs"] = {"reasoning_effort": req.reasoning.effort}
     chat["stream"] = req.stream
-    return ResponsesCall(req, chat, served_model, int(time.time()), items, stored)
+    return ResponsesCall(req, chat, served_model, int(time.time()), items, history + items, stored)
+
+
+def cut_points(call: ResponsesCall) -> list[int]:
+    """Where `truncation: "auto"` may cut the conversation, oldest first: at each user message after its first
+    item (the items before a cut are dropped, so that what is kept starts with a user turn)."""
+    return [i for i, item in enumerate(call.conversation) if i > 0 and isinstance(item, dict)
+            and item.get("type", "message") == "message" and item.get("role") == "user"]  # fmt: skip
+
+
+def without_oldest(call: ResponsesCall, cut: int) -> dict[str, Any]:
+    """The chat body of `call` with its conversation's items before `cut` dropped (`instructions` kept): OpenAI's
+    `truncation: "auto"` for a conversation longer than the model's context."""
+    return {**call.chat_body, "messages": _messages(call.req.instructions, [], call.conversation[cut:])}
 
 
 def _continues(items: Any) -> bool:

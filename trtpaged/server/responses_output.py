@@ -43,7 +43,8 @@ def envelope(call: ResponsesCall, rid: str, status: str, output: list[dict[str, 
         "service_tier": req.service_tier or "auto", "store": call.stored,
         "temperature": call.used.get("temperature", req.temperature), "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
         "tool_choice": "auto" if req.tool_choice is None else req.tool_choice, "tools": req.tools or [],
-        "top_logprobs": req.top_logprobs or 0, "top_p": call.used.get("top_p", req.top_p), "truncation": "disabled",
+        "top_logprobs": req.top_logprobs or 0, "top_p": call.used.get("top_p", req.top_p),
+        "truncation": req.truncation or "disabled",
         "usage": usage, "user": req.user, "metadata": req.metadata or {},
     }  # fmt: skip
 
