@@ -57,6 +57,12 @@ def unenforced_feature(schema: Any) -> Optional[str]:
     return None
 
 
+def has_string_length(schema: Any) -> bool:
+    """Whether a string in `schema` has a minLength or maxLength (the grammar engine needs a mend for them,
+    `structured.py`)."""
+    return any("minLength" in node or "maxLength" in node for _, node in subschemas(schema))
+
+
 def _node_feature(node: dict, root: Any) -> Optional[str]:
     for keyword, why in UNENFORCED.items():
         if keyword in node:

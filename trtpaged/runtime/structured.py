@@ -20,13 +20,21 @@ import torch
 
 from trtpaged.errors import RequestError
 from trtpaged.runtime.sampling_params import StructuredOutputsParams
-from trtpaged.runtime.schema_features import unenforced_feature
+from trtpaged.runtime.schema_features import has_string_length, unenforced_feature
 
 DEFAULT_CACHE_SIZE = 256  # distinct compiled grammars kept
 # and their memory (xgrammar's memory_size_bytes): a 64 KiB schema compiles to up to about 5 MB for a 49k vocabulary,
 # so 256 distinct ones could hold more than a GiB
 DEFAULT_CACHE_BYTES = 256 << 20
 _XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+
+
+# xgrammar 0.2.9 writes a string with minLength / maxLength as a bounded repeat of this character class, which lets
+# the control characters U+0000-U+001F through unescaped: the output is no JSON (its plain strings exclude them).
+# Such a schema's grammar is compiled from its EBNF with the character class JSON allows there (escapes stay out, as
+# that form has them).
+_LENGTH_BOUNDED_CHARACTER = '[^\\"\\\\\\r\\n]'
+_JSON_STRING_CHARACTER = '[^\\"\\\\\\0-\\x1f]'
 
 
 def xgrammar_available() -> bool:
@@ -110,6 +118,11 @@ class GrammarCache:
             if why is not None:
                 raise RequestError(params.origin, f"the JSON schema's {why}")
         try:
+            if kind == "json" and has_string_length(parsed):
+                import xgrammar as xgr
+
+                grammar = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+                return compiler.compile_grammar(grammar.replace(_LENGTH_BOUNDED_CHARACTER, _JSON_STRING_CHARACTER))
             if kind == "json":
                 return compiler.compile_json_schema(schema, any_whitespace=False)
             if kind == "json_object":  # an object with any members (xgrammar's builtin JSON also allows arrays)
