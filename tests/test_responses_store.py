@@ -6,6 +6,7 @@ freed; the store's byte bound evicts the least recently used; ids are unique; re
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -151,13 +152,34 @@ def test_deleting_a_response_breaks_the_chains_through_it(client, server):
 
 
 def test_ids_name_one_stored_response(client, server):
+    """A body's request_id names the Response as given and must be free; an X-Request-Id (a proxy's trace id,
+    perhaps repeated) names it only while free, else the Response gets a random id."""
     kept = _create(client, input="x", max_output_tokens=2, extra_body={"request_id": "resp_mine"})
     assert kept.id == "resp_mine"
-    for how in ({"extra_body": {"request_id": "resp_mine"}}, {"extra_headers": {"X-Request-Id": "mine"}}):
-        with pytest.raises(openai.BadRequestError) as err:
-            _create(client, input="y", max_output_tokens=2, **how)
-        assert err.value.body["param"] in ("request_id", "X-Request-Id") and "resp_mine" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        _create(client, input="y", max_output_tokens=2, extra_body={"request_id": "resp_mine"})
+    assert err.value.body["param"] == "request_id" and "resp_mine" in err.value.body["message"]
+    first = _create(client, input="y", max_output_tokens=2, extra_headers={"X-Request-Id": "trace"})
+    again = _create(client, input="y", max_output_tokens=2, extra_headers={"X-Request-Id": "trace"})
+    assert first.id == "resp_trace" and again.id.startswith("resp_") and again.id != first.id
     assert client.responses.retrieve("resp_mine").output_text == kept.output_text  # not replaced
+    for dots in (".", ".."):  # no URL could read them back
+        with pytest.raises(openai.BadRequestError) as err:
+            _create(client, input="y", max_output_tokens=2, extra_body={"request_id": dots})
+        assert err.value.body["param"] == "request_id"
+    wait_idle(server)
+
+
+def test_a_chain_through_a_deleted_id_stays_broken_when_the_id_is_reused(client, server):
+    """previous_response_id means that response's own items: once it is deleted, a new response under its id
+    is not spliced into the chains that went through the old one."""
+    old = _create(client, input="the old one", max_output_tokens=3, extra_body={"request_id": "resp_reused"})
+    after = _create(client, input="next", max_output_tokens=3, previous_response_id=old.id)
+    client.responses.delete(old.id)
+    _create(client, input="a new and different one", max_output_tokens=3, extra_body={"request_id": "resp_reused"})
+    with pytest.raises(openai.NotFoundError) as err:
+        _create(client, input="more", max_output_tokens=3, previous_response_id=after.id)
+    assert "resp_reused" in err.value.body["message"]
     wait_idle(server)
 
 
@@ -193,28 +215,40 @@ def test_a_server_without_a_store_keeps_nothing(tiny_engine_dir):
 
 
 def test_the_store_keeps_its_byte_bound_least_recently_used_out():
-    """The bound counts each entry's JSON; a read is a use; an entry larger than the bound is not kept; a
-    running (background) entry is never evicted."""
+    """The bound counts each entry's JSON; a read is a use; an entry larger than the bound is not kept; running
+    (background) entries are never evicted, and the entry just stored is not either."""
     def body(rid: str, text: str) -> dict:
         return {"id": rid, "output": [{"type": "message", "role": "assistant", "content": text}]}
 
+    def turn(text: str) -> list:
+        return [{"type": "message", "role": "user", "content": text}]
+
     store = ResponsesStore(700)
     for rid in ("a", "b", "c"):
-        assert store.put(rid, body(rid, "x" * 100), [{"role": "user", "content": "q"}], None)
+        assert store.put(rid, body(rid, "x" * 100), turn("q" + rid), None)
     assert store.size <= 700 and len(store) == 3
     store.get("a")  # a used: b is now the oldest
-    assert store.put("d", body("d", "x" * 100), [], "a")
+    _, link = store.conversation("a")
+    assert store.put("d", body("d", "x" * 100), turn("qd"), link)
     assert store.get("b") is None and store.get("a") is not None and store.size <= 700
-    assert [i["content"] for i in store.conversation("d")] == ["q", "x" * 100, "x" * 100]
-    assert not store.put("huge", body("huge", "x" * 800), [], None) and store.get("huge") is None
+    items, _ = store.conversation("d")
+    assert [i["content"] for i in items] == ["qa", "qd"]
+    assert not store.put("huge", body("huge", "x" * 1000), [], None) and store.get("huge") is None
     assert len(store) == 3  # nothing else went for it
-    store.put("r", body("r", "y" * 100), [], None, running=True)
+    store.put("r", body("r", "y" * 300), [], None, running=True)
     for i in range(10):
-        store.put(f"n{i}", body(f"n{i}", "z" * 100), [], None)
-    assert store.running("r") and store.get("r") is not None and store.size <= 700
+        assert store.put(f"n{i}", body(f"n{i}", "z" * 300), [], None)
+        assert store.get(f"n{i}") is not None  # the one just stored stays, even past the bound
+    assert store.running("r") and store.get("r") is not None
+    assert store.size == sum(len(json.dumps(store.get(k), separators=(",", ":"))) for k in ("r", "n9")) + 4
     with pytest.raises(Exception) as err:
-        store.reserve("r", "request_id")
+        store.claim("r", "request_id")
     assert "request_id" in str(err.value)
+    token = store.claim("fresh", "request_id")
+    store.release("fresh", token + 1)  # not this claim's token: kept
+    assert store.taken("fresh")
+    store.release("fresh", token)
+    assert not store.taken("fresh")
 
 
 def test_truncation_auto_drops_the_oldest_turns_that_do_not_fit(client, server):

@@ -31,7 +31,7 @@ from trtpaged.server.options import ServerOptions
 from trtpaged.server.protocol import check_model
 from trtpaged.server.responses_store import ResponsesStore
 from trtpaged.server.schemas import ModelCard, ModelList, dump
-from trtpaged.server.stored_responses import StoredResponses
+from trtpaged.server.stored_responses import Claim, StoredResponses
 from trtpaged.server.tokenization import Tokenization
 
 log = logging.getLogger("trtpaged.server")
@@ -259,8 +259,7 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
             return await answer(request, submitted, start)
         # logged and answered under the Response's id; vLLM's: a body's request_id is the Response's id as given,
         # else resp_ + the caller's or a random id
-        rid = call.req.request_id or responses_output.response_id(summary.request_id)
-        stored.claim_random(call, rid, claimed)
+        rid = claimed[0] if claimed else call.req.request_id or responses_output.response_id(summary.request_id)
         call.used = {"temperature": submitted.params.temperature, "top_p": submitted.params.top_p,
                      "max_output_tokens": submitted.max_tokens[0]}  # fmt: skip
         summary.header_id = rid if summary.header_id == summary.request_id else summary.header_id
@@ -272,15 +271,17 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
             try:
                 queued = stored.start_background(call, rid, submitted, ended)
             except ApiError as exc:
-                stored.release(rid)
-                raise responses_api.renamed(exc, call) from None
+                stored.release(claimed)
+                error = responses_api.renamed(exc, call)
+                _log(request, error.status, error.message, start)
+                raise error from None
             return Response(json.dumps(queued), media_type="application/json",
                             headers={"X-Request-Id": summary.header_id})
         try:
-            return await answer(request, submitted, start, call)
+            return await answer(request, submitted, start, call, claimed)
         finally:
             if not submitted.req.stream:  # a stream's claim ends with the stream
-                stored.release(rid)
+                stored.release(claimed)
 
     async def fitted(call: responses_api.ResponsesCall, header_id: str | None) -> dict[str, Any]:
         """The chat body of a Responses request with `truncation: "auto"`: its conversation as it is if it fits the
@@ -312,14 +313,15 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
         return fits
 
     async def answer(request: Request, submitted: Submitted, start: float,
-                     call: responses_api.ResponsesCall | None = None) -> Response:  # fmt: skip
-        """The answer to a queued request: its stream, or its whole body once it finished."""
+                     call: responses_api.ResponsesCall | None = None, claimed: Claim | None = None) -> Response:
+        """The answer to a queued request: its stream, or its whole body once it finished; `claimed`: the id a
+        stored Response has (given up when its stream ends)."""
         summary = submitted.summary
         headers = {"X-Request-Id": summary.header_id}
         if submitted.req.stream:
             events = _logged_stream(request, submitted, start)
             if call is not None:
-                events = stored.released(summary.request_id, responses_output.stream(
+                events = stored.released(claimed, responses_output.stream(
                     call, summary.request_id, events, summary, cache_block_size, stored.keep(call, summary.request_id)))
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache",
                                                                                       **headers})  # fmt: skip

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from trtpaged.server.errors import ApiError
 from trtpaged.server.protocol import check_model, validated
-from trtpaged.server.responses_store import ResponsesStore, not_found
+from trtpaged.server.responses_store import Link, ResponsesStore, not_found
 from trtpaged.server.schemas import GenerationFields, ResponsesRequest
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -51,6 +51,7 @@ class ResponsesCall:
     created_at: int
     items: list[Any] = field(default_factory=list)  # the request's own input, as items (what a store keeps)
     conversation: list[Any] = field(default_factory=list)  # a stored conversation's items, then `items`
+    link: Optional[Link] = None  # the stored response it continues (previous_response_id)
     stored: bool = False  # kept by the server's Responses store (one is on, and `store` is not false)
     # the settings the request ran with, as the Response echoes them (temperature, top_p, max_output_tokens): the
     # request's own, else the model's recommended ones or the API's defaults; set once it is submitted
@@ -74,10 +75,11 @@ def translate(body: Any, served_model: str, store: Optional[ResponsesStore] = No
         raise ApiError("background: not with stream: true on this server (poll GET /v1/responses/{id})",
                        "background")  # fmt: skip
     history: list[Any] = []
+    link = None
     if req.previous_response_id is not None:
         if store is None:  # vLLM's answer without a store: not found
             raise not_found(req.previous_response_id, "previous_response_id")
-        history = store.conversation(req.previous_response_id)
+        history, link = store.conversation(req.previous_response_id)
     if req.truncation not in (None, "disabled", "auto"):
         raise ApiError(f"truncation: must be 'auto' or 'disabled', got {req.truncation[:40]!r}", "truncation")
     if req.max_tool_calls is not None and req.max_tool_calls < 0:  # a cap on built-in tool calls: none are made here
@@ -103,7 +105,34 @@ def translate(body: Any, served_model: str, store: Optional[ResponsesStore] = No
     if req.reasoning is not None and req.reasoning.effort is not None:  # vLLM's: a template variable
         chat["chat_template_kwargs"] = {"reasoning_effort": req.reasoning.effort}
     chat["stream"] = req.stream
-    return ResponsesCall(req, chat, served_model, int(time.time()), items, history + items, stored)
+    return ResponsesCall(req, chat, served_model, int(time.time()), items, history + items, link, stored)
+
+
+def turn(call: ResponsesCall, output: list[Any]) -> list[dict[str, Any]]:
+    """What a store keeps of a Response to continue it: its input items, then its `output` items, as prompt items
+    (what `_messages` reads of each: roles and texts, calls and their outputs, reasoning text, a message's status;
+    no log-probs, ids or unknown keys). Both were read by `_messages` already (its own output as input)."""
+    kept: list[dict[str, Any]] = []
+    for item in [*call.items, *output]:
+        kind = item.get("type", "message")
+        if kind == "message":
+            message = {"type": "message", "role": item["role"], "content": _prompt_content(item["content"])}
+            if isinstance(item.get("status"), str):  # a cut answer's: the next turn may continue it
+                message["status"] = item["status"]
+            kept.append(message)
+        elif kind == "function_call":
+            kept.append({k: item[k] for k in ("type", "call_id", "name", "arguments")})
+        elif kind == "function_call_output":
+            kept.append({"type": kind, "call_id": item["call_id"], "output": _prompt_content(item["output"])})
+        elif kind == "reasoning":
+            kept.append({"type": kind, "content": [{"type": "reasoning_text", "text": _reasoning_text(item, "")}]})
+    return kept
+
+
+def _prompt_content(content: Any) -> Any:
+    if isinstance(content, str):
+        return content
+    return [{"type": p["type"], _TEXT_PARTS[p["type"]]: p[_TEXT_PARTS[p["type"]]]} for p in content]
 
 
 def cut_points(call: ResponsesCall) -> list[int]:

@@ -1,15 +1,18 @@
 """Stored Responses (`serve --responses-store-size SIZE`): what GET /v1/responses/{id} returns, what a request's
 `previous_response_id` continues, and where a `background` request's state is kept while it runs.
 
-In memory, bounded in bytes: each entry is kept as its JSON text (the bound counts what is kept), least recently
-used first out; a background response still running is never evicted. An entry holds its own input items and a link
-to the response it continued, not a copy of the conversation before it, so that a long chain of turns takes memory
-in proportion to its length, not its square; a chain whose older link was evicted or deleted can no longer be
-continued (404 naming the missing response).
+In memory, bounded in bytes: each entry is kept as JSON text (the bound counts what is kept), the least recently
+used finished one out first; a background response still running is never evicted (running entries are the only
+thing that can hold the store past its bound). An entry holds the Response (what GET returns) and its turn: its own
+input and output items, with only what a prompt is made of (no log-probs, no unknown keys), linked to the response
+it continued, not a copy of the conversation before it, so that a chain of turns takes memory in proportion to its
+length. A link names the response's id and its serial: an id deleted (or evicted) and given to a new response
+breaks the chains through the old one (404), instead of splicing the new one's turn into them.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -17,17 +20,20 @@ from typing import Any, Optional
 
 from trtpaged.server.errors import ApiError
 
+Link = tuple[str, int]  # a stored response: its id and its serial
+MAX_CHAIN_BYTES = 32 << 20  # a conversation read back for previous_response_id: far past any model's context
+
 
 @dataclass
 class _Entry:
+    serial: int
     body: bytes  # the Response object, JSON
-    items: bytes  # the request's own input items, JSON
-    previous: Optional[str]  # the response it continued (previous_response_id)
-    running: bool  # a background response not finished yet: kept whatever the bound
+    turn: bytes  # its input items, then its output items, as prompt items (JSON)
+    previous: Optional[Link]  # the response it continued (previous_response_id)
 
     @property
     def size(self) -> int:
-        return len(self.body) + len(self.items) + len(self.previous or "")
+        return len(self.body) + len(self.turn)
 
 
 def not_found(rid: str, field: str = "response_id") -> ApiError:
@@ -36,96 +42,112 @@ def not_found(rid: str, field: str = "response_id") -> ApiError:
 
 
 class ResponsesStore:
-    """Responses by id, at most `max_bytes` of their JSON (oldest use first out). Used from the event loop's thread
-    only."""
+    """Responses by id, at most `max_bytes` of their JSON (least recently used out first). Used from the event
+    loop's thread only."""
 
     def __init__(self, max_bytes: int) -> None:
         if max_bytes < 1:
             raise ValueError(f"responses_store_size: must be >= 1 byte, got {max_bytes}")
         self.max_bytes = max_bytes
         self.size = 0
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()
-        self._reserved: set[str] = set()  # ids of responses being made, not stored yet
+        self._finished: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
+        self._running: dict[str, _Entry] = {}  # background responses not finished: never evicted
+        self._claims: dict[str, int] = {}  # ids of responses being made -> the claim's token
+        self._serials = itertools.count(1)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._finished) + len(self._running)
 
-    def reserve(self, rid: str, field: str) -> None:
-        """Claims `rid` for a response about to be made; a 400 naming `field` (where the id came from) when a stored
-        or running response has it: ids name one response each."""
-        if rid in self._entries or rid in self._reserved:
+    def taken(self, rid: str) -> bool:
+        return rid in self._finished or rid in self._running or rid in self._claims
+
+    def claim(self, rid: str, field: str) -> int:
+        """Claims `rid` for a response about to be made; a 400 naming `field` (where the id came from) when a stored,
+        running or claimed response has it: ids name one response each. Returns the claim's token (`release`)."""
+        if self.taken(rid):
             raise ApiError(f"{field}: {rid[:80]!r} is already the id of a stored response; ids must be unique while "
                            "the server stores responses", field)  # fmt: skip
-        self._reserved.add(rid)
+        token = next(self._serials)
+        self._claims[rid] = token
+        return token
 
-    def release(self, rid: str) -> None:
-        """Gives up a reservation (the request was refused, or its Response is not to be stored)."""
-        self._reserved.discard(rid)
+    def release(self, rid: str, token: int) -> None:
+        """Gives up claim `token` on `rid` (the request was refused, or its stream ended), unless another's by now."""
+        if self._claims.get(rid) == token:
+            del self._claims[rid]
 
-    def put(self, rid: str, body: dict[str, Any], items: list[Any], previous: Optional[str],
+    def put(self, rid: str, body: dict[str, Any], turn: list[Any], previous: Optional[Link],
             running: bool = False) -> bool:  # fmt: skip
-        """Stores (or replaces) the Response `body` of input `items`; False when it alone is larger than the bound
-        (then it is not stored, and nothing else is evicted)."""
-        entry = _Entry(_dumps(body), _dumps(items), previous, running)
-        old = self._entries.pop(rid, None)
+        """Stores (or replaces) the Response `body` and its `turn` (its prompt items, in and out). Finished: the least
+        recently used others go until the store is within its bound (the running ones stay, and so does this one).
+        False, and nothing stored, when it alone is larger than the bound."""
+        old = self._running.pop(rid, None) or self._finished.pop(rid, None)
         if old is not None:
             self.size -= old.size
-        self._reserved.discard(rid)
+        self._claims.pop(rid, None)
+        entry = _Entry(old.serial if old is not None else next(self._serials), _dumps(body), _dumps(turn), previous)
         if entry.size > self.max_bytes:
             return False
-        self._entries[rid] = entry
         self.size += entry.size
-        for victim in [k for k, e in self._entries.items() if not e.running]:
-            if self.size <= self.max_bytes:
-                break
-            self.size -= self._entries.pop(victim).size
-        return rid in self._entries
+        if running:
+            self._running[rid] = entry
+            return True
+        self._finished[rid] = entry
+        while self.size > self.max_bytes and len(self._finished) > 1:
+            _, victim = self._finished.popitem(last=False)
+            self.size -= victim.size
+        return True
 
     def get(self, rid: str) -> Optional[dict[str, Any]]:
         """The stored Response `rid` (a use: it moves to the back of the eviction order), or None."""
-        entry = self._entries.get(rid)
+        entry = self._running.get(rid) or self._finished.get(rid)
         if entry is None:
             return None
-        self._entries.move_to_end(rid)
+        if rid in self._finished:
+            self._finished.move_to_end(rid)
         return json.loads(entry.body)
 
     def running(self, rid: str) -> bool:
-        entry = self._entries.get(rid)
-        return entry is not None and entry.running
+        return rid in self._running
 
     def delete(self, rid: str) -> bool:
-        entry = self._entries.pop(rid, None)
+        """Deletes finished response `rid` (False: none such)."""
+        entry = self._finished.pop(rid, None)
         if entry is None:
             return False
         self.size -= entry.size
         return True
 
-    def conversation(self, rid: str, field: str = "previous_response_id") -> list[Any]:
-        """The items that led to and came out of response `rid`, oldest first: each response's input items, then
-        its output items, along the chain of previous_response_id links. 404 naming `field` when `rid` or an older
-        link of its chain is not stored."""
-        chain: list[_Entry] = []
-        seen: set[str] = set()
-        at: Optional[str] = rid
-        while at is not None:
-            entry = self._entries.get(at)
-            if entry is None or at in seen:
-                if at == rid:
-                    raise not_found(rid, field)
-                raise ApiError(f"{field}: {rid[:80]!r} continues response {at[:80]!r}, which is no longer stored "
+    def conversation(self, rid: str, field: str = "previous_response_id") -> tuple[list[Any], Link]:
+        """The prompt items that led to and came out of response `rid`, oldest first (each response's turn, along
+        the chain of previous_response_id links), and the link to `rid`. 404 naming `field` when `rid` or an older
+        link of its chain is no longer stored; 400 while `rid` runs in the background."""
+        if rid in self._running:
+            raise ApiError(f"{field}: response {rid[:80]!r} is still running in the background; continue it once it "
+                           "has finished", field)  # fmt: skip
+        asked, head = rid, self._finished.get(rid)
+        if head is None:
+            raise not_found(rid, field)
+        turns: list[bytes] = []
+        size, entry = 0, head
+        while True:
+            self._finished.move_to_end(rid)
+            turns.append(entry.turn)
+            size += len(entry.turn)
+            if size > MAX_CHAIN_BYTES:
+                raise ApiError(f"{field}: the conversation of {rid[:80]!r} is more than {MAX_CHAIN_BYTES} bytes of "
+                               "items; send what the model should read in input", field)  # fmt: skip
+            if entry.previous is None:
+                break
+            rid, serial = entry.previous
+            entry = self._finished.get(rid)
+            if entry is None or entry.serial != serial:  # deleted or evicted (and its id perhaps reused)
+                raise ApiError(f"{field}: the conversation continues response {rid[:80]!r}, which is no longer stored "
                                "(deleted or evicted by the store's bound)", field, 404, "not_found_error")  # fmt: skip
-            if entry.running:
-                raise ApiError(f"{field}: response {at[:80]!r} is still running in the background; continue it once "
-                               "it has finished", field)  # fmt: skip
-            seen.add(at)
-            self._entries.move_to_end(at)
-            chain.append(entry)
-            at = entry.previous
         items: list[Any] = []
-        for entry in reversed(chain):
-            items += json.loads(entry.items)
-            items += json.loads(entry.body)["output"]
-        return items
+        for turn in reversed(turns):
+            items += json.loads(turn)
+        return items, (asked, head.serial)
 
 
 def _dumps(value: Any) -> bytes:

@@ -7,13 +7,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 from contextlib import aclosing
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 
-from trtpaged.server import responses_output
+from trtpaged.server import responses_api, responses_output
 from trtpaged.server.engine_loop import ClientGone, EngineFailure, RequestTimeout, ShuttingDown
 from trtpaged.server.errors import ApiError
 from trtpaged.server.generation import GenerationService, Submitted, runtime_failure
@@ -24,6 +25,7 @@ from trtpaged.server.responses_store import ResponsesStore, not_found
 log = logging.getLogger("trtpaged.server")
 CANCEL_WAIT_S = 30.0  # how long a cancel waits for its request to end (an abort takes a step or a poll, 0.25 s)
 Ended = Callable[[int, str, Optional[Submitted]], None]  # logs a background request's end: status, note
+Claim = tuple[str, int]  # a claimed Response id and the claim's token
 
 
 class StoredResponses:
@@ -36,52 +38,52 @@ class StoredResponses:
         self.block_size = block_size  # the prefix cache's (0: off), for usage's cache_write_tokens
         self.running: dict[str, tuple[asyncio.Task, asyncio.Event]] = {}  # background id -> its task, its cancel
 
-    def claim(self, call: ResponsesCall, header_id: Optional[str]) -> Optional[str]:
-        """Reserves the id a stored Response will have when the caller chose it (the body's request_id, else
-        X-Request-Id); a 400 when a stored or running response has it. None: the id will be random."""
-        if not call.stored or self.store is None:
+    def claim(self, call: ResponsesCall, header_id: Optional[str]) -> Optional[Claim]:
+        """Claims the id a stored Response will have: the body's request_id (a 400 when a stored or running response
+        has it), else resp_ + X-Request-Id (a random id when that one is taken: a proxy's repeated trace id is no
+        fault of the request), else a random one. None: the Response is not stored (its id is made as ever)."""
+        store = self.store
+        if not call.stored or store is None:
             return None
-        if call.req.request_id is not None:
-            rid, field = call.req.request_id, "request_id"
-        elif header_id is not None:
-            rid, field = responses_output.response_id(f"chatcmpl-{header_id}"), "X-Request-Id"
-        else:
-            return None
-        self.store.reserve(rid, field)
-        return rid
+        rid = call.req.request_id
+        if rid is not None:
+            if rid in (".", ".."):  # a URL path segment that can never be read back
+                raise ApiError("request_id: '.' and '..' cannot name a stored response", "request_id")
+            return rid, store.claim(rid, "request_id")
+        if header_id is not None:
+            rid = responses_output.response_id(f"chatcmpl-{header_id}")
+            if not store.taken(rid):
+                return rid, store.claim(rid, "X-Request-Id")
+        rid = f"resp_{uuid.uuid4().hex}"
+        return rid, store.claim(rid, "request_id")
 
-    def claim_random(self, call: ResponsesCall, rid: str, claimed: Optional[str]) -> None:
-        """Reserves a random id `rid` (claim gave none)."""
-        if call.stored and self.store is not None and claimed is None:
-            self.store.reserve(rid, "request_id")
+    def release(self, claim: Optional[Claim]) -> None:
+        if claim is not None and self.store is not None:
+            self.store.release(*claim)
 
-    def release(self, rid: Optional[str]) -> None:
-        if rid is not None and self.store is not None:
-            self.store.release(rid)
-
-    async def released(self, rid: str, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        """`events`, the stream of Response `rid`; its claimed id is given up when the stream ends (its Response
-        stored by then, or not at all when the client left)."""
+    async def released(self, claim: Optional[Claim], events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """`events`, the stream of a Response; its claimed id is given up when the stream ends (its Response stored
+        by then, or not at all when the client left)."""
         try:
             async with aclosing(events):
                 async for event in events:
                     yield event
         finally:
-            self.release(rid)
+            self.release(claim)
 
     def keep(self, call: ResponsesCall, rid: str) -> Optional[Keep]:
         """What stores the finished Response `rid` of `call` (None: it is not stored)."""
         store = self.store
         if not call.stored or store is None:
             return None
-        return lambda body: store.put(rid, body, call.items, call.req.previous_response_id)
+        return lambda body: store.put(rid, body, responses_api.turn(call, body["output"]), call.link)
 
     def start_background(self, call: ResponsesCall, rid: str, s: Submitted, ended: Ended) -> dict[str, Any]:
         """Runs the queued request `s` in a task that stores its Response when it ends; returns the queued
         Response, what the client gets now. `ended` logs the end."""
         assert self.store is not None
         queued = responses_output.envelope(call, rid, "queued", [])
-        if not self.store.put(rid, queued, call.items, call.req.previous_response_id, running=True):
+        if not self.store.put(rid, queued, [], call.link, running=True):
             self.service.loop.abort(sorted(s.index))
             raise ApiError(f"input: larger than the Responses store's bound ({self.store.max_bytes} bytes)", "input")
         cancel = asyncio.Event()
@@ -91,9 +93,7 @@ class StoredResponses:
 
     async def _run(self, call: ResponsesCall, rid: str, s: Submitted, cancel: asyncio.Event, ended: Ended) -> None:
         assert self.store is not None
-        previous = call.req.previous_response_id
-        self.store.put(rid, responses_output.envelope(call, rid, "in_progress", []), call.items, previous,
-                       running=True)  # fmt: skip
+        self.store.put(rid, responses_output.envelope(call, rid, "in_progress", []), [], call.link, running=True)
 
         async def cancelled() -> bool:
             return cancel.is_set()
@@ -114,7 +114,13 @@ class StoredResponses:
                                              error={"code": "server_error", "message": error.message})  # fmt: skip
         finally:
             self.running.pop(rid, None)
-        self.store.put(rid, body, call.items, previous)
+        if not self.store.put(rid, body, responses_api.turn(call, body["output"]), call.link):
+            # too large to keep: what it ended as is kept instead, so that a poll finds an end, not a 404
+            message = f"the response is larger than the Responses store's bound ({self.store.max_bytes} bytes)"
+            body = responses_output.envelope(call, rid, "failed", [], self._usage(s),
+                                             error={"code": "server_error", "message": message})  # fmt: skip
+            self.store.put(rid, body, [], call.link)
+            status, note = 500, message
         ended(status, note, s if status == 200 else None)
 
     def _usage(self, s: Submitted) -> dict[str, Any]:
