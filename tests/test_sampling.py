@@ -216,6 +216,23 @@ def test_a_character_the_prompt_ends_inside_of_is_the_outputs_text(clean_up):
         assert "".join(pieces) + detok.flush() == completed, (text, cut, pieces)
 
 
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_a_character_the_prompt_ends_inside_of_and_the_output_does_not_complete_stays_the_prompts(clean_up):
+    """A prompt cut inside a character whose next bytes never come (the output starts a new character): the
+    output's text is its own tokens' decode (HF's decode of the output ids, vLLM's text), without the U+FFFD of
+    the prompt's dangling bytes in front (was: "\ufffd-19" for "-19"); streamed or flushed at the end."""
+    from trtpaged.models.tiny_tokenizer import make_tiny_tokenizer
+
+    tok = make_tiny_tokenizer()
+    tok.clean_up_tokenization_spaces = clean_up
+    for prompt_text, cut, output_text in (("xé", 2, "-19"), ("🙂", 2, "ok 🙂"), ("a世", 3, "b"), ("é", 1, "\u00e9")):
+        prompt = tok.encode(prompt_text)[:cut]
+        output = tok.encode(output_text)
+        detok = IncrementalDetokenizer(tok, prompt)
+        pieces = [detok.add(t) for t in output]
+        assert "".join(pieces) + detok.flush() == tok.decode(output), (prompt_text, cut, pieces)
+
+
 def test_detokenizer_flushes_an_incomplete_tail():
     from trtpaged.models.tiny_tokenizer import make_tiny_tokenizer
 

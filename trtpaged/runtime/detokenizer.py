@@ -49,6 +49,9 @@ class IncrementalDetokenizer:
             self.read_offset -= 1
         self._stream = _decode_stream(tokenizer, skip_special_tokens, self.ids[: self.read_offset],
                                       self.ids[self.read_offset :])  # fmt: skip
+        # those prompt bytes until the first text: theirs only if an output byte completes their character
+        self._prompt_tail: Optional[list[int]] = self.ids[self.read_offset :] or None
+        self._prompt_len = len(self.ids)
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special_tokens)
@@ -62,13 +65,26 @@ class IncrementalDetokenizer:
             if not text:
                 return ""
             self.prefix_offset, self.read_offset = max(0, self.read_offset - _CONTEXT_TOKENS), len(self.ids)
-            return text
+            return self._first(text)
         prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full_text = self._decode(self.ids[self.prefix_offset :])
         if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT):
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return full_text[len(prefix_text) :]
+        return self._first(full_text[len(prefix_text) :])
+
+    def _first(self, text: str) -> str:
+        """`text`, less the prompt's last bytes where they are its start and no output byte completed their
+        character: they stay the prompt's (U+FFFD there), as vLLM leaves them (was: "\ufffd-19" for "-19")."""
+        tail = self._prompt_tail
+        if tail is None:
+            return text
+        self._prompt_tail = None
+        alone = self._decode(tail)
+        output = self.ids[self._prompt_len :]
+        if text.startswith(alone) and self._decode(tail + output) == alone + self._decode(output):
+            return text[len(alone) :]
+        return text
 
     def _held(self) -> str:
         prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
@@ -84,4 +100,4 @@ class IncrementalDetokenizer:
         """Whatever text is still held back (an incomplete character at the very end)."""
         text = self._held()
         self.prefix_offset = self.read_offset = len(self.ids)
-        return text
+        return self._first(text) if text else text
