@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -157,6 +159,22 @@ def test_lone_sequence_outgrowing_pool_ends_with_length():
     assert outs[0].request_id == r and outs[0].outputs[0].finish_reason == "length"
     assert len(outs[0].prompt_token_ids) + len(outs[0].outputs[0].token_ids) == 9  # 8 slots + the uncomputed last
     assert e.kv.pool.num_free == 2
+
+
+def test_samples_outgrowing_the_pool_end_one_at_a_time(tiny_engine_dir):
+    """An n > 1 request, alone, whose samples together outgrow the pool (each alone fits): the sample furthest on
+    ends ('length') and frees its blocks, and the others go on to their max_tokens, rather than all ending as
+    short as the pool made them. Truth: the greedy n=1 output, which every sample is (a prefix of)."""
+    from trtpaged import LLM
+
+    llm = LLM(tiny_engine_dir, device="cpu", num_kv_blocks=40)  # 640 tokens: a 200-token prompt + 3 x 200 do not fit
+    greedy = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    alone = llm.generate(["a" * 200], greedy)[0].outputs[0].token_ids
+    samples = llm.generate(["a" * 200], dataclasses.replace(greedy, n=3))[0].outputs
+    lengths = sorted(len(c.token_ids) for c in samples)
+    assert lengths[1:] == [200, 200] and lengths[0] < 200, lengths
+    assert all(c.finish_reason == "length" and c.token_ids == alone[: len(c.token_ids)] for c in samples)
+    assert llm.engine.kv.pool.num_used == 0
 
 
 # ---- property-based invariants ------------------------------------------------------------------

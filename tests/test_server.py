@@ -118,6 +118,7 @@ def test_completions_match_llm(server, llm):
         "prompt_tokens": sum(len(o.prompt_token_ids) for o in truth),
         "completion_tokens": sum(len(o.outputs[0].token_ids) for o in truth),
         "total_tokens": sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in truth),
+        "prompt_tokens_details": None,  # vLLM's field, null without --enable-prompt-tokens-details
     }
     status, _, body = request(server, "/v1/completions", {"prompt": "abc", "max_tokens": 4, "logprobs": 2, "temperature": 0})
     lp = body["choices"][0]["logprobs"]

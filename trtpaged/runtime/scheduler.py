@@ -446,6 +446,11 @@ class Scheduler:
             while (plan := self.kv.plan_allocation(requests)).num_kv_blocks > self.kv.pool.num_free:
                 victim = next(g for g in reversed(self.running) if g.request_id not in done)
                 if victim is group and not done and len(self.running) == 1:
+                    if group.beam is None and len(group.seqs) > 1:  # its samples: one ends, the others go on
+                        cut = self._cut_one(group)
+                        requests = [r for r in requests if r[0] is not cut]
+                        if requests:
+                            continue
                     self._refuse(group, out)
                     break
                 self._preempt(victim, out)
@@ -667,6 +672,15 @@ class Scheduler:
             for seq in group.seqs:
                 self.draft.forget(seq.seq_id)
                 self._proposed.pop(seq.seq_id, None)
+
+    def _cut_one(self, group: SequenceGroup) -> Sequence:
+        """The only running group outgrew the whole pool, and it samples several sequences (n > 1), each of which
+        may fit alone: the one furthest on ends here ('length') and frees its blocks for the others, instead of all
+        of them ending at once (each then as short as the pool made it)."""
+        seq = max(group.seqs, key=lambda s: (s.num_output_tokens, s.index))
+        seq.finish("length")
+        self._free(group, seq)
+        return seq
 
     def _refuse(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         """The only running group outgrew the whole pool: it ends here (finish_reason 'length'); a beam search
