@@ -219,7 +219,8 @@ def test_a_character_the_prompt_ends_inside_of_is_the_outputs_text(clean_up):
 @pytest.mark.parametrize("clean_up", [False, True])
 def test_a_character_the_prompt_ends_inside_of_and_the_output_does_not_complete_stays_the_prompts(clean_up):
     """A prompt cut inside a character whose next bytes never come (the output starts a new character): the
-    output's text is its own tokens' decode (HF's decode of the output ids, vLLM's text), without the U+FFFD of
+    output's text is its own tokens' decode (HF's decode of the output ids; vLLM's slow detokenizer's, not its
+    fast one's, which keeps the U+FFFD), without the U+FFFD of
     the prompt's dangling bytes in front (was: "\ufffd-19" for "-19"); streamed or flushed at the end."""
     from trtpaged.models.tiny_tokenizer import make_tiny_tokenizer
 
@@ -231,6 +232,29 @@ def test_a_character_the_prompt_ends_inside_of_and_the_output_does_not_complete_
         detok = IncrementalDetokenizer(tok, prompt)
         pieces = [detok.add(t) for t in output]
         assert "".join(pieces) + detok.flush() == tok.decode(output), (prompt_text, cut, pieces)
+
+
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_a_dangling_prompt_byte_before_a_sentencepiece_word_start(clean_up):
+    """The same with a SentencePiece-style tokenizer (byte fallback, "▁" for a space, the decoder strips a
+    leading one): the output's first token starts a word, so its text in context begins with a space that its
+    decode alone drops; the answer is the text in context after the prompt's (HF's decode of prompt + output,
+    less the prompt's), space kept and U+FFFD left out."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ("▁", "▁a", "a", "▁-", "-", "1", "9"):
+        vocab[piece] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])  # fmt: skip
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=clean_up)
+    prompt = [vocab["▁a"], vocab["<0xE4>"]]  # "a", then the first byte of a three-byte character
+    for output in ([vocab["▁-"], vocab["1"], vocab["9"]], [vocab["-"], vocab["1"]]):
+        detok = IncrementalDetokenizer(tok, prompt)
+        text = "".join(detok.add(t) for t in output) + detok.flush()
+        assert text == tok.decode(prompt + output)[len(tok.decode(prompt)) :] and "\ufffd" not in text, text
 
 
 def test_detokenizer_flushes_an_incomplete_tail():

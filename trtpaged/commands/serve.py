@@ -152,8 +152,9 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
         exit_process(worker_main([str(engine)] + (["--device", device] if device else [])))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     raise_open_files_limit()
-    if no_effect_note(vllm_flags):
-        note(no_effect_note(vllm_flags))
+    ignored = no_effect_note(vllm_flags)
+    if ignored:
+        note(ignored)
     try:
         from trtpaged.runtime.speculative import SpeculativeConfig
 

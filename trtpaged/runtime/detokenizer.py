@@ -49,9 +49,10 @@ class IncrementalDetokenizer:
             self.read_offset -= 1
         self._stream = _decode_stream(tokenizer, skip_special_tokens, self.ids[: self.read_offset],
                                       self.ids[self.read_offset :])  # fmt: skip
-        # those prompt bytes until the first text: theirs only if an output byte completes their character
-        self._prompt_tail: Optional[list[int]] = self.ids[self.read_offset :] or None
-        self._prompt_len = len(self.ids)
+        # those prompt bytes until the first text: theirs only if an output byte completes their character; known
+        # by the prompt's text (U+FFFD at its end) being the start of the context's text and the first text
+        self._prompt_text: Optional[str] = self._decode(self.ids) if self.read_offset < len(self.ids) else None
+        self._context_text = self._decode(self.ids[: self.read_offset]) if self._prompt_text is not None else ""
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special_tokens)
@@ -75,16 +76,14 @@ class IncrementalDetokenizer:
 
     def _first(self, text: str) -> str:
         """`text`, less the prompt's last bytes where they are its start and no output byte completed their
-        character: they stay the prompt's (U+FFFD there), as vLLM leaves them (was: "\ufffd-19" for "-19")."""
-        tail = self._prompt_tail
-        if tail is None:
+        character: they stay the prompt's (U+FFFD there), and the answer is its own tokens' text in context (was:
+        "\ufffd-19" for "-19"). A word-start space the output's first token brings (SentencePiece's "▁") stays."""
+        prompt_text = self._prompt_text
+        if prompt_text is None:
             return text
-        self._prompt_tail = None
-        alone = self._decode(tail)
-        output = self.ids[self._prompt_len :]
-        if text.startswith(alone) and self._decode(tail + output) == alone + self._decode(output):
-            return text[len(alone) :]
-        return text
+        self._prompt_text = None
+        whole = self._context_text + text
+        return whole[len(prompt_text) :] if whole.startswith(prompt_text) else text
 
     def _held(self) -> str:
         prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])

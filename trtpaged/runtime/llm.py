@@ -153,8 +153,9 @@ def text_part(part: Any, where: str) -> str:
         got = f"type {kind!r:.40}" if isinstance(part, Mapping) else type(part).__name__
         raise RequestError("messages", f"{where}: only text parts ({{'type': 'text', 'text': ...}}) are supported, "
                            f"got {got}")  # fmt: skip
-    if set(part) - {"type", kind, *_PART_HINTS}:
-        raise RequestError("messages", f"{where}: unknown keys {sorted(set(part) - {'type', kind})!r:.80}")
+    unknown = set(part) - {"type", kind, *_PART_HINTS}
+    if unknown:
+        raise RequestError("messages", f"{where}: unknown keys {sorted(unknown)!r:.80}")
     if not isinstance(part.get(kind), str):
         raise RequestError("messages", f"{where}.{kind}: must be a string, got {type(part.get(kind)).__name__}")
     return part[kind]

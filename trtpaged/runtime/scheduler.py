@@ -446,7 +446,8 @@ class Scheduler:
             while (plan := self.kv.plan_allocation(requests)).num_kv_blocks > self.kv.pool.num_free:
                 victim = next(g for g in reversed(self.running) if g.request_id not in done)
                 if victim is group and not done and len(self.running) == 1:
-                    if group.beam is None and len(group.seqs) > 1:  # its samples: one ends, the others go on
+                    if group.beam is None and len(group.seqs) > 1 and not group.pending_shares:
+                        # its samples: one ends, the others go on (not while some wait for blocks to share)
                         cut = self._cut_one(group)
                         requests = [r for r in requests if r[0] is not cut]
                         if requests:

@@ -242,7 +242,10 @@ class GenerationService:
         limit = self.max_prompt_tokens
         longest = max((len(p) for p in prompts), default=0)
         if limit is not None and longest > limit:
-            raise ApiError(f"{field_name}: {longest} tokens exceeds this server's prompt limit ({limit})", field_name)
+            whole = limit >= self.max_seq_len - 1  # the limit is the model's context: say so as for the context
+            raise ApiError(f"{field_name}: {longest} tokens exceeds this server's prompt limit ({limit})"
+                           + (f". {context_length(self.max_seq_len, longest)}." if whole else ""), field_name,
+                           code=CONTEXT_LENGTH_EXCEEDED if whole else None)  # fmt: skip
         return prompts, tail
 
     def _text_bound(self, field_name: str) -> Optional[Callable[[str], None]]:
@@ -345,7 +348,7 @@ class GenerationService:
         body = s.builder.full(ordered, s.params.n, await self._token_strings(s.req, ids), echoes, s.req.echo_only,
                               s.req.prompt_logprobs is not None)  # fmt: skip
         _summarise(s.summary, ordered, s.req.echo_only)
-        if self.prompt_tokens_details:
+        if self.prompt_tokens_details and s.summary.cached_tokens:  # vLLM's: only when some were cached
             body.usage.prompt_tokens_details = PromptTokensDetails(cached_tokens=s.summary.cached_tokens)
         if self.reasoning is not None and s.builder.reasoning is not None:
             fmt, start = s.builder.reasoning, s.builder.in_reasoning
@@ -456,7 +459,7 @@ class GenerationService:
         s.summary.reasoning_span = sum(reading.span for reading in thoughts.values())
         if s.req.include_usage:
             last = builder.usage_chunk(s.summary.prompt_tokens, s.summary.completion_tokens)
-            if self.prompt_tokens_details:
+            if self.prompt_tokens_details and s.summary.cached_tokens:
                 last.usage.prompt_tokens_details = PromptTokensDetails(cached_tokens=s.summary.cached_tokens)
             yield sse(last)
         yield sse("[DONE]")

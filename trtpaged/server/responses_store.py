@@ -21,7 +21,7 @@ from typing import Any, Optional
 from trtpaged.server.errors import ApiError
 
 Link = tuple[str, int]  # a stored response: its id and its serial
-MAX_CHAIN_BYTES = 32 << 20  # a conversation read back for previous_response_id: far past any model's context
+MAX_CHAIN_BYTES = 8 << 20  # a conversation read back for previous_response_id: far past any model's context
 
 
 @dataclass
@@ -80,14 +80,15 @@ class ResponsesStore:
             running: bool = False) -> bool:  # fmt: skip
         """Stores (or replaces) the Response `body` and its `turn` (its prompt items, in and out). Finished: the least
         recently used others go until the store is within its bound (the running ones stay, and so does this one).
-        False, and nothing stored, when it alone is larger than the bound."""
-        old = self._running.pop(rid, None) or self._finished.pop(rid, None)
+        False, and nothing changed, when it alone is larger than the bound."""
+        old = self._running.get(rid) or self._finished.get(rid)
+        entry = _Entry(old.serial if old is not None else next(self._serials), _dumps(body), _dumps(turn), previous)
+        if entry.size > self.max_bytes:  # what was stored under `rid` stays
+            return False
         if old is not None:
+            self._running.pop(rid, None) or self._finished.pop(rid, None)
             self.size -= old.size
         self._claims.pop(rid, None)
-        entry = _Entry(old.serial if old is not None else next(self._serials), _dumps(body), _dumps(turn), previous)
-        if entry.size > self.max_bytes:
-            return False
         self.size += entry.size
         if running:
             self._running[rid] = entry

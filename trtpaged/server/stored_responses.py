@@ -61,15 +61,10 @@ class StoredResponses:
         if claim is not None and self.store is not None:
             self.store.release(*claim)
 
-    async def released(self, claim: Optional[Claim], events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    def released(self, claim: Optional[Claim], events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         """`events`, the stream of a Response; its claimed id is given up when the stream ends (its Response stored
-        by then, or not at all when the client left)."""
-        try:
-            async with aclosing(events):
-                async for event in events:
-                    yield event
-        finally:
-            self.release(claim)
+        by then, or not at all when the client left), or when the stream is dropped without having started."""
+        return _Releasing(events, lambda: self.release(claim))
 
     def keep(self, call: ResponsesCall, rid: str) -> Optional[Keep]:
         """What stores the finished Response `rid` of `call` (None: it is not stored)."""
@@ -181,3 +176,31 @@ class StoredResponses:
 def _json(body: dict[str, Any]) -> Response:
     # ASCII JSON, as the Response was first answered: a lone surrogate a client sent is escaped, not a failed write
     return Response(json.dumps(body), media_type="application/json")
+
+
+class _Releasing:
+    """An event stream that calls `release` once: when it ends or is closed, or when it is dropped unstarted (a
+    client gone before the first event: a generator that never ran has no `finally` to run)."""
+
+    def __init__(self, events: AsyncIterator[bytes], release: Callable[[], None]) -> None:
+        self.events, self._release = events, release
+        self._released = False
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._run()
+
+    async def _run(self) -> AsyncIterator[bytes]:
+        try:
+            async with aclosing(self.events):
+                async for event in self.events:
+                    yield event
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._release()
+
+    def __del__(self) -> None:
+        self.release()
