@@ -37,7 +37,8 @@ def _not_empty(value, param):
               help="Port to bind (0: any free port).")
 @click.option("--served-model-name", default=None, callback=lambda ctx, p, v: _not_empty(v, p), help="Model name clients send and /v1/models lists (default: the engine dir's name).")
 @click.option("--api-key", envvar=["TRTPAGED_API_KEY", "VLLM_API_KEY"], default=None, show_envvar=True,
-              help="Require 'Authorization: Bearer KEY' on /v1/* (/health, /metrics and /version stay open).")
+              help="Require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize and /invocations (/health, "
+                   "/ping, /metrics and /version stay open).")
 @click.option("--max-waiting", type=click.IntRange(min=1), default=256, show_default=True,
               help="Requests that may wait for admission (counted as they arrive, before the next step admits "
                    "any); beyond it: 503 with Retry-After.")
