@@ -283,3 +283,28 @@ def _fits(client, items, **kw) -> bool:
         assert err.body["code"] == "context_length_exceeded"
         return False
     return True
+
+
+def test_a_background_response_is_queued_until_it_runs(tiny_engine_dir):
+    """One sequence per step: a second background request waits for admission and says `queued` (OpenAI's state)
+    while the first runs, then goes on to its answer once the first is cancelled."""
+    handle = start_server(tiny_engine_dir, port=0, served_model_name=MODEL, device="cpu", max_batch_size=1,
+                          options=ServerOptions(responses_store_size=1 << 20))  # fmt: skip
+    try:
+        client = openai_client(handle.url)
+        first = _create(client, input="a long one", max_output_tokens=450, background=True)
+        deadline = time.monotonic() + 30
+        while client.responses.retrieve(first.id).status == "queued":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        second = _create(client, input="then me", max_output_tokens=5, background=True)
+        assert client.responses.retrieve(second.id).status == "queued"
+        assert client.responses.retrieve(first.id).status == "in_progress"
+        assert client.responses.cancel(first.id).status == "cancelled"
+        while (done := client.responses.retrieve(second.id)).status in ("queued", "in_progress"):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert done.status in ("completed", "incomplete") and done.usage.output_tokens >= 1
+        wait_idle(handle)
+    finally:
+        handle.shutdown(timeout=0)

@@ -329,11 +329,16 @@ class GenerationService:
 
         return await self.tokens.output(read)
 
-    async def respond(self, s: Submitted, disconnected: Disconnected) -> BaseModel:
-        """The full (non-streamed) body once every choice finished; raises ClientGone or the engine's error."""
+    async def respond(self, s: Submitted, disconnected: Disconnected,
+                      started: Optional[Callable[[], None]] = None) -> BaseModel:  # fmt: skip
+        """The full (non-streamed) body once every choice finished; raises ClientGone or the engine's error.
+        `started` is called once, at the first output (the request was admitted and ran a step)."""
         joined = [CompletionAccumulator() for _ in s.index]
         async with aclosing(s.sub.outputs(disconnected, self.request_timeout_s)) as outputs:
             async for out in outputs:
+                if started is not None:
+                    started()
+                    started = None
                 joined[s.index[out.request_id]].add(out)
         ordered = [j.result() for j in joined]
         ids: set[int] = set()

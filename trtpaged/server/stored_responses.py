@@ -87,15 +87,18 @@ class StoredResponses:
         return queued
 
     async def _run(self, call: ResponsesCall, rid: str, s: Submitted, cancel: asyncio.Event, ended: Ended) -> None:
-        assert self.store is not None
-        self.store.put(rid, responses_output.envelope(call, rid, "in_progress", []), [], call.link, running=True)
+        store = self.store
+        assert store is not None
+
+        def started() -> None:  # queued until it runs (OpenAI's states): admitted, and a step computed it
+            store.put(rid, responses_output.envelope(call, rid, "in_progress", []), [], call.link, running=True)
 
         async def cancelled() -> bool:
             return cancel.is_set()
 
         status, note = 200, ""
         try:
-            answer = await self.service.respond(s, cancelled)
+            answer = await self.service.respond(s, cancelled, started)
             body = responses_output.response_body(call, rid, answer, self._usage(s), s.summary.reasoning_span)
         except ClientGone:
             status, note = 499, "cancelled"
