@@ -241,6 +241,19 @@ def test_the_store_keeps_its_byte_bound_least_recently_used_out():
         assert store.get(f"n{i}") is not None  # the one just stored stays, even past the bound
     assert store.running("r") and store.get("r") is not None
     assert store.size == sum(len(json.dumps(store.get(k), separators=(",", ":"))) for k in ("r", "n9")) + 4
+    # the helper's repro: 30 background results finishing while others run: each is held until read
+    store = ResponsesStore(8192)
+    ids = [f"resp_{i}" for i in range(30)]
+    for rid in ids:
+        assert store.put(rid, {"id": rid, "x": "y" * 250}, [], None, running=True)
+    assert not store.room_for_background()  # running ones hold the bound: a new one waits
+    for rid in ids:
+        assert store.put(rid, {"id": rid, "x": "y" * 300}, [], None, unread=True)
+    assert all(store.get(rid) is not None for rid in ids)  # none lost before its first read
+    assert store.put("after", body("after", "z"), [], None) and store.size <= 8192  # read ones go again
+    assert store.room_for_background() and store.held_size == 0
+    store = ResponsesStore(700)
+    store.put("r", body("r", "y" * 300), [], None, running=True)
     with pytest.raises(Exception) as err:
         store.claim("r", "request_id")
     assert "request_id" in str(err.value)
@@ -305,6 +318,37 @@ def test_a_background_response_is_queued_until_it_runs(tiny_engine_dir):
             assert time.monotonic() < deadline
             time.sleep(0.02)
         assert done.status in ("completed", "incomplete") and done.usage.output_tokens >= 1
+        wait_idle(handle)
+    finally:
+        handle.shutdown(timeout=0)
+
+
+def test_background_results_on_a_small_store_are_held_until_read(tiny_engine_dir):
+    """An 8 KiB store and 16 concurrent background requests, each polled until it ends: every one accepted reaches
+    a terminal state on GET (running and unread results are held, never evicted: a 404 after in_progress lost
+    about half of them), and those refused while held ones fill the bound get a 503 with Retry-After."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    handle = start_server(tiny_engine_dir, port=0, served_model_name=MODEL, device="cpu",
+                          options=ServerOptions(responses_store_size=8 << 10))  # fmt: skip
+    client = openai_client(handle.url)
+
+    def run(i: int) -> str:
+        try:
+            r = _create(client, input=f"hello number {i}", max_output_tokens=60, background=True)
+        except openai.APIStatusError as err:
+            assert err.status_code == 503 and err.response.headers.get("retry-after"), err
+            return "refused"
+        deadline = time.monotonic() + 60
+        while (status := client.responses.retrieve(r.id).status) in ("queued", "in_progress"):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        return status
+
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            ends = list(pool.map(run, range(16)))
+        assert set(ends) <= {"completed", "incomplete", "refused"} and ends.count("refused") < 16, ends
         wait_idle(handle)
     finally:
         handle.shutdown(timeout=0)

@@ -42,24 +42,31 @@ def not_found(rid: str, field: str = "response_id") -> ApiError:
 
 
 class ResponsesStore:
-    """Responses by id, at most `max_bytes` of their JSON (least recently used out first). Used from the event
-    loop's thread only."""
+    """Responses by id, at most `max_bytes` of their JSON (least recently used out first). Held, never evicted: the
+    background responses still running and those finished but not read yet (a poll must find the end, not a 404);
+    a new background request waits (503) while held ones fill the bound. Used from the event loop's thread only."""
 
     def __init__(self, max_bytes: int) -> None:
         if max_bytes < 1:
             raise ValueError(f"responses_store_size: must be >= 1 byte, got {max_bytes}")
         self.max_bytes = max_bytes
         self.size = 0
+        self.held_size = 0  # of the running and unread entries
         self._finished: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
-        self._running: dict[str, _Entry] = {}  # background responses not finished: never evicted
+        self._running: dict[str, _Entry] = {}  # background responses not finished
+        self._unread: dict[str, _Entry] = {}  # background responses finished and not read yet
         self._claims: dict[str, int] = {}  # ids of responses being made -> the claim's token
         self._serials = itertools.count(1)
 
     def __len__(self) -> int:
-        return len(self._finished) + len(self._running)
+        return len(self._finished) + len(self._running) + len(self._unread)
 
     def taken(self, rid: str) -> bool:
-        return rid in self._finished or rid in self._running or rid in self._claims
+        return self._entry(rid) is not None or rid in self._claims
+
+    def room_for_background(self) -> bool:
+        """Whether held entries leave room for another background response."""
+        return self.held_size < self.max_bytes
 
     def claim(self, rid: str, field: str) -> int:
         """Claims `rid` for a response about to be made; a 400 naming `field` (where the id came from) when a stored,
@@ -76,22 +83,23 @@ class ResponsesStore:
         if self._claims.get(rid) == token:
             del self._claims[rid]
 
-    def put(self, rid: str, body: dict[str, Any], turn: list[Any], previous: Optional[Link],
-            running: bool = False) -> bool:  # fmt: skip
-        """Stores (or replaces) the Response `body` and its `turn` (its prompt items, in and out). Finished: the least
-        recently used others go until the store is within its bound (the running ones stay, and so does this one).
-        False, and nothing changed, when it alone is larger than the bound."""
-        old = self._running.get(rid) or self._finished.get(rid)
+    def put(self, rid: str, body: dict[str, Any], turn: list[Any], previous: Optional[Link], running: bool = False,
+            unread: bool = False) -> bool:  # fmt: skip
+        """Stores (or replaces) the Response `body` and its `turn` (its prompt items, in and out): `running` (a
+        background one not finished), `unread` (a background one finished, held until read), else finished, when the
+        least recently used finished others go until the store is within its bound (this one stays). False, and
+        nothing changed, when it alone is larger than the bound."""
+        old = self._entry(rid)
         entry = _Entry(old.serial if old is not None else next(self._serials), _dumps(body), _dumps(turn), previous)
         if entry.size > self.max_bytes:  # what was stored under `rid` stays
             return False
         if old is not None:
-            self._running.pop(rid, None) or self._finished.pop(rid, None)
-            self.size -= old.size
+            self._remove(rid)
         self._claims.pop(rid, None)
         self.size += entry.size
-        if running:
-            self._running[rid] = entry
+        if running or unread:
+            (self._running if running else self._unread)[rid] = entry
+            self.held_size += entry.size
             return True
         self._finished[rid] = entry
         while self.size > self.max_bytes and len(self._finished) > 1:
@@ -100,24 +108,42 @@ class ResponsesStore:
         return True
 
     def get(self, rid: str) -> Optional[dict[str, Any]]:
-        """The stored Response `rid` (a use: it moves to the back of the eviction order), or None."""
-        entry = self._running.get(rid) or self._finished.get(rid)
-        if entry is None:
-            return None
-        if rid in self._finished:
-            self._finished.move_to_end(rid)
-        return json.loads(entry.body)
+        """The stored Response `rid`, or None. A use: a finished one moves to the back of the eviction order (an
+        unread one, read now, joins it there)."""
+        entry = self._running.get(rid) or self._read(rid)
+        return json.loads(entry.body) if entry is not None else None
 
     def running(self, rid: str) -> bool:
         return rid in self._running
 
     def delete(self, rid: str) -> bool:
         """Deletes finished response `rid` (False: none such)."""
-        entry = self._finished.pop(rid, None)
-        if entry is None:
+        if self._read(rid) is None:
             return False
-        self.size -= entry.size
+        self._remove(rid)
         return True
+
+    def _entry(self, rid: str) -> Optional[_Entry]:
+        return self._finished.get(rid) or self._running.get(rid) or self._unread.get(rid)
+
+    def _read(self, rid: str) -> Optional[_Entry]:
+        """Finished entry `rid`, moved to the back of the eviction order (an unread one is read now)."""
+        entry = self._unread.pop(rid, None)
+        if entry is not None:
+            self.held_size -= entry.size
+            self._finished[rid] = entry
+            return entry
+        entry = self._finished.get(rid)
+        if entry is not None:
+            self._finished.move_to_end(rid)
+        return entry
+
+    def _remove(self, rid: str) -> None:
+        for held, entries in ((False, self._finished), (True, self._running), (True, self._unread)):
+            entry = entries.pop(rid, None)
+            if entry is not None:
+                self.size -= entry.size
+                self.held_size -= entry.size if held else 0
 
     def conversation(self, rid: str, field: str = "previous_response_id") -> tuple[list[Any], Link]:
         """The prompt items that led to and came out of response `rid`, oldest first (each response's turn, along
@@ -126,22 +152,21 @@ class ResponsesStore:
         if rid in self._running:
             raise ApiError(f"{field}: response {rid[:80]!r} is still running in the background; continue it once it "
                            "has finished", field)  # fmt: skip
-        asked, head = rid, self._finished.get(rid)
+        asked, head = rid, self._read(rid)
         if head is None:
             raise not_found(rid, field)
         turns: list[bytes] = []
         size, entry = 0, head
         while True:
-            self._finished.move_to_end(rid)
             turns.append(entry.turn)
             size += len(entry.turn)
             if size > MAX_CHAIN_BYTES:
-                raise ApiError(f"{field}: the conversation of {rid[:80]!r} is more than {MAX_CHAIN_BYTES} bytes of "
+                raise ApiError(f"{field}: the conversation of {asked[:80]!r} is more than {MAX_CHAIN_BYTES} bytes of "
                                "items; send what the model should read in input", field)  # fmt: skip
             if entry.previous is None:
                 break
             rid, serial = entry.previous
-            entry = self._finished.get(rid)
+            entry = self._read(rid)  # a use of each link: a chain in use keeps its turns
             if entry is None or entry.serial != serial:  # deleted or evicted (and its id perhaps reused)
                 raise ApiError(f"{field}: the conversation continues response {rid[:80]!r}, which is no longer stored "
                                "(deleted or evicted by the store's bound)", field, 404, "not_found_error")  # fmt: skip

@@ -16,7 +16,7 @@ from fastapi.responses import Response
 
 from trtpaged.server import responses_api, responses_output
 from trtpaged.server.engine_loop import ClientGone, EngineFailure, RequestTimeout, ShuttingDown
-from trtpaged.server.errors import ApiError
+from trtpaged.server.errors import ApiError, overloaded
 from trtpaged.server.generation import GenerationService, Submitted, runtime_failure
 from trtpaged.server.responses_api import ResponsesCall
 from trtpaged.server.responses_output import Keep
@@ -78,9 +78,14 @@ class StoredResponses:
         Response, what the client gets now. `ended` logs the end."""
         assert self.store is not None
         queued = responses_output.envelope(call, rid, "queued", [])
+        if not self.store.room_for_background():
+            self.service.loop.abort(sorted(s.index))
+            raise overloaded(f"background: the Responses store's bound ({self.store.max_bytes} bytes) is held by "
+                             "background responses running or not read yet; read them, or retry later")
         if not self.store.put(rid, queued, [], call.link, running=True):
             self.service.loop.abort(sorted(s.index))
-            raise ApiError(f"input: larger than the Responses store's bound ({self.store.max_bytes} bytes)", "input")
+            raise ApiError(f"background: the Response is larger than the Responses store's bound "
+                           f"({self.store.max_bytes} bytes)", "background")  # fmt: skip
         cancel = asyncio.Event()
         task = asyncio.get_running_loop().create_task(self._run(call, rid, s, cancel, ended))
         self.running[rid] = (task, cancel)
@@ -112,12 +117,13 @@ class StoredResponses:
                                              error={"code": "server_error", "message": error.message})  # fmt: skip
         finally:
             self.running.pop(rid, None)
-        if not self.store.put(rid, body, responses_api.turn(call, body["output"]), call.link):
-            # too large to keep: what it ended as is kept instead, so that a poll finds an end, not a 404
+        # held until read: a poll finds the end, not a 404
+        if not self.store.put(rid, body, responses_api.turn(call, body["output"]), call.link, unread=True):
+            # too large to keep: what it ended as is kept instead
             message = f"the response is larger than the Responses store's bound ({self.store.max_bytes} bytes)"
             body = responses_output.envelope(call, rid, "failed", [], self._usage(s),
                                              error={"code": "server_error", "message": message})  # fmt: skip
-            self.store.put(rid, body, [], call.link)
+            self.store.put(rid, body, [], call.link, unread=True)
             status, note = 500, message
         ended(status, note, s if status == 200 else None)
 
