@@ -81,11 +81,12 @@ def stream(server, path, body, headers=None):
 
 
 def metrics(server):
-    """Unlabelled samples and labelled ones keyed by their full `name{labels}` (names without `trtpaged:`)."""
+    """Unlabelled samples and labelled ones keyed by their full `name{labels}` (names without `trtpaged:`; vLLM's
+    load gauges keep `vllm:`)."""
     status, headers, text = request(server, "/metrics")
     assert status == 200 and headers["Content-Type"].startswith("text/plain")
     samples = [line.rsplit(" ", 1) for line in text.splitlines() if line and line[0] != "#"]
-    assert all(name.startswith("trtpaged:") for name, _ in samples)
+    assert all(name.startswith(("trtpaged:", "vllm:")) for name, _ in samples)
     return {name.removeprefix("trtpaged:"): float(value) for name, value in samples}
 
 

@@ -1,7 +1,8 @@
 """Server metrics with prometheus-client, on one CollectorRegistry per server.
 
 Names follow vLLM's (`vllm:X` -> `trtpaged:X`) where the concept is the same; the
-KV-sharing metrics are ours. Engine counters and gauges are read from a snapshot of
+KV-sharing metrics are ours. The load gauges that autoscalers and inference gateways read are also written under
+vLLM's own names, labelled with the model name (`vllm:num_requests_waiting{model_name="..."}`). Engine counters and gauges are read from a snapshot of
 `LLMEngine.stats()` taken on the engine thread at scrape time; request latencies
 and token counts are observed by the engine loop as outputs arrive.
 """
@@ -85,11 +86,21 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 
 
-class _EngineStatsCollector(Collector):
-    """Exposes the latest engine-stats snapshot (set by the /metrics handler before each scrape)."""
+# vLLM's names of the load gauges that autoscalers and inference gateways read (KEDA scalers, the Gateway API
+# inference extension's endpoint picker): the same values again, labelled with the served model's name as vLLM's
+# are. gpu_cache_usage_perc is kv_cache_usage_perc's older name, which such configs still use.
+VLLM_PREFIX = "vllm:"
+VLLM_LOAD_GAUGES = (("num_requests_running", "num_running"), ("num_requests_waiting", "num_waiting"))
+VLLM_USAGE_GAUGES = ("kv_cache_usage_perc", "gpu_cache_usage_perc")
 
-    def __init__(self) -> None:
+
+class _EngineStatsCollector(Collector):
+    """Exposes the latest engine-stats snapshot (set by the /metrics handler before each scrape); with
+    `model_name`, vLLM's load gauges too."""
+
+    def __init__(self, model_name: Optional[str] = None) -> None:
         self.snapshot: Mapping[str, float] = {}
+        self.model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
         stats = self.snapshot
@@ -115,6 +126,17 @@ class _EngineStatsCollector(Collector):
         total = stats.get("kv_blocks_total", 0)
         used = stats.get("kv_blocks_used", 0) / total if total else 0.0
         yield GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "KV-cache usage: blocks used / total (1 = 100%).", value=used)
+        if self.model_name is not None:
+            yield from self._vllm_gauges(stats, used)
+
+    def _vllm_gauges(self, stats: Mapping[str, float], used: float) -> Iterator[Metric]:
+        values = [(name, float(stats[key])) for name, key in VLLM_LOAD_GAUGES if key in stats]
+        values += [(name, used) for name in VLLM_USAGE_GAUGES]
+        for name, value in values:
+            family = GaugeMetricFamily(VLLM_PREFIX + name, f"vLLM's name of {PREFIX}{name.replace('gpu_', 'kv_')}.",
+                                       labels=["model_name"])  # fmt: skip
+            family.add_metric([self.model_name], value)
+            yield family
 
 
 def _spec_metrics(stats: Mapping[str, float]) -> Iterator[Metric]:
@@ -139,9 +161,10 @@ def _spec_metrics(stats: Mapping[str, float]) -> Iterator[Metric]:
 class ServerMetrics:
     """The server's registry: engine snapshot, request latencies and token counts, HTTP statuses. Thread-safe."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: Optional[str] = None) -> None:
+        """`model_name`: the served model's, which labels vLLM's load gauges (none without it)."""
         self.registry = CollectorRegistry()
-        self._engine = _EngineStatsCollector()
+        self._engine = _EngineStatsCollector(model_name)
         self._scrape_lock = threading.Lock()
         self.registry.register(self._engine)
         r = self.registry
@@ -165,6 +188,10 @@ class ServerMetrics:
         self.handoff_wait = Counter(PREFIX + "engine_handoff_wait_seconds",
                                     "Wall time the engine thread waited, after its steps, for the event loop to run "
                                     "the readers of their outputs.", registry=r)  # fmt: skip
+
+    def set_model_name(self, name: str) -> None:
+        """Labels vLLM's load gauges with the served model's name (known once the engine loaded)."""
+        self._engine.model_name = name
 
     def observe_http(self, route: str, status: int) -> None:
         self.http.labels(route=route, status=str(status)).inc()

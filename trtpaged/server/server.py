@@ -157,6 +157,7 @@ def start_server(
             request_log.close()
         raise
     name = served_model_name or options.served_model_name or llm.engine_dir.resolve().name
+    metrics.set_model_name(name)
     tokens: Optional[TokenizerWorker] = None
     try:  # the front end's own tokenizer copies, loaded from the engine dir as LLM loaded the engine's
         tokens = TokenizerWorker.start(llm.new_tokenizer, options.max_waiting)
