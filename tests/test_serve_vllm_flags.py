@@ -219,7 +219,7 @@ def test_a_vllm_launch_line_starts_the_server_unchanged(tiny_engine_dir):
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if k != "TRTPAGED_API_KEY"} | {"VLLM_API_KEY": "sk-vllm"}
     proc = subprocess.Popen([sys.executable, "-m", "trtpaged.cli", "serve", str(tiny_engine_dir), "--port", str(port),
-                             "--device", "cpu", "--served-model-name", MODEL, "--max-model-len", "0.3k",
+                             "--device", "cpu", "--served-model-name", MODEL, "tiny-alias", "--max-model-len", "0.3k",
                              "--trust-remote-code", "--disable-log-requests", "--enforce-eager", "--max-log-len",
                              "100"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)  # fmt: skip
@@ -238,7 +238,10 @@ def test_a_vllm_launch_line_starts_the_server_unchanged(tiny_engine_dir):
         assert b"ready at" in proc.stdout.readline()
         assert call("/v1/models", key="wrong")[0] == 401
         status, models = call("/v1/models")
-        assert status == 200 and models["data"][0]["max_model_len"] == 300, models
+        assert status == 200 and [m["id"] for m in models["data"]] == [MODEL, "tiny-alias"], models
+        assert models["data"][0]["max_model_len"] == 300, models
+        aliased = call("/v1/completions", {"model": "tiny-alias", "prompt": "hi", "max_tokens": 2})[1]
+        assert aliased["model"] == MODEL  # answers carry the first name, as vLLM's
         assert call("/ping")[0] == 200 and call("/ping", {})[0] == 200
         chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0}
         completion = {"model": MODEL, "prompt": "hi", "max_tokens": 5, "temperature": 0}
@@ -285,5 +288,30 @@ def test_enable_prompt_tokens_details_counts_the_cached_prompt_tokens(tiny_engin
     try:
         plain = openai_client(handle.url).completions.create(model=MODEL, prompt=prompt, max_tokens=2)
         assert plain.usage.prompt_tokens_details is None
+    finally:
+        handle.shutdown(timeout=0)
+
+
+def test_vllm_flags_of_several_values_read_as_argparse_reads_them(tiny_engine_dir):
+    """`--served-model-name a b` and `--api-key k1 k2` after the engine are several values (vLLM's nargs="+");
+    before it a flag takes one word, so the engine is never taken for a name. The server takes any of the keys
+    and any of the names."""
+    from trtpaged.commands.vllm_flags import spread_nargs
+
+    valued = {"--port", "--served-model-name", "--api-key"}
+    assert spread_nargs(["E", "--served-model-name", "a", "b", "--port", "1"], valued) == \
+        ["E", "--served-model-name", "a", "--served-model-name", "b", "--port", "1"]  # fmt: skip
+    assert spread_nargs(["--api-key", "k", "E", "x"], valued) == ["--api-key", "k", "E", "x"]
+    assert spread_nargs(["--port", "5", "E", "--api-key", "k1", "k2"], valued) == \
+        ["--port", "5", "E", "--api-key", "k1", "--api-key", "k2"]  # fmt: skip
+    handle = start_server(tiny_engine_dir, port=0, device="cpu",
+                          options=ServerOptions(api_key=("k1", "k2"), served_model_name=("a", "b")))  # fmt: skip
+    try:
+        for key, status in (("k1", 200), ("k2", 200), ("k3", 401)):
+            assert request(handle, "/v1/models", headers={"Authorization": f"Bearer {key}"})[0] == status
+        for name, status in (("a", 200), ("b", 200), ("c", 404)):
+            got, _, out = request(handle, "/v1/completions", {"model": name, "prompt": "x", "max_tokens": 1},
+                                  headers={"Authorization": "Bearer k2"})  # fmt: skip
+            assert got == status and (status != 200 or out["model"] == "a"), out
     finally:
         handle.shutdown(timeout=0)

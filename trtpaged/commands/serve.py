@@ -15,7 +15,7 @@ import click
 from trtpaged.commands.option_types import (ChatTemplate, FiniteFloatRange, HumanInt, JsonObject, OutputFile, Size,
                                             flag_error)
 from trtpaged.commands.stdout import echo
-from trtpaged.commands.vllm_flags import no_effect_note, vllm_no_effect_options
+from trtpaged.commands.vllm_flags import VllmArgsCommand, no_effect_note, vllm_no_effect_options
 from trtpaged.errors import FatalEngineError, is_out_of_memory
 from trtpaged.manifest import BACKENDS
 from trtpaged.runtime.runtime_config import SCHEDULING_POLICIES
@@ -24,21 +24,25 @@ from trtpaged.runtime.runtime_config import SCHEDULING_POLICIES
 def _not_empty(value, param):
     """An empty --host bound every interface without a word (the default is loopback); an empty model name is no
     name a client can send."""
-    if value is not None and not value.strip():
+    values = value if isinstance(value, tuple) else (value,)
+    if any(v is not None and not v.strip() for v in values):
         raise click.BadParameter("must not be empty", param=param)
     return value
 
 
-@click.command(name="serve")
+@click.command(name="serve", cls=VllmArgsCommand)
 @click.argument("engine", type=click.Path(exists=True))
 @click.option("--host", default="127.0.0.1", show_default=True, callback=lambda ctx, p, v: _not_empty(v, p),
               help="Address to bind (0.0.0.0: every interface).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
               help="Port to bind (0: any free port).")
-@click.option("--served-model-name", default=None, callback=lambda ctx, p, v: _not_empty(v, p), help="Model name clients send and /v1/models lists (default: the engine dir's name).")
-@click.option("--api-key", envvar=["TRTPAGED_API_KEY", "VLLM_API_KEY"], default=None, show_envvar=True,
+@click.option("--served-model-name", multiple=True, callback=lambda ctx, p, v: _not_empty(v, p),
+              help="Model name clients send and /v1/models lists (default: the engine dir's name); several (vLLM's "
+                   "`--served-model-name a b`): any of them, answers carry the first.")
+@click.option("--api-key", multiple=True,
               help="Require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize and /invocations (/health, "
-                   "/ping, /metrics and /version stay open).")
+                   "/ping, /metrics and /version stay open); several (vLLM's `--api-key k1 k2`): any of them. "
+                   "Default: $TRTPAGED_API_KEY, else $VLLM_API_KEY.")
 @click.option("--max-waiting", type=click.IntRange(min=1), default=256, show_default=True,
               help="Requests that may wait for admission (counted as they arrive, before the next step admits "
                    "any); beyond it: 503 with Retry-After.")
@@ -162,7 +166,7 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
         speculative_config = SpeculativeConfig.parse(speculative_config)  # refused before the model loads
         check_max_prompt_tokens(engine, max_prompt_tokens, max_seq_len)
         options = ServerOptions(
-            api_key=api_key, max_waiting=max_waiting, request_timeout_s=request_timeout,
+            api_key=api_key or None, max_waiting=max_waiting, request_timeout_s=request_timeout,
             shutdown_timeout_s=shutdown_timeout, max_body_bytes=max_body_bytes, max_prompt_tokens=max_prompt_tokens,
             request_log=request_log, request_log_prompts=request_log_prompts, stream_interval=stream_interval,
             pin_threads=pin_threads, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
@@ -171,7 +175,8 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
         )  # fmt: skip
         with interrupts_end_the_load():
             handle = start_server(
-                engine, host=host, port=port, served_model_name=served_model_name, options=options, backend=backend,
+                engine, host=host, port=port, served_model_name=served_model_name or None, options=options,
+                backend=backend,
                 device=device, num_kv_blocks=num_kv_blocks, max_num_tokens=max_num_tokens,
                 max_batch_size=max_batch_size, max_seq_len=max_seq_len, tensor_parallel=tensor_parallel_size,
                 speculative_config=speculative_config,

@@ -27,6 +27,48 @@ NO_EFFECT: dict[str, tuple[bool, str]] = {
 }
 
 
+# vLLM's flags of several values (argparse's nargs="+"): `--served-model-name a b`, `--api-key k1 k2`
+NARGS_FLAGS = ("--served-model-name", "--api-key")
+
+
+class VllmArgsCommand(click.Command):
+    """A command that reads NARGS_FLAGS as vLLM's argparse does: after the positional argument, the words that
+    follow such a flag up to the next option are its values (`--api-key k1 k2` is `--api-key k1 --api-key k2`).
+    Before the positional argument a flag takes one word, so that the positional argument is never taken."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        valued = {opt for p in self.params if isinstance(p, click.Option) and not p.is_flag and not p.count
+                  for opt in (*p.opts, *p.secondary_opts)}  # fmt: skip
+        return super().parse_args(ctx, spread_nargs(args, valued))
+
+
+def spread_nargs(args: list[str], valued: set[str]) -> list[str]:
+    """`args` with each NARGS_FLAGS run of several words after the positional argument as one flag per word;
+    `valued`: the options that take a value (the word after them is not a positional argument)."""
+    out: list[str] = []
+    positional_seen, i = False, 0
+    while i < len(args):
+        word = args[i]
+        if word == "--":
+            out += args[i:]
+            break
+        if word in NARGS_FLAGS and i + 1 < len(args):
+            out += [word, args[i + 1]]
+            i += 2
+            while positional_seen and i < len(args) and not args[i].startswith("-"):
+                out += [word, args[i]]
+                i += 1
+            continue
+        out.append(word)
+        if word in valued and i + 1 < len(args):
+            out.append(args[i + 1])
+            i += 2
+            continue
+        positional_seen = positional_seen or not word.startswith("-")
+        i += 1
+    return out
+
+
 def _param(flag: str) -> str:
     return "vllm_" + flag.lstrip("-").replace("-", "_")
 

@@ -130,18 +130,21 @@ class Draining:
         return self.event.is_set()
 
 
-def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetrics, card: ModelCard,
+def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetrics, cards: list[ModelCard],
                options: ServerOptions, draining: Draining) -> Any:  # fmt: skip
     """The ASGI app (FastAPI wrapped in the status-counting middleware)."""
     app = FastAPI(title="trtpaged", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
-    expected_key = options.api_key.encode() if options.api_key else None
+    keys = (options.api_key,) if isinstance(options.api_key, str) else options.api_key or ()
+    expected_keys = [k.encode() for k in keys]  # any of them (vLLM's --api-key k1 k2)
 
     async def authorize(request: Request) -> None:
-        if expected_key is None:
+        if not expected_keys:
             return
         header = request.headers.get("authorization", "")
         scheme, _, given = header.partition(" ")
-        ok = scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), expected_key)
+        offered = given.strip().encode()
+        matches = [hmac.compare_digest(offered, k) for k in expected_keys]  # each compared: no early exit
+        ok = scheme.lower() == "bearer" and any(matches)
         if not ok:
             raise ApiError("authorization: missing or wrong API key (send 'Authorization: Bearer KEY')", None, 401,
                            "authentication_error", "invalid_api_key", {"WWW-Authenticate": "Bearer"})  # fmt: skip
@@ -234,7 +237,7 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
         try:
             body = parse_json(await read_body(request)) if given is None else given
             if responses:
-                call = responses_api.translate(body, service.model_name, stored.store)
+                call = responses_api.translate(body, service.model_names, stored.store)
                 body = call.chat_body
                 claimed = stored.claim(call, request.headers.get("x-request-id"))
                 if call.req.truncation == "auto":
@@ -384,14 +387,14 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models() -> JSONResponse:
-        return JSONResponse(dump(ModelList(data=[card])))
+        return JSONResponse(dump(ModelList(data=cards)))
 
     @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorize)])
     async def model(model_id: str) -> JSONResponse:
-        check_model(model_id, card.id)
-        return JSONResponse(dump(card))
+        check_model(model_id, [c.id for c in cards])
+        return JSONResponse(dump(next(c for c in cards if c.id == model_id)))
 
-    tokenization = Tokenization(service.llm, service.tokens, service.model_name, service.template_defaults)
+    tokenization = Tokenization(service.llm, service.tokens, service.model_names, service.template_defaults)
 
     async def tokenizer_call(request: Request, handler: Callable[[Any], Awaitable[Any]]) -> Response:
         try:

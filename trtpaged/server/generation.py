@@ -9,7 +9,7 @@ import time
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Optional
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Optional, Sequence, Union
 
 from pydantic import BaseModel
 
@@ -89,7 +89,7 @@ class GenerationService:
     """Runs OpenAI generation requests on the engine loop; shared by all request handlers. Their tokenizer
     work (prompts, chat templates, log-probs' token strings, echo texts) runs on `tokens`' threads."""
 
-    def __init__(self, llm: LLM, loop: EngineLoop, tokens: TokenizerWorker, model_name: str,
+    def __init__(self, llm: LLM, loop: EngineLoop, tokens: TokenizerWorker, model_name: Union[str, Sequence[str]],
                  max_prompt_tokens: Optional[int] = None, request_timeout_s: Optional[float] = None,
                  stream_interval: int = 1, tool_call_parser: Optional[str] = None,
                  default_chat_template_kwargs: Optional[dict[str, Any]] = None,
@@ -98,7 +98,9 @@ class GenerationService:
         self.stream_interval = stream_interval  # tokens per streamed chunk (SamplingParams.stream_interval)
         self.loop = loop
         self.tokens = tokens
-        self.model_name = model_name
+        # the served names (vLLM's --served-model-name a b): a request may name any; answers name the first
+        self.model_names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
+        self.model_name = self.model_names[0]
         self.max_seq_len = llm.config.max_seq_len
         self.vocab_size = llm.manifest.dims.vocab_size
         self.max_prompt_tokens = max_prompt_tokens
@@ -124,7 +126,7 @@ class GenerationService:
         "cmpl-<id>" ("chatcmpl-<id>") of the caller's id, as vLLM's: the X-Request-Id header (`header_id`), else the
         body's request_id, else a random one. `dry_run`: every check, nothing queued (None)."""
         caller_id = check_request_id(header_id, "X-Request-Id")
-        req = parse_generation(body, chat, self.model_name, self.vocab_size, self.auto_tools, self.max_logprobs,
+        req = parse_generation(body, chat, self.model_names, self.vocab_size, self.auto_tools, self.max_logprobs,
                                self.template_defaults)  # fmt: skip
         try:  # before the prompt is tokenized
             check_priority(req.priority, self.llm.config.scheduling_policy)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from trtpaged.runtime.llm import TEMPLATE_ARGUMENTS
 from trtpaged.runtime.reasoning import REASONING_PARSERS
@@ -45,8 +45,8 @@ class ServerOptions:
     $VLLM_ENABLE_RESPONSES_API_STORE (vLLM's switch) is 1, which keeps DEFAULT_RESPONSES_STORE_SIZE.
     """
 
-    served_model_name: Optional[str] = None
-    api_key: Optional[str] = None
+    served_model_name: Union[str, tuple[str, ...], None] = None  # several: aliases, any of which a request may name
+    api_key: Union[str, tuple[str, ...], None] = None  # several: any of them is accepted (vLLM's --api-key k1 k2)
     max_waiting: Optional[int] = 256
     max_body_bytes: int = 8 << 20
     max_prompt_tokens: Optional[int] = None
@@ -100,8 +100,12 @@ class ServerOptions:
                 raise ValueError(f"default_chat_template_kwargs: may not set {reserved} (each request's own fields)")
         if self.pin_threads not in PIN_MODES:
             raise ValueError(f"pin_threads: must be one of {', '.join(PIN_MODES)}, got {self.pin_threads!r}")
-        if self.api_key is not None and not self.api_key:
+        keys = (self.api_key,) if isinstance(self.api_key, str) else self.api_key
+        if keys is not None and (not keys or not all(keys)):
             raise ValueError("api_key: must not be empty")
+        names = (self.served_model_name,) if isinstance(self.served_model_name, str) else self.served_model_name
+        if names is not None and (not names or not all(n.strip() for n in names)):
+            raise ValueError("served_model_name: must not be empty")
         if self.request_log is not None and not str(self.request_log):
             raise ValueError("request_log: must not be empty")
         if self.request_log_prompts and self.request_log is None:

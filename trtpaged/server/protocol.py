@@ -8,7 +8,7 @@ value ranges are the runtime's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, TypeVar, Union
+from typing import Any, Mapping, Optional, Sequence, TypeVar, Union
 
 from pydantic import BaseModel, ValidationError
 
@@ -83,10 +83,13 @@ def check_request_id(value: Optional[str], field_name: str) -> Optional[str]:
     return value
 
 
-def check_model(model: Optional[str], served_model: str) -> None:
-    """A request's `model`, when given, must be the served one (404 otherwise, as OpenAI answers)."""
-    if model is not None and model != served_model:
-        raise ApiError(f"model: {model!r} does not exist; this server serves {served_model!r}", "model", 404,
+def check_model(model: Optional[str], served: Union[str, Sequence[str]]) -> None:
+    """A request's `model`, when given, must be a served name (404 otherwise, as OpenAI answers); `served`: the
+    name, or the names (vLLM's --served-model-name a b: any of them)."""
+    names = (served,) if isinstance(served, str) else tuple(served)
+    if model is not None and model not in names:
+        listed = " or ".join(repr(n) for n in names[:4])
+        raise ApiError(f"model: {model!r} does not exist; this server serves {listed}", "model", 404,
                        "not_found_error", "model_not_found")  # fmt: skip
 
 
@@ -190,7 +193,7 @@ def _logprobs(req: Union[CompletionRequest, ChatCompletionRequest], names: dict[
     return _top_k(k, name, max_logprobs, vocab_size)
 
 
-def parse_generation(body: Any, chat: bool, served_model: str, vocab_size: int,
+def parse_generation(body: Any, chat: bool, served_model: Union[str, Sequence[str]], vocab_size: int,
                      auto_tools: AutoTools = AutoTools(None, "the server was not told the model's tool-call format"),
                      max_logprobs: int = MAX_LOGPROBS,
                      template_defaults: Optional[Mapping[str, Any]] = None) -> GenerationRequest:  # fmt: skip

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence, Union
 
 from trtpaged.server.errors import ApiError
 from trtpaged.server.protocol import check_model, validated
@@ -58,11 +58,13 @@ class ResponsesCall:
     used: dict[str, Any] = field(default_factory=dict)
 
 
-def translate(body: Any, served_model: str, store: Optional[ResponsesStore] = None) -> ResponsesCall:
+def translate(body: Any, served: Union[str, Sequence[str]], store: Optional[ResponsesStore] = None) -> ResponsesCall:
     """Validates a /v1/responses body and makes its chat completions body; ApiError naming the Responses field.
-    `store`: the server's Responses store, if it keeps them (previous_response_id reads it)."""
+    `served`: the served model's name (or names: the first is the one answers carry); `store`: the server's
+    Responses store, if it keeps them (previous_response_id reads it)."""
     req = validated(ResponsesRequest, body)
-    check_model(req.model, served_model)
+    check_model(req.model, served)
+    served_model = served if isinstance(served, str) else served[0]
     for name in ("conversation", "prompt"):
         if getattr(req, name) is not None:
             raise ApiError(f"{name}: this server stores no conversations or prompts; send the conversation in input"

@@ -9,7 +9,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 import uvicorn
 
@@ -129,7 +129,7 @@ def start_server(
     engine_dir: Union[str, Path],
     host: str = "127.0.0.1",
     port: int = 0,
-    served_model_name: Optional[str] = None,
+    served_model_name: Union[str, Sequence[str], None] = None,
     options: Optional[ServerOptions] = None,
     **llm_overrides: Any,
 ) -> ServerHandle:
@@ -156,12 +156,14 @@ def start_server(
         if request_log is not None:
             request_log.close()
         raise
-    name = served_model_name or options.served_model_name or llm.engine_dir.resolve().name
+    given = served_model_name or options.served_model_name or llm.engine_dir.resolve().name
+    names = (given,) if isinstance(given, str) else tuple(given)  # vLLM's --served-model-name a b: any of them
+    name = names[0]  # the one answers carry
     metrics.set_model_name(name)
     tokens: Optional[TokenizerWorker] = None
     try:  # the front end's own tokenizer copies, loaded from the engine dir as LLM loaded the engine's
         tokens = TokenizerWorker.start(llm.new_tokenizer, options.max_waiting)
-        service = GenerationService(llm, loop, tokens, name, options.max_prompt_tokens, options.request_timeout_s,
+        service = GenerationService(llm, loop, tokens, names, options.max_prompt_tokens, options.request_timeout_s,
                                     options.stream_interval, options.tool_call_parser,
                                     options.default_chat_template_kwargs,
                                     options.enable_prompt_tokens_details)  # fmt: skip
@@ -174,9 +176,10 @@ def start_server(
         if request_log is not None:
             request_log.close()
         raise
-    card = ModelCard(id=name, created=int(time.time()), root=str(llm.engine_dir), max_model_len=llm.config.max_seq_len)
+    cards = [ModelCard(id=n, created=int(time.time()), root=str(llm.engine_dir), max_model_len=llm.config.max_seq_len)
+             for n in names]  # fmt: skip
     draining = Draining()
-    app = create_app(service, loop, metrics, card, options, draining)
+    app = create_app(service, loop, metrics, cards, options, draining)
     # "auto": uvloop's event loop and httptools' parser (installed with trtpaged), which spend less CPU per
     # streamed chunk than asyncio's loop and h11, CPU the kernels' threads share (docs/benchmarks.md)
     config = uvicorn.Config(app, loop="auto", http=BoundedHeadProtocol, log_level="warning", access_log=False,

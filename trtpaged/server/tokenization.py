@@ -67,12 +67,12 @@ class Tokenization:
     """The two endpoints' work, on the tokenizer worker's prompts lane (never the engine thread): a full lane is
     `Overloaded` (a 503), as a full waiting queue is for generation."""
 
-    def __init__(self, llm: LLM, tokens: TokenizerWorker, model_name: str,
+    def __init__(self, llm: LLM, tokens: TokenizerWorker, model_names: Sequence[str],
                  template_defaults: Optional[dict[str, Any]] = None) -> None:  # fmt: skip
         self.llm = llm
         self.template_defaults = template_defaults  # the server's chat template variables
         self.tokens = tokens
-        self.model_name = model_name
+        self.model_names = tuple(model_names)  # a request may name any
         self.max_seq_len = llm.config.max_seq_len
         self.vocab_size = llm.manifest.dims.vocab_size
 
@@ -83,7 +83,7 @@ class Tokenization:
         kind: type[Union[TokenizeChatRequest, TokenizeCompletionRequest]]
         kind = TokenizeChatRequest if chat else TokenizeCompletionRequest
         req = validated(kind, body)
-        check_model(req.model, self.model_name)
+        check_model(req.model, self.model_names)
         if isinstance(req, TokenizeChatRequest):
             messages = chat_messages(req.messages)
             tools = tool_choice(req.tools, "required") if req.tools else None  # validated as the chat endpoint does
@@ -114,7 +114,7 @@ class Tokenization:
     async def detokenize(self, body: Any) -> DetokenizeResponse:
         """A `tokens` body -> their text (special tokens included, as vLLM's /detokenize)."""
         req = validated(DetokenizeRequest, body)
-        check_model(req.model, self.model_name)
+        check_model(req.model, self.model_names)
         token_ids_in_vocab("tokens", req.tokens, self.vocab_size)
 
         def run(tokenizer: Any) -> str:
