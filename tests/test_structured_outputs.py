@@ -12,6 +12,7 @@ import pytest
 from trtpaged import LLM, SamplingParams
 from trtpaged.errors import RequestError
 from trtpaged.runtime.sampling_params import StructuredOutputsParams as Grammar
+from trtpaged.runtime.structured import mended_schema_grammar
 
 xgrammar = pytest.importorskip("xgrammar", reason="xgrammar is not installed (pip install xgrammar)")
 jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is not installed")
@@ -54,9 +55,8 @@ def test_json_schema_outputs_validate(llm):
 def test_length_bounded_strings_are_json_strings(llm):
     """A string with maxLength: xgrammar's own grammar for it lets raw control characters through (invalid JSON:
     about 8% of such seeds failed json.loads); the server's grammar for it does not, and keeps the bound. Truth:
-    the strict JSON parser, and jsonschema for the outputs that are whole UTF-8. (xgrammar also lets this random
-    model write bytes that are no UTF-8 inside a string: each counts as a character to the grammar, and the text
-    shows them as U+FFFD, one or more, or not at all, so such a string's length is not the grammar's.)"""
+    the strict JSON parser and jsonschema. xgrammar's class also takes the bytes of surrogate code points (no
+    UTF-8: one character to the grammar, three U+FFFD in the text, past maxLength); the mended one does not."""
     from xgrammar.testing import _is_grammar_accept_string
 
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
@@ -64,17 +64,20 @@ def test_length_bounded_strings_are_json_strings(llm):
                                                "age": {"type": "integer"}},
               "required": ["name", "note", "age"], "additionalProperties": False}  # fmt: skip
     control = '{"name": "a\x1db", "note": "xx", "age": 1}'
-    assert _is_grammar_accept_string(xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False),
-                                     control)  # the upstream fault this mends; fmt: skip
+    surrogate = b'{"name": "a\xed\xb2\x85b", "note": "xx", "age": 1}'  # U+DC85's bytes: no UTF-8, one "character"
+    upstream = xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    assert _is_grammar_accept_string(upstream, control) and _is_grammar_accept_string(upstream, surrogate)
+    mended = xgrammar.Grammar.from_ebnf(mended_schema_grammar(json.dumps(schema)))
+    assert not _is_grammar_accept_string(mended, control) and not _is_grammar_accept_string(mended, surrogate)
+    for fine in ('{"name": "a\ud585😀", "note": "xx", "age": 1}', '{"name": "abc", "note": "12345678", "age": -2}'):
+        assert _is_grammar_accept_string(mended, fine), fine
     params = SamplingParams(max_tokens=120, temperature=1.0, seed=0, n=4, structured_outputs=Grammar(json=schema))
     samples = texts(llm.generate([f"person {i}:" for i in range(12)], params))
     stopped = [t for t, reason in samples if reason == "stop"]
     assert len(stopped) > 30
     for text in stopped:
-        value = json.loads(text)  # strict: no raw control character
-        if "\ufffd" not in text:
-            jsonschema.validate(value, schema)
-    assert sum("\ufffd" not in t for t in stopped) > 15
+        jsonschema.validate(json.loads(text), schema)  # strict JSON: no raw control character
+        assert "\ufffd" not in text  # no surrogate's bytes either (one character to xgrammar, three U+FFFD here)
 
 
 def test_json_object_regex_choice_and_grammar(llm):

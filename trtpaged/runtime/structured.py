@@ -32,9 +32,19 @@ _XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 # xgrammar 0.2.9 writes a string with minLength / maxLength as a bounded repeat of this character class, which lets
 # the control characters U+0000-U+001F through unescaped: the output is no JSON (its plain strings exclude them).
 # Such a schema's grammar is compiled from its EBNF with the character class JSON allows there (escapes stay out, as
-# that form has them).
+# that form has them), less the surrogate code points, whose bytes (ED A0..BF xx) are no UTF-8: one character to
+# the grammar, three U+FFFD in the text, a string past its maxLength.
 _LENGTH_BOUNDED_CHARACTER = '[^\\"\\\\\\r\\n]'
-_JSON_STRING_CHARACTER = '[^\\"\\\\\\0-\\x1f]'
+_JSON_STRING_CHARACTER = '[^\\"\\\\\\0-\\x1f\\uD800-\\uDFFF]'
+
+
+def mended_schema_grammar(schema: str) -> str:
+    """xgrammar's grammar (EBNF text) for a JSON schema with string lengths, its length-bounded strings' character
+    class replaced by `_JSON_STRING_CHARACTER`."""
+    import xgrammar as xgr
+
+    grammar = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+    return grammar.replace(_LENGTH_BOUNDED_CHARACTER, _JSON_STRING_CHARACTER)
 
 
 def xgrammar_available() -> bool:
@@ -119,10 +129,7 @@ class GrammarCache:
                 raise RequestError(params.origin, f"the JSON schema's {why}")
         try:
             if kind == "json" and has_string_length(parsed):
-                import xgrammar as xgr
-
-                grammar = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
-                return compiler.compile_grammar(grammar.replace(_LENGTH_BOUNDED_CHARACTER, _JSON_STRING_CHARACTER))
+                return compiler.compile_grammar(mended_schema_grammar(schema))
             if kind == "json":
                 return compiler.compile_json_schema(schema, any_whitespace=False)
             if kind == "json_object":  # an object with any members (xgrammar's builtin JSON also allows arrays)
