@@ -315,3 +315,21 @@ def test_vllm_flags_of_several_values_read_as_argparse_reads_them(tiny_engine_di
             assert got == status and (status != 200 or out["model"] == "a"), out
     finally:
         handle.shutdown(timeout=0)
+
+
+def test_template_variables_stack_defaults_then_reasoning_effort_then_the_requests_own():
+    """--default-chat-template-kwargs, then a request's reasoning_effort (chat's field, and what a Responses
+    request's reasoning.effort becomes), then its own chat_template_kwargs, each over the one before."""
+    from trtpaged.server.protocol import chat_options
+    from trtpaged.server.schemas import ChatCompletionRequest
+
+    def kwargs(**body):
+        req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **body)
+        return chat_options(req, {"reasoning_effort": "low", "enable_thinking": False})["template_kwargs"]
+
+    assert kwargs() == {"reasoning_effort": "low", "enable_thinking": False}
+    assert kwargs(reasoning_effort="high") == {"reasoning_effort": "high", "enable_thinking": False}
+    assert kwargs(reasoning_effort="high", chat_template_kwargs={"reasoning_effort": "mid"}) == \
+        {"reasoning_effort": "mid", "enable_thinking": False}  # fmt: skip
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
+    assert chat_options(req)["template_kwargs"] is None  # nothing set: none

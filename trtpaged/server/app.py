@@ -134,8 +134,7 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
                options: ServerOptions, draining: Draining) -> Any:  # fmt: skip
     """The ASGI app (FastAPI wrapped in the status-counting middleware)."""
     app = FastAPI(title="trtpaged", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
-    keys = (options.api_key,) if isinstance(options.api_key, str) else options.api_key or ()
-    expected_keys = [k.encode() for k in keys]  # any of them (vLLM's --api-key k1 k2)
+    expected_keys = [k.encode() for k in options.api_keys]  # any of them (vLLM's --api-key k1 k2)
 
     async def authorize(request: Request) -> None:
         if not expected_keys:

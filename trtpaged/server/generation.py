@@ -9,7 +9,7 @@ import time
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Optional, Sequence
 
 from pydantic import BaseModel
 
@@ -89,7 +89,7 @@ class GenerationService:
     """Runs OpenAI generation requests on the engine loop; shared by all request handlers. Their tokenizer
     work (prompts, chat templates, log-probs' token strings, echo texts) runs on `tokens`' threads."""
 
-    def __init__(self, llm: LLM, loop: EngineLoop, tokens: TokenizerWorker, model_name: Union[str, Sequence[str]],
+    def __init__(self, llm: LLM, loop: EngineLoop, tokens: TokenizerWorker, model_names: Sequence[str],
                  max_prompt_tokens: Optional[int] = None, request_timeout_s: Optional[float] = None,
                  stream_interval: int = 1, tool_call_parser: Optional[str] = None,
                  default_chat_template_kwargs: Optional[dict[str, Any]] = None,
@@ -99,7 +99,7 @@ class GenerationService:
         self.loop = loop
         self.tokens = tokens
         # the served names (vLLM's --served-model-name a b): a request may name any; answers name the first
-        self.model_names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
+        self.model_names = tuple(model_names)
         self.model_name = self.model_names[0]
         self.max_seq_len = llm.config.max_seq_len
         self.vocab_size = llm.manifest.dims.vocab_size
@@ -171,6 +171,13 @@ class GenerationService:
         index = {rid: i for i, (rid, _, _) in enumerate(requests)}
         return Submitted(req, params, sub, index, builder, summary, prompts,
                          [p.max_tokens for _, _, p in requests])  # fmt: skip
+
+    def _cached_details(self, summary: Summary) -> Optional[PromptTokensDetails]:
+        """usage.prompt_tokens_details (serve --enable-prompt-tokens-details): only when some prompt tokens were
+        found in the prefix cache, as vLLM's; else null."""
+        if self.prompt_tokens_details and summary.cached_tokens:
+            return PromptTokensDetails(cached_tokens=summary.cached_tokens)
+        return None
 
     # ---- request -> engine requests -----------------------------------------------------------
     def _params(self, req: GenerationRequest, max_tokens: Optional[int]) -> SamplingParams:
@@ -355,8 +362,7 @@ class GenerationService:
         body = s.builder.full(ordered, s.params.n, await self._token_strings(s.req, ids), echoes, s.req.echo_only,
                               s.req.prompt_logprobs is not None)  # fmt: skip
         _summarise(s.summary, ordered, s.req.echo_only)
-        if self.prompt_tokens_details and s.summary.cached_tokens:  # vLLM's: only when some were cached
-            body.usage.prompt_tokens_details = PromptTokensDetails(cached_tokens=s.summary.cached_tokens)
+        body.usage.prompt_tokens_details = self._cached_details(s.summary)
         if self.reasoning is not None and s.builder.reasoning is not None:
             fmt, start = s.builder.reasoning, s.builder.in_reasoning
             entered = [(c.token_ids, split_text(fmt, start, c.text)[2]) for o in ordered for c in o.outputs]
@@ -466,8 +472,7 @@ class GenerationService:
         s.summary.reasoning_span = sum(reading.span for reading in thoughts.values())
         if s.req.include_usage:
             last = builder.usage_chunk(s.summary.prompt_tokens, s.summary.completion_tokens)
-            if self.prompt_tokens_details and s.summary.cached_tokens:
-                last.usage.prompt_tokens_details = PromptTokensDetails(cached_tokens=s.summary.cached_tokens)
+            last.usage.prompt_tokens_details = self._cached_details(s.summary)
             yield sse(last)
         yield sse("[DONE]")
 

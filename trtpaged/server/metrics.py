@@ -95,12 +95,12 @@ VLLM_USAGE_GAUGES = ("kv_cache_usage_perc", "gpu_cache_usage_perc")
 
 
 class _EngineStatsCollector(Collector):
-    """Exposes the latest engine-stats snapshot (set by the /metrics handler before each scrape); with
-    `model_name`, vLLM's load gauges too."""
+    """Exposes the latest engine-stats snapshot (set by the /metrics handler before each scrape); once the served
+    model's name is set (`ServerMetrics.set_model_name`), vLLM's load gauges too."""
 
-    def __init__(self, model_name: Optional[str] = None) -> None:
+    def __init__(self) -> None:
         self.snapshot: Mapping[str, float] = {}
-        self.model_name = model_name
+        self.model_name: Optional[str] = None
 
     def collect(self) -> Iterator[Metric]:
         stats = self.snapshot
@@ -161,10 +161,9 @@ def _spec_metrics(stats: Mapping[str, float]) -> Iterator[Metric]:
 class ServerMetrics:
     """The server's registry: engine snapshot, request latencies and token counts, HTTP statuses. Thread-safe."""
 
-    def __init__(self, model_name: Optional[str] = None) -> None:
-        """`model_name`: the served model's, which labels vLLM's load gauges (none without it)."""
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self._engine = _EngineStatsCollector(model_name)
+        self._engine = _EngineStatsCollector()
         self._scrape_lock = threading.Lock()
         self.registry.register(self._engine)
         r = self.registry

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 from trtpaged.runtime.llm import TEMPLATE_ARGUMENTS
 from trtpaged.runtime.reasoning import REASONING_PARSERS
@@ -64,6 +64,16 @@ class ServerOptions:
     responses_store_size: Optional[int] = None
     enable_prompt_tokens_details: bool = False  # vLLM's: usage.prompt_tokens_details.cached_tokens in answers
 
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The keys a request may send, any of them (none: no key required)."""
+        return one_or_many(self.api_key)
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """The names a request may give as its model (none: the server's default name)."""
+        return one_or_many(self.served_model_name)
+
     def __post_init__(self) -> None:
         key = next((os.environ[name] for name in API_KEY_ENVS if os.environ.get(name)), None)
         if self.api_key is None and key:
@@ -100,13 +110,18 @@ class ServerOptions:
                 raise ValueError(f"default_chat_template_kwargs: may not set {reserved} (each request's own fields)")
         if self.pin_threads not in PIN_MODES:
             raise ValueError(f"pin_threads: must be one of {', '.join(PIN_MODES)}, got {self.pin_threads!r}")
-        keys = (self.api_key,) if isinstance(self.api_key, str) else self.api_key
-        if keys is not None and (not keys or not all(keys)):
+        if self.api_key is not None and not all(self.api_keys or [""]):
             raise ValueError("api_key: must not be empty")
-        names = (self.served_model_name,) if isinstance(self.served_model_name, str) else self.served_model_name
-        if names is not None and (not names or not all(n.strip() for n in names)):
+        if self.served_model_name is not None and not all(n.strip() for n in self.served_model_names or [""]):
             raise ValueError("served_model_name: must not be empty")
         if self.request_log is not None and not str(self.request_log):
             raise ValueError("request_log: must not be empty")
         if self.request_log_prompts and self.request_log is None:
             raise ValueError("request_log_prompts: needs request_log (a file to write the prompts to)")
+
+
+def one_or_many(value: Union[str, Sequence[str], None]) -> tuple[str, ...]:
+    """A name (or key) or several, as a tuple; () for None."""
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)

@@ -83,10 +83,9 @@ def check_request_id(value: Optional[str], field_name: str) -> Optional[str]:
     return value
 
 
-def check_model(model: Optional[str], served: Union[str, Sequence[str]]) -> None:
-    """A request's `model`, when given, must be a served name (404 otherwise, as OpenAI answers); `served`: the
-    name, or the names (vLLM's --served-model-name a b: any of them)."""
-    names = (served,) if isinstance(served, str) else tuple(served)
+def check_model(model: Optional[str], names: Sequence[str]) -> None:
+    """A request's `model`, when given, must be a served name (404 otherwise, as OpenAI answers); `names`: the
+    served ones (vLLM's --served-model-name a b: any of them)."""
     if model is not None and model not in names:
         listed = " or ".join(repr(n) for n in names[:4])
         raise ApiError(f"model: {model!r} does not exist; this server serves {listed}", "model", 404,
@@ -193,7 +192,7 @@ def _logprobs(req: Union[CompletionRequest, ChatCompletionRequest], names: dict[
     return _top_k(k, name, max_logprobs, vocab_size)
 
 
-def parse_generation(body: Any, chat: bool, served_model: Union[str, Sequence[str]], vocab_size: int,
+def parse_generation(body: Any, chat: bool, served_names: Sequence[str], vocab_size: int,
                      auto_tools: AutoTools = AutoTools(None, "the server was not told the model's tool-call format"),
                      max_logprobs: int = MAX_LOGPROBS,
                      template_defaults: Optional[Mapping[str, Any]] = None) -> GenerationRequest:  # fmt: skip
@@ -201,7 +200,7 @@ def parse_generation(body: Any, chat: bool, served_model: Union[str, Sequence[st
     the engine's tool-call format, for tool_choice "auto"; `max_logprobs`: the most top log-probs per token (and
     prompt token) a request may ask for; `template_defaults`: the server's chat template variables."""
     req = validated(ChatCompletionRequest if chat else CompletionRequest, body)
-    check_model(req.model, served_model)
+    check_model(req.model, served_names)
     for name in _UNSUPPORTED:
         if getattr(req, name, None) not in (None, False, "", [], {}, "none"):
             raise ApiError(f"{name}: not supported by this server", name)
@@ -303,16 +302,16 @@ def _usage_options(req: Union[CompletionRequest, ChatCompletionRequest]) -> tupl
 
 def chat_options(req: Union[ChatCompletionRequest, TokenizeChatRequest],
                  template_defaults: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:  # fmt: skip
-    """LLM.chat_prompt's options from a chat body (vLLM's add_generation_prompt, continue_final_message,
-    chat_template_kwargs, over the server's `template_defaults` key by key; reasoning_effort, when given, is a
-    template variable as in vLLM)."""
+    """LLM.chat_prompt's options from a chat body (vLLM's add_generation_prompt, continue_final_message and
+    chat_template_kwargs): the template variables are the server's `template_defaults`, then reasoning_effort
+    (vLLM's: a template variable too; a Responses request's reasoning.effort arrives as it), then the request's own
+    chat_template_kwargs, each over the one before key by key."""
     kwargs = req.chat_template_kwargs
-    if template_defaults:
-        kwargs = {**template_defaults, **kwargs} if isinstance(kwargs, dict) else (
-            dict(template_defaults) if kwargs is None else kwargs)  # not a mapping: refused as the request's
-    effort = getattr(req, "reasoning_effort", None)
-    if effort is not None and (kwargs is None or isinstance(kwargs, dict)):  # vLLM's: a template variable too
-        kwargs = {"reasoning_effort": effort, **(kwargs or {})}
+    if kwargs is None or isinstance(kwargs, dict):  # not a mapping: refused as the request's, further on
+        effort = getattr(req, "reasoning_effort", None)
+        merged = {**(template_defaults or {}), **({} if effort is None else {"reasoning_effort": effort}),
+                  **(kwargs or {})}  # fmt: skip
+        kwargs = merged if merged or kwargs is not None else None
     return {"add_generation_prompt": req.add_generation_prompt is not False,
             "continue_final_message": bool(req.continue_final_message),
             "template_kwargs": kwargs}  # fmt: skip

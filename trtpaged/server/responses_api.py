@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence
 
 from trtpaged.server.errors import ApiError
 from trtpaged.server.protocol import check_model, validated
@@ -58,13 +58,13 @@ class ResponsesCall:
     used: dict[str, Any] = field(default_factory=dict)
 
 
-def translate(body: Any, served: Union[str, Sequence[str]], store: Optional[ResponsesStore] = None) -> ResponsesCall:
+def translate(body: Any, served: Sequence[str], store: Optional[ResponsesStore] = None) -> ResponsesCall:
     """Validates a /v1/responses body and makes its chat completions body; ApiError naming the Responses field.
-    `served`: the served model's name (or names: the first is the one answers carry); `store`: the server's
-    Responses store, if it keeps them (previous_response_id reads it)."""
+    `served`: the served model's names (the first is the one answers carry); `store`: the server's Responses store,
+    if it keeps them (previous_response_id reads it)."""
     req = validated(ResponsesRequest, body)
     check_model(req.model, served)
-    served_model = served if isinstance(served, str) else served[0]
+    served_model = served[0]
     for name in ("conversation", "prompt"):
         if getattr(req, name) is not None:
             raise ApiError(f"{name}: this server stores no conversations or prompts; send the conversation in input"
@@ -89,8 +89,9 @@ def translate(body: Any, served: Union[str, Sequence[str]], store: Optional[Resp
     if req.stream_options is not None and not req.stream:
         raise ApiError("stream_options: only allowed with stream: true", "stream_options")
     items = [{"type": "message", "role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    conversation = history + items
     chat: dict[str, Any] = {k: getattr(req, k) for k in _SAME_FIELDS if getattr(req, k) is not None}
-    chat["messages"] = _messages(req.instructions, history, items)
+    chat["messages"] = _messages(req.instructions, conversation, first=-len(history))
     if req.max_output_tokens is not None:
         chat["max_completion_tokens"] = req.max_output_tokens
     chat.update(_logprobs(req))
@@ -102,12 +103,12 @@ def translate(body: Any, served: Union[str, Sequence[str]], store: Optional[Resp
     response_format = _response_format(req.text)
     if response_format is not None:
         chat["response_format"] = response_format
-    if _continues(history + items):  # vLLM's: a partial assistant message last is continued, not answered
+    if _continues(conversation):  # vLLM's: a partial assistant message last is continued, not answered
         chat.update(continue_final_message=True, add_generation_prompt=False)
-    if req.reasoning is not None and req.reasoning.effort is not None:  # vLLM's: a template variable
-        chat["chat_template_kwargs"] = {"reasoning_effort": req.reasoning.effort}
+    if req.reasoning is not None and req.reasoning.effort is not None:  # chat's field (a template variable)
+        chat["reasoning_effort"] = req.reasoning.effort
     chat["stream"] = req.stream
-    return ResponsesCall(req, chat, served_model, int(time.time()), items, history + items, link, stored)
+    return ResponsesCall(req, chat, served_model, int(time.time()), items, conversation, link, stored)
 
 
 def turn(call: ResponsesCall, output: list[Any]) -> list[dict[str, Any]]:
@@ -147,7 +148,7 @@ def cut_points(call: ResponsesCall) -> list[int]:
 def without_oldest(call: ResponsesCall, cut: int) -> dict[str, Any]:
     """The chat body of `call` with its conversation's items before `cut` dropped (`instructions` kept): OpenAI's
     `truncation: "auto"` for a conversation longer than the model's context."""
-    return {**call.chat_body, "messages": _messages(call.req.instructions, [], call.conversation[cut:])}
+    return {**call.chat_body, "messages": _messages(call.req.instructions, call.conversation[cut:])}
 
 
 def _continues(items: Any) -> bool:
@@ -198,14 +199,14 @@ def _renamed_text(message: str) -> str:
     return "".join(pieces)
 
 
-def _messages(instructions: Optional[str], history: list[Any], items: list[Any]) -> list[dict[str, Any]]:
-    """instructions, then the items of a stored conversation (`history`) and of the request's input, as chat
-    messages (the input's items numbered as the client sent them)."""
+def _messages(instructions: Optional[str], items: list[Any], first: int = 0) -> list[dict[str, Any]]:
+    """instructions, then the conversation's `items` (a stored conversation's, then the request's input), as chat
+    messages; `first`: the first item's number in refusals (the input's are numbered as the client sent them)."""
     messages: list[dict[str, Any]] = []
     if instructions:
         messages.append({"role": "system", "content": instructions})
     thought: Optional[str] = None  # a reasoning item's text, for the assistant turn that follows it
-    for i, item in enumerate(history + items, start=-len(history)):
+    for i, item in enumerate(items, start=first):
         where = f"input[{i}]"
         if not isinstance(item, dict):
             raise ApiError(f"{where}: must be an object (a message or a function call item)", "input")

@@ -19,7 +19,7 @@ from trtpaged.server.engine_loop import EngineLoop
 from trtpaged.server.generation import GenerationService
 from trtpaged.server.http_protocol import BoundedHeadProtocol
 from trtpaged.server.metrics import ServerMetrics
-from trtpaged.server.options import ServerOptions
+from trtpaged.server.options import ServerOptions, one_or_many
 from trtpaged.server.request_log import RequestLog
 from trtpaged.server import thread_names, thread_pinning
 from trtpaged.server.schemas import ModelCard
@@ -156,9 +156,9 @@ def start_server(
         if request_log is not None:
             request_log.close()
         raise
-    given = served_model_name or options.served_model_name or llm.engine_dir.resolve().name
-    names = (given,) if isinstance(given, str) else tuple(given)  # vLLM's --served-model-name a b: any of them
-    name = names[0]  # the one answers carry
+    # vLLM's --served-model-name a b: a request may name any; answers carry the first
+    names = one_or_many(served_model_name) or options.served_model_names or (llm.engine_dir.resolve().name,)
+    name = names[0]
     metrics.set_model_name(name)
     tokens: Optional[TokenizerWorker] = None
     try:  # the front end's own tokenizer copies, loaded from the engine dir as LLM loaded the engine's
