@@ -85,6 +85,30 @@ class JsonObject(click.ParamType):
         return parsed
 
 
+class JsonStringList(click.ParamType):
+    """A list of strings typed on the command line: vLLM's JSON form ('["a", "b"]') or comma-separated (a,b)."""
+
+    name = "list"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        text = value.strip()
+        if text.startswith("["):
+            try:
+                parsed = json.loads(text)
+            except ValueError as exc:
+                self.fail(f"not JSON ({exc}): {value[:80]!r}", param, ctx)
+            if not all(isinstance(item, str) for item in parsed):
+                self.fail(f"must be a JSON list of strings, got {value[:80]!r}", param, ctx)
+            items = [item.strip() for item in parsed]
+        else:
+            items = [item.strip() for item in text.split(",")]
+        if not items or not all(items):
+            self.fail(f"must name at least one value and no empty one, got {value[:80]!r}", param, ctx)
+        return tuple(items)
+
+
 class OutputFile(click.Path):
     """click.Path of a file a command writes, created when absent: an existing path must be a regular file (a FIFO
     blocked the open until a reader came: a server that never started, with no output; a plot replaced it)."""

@@ -12,8 +12,8 @@ from typing import Any, Iterator, Optional, Sequence
 
 import click
 
-from trtpaged.commands.option_types import (ChatTemplate, FiniteFloatRange, HumanInt, JsonObject, OutputFile, Size,
-                                            flag_error)
+from trtpaged.commands.option_types import (ChatTemplate, FiniteFloatRange, HumanInt, JsonObject, JsonStringList,
+                                            OutputFile, Size, flag_error)
 from trtpaged.commands.stdout import echo
 from trtpaged.commands.vllm_flags import VllmArgsCommand, no_effect_note, vllm_no_effect_options
 from trtpaged.errors import FatalEngineError, is_out_of_memory
@@ -127,6 +127,16 @@ def _not_empty(value, param):
               help="Keep finished /v1/responses answers in memory, up to SIZE (e.g. 256MiB; least recently used "
                    "out), for GET /v1/responses/{id}, previous_response_id and background requests (default: none "
                    "kept, unless VLLM_ENABLE_RESPONSES_API_STORE=1, vLLM's switch: 256MiB).")
+@click.option("--allowed-origins", type=JsonStringList(), default=None, metavar="LIST",
+              help="vLLM's CORS setting: web origins whose pages may call the API from a browser, as a JSON list "
+                   "or comma-separated; '[\"*\"]' for any (vLLM's default; default here: pages served from this "
+                   "machine, http(s)://localhost, 127.0.0.1 or [::1] at any port).")
+@click.option("--allowed-methods", type=JsonStringList(), default="*", show_default=True, metavar="LIST",
+              help="vLLM's CORS setting: HTTP methods a browser page may use.")
+@click.option("--allowed-headers", type=JsonStringList(), default="*", show_default=True, metavar="LIST",
+              help="vLLM's CORS setting: request headers a browser page may send.")
+@click.option("--allow-credentials", is_flag=True, help="vLLM's CORS setting: browser pages may send cookies and "
+              "HTTP authentication.")
 @click.option("--request-log", type=OutputFile(), default=None,
               help="Append one JSON line per finished request to this file (arrival s, lengths, n, beam width, prefix "
                    "hits, finish reasons, latencies, step time): what `trtpaged diagnose` reads.")
@@ -145,8 +155,9 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
             default_chat_template_kwargs, enable_auto_tool_choice, max_logprobs, seed,
             generation_config, gpu_memory_utilization, dtype, backend,
             device, tensor_parallel_size, speculative_config, kv_host_memory, kv_disk_path, kv_disk_size, kv_remote,
-            kv_secret_file, enable_prompt_tokens_details, responses_store_size, request_log, request_log_prompts,
-            stream_interval, pin_threads, **vllm_flags) -> None:  # fmt: skip
+            kv_secret_file, enable_prompt_tokens_details, responses_store_size, allowed_origins, allowed_methods,
+            allowed_headers, allow_credentials, request_log, request_log_prompts, stream_interval, pin_threads,
+            **vllm_flags) -> None:  # fmt: skip
     """Serve ENGINE over /v1/completions, /v1/chat/completions, /v1/responses, /v1/models, /tokenize, /detokenize,
     /version, /health, /metrics and SageMaker's /ping and /invocations."""
     from trtpaged.server import ServerOptions, start_server
@@ -171,7 +182,8 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
             request_log=request_log, request_log_prompts=request_log_prompts, stream_interval=stream_interval,
             pin_threads=pin_threads, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
             default_chat_template_kwargs=default_chat_template_kwargs, responses_store_size=responses_store_size,
-            enable_prompt_tokens_details=enable_prompt_tokens_details,
+            enable_prompt_tokens_details=enable_prompt_tokens_details, allowed_origins=allowed_origins,
+            allowed_methods=allowed_methods, allowed_headers=allowed_headers, allow_credentials=allow_credentials,
         )  # fmt: skip
         with interrupts_end_the_load():
             handle = start_server(

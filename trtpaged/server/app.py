@@ -16,6 +16,7 @@ import time
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -27,7 +28,7 @@ from trtpaged.server.engine_loop import ClientGone, EngineFailure, EngineLoop, O
 from trtpaged.server.errors import ApiError, overloaded
 from trtpaged.server.generation import GenerationService, Submitted, runtime_failure
 from trtpaged.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
-from trtpaged.server.options import ServerOptions
+from trtpaged.server.options import LOOPBACK_ORIGINS, ServerOptions
 from trtpaged.server.protocol import check_model
 from trtpaged.server.responses_store import ResponsesStore
 from trtpaged.server.schemas import ModelCard, ModelList, dump
@@ -135,6 +136,10 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
     """The ASGI app (FastAPI wrapped in the status-counting middleware)."""
     app = FastAPI(title="trtpaged", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     expected_keys = [k.encode() for k in options.api_keys]  # any of them (vLLM's --api-key k1 k2)
+    origins = options.allowed_origins
+    app.add_middleware(CORSMiddleware, allow_origins=origins or (),
+                       allow_origin_regex=None if origins else LOOPBACK_ORIGINS, allow_methods=options.allowed_methods, allow_headers=options.allowed_headers,
+                       allow_credentials=options.allow_credentials, expose_headers=("X-Request-Id", "Retry-After"))
 
     async def authorize(request: Request) -> None:
         if not expected_keys:

@@ -15,6 +15,9 @@ API_KEY_ENVS = ("TRTPAGED_API_KEY", "VLLM_API_KEY")  # the first set wins; vLLM'
 PIN_MODES = ("auto", "on", "off")  # ServerOptions.pin_threads
 VLLM_STORE_ENV = "VLLM_ENABLE_RESPONSES_API_STORE"
 DEFAULT_RESPONSES_STORE_SIZE = 256 << 20  # what vLLM's switch keeps here (vLLM's own store has no bound)
+# the browser origins allowed by default: pages served from this machine (any port), as Ollama's default; vLLM
+# allows every origin ("*"), which lets any web page a user opens drive a server on their loopback
+LOOPBACK_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:[0-9]{1,5})?"
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,9 @@ class ServerOptions:
     request (and /tokenize of messages) gets; a request's own chat_template_kwargs override them key by key.
     `enable_prompt_tokens_details` (vLLM's --enable-prompt-tokens-details): chat and completions usage carries
     `prompt_tokens_details.cached_tokens`, the prompt's tokens found in the prefix cache (else null).
+    `allowed_origins` (vLLM's --allowed-origins): the web origins whose pages may call the API from a browser
+    (CORS), "*" for any; None: pages served from this machine only (LOOPBACK_ORIGINS). `allowed_methods`,
+    `allowed_headers` and `allow_credentials` (cookies, HTTP auth) are the rest of vLLM's CORS settings.
     `responses_store_size`: bytes of finished Responses kept in memory for GET /v1/responses/{id},
     `previous_response_id` and `background` (`trtpaged.server.responses_store`); None: none are kept, unless
     $VLLM_ENABLE_RESPONSES_API_STORE (vLLM's switch) is 1, which keeps DEFAULT_RESPONSES_STORE_SIZE.
@@ -63,6 +69,10 @@ class ServerOptions:
     default_chat_template_kwargs: Optional[dict[str, Any]] = None  # e.g. {"enable_thinking": False}
     responses_store_size: Optional[int] = None
     enable_prompt_tokens_details: bool = False  # vLLM's: usage.prompt_tokens_details.cached_tokens in answers
+    allowed_origins: Optional[tuple[str, ...]] = None  # CORS; None: LOOPBACK_ORIGINS
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
     @property
     def api_keys(self) -> tuple[str, ...]:
@@ -108,6 +118,10 @@ class ServerOptions:
             reserved = sorted(set(defaults) & TEMPLATE_ARGUMENTS)
             if reserved:
                 raise ValueError(f"default_chat_template_kwargs: may not set {reserved} (each request's own fields)")
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            values = getattr(self, name)
+            if values is not None and (not values or not all(isinstance(v, str) and v.strip() for v in values)):
+                raise ValueError(f"{name}: must be a non-empty list of non-empty strings, got {values!r:.80}")
         if self.pin_threads not in PIN_MODES:
             raise ValueError(f"pin_threads: must be one of {', '.join(PIN_MODES)}, got {self.pin_threads!r}")
         if self.api_key is not None and not all(self.api_keys or [""]):
