@@ -172,6 +172,10 @@ def test_tools_reach_the_template_and_free_generation_runs(client, server, tools
     resp = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=12, n=3,
                                           temperature=1.0, seed=3)  # fmt: skip
     assert resp.usage.prompt_tokens == prompt_len(tools=TOOLS) > prompt_len() + len("get_weather add")
+    # tool_choice "none": the model is still shown the tools (OpenAI's meaning, vLLM's default) and writes text
+    none = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="none",
+                                          max_tokens=4, temperature=0)  # fmt: skip
+    assert none.usage.prompt_tokens == prompt_len(tools=TOOLS) and none.choices[0].message.tool_calls is None
     for choice in resp.choices:  # a random model writes no call: its text comes back as content
         assert choice.finish_reason in ("stop", "length") and isinstance(choice.message.content, str)
     history = MESSAGES + [

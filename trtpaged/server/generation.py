@@ -224,7 +224,7 @@ class GenerationService:
 
         def run(tokenizer: Any) -> tuple[list[list[int]], Optional[str]]:
             if req.chat:
-                tools, text = req.tools.definitions if req.tools else None, []
+                tools, text = req.shown_tools, []
                 ids = prompt_token_ids(tokenizer, vocab, None, req.messages, tools, req.chat_options,
                                        req.add_special_tokens, check, text)  # fmt: skip
                 tail = generation_prompt(tokenizer, req.messages, tools, req.chat_options, text[0]) if \

@@ -48,6 +48,9 @@ class GenerationRequest:
     chat_echo: str = ""  # chat's echo (vLLM's): the text each answer starts with, the last message's
     prompt_logprobs: Optional[int] = None  # vLLM's prompt_logprobs field (returned in its own form)
     tools: Optional[ToolChoice] = None  # chat: the output is (or, for auto, may hold) tool calls
+    # chat: the tool definitions the template shows: the request's tools, under tool_choice "none" too (vLLM's
+    # default and OpenAI's meaning: the model is told of the tools and calls none)
+    shown_tools: Optional[list[dict[str, Any]]] = None
     chat_options: dict[str, Any] = field(default_factory=dict)  # chat: LLM.chat_prompt's keyword options
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
     truncate_prompt_tokens: Optional[int] = None  # keep the prompt's last k tokens; -1: as many as fit
@@ -212,6 +215,8 @@ def parse_generation(body: Any, chat: bool, served_names: Sequence[str], vocab_s
     try:
         sampling.update(_constraint_fields(req, vocab_size))
         tools = _tools(req, sampling, auto_tools)
+        shown = tools if tools is not None or not isinstance(req, ChatCompletionRequest) or not req.tools else \
+            tool_choice(req.tools, "required")  # fmt: skip
     except ValueError as exc:  # StructuredOutputsParams' own checks name the request field that set it
         raise from_runtime_error(exc, names) from None
     stop = [req.stop] if isinstance(req.stop, str) else req.stop
@@ -264,6 +269,7 @@ def parse_generation(body: Any, chat: bool, served_names: Sequence[str], vocab_s
         chat_echo=_chat_echo(req, messages) if isinstance(req, ChatCompletionRequest) and req.echo else "",
         prompt_logprobs=prompt_k,
         tools=tools,
+        shown_tools=shown.definitions if shown is not None else None,
         chat_options=chat_options(req, template_defaults) if isinstance(req, ChatCompletionRequest) else {},
         continuous_usage=continuous_usage,
         truncate_prompt_tokens=truncate,
