@@ -23,7 +23,7 @@ from starlette.requests import ClientDisconnect
 
 from trtpaged import __version__
 from trtpaged.errors import CONTEXT_LENGTH_EXCEEDED
-from trtpaged.server import responses_api, responses_output
+from trtpaged.server import messages_api, messages_output, responses_api, responses_output
 from trtpaged.server.engine_loop import ClientGone, EngineFailure, EngineLoop, Overloaded, RequestTimeout, ShuttingDown
 from trtpaged.server.errors import ApiError, overloaded
 from trtpaged.server.generation import GenerationService, Submitted, runtime_failure
@@ -37,12 +37,19 @@ from trtpaged.server.tokenization import Tokenization
 
 log = logging.getLogger("trtpaged.server")
 T = TypeVar("T")
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize",
-          "/health", "/metrics", "/version", "/ping", "/invocations")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
+          "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics", "/version", "/ping", "/invocations")
+ANTHROPIC_PATHS = "/v1/messages"  # routes answered in Anthropic's error envelope
 
 
-def error_response(error: ApiError) -> JSONResponse:
-    return JSONResponse(dump(error.body()), error.status, headers=error.headers or None)
+def error_response(error: ApiError, anthropic: bool = False) -> JSONResponse:
+    """The error body: OpenAI's, or Anthropic's envelope (the /v1/messages routes)."""
+    body = messages_output.error_body(error) if anthropic else dump(error.body())
+    return JSONResponse(body, error.status, headers=error.headers or None)
+
+
+def _anthropic(request: Request) -> bool:
+    return request.url.path.startswith(ANTHROPIC_PATHS)
 
 
 def _reject_constant(name: str) -> Any:
@@ -142,20 +149,23 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
                        allow_credentials=options.allow_credentials, expose_headers=("X-Request-Id", "Retry-After"))
 
     async def authorize(request: Request) -> None:
+        """The key as `Authorization: Bearer KEY`, or as Anthropic's clients send it, `x-api-key: KEY`."""
         if not expected_keys:
             return
         header = request.headers.get("authorization", "")
         scheme, _, given = header.partition(" ")
-        offered = given.strip().encode()
+        anthropic_key = request.headers.get("x-api-key")
+        offered = (given.strip() if scheme.lower() == "bearer" or anthropic_key is None else anthropic_key).encode()
         matches = [hmac.compare_digest(offered, k) for k in expected_keys]  # each compared: no early exit
-        ok = scheme.lower() == "bearer" and any(matches)
+        ok = (scheme.lower() == "bearer" or anthropic_key is not None) and any(matches)
         if not ok:
-            raise ApiError("authorization: missing or wrong API key (send 'Authorization: Bearer KEY')", None, 401,
-                           "authentication_error", "invalid_api_key", {"WWW-Authenticate": "Bearer"})  # fmt: skip
+            raise ApiError("authorization: missing or wrong API key (send 'Authorization: Bearer KEY' or "
+                           "'x-api-key: KEY')", None, 401, "authentication_error", "invalid_api_key",
+                           {"WWW-Authenticate": "Bearer"})  # fmt: skip
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc)
+        return error_response(exc, _anthropic(request))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -165,12 +175,13 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
             error = ApiError(f"method: {request.url.path} does not take {request.method}", "method", 405)
         else:
             error = ApiError(str(exc.detail), None, exc.status_code)
-        return error_response(error)
+        return error_response(error, _anthropic(request))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("%s %s failed", request.method, request.url.path)
-        return error_response(ApiError("internal server error (see the server log)", None, 500, "server_error"))
+        error = ApiError("internal server error (see the server log)", None, 500, "server_error")
+        return error_response(error, _anthropic(request))
 
     async def discard_body(request: Request, budget: int) -> None:
         """Reads and drops up to `budget` more bytes of a refused body (bounded in bytes and time): closing
@@ -230,16 +241,20 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
     size = options.responses_store_size
     stored = StoredResponses(ResponsesStore(size) if size else None, service, cache_block_size)
 
-    async def generate(request: Request, chat: bool, responses: bool = False, given: Any = None) -> Response:
-        """One generation request; `responses`: a /v1/responses body, served as the chat body it translates to;
-        `given`: the body, already read (/invocations)."""
+    async def generate(request: Request, chat: bool, responses: bool = False, given: Any = None,
+                       messages: bool = False) -> Response:  # fmt: skip
+        """One generation request; `responses`: a /v1/responses body, `messages` a /v1/messages one, each served as
+        the chat body it translates to; `given`: the body, already read (/invocations)."""
         start = time.monotonic()
         if draining:
             metrics.observe_rejected("draining")
             raise overloaded("the server is shutting down", options.retry_after_s)
-        call, claimed = None, None
+        call, claimed, message_call = None, None, None
         try:
             body = parse_json(await read_body(request)) if given is None else given
+            if messages:
+                message_call = messages_api.translate(body, service.model_names, service.reasoning is not None)
+                body = message_call.chat_body
             if responses:
                 call = responses_api.translate(body, service.model_names, stored.store)
                 body = call.chat_body
@@ -259,9 +274,12 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
                 metrics.observe_rejected("overloaded")
                 exc.headers["Retry-After"] = str(options.retry_after_s)
             error = responses_api.renamed(exc, call) if call is not None else exc  # the client's field names
+            error = messages_api.renamed(error) if message_call is not None else error
             _log(request, error.status, error.message, start)
             raise error from None
         summary = submitted.summary
+        if message_call is not None:
+            return await answer_message(request, submitted, start, message_call)
         if call is None:
             return await answer(request, submitted, start)
         # logged and answered under the Response's id; vLLM's: a body's request_id is the Response's id as given,
@@ -354,6 +372,31 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
             return Response(json.dumps(body), media_type="application/json", headers=headers)
         return JSONResponse(dump(answer), headers=headers)
 
+    async def answer_message(request: Request, submitted: Submitted, start: float,
+                             call: messages_api.MessagesCall) -> Response:  # fmt: skip
+        """The answer to a queued /v1/messages request: its Anthropic stream, or its Message once it finished."""
+        summary = submitted.summary
+        mid = "msg_" + summary.request_id.removeprefix("chatcmpl-")
+        headers = {"X-Request-Id": summary.header_id, "request-id": mid}
+        if submitted.req.stream:
+            events = messages_output.stream(call, mid, _logged_stream(request, submitted, start), summary,
+                                            len(submitted.prompts[0]), cache_block_size)  # fmt: skip
+            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache",
+                                                                                      **headers})  # fmt: skip
+        try:
+            answer = await service.respond(submitted, request.is_disconnected)
+        except ClientGone:
+            _log(request, 499, "client disconnected; request aborted", start)
+            return Response(status_code=499)
+        except (EngineFailure, ShuttingDown, RequestTimeout) as exc:
+            error = runtime_failure(exc)
+            _log(request, error.status, error.message, start)
+            return error_response(messages_api.renamed(error), anthropic=True)
+        _log(request, 200, "", start, submitted)
+        usage = messages_output.usage_of(summary.prompt_tokens, summary.completion_tokens, summary.cached_tokens,
+                                         cache_block_size)  # fmt: skip
+        return JSONResponse(messages_output.message_body(call, mid, answer, usage), headers=headers)
+
     async def _logged_stream(request: Request, s: Submitted, start: float) -> AsyncIterator[bytes]:
         status, note = 499, "client disconnected; request aborted"
         try:
@@ -374,6 +417,11 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
     @app.post("/v1/responses", dependencies=[Depends(authorize)])
     async def create_response(request: Request) -> Response:
         return await generate(request, chat=True, responses=True)
+
+    @app.post("/v1/messages", dependencies=[Depends(authorize)])
+    async def create_message(request: Request) -> Response:
+        """Anthropic's Messages API (vLLM's route), served as the chat request it translates to."""
+        return await generate(request, chat=True, messages=True)
 
     @app.post("/invocations", dependencies=[Depends(authorize)])
     async def invocations(request: Request) -> Response:
@@ -400,7 +448,8 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
 
     tokenization = Tokenization(service.llm, service.tokens, service.model_names, service.template_defaults)
 
-    async def tokenizer_call(request: Request, handler: Callable[[Any], Awaitable[Any]]) -> Response:
+    async def tokenizer_call(request: Request, handler: Callable[[Any], Awaitable[Any]],
+                             anthropic: bool = False) -> Response:  # fmt: skip
         try:
             body = parse_json(await read_body(request))
             answer = await unless_disconnected(request, handler(body))  # a model, or its JSON body already made
@@ -408,10 +457,10 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
             return Response(status_code=499)
         except (Overloaded, ShuttingDown) as exc:  # the tokenizer's queue is full, or the server stops
             metrics.observe_rejected("overloaded")
-            return error_response(overloaded(str(exc), options.retry_after_s))
+            return error_response(overloaded(str(exc), options.retry_after_s), anthropic)
         if isinstance(answer, bytes):
             return Response(answer, media_type="application/json")
-        return JSONResponse(dump(answer))
+        return JSONResponse(answer if isinstance(answer, dict) else dump(answer))
 
     @app.post("/tokenize", dependencies=[Depends(authorize)])
     async def tokenize(request: Request) -> Response:
@@ -420,6 +469,19 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
     @app.post("/detokenize", dependencies=[Depends(authorize)])
     async def detokenize(request: Request) -> Response:
         return await tokenizer_call(request, tokenization.detokenize)
+
+    @app.post("/v1/messages/count_tokens", dependencies=[Depends(authorize)])
+    async def count_message_tokens(request: Request) -> Response:
+        """Anthropic's count: the tokens of the prompt /v1/messages would render for the same body."""
+        async def count(body: Any) -> dict[str, int]:
+            call = messages_api.translate(body, service.model_names, service.reasoning is not None, count_only=True)
+            try:
+                counted = json.loads(await tokenization.tokenize(messages_api.count_body(call)))
+            except ApiError as exc:
+                raise messages_api.renamed(exc) from None
+            return {"input_tokens": counted["count"]}
+
+        return await tokenizer_call(request, count, anthropic=True)
 
     runner_failure = service.llm.engine.runner.failure
 

@@ -1,0 +1,336 @@
+"""POST /v1/messages: Anthropic's Messages API, served through the chat completions path (as vLLM serves it).
+
+A request becomes a chat completions body: `system` as the first system message, each message's content blocks
+as chat messages (`tool_use` as an assistant turn's tool calls, `tool_result` as tool messages, `thinking` as the
+turn's reasoning), tools with their `input_schema` as function tools, `tool_choice` in chat's spelling
+(any -> required), `thinking` as the template's enable_thinking (and a thinking budget on a server with a reasoning
+parser). A last assistant message is continued (Anthropic's prefill). server/messages_output.py turns the chat
+answer or stream back into a Message and Anthropic's stream events.
+
+Top-level fields this server has no use for (Anthropic's platform settings, beta features a client such as Claude
+Code sends) are accepted without effect, as vLLM's; inside the content, an unknown block type is a 400 naming it.
+Text only: image and document blocks, and Anthropic's own server tools, are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal, Optional, Sequence, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+from trtpaged.server.errors import ApiError
+from trtpaged.server.protocol import check_model, validated
+
+log = logging.getLogger("trtpaged.server")
+
+MIN_THINKING_BUDGET = 1024  # Anthropic's least budget_tokens
+# block types a message may hold, by role; an assistant's thinking is its reasoning, redacted thinking is dropped
+_USER_BLOCKS = ("text", "tool_result")
+_ASSISTANT_BLOCKS = ("text", "tool_use", "thinking", "redacted_thinking")
+_MEDIA_BLOCKS = ("image", "document", "search_result", "container_upload")
+# a chat field's name in a refusal -> the Messages field the client sent
+_MESSAGES_NAMES = {"max_completion_tokens": "max_tokens", "max_tokens": "max_tokens", "stop": "stop_sequences",
+                   "response_format": "output_config", "thinking_token_budget": "thinking",
+                   "chat_template_kwargs": "thinking"}  # fmt: skip
+_CHAT_SPELLINGS = ((re.compile(r"\bmax_completion_tokens\b"), "max_tokens"), (re.compile(r"\bstop\b(?=:)"),
+                   "stop_sequences"), (re.compile(r"\bthinking_token_budget\b"), "thinking.budget_tokens"))  # fmt: skip
+_warned: set[str] = set()  # top-level fields without effect already named in the log
+
+
+class _Loose(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ThinkingConfig(_Loose):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: Optional[StrictInt] = None
+
+
+class MessagesRequest(_Loose):
+    """POST /v1/messages (and, less max_tokens, /v1/messages/count_tokens). Unknown top-level fields are kept
+    (pydantic's extra) and named once in the log."""
+
+    model: StrictStr
+    messages: list[Any] = Field(min_length=1)
+    max_tokens: Optional[StrictInt] = None  # required by /v1/messages, checked there
+    system: Optional[Union[StrictStr, list[Any]]] = None
+    stop_sequences: Optional[list[StrictStr]] = None
+    stream: StrictBool = False
+    temperature: Optional[Union[StrictFloat, StrictInt]] = None
+    top_p: Optional[Union[StrictFloat, StrictInt]] = None
+    top_k: Optional[StrictInt] = None
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[dict[str, Any]] = None
+    thinking: Optional[ThinkingConfig] = None
+    output_config: Optional[dict[str, Any]] = None  # {effort, format}
+    output_format: Optional[dict[str, Any]] = None  # the structured-outputs beta's spelling of output_config.format
+    metadata: Optional[dict[str, Any]] = None  # {user_id}: accepted, without effect
+    service_tier: Optional[StrictStr] = None  # accepted, without effect
+    # vLLM's extras on this endpoint
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    cache_salt: Optional[StrictStr] = None
+
+
+@dataclass
+class MessagesCall:
+    """One Messages request: what was asked (the answer names its model) and the chat body that serves it."""
+
+    req: MessagesRequest
+    chat_body: dict[str, Any]
+    model: str
+
+
+def message_id() -> str:
+    return f"msg_{uuid.uuid4().hex}"
+
+
+def translate(body: Any, served: Sequence[str], reasoning: bool, count_only: bool = False) -> MessagesCall:
+    """Validates a /v1/messages body and makes its chat completions body; ApiError naming the Messages field.
+    `served`: the served model's names (answers carry the first); `reasoning`: the server splits reasoning off
+    (a thinking budget needs to know where the thinking ends); `count_only`: a count_tokens body (no max_tokens)."""
+    req = validated(MessagesRequest, body)
+    check_model(req.model, served)
+    unused = sorted(set(req.model_extra or {}) - _warned)
+    if unused:
+        _warned.update(unused)
+        log.info("/v1/messages: fields without an effect on this server, accepted: %s", ", ".join(unused)[:300])
+    if not count_only:
+        if req.max_tokens is None:
+            raise ApiError("max_tokens: required", "max_tokens")
+        if req.max_tokens < 1:
+            raise ApiError(f"max_tokens: must be >= 1, got {req.max_tokens}", "max_tokens")
+    chat: dict[str, Any] = {"model": req.model, "messages": _messages(req.system, req.messages)}
+    if req.max_tokens is not None:
+        chat["max_completion_tokens"] = req.max_tokens
+    for name in ("temperature", "top_p", "top_k", "cache_salt"):
+        if getattr(req, name) is not None:
+            chat[name] = getattr(req, name)
+    if req.stop_sequences:
+        chat["stop"] = req.stop_sequences
+    if req.tools:
+        chat["tools"] = [_tool(i, t) for i, t in enumerate(req.tools)]
+    if req.tool_choice is not None:
+        chat.update(_tool_choice(req.tool_choice, bool(req.tools)))
+    kwargs: dict[str, Any] = {}
+    if req.thinking is not None:
+        kwargs.update(_thinking(req.thinking, req.max_tokens, reasoning, chat, count_only))
+    config = req.output_config or {}
+    if not isinstance(config, dict):
+        raise ApiError("output_config: must be an object ({effort, format})", "output_config")
+    if isinstance(config.get("effort"), str):
+        chat["reasoning_effort"] = config["effort"]
+    form = config.get("format") or req.output_format
+    if form is not None:
+        chat["response_format"] = _response_format(form, "output_config.format" if config.get("format")
+                                                   else "output_format")  # fmt: skip
+    if req.chat_template_kwargs:
+        kwargs.update(req.chat_template_kwargs)  # the request's own, over what thinking set
+    if kwargs:
+        chat["chat_template_kwargs"] = kwargs
+    if chat["messages"][-1]["role"] == "assistant":  # Anthropic's prefill: the answer continues the last turn
+        chat.update(continue_final_message=True, add_generation_prompt=False)
+    if req.stream and not count_only:
+        chat["stream"] = True
+    return MessagesCall(req, chat, served[0])
+
+
+def count_body(call: MessagesCall) -> dict[str, Any]:
+    """The /tokenize body that counts a count_tokens request's prompt as /v1/messages would render it."""
+    keys = ("model", "messages", "tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
+    return {k: call.chat_body[k] for k in keys if k in call.chat_body}
+
+
+def renamed(error: ApiError) -> ApiError:
+    """A refusal of the chat body, naming the Messages fields instead of the chat ones they became."""
+    base = re.split(r"[.\[]", error.param or "", maxsplit=1)[0]
+    message = error.message
+    for pattern, spelling in _CHAT_SPELLINGS:
+        message = pattern.sub(spelling, message)
+    return ApiError(message, _MESSAGES_NAMES.get(base, error.param), error.status, error.kind, error.code,
+                    error.headers)  # fmt: skip
+
+
+def _text_of(blocks: Any, where: str, field_name: str) -> str:
+    """The text of a string or a list of text blocks (system, a tool result's content), joined by blank lines."""
+    if isinstance(blocks, str):
+        return blocks
+    if not isinstance(blocks, list):
+        raise ApiError(f"{where}: must be a string or a list of text blocks", field_name)
+    texts = []
+    for j, block in enumerate(blocks):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind in _MEDIA_BLOCKS:
+            raise ApiError(f"{where}[{j}].type: {kind} blocks are not supported: this server's models read text",
+                           field_name)  # fmt: skip
+        if kind != "text" or not isinstance(block.get("text"), str):
+            raise ApiError(f"{where}[{j}]: must be a text block ({{'type': 'text', 'text': ...}})", field_name)
+        texts.append(block["text"])
+    return "\n\n".join(texts)
+
+
+def _messages(system: Any, items: list[Any]) -> list[dict[str, Any]]:
+    """`system`, then the conversation, as chat messages."""
+    messages: list[dict[str, Any]] = []
+    if system is not None:
+        text = _text_of(system, "system", "system")
+        if text:
+            messages.append({"role": "system", "content": text})
+    for i, item in enumerate(items):
+        where = f"messages[{i}]"
+        if not isinstance(item, dict):
+            raise ApiError(f"{where}: must be an object ({{role, content}})", "messages")
+        role, content = item.get("role"), item.get("content")
+        if role not in ("user", "assistant", "system"):  # system: inline, as Claude Code sends it (vLLM's)
+            raise ApiError(f"{where}.role: must be 'user' or 'assistant', got {str(role)[:40]!r}", "messages")
+        if isinstance(content, str):
+            messages.append({"role": role, "content": content})
+        elif not isinstance(content, list):
+            raise ApiError(f"{where}.content: must be a string or a list of content blocks", "messages")
+        elif role == "assistant":
+            messages.append(_assistant(content, where))
+        elif role == "system":
+            messages.append({"role": "system", "content": _text_of(content, f"{where}.content", "messages")})
+        else:
+            messages.extend(_user(content, where))
+    if not any(m["role"] != "system" for m in messages):
+        raise ApiError("messages: must hold at least one user or assistant message", "messages")
+    return messages
+
+
+def _block_kind(block: Any, where: str, allowed: tuple[str, ...], role: str) -> str:
+    kind = block.get("type") if isinstance(block, dict) else None
+    if kind in _MEDIA_BLOCKS:
+        raise ApiError(f"{where}.type: {kind} blocks are not supported: this server's models read text", "messages")
+    if kind not in allowed:
+        raise ApiError(f"{where}.type: {str(kind)[:40]!r} is not a {role} content block this server takes "
+                       f"({', '.join(allowed)})", "messages")  # fmt: skip
+    return kind
+
+
+def _string(block: dict[str, Any], key: str, where: str) -> str:
+    value = block.get(key)
+    if not isinstance(value, str):
+        raise ApiError(f"{where}.{key}: must be a string", "messages")
+    return value
+
+
+def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
+    """A user turn's blocks: each tool result a tool message, the text between them a user message, in order."""
+    out: list[dict[str, Any]] = []
+    texts: list[str] = []
+    for j, block in enumerate(blocks):
+        at = f"{where}.content[{j}]"
+        if _block_kind(block, at, _USER_BLOCKS, "user") == "text":
+            texts.append(_string(block, "text", at))
+            continue
+        if texts:
+            out.append({"role": "user", "content": "\n\n".join(texts)})
+            texts = []
+        content = block.get("content", "")
+        text = _text_of(content, f"{at}.content", "messages") if content is not None else ""
+        out.append({"role": "tool", "tool_call_id": _string(block, "tool_use_id", at), "content": text})
+    if texts or not out:
+        out.append({"role": "user", "content": "\n\n".join(texts)})
+    return out
+
+
+def _assistant(blocks: list[Any], where: str) -> dict[str, Any]:
+    """An assistant turn's blocks as one chat message: its text, its tool calls, its thinking as reasoning."""
+    texts, calls, thoughts = [], [], []
+    for j, block in enumerate(blocks):
+        at = f"{where}.content[{j}]"
+        kind = _block_kind(block, at, _ASSISTANT_BLOCKS, "assistant")
+        if kind == "text":
+            texts.append(_string(block, "text", at))
+        elif kind == "thinking":
+            thoughts.append(_string(block, "thinking", at))
+        elif kind == "tool_use":
+            arguments = block.get("input", {})
+            if not isinstance(arguments, dict):
+                raise ApiError(f"{at}.input: must be an object (the tool's arguments)", "messages")
+            calls.append({"id": _string(block, "id", at), "type": "function",
+                          "function": {"name": _string(block, "name", at), "arguments": json.dumps(arguments)}})
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts or not calls else None}
+    if calls:
+        message["tool_calls"] = calls
+    if thoughts:
+        message["reasoning"] = "\n\n".join(thoughts)
+    return message
+
+
+def _tool(index: int, tool: Any) -> dict[str, Any]:
+    where = f"tools[{index}]"
+    if not isinstance(tool, dict):
+        raise ApiError(f"{where}: must be an object ({{name, description, input_schema}})", "tools")
+    kind = tool.get("type")
+    if kind not in (None, "custom") or "input_schema" not in tool:
+        raise ApiError(f"{where}: Anthropic's server tools ({str(kind)[:40]!r}) are not run by this server; give "
+                       "a custom tool ({name, description, input_schema})", "tools")  # fmt: skip
+    name, schema = tool.get("name"), tool["input_schema"]
+    if not isinstance(name, str):
+        raise ApiError(f"{where}.name: must be a string", "tools")
+    if not isinstance(schema, dict):
+        raise ApiError(f"{where}.input_schema: must be a JSON schema object", "tools")
+    function: dict[str, Any] = {"name": name, "parameters": {"type": "object", **schema}}
+    if isinstance(tool.get("description"), str):
+        function["description"] = tool["description"]
+    return {"type": "function", "function": function}
+
+
+def _tool_choice(choice: dict[str, Any], has_tools: bool) -> dict[str, Any]:
+    """Anthropic's tool_choice as chat's: auto, any (required), tool (a named function), none."""
+    kind = choice.get("type")
+    out: dict[str, Any] = {}
+    if kind == "auto" or kind == "none":
+        out["tool_choice"] = kind
+    elif kind == "any":
+        out["tool_choice"] = "required"
+    elif kind == "tool":
+        if not isinstance(choice.get("name"), str):
+            raise ApiError("tool_choice.name: must name a tool", "tool_choice")
+        out["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+    else:
+        raise ApiError(f"tool_choice.type: must be 'auto', 'any', 'tool' or 'none', got {str(kind)[:40]!r}",
+                       "tool_choice")  # fmt: skip
+    if not has_tools:
+        if kind in ("any", "tool"):
+            raise ApiError(f"tool_choice: {kind!r} needs tools", "tool_choice")
+        return {}
+    parallel = choice.get("disable_parallel_tool_use")
+    if parallel is not None:
+        if not isinstance(parallel, bool):
+            raise ApiError("tool_choice.disable_parallel_tool_use: must be a boolean", "tool_choice")
+        out["parallel_tool_calls"] = not parallel
+    return out
+
+
+def _thinking(thinking: ThinkingConfig, max_tokens: Optional[int], reasoning: bool, chat: dict[str, Any],
+              count_only: bool) -> dict[str, Any]:  # fmt: skip
+    """Anthropic's extended thinking: the chat template's enable_thinking (Qwen3's switch; other templates ignore
+    it) and, on a server that knows where the thinking ends, its budget. Returns the template variables."""
+    if thinking.type == "disabled":
+        return {"enable_thinking": False}
+    if thinking.type == "adaptive":
+        return {}
+    budget = thinking.budget_tokens
+    if budget is None:
+        raise ApiError("thinking.budget_tokens: required with type 'enabled'", "thinking")
+    if budget < MIN_THINKING_BUDGET:
+        raise ApiError(f"thinking.budget_tokens: must be >= {MIN_THINKING_BUDGET}, got {budget}", "thinking")
+    if not count_only and max_tokens is not None and budget >= max_tokens:
+        raise ApiError(f"thinking.budget_tokens: must be less than max_tokens ({max_tokens}), got {budget}",
+                       "thinking")  # fmt: skip
+    if reasoning and not count_only:
+        chat["thinking_token_budget"] = budget
+    return {"enable_thinking": True}
+
+
+def _response_format(form: Any, where: str) -> dict[str, Any]:
+    if not isinstance(form, dict) or form.get("type") != "json_schema" or not isinstance(form.get("schema"), dict):
+        raise ApiError(f"{where}: must be {{'type': 'json_schema', 'schema': {{...}}}}", "output_config")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": form["schema"]}}
