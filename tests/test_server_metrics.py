@@ -110,3 +110,27 @@ def test_vllm_load_gauges_carry_the_same_values_under_vllms_names(server):
     assert m["kv_cache_usage_perc"] > 0 and m["num_requests_running"] == 1
     busy.join(60)
     wait_idle(server)
+
+
+def test_vllm_names_of_the_request_series_count_the_same(server):
+    """Dashboards written for vLLM read its request histograms and counters (vllm:time_to_first_token_seconds,
+    vllm:e2e_request_latency_seconds, vllm:prompt_tokens_total, vllm:request_success_total{finished_reason}, ...,
+    vllm:num_preemptions_total, vllm:prefix_cache_hits_total): each series equals this server's own in the same
+    scrape, labelled with the model's name, and moves with a request the client counted."""
+    status, _, answer = request(server, "/v1/completions", {"model": MODEL, "prompt": "count me", "max_tokens": 9,
+                                                           "ignore_eos": True})  # fmt: skip
+    assert status == 200
+    m = wait_idle(server)
+    label = f'model_name="{server.model_name}"'
+    names = ["time_to_first_token_seconds", "inter_token_latency_seconds", "request_time_per_output_token_seconds",
+             "e2e_request_latency_seconds", "request_prompt_tokens", "request_generation_tokens"]
+    for name in names:
+        for part in ("_count", "_sum"):
+            assert m[f"vllm:{name}{part}{{{label}}}"] == m[name + part], (name, m)
+        assert m[f'vllm:{name}_bucket{{le="+Inf",{label}}}'] == m[name + "_count"]
+    for name in ("prompt_tokens_total", "generation_tokens_total", "num_preemptions_total", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total"):
+        assert m[f"vllm:{name}{{{label}}}"] == m[name], (name, m)
+    length = 'finished_reason="length"'
+    assert m[f"vllm:request_success_total{{{length},{label}}}"] == m[f"request_success_total{{{length}}}"] >= 1
+    assert m["generation_tokens_total"] >= answer["usage"]["completion_tokens"] == 9

@@ -1,8 +1,10 @@
 """Server metrics with prometheus-client, on one CollectorRegistry per server.
 
 Names follow vLLM's (`vllm:X` -> `trtpaged:X`) where the concept is the same; the
-KV-sharing metrics are ours. The load gauges that autoscalers and inference gateways read are also written under
-vLLM's own names, labelled with the model name (`vllm:num_requests_waiting{model_name="..."}`). Engine counters and gauges are read from a snapshot of
+KV-sharing metrics are ours. Those that vLLM has are also written under vLLM's own names, labelled with the model
+name (`vllm:num_requests_waiting{model_name="..."}`), for the autoscalers, inference gateways and dashboards that
+scrape vLLM: the load gauges, the request latency and length histograms and the token, request, preemption and
+prefix-cache counters. Engine counters and gauges are read from a snapshot of
 `LLMEngine.stats()` taken on the engine thread at scrape time; request latencies
 and token counts are observed by the engine loop as outputs arrive.
 """
@@ -14,6 +16,7 @@ from typing import Iterator, Mapping, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -92,6 +95,9 @@ TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 VLLM_PREFIX = "vllm:"
 VLLM_LOAD_GAUGES = (("num_requests_running", "num_running"), ("num_requests_waiting", "num_waiting"))
 VLLM_USAGE_GAUGES = ("kv_cache_usage_perc", "gpu_cache_usage_perc")
+# engine counters vLLM also has (stats key -> name; "_total" on exposition)
+VLLM_ENGINE_COUNTERS = (("num_preemptions", "num_preemptions"), ("prefix_cache_queries_tokens", "prefix_cache_queries"),
+                        ("prefix_cache_hits_tokens", "prefix_cache_hits"))  # fmt: skip
 
 
 class _EngineStatsCollector(Collector):
@@ -137,6 +143,35 @@ class _EngineStatsCollector(Collector):
                                        labels=["model_name"])  # fmt: skip
             family.add_metric([self.model_name], value)
             yield family
+        for key, name in VLLM_ENGINE_COUNTERS:
+            if key in stats:
+                family = CounterMetricFamily(VLLM_PREFIX + name, f"vLLM's name of {PREFIX}{name}.",
+                                             labels=["model_name"])  # fmt: skip
+                family.add_metric([self.model_name], float(stats[key]))
+                yield family
+
+
+class _VllmSeries(Collector):
+    """The server's request histograms and counters again under vLLM's names (the same as this server's after the
+    prefix), each series labelled with the served model's name; nothing until the name is set."""
+
+    def __init__(self, sources: list[MetricWrapperBase]) -> None:
+        self.sources = sources
+        self.model_name: Optional[str] = None
+
+    def collect(self) -> Iterator[Metric]:
+        if self.model_name is None:
+            return
+        for source in self.sources:
+            for family in source.collect():
+                name = VLLM_PREFIX + family.name[len(PREFIX) :]
+                out = Metric(name, f"vLLM's name of {family.name}.", family.type)
+                for sample in family.samples:
+                    if sample.name.endswith("_created"):  # the creation time is this server's, not a value
+                        continue
+                    out.add_sample(name + sample.name[len(family.name) :], {"model_name": self.model_name,
+                                                                           **sample.labels}, sample.value)
+                yield out
 
 
 def _spec_metrics(stats: Mapping[str, float]) -> Iterator[Metric]:
@@ -187,10 +222,13 @@ class ServerMetrics:
         self.handoff_wait = Counter(PREFIX + "engine_handoff_wait_seconds",
                                     "Wall time the engine thread waited, after its steps, for the event loop to run "
                                     "the readers of their outputs.", registry=r)  # fmt: skip
+        self._vllm = _VllmSeries([self.ttft, self.itl, self.tpot, self.e2e, self.prompt_hist, self.generation_hist,
+                                  self.prompt_tokens, self.generation_tokens, self.request_success])  # fmt: skip
+        r.register(self._vllm)
 
     def set_model_name(self, name: str) -> None:
-        """Labels vLLM's load gauges with the served model's name (known once the engine loaded)."""
-        self._engine.model_name = name
+        """Labels vLLM's series with the served model's name (known once the engine loaded)."""
+        self._engine.model_name = self._vllm.model_name = name
 
     def observe_http(self, route: str, status: int) -> None:
         self.http.labels(route=route, status=str(status)).inc()
