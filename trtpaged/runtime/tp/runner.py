@@ -102,11 +102,17 @@ class TensorParallelRunner:
     def _guard(self, what: str) -> Iterator[None]:
         if self._failure is not None:
             raise TensorParallelError(f"the tensor-parallel engine stopped earlier: {self._failure}")
+        # a worker that died since the last call (killed while idle) is found before a collective waits on it: a
+        # collective learns of it only from its closed connection, which a process that inherited the worker's
+        # sockets keeps open (once in CI: the step then waited out the whole timeout)
+        dead = self.workers.failure() if self.workers is not None else None
         try:
+            if dead:
+                raise TensorParallelError(dead)
             yield
         except Exception as exc:  # noqa: BLE001  (gloo and NCCL raise RuntimeError or DistBackendError)
             self._broken[0] = True
-            why = _dead_workers(self.workers) or _unanswered(self.workers, exc)
+            why = dead or _dead_workers(self.workers) or _unanswered(self.workers, exc)
             self._failure = f"{what} failed on {self.world_size} ranks: {why}"
             if self.workers is not None:
                 self.workers.stop(grace_s=0.0)
