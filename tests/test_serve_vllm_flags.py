@@ -333,3 +333,56 @@ def test_template_variables_stack_defaults_then_reasoning_effort_then_the_reques
         {"reasoning_effort": "mid", "enable_thinking": False}  # fmt: skip
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
     assert chat_options(req)["template_kwargs"] is None  # nothing set: none
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--block-size", "32"], "--block-size: 32, but the engine was built with 16"),
+    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype: 'fp8', but the engine was built with"),
+    (["--quantization", "awq"], "--quantization: 'awq', but the engine was built with"),
+    (["--tokenizer", "/elsewhere"], "--tokenizer: '/elsewhere'; an engine dir carries its own tokenizer"),
+    (["--pipeline-parallel-size", "2"], "only 1 here (layers are not split into pipeline stages"),
+    (["--data-parallel-size", "4"], "only 1 here (one engine per server"),
+    (["--tokenizer-mode", "mistral"], "only auto or hf here"),
+    (["--guided-decoding-backend", "outlines"], "only auto or xgrammar here"),
+])  # fmt: skip
+def test_vllm_flags_fixed_by_the_build_or_this_server_are_refused_unless_they_match(tiny_engine_dir, args, words):
+    """A vLLM launch line's engine settings are checked against the engine dir (built with block size 16, no
+    quantization, its own tokenizer) and its other settings against what this server does: a value that matches
+    starts the server (below), any other is refused before serving, naming the flag."""
+    result = CliRunner().invoke(main, ["serve", str(tiny_engine_dir), "--device", "cpu", "--port", "0", *args])
+    assert result.exit_code != 0 and words in result.output, result.output
+
+
+def test_vllm_flags_that_match_start_the_server_and_are_named(tiny_engine_dir):
+    """The matching values, the flags without an effect here and vLLM's --num-gpu-blocks-override (the pool's block
+    count: /metrics reports it) start `trtpaged serve`, which names the ones that change nothing."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "trtpaged.cli", "serve", str(tiny_engine_dir), "--port", str(port),
+                             "--device", "cpu", "--block-size", "16", "--kv-cache-dtype", "auto", "--tokenizer",
+                             str(tiny_engine_dir), "--pipeline-parallel-size", "1", "--num-gpu-blocks-override", "37",
+                             "--swap-space", "0.001", "--uvicorn-log-level", "warning", "--async-scheduling",
+                             "--no-enable-chunked-prefill", "--distributed-executor-backend", "mp"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        assert b"ready at" in proc.stdout.readline()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+            text = r.read().decode()
+        assert "trtpaged:kv_cache_blocks 37.0" in text
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-600:]
+    line = next(line for line in err.decode().splitlines() if "vLLM flags without an effect" in line)
+    for flag in ("--uvicorn-log-level", "--async-scheduling", "--no-enable-chunked-prefill",
+                 "--distributed-executor-backend", "--pipeline-parallel-size 1"):
+        assert flag in line, line

@@ -61,7 +61,8 @@ def _not_empty(value, param):
               help="Tokens per step (at most the engine's build limit; --max-num-batched-tokens: vLLM's spelling).")
 @click.option("--max-seq-len", "--max-model-len", "max_seq_len", type=HumanInt(), default=None,
               help="Prompt + output tokens per sequence (at most the build limit; --max-model-len: vLLM's spelling).")
-@click.option("--num-kv-blocks", type=click.IntRange(min=1), default=None,
+@click.option("--num-kv-blocks", "--num-gpu-blocks-override", "num_kv_blocks", type=click.IntRange(min=1),
+              default=None,
               help="KV-cache blocks in the pool (default: the manifest's budget); refused beyond the device's free "
                    "memory.")
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True,
@@ -97,6 +98,15 @@ def _not_empty(value, param):
               help="vLLM's: accepted and checked, without effect: the KV pool is the engine's kv_cache budget "
                    "(--num-kv-blocks sets it).")
 @click.option("--dtype", default=None, help="vLLM's: 'auto' or the engine's own dtype (set when it was built).")
+@click.option("--kv-cache-dtype", default=None, help="vLLM's: 'auto' or the engine's own (set when it was built).")
+@click.option("--quantization", "-q", default=None,
+              help="vLLM's: the engine's own weight format (set when it was built).")
+@click.option("--block-size", type=click.IntRange(min=1), default=None,
+              help="vLLM's: the engine's own KV block size (set when it was built).")
+@click.option("--tokenizer", default=None, help="vLLM's: the engine dir itself (it carries the tokenizer it was built "
+              "with).")
+@click.option("--swap-space", type=FiniteFloatRange(min=0), default=None, metavar="GIB",
+              help="vLLM's: GiB of host memory for the KV blocks of preempted requests.")
 @click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True)
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when present).")
 @click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=None,
@@ -153,7 +163,8 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
             max_body_bytes, max_prompt_tokens, max_batch_size, max_num_tokens, max_seq_len, num_kv_blocks,
             enable_prefix_caching, scheduling_policy, chat_template, tool_call_parser, reasoning_parser,
             default_chat_template_kwargs, enable_auto_tool_choice, max_logprobs, seed,
-            generation_config, gpu_memory_utilization, dtype, backend,
+            generation_config, gpu_memory_utilization, dtype, kv_cache_dtype, quantization, block_size, tokenizer,
+            swap_space, backend,
             device, tensor_parallel_size, speculative_config, kv_host_memory, kv_disk_path, kv_disk_size, kv_remote,
             kv_secret_file, enable_prompt_tokens_details, responses_store_size, allowed_origins, allowed_methods,
             allowed_headers, allow_credentials, request_log, request_log_prompts, stream_interval, pin_threads,
@@ -197,7 +208,9 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
                 enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy,
                 generation_config=generation_config, chat_template=chat_template, seed=seed,
                 max_logprobs=max_logprobs,
-                **vllm_only(gpu_memory_utilization, dtype),
+                **vllm_only(gpu_memory_utilization=gpu_memory_utilization, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                            quantization=quantization, block_size=block_size, tokenizer=tokenizer,
+                            swap_space=swap_space),
             )  # fmt: skip
     except (ValueError, FileNotFoundError, OSError, FatalEngineError) as e:
         message = e.strerror if isinstance(e, OSError) and e.strerror and e.filename is None else str(e)
@@ -252,10 +265,10 @@ def note(text: str) -> None:
         pass
 
 
-def vllm_only(gpu_memory_utilization: Optional[float], dtype: Optional[str]) -> dict[str, Any]:
-    """vLLM's serve options with no setting of their own here, for LLM's vLLM arguments to check (a dtype other
-    than the engine's is refused; a memory fraction is said to have no effect)."""
-    given = {"gpu_memory_utilization": gpu_memory_utilization, "dtype": dtype}
+def vllm_only(**given: Any) -> dict[str, Any]:
+    """vLLM's serve options with no setting of their own here, for LLM's vLLM arguments to check and apply (a dtype,
+    block size or tokenizer other than the engine's is refused; swap space sizes the host blocks; a memory fraction
+    is said to have no effect): those given."""
     return {name: value for name, value in given.items() if value is not None}
 
 
@@ -282,6 +295,8 @@ def interrupts_end_the_load() -> Iterator[None]:
 
 # the runtime's fields this command's flags set: its errors name the flag the user typed
 FLAGS = {"gpu_memory_utilization": "--gpu-memory-utilization", "dtype": "--dtype",
+         "kv_cache_dtype": "--kv-cache-dtype", "quantization": "--quantization", "block_size": "--block-size",
+         "tokenizer": "--tokenizer", "swap_space": "--swap-space",
          "enable_prefix_caching": "--enable-prefix-caching", "max_batch_size": "--max-batch-size",
          "max_num_tokens": "--max-num-tokens", "max_seq_len": "--max-seq-len", "num_kv_blocks": "--num-kv-blocks",
          "device": "--device", "backend": "--backend", "tensor_parallel": "--tensor-parallel-size",
@@ -295,7 +310,7 @@ FLAGS = {"gpu_memory_utilization": "--gpu-memory-utilization", "dtype": "--dtype
          "request_log": "--request-log"}  # fmt: skip
 # vLLM's spellings of three limits, which an error names when the user typed them
 VLLM_SPELLINGS = {"max_batch_size": "--max-num-seqs", "max_num_tokens": "--max-num-batched-tokens",
-                  "max_seq_len": "--max-model-len"}  # fmt: skip
+                  "max_seq_len": "--max-model-len", "num_kv_blocks": "--num-gpu-blocks-override"}  # fmt: skip
 
 
 def typed_flags(argv: Sequence[str]) -> dict[str, str]:

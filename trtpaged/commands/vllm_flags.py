@@ -24,6 +24,32 @@ NO_EFFECT: dict[str, tuple[bool, str]] = {
     "--disable-frontend-multiprocessing": (False, "the HTTP front end and the engine share one process"),
     "--download-dir": (True, "the engine dir is local: nothing is downloaded"),
     "--load-format": (True, "an engine dir has one format"),
+    "--no-enable-chunked-prefill": (False, "long prompts are prefilled in chunks of --max-num-batched-tokens; the "
+                                           "answers are the same"),
+    "--disable-custom-all-reduce": (False, "tensor-parallel ranks all-reduce through the collectives library's own"),
+    "--async-scheduling": (False, "the scheduler runs on the engine thread between steps"),
+    "--use-v2-block-manager": (False, "the KV cache is paged already"),
+    "--enable-server-load-tracking": (False, "the load is on /metrics (vllm:num_requests_running, _waiting)"),
+    "--enable-log-outputs": (False, "the log holds no output text"),
+    "--uvicorn-log-level": (True, "the server writes no access log; its own lines are at INFO"),
+    "--disable-access-log-for-endpoints": (True, "the server writes no access log"),
+    "--distributed-executor-backend": (True, "tensor-parallel ranks are this machine's processes"),
+    "--max-parallel-loading-workers": (True, "an engine dir loads in one pass"),
+    "--max-seq-len-to-capture": (True, "no CUDA graphs are captured"),
+    "--max-num-partial-prefills": (True, "prompt chunks are scheduled within --max-num-batched-tokens"),
+    "--otlp-traces-endpoint": (True, "no traces are exported (the request log and /metrics time each request)"),
+}
+
+# vLLM flags that this server takes with one value only, the one that is its own behaviour: flag -> (the values
+# accepted, lower case; what this server does instead). Any other value is refused before the model loads.
+ONLY_VALUES: dict[str, tuple[tuple[str, ...], str]] = {
+    "--pipeline-parallel-size": (("1",), "layers are not split into pipeline stages; --tensor-parallel-size splits "
+                                         "each layer over ranks"),
+    "--data-parallel-size": (("1",), "one engine per server; run replicas behind a router"),
+    "--cpu-offload-gb": (("0",), "weights are not offloaded to host memory"),
+    "--tokenizer-mode": (("auto", "hf"), "the engine dir's tokenizer is loaded by transformers"),
+    "--guided-decoding-backend": (("auto", "xgrammar"), "structured outputs are compiled by xgrammar"),
+    "--response-role": (("assistant",), "a chat answer's message is the assistant's"),
 }
 
 
@@ -73,8 +99,20 @@ def _param(flag: str) -> str:
     return "vllm_" + flag.lstrip("-").replace("-", "_")
 
 
+def _only(flag: str, values: tuple[str, ...], instead: str) -> Callable[..., Any]:
+    def check(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+        if value is not None and value.strip().lower() not in values:
+            raise click.BadParameter(f"only {' or '.join(values)} here ({instead}), got {value[:40]!r}", ctx, param)
+        return value
+
+    return click.option(flag, _param(flag), default=None, hidden=True, callback=check)
+
+
 def vllm_no_effect_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """Adds the NO_EFFECT flags to a click command as hidden options (keyword arguments named vllm_<flag>)."""
+    """Adds the NO_EFFECT flags to a click command as hidden options (keyword arguments named vllm_<flag>), and the
+    ONLY_VALUES flags, which check their value."""
+    for flag, (values, instead) in reversed(ONLY_VALUES.items()):
+        command = _only(flag, values, instead)(command)
     for flag, (takes_value, _) in reversed(NO_EFFECT.items()):
         if takes_value:
             command = click.option(flag, _param(flag), default=None, hidden=True)(command)
@@ -88,4 +126,6 @@ def no_effect_note(given: Mapping[str, Any]) -> str:
     changes nothing; "" when none was."""
     used = [f"{flag} ({why})" for flag, (takes_value, why) in NO_EFFECT.items()
             if given.get(_param(flag)) not in (None, False)]  # fmt: skip
+    used += [f"{flag} {given[_param(flag)]} ({instead})" for flag, (_, instead) in ONLY_VALUES.items()
+             if given.get(_param(flag)) is not None]  # fmt: skip
     return f"trtpaged serve: vLLM flags without an effect here: {'; '.join(used)}" if used else ""
