@@ -1,4 +1,4 @@
-"""The `trtpaged` command line: build, serve, generate, bench, inspect, diagnose.
+"""The `trtpaged` command line: build, serve, generate, bench, inspect, diagnose, run-batch.
 
 Each command lives in its own module under `trtpaged/commands/` and is imported
 only when invoked, so `trtpaged --help` stays fast.
@@ -22,6 +22,7 @@ _COMMANDS = {
     "bench": "Benchmarks: kernels, memory, throughput.",
     "inspect": "Print an engine dir's manifest and memory plan.",
     "diagnose": "What paged KV and sharing buy a workload, with numbers.",
+    "run-batch": "Answer a file of OpenAI batch requests (vLLM's run-batch).",
 }
 
 
@@ -34,7 +35,7 @@ class LazyGroup(click.Group):
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name not in _COMMANDS:
             return None
-        module = importlib.import_module(f"trtpaged.commands.{name}")
+        module = importlib.import_module(f"trtpaged.commands.{name.replace('-', '_')}")
         return module.command
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:

@@ -1,0 +1,95 @@
+"""`trtpaged run-batch` (vLLM's run-batch, OpenAI's batch file format): each line answered as `LLM` answers the same
+request greedily on the same engine, in the input's order; lines that are no request get an error of their own and
+do not stop the rest; the output file is written whole."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from trtpaged import LLM, SamplingParams
+from trtpaged.cli import main
+
+MODEL = "tiny-batch"
+
+
+def _line(custom_id, url, body):
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+
+
+def _greedy_text(llm, prompt_ids, max_tokens):
+    (out,) = llm.generate([prompt_ids], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                          use_tqdm=False)  # fmt: skip
+    return out.outputs[0].text
+
+
+def test_a_batch_file_is_answered_line_by_line_in_order(tiny_engine_dir, tmp_path):
+    messages = [{"role": "user", "content": "hello there"}]
+    lines = [
+        _line("chat", "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 6,
+                                               "temperature": 0, "ignore_eos": True}),
+        _line("text", "/v1/completions", {"model": MODEL, "prompt": "once upon", "max_tokens": 5, "temperature": 0,
+                                          "ignore_eos": True}),
+        "",
+        "{not json",
+        _line("bad", "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": -1}),
+        _line("chat", "/v1/completions", {"model": MODEL, "prompt": "x"}),
+        _line("route", "/v1/embeddings", {"model": MODEL, "input": "x"}),
+        _line("stream", "/v1/completions", {"model": MODEL, "prompt": "x", "stream": True}),
+        json.dumps({"custom_id": "get", "method": "GET", "url": "/v1/models", "body": {}}),
+        _line("anthropic", "/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": messages,
+                                            "temperature": 0}),
+    ]  # fmt: skip
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+    result = CliRunner().invoke(main, ["run-batch", str(tiny_engine_dir), "-i", str(source), "-o", str(target),
+                                       "--served-model-name", MODEL, "--device", "cpu", "--max-concurrency", "3"])
+    assert result.exit_code == 0, result.output
+    assert "9 requests, 3 answered, 6 failed" in result.output
+    outputs = [json.loads(line) for line in target.read_text().splitlines()]
+    assert [o["custom_id"] for o in outputs] == ["chat", "text", None, "bad", "chat", "route", "stream", "get",
+                                                 "anthropic"]  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.jsonl"]  # no temporary file left
+    assert len({o["id"] for o in outputs}) == len(outputs) and all(o["id"].startswith("batch_req_") for o in outputs)
+    by_order = iter(outputs)
+
+    llm = LLM(tiny_engine_dir, device="cpu")
+    chat = next(by_order)
+    assert chat["error"] is None and chat["response"]["status_code"] == 200
+    want = _greedy_text(llm, llm.chat_prompt(messages), 6)
+    assert chat["response"]["body"]["choices"][0]["message"]["content"] == want
+    assert chat["response"]["request_id"] and chat["response"]["body"]["model"] == MODEL
+    text = next(by_order)
+    want = _greedy_text(llm, llm.tokenizer.encode("once upon", add_special_tokens=True), 5)
+    assert text["response"]["body"]["choices"][0]["text"] == want
+    not_json = next(by_order)
+    assert not_json["response"] is None and "line 4: not JSON" in not_json["error"]["message"]
+    bad = next(by_order)
+    assert bad["error"] is None and bad["response"]["status_code"] == 400
+    assert bad["response"]["body"]["error"]["param"] == "max_tokens"
+    for words in ("used by an earlier line", "url: must be one of", "body.stream", "method: must be POST"):
+        out = next(by_order)
+        assert out["response"] is None and words in out["error"]["message"], out
+    anthropic = next(by_order)
+    assert anthropic["response"]["status_code"] == 200 and anthropic["response"]["body"]["type"] == "message"
+
+
+def test_stdin_to_stdout_and_vllms_model_flag(tiny_engine_dir):
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    result = CliRunner().invoke(main, ["run-batch", "--model", str(tiny_engine_dir), "-i", "-", "-o", "-",
+                                       "--served-model-name", MODEL, "--device", "cpu"],
+                                input=_line("only", "/v1/completions", body) + "\n")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    (first,) = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    out = json.loads(first)
+    assert out["custom_id"] == "only" and out["response"]["body"]["usage"]["completion_tokens"] == 3
+
+
+def test_an_unreadable_input_or_engine_twice_is_refused(tiny_engine_dir, tmp_path):
+    runner = CliRunner()
+    missing = runner.invoke(main, ["run-batch", str(tiny_engine_dir), "-i", str(tmp_path / "nope"), "-o", "-"])
+    assert missing.exit_code == 2 and "--input-file" in missing.output
+    twice = runner.invoke(main, ["run-batch", str(tiny_engine_dir), "--model", str(tiny_engine_dir), "-i", "-",
+                                 "-o", "-"], input="")  # fmt: skip
+    assert twice.exit_code == 2 and "ENGINE or --model" in twice.output

@@ -1,0 +1,119 @@
+"""`trtpaged run-batch ENGINE -i requests.jsonl -o results.jsonl`: OpenAI's batch file format, as vLLM's run-batch.
+
+The engine is served on a loopback port for the run (behind a random key), and each line's request goes through
+that server, so a batch line is answered exactly as the same request to `trtpaged serve` would be
+(`trtpaged.server.batch_file`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import click
+
+from trtpaged.commands.option_types import ChatTemplate, HumanInt, flag_error
+from trtpaged.manifest import BACKENDS
+
+FLAGS = {"device": "--device", "backend": "--backend", "num_kv_blocks": "--num-kv-blocks",
+         "max_batch_size": "--max-num-seqs", "max_seq_len": "--max-model-len", "chat_template": "--chat-template",
+         "tool_call_parser": "--tool-call-parser", "reasoning_parser": "--reasoning-parser"}  # fmt: skip
+
+
+@click.command(name="run-batch")
+@click.argument("engine", type=click.Path(exists=True), required=False)
+@click.option("--model", "model", type=click.Path(exists=True), default=None,
+              help="vLLM's spelling of ENGINE (the engine dir).")
+@click.option("-i", "--input-file", required=True, metavar="PATH",
+              help="JSON Lines of requests (custom_id, method, url, body); - reads stdin.")
+@click.option("-o", "--output-file", required=True, metavar="PATH",
+              help="JSON Lines of results, one per request in the input's order; - writes stdout. Written whole "
+                   "at the end (never half a file).")
+@click.option("--served-model-name", default=None, help="The model name requests give (default: the engine's).")
+@click.option("--max-concurrency", type=click.IntRange(min=1), default=None,
+              help="Requests in flight at once (default: twice the engine's batch size).")
+@click.option("--max-num-seqs", "max_batch_size", type=click.IntRange(min=1), default=None,
+              help="Sequences in a batch (at most the build limit).")
+@click.option("--max-model-len", "max_seq_len", type=HumanInt(), default=None,
+              help="Prompt + output tokens per sequence (at most the build limit).")
+@click.option("--num-kv-blocks", type=click.IntRange(min=1), default=None, help="KV-cache blocks in the pool.")
+@click.option("--chat-template", type=ChatTemplate(), default=None, metavar="FILE_OR_TEXT",
+              help="A Jinja chat template (a file, or the text) replacing the engine's.")
+@click.option("--tool-call-parser", default=None, metavar="NAME", help="vLLM's name of the model's tool-call format.")
+@click.option("--reasoning-parser", default=None, metavar="NAME", help="vLLM's name of the model's reasoning format.")
+@click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True)
+@click.option("--device", default=None, help="cpu or cuda (default: cuda when present).")
+def command(engine, model, input_file, output_file, served_model_name, max_concurrency, max_batch_size, max_seq_len,
+            num_kv_blocks, chat_template, tool_call_parser, reasoning_parser, backend, device) -> None:  # fmt: skip
+    """Answer a file of OpenAI batch requests (chat, completions, responses, messages), as vLLM's run-batch."""
+    if (engine is None) == (model is None):
+        raise click.UsageError("give the engine dir once: ENGINE or --model")
+    engine = engine or model
+    lines = _read(input_file)
+    from trtpaged.server import ServerOptions, batch_file, start_server
+
+    requests = batch_file.parse_lines(lines)
+    key = secrets.token_hex(16)
+    try:
+        options = ServerOptions(api_key=key, max_waiting=None, request_timeout_s=None,
+                                tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)  # fmt: skip
+        handle = start_server(engine, port=0, served_model_name=served_model_name, options=options, backend=backend,
+                              device=device, num_kv_blocks=num_kv_blocks, max_batch_size=max_batch_size,
+                              max_seq_len=max_seq_len, chat_template=chat_template)  # fmt: skip
+    except (ValueError, FileNotFoundError, OSError) as e:
+        raise click.ClickException(flag_error(str(e), FLAGS)) from None
+    start = time.monotonic()
+    try:
+        concurrency = max_concurrency or 2 * handle.llm.config.max_batch_size
+        outputs = _run(requests, handle.url, concurrency, key)
+    finally:
+        handle.shutdown(timeout=0)
+    _write(output_file, outputs)
+    ok = sum(1 for o in outputs if o["response"] is not None and o["response"]["status_code"] == 200)
+    click.echo(f"run-batch: {len(outputs)} requests, {ok} answered, {len(outputs) - ok} failed, "
+               f"{time.monotonic() - start:.1f} s -> {output_file}", err=True)
+
+
+def _read(path: str) -> list[str]:
+    try:
+        if path == "-":
+            return sys.stdin.read().splitlines()
+        return Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise click.BadParameter(f"cannot read {path!r}: {e}", param_hint="--input-file") from None
+
+
+def _run(requests: list[Any], url: str, concurrency: int, key: str) -> list[dict[str, Any]]:
+    from tqdm import tqdm
+
+    from trtpaged.server import batch_file
+
+    with tqdm(total=len(requests), desc="run-batch", unit="req", file=sys.stderr, disable=None) as bar:
+        return asyncio.run(batch_file.run(requests, url, concurrency, {"Authorization": f"Bearer {key}"},
+                                          lambda: bar.update(1)))  # fmt: skip
+
+
+def _write(path: str, outputs: list[dict[str, Any]]) -> None:
+    text = "".join(json.dumps(o) + "\n" for o in outputs)  # ASCII: a lone surrogate an answer echoes stays valid
+    if path == "-":
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return
+    target = Path(path)
+    tmp: Optional[str] = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent if str(target.parent) else ".")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, target)
+    except OSError as e:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+        raise click.ClickException(f"--output-file: cannot write {path!r}: {e.strerror or e}") from None
