@@ -15,6 +15,7 @@ import pytest
 
 from conftest import save_manifest
 
+from runtime_helpers import openai_client
 from tests.test_server import wait_idle
 from tests.test_server_scoring import client  # noqa: F401 - the openai client of this module's `server`
 from trtpaged.engine_files import sha256_file
@@ -336,3 +337,30 @@ def test_required_calls_follow_each_tools_own_defs(client):
         for call in choice.message.tool_calls:
             jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
     assert ended
+
+
+PYTHONIC_CASES = [
+    ('[get_weather(city="Paris", unit="C"), add(a=2, b=40)]', None,
+     [("get_weather", {"city": "Paris", "unit": "C"}), ("add", {"a": 2, "b": 40})]),
+    ("It is sunny. [add(a=1, b=2)]", "It is sunny. [add(a=1, b=2)]", []),  # calls only as the whole output
+]  # fmt: skip
+
+
+def test_pythonic_parser_reads_a_python_list_of_calls(tools_engine_dir):
+    """--tool-call-parser pythonic (vLLM's, for Llama 3.2 and Gemma 3 templates): the model's Python list of calls
+    comes back as tool_calls with JSON arguments, whole and streamed alike; other text is content."""
+    handle = start_server(tools_engine_dir, port=0, served_model_name=MODEL, device="cpu",
+                          options=ServerOptions(tool_call_parser="pythonic"))  # fmt: skip
+    try:
+        client = openai_client(handle.url)
+        for forced, content, calls in PYTHONIC_CASES:
+            full = _create(client, forced).choices[0]
+            assert full.message.content == content
+            got = [(tc.function.name, json.loads(tc.function.arguments)) for tc in full.message.tool_calls or []]
+            assert got == calls and full.finish_reason == ("tool_calls" if calls else "stop")
+            streamed_content, streamed_calls, finish = _streamed(_create(client, forced, stream=True))
+            assert (streamed_content, finish) == (content, full.finish_reason)
+            assert [(n, json.loads(a)) for _, n, a in streamed_calls] == calls
+        wait_idle(handle)
+    finally:
+        handle.shutdown(timeout=0)

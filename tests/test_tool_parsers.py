@@ -1,6 +1,7 @@
 """Tool-call parsers against hand-written model outputs in each format, as the formats' own documentation and chat
 templates write them (hermes: Qwen2.5 / Hermes `<tool_call>` blocks; llama3_json: Llama 3.1's JSON calls after
-`<|python_tag|>`; mistral: `[TOOL_CALLS]` + a JSON array; phi4_mini: `functools[...]`), malformed ones included;
+`<|python_tag|>`; mistral: `[TOOL_CALLS]` + a JSON array; phi4_mini: `functools[...]`; pythonic: a Python list
+of calls, as vLLM's Llama 3.2 and Gemma 3 pythonic templates ask for), malformed ones included;
 fed whole and in pieces of every size, the streamed events join to the whole-text answer. Then which format an
 engine's chat template and architecture select."""
 
@@ -15,11 +16,13 @@ from trtpaged.server.tool_parsers import (
     LLAMA3_JSON,
     MISTRAL,
     PHI4_MINI,
+    PYTHONIC,
     REQUIRED,
     ArgsPiece,
     CallStart,
     Content,
     ToolCallStream,
+    call_stream,
     parse_all,
 )
 from trtpaged.server.tools import tool_format
@@ -50,6 +53,13 @@ WELL_FORMED = [
      [("get_weather", {"city": "Paris"})]),
     (REQUIRED, '[{"name":"add","parameters":{"a":1,"b":2}},{"name":"get_weather","parameters":{"city":"Rome"}}]',
      None, [("add", {"a": 1, "b": 2}), ("get_weather", {"city": "Rome"})]),
+    (PYTHONIC, '[get_weather(city="Paris"), add(a=2, b=-40)]', None,
+     [("get_weather", {"city": "Paris"}), ("add", {"a": 2, "b": -40})]),
+    (PYTHONIC, "\n [ add(a=1.5, b=[1, (2, 3)]) ,get_weather(city='it\\'s \"(x)\" ]', extra={'k': None})]\n", None,
+     [("add", {"a": 1.5, "b": [1, [2, 3]]}), ("get_weather", {"city": 'it\'s "(x)" ]', "extra": {"k": None}})]),
+    (PYTHONIC, "[add(a='''two\nlines''', b=True), add(a=true, b=null)] Done.", " Done.",
+     [("add", {"a": "two\nlines", "b": True}), ("add", {"a": True, "b": None})]),
+    (PYTHONIC, "[add()]", None, [("add", {})]),
 ]  # fmt: skip
 
 # Outputs that are not (only) calls in their format: the whole text is content.
@@ -69,12 +79,20 @@ MALFORMED = [
     (MISTRAL, '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}}, oops]'),
     (PHI4_MINI, 'functools{"name": "add", "arguments": {}}'),
     (REQUIRED, '[{"name":"add","parameters":{"a":1'),
+    (PYTHONIC, "I will call add(a=1, b=2)."),  # calls only as the output's list
+    (PYTHONIC, "[add(1, 2)]"),  # positional arguments
+    (PYTHONIC, "[fly(a=1)]"),  # not one of the tools
+    (PYTHONIC, "[add(a=float('nan'))]"),  # not a literal
+    (PYTHONIC, "[add(a=1, b=2)"),  # cut off
+    (PYTHONIC, "[add(a='one\nline')]"),  # a one-quote string across lines
+    (PYTHONIC, "[add(a=1)) ]"),
+    (PYTHONIC, "[1, 2, 3]"),
 ]  # fmt: skip
 
 
 def _stream(fmt, text, size, named=None):
     """Events of feeding `text` in pieces of `size` characters, then the end."""
-    reader = ToolCallStream(fmt, TOOLS, named)
+    reader = call_stream(fmt, TOOLS, named)
     events = []
     for i in range(0, len(text), size):
         events += reader.feed(text[i : i + size])
@@ -97,7 +115,8 @@ def test_well_formed_calls(fmt, text, content, calls):
     assert got_content == content
     assert [(c.name, json.loads(c.arguments)) for c in got] == calls
     assert all(c.id.startswith("call_") for c in got) and len({c.id for c in got}) == len(got)
-    assert all(c.arguments in text for c in got if c.arguments != "{}")  # the model's own JSON text
+    # the model's own JSON text (a Python call's arguments are written as JSON here)
+    assert all(c.arguments in text for c in got if c.arguments != "{}" and not fmt.python)
     for size in range(1, len(text) + 1):
         reader, events = _stream(fmt, text, size)
         assert reader.ok, size
@@ -167,6 +186,8 @@ SMOLLM2_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['ro
     (LLAMA31_TEMPLATE, "LlamaForCausalLM", "llama3_json"),
     (LLAMA32_TEMPLATE, "LlamaForCausalLM", "llama3_json"),
     (MISTRAL_TEMPLATE, "MistralForCausalLM", "mistral"),
+    ("{% if tools %}Write [func_name1(params_name1=params_value1), func_name2(params)]: {{ tools }}{% endif %}",
+     "Gemma3ForCausalLM", "pythonic"),  # vLLM's Gemma 3 / Llama 3.2 pythonic templates
     ("{% if tools %}{{ tools }}{% endif %}", "Phi3ForCausalLM", "phi4_mini"),  # no marker: the family's format
     ("{% if tools %}{{ tools }}{% endif %}", "SmolLM3ForCausalLM", "hermes"),
     ({"default": SMOLLM2_TEMPLATE, "tool_use": HERMES_TEMPLATE}, "LlamaForCausalLM", "hermes"),

@@ -74,8 +74,8 @@ def _not_empty(value, param):
               help="vLLM's: a Jinja chat template (a file's path, or the template's text) that replaces the engine's "
                    "for every chat request and /tokenize.")
 @click.option("--tool-call-parser", default=None, metavar="NAME",
-              help="vLLM's: the format tool_choice \"auto\" reads calls in: hermes, llama3_json, mistral or "
-                   "phi4_mini_json (default: the one the chat template shows, else the model family's).")
+              help="vLLM's: the format tool_choice \"auto\" reads calls in: hermes, llama3_json, mistral, "
+                   "phi4_mini_json or pythonic (default: the one the chat template shows, else the model family's).")
 @click.option("--reasoning-parser", default=None, metavar="NAME",
               help="vLLM's: split a reasoning model's thinking (<think>...</think>) from its answer in chat and "
                    "Responses answers: deepseek_r1 or qwen3 (qwen3 also reads chat_template_kwargs' enable_thinking).")

@@ -38,7 +38,7 @@ from trtpaged.server.stream_state import CompletionAccumulator, StreamState
 from trtpaged.server.token_bytes import token_bytes_reader
 from trtpaged.server.tokenization import generation_prompt, prompt_token_ids
 from trtpaged.server.tokenizer_worker import TokenizerWorker
-from trtpaged.server.tool_parsers import ToolCallStream
+from trtpaged.server.tool_parsers import CallReader
 from trtpaged.server.tools import tool_format
 
 Disconnected = Callable[[], Awaitable[bool]]
@@ -390,7 +390,7 @@ class GenerationService:
         ids, continuous = s.req.return_token_ids, s.req.continuous_usage  # per chunk: nothing when not asked for
         first = _FirstChunks(s) if ids else None  # return_token_ids: the prompt's ids go with a choice's first chunk
         echoed: set[int] = set()  # prompts whose echo chunk went out
-        tool_readers: dict[int, ToolCallStream] = {}  # choice -> its tool-call parser
+        tool_readers: dict[int, CallReader] = {}  # choice -> its tool-call parser
         thoughts: dict[int, ChoiceReasoning] = {}  # choice -> its reasoning (a server with a reasoning parser)
         cached: dict[int, int] = {}  # prompt -> its tokens found in the prefix cache
         if s.req.chat:

@@ -35,7 +35,7 @@ class ServerOptions:
     longer chunks cost the server's event loop and the clients less CPU per token; 1 (default): one per token.
     `pin_threads` ("auto", "on", "off"): the engine thread and the event loop's thread on one core, the kernels'
     OpenMP workers on the others (`trtpaged.server.thread_pinning`); "auto" when the team fills every core.
-    `tool_call_parser` (vLLM's --tool-call-parser: hermes, llama3_json, mistral, phi4_mini_json) is the format
+    `tool_call_parser` (vLLM's --tool-call-parser: hermes, llama3_json, mistral, phi4_mini_json, pythonic) is the format
     `tool_choice: "auto"` reads calls in; None: the one the chat template shows (`trtpaged.server.tools`).
     `reasoning_parser` (vLLM's --reasoning-parser: deepseek_r1, qwen3) splits a chat answer's reasoning from its
     content (`trtpaged.server.reasoning`); None: the whole text is content.

@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from trtpaged.runtime.outputs import RequestOutput
 from trtpaged.runtime.reasoning import ReasoningFormat
 from trtpaged.server.reasoning import split_text
-from trtpaged.server.tool_parsers import CallStart, Content, Event, ToolCallStream
+from trtpaged.server.tool_parsers import CallReader, CallStart, Content, Event
 from trtpaged.server.stream_state import stop_reason
 from trtpaged.server.tools import ToolChoice
 from trtpaged.server.schemas import (
@@ -271,7 +271,7 @@ class ResponseBuilder:
         choice = ChatChunkChoice(index=index, delta=Delta(reasoning=text), logprobs=logprobs, token_ids=token_ids)
         return ChatCompletionChunk(**self._envelope(), choices=[choice], usage=usage, prompt_token_ids=prompt_token_ids)
 
-    def tool_stream_chunks(self, index: int, reader: ToolCallStream, text: str, finish_reason: Optional[str],
+    def tool_stream_chunks(self, index: int, reader: CallReader, text: str, finish_reason: Optional[str],
                            logprobs: Optional[ChatLogprobs] = None, stop_reason: Union[int, str, None] = None,
                            token_ids: Optional[list[int]] = None) -> list[ChatCompletionChunk]:  # fmt: skip
         """The chunks of a streamed tool-call choice's new text (read by its `reader`); once it ends, the last

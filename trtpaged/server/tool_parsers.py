@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass
-from typing import Collection, Optional, Union
+from typing import Collection, Optional, Protocol, Union
 
 _WS = " \t\r\n"
 
@@ -38,6 +38,7 @@ class Format:
     close: str = ""  # ends the block ("" : the end of the text)
     args_keys: tuple[str, ...] = ("arguments",)  # the call object's key for its arguments
     at_start_only: bool = False  # calls only when the output starts with them (after whitespace)
+    python: bool = False  # a Python list of calls (server/pythonic_calls.py), not JSON objects
 
 
 HERMES = Format("hermes", ("<tool_call>",), close="</tool_call>")
@@ -45,8 +46,9 @@ LLAMA3_JSON = Format("llama3_json", ("<|python_tag|>", "{"), separator=";", args
                      at_start_only=True)  # fmt: skip
 MISTRAL = Format("mistral", ("[TOOL_CALLS]",), open="[", separator=",", close="]")
 PHI4_MINI = Format("phi4_mini", ("functools",), open="[", separator=",", close="]")
+PYTHONIC = Format("pythonic", ("[",), open="[", separator=",", close="]", at_start_only=True, python=True)
 REQUIRED = Format("required", (), open="[", separator=",", close="]", args_keys=("parameters",))  # our grammar's form
-FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, PHI4_MINI)}
+FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, PHI4_MINI, PYTHONIC)}
 # vLLM's --tool-call-parser names -> the format (vLLM calls Phi-4-mini's parser phi4_mini_json)
 PARSER_NAMES = {**FORMATS, "phi4_mini_json": PHI4_MINI}
 
@@ -103,7 +105,8 @@ class _NeedMore(Exception):
     """The parser needs more text to decide."""
 
 
-def _call_id() -> str:
+def new_call_id() -> str:
+    """A tool call's id, as OpenAI writes them."""
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
@@ -266,7 +269,7 @@ class ToolCallStream:
             return False
         if state == "start":
             if self.named is not None:
-                self.calls.append(Call(_call_id(), self.named))
+                self.calls.append(Call(new_call_id(), self.named))
                 events.append(CallStart(0, self.calls[0].id, self.named))
                 self.state = "named"
             elif not fmt.markers:
@@ -411,7 +414,7 @@ class ToolCallStream:
     def _stream_args(self, events: list[Event], piece: str) -> None:
         """Starts the current call (its name is known) if it has not started, then sends `piece` of its arguments."""
         if not self.calls or self.calls[-1].complete:
-            self.calls.append(Call(_call_id(), self._obj["name"]))
+            self.calls.append(Call(new_call_id(), self._obj["name"]))
             self._block_calls += 1
             events.append(CallStart(len(self.calls) - 1, self.calls[-1].id, self.calls[-1].name))
         if piece:
@@ -450,11 +453,34 @@ class ToolCallStream:
         raise _Malformed
 
 
+class CallReader(Protocol):
+    """What reads one choice's calls as its text arrives: ToolCallStream, or the pythonic format's reader."""
+
+    calls: list[Call]
+    malformed: bool
+
+    def feed(self, text: str, final: bool = False) -> list[Event]: ...
+
+    def finish(self) -> list[Event]: ...
+
+    @property
+    def ok(self) -> bool: ...
+
+
+def call_stream(fmt: Optional[Format], tools: Collection[str], named: Optional[str] = None) -> CallReader:
+    """The incremental reader of `fmt` (ToolCallStream, or the pythonic format's reader, which has its interface)."""
+    if fmt is not None and fmt.python:
+        from trtpaged.server.pythonic_calls import PythonicCallStream
+
+        return PythonicCallStream(tools)
+    return ToolCallStream(fmt, tools, named)
+
+
 def parse_all(fmt: Optional[Format], tools: Collection[str], text: str,
               named: Optional[str] = None) -> tuple[Optional[str], list[Call]]:  # fmt: skip
     """(content, calls) of a whole output: calls only when the text is well-formed calls (and content) in the
     format, else (text, []) as vLLM answers it."""
-    stream = ToolCallStream(fmt, tools, named)
+    stream = call_stream(fmt, tools, named)
     events = stream.feed(text) + stream.finish()
     if not stream.ok:
         return text, []

@@ -16,9 +16,9 @@ from typing import Any, Optional
 
 from trtpaged.runtime.sampling_params import MAX_SCHEMA_DEPTH, StructuredOutputsParams, nesting_depth
 from trtpaged.server.errors import ApiError
-from trtpaged.server.tool_parsers import (FORMATS, HERMES, LLAMA3_JSON, MISTRAL, PARSER_NAMES, PHI4_MINI, REQUIRED,
-                                          Format)
-from trtpaged.server.tool_parsers import CallStart, Content, ToolCallStream, parse_all
+from trtpaged.server.tool_parsers import (FORMATS, HERMES, LLAMA3_JSON, MISTRAL, PARSER_NAMES, PHI4_MINI, PYTHONIC,
+                                          REQUIRED, Format)
+from trtpaged.server.tool_parsers import CallReader, CallStart, Content, call_stream, parse_all
 
 OPENAI_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 MAX_TOOLS = 128
@@ -27,7 +27,7 @@ MAX_TOOLS = 128
 # Chat-template text that shows which format the model writes calls in (the template's own instructions or its
 # rendering of past calls), checked in this order; then the architecture's usual format.
 _TEMPLATE_MARKERS = (("<tool_call>", HERMES), ("[TOOL_CALLS]", MISTRAL), ("functools", PHI4_MINI),
-                     ("<|python_tag|>", LLAMA3_JSON))  # fmt: skip
+                     ("[func_name1(", PYTHONIC), ("<|python_tag|>", LLAMA3_JSON))  # fmt: skip
 _FAMILY_FORMATS = {"Qwen2ForCausalLM": HERMES, "Qwen3ForCausalLM": HERMES, "SmolLM3ForCausalLM": HERMES,
                    "MistralForCausalLM": MISTRAL, "Phi3ForCausalLM": PHI4_MINI}  # fmt: skip
 
@@ -116,9 +116,9 @@ class ToolChoice:
     def _format(self) -> Optional[Format]:
         return self.auto if self.auto is not None else (None if self.named is not None else REQUIRED)
 
-    def stream(self) -> ToolCallStream:
+    def stream(self) -> CallReader:
         """An incremental reader of one choice's output (for a streamed answer)."""
-        return ToolCallStream(self._format(), self.tools, self.named)
+        return call_stream(self._format(), self.tools, self.named)
 
     def parse(self, text: str) -> tuple[Optional[str], Optional[list[dict[str, Any]]]]:
         """(content, OpenAI `tool_calls` or None) of a finished output: calls only when the whole output reads as
