@@ -352,3 +352,34 @@ def test_background_results_on_a_small_store_are_held_until_read(tiny_engine_dir
         wait_idle(handle)
     finally:
         handle.shutdown(timeout=0)
+
+
+def test_input_items_list_what_the_request_gave_paged_and_in_either_order(client, server):
+    """`client.responses.input_items.list`: the response's own input (not the earlier turns a previous_response_id
+    brought in), its texts as input_text parts, newest first by default; `after` and `limit` page through it with
+    ids that are the same at every read; a background response's input is listed from when it is queued."""
+    first = _create(client, input="one", max_output_tokens=2)
+    given = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "two"},
+             {"role": "assistant", "content": "ok"},
+             {"role": "user", "content": [{"type": "input_text", "text": "three"}]}]
+    r = _create(client, input=given, max_output_tokens=2, previous_response_id=first.id)
+    listed = client.responses.input_items.list(r.id, order="asc")
+    texts = [(i.role, i.content[0].text, i.content[0].type) for i in listed.data]
+    assert texts == [("system", "be brief", "input_text"), ("user", "two", "input_text"),
+                     ("assistant", "ok", "output_text"), ("user", "three", "input_text")]  # fmt: skip
+    assert [i.id for i in client.responses.input_items.list(r.id).data] == [i.id for i in reversed(listed.data)]
+    page = client.responses.input_items.list(r.id, order="asc", limit=2)
+    assert [i.id for i in page.data] == [i.id for i in listed.data[:2]] and page.has_more
+    rest = client.responses.input_items.list(r.id, order="asc", after=page.last_id)
+    assert [i.id for i in rest.data] == [i.id for i in listed.data[2:]] and not rest.has_more
+    assert [i.content[0].text for i in client.responses.input_items.list(first.id).data] == ["one"]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_missing")
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.input_items.list(r.id, limit=0)
+    assert err.value.body["param"] == "limit"
+    background = _create(client, input="in the back", max_output_tokens=40, background=True)
+    assert [i.content[0].text for i in client.responses.input_items.list(background.id).data] == ["in the back"]
+    while client.responses.retrieve(background.id).status in ("queued", "in_progress"):
+        time.sleep(0.05)
+    wait_idle(server)

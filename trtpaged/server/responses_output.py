@@ -4,6 +4,7 @@ as a Response object, and a chat stream as the Responses API's typed stream even
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 from contextlib import aclosing
@@ -67,6 +68,23 @@ def usage_of(prompt_tokens: int, output_tokens: int, cached_tokens: int, block_s
             "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": written},
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": prompt_tokens + output_tokens}  # fmt: skip
+
+
+_ITEM_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def input_item(item: dict[str, Any], key: str) -> dict[str, Any]:
+    """A stored prompt item as the input_items list shows it: an id (a hash of `key`, the same at every read), and a
+    message's text as parts (input_text, or output_text for the assistant's)."""
+    kind = item.get("type", "message")
+    out = {"id": f"{_ITEM_PREFIXES.get(kind, 'item')}_{hashlib.blake2b(key.encode(), digest_size=16).hexdigest()}",
+           **item}  # fmt: skip
+    if kind == "message":
+        part = "output_text" if item["role"] == "assistant" else "input_text"
+        content = item["content"]
+        out["content"] = [{"type": part, "text": content}] if isinstance(content, str) else content
+        out.setdefault("status", "completed")
+    return out
 
 
 def _text_item(text: str, logprobs: Optional[list], status: str) -> dict[str, Any]:

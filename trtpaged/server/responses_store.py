@@ -30,6 +30,7 @@ class _Entry:
     body: bytes  # the Response object, JSON
     turn: bytes  # its input items, then its output items, as prompt items (JSON)
     previous: Optional[Link]  # the response it continued (previous_response_id)
+    inputs: int = 0  # how many of the turn's items were its input (GET /v1/responses/{id}/input_items)
 
     @property
     def size(self) -> int:
@@ -84,13 +85,15 @@ class ResponsesStore:
             del self._claims[rid]
 
     def put(self, rid: str, body: dict[str, Any], turn: list[Any], previous: Optional[Link], running: bool = False,
-            unread: bool = False) -> bool:  # fmt: skip
-        """Stores (or replaces) the Response `body` and its `turn` (its prompt items, in and out): `running` (a
+            unread: bool = False, inputs: int = 0) -> bool:  # fmt: skip
+        """Stores (or replaces) the Response `body` and its `turn` (its prompt items, in and out; the first `inputs`
+        of them its input): `running` (a
         background one not finished), `unread` (a background one finished, held until read), else finished, when the
         least recently used finished others go until the store is within its bound (this one stays). False, and
         nothing changed, when it alone is larger than the bound."""
         old = self._entry(rid)
-        entry = _Entry(old.serial if old is not None else next(self._serials), _dumps(body), _dumps(turn), previous)
+        entry = _Entry(old.serial if old is not None else next(self._serials), _dumps(body), _dumps(turn), previous,
+                       inputs)
         if entry.size > self.max_bytes:  # what was stored under `rid` stays
             return False
         if old is not None:
@@ -112,6 +115,11 @@ class ResponsesStore:
         unread one, read now, joins it there)."""
         entry = self._running.get(rid) or self._read(rid)
         return json.loads(entry.body) if entry is not None else None
+
+    def input_items(self, rid: str) -> Optional[tuple[list[Any], int]]:
+        """The input items of stored response `rid` (a use, as `get`) and its serial, or None."""
+        entry = self._running.get(rid) or self._read(rid)
+        return (json.loads(entry.turn)[: entry.inputs], entry.serial) if entry is not None else None
 
     def running(self, rid: str) -> bool:
         return rid in self._running

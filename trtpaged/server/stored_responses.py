@@ -1,6 +1,7 @@
 """The server's side of stored Responses (`serve --responses-store-size`): ids claimed before a request is queued,
 finished Responses kept, background requests run and cancelled, and the routes that read them:
-GET /v1/responses/{id}, DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel (OpenAI's and vLLM's)."""
+GET /v1/responses/{id}, DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel (OpenAI's and vLLM's) and
+GET /v1/responses/{id}/input_items (OpenAI's)."""
 
 from __future__ import annotations
 
@@ -71,7 +72,8 @@ class StoredResponses:
         store = self.store
         if not call.stored or store is None:
             return None
-        return lambda body: store.put(rid, body, responses_api.turn(call, body["output"]), call.link)
+        return lambda body: store.put(rid, body, responses_api.turn(call, body["output"]), call.link,
+                                      inputs=len(call.items))
 
     def start_background(self, call: ResponsesCall, rid: str, s: Submitted, ended: Ended) -> dict[str, Any]:
         """Runs the queued request `s` in a task that stores its Response when it ends; returns the queued
@@ -82,7 +84,8 @@ class StoredResponses:
             self.service.loop.abort(sorted(s.index))
             raise overloaded(f"background: the Responses store's bound ({self.store.max_bytes} bytes) is held by "
                              "background responses running or not read yet; read them, or retry later")
-        if not self.store.put(rid, queued, [], call.link, running=True):
+        inputs = responses_api.turn(call, [])  # read from the start (input_items)
+        if not self.store.put(rid, queued, inputs, call.link, running=True, inputs=len(inputs)):
             self.service.loop.abort(sorted(s.index))
             raise ApiError(f"background: the Response is larger than the Responses store's bound "
                            f"({self.store.max_bytes} bytes)", "background")  # fmt: skip
@@ -96,7 +99,8 @@ class StoredResponses:
         assert store is not None
 
         def started() -> None:  # queued until it runs (OpenAI's states): admitted, and a step computed it
-            store.put(rid, responses_output.envelope(call, rid, "in_progress", []), [], call.link, running=True)
+            store.put(rid, responses_output.envelope(call, rid, "in_progress", []), responses_api.turn(call, []),
+                      call.link, running=True, inputs=len(call.items))
 
         async def cancelled() -> bool:
             return cancel.is_set()
@@ -118,7 +122,8 @@ class StoredResponses:
         finally:
             self.running.pop(rid, None)
         # held until read: a poll finds the end, not a 404
-        if not self.store.put(rid, body, responses_api.turn(call, body["output"]), call.link, unread=True):
+        if not self.store.put(rid, body, responses_api.turn(call, body["output"]), call.link, unread=True,
+                              inputs=len(call.items)):
             # too large to keep: what it ended as is kept instead
             message = f"the response is larger than the Responses store's bound ({self.store.max_bytes} bytes)"
             body = responses_output.envelope(call, rid, "failed", [], self._usage(s),
@@ -166,7 +171,38 @@ class StoredResponses:
         self.store.delete(rid)
         return {"id": rid, "object": "response", "deleted": True}
 
+    def input_items(self, rid: str, limit: int, order: str, after: Optional[str]) -> dict[str, Any]:
+        """OpenAI's list of a stored response's input items (`client.responses.input_items.list`): `order` "desc"
+        (newest first, OpenAI's default) or "asc", at most `limit` after the item `after`; ids made from the
+        response's id and serial and the item's place, the same at every read."""
+        if not 1 <= limit <= 100:
+            raise ApiError(f"limit: must be in [1, 100], got {limit}", "limit")
+        if order not in ("asc", "desc"):
+            raise ApiError(f"order: must be 'asc' or 'desc', got {order[:20]!r}", "order")
+        self.stored(rid)
+        assert self.store is not None
+        found = self.store.input_items(rid)
+        assert found is not None
+        items, serial = found
+        listed = [responses_output.input_item(item, f"{rid}/{serial}/{i}") for i, item in enumerate(items)]
+        if order == "desc":
+            listed.reverse()
+        if after is not None:
+            at = next((i for i, item in enumerate(listed) if item["id"] == after), None)
+            if at is None:
+                raise ApiError(f"after: no input item {after[:80]!r} in response {rid[:80]!r}", "after", 404,
+                               "not_found_error")  # fmt: skip
+            listed = listed[at + 1 :]
+        page = listed[:limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(listed) > limit}  # fmt: skip
+
     def add_routes(self, app: FastAPI, authorize: Callable[[Request], Awaitable[None]]) -> None:
+        @app.get("/v1/responses/{response_id}/input_items", dependencies=[Depends(authorize)])
+        async def list_input_items(response_id: str, limit: int = 20, order: str = "desc",
+                                   after: Optional[str] = None) -> Response:  # fmt: skip
+            return _json(self.input_items(response_id, limit, order, after))
+
         @app.get("/v1/responses/{response_id:path}", dependencies=[Depends(authorize)])
         async def get_response(response_id: str, request: Request) -> Response:
             if request.query_params.get("stream", "false").lower() not in ("false", "0"):
