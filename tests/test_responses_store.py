@@ -185,7 +185,6 @@ def test_a_chain_through_a_deleted_id_stays_broken_when_the_id_is_reused(client,
 
 @pytest.mark.parametrize("extra, param", [
     ({"background": True, "store": False}, "background"),
-    ({"background": True, "stream": True}, "background"),
     ({"conversation": "conv_1"}, "conversation"),
 ])  # fmt: skip
 def test_what_the_store_cannot_serve_is_refused_naming_the_field(client, server, extra, param):
@@ -382,4 +381,57 @@ def test_input_items_list_what_the_request_gave_paged_and_in_either_order(client
     assert [i.content[0].text for i in client.responses.input_items.list(background.id).data] == ["in the back"]
     while client.responses.retrieve(background.id).status in ("queued", "in_progress"):
         time.sleep(0.05)
+    wait_idle(server)
+
+
+def test_a_background_stream_is_read_again_from_any_event(client, server):
+    """background + stream (OpenAI's and vLLM's): the events as a plain stream of the same request sends them, each
+    kept, so that GET ?stream=true&starting_after=N sends the ones after N again; a client that leaves does not stop
+    the response; a cancel ends a running one as cancelled, its stream with it, its blocks freed."""
+    import http.client
+
+    kw = {"input": "tell me more", "max_output_tokens": 24}
+    plain = list(_create(client, **kw, stream=True))
+    events = list(_create(client, **kw, stream=True, background=True))
+    assert [e.type for e in events] == [e.type for e in plain]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    final = events[-1].response
+    assert final.output_text == plain[-1].response.output_text and final.background is True
+    again = list(client.responses.retrieve(final.id, stream=True, starting_after=4))
+    assert [e.model_dump() for e in again] == [e.model_dump() for e in events[5:]]
+    assert client.responses.retrieve(final.id).output_text == final.output_text
+
+    body = json.dumps({"model": MODEL, "input": "leave early", "max_output_tokens": 60, "temperature": 0,
+                       "background": True, "stream": True})  # fmt: skip
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
+    conn.request("POST", "/v1/responses", body, {"Content-Type": "application/json"})
+    head = b""
+    reply = conn.getresponse()
+    while b"\n\n" not in head:
+        more = reply.read1(4096)
+        assert more, (reply.status, head)
+        head += more
+    rid = json.loads(head.split(b"data: ", 1)[1].split(b"\n", 1)[0])["response"]["id"]
+    conn.close()  # gone after the first event: the response runs on
+    resumed = list(client.responses.retrieve(rid, stream=True))
+    assert resumed[-1].type in ("response.completed", "response.incomplete")
+    assert client.responses.retrieve(rid).output_text == resumed[-1].response.output_text
+
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
+    long = json.dumps({"model": MODEL, "input": "go on", "max_output_tokens": 480, "background": True, "stream": True,
+                       "structured_outputs": {"regex": "[a-z]{470}"}})  # no end before the cancel  # fmt: skip
+    conn.request("POST", "/v1/responses", long, {"Content-Type": "application/json"})
+    reply = conn.getresponse()
+    head = b""
+    while head.count(b"\n\n") < 3:
+        more = reply.read1(4096)
+        assert more, (reply.status, head)
+        head += more
+    rid = json.loads(head.split(b"data: ", 1)[1].split(b"\n", 1)[0])["response"]["id"]
+    assert client.responses.cancel(rid).status == "cancelled"
+    reply.read()  # the stream ends
+    conn.close()
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.retrieve(_create(client, input="plain", max_output_tokens=2).id, stream=True)
+    assert err.value.body["param"] == "stream"
     wait_idle(server)

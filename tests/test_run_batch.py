@@ -81,8 +81,8 @@ def test_stdin_to_stdout_and_vllms_model_flag(tiny_engine_dir):
                                        "--served-model-name", MODEL, "--device", "cpu"],
                                 input=_line("only", "/v1/completions", body) + "\n")  # fmt: skip
     assert result.exit_code == 0, result.output
-    (first,) = [line for line in result.stdout.splitlines() if line.startswith("{")]
-    out = json.loads(first)
+    (only,) = result.stdout.splitlines()  # the results alone: progress and the summary go to stderr
+    out = json.loads(only)
     assert out["custom_id"] == "only" and out["response"]["body"]["usage"]["completion_tokens"] == 3
 
 

@@ -21,6 +21,7 @@ KEY = "sk-ant-test"
 GREEDY = {"temperature": 0}  # the Anthropic client has no temperature argument any more; the API still takes one
 # the tool template of the tool tests, plus the thinking switch and an assistant turn's reasoning
 TEMPLATE = ("{% if enable_thinking is defined %}[thinking {{ enable_thinking }}]{% endif %}"
+            "{% if reasoning_effort is defined %}[effort {{ reasoning_effort }}]{% endif %}"
             + HERMES_TEMPLATE.replace("{% else %}<|bos|>{{ m.role }}\n{{ m.content }}",
                                       "{% else %}<|bos|>{{ m.role }}\n{% if m.reasoning %}<think>{{ m.reasoning }}"
                                       "</think>{% endif %}{{ m.content }}"))  # fmt: skip
@@ -82,15 +83,18 @@ def test_a_message_is_the_chat_answer_of_the_same_conversation(client, llm, serv
     assert u.output_tokens == len(want.token_ids)
     assert client.messages.count_tokens(model=MODEL, system=system, messages=turns).input_tokens == len(prompt)
 
-    kinds = []
+    kinds, start = [], None
     with client.messages.stream(model=MODEL, max_tokens=12, system=system, messages=turns, extra_body=GREEDY) as s:
         for ev in s:
             kinds.append(ev.type)
+            start = ev.message.usage if ev.type == "message_start" else start
         final = s.get_final_message()
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and kinds[-2] == "message_delta"
     assert "".join(b.text for b in final.content if b.type == "text") == text
     assert (final.stop_reason, final.usage.output_tokens) == (msg.stop_reason, u.output_tokens)
     assert final.usage.cache_read_input_tokens > 0  # the same prompt again: its whole blocks came from the cache
+    split = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+    assert [getattr(start, k) for k in split] == [getattr(final.usage, k) for k in split]  # message_start's too
     assert final.usage.input_tokens + final.usage.cache_read_input_tokens + \
         final.usage.cache_creation_input_tokens == len(prompt)  # fmt: skip
     wait_idle(server)
@@ -134,6 +138,14 @@ def test_tool_use_round_trip(client, llm, server):
         final = s.get_final_message()
     assert final.content[0].input == block.input and json.loads("".join(deltas)) == block.input
     assert final.stop_reason == "tool_use"
+    for cut in (12, 14):  # cut inside the arguments: the whole answer reads them as the client reads the stream
+        whole = client.messages.create(model=MODEL, max_tokens=cut, messages=turns, tools=TOOLS, extra_body=GREEDY,
+                                       tool_choice={"type": "tool", "name": "get_weather"})  # fmt: skip
+        with client.messages.stream(model=MODEL, max_tokens=cut, messages=turns, tools=TOOLS, extra_body=GREEDY,
+                                    tool_choice={"type": "tool", "name": "get_weather"}) as s:  # fmt: skip
+            streamed = s.get_final_message()
+        assert whole.stop_reason == streamed.stop_reason == "max_tokens"
+        assert whole.content[0].input == streamed.content[0].input, cut
 
     follow = turns + [{"role": "assistant", "content": [{"type": "text", "text": "Looking."}, {
         "type": "tool_use", "id": block.id, "name": "get_weather", "input": block.input}]},
@@ -148,8 +160,8 @@ def test_tool_use_round_trip(client, llm, server):
     want = _greedy(llm, prompt, 6, ignore_eos=True)
     got = client.messages.create(model=MODEL, max_tokens=6, messages=follow, tools=TOOLS, extra_body=GREEDY,
                                  tool_choice={"type": "none"})  # fmt: skip
-    assert "".join(b.text for b in got.content if b.type == "text") == want.text[:sum(
-        len(b.text) for b in got.content if b.type == "text")]  # fmt: skip
+    text = "".join(b.text for b in got.content if b.type == "text")
+    assert text and text == want.text[:len(text)]
     wait_idle(server)
 
 
@@ -169,6 +181,11 @@ def test_thinking_sets_the_templates_switch(client, llm):
     got = client.messages.count_tokens(model=MODEL, messages=turns, thinking={"type": "disabled"},
                                        extra_body={"chat_template_kwargs": {"enable_thinking": True}})  # fmt: skip
     assert got.input_tokens == len(_prompt(llm, chat, template_kwargs={"enable_thinking": True}))
+    effort = len(_prompt(llm, chat, template_kwargs={"reasoning_effort": "low"}))  # output_config.effort: a variable
+    assert client.messages.count_tokens(model=MODEL, messages=turns, output_config={"effort": "low"}).input_tokens \
+        == effort  # fmt: skip
+    msg = client.messages.create(model=MODEL, max_tokens=2, messages=turns, output_config={"effort": "low"})
+    assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens + msg.usage.cache_creation_input_tokens == effort
 
 
 def test_keys_refusals_and_fields_without_effect(client, server):
@@ -177,6 +194,10 @@ def test_keys_refusals_and_fields_without_effect(client, server):
     body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
     assert request(server, "/v1/messages", body, headers={"x-api-key": KEY})[0] == 200
     assert request(server, "/v1/messages", body, headers={"Authorization": f"Bearer {KEY}"})[0] == 200
+    for both in ({"x-api-key": KEY, "Authorization": "Bearer other"},
+                 {"x-api-key": "other", "Authorization": f"Bearer {KEY}"}):
+        assert request(server, "/v1/messages", body, headers=both)[0] == 200  # either header (the client sends both)
+    assert request(server, "/v1/messages", body, headers={"x-api-key": "a", "Authorization": "Bearer b"})[0] == 401
     status, _, out = request(server, "/v1/messages", body, headers={"x-api-key": "wrong"})
     assert status == 401 and out["type"] == "error" and out["error"]["type"] == "authentication_error"
     with pytest.raises(anthropic.AuthenticationError):
@@ -197,6 +218,10 @@ def test_keys_refusals_and_fields_without_effect(client, server):
         ({"thinking": {"type": "enabled", "budget_tokens": 100}}, "thinking.budget_tokens", 400,
          "invalid_request_error"),
         ({"temperature": -1}, "temperature", 400, "invalid_request_error"),
+        ({"messages": [{"role": "user", "content": []}]}, "messages[0].content", 400, "invalid_request_error"),
+        ({"tools": [{"name": "t", "input_schema": {"type": "array"}}]}, "tools[0].input_schema", 400,
+         "invalid_request_error"),
+        ({"output_config": {"effort": 3}}, "output_config.effort", 400, "invalid_request_error"),
     ]  # fmt: skip
     for change, words, status, kind in cases:
         sent = {k: v for k, v in {**body, **change}.items() if v is not None}
@@ -228,3 +253,23 @@ def test_a_client_that_leaves_a_stream_frees_its_blocks(server):
     assert first.startswith(b"event: message_start\n")
     conn.close()
     wait_idle(server, timeout=20)
+
+
+def test_a_stop_string_met_inside_a_tool_call_is_a_stop_sequence():
+    """A stop string that cut a call's arguments short ends the turn as stop_sequence (Anthropic reports why the
+    generation ended), not tool_use: a client acting on tool_use would run the tool with arguments cut off."""
+    from trtpaged.server.messages_output import stop_of
+
+    assert stop_of("stop", '"', True) == ("stop_sequence", '"')
+    assert stop_of("tool_calls", None, True) == ("tool_use", None)
+    assert stop_of("stop", None, True) == ("tool_use", None)
+    assert stop_of("length", '"', True) == ("max_tokens", None)
+    assert stop_of("stop", None, False) == ("end_turn", None)
+
+
+def test_a_timeout_is_anthropics_timeout_error():
+    """Anthropic's error types: 504 is timeout_error (its documented table), in a body and a stream's error event."""
+    from trtpaged.server.errors import ApiError
+    from trtpaged.server.messages_output import error_body
+
+    assert error_body(ApiError("late", None, 504, "timeout_error"))["error"]["type"] == "timeout_error"

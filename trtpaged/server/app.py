@@ -39,7 +39,7 @@ log = logging.getLogger("trtpaged.server")
 T = TypeVar("T")
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
           "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics", "/version", "/ping", "/invocations")
-ANTHROPIC_PATHS = "/v1/messages"  # routes answered in Anthropic's error envelope
+ANTHROPIC_PATH = "/v1/messages"  # it and the routes under it are answered in Anthropic's error envelope
 
 
 def error_response(error: ApiError, anthropic: bool = False) -> JSONResponse:
@@ -49,7 +49,8 @@ def error_response(error: ApiError, anthropic: bool = False) -> JSONResponse:
 
 
 def _anthropic(request: Request) -> bool:
-    return request.url.path.startswith(ANTHROPIC_PATHS)
+    path = request.url.path
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
 
 
 def _reject_constant(name: str) -> Any:
@@ -155,9 +156,10 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
         header = request.headers.get("authorization", "")
         scheme, _, given = header.partition(" ")
         anthropic_key = request.headers.get("x-api-key")
-        offered = (given.strip() if scheme.lower() == "bearer" or anthropic_key is None else anthropic_key).encode()
-        matches = [hmac.compare_digest(offered, k) for k in expected_keys]  # each compared: no early exit
-        ok = (scheme.lower() == "bearer" or anthropic_key is not None) and any(matches)
+        # either header may carry the key (the anthropic client sends both when given an api_key and an auth_token)
+        offered = ([given.strip()] if scheme.lower() == "bearer" else []) + ([anthropic_key] if anthropic_key else [])
+        matches = [hmac.compare_digest(o.encode(), k) for o in offered for k in expected_keys]  # no early exit
+        ok = any(matches)
         if not ok:
             raise ApiError("authorization: missing or wrong API key (send 'Authorization: Bearer KEY' or "
                            "'x-api-key: KEY')", None, 401, "authentication_error", "invalid_api_key",
@@ -300,6 +302,9 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
                 error = responses_api.renamed(exc, call)
                 _log(request, error.status, error.message, start)
                 raise error from None
+            if submitted.req.stream:  # its events as they come; the response runs on if the client leaves
+                return StreamingResponse(stored.follow(rid, 0), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Request-Id": summary.header_id})
             return Response(json.dumps(queued), media_type="application/json",
                             headers={"X-Request-Id": summary.header_id})
         try:

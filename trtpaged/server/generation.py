@@ -407,6 +407,7 @@ class GenerationService:
                 async for out in outputs:
                     if out.num_cached_tokens is not None:
                         cached[s.index[out.request_id]] = out.num_cached_tokens
+                        s.summary.cached_tokens = sum(cached.values())  # known from the first output on
                     if s.req.echo and s.index[out.request_id] not in echoed:
                         echoed.add(s.index[out.request_id])
                         async for event in self._echo_chunks(s, state, s.index[out.request_id], out, first):

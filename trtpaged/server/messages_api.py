@@ -40,6 +40,7 @@ _MESSAGES_NAMES = {"max_completion_tokens": "max_tokens", "max_tokens": "max_tok
 _CHAT_SPELLINGS = ((re.compile(r"\bmax_completion_tokens\b"), "max_tokens"), (re.compile(r"\bstop\b(?=:)"),
                    "stop_sequences"), (re.compile(r"\bthinking_token_budget\b"), "thinking.budget_tokens"))  # fmt: skip
 _warned: set[str] = set()  # top-level fields without effect already named in the log
+_MAX_WARNED = 256  # names remembered (then no more are logged)
 
 
 class _Loose(BaseModel):
@@ -96,8 +97,8 @@ def translate(body: Any, served: Sequence[str], reasoning: bool, count_only: boo
     req = validated(MessagesRequest, body)
     check_model(req.model, served)
     unused = sorted(set(req.model_extra or {}) - _warned)
-    if unused:
-        _warned.update(unused)
+    if unused and len(_warned) < _MAX_WARNED:  # bounded: a client may send any number of distinct names
+        _warned.update(unused[: _MAX_WARNED - len(_warned)])
         log.info("/v1/messages: fields without an effect on this server, accepted: %s", ", ".join(unused)[:300])
     if not count_only:
         if req.max_tokens is None:
@@ -120,10 +121,12 @@ def translate(body: Any, served: Sequence[str], reasoning: bool, count_only: boo
     if req.thinking is not None:
         kwargs.update(_thinking(req.thinking, req.max_tokens, reasoning, chat, count_only))
     config = req.output_config or {}
-    if not isinstance(config, dict):
-        raise ApiError("output_config: must be an object ({effort, format})", "output_config")
-    if isinstance(config.get("effort"), str):
-        chat["reasoning_effort"] = config["effort"]
+    effort = config.get("effort")
+    if effort is not None:
+        if not isinstance(effort, str):
+            raise ApiError(f"output_config.effort: must be a string (low, medium, high, ...), got {effort!r:.40}",
+                           "output_config")  # fmt: skip
+        chat["reasoning_effort"] = effort
     form = config.get("format") or req.output_format
     if form is not None:
         chat["response_format"] = _response_format(form, "output_config.format" if config.get("format")
@@ -142,7 +145,11 @@ def translate(body: Any, served: Sequence[str], reasoning: bool, count_only: boo
 def count_body(call: MessagesCall) -> dict[str, Any]:
     """The /tokenize body that counts a count_tokens request's prompt as /v1/messages would render it."""
     keys = ("model", "messages", "tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
-    return {k: call.chat_body[k] for k in keys if k in call.chat_body}
+    body = {k: call.chat_body[k] for k in keys if k in call.chat_body}
+    effort = call.chat_body.get("reasoning_effort")  # a template variable too (protocol.chat_options), under the
+    if effort is not None:  # request's own chat_template_kwargs; /tokenize takes no reasoning_effort field
+        body["chat_template_kwargs"] = {"reasoning_effort": effort, **body.get("chat_template_kwargs", {})}
+    return body
 
 
 def renamed(error: ApiError) -> ApiError:
@@ -189,8 +196,8 @@ def _messages(system: Any, items: list[Any]) -> list[dict[str, Any]]:
             raise ApiError(f"{where}.role: must be 'user' or 'assistant', got {str(role)[:40]!r}", "messages")
         if isinstance(content, str):
             messages.append({"role": role, "content": content})
-        elif not isinstance(content, list):
-            raise ApiError(f"{where}.content: must be a string or a list of content blocks", "messages")
+        elif not isinstance(content, list) or not content:
+            raise ApiError(f"{where}.content: must be a string or a non-empty list of content blocks", "messages")
         elif role == "assistant":
             messages.append(_assistant(content, where))
         elif role == "system":
@@ -274,8 +281,9 @@ def _tool(index: int, tool: Any) -> dict[str, Any]:
     name, schema = tool.get("name"), tool["input_schema"]
     if not isinstance(name, str):
         raise ApiError(f"{where}.name: must be a string", "tools")
-    if not isinstance(schema, dict):
-        raise ApiError(f"{where}.input_schema: must be a JSON schema object", "tools")
+    if not isinstance(schema, dict) or schema.get("type", "object") != "object":
+        raise ApiError(f"{where}.input_schema: must be a JSON schema of an object ({{'type': 'object', ...}})",
+                       "tools")  # fmt: skip
     function: dict[str, Any] = {"name": name, "parameters": {"type": "object", **schema}}
     if isinstance(tool.get("description"), str):
         function["description"] = tool["description"]

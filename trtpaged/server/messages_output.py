@@ -6,18 +6,25 @@ from __future__ import annotations
 
 import json
 from contextlib import aclosing
+
+import pydantic_core
 from typing import Any, AsyncIterator, Optional
 
 from pydantic import BaseModel
 
 from trtpaged.server.errors import ApiError
-from trtpaged.server.messages_api import MessagesCall
-from trtpaged.server.responses_output import chat_events
+from trtpaged.server.messages_api import MessagesCall, renamed
+from trtpaged.server.responses_output import cache_write_tokens, chat_events
 
 # an HTTP status -> Anthropic's error type (its SDK picks the exception by status; clients read the type)
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 415: "invalid_request_error",
-                429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}  # fmt: skip
+                429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error",
+                529: "overloaded_error"}  # fmt: skip
+
+
+# the chat stream's error types -> their HTTP status (a failure after the stream began: an error event)
+_CHAT_ERROR_STATUS = {"server_overloaded": 503, "timeout_error": 504, "invalid_request_error": 400}
 
 
 def error_body(error: ApiError) -> dict[str, Any]:
@@ -29,7 +36,7 @@ def error_body(error: ApiError) -> dict[str, Any]:
 def usage_of(prompt_tokens: int, output_tokens: int, cached_tokens: int, block_size: int) -> dict[str, int]:
     """Anthropic's usage: input_tokens are the prompt's tokens neither read from the prefix cache nor written to it
     (its full blocks not found there are written once computed; `block_size` 0: caching off)."""
-    written = max(0, prompt_tokens // block_size * block_size - cached_tokens) if block_size else 0
+    written = cache_write_tokens(prompt_tokens, cached_tokens, block_size)
     return {"input_tokens": prompt_tokens - cached_tokens - written, "output_tokens": output_tokens,
             "cache_creation_input_tokens": written, "cache_read_input_tokens": cached_tokens}  # fmt: skip
 
@@ -38,10 +45,10 @@ def stop_of(finish_reason: Optional[str], stop_reason: Any, called: bool) -> tup
     """(stop_reason, stop_sequence) of a chat choice's end: a stop string it met is a stop_sequence."""
     if finish_reason == "length":
         return "max_tokens", None
+    if isinstance(stop_reason, str):  # before a call: a stop string met inside a call's arguments cut it short
+        return "stop_sequence", stop_reason
     if called or finish_reason == "tool_calls":
         return "tool_use", None
-    if isinstance(stop_reason, str):
-        return "stop_sequence", stop_reason
     return ("end_turn", None) if finish_reason is not None else (None, None)
 
 
@@ -51,9 +58,11 @@ def tool_id(call_id: str) -> str:
 
 
 def tool_input(arguments: str) -> dict[str, Any]:
-    """A call's arguments as the tool_use block's input object; {} when they are not one (cut by max_tokens)."""
+    """A call's arguments as the tool_use block's input object: as much as reads of arguments cut by max_tokens (the
+    anthropic client's reading of a stream's partial JSON, so that a whole answer and its stream agree); {} when they
+    are no object."""
     try:
-        value = json.loads(arguments) if arguments else {}
+        value = pydantic_core.from_json(arguments, allow_partial=True) if arguments else {}
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
@@ -147,13 +156,22 @@ class EventStream:
 
 async def stream(call: MessagesCall, mid: str, chat_stream: AsyncIterator[bytes], summary: Any, prompt_tokens: int,
                  block_size: int) -> AsyncIterator[bytes]:  # fmt: skip
-    """The Messages stream of one chat stream; `summary` (the request's Summary) holds the usage at its end;
-    `prompt_tokens`: the prompt's length, for message_start (what the cache held is known at the end)."""
+    """The Messages stream of one chat stream; `summary` (the request's Summary) holds what the prefix cache held
+    from the first output on (message_start goes with it) and the usage at the end; `prompt_tokens`: the prompt's
+    length."""
     events = EventStream()
-    failed = False
+    failed = started = False
+
+    def head() -> list[bytes]:
+        """message_start, once: sent with the first output (then what the prefix cache held is known)."""
+        nonlocal started
+        if started:
+            return []
+        started = True
+        usage = usage_of(prompt_tokens, 0, summary.cached_tokens, block_size)
+        return [event("message_start", {"message": _envelope(call, mid, [], (None, None), usage)})]
+
     async with aclosing(chat_stream):  # a client gone closes this stream: the chat stream's close aborts the request
-        yield event("message_start", {"message": _envelope(call, mid, [], (None, None),
-                                                           usage_of(prompt_tokens, 0, 0, 0))})
         async for raw in chat_stream:  # read to its end, a failure's too: the request is logged as it ended
             for payload in chat_events(raw):
                 if failed:
@@ -161,13 +179,26 @@ async def stream(call: MessagesCall, mid: str, chat_stream: AsyncIterator[bytes]
                 if "error" in payload:  # Anthropic's mid-stream error: an error event, and the stream ends
                     failed = True
                     error = payload["error"]
-                    status = 503 if error.get("type") == "server_overloaded" else 500
-                    yield event("error", {"error": error_body(ApiError(str(error.get("message", "")), None,
-                                                                        status))["error"]})  # fmt: skip
+                    status = _CHAT_ERROR_STATUS.get(error.get("type"), 500)
+                    failure = renamed(ApiError(str(error.get("message", "")), error.get("param"), status))
+                    for e in head():
+                        yield e
+                    yield event("error", {"error": error_body(failure)["error"]})
                     continue
-                for e in events.chunk(payload):
+                if not started and not _opening(payload):  # the chat stream's role chunk: before any output
+                    continue
+                for e in head() + events.chunk(payload):
                     yield e
     if not failed:
         usage = usage_of(summary.prompt_tokens, summary.completion_tokens, summary.cached_tokens, block_size)
-        for e in events.end(usage):
+        for e in head() + events.end(usage):
             yield e
+
+
+def _opening(chunk: dict[str, Any]) -> bool:
+    """Whether a chat chunk carries output (text, reasoning, calls, an end), unlike the role chunk sent first."""
+    for choice in chunk.get("choices") or []:
+        delta = choice.get("delta") or {}
+        if delta.get("content") or delta.get("reasoning") or delta.get("tool_calls") or choice.get("finish_reason"):
+            return True
+    return False

@@ -95,9 +95,8 @@ TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 VLLM_PREFIX = "vllm:"
 VLLM_LOAD_GAUGES = (("num_requests_running", "num_running"), ("num_requests_waiting", "num_waiting"))
 VLLM_USAGE_GAUGES = ("kv_cache_usage_perc", "gpu_cache_usage_perc")
-# engine counters vLLM also has (stats key -> name; "_total" on exposition)
-VLLM_ENGINE_COUNTERS = (("num_preemptions", "num_preemptions"), ("prefix_cache_queries_tokens", "prefix_cache_queries"),
-                        ("prefix_cache_hits_tokens", "prefix_cache_hits"))  # fmt: skip
+# engine counters vLLM also has, under the same names (ENGINE_STATS keys)
+VLLM_ENGINE_COUNTERS = ("num_preemptions", "prefix_cache_queries_tokens", "prefix_cache_hits_tokens")
 
 
 class _EngineStatsCollector(Collector):
@@ -143,8 +142,9 @@ class _EngineStatsCollector(Collector):
                                        labels=["model_name"])  # fmt: skip
             family.add_metric([self.model_name], value)
             yield family
-        for key, name in VLLM_ENGINE_COUNTERS:
+        for key in VLLM_ENGINE_COUNTERS:
             if key in stats:
+                name = ENGINE_STATS[key][0]
                 family = CounterMetricFamily(VLLM_PREFIX + name, f"vLLM's name of {PREFIX}{name}.",
                                              labels=["model_name"])  # fmt: skip
                 family.add_metric([self.model_name], float(stats[key]))

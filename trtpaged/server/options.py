@@ -16,7 +16,8 @@ PIN_MODES = ("auto", "on", "off")  # ServerOptions.pin_threads
 VLLM_STORE_ENV = "VLLM_ENABLE_RESPONSES_API_STORE"
 DEFAULT_RESPONSES_STORE_SIZE = 256 << 20  # what vLLM's switch keeps here (vLLM's own store has no bound)
 # the browser origins allowed by default: pages served from this machine (any port), as Ollama's default; vLLM
-# allows every origin ("*"), which lets any web page a user opens drive a server on their loopback
+# allows every origin ("*"), which lets any web page a user opens read the answers of a server on their loopback.
+# (A page that rebinds its own host name to 127.0.0.1 is same-origin and needs no CORS: --api-key guards that.)
 LOOPBACK_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:[0-9]{1,5})?"
 
 

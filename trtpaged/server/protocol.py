@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 
 from trtpaged.errors import RequestError
 from trtpaged.server import constraints
-from trtpaged.server.tools import AutoTools, ToolChoice, tool_choice
+from trtpaged.server.tools import AutoTools, ToolChoice, shown_tools, tool_choice
 from trtpaged.server.errors import ApiError, from_runtime_error, from_validation_error
 from trtpaged.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, TokenizeChatRequest
 
@@ -215,8 +215,8 @@ def parse_generation(body: Any, chat: bool, served_names: Sequence[str], vocab_s
     try:
         sampling.update(_constraint_fields(req, vocab_size))
         tools = _tools(req, sampling, auto_tools)
-        shown = tools if tools is not None or not isinstance(req, ChatCompletionRequest) or not req.tools else \
-            tool_choice(req.tools, "required")  # fmt: skip
+        shown = tools.definitions if tools is not None else \
+            shown_tools(req.tools) if isinstance(req, ChatCompletionRequest) else None  # fmt: skip
     except ValueError as exc:  # StructuredOutputsParams' own checks name the request field that set it
         raise from_runtime_error(exc, names) from None
     stop = [req.stop] if isinstance(req.stop, str) else req.stop
@@ -269,7 +269,7 @@ def parse_generation(body: Any, chat: bool, served_names: Sequence[str], vocab_s
         chat_echo=_chat_echo(req, messages) if isinstance(req, ChatCompletionRequest) and req.echo else "",
         prompt_logprobs=prompt_k,
         tools=tools,
-        shown_tools=shown.definitions if shown is not None else None,
+        shown_tools=shown,
         chat_options=chat_options(req, template_defaults) if isinstance(req, ChatCompletionRequest) else {},
         continuous_usage=continuous_usage,
         truncate_prompt_tokens=truncate,

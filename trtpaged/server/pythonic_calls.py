@@ -95,6 +95,8 @@ class PythonicCallStream:
                 continue
             if not self._stack:  # between the list's calls
                 if c in _WS or c == ",":
+                    if self._call_start >= 0:  # a name not followed at once by its '(' (as vLLM's regex reads it)
+                        raise _NotACall
                     i += 1
                     continue
                 if c == "]":

@@ -6,7 +6,8 @@ answer or stream back into a Response object and the Responses API's typed strea
 
 A server started with a Responses store (`serve --responses-store-size`, server/responses_store.py) keeps each
 Response whose `store` is not false: `previous_response_id` continues one (its conversation, less its
-instructions, comes before this request's input), and `background` runs a request while the client polls it.
+instructions, comes before this request's input), and `background` runs a request while the client polls it (or
+reads its stream, which it may read again from any event: server/event_logs.py).
 Without one, `store` is answered false and `previous_response_id` is not found. `conversation` and `prompt` (stored
 conversations and prompts) are refused. Text in, text and function calls out.
 """
@@ -73,9 +74,6 @@ def translate(body: Any, served: Sequence[str], store: Optional[ResponsesStore] 
     if req.background and not stored:
         raise ApiError("background: needs a stored response (store not false, on a server started with "
                        "--responses-store-size)", "background")  # fmt: skip
-    if req.background and req.stream:
-        raise ApiError("background: not with stream: true on this server (poll GET /v1/responses/{id})",
-                       "background")  # fmt: skip
     history: list[Any] = []
     link = None
     if req.previous_response_id is not None:

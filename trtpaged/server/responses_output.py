@@ -58,12 +58,18 @@ def _reasoning(req: Any) -> dict[str, Any]:
     return {"effort": asked.effort, "summary": asked.summary or asked.generate_summary}
 
 
+def cache_write_tokens(prompt_tokens: int, cached_tokens: int, block_size: int) -> int:
+    """The prompt's tokens the prefix cache keeps once computed: its full blocks not found there (`block_size` 0:
+    caching off)."""
+    return max(0, prompt_tokens // block_size * block_size - cached_tokens) if block_size else 0
+
+
 def usage_of(prompt_tokens: int, output_tokens: int, cached_tokens: int, block_size: int,
              reasoning_tokens: int = 0) -> dict[str, Any]:  # fmt: skip
     """The Response's usage. `block_size`: the prefix cache's (0: caching off), whose full prompt blocks not found
     in the cache are written to it once computed (cache_write_tokens); `reasoning_tokens`: the output's reasoning
     (a server with a reasoning parser)."""
-    written = max(0, prompt_tokens // block_size * block_size - cached_tokens) if block_size else 0
+    written = cache_write_tokens(prompt_tokens, cached_tokens, block_size)
     return {"input_tokens": prompt_tokens,
             "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": written},
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},

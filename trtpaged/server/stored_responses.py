@@ -13,11 +13,12 @@ from contextlib import aclosing
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 
 from trtpaged.server import responses_api, responses_output
 from trtpaged.server.engine_loop import ClientGone, EngineFailure, RequestTimeout, ShuttingDown
 from trtpaged.server.errors import ApiError, overloaded
+from trtpaged.server.event_logs import EventLogs
 from trtpaged.server.generation import GenerationService, Submitted, runtime_failure
 from trtpaged.server.responses_api import ResponsesCall
 from trtpaged.server.responses_output import Keep
@@ -38,6 +39,8 @@ class StoredResponses:
         self.service = service
         self.block_size = block_size  # the prefix cache's (0: off), for usage's cache_write_tokens
         self.running: dict[str, tuple[asyncio.Task, asyncio.Event]] = {}  # background id -> its task, its cancel
+        # the events of background streams (stream: true), read again with GET ?stream=true
+        self.logs = EventLogs(store.max_bytes if store is not None else 0)
 
     def claim(self, call: ResponsesCall, header_id: Optional[str]) -> Optional[Claim]:
         """Claims the id a stored Response will have: the body's request_id (a 400 when a stored or running response
@@ -77,7 +80,8 @@ class StoredResponses:
 
     def start_background(self, call: ResponsesCall, rid: str, s: Submitted, ended: Ended) -> dict[str, Any]:
         """Runs the queued request `s` in a task that stores its Response when it ends; returns the queued
-        Response, what the client gets now. `ended` logs the end."""
+        Response, what the client gets now (a stream's client reads `follow(rid, 0)` instead). `ended` logs the
+        end."""
         assert self.store is not None
         queued = responses_output.envelope(call, rid, "queued", [])
         if not self.store.room_for_background():
@@ -89,6 +93,8 @@ class StoredResponses:
             self.service.loop.abort(sorted(s.index))
             raise ApiError(f"background: the Response is larger than the Responses store's bound "
                            f"({self.store.max_bytes} bytes)", "background")  # fmt: skip
+        if call.req.stream:  # open before the task runs: the client's stream reads it from now on
+            self.logs.open(rid)
         cancel = asyncio.Event()
         task = asyncio.get_running_loop().create_task(self._run(call, rid, s, cancel, ended))
         self.running[rid] = (task, cancel)
@@ -107,9 +113,12 @@ class StoredResponses:
 
         status, note = 200, ""
         try:
-            answer = await self.service.respond(s, cancelled, started)
-            body = responses_output.response_body(call, rid, answer, self._usage(s), s.summary.reasoning_span)
-        except ClientGone:
+            if call.req.stream:
+                body = await self._streamed(call, rid, s, started)
+            else:
+                answer = await self.service.respond(s, cancelled, started)
+                body = responses_output.response_body(call, rid, answer, self._usage(s), s.summary.reasoning_span)
+        except (ClientGone, asyncio.CancelledError):  # cancelled: the request was aborted
             status, note = 499, "cancelled"
             body = responses_output.envelope(call, rid, "cancelled", [], self._usage(s))
         except Exception as exc:  # noqa: BLE001 - any failure ends this response as failed, never the server
@@ -121,6 +130,7 @@ class StoredResponses:
                                              error={"code": "server_error", "message": error.message})  # fmt: skip
         finally:
             self.running.pop(rid, None)
+            self.logs.close(rid)
         # held until read: a poll finds the end, not a 404
         if not self.store.put(rid, body, responses_api.turn(call, body["output"]), call.link, unread=True,
                               inputs=len(call.items)):
@@ -131,6 +141,37 @@ class StoredResponses:
             self.store.put(rid, body, [], call.link, unread=True)
             status, note = 500, message
         ended(status, note, s if status == 200 else None)
+
+    async def _streamed(self, call: ResponsesCall, rid: str, s: Submitted, started: Callable[[], None]) -> dict[str, Any]:
+        """Runs a background stream: its events go to its log (what its readers read) and the last one holds the
+        Response it ended as. Cancelling the task aborts the request (its chat stream is closed)."""
+        log = self.logs.get(rid)
+        assert log is not None
+        last = b""
+        events = responses_output.stream(call, rid, self.service.stream(s), s.summary, self.block_size)
+        async with aclosing(events):
+            async for event in events:
+                log.append(event)
+                last = event
+                if len(log.events) == 3:  # past response.created and .in_progress: a step computed it
+                    started()
+        return json.loads(last.split(b"\ndata: ", 1)[1])["response"]
+
+    async def follow(self, rid: str, start: int) -> AsyncIterator[bytes]:
+        """The events of background stream `rid` from number `start` on, as they come, until it ends. A reader that
+        leaves ends nothing: the response runs on."""
+        log = self.logs.get(rid)
+        if log is None:
+            return
+        async for event in log.read(start):
+            yield event
+
+    def stream_log(self, rid: str) -> None:
+        """Checks that `rid`'s events can be read again (a 400 naming `stream` otherwise)."""
+        self.stored(rid)
+        if self.logs.get(rid) is None:
+            raise ApiError(f"stream: the events of response {rid[:80]!r} are not kept (only those of a background "
+                           "response created with stream: true, while it runs and for a while after)", "stream")
 
     def _usage(self, s: Submitted) -> dict[str, Any]:
         m = s.summary
@@ -159,6 +200,8 @@ class StoredResponses:
                            "response_id")  # fmt: skip
         task, cancel = running
         cancel.set()
+        if self.logs.get(rid) is not None:  # a stream has no poll for the flag: its task is cancelled
+            task.cancel()
         await asyncio.wait({task}, timeout=CANCEL_WAIT_S)  # not the task cancelled if this request is
         return self.stored(rid)
 
@@ -169,6 +212,7 @@ class StoredResponses:
                            "response_id")  # fmt: skip
         assert self.store is not None
         self.store.delete(rid)
+        self.logs.drop(rid)
         return {"id": rid, "object": "response", "deleted": True}
 
     def input_items(self, rid: str, limit: int, order: str, after: Optional[str]) -> dict[str, Any]:
@@ -205,9 +249,15 @@ class StoredResponses:
 
         @app.get("/v1/responses/{response_id:path}", dependencies=[Depends(authorize)])
         async def get_response(response_id: str, request: Request) -> Response:
-            if request.query_params.get("stream", "false").lower() not in ("false", "0"):
-                raise ApiError("stream: a stored response is read whole on this server (stream: false)", "stream")
-            return _json(self.stored(response_id))
+            if request.query_params.get("stream", "false").lower() in ("false", "0"):
+                return _json(self.stored(response_id))
+            after = request.query_params.get("starting_after", "-1")
+            if not after.lstrip("-").isdigit() or int(after) < -1:
+                raise ApiError(f"starting_after: must be an event's sequence number (>= 0), got {after[:20]!r}",
+                               "starting_after")  # fmt: skip
+            self.stream_log(response_id)
+            return StreamingResponse(self.follow(response_id, int(after) + 1), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})  # fmt: skip
 
         @app.delete("/v1/responses/{response_id:path}", dependencies=[Depends(authorize)])
         async def delete_response(response_id: str) -> Response:

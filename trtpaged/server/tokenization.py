@@ -23,7 +23,7 @@ from trtpaged.server.schemas import (
     TokenizeCompletionRequest,
 )
 from trtpaged.server.tokenizer_worker import TokenizerWorker
-from trtpaged.server.tools import tool_choice
+from trtpaged.server.tools import shown_tools
 
 
 def generation_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: Optional[Sequence[dict]],
@@ -86,14 +86,14 @@ class Tokenization:
         check_model(req.model, self.model_names)
         if isinstance(req, TokenizeChatRequest):
             messages = chat_messages(req.messages)
-            tools = tool_choice(req.tools, "required") if req.tools else None  # validated as the chat endpoint does
+            tools = shown_tools(req.tools)  # validated and shown as the chat endpoint does
             options = chat_options(req, self.template_defaults)
 
         def run(tokenizer: Any) -> bytes:
             if tokenizer is None:
                 raise ApiError("prompt: this engine has no tokenizer; nothing to tokenize with", "prompt")
             if isinstance(req, TokenizeChatRequest):
-                ids = prompt_token_ids(tokenizer, self.vocab_size, None, messages, tools.definitions if tools else None,
+                ids = prompt_token_ids(tokenizer, self.vocab_size, None, messages, tools,
                                        options, req.add_special_tokens)  # fmt: skip
             else:
                 ids = prompt_token_ids(tokenizer, self.vocab_size, req.prompt, None, None, {}, req.add_special_tokens)

@@ -187,6 +187,12 @@ def _check_parameters(where: str, schema: dict[str, Any]) -> None:
         raise ApiError(f"{where}{at}: not a JSON schema: {error.message[:200]}", "tools")
 
 
+def shown_tools(tools: Optional[list[Any]]) -> Optional[list[dict[str, Any]]]:
+    """The tool definitions a chat template is shown, whatever tool_choice is ("none" too: OpenAI's meaning, vLLM's
+    default), checked as a forced choice checks them; None without tools."""
+    return tool_choice(tools, "required").definitions if tools else None  # type: ignore[union-attr]
+
+
 def tool_choice(tools: Optional[list[Any]], choice: Any, auto: AutoTools = AutoTools(None, ""),
                 parallel: bool = True) -> Optional[ToolChoice]:  # fmt: skip
     """The request's tool handling, None for "none" or no tools; a bad spec is a 400 naming the field. `auto`: the
