@@ -386,3 +386,27 @@ def test_vllm_flags_that_match_start_the_server_and_are_named(tiny_engine_dir):
     for flag in ("--uvicorn-log-level", "--async-scheduling", "--no-enable-chunked-prefill",
                  "--distributed-executor-backend", "--pipeline-parallel-size 1"):
         assert flag in line, line
+
+
+def test_force_include_usage_and_tokens_as_ids_by_default(tiny_engine_dir):
+    """vLLM's --enable-force-include-usage: a stream that did not ask for usage ends with the usage chunk, counting
+    what it streamed; --return-tokens-as-token-ids: log-probs name tokens "token_id:<id>" (the ids the answer's
+    return_token_ids gives), unless the request's own field is false."""
+    handle = start_server(tiny_engine_dir, port=0, served_model_name=MODEL, device="cpu",
+                          options=ServerOptions(enable_force_include_usage=True, return_tokens_as_token_ids=True))
+    try:
+        client = openai_client(handle.url)
+        chunks = list(client.completions.create(model=MODEL, prompt="abc", max_tokens=5, stream=True,
+                                                extra_body={"ignore_eos": True}))  # fmt: skip
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+        assert all(c.usage is None for c in chunks[:-1])
+        out = client.completions.create(model=MODEL, prompt="abc", max_tokens=4, logprobs=1,
+                                        extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+        ids = out.choices[0].token_ids
+        assert out.choices[0].logprobs.tokens == [f"token_id:{t}" for t in ids]
+        plain = client.completions.create(model=MODEL, prompt="abc", max_tokens=4, logprobs=1,
+                                          extra_body={"ignore_eos": True, "return_tokens_as_token_ids": False})
+        assert not any(t.startswith("token_id:") for t in plain.choices[0].logprobs.tokens)
+        wait_idle(handle)
+    finally:
+        handle.shutdown(timeout=0)

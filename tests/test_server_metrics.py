@@ -128,8 +128,8 @@ def test_vllm_names_of_the_request_series_count_the_same(server):
         for part in ("_count", "_sum"):
             assert m[f"vllm:{name}{part}{{{label}}}"] == m[name + part], (name, m)
         assert m[f'vllm:{name}_bucket{{le="+Inf",{label}}}'] == m[name + "_count"]
-    for name in ("prompt_tokens_total", "generation_tokens_total", "num_preemptions_total", "prefix_cache_queries_total",
-                 "prefix_cache_hits_total"):
+    for name in ("prompt_tokens_total", "generation_tokens_total", "num_preemptions_total",
+                 "prefix_cache_queries_total", "prefix_cache_hits_total"):
         assert m[f"vllm:{name}{{{label}}}"] == m[name], (name, m)
     length = 'finished_reason="length"'
     assert m[f"vllm:request_success_total{{{length},{label}}}"] == m[f"request_success_total{{{length}}}"] >= 1

@@ -133,6 +133,11 @@ def _not_empty(value, param):
 @click.option("--enable-prompt-tokens-details", is_flag=True,
               help="vLLM's: chat and completions usage carries prompt_tokens_details.cached_tokens, the prompt's "
                    "tokens found in the prefix cache.")
+@click.option("--enable-force-include-usage", is_flag=True,
+              help="vLLM's: every streamed chat or completions answer ends with its usage chunk, asked for or not.")
+@click.option("--return-tokens-as-token-ids", is_flag=True,
+              help="vLLM's: log-probs name tokens 'token_id:<id>' unless a request's own return_tokens_as_token_ids "
+                   "says otherwise.")
 @click.option("--responses-store-size", type=Size(), default=None, metavar="SIZE",
               help="Keep finished /v1/responses answers in memory, up to SIZE (e.g. 256MiB; least recently used "
                    "out), for GET /v1/responses/{id}, previous_response_id and background requests (default: none "
@@ -166,7 +171,8 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
             generation_config, gpu_memory_utilization, dtype, kv_cache_dtype, quantization, block_size, tokenizer,
             swap_space, backend,
             device, tensor_parallel_size, speculative_config, kv_host_memory, kv_disk_path, kv_disk_size, kv_remote,
-            kv_secret_file, enable_prompt_tokens_details, responses_store_size, allowed_origins, allowed_methods,
+            kv_secret_file, enable_prompt_tokens_details, enable_force_include_usage, return_tokens_as_token_ids,
+            responses_store_size, allowed_origins, allowed_methods,
             allowed_headers, allow_credentials, request_log, request_log_prompts, stream_interval, pin_threads,
             **vllm_flags) -> None:  # fmt: skip
     """Serve ENGINE over /v1/completions, /v1/chat/completions, /v1/responses, Anthropic's /v1/messages (and its
@@ -194,7 +200,9 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
             request_log=request_log, request_log_prompts=request_log_prompts, stream_interval=stream_interval,
             pin_threads=pin_threads, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
             default_chat_template_kwargs=default_chat_template_kwargs, responses_store_size=responses_store_size,
-            enable_prompt_tokens_details=enable_prompt_tokens_details, allowed_origins=allowed_origins,
+            enable_prompt_tokens_details=enable_prompt_tokens_details,
+            enable_force_include_usage=enable_force_include_usage,
+            return_tokens_as_token_ids=return_tokens_as_token_ids, allowed_origins=allowed_origins,
             allowed_methods=allowed_methods, allowed_headers=allowed_headers, allow_credentials=allow_credentials,
         )  # fmt: skip
         with interrupts_end_the_load():

@@ -146,8 +146,10 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
     expected_keys = [k.encode() for k in options.api_keys]  # any of them (vLLM's --api-key k1 k2)
     origins = options.allowed_origins
     app.add_middleware(CORSMiddleware, allow_origins=origins or (),
-                       allow_origin_regex=None if origins else LOOPBACK_ORIGINS, allow_methods=options.allowed_methods, allow_headers=options.allowed_headers,
-                       allow_credentials=options.allow_credentials, expose_headers=("X-Request-Id", "Retry-After"))
+                       allow_origin_regex=None if origins else LOOPBACK_ORIGINS,
+                       allow_methods=options.allowed_methods, allow_headers=options.allowed_headers,
+                       allow_credentials=options.allow_credentials,
+                       expose_headers=("X-Request-Id", "Retry-After", "request-id"))  # request-id: Anthropic's
 
     async def authorize(request: Request) -> None:
         """The key as `Authorization: Bearer KEY`, or as Anthropic's clients send it, `x-api-key: KEY`."""

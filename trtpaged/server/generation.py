@@ -93,8 +93,11 @@ class GenerationService:
                  max_prompt_tokens: Optional[int] = None, request_timeout_s: Optional[float] = None,
                  stream_interval: int = 1, tool_call_parser: Optional[str] = None,
                  default_chat_template_kwargs: Optional[dict[str, Any]] = None,
-                 prompt_tokens_details: bool = False) -> None:  # fmt: skip
+                 prompt_tokens_details: bool = False, force_include_usage: bool = False,
+                 tokens_as_ids: bool = False) -> None:  # fmt: skip
         self.llm = llm
+        self.force_include_usage = force_include_usage  # vLLM's: every stream ends with its usage chunk
+        self.tokens_as_ids = tokens_as_ids  # vLLM's: return_tokens_as_token_ids where a request does not say
         self.stream_interval = stream_interval  # tokens per streamed chunk (SamplingParams.stream_interval)
         self.loop = loop
         self.tokens = tokens
@@ -128,6 +131,10 @@ class GenerationService:
         caller_id = check_request_id(header_id, "X-Request-Id")
         req = parse_generation(body, chat, self.model_names, self.vocab_size, self.auto_tools, self.max_logprobs,
                                self.template_defaults)  # fmt: skip
+        if self.force_include_usage and req.stream:
+            req.include_usage = True
+        if self.tokens_as_ids and body.get("return_tokens_as_token_ids") is None:
+            req.tokens_as_ids = True
         try:  # before the prompt is tokenized
             check_priority(req.priority, self.llm.config.scheduling_policy)
         except RequestError as exc:

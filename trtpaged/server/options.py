@@ -44,6 +44,9 @@ class ServerOptions:
     request (and /tokenize of messages) gets; a request's own chat_template_kwargs override them key by key.
     `enable_prompt_tokens_details` (vLLM's --enable-prompt-tokens-details): chat and completions usage carries
     `prompt_tokens_details.cached_tokens`, the prompt's tokens found in the prefix cache (else null).
+    `enable_force_include_usage` (vLLM's --enable-force-include-usage): every stream ends with its usage chunk, as
+    `stream_options.include_usage` asks; `return_tokens_as_token_ids` (vLLM's flag of that name): log-probs name
+    tokens "token_id:<id>" unless a request's own field says otherwise.
     `allowed_origins` (vLLM's --allowed-origins): the web origins whose pages may call the API from a browser
     (CORS), "*" for any; None: pages served from this machine only (LOOPBACK_ORIGINS). `allowed_methods`,
     `allowed_headers` and `allow_credentials` (cookies, HTTP auth) are the rest of vLLM's CORS settings.
@@ -70,6 +73,8 @@ class ServerOptions:
     default_chat_template_kwargs: Optional[dict[str, Any]] = None  # e.g. {"enable_thinking": False}
     responses_store_size: Optional[int] = None
     enable_prompt_tokens_details: bool = False  # vLLM's: usage.prompt_tokens_details.cached_tokens in answers
+    enable_force_include_usage: bool = False  # vLLM's: every stream ends with a usage chunk, asked for or not
+    return_tokens_as_token_ids: bool = False  # vLLM's: the default of the request field of that name
     allowed_origins: Optional[tuple[str, ...]] = None  # CORS; None: LOOPBACK_ORIGINS
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)

@@ -166,7 +166,8 @@ def start_server(
         service = GenerationService(llm, loop, tokens, names, options.max_prompt_tokens, options.request_timeout_s,
                                     options.stream_interval, options.tool_call_parser,
                                     options.default_chat_template_kwargs,
-                                    options.enable_prompt_tokens_details)  # fmt: skip
+                                    options.enable_prompt_tokens_details, options.enable_force_include_usage,
+                                    options.return_tokens_as_token_ids)  # fmt: skip
     except BaseException:
         if tokens is not None:
             tokens.shutdown()

@@ -142,7 +142,8 @@ class StoredResponses:
             status, note = 500, message
         ended(status, note, s if status == 200 else None)
 
-    async def _streamed(self, call: ResponsesCall, rid: str, s: Submitted, started: Callable[[], None]) -> dict[str, Any]:
+    async def _streamed(self, call: ResponsesCall, rid: str, s: Submitted,
+                        started: Callable[[], None]) -> dict[str, Any]:  # fmt: skip
         """Runs a background stream: its events go to its log (what its readers read) and the last one holds the
         Response it ended as. Cancelling the task aborts the request (its chat stream is closed)."""
         log = self.logs.get(rid)
