@@ -638,3 +638,23 @@ def test_responses_continue_a_partial_assistant_message_and_pass_the_effort_to_t
         wait_idle(handle)
     finally:
         handle.shutdown(timeout=0)
+
+
+def test_include_reasoning_false_leaves_the_reasoning_out(server, thinking_engine):
+    """vLLM's include_reasoning: false: the answer is the content alone, whole and streamed, the reasoning split off
+    and dropped (its tokens still counted); true or unset keeps it."""
+    client = openai_client(server.url)
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    for seed in SEEDS:
+        raw, _ = _raw(thinking_engine, messages, seed)
+        thought, content = reference(raw, True)
+        ask = dict(model=MODEL, messages=messages, max_tokens=40, temperature=0.8, seed=seed,
+                   extra_body={"ignore_eos": True, "include_reasoning": False})  # fmt: skip
+        answer = client.chat.completions.create(**ask)
+        message = answer.choices[0].message
+        assert getattr(message, "reasoning", None) is None and message.content == content, raw
+        assert answer.usage.completion_tokens == 40
+        assert _streamed(client, **ask) == (None, content)
+        kept = client.chat.completions.create(**{**ask, "extra_body": {"ignore_eos": True, "include_reasoning": True}})
+        assert getattr(kept.choices[0].message, "reasoning", None) == thought
+    wait_idle(server)

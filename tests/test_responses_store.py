@@ -299,7 +299,7 @@ def _fits(client, items, **kw) -> bool:
 
 def test_a_background_response_is_queued_until_it_runs(tiny_engine_dir):
     """One sequence per step: a second background request waits for admission and says `queued` (OpenAI's state)
-    while the first runs, then goes on to its answer once the first is cancelled."""
+    while the first runs, then goes on to its answer once the first is cancelled (or done)."""
     handle = start_server(tiny_engine_dir, port=0, served_model_name=MODEL, device="cpu", max_batch_size=1,
                           options=ServerOptions(responses_store_size=1 << 20))  # fmt: skip
     try:
@@ -312,7 +312,8 @@ def test_a_background_response_is_queued_until_it_runs(tiny_engine_dir):
         second = _create(client, input="then me", max_output_tokens=5, background=True)
         assert client.responses.retrieve(second.id).status == "queued"
         assert client.responses.retrieve(first.id).status == "in_progress"
-        assert client.responses.cancel(first.id).status == "cancelled"
+        # cancelled, unless its 450 tokens were done first (a fast machine: about a second of steps)
+        assert client.responses.cancel(first.id).status in ("cancelled", "incomplete")
         while (done := client.responses.retrieve(second.id)).status in ("queued", "in_progress"):
             assert time.monotonic() < deadline
             time.sleep(0.02)

@@ -4,6 +4,8 @@ return_tokens_as_token_ids, and chat logprobs' `bytes` (the token's own bytes, a
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.test_server import llm, request, wait_idle  # noqa: F401 - LLM on the same engine, the truth
@@ -347,3 +349,27 @@ def test_chat_top_logprobs_0_without_logprobs_asks_for_none(client, server):
         client.chat.completions.create(top_logprobs=1, **kw)
     assert err.value.body["param"] == "top_logprobs"
     wait_idle(server)
+
+
+def test_vllms_plumbing_fields_are_taken_when_they_ask_nothing_and_refused_naming_why(client, server):
+    """What vLLM clients and routers send along: a guided-decoding backend by name (the grammar is the same; xgrammar
+    runs it), null or empty logits processors, KV-transfer and multimodal options; set to something, each is a 400
+    naming the field and what this server lacks, as is a request's own chat template (vLLM's default too)."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    for backend in ("outlines", "xgrammar", "lm-format-enforcer"):
+        out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=20, temperature=0,
+                                             extra_body={"guided_json": schema, "guided_decoding_backend": backend,
+                                                         "kv_transfer_params": None, "vllm_xargs": {},
+                                                         "logits_processors": [], "mm_processor_kwargs": {}})
+        assert isinstance(json.loads(out.choices[0].message.content)["n"], int)
+    for field, value, words in (("chat_template", "{{ messages }}", "--trust-request-chat-template"),
+                                ("logits_processors", ["my.module:Proc"], "no custom logits processors"),
+                                ("kv_transfer_params", {"do_remote_prefill": True}, "disaggregated prefill"),
+                                ("vllm_xargs", {"k": 1}, "no custom logits processors"),
+                                ("mm_processor_kwargs", {"fps": 2}, "read text only"),
+                                ("guided_whitespace_pattern", " ", "own whitespace rule")):  # fmt: skip
+        status, _, body = request(server, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES,
+                                                                   "max_tokens": 2, field: value})
+        assert status == 400 and body["error"]["param"] == field and words in body["error"]["message"], body
+    wait_idle(server)
+

@@ -174,7 +174,7 @@ class GenerationService:
         builder = ResponseBuilder(summary.request_id, self.model_name, int(time.time()), chat, req.logprobs, req.tools,
                                   req.return_token_ids, req.chat_echo,
                                   self.reasoning.fmt if self.reasoning is not None and chat else None,
-                                  in_reasoning)  # fmt: skip
+                                  in_reasoning, req.show_reasoning)  # fmt: skip
         index = {rid: i for i, (rid, _, _) in enumerate(requests)}
         return Submitted(req, params, sub, index, builder, summary, prompts,
                          [p.max_tokens for _, _, p in requests])  # fmt: skip
@@ -445,7 +445,7 @@ class GenerationService:
                                 logprobs = builder.stream_logprobs(token_ids[cut:], raw[cut:], strings, 0) if \
                                     cut < len(token_ids) else None  # fmt: skip
                             new_ids = token_ids if ids else None
-                            if thought or (cut and (own is not None or ids)):
+                            if builder.show_reasoning and (thought or (cut and (own is not None or ids))):
                                 yield sse(builder.reasoning_chunk(d.index, thought, own, so_far,
                                                                   token_ids[:cut] if ids else None, prompt_ids))
                                 prompt_ids, new_ids = None, token_ids[cut:] if ids else None

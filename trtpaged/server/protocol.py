@@ -25,6 +25,17 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "n", "seed", "pres
                     "thinking_token_budget")  # fmt: skip
 MAX_REQUEST_ID_CHARS = 256  # a caller's request id (the body's request_id or the X-Request-Id header)
 _UNSUPPORTED = ("suffix", "functions", "function_call", "audio", "web_search_options")
+# vLLM's fields this server has no counterpart for, refused when they ask for something: why
+_VLLM_REFUSED = {
+    "chat_template": "a request's own chat template is not run (vLLM refuses it too unless started with "
+                     "--trust-request-chat-template); start the server with --chat-template",
+    "guided_whitespace_pattern": "JSON grammars keep xgrammar's own whitespace rule here",
+    "logits_processors": "no custom logits processors run here",
+    "kv_transfer_params": "no disaggregated prefill here",
+    "vllm_xargs": "no custom logits processors read extra arguments here",
+    "mm_processor_kwargs": "the models served here read text only",
+    "media_io_kwargs": "the models served here read text only",
+}
 
 Prompt = Union[str, list[int]]
 _Body = TypeVar("_Body", bound=BaseModel)
@@ -56,6 +67,7 @@ class GenerationRequest:
     truncate_prompt_tokens: Optional[int] = None  # keep the prompt's last k tokens; -1: as many as fit
     truncate_left: bool = True  # truncation_side "left" (vLLM's default): the last k; "right": the first k
     tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
+    show_reasoning: bool = True  # vLLM's include_reasoning: false leaves the split-off reasoning out
     return_token_ids: bool = False  # vLLM's: bodies and chunks carry the prompt's and the choices' token ids
     stream_interval: int = 1  # vLLM's: tokens per streamed chunk (raised to the server's --stream-interval)
     add_special_tokens: bool = True  # vLLM's: what the tokenizer adds (a BOS); default true for text, false for chat
@@ -207,6 +219,9 @@ def parse_generation(body: Any, chat: bool, served_names: Sequence[str], vocab_s
     for name in _UNSUPPORTED:
         if getattr(req, name, None) not in (None, False, "", [], {}, "none"):
             raise ApiError(f"{name}: not supported by this server", name)
+    for name, why in _VLLM_REFUSED.items():
+        if getattr(req, name, None) not in (None, "", [], {}):
+            raise ApiError(f"{name}: {why}", name)
     other = sorted(set(getattr(req, "modalities", None) or ()) - {"text"})
     if other:
         raise ApiError(f"modalities: {other} not supported by this server (text only)", "modalities")
@@ -275,6 +290,7 @@ def parse_generation(body: Any, chat: bool, served_names: Sequence[str], vocab_s
         truncate_prompt_tokens=truncate,
         truncate_left=req.truncation_side != "right",
         tokens_as_ids=bool(req.return_tokens_as_token_ids),
+        show_reasoning=getattr(req, "include_reasoning", None) is not False,
         return_token_ids=bool(req.return_token_ids),
         stream_interval=req.stream_interval or 1,
         add_special_tokens=req.add_special_tokens,

@@ -168,6 +168,7 @@ class ResponseBuilder:
     echo: str = ""  # chat's echo: the last message's text, before each answer (whole, or a first content chunk)
     reasoning: Optional[ReasoningFormat] = None  # chat with a reasoning parser: its tags
     in_reasoning: bool = True  # with `reasoning`: whether the answers begin inside the reasoning (the prompt's end)
+    show_reasoning: bool = True  # vLLM's include_reasoning: false splits the reasoning off and leaves it out
     # choice index -> the text chunk's event around its text (see event); None: no template
     _templates: dict[int, Optional[tuple[str, str]]] = field(default_factory=dict, compare=False, repr=False)
 
@@ -218,8 +219,9 @@ class ResponseBuilder:
                         content = self.echo + (content or "")
                     elif self.reasoning is not None and not content:
                         content = None  # vLLM's: no answer after the reasoning is a null content
+                    shown = thought if self.show_reasoning else None
                     choices.append(ChatChoice(message=AssistantMessage(content=content, tool_calls=calls,
-                                                                       reasoning=thought), **common))  # fmt: skip
+                                                                       reasoning=shown), **common))  # fmt: skip
                 else:
                     scored = vllm_prompt_logprobs(out.prompt_logprobs, strings) if (
                         prompt_logprobs and out.prompt_logprobs is not None) else None  # fmt: skip

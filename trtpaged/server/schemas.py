@@ -38,7 +38,19 @@ class _PlatformFields(_Strict):
     safety_identifier: Optional[StrictStr] = None
 
 
-class GenerationFields(_PlatformFields):
+class _VllmPlumbing(_Strict):
+    """vLLM fields that a vLLM client or router may send: accepted when they ask for nothing (null or empty), or, for
+    the guided-decoding backend, whatever backend they name (the grammar is the same; xgrammar runs it here);
+    protocol.py refuses any other value naming what this server lacks."""
+
+    guided_decoding_backend: Optional[StrictStr] = None
+    guided_whitespace_pattern: Optional[StrictStr] = None
+    logits_processors: Optional[list[Any]] = None
+    kv_transfer_params: Optional[dict[str, Any]] = None
+    vllm_xargs: Optional[dict[str, Any]] = None
+
+
+class GenerationFields(_PlatformFields, _VllmPlumbing):
     """Fields every generation endpoint reads under the same name and meaning: completions, chat completions and
     the Responses API (OpenAI's, plus vLLM's sampling extensions)."""
 
@@ -142,6 +154,10 @@ class ChatCompletionRequest(_SamplingFields):
     # variable (vLLM's), which a template may read; the others are without effect; modalities other than text and
     # web search are refused (protocol.py)
     reasoning_effort: Optional[StrictStr] = None
+    include_reasoning: Optional[StrictBool] = None  # vLLM's: false leaves the split-off reasoning out of the answer
+    chat_template: Optional[StrictStr] = None  # vLLM's request template: refused (protocol.py)
+    mm_processor_kwargs: Optional[dict[str, Any]] = None  # vLLM's multimodal options: refused unless empty
+    media_io_kwargs: Optional[dict[str, Any]] = None
     verbosity: Optional[StrictStr] = None
     prediction: Optional[dict[str, Any]] = None
     modalities: Optional[list[StrictStr]] = None
