@@ -203,8 +203,9 @@ def test_serve_names_a_memory_or_thread_limit_hit_while_loading_in_one_line(tiny
 
 def test_a_vllm_launch_line_starts_the_server_unchanged(tiny_engine_dir):
     """`trtpaged serve` run as a vLLM launch script runs it: VLLM_API_KEY guards the server, --max-model-len takes
-    vLLM's human-readable integers (0.3k = 300 tokens, which /v1/models reports), the flags with nothing to set
-    here start it with one line naming them, and SageMaker's /ping and /invocations answer as vLLM's do (an
+    vLLM's human-readable integers (0.3k = 300 tokens, which /v1/models reports), --num-gpu-blocks-override sizes
+    the pool, the engine's own settings (block size, KV dtype, tokenizer) and this server's only values pass, the
+    flags with nothing to set here start it with one line naming them, and SageMaker's /ping and /invocations answer as vLLM's do (an
     invocation is the chat or completions request its body is)."""
     import json
     import signal
@@ -221,7 +222,10 @@ def test_a_vllm_launch_line_starts_the_server_unchanged(tiny_engine_dir):
     proc = subprocess.Popen([sys.executable, "-m", "trtpaged.cli", "serve", str(tiny_engine_dir), "--port", str(port),
                              "--device", "cpu", "--served-model-name", MODEL, "tiny-alias", "--max-model-len", "0.3k",
                              "--trust-remote-code", "--disable-log-requests", "--enforce-eager", "--max-log-len",
-                             "100"],
+                             "100", "--block-size", "16", "--kv-cache-dtype", "auto", "--tokenizer",
+                             str(tiny_engine_dir), "--pipeline-parallel-size", "1", "--num-gpu-blocks-override", "37",
+                             "--swap-space", "0.001", "--uvicorn-log-level", "warning", "--async-scheduling",
+                             "--no-enable-chunked-prefill", "--distributed-executor-backend", "mp"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
 
@@ -250,6 +254,8 @@ def test_a_vllm_launch_line_starts_the_server_unchanged(tiny_engine_dir):
             assert (got["object"], got["choices"], got["usage"]) == (want["object"], want["choices"], want["usage"])
         status, out = call("/invocations", {"model": MODEL})
         assert status == 400 and out["error"]["param"] == "body"
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+            assert "trtpaged:kv_cache_blocks 37.0" in r.read().decode()  # --num-gpu-blocks-override
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
     finally:
@@ -257,8 +263,10 @@ def test_a_vllm_launch_line_starts_the_server_unchanged(tiny_engine_dir):
             proc.kill()
     assert proc.returncode == 0, err[-600:]
     line = next(line for line in err.decode().splitlines() if "vLLM flags without an effect" in line)
-    for flag in ("--trust-remote-code", "--disable-log-requests", "--enforce-eager", "--max-log-len"):
-        assert flag in line
+    for flag in ("--trust-remote-code", "--disable-log-requests", "--enforce-eager", "--max-log-len",
+                 "--uvicorn-log-level", "--async-scheduling", "--no-enable-chunked-prefill",
+                 "--distributed-executor-backend", "--pipeline-parallel-size 1"):
+        assert flag in line, line
 
 
 def test_enable_prompt_tokens_details_counts_the_cached_prompt_tokens(tiny_engine_dir):
@@ -351,41 +359,6 @@ def test_vllm_flags_fixed_by_the_build_or_this_server_are_refused_unless_they_ma
     starts the server (below), any other is refused before serving, naming the flag."""
     result = CliRunner().invoke(main, ["serve", str(tiny_engine_dir), "--device", "cpu", "--port", "0", *args])
     assert result.exit_code != 0 and words in result.output, result.output
-
-
-def test_vllm_flags_that_match_start_the_server_and_are_named(tiny_engine_dir):
-    """The matching values, the flags without an effect here and vLLM's --num-gpu-blocks-override (the pool's block
-    count: /metrics reports it) start `trtpaged serve`, which names the ones that change nothing."""
-    import signal
-    import socket
-    import subprocess
-    import sys
-    import urllib.request
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "trtpaged.cli", "serve", str(tiny_engine_dir), "--port", str(port),
-                             "--device", "cpu", "--block-size", "16", "--kv-cache-dtype", "auto", "--tokenizer",
-                             str(tiny_engine_dir), "--pipeline-parallel-size", "1", "--num-gpu-blocks-override", "37",
-                             "--swap-space", "0.001", "--uvicorn-log-level", "warning", "--async-scheduling",
-                             "--no-enable-chunked-prefill", "--distributed-executor-backend", "mp"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
-    try:
-        assert b"ready at" in proc.stdout.readline()
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
-            text = r.read().decode()
-        assert "trtpaged:kv_cache_blocks 37.0" in text
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, err[-600:]
-    line = next(line for line in err.decode().splitlines() if "vLLM flags without an effect" in line)
-    for flag in ("--uvicorn-log-level", "--async-scheduling", "--no-enable-chunked-prefill",
-                 "--distributed-executor-backend", "--pipeline-parallel-size 1"):
-        assert flag in line, line
 
 
 def test_force_include_usage_and_tokens_as_ids_by_default(tiny_engine_dir):

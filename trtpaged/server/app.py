@@ -357,16 +357,9 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
                     call, summary.request_id, events, summary, cache_block_size, stored.keep(call, summary.request_id)))
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache",
                                                                                       **headers})  # fmt: skip
-        try:
-            answer = await service.respond(submitted, request.is_disconnected)
-        except ClientGone:
-            _log(request, 499, "client disconnected; request aborted", start)
-            return Response(status_code=499)
-        except (EngineFailure, ShuttingDown, RequestTimeout) as exc:
-            error = runtime_failure(exc)
-            _log(request, error.status, error.message, start)
-            return error_response(responses_api.renamed(error, call) if call is not None else error)
-        _log(request, 200, "", start, submitted)
+        answer = await finished(request, submitted, start, lambda e: responses_api.renamed(e, call) if call else e)
+        if isinstance(answer, Response):
+            return answer
         if call is not None:
             usage = responses_output.usage_of(summary.prompt_tokens, summary.completion_tokens,
                                               summary.cached_tokens, cache_block_size,
@@ -379,6 +372,22 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
             return Response(json.dumps(body), media_type="application/json", headers=headers)
         return JSONResponse(dump(answer), headers=headers)
 
+    async def finished(request: Request, submitted: Submitted, start: float, renamed: Callable[[ApiError], ApiError],
+                       anthropic: bool = False) -> Any:  # fmt: skip
+        """A queued request's whole answer (logged), or the Response that ends it instead: 499 when the client left,
+        the error body (its fields `renamed` to the client's API) when the engine could not finish it."""
+        try:
+            answer = await service.respond(submitted, request.is_disconnected)
+        except ClientGone:
+            _log(request, 499, "client disconnected; request aborted", start)
+            return Response(status_code=499)
+        except (EngineFailure, ShuttingDown, RequestTimeout) as exc:
+            error = renamed(runtime_failure(exc))
+            _log(request, error.status, error.message, start)
+            return error_response(error, anthropic)
+        _log(request, 200, "", start, submitted)
+        return answer
+
     async def answer_message(request: Request, submitted: Submitted, start: float,
                              call: messages_api.MessagesCall) -> Response:  # fmt: skip
         """The answer to a queued /v1/messages request: its Anthropic stream, or its Message once it finished."""
@@ -390,16 +399,9 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
                                             len(submitted.prompts[0]), cache_block_size)  # fmt: skip
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache",
                                                                                       **headers})  # fmt: skip
-        try:
-            answer = await service.respond(submitted, request.is_disconnected)
-        except ClientGone:
-            _log(request, 499, "client disconnected; request aborted", start)
-            return Response(status_code=499)
-        except (EngineFailure, ShuttingDown, RequestTimeout) as exc:
-            error = runtime_failure(exc)
-            _log(request, error.status, error.message, start)
-            return error_response(messages_api.renamed(error), anthropic=True)
-        _log(request, 200, "", start, submitted)
+        answer = await finished(request, submitted, start, messages_api.renamed, anthropic=True)
+        if isinstance(answer, Response):
+            return answer
         usage = messages_output.usage_of(summary.prompt_tokens, summary.completion_tokens, summary.cached_tokens,
                                          cache_block_size)  # fmt: skip
         return JSONResponse(messages_output.message_body(call, mid, answer, usage), headers=headers)

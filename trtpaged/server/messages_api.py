@@ -24,7 +24,7 @@ from typing import Any, Literal, Optional, Sequence, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from trtpaged.server.errors import ApiError
-from trtpaged.server.protocol import check_model, validated
+from trtpaged.server.protocol import check_model, string_field, validated
 
 log = logging.getLogger("trtpaged.server")
 
@@ -220,10 +220,7 @@ def _block_kind(block: Any, where: str, allowed: tuple[str, ...], role: str) -> 
 
 
 def _string(block: dict[str, Any], key: str, where: str) -> str:
-    value = block.get(key)
-    if not isinstance(value, str):
-        raise ApiError(f"{where}.{key}: must be a string", "messages")
-    return value
+    return string_field(block, key, where, "messages")
 
 
 def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:

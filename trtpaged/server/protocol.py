@@ -85,6 +85,14 @@ def validated(model_type: type[_Body], body: Any) -> _Body:
         raise from_validation_error(exc) from None
 
 
+def string_field(item: Mapping[str, Any], key: str, where: str, param: str) -> str:
+    """`item[key]` when it is a string, else a 400 naming where it sits (`where`) and the request field (`param`)."""
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise ApiError(f"{where}.{key}: must be a string, got {type(value).__name__}", param)
+    return value
+
+
 def check_request_id(value: Optional[str], field_name: str) -> Optional[str]:
     """A caller's request id (the body's `request_id`, the X-Request-Id header): 1 to MAX_REQUEST_ID_CHARS printable
     ASCII characters, since it goes into the answer's id, a response header and the server's log lines."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from trtpaged.server.errors import ApiError
-from trtpaged.server.protocol import check_model, validated
+from trtpaged.server.protocol import check_model, string_field, validated
 from trtpaged.server.responses_store import Link, ResponsesStore, not_found
 from trtpaged.server.schemas import GenerationFields, ResponsesRequest
 
@@ -278,10 +278,7 @@ def _parts(parts: Any, where: str) -> list[dict[str, str]]:
 
 
 def _text(item: dict[str, Any], key: str, where: str) -> str:
-    value = item.get(key)
-    if not isinstance(value, str):
-        raise ApiError(f"{where}.{key}: must be a string, got {type(value).__name__}", "input")
-    return value
+    return string_field(item, key, where, "input")
 
 
 def _logprobs(req: ResponsesRequest) -> dict[str, Any]:
