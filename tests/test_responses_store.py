@@ -13,7 +13,7 @@ import time
 import pytest
 
 from tests.runtime_helpers import openai_client
-from tests.test_server import wait_idle
+from tests.test_server import request, wait_idle
 from trtpaged.server import ServerOptions, start_server
 from trtpaged.server.responses_store import ResponsesStore
 
@@ -436,3 +436,23 @@ def test_a_background_stream_is_read_again_from_any_event(client, server):
         client.responses.retrieve(_create(client, input="plain", max_output_tokens=2).id, stream=True)
     assert err.value.body["param"] == "stream"
     wait_idle(server)
+
+
+def test_background_streams_read_to_their_end_do_not_fill_the_store(tiny_engine_dir):
+    """A background stream's client that read its last event has the Response: it is no longer held unread, so a
+    small store keeps taking new background streams (each was held until polled: a 503 for good after a few)."""
+    handle = start_server(tiny_engine_dir, port=0, served_model_name=MODEL, device="cpu",
+                          options=ServerOptions(responses_store_size=8 << 10))  # fmt: skip
+    try:
+        client = openai_client(handle.url)
+        for i in range(24):
+            events = list(_create(client, input=f"hi {i}", max_output_tokens=8, background=True, stream=True))
+            assert events[-1].type in ("response.completed", "response.incomplete")
+        with pytest.raises(openai.BadRequestError) as err:
+            client.responses.input_items.list(events[-1].response.id, extra_query={"limit": "abc"})
+        assert err.value.body["param"] == "limit"
+        status, _, body = request(handle, f"/v1/responses/{events[-1].response.id}?stream=true&starting_after=--5")
+        assert status == 400 and body["error"]["param"] == "starting_after"
+        wait_idle(handle)
+    finally:
+        handle.shutdown(timeout=0)

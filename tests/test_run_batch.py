@@ -93,3 +93,23 @@ def test_an_unreadable_input_or_engine_twice_is_refused(tiny_engine_dir, tmp_pat
     twice = runner.invoke(main, ["run-batch", str(tiny_engine_dir), "--model", str(tiny_engine_dir), "-i", "-",
                                  "-o", "-"], input="")  # fmt: skip
     assert twice.exit_code == 2 and "ENGINE or --model" in twice.output
+
+
+def test_lines_end_at_newlines_only_and_a_line_that_cannot_be_sent_fails_alone(tiny_engine_dir, tmp_path):
+    """JSON Lines end at "\\n": a prompt holding U+2028 or U+0085 unescaped is one request; an escaped lone surrogate
+    is that line's 400, not the batch's end; an output path that cannot be written is refused before any work."""
+    body = {"model": MODEL, "prompt": "a\u2028b\x85c", "max_tokens": 2, "temperature": 0}
+    lines = [json.dumps({"custom_id": "sep", "method": "POST", "url": "/v1/completions", "body": body},
+                        ensure_ascii=False),
+             _line("lone", "/v1/completions", {"model": MODEL, "prompt": "\ud800x", "max_tokens": 2})]
+    source = tmp_path / "in.jsonl"
+    source.write_text("\n".join(lines) + "\n", encoding="utf-8", errors="surrogatepass")
+    result = CliRunner().invoke(main, ["run-batch", str(tiny_engine_dir), "-i", str(source), "-o", "-",
+                                       "--served-model-name", MODEL, "--device", "cpu"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    sep, lone = (json.loads(line) for line in result.stdout.splitlines())
+    assert sep["custom_id"] == "sep" and sep["response"]["status_code"] == 200
+    assert lone["custom_id"] == "lone" and lone["response"]["status_code"] == 400
+    unwritable = CliRunner().invoke(main, ["run-batch", str(tiny_engine_dir), "-i", str(source), "-o",
+                                           str(tmp_path / "missing" / "out.jsonl")])  # fmt: skip
+    assert unwritable.exit_code == 2 and "--output-file" in unwritable.output

@@ -57,6 +57,7 @@ def command(engine, model, input_file, output_file, served_model_name, max_concu
         raise click.UsageError("give the engine dir once: ENGINE or --model")
     engine = engine or model
     lines = _read(input_file)
+    _check_writable(output_file)  # before the batch runs, not after (hours of answers lost to a typo)
     from trtpaged.server import ServerOptions, batch_file, start_server
 
     requests = batch_file.parse_lines(lines)
@@ -83,11 +84,22 @@ def command(engine, model, input_file, output_file, served_model_name, max_concu
 
 def _read(path: str) -> list[str]:
     try:
-        if path == "-":
-            return sys.stdin.read().splitlines()
-        return Path(path).read_text(encoding="utf-8").splitlines()
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise click.BadParameter(f"cannot read {path!r}: {e}", param_hint="--input-file") from None
+    # lines end at "\n" (JSON Lines) only: str.splitlines also cut at U+2028, U+2029, U+0085 and \x1c-\x1e, which a
+    # JSON string may hold unescaped (json.dumps(ensure_ascii=False)), one request read as several broken lines
+    return [line.removesuffix("\r") for line in text.split("\n")]
+
+
+def _check_writable(path: str) -> None:
+    if path == "-":
+        return
+    target = Path(path)
+    parent = target.parent if str(target.parent) else Path(".")
+    if target.is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise click.BadParameter(f"cannot write {path!r} (a directory, or a folder that is missing or not writable)",
+                                 param_hint="--output-file")  # fmt: skip
 
 
 def _run(requests: list[Any], url: str, concurrency: int, key: str) -> list[dict[str, Any]]:

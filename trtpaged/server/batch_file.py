@@ -83,7 +83,10 @@ async def _answer(client: httpx.AsyncClient, line: BatchLine, gate: asyncio.Sema
         return _output(line, None, {"code": "invalid_request", "message": line.error})
     async with gate:
         try:
-            reply = await client.post(line.url, json=line.body)
+            # ASCII JSON (httpx's json= writes UTF-8, and a lone surrogate a line escaped, "\ud800", failed to encode:
+            # a traceback that lost the whole file); the server reads the escape as the same request would be read
+            reply = await client.post(line.url, content=json.dumps(line.body).encode("ascii"),
+                                      headers={"Content-Type": "application/json"})
         except httpx.HTTPError as exc:  # the server went away: this line failed, not the file
             return _output(line, None, {"code": "server_error", "message": f"{type(exc).__name__}: {exc}"})
     try:

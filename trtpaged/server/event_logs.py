@@ -71,6 +71,10 @@ class EventLogs:
             _, oldest = self._finished.popitem(last=False)
             self.finished_size -= oldest.size
 
+    def open_size(self) -> int:
+        """Bytes of the logs of responses still running (a new background stream waits while they fill the bound)."""
+        return sum(log.size for log in self._open.values())
+
     def get(self, rid: str) -> Optional[EventLog]:
         return self._open.get(rid) or self._finished.get(rid)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import uuid
 from contextlib import aclosing
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional
@@ -84,7 +85,7 @@ class StoredResponses:
         end."""
         assert self.store is not None
         queued = responses_output.envelope(call, rid, "queued", [])
-        if not self.store.room_for_background():
+        if not self.store.room_for_background() or self.logs.open_size() >= self.store.max_bytes:
             self.service.loop.abort(sorted(s.index))
             raise overloaded(f"background: the Responses store's bound ({self.store.max_bytes} bytes) is held by "
                              "background responses running or not read yet; read them, or retry later")
@@ -115,6 +116,8 @@ class StoredResponses:
         try:
             if call.req.stream:
                 body = await self._streamed(call, rid, s, started)
+                if body.get("status") == "failed":  # its stream's response.failed (the engine, a timeout)
+                    status, note = 500, str((body.get("error") or {}).get("message", "failed"))
             else:
                 answer = await self.service.respond(s, cancelled, started)
                 body = responses_output.response_body(call, rid, answer, self._usage(s), s.summary.reasoning_span)
@@ -166,6 +169,11 @@ class StoredResponses:
             return
         async for event in log.read(start):
             yield event
+        # this reader has the last event, the Response it ended as: it is read, no longer held (a client that reads
+        # its whole stream never polls; held unread, such responses filled the store's bound, every new background
+        # request a 503 for good)
+        if self.store is not None:
+            self.store.get(rid)
 
     def stream_log(self, rid: str) -> None:
         """Checks that `rid`'s events can be read again (a 400 naming `stream` otherwise)."""
@@ -244,16 +252,19 @@ class StoredResponses:
 
     def add_routes(self, app: FastAPI, authorize: Callable[[Request], Awaitable[None]]) -> None:
         @app.get("/v1/responses/{response_id}/input_items", dependencies=[Depends(authorize)])
-        async def list_input_items(response_id: str, limit: int = 20, order: str = "desc",
+        async def list_input_items(response_id: str, limit: str = "20", order: str = "desc",
                                    after: Optional[str] = None) -> Response:  # fmt: skip
-            return _json(self.input_items(response_id, limit, order, after))
+            if re.fullmatch(r"[0-9]{1,4}", limit) is None:  # a 400 in OpenAI's form, not FastAPI's 422
+                raise ApiError(f"limit: must be an integer in [1, 100], got {limit[:20]!r}", "limit")
+            return _json(self.input_items(response_id, int(limit), order, after))
 
         @app.get("/v1/responses/{response_id:path}", dependencies=[Depends(authorize)])
         async def get_response(response_id: str, request: Request) -> Response:
-            if request.query_params.get("stream", "false").lower() in ("false", "0"):
+            if request.query_params.get("stream", "false").lower() in ("false", "0", "no", "off", ""):
                 return _json(self.stored(response_id))
             after = request.query_params.get("starting_after", "-1")
-            if not after.lstrip("-").isdigit() or int(after) < -1:
+            # ASCII digits only: str.isdigit also takes '²' and '--5' passed a strip of '-', int() then failed (a 500)
+            if re.fullmatch(r"-1|[0-9]{1,18}", after) is None:
                 raise ApiError(f"starting_after: must be an event's sequence number (>= 0), got {after[:20]!r}",
                                "starting_after")  # fmt: skip
             self.stream_log(response_id)
