@@ -350,12 +350,16 @@ class GenerationService:
         """The full (non-streamed) body once every choice finished; raises ClientGone or the engine's error.
         `started` is called once, at the first output (the request was admitted and ran a step)."""
         joined = [CompletionAccumulator() for _ in s.index]
-        async with aclosing(s.sub.outputs(disconnected, self.request_timeout_s)) as outputs:
-            async for out in outputs:
-                if started is not None:
-                    started()
-                    started = None
-                joined[s.index[out.request_id]].add(out)
+        try:
+            async with aclosing(s.sub.outputs(disconnected, self.request_timeout_s)) as outputs:
+                async for out in outputs:
+                    if started is not None:
+                        started()
+                        started = None
+                    joined[s.index[out.request_id]].add(out)
+        except BaseException:  # ended early (cancelled, the client gone, a failure): what it generated is its usage
+            s.summary.completion_tokens = sum(len(c.token_ids) for j in joined for c in j.completions.values())
+            raise
         ordered = [j.result() for j in joined]
         ids: set[int] = set()
         if s.builder.top_logprobs is not None:
@@ -472,6 +476,9 @@ class GenerationService:
             yield sse(dump(runtime_failure(exc).body()))
             yield sse("[DONE]")
             return
+        except BaseException:  # closed early (cancelled, the client gone): what it generated is its usage
+            s.summary.completion_tokens = 0 if s.req.echo_only else state.completion_tokens
+            raise
         s.summary.prompt_tokens = sum(state.prompt_tokens.values())
         s.summary.cached_tokens = sum(cached.values())
         s.summary.completion_tokens = 0 if s.req.echo_only else state.completion_tokens
