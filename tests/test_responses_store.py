@@ -442,7 +442,8 @@ def test_a_background_stream_is_read_again_from_any_event(client, server):
 
 def test_background_streams_read_to_their_end_do_not_fill_the_store(tiny_engine_dir):
     """A background stream's client that read its last event has the Response: it is no longer held unread, so a
-    small store keeps taking new background streams (each was held until polled: a 503 for good after a few)."""
+    small store keeps taking new background streams (each was held until polled: a 503 for good after a few). Its
+    id, reused once it was evicted, names the new response alone (the old events were replayed as the new one's)."""
     handle = start_server(tiny_engine_dir, port=0, served_model_name=MODEL, device="cpu",
                           options=ServerOptions(responses_store_size=8 << 10))  # fmt: skip
     try:
@@ -455,6 +456,15 @@ def test_background_streams_read_to_their_end_do_not_fill_the_store(tiny_engine_
         assert err.value.body["param"] == "limit"
         status, _, body = request(handle, f"/v1/responses/{events[-1].response.id}?stream=true&starting_after=--5")
         assert status == 400 and body["error"]["param"] == "starting_after"
+        last = events[-1].response.id
+        for i in range(8):  # answers not in the background push it out of the store; its events stay in theirs
+            _create(client, input=f"filler {i}", max_output_tokens=2)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(last)
+        _create(client, input="another", max_output_tokens=2, extra_body={"request_id": last})  # the id reused
+        with pytest.raises(openai.BadRequestError) as err:  # not the evicted response's events
+            list(client.responses.retrieve(last, stream=True))
+        assert err.value.body["param"] == "stream"
         wait_idle(handle)
     finally:
         handle.shutdown(timeout=0)

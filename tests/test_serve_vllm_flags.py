@@ -205,8 +205,8 @@ def test_a_vllm_launch_line_starts_the_server_unchanged(tiny_engine_dir):
     """`trtpaged serve` run as a vLLM launch script runs it: VLLM_API_KEY guards the server, --max-model-len takes
     vLLM's human-readable integers (0.3k = 300 tokens, which /v1/models reports), --num-gpu-blocks-override sizes
     the pool, the engine's own settings (block size, KV dtype, tokenizer) and this server's only values pass, the
-    flags with nothing to set here start it with one line naming them, and SageMaker's /ping and /invocations answer as vLLM's do (an
-    invocation is the chat or completions request its body is)."""
+    flags with nothing to set here start it with one line naming them, and SageMaker's /ping and /invocations
+    answer as vLLM's do (an invocation is the chat or completions request its body is)."""
     import json
     import signal
     import socket

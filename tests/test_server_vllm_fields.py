@@ -372,4 +372,3 @@ def test_vllms_plumbing_fields_are_taken_when_they_ask_nothing_and_refused_namin
                                                                    "max_tokens": 2, field: value})
         assert status == 400 and body["error"]["param"] == field and words in body["error"]["message"], body
     wait_idle(server)
-

@@ -96,7 +96,7 @@ def _check_writable(path: str) -> None:
     if path == "-":
         return
     target = Path(path)
-    parent = target.parent if str(target.parent) else Path(".")
+    parent = target.parent  # "." for a bare file name
     if target.is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK):
         raise click.BadParameter(f"cannot write {path!r} (a directory, or a folder that is missing or not writable)",
                                  param_hint="--output-file")  # fmt: skip
@@ -121,7 +121,7 @@ def _write(path: str, outputs: list[dict[str, Any]]) -> None:
     target = Path(path)
     tmp: Optional[str] = None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent if str(target.parent) else ".")
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, target)

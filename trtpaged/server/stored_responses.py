@@ -54,13 +54,15 @@ class StoredResponses:
         if rid is not None:
             if rid in (".", ".."):  # a URL path segment that can never be read back
                 raise ApiError("request_id: '.' and '..' cannot name a stored response", "request_id")
-            return rid, store.claim(rid, "request_id")
-        if header_id is not None:
-            rid = responses_output.response_id(f"chatcmpl-{header_id}")
-            if not store.taken(rid):
-                return rid, store.claim(rid, "X-Request-Id")
-        rid = f"resp_{uuid.uuid4().hex}"
-        return rid, store.claim(rid, "request_id")
+            claim = rid, store.claim(rid, "request_id")
+        elif header_id is not None and not store.taken(rid := responses_output.response_id(f"chatcmpl-{header_id}")):
+            claim = rid, store.claim(rid, "X-Request-Id")
+        else:
+            rid = f"resp_{uuid.uuid4().hex}"
+            claim = rid, store.claim(rid, "request_id")
+        # the id names a new response now: the events of an earlier one of that id (evicted, its log kept) go
+        self.logs.drop(rid)
+        return claim
 
     def release(self, claim: Optional[Claim]) -> None:
         if claim is not None and self.store is not None:
@@ -116,7 +118,7 @@ class StoredResponses:
         try:
             if call.req.stream:
                 body = await self._streamed(call, rid, s, started)
-                if body.get("status") == "failed":  # its stream's response.failed (the engine, a timeout)
+                if body.get("status") == "failed":  # its stream's response.failed (the engine failed, or a timeout)
                     status, note = 500, str((body.get("error") or {}).get("message", "failed"))
             else:
                 answer = await self.service.respond(s, cancelled, started)
@@ -210,6 +212,9 @@ class StoredResponses:
         task, cancel = running
         cancel.set()
         if self.logs.get(rid) is not None:  # a stream has no poll for the flag: its task is cancelled
+            # once it has started: a task cancelled before its first step never runs _run's cleanup (its store
+            # entry, log and id held for good); that first step is queued already, so one pass of the loop runs it
+            await asyncio.sleep(0)
             task.cancel()
         await asyncio.wait({task}, timeout=CANCEL_WAIT_S)  # not the task cancelled if this request is
         return self.stored(rid)
