@@ -93,22 +93,42 @@ TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 # inference extension's endpoint picker): the same values again, labelled with the served model's name as vLLM's
 # are. gpu_cache_usage_perc is kv_cache_usage_perc's older name, which such configs still use.
 VLLM_PREFIX = "vllm:"
-VLLM_LOAD_GAUGES = (("num_requests_running", "num_running"), ("num_requests_waiting", "num_waiting"))
-VLLM_USAGE_GAUGES = ("kv_cache_usage_perc", "gpu_cache_usage_perc")
-# engine counters vLLM also has, under the same names (ENGINE_STATS keys)
-VLLM_ENGINE_COUNTERS = ("num_preemptions", "prefix_cache_queries_tokens", "prefix_cache_hits_tokens")
+# the engine series vLLM also has, under the same names after the prefix; and older vLLM names still scraped
+VLLM_ENGINE_SERIES = frozenset({"num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                                "num_preemptions", "prefix_cache_queries", "prefix_cache_hits"})  # fmt: skip
+VLLM_OLD_NAMES = {"kv_cache_usage_perc": "gpu_cache_usage_perc"}
+
+
+def vllm_copy(family: Metric, model_name: str, name: Optional[str] = None) -> Metric:
+    """One of this server's metric families under vLLM's name (`name`, else its own after the prefix), each sample
+    labelled with the served model's name; a counter's creation time (this server's, not a value) left out."""
+    name = name or VLLM_PREFIX + family.name[len(PREFIX) :]
+    out = Metric(name, f"vLLM's name of {family.name}.", family.type)
+    for sample in family.samples:
+        if not sample.name.endswith("_created"):
+            out.add_sample(name + sample.name[len(family.name) :], {"model_name": model_name, **sample.labels},
+                           sample.value)  # fmt: skip
+    return out
 
 
 class _EngineStatsCollector(Collector):
     """Exposes the latest engine-stats snapshot (set by the /metrics handler before each scrape); once the served
-    model's name is set (`ServerMetrics.set_model_name`), vLLM's load gauges too."""
+    model's name is set (`ServerMetrics.set_model_name`), the series vLLM also has under its names too."""
 
     def __init__(self) -> None:
         self.snapshot: Mapping[str, float] = {}
         self.model_name: Optional[str] = None
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.snapshot
+        for family in self._own(self.snapshot):
+            yield family
+            short = family.name[len(PREFIX) :]
+            if self.model_name is not None and short in VLLM_ENGINE_SERIES:
+                yield vllm_copy(family, self.model_name)
+                if short in VLLM_OLD_NAMES:
+                    yield vllm_copy(family, self.model_name, VLLM_PREFIX + VLLM_OLD_NAMES[short])
+
+    def _own(self, stats: Mapping[str, float]) -> Iterator[Metric]:
         for key, (name, kind, help_text) in ENGINE_STATS.items():
             if key in stats:
                 family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
@@ -131,24 +151,6 @@ class _EngineStatsCollector(Collector):
         total = stats.get("kv_blocks_total", 0)
         used = stats.get("kv_blocks_used", 0) / total if total else 0.0
         yield GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "KV-cache usage: blocks used / total (1 = 100%).", value=used)
-        if self.model_name is not None:
-            yield from self._vllm_gauges(stats, used)
-
-    def _vllm_gauges(self, stats: Mapping[str, float], used: float) -> Iterator[Metric]:
-        values = [(name, float(stats[key])) for name, key in VLLM_LOAD_GAUGES if key in stats]
-        values += [(name, used) for name in VLLM_USAGE_GAUGES]
-        for name, value in values:
-            family = GaugeMetricFamily(VLLM_PREFIX + name, f"vLLM's name of {PREFIX}{name.replace('gpu_', 'kv_')}.",
-                                       labels=["model_name"])  # fmt: skip
-            family.add_metric([self.model_name], value)
-            yield family
-        for key in VLLM_ENGINE_COUNTERS:
-            if key in stats:
-                name = ENGINE_STATS[key][0]
-                family = CounterMetricFamily(VLLM_PREFIX + name, f"vLLM's name of {PREFIX}{name}.",
-                                             labels=["model_name"])  # fmt: skip
-                family.add_metric([self.model_name], float(stats[key]))
-                yield family
 
 
 class _VllmSeries(Collector):
@@ -164,14 +166,7 @@ class _VllmSeries(Collector):
             return
         for source in self.sources:
             for family in source.collect():
-                name = VLLM_PREFIX + family.name[len(PREFIX) :]
-                out = Metric(name, f"vLLM's name of {family.name}.", family.type)
-                for sample in family.samples:
-                    if sample.name.endswith("_created"):  # the creation time is this server's, not a value
-                        continue
-                    out.add_sample(name + sample.name[len(family.name) :], {"model_name": self.model_name,
-                                                                           **sample.labels}, sample.value)
-                yield out
+                yield vllm_copy(family, self.model_name)
 
 
 def _spec_metrics(stats: Mapping[str, float]) -> Iterator[Metric]:
