@@ -38,7 +38,7 @@ class Format:
     close: str = ""  # ends the block ("" : the end of the text)
     args_keys: tuple[str, ...] = ("arguments",)  # the call object's key for its arguments
     at_start_only: bool = False  # calls only when the output starts with them (after whitespace)
-    python: bool = False  # a Python list of calls (server/pythonic_calls.py), not JSON objects
+    python: bool = False  # a Python list of calls (server/pythonic_calls.py, which reads none of the fields above)
 
 
 HERMES = Format("hermes", ("<tool_call>",), close="</tool_call>")
@@ -46,7 +46,7 @@ LLAMA3_JSON = Format("llama3_json", ("<|python_tag|>", "{"), separator=";", args
                      at_start_only=True)  # fmt: skip
 MISTRAL = Format("mistral", ("[TOOL_CALLS]",), open="[", separator=",", close="]")
 PHI4_MINI = Format("phi4_mini", ("functools",), open="[", separator=",", close="]")
-PYTHONIC = Format("pythonic", ("[",), open="[", separator=",", close="]", at_start_only=True, python=True)
+PYTHONIC = Format("pythonic", (), python=True)  # read by its own reader (call_stream): no JSON fields of its own
 REQUIRED = Format("required", (), open="[", separator=",", close="]", args_keys=("parameters",))  # our grammar's form
 FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, PHI4_MINI, PYTHONIC)}
 # vLLM's --tool-call-parser names -> the format (vLLM calls Phi-4-mini's parser phi4_mini_json)
