@@ -87,10 +87,9 @@ class ResponsesStore:
     def put(self, rid: str, body: dict[str, Any], turn: list[Any], previous: Optional[Link], running: bool = False,
             unread: bool = False, inputs: int = 0) -> bool:  # fmt: skip
         """Stores (or replaces) the Response `body` and its `turn` (its prompt items, in and out; the first `inputs`
-        of them its input): `running` (a
-        background one not finished), `unread` (a background one finished, held until read), else finished, when the
-        least recently used finished others go until the store is within its bound (this one stays). False, and
-        nothing changed, when it alone is larger than the bound."""
+        of them its input): `running` (a background one not finished), `unread` (a background one finished, held
+        until read), else finished, when the least recently used finished others go until the store is within its
+        bound (this one stays). False, and nothing changed, when it alone is larger than the bound."""
         old = self._entry(rid)
         entry = _Entry(old.serial if old is not None else next(self._serials), _dumps(body), _dumps(turn), previous,
                        inputs)
@@ -113,12 +112,16 @@ class ResponsesStore:
     def get(self, rid: str) -> Optional[dict[str, Any]]:
         """The stored Response `rid`, or None. A use: a finished one moves to the back of the eviction order (an
         unread one, read now, joins it there)."""
-        entry = self._running.get(rid) or self._read(rid)
+        entry = self._use(rid)
         return json.loads(entry.body) if entry is not None else None
+
+    def touch(self, rid: str) -> bool:
+        """A use of stored response `rid`, as `get`, without reading it back: whether it is stored."""
+        return self._use(rid) is not None
 
     def input_items(self, rid: str) -> Optional[tuple[list[Any], int]]:
         """The input items of stored response `rid` (a use, as `get`) and its serial, or None."""
-        entry = self._running.get(rid) or self._read(rid)
+        entry = self._use(rid)
         return (json.loads(entry.turn)[: entry.inputs], entry.serial) if entry is not None else None
 
     def running(self, rid: str) -> bool:
@@ -133,6 +136,10 @@ class ResponsesStore:
 
     def _entry(self, rid: str) -> Optional[_Entry]:
         return self._finished.get(rid) or self._running.get(rid) or self._unread.get(rid)
+
+    def _use(self, rid: str) -> Optional[_Entry]:
+        """Entry `rid`, used: a running one as it is, a finished one as `_read` reads it."""
+        return self._running.get(rid) or self._read(rid)
 
     def _read(self, rid: str) -> Optional[_Entry]:
         """Finished entry `rid`, moved to the back of the eviction order (an unread one is read now)."""

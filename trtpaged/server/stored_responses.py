@@ -99,17 +99,19 @@ class StoredResponses:
         if call.req.stream:  # open before the task runs: the client's stream reads it from now on
             self.logs.open(rid)
         cancel = asyncio.Event()
-        task = asyncio.get_running_loop().create_task(self._run(call, rid, s, cancel, ended))
+        task = asyncio.get_running_loop().create_task(self._run(call, rid, s, inputs, cancel, ended))
         self.running[rid] = (task, cancel)
         return queued
 
-    async def _run(self, call: ResponsesCall, rid: str, s: Submitted, cancel: asyncio.Event, ended: Ended) -> None:
+    async def _run(self, call: ResponsesCall, rid: str, s: Submitted, inputs: list[dict[str, Any]],
+                   cancel: asyncio.Event, ended: Ended) -> None:  # fmt: skip
+        """The background request `s` to its end, stored under `rid` with its `inputs` (its turn's input items)."""
         store = self.store
         assert store is not None
 
         def started() -> None:  # queued until it runs (OpenAI's states): admitted, and a step computed it
-            store.put(rid, responses_output.envelope(call, rid, "in_progress", []), responses_api.turn(call, []),
-                      call.link, running=True, inputs=len(call.items))
+            store.put(rid, responses_output.envelope(call, rid, "in_progress", []), inputs, call.link, running=True,
+                      inputs=len(inputs))
 
         async def cancelled() -> bool:
             return cancel.is_set()
@@ -175,11 +177,12 @@ class StoredResponses:
         # its whole stream never polls; held unread, such responses filled the store's bound, every new background
         # request a 503 for good)
         if self.store is not None:
-            self.store.get(rid)
+            self.store.touch(rid)
 
     def stream_log(self, rid: str) -> None:
         """Checks that `rid`'s events can be read again (a 400 naming `stream` otherwise)."""
-        self.stored(rid)
+        if self.store is None or not self.store.touch(rid):
+            raise self._missing(rid)
         if self.logs.get(rid) is None:
             raise ApiError(f"stream: the events of response {rid[:80]!r} are not kept (only those of a background "
                            "response created with stream: true, while it runs and for a while after)", "stream")
@@ -193,11 +196,15 @@ class StoredResponses:
     def stored(self, rid: str) -> dict[str, Any]:
         body = self.store.get(rid) if self.store is not None else None
         if body is None:
-            if self.store is None:
-                raise ApiError(f"response_id: no stored response {rid[:80]!r}: this server stores none (serve "
-                               "--responses-store-size)", "response_id", 404, "not_found_error")  # fmt: skip
-            raise not_found(rid)
+            raise self._missing(rid)
         return body
+
+    def _missing(self, rid: str) -> ApiError:
+        """The 404 for a response that is not stored."""
+        if self.store is None:
+            return ApiError(f"response_id: no stored response {rid[:80]!r}: this server stores none (serve "
+                            "--responses-store-size)", "response_id", 404, "not_found_error")  # fmt: skip
+        return not_found(rid)
 
     async def cancel(self, rid: str) -> dict[str, Any]:
         """Cancels background response `rid` while it runs (a cancelled one is answered as it is)."""
@@ -237,10 +244,9 @@ class StoredResponses:
             raise ApiError(f"limit: must be in [1, 100], got {limit}", "limit")
         if order not in ("asc", "desc"):
             raise ApiError(f"order: must be 'asc' or 'desc', got {order[:20]!r}", "order")
-        self.stored(rid)
-        assert self.store is not None
-        found = self.store.input_items(rid)
-        assert found is not None
+        found = self.store.input_items(rid) if self.store is not None else None
+        if found is None:
+            raise self._missing(rid)
         items, serial = found
         listed = [responses_output.input_item(item, f"{rid}/{serial}/{i}") for i, item in enumerate(items)]
         if order == "desc":
