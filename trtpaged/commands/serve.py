@@ -152,6 +152,22 @@ def _not_empty(value, param):
               help="vLLM's CORS setting: request headers a browser page may send.")
 @click.option("--allow-credentials", is_flag=True, help="vLLM's CORS setting: browser pages may send cookies and "
               "HTTP authentication.")
+@click.option("--ssl-certfile", type=click.Path(dir_okay=False), default=None,
+              help="vLLM's: serve HTTPS with this PEM certificate (chain) file.")
+@click.option("--ssl-keyfile", type=click.Path(dir_okay=False), default=None,
+              help="vLLM's: the certificate's private key, a PEM file without a passphrase (if not in the "
+                   "certificate file).")
+@click.option("--ssl-ca-certs", type=click.Path(dir_okay=False), default=None,
+              help="vLLM's: CA certificates (PEM) that clients' certificates are checked against.")
+@click.option("--ssl-cert-reqs", type=click.IntRange(0, 2), default=0, show_default=True,
+              help="vLLM's: client certificates: 0 not asked for, 1 optional, 2 required (checked against "
+                   "--ssl-ca-certs).")
+@click.option("--root-path", default="", metavar="PATH",
+              help="vLLM's: the path prefix a reverse proxy serves this server under (e.g. /api); requests are "
+                   "answered with or without it.")
+@click.option("--trust-request-chat-template", is_flag=True,
+              help="vLLM's: a chat request's own chat_template renders its conversation (else such requests are "
+                   "refused); only for clients trusted to run template code (sandboxed, time-limited).")
 @click.option("--request-log", type=OutputFile(), default=None,
               help="Append one JSON line per finished request to this file (arrival s, lengths, n, beam width, prefix "
                    "hits, finish reasons, latencies, step time): what `trtpaged diagnose` reads.")
@@ -173,7 +189,8 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
             device, tensor_parallel_size, speculative_config, kv_host_memory, kv_disk_path, kv_disk_size, kv_remote,
             kv_secret_file, enable_prompt_tokens_details, enable_force_include_usage, return_tokens_as_token_ids,
             responses_store_size, allowed_origins, allowed_methods,
-            allowed_headers, allow_credentials, request_log, request_log_prompts, stream_interval, pin_threads,
+            allowed_headers, allow_credentials, ssl_certfile, ssl_keyfile, ssl_ca_certs, ssl_cert_reqs, root_path,
+            trust_request_chat_template, request_log, request_log_prompts, stream_interval, pin_threads,
             **vllm_flags) -> None:  # fmt: skip
     """Serve ENGINE over /v1/completions, /v1/chat/completions, /v1/responses, Anthropic's /v1/messages (and its
     count_tokens), /v1/models, /tokenize, /detokenize, /version, /health, /metrics and SageMaker's /ping and
@@ -204,6 +221,8 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
             enable_force_include_usage=enable_force_include_usage,
             return_tokens_as_token_ids=return_tokens_as_token_ids, allowed_origins=allowed_origins,
             allowed_methods=allowed_methods, allowed_headers=allowed_headers, allow_credentials=allow_credentials,
+            ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile, ssl_ca_certs=ssl_ca_certs, ssl_cert_reqs=ssl_cert_reqs,
+            root_path=root_path, trust_request_chat_template=trust_request_chat_template,
         )  # fmt: skip
         with interrupts_end_the_load():
             handle = start_server(
@@ -222,7 +241,7 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
             )  # fmt: skip
     except (ValueError, FileNotFoundError, OSError, FatalEngineError) as e:
         message = e.strerror if isinstance(e, OSError) and e.strerror and e.filename is None else str(e)
-        raise click.ClickException(flag_error(message, typed_flags(sys.argv))) from None
+        raise click.ClickException(flag_error(message, typed_flags(sys.argv), TLS_FIELDS)) from None
     except (MemoryError, RuntimeError) as e:  # a memory limit (ulimit -v, a cgroup) below what loading takes
         if is_out_of_memory(e):
             what = str(e)[:200] or "an allocation failed"
@@ -315,7 +334,9 @@ FLAGS = {"gpu_memory_utilization": "--gpu-memory-utilization", "dtype": "--dtype
          "speculative_config": "--speculative-config", "kv_tiers.host_memory": "--kv-host-memory",
          "kv_tiers.disk.path": "--kv-disk-path", "kv_tiers.disk.size": "--kv-disk-size",
          "kv_tiers.remote": "--kv-remote", "kv_tiers.secret_file": "--kv-secret-file",
-         "request_log": "--request-log"}  # fmt: skip
+         "request_log": "--request-log", "ssl_keyfile": "--ssl-keyfile", "ssl_certfile": "--ssl-certfile",
+         "ssl_ca_certs": "--ssl-ca-certs", "ssl_cert_reqs": "--ssl-cert-reqs", "root_path": "--root-path"}  # fmt: skip
+TLS_FIELDS = ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs")  # named in the text of TLS errors
 # vLLM's spellings of three limits, which an error names when the user typed them
 VLLM_SPELLINGS = {"max_batch_size": "--max-num-seqs", "max_num_tokens": "--max-num-batched-tokens",
                   "max_seq_len": "--max-model-len", "num_kv_blocks": "--num-gpu-blocks-override"}  # fmt: skip

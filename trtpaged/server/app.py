@@ -13,7 +13,7 @@ import json
 import logging
 import threading
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -48,8 +48,17 @@ def error_response(error: ApiError, anthropic: bool = False) -> JSONResponse:
     return JSONResponse(body, error.status, headers=error.headers or None)
 
 
+def route_path(scope: Mapping[str, Any]) -> str:
+    """The request's path less the server's root path (--root-path) where it starts with it: a proxy may forward
+    /api/v1/models or, having cut its prefix, /v1/models; both are the route /v1/models (Starlette's routing rule)."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root) : len(root) + 1] in ("", "/"):
+        return path[len(root) :] or "/"
+    return path
+
+
 def _anthropic(request: Request) -> bool:
-    path = request.url.path
+    path = route_path(request.scope)
     return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
 
 
@@ -105,15 +114,18 @@ async def unless_disconnected(request: Request, work: Awaitable[T], poll_s: floa
 
 
 class StatusCounter:
-    """ASGI middleware: counts responses by route and status (the status the handler sent, 499 if none)."""
+    """ASGI middleware: counts responses by route and status (the status the handler sent, 499 if none); sets the
+    server's root path (--root-path) on each request, which the routing strips from paths that start with it."""
 
-    def __init__(self, app: Callable[..., Awaitable[None]], metrics: ServerMetrics) -> None:
-        self.app, self.metrics = app, metrics
+    def __init__(self, app: Callable[..., Awaitable[None]], metrics: ServerMetrics, root_path: str = "") -> None:
+        self.app, self.metrics, self.root_path = app, metrics, root_path
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if self.root_path:
+            scope = {**scope, "root_path": self.root_path}
         status = 499
 
         async def counted_send(message: dict) -> None:
@@ -125,7 +137,7 @@ class StatusCounter:
         try:
             await self.app(scope, receive, counted_send)
         finally:
-            path = scope.get("path", "").rstrip("/") or "/"
+            path = route_path(scope).rstrip("/") or "/"
             self.metrics.observe_http(path if path in ROUTES else "other", status)
 
 
@@ -455,7 +467,8 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
         check_model(model_id, [c.id for c in cards])
         return JSONResponse(dump(next(c for c in cards if c.id == model_id)))
 
-    tokenization = Tokenization(service.llm, service.tokens, service.model_names, service.template_defaults)
+    tokenization = Tokenization(service.llm, service.tokens, service.model_names, service.template_defaults,
+                                service.trust_request_template)  # fmt: skip
 
     async def tokenizer_call(request: Request, handler: Callable[[Any], Awaitable[Any]],
                              anthropic: bool = False) -> Response:  # fmt: skip
@@ -514,7 +527,7 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
     async def version() -> JSONResponse:
         return JSONResponse({"version": __version__})
 
-    return StatusCounter(app, metrics)
+    return StatusCounter(app, metrics, options.root_path)
 
 
 def _log(request: Request, status: int, note: str, start: float, s: Submitted | None = None) -> None:

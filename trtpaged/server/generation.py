@@ -94,8 +94,9 @@ class GenerationService:
                  stream_interval: int = 1, tool_call_parser: Optional[str] = None,
                  default_chat_template_kwargs: Optional[dict[str, Any]] = None,
                  prompt_tokens_details: bool = False, force_include_usage: bool = False,
-                 tokens_as_ids: bool = False) -> None:  # fmt: skip
+                 tokens_as_ids: bool = False, trust_request_template: bool = False) -> None:  # fmt: skip
         self.llm = llm
+        self.trust_request_template = trust_request_template  # vLLM's --trust-request-chat-template
         self.force_include_usage = force_include_usage  # vLLM's: every stream ends with its usage chunk
         self.tokens_as_ids = tokens_as_ids  # vLLM's: return_tokens_as_token_ids where a request does not say
         self.stream_interval = stream_interval  # tokens per streamed chunk (SamplingParams.stream_interval)
@@ -130,7 +131,7 @@ class GenerationService:
         body's request_id, else a random one. `dry_run`: every check, nothing queued (None)."""
         caller_id = check_request_id(header_id, "X-Request-Id")
         req = parse_generation(body, chat, self.model_names, self.vocab_size, self.auto_tools, self.max_logprobs,
-                               self.template_defaults)  # fmt: skip
+                               self.template_defaults, self.trust_request_template)  # fmt: skip
         if self.force_include_usage and req.stream:
             req.include_usage = True
         if self.tokens_as_ids and body.get("return_tokens_as_token_ids") is None:

@@ -50,6 +50,11 @@ class ServerOptions:
     `allowed_origins` (vLLM's --allowed-origins): the web origins whose pages may call the API from a browser
     (CORS), "*" for any; None: pages served from this machine only (LOOPBACK_ORIGINS). `allowed_methods`,
     `allowed_headers` and `allow_credentials` (cookies, HTTP auth) are the rest of vLLM's CORS settings.
+    `ssl_certfile` and `ssl_keyfile` (vLLM's --ssl-certfile, --ssl-keyfile: PEM files, the key without a passphrase)
+    serve HTTPS; `ssl_ca_certs` and `ssl_cert_reqs` (0 none, 1 optional, 2 required) ask clients for certificates
+    signed by those CAs (`trtpaged.server.tls`). `root_path` (vLLM's --root-path): the path prefix a reverse proxy
+    serves this server under; requests are answered with or without it. `trust_request_chat_template` (vLLM's
+    --trust-request-chat-template): a chat request's own `chat_template` renders its conversation (else refused).
     `responses_store_size`: bytes of finished Responses kept in memory for GET /v1/responses/{id},
     `previous_response_id` and `background` (`trtpaged.server.responses_store`); None: none are kept, unless
     $VLLM_ENABLE_RESPONSES_API_STORE (vLLM's switch) is 1, which keeps DEFAULT_RESPONSES_STORE_SIZE.
@@ -79,6 +84,12 @@ class ServerOptions:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
+    ssl_keyfile: Optional[str] = None
+    ssl_certfile: Optional[str] = None
+    ssl_ca_certs: Optional[str] = None
+    ssl_cert_reqs: int = 0
+    root_path: str = ""
+    trust_request_chat_template: bool = False
 
     @property
     def api_keys(self) -> tuple[str, ...]:
@@ -136,6 +147,9 @@ class ServerOptions:
             raise ValueError("served_model_name: must not be empty")
         if self.request_log is not None and not str(self.request_log):
             raise ValueError("request_log: must not be empty")
+        root = self.root_path
+        if not isinstance(root, str) or (root and (not root.startswith("/") or root.endswith("/") or "//" in root)):
+            raise ValueError(f"root_path: must be a path such as /api (a leading /, no trailing /), got {root!r:.80}")
         if self.request_log_prompts and self.request_log is None:
             raise ValueError("request_log_prompts: needs request_log (a file to write the prompts to)")
 

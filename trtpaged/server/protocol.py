@@ -23,12 +23,13 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "n", "seed", "pres
                     "repetition_penalty", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
                     "spaces_between_special_tokens", "length_penalty", "min_tokens", "cache_salt",
                     "thinking_token_budget")  # fmt: skip
+MAX_REQUEST_TEMPLATE_CHARS = 256 << 10  # a request's own chat template (real ones: 1-20 KB)
 MAX_REQUEST_ID_CHARS = 256  # a caller's request id (the body's request_id or the X-Request-Id header)
 _UNSUPPORTED = ("suffix", "functions", "function_call", "audio", "web_search_options")
 # vLLM's fields this server has no counterpart for, refused when they ask for something: why
 _VLLM_REFUSED = {
-    "chat_template": "a request's own chat template is not run (vLLM refuses it too unless started with "
-                     "--trust-request-chat-template); start the server with --chat-template",
+    "chat_template": "a request's own chat template is not run unless the server is started with "
+                     "--trust-request-chat-template (vLLM's rule), or give the server one with --chat-template",
     "guided_whitespace_pattern": "JSON grammars keep xgrammar's own whitespace rule here",
     "logits_processors": "no custom logits processors run here",
     "kv_transfer_params": "no disaggregated prefill here",
@@ -218,17 +219,22 @@ def _logprobs(req: Union[CompletionRequest, ChatCompletionRequest], names: dict[
 def parse_generation(body: Any, chat: bool, served_names: Sequence[str], vocab_size: int,
                      auto_tools: AutoTools = AutoTools(None, "the server was not told the model's tool-call format"),
                      max_logprobs: int = MAX_LOGPROBS,
-                     template_defaults: Optional[Mapping[str, Any]] = None) -> GenerationRequest:  # fmt: skip
+                     template_defaults: Optional[Mapping[str, Any]] = None,
+                     trust_template: bool = False) -> GenerationRequest:  # fmt: skip
     """Validates a decoded JSON body against the endpoint's schema; raises ApiError (400 or 404). `auto_tools`:
     the engine's tool-call format, for tool_choice "auto"; `max_logprobs`: the most top log-probs per token (and
-    prompt token) a request may ask for; `template_defaults`: the server's chat template variables."""
+    prompt token) a request may ask for; `template_defaults`: the server's chat template variables;
+    `trust_template` (serve --trust-request-chat-template): a request's own chat_template is rendered, else refused."""
     req = validated(ChatCompletionRequest if chat else CompletionRequest, body)
     check_model(req.model, served_names)
     for name in _UNSUPPORTED:
         if getattr(req, name, None) not in (None, False, "", [], {}, "none"):
             raise ApiError(f"{name}: not supported by this server", name)
+    own_template = isinstance(req, ChatCompletionRequest) and req.chat_template is not None
+    if own_template:
+        check_request_template(req.chat_template, trust_template)  # type: ignore[union-attr]
     for name, why in _VLLM_REFUSED.items():
-        if getattr(req, name, None) not in (None, "", [], {}):
+        if name != "chat_template" and getattr(req, name, None) not in (None, "", [], {}):
             raise ApiError(f"{name}: {why}", name)
     other = sorted(set(getattr(req, "modalities", None) or ()) - {"text"})
     if other:
@@ -253,7 +259,8 @@ def parse_generation(body: Any, chat: bool, served_names: Sequence[str], vocab_s
         max_tokens = 16  # OpenAI's completions default when the field is absent; an explicit null: the room left
     if chat:
         names["prompt"] = "messages"
-        names["chat_template"] = "messages"  # an engine without a template: the request has no such field
+        if not own_template:  # an engine without a template: the request has no such field
+            names["chat_template"] = "messages"
     include_usage, continuous_usage = _usage_options(req)
     truncate = req.truncate_prompt_tokens
     if truncate is not None and truncate < 1 and truncate != -1:
@@ -293,7 +300,8 @@ def parse_generation(body: Any, chat: bool, served_names: Sequence[str], vocab_s
         prompt_logprobs=prompt_k,
         tools=tools,
         shown_tools=shown,
-        chat_options=chat_options(req, template_defaults) if isinstance(req, ChatCompletionRequest) else {},
+        chat_options=chat_options(req, template_defaults, trust_template) if isinstance(req, ChatCompletionRequest)
+        else {},
         continuous_usage=continuous_usage,
         truncate_prompt_tokens=truncate,
         truncate_left=req.truncation_side != "right",
@@ -330,21 +338,38 @@ def _usage_options(req: Union[CompletionRequest, ChatCompletionRequest]) -> tupl
     return bool(options.include_usage) or continuous, continuous
 
 
+def check_request_template(template: Optional[str], trusted: bool) -> None:
+    """Refuses a request's own chat_template unless the server trusts them (vLLM's --trust-request-chat-template),
+    or one longer than MAX_REQUEST_TEMPLATE_CHARS (a real template has a few thousand; each distinct one is compiled
+    and kept)."""
+    if template is None:
+        return
+    if not trusted:
+        raise ApiError(f"chat_template: {_VLLM_REFUSED['chat_template']}", "chat_template")
+    if not template.strip() or len(template) > MAX_REQUEST_TEMPLATE_CHARS:
+        raise ApiError(f"chat_template: must be a Jinja template of 1 to {MAX_REQUEST_TEMPLATE_CHARS} characters, "
+                       f"got {len(template)}", "chat_template")  # fmt: skip
+
+
 def chat_options(req: Union[ChatCompletionRequest, TokenizeChatRequest],
-                 template_defaults: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:  # fmt: skip
+                 template_defaults: Optional[Mapping[str, Any]] = None, trust_template: bool = False) -> dict[str, Any]:
     """LLM.chat_prompt's options from a chat body (vLLM's add_generation_prompt, continue_final_message and
     chat_template_kwargs): the template variables are the server's `template_defaults`, then reasoning_effort
     (vLLM's: a template variable too; a Responses request's reasoning.effort arrives as it), then the request's own
-    chat_template_kwargs, each over the one before key by key."""
+    chat_template_kwargs, each over the one before key by key. With `trust_template`, the request's own
+    chat_template (checked by check_request_template) renders it."""
     kwargs = req.chat_template_kwargs
     if kwargs is None or isinstance(kwargs, dict):  # not a mapping: refused as the request's, further on
         effort = getattr(req, "reasoning_effort", None)
         merged = {**(template_defaults or {}), **({} if effort is None else {"reasoning_effort": effort}),
                   **(kwargs or {})}  # fmt: skip
         kwargs = merged if merged or kwargs is not None else None
-    return {"add_generation_prompt": req.add_generation_prompt is not False,
-            "continue_final_message": bool(req.continue_final_message),
-            "template_kwargs": kwargs}  # fmt: skip
+    options = {"add_generation_prompt": req.add_generation_prompt is not False,
+               "continue_final_message": bool(req.continue_final_message),
+               "template_kwargs": kwargs}  # fmt: skip
+    if trust_template and req.chat_template is not None:
+        options["chat_template"] = req.chat_template
+    return options
 
 
 def _constraint_fields(req: Union[CompletionRequest, ChatCompletionRequest], vocab_size: int) -> dict[str, Any]:

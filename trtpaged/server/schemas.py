@@ -155,7 +155,7 @@ class ChatCompletionRequest(_SamplingFields):
     # web search are refused (protocol.py)
     reasoning_effort: Optional[StrictStr] = None
     include_reasoning: Optional[StrictBool] = None  # vLLM's: false leaves the split-off reasoning out of the answer
-    chat_template: Optional[StrictStr] = None  # vLLM's request template: refused (protocol.py)
+    chat_template: Optional[StrictStr] = None  # vLLM's: rendered under serve --trust-request-chat-template
     mm_processor_kwargs: Optional[dict[str, Any]] = None  # vLLM's multimodal options: refused unless empty
     media_io_kwargs: Optional[dict[str, Any]] = None
     verbosity: Optional[StrictStr] = None
@@ -224,6 +224,7 @@ class TokenizeChatRequest(_Strict):
     continue_final_message: Optional[StrictBool] = False
     add_special_tokens: StrictBool = False  # on top of the template's own (which writes its BOS itself)
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    chat_template: Optional[StrictStr] = None  # vLLM's: rendered under serve --trust-request-chat-template
     tools: Optional[list[Any]] = None
     return_token_strs: Optional[StrictBool] = False
 

@@ -23,6 +23,7 @@ from trtpaged.server.options import ServerOptions, one_or_many
 from trtpaged.server.request_log import RequestLog
 from trtpaged.server import thread_names, thread_pinning
 from trtpaged.server.schemas import ModelCard
+from trtpaged.server.tls import check_tls, uvicorn_tls
 from trtpaged.server.tokenizer_worker import TokenizerWorker
 
 log = logging.getLogger("trtpaged.server")
@@ -54,13 +55,14 @@ class ServerHandle:
     """A running server: its URL, the `LLM` it serves, and `shutdown()`."""
 
     def __init__(self, server: uvicorn.Server, sock: socket.socket, loop: EngineLoop, tokens: TokenizerWorker,
-                 llm: LLM, model_name: str, options: ServerOptions, draining: Draining) -> None:  # fmt: skip
+                 llm: LLM, model_name: str, options: ServerOptions, draining: Draining, https: bool = False) -> None:  # fmt: skip
         self.server, self.loop, self.tokens, self.llm, self.model_name = server, loop, tokens, llm, model_name
         self.request_log = loop.request_log
         self.options, self.draining = options, draining
         host, port = sock.getsockname()[:2]
         self.host, self.port = str(host), int(port)
-        self.url = f"http://{self.host}:{self.port}"
+        shown = f"[{self.host}]" if ":" in self.host else self.host
+        self.url = f"{'https' if https else 'http'}://{shown}:{self.port}"
         self._sock = sock
         self._thread = threading.Thread(target=self._serve, name=thread_names.HTTP, daemon=True)
         self._closed = False
@@ -140,6 +142,8 @@ def start_server(
     num_kv_blocks, max_num_tokens, max_batch_size, max_seq_len, enable_prefix_caching, ...
     """
     options = options or ServerOptions()
+    tls = (options.ssl_keyfile, options.ssl_certfile, options.ssl_ca_certs, options.ssl_cert_reqs)
+    https = check_tls(*tls)  # before the model loads: a wrong file fails at once
     if options.reasoning_parser is not None:  # the engine's too: thinking_token_budget reads its tags
         llm_overrides.setdefault("reasoning_parser", options.reasoning_parser)
     sock = bind(host, port)
@@ -167,7 +171,8 @@ def start_server(
                                     options.stream_interval, options.tool_call_parser,
                                     options.default_chat_template_kwargs,
                                     options.enable_prompt_tokens_details, options.enable_force_include_usage,
-                                    options.return_tokens_as_token_ids)  # fmt: skip
+                                    options.return_tokens_as_token_ids,
+                                    options.trust_request_chat_template)  # fmt: skip
     except BaseException:
         if tokens is not None:
             tokens.shutdown()
@@ -184,6 +189,7 @@ def start_server(
     # "auto": uvloop's event loop and httptools' parser (installed with trtpaged), which spend less CPU per
     # streamed chunk than asyncio's loop and h11, CPU the kernels' threads share (docs/benchmarks.md)
     config = uvicorn.Config(app, loop="auto", http=BoundedHeadProtocol, log_level="warning", access_log=False,
-                            lifespan="off", timeout_keep_alive=30, timeout_graceful_shutdown=5)  # fmt: skip
+                            lifespan="off", timeout_keep_alive=30, timeout_graceful_shutdown=5,
+                            **uvicorn_tls(*tls))  # fmt: skip
     server = uvicorn.Server(config)
-    return ServerHandle(server, sock, loop, tokens, llm, name, options, draining).start()
+    return ServerHandle(server, sock, loop, tokens, llm, name, options, draining, https).start()

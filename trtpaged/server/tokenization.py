@@ -15,7 +15,7 @@ from trtpaged.runtime.llm_engine import Prompt, encode_prompt
 from trtpaged.server.constraints import token_ids_in_vocab
 from trtpaged.server.engine_loop import Overloaded, ShuttingDown
 from trtpaged.server.errors import ApiError, from_runtime_error
-from trtpaged.server.protocol import chat_messages, chat_options, check_model, validated
+from trtpaged.server.protocol import chat_messages, chat_options, check_model, check_request_template, validated
 from trtpaged.server.schemas import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -68,8 +68,9 @@ class Tokenization:
     `Overloaded` (a 503), as a full waiting queue is for generation."""
 
     def __init__(self, llm: LLM, tokens: TokenizerWorker, model_names: Sequence[str],
-                 template_defaults: Optional[dict[str, Any]] = None) -> None:  # fmt: skip
+                 template_defaults: Optional[dict[str, Any]] = None, trust_template: bool = False) -> None:  # fmt: skip
         self.llm = llm
+        self.trust_template = trust_template  # a request's own chat_template is rendered (else refused)
         self.template_defaults = template_defaults  # the server's chat template variables
         self.tokens = tokens
         self.model_names = tuple(model_names)  # a request may name any
@@ -87,7 +88,8 @@ class Tokenization:
         if isinstance(req, TokenizeChatRequest):
             messages = chat_messages(req.messages)
             tools = shown_tools(req.tools)  # validated and shown as the chat endpoint does
-            options = chat_options(req, self.template_defaults)
+            check_request_template(req.chat_template, self.trust_template)
+            options = chat_options(req, self.template_defaults, self.trust_template)
 
         def run(tokenizer: Any) -> bytes:
             if tokenizer is None:
@@ -106,7 +108,9 @@ class Tokenization:
         except (ApiError, ShuttingDown, Overloaded):  # the app answers the last two with a 503
             raise
         except ValueError as exc:
-            raise from_runtime_error(exc, {"prompt": field_name, "chat_template": field_name}) from None
+            own = chat and isinstance(req, TokenizeChatRequest) and req.chat_template is not None
+            raise from_runtime_error(exc, {"prompt": field_name, **({} if own else {"chat_template": field_name})}) \
+                from None
         except Exception as exc:  # noqa: BLE001 - a template or tokenizer error is the request's fault
             raise ApiError(f"{field_name}: could not be tokenized ({type(exc).__name__})", field_name) from None
         return answer
