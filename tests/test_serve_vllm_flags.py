@@ -225,7 +225,8 @@ def test_a_vllm_launch_line_starts_the_server_unchanged(tiny_engine_dir):
                              "100", "--block-size", "16", "--kv-cache-dtype", "auto", "--tokenizer",
                              str(tiny_engine_dir), "--pipeline-parallel-size", "1", "--num-gpu-blocks-override", "37",
                              "--swap-space", "0.001", "--uvicorn-log-level", "warning", "--async-scheduling",
-                             "--no-enable-chunked-prefill", "--distributed-executor-backend", "mp"],
+                             "--no-enable-chunked-prefill", "--distributed-executor-backend", "mp",
+                             "--chat-template-content-format", "string"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
 
@@ -352,6 +353,7 @@ def test_template_variables_stack_defaults_then_reasoning_effort_then_the_reques
     (["--data-parallel-size", "4"], "only 1 here (one engine per server"),
     (["--tokenizer-mode", "mistral"], "only auto or hf here"),
     (["--guided-decoding-backend", "outlines"], "only auto or xgrammar here"),
+    (["--chat-template-content-format", "openai"], "only auto or string here"),
 ])  # fmt: skip
 def test_vllm_flags_fixed_by_the_build_or_this_server_are_refused_unless_they_match(tiny_engine_dir, args, words):
     """A vLLM launch line's engine settings are checked against the engine dir (built with block size 16, no
