@@ -180,9 +180,10 @@ def edited_engine(src: Path, dst: Path, edit) -> Path:
     (lambda m: m.update(kv_cache={"memory_bytes": 2**50}), "invalid_argument",
      "trtpaged.json: kv_cache.memory_bytes: "),
     # other families' features: valid engines the Python runtime runs (were "unknown field", invalid_argument)
-    (lambda m: m["dims"].update(layer_windows=[8, 0]), "unsupported",
-     "dims.layer_windows: sliding-window attention is not implemented by the C runtime"),
-    (lambda m: m["dims"].update(qk_norm=True), "unsupported", "dims.qk_norm: q/k norms"),
+    (lambda m: m["dims"].update(nope_layers=[1]), "unsupported",
+     "dims.nope_layers: layers without RoPE (SmolLM3) is not implemented by the C runtime"),
+    (lambda m: m["dims"].update(qk_norm=1), "invalid_argument", "dims.qk_norm: got 1; expected true or false"),
+    (lambda m: m["dims"].update(qk_norm=True), "invalid_argument", "layers.0.self_attn.q_norm.weight"),
     (lambda m: m["dims"].update(layer_windows=[4096]), "invalid_argument", "dims.layer_windows: got [4096]; one window"),
     (lambda m: m["dims"].update(layer_windows=[-1, 0]), "invalid_argument", "dims.layer_windows: got [-1,0]"),
     (lambda m: m["dims"].update(architecture="Gemma2ForCausalLM", gemma_norms=True), "unsupported",
@@ -197,7 +198,7 @@ def test_open_refuses_bad_engine_dirs(lib, tiny_engine_dir, tmp_path, edit, stat
 
 def test_a_window_no_sequence_reaches_is_read_as_none(lib, tiny_engine_dir, tmp_path):
     """A stock Mistral config's window (4096) built with a shorter max_seq_len never applies: the C runtime opens it
-    and answers as without one (a window one token inside max_seq_len is refused)."""
+    and answers as without one; so does a window inside max_seq_len that these short prompts do not reach."""
     manifest = json.loads((tiny_engine_dir / "trtpaged.json").read_text())
     longest, layers = manifest["limits"]["max_seq_len"], manifest["dims"]["num_layers"]
     with CRuntime(lib, tiny_engine_dir) as rt:
@@ -208,8 +209,37 @@ def test_a_window_no_sequence_reaches_is_read_as_none(lib, tiny_engine_dir, tmp_
             assert rt.generate(PROMPTS[:2], 8) == want
     engine = edited_engine(tiny_engine_dir, tmp_path / "near", lambda m: m["dims"].update(
         layer_windows=[longest - 1] + [0] * (layers - 1)))
-    with pytest.raises(CError, match="dims.layer_windows: sliding-window attention"):
-        CRuntime(lib, engine)
+    with CRuntime(lib, engine) as rt:
+        assert rt.generate(PROMPTS[:2], 8) == want
+
+
+@pytest.mark.parametrize("family", ["mistral-window", "qwen2-window", "qwen3"])
+def test_family_engines_match_transformers(lib, tmp_path, family):
+    """Sliding windows (Mistral's on every layer, Qwen2's on all but the first) and Qwen3's q/k norms, on tiny random
+    configs: the C runtime's greedy tokens, three windows past the prompts, are transformers' `generate`'s, and its
+    prefill logits at every position the Python runner's (which runs Qwen3's norms with torch ops: to 1e-4)."""
+    from test_families import WINDOW, _config
+    from runtime_helpers import hf_greedy
+    from trtpaged.builder import build_engine
+    from trtpaged.models import load_hf
+    from trtpaged.runtime.runners import StepBatch, TorchRunner
+
+    config = _config(family, dtype="float32", block_size=8, kv_cache={"num_kv_blocks": 64}, backend="torch")
+    engine = tmp_path / family
+    build_engine(config, engine, echo=lambda line: None)
+    hf = load_hf(config.model)
+    prompts = [[(7 * i + 3) % 250 + 2 for i in range(n)] for n in (5, 2 * WINDOW + 3, 9)]
+    want = [hf_greedy(hf, p, 3 * WINDOW, None) for p in prompts]
+    with CRuntime(lib, engine) as rt:
+        assert rt.generate(prompts, 3 * WINDOW) == want
+        prompt = prompts[1]
+        n = len(prompt)
+        step = dict(input_ids=prompt, positions=list(range(n)), query_start=[0, n], context_lens=[n],
+                    block_tables=[list(range((n + 7) // 8))], logits_index=list(range(n)))
+        got = run_c_step(rt, step)
+    runner = TorchRunner.from_engine_dir(engine, num_kv_blocks=16)
+    expected = runner.step(StepBatch(**{k: torch.tensor(v, dtype=torch.int32) for k, v in step.items()}))
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_json_nested_past_the_limit_is_refused_not_a_stack_overflow(lib, tiny_engine_dir, tmp_path):

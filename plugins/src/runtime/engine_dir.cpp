@@ -225,13 +225,12 @@ bool windows_reach_no_sequence(const json& dims, int64_t max_seq_len, const std:
   });
 }
 
-// The manifest writes a family field only where it differs from Llama's: each one present is a feature of another
-// family that this runtime does not implement (the Python runtime does), so it is refused as unsupported, naming it.
-void refuse_family_features(const json& dims, int64_t max_seq_len, const std::string& where) {
+// The manifest writes a family field only where it differs from Llama's: each one present other than the sliding
+// windows and the q/k norms (read by read_manifest) is a feature of another family that this runtime does not
+// implement (the Python runtime does), so it is refused as unsupported, naming it.
+void refuse_family_features(const json& dims, const std::string& where) {
   static const std::pair<const char*, const char*> kFeatures[] = {
-      {"layer_windows", "sliding-window attention"},
       {"nope_layers", "layers without RoPE (SmolLM3)"},
-      {"qk_norm", "q/k norms (Qwen3, Gemma 3)"},
       {"partial_rotary_factor", "partial rotary embeddings (Phi-3, Phi-4-mini)"},
       {"hidden_act", "an MLP activation other than SiLU"},
       {"gemma_norms", "Gemma's norms"},
@@ -243,7 +242,6 @@ void refuse_family_features(const json& dims, int64_t max_seq_len, const std::st
   };
   for (const auto& [field, feature] : kFeatures) {
     if (!dims.contains(field)) continue;
-    if (std::string(field) == "layer_windows" && windows_reach_no_sequence(dims, max_seq_len, where)) continue;
     raise(TRTPAGED_ERR_UNSUPPORTED, where + ": dims." + field + ": " + feature + " is not implemented by the C "
                                         "runtime; the Python runtime (trtpaged serve, LLM) runs this engine");
   }
@@ -369,14 +367,19 @@ Manifest read_manifest(const std::string& root) {
   }
 
   Fields dims(top.object("dims"), "dims.", where);
+  refuse_family_features(top.object("dims"), where);
   {
     const json& limits_obj = top.object("limits");
     const json* seq = limits_obj.contains("max_seq_len") ? &limits_obj["max_seq_len"] : nullptr;
     // an unreadable max_seq_len reaches no window here; its own check below names it
-    refuse_family_features(top.object("dims"), seq && seq->is_number_integer() ? seq->get<int64_t>() : INT64_MAX,
-                           where);
+    const json& dims_obj = top.object("dims");
+    if (dims_obj.contains("layer_windows") &&
+        !windows_reach_no_sequence(dims_obj, seq && seq->is_number_integer() ? seq->get<int64_t>() : INT64_MAX,
+                                   where))
+      for (const json& w : dims_obj["layer_windows"]) m.layer_windows.push_back(w.get<int64_t>());
   }
-  dims.only({"layer_windows", "architecture", "num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
+  dims.only({"layer_windows", "qk_norm", "architecture", "num_layers", "hidden_size", "intermediate_size",
+             "num_heads", "num_kv_heads", "head_dim",
              "vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings",
              "tie_word_embeddings", "attention_bias", "o_proj_bias", "mlp_bias"});
   m.architecture = dims.string("architecture");
@@ -394,6 +397,7 @@ Manifest read_manifest(const std::string& root) {
   m.attention_bias = dims.boolean("attention_bias", false);
   m.o_proj_bias = dims.boolean("o_proj_bias", false);
   m.mlp_bias = dims.boolean("mlp_bias", false);
+  m.qk_norm = dims.boolean("qk_norm", false);
   if (m.num_heads % m.num_kv_heads)
     dims.bad("num_kv_heads",
              std::to_string(m.num_kv_heads) + " does not divide num_heads " + std::to_string(m.num_heads));

@@ -25,6 +25,8 @@ struct Manifest {
   double rms_norm_eps = 0, rope_theta = 0;
   RopeScaling rope;
   bool tie_word_embeddings = false, attention_bias = false, o_proj_bias = false, mlp_bias = false;
+  bool qk_norm = false;                // per-head RMSNorm of q and k before RoPE (Qwen3)
+  std::vector<int64_t> layer_windows;  // one sliding window per layer (0: global); empty: none reaches a sequence
   int64_t max_batch_size = 0, max_num_tokens = 0, max_seq_len = 0, block_size = 0;
   int64_t num_kv_blocks = 0, kv_memory_bytes = 0;  // 0: not set
   double kv_fraction = 0;                          // 0: not set

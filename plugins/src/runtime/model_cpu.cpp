@@ -194,6 +194,11 @@ CpuModel::CpuModel(const Manifest& manifest, const std::string& weights_path, co
     Layer& l = layers_[size_t(i)];
     l.input_norm = w.read<float>(p + "input_layernorm.weight", "F32", {h});
     l.post_attention_norm = w.read<float>(p + "post_attention_layernorm.weight", "F32", {h});
+    if (m_.qk_norm) {
+      l.q_norm = w.read<float>(p + "self_attn.q_norm.weight", "F32", {m_.head_dim});
+      l.k_norm = w.read<float>(p + "self_attn.k_norm.weight", "F32", {m_.head_dim});
+    }
+    if (!m_.layer_windows.empty()) l.window = int32_t(std::min<int64_t>(m_.layer_windows[size_t(i)], INT32_MAX));
     l.qkv = load_linear(w, m_, p + "self_attn.qkv_proj", h, q_size + 2 * kv_size, m_.attention_bias);
     l.o = load_linear(w, m_, p + "self_attn.o_proj", q_size, h, m_.o_proj_bias);
     l.gate_up = load_linear(w, m_, p + "mlp.gate_up_proj", h, 2 * m_.intermediate_size, m_.mlp_bias);
@@ -223,11 +228,13 @@ CpuModel::CpuModel(const Manifest& manifest, const std::string& weights_path, co
     head_.weight = embed_f32_;
   }
   w.check_all_used();
-  // as the Python model decides its execution plan: every layer's linears quantized -> one call
+  // as the Python model decides its execution plan: every layer's linears quantized -> one call, unless a layer
+  // has a window or q/k norms (the one-call runner's attention reads whole sequences and it has no q/k norms)
   quantized_ = !m_.quant_modules.empty();
-  one_call_ = std::all_of(layers_.begin(), layers_.end(), [](const Layer& l) {
-    return l.qkv.quantized && l.o.quantized && l.gate_up.quantized && l.down.quantized;
-  });
+  one_call_ = m_.layer_windows.empty() && !m_.qk_norm &&
+              std::all_of(layers_.begin(), layers_.end(), [](const Layer& l) {
+                return l.qkv.quantized && l.o.quantized && l.gate_up.quantized && l.down.quantized;
+              });
   if (one_call_)
     for (const Layer& l : layers_)
       described_.push_back({l.input_norm.data(), l.post_attention_norm.data(), l.qkv.described(), l.o.described(),
@@ -311,6 +318,7 @@ void CpuModel::layers_fused(float* stream, float* last, const trtpaged_attention
   for (size_t i = 0; i < layers_.size(); ++i) {
     const Layer& l = layers_[i];
     p.layer = int32_t(i);
+    const trtpaged_attention_options options{l.window, 0.0f};
     if (i == 0)
       check_kernel(trtpaged_rmsnorm_cpu(stream, nullptr, l.input_norm.data(), eps_, rows, h, x_.data(), nullptr),
                    "rmsnorm");
@@ -318,11 +326,12 @@ void CpuModel::layers_fused(float* stream, float* last, const trtpaged_attention
       check_kernel(trtpaged_rmsnorm_cpu(last, stream, l.input_norm.data(), eps_, rows, h, x_.data(), stream),
                    "rmsnorm");
     l.qkv.run(x_.data(), rows, qkv_.data());
+    if (!l.q_norm.empty()) norm_heads(qkv_.data(), rows, l);
     check_kernel(trtpaged_rope_qk_cpu(qkv_.data(), rows, int32_t(m_.num_heads), int32_t(m_.num_kv_heads),
                                       int32_t(m_.head_dim), cos_.data(), sin_.data(), q_.data(), k_.data(), v_.data()),
                  "rope_qk");
-    check_kernel(trtpaged_paged_attention_cpu(&p, q_.data(), k_.data(), v_.data(), pool, s.positions, s.query_start,
-                                              s.context_lens, s.block_tables, attn_.data()),
+    check_kernel(trtpaged_paged_attention_ex_cpu(&p, &options, q_.data(), k_.data(), v_.data(), pool, s.positions,
+                                                 s.query_start, s.context_lens, s.block_tables, attn_.data()),
                  "paged_attention");
     l.o.run(attn_.data(), rows, o_.data());
     check_kernel(
@@ -331,6 +340,23 @@ void CpuModel::layers_fused(float* stream, float* last, const trtpaged_attention
     l.gate_up.run(x_.data(), rows, gate_up_.data());
     check_kernel(trtpaged_silu_mul_cpu(gate_up_.data(), rows, inter, act_.data()), "silu_mul");
     l.down.run(act_.data(), rows, last);
+  }
+}
+
+// Qwen3's q_norm and k_norm: each head's q (and k) in the packed qkv rows scaled to unit RMS, times the weight
+// (transformers' Qwen3RMSNorm over head_dim, before RoPE), in place. The mean square is summed in double.
+void CpuModel::norm_heads(float* qkv, int64_t rows, const Layer& l) const {
+  const int64_t d = m_.head_dim, q_size = m_.num_heads * d, stride = q_size + 2 * m_.num_kv_heads * d;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = qkv + r * stride;
+    for (int64_t head = 0; head < m_.num_heads + m_.num_kv_heads; ++head) {
+      float* x = row + head * d;  // q heads, then k heads (they follow the q block)
+      const float* w = head < m_.num_heads ? l.q_norm.data() : l.k_norm.data();
+      double sum = 0;
+      for (int64_t i = 0; i < d; ++i) sum += double(x[i]) * double(x[i]);
+      const float inv = 1.0f / std::sqrt(float(sum / double(d)) + eps_);
+      for (int64_t i = 0; i < d; ++i) x[i] = w[i] * (x[i] * inv);
+    }
   }
 }
 

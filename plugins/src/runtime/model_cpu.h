@@ -1,7 +1,9 @@
 // The Llama-family step model on the CPU through the kernel library: the same kernel calls, in the
 // same order on the same buffers, as the Python runtime's eager step model (trtpaged/models/llama.py:
-// the c_layers plan when every linear is quantized, else the fused plan), so that the two produce
-// the same logits for the same packed batch (up to the rotary tables' last bit: see docs/embedding.md).
+// the c_layers plan when every linear is quantized, else the fused plan; sliding windows take the fused
+// plan, as in Python), so that the two produce the same logits for the same packed batch (up to the rotary
+// tables' last bit: see docs/embedding.md). Qwen3's q/k norms, which the Python runtime computes with torch
+// ops, are a loop here: the logits agree to float32 rounding, not bit for bit.
 #pragma once
 
 #include <cstdint>
@@ -35,7 +37,9 @@ struct Linear {
 
 struct Layer {
   std::vector<float> input_norm, post_attention_norm;
+  std::vector<float> q_norm, k_norm;  // [head_dim] each with qk_norm (Qwen3), else empty
   Linear qkv, o, gate_up, down;
+  int32_t window = 0;  // sliding window (tokens; 0: the whole sequence)
 };
 
 // The packed step of the engine I/O contract, checked by the caller.
@@ -61,6 +65,7 @@ class CpuModel {
   void rotary(const int32_t* positions, int32_t rows);
   void layers_fused(float* stream, float* last, const trtpaged_attention_params& attn, void* pool,
                     const StepView& s);
+  void norm_heads(float* qkv, int64_t rows, const Layer& l) const;
 
   Manifest m_;
   trtpaged_dtype kv_cache_dtype_ = TRTPAGED_FLOAT32;
