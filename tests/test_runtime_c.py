@@ -180,8 +180,10 @@ def edited_engine(src: Path, dst: Path, edit) -> Path:
     (lambda m: m.update(kv_cache={"memory_bytes": 2**50}), "invalid_argument",
      "trtpaged.json: kv_cache.memory_bytes: "),
     # other families' features: valid engines the Python runtime runs (were "unknown field", invalid_argument)
-    (lambda m: m["dims"].update(nope_layers=[1]), "unsupported",
-     "dims.nope_layers: layers without RoPE (SmolLM3) is not implemented by the C runtime"),
+    (lambda m: m["dims"].update(partial_rotary_factor=0.5), "unsupported",
+     "dims.partial_rotary_factor: partial rotary embeddings (Phi-3, Phi-4-mini) is not implemented by the C runtime"),
+    (lambda m: m["dims"].update(nope_layers=[1, 1]), "invalid_argument", "dims.nope_layers: got [1,1]; expected"),
+    (lambda m: m["dims"].update(nope_layers=[2]), "invalid_argument", "dims.nope_layers: got [2]; expected"),
     (lambda m: m["dims"].update(qk_norm=1), "invalid_argument", "dims.qk_norm: got 1; expected true or false"),
     (lambda m: m["dims"].update(qk_norm=True), "invalid_argument", "layers.0.self_attn.q_norm.weight"),
     (lambda m: m["dims"].update(layer_windows=[4096]), "invalid_argument", "dims.layer_windows: got [4096]; one window"),
@@ -213,10 +215,10 @@ def test_a_window_no_sequence_reaches_is_read_as_none(lib, tiny_engine_dir, tmp_
         assert rt.generate(PROMPTS[:2], 8) == want
 
 
-@pytest.mark.parametrize("family", ["mistral-window", "qwen2-window", "qwen3"])
+@pytest.mark.parametrize("family", ["mistral-window", "qwen2-window", "qwen3", "smollm3"])
 def test_family_engines_match_transformers(lib, tmp_path, family):
-    """Sliding windows (Mistral's on every layer, Qwen2's on all but the first) and Qwen3's q/k norms, on tiny random
-    configs: the C runtime's greedy tokens, three windows past the prompts, are transformers' `generate`'s, and its
+    """Sliding windows (Mistral's on every layer, Qwen2's on all but the first), Qwen3's q/k norms and SmolLM3's
+    layers without RoPE, on tiny random configs: the C runtime's greedy tokens, three windows past the prompts, are transformers' `generate`'s, and its
     prefill logits at every position the Python runner's (which runs Qwen3's norms with torch ops: to 1e-4)."""
     from test_families import WINDOW, _config
     from runtime_helpers import hf_greedy

@@ -226,11 +226,10 @@ bool windows_reach_no_sequence(const json& dims, int64_t max_seq_len, const std:
 }
 
 // The manifest writes a family field only where it differs from Llama's: each one present other than the sliding
-// windows and the q/k norms (read by read_manifest) is a feature of another family that this runtime does not
-// implement (the Python runtime does), so it is refused as unsupported, naming it.
+// windows, the q/k norms and the layers without RoPE (read by read_manifest) is a feature of another family that
+// this runtime does not implement (the Python runtime does), so it is refused as unsupported, naming it.
 void refuse_family_features(const json& dims, const std::string& where) {
   static const std::pair<const char*, const char*> kFeatures[] = {
-      {"nope_layers", "layers without RoPE (SmolLM3)"},
       {"partial_rotary_factor", "partial rotary embeddings (Phi-3, Phi-4-mini)"},
       {"hidden_act", "an MLP activation other than SiLU"},
       {"gemma_norms", "Gemma's norms"},
@@ -378,7 +377,7 @@ Manifest read_manifest(const std::string& root) {
                                    where))
       for (const json& w : dims_obj["layer_windows"]) m.layer_windows.push_back(w.get<int64_t>());
   }
-  dims.only({"layer_windows", "qk_norm", "architecture", "num_layers", "hidden_size", "intermediate_size",
+  dims.only({"layer_windows", "qk_norm", "nope_layers", "architecture", "num_layers", "hidden_size", "intermediate_size",
              "num_heads", "num_kv_heads", "head_dim",
              "vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings",
              "tie_word_embeddings", "attention_bias", "o_proj_bias", "mlp_bias"});
@@ -398,6 +397,17 @@ Manifest read_manifest(const std::string& root) {
   m.o_proj_bias = dims.boolean("o_proj_bias", false);
   m.mlp_bias = dims.boolean("mlp_bias", false);
   m.qk_norm = dims.boolean("qk_norm", false);
+  if (const json* nope = dims.get("nope_layers", false)) {  // distinct layer indices, as the Python reader checks
+    const bool ok = nope->is_array() && std::all_of(nope->begin(), nope->end(), [&](const json& i) {
+      return i.is_number_integer() && i.get<int64_t>() >= 0 && i.get<int64_t>() < m.num_layers;
+    });
+    if (ok)
+      for (const json& i : *nope) m.nope_layers.push_back(i.get<int64_t>());
+    std::vector<int64_t> sorted = m.nope_layers;
+    std::sort(sorted.begin(), sorted.end());
+    if (!ok || std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
+      dims.bad("nope_layers", "got " + show(*nope) + "; expected distinct layer indices in [0, num_layers)");
+  }
   if (m.num_heads % m.num_kv_heads)
     dims.bad("num_kv_heads",
              std::to_string(m.num_kv_heads) + " does not divide num_heads " + std::to_string(m.num_heads));

@@ -27,6 +27,7 @@ struct Manifest {
   bool tie_word_embeddings = false, attention_bias = false, o_proj_bias = false, mlp_bias = false;
   bool qk_norm = false;                // per-head RMSNorm of q and k before RoPE (Qwen3)
   std::vector<int64_t> layer_windows;  // one sliding window per layer (0: global); empty: none reaches a sequence
+  std::vector<int64_t> nope_layers;    // layers without RoPE (SmolLM3)
   int64_t max_batch_size = 0, max_num_tokens = 0, max_seq_len = 0, block_size = 0;
   int64_t num_kv_blocks = 0, kv_memory_bytes = 0;  // 0: not set
   double kv_fraction = 0;                          // 0: not set

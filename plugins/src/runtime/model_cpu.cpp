@@ -199,6 +199,7 @@ CpuModel::CpuModel(const Manifest& manifest, const std::string& weights_path, co
       l.k_norm = w.read<float>(p + "self_attn.k_norm.weight", "F32", {m_.head_dim});
     }
     if (!m_.layer_windows.empty()) l.window = int32_t(std::min<int64_t>(m_.layer_windows[size_t(i)], INT32_MAX));
+    l.rope = std::find(m_.nope_layers.begin(), m_.nope_layers.end(), i) == m_.nope_layers.end();
     l.qkv = load_linear(w, m_, p + "self_attn.qkv_proj", h, q_size + 2 * kv_size, m_.attention_bias);
     l.o = load_linear(w, m_, p + "self_attn.o_proj", q_size, h, m_.o_proj_bias);
     l.gate_up = load_linear(w, m_, p + "mlp.gate_up_proj", h, 2 * m_.intermediate_size, m_.mlp_bias);
@@ -231,7 +232,7 @@ CpuModel::CpuModel(const Manifest& manifest, const std::string& weights_path, co
   // as the Python model decides its execution plan: every layer's linears quantized -> one call, unless a layer
   // has a window or q/k norms (the one-call runner's attention reads whole sequences and it has no q/k norms)
   quantized_ = !m_.quant_modules.empty();
-  one_call_ = m_.layer_windows.empty() && !m_.qk_norm &&
+  one_call_ = m_.layer_windows.empty() && !m_.qk_norm && m_.nope_layers.empty() &&
               std::all_of(layers_.begin(), layers_.end(), [](const Layer& l) {
                 return l.qkv.quantized && l.o.quantized && l.gate_up.quantized && l.down.quantized;
               });
@@ -314,6 +315,10 @@ void CpuModel::layers_fused(float* stream, float* last, const trtpaged_attention
   o_.resize(size_t(rows * h));
   gate_up_.resize(size_t(rows * 2 * inter));
   act_.resize(size_t(rows * inter));
+  if (!m_.nope_layers.empty()) {  // cos 1, sin 0: rope_qk's copies of q and k, unrotated (x * 1 + y * 0 is x)
+    ones_.assign(size_t(rows * m_.head_dim), 1.0f);
+    zeros_.assign(size_t(rows * m_.head_dim), 0.0f);
+  }
   trtpaged_attention_params p = attn;
   for (size_t i = 0; i < layers_.size(); ++i) {
     const Layer& l = layers_[i];
@@ -328,7 +333,8 @@ void CpuModel::layers_fused(float* stream, float* last, const trtpaged_attention
     l.qkv.run(x_.data(), rows, qkv_.data());
     if (!l.q_norm.empty()) norm_heads(qkv_.data(), rows, l);
     check_kernel(trtpaged_rope_qk_cpu(qkv_.data(), rows, int32_t(m_.num_heads), int32_t(m_.num_kv_heads),
-                                      int32_t(m_.head_dim), cos_.data(), sin_.data(), q_.data(), k_.data(), v_.data()),
+                                      int32_t(m_.head_dim), l.rope ? cos_.data() : ones_.data(),
+                                      l.rope ? sin_.data() : zeros_.data(), q_.data(), k_.data(), v_.data()),
                  "rope_qk");
     check_kernel(trtpaged_paged_attention_ex_cpu(&p, &options, q_.data(), k_.data(), v_.data(), pool, s.positions,
                                                  s.query_start, s.context_lens, s.block_tables, attn_.data()),

@@ -40,6 +40,7 @@ struct Layer {
   std::vector<float> q_norm, k_norm;  // [head_dim] each with qk_norm (Qwen3), else empty
   Linear qkv, o, gate_up, down;
   int32_t window = 0;  // sliding window (tokens; 0: the whole sequence)
+  bool rope = true;    // false: a layer without RoPE (SmolLM3)
 };
 
 // The packed step of the engine I/O contract, checked by the caller.
@@ -83,6 +84,7 @@ class CpuModel {
   std::vector<float> inv_freq_;
   // scratch reused from step to step
   std::vector<float> stream_, last_, cos_, sin_, rows_x_, rows_res_, rows_out_;
+  std::vector<float> ones_, zeros_;  // the tables of no rotation, for layers without RoPE
   std::vector<float> x_, qkv_, q_, k_, v_, attn_, o_, gate_up_, act_;
 };
 

@@ -362,10 +362,11 @@ TRTPAGED_API trtpaged_status trtpaged_runtime_open(const char* engine_dir, const
       raise(TRTPAGED_ERR_UNSUPPORTED,
             where + "backends: the engine has no CPU (torch) form; the C runtime runs only that");
     if (m.architecture != "LlamaForCausalLM" && m.architecture != "MistralForCausalLM" &&
-        m.architecture != "Qwen2ForCausalLM" && m.architecture != "Qwen3ForCausalLM")
+        m.architecture != "Qwen2ForCausalLM" && m.architecture != "Qwen3ForCausalLM" &&
+        m.architecture != "SmolLM3ForCausalLM")
       raise(TRTPAGED_ERR_UNSUPPORTED, where + "dims.architecture: " + m.architecture +
                                           " is not supported; supported: LlamaForCausalLM, MistralForCausalLM, "
-                                          "Qwen2ForCausalLM, Qwen3ForCausalLM");
+                                          "Qwen2ForCausalLM, Qwen3ForCausalLM, SmolLM3ForCausalLM");
     if (m.tensor_parallel != 1)
       raise(TRTPAGED_ERR_UNSUPPORTED, where + "tensor_parallel: " + std::to_string(m.tensor_parallel) +
                                           " ranks; the C runtime runs unsplit engines only");
