@@ -215,33 +215,44 @@ def test_a_window_no_sequence_reaches_is_read_as_none(lib, tiny_engine_dir, tmp_
         assert rt.generate(PROMPTS[:2], 8) == want
 
 
-@pytest.mark.parametrize("family", ["mistral-window", "qwen2-window", "qwen3", "smollm3"])
-def test_family_engines_match_transformers(lib, tmp_path, family):
+W4A8 = {"weights": "int4", "group_size": 32, "activations": "int8"}
+
+
+@pytest.mark.parametrize("family, quantization", [("mistral-window", None), ("qwen2-window", None), ("qwen3", None),
+                                                  ("smollm3", None), ("qwen3", W4A8), ("smollm3", W4A8)])
+def test_family_engines_match_transformers_and_python(lib, tmp_path, family, quantization):
     """Sliding windows (Mistral's on every layer, Qwen2's on all but the first), Qwen3's q/k norms and SmolLM3's
-    layers without RoPE, on tiny random configs: the C runtime's greedy tokens, three windows past the prompts, are transformers' `generate`'s, and its
-    prefill logits at every position the Python runner's (which runs Qwen3's norms with torch ops: to 1e-4)."""
+    layers without RoPE, on tiny random configs: the C runtime's greedy tokens, three windows past the prompts, are
+    transformers' `generate`'s (float weights), and its prefill logits at every position the Python runner's, whose
+    fused form makes the same kernel calls (int8 activations, whose rounding magnifies any last-bit difference,
+    included)."""
     from test_families import WINDOW, _config
     from runtime_helpers import hf_greedy
     from trtpaged.builder import build_engine
     from trtpaged.models import load_hf
     from trtpaged.runtime.runners import StepBatch, TorchRunner
 
-    config = _config(family, dtype="float32", block_size=8, kv_cache={"num_kv_blocks": 64}, backend="torch")
+    extra = {"quantization": quantization} if quantization else {}
+    config = _config(family, dtype="float32", block_size=8, kv_cache={"num_kv_blocks": 64}, backend="torch", **extra)
     engine = tmp_path / family
     build_engine(config, engine, echo=lambda line: None)
-    hf = load_hf(config.model)
     prompts = [[(7 * i + 3) % 250 + 2 for i in range(n)] for n in (5, 2 * WINDOW + 3, 9)]
-    want = [hf_greedy(hf, p, 3 * WINDOW, None) for p in prompts]
     with CRuntime(lib, engine) as rt:
-        assert rt.generate(prompts, 3 * WINDOW) == want
-        prompt = prompts[1]
+        tokens = rt.generate(prompts, 3 * WINDOW)
+        prompt = [(13 * i + 7) % 300 + 2 for i in range(40)]
         n = len(prompt)
         step = dict(input_ids=prompt, positions=list(range(n)), query_start=[0, n], context_lens=[n],
                     block_tables=[list(range((n + 7) // 8))], logits_index=list(range(n)))
         got = run_c_step(rt, step)
     runner = TorchRunner.from_engine_dir(engine, num_kv_blocks=16)
+    assert runner.execution_plan.startswith("fused"), runner.execution_plan
     expected = runner.step(StepBatch(**{k: torch.tensor(v, dtype=torch.int32) for k, v in step.items()}))
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    if quantization:
+        assert tokens == python_greedy(engine, prompts, 3 * WINDOW)[0]
+    else:
+        hf = load_hf(config.model)
+        assert tokens == [hf_greedy(hf, p, 3 * WINDOW, None) for p in prompts]
 
 
 def test_json_nested_past_the_limit_is_refused_not_a_stack_overflow(lib, tiny_engine_dir, tmp_path):

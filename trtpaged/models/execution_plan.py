@@ -50,11 +50,12 @@ class ExecutionPlan:
 
 
 def family_features(dims) -> list[str]:
-    """What a model has beyond Llama's layer that the fused CPU ops and the one-call runner do not compute
-    (ModelDims fields by name; sliding windows excepted: the fused form passes them to the attention)."""
-    plain = {"nope_layers": (), "qk_norm": False, "partial_rotary_factor": 1.0, "hidden_act": "silu",
-             "gemma_norms": False, "embed_scale": 1.0, "attention_scale": 0.0, "attn_logit_softcap": 0.0,
-             "final_logit_softcap": 0.0, "local_rope_theta": 0.0}
+    """What a model has beyond Llama's layer that the fused CPU ops do not compute (ModelDims fields by name).
+    Sliding windows, Qwen3's q/k norms and SmolLM3's layers without RoPE are not among them: the fused form passes
+    the windows to the attention, norms each head with the rmsnorm kernel and gives a layer without RoPE the tables
+    of no rotation (the C runtime makes the same calls); the one-call runner computes none of the three."""
+    plain = {"partial_rotary_factor": 1.0, "hidden_act": "silu", "gemma_norms": False, "embed_scale": 1.0,
+             "attention_scale": 0.0, "attn_logit_softcap": 0.0, "final_logit_softcap": 0.0, "local_rope_theta": 0.0}
     return [name for name, value in plain.items() if getattr(dims, name) != value]
 
 
@@ -88,6 +89,8 @@ def c_layers_blocker(model: "LlamaStepModel") -> str | None:
         return "a tensor-parallel rank all-reduces between the layers' kernels"
     if any(model.dims.layer_windows):
         return "sliding-window layers (the one-call runner's attention reads whole sequences)"
+    if model.dims.qk_norm or model.dims.nope_layers:
+        return "q/k norms or layers without RoPE (the one-call runner computes Llama's layer)"
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)

@@ -164,6 +164,17 @@ class PagedSelfAttention(nn.Module):
             out = attend(q, k, v, self.options)
         return self._output(out.reshape(-1, self.num_heads * self.head_dim), row_invariant), kv_cache
 
+    def _norm_heads_fused(self, qkv: torch.Tensor, ops: ModuleType) -> None:
+        """q_norm and k_norm on qkv's heads in place, each head a row of the rmsnorm kernel (as the C runtime
+        calls it, so that both give the same bits)."""
+        assert self.q_norm is not None and self.k_norm is not None
+        for start, size, norm in ((0, self.q_size, self.q_norm), (self.q_size, self.kv_size, self.k_norm)):
+            slot = qkv[:, start : start + size]
+            heads = slot.reshape(-1, self.head_dim)  # dense: a copy, or with one row a view of qkv
+            ops.rmsnorm(heads, norm.weight, norm.eps, out=heads)
+            if heads.data_ptr() != slot.data_ptr():  # a copy: written back
+                slot.copy_(heads.view(-1, size))
+
     def _output(self, out: torch.Tensor, row_invariant: bool) -> torch.Tensor:
         y = project(self.o_proj, out, row_invariant)
         return y if self.reduce is None else self.reduce(y)
@@ -171,9 +182,14 @@ class PagedSelfAttention(nn.Module):
     def forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       attend: Callable[..., torch.Tensor], ops: ModuleType,
                       row_invariant: bool = False) -> torch.Tensor:  # fmt: skip
-        """The eager float32 CPU form of forward: RoPE and the dense q/k/v copies in one kernel call."""
-        q, k, v = ops.rope_qk(project(self.qkv_proj, x, row_invariant), cos, sin, self.num_heads, self.num_kv_heads,
-                              self.head_dim, dense=True)
+        """The eager float32 CPU form of forward: RoPE and the dense q/k/v copies in one kernel call (a layer without
+        RoPE: with the tables of no rotation, cos 1 and sin 0, which copy q and k exactly)."""
+        qkv = project(self.qkv_proj, x, row_invariant)
+        if self.q_norm is not None and self.k_norm is not None:
+            self._norm_heads_fused(qkv, ops)
+        if not self.rope:
+            cos, sin = torch.ones_like(cos), torch.zeros_like(sin)
+        q, k, v = ops.rope_qk(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, dense=True)
         out = attend(q, k, v, self.options)
         return self._output(out.view(-1, self.num_heads * self.head_dim), row_invariant)
 

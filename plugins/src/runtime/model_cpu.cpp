@@ -8,6 +8,7 @@
 #include <cstring>
 #include <map>
 #include <set>
+#include <tuple>
 
 #include "runtime/error.h"
 
@@ -349,20 +350,22 @@ void CpuModel::layers_fused(float* stream, float* last, const trtpaged_attention
   }
 }
 
-// Qwen3's q_norm and k_norm: each head's q (and k) in the packed qkv rows scaled to unit RMS, times the weight
-// (transformers' Qwen3RMSNorm over head_dim, before RoPE), in place. The mean square is summed in double.
-void CpuModel::norm_heads(float* qkv, int64_t rows, const Layer& l) const {
-  const int64_t d = m_.head_dim, q_size = m_.num_heads * d, stride = q_size + 2 * m_.num_kv_heads * d;
-  for (int64_t r = 0; r < rows; ++r) {
-    float* row = qkv + r * stride;
-    for (int64_t head = 0; head < m_.num_heads + m_.num_kv_heads; ++head) {
-      float* x = row + head * d;  // q heads, then k heads (they follow the q block)
-      const float* w = head < m_.num_heads ? l.q_norm.data() : l.k_norm.data();
-      double sum = 0;
-      for (int64_t i = 0; i < d; ++i) sum += double(x[i]) * double(x[i]);
-      const float inv = 1.0f / std::sqrt(float(sum / double(d)) + eps_);
-      for (int64_t i = 0; i < d; ++i) x[i] = w[i] * (x[i] * inv);
-    }
+// Qwen3's q_norm and k_norm (transformers' Qwen3RMSNorm over head_dim, before RoPE) on the packed qkv rows, in
+// place: the q heads (then the k heads) of every row copied out densely, each head one row of the rmsnorm kernel,
+// and copied back; the calls the Python runtime's fused form makes, so that both give the same bits.
+void CpuModel::norm_heads(float* qkv, int64_t rows, const Layer& l) {
+  const int64_t d = m_.head_dim, q_size = m_.num_heads * d, kv_size = m_.num_kv_heads * d;
+  const int64_t stride = q_size + 2 * kv_size;
+  for (const auto& [start, size, weight] : {std::tuple{int64_t(0), q_size, l.q_norm.data()},
+                                            std::tuple{q_size, kv_size, l.k_norm.data()}}) {
+    heads_.resize(size_t(rows * size));
+    for (int64_t r = 0; r < rows; ++r)
+      std::memcpy(heads_.data() + r * size, qkv + r * stride + start, size_t(size) * sizeof(float));
+    check_kernel(trtpaged_rmsnorm_cpu(heads_.data(), nullptr, weight, eps_, rows * size / d, d, heads_.data(),
+                                      nullptr),
+                 "rmsnorm");
+    for (int64_t r = 0; r < rows; ++r)
+      std::memcpy(qkv + r * stride + start, heads_.data() + r * size, size_t(size) * sizeof(float));
   }
 }
 

@@ -2,8 +2,7 @@
 // same order on the same buffers, as the Python runtime's eager step model (trtpaged/models/llama.py:
 // the c_layers plan when every linear is quantized, else the fused plan; sliding windows take the fused
 // plan, as in Python), so that the two produce the same logits for the same packed batch (up to the rotary
-// tables' last bit: see docs/embedding.md). Qwen3's q/k norms, which the Python runtime computes with torch
-// ops, are a loop here: the logits agree to float32 rounding, not bit for bit.
+// tables' last bit: see docs/embedding.md), Qwen3's q/k norms and SmolLM3's layers without RoPE included.
 #pragma once
 
 #include <cstdint>
@@ -66,7 +65,7 @@ class CpuModel {
   void rotary(const int32_t* positions, int32_t rows);
   void layers_fused(float* stream, float* last, const trtpaged_attention_params& attn, void* pool,
                     const StepView& s);
-  void norm_heads(float* qkv, int64_t rows, const Layer& l) const;
+  void norm_heads(float* qkv, int64_t rows, const Layer& l);
 
   Manifest m_;
   trtpaged_dtype kv_cache_dtype_ = TRTPAGED_FLOAT32;
@@ -85,6 +84,7 @@ class CpuModel {
   // scratch reused from step to step
   std::vector<float> stream_, last_, cos_, sin_, rows_x_, rows_res_, rows_out_;
   std::vector<float> ones_, zeros_;  // the tables of no rotation, for layers without RoPE
+  std::vector<float> heads_;         // q (or k) heads, densely, for their norms
   std::vector<float> x_, qkv_, q_, k_, v_, attn_, o_, gate_up_, act_;
 };
 
