@@ -148,6 +148,9 @@ class ServerOptions:
         if self.request_log is not None and not str(self.request_log):
             raise ValueError("request_log: must not be empty")
         root = self.root_path
+        if root == "/":  # no prefix (vLLM accepts it)
+            root = ""
+            object.__setattr__(self, "root_path", root)
         if not isinstance(root, str) or (root and (not root.startswith("/") or root.endswith("/") or "//" in root)):
             raise ValueError(f"root_path: must be a path such as /api (a leading /, no trailing /), got {root!r:.80}")
         if self.request_log_prompts and self.request_log is None:

@@ -23,7 +23,9 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "n", "seed", "pres
                     "repetition_penalty", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
                     "spaces_between_special_tokens", "length_penalty", "min_tokens", "cache_salt",
                     "thinking_token_budget")  # fmt: skip
-MAX_REQUEST_TEMPLATE_CHARS = 256 << 10  # a request's own chat template (real ones: 1-20 KB)
+# a request's own chat template (real ones: 1-20 KB). Each distinct one is compiled (about 2 s of CPU for a 256 KiB
+# template of short expressions) and kept in transformers' cache of 128 templates (megabytes each at this bound)
+MAX_REQUEST_TEMPLATE_CHARS = 64 << 10
 MAX_REQUEST_ID_CHARS = 256  # a caller's request id (the body's request_id or the X-Request-Id header)
 _UNSUPPORTED = ("suffix", "functions", "function_call", "audio", "web_search_options")
 # vLLM's fields this server has no counterpart for, refused when they ask for something: why

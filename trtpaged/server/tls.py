@@ -39,13 +39,19 @@ def check_tls(keyfile: Optional[str], certfile: Optional[str], ca_certs: Optiona
         if path is not None and not os.path.isfile(path):
             raise ValueError(f"{name}: no such file: {path!r}")
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:  # the certificate alone first, so that a bad key is not blamed on it
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(certfile)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"ssl_certfile: no PEM certificate in {certfile!r} ({_reason(exc)})") from None
     try:
         context.load_cert_chain(certfile, keyfile, _no_passphrase)
     except ValueError as exc:
         raise ValueError(f"ssl_keyfile: {exc}") from None
     except (OSError, ssl.SSLError) as exc:
-        pair = "the certificate" if keyfile is None else "the certificate and its key (ssl_keyfile)"
-        raise ValueError(f"ssl_certfile: cannot load {pair}: {_reason(exc)}") from None
+        if keyfile is None:
+            raise ValueError(f"ssl_certfile: {certfile!r} holds no private key for its certificate; give the key "
+                             f"with ssl_keyfile ({_reason(exc)})") from None
+        raise ValueError(f"ssl_keyfile: not a PEM private key of ssl_certfile's certificate: {_reason(exc)}") from None
     if ca_certs is not None:
         try:
             context.load_verify_locations(ca_certs)
