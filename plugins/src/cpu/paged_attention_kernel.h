@@ -42,7 +42,13 @@ constexpr int kQueryChunk = 16;        // query tokens per task
 // every call: a row's keys fall into the same splits whatever rows and sequences share the call, so its
 // result does not depend on them (a speculative verification step gives each row the bits of a decode step).
 constexpr int kSplitKeys = 512;
-constexpr int kTileKeys = 256;         // keys per online-softmax update
+constexpr int kTileKeys = 256;  // keys per online-softmax update
+// Block-major tiles (a decode task of every KV head, blocks shorter than a tile): the loops read a block's K of
+// every head (one contiguous run of the pool), block after block, and then its V, and request the block this many
+// keys further on (whole blocks, at least one) in the thread's stream of tiles. One block ahead (16 keys) measured
+// best; two to four blocks, or a whole tile, less well (docs/benchmarks.md, "Round 40").
+constexpr int kPrefetchKeys = 16;
+constexpr int kMaxKv = 16;  // KV heads of a block-major task, at most
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 int num_threads() {
@@ -69,6 +75,19 @@ struct Task {
   int32_t k_begin, k_end;  // key positions [k_begin, k_end)
   int32_t split, num_splits;
   int64_t partial;  // first row of this task's partial results in `partials`, -1 when unsplit
+};
+
+// A thread's claimed tasks after the one it runs, in order (claimed early, to prefetch their tiles).
+struct Upcoming {
+  static constexpr int kMax = 8;
+  const Task* tasks[kMax] = {};
+  int n = 0;
+  const Task* pop() {
+    const Task* t = tasks[0];
+    for (int i = 1; i < n; ++i) tasks[i - 1] = tasks[i];
+    --n;
+    return t;
+  }
 };
 
 template <typename IO, typename KV>
@@ -183,7 +202,7 @@ struct Scratch {
   std::vector<const float*> kp, vp;
   std::vector<const uint8_t*> kc, vc;  // rows read in place by the fused loops
   std::vector<const void*> knext, vnext;
-  std::vector<const void*> base, next_base;  // a tile's runs: K rows of the task's first KV head
+  std::vector<const void*> base;  // a tile's runs: K rows of the task's first KV head
 };
 
 // Returns `rows` cached rows of d values as floats: src itself for fp32, else converted (or
@@ -208,15 +227,15 @@ const float* as_float(const T* src, int64_t rows, int64_t d, float* buf) {
 // Writes the normalised output, or for a split task its partial (acc, max, sum) into
 // `partials` rows of head_dim + 2 floats.
 //
-// The thread's next task is claimed (claim()) when this one reaches its last tile, and that task's
-// first tile is prefetched in place of a next tile, so that a thread streams its keys without a
-// stall at task boundaries; `prefetched` says the caller's claim already prefetched this task's
-// first tile. Returns the claimed task (nullptr when none is left).
+// The thread reads its keys as one stream of tiles: what it requests ahead of the loops may lie in its next
+// tasks, which it claims (claim()) into `up` as the requests reach them, so that it streams its keys without a
+// stall at task boundaries; the caller runs the tasks in `up` next. `prefetched` says an earlier task requested
+// this one's first tile.
 template <typename IO, typename KV, typename Claim>
-const Task* run_task(const Task& task, const trtpaged_attention_params& p, const trtpaged_attention_options& opt,
+void run_task(const Task& task, const trtpaged_attention_params& p, const trtpaged_attention_options& opt,
                      const PoolLayout& pool, const IO* q, const KV* cache, const int32_t* positions,
                      const int32_t* block_tables, IO* out, float* partials, Scratch& sc, Claim&& claim,
-                     bool prefetched) {
+                     Upcoming& up, bool prefetched) {
   const int32_t group = p.num_heads / p.num_kv_heads;
   const int64_t d = p.head_dim, bs = p.block_size;
   const int64_t tile_keys = tile_keys_of(bs);
@@ -229,7 +248,7 @@ const Task* run_task(const Task& task, const trtpaged_attention_params& p, const
   sc.m.assign(size_t(rows), kNegInf);
   sc.l.assign(size_t(rows), 0.0f);
   sc.pos.resize(size_t(rows));
-  sc.scores.resize(size_t(kRowGroup * tile_keys));
+  sc.scores.resize(size_t(kRowGroup * tile_keys * task.num_kv));
   sc.kp.resize(size_t(tile_blocks));
   sc.vp.resize(size_t(tile_blocks));
   using Codec = RowCodec<KV>;
@@ -241,7 +260,6 @@ const Task* run_task(const Task& task, const trtpaged_attention_params& p, const
   sc.base.resize(size_t(tile_blocks));
   sc.knext.resize(size_t(tile_blocks));
   sc.vnext.resize(size_t(tile_blocks));
-  sc.next_base.resize(size_t(tile_blocks));
   if (!std::is_same_v<KV, float>) {
     sc.kf.resize(size_t(tile_keys * d));
     sc.vf.resize(size_t(tile_keys * d));
@@ -262,41 +280,136 @@ const Task* run_task(const Task& task, const trtpaged_attention_params& p, const
   };
   const int64_t head_step = pool.head_elems(), v_step = p.num_kv_heads * pool.head_elems();
   const int64_t row_bytes = pool.row * int64_t(sizeof(KV));
-  const Task* next_task = nullptr;
-  bool claimed = false;
+  auto tiles_of = [&](const Task& t) -> int64_t {
+    return t.k_end > t.k_begin ? (t.k_end - t.k_begin + tile_keys - 1) / tile_keys : 0;
+  };
+  // The unit k units after unit u of `tile` in the thread's stream of tiles (this task's, then the claimed
+  // tasks'), each tile cut into `per` units (its KV heads, or its blocks), claiming tasks as needed: the
+  // unit's tile in *at and its index in *unit; nullptr when there is none.
+  auto stream_at = [&](int64_t per, int64_t tile, int64_t u, int64_t k, int64_t* at, int32_t* unit) -> const Task* {
+    const int64_t total = (task.k_end - tile + tile_keys - 1) / tile_keys * per;  // this task's, from `tile`
+    k += u;
+    if (k < total) return *at = tile + k / per * tile_keys, *unit = int32_t(k % per), &task;
+    k -= total;
+    for (int i = 0;; ++i) {
+      if (i == up.n) {
+        if (up.n == Upcoming::kMax) return nullptr;
+        const Task* t = claim();
+        if (t == nullptr) return nullptr;
+        up.tasks[up.n++] = t;
+      }
+      const int64_t n = tiles_of(*up.tasks[i]) * per;
+      if (k < n) return *at = up.tasks[i]->k_begin + k / per * tile_keys, *unit = int32_t(k % per), up.tasks[i];
+      k -= n;
+    }
+  };
+  // Requests all of a tile's runs at once, so that they are fetched in parallel rather than one
+  // demand miss after another.
+  auto burst = [&](const Task& of, int64_t t0) {
+    const int64_t n_keys = std::min<int64_t>(tile_keys, of.k_end - t0);
+    for (int64_t b = 0; b * run < n_keys; ++b) {
+      const int64_t bytes = std::min<int64_t>(run, n_keys - b * run) * row_bytes;
+      const KV* k0 = key_ptr_of(of, t0 + b * run);
+      for (int32_t h = 0; h < of.num_kv; ++h) {
+        prefetch_bytes(k0 + h * head_step, bytes);
+        prefetch_bytes(k0 + h * head_step + v_step, bytes);
+      }
+    }
+  };
+  // One online-softmax update of rows [r0, r0 + nr) over a tile's scores (rows tile_keys apart).
+  auto softmax_group = [&](int32_t r0, int nr, float* scores, const int64_t* limits, const int64_t* firsts,
+                           int64_t group_limit) {
+    for (int i = 0; i < nr; ++i) {
+      float* row = scores + i * tile_keys;
+      const int64_t limit = limits[i], first = firsts[i];
+      if (opt.logit_softcap > 0.0f) {
+        const float cap = opt.logit_softcap, inv_cap = 1.0f / opt.logit_softcap;
+        for (int64_t j = first; j < limit; ++j) row[j] = cap * std::tanh(row[j] * inv_cap);
+      }
+      const float tile_max = max_of(row + first, limit - first);
+      float& m = sc.m[size_t(r0 + i)];
+      const float m_new = std::max(m, tile_max);
+      const float alpha = (m == kNegInf || limit == 0) ? (limit == 0 ? 1.0f : 0.0f) : std::exp(m - m_new);
+      const float sum = exp_shifted_row(row, first, limit, group_limit, m_new);
+      if (limit == 0) continue;
+      sc.l[size_t(r0 + i)] = sc.l[size_t(r0 + i)] * alpha + sum;
+      if (alpha != 1.0f) {
+        float* acc = sc.acc.data() + (r0 + i) * d;
+#pragma omp simd
+        for (int64_t k = 0; k < d; ++k) acc[k] *= alpha;
+      }
+      m = m_new;
+    }
+  };
+  const bool block_major =
+      fused && task.num_kv > 1 && task.num_kv <= kMaxKv && head_rows <= kRowGroup && run < tile_keys;
+  const int64_t prefetch_blocks = std::max<int64_t>(1, kPrefetchKeys / run);
   for (int64_t tile = task.k_begin; tile < task.k_end; tile += tile_keys) {
     const int64_t tile_n = std::min<int64_t>(tile_keys, task.k_end - tile);
     const int64_t nblocks = (tile_n + run - 1) / run;
     for (int64_t b = 0; b < nblocks; ++b) sc.base[size_t(b)] = key_ptr_of(task, tile + b * run);
     if (tile == task.k_begin && !prefetched) {
-      // Nothing prefetched the first tile: request all of its runs at once, so that they
-      // are fetched in parallel rather than one demand miss after another.
-      for (int64_t b = 0; b < nblocks; ++b) {
-        const int64_t bytes = std::min<int64_t>(run, tile_n - b * run) * row_bytes;
-        const KV* k0 = static_cast<const KV*>(sc.base[size_t(b)]);
-        for (int32_t h = 0; h < task.num_kv; ++h) {
-          prefetch_bytes(k0 + h * head_step, bytes);
-          prefetch_bytes(k0 + h * head_step + v_step, bytes);
-        }
-      }
+      // Nothing prefetched the stream's first tiles (the thread's first task)
+      burst(task, tile);
     }
-    // K and V blocks of the next tile, requested while this tile is computed: this task's, or at
-    // its last tile the first one of the thread's next task
-    int64_t next_tile = tile + tile_keys;
-    const Task* next_of = &task;
-    if (next_tile >= task.k_end) {
-      next_task = claim();
-      claimed = true;
-      next_of = next_task;
-      next_tile = next_task ? next_task->k_begin : 0;
-    }
-    const int64_t next_n = next_of ? std::clamp<int64_t>(next_of->k_end - next_tile, 0, tile_keys) : 0;
-    const int64_t next_blocks = (next_n + run - 1) / run;
-    for (int64_t b = 0; b < next_blocks; ++b) sc.next_base[size_t(b)] = key_ptr_of(*next_of, next_tile + b * run);
     // every task of a call has the same heads (plan_tasks), so the next task's head h follows this one's
     auto run_of = [&](const std::vector<const void*>& bases, int64_t b, int32_t h, int kv) {
       return static_cast<const KV*>(bases[size_t(b)]) + h * head_step + kv * v_step;
     };
+    if (block_major) {
+      // Each block's K of every head (one contiguous run), block by block, then each head's softmax, then
+      // each block's V of every head: the reads go through a block's runs in address order.
+      int64_t limits[kMaxKv][kRowGroup], firsts[kMaxKv][kRowGroup], glimit[kMaxKv];
+      for (int32_t h = 0; h < task.num_kv; ++h) {
+        glimit[h] = 0;
+        for (int i = 0; i < head_rows; ++i) {
+          const int64_t pos = sc.pos[size_t(h * head_rows + i)];
+          limits[h][i] = std::clamp<int64_t>(pos - tile + 1, 0, tile_n);
+          firsts[h][i] =
+              opt.sliding_window > 0 ? std::clamp<int64_t>(pos - opt.sliding_window + 1 - tile, 0, tile_n) : 0;
+          if (firsts[h][i] >= limits[h][i]) firsts[h][i] = limits[h][i] = 0;
+          glimit[h] = std::max(glimit[h], limits[h][i]);
+        }
+      }
+      auto next_block = [&](int64_t b, int64_t* nrows) -> const KV* {
+        int64_t at = 0;
+        int32_t nb = 0;
+        const Task* of = stream_at(tile_blocks, tile, b, prefetch_blocks, &at, &nb);
+        *nrows = of ? std::clamp<int64_t>(of->k_end - (at + nb * run), 0, run) : 0;
+        return *nrows > 0 ? key_ptr_of(*of, at + nb * run) : nullptr;
+      };
+      for (int64_t b = 0; b < nblocks; ++b) {
+        int64_t nrows = 0;
+        const KV* nk = next_block(b, &nrows);
+        for (int32_t h = 0; h < task.num_kv; ++h) {
+          const int64_t n = std::clamp<int64_t>(glimit[h] - b * run, 0, run);
+          if (n == 0) continue;
+          const void* np = nk ? static_cast<const void*>(nk + h * head_step) : nullptr;
+          const NextBlocks nx{&np, nrows, run, row_bytes};
+          const uint8_t* kb = reinterpret_cast<const uint8_t*>(run_of(sc.base, b, h, 0));
+          scores_fused_for<Codec, kElem>(head_rows, sc.q.data() + h * head_rows * d, d, &kb, run, n,
+                                         sc.scores.data() + h * kRowGroup * tile_keys + b * run, tile_keys, nx);
+        }
+      }
+      for (int32_t h = 0; h < task.num_kv; ++h)
+        if (glimit[h] > 0)
+          softmax_group(h * head_rows, head_rows, sc.scores.data() + h * kRowGroup * tile_keys, limits[h], firsts[h],
+                        glimit[h]);
+      for (int64_t b = 0; b < nblocks; ++b) {
+        int64_t nrows = 0;
+        const KV* nk = next_block(b, &nrows);
+        for (int32_t h = 0; h < task.num_kv; ++h) {
+          const int64_t n = std::clamp<int64_t>(glimit[h] - b * run, 0, run);
+          if (n == 0) continue;
+          const void* np = nk ? static_cast<const void*>(nk + h * head_step + v_step) : nullptr;
+          const NextBlocks nx{&np, nrows, run, row_bytes};
+          const uint8_t* vb = reinterpret_cast<const uint8_t*>(run_of(sc.base, b, h, 1));
+          accumulate_fused_for<Codec, kElem>(head_rows, sc.scores.data() + h * kRowGroup * tile_keys + b * run,
+                                             tile_keys, &vb, run, n, sc.acc.data() + h * head_rows * d, d, nx);
+        }
+      }
+      continue;
+    }
     for (int32_t h = 0; h < task.num_kv; ++h) {
       for (int64_t b = 0; b < nblocks; ++b) {
         if (fused) {
@@ -308,9 +421,17 @@ const Task* run_task(const Task& task, const trtpaged_attention_params& p, const
         sc.kp[size_t(b)] = as_float(run_of(sc.base, b, h, 0), n, d, sc.kf.data() + b * run * d);
         sc.vp[size_t(b)] = as_float(run_of(sc.base, b, h, 1), n, d, sc.vf.data() + b * run * d);
       }
+      // K and V rows of this head in the next tile (this task's, or the next task's first), requested while
+      // this head's rows are computed
+      int64_t next_tile = 0;
+      int32_t next_h = 0;
+      const Task* next_of = stream_at(task.num_kv, tile, h, task.num_kv, &next_tile, &next_h);
+      const int64_t next_n = next_of ? std::clamp<int64_t>(next_of->k_end - next_tile, 0, tile_keys) : 0;
+      const int64_t next_blocks = (next_n + run - 1) / run;
       for (int64_t b = 0; b < next_blocks; ++b) {
-        sc.knext[size_t(b)] = run_of(sc.next_base, b, h, 0);
-        sc.vnext[size_t(b)] = run_of(sc.next_base, b, h, 1);
+        const KV* k0 = key_ptr_of(*next_of, next_tile + b * run) + next_h * head_step;
+        sc.knext[size_t(b)] = k0;
+        sc.vnext[size_t(b)] = k0 + v_step;
       }
       if (next_n > tile_n) {  // the loops below request the next tile's rows up to this tile's length
         NextBlocks{sc.knext.data(), next_n, run, row_bytes}.prefetch_from(tile_n);
@@ -338,27 +459,7 @@ const Task* run_task(const Task& task, const trtpaged_attention_params& p, const
                                          tile_keys, next_k);
         else
           scores_for(nr, sc.q.data() + r0 * d, d, sc.kp.data(), run, group_limit, scores, tile_keys, next_k);
-        for (int i = 0; i < nr; ++i) {
-          float* row = scores + i * tile_keys;
-          const int64_t limit = limits[i], first = firsts[i];
-          if (opt.logit_softcap > 0.0f) {
-            const float cap = opt.logit_softcap, inv_cap = 1.0f / opt.logit_softcap;
-            for (int64_t j = first; j < limit; ++j) row[j] = cap * std::tanh(row[j] * inv_cap);
-          }
-          const float tile_max = max_of(row + first, limit - first);
-          float& m = sc.m[size_t(r0 + i)];
-          const float m_new = std::max(m, tile_max);
-          const float alpha = (m == kNegInf || limit == 0) ? (limit == 0 ? 1.0f : 0.0f) : std::exp(m - m_new);
-          const float sum = exp_shifted_row(row, first, limit, group_limit, m_new);
-          if (limit == 0) continue;
-          sc.l[size_t(r0 + i)] = sc.l[size_t(r0 + i)] * alpha + sum;
-          if (alpha != 1.0f) {
-            float* acc = sc.acc.data() + (r0 + i) * d;
-#pragma omp simd
-            for (int64_t k = 0; k < d; ++k) acc[k] *= alpha;
-          }
-          m = m_new;
-        }
+        softmax_group(r0, nr, scores, limits, firsts, group_limit);
         if (fused)
           accumulate_fused_for<Codec, kElem>(nr, scores, tile_keys, sc.vc.data(), run, group_limit,
                                              sc.acc.data() + r0 * d, d, next_v);
@@ -367,7 +468,6 @@ const Task* run_task(const Task& task, const trtpaged_attention_params& p, const
       }
     }
   }
-  if (!claimed) next_task = claim();  // a task with no keys
   for (int32_t r = 0; r < rows; ++r) {
     const float* acc = sc.acc.data() + r * d;
     const int32_t t = task.q_begin + (r % head_rows) / group;
@@ -383,7 +483,6 @@ const Task* run_task(const Task& task, const trtpaged_attention_params& p, const
       for (int64_t i = 0; i < d; ++i) store(dst[i], acc[i] * inv);
     }
   }
-  return next_task;
 }
 
 // Combines the partials of the split tasks that start a split group (split == 0).
@@ -435,10 +534,13 @@ void paged_attention(const trtpaged_attention_params& p, const trtpaged_attentio
 #pragma omp parallel
   {
     Scratch scratch;
+    Upcoming up;
     bool prefetched = false;
-    for (const Task* task = claim(); task != nullptr; prefetched = true)
-      task = run_task(*task, p, opt, pool, q, cache, positions, block_tables, out, partials.data(), scratch, claim,
-                      prefetched);
+    for (const Task* task = claim(); task != nullptr; prefetched = true) {
+      run_task(*task, p, opt, pool, q, cache, positions, block_tables, out, partials.data(), scratch, claim, up,
+               prefetched);
+      task = up.n > 0 ? up.pop() : claim();
+    }
 #pragma omp barrier
 #pragma omp for schedule(dynamic, 1)
     for (size_t i = 0; i < tasks.size(); ++i)
