@@ -378,36 +378,33 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const trtpag
         *nrows = of ? std::clamp<int64_t>(of->k_end - (at + nb * run), 0, run) : 0;
         return *nrows > 0 ? key_ptr_of(*of, at + nb * run) : nullptr;
       };
-      for (int64_t b = 0; b < nblocks; ++b) {
-        int64_t nrows = 0;
-        const KV* nk = next_block(b, &nrows);
-        for (int32_t h = 0; h < task.num_kv; ++h) {
-          const int64_t n = std::clamp<int64_t>(glimit[h] - b * run, 0, run);
-          if (n == 0) continue;
-          const void* np = nk ? static_cast<const void*>(nk + h * head_step) : nullptr;
-          const NextBlocks nx{&np, nrows, run, row_bytes};
-          const uint8_t* kb = reinterpret_cast<const uint8_t*>(run_of(sc.base, b, h, 0));
-          scores_fused_for<Codec, kElem>(head_rows, sc.q.data() + h * head_rows * d, d, &kb, run, n,
-                                         sc.scores.data() + h * kRowGroup * tile_keys + b * run, tile_keys, nx);
+      // kv 0: each block's K of every head into the scores; kv 1: each block's V of every head into the sums
+      auto block_pass = [&](int kv) {
+        for (int64_t b = 0; b < nblocks; ++b) {
+          int64_t nrows = 0;
+          const KV* nk = next_block(b, &nrows);
+          for (int32_t h = 0; h < task.num_kv; ++h) {
+            const int64_t n = std::clamp<int64_t>(glimit[h] - b * run, 0, run);
+            if (n == 0) continue;
+            const void* np = nk ? static_cast<const void*>(nk + h * head_step + kv * v_step) : nullptr;
+            const NextBlocks nx{&np, nrows, run, row_bytes};
+            const uint8_t* block = reinterpret_cast<const uint8_t*>(run_of(sc.base, b, h, kv));
+            float* scores = sc.scores.data() + h * kRowGroup * tile_keys + b * run;
+            if (kv == 0)
+              scores_fused_for<Codec, kElem>(head_rows, sc.q.data() + h * head_rows * d, d, &block, run, n, scores,
+                                             tile_keys, nx);
+            else
+              accumulate_fused_for<Codec, kElem>(head_rows, scores, tile_keys, &block, run, n,
+                                                 sc.acc.data() + h * head_rows * d, d, nx);
+          }
         }
-      }
+      };
+      block_pass(0);
       for (int32_t h = 0; h < task.num_kv; ++h)
         if (glimit[h] > 0)
           softmax_group(h * head_rows, head_rows, sc.scores.data() + h * kRowGroup * tile_keys, limits[h], firsts[h],
                         glimit[h]);
-      for (int64_t b = 0; b < nblocks; ++b) {
-        int64_t nrows = 0;
-        const KV* nk = next_block(b, &nrows);
-        for (int32_t h = 0; h < task.num_kv; ++h) {
-          const int64_t n = std::clamp<int64_t>(glimit[h] - b * run, 0, run);
-          if (n == 0) continue;
-          const void* np = nk ? static_cast<const void*>(nk + h * head_step + v_step) : nullptr;
-          const NextBlocks nx{&np, nrows, run, row_bytes};
-          const uint8_t* vb = reinterpret_cast<const uint8_t*>(run_of(sc.base, b, h, 1));
-          accumulate_fused_for<Codec, kElem>(head_rows, sc.scores.data() + h * kRowGroup * tile_keys + b * run,
-                                             tile_keys, &vb, run, n, sc.acc.data() + h * head_rows * d, d, nx);
-        }
-      }
+      block_pass(1);
       continue;
     }
     for (int32_t h = 0; h < task.num_kv; ++h) {
