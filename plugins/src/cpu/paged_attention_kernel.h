@@ -48,6 +48,11 @@ constexpr int kTileKeys = 256;  // keys per online-softmax update
 // keys further on (whole blocks, at least one) in the thread's stream of tiles. One block ahead (16 keys) measured
 // best; two to four blocks, or a whole tile, less well (docs/benchmarks.md, "Round 40").
 constexpr int kPrefetchKeys = 16;
+// Calls whose cached K and V (all their tasks' keys, one layer) exceed this read decode tiles block-major: where
+// the keys fit the last-level cache the block-major loops' more calls (one a block and head, not one a tile and
+// head) cost more than the requests gain (contexts of 128-256 x 32 sequences measured 5-8% slower); from memory
+// they gain (Round 40). 32 MiB: the L3 of the AMD machines measured (sysconf reports a VM host's, not the guest's).
+constexpr int64_t kBlockMajorBytes = int64_t(32) << 20;
 constexpr int kMaxKv = 16;  // KV heads of a block-major task, at most
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -77,7 +82,9 @@ struct Task {
   int64_t partial;  // first row of this task's partial results in `partials`, -1 when unsplit
 };
 
-// A thread's claimed tasks after the one it runs, in order (claimed early, to prefetch their tiles).
+// A thread's claimed tasks after the one it runs, in order (claimed early, to prefetch their tiles). The requests
+// reach at most one tile or two blocks ahead and no task is empty, so it holds one task at most; kMax bounds it
+// all the same.
 struct Upcoming {
   static constexpr int kMax = 8;
   const Task* tasks[kMax] = {};
@@ -235,7 +242,7 @@ template <typename IO, typename KV, typename Claim>
 void run_task(const Task& task, const trtpaged_attention_params& p, const trtpaged_attention_options& opt,
                      const PoolLayout& pool, const IO* q, const KV* cache, const int32_t* positions,
                      const int32_t* block_tables, IO* out, float* partials, Scratch& sc, Claim&& claim,
-                     Upcoming& up, bool prefetched) {
+                     Upcoming& up, bool prefetched, bool from_memory) {
   const int32_t group = p.num_heads / p.num_kv_heads;
   const int64_t d = p.head_dim, bs = p.block_size;
   const int64_t tile_keys = tile_keys_of(bs);
@@ -280,14 +287,19 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const trtpag
   };
   const int64_t head_step = pool.head_elems(), v_step = p.num_kv_heads * pool.head_elems();
   const int64_t row_bytes = pool.row * int64_t(sizeof(KV));
-  auto tiles_of = [&](const Task& t) -> int64_t {
-    return t.k_end > t.k_begin ? (t.k_end - t.k_begin + tile_keys - 1) / tile_keys : 0;
-  };
+  bool block_units = false;  // stream_at's units are blocks: a task's partial last tile has only its own
   // The unit k units after unit u of `tile` in the thread's stream of tiles (this task's, then the claimed
   // tasks'), each tile cut into `per` units (its KV heads, or its blocks), claiming tasks as needed: the
   // unit's tile in *at and its index in *unit; nullptr when there is none.
   auto stream_at = [&](int64_t per, int64_t tile, int64_t u, int64_t k, int64_t* at, int32_t* unit) -> const Task* {
-    const int64_t total = (task.k_end - tile + tile_keys - 1) / tile_keys * per;  // this task's, from `tile`
+    // a task's units from key `from`: `per` in each whole tile; in a partial last tile, its blocks only (for
+    // block units), so that the stream goes on into the next task rather than into blocks that do not exist
+    auto units_from = [&](const Task& t, int64_t from) -> int64_t {
+      if (t.k_end <= from) return 0;
+      const int64_t keys = t.k_end - from, rest = keys % tile_keys;
+      return keys / tile_keys * per + (rest == 0 ? 0 : block_units ? (rest + run - 1) / run : per);
+    };
+    const int64_t total = units_from(task, tile);  // this task's, from `tile`
     k += u;
     if (k < total) return *at = tile + k / per * tile_keys, *unit = int32_t(k % per), &task;
     k -= total;
@@ -298,7 +310,7 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const trtpag
         if (t == nullptr) return nullptr;
         up.tasks[up.n++] = t;
       }
-      const int64_t n = tiles_of(*up.tasks[i]) * per;
+      const int64_t n = units_from(*up.tasks[i], up.tasks[i]->k_begin);
       if (k < n) return *at = up.tasks[i]->k_begin + k / per * tile_keys, *unit = int32_t(k % per), up.tasks[i];
       k -= n;
     }
@@ -341,9 +353,10 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const trtpag
       m = m_new;
     }
   };
-  const bool block_major =
-      fused && task.num_kv > 1 && task.num_kv <= kMaxKv && head_rows <= kRowGroup && run < tile_keys;
+  const bool block_major = from_memory && fused && task.num_kv > 1 && task.num_kv <= kMaxKv &&
+                           head_rows <= kRowGroup && run < tile_keys;
   const int64_t prefetch_blocks = std::max<int64_t>(1, kPrefetchKeys / run);
+  block_units = block_major;
   for (int64_t tile = task.k_begin; tile < task.k_end; tile += tile_keys) {
     const int64_t tile_n = std::min<int64_t>(tile_keys, task.k_end - tile);
     const int64_t nblocks = (tile_n + run - 1) / run;
@@ -521,6 +534,9 @@ void paged_attention(const trtpaged_attention_params& p, const trtpaged_attentio
   int64_t num_partials = 0;
   const std::vector<Task> tasks = plan_tasks(p, opt.sliding_window, positions, query_start, &num_partials);
   std::vector<float> partials(size_t(num_partials * (p.head_dim + 2)));  // num_partials: rows
+  int64_t kv_bytes = 0;
+  for (const Task& t : tasks) kv_bytes += std::max<int64_t>(0, t.k_end - t.k_begin) * t.num_kv * 2 * row;
+  const bool from_memory = kv_bytes * int64_t(sizeof(KV)) > kBlockMajorBytes;
   // Tasks are handed out one at a time, as schedule(dynamic, 1) would, but a thread claims its next
   // one before it finishes the current one (run_task), to prefetch it.
   std::atomic<size_t> next_task{0};
@@ -535,7 +551,7 @@ void paged_attention(const trtpaged_attention_params& p, const trtpaged_attentio
     bool prefetched = false;
     for (const Task* task = claim(); task != nullptr; prefetched = true) {
       run_task(*task, p, opt, pool, q, cache, positions, block_tables, out, partials.data(), scratch, claim, up,
-               prefetched);
+               prefetched, from_memory);
       task = up.n > 0 ? up.pop() : claim();
     }
 #pragma omp barrier
