@@ -187,7 +187,8 @@ def test_a_trusted_request_chat_template_renders_the_conversation(tiny_engine_di
         assert status == 200 and body["tokens"] == truth["ids"], body
         for bad, param, words in (("{% for %}", "chat_template", "not a valid template"),
                                   ("x" * ((64 << 10) + 1), "chat_template", "1 to 65536 characters"),
-                                  ("{{ raise_exception('no') }}", "messages", "the chat template refused")):
+                                  ("{{ raise_exception('no') }}", "messages", "the chat template refused"),
+                                  ("{{ 1 / 0 }}", "messages", "failed on this conversation (ZeroDivisionError")):
             status, _, body = request(handle, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES,
                                                                         "max_tokens": 2, "chat_template": bad})
             assert status == 400 and body["error"]["param"] == param and words in body["error"]["message"], body

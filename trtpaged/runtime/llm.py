@@ -227,6 +227,9 @@ def chat_prompt_text(tokenizer: Any, messages: Seq[dict], tools: Optional[Seq[di
         raise RequestError("chat_template", f"not a valid template: {str(exc)[:200]}") from None
     except jinja2.TemplateError as exc:  # the template's own raise_exception, or a key it needs and lacks
         raise RequestError("messages", f"the chat template refused the conversation: {str(exc)[:200]}") from None
+    except (ArithmeticError, TypeError, ValueError, LookupError, RecursionError) as exc:  # its code failed on it
+        raise RequestError("messages", f"the chat template failed on this conversation ({type(exc).__name__}: "
+                           f"{str(exc)[:200]})") from None
     return check_unicode("messages", text)
 
 
