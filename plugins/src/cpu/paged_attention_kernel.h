@@ -82,21 +82,6 @@ struct Task {
   int64_t partial;  // first row of this task's partial results in `partials`, -1 when unsplit
 };
 
-// A thread's claimed tasks after the one it runs, in order (claimed early, to prefetch their tiles). The requests
-// reach at most one tile or two blocks ahead and no task is empty, so it holds one task at most; kMax bounds it
-// all the same.
-struct Upcoming {
-  static constexpr int kMax = 8;
-  const Task* tasks[kMax] = {};
-  int n = 0;
-  const Task* pop() {
-    const Task* t = tasks[0];
-    for (int i = 1; i < n; ++i) tasks[i - 1] = tasks[i];
-    --n;
-    return t;
-  }
-};
-
 template <typename IO, typename KV>
 void write_kv(const trtpaged_attention_params& p, const PoolLayout& pool, const IO* k, const IO* v, KV* cache,
               const int32_t* positions, const int32_t* query_start, const int32_t* block_tables) {
@@ -209,7 +194,7 @@ struct Scratch {
   std::vector<const float*> kp, vp;
   std::vector<const uint8_t*> kc, vc;  // rows read in place by the fused loops
   std::vector<const void*> knext, vnext;
-  std::vector<const void*> base;  // a tile's runs: K rows of the task's first KV head
+  std::vector<const void*> base, next_base;  // a tile's runs: K rows of the task's first KV head
 };
 
 // Returns `rows` cached rows of d values as floats: src itself for fp32, else converted (or
@@ -234,15 +219,15 @@ const float* as_float(const T* src, int64_t rows, int64_t d, float* buf) {
 // Writes the normalised output, or for a split task its partial (acc, max, sum) into
 // `partials` rows of head_dim + 2 floats.
 //
-// The thread reads its keys as one stream of tiles: what it requests ahead of the loops may lie in its next
-// tasks, which it claims (claim()) into `up` as the requests reach them, so that it streams its keys without a
-// stall at task boundaries; the caller runs the tasks in `up` next. `prefetched` says an earlier task requested
-// this one's first tile.
+// The thread reads its keys as one stream: what it requests ahead of the loops may lie in its next task, which it
+// claims (claim()) into `next` as the requests reach it, so that it streams its keys without a stall at task
+// boundaries; the caller runs `next` after this one. `prefetched` says an earlier task requested this one's first
+// tile.
 template <typename IO, typename KV, typename Claim>
 void run_task(const Task& task, const trtpaged_attention_params& p, const trtpaged_attention_options& opt,
                      const PoolLayout& pool, const IO* q, const KV* cache, const int32_t* positions,
                      const int32_t* block_tables, IO* out, float* partials, Scratch& sc, Claim&& claim,
-                     Upcoming& up, bool prefetched, bool from_memory) {
+                     const Task*& next, bool prefetched, bool from_memory) {
   const int32_t group = p.num_heads / p.num_kv_heads;
   const int64_t d = p.head_dim, bs = p.block_size;
   const int64_t tile_keys = tile_keys_of(bs);
@@ -267,6 +252,7 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const trtpag
   sc.base.resize(size_t(tile_blocks));
   sc.knext.resize(size_t(tile_blocks));
   sc.vnext.resize(size_t(tile_blocks));
+  sc.next_base.resize(size_t(tile_blocks));
   if (!std::is_same_v<KV, float>) {
     sc.kf.resize(size_t(tile_keys * d));
     sc.vf.resize(size_t(tile_keys * d));
@@ -287,33 +273,17 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const trtpag
   };
   const int64_t head_step = pool.head_elems(), v_step = p.num_kv_heads * pool.head_elems();
   const int64_t row_bytes = pool.row * int64_t(sizeof(KV));
-  bool block_units = false;  // stream_at's units are blocks: a task's partial last tile has only its own
-  // The unit k units after unit u of `tile` in the thread's stream of tiles (this task's, then the claimed
-  // tasks'), each tile cut into `per` units (its KV heads, or its blocks), claiming tasks as needed: the
-  // unit's tile in *at and its index in *unit; nullptr when there is none.
-  auto stream_at = [&](int64_t per, int64_t tile, int64_t u, int64_t k, int64_t* at, int32_t* unit) -> const Task* {
-    // a task's units from key `from`: `per` in each whole tile; in a partial last tile, its blocks only (for
-    // block units), so that the stream goes on into the next task rather than into blocks that do not exist
-    auto units_from = [&](const Task& t, int64_t from) -> int64_t {
-      if (t.k_end <= from) return 0;
-      const int64_t keys = t.k_end - from, rest = keys % tile_keys;
-      return keys / tile_keys * per + (rest == 0 ? 0 : block_units ? (rest + run - 1) / run : per);
-    };
-    const int64_t total = units_from(task, tile);  // this task's, from `tile`
-    k += u;
-    if (k < total) return *at = tile + k / per * tile_keys, *unit = int32_t(k % per), &task;
-    k -= total;
-    for (int i = 0;; ++i) {
-      if (i == up.n) {
-        if (up.n == Upcoming::kMax) return nullptr;
-        const Task* t = claim();
-        if (t == nullptr) return nullptr;
-        up.tasks[up.n++] = t;
-      }
-      const int64_t n = units_from(*up.tasks[i], up.tasks[i]->k_begin);
-      if (k < n) return *at = up.tasks[i]->k_begin + k / per * tile_keys, *unit = int32_t(k % per), up.tasks[i];
-      k -= n;
-    }
+  // The thread's keys as a stream of units of `unit_keys` keys (blocks or tiles; they divide a tile): this task's
+  // from its unit at `key`, then its next task's from its first key. The unit `ahead` units after the one at
+  // `key`: its first key in *at and its task, claiming the next task as the stream reaches it; nullptr when none
+  // is left (or the unit lies beyond the next task, which a request of one tile or a few blocks never reaches).
+  auto stream_at = [&](int64_t unit_keys, int64_t key, int64_t ahead, int64_t* at) -> const Task* {
+    const int64_t here = (task.k_end - key + unit_keys - 1) / unit_keys;  // this task's units from `key`
+    if (ahead < here) return *at = key + ahead * unit_keys, &task;
+    if (next == nullptr) next = claim();
+    ahead -= here;
+    if (next == nullptr || ahead >= (next->k_end - next->k_begin + unit_keys - 1) / unit_keys) return nullptr;
+    return *at = next->k_begin + ahead * unit_keys, next;
   };
   // Requests all of a tile's runs at once, so that they are fetched in parallel rather than one
   // demand miss after another.
@@ -356,7 +326,6 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const trtpag
   const bool block_major = from_memory && fused && task.num_kv > 1 && task.num_kv <= kMaxKv &&
                            head_rows <= kRowGroup && run < tile_keys;
   const int64_t prefetch_blocks = std::max<int64_t>(1, kPrefetchKeys / run);
-  block_units = block_major;
   for (int64_t tile = task.k_begin; tile < task.k_end; tile += tile_keys) {
     const int64_t tile_n = std::min<int64_t>(tile_keys, task.k_end - tile);
     const int64_t nblocks = (tile_n + run - 1) / run;
@@ -386,10 +355,9 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const trtpag
       }
       auto next_block = [&](int64_t b, int64_t* nrows) -> const KV* {
         int64_t at = 0;
-        int32_t nb = 0;
-        const Task* of = stream_at(tile_blocks, tile, b, prefetch_blocks, &at, &nb);
-        *nrows = of ? std::clamp<int64_t>(of->k_end - (at + nb * run), 0, run) : 0;
-        return *nrows > 0 ? key_ptr_of(*of, at + nb * run) : nullptr;
+        const Task* of = stream_at(run, tile + b * run, prefetch_blocks, &at);
+        *nrows = of ? std::clamp<int64_t>(of->k_end - at, 0, run) : 0;
+        return *nrows > 0 ? key_ptr_of(*of, at) : nullptr;
       };
       // kv 0: each block's K of every head into the scores; kv 1: each block's V of every head into the sums
       auto block_pass = [&](int kv) {
@@ -420,6 +388,13 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const trtpag
       block_pass(1);
       continue;
     }
+    // K and V blocks of the next tile (this task's, or the next task's first), requested while this tile is
+    // computed
+    int64_t next_tile = 0;
+    const Task* next_of = stream_at(tile_keys, tile, 1, &next_tile);
+    const int64_t next_n = next_of ? std::clamp<int64_t>(next_of->k_end - next_tile, 0, tile_keys) : 0;
+    const int64_t next_blocks = (next_n + run - 1) / run;
+    for (int64_t b = 0; b < next_blocks; ++b) sc.next_base[size_t(b)] = key_ptr_of(*next_of, next_tile + b * run);
     for (int32_t h = 0; h < task.num_kv; ++h) {
       for (int64_t b = 0; b < nblocks; ++b) {
         if (fused) {
@@ -431,17 +406,9 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const trtpag
         sc.kp[size_t(b)] = as_float(run_of(sc.base, b, h, 0), n, d, sc.kf.data() + b * run * d);
         sc.vp[size_t(b)] = as_float(run_of(sc.base, b, h, 1), n, d, sc.vf.data() + b * run * d);
       }
-      // K and V rows of this head in the next tile (this task's, or the next task's first), requested while
-      // this head's rows are computed
-      int64_t next_tile = 0;
-      int32_t next_h = 0;
-      const Task* next_of = stream_at(task.num_kv, tile, h, task.num_kv, &next_tile, &next_h);
-      const int64_t next_n = next_of ? std::clamp<int64_t>(next_of->k_end - next_tile, 0, tile_keys) : 0;
-      const int64_t next_blocks = (next_n + run - 1) / run;
       for (int64_t b = 0; b < next_blocks; ++b) {
-        const KV* k0 = key_ptr_of(*next_of, next_tile + b * run) + next_h * head_step;
-        sc.knext[size_t(b)] = k0;
-        sc.vnext[size_t(b)] = k0 + v_step;
+        sc.knext[size_t(b)] = run_of(sc.next_base, b, h, 0);
+        sc.vnext[size_t(b)] = run_of(sc.next_base, b, h, 1);
       }
       if (next_n > tile_n) {  // the loops below request the next tile's rows up to this tile's length
         NextBlocks{sc.knext.data(), next_n, run, row_bytes}.prefetch_from(tile_n);
@@ -547,12 +514,12 @@ void paged_attention(const trtpaged_attention_params& p, const trtpaged_attentio
 #pragma omp parallel
   {
     Scratch scratch;
-    Upcoming up;
     bool prefetched = false;
     for (const Task* task = claim(); task != nullptr; prefetched = true) {
-      run_task(*task, p, opt, pool, q, cache, positions, block_tables, out, partials.data(), scratch, claim, up,
+      const Task* next = nullptr;  // claimed by run_task when its requests reach it
+      run_task(*task, p, opt, pool, q, cache, positions, block_tables, out, partials.data(), scratch, claim, next,
                prefetched, from_memory);
-      task = up.n > 0 ? up.pop() : claim();
+      task = next != nullptr ? next : claim();
     }
 #pragma omp barrier
 #pragma omp for schedule(dynamic, 1)
