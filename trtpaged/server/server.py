@@ -55,7 +55,8 @@ class ServerHandle:
     """A running server: its URL, the `LLM` it serves, and `shutdown()`."""
 
     def __init__(self, server: uvicorn.Server, sock: socket.socket, loop: EngineLoop, tokens: TokenizerWorker,
-                 llm: LLM, model_name: str, options: ServerOptions, draining: Draining, https: bool = False) -> None:  # fmt: skip
+                 llm: LLM, model_name: str, options: ServerOptions, draining: Draining,
+                 https: bool = False) -> None:  # fmt: skip
         self.server, self.loop, self.tokens, self.llm, self.model_name = server, loop, tokens, llm, model_name
         self.request_log = loop.request_log
         self.options, self.draining = options, draining

@@ -377,8 +377,8 @@ Manifest read_manifest(const std::string& root) {
                                    where))
       for (const json& w : dims_obj["layer_windows"]) m.layer_windows.push_back(w.get<int64_t>());
   }
-  dims.only({"layer_windows", "qk_norm", "nope_layers", "architecture", "num_layers", "hidden_size", "intermediate_size",
-             "num_heads", "num_kv_heads", "head_dim",
+  dims.only({"layer_windows", "qk_norm", "nope_layers", "architecture", "num_layers", "hidden_size",
+             "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
              "vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings",
              "tie_word_embeddings", "attention_bias", "o_proj_bias", "mlp_bias"});
   m.architecture = dims.string("architecture");
