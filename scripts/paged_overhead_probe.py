@@ -27,12 +27,13 @@ LARGE = ((32768, 1), (65536, 1), (16384, 2))
 KEYS_PER_ROUND = 200_000  # calls per round: about this many cached keys over all sequences
 
 
-def probe(context: int, batch: int, kv: str, rounds: int, block_size: int = DEFAULT_BLOCK_SIZE) -> tuple[float, float]:
-    """Median seconds per call of the paged and the contiguous layout."""
-    steps = {"paged": _decode_inputs(context, batch, block_size, kv, shuffle=True),
-             "contiguous": _decode_inputs(context, batch, context, kv, shuffle=False)}  # fmt: skip
+def probe(context: int, batch: int, kv: str, rounds: int, block_size: int = DEFAULT_BLOCK_SIZE,
+          layers: int = 1) -> tuple[float, float]:
+    """Median seconds per call of the paged and the contiguous layout (a step's calls over `layers` layers)."""
+    steps = {"paged": _decode_inputs(context, batch, block_size, kv, shuffle=True, layers=layers),
+             "contiguous": _decode_inputs(context, batch, context, kv, shuffle=False, layers=layers)}  # fmt: skip
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
-    calls = max(3, KEYS_PER_ROUND // (context * batch))
+    calls = max(3, KEYS_PER_ROUND // (context * batch * layers))
     times: dict[str, list[float]] = {name: [] for name in steps}
     for step in steps.values():
         step()
@@ -42,7 +43,7 @@ def probe(context: int, batch: int, kv: str, rounds: int, block_size: int = DEFA
             start = clock()
             for _ in range(calls):
                 step()
-            times[name].append((clock() - start) / calls)
+            times[name].append((clock() - start) / calls / layers)
     return statistics.median(times["paged"]), statistics.median(times["contiguous"])
 
 
@@ -51,16 +52,20 @@ def main() -> None:
     parser.add_argument("cases", nargs="?", help="CONTEXTxBATCH,... (default: bench kernel's and three larger)")
     parser.add_argument("--kv", default="float32", help="KV cache dtype (float32, float16, bfloat16, int8, fp8_e4m3)")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--layers", type=int, default=1,
+                        help="pool layers, one call each per step as a model makes them (1: every call finds the "
+                             "last one's keys in the caches)")
     parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per block of the paged layout")
     args = parser.parse_args()
     if args.cases:
         cases = [tuple(int(x) for x in case.split("x")) for case in args.cases.split(",")]
     else:
         cases = [(c, b) for c in CONTEXTS for b in BATCHES] + list(LARGE)
-    print(f"isa {kernels.describe_cpu_isa()}, {torch.get_num_threads()} threads, KV {args.kv}, block {args.block_size}")
+    print(f"isa {kernels.describe_cpu_isa()}, {torch.get_num_threads()} threads, KV {args.kv}, block {args.block_size}, "
+          f"layers {args.layers}")
     overheads = []
     for context, batch in cases:
-        paged, contiguous = probe(context, batch, args.kv, args.rounds, args.block_size)
+        paged, contiguous = probe(context, batch, args.kv, args.rounds, args.block_size, args.layers)
         overheads.append(paged / contiguous - 1)
         print(f"{context:>6} x {batch:<3} paged {paged * 1e3:8.3f} ms  contiguous {contiguous * 1e3:8.3f} ms  "
               f"overhead {overheads[-1]:+6.1%}", flush=True)

@@ -96,6 +96,36 @@ def test_kernel_bench_times_the_paged_layout_at_the_block_size_asked() -> None:
     assert case["paged_ms"] > 0 and case["contiguous_ms"] > 0
 
 
+def test_kernel_bench_steps_over_every_layer_of_a_deep_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from trtpaged import kernels
+    from trtpaged.bench import kernel_bench
+
+    if not kernels.available():
+        pytest.skip("kernel library not built")
+    calls = []
+    real = kernels.paged_attention
+
+    def recording(q, k, v, cache, positions, query_start, context_lens, tables, options, **kwargs):
+        calls.append((cache, options.layer, k, positions, tables))
+        return real(q, k, v, cache, positions, query_start, context_lens, tables, options, **kwargs)
+
+    monkeypatch.setattr(kernels, "paged_attention", recording)
+    kernel_bench._decode_inputs(40, 2, 16, "float32", shuffle=True, layers=3)()
+    assert [layer for _, layer, *_ in calls] == [0, 1, 2]  # one call per layer, in order
+    for cache, layer, k, positions, tables in calls:
+        assert cache is calls[0][0] and cache.shape[1] == 3  # one pool of three layers
+        for s, pos in enumerate(positions.tolist()):  # each call wrote its keys into its own layer
+            assert torch.equal(cache[tables[s, pos // 16], layer, 0, :, pos % 16], k[s])
+    monkeypatch.setattr(kernel_bench, "MAX_POOL_BYTES", 2 * 40 * 2 * 3 * 64 * 4 * 2)  # room for two layers
+    row = kernel_bench.measure_decode(40, 2, "float32", copy_gbs=10.0, budget_s=0.01, layers=5)
+    assert row.layers == 2 and row.paged_ms > 0 and row.contiguous_ms > 0
+    report = kernel_bench.run_kernel_bench("float32", contexts=(40,), batches=(2,), budget_s=0.01, layers=2)
+    assert report["layers"] == 2 and report["decode"][0]["layers"] == 2
+    assert "one call per layer of a 2-layer pool" in kernel_bench.format_report(report)
+
+
 def test_the_median_interval_holds_the_population_median_as_often_as_it_claims() -> None:
     import math
     import random

@@ -12,7 +12,9 @@ Shapes: 1, 2, 3, 8, 16 (kMaxKv) and 17-20 KV heads; GQA groups 1-5 (with 2-5 que
 than a row group); head dims 64/128 (fused) and 32/80 (converted); fp32, fp16, bf16, int8 and fp8_e4m3 caches;
 blocks of 8-128; batches of up to 60 very short decodes (more tasks than a thread's queue holds), mixed
 prefill + decode batches, sequences with nothing scheduled, long decodes split over key ranges and merged;
-sliding windows and logit soft-caps; calls reading more than 32 MiB of K and V (the block-major tiles).
+sliding windows and logit soft-caps; calls reading more than 32 MiB of K and V, and short calls into a pool of so many
+layers that a step's calls read more than that (both from memory: block-major tiles, requests spread over a loop's
+steps).
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ def _specs(rng: random.Random, kind: str) -> list[tuple[int, int]]:
         return [(rng.randint(500, 2600), 1) for _ in range(rng.randint(1, 4))]
     if kind == "streamed decodes":  # more K and V than kBlockMajorBytes (32 MiB): the block-major tiles
         return [(rng.randint(2100, 2600), 1) for _ in range(rng.randint(40, 44))]
+    if kind == "deep pool":  # mixed decodes and short prefills, into a pool of many layers (cases())
+        return [(rng.randint(0, 400), rng.choice([1, 1, 1, 2, 9])) for _ in range(rng.randint(4, 12))]
     if kind == "verify":  # a few query tokens per sequence: head_rows = tokens * group
         return [(rng.randint(0, 900), rng.randint(2, 5)) for _ in range(rng.randint(2, 8))]
     specs = []  # mixed prefill + decode, a sequence with nothing scheduled
@@ -58,7 +62,7 @@ def _specs(rng: random.Random, kind: str) -> list[tuple[int, int]]:
 def cases() -> list[dict]:
     rng = random.Random(40)
     out = []
-    kinds = ["short decodes", "long decodes", "verify", "mixed", "streamed decodes"]
+    kinds = ["short decodes", "long decodes", "verify", "mixed", "streamed decodes", "deep pool"]
     kv_heads_choices = [1, 2, 3, 3, 4, 8, 16, 17, 20]
     for i in range(NUM_CASES):
         kind = kinds[i % len(kinds)]
@@ -74,12 +78,22 @@ def cases() -> list[dict]:
         if kind == "streamed decodes":  # block-major: 2-16 KV heads, at most a row group each, fused loops
             num_kv_heads, group, head_dim = rng.choice([2, 3]), rng.choice([1, 2, 3, 4]), 64
             kv = io = "float32"
+        if kind == "deep pool":  # shapes of the fused loops, which spread their requests from memory
+            head_dim, kv, io = rng.choice([64, 128]), rng.choice(["float32", "int8", "fp8_e4m3"]), "float32"
+            window = rng.choice([0, 0, rng.randint(500, 700)])
         block_size = rng.choice([8, 16, 16, 32, 64, 128])
+        specs = _specs(rng, kind)
+        layers = 2
+        if kind == "deep pool":  # a step's calls over all the layers read more than kBlockMajorBytes (32 MiB)
+            row = {"float32": 4 * head_dim, "float16": 2 * head_dim, "bfloat16": 2 * head_dim}.get(kv, head_dim + 2)
+            layer_bytes = sum(c + n for c, n in specs) * num_kv_heads * 2 * row
+            layers = min(2000, -(-40 * 2**20 // layer_bytes))
         out.append(dict(name=f"{i}:{kind}:kvh{num_kv_heads}:g{group}:d{head_dim}:{kv}/{io}:bs{block_size}:w{window}"
                              f":cap{softcap}",
-                        specs=_specs(rng, kind), num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, kv=kv,
+                        specs=specs, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, kv=kv,
                         io=io, block_size=block_size, window=window, softcap=softcap,
-                        layer=rng.randint(0, 1), seed=1000 + i, garbage=GARBAGE[i % len(GARBAGE)]))
+                        layers=layers, layer=rng.randint(0, layers - 1), seed=1000 + i,
+                        garbage=GARBAGE[i % len(GARBAGE)]))
     return out
 
 
@@ -88,7 +102,7 @@ def build(case: dict):
     io = getattr(torch, case["io"])
     batch = make_batch(case["specs"], num_heads=case["num_kv_heads"] * case["group"],
                        num_kv_heads=case["num_kv_heads"], head_dim=case["head_dim"], block_size=case["block_size"],
-                       num_layers=2, io_dtype=io, seed=case["seed"], spare_blocks=3)
+                       num_layers=case["layers"], io_dtype=io, seed=case["seed"], spare_blocks=3)
     if case["kv"] in STORAGE_DTYPES:
         pool = pack_rows(*quantize_rows(batch.kv_cache, case["kv"]))
     else:

@@ -10,6 +10,10 @@ Everything is measured side by side in one run on this machine:
   tiles of the same size and splits both into the same tasks on the same threads (a long context's key
   range is split in whole tiles of the one large block as in whole blocks of the paged one), so the
   difference is the paging alone.
+- with --layers N, a model's decode step: a pool of N layers, one call each in turn, so that a call finds its keys
+  where a step leaves them (read back from memory once the step's K and V outgrow the caches), not in the caches
+  as the previous call of a one-layer pool left them (a case takes fewer layers where N would need more than
+  MAX_POOL_BYTES per layout; its row says how many),
 - with a quantized cache (int8, fp8_e4m3): the bytes actually read (codes and scales), and the paged
   decode timed with a float32 and a float16 cache at the same context and batch, side by side.
 """
@@ -37,6 +41,7 @@ CONTEXTS = (512, 2048, 8192)
 BATCHES = (1, 8, 32)
 TARGET_BANDWIDTH_FRACTION = 0.5  # decode at >= 2048 tokens vs copy bandwidth
 TARGET_PAGED_OVERHEAD = 0.05  # mean over the cases (issue 21)
+MAX_POOL_BYTES = 1 << 29  # a layout's pool, at most: beyond a few times the last-level cache more layers add nothing
 
 
 @dataclass
@@ -49,6 +54,7 @@ class DecodeResult:
     bandwidth_gbs: float  # paged KV-read bandwidth
     fraction_of_copy: float
     paged_overhead: float  # paged_ms / contiguous_ms - 1
+    layers: int = 1  # pool layers, one call each in turn (times are per call)
     float32_ms: Optional[float] = None  # quantized runs: the same paged decode with a float32 cache
     float16_ms: Optional[float] = None  # ... and with a float16 cache
 
@@ -69,20 +75,26 @@ def _kv_name(kv_cache_dtype: Union[str, torch.dtype]) -> str:
     return kv_cache_dtype if isinstance(kv_cache_dtype, str) else str(kv_cache_dtype).replace("torch.", "")
 
 
-def _decode_inputs(context: int, batch: int, block_size: int, kv_cache_dtype: str, shuffle: bool, seed: int = 0):
+def _decode_inputs(context: int, batch: int, block_size: int, kv_cache_dtype: str, shuffle: bool, seed: int = 0,
+                   layers: int = 1):
+    """A decode step's attention over a pool of `layers` layers: one call per layer, in order, as a model's step
+    makes them (with one layer, every call finds what the previous one left in the caches)."""
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = (context + block_size - 1) // block_size
     num_kv_blocks = blocks_per_seq * batch
     ids = torch.randperm(num_kv_blocks, generator=gen) if shuffle else torch.arange(num_kv_blocks)
     tables = ids.to(torch.int32).reshape(batch, blocks_per_seq).contiguous()
-    values = torch.randn(num_kv_blocks, 1, 2, NUM_KV_HEADS, block_size, HEAD_DIM, generator=gen)
-    if is_quantized(kv_cache_dtype):
-        values = pack_rows(*quantize_rows(values, kv_cache_dtype))
-    else:
-        values = values.to(getattr(torch, kv_cache_dtype))
-    cache = kv_pool_memory.zeros(tuple(values.shape), values.dtype)  # the memory an engine's pool has
-    cache.copy_(values)
-    del values
+    cache = None
+    for layer in range(layers):  # a layer at a time: the float32 randoms of every layer at once may not fit
+        values = torch.randn(num_kv_blocks, 1, 2, NUM_KV_HEADS, block_size, HEAD_DIM, generator=gen)
+        if is_quantized(kv_cache_dtype):
+            values = pack_rows(*quantize_rows(values, kv_cache_dtype))
+        else:
+            values = values.to(getattr(torch, kv_cache_dtype))
+        if cache is None:  # the memory an engine's pool has
+            cache = kv_pool_memory.zeros((num_kv_blocks, layers, *values.shape[2:]), values.dtype)
+        cache[:, layer : layer + 1].copy_(values)
+        del values
     q = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=gen)
     k = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, generator=gen)
     v = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, generator=gen)
@@ -90,34 +102,39 @@ def _decode_inputs(context: int, batch: int, block_size: int, kv_cache_dtype: st
     query_start = torch.arange(batch + 1, dtype=torch.int32)
     context_lens = torch.full((batch,), context, dtype=torch.int32)
     out = torch.empty_like(q)
-    options = kernels.AttentionOptions(0, HEAD_DIM**-0.5)
+    options = [kernels.AttentionOptions(layer, HEAD_DIM**-0.5) for layer in range(layers)]
 
     def step() -> None:
-        kernels.paged_attention(q, k, v, cache, positions, query_start, context_lens, tables, options, out=out)
+        for layer_options in options:
+            kernels.paged_attention(q, k, v, cache, positions, query_start, context_lens, tables, layer_options,
+                                    out=out)
 
     return step
 
 
 def measure_decode(context: int, batch: int, kv_cache_dtype: Union[str, torch.dtype], copy_gbs: float, budget_s: float,
-                   noise: Optional[NoiseMonitor] = None, block_size: int = DEFAULT_BLOCK_SIZE) -> DecodeResult:  # fmt: skip
+                   noise: Optional[NoiseMonitor] = None, block_size: int = DEFAULT_BLOCK_SIZE,
+                   layers: int = 1) -> DecodeResult:  # fmt: skip
     kv_cache_dtype = _kv_name(kv_cache_dtype)
-    steps = {"paged": _decode_inputs(context, batch, block_size, kv_cache_dtype, shuffle=True),
-             "contiguous": _decode_inputs(context, batch, context, kv_cache_dtype, shuffle=False)}  # fmt: skip
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * kv_row_bytes(HEAD_DIM, kv_cache_dtype)  # codes and scales read
+    layers = max(1, min(layers, MAX_POOL_BYTES // kv_bytes))
+    steps = {"paged": _decode_inputs(context, batch, block_size, kv_cache_dtype, shuffle=True, layers=layers),
+             "contiguous": _decode_inputs(context, batch, context, kv_cache_dtype, shuffle=False, layers=layers)}
     if is_quantized(kv_cache_dtype):  # the float caches, timed alongside on the same inputs
         for name in ("float32", "float16"):
-            steps[name] = _decode_inputs(context, batch, block_size, name, shuffle=True)
+            steps[name] = _decode_inputs(context, batch, block_size, name, shuffle=True, layers=layers)
     # alternated in short rounds, so that a change of the machine's load falls on every layout alike
     samples = interleaved_samples(steps, budget_s=budget_s * len(steps))
+    samples = {name: [t / layers for t in times] for name, times in samples.items()}  # per call
     paged_times, contiguous_times = samples["paged"], samples["contiguous"]
     floats = {f"{name}_ms": statistics.median(samples[name]) * 1e3 for name in ("float32", "float16") if name in samples}
     if noise is not None:
         for times in samples.values():
             noise.add_samples(times)
     paged, contiguous = statistics.median(paged_times), statistics.median(contiguous_times)
-    kv_bytes = 2 * batch * context * NUM_KV_HEADS * kv_row_bytes(HEAD_DIM, kv_cache_dtype)  # codes and scales read
     bandwidth = kv_bytes / paged / 1e9
     return DecodeResult(context, batch, paged * 1e3, contiguous * 1e3, kv_bytes, bandwidth, bandwidth / copy_gbs,
-                        paged / contiguous - 1, **floats)  # fmt: skip
+                        paged / contiguous - 1, layers, **floats)  # fmt: skip
 
 
 def run_kernel_bench(
@@ -127,9 +144,10 @@ def run_kernel_bench(
     budget_s: float = 0.4,
     progress: Optional[Callable[[str], None]] = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    layers: int = 1,
 ) -> dict:
     """Runs the whole CPU kernel report and returns it as a dict (see module docstring); block_size: tokens per
-    block of the paged layout."""
+    block of the paged layout; layers: the pool's layers, one call each per step (a model's step)."""
     say = progress or (lambda _msg: None)
     monitor = NoiseMonitor().start()
     say("measuring memory-copy bandwidth")
@@ -138,7 +156,8 @@ def run_kernel_bench(
     for context in contexts:
         for batch in batches:
             say(f"decode: context {context}, batch {batch}")
-            results.append(measure_decode(context, batch, kv_cache_dtype, copy_gbs, budget_s, monitor, block_size))
+            results.append(measure_decode(context, batch, kv_cache_dtype, copy_gbs, budget_s, monitor, block_size,
+                                          layers))
     monitor.stop()
     noise = monitor.result()
     long = [r for r in results if r.context >= 2048]
@@ -153,6 +172,7 @@ def run_kernel_bench(
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "kv_cache_dtype": _kv_name(kv_cache_dtype),
         "block_size": block_size,
+        "layers": layers,
         "heads": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM},
         "copy_bandwidth_gbs": copy_gbs,
         "decode": [asdict(r) for r in results],
@@ -178,12 +198,16 @@ def format_report(report: dict) -> str:
         f"trtpaged kernel benchmark ({report['device']}, {report['threads']} threads, KV {report['kv_cache_dtype']}, "
         f"{report['heads']['num_heads']} heads / {report['heads']['num_kv_heads']} KV heads / "
         f"head_dim {report['heads']['head_dim']}, paged blocks of {report.get('block_size', DEFAULT_BLOCK_SIZE)} tokens)",
+        f"a step: one call per layer of a {report.get('layers', 1)}-layer pool" + (
+            " (every call finds the last one's keys in the caches)" if report.get("layers", 1) == 1 else
+            " in turn (fewer where the layers column says so); times per call"),
         f"instruction set: {report.get('isa', 'not reported')}; attention kernel copy: "
         f"{report.get('attention_path', 'not reported')}",
         f"memory-copy bandwidth: {report['copy_bandwidth_gbs']:.1f} GB/s (read + write bytes)",
         "",
         f"{'context':>8} {'batch':>6} {'paged ms':>10} {'contig ms':>10} {'KV GB/s':>9} {'of copy':>8} {'paged ovh':>10}"
-        + (f" {'fp32 ms':>9} {'fp16 ms':>9} {'vs fp32':>8}" if report["decode"][0].get("float32_ms") else ""),
+        + (f" {'fp32 ms':>9} {'fp16 ms':>9} {'vs fp32':>8}" if report["decode"][0].get("float32_ms") else "")
+        + (f" {'layers':>7}" if report.get("layers", 1) > 1 else ""),
     ]
     for r in report["decode"]:
         line = (
@@ -192,6 +216,8 @@ def format_report(report: dict) -> str:
         )
         if r.get("float32_ms"):
             line += f" {r['float32_ms']:>9.3f} {r['float16_ms']:>9.3f} {r['float32_ms'] / r['paged_ms']:>7.2f}x"
+        if report.get("layers", 1) > 1:
+            line += f" {r.get('layers', 1):>7}"
         lines.append(line)
     s = report["summary"]
     noise = Noise(**report["noise"])

@@ -69,7 +69,11 @@ def command() -> None:
 @click.option("--block-size", type=click.Choice([str(b) for b in BLOCK_SIZES]), default=str(DEFAULT_BLOCK_SIZE),
               show_default=True,
               help="Tokens per block of the paged cache (model.yaml's block_size).")
-def kernel(kv_cache_dtype: Optional[str], device: str, as_json: bool, quick: bool, block_size: str) -> None:
+@click.option("--layers", type=click.IntRange(1, 512), default=1, show_default=True,
+              help="cpu: a pool of this many layers, one call each in turn, as a model's decode step makes them "
+                   "(SmolLM2: 30); 1: every call finds the previous one's keys in the caches.")
+def kernel(kv_cache_dtype: Optional[str], device: str, as_json: bool, quick: bool, block_size: str,
+           layers: int) -> None:
     """Decode kernel: KV-read bandwidth vs memory-copy bandwidth, and paged vs contiguous overhead."""
     if device == "cuda":
         from trtpaged.bench.kernel_bench_gpu import run_gpu_kernel_bench
@@ -85,7 +89,7 @@ def kernel(kv_cache_dtype: Optional[str], device: str, as_json: bool, quick: boo
         click.echo(f"  {msg}", err=True)
 
     report = run_kernel_bench(kv_cache_dtype or "float32", budget_s=0.15 if quick else 0.4, progress=progress,
-                              block_size=int(block_size))
+                              block_size=int(block_size), layers=layers)
     echo(report_json(report) if as_json else format_report(report))
 
 

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "cpu/dtype_cpu.h"
 
@@ -78,6 +79,18 @@ inline void prefetch_bytes(const void* ptr, int64_t bytes) {
   }
 }
 
+// A span of bytes requested over `steps` steps of a loop, a share of whole lines a step.
+struct Spread {
+  const char* from = nullptr;
+  int64_t bytes = 0, share = 0;
+  Spread(const char* p, int64_t n, int64_t steps)
+      : from(p), bytes(n), share(((n + 63) / 64 + steps - 1) / steps * 64) {}
+  void step(int64_t i) const {
+    const int64_t at = i * share;
+    if (at < bytes) prefetch_bytes(from + at, std::min(share, bytes - at));
+  }
+};
+
 // The next tile's K (or V) rows, requested a few at a time as the loops read this tile's rows of the
 // same index: the next tile has this tile's geometry (runs of `run` rows behind one pointer), so the
 // requests are spread evenly over the tile's work. (One request burst per run stalled the loop of the
@@ -89,12 +102,20 @@ struct NextBlocks {
   int64_t rows = 0;  // rows of the next tile; 0: nothing to request
   int64_t run = 0;
   int64_t row_bytes = 0;
+  bool spread = false;  // the scores loop spreads a group's requests over its steps (calls from memory)
 
   // Rows [i, i + count) of the next tile's run b (those that exist).
   void prefetch(int64_t b, int64_t i, int64_t count) const {
     const int64_t left = rows - b * run - i;
     if (left <= 0) return;
     prefetch_bytes(static_cast<const char*>(blocks[b]) + i * row_bytes, std::min({count, left, run - i}) * row_bytes);
+  }
+  // Rows [i, i + count) of run b (those that exist) as a span of bytes, for a loop that spreads their requests
+  // over its steps (Spread); bytes 0: nothing to request.
+  const char* span(int64_t b, int64_t i, int64_t count, int64_t* bytes) const {
+    const int64_t left = rows - b * run - i;
+    *bytes = left <= 0 ? 0 : std::min({count, left, run - i}) * row_bytes;
+    return *bytes ? static_cast<const char*>(blocks[b]) + i * row_bytes : nullptr;
   }
   // For loops over the rows i of run b one by one: every kRows-th row requests the next kRows.
   void prefetch_row(int64_t b, int64_t i) const {
@@ -425,7 +446,7 @@ inline fvec sum_lanes_transposed(const fvec* p) {
 
 // scores[r * stride + j] = q_r . k_j (times the row's factor) for j < n. Keys come kLanes at a time
 // (one vector of scores per query row through sum_lanes_transposed), the rest of a block one by one.
-template <int D, int NR, class Codec, int Elem>
+template <int D, int NR, class Codec, int Elem, bool kSpread>
 void tile_scores_fused(const float* q, const uint8_t* const* kp, int64_t bs, int64_t n, float* scores, int64_t stride,
                        const NextBlocks& next) {
   constexpr int kVecs = D / kLanes;
@@ -440,7 +461,13 @@ void tile_scores_fused(const float* q, const uint8_t* const* kp, int64_t bs, int
     constexpr bool kStage = !std::is_same_v<Codec, FloatRows>;
     alignas(64) float staged[kStage ? kLanes * D : 1];
     for (; j + kLanes <= end; j += kLanes, k += kLanes * kRow) {
-      next.prefetch(b, j - start, kLanes);
+      // Calls from memory spread the group's requests over its steps (a row's products with a key): a burst of
+      // them (a whole block with AVX-512) fills the miss buffers and stalls the loop until lines arrive. Calls
+      // from the cache request them at once: there the spread's steps cost more than they save.
+      int64_t span_bytes = 0;
+      const char* span = kSpread ? next.span(b, j - start, kLanes, &span_bytes) : nullptr;
+      const Spread requests(span, span_bytes, NR * kLanes);
+      if constexpr (!kSpread) next.prefetch(b, j - start, kLanes);
       fvec factor = fvec{} + 1.0f;
       if constexpr (Codec::kScaled)
         for (int l = 0; l < kLanes; ++l) factor[l] = row_factor<Codec>(k + l * kRow, D * Elem);
@@ -462,6 +489,7 @@ void tile_scores_fused(const float* q, const uint8_t* const* kp, int64_t bs, int
         const float* qr = q + r * D;
         fvec part[kLanes];
         for (int l = 0; l < kLanes; ++l) {
+          if constexpr (kSpread) requests.step(r * kLanes + l);
           fvec sum = load_vec(qr) * key_vec(l, 0);
           for (int i = 1; i < kVecs; ++i) sum += load_vec(qr + i * kLanes) * key_vec(l, i);
           part[l] = sum;
@@ -530,7 +558,8 @@ void tile_accumulate_fused(const float* weights, int64_t stride, const uint8_t* 
       const uint8_t* v = vp[b];
       for (const int64_t start = j, end = std::min(n, j + bs); j < end; ++j, v += kRow) {
         // the next tile's requests spread over the passes (a burst of them fills the miss buffers)
-        if ((j - start) / NextBlocks::kRows % (kVecs / kSlice) == s / kSlice) next.prefetch_row(b, j - start);
+        if ((j - start) / NextBlocks::kRows % (kVecs / kSlice) == s / kSlice)
+          next.prefetch_row(b, j - start);
         const float factor = row_factor<Codec>(v, D * Elem);
         float w[NR];
         for (int r = 0; r < NR; ++r) w[r] = weights[r * stride + j] * factor;
@@ -548,12 +577,15 @@ void tile_accumulate_fused(const float* weights, int64_t stride, const uint8_t* 
 template <int D, class Codec, int Elem>
 void scores_fused_rows(int nr, const float* q, const uint8_t* const* kp, int64_t bs, int64_t n, float* scores,
                        int64_t stride, const NextBlocks& next) {
-  switch (nr) {
-    case 1: return tile_scores_fused<D, 1, Codec, Elem>(q, kp, bs, n, scores, stride, next);
-    case 2: return tile_scores_fused<D, 2, Codec, Elem>(q, kp, bs, n, scores, stride, next);
-    case 3: return tile_scores_fused<D, 3, Codec, Elem>(q, kp, bs, n, scores, stride, next);
-    default: return tile_scores_fused<D, 4, Codec, Elem>(q, kp, bs, n, scores, stride, next);
-  }
+  auto rows = [&](auto spread) {
+    switch (nr) {
+      case 1: return tile_scores_fused<D, 1, Codec, Elem, spread>(q, kp, bs, n, scores, stride, next);
+      case 2: return tile_scores_fused<D, 2, Codec, Elem, spread>(q, kp, bs, n, scores, stride, next);
+      case 3: return tile_scores_fused<D, 3, Codec, Elem, spread>(q, kp, bs, n, scores, stride, next);
+      default: return tile_scores_fused<D, 4, Codec, Elem, spread>(q, kp, bs, n, scores, stride, next);
+    }
+  };
+  return next.spread ? rows(std::true_type{}) : rows(std::false_type{});
 }
 
 template <int D, class Codec, int Elem>

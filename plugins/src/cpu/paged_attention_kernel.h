@@ -48,10 +48,12 @@ constexpr int kTileKeys = 256;  // keys per online-softmax update
 // keys further on (whole blocks, at least one) in the thread's stream of tiles. One block ahead (16 keys) measured
 // best; two to four blocks, or a whole tile, less well (docs/benchmarks.md, "Round 40").
 constexpr int kPrefetchKeys = 16;
-// Calls whose cached K and V (all their tasks' keys, one layer) exceed this read decode tiles block-major: where
-// the keys fit the last-level cache the block-major loops' more calls (one a block and head, not one a tile and
-// head) cost more than the requests gain (contexts of 128-256 x 32 sequences measured 5-8% slower); from memory
-// they gain (Round 40). 32 MiB: the L3 of the AMD machines measured (sysconf reports a VM host's, not the guest's).
+// Calls whose step reads more K and V than this (the call's keys times the pool's layers: a model's step calls each
+// layer in turn, so a layer's keys are read back from memory once all layers' outgrow the last-level cache) read
+// decode tiles block-major and spread their requests (NextBlocks::spread). Where the keys stay in the cache, as
+// when one layer is called again and again, the block-major loops' more calls (one a block and head, not one a
+// tile and head) cost more than the requests gain (contexts of 128-256 x 32 sequences measured 5-8% slower); from
+// memory they gain (Rounds 40, 41). 32 MiB: the L3 of the AMD machines measured (sysconf reports a VM host's).
 constexpr int64_t kBlockMajorBytes = int64_t(32) << 20;
 constexpr int kMaxKv = 16;  // KV heads of a block-major task, at most
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -368,7 +370,7 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const trtpag
             const int64_t n = std::clamp<int64_t>(glimit[h] - b * run, 0, run);
             if (n == 0) continue;
             const void* np = nk ? static_cast<const void*>(nk + h * head_step + kv * v_step) : nullptr;
-            const NextBlocks nx{&np, nrows, run, row_bytes};
+            const NextBlocks nx{&np, nrows, run, row_bytes, true};
             const uint8_t* block = reinterpret_cast<const uint8_t*>(run_of(sc.base, b, h, kv));
             float* scores = sc.scores.data() + h * kRowGroup * tile_keys + b * run;
             if (kv == 0)
@@ -416,8 +418,8 @@ void run_task(const Task& task, const trtpaged_attention_params& p, const trtpag
       }
       for (int32_t r0 = h * head_rows; r0 < (h + 1) * head_rows; r0 += kRowGroup) {
         const bool first_group = r0 == h * head_rows;
-        const NextBlocks next_k{sc.knext.data(), first_group ? next_n : 0, run, row_bytes};
-        const NextBlocks next_v{sc.vnext.data(), first_group ? next_n : 0, run, row_bytes};
+        const NextBlocks next_k{sc.knext.data(), first_group ? next_n : 0, run, row_bytes, from_memory};
+        const NextBlocks next_v{sc.vnext.data(), first_group ? next_n : 0, run, row_bytes, from_memory};
         const int nr = std::min(kRowGroup, (h + 1) * head_rows - r0);
         int64_t limits[kRowGroup], firsts[kRowGroup];  // each row's visible keys in the tile: [first, limit)
         int64_t group_limit = 0;
@@ -503,7 +505,7 @@ void paged_attention(const trtpaged_attention_params& p, const trtpaged_attentio
   std::vector<float> partials(size_t(num_partials * (p.head_dim + 2)));  // num_partials: rows
   int64_t kv_bytes = 0;
   for (const Task& t : tasks) kv_bytes += std::max<int64_t>(0, t.k_end - t.k_begin) * t.num_kv * 2 * row;
-  const bool from_memory = kv_bytes * int64_t(sizeof(KV)) > kBlockMajorBytes;
+  const bool from_memory = kv_bytes * int64_t(sizeof(KV)) * p.num_layers > kBlockMajorBytes;
   // Tasks are handed out one at a time, as schedule(dynamic, 1) would, but a thread claims its next
   // one before it finishes the current one (run_task), to prefetch it.
   std::atomic<size_t> next_task{0};
