@@ -92,7 +92,9 @@ def test_a_cut_response_is_continued_by_an_empty_turn(client, server):
 
 
 def test_a_background_response_is_polled_to_the_answer(client, server):
-    queued = _create(client, input="in the background", max_output_tokens=12, background=True)
+    # a 2h completion window (OpenAI's discounted background mode) is met by running it at once
+    queued = _create(client, input="in the background", max_output_tokens=12, background=True,
+                     background_options={"completion_window": "2h", "continuation_id": "batch-1"})  # fmt: skip
     assert queued.status == "queued" and queued.background is True and queued.output == []
     deadline = time.monotonic() + 60
     while (r := client.responses.retrieve(queued.id)).status in ("queued", "in_progress"):
@@ -187,6 +189,10 @@ def test_a_chain_through_a_deleted_id_stays_broken_when_the_id_is_reused(client,
 @pytest.mark.parametrize("extra, param", [
     ({"background": True, "store": False}, "background"),
     ({"conversation": "conv_1"}, "conversation"),
+    # OpenAI's rule for the 2h and 8h windows: background, not streamed, standard processing
+    ({"background": True, "stream": True, "background_options": {"completion_window": "8h"}}, "background_options"),
+    ({"background": True, "service_tier": "priority", "background_options": {"completion_window": "2h"}},
+     "background_options"),
 ])  # fmt: skip
 def test_what_the_store_cannot_serve_is_refused_naming_the_field(client, server, extra, param):
     with pytest.raises(openai.BadRequestError) as err:

@@ -134,9 +134,53 @@ def test_openai_platform_fields_and_text_parts(client, llm):
     parts[0]["content"][1]["cache_control"] = {"type": "ephemeral"}
     hinted = client.chat.completions.create(model="tiny", messages=parts, max_tokens=6, temperature=0)
     assert hinted.choices[0].message.content == plain.choices[0].message.content
+    # OpenAI's prompt-cache settings (SDK 3.63): a breakpoint on a part, the request's options; the cache here is
+    # automatic, so they change nothing; moderation: null asks for none
+    parts[0]["content"][0]["prompt_cache_breakpoint"] = {"mode": "explicit", "ttl": "12h"}
+    hinted = client.chat.completions.create(model="tiny", messages=parts, max_tokens=6, temperature=0, moderation=None,
+                                            prompt_cache_options={"mode": "explicit", "ttl": "30m"})  # fmt: skip
+    assert hinted.choices[0].message.content == plain.choices[0].message.content
+    refused = (({"moderation": {"model": "omni-moderation-latest"}}, "moderation", ": this server runs no moderation"),
+               ({"prompt_cache_options": {"ttl": "12h"}}, "prompt_cache_options", r"\.ttl: Input should be '30m'"),
+               ({"prompt_cache_options": {"mode": "auto"}}, "prompt_cache_options", r"\.mode: Input should be"))
+    for extra, field, why in refused:
+        with pytest.raises(openai.BadRequestError, match=f"- {field}{why}") as err:
+            client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, **extra)
+        assert err.value.body["param"] == field
+    for breakpoint in ({"mode": "implicit"}, {"mode": "explicit", "ttl": "1h"}, {"mode": "explicit", "x": 1}, "yes"):
+        parts[0]["content"][0]["prompt_cache_breakpoint"] = breakpoint
+        with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.content\[0\]\.prompt_cache_breakpoint: "):
+            client.chat.completions.create(model="tiny", messages=parts, max_tokens=6)
+    parts[0]["content"][0].pop("prompt_cache_breakpoint")
     parts[0]["content"][1]["bogus"] = 1
     with pytest.raises(openai.BadRequestError, match=r"unknown keys \['bogus'\]"):
         client.chat.completions.create(model="tiny", messages=parts, max_tokens=6)
+    again = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
+    assert again.choices[0].message.content == plain.choices[0].message.content  # the refusals left it serving
+
+
+def test_every_request_field_of_the_openai_sdk_is_known():
+    """Every field of the installed SDK's create params (completions, chat completions, Responses) is one this
+    server reads (an unknown one is a 400, OpenAI's rule), taken at least as null; what a value does is each field's
+    own test."""
+    from openai.types import completion_create_params as completion
+    from openai.types.chat import completion_create_params as chat
+    from openai.types.responses import response_create_params as responses
+    from trtpaged.server import responses_api
+    from trtpaged.server.protocol import parse_generation
+
+    def chat_of_responses(body: dict) -> None:
+        parse_generation(responses_api.translate(body, ["tiny"]).chat_body, True, ["tiny"], 320)
+
+    cases = ((completion.CompletionCreateParamsBase, {"prompt": "hi"},
+              lambda body: parse_generation(body, False, ["tiny"], 320)),
+             (chat.CompletionCreateParamsBase, {"messages": [{"role": "user", "content": "hi"}]},
+              lambda body: parse_generation(body, True, ["tiny"], 320)),
+             (responses.ResponseCreateParamsBase, {"input": "hi"}, chat_of_responses))  # fmt: skip
+    for params, required, parse in cases:
+        for name in params.__annotations__:
+            if name not in required:
+                parse({**required, name: None})
 
 
 def test_continue_final_message_extends_the_assistants_text(client, llm):

@@ -169,6 +169,24 @@ def test_function_calls_are_output_items(client, forced):
     ({"stream_options": {"include_obfuscation": False}}, "stream_options"),  # without stream: true
     ({"stream": True, "stream_options": {"include_usage": True}}, "stream_options"),  # chat's, not this API's
     ({"max_tool_calls": -1}, "max_tool_calls"),
+    # OpenAI's options of SDK 3.63: what asks for something this server lacks, or is not of the SDK's type
+    ({"moderation": {"model": "omni-moderation-latest"}}, "moderation"),
+    ({"context_management": [{"type": "compaction", "compact_threshold": 1000}]}, "context_management"),
+    ({"context_management": [{"compact_threshold": 1000}]}, "context_management"),
+    ({"image": {"context_compression": "enabled"}}, "image"),
+    ({"image": {"context_compression": True}}, "image"),
+    ({"access_programs": {"cyber": "daybreak_red"}}, "access_programs"),
+    ({"access_programs": {"cyber": "other"}}, "access_programs"),
+    ({"background_options": {"completion_window": "2h"}}, "background_options"),  # without background
+    ({"background_options": {"completion_window": "1h"}}, "background_options"),
+    ({"background_options": {"continuation_id": 7}}, "background_options"),
+    ({"prompt_cache_options": {"prewarm": True}}, "prompt_cache_options"),
+    ({"prompt_cache_options": {"ttl": "24h"}}, "prompt_cache_options"),
+    ({"prompt_cache_options": {"retention": "24h"}}, "prompt_cache_options"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "x",
+                                              "prompt_cache_breakpoint": {"mode": "implicit"}}]}]}, "input"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": [
+        {"type": "input_text", "text": "x", "prompt_cache_breakpoint": {"mode": "explicit", "ttl": "1d"}}]}]}, "input"),
 ])  # fmt: skip
 def test_what_cannot_be_served_is_refused_naming_the_field(client, server, extra, param):
     body = {"model": MODEL, "input": "hi", **extra}
@@ -292,6 +310,28 @@ def test_the_responses_own_defaults_and_platform_settings_are_taken_and_echoed(c
         assert (r.tool_choice, r.max_tool_calls, r.reasoning.effort, r.service_tier) == (choice, 3, "low", "flex")
     plain = client.responses.create(model=MODEL, input="hello there", max_output_tokens=6, temperature=0)
     assert (plain.tool_choice, plain.reasoning.effort, plain.service_tier) == ("auto", None, "auto")
+
+
+def test_openais_platform_options_that_ask_for_nothing_more_change_nothing(client, llm, server):
+    """SDK 3.63's prompt-cache options and content-part breakpoints (the prefix cache here is automatic), the
+    Standard access program (a model without a Cyber tier), the soonest completion window, no moderation, no
+    context management and the default image options: taken through the SDK; the answer is the plain one."""
+    truth, _ = _chat_truth(llm, [{"role": "user", "content": "hello\nthere"}], 6)
+    parts = [{"type": "input_text", "text": "hello", "prompt_cache_breakpoint": {"mode": "explicit"}},
+             {"type": "input_text", "text": "there", "prompt_cache_breakpoint": {"mode": "explicit", "ttl": "12h"}}]
+    r = client.responses.create(model=MODEL, input=[{"role": "user", "content": parts}], max_output_tokens=6,
+                                temperature=0, moderation=None, context_management=[],
+                                image={"context_compression": "auto"}, access_programs={"cyber": "standard"},
+                                background_options={"completion_window": "soonest", "continuation_id": "batch-1"},
+                                prompt_cache_options={"mode": "explicit", "ttl": "12h", "prewarm": False,
+                                                      "comparison_response_id": "resp_earlier"})  # fmt: skip
+    assert r.output_text == truth.text
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=MODEL, input="hi", moderation={"model": "omni-moderation-latest"})
+    assert err.value.body["param"] == "moderation" and "no moderation model" in err.value.body["message"]
+    wait_idle(server)
+    assert client.responses.create(model=MODEL, input=[{"role": "user", "content": parts}], max_output_tokens=6,
+                                   temperature=0).output_text == truth.text  # fmt: skip
 
 
 def test_a_refusal_keeps_the_clients_own_values_as_sent(client, server):

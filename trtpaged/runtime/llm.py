@@ -140,9 +140,23 @@ def chat_prompt_ids(tokenizer: Any, messages: Seq[dict], tools: Optional[Seq[dic
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
-# keys a text part may carry for another provider's sake, with nothing to do here: Anthropic's prompt-cache hint,
-# which LiteLLM and Claude-oriented clients put on parts (vLLM ignores it too)
-_PART_HINTS = ("cache_control",)
+# keys a text part may carry for a provider's prompt cache, with nothing to do here (the prefix cache is automatic):
+# Anthropic's hint, which LiteLLM and Claude-oriented clients put on parts (vLLM ignores it too), and OpenAI's
+# breakpoint (checked: cache_breakpoint_error)
+_PART_HINTS = ("cache_control", "prompt_cache_breakpoint")
+
+
+def cache_breakpoint_error(part: Mapping) -> Optional[str]:
+    """What is wrong with a content part's prompt_cache_breakpoint (OpenAI's: "marks the exact end of a reusable
+    prompt prefix"), checked to the SDK's type {"mode": "explicit", "ttl": "30m" | "12h"}; None when it is absent,
+    null or well formed."""
+    value = part.get("prompt_cache_breakpoint")
+    if value is None:
+        return None
+    if (not isinstance(value, Mapping) or value.get("mode") != "explicit" or set(value) - {"mode", "ttl"}
+            or value.get("ttl") not in (None, "30m", "12h")):  # fmt: skip
+        return f"must be {{'mode': 'explicit'}}, with an optional ttl '30m' or '12h', got {value!r:.80}"
+    return None
 
 
 def text_part(part: Any, where: str) -> str:
@@ -156,6 +170,9 @@ def text_part(part: Any, where: str) -> str:
     unknown = set(part) - {"type", kind, *_PART_HINTS}
     if unknown:
         raise RequestError("messages", f"{where}: unknown keys {sorted(unknown)!r:.80}")
+    problem = cache_breakpoint_error(part)
+    if problem is not None:
+        raise RequestError("messages", f"{where}.prompt_cache_breakpoint: {problem}")
     if not isinstance(part.get(kind), str):
         raise RequestError("messages", f"{where}.{kind}: must be a string, got {type(part.get(kind)).__name__}")
     return part[kind]

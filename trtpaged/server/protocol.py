@@ -28,6 +28,8 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "n", "seed", "pres
 MAX_REQUEST_TEMPLATE_CHARS = 64 << 10
 MAX_REQUEST_ID_CHARS = 256  # a caller's request id (the body's request_id or the X-Request-Id header)
 _UNSUPPORTED = ("suffix", "functions", "function_call", "audio", "web_search_options")
+# OpenAI's fields asking for what this server lacks, refused when not null: why
+_OPENAI_REFUSED = {"moderation": "this server runs no moderation model on the input or output"}
 # vLLM's fields this server has no counterpart for, refused when they ask for something: why
 _VLLM_REFUSED = {
     "chat_template": "a request's own chat template is not run unless the server is started with "
@@ -232,6 +234,9 @@ def parse_generation(body: Any, chat: bool, served_names: Sequence[str], vocab_s
     for name in _UNSUPPORTED:
         if getattr(req, name, None) not in (None, False, "", [], {}, "none"):
             raise ApiError(f"{name}: not supported by this server", name)
+    for name, why in _OPENAI_REFUSED.items():
+        if getattr(req, name, None) is not None:
+            raise ApiError(f"{name}: {why}", name)
     own_template = isinstance(req, ChatCompletionRequest) and req.chat_template is not None
     if own_template:
         check_request_template(req.chat_template, trust_template)  # type: ignore[union-attr]

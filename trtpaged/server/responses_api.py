@@ -31,9 +31,10 @@ _NOTHING_TO_INCLUDE = frozenset({
     "message.input_image.image_url", "reasoning.encrypted_content", "web_search_call.results",
     "web_search_call.action.sources",
 })  # fmt: skip
-# chat fields that carry over under the same name and meaning (vLLM's sampling extras among them); `store` does
-# not: the answer says false whatever was asked
-_SAME_FIELDS = tuple(name for name in GenerationFields.model_fields if name != "store") + ("parallel_tool_calls",)
+# chat fields that carry over under the same name and meaning (vLLM's sampling extras among them; moderation, which
+# chat refuses unless null); `store` does not: the answer says false whatever was asked
+_SAME_FIELDS = (*(name for name in GenerationFields.model_fields if name != "store"), "parallel_tool_calls",
+                "moderation")  # fmt: skip
 # a chat field's name in a refusal -> the Responses field the client sent
 _RESPONSES_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens",
                     "max_tokens": "max_output_tokens", "response_format": "text.format", "logprobs": "include",
@@ -74,6 +75,7 @@ def translate(body: Any, served: Sequence[str], store: Optional[ResponsesStore] 
     if req.background and not stored:
         raise ApiError("background: needs a stored response (store not false, on a server started with "
                        "--responses-store-size)", "background")  # fmt: skip
+    _check_platform_options(req)
     history: list[Any] = []
     link = None
     if req.previous_response_id is not None:
@@ -107,6 +109,28 @@ def translate(body: Any, served: Sequence[str], store: Optional[ResponsesStore] 
         chat["reasoning_effort"] = req.reasoning.effort
     chat["stream"] = req.stream
     return ResponsesCall(req, chat, served_model, int(time.time()), items, conversation, link, stored)
+
+
+def _check_platform_options(req: ResponsesRequest) -> None:
+    """OpenAI's options for its own platform, taken when this server does what they ask (their shape is the
+    schema's), refused naming the option otherwise."""
+    window = req.background_options.completion_window if req.background_options else None
+    if window in ("2h", "8h"):  # a deadline, which a background response run at once meets (the discount is billing)
+        if not req.background or req.stream or req.service_tier not in (None, "auto", "default"):
+            raise ApiError(f"background_options.completion_window: {window!r} needs background: true, standard "
+                           "processing (service_tier auto or default) and stream false", "background_options")
+    if req.prompt_cache_options and req.prompt_cache_options.prewarm:
+        raise ApiError("prompt_cache_options.prewarm: every request here generates its answer (the prefix cache "
+                       "keeps any prompt's full blocks as it is computed)", "prompt_cache_options")  # fmt: skip
+    if req.access_programs and req.access_programs.cyber not in (None, "standard"):
+        raise ApiError(f"access_programs.cyber: {req.access_programs.cyber!r} is not available here (the model has "
+                       "no Cyber tier: every request is served under 'standard')", "access_programs")  # fmt: skip
+    if req.context_management:
+        raise ApiError("context_management: this server compacts no context (truncation: 'auto' drops a long "
+                       "conversation's oldest turns instead)", "context_management")  # fmt: skip
+    if req.image and req.image.context_compression == "enabled":
+        raise ApiError("image.context_compression: 'enabled' needs image compression; this server reads no images "
+                       "(text only)", "image")  # fmt: skip
 
 
 def turn(call: ResponsesCall, output: list[Any]) -> list[dict[str, Any]]:
@@ -265,6 +289,8 @@ def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
 
 def _parts(parts: Any, where: str) -> list[dict[str, str]]:
     """Content parts as chat's text parts; any other kind (images, files, audio) is refused."""
+    from trtpaged.runtime.llm import cache_breakpoint_error  # the runtime's import, kept off this module's import
+
     if not isinstance(parts, list):
         raise ApiError(f"{where}: must be a string or a list of content parts", "input")
     out = []
@@ -273,6 +299,9 @@ def _parts(parts: Any, where: str) -> list[dict[str, str]]:
         if not isinstance(kind, str) or kind not in _TEXT_PARTS:
             raise ApiError(f"{where}[{j}].type: {str(kind)[:40]!r} is not supported by this server (text only: "
                            f"{', '.join(_TEXT_PARTS)})", "input")  # fmt: skip
+        problem = cache_breakpoint_error(part)  # a hint for OpenAI's prompt cache: checked, without effect here
+        if problem is not None:
+            raise ApiError(f"{where}[{j}].prompt_cache_breakpoint: {problem}", "input")
         out.append({"type": "text", "text": _text(part, _TEXT_PARTS[kind], f"{where}[{j}]")})
     return out
 

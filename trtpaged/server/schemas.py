@@ -38,6 +38,23 @@ class _PlatformFields(_Strict):
     safety_identifier: Optional[StrictStr] = None
 
 
+class ChatPromptCacheOptions(_Strict):
+    """Chat's prompt_cache_options: how OpenAI's prompt cache places its breakpoints and how long it keeps them;
+    checked, without effect (the prefix cache here is automatic: it reuses any prompt's full blocks it still holds)."""
+
+    mode: Optional[Literal["implicit", "explicit"]] = None
+    ttl: Optional[Literal["30m"]] = None
+
+
+class PromptCacheOptions(ChatPromptCacheOptions):
+    """The Responses API's prompt_cache_options: chat's, another lifetime, a response to compare for cache
+    diagnostics (none are made here) and prewarm (responses_api.py refuses true: every request here generates)."""
+
+    ttl: Optional[Literal["30m", "12h"]] = None
+    comparison_response_id: Optional[StrictStr] = None
+    prewarm: Optional[StrictBool] = None
+
+
 class _VllmPlumbing(_Strict):
     """vLLM fields that a vLLM client or router may send: accepted when they ask for nothing (null or empty), or, for
     the guided-decoding backend, whatever backend they name (the grammar is the same; xgrammar runs it here);
@@ -163,6 +180,8 @@ class ChatCompletionRequest(_SamplingFields):
     modalities: Optional[list[StrictStr]] = None
     audio: Optional[dict[str, Any]] = None
     web_search_options: Optional[dict[str, Any]] = None
+    prompt_cache_options: Optional[ChatPromptCacheOptions] = None
+    moderation: Optional[dict[str, Any]] = None  # OpenAI's moderated completions: refused unless null (protocol.py)
 
 
 class ResponsesStreamOptions(_Strict):
@@ -179,6 +198,34 @@ class Reasoning(_Strict):
     effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh"]] = None
     summary: Optional[Literal["auto", "concise", "detailed"]] = None
     generate_summary: Optional[Literal["auto", "concise", "detailed"]] = None  # the older spelling of summary
+
+
+class AccessPrograms(_Strict):
+    """OpenAI's domain-specific access programs: a model without a Cyber tier (every model here) serves under
+    "standard"; responses_api.py refuses the Daybreak ones."""
+
+    cyber: Optional[Literal["standard", "daybreak_blue", "daybreak_red"]] = None
+
+
+class BackgroundOptions(_Strict):
+    """How soon a background response must be done, and an id OpenAI groups related ones by (no effect here):
+    responses_api.py checks the window against background, stream and service_tier as OpenAI does."""
+
+    completion_window: Optional[Literal["soonest", "2h", "8h"]] = None
+    continuation_id: Optional[StrictStr] = None
+
+
+class ContextManagement(_Strict):
+    """One entry of OpenAI's context management (compaction): refused, as there is none here (responses_api.py)."""
+
+    type: StrictStr
+    compact_threshold: Optional[StrictInt] = None
+
+
+class ImageOptions(_Strict):
+    """OpenAI's request-level image options: how image inputs are compressed (this server reads no images)."""
+
+    context_compression: Optional[Literal["auto", "enabled", "disabled"]] = None
 
 
 class ResponsesRequest(GenerationFields):
@@ -203,6 +250,12 @@ class ResponsesRequest(GenerationFields):
     conversation: Optional[Any] = None
     prompt: Optional[dict[str, Any]] = None
     background: Optional[StrictBool] = None
+    background_options: Optional[BackgroundOptions] = None
+    prompt_cache_options: Optional[PromptCacheOptions] = None
+    access_programs: Optional[AccessPrograms] = None
+    moderation: Optional[dict[str, Any]] = None  # refused unless null, as chat's (protocol.py)
+    context_management: Optional[list[ContextManagement]] = None
+    image: Optional[ImageOptions] = None
 
 
 # ---- responses -----------------------------------------------------------------------------------
