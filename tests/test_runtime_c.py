@@ -255,6 +255,123 @@ def test_family_engines_match_transformers_and_python(lib, tmp_path, family, qua
         assert tokens == [hf_greedy(hf, p, 3 * WINDOW, None) for p in prompts]
 
 
+@pytest.fixture(scope="module")
+def window_engines(tmp_path_factory):
+    """Tiny random Mistral (every layer windowed: blocks before the window are reclaimed) and Qwen2 (its first layer
+    global: every block kept) engines, block size 8, window 12, with their transformers models."""
+    from test_families import _config
+    from trtpaged.builder import build_engine
+    from trtpaged.models import load_hf
+
+    out = {}
+    for family in ("mistral-window", "qwen2-window"):
+        config = _config(family, dtype="float32", block_size=8, kv_cache={"num_kv_blocks": 64}, backend="torch")
+        engine = tmp_path_factory.mktemp("window") / family
+        build_engine(config, engine, echo=lambda line: None)
+        out[family] = engine, load_hf(config.model)
+    return out
+
+
+def c_run_staggered(rt: CRuntime, arrivals, max_tokens: int) -> tuple[list[list[int]], list[int]]:
+    """arrivals: (step, prompt), each added before that step; steps until all finish. (Token ids of each request,
+    the pool's used blocks after each step.)"""
+    pending, ids, out, live, used = sorted(arrivals, key=lambda a: a[0]), [], {}, set(), []
+    while pending or live:
+        while pending and pending[0][0] <= len(used):
+            ids.append(rt.add(pending.pop(0)[1], max_tokens))
+            out[ids[-1]] = []
+            live.add(ids[-1])
+        assert rt.run_step() > 0, "no progress"
+        used.append(rt.stats().kv_blocks_used)
+        for rid in sorted(live):
+            tokens, reason = rt.read(rid)
+            out[rid] += tokens
+            if reason != "running":
+                live.discard(rid)
+    return [out[rid] for rid in ids], used
+
+
+def python_run_staggered(engine_dir: Path, arrivals, max_tokens: int, **options) -> tuple[list[list[int]], list[int],
+                                                                                           dict]:
+    """The same through the Python runtime's LLMEngine: tokens, used blocks after each step, its stats."""
+    engine = LLM(engine_dir, device="cpu", backend="torch", **options).engine
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    pending, ids, done, used = sorted(arrivals, key=lambda a: a[0]), [], {}, []
+    while pending or engine.has_unfinished():
+        while pending and pending[0][0] <= len(used):
+            ids.append(engine.add_request(list(pending.pop(0)[1]), params))
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = list(o.outputs[0].token_ids)
+        used.append(engine.stats()["kv_blocks_used"])
+    return [done[i] for i in ids], used, engine.stats()
+
+
+@pytest.mark.parametrize("caching", [1, 0])
+def test_windowed_engine_reclaims_blocks_and_runs_a_request_longer_than_the_pool(lib, window_engines, caching):
+    """Every layer windowed (Mistral): the blocks wholly before a request's window go back to the pool as it advances,
+    as in the Python runtime (KVCacheManager.reclaim). A 70-token prompt with 40 outputs (14 blocks of 8) runs on a
+    pool of 6 blocks, prefilled 16 tokens a step: the tokens are transformers' generate's, the pool's used blocks
+    after every step are the Python runtime's (which reclaims), with no preemption; a pool of 5 refuses it up front,
+    as Python does (its window, one chunk, a partial block at each end and the chain parent)."""
+    from runtime_helpers import hf_greedy
+
+    engine, hf = window_engines["mistral-window"]
+    prompt = [(7 * i + 3) % 250 + 2 for i in range(70)]
+    options = dict(num_kv_blocks=6, max_num_tokens=16, max_batch_size=1, enable_prefix_caching=caching)
+    want, py_used, py_stats = python_run_staggered(engine, [(0, prompt)], 40, **options)
+    with CRuntime(lib, engine, **options) as rt:
+        got, used = c_run_staggered(rt, [(0, prompt)], 40)
+        st = rt.stats()
+    assert got == want == [hf_greedy(hf, prompt, 40, None)]
+    assert used == py_used and max(used) <= 6 and st.kv_blocks_used == 0 and st.num_preemptions == 0
+    assert py_stats["kv_blocks_reclaimed"] >= (70 + 40 - 12) // 8 - 1 and py_stats["num_preemptions"] == 0
+    with CRuntime(lib, engine, **{**options, "num_kv_blocks": 5}) as rt:
+        with pytest.raises(CError, match="more than the whole pool"):
+            rt.add(prompt, 40)
+
+
+def test_windowed_engine_reclaims_around_a_shared_prefix(lib, window_engines):
+    """Prefix caching on, two requests sharing a 40-token prefix (5 blocks, longer than the window of 12): the second
+    arrives once the first's prompt is computed and finds its blocks, those already reclaimed (free, still cached)
+    included. Tokens are transformers', prefix hits, preemptions and used blocks after every step the Python
+    runtime's, on a pool smaller than the two requests' contexts (22 blocks)."""
+    from runtime_helpers import hf_greedy
+
+    engine, hf = window_engines["mistral-window"]
+    shared = [(7 * i + 3) % 250 + 2 for i in range(40)]
+    prompts = [shared + [11, 22, 33, 44, 55], shared + [66, 77, 88]]
+    arrivals = [(0, prompts[0]), (3, prompts[1])]  # 45 tokens, 16 a step: the first's prompt is computed in 3 steps
+    options = dict(num_kv_blocks=10, max_num_tokens=16, max_batch_size=2)
+    want, py_used, py_stats = python_run_staggered(engine, arrivals, 40, **options)
+    with CRuntime(lib, engine, **options) as rt:
+        got, used = c_run_staggered(rt, arrivals, 40)
+        st = rt.stats()
+    assert got == want == [hf_greedy(hf, p, 40, None) for p in prompts]
+    assert used == py_used and st.kv_blocks_used == 0
+    assert st.prefix_cache_hits_tokens == py_stats["prefix_cache_hits_tokens"] == 40
+    assert st.num_preemptions == py_stats["num_preemptions"] and py_stats["kv_blocks_reclaimed"] > 0
+
+
+def test_engine_with_a_global_layer_keeps_every_block(lib, window_engines):
+    """Qwen2 with its first layer global: a block is never returned while that layer reads it, so a request holds
+    every block of its context until it finishes (the Python runtime's rule too): used blocks after each step are
+    those of the whole context, tokens transformers'."""
+    from runtime_helpers import hf_greedy
+
+    engine, hf = window_engines["qwen2-window"]
+    prompt = [(7 * i + 3) % 250 + 2 for i in range(30)]
+    options = dict(num_kv_blocks=16, max_num_tokens=16)
+    want, py_used, py_stats = python_run_staggered(engine, [(0, prompt)], 40, **options)
+    with CRuntime(lib, engine, **options) as rt:
+        got, used = c_run_staggered(rt, [(0, prompt)], 40)
+    assert got == want == [hf_greedy(hf, prompt, 40, None)]
+    # after step k, min(16 k, 30) prompt tokens computed, then one more each step; the last token is never computed
+    computed = [min(16 * (k + 1), 30) if k < 2 else 30 + k - 1 for k in range(len(used))]
+    assert used[:-1] == py_used[:-1] == [(n + 7) // 8 for n in computed[:-1]] and used[-1] == py_used[-1] == 0
+    assert py_stats["kv_blocks_reclaimed"] == 0
+
+
 def test_json_nested_past_the_limit_is_refused_not_a_stack_overflow(lib, tiny_engine_dir, tmp_path):
     """A manifest field or a safetensors header nested 100,000 deep is refused in one message: the error message's
     dump of the value recursed once per level and overflowed the stack (SIGSEGV)."""

@@ -8,7 +8,8 @@
  *   that run their own scheduler and block tables;
  * - requests (trtpaged_request_*, trtpaged_runtime_run_step): add a prompt given as token ids,
  *   step, read the new tokens, abort. Continuous batching, chunked prefill, prefix sharing of full
- *   blocks and preemption by recompute, by the Python scheduler's rules; a deliberately small
+ *   blocks, preemption by recompute and, when every layer has a sliding window, the blocks before a
+ *   request's window returned to the pool, by the Python scheduler's rules; a deliberately small
  *   subset of it (one sample per request: no n > 1, beams, swap, log-probs, penalties or stop
  *   strings). Tokenization stays with the embedder.
  *

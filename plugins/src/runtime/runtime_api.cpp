@@ -399,7 +399,13 @@ TRTPAGED_API trtpaged_status trtpaged_runtime_open(const char* engine_dir, const
             field + ": cannot allocate " + std::to_string(blocks) + " KV blocks");
     rt->pool.reset(static_cast<unsigned char*>(pool));
     std::vector<int32_t> eos(m.eos_token_ids.begin(), m.eos_token_ids.end());
-    rt->scheduler = std::make_unique<Scheduler>(rt->limits, rt->num_kv_blocks, o.enable_prefix_caching != 0, eos);
+    // every layer windowed: the largest window, past which a request's blocks go back to the pool (dims.max_window)
+    const auto& w = m.layer_windows;
+    int32_t reclaim_window = 0;
+    if (!w.empty() && std::find(w.begin(), w.end(), 0) == w.end())
+      reclaim_window = int32_t(std::min<int64_t>(*std::max_element(w.begin(), w.end()), INT32_MAX));
+    rt->scheduler = std::make_unique<Scheduler>(rt->limits, rt->num_kv_blocks, o.enable_prefix_caching != 0,
+                                                reclaim_window, eos);
     *out = rt.release();
   });
 }

@@ -124,8 +124,9 @@ void BlockPool::forget_cached() {
 
 // ---- scheduler --------------------------------------------------------------------------------------
 
-Scheduler::Scheduler(const Limits& limits, int32_t num_kv_blocks, bool enable_caching, std::vector<int32_t> eos)
-    : limits_(limits), pool_(num_kv_blocks, enable_caching), eos_(std::move(eos)) {}
+Scheduler::Scheduler(const Limits& limits, int32_t num_kv_blocks, bool enable_caching, int32_t reclaim_window,
+                     std::vector<int32_t> eos)
+    : limits_(limits), reclaim_window_(reclaim_window), pool_(num_kv_blocks, enable_caching), eos_(std::move(eos)) {}
 
 uint64_t Scheduler::chain_hash(bool has_parent, uint64_t parent_hash, const int32_t* tokens) const {
   // FNV-1a over the parent's hash and the block's tokens; a collision costs a miss, never wrong K/V
@@ -144,7 +145,9 @@ void Scheduler::check_request(int64_t n, int64_t max_tokens) const {
     invalid("prompt_len: " + std::to_string(n) + " tokens " + (n == max_seq_len ? "reach" : "exceed") +
             " max_seq_len (" + std::to_string(max_seq_len) + "), leaving no room for a generated token (at most " +
             std::to_string(max_seq_len - 1) + " prompt tokens)");
-  const int64_t blocks = (n + bs - 1) / bs;
+  int64_t blocks = (n + bs - 1) / bs;
+  if (reclaim_window_)  // at most its window, one chunk, a partial block at each end and the chain parent live
+    blocks = std::min(blocks, (reclaim_window_ + std::min<int64_t>(n, limits_.max_num_tokens) + bs - 1) / bs + 2);
   if (blocks > pool_.num_kv_blocks())
     invalid("prompt_len: " + std::to_string(n) + " tokens need " + std::to_string(blocks) +
             " KV blocks, more than the whole pool (num_kv_blocks " + std::to_string(pool_.num_kv_blocks()) +
@@ -193,7 +196,8 @@ void Scheduler::finish(Request* r, int32_t reason) {
 void Scheduler::free_blocks(Request* r) {
   auto it = tables_.find(r);
   if (it != tables_.end()) {
-    std::vector<Block*> reversed(it->second.rbegin(), it->second.rend());  // tail first
+    std::vector<Block*> reversed;  // tail first
+    for (auto b = it->second.rbegin(); b != it->second.rend() && *b; ++b) reversed.push_back(*b);
     pool_.free(reversed);
     tables_.erase(it);
   }
@@ -204,7 +208,7 @@ std::vector<int32_t> Scheduler::block_table(const Request* r) const {
   std::vector<int32_t> ids;
   auto it = tables_.find(r);
   if (it != tables_.end())
-    for (const Block* b : it->second) ids.push_back(b->id);
+    for (const Block* b : it->second) ids.push_back(b ? b->id : 0);  // a reclaimed block: any id, never read
   return ids;
 }
 
@@ -393,11 +397,29 @@ void Scheduler::cache_computed_blocks(Request* r) {
   }
 }
 
+// Returns the blocks wholly before the window of the request's next token (position num_computed): no layer reads
+// them again. With prefix caching the last cached block stays until the next one is cached (its chain parent).
+void Scheduler::reclaim(Request* r) {
+  auto t = tables_.find(r);
+  if (!reclaim_window_ || t == tables_.end()) return;
+  auto& table = t->second;
+  int32_t dead = std::max(0, r->num_computed - reclaim_window_ + 1) / limits_.block_size;
+  if (pool_.caching()) dead = std::min(dead, int32_t(hashes_[r].size()) - 1);
+  dead = std::min(dead, int32_t(table.size()));
+  std::vector<Block*> blocks;  // tail first, as free_blocks
+  for (int32_t j = dead - 1; j >= 0 && table[size_t(j)]; --j) {
+    blocks.push_back(table[size_t(j)]);
+    table[size_t(j)] = nullptr;
+  }
+  pool_.free(blocks);
+}
+
 void Scheduler::update(const SchedulerOutput& out, const std::vector<int32_t>& tokens,
                        const std::vector<bool>& failed) {
   for (const Scheduled& s : out.scheduled) {
     s.request->num_computed += s.num_tokens;
     cache_computed_blocks(s.request);
+    reclaim(s.request);  // after caching: a block's chain parent is kept until it is cached
   }
   for (size_t i = 0; i < out.sampled.size(); ++i) {
     Request* r = out.sampled[i];

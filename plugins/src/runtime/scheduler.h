@@ -4,7 +4,8 @@
 // continuous batching within max_num_tokens / max_batch_size (decoding requests first, then prefill
 // chunks, then waiting requests admitted in arrival order), chunked prefill, prefix sharing of full
 // blocks through a hash chain (a hit compares tokens and the parent block's identity), LRU eviction
-// of cached free blocks, and preemption of the newest running request by recompute.
+// of cached free blocks, preemption of the newest running request by recompute, and, when every layer
+// has a sliding window, the blocks wholly before a request's window returned to the pool (reclaim).
 #pragma once
 
 #include <cstdint>
@@ -105,7 +106,9 @@ struct Limits {
 
 class Scheduler {
  public:
-  Scheduler(const Limits& limits, int32_t num_kv_blocks, bool enable_caching, std::vector<int32_t> eos);
+  // reclaim_window > 0: every layer has a sliding window, this the largest (KVCacheManager.reclaim_window)
+  Scheduler(const Limits& limits, int32_t num_kv_blocks, bool enable_caching, int32_t reclaim_window,
+            std::vector<int32_t> eos);
   // Refuses (invalid argument) a request that can never run; naming the argument and the limit.
   void check_request(int64_t num_prompt_tokens, int64_t max_tokens) const;
   void add(Request* r);
@@ -140,6 +143,7 @@ class Scheduler {
   void allocate(const Plan& p, SchedulerOutput* out);
   void commit(const Plan& p, bool sample, int32_t* budget, SchedulerOutput* out);
   void cache_computed_blocks(Request* r);
+  void reclaim(Request* r);
   void free_blocks(Request* r);
   void preempt(Request* r);
   void finish(Request* r, int32_t reason);
@@ -149,10 +153,12 @@ class Scheduler {
   uint64_t chain_hash(bool has_parent, uint64_t parent_hash, const int32_t* tokens) const;
 
   Limits limits_;
+  int32_t reclaim_window_;
   BlockPool pool_;
   std::vector<int32_t> eos_;
   std::deque<Request*> waiting_;
   std::vector<Request*> running_;
+  // nullptr: a block returned by reclaim (only ever a leading run of the table)
   std::unordered_map<const Request*, std::vector<Block*>> tables_;
   std::unordered_map<const Request*, std::vector<uint64_t>> hashes_;
   int64_t num_preemptions_ = 0, prefix_hits_tokens_ = 0;
