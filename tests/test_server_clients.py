@@ -48,12 +48,13 @@ def test_openai_client_chat_completions_streaming_n(client, llm):
     assert comp.choices[0].text == llm.generate(["once upon"], greedy)[0].outputs[0].text
 
     pieces = client.completions.create(model="tiny", prompt="once upon", max_tokens=8, temperature=0, stream=True,
-                                       stream_options={"include_usage": True})  # fmt: skip
+                                       stream_options={"include_usage": True, "include_obfuscation": False})  # fmt: skip
     chunks = list(pieces)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == comp.choices[0].text
     assert chunks[-1].usage.completion_tokens == comp.usage.completion_tokens
 
-    deltas = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0, stream=True)
+    deltas = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0, stream=True,
+                                            stream_options={"include_obfuscation": True})  # OpenAI's: no padding here
     assert "".join(c.choices[0].delta.content or "" for c in deltas) == chat.choices[0].message.content
 
     many = client.completions.create(model="tiny", prompt="sample", max_tokens=6, temperature=1.0, n=3, seed=5)

@@ -8,6 +8,7 @@ import functools
 import json
 import re
 
+import openai
 import pytest
 
 from tests.test_server import metrics, stream, wait_idle
@@ -101,8 +102,8 @@ def _validate_call(call):
 def test_tool_choice_named_and_required(client):
     named = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, n=4, temperature=1.0,
                                            max_tokens=60, tool_choice={"type": "function", "function": {"name": "add"}})
-    for choice in named.choices:
-        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    for choice in named.choices:  # a named call ends with "stop", as OpenAI and vLLM end it
+        assert choice.finish_reason == "stop" and choice.message.content is None
         (call,) = choice.message.tool_calls
         assert call.type == "function" and call.function.name == "add" and call.id.startswith("call_")
         _validate_call(call)
@@ -119,6 +120,28 @@ def test_tool_choice_named_and_required(client):
     assert names
 
 
+def test_response_format_beside_a_forced_call_is_dropped(client):
+    """The SDK's parse(response_format=M, tools=..., tool_choice=...) sends both: the reply is the call, with no text
+    for response_format to shape, so it is dropped (vLLM's ToolParser.adjust_request): the same call as without it,
+    named and required, whole and streamed; structured_outputs / guided_* beside a forced call stay refused."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "trip", "schema": SCHEMA, "strict": True}}
+    for choice in ({"type": "function", "function": {"name": "add"}}, "required"):
+        kw = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=choice, max_tokens=60, temperature=0)
+        plain = client.chat.completions.create(**kw).choices[0]
+        both = client.chat.completions.create(response_format=fmt, **kw).choices[0]
+        assert both.message.tool_calls and both.finish_reason == plain.finish_reason
+        assert [(c.function.name, c.function.arguments) for c in both.message.tool_calls] == \
+            [(c.function.name, c.function.arguments) for c in plain.message.tool_calls]
+        streamed = list(client.chat.completions.create(response_format=fmt, stream=True, **kw))
+        arguments = "".join(tc.function.arguments or "" for ch in streamed for c in ch.choices
+                            for tc in (c.delta.tool_calls or []))  # fmt: skip
+        assert arguments == "".join(c.function.arguments for c in plain.message.tool_calls)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                       max_tokens=8, extra_body={"structured_outputs": {"regex": "a"}})  # fmt: skip
+    assert err.value.body["param"] == "tool_choice"
+
+
 def test_streamed_tool_calls(client):
     chunks = list(client.chat.completions.create(
         model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=60, temperature=1.0, stream=True,
@@ -129,7 +152,7 @@ def test_streamed_tool_calls(client):
     assert rest and all(d.index == 0 and d.id is None and d.function.name is None for d in rest)
     first.function.arguments += "".join(d.function.arguments for d in rest)
     _validate_call(first)
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert chunks[-1].choices[0].finish_reason == "stop"  # a named call's, as OpenAI and vLLM end it
 
 
 def test_tool_choice_none_generates_text(client):

@@ -410,8 +410,12 @@ def _tools(req: Union[CompletionRequest, ChatCompletionRequest], sampling: dict[
     if tools.auto is not None:
         sampling.setdefault("skip_special_tokens", False)
         return tools
-    if "structured_outputs" in sampling:
-        raise ApiError("tool_choice: tool calls already constrain the output; drop response_format / "
-                       "structured_outputs / guided_*", "tool_choice")  # fmt: skip
+    given = sampling.get("structured_outputs")
+    if given is not None and given.origin != "response_format":
+        raise ApiError("tool_choice: tool calls already constrain the output; drop structured_outputs / guided_*",
+                       "tool_choice")  # fmt: skip
+    # response_format with a forced call (OpenAI's SDK sends both: parse(response_format=M, tools=..., tool_choice=
+    # "required")): the reply is the call, leaving no text for response_format to shape; dropped, as vLLM's
+    # ToolParser.adjust_request does
     sampling["structured_outputs"] = tools.grammar()
     return tools

@@ -213,8 +213,8 @@ class ResponseBuilder:
                         complete = calls is not None
                     elif self.tools is not None:  # cut short: read as its stream read it (the calls so far)
                         content, calls, complete = self.tools.read_partial(text)
-                    if calls and complete and c.finish_reason == "stop":
-                        common["finish_reason"] = "tool_calls"
+                    if calls and complete and c.finish_reason == "stop" and self.tools.named is None:
+                        common["finish_reason"] = "tool_calls"  # a named call ends with "stop" (OpenAI's, vLLM's)
                     if self.echo:
                         content = self.echo + (content or "")
                     elif self.reasoning is not None and not content:
@@ -277,13 +277,15 @@ class ResponseBuilder:
                            logprobs: Optional[ChatLogprobs] = None, stop_reason: Union[int, str, None] = None,
                            token_ids: Optional[list[int]] = None) -> list[ChatCompletionChunk]:  # fmt: skip
         """The chunks of a streamed tool-call choice's new text (read by its `reader`); once it ends, the last
-        chunk with finish_reason "tool_calls" when the choice's calls all completed as JSON objects. The delta's
+        chunk with finish_reason "tool_calls" when the choice's calls all completed as JSON objects ("stop" for a
+        named tool_choice's call, as OpenAI and vLLM end it). The delta's
         `logprobs` and `token_ids` go with its first chunk (a chunk with an empty delta when the reader holds its
         text back)."""
         chunks = self.tool_chunks(index, reader.feed(text))
         if finish_reason:
             chunks += self.tool_chunks(index, reader.finish())
-            finish = "tool_calls" if finish_reason == "stop" and reader.ok else finish_reason
+            named = self.tools is not None and self.tools.named is not None
+            finish = "tool_calls" if finish_reason == "stop" and reader.ok and not named else finish_reason
             chunks.append(self.chunk(index, "", finish, stop_reason=stop_reason))
         if (logprobs is not None or token_ids is not None) and (chunks or logprobs and logprobs.content or token_ids):
             if not chunks:

@@ -24,6 +24,7 @@ class _Strict(BaseModel):
 class StreamOptions(_Strict):
     include_usage: Optional[StrictBool] = None  # unset: false, or true with continuous_usage_stats (vLLM's default)
     continuous_usage_stats: Optional[StrictBool] = False  # vLLM: every chunk carries its choice's usage so far
+    include_obfuscation: Optional[StrictBool] = None  # OpenAI's (SDK 3.63): no padding is sent here either way
 
 
 class _PlatformFields(_Strict):
