@@ -53,6 +53,27 @@ def test_text_answer_is_the_chat_answer_of_its_messages(client, llm):
         assert r.max_output_tokens == max_tokens and r.instructions == "Be brief." and r.store is False
 
 
+def test_input_tokens_count_what_the_response_reads(client, llm):
+    """OpenAI's POST /v1/responses/input_tokens through the SDK: the prompt tokens of the chat the same request
+    renders (instructions, items, tools), and the usage.input_tokens /v1/responses reports for it."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there"}]
+    counted = client.responses.input_tokens.count(model=MODEL, instructions="Be brief.", input="hello there")
+    assert counted.object == "response.input_tokens" and counted.input_tokens == len(llm.chat_prompt(messages))
+    answered = client.responses.create(model=MODEL, instructions="Be brief.", input="hello there", max_output_tokens=2)
+    assert answered.usage.input_tokens == counted.input_tokens
+    tools = [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
+             for t in TOOLS]  # fmt: skip
+    with_tools = client.responses.input_tokens.count(model=MODEL, input="hello there", tools=tools)
+    assert with_tools.input_tokens == len(llm.chat_prompt(messages[1:], tools=TOOLS))
+    for extra, param in (({"personality": "friendly"}, "personality"), ({"model": "other"}, "model"),
+                         ({"input": None, "instructions": "Be brief."}, "input"),  # as /v1/responses: input needed
+                         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+                          "input")):  # fmt: skip
+        with pytest.raises((openai.BadRequestError, openai.NotFoundError)) as err:
+            client.responses.input_tokens.count(**{"input": "hi", **extra})
+        assert err.value.body["param"] == param
+
+
 def test_stream_events_join_to_the_full_response(client, server):
     kw = dict(model=MODEL, input=[{"role": "user", "content": [{"type": "input_text", "text": "tell me"}]}],
               max_output_tokens=12, temperature=0)  # fmt: skip

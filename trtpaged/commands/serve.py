@@ -192,9 +192,9 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
             allowed_headers, allow_credentials, ssl_certfile, ssl_keyfile, ssl_ca_certs, ssl_cert_reqs, root_path,
             trust_request_chat_template, request_log, request_log_prompts, stream_interval, pin_threads,
             **vllm_flags) -> None:  # fmt: skip
-    """Serve ENGINE over /v1/completions, /v1/chat/completions, /v1/responses, Anthropic's /v1/messages (and its
-    count_tokens), /v1/models, /tokenize, /detokenize, /version, /health, /metrics and SageMaker's /ping and
-    /invocations."""
+    """Serve ENGINE over /v1/completions, /v1/chat/completions, /v1/responses (and its input_tokens), Anthropic's
+    /v1/messages (and its count_tokens), /v1/models, /tokenize, /detokenize, /version, /health, /metrics and
+    SageMaker's /ping and /invocations."""
     from trtpaged.server import ServerOptions, start_server
 
     if "WORLD_SIZE" in os.environ and os.environ.get("RANK", "0") not in ("", "0"):  # a torchrun-style rank > 0

@@ -142,16 +142,6 @@ def translate(body: Any, served: Sequence[str], reasoning: bool, count_only: boo
     return MessagesCall(req, chat, served[0])
 
 
-def count_body(call: MessagesCall) -> dict[str, Any]:
-    """The /tokenize body that counts a count_tokens request's prompt as /v1/messages would render it."""
-    keys = ("model", "messages", "tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
-    body = {k: call.chat_body[k] for k in keys if k in call.chat_body}
-    effort = call.chat_body.get("reasoning_effort")  # a template variable too (protocol.chat_options), under the
-    if effort is not None:  # request's own chat_template_kwargs; /tokenize takes no reasoning_effort field
-        body["chat_template_kwargs"] = {"reasoning_effort": effort, **body.get("chat_template_kwargs", {})}
-    return body
-
-
 def renamed(error: ApiError) -> ApiError:
     """A refusal of the chat body, naming the Messages fields instead of the chat ones they became."""
     base = re.split(r"[.\[]", error.param or "", maxsplit=1)[0]

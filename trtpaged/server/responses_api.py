@@ -111,6 +111,19 @@ def translate(body: Any, served: Sequence[str], store: Optional[ResponsesStore] 
     return ResponsesCall(req, chat, served_model, int(time.time()), items, conversation, link, stored)
 
 
+def count_request(body: Any) -> Any:
+    """A POST /v1/responses/input_tokens body (OpenAI's count of a Responses request's input tokens) as the
+    /v1/responses body whose prompt it counts; `personality`, a model's style preset, is refused (the models here
+    have none)."""
+    if not isinstance(body, dict):
+        return body  # translate names what is wrong
+    body = dict(body)
+    if body.pop("personality", None) is not None:
+        raise ApiError("personality: this model has no style presets (leave it out for the model's own style)",
+                       "personality")  # fmt: skip
+    return body
+
+
 def _check_platform_options(req: ResponsesRequest) -> None:
     """OpenAI's options for its own platform, taken when this server does what they ask (their shape is the
     schema's), refused naming the option otherwise."""

@@ -63,6 +63,17 @@ def prompt_token_ids(tokenizer: Any, vocab_size: Optional[int], prompt: Optional
     return encode_prompt(tokenizer, vocab_size, prompt, add_special_tokens)[1]
 
 
+def chat_count_body(chat: dict[str, Any]) -> dict[str, Any]:
+    """The /tokenize body that counts a chat body's prompt as the chat endpoint renders it (the token counts of
+    Anthropic's count_tokens and OpenAI's responses/input_tokens)."""
+    keys = ("model", "messages", "tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
+    body = {k: chat[k] for k in keys if k in chat}
+    effort = chat.get("reasoning_effort")  # a template variable too (protocol.chat_options), under the request's own
+    if effort is not None:  # chat_template_kwargs; /tokenize takes no reasoning_effort field
+        body["chat_template_kwargs"] = {"reasoning_effort": effort, **body.get("chat_template_kwargs", {})}
+    return body
+
+
 class Tokenization:
     """The two endpoints' work, on the tokenizer worker's prompts lane (never the engine thread): a full lane is
     `Overloaded` (a 503), as a full waiting queue is for generation."""
