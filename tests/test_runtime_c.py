@@ -273,12 +273,13 @@ def window_engines(tmp_path_factory):
 
 
 def c_run_staggered(rt: CRuntime, arrivals, max_tokens: int) -> tuple[list[list[int]], list[int]]:
-    """arrivals: (step, prompt), each added before that step; steps until all finish. (Token ids of each request,
-    the pool's used blocks after each step.)"""
+    """arrivals: (step, prompt) or (step, prompt, its max_tokens), each added before that step; steps until all
+    finish. (Token ids of each request, the pool's used blocks after each step.)"""
     pending, ids, out, live, used = sorted(arrivals, key=lambda a: a[0]), [], {}, set(), []
     while pending or live:
         while pending and pending[0][0] <= len(used):
-            ids.append(rt.add(pending.pop(0)[1], max_tokens))
+            arrival = pending.pop(0)
+            ids.append(rt.add(arrival[1], arrival[2] if len(arrival) > 2 else max_tokens))
             out[ids[-1]] = []
             live.add(ids[-1])
         assert rt.run_step() > 0, "no progress"
@@ -295,11 +296,13 @@ def python_run_staggered(engine_dir: Path, arrivals, max_tokens: int, **options)
                                                                                            dict]:
     """The same through the Python runtime's LLMEngine: tokens, used blocks after each step, its stats."""
     engine = LLM(engine_dir, device="cpu", backend="torch", **options).engine
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     pending, ids, done, used = sorted(arrivals, key=lambda a: a[0]), [], {}, []
     while pending or engine.has_unfinished():
         while pending and pending[0][0] <= len(used):
-            ids.append(engine.add_request(list(pending.pop(0)[1]), params))
+            arrival = pending.pop(0)
+            params = SamplingParams(max_tokens=arrival[2] if len(arrival) > 2 else max_tokens, temperature=0.0,
+                                    ignore_eos=True)
+            ids.append(engine.add_request(list(arrival[1]), params))
         for o in engine.step():
             if o.finished:
                 done[o.request_id] = list(o.outputs[0].token_ids)
@@ -351,6 +354,47 @@ def test_windowed_engine_reclaims_around_a_shared_prefix(lib, window_engines):
     assert used == py_used and st.kv_blocks_used == 0
     assert st.prefix_cache_hits_tokens == py_stats["prefix_cache_hits_tokens"] == 40
     assert st.num_preemptions == py_stats["num_preemptions"] and py_stats["kv_blocks_reclaimed"] > 0
+
+
+def test_windowed_prefix_hits_before_the_window_are_holes_as_in_python(lib, window_engines):
+    """A 48-token prompt finished leaves its 6 blocks cached in a 6-block pool; the same 48 tokens + 8 (admitted by
+    the window bound) adopts only the hits its first token's window reads (Scheduler::dead_hits, as
+    KVCacheManager.dead_hits): was ended 'length' with no token. Tokens are transformers', used blocks after every
+    step and prefix hits the Python runtime's, within the pool."""
+    from runtime_helpers import hf_greedy
+
+    engine, hf = window_engines["mistral-window"]
+    shared = [(7 * i + 3) % 250 + 2 for i in range(48)]
+    prompts = [shared, shared + [11, 22, 33, 44, 55, 66, 77, 88]]
+    arrivals = [(0, prompts[0], 1), (3, prompts[1], 10)]  # the first finishes in the third step
+    options = dict(num_kv_blocks=6, max_num_tokens=16, max_batch_size=2, enable_prefix_caching=1)
+    want, py_used, py_stats = python_run_staggered(engine, arrivals, 0, **options)
+    with CRuntime(lib, engine, **options) as rt:
+        got, used = c_run_staggered(rt, arrivals, 0)
+        st = rt.stats()
+    assert got == want == [hf_greedy(hf, prompts[0], 1, None), hf_greedy(hf, prompts[1], 10, None)]
+    assert used == py_used and max(used) <= 6 and st.kv_blocks_used == 0
+    assert st.prefix_cache_hits_tokens == py_stats["prefix_cache_hits_tokens"] == 48
+
+
+def test_windowed_preempted_request_is_recomputed_in_chunks_as_in_python(lib, window_engines):
+    """Two identical 30-token prompts (17 and 25 out) on a 5-block pool, chunks up to 512 tokens: the newer is
+    preempted; its recompute (prompt + outputs, 41 tokens) goes in chunks of at most
+    max(min(prompt, max_num_tokens), (pool - 2) * block_size - window) tokens in both runtimes (was: one chunk of 6
+    blocks, ended 'length' with 11 tokens). Tokens are transformers', used blocks after every step Python's."""
+    from runtime_helpers import hf_greedy
+
+    engine, hf = window_engines["mistral-window"]
+    prompt = [(7 * i + 3) % 250 + 2 for i in range(30)]
+    arrivals = [(0, prompt, 17), (0, prompt, 25)]
+    options = dict(num_kv_blocks=5, max_num_tokens=512, max_batch_size=4, enable_prefix_caching=1)
+    want, py_used, py_stats = python_run_staggered(engine, arrivals, 0, **options)
+    with CRuntime(lib, engine, **options) as rt:
+        got, used = c_run_staggered(rt, arrivals, 0)
+        st = rt.stats()
+    assert got == want == [hf_greedy(hf, prompt, 17, None), hf_greedy(hf, prompt, 25, None)]
+    assert used == py_used and max(used) <= 5 and st.kv_blocks_used == 0
+    assert st.num_preemptions == py_stats["num_preemptions"] > 0
 
 
 def test_engine_with_a_global_layer_keeps_every_block(lib, window_engines):

@@ -213,3 +213,76 @@ def test_swap_preemption_keeps_the_reclaimed_holes(hf, prompts, reference):
     assert [o.outputs[0].token_ids for o in outputs] == reference
     assert engine.stats()["num_swap_outs"] > 0 and engine.stats()["kv_blocks_reclaimed"] > 0
     assert engine.kv.pool.num_free == engine.config.num_kv_blocks
+
+
+def _step_all(engine: LLMEngine, arrivals) -> tuple[list[list[int]], list[str], list[int]]:
+    """arrivals: (step, prompt, max_tokens), each added before that step; steps (checking the accounting during
+    each) until all finish. (Tokens and finish reason of each, the pool's used blocks after each step.)"""
+    original = engine.runner.step
+
+    def step(batch):
+        _check_accounting(engine, batch)
+        assert engine.kv.pool.num_used <= engine.config.num_kv_blocks
+        return original(batch)
+
+    engine.runner.step = step
+    pending, ids, done, used = sorted(arrivals, key=lambda a: a[0]), [], {}, []
+    while pending or engine.has_unfinished():
+        while pending and pending[0][0] <= len(used):
+            _, prompt, max_tokens = pending.pop(0)
+            ids.append(engine.add_request(list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                       ignore_eos=True)))
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0]
+        used.append(engine.kv.pool.num_used)
+    return [list(done[i].token_ids) for i in ids], [done[i].finish_reason for i in ids], used
+
+
+def test_prefix_hits_before_the_window_are_holes_not_taken(hf):
+    """A 48-token prompt computed and finished leaves its 6 blocks cached in a 6-block pool; the same 48 tokens + 8
+    pass the window bound (6 blocks) but adopting all 6 hits and a new block would pass the pool (was: finished
+    'length' with no token). The hits wholly before the window of its first token to compute (position 48) are holes
+    in its table at once, not taken off the free queue: it generates transformers' tokens, within the pool."""
+    engine = _engine(hf, reclaim=True, num_kv_blocks=6, max_batch_size=2, enable_prefix_caching=True)
+    shared = [(7 * i + 3) % 250 + 2 for i in range(48)]
+    second = shared + [11, 22, 33, 44, 55, 66, 77, 88]
+    adopted = engine.kv._adopt_hits
+    holes = []
+
+    def adopt(seq, hits, dead=0):
+        adopted(seq, hits, dead)
+        holes.append((len(hits), engine.kv.tables[seq.seq_id].count(None)))
+
+    engine.kv._adopt_hits = adopt
+    tokens, reasons, used = _step_all(engine, [(0, shared, 1), (5, second, 10)])
+    assert tokens == [hf_greedy(hf, shared, 1, None), hf_greedy(hf, second, 10, None)]
+    assert reasons == ["length", "length"] and max(used) <= 6 and used[-1] == 0
+    # 6 hits, window of position 48 starts at 37 (block 4): blocks 0-3 are holes, 4 (and 5, the chain parent) taken
+    assert holes == [(6, 4)]
+    assert engine.stats()["prefix_cache_hits_tokens"] == 48
+    assert engine.kv.pool.num_free == 6
+
+
+def test_a_preempted_request_is_recomputed_in_chunks_that_fit_the_pool(hf):
+    """Two identical 30-token prompts (17 and 25 tokens out) on a 5-block pool, one chunk up to 512 tokens: the newer
+    is preempted after 11 outputs; recomputed (prompt + outputs: 41 tokens) as one chunk it needs 6 blocks, more than
+    the pool (was: finished 'length' with 11 of 25 tokens). It is recomputed in chunks of at most
+    max(min(prompt, max_num_tokens), (pool - 2) * block_size - window) = 30 tokens: transformers' tokens, whole."""
+    engine = _engine(hf, reclaim=True, num_kv_blocks=5, max_num_tokens=512, max_batch_size=4,
+                     enable_prefix_caching=True)
+    prompt = [(7 * i + 3) % 250 + 2 for i in range(30)]
+    tokens, reasons, used = _step_all(engine, [(0, prompt, 17), (0, prompt, 25)])
+    assert tokens == [hf_greedy(hf, prompt, 17, None), hf_greedy(hf, prompt, 25, None)]
+    assert reasons == ["length", "length"] and max(used) <= 5 and used[-1] == 0
+    assert engine.stats()["num_preemptions"] > 0 and engine.kv.pool.num_free == 5
+
+
+def test_recompute_cap_leaves_a_prompt_chunk_and_non_windowed_engines_alone():
+    from trtpaged.runtime.scheduler import recompute_cap, split_tokens
+
+    c = runtime_config(num_kv_blocks=5, block_size=BLOCK, max_num_tokens=512, reclaim_window=WINDOW)
+    assert recompute_cap(c, 30) == 30 and recompute_cap(c, 3) == (5 - 2) * BLOCK - WINDOW
+    assert split_tokens([41], 512, 4, caps=[30]) == ([30], False)
+    assert split_tokens([41], 512, 4) == ([41], True)
+    assert split_tokens([30], 512, 4, caps=[30]) == ([30], True)

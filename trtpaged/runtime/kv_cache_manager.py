@@ -36,6 +36,9 @@ class AllocationPlan:
     copy_last: tuple[bool, ...]  # per request: copy its shared last block before writing (copy-on-write)
     new_blocks: tuple[int, ...]  # per request: blocks appended to its table
     num_kv_blocks: int  # free-queue blocks consumed: copies, new blocks, cache hits now free, tier loads
+    # per request: its leading pool hits wholly before the window of its first token to compute (`dead_hits`):
+    # holes in its table at once, neither taken off the free queue nor counted
+    dead_hits: tuple[int, ...] = ()
 
 
 class KVCacheManager:
@@ -261,12 +264,31 @@ class KVCacheManager:
             self._staged = None
 
     # ---- check, then commit -------------------------------------------------------------------
-    def plan_allocation(self, requests: Seq[AllocRequest]) -> AllocationPlan:
+    def dead_hits(self, hits: Seq[PrefixHit]) -> int:
+        """Of a sequence adopting `hits`, how many leading pool hits lie wholly before the window of its first
+        token to compute (position len(hits) * block_size): no query of it reads them, so they are holes in its
+        table from the start (as `reclaim` would leave them after its step), neither taken off the free queue
+        nor counted by the plan. Taking them could need more blocks than the window bound `check_request`
+        admitted by. The last pool hit is kept (the next block's chain parent; a tier hit's too). 0 without a
+        reclaim window."""
+        if not self.reclaim_window or not hits:
+            return 0
+        bs = self.block_size
+        pool_hits = next((j for j, h in enumerate(hits) if not isinstance(h, KVBlock)), len(hits))
+        dead = max(0, len(hits) * bs - self.reclaim_window + 1) // bs
+        return max(0, min(dead, pool_hits - 1))
+
+    def plan_allocation(self, requests: Seq[AllocRequest], keep: Iterable[int] = ()) -> AllocationPlan:
         """Decides, in one walk, what giving each request its slots takes; `allocate` carries it out.
 
         A copy-on-write gives up one reference on the shared block, so a later
         sharer in the same plan may find itself the last owner and write in place.
+
+        `keep`: ids of sequences whose every hit is adopted, none a hole (`dead_hits`): others will take
+        their blocks (a recomputed group's shares).
         """
+        keep = set(keep)
+        dead_hits: list[int] = []
         bs = self.block_size
         dropped: dict[int, int] = {}  # block_id -> references given up by earlier copies in this plan
         reclaimed: set[int] = set()  # cache hits that sit in the free queue now
@@ -275,8 +297,10 @@ class KVCacheManager:
         loads: set[bytes] = set()  # a block two sequences of the plan read from a tier is loaded once, then shared
         for seq, num_tokens, hits in requests:
             copy, new = False, 0
+            dead_hits.append(0 if seq.seq_id in keep else self.dead_hits(hits))
             if hits:
-                reclaimed.update(b.block_id for b in hits if isinstance(b, KVBlock) and b.ref_cnt == 0)
+                live = hits[dead_hits[-1]:]
+                reclaimed.update(b.block_id for b in live if isinstance(b, KVBlock) and b.ref_cnt == 0)
                 loads.update(b.record.key for b in hits if isinstance(b, TierHit))
                 start, table_len = len(hits) * bs, len(hits)
             else:
@@ -293,7 +317,7 @@ class KVCacheManager:
             copies.append(copy)
             new_blocks.append(new)
         total = sum(copies) + sum(new_blocks) + len(reclaimed) + len(loads)
-        return AllocationPlan(tuple(requests), tuple(copies), tuple(new_blocks), total)
+        return AllocationPlan(tuple(requests), tuple(copies), tuple(new_blocks), total, tuple(dead_hits))
 
     def allocate(self, plan: AllocationPlan) -> list[tuple[int, int]]:
         """Carries out a plan made on the current state: adopts cache hits, copies shared last
@@ -303,9 +327,10 @@ class KVCacheManager:
         sequence state) sets its `num_computed_tokens` to `len(hits) * block_size`."""
         if plan.num_kv_blocks > self.pool.num_free:
             raise RuntimeError(f"allocate: the plan takes {plan.num_kv_blocks} blocks, {self.pool.num_free} free")
-        for seq, _, hits in plan.requests:  # take every hit off the free queue before anything is evicted
+        dead_hits = plan.dead_hits or (0,) * len(plan.requests)
+        for (seq, _, hits), dead in zip(plan.requests, dead_hits):  # take every hit off the queue before any eviction
             if hits:
-                self._adopt_hits(seq, hits)
+                self._adopt_hits(seq, hits, dead)
         loaded: dict[bytes, KVBlock] = {}
         for seq, _, hits in plan.requests:
             if hits and isinstance(hits[-1], TierHit):
@@ -325,13 +350,17 @@ class KVCacheManager:
                 table.extend(self.pool.allocate(new))
         return copies
 
-    def _adopt_hits(self, seq: Sequence, hits: Seq[PrefixHit]) -> None:
+    def _adopt_hits(self, seq: Sequence, hits: Seq[PrefixHit], dead: int = 0) -> None:
+        """The sequence's table becomes its pool hits, the first `dead` (`dead_hits`) holes: not taken, their
+        hashes (and tier keys) kept for the chain."""
         if seq.seq_id in self.tables:
             raise RuntimeError(f"sequence {seq.seq_id}: cache hits for a sequence that already has blocks")
         blocks = [b for b in hits if isinstance(b, KVBlock)]
         hashes = [b.block_hash for b in blocks]
-        self.pool.touch(blocks)
-        self.tables[seq.seq_id] = list(blocks)
+        self.pool.touch(blocks[dead:])
+        self.tables[seq.seq_id] = [None] * dead + blocks[dead:]
+        if dead:
+            self._first_live[seq.seq_id] = dead
         self._hashes[seq.seq_id] = [h for h in hashes if h is not None]
         if self.tiers is not None:
             self._tier_keys[seq.seq_id] = [self._records[b.block_id].key for b in blocks]

@@ -65,6 +65,15 @@ def window_blocks(c: RuntimeConfig, num_prompt_tokens: int) -> int:
     return -(-(c.reclaim_window + chunk) // c.block_size) + 2
 
 
+def recompute_cap(c: RuntimeConfig, num_prompt_tokens: int) -> int:
+    """The most tokens a sequence computes in one step on an engine that reclaims windowed blocks: a recomputed
+    sequence (prompt + outputs, after a preemption) in chunks that fit the pool, whose window, chunk, partial
+    block at each end and chain parent must be held at once; never less than the prompt's own chunk, which
+    `check_request` admitted (so a prompt's first computation is not cut further)."""
+    fit = (c.num_kv_blocks - 2) * c.block_size - c.reclaim_window
+    return max(min(num_prompt_tokens, c.max_num_tokens), fit)
+
+
 def check_request(c: RuntimeConfig, num_prompt_tokens: int, params: SamplingParams) -> None:
     """Refuses a request that can never run under `c`: a `RequestError` naming the field and the limit.
 
@@ -142,6 +151,12 @@ def _shares_from(group: SequenceGroup, seq: Sequence) -> bool:
     return any(source is seq for source, _ in group.pending_shares.values())
 
 
+def _share_sources(group: SequenceGroup) -> set[int]:
+    """Ids of the group's sequences that others still wait to take blocks from: their cache hits are all adopted
+    (none a hole before the window, `KVCacheManager.dead_hits`), as `reclaim` keeps their blocks."""
+    return {source.seq_id for source, _ in group.pending_shares.values()}
+
+
 def share_plan(seqs: Seq[Sequence], block_size: int) -> dict[int, tuple[Sequence, int]]:
     """For a group about to recompute: each sequence after the first that has full blocks of tokens in common
     with an earlier one -> (the earlier one with the most, how many blocks). Neither shares its last token:
@@ -164,20 +179,22 @@ def _service_order(group: SequenceGroup) -> tuple[int, int]:
     return group.priority, group.arrival
 
 
-def split_tokens(remaining: list[int], tokens_left: int, seqs_left: int,
-                 hold_last: bool = False) -> Optional[tuple[list[int], bool]]:  # fmt: skip
+def split_tokens(remaining: list[int], tokens_left: int, seqs_left: int, hold_last: bool = False,
+                 caps: Optional[Seq[int]] = None) -> Optional[tuple[list[int], bool]]:  # fmt: skip
     """Tokens per sequence of one group this step, and whether the group samples after it.
 
     All of them if they fit (and not `hold_last`: others of the group are still to join); otherwise chunks
     that leave every sequence at least one token short, so a group's sequences always sample in the same step.
+    `caps`: per sequence, the most tokens it computes in one step (`recompute_cap`), or None: no cap.
     """
     if len(remaining) > seqs_left or tokens_left <= 0:
         return None
-    if sum(remaining) <= tokens_left and not hold_last:
+    caps = caps if caps is not None else [tokens_left] * len(remaining)
+    if sum(remaining) <= tokens_left and not hold_last and all(r <= c for r, c in zip(remaining, caps)):
         return list(remaining), True
     plan, left = [], tokens_left
-    for r in remaining:
-        n = max(0, min(r - 1, left))
+    for r, cap in zip(remaining, caps):
+        n = max(0, min(r - 1, left, cap))
         plan.append(n)
         left -= n
     return (plan, False) if any(plan) else None
@@ -443,7 +460,8 @@ class Scheduler:
                     self._commit(group, drafted[0], sample, budget, out, drafted[1])
                     done.add(group.request_id)
                     continue
-            while (plan := self.kv.plan_allocation(requests)).num_kv_blocks > self.kv.pool.num_free:
+            keep = _share_sources(group)
+            while (plan := self.kv.plan_allocation(requests, keep)).num_kv_blocks > self.kv.pool.num_free:
                 victim = next(g for g in reversed(self.running) if g.request_id not in done)
                 if victim is group and not done and len(self.running) == 1:
                     if group.beam is None and len(group.seqs) > 1 and not group.pending_shares:
@@ -477,7 +495,8 @@ class Scheduler:
         if group.pending_shares:  # hits leave 2 tokens or more, so the held-back chunk computes some and all go on
             hits = [h[: (len(s.token_ids) - 2) // bs] for s, h in zip(seqs, hits)]
         remaining = [len(s.token_ids) - len(h) * bs if h else s.num_uncomputed_tokens for s, h in zip(seqs, hits)]
-        split = split_tokens(remaining, budget[0], budget[1], hold_last=bool(group.pending_shares))
+        caps = [recompute_cap(self.config, s.num_prompt_tokens) for s in seqs] if self.kv.reclaim_window else None
+        split = split_tokens(remaining, budget[0], budget[1], hold_last=bool(group.pending_shares), caps=caps)
         if split is None:
             return None, False
         plan, sample = split
@@ -615,7 +634,7 @@ class Scheduler:
             requests, sample = self._plan(group, budget)
             if requests is None:
                 return
-            plan = self.kv.plan_allocation(requests)
+            plan = self.kv.plan_allocation(requests, _share_sources(group))
             if plan.num_kv_blocks > self.kv.pool.num_free:
                 if not self.running and not out.scheduled:  # an empty pool cannot hold it: it never will
                     del self.waiting[index]

@@ -238,10 +238,16 @@ bool Scheduler::plan(Request* r, int32_t tokens_left, int32_t seqs_left, Plan* o
   const int32_t cached = int32_t(out->hits.size()) * limits_.block_size;
   const int32_t remaining = int32_t(r->tokens.size()) - (out->hits.empty() ? r->num_computed : cached);
   if (seqs_left < 1 || tokens_left <= 0) return false;
-  if (remaining <= tokens_left) {
+  int32_t limit = tokens_left;
+  if (reclaim_window_) {  // a recompute (prompt + outputs) in chunks that fit the pool, as check_request's bound
+    const int64_t fit = (int64_t(pool_.num_kv_blocks()) - 2) * limits_.block_size - reclaim_window_;
+    limit = int32_t(std::min<int64_t>(
+        tokens_left, std::max<int64_t>(std::min(r->num_prompt_tokens, limits_.max_num_tokens), fit)));
+  }
+  if (remaining <= limit) {
     out->num_tokens = remaining;
   } else {  // a chunk that leaves at least one token: the request samples in a later step
-    out->num_tokens = std::max(0, std::min(remaining - 1, tokens_left));
+    out->num_tokens = std::max(0, std::min(remaining - 1, limit));
     if (out->num_tokens == 0) return false;
   }
   return true;
@@ -252,7 +258,8 @@ void Scheduler::plan_allocation(Plan* p) const {
   int32_t start, table_len, reclaimed = 0;
   p->copy_last = false;
   if (!p->hits.empty()) {
-    for (const Block* b : p->hits) reclaimed += b->ref_cnt == 0;
+    const int32_t dead = dead_hits(int32_t(p->hits.size()));  // holes from the start: never taken off the queue
+    for (size_t j = size_t(dead); j < p->hits.size(); ++j) reclaimed += p->hits[j]->ref_cnt == 0;
     start = int32_t(p->hits.size()) * bs;
     table_len = int32_t(p->hits.size());
   } else {
@@ -269,8 +276,12 @@ void Scheduler::plan_allocation(Plan* p) const {
 void Scheduler::allocate(const Plan& p, SchedulerOutput* out) {
   Request* r = p.request;
   if (!p.hits.empty()) {
-    pool_.touch(p.hits);
+    // hits wholly before the window of the first token computed are holes at once (as reclaim would leave them
+    // after this step): taking them would need more blocks than the window bound check_request admitted
+    const size_t dead = size_t(dead_hits(int32_t(p.hits.size())));
+    pool_.touch(std::vector<Block*>(p.hits.begin() + std::ptrdiff_t(dead), p.hits.end()));
     tables_[r] = p.hits;
+    std::fill(tables_[r].begin(), tables_[r].begin() + std::ptrdiff_t(dead), nullptr);
     auto& hashes = hashes_[r];
     hashes.clear();
     for (const Block* b : p.hits) hashes.push_back(b->hash);
@@ -395,6 +406,14 @@ void Scheduler::cache_computed_blocks(Request* r) {
     pool_.cache(t->second[j], h, tokens, j ? t->second[j - 1] : nullptr);
     hashes.push_back(h);
   }
+}
+
+// Of a request adopting `hits` cached blocks, how many lie wholly before its next token's window (the last kept: the
+// next block's chain parent); 0 without a reclaim window.
+int32_t Scheduler::dead_hits(int32_t hits) const {
+  if (!reclaim_window_) return 0;
+  const int32_t dead = std::max(0, hits * limits_.block_size - reclaim_window_ + 1) / limits_.block_size;
+  return std::max(0, std::min(dead, hits - 1));
 }
 
 // Returns the blocks wholly before the window of the request's next token (position num_computed): no layer reads

@@ -144,6 +144,7 @@ class Scheduler {
   void commit(const Plan& p, bool sample, int32_t* budget, SchedulerOutput* out);
   void cache_computed_blocks(Request* r);
   void reclaim(Request* r);
+  int32_t dead_hits(int32_t hits) const;
   void free_blocks(Request* r);
   void preempt(Request* r);
   void finish(Request* r, int32_t reason);
