@@ -55,7 +55,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=1,
                         help="pool layers, one call each per step as a model makes them (1: every call finds the "
                              "last one's keys in the caches)")
-    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per block of the paged layout")
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+                        help="tokens per block of the paged layout")
     args = parser.parse_args()
     if args.cases:
         cases = [tuple(int(x) for x in case.split("x")) for case in args.cases.split(",")]

@@ -124,6 +124,12 @@ def test_kernel_bench_steps_over_every_layer_of_a_deep_pool(monkeypatch: pytest.
     report = kernel_bench.run_kernel_bench("float32", contexts=(40,), batches=(2,), budget_s=0.01, layers=2)
     assert report["layers"] == 2 and report["decode"][0]["layers"] == 2
     assert "one call per layer of a 2-layer pool" in kernel_bench.format_report(report)
+    from click.testing import CliRunner
+
+    from trtpaged.cli import main
+
+    refused = CliRunner().invoke(main, ["bench", "kernel", "--device", "cuda", "--layers", "2"])
+    assert refused.exit_code == 2 and "--layers" in refused.output  # the CUDA benchmark has no layers
 
 
 def test_the_median_interval_holds_the_population_median_as_often_as_it_claims() -> None:

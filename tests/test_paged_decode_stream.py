@@ -79,15 +79,16 @@ def cases() -> list[dict]:
             num_kv_heads, group, head_dim = rng.choice([2, 3]), rng.choice([1, 2, 3, 4]), 64
             kv = io = "float32"
         if kind == "deep pool":  # shapes of the fused loops, which spread their requests from memory
-            head_dim, kv, io = rng.choice([64, 128]), rng.choice(["float32", "int8", "fp8_e4m3"]), "float32"
-            window = rng.choice([0, 0, rng.randint(500, 700)])
+            head_dim, io = rng.choice([64, 128]), "float32"
+            kv = rng.choice(["float32", "int8", "fp8_e4m3", "float16", "bfloat16"])
+            window = rng.choice([0, rng.randint(20, 300)])
         block_size = rng.choice([8, 16, 16, 32, 64, 128])
         specs = _specs(rng, kind)
         layers = 2
         if kind == "deep pool":  # a step's calls over all the layers read more than kBlockMajorBytes (32 MiB)
             row = {"float32": 4 * head_dim, "float16": 2 * head_dim, "bfloat16": 2 * head_dim}.get(kv, head_dim + 2)
-            layer_bytes = sum(c + n for c, n in specs) * num_kv_heads * 2 * row
-            layers = min(2000, -(-40 * 2**20 // layer_bytes))
+            keys = sum(min(c, window + block_size) + n if window else c + n for c, n in specs)  # those read
+            layers = min(2000, -(-48 * 2**20 // (keys * num_kv_heads * 2 * row)))
         out.append(dict(name=f"{i}:{kind}:kvh{num_kv_heads}:g{group}:d{head_dim}:{kv}/{io}:bs{block_size}:w{window}"
                              f":cap{softcap}",
                         specs=specs, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, kv=kv,

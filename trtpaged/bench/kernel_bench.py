@@ -117,7 +117,8 @@ def measure_decode(context: int, batch: int, kv_cache_dtype: Union[str, torch.dt
                    layers: int = 1) -> DecodeResult:  # fmt: skip
     kv_cache_dtype = _kv_name(kv_cache_dtype)
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * kv_row_bytes(HEAD_DIM, kv_cache_dtype)  # codes and scales read
-    layers = max(1, min(layers, MAX_POOL_BYTES // kv_bytes))
+    widest = kv_row_bytes(HEAD_DIM, "float32" if is_quantized(kv_cache_dtype) else kv_cache_dtype)  # float32 pools too
+    layers = max(1, min(layers, MAX_POOL_BYTES // (2 * batch * context * NUM_KV_HEADS * widest)))
     steps = {"paged": _decode_inputs(context, batch, block_size, kv_cache_dtype, shuffle=True, layers=layers),
              "contiguous": _decode_inputs(context, batch, context, kv_cache_dtype, shuffle=False, layers=layers)}
     if is_quantized(kv_cache_dtype):  # the float caches, timed alongside on the same inputs

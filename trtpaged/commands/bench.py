@@ -78,6 +78,9 @@ def kernel(kv_cache_dtype: Optional[str], device: str, as_json: bool, quick: boo
     if device == "cuda":
         from trtpaged.bench.kernel_bench_gpu import run_gpu_kernel_bench
 
+        if layers != 1:
+            raise click.UsageError("--layers: the cpu kernel's benchmark only (--device cpu)")
+
         try:
             run_gpu_kernel_bench(as_json, kv_cache_dtype or "float16", quick, int(block_size))
         except RuntimeError as e:
