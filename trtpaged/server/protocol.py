@@ -399,9 +399,9 @@ def _constraint_fields(req: Union[CompletionRequest, ChatCompletionRequest], voc
 def _tools(req: Union[CompletionRequest, ChatCompletionRequest], sampling: dict[str, Any],
            auto: AutoTools) -> Optional[ToolChoice]:  # fmt: skip
     """Chat tools: required / named: their grammar becomes the request's (response_format beside it is dropped,
-    a structured_outputs / guided_* field is a 400 naming tool_choice). Auto: the model writes freely (a grammar field still applies) and its text keeps special tokens
-    unless skip_special_tokens is set, since some formats' markers are special tokens ([TOOL_CALLS],
-    <|python_tag|>)."""
+    a structured_outputs / guided_* field is a 400 naming tool_choice). Auto: the model writes freely (a grammar
+    field still applies) and its text keeps special tokens unless skip_special_tokens is set, since some formats'
+    markers are special tokens ([TOOL_CALLS], <|python_tag|>)."""
     if not isinstance(req, ChatCompletionRequest):
         return None
     tools = tool_choice(req.tools, req.tool_choice, auto, req.parallel_tool_calls is not False)
