@@ -273,3 +273,48 @@ def test_a_timeout_is_anthropics_timeout_error():
     from trtpaged.server.messages_output import error_body
 
     assert error_body(ApiError("late", None, 504, "timeout_error"))["error"]["type"] == "timeout_error"
+
+
+def test_a_thread_is_refused_so_the_sdks_tool_runner_sends_the_whole_conversation(client, server):
+    """The message-threads beta (`thread`: the server holds the conversation, a `continue` turn sends only its new
+    messages): this server holds none, so `thread` is refused with Anthropic's error_code
+    thread_unsupported_request, which the SDK's tool runner reads to resend every turn whole, without `thread`.
+    Accepted without effect, the runner's second turn would be a lone tool_result, answered without its history."""
+    sent = []
+
+    def record(request):
+        sent.append(json.loads(request.content or b"{}"))
+
+    http = anthropic.DefaultHttpxClient(event_hooks={"request": [record]})
+    runner_client = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=60, http_client=http)
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        client.post("/v1/messages", cast_to=object, body={
+            "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "go"}],
+            "thread": {"type": "continue", "previous_message_id": "msg_0"}})  # fmt: skip
+    assert refused.value.body["type"] == "error"
+    assert refused.value.body["error"]["details"] == {"error_code": "thread_unsupported_request"}
+
+    cities = []
+
+    @anthropic.beta_tool
+    def get_weather(city: str) -> str:
+        """Weather in a city.
+
+        Args:
+            city: the city
+        """
+        cities.append(city)
+        return "sunny"
+
+    get_weather.input_schema["properties"]["city"]["enum"] = ["Paris", "Rome"]  # a short call from random weights
+    turns = [{"role": "user", "content": "weather in Paris?"}]
+    replies = list(runner_client.beta.messages.tool_runner(
+        model=MODEL, max_tokens=40, messages=turns, tools=[get_weather], max_iterations=2, extra_body=GREEDY,
+        tool_choice={"type": "tool", "name": "get_weather"}))  # fmt: skip
+    assert len(replies) == 2 and all(r.stop_reason == "tool_use" for r in replies) and len(cities) >= 2
+    answered = [b for b in sent if "thread" not in b]  # the refused first try carried `thread`, its resend not
+    assert len(answered) == 2 and answered[0]["messages"] == turns
+    second = answered[1]["messages"]  # the whole conversation: the question, the call, its result
+    assert second[0] == turns[0] and second[1]["role"] == "assistant" and second[1]["content"][0]["type"] == "tool_use"
+    assert second[2]["content"][0]["type"] == "tool_result"
+    http.close()

@@ -7,7 +7,7 @@ the runtime's `RequestError` carries `field` and `limit`.
 from __future__ import annotations
 
 import re
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 from pydantic import ValidationError
 
@@ -26,10 +26,12 @@ class ApiError(Exception):
         kind: str = "invalid_request_error",
         code: Optional[str] = None,
         headers: Optional[Mapping[str, str]] = None,
+        details: Optional[Mapping[str, Any]] = None,
     ) -> None:
         super().__init__(message)
         self.message, self.param, self.status, self.kind, self.code = message, param, status, kind, code
         self.headers = dict(headers or {})
+        self.details = dict(details) if details else None  # Anthropic's error.details (its error_code), if any
 
     def body(self) -> ErrorResponse:
         return ErrorResponse(error=ErrorDetail(message=self.message, type=self.kind, param=self.param, code=self.code))

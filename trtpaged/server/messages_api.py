@@ -96,6 +96,13 @@ def translate(body: Any, served: Sequence[str], reasoning: bool, count_only: boo
     (a thinking budget needs to know where the thinking ends); `count_only`: a count_tokens body (no max_tokens)."""
     req = validated(MessagesRequest, body)
     check_model(req.model, served)
+    if (req.model_extra or {}).get("thread") is not None:
+        # the message-threads beta: the server would hold the conversation and a `continue` turn sends only its new
+        # messages. Accepted without effect, each later turn would be answered without its history; refused with
+        # the error_code the client reads to resend the whole conversation without `thread` (the SDK's tool runner)
+        raise ApiError("thread: this server holds no conversation state (message threads); send the full "
+                       "conversation without `thread`", "thread",
+                       details={"error_code": "thread_unsupported_request"})  # fmt: skip
     unused = sorted(set(req.model_extra or {}) - _warned)
     if unused and len(_warned) < _MAX_WARNED:  # bounded: a client may send any number of distinct names
         _warned.update(unused[: _MAX_WARNED - len(_warned)])
@@ -149,7 +156,7 @@ def renamed(error: ApiError) -> ApiError:
     for pattern, spelling in _CHAT_SPELLINGS:
         message = pattern.sub(spelling, message)
     return ApiError(message, _MESSAGES_NAMES.get(base, error.param), error.status, error.kind, error.code,
-                    error.headers)  # fmt: skip
+                    error.headers, error.details)  # fmt: skip
 
 
 def _text_of(blocks: Any, where: str, field_name: str) -> str:

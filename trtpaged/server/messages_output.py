@@ -30,7 +30,10 @@ _CHAT_ERROR_STATUS = {"server_overloaded": 503, "timeout_error": 504, "invalid_r
 def error_body(error: ApiError) -> dict[str, Any]:
     """Anthropic's error envelope of a refusal or failure (the message names the field, as this server's do)."""
     kind = _ERROR_TYPES.get(error.status, "api_error" if error.status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": error.message}}
+    body: dict[str, Any] = {"type": kind, "message": error.message}
+    if error.details:
+        body["details"] = error.details
+    return {"type": "error", "error": body}
 
 
 def usage_of(prompt_tokens: int, output_tokens: int, cached_tokens: int, block_size: int) -> dict[str, int]:
