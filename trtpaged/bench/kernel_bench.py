@@ -116,9 +116,10 @@ def measure_decode(context: int, batch: int, kv_cache_dtype: Union[str, torch.dt
                    noise: Optional[NoiseMonitor] = None, block_size: int = DEFAULT_BLOCK_SIZE,
                    layers: int = 1) -> DecodeResult:  # fmt: skip
     kv_cache_dtype = _kv_name(kv_cache_dtype)
-    kv_bytes = 2 * batch * context * NUM_KV_HEADS * kv_row_bytes(HEAD_DIM, kv_cache_dtype)  # codes and scales read
+    rows = 2 * batch * context * NUM_KV_HEADS  # K and V rows of one layer
+    kv_bytes = rows * kv_row_bytes(HEAD_DIM, kv_cache_dtype)  # codes and scales read
     widest = kv_row_bytes(HEAD_DIM, "float32" if is_quantized(kv_cache_dtype) else kv_cache_dtype)  # float32 pools too
-    layers = max(1, min(layers, MAX_POOL_BYTES // (2 * batch * context * NUM_KV_HEADS * widest)))
+    layers = max(1, min(layers, MAX_POOL_BYTES // (rows * widest)))
     steps = {"paged": _decode_inputs(context, batch, block_size, kv_cache_dtype, shuffle=True, layers=layers),
              "contiguous": _decode_inputs(context, batch, context, kv_cache_dtype, shuffle=False, layers=layers)}
     if is_quantized(kv_cache_dtype):  # the float caches, timed alongside on the same inputs

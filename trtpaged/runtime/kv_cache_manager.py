@@ -38,7 +38,7 @@ class AllocationPlan:
     num_kv_blocks: int  # free-queue blocks consumed: copies, new blocks, cache hits now free, tier loads
     # per request: its leading pool hits wholly before the window of its first token to compute (`dead_hits`):
     # holes in its table at once, neither taken off the free queue nor counted
-    dead_hits: tuple[int, ...] = ()
+    dead_hits: tuple[int, ...]
 
 
 class KVCacheManager:
@@ -273,10 +273,12 @@ class KVCacheManager:
         reclaim window."""
         if not self.reclaim_window or not hits:
             return 0
-        bs = self.block_size
         pool_hits = next((j for j, h in enumerate(hits) if not isinstance(h, KVBlock)), len(hits))
-        dead = max(0, len(hits) * bs - self.reclaim_window + 1) // bs
-        return max(0, min(dead, pool_hits - 1))
+        return max(0, min(self._blocks_before_window(len(hits) * self.block_size), pool_hits - 1))
+
+    def _blocks_before_window(self, position: int) -> int:
+        """How many of a table's leading blocks lie wholly before the window of the token at `position`."""
+        return max(0, position - self.reclaim_window + 1) // self.block_size
 
     def plan_allocation(self, requests: Seq[AllocRequest], keep: Iterable[int] = ()) -> AllocationPlan:
         """Decides, in one walk, what giving each request its slots takes; `allocate` carries it out.
@@ -327,8 +329,8 @@ class KVCacheManager:
         sequence state) sets its `num_computed_tokens` to `len(hits) * block_size`."""
         if plan.num_kv_blocks > self.pool.num_free:
             raise RuntimeError(f"allocate: the plan takes {plan.num_kv_blocks} blocks, {self.pool.num_free} free")
-        dead_hits = plan.dead_hits or (0,) * len(plan.requests)
-        for (seq, _, hits), dead in zip(plan.requests, dead_hits):  # take every hit off the queue before any eviction
+        # take every hit off the free queue before anything is evicted
+        for (seq, _, hits), dead in zip(plan.requests, plan.dead_hits):
             if hits:
                 self._adopt_hits(seq, hits, dead)
         loaded: dict[bytes, KVBlock] = {}
@@ -453,8 +455,7 @@ class KVCacheManager:
         table = self.tables.get(seq.seq_id)
         if not self.reclaim_window or not table:
             return 0
-        bs = self.block_size
-        dead = max(0, seq.num_computed_tokens - self.reclaim_window + 1) // bs
+        dead = self._blocks_before_window(seq.num_computed_tokens)
         if self.pool.enable_caching:
             dead = min(dead, len(self._hashes.get(seq.seq_id, ())) - 1)
         first = self._first_live.get(seq.seq_id, 0)

@@ -33,7 +33,7 @@ from trtpaged.server.protocol import check_model
 from trtpaged.server.responses_store import ResponsesStore
 from trtpaged.server.schemas import ModelCard, ModelList, dump
 from trtpaged.server.stored_responses import Claim, StoredResponses
-from trtpaged.server.tokenization import Tokenization, chat_count_body
+from trtpaged.server.tokenization import Tokenization
 
 log = logging.getLogger("trtpaged.server")
 T = TypeVar("T")
@@ -498,10 +498,10 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
         async def count(body: Any) -> dict[str, int]:
             call = messages_api.translate(body, service.model_names, service.reasoning is not None, count_only=True)
             try:
-                counted = json.loads(await tokenization.tokenize(chat_count_body(call.chat_body)))
+                counted = await tokenization.chat_prompt_tokens(call.chat_body)
             except ApiError as exc:
                 raise messages_api.renamed(exc) from None
-            return {"input_tokens": counted["count"]}
+            return {"input_tokens": counted}
 
         return await tokenizer_call(request, count, anthropic=True)
 
@@ -511,10 +511,10 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
         async def count(body: Any) -> dict[str, Any]:
             call = responses_api.translate(responses_api.count_request(body), service.model_names, stored.store)
             try:
-                counted = json.loads(await tokenization.tokenize(chat_count_body(call.chat_body)))
+                counted = await tokenization.chat_prompt_tokens(call.chat_body)
             except ApiError as exc:
                 raise responses_api.renamed(exc, call) from None
-            return {"object": "response.input_tokens", "input_tokens": counted["count"]}
+            return {"object": "response.input_tokens", "input_tokens": counted}
 
         return await tokenizer_call(request, count)
 

@@ -63,9 +63,8 @@ def prompt_token_ids(tokenizer: Any, vocab_size: Optional[int], prompt: Optional
     return encode_prompt(tokenizer, vocab_size, prompt, add_special_tokens)[1]
 
 
-def chat_count_body(chat: dict[str, Any]) -> dict[str, Any]:
-    """The /tokenize body that counts a chat body's prompt as the chat endpoint renders it (the token counts of
-    Anthropic's count_tokens and OpenAI's responses/input_tokens)."""
+def _count_body(chat: dict[str, Any]) -> dict[str, Any]:
+    """The /tokenize body that counts a chat body's prompt as the chat endpoint renders it."""
     keys = ("model", "messages", "tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
     body = {k: chat[k] for k in keys if k in chat}
     effort = chat.get("reasoning_effort")  # a template variable too (protocol.chat_options), under the request's own
@@ -125,6 +124,11 @@ class Tokenization:
         except Exception as exc:  # noqa: BLE001 - a template or tokenizer error is the request's fault
             raise ApiError(f"{field_name}: could not be tokenized ({type(exc).__name__})", field_name) from None
         return answer
+
+    async def chat_prompt_tokens(self, chat: dict[str, Any]) -> int:
+        """How many tokens a chat body's prompt renders to, as the chat endpoint renders it (Anthropic's
+        count_tokens, OpenAI's responses/input_tokens); raises ApiError naming the chat field."""
+        return json.loads(await self.tokenize(_count_body(chat)))["count"]
 
     async def detokenize(self, body: Any) -> DetokenizeResponse:
         """A `tokens` body -> their text (special tokens included, as vLLM's /detokenize)."""

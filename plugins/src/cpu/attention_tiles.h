@@ -104,18 +104,18 @@ struct NextBlocks {
   int64_t row_bytes = 0;
   bool spread = false;  // the scores loop spreads a group's requests over its steps (calls from memory)
 
-  // Rows [i, i + count) of the next tile's run b (those that exist).
-  void prefetch(int64_t b, int64_t i, int64_t count) const {
-    const int64_t left = rows - b * run - i;
-    if (left <= 0) return;
-    prefetch_bytes(static_cast<const char*>(blocks[b]) + i * row_bytes, std::min({count, left, run - i}) * row_bytes);
-  }
-  // Rows [i, i + count) of run b (those that exist) as a span of bytes, for a loop that spreads their requests
-  // over its steps (Spread); bytes 0: nothing to request.
+  // Rows [i, i + count) of the next tile's run b (those that exist) as a span of bytes; bytes 0: nothing to
+  // request.
   const char* span(int64_t b, int64_t i, int64_t count, int64_t* bytes) const {
     const int64_t left = rows - b * run - i;
     *bytes = left <= 0 ? 0 : std::min({count, left, run - i}) * row_bytes;
     return *bytes ? static_cast<const char*>(blocks[b]) + i * row_bytes : nullptr;
+  }
+  // Requests those rows at once (a loop that spreads them over its steps uses Spread).
+  void prefetch(int64_t b, int64_t i, int64_t count) const {
+    int64_t bytes = 0;
+    const char* from = span(b, i, count, &bytes);
+    prefetch_bytes(from, bytes);
   }
   // For loops over the rows i of run b one by one: every kRows-th row requests the next kRows.
   void prefetch_row(int64_t b, int64_t i) const {
@@ -558,8 +558,7 @@ void tile_accumulate_fused(const float* weights, int64_t stride, const uint8_t* 
       const uint8_t* v = vp[b];
       for (const int64_t start = j, end = std::min(n, j + bs); j < end; ++j, v += kRow) {
         // the next tile's requests spread over the passes (a burst of them fills the miss buffers)
-        if ((j - start) / NextBlocks::kRows % (kVecs / kSlice) == s / kSlice)
-          next.prefetch_row(b, j - start);
+        if ((j - start) / NextBlocks::kRows % (kVecs / kSlice) == s / kSlice) next.prefetch_row(b, j - start);
         const float factor = row_factor<Codec>(v, D * Elem);
         float w[NR];
         for (int r = 0; r < NR; ++r) w[r] = weights[r * stride + j] * factor;

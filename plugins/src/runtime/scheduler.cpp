@@ -412,8 +412,12 @@ void Scheduler::cache_computed_blocks(Request* r) {
 // next block's chain parent); 0 without a reclaim window.
 int32_t Scheduler::dead_hits(int32_t hits) const {
   if (!reclaim_window_) return 0;
-  const int32_t dead = std::max(0, hits * limits_.block_size - reclaim_window_ + 1) / limits_.block_size;
-  return std::max(0, std::min(dead, hits - 1));
+  return std::max(0, std::min(blocks_before_window(hits * limits_.block_size), hits - 1));
+}
+
+// How many of a table's leading blocks lie wholly before the window of the token at `position`.
+int32_t Scheduler::blocks_before_window(int32_t position) const {
+  return std::max(0, position - reclaim_window_ + 1) / limits_.block_size;
 }
 
 // Returns the blocks wholly before the window of the request's next token (position num_computed): no layer reads
@@ -422,7 +426,7 @@ void Scheduler::reclaim(Request* r) {
   auto t = tables_.find(r);
   if (!reclaim_window_ || t == tables_.end()) return;
   auto& table = t->second;
-  int32_t dead = std::max(0, r->num_computed - reclaim_window_ + 1) / limits_.block_size;
+  int32_t dead = blocks_before_window(r->num_computed);
   if (pool_.caching()) dead = std::min(dead, int32_t(hashes_[r].size()) - 1);
   dead = std::min(dead, int32_t(table.size()));
   std::vector<Block*> blocks;  // tail first, as free_blocks

@@ -145,6 +145,7 @@ class Scheduler {
   void cache_computed_blocks(Request* r);
   void reclaim(Request* r);
   int32_t dead_hits(int32_t hits) const;
+  int32_t blocks_before_window(int32_t position) const;
   void free_blocks(Request* r);
   void preempt(Request* r);
   void finish(Request* r, int32_t reason);
