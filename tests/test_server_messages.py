@@ -6,6 +6,7 @@ documented event order and error envelope."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -232,6 +233,7 @@ def test_keys_refusals_and_fields_without_effect(client, server):
         client.messages.create(model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "x"}],
                                stop_sequences=["x"] * 10_000)  # fmt: skip
     assert "stop_sequences" in caught.value.body["error"]["message"]
+    assert re.fullmatch(r"req_[0-9a-f]{32}", caught.value.request_id or ""), caught.value.request_id  # its header
     extra = {**body, "metadata": {"user_id": "u"}, "service_tier": "auto", "context_management": {"edits": []},
              "container": None, "mcp_servers": []}  # fmt: skip
     status, _, out = request(server, "/v1/messages", extra, headers={"x-api-key": KEY})

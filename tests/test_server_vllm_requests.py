@@ -13,6 +13,7 @@ import re
 import shutil
 from pathlib import Path
 
+import openai
 import pytest
 
 from conftest import save_manifest
@@ -207,6 +208,25 @@ def test_cache_salt_shares_cached_blocks_only_under_the_same_salt(client, llm, s
         found.append(_hits(server) - before)
     full_blocks = (resp.usage.prompt_tokens - 1) // 16 * 16
     assert full_blocks >= 32 and found == [0, full_blocks, 0]
+    wait_idle(server)
+
+
+def test_every_answer_carries_a_request_id(client, server):
+    """Errors and the routes that make no answer id carry X-Request-Id too (the openai client's `request_id` of a
+    failed call): the caller's header when it is one the server takes, else a random one; a header the server
+    refuses is not echoed."""
+    for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": -1}), ("/v1/models", None),
+                       ("/health", None), ("/v1/chat/completions", {"model": "nope", "messages": MESSAGES})):
+        status, headers, _ = request(server, path, body, headers={"X-Request-Id": "trace-7"})
+        assert headers["X-Request-Id"] == "trace-7", (path, status)
+        status, headers, _ = request(server, path, body)
+        assert re.fullmatch(r"[0-9a-f]{32}", headers["X-Request-Id"]), (path, status, headers["X-Request-Id"])
+    status, headers, _ = request(server, "/v1/completions", {"prompt": "hi"}, headers={"X-Request-Id": "y" * 257})
+    assert status == 400 and re.fullmatch(r"[0-9a-f]{32}", headers["X-Request-Id"])
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.completions.create(model="nope", prompt="hi", max_tokens=2, extra_headers={"X-Request-Id": "job-9"})
+    assert caught.value.request_id == "job-9"
+    assert "request-id" not in request(server, "/v1/models")[1]  # Anthropic's header only on its routes
     wait_idle(server)
 
 

@@ -30,6 +30,7 @@ from trtpaged.server.generation import GenerationService, Submitted, runtime_fai
 from trtpaged.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
 from trtpaged.server.options import LOOPBACK_ORIGINS, ServerOptions
 from trtpaged.server.protocol import check_model
+from trtpaged.server.request_id_headers import RequestIdHeaders
 from trtpaged.server.responses_store import ResponsesStore
 from trtpaged.server.schemas import ModelCard, ModelList, dump
 from trtpaged.server.stored_responses import Claim, StoredResponses
@@ -57,9 +58,13 @@ def route_path(scope: Mapping[str, Any]) -> str:
     return path
 
 
-def _anthropic(request: Request) -> bool:
-    path = route_path(request.scope)
+def _anthropic_scope(scope: Mapping[str, Any]) -> bool:
+    path = route_path(scope)
     return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+
+
+def _anthropic(request: Request) -> bool:
+    return _anthropic_scope(request.scope)
 
 
 def _reject_constant(name: str) -> Any:
@@ -153,7 +158,7 @@ class Draining:
 
 def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetrics, cards: list[ModelCard],
                options: ServerOptions, draining: Draining) -> Any:  # fmt: skip
-    """The ASGI app (FastAPI wrapped in the status-counting middleware)."""
+    """The ASGI app (FastAPI wrapped in the request-id and status-counting middlewares)."""
     app = FastAPI(title="trtpaged", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     expected_keys = [k.encode() for k in options.api_keys]  # any of them (vLLM's --api-key k1 k2)
     origins = options.allowed_origins
@@ -540,7 +545,7 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
     async def version() -> JSONResponse:
         return JSONResponse({"version": __version__})
 
-    return StatusCounter(app, metrics, options.root_path)
+    return StatusCounter(RequestIdHeaders(app, _anthropic_scope), metrics, options.root_path)
 
 
 def _log(request: Request, status: int, note: str, start: float, s: Submitted | None = None) -> None:
