@@ -27,20 +27,23 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "n", "seed", "pres
 # template of short expressions) and kept in transformers' cache of 128 templates (megabytes each at this bound)
 MAX_REQUEST_TEMPLATE_CHARS = 64 << 10
 MAX_REQUEST_ID_CHARS = 256  # a caller's request id (the body's request_id or the X-Request-Id header)
-_UNSUPPORTED = ("suffix", "functions", "function_call", "audio", "web_search_options")
-# OpenAI's fields asking for what this server lacks, refused when not null: why
-_OPENAI_REFUSED = {"moderation": "this server runs no moderation model on the input or output"}
-# vLLM's fields this server has no counterpart for, refused when they ask for something: why
-_VLLM_REFUSED = {
-    "chat_template": "a request's own chat template is not run unless the server is started with "
-                     "--trust-request-chat-template (vLLM's rule), or give the server one with --chat-template",
-    "guided_whitespace_pattern": "JSON grammars keep xgrammar's own whitespace rule here",
-    "logits_processors": "no custom logits processors run here",
-    "kv_transfer_params": "no disaggregated prefill here",
-    "vllm_xargs": "no custom logits processors read extra arguments here",
-    "mm_processor_kwargs": "the models served here read text only",
-    "media_io_kwargs": "the models served here read text only",
-}
+_ASKS_NOTHING = (None, False, "", [], {}, "none")
+_VLLM_ASKS_NOTHING = (None, "", [], {})
+# Fields asking for what this server lacks: field -> (the values by which it asks for nothing, why it is refused
+# with any other). OpenAI's moderation is refused unless null; vLLM's fields have no counterpart here.
+_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    **{name: (_ASKS_NOTHING, "not supported by this server")
+       for name in ("suffix", "functions", "function_call", "audio", "web_search_options")},
+    "moderation": ((None,), "this server runs no moderation model on the input or output"),
+    "guided_whitespace_pattern": (_VLLM_ASKS_NOTHING, "JSON grammars keep xgrammar's own whitespace rule here"),
+    "logits_processors": (_VLLM_ASKS_NOTHING, "no custom logits processors run here"),
+    "kv_transfer_params": (_VLLM_ASKS_NOTHING, "no disaggregated prefill here"),
+    "vllm_xargs": (_VLLM_ASKS_NOTHING, "no custom logits processors read extra arguments here"),
+    "mm_processor_kwargs": (_VLLM_ASKS_NOTHING, "the models served here read text only"),
+    "media_io_kwargs": (_VLLM_ASKS_NOTHING, "the models served here read text only"),
+}  # fmt: skip
+_REQUEST_TEMPLATE_REFUSED = ("a request's own chat template is not run unless the server is started with "
+                             "--trust-request-chat-template (vLLM's rule), or give the server one with --chat-template")
 
 Prompt = Union[str, list[int]]
 _Body = TypeVar("_Body", bound=BaseModel)
@@ -231,18 +234,12 @@ def parse_generation(body: Any, chat: bool, served_names: Sequence[str], vocab_s
     `trust_template` (serve --trust-request-chat-template): a request's own chat_template is rendered, else refused."""
     req = validated(ChatCompletionRequest if chat else CompletionRequest, body)
     check_model(req.model, served_names)
-    for name in _UNSUPPORTED:
-        if getattr(req, name, None) not in (None, False, "", [], {}, "none"):
-            raise ApiError(f"{name}: not supported by this server", name)
-    for name, why in _OPENAI_REFUSED.items():
-        if getattr(req, name, None) is not None:
+    for name, (asks_nothing, why) in _REFUSED.items():
+        if getattr(req, name, None) not in asks_nothing:
             raise ApiError(f"{name}: {why}", name)
     own_template = isinstance(req, ChatCompletionRequest) and req.chat_template is not None
     if own_template:
         check_request_template(req.chat_template, trust_template)  # type: ignore[union-attr]
-    for name, why in _VLLM_REFUSED.items():
-        if name != "chat_template" and getattr(req, name, None) not in (None, "", [], {}):
-            raise ApiError(f"{name}: {why}", name)
     other = sorted(set(getattr(req, "modalities", None) or ()) - {"text"})
     if other:
         raise ApiError(f"modalities: {other} not supported by this server (text only)", "modalities")
@@ -352,7 +349,7 @@ def check_request_template(template: Optional[str], trusted: bool) -> None:
     if template is None:
         return
     if not trusted:
-        raise ApiError(f"chat_template: {_VLLM_REFUSED['chat_template']}", "chat_template")
+        raise ApiError(f"chat_template: {_REQUEST_TEMPLATE_REFUSED}", "chat_template")
     if not template.strip() or len(template) > MAX_REQUEST_TEMPLATE_CHARS:
         raise ApiError(f"chat_template: must be a Jinja template of 1 to {MAX_REQUEST_TEMPLATE_CHARS} characters, "
                        f"got {len(template)}", "chat_template")  # fmt: skip
