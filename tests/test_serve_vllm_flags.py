@@ -353,7 +353,6 @@ def test_template_variables_stack_defaults_then_reasoning_effort_then_the_reques
     (["--data-parallel-size", "4"], "only 1 here (one engine per server"),
     (["--tokenizer-mode", "mistral"], "only auto or hf here"),
     (["--guided-decoding-backend", "outlines"], "only auto or xgrammar here"),
-    (["--chat-template-content-format", "openai"], "only auto or string here"),
 ])  # fmt: skip
 def test_vllm_flags_fixed_by_the_build_or_this_server_are_refused_unless_they_match(tiny_engine_dir, args, words):
     """A vLLM launch line's engine settings are checked against the engine dir (built with block size 16, no

@@ -73,6 +73,10 @@ def _not_empty(value, param):
 @click.option("--chat-template", type=ChatTemplate(), default=None,
               help="vLLM's: a Jinja chat template (a file's path, or the template's text) that replaces the engine's "
                    "for every chat request and /tokenize.")
+@click.option("--chat-template-content-format", type=click.Choice(["auto", "string", "openai"]), default="auto",
+              show_default=True,
+              help="vLLM's: how the chat template gets a message's content: string (text parts joined by newlines) "
+                   "or openai (a list of text parts); auto gives the parts to a template that loops over them.")
 @click.option("--tool-call-parser", default=None, metavar="NAME",
               help="vLLM's: the format tool_choice \"auto\" reads calls in: hermes, llama3_json, mistral, "
                    "phi4_mini_json or pythonic (default: the one the chat template shows, else the model family's).")
@@ -182,8 +186,8 @@ def _not_empty(value, param):
 @vllm_no_effect_options
 def command(engine, host, port, served_model_name, api_key, max_waiting, request_timeout, shutdown_timeout,
             max_body_bytes, max_prompt_tokens, max_batch_size, max_num_tokens, max_seq_len, num_kv_blocks,
-            enable_prefix_caching, scheduling_policy, chat_template, tool_call_parser, reasoning_parser,
-            default_chat_template_kwargs, enable_auto_tool_choice, max_logprobs, seed,
+            enable_prefix_caching, scheduling_policy, chat_template, chat_template_content_format, tool_call_parser,
+            reasoning_parser, default_chat_template_kwargs, enable_auto_tool_choice, max_logprobs, seed,
             generation_config, gpu_memory_utilization, dtype, kv_cache_dtype, quantization, block_size, tokenizer,
             swap_space, backend,
             device, tensor_parallel_size, speculative_config, kv_host_memory, kv_disk_path, kv_disk_size, kv_remote,
@@ -233,7 +237,8 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
                 speculative_config=speculative_config,
                 kv_tiers=tier_options(kv_host_memory, kv_disk_path, kv_disk_size, kv_remote, kv_secret_file),
                 enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy,
-                generation_config=generation_config, chat_template=chat_template, seed=seed,
+                generation_config=generation_config, chat_template=chat_template,
+                chat_template_content_format=chat_template_content_format, seed=seed,
                 max_logprobs=max_logprobs,
                 **vllm_only(gpu_memory_utilization=gpu_memory_utilization, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
                             quantization=quantization, block_size=block_size, tokenizer=tokenizer,

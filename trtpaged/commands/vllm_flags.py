@@ -50,8 +50,6 @@ ONLY_VALUES: dict[str, tuple[tuple[str, ...], str]] = {
     "--tokenizer-mode": (("auto", "hf"), "the engine dir's tokenizer is loaded by transformers"),
     "--guided-decoding-backend": (("auto", "xgrammar"), "structured outputs are compiled by xgrammar"),
     "--response-role": (("assistant",), "a chat answer's message is the assistant's"),
-    "--chat-template-content-format": (("auto", "string"), "a message's text parts reach the chat template as one "
-                                                           "string, joined by newlines (vLLM's string format)"),
 }
 
 

@@ -20,6 +20,7 @@ from trtpaged.kv_budget import check_host_pool, check_host_tier
 from trtpaged.runtime.runners import load_runner, resolve_device, resolve_num_kv_blocks
 from trtpaged.runtime.runners.base import pool_block_bytes
 from trtpaged.runtime.beam_api import BeamSearchOutput, BeamSearchParams, beam_outputs
+from trtpaged.runtime.content_format import CONTENT_FORMATS, template_content_format
 from trtpaged.runtime.kv_tiers.config import KVTierConfig, manifest_fingerprint
 from trtpaged.runtime.llm_engine import LLMEngine, Prompt, prompt_salt, unwrap_prompt
 from trtpaged.runtime.outputs import RequestOutput, RequestOutputKind
@@ -132,11 +133,12 @@ def check_chat_template(tokenizer: Any, template: Any) -> None:
 
 def chat_prompt_ids(tokenizer: Any, messages: Seq[dict], tools: Optional[Seq[dict]] = None, *,
                     add_generation_prompt: bool = True, continue_final_message: bool = False,
-                    template_kwargs: Optional[dict[str, Any]] = None, add_special_tokens: bool = False
-                    ) -> list[int]:  # fmt: skip
+                    template_kwargs: Optional[dict[str, Any]] = None, add_special_tokens: bool = False,
+                    content_format: str = "auto") -> list[int]:  # fmt: skip
     """`LLM.chat_prompt` with a given tokenizer (the server's own copy, off the engine thread)."""
     text = chat_prompt_text(tokenizer, messages, tools, add_generation_prompt=add_generation_prompt,
-                            continue_final_message=continue_final_message, template_kwargs=template_kwargs)
+                            continue_final_message=continue_final_message, template_kwargs=template_kwargs,
+                            content_format=content_format)
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
@@ -178,9 +180,10 @@ def text_part(part: Any, where: str) -> str:
     return part[kind]
 
 
-def _with_text_content(messages: Seq[Mapping]) -> list[dict]:
-    """Messages whose content is a list of parts (OpenAI's form) with their text parts joined by newlines, as
-    vLLM gives them to the template."""
+def _with_text_content(messages: Seq[Mapping], as_parts: bool = False) -> list[dict]:
+    """Messages as vLLM gives them to the template: a content that is a list of parts (OpenAI's form) as its text
+    parts joined by newlines; with `as_parts` (a template that loops over the parts), every content as a list of
+    text parts instead ({"type": "text", "text": ...}; none for an empty or absent content)."""
     out = []
     for m, msg in enumerate(messages):
         if not isinstance(msg.get("role"), str):
@@ -188,30 +191,38 @@ def _with_text_content(messages: Seq[Mapping]) -> list[dict]:
                                f"{msg.get('role')!r:.40}")  # fmt: skip
         content = msg.get("content")
         if content is None:  # an assistant turn that only called tools; vLLM gives the template an empty text
-            msg = {**msg, "content": ""}
+            content = ""
         elif not isinstance(content, (str, list)):
             raise RequestError(f"messages[{m}].content", f"must be a string or a list of parts, got "
                                f"{type(content).__name__}")  # fmt: skip
-        if isinstance(content, list):
-            msg = {**msg, "content": "\n".join(text_part(part, f"messages[{m}].content[{p}]")
-                                               for p, part in enumerate(content))}  # fmt: skip
-        if isinstance(msg.get("content"), str):  # named here, where the position is the content's own
-            check_unicode(f"messages[{m}].content", msg["content"])
-        out.append(msg)
+        texts = [text_part(part, f"messages[{m}].content[{p}]") for p, part in enumerate(content)] \
+            if isinstance(content, list) else [content]  # fmt: skip
+        for text in texts:  # named here, where the position is the content's own
+            check_unicode(f"messages[{m}].content", text)
+        parts = [{"type": "text", "text": t} for t in texts if t]
+        out.append({**msg, "content": parts if as_parts else "\n".join(texts)})
     return out
 
 
 def chat_prompt_text(tokenizer: Any, messages: Seq[dict], tools: Optional[Seq[dict]] = None, *,
                      add_generation_prompt: bool = True, continue_final_message: bool = False,
-                     template_kwargs: Optional[dict[str, Any]] = None, chat_template: Optional[str] = None) -> str:
+                     template_kwargs: Optional[dict[str, Any]] = None, chat_template: Optional[str] = None,
+                     content_format: str = "auto") -> str:  # fmt: skip
     """The conversation under the chat template (the tokenizer's, or `chat_template`), as text; `chat_prompt_ids`'
-    checks and options."""
+    checks and options. `content_format` (vLLM's --chat-template-content-format): how the template gets each
+    message's content, "string" or "openai" (a list of text parts), or "auto": "openai" for a template that loops
+    over a message's content (`content_format.template_content_format`), else "string"."""
     if not isinstance(messages, (list, tuple)) or not all(isinstance(m, Mapping) for m in messages):
         raise RequestError("messages", "must be a list of messages ({'role': ..., 'content': ...}), got "
                            f"{type(messages).__name__} {messages!r:.80}")  # fmt: skip
     if not messages:
         raise RequestError("messages", "must hold at least one message", 1)
-    messages = _with_text_content(messages)
+    if content_format not in CONTENT_FORMATS:
+        raise RequestError("chat_template_content_format", f"must be one of {list(CONTENT_FORMATS)}, got "
+                           f"{content_format!r:.40}")  # fmt: skip
+    if content_format == "auto":
+        content_format = template_content_format(chat_template or getattr(tokenizer, "chat_template", None))
+    messages = _with_text_content(messages, as_parts=content_format == "openai")
     if template_kwargs is not None and not isinstance(template_kwargs, Mapping):
         raise RequestError("chat_template_kwargs", f"must be a mapping, got {type(template_kwargs).__name__}")
     if add_generation_prompt and continue_final_message:
@@ -274,6 +285,9 @@ class LLM:
     top_k, min_p, repetition_penalty and max_new_tokens, recorded by the build as `sampling_defaults`) when
     `generate` is given no SamplingParams (`get_default_sampling_params()`); "vllm" ignores them.
     `chat_template` (a Jinja template's text; vLLM's --chat-template) replaces the engine's for every chat.
+    `chat_template_content_format` (vLLM's --chat-template-content-format): how the template gets a message's
+    content, "string" (text parts joined by newlines) or "openai" (a list of text parts); "auto" reads the template
+    and gives the parts to one that loops over them.
     `reasoning_parser` (vLLM's: "deepseek_r1", "qwen3") names the model's reasoning tags (`trtpaged.runtime.reasoning`):
     it makes `SamplingParams.thinking_token_budget` available, and the server splits answers' thinking with it.
 
@@ -327,6 +341,7 @@ class LLM:
         max_logprobs: int = 20,
         generation_config: str = "auto",
         chat_template: Optional[str] = None,
+        chat_template_content_format: str = "auto",
         reasoning_parser: Optional[str] = None,
         **vllm_args: Any,
     ) -> None:
@@ -373,6 +388,10 @@ class LLM:
         )
         self.sampling_defaults = model_sampling_defaults(self.manifest, generation_config)
         self.chat_template = chat_template  # the override (None: the engine's), which every new_tokenizer() applies
+        if chat_template_content_format not in CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format: must be one of {list(CONTENT_FORMATS)}, got "
+                             f"{chat_template_content_format!r:.40}")  # fmt: skip
+        self.chat_template_content_format = chat_template_content_format
         self.tokenizer = self.new_tokenizer()
         if chat_template is not None:  # checked with the engine's tokenizer, before any weight loads
             check_chat_template(self.tokenizer, chat_template)
@@ -531,12 +550,14 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: Optional[dict[str, Any]] = None,
         tools: Optional[Seq[dict]] = None,
+        chat_template_content_format: Optional[str] = None,
     ) -> list[RequestOutput]:
         """Applies the chat template (the engine's, or `chat_template`) and generates the assistant's reply.
 
         As vLLM's `LLM.chat`: one conversation (a list of messages) or a list of conversations, generated
         together; returns one RequestOutput per conversation, in order, whose `prompt` is the templated text.
-        The keyword options are `chat_prompt`'s (vLLM's names); `use_tqdm` and `lora_request` are `generate`'s.
+        The keyword options are `chat_prompt`'s (vLLM's names); `use_tqdm` and `lora_request` are `generate`'s;
+        `chat_template_content_format` (None: this LLM's) as the constructor's.
         """
         if not isinstance(messages, (list, tuple)):
             raise RequestError("messages", "must be a list of messages ({'role': ..., 'content': ...}) or a list of "
@@ -547,7 +568,8 @@ class LLM:
             raise RequestError("chat_template", "must be a Jinja template's text")
         texts = [chat_prompt_text(self.tokenizer, c, tools, add_generation_prompt=add_generation_prompt,
                                   continue_final_message=continue_final_message, template_kwargs=chat_template_kwargs,
-                                  chat_template=chat_template)
+                                  chat_template=chat_template,
+                                  content_format=chat_template_content_format or self.chat_template_content_format)
                  for c in conversations]  # type: ignore[arg-type]  # fmt: skip
         prompts = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
         outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
@@ -566,7 +588,8 @@ class LLM:
         `add_special_tokens`: what the tokenizer adds (a BOS) on top of the template's own text."""
         return chat_prompt_ids(self.tokenizer, messages, tools, add_generation_prompt=add_generation_prompt,
                                continue_final_message=continue_final_message, template_kwargs=template_kwargs,
-                               add_special_tokens=add_special_tokens)  # fmt: skip
+                               add_special_tokens=add_special_tokens,
+                               content_format=self.chat_template_content_format)  # fmt: skip
 
     def get_tokenizer(self) -> Any:
         """The engine dir's tokenizer (vLLM's accessor; the same object as `tokenizer`)."""

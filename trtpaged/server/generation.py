@@ -30,7 +30,7 @@ from trtpaged.server.engine_loop import (
     Subscription,
 )
 from trtpaged.server.errors import ApiError, from_runtime_error, overloaded
-from trtpaged.server.protocol import GenerationRequest, check_request_id, parse_generation
+from trtpaged.server.protocol import GenerationRequest, check_request_id, message_text, parse_generation
 from trtpaged.server.reasoning import ChoiceReasoning, split_text
 from trtpaged.server.responses import Echo, ResponseBuilder, TokenStrings, logprob_token_ids, sse, top_entries, usage
 from trtpaged.server.schemas import PromptTokensDetails, Usage, dump
@@ -132,6 +132,8 @@ class GenerationService:
         caller_id = check_request_id(header_id, "X-Request-Id")
         req = parse_generation(body, chat, self.model_names, self.vocab_size, self.auto_tools, self.max_logprobs,
                                self.template_defaults, self.trust_request_template)  # fmt: skip
+        if req.chat:  # the server's --chat-template-content-format (LLM's), for whichever template renders it
+            req.chat_options["content_format"] = self.llm.chat_template_content_format
         if self.force_include_usage and req.stream:
             req.include_usage = True
         if self.tokens_as_ids and body.get("return_tokens_as_token_ids") is None:
@@ -243,7 +245,7 @@ class GenerationService:
 
         try:
             if check is not None:  # before the lane: what the request's own text makes at least
-                texts = ["".join(m.get("content") or "" for m in req.messages)] if req.chat else \
+                texts = ["".join(message_text(m) for m in req.messages)] if req.chat else \
                     [p for p in req.prompts if isinstance(p, str)]  # fmt: skip
                 for text in texts:
                     check(text)

@@ -144,14 +144,16 @@ _CONTENT_REQUIRED = ("system", "developer", "user", "tool")  # roles whose messa
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The conversation for the chat template: role and text, plus the tool-call keys templates read."""
+    """The conversation for the chat template: role and content (a text, or its text parts), plus the tool-call
+    keys templates read."""
     out = []
     for m, msg in enumerate(messages):
         if msg.content is None and msg.role in _CONTENT_REQUIRED:  # OpenAI requires it; only an assistant's calls
             raise ApiError(f"messages[{m}].content: required for a {msg.role} message", "messages")
         content = msg.content or ""
-        if isinstance(content, list):  # text parts are lines of one message, as in vLLM
-            content = "\n".join(_text_part(part, f"messages[{m}].content[{p}]") for p, part in enumerate(content))
+        if isinstance(content, list):  # the template gets them joined or as parts (LLM's content format)
+            content = [{"type": "text", "text": _text_part(part, f"messages[{m}].content[{p}]")}
+                       for p, part in enumerate(content)]  # fmt: skip
         given = ("tool_calls", "tool_call_id", "name")  # as the request gave them (schemas.ChatMessage types them)
         extra = {k: getattr(msg, k) for k in given if k in msg.model_fields_set}
         thought = msg.reasoning if msg.reasoning is not None else msg.reasoning_content
@@ -159,6 +161,13 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             extra.update(reasoning=thought, reasoning_content=thought)
         out.append({"role": msg.role, "content": content, **extra})
     return out
+
+
+def message_text(message: dict[str, Any]) -> str:
+    """A `chat_messages` message's text: its text parts are lines of one text, as the string content format
+    gives them to the template (vLLM's)."""
+    content = message.get("content") or ""
+    return content if isinstance(content, str) else "\n".join(part["text"] for part in content)
 
 
 def _text_part(part: Any, where: str) -> str:
@@ -324,7 +333,7 @@ def _chat_echo(req: ChatCompletionRequest, messages: list[dict[str, Any]]) -> st
     assistant's, or with add_generation_prompt false the last message's own, as vLLM names the answer's role)."""
     last = messages[-1]
     answering = "assistant" if req.add_generation_prompt is not False else last["role"]
-    return last["content"] if last["role"] == answering else ""
+    return message_text(last) if last["role"] == answering else ""
 
 
 def _usage_options(req: Union[CompletionRequest, ChatCompletionRequest]) -> tuple[bool, bool]:

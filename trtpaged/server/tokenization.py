@@ -100,6 +100,7 @@ class Tokenization:
             tools = shown_tools(req.tools)  # validated and shown as the chat endpoint does
             check_request_template(req.chat_template, self.trust_template)
             options = chat_options(req, self.template_defaults, self.trust_template)
+            options["content_format"] = self.llm.chat_template_content_format
 
         def run(tokenizer: Any) -> bytes:
             if tokenizer is None:

@@ -1,0 +1,86 @@
+"""How a chat template reads a message's content (vLLM's --chat-template-content-format): as one string, or as
+OpenAI's list of parts ({"type": "text", "text": ...}) that it loops over. A template that loops over the parts
+and is given a string loops over its characters and drops the text, so "auto" reads the template to choose."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Iterator, Optional
+
+import jinja2
+from jinja2 import nodes
+
+CONTENT_FORMATS = ("auto", "string", "openai")
+
+
+def template_content_format(template: Any) -> str:
+    """"openai" when the template (a Jinja text, or transformers' dict of named templates) loops over a message's
+    content, else "string" (also for a template Jinja cannot parse here: it is rendered as before)."""
+    texts = template.values() if isinstance(template, dict) else (template,)
+    return "openai" if any(isinstance(t, str) and _loops_over_content(t) for t in texts) else "string"
+
+
+@functools.lru_cache(maxsize=64)
+def _loops_over_content(template: str) -> bool:
+    try:
+        tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols", "jinja2.ext.do"]).parse(template)
+    except jinja2.TemplateSyntaxError:
+        return False
+    message_lists, messages, contents = {"messages"}, set(), set()
+    # names bound to the conversation, to one of its messages, to a message's content: in the template's order,
+    # so that a later statement sees the names the earlier ones bound
+    for node in tree.find_all((nodes.For, nodes.Assign)):
+        source = node.iter if isinstance(node, nodes.For) else node.node
+        bound = set(_stored_names(node.target))
+        if isinstance(node, nodes.For) and _root(source) in message_lists:
+            messages |= bound
+        elif isinstance(node, nodes.Assign) and _root(source) in message_lists:
+            (messages if _indexes_one(source) else message_lists).update(bound)
+        if _is_content(source, messages, message_lists, contents):
+            if isinstance(node, nodes.For):
+                return True
+            contents |= bound
+    return False
+
+
+def _stored_names(target: nodes.Node) -> Iterator[str]:
+    if isinstance(target, nodes.Name):
+        yield target.name
+    elif isinstance(target, nodes.Tuple):
+        for item in target.items:
+            yield from _stored_names(item)
+
+
+def _root(node: nodes.Node) -> Optional[str]:
+    """The variable an expression of slices and filters reads (`messages[1:] | reverse` -> messages)."""
+    while True:
+        if isinstance(node, nodes.Filter) and node.node is not None:
+            node = node.node
+        elif isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
+            node = node.node
+        else:
+            return node.name if isinstance(node, nodes.Name) else None
+
+
+def _indexes_one(node: nodes.Node) -> bool:
+    """`messages[0]`, `messages[-1]`: one message of the list."""
+    return isinstance(node, nodes.Getitem) and not isinstance(node.arg, nodes.Slice)
+
+
+def _is_content(node: nodes.Node, messages: set[str], message_lists: set[str], contents: set[str]) -> bool:
+    """`message['content']`, `message.content`, `messages[0]['content']` or a name bound to one (through filters)."""
+    while isinstance(node, nodes.Filter) and node.node is not None:
+        node = node.node
+    if isinstance(node, nodes.Name):
+        return node.name in contents
+    if isinstance(node, nodes.Getattr):
+        owner, key = node.node, node.attr
+    elif isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const):
+        owner, key = node.node, node.arg.value
+    else:
+        return False
+    if key != "content":
+        return False
+    if isinstance(owner, nodes.Name):
+        return owner.name in messages
+    return _indexes_one(owner) and _root(owner.node) in message_lists  # type: ignore[attr-defined]
