@@ -39,6 +39,8 @@ CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "co
     ("{% for content in contents %}{% for p in content %}{{ p }}{% endfor %}{% endfor %}", "string"),
     ("{% for m in messages %}{{ m.content }", "string"),  # not Jinja: rendered (and refused) as before
     ({"default": STRING, "tool_use": PARTS_ONLY}, "openai"),
+    ("{% for m in messages %}{% generation %}{% for p in m.content %}{{ p.text }}{% endfor %}{% endgeneration %}"
+     "{% endfor %}", "openai"),  # transformers' generation blocks
     (None, "string"),
 ])  # fmt: skip
 def test_the_content_format_is_read_from_the_template(template, expected):

@@ -8,6 +8,7 @@ import functools
 from typing import Any, Iterator, Optional
 
 import jinja2
+import jinja2.ext
 from jinja2 import nodes
 
 CONTENT_FORMATS = ("auto", "string", "openai")
@@ -20,10 +21,23 @@ def template_content_format(template: Any) -> str:
     return "openai" if any(isinstance(t, str) and _loops_over_content(t) for t in texts) else "string"
 
 
+class _GenerationBlocks(jinja2.ext.Extension):
+    """transformers' `{% generation %}...{% endgeneration %}` (the assistant's tokens, for training masks), read
+    here as its body, so that templates with it parse."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body, lineno=lineno)
+
+
 @functools.lru_cache(maxsize=64)
 def _loops_over_content(template: str) -> bool:
     try:
-        tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols", "jinja2.ext.do"]).parse(template)
+        tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols", "jinja2.ext.do", _GenerationBlocks]
+                                  ).parse(template)  # fmt: skip
     except jinja2.TemplateSyntaxError:
         return False
     message_lists, messages, contents = {"messages"}, set(), set()
