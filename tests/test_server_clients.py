@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -310,6 +311,47 @@ def test_openai_client_sees_typed_errors(client):
     bad = openai.OpenAI(base_url=client.base_url, api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
+
+
+def _hf_client(server) -> object:
+    """huggingface_hub's InferenceClient (a dependency of transformers) on the test server, as its docs show for a
+    non-Hub OpenAI-compatible endpoint."""
+    hub = pytest.importorskip("huggingface_hub", reason="huggingface_hub is not installed")
+    return hub.InferenceClient(base_url=server.url + "/v1", api_key=KEY, timeout=60)
+
+
+def test_huggingface_hub_response_formats_follow_the_schema(server, client):
+    """huggingface_hub's chat_completion sends OpenAI's json_schema response_format as TGI's grammar
+    {"type": "json_object", "value": schema}, and documents TGI's {"type": "json", "value": schema}: both follow the
+    schema (the same text as the openai client's json_schema form, streamed or whole), and TGI's
+    {"type": "regex", "value": pattern} the pattern; a malformed one is a 400 naming response_format."""
+    import openai
+    from huggingface_hub.errors import BadRequestError
+
+    hf = _hf_client(server)
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}}, "required": ["city"],
+              "additionalProperties": False}  # fmt: skip
+    messages = [{"role": "user", "content": "Where to?"}]
+    kw = dict(model="tiny", max_tokens=16, temperature=0)
+    openai_form = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}
+    truth = client.chat.completions.create(messages=messages, response_format=openai_form, **kw)
+    assert json.loads(truth.choices[0].message.content)["city"] in ("Paris", "Rome", "Oslo")
+    for fmt in (openai_form, {"type": "json_object", "value": schema}, {"type": "json", "value": schema}):
+        whole = hf.chat_completion(messages, response_format=fmt, **kw)
+        assert whole.choices[0].message.content == truth.choices[0].message.content, fmt
+        chunks = hf.chat_completion(messages, response_format=fmt, stream=True, **kw)
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert streamed == whole.choices[0].message.content, fmt
+    regex = hf.chat_completion(messages, response_format={"type": "regex", "value": "(yes|no)[0-9]"}, **kw)
+    assert re.fullmatch("(yes|no)[0-9]", regex.choices[0].message.content)
+    for bad in ({"type": "json"}, {"type": "json", "value": "{}"}, {"type": "regex", "value": 3},
+                {"type": "text", "value": "x"}, {"type": "json", "value": schema, "x": 1}):
+        with pytest.raises(BadRequestError) as err:
+            hf.chat_completion(messages, response_format=bad, model="tiny", max_tokens=4)
+        assert err.value.response.json()["error"]["param"] == "response_format", bad
+    with pytest.raises(openai.BadRequestError, match=r"unknown keys \['value'\]"):  # huggingface_hub rewrites this one
+        client.chat.completions.create(messages=messages, response_format={**openai_form, "value": schema}, **kw)
+    wait_idle(server)
 
 
 def test_bench_serve_against_the_server(server):

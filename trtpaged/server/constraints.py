@@ -14,13 +14,18 @@ from trtpaged.server.errors import ApiError
 from trtpaged.server.tools import OPENAI_NAME
 
 _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+_TGI_GRAMMARS = ("json", "json_object", "regex")  # TGI's response_format types that carry a value
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 def _response_format(value: dict[str, Any]) -> Optional[StructuredOutputsParams]:
-    """OpenAI's response_format: {"type": "text" | "json_object" | "json_schema", "json_schema": {name, schema}}."""
+    """OpenAI's response_format: {"type": "text" | "json_object" | "json_schema", "json_schema": {name, schema}};
+    or TGI's grammar {"type": "json" | "json_object" | "regex", "value": ...}, which huggingface_hub's InferenceClient
+    sends (it rewrites OpenAI's json_schema form to json_object with the schema as value)."""
     kind = value.get("type")
-    extra = set(value) - {"type", "json_schema"}
+    if kind in _TGI_GRAMMARS and value.get("value") is not None:
+        return _tgi_grammar(value)
+    extra = set(value) - {"type", "json_schema"} - ({"value"} if kind == "json_object" else set())
     if extra:
         raise ApiError(f"response_format: unknown keys {sorted(extra)}", "response_format")
     if kind == "text":
@@ -29,8 +34,28 @@ def _response_format(value: dict[str, Any]) -> Optional[StructuredOutputsParams]
         return StructuredOutputsParams(json_object=True, origin="response_format")
     if kind == "json_schema":
         return StructuredOutputsParams(json=_json_schema(value.get("json_schema")), origin="response_format")
-    raise ApiError(f"response_format.type: must be 'text', 'json_object' or 'json_schema', got {kind!r:.80}",
-                   "response_format")  # fmt: skip
+    if kind in _TGI_GRAMMARS:
+        raise ApiError(f"response_format.value: required with type {kind!r} (TGI's grammar form)", "response_format")
+    raise ApiError(f"response_format.type: must be 'text', 'json_object' or 'json_schema' (or TGI's 'json' or "
+                   f"'regex' with a value), got {kind!r:.80}", "response_format")  # fmt: skip
+
+
+def _tgi_grammar(value: dict[str, Any]) -> StructuredOutputsParams:
+    """TGI's {"type": "json" | "json_object", "value": JSON schema} or {"type": "regex", "value": pattern}."""
+    extra = set(value) - {"type", "value"}
+    if extra:
+        raise ApiError(f"response_format: unknown keys {sorted(extra)} (TGI's grammar form takes type and value)",
+                       "response_format")  # fmt: skip
+    kind, grammar = value["type"], value["value"]
+    if kind == "regex":
+        if not isinstance(grammar, str):
+            raise ApiError(f"response_format.value: must be a regex string, got {type(grammar).__name__}",
+                           "response_format")  # fmt: skip
+        return StructuredOutputsParams(regex=grammar, origin="response_format")
+    if not isinstance(grammar, dict):
+        raise ApiError(f"response_format.value: must be a JSON schema object, got {type(grammar).__name__}",
+                       "response_format")  # fmt: skip
+    return StructuredOutputsParams(json=grammar, origin="response_format")
 
 
 def _json_schema(spec: Any) -> Any:
