@@ -210,9 +210,10 @@ def test_a_server_without_a_store_keeps_nothing(tiny_engine_dir):
         with pytest.raises(openai.NotFoundError) as err:
             client.responses.retrieve(r.id)
         assert "--responses-store-size" in err.value.body["message"]
-        with pytest.raises(openai.NotFoundError) as err:  # vLLM's answer without its store
-            _create(client, input="hi", max_output_tokens=2, previous_response_id=r.id)
+        with pytest.raises(openai.NotFoundError) as err:  # vLLM's answer without its store; LangChain's
+            _create(client, input="hi", max_output_tokens=2, previous_response_id=r.id)  # use_previous_response_id
         assert err.value.body["param"] == "previous_response_id"
+        assert "--responses-store-size" in err.value.body["message"]  # why, not 'deleted or evicted'
         with pytest.raises(openai.BadRequestError) as err:
             _create(client, input="hi", max_output_tokens=2, background=True)
         assert err.value.body["param"] == "background"

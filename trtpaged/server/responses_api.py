@@ -80,7 +80,7 @@ def translate(body: Any, served: Sequence[str], store: Optional[ResponsesStore] 
     link = None
     if req.previous_response_id is not None:
         if store is None:  # vLLM's answer without a store: not found
-            raise not_found(req.previous_response_id, "previous_response_id")
+            raise not_found(req.previous_response_id, "previous_response_id", stores=False)
         history, link = store.conversation(req.previous_response_id)
     if req.truncation not in (None, "disabled", "auto"):
         raise ApiError(f"truncation: must be 'auto' or 'disabled', got {req.truncation[:40]!r}", "truncation")

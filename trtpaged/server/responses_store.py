@@ -37,9 +37,11 @@ class _Entry:
         return len(self.body) + len(self.turn)
 
 
-def not_found(rid: str, field: str = "response_id") -> ApiError:
-    return ApiError(f"{field}: no stored response {rid[:80]!r} (never stored, deleted, or evicted by the store's "
-                    "bound)", field, 404, "not_found_error")  # fmt: skip
+def not_found(rid: str, field: str = "response_id", stores: bool = True) -> ApiError:
+    """The 404 for a response id that is not stored; `stores`: whether this server has a store at all."""
+    why = (" (never stored, deleted, or evicted by the store's bound)" if stores
+           else ": this server stores none (serve --responses-store-size)")  # fmt: skip
+    return ApiError(f"{field}: no stored response {rid[:80]!r}{why}", field, 404, "not_found_error")
 
 
 class ResponsesStore:

@@ -201,10 +201,7 @@ class StoredResponses:
 
     def _missing(self, rid: str) -> ApiError:
         """The 404 for a response that is not stored."""
-        if self.store is None:
-            return ApiError(f"response_id: no stored response {rid[:80]!r}: this server stores none (serve "
-                            "--responses-store-size)", "response_id", 404, "not_found_error")  # fmt: skip
-        return not_found(rid)
+        return not_found(rid, stores=self.store is not None)
 
     async def cancel(self, rid: str) -> dict[str, Any]:
         """Cancels background response `rid` while it runs (a cancelled one is answered as it is)."""
