@@ -354,6 +354,34 @@ def test_huggingface_hub_response_formats_follow_the_schema(server, client):
     wait_idle(server)
 
 
+def test_huggingface_hub_named_tool_choice_without_a_type(server, client):
+    """huggingface_hub's named tool choice, ChatCompletionInputToolChoiceClass, is sent as {"function": {"name": N}}
+    without "type" (TGI's form; vLLM defaults the type to "function"): the same call as the openai client's typed
+    form, whole and streamed; a tool without "type" is a function tool too (vLLM's default)."""
+    from huggingface_hub import ChatCompletionInputFunctionName, ChatCompletionInputToolChoiceClass
+    from trtpaged.server.tools import shown_tools
+
+    hf = _hf_client(server)
+    params = {"type": "object", "properties": {"a": {"enum": [1, 2, 3]}}, "required": ["a"],
+              "additionalProperties": False}  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "pick", "parameters": params}}]
+    messages = [{"role": "user", "content": "Pick one."}]
+    kw = dict(model="tiny", max_tokens=16, temperature=0)
+    typed = client.chat.completions.create(messages=messages, tools=tools, **kw,
+                                           tool_choice={"type": "function", "function": {"name": "pick"}})  # fmt: skip
+    truth = [(c.function.name, c.function.arguments) for c in typed.choices[0].message.tool_calls]
+    choice = ChatCompletionInputToolChoiceClass(function=ChatCompletionInputFunctionName(name="pick"))
+    for given in (tools, [{"function": tools[0]["function"]}]):
+        whole = hf.chat_completion(messages, tools=given, tool_choice=choice, **kw)
+        assert [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls] == truth
+        args = "".join(call.function.arguments or "" for chunk in
+                       hf.chat_completion(messages, tools=given, tool_choice=choice, stream=True, **kw)
+                       for call in (chunk.choices[0].delta.tool_calls or [] if chunk.choices else []))  # fmt: skip
+        assert args == truth[0][1]
+    assert shown_tools([{"function": tools[0]["function"]}]) == tools  # what the chat template is shown
+    wait_idle(server)
+
+
 def test_bench_serve_against_the_server(server):
     requests = [ServeRequest(f"word {i} " * (4 + i), 8 + i) for i in range(6)]
     wait_idle(server)

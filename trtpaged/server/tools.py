@@ -149,7 +149,8 @@ class ToolChoice:
 
 def _tool(index: int, value: Any) -> tuple[str, dict[str, Any]]:
     where = f"tools[{index}]"
-    if not isinstance(value, dict) or value.get("type") != "function" or not isinstance(value.get("function"), dict):
+    if not isinstance(value, dict) or value.get("type", "function") != "function" \
+            or not isinstance(value.get("function"), dict):  # fmt: skip
         raise ApiError(f"{where}: must be {{'type': 'function', 'function': {{name, description?, parameters?}}}}",
                        "tools")  # fmt: skip
     fn = value["function"]
@@ -187,6 +188,16 @@ def _check_parameters(where: str, schema: dict[str, Any]) -> None:
         raise ApiError(f"{where}{at}: not a JSON schema: {error.message[:200]}", "tools")
 
 
+def _named_choice(choice: Any) -> Optional[str]:
+    """The function a named tool_choice {"type": "function", "function": {"name": N}} forces, None if it is not one.
+    A missing type is "function", as vLLM has it: huggingface_hub's ChatCompletionInputToolChoiceClass (TGI's
+    form) sends none."""
+    if not isinstance(choice, dict) or choice.get("type", "function") != "function":
+        return None
+    function = choice.get("function")
+    return function.get("name") if isinstance(function, dict) else None
+
+
 def shown_tools(tools: Optional[list[Any]]) -> Optional[list[dict[str, Any]]]:
     """The tool definitions a chat template is shown, whatever tool_choice is ("none" too: OpenAI's meaning, vLLM's
     default), checked as a forced choice checks them; None without tools."""
@@ -209,6 +220,7 @@ def tool_choice(tools: Optional[list[Any]], choice: Any, auto: AutoTools = AutoT
         if name in specs:
             raise ApiError(f"tools[{i}].function.name: {name!r} is defined twice", "tools")
         specs[name] = params
+    definitions = [{"type": "function", **value} for value in tools]  # typed for the template, as vLLM's model is
     choice = "auto" if choice is None else choice
     if choice == "none":
         return None
@@ -217,14 +229,13 @@ def tool_choice(tools: Optional[list[Any]], choice: Any, auto: AutoTools = AutoT
             raise ApiError(f"tool_choice: 'auto' (the default when tools are given) is not available: {auto.reason}; "
                            "send 'required', 'none' or {'type': 'function', 'function': {'name': ...}}",
                            "tool_choice")  # fmt: skip
-        return ToolChoice(specs, list(tools), auto=auto.format, parallel=parallel)
+        return ToolChoice(specs, definitions, auto=auto.format, parallel=parallel)
     if choice == "required":
-        return ToolChoice(specs, list(tools), parallel=parallel)
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
-        and isinstance(choice.get("function"), dict) else None  # fmt: skip
+        return ToolChoice(specs, definitions, parallel=parallel)
+    name = _named_choice(choice)
     if name is None:
         raise ApiError(f"tool_choice: must be 'none', 'auto', 'required' or {{'type': 'function', 'function': "
                        f"{{'name': ...}}}}, got {choice!r:.80}", "tool_choice")  # fmt: skip
     if name not in specs:
         raise ApiError(f"tool_choice: no tool named {name!r:.64} in tools", "tool_choice")
-    return ToolChoice(specs, list(tools), named=name, parallel=parallel)
+    return ToolChoice(specs, definitions, named=name, parallel=parallel)
