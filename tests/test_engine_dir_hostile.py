@@ -279,6 +279,12 @@ BROKEN = {
     "hidden_act relu": (_dims(hidden_act="relu"), False, "dims.hidden_act", "one of silu, gelu_tanh"),
     "rope_scaling factor -3": (_dims(rope_scaling={"rope_type": "yarn", "factor": -3}), False,
                                "dims.rope_scaling.factor", "finite positive"),
+    # were: "dims: no step model has these dims (The size of tensor a (3) must match ...)", and loaded as if false
+    # (the C runtime refuses both the same way)
+    "longrope with 3 factors for 8 pairs": (_dims(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 3}),
+                                            False, "dims.rope_scaling.short_factor", "expected 8 finite positive"),
+    "yarn truncate null": (_dims(rope_scaling={"rope_type": "yarn", "factor": 2.0, "truncate": None}), False,
+                           "dims.rope_scaling.truncate", "expected true or false"),
     # were: loaded, then token 0 for ever (embed_scale 0) or every request failed (NaN): a Llama's embeddings are
     # not scaled and its logits not capped
     "embed_scale 0": (_dims(embed_scale=0.0), False, "dims.embed_scale", "scales embeddings by 1"),

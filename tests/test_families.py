@@ -35,6 +35,8 @@ FAMILIES = {
                                        "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
                                        "original_max_position_embeddings": 256},
                       "original_max_position_embeddings": 256},  # Phi3Config's own key wins over rope_scaling's
+    "llama-yarn": {"architecture": "LlamaForCausalLM", "max_position_embeddings": 512,
+                   "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}},
     "mistral-window": {"architecture": "MistralForCausalLM", "sliding_window": WINDOW},
     "qwen2-window": {"architecture": "Qwen2ForCausalLM", "sliding_window": WINDOW, "use_sliding_window": True,
                      "max_window_layers": 1},
@@ -64,6 +66,7 @@ def test_dims_carry_what_makes_the_family(family):
     expected = {"qwen3": dims.qk_norm, "smollm3": dims.nope_layers == (1, 3),
                 "phi3": dims.partial_rotary_factor == 0.5,
                 "phi3-longrope": (dims.rope_scaling or {}).get("original_max_position_embeddings") == 256,
+                "llama-yarn": (dims.rope_scaling or {}).get("rope_type") == "yarn",
                 "mistral-window": dims.layer_windows == (WINDOW,) * 4,
                 "qwen2-window": dims.layer_windows == (0, WINDOW, WINDOW, WINDOW),
                 "gemma2": dims.attn_logit_softcap == 5.0 and dims.layer_windows == (WINDOW, 0, WINDOW, 0),

@@ -202,6 +202,24 @@ def test_step_model_fused_path_equals_torch_path(monkeypatch, overrides, row_isa
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["phi3", "phi3-longrope", "llama-yarn", "gemma2", "gemma3"])
+def test_family_fused_path_equals_torch_path(family):
+    """Other families' features in the fused form (Gemma's (1 + w) norms through the rmsnorm kernel, the norms after
+    attention and around the MLP, GeGLU in float64, partial rotary in torch ops, Gemma 3's local RoPE tables, the
+    attention's scale and soft-cap) compute what the torch form computes."""
+    from test_families import _config
+
+    hf = load_hf(_config(family).model)
+    dims = dims_from_hf_config(hf.config, 256)
+    model = step_model_from_hf(hf.model, dims)
+    fused = _probe_logits(model, dims)
+    assert model.execution_plan.layers == "fused", model.execution_plan
+    model.set_execution_plan(ExecutionPlan("torch", "the test's plain torch path"))
+    plain = _probe_logits(model, dims)
+    for a, b in zip(fused, plain):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_step_model_uses_the_torch_path_for_other_dtypes(monkeypatch):
     hf, dims = _tiny()
     model = step_model_from_hf(hf.model, dims).to(torch.bfloat16)

@@ -179,17 +179,52 @@ def edited_engine(src: Path, dst: Path, edit) -> Path:
     (lambda m: m["dims"].update(rope_theta=1e-308), "invalid_argument", "dims.rope_theta: got 1e-308"),
     (lambda m: m.update(kv_cache={"memory_bytes": 2**50}), "invalid_argument",
      "trtpaged.json: kv_cache.memory_bytes: "),
-    # other families' features: valid engines the Python runtime runs (were "unknown field", invalid_argument)
-    (lambda m: m["dims"].update(partial_rotary_factor=0.5), "unsupported",
-     "dims.partial_rotary_factor: partial rotary embeddings (Phi-3, Phi-4-mini) is not implemented by the C runtime"),
+    # other families' fields, with values no engine has: refused as the Python loader refuses them, naming the field
+    (lambda m: m["dims"].update(partial_rotary_factor=0), "invalid_argument",
+     "dims.partial_rotary_factor: got 0; expected a number in (0, 1] leaving an even number (>= 2) of head_dim 16"),
+    (lambda m: m["dims"].update(partial_rotary_factor=1.5), "invalid_argument", "dims.partial_rotary_factor: got 1.5"),
+    (lambda m: m["dims"].update(partial_rotary_factor=0.1875), "invalid_argument",  # 3 of 16 dims: an odd number
+     "dims.partial_rotary_factor: got 0.1875"),
+    (lambda m: m["dims"].update(hidden_act="relu"), "invalid_argument",
+     "dims.hidden_act: got \"relu\"; one of silu, gelu_tanh"),
+    (lambda m: m["dims"].update(gemma_norms=True), "invalid_argument",
+     "dims.gemma_norms: got true for LlamaForCausalLM; Gemma's norms go with Gemma only"),
+    (lambda m: m["dims"].update(attn_logit_softcap=5.0), "invalid_argument",  # a Llama's scores are not capped
+     "dims.attn_logit_softcap: got 5.0; expected 0 (none) or, for Gemma"),
+    (lambda m: m["dims"].update(architecture="Gemma2ForCausalLM", gemma_norms=True, embed_scale=8.0,
+                                attn_logit_softcap=-5.0), "invalid_argument", "dims.attn_logit_softcap: got -5.0"),
+    (lambda m: m["dims"].update(architecture="Gemma2ForCausalLM", gemma_norms=True, embed_scale=8.0,
+                                final_logit_softcap=1e-50), "invalid_argument",  # 0 as the kernels' float
+     "dims.final_logit_softcap: got 1e-50"),
+    (lambda m: m["dims"].update(architecture="Gemma2ForCausalLM", gemma_norms=True), "invalid_argument",
+     "dims.embed_scale: got 1.0; Gemma2ForCausalLM scales embeddings by 8 (sqrt(hidden_size))"),
+    # NaN is not JSON (the Python loader reads Python's NaN literal, and refuses it naming the field)
+    (lambda m: m["dims"].update(attn_logit_softcap=float("nan")), "invalid_argument", "trtpaged.json: (file): not "
+     "valid JSON"),
+    (lambda m: m["dims"].update(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 3}),
+     "invalid_argument", "dims.rope_scaling.short_factor: got [1.0,1.0,1.0]; expected 8 finite positive numbers"),
+    (lambda m: m["dims"].update(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 7 + [-1.0]}),
+     "invalid_argument", "dims.rope_scaling.short_factor: got [1.0,"),
+    (lambda m: m["dims"].update(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8,
+                                              "long_factor": [2.0] * 9}),
+     "invalid_argument", "dims.rope_scaling.long_factor: got a list of 9 items; expected 8"),
+    (lambda m: m["dims"].update(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8,
+                                              "original_max_position_embeddings": 0.5}),
+     "invalid_argument", "dims.rope_scaling.original_max_position_embeddings: got 0.5; expected a number of positions"),
+    (lambda m: m["dims"].update(rope_scaling={"rope_type": "yarn"}), "invalid_argument",
+     "dims.rope_scaling.factor: missing"),
+    (lambda m: m["dims"].update(rope_scaling={"rope_type": "yarn", "factor": 4.0, "truncate": None}),
+     "invalid_argument", "dims.rope_scaling.truncate: got null; expected true or false"),
+    (lambda m: m["dims"].update(rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": -32}),
+     "invalid_argument", "dims.rope_scaling.beta_fast: got -32"),
+    (lambda m: m["dims"].update(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "unsupported",
+     "dims.rope_scaling.rope_type: got \"dynamic\"; the C runtime supports default, linear, llama3, yarn, longrope"),
     (lambda m: m["dims"].update(nope_layers=[1, 1]), "invalid_argument", "dims.nope_layers: got [1,1]; expected"),
     (lambda m: m["dims"].update(nope_layers=[2]), "invalid_argument", "dims.nope_layers: got [2]; expected"),
     (lambda m: m["dims"].update(qk_norm=1), "invalid_argument", "dims.qk_norm: got 1; expected true or false"),
     (lambda m: m["dims"].update(qk_norm=True), "invalid_argument", "layers.0.self_attn.q_norm.weight"),
     (lambda m: m["dims"].update(layer_windows=[4096]), "invalid_argument", "dims.layer_windows: got [4096]; one window"),
     (lambda m: m["dims"].update(layer_windows=[-1, 0]), "invalid_argument", "dims.layer_windows: got [-1,0]"),
-    (lambda m: m["dims"].update(architecture="Gemma2ForCausalLM", gemma_norms=True), "unsupported",
-     "dims.gemma_norms: Gemma's norms"),
 ])
 def test_open_refuses_bad_engine_dirs(lib, tiny_engine_dir, tmp_path, edit, status, named):
     engine = edited_engine(tiny_engine_dir, tmp_path / "engine", edit)
@@ -218,11 +253,15 @@ def test_a_window_no_sequence_reaches_is_read_as_none(lib, tiny_engine_dir, tmp_
 W4A8 = {"weights": "int4", "group_size": 32, "activations": "int8"}
 
 
-@pytest.mark.parametrize("family, quantization", [("mistral-window", None), ("qwen2-window", None), ("qwen3", None),
-                                                  ("smollm3", None), ("qwen3", W4A8), ("smollm3", W4A8)])
+@pytest.mark.parametrize("family, quantization", [
+    *[(family, None) for family in ("mistral-window", "qwen2-window", "qwen3", "smollm3", "phi3", "phi3-longrope",
+                                    "llama-yarn", "gemma2", "gemma3", "gemma3-attn-cap")],
+    *[(family, W4A8) for family in ("qwen3", "smollm3", "phi3-longrope", "gemma2", "gemma3")],
+])
 def test_family_engines_match_transformers_and_python(lib, tmp_path, family, quantization):
-    """Sliding windows (Mistral's on every layer, Qwen2's on all but the first), Qwen3's q/k norms and SmolLM3's
-    layers without RoPE, on tiny random configs: the C runtime's greedy tokens, three windows past the prompts, are
+    """Sliding windows (Mistral's on every layer, Qwen2's on all but the first), Qwen3's q/k norms, SmolLM3's layers
+    without RoPE, Phi-3's partial rotary (and LongRoPE), yarn, Gemma 2's and 3's norms, GeGLU, scales, soft-caps and
+    local RoPE base, on tiny random configs: the C runtime's greedy tokens, three windows past the prompts, are
     transformers' `generate`'s (float weights), and its prefill logits at every position the Python runner's, whose
     fused form makes the same kernel calls (int8 activations, whose rounding magnifies any last-bit difference,
     included)."""

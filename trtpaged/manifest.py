@@ -377,9 +377,47 @@ def _check_family_values(d: ModelDims, bad: Any) -> None:
     scaling = d.rope_scaling or {}
     for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
         value = scaling.get(key)
-        if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
-                                      and math.isfinite(value) and value > 0):  # fmt: skip
+        if value is not None and not _finite_positive(value):
             raise bad(f"dims.rope_scaling.{key}", f"got {value!r:.40}; expected a finite positive number")
+    kind = str(scaling.get("rope_type", scaling.get("type", "default")))
+    if kind in ("yarn", "longrope"):
+        _check_long_context_rope(scaling, kind, rotary // 2, bad)
+
+
+def _finite_positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _check_long_context_rope(scaling: dict, kind: str, pairs: int, bad: Any) -> None:
+    """yarn's and longrope's own keys: values models/rope.py computes the frequencies from (were tracebacks from the
+    step model: a zero division, a broadcast error); the C runtime checks the same."""
+    original = scaling.get("original_max_position_embeddings")
+    if original is not None and original < 1:
+        raise bad("dims.rope_scaling.original_max_position_embeddings", f"got {original!r:.40}; expected a number of "
+                  "positions >= 1")  # fmt: skip
+    for key in ("attention_factor", "beta_fast", "beta_slow"):
+        value = scaling.get(key)
+        if value is not None and not _finite_positive(value):
+            raise bad(f"dims.rope_scaling.{key}", f"got {value!r:.40}; expected a finite positive number")
+    for key in ("mscale", "mscale_all_dim"):
+        value = scaling.get(key)
+        if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                      and math.isfinite(value)):  # fmt: skip
+            raise bad(f"dims.rope_scaling.{key}", f"got {value!r:.40}; expected a finite number")
+    if kind == "yarn":
+        if scaling.get("factor") is None:
+            raise bad("dims.rope_scaling.factor", "missing; yarn scales the frequencies by it")
+        if "truncate" in scaling and not isinstance(scaling["truncate"], bool):
+            raise bad("dims.rope_scaling.truncate", f"got {scaling['truncate']!r:.40}; expected true or false")
+        return
+    for key in ("short_factor", "long_factor"):  # the long factors are checked, not used (rope.py)
+        factors = scaling.get(key)
+        if key == "long_factor" and key not in scaling:
+            continue
+        if not (isinstance(factors, list) and len(factors) == pairs and all(_finite_positive(f) for f in factors)):
+            shown = f"a list of {len(factors)} items" if isinstance(factors, list) else f"{factors!r:.40}"
+            raise bad(f"dims.rope_scaling.{key}", f"got {shown}; expected {pairs} finite positive numbers, one per "
+                      f"rotated pair of the {2 * pairs} rotary dims")  # fmt: skip
 
 
 def _check_values(m: Manifest, where: str | Path) -> None:

@@ -6,7 +6,7 @@ Three forms compute the same step (tests check they agree):
   layer's linears quantized with packed CPU weights, one rank (a tensor-parallel rank all-reduces
   between the layers' kernels, which one call would skip).
 - `fused`: a Python loop over the layers whose norms, RoPE and SwiGLU are the kernel library's fused
-  CPU ops: float32 on the CPU.
+  CPU ops (and the few element-wise steps of other families, in torch ops): float32 on the CPU.
 - `torch`: plain torch ops (any dtype, any device).
 
 Attention is the kernel library's in all three; the plain torch reference (`trtpaged.reference`) runs
@@ -50,10 +50,10 @@ class ExecutionPlan:
 
 
 def family_features(dims) -> list[str]:
-    """What a model has beyond Llama's layer that the fused CPU ops do not compute (ModelDims fields by name).
-    Sliding windows, Qwen3's q/k norms and SmolLM3's layers without RoPE are not among them: the fused form passes
-    the windows to the attention, norms each head with the rmsnorm kernel and gives a layer without RoPE the tables
-    of no rotation (the C runtime makes the same calls); the one-call runner computes none of the three."""
+    """What a model has beyond Llama's layer (ModelDims fields by name), which the one-call runner does not compute.
+    The fused form runs them, making the C runtime's calls: Gemma's (1 + w) norms through the rmsnorm kernel, its
+    attention scale and soft-cap through the attention's options; partial rotary and tanh GELU in torch ops that the
+    C runtime's loops round alike. (Sliding windows, q/k norms and layers without RoPE: c_layers_blocker.)"""
     plain = {"partial_rotary_factor": 1.0, "hidden_act": "silu", "gemma_norms": False, "embed_scale": 1.0,
              "attention_scale": 0.0, "attn_logit_softcap": 0.0, "final_logit_softcap": 0.0, "local_rope_theta": 0.0}
     return [name for name, value in plain.items() if getattr(dims, name) != value]
@@ -63,9 +63,6 @@ def _fused_blocker(model: "LlamaStepModel") -> str | None:
     """Why the fused CPU ops cannot run this model, or None (its activations have the norms' dtype and device)."""
     from trtpaged import kernels
 
-    features = family_features(model.dims)
-    if features:
-        return f"{', '.join(features)}: the fused CPU ops compute Llama's layer only"
     dtype, device = model.norm.weight.dtype, model.norm.weight.device
     if dtype is not torch.float32:
         return f"dtype {str(dtype).removeprefix('torch.')}: the fused CPU ops are float32"
@@ -87,6 +84,9 @@ def c_layers_blocker(model: "LlamaStepModel") -> str | None:
         return "the kernel library has no one-call layer runner"
     if model.reduce is not None:
         return "a tensor-parallel rank all-reduces between the layers' kernels"
+    features = family_features(model.dims)
+    if features:
+        return f"{', '.join(features)}: the one-call runner computes Llama's layer only"
     if any(model.dims.layer_windows):
         return "sliding-window layers (the one-call runner's attention reads whole sequences)"
     if model.dims.qk_norm or model.dims.nope_layers:

@@ -74,9 +74,13 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * (h if x.dtype == torch.float32 else h.to(x.dtype))
 
+    def kernel_weight(self) -> torch.Tensor:
+        """The weight the rmsnorm kernel scales by: Gemma's (1 + weight), in float32 as its forward computes it."""
+        return 1.0 + self.weight if self.gemma else self.weight
+
     def forward_fused(self, x: torch.Tensor, residual: Optional[torch.Tensor], ops: ModuleType):
         """One kernel call: rmsnorm(x), or (rmsnorm(x + residual), x + residual) written into residual."""
-        return ops.rmsnorm(x, self.weight, self.eps, residual)
+        return ops.rmsnorm(x, self.kernel_weight(), self.eps, residual)
 
 
 class Rotary(nn.Module):
@@ -124,6 +128,7 @@ class PagedSelfAttention(nn.Module):
         self.window, self.softcap = dims.window_of(layer), dims.attn_logit_softcap
         self.options = AttentionOptions(layer, self.scale, self.window, self.softcap)
         self.rope = layer not in dims.nope_layers
+        self.partial_rotary = dims.partial_rotary_factor != 1.0
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         prefix = f"layers.{layer}.self_attn."
         self.qkv_proj = make_linear(prefix + "qkv_proj", dims.hidden_size, self.q_size + 2 * self.kv_size,
@@ -144,16 +149,10 @@ class PagedSelfAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """attend: the step's eager attention (attention_op.eager_attention), or attention_op.Functional
         for the functional op (export)."""
-        q, k, v = project(self.qkv_proj, x, row_invariant).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = q.reshape(-1, self.num_heads, self.head_dim)
-        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
-        v = v.contiguous().view(-1, self.num_kv_heads, self.head_dim)  # the kernel takes dense tensors
+        q, k, v = self._heads(project(self.qkv_proj, x, row_invariant))
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rope:
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        else:
-            q, k = q.contiguous(), k.contiguous()
+        q, k = self._rotate(q, k, cos, sin)
         if isinstance(attend, attention_op.Functional):
             out, kv_cache = torch.ops.trtpaged.paged_attention(
                 q, k, v, kv_cache, *step,
@@ -164,6 +163,19 @@ class PagedSelfAttention(nn.Module):
             out = attend(q, k, v, self.options)
         return self._output(out.reshape(-1, self.num_heads * self.head_dim), row_invariant), kv_cache
 
+    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, heads, D], k and v [T, kv_heads, D] of the fused projection's rows (v dense: the kernel takes it)."""
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        return q, k, v.contiguous().view(-1, self.num_kv_heads, self.head_dim)
+
+    def _rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        if self.rope:
+            return rotate(q, cos, sin), rotate(k, cos, sin)
+        return q.contiguous(), k.contiguous()
+
     def _norm_heads_fused(self, qkv: torch.Tensor, ops: ModuleType) -> None:
         """q_norm and k_norm on qkv's heads in place, each head a row of the rmsnorm kernel (as the C runtime
         calls it, so that both give the same bits)."""
@@ -171,7 +183,7 @@ class PagedSelfAttention(nn.Module):
         for start, size, norm in ((0, self.q_size, self.q_norm), (self.q_size, self.kv_size, self.k_norm)):
             slot = qkv[:, start : start + size]
             heads = slot.reshape(-1, self.head_dim)  # dense: a copy, or with one row a view of qkv
-            ops.rmsnorm(heads, norm.weight, norm.eps, out=heads)
+            ops.rmsnorm(heads, norm.kernel_weight(), norm.eps, out=heads)
             if heads.data_ptr() != slot.data_ptr():  # a copy: written back
                 slot.copy_(heads.view(-1, size))
 
@@ -183,13 +195,19 @@ class PagedSelfAttention(nn.Module):
                       attend: Callable[..., torch.Tensor], ops: ModuleType,
                       row_invariant: bool = False) -> torch.Tensor:  # fmt: skip
         """The eager float32 CPU form of forward: RoPE and the dense q/k/v copies in one kernel call (a layer without
-        RoPE: with the tables of no rotation, cos 1 and sin 0, which copy q and k exactly)."""
+        RoPE: with the tables of no rotation, cos 1 and sin 0, which copy q and k exactly). Partial rotary, which the
+        kernel does not do (it rotates whole heads), takes torch's element-wise ops, each exactly rounded, as the C
+        runtime's loop is."""
         qkv = project(self.qkv_proj, x, row_invariant)
         if self.q_norm is not None and self.k_norm is not None:
             self._norm_heads_fused(qkv, ops)
-        if not self.rope:
-            cos, sin = torch.ones_like(cos), torch.zeros_like(sin)
-        q, k, v = ops.rope_qk(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, dense=True)
+        if self.partial_rotary:
+            q, k, v = self._heads(qkv)
+            q, k = self._rotate(q, k, cos, sin)
+        else:
+            if not self.rope:
+                cos, sin = torch.ones_like(cos), torch.zeros_like(sin)
+            q, k, v = ops.rope_qk(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, dense=True)
         out = attend(q, k, v, self.options)
         return self._output(out.view(-1, self.num_heads * self.head_dim), row_invariant)
 
@@ -215,7 +233,13 @@ class SwiGLU(nn.Module):
         return self._down(gate * up, row_invariant)
 
     def forward_fused(self, x: torch.Tensor, ops: ModuleType, row_invariant: bool = False) -> torch.Tensor:
-        return self._down(ops.silu_mul(project(self.gate_up_proj, x, row_invariant)), row_invariant)
+        gate_up = project(self.gate_up_proj, x, row_invariant)
+        if self.act == "silu":
+            return self._down(ops.silu_mul(gate_up), row_invariant)
+        # tanh GELU computed in float64 and rounded once, as the C runtime computes it: in float32, torch's vectorized
+        # tanh and libm's differ in the last bit now and then, which int8 activations round into other codes
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        return self._down(F.gelu(gate.double(), approximate="tanh").float() * up, row_invariant)
 
     def _down(self, x: torch.Tensor, row_invariant: bool) -> torch.Tensor:
         y = project(self.down_proj, x, row_invariant)
@@ -260,6 +284,11 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm.forward_fused(h, residual, ops)
         attn = self.self_attn.forward_fused(x, cos, sin, attend, ops, row_invariant)
+        if self.pre_feedforward_layernorm is not None and self.post_feedforward_layernorm is not None:  # Gemma
+            attn = self.post_attention_layernorm.forward_fused(attn, None, ops)
+            x, residual = self.pre_feedforward_layernorm.forward_fused(attn, residual, ops)
+            mlp = self.mlp.forward_fused(x, ops, row_invariant)
+            return self.post_feedforward_layernorm.forward_fused(mlp, None, ops), residual
         x, residual = self.post_attention_layernorm.forward_fused(attn, residual, ops)
         return self.mlp.forward_fused(x, ops, row_invariant), residual
 
@@ -355,7 +384,7 @@ class LlamaStepModel(nn.Module):
             h, residual = self._layer_runner(h, cos, sin, attend, row_invariant), h
         else:
             for layer in self.layers:
-                h, residual = layer.forward_fused(h, residual, cos, sin, attend, ops, row_invariant)
+                h, residual = layer.forward_fused(h, residual, *tables[layer.rope_table], attend, ops, row_invariant)
         rows = logits_index.long()
         if residual is None:  # no layers
             h = self.norm.forward_fused(h.index_select(0, rows), None, ops)

@@ -33,10 +33,7 @@ def inv_frequencies(head_dim: int, rope_theta: float, rope_scaling: Optional[dic
     """Returns (inv_freq [head_dim // 2] float32, attention scaling of cos/sin); head_dim here is the
     rotary dims (head_dim * partial_rotary_factor)."""
     kind = rope_type(rope_scaling)
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=_HOST).to(torch.float) / head_dim
-    # the power correctly rounded to float32, as the C runtime's libm gives it (torch's float32 pow: 1 ulp off now
-    # and then), then the float32 division both take
-    inv_freq = 1.0 / (rope_theta ** exponents.double()).float()
+    inv_freq = 1.0 / _powers(head_dim, rope_theta)  # the float32 division the C runtime takes too
     if kind == "default":
         return inv_freq, 1.0
     params = dict(rope_scaling or {})
@@ -55,6 +52,13 @@ def inv_frequencies(head_dim: int, rope_theta: float, rope_scaling: Optional[dic
     if not bool(torch.isfinite(scaled[0]).all()) or not math.isfinite(scaled[1]):
         raise ValueError(f"rope_scaling: {params!r:.120} gives non-finite rotary frequencies")
     return scaled
+
+
+def _powers(dim: int, base: float) -> torch.Tensor:
+    """base ** (2i / dim) for i < dim / 2: the exponents in float32, the power correctly rounded to float32, as the C
+    runtime's libm gives it (torch's float32 pow: 1 ulp off now and then)."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=_HOST).to(torch.float) / dim
+    return (base ** exponents.double()).float()
 
 
 def _llama3(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
@@ -79,8 +83,7 @@ def _longrope(dim: int, base: float, p: dict, max_position_embeddings: int) -> t
     if scaling is None:
         scaling = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     short = torch.tensor(p["short_factor"], dtype=torch.float32, device=_HOST)
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=_HOST).float() / dim
-    return 1.0 / (short * base**exponents), float(scaling)
+    return 1.0 / (short * _powers(dim, base)), float(scaling)
 
 
 def _yarn(dim: int, base: float, p: dict, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
@@ -105,7 +108,7 @@ def _yarn(dim: int, base: float, p: dict, max_position_embeddings: int) -> tuple
     if p.get("truncate", True):
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
-    pos_freqs = base ** (torch.arange(0, dim, 2, device=_HOST).float() / dim)
+    pos_freqs = _powers(dim, base)
     extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
     ramp = (torch.arange(dim // 2, dtype=torch.float32, device=_HOST) - low) / ((high - low) if high != low else 0.001)
     extrapolation_factor = 1 - ramp.clamp(0, 1)

@@ -62,9 +62,9 @@ TRTPAGED_API void trtpaged_open_options_init(trtpaged_open_options* options);
  * inside the dir (no absolute paths, no "..", no symlink out). The weights' safetensors header is
  * checked against the file size and the model's tensors before anything is allocated; float
  * weights are checked for NaN/inf. File hashes are not checked (trtpaged inspect --verify does).
- * Llama, Mistral and Qwen2 engines (sliding windows included), Qwen3's (q/k norms) and SmolLM3's (layers
- * without RoPE) run; another family's feature (partial rotary, Gemma's norms and soft-caps, LongRoPE, ...) is
- * TRTPAGED_ERR_UNSUPPORTED naming its manifest field (docs/embedding.md).
+ * Every family trtpaged builds runs (Llama, Mistral, Qwen2/3, SmolLM3, Phi-3, Gemma 2/3: sliding windows, q/k
+ * norms, partial rotary, yarn and LongRoPE, Gemma's norms, scales and soft-caps); a rope type other than those
+ * is TRTPAGED_ERR_UNSUPPORTED naming its manifest field (docs/embedding.md).
  * options may be NULL (defaults). On success *out is a new handle; on failure *out is NULL. */
 TRTPAGED_API trtpaged_status trtpaged_runtime_open(const char* engine_dir, const trtpaged_open_options* options,
                                                    trtpaged_runtime** out);

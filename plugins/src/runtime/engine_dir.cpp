@@ -12,7 +12,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <set>
 #include <utility>
 
 #include <nlohmann/json.hpp>
@@ -37,7 +36,6 @@ const std::map<std::string, int> kSafetensorsDtypeBytes = {
 // name -> (element bytes, scale bytes) of the KV formats (trtpaged/kv_formats.py)
 const std::map<std::string, std::pair<int, int>> kKvFormats = {
     {"float32", {4, 0}}, {"float16", {2, 0}}, {"bfloat16", {2, 0}}, {"int8", {1, 2}}, {"fp8_e4m3", {1, 2}}};
-const std::set<std::string> kArchitectures = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"};
 
 // Manifests and safetensors headers nest 3 or 4 levels; nlohmann's dump, copy and comparison recurse, so a value
 // nested 100,000 deep would overflow the stack (in an error message, at that).
@@ -99,6 +97,7 @@ class Fields {
         bad(it.key(), "unknown field");
     }
   }
+  bool has(const char* name) const { return obj_.contains(name); }
   const json* get(const char* name, bool required) const {
     auto it = obj_.find(name);
     if (it == obj_.end() || (it->is_null() && !required)) {
@@ -136,6 +135,13 @@ class Fields {
     if (!(std::isfinite(f) && f > 0))
       bad(name, "got " + show(obj_.at(name)) + "; expected a positive number, finite and not 0 in float32 (the "
                 "kernels' type)");
+    return x;
+  }
+  // a finite positive number, or fallback where the field is absent or null (rope.py's `p.get(name) or fallback`)
+  double positive_or(const char* name, double fallback) const { return get(name, false) ? positive(name) : fallback; }
+  double finite_or(const char* name, double fallback) const {
+    const double x = number(name, false, fallback);
+    if (!std::isfinite(x)) bad(name, "got " + show(obj_.at(name)) + "; expected a finite number");
     return x;
   }
   bool boolean(const char* name, bool fallback) const {
@@ -185,6 +191,48 @@ std::string read_small_file(const std::string& path, int64_t limit, const std::s
   return text;
 }
 
+// longrope's factors: one finite positive number per rotated pair (as rope.py divides the frequencies by them)
+std::vector<double> read_rope_factors(const Fields& r, const char* name, int64_t pairs) {
+  const json* list = r.get(name, true);
+  auto finite_positive = [](const json& f) {
+    return f.is_number() && std::isfinite(f.get<double>()) && f.get<double>() > 0;
+  };
+  if (!list->is_array() || int64_t(list->size()) != pairs || !std::all_of(list->begin(), list->end(), finite_positive))
+    r.bad(name, "got " + show(*list) + "; expected " + std::to_string(pairs) + " finite positive numbers, one per "
+                "rotated pair of the " + std::to_string(2 * pairs) + " rotary dims");
+  return list->get<std::vector<double>>();
+}
+
+// yarn's and longrope's keys, with the defaults trtpaged/models/rope.py takes where one is absent
+void read_long_context_rope(const Fields& r, Manifest& m) {
+  RopeScaling& s = m.rope;
+  s.original_max_position_embeddings = r.positive_or("original_max_position_embeddings",
+                                                     double(m.max_position_embeddings));
+  if (s.original_max_position_embeddings < 1)
+    r.bad("original_max_position_embeddings", "got " + show(*r.get("original_max_position_embeddings", true)) +
+                                                   "; expected a number of positions >= 1");
+  s.original_max_position_embeddings = std::floor(s.original_max_position_embeddings);  // rope.py takes int()
+  s.attention_factor = r.positive_or("attention_factor", 0);
+  if (s.type == "yarn") {
+    s.factor = r.positive("factor");
+    s.beta_fast = r.positive_or("beta_fast", 32);
+    s.beta_slow = r.positive_or("beta_slow", 1);
+    s.mscale = r.finite_or("mscale", 0);
+    s.mscale_all_dim = r.finite_or("mscale_all_dim", 0);
+    if (r.has("truncate") && !r.get("truncate", true)->is_boolean())  // null too: rope.py reads it as false
+      r.bad("truncate", "got " + show(*r.get("truncate", true)) + "; expected true or false");
+    s.truncate = r.boolean("truncate", true);
+    return;
+  }
+  s.factor = r.positive_or("factor", double(m.max_position_embeddings) / s.original_max_position_embeddings);
+  const int64_t pairs = m.rotary_dim() / 2;
+  s.short_factor = read_rope_factors(r, "short_factor", pairs);
+  // the long factors are checked, not used: the build refuses a max_seq_len past the original length, where
+  // transformers would switch to them
+  if (r.has("long_factor")) read_rope_factors(r, "long_factor", pairs);
+}
+
+// dims.rope_scaling (after the rotary dims, which longrope's factors are counted against)
 void read_rope_scaling(const json& value, Manifest& m, const std::string& where) {
   if (value.is_null()) return;
   if (!value.is_object()) invalid(where + ": dims.rope_scaling: got " + show(value) + "; expected an object or null");
@@ -201,9 +249,11 @@ void read_rope_scaling(const json& value, Manifest& m, const std::string& where)
     m.rope.original_max_position_embeddings = r.positive("original_max_position_embeddings");
     if (m.rope.high_freq_factor == m.rope.low_freq_factor)
       r.bad("high_freq_factor", "equals low_freq_factor (the blend divides by their difference)");
+  } else if (m.rope.type == "yarn" || m.rope.type == "longrope") {
+    read_long_context_rope(r, m);
   } else if (m.rope.type != "default") {
     raise(TRTPAGED_ERR_UNSUPPORTED, where + ": dims.rope_scaling.rope_type: got " + show(*kind) +
-                                        "; the C runtime supports default, linear, llama3");
+                                        "; the C runtime supports default, linear, llama3, yarn, longrope");
   }
 }
 
@@ -225,24 +275,41 @@ bool windows_reach_no_sequence(const json& dims, int64_t max_seq_len, const std:
   });
 }
 
-// The manifest writes a family field only where it differs from Llama's: each one present other than the sliding
-// windows, the q/k norms and the layers without RoPE (read by read_manifest) is a feature of another family that
-// this runtime does not implement (the Python runtime does), so it is refused as unsupported, naming it.
-void refuse_family_features(const json& dims, const std::string& where) {
-  static const std::pair<const char*, const char*> kFeatures[] = {
-      {"partial_rotary_factor", "partial rotary embeddings (Phi-3, Phi-4-mini)"},
-      {"hidden_act", "an MLP activation other than SiLU"},
-      {"gemma_norms", "Gemma's norms"},
-      {"embed_scale", "scaled embeddings (Gemma)"},
-      {"attention_scale", "an attention scale other than 1/sqrt(head_dim) (Gemma)"},
-      {"attn_logit_softcap", "attention logit soft-capping (Gemma 2)"},
-      {"final_logit_softcap", "final logit soft-capping (Gemma)"},
-      {"local_rope_theta", "a RoPE base of its own for windowed layers (Gemma 3)"},
-  };
-  for (const auto& [field, feature] : kFeatures) {
-    if (!dims.contains(field)) continue;
-    raise(TRTPAGED_ERR_UNSUPPORTED, where + ": dims." + field + ": " + feature + " is not implemented by the C "
-                                        "runtime; the Python runtime (trtpaged serve, LLM) runs this engine");
+// The fields of the families beyond Llama's (written only where they differ from Llama's), checked as
+// trtpaged/manifest.py checks them: values the step model can run.
+void read_family_fields(const Fields& dims, Manifest& m) {
+  m.partial_rotary_factor = dims.number("partial_rotary_factor", false, 1);
+  const bool in_range = m.partial_rotary_factor > 0 && m.partial_rotary_factor <= 1;  // then rotary_dim() is too
+  if (!in_range || m.rotary_dim() < 2 || m.rotary_dim() % 2)
+    dims.bad("partial_rotary_factor", "got " + show(*dims.get("partial_rotary_factor", true)) + "; expected a number "
+             "in (0, 1] leaving an even number (>= 2) of head_dim " + std::to_string(m.head_dim) + "'s dims rotated");
+  m.hidden_act = dims.string("hidden_act", false, "silu");
+  if (m.hidden_act != "silu" && m.hidden_act != "gelu_tanh")
+    dims.bad("hidden_act", "got " + show(*dims.get("hidden_act", true)) + "; one of silu, gelu_tanh");
+  const bool gemma = m.architecture.rfind("Gemma", 0) == 0;
+  m.gemma_norms = dims.boolean("gemma_norms", false);
+  if (m.gemma_norms != gemma)
+    dims.bad("gemma_norms", std::string("got ") + (m.gemma_norms ? "true" : "false") + " for " +
+                                m.architecture.substr(0, 60) + "; Gemma's norms go with Gemma only");
+  // Gemma's embeddings are scaled by sqrt(hidden_size) (transformers computes it); other families' are not
+  const double scale = gemma ? std::sqrt(double(m.hidden_size)) : 1.0;
+  m.embed_scale = dims.number("embed_scale", false, 1);
+  if (!(std::fabs(m.embed_scale - scale) <= 1e-6 * std::max(std::fabs(m.embed_scale), scale))) {
+    char expected[32];
+    std::snprintf(expected, sizeof expected, "%g", scale);
+    const std::string got = show(dims.has("embed_scale") ? *dims.get("embed_scale", true) : json(m.embed_scale));
+    dims.bad("embed_scale", "got " + got + "; " + m.architecture.substr(0, 60) + " scales embeddings by " + expected +
+                                (gemma ? " (sqrt(hidden_size))" : ""));
+  }
+  for (auto [name, value] : {std::pair{"attention_scale", &m.attention_scale},
+                             std::pair{"attn_logit_softcap", &m.attn_logit_softcap},
+                             std::pair{"final_logit_softcap", &m.final_logit_softcap},
+                             std::pair{"local_rope_theta", &m.local_rope_theta}}) {
+    *value = dims.number(name, false, 0);
+    if (*value != 0 && !(gemma && std::isfinite(*value) && *value > 0 && std::isfinite(float(*value)) &&
+                         float(*value) > 0))
+      dims.bad(name, "got " + show(*dims.get(name, true)) + "; expected 0 (none) or, for Gemma, a positive number, "
+                     "finite and not 0 in float32");
   }
 }
 
@@ -282,6 +349,11 @@ json renamed(const json& obj, const std::string& prefix, const std::string& wher
 }
 
 }  // namespace
+
+bool Manifest::has_family_features() const {
+  return partial_rotary_factor != 1 || hidden_act != "silu" || gemma_norms || embed_scale != 1 ||
+         attention_scale != 0 || attn_logit_softcap != 0 || final_logit_softcap != 0 || local_rope_theta != 0;
+}
 
 int64_t Manifest::kv_row_bytes() const {
   const auto& fmt = kKvFormats.at(kv_cache_dtype);
@@ -366,21 +438,25 @@ Manifest read_manifest(const std::string& root) {
   }
 
   Fields dims(top.object("dims"), "dims.", where);
-  refuse_family_features(top.object("dims"), where);
+  std::vector<int64_t> windows;  // as written: Gemma 3's windowed layers take the local RoPE, reached or not
   {
     const json& limits_obj = top.object("limits");
     const json* seq = limits_obj.contains("max_seq_len") ? &limits_obj["max_seq_len"] : nullptr;
     // an unreadable max_seq_len reaches no window here; its own check below names it
     const json& dims_obj = top.object("dims");
-    if (dims_obj.contains("layer_windows") &&
-        !windows_reach_no_sequence(dims_obj, seq && seq->is_number_integer() ? seq->get<int64_t>() : INT64_MAX,
-                                   where))
-      for (const json& w : dims_obj["layer_windows"]) m.layer_windows.push_back(w.get<int64_t>());
+    if (dims_obj.contains("layer_windows")) {
+      const bool none_reached = windows_reach_no_sequence(
+          dims_obj, seq && seq->is_number_integer() ? seq->get<int64_t>() : INT64_MAX, where);
+      for (const json& w : dims_obj["layer_windows"]) windows.push_back(w.get<int64_t>());
+      if (!none_reached) m.layer_windows = windows;
+    }
   }
   dims.only({"layer_windows", "qk_norm", "nope_layers", "architecture", "num_layers", "hidden_size",
              "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
              "vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings",
-             "tie_word_embeddings", "attention_bias", "o_proj_bias", "mlp_bias"});
+             "tie_word_embeddings", "attention_bias", "o_proj_bias", "mlp_bias", "partial_rotary_factor",
+             "hidden_act", "gemma_norms", "embed_scale", "attention_scale", "attn_logit_softcap",
+             "final_logit_softcap", "local_rope_theta"});
   m.architecture = dims.string("architecture");
   m.num_layers = dims.integer("num_layers", 1, 1024);
   m.hidden_size = dims.integer("hidden_size", 1, 1 << 16);
@@ -411,6 +487,9 @@ Manifest read_manifest(const std::string& root) {
   if (m.num_heads % m.num_kv_heads)
     dims.bad("num_kv_heads",
              std::to_string(m.num_kv_heads) + " does not divide num_heads " + std::to_string(m.num_heads));
+  read_family_fields(dims, m);
+  for (size_t i = 0; m.local_rope_theta != 0 && i < windows.size(); ++i)
+    if (windows[i]) m.local_rope_layers.push_back(int64_t(i));
   read_rope_scaling(top.object("dims").value("rope_scaling", json()), m, where);
 
   Fields limits(top.object("limits"), "limits.", where);

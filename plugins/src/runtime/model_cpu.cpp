@@ -126,6 +126,50 @@ Linear load_linear(WeightFile& w, const Manifest& m, const std::string& module, 
   return l;
 }
 
+// A norm's weight; Gemma's RMSNorm scales by (1 + w), computed in float32 as transformers computes it.
+std::vector<float> load_norm(WeightFile& w, const std::string& name, int64_t size, bool gemma) {
+  std::vector<float> weight = w.read<float>(name, "F32", {size});
+  if (gemma)
+    for (float& x : weight) x = 1.0f + x;
+  return weight;
+}
+
+// The rotary table of a RoPE base and scaling over the rotated dims, refused (naming the fields) where its
+// frequencies are not finite in float32: every position's angle, and so every logit, would be NaN.
+RotaryTable rotary_table(const Manifest& m, double theta, const RopeScaling& scaling, const std::string& field,
+                         const std::string& manifest_where) {
+  RotaryTable table;
+  table.frequencies = rotary_frequencies(m.rotary_dim(), theta, scaling);
+  if (table.frequencies.finite()) return table;
+  // as rope.py refuses: a factor finite as a double may not be as a float (1e-300 -> 0, then inv = inf)
+  char theta_text[32], factor[32];
+  std::snprintf(theta_text, sizeof theta_text, "%g", theta);
+  std::snprintf(factor, sizeof factor, "%g", scaling.factor);
+  invalid(manifest_where +
+          (scaling.type != "default" ? "dims." + field + " / dims.rope_scaling: " + field + " " + theta_text +
+                                           " with factor " + factor
+                                     : "dims." + field + ": " + theta_text) +
+          " gives non-finite rotary frequencies in float32");
+}
+
+// Rotate-half RoPE of one head in torch's operations (models/rope.py: rotate): the first rot dims rotate, the
+// rest pass through (partial rotary).
+void rotate_head(const float* x, int64_t d, int64_t rot, const float* c, const float* s, float* y) {
+  const int64_t half = rot / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    y[i] = x[i] * c[i] - x[i + half] * s[i];
+    y[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
+  }
+  std::copy(x + rot, x + d, y + rot);
+}
+
+// tanh GELU by ATen's formula in float64, rounded once, as models/llama.py (SwiGLU.forward_fused) computes it: the
+// two tanh implementations agree once rounded to float32, where in float32 they differ in the last bit now and then
+float gelu_tanh(float x) {
+  const double g = x, beta = M_SQRT2 * M_2_SQRTPI * 0.5, kappa = 0.044715;
+  return float(0.5 * g * (1 + std::tanh(beta * (g + kappa * (g * g * g)))));
+}
+
 }  // namespace
 
 void Linear::run(const float* x, int64_t m, float* y) const {
@@ -175,7 +219,7 @@ CpuModel::CpuModel(const Manifest& manifest, const std::string& weights_path, co
                                                           {"fp8_e4m3", TRTPAGED_FP8_E4M3}};
   kv_cache_dtype_ = kv_codes.at(m_.kv_cache_dtype);
   eps_ = float(m_.rms_norm_eps);
-  scale_ = float(std::pow(double(m_.head_dim), -0.5));
+  scale_ = float(m_.attention_scale != 0 ? m_.attention_scale : std::pow(double(m_.head_dim), -0.5));
   WeightFile w(weights_path);
   const int64_t h = m_.hidden_size, q_size = m_.num_heads * m_.head_dim, kv_size = m_.num_kv_heads * m_.head_dim;
   auto embed = m_.quant_modules.find("embed_tokens");
@@ -190,23 +234,29 @@ CpuModel::CpuModel(const Manifest& manifest, const std::string& weights_path, co
     embed_scales_ = w.read<float>("embed_tokens.head.scales", "F32", {m_.vocab_size, h / embed_group_});
   }
   layers_.resize(size_t(m_.num_layers));
+  const bool gemma = m_.gemma_norms;
   for (int64_t i = 0; i < m_.num_layers; ++i) {
     const std::string p = "layers." + std::to_string(i) + ".";
     Layer& l = layers_[size_t(i)];
-    l.input_norm = w.read<float>(p + "input_layernorm.weight", "F32", {h});
-    l.post_attention_norm = w.read<float>(p + "post_attention_layernorm.weight", "F32", {h});
+    l.input_norm = load_norm(w, p + "input_layernorm.weight", h, gemma);
+    l.post_attention_norm = load_norm(w, p + "post_attention_layernorm.weight", h, gemma);
+    if (gemma) {
+      l.pre_feedforward_norm = load_norm(w, p + "pre_feedforward_layernorm.weight", h, gemma);
+      l.post_feedforward_norm = load_norm(w, p + "post_feedforward_layernorm.weight", h, gemma);
+    }
     if (m_.qk_norm) {
-      l.q_norm = w.read<float>(p + "self_attn.q_norm.weight", "F32", {m_.head_dim});
-      l.k_norm = w.read<float>(p + "self_attn.k_norm.weight", "F32", {m_.head_dim});
+      l.q_norm = load_norm(w, p + "self_attn.q_norm.weight", m_.head_dim, gemma);
+      l.k_norm = load_norm(w, p + "self_attn.k_norm.weight", m_.head_dim, gemma);
     }
     if (!m_.layer_windows.empty()) l.window = int32_t(std::min<int64_t>(m_.layer_windows[size_t(i)], INT32_MAX));
     l.rope = std::find(m_.nope_layers.begin(), m_.nope_layers.end(), i) == m_.nope_layers.end();
+    l.local_rope = std::count(m_.local_rope_layers.begin(), m_.local_rope_layers.end(), i) != 0;
     l.qkv = load_linear(w, m_, p + "self_attn.qkv_proj", h, q_size + 2 * kv_size, m_.attention_bias);
     l.o = load_linear(w, m_, p + "self_attn.o_proj", q_size, h, m_.o_proj_bias);
     l.gate_up = load_linear(w, m_, p + "mlp.gate_up_proj", h, 2 * m_.intermediate_size, m_.mlp_bias);
     l.down = load_linear(w, m_, p + "mlp.down_proj", m_.intermediate_size, h, m_.mlp_bias);
   }
-  final_norm_ = w.read<float>("norm.weight", "F32", {h});
+  final_norm_ = load_norm(w, "norm.weight", h, gemma);
   if (!m_.tie_word_embeddings) {
     head_ = load_linear(w, m_, "lm_head", h, m_.vocab_size, false);
   } else if (embed_group_) {  // the tied head is the int8 embedding's rows as a quantized linear
@@ -231,9 +281,10 @@ CpuModel::CpuModel(const Manifest& manifest, const std::string& weights_path, co
   }
   w.check_all_used();
   // as the Python model decides its execution plan: every layer's linears quantized -> one call, unless a layer
-  // has a window or q/k norms (the one-call runner's attention reads whole sequences and it has no q/k norms)
+  // has a window or q/k norms (the one-call runner's attention reads whole sequences and it has no q/k norms), or
+  // the model another family's features (it computes Llama's layer)
   quantized_ = !m_.quant_modules.empty();
-  one_call_ = m_.layer_windows.empty() && !m_.qk_norm && m_.nope_layers.empty() &&
+  one_call_ = !m_.has_family_features() && m_.layer_windows.empty() && !m_.qk_norm && m_.nope_layers.empty() &&
               std::all_of(layers_.begin(), layers_.end(), [](const Layer& l) {
                 return l.qkv.quantized && l.o.quantized && l.gate_up.quantized && l.down.quantized;
               });
@@ -241,37 +292,9 @@ CpuModel::CpuModel(const Manifest& manifest, const std::string& weights_path, co
     for (const Layer& l : layers_)
       described_.push_back({l.input_norm.data(), l.post_attention_norm.data(), l.qkv.described(), l.o.described(),
                             l.gate_up.described(), l.down.described()});
-  // inverse frequencies as trtpaged/models/rope.py computes them in float32
-  const int64_t d = m_.head_dim;
-  for (int64_t i = 0; i < d / 2; ++i) {
-    float e = float(2 * i) / float(d);
-    float p = float(std::pow(m_.rope_theta, double(e)));
-    float inv = 1.0f / p;
-    if (m_.rope.type == "linear") inv = inv / float(m_.rope.factor);
-    if (m_.rope.type == "llama3") {
-      const float factor = float(m_.rope.factor), low = float(m_.rope.low_freq_factor),
-                  high = float(m_.rope.high_freq_factor), old_len = float(m_.rope.original_max_position_embeddings);
-      const float low_wavelen = old_len / low, high_wavelen = old_len / high;
-      const float wavelen = float(2 * M_PI) / inv;
-      float scaled = wavelen > low_wavelen ? inv / factor : inv;
-      float smooth = (old_len / wavelen - low) / (high - low);
-      float blended = (1 - smooth) * scaled / factor + smooth * scaled;
-      inv = (!(wavelen < high_wavelen) && !(wavelen > low_wavelen)) ? blended : scaled;
-    }
-    // as rope.py refuses: a factor finite as a double may not be as a float (1e-300 -> 0, then inv = inf), and a
-    // non-finite frequency makes every position's angle, and so every logit, NaN
-    if (!std::isfinite(inv)) {
-      char theta[32], factor[32];
-      std::snprintf(theta, sizeof theta, "%g", m_.rope_theta);
-      std::snprintf(factor, sizeof factor, "%g", m_.rope.factor);
-      const bool scaled = m_.rope.type == "linear" || m_.rope.type == "llama3";
-      invalid(manifest_where + (scaled ? "dims.rope_theta / dims.rope_scaling: rope_theta " + std::string(theta) +
-                                             " with factor " + factor
-                                       : "dims.rope_theta: " + std::string(theta)) +
-              " gives non-finite rotary frequencies in float32");
-    }
-    inv_freq_.push_back(inv);
-  }
+  rope_ = rotary_table(m_, m_.rope_theta, m_.rope, "rope_theta", manifest_where);
+  if (!m_.local_rope_layers.empty())  // Gemma 3's local layers: the default RoPE on their own base
+    local_rope_ = rotary_table(m_, m_.local_rope_theta, RopeScaling{}, "local_rope_theta", manifest_where);
 }
 
 void CpuModel::embed(const int32_t* ids, int32_t rows, float* out) const {
@@ -286,25 +309,19 @@ void CpuModel::embed(const int32_t* ids, int32_t rows, float* out) const {
     const float* s = embed_scales_.data() + int64_t(ids[t]) * (h / embed_group_);
     for (int64_t j = 0; j < h; ++j) o[j] = float(c[j]) * s[j / embed_group_];
   }
+  if (m_.embed_scale == 1) return;
+  const float scale = float(m_.embed_scale);  // Gemma's normalizer, rounded to float32 as transformers rounds it
+  for (int64_t i = 0; i < rows * h; ++i) out[i] *= scale;
 }
 
-void CpuModel::rotary(const int32_t* positions, int32_t rows) {
-  const int64_t d = m_.head_dim, half = d / 2;
-  cos_.resize(size_t(rows * d));
-  sin_.resize(size_t(rows * d));
-  for (int32_t t = 0; t < rows; ++t) {
-    const float p = float(positions[t]);
-    for (int64_t i = 0; i < half; ++i) {
-      const float f = p * inv_freq_[size_t(i)];
-      const float c = float(std::cos(double(f))), s = float(std::sin(double(f)));
-      cos_[size_t(t * d + i)] = cos_[size_t(t * d + i + half)] = c;
-      sin_[size_t(t * d + i)] = sin_[size_t(t * d + i + half)] = s;
-    }
-  }
+void CpuModel::norm(const float* x, float* residual, const std::vector<float>& weight, int64_t rows,
+                    float* out) const {
+  check_kernel(trtpaged_rmsnorm_cpu(x, residual, weight.data(), eps_, rows, m_.hidden_size, out, residual),
+               "rmsnorm");
 }
 
-void CpuModel::layers_fused(float* stream, float* last, const trtpaged_attention_params& attn, void* pool,
-                            const StepView& s) {
+void CpuModel::layers(float* stream, float* last, const trtpaged_attention_params& attn, void* pool,
+                      const StepView& s) {
   const int64_t rows = s.num_tokens, h = m_.hidden_size, inter = m_.intermediate_size;
   const int64_t q_size = m_.num_heads * m_.head_dim, kv_size = m_.num_kv_heads * m_.head_dim;
   x_.resize(size_t(rows * h));
@@ -324,29 +341,64 @@ void CpuModel::layers_fused(float* stream, float* last, const trtpaged_attention
   for (size_t i = 0; i < layers_.size(); ++i) {
     const Layer& l = layers_[i];
     p.layer = int32_t(i);
-    const trtpaged_attention_options options{l.window, 0.0f};
-    if (i == 0)
-      check_kernel(trtpaged_rmsnorm_cpu(stream, nullptr, l.input_norm.data(), eps_, rows, h, x_.data(), nullptr),
-                   "rmsnorm");
-    else
-      check_kernel(trtpaged_rmsnorm_cpu(last, stream, l.input_norm.data(), eps_, rows, h, x_.data(), stream),
-                   "rmsnorm");
+    const trtpaged_attention_options options{l.window, float(m_.attn_logit_softcap)};
+    norm(i == 0 ? stream : last, i == 0 ? nullptr : stream, l.input_norm, rows, x_.data());
     l.qkv.run(x_.data(), rows, qkv_.data());
     if (!l.q_norm.empty()) norm_heads(qkv_.data(), rows, l);
-    check_kernel(trtpaged_rope_qk_cpu(qkv_.data(), rows, int32_t(m_.num_heads), int32_t(m_.num_kv_heads),
-                                      int32_t(m_.head_dim), l.rope ? cos_.data() : ones_.data(),
-                                      l.rope ? sin_.data() : zeros_.data(), q_.data(), k_.data(), v_.data()),
-                 "rope_qk");
+    rotate(l, rows);
     check_kernel(trtpaged_paged_attention_ex_cpu(&p, &options, q_.data(), k_.data(), v_.data(), pool, s.positions,
                                                  s.query_start, s.context_lens, s.block_tables, attn_.data()),
                  "paged_attention");
     l.o.run(attn_.data(), rows, o_.data());
-    check_kernel(
-        trtpaged_rmsnorm_cpu(o_.data(), stream, l.post_attention_norm.data(), eps_, rows, h, x_.data(), stream),
-        "rmsnorm");
+    if (l.post_feedforward_norm.empty()) {
+      norm(o_.data(), stream, l.post_attention_norm, rows, x_.data());
+    } else {  // Gemma: the attention's output normed before it is added; the MLP's input by a norm of its own
+      norm(o_.data(), nullptr, l.post_attention_norm, rows, o_.data());
+      norm(o_.data(), stream, l.pre_feedforward_norm, rows, x_.data());
+    }
     l.gate_up.run(x_.data(), rows, gate_up_.data());
-    check_kernel(trtpaged_silu_mul_cpu(gate_up_.data(), rows, inter, act_.data()), "silu_mul");
+    gated_activation(rows);
     l.down.run(act_.data(), rows, last);
+    if (!l.post_feedforward_norm.empty()) norm(last, nullptr, l.post_feedforward_norm, rows, last);
+  }
+}
+
+// q and k rotated (and v copied) densely out of the qkv rows: through the rope kernel (a layer without RoPE: with
+// the tables of no rotation), or, for partial rotary, which the kernel does not do, in torch's operations.
+void CpuModel::rotate(const Layer& l, int64_t rows) {
+  const RotaryTable& table = l.local_rope ? local_rope_ : rope_;
+  const int64_t d = m_.head_dim, q_size = m_.num_heads * d, kv_size = m_.num_kv_heads * d;
+  if (m_.partial_rotary_factor == 1) {
+    check_kernel(trtpaged_rope_qk_cpu(qkv_.data(), rows, int32_t(m_.num_heads), int32_t(m_.num_kv_heads), int32_t(d),
+                                      l.rope ? table.cos.data() : ones_.data(),
+                                      l.rope ? table.sin.data() : zeros_.data(), q_.data(), k_.data(), v_.data()),
+                 "rope_qk");
+    return;
+  }
+  const int64_t rot = l.rope ? table.dim() : 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = qkv_.data() + r * (q_size + 2 * kv_size);
+    const float* c = table.cos.data() + r * rot;
+    const float* sn = table.sin.data() + r * rot;
+    for (int64_t head = 0; head < m_.num_heads; ++head)
+      rotate_head(row + head * d, d, rot, c, sn, q_.data() + r * q_size + head * d);
+    for (int64_t head = 0; head < m_.num_kv_heads; ++head)
+      rotate_head(row + q_size + head * d, d, rot, c, sn, k_.data() + r * kv_size + head * d);
+    std::copy(row + q_size + kv_size, row + q_size + 2 * kv_size, v_.data() + r * kv_size);
+  }
+}
+
+// act(gate) * up from the gate_up rows: the SiLU kernel, or Gemma's tanh GELU.
+void CpuModel::gated_activation(int64_t rows) {
+  const int64_t n = m_.intermediate_size;
+  if (m_.hidden_act == "silu") {
+    check_kernel(trtpaged_silu_mul_cpu(gate_up_.data(), rows, n, act_.data()), "silu_mul");
+    return;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* gate = gate_up_.data() + r * 2 * n;
+    const float* up = gate + n;
+    for (int64_t i = 0; i < n; ++i) act_[size_t(r * n + i)] = gelu_tanh(gate[i]) * up[i];
   }
 }
 
@@ -374,7 +426,8 @@ void CpuModel::step(const StepView& s, void* pool, int32_t num_kv_blocks, float*
   stream_.resize(size_t(rows * h));
   last_.resize(size_t(rows * h));
   embed(s.input_ids, s.num_tokens, stream_.data());
-  rotary(s.positions, s.num_tokens);
+  rope_.fill(s.positions, s.num_tokens);
+  if (!m_.local_rope_layers.empty()) local_rope_.fill(s.positions, s.num_tokens);
   trtpaged_attention_params attn{};
   attn.num_tokens = s.num_tokens;
   attn.num_seqs = s.num_seqs;
@@ -392,11 +445,12 @@ void CpuModel::step(const StepView& s, void* pool, int32_t num_kv_blocks, float*
     if (one_call_)
       check_kernel(trtpaged_llama_layers_cpu(described_.data(), int32_t(described_.size()), int32_t(h),
                                              int32_t(m_.intermediate_size), eps_, stream_.data(), last_.data(),
-                                             cos_.data(), sin_.data(), &attn, pool, s.positions, s.query_start,
+                                             rope_.cos.data(), rope_.sin.data(), &attn, pool, s.positions,
+                                             s.query_start,
                                              s.context_lens, s.block_tables),
                    "llama_layers");
     else
-      layers_fused(stream_.data(), last_.data(), attn, pool, s);
+      layers(stream_.data(), last_.data(), attn, pool, s);
   }
   // the final norm over the logits rows only (rmsnorm(last + stream)), then the head
   const int64_t outs = s.num_outputs;
@@ -409,10 +463,11 @@ void CpuModel::step(const StepView& s, void* pool, int32_t num_kv_blocks, float*
     std::memcpy(rows_res_.data() + i * h, stream_.data() + r * h, size_t(h) * sizeof(float));
   }
   if (outs == 0) return;
-  check_kernel(trtpaged_rmsnorm_cpu(rows_x_.data(), rows_res_.data(), final_norm_.data(), eps_, outs, h,
-                                    rows_out_.data(), rows_res_.data()),
-               "rmsnorm");
+  norm(rows_x_.data(), rows_res_.data(), final_norm_, outs, rows_out_.data());
   head_.run(rows_out_.data(), outs, logits);
+  if (m_.final_logit_softcap == 0) return;
+  const float cap = float(m_.final_logit_softcap);  // Gemma: tanh(logits / cap) * cap, in torch's float32 ops
+  for (int64_t i = 0; i < outs * m_.vocab_size; ++i) logits[i] = std::tanh(logits[i] / cap) * cap;
 }
 
 }  // namespace trtpaged::rt

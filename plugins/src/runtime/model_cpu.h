@@ -3,6 +3,10 @@
 // the c_layers plan when every linear is quantized, else the fused plan; sliding windows take the fused
 // plan, as in Python), so that the two produce the same logits for the same packed batch (up to the rotary
 // tables' last bit: see docs/embedding.md), Qwen3's q/k norms and SmolLM3's layers without RoPE included.
+// Other families' features run as in the fused plan too: Gemma's norms through the rmsnorm kernel ((1 + w) folded
+// into its weights), its attention scale and soft-caps through the attention's options, its local layers on their
+// own RoPE table; where Python takes torch ops (partial rotary, tanh GELU, the final soft-cap), plain loops rounding
+// each operation as torch does.
 #pragma once
 
 #include <cstdint>
@@ -11,6 +15,7 @@
 #include <vector>
 
 #include "runtime/engine_dir.h"
+#include "runtime/rope.h"
 #include "trtpaged/trtpaged.h"
 
 namespace trtpaged::rt {
@@ -34,12 +39,15 @@ struct Linear {
   trtpaged_qlinear_weight described() const;
 };
 
+// A decoder layer; Gemma's norm weights are held as (1 + w), the weights its RMSNorm scales by.
 struct Layer {
   std::vector<float> input_norm, post_attention_norm;
-  std::vector<float> q_norm, k_norm;  // [head_dim] each with qk_norm (Qwen3), else empty
+  std::vector<float> pre_feedforward_norm, post_feedforward_norm;  // Gemma: around the MLP, else empty
+  std::vector<float> q_norm, k_norm;  // [head_dim] each with qk_norm (Qwen3, Gemma 3), else empty
   Linear qkv, o, gate_up, down;
-  int32_t window = 0;  // sliding window (tokens; 0: the whole sequence)
-  bool rope = true;    // false: a layer without RoPE (SmolLM3)
+  int32_t window = 0;       // sliding window (tokens; 0: the whole sequence)
+  bool rope = true;         // false: a layer without RoPE (SmolLM3)
+  bool local_rope = false;  // rotated by the local RoPE base (Gemma 3's windowed layers)
 };
 
 // The packed step of the engine I/O contract, checked by the caller.
@@ -62,10 +70,12 @@ class CpuModel {
 
  private:
   void embed(const int32_t* ids, int32_t rows, float* out) const;
-  void rotary(const int32_t* positions, int32_t rows);
-  void layers_fused(float* stream, float* last, const trtpaged_attention_params& attn, void* pool,
-                    const StepView& s);
+  void layers(float* stream, float* last, const trtpaged_attention_params& attn, void* pool, const StepView& s);
+  // rmsnorm(x) or, with residual, rmsnorm(x + residual) with residual updated to that sum: rows of hidden_size
+  void norm(const float* x, float* residual, const std::vector<float>& weight, int64_t rows, float* out) const;
   void norm_heads(float* qkv, int64_t rows, const Layer& l);
+  void rotate(const Layer& l, int64_t rows);
+  void gated_activation(int64_t rows);
 
   Manifest m_;
   trtpaged_dtype kv_cache_dtype_ = TRTPAGED_FLOAT32;
@@ -80,9 +90,9 @@ class CpuModel {
   std::vector<trtpaged_llama_layer> described_;
   std::vector<float> final_norm_;
   Linear head_;
-  std::vector<float> inv_freq_;
+  RotaryTable rope_, local_rope_;  // local_rope_: Gemma 3's windowed layers' (local_rope_theta), else unused
   // scratch reused from step to step
-  std::vector<float> stream_, last_, cos_, sin_, rows_x_, rows_res_, rows_out_;
+  std::vector<float> stream_, last_, rows_x_, rows_res_, rows_out_;
   std::vector<float> ones_, zeros_;  // the tables of no rotation, for layers without RoPE
   std::vector<float> heads_;         // q (or k) heads, densely, for their norms
   std::vector<float> x_, qkv_, q_, k_, v_, attn_, o_, gate_up_, act_;

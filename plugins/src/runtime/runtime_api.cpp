@@ -44,6 +44,11 @@ struct trtpaged_runtime {
 
 namespace {
 
+// the architectures of trtpaged/models/dims.py: MODEL_TYPES, every one the Python runtime builds
+constexpr const char* kArchitectures[] = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                                          "Qwen3ForCausalLM", "SmolLM3ForCausalLM", "Phi3ForCausalLM",
+                                          "Gemma2ForCausalLM", "Gemma3ForCausalLM"};
+
 // Runs body; an exception becomes its status and this thread's last error (never crosses the boundary).
 template <typename F>
 trtpaged_status guarded(F&& body) {
@@ -361,12 +366,13 @@ TRTPAGED_API trtpaged_status trtpaged_runtime_open(const char* engine_dir, const
     if (!std::count(m.backends.begin(), m.backends.end(), "torch"))
       raise(TRTPAGED_ERR_UNSUPPORTED,
             where + "backends: the engine has no CPU (torch) form; the C runtime runs only that");
-    if (m.architecture != "LlamaForCausalLM" && m.architecture != "MistralForCausalLM" &&
-        m.architecture != "Qwen2ForCausalLM" && m.architecture != "Qwen3ForCausalLM" &&
-        m.architecture != "SmolLM3ForCausalLM")
-      raise(TRTPAGED_ERR_UNSUPPORTED, where + "dims.architecture: " + m.architecture +
-                                          " is not supported; supported: LlamaForCausalLM, MistralForCausalLM, "
-                                          "Qwen2ForCausalLM, Qwen3ForCausalLM, SmolLM3ForCausalLM");
+    if (std::none_of(std::begin(kArchitectures), std::end(kArchitectures),
+                     [&](const char* a) { return m.architecture == a; })) {
+      std::string supported;
+      for (const char* a : kArchitectures) supported += (supported.empty() ? "" : ", ") + std::string(a);
+      raise(TRTPAGED_ERR_UNSUPPORTED,
+            where + "dims.architecture: " + m.architecture + " is not supported; supported: " + supported);
+    }
     if (m.tensor_parallel != 1)
       raise(TRTPAGED_ERR_UNSUPPORTED, where + "tensor_parallel: " + std::to_string(m.tensor_parallel) +
                                           " ranks; the C runtime runs unsplit engines only");
