@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
 
 # (block_id, generation) of the block a cached block follows in its hash chain; for a sequence's first block, the
-# sequence's cache salt (None: unsalted), so that blocks of different salts never match, whatever their hashes.
-ParentRef = Union[None, str, tuple[int, int]]
+# sequence's cache salt (None: unsalted), so that blocks of different salts never match, whatever their hashes; for a
+# block after a hole (a block before a sliding window that was never loaded), the tier key of the block before it
+# (kv_tiers/entry.py: it names the whole prefix before the block).
+ParentRef = Union[None, str, tuple[int, int], bytes]
 
 
 @dataclass(eq=False)

@@ -7,9 +7,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence as Seq, Union
 
-from trtpaged.runtime.block_pool import BlockPool, HashFn, KVBlock, chain_hash, root_hash
+from trtpaged.runtime.block_pool import BlockPool, HashFn, KVBlock, ParentRef, chain_hash, root_hash
 from trtpaged.runtime.kv_tiers.entry import chain_key, root_key
-from trtpaged.runtime.kv_tiers.loader import TierLoad
+from trtpaged.runtime.kv_tiers.loader import TierLoad, reads_from
 from trtpaged.runtime.kv_tiers.stack import BlockRecord, TierHit, TierStack
 from trtpaged.runtime.sequence import Sequence
 
@@ -36,9 +36,19 @@ class AllocationPlan:
     copy_last: tuple[bool, ...]  # per request: copy its shared last block before writing (copy-on-write)
     new_blocks: tuple[int, ...]  # per request: blocks appended to its table
     num_kv_blocks: int  # free-queue blocks consumed: copies, new blocks, cache hits now free, tier loads
-    # per request: its leading pool hits wholly before the window of its first token to compute (`dead_hits`):
-    # holes in its table at once, neither taken off the free queue nor counted
+    # per request: its leading hits wholly before the window of its first token to compute (`dead_hits`): holes in
+    # its table at once, pool hits not taken off the free queue, tier hits not loaded (nor read), none counted
     dead_hits: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _PrefixLookup:
+    """Where a sequence's prefix is: the pool's chain from its first block (`run`), the records of the blocks after
+    it that a tier may hold (`records`), and the pool's blocks after those, if any (`resumed`)."""
+
+    run: list[KVBlock]
+    records: list[BlockRecord]
+    resumed: list[KVBlock]
 
 
 class KVCacheManager:
@@ -99,32 +109,65 @@ class KVCacheManager:
             self.pool.on_evict = self._on_evict
 
     # ---- prefix cache -------------------------------------------------------------------------
-    def find_cached_prefix(self, seq: Sequence) -> list[PrefixHit]:
+    def find_cached_prefix(self, seq: Sequence, shared: bool = False) -> list[PrefixHit]:
         """Longest run of full blocks matching the sequence's tokens: cached pool blocks, then the
         blocks its tier load (`prefetch`) found after them. Reads nothing from a tier. Only blocks
         cached by sequences of the same `cache_salt` match (the salt is the first block's parent).
 
-        Never covers the last token: its logits are needed, so it is always computed.
+        Never covers the last token: its logits are needed, so it is always computed. `shared`: the sequence's
+        group is recomputed and its sequences share blocks again (`Scheduler._take_shares`): the run leaves its
+        last two tokens, and every tier hit in it was read (another sequence may take blocks before its window).
+
+        With a reclaim window, the pool's blocks may go on after tier hits that all lie before the window (holes
+        in the table, `dead_hits`): those a sequence loaded after such holes and the ones cached after them
+        (`_resumed_run`).
         """
         if not self.pool.enable_caching or seq.seq_id in self.tables:
             return []
-        hits: list[PrefixHit] = list(self._pool_run(seq))
+        prefix = self._lookup(seq, shared)
+        hits: list[PrefixHit] = list(prefix.run)
         load = self._loads.get(seq.seq_id)
         if load is not None and load.done:
             staged = {hit.index: hit for hit in load.hits}
-            for record in self._tier_records(seq, hits):
+            for record in prefix.records:
                 hit = staged.get(len(hits))
                 if hit is None or hit.record != record:
                     break
                 hits.append(hit)
-        return hits
+        if len(hits) == len(prefix.run) + len(prefix.records):
+            hits += prefix.resumed
+        return self._readable_run(hits, shared)
 
-    def _pool_run(self, seq: Sequence) -> list[KVBlock]:
+    def _readable_run(self, hits: list[PrefixHit], shared: bool) -> list[PrefixHit]:
+        """The longest leading run of `hits` whose window holds no unread tier hit (one its load could not read
+        before it was given up, or read for a longer run)."""
+        while True:
+            live = 0 if shared else self.dead_blocks(len(hits))
+            unread = next((j for j in range(live, len(hits)) if _unread(hits[j])), None)
+            if unread is None:
+                return hits
+            hits = hits[:unread]
+
+    def _lookup(self, seq: Sequence, shared: bool) -> _PrefixLookup:
+        run = self._pool_run(seq, shared)
+        records = self._tier_records(seq, run, shared)
+        resumed_at, resumed = self._resumed_run(seq, run, records, shared)
+        return _PrefixLookup(run, records[: resumed_at - len(run)], resumed)
+
+    def _full_blocks(self, seq: Sequence, shared: bool) -> int:
+        """How many full blocks a prefix hit may cover: never the last token (two with `shared`)."""
+        return (len(seq.token_ids) - (2 if shared else 1)) // self.block_size
+
+    def _pool_run(self, seq: Sequence, shared: bool = False) -> list[KVBlock]:
         bs = self.block_size
+        blocks = (tuple(seq.token_ids[j * bs : (j + 1) * bs]) for j in range(self._full_blocks(seq, shared)))
+        return self._walk(seq.cache_salt, root_hash(seq.cache_salt), blocks)  # a first block follows its salt
+
+    def _walk(self, parent: ParentRef, prev_hash: Optional[int], blocks: Iterable[tuple[int, ...]]) -> list[KVBlock]:
+        """The cached blocks holding `blocks`' tokens in turn, chained from `parent` (whose hash is `prev_hash`),
+        up to the first one the pool lacks."""
         run: list[KVBlock] = []
-        parent, prev_hash = seq.cache_salt, root_hash(seq.cache_salt)  # a first block follows its salt
-        for j in range((len(seq.token_ids) - 1) // bs):
-            tokens = tuple(seq.token_ids[j * bs : (j + 1) * bs])
+        for tokens in blocks:
             h = self.pool.hash_fn(prev_hash, tokens)
             block = self.pool.lookup(h, tokens, parent)
             if block is None:
@@ -133,7 +176,26 @@ class KVCacheManager:
             parent, prev_hash = block.ref, h
         return run
 
-    def _tier_records(self, seq: Sequence, pool_run: Seq[PrefixHit]) -> list[BlockRecord]:
+    def _resumed_run(self, seq: Sequence, run: Seq[KVBlock], records: Seq[BlockRecord],
+                     shared: bool) -> tuple[int, list[KVBlock]]:  # fmt: skip
+        """Where the pool's blocks go on after a gap in its chain, and those blocks: the first of `records` that
+        the pool holds under its tier parent key (a block loaded after holes, `_chain_parent`) and the cached
+        blocks chained after it, when every block of the gap lies before the window of the first token after them
+        (a tier need only hold them: `prefetch` probes them). Else (the end of `records`, [])."""
+        end = len(run) + len(records)
+        if not self.reclaim_window or shared or self.tiers is None:
+            return end, []
+        prev_hash = run[-1].block_hash if run else root_hash(seq.cache_salt)
+        for k, record in enumerate(records):
+            h = self.pool.hash_fn(prev_hash, record.tokens)
+            if self.pool.lookup(h, record.tokens, record.parent) is not None:
+                blocks = self._walk(record.parent, prev_hash, [r.tokens for r in records[k:]])
+                start = len(run) + k
+                return (start, blocks) if start <= self.dead_blocks(start + len(blocks)) else (end, [])
+            prev_hash = h
+        return end, []
+
+    def _tier_records(self, seq: Sequence, pool_run: Seq[PrefixHit], shared: bool = False) -> list[BlockRecord]:
         """The records of the sequence's full blocks after `pool_run` (what a tier would hold for them)."""
         if self.tiers is None:
             return []
@@ -145,23 +207,27 @@ class KVCacheManager:
                 return []
             parent = last.key
         records = []
-        for j in range(len(pool_run), (len(seq.token_ids) - 1) // bs):
+        for j in range(len(pool_run), self._full_blocks(seq, shared)):
             tokens = tuple(seq.token_ids[j * bs : (j + 1) * bs])
             records.append(BlockRecord(chain_key(fp, parent, tokens), parent, tokens))
             parent = records[-1].key
         return records
 
     # ---- tier loads for waiting sequences -----------------------------------------------------
-    def prefetch(self, seq: Sequence, first_in_line: bool = False) -> bool:
+    def prefetch(self, seq: Sequence, first_in_line: bool = False, shared: bool = False) -> bool:
         """Whether the sequence's prefix is ready for admission: starts (once) the tier read of its full blocks
         after the pool's run and answers False while that read is pending. The read runs on the tiers' loader
         thread; a read past its deadline is given up (what it found is kept). A finished read that no longer
-        starts where the pool's run ends (a pool block it followed was evicted meanwhile) is made once more.
+        starts where the pool's run ends (a pool block it followed was evicted meanwhile), or no longer reaches the
+        pool's blocks after a gap (`_resumed_run`), is made once more.
 
         A read waits while staging has no room for its blocks, except the reads of the request first in line
         (`first_in_line`): the staging that other waiting requests hold is freed only when they are admitted, which
         may wait for this one, so the oldest request's reads always go ahead (staging may then pass
-        `max_staged_blocks` by that request's own blocks)."""
+        `max_staged_blocks` by that request's own blocks).
+
+        With a reclaim window, the blocks wholly before the window of the sequence's first token to compute are
+        probed, not read (`dead_hits`: they are holes in its table); `shared` as for `find_cached_prefix`."""
         if self.tiers is None or not self.pool.enable_caching or seq.seq_id in self.tables:
             return True
         load = self._loads.get(seq.seq_id)
@@ -177,18 +243,21 @@ class KVCacheManager:
                 return False
             if load.is_retry:
                 return True
-        run = self._pool_run(seq)
-        if load is not None and len(run) >= load.first_index:
+        prefix = self._lookup(seq, shared)
+        run, records = prefix.run, prefix.records
+        if load is not None and load.first_index <= len(run) and len(run) + len(records) <= _end(load):
             return True
-        records = self._tier_records(seq, run)
         if not records:
             return True
-        if not first_in_line and self._staged_with(seq.seq_id, records) > self.max_staged_blocks:
+        whole_end = len(run) + len(records) + len(prefix.resumed)
+        dead = None if shared or not self.reclaim_window else self.dead_blocks
+        wanted = records[reads_from(len(run), whole_end, dead) - len(run) :]  # the rest is only probed
+        if not first_in_line and self._staged_with(seq.seq_id, wanted) > self.max_staged_blocks:
             return load is not None  # no room to read ahead now: a first read waits, a retry is not made
-        shared = self._shared_hits(records, len(run))
-        if shared is None:
+        known = self._shared_hits(records, len(run))
+        if known is None:
             return False  # another waiting sequence is reading these blocks now: take them from it when done
-        new = self.tiers.start_load(len(run), records, shared)
+        new = self.tiers.start_load(len(run), records, known, dead, whole_end)
         new.is_retry = load is not None
         self._loads[seq.seq_id] = new
         self._staged = None
@@ -205,8 +274,9 @@ class KVCacheManager:
         held: dict[bytes, TierHit] = {}
         reading: set[bytes] = set()
         for load in self._loads.values():
-            if load.done:
-                held.update((hit.record.key, hit) for hit in load.hits)
+            if load.done:  # a hit read by one load is taken rather than one another load only probed
+                held.update((hit.record.key, hit) for hit in load.hits if hit.payload is not None or
+                            hit.record.key not in held)
             else:
                 reading.update(record.key for record in load.records)
         out: list[TierHit] = []
@@ -265,16 +335,24 @@ class KVCacheManager:
 
     # ---- check, then commit -------------------------------------------------------------------
     def dead_hits(self, hits: Seq[PrefixHit]) -> int:
-        """Of a sequence adopting `hits`, how many leading pool hits lie wholly before the window of its first
-        token to compute (position len(hits) * block_size): no query of it reads them, so they are holes in its
-        table from the start (as `reclaim` would leave them after its step), neither taken off the free queue
-        nor counted by the plan. Taking them could need more blocks than the window bound `check_request`
-        admitted by. The last pool hit is kept (the next block's chain parent; a tier hit's too). 0 without a
-        reclaim window."""
-        if not self.reclaim_window or not hits:
-            return 0
+        """Of a sequence adopting `hits`, how many leading ones lie wholly before the window of its first token to
+        compute (`dead_blocks`): no query of it reads them, so they are holes in its table from the start (as
+        `reclaim` would leave them after its step), pool hits not taken off the free queue, tier hits neither read
+        (`prefetch` only probed them) nor loaded, and none counted by the plan. Taking them could need more blocks
+        than the window bound `check_request` admitted by. When the first hit kept is a tier hit right after the
+        pool hits, the last pool hit is kept too: the chain parent under which the loaded block is cached. 0
+        without a reclaim window."""
+        dead = self.dead_blocks(len(hits))
         pool_hits = next((j for j, h in enumerate(hits) if not isinstance(h, KVBlock)), len(hits))
-        return max(0, min(self._blocks_before_window(len(hits) * self.block_size), pool_hits - 1))
+        return dead - 1 if 0 < dead == pool_hits < len(hits) else dead
+
+    def dead_blocks(self, num_hits: int) -> int:
+        """Of a run of `num_hits` prefix hits, how many leading ones no query of the first token after them reads:
+        those wholly before its window, but for the last hit (the next block's chain parent, as `reclaim` keeps
+        it). 0 without a reclaim window."""
+        if not self.reclaim_window or not num_hits:
+            return 0
+        return min(self._blocks_before_window(num_hits * self.block_size), num_hits - 1)
 
     def _blocks_before_window(self, position: int) -> int:
         """How many of a table's leading blocks lie wholly before the window of the token at `position`."""
@@ -303,7 +381,7 @@ class KVCacheManager:
             if hits:
                 live = hits[dead_hits[-1]:]
                 reclaimed.update(b.block_id for b in live if isinstance(b, KVBlock) and b.ref_cnt == 0)
-                loads.update(b.record.key for b in hits if isinstance(b, TierHit))
+                loads.update(b.record.key for b in live if isinstance(b, TierHit))
                 start, table_len = len(hits) * bs, len(hits)
             else:
                 table = self.tables.get(seq.seq_id, [])
@@ -330,13 +408,12 @@ class KVCacheManager:
         if plan.num_kv_blocks > self.pool.num_free:
             raise RuntimeError(f"allocate: the plan takes {plan.num_kv_blocks} blocks, {self.pool.num_free} free")
         # take every hit off the free queue before anything is evicted
-        for (seq, _, hits), dead in zip(plan.requests, plan.dead_hits):
-            if hits:
-                self._adopt_hits(seq, hits, dead)
+        to_load = [self._adopt_hits(seq, hits, dead) if hits else []
+                   for (seq, _, hits), dead in zip(plan.requests, plan.dead_hits)]  # fmt: skip
         loaded: dict[bytes, KVBlock] = {}
-        for seq, _, hits in plan.requests:
-            if hits and isinstance(hits[-1], TierHit):
-                self._load_tier_hits(seq, [h for h in hits if isinstance(h, TierHit)], loaded)
+        for (seq, _, _), tier_hits in zip(plan.requests, to_load):
+            if tier_hits:
+                self._load_tier_hits(seq, tier_hits, loaded)
             self._drop_load(seq.seq_id)  # admitted: what its read staged is in the pool now, or not needed
         copies: list[tuple[int, int]] = []
         for (seq, _, _), copy, new in zip(plan.requests, plan.copy_last, plan.new_blocks):
@@ -352,21 +429,34 @@ class KVCacheManager:
                 table.extend(self.pool.allocate(new))
         return copies
 
-    def _adopt_hits(self, seq: Sequence, hits: Seq[PrefixHit], dead: int = 0) -> None:
-        """The sequence's table becomes its pool hits, the first `dead` (`dead_hits`) holes: not taken, their
-        hashes (and tier keys) kept for the chain."""
+    def _adopt_hits(self, seq: Sequence, hits: Seq[PrefixHit], dead: int = 0) -> list[TierHit]:
+        """The sequence's table becomes its hits up to the first tier hit to load: the first `dead` (`dead_hits`)
+        holes (pool hits not taken, tier hits not loaded; their hashes and tier keys kept for the chain), the pool
+        hits after them taken. Returns the tier hits left, for `_load_tier_hits`."""
         if seq.seq_id in self.tables:
             raise RuntimeError(f"sequence {seq.seq_id}: cache hits for a sequence that already has blocks")
-        blocks = [b for b in hits if isinstance(b, KVBlock)]
-        hashes = [b.block_hash for b in blocks]
-        self.pool.touch(blocks[dead:])
-        self.tables[seq.seq_id] = [None] * dead + blocks[dead:]
+        table: list[Optional[KVBlock]] = []
+        hashes: list = []
+        keys: list[bytes] = []
+        for j, hit in enumerate(hits):
+            if isinstance(hit, KVBlock):
+                hashes.append(hit.block_hash)
+                keys.append(self._records[hit.block_id].key if self.tiers is not None else b"")
+            elif j < dead:
+                hashes.append(self.pool.hash_fn(hashes[-1] if hashes else root_hash(seq.cache_salt), hit.record.tokens))
+                keys.append(hit.record.key)
+            else:
+                break
+            table.append(None if j < dead else hit)  # type: ignore[arg-type]  (a tier hit here is a hole)
+        self.pool.touch(_live(table))
+        self.tables[seq.seq_id], self._hashes[seq.seq_id] = table, hashes
+        if self.tiers is not None:
+            self._tier_keys[seq.seq_id] = keys
         if dead:
             self._first_live[seq.seq_id] = dead
-        self._hashes[seq.seq_id] = [h for h in hashes if h is not None]
-        if self.tiers is not None:
-            self._tier_keys[seq.seq_id] = [self._records[b.block_id].key for b in blocks]
         self.prefix_hits_tokens += len(hits) * self.block_size
+        self.tier_hits_tokens += sum(isinstance(hit, TierHit) for hit in hits) * self.block_size
+        return [hit for hit in hits[len(table) :] if isinstance(hit, TierHit)]  # only tier hits follow
 
     def _load_tier_hits(self, seq: Sequence, hits: Seq[TierHit], loaded: dict[bytes, KVBlock]) -> None:
         """Fresh blocks for tier hits, cached at once (their bytes are written before the step runs). A block an
@@ -383,14 +473,23 @@ class KVCacheManager:
                 self.pool.touch([block])
             else:
                 block = loaded[hit.record.key] = next(fresh)
-                if self.pool.cache(block, h, tokens, table[-1].ref if table else seq.cache_salt):
+                if self.pool.cache(block, h, tokens, self._chain_parent(seq, table, hit.record)):
                     self._records[block.block_id] = hit.record
+                assert hit.payload is not None  # find_cached_prefix keeps no unread hit that the window reads
                 self._pending_loads[block.block_id] = hit.payload
                 self.tiers.num_loads += 1
             table.append(block)
             hashes.append(h)
             keys.append(hit.record.key)
-        self.tier_hits_tokens += len(hits) * self.block_size
+
+    @staticmethod
+    def _chain_parent(seq: Sequence, table: Seq[Optional[KVBlock]], record: BlockRecord) -> ParentRef:
+        """The pool parent under which a block appended to `table` is cached: the block before it, the salt for a
+        first block, or after a hole the tier key of the block before (which `_resumed_run` finds it by)."""
+        if not table:
+            return seq.cache_salt
+        last = table[-1]
+        return record.parent if last is None else last.ref
 
     def _on_evict(self, block: KVBlock) -> None:
         record = self._records.pop(block.block_id, None)
@@ -611,5 +710,19 @@ def _live(table: Seq[Optional[KVBlock]]) -> list[KVBlock]:
 
 
 def _load_keys(load: TierLoad) -> set[bytes]:
-    """The block keys a tier read holds in staging: what it found once done, what it may still find until then."""
-    return {hit.record.key for hit in load.hits} if load.done else {record.key for record in load.records}
+    """The block keys a tier read holds in staging: what it read once done; until then, what it may read (the blocks
+    it reads when it finds them all: one its window needs after a shorter run is read then too, past this count)."""
+    read = {hit.record.key for hit in load.hits if hit.payload is not None}
+    if load.done:
+        return read
+    return read | {record.key for record in load.records[load.first_read - load.first_index :]}
+
+
+def _end(load: TierLoad) -> int:
+    """The index after a tier read's last record."""
+    return load.first_index + len(load.records)
+
+
+def _unread(hit: PrefixHit) -> bool:
+    """A tier hit found but not read (it lay before the window of its load's run)."""
+    return isinstance(hit, TierHit) and hit.payload is None

@@ -490,13 +490,13 @@ class Scheduler:
 
     def _plan(self, group: SequenceGroup, budget: list[int]) -> tuple[Optional[list[AllocRequest]], bool]:
         seqs = self._take_shares(group) if group.pending_shares else group.seqs
-        hits = [[] if group.scores_prompt else self.kv.find_cached_prefix(s) for s in seqs]
+        # with shares pending, hits leave 2 tokens or more, so the held-back chunk computes some and all go on
+        shared = bool(group.pending_shares)
+        hits = [[] if group.scores_prompt else self.kv.find_cached_prefix(s, shared) for s in seqs]
         bs = self.kv.block_size
-        if group.pending_shares:  # hits leave 2 tokens or more, so the held-back chunk computes some and all go on
-            hits = [h[: (len(s.token_ids) - 2) // bs] for s, h in zip(seqs, hits)]
         remaining = [len(s.token_ids) - len(h) * bs if h else s.num_uncomputed_tokens for s, h in zip(seqs, hits)]
         caps = [recompute_cap(self.config, s.num_prompt_tokens) for s in seqs] if self.kv.reclaim_window else None
-        split = split_tokens(remaining, budget[0], budget[1], hold_last=bool(group.pending_shares), caps=caps)
+        split = split_tokens(remaining, budget[0], budget[1], hold_last=shared, caps=caps)
         if split is None:
             return None, False
         plan, sample = split
@@ -653,7 +653,8 @@ class Scheduler:
             return True
         first = bool(self.waiting) and self.waiting[0] is group
         seqs = [s for s in group.seqs if s.seq_id not in group.pending_shares]  # the others share an earlier one's
-        ready = all([self.kv.prefetch(seq, first) for seq in seqs])  # a list: every sequence's read starts
+        shared = bool(group.pending_shares)
+        ready = all([self.kv.prefetch(seq, first, shared) for seq in seqs])  # a list: every sequence's read starts
         if ready and "ready" not in group.times:
             group.times["ready"] = time.monotonic()
         return ready

@@ -52,7 +52,7 @@ ENGINE_STATS: dict[str, tuple[str, str, str]] = {
     "spec_decode_draft_num_tokens_computed": ("spec_decode_draft_tokens_computed", "counter",
                                               "Tokens the draft engine computed (draft_model)."),
     "prefix_cache_tier_hits_tokens": ("prefix_cache_tier_hits", "counter",
-                                      "Prompt tokens restored from a KV tier below the pool (part of the hits)."),
+                                      "Prompt tokens found in a KV tier below the pool (part of the hits)."),
     "kv_tier_blocks_loaded": ("kv_tier_blocks_loaded", "counter", "Blocks restored into the pool from a KV tier."),
     "kv_tier_load_timeouts": ("kv_tier_load_timeouts", "counter",
                               "Tier loads given up at their deadline (the rest of the prefix recomputed)."),
@@ -75,6 +75,7 @@ SPEC_STATS: dict[str, tuple[str, str]] = {
 TIER_NAMES = ("host", "disk", "remote")
 TIER_STATS: dict[str, tuple[str, str]] = {
     "hits": ("kv_tier_hits", "Block lookups answered by the tier with a verified entry."),
+    "probes": ("kv_tier_probes", "Blocks found in the tier and not read: wholly before a sliding window."),
     "misses": ("kv_tier_misses", "Block lookups the tier could not answer (absent, invalid or unreachable)."),
     "invalid": ("kv_tier_invalid_entries", "Entries that failed their checks (truncated, corrupted, foreign engine)."),
     "errors": ("kv_tier_errors", "Store operations that failed (timeouts, refused connections)."),

@@ -12,6 +12,7 @@ class TierCounters:
     """What one tier did; `stats()` exposes each as `kv_tier_<name>_<field>`."""
 
     hits: int = 0  # lookups answered with a verified entry
+    probes: int = 0  # lookups answered without a read: the block lies before a sliding window (KVTier.has_block)
     misses: int = 0  # lookups without one (absent, invalid or store unreachable)
     invalid: int = 0  # of the misses: an entry was there but failed its checks (truncated, corrupted, foreign)
     errors: int = 0  # store operations that failed (timeouts, connection refused)
@@ -37,6 +38,12 @@ class KVTier(Protocol):
     def get_block(self, record: BlockRecord) -> Optional[bytes]:
         """The payload stored for exactly `record` (key, parent and tokens), or None. Something else stored under
         the key counts `invalid`; a hit counts its `bytes_read`. Hits and misses are the stack's to count."""
+        ...
+
+    def has_block(self, record: BlockRecord) -> bool:
+        """Whether the tier holds an entry for `record`, without reading it (for a block no layer will read); the
+        entry counts as recently used, as a read would make it. An entry that would fail its checks may answer
+        True: its bytes are never used."""
         ...
 
     def put_block(self, record: BlockRecord, payload: bytes) -> None:
@@ -72,6 +79,10 @@ class ByteStore(Protocol):
         """Stores `entry` under `key`, evicting what the store's bound requires."""
         ...
 
+    def touch(self, key: bytes) -> bool:
+        """Whether something is stored under `key`, marking it recently used; nothing is read."""
+        ...
+
     def contains(self, key: bytes) -> bool:
         ...
 
@@ -90,9 +101,10 @@ class BlockRecord:
 
 @dataclass(frozen=True)
 class TierHit:
-    """A verified block found in a tier for block `index` of a sequence; `payload` is its pool bytes."""
+    """A block found in a tier for block `index` of a sequence; `payload` is its pool bytes, verified, or None: found
+    but not read (it lies wholly before the sequence's sliding window, `TierLoad.reads`)."""
 
     index: int
     record: BlockRecord
-    payload: bytes
+    payload: Optional[bytes]
     tier: str

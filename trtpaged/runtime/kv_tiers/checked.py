@@ -74,6 +74,10 @@ class CheckedTier:
         self.counters.bytes_read += len(data)  # type: ignore[arg-type]
         return payload
 
+    def has_block(self, record: BlockRecord) -> bool:
+        """Whether the store holds an entry under the record's key (unchecked: nothing is read)."""
+        return self.store.touch(record.key)
+
     def put_block(self, record: BlockRecord, payload: bytes) -> None:
         self.store.put(record.key, self.codec.encode(record, payload))
 

@@ -240,6 +240,21 @@ class DiskTier:
     def contains(self, key: bytes) -> bool:
         return self.path_of(key).name in self._sizes
 
+    def touch(self, key: bytes) -> bool:
+        """Whether an entry file is there (another process's too, as `get` finds them), its recency set as a read's."""
+        path = self.path_of(key)
+        try:
+            os.utime(path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            self._failed("a probe", e)
+            return False
+        with self._lock:
+            if path.name in self._sizes:
+                self._sizes.move_to_end(path.name)
+        return True
+
     def put(self, key: bytes, entry: bytes) -> None:
         if len(entry) > self.capacity_bytes:
             self.counters.dropped += 1

@@ -50,6 +50,18 @@ class HostMemoryTier:
     def get_block(self, record: BlockRecord) -> Optional[bytes]:
         """The payload stored for exactly `record` (key, parent and tokens), or None. A block under the same key
         with another parent or other tokens (a hash collision) is not it: None, counted `invalid`."""
+        found = self._use(record)
+        if found is None:
+            return None
+        self.counters.bytes_read += found[2]
+        return found[1]
+
+    def has_block(self, record: BlockRecord) -> bool:
+        """Whether `get_block(record)` would answer, without counting a read."""
+        return self._use(record) is not None
+
+    def _use(self, record: BlockRecord) -> Optional[tuple[BlockRecord, bytes, int]]:
+        """The entry of exactly `record`, now the most recently used, or None."""
         with self._lock:
             found = self._blocks.get(record.key)
             if found is None:
@@ -58,8 +70,7 @@ class HostMemoryTier:
                 self.counters.invalid += 1
                 return None
             self._blocks.move_to_end(record.key)
-            self.counters.bytes_read += found[2]
-            return found[1]
+            return found
 
     def contains(self, key: bytes) -> bool:
         with self._lock:

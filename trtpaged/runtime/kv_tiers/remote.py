@@ -144,6 +144,9 @@ class RedisTier:
     def contains(self, key: bytes) -> bool:
         return bool(self._call(self._client.exists, KEY_PREFIX + key))
 
+    def touch(self, key: bytes) -> bool:
+        return bool(self._call(self._client.touch, KEY_PREFIX + key))  # TOUCH: how many keys exist, their LRU clock set
+
     def put(self, key: bytes, entry: bytes) -> None:
         done = self._call(self._client.set, KEY_PREFIX + key, entry, self.ttl_s)
         if done:

@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 
 from trtpaged.runtime.kv_tiers.base import BlockRecord, KVTier, TierHit
 from trtpaged.runtime.kv_tiers.entry import entry_bytes
-from trtpaged.runtime.kv_tiers.loader import TierLoad, TierLoader
+from trtpaged.runtime.kv_tiers.loader import DeadBlocks, TierLoad, TierLoader
 
 __all__ = ["BlockRecord", "TierHit", "TierStack"]
 
@@ -45,18 +45,23 @@ class TierStack:
         self.num_saves = 0  # write-backs offered so far (a finished load looks again only after new ones)
         if background:
             if any(t.slow for t in self.tiers):
-                self.loader = TierLoader(lambda record: self.lookup(record, slow=True), load_timeout_s)
+                self.loader = TierLoader(self._load_slow, load_timeout_s)
             self._writer = threading.Thread(target=self._write_loop, name="trtpaged-kv-tier-writer", daemon=True)
             self._writer.start()
 
     # ---- lookups ------------------------------------------------------------------------------
-    def lookup(self, record: BlockRecord, slow: Optional[bool] = None) -> Optional[tuple[bytes, str]]:
+    def lookup(self, record: BlockRecord, slow: Optional[bool] = None,
+               read: bool = True) -> Optional[tuple[Optional[bytes], str]]:  # fmt: skip
         """(payload, tier name) of exactly this block (the tiers' `get_block` rule), or None. `slow`: ask only
         the slow tiers (True) or only the memory tier (False). A block whose write-back is still queued is
-        found there (the pool's own bytes of that block), counted as a hit of the top tier."""
+        found there (the pool's own bytes of that block), counted as a hit of the top tier. `read` False: only
+        whether a tier holds it (`has_block`, counted as that tier's probe), the payload None."""
         queued = self._unwritten.get(record.key) if slow is not True else None
         if queued is not None and queued[0] == record:
             top = self.tiers[0]
+            if not read:
+                top.counters.probes += 1
+                return None, top.name
             top.counters.hits += 1
             top.counters.bytes_read += entry_bytes(len(record.tokens), len(queued[1]))  # as the tiers count a hit
             return queued[1], top.name
@@ -64,36 +69,58 @@ class TierStack:
             if slow is not None and tier.slow != slow:
                 continue
             start = time.perf_counter()
-            payload = tier.get_block(record)
+            found = tier.get_block(record) if read else tier.has_block(record)
             tier.counters.load_seconds += time.perf_counter() - start
-            if payload is None:
+            if found is None or found is False:
                 tier.counters.misses += 1
                 continue
+            if not read:
+                tier.counters.probes += 1
+                return None, tier.name
             tier.counters.hits += 1
-            return payload, tier.name
+            return found, tier.name  # type: ignore[return-value]
         return None
 
-    def start_load(self, first_index: int, records: Sequence[BlockRecord], known: Sequence[TierHit] = ()) -> TierLoad:
+    def start_load(self, first_index: int, records: Sequence[BlockRecord], known: Sequence[TierHit] = (),
+                   dead: Optional[DeadBlocks] = None, whole_end: Optional[int] = None) -> TierLoad:  # fmt: skip
         """Looks up `records` (blocks `first_index ..` of a sequence) in order until the first miss, after the
         leading ones `known` already holds (found by another sequence's load). The memory
         tier is asked now (a dict lookup and a record comparison, no I/O); what it lacks is read from the slow tiers
         (disk, Redis) on the loader with `background`, else now. A load with nothing left to read
-        comes back done."""
-        load = TierLoad(first_index, records)
+        comes back done. `dead`, `whole_end`: the blocks before the window of the run's end are probed, not read
+        (`TierLoad`)."""
+        load = TierLoad(first_index, records, dead=dead, whole_end=whole_end)
         load.saves_seen = self.num_saves
         load.hits += known
         split = self.loader is not None  # memory tier now, slow tiers on the loader
-        for k in range(len(known), len(records)):
-            record = records[k]
-            found = self.lookup(record, slow=False if split else None)
-            if found is None:
-                break
-            load.hits.append(TierHit(first_index + k, record, *found))
-        if split and len(load.hits) < len(records):
+        self._continue(load, slow=False if split else None)
+        if split and (len(load.hits) < len(records) or load.needs_read() is not None):
             return self.loader.submit(load)  # type: ignore[union-attr]
+        self._settle(load, slow=None)
         load.done = True
         load.finished_at = load.submitted
         return load
+
+    def _continue(self, load: TierLoad, slow: Optional[bool]) -> None:
+        """Looks up the load's records after its hits, in order, until one is missing (or the load stops): read
+        where the block may lie in the window of the run's end, else probed (`TierLoad.reads`)."""
+        for k in range(len(load.hits), len(load.records)):
+            index, record = load.first_index + k, load.records[k]
+            found = self.lookup(record, slow, read=load.reads(index)) if load.active() else None
+            if found is None or not load.add(TierHit(index, record, *found)):
+                return
+
+    def _settle(self, load: TierLoad, slow: Optional[bool]) -> None:
+        """Reads the probed hits that the window of the run's end reads (the run ended before its last record);
+        one that cannot be read ends the run there, whose window then starts earlier."""
+        while load.active() and (k := load.needs_read()) is not None:
+            if not load.settle(k, self.lookup(load.hits[k].record, slow)):
+                return
+
+    def _load_slow(self, load: TierLoad) -> None:
+        """A load's work on the loader: its records from the slow tiers, then the reads its window needs."""
+        self._continue(load, slow=True)
+        self._settle(load, slow=None)
 
     def extend(self, load: TierLoad) -> bool:
         """Adds to a finished load the blocks after its hits that reached the memory tier or the write-back
@@ -103,15 +130,13 @@ class TierStack:
         if not load.done or load.saves_seen == self.num_saves or len(load.hits) == len(load.records):
             return False
         load.saves_seen = self.num_saves
-        for k in range(len(load.hits), len(load.records)):
-            found = self.lookup(load.records[k], slow=False if self.loader is not None else None)
-            if found is None:
-                if self.loader is None or load.resumed or load.cancelled:
-                    return False
-                load.resumed, load.done = True, False
-                self.loader.submit(load)
-                return True
-            load.hits.append(TierHit(load.first_index + k, load.records[k], *found))
+        slow = False if self.loader is not None else None
+        self._continue(load, slow)
+        if len(load.hits) < len(load.records) and self.loader is not None and not load.resumed and not load.cancelled:
+            load.resumed, load.done = True, False
+            self.loader.submit(load)
+            return True
+        self._settle(load, slow)
         return False
 
     # ---- write-back ---------------------------------------------------------------------------
