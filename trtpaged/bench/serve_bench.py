@@ -1,6 +1,6 @@
 """`trtpaged bench serve`: a streaming load client for any OpenAI-compatible server.
 
-Sends a workload (a `bench memory` JSON Lines trace, or a synthetic mix) to
+Sends a workload (a `bench memory` JSON Lines trace, a ShareGPT dataset, or a synthetic mix) to
 `--base-url` at a Poisson request rate (`inf`: all at once) under a concurrency cap,
 streams every answer, and reports what vLLM's `bench serve` reports, under the same
 names: request and token throughput, TTFT, TPOT, ITL and E2E latency (mean, median =
@@ -14,7 +14,9 @@ identical across requests for a shared prefix_id; token counts come from the ser
 number for `bench memory`) is ignored: arrivals come from the request rate; its `n` is sent as
 `n`, its `beam_width` as `beam_width` (trtpaged's and TensorRT-LLM's field). The prompts
 depend on `seed` only: a second run with the same seed sends the same prompts, which a
-server with prefix caching then finds cached (use another seed for a cold run).
+server with prefix caching then finds cached (use another seed for a cold run). A ShareGPT dataset's prompts are its
+conversations' own texts, chosen by vLLM's rule (trtpaged.bench.sharegpt) with token counts from the server's
+POST /tokenize (`sharegpt_requests`).
 
 Timing, per request (`stream_timings`), as vLLM's client times it where the two agree: TTFT is the
 time to the first chunk that carries generated output (text, a finish reason, token ids: a chat
@@ -31,15 +33,17 @@ counted) goes first, as vLLM's benchmark sends one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from trtpaged.bench.server_metrics import parse_prometheus
+from trtpaged.bench.sharegpt import ShareGPTRule, ShareGPTSample, sample_sharegpt
 from trtpaged.bench.workload import TraceRequest
 
 _WORDS = ("the of and to in is you that it he was for on are as with his they at be this have from or one had by "
@@ -88,6 +92,67 @@ def prompts_from_trace(trace: Sequence[TraceRequest], seed: int = 0) -> list[Ser
         words += [rng.choice(_WORDS) for _ in range(r.prompt_len - len(words))]
         out.append(ServeRequest(" ".join(words), r.output_len, r.n, r.beam_width))
     return out
+
+
+def sharegpt_requests(path: str, base_url: str, num_requests: int, seed: int = 0, output_len: Optional[int] = None,
+                      api_key: Optional[str] = None, model: Optional[str] = None,
+                      timeout_s: float = 60.0) -> tuple[list[ServeRequest], ShareGPTSample]:  # fmt: skip
+    """A ShareGPT dataset's requests (trtpaged.bench.sharegpt: vLLM's rule), their texts sent as they are, counted
+    by the server's own tokenizer through POST /tokenize; a pair longer than the server's max_model_len (which
+    /tokenize also answers) is skipped. ValueError when the server has no /tokenize (`server_token_counter`)."""
+    with server_token_counter(base_url, api_key, model, timeout_s) as (count, max_model_len):
+        sample = sample_sharegpt(path, count, num_requests, seed, ShareGPTRule(output_len=output_len,
+                                                                              model_len=max_model_len))  # fmt: skip
+    return [ServeRequest(r.prompt, r.output_len) for r in sample.requests], sample
+
+
+@contextlib.contextmanager
+def server_token_counter(base_url: str, api_key: Optional[str] = None, model: Optional[str] = None,
+                         timeout_s: float = 60.0) -> Iterator[tuple[Callable[[str], int], Optional[int]]]:  # fmt: skip
+    """(count, max_model_len): a text's token count from the server's POST /tokenize ({"prompt": text} ->
+    {"count": N}, vLLM's and trtpaged's route, special tokens added as for a completions prompt), and the model
+    length it answers (None where it gives none). A server without the route is refused at once, naming --trace:
+    a ShareGPT request's lengths are token counts, which no client-side guess gives exactly."""
+    import httpx
+
+    url = base_url.rstrip("/") + "/tokenize"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.Client(timeout=httpx.Timeout(timeout_s)) as client:
+
+        def tokenize(text: str) -> dict[str, Any]:
+            return _tokenize(client, url, headers, {"prompt": text, **({"model": model} if model else {})})
+
+        first = tokenize("Hello")
+        max_model_len = first.get("max_model_len")
+        valid = isinstance(max_model_len, int) and not isinstance(max_model_len, bool) and max_model_len > 0
+        yield (lambda text: tokenize(text)["count"]), (max_model_len if valid else None)
+
+
+def _tokenize(client: Any, url: str, headers: dict[str, str], body: dict[str, Any]) -> dict[str, Any]:
+    """One POST /tokenize answer, checked: a dict with an integer "count" >= 0; ValueError saying what went wrong."""
+    import httpx
+
+    try:
+        resp = client.post(url, json=body, headers=headers)
+    except httpx.HTTPError as exc:
+        raise ValueError(f"--base-url: POST {url} failed ({type(exc).__name__}: {exc})") from None
+    snippet = " ".join(resp.text[:200].split())
+    if resp.status_code in (404, 405, 501):  # no such route, or no POST on it
+        raise ValueError(f"--trace: a ShareGPT dataset's requests are chosen by their token counts, which bench serve "
+                         f"asks the server's POST /tokenize for (vLLM's and trtpaged's); {url} answered HTTP "
+                         f"{resp.status_code}: give a server with it, or a JSON Lines trace")  # fmt: skip
+    if resp.status_code in (401, 403):
+        raise ValueError(f"--api-key: POST {url} answered HTTP {resp.status_code}: {snippet}")
+    if resp.status_code != 200:
+        raise ValueError(f"POST /tokenize answered HTTP {resp.status_code}: {snippet}")
+    try:
+        data = resp.json()
+    except ValueError:
+        data = None
+    count = data.get("count") if isinstance(data, dict) else None
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise ValueError(f"POST {url}: the answer has no integer \"count\" >= 0: {snippet}")
+    return data
 
 
 def warmup_request(first: ServeRequest, seed: int = 0) -> ServeRequest:

@@ -40,6 +40,7 @@ from typing import Callable, Optional, Sequence
 
 from trtpaged.bench import process_tree
 from trtpaged.bench.noise import Noise, NoiseMonitor, assess, spread
+from trtpaged.bench.sharegpt import ShareGPTRule, ShareGPTSample, sample_sharegpt
 from trtpaged.bench.workload import (TraceRequest, json_objects, load_trace_lines, prompt_token_ids, read_lines,
                                      synthetic_trace)  # fmt: skip
 
@@ -154,6 +155,17 @@ def load_requests(path: str | Path, tokenizer: Callable[[str], list[int]], vocab
         except ValueError as exc:  # text the tokenizer cannot take (RequestError)
             raise ValueError(f"{where}: {exc}") from None
     return out
+
+
+def sharegpt_requests(path: str | Path, encode: Callable[[str], list[int]], num_requests: int, seed: int = 0,
+                      output_len: Optional[int] = None,
+                      max_seq_len: Optional[int] = None) -> tuple[list[Request], ShareGPTSample]:  # fmt: skip
+    """A ShareGPT dataset's requests (trtpaged.bench.sharegpt: vLLM's rule): each prompt's token ids are `encode` of
+    its text (the engine's tokenizer, which also counts both turns' tokens); a pair longer than `max_seq_len` (the
+    engine's) is skipped. Each request's `where` names its entry ("FILE[12]")."""
+    rule = ShareGPTRule(output_len=output_len, model_len=max_seq_len)
+    sample = sample_sharegpt(path, lambda text: len(encode(text)), num_requests, seed, rule)
+    return [Request(tuple(encode(r.prompt)), r.output_len, f"{path}[{r.entry}]") for r in sample.requests], sample
 
 
 def check_requests(requests: list[Request], max_seq_len: int, source: str) -> None:

@@ -7,7 +7,7 @@ first prefix_len prompt tokens (a system prompt); arrival is the step at which t
 is submitted (default 0); n is the number of parallel samples; beam_width > 1 makes the
 request a beam search of that width (n is then how many beams it returns, at most beam_width, as
 `serve --request-log` writes a beam request). `bench memory --n/--beam-width` fill the lines that give
-neither field (`load_trace_with_sharing`).
+neither field (`load_trace_with_sharing`). A ShareGPT dataset (one JSON array) is read by trtpaged.bench.sharegpt.
 """
 
 from __future__ import annotations
@@ -83,8 +83,9 @@ def json_objects(path: str | Path, allowed: Iterable[str]) -> Iterator[tuple[str
             where = f"{path}:{lineno}"
             text = line.strip()
             if text in ("[", "{") or (first and text.startswith("[")):  # a whole JSON document, not JSON Lines
-                raise ValueError(f"{where}: expected JSON Lines, one request object per line (a JSON array or a "
-                                 "pretty-printed document is not read: write one object per line)")
+                raise ValueError(f"{where}: expected JSON Lines, one request object per line (a pretty-printed "
+                                 "document is not read: write one object per line; a JSON array is read only as a "
+                                 'ShareGPT dataset, [{"conversations": [...]}, ...], where the benchmark takes one)')
             first = False
             yield where, json_object(text, where, allowed)
 

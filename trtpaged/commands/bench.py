@@ -99,11 +99,15 @@ def kernel(kv_cache_dtype: Optional[str], device: str, as_json: bool, quick: boo
 @command.command(name="memory")
 @click.argument("engine", required=False, type=click.Path(exists=True, file_okay=False))
 @click.option("--trace", type=RegularFile(),
-              help="JSON Lines trace (prompt_len, output_len[, arrival, prefix_id, prefix_len, n, beam_width]).")
+              help="JSON Lines trace (prompt_len, output_len[, arrival, prefix_id, prefix_len, n, beam_width]), or a "
+                   "ShareGPT dataset (a JSON array of conversations, read as vLLM's benchmarks read it; its lengths "
+                   "counted by ENGINE's tokenizer).")
 @click.option("--num-requests", type=click.IntRange(1, MAX_REQUESTS), default=200, show_default=True,
-              help="Synthetic workload: number of requests.")
+              help="Synthetic workload, or a ShareGPT --trace: number of requests.")
 @click.option("--prompt-len", default="64:512", show_default=True, help="Synthetic: prompt length N or LOW:HIGH.")
-@click.option("--output-len", default="16:512", show_default=True, help="Synthetic: output length N or LOW:HIGH.")
+@click.option("--output-len", default="16:512", show_default=True,
+              help="Synthetic: output length N or LOW:HIGH. With a ShareGPT --trace: N, every request's (default: "
+                   "each completion's tokens).")
 @click.option("--shared-prefix", default=0, show_default=True, help="Synthetic: tokens of shared system prompt.")
 @click.option("--num-prefixes", type=click.IntRange(1, MAX_REQUESTS), default=1, show_default=True,
               help="Synthetic: distinct shared prompts.")
@@ -119,7 +123,7 @@ def kernel(kv_cache_dtype: Optional[str], device: str, as_json: bool, quick: boo
 @click.option("--plot", type=OutputFile(), callback=lambda ctx, p, v: _plot_path(v, p),
               help="Write KV slots and running sequences over time to PATH, exactly: a PNG (or the format its "
                    "suffix names: .svg, .pdf, ...).")
-@click.option("--seed", default=0, show_default=True)
+@click.option("--seed", default=0, show_default=True, help="Synthetic lengths, or a ShareGPT --trace's shuffle.")
 @click.option("--num-kv-blocks", type=int, help="KV blocks (default: the engine's budget, else 1456).")
 @click.option("--block-size", type=int, help="Tokens per block (default: the engine's, else 16).")
 @click.option("--max-seq-len", type=int, help="Default: the engine's, else 2048.")
@@ -152,17 +156,18 @@ def memory(ctx, engine, trace, num_requests, prompt_len, output_len, shared_pref
     are of the engine's kv_cache_dtype (without an engine: float16); --kv-cache-dtype converts that memory.
     The budget is one device's: for a tensor-parallel engine, its blocks per rank over tensor_parallel.
     With --trace, --n or --beam-width fill the lines that give neither field; the synthetic options
-    are errors (they cannot apply to a trace).
+    are errors (they cannot apply to a trace). A ShareGPT --trace takes --num-requests, --seed and --output-len N
+    (trtpaged.bench.sharegpt).
     """
-    from click.core import ParameterSource
-
     from trtpaged.bench.memory_bench import (Budget, format_memory_report, format_sharing_table, run_memory_bench,
                                              run_sharing_table)  # fmt: skip
+    from trtpaged.bench.sharegpt import is_sharegpt
     from trtpaged.bench.workload import PRESETS, load_trace_with_sharing, parse_range, synthetic_trace
 
     defaults = {"num_kv_blocks": 1456, "block_size": DEFAULT_BLOCK_SIZE, "max_seq_len": 2048, "max_batch_size": 256,
                 "max_num_tokens": 2048}  # fmt: skip
     base_dtype, engine_head_dim = "float16", 64
+    manifest = None
     try:
         tier_sizes = None
         if kv_tier_blocks is not None:
@@ -188,10 +193,11 @@ def memory(ctx, engine, trace, num_requests, prompt_len, output_len, shared_pref
         given = {"num_kv_blocks": num_kv_blocks, "block_size": block_size, "max_seq_len": max_seq_len,
                  "max_batch_size": max_batch_size, "max_num_tokens": max_num_tokens}  # fmt: skip
         budget = Budget(**{k: v if v is not None else defaults[k] for k, v in given.items()})
-        if trace:
-            given = {name for name in ("num_requests", "prompt_len", "output_len", "shared_prefix", "num_prefixes",
-                                       "n", "beam_width", "preset", "seed")
-                     if ctx.get_parameter_source(name) is not ParameterSource.DEFAULT}  # fmt: skip
+        if trace and is_sharegpt(trace):
+            requests = _sharegpt_memory_requests(ctx, manifest, budget.max_seq_len)
+        elif trace:
+            given = _given(ctx, ("num_requests", "prompt_len", "output_len", "shared_prefix", "num_prefixes", "n",
+                                 "beam_width", "preset", "seed"))  # fmt: skip
             synthetic = sorted(given - {"n", "beam_width"})
             if synthetic:
                 flags = ", ".join("--" + name.replace("_", "-") for name in synthetic)
@@ -263,6 +269,52 @@ def memory(ctx, engine, trace, num_requests, prompt_len, output_len, shared_pref
         echo("\n" + format_window_table(report["window"]["rows"], report["window"]["window"]))
 
 
+def _given(ctx: click.Context, names: tuple[str, ...]) -> set[str]:
+    """The options among `names` that the command line gave (not left at their defaults)."""
+    from click.core import ParameterSource
+
+    return {name for name in names if ctx.get_parameter_source(name) is not ParameterSource.DEFAULT}
+
+
+def _fixed_output_len(value: str, given: bool) -> Optional[int]:
+    """--output-len with a ShareGPT --trace: None (each completion's token count) unless given; given, one length."""
+    if not given:
+        return None
+    from trtpaged.bench.workload import parse_range
+
+    low, high = parse_range(value, "--output-len")
+    if low != high:
+        raise ValueError(f"--output-len: one length N with a ShareGPT --trace (every request's, as vLLM's "
+                         f"--sharegpt-output-len), got {value!r}")  # fmt: skip
+    return low
+
+
+def _sharegpt_memory_requests(ctx: click.Context, manifest, max_seq_len: int) -> list:
+    """bench memory's requests from a ShareGPT --trace: lengths counted by the engine's tokenizer (without ENGINE,
+    refused saying so), --n or --beam-width on every request, pairs longer than the budget's max_seq_len skipped."""
+    from trtpaged.bench.sharegpt import ShareGPTRule, sample_sharegpt, tokenizer_counter
+    from trtpaged.bench.workload import TraceRequest
+    from trtpaged.runtime.llm import load_tokenizer
+
+    p, trace = ctx.params, ctx.params["trace"]
+    given = _given(ctx, ("num_requests", "prompt_len", "output_len", "shared_prefix", "num_prefixes", "n",
+                         "beam_width", "preset", "seed"))  # fmt: skip
+    synthetic = sorted(given - {"num_requests", "seed", "output_len", "n", "beam_width"})
+    if synthetic:
+        flags = ", ".join("--" + name.replace("_", "-") for name in synthetic)
+        raise ValueError(f"{flags}: synthetic workload options; they cannot apply to the ShareGPT --trace {trace}")
+    if {"n", "beam_width"} <= given:
+        raise ValueError("--n, --beam-width: give one of them (a request is parallel sampling or a beam search)")
+    if manifest is None:
+        raise ValueError(f"--trace {trace}: a ShareGPT dataset's lengths are token counts of its texts, which need a "
+                         f"tokenizer: give the engine dir (bench memory ENGINE --trace {trace})")  # fmt: skip
+    rule = ShareGPTRule(output_len=_fixed_output_len(p["output_len"], "output_len" in given), model_len=max_seq_len)
+    tokenizer = load_tokenizer(Path(p["engine"]), manifest)
+    sample = sample_sharegpt(trace, tokenizer_counter(tokenizer), p["num_requests"], p["seed"], rule)
+    _progress(sample.summary(p["num_requests"]))
+    return [TraceRequest(r.prompt_len, r.output_len, n=p["n"], beam_width=p["beam_width"]) for r in sample.requests]
+
+
 def _plot_path(value, param):
     """--plot's PATH, refused before the replay when its directory is missing, or matplotlib cannot write the format
     its suffix names (a traceback after the whole replay) or is not installed. No suffix: a PNG."""
@@ -324,11 +376,16 @@ def qlinear(as_json: bool, quick: bool, working_set_mb: Optional[int], threads: 
 
 @command.command(name="serve")
 @click.option("--base-url", type=HttpUrl(), required=True, help="The server, e.g. http://127.0.0.1:8000 (any OpenAI-compatible server).")
-@click.option("--trace", type=RegularFile(), help="JSON Lines trace (as for bench memory).")
+@click.option("--trace", type=RegularFile(),
+              help="JSON Lines trace (as for bench memory), or a ShareGPT dataset (a JSON array of conversations, "
+                   "read as vLLM's benchmarks read it: its prompts' texts sent, lengths counted by the server's "
+                   "POST /tokenize).")
 @click.option("--num-requests", type=click.IntRange(1, MAX_REQUESTS), default=100, show_default=True,
-              help="Synthetic workload: number of requests.")
+              help="Synthetic workload, or a ShareGPT --trace: number of requests.")
 @click.option("--prompt-len", default="32:256", show_default=True, help="Synthetic: prompt words N or LOW:HIGH.")
-@click.option("--output-len", default="16:128", show_default=True, help="Synthetic: output tokens N or LOW:HIGH.")
+@click.option("--output-len", default="16:128", show_default=True,
+              help="Synthetic: output tokens N or LOW:HIGH. With a ShareGPT --trace: N, every request's (default: "
+                   "each completion's tokens).")
 @click.option("--request-rate", default="inf", show_default=True, help="Requests per second (Poisson), or inf.")
 @click.option("--max-concurrency", type=click.IntRange(1, MAX_REQUESTS), default=None, help="Requests in flight at most.")
 @click.option("--model", default=None, help="Model name to send (default: none; the server's own).")
@@ -336,8 +393,8 @@ def qlinear(as_json: bool, quick: bool, working_set_mb: Optional[int], threads: 
 @click.option("--endpoint", type=click.Choice(["completions", "chat"]), default="completions", show_default=True)
 @click.option("--ignore-eos/--no-ignore-eos", default=True, show_default=True, help="Ask for exactly the output length.")
 @click.option("--seed", default=0, show_default=True,
-              help="The prompts' words: the same seed resends the same prompts, which a server with prefix "
-                   "caching finds cached (another seed for a cold run).")
+              help="The prompts' words (a ShareGPT --trace: its shuffle): the same seed resends the same prompts, "
+                   "which a server with prefix caching finds cached (another seed for a cold run).")
 @click.option("--multi-turn", default=None, metavar="N:K",
               help="Multi-turn traffic: N conversations of K turns, each sending the whole history (with "
                    "--output-len N as the reply length); adds prefix hit rate and prefill tokens computed.")
@@ -368,20 +425,28 @@ def serve(base_url, trace, num_requests, prompt_len, output_len, request_rate, m
         _refuse_an_empty_run(report)
         return
 
-    from trtpaged.bench.serve_bench import format_report, prompts_from_trace, report_json, run_serve_bench
+    from trtpaged.bench.serve_bench import (format_report, prompts_from_trace, report_json, run_serve_bench,
+                                            sharegpt_requests)  # fmt: skip
+    from trtpaged.bench.sharegpt import is_sharegpt
     from trtpaged.bench.workload import load_trace, parse_range, synthetic_trace
 
     try:
         rate = float(request_rate)
         if not rate > 0:
             raise ValueError(f"--request-rate: must be > 0 or inf, got {request_rate!r}")
-        workload = load_trace(trace) if trace else synthetic_trace(
-            num_requests, parse_range(prompt_len, "--prompt-len"), parse_range(output_len, "--output-len"), seed=seed)
+        if trace and is_sharegpt(trace):
+            fixed = _fixed_output_len(output_len, "output_len" in _given(click.get_current_context(), ("output_len",)))
+            requests, sample = sharegpt_requests(trace, base_url, num_requests, seed, fixed, api_key, model)
+            _progress(sample.summary(num_requests))
+        else:
+            workload = load_trace(trace) if trace else synthetic_trace(
+                num_requests, parse_range(prompt_len, "--prompt-len"), parse_range(output_len, "--output-len"),
+                seed=seed)  # fmt: skip
+            requests = prompts_from_trace(workload, seed)
     except (ValueError, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from exc
-    report = asyncio.run(run_serve_bench(base_url, prompts_from_trace(workload, seed), rate, max_concurrency, model,
-                                         api_key, endpoint == "chat", ignore_eos, seed,
-                                         progress=_progress))  # fmt: skip
+    report = asyncio.run(run_serve_bench(base_url, requests, rate, max_concurrency, model, api_key, endpoint == "chat",
+                                         ignore_eos, seed, progress=_progress))  # fmt: skip
     echo(report_json(report) if as_json else format_report(report))
     _refuse_an_empty_run(report)
 
@@ -496,8 +561,13 @@ def structured(engine, batch, steps, repeats, temperature, as_json) -> None:
 @click.argument("engine", type=click.Path(exists=True, file_okay=False))
 @click.option("--trace", type=RegularFile(),
               help='JSON Lines: a bench-memory trace (prompt_len, output_len, ...; token ids are generated) '
-                   'or prompts ({"prompt": text, "output_len": N}).')  # fmt: skip
-@click.option("--num-requests", type=click.IntRange(1, MAX_REQUESTS), default=16, show_default=True, help="Built-in mix: requests (prompts 32-300, outputs 16-240 tokens).")
+                   'or prompts ({"prompt": text, "output_len": N}); or a ShareGPT dataset (a JSON array of '
+                   "conversations, read as vLLM's benchmarks read it; its prompts' texts tokenized).")  # fmt: skip
+@click.option("--num-requests", type=click.IntRange(1, MAX_REQUESTS), default=16, show_default=True,
+              help="Built-in mix (prompts 32-300, outputs 16-240 tokens), or a ShareGPT --trace: requests.")
+@click.option("--output-len", type=click.IntRange(min=1), default=None,
+              help="With a ShareGPT --trace: every request's output length (vLLM's --sharegpt-output-len; default: "
+                   "each completion's tokens).")
 @click.option("--baseline", type=click.Choice(("hf", "none")), default="hf", show_default=True,
               help="hf: transformers generate with static batches on the engine's source model.")
 @click.option("--hf-batch-size", type=int, help="Baseline static batch size (default: the engine's max_batch_size).")
@@ -518,11 +588,12 @@ def structured(engine, batch, steps, repeats, temperature, as_json) -> None:
               help="Seconds each transformers row may take; a row past it is reported as timed out and the run "
                    "goes on.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def throughput(engine, trace, num_requests, baseline, hf_batch_size, no_prefix_caching_row, engine2, profile, seed,
-               rounds, speculative_config, sequential, peer_time_limit, as_json) -> None:  # fmt: skip
+def throughput(engine, trace, num_requests, output_len, baseline, hf_batch_size, no_prefix_caching_row, engine2,
+               profile, seed, rounds, speculative_config, sequential, peer_time_limit, as_json) -> None:  # fmt: skip
     """End-to-end throughput and latency: trtpaged vs HF transformers on the same requests, side by side."""
+    from trtpaged.bench.sharegpt import is_sharegpt
     from trtpaged.bench.throughput_bench import (check_requests, default_requests, format_throughput_report,
-                                                 load_requests, run_throughput_bench)  # fmt: skip
+                                                 load_requests, run_throughput_bench, sharegpt_requests)  # fmt: skip
     from trtpaged.errors import check_unicode
     from trtpaged.manifest import read_manifest
 
@@ -531,12 +602,19 @@ def throughput(engine, trace, num_requests, baseline, hf_batch_size, no_prefix_c
 
     try:
         manifest = read_manifest(engine)
+        sharegpt = bool(trace) and is_sharegpt(trace)
+        if output_len is not None and not sharegpt:
+            raise ValueError("--output-len: with a ShareGPT --trace only (a trace line or the built-in mix gives each "
+                             "request's own)")  # fmt: skip
         if trace:
-            from pathlib import Path
-
             from trtpaged.runtime.llm import load_tokenizer
 
             tokenizer = load_tokenizer(Path(engine), manifest)
+        if sharegpt:
+            requests, sample = sharegpt_requests(trace, lambda text: list(tokenizer.encode(text)), num_requests, seed,
+                                                 output_len, manifest.limits.max_seq_len)  # fmt: skip
+            progress(sample.summary(num_requests))
+        elif trace:
             requests = load_requests(trace, lambda text: list(tokenizer.encode(check_unicode("prompt", text))),
                                      manifest.dims.vocab_size)  # fmt: skip
             check_requests(requests, manifest.limits.max_seq_len, trace)
