@@ -44,6 +44,11 @@ FAMILIES = {
                "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0, "hidden_activation": "gelu_pytorch_tanh"},
     "gemma3": {"architecture": "Gemma3ForCausalLM", "sliding_window": WINDOW, "query_pre_attn_scalar": 24,
                "sliding_window_pattern": 2, "hidden_activation": "gelu_pytorch_tanh"},
+    # Gemma 3 1B's heads: one KV head, whose k_norm rows are a strided view of the fused projection (was: the fused
+    # CPU form's rmsnorm refused it, "expected a contiguous float32 CPU tensor", at every multi-token step)
+    "gemma3-one-kv-head": {"architecture": "Gemma3ForCausalLM", "sliding_window": WINDOW, "query_pre_attn_scalar": 24,
+                           "sliding_window_pattern": 2, "hidden_activation": "gelu_pytorch_tanh",
+                           "num_key_value_heads": 1},
     # a soft-cap Gemma 3's config may carry and transformers' Gemma 3 never applies (was: applied, 0.07 off HF)
     "gemma3-attn-cap": {"architecture": "Gemma3ForCausalLM", "sliding_window_pattern": 2, "sliding_window": WINDOW,
                         "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0},
@@ -71,6 +76,7 @@ def test_dims_carry_what_makes_the_family(family):
                 "qwen2-window": dims.layer_windows == (0, WINDOW, WINDOW, WINDOW),
                 "gemma2": dims.attn_logit_softcap == 5.0 and dims.layer_windows == (WINDOW, 0, WINDOW, 0),
                 "gemma3": dims.qk_norm and dims.local_rope_theta > 0 and dims.layer_windows == (WINDOW, 0, WINDOW, 0),
+                "gemma3-one-kv-head": dims.qk_norm and dims.num_kv_heads == 1,
                 "gemma3-attn-cap": dims.attn_logit_softcap == 0.0 and dims.final_logit_softcap == 3.0}
     assert expected[name], dims
 

@@ -202,7 +202,7 @@ def test_step_model_fused_path_equals_torch_path(monkeypatch, overrides, row_isa
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["phi3", "phi3-longrope", "llama-yarn", "gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["phi3", "phi3-longrope", "llama-yarn", "gemma2", "gemma3", "gemma3-one-kv-head"])
 def test_family_fused_path_equals_torch_path(family):
     """Other families' features in the fused form (Gemma's (1 + w) norms through the rmsnorm kernel, the norms after
     attention and around the MLP, GeGLU in float64, partial rotary in torch ops, Gemma 3's local RoPE tables, the

@@ -255,8 +255,8 @@ W4A8 = {"weights": "int4", "group_size": 32, "activations": "int8"}
 
 @pytest.mark.parametrize("family, quantization", [
     *[(family, None) for family in ("mistral-window", "qwen2-window", "qwen3", "smollm3", "phi3", "phi3-longrope",
-                                    "llama-yarn", "gemma2", "gemma3", "gemma3-attn-cap")],
-    *[(family, W4A8) for family in ("qwen3", "smollm3", "phi3-longrope", "gemma2", "gemma3")],
+                                    "llama-yarn", "gemma2", "gemma3", "gemma3-attn-cap", "gemma3-one-kv-head")],
+    *[(family, W4A8) for family in ("qwen3", "smollm3", "phi3-longrope", "gemma2", "gemma3", "gemma3-one-kv-head")],
 ])
 def test_family_engines_match_transformers_and_python(lib, tmp_path, family, quantization):
     """Sliding windows (Mistral's on every layer, Qwen2's on all but the first), Qwen3's q/k norms, SmolLM3's layers

@@ -182,7 +182,8 @@ class PagedSelfAttention(nn.Module):
         assert self.q_norm is not None and self.k_norm is not None
         for start, size, norm in ((0, self.q_size, self.q_norm), (self.q_size, self.kv_size, self.k_norm)):
             slot = qkv[:, start : start + size]
-            heads = slot.reshape(-1, self.head_dim)  # dense: a copy, or with one row a view of qkv
+            # dense: a copy, or with one row a view of qkv (one head over several rows: a strided view, copied)
+            heads = slot.reshape(-1, self.head_dim).contiguous()
             ops.rmsnorm(heads, norm.kernel_weight(), norm.eps, out=heads)
             if heads.data_ptr() != slot.data_ptr():  # a copy: written back
                 slot.copy_(heads.view(-1, size))
