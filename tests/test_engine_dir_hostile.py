@@ -10,6 +10,7 @@ them (confinement, safetensors header, dims, NaN) is what refuses the dir.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -285,6 +286,27 @@ BROKEN = {
                                             False, "dims.rope_scaling.short_factor", "expected 8 finite positive"),
     "yarn truncate null": (_dims(rope_scaling={"rope_type": "yarn", "factor": 2.0, "truncate": None}), False,
                            "dims.rope_scaling.truncate", "expected true or false"),
+    # were: ZeroDivisionError / OverflowError tracebacks out of rope.py (yarn's log(rope_theta) divisor at theta 1,
+    # floor(inf) at a denormal beta_slow, a denominator mscale of 0; longrope's log(original) at original 1), which the
+    # C runtime refuses as non-finite frequencies
+    "yarn at rope_theta 1": (_dims(rope_theta=1.0, rope_scaling={"rope_type": "yarn", "factor": 4.0}), False, "dims",
+                             "gives non-finite rotary frequencies"),
+    "yarn beta_slow 5e-324": (_dims(rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_slow": 5e-324}), False,
+                              "dims", "gives non-finite rotary frequencies"),
+    "yarn mscale_all_dim zeroing": (_dims(rope_scaling={"rope_type": "yarn", "factor": math.e, "mscale": 1.0,
+                                                        "mscale_all_dim": -10.0}), False, "dims",
+                                    "gives non-finite rotary frequencies"),
+    "longrope original 1": (_dims(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8, "factor": 4.0,
+                                                "original_max_position_embeddings": 1}), False, "dims",
+                            "gives non-finite rotary frequencies"),
+    # were: loaded, and every logit NaN (cos/sin scaled past float32, or a base whose powers leave it), which the C
+    # runtime refuses (the base) or ran too (the scaling)
+    "yarn attention_factor 1e39": (_dims(rope_scaling={"rope_type": "yarn", "factor": 4.0, "attention_factor": 1e39}),
+                                   False, "dims.rope_scaling.attention_factor", "finite and not 0 in float32"),
+    "yarn mscale 1e300": (_dims(rope_scaling={"rope_type": "yarn", "factor": 4.0, "mscale": 1e300,
+                                              "mscale_all_dim": 1.0}), False, "dims",
+                          "gives a cos/sin scaling of 1.21751e+299"),
+    "rope_theta 1e-45": (_dims(rope_theta=1e-45), False, "dims", "rope_theta 1e-45 gives non-finite"),
     # were: loaded, then token 0 for ever (embed_scale 0) or every request failed (NaN): a Llama's embeddings are
     # not scaled and its logits not capped
     "embed_scale 0": (_dims(embed_scale=0.0), False, "dims.embed_scale", "scales embeddings by 1"),

@@ -395,10 +395,14 @@ def _check_long_context_rope(scaling: dict, kind: str, pairs: int, bad: Any) -> 
     if original is not None and original < 1:
         raise bad("dims.rope_scaling.original_max_position_embeddings", f"got {original!r:.40}; expected a number of "
                   "positions >= 1")  # fmt: skip
-    for key in ("attention_factor", "beta_fast", "beta_slow"):
+    for key in ("beta_fast", "beta_slow"):
         value = scaling.get(key)
         if value is not None and not _finite_positive(value):
             raise bad(f"dims.rope_scaling.{key}", f"got {value!r:.40}; expected a finite positive number")
+    value = scaling.get("attention_factor")  # multiplies cos and sin: as the kernels take it, a float32
+    if value is not None and not (_finite_positive(value) and 0 < _as_float32(value) < math.inf):
+        raise bad("dims.rope_scaling.attention_factor", f"got {value!r:.40}; expected a positive number, finite and "
+                  "not 0 in float32")  # fmt: skip
     for key in ("mscale", "mscale_all_dim"):
         value = scaling.get(key)
         if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -92,7 +92,8 @@ class Rotary(nn.Module):
         super().__init__()
         rotary_dim = int(dims.head_dim * dims.partial_rotary_factor)
         if local:
-            inv_freq, self.attention_scaling = inv_frequencies(rotary_dim, dims.local_rope_theta, None)
+            inv_freq, self.attention_scaling = inv_frequencies(rotary_dim, dims.local_rope_theta, None,
+                                                               theta_name="local_rope_theta")
         else:
             inv_freq, self.attention_scaling = inv_frequencies(rotary_dim, dims.rope_theta, dims.rope_scaling,
                                                                dims.max_position_embeddings)

@@ -10,6 +10,7 @@ needs transformers to rebuild them.
 from __future__ import annotations
 
 import math
+import struct
 from typing import Optional
 
 import torch
@@ -29,29 +30,49 @@ def rope_type(rope_scaling: Optional[dict]) -> str:
 
 
 def inv_frequencies(head_dim: int, rope_theta: float, rope_scaling: Optional[dict],
-                    max_position_embeddings: int = 2048) -> tuple[torch.Tensor, float]:
+                    max_position_embeddings: int = 2048, theta_name: str = "rope_theta") -> tuple[torch.Tensor, float]:
     """Returns (inv_freq [head_dim // 2] float32, attention scaling of cos/sin); head_dim here is the
-    rotary dims (head_dim * partial_rotary_factor)."""
+    rotary dims (head_dim * partial_rotary_factor). Raises ValueError for parameters out of the formulas' domain
+    (theta_name: the base's field, for the message)."""
     kind = rope_type(rope_scaling)
-    inv_freq = 1.0 / _powers(head_dim, rope_theta)  # the float32 division the C runtime takes too
-    if kind == "default":
-        return inv_freq, 1.0
-    params = dict(rope_scaling or {})
-    if kind == "linear":
-        scaled = inv_freq / float(params["factor"]), 1.0
-    elif kind == "llama3":
-        scaled = _llama3(inv_freq, params), 1.0
-    elif kind == "longrope":
-        scaled = _longrope(head_dim, rope_theta, params, max_position_embeddings)
-    elif kind == "yarn":
-        scaled = _yarn(head_dim, rope_theta, params, max_position_embeddings)
-    else:
+    if kind not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope_scaling.rope_type: got {kind!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    # an engine dir's parameters are untrusted: a factor of 0 (or equal llama3 frequency factors) would make every
-    # position's angle, and so every logit, NaN
-    if not bool(torch.isfinite(scaled[0]).all()) or not math.isfinite(scaled[1]):
-        raise ValueError(f"rope_scaling: {params!r:.120} gives non-finite rotary frequencies")
+    params = dict(rope_scaling or {})
+    what = f"rope_scaling: {params!r:.120}" if kind != "default" else f"{theta_name} {rope_theta!r}"
+    try:
+        inv_freq = 1.0 / _powers(head_dim, rope_theta)  # the float32 division the C runtime takes too
+        if kind == "default":
+            scaled = inv_freq, 1.0
+        elif kind == "linear":
+            scaled = inv_freq / float(params["factor"]), 1.0
+        elif kind == "llama3":
+            scaled = _llama3(inv_freq, params), 1.0
+        elif kind == "longrope":
+            scaled = _longrope(head_dim, rope_theta, params, max_position_embeddings)
+        else:
+            scaled = _yarn(head_dim, rope_theta, params, max_position_embeddings)
+    except (ZeroDivisionError, OverflowError, ValueError) as e:
+        # an engine dir's values out of the formulas' domain (yarn's log(rope_theta) divisor at theta 1, a
+        # denominator mscale of 0, longrope's log(original) at 1): what the C runtime refuses as non-finite
+        raise ValueError(f"{what} gives non-finite rotary frequencies ({e})") from None
+    # an engine dir's parameters are untrusted: a factor of 0 (or equal llama3 frequency factors, or a base whose
+    # powers leave float32) would make every position's angle, and so every logit, NaN; so would a cos/sin scaling
+    # past float32 (0 in float32: every q and k 0)
+    if not bool(torch.isfinite(scaled[0]).all()):
+        raise ValueError(f"{what} gives non-finite rotary frequencies")
+    scaling = _as_float32(float(scaled[1]))
+    if not (math.isfinite(scaling) and scaling != 0):
+        raise ValueError(f"{what} gives a cos/sin scaling of {scaled[1]:g} (attention_factor, or from factor, mscale "
+                         "and mscale_all_dim), not finite and non-zero in float32")
     return scaled
+
+
+def _as_float32(value: float) -> float:
+    """`value` rounded to float32, as the tables take it (inf past float32's range)."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
 
 
 def _powers(dim: int, base: float) -> torch.Tensor:

@@ -212,7 +212,8 @@ void read_long_context_rope(const Fields& r, Manifest& m) {
     r.bad("original_max_position_embeddings", "got " + show(*r.get("original_max_position_embeddings", true)) +
                                                    "; expected a number of positions >= 1");
   s.original_max_position_embeddings = std::floor(s.original_max_position_embeddings);  // rope.py takes int()
-  s.attention_factor = r.positive_or("attention_factor", 0);
+  // it multiplies cos and sin: as the tables take it, a float32 (trtpaged/manifest.py checks the same)
+  s.attention_factor = r.get("attention_factor", false) ? r.positive_float32("attention_factor") : 0;
   if (s.type == "yarn") {
     s.factor = r.positive("factor");
     s.beta_fast = r.positive_or("beta_fast", 32);

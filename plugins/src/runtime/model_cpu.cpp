@@ -140,16 +140,21 @@ RotaryTable rotary_table(const Manifest& m, double theta, const RopeScaling& sca
                          const std::string& manifest_where) {
   RotaryTable table;
   table.frequencies = rotary_frequencies(m.rotary_dim(), theta, scaling);
-  if (table.frequencies.finite()) return table;
-  // as rope.py refuses: a factor finite as a double may not be as a float (1e-300 -> 0, then inv = inf)
-  char theta_text[32], factor[32];
+  const bool finite = table.frequencies.finite(), usable = table.frequencies.scaling_usable();
+  if (finite && usable) return table;
+  // as rope.py refuses: a factor finite as a double may not be as a float (1e-300 -> 0, then inv = inf); a cos/sin
+  // scaling past float32 (yarn's mscales of 1e300) would make every logit NaN, one of 0 every q and k 0
+  char theta_text[32], factor[32], scaled[32];
   std::snprintf(theta_text, sizeof theta_text, "%g", theta);
   std::snprintf(factor, sizeof factor, "%g", scaling.factor);
+  std::snprintf(scaled, sizeof scaled, "%g", table.frequencies.attention_scaling);
   invalid(manifest_where +
           (scaling.type != "default" ? "dims." + field + " / dims.rope_scaling: " + field + " " + theta_text +
                                            " with factor " + factor
                                      : "dims." + field + ": " + theta_text) +
-          " gives non-finite rotary frequencies in float32");
+          (finite ? std::string(" gives a cos/sin scaling of ") + scaled + " (attention_factor, or from factor, mscale "
+                        "and mscale_all_dim), not finite and non-zero in float32"
+                  : std::string(" gives non-finite rotary frequencies in float32")));
 }
 
 // Rotate-half RoPE of one head in torch's operations (models/rope.py: rotate): the first rot dims rotate, the

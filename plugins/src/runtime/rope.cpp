@@ -79,8 +79,12 @@ RotaryFrequencies yarn(int64_t dim, double base, const RopeScaling& r) {
 }  // namespace
 
 bool RotaryFrequencies::finite() const {
-  return std::isfinite(attention_scaling) &&
-         std::all_of(inv_freq.begin(), inv_freq.end(), [](float f) { return std::isfinite(f); });
+  return std::all_of(inv_freq.begin(), inv_freq.end(), [](float f) { return std::isfinite(f); });
+}
+
+bool RotaryFrequencies::scaling_usable() const {
+  const float s = float(attention_scaling);  // as fill multiplies the tables by it
+  return std::isfinite(attention_scaling) && std::isfinite(s) && s != 0;
 }
 
 RotaryFrequencies rotary_frequencies(int64_t dim, double theta, const RopeScaling& scaling) {

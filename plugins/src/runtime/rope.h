@@ -12,7 +12,8 @@ namespace trtpaged::rt {
 struct RotaryFrequencies {
   std::vector<float> inv_freq;  // [dim / 2]
   double attention_scaling = 1;  // cos and sin are multiplied by it (yarn, longrope)
-  bool finite() const;
+  bool finite() const;           // every frequency finite in float32
+  bool scaling_usable() const;   // the scaling finite and non-zero as the tables' float32 (else NaN or 0 logits)
 };
 
 // dim: the rotated dims (head_dim * partial_rotary_factor). A parameter out of its domain gives non-finite
