@@ -226,6 +226,14 @@ def edited_engine(src: Path, dst: Path, edit) -> Path:
     (lambda m: m["dims"].update(rope_scaling={"rope_type": "yarn", "factor": 4.0, "mscale": 1e300,
                                               "mscale_all_dim": 1.0}), "invalid_argument",
      "dims.rope_theta / dims.rope_scaling: rope_theta 10000 with factor 4 gives a cos/sin scaling of 1.21751e+299"),
+    # a family field written as null: were read as its default, where the Python reader refuses it
+    (lambda m: m["dims"].update(partial_rotary_factor=None), "invalid_argument",
+     "dims.partial_rotary_factor: got null; expected a value"),
+    (lambda m: m["dims"].update(architecture="Gemma2ForCausalLM", gemma_norms=True, embed_scale=8.0,
+                                final_logit_softcap=None), "invalid_argument", "dims.final_logit_softcap: got null"),
+    # a null rope_type is rope.py's "None", refused (was: the "type" key read instead)
+    (lambda m: m["dims"].update(rope_scaling={"rope_type": None, "type": "yarn", "factor": 4.0}), "unsupported",
+     "dims.rope_scaling.rope_type: got null; the C runtime supports"),
     (lambda m: m["dims"].update(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "unsupported",
      "dims.rope_scaling.rope_type: got \"dynamic\"; the C runtime supports default, linear, llama3, yarn, longrope"),
     (lambda m: m["dims"].update(nope_layers=[1, 1]), "invalid_argument", "dims.nope_layers: got [1,1]; expected"),

@@ -238,8 +238,8 @@ void read_rope_scaling(const json& value, Manifest& m, const std::string& where)
   if (value.is_null()) return;
   if (!value.is_object()) invalid(where + ": dims.rope_scaling: got " + show(value) + "; expected an object or null");
   Fields r(value, "dims.rope_scaling.", where);
-  const json* kind = r.get("rope_type", false);
-  if (!kind) kind = r.get("type", false);
+  // as rope.py reads it: rope_type where present (null too: refused below, as Python refuses "None"), else type
+  const json* kind = r.has("rope_type") ? r.get("rope_type", true) : r.has("type") ? r.get("type", true) : nullptr;
   m.rope.type = kind ? (kind->is_string() ? kind->get<std::string>() : "?") : "default";
   if (m.rope.type == "linear") {
     m.rope.factor = r.positive("factor");
@@ -279,6 +279,11 @@ bool windows_reach_no_sequence(const json& dims, int64_t max_seq_len, const std:
 // The fields of the families beyond Llama's (written only where they differ from Llama's), checked as
 // trtpaged/manifest.py checks them: values the step model can run.
 void read_family_fields(const Fields& dims, Manifest& m) {
+  // present means a value: null is no default here, as the Python reader (strict types) refuses it too
+  for (const char* name : {"partial_rotary_factor", "hidden_act", "gemma_norms", "embed_scale", "attention_scale",
+                           "attn_logit_softcap", "final_logit_softcap", "local_rope_theta"})
+    if (dims.has(name) && dims.get(name, true)->is_null())
+      dims.bad(name, "got null; expected a value (a field left out takes Llama's)");
   m.partial_rotary_factor = dims.number("partial_rotary_factor", false, 1);
   const bool in_range = m.partial_rotary_factor > 0 && m.partial_rotary_factor <= 1;  // then rotary_dim() is too
   if (!in_range || m.rotary_dim() < 2 || m.rotary_dim() % 2)
