@@ -38,13 +38,32 @@ CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "co
      "{{ m.content }}{% endfor %}", "string"),
     ("{% for content in contents %}{% for p in content %}{{ p }}{% endfor %}{% endfor %}", "string"),
     ("{% for m in messages %}{{ m.content }", "string"),  # not Jinja: rendered (and refused) as before
-    ({"default": STRING, "tool_use": PARTS_ONLY}, "openai"),
     ("{% for m in messages %}{% generation %}{% for p in m.content %}{{ p.text }}{% endfor %}{% endgeneration %}"
      "{% endfor %}", "openai"),  # transformers' generation blocks
     (None, "string"),
 ])  # fmt: skip
 def test_the_content_format_is_read_from_the_template(template, expected):
     assert template_content_format(template) == expected
+
+
+def test_of_named_templates_the_one_rendered_is_read():
+    """transformers renders "tool_use" for a request with tools (when there is one), else "default"."""
+    named = {"default": STRING, "tool_use": PARTS_ONLY}
+    assert template_content_format(named) == "string"
+    assert template_content_format(named, tools=True) == "openai"
+    assert template_content_format({"default": PARTS_ONLY, "rag": STRING}, tools=True) == "openai"
+
+
+def test_an_empty_text_is_a_part(llm):
+    """vLLM's openai form gives "" as [{"type": "text", "text": ""}]: a template reading the first part (Gemma 3's
+    system message, transformers' continue_final_message) finds it."""
+    first = "{% for m in messages %}{% for p in m.content %}{% endfor %}[{{ m.content[0].text }}]{% endfor %}"
+    (out,) = llm.chat([{"role": "system", "content": ""}, {"role": "user", "content": "hi"}], use_tqdm=False,
+                      chat_template=first)  # fmt: skip
+    assert out.prompt == "[][hi]"
+    (cont,) = llm.chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}], use_tqdm=False,
+                       add_generation_prompt=False, continue_final_message=True)  # fmt: skip
+    assert cont.prompt == "<user>hi</user><assistant>"  # was: a 400, no text to continue in the final message
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +77,8 @@ def _transformers_render(llm, template, parts: bool) -> str:
     for m in CONVERSATION:
         content = m["content"]
         texts = [p["text"] for p in content] if isinstance(content, list) else [content or ""]
-        messages.append({**m, "content": [{"type": "text", "text": t} for t in texts if t] if parts else
+        messages.append({**m, "content": [{"type": "text", "text": t} for t in texts if m["content"] is not None]
+                         if parts else
                          "\n".join(texts)})  # fmt: skip
     return llm.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
                                              add_generation_prompt=True)  # fmt: skip

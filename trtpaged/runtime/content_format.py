@@ -14,11 +14,13 @@ from jinja2 import nodes
 CONTENT_FORMATS = ("auto", "string", "openai")
 
 
-def template_content_format(template: Any) -> str:
-    """"openai" when the template (a Jinja text, or transformers' dict of named templates) loops over a message's
-    content, else "string" (also for a template Jinja cannot parse here: it is rendered as before)."""
-    texts = template.values() if isinstance(template, dict) else (template,)
-    return "openai" if any(isinstance(t, str) and _loops_over_content(t) for t in texts) else "string"
+def template_content_format(template: Any, tools: bool = False) -> str:
+    """"openai" when the template loops over a message's content, else "string" (also for a template Jinja cannot
+    parse here: it is rendered as before). Of transformers' dict of named templates, the one it renders: "tool_use"
+    for a request with tools when there is one, else "default"."""
+    if isinstance(template, dict):
+        template = template.get("tool_use") if tools and "tool_use" in template else template.get("default")
+    return "openai" if isinstance(template, str) and _loops_over_content(template) else "string"
 
 
 class _GenerationBlocks(jinja2.ext.Extension):

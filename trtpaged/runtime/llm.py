@@ -183,7 +183,7 @@ def text_part(part: Any, where: str) -> str:
 def _with_text_content(messages: Seq[Mapping], as_parts: bool = False) -> list[dict]:
     """Messages as vLLM gives them to the template: a content that is a list of parts (OpenAI's form) as its text
     parts joined by newlines; with `as_parts` (a template that loops over the parts), every content as a list of
-    text parts instead ({"type": "text", "text": ...}; none for an empty or absent content)."""
+    text parts instead ({"type": "text", "text": ...}; none for an absent content)."""
     out = []
     for m, msg in enumerate(messages):
         if not isinstance(msg.get("role"), str):
@@ -196,10 +196,10 @@ def _with_text_content(messages: Seq[Mapping], as_parts: bool = False) -> list[d
             raise RequestError(f"messages[{m}].content", f"must be a string or a list of parts, got "
                                f"{type(content).__name__}")  # fmt: skip
         texts = [text_part(part, f"messages[{m}].content[{p}]") for p, part in enumerate(content)] \
-            if isinstance(content, list) else [content]  # fmt: skip
+            if isinstance(content, list) else [] if msg.get("content") is None else [content]  # fmt: skip
         for text in texts:  # named here, where the position is the content's own
             check_unicode(f"messages[{m}].content", text)
-        parts = [{"type": "text", "text": t} for t in texts if t]
+        parts = [{"type": "text", "text": t} for t in texts]  # an empty text is a part too, as vLLM gives it
         out.append({**msg, "content": parts if as_parts else "\n".join(texts)})
     return out
 
@@ -221,7 +221,8 @@ def chat_prompt_text(tokenizer: Any, messages: Seq[dict], tools: Optional[Seq[di
         raise RequestError("chat_template_content_format", f"must be one of {list(CONTENT_FORMATS)}, got "
                            f"{content_format!r:.40}")  # fmt: skip
     if content_format == "auto":
-        content_format = template_content_format(chat_template or getattr(tokenizer, "chat_template", None))
+        content_format = template_content_format(chat_template or getattr(tokenizer, "chat_template", None),
+                                                 tools=bool(tools))
     messages = _with_text_content(messages, as_parts=content_format == "openai")
     if template_kwargs is not None and not isinstance(template_kwargs, Mapping):
         raise RequestError("chat_template_kwargs", f"must be a mapping, got {type(template_kwargs).__name__}")
