@@ -307,6 +307,26 @@ def test_pool_and_tier_hits_before_the_window_are_holes_and_the_chain_resumes_af
     assert kv.pool.num_free == 16
 
 
+def test_a_run_that_ends_early_reads_the_probed_hits_its_window_then_needs():
+    """The tier lacks block 8, so the run ends after block 7 and the first token to compute is 32, whose window (12)
+    reads blocks 5-7: the load probed 2-6 while it assumed the whole run (window of 40: blocks 7-9), so it reads 5 and
+    6 once the run's end is known (`TierStack._settle`); 2-4 stay holes, and the plan takes 3 loads and 3 new blocks."""
+    kv = _manager(window=12)
+    host = kv.tiers.tiers[0]
+    missing = next(key for key, (record, _, _) in host._blocks.items() if record.tokens == tuple(TOKENS[32:36]))
+    del host._blocks[missing]
+    seq = Sequence(1, TOKENS[:41])
+    hits, taken = _admit(kv, seq)
+    assert [type(h).__name__ for h in hits] == ["KVBlock"] * 2 + ["TierHit"] * 6
+    assert [h.payload is None for h in hits[2:]] == [True] * 3 + [False] * 3
+    assert _counters(kv) == (3, 5) and taken == 3 + 3  # reads 7, then 5 and 6; probe lookups 2-6
+    table = kv.tables[seq.seq_id]
+    assert table[:5] == [None] * 5 and all(b is not None for b in table[5:])
+    assert sorted(kv.take_tier_transfers()[1]) == [(table[j].block_id, bytes([j]) * 8) for j in (5, 6, 7)]
+    kv.free(seq)
+    assert kv.pool.num_free == 16
+
+
 def test_the_last_pool_hit_stays_the_chain_parent_of_a_tier_hit_inside_the_window():
     """Window 30: the first token to compute, 40, reads blocks 2-9, the tier's 8, all read and loaded; pool block 1
     is kept (their chain parent in the pool) and block 0 is a hole, so a later lookup walks the pool's chain."""

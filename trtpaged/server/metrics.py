@@ -75,7 +75,7 @@ SPEC_STATS: dict[str, tuple[str, str]] = {
 TIER_NAMES = ("host", "disk", "remote")
 TIER_STATS: dict[str, tuple[str, str]] = {
     "hits": ("kv_tier_hits", "Block lookups answered by the tier with a verified entry."),
-    "probes": ("kv_tier_probes", "Blocks found in the tier and not read: wholly before a sliding window."),
+    "probes": ("kv_tier_probes", "Lookups that found a block without reading it (before a sliding window)."),
     "misses": ("kv_tier_misses", "Block lookups the tier could not answer (absent, invalid or unreachable)."),
     "invalid": ("kv_tier_invalid_entries", "Entries that failed their checks (truncated, corrupted, foreign engine)."),
     "errors": ("kv_tier_errors", "Store operations that failed (timeouts, refused connections)."),
