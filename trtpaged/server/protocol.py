@@ -150,7 +150,7 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     for m, msg in enumerate(messages):
         if msg.content is None and msg.role in _CONTENT_REQUIRED:  # OpenAI requires it; only an assistant's calls
             raise ApiError(f"messages[{m}].content: required for a {msg.role} message", "messages")
-        content = msg.content or ""
+        content = msg.content  # None (an assistant's calls only): no text, or no part for a template of parts
         if isinstance(content, list):  # the template gets them joined or as parts (LLM's content format)
             content = [{"type": "text", "text": _text_part(part, f"messages[{m}].content[{p}]")}
                        for p, part in enumerate(content)]  # fmt: skip
