@@ -221,3 +221,29 @@ def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
         yield path
     finally:
         subprocess.run(["umount", str(path)], check=True)
+
+
+@contextlib.contextmanager
+def server_with_request_log(engine_dir: Path, path: Path, log_prompts: bool = False) -> Iterator[tuple[Any, Callable]]:
+    """A tiny-engine server on loopback writing its request log to `path` (each prompt's token ids too with
+    `log_prompts`), and a reader of the lines logged so far: lines(count, timeout) waits for `count` of them."""
+    import json
+    import time
+
+    from trtpaged.server import ServerOptions, start_server
+
+    handle = start_server(engine_dir, port=0, served_model_name="tiny", device="cpu",
+                          options=ServerOptions(request_log=str(path), request_log_prompts=log_prompts))  # fmt: skip
+
+    def lines(count: int, timeout: float = 20.0) -> list[dict]:
+        deadline = time.monotonic() + timeout
+        while True:
+            got = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+            if len(got) >= count or time.monotonic() > deadline:
+                return got
+            time.sleep(0.05)
+
+    try:
+        yield handle, lines
+    finally:
+        handle.shutdown(timeout=0)

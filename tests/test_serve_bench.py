@@ -20,6 +20,8 @@ from trtpaged.bench.workload import TraceRequest
 from trtpaged.cli import main
 from trtpaged.server import ServerOptions, start_server
 
+from runtime_helpers import server_with_request_log
+
 # greedy on the tiny engine: 9 tokens whose text is empty (the server streams only the final, empty chunk)
 NO_TEXT_PROMPT = ("then in there which come now be have first see will water for it was had made but that up of on "
                   "other go has said so like no day its word then was if but we no have them one how as it long to "
@@ -149,20 +151,8 @@ def test_trace_beam_width_and_n_reach_the_request_body():
 @pytest.fixture(scope="module")
 def logged(tiny_engine_dir, tmp_path_factory):
     """A tiny-engine server writing its request log, and a reader of the lines logged so far."""
-    path = tmp_path_factory.mktemp("serve-bench") / "requests.jsonl"
-    handle = start_server(tiny_engine_dir, port=0, served_model_name="tiny", device="cpu",
-                          options=ServerOptions(request_log=str(path)))  # fmt: skip
-
-    def lines(count: int, timeout: float = 10.0) -> list[dict]:
-        deadline = time.monotonic() + timeout
-        while True:
-            got = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-            if len(got) >= count or time.monotonic() > deadline:
-                return got
-            time.sleep(0.05)
-
-    yield handle, lines
-    handle.shutdown(timeout=0)
+    with server_with_request_log(tiny_engine_dir, tmp_path_factory.mktemp("serve-bench") / "requests.jsonl") as served:
+        yield served
 
 
 def _one_request(url: str, body: dict) -> RequestResult:

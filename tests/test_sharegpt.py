@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import random
 import threading
-import time
 import tracemalloc
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -22,7 +21,8 @@ from trtpaged.bench import sharegpt
 from trtpaged.bench.serve_bench import sharegpt_requests as serve_requests
 from trtpaged.bench.throughput_bench import sharegpt_requests as throughput_requests
 from trtpaged.cli import main
-from trtpaged.server import ServerOptions, start_server
+
+from runtime_helpers import server_with_request_log
 
 TINY_MAX_SEQ_LEN = 512  # examples/tiny.yaml
 WORDS = "the of and to in is you that it he was for on are as with his they at be this have from or one had by".split()
@@ -178,19 +178,8 @@ def test_cli_output_len_is_for_a_sharegpt_trace_only(tiny_engine_dir, tmp_path):
 def logged_server(tiny_engine_dir, tmp_path_factory):
     """A tiny-engine server logging each request's prompt token ids, and a reader of the lines logged so far."""
     path = tmp_path_factory.mktemp("sharegpt-serve") / "requests.jsonl"
-    handle = start_server(tiny_engine_dir, port=0, served_model_name="tiny", device="cpu",
-                          options=ServerOptions(request_log=str(path), request_log_prompts=True))  # fmt: skip
-
-    def lines(count: int, timeout: float = 20.0) -> list[dict]:
-        deadline = time.monotonic() + timeout
-        while True:
-            got = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-            if len(got) >= count or time.monotonic() > deadline:
-                return got
-            time.sleep(0.05)
-
-    yield handle, lines
-    handle.shutdown(timeout=0)
+    with server_with_request_log(tiny_engine_dir, path, log_prompts=True) as served:
+        yield served
 
 
 @pytest.mark.parametrize("seed,num_requests,output_len", [(0, 6, None), (5, 1000, None), (2, 4, 9)])
