@@ -307,6 +307,9 @@ BROKEN = {
                                               "mscale_all_dim": 1.0}), False, "dims",
                           "gives a cos/sin scaling of 1.21751e+299"),
     "rope_theta 1e-45": (_dims(rope_theta=1e-45), False, "dims", "rope_theta 1e-45 gives non-finite"),
+    # finite in float32, but the scores grow as its square: were loaded, and every logit NaN in both runtimes
+    "yarn attention_factor 1e20": (_dims(rope_scaling={"rope_type": "yarn", "factor": 4.0, "attention_factor": 1e20}),
+                                   False, "dims", "gives a cos/sin scaling of 1e+20"),
     # were: loaded, then token 0 for ever (embed_scale 0) or every request failed (NaN): a Llama's embeddings are
     # not scaled and its logits not capped
     "embed_scale 0": (_dims(embed_scale=0.0), False, "dims.embed_scale", "scales embeddings by 1"),

@@ -226,6 +226,9 @@ def edited_engine(src: Path, dst: Path, edit) -> Path:
     (lambda m: m["dims"].update(rope_scaling={"rope_type": "yarn", "factor": 4.0, "mscale": 1e300,
                                               "mscale_all_dim": 1.0}), "invalid_argument",
      "dims.rope_theta / dims.rope_scaling: rope_theta 10000 with factor 4 gives a cos/sin scaling of 1.21751e+299"),
+    (lambda m: m["dims"].update(rope_scaling={"rope_type": "yarn", "factor": 4.0, "attention_factor": 1e20}),
+     "invalid_argument", "gives a cos/sin scaling of 1e+20 (attention_factor, or from factor, mscale and "
+                         "mscale_all_dim), not non-zero and at most 1000 in magnitude"),
     # a family field written as null: were read as its default, where the Python reader refuses it
     (lambda m: m["dims"].update(partial_rotary_factor=None), "invalid_argument",
      "dims.partial_rotary_factor: got null; expected a value"),

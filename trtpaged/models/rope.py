@@ -61,10 +61,16 @@ def inv_frequencies(head_dim: int, rope_theta: float, rope_scaling: Optional[dic
     if not bool(torch.isfinite(scaled[0]).all()):
         raise ValueError(f"{what} gives non-finite rotary frequencies")
     scaling = _as_float32(float(scaled[1]))
-    if not (math.isfinite(scaling) and scaling != 0):
+    if not (math.isfinite(scaling) and 0 < abs(scaling) <= MAX_ROPE_SCALING):
         raise ValueError(f"{what} gives a cos/sin scaling of {scaled[1]:g} (attention_factor, or from factor, mscale "
-                         "and mscale_all_dim), not finite and non-zero in float32")
+                         f"and mscale_all_dim), not non-zero and at most {MAX_ROPE_SCALING:g} in magnitude in float32 "
+                         "(a real model's is 1 to 2; the attention scores grow as its square)")
     return scaled
+
+
+# the most a cos/sin scaling may be in magnitude: q and k are both scaled, so the scores grow as its square (at
+# 1e20 they pass float32 and every logit is NaN); real models' are 1 to 2
+MAX_ROPE_SCALING = 1000.0
 
 
 def _as_float32(value: float) -> float:

@@ -144,16 +144,18 @@ RotaryTable rotary_table(const Manifest& m, double theta, const RopeScaling& sca
   if (finite && usable) return table;
   // as rope.py refuses: a factor finite as a double may not be as a float (1e-300 -> 0, then inv = inf); a cos/sin
   // scaling past float32 (yarn's mscales of 1e300) would make every logit NaN, one of 0 every q and k 0
-  char theta_text[32], factor[32], scaled[32];
+  char theta_text[32], factor[32], scaled[32], most[32];
   std::snprintf(theta_text, sizeof theta_text, "%g", theta);
   std::snprintf(factor, sizeof factor, "%g", scaling.factor);
   std::snprintf(scaled, sizeof scaled, "%g", table.frequencies.attention_scaling);
+  std::snprintf(most, sizeof most, "%g", double(kMaxRopeScaling));
   invalid(manifest_where +
           (scaling.type != "default" ? "dims." + field + " / dims.rope_scaling: " + field + " " + theta_text +
                                            " with factor " + factor
                                      : "dims." + field + ": " + theta_text) +
           (finite ? std::string(" gives a cos/sin scaling of ") + scaled + " (attention_factor, or from factor, mscale "
-                        "and mscale_all_dim), not finite and non-zero in float32"
+                        "and mscale_all_dim), not non-zero and at most " + most + " in magnitude in float32 (a " +
+                        "real model's is 1 to 2; the attention scores grow as its square)"
                   : std::string(" gives non-finite rotary frequencies in float32")));
 }
 

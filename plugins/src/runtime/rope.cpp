@@ -84,7 +84,7 @@ bool RotaryFrequencies::finite() const {
 
 bool RotaryFrequencies::scaling_usable() const {
   const float s = float(attention_scaling);  // as fill multiplies the tables by it
-  return std::isfinite(attention_scaling) && std::isfinite(s) && s != 0;
+  return std::isfinite(attention_scaling) && std::isfinite(s) && s != 0 && std::fabs(s) <= kMaxRopeScaling;
 }
 
 RotaryFrequencies rotary_frequencies(int64_t dim, double theta, const RopeScaling& scaling) {

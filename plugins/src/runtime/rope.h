@@ -9,11 +9,15 @@
 
 namespace trtpaged::rt {
 
+// The most a cos/sin scaling may be in magnitude (rope.py's MAX_ROPE_SCALING): q and k are both scaled, so the
+// scores grow as its square (at 1e20 they pass float32 and every logit is NaN); real models' are 1 to 2.
+inline constexpr float kMaxRopeScaling = 1000;
+
 struct RotaryFrequencies {
   std::vector<float> inv_freq;  // [dim / 2]
   double attention_scaling = 1;  // cos and sin are multiplied by it (yarn, longrope)
   bool finite() const;           // every frequency finite in float32
-  bool scaling_usable() const;   // the scaling finite and non-zero as the tables' float32 (else NaN or 0 logits)
+  bool scaling_usable() const;   // non-zero, at most kMaxRopeScaling in magnitude as the tables' float32
 };
 
 // dim: the rotated dims (head_dim * partial_rotary_factor). A parameter out of its domain gives non-finite
