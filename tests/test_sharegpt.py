@@ -250,6 +250,25 @@ def test_cli_bench_serve_refuses_an_output_len_range(logged_server, tmp_path):
 # ---------------------------------------------------------------- bench memory
 
 
+@pytest.mark.parametrize("sharegpt, args, words", [
+    (False, ["--prompt-len", "8", "--num-requests", "3"], "--num-requests, --prompt-len: synthetic workload options"),
+    (False, ["--output-len", "9"], "--output-len: synthetic workload options"),
+    (True, ["--prompt-len", "8"], "--prompt-len: synthetic workload options"),
+    (False, ["--multi-turn", "2:2"], "--multi-turn, --trace: give one workload"),
+])  # fmt: skip
+def test_cli_bench_serve_refuses_options_a_trace_would_ignore(tmp_path, sharegpt, args, words):
+    """Options of a synthetic workload given with --trace changed nothing (the trace's lengths were sent): refused,
+    naming them, before any request (no server listens at the URL)."""
+    if sharegpt:
+        path = _write(tmp_path, _dataset())
+    else:
+        path = tmp_path / "trace.jsonl"
+        path.write_text('{"prompt_len": 8, "output_len": 4}\n')
+    result = CliRunner().invoke(main, ["bench", "serve", "--base-url", "http://127.0.0.1:9", "--trace", str(path),
+                                       *args])  # fmt: skip
+    _one_line_failure(result, words)
+
+
 def test_cli_bench_memory_replays_the_selected_lengths(tiny_engine_dir, tokenizer, tmp_path, monkeypatch):
     from trtpaged.bench import memory_bench
 

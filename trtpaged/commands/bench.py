@@ -198,10 +198,7 @@ def memory(ctx, engine, trace, num_requests, prompt_len, output_len, shared_pref
         elif trace:
             given = _given(ctx, ("num_requests", "prompt_len", "output_len", "shared_prefix", "num_prefixes", "n",
                                  "beam_width", "preset", "seed"))  # fmt: skip
-            synthetic = sorted(given - {"n", "beam_width"})
-            if synthetic:
-                flags = ", ".join("--" + name.replace("_", "-") for name in synthetic)
-                raise ValueError(f"{flags}: synthetic workload options; they cannot apply to --trace {trace}")
+            _refuse_synthetic_options(trace, given - {"n", "beam_width"})
             requests, filled = load_trace_with_sharing(trace, n if "n" in given else None,
                                                        beam_width if "beam_width" in given else None)  # fmt: skip
             if given:
@@ -274,6 +271,13 @@ def _given(ctx: click.Context, names: tuple[str, ...]) -> set[str]:
     from click.core import ParameterSource
 
     return {name for name in names if ctx.get_parameter_source(name) is not ParameterSource.DEFAULT}
+
+
+def _refuse_synthetic_options(trace: Optional[str], given: set[str]) -> None:
+    """A synthetic workload's options given with a trace, which would change nothing: ValueError naming them."""
+    if trace and given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in sorted(given))
+        raise ValueError(f"{flags}: synthetic workload options; they cannot apply to --trace {trace}")
 
 
 def _fixed_output_len(value: str, given: bool) -> Optional[int]:
@@ -411,11 +415,14 @@ def serve(base_url, trace, num_requests, prompt_len, output_len, request_rate, m
     """Serving benchmark: TTFT, TPOT, ITL, end-to-end latency and throughput of a running server."""
     import asyncio
 
+    given = _given(click.get_current_context(), ("num_requests", "prompt_len", "output_len"))
     if multi_turn is not None:
         from trtpaged.bench.multi_turn import format_multi_turn, run_multi_turn
         from trtpaged.bench.serve_bench import format_report, report_json
 
         try:
+            if trace:
+                raise ValueError("--multi-turn, --trace: give one workload (--multi-turn makes its own conversations)")
             spec = multi_turn_spec(multi_turn, output_len, system_words, user_words, think_time, stagger)
         except ValueError as exc:
             raise click.ClickException(str(exc)) from exc
@@ -434,8 +441,10 @@ def serve(base_url, trace, num_requests, prompt_len, output_len, request_rate, m
         rate = float(request_rate)
         if not rate > 0:
             raise ValueError(f"--request-rate: must be > 0 or inf, got {request_rate!r}")
-        if trace and is_sharegpt(trace):
-            fixed = _fixed_output_len(output_len, "output_len" in _given(click.get_current_context(), ("output_len",)))
+        sharegpt = bool(trace) and is_sharegpt(trace)
+        _refuse_synthetic_options(trace, given - {"num_requests", "output_len"} if sharegpt else given)
+        if sharegpt:
+            fixed = _fixed_output_len(output_len, "output_len" in given)
             requests, sample = sharegpt_requests(trace, base_url, num_requests, seed, fixed, api_key, model)
             _progress(sample.summary(num_requests))
         else:
