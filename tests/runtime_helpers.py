@@ -247,3 +247,14 @@ def server_with_request_log(engine_dir: Path, path: Path, log_prompts: bool = Fa
         yield handle, lines
     finally:
         handle.shutdown(timeout=0)
+
+
+def one_line_failure(result: Any, *words: str) -> str:
+    """A CLI run (click's CliRunner result) that failed with one "Error: ..." line, no traceback, holding every one of
+    `words`; returns that line."""
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), (result.output, result.exception)
+    assert lines and lines[-1].startswith("Error: ") and "Traceback" not in result.output, result.output
+    for w in words:
+        assert w in lines[-1], lines[-1]
+    return lines[-1]

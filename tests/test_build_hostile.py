@@ -29,6 +29,8 @@ from trtpaged.cli import main
 from trtpaged.config import parse_config
 from trtpaged.manifest import MANIFEST_NAME
 
+from runtime_helpers import one_line_failure
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TINY = yaml.safe_load((EXAMPLES / "tiny.yaml").read_text())
 # a tiny model big enough that its export takes a few seconds: time to signal the build mid-way
@@ -46,14 +48,6 @@ def _yaml(tmp_path: Path, data: dict) -> Path:
     path.write_text(yaml.safe_dump(data))
     return path
 
-
-def _one_line_failure(r, *words: str) -> str:
-    lines = r.output.strip().splitlines()
-    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
-    assert lines and lines[-1].startswith("Error: ") and "Traceback" not in r.output, r.output
-    for w in words:
-        assert w in lines[-1], lines[-1]
-    return lines[-1]
 
 
 @pytest.mark.parametrize("change,words", [
@@ -85,14 +79,14 @@ def _one_line_failure(r, *words: str) -> str:
 ])
 def test_absurd_model_yaml_is_refused_in_one_line_and_leaves_nothing(tmp_path, change, words):
     r = _cli("build", str(_yaml(tmp_path, {**TINY, **change})), "-o", str(tmp_path / "out" / "e"))
-    _one_line_failure(r, *words)
+    one_line_failure(r, *words)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.yaml"]
 
 
 @pytest.mark.parametrize("output", ["/proc/trtpaged-x", "/dev/null/x"])
 def test_an_output_that_cannot_be_created_is_one_line(tmp_path, output):
     r = _cli("build", str(EXAMPLES / "tiny.yaml"), "-o", output, "--skip-verify")
-    _one_line_failure(r, f"output: cannot create {output}")
+    one_line_failure(r, f"output: cannot create {output}")
 
 
 def _hf_dir(tmp_path: Path) -> Path:
@@ -136,7 +130,7 @@ def test_a_config_json_that_lies_about_its_checkpoint_is_one_line_naming_it(tmp_
     config = json.loads((hf / "config.json").read_text())
     (hf / "config.json").write_text(json.dumps({**config, **change}))
     r = _cli("build", str(_yaml(tmp_path, {**TINY, "model": {"hf_dir": "hf"}})), "-o", str(tmp_path / "out"))
-    _one_line_failure(r, "model.hf_dir", words)
+    one_line_failure(r, "model.hf_dir", words)
     assert not (tmp_path / "out").exists()
 
 
@@ -177,7 +171,7 @@ def test_a_chat_template_that_does_not_compile_is_refused_at_build(tmp_path, tem
     tokenizer_config = json.loads((hf / "tokenizer_config.json").read_text())
     (hf / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "chat_template": template}))
     r = _cli("build", str(_yaml(tmp_path, {**TINY, "model": {"hf_dir": "hf"}})), "-o", str(tmp_path / "out"))
-    _one_line_failure(r, "model.hf_dir: the tokenizer's chat template is not a valid template", words)
+    one_line_failure(r, "model.hf_dir: the tokenizer's chat template is not a valid template", words)
     assert not (tmp_path / "out").exists()
 
 
@@ -187,7 +181,7 @@ def test_an_hf_dir_without_a_tokenizer_is_one_line_naming_the_files(tmp_path):
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
         (hf / name).unlink(missing_ok=True)
     r = _cli("build", str(_yaml(tmp_path, {**TINY, "model": {"hf_dir": "hf"}})), "-o", str(tmp_path / "out"))
-    _one_line_failure(r, "model.hf_dir", "no tokenizer in")
+    one_line_failure(r, "model.hf_dir", "no tokenizer in")
     assert "tokenizer.json, tokenizer.model" in r.output and not (tmp_path / "out").exists()
 
 
@@ -224,7 +218,7 @@ def test_a_model_whose_dims_no_reader_takes_is_not_built_even_unverified(tmp_pat
     (hf / "config.json").write_text(json.dumps({**config, "rms_norm_eps": float(eps)}))
     r = _cli("build", str(_yaml(tmp_path, {**TINY, "model": {"hf_dir": "hf"}})), "-o", str(tmp_path / "out"),
              "--skip-verify")
-    _one_line_failure(r, "model.hf_dir: the model's rms_norm_eps got", "expected a positive number, finite and not 0 "
+    one_line_failure(r, "model.hf_dir: the model's rms_norm_eps got", "expected a positive number, finite and not 0 "
                       "in float32")
     assert not (tmp_path / "out").exists()
 
@@ -237,7 +231,7 @@ def test_a_config_json_of_the_wrong_shape_is_one_line(tmp_path, config_json, wor
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text(config_json)
     r = _cli("build", str(_yaml(tmp_path, {**TINY, "model": {"hf_dir": "hf"}})), "-o", str(tmp_path / "out"))
-    _one_line_failure(r, "model.hf_dir", words)
+    one_line_failure(r, "model.hf_dir", words)
     assert not (tmp_path / "out").exists()
 
 
@@ -247,7 +241,7 @@ def test_a_checkpoint_without_the_weights_fails_naming_the_missing_tensors(tmp_p
     hf = _hf_dir(tmp_path)
     save_file({"unrelated": torch.zeros(4)}, str(hf / "model.safetensors"))
     r = _cli("build", str(_yaml(tmp_path, {**TINY, "model": {"hf_dir": "hf"}})), "-o", str(tmp_path / "out"))
-    line = _one_line_failure(r, "load: model.hf_dir", "has no weights for 12 tensors of the architecture")
+    line = one_line_failure(r, "load: model.hf_dir", "has no weights for 12 tensors of the architecture")
     assert "model.embed_tokens.weight" in line
     assert not (tmp_path / "out").exists()
 
@@ -260,7 +254,7 @@ def test_nan_weights_fail_the_load_stage(tmp_path):
     state["model.layers.0.mlp.up_proj.weight"][3, 5] = float("nan")
     save_file(state, str(hf / "model.safetensors"), metadata={"format": "pt"})
     r = _cli("build", str(_yaml(tmp_path, {**TINY, "model": {"hf_dir": "hf"}})), "-o", str(tmp_path / "out"))
-    _one_line_failure(r, "load: model.hf_dir", "NaN/inf weights in 1 tensors: model.layers.0.mlp.up_proj.weight (1 of")
+    one_line_failure(r, "load: model.hf_dir", "NaN/inf weights in 1 tensors: model.layers.0.mlp.up_proj.weight (1 of")
     assert not (tmp_path / "out").exists()
 
 
@@ -294,7 +288,7 @@ def test_a_gguf_with_ff_bytes_mid_file_fails_at_load_not_177_s_later(tmp_path):
     data.pop("output", None)
     start = time.perf_counter()
     r = _cli("build", str(_yaml(tmp_path, data)), "-o", str(tmp_path / "out"))
-    _one_line_failure(r, "load: model.gguf", "NaN/inf weights")
+    one_line_failure(r, "load: model.gguf", "NaN/inf weights")
     assert time.perf_counter() - start < 120 and "accuracy" not in r.output
     assert not (tmp_path / "out").exists()
 
@@ -523,7 +517,7 @@ def test_values_past_a_float16_kv_cache_s_range_are_named_as_the_cause(tmp_path)
         data = {**TINY, "model": {"hf_dir": "hf"}, "kv_cache_dtype": kv}
         r = _cli("build", str(_yaml(tmp_path, data)), "-o", str(tmp_path / kv))
         if words:
-            _one_line_failure(r, "verify: the ONNX graph gives", words)
+            one_line_failure(r, "verify: the ONNX graph gives", words)
         else:
             assert r.exit_code == 0, r.output
 

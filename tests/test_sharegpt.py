@@ -22,7 +22,7 @@ from trtpaged.bench.serve_bench import sharegpt_requests as serve_requests
 from trtpaged.bench.throughput_bench import sharegpt_requests as throughput_requests
 from trtpaged.cli import main
 
-from runtime_helpers import server_with_request_log
+from runtime_helpers import one_line_failure, server_with_request_log
 
 TINY_MAX_SEQ_LEN = 512  # examples/tiny.yaml
 WORDS = "the of and to in is you that it he was for on are as with his they at be this have from or one had by".split()
@@ -98,14 +98,6 @@ def tokenizer(tiny_engine_dir):
     return AutoTokenizer.from_pretrained(str(tiny_engine_dir / "tokenizer"))
 
 
-def _one_line_failure(result, *words: str) -> str:
-    lines = result.output.strip().splitlines()
-    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), (result.output, result.exception)
-    assert lines and lines[-1].startswith("Error: ") and "Traceback" not in result.output, result.output
-    for w in words:
-        assert w in lines[-1], lines[-1]
-    return lines[-1]
-
 
 # ---------------------------------------------------------------- the rule, through bench throughput's loading
 
@@ -168,7 +160,7 @@ def test_cli_output_len_is_for_a_sharegpt_trace_only(tiny_engine_dir, tmp_path):
     trace.write_text('{"prompt_len": 20, "output_len": 4}\n')
     result = CliRunner().invoke(main, ["bench", "throughput", str(tiny_engine_dir), "--trace", str(trace),
                                        "--output-len", "8", "--baseline", "none"])  # fmt: skip
-    _one_line_failure(result, "--output-len: with a ShareGPT --trace only")
+    one_line_failure(result, "--output-len: with a ShareGPT --trace only")
 
 
 # ---------------------------------------------------------------- bench serve, against a real server
@@ -234,7 +226,7 @@ def test_cli_bench_serve_refuses_a_server_without_tokenize(tmp_path):
         url = f"http://127.0.0.1:{server.server_address[1]}"
         result = CliRunner().invoke(main, ["bench", "serve", "--base-url", url, "--trace",
                                            str(_write(tmp_path, _dataset()))])  # fmt: skip
-        _one_line_failure(result, "--trace: a ShareGPT dataset", "POST /tokenize", "HTTP 404")
+        one_line_failure(result, "--trace: a ShareGPT dataset", "POST /tokenize", "HTTP 404")
     finally:
         server.shutdown()
         server.server_close()
@@ -244,7 +236,7 @@ def test_cli_bench_serve_refuses_an_output_len_range(logged_server, tmp_path):
     server, _ = logged_server
     result = CliRunner().invoke(main, ["bench", "serve", "--base-url", server.url, "--trace",
                                        str(_write(tmp_path, _dataset())), "--output-len", "8:16"])  # fmt: skip
-    _one_line_failure(result, "--output-len: one length N with a ShareGPT --trace")
+    one_line_failure(result, "--output-len: one length N with a ShareGPT --trace")
 
 
 # ---------------------------------------------------------------- bench memory
@@ -266,7 +258,7 @@ def test_cli_bench_serve_refuses_options_a_trace_would_ignore(tmp_path, sharegpt
         path.write_text('{"prompt_len": 8, "output_len": 4}\n')
     result = CliRunner().invoke(main, ["bench", "serve", "--base-url", "http://127.0.0.1:9", "--trace", str(path),
                                        *args])  # fmt: skip
-    _one_line_failure(result, words)
+    one_line_failure(result, words)
 
 
 def test_cli_bench_memory_replays_the_selected_lengths(tiny_engine_dir, tokenizer, tmp_path, monkeypatch):
@@ -287,14 +279,14 @@ def test_cli_bench_memory_replays_the_selected_lengths(tiny_engine_dir, tokenize
 def test_cli_bench_memory_needs_an_engine_for_a_sharegpt_trace(tmp_path):
     path = _write(tmp_path, _dataset())
     result = CliRunner().invoke(main, ["bench", "memory", "--trace", str(path)])
-    _one_line_failure(result, f"--trace {path}: a ShareGPT dataset's lengths are token counts", "give the engine dir")
+    one_line_failure(result, f"--trace {path}: a ShareGPT dataset's lengths are token counts", "give the engine dir")
 
 
 def test_cli_bench_memory_refuses_synthetic_options_with_a_sharegpt_trace(tiny_engine_dir, tmp_path):
     path = _write(tmp_path, _dataset())
     result = CliRunner().invoke(main, ["bench", "memory", str(tiny_engine_dir), "--trace", str(path), "--prompt-len",
                                        "8"])  # fmt: skip
-    _one_line_failure(result, "--prompt-len: synthetic workload options; they cannot apply to the ShareGPT --trace")
+    one_line_failure(result, "--prompt-len: synthetic workload options; they cannot apply to the ShareGPT --trace")
 
 
 # ---------------------------------------------------------------- hostile files
@@ -345,7 +337,7 @@ def test_a_bad_sharegpt_file_is_refused_in_one_line_naming_the_entry_and_field(t
                                                                               kind):  # fmt: skip
     path, words = _hostile_file(tmp_path, kind)
     args = ["bench", command, str(tiny_engine_dir), "--trace", str(path)]
-    _one_line_failure(CliRunner().invoke(main, args + (["--baseline", "none"] if command == "throughput" else [])),
+    one_line_failure(CliRunner().invoke(main, args + (["--baseline", "none"] if command == "throughput" else [])),
                       words)  # fmt: skip
 
 
@@ -355,7 +347,7 @@ def test_an_entry_over_the_bound_is_refused_before_it_is_read_whole(tiny_engine_
     big = {"conversations": [{"value": "word " * 2000}, {"value": "yes it is"}]}
     path = _write(tmp_path, [PAIR, big])
     result = CliRunner().invoke(main, ["bench", "throughput", str(tiny_engine_dir), "--trace", str(path)])
-    _one_line_failure(result, "sharegpt.json[1]: no whole JSON value in the 4096 bytes from byte")
+    one_line_failure(result, "sharegpt.json[1]: no whole JSON value in the 4096 bytes from byte")
 
 
 def test_a_json_array_of_trace_lines_is_still_the_json_lines_refusal(tmp_path):
@@ -364,7 +356,7 @@ def test_a_json_array_of_trace_lines_is_still_the_json_lines_refusal(tmp_path):
     path = tmp_path / "trace.jsonl"
     path.write_text('[{"prompt_len": 5, "output_len": 5}]\n')
     result = CliRunner().invoke(main, ["bench", "memory", "--trace", str(path)])
-    _one_line_failure(result, "trace.jsonl:1: expected JSON Lines", "ShareGPT")
+    one_line_failure(result, "trace.jsonl:1: expected JSON Lines", "ShareGPT")
 
 
 def test_reading_a_large_file_holds_a_few_chunks_not_the_file(tmp_path, monkeypatch):

@@ -15,14 +15,8 @@ from trtpaged.bench.memory_bench import Budget, run_memory_bench
 from trtpaged.bench.workload import TraceRequest
 from trtpaged.cli import main
 
+from runtime_helpers import one_line_failure
 
-def _one_line_failure(r, *words: str) -> str:
-    lines = r.output.strip().splitlines()
-    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (r.output, r.exception)
-    assert lines and lines[-1].startswith("Error: ") and "Traceback" not in r.output, r.output
-    for w in words:
-        assert w in lines[-1], lines[-1]
-    return lines[-1]
 
 
 def _file(tmp_path: Path, content: bytes) -> str:
@@ -67,7 +61,7 @@ def test_a_bad_trace_is_refused_in_one_line(tiny_engine_dir, tmp_path, command, 
     content, words = BAD[kind]
     path = _file(tmp_path, content)
     args = ["bench", "memory", "--trace", path] if command == "bench memory" else ["diagnose", path]
-    _one_line_failure(CliRunner().invoke(main, [*args, "--engine" if command == "diagnose" else "--num-kv-blocks",
+    one_line_failure(CliRunner().invoke(main, [*args, "--engine" if command == "diagnose" else "--num-kv-blocks",
                                                 str(tiny_engine_dir) if command == "diagnose" else "64"]), words)
 
 
@@ -81,7 +75,7 @@ def test_a_bad_trace_is_refused_in_one_line(tiny_engine_dir, tmp_path, command, 
 def test_diagnose_refuses_log_lines_the_engine_could_never_run(tiny_engine_dir, tmp_path, line, words):
     # before: each was silently dropped from the replay ("requests queued in 0 of 0 steps"), or a TypeError
     path = _file(tmp_path, (line + "\n").encode())
-    _one_line_failure(CliRunner().invoke(main, ["diagnose", path, "--engine", str(tiny_engine_dir)]), words)
+    one_line_failure(CliRunner().invoke(main, ["diagnose", path, "--engine", str(tiny_engine_dir)]), words)
 
 
 def test_a_bom_starts_a_trace_as_it_starts_any_utf8_file(tiny_engine_dir, tmp_path):
@@ -99,13 +93,13 @@ def test_diagnose_refuses_seconds_past_the_last_step(tiny_engine_dir, tmp_path, 
     """Seconds over the step time past float's range were an OverflowError traceback (ceil of inf)."""
     path = _file(tmp_path, b'{"prompt_len": 5, "output_len": 3, "arrival": 0.0}\n'
                            + f'{{"prompt_len": 5, "output_len": 3, "arrival": {arrival}}}\n'.encode())
-    _one_line_failure(CliRunner().invoke(main, ["diagnose", path, "--engine", str(tiny_engine_dir), "--step-time",
+    one_line_failure(CliRunner().invoke(main, ["diagnose", path, "--engine", str(tiny_engine_dir), "--step-time",
                                                 step_time]), "trace.jsonl:2: arrival:", "is past step 2147483647")
 
 
 def test_diagnose_with_a_dir_that_is_not_an_engine_is_one_line(tmp_path):
     path = _file(tmp_path, b'{"prompt_len": 5, "output_len": 5}\n')
-    _one_line_failure(CliRunner().invoke(main, ["diagnose", path, "--engine", str(tmp_path)]),
+    one_line_failure(CliRunner().invoke(main, ["diagnose", path, "--engine", str(tmp_path)]),
                       "not an engine dir (no trtpaged.json)")
 
 
@@ -115,7 +109,7 @@ def test_diagnose_with_a_dir_that_is_not_an_engine_is_one_line(tmp_path):
     ("--max-num-tokens", "1", "--max-num-tokens: must be >= max_batch_size (256), got 1"),
 ])
 def test_bench_memory_refuses_a_budget_without_room_in_one_line(flag, value, words):
-    _one_line_failure(CliRunner().invoke(main, ["bench", "memory", "--num-requests", "3", flag, value]), words)
+    one_line_failure(CliRunner().invoke(main, ["bench", "memory", "--num-requests", "3", flag, value]), words)
 
 
 def test_every_replay_refuses_the_same_requests_and_cuts_the_same_outputs():
@@ -158,4 +152,4 @@ def test_bench_throughput_refuses_a_trace_beyond_max_seq_len_before_loading(tiny
     monkeypatch.setattr(llm.LLM, "__init__", lambda *a, **k: pytest.fail("the engine was loaded"))
     path = _file(tmp_path, b'{"prompt": "hello there", "output_len": 600}\n')
     r = CliRunner().invoke(main, ["bench", "throughput", str(tiny_engine_dir), "--trace", path, "--baseline", "none"])
-    _one_line_failure(r, "trace.jsonl:1:", "prompt tokens + output_len 600 exceed the engine's max_seq_len (512)")
+    one_line_failure(r, "trace.jsonl:1:", "prompt tokens + output_len 600 exceed the engine's max_seq_len (512)")
