@@ -41,6 +41,8 @@ CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "co
     ("{% for m in messages %}{% generation %}{% for p in m.content %}{{ p.text }}{% endfor %}{% endgeneration %}"
      "{% endfor %}", "openai"),  # transformers' generation blocks
     (None, "string"),
+    ("{{ " + "(" * 3000 + "1" + ")" * 3000 + " }}", "string"),  # too deep to parse here: rendering refuses it
+    ("{% if a %}" * 900 + "{% endif %}" * 900, "string"),
 ])  # fmt: skip
 def test_the_content_format_is_read_from_the_template(template, expected):
     assert template_content_format(template) == expected
@@ -98,6 +100,8 @@ def test_a_template_that_loops_over_parts_gets_parts(llm):
     (plain,) = llm.chat(CONVERSATION, use_tqdm=False, chat_template=STRING)
     assert plain.prompt == _transformers_render(llm, STRING, parts=False)
     assert "[user:first\nsecond]" in plain.prompt  # the string form joins text parts by newlines, as vLLM's
+    with pytest.raises(RequestError):  # too deep for the format's reading and for rendering: a refusal, not a crash
+        llm.chat(CONVERSATION, use_tqdm=False, chat_template="{% if a %}" * 900 + "x" + "{% endif %}" * 900)
     with pytest.raises(RequestError, match="chat_template_content_format"):
         llm.chat(CONVERSATION, use_tqdm=False, chat_template_content_format="parts")
     with pytest.raises(ValueError, match="chat_template_content_format"):

@@ -38,10 +38,14 @@ class _GenerationBlocks(jinja2.ext.Extension):
 @functools.lru_cache(maxsize=64)
 def _loops_over_content(template: str) -> bool:
     try:
-        tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols", "jinja2.ext.do", _GenerationBlocks]
-                                  ).parse(template)  # fmt: skip
-    except jinja2.TemplateSyntaxError:
+        return _reads_parts(jinja2.Environment(extensions=["jinja2.ext.loopcontrols", "jinja2.ext.do",
+                                                           _GenerationBlocks]).parse(template))  # fmt: skip
+    except (jinja2.TemplateSyntaxError, RecursionError):  # rendering refuses it, naming the template or messages
         return False
+
+
+def _reads_parts(tree: nodes.Template) -> bool:
+    """Whether a parsed template loops over a message's content."""
     message_lists, messages, contents = {"messages"}, set(), set()
     # names bound to the conversation, to one of its messages, to a message's content: in the template's order,
     # so that a later statement sees the names the earlier ones bound
