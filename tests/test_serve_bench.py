@@ -215,23 +215,26 @@ def test_bench_serve_sends_beam_width_and_a_warmup_it_does_not_count(logged):
     assert all(line["cached_tokens"] == 0 for line in run)
 
 
-def test_serve_ratio_single_stream_rate_counts_the_tokens_after_its_first_chunk(tiny_engine_dir):
-    """F6 on the server: at stream interval 8 the first content chunk of this prompt holds 9 tokens (its first
-    token's text is held back); the client's rate over the tokens after that chunk stays near the server's own
-    decode rate, (tokens - 1) / (latency - ttft) from the request log, where (tokens - 1) over the same window
-    (the old formula) is 23 / 15 = 1.5x it."""
+@pytest.mark.slow
+def test_serve_ratio_single_stream_rate_counts_the_tokens_after_its_first_chunk(smollm2_int4_engine_dir):
+    """F6 on the server: at stream interval 8 the first content chunk of this answer (emoji, several tokens a
+    character) holds 9 tokens (its first token's text is held back); the client's rate over the tokens after that
+    chunk stays near the server's own decode rate, (tokens - 1) / (latency - ttft) from the request log, where
+    (tokens - 1) over the same window (the old formula) is 23 / 15 = 1.5x it. SmolLM2, not the tiny engine: at the
+    tiny one's 0.4 ms a token, a few ms of scheduling beside another test worker moved the ratio past 1.25."""
     import tempfile
     from pathlib import Path
 
+    emoji = [{"role": "user", "content": "Reply with \N{PARTY POPPER} only."}]
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "requests.jsonl"
-        server = start_server(tiny_engine_dir, port=0, served_model_name=SERVED_NAME, device="cpu",
+        server = start_server(smollm2_int4_engine_dir, port=0, served_model_name=SERVED_NAME, device="cpu",
                               options=ServerOptions(request_log=str(path), stream_interval=8))  # fmt: skip
         try:
-            client_decode_points(server.url, 8)  # warm
+            client_decode_points(server.url, 8, emoji)  # warm
             ratios = []
             for _ in range(3):
-                points, _, _ = client_decode_points(server.url, 24)
+                points, _, _ = client_decode_points(server.url, 24, emoji)
                 deadline = time.monotonic() + 10
                 while len(path.read_text().splitlines()) < 2 + len(ratios) and time.monotonic() < deadline:
                     time.sleep(0.05)

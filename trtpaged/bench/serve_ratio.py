@@ -270,10 +270,12 @@ def window_rate(points: Sequence[tuple[float, int]], from_tokens: Optional[int] 
     return (points[-1][1] - points[i][1]) / (points[-1][0] - points[i][0])
 
 
-def client_decode_points(url: str, max_tokens: int) -> tuple[list[tuple[float, int]], str, float]:
+def client_decode_points(url: str, max_tokens: int, messages: Optional[list[dict[str, str]]] = None,
+                         ) -> tuple[list[tuple[float, int]], str, float]:
     """((time, tokens so far) at each chunk that added tokens, the text, the client's CPU seconds for the request:
-    the client made beforehand, as the API's `LLM` is) of one streamed chat request; the tokens so far come from
-    `stream_options.continuous_usage_stats` (a chunk may hold several tokens)."""
+    the client made beforehand, as the API's `LLM` is) of one streamed chat request, `messages` or the first
+    `conversation`; the tokens so far come from `stream_options.continuous_usage_stats` (a chunk may hold several
+    tokens)."""
     import openai
 
     client = openai.OpenAI(base_url=url + "/v1", api_key="none")
@@ -281,7 +283,7 @@ def client_decode_points(url: str, max_tokens: int) -> tuple[list[tuple[float, i
     points: list[tuple[float, int]] = []
     text = ""
     stream = client.chat.completions.create(
-        model=SERVED_NAME, messages=conversation(0), max_tokens=max_tokens, temperature=0.0, stream=True,
+        model=SERVED_NAME, messages=messages or conversation(0), max_tokens=max_tokens, temperature=0.0, stream=True,
         stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
         extra_body={"ignore_eos": True})  # fmt: skip
     for chunk in stream:
