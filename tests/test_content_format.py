@@ -40,6 +40,26 @@ CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "co
     ("{% for m in messages %}{{ m.content }", "string"),  # not Jinja: rendered (and refused) as before
     ("{% for m in messages %}{% generation %}{% for p in m.content %}{{ p.text }}{% endfor %}{% endgeneration %}"
      "{% endfor %}", "openai"),  # transformers' generation blocks
+    # macros given the content (GLM-4.5's visible_text), by position or keyword, through another macro; one that
+    # loops over another parameter, or only prints its content, reads a string
+    ("{% macro text(c) %}{% if c is string %}{{ c }}{% else %}{% for p in c %}{{ p.text }}{% endfor %}{% endif %}"
+     "{% endmacro %}{% for m in messages %}{{ text(m.content) }}{% endfor %}", "openai"),
+    ("{% macro text(sep, c) %}{% for p in c %}{{ p.text }}{{ sep }}{% endfor %}{% endmacro %}"
+     "{% for m in messages %}{{ text(c=m['content'], sep=' ') }}{% endfor %}", "openai"),
+    ("{% macro inner(c) %}{% for p in c %}{{ p.text }}{% endfor %}{% endmacro %}"
+     "{% macro outer(x) %}{{ inner(x) }}{% endmacro %}{% for m in messages %}{{ outer(m.content) }}{% endfor %}",
+     "openai"),
+    ("{% macro text(c, items) %}{{ c }}{% for i in items %}{{ i }}{% endfor %}{% endmacro %}"
+     "{% for m in messages %}{{ text(m.content, m.tool_calls) }}{% endfor %}", "string"),
+    ("{% macro text(c) %}{{ c }}{{ text(c) }}{% endmacro %}{% for m in messages %}{{ text(m.content) }}"
+     "{% endfor %}", "string"),  # calls itself: read once, without looping forever
+    # a namespace holding the content
+    ("{% for m in messages %}{% set ns = namespace(c=m.content, n=0) %}{% for p in ns.c %}{{ p.text }}{% endfor %}"
+     "{% endfor %}", "openai"),
+    ("{% set ns = namespace(c='') %}{% for m in messages %}{% set ns.c = m.content %}{% endfor %}"
+     "{% for p in ns.c %}{{ p.text }}{% endfor %}", "openai"),
+    ("{% for m in messages %}{% set ns = namespace(c=m.content, n=[1]) %}{% for p in ns.n %}{{ p }}{% endfor %}"
+     "{{ ns.c }}{% endfor %}", "string"),
     (None, "string"),
     ("{{ " + "(" * 3000 + "1" + ")" * 3000 + " }}", "string"),  # too deep to parse here: rendering refuses it
     ("{% if a %}" * 900 + "{% endif %}" * 900, "string"),

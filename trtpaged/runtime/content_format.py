@@ -5,7 +5,7 @@ and is given a string loops over its characters and drops the text, so "auto" re
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import jinja2
 import jinja2.ext
@@ -45,27 +45,88 @@ def _loops_over_content(template: str) -> bool:
 
 
 def _reads_parts(tree: nodes.Template) -> bool:
-    """Whether a parsed template loops over a message's content."""
-    message_lists, messages, contents = {"messages"}, set(), set()
+    """Whether a parsed template loops over a message's content: itself, or in a macro it passes the content to."""
+    macros = {macro.name: macro for macro in tree.find_all(nodes.Macro)}
+    return _loops_over_content_in(tree.body, set(), _MacroReader(macros))
+
+
+class _MacroReader:
+    """Which macro parameters a macro loops over (as content), each macro read once; a macro calling itself (or
+    one that calls it back) is not read again inside its own reading."""
+
+    def __init__(self, macros: dict[str, nodes.Macro]):
+        self.macros, self._loops, self._reading = macros, {}, set()
+
+    def loops_over(self, call: nodes.Call, is_content: Callable[[nodes.Node], bool]) -> bool:
+        """Whether `call` passes a content to a parameter its macro loops over."""
+        macro = self.macros.get(call.node.name) if isinstance(call.node, nodes.Name) else None
+        if macro is None:
+            return False
+        params = [arg.name for arg in macro.args]
+        passed = list(zip(params, call.args)) + [(kw.key, kw.value) for kw in call.kwargs if kw.key in params]
+        return any(is_content(value) and self._param_looped(macro, param) for param, value in passed)
+
+    def _param_looped(self, macro: nodes.Macro, param: str) -> bool:
+        key = (macro.name, param)
+        if key not in self._loops:
+            if macro.name in self._reading:
+                return False
+            self._reading.add(macro.name)
+            try:
+                self._loops[key] = _loops_over_content_in(macro.body, {param}, self)
+            finally:
+                self._reading.discard(macro.name)
+        return self._loops[key]
+
+
+def _loops_over_content_in(body: list[nodes.Node], contents: set[str], macros: _MacroReader) -> bool:
+    """Whether the statements loop over a message's content, or a name in `contents` (a macro's parameter; a
+    namespace's field written `ns.field`)."""
+    message_lists, messages, contents = {"messages"}, set(), set(contents)
     # names bound to the conversation, to one of its messages, to a message's content: in the template's order,
     # so that a later statement sees the names the earlier ones bound
-    for node in tree.find_all((nodes.For, nodes.Assign)):
+
+    def is_content(node: nodes.Node) -> bool:
+        return _is_content(node, messages, message_lists, contents)
+
+    for node in _in_order(body, (nodes.For, nodes.Assign, nodes.Call)):
+        if isinstance(node, nodes.Call):
+            if macros.loops_over(node, is_content):
+                return True
+            continue
         source = node.iter if isinstance(node, nodes.For) else node.node
         bound = set(_stored_names(node.target))
         if isinstance(node, nodes.For) and _root(source) in message_lists:
             messages |= bound
         elif isinstance(node, nodes.Assign) and _root(source) in message_lists:
             (messages if _indexes_one(source) else message_lists).update(bound)
-        if _is_content(source, messages, message_lists, contents):
+        if is_content(source):
             if isinstance(node, nodes.For):
                 return True
             contents |= bound
+        elif isinstance(node, nodes.Assign) and _is_namespace(source):
+            # {% set ns = namespace(content=message.content) %}: ns.content is the content
+            contents |= {f"{name}.{kw.key}" for name in bound for kw in source.kwargs if is_content(kw.value)}
     return False
+
+
+def _in_order(body: list[nodes.Node], kinds: tuple[type, ...]) -> Iterator[Any]:
+    """The nodes of `kinds` in the statements and below them, in the template's order."""
+    for statement in body:
+        if isinstance(statement, kinds):
+            yield statement
+        yield from statement.find_all(kinds)
+
+
+def _is_namespace(node: nodes.Node) -> bool:
+    return isinstance(node, nodes.Call) and isinstance(node.node, nodes.Name) and node.node.name == "namespace"
 
 
 def _stored_names(target: nodes.Node) -> Iterator[str]:
     if isinstance(target, nodes.Name):
         yield target.name
+    elif isinstance(target, nodes.NSRef):  # {% set ns.field = ... %}
+        yield f"{target.name}.{target.attr}"
     elif isinstance(target, nodes.Tuple):
         for item in target.items:
             yield from _stored_names(item)
@@ -99,6 +160,8 @@ def _is_content(node: nodes.Node, messages: set[str], message_lists: set[str], c
         owner, key = node.node, node.arg.value
     else:
         return False
+    if isinstance(owner, nodes.Name) and f"{owner.name}.{key}" in contents:
+        return True
     if key != "content":
         return False
     if isinstance(owner, nodes.Name):
