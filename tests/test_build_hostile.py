@@ -27,7 +27,6 @@ from trtpaged.builder.interrupts import signals_interrupt_the_build
 from trtpaged.builder.progress import Progress
 from trtpaged.cli import main
 from trtpaged.config import parse_config
-from trtpaged.manifest import MANIFEST_NAME
 
 from runtime_helpers import one_line_failure
 

@@ -20,7 +20,6 @@ import struct
 from pathlib import Path
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 from conftest import save_manifest

@@ -928,7 +928,7 @@ def test_a_write_killed_half_way_is_removed_when_the_tier_opens(tmp_path: Path):
     old = time.time() - 2 * ABANDONED_WRITE_S
     before_me = _process_start(os.getpid()) - 10  # written before this process started: not by it
     files = {  # name -> mtime (None: just now)
-        f".a.kv.{dead.pid}.7.tmp": old, f".b.kv.1.7.tmp": old,  # pid 1 started at boot, before the write: kept
+        f".a.kv.{dead.pid}.7.tmp": old, ".b.kv.1.7.tmp": old,  # pid 1 started at boot, before the write: kept
         f".c.kv.{dead.pid}.8.tmp": None, f".d.kv.{os.getpid()}.7.tmp": min(old, before_me),
         ".e.kv.99999999999999999999.1.tmp": old,
     }  # fmt: skip

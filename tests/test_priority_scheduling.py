@@ -90,7 +90,7 @@ def test_the_lowest_priority_running_request_is_preempted_first():
 
     def alone(prompt: list[int]) -> list[int]:
         e = engine(num_kv_blocks=64)
-        r = e.add_request(prompt, params)
+        e.add_request(prompt, params)
         while e.has_unfinished():
             outs = [o for o in e.step() if o.finished]
         return outs[0].outputs[0].token_ids
@@ -115,7 +115,7 @@ def test_a_preempted_request_waits_behind_queued_requests_of_lower_value():
     e = engine(num_kv_blocks=5, max_batch_size=2)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     low = e.add_request([1, 2, 3, 4, 5, 6, 7], params, priority=4)
-    high = e.add_request([3, 1, 4, 1, 5, 9, 2], params, priority=0)
+    e.add_request([3, 1, 4, 1, 5, 9, 2], params, priority=0)
     e.step()
     mid = e.add_request([2, 7], params, priority=2)  # the batch is full (2 sequences): it waits
     last = e.add_request([5, 5], params, priority=8)

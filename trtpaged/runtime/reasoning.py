@@ -14,7 +14,7 @@ template that turns thinking off writes an empty `<think></think>`) or the reque
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence
 
 
 @dataclass(frozen=True)
