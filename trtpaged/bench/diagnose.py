@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from trtpaged.bench.memory_bench import Budget, format_tier_table, run_memory_bench, run_tier_what_if
-from trtpaged.bench.workload import MAX_ARRIVAL_STEP, TraceRequest, check_prefix_len, json_objects
+from trtpaged.bench.workload import TraceRequest, arrival_step, check_prefix_len, json_objects
 
 PROMPT_FIELDS = ("prompt", "prompt_token_ids", "prompt_len")
 TRACE_FIELDS = ("output_len", "arrival", "prefix_id", "prefix_len", "n", "beam_width")
@@ -185,11 +185,10 @@ def _arrival_steps(rows: list[tuple[str, dict, TraceRequest, list[int]]], second
     start = min(data["arrival"] for _, data, _, _ in rows)
     steps = []
     for where, data, _, _ in rows:
-        step = (data["arrival"] - start) / step_time - 1e-9  # inf where seconds over a tiny step time pass float's range
-        if not step <= MAX_ARRIVAL_STEP:
-            raise ValueError(f"{where}: arrival: {data['arrival']!r} s is past step {MAX_ARRIVAL_STEP} at "
-                             f"{step_time} s per step (the latest a replay runs)")
-        steps.append(max(0, math.ceil(step)))
+        try:
+            steps.append(arrival_step(data["arrival"] - start, step_time))
+        except ValueError as exc:
+            raise ValueError(f"{where}: arrival: {data['arrival']!r} s {exc}") from None
     return steps
 
 

@@ -7,16 +7,20 @@ first prefix_len prompt tokens (a system prompt); arrival is the step at which t
 is submitted (default 0); n is the number of parallel samples; beam_width > 1 makes the
 request a beam search of that width (n is then how many beams it returns, at most beam_width, as
 `serve --request-log` writes a beam request). `bench memory --n/--beam-width` fill the lines that give
-neither field (`load_trace_with_sharing`). A ShareGPT dataset (one JSON array) is read by trtpaged.bench.sharegpt.
+neither field (`load_trace_with_sharing`). A ShareGPT dataset (one JSON array) is read by trtpaged.bench.sharegpt,
+a Mooncake trace (JSON Lines of timestamp, input_length, output_length, hash_ids) by trtpaged.bench.mooncake: its
+requests are TraceRequests whose `hash_ids` name their prompts' 512-token blocks (trtpaged.bench.token_blocks).
 """
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
+from trtpaged.bench.token_blocks import block_prompt, check_cover, check_hash_ids
 from trtpaged.config import MAX_BATCH_SIZE, MAX_SEQ_LEN
 from trtpaged.json_input import json_object
 
@@ -26,6 +30,12 @@ MAX_ARRIVAL_STEP = (1 << 31) - 1  # a replay skips idle steps: a day's log at 1 
 
 @dataclass(frozen=True)
 class TraceRequest:
+    """One request of a workload: lengths, arrival step, what its prompt shares, its samples or beams.
+
+    The prompt's sharing is described one of two ways: `prefix_id` and `prefix_len` (its first prefix_len tokens are
+    those of every request of that prefix_id), or `hash_ids` (a Mooncake trace's: one id per 512-token block,
+    prompts whose leading ids are equal share those blocks; trtpaged.bench.token_blocks)."""
+
     prompt_len: int
     output_len: int
     arrival: int = 0
@@ -33,6 +43,7 @@ class TraceRequest:
     prefix_len: int = 0
     n: int = 1
     beam_width: int = 1
+    hash_ids: Optional[tuple[int, ...]] = None
 
     def __post_init__(self) -> None:
         # the highs are a model.yaml's own (max_seq_len, max_batch_size): no engine runs more
@@ -55,11 +66,32 @@ class TraceRequest:
                              "sharing a prefix have the same prefix_id)")
         if self.beam_width > 1 and self.n > self.beam_width:  # a beam search returns n of its beams (serve logs it)
             raise ValueError(f"n: {self.n} beams returned of beam_width {self.beam_width}: at most beam_width")
+        if self.hash_ids is not None:
+            if not isinstance(self.hash_ids, tuple):
+                raise ValueError(f"hash_ids: must be a tuple of block ids, got {type(self.hash_ids).__name__}")
+            check_hash_ids(self.hash_ids)
+            check_cover(self.prompt_len, len(self.hash_ids), "prompt_len")
+            if self.prefix_id is not None:
+                raise ValueError("hash_ids, prefix_id: one description of what the prompt shares, not both")
 
     @property
     def num_seqs(self) -> int:
         """Sequences the request holds at once: its beam_width beams (n of them are returned), or its n samples."""
         return self.beam_width if self.beam_width > 1 else self.n
+
+
+# the fields of a line of trtpaged's own trace form (hash_ids come from a Mooncake trace's lines)
+LINE_FIELDS = tuple(name for name in TraceRequest.__dataclass_fields__ if name != "hash_ids")
+
+
+def arrival_step(seconds: float, step_time: float) -> int:
+    """The replay step at which a request arriving `seconds` after the first is first scheduled, at `step_time`
+    seconds a step: rounded up (one that arrives during step k - 1 joins step k; the tolerance absorbs float error).
+    ValueError ("is past step ...") when that is past MAX_ARRIVAL_STEP."""
+    step = seconds / step_time - 1e-9  # inf where seconds over a tiny step time pass float's range
+    if not step <= MAX_ARRIVAL_STEP:
+        raise ValueError(f"is past step {MAX_ARRIVAL_STEP} at {step_time} s per step (the latest a replay runs)")
+    return max(0, math.ceil(step))
 
 
 def check_prefix_len(seen: dict[int, tuple[int, str]], request: TraceRequest, where: str) -> None:
@@ -112,9 +144,12 @@ def load_trace_lines(path: str | Path) -> list[tuple[str, TraceRequest]]:
 def _trace_entries(path: str | Path, fill: dict) -> tuple[list[tuple[str, TraceRequest]], int]:
     """("file:line", request) per line, `fill` set on the lines that give neither n nor beam_width; and how many
     lines it filled."""
+    from trtpaged.bench.mooncake import MOONCAKE_FIELDS, refuse_mixed_line
+
     entries, filled = [], 0
     prefix_lens: dict[int, tuple[int, str]] = {}
-    for where, data in json_objects(path, TraceRequest.__dataclass_fields__):
+    for where, data in json_objects(path, LINE_FIELDS + MOONCAKE_FIELDS):
+        refuse_mixed_line(where, data, "trtpaged", entries[0][0] if entries else None)
         if fill and "n" not in data and "beam_width" not in data:
             data, filled = {**data, **fill}, filled + 1
         missing = next((name for name in ("prompt_len", "output_len") if name not in data), None)
@@ -195,11 +230,17 @@ def synthetic_trace(
 
 
 def prompt_token_ids(requests: list[TraceRequest], vocab: int = 30000, seed: int = 0) -> list[list[int]]:
-    """Token ids for each request: shared prefixes identical, everything else random (no accidental sharing)."""
+    """Token ids in [1, vocab) for each request: shared prefixes identical, everything else random (no accidental
+    sharing). A request with `hash_ids` gets its ids' blocks (trtpaged.bench.token_blocks: the same block for an id
+    in every request, drawn with `seed`)."""
     rng = random.Random(seed)
     prefixes: dict[int, list[int]] = {}
+    blocks: dict[int, list[int]] = {}
     out = []
     for r in requests:
+        if r.hash_ids is not None:
+            out.append(block_prompt(r.hash_ids, r.prompt_len, range(1, vocab), seed, blocks))
+            continue
         ids: list[int] = []
         if r.prefix_id is not None and r.prefix_len:
             prefix = prefixes.setdefault(r.prefix_id, [rng.randrange(1, vocab) for _ in range(r.prefix_len)])
