@@ -11,7 +11,10 @@ own TPOT (measured on the engine thread), next to the client's TPOT.
 Prompts are text made of common words (about one token per word with BPE tokenizers),
 identical across requests for a shared prefix_id; token counts come from the server's
 `usage` (stream_options.include_usage), so they are exact. A trace's `arrival` (a step
-number for `bench memory`) is ignored: arrivals come from the request rate; its `n` is sent as
+number for `bench memory`) is ignored: arrivals come from the request rate. A Mooncake trace's
+requests are sent at their timestamps instead (`arrivals`), its prompts words in 512-word blocks,
+one block per hash id (trtpaged.bench.token_blocks: the same words wherever an id appears, so
+prompts share exactly their leading blocks with equal ids). A trace's `n` is sent as
 `n`, its `beam_width` as `beam_width` (trtpaged's and TensorRT-LLM's field). The prompts
 depend on `seed` only: a second run with the same seed sends the same prompts, which a
 server with prefix caching then finds cached (use another seed for a cold run). A ShareGPT dataset's prompts are its
@@ -43,7 +46,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from trtpaged.bench.server_metrics import parse_prometheus
+from trtpaged.bench.mooncake import MooncakeTrace, read_mooncake
 from trtpaged.bench.sharegpt import ShareGPTRule, ShareGPTSample, sample_sharegpt
+from trtpaged.bench.token_blocks import block_prompt
 from trtpaged.bench.workload import TraceRequest
 
 _WORDS = ("the of and to in is you that it he was for on are as with his they at be this have from or one had by "
@@ -81,17 +86,30 @@ class RequestResult:
 
 
 def prompts_from_trace(trace: Sequence[TraceRequest], seed: int = 0) -> list[ServeRequest]:
-    """Text prompts of about `prompt_len` words; requests with the same prefix_id share the first prefix_len."""
+    """Text prompts of about `prompt_len` words; requests with the same prefix_id share the first prefix_len, those
+    with `hash_ids` their ids' blocks of words (drawn with `seed`)."""
     rng = random.Random(seed)
     prefixes: dict[int, list[str]] = {}
+    blocks: dict[int, list[str]] = {}
     out = []
     for r in trace:
+        if r.hash_ids is not None:
+            text = " ".join(block_prompt(r.hash_ids, r.prompt_len, _WORDS, seed, blocks))
+            out.append(ServeRequest(text, r.output_len, r.n, r.beam_width))
+            continue
         words: list[str] = []
         if r.prefix_id is not None and r.prefix_len:
             words = list(prefixes.setdefault(r.prefix_id, [rng.choice(_WORDS) for _ in range(r.prefix_len)]))
         words += [rng.choice(_WORDS) for _ in range(r.prompt_len - len(words))]
         out.append(ServeRequest(" ".join(words), r.output_len, r.n, r.beam_width))
     return out
+
+
+def mooncake_requests(path: str, seed: int = 0) -> tuple[list[ServeRequest], MooncakeTrace]:
+    """A Mooncake trace's requests in timestamp order (`prompts_from_trace`), and the trace: its `seconds()` are
+    their send times."""
+    trace = read_mooncake(path)
+    return prompts_from_trace(trace.trace(), seed), trace
 
 
 def sharegpt_requests(path: str, base_url: str, num_requests: int, seed: int = 0, output_len: Optional[int] = None,
@@ -348,10 +366,15 @@ async def run_serve_bench(
     timeout_s: float = 600.0,
     progress: Optional[Callable[[str], None]] = None,
     warmup: bool = True,
+    arrivals: Optional[Sequence[float]] = None,
 ) -> dict[str, Any]:
     """Sends `requests` (Poisson arrivals at `request_rate` req/s, at most `max_concurrency` in flight) and
     returns the report as a dict (see `format_report`). With `warmup`, one request of the first one's shape
-    (`warmup_request`) goes first and is not counted, nor is it in the server-side figures."""
+    (`warmup_request`) goes first and is not counted, nor is it in the server-side figures. `arrivals`: each
+    request's send time instead, seconds from the run's start, in order (a trace's timestamps; the rate is then
+    unused and the report's request_rate says "trace")."""
+    if arrivals is not None and len(arrivals) != len(requests):
+        raise ValueError(f"arrivals: {len(arrivals)} send times for {len(requests)} requests")
     import httpx
 
     url = base_url.rstrip("/") + ("/v1/chat/completions" if chat else "/v1/completions")
@@ -378,8 +401,12 @@ async def run_serve_bench(
         start = time.perf_counter()
         tasks = []
         for i, req in enumerate(requests):
+            if arrivals is not None:
+                wait = start + arrivals[i] - time.perf_counter()
+                if wait > 0:
+                    await asyncio.sleep(wait)
             tasks.append(asyncio.create_task(run(req)))
-            if math.isfinite(request_rate) and i + 1 < len(requests):
+            if arrivals is None and math.isfinite(request_rate) and i + 1 < len(requests):
                 await asyncio.sleep(rng.expovariate(request_rate))
         if progress:
             progress(f"sent {len(tasks)} requests; waiting for the answers")
@@ -387,6 +414,8 @@ async def run_serve_bench(
         duration = time.perf_counter() - start
         server = engine_side(before, await _scrape(client, base_url))
     report = make_report(results, duration, request_rate, max_concurrency, base_url)
+    if arrivals is not None:
+        report["request_rate"] = "trace"  # each request sent at its timestamp
     report.update(server)
     return report
 

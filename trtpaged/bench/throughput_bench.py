@@ -40,6 +40,7 @@ from typing import Callable, Optional, Sequence
 
 from trtpaged.bench import process_tree
 from trtpaged.bench.noise import Noise, NoiseMonitor, assess, spread
+from trtpaged.bench.mooncake import MooncakeTrace, read_mooncake
 from trtpaged.bench.sharegpt import ShareGPTRule, ShareGPTSample, sample_sharegpt
 from trtpaged.bench.workload import (TraceRequest, json_objects, load_trace_lines, prompt_token_ids, read_lines,
                                      synthetic_trace)  # fmt: skip
@@ -74,6 +75,7 @@ class SystemResult:
     isa: str = ""  # the instruction set the system's CPU code ran (forced or chosen)
     round_walls: list[float] = field(default_factory=list)  # --rounds: wall of each round, the first included
     timed_out: bool = False  # a peer row stopped at its time limit: no figures
+    prefix_hit_tokens: Optional[int] = None  # trtpaged rows: prompt tokens found in the prefix cache (first round)
 
 
 def timed_out_result(name: str, limit_s: float) -> SystemResult:
@@ -155,6 +157,14 @@ def load_requests(path: str | Path, tokenizer: Callable[[str], list[int]], vocab
         except ValueError as exc:  # text the tokenizer cannot take (RequestError)
             raise ValueError(f"{where}: {exc}") from None
     return out
+
+
+def mooncake_requests(path: str | Path, vocab_size: int, seed: int = 0) -> tuple[list[Request], MooncakeTrace]:
+    """A Mooncake trace's requests in timestamp order, each prompt its hash ids' blocks of token ids in
+    [1, vocab_size) drawn with `seed` (trtpaged.bench.token_blocks), all submitted at t=0 (the timestamps are
+    not replayed here: the caller says so); and the trace. Each request's `where` is its line."""
+    trace = read_mooncake(path)
+    return requests_from_trace(trace.trace(), vocab_size, seed, [r.where for r in trace.requests]), trace
 
 
 def sharegpt_requests(path: str | Path, encode: Callable[[str], list[int]], num_requests: int, seed: int = 0,
@@ -253,7 +263,8 @@ def _timed_round(engine, requests: list[Request], name: str, say: Callable[[str]
     are done; request ids `tag-i`. TTFT counts from a request's submission."""
     from trtpaged.runtime.sampling_params import SamplingParams
 
-    computed_before = int(engine.stats()["num_tokens_computed"])
+    before = engine.stats()
+    computed_before, hits_before = int(before["num_tokens_computed"]), int(before["prefix_cache_hits_tokens"])
     token_times: dict[str, list[float]] = {}
     submitted: dict[str, float] = {}
     with NoiseMonitor() as monitor:
@@ -277,11 +288,14 @@ def _timed_round(engine, requests: list[Request], name: str, say: Callable[[str]
                     done = sum(len(t) for t in token_times.values())
                     say(f"{name}: step {steps}, {done} token steps")
         wall = time.perf_counter() - start
-    computed = int(engine.stats()["num_tokens_computed"]) - computed_before
+    after = engine.stats()
+    computed = int(after["num_tokens_computed"]) - computed_before
     ttft = [t[0] - submitted[i] for i, t in token_times.items() if t]
     # per output token after the first (a verified run yields several tokens in one step)
     tpot = [(t[-1] - t[0]) / (r.output_len - 1) for t, r in zip(token_times.values(), requests) if r.output_len > 1]
-    return _result(name, requests, wall, computed, ttft, tpot, monitor)
+    result = _result(name, requests, wall, computed, ttft, tpot, monitor)
+    result.prefix_hit_tokens = int(after["prefix_cache_hits_tokens"]) - hits_before
+    return result
 
 
 def run_hf(engine_dir: str, requests: list[Request], batch_size: int, prompt_lookup: Optional[int] = None,
@@ -518,6 +532,10 @@ def format_throughput_report(report: dict) -> str:
             f"{s['tpot_p99_s'] * 1e3:>7.1f}ms {s['peak_rss_mb']:>12.0f}"
         )
     lines += ["", "instruction sets:"] + [f"  {s['name']}: {s.get('isa') or 'not reported'}" for s in report["systems"]]
+    prompt_tokens = report["prompt_tokens"] or 1
+    lines += [f"{s['name']}: prefix cache: {s['prefix_hit_tokens']} prompt tokens found cached "
+              f"({s['prefix_hit_tokens'] / prompt_tokens:.1%})"
+              for s in report["systems"] if s.get("prefix_hit_tokens")]  # fmt: skip
     for s in report["systems"]:
         walls = s.get("round_walls") or []
         if len(walls) > 1:

@@ -99,9 +99,13 @@ def kernel(kv_cache_dtype: Optional[str], device: str, as_json: bool, quick: boo
 @command.command(name="memory")
 @click.argument("engine", required=False, type=click.Path(exists=True, file_okay=False))
 @click.option("--trace", type=RegularFile(),
-              help="JSON Lines trace (prompt_len, output_len[, arrival, prefix_id, prefix_len, n, beam_width]), or a "
-                   "ShareGPT dataset (a JSON array of conversations, read as vLLM's benchmarks read it; its lengths "
-                   "counted by ENGINE's tokenizer).")
+              help="JSON Lines trace (prompt_len, output_len[, arrival, prefix_id, prefix_len, n, beam_width]), a "
+                   "Mooncake trace (JSON Lines of timestamp, input_length, output_length, hash_ids; see --step-time), "
+                   "or a ShareGPT dataset (a JSON array of conversations, read as vLLM's benchmarks read it; its "
+                   "lengths counted by ENGINE's tokenizer).")
+@click.option("--step-time", type=FiniteFloatRange(min=0, min_open=True), default=None,
+              help="With a Mooncake --trace: the seconds one replay step stands for; each timestamp (ms after the "
+                   "first) becomes a step, rounded up. Needed when the timestamps differ.")
 @click.option("--num-requests", type=click.IntRange(1, MAX_REQUESTS), default=200, show_default=True,
               help="Synthetic workload, or a ShareGPT --trace: number of requests.")
 @click.option("--prompt-len", default="64:512", show_default=True, help="Synthetic: prompt length N or LOW:HIGH.")
@@ -145,9 +149,10 @@ def kernel(kv_cache_dtype: Optional[str], device: str, as_json: bool, quick: boo
                    "every layer has one).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.pass_context
-def memory(ctx, engine, trace, num_requests, prompt_len, output_len, shared_prefix, num_prefixes, n, beam_width, preset,
-           sharing_table, plot, seed, num_kv_blocks, block_size, max_seq_len, max_batch_size, max_num_tokens,
-           kv_cache_dtype, head_dim, tensor_parallel, kv_tier_blocks, window, as_json) -> None:  # fmt: skip
+def memory(ctx, engine, trace, step_time, num_requests, prompt_len, output_len, shared_prefix, num_prefixes, n,
+           beam_width, preset, sharing_table, plot, seed, num_kv_blocks, block_size, max_seq_len, max_batch_size,
+           max_num_tokens, kv_cache_dtype, head_dim, tensor_parallel, kv_tier_blocks, window,
+           as_json) -> None:  # fmt: skip
     """Concurrency and KV utilisation of one workload: contiguous reservations vs paged vs paged + sharing.
 
     Replays the workload through trtpaged's real scheduler and block pool (no model runs) and
@@ -157,10 +162,12 @@ def memory(ctx, engine, trace, num_requests, prompt_len, output_len, shared_pref
     The budget is one device's: for a tensor-parallel engine, its blocks per rank over tensor_parallel.
     With --trace, --n or --beam-width fill the lines that give neither field; the synthetic options
     are errors (they cannot apply to a trace). A ShareGPT --trace takes --num-requests, --seed and --output-len N
-    (trtpaged.bench.sharegpt).
+    (trtpaged.bench.sharegpt); a Mooncake --trace's timestamps become steps with --step-time
+    (trtpaged.bench.mooncake).
     """
     from trtpaged.bench.memory_bench import (Budget, format_memory_report, format_sharing_table, run_memory_bench,
                                              run_sharing_table)  # fmt: skip
+    from trtpaged.bench.mooncake import is_mooncake
     from trtpaged.bench.sharegpt import is_sharegpt
     from trtpaged.bench.workload import PRESETS, load_trace_with_sharing, parse_range, synthetic_trace
 
@@ -193,8 +200,16 @@ def memory(ctx, engine, trace, num_requests, prompt_len, output_len, shared_pref
         given = {"num_kv_blocks": num_kv_blocks, "block_size": block_size, "max_seq_len": max_seq_len,
                  "max_batch_size": max_batch_size, "max_num_tokens": max_num_tokens}  # fmt: skip
         budget = Budget(**{k: v if v is not None else defaults[k] for k, v in given.items()})
-        if trace and is_sharegpt(trace):
+        sharegpt = bool(trace) and is_sharegpt(trace)
+        mooncake = bool(trace) and not sharegpt and is_mooncake(trace)
+        if step_time is not None and not mooncake:
+            raise ValueError("--step-time: turns a Mooncake --trace's timestamps into replay steps; "
+                             + (f"--trace {trace} is no Mooncake trace" if trace else "a synthetic workload arrives "
+                                "at step 0"))  # fmt: skip
+        if sharegpt:
             requests = _sharegpt_memory_requests(ctx, manifest, budget.max_seq_len)
+        elif mooncake:
+            requests = _mooncake_memory_requests(ctx, trace, step_time, n, beam_width)
         elif trace:
             given = _given(ctx, ("num_requests", "prompt_len", "output_len", "shared_prefix", "num_prefixes", "n",
                                  "beam_width", "preset", "seed"))  # fmt: skip
@@ -319,6 +334,27 @@ def _sharegpt_memory_requests(ctx: click.Context, manifest, max_seq_len: int) ->
     return [TraceRequest(r.prompt_len, r.output_len, n=p["n"], beam_width=p["beam_width"]) for r in sample.requests]
 
 
+def _mooncake_memory_requests(ctx: click.Context, trace: str, step_time: Optional[float], n: int,
+                              beam_width: int) -> list:  # fmt: skip
+    """bench memory's requests from a Mooncake --trace: arrival steps from --step-time, --n or --beam-width on every
+    request (no line gives either), the synthetic options refused."""
+    from dataclasses import replace
+
+    from trtpaged.bench.mooncake import read_mooncake
+
+    given = _given(ctx, ("num_requests", "prompt_len", "output_len", "shared_prefix", "num_prefixes", "n",
+                         "beam_width", "preset", "seed"))  # fmt: skip
+    _refuse_synthetic_options(trace, given - {"n", "beam_width"})
+    if {"n", "beam_width"} <= given:
+        raise ValueError("--n, --beam-width: give one of them (a request is parallel sampling or a beam search)")
+    mooncake = read_mooncake(trace)
+    requests = mooncake.arrival_steps(step_time)
+    _progress(mooncake.summary())
+    if step_time is not None:
+        _progress(f"--step-time {step_time:g}: arrivals at steps 0 to {max(r.arrival for r in requests)}")
+    return [replace(r, n=n, beam_width=beam_width) for r in requests]
+
+
 def _plot_path(value, param):
     """--plot's PATH, refused before the replay when its directory is missing, or matplotlib cannot write the format
     its suffix names (a traceback after the whole replay) or is not installed. No suffix: a PNG."""
@@ -381,16 +417,18 @@ def qlinear(as_json: bool, quick: bool, working_set_mb: Optional[int], threads: 
 @command.command(name="serve")
 @click.option("--base-url", type=HttpUrl(), required=True, help="The server, e.g. http://127.0.0.1:8000 (any OpenAI-compatible server).")
 @click.option("--trace", type=RegularFile(),
-              help="JSON Lines trace (as for bench memory), or a ShareGPT dataset (a JSON array of conversations, "
-                   "read as vLLM's benchmarks read it: its prompts' texts sent, lengths counted by the server's "
-                   "POST /tokenize).")
+              help="JSON Lines trace (as for bench memory), a Mooncake trace (JSON Lines of timestamp, input_length, "
+                   "output_length, hash_ids: each request sent at its timestamp, its prompt a block of words per "
+                   "hash id), or a ShareGPT dataset (a JSON array of conversations, read as vLLM's benchmarks read "
+                   "it: its prompts' texts sent, lengths counted by the server's POST /tokenize).")
 @click.option("--num-requests", type=click.IntRange(1, MAX_REQUESTS), default=100, show_default=True,
               help="Synthetic workload, or a ShareGPT --trace: number of requests.")
 @click.option("--prompt-len", default="32:256", show_default=True, help="Synthetic: prompt words N or LOW:HIGH.")
 @click.option("--output-len", default="16:128", show_default=True,
               help="Synthetic: output tokens N or LOW:HIGH. With a ShareGPT --trace: N, every request's (default: "
                    "each completion's tokens).")
-@click.option("--request-rate", default="inf", show_default=True, help="Requests per second (Poisson), or inf.")
+@click.option("--request-rate", default="inf", show_default=True,
+              help="Requests per second (Poisson), or inf (a Mooncake --trace: its timestamps instead).")
 @click.option("--max-concurrency", type=click.IntRange(1, MAX_REQUESTS), default=None, help="Requests in flight at most.")
 @click.option("--model", default=None, help="Model name to send (default: none; the server's own).")
 @click.option("--api-key", envvar="TRTPAGED_API_KEY", default=None, help="Sent as 'Authorization: Bearer KEY'.")
@@ -415,7 +453,7 @@ def serve(base_url, trace, num_requests, prompt_len, output_len, request_rate, m
     """Serving benchmark: TTFT, TPOT, ITL, end-to-end latency and throughput of a running server."""
     import asyncio
 
-    given = _given(click.get_current_context(), ("num_requests", "prompt_len", "output_len"))
+    given = _given(click.get_current_context(), ("num_requests", "prompt_len", "output_len", "request_rate"))
     if multi_turn is not None:
         from trtpaged.bench.multi_turn import format_multi_turn, run_multi_turn
         from trtpaged.bench.serve_bench import format_report, report_json
@@ -432,18 +470,28 @@ def serve(base_url, trace, num_requests, prompt_len, output_len, request_rate, m
         _refuse_an_empty_run(report)
         return
 
-    from trtpaged.bench.serve_bench import (format_report, prompts_from_trace, report_json, run_serve_bench,
-                                            sharegpt_requests)  # fmt: skip
+    from trtpaged.bench.mooncake import is_mooncake
+    from trtpaged.bench.serve_bench import (format_report, mooncake_requests, prompts_from_trace, report_json,
+                                            run_serve_bench, sharegpt_requests)  # fmt: skip
     from trtpaged.bench.sharegpt import is_sharegpt
     from trtpaged.bench.workload import load_trace, parse_range, synthetic_trace
 
+    arrivals = None
     try:
         rate = float(request_rate)
         if not rate > 0:
             raise ValueError(f"--request-rate: must be > 0 or inf, got {request_rate!r}")
         sharegpt = bool(trace) and is_sharegpt(trace)
+        mooncake = bool(trace) and not sharegpt and is_mooncake(trace)
+        if mooncake and "request_rate" in given:
+            raise ValueError(f"--request-rate: the Mooncake --trace {trace} sends each request at its timestamp")
+        given -= {"request_rate"}
         _refuse_synthetic_options(trace, given - {"num_requests", "output_len"} if sharegpt else given)
-        if sharegpt:
+        if mooncake:
+            requests, replay = mooncake_requests(trace, seed)
+            arrivals = replay.seconds()
+            _progress(replay.summary() + "; each sent at its timestamp")
+        elif sharegpt:
             fixed = _fixed_output_len(output_len, "output_len" in given)
             requests, sample = sharegpt_requests(trace, base_url, num_requests, seed, fixed, api_key, model)
             _progress(sample.summary(num_requests))
@@ -455,7 +503,7 @@ def serve(base_url, trace, num_requests, prompt_len, output_len, request_rate, m
     except (ValueError, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from exc
     report = asyncio.run(run_serve_bench(base_url, requests, rate, max_concurrency, model, api_key, endpoint == "chat",
-                                         ignore_eos, seed, progress=_progress))  # fmt: skip
+                                         ignore_eos, seed, progress=_progress, arrivals=arrivals))  # fmt: skip
     echo(report_json(report) if as_json else format_report(report))
     _refuse_an_empty_run(report)
 
@@ -569,8 +617,9 @@ def structured(engine, batch, steps, repeats, temperature, as_json) -> None:
 @command.command(name="throughput")
 @click.argument("engine", type=click.Path(exists=True, file_okay=False))
 @click.option("--trace", type=RegularFile(),
-              help='JSON Lines: a bench-memory trace (prompt_len, output_len, ...; token ids are generated) '
-                   'or prompts ({"prompt": text, "output_len": N}); or a ShareGPT dataset (a JSON array of '
+              help='JSON Lines: a bench-memory trace (prompt_len, output_len, ...; token ids are generated), '
+                   'prompts ({"prompt": text, "output_len": N}) or a Mooncake trace (token ids generated per hash id; '
+                   "its timestamps are not replayed: all requests at t=0); or a ShareGPT dataset (a JSON array of "
                    "conversations, read as vLLM's benchmarks read it; its prompts' texts tokenized).")  # fmt: skip
 @click.option("--num-requests", type=click.IntRange(1, MAX_REQUESTS), default=16, show_default=True,
               help="Built-in mix (prompts 32-300, outputs 16-240 tokens), or a ShareGPT --trace: requests.")
@@ -584,7 +633,8 @@ def structured(engine, batch, steps, repeats, temperature, as_json) -> None:
 @click.option("--engine2", type=click.Path(exists=True, file_okay=False), callback=lambda ctx, p, v: _engine_dir(v, p),
               help="Extra row: a second engine dir on the same requests (e.g. fp32 vs quantized).")
 @click.option("--profile", is_flag=True, help="Also: where a decode step's time goes (phases, and model ops at batch 1 and 16).")
-@click.option("--seed", default=0, show_default=True)
+@click.option("--seed", default=0, show_default=True,
+              help="The built-in mix's lengths and prompts, a ShareGPT --trace's shuffle, a Mooncake --trace's blocks.")
 @click.option("--rounds", type=click.IntRange(1, MAX_ROUNDS), default=1, show_default=True,
               help="trtpaged runs the workload this many times in one process, each round on fresh prompts of the "
                    "same shapes, and prints each round's wall: the first batch after loading vs the next.")
@@ -600,9 +650,11 @@ def structured(engine, batch, steps, repeats, temperature, as_json) -> None:
 def throughput(engine, trace, num_requests, output_len, baseline, hf_batch_size, no_prefix_caching_row, engine2,
                profile, seed, rounds, speculative_config, sequential, peer_time_limit, as_json) -> None:  # fmt: skip
     """End-to-end throughput and latency: trtpaged vs HF transformers on the same requests, side by side."""
+    from trtpaged.bench.mooncake import is_mooncake
     from trtpaged.bench.sharegpt import is_sharegpt
     from trtpaged.bench.throughput_bench import (check_requests, default_requests, format_throughput_report,
-                                                 load_requests, run_throughput_bench, sharegpt_requests)  # fmt: skip
+                                                 load_requests, mooncake_requests, run_throughput_bench,
+                                                 sharegpt_requests)  # fmt: skip
     from trtpaged.errors import check_unicode
     from trtpaged.manifest import read_manifest
 
@@ -623,6 +675,13 @@ def throughput(engine, trace, num_requests, output_len, baseline, hf_batch_size,
             requests, sample = sharegpt_requests(trace, lambda text: list(tokenizer.encode(text)), num_requests, seed,
                                                  output_len, manifest.limits.max_seq_len)  # fmt: skip
             progress(sample.summary(num_requests))
+        elif trace and is_mooncake(trace):
+            _refuse_synthetic_options(trace, _given(click.get_current_context(), ("num_requests",)))
+            requests, mooncake = mooncake_requests(trace, manifest.dims.vocab_size, seed)
+            progress(mooncake.summary())
+            progress("timestamps not replayed: every request is submitted at t=0 (--sequential: one at a time), in "
+                     "timestamp order, as the baseline runs them (bench serve replays them)")  # fmt: skip
+            check_requests(requests, manifest.limits.max_seq_len, trace)
         elif trace:
             requests = load_requests(trace, lambda text: list(tokenizer.encode(check_unicode("prompt", text))),
                                      manifest.dims.vocab_size)  # fmt: skip
