@@ -115,6 +115,15 @@ def test_cli_bad_trace_names_line_and_field(tiny_engine_dir, tmp_path) -> None:
     assert result.exit_code != 0 and "bad.jsonl:2: output_len: must be an integer" in result.output
 
 
+def test_cli_refuses_num_requests_with_a_trace_of_its_own_lines(tiny_engine_dir, tmp_path) -> None:
+    """was: --num-requests 1 ignored without a word, both lines run (a ShareGPT file takes it as its sample size)"""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"prompt_len": 20, "output_len": 4}\n{"prompt_len": 24, "output_len": 4}\n')
+    result = CliRunner().invoke(main, ["bench", "throughput", str(tiny_engine_dir), "--trace", str(trace),
+                                       "--num-requests", "1", "--baseline", "none"])  # fmt: skip
+    assert result.exit_code != 0 and "--num-requests: synthetic workload options" in result.output, result.output
+
+
 @pytest.mark.parametrize("field, value", [("n", 4), ("beam_width", 3), ("arrival", 500)])
 def test_cli_refuses_trace_fields_it_would_not_replay(tiny_engine_dir, tmp_path, field, value) -> None:
     """was: the line ran as one sequence at t=0 and the report counted it so, without a word; the error names the

@@ -176,7 +176,8 @@ def test_cli_bench_serve_sends_each_request_at_its_timestamp(logged_server, tiny
     run = sorted(lines(seen + 5)[seen + 1:], key=lambda line: line["arrival"])  # the uncounted warm-up first
     assert [line["prompt_token_ids"] for line in run] == expected
     gaps = [line["arrival"] - run[0]["arrival"] for line in run]
-    assert all(abs(gap - want) < 0.25 for gap, want in zip(gaps, (0.0, 0.5, 1.0, 1.5))), gaps
+    # sent late on a loaded machine perhaps, never early: all at once (timestamps ignored) reads gaps of 0
+    assert all(want - 0.1 < gap < want + 0.45 for gap, want in zip(gaps, (0.0, 0.5, 1.0, 1.5))), gaps
     assert expected[0] == expected[2][:len(expected[0])] and expected[2] == expected[3][:len(expected[2])]
 
 

@@ -671,12 +671,13 @@ def throughput(engine, trace, num_requests, output_len, baseline, hf_batch_size,
             from trtpaged.runtime.llm import load_tokenizer
 
             tokenizer = load_tokenizer(Path(engine), manifest)
+        if trace and not sharegpt:  # a sample's size of a ShareGPT file; each line of another trace is a request
+            _refuse_synthetic_options(trace, _given(click.get_current_context(), ("num_requests",)))
         if sharegpt:
             requests, sample = sharegpt_requests(trace, lambda text: list(tokenizer.encode(text)), num_requests, seed,
                                                  output_len, manifest.limits.max_seq_len)  # fmt: skip
             progress(sample.summary(num_requests))
         elif trace and is_mooncake(trace):
-            _refuse_synthetic_options(trace, _given(click.get_current_context(), ("num_requests",)))
             requests, mooncake = mooncake_requests(trace, manifest.dims.vocab_size, seed)
             progress(mooncake.summary())
             progress("timestamps not replayed: every request is submitted at t=0 (--sequential: one at a time), in "
