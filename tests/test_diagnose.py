@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -166,8 +167,6 @@ def test_command_with_an_engine(tmp_path, tiny_engine_dir) -> None:
 
 
 def test_command_with_a_config_and_a_bad_log(tmp_path) -> None:
-    from pathlib import Path
-
     tiny_yaml = Path(__file__).resolve().parent.parent / "examples" / "tiny.yaml"
     good = _log(tmp_path, [{"prompt_len": 30, "output_len": 10}])
     result = CliRunner().invoke(main, ["diagnose", good, "--config", str(tiny_yaml), "--json"])
@@ -177,6 +176,30 @@ def test_command_with_a_config_and_a_bad_log(tmp_path) -> None:
     bad.write_text('{"prompt_len": 30, "output_len": 10}\n{"prompt_len": 30, "output_len": -1}\n')
     result = CliRunner().invoke(main, ["diagnose", str(bad), "--config", str(tiny_yaml)])
     assert result.exit_code != 0 and "bad.jsonl:2: output_len: must be >= 1" in result.output
+
+
+def test_a_mooncake_trace_is_read_as_bench_memory_replays_it(tmp_path) -> None:
+    """Its hash ids' 512-token blocks are the prompts (600 tokens of [1, 2]; 700 of [1, 3]; 1000 of [1, 2]): the
+    second repeats block 1 (512 tokens), the third the first's whole 600; its timestamps are steps at --step-time.
+    Was: "unknown field(s)"."""
+    import yaml
+
+    rows = [{"timestamp": 0, "input_length": 600, "output_length": 20, "hash_ids": [1, 2]},
+            {"timestamp": 100, "input_length": 700, "output_length": 20, "hash_ids": [1, 3]},
+            {"timestamp": 100, "input_length": 1000, "output_length": 20, "hash_ids": [1, 2]}]
+    data = read_request_log(_log(tmp_path, rows), vocab_size=320, step_time=0.01)
+    assert [len(p) for p in data.prompts] == [600, 700, 1000] and [r.arrival for r in data.trace] == [0, 10, 10]
+    assert shared_prefix_tokens(data.prompts) == [0, 512, 600] and data.output_tokens == 60
+    with pytest.raises(ValueError, match="timestamps span 100 ms and a replay's arrivals are engine steps: give "
+                                         "--step-time SECONDS"):  # fmt: skip
+        read_request_log(_log(tmp_path, rows), vocab_size=320)
+    config = yaml.safe_load((Path(__file__).resolve().parent.parent / "examples" / "tiny.yaml").read_text())
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump({**config, "max_seq_len": 2048}))
+    result = CliRunner().invoke(main, ["diagnose", _log(tmp_path, rows), "--config", str(tmp_path / "model.yaml"),
+                                       "--step-time", "0.01", "--json"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    sharing = json.loads(result.output[result.output.index("{"):])["sharing"]
+    assert sharing["prompt_tokens"] == 2300 and sharing["prompt_tokens_in_shared_prefixes"] == 1112
 
 
 # ---- the server's request log: arrivals in seconds -------------------------------------------------------
@@ -259,8 +282,6 @@ def test_seconds_log_errors_name_line_and_field(tmp_path) -> None:
 
 
 def test_command_reads_seconds_and_refuses_a_mix(tmp_path) -> None:
-    from pathlib import Path
-
     tiny_yaml = Path(__file__).resolve().parent.parent / "examples" / "tiny.yaml"
     rows = [{"prompt_len": 30, "output_len": 10, "arrival": 0.2932}, {"prompt_len": 30, "output_len": 10, "arrival": 0.31}]
     result = CliRunner().invoke(main, ["diagnose", _log(tmp_path, rows), "--config", str(tiny_yaml), "--step-time",

@@ -23,7 +23,7 @@ with a decimal point), converted to steps with the measured step time (the media
 step_time_s, or `step_time`), counted from the first arrival and rounded up (a request arriving
 during a step joins the next); a prompt_len next to prompt_token_ids must be their count; its other
 fields are checked and read as observed figures; its requests that produced no token (refused) are
-skipped and counted.
+skipped and counted. A Mooncake trace is read as `bench memory` replays it (trtpaged.bench.mooncake).
 """
 
 from __future__ import annotations
@@ -93,7 +93,13 @@ def read_request_log(path: str | Path, tokenize: Optional[Callable[[str], list[i
     Text prompts need `tokenize`; lengths get random ids, with a shared prefix_id's first
     prefix_len tokens identical. Arrivals are all integers (steps) or all non-integral numbers
     (seconds, converted with `step_time` or the lines' step_time_s). Errors name the line and the field.
+    A Mooncake trace (trtpaged.bench.mooncake) is read as `bench memory` replays it: its hash ids' blocks as the
+    prompts, its timestamps as steps at `step_time` (needed when they differ).
     """
+    from trtpaged.bench.mooncake import is_mooncake
+
+    if is_mooncake(path):
+        return _read_mooncake(path, vocab_size, seed, step_time)
     rng = random.Random(seed)
     prefixes: dict[int, list[int]] = {}
     prefix_lens: dict[int, tuple[int, str]] = {}
@@ -151,6 +157,18 @@ def read_request_log(path: str | Path, tokenize: Optional[Callable[[str], list[i
         out.output_tokens += sum(data["output_lens"]) if "output_lens" in data else req.output_len * req.n
         if "cached_tokens" in data:
             out.cached_tokens = (out.cached_tokens or 0) + data["cached_tokens"]
+    return out
+
+
+def _read_mooncake(path: str | Path, vocab_size: int, seed: int, step_time: Optional[float]) -> RequestLogData:
+    from trtpaged.bench.mooncake import read_mooncake
+    from trtpaged.bench.workload import prompt_token_ids
+
+    mooncake = read_mooncake(path)
+    trace = mooncake.arrival_steps(step_time)
+    out = RequestLogData(trace, prompt_token_ids(trace, vocab_size, seed), step_time_s=step_time,
+                         arrival_unit="seconds" if step_time is not None else "steps")  # fmt: skip
+    out.output_tokens = sum(r.output_len for r in trace)
     return out
 
 

@@ -80,7 +80,8 @@ def command(log, engine, config_path, metrics_url, metrics_samples, step_time, k
     Log lines: {"prompt": text | "prompt_token_ids": [...] | "prompt_len": N, "output_len": N,
     "arrival": step or seconds, "prefix_id": id, "prefix_len": N, "n": N, "beam_width": W}; the log that
     `trtpaged serve --request-log` writes is one (arrivals in seconds since the server started, converted
-    to steps with the measured step time).
+    to steps with the measured step time). A Mooncake trace (timestamp, input_length, output_length, hash_ids) is
+    read as `bench memory --trace` replays it (--step-time needed when its timestamps differ).
     """
     import json
 
