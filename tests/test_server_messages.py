@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
@@ -320,3 +323,73 @@ def test_a_thread_is_refused_so_the_sdks_tool_runner_sends_the_whole_conversatio
     assert second[0] == turns[0] and second[1]["role"] == "assistant" and second[1]["content"][0]["type"] == "tool_use"
     assert second[2]["content"][0]["type"] == "tool_result"
     http.close()
+
+
+def _held(lane, threads: int, release) -> list:
+    """`threads` jobs that keep `lane`'s threads busy until `release` is set (as long texts would)."""
+    jobs = []
+    for _ in range(threads):  # one at a time: a job not yet taken counts as waiting
+        jobs.append(lane.send(lambda tok: release.wait(30)))
+        deadline = time.monotonic() + 10
+        while not jobs[-1].running():
+            assert time.monotonic() < deadline, f"{lane.name}'s threads did not take the job"
+            time.sleep(0.005)
+    return jobs
+
+
+def _waiting_on(lane, call) -> Future:
+    """`call` (an HTTP request) run on a thread; returned once its job waits in `lane`'s queue."""
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(call)
+    pool.shutdown(wait=False)
+    deadline = time.monotonic() + 10
+    while lane.num_waiting < 1:
+        assert time.monotonic() < deadline, f"the request did not reach {lane.name}'s queue"
+        time.sleep(0.005)
+    return future
+
+
+def test_a_full_server_is_anthropics_529_overloaded_error(tiny_engine_dir):
+    """A full queue (max_waiting) answers /v1/messages and its count_tokens with Anthropic's overloaded status, 529,
+    and its envelope (type overloaded_error, Retry-After), which the anthropic client raises as OverloadedError; the
+    OpenAI routes keep 503 at the same moment (was: 503 on both, the client's ServiceUnavailableError). The waiting
+    requests are answered after, and nothing stays held."""
+    from trtpaged.server.errors import overloaded
+    from trtpaged.server.tokenizer_worker import PROMPT_THREADS
+
+    handle = start_server(tiny_engine_dir, port=0, served_model_name=MODEL, device="cpu", chat_template=TEMPLATE,
+                          options=ServerOptions(max_waiting=1))  # fmt: skip
+    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    chat = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    release = threading.Event()
+    try:
+        held = _held(handle.tokens.prompts, PROMPT_THREADS, release)
+        waiting = _waiting_on(handle.tokens.prompts, lambda: request(handle, "/v1/chat/completions", chat))
+        status, headers, out = request(handle, "/v1/messages", body)
+        assert status == 529 and headers["Retry-After"] == "1", (status, out)
+        assert out["type"] == "error" and out["error"]["type"] == "overloaded_error", out
+        assert "max_waiting 1" in out["error"]["message"], out
+        with pytest.raises(anthropic.OverloadedError) as refused:
+            anthropic.Anthropic(base_url=handle.url, api_key="none", max_retries=0).messages.create(**body)
+        assert refused.value.status_code == 529 and refused.value.body["error"]["type"] == "overloaded_error"
+        status, _, out = request(handle, "/v1/chat/completions", chat)
+        assert status == 503 and out["error"]["code"] == "overloaded", out  # OpenAI's routes: as before
+        release.set()
+        assert waiting.result(30)[0] == 200 and all(job.result(30) for job in held)
+
+        release = threading.Event()  # count_tokens tokenizes on the texts lane (one thread)
+        held = _held(handle.tokens.texts, 1, release)
+        waiting = _waiting_on(handle.tokens.texts, lambda: request(handle, "/tokenize", {"prompt": "hi"}))
+        status, headers, out = request(handle, "/v1/messages/count_tokens", {k: body[k] for k in ("model", "messages")})
+        assert status == 529 and headers["Retry-After"] == "1" and out["error"]["type"] == "overloaded_error", out
+        assert request(handle, "/detokenize", {"tokens": [65]})[0] == 503
+        release.set()
+        assert waiting.result(30)[0] == 200
+        assert request(handle, "/v1/messages", body)[0] == 200
+        m = wait_idle(handle)
+        assert m['http_requests_total{route="/v1/messages",status="529"}'] == 2, m
+        # a draining server is not overloaded: it stays 503 (service unavailable, what a proxy in front reads)
+        assert overloaded("the server is shutting down", busy=False).status_on(anthropic=True) == 503
+    finally:
+        release.set()
+        handle.shutdown()

@@ -46,7 +46,7 @@ ANTHROPIC_PATH = "/v1/messages"  # it and the routes under it are answered in An
 def error_response(error: ApiError, anthropic: bool = False) -> JSONResponse:
     """The error body: OpenAI's, or Anthropic's envelope (the /v1/messages routes)."""
     body = messages_output.error_body(error) if anthropic else dump(error.body())
-    return JSONResponse(body, error.status, headers=error.headers or None)
+    return JSONResponse(body, error.status_on(anthropic), headers=error.headers or None)
 
 
 def route_path(scope: Mapping[str, Any]) -> str:
@@ -269,7 +269,7 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
         start = time.monotonic()
         if draining:
             metrics.observe_rejected("draining")
-            raise overloaded("the server is shutting down", options.retry_after_s)
+            raise overloaded("the server is shutting down", options.retry_after_s, busy=False)
         call, claimed, message_call = None, None, None
         try:
             body = parse_json(await read_body(request)) if given is None else given
@@ -484,7 +484,8 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
             return Response(status_code=499)
         except (Overloaded, ShuttingDown) as exc:  # the tokenizer's queue is full, or the server stops
             metrics.observe_rejected("overloaded")
-            return error_response(overloaded(str(exc), options.retry_after_s), anthropic)
+            return error_response(overloaded(str(exc), options.retry_after_s, busy=isinstance(exc, Overloaded)),
+                                  anthropic)  # fmt: skip
         if isinstance(answer, bytes):
             return Response(answer, media_type="application/json")
         return JSONResponse(answer if isinstance(answer, dict) else dump(answer))

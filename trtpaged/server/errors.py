@@ -27,19 +27,31 @@ class ApiError(Exception):
         code: Optional[str] = None,
         headers: Optional[Mapping[str, str]] = None,
         details: Optional[Mapping[str, Any]] = None,
+        anthropic_status: Optional[int] = None,
     ) -> None:
         super().__init__(message)
         self.message, self.param, self.status, self.kind, self.code = message, param, status, kind, code
         self.headers = dict(headers or {})
         self.details = dict(details) if details else None  # Anthropic's error.details (its error_code), if any
+        self.anthropic_status = anthropic_status  # the status on Anthropic's routes, where it is not `status`
+
+    def status_on(self, anthropic: bool) -> int:
+        """The HTTP status of the answer: on Anthropic's routes (/v1/messages) their own where it differs."""
+        return self.anthropic_status if anthropic and self.anthropic_status is not None else self.status
 
     def body(self) -> ErrorResponse:
         return ErrorResponse(error=ErrorDetail(message=self.message, type=self.kind, param=self.param, code=self.code))
 
 
-def overloaded(message: str, retry_after_s: int = 1) -> ApiError:
-    """503 with Retry-After: the server is full (or draining); the client may try again later."""
-    return ApiError(message, None, 503, "server_overloaded", "overloaded", {"Retry-After": str(retry_after_s)})
+ANTHROPIC_OVERLOADED = 529  # Anthropic's status for overloaded_error (its SDK raises OverloadedError on it)
+
+
+def overloaded(message: str, retry_after_s: int = 1, *, busy: bool) -> ApiError:
+    """503 with Retry-After: the server is full (`busy`: a waiting queue holds max_waiting requests) or draining; the
+    client may try again later. On Anthropic's routes a full server is 529, Anthropic's "overloaded" status (a
+    draining one stays 503, the service unavailable that a proxy in front reads)."""
+    return ApiError(message, None, 503, "server_overloaded", "overloaded", {"Retry-After": str(retry_after_s)},
+                    anthropic_status=ANTHROPIC_OVERLOADED if busy else None)  # fmt: skip
 
 
 # how pydantic names a union's member in an error's location (str, list[int], literal['never'], function-after[...]),

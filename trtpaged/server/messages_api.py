@@ -156,7 +156,7 @@ def renamed(error: ApiError) -> ApiError:
     for pattern, spelling in _CHAT_SPELLINGS:
         message = pattern.sub(spelling, message)
     return ApiError(message, _MESSAGES_NAMES.get(base, error.param), error.status, error.kind, error.code,
-                    error.headers, error.details)  # fmt: skip
+                    error.headers, error.details, error.anthropic_status)  # fmt: skip
 
 
 def _text_of(blocks: Any, where: str, field_name: str) -> str:

@@ -90,7 +90,7 @@ class StoredResponses:
         if not self.store.room_for_background() or self.logs.open_size() >= self.store.max_bytes:
             self.service.loop.abort(sorted(s.index))
             raise overloaded(f"background: the Responses store's bound ({self.store.max_bytes} bytes) is held by "
-                             "background responses running or not read yet; read them, or retry later")
+                             "background responses running or not read yet; read them, or retry later", busy=True)
         inputs = responses_api.turn(call, [])  # read from the start (input_items)
         if not self.store.put(rid, queued, inputs, call.link, running=True, inputs=len(inputs)):
             self.service.loop.abort(sorted(s.index))
