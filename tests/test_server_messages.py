@@ -393,3 +393,43 @@ def test_a_full_server_is_anthropics_529_overloaded_error(tiny_engine_dir):
     finally:
         release.set()
         handle.shutdown()
+
+
+def test_a_failed_tool_result_reaches_the_template_marked_as_an_error(client, llm, server):
+    """A tool_result with is_error: true is the tool message "Error: <its text>" (was: the flag dropped, the failure
+    read as the tool's answer): count_tokens and the answer are those of that conversation rendered by hand; false
+    or absent leaves the text as it is; a flag that is no boolean is a 400 naming it (was: accepted)."""
+    call = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Atlantis"}}
+
+    def turns(result: dict) -> list[dict]:
+        return [{"role": "user", "content": "Weather in Atlantis?"}, {"role": "assistant", "content": [call]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", **result}]}]
+
+    def chat(text: str) -> list[dict]:
+        calls = [{"id": "toolu_1", "type": "function",
+                  "function": {"name": "get_weather", "arguments": json.dumps(call["input"])}}]  # fmt: skip
+        return [{"role": "user", "content": "Weather in Atlantis?"},
+                {"role": "assistant", "content": None, "tool_calls": calls},
+                {"role": "tool", "tool_call_id": "toolu_1", "content": text}]  # fmt: skip
+
+    failed = turns({"content": [{"type": "text", "text": "no such city"}], "is_error": True})
+    prompt = _prompt(llm, chat("Error: no such city"), CHAT_TOOLS)
+    assert client.messages.count_tokens(model=MODEL, messages=failed, tools=TOOLS).input_tokens == len(prompt)
+    want = _greedy(llm, prompt, 6, ignore_eos=True)
+    got = client.messages.create(model=MODEL, max_tokens=6, messages=failed, tools=TOOLS, extra_body=GREEDY,
+                                 tool_choice={"type": "none"})  # fmt: skip
+    text = "".join(b.text for b in got.content if b.type == "text")
+    assert text and text == want.text[:len(text)]
+    empty = _prompt(llm, chat("Error"), CHAT_TOOLS)  # a failure without a text still says so
+    assert client.messages.count_tokens(model=MODEL, messages=turns({"is_error": True}),
+                                        tools=TOOLS).input_tokens == len(empty)  # fmt: skip
+    plain = len(_prompt(llm, chat("no such city"), CHAT_TOOLS))
+    for flag in ({}, {"is_error": False}, {"is_error": None}):
+        ok = turns({"content": "no such city", **flag})
+        assert client.messages.count_tokens(model=MODEL, messages=ok, tools=TOOLS).input_tokens == plain, flag
+    for route in ("/v1/messages", "/v1/messages/count_tokens"):
+        bad = {"model": MODEL, "max_tokens": 4, "messages": turns({"content": "x", "is_error": "yes"})}
+        status, _, out = request(server, route, bad, headers={"x-api-key": KEY})
+        assert status == 400 and out["type"] == "error" and out["error"]["type"] == "invalid_request_error", out
+        assert "messages[2].content[0].is_error: must be a boolean" in out["error"]["message"], out
+    wait_idle(server)

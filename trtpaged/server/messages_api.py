@@ -1,11 +1,11 @@
 """POST /v1/messages: Anthropic's Messages API, served through the chat completions path (as vLLM serves it).
 
-A request becomes a chat completions body: `system` as the first system message, each message's content blocks
-as chat messages (`tool_use` as an assistant turn's tool calls, `tool_result` as tool messages, `thinking` as the
-turn's reasoning), tools with their `input_schema` as function tools, `tool_choice` in chat's spelling
-(any -> required), `thinking` as the template's enable_thinking (and a thinking budget on a server with a reasoning
-parser). A last assistant message is continued (Anthropic's prefill). server/messages_output.py turns the chat
-answer or stream back into a Message and Anthropic's stream events.
+A request becomes a chat completions body: `system` as the first system message, each message's content blocks as
+chat messages (`tool_use` as an assistant turn's tool calls, `tool_result` as tool messages, their text starting
+"Error: " when `is_error` is true, `thinking` as the turn's reasoning), tools with their `input_schema` as function
+tools, `tool_choice` in chat's spelling (any -> required), `thinking` as the template's enable_thinking (and a
+thinking budget on a server with a reasoning parser). A last assistant message is continued (Anthropic's prefill).
+server/messages_output.py turns the chat answer or stream back into a Message and Anthropic's stream events.
 
 Top-level fields this server has no use for (Anthropic's platform settings, beta features a client such as Claude
 Code sends) are accepted without effect, as vLLM's; inside the content, an unknown block type is a 400 naming it.
@@ -29,6 +29,9 @@ from trtpaged.server.protocol import check_model, string_field, validated
 log = logging.getLogger("trtpaged.server")
 
 MIN_THINKING_BUDGET = 1024  # Anthropic's least budget_tokens
+# a tool_result with is_error: true is the tool message "Error: <its text>" (chat's tool message has no such flag, and
+# no chat template reads one): the failure is in the text the model reads, under any template
+TOOL_ERROR_PREFIX = "Error"
 # block types a message may hold, by role; an assistant's thinking is its reasoning, redacted thinking is dropped
 _USER_BLOCKS = ("text", "tool_result")
 _ASSISTANT_BLOCKS = ("text", "tool_use", "thinking", "redacted_thinking")
@@ -221,7 +224,8 @@ def _string(block: dict[str, Any], key: str, where: str) -> str:
 
 
 def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
-    """A user turn's blocks: each tool result a tool message, the text between them a user message, in order."""
+    """A user turn's blocks: each tool result a tool message (a failed one's text marked, TOOL_ERROR_PREFIX), the text
+    between them a user message, in order."""
     out: list[dict[str, Any]] = []
     texts: list[str] = []
     for j, block in enumerate(blocks):
@@ -234,6 +238,11 @@ def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
             texts = []
         content = block.get("content", "")
         text = _text_of(content, f"{at}.content", "messages") if content is not None else ""
+        failed = block.get("is_error")
+        if failed is not None and not isinstance(failed, bool):
+            raise ApiError(f"{at}.is_error: must be a boolean, got {type(failed).__name__}", "messages")
+        if failed:  # the template has only the tool message's text to tell a failure by (as a model reads it)
+            text = f"{TOOL_ERROR_PREFIX}: {text}" if text else TOOL_ERROR_PREFIX
         out.append({"role": "tool", "tool_call_id": _string(block, "tool_use_id", at), "content": text})
     if texts or not out:
         out.append({"role": "user", "content": "\n\n".join(texts)})
