@@ -265,6 +265,29 @@ def test_bad_input_is_4xx_and_leaks_nothing(server, llm):
     assert m[key] - before == sent.count(400) + 1  # + the malformed JSON
 
 
+def test_a_chat_role_outside_openais_is_refused_naming_it(server):
+    """A message role other than OpenAI's (system, developer, user, assistant, tool, function) is a 400 naming
+    messages[i].role, as OpenAI answers, on chat completions (streamed too) and /tokenize; it was rendered by the
+    template as given (most drop a role they do not know, so the message vanished from the prompt). Each of OpenAI's
+    roles is taken, and the server goes on."""
+    said = [{"role": "user", "content": "x"}]
+    for role in ("robot", "User", "", "ipython"):
+        messages = said + [{"role": role, "content": "y"}]
+        for path, body in (("/v1/chat/completions", {"messages": messages, "max_tokens": 2}),
+                           ("/v1/chat/completions", {"messages": messages, "max_tokens": 2, "stream": True}),
+                           ("/tokenize", {"messages": messages})):  # fmt: skip
+            status, _, out = request(server, path, body)
+            assert status == 400 and out["error"]["param"] == "messages[1].role", (role, path, out)
+            assert out["error"]["type"] == "invalid_request_error" and out["error"]["code"] == "invalid_value", out
+            assert out["error"]["message"].startswith(f"messages[1].role: {role!r} is not a role"), out
+            assert "system, developer, user, assistant, tool, function" in out["error"]["message"], out
+    for role in ("system", "developer", "user", "assistant", "tool", "function"):
+        status, _, out = request(server, "/tokenize", {"messages": said + [{"role": role, "content": "y"}]})
+        assert status == 200 and out["count"] > 0, (role, out)
+    assert request(server, "/v1/chat/completions", {"messages": said, "max_tokens": 2})[0] == 200
+    wait_idle(server)
+
+
 def test_engine_exception_is_500_for_that_request_only(server):
     backend = server.llm.engine.runner
 

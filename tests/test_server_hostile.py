@@ -24,6 +24,9 @@ from trtpaged.server.schemas import CompletionRequest
 KEY = "sk-hostile-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_BODY = 64 << 10
+# the tiny engine's template, plus a message's name after its role (what a template renders besides the contents)
+NAMED_TEMPLATE = ("{% for m in messages %}<|bos|>{{ m['role'] }}{% if m.name %} {{ m.name }}{% endif %}\n"
+                  "{{ m['content'] }}<|eos|>\n{% endfor %}{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +34,7 @@ def server(tiny_engine_dir):
     options = ServerOptions(api_key=KEY, max_body_bytes=MAX_BODY, body_timeout_s=1.0, max_waiting=2,
                             max_prompt_tokens=400)  # fmt: skip
     handle = start_server(tiny_engine_dir, port=0, served_model_name="tiny", options=options, device="cpu",
-                          max_batch_size=1)  # fmt: skip
+                          max_batch_size=1, chat_template=NAMED_TEMPLATE)  # fmt: skip
     yield handle
     handle.shutdown(timeout=0)
 
@@ -454,11 +457,15 @@ def test_a_text_too_long_by_its_length_alone_is_refused_before_tokenizing(server
     messages = [{"role": "user", "content": "y" * 1500}, {"role": "assistant", "content": "z" * 1500}]
     status, _, out = post(server, J({"messages": messages, "max_tokens": 2}), path="/v1/chat/completions")
     assert status == 400 and out["error"]["param"] == "messages" and "3000 bytes" in out["error"]["message"], out
-    # what the template renders besides the contents counts too (was: a 5 MB role tokenized in full, ~25 s)
-    long_role = [{"role": "u" * 3000, "content": "hi"}]
-    status, _, out = post(server, J({"messages": long_role, "max_tokens": 2}), path="/v1/chat/completions")
+    # what the template renders besides the contents counts too (was: a 5 MB role tokenized in full, ~25 s; a role
+    # is one of OpenAI's now, so a name)
+    long_name = [{"role": "user", "name": "u" * 3000, "content": "hi"}]
+    status, _, out = post(server, J({"messages": long_name, "max_tokens": 2}), path="/v1/chat/completions")
     assert status == 400 and out["error"]["param"] == "messages", out
     assert "bytes of text make at least" in out["error"]["message"], out
+    long_role = [{"role": "u" * 3000, "content": "hi"}]
+    status, _, out = post(server, J({"messages": long_role, "max_tokens": 2}), path="/v1/chat/completions")
+    assert status == 400 and out["error"]["param"] == "messages[0].role", out
     status, _, out = post(server, J({"prompt": "x" * 3000, "max_tokens": 2, "truncate_prompt_tokens": 100}))
     assert status == 200 and out["usage"]["prompt_tokens"] == 100, out
     assert post(server, J({"prompt": "x" * 390, "max_tokens": 2}))[0] == 200  # under both limits

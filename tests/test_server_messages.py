@@ -216,6 +216,11 @@ def test_keys_refusals_and_fields_without_effect(client, server):
         ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "a", "name": "b", "input": {}}]}]},
          "messages[0].content[0].type", 400, "invalid_request_error"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", 400, "invalid_request_error"),
+        # Anthropic's roles are user and assistant (tool results are user blocks; system, inline, as vLLM takes it)
+        ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "x"}]}, "messages[1].role", 400,
+         "invalid_request_error"),
+        ({"messages": [{"role": "developer", "content": "x"}]}, "messages[0].role", 400, "invalid_request_error"),
+        ({"messages": [{"role": 5, "content": "x"}]}, "messages[0].role", 400, "invalid_request_error"),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0]", 400,
          "invalid_request_error"),
         ({"tool_choice": {"type": "any"}}, "tool_choice", 400, "invalid_request_error"),
