@@ -16,7 +16,7 @@ import pytest
 from conftest import save_manifest
 
 from runtime_helpers import openai_client
-from tests.test_server import wait_idle
+from tests.test_server import stream, wait_idle
 from tests.test_server_scoring import client  # noqa: F401 - the openai client of this module's `server`
 from trtpaged.engine_files import sha256_file
 from trtpaged.manifest import MANIFEST_NAME
@@ -210,6 +210,35 @@ def test_forced_calls_stream_in_pieces_like_the_full_answer(client, tool_choice)
         schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
         jsonschema.validate(json.loads(arguments), schema)
 
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "add"}}, "required"])
+def test_a_forced_calls_stream_opens_with_content_null_as_openai_does(client, server, tool_choice):
+    """A stream whose answer can only be calls (tool_choice required or a named function) opens with
+    {"role": "assistant", "content": null}, OpenAI's first delta of a tool-call answer (was: content "", vLLM's
+    role chunk): the openai client's stream accumulation then ends with content None, as the same request answered
+    whole, and reports no content.delta. Under auto the answer's kind is not known when the role chunk goes out: it
+    keeps content "", the first delta OpenAI (and vLLM) send before text."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    kw = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": tool_choice, "temperature": 0,
+          "max_tokens": 40}  # fmt: skip
+    events = stream(server, "/v1/chat/completions", kw)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}, events[0]
+    assert all("role" not in e["choices"][0]["delta"] for e in events[1:-1] if e["choices"]), events
+    whole = client.chat.completions.create(**kw).choices[0].message
+    state, kinds = ChatCompletionStreamState(), set()
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        kinds.update(e.type for e in state.handle_chunk(chunk))
+    streamed = state.current_completion_snapshot.choices[0].message  # (the final one refuses a cut answer)
+    assert streamed.content is whole.content is None and streamed.tool_calls and "content.delta" not in kinds
+    assert [(c.function.name, c.function.arguments) for c in streamed.tool_calls] == \
+        [(c.function.name, c.function.arguments) for c in whole.tool_calls]  # fmt: skip
+    for forced in (TWO_CALLS, "It is sunny in Paris."):  # auto: calls or text, unknown at the role chunk
+        body = {**kw, "tool_choice": "auto", "guided_choice": [forced], "max_tokens": 200}
+        first = stream(server, "/v1/chat/completions", body)[0]
+        assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}, first
+    wait_idle(server)
 
 
 @pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "add"}}, "required"])

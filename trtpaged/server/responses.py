@@ -251,12 +251,19 @@ class ResponseBuilder:
         token_ids: Optional[list[int]] = None,
         prompt_token_ids: Optional[list[int]] = None,
     ) -> Union[ChatCompletionChunk, CompletionChunk]:
-        """One streamed choice delta. Chat: `role` sends the assistant role (the first chunk of a choice).
-        `stop_reason` (with the finish reason): the stop string or stop token id that ended the choice. `usage`:
-        the choice's usage so far (stream_options.continuous_usage_stats). `token_ids`, `prompt_token_ids`
-        (return_token_ids): the chunk's new tokens, the prompt's (with a choice's first chunk)."""
+        """One streamed choice delta. Chat: `role` sends the assistant role (the first chunk of a choice), with content
+        "" (vLLM's, and OpenAI's before text) or, where the answer can only be calls (tool_choice required or a named
+        function), null (OpenAI's first delta of a tool-call answer, so that a client's accumulated message has no
+        content, as the whole answer has none; under auto the answer's kind is not known yet). `stop_reason` (with the
+        finish reason): the stop string or stop token id that ended the choice. `usage`: the choice's usage so far
+        (stream_options.continuous_usage_stats). `token_ids`, `prompt_token_ids` (return_token_ids): the chunk's new
+        tokens, the prompt's (with a choice's first chunk)."""
         if self.chat:
-            delta = Delta(role="assistant", content="") if role else Delta(content=text or None)
+            if role:
+                only_calls = self.tools is not None and self.tools.auto is None
+                delta = Delta(role="assistant", content=None if only_calls else "")
+            else:
+                delta = Delta(content=text or None)
             choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
                                      stop_reason=stop_reason, token_ids=token_ids)  # fmt: skip
             return ChatCompletionChunk(**self._envelope(), choices=[choice], usage=usage,

@@ -458,7 +458,8 @@ class ChatCompletionResponse(_Reply):
 
 
 class Delta(_WithoutNulls):
-    """A chat stream delta; absent fields are left out (`{}` on the last chunk of a choice)."""
+    """A chat stream delta; absent fields are left out (`{}` on the last chunk of a choice), except the content of
+    the role chunk (a choice's first), which OpenAI always sends: "" or, for an answer of tool calls only, null."""
 
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
@@ -467,7 +468,8 @@ class Delta(_WithoutNulls):
 
     @model_serializer(mode="wrap")
     def _without_nulls(self, handler: Any) -> dict[str, Any]:  # the parent's, plus the older reasoning name
-        return _with_old_reasoning_name({k: v for k, v in handler(self).items() if v is not None})
+        return _with_old_reasoning_name({k: v for k, v in handler(self).items()
+                                         if v is not None or (k == "content" and self.role is not None)})
 
 
 class ChatChunkChoice(BaseModel):
