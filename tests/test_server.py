@@ -265,27 +265,55 @@ def test_bad_input_is_4xx_and_leaks_nothing(server, llm):
     assert m[key] - before == sent.count(400) + 1  # + the malformed JSON
 
 
-def test_a_chat_role_outside_openais_is_refused_naming_it(server):
-    """A message role other than OpenAI's (system, developer, user, assistant, tool, function) is a 400 naming
-    messages[i].role, as OpenAI answers, on chat completions (streamed too) and /tokenize; it was rendered by the
-    template as given (most drop a role they do not know, so the message vanished from the prompt). Each of OpenAI's
-    roles is taken, and the server goes on."""
+# picks the roles it knows, as Qwen2.5's and Phi-3's templates do: a message of another role is dropped unseen
+KNOWN_ROLES_ONLY = ("{% for m in messages %}{% if m.role in ['system', 'developer', 'user', 'assistant', 'tool', "
+                    "'function'] %}<|bos|>{{ m.role }}\n{{ m.content }}<|eos|>\n{% endif %}{% endfor %}"
+                    "{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}")
+
+
+def test_a_chat_role_the_template_drops_is_refused_naming_it(server, tiny_engine_dir):
+    """A role outside OpenAI's that the chat template drops (the prompt renders the same without it) is a 400 naming
+    messages[i].role (OpenAI's invalid_value) on chat completions (streamed too) and /tokenize: the message vanished
+    from the prompt unseen. A role the template renders (this engine's renders any, as ChatML's and Llama 3's do) is
+    taken as vLLM takes it, and counts; OpenAI's roles are taken under both; the server goes on."""
     said = [{"role": "user", "content": "x"}]
-    for role in ("robot", "User", "", "ipython"):
-        messages = said + [{"role": role, "content": "y"}]
-        for path, body in (("/v1/chat/completions", {"messages": messages, "max_tokens": 2}),
-                           ("/v1/chat/completions", {"messages": messages, "max_tokens": 2, "stream": True}),
-                           ("/tokenize", {"messages": messages})):  # fmt: skip
-            status, _, out = request(server, path, body)
-            assert status == 400 and out["error"]["param"] == "messages[1].role", (role, path, out)
-            assert out["error"]["type"] == "invalid_request_error" and out["error"]["code"] == "invalid_value", out
-            assert out["error"]["message"].startswith(f"messages[1].role: {role!r} is not a role"), out
-            assert "system, developer, user, assistant, tool, function" in out["error"]["message"], out
-    for role in ("system", "developer", "user", "assistant", "tool", "function"):
+    alone = request(server, "/tokenize", {"messages": said})[2]["count"]
+    for role in ("robot", "ipython", ""):
         status, _, out = request(server, "/tokenize", {"messages": said + [{"role": role, "content": "y"}]})
-        assert status == 200 and out["count"] > 0, (role, out)
+        assert status == 200 and out["count"] > alone + 1, (role, out)
+    picky = start_server(tiny_engine_dir, port=0, served_model_name=MODEL, device="cpu", chat_template=KNOWN_ROLES_ONLY)
+    try:
+        for role in ("robot", "ipython", "User"):
+            messages = said + [{"role": role, "content": "y"}, {"role": "assistant", "content": "z"}]
+            for path, body in (("/v1/chat/completions", {"messages": messages, "max_tokens": 2}),
+                               ("/v1/chat/completions", {"messages": messages, "max_tokens": 2, "stream": True}),
+                               ("/tokenize", {"messages": messages})):  # fmt: skip
+                status, _, out = request(picky, path, body)
+                assert status == 400 and out["error"]["param"] == "messages[1].role", (role, path, out)
+                assert out["error"]["type"] == "invalid_request_error" and out["error"]["code"] == "invalid_value"
+                assert out["error"]["message"].startswith(f"messages[1].role: {role!r}: this model's chat template "
+                                                          "renders no message of this role"), out  # fmt: skip
+        for role in ("system", "developer", "user", "assistant", "tool", "function"):
+            status, _, out = request(picky, "/tokenize", {"messages": said + [{"role": role, "content": "y"}]})
+            assert status == 200 and out["count"] > 0, (role, out)
+        assert request(picky, "/v1/chat/completions", {"messages": said, "max_tokens": 2})[0] == 200
+        wait_idle(picky)
+    finally:
+        picky.shutdown()
     assert request(server, "/v1/chat/completions", {"messages": said, "max_tokens": 2})[0] == 200
     wait_idle(server)
+
+
+def test_a_dropped_role_is_refused_offline_and_one_the_template_needs_stands(llm):
+    """LLM.chat refuses a role the template drops as the server does; where the conversation without it does not
+    render (a template that wants two messages), nothing tells it was dropped: it stands."""
+    with pytest.raises(RequestError, match=r"messages\[1\]\.role: 'robot': this model's chat template renders no"):
+        llm.chat([{"role": "user", "content": "x"}, {"role": "robot", "content": "y"}],
+                 SamplingParams(max_tokens=1), chat_template=KNOWN_ROLES_ONLY)  # fmt: skip
+    needs_two = "{% if messages | length < 2 %}{{ raise_exception('two messages') }}{% endif %}" + KNOWN_ROLES_ONLY
+    (out,) = llm.chat([{"role": "user", "content": "x"}, {"role": "robot", "content": "y"}],
+                      SamplingParams(max_tokens=1), chat_template=needs_two)  # fmt: skip
+    assert len(out.outputs[0].token_ids) == 1
 
 
 def test_engine_exception_is_500_for_that_request_only(server):

@@ -243,10 +243,14 @@ def chat_prompt_text(tokenizer: Any, messages: Seq[dict], tools: Optional[Seq[di
         raise RequestError("chat_template", "this engine has no chat template (its model's tokenizer had none at "
                            "build): send a plain prompt (/v1/completions, LLM.generate), or offline pass "
                            "LLM.chat(..., chat_template=...)")  # fmt: skip
-    try:
-        text = run_with_deadline(lambda: tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+
+    def render(conversation: list[dict]) -> str:
+        return run_with_deadline(lambda: tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
             tokenize=False, **extra), CHAT_TEMPLATE_SECONDS)  # fmt: skip
+
+    try:
+        text = render(list(messages))
     except DeadlineExceeded:
         raise RequestError("messages", f"the chat template ran past {CHAT_TEMPLATE_SECONDS:g} s rendering this "
                            "conversation and was stopped (a template that loops without end)") from None
@@ -259,7 +263,29 @@ def chat_prompt_text(tokenizer: Any, messages: Seq[dict], tools: Optional[Seq[di
     except (ArithmeticError, TypeError, ValueError, LookupError, RecursionError) as exc:  # its code failed on it
         raise RequestError("messages", f"the chat template failed on this conversation ({type(exc).__name__}: "
                            f"{str(exc)[:200]})") from None
+    _check_roles_rendered(messages, text, render)
     return check_unicode("messages", text)
+
+
+# the roles OpenAI's chat completions take (function: the deprecated function calls' results); a template may know
+# others (Llama 3.1's ipython, GLM's observation), which are rendered as vLLM renders them: as given
+OPENAI_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+def _check_roles_rendered(messages: list[dict], text: str, render: Callable[[list[dict]], str]) -> None:
+    """A role outside OpenAI's that the template drops (the conversation renders the same without its messages, as
+    templates that pick known roles do: Qwen2.5's, Phi-3's) is a RequestError naming messages[i].role: the message
+    would vanish from the prompt unseen. A rendering without them that fails tells nothing: the role stands."""
+    for role in dict.fromkeys(m["role"] for m in messages if m["role"] not in OPENAI_ROLES):
+        try:
+            dropped = render([m for m in messages if m["role"] != role]) == text
+        except Exception:  # noqa: BLE001 - e.g. a template that wants roles to alternate: it read the role
+            continue
+        if dropped:
+            first = next(i for i, m in enumerate(messages) if m["role"] == role)
+            raise RequestError(f"messages[{first}].role", f"{role[:40]!r}: this model's chat template renders no "
+                               f"message of this role (the prompt reads the same without it); OpenAI's roles: "
+                               f"{', '.join(OPENAI_ROLES)}", code="invalid_value")  # fmt: skip
 
 
 class LLM:

@@ -141,19 +141,14 @@ def _prompts(value: Any, vocab_size: int) -> list[Prompt]:
 
 
 _CONTENT_REQUIRED = ("system", "developer", "user", "tool")  # roles whose message OpenAI requires a content for
-# the roles OpenAI's chat completions take (function: the deprecated function calls' results); any other is a 400
-# naming messages[i].role, as OpenAI's: a template given a role it does not know mostly drops the message unseen
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The conversation for the chat template: role (one of CHAT_ROLES) and content (a text, or its text parts),
-    plus the tool-call keys templates read."""
+    """The conversation for the chat template: role and content (a text, or its text parts), plus the tool-call
+    keys templates read. A role outside OpenAI's passes as vLLM passes it; one the template drops is refused when it
+    renders (`llm.chat_prompt_text`)."""
     out = []
     for m, msg in enumerate(messages):
-        if msg.role not in CHAT_ROLES:
-            raise ApiError(f"messages[{m}].role: {msg.role[:40]!r} is not a role; one of {', '.join(CHAT_ROLES)}",
-                           f"messages[{m}].role", code="invalid_value")  # fmt: skip
         if msg.content is None and msg.role in _CONTENT_REQUIRED:  # OpenAI requires it; only an assistant's calls
             raise ApiError(f"messages[{m}].content: required for a {msg.role} message", "messages")
         content = msg.content  # None (an assistant's calls only): no text, or no part for a template of parts
