@@ -1,6 +1,7 @@
 """`bench serve` and `bench serve-ratio` timings against independent truths: hand computations on chunk times
-built here, and a real `trtpaged serve` of the tiny engine whose request log records each request's server-side
-TTFT, latency, per-sequence output lengths and beam width."""
+built here, and a real `trtpaged serve` (of the tiny engine; of SmolLM2 int4 where the ratios of timings need
+decode steps longer than scheduling noise) whose request log records each request's server-side TTFT, latency,
+per-sequence output lengths and beam width."""
 
 from __future__ import annotations
 
@@ -177,22 +178,25 @@ def test_a_request_that_streams_no_text_is_timed_by_its_first_chunk(logged, tiny
     assert result.ttft >= line["ttft_s"] > 0 and result.tpot is None and result.itl == []
 
 
-def test_n_choices_get_a_per_sequence_tpot_and_itl(logged):
+@pytest.mark.slow
+def test_n_choices_get_a_per_sequence_tpot_and_itl(smollm2_int4_engine_dir, tmp_path):
     """F2 on the server: n = 4, 20 tokens each; the client's TPOT is near the server's own per-sequence decode
     time, (latency - ttft) / (tokens of a sequence - 1) from the request log, and the ITL gaps, taken within each
     choice, add up to about four times the server's decode span (the old client divided by all 80 tokens and took
     gaps across choices: about a quarter of both). A chunk may hold several tokens (text held back), so the gaps
-    are not compared one by one."""
-    server, lines = logged
+    are not compared one by one. SmolLM2, not the tiny engine: the tiny one decodes these 19 steps in ~20 ms, and
+    with CPU hogs beside it one late chunk moved single ratios to 0.27 and the median of three to 0.74 (bound 0.6);
+    on SmolLM2 (hundreds of ms) they read 0.98-1.01 with two hogs."""
     ratios = []
-    for attempt in range(3):  # the median of three: one slow chunk on a shared machine moves one attempt
-        seen = len(lines(0, timeout=0))
-        body = _body(ServeRequest("word " * 12 + str(attempt), 20, n=4), "tiny", False, True)
-        result = _one_request(server.url, body)
-        (line,) = lines(seen + 1)[seen:]
-        assert result.ok and result.output_tokens == 80 and line["output_lens"] == [20] * 4 and line["n"] == 4
-        decode_s = line["latency_s"] - line["ttft_s"]
-        ratios.append((result.tpot / (decode_s / 19), sum(result.itl) / (4 * decode_s)))
+    with server_with_request_log(smollm2_int4_engine_dir, tmp_path / "requests.jsonl") as (server, lines):
+        for attempt in range(3):  # the median of three: one slow chunk on a shared machine moves one attempt
+            seen = len(lines(0, timeout=0))
+            body = _body(ServeRequest("word " * 12 + str(attempt), 20, n=4), "tiny", False, True)
+            result = _one_request(server.url, body)
+            (line,) = lines(seen + 1)[seen:]
+            assert result.ok and result.output_tokens == 80 and line["output_lens"] == [20] * 4 and line["n"] == 4
+            decode_s = line["latency_s"] - line["ttft_s"]
+            ratios.append((result.tpot / (decode_s / 19), sum(result.itl) / (4 * decode_s)))
     tpot, itl = sorted(r[0] for r in ratios)[1], sorted(r[1] for r in ratios)[1]
     assert 0.6 < tpot < 1.6 and 0.6 < itl < 1.6, ratios
 
