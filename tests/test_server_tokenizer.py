@@ -92,10 +92,12 @@ class _Streams:
 def test_engine_steps_while_a_long_text_is_tokenized(server, reference, path):
     """A 2 MB text (2M tokens of the tiny engine's byte-level tokenizer; ~1 s per MB here) tokenized by /tokenize,
     or by a completion that keeps its last 8 tokens: the engine's step counter keeps moving all along. When the
-    engine thread tokenized, it stood still for the whole tokenization (at least `alone`, the time the text takes
-    to tokenize here with nothing else running, and most of the request's own time). The bound is three quarters of
-    `alone` and half the request's time: what is left runs outside the tokenizer's GIL-free part (ids to Python
-    lists, the answer's JSON); on a loaded 2-core CI machine it was 0.88 s of a 3.48 s request, `alone` 1.85 s."""
+    engine thread tokenized, it stood still for nearly the whole request (0.90-0.99 of its time, measured with the
+    lanes sent to the engine thread). The bound is half the request's time, measured in the same window as the
+    stall: what is left runs outside the tokenizer's GIL-free part (ids to Python lists); it was 0.25 of the
+    request on a loaded 2-core CI machine (0.88 s of 3.48 s), at most 0.13 here with CPU hogs beside it. (`alone`,
+    the text's tokenizing time measured before the request, is no part of the bound: taken at a quieter moment
+    than the request, it cut the margin to 1.6x.)"""
     start = time.perf_counter()
     truth = reference.encode(TEXT)
     alone = time.perf_counter() - start
@@ -112,8 +114,8 @@ def test_engine_steps_while_a_long_text_is_tokenized(server, reference, path):
     else:
         assert out["usage"]["prompt_tokens"] == 8 and out["choices"][0]["text"].startswith(reference.decode(truth[-8:]))
     stall = streams.longest_stall(start, end)
-    assert stall < min(0.75 * alone, 0.5 * (end - start)), (f"the engine stood still {stall:.2f} s of the {end - start:.2f} s that {path} took "
-                               f"(the text alone tokenizes in {alone:.2f} s)")  # fmt: skip
+    assert stall < 0.5 * (end - start), (f"the engine stood still {stall:.2f} s of the {end - start:.2f} s that {path} "
+                                         f"took (the text alone tokenizes in {alone:.2f} s)")  # fmt: skip
     wait_idle(server)
 
 
