@@ -289,7 +289,9 @@ def test_slow_client_gets_408_and_others_are_served(server):
 
 
 def test_overload_is_503_with_retry_after(server):
-    """max_batch_size 1, max_waiting 2: one running and two waiting, the fourth request is refused."""
+    """max_batch_size 1, max_waiting 2: one running and two waiting, the fourth request is refused. The running one
+    has 300 tokens (>= 3 s): it must still run when the fourth arrives, ~0.5 s after it started on a quiet machine
+    (with 100 tokens it ended as little as 0.53 s after the fourth's answer with CPU hogs beside the test)."""
     backend = server.llm.engine.runner
     real_step = backend.step
 
@@ -300,7 +302,8 @@ def test_overload_is_503_with_retry_after(server):
     server.loop.call(lambda e: setattr(backend, "step", slow_step))
     results: list[int] = []
     body = {"prompt": "busy", "max_tokens": 100, "ignore_eos": True}
-    threads = [threading.Thread(target=lambda: results.append(post(server, J(body))[0])) for _ in range(3)]
+    bodies = [{**body, "max_tokens": 300}, body, body]
+    threads = [threading.Thread(target=lambda b=b: results.append(post(server, J(b))[0])) for b in bodies]
     try:
         for t in threads:
             t.start()
