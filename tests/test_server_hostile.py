@@ -220,19 +220,34 @@ def test_a_caller_gone_while_its_call_waits_leaves_the_engine_loop_running(serve
     a request's submit) cancels the await: the engine thread skips the cancelled work, where answering it raised and
     ended the loop (every request after: 503), and the cancelled submit queues nothing."""
     loop = server.loop
+    inside, release = threading.Event(), threading.Event()
+
+    def hold(engine) -> None:
+        inside.set()
+        release.wait(30)
 
     async def cancel_while_queued():
-        busy = asyncio.ensure_future(loop.call_async(lambda engine: time.sleep(0.3)))
-        await asyncio.sleep(0.05)  # the engine thread is inside the busy call: what follows waits in its queue
+        # events, not sleeps: the busy call holds the engine thread until the queued work is cancelled (a busy
+        # sleep of 0.3 s left 0.2 s of slack for the sleeps below on a loaded machine)
+        busy = asyncio.ensure_future(loop.call_async(hold))
+        assert await asyncio.to_thread(inside.wait, 30)  # the engine thread is inside: what follows waits
         gone = [asyncio.ensure_future(loop.call_async(lambda engine: "unread")),
                 asyncio.ensure_future(loop.submit([("gone-0", [5, 6, 7], SamplingParams(max_tokens=40))]))]
-        await asyncio.sleep(0.05)
+        deadline = time.monotonic() + 20
+        while loop._commands.qsize() < 2:  # both wait in the engine thread's queue
+            assert time.monotonic() < deadline, "the calls did not reach the engine thread's queue"
+            await asyncio.sleep(0.005)
         for task in gone:
             task.cancel()
+        await asyncio.wait(gone)  # cancelled (their futures in the queue too); the cancelled submit queued its abort
+        release.set()
         await busy
         return await loop.call_async(lambda engine: engine.has_unfinished())
 
-    assert asyncio.run(cancel_while_queued()) is False
+    try:
+        assert asyncio.run(cancel_while_queued()) is False
+    finally:
+        release.set()
     assert loop.alive and post(server, J({"prompt": "alive", "max_tokens": 2}))[0] == 200
     assert wait_idle(server)["kv_cache_blocks_used"] == 0
 

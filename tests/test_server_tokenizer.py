@@ -260,37 +260,52 @@ def test_a_client_that_disconnects_while_waiting_on_a_lane_is_never_compiled_or_
 
 def test_a_cancelled_caller_leaves_the_lane_running(reference):
     """A caller that is cancelled while its job waits (a client that disconnected) has its job skipped, never run,
-    and the lane goes on; once shut down, queued jobs end with ShuttingDown and new ones are refused."""
+    and the lane goes on; once shut down, queued jobs end with ShuttingDown and new ones are refused. The lane's
+    thread is held by jobs that wait on events, not by 0.3 s sleeps (which left 0.2-0.3 s of slack for the test's
+    own steps on a loaded machine)."""
     lane = TokenizerLane("test-lane", max_waiting=4).start(lambda: reference)
     ran: list[str] = []
+    inside, release = threading.Event(), threading.Event()
+
+    def hold(tok) -> bool:
+        inside.set()
+        return release.wait(30)
 
     async def cancel_while_queued():
-        busy = asyncio.ensure_future(lane.run(lambda tok: time.sleep(0.3)))
-        await asyncio.sleep(0.05)  # the lane's thread is inside the busy job: what follows waits in its queue
+        busy = asyncio.ensure_future(lane.run(hold))
+        assert await asyncio.to_thread(inside.wait, 30)  # the lane's thread is inside the busy job: what follows waits
         gone = asyncio.ensure_future(lane.run(lambda tok: ran.append("gone")))
-        await asyncio.sleep(0.05)
+        deadline = time.monotonic() + 10
+        while lane.num_waiting < 1:
+            assert time.monotonic() < deadline, "the job did not reach the lane's queue"
+            await asyncio.sleep(0.005)
         gone.cancel()
+        await asyncio.wait([gone])  # cancelled, its job's future too
+        release.set()
         await busy
         return await lane.run(lambda tok: tok.encode("hello world"))
 
     try:
         assert asyncio.run(cancel_while_queued()) == reference.encode("hello world")
         assert ran == [] and lane.num_waiting == 0
-        blocker = lane.send(lambda tok: time.sleep(0.3))
-        while not blocker.running():
-            time.sleep(0.005)
+        inside.clear()
+        release.clear()
+        blocker = lane.send(hold)
+        assert inside.wait(30)
         queued = lane.send(lambda tok: ran.append("queued"))
         with pytest.raises(Overloaded):  # beyond max_waiting
             for _ in range(5):
                 lane.send(lambda tok: None)
+        lane.shutdown(timeout=0.05)  # stops the lane while the blocker still runs: `queued` has not begun
     finally:
+        release.set()
         lane.shutdown()
-    assert blocker.result() is None
+    assert blocker.result(30) is True
     with pytest.raises(ShuttingDown):
         queued.result(5)
+    assert ran == []
     with pytest.raises(ShuttingDown):
         lane.send(lambda tok: None)
-    assert ran == []
 
 
 def test_tokenize_json_is_the_bytes_of_the_response_model():
