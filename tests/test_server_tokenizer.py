@@ -122,14 +122,17 @@ def test_engine_steps_while_a_long_text_is_tokenized(server, reference, path):
 def test_tokenizer_threads_have_their_own_tokenizer_and_os_name(server):
     """Each tokenizer thread owns a copy of the engine's tokenizer (a fast tokenizer is not shared between
     threads), loaded from the engine dir (same vocabulary and template), and carries the OS name `bench
-    serve-ratio` reads."""
+    serve-ratio` reads. The prompts lane's jobs meet at a barrier, so each of its threads answers one (a 0.2 s sleep
+    did that only while every thread took its job within those 0.2 s)."""
+    prompts_lane = threading.Barrier(PROMPT_THREADS)
 
-    def own(tok):
-        time.sleep(0.2)  # all of a lane's threads are busy at once: each answers one job
+    def own(tok, barrier: threading.Barrier | None = None):
+        if barrier is not None:
+            barrier.wait(30)  # all of a lane's threads are busy at once: each answers one job
         with open(f"/proc/self/task/{threading.get_native_id()}/comm") as f:
             return tok, f.read().strip()
 
-    jobs = [server.tokens.prompts.send(own) for _ in range(PROMPT_THREADS)]
+    jobs = [server.tokens.prompts.send(lambda tok: own(tok, prompts_lane)) for _ in range(PROMPT_THREADS)]
     jobs += [server.tokens.texts.send(own), server.tokens.outputs.send(own)]
     copies = [job.result(30) for job in jobs]
     engine_tok = server.llm.tokenizer
