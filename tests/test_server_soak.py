@@ -117,7 +117,7 @@ def test_shutdown_drains_in_flight_then_aborts_the_rest(tiny_engine_dir):
             time.sleep(0.02)
         stopper = threading.Thread(target=handle.shutdown, kwargs={"timeout": 1.5})
         stopper.start()
-        time.sleep(0.2)
+        assert handle.draining.event.wait(10)  # the drain has begun (a 0.2 s sleep assumed the thread ran by then)
         status, headers, out = request(handle, "/v1/completions", {"prompt": "late", "max_tokens": 2})
         assert status == 503 and headers["Retry-After"] and out["error"]["code"] == "overloaded"
         assert request(handle, "/health")[0] == 503
