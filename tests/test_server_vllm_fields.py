@@ -372,3 +372,42 @@ def test_vllms_plumbing_fields_are_taken_when_they_ask_nothing_and_refused_namin
                                                                    "max_tokens": 2, field: value})
         assert status == 400 and body["error"]["param"] == field and words in body["error"]["message"], body
     wait_idle(server)
+
+
+# a retrieval-augmented template (as Command R's and Granite's read `documents`) over the tiny engine's own
+RAG_TEMPLATE = ("{% for d in documents or [] %}<|bos|>document {{ d.title }}\n{{ d.text }}<|eos|>\n{% endfor %}"
+                "{% for m in messages %}<|bos|>{{ m['role'] }}\n{{ m['content'] }}<|eos|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}")
+
+
+def test_documents_reach_the_template_as_vllm_gives_them(tiny_engine_dir, llm):
+    """vLLM's chat `documents` (was: 400 unknown field): the template gets them as transformers' apply_chat_template
+    passes them, so /tokenize and the chat's usage count the tokens transformers renders; /tokenize takes them too.
+    A documents value that is no list of string mappings is a 400 naming it, and the server goes on."""
+    import openai
+
+    from trtpaged.server import start_server
+
+    docs = [{"title": "Paris", "text": "The capital of France."}, {"title": "Rome", "text": "The capital of Italy."}]
+    want = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(
+        MESSAGES, documents=docs, chat_template=RAG_TEMPLATE, add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False)  # fmt: skip
+    bare = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(
+        MESSAGES, chat_template=RAG_TEMPLATE, add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+    assert len(want) > len(bare) + 20
+    server = start_server(tiny_engine_dir, port=0, served_model_name=MODEL, device="cpu", chat_template=RAG_TEMPLATE)
+    try:
+        status, _, out = request(server, "/tokenize", {"messages": MESSAGES, "documents": docs})
+        assert status == 200 and out["tokens"] == want, out
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+        answer = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2,
+                                                extra_body={"documents": docs})  # fmt: skip
+        assert answer.usage.prompt_tokens == len(want)
+        plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+        assert plain.usage.prompt_tokens == len(bare)
+        for bad in ("Paris", [{"title": 1}], [["Paris"]], {"title": "x"}):
+            status, _, out = request(server, "/v1/chat/completions", {"messages": MESSAGES, "documents": bad})
+            assert status == 400 and out["error"]["param"].startswith("documents"), (bad, out)
+        wait_idle(server)
+    finally:
+        server.shutdown()

@@ -207,11 +207,13 @@ def _with_text_content(messages: Seq[Mapping], as_parts: bool = False) -> list[d
 def chat_prompt_text(tokenizer: Any, messages: Seq[dict], tools: Optional[Seq[dict]] = None, *,
                      add_generation_prompt: bool = True, continue_final_message: bool = False,
                      template_kwargs: Optional[dict[str, Any]] = None, chat_template: Optional[str] = None,
-                     content_format: str = "auto") -> str:  # fmt: skip
+                     content_format: str = "auto",
+                     documents: Optional[Seq[Mapping[str, str]]] = None) -> str:  # fmt: skip
     """The conversation under the chat template (the tokenizer's, or `chat_template`), as text; `chat_prompt_ids`'
-    checks and options. `content_format` (vLLM's --chat-template-content-format): how the template gets each
-    message's content, "string" or "openai" (a list of text parts), or "auto": "openai" for a template that loops
-    over a message's content (`content_format.template_content_format`), else "string"."""
+    checks and options. `documents` (vLLM's, for retrieval-augmented templates such as Command R's): string
+    mappings the template gets as `documents`. `content_format` (vLLM's --chat-template-content-format): how the
+    template gets each message's content, "string" or "openai" (a list of text parts), or "auto": "openai" for a
+    template that loops over a message's content (`content_format.template_content_format`), else "string"."""
     if not isinstance(messages, (list, tuple)) or not all(isinstance(m, Mapping) for m in messages):
         raise RequestError("messages", "must be a list of messages ({'role': ..., 'content': ...}), got "
                            f"{type(messages).__name__} {messages!r:.80}")  # fmt: skip
@@ -237,6 +239,8 @@ def chat_prompt_text(tokenizer: Any, messages: Seq[dict], tools: Optional[Seq[di
         raise RequestError("chat_template_kwargs", f"may not set {reserved} (the request's own fields)")
     if tools:
         extra["tools"] = list(tools)
+    if documents is not None:
+        extra["documents"] = _checked_documents(documents)
     if chat_template is not None:
         extra["chat_template"] = chat_template
     elif not getattr(tokenizer, "chat_template", None):
@@ -265,6 +269,20 @@ def chat_prompt_text(tokenizer: Any, messages: Seq[dict], tools: Optional[Seq[di
                            f"{str(exc)[:200]})") from None
     _check_roles_rendered(messages, text, render)
     return check_unicode("messages", text)
+
+
+def _checked_documents(documents: object) -> list[dict[str, str]]:
+    """`documents` as the template gets them: a list of mappings of strings (vLLM's list[dict[str, str]])."""
+    if not isinstance(documents, (list, tuple)):
+        raise RequestError("documents", f"must be a list of documents (mappings of strings, e.g. {{'title': ..., "
+                           f"'text': ...}}), got {type(documents).__name__}")  # fmt: skip
+    out = []
+    for d, document in enumerate(documents):
+        if not isinstance(document, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
+                                                        for k, v in document.items()):  # fmt: skip
+            raise RequestError(f"documents[{d}]", f"must be a mapping of strings to strings, got {document!r:.60}")
+        out.append({k: check_unicode(f"documents[{d}].{k[:40]}", v) for k, v in document.items()})
+    return out
 
 
 # the roles OpenAI's chat completions take (function: the deprecated function calls' results); a template may know

@@ -367,11 +367,11 @@ def check_request_template(template: Optional[str], trusted: bool) -> None:
 
 def chat_options(req: Union[ChatCompletionRequest, TokenizeChatRequest],
                  template_defaults: Optional[Mapping[str, Any]] = None, trust_template: bool = False) -> dict[str, Any]:
-    """LLM.chat_prompt's options from a chat body (vLLM's add_generation_prompt, continue_final_message and
-    chat_template_kwargs): the template variables are the server's `template_defaults`, then reasoning_effort
-    (vLLM's: a template variable too; a Responses request's reasoning.effort arrives as it), then the request's own
-    chat_template_kwargs, each over the one before key by key. With `trust_template`, the request's own
-    chat_template (checked by check_request_template) renders it."""
+    """LLM.chat_prompt's options from a chat body (vLLM's add_generation_prompt, continue_final_message,
+    chat_template_kwargs and documents): the template variables are the server's `template_defaults`, then
+    reasoning_effort (vLLM's: a template variable too; a Responses request's reasoning.effort arrives as it), then
+    the request's own chat_template_kwargs, each over the one before key by key. With `trust_template`, the
+    request's own chat_template (checked by check_request_template) renders it."""
     kwargs = req.chat_template_kwargs
     if kwargs is None or isinstance(kwargs, dict):  # not a mapping: refused as the request's, further on
         effort = getattr(req, "reasoning_effort", None)
@@ -383,6 +383,8 @@ def chat_options(req: Union[ChatCompletionRequest, TokenizeChatRequest],
                "template_kwargs": kwargs}  # fmt: skip
     if trust_template and req.chat_template is not None:
         options["chat_template"] = req.chat_template
+    if req.documents is not None:
+        options["documents"] = req.documents
     return options
 
 

@@ -163,6 +163,8 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: Optional[StrictBool] = True
     continue_final_message: Optional[StrictBool] = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    # vLLM's: documents for a retrieval-augmented template (Command R's, Granite's), given to it as `documents`
+    documents: Optional[list[dict[StrictStr, StrictStr]]] = None
     add_special_tokens: StrictBool = False  # vLLM: on top of the template's own text (which writes its BOS itself)
     echo: Optional[StrictBool] = False  # vLLM: the last message's text before the answer when the roles match
     functions: Optional[list[Any]] = None
@@ -280,6 +282,7 @@ class TokenizeChatRequest(_Strict):
     chat_template_kwargs: Optional[dict[str, Any]] = None
     chat_template: Optional[StrictStr] = None  # vLLM's: rendered under serve --trust-request-chat-template
     tools: Optional[list[Any]] = None
+    documents: Optional[list[dict[StrictStr, StrictStr]]] = None  # as chat completions take them
     return_token_strs: Optional[StrictBool] = False
 
 

@@ -65,7 +65,8 @@ def prompt_token_ids(tokenizer: Any, vocab_size: Optional[int], prompt: Optional
 
 def _count_body(chat: dict[str, Any]) -> dict[str, Any]:
     """The /tokenize body that counts a chat body's prompt as the chat endpoint renders it."""
-    keys = ("model", "messages", "tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
+    keys = ("model", "messages", "tools", "documents", "chat_template_kwargs", "add_generation_prompt",
+            "continue_final_message")
     body = {k: chat[k] for k in keys if k in chat}
     effort = chat.get("reasoning_effort")  # a template variable too (protocol.chat_options), under the request's own
     if effort is not None:  # chat_template_kwargs; /tokenize takes no reasoning_effort field
