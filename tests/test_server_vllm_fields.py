@@ -371,6 +371,14 @@ def test_vllms_plumbing_fields_are_taken_when_they_ask_nothing_and_refused_namin
         status, _, body = request(server, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES,
                                                                    "max_tokens": 2, field: value})
         assert status == 400 and body["error"]["param"] == field and words in body["error"]["message"], body
+    # vLLM's prompt embeddings (base64 tensors) on completions: was "unknown field"
+    status, _, body = request(server, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2,
+                                                          "prompt_embeds": "AAAA"})  # fmt: skip
+    assert status == 400 and body["error"]["param"] == "prompt_embeds", body
+    assert "reads token ids (its embedding table is inside the compiled graph)" in body["error"]["message"], body
+    out = client.completions.create(model=MODEL, prompt="x", max_tokens=2,
+                                    extra_body={"prompt_embeds": None, "ignore_eos": True})
+    assert out.usage.completion_tokens == 2
     wait_idle(server)
 
 

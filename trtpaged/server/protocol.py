@@ -41,6 +41,8 @@ _REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "vllm_xargs": (_VLLM_ASKS_NOTHING, "no custom logits processors read extra arguments here"),
     "mm_processor_kwargs": (_VLLM_ASKS_NOTHING, "the models served here read text only"),
     "media_io_kwargs": (_VLLM_ASKS_NOTHING, "the models served here read text only"),
+    "prompt_embeds": (_VLLM_ASKS_NOTHING, "an engine here reads token ids (its embedding table is inside the compiled "
+                      "graph): send the prompt as text or token ids"),
 }  # fmt: skip
 _REQUEST_TEMPLATE_REFUSED = ("a request's own chat template is not run unless the server is started with "
                              "--trust-request-chat-template (vLLM's rule), or give the server one with --chat-template")

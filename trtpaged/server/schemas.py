@@ -133,6 +133,7 @@ class CompletionRequest(_SamplingFields):
     echo: Optional[StrictBool] = False
     suffix: Optional[StrictStr] = None
     add_special_tokens: StrictBool = True  # vLLM: what the tokenizer adds to a text prompt (a BOS)
+    prompt_embeds: Optional[Union[StrictStr, list[StrictStr]]] = None  # vLLM's base64 tensors: refused unless empty
 
 
 class ChatMessage(BaseModel):
