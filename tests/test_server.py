@@ -316,6 +316,44 @@ def test_a_dropped_role_is_refused_offline_and_one_the_template_needs_stands(llm
     assert len(out.outputs[0].token_ids) == 1
 
 
+def test_many_roles_outside_openais_cost_a_bounded_number_of_renderings():
+    """The dropped-role check renders the conversation again per role outside OpenAI's: with a distinct role on each
+    of 200 messages that was 200 more renderings of 200 messages (quadratic: 3000 such messages, 65 kB, held a
+    tokenizer thread 27 s). Past the first few roles the rest are checked together: a bounded number of renderings,
+    the roles a template renders still taken, the ones a template drops still refused."""
+    from trtpaged.models.tiny_tokenizer import make_tiny_tokenizer
+    from trtpaged.runtime.llm import chat_prompt_text
+
+    class Counting:
+        def __init__(self, tokenizer):
+            self.tokenizer, self.chat_template, self.calls = tokenizer, None, 0
+
+        def apply_chat_template(self, *args, **kwargs):
+            self.calls += 1
+            return self.tokenizer.apply_chat_template(*args, **kwargs)
+
+    messages = [{"role": "user", "content": "x"}] + [{"role": f"r{i}", "content": "y"} for i in range(200)]
+    every_role = ("{% for m in messages %}<|bos|>{{ m.role }}\n{{ m.content }}<|eos|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}")
+    tok = Counting(make_tiny_tokenizer())
+    assert "<|bos|>r199\ny" in chat_prompt_text(tok, messages, chat_template=every_role)
+    assert tok.calls <= 12, tok.calls
+    tok = Counting(make_tiny_tokenizer())
+    with pytest.raises(RequestError, match=r"messages\[1\]\.role: 'r0': this model's chat template renders no"):
+        chat_prompt_text(tok, messages, chat_template=KNOWN_ROLES_ONLY)
+    later = messages[:1] + [{"role": "user", "content": f"u{i}"} for i in range(20)] + messages[1:]
+    with pytest.raises(RequestError, match=r"messages\[21\]\.role: 'r0'"):  # the first message of a role dropped
+        chat_prompt_text(Counting(make_tiny_tokenizer()), later, chat_template=KNOWN_ROLES_ONLY)
+    only_late = [{"role": "user", "content": "x"}] + [{"role": f"r{i}", "content": "y"} for i in range(20)]
+    late = "{% for m in messages if m.role[1:] | int < 8 %}"  # renders r0-r7 (checked one by one), drops the rest
+    with pytest.raises(RequestError, match=r"messages\[9\]\.role: 'r8'"):  # those checked together: all dropped
+        chat_prompt_text(Counting(make_tiny_tokenizer()), only_late,
+                         chat_template=every_role.replace("{% for m in messages %}", late))  # fmt: skip
+    with pytest.raises(RequestError, match=r"messages\[4\]\.role: 'r3'"):  # one of the first roles: apart
+        chat_prompt_text(Counting(make_tiny_tokenizer()), only_late, chat_template=every_role.replace(
+            "{% for m in messages %}", "{% for m in messages if m.role != 'r3' %}"))  # fmt: skip
+
+
 def test_engine_exception_is_500_for_that_request_only(server):
     backend = server.llm.engine.runner
 
