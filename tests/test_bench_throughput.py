@@ -40,6 +40,27 @@ def test_rounds_run_fresh_prompts_of_the_same_shapes(tiny_engine_dir) -> None:
     assert r.computed_tokens == (20 + 4) + (37 + 2) + (9 + 5)
 
 
+def test_fresh_prompts_keep_what_the_prompts_share() -> None:
+    """A round after the first runs the same work: prompts that share a prefix (a Mooncake trace's blocks, a trace's
+    prefix_id) share exactly as long a one in the fresh prompts, and nothing with the first round's (were: all fresh
+    random tokens, so rounds 2+ of a prefix-sharing trace had no prefix hits and ran other work)."""
+    shared, a, b = tuple(range(100, 140)), tuple(range(200, 210)), tuple(range(210, 215))
+    requests = [Request(shared + a, 4), Request(shared + b, 4), Request(shared[:20], 2), Request(b, 3)]
+
+    def common(x: tuple, y: tuple) -> int:
+        return next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
+
+    for seed in (1001, 1002):
+        fresh = fresh_prompts(requests, 320, seed)
+        assert [(len(r.prompt_ids), r.output_len) for r in fresh] == [(len(r.prompt_ids), r.output_len)
+                                                                         for r in requests]  # fmt: skip
+        pairs = [(i, j) for i in range(4) for j in range(i + 1, 4)]
+        assert [common(fresh[i].prompt_ids, fresh[j].prompt_ids) for i, j in pairs] == \
+            [common(requests[i].prompt_ids, requests[j].prompt_ids) for i, j in pairs]  # fmt: skip
+        assert all(common(f.prompt_ids, r.prompt_ids) < 3 for f in fresh for r in requests)
+        assert all(0 <= t < 320 for r in fresh for t in r.prompt_ids)
+
+
 def test_hf_static_batches_pad_and_run_to_the_longest(tiny_engine_dir) -> None:
     r = run_hf(str(tiny_engine_dir), REQUESTS, batch_size=2)
     # batch 1: padded to 37 prompt tokens, runs 5 steps (4 decode positions after the prefill) for 2 rows;

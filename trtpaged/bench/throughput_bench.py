@@ -17,8 +17,8 @@ exactly its requested length):
 
 Each system runs in its own process (so peak RSS is its own), after a one-request warm-up.
 With rounds > 1 trtpaged runs the workload again in the same process, each round on fresh prompts of
-the same lengths (no prefix-cache hits between rounds), and reports every round's wall: the first
-batch after loading (no warm-up request then: `LLM(...)` returning is "ready") against the next ones. Each row says which instruction set ran it.
+the same lengths and sharing (no prefix-cache hits between rounds, the same within each), and reports
+every round's wall: the first batch after loading (no warm-up request then: `LLM(...)` returning is "ready") against the next ones. Each row says which instruction set ran it.
 Per system: useful output tok/s (requested output tokens / wall), computed tok/s (every token
 position run through the model, prompts, padding and decode steps past a request's end
 included / wall), wall time, TTFT (from t=0, queueing included) and per-output-token latency
@@ -122,12 +122,15 @@ def requests_from_trace(trace: list[TraceRequest], vocab_size: int, seed: int = 
 
 
 def fresh_prompts(requests: list[Request], vocab_size: int, seed: int) -> list[Request]:
-    """The same requests' shapes (prompt and output lengths) with new random token ids: another round
-    of the same work that finds nothing of the previous rounds in the prefix cache."""
+    """The same requests' shapes (prompt and output lengths, and what the prompts share) with other token ids:
+    another round of the same work that finds nothing of the previous rounds in the prefix cache. Each token id is
+    mapped through one random permutation of the vocabulary, so prompts that share a prefix (a Mooncake trace's
+    blocks, a trace's prefix_id) share as much of it again, and the rounds' prefix hits are the same."""
     import random
 
-    rng = random.Random(seed)
-    return [Request(tuple(rng.randrange(vocab_size) for _ in r.prompt_ids), r.output_len) for r in requests]
+    ids = list(range(vocab_size))
+    random.Random(seed).shuffle(ids)
+    return [Request(tuple(ids[t] for t in r.prompt_ids), r.output_len) for r in requests]
 
 
 def load_requests(path: str | Path, tokenizer: Callable[[str], list[int]], vocab_size: int) -> list[Request]:
