@@ -6,6 +6,7 @@ documented event order and error envelope."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 import time
@@ -354,7 +355,7 @@ def _waiting_on(lane, call) -> Future:
     return future
 
 
-def test_a_full_server_is_anthropics_529_overloaded_error(tiny_engine_dir):
+def test_a_full_server_is_anthropics_529_overloaded_error(tiny_engine_dir, caplog):
     """A full queue (max_waiting) answers /v1/messages and its count_tokens with Anthropic's overloaded status, 529,
     and its envelope (type overloaded_error, Retry-After), which the anthropic client raises as OverloadedError; the
     OpenAI routes keep 503 at the same moment (was: 503 on both, the client's ServiceUnavailableError). The waiting
@@ -370,8 +371,11 @@ def test_a_full_server_is_anthropics_529_overloaded_error(tiny_engine_dir):
     try:
         held = _held(handle.tokens.prompts, PROMPT_THREADS, release)
         waiting = _waiting_on(handle.tokens.prompts, lambda: request(handle, "/v1/chat/completions", chat))
-        status, headers, out = request(handle, "/v1/messages", body)
+        with caplog.at_level(logging.INFO, logger="trtpaged.server"):
+            status, headers, out = request(handle, "/v1/messages", body)
         assert status == 529 and headers["Retry-After"] == "1", (status, out)
+        logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("POST /v1/messages ")]
+        assert logged and logged[-1].startswith("POST /v1/messages 529 "), logged  # the log says what was answered
         assert out["type"] == "error" and out["error"]["type"] == "overloaded_error", out
         assert "max_waiting 1" in out["error"]["message"], out
         with pytest.raises(anthropic.OverloadedError) as refused:

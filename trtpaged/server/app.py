@@ -296,7 +296,7 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
                 exc.headers["Retry-After"] = str(options.retry_after_s)
             error = responses_api.renamed(exc, call) if call is not None else exc  # the client's field names
             error = messages_api.renamed(error) if message_call is not None else error
-            _log(request, error.status, error.message, start)
+            _log(request, error.status_on(_anthropic(request)), error.message, start)  # as answered (529)
             raise error from None
         summary = submitted.summary
         if message_call is not None:
@@ -400,7 +400,7 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
             return Response(status_code=499)
         except (EngineFailure, ShuttingDown, RequestTimeout) as exc:
             error = renamed(runtime_failure(exc))
-            _log(request, error.status, error.message, start)
+            _log(request, error.status_on(anthropic), error.message, start)
             return error_response(error, anthropic)
         _log(request, 200, "", start, submitted)
         return answer
