@@ -304,15 +304,29 @@ def test_a_chat_role_the_template_drops_is_refused_naming_it(server, tiny_engine
     wait_idle(server)
 
 
-def test_a_dropped_role_is_refused_offline_and_one_the_template_needs_stands(llm):
-    """LLM.chat refuses a role the template drops as the server does; where the conversation without it does not
-    render (a template that wants two messages), nothing tells it was dropped: it stands."""
-    with pytest.raises(RequestError, match=r"messages\[1\]\.role: 'robot': this model's chat template renders no"):
-        llm.chat([{"role": "user", "content": "x"}, {"role": "robot", "content": "y"}],
-                 SamplingParams(max_tokens=1), chat_template=KNOWN_ROLES_ONLY)  # fmt: skip
+def test_a_dropped_role_is_refused_offline_whatever_shape_the_template_checks(llm):
+    """LLM.chat refuses a role the template drops as the server does, also where the template checks the
+    conversation's shape (a template that wants two messages) or the role's message is the only one (was: taken,
+    since the conversation without it did not render, and the user's text never reached the prompt). A template that
+    renders the role's text keeps it."""
+    def chat(messages: list[dict], template: str):
+        return llm.chat(messages, SamplingParams(max_tokens=1, ignore_eos=True), chat_template=template)
+
     needs_two = "{% if messages | length < 2 %}{{ raise_exception('two messages') }}{% endif %}" + KNOWN_ROLES_ONLY
-    (out,) = llm.chat([{"role": "user", "content": "x"}, {"role": "robot", "content": "y"}],
-                      SamplingParams(max_tokens=1), chat_template=needs_two)  # fmt: skip
+    for messages, template, first in (([{"role": "user", "content": "x"}, {"role": "robot", "content": "y"}],
+                                       KNOWN_ROLES_ONLY, 1),
+                                      ([{"role": "user", "content": "x"}, {"role": "robot", "content": "y"}],
+                                       needs_two, 1),
+                                      ([{"role": "robot", "content": "y"}], KNOWN_ROLES_ONLY, 0),
+                                      ([{"role": "robot", "content": [{"type": "text", "text": "y"}]}],
+                                       KNOWN_ROLES_ONLY, 0)):  # fmt: skip
+        with pytest.raises(RequestError, match=rf"messages\[{first}\]\.role: 'robot': this model's chat template "
+                                               "renders no"):  # fmt: skip
+            chat(messages, template)
+    renders_all = KNOWN_ROLES_ONLY.replace("{% if m.role in ['system', 'developer', 'user', 'assistant', 'tool', "
+                                           "'function'] %}", "{% if true %}")  # fmt: skip
+    assert renders_all != KNOWN_ROLES_ONLY
+    (out,) = chat([{"role": "robot", "content": "y"}], renders_all)
     assert len(out.outputs[0].token_ids) == 1
 
 

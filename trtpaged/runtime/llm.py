@@ -296,25 +296,33 @@ ROLES_CHECKED_APART = 8
 
 
 def _check_roles_rendered(messages: list[dict], text: str, render: Callable[[list[dict]], str]) -> None:
-    """A role outside OpenAI's that the template drops (the conversation renders the same without its messages, as
-    templates that pick known roles do: Qwen2.5's, Phi-3's) is a RequestError naming messages[i].role: the message
-    would vanish from the prompt unseen. A rendering without them that fails tells nothing: the role stands. The
-    first ROLES_CHECKED_APART such roles are checked one by one, the rest together (dropped when all of them are)."""
+    """A role outside OpenAI's that the template drops (the conversation renders the same whatever its messages say,
+    as templates that pick known roles do: Qwen2.5's, Phi-3's) is a RequestError naming messages[i].role: the
+    message would vanish from the prompt unseen. The messages stay where they are (their contents replaced by a
+    probe text), so a template that checks the conversation's shape renders them as it would; a rendering that
+    fails tells nothing: the role stands. The first ROLES_CHECKED_APART such roles are checked one by one, the rest
+    together (dropped when all of them are)."""
     others = list(dict.fromkeys(m["role"] for m in messages if m["role"] not in OPENAI_ROLES))
     groups = [{role} for role in others[:ROLES_CHECKED_APART]]
     if others[ROLES_CHECKED_APART:]:
         groups.append(set(others[ROLES_CHECKED_APART:]))
     for group in groups:
+        probed = [{**m, "content": _ROLE_PROBE if isinstance(m["content"], str) else [_ROLE_PROBE_PART]}
+                  if m["role"] in group else m for m in messages]  # fmt: skip
         try:
-            dropped = render([m for m in messages if m["role"] not in group]) == text
-        except Exception:  # noqa: BLE001 - e.g. a template that wants roles to alternate: it read the role
+            dropped = render(probed) == text
+        except Exception:  # noqa: BLE001 - a template that fails on the probe text: nothing tells
             continue
         if dropped:
             first = next(i for i, m in enumerate(messages) if m["role"] in group)
             role = messages[first]["role"]
             raise RequestError(f"messages[{first}].role", f"{role[:40]!r}: this model's chat template renders no "
-                               f"message of this role (the prompt reads the same without it); OpenAI's roles: "
+                               f"message of this role (the prompt reads the same whatever it says); OpenAI's roles: "
                                f"{', '.join(OPENAI_ROLES)}", code="invalid_value")  # fmt: skip
+
+
+_ROLE_PROBE = "\u2063trtpaged role probe\u2063"  # no real message's text: a template that renders it shows it
+_ROLE_PROBE_PART = {"type": "text", "text": _ROLE_PROBE}
 
 
 class LLM:
