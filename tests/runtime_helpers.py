@@ -206,6 +206,23 @@ def serve_one_completion(engine_dir: Any, prompt: str, max_tokens: int, speculat
     return got.choices[0].text, values
 
 
+def slowed_steps(handle: Any, seconds: float) -> Callable[[], None]:
+    """Slows every engine step of a running server (`start_server`'s handle) by `seconds`, so that a request lasts
+    long enough for what a test does meanwhile (hang up, fill the queue, scrape gauges); returns the call that puts
+    the steps back to full speed."""
+    import time
+
+    backend = handle.llm.engine.runner
+    real_step = backend.step
+
+    def slow_step(batch: Any) -> Any:
+        time.sleep(seconds)
+        return real_step(batch)
+
+    handle.loop.call(lambda e: setattr(backend, "step", slow_step))
+    return lambda: handle.loop.call(lambda e: backend.__dict__.pop("step", None))
+
+
 @contextlib.contextmanager
 def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
     """A tmpfs of `size` (e.g. "16k") mounted at `path` for the block: a real full disk. Skips the test where it

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime_helpers import RandomLogitsEngine, runtime_config
+from runtime_helpers import RandomLogitsEngine, runtime_config, slowed_steps
 from tests.test_server import metrics, request, wait_idle
 from trtpaged.errors import RequestError
 from trtpaged.runtime.llm_engine import LLMEngine
@@ -147,13 +147,6 @@ def test_server_serves_waiting_requests_by_priority(priority_server):
     }  # fmt: skip
     alone = {name: request(server, path, body)[2] for name, (path, body) in bodies.items()}
 
-    backend = server.llm.engine.runner
-    real_step = backend.step
-
-    def slow_step(batch):  # the blocker's 500 tokens take >= 10 s: the others queue long before its end
-        time.sleep(0.02)
-        return real_step(batch)
-
     async def run() -> list[str]:
         done: list[str] = []
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
@@ -187,11 +180,11 @@ def test_server_serves_waiting_requests_by_priority(priority_server):
             assert _text(answer) == _text(alone[name]), name
         return done
 
-    server.loop.call(lambda e: setattr(backend, "step", slow_step))
+    restore = slowed_steps(server, 0.02)  # the blocker's 500 tokens take >= 10 s: the others queue long before its end
     try:
         order = asyncio.run(run())
     finally:
-        server.loop.call(lambda e: delattr(backend, "step"))
+        restore()
     assert order == ["high", "mid", "low"]
     wait_idle(server)
 

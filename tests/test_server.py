@@ -25,6 +25,8 @@ from trtpaged.errors import RequestError
 from trtpaged.server import start_server
 from trtpaged.runtime.output_processor import held_back
 
+from runtime_helpers import slowed_steps
+
 MODEL = "tiny-served"
 
 
@@ -384,14 +386,7 @@ def test_engine_exception_is_500_for_that_request_only(server):
 
 
 def test_client_disconnect_aborts_and_frees_blocks(server):
-    backend = server.llm.engine.runner
-    real_step = backend.step
-
-    def slow_step(batch):  # 500 tokens take >= 2.5 s: the disconnect is seen long before the end
-        time.sleep(0.005)
-        return real_step(batch)
-
-    server.loop.call(lambda e: setattr(backend, "step", slow_step))
+    restore = slowed_steps(server, 0.005)  # 500 tokens take >= 2.5 s: the disconnect is seen long before the end
     aborted = metrics(server).get('request_success_total{finished_reason="abort"}', 0)
     try:
         for streamed in (True, False):
@@ -410,7 +405,7 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
             assert m["kv_cache_blocks_used"] == 0
             aborted += 1
     finally:
-        server.loop.call(lambda e: delattr(backend, "step"))
+        restore()
 
 
 def test_models_health_metrics(server):

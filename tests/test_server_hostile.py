@@ -21,6 +21,8 @@ from trtpaged.server.errors import ApiError
 from trtpaged.server.protocol import validated
 from trtpaged.server.schemas import CompletionRequest
 
+from runtime_helpers import slowed_steps
+
 KEY = "sk-hostile-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_BODY = 64 << 10
@@ -307,14 +309,7 @@ def test_overload_is_503_with_retry_after(server):
     """max_batch_size 1, max_waiting 2: one running and two waiting, the fourth request is refused. The running one
     has 300 tokens (>= 3 s): it must still run when the fourth arrives, ~0.5 s after it started on a quiet machine
     (with 100 tokens it ended as little as 0.53 s after the fourth's answer with CPU hogs beside the test)."""
-    backend = server.llm.engine.runner
-    real_step = backend.step
-
-    def slow_step(batch):
-        time.sleep(0.01)
-        return real_step(batch)
-
-    server.loop.call(lambda e: setattr(backend, "step", slow_step))
+    restore = slowed_steps(server, 0.01)
     results: list[int] = []
     body = {"prompt": "busy", "max_tokens": 100, "ignore_eos": True}
     bodies = [{**body, "max_tokens": 300}, body, body]
@@ -333,7 +328,7 @@ def test_overload_is_503_with_retry_after(server):
             t.join(60)
         assert results == [200, 200, 200]
     finally:
-        server.loop.call(lambda e: delattr(backend, "step"))
+        restore()
     m = wait_idle(server)
     assert m['requests_rejected_total{reason="overloaded"}'] == 1
 

@@ -10,11 +10,11 @@ import logging
 import re
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
 from tests.test_server import request, wait_idle
+from tests.test_server_tokenizer import _one_waiting
 from tests.test_server_tools import HERMES_TEMPLATE
 from trtpaged import LLM, SamplingParams
 from trtpaged.runtime.llm import chat_prompt_text
@@ -160,14 +160,20 @@ def test_tool_use_round_trip(client, llm, server):
             {"role": "assistant", "content": "Looking.", "tool_calls": [{"id": block.id, "type": "function",
              "function": {"name": "get_weather", "arguments": json.dumps(block.input)}}]},
             {"role": "tool", "tool_call_id": block.id, "content": "sunny"}, {"role": "user", "content": "thanks"}]
+    _counted_and_answered_as(client, llm, follow, chat)
+    wait_idle(server)
+
+
+def _counted_and_answered_as(client, llm, messages: list[dict], chat: list[dict]) -> None:
+    """count_tokens of the Messages `messages` (with TOOLS) is the length of the chat conversation `chat` rendered
+    by hand (with CHAT_TOOLS), and their greedy answer (tool_choice none) starts as LLM's greedy answer to it."""
     prompt = _prompt(llm, chat, CHAT_TOOLS)
-    assert client.messages.count_tokens(model=MODEL, messages=follow, tools=TOOLS).input_tokens == len(prompt)
+    assert client.messages.count_tokens(model=MODEL, messages=messages, tools=TOOLS).input_tokens == len(prompt)
     want = _greedy(llm, prompt, 6, ignore_eos=True)
-    got = client.messages.create(model=MODEL, max_tokens=6, messages=follow, tools=TOOLS, extra_body=GREEDY,
+    got = client.messages.create(model=MODEL, max_tokens=6, messages=messages, tools=TOOLS, extra_body=GREEDY,
                                  tool_choice={"type": "none"})  # fmt: skip
     text = "".join(b.text for b in got.content if b.type == "text")
     assert text and text == want.text[:len(text)]
-    wait_idle(server)
 
 
 def test_thinking_sets_the_templates_switch(client, llm):
@@ -343,18 +349,6 @@ def _held(lane, threads: int, release) -> list:
     return jobs
 
 
-def _waiting_on(lane, call) -> Future:
-    """`call` (an HTTP request) run on a thread; returned once its job waits in `lane`'s queue."""
-    pool = ThreadPoolExecutor(1)
-    future = pool.submit(call)
-    pool.shutdown(wait=False)
-    deadline = time.monotonic() + 10
-    while lane.num_waiting < 1:
-        assert time.monotonic() < deadline, f"the request did not reach {lane.name}'s queue"
-        time.sleep(0.005)
-    return future
-
-
 def test_a_full_server_is_anthropics_529_overloaded_error(tiny_engine_dir, caplog):
     """A full queue (max_waiting) answers /v1/messages and its count_tokens with Anthropic's overloaded status, 529,
     and its envelope (type overloaded_error, Retry-After), which the anthropic client raises as OverloadedError; the
@@ -370,7 +364,7 @@ def test_a_full_server_is_anthropics_529_overloaded_error(tiny_engine_dir, caplo
     release = threading.Event()
     try:
         held = _held(handle.tokens.prompts, PROMPT_THREADS, release)
-        waiting = _waiting_on(handle.tokens.prompts, lambda: request(handle, "/v1/chat/completions", chat))
+        waiting = _one_waiting(handle.tokens.prompts, lambda: request(handle, "/v1/chat/completions", chat))
         with caplog.at_level(logging.INFO, logger="trtpaged.server"):
             status, headers, out = request(handle, "/v1/messages", body)
         assert status == 529 and headers["Retry-After"] == "1", (status, out)
@@ -388,7 +382,7 @@ def test_a_full_server_is_anthropics_529_overloaded_error(tiny_engine_dir, caplo
 
         release = threading.Event()  # count_tokens tokenizes on the texts lane (one thread)
         held = _held(handle.tokens.texts, 1, release)
-        waiting = _waiting_on(handle.tokens.texts, lambda: request(handle, "/tokenize", {"prompt": "hi"}))
+        waiting = _one_waiting(handle.tokens.texts, lambda: request(handle, "/tokenize", {"prompt": "hi"}))
         status, headers, out = request(handle, "/v1/messages/count_tokens", {k: body[k] for k in ("model", "messages")})
         assert status == 529 and headers["Retry-After"] == "1" and out["error"]["type"] == "overloaded_error", out
         assert request(handle, "/detokenize", {"tokens": [65]})[0] == 503
@@ -422,13 +416,7 @@ def test_a_failed_tool_result_reaches_the_template_marked_as_an_error(client, ll
                 {"role": "tool", "tool_call_id": "toolu_1", "content": text}]  # fmt: skip
 
     failed = turns({"content": [{"type": "text", "text": "no such city"}], "is_error": True})
-    prompt = _prompt(llm, chat("Error: no such city"), CHAT_TOOLS)
-    assert client.messages.count_tokens(model=MODEL, messages=failed, tools=TOOLS).input_tokens == len(prompt)
-    want = _greedy(llm, prompt, 6, ignore_eos=True)
-    got = client.messages.create(model=MODEL, max_tokens=6, messages=failed, tools=TOOLS, extra_body=GREEDY,
-                                 tool_choice={"type": "none"})  # fmt: skip
-    text = "".join(b.text for b in got.content if b.type == "text")
-    assert text and text == want.text[:len(text)]
+    _counted_and_answered_as(client, llm, failed, chat("Error: no such city"))
     empty = _prompt(llm, chat("Error"), CHAT_TOOLS)  # a failure without a text still says so
     assert client.messages.count_tokens(model=MODEL, messages=turns({"is_error": True}),
                                         tools=TOOLS).input_tokens == len(empty)  # fmt: skip

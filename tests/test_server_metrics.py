@@ -13,6 +13,8 @@ import pytest
 from tests.test_server import metrics, request, wait_idle
 from trtpaged.server import ServerOptions, start_server
 
+from runtime_helpers import slowed_steps
+
 MODEL = "tiny"
 
 
@@ -96,14 +98,7 @@ def test_vllm_load_gauges_carry_the_same_values_under_vllms_names(server):
 
     body = {"prompt": "x", "max_tokens": 300, "ignore_eos": True}
     busy = threading.Thread(target=lambda: request(server, "/v1/completions", body))
-    backend = server.llm.engine.runner
-    real_step = backend.step
-
-    def slow_step(batch):
-        time.sleep(0.01)
-        return real_step(batch)
-
-    server.loop.call(lambda e: setattr(backend, "step", slow_step))
+    restore = slowed_steps(server, 0.01)
     try:
         for state in ("idle", "busy"):
             if state == "busy":
@@ -120,7 +115,7 @@ def test_vllm_load_gauges_carry_the_same_values_under_vllms_names(server):
                 assert m[f"vllm:{name}{label}"] == m["kv_cache_usage_perc"], (state, name, m)
         assert m["kv_cache_usage_perc"] > 0 and m["num_requests_running"] == 1
     finally:
-        server.loop.call(lambda e: delattr(backend, "step"))  # the rest of the request at full speed
+        restore()  # the rest of the request at full speed
         if busy.is_alive():
             busy.join(60)
     wait_idle(server)

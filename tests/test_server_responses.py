@@ -15,6 +15,8 @@ from tests.test_server_tools import ONE_CALL, TOOLS, TWO_CALLS, tools_engine_dir
 from trtpaged import LLM, SamplingParams
 from trtpaged.server import start_server
 
+from runtime_helpers import slowed_steps
+
 openai = pytest.importorskip("openai", reason="the openai package is not installed (pip install openai)")
 MODEL = "tiny"
 # the Responses API's function tools: chat's, flattened
@@ -376,27 +378,18 @@ def test_a_body_request_id_is_the_response_id_as_given(client):
 def test_a_failed_stream_reports_the_tokens_it_spent(tools_engine_dir):  # noqa: F811
     """A stream cut by the request timeout ends with response.failed, whose usage counts the output tokens sent
     before it (one log-prob entry per token in the deltas), not null."""
-    import time
-
     from runtime_helpers import openai_client
     from trtpaged.server import ServerOptions
 
     handle = start_server(tools_engine_dir, port=0, served_model_name=MODEL, device="cpu",
                           options=ServerOptions(request_timeout_s=1.0))  # fmt: skip
-    backend = handle.llm.engine.runner
-    real_step = backend.step
-
-    def slow_step(batch):  # 400 tokens take >= 8 s: the timeout cuts the stream after some were sent
-        time.sleep(0.02)
-        return real_step(batch)
-
-    handle.loop.call(lambda e: setattr(backend, "step", slow_step))
+    restore = slowed_steps(handle, 0.02)  # 400 tokens take >= 8 s: the timeout cuts the stream after some were sent
     try:
         events = list(openai_client(handle.url).responses.create(
             model=MODEL, input="hi", max_output_tokens=400, temperature=0, stream=True,
             include=["message.output_text.logprobs"]))  # fmt: skip
     finally:
-        handle.loop.call(lambda e: delattr(backend, "step"))
+        restore()
         handle.shutdown(timeout=0)
     sent = sum(len(e.logprobs) for e in events if e.type == "response.output_text.delta")
     assert events[-1].type == "response.failed" and 0 < sent < 400, (events[-1].type, sent, events[-1])

@@ -14,6 +14,8 @@ import pytest
 from tests.test_server import metrics, request, wait_idle
 from trtpaged.server import ServerOptions, start_server
 
+from runtime_helpers import slowed_steps
+
 CLIENTS = 32
 
 
@@ -60,21 +62,8 @@ def server(tiny_engine_dir):
     handle.shutdown(timeout=0)
 
 
-def slowed(server, seconds: float):
-    """Slows every engine step (so that streams last long enough to hang up in the middle)."""
-    backend = server.llm.engine.runner
-    real_step = backend.step
-
-    def slow_step(batch):
-        time.sleep(seconds)
-        return real_step(batch)
-
-    server.loop.call(lambda e: setattr(backend, "step", slow_step))
-    return lambda: server.loop.call(lambda e: backend.__dict__.pop("step", None))
-
-
 def test_soak_32_streams_a_third_hang_up(server):
-    restore = slowed(server, 0.002)
+    restore = slowed_steps(server, 0.002)
     try:
         results = [StreamResult() for _ in range(CLIENTS)]
         threads = []
@@ -105,7 +94,7 @@ def test_soak_32_streams_a_third_hang_up(server):
 
 def test_shutdown_drains_in_flight_then_aborts_the_rest(tiny_engine_dir):
     handle = start_server(tiny_engine_dir, port=0, device="cpu", options=ServerOptions(shutdown_timeout_s=30))
-    slowed(handle, 0.01)  # the server is thrown away afterwards
+    slowed_steps(handle, 0.01)  # the server is thrown away afterwards
     short, long = StreamResult(), StreamResult()
     try:
         threads = [threading.Thread(target=stream_client, args=(handle, body, None, out)) for body, out in (
@@ -135,7 +124,7 @@ def test_a_cut_drain_aborts_what_is_in_flight_at_once(tiny_engine_dir):
     """What a second Ctrl-C does (`cut_drain`): a shutdown waiting up to 60 s for a 400-token stream stops at once,
     the stream ends with an error event, and its blocks return (was: the second signal waited the whole drain)."""
     handle = start_server(tiny_engine_dir, port=0, device="cpu", options=ServerOptions(shutdown_timeout_s=60))
-    slowed(handle, 0.01)  # 400 tokens take >= 4 s
+    slowed_steps(handle, 0.01)  # 400 tokens take >= 4 s
     result = StreamResult()
     try:
         client = threading.Thread(target=stream_client, args=(handle, {"prompt": "long", "max_tokens": 400,
@@ -162,7 +151,7 @@ def test_a_cut_drain_aborts_what_is_in_flight_at_once(tiny_engine_dir):
 def test_request_timeout_aborts_and_frees(tiny_engine_dir, caplog):
     handle = start_server(tiny_engine_dir, port=0, device="cpu", options=ServerOptions(request_timeout_s=0.5))
     try:
-        restore = slowed(handle, 0.01)  # 400 tokens take >= 4 s
+        restore = slowed_steps(handle, 0.01)  # 400 tokens take >= 4 s
         body = {"prompt": "forever", "max_tokens": 400, "ignore_eos": True}
         status, _, out = request(handle, "/v1/completions", body)
         assert status == 504 and out["error"]["type"] == "timeout_error"
@@ -173,7 +162,7 @@ def test_request_timeout_aborts_and_frees(tiny_engine_dir, caplog):
         assert m['request_success_total{finished_reason="abort"}'] == 2 and m["kv_cache_blocks_used"] == 0
         # a stream that times out before its first output logs its prompt's tokens (was prompt=0)
         restore()
-        slowed(handle, 1.0)
+        slowed_steps(handle, 1.0)
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="trtpaged.server"):
             stream_client(handle, body, None, StreamResult())
