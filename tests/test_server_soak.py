@@ -109,6 +109,10 @@ def test_shutdown_drains_in_flight_then_aborts_the_rest(tiny_engine_dir):
         assert handle.draining.event.wait(10)  # the drain has begun (a 0.2 s sleep assumed the thread ran by then)
         status, headers, out = request(handle, "/v1/completions", {"prompt": "late", "max_tokens": 2})
         assert status == 503 and headers["Retry-After"] and out["error"]["code"] == "overloaded"
+        # not Anthropic's 529 (a busy server's): a draining one is unavailable, what a proxy in front reads
+        status, headers, out = request(handle, "/v1/messages", {"model": handle.model_name, "max_tokens": 2,
+                                                                "messages": [{"role": "user", "content": "late"}]})
+        assert status == 503 and headers["Retry-After"] and out["error"]["type"] == "overloaded_error", out
         assert request(handle, "/health")[0] == 503
         for t in (*threads, stopper):
             t.join(30)
