@@ -1,15 +1,17 @@
 """Grammar-constrained decoding (xgrammar) in the runtime, on the tiny engine with temperature > 0: every
 output validates against its JSON schema (jsonschema) / matches its regex / is one of its choices / parses
-under its EBNF grammar; unconstrained greedy requests batched with constrained ones are unchanged."""
+under its EBNF grammar / follows its structural tag (begin, JSON, end, read by json's decoder); unconstrained
+greedy requests batched with constrained ones are unchanged."""
 
 from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 import pytest
 
-from trtpaged import LLM, SamplingParams
+from trtpaged import LLM, GuidedDecodingParams, SamplingParams
 from trtpaged.errors import RequestError
 from trtpaged.runtime.sampling_params import StructuredOutputsParams as Grammar
 from trtpaged.runtime.structured import mended_schema_grammar
@@ -384,3 +386,180 @@ def test_a_pattern_repeating_past_the_bound_is_refused_before_compiling():
     # a value is not a schema: a const, default or example that looks like one is data, whatever it holds
     Grammar(json={"type": "object", "const": {"pattern": "a{5000}"}, "default": {"pattern": "a{5000}"},
                   "examples": [{"pattern": "a{5000}"}]})
+
+
+# ---- structural tags (xgrammar's format, vLLM's legacy structures + triggers) ------------------------------------
+ANSWER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
+                                           "days": {"type": "integer", "minimum": 1, "maximum": 14}},
+          "required": ["city", "days"], "additionalProperties": False}  # fmt: skip
+# any whitespace is xgrammar's default inside a tag's JSON: a random model can write it until max_tokens
+ANSWER_TAG = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+    {"type": "const_string", "value": "<answer>"},
+    {"type": "json_schema", "json_schema": ANSWER, "max_whitespace_cnt": 1},
+    {"type": "const_string", "value": "</answer>"}]}}  # fmt: skip
+# the legacy form: any text, each "<" opening one of the structures; a value of ITEM holds a "<" of its own
+ITEM = {"type": "object", "properties": {"k": {"enum": ["a<b", "c"]}, "n": {"type": "integer", "minimum": 0,
+                                                                           "maximum": 9}},
+        "required": ["k", "n"], "additionalProperties": False}  # fmt: skip
+STRUCTURES = [{"begin": "<item>", "schema": ITEM, "end": "</item>"}, {"begin": "<ok>", "schema": {"type": "boolean"},
+                                                                      "end": "</ok>"}]  # fmt: skip
+LEGACY_TAG = {"type": "structural_tag", "structures": STRUCTURES, "triggers": ["<"]}
+
+
+def check_exactly_tagged(text: str, begin: str, schema: dict, end: str) -> Any:
+    """The JSON value of `text` when it is exactly `begin`, one JSON value that `schema` validates, and `end` (read
+    by json's own decoder, nothing before or after it; checked by jsonschema); AssertionError otherwise."""
+    assert text.startswith(begin) and text.endswith(end), text
+    body = text[len(begin):len(text) - len(end)]
+    value, stop = json.JSONDecoder().raw_decode(body)  # no whitespace before the value either
+    assert stop == len(body), text
+    jsonschema.validate(value, schema)
+    return value
+
+
+def check_triggered(text: str, triggers: list[str], structures: list[dict], cut: bool) -> int:
+    """How many structures `text` holds, asserting the legacy structural tag's rule: text is free until a trigger,
+    which opens a structure: its begin, one JSON value its schema validates, its end; then free text again. Read
+    left to right, so a trigger inside a structure's JSON opens nothing. An output `cut` short (finish "length")
+    may end inside its last structure."""
+    decoder, pos, count = json.JSONDecoder(), 0, 0
+    while True:
+        found = [i for i in (text.find(t, pos) for t in triggers) if i >= 0]
+        if not found:
+            return count
+        at = min(found)
+        rest = text[at:]
+        opened = [s for s in structures if rest.startswith(s["begin"])]
+        if not opened:  # only a cut output may end inside a begin
+            assert cut and any(s["begin"].startswith(rest) for s in structures), text
+            return count
+        (structure,) = opened
+        body = at + len(structure["begin"])
+        try:
+            value, end = decoder.raw_decode(text, body)
+        except json.JSONDecodeError:  # only a cut output may end inside the JSON
+            assert cut, text
+            return count
+        jsonschema.validate(value, structure["schema"])
+        if not text.startswith(structure["end"], end):
+            assert cut and structure["end"].startswith(text[end:]), text
+            return count
+        count += 1
+        pos = end + len(structure["end"])
+
+
+def test_a_structural_tag_sequence_is_begin_json_end(llm):
+    """xgrammar's structural tag format through StructuredOutputsParams(structural_tag=...) (a mapping or its JSON
+    text): a sequence of const strings around a json_schema is exactly begin + schema-valid JSON + end, greedy and
+    sampled; the two spellings of one tag are one grammar, compiled once."""
+    before = llm.stats()["num_grammars_compiled"]
+    for tag in (ANSWER_TAG, json.dumps(ANSWER_TAG)):
+        for temperature, n in ((0.0, 1), (1.0, 4)):
+            params = SamplingParams(max_tokens=80, temperature=temperature, n=n,
+                                    structured_outputs=Grammar(structural_tag=tag))  # fmt: skip
+            samples = texts(llm.generate(PROMPTS, params))
+            assert len(samples) == 8 * n
+            for text, reason in samples:
+                assert reason == "stop", text
+                check_exactly_tagged(text, "<answer>", ANSWER, "</answer>")
+            if n > 1:
+                assert len({t for t, _ in samples}) > 8
+    assert llm.stats()["num_grammars_compiled"] == before + 1
+    guided = GuidedDecodingParams(structural_tag=json.dumps(ANSWER_TAG))  # vLLM <= 0.10's spelling
+    (out,) = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=80, temperature=0.0, guided_decoding=guided))
+    check_exactly_tagged(out.outputs[0].text, "<answer>", ANSWER, "</answer>")
+
+
+def test_the_legacy_structural_tag_opens_a_structure_at_every_trigger(llm):
+    """vLLM's legacy form (structures + triggers): any text, and each trigger in it opens a structure that runs to
+    its end with JSON its schema validates. A random model writes "<" rarely, so a logit bias makes the trigger
+    frequent; the rule is checked over every sampled output, read left to right (`check_triggered`)."""
+    lt = llm.tokenizer.convert_tokens_to_ids("<")
+    assert llm.tokenizer.decode([lt]) == "<"
+    params = SamplingParams(max_tokens=96, temperature=1.0, n=4, seed=1, logit_bias={lt: 4.0},
+                            structured_outputs=Grammar(structural_tag=LEGACY_TAG))  # fmt: skip
+    samples = texts(llm.generate(PROMPTS, params))
+    counts = [check_triggered(text, ["<"], STRUCTURES, reason == "length") for text, reason in samples]
+    assert sum(counts) >= 32 and sum(1 for c in counts if c) >= 24, counts
+    assert any('"a<b"' in t for t, _ in samples)  # a trigger inside the JSON opened nothing
+
+
+def test_a_structural_tags_length_bounded_strings_are_json_strings(llm):
+    """A json_schema in a tag with maxLength: xgrammar's own grammar for the tag takes raw control characters in
+    the string (no JSON), as it does for a plain schema; the server's is compiled from the mended grammar text."""
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from trtpaged.runtime.structured import mended_structural_tag_grammar
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}},
+              "required": ["name"], "additionalProperties": False}  # fmt: skip
+    tag = {"type": "structural_tag", "format": {"type": "tag", "begin": "<p>", "end": "</p>", "content": {
+        "type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}}}  # fmt: skip
+    control = '<p>{"name": "a\x1db"}</p>'
+    assert _is_grammar_accept_string(xgrammar.Grammar.from_structural_tag(json.dumps(tag)), control)
+    mended = xgrammar.Grammar.from_ebnf(mended_structural_tag_grammar(json.dumps(tag)))
+    assert not _is_grammar_accept_string(mended, control)
+    assert _is_grammar_accept_string(mended, '<p>{"name": "a😀 b"}</p>')
+    params = SamplingParams(max_tokens=80, temperature=1.0, n=4, seed=2, structured_outputs=Grammar(structural_tag=tag))
+    samples = texts(llm.generate([f"person {i}:" for i in range(8)], params))
+    stopped = [t for t, reason in samples if reason == "stop"]
+    assert len(stopped) > 24
+    for text in stopped:
+        check_exactly_tagged(text, "<p>", schema, "</p>")  # strict JSON: no raw control character
+
+
+def _nested_sequences(depth: int) -> dict:
+    fmt: dict = {"type": "const_string", "value": "x"}
+    for _ in range(depth):
+        fmt = {"type": "sequence", "elements": [fmt]}
+    return {"type": "structural_tag", "format": fmt}
+
+
+def _tag_around(schema: Any) -> dict:
+    return {"type": "structural_tag", "format": {"type": "json_schema", "json_schema": schema}}
+
+
+BAD_TAGS = [
+    ("{not json", "not JSON", False),
+    ([{"type": "structural_tag"}], "a structural tag object or its JSON text", False),
+    ('["structural_tag"]', "a structural tag is a JSON object", False),
+    ({"format": {"type": "const_string", "value": "x"}}, 'a structural tag is {"type": "structural_tag"', False),
+    ({"type": "structural_tag", "format": "x"}, "must be a format object", False),
+    ({"type": "structural_tag", "format": {"type": "nope"}}, "Format type not recognized: nope", True),
+    ({"type": "structural_tag", "format": {"type": "sequence", "elements": []}}, "at least one element", True),
+    ({"type": "structural_tag", "format": {"type": "regex", "pattern": "(("}}, "invalid structural_tag", True),
+    ({"type": "structural_tag", "format": {"type": "token", "token": 10**6}}, "out of the vocabulary", True),
+    (_nested_sequences(120), "nested deeper than 100", True),  # xgrammar's own bound
+    (_nested_sequences(200), "nests objects and arrays more than 256 deep", False),
+    ("[" * 30000 + "]" * 30000, "nests objects and arrays more than 256 deep", False),
+    (json.dumps(_tag_around({"enum": ["x" * 70000]})), "exceeds 65536", False),
+    (_tag_around(_arrays(70)), "json schema at format.json_schema nests objects and arrays more than 64", False),
+    (_tag_around({"type": "string", "pattern": "a{1,5000}"}), "json schema at format.json_schema pattern", False),
+    (_tag_around({"type": "array", "uniqueItems": True}), "the JSON schema at format.json_schema: 'uniqueItems'", True),
+    ({**LEGACY_TAG, "triggers": ["<x"]}, "does not match any trigger", True),
+    ({**LEGACY_TAG, "triggers": []}, "triggers: must be a non-empty list", False),
+    ({"structures": [{"begin": "<a>", "end": "</a>"}], "triggers": ["<"]}, "exactly begin, schema and end", False),
+    ({"structures": [{"begin": "<a>", "schema": [], "end": "</a>"}], "triggers": ["<"]}, "schema: must be", False),
+    ({"structures": [], "triggers": ["<"]}, "structures: must be a non-empty list", False),
+    ({**LEGACY_TAG, "at_least_one": True}, "unknown keys ['at_least_one']", False),
+    ({"type": "structural_tag", "structures": [{"begin": "<a>", "schema": {"type": "object", "not": {}},
+                                                "end": "</a>"}], "triggers": ["<"]},
+     "the JSON schema at structures[0].schema: 'not'", True),
+    ({"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "token", "token": "b"}, {"type": "json_schema", "json_schema": {"type": "string", "maxLength": 3}}]}},
+     "beside a token named by its text", True),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("tag, words, compiled", BAD_TAGS, ids=[c[1][:40] for c in BAD_TAGS])
+def test_a_bad_structural_tag_is_refused_naming_the_field(llm, tag, words, compiled):
+    """Refused with a RequestError naming the field that carried it and why (xgrammar's reason where it is the
+    one that refuses): the shape, size and nesting when the params are made, before any compile; what xgrammar
+    or the json kind's rules refuse when it compiles. Nothing is left running."""
+    before = llm.stats()["num_grammars_compiled"]
+    with pytest.raises(RequestError) as info:
+        grammar = Grammar(structural_tag=tag, origin="structured_outputs.structural_tag")
+        assert compiled, "refused only at compile time, expected when the params were made"
+        llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=grammar))
+    assert info.value.field == "structured_outputs.structural_tag" and words in str(info.value), str(info.value)
+    assert llm.stats()["num_grammars_compiled"] == before and not llm.engine.has_unfinished()

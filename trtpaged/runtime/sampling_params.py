@@ -12,6 +12,7 @@ from typing import Any, Collection, Mapping, Optional, Union
 from trtpaged.errors import RequestError, check_unicode
 from trtpaged.runtime.outputs import RequestOutputKind
 from trtpaged.runtime.schema_features import subschemas
+from trtpaged.runtime.structural_tag import xgrammar_form
 from trtpaged.sampling_defaults import FLOAT32_MAX, REPETITION_PENALTY_RANGE  # a model's defaults are held to them too
 
 _GREEDY_EPS = 1e-5  # temperatures below this sample greedily (as vLLM does)
@@ -30,6 +31,9 @@ MAX_GRAMMAR_CHARS = 64 * 1024  # a schema, regex or grammar's text, and the join
 # A JSON schema's nesting (objects and arrays): xgrammar's compile time grows faster than the depth (2 cores:
 # arrays 64 deep 0.03 s, 256 deep 0.7 s, 900 deep 39 s, in a 25 KB body); real schemas nest under 20.
 MAX_SCHEMA_DEPTH = 64
+# A structural tag's nesting (objects and arrays), its schemas' included, each of those still at most MAX_SCHEMA_DEPTH:
+# xgrammar refuses formats nested past 100, which take up to 200 of these levels (a sequence and its elements)
+MAX_STRUCTURAL_TAG_DEPTH = 256
 # a schema `pattern`'s repetition bound ({n}, {n,m}): xgrammar compiles a bounded repeat inside a JSON string in
 # time about quadratic in it ({1,4000}: 1 s; {1,16000}: 27 s, on 2 cores), where the schema text is 60 bytes
 MAX_PATTERN_REPEAT = 1000
@@ -55,7 +59,7 @@ def _within(value: float, bounds: tuple[float, float]) -> bool:
     return bounds[0] <= value <= bounds[1]
 
 
-_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 def nesting_depth(schema: Union[str, Mapping[str, Any]], limit: int) -> int:
@@ -78,11 +82,12 @@ def nesting_depth(schema: Union[str, Mapping[str, Any]], limit: int) -> int:
     return deepest
 
 
-def _check_schema_depth(field_name: str, schema: Union[str, Mapping[str, Any]]) -> None:
-    """RequestError naming `field_name` when the schema nests objects and arrays past MAX_SCHEMA_DEPTH."""
+def _check_schema_depth(field_name: str, schema: Union[str, Mapping[str, Any]], where: str = "") -> None:
+    """RequestError naming `field_name` (and the schema's place `where` in it, if any) when the schema nests objects
+    and arrays past MAX_SCHEMA_DEPTH."""
     if nesting_depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
-        raise RequestError(field_name, f"json schema nests objects and arrays more than {MAX_SCHEMA_DEPTH} deep",
-                           MAX_SCHEMA_DEPTH)
+        raise RequestError(field_name, f"json schema{' at ' if where else ''}{where} nests objects and arrays more "
+                           f"than {MAX_SCHEMA_DEPTH} deep", MAX_SCHEMA_DEPTH)  # fmt: skip
 
 
 def _loads_or_none(text: str) -> Any:
@@ -92,9 +97,10 @@ def _loads_or_none(text: str) -> Any:
         return None  # the grammar compiler names what is wrong with it
 
 
-def _check_pattern_repeats(field_name: str, schema: Any) -> None:
-    """RequestError naming `field_name` for a `pattern` (or patternProperties key) whose repetition bound exceeds
-    MAX_PATTERN_REPEAT (the depth is bounded before this walk)."""
+def _check_pattern_repeats(field_name: str, schema: Any, where: str = "") -> None:
+    """RequestError naming `field_name` (and `where`, the schema's place in it, if any) for a `pattern` (or
+    patternProperties key) whose repetition bound exceeds MAX_PATTERN_REPEAT (the depth is bounded before this
+    walk)."""
     for path, node in subschemas(schema):
         patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
         if isinstance(node.get("patternProperties"), Mapping):
@@ -102,16 +108,20 @@ def _check_pattern_repeats(field_name: str, schema: Any) -> None:
         for pattern in patterns:
             bound = max((int(n or 0) for m in _REPEAT.finditer(pattern) for n in m.groups()), default=0)
             if bound > MAX_PATTERN_REPEAT:
-                raise RequestError(field_name, f"json schema pattern {pattern[:60]!r} (at {path}) repeats up to "
-                                   f"{bound} times; at most {MAX_PATTERN_REPEAT} (use maxLength without a pattern "
-                                   "for long strings)", MAX_PATTERN_REPEAT)  # fmt: skip
+                raise RequestError(field_name, f"json schema{' at ' if where else ''}{where} pattern "
+                                   f"{pattern[:60]!r} (at {path}) repeats up to {bound} times; at most "
+                                   f"{MAX_PATTERN_REPEAT} (use maxLength without a pattern for long strings)",
+                                   MAX_PATTERN_REPEAT)  # fmt: skip
 
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """A grammar that constrains a request's output (vLLM's `StructuredOutputsParams`); set exactly one of:
     `json` (a JSON schema, as a dict or its JSON text), `regex`, `choice` (the output is one of these
-    strings), `grammar` (EBNF, as xgrammar reads it) or `json_object=True` (any JSON object).
+    strings), `grammar` (EBNF, as xgrammar reads it), `json_object=True` (any JSON object) or `structural_tag`
+    (xgrammar's structural tag, `{"type": "structural_tag", "format": {...}}`, or vLLM's legacy
+    `{"type": "structural_tag", "structures": [{"begin", "schema", "end"}], "triggers": [...]}`; a mapping or its
+    JSON text: `runtime/structural_tag.py`).
     `origin` is the request field that set it, named in errors (e.g. "response_format").
     `starts_after`: the token that opens the constrained part (a reasoning model's end-of-thinking tag, as the
     server's reasoning parser sets it): the output is free until it holds that token, and the grammar holds after."""
@@ -121,8 +131,12 @@ class StructuredOutputsParams:
     choice: Optional[tuple[str, ...]] = None
     grammar: Optional[str] = None
     json_object: bool = False
+    structural_tag: Optional[Union[str, Mapping[str, Any]]] = None
     origin: str = field(default="structured_outputs", compare=False)
     starts_after: Optional[int] = None
+    # a structural tag as xgrammar's form (JSON text), and the JSON schemas in it with their places, set when checked
+    _tag_json: Optional[str] = field(default=None, init=False, repr=False, compare=False)
+    _tag_schemas: tuple[tuple[str, Any], ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         name = self.origin
@@ -165,10 +179,26 @@ class StructuredOutputsParams:
             object.__setattr__(self, "choice", tuple(choice))
         if not isinstance(self.json_object, bool):
             raise RequestError(name, f"json_object must be a bool, got {self.json_object!r:.80}")
+        if self.structural_tag is not None:
+            text, schemas = _checked_structural_tag(name, self.structural_tag)
+            object.__setattr__(self, "_tag_json", text)
+            object.__setattr__(self, "_tag_schemas", schemas)
 
     @property
     def kind(self) -> str:
         return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def structural_tag_json(self) -> Optional[str]:
+        """The structural tag as xgrammar's `{"type": "structural_tag", "format": ...}` JSON text (the legacy form
+        as the triggered_tags format it stands for); None for the other kinds."""
+        return self._tag_json
+
+    @property
+    def structural_tag_schemas(self) -> tuple[tuple[str, Any], ...]:
+        """The JSON schemas in the structural tag, each with its place in the tag as given
+        (`format.elements[1].json_schema`, `structures[0].schema`)."""
+        return self._tag_schemas
 
     def key(self) -> tuple[str, str]:
         """What identifies the compiled grammar (the grammar cache's key)."""
@@ -179,23 +209,61 @@ class StructuredOutputsParams:
             value = json.dumps(self.choice)
         elif kind == "json_object":
             value = ""
+        elif kind == "structural_tag":
+            value = self._tag_json
         else:
             value = getattr(self, kind)
         return kind, value  # type: ignore[return-value]
 
 
+def _checked_structural_tag(name: str, value: Any) -> tuple[str, tuple[tuple[str, Any], ...]]:
+    """A structural tag (a mapping or its JSON text) checked as a JSON schema is (size, nesting, and each schema in it
+    as the json kind's), as xgrammar's form: its JSON text and the schemas in it (`structural_tag.xgrammar_form`).
+    Errors name `name`; what xgrammar refuses is found when it compiles."""
+    if isinstance(value, Mapping):
+        if nesting_depth(value, MAX_STRUCTURAL_TAG_DEPTH) > MAX_STRUCTURAL_TAG_DEPTH:  # first: json.dumps recurses
+            raise RequestError(name, f"structural tag nests objects and arrays more than {MAX_STRUCTURAL_TAG_DEPTH} "
+                               "deep", MAX_STRUCTURAL_TAG_DEPTH)  # fmt: skip
+        try:
+            text = json.dumps(value)
+        except (TypeError, ValueError) as exc:
+            raise RequestError(name, f"structural tag is not JSON ({exc})") from None
+        document: Any = value
+    elif isinstance(value, str):
+        text = value
+    else:
+        raise RequestError(name, f"structural_tag must be a structural tag object or its JSON text, got "
+                           f"{type(value).__name__}")  # fmt: skip
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise RequestError(name, f"structural tag of {len(text)} characters exceeds {MAX_GRAMMAR_CHARS}",
+                           MAX_GRAMMAR_CHARS)  # fmt: skip
+    if isinstance(value, str):
+        if nesting_depth(text, MAX_STRUCTURAL_TAG_DEPTH) > MAX_STRUCTURAL_TAG_DEPTH:
+            raise RequestError(name, f"structural tag nests objects and arrays more than {MAX_STRUCTURAL_TAG_DEPTH} "
+                               "deep", MAX_STRUCTURAL_TAG_DEPTH)  # fmt: skip
+        try:
+            document = json.loads(text)
+        except ValueError as exc:
+            raise RequestError(name, f"invalid structural_tag: not JSON ({exc})") from None
+    tag, schemas = xgrammar_form(name, document)
+    for where, schema in schemas:
+        _check_schema_depth(name, schema, where)
+        _check_pattern_repeats(name, schema, where)
+    return json.dumps(tag), tuple(schemas)
+
+
 def GuidedDecodingParams(json: Any = None, regex: Optional[str] = None, choice: Any = None,  # noqa: N802
                          grammar: Optional[str] = None, json_object: Optional[bool] = None,
                          backend: Optional[str] = None,
-                         whitespace_pattern: Optional[str] = None, structural_tag: Optional[str] = None,
+                         whitespace_pattern: Optional[str] = None,
+                         structural_tag: Optional[Union[str, Mapping[str, Any]]] = None,
                          **flags: Any) -> StructuredOutputsParams:  # fmt: skip
     """vLLM <= 0.10's `GuidedDecodingParams` (for `SamplingParams(guided_decoding=...)`), as the
     `StructuredOutputsParams` it became: the backend is xgrammar ("auto" and "xgrammar" are taken), and
-    whitespace_pattern / structural_tag are refused; its disable_* flags (bools) change nothing here (JSON is
-    compact and a schema's additionalProperties holds)."""
-    for name, value in (("whitespace_pattern", whitespace_pattern), ("structural_tag", structural_tag)):
-        if value is not None:
-            raise RequestError(f"guided_decoding.{name}", "not supported")
+    whitespace_pattern is refused; its disable_* flags (bools) change nothing here (JSON is compact and a schema's
+    additionalProperties holds)."""
+    if whitespace_pattern is not None:
+        raise RequestError("guided_decoding.whitespace_pattern", "not supported")
     if backend not in (None, "auto", "xgrammar"):
         raise RequestError("guided_decoding.backend", f"only xgrammar here, got {backend!r:.40}")
     for key, value in flags.items():
@@ -204,7 +272,8 @@ def GuidedDecodingParams(json: Any = None, regex: Optional[str] = None, choice: 
         if not isinstance(value, bool):
             raise RequestError(f"guided_decoding.{key}", f"must be true or false, got {value!r:.40}")
     return StructuredOutputsParams(json=json, regex=regex, choice=choice, grammar=grammar,
-                                   json_object=bool(json_object), origin="guided_decoding")
+                                   json_object=bool(json_object), structural_tag=structural_tag,
+                                   origin="guided_decoding")  # fmt: skip
 
 
 @dataclass

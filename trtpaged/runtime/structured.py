@@ -27,6 +27,7 @@ DEFAULT_CACHE_SIZE = 256  # distinct compiled grammars kept
 # so 256 distinct ones could hold more than a GiB
 DEFAULT_CACHE_BYTES = 256 << 20
 _XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+_XGR_CHECK = re.compile(r"^Check failed: \(.*?\) is false:\s*")  # the assertion that carries a structural tag's reason
 
 
 # xgrammar 0.2.9 writes a string with minLength / maxLength as a bounded repeat of this character class, which lets
@@ -45,6 +46,14 @@ def mended_schema_grammar(schema: str) -> str:
 
     grammar = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
     return grammar.replace(_LENGTH_BOUNDED_CHARACTER, _JSON_STRING_CHARACTER)
+
+
+def mended_structural_tag_grammar(tag: str) -> str:
+    """xgrammar's grammar (EBNF text) for a structural tag (xgrammar's form, JSON text), its JSON schemas'
+    length-bounded strings' character class replaced by `_JSON_STRING_CHARACTER` (as `mended_schema_grammar`)."""
+    import xgrammar as xgr
+
+    return str(xgr.Grammar.from_structural_tag(tag)).replace(_LENGTH_BOUNDED_CHARACTER, _JSON_STRING_CHARACTER)
 
 
 def xgrammar_available() -> bool:
@@ -127,6 +136,8 @@ class GrammarCache:
             why = unenforced_feature(parsed)  # an iterative walk: the nesting is bounded by StructuredOutputsParams
             if why is not None:
                 raise RequestError(params.origin, f"the JSON schema's {why}")
+        if kind == "structural_tag":
+            return GrammarCache._compile_structural_tag(compiler, params)
         try:
             if kind == "json" and has_string_length(parsed):
                 return compiler.compile_grammar(mended_schema_grammar(schema))
@@ -140,9 +151,32 @@ class GrammarCache:
                 return compiler.compile_regex("|".join(_regex_literal(c) for c in params.choice or ()))
             return compiler.compile_grammar(params.grammar)
         except Exception as exc:  # noqa: BLE001 - whatever xgrammar raises for a grammar is the request's fault
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            first = _XGR_PREFIX.sub("", first)[:300]  # "[time] file.cc:line: " says nothing to a client
-            raise RequestError(params.origin, f"invalid {kind}: {first}") from None
+            raise RequestError(params.origin, f"invalid {kind}: {_xgrammar_reason(exc)}") from None
+
+    @staticmethod
+    def _compile_structural_tag(compiler: Any, params: StructuredOutputsParams) -> Any:
+        """A structural tag's grammar: each JSON schema in it held to the json kind's rules (a keyword the grammar
+        would not enforce is refused; length-bounded strings compile from the mended grammar text)."""
+        for where, schema in params.structural_tag_schemas:
+            why = unenforced_feature(schema)  # iterative; each schema's nesting is bounded by StructuredOutputsParams
+            if why is not None:
+                raise RequestError(params.origin, f"the JSON schema at {where}: {why}")
+        tag = params.structural_tag_json
+        try:
+            if not any(has_string_length(schema) for _, schema in params.structural_tag_schemas):
+                return compiler.compile_structural_tag(tag)
+            try:
+                grammar = mended_structural_tag_grammar(tag)
+            except Exception:  # noqa: BLE001 - a tag xgrammar refuses (named below), or one that needs the vocabulary
+                compiler.compile_structural_tag(tag)  # raises xgrammar's reason for a tag it refuses
+                raise RequestError(params.origin, "a JSON schema with minLength / maxLength beside a token named by "
+                                   "its text is not supported: name the token by its id") from None  # fmt: skip
+            return compiler.compile_grammar(grammar)
+        except RequestError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever xgrammar raises for a tag is the request's fault
+            reason = _xgrammar_reason(exc).removeprefix("Invalid structural tag error: ")
+            raise RequestError(params.origin, f"invalid structural_tag: {reason}") from None
 
     def matcher(self, compiled: Any) -> Any:
         """A fresh matcher for one sequence."""
@@ -180,6 +214,13 @@ class GatedMatcher:
         child = GatedMatcher(self.matcher.fork(), self.starts_after)
         child.open = self.open
         return child
+
+
+def _xgrammar_reason(exc: BaseException) -> str:
+    """The first line of what xgrammar raised, less its log prefix ("[time] file.cc:line: ") and its failed
+    assertion's text, which say nothing to a client."""
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return _XGR_CHECK.sub("", _XGR_PREFIX.sub("", first))[:300]
 
 
 def _regex_literal(text: str) -> str:
