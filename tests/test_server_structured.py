@@ -11,8 +11,10 @@ import re
 import openai
 import pytest
 
-from tests.test_server import metrics, stream, wait_idle
+from tests.test_server import metrics, request, stream, wait_idle
 from tests.test_server_scoring import MODEL, client, server  # noqa: F401 - the same fixtures, one server per module
+from tests.test_structured_outputs import ANSWER, ANSWER_TAG, LEGACY_TAG, STRUCTURES, check_exactly_tagged, \
+    check_triggered  # fmt: skip
 
 jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is not installed")
 pytest.importorskip("xgrammar", reason="xgrammar is not installed (pip install xgrammar)")
@@ -209,6 +211,30 @@ def test_tool_choice_none_generates_text(client):
     ({"bad_words": [""]}, "bad_words"),
     ({"n": 2, "use_beam_search": True, "guided_regex": "a"}, "guided_regex"),
     ({"allowed_token_ids": [0], "guided_choice": ["yes"]}, "guided_choice"),  # found in the step: nothing allowed
+    # structural tags: the shape when the request is read, xgrammar's reason (and the json kind's rules) at compile
+    ({"response_format": {"type": "structural_tag", "format": {"type": "nope"}}}, "response_format.format"),
+    ({"response_format": {"type": "structural_tag"}}, "response_format.format"),
+    ({"response_format": {"type": "structural_tag", "format": {"type": "sequence", "elements": []}}},
+     "response_format.format"),
+    ({"response_format": {"type": "structural_tag", "format": {"type": "json_schema", "json_schema": DEEP_SCHEMA}}},
+     "response_format.format"),
+    ({"response_format": {"type": "structural_tag", "format": {"type": "json_schema", "json_schema": {
+        "type": "array", "uniqueItems": True}}}}, "response_format.format"),
+    ({"response_format": {**ANSWER_TAG, "strict": True}}, "response_format"),
+    ({"response_format": {**LEGACY_TAG, "triggers": ["<x"]}}, "response_format"),
+    ({"response_format": {"type": "structural_tag", "structures": [{"begin": "<a>", "end": "</a>"}],
+                          "triggers": ["<"]}}, "response_format"),
+    ({"response_format": {"type": "structural_tag", "triggers": ["<"]}}, "response_format"),
+    ({"structured_outputs": {"structural_tag": "{not json"}}, "structured_outputs.structural_tag"),
+    ({"structured_outputs": {"structural_tag": json.dumps({"format": ANSWER_TAG["format"]})}},
+     "structured_outputs.structural_tag"),
+    ({"structured_outputs": {"structural_tag": "[" * 3000 + "]" * 3000}}, "structured_outputs.structural_tag"),
+    ({"structured_outputs": {"structural_tag": json.dumps(ANSWER_TAG), "regex": "a"}}, "structured_outputs"),
+    ({"structural_tag": '{"type": "structural_tag", "format": {"type": "or", "elements": []}}'}, "structural_tag"),
+    ({"structural_tag": json.dumps(ANSWER_TAG), "guided_regex": "a"}, "structural_tag"),  # two grammars: the second
+    ({"response_format": ANSWER_TAG, "structured_outputs": {"structural_tag": json.dumps(ANSWER_TAG)}},
+     "structured_outputs"),
+    ({"tools": TOOLS, "tool_choice": "required", "structural_tag": json.dumps(ANSWER_TAG)}, "tool_choice"),
 ])  # fmt: skip
 def test_bad_specs_are_400s_naming_the_field(client, server, extra, field):
     import openai
@@ -254,3 +280,92 @@ def test_tool_parameters_of_older_drafts_are_schemas_too(parameters):
     tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
     assert tool_choice(tools, "none") is None
     assert tool_choice(tools, "required").tools == {"f": parameters}
+
+
+def _chat_and_completion_texts(client, extra, chat_extra=None, **kw):
+    """The texts of one chat and one completions request with these grammar fields, whole and streamed (the
+    openai client's chunks joined), with their finish reasons."""
+    out = []
+    for stream_it in (False, True):
+        chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=stream_it,
+                                              extra_body={**extra, **(chat_extra or {})}, **kw)  # fmt: skip
+        done = client.completions.create(model=MODEL, prompt="answer:", stream=stream_it, extra_body=extra, **kw)
+        if not stream_it:
+            out += [(c.message.content, c.finish_reason) for c in chat.choices]
+            out += [(c.text, c.finish_reason) for c in done.choices]
+            continue
+        for chunks, text_of in ((list(chat), lambda c: c.delta.content), (list(done), lambda c: c.text)):
+            joined: dict[int, list] = {}
+            for chunk in chunks:
+                for c in chunk.choices:
+                    entry = joined.setdefault(c.index, ["", None])
+                    entry[0] += text_of(c) or ""
+                    entry[1] = c.finish_reason or entry[1]
+            out += [tuple(v) for v in joined.values()]
+    return out
+
+
+def test_structural_tag_sequence_on_both_endpoints_whole_and_streamed(client, server):
+    """vLLM's structural tag response format (xgrammar's {"type": "structural_tag", "format": ...}), its
+    structured_outputs.structural_tag JSON text and chat's older structural_tag field: a sequence of const strings
+    around a json_schema gives exactly begin + JSON its schema validates + end (json's decoder and jsonschema),
+    greedy and sampled, whole and streamed, on chat and completions. Was: a 400 on each spelling."""
+    before = metrics(server)
+    spellings = [({"response_format": ANSWER_TAG}, None),
+                 ({"structured_outputs": {"structural_tag": json.dumps(ANSWER_TAG)}}, None),
+                 ({}, {"structural_tag": json.dumps(ANSWER_TAG)})]  # fmt: skip
+    sampled = []
+    for extra, chat_extra in spellings:
+        if not extra:  # chat's own field: no completions
+            chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=80, temperature=0,
+                                                  extra_body=chat_extra)  # fmt: skip
+            outputs = [(chat.choices[0].message.content, chat.choices[0].finish_reason)]
+        else:
+            outputs = _chat_and_completion_texts(client, extra, max_tokens=80, temperature=0)
+            samples = _chat_and_completion_texts(client, extra, max_tokens=80, temperature=1.0, n=3)
+            sampled += [t for t, _ in samples]
+            outputs += samples
+        for text, reason in outputs:
+            assert reason == "stop", text
+            check_exactly_tagged(text, "<answer>", ANSWER, "</answer>")
+    assert len(set(sampled)) > 6
+    after = metrics(server)
+    assert after["grammar_compilations_total"] <= before.get("grammar_compilations_total", 0) + 1  # one grammar
+    wait_idle(server)
+
+
+def test_legacy_structural_tag_opens_a_structure_at_every_trigger(client, server, tiny_engine_dir):
+    """vLLM's legacy form, {"type": "structural_tag", "structures": [{begin, schema, end}], "triggers": [...]}, as
+    response_format and as structured_outputs.structural_tag (JSON text, without type: vLLM tells the forms apart by
+    `structures`): text is free until a trigger, which opens a structure (begin, JSON its schema validates, end).
+    A logit bias makes the random model write the trigger often; every output is read left to right."""
+    from transformers import AutoTokenizer
+
+    lt = AutoTokenizer.from_pretrained(tiny_engine_dir / "tokenizer").convert_tokens_to_ids("<")
+    without_type = {k: v for k, v in LEGACY_TAG.items() if k != "type"}
+    counts = []
+    for extra in ({"response_format": LEGACY_TAG},
+                  {"structured_outputs": {"structural_tag": json.dumps(without_type)}}):
+        outputs = _chat_and_completion_texts(client, extra, max_tokens=96, temperature=1.0, n=4,
+                                             logit_bias={str(lt): 4})  # fmt: skip
+        counts += [check_triggered(text, ["<"], STRUCTURES, reason == "length") for text, reason in outputs]
+    assert len(counts) == 32 and sum(counts) >= 32 and sum(1 for c in counts if c) >= 24, counts
+    wait_idle(server)
+
+
+def test_structural_tag_is_a_chat_field_only(server):
+    """chat's older top-level structural_tag is vLLM's ChatCompletionRequest field; completions have none (as
+    vLLM's): an unknown field there, a 400 naming it."""
+    status, _, body = request(server, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2,
+                                                          "structural_tag": json.dumps(ANSWER_TAG)})  # fmt: skip
+    assert status == 400 and body["error"]["param"] == "structural_tag", body
+
+
+def test_response_format_structural_tag_beside_a_forced_call_is_dropped(client):
+    """As the other response_format kinds (vLLM's rule: the reply is the call, leaving no text to shape)."""
+    kw = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=60, temperature=0,
+              tool_choice={"type": "function", "function": {"name": "add"}})  # fmt: skip
+    plain = client.chat.completions.create(**kw).choices[0].message.tool_calls
+    both = client.chat.completions.create(response_format=ANSWER_TAG, **kw).choices[0].message.tool_calls
+    assert [(c.function.name, c.function.arguments) for c in both] == \
+        [(c.function.name, c.function.arguments) for c in plain]  # fmt: skip

@@ -1,8 +1,9 @@
 """Request fields that constrain which tokens may be sampled -> SamplingParams fields.
 
-OpenAI's `response_format` (json_object, json_schema) and `logit_bias`; vLLM's `structured_outputs`
-(json, regex, choice, grammar), its older `guided_*` spellings, `allowed_token_ids` and `bad_words`.
-At most one grammar per request; each error names the request field that carries it.
+OpenAI's `response_format` (json_object, json_schema; vLLM's structural_tag) and `logit_bias`; vLLM's
+`structured_outputs` (json, regex, choice, grammar, structural_tag), its older `guided_*` spellings and chat's
+`structural_tag`, `allowed_token_ids` and `bad_words`. At most one grammar per request; each error names the request
+field that carries it.
 """
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from trtpaged.runtime.sampling_params import StructuredOutputsParams
+from trtpaged.runtime.structural_tag import LEGACY_KEYS
 from trtpaged.server.errors import ApiError
 from trtpaged.server.tools import OPENAI_NAME
 
-_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 _TGI_GRAMMARS = ("json", "json_object", "regex")  # TGI's response_format types that carry a value
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
@@ -25,6 +27,8 @@ def _response_format(value: dict[str, Any]) -> Optional[StructuredOutputsParams]
     kind = value.get("type")
     if kind in _TGI_GRAMMARS and value.get("value") is not None:
         return _tgi_grammar(value)
+    if kind == "structural_tag":
+        return _structural_tag_format(value)
     extra = set(value) - {"type", "json_schema"} - ({"value"} if kind == "json_object" else set())
     if extra:
         raise ApiError(f"response_format: unknown keys {sorted(extra)}", "response_format")
@@ -36,8 +40,36 @@ def _response_format(value: dict[str, Any]) -> Optional[StructuredOutputsParams]
         return StructuredOutputsParams(json=_json_schema(value.get("json_schema")), origin="response_format")
     if kind in _TGI_GRAMMARS:
         raise ApiError(f"response_format.value: required with type {kind!r} (TGI's grammar form)", "response_format")
-    raise ApiError(f"response_format.type: must be 'text', 'json_object' or 'json_schema' (or TGI's 'json' or "
-                   f"'regex' with a value), got {kind!r:.80}", "response_format")  # fmt: skip
+    raise ApiError(f"response_format.type: must be 'text', 'json_object', 'json_schema' or 'structural_tag' (or TGI's "
+                   f"'json' or 'regex' with a value), got {kind!r:.80}", "response_format")  # fmt: skip
+
+
+def _structural_tag_format(value: dict[str, Any]) -> StructuredOutputsParams:
+    """vLLM's structural tag response formats: xgrammar's {"type": "structural_tag", "format": {...}}, or the legacy
+    {"type": "structural_tag", "structures": [{begin, schema, end}], "triggers": [...]} (it has structures: vLLM's
+    test). Either is the tag itself, checked and compiled as `runtime/structural_tag.py` reads it; errors name
+    response_format.format, or response_format for the legacy form."""
+    if "structures" in value or "triggers" in value:
+        extra = set(value) - LEGACY_KEYS
+        if extra:
+            raise ApiError(f"response_format: unknown keys {sorted(extra)} (the legacy structural tag takes type, "
+                           "structures and triggers; xgrammar's takes type and format)", "response_format")  # fmt: skip
+        if "structures" not in value:
+            raise ApiError("response_format.structures: required beside triggers (the legacy structural tag)",
+                           "response_format")  # fmt: skip
+        return StructuredOutputsParams(structural_tag=value, origin="response_format")
+    extra = set(value) - {"type", "format"}
+    if extra:
+        raise ApiError(f"response_format: unknown keys {sorted(extra)} (a structural tag takes type and format, or "
+                       "structures and triggers)", "response_format")  # fmt: skip
+    fmt = value.get("format")
+    if fmt is None:
+        raise ApiError("response_format.format: required with type 'structural_tag' (xgrammar's structural tag format; "
+                       "or the legacy structures and triggers)", "response_format.format")  # fmt: skip
+    if not isinstance(fmt, dict):
+        raise ApiError(f"response_format.format: must be a structural tag format object, got {type(fmt).__name__}",
+                       "response_format.format")  # fmt: skip
+    return StructuredOutputsParams(structural_tag=value, origin="response_format.format")
 
 
 def _tgi_grammar(value: dict[str, Any]) -> StructuredOutputsParams:
@@ -94,7 +126,8 @@ def _structured_outputs(value: dict[str, Any]) -> StructuredOutputsParams:
         raise ApiError(f"structured_outputs: unknown keys {sorted(extra)} (use one of {', '.join(_STRUCTURED_KEYS)})",
                        "structured_outputs")  # fmt: skip
     given = {k: value[k] for k in _STRUCTURED_KEYS if value.get(k) not in (None, False)}
-    return StructuredOutputsParams(**given, origin="structured_outputs")  # type: ignore[arg-type]
+    origin = "structured_outputs.structural_tag" if list(given) == ["structural_tag"] else "structured_outputs"
+    return StructuredOutputsParams(**given, origin=origin)  # type: ignore[arg-type]
 
 
 def structured_outputs(req: Any) -> Optional[StructuredOutputsParams]:
@@ -108,10 +141,14 @@ def structured_outputs(req: Any) -> Optional[StructuredOutputsParams]:
         value = getattr(req, name)
         if value is not None:
             found.append((name, StructuredOutputsParams(**{kind: value}, origin=name)))  # type: ignore[arg-type]
+    tag = getattr(req, "structural_tag", None)  # chat's (vLLM's older spelling beside guided_*)
+    if tag is not None:
+        found.append(("structural_tag", StructuredOutputsParams(structural_tag=tag, origin="structural_tag")))
     grammars = [(name, p) for name, p in found if p is not None]
     if len(grammars) > 1:
-        raise ApiError(f"{grammars[1][0]}: only one of response_format, structured_outputs and guided_* may set an "
-                       f"output grammar (already set by {grammars[0][0]})", grammars[1][0])  # fmt: skip
+        raise ApiError(f"{grammars[1][0]}: only one of response_format, structured_outputs, guided_* and "
+                       f"structural_tag may set an output grammar (already set by {grammars[0][0]})",
+                       grammars[1][0])  # fmt: skip
     return grammars[0][1] if grammars else None
 
 

@@ -410,9 +410,9 @@ def _constraint_fields(req: Union[CompletionRequest, ChatCompletionRequest], voc
 def _tools(req: Union[CompletionRequest, ChatCompletionRequest], sampling: dict[str, Any],
            auto: AutoTools) -> Optional[ToolChoice]:  # fmt: skip
     """Chat tools: required / named: their grammar becomes the request's (response_format beside it is dropped,
-    a structured_outputs / guided_* field is a 400 naming tool_choice). Auto: the model writes freely (a grammar
-    field still applies) and its text keeps special tokens unless skip_special_tokens is set, since some formats'
-    markers are special tokens ([TOOL_CALLS], <|python_tag|>)."""
+    a structured_outputs / guided_* / structural_tag field is a 400 naming tool_choice). Auto: the model writes
+    freely (a grammar field still applies) and its text keeps special tokens unless skip_special_tokens is set, since
+    some formats' markers are special tokens ([TOOL_CALLS], <|python_tag|>)."""
     if not isinstance(req, ChatCompletionRequest):
         return None
     tools = tool_choice(req.tools, req.tool_choice, auto, req.parallel_tool_calls is not False)
@@ -422,9 +422,9 @@ def _tools(req: Union[CompletionRequest, ChatCompletionRequest], sampling: dict[
         sampling.setdefault("skip_special_tokens", False)
         return tools
     given = sampling.get("structured_outputs")
-    if given is not None and given.origin != "response_format":
-        raise ApiError("tool_choice: tool calls already constrain the output; drop structured_outputs / guided_*",
-                       "tool_choice")  # fmt: skip
+    if given is not None and given.origin.split(".")[0] != "response_format":
+        raise ApiError("tool_choice: tool calls already constrain the output; drop structured_outputs / guided_* / "
+                       "structural_tag", "tool_choice")  # fmt: skip
     # response_format with a forced call (OpenAI's SDK sends both: parse(response_format=M, tools=..., tool_choice=
     # "required")): the reply is the call, leaving no text for response_format to shape; dropped, as vLLM's
     # ToolParser.adjust_request does

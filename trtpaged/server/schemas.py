@@ -186,6 +186,7 @@ class ChatCompletionRequest(_SamplingFields):
     web_search_options: Optional[dict[str, Any]] = None
     prompt_cache_options: Optional[ChatPromptCacheOptions] = None
     moderation: Optional[dict[str, Any]] = None  # OpenAI's moderated completions: refused unless null (protocol.py)
+    structural_tag: Optional[Union[StrictStr, dict[str, Any]]] = None  # vLLM's, beside guided_*: a structural tag
 
 
 class ResponsesStreamOptions(_Strict):
