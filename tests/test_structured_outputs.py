@@ -563,3 +563,31 @@ def test_a_bad_structural_tag_is_refused_naming_the_field(llm, tag, words, compi
         llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=grammar))
     assert info.value.field == "structured_outputs.structural_tag" and words in str(info.value), str(info.value)
     assert llm.stats()["num_grammars_compiled"] == before and not llm.engine.has_unfinished()
+
+
+# four nested 50-repeats: an ambiguous grammar whose parser states multiply with every token (its mask took 0.03 s,
+# 0.2, 0.5, 1.4, 3.6, 5 s a token in turn for three levels on SmolLM2's vocabulary, on the engine thread)
+AMBIGUOUS = "((([a-z]{1,50}){50}){50}){50}"
+
+
+def test_an_ambiguous_grammar_ends_its_request_instead_of_stalling_the_engine(llm):
+    """A grammar whose matcher calls grow past the budget (thread CPU time) ends its request with finish_reason
+    "error", naming the field and the time, after a bounded stall; its text so far holds to the grammar, and the
+    other requests of the batch finish normally (was: each token slower than the last, every request held up with
+    it, past 200 s for 200 tokens)."""
+    import time
+
+    from trtpaged.runtime.structured import MATCHER_CALL_BUDGET_S
+
+    start = time.monotonic()
+    hostile, plain = llm.generate(["x", "y"], [
+        SamplingParams(max_tokens=400, structured_outputs=Grammar(regex=AMBIGUOUS, origin="structured_outputs")),
+        SamplingParams(max_tokens=40, ignore_eos=True)])  # fmt: skip
+    assert time.monotonic() - start < 60
+    out = hostile.outputs[0]
+    assert out.finish_reason == "error" and len(out.token_ids) < 400, out
+    assert hostile.error.startswith("its output grammar took ") and "CPU time" in hostile.error, hostile.error
+    assert f"{MATCHER_CALL_BUDGET_S:g} s a step may spend on it" in hostile.error or "on average" in hostile.error
+    assert hostile.error_field == "structured_outputs" and re.fullmatch("[a-z]*", out.text), out.text
+    assert plain.outputs[0].finish_reason == "length" and len(plain.outputs[0].token_ids) == 40
+    assert llm.engine.stats()["kv_blocks_used"] == 0

@@ -26,7 +26,7 @@ from trtpaged.runtime.runtime_config import RuntimeConfig
 from trtpaged.runtime.sampler import Run, SampleFailure
 from trtpaged.runtime.sampling_params import SamplingParams
 from trtpaged.runtime.sequence import Sequence, SequenceGroup, SequenceStatus
-from trtpaged.runtime.structured import accepts
+from trtpaged.runtime.structured import accepts, grammar_stall
 from trtpaged.runtime.speculative import AcceptanceTracker, SpecDecodeStats, ngram_propose
 
 # Waiting groups whose prefix reads from the KV tiers start at the end of each schedule (the queue's head)
@@ -330,7 +330,11 @@ class Scheduler:
             for sample in run:  # a token-level stop inside a verified run ends it there
                 seq.append_token(sample.token_id, sample.logprob, sample.top_logprobs)
                 if not accepts(seq.grammar, sample.token_id):
-                    self._fail(group, f"its output grammar rejected token {sample.token_id}")
+                    stall = grammar_stall(seq.grammar)
+                    if stall is not None:
+                        self._fail(group, stall, getattr(group.params.structured_outputs, "origin", None))
+                    else:
+                        self._fail(group, f"its output grammar rejected token {sample.token_id}")
                     return
                 if seq.thinking is not None:
                     seq.thinking.advance(sample.token_id)

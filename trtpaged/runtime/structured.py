@@ -5,7 +5,9 @@ against the engine's tokenizer; each constrained sequence then holds its own
 `xgrammar.GrammarMatcher`. The sampler only reads matchers (`mask_logits` fills the
 allowed-token bitmask of the constrained rows and applies it); the scheduler advances
 them with the tokens it appends. A preemption by recompute keeps a sequence's tokens, so
-its matcher stays in step without a rollback.
+its matcher stays in step without a rollback. Matcher calls run on the engine thread, so each is timed
+(`TimedMatcher`): an ambiguous grammar whose parser states multiply with every token (nested repeats such as
+`(([a-z]{1,50}){50}){50}`, as a regex, EBNF or a structural tag) ends its request instead of stalling every other.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
 from typing import Any, Optional, Sequence
 
@@ -26,6 +29,13 @@ DEFAULT_CACHE_SIZE = 256  # distinct compiled grammars kept
 # and their memory (xgrammar's memory_size_bytes): a 64 KiB schema compiles to up to about 5 MB for a 49k vocabulary,
 # so 256 distinct ones could hold more than a GiB
 DEFAULT_CACHE_BYTES = 256 << 20
+# CPU seconds one matcher call (a token's allowed set, or accepting a token) may take: a JSON schema's take well under
+# a millisecond; an ambiguous grammar's grow with each token (0.03 s, 0.2, 0.5, 1.4, 3.6, 5 s a call by the 18th for
+# three nested 50-repeats), on the engine thread, holding up every running request. Thread CPU time, not wall time:
+# a call the OS puts off is not the grammar's cost.
+MATCHER_CALL_BUDGET_S = 0.25
+# and on average over a request's calls, once they have spent a second (calls just under the budget, every token)
+MATCHER_MEAN_BUDGET_S = 0.02
 _XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 _XGR_CHECK = re.compile(r"^Check failed: \(.*?\) is false:\s*")  # the assertion that carries a structural tag's reason
 
@@ -182,7 +192,66 @@ class GrammarCache:
         """A fresh matcher for one sequence."""
         import xgrammar as xgr
 
-        return xgr.GrammarMatcher(compiled)
+        return TimedMatcher(xgr.GrammarMatcher(compiled))
+
+
+class TimedMatcher:
+    """A matcher whose calls are timed (thread CPU time): once one takes longer than `budget_s`, or they average
+    more than `mean_budget_s` after a second in all, it is stalled: it computes nothing more (every token allowed, no
+    token accepted), so the scheduler ends its request with `stall`, the reason, as the error."""
+
+    def __init__(self, matcher: Any, budget_s: float = MATCHER_CALL_BUDGET_S,
+                 mean_budget_s: float = MATCHER_MEAN_BUDGET_S) -> None:  # fmt: skip
+        self.matcher = matcher
+        self.budget_s, self.mean_budget_s = budget_s, mean_budget_s
+        self.spent_s, self.calls = 0.0, 0
+        self.stall: Optional[str] = None
+
+    def _timed(self, what: str, call: Any, *args: Any) -> Any:
+        start = time.thread_time()
+        out = call(*args)
+        spent = time.thread_time() - start
+        self.spent_s += spent
+        self.calls += 1
+        why = None
+        if spent > self.budget_s:
+            why = f"{spent:.2f} s of CPU time for {what}, past the {self.budget_s:g} s a step may spend on it"
+        elif self.spent_s > 1.0 and self.spent_s > self.mean_budget_s * self.calls:
+            why = (f"{self.spent_s:.2f} s of CPU time over {self.calls} calls, more than the {self.mean_budget_s:g} "
+                   "s a call may take on average")  # fmt: skip
+        if why is not None:
+            self.stall = (f"its output grammar took {why} (an ambiguous grammar, such as nested repeats, whose "
+                          "parser states multiply with every token): it would hold up every running request")
+        return out
+
+    def fill_next_token_bitmask(self, bitmask: Any, index: int = 0) -> bool:
+        if self.stall is not None:
+            bitmask[index].fill_(-1)
+            return False
+        return bool(self._timed("one token's allowed set", self.matcher.fill_next_token_bitmask, bitmask, index))
+
+    def accept_token(self, token_id: int) -> bool:
+        # False once stalled, by this call or the mask's before it: the token (drawn from a mask the grammar
+        # computed) ends the output, which stays one the grammar allows
+        if self.stall is not None:
+            return False
+        accepted = bool(self._timed("accepting one token", self.matcher.accept_token, token_id))
+        return accepted and self.stall is None
+
+    def is_terminated(self) -> bool:
+        return bool(self.matcher.is_terminated())
+
+    def fork(self) -> "TimedMatcher":
+        child = TimedMatcher(self.matcher.fork(), self.budget_s, self.mean_budget_s)
+        child.spent_s, child.calls, child.stall = self.spent_s, self.calls, self.stall
+        return child
+
+
+def grammar_stall(matcher: Any) -> Optional[str]:
+    """Why a sequence's matcher stopped (`TimedMatcher.stall`, also under a `GatedMatcher`), or None."""
+    while matcher is not None and not isinstance(matcher, TimedMatcher):
+        matcher = getattr(matcher, "matcher", None)
+    return matcher.stall if matcher is not None else None
 
 
 class GatedMatcher:
