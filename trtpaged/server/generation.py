@@ -173,7 +173,7 @@ class GenerationService:
         except ValueError as exc:
             raise from_runtime_error(exc, req.names) from None
         except (Overloaded, ShuttingDown) as exc:
-            raise overloaded(str(exc), busy=isinstance(exc, Overloaded)) from None
+            raise runtime_failure(exc) from None
         builder = ResponseBuilder(summary.request_id, self.model_name, int(time.time()), chat, req.logprobs, req.tools,
                                   req.return_token_ids, req.chat_echo,
                                   self.reasoning.fmt if self.reasoning is not None and chat else None,
@@ -213,7 +213,7 @@ class GenerationService:
         except ValueError as exc:
             raise from_runtime_error(exc, req.names) from None
         except (Overloaded, ShuttingDown) as exc:
-            raise overloaded(str(exc), busy=isinstance(exc, Overloaded)) from None
+            raise runtime_failure(exc) from None
 
     def _check_num_prompts(self, req: GenerationRequest) -> None:
         """Each prompt is one engine request: more than the waiting queue holds could never be admitted
@@ -253,7 +253,7 @@ class GenerationService:
         except ValueError as exc:
             raise from_runtime_error(exc, req.names) from None
         except (ShuttingDown, Overloaded) as exc:
-            raise overloaded(str(exc), busy=isinstance(exc, Overloaded)) from None
+            raise runtime_failure(exc) from None
         except Exception as exc:  # noqa: BLE001 - a template or tokenizer error is the request's fault
             raise ApiError(f"{field_name}: could not be tokenized ({type(exc).__name__})", field_name) from None
         if keep is not None:  # vLLM's: the last k tokens (a chat prompt's too: its template's start may go)
