@@ -221,9 +221,7 @@ def _checked_structural_tag(name: str, value: Any) -> tuple[str, tuple[tuple[str
     as the json kind's), as xgrammar's form: its JSON text and the schemas in it (`structural_tag.xgrammar_form`).
     Errors name `name`; what xgrammar refuses is found when it compiles."""
     if isinstance(value, Mapping):
-        if nesting_depth(value, MAX_STRUCTURAL_TAG_DEPTH) > MAX_STRUCTURAL_TAG_DEPTH:  # first: json.dumps recurses
-            raise RequestError(name, f"structural tag nests objects and arrays more than {MAX_STRUCTURAL_TAG_DEPTH} "
-                               "deep", MAX_STRUCTURAL_TAG_DEPTH)  # fmt: skip
+        _check_tag_depth(name, value)  # first: json.dumps recurses
         try:
             text = json.dumps(value)
         except (TypeError, ValueError) as exc:
@@ -238,9 +236,7 @@ def _checked_structural_tag(name: str, value: Any) -> tuple[str, tuple[tuple[str
         raise RequestError(name, f"structural tag of {len(text)} characters exceeds {MAX_GRAMMAR_CHARS}",
                            MAX_GRAMMAR_CHARS)  # fmt: skip
     if isinstance(value, str):
-        if nesting_depth(text, MAX_STRUCTURAL_TAG_DEPTH) > MAX_STRUCTURAL_TAG_DEPTH:
-            raise RequestError(name, f"structural tag nests objects and arrays more than {MAX_STRUCTURAL_TAG_DEPTH} "
-                               "deep", MAX_STRUCTURAL_TAG_DEPTH)  # fmt: skip
+        _check_tag_depth(name, text)
         try:
             document = json.loads(text)
         except ValueError as exc:
@@ -250,6 +246,12 @@ def _checked_structural_tag(name: str, value: Any) -> tuple[str, tuple[tuple[str
         _check_schema_depth(name, schema, where)
         _check_pattern_repeats(name, schema, where)
     return json.dumps(tag), tuple(schemas)
+
+
+def _check_tag_depth(name: str, tag: Union[str, Mapping[str, Any]]) -> None:
+    if nesting_depth(tag, MAX_STRUCTURAL_TAG_DEPTH) > MAX_STRUCTURAL_TAG_DEPTH:
+        raise RequestError(name, f"structural tag nests objects and arrays more than {MAX_STRUCTURAL_TAG_DEPTH} deep",
+                           MAX_STRUCTURAL_TAG_DEPTH)  # fmt: skip
 
 
 def GuidedDecodingParams(json: Any = None, regex: Optional[str] = None, choice: Any = None,  # noqa: N802

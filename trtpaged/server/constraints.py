@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from trtpaged.runtime.sampling_params import StructuredOutputsParams
-from trtpaged.runtime.structural_tag import LEGACY_KEYS
+from trtpaged.runtime.structural_tag import is_legacy
 from trtpaged.server.errors import ApiError
 from trtpaged.server.tools import OPENAI_NAME
 
@@ -47,16 +47,9 @@ def _response_format(value: dict[str, Any]) -> Optional[StructuredOutputsParams]
 def _structural_tag_format(value: dict[str, Any]) -> StructuredOutputsParams:
     """vLLM's structural tag response formats: xgrammar's {"type": "structural_tag", "format": {...}}, or the legacy
     {"type": "structural_tag", "structures": [{begin, schema, end}], "triggers": [...]} (it has structures: vLLM's
-    test). Either is the tag itself, checked and compiled as `runtime/structural_tag.py` reads it; errors name
-    response_format.format, or response_format for the legacy form."""
-    if "structures" in value or "triggers" in value:
-        extra = set(value) - LEGACY_KEYS
-        if extra:
-            raise ApiError(f"response_format: unknown keys {sorted(extra)} (the legacy structural tag takes type, "
-                           "structures and triggers; xgrammar's takes type and format)", "response_format")  # fmt: skip
-        if "structures" not in value:
-            raise ApiError("response_format.structures: required beside triggers (the legacy structural tag)",
-                           "response_format")  # fmt: skip
+    test). Either is the tag itself, checked and compiled as `runtime/structural_tag.py` reads it (the legacy form's
+    keys there too); errors name response_format.format, or response_format for the legacy form."""
+    if is_legacy(value):
         return StructuredOutputsParams(structural_tag=value, origin="response_format")
     extra = set(value) - {"type", "format"}
     if extra:
