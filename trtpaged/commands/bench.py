@@ -211,8 +211,7 @@ def memory(ctx, engine, trace, step_time, num_requests, prompt_len, output_len, 
         elif mooncake:
             requests = _mooncake_memory_requests(ctx, trace, step_time, n, beam_width)
         elif trace:
-            given = _given(ctx, ("num_requests", "prompt_len", "output_len", "shared_prefix", "num_prefixes", "n",
-                                 "beam_width", "preset", "seed"))  # fmt: skip
+            given = _given(ctx, _MEMORY_WORKLOAD_OPTIONS)
             _refuse_synthetic_options(trace, given - {"n", "beam_width"})
             requests, filled = load_trace_with_sharing(trace, n if "n" in given else None,
                                                        beam_width if "beam_width" in given else None)  # fmt: skip
@@ -288,11 +287,23 @@ def _given(ctx: click.Context, names: tuple[str, ...]) -> set[str]:
     return {name for name in names if ctx.get_parameter_source(name) is not ParameterSource.DEFAULT}
 
 
-def _refuse_synthetic_options(trace: Optional[str], given: set[str]) -> None:
-    """A synthetic workload's options given with a trace, which would change nothing: ValueError naming them."""
+def _refuse_synthetic_options(trace: Optional[str], given: set[str], form: str = "") -> None:
+    """A synthetic workload's options given with a trace (`form`: its kind, as "the ShareGPT "), which would change
+    nothing: ValueError naming them."""
     if trace and given:
         flags = ", ".join("--" + name.replace("_", "-") for name in sorted(given))
-        raise ValueError(f"{flags}: synthetic workload options; they cannot apply to --trace {trace}")
+        raise ValueError(f"{flags}: synthetic workload options; they cannot apply to {form}--trace {trace}")
+
+
+# bench memory's workload options: a synthetic workload's, and --n / --beam-width, which also fill a trace's requests
+_MEMORY_WORKLOAD_OPTIONS = ("num_requests", "prompt_len", "output_len", "shared_prefix", "num_prefixes", "n",
+                            "beam_width", "preset", "seed")
+
+
+def _one_request_kind(given: set[str]) -> None:
+    """--n and --beam-width both given for requests of a trace that gives neither: ValueError."""
+    if {"n", "beam_width"} <= given:
+        raise ValueError("--n, --beam-width: give one of them (a request is parallel sampling or a beam search)")
 
 
 def _fixed_output_len(value: str, given: bool) -> Optional[int]:
@@ -316,14 +327,9 @@ def _sharegpt_memory_requests(ctx: click.Context, manifest, max_seq_len: int) ->
     from trtpaged.runtime.llm import load_tokenizer
 
     p, trace = ctx.params, ctx.params["trace"]
-    given = _given(ctx, ("num_requests", "prompt_len", "output_len", "shared_prefix", "num_prefixes", "n",
-                         "beam_width", "preset", "seed"))  # fmt: skip
-    synthetic = sorted(given - {"num_requests", "seed", "output_len", "n", "beam_width"})
-    if synthetic:
-        flags = ", ".join("--" + name.replace("_", "-") for name in synthetic)
-        raise ValueError(f"{flags}: synthetic workload options; they cannot apply to the ShareGPT --trace {trace}")
-    if {"n", "beam_width"} <= given:
-        raise ValueError("--n, --beam-width: give one of them (a request is parallel sampling or a beam search)")
+    given = _given(ctx, _MEMORY_WORKLOAD_OPTIONS)
+    _refuse_synthetic_options(trace, given - {"num_requests", "seed", "output_len", "n", "beam_width"}, "the ShareGPT ")
+    _one_request_kind(given)
     if manifest is None:
         raise ValueError(f"--trace {trace}: a ShareGPT dataset's lengths are token counts of its texts, which need a "
                          f"tokenizer: give the engine dir (bench memory ENGINE --trace {trace})")  # fmt: skip
@@ -342,11 +348,9 @@ def _mooncake_memory_requests(ctx: click.Context, trace: str, step_time: Optiona
 
     from trtpaged.bench.mooncake import read_mooncake
 
-    given = _given(ctx, ("num_requests", "prompt_len", "output_len", "shared_prefix", "num_prefixes", "n",
-                         "beam_width", "preset", "seed"))  # fmt: skip
+    given = _given(ctx, _MEMORY_WORKLOAD_OPTIONS)
     _refuse_synthetic_options(trace, given - {"n", "beam_width"})
-    if {"n", "beam_width"} <= given:
-        raise ValueError("--n, --beam-width: give one of them (a request is parallel sampling or a beam search)")
+    _one_request_kind(given)
     mooncake = read_mooncake(trace)
     requests = mooncake.arrival_steps(step_time)
     _progress(mooncake.summary())
