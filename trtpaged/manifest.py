@@ -313,12 +313,12 @@ def _adapter() -> pydantic.TypeAdapter:
     return _ADAPTER
 
 
-def _as_float32(value: float) -> float:
-    """`value` rounded to float32, as the kernels take it (inf past float32's range)."""
+def as_float32(value: float) -> float:
+    """`value` rounded to float32, as the kernels take it (an infinity of its sign past float32's range)."""
     try:
         return struct.unpack("f", struct.pack("f", value))[0]
     except OverflowError:
-        return math.inf
+        return math.copysign(math.inf, value)
 
 
 def check_dim_values(d: ModelDims, bad: Any) -> None:
@@ -330,7 +330,7 @@ def check_dim_values(d: ModelDims, bad: Any) -> None:
             raise bad(f"dims.{name}", f"got {value}; expected 1 to {high}", high)
     for name in ("rms_norm_eps", "rope_theta"):
         value = getattr(d, name)
-        if not (math.isfinite(value) and value > 0 and 0 < _as_float32(value) < math.inf):
+        if not (math.isfinite(value) and value > 0 and 0 < as_float32(value) < math.inf):
             raise bad(f"dims.{name}", f"got {value}; expected a positive number, finite and not 0 in float32 (the "
                       "kernels' type)")  # fmt: skip
     if d.num_heads % d.num_kv_heads:
@@ -371,7 +371,7 @@ def _check_family_values(d: ModelDims, bad: Any) -> None:
                   + (" (sqrt(hidden_size))" if gemma else ""))  # fmt: skip
     for name in ("attention_scale", "attn_logit_softcap", "final_logit_softcap", "local_rope_theta"):
         value = getattr(d, name)
-        if value != 0 and not (gemma and math.isfinite(value) and value > 0 and 0 < _as_float32(value) < math.inf):
+        if value != 0 and not (gemma and math.isfinite(value) and value > 0 and 0 < as_float32(value) < math.inf):
             raise bad(f"dims.{name}", f"got {value}; expected 0 (none) or, for Gemma, a positive number, finite and "
                       "not 0 in float32")  # fmt: skip
     scaling = d.rope_scaling or {}
@@ -400,7 +400,7 @@ def _check_long_context_rope(scaling: dict, kind: str, pairs: int, bad: Any) -> 
         if value is not None and not _finite_positive(value):
             raise bad(f"dims.rope_scaling.{key}", f"got {value!r:.40}; expected a finite positive number")
     value = scaling.get("attention_factor")  # multiplies cos and sin: as the kernels take it, a float32
-    if value is not None and not (_finite_positive(value) and 0 < _as_float32(value) < math.inf):
+    if value is not None and not (_finite_positive(value) and 0 < as_float32(value) < math.inf):
         raise bad("dims.rope_scaling.attention_factor", f"got {value!r:.40}; expected a positive number, finite and "
                   "not 0 in float32")  # fmt: skip
     for key in ("mscale", "mscale_all_dim"):

@@ -10,10 +10,11 @@ needs transformers to rebuild them.
 from __future__ import annotations
 
 import math
-import struct
 from typing import Optional
 
 import torch
+
+from trtpaged.manifest import as_float32
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 # The frequencies are computed on the host whatever device is the default: models are built on the meta device
@@ -60,7 +61,7 @@ def inv_frequencies(head_dim: int, rope_theta: float, rope_scaling: Optional[dic
     # past float32 (0 in float32: every q and k 0)
     if not bool(torch.isfinite(scaled[0]).all()):
         raise ValueError(f"{what} gives non-finite rotary frequencies")
-    scaling = _as_float32(float(scaled[1]))
+    scaling = as_float32(float(scaled[1]))
     if not (math.isfinite(scaling) and 0 < abs(scaling) <= MAX_ROPE_SCALING):
         raise ValueError(f"{what} gives a cos/sin scaling of {scaled[1]:g} (attention_factor, or from factor, mscale "
                          f"and mscale_all_dim), not non-zero and at most {MAX_ROPE_SCALING:g} in magnitude in float32 "
@@ -71,14 +72,6 @@ def inv_frequencies(head_dim: int, rope_theta: float, rope_scaling: Optional[dic
 # the most a cos/sin scaling may be in magnitude: q and k are both scaled, so the scores grow as its square (at
 # 1e20 they pass float32 and every logit is NaN); real models' are 1 to 2
 MAX_ROPE_SCALING = 1000.0
-
-
-def _as_float32(value: float) -> float:
-    """`value` rounded to float32, as the tables take it (inf past float32's range)."""
-    try:
-        return struct.unpack("f", struct.pack("f", value))[0]
-    except OverflowError:
-        return math.copysign(math.inf, value)
 
 
 def _powers(dim: int, base: float) -> torch.Tensor:
