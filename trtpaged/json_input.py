@@ -40,3 +40,15 @@ def _without_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
             raise _RepeatedField(key)
         out[key] = item
     return out
+
+
+def json_kind(value: Any) -> str:
+    """A parsed JSON value's type in JSON's words ("an object", "an array", "null"), for messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    for kind, name in ((Mapping, "an object"), (list, "an array"), (str, "a string"), ((int, float), "a number")):
+        if isinstance(value, kind):
+            return name
+    return type(value).__name__

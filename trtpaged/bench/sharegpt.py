@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator, Optional
 
 from trtpaged.errors import check_unicode
+from trtpaged.json_input import json_kind
 
 CHUNK_BYTES = 1 << 20
 MAX_ENTRY_BYTES = 64 << 20  # one conversation (ShareGPT's are kilobytes): past it, the file is refused
@@ -212,40 +213,28 @@ def _has_pair(entry: Any, where: str) -> bool:
     no entry, or when one of the two turns read has no "value" string."""
     if not isinstance(entry, dict):
         raise ValueError(f"{where}: must be an object with \"conversations\" (a ShareGPT entry: {ENTRY_FORM}), got "
-                         f"{_json_kind(entry)}")  # fmt: skip
+                         f"{json_kind(entry)}")  # fmt: skip
     if "conversations" not in entry:
         raise ValueError(f"{where}.conversations: required (a ShareGPT entry: {ENTRY_FORM})")
     turns = entry["conversations"]
     if not isinstance(turns, list):
-        raise ValueError(f"{where}.conversations: must be a list of turns, got {_json_kind(turns)}")
+        raise ValueError(f"{where}.conversations: must be a list of turns, got {json_kind(turns)}")
     if len(turns) < 2:
         return False
     for i, turn in enumerate(turns[:2]):
         if not isinstance(turn, dict):
             raise ValueError(f"{where}.conversations[{i}]: must be an object with a \"value\" string, got "
-                             f"{_json_kind(turn)}")  # fmt: skip
+                             f"{json_kind(turn)}")  # fmt: skip
         if "value" not in turn:
             raise ValueError(f"{where}.conversations[{i}].value: required (the turn's text)")
         if not isinstance(turn["value"], str):
-            raise ValueError(f"{where}.conversations[{i}].value: must be a string, got {_json_kind(turn['value'])}")
+            raise ValueError(f"{where}.conversations[{i}].value: must be a string, got {json_kind(turn['value'])}")
     return True
 
 
 def _size(size: int) -> str:
     """A byte count as people read it: 64 MiB, 2048 bytes."""
     return f"{size >> 20} MiB" if size >= 1 << 20 and size % (1 << 20) == 0 else f"{size} bytes"
-
-
-def _json_kind(value: Any) -> str:
-    """A parsed JSON value's type in JSON's words."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    for kind, name in ((dict, "an object"), (list, "an array"), (str, "a string"), ((int, float), "a number")):
-        if isinstance(value, kind):
-            return name
-    return type(value).__name__
 
 
 def iter_entries(path: str | Path) -> Iterator[tuple[int, Any, int, int]]:

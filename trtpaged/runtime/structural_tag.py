@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from trtpaged.errors import RequestError
+from trtpaged.json_input import json_kind
 
 TAG_TYPE = "structural_tag"
 LEGACY_KEYS = frozenset({"type", "structures", "triggers"})
@@ -38,7 +39,7 @@ def xgrammar_form(field: str, document: Any) -> tuple[dict[str, Any], list[tuple
     in it, each with where it is in the document as given (`format.elements[1].json_schema`,
     `structures[0].schema`). A document of neither form raises RequestError naming `field`."""
     if not isinstance(document, Mapping):
-        raise RequestError(field, f"a structural tag is a JSON object, got {_kind(document)}")
+        raise RequestError(field, f"a structural tag is a JSON object, got {json_kind(document)}")
     if is_legacy(document):
         return _from_legacy(field, document)
     if document.get("type") != TAG_TYPE or "format" not in document:
@@ -46,7 +47,8 @@ def xgrammar_form(field: str, document: Any) -> tuple[dict[str, Any], list[tuple
                            f'{{"type": "{TAG_TYPE}", "structures": [...], "triggers": [...]}}), got the keys '
                            f"{sorted(map(str, document))[:8]} with type {document.get('type')!r:.40}")  # fmt: skip
     if not isinstance(document["format"], Mapping):
-        raise RequestError(field, f"structural tag format: must be a format object, got {_kind(document['format'])}")
+        raise RequestError(field, f"structural tag format: must be a format object, got "
+                           f"{json_kind(document['format'])}")  # fmt: skip
     return dict(document), list(_schemas_in(document["format"], "format"))
 
 
@@ -61,7 +63,7 @@ def _from_legacy(field: str, document: Mapping[str, Any]) -> tuple[dict[str, Any
     structures, triggers = document.get("structures"), document.get("triggers")
     if not isinstance(structures, list) or not structures:
         raise RequestError(field, f"structural tag structures: must be a non-empty list of {{begin, schema, end}}, "
-                           f"got {_kind(structures)}")  # fmt: skip
+                           f"got {json_kind(structures)}")  # fmt: skip
     if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
         raise RequestError(field, "structural tag triggers: must be a non-empty list of non-empty strings (each "
                            f"structure's begin starts with one), got {triggers!r:.80}")  # fmt: skip
@@ -69,7 +71,7 @@ def _from_legacy(field: str, document: Mapping[str, Any]) -> tuple[dict[str, Any
     for i, item in enumerate(structures):
         where = f"structures[{i}]"
         if not isinstance(item, Mapping) or set(item) != _STRUCTURE_KEYS:
-            keys = sorted(map(str, item)) if isinstance(item, Mapping) else _kind(item)
+            keys = sorted(map(str, item)) if isinstance(item, Mapping) else json_kind(item)
             raise RequestError(field, f"structural tag {where}: must have exactly begin, schema and end, got {keys}")
         begin, schema, end = item["begin"], item["schema"], item["end"]
         if not isinstance(begin, str) or not begin or not isinstance(end, str):
@@ -77,7 +79,7 @@ def _from_legacy(field: str, document: Mapping[str, Any]) -> tuple[dict[str, Any
                                f"got {begin!r:.40} and {end!r:.40}")  # fmt: skip
         if not isinstance(schema, (Mapping, bool)):
             raise RequestError(field, f"structural tag {where}.schema: must be a JSON schema (an object), got "
-                               f"{_kind(schema)}")  # fmt: skip
+                               f"{json_kind(schema)}")  # fmt: skip
         tags.append({"type": "tag", "begin": begin, "content": {"type": "json_schema", "json_schema": schema},
                      "end": end})  # fmt: skip
         schemas.append((f"{where}.schema", schema))
@@ -100,9 +102,3 @@ def _schemas_in(fmt: Mapping[str, Any], path: str) -> list[tuple[str, Any]]:
             todo.extend((f"{where}[{i}]", value) for i, value in reversed(list(enumerate(node))))
     return found
 
-
-def _kind(value: Any) -> str:
-    """A JSON value's kind, for messages."""
-    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
-             float: "a number", type(None): "null"}  # fmt: skip
-    return next((name for kind, name in names.items() if isinstance(value, kind)), type(value).__name__)
