@@ -591,3 +591,18 @@ def test_an_ambiguous_grammar_ends_its_request_instead_of_stalling_the_engine(ll
     assert hostile.error_field == "structured_outputs" and re.fullmatch("[a-z]*", out.text), out.text
     assert plain.outputs[0].finish_reason == "length" and len(plain.outputs[0].token_ids) == 40
     assert llm.engine.stats()["kv_blocks_used"] == 0
+
+
+def test_a_grammar_that_allows_no_first_token_answers_every_sample(llm):
+    """n = 3 samples whose grammar ('a') and bad_words ('a') leave no first token: the request ends naming the
+    field, with three completions (one per index, as vLLM answers n), while the request beside it is unchanged
+    (was: one completion for n = 3)."""
+    grammar = Grammar(regex="a", origin="structured_outputs")
+    blocked, plain = llm.generate(["x", "y"], [
+        SamplingParams(n=3, temperature=1.0, max_tokens=4, bad_words=["a"], structured_outputs=grammar),
+        SamplingParams(n=3, temperature=1.0, max_tokens=4, structured_outputs=grammar)])  # fmt: skip
+    assert [o.index for o in blocked.outputs] == [0, 1, 2], blocked.outputs
+    assert all(o.finish_reason == "error" and o.token_ids == [] and o.text == "" for o in blocked.outputs)
+    assert blocked.error_field == "structured_outputs" and "leave no token" in blocked.error, blocked.error
+    assert [o.index for o in plain.outputs] == [0, 1, 2] and all(o.text == "a" for o in plain.outputs), plain.outputs
+    assert llm.engine.stats()["kv_blocks_used"] == 0

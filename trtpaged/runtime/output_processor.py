@@ -6,6 +6,7 @@ are handed back to the caller, which lets the scheduler finish them.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional, Sequence as Seq
 
 from trtpaged.runtime.detokenizer import REPLACEMENT, IncrementalDetokenizer
@@ -194,6 +195,8 @@ class OutputProcessor:
         else:
             completions = [self._completion(s, group, final=kind is RequestOutputKind.FINAL_ONLY)
                            for s in self._by_index(group)]  # fmt: skip
+        if group.beam is None and not group.forked and group.is_finished and group.params.n > 1:
+            completions = self._unforked_completions(completions, group.params.n)
         return RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,
@@ -225,6 +228,14 @@ class OutputProcessor:
             self._named(group.prompt_logprobs, group.prompt_logprobs_named)
         group.prompt_logprobs_named = len(group.prompt_logprobs)
         return list(group.prompt_logprobs)
+
+    @staticmethod
+    def _unforked_completions(completions: list[CompletionOutput], n: int) -> list[CompletionOutput]:
+        """A group of n > 1 samples that ended before its first sample (its grammar allowed no first token, it
+        was aborted or refused) still answers n completions, as vLLM does: the one sequence's, for every index."""
+        if len(completions) != 1:
+            return completions
+        return [dataclasses.replace(completions[0], index=i, token_ids=list(completions[0].token_ids)) for i in range(n)]
 
     @staticmethod
     def _by_index(group: SequenceGroup) -> list[Sequence]:
