@@ -140,6 +140,19 @@ def test_invalid_grammars_are_refused_naming_the_field(llm, grammar):
     assert not llm.engine.has_unfinished()
 
 
+@pytest.mark.parametrize("schema, named", [
+    ({"type": "number", "minimum": 10**400}, "'minimum' (a 401-digit integer) is past the float64 range"),
+    ('{"type": "object", "properties": {"x": {"type": "number", "exclusiveMaximum": -1e400}}}',
+     "'exclusiveMaximum' (-inf) is past the float64 range"),
+    ({"type": "integer", "multipleOf": 10**309}, "'multipleOf' (a 310-digit integer)")])  # fmt: skip
+def test_a_numeric_bound_past_the_float_range_is_refused_saying_so(llm, schema, named):
+    """xgrammar fails on these without a reason (an empty RuntimeError: "invalid json: RuntimeError")."""
+    with pytest.raises(RequestError) as info:
+        llm.generate(["x"], SamplingParams(structured_outputs=Grammar(json=schema, origin="response_format")))
+    assert info.value.field == "response_format" and named in str(info.value), str(info.value)
+    assert not llm.engine.has_unfinished()
+
+
 # (schema, a document that breaks it): xgrammar 0.2.9 compiles each schema and its grammar accepts the document
 UNENFORCED = [
     ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, [1, 1], "uniqueItems"),

@@ -13,6 +13,8 @@ annotation in JSON Schema 2020-12 (validators do not check it unless asked), so 
 from __future__ import annotations
 
 import json
+import math
+import sys
 from typing import Any, Iterator, Optional
 
 # keyword -> why it is refused (each one compiled and shown to accept a document that breaks it)
@@ -44,12 +46,14 @@ _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SUBSCHEMA = ("additionalProperties", "items", "propertyNames", "unevaluatedProperties", "unevaluatedItems")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _MAX_REF_HOPS = 32
+_NUMERIC_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 
 
 def unenforced_feature(schema: Any) -> Optional[str]:
     """Why the grammar engine would not enforce `schema` (a parsed JSON schema), naming the keyword and its place
     as a JSON pointer (`#/properties/tags`); None when every constraint in it is enforced. Values of the wrong
-    type are left to the grammar compiler, which names them."""
+    type are left to the grammar compiler, which names them (but for a bound past the float64 range, which
+    it refuses without a reason)."""
     for path, node in subschemas(schema):
         why = _node_feature(node, schema)
         if why is not None:
@@ -76,7 +80,7 @@ def _node_feature(node: dict, root: Any) -> Optional[str]:
     for combinator in ("anyOf", "oneOf", "allOf"):
         if node.get(combinator) == []:
             return f"an empty '{combinator}' is not a valid schema (it needs at least one)"
-    mismatch = _value_outside_type(node)
+    mismatch = _value_outside_type(node) or _bound_past_float_range(node)
     if mismatch is not None:
         return mismatch
     if "multipleOf" in node and node.get("type") != "integer":
@@ -124,6 +128,24 @@ def _value_outside_type(node: dict) -> Optional[str]:
             keyword = "const" if "const" in node else "enum"
             return f"{keyword} value {json.dumps(value)[:40]} is not of type {'/'.join(types)} (the grammar would allow it)"
     return None
+
+
+def _bound_past_float_range(node: dict) -> Optional[str]:
+    """A numeric bound that no float64 holds (`10**400`, or 1e400 read as infinity): the grammar compiler fails
+    on it without saying why."""
+    for keyword in _NUMERIC_BOUNDS:
+        value = node.get(keyword)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not _fits_float64(value):
+            shown = f"a {len(str(abs(value)))}-digit integer" if isinstance(value, int) else str(value)
+            return f"'{keyword}' ({shown}) is past the float64 range (+-{sys.float_info.max:.4g})"
+    return None
+
+
+def _fits_float64(value: int | float) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
 
 
 def subschemas(schema: Any) -> Iterator[tuple[str, dict]]:
