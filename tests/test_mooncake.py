@@ -54,7 +54,7 @@ TREE = [_line(2000, 700, [1, 3]), _line(0, 600, [1, 2]), _line(1000, 1000, [1, 2
 @pytest.mark.parametrize("seed", [0, 3])
 def test_prompts_share_exactly_their_leading_blocks_with_equal_ids(tmp_path, seed):
     trace = read_mooncake(_write(tmp_path, TREE))
-    assert [r.timestamp_ms for r in trace.requests] == [0, 1000, 2000, 3000, 3000] and trace.reordered == 2
+    assert [r.time_ns // 10**6 for r in trace.requests] == [0, 1000, 2000, 3000, 3000] and trace.reordered == 2
     assert [r.where.rsplit(":", 1)[1] for r in trace.requests] == ["2", "3", "1", "4", "5"]  # ties in file order
     a, b, c, d, e = prompt_token_ids(trace.trace(), TINY_VOCAB, seed)  # [1,2] 600, [1,2] 1000, [1,3], [4], [1] 512
     assert [len(p) for p in (a, b, c, d, e)] == [600, 1000, 700, 300, 512]
@@ -269,12 +269,13 @@ def test_options_a_mooncake_trace_would_ignore_are_refused(tiny_engine_dir, tmp_
 
 
 @pytest.mark.parametrize("trace", [None, "trace.jsonl"])
-def test_step_time_is_for_a_mooncake_trace_only(tmp_path, trace: Optional[str]):
+def test_step_time_is_for_a_timed_trace_only(tmp_path, trace: Optional[str]):
     args = ["bench", "memory", "--step-time", "0.02", "--num-kv-blocks", "64"]
     if trace:
         args += ["--trace", str(_write(tmp_path, [{"prompt_len": 20, "output_len": 4}], trace))]
-    one_line_failure(CliRunner().invoke(main, args), "--step-time: turns a Mooncake --trace's timestamps into replay "
-                     "steps; ", "is no Mooncake trace" if trace else "a synthetic workload arrives at step 0")
+    one_line_failure(CliRunner().invoke(main, args), "--step-time: turns a timed --trace's timestamps (Mooncake, "
+                     "Azure, BurstGPT) into replay steps; ", "has none" if trace else "a synthetic workload arrives at "
+                     "step 0")
 
 
 def test_the_same_timestamp_everywhere_needs_no_step_time(tmp_path):

@@ -23,7 +23,9 @@ with a decimal point), converted to steps with the measured step time (the media
 step_time_s, or `step_time`), counted from the first arrival and rounded up (a request arriving
 during a step joins the next); a prompt_len next to prompt_token_ids must be their count; its other
 fields are checked and read as observed figures; its requests that produced no token (refused) are
-skipped and counted. A Mooncake trace is read as `bench memory` replays it (trtpaged.bench.mooncake).
+skipped and counted. A timed trace (Mooncake, Azure, BurstGPT: trtpaged.bench.timed_trace) is read as `bench memory`
+replays it; an Azure or BurstGPT trace gives no prompt content, so the sharing answer says that prefix sharing is
+unknown rather than that it would save nothing.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class RequestLogData:
     output_tokens: int = 0  # the log's own count: output_lens where given, else output_len x n
     cached_tokens: Optional[int] = None  # prompt tokens the server found in its prefix cache, if logged
     lengths_only: int = 0  # requests logged by their lengths alone (no prompt, no prefix_id): their sharing is unseen
+    form: Optional[str] = None  # the timed trace form it was read as ("Mooncake", "Azure", "BurstGPT"); None: a log
 
     def summary(self) -> dict:
         """The report's `log` section."""
@@ -75,7 +78,7 @@ class RequestLogData:
         return {"requests": len(self.trace), "prompt_tokens": prompt_tokens, "output_tokens": self.output_tokens,
                 "arrival_unit": self.arrival_unit, "step_time_s": self.step_time_s,
                 "skipped_without_output": self.skipped_without_output, "observed_cached_tokens": cached,
-                "lengths_only": self.lengths_only,
+                "lengths_only": self.lengths_only, "form": self.form,
                 "observed_cached_share": cached / prompt_tokens if cached is not None and prompt_tokens else None}
 
 
@@ -93,13 +96,14 @@ def read_request_log(path: str | Path, tokenize: Optional[Callable[[str], list[i
     Text prompts need `tokenize`; lengths get random ids, with a shared prefix_id's first
     prefix_len tokens identical. Arrivals are all integers (steps) or all non-integral numbers
     (seconds, converted with `step_time` or the lines' step_time_s). Errors name the line and the field.
-    A Mooncake trace (trtpaged.bench.mooncake) is read as `bench memory` replays it: its hash ids' blocks as the
-    prompts, its timestamps as steps at `step_time` (needed when they differ).
+    A timed trace (trtpaged.bench.timed_trace) is read as `bench memory` replays it: its prompts (a Mooncake trace's
+    hash ids' blocks, an Azure or BurstGPT trace's random tokens), its timestamps as steps at `step_time` (needed
+    when they differ).
     """
-    from trtpaged.bench.mooncake import is_mooncake
+    from trtpaged.bench.timed_trace import timed_form
 
-    if is_mooncake(path):
-        return _read_mooncake(path, vocab_size, seed, step_time)
+    if timed_form(path):
+        return _read_timed(path, vocab_size, seed, step_time)
     rng = random.Random(seed)
     prefixes: dict[int, list[int]] = {}
     prefix_lens: dict[int, tuple[int, str]] = {}
@@ -160,15 +164,16 @@ def read_request_log(path: str | Path, tokenize: Optional[Callable[[str], list[i
     return out
 
 
-def _read_mooncake(path: str | Path, vocab_size: int, seed: int, step_time: Optional[float]) -> RequestLogData:
-    from trtpaged.bench.mooncake import read_mooncake
+def _read_timed(path: str | Path, vocab_size: int, seed: int, step_time: Optional[float]) -> RequestLogData:
+    from trtpaged.bench.timed_trace import read_timed_trace
     from trtpaged.bench.workload import prompt_token_ids
 
-    mooncake = read_mooncake(path)
-    trace = mooncake.arrival_steps(step_time)
+    timed = read_timed_trace(path)
+    trace = timed.arrival_steps(step_time)
     out = RequestLogData(trace, prompt_token_ids(trace, vocab_size, seed), step_time_s=step_time,
-                         arrival_unit="seconds" if step_time is not None else "steps")  # fmt: skip
+                         arrival_unit="seconds" if step_time is not None else "steps", form=timed.form)  # fmt: skip
     out.output_tokens = sum(r.output_len for r in trace)
+    out.lengths_only = sum(r.hash_ids is None for r in trace)  # an Azure or BurstGPT trace's: no prompt content
     return out
 
 
@@ -308,7 +313,8 @@ def _baseline(report: dict) -> dict:
     return out
 
 
-def _sharing(trace: list[TraceRequest], prompts: list[list[int]], report: dict, block_size: int) -> dict:
+def _sharing(trace: list[TraceRequest], prompts: list[list[int]], report: dict, block_size: int,
+             lengths_only: int = 0) -> dict:  # fmt: skip
     shared = shared_prefix_tokens(prompts)
     prompt_tokens = sum(len(p) for p in prompts)
     # the prefix cache shares whole blocks, and never the prompt's last token
@@ -328,13 +334,20 @@ def _sharing(trace: list[TraceRequest], prompts: list[list[int]], report: dict, 
         "predicted_memory_saved": saved,
         "blocks_with_sharing": report["sharing"]["blocks_with_sharing"],
         "blocks_without_sharing": report["sharing"]["blocks_without_sharing"],
+        "prefix_sharing_known": lengths_only < len(trace),
     }
+    samples = (f"{out['parallel_sample_share']:.1%} of sequences are parallel samples and {out['beam_share']:.1%} "
+               "beams")  # fmt: skip
+    if not out["prefix_sharing_known"]:  # random prompts share nothing: a 0% here would be a claim the log cannot make
+        out["verdict"] = (f"no request's prompt content is known (lengths only), so what prefix sharing would save is "
+                          f"unknown: the replay's prompts are random tokens, sharing none; {samples}, whose sharing "
+                          f"is predicted to save {saved:.1%} of KV blocks in use.")  # fmt: skip
+        return out
     matters = "worth having on" if saved >= SHARING_MATTERS else "of little use to this workload"
     out["verdict"] = (
         f"{out['shared_prefix_share']:.1%} of prompt tokens repeat an earlier prompt's prefix "
         f"({out['shared_prefix_share_in_full_blocks']:.1%} in whole blocks the prefix cache can share); "
-        f"{out['parallel_sample_share']:.1%} of sequences are parallel samples and {out['beam_share']:.1%} beams; "
-        f"sharing is predicted to save {saved:.1%} of KV blocks in use: {matters}."
+        f"{samples}; sharing is predicted to save {saved:.1%} of KV blocks in use: {matters}."
     )
     return out
 
@@ -423,7 +436,7 @@ def diagnose(trace: list[TraceRequest], prompts: list[list[int]], kv: ModelKV, m
         "log": (log or RequestLogData(trace, prompts, output_tokens=sum(r.output_len * r.n for r in trace))).summary(),
         "model": {"source": kv.source, "kv_bytes_per_token": kv.kv_bytes_per_token, "budget": report["budget"]},
         "baseline": _baseline(report),
-        "sharing": _sharing(trace, prompts, report, kv.budget.block_size),
+        "sharing": _sharing(trace, prompts, report, kv.budget.block_size, log.lengths_only if log else 0),
         "lengths": _lengths(trace, kv),
         "bound": _bound(report, kv.budget, metrics),
     }
@@ -452,7 +465,10 @@ def _log_line(log: dict) -> str:
         line += f"; the server found {log['observed_cached_share']:.1%} of prompt tokens in its prefix cache"
     if log["skipped_without_output"]:
         line += f"; {log['skipped_without_output']} requests without output (refused) left out"
-    if log.get("lengths_only"):  # a server log without --request-log-prompts: random tokens, so no sharing is seen
+    if log.get("lengths_only") and log.get("form"):  # an Azure or BurstGPT trace: lengths and times, no prompts
+        line += (f"; {log['form']} trace: no prompt text or prefix ids, its prompts random tokens of each request's "
+                 "length")  # fmt: skip
+    elif log.get("lengths_only"):  # a server log without --request-log-prompts: random tokens, so no sharing is seen
         line += (f"; {log['lengths_only']} requests logged by length only: the sharing below cannot see theirs "
                  "(log prompts with `serve --request-log-prompts`)")
     return line

@@ -15,78 +15,46 @@ The rules (every line checked, an error names the line, the field and the bound)
   (n - 1) * 512 + 1 to n * 512 for n ids (aiperf's rule: every block holds a token, only the last is partial);
 - timestamps may go backwards: the requests are taken in timestamp order, ties in file order (as aiperf's fixed
   schedule sends them), and the summary says how many lines came earlier than one before them.
-Arrivals: `bench serve` sends each request at its timestamp, counted from the first (`seconds`); `bench memory`'s
-replay steps come from `--step-time` (`arrival_steps`, the rule `diagnose` applies to a server log's seconds);
-`bench throughput` submits every request at t = 0 (its form, as its baseline runs) and says so.
+Arrivals are every timed trace's (trtpaged.bench.timed_trace): `bench serve` sends each request at its timestamp,
+counted from the first; `bench memory`'s replay steps come from `--step-time` (the rule `diagnose` applies to a
+server log's seconds); `bench throughput` submits every request at t = 0 (its form, as its baseline runs) and says so.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import ClassVar, Optional
 
+from trtpaged.bench.timed_trace import TimedRequest, TimedTrace, in_time_order
 from trtpaged.bench.token_blocks import BLOCK_TOKENS, check_cover, check_hash_ids, shown
-from trtpaged.bench.workload import (LINE_FIELDS, MAX_ARRIVAL_STEP, TraceRequest, arrival_step,
-                                     json_objects)  # fmt: skip
+from trtpaged.bench.workload import LINE_FIELDS, MAX_ARRIVAL_STEP, TraceRequest, json_objects
 from trtpaged.config import MAX_SEQ_LEN
 
 MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 MAX_TIMESTAMP_MS = MAX_ARRIVAL_STEP  # 24.8 days (the FAST'25 traces span an hour)
 LINE_FORM = '{"timestamp": MS, "input_length": N, "output_length": N, "hash_ids": [ID, ...]}'
 _DETECT_BYTES = 1 << 20  # a first line longer than this is not looked at (Mooncake's are a few kB)
+_NS_PER_MS = 1_000_000
 
 
 @dataclass(frozen=True)
-class MooncakeRequest:
-    """One line of a Mooncake trace: where it is ("file:line"), its timestamp (ms) and the request it makes
-    (prompt_len = input_length, output_len = output_length, its hash_ids; arrival step 0)."""
+class MooncakeTrace(TimedTrace):
+    """A Mooncake trace's requests in replay order (timestamp, then line; each one's time its timestamp in ms), and
+    how many lines came out of order."""
 
-    where: str
-    timestamp_ms: int
-    request: TraceRequest
-
-
-@dataclass(frozen=True)
-class MooncakeTrace:
-    """A Mooncake trace's requests in replay order (timestamp, then line), and how many lines came out of order."""
-
-    path: str
-    requests: list[MooncakeRequest]
-    reordered: int = 0  # lines whose timestamp is earlier than a line's before them
-
-    def trace(self) -> list[TraceRequest]:
-        """The requests, all at step 0 (bench throughput's form)."""
-        return [r.request for r in self.requests]
-
-    def seconds(self) -> list[float]:
-        """Each request's arrival in seconds after the first request's (bench serve's send times)."""
-        first = self.requests[0].timestamp_ms
-        return [(r.timestamp_ms - first) / 1000 for r in self.requests]
+    form: ClassVar[str] = "Mooncake"
 
     def span_ms(self) -> int:
         """Milliseconds from the first arrival to the last."""
-        return self.requests[-1].timestamp_ms - self.requests[0].timestamp_ms
+        return (self.requests[-1].time_ns - self.requests[0].time_ns) // _NS_PER_MS
 
-    def arrival_steps(self, step_time: Optional[float]) -> list[TraceRequest]:
-        """The requests with replay arrival steps: the seconds after the first arrival at `step_time` seconds a step,
-        rounded up (workload.arrival_step). ValueError saying what to give when the timestamps differ and no step
-        time is given (a replay step is no fixed time), or naming the line whose step is past the last."""
-        if step_time is None:
-            if self.span_ms():
-                raise ValueError(f"--step-time: {self.path}'s timestamps span {self.span_ms()} ms and a replay's "
-                                 "arrivals are engine steps: give --step-time SECONDS, the time one step stands for "
-                                 "(e.g. the engine's mean step, which `trtpaged serve --request-log` logs as "
-                                 "step_time_s)")  # fmt: skip
-            return self.trace()
-        out = []
-        for r, seconds in zip(self.requests, self.seconds()):
-            try:
-                out.append(replace(r.request, arrival=arrival_step(seconds, step_time)))
-            except ValueError as exc:
-                raise ValueError(f"{r.where}: timestamp: {r.timestamp_ms} ms {exc}") from None
-        return out
+    def span_text(self) -> str:
+        return f"{self.span_ms()} ms"
+
+    def stamp(self, request: TimedRequest) -> str:
+        return f"timestamp: {request.time_ns // _NS_PER_MS} ms"
 
     def summary(self) -> str:
         """One line for the run's log: requests, blocks, how many are shared, the time span, any reordering."""
@@ -95,12 +63,8 @@ class MooncakeTrace:
             for hash_id in set(r.request.hash_ids or ()):
                 counts[hash_id] = counts.get(hash_id, 0) + 1
         shared = sum(1 for c in counts.values() if c > 1)
-        line = (f"{self.path}: {len(self.requests)} Mooncake requests, {len(counts)} distinct {BLOCK_TOKENS}-token "
-                f"blocks ({shared} in more than one request), arrivals over {self.span_ms() / 1000:g} s")
-        if self.reordered:
-            lines = f"{self.reordered} line{'s' if self.reordered > 1 else ''}"
-            line += f"; {lines} earlier than a line before, taken in timestamp order"
-        return line
+        return (f"{self.path}: {len(self.requests)} Mooncake requests, {len(counts)} distinct {BLOCK_TOKENS}-token "
+                f"blocks ({shared} in more than one request), arrivals over {self.span_s():g} s{self.order_note()}")
 
 
 def is_mooncake(path: str | Path) -> bool:
@@ -122,7 +86,7 @@ def is_mooncake(path: str | Path) -> bool:
 
 def read_mooncake(path: str | Path) -> MooncakeTrace:
     """Reads a Mooncake trace (the module's rules); ValueError naming the line, the field and the bound."""
-    lines: list[MooncakeRequest] = []
+    lines: list[TimedRequest] = []
     first: Optional[str] = None
     for where, data in json_objects(path, MOONCAKE_FIELDS + LINE_FIELDS):
         refuse_mixed_line(where, data, "Mooncake", first)
@@ -133,12 +97,7 @@ def read_mooncake(path: str | Path) -> MooncakeTrace:
             raise ValueError(f"{where}: {exc}") from None
     if not lines:
         raise ValueError(f"{path}: no requests")
-    order = sorted(range(len(lines)), key=lambda i: (lines[i].timestamp_ms, i))
-    latest, reordered = -1, 0
-    for r in lines:
-        reordered += r.timestamp_ms < latest
-        latest = max(latest, r.timestamp_ms)
-    return MooncakeTrace(str(path), [lines[i] for i in order], reordered)
+    return MooncakeTrace(str(path), *in_time_order(lines))
 
 
 def refuse_mixed_line(where: str, data: dict, form: str, first: Optional[str] = None) -> None:
@@ -157,7 +116,7 @@ def refuse_mixed_line(where: str, data: dict, form: str, first: Optional[str] = 
                          f"file (a Mooncake line is {LINE_FORM})")  # fmt: skip
 
 
-def _request(where: str, data: dict) -> MooncakeRequest:
+def _request(where: str, data: dict) -> TimedRequest:
     """One checked line (field names are Mooncake's in the errors)."""
     missing = [name for name in MOONCAKE_FIELDS if name not in data]
     if missing:
@@ -167,7 +126,7 @@ def _request(where: str, data: dict) -> MooncakeRequest:
     output_length = _integer(data, "output_length", 1, MAX_SEQ_LEN)
     hash_ids = check_hash_ids(data["hash_ids"])
     check_cover(input_length, len(hash_ids), "input_length")
-    return MooncakeRequest(where, timestamp, TraceRequest(input_length, output_length, hash_ids=hash_ids))
+    return TimedRequest(where, timestamp * _NS_PER_MS, TraceRequest(input_length, output_length, hash_ids=hash_ids))
 
 
 def _integer(data: dict, name: str, low: int, high: int, unit: str = "") -> int:

@@ -14,7 +14,8 @@ identical across requests for a shared prefix_id; token counts come from the ser
 number for `bench memory`) is ignored: arrivals come from the request rate. A Mooncake trace's
 requests are sent at their timestamps instead (`arrivals`), its prompts words in 512-word blocks,
 one block per hash id (trtpaged.bench.token_blocks: the same words wherever an id appears, so
-prompts share exactly their leading blocks with equal ids). A trace's `n` is sent as
+prompts share exactly their leading blocks with equal ids); an Azure or BurstGPT trace's (trtpaged.bench.csv_trace)
+at theirs too, their prompts random words of each request's length. A trace's `n` is sent as
 `n`, its `beam_width` as `beam_width` (trtpaged's and TensorRT-LLM's field). The prompts
 depend on `seed` only: a second run with the same seed sends the same prompts, which a
 server with prefix caching then finds cached (use another seed for a cold run). A ShareGPT dataset's prompts are its
@@ -46,8 +47,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from trtpaged.bench.server_metrics import parse_prometheus
-from trtpaged.bench.mooncake import MooncakeTrace, read_mooncake
 from trtpaged.bench.sharegpt import ShareGPTRule, ShareGPTSample, sample_sharegpt
+from trtpaged.bench.timed_trace import TimedTrace, read_timed_trace
 from trtpaged.bench.token_blocks import block_prompt
 from trtpaged.bench.workload import TraceRequest
 
@@ -105,10 +106,10 @@ def prompts_from_trace(trace: Sequence[TraceRequest], seed: int = 0) -> list[Ser
     return out
 
 
-def mooncake_requests(path: str, seed: int = 0) -> tuple[list[ServeRequest], MooncakeTrace]:
-    """A Mooncake trace's requests in timestamp order (`prompts_from_trace`), and the trace: its `seconds()` are
-    their send times."""
-    trace = read_mooncake(path)
+def timed_requests(path: str, seed: int = 0) -> tuple[list[ServeRequest], TimedTrace]:
+    """A timed trace's requests (Mooncake, Azure, BurstGPT) in timestamp order (`prompts_from_trace`), and the
+    trace: its `seconds()` are their send times."""
+    trace = read_timed_trace(path)
     return prompts_from_trace(trace.trace(), seed), trace
 
 

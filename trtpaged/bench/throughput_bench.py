@@ -40,8 +40,8 @@ from typing import Callable, Optional, Sequence
 
 from trtpaged.bench import process_tree
 from trtpaged.bench.noise import Noise, NoiseMonitor, assess, spread
-from trtpaged.bench.mooncake import MooncakeTrace, read_mooncake
 from trtpaged.bench.sharegpt import ShareGPTRule, ShareGPTSample, sample_sharegpt
+from trtpaged.bench.timed_trace import TimedTrace, read_timed_trace
 from trtpaged.bench.workload import (TraceRequest, json_objects, load_trace_lines, prompt_token_ids, read_lines,
                                      synthetic_trace)  # fmt: skip
 
@@ -162,11 +162,12 @@ def load_requests(path: str | Path, tokenizer: Callable[[str], list[int]], vocab
     return out
 
 
-def mooncake_requests(path: str | Path, vocab_size: int, seed: int = 0) -> tuple[list[Request], MooncakeTrace]:
-    """A Mooncake trace's requests in timestamp order, each prompt its hash ids' blocks of token ids in
-    [1, vocab_size) drawn with `seed` (trtpaged.bench.token_blocks), all submitted at t=0 (the timestamps are
-    not replayed here: the caller says so); and the trace. Each request's `where` is its line."""
-    trace = read_mooncake(path)
+def timed_requests(path: str | Path, vocab_size: int, seed: int = 0) -> tuple[list[Request], TimedTrace]:
+    """A timed trace's requests (Mooncake, Azure, BurstGPT) in timestamp order, each prompt token ids in
+    [1, vocab_size) drawn with `seed` (a Mooncake trace's: its hash ids' blocks, trtpaged.bench.token_blocks), all
+    submitted at t=0 (the timestamps are not replayed here: the caller says so); and the trace. Each request's
+    `where` is its line."""
+    trace = read_timed_trace(path)
     return requests_from_trace(trace.trace(), vocab_size, seed, [r.where for r in trace.requests]), trace
 
 

@@ -9,7 +9,9 @@ request a beam search of that width (n is then how many beams it returns, at mos
 `serve --request-log` writes a beam request). `bench memory --n/--beam-width` fill the lines that give
 neither field (`load_trace_with_sharing`). A ShareGPT dataset (one JSON array) is read by trtpaged.bench.sharegpt,
 a Mooncake trace (JSON Lines of timestamp, input_length, output_length, hash_ids) by trtpaged.bench.mooncake: its
-requests are TraceRequests whose `hash_ids` name their prompts' 512-token blocks (trtpaged.bench.token_blocks).
+requests are TraceRequests whose `hash_ids` name their prompts' 512-token blocks (trtpaged.bench.token_blocks); an
+Azure LLM inference or BurstGPT trace (CSV) by trtpaged.bench.csv_trace (trtpaged.bench.timed_trace: what timed traces
+share).
 """
 
 from __future__ import annotations

@@ -100,12 +100,14 @@ def kernel(kv_cache_dtype: Optional[str], device: str, as_json: bool, quick: boo
 @click.argument("engine", required=False, type=click.Path(exists=True, file_okay=False))
 @click.option("--trace", type=RegularFile(),
               help="JSON Lines trace (prompt_len, output_len[, arrival, prefix_id, prefix_len, n, beam_width]), a "
-                   "Mooncake trace (JSON Lines of timestamp, input_length, output_length, hash_ids; see --step-time), "
-                   "or a ShareGPT dataset (a JSON array of conversations, read as vLLM's benchmarks read it; its "
-                   "lengths counted by ENGINE's tokenizer).")
+                   "Mooncake trace (JSON Lines of timestamp, input_length, output_length, hash_ids), an Azure LLM "
+                   "inference or BurstGPT trace (CSV, known by its header; prompts random tokens, nothing shared; "
+                   "timed traces: see --step-time), or a ShareGPT dataset (a JSON array of conversations, read as "
+                   "vLLM's benchmarks read it; its lengths counted by ENGINE's tokenizer).")
 @click.option("--step-time", type=FiniteFloatRange(min=0, min_open=True), default=None,
-              help="With a Mooncake --trace: the seconds one replay step stands for; each timestamp (ms after the "
-                   "first) becomes a step, rounded up. Needed when the timestamps differ.")
+              help="With a timed --trace (Mooncake, Azure, BurstGPT): the seconds one replay step stands for; each "
+                   "timestamp (its time after the first) becomes a step, rounded up. Needed when the timestamps "
+                   "differ.")
 @click.option("--num-requests", type=click.IntRange(1, MAX_REQUESTS), default=200, show_default=True,
               help="Synthetic workload, or a ShareGPT --trace: number of requests.")
 @click.option("--prompt-len", default="64:512", show_default=True, help="Synthetic: prompt length N or LOW:HIGH.")
@@ -162,13 +164,13 @@ def memory(ctx, engine, trace, step_time, num_requests, prompt_len, output_len, 
     The budget is one device's: for a tensor-parallel engine, its blocks per rank over tensor_parallel.
     With --trace, --n or --beam-width fill the lines that give neither field; the synthetic options
     are errors (they cannot apply to a trace). A ShareGPT --trace takes --num-requests, --seed and --output-len N
-    (trtpaged.bench.sharegpt); a Mooncake --trace's timestamps become steps with --step-time
-    (trtpaged.bench.mooncake).
+    (trtpaged.bench.sharegpt); a timed --trace's timestamps (Mooncake, Azure, BurstGPT) become steps with
+    --step-time (trtpaged.bench.timed_trace).
     """
     from trtpaged.bench.memory_bench import (Budget, format_memory_report, format_sharing_table, run_memory_bench,
                                              run_sharing_table)  # fmt: skip
-    from trtpaged.bench.mooncake import is_mooncake
     from trtpaged.bench.sharegpt import is_sharegpt
+    from trtpaged.bench.timed_trace import timed_form
     from trtpaged.bench.workload import PRESETS, load_trace_with_sharing, parse_range, synthetic_trace
 
     defaults = {"num_kv_blocks": 1456, "block_size": DEFAULT_BLOCK_SIZE, "max_seq_len": 2048, "max_batch_size": 256,
@@ -201,15 +203,15 @@ def memory(ctx, engine, trace, step_time, num_requests, prompt_len, output_len, 
                  "max_batch_size": max_batch_size, "max_num_tokens": max_num_tokens}  # fmt: skip
         budget = Budget(**{k: v if v is not None else defaults[k] for k, v in given.items()})
         sharegpt = bool(trace) and is_sharegpt(trace)
-        mooncake = bool(trace) and not sharegpt and is_mooncake(trace)
-        if step_time is not None and not mooncake:
-            raise ValueError("--step-time: turns a Mooncake --trace's timestamps into replay steps; "
-                             + (f"--trace {trace} is no Mooncake trace" if trace else "a synthetic workload arrives "
-                                "at step 0"))  # fmt: skip
+        timed = bool(trace) and not sharegpt and timed_form(trace)
+        if step_time is not None and not timed:
+            raise ValueError("--step-time: turns a timed --trace's timestamps (Mooncake, Azure, BurstGPT) into replay "
+                             "steps; " + (f"--trace {trace} has none" if trace else "a synthetic workload arrives "
+                                          "at step 0"))  # fmt: skip
         if sharegpt:
             requests = _sharegpt_memory_requests(ctx, manifest, budget.max_seq_len)
-        elif mooncake:
-            requests = _mooncake_memory_requests(ctx, trace, step_time, n, beam_width)
+        elif timed:
+            requests = _timed_memory_requests(ctx, trace, step_time, n, beam_width)
         elif trace:
             given = _given(ctx, _MEMORY_WORKLOAD_OPTIONS)
             _refuse_synthetic_options(trace, given - {"n", "beam_width"})
@@ -340,20 +342,20 @@ def _sharegpt_memory_requests(ctx: click.Context, manifest, max_seq_len: int) ->
     return [TraceRequest(r.prompt_len, r.output_len, n=p["n"], beam_width=p["beam_width"]) for r in sample.requests]
 
 
-def _mooncake_memory_requests(ctx: click.Context, trace: str, step_time: Optional[float], n: int,
-                              beam_width: int) -> list:  # fmt: skip
-    """bench memory's requests from a Mooncake --trace: arrival steps from --step-time, --n or --beam-width on every
-    request (no line gives either), the synthetic options refused."""
+def _timed_memory_requests(ctx: click.Context, trace: str, step_time: Optional[float], n: int,
+                           beam_width: int) -> list:  # fmt: skip
+    """bench memory's requests from a timed --trace (Mooncake, Azure, BurstGPT): arrival steps from --step-time,
+    --n or --beam-width on every request (no line gives either), the synthetic options refused."""
     from dataclasses import replace
 
-    from trtpaged.bench.mooncake import read_mooncake
+    from trtpaged.bench.timed_trace import read_timed_trace
 
     given = _given(ctx, _MEMORY_WORKLOAD_OPTIONS)
     _refuse_synthetic_options(trace, given - {"n", "beam_width"})
     _one_request_kind(given)
-    mooncake = read_mooncake(trace)
-    requests = mooncake.arrival_steps(step_time)
-    _progress(mooncake.summary())
+    timed = read_timed_trace(trace)
+    requests = timed.arrival_steps(step_time)
+    _progress(timed.summary())
     if step_time is not None:
         _progress(f"--step-time {step_time:g}: arrivals at steps 0 to {max(r.arrival for r in requests)}")
     return [replace(r, n=n, beam_width=beam_width) for r in requests]
@@ -422,9 +424,11 @@ def qlinear(as_json: bool, quick: bool, working_set_mb: Optional[int], threads: 
 @click.option("--base-url", type=HttpUrl(), required=True, help="The server, e.g. http://127.0.0.1:8000 (any OpenAI-compatible server).")
 @click.option("--trace", type=RegularFile(),
               help="JSON Lines trace (as for bench memory), a Mooncake trace (JSON Lines of timestamp, input_length, "
-                   "output_length, hash_ids: each request sent at its timestamp, its prompt a block of words per "
-                   "hash id), or a ShareGPT dataset (a JSON array of conversations, read as vLLM's benchmarks read "
-                   "it: its prompts' texts sent, lengths counted by the server's POST /tokenize).")
+                   "output_length, hash_ids: its prompt a block of words per hash id), an Azure LLM inference or "
+                   "BurstGPT trace (CSV, known by its header: prompts random words, nothing shared) - a timed trace "
+                   "sends each request at its timestamp - or a ShareGPT dataset (a JSON array of conversations, read "
+                   "as vLLM's benchmarks read it: its prompts' texts sent, lengths counted by the server's POST "
+                   "/tokenize).")
 @click.option("--num-requests", type=click.IntRange(1, MAX_REQUESTS), default=100, show_default=True,
               help="Synthetic workload, or a ShareGPT --trace: number of requests.")
 @click.option("--prompt-len", default="32:256", show_default=True, help="Synthetic: prompt words N or LOW:HIGH.")
@@ -432,7 +436,8 @@ def qlinear(as_json: bool, quick: bool, working_set_mb: Optional[int], threads: 
               help="Synthetic: output tokens N or LOW:HIGH. With a ShareGPT --trace: N, every request's (default: "
                    "each completion's tokens).")
 @click.option("--request-rate", default="inf", show_default=True,
-              help="Requests per second (Poisson), or inf (a Mooncake --trace: its timestamps instead).")
+              help="Requests per second (Poisson), or inf (a timed --trace, Mooncake, Azure or BurstGPT: its "
+                   "timestamps instead).")
 @click.option("--max-concurrency", type=click.IntRange(1, MAX_REQUESTS), default=None, help="Requests in flight at most.")
 @click.option("--model", default=None, help="Model name to send (default: none; the server's own).")
 @click.option("--api-key", envvar="TRTPAGED_API_KEY", default=None, help="Sent as 'Authorization: Bearer KEY'.")
@@ -474,10 +479,10 @@ def serve(base_url, trace, num_requests, prompt_len, output_len, request_rate, m
         _refuse_an_empty_run(report)
         return
 
-    from trtpaged.bench.mooncake import is_mooncake
-    from trtpaged.bench.serve_bench import (format_report, mooncake_requests, prompts_from_trace, report_json,
-                                            run_serve_bench, sharegpt_requests)  # fmt: skip
+    from trtpaged.bench.serve_bench import (format_report, prompts_from_trace, report_json, run_serve_bench,
+                                            sharegpt_requests, timed_requests)  # fmt: skip
     from trtpaged.bench.sharegpt import is_sharegpt
+    from trtpaged.bench.timed_trace import timed_form
     from trtpaged.bench.workload import load_trace, parse_range, synthetic_trace
 
     arrivals = None
@@ -486,13 +491,13 @@ def serve(base_url, trace, num_requests, prompt_len, output_len, request_rate, m
         if not rate > 0:
             raise ValueError(f"--request-rate: must be > 0 or inf, got {request_rate!r}")
         sharegpt = bool(trace) and is_sharegpt(trace)
-        mooncake = bool(trace) and not sharegpt and is_mooncake(trace)
-        if mooncake and "request_rate" in given:
-            raise ValueError(f"--request-rate: the Mooncake --trace {trace} sends each request at its timestamp")
+        timed = bool(trace) and not sharegpt and timed_form(trace)
+        if timed and "request_rate" in given:
+            raise ValueError(f"--request-rate: the {timed} --trace {trace} sends each request at its timestamp")
         given -= {"request_rate"}
         _refuse_synthetic_options(trace, given - {"num_requests", "output_len"} if sharegpt else given)
-        if mooncake:
-            requests, replay = mooncake_requests(trace, seed)
+        if timed:
+            requests, replay = timed_requests(trace, seed)
             arrivals = replay.seconds()
             _progress(replay.summary() + "; each sent at its timestamp")
         elif sharegpt:
@@ -622,9 +627,11 @@ def structured(engine, batch, steps, repeats, temperature, as_json) -> None:
 @click.argument("engine", type=click.Path(exists=True, file_okay=False))
 @click.option("--trace", type=RegularFile(),
               help='JSON Lines: a bench-memory trace (prompt_len, output_len, ...; token ids are generated), '
-                   'prompts ({"prompt": text, "output_len": N}) or a Mooncake trace (token ids generated per hash id; '
-                   "its timestamps are not replayed: all requests at t=0); or a ShareGPT dataset (a JSON array of "
-                   "conversations, read as vLLM's benchmarks read it; its prompts' texts tokenized).")  # fmt: skip
+                   'prompts ({"prompt": text, "output_len": N}) or a Mooncake trace (token ids generated per hash id); '
+                   "an Azure LLM inference or BurstGPT trace (CSV, known by its header; random token ids, nothing "
+                   "shared); a timed trace's timestamps are not replayed: all requests at t=0; or a ShareGPT dataset "
+                   "(a JSON array of conversations, read as vLLM's benchmarks read it; its prompts' texts "
+                   "tokenized).")  # fmt: skip
 @click.option("--num-requests", type=click.IntRange(1, MAX_REQUESTS), default=16, show_default=True,
               help="Built-in mix (prompts 32-300, outputs 16-240 tokens), or a ShareGPT --trace: requests.")
 @click.option("--output-len", type=click.IntRange(min=1), default=None,
@@ -638,7 +645,8 @@ def structured(engine, batch, steps, repeats, temperature, as_json) -> None:
               help="Extra row: a second engine dir on the same requests (e.g. fp32 vs quantized).")
 @click.option("--profile", is_flag=True, help="Also: where a decode step's time goes (phases, and model ops at batch 1 and 16).")
 @click.option("--seed", default=0, show_default=True,
-              help="The built-in mix's lengths and prompts, a ShareGPT --trace's shuffle, a Mooncake --trace's blocks.")
+              help="The built-in mix's lengths and prompts, a ShareGPT --trace's shuffle, a timed --trace's token "
+                   "ids (a Mooncake trace's blocks).")
 @click.option("--rounds", type=click.IntRange(1, MAX_ROUNDS), default=1, show_default=True,
               help="trtpaged runs the workload this many times in one process, each round on fresh prompts of the "
                    "same shapes, and prints each round's wall: the first batch after loading vs the next.")
@@ -654,11 +662,11 @@ def structured(engine, batch, steps, repeats, temperature, as_json) -> None:
 def throughput(engine, trace, num_requests, output_len, baseline, hf_batch_size, no_prefix_caching_row, engine2,
                profile, seed, rounds, speculative_config, sequential, peer_time_limit, as_json) -> None:  # fmt: skip
     """End-to-end throughput and latency: trtpaged vs HF transformers on the same requests, side by side."""
-    from trtpaged.bench.mooncake import is_mooncake
     from trtpaged.bench.sharegpt import is_sharegpt
     from trtpaged.bench.throughput_bench import (check_requests, default_requests, format_throughput_report,
-                                                 load_requests, mooncake_requests, run_throughput_bench,
-                                                 sharegpt_requests)  # fmt: skip
+                                                 load_requests, run_throughput_bench, sharegpt_requests,
+                                                 timed_requests)  # fmt: skip
+    from trtpaged.bench.timed_trace import timed_form
     from trtpaged.errors import check_unicode
     from trtpaged.manifest import read_manifest
 
@@ -681,9 +689,9 @@ def throughput(engine, trace, num_requests, output_len, baseline, hf_batch_size,
             requests, sample = sharegpt_requests(trace, lambda text: list(tokenizer.encode(text)), num_requests, seed,
                                                  output_len, manifest.limits.max_seq_len)  # fmt: skip
             progress(sample.summary(num_requests))
-        elif trace and is_mooncake(trace):
-            requests, mooncake = mooncake_requests(trace, manifest.dims.vocab_size, seed)
-            progress(mooncake.summary())
+        elif trace and timed_form(trace):
+            requests, timed = timed_requests(trace, manifest.dims.vocab_size, seed)
+            progress(timed.summary())
             progress("timestamps not replayed: every request is submitted at t=0 (--sequential: one at a time), in "
                      "timestamp order, as the baseline runs them (bench serve replays them)")  # fmt: skip
             check_requests(requests, manifest.limits.max_seq_len, trace)

@@ -69,7 +69,8 @@ def _kv_from_config(path: str):
               help="Samples of --metrics, 1 s apart.")
 @click.option("--step-time", type=float, default=None,
               help="Seconds per engine step for a log whose arrivals are seconds (default: the median of its lines' "
-                   "step_time_s, as `trtpaged serve --request-log` writes).")
+                   "step_time_s, as `trtpaged serve --request-log` writes), or a timed trace's (Mooncake, Azure, "
+                   "BurstGPT; needed when its timestamps differ).")
 @click.option("--kv-tier-blocks", default=None, metavar="N[,N..]",
               help="Also: what KV tiers of N blocks below the pool would buy the log (prefix hit rate, tokens "
                    "computed; 'unbounded' too).")
@@ -80,8 +81,9 @@ def command(log, engine, config_path, metrics_url, metrics_samples, step_time, k
     Log lines: {"prompt": text | "prompt_token_ids": [...] | "prompt_len": N, "output_len": N,
     "arrival": step or seconds, "prefix_id": id, "prefix_len": N, "n": N, "beam_width": W}; the log that
     `trtpaged serve --request-log` writes is one (arrivals in seconds since the server started, converted
-    to steps with the measured step time). A Mooncake trace (timestamp, input_length, output_length, hash_ids) is
-    read as `bench memory --trace` replays it (--step-time needed when its timestamps differ).
+    to steps with the measured step time). A Mooncake trace (timestamp, input_length, output_length, hash_ids), an
+    Azure LLM inference or a BurstGPT trace (CSV, known by its header; no prompt content, so prefix sharing is
+    reported unknown) is read as `bench memory --trace` replays it (--step-time needed when its timestamps differ).
     """
     import json
 
