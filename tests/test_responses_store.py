@@ -447,6 +447,31 @@ def test_a_background_stream_is_read_again_from_any_event(client, server):
     wait_idle(server)
 
 
+def test_a_cancelled_background_stream_ends_with_the_response_get_returns(client, server):
+    """A background stream cancelled while it runs ends with a terminal event (it stopped after its last delta,
+    none said why), response.incomplete, whose Response is cancelled and is the one GET returns: the text streamed
+    so far, its item incomplete, usage counting the tokens produced; read again, the stream ends the same way."""
+    events = []
+    stream = _create(client, input="go on", max_output_tokens=480, background=True, stream=True,
+                     extra_body={"structured_outputs": {"regex": "[a-z]{470}"}})  # no end before the cancel
+    for event in stream:
+        events.append(event)
+        if len(events) == 6:
+            rid = events[0].response.id
+            cancelled = client.responses.cancel(rid)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    last = events[-1]
+    assert last.type == "response.incomplete" and last.response.status == "cancelled"
+    got = client.responses.retrieve(rid)
+    assert got.model_dump() == last.response.model_dump() == cancelled.model_dump()
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert got.output_text == text and got.output[0].status == "incomplete"
+    assert 1 <= got.usage.output_tokens == len(text) < 470  # the tiny model's byte vocabulary: a token a character
+    again = list(client.responses.retrieve(rid, stream=True))
+    assert [e.model_dump() for e in again] == [e.model_dump() for e in events]
+    wait_idle(server)
+
+
 def test_background_streams_read_to_their_end_do_not_fill_the_store(tiny_engine_dir):
     """A background stream's client that read its last event has the Response: it is no longer held unread, so a
     small store keeps taking new background streams (each was held until polled: a 503 for good after a few). Its

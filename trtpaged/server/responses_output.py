@@ -317,6 +317,17 @@ class EventStream:
         events.append(self.event("response.failed", response=self._kept(body)))
         return events
 
+    def cancelled(self, usage: dict[str, Any]) -> list[bytes]:
+        """A background stream cancelled (POST /v1/responses/{id}/cancel): the item being written ends incomplete,
+        then response.incomplete (the Responses stream has no cancelled event; its response says status
+        "cancelled", as GET then returns it) with the output so far and `usage`, the tokens spent until then."""
+        events = self.start() if self.sequence == 0 else []  # cancelled before its first event
+        events += self._flush_pending()
+        events += self._finish_open("incomplete")
+        body = envelope(self.call, self.rid, "cancelled", self.output, usage)
+        events.append(self.event("response.incomplete", response=self._kept(body)))
+        return events
+
 
 def chat_events(raw: bytes) -> list[Any]:
     """The JSON payloads of the chat stream's Server-Sent Events in `raw` ("[DONE]" left out)."""
@@ -328,10 +339,12 @@ def chat_events(raw: bytes) -> list[Any]:
 
 
 async def stream(call: ResponsesCall, rid: str, chat_stream: AsyncIterator[bytes], summary: Any,
-                 block_size: int, keep: Optional[Keep] = None) -> AsyncIterator[bytes]:  # fmt: skip
+                 block_size: int, keep: Optional[Keep] = None,
+                 events: Optional[EventStream] = None) -> AsyncIterator[bytes]:  # fmt: skip
     """The Responses stream of one chat stream; `summary` (the request's Summary) holds the usage at its end;
-    `block_size`: the prefix cache's (0: off); `keep` stores the final Response (EventStream's)."""
-    events = EventStream(call, rid, keep)
+    `block_size`: the prefix cache's (0: off); `keep` stores the final Response (EventStream's); `events`: the
+    EventStream to write with (a caller that ends a cancelled stream reads its state), else a new one."""
+    events = events if events is not None else EventStream(call, rid, keep)
     failed = False
     async with aclosing(chat_stream):  # a client gone closes this stream: the chat stream's close aborts the request
         for e in events.start():

@@ -122,6 +122,8 @@ class StoredResponses:
                 body = await self._streamed(call, rid, s, started)
                 if body.get("status") == "failed":  # its stream's response.failed (the engine failed, or a timeout)
                     status, note = 500, str((body.get("error") or {}).get("message", "failed"))
+                elif body.get("status") == "cancelled":
+                    status, note = 499, "cancelled"
             else:
                 answer = await self.service.respond(s, cancelled, started)
                 body = responses_output.response_body(call, rid, answer, self._usage(s), s.summary.reasoning_span)
@@ -152,17 +154,24 @@ class StoredResponses:
     async def _streamed(self, call: ResponsesCall, rid: str, s: Submitted,
                         started: Callable[[], None]) -> dict[str, Any]:  # fmt: skip
         """Runs a background stream: its events go to its log (what its readers read) and the last one holds the
-        Response it ended as. Cancelling the task aborts the request (its chat stream is closed)."""
+        Response it ended as. Cancelling the task aborts the request (its chat stream is closed) and ends the stream
+        with the output so far, cancelled (EventStream.cancelled)."""
         log = self.logs.get(rid)
         assert log is not None
         last = b""
-        events = responses_output.stream(call, rid, self.service.stream(s), s.summary, self.block_size)
-        async with aclosing(events):
-            async for event in events:
+        state = responses_output.EventStream(call, rid)
+        events = responses_output.stream(call, rid, self.service.stream(s), s.summary, self.block_size, events=state)
+        try:
+            async with aclosing(events):
+                async for event in events:
+                    log.append(event)
+                    last = event
+                    if len(log.events) == 3:  # past response.created and .in_progress: a step computed it
+                        started()
+        except asyncio.CancelledError:  # a cancel: its readers get a last event, as the Response GET returns
+            for event in state.cancelled(self._usage(s)):
                 log.append(event)
                 last = event
-                if len(log.events) == 3:  # past response.created and .in_progress: a step computed it
-                    started()
         return json.loads(last.split(b"\ndata: ", 1)[1])["response"]
 
     async def follow(self, rid: str, start: int) -> AsyncIterator[bytes]:
