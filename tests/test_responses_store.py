@@ -166,10 +166,18 @@ def test_ids_name_one_stored_response(client, server):
     again = _create(client, input="y", max_output_tokens=2, extra_headers={"X-Request-Id": "trace"})
     assert first.id == "resp_trace" and again.id.startswith("resp_") and again.id != first.id
     assert client.responses.retrieve("resp_mine").output_text == kept.output_text  # not replaced
-    for dots in (".", ".."):  # no URL could read them back
+    for unreadable in (".", "..", "resp_a/input_items"):  # no URL could read them back
         with pytest.raises(openai.BadRequestError) as err:
-            _create(client, input="y", max_output_tokens=2, extra_body={"request_id": dots})
+            _create(client, input="y", max_output_tokens=2, extra_body={"request_id": unreadable})
         assert err.value.body["param"] == "request_id"
+    from_header = _create(client, input="y", max_output_tokens=2, extra_headers={"X-Request-Id": "t/input_items"})
+    assert not from_header.id.endswith("/input_items")  # a random id instead
+    slashed = _create(client, input="with a slash", max_output_tokens=2, extra_body={"request_id": "resp_a/b"})
+    assert client.responses.retrieve("resp_a/b").id == slashed.id == "resp_a/b"  # read by every route
+    assert [i.content[0].text for i in client.responses.input_items.list("resp_a/b").data] == ["with a slash"]
+    client.responses.delete("resp_a/b")
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve("resp_a/b")
     wait_idle(server)
 
 

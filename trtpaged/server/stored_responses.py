@@ -29,6 +29,7 @@ log = logging.getLogger("trtpaged.server")
 CANCEL_WAIT_S = 30.0  # how long a cancel waits for its request to end (an abort takes a step or a poll, 0.25 s)
 Ended = Callable[[int, str, Optional[Submitted]], None]  # logs a background request's end: status, note
 Claim = tuple[str, int]  # a claimed Response id and the claim's token
+_ITEMS_SUFFIX = "/input_items"  # of GET /v1/responses/{id}/input_items; an id may hold '/' (the routes read paths)
 
 
 class StoredResponses:
@@ -52,10 +53,12 @@ class StoredResponses:
             return None
         rid = call.req.request_id
         if rid is not None:
-            if rid in (".", ".."):  # a URL path segment that can never be read back
-                raise ApiError("request_id: '.' and '..' cannot name a stored response", "request_id")
+            if _unreadable(rid):
+                raise ApiError(f"request_id: '.', '..' and ids ending in {_ITEMS_SUFFIX!r} cannot name a stored "
+                               "response (no URL reads them back)", "request_id")  # fmt: skip
             claim = rid, store.claim(rid, "request_id")
-        elif header_id is not None and not store.taken(rid := responses_output.response_id(f"chatcmpl-{header_id}")):
+        elif header_id is not None and not _unreadable(rid := responses_output.response_id(f"chatcmpl-{header_id}")) \
+                and not store.taken(rid):
             claim = rid, store.claim(rid, "X-Request-Id")
         else:
             rid = f"resp_{uuid.uuid4().hex}"
@@ -268,7 +271,7 @@ class StoredResponses:
                 "last_id": page[-1]["id"] if page else None, "has_more": len(listed) > limit}  # fmt: skip
 
     def add_routes(self, app: FastAPI, authorize: Callable[[Request], Awaitable[None]]) -> None:
-        @app.get("/v1/responses/{response_id}/input_items", dependencies=[Depends(authorize)])
+        @app.get("/v1/responses/{response_id:path}" + _ITEMS_SUFFIX, dependencies=[Depends(authorize)])
         async def list_input_items(response_id: str, limit: str = "20", order: str = "desc",
                                    after: Optional[str] = None) -> Response:  # fmt: skip
             if re.fullmatch(r"[0-9]{1,4}", limit) is None:  # a 400 in OpenAI's form, not FastAPI's 422
@@ -295,6 +298,12 @@ class StoredResponses:
         @app.post("/v1/responses/{response_id:path}/cancel", dependencies=[Depends(authorize)])
         async def cancel_response(response_id: str) -> Response:
             return _json(await self.cancel(response_id))
+
+
+def _unreadable(rid: str) -> bool:
+    """Whether no URL reads a response of id `rid` back: '.' and '..' (path segments a client resolves away), and
+    an id ending in /input_items (GET reads it as the input items of the id before)."""
+    return rid in (".", "..") or rid.endswith(_ITEMS_SUFFIX)
 
 
 def _json(body: dict[str, Any]) -> Response:
