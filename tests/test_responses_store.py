@@ -401,6 +401,28 @@ def test_input_items_list_what_the_request_gave_paged_and_in_either_order(client
     wait_idle(server)
 
 
+def test_listed_input_items_are_the_sdks_item_types(client, server):
+    """Each kind of input item, listed, validates as the openai package's type of a listed item (their required
+    fields: a call's and a call output's status, a reasoning item's summary; the SDK's own parsing does not check)."""
+    from openai.types.responses import (ResponseFunctionToolCallItem, ResponseFunctionToolCallOutputItem,
+                                        ResponseInputMessageItem, ResponseOutputMessage, ResponseReasoningItem)
+
+    kinds = {"reasoning": ResponseReasoningItem, "function_call": ResponseFunctionToolCallItem,
+             "function_call_output": ResponseFunctionToolCallOutputItem}  # fmt: skip
+    given = [{"role": "user", "content": "q"},
+             {"type": "reasoning", "summary": [{"type": "summary_text", "text": "t"}]},
+             {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c1", "output": "out"},
+             {"role": "assistant", "content": "a"}, {"role": "user", "content": "go"}]  # fmt: skip
+    r = _create(client, input=given, max_output_tokens=2)
+    listed = client.get(f"/responses/{r.id}/input_items", cast_to=object, options={"params": {"order": "asc"}})
+    assert [item["type"] for item in listed["data"]] == [item.get("type", "message") for item in given]
+    for item in listed["data"]:
+        assistant = item.get("role") == "assistant"
+        kinds.get(item["type"], ResponseOutputMessage if assistant else ResponseInputMessageItem).model_validate(item)
+    wait_idle(server)
+
+
 def test_a_background_stream_is_read_again_from_any_event(client, server):
     """background + stream (OpenAI's and vLLM's): the events as a plain stream of the same request sends them, each
     kept, so that GET ?stream=true&starting_after=N sends the ones after N again; a client that leaves does not stop

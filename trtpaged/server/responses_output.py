@@ -80,16 +80,21 @@ _ITEM_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output
 
 
 def input_item(item: dict[str, Any], key: str) -> dict[str, Any]:
-    """A stored prompt item as the input_items list shows it: an id (a hash of `key`, the same at every read), and a
-    message's text as parts (input_text, or output_text for the assistant's)."""
+    """A stored prompt item as the input_items list shows it: an id (a hash of `key`, the same at every read), a
+    status (a message's own, else completed), a message's text as parts (input_text, or output_text for the
+    assistant's, with no annotations) and a reasoning item's summary (none: its text is kept as its content), the
+    fields OpenAI's listed item types require."""
     kind = item.get("type", "message")
     out = {"id": f"{_ITEM_PREFIXES.get(kind, 'item')}_{hashlib.blake2b(key.encode(), digest_size=16).hexdigest()}",
            **item}  # fmt: skip
     if kind == "message":
         part = "output_text" if item["role"] == "assistant" else "input_text"
         content = item["content"]
-        out["content"] = [{"type": part, "text": content}] if isinstance(content, str) else content
-        out.setdefault("status", "completed")
+        parts = [{"type": part, "text": content}] if isinstance(content, str) else content
+        out["content"] = [{**p, "annotations": []} if p["type"] == "output_text" else p for p in parts]
+    elif kind == "reasoning":
+        out.setdefault("summary", [])
+    out.setdefault("status", "completed")
     return out
 
 
