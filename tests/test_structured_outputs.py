@@ -549,6 +549,11 @@ BAD_TAGS = [
     (_tag_around(_arrays(70)), "json schema at format.json_schema nests objects and arrays more than 64", False),
     (_tag_around({"type": "string", "pattern": "a{1,5000}"}), "json schema at format.json_schema pattern", False),
     (_tag_around({"type": "array", "uniqueItems": True}), "the JSON schema at format.json_schema: 'uniqueItems'", True),
+    # a node without a type that xgrammar reads as a json_schema (was: compiled unchecked, 6 s for a{1,12000})
+    ({"type": "structural_tag", "format": {"json_schema": {"type": "array", "uniqueItems": True}}},
+     "the JSON schema at format.json_schema: 'uniqueItems'", True),
+    ({"type": "structural_tag", "format": {"begin": "<a>", "end": "</a>", "content": {
+        "json_schema": {"type": "string", "pattern": "a{1,5000}"}}}}, "format.content.json_schema pattern", False),
     ({**LEGACY_TAG, "triggers": ["<x"]}, "does not match any trigger", True),
     ({**LEGACY_TAG, "triggers": []}, "triggers: must be a non-empty list", False),
     ({"structures": [{"begin": "<a>", "end": "</a>"}], "triggers": ["<"]}, "exactly begin, schema and end", False),
