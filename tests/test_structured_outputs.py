@@ -401,6 +401,28 @@ def test_a_pattern_repeating_past_the_bound_is_refused_before_compiling():
                   "examples": [{"pattern": "a{5000}"}]})
 
 
+
+def test_a_pattern_nesting_groups_past_the_bound_is_refused_before_compiling(llm):
+    """A pattern of 30,000 nested groups (60 KB) overflowed the stack of the thread compiling it in xgrammar (which
+    bounds a regex's nesting but not a schema pattern's): the server died. Refused, naming the field and the limit,
+    in a schema and in a structural tag's; a pattern at the bound compiles and its output matches it."""
+    from trtpaged.runtime.sampling_params import MAX_PATTERN_NESTING
+
+    deep = "(" * 30000 + "a" + ")" * 30000
+    for params in ({"json": {"type": "string", "pattern": deep}},
+                   {"json": {"type": "object", "patternProperties": {deep: {"type": "integer"}}}},
+                   {"structural_tag": _tag_around({"type": "string", "pattern": deep})}):
+        with pytest.raises(RequestError) as info:
+            Grammar(**params, origin="response_format")
+        assert info.value.field == "response_format" and info.value.limit == MAX_PATTERN_NESTING, str(info.value)
+        assert "nests groups 30000 deep" in str(info.value)
+    # at the bound (escaped parentheses open no group): the strings of [a-c]\(\[ (too deep for Python's re)
+    pattern = "^" + "(" * MAX_PATTERN_NESTING + "[a-c]" + ")" * MAX_PATTERN_NESTING + r"\(\[$"
+    grammar = Grammar(json={"type": "string", "pattern": pattern})
+    for text, reason in texts(llm.generate(PROMPTS[:2], SamplingParams(max_tokens=12, structured_outputs=grammar))):
+        assert reason == "stop" and re.fullmatch(r"[a-c]\(\[", json.loads(text)), text
+
+
 # ---- structural tags (xgrammar's format, vLLM's legacy structures + triggers) ------------------------------------
 ANSWER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
                                            "days": {"type": "integer", "minimum": 1, "maximum": 14}},

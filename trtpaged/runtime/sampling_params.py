@@ -38,6 +38,10 @@ MAX_STRUCTURAL_TAG_DEPTH = 256
 # time about quadratic in it ({1,4000}: 1 s; {1,16000}: 27 s, on 2 cores), where the schema text is 60 bytes
 MAX_PATTERN_REPEAT = 1000
 _REPEAT = re.compile(r"\{(\d+)(?:,(\d*))?\}")
+# and its groups' nesting: xgrammar converts a schema's pattern recursively with no bound of its own (a 60 KB pattern
+# of 30000 nested groups overflowed the compiling thread's stack: the server died; 12000 nested alternatives took
+# 18 s to compile); a regex (the regex kind, a tag's regex node) may nest 1000, xgrammar's bound there
+MAX_PATTERN_NESTING = 1000
 MAX_CACHE_SALT_CHARS = 128  # vLLM's limit on cache_salt
 
 
@@ -97,10 +101,28 @@ def _loads_or_none(text: str) -> Any:
         return None  # the grammar compiler names what is wrong with it
 
 
-def _check_pattern_repeats(field_name: str, schema: Any, where: str = "") -> None:
+def _group_nesting(pattern: str) -> int:
+    """How deep a regex's groups nest: its unescaped parentheses, a "(" in a character class counted too (an
+    overcount only for such classes, never an undercount)."""
+    depth = deepest = 0
+    escaped = False
+    for ch in pattern:
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif ch == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch == ")":
+            depth = max(depth - 1, 0)
+    return deepest
+
+
+def _check_patterns(field_name: str, schema: Any, where: str = "") -> None:
     """RequestError naming `field_name` (and `where`, the schema's place in it, if any) for a `pattern` (or
-    patternProperties key) whose repetition bound exceeds MAX_PATTERN_REPEAT (the depth is bounded before this
-    walk)."""
+    patternProperties key) whose repetition bound exceeds MAX_PATTERN_REPEAT or whose groups nest deeper than
+    MAX_PATTERN_NESTING (the depth is bounded before this walk)."""
     for path, node in subschemas(schema):
         patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
         if isinstance(node.get("patternProperties"), Mapping):
@@ -112,6 +134,11 @@ def _check_pattern_repeats(field_name: str, schema: Any, where: str = "") -> Non
                                    f"{pattern[:60]!r} (at {path}) repeats up to {bound} times; at most "
                                    f"{MAX_PATTERN_REPEAT} (use maxLength without a pattern for long strings)",
                                    MAX_PATTERN_REPEAT)  # fmt: skip
+            nesting = _group_nesting(pattern)
+            if nesting > MAX_PATTERN_NESTING:
+                raise RequestError(field_name, f"json schema{' at ' if where else ''}{where} pattern "
+                                   f"{pattern[:60]!r} (at {path}) nests groups {nesting} deep; at most "
+                                   f"{MAX_PATTERN_NESTING}", MAX_PATTERN_NESTING)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -162,7 +189,7 @@ class StructuredOutputsParams:
                                    MAX_GRAMMAR_CHARS)
             if isinstance(self.json, str):
                 _check_schema_depth(name, text)
-            _check_pattern_repeats(name, self.json if isinstance(self.json, Mapping) else _loads_or_none(text))
+            _check_patterns(name, self.json if isinstance(self.json, Mapping) else _loads_or_none(text))
         for kind in ("regex", "grammar"):
             value = getattr(self, kind)
             if value is not None and (not isinstance(value, str) or not value):
@@ -244,7 +271,7 @@ def _checked_structural_tag(name: str, value: Any) -> tuple[str, tuple[tuple[str
     tag, schemas = xgrammar_form(name, document)
     for where, schema in schemas:
         _check_schema_depth(name, schema, where)
-        _check_pattern_repeats(name, schema, where)
+        _check_patterns(name, schema, where)
     return json.dumps(tag), tuple(schemas)
 
 
