@@ -140,6 +140,48 @@ def test_a_cancelled_background_response_frees_its_blocks(client, server):
         client.responses.retrieve(queued.id)
 
 
+def _shape(r) -> tuple:
+    """A Response as its kind of end shows it: its fields but the ones every response has its own of, and each
+    output item's type, status and fields."""
+    body = r.model_dump()
+    for own in ("id", "created_at", "output", "usage"):
+        body.pop(own)
+    return body, [(o.type, o.status, sorted(o.model_dump())) for o in r.output]
+
+
+def test_a_cancelled_background_response_keeps_its_output_so_far(client, server):
+    """Not streamed, a background response cancelled while it runs is cancelled with the text it wrote so far (it
+    had no output while its usage counted tokens), its message incomplete: the Response GET returns, in the shape a
+    cancelled background stream ends with."""
+    letters = {"structured_outputs": {"regex": "[a-z]{470}"}}  # no end before the cancel; a token a character
+    queued = _create(client, input="go on", max_output_tokens=480, background=True, extra_body=letters)
+    deadline = time.monotonic() + 20
+    while client.responses.retrieve(queued.id).status == "queued":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    release = threading.Event()
+    held = threading.Thread(target=lambda: server.loop.call(lambda e: release.wait(30)))
+    try:  # the engine thread held: the cancel ends it short of its length
+        held.start()
+        while (server.loop._commands.qsize() or not held.is_alive()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        cancelled = client.responses.cancel(queued.id)
+    finally:
+        release.set()
+        held.join(30)
+    assert cancelled.status == "cancelled" and [o.status for o in cancelled.output] == ["incomplete"]
+    assert 1 <= cancelled.usage.output_tokens == len(cancelled.output_text) < 470
+    assert client.responses.retrieve(queued.id).model_dump() == cancelled.model_dump()
+    events = []
+    for event in _create(client, input="go on", max_output_tokens=480, background=True, stream=True,
+                         extra_body=letters):  # fmt: skip
+        events.append(event)
+        if len(events) == 6:
+            client.responses.cancel(events[0].response.id)
+    assert _shape(events[-1].response) == _shape(cancelled)
+    wait_idle(server)
+
+
 def test_deleting_a_response_breaks_the_chains_through_it(client, server):
     first = _create(client, input="one", max_output_tokens=2)
     second = _create(client, input="two", max_output_tokens=2, previous_response_id=first.id)

@@ -21,6 +21,7 @@ from trtpaged.runtime.sampling_params import SamplingParams
 from trtpaged.runtime.llm_engine import check_priority
 from trtpaged.runtime.scheduler import check_request
 from trtpaged.server.engine_loop import (
+    ClientGone,
     EngineFailure,
     EngineLoop,
     Overloaded,
@@ -348,11 +349,14 @@ class GenerationService:
 
         return await self.tokens.output(read)
 
-    async def respond(self, s: Submitted, disconnected: Disconnected,
-                      started: Optional[Callable[[], None]] = None) -> BaseModel:  # fmt: skip
+    async def respond(self, s: Submitted, disconnected: Disconnected, started: Optional[Callable[[], None]] = None,
+                      keep_cut: bool = False) -> BaseModel:  # fmt: skip
         """The full (non-streamed) body once every choice finished; raises ClientGone or the engine's error.
-        `started` is called once, at the first output (the request was admitted and ran a step)."""
+        `started` is called once, at the first output (the request was admitted and ran a step). `keep_cut`: a
+        request ended by `disconnected` (a cancel) after its first output answers with what it generated so far,
+        its choices' finish_reason "abort", instead of raising ClientGone."""
         joined = [CompletionAccumulator() for _ in s.index]
+        whole = True
         try:
             async with aclosing(s.sub.outputs(disconnected, self.request_timeout_s)) as outputs:
                 async for out in outputs:
@@ -360,10 +364,12 @@ class GenerationService:
                         started()
                         started = None
                     joined[s.index[out.request_id]].add(out)
-        except BaseException:  # ended early (cancelled, the client gone, a failure): what it generated is its usage
+        except BaseException as exc:  # ended early (cancelled, client gone, a failure): what it generated is its usage
             s.summary.completion_tokens = sum(len(c.token_ids) for j in joined for c in j.completions.values())
-            raise
-        ordered = [j.result() for j in joined]
+            if not (keep_cut and isinstance(exc, ClientGone) and all(j.last is not None for j in joined)):
+                raise
+            whole = False
+        ordered = [j.result() if whole else j.cut() for j in joined]
         ids: set[int] = set()
         if s.builder.top_logprobs is not None:
             for out in ordered:

@@ -131,15 +131,17 @@ def _text_logprobs(entries: list[dict[str, Any]], text: str) -> list[dict[str, A
 def response_body(call: ResponsesCall, rid: str, chat_answer: BaseModel, usage: dict[str, Any],
                   reasoning_span: int = 0) -> dict[str, Any]:  # fmt: skip
     """The Response object `rid` of a finished chat answer (one choice): its reasoning, its text, then its calls;
-    cut by max_output_tokens, the last item is incomplete. `reasoning_span`: the answer's first tokens that were
-    its reasoning's (their log-probs are not the message's)."""
+    cut by max_output_tokens, the last item is incomplete; cut by a cancel (finish_reason "abort"), the Response is
+    cancelled with the output so far, its last item incomplete (as a cancelled stream ends). `reasoning_span`: the
+    answer's first tokens that were its reasoning's (their log-probs are not the message's)."""
     answer = chat_answer.model_dump(mode="json")
     (choice,) = answer["choices"]
     message = choice["message"]
-    status = "incomplete" if choice["finish_reason"] == "length" else "completed"
+    status = {"length": "incomplete", "abort": "cancelled"}.get(choice["finish_reason"], "completed")
     calls = message.get("tool_calls") or []
     output = [_reasoning_item(message["reasoning"], "completed")] if message.get("reasoning") else []
-    if message.get("content") or not (calls or output):
+    # an empty answer is one empty message; a cancelled one that wrote nothing yet has none, as its stream
+    if message.get("content") or not (calls or output or status == "cancelled"):
         text = message.get("content") or ""
         # the message's tokens follow the reasoning's (a reasoning item carries no log-probs)
         entries = ((choice.get("logprobs") or {}).get("content") or [])[reasoning_span:]
@@ -147,7 +149,8 @@ def response_body(call: ResponsesCall, rid: str, chat_answer: BaseModel, usage: 
         output.append(_text_item(text, logprobs, "completed"))
     for c in calls:
         output.append(_call_item(c["id"], c["function"]["name"], c["function"]["arguments"], "completed"))
-    output[-1]["status"] = status
+    if output:
+        output[-1]["status"] = "completed" if status == "completed" else "incomplete"
     return envelope(call, rid, status, output, usage)
 
 

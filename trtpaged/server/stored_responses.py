@@ -128,8 +128,11 @@ class StoredResponses:
                 elif body.get("status") == "cancelled":
                     status, note = 499, "cancelled"
             else:
-                answer = await self.service.respond(s, cancelled, started)
+                # cancelled, it answers with its output so far (as a cancelled stream ends)
+                answer = await self.service.respond(s, cancelled, started, keep_cut=True)
                 body = responses_output.response_body(call, rid, answer, self._usage(s), s.summary.reasoning_span)
+                if body["status"] == "cancelled":
+                    status, note = 499, "cancelled"
         except (ClientGone, asyncio.CancelledError):  # cancelled: the request was aborted
             status, note = 499, "cancelled"
             body = responses_output.envelope(call, rid, "cancelled", [], self._usage(s))

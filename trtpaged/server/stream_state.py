@@ -111,7 +111,20 @@ class CompletionAccumulator:
     def result(self) -> RequestOutput:
         """The finished output: every completion whole, sorted by index."""
         assert self.last is not None and self.last.finished, "the request has not finished"
+        return self._joined()
+
+    def cut(self) -> RequestOutput:
+        """The output so far of a request ended early (aborted: a cancel): every completion still running ends
+        with finish_reason "abort"."""
+        assert self.last is not None, "the request has no output"
+        for c in self.completions.values():
+            if c.finish_reason is None:
+                c.finish_reason = "abort"
+        return self._joined()
+
+    def _joined(self) -> RequestOutput:
         last = self.last
+        assert last is not None
         return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids,
                              [self.completions[i] for i in sorted(self.completions)], True, last.num_preemptions,
                              prompt_logprobs=self.prompt_logprobs, num_cached_tokens=last.num_cached_tokens)  # fmt: skip
