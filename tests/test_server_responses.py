@@ -271,6 +271,27 @@ def test_streamed_items_finish_one_before_the_next_begins(client):
     assert [e.sequence_number for e in events] == list(range(len(events)))
 
 
+@pytest.mark.parametrize("forced, cut_after", [(ONE_CALL, '"get_weather", "a'), (TWO_CALLS, '"add", "a'),
+                                               (TWO_CALLS, "</tool_call>\n<")])  # fmt: skip
+def test_a_models_call_cut_by_max_output_tokens_has_the_same_items_streamed_or_not(client, forced, cut_after):
+    """The model's call cut while it writes its JSON: the same output items, in the same order, streamed or not,
+    and none of the call's JSON as text (was: its cut rest a message after the call streamed, before it whole)."""
+    cut = forced.index(cut_after) + len(cut_after)  # the tiny tokenizer's bytes: a token a character
+    kw = dict(model=MODEL, input="go", tools=FLAT_TOOLS, max_output_tokens=cut, temperature=0,
+              extra_body={"structured_outputs": {"choice": [forced]}})  # fmt: skip
+
+    def items(r) -> list[tuple]:
+        return [(o.type, o.status, o.content[0].text if o.type == "message" else (o.name, o.arguments))
+                for o in r.output]  # fmt: skip
+
+    whole = client.responses.create(**kw)
+    streamed = list(client.responses.create(stream=True, **kw))[-1].response
+    assert items(streamed) == items(whole)
+    assert [t for kind, _, t in items(whole) if kind == "message"] == ([forced[: forced.index("<")].strip()]
+                                                                       if forced.index("<") else [])  # fmt: skip
+    assert whole.status == "incomplete" and whole.output[-1].type == "function_call"
+
+
 def test_a_call_cut_by_max_output_tokens_is_incomplete(client):
     for stream in (False, True):
         kw = dict(model=MODEL, input="go", tools=FLAT_TOOLS, tool_choice="required", max_output_tokens=30,

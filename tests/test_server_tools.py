@@ -268,6 +268,26 @@ def test_calls_cut_short_read_the_same_streamed_and_whole(client, tool_choice):
         assert [(n, a) for _, n, a in streamed] == calls and finish == cut.finish_reason == "length"
 
 
+@pytest.mark.parametrize("forced", [ONE_CALL, TWO_CALLS])
+def test_model_calls_cut_anywhere_read_the_same_streamed_and_whole_with_no_json_as_content(client, forced):
+    """The model's own calls (auto) cut by max_tokens at every token: the whole answer is the stream's deltas
+    joined (content, calls), and once a call went out no piece of its JSON, or of a next call's, is content (was:
+    content '"a' beside an `add` call with empty arguments, sent after the call streamed, before it whole)."""
+    before = forced[: forced.index("<tool_call>")].strip() or None  # the text before the first call
+    uncut = [(tc.function.name, tc.function.arguments) for tc in _create(client, forced).choices[0].message.tool_calls]
+    for max_tokens in range(1, len(forced)):  # the tiny tokenizer's bytes: a token a character
+        kw = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=max_tokens, temperature=0,
+                  extra_body={"guided_choice": [forced]})  # fmt: skip
+        whole = client.chat.completions.create(**kw).choices[0]
+        calls = [(tc.function.name, tc.function.arguments) for tc in whole.message.tool_calls or []]
+        content, streamed, finish = _streamed(client.chat.completions.create(stream=True, **kw))
+        assert (content, [(n, a) for _, n, a in streamed], finish) == (whole.message.content, calls, "length"), \
+            max_tokens  # fmt: skip
+        if calls:
+            assert whole.message.content == before, (max_tokens, whole.message.content)
+            assert all(uncut[i][0] == n and uncut[i][1].startswith(a) for i, (n, a) in enumerate(calls)), max_tokens
+
+
 def test_streamed_calls_carry_their_logprobs(client):
     kw = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "temperature": 0,
           "max_tokens": 40, "logprobs": True, "top_logprobs": 2}  # fmt: skip

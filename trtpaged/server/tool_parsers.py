@@ -208,7 +208,10 @@ class ToolCallStream:
         """Events for what the text's end decides (held content, a last call without its closing text)."""
         events = self.feed("", final=True)
         if self.state not in ("text", "content", "after_block", "done", "done_text"):  # a call cut off
-            if self._forced:  # the grammar's call syntax, cut (max_tokens): never content; the calls so far stand
+            # the calls so far stand and the cut text is no content: the grammar's call syntax never is, nor, once
+            # a call went out, the cut rest of its JSON or of the next one's (a stream sent the call, then text
+            # after it: the whole answer put that text first, and a client read the call's JSON as its content)
+            if self._forced or self.calls:
                 self.malformed, self.state, self._held = True, "done", ""
                 return events
             self._fail()  # what of it did not go out as a call is content
@@ -346,8 +349,9 @@ class ToolCallStream:
             self.pos += at + len(marker)
             self.state = "open"
             return True
-        keep = 0 if final else max((k for m in self.fmt.markers for k in range(1, len(m))
-                                    if rest.endswith(m[:k])), default=0)  # fmt: skip
+        keep = max((k for m in self.fmt.markers for k in range(1, len(m)) if rest.endswith(m[:k])), default=0)
+        if final and not self.calls:  # at the end a marker's start is text; after calls, a next call's cut start
+            keep = 0
         self._content(events, rest[: len(rest) - keep])
         self.pos += len(rest) - keep
         return False
