@@ -381,6 +381,39 @@ def test_a_background_response_is_queued_until_it_runs(tiny_engine_dir):
         handle.shutdown(timeout=0)
 
 
+def test_a_queued_background_stream_says_queued_until_it_runs(tiny_engine_dir):
+    """A background stream that waits for admission opens with response.created and response.queued, both
+    `queued` as GET says then (was: .in_progress while GET said queued); response.in_progress follows once it runs,
+    when GET says in_progress too. The openai package reads each event as its own type."""
+    handle = start_server(tiny_engine_dir, port=0, served_model_name=MODEL, device="cpu", max_batch_size=1,
+                          options=ServerOptions(responses_store_size=1 << 20))  # fmt: skip
+    try:
+        client = openai_client(handle.url)
+        first = _create(client, input="a long one", max_output_tokens=450, background=True)
+        deadline = time.monotonic() + 30
+        while client.responses.retrieve(first.id).status == "queued":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        stream = iter(_create(client, input="then me", max_output_tokens=5, background=True, stream=True))
+        opening = [next(stream), next(stream)]
+        rid = opening[0].response.id
+        assert [(type(e).__name__, e.type, e.response.status) for e in opening] == [
+            ("ResponseCreatedEvent", "response.created", "queued"),
+            ("ResponseQueuedEvent", "response.queued", "queued")]  # fmt: skip
+        assert client.responses.retrieve(rid).status == "queued"
+        client.responses.cancel(first.id)
+        began = next(stream)
+        assert (type(began).__name__, began.type, began.response.status) == ("ResponseInProgressEvent",
+                                                                             "response.in_progress", "in_progress")
+        assert client.responses.retrieve(rid).status in ("in_progress", "completed", "incomplete")
+        rest = list(stream)
+        assert "in_progress" not in [e.type for e in rest] and rest[-1].response.status in ("completed", "incomplete")
+        assert [e.sequence_number for e in opening + [began] + rest] == list(range(3 + len(rest)))
+        wait_idle(handle)
+    finally:
+        handle.shutdown(timeout=0)
+
+
 def test_background_results_on_a_small_store_are_held_until_read(tiny_engine_dir):
     """An 8 KiB store and 16 concurrent background requests, each polled until it ends: every one accepted reaches
     a terminal state on GET (running and unread results are held, never evicted: a 404 after in_progress lost
@@ -466,15 +499,16 @@ def test_listed_input_items_are_the_sdks_item_types(client, server):
 
 
 def test_a_background_stream_is_read_again_from_any_event(client, server):
-    """background + stream (OpenAI's and vLLM's): the events as a plain stream of the same request sends them, each
-    kept, so that GET ?stream=true&starting_after=N sends the ones after N again; a client that leaves does not stop
+    """background + stream (OpenAI's and vLLM's): the events as a plain stream of the same request sends them (and
+    response.queued), each kept, so that GET ?stream=true&starting_after=N sends the ones after N again; a client that leaves does not stop
     the response; a cancel ends a running one as cancelled, its stream with it, its blocks freed."""
     import http.client
 
     kw = {"input": "tell me more", "max_output_tokens": 24}
     plain = list(_create(client, **kw, stream=True))
     events = list(_create(client, **kw, stream=True, background=True))
-    assert [e.type for e in events] == [e.type for e in plain]
+    # as OpenAI's: queued until it runs (response.queued, then .in_progress)
+    assert [e.type for e in events] == [plain[0].type, "response.queued", *[e.type for e in plain[1:]]]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     final = events[-1].response
     assert final.output_text == plain[-1].response.output_text and final.background is True

@@ -168,6 +168,7 @@ class EventStream:
         self.finish_reason: Optional[str] = None
         self.want_logprobs = bool(call.chat_body.get("logprobs"))
         self.pending: list[dict[str, Any]] = []  # log-probs of tokens with no text yet (a cut character)
+        self.queued = bool(call.req.background)  # a background response is queued until a step computed it
 
     def event(self, kind: str, **fields: Any) -> bytes:
         data = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -176,11 +177,24 @@ class EventStream:
         return f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode()
 
     def start(self) -> list[bytes]:
+        """The stream's first events: response.created and .in_progress, or for a background response (queued
+        until it runs, as GET says) response.created and .queued, .in_progress following once it runs (`begun`)."""
+        if self.queued:
+            head = envelope(self.call, self.rid, "queued", [])
+            return [self.event("response.created", response=head), self.event("response.queued", response=head)]
         head = envelope(self.call, self.rid, "in_progress", [])
         return [self.event("response.created", response=head), self.event("response.in_progress", response=head)]
 
+    def begun(self) -> list[bytes]:
+        """response.in_progress of a queued background response, once, before its first output's events."""
+        if not self.queued:
+            return []
+        self.queued = False
+        return [self.event("response.in_progress", response=envelope(self.call, self.rid, "in_progress", []))]
+
     def chunk(self, chunk: dict[str, Any]) -> list[bytes]:
-        events: list[bytes] = []
+        choices = chunk.get("choices") or ()
+        events = self.begun() if any(_news(choice) for choice in choices) else []
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
             if delta.get("reasoning"):
@@ -300,7 +314,7 @@ class EventStream:
         """The last item's done events (incomplete when cut at max_output_tokens), then response.completed or
         response.incomplete."""
         status = "incomplete" if self.finish_reason == "length" else "completed"
-        events: list[bytes] = []
+        events = self.begun()  # it ran (an answer whose outputs made no event: an empty one)
         if not self.output:  # an empty answer is one empty message, as the non-streamed body has
             events += self._open_text()
         events += self._flush_pending()
@@ -335,6 +349,13 @@ class EventStream:
         body = envelope(self.call, self.rid, "cancelled", self.output, usage)
         events.append(self.event("response.incomplete", response=self._kept(body)))
         return events
+
+
+def _news(choice: dict[str, Any]) -> bool:
+    """Whether a chat chunk's choice carries an output (the role chunk that opens a stream carries none)."""
+    delta = choice.get("delta") or {}
+    return bool(delta.get("content") or delta.get("reasoning") or delta.get("tool_calls") or choice.get("logprobs")
+                or choice.get("finish_reason"))  # fmt: skip
 
 
 def chat_events(raw: bytes) -> list[Any]:

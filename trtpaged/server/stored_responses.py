@@ -172,7 +172,7 @@ class StoredResponses:
                 async for event in events:
                     log.append(event)
                     last = event
-                    if len(log.events) == 3:  # past response.created and .in_progress: a step computed it
+                    if event.startswith(b"event: response.in_progress\n"):  # a step computed it
                         started()
         except asyncio.CancelledError:  # a cancel: its readers get a last event, as the Response GET returns
             for event in state.cancelled(self._usage(s)):
