@@ -114,6 +114,20 @@ def test_logprobs_are_the_chat_logprobs(client):
     assert r.output[0].content[0].logprobs in (None, []) and r.top_logprobs == 2
 
 
+@pytest.mark.parametrize("k", [-1, 21, 10**30])
+def test_top_logprobs_out_of_range_is_refused_with_or_without_the_include(client, k):
+    """An out-of-range top_logprobs is refused as chat refuses it (logprobs true), naming the field and its range,
+    whether or not log-probs are included (was: without the include any value was taken and echoed)."""
+    with pytest.raises(openai.BadRequestError) as chat:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                       logprobs=True, top_logprobs=k)  # fmt: skip
+    assert chat.value.body["param"] == "top_logprobs" and ("[0, 20]" in chat.value.body["message"] or k == -1)
+    for include in ([], ["message.output_text.logprobs"]):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.responses.create(model=MODEL, input="hi", max_output_tokens=1, top_logprobs=k, include=include)
+        assert (err.value.body["param"], err.value.body["message"]) == ("top_logprobs", chat.value.body["message"])
+
+
 def test_items_become_the_conversation_turns(client, llm):
     """A function call and its output, an assistant message and a developer message: the prompt the server
     counts is the chat template's prompt of the same turns (developer as system)."""

@@ -277,7 +277,8 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
                 message_call = messages_api.translate(body, service.model_names, service.reasoning is not None)
                 body = message_call.chat_body
             if responses:
-                call = responses_api.translate(body, service.model_names, stored.store)
+                call = responses_api.translate(body, service.model_names, stored.store, service.max_logprobs,
+                                              service.vocab_size)  # fmt: skip
                 body = call.chat_body
                 claimed = stored.claim(call, request.headers.get("x-request-id"))
                 if call.req.truncation == "auto":
@@ -515,7 +516,8 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
     async def count_response_tokens(request: Request) -> Response:
         """OpenAI's count: the input tokens /v1/responses would render for the same body (before any truncation)."""
         async def count(body: Any) -> dict[str, Any]:
-            call = responses_api.translate(responses_api.count_request(body), service.model_names, stored.store)
+            call = responses_api.translate(responses_api.count_request(body), service.model_names, stored.store,
+                                           service.max_logprobs, service.vocab_size)  # fmt: skip
             try:
                 counted = await tokenization.chat_prompt_tokens(call.chat_body)
             except ApiError as exc:

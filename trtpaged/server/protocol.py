@@ -205,7 +205,7 @@ def _beam_fields(req: Union[CompletionRequest, ChatCompletionRequest], names: di
     return out
 
 
-def _top_k(k: int, name: str, max_logprobs: int, vocab_size: int) -> int:
+def top_k(k: int, name: str, max_logprobs: int, vocab_size: int) -> int:
     """A request's number of top log-probs, vLLM's -1 (the whole vocabulary) as that number, within the server's
     max_logprobs."""
     if k == -1:
@@ -232,7 +232,7 @@ def _logprobs(req: Union[CompletionRequest, ChatCompletionRequest], names: dict[
         k, name = req.logprobs, "logprobs"
         if k is None:
             return None
-    return _top_k(k, name, max_logprobs, vocab_size)
+    return top_k(k, name, max_logprobs, vocab_size)
 
 
 def parse_generation(body: Any, chat: bool, served_names: Sequence[str], vocab_size: int,
@@ -292,7 +292,7 @@ def parse_generation(body: Any, chat: bool, served_names: Sequence[str], vocab_s
     echo_only = echo and max_tokens == 0
     if echo_only:
         max_tokens = 1  # the prompt is computed and scored in the step that samples one token, which is dropped
-    prompt_k = None if req.prompt_logprobs is None else _top_k(req.prompt_logprobs, "prompt_logprobs", max_logprobs,
+    prompt_k = None if req.prompt_logprobs is None else top_k(req.prompt_logprobs, "prompt_logprobs", max_logprobs,
                                                                  vocab_size)  # fmt: skip
     scored = [k for k in (prompt_k, logprobs if echo else None) if k is not None]
     if req.prompt_logprobs is not None and req.stream:

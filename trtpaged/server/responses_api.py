@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from trtpaged.server.errors import ApiError
-from trtpaged.server.protocol import check_model, string_field, validated
+from trtpaged.server.protocol import MAX_LOGPROBS, check_model, string_field, top_k, validated
 from trtpaged.server.responses_store import Link, ResponsesStore, not_found
 from trtpaged.server.schemas import GenerationFields, ResponsesRequest
 
@@ -60,10 +60,12 @@ class ResponsesCall:
     used: dict[str, Any] = field(default_factory=dict)
 
 
-def translate(body: Any, served: Sequence[str], store: Optional[ResponsesStore] = None) -> ResponsesCall:
+def translate(body: Any, served: Sequence[str], store: Optional[ResponsesStore] = None,
+              max_logprobs: int = MAX_LOGPROBS, vocab_size: Optional[int] = None) -> ResponsesCall:  # fmt: skip
     """Validates a /v1/responses body and makes its chat completions body; ApiError naming the Responses field.
     `served`: the served model's names (the first is the one answers carry); `store`: the server's Responses store,
-    if it keeps them (previous_response_id reads it)."""
+    if it keeps them (previous_response_id reads it); `max_logprobs`, `vocab_size`: the server's bound on
+    top_logprobs and the model's vocabulary (-1 asks for all of it)."""
     req = validated(ResponsesRequest, body)
     check_model(req.model, served)
     served_model = served[0]
@@ -94,7 +96,7 @@ def translate(body: Any, served: Sequence[str], store: Optional[ResponsesStore] 
     chat["messages"] = _messages(req.instructions, conversation, first=-len(history))
     if req.max_output_tokens is not None:
         chat["max_completion_tokens"] = req.max_output_tokens
-    chat.update(_logprobs(req))
+    chat.update(_logprobs(req, max_logprobs, vocab_size))
     if req.tools:
         chat["tools"] = [_tool(i, t) for i, t in enumerate(req.tools)]
     if req.tool_choice is not None and (req.tools or req.tool_choice not in ("auto", "none")):
@@ -323,11 +325,14 @@ def _text(item: dict[str, Any], key: str, where: str) -> str:
     return string_field(item, key, where, "input")
 
 
-def _logprobs(req: ResponsesRequest) -> dict[str, Any]:
+def _logprobs(req: ResponsesRequest, max_logprobs: int, vocab_size: Optional[int]) -> dict[str, Any]:
     include = req.include or []
     for i, name in enumerate(include):
         if name != LOGPROBS_INCLUDE and name not in _NOTHING_TO_INCLUDE:
             raise ApiError(f"include[{i}]: {name[:60]!r} is not a value this server knows", "include")
+    if req.top_logprobs is not None:  # in range with the include or without (was: any value taken and echoed)
+        vocab = vocab_size if vocab_size is not None else max_logprobs + 1  # unknown: -1 is refused
+        top_k(req.top_logprobs, "top_logprobs", max_logprobs, vocab)
     if LOGPROBS_INCLUDE not in include:  # top_logprobs alone asks for none (OpenAI's and vLLM's rule)
         return {}
     return {"logprobs": True, "top_logprobs": req.top_logprobs or 0}
