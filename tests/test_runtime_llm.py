@@ -255,8 +255,34 @@ def test_sampling_params_change_as_in_vllms_examples(llm):
     assert sp.guided_decoding is guided
     sp.guided_decoding = GuidedDecodingParams(choice=["maybe"])  # set again: the new one is the grammar
     assert dataclasses.replace(sp).structured_outputs.choice == ("maybe",)
-    with pytest.raises(TypeError, match="vLLM's engine takes request_id first"):
-        llm.engine.add_request("r1", "hello", sp)
+    with pytest.raises(TypeError, match="vLLM's request_id, prompt, params"):
+        llm.engine.add_request("hello", "r1")
+
+
+def test_vllms_llm_engine_example_loop_runs_and_matches_hf(llm, tiny_engine_dir):
+    """vLLM's offline_inference/llm_engine_example.py: add_request(request_id, prompt, params) in vLLM's order,
+    has_unfinished_requests() and abort_request([ids]) (each was a TypeError or AttributeError); the greedy
+    request's tokens are HF's."""
+    engine = llm.llm_engine
+    hf = hf_from_engine_dir(tiny_engine_dir)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    test_prompts = [([5, 6, 7, 8], greedy), ("hello there", SamplingParams(max_tokens=4, temperature=0.8, seed=1)),
+                    ([9, 10, 11], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))]  # fmt: skip
+    finished, request_id = {}, 0
+    while test_prompts or engine.has_unfinished_requests():
+        if test_prompts:
+            prompt, sampling_params = test_prompts.pop(0)
+            engine.add_request(str(request_id), prompt, sampling_params)
+            request_id += 1
+            if request_id == 3:
+                assert engine.get_num_unfinished_requests() == 3 - len(finished)
+                engine.abort_request(["2"])  # vLLM V1 takes a list of ids
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert sorted(finished) == ["0", "1"] and engine.get_num_unfinished_requests() == 0
+    assert finished["0"].outputs[0].token_ids == hf_greedy(hf, [5, 6, 7, 8], 8, llm.manifest.eos_token_ids[0])
+    assert finished["1"].prompt == "hello there" and engine.get_tokenizer() is llm.tokenizer
+    with pytest.raises(RequestError, match="request_id: must be a string"):
+        engine.add_request(7, "hello", greedy)
 
 
 def test_limits_come_from_the_manifest_and_only_tighten(llm, tiny_engine_dir):

@@ -9,7 +9,7 @@ import numbers
 from collections import deque
 import operator
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Optional, Sequence as Seq, Union
 
 from trtpaged.errors import RequestError, check_unicode, is_out_of_memory
@@ -182,11 +182,17 @@ class LLMEngine:
         it is otherwise refused (its server). `priority` (vLLM's): under the "priority" scheduling policy, lower is
         served first (admitted first, preempted last); only 0 otherwise. `starts_in_reasoning`: whether the answer
         starts inside a reasoning model's thinking (the server reads it from the chat template's generation prompt);
-        None: read from the prompt's tags (`ReasoningReader.starts_in_reasoning`), for thinking_token_budget."""
+        None: read from the prompt's tags (`ReasoningReader.starts_in_reasoning`), for thinking_token_budget.
+        vLLM's order, `add_request(request_id, prompt, params)` (its llm_engine_example.py), is taken too: it is
+        told apart by the SamplingParams in third place."""
         priority = check_priority(priority, self.config.scheduling_policy)
+        if isinstance(request_id, SamplingParams) and not isinstance(params, SamplingParams):
+            prompt, params, request_id = params, request_id, prompt  # type: ignore[assignment]
+            if not isinstance(request_id, str):
+                raise RequestError("request_id", f"must be a string, got {type(request_id).__name__}")
         if params is not None and not isinstance(params, SamplingParams):
             raise TypeError(f"params: a SamplingParams, got {type(params).__name__} (the arguments are prompt, "
-                            "params, request_id; vLLM's engine takes request_id first)")  # fmt: skip
+                            "params, request_id, or vLLM's request_id, prompt, params)")  # fmt: skip
         # a copy checked again: SamplingParams can be changed after it is made (as vLLM's), unchecked, and the
         # request must not see the caller's later changes
         params = dataclasses.replace(params) if params is not None else SamplingParams()
@@ -267,8 +273,25 @@ class LLMEngine:
         group = self.groups.pop(request_id, None)
         return group is not None and self.scheduler.abort(group)
 
+    def abort_request(self, request_ids: Union[str, Iterable[str]]) -> None:
+        """vLLM's call: `abort` for each of `request_ids` (one id, or a list as vLLM's V1 engine takes)."""
+        for request_id in [request_ids] if isinstance(request_ids, str) else list(request_ids):
+            self.abort(request_id)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def has_unfinished_requests(self) -> bool:
+        """vLLM's name of `has_unfinished`."""
+        return self.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        """vLLM's call: how many requests are queued or running."""
+        return len(self.groups)
+
+    def get_tokenizer(self) -> Optional[Any]:
+        """vLLM's accessor: the engine's tokenizer (None without one)."""
+        return self.tokenizer
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """vLLM's call: forgets every cached prefix in the KV pool, so that the next requests compute theirs again
