@@ -204,6 +204,23 @@ def test_vllm_sampling_fields(llm, tiny_engine_dir):
     assert refused.value.field == "guided_decoding.backend"
 
 
+def test_structured_outputs_params_takes_vllms_flags(llm):
+    """vLLM's StructuredOutputsParams(json=..., disable_any_whitespace=True) was a TypeError (an unexpected
+    argument); the flags are taken, and the JSON has no free whitespace: xgrammar's any_whitespace=False form (one
+    space after ':' and ','), which vLLM's xgrammar backend compiles for disable_any_whitespace=True."""
+    schema = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"],
+              "additionalProperties": False}  # fmt: skip
+    compact = StructuredOutputsParams(json=schema, disable_any_whitespace=True, disable_fallback=True,
+                                      disable_additional_properties=False)  # fmt: skip
+    outs = llm.generate(["a", "b"], SamplingParams(max_tokens=20, temperature=1.0, n=3, seed=2, structured_outputs=compact))
+    assert {c.text for o in outs for c in o.outputs} <= {'{"a": "x"}', '{"a": "y"}'}
+    for kwargs, field in [({"whitespace_pattern": r"[ ]?"}, "structured_outputs.whitespace_pattern"),
+                          ({"disable_any_whitespace": "yes"}, "structured_outputs.disable_any_whitespace")]:
+        with pytest.raises(RequestError) as refused:
+            StructuredOutputsParams(json=schema, **kwargs)
+        assert refused.value.field == field
+
+
 def test_logprobs_minus_one_is_the_whole_vocabulary(tiny_engine_dir):
     with LLM(tiny_engine_dir, device="cpu", warmup=False, max_logprobs=-1) as everything:
         (out,) = everything.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0.0, logprobs=-1,

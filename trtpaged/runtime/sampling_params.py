@@ -151,7 +151,11 @@ class StructuredOutputsParams:
     JSON text: `runtime/structural_tag.py`).
     `origin` is the request field that set it, named in errors (e.g. "response_format").
     `starts_after`: the token that opens the constrained part (a reasoning model's end-of-thinking tag, as the
-    server's reasoning parser sets it): the output is free until it holds that token, and the grammar holds after."""
+    server's reasoning parser sets it): the output is free until it holds that token, and the grammar holds after.
+    vLLM's flags `disable_fallback`, `disable_any_whitespace` and `disable_additional_properties` (bools) are taken
+    and change nothing (the one backend is xgrammar; JSON grammars leave no free whitespace, xgrammar's
+    any_whitespace=False, which disable_any_whitespace selects in vLLM; a schema's additionalProperties holds);
+    `whitespace_pattern` is refused."""
 
     json: Optional[Union[str, Mapping[str, Any]]] = None
     regex: Optional[str] = None
@@ -161,6 +165,10 @@ class StructuredOutputsParams:
     structural_tag: Optional[Union[str, Mapping[str, Any]]] = None
     origin: str = field(default="structured_outputs", compare=False)
     starts_after: Optional[int] = None
+    disable_fallback: bool = field(default=False, compare=False)
+    disable_any_whitespace: bool = field(default=False, compare=False)
+    disable_additional_properties: bool = field(default=False, compare=False)
+    whitespace_pattern: Optional[str] = None
     # a structural tag as xgrammar's form (JSON text), and the JSON schemas in it with their places, set when checked
     _tag_json: Optional[str] = field(default=None, init=False, repr=False, compare=False)
     _tag_schemas: tuple[tuple[str, Any], ...] = field(default=(), init=False, repr=False, compare=False)
@@ -170,6 +178,11 @@ class StructuredOutputsParams:
         after = self.starts_after
         if after is not None and not (_is_int(after) and after >= 0):
             raise RequestError(name, f"starts_after must be a token id, got {after!r:.80}")
+        for flag in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, flag), bool):
+                raise RequestError(f"{name}.{flag}", f"must be true or false, got {getattr(self, flag)!r:.40}")
+        if self.whitespace_pattern is not None:
+            raise RequestError(f"{name}.whitespace_pattern", "not supported: JSON grammars here leave no free whitespace")
         given = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise RequestError(name, f"set exactly one of {', '.join(_STRUCTURED_KINDS)}, got {given or 'none'}")
