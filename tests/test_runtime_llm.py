@@ -255,6 +255,21 @@ def test_vllm_beam_search_call_gives_hfs_beams_with_the_prompt_in_front(llm, tin
     assert refused.value.field == "beam_width"
 
 
+def test_beam_search_of_one_beam_scores_it_as_hf_does(llm, tiny_engine_dir):
+    """BeamSearchParams(beam_width=1), which vLLM takes, returned cum_logprob None; it is the greedy sequence's
+    sum of log-probs under HF's model."""
+    hf = hf_from_engine_dir(tiny_engine_dir)
+    prompt = [9, 30, 41, 7, 80]
+    (out,) = llm.beam_search([prompt], BeamSearchParams(beam_width=1, max_tokens=6))
+    (seq,) = out.sequences
+    generated = hf_greedy(hf, prompt, 6, llm.manifest.eos_token_ids[0])
+    assert seq.tokens == prompt + generated and seq.logprobs == []
+    with torch.no_grad():
+        logprobs = hf.model(torch.tensor([seq.tokens])).logits[0].log_softmax(-1)
+    assert seq.cum_logprob == pytest.approx(sum(logprobs[len(prompt) - 1 + i, t].item()
+                                                for i, t in enumerate(generated)), abs=1e-3)  # fmt: skip
+
+
 def test_sampling_params_change_as_in_vllms_examples(llm):
     """vLLM's basic/generate.py sets fields on get_default_sampling_params(); a request keeps the values it was
     given even when the caller changes them afterwards; guided_decoding reads back."""

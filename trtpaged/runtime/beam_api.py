@@ -35,9 +35,11 @@ class BeamSearchParams:
     def sampling_params(self) -> SamplingParams:
         if self.temperature != 0.0:
             raise RequestError("temperature", f"beam search here is deterministic: must be 0, got {self.temperature!r}")
+        # one beam runs as greedy sampling, whose cumulative_logprob (the beam's cum_logprob) needs logprobs
         return SamplingParams(beam_width=self.beam_width, n=self.beam_width, max_tokens=self.max_tokens,
                               temperature=0.0, ignore_eos=self.ignore_eos, length_penalty=self.length_penalty,
-                              include_stop_str_in_output=self.include_stop_str_in_output)  # fmt: skip
+                              include_stop_str_in_output=self.include_stop_str_in_output,
+                              logprobs=0 if self.beam_width == 1 else None)  # fmt: skip
 
 
 @dataclass
