@@ -212,7 +212,8 @@ def test_structured_outputs_params_takes_vllms_flags(llm):
               "additionalProperties": False}  # fmt: skip
     compact = StructuredOutputsParams(json=schema, disable_any_whitespace=True, disable_fallback=True,
                                       disable_additional_properties=False)  # fmt: skip
-    outs = llm.generate(["a", "b"], SamplingParams(max_tokens=20, temperature=1.0, n=3, seed=2, structured_outputs=compact))
+    outs = llm.generate(["a", "b"], SamplingParams(max_tokens=20, temperature=1.0, n=3, seed=2,
+                                                   structured_outputs=compact))  # fmt: skip
     assert {c.text for o in outs for c in o.outputs} <= {'{"a": "x"}', '{"a": "y"}'}
     for kwargs, field in [({"whitespace_pattern": r"[ ]?"}, "structured_outputs.whitespace_pattern"),
                           ({"disable_any_whitespace": "yes"}, "structured_outputs.disable_any_whitespace")]:

@@ -182,7 +182,8 @@ class StructuredOutputsParams:
             if not isinstance(getattr(self, flag), bool):
                 raise RequestError(f"{name}.{flag}", f"must be true or false, got {getattr(self, flag)!r:.40}")
         if self.whitespace_pattern is not None:
-            raise RequestError(f"{name}.whitespace_pattern", "not supported: JSON grammars here leave no free whitespace")
+            raise RequestError(f"{name}.whitespace_pattern", "not supported: JSON grammars here leave no free "
+                               "whitespace")  # fmt: skip
         given = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise RequestError(name, f"set exactly one of {', '.join(_STRUCTURED_KINDS)}, got {given or 'none'}")
