@@ -427,3 +427,37 @@ def test_a_failed_tool_result_reaches_the_template_marked_as_an_error(client, ll
         assert status == 400 and out["type"] == "error" and out["error"]["type"] == "invalid_request_error", out
         assert "messages[2].content[0].is_error: must be a boolean" in out["error"]["message"], out
     wait_idle(server)
+
+
+def test_a_lone_surrogate_is_refused_naming_the_messages_field(server):
+    """A lone surrogate (JSON's "\\ud800", which no tokenizer takes) is a 400 naming where the client sent it (was:
+    the chat message it became, another number: system is chat's first message, a tool result a message of its own,
+    an assistant's thinking or a tool_use name only `messages`)."""
+    s = "\ud800"
+    call = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "x"}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "ok"}
+    cases = [
+        ({"system": "be brief", "messages": [{"role": "user", "content": "a" + s}]}, "messages[0].content"),
+        ({"system": "be brief", "messages": [{"role": "user", "content": [{"type": "text", "text": s}]}]},
+         "messages[0].content[0].text"),
+        ({"system": [{"type": "text", "text": "ok"}, {"type": "text", "text": s}],
+          "messages": [{"role": "user", "content": "q"}]}, "system[1].text"),
+        ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": [call]},
+                       {"role": "user", "content": [result, {"type": "text", "text": s}]}]},
+         "messages[2].content[1].text"),
+        ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": [call]},
+                       {"role": "user", "content": [{**result, "content": [{"type": "text", "text": s}]}]}]},
+         "messages[2].content[0].content[0].text"),
+        ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": [{**call, "name": s}]}]},
+         "messages[1].content[0].name"),
+        ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": s, "signature": ""}, {"type": "text", "text": "x"}]}]},
+         "messages[1].content[0].thinking"),
+    ]  # fmt: skip
+    for change, where in cases:
+        for route in ("/v1/messages", "/v1/messages/count_tokens"):
+            body = {"model": MODEL, "tools": TOOLS, **change, **({"max_tokens": 2} if route == "/v1/messages" else {})}
+            status, _, out = request(server, route, body, headers={"x-api-key": KEY})
+            assert status == 400 and out["type"] == "error" and out["error"]["type"] == "invalid_request_error", out
+            assert out["error"]["message"].startswith(f"{where}: not valid Unicode text"), (route, where, out)
+    wait_idle(server)

@@ -23,6 +23,7 @@ from typing import Any, Literal, Optional, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
+from trtpaged.errors import RequestError, check_unicode
 from trtpaged.server.errors import ApiError
 from trtpaged.server.protocol import check_model, string_field, validated
 
@@ -165,7 +166,7 @@ def renamed(error: ApiError) -> ApiError:
 def _text_of(blocks: Any, where: str, field_name: str) -> str:
     """The text of a string or a list of text blocks (system, a tool result's content), joined by blank lines."""
     if isinstance(blocks, str):
-        return blocks
+        return _unicode(blocks, where, field_name)
     if not isinstance(blocks, list):
         raise ApiError(f"{where}: must be a string or a list of text blocks", field_name)
     texts = []
@@ -176,7 +177,7 @@ def _text_of(blocks: Any, where: str, field_name: str) -> str:
                            field_name)  # fmt: skip
         if kind != "text" or not isinstance(block.get("text"), str):
             raise ApiError(f"{where}[{j}]: must be a text block ({{'type': 'text', 'text': ...}})", field_name)
-        texts.append(block["text"])
+        texts.append(_unicode(block["text"], f"{where}[{j}].text", field_name))
     return "\n\n".join(texts)
 
 
@@ -195,7 +196,7 @@ def _messages(system: Any, items: list[Any]) -> list[dict[str, Any]]:
         if role not in ("user", "assistant", "system"):  # system: inline, as Claude Code sends it (vLLM's)
             raise ApiError(f"{where}.role: must be 'user' or 'assistant', got {str(role)[:40]!r}", "messages")
         if isinstance(content, str):
-            messages.append({"role": role, "content": content})
+            messages.append({"role": role, "content": _unicode(content, f"{where}.content", "messages")})
         elif not isinstance(content, list) or not content:
             raise ApiError(f"{where}.content: must be a string or a non-empty list of content blocks", "messages")
         elif role == "assistant":
@@ -220,7 +221,16 @@ def _block_kind(block: Any, where: str, allowed: tuple[str, ...], role: str) -> 
 
 
 def _string(block: dict[str, Any], key: str, where: str) -> str:
-    return string_field(block, key, where, "messages")
+    return _unicode(string_field(block, key, where, "messages"), f"{where}.{key}", "messages")
+
+
+def _unicode(text: str, where: str, field_name: str) -> str:
+    """`text`, refused here when no tokenizer can take it (a lone surrogate): the chat path's refusal would name
+    the chat message it became, another number (system comes first, a tool result is a message of its own)."""
+    try:
+        return check_unicode(where, text)
+    except RequestError as exc:
+        raise ApiError(str(exc), field_name) from None
 
 
 def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
