@@ -461,3 +461,27 @@ def test_a_lone_surrogate_is_refused_naming_the_messages_field(server):
             assert status == 400 and out["type"] == "error" and out["error"]["type"] == "invalid_request_error", out
             assert out["error"]["message"].startswith(f"{where}: not valid Unicode text"), (route, where, out)
     wait_idle(server)
+
+
+def test_refusals_of_the_chat_body_name_the_messages_fields(server):
+    """A refusal the chat path makes names the field the client sent (was: chat's spelling, fields this API has
+    not: response_format for output_config.format or output_format, tools[0].function.name and .parameters for
+    tools[0].name and .input_schema, the advice to set truncate_prompt_tokens)."""
+    turns = [{"role": "user", "content": "q"}]
+    bad_schema = {"type": "json_schema", "schema": {"type": "objectx"}}
+    cases = [
+        ({"output_config": {"format": bad_schema}}, "output_config.format: ", "output_config"),
+        ({"output_format": bad_schema}, "output_format: ", "output_format"),
+        ({"tools": [{"name": "a b", "input_schema": {"type": "object"}}]}, "tools[0].name: ", "tools"),
+        ({"tools": [{"name": "a", "input_schema": {"type": "object", "properties": 5}}]}, "tools[0].input_schema",
+         "tools"),
+        ({"messages": [{"role": "user", "content": "x" * 20_000}]}, "messages: ", "messages"),
+    ]  # fmt: skip
+    for change, start, field_name in cases:
+        body = {"model": MODEL, "max_tokens": 2, "messages": turns, **change}
+        status, _, out = request(server, "/v1/messages", body, headers={"x-api-key": KEY})
+        assert status == 400 and out["type"] == "error" and out["error"]["type"] == "invalid_request_error", out
+        message = out["error"]["message"]
+        assert message.startswith(start) and field_name in message, (change, out)
+        assert not re.search(r"response_format|\.function\.|truncate_prompt_tokens", message), (change, out)
+    wait_idle(server)

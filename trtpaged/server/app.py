@@ -296,7 +296,7 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
                 metrics.observe_rejected("overloaded")
                 exc.headers["Retry-After"] = str(options.retry_after_s)
             error = responses_api.renamed(exc, call) if call is not None else exc  # the client's field names
-            error = messages_api.renamed(error) if message_call is not None else error
+            error = messages_api.renamed(error, message_call) if message_call is not None else error
             _log(request, error.status_on(_anthropic(request)), error.message, start)  # as answered (529)
             raise error from None
         summary = submitted.summary
@@ -507,7 +507,7 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
             try:
                 counted = await tokenization.chat_prompt_tokens(call.chat_body)
             except ApiError as exc:
-                raise messages_api.renamed(exc) from None
+                raise messages_api.renamed(exc, call) from None
             return {"input_tokens": counted}
 
         return await tokenizer_call(request, count, anthropic=True)

@@ -39,10 +39,14 @@ _ASSISTANT_BLOCKS = ("text", "tool_use", "thinking", "redacted_thinking")
 _MEDIA_BLOCKS = ("image", "document", "search_result", "container_upload")
 # a chat field's name in a refusal -> the Messages field the client sent
 _MESSAGES_NAMES = {"max_completion_tokens": "max_tokens", "max_tokens": "max_tokens", "stop": "stop_sequences",
-                   "response_format": "output_config", "thinking_token_budget": "thinking",
+                   "thinking_token_budget": "thinking",
                    "chat_template_kwargs": "thinking"}  # fmt: skip
 _CHAT_SPELLINGS = ((re.compile(r"\bmax_completion_tokens\b"), "max_tokens"), (re.compile(r"\bstop\b(?=:)"),
-                   "stop_sequences"), (re.compile(r"\bthinking_token_budget\b"), "thinking.budget_tokens"))  # fmt: skip
+                   "stop_sequences"), (re.compile(r"\bthinking_token_budget\b"), "thinking.budget_tokens"),
+                   (re.compile(r"\b(tools\[\d+\])\.function\.parameters\b"), r"\1.input_schema"),
+                   (re.compile(r"\b(tools\[\d+\])\.function\."), r"\1."),
+                   (re.compile(r", or set truncate_prompt_tokens"), ""))  # fmt: skip (a field this API has not)
+_CHAT_FORMAT = re.compile(r"\bresponse_format(\.json_schema)?\b")  # -> the field the request's format came in
 _warned: set[str] = set()  # top-level fields without effect already named in the log
 _MAX_WARNED = 256  # names remembered (then no more are logged)
 
@@ -88,6 +92,7 @@ class MessagesCall:
     req: MessagesRequest
     chat_body: dict[str, Any]
     model: str
+    format_field: str = "output_config.format"  # the field the output format came in (or the beta's output_format)
 
 
 def message_id() -> str:
@@ -139,9 +144,9 @@ def translate(body: Any, served: Sequence[str], reasoning: bool, count_only: boo
                            "output_config")  # fmt: skip
         chat["reasoning_effort"] = effort
     form = config.get("format") or req.output_format
+    format_field = "output_config.format" if config.get("format") or req.output_format is None else "output_format"
     if form is not None:
-        chat["response_format"] = _response_format(form, "output_config.format" if config.get("format")
-                                                   else "output_format")  # fmt: skip
+        chat["response_format"] = _response_format(form, format_field)
     if req.chat_template_kwargs:
         kwargs.update(req.chat_template_kwargs)  # the request's own, over what thinking set
     if kwargs:
@@ -150,17 +155,20 @@ def translate(body: Any, served: Sequence[str], reasoning: bool, count_only: boo
         chat.update(continue_final_message=True, add_generation_prompt=False)
     if req.stream and not count_only:
         chat["stream"] = True
-    return MessagesCall(req, chat, served[0])
+    return MessagesCall(req, chat, served[0], format_field)
 
 
-def renamed(error: ApiError) -> ApiError:
-    """A refusal of the chat body, naming the Messages fields instead of the chat ones they became."""
+def renamed(error: ApiError, call: Optional[MessagesCall] = None) -> ApiError:
+    """A refusal of the chat body, naming the Messages fields instead of the chat ones they became; `call`: the
+    request (its output format's field: output_config.format, or the beta's output_format)."""
     base = re.split(r"[.\[]", error.param or "", maxsplit=1)[0]
-    message = error.message
+    form = call.format_field if call is not None else "output_config.format"
+    message = _CHAT_FORMAT.sub(form, error.message)
     for pattern, spelling in _CHAT_SPELLINGS:
         message = pattern.sub(spelling, message)
-    return ApiError(message, _MESSAGES_NAMES.get(base, error.param), error.status, error.kind, error.code,
-                    error.headers, error.details, error.anthropic_status)  # fmt: skip
+    param = form.split(".")[0] if base == "response_format" else _MESSAGES_NAMES.get(base, error.param)
+    return ApiError(message, param, error.status, error.kind, error.code, error.headers, error.details,
+                    error.anthropic_status)  # fmt: skip
 
 
 def _text_of(blocks: Any, where: str, field_name: str) -> str:
