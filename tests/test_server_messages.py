@@ -485,3 +485,22 @@ def test_refusals_of_the_chat_body_name_the_messages_fields(server):
         assert message.startswith(start) and field_name in message, (change, out)
         assert not re.search(r"response_format|\.function\.|truncate_prompt_tokens", message), (change, out)
     wait_idle(server)
+
+
+def test_a_tool_description_that_is_no_string_is_refused(client, llm, server):
+    """A tool's description reaches the template (the model reads it); one that is no string is a 400 naming it
+    (was: dropped without a word, the tool rendered as if it had none), as is one with a lone surrogate."""
+    described = [{**TOOLS[0], "description": "Weather in a city, today"}]
+    chat_tools = [{"type": "function", "function": {**CHAT_TOOLS[0]["function"], "description": described[0][
+        "description"]}}]  # fmt: skip
+    turns = [{"role": "user", "content": "hi"}]
+    want = len(_prompt(llm, turns, chat_tools))
+    assert client.messages.count_tokens(model=MODEL, messages=turns, tools=described).input_tokens == want
+    for bad, kind in ((["Weather"], "list"), (5, "int"), ({"text": "Weather"}, "dict"), ("\ud800", None)):
+        for route in ("/v1/messages", "/v1/messages/count_tokens"):
+            body = {"model": MODEL, "max_tokens": 2, "messages": turns, "tools": [{**TOOLS[0], "description": bad}]}
+            status, _, out = request(server, route, body, headers={"x-api-key": KEY})
+            assert status == 400 and out["type"] == "error" and out["error"]["type"] == "invalid_request_error", out
+            words = f"must be a string, got {kind}" if kind else "not valid Unicode text"
+            assert out["error"]["message"].startswith(f"tools[0].description: {words}"), out
+    wait_idle(server)

@@ -306,8 +306,11 @@ def _tool(index: int, tool: Any) -> dict[str, Any]:
         raise ApiError(f"{where}.input_schema: must be a JSON schema of an object ({{'type': 'object', ...}})",
                        "tools")  # fmt: skip
     function: dict[str, Any] = {"name": name, "parameters": {"type": "object", **schema}}
-    if isinstance(tool.get("description"), str):
-        function["description"] = tool["description"]
+    description = tool.get("description")
+    if description is not None:  # the model reads it: one of another type is refused, not dropped unread
+        if not isinstance(description, str):
+            raise ApiError(f"{where}.description: must be a string, got {type(description).__name__}", "tools")
+        function["description"] = _unicode(description, f"{where}.description", "tools")
     return {"type": "function", "function": function}
 
 
