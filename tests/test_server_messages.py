@@ -238,6 +238,11 @@ def test_keys_refusals_and_fields_without_effect(client, server):
         ({"tools": [{"name": "t", "input_schema": {"type": "array"}}]}, "tools[0].input_schema", 400,
          "invalid_request_error"),
         ({"output_config": {"effort": 3}}, "output_config.effort", 400, "invalid_request_error"),
+        # without effect, but typed as Anthropic's (was: any metadata accepted)
+        ({"metadata": {"user_id": 5}}, "metadata.user_id: Input should be a valid string", 400,
+         "invalid_request_error"),
+        ({"metadata": {"user_id": "u" * 257}}, "metadata.user_id: String should have at most 256 characters", 400,
+         "invalid_request_error"),
     ]  # fmt: skip
     for change, words, status, kind in cases:
         sent = {k: v for k, v in {**body, **change}.items() if v is not None}

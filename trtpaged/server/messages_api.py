@@ -30,6 +30,7 @@ from trtpaged.server.protocol import check_model, string_field, validated
 log = logging.getLogger("trtpaged.server")
 
 MIN_THINKING_BUDGET = 1024  # Anthropic's least budget_tokens
+MAX_USER_ID_CHARS = 256  # Anthropic's longest metadata.user_id
 # a tool_result with is_error: true is the tool message "Error: <its text>" (chat's tool message has no such flag, and
 # no chat template reads one): the failure is in the text the model reads, under any template
 TOOL_ERROR_PREFIX = "Error"
@@ -60,6 +61,12 @@ class ThinkingConfig(_Loose):
     budget_tokens: Optional[StrictInt] = None
 
 
+class Metadata(_Loose):
+    """A request's metadata: accepted without effect, but typed as Anthropic's (a client's mistake is told)."""
+
+    user_id: Optional[StrictStr] = Field(None, max_length=MAX_USER_ID_CHARS)
+
+
 class MessagesRequest(_Loose):
     """POST /v1/messages (and, less max_tokens, /v1/messages/count_tokens). Unknown top-level fields are kept
     (pydantic's extra) and named once in the log."""
@@ -78,7 +85,7 @@ class MessagesRequest(_Loose):
     thinking: Optional[ThinkingConfig] = None
     output_config: Optional[dict[str, Any]] = None  # {effort, format}
     output_format: Optional[dict[str, Any]] = None  # the structured-outputs beta's spelling of output_config.format
-    metadata: Optional[dict[str, Any]] = None  # {user_id}: accepted, without effect
+    metadata: Optional[Metadata] = None
     service_tier: Optional[StrictStr] = None  # accepted, without effect
     # vLLM's extras on this endpoint
     chat_template_kwargs: Optional[dict[str, Any]] = None
