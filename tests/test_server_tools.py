@@ -288,6 +288,30 @@ def test_model_calls_cut_anywhere_read_the_same_streamed_and_whole_with_no_json_
             assert all(uncut[i][0] == n and uncut[i][1].startswith(a) for i, (n, a) in enumerate(calls)), max_tokens
 
 
+# calls, a next call without arguments, text after them: cut at every character, then ended by the model (EOS)
+ENDED_ANYWHERE = ('Hi.\n<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call>\n<tool_call>{"name": "add"}'
+                  '</tool_call> Done.')  # fmt: skip
+
+
+def _whole_and_streamed(client, forced: str) -> tuple[tuple, tuple]:
+    """(content, [(name, arguments)], finish_reason) of the model's forced output answered whole, and streamed."""
+    kw = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=200, temperature=0,
+              extra_body={"guided_choice": [forced]})  # fmt: skip
+    whole = client.chat.completions.create(**kw).choices[0]
+    calls = [(tc.function.name, tc.function.arguments) for tc in whole.message.tool_calls or []]
+    content, streamed, finish = _streamed(client.chat.completions.create(stream=True, **kw))
+    return (whole.message.content, calls, whole.finish_reason), (content, [(n, a) for _, n, a in streamed], finish)
+
+
+def test_model_calls_ended_anywhere_read_the_same_streamed_and_whole(client):
+    """The model ends its output (EOS: finish_reason stop) at every character of its calls: the whole answer is the
+    stream's deltas joined, a call that went out included (was: the stream sent the `add` call, the whole answer
+    gave the text as content with no call)."""
+    for end in range(1, len(ENDED_ANYWHERE) + 1):  # the tiny tokenizer's bytes: a token a character
+        whole, streamed = _whole_and_streamed(client, ENDED_ANYWHERE[:end])
+        assert streamed == whole and whole[2] in ("stop", "tool_calls"), (end, whole, streamed)
+
+
 def test_streamed_calls_carry_their_logprobs(client):
     kw = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "temperature": 0,
           "max_tokens": 40, "logprobs": True, "top_logprobs": 2}  # fmt: skip

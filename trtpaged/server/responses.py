@@ -208,11 +208,8 @@ class ResponseBuilder:
                         thought, answer, _ = split_text(self.reasoning, self.in_reasoning, text)
                         text = answer or ""
                     content, calls, complete = text, None, False
-                    if self.tools is not None and c.finish_reason == "stop" and common["stop_reason"] is None:
-                        content, calls = self.tools.parse(text)  # ended on its own: calls only if well-formed
-                        complete = calls is not None
-                    elif self.tools is not None:  # cut short: read as its stream read it (the calls so far)
-                        content, calls, complete = self.tools.read_partial(text)
+                    if self.tools is not None:  # read as its stream read it, however it ended (the calls so far)
+                        content, calls, complete = self.tools.read(text)
                     if calls and complete and c.finish_reason == "stop" and self.tools.named is None:
                         common["finish_reason"] = "tool_calls"  # a named call ends with "stop" (OpenAI's, vLLM's)
                     if self.echo:

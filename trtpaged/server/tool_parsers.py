@@ -5,7 +5,9 @@ of `tool_choice: "required"` / a named function.
 A `ToolCallStream` is fed the text of one choice piece by piece and returns events: `Content` (text that is not a
 call), `CallStart` (a call's id and name, once its name is read and is one of the tools) and `ArgsPiece` (the next
 piece of a call's arguments, their JSON text as the model wrote it). A stream sends these as OpenAI deltas; a full
-response runs the same parser over the whole text (`parse_all`), so both join to the same calls.
+response is the same events over the whole text, joined (`parse_all`), however the output ends: a call that went
+out stands (a stream cannot take it back), its arguments as far as they were written, and `ok` (every call complete
+JSON, nothing malformed) decides finish_reason "tool_calls". The model's own output with no call is content.
 
 Formats (each from the model's own chat template and documentation):
 
@@ -481,12 +483,11 @@ def call_stream(fmt: Optional[Format], tools: Collection[str], named: Optional[s
 
 
 def parse_all(fmt: Optional[Format], tools: Collection[str], text: str,
-              named: Optional[str] = None) -> tuple[Optional[str], list[Call]]:  # fmt: skip
-    """(content, calls) of a whole output: calls only when the text is well-formed calls (and content) in the
-    format, else (text, []) as vLLM answers it."""
+              named: Optional[str] = None) -> tuple[Optional[str], list[Call], bool]:  # fmt: skip
+    """(content, calls, ok) of a whole output: what a stream of it sends, joined (a stream cannot take back a call
+    it sent, so a call that went out stands in the whole answer too, its arguments as far as they were written,
+    even when the rest does not read as calls); `ok`: the output read whole as content and well-formed calls."""
     stream = call_stream(fmt, tools, named)
     events = stream.feed(text) + stream.finish()
-    if not stream.ok:
-        return text, []
     content = "".join(e.text for e in events if isinstance(e, Content))
-    return content or None, stream.calls
+    return content or None, stream.calls, stream.ok

@@ -18,7 +18,7 @@ from trtpaged.runtime.sampling_params import MAX_SCHEMA_DEPTH, StructuredOutputs
 from trtpaged.server.errors import ApiError
 from trtpaged.server.tool_parsers import (FORMATS, HERMES, LLAMA3_JSON, MISTRAL, PARSER_NAMES, PHI4_MINI, PYTHONIC,
                                           REQUIRED, Format)
-from trtpaged.server.tool_parsers import CallReader, CallStart, Content, call_stream, parse_all
+from trtpaged.server.tool_parsers import CallReader, call_stream, parse_all
 
 OPENAI_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 MAX_TOOLS = 128
@@ -120,31 +120,15 @@ class ToolChoice:
         """An incremental reader of one choice's output (for a streamed answer)."""
         return call_stream(self._format(), self.tools, self.named)
 
-    def parse(self, text: str) -> tuple[Optional[str], Optional[list[dict[str, Any]]]]:
-        """(content, OpenAI `tool_calls` or None) of a finished output: calls only when the whole output reads as
-        calls (and content) in the format; else the text is content. The arguments are the model's JSON text."""
-        content, calls = parse_all(self._format(), self.tools, text, self.named)
+    def read(self, text: str) -> tuple[Optional[str], Optional[list[dict[str, Any]]], bool]:
+        """(content, OpenAI `tool_calls` or None, whether the output read as well-formed calls) of a finished
+        output, however it ended: what a stream of it sent, joined (the calls that went out, with the arguments
+        written so far), so that the streamed and the whole answer agree. The arguments are the model's JSON text."""
+        content, calls, ok = parse_all(self._format(), self.tools, text, self.named)
         if not calls:
-            return text, None
+            return (content if text else ""), None, False  # an empty output's content is "", as without tools
         return content, [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                         for c in calls]  # fmt: skip
-
-    def read_partial(self, text: str) -> tuple[Optional[str], Optional[list[dict[str, Any]]], bool]:
-        """(content, `tool_calls` or None, whether every call completed) of an output that did not end on its
-        own (max_tokens, a stop string or stop token): what a stream of it sent, joined (calls with the arguments
-        written so far), so that the streamed and the whole answer agree."""
-        reader = self.stream()
-        content: list[str] = []
-        calls: dict[int, dict[str, Any]] = {}
-        for event in reader.feed(text) + reader.finish():
-            if isinstance(event, Content):
-                content.append(event.text)
-            elif isinstance(event, CallStart):
-                calls[event.index] = {"id": event.id, "type": "function",
-                                      "function": {"name": event.name, "arguments": ""}}  # fmt: skip
-            elif event.index in calls:
-                calls[event.index]["function"]["arguments"] += event.text
-        return ("".join(content) or None), ([calls[i] for i in sorted(calls)] or None), reader.ok
+                         for c in calls], ok  # fmt: skip
 
 
 def _tool(index: int, value: Any) -> tuple[str, dict[str, Any]]:
