@@ -306,6 +306,25 @@ def test_a_models_call_cut_by_max_output_tokens_has_the_same_items_streamed_or_n
     assert whole.status == "incomplete" and whole.output[-1].type == "function_call"
 
 
+@pytest.mark.parametrize("after", [" Done.", '\n<tool_call>\n{"name": "fly"}\n</tool_call>',
+                                   '\n<tool_call>\n{"name": "a'])  # fmt: skip
+def test_text_after_a_models_calls_is_no_item_streamed_or_not(client, after):
+    """Text after the model's calls (words, a call to no tool, a next call's cut start, then EOS): the same items,
+    in the same order, streamed or not: the text before the calls, then the calls (was: the text after them a
+    message after the call streamed, folded into the message before it whole)."""
+    kw = dict(model=MODEL, input="go", tools=FLAT_TOOLS, temperature=0,
+              extra_body={"structured_outputs": {"choice": [ONE_CALL + after]}})  # fmt: skip
+
+    def items(r) -> list[tuple]:
+        return [(o.type, o.content[0].text if o.type == "message" else (o.name, o.arguments)) for o in r.output]
+
+    whole = client.responses.create(**kw)
+    streamed = list(client.responses.create(stream=True, **kw))[-1].response
+    assert items(streamed) == items(whole) == [("message", "Let me look."),
+                                               ("function_call", ("get_weather", '{"city": "Paris", "unit": "C"}'))]
+    assert whole.status == streamed.status == "completed"
+
+
 def test_a_call_cut_by_max_output_tokens_is_incomplete(client):
     for stream in (False, True):
         kw = dict(model=MODEL, input="go", tools=FLAT_TOOLS, tool_choice="required", max_output_tokens=30,

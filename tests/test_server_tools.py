@@ -306,10 +306,12 @@ def _whole_and_streamed(client, forced: str) -> tuple[tuple, tuple]:
 def test_model_calls_ended_anywhere_read_the_same_streamed_and_whole(client):
     """The model ends its output (EOS: finish_reason stop) at every character of its calls: the whole answer is the
     stream's deltas joined, a call that went out included (was: the stream sent the `add` call, the whole answer
-    gave the text as content with no call)."""
+    gave the text as content with no call), and once a call went out the content is the text before it (was: " Done."
+    after the calls streamed, joined to "Hi." whole: a Responses answer's items in another order)."""
     for end in range(1, len(ENDED_ANYWHERE) + 1):  # the tiny tokenizer's bytes: a token a character
         whole, streamed = _whole_and_streamed(client, ENDED_ANYWHERE[:end])
         assert streamed == whole and whole[2] in ("stop", "tool_calls"), (end, whole, streamed)
+        assert whole[0] == ("Hi." if whole[1] else ENDED_ANYWHERE[:end]), (end, whole)
 
 
 def test_streamed_calls_carry_their_logprobs(client):

@@ -38,6 +38,8 @@ WELL_FORMED = [
              '<tool_call>\n{"arguments": {"city": "Rome, \\"IT\\" {x}"}, "name": "get_weather"}\n</tool_call>',
      "Let me check both.", [("add", {"a": 1, "b": 2}), ("get_weather", {"city": 'Rome, "IT" {x}'})]),
     (HERMES, '<tool_call>{"name": "add", "arguments": {}}</tool_call>', None, [("add", {})]),
+    (HERMES, 'Sure. <tool_call>{"name": "add"}</tool_call> Done. <tool_call>{"name": "add"}</tool_call>\nBye',
+     "Sure.", [("add", {}), ("add", {})]),  # text between and after calls: no content (vLLM's)
     (HERMES, '<tool_call>\n{"name": "add", "arguments": {"a": [1, {"b": null}]}}', None,  # unclosed: accepted
      [("add", {"a": [1, {"b": None}]})]),
     (LLAMA3_JSON, '{"name": "get_weather", "parameters": {"city": "Oslo"}}', None, [("get_weather", {"city": "Oslo"})]),
@@ -57,7 +59,7 @@ WELL_FORMED = [
      [("get_weather", {"city": "Paris"}), ("add", {"a": 2, "b": -40})]),
     (PYTHONIC, "\n [ add(a=1.5, b=[1, (2, 3)]) ,get_weather(city='it\\'s \"(x)\" ]', extra={'k': None})]\n", None,
      [("add", {"a": 1.5, "b": [1, [2, 3]]}), ("get_weather", {"city": 'it\'s "(x)" ]', "extra": {"k": None}})]),
-    (PYTHONIC, "[add(a='''two\nlines''', b=True), add(a=true, b=null)] Done.", " Done.",
+    (PYTHONIC, "[add(a='''two\nlines''', b=True), add(a=true, b=null)] Done.", None,  # after calls: no content
      [("add", {"a": "two\nlines", "b": True}), ("add", {"a": True, "b": None})]),
     (PYTHONIC, "[add()]", None, [("add", {})]),
 ]  # fmt: skip

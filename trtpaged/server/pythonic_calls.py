@@ -4,7 +4,8 @@
 An output that starts with `[` (after whitespace) is read as calls, each sent as soon as its closing parenthesis
 arrives; any other output is content. A call that does not read (positional arguments, a value that is not a
 literal, a tool not offered) makes the rest content, as the JSON formats' reader does (tool_parsers.ToolCallStream,
-whose interface this reader has). JSON's true, false and null are read as Python's True, False and None (small
+whose interface and rules this reader has): once a call went out, no text is content (after the list, or the rest
+of a list that stops reading as calls). JSON's true, false and null are read as Python's True, False and None (small
 models mix them).
 """
 
@@ -64,8 +65,7 @@ class PythonicCallStream:
         rest = self.buf[self.sent :]
         # after the calls, whitespace waits for text to go with (a list and its trailing newline are no content)
         if rest and (self.state == "content" or (self.state == "after" and rest.strip(_WS))):
-            events.append(Content(rest))
-            self.sent = len(self.buf)
+            self._send_rest(events)
         return events
 
     def finish(self) -> list[Event]:
@@ -74,15 +74,19 @@ class PythonicCallStream:
         events = self.feed("", final=True)
         if self.state == "list":
             self.malformed, self.state = True, "content"
-            if self.sent < len(self.buf):
-                events.append(Content(self.buf[self.sent :]))
-                self.sent = len(self.buf)
+            self._send_rest(events)
         elif self.state == "after":
             self.sent = len(self.buf)  # trailing whitespace
         elif self.state == "start" and self.buf:  # whitespace only
             events.append(Content(self.buf))
             self.sent = len(self.buf)
         return events
+
+    def _send_rest(self, events: list[Event]) -> None:
+        """The text not sent yet, as content unless a call went out (after a call no text is content)."""
+        if self.sent < len(self.buf) and not self.calls:
+            events.append(Content(self.buf[self.sent :]))
+        self.sent = len(self.buf)
 
     def _scan(self, events: list[Event], final: bool) -> None:
         buf, i = self.buf, self.pos

@@ -9,6 +9,11 @@ response is the same events over the whole text, joined (`parse_all`), however t
 out stands (a stream cannot take it back), its arguments as far as they were written, and `ok` (every call complete
 JSON, nothing malformed) decides finish_reason "tool_calls". The model's own output with no call is content.
 
+Content is the text before the first call: once a call went out, no text is content (text between or after calls, a
+malformed or cut call after them), streamed and whole alike. vLLM's hermes parser answers whole so (its content is
+the text before the first `<tool_call>`); its stream sent text after the calls, which a whole answer could only put
+before them (a Responses answer's message item after its calls streamed, before them whole).
+
 Formats (each from the model's own chat template and documentation):
 
 - hermes (Qwen2, Qwen2.5, Qwen3, SmolLM3, Hermes): `<tool_call>{"name": N, "arguments": {...}}</tool_call>`,
@@ -182,11 +187,9 @@ class ToolCallStream:
         self.buf = ""
         self.pos = 0  # text before pos has been turned into events
         self.calls: list[Call] = []
-        self.malformed = False  # some text looked like a call and was not one: the rest is content
+        self.malformed = False  # some text looked like a call and was not one: the rest is content (if no call is out)
         self.state = "start"
         self._block_start = 0  # where the current block of calls starts (its marker)
-        self._block_calls = 0  # calls of the current block that went out
-        self._call_start = 0
         self._obj: dict = {}
         self._held = ""  # whitespace between content and what follows it
 
@@ -236,7 +239,7 @@ class ToolCallStream:
 
     # ---- the machine --------------------------------------------------------------------------
     def _content(self, events: list[Event], text: str) -> None:
-        if not text:
+        if not text or self.calls:  # after a call no text is content
             return
         body = text.rstrip(_WS)
         if body:
@@ -259,12 +262,11 @@ class ToolCallStream:
         self.pos = end
 
     def _fail(self) -> None:
-        """The failing block (from its marker, or from its failing call when calls of it went out) is content,
-        and so is the rest. A call whose name and arguments went out already stays; what follows is content."""
+        """With no call out yet, the failing block (from its marker) is content, and so is the rest; after a call
+        nothing is: the calls that went out stay."""
         self.malformed = True
-        started = self.calls and not self.calls[-1].complete
-        if not started and self.state not in ("after_call", "done_text"):  # else: from the offending text
-            self.pos = self._block_start if self._block_calls == 0 else self._call_start
+        if not self.calls:
+            self.pos = self._block_start
         self.state = "content"
 
     def _step(self, events: list[Event], final: bool) -> bool:
@@ -319,7 +321,6 @@ class ToolCallStream:
             return True
         if state == "call":
             self._skip_ws()
-            self._call_start = self.pos
             self._expect("{")
             self._obj = {"name": None, "args": None, "key": None, "scan": None}
             self.state = "key"
@@ -346,7 +347,7 @@ class ToolCallStream:
             at, marker = min(found)
             self._content(events, rest[:at])
             # whitespace before a call is not content (unless the block fails: it starts the block's text)
-            self._block_start, self._block_calls = self.pos + at - len(self._held), 0
+            self._block_start = self.pos + at - len(self._held)
             self._held = ""
             self.pos += at + len(marker)
             self.state = "open"
@@ -421,7 +422,6 @@ class ToolCallStream:
         """Starts the current call (its name is known) if it has not started, then sends `piece` of its arguments."""
         if not self.calls or self.calls[-1].complete:
             self.calls.append(Call(new_call_id(), self._obj["name"]))
-            self._block_calls += 1
             events.append(CallStart(len(self.calls) - 1, self.calls[-1].id, self.calls[-1].name))
         if piece:
             self.calls[-1].arguments += piece
