@@ -422,21 +422,36 @@ PYTHONIC_CASES = [
 ]  # fmt: skip
 
 
-def test_pythonic_parser_reads_a_python_list_of_calls(tools_engine_dir):
-    """--tool-call-parser pythonic (vLLM's, for Llama 3.2 and Gemma 3 templates): the model's Python list of calls
-    comes back as tool_calls with JSON arguments, whole and streamed alike; other text is content."""
+@pytest.fixture(scope="module")
+def pythonic_client(tools_engine_dir):
+    """The openai client of a server at --tool-call-parser pythonic (vLLM's, for Llama 3.2 and Gemma 3 templates)."""
     handle = start_server(tools_engine_dir, port=0, served_model_name=MODEL, device="cpu",
                           options=ServerOptions(tool_call_parser="pythonic"))  # fmt: skip
-    try:
-        client = openai_client(handle.url)
-        for forced, content, calls in PYTHONIC_CASES:
-            full = _create(client, forced).choices[0]
-            assert full.message.content == content
-            got = [(tc.function.name, json.loads(tc.function.arguments)) for tc in full.message.tool_calls or []]
-            assert got == calls and full.finish_reason == ("tool_calls" if calls else "stop")
-            streamed_content, streamed_calls, finish = _streamed(_create(client, forced, stream=True))
-            assert (streamed_content, finish) == (content, full.finish_reason)
-            assert [(n, json.loads(a)) for _, n, a in streamed_calls] == calls
-        wait_idle(handle)
-    finally:
-        handle.shutdown(timeout=0)
+    yield openai_client(handle.url)
+    wait_idle(handle)
+    handle.shutdown(timeout=0)
+
+
+def test_pythonic_parser_reads_a_python_list_of_calls(pythonic_client):
+    """The model's Python list of calls comes back as tool_calls with JSON arguments, whole and streamed alike;
+    other text is content."""
+    client = pythonic_client
+    for forced, content, calls in PYTHONIC_CASES:
+        full = _create(client, forced).choices[0]
+        assert full.message.content == content
+        got = [(tc.function.name, json.loads(tc.function.arguments)) for tc in full.message.tool_calls or []]
+        assert got == calls and full.finish_reason == ("tool_calls" if calls else "stop")
+        streamed_content, streamed_calls, finish = _streamed(_create(client, forced, stream=True))
+        assert (streamed_content, finish) == (content, full.finish_reason)
+        assert [(n, json.loads(a)) for _, n, a in streamed_calls] == calls
+
+
+def test_pythonic_calls_ended_anywhere_read_the_same_streamed_and_whole(pythonic_client):
+    """A Python list of calls ended by the model (EOS) at every character, a list of no calls and a call to no tool:
+    the whole answer is the stream's deltas joined; with a call, no text is content, else all of it is (was: "[] x"
+    streamed as content " x", the list dropped, and whole as "[] x")."""
+    listed = '[get_weather(city="Paris)"), add(a=1, b=[2])] Done.'
+    for forced in [listed[:end] for end in range(1, len(listed) + 1)] + ["[] x", "[add(a=1), fly(b=2)]"]:
+        whole, streamed = _whole_and_streamed(pythonic_client, forced)
+        assert streamed == whole and whole[2] in ("stop", "tool_calls"), (forced, whole, streamed)
+        assert whole[0] == (None if whole[1] else forced), (forced, whole)

@@ -90,6 +90,7 @@ MALFORMED = [
     (PYTHONIC, "[add(a='one\nline')]"),  # a one-quote string across lines
     (PYTHONIC, "[add(a=1)) ]"),
     (PYTHONIC, "[1, 2, 3]"),
+    (PYTHONIC, "[] x"),  # a list of no calls (was: streamed as " x", the list dropped)
     (PYTHONIC, "[add (a=1)]"),  # vLLM's regex: the '(' right after the name (was: a call when streamed, else text)
 ]  # fmt: skip
 

@@ -104,7 +104,7 @@ class PythonicCallStream:
                     i += 1
                     continue
                 if c == "]":
-                    if self._call_start >= 0:  # a name without its arguments
+                    if self._call_start >= 0 or not self.calls:  # a name without its arguments; a list of no calls
                         raise _NotACall
                     self.state, self.sent = "after", i + 1
                     self.pos = i + 1
