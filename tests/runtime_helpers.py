@@ -275,3 +275,21 @@ def one_line_failure(result: Any, *words: str) -> str:
     for w in words:
         assert w in lines[-1], lines[-1]
     return lines[-1]
+
+
+def run_trace_command(command: str, path: Path, engine: Path, *args: str) -> Any:
+    """`trtpaged bench memory|throughput|serve ... --trace PATH` or `trtpaged diagnose PATH` through click's
+    CliRunner, on `engine` (serve at a URL where nothing listens, throughput without its baseline): the run of a
+    trace file that is to be refused before anything loads or is sent."""
+    from click.testing import CliRunner
+
+    from trtpaged.cli import main
+
+    if command == "serve":
+        argv = ["bench", "serve", "--base-url", "http://127.0.0.1:9", "--trace", str(path)]
+    elif command == "diagnose":
+        argv = ["diagnose", str(path), "--engine", str(engine)]
+    else:
+        argv = ["bench", command, str(engine), "--trace", str(path)] + (["--baseline", "none"]
+                                                                       if command == "throughput" else [])  # fmt: skip
+    return CliRunner().invoke(main, argv + list(args))

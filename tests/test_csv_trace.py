@@ -20,7 +20,7 @@ from trtpaged.bench.timed_trace import TimedRequest, timed_form
 from trtpaged.bench.workload import TraceRequest, prompt_token_ids
 from trtpaged.cli import main
 
-from runtime_helpers import one_line_failure, server_with_request_log
+from runtime_helpers import one_line_failure, run_trace_command as _run, server_with_request_log
 
 AZURE = "TIMESTAMP,ContextTokens,GeneratedTokens"
 BURSTGPT = "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type"
@@ -234,17 +234,6 @@ def test_a_bad_csv_trace_is_refused_in_one_line_naming_it(tiny_engine_dir, tmp_p
     path = _write(tmp_path, [header] + ([] if bad is None else [GOOD_ROW[header], bad] if line == 3 else [bad]))
     where = f"trace.csv:{line}: " if line else "trace.csv"
     one_line_failure(_run(command, path, tiny_engine_dir), where, words)
-
-
-def _run(command: str, path: Path, engine: Path, *args: str):
-    if command == "serve":
-        argv = ["bench", "serve", "--base-url", "http://127.0.0.1:9", "--trace", str(path)]
-    elif command == "diagnose":
-        argv = ["diagnose", str(path), "--engine", str(engine)]
-    else:
-        argv = ["bench", command, str(engine), "--trace", str(path)] + (["--baseline", "none"]
-                                                                       if command == "throughput" else [])  # fmt: skip
-    return CliRunner().invoke(main, argv + list(args))
 
 
 def test_a_file_that_is_not_utf8_is_refused_naming_it(tmp_path, tiny_engine_dir):

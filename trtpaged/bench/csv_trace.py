@@ -151,7 +151,7 @@ def _form(name: str) -> CsvForm:
 def csv_form(path: str | Path) -> Optional[str]:
     """The CSV form `path` is to be read as: "Azure" or "BurstGPT" by its header, "CSV" for a CSV file whose header
     is neither (the reader refuses it naming the line), None for a file that is not CSV (see the module's doc)."""
-    line = _first_line(path)
+    line = first_line(path)
     if line is None:
         return None
     text = line.strip()
@@ -165,7 +165,7 @@ def csv_form(path: str | Path) -> Optional[str]:
     return form.name if form else "CSV"
 
 
-def _first_line(path: str | Path) -> Optional[str]:
+def first_line(path: str | Path) -> Optional[str]:
     """The first non-blank line of a text file (a byte-order mark dropped; bytes that are not UTF-8 replaced, for the
     reader to refuse naming them); None when there is none or it is longer than _DETECT_BYTES."""
     with open(path, encoding="utf-8-sig", errors="replace") as f:

@@ -25,7 +25,8 @@ during a step joins the next); a prompt_len next to prompt_token_ids must be the
 fields are checked and read as observed figures; its requests that produced no token (refused) are
 skipped and counted. A timed trace (Mooncake, Azure, BurstGPT: trtpaged.bench.timed_trace) is read as `bench memory`
 replays it; an Azure or BurstGPT trace gives no prompt content, so the sharing answer says that prefix sharing is
-unknown rather than that it would save nothing.
+unknown rather than that it would save nothing. A trtllm-bench dataset (trtpaged.bench.trtllm_dataset) is read with
+its prompts' real token ids (text through the engine's tokenizer), every request at step 0.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class RequestLogData:
     output_tokens: int = 0  # the log's own count: output_lens where given, else output_len x n
     cached_tokens: Optional[int] = None  # prompt tokens the server found in its prefix cache, if logged
     lengths_only: int = 0  # requests logged by their lengths alone (no prompt, no prefix_id): their sharing is unseen
-    form: Optional[str] = None  # the timed trace form it was read as ("Mooncake", "Azure", "BurstGPT"); None: a log
+    form: Optional[str] = None  # the trace form it was read as ("Mooncake", "Azure", "BurstGPT", "trtllm-bench")
 
     def summary(self) -> dict:
         """The report's `log` section."""
@@ -101,9 +102,12 @@ def read_request_log(path: str | Path, tokenize: Optional[Callable[[str], list[i
     when they differ).
     """
     from trtpaged.bench.timed_trace import timed_form
+    from trtpaged.bench.trtllm_dataset import is_trtllm_dataset
 
     if timed_form(path):
         return _read_timed(path, vocab_size, seed, step_time)
+    if is_trtllm_dataset(path):
+        return _read_trtllm(path, tokenize, vocab_size, step_time)
     rng = random.Random(seed)
     prefixes: dict[int, list[int]] = {}
     prefix_lens: dict[int, tuple[int, str]] = {}
@@ -175,6 +179,20 @@ def _read_timed(path: str | Path, vocab_size: int, seed: int, step_time: Optiona
     out.output_tokens = sum(r.output_len for r in trace)
     out.lengths_only = sum(r.hash_ids is None for r in trace)  # an Azure or BurstGPT trace's: no prompt content
     return out
+
+
+def _read_trtllm(path: str | Path, tokenize: Optional[Callable[[str], list[int]]], vocab_size: int,
+                 step_time: Optional[float]) -> RequestLogData:  # fmt: skip
+    """A trtllm-bench dataset (trtpaged.bench.trtllm_dataset): its prompts' real token ids, every request at step 0."""
+    from trtpaged.bench.trtllm_dataset import FORM, read_trtllm_dataset
+
+    if step_time is not None:
+        raise ValueError(f"--step-time: {path} is a {FORM} dataset, which has no arrival times (every request at "
+                         "step 0); nothing to convert")  # fmt: skip
+    dataset = read_trtllm_dataset(path)
+    prompts = dataset.prompt_ids(tokenize, vocab_size, "give --engine (a --config has no tokenizer)")
+    trace = [TraceRequest(len(ids), line.output_len) for ids, line in zip(prompts, dataset.lines)]
+    return RequestLogData(trace, prompts, output_tokens=sum(r.output_len for r in trace), form=FORM)
 
 
 def _arrival_is_seconds(value: object) -> bool:
@@ -468,6 +486,8 @@ def _log_line(log: dict) -> str:
     if log.get("lengths_only") and log.get("form"):  # an Azure or BurstGPT trace: lengths and times, no prompts
         line += (f"; {log['form']} trace: no prompt text or prefix ids, its prompts random tokens of each request's "
                  "length")  # fmt: skip
+    elif log.get("form") == "trtllm-bench":
+        line += "; trtllm-bench dataset: its prompts' own token ids (text tokenized), every request at step 0"
     elif log.get("lengths_only"):  # a server log without --request-log-prompts: random tokens, so no sharing is seen
         line += (f"; {log['lengths_only']} requests logged by length only: the sharing below cannot see theirs "
                  "(log prompts with `serve --request-log-prompts`)")

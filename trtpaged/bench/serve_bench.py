@@ -50,6 +50,7 @@ from trtpaged.bench.server_metrics import parse_prometheus
 from trtpaged.bench.sharegpt import ShareGPTRule, ShareGPTSample, sample_sharegpt
 from trtpaged.bench.timed_trace import TimedTrace, read_timed_trace
 from trtpaged.bench.token_blocks import block_prompt
+from trtpaged.bench.trtllm_dataset import TrtllmDataset, read_trtllm_dataset
 from trtpaged.bench.workload import TraceRequest
 
 _WORDS = ("the of and to in is you that it he was for on are as with his they at be this have from or one had by "
@@ -62,9 +63,10 @@ PERCENTILES = (50, 90, 99)
 
 @dataclass(frozen=True)
 class ServeRequest:
-    """One request of the workload: a text prompt, how many tokens to generate, parallel samples."""
+    """One request of the workload: a prompt (text, or token ids sent as they are), how many tokens to generate,
+    parallel samples."""
 
-    prompt: str
+    prompt: str | tuple[int, ...]
     max_tokens: int
     n: int = 1
     beam_width: int = 1  # > 1: a beam search of that width (one sequence returned)
@@ -111,6 +113,14 @@ def timed_requests(path: str, seed: int = 0) -> tuple[list[ServeRequest], TimedT
     trace: its `seconds()` are their send times."""
     trace = read_timed_trace(path)
     return prompts_from_trace(trace.trace(), seed), trace
+
+
+def trtllm_requests(path: str) -> tuple[list[ServeRequest], TrtllmDataset]:
+    """A trtllm-bench dataset's requests (trtpaged.bench.trtllm_dataset) in file order: text prompts sent as text,
+    input_ids as token ids (the completions endpoint takes either; the server checks them against its vocabulary)."""
+    dataset = read_trtllm_dataset(path)
+    return [ServeRequest(line.prompt if line.input_ids is None else line.input_ids, line.output_len)
+            for line in dataset.lines], dataset  # fmt: skip
 
 
 def sharegpt_requests(path: str, base_url: str, num_requests: int, seed: int = 0, output_len: Optional[int] = None,
@@ -178,8 +188,8 @@ def warmup_request(first: ServeRequest, seed: int = 0) -> ServeRequest:
     """The uncounted request sent before the run: the first request's prompt length in other words (so it leaves
     nothing in the prefix cache that the run's prompts share), at most 16 tokens, one greedy sequence."""
     rng = random.Random(f"{seed}/warmup")
-    return ServeRequest(" ".join(rng.choice(_WORDS) for _ in range(len(first.prompt.split()))),
-                        min(first.max_tokens, 16))  # fmt: skip
+    words = len(first.prompt.split()) if isinstance(first.prompt, str) else len(first.prompt)  # a word per token id
+    return ServeRequest(" ".join(rng.choice(_WORDS) for _ in range(words)), min(first.max_tokens, 16))
 
 
 def _body(req: ServeRequest, model: Optional[str], chat: bool, ignore_eos: bool) -> dict[str, Any]:
@@ -198,7 +208,7 @@ def _body(req: ServeRequest, model: Optional[str], chat: bool, ignore_eos: bool)
     if chat:
         body["messages"] = [{"role": "user", "content": req.prompt}]
     else:
-        body["prompt"] = req.prompt
+        body["prompt"] = req.prompt if isinstance(req.prompt, str) else list(req.prompt)
     return body
 
 

@@ -42,6 +42,7 @@ from trtpaged.bench import process_tree
 from trtpaged.bench.noise import Noise, NoiseMonitor, assess, spread
 from trtpaged.bench.sharegpt import ShareGPTRule, ShareGPTSample, sample_sharegpt
 from trtpaged.bench.timed_trace import TimedTrace, read_timed_trace
+from trtpaged.bench.trtllm_dataset import TrtllmDataset, read_trtllm_dataset
 from trtpaged.bench.workload import (TraceRequest, json_objects, load_trace_lines, prompt_token_ids, read_lines,
                                      synthetic_trace)  # fmt: skip
 
@@ -180,6 +181,17 @@ def sharegpt_requests(path: str | Path, encode: Callable[[str], list[int]], num_
     rule = ShareGPTRule(output_len=output_len, model_len=max_seq_len)
     sample = sample_sharegpt(path, lambda text: len(encode(text)), num_requests, seed, rule)
     return [Request(tuple(encode(r.prompt)), r.output_len, f"{path}[{r.entry}]") for r in sample.requests], sample
+
+
+def trtllm_requests(path: str | Path, encode: Callable[[str], list[int]],
+                    vocab_size: int) -> tuple[list[Request], TrtllmDataset, list[list[int]]]:  # fmt: skip
+    """A trtllm-bench dataset's requests (trtpaged.bench.trtllm_dataset) in file order: input_ids as given (each
+    below `vocab_size`), text prompts through `encode` (the engine's tokenizer); the dataset, and each prompt's ids.
+    Each request's `where` is its line."""
+    dataset = read_trtllm_dataset(path)
+    prompts = dataset.prompt_ids(encode, vocab_size)
+    requests = [Request(tuple(ids), line.output_len, line.where) for ids, line in zip(prompts, dataset.lines)]
+    return requests, dataset, prompts
 
 
 def check_requests(requests: list[Request], max_seq_len: int, source: str) -> None:

@@ -102,8 +102,10 @@ def kernel(kv_cache_dtype: Optional[str], device: str, as_json: bool, quick: boo
               help="JSON Lines trace (prompt_len, output_len[, arrival, prefix_id, prefix_len, n, beam_width]), a "
                    "Mooncake trace (JSON Lines of timestamp, input_length, output_length, hash_ids), an Azure LLM "
                    "inference or BurstGPT trace (CSV, known by its header; prompts random tokens, nothing shared; "
-                   "timed traces: see --step-time), or a ShareGPT dataset (a JSON array of conversations, read as "
-                   "vLLM's benchmarks read it; its lengths counted by ENGINE's tokenizer).")
+                   "timed traces: see --step-time), a trtllm-bench dataset (JSON Lines of task_id, prompt or "
+                   "input_ids, output_tokens; texts tokenized by ENGINE's tokenizer, ids as given, so shared "
+                   "prefixes are real), or a ShareGPT dataset (a JSON array of conversations, read as vLLM's "
+                   "benchmarks read it; its lengths counted by ENGINE's tokenizer).")
 @click.option("--step-time", type=FiniteFloatRange(min=0, min_open=True), default=None,
               help="With a timed --trace (Mooncake, Azure, BurstGPT): the seconds one replay step stands for; each "
                    "timestamp (its time after the first) becomes a step, rounded up. Needed when the timestamps "
@@ -165,18 +167,21 @@ def memory(ctx, engine, trace, step_time, num_requests, prompt_len, output_len, 
     With --trace, --n or --beam-width fill the lines that give neither field; the synthetic options
     are errors (they cannot apply to a trace). A ShareGPT --trace takes --num-requests, --seed and --output-len N
     (trtpaged.bench.sharegpt); a timed --trace's timestamps (Mooncake, Azure, BurstGPT) become steps with
-    --step-time (trtpaged.bench.timed_trace).
+    --step-time (trtpaged.bench.timed_trace); a trtllm-bench --trace's prompts are replayed as its token ids
+    (trtpaged.bench.trtllm_dataset), so what they share is real.
     """
     from trtpaged.bench.memory_bench import (Budget, format_memory_report, format_sharing_table, run_memory_bench,
                                              run_sharing_table)  # fmt: skip
     from trtpaged.bench.sharegpt import is_sharegpt
     from trtpaged.bench.timed_trace import timed_form
+    from trtpaged.bench.trtllm_dataset import is_trtllm_dataset
     from trtpaged.bench.workload import PRESETS, load_trace_with_sharing, parse_range, synthetic_trace
 
     defaults = {"num_kv_blocks": 1456, "block_size": DEFAULT_BLOCK_SIZE, "max_seq_len": 2048, "max_batch_size": 256,
                 "max_num_tokens": 2048}  # fmt: skip
     base_dtype, engine_head_dim = "float16", 64
     manifest = None
+    prompts = None  # each request's token ids, where the trace gives real ones (default: generated)
     try:
         tier_sizes = None
         if kv_tier_blocks is not None:
@@ -212,6 +217,8 @@ def memory(ctx, engine, trace, step_time, num_requests, prompt_len, output_len, 
             requests = _sharegpt_memory_requests(ctx, manifest, budget.max_seq_len)
         elif timed:
             requests = _timed_memory_requests(ctx, trace, step_time, n, beam_width)
+        elif trace and is_trtllm_dataset(trace):
+            requests, prompts = _trtllm_memory_requests(ctx, manifest, n, beam_width)
         elif trace:
             given = _given(ctx, _MEMORY_WORKLOAD_OPTIONS)
             _refuse_synthetic_options(trace, given - {"n", "beam_width"})
@@ -228,7 +235,7 @@ def memory(ctx, engine, trace, step_time, num_requests, prompt_len, output_len, 
     except (ValueError, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from exc
     progress = lambda msg: click.echo(f"  replaying: {msg}", err=True)  # noqa: E731
-    report = run_memory_bench(requests, budget, progress=progress)
+    report = run_memory_bench(requests, budget, progress=progress, prompts=prompts)
     if plot:
         from trtpaged.bench.memory_plot import plot_memory_report
 
@@ -254,7 +261,7 @@ def memory(ctx, engine, trace, step_time, num_requests, prompt_len, output_len, 
     if tier_sizes:
         from trtpaged.bench.memory_bench import run_tier_what_if
 
-        report["kv_tiers"] = run_tier_what_if(requests, budget, tier_sizes, progress=progress)
+        report["kv_tiers"] = run_tier_what_if(requests, budget, tier_sizes, prompts, progress=progress)
     if window:
         from trtpaged.bench.memory_bench import run_window_comparison
 
@@ -361,6 +368,31 @@ def _timed_memory_requests(ctx: click.Context, trace: str, step_time: Optional[f
     return [replace(r, n=n, beam_width=beam_width) for r in requests]
 
 
+def _trtllm_memory_requests(ctx: click.Context, manifest, n: int, beam_width: int) -> tuple[list, list[list[int]]]:
+    """bench memory's requests from a trtllm-bench --trace, and each one's prompt ids: input_ids as given (checked
+    against ENGINE's vocabulary when given), text through ENGINE's tokenizer (without ENGINE, refused naming the
+    line), --n or --beam-width on every request, the synthetic options refused."""
+    from trtpaged.bench.trtllm_dataset import read_trtllm_dataset
+    from trtpaged.bench.workload import TraceRequest
+    from trtpaged.runtime.llm import load_tokenizer
+
+    trace = ctx.params["trace"]
+    given = _given(ctx, _MEMORY_WORKLOAD_OPTIONS)
+    _refuse_synthetic_options(trace, given - {"n", "beam_width"})
+    _one_request_kind(given)
+    dataset = read_trtllm_dataset(trace)
+    encode, vocab = None, None
+    if manifest is not None:
+        vocab = manifest.dims.vocab_size
+        if any(line.prompt is not None for line in dataset.lines):
+            encode = load_tokenizer(Path(ctx.params["engine"]), manifest).encode
+    prompts = dataset.prompt_ids(encode, vocab, f"give the engine dir (bench memory ENGINE --trace {trace})")
+    _progress(dataset.summary(prompts))
+    requests = [TraceRequest(len(ids), line.output_len, n=n, beam_width=beam_width)
+                for ids, line in zip(prompts, dataset.lines)]  # fmt: skip
+    return requests, prompts
+
+
 def _plot_path(value, param):
     """--plot's PATH, refused before the replay when its directory is missing, or matplotlib cannot write the format
     its suffix names (a traceback after the whole replay) or is not installed. No suffix: a PNG."""
@@ -426,9 +458,10 @@ def qlinear(as_json: bool, quick: bool, working_set_mb: Optional[int], threads: 
               help="JSON Lines trace (as for bench memory), a Mooncake trace (JSON Lines of timestamp, input_length, "
                    "output_length, hash_ids: its prompt a block of words per hash id), an Azure LLM inference or "
                    "BurstGPT trace (CSV, known by its header: prompts random words, nothing shared) - a timed trace "
-                   "sends each request at its timestamp - or a ShareGPT dataset (a JSON array of conversations, read "
-                   "as vLLM's benchmarks read it: its prompts' texts sent, lengths counted by the server's POST "
-                   "/tokenize).")
+                   "sends each request at its timestamp - a trtllm-bench dataset (JSON Lines of task_id, prompt or "
+                   "input_ids, output_tokens: texts sent as text, ids as token ids) or a ShareGPT dataset (a JSON "
+                   "array of conversations, read as vLLM's benchmarks read it: its prompts' texts sent, lengths "
+                   "counted by the server's POST /tokenize).")
 @click.option("--num-requests", type=click.IntRange(1, MAX_REQUESTS), default=100, show_default=True,
               help="Synthetic workload, or a ShareGPT --trace: number of requests.")
 @click.option("--prompt-len", default="32:256", show_default=True, help="Synthetic: prompt words N or LOW:HIGH.")
@@ -480,9 +513,10 @@ def serve(base_url, trace, num_requests, prompt_len, output_len, request_rate, m
         return
 
     from trtpaged.bench.serve_bench import (format_report, prompts_from_trace, report_json, run_serve_bench,
-                                            sharegpt_requests, timed_requests)  # fmt: skip
+                                            sharegpt_requests, timed_requests, trtllm_requests)  # fmt: skip
     from trtpaged.bench.sharegpt import is_sharegpt
     from trtpaged.bench.timed_trace import timed_form
+    from trtpaged.bench.trtllm_dataset import is_trtllm_dataset
     from trtpaged.bench.workload import load_trace, parse_range, synthetic_trace
 
     arrivals = None
@@ -500,6 +534,13 @@ def serve(base_url, trace, num_requests, prompt_len, output_len, request_rate, m
             requests, replay = timed_requests(trace, seed)
             arrivals = replay.seconds()
             _progress(replay.summary() + "; each sent at its timestamp")
+        elif trace and is_trtllm_dataset(trace):
+            requests, dataset = trtllm_requests(trace)
+            ids = next((line for line in dataset.lines if line.input_ids is not None), None)
+            if endpoint == "chat" and ids:
+                raise ValueError(f"--endpoint chat: {ids.where}: {ids.ids_field}: a prompt of token ids, which only "
+                                 "the completions endpoint takes (the default)")  # fmt: skip
+            _progress(dataset.summary(arrivals=f"sent at --request-rate {request_rate}"))
         elif sharegpt:
             fixed = _fixed_output_len(output_len, "output_len" in given)
             requests, sample = sharegpt_requests(trace, base_url, num_requests, seed, fixed, api_key, model)
@@ -629,9 +670,10 @@ def structured(engine, batch, steps, repeats, temperature, as_json) -> None:
               help='JSON Lines: a bench-memory trace (prompt_len, output_len, ...; token ids are generated), '
                    'prompts ({"prompt": text, "output_len": N}) or a Mooncake trace (token ids generated per hash id); '
                    "an Azure LLM inference or BurstGPT trace (CSV, known by its header; random token ids, nothing "
-                   "shared); a timed trace's timestamps are not replayed: all requests at t=0; or a ShareGPT dataset "
-                   "(a JSON array of conversations, read as vLLM's benchmarks read it; its prompts' texts "
-                   "tokenized).")  # fmt: skip
+                   "shared); a timed trace's timestamps are not replayed: all requests at t=0; a trtllm-bench "
+                   "dataset (JSON Lines of task_id, prompt or input_ids, output_tokens; texts tokenized, ids as "
+                   "given); or a ShareGPT dataset (a JSON array of conversations, read as vLLM's benchmarks read it; "
+                   "its prompts' texts tokenized).")  # fmt: skip
 @click.option("--num-requests", type=click.IntRange(1, MAX_REQUESTS), default=16, show_default=True,
               help="Built-in mix (prompts 32-300, outputs 16-240 tokens), or a ShareGPT --trace: requests.")
 @click.option("--output-len", type=click.IntRange(min=1), default=None,
@@ -665,8 +707,9 @@ def throughput(engine, trace, num_requests, output_len, baseline, hf_batch_size,
     from trtpaged.bench.sharegpt import is_sharegpt
     from trtpaged.bench.throughput_bench import (check_requests, default_requests, format_throughput_report,
                                                  load_requests, run_throughput_bench, sharegpt_requests,
-                                                 timed_requests)  # fmt: skip
+                                                 timed_requests, trtllm_requests)  # fmt: skip
     from trtpaged.bench.timed_trace import timed_form
+    from trtpaged.bench.trtllm_dataset import is_trtllm_dataset
     from trtpaged.errors import check_unicode
     from trtpaged.manifest import read_manifest
 
@@ -689,6 +732,11 @@ def throughput(engine, trace, num_requests, output_len, baseline, hf_batch_size,
             requests, sample = sharegpt_requests(trace, lambda text: list(tokenizer.encode(text)), num_requests, seed,
                                                  output_len, manifest.limits.max_seq_len)  # fmt: skip
             progress(sample.summary(num_requests))
+        elif trace and is_trtllm_dataset(trace):
+            requests, dataset, prompts = trtllm_requests(trace, lambda text: list(tokenizer.encode(text)),
+                                                         manifest.dims.vocab_size)  # fmt: skip
+            progress(dataset.summary(prompts))
+            check_requests(requests, manifest.limits.max_seq_len, trace)
         elif trace and timed_form(trace):
             requests, timed = timed_requests(trace, manifest.dims.vocab_size, seed)
             progress(timed.summary())

@@ -70,7 +70,7 @@ def _kv_from_config(path: str):
 @click.option("--step-time", type=float, default=None,
               help="Seconds per engine step for a log whose arrivals are seconds (default: the median of its lines' "
                    "step_time_s, as `trtpaged serve --request-log` writes), or a timed trace's (Mooncake, Azure, "
-                   "BurstGPT; needed when its timestamps differ).")
+                   "BurstGPT; needed when its timestamps differ; a trtllm-bench dataset has none).")
 @click.option("--kv-tier-blocks", default=None, metavar="N[,N..]",
               help="Also: what KV tiers of N blocks below the pool would buy the log (prefix hit rate, tokens "
                    "computed; 'unbounded' too).")
@@ -83,7 +83,8 @@ def command(log, engine, config_path, metrics_url, metrics_samples, step_time, k
     `trtpaged serve --request-log` writes is one (arrivals in seconds since the server started, converted
     to steps with the measured step time). A Mooncake trace (timestamp, input_length, output_length, hash_ids), an
     Azure LLM inference or a BurstGPT trace (CSV, known by its header; no prompt content, so prefix sharing is
-    reported unknown) is read as `bench memory --trace` replays it (--step-time needed when its timestamps differ).
+    reported unknown) is read as `bench memory --trace` replays it (--step-time needed when its timestamps differ); so
+    is a trtllm-bench dataset (task_id, prompt or input_ids, output_tokens: its prompts' own token ids, all at step 0).
     """
     import json
 
