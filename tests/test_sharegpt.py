@@ -268,12 +268,30 @@ def test_cli_bench_memory_replays_the_selected_lengths(tiny_engine_dir, tokenize
     replayed = []
     real = memory_bench.run_memory_bench
     monkeypatch.setattr(memory_bench, "run_memory_bench",
-                        lambda requests, *a, **k: replayed.append(requests) or real(requests, *a, **k))
+                        lambda requests, *a, **k: replayed.append((requests, k["prompts"])) or real(requests, *a, **k))
     result = CliRunner().invoke(main, ["bench", "memory", str(tiny_engine_dir), "--trace", str(path),
                                        "--num-requests", "7", "--seed", "4", "--n", "2", "--json"])  # fmt: skip
     assert result.exit_code == 0, result.output
     expected = _expected(path, _vllm_count(tokenizer), 7, 4, model_len=TINY_MAX_SEQ_LEN)
-    assert [(r.prompt_len, r.output_len, r.n) for r in replayed[0]] == [(p, o, 2) for _, p, o in expected]
+    requests, prompts = replayed[0]
+    assert [(r.prompt_len, r.output_len, r.n) for r in requests] == [(p, o, 2) for _, p, o in expected]
+    assert prompts == [tokenizer(text).input_ids for text, _, _ in expected]  # the texts' own tokens are replayed
+
+
+def test_cli_bench_memory_finds_the_prefix_that_sharegpt_prompts_share(tiny_engine_dir, tmp_path):
+    """Two prompts whose texts open with the same 80 characters (5 whole blocks of 16 on the tiny byte-level
+    tokenizer), one request at a time: the second finds the first's shared blocks cached (was: generated prompts,
+    nothing shared)."""
+    shared = "the system prompt " * 5
+    entries = [{"id": str(i), "conversations": [{"from": "human", "value": shared[:80] + tail},
+                                                {"from": "gpt", "value": "an answer of some length"}]}
+               for i, tail in enumerate(["first question", "another question"])]  # fmt: skip
+    result = CliRunner().invoke(main, ["bench", "memory", str(tiny_engine_dir), "--trace", str(_write(tmp_path, entries)),
+                                       "--max-batch-size", "1", "--json"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output[result.output.index("{"):])
+    policies = {p["policy"]: p for p in report["policies"]}
+    assert policies["paged + sharing"]["prefix_hit_tokens"] == 80, policies["paged + sharing"]
 
 
 def test_cli_bench_memory_needs_an_engine_for_a_sharegpt_trace(tmp_path):

@@ -214,7 +214,7 @@ def memory(ctx, engine, trace, step_time, num_requests, prompt_len, output_len, 
                              "steps; " + (f"--trace {trace} has none" if trace else "a synthetic workload arrives "
                                           "at step 0"))  # fmt: skip
         if sharegpt:
-            requests = _sharegpt_memory_requests(ctx, manifest, budget.max_seq_len)
+            requests, prompts = _sharegpt_memory_requests(ctx, manifest, budget.max_seq_len)
         elif timed:
             requests = _timed_memory_requests(ctx, trace, step_time, n, beam_width)
         elif trace and is_trtllm_dataset(trace):
@@ -328,9 +328,10 @@ def _fixed_output_len(value: str, given: bool) -> Optional[int]:
     return low
 
 
-def _sharegpt_memory_requests(ctx: click.Context, manifest, max_seq_len: int) -> list:
-    """bench memory's requests from a ShareGPT --trace: lengths counted by the engine's tokenizer (without ENGINE,
-    refused saying so), --n or --beam-width on every request, pairs longer than the budget's max_seq_len skipped."""
+def _sharegpt_memory_requests(ctx: click.Context, manifest, max_seq_len: int) -> tuple[list, list[list[int]]]:
+    """bench memory's requests from a ShareGPT --trace, and their prompts' token ids (so that the sharing replay
+    finds the prefixes the texts share): lengths counted by the engine's tokenizer (without ENGINE, refused saying
+    so), --n or --beam-width on every request, pairs longer than the budget's max_seq_len skipped."""
     from trtpaged.bench.sharegpt import ShareGPTRule, sample_sharegpt, tokenizer_counter
     from trtpaged.bench.workload import TraceRequest
     from trtpaged.runtime.llm import load_tokenizer
@@ -346,7 +347,9 @@ def _sharegpt_memory_requests(ctx: click.Context, manifest, max_seq_len: int) ->
     tokenizer = load_tokenizer(Path(p["engine"]), manifest)
     sample = sample_sharegpt(trace, tokenizer_counter(tokenizer), p["num_requests"], p["seed"], rule)
     _progress(sample.summary(p["num_requests"]))
-    return [TraceRequest(r.prompt_len, r.output_len, n=p["n"], beam_width=p["beam_width"]) for r in sample.requests]
+    prompts = [list(tokenizer.encode(r.prompt)) for r in sample.requests]  # the same encoding that counted them
+    requests = [TraceRequest(r.prompt_len, r.output_len, n=p["n"], beam_width=p["beam_width"]) for r in sample.requests]
+    return requests, prompts
 
 
 def _timed_memory_requests(ctx: click.Context, trace: str, step_time: Optional[float], n: int,
