@@ -174,11 +174,15 @@ def test_a_cancelled_background_response_keeps_its_output_so_far(client, server)
     assert 1 <= cancelled.usage.output_tokens == len(cancelled.output_text) < 470
     assert client.responses.retrieve(queued.id).model_dump() == cancelled.model_dump()
     events = []
-    for event in _create(client, input="go on", max_output_tokens=480, background=True, stream=True,
-                         extra_body=letters):  # fmt: skip
-        events.append(event)
-        if len(events) == 6:
-            client.responses.cancel(events[0].response.id)
+    restore = slowed_steps(server, 0.005)  # 2.4 s for its 470 tokens: the cancel lands before its end, however busy
+    try:
+        for event in _create(client, input="go on", max_output_tokens=480, background=True, stream=True,
+                             extra_body=letters):  # fmt: skip
+            events.append(event)
+            if len(events) == 6:
+                client.responses.cancel(events[0].response.id)
+    finally:
+        restore()
     assert _shape(events[-1].response) == _shape(cancelled)
     wait_idle(server)
 
@@ -564,11 +568,15 @@ def test_a_cancelled_background_stream_ends_with_the_response_get_returns(client
     events = []
     stream = _create(client, input="go on", max_output_tokens=480, background=True, stream=True,
                      extra_body={"structured_outputs": {"regex": "[a-z]{470}"}})  # no end before the cancel
-    for event in stream:
-        events.append(event)
-        if len(events) == 6:
-            rid = events[0].response.id
-            cancelled = client.responses.cancel(rid)
+    restore = slowed_steps(server, 0.005)  # 2.4 s for its 470 tokens: the cancel lands before its end, however busy
+    try:
+        for event in stream:
+            events.append(event)
+            if len(events) == 6:
+                rid = events[0].response.id
+                cancelled = client.responses.cancel(rid)
+    finally:
+        restore()
     assert [e.sequence_number for e in events] == list(range(len(events)))
     last = events[-1]
     assert last.type == "response.incomplete" and last.response.status == "cancelled"
