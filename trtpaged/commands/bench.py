@@ -460,11 +460,11 @@ def qlinear(as_json: bool, quick: bool, working_set_mb: Optional[int], threads: 
 @click.option("--trace", type=RegularFile(),
               help="JSON Lines trace (as for bench memory), a Mooncake trace (JSON Lines of timestamp, input_length, "
                    "output_length, hash_ids: its prompt a block of words per hash id), an Azure LLM inference or "
-                   "BurstGPT trace (CSV, known by its header: prompts random words, nothing shared) - a timed trace "
-                   "sends each request at its timestamp - a trtllm-bench dataset (JSON Lines of task_id, prompt or "
-                   "input_ids, output_tokens: texts sent as text, ids as token ids) or a ShareGPT dataset (a JSON "
-                   "array of conversations, read as vLLM's benchmarks read it: its prompts' texts sent, lengths "
-                   "counted by the server's POST /tokenize).")
+                   "BurstGPT trace (CSV, known by its header: prompts random words, nothing shared), a trtllm-bench "
+                   "dataset (JSON Lines of task_id, prompt or input_ids, output_tokens: texts sent as text, ids as "
+                   "token ids) or a ShareGPT dataset (a JSON array of conversations, read as vLLM's benchmarks read "
+                   "it: its prompts' texts sent, lengths counted by the server's POST /tokenize). A timed trace "
+                   "(Mooncake, Azure, BurstGPT) sends each request at its timestamp.")
 @click.option("--num-requests", type=click.IntRange(1, MAX_REQUESTS), default=100, show_default=True,
               help="Synthetic workload, or a ShareGPT --trace: number of requests.")
 @click.option("--prompt-len", default="32:256", show_default=True, help="Synthetic: prompt words N or LOW:HIGH.")
@@ -673,10 +673,10 @@ def structured(engine, batch, steps, repeats, temperature, as_json) -> None:
               help='JSON Lines: a bench-memory trace (prompt_len, output_len, ...; token ids are generated), '
                    'prompts ({"prompt": text, "output_len": N}) or a Mooncake trace (token ids generated per hash id); '
                    "an Azure LLM inference or BurstGPT trace (CSV, known by its header; random token ids, nothing "
-                   "shared); a timed trace's timestamps are not replayed: all requests at t=0; a trtllm-bench "
-                   "dataset (JSON Lines of task_id, prompt or input_ids, output_tokens; texts tokenized, ids as "
-                   "given); or a ShareGPT dataset (a JSON array of conversations, read as vLLM's benchmarks read it; "
-                   "its prompts' texts tokenized).")  # fmt: skip
+                   "shared); a trtllm-bench dataset (JSON Lines of task_id, prompt or input_ids, output_tokens; texts "
+                   "tokenized, ids as given); or a ShareGPT dataset (a JSON array of conversations, read as vLLM's "
+                   "benchmarks read it; its prompts' texts tokenized). Every request is submitted at t=0: a timed "
+                   "trace's timestamps (Mooncake, Azure, BurstGPT) are not replayed (bench serve replays them).")
 @click.option("--num-requests", type=click.IntRange(1, MAX_REQUESTS), default=16, show_default=True,
               help="Built-in mix (prompts 32-300, outputs 16-240 tokens), or a ShareGPT --trace: requests.")
 @click.option("--output-len", type=click.IntRange(min=1), default=None,
