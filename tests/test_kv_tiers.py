@@ -669,6 +669,37 @@ def test_a_wrong_typed_redis_key_is_a_bad_entry_not_an_outage(redis_url):
 
 
 @needs_redis
+def test_a_read_only_disk_tier_drops_its_write_backs_and_not_the_redis_tiers_below_it(tmp_path: Path, redis_url):
+    """On a read-only filesystem a disk write-back is dropped, counted and logged; the tiers after it still get the
+    block (was: removing the temp file raised EROFS out of the disk tier, so the writer skipped Redis and counted an
+    error on every tier)."""
+    import subprocess
+
+    import redis
+
+    from trtpaged.runtime.kv_tiers.remote import KEY_PREFIX, RedisTier
+
+    from runtime_helpers import small_tmpfs
+
+    fp = _fingerprint(None)
+    codec = EntryCodec(fp, 64)
+    records = [BlockRecord(chain_key(fp, ROOT, (j,) * BS), ROOT, (j,) * BS) for j in range(3)]
+    with small_tmpfs(tmp_path / "ro", "64k") as mount:
+        host = HostMemoryTier(1 << 20)
+        disk = DiskTier(mount, 1 << 20, namespace=namespace_of(fp))
+        remote = RedisTier(redis_url)
+        stack = TierStack([host, CheckedTier(disk, codec), CheckedTier(remote, codec)], fp)
+        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+        stack.save([(record, bytes([j]) * 64) for j, record in enumerate(records)])
+        stack.flush()
+        stack.close()
+    client = redis.Redis.from_url(redis_url)
+    assert all(client.exists(KEY_PREFIX + record.key) for record in records)  # the store's own state
+    assert remote.counters.puts == 3 and remote.counters.errors == host.counters.errors == 0
+    assert disk.counters.dropped == 3 and disk.num_entries == 0
+
+
+@needs_redis
 def test_a_full_redis_drops_writes_and_still_answers_lookups(caplog):
     """A Redis at maxmemory under noeviction refuses each SET (OutOfMemoryError): that write is dropped and logged
     once, naming the policy to use; the store is not taken for down (was: every lookup missed for retry_after_s)."""

@@ -118,6 +118,15 @@ def _process_start(pid: int) -> Optional[float]:
         return None
 
 
+def _remove_quietly(path: Path) -> None:
+    """Removes a failed write's temp file, if it can: on a read-only filesystem the unlink itself fails (EROFS, even
+    for a file that is not there), which raised out of the tier and cost the tiers after it their write-back."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
 class DiskTier:
     slow = True
 
@@ -268,7 +277,7 @@ class DiskTier:
             except OSError as e:
                 self.counters.dropped += 1
                 self._failed("a write-back (dropped)", e)
-                tmp.unlink(missing_ok=True)
+                _remove_quietly(tmp)
                 return
             self._bytes += len(entry) - self._sizes.get(path.name, 0)
             self._sizes[path.name] = len(entry)
@@ -285,7 +294,7 @@ class DiskTier:
                 os.replace(tmp, path)
                 return
             except OSError as e:
-                tmp.unlink(missing_ok=True)
+                _remove_quietly(tmp)
                 if attempt or e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.ENOENT):
                     raise
                 if e.errno == errno.ENOENT:  # the directory was removed: its entries with it
