@@ -702,7 +702,10 @@ def test_a_read_only_disk_tier_drops_its_write_backs_and_not_the_redis_tiers_bel
 @needs_redis
 def test_a_full_redis_drops_writes_and_still_answers_lookups(caplog):
     """A Redis at maxmemory under noeviction refuses each SET (OutOfMemoryError): that write is dropped and logged
-    once, naming the policy to use; the store is not taken for down (was: every lookup missed for retry_after_s)."""
+    once, naming the policy to use; the store is not taken for down (was: every lookup missed for retry_after_s).
+    Once it takes writes again that is logged, and a later refusal is logged again."""
+    import redis
+
     from trtpaged.runtime.kv_tiers.remote import RedisTier
 
     server = RedisProcess(maxmemory="2mb", policy="noeviction")
@@ -717,6 +720,13 @@ def test_a_full_redis_drops_writes_and_still_answers_lookups(caplog):
         tier.put(b"one more", value)
         assert tier.is_up and tier.counters.dropped == 2 and tier.get(b"k0") == value
         assert sum("maxmemory-policy allkeys-lru" in r.message for r in caplog.records) == 1
+        server_client = redis.Redis.from_url(server.url)
+        for room in ("64mb", "1"):  # room again, then full again: one line each (was: the first refusal only, ever)
+            server_client.config_set("maxmemory", room)
+            tier.put(b"k0", value)
+            tier.put(b"k1", value)
+        said = [r.message for r in caplog.records if "refuses writes" in r.message or "accepts writes" in r.message]
+        assert len(said) == 3 and "accepts writes again" in said[1] and "refuses writes" in said[2]
         tier.close()
     finally:
         server.kill()

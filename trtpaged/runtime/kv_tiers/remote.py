@@ -152,6 +152,9 @@ class RedisTier:
         if done:
             self.counters.puts += 1
             self.counters.bytes_written += len(entry)
+            if self._said_full:  # the next refusal is a new episode, logged again
+                self._said_full = False
+                log.warning("kv tier %s: the Redis server accepts writes again", self.name)
         else:
             self.counters.dropped += 1
 
