@@ -700,6 +700,33 @@ def test_a_read_only_disk_tier_drops_its_write_backs_and_not_the_redis_tiers_bel
 
 
 @needs_redis
+def test_a_huge_value_under_a_redis_entry_key_is_not_read_whole(redis_server):
+    """A value far larger than an entry under a tier key is read no further than one byte past an entry's size
+    (GETRANGE), then refused and removed; an empty value is a bad entry, a missing key a plain miss (was: GET read
+    all 8 MiB of it into the server, for every lookup of that block)."""
+    import redis
+
+    from trtpaged.runtime.kv_tiers.remote import KEY_PREFIX, RedisTier
+
+    fp = _fingerprint(None)
+    remote = RedisTier(redis_server.url)
+    stack = TierStack([CheckedTier(remote, EntryCodec(fp, 64))], fp)
+    records = [BlockRecord(chain_key(fp, ROOT, (j,) * BS), ROOT, (j,) * BS) for j in range(3)]
+    client = redis.Redis.from_url(redis_server.url)
+    client.set(KEY_PREFIX + records[0].key, b"x" * (8 << 20))
+    client.set(KEY_PREFIX + records[1].key, b"")
+    sent = client.info("stats")["total_net_output_bytes"]
+    assert stack.lookup(records[0]) is None and stack.lookup(records[1]) is None and stack.lookup(records[2]) is None
+    assert client.info("stats")["total_net_output_bytes"] - sent < 1 << 20  # the server's own count of bytes sent
+    assert remote.counters.invalid == 2 and remote.counters.misses == 3 and remote.counters.errors == 0
+    assert not client.exists(KEY_PREFIX + records[0].key) and not client.exists(KEY_PREFIX + records[1].key)
+    stack.save([(records[0], b"y" * 64)])
+    stack.flush()
+    assert stack.lookup(records[0]) == (b"y" * 64, "remote")
+    stack.close()
+
+
+@needs_redis
 def test_a_full_redis_drops_writes_and_still_answers_lookups(caplog):
     """A Redis at maxmemory under noeviction refuses each SET (OutOfMemoryError): that write is dropped and logged
     once, naming the policy to use; the store is not taken for down (was: every lookup missed for retry_after_s).
