@@ -1082,3 +1082,24 @@ def test_the_cgroup_memory_room_is_read_where_the_limit_is(tmp_path, layout, wan
         path.write_text(text)
     (tmp_path / "fs").mkdir(exist_ok=True)
     assert cgroup_memory_room(str(tmp_path / "fs"), str(tmp_path / "self_cgroup")) == want
+
+
+def test_a_tier_that_raises_on_a_write_back_costs_the_tiers_after_it_nothing(tmp_path: Path):
+    """A tier whose write raises (any bug or fault its own code does not catch) counts an error and drops its own
+    write-back; the disk tier after it still stores every block (was: the writer skipped the tiers after it and
+    counted an error on each)."""
+
+    class RaisingTier(HostMemoryTier):
+        def put_block(self, record: BlockRecord, payload: bytes) -> None:
+            raise OSError("a fault of this tier's own")
+
+    fp = _fingerprint(None)
+    codec = EntryCodec(fp, 64)
+    records = [BlockRecord(chain_key(fp, ROOT, (j,) * BS), ROOT, (j,) * BS) for j in range(3)]
+    raising, disk = RaisingTier(1 << 20), DiskTier(tmp_path / "disk", 1 << 20, namespace=namespace_of(fp))
+    stack = TierStack([raising, CheckedTier(disk, codec)], fp)
+    stack.save([(record, bytes([j]) * 64) for j, record in enumerate(records)])
+    stack.flush()
+    stack.close()
+    assert raising.counters.errors == 3 and disk.counters.errors == 0
+    assert disk.num_entries == 3 and all(disk.contains(record.key) for record in records)

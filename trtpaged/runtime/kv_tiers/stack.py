@@ -170,9 +170,14 @@ class TierStack:
         return [t for t in self.tiers if t.slow or not persistent_only]
 
     def _write(self, record: BlockRecord, payload: bytes, persistent_only: bool) -> None:
+        """Writes a block back to each target tier that lacks it; a tier that raises counts an error and drops its
+        own write, the tiers after it still get theirs."""
         for tier in self._targets(persistent_only):
-            if not tier.contains(record.key):
-                tier.put_block(record, payload)
+            try:
+                if not tier.contains(record.key):
+                    tier.put_block(record, payload)
+            except Exception:  # noqa: BLE001  (a tier bug must not kill the writer, nor cost the other tiers)
+                tier.counters.errors += 1
 
     def _write_loop(self) -> None:
         while True:
@@ -181,9 +186,6 @@ class TierStack:
                 if item is None:
                     return
                 self._write(*item)
-            except Exception:  # noqa: BLE001  (a tier bug must not kill the writer; counted)
-                for tier in self._targets(item[2]):
-                    tier.counters.errors += 1
             finally:
                 if item is not None:
                     self._unwritten.pop(item[0].key, None)
