@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import pickle
+import re
 import shutil
 import struct
 from pathlib import Path
@@ -579,3 +580,15 @@ def test_a_weights_file_changed_in_place_after_the_load_changes_nothing(tiny_eng
                           text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     assert done.stdout.strip().splitlines()[-1] == "True", done.stdout
+
+
+@pytest.mark.parametrize("name", [MANIFEST_NAME, "model.onnx"])
+def test_inspect_takes_a_file_of_the_engine_dir_as_generate_does(tiny_engine_dir, name):
+    """A file in the engine dir names it for `generate` (LLM(...)); inspect read its manifest from the dir, then
+    looked for tokenizer/ under the file itself and told the user to rebuild an intact engine."""
+    r = _cli("inspect", "--verify", str(tiny_engine_dir / name))
+    assert r.exit_code == 0 and "verified: 5 files" in r.output, r.output
+    timing = re.compile(r"\(\d+\.\d+s\)")  # the verification's seconds
+    assert timing.sub("", r.output) == timing.sub("", _cli("inspect", "--verify", str(tiny_engine_dir)).output)
+    r = _cli("generate", str(tiny_engine_dir / name), "--prompt", "hi", "--max-tokens", "2")
+    assert r.exit_code == 0, r.output

@@ -43,6 +43,8 @@ def command(engine_dir: Path, avg_len: int | None, memory: int | None, as_json: 
     from trtpaged.models.loading import checked_weights
     from trtpaged.runtime.llm import load_tokenizer
 
+    if engine_dir.is_file():  # a file of the engine dir (its trtpaged.json, engine.plan), as LLM(...) takes it
+        engine_dir = engine_dir.parent
     try:
         manifest = read_manifest(engine_dir)
         _check_avg_len(avg_len, manifest)  # before the files are hashed (seconds for a large engine)
