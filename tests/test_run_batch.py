@@ -5,6 +5,8 @@ do not stop the rest; the output file is written whole."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 from click.testing import CliRunner
 
@@ -113,3 +115,15 @@ def test_lines_end_at_newlines_only_and_a_line_that_cannot_be_sent_fails_alone(t
     unwritable = CliRunner().invoke(main, ["run-batch", str(tiny_engine_dir), "-i", str(source), "-o",
                                            str(tmp_path / "missing" / "out.jsonl")])  # fmt: skip
     assert unwritable.exit_code == 2 and "--output-file" in unwritable.output
+
+
+def test_results_stdout_cannot_take_are_one_error_line(tiny_engine_dir, tmp_path):
+    """`-o -` into a full disk (/dev/full) was a Python traceback ending in OSError after the whole batch ran."""
+    source = tmp_path / "in.jsonl"
+    source.write_text(_line("one", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2}) + "\n")
+    with open("/dev/full", "w") as full:
+        result = subprocess.run([sys.executable, "-m", "trtpaged.cli", "run-batch", str(tiny_engine_dir), "-i",
+                                 str(source), "-o", "-", "--device", "cpu"], stdout=full, stderr=subprocess.PIPE,
+                                text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "Error: cannot write the results to stdout (No space left on device)" in result.stderr.splitlines()

@@ -20,6 +20,7 @@ from typing import Any, Optional
 import click
 
 from trtpaged.commands.option_types import ChatTemplate, HumanInt, flag_error
+from trtpaged.commands.stdout import echo
 from trtpaged.manifest import BACKENDS
 
 FLAGS = {"device": "--device", "backend": "--backend", "num_kv_blocks": "--num-kv-blocks",
@@ -115,8 +116,7 @@ def _run(requests: list[Any], url: str, concurrency: int, key: str) -> list[dict
 def _write(path: str, outputs: list[dict[str, Any]]) -> None:
     text = "".join(json.dumps(o) + "\n" for o in outputs)  # ASCII: a lone surrogate an answer echoes stays valid
     if path == "-":
-        sys.stdout.write(text)
-        sys.stdout.flush()
+        echo(text, nl=False)
         return
     target = Path(path)
     tmp: Optional[str] = None
