@@ -5,6 +5,8 @@ do not stop the rest; the output file is written whole."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 import subprocess
 import sys
 
@@ -127,3 +129,20 @@ def test_results_stdout_cannot_take_are_one_error_line(tiny_engine_dir, tmp_path
                                 text=True, timeout=300)  # fmt: skip
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert "Error: cannot write the results to stdout (No space left on device)" in result.stderr.splitlines()
+
+
+def test_the_results_file_gets_the_mode_open_would_give_it(tiny_engine_dir, tmp_path):
+    """The results went through a mkstemp file renamed into place and kept its 0600: a new file was readable by its
+    owner alone, whatever the umask, and an existing one lost its mode. Now: 0666 less the umask, or the old mode."""
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text(_line("one", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2}) + "\n")
+    args = ["run-batch", str(tiny_engine_dir), "-i", str(source), "-o", str(target), "--device", "cpu"]
+    old = os.umask(0o022)
+    try:
+        assert CliRunner().invoke(main, args).exit_code == 0
+        assert stat.S_IMODE(target.stat().st_mode) == 0o644
+        target.chmod(0o640)
+        assert CliRunner().invoke(main, args).exit_code == 0
+        assert stat.S_IMODE(target.stat().st_mode) == 0o640
+    finally:
+        os.umask(old)

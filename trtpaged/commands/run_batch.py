@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import secrets
+import stat
 import sys
 import tempfile
 import time
@@ -122,6 +123,7 @@ def _write(path: str, outputs: list[dict[str, Any]]) -> None:
     tmp: Optional[str] = None
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+        os.fchmod(fd, _file_mode(target))  # mkstemp's 0600 would leave the results readable by their owner alone
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, target)
@@ -129,3 +131,13 @@ def _write(path: str, outputs: list[dict[str, Any]]) -> None:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
         raise click.ClickException(f"--output-file: cannot write {path!r}: {e.strerror or e}") from None
+
+
+def _file_mode(target: Path) -> int:
+    """The mode open(target, "w") would leave: the existing file's, or 0666 less the umask for a new one."""
+    try:
+        return stat.S_IMODE(target.stat().st_mode)
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
