@@ -146,3 +146,15 @@ def test_the_results_file_gets_the_mode_open_would_give_it(tiny_engine_dir, tmp_
         assert stat.S_IMODE(target.stat().st_mode) == 0o640
     finally:
         os.umask(old)
+
+
+def test_results_to_a_closed_stdout_are_refused_before_the_batch(tiny_engine_dir, tmp_path):
+    """`-o -` with stdout closed (>&-) failed with "Unable to configure formatter 'default'" (uvicorn's logging)."""
+    source = tmp_path / "in.jsonl"
+    source.write_text(_line("one", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2}) + "\n")
+    result = subprocess.run([sys.executable, "-m", "trtpaged.cli", "run-batch", str(tiny_engine_dir), "-i",
+                             str(source), "-o", "-", "--device", "cpu"], stderr=subprocess.PIPE, text=True,
+                            timeout=300, preexec_fn=lambda: os.close(1))  # fmt: skip
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.splitlines()[-1] == ("Error: Invalid value for --output-file: '-' is stdout, which is "
+                                              "closed: nowhere to write the results")

@@ -96,6 +96,9 @@ def _read(path: str) -> list[str]:
 
 def _check_writable(path: str) -> None:
     if path == "-":
+        if sys.stdout is None:  # started with stdout closed (>&-): was an obscure uvicorn logging error
+            raise click.BadParameter("'-' is stdout, which is closed: nowhere to write the results",
+                                     param_hint="--output-file")  # fmt: skip
         return
     target = Path(path)
     parent = target.parent  # "." for a bare file name
