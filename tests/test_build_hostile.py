@@ -88,6 +88,15 @@ def test_an_output_that_cannot_be_created_is_one_line(tmp_path, output):
     one_line_failure(r, f"output: cannot create {output}")
 
 
+def test_an_output_under_a_regular_file_names_the_file(tmp_path):
+    """was: "cannot create .../notes.txt/sub/e (File exists)", mkdir's word for a file on the way"""
+    (tmp_path / "notes.txt").write_text("x")
+    output = tmp_path / "notes.txt" / "sub" / "e"
+    r = _cli("build", str(EXAMPLES / "tiny.yaml"), "-o", str(output), "--skip-verify")
+    one_line_failure(r, f"output: cannot create {output} ({tmp_path / 'notes.txt'} is not a directory)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
 def _hf_dir(tmp_path: Path) -> Path:
     from trtpaged.models import load_hf
 

@@ -106,7 +106,7 @@ def staged_output(output: Path, force: bool = False) -> Iterator[Path]:
         tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
     except OSError as e:
         _remove_made_dirs(output.parent, created)
-        raise OutputDirError(f"output: cannot create {output} ({e.strerror or e})") from None
+        raise OutputDirError(f"output: cannot create {output} ({_why_not_created(output, e)})") from None
     lock = None
     try:
         lock = _hold_lock(tmp)
@@ -215,6 +215,15 @@ def _first_missing_ancestor(path: Path) -> Path | None:
     while not path.exists():
         missing, path = path, path.parent
     return missing
+
+
+def _why_not_created(output: Path, error: OSError) -> str:
+    """The reason `error` gives, or the existing ancestor that is not a directory (mkdir says "File exists" of a
+    regular file on the way)."""
+    existing = next((p for p in output.parents if os.path.lexists(p)), None)
+    if existing is not None and not existing.is_dir():
+        return f"{existing} is not a directory"
+    return error.strerror or str(error)
 
 
 def _make_readable(root: Path) -> None:
