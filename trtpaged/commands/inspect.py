@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from trtpaged.commands.option_types import Size
+from trtpaged.commands.option_types import Size, flag_error
 from trtpaged.commands.stdout import echo
 
 MAX_SEQ_LEN = 1 << 24  # trtpaged.config.MAX_SEQ_LEN, a model.yaml's bound (not imported: `inspect --help` stays fast)
@@ -67,8 +67,8 @@ def command(engine_dir: Path, avg_len: int | None, memory: int | None, as_json: 
             draft_plan = plan_memory(draft_manifest, memory)
             draft_cost = estimate_draft_token_cost(held_weight_bytes(Path(draft_dir), draft_manifest),
                                                    held_weight_bytes(engine_dir, manifest))  # fmt: skip
-    except (OSError, ValueError) as e:
-        raise click.ClickException(str(e)) from None
+    except (OSError, ValueError) as e:  # the draft's checks name speculative_config.model, which --draft sets here
+        raise click.ClickException(flag_error(str(e), {"speculative_config.model": "--draft"})) from None
     if as_json:
         echo(manifest.to_json())
         return
