@@ -158,3 +158,16 @@ def test_results_to_a_closed_stdout_are_refused_before_the_batch(tiny_engine_dir
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.splitlines()[-1] == ("Error: Invalid value for --output-file: '-' is stdout, which is "
                                               "closed: nowhere to write the results")
+
+
+def test_a_batch_runs_with_stdout_closed_when_its_results_go_to_a_file(tiny_engine_dir, tmp_path):
+    """`-o FILE` with stdout closed (a daemon's >&-): the batch is answered (was: "Error: Unable to configure
+    formatter 'default'", uvicorn asking the missing stdout whether it is a terminal; `serve` failed the same way)."""
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text(_line("one", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2}) + "\n")
+    result = subprocess.run([sys.executable, "-m", "trtpaged.cli", "run-batch", str(tiny_engine_dir), "-i",
+                             str(source), "-o", str(target), "--served-model-name", MODEL, "--device", "cpu"],
+                            stderr=subprocess.PIPE, text=True, timeout=300, preexec_fn=lambda: os.close(1))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    answer = json.loads(target.read_text())
+    assert answer["custom_id"] == "one" and answer["response"]["status_code"] == 200, answer

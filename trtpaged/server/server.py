@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import logging
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -189,8 +190,9 @@ def start_server(
     app = create_app(service, loop, metrics, cards, options, draining)
     # "auto": uvloop's event loop and httptools' parser (installed with trtpaged), which spend less CPU per
     # streamed chunk than asyncio's loop and h11, CPU the kernels' threads share (docs/benchmarks.md)
+    # a closed stdout (a daemon's `>&-`) is no terminal: uvicorn's default asks sys.stdout.isatty() of None and fails
     config = uvicorn.Config(app, loop="auto", http=BoundedHeadProtocol, log_level="warning", access_log=False,
                             lifespan="off", timeout_keep_alive=30, timeout_graceful_shutdown=5,
-                            **uvicorn_tls(*tls))  # fmt: skip
+                            use_colors=False if sys.stdout is None else None, **uvicorn_tls(*tls))  # fmt: skip
     server = uvicorn.Server(config)
     return ServerHandle(server, sock, loop, tokens, llm, name, options, draining, https).start()
