@@ -173,6 +173,25 @@ def test_seeded_sampled_requests_are_reproducible(hf, draft_hf, prompts):
         assert engine.scheduler.draft.kv.pool.num_free == 64
 
 
+def test_seeded_sampled_requests_return_the_unspeculated_tokens_whatever_the_batch(hf, prompts):
+    """A seeded sampled request returns the tokens it returns without speculation, alone or beside others: its
+    draft is the draft's argmax (a deterministic proposal, verified with one draw of its own generator per
+    output token). Was: it drew its draft from q and verified by min(1, p/q), consuming its generator by how
+    much it speculated, which the batch decides (the batch-size rule, the token budget): another sample alone
+    than beside three others."""
+    seeded = SamplingParams(max_tokens=20, temperature=0.8, top_k=5, seed=7, ignore_eos=True)
+    other = SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True)
+    # the target drafting for itself: its draft tokens are often right
+    spec = draft_spec(3, disable_by_batch_size=4)
+    for prompt in prompts[3:]:
+        (want,) = run_staggered(make(hf), [(prompt, seeded)])
+        engine = make(hf, hf, spec)
+        (alone,) = run_staggered(engine, [(prompt, seeded)])
+        assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
+        beside = run_staggered(make(hf, hf, spec), [(prompt, seeded)] + [(p, other) for p in prompts[:3]], every=0)[0]
+        assert alone.outputs[0].token_ids == want.outputs[0].token_ids == beside.outputs[0].token_ids
+
+
 class _Table(RandomLogitsEngine):
     """A RandomLogitsEngine whose logits table is another one's plus noise (a draft close to the target)."""
 

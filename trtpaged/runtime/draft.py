@@ -4,8 +4,8 @@ The draft runs on the same runtime as the target, with its own runner, KV pool a
 `KVCacheManager` without prefix caching), keyed by the target's sequence ids. Per step, for the
 sequences the scheduler lets speculate, it computes what its cache lacks of each sequence (the tokens
 the target accepted and sampled since the last proposal; the whole prompt the first time) and samples
-k tokens autoregressively, in k packed steps over all of them: greedily for greedy requests, else from
-its own distribution q (the request's temperature, top-k, top-p and min-p over the draft's logits),
+k tokens autoregressively, in k packed steps over all of them: greedily for greedy and seeded requests, else
+from its own distribution q (the request's temperature, top-k, top-p and min-p over the draft's logits),
 whose rows go with the draft to the target's verification (`sampler`: accept with min(1, p/q)).
 
 Rollback: the draft's cache holds the sequence's tokens then d1..d(k-1) (dk is never computed).
@@ -27,7 +27,6 @@ from trtpaged.runtime.kv_cache_manager import KVCacheManager
 from trtpaged.runtime.runners.base import ModelRunner, StepPacker
 from trtpaged.runtime.sampler import filter_logits
 from trtpaged.runtime.sampling_params import SamplingParams
-from trtpaged.runtime.sequence import make_generator
 
 
 @dataclass
@@ -37,7 +36,6 @@ class _Mirror:
     seq_id: int
     token_ids: list[int]
     num_computed_tokens: int = 0
-    generator: Optional[torch.Generator] = None  # a seeded request's draft draws (its own stream)
 
 
 @dataclass(frozen=True)
@@ -52,8 +50,8 @@ class DraftRequest:
 
 @dataclass(frozen=True)
 class Proposal:
-    """Proposed tokens and, for a sampled request, the draft's distribution at each ([len(tokens), vocab]);
-    None for a greedy request (a deterministic proposal)."""
+    """Proposed tokens and, for an unseeded sampled request, the draft's distribution at each ([len(tokens), vocab]);
+    None for a greedy or seeded request (a deterministic proposal)."""
 
     tokens: tuple[int, ...]
     probs: Optional[torch.Tensor] = field(default=None, compare=False)
@@ -150,10 +148,7 @@ class DraftProposer:
         the last token is left to compute: its logits give the first proposal)."""
         mirror = self.mirrors.get(req.seq_id)
         if mirror is None:
-            gen = None
-            if req.params.seed is not None and not req.params.greedy:
-                gen = make_generator(req.params.seed, 0, offset=0x5DEECE66D)  # not the request's own stream
-            mirror = self.mirrors[req.seq_id] = _Mirror(req.seq_id, [], 0, gen)
+            mirror = self.mirrors[req.seq_id] = _Mirror(req.seq_id, [], 0)
         keep = common_prefix(mirror.token_ids[: mirror.num_computed_tokens], req.token_ids)
         mirror.num_computed_tokens = min(keep, len(req.token_ids) - 1)
         self.kv.truncate(mirror)  # type: ignore[arg-type]
@@ -176,7 +171,7 @@ class DraftProposer:
                 live = [(m, r) for m, r in live if r.k > round_]
                 logits = self._step([(m, 1) for m, _ in live], [True] * len(live))
             for row, (mirror, req) in enumerate(live):
-                token, q = self._sample(logits[row], req.params, mirror.generator)
+                token, q = self._sample(logits[row], req.params)
                 tokens[mirror.seq_id].append(token)
                 if q is not None:
                     probs[mirror.seq_id].append(q)
@@ -199,17 +194,20 @@ class DraftProposer:
         return self.runner.step(batch).float().cpu()
 
     @staticmethod
-    def _sample(logits: torch.Tensor, params: SamplingParams,
-                generator: Optional[torch.Generator]) -> tuple[int, Optional[torch.Tensor]]:  # fmt: skip
-        """The draft's token: argmax for a greedy request, else a draw from q (the request's temperature,
-        top-k, top-p and min-p over the draft's logits), returned with q (one-hot on the argmax where the
-        draft's logits are not finite: still a distribution the verification can use)."""
-        if params.greedy:
+    def _sample(logits: torch.Tensor, params: SamplingParams) -> tuple[int, Optional[torch.Tensor]]:
+        """The draft's token: argmax for a greedy or seeded request, else a draw from q (the request's
+        temperature, top-k, top-p and min-p over the draft's logits), returned with q (one-hot on the argmax
+        where the draft's logits are not finite: still a distribution the verification can use).
+
+        A seeded request's deterministic proposal is verified with one draw of its own generator per output
+        token (`sampler._Target.lazy`), so it returns the tokens it returns without speculation, whatever the
+        batch; q and min(1, p/q) would consume the generator by how much it speculated, which the batch decides."""
+        if params.greedy or params.seed is not None:
             return int(logits.argmax()), None
         if bool(torch.isfinite(logits).all()):
             q = torch.softmax(filter_logits(logits.unsqueeze(0), [params]), dim=1)[0]
             if float(q.sum()) > 0:
-                return int(torch.multinomial(q, 1, generator=generator)), q
+                return int(torch.multinomial(q, 1)), q
         token = int(torch.nan_to_num(logits, nan=float("-inf")).argmax())
         return token, torch.nn.functional.one_hot(torch.tensor(token), logits.shape[0]).float()
 
