@@ -178,6 +178,20 @@ def test_command_with_a_config_and_a_bad_log(tmp_path) -> None:
     assert result.exit_code != 0 and "bad.jsonl:2: output_len: must be >= 1" in result.output
 
 
+def test_a_request_the_budget_can_never_run_is_named_by_its_line(tmp_path, tiny_engine_dir) -> None:
+    """A server log's refused request (no output, skipped) and a blank line come before the one whose n exceeds the
+    tiny engine's max_batch_size 8: the error names its line, 4. Was: 'request 2' (its number among those kept)."""
+    line = {"arrival": 0.5, "prompt_len": 20, "output_len": 3, "output_lens": [3], "n": 1, "beam_width": 1,
+            "finish_reasons": ["length"], "step_time_s": 0.01}  # fmt: skip
+    path = tmp_path / "log.jsonl"
+    path.write_text("\n".join([json.dumps(line | {"output_len": 0, "output_lens": [0]}), "", json.dumps(line),
+                               json.dumps(line | {"n": 9, "output_lens": [3] * 9})]) + "\n")  # fmt: skip
+    result = CliRunner().invoke(main, ["diagnose", str(path), "--engine", str(tiny_engine_dir)])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines()[-1] == (f"Error: {path}:4: 9 sequences (n) exceed max_batch_size 8: "
+                                                      "this KV budget and its limits can never run it")
+
+
 def test_a_mooncake_trace_is_read_as_bench_memory_replays_it(tmp_path) -> None:
     """Its hash ids' 512-token blocks are the prompts (600 tokens of [1, 2]; 700 of [1, 3]; 1000 of [1, 2]): the
     second repeats block 1 (512 tokens), the third the first's whole 600; its timestamps are steps at --step-time.

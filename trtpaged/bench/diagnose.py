@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -71,6 +71,7 @@ class RequestLogData:
     cached_tokens: Optional[int] = None  # prompt tokens the server found in its prefix cache, if logged
     lengths_only: int = 0  # requests logged by their lengths alone (no prompt, no prefix_id): their sharing is unseen
     form: Optional[str] = None  # the trace form it was read as ("Mooncake", "Azure", "BurstGPT", "trtllm-bench")
+    wheres: list[str] = field(default_factory=list)  # each request's "path:line" (a request log's), for errors
 
     def summary(self) -> dict:
         """The report's `log` section."""
@@ -162,6 +163,7 @@ def read_request_log(path: str | Path, tokenize: Optional[Callable[[str], list[i
         except ValueError as exc:  # a step past the last a replay runs (seconds past it are refused before)
             raise ValueError(f"{where}: {exc}") from exc
         out.prompts.append(ids)
+        out.wheres.append(where)
         out.output_tokens += sum(data["output_lens"]) if "output_lens" in data else req.output_len * req.n
         if "cached_tokens" in data:
             out.cached_tokens = (out.cached_tokens or 0) + data["cached_tokens"]

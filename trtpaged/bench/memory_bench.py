@@ -83,12 +83,14 @@ def never_fits(req: TraceRequest, budget: Budget) -> Optional[str]:
     return None
 
 
-def check_fits(trace: list[TraceRequest], budget: Budget) -> None:
-    """ValueError naming the first request (1-based) that `budget` can never run (`never_fits`)."""
-    for i, req in enumerate(trace, 1):
+def check_fits(trace: list[TraceRequest], budget: Budget, wheres: Optional[list[str]] = None) -> None:
+    """ValueError naming the first request that `budget` can never run (`never_fits`): by its `wheres` entry (its
+    file and line) when given, else its 1-based number."""
+    for i, req in enumerate(trace):
         why = never_fits(req, budget)
         if why is not None:
-            raise ValueError(f"request {i}: {why}: this KV budget and its limits can never run it")
+            where = wheres[i] if wheres else f"request {i + 1}"
+            raise ValueError(f"{where}: {why}: this KV budget and its limits can never run it")
 
 
 SERIES = ("running", "utilisation", "slots", "computed", "blocks_with_sharing", "blocks_without_sharing", "waiting",
