@@ -184,8 +184,9 @@ def test_a_request_the_budget_can_never_run_is_named_by_its_line(tmp_path, tiny_
     line = {"arrival": 0.5, "prompt_len": 20, "output_len": 3, "output_lens": [3], "n": 1, "beam_width": 1,
             "finish_reasons": ["length"], "step_time_s": 0.01}  # fmt: skip
     path = tmp_path / "log.jsonl"
+    nine = {"n": 9, "output_lens": [3] * 9, "finish_reasons": ["length"] * 9}
     path.write_text("\n".join([json.dumps(line | {"output_len": 0, "output_lens": [0]}), "", json.dumps(line),
-                               json.dumps(line | {"n": 9, "output_lens": [3] * 9})]) + "\n")  # fmt: skip
+                               json.dumps(line | nine)]) + "\n")  # fmt: skip
     result = CliRunner().invoke(main, ["diagnose", str(path), "--engine", str(tiny_engine_dir)])
     assert result.exit_code == 1
     assert result.output.strip().splitlines()[-1] == (f"Error: {path}:4: 9 sequences (n) exceed max_batch_size 8: "
@@ -261,6 +262,21 @@ def test_server_log_fields_are_read_and_refused_requests_skipped(tmp_path) -> No
     assert data.trace[0] == TraceRequest(prompt_len=3, output_len=4, n=2)
     s = data.summary()
     assert (s["prompt_tokens"], s["output_tokens"], s["observed_cached_tokens"]) == (3, 5, 0)
+
+
+def test_output_lens_and_finish_reasons_count_the_completions(tmp_path) -> None:
+    """The server logs one output length and one finish reason per completion (n of them, beams too). A line with
+    more was read, its output tokens counted twice over what the replay runs (n 1 replays one completion of 3:
+    "6 output tokens"); it is now refused naming the field."""
+    ok = {"arrival": 0.5, "prompt_len": 3, "output_len": 3, "output_lens": [3, 2], "n": 2, "beam_width": 2,
+          "finish_reasons": ["length", "stop"], "step_time_s": 0.01}  # fmt: skip
+    assert read_request_log(_log(tmp_path, [ok])).output_tokens == 5
+    cases = [({**ok, "n": 1}, r":1: output_lens: 2 completions for n 1"),
+             ({**ok, "n": 3, "beam_width": 3}, r":1: output_lens: 2 completions for n 3"),
+             ({**ok, "finish_reasons": ["length"]}, r":1: finish_reasons: 1 for 2 completions \(output_lens\)")]
+    for bad, message in cases:
+        with pytest.raises(ValueError, match=message):
+            read_request_log(_log(tmp_path, [bad]))
 
 
 def test_seconds_log_errors_name_line_and_field(tmp_path) -> None:

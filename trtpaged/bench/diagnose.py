@@ -262,12 +262,17 @@ def _check_server_fields(data: dict) -> None:
             raise ValueError(f"output_lens: must be a list of integers >= 0, got {lens!r}")
         if max(lens, default=0) != data["output_len"]:
             raise ValueError(f"output_len: {data['output_len']!r} is not the longest of output_lens {lens}")
+        n = data.get("n", 1)
+        if isinstance(n, int) and len(lens) != n:  # the server logs one per completion (n is checked later)
+            raise ValueError(f"output_lens: {len(lens)} completions for n {n}")
     plen = data.get("prompt_len")
     if "cached_tokens" in data and isinstance(plen, int) and data["cached_tokens"] >= max(1, plen):
         raise ValueError(f"cached_tokens: {data['cached_tokens']} of a {plen}-token prompt (the last token is never cached)")
     reasons = data.get("finish_reasons")
     if reasons is not None and (not isinstance(reasons, list) or not all(isinstance(x, str) for x in reasons)):
         raise ValueError(f"finish_reasons: must be a list of strings, got {reasons!r}")
+    if reasons is not None and lens is not None and len(reasons) != len(lens):
+        raise ValueError(f"finish_reasons: {len(reasons)} for {len(lens)} completions (output_lens)")
 
 
 def _prompt_ids(data: dict, field: str, tokenize: Optional[Callable[[str], list[int]]],
