@@ -69,8 +69,8 @@ def test_a_bad_trace_is_refused_in_one_line(tiny_engine_dir, tmp_path, command, 
     ('{"prompt_token_ids": [1, -1], "output_len": 5}', "trace.jsonl:1: prompt_token_ids: token id -1 is outside the "
                                                        "vocabulary [0, 320)"),
     ('{"prompt": "caf\\udce9", "output_len": 5}', "trace.jsonl:1: prompt: not valid Unicode text"),
-    ('{"prompt_len": 600, "output_len": 5}', "request 1: prompt_len 600 leaves no room for output under max_seq_len "
-                                             "512"),
+    ('{"prompt_len": 600, "output_len": 5}', "trace.jsonl:1: prompt_len 600 leaves no room for output under "
+                                             "max_seq_len 512"),
 ])
 def test_diagnose_refuses_log_lines_the_engine_could_never_run(tiny_engine_dir, tmp_path, line, words):
     # before: each was silently dropped from the replay ("requests queued in 0 of 0 steps"), or a TypeError
