@@ -132,6 +132,10 @@ def _hf_dir(tmp_path: Path) -> Path:
     # was: "verification failed" (transformers loads the class of model_type: Llama, without Mistral's window)
     ({"architectures": ["MistralForCausalLM"], "model_type": "llama"}, "config.json's model_type is 'llama'; "
                                                                        "expected 'mistral'"),
+    # was: built with the layer global (with --skip-verify silently; else transformers' AttributeError traceback)
+    ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 8,
+      "layer_types": ["chunked_attention"]},
+     "layer_types: got 'chunked_attention' (layer 0); implemented: full_attention, sliding_attention"),
 ])  # fmt: skip
 def test_a_config_json_that_lies_about_its_checkpoint_is_one_line_naming_it(tmp_path, change, words):
     hf = _hf_dir(tmp_path)

@@ -17,6 +17,8 @@ ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"
 # config keys of variants no listed family's step model implements (MoE and friends): refused by name
 _LLAMA_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM")  # attention_bias: q/k/v and o
 _REFUSED_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+# the layer kinds (config.layer_types) the step model implements; transformers allows others (chunked, linear, ...)
+LAYER_TYPES = ("full_attention", "sliding_attention")
 SUPPORTED_ARCHITECTURES = tuple(MODEL_TYPES)
 ARCHITECTURES_BY_MODEL_TYPE = {model_type: arch for arch, model_type in MODEL_TYPES.items()}
 ARCHITECTURES_BY_MODEL_TYPE["gemma3"] = "Gemma3ForCausalLM"  # a Gemma 3 GGUF's general.architecture
@@ -51,6 +53,10 @@ def _layer_windows(config: Any, arch: str) -> tuple[int, ...]:
     window = getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None)
     if types:
+        unknown = [t for t in types if t not in LAYER_TYPES]
+        if unknown:  # read as global, such a layer would attend to other positions than transformers' does
+            raise UnsupportedModelError(f"layer_types: got {unknown[0]!r} (layer {list(types).index(unknown[0])}); "
+                                        f"implemented: {', '.join(LAYER_TYPES)}")
         slides = [t == "sliding_attention" for t in types]
     elif arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
         slides = [True] * config.num_hidden_layers
