@@ -129,6 +129,24 @@ def test_swish_is_silu_as_transformers_reads_it():
     assert _max_error_against_hf(step_model_from_hf(hf, dims), hf, dims.vocab_size, 16) < 1e-4
 
 
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Gemma2ForCausalLM"])
+def test_mlp_bias_is_read_where_transformers_reads_it(arch):
+    """transformers' Llama and SmolLM3 MLPs read mlp_bias; the other families' have no bias whatever the config
+    says (was: a Qwen2 or Gemma 2 config with mlp_bias true gave the step model bias parameters the checkpoint
+    lacks, a load_state_dict traceback at build). The step model matches transformers' forward either way."""
+    from trtpaged.models.hf import _load_tiny
+
+    hf = _load_tiny({**parse_config({"model": {"tiny": {**BASE, "architecture": arch}}}).model.tiny,
+                     "mlp_bias": True}, torch.float32)
+    with torch.no_grad():  # biases start at 0: random ones, so that a bias read or dropped shows in the logits
+        for name, param in hf.model.named_parameters():
+            if name.endswith("mlp.down_proj.bias") or name.endswith("mlp.up_proj.bias"):
+                param.normal_(0, 0.5)
+    dims = dims_from_hf_config(hf.config, 256)
+    assert dims.mlp_bias == (arch == "LlamaForCausalLM")
+    assert _max_error_against_hf(step_model_from_hf(hf.model, dims), hf.model, dims.vocab_size, 16) < 1e-4
+
+
 def test_greedy_equals_hf_generate_beyond_the_window_chunked_and_with_prefix_hits(family):
     _, hf, dims = family
     g = torch.Generator().manual_seed(5)

@@ -16,6 +16,8 @@ GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}  # as ACT2FN
 # config keys of variants no listed family's step model implements (MoE and friends): refused by name
 _LLAMA_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM")  # attention_bias: q/k/v and o
+# the families whose transformers MLP reads mlp_bias; the others' have no bias whatever the config says
+_MLP_BIAS = ("LlamaForCausalLM", "SmolLM3ForCausalLM")
 _REFUSED_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 # the layer kinds (config.layer_types) the step model implements; transformers allows others (chunked, linear, ...)
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -167,7 +169,7 @@ def dims_from_hf_config(config: Any, max_seq_len: Optional[int] = None) -> Model
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         attention_bias=qwen or llama_bias,
         o_proj_bias=llama_bias,
-        mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        mlp_bias=bool(getattr(config, "mlp_bias", False)) and arch in _MLP_BIAS,
         layer_windows=windows,
         nope_layers=nope,
         qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
