@@ -147,6 +147,19 @@ def test_mlp_bias_is_read_where_transformers_reads_it(arch):
     assert _max_error_against_hf(step_model_from_hf(hf.model, dims), hf.model, dims.vocab_size, 16) < 1e-4
 
 
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Gemma2ForCausalLM"])
+def test_partial_rotary_factor_is_phi3s_alone(arch):
+    """Only transformers' Phi-3 rotates part of each head; the other families' default RoPE rotates whole heads
+    whatever partial_rotary_factor a config carries (was: rotated a part, logits 0.1 off transformers')."""
+    from trtpaged.models.hf import _load_tiny
+
+    hf = _load_tiny({**parse_config({"model": {"tiny": {**BASE, "architecture": arch}}}).model.tiny,
+                     "partial_rotary_factor": 0.5}, torch.float32)
+    dims = dims_from_hf_config(hf.config, 256)
+    assert dims.partial_rotary_factor == 1.0
+    assert _max_error_against_hf(step_model_from_hf(hf.model, dims), hf.model, dims.vocab_size, 16) < 1e-4
+
+
 def test_greedy_equals_hf_generate_beyond_the_window_chunked_and_with_prefix_hits(family):
     _, hf, dims = family
     g = torch.Generator().manual_seed(5)

@@ -106,6 +106,8 @@ def dims_from_hf_config(config: Any, max_seq_len: Optional[int] = None) -> Model
     if act not in ACTIVATIONS:
         raise UnsupportedModelError(f"{act_key}: got {act!r}; the gated MLP implements {', '.join(ACTIVATIONS)}")
     theta, scaling, partial = rope_settings(config)
+    if arch != "Phi3ForCausalLM":  # the other families' transformers models rotate whole heads whatever it says
+        partial = 1.0
     if rope_type(scaling) not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(f"rope_scaling.rope_type: got {rope_type(scaling)!r}; "
                                     f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
