@@ -160,6 +160,20 @@ def test_partial_rotary_factor_is_phi3s_alone(arch):
     assert _max_error_against_hf(step_model_from_hf(hf.model, dims), hf.model, dims.vocab_size, 16) < 1e-4
 
 
+@pytest.mark.parametrize("arch, windows", [("LlamaForCausalLM", ()), ("Phi3ForCausalLM", (WINDOW,) * 4)])
+def test_layer_types_are_ignored_where_transformers_ignores_them(arch, windows):
+    """transformers' Llama has no window and its Phi-3 windows every layer, whatever layer_types a config carries
+    (was: the layers it marked sliding_attention slid, and only those: logits 0.5 to 1 off transformers' forward)."""
+    from trtpaged.models.hf import _load_tiny
+
+    types = ["full_attention", "sliding_attention"] * 2
+    hf = _load_tiny({**parse_config({"model": {"tiny": {**BASE, "architecture": arch}}}).model.tiny,
+                     "sliding_window": WINDOW, "layer_types": types}, torch.float32)
+    dims = dims_from_hf_config(hf.config, 256)
+    assert dims.layer_windows == windows
+    assert _max_error_against_hf(step_model_from_hf(hf.model, dims), hf.model, dims.vocab_size, 16) < 1e-4
+
+
 def test_greedy_equals_hf_generate_beyond_the_window_chunked_and_with_prefix_hits(family):
     _, hf, dims = family
     g = torch.Generator().manual_seed(5)

@@ -51,9 +51,12 @@ def rope_settings(config: Any, layer_type: str = "full_attention") -> tuple[floa
 def _layer_windows(config: Any, arch: str) -> tuple[int, ...]:
     """Each layer's sliding window (0: global), or () when no layer has one. transformers 5 names each
     layer's kind in layer_types; Mistral (and Phi-3) apply sliding_window, when set, to every layer; Llama has no
-    window (transformers ignores a sliding_window in a Llama config)."""
+    window (transformers ignores a sliding_window in a Llama config). transformers' Llama and Phi-3 read no
+    layer_types: a config's is ignored as they ignore it."""
+    if arch == "LlamaForCausalLM":
+        return ()
     window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None)
+    types = getattr(config, "layer_types", None) if arch != "Phi3ForCausalLM" else None
     if types:
         unknown = [t for t in types if t not in LAYER_TYPES]
         if unknown:  # read as global, such a layer would attend to other positions than transformers' does
@@ -62,7 +65,7 @@ def _layer_windows(config: Any, arch: str) -> tuple[int, ...]:
         slides = [t == "sliding_attention" for t in types]
     elif arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
         slides = [True] * config.num_hidden_layers
-    elif arch in MODEL_TYPES and arch != "LlamaForCausalLM" and window:
+    elif arch in MODEL_TYPES and window:
         # transformers before 4.53 gives no layer_types; which layers slide then follows other keys per family
         # (max_window_layers, a layer-index pattern), which an empty answer here would silently drop
         import transformers
