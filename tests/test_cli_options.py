@@ -92,6 +92,22 @@ def test_build_never_replaces_what_is_not_a_directory(tmp_path):
       "--think-time", "0"], ("--num-kv-blocks 16: the pool holds 256 tokens", "turn 1's prompt has", "give at least")),
     (["bench", "kv-tiers", "ENGINE", "--num-kv-blocks", "64", "--rows", "off", "--multi-turn", "2:2",
       "--think-time", "0"], ("turn 2's prompt", "more than the engine's max_seq_len 512")),
+    # bench: a dir that is no engine was a read_manifest traceback; huge values ran for ever, overflowed or allocated
+    *[(["bench", cmd, "SCRATCH", *more], ("ENGINE", "not an engine dir")) for cmd, more in
+      (("structured", ()), ("serve-ratio", ()), ("kv-tiers", ("--num-kv-blocks", "4")))],
+    (["bench", "structured", "ENGINE", "--repeats", str(10**12)], ("--repeats", "1<=x<=1000")),
+    (["bench", "serve-ratio", "ENGINE", "--repeats", str(10**12)], ("--repeats", "1<=x<=1000")),
+    (["bench", "throughput", "ENGINE", "--peer-time-limit", "1e300"], ("--peer-time-limit", "0<x<=604800")),
+    (["bench", "throughput", "ENGINE", "--baseline", "none", "--hf-batch-size", "4"],
+     ("--hf-batch-size", "--baseline none runs no baseline")),
+    (["bench", "throughput", "ENGINE", "--sequential", "--hf-batch-size", "4"], ("--hf-batch-size", "--sequential")),
+    (["bench", "serve", "--base-url", "http://127.0.0.1:1", "--request-rate", "abc"],
+     ("--request-rate: must be > 0 or inf, got 'abc'",)),
+    (["bench", "serve", "--base-url", "http://127.0.0.1:1", "--multi-turn", f"{10**12}:{10**12}"],
+     ("--multi-turn", "at most 1000000")),
+    (["bench", "kv-tiers", "ENGINE", "--num-kv-blocks", "8", "--multi-turn", f"{10**12}:4"],
+     ("--multi-turn", "at most 1000000")),
+    (["bench", "qlinear", "--working-set-mb", str(1 << 20)], ("--working-set-mb", "available memory", "at most")),
 ])
 def test_a_bad_option_is_refused_before_any_work(tiny_engine_dir, tmp_path, args, words):
     fifo = tmp_path / "fifo"

@@ -23,6 +23,8 @@ from typing import Any, Callable, Optional
 
 from trtpaged.bench.serve_bench import _WORDS, RequestResult, _one, _scrape, make_report
 
+MAX_TURNS = 1_000_000  # turns of all conversations together (N x K): bench's MAX_REQUESTS
+
 # /metrics counters whose change over a run the report shows (trtpaged names; absent on other servers)
 CACHE_COUNTERS = {
     "prefix_cache_queries": "trtpaged:prefix_cache_queries_total",
@@ -65,6 +67,8 @@ def parse_multi_turn(value: str) -> tuple[int, int]:
         raise ValueError(f"--multi-turn: expected N:K (conversations:turns), got {value!r}") from None
     if n < 1 or k < 1:
         raise ValueError(f"--multi-turn: N and K must be >= 1, got {value!r}")
+    if n * k > MAX_TURNS:  # 10**12 conversations were accepted: a run that never began sending
+        raise ValueError(f"--multi-turn: N x K (turns in all) must be at most {MAX_TURNS}, got {value!r}")
     return n, k
 
 

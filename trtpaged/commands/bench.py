@@ -19,6 +19,7 @@ MAX_REQUESTS = 1_000_000
 MAX_WORDS = 100_000
 MAX_ROUNDS = 1000
 MAX_THINK_S = 3600.0
+MAX_PEER_TIME_S = 7 * 86400.0  # a week (the wait's poll takes at most 2**31 ms: 1e300 s was an OverflowError)
 
 
 def _engine_dir(value, param):
@@ -444,6 +445,13 @@ def qlinear(as_json: bool, quick: bool, working_set_mb: Optional[int], threads: 
 
     from trtpaged.bench.qlinear_bench import format_report, report_json, run_qlinear_bench
 
+    if working_set_mb is not None:  # checked before allocating: 1 TiB was a traceback from torch's allocator
+        from trtpaged.kv_budget import available_memory_bytes
+
+        most = available_memory_bytes("cpu") // (4 << 20)
+        if working_set_mb > most:
+            raise click.ClickException(f"--working-set-mb: {working_set_mb} MiB per format (4 formats held at once) "
+                                       f"is more than this host's available memory; at most {most} here")  # fmt: skip
     if threads is not None:
         torch.set_num_threads(threads)  # one OpenMP runtime: it also sets our kernels' threads
 
@@ -524,7 +532,10 @@ def serve(base_url, trace, num_requests, prompt_len, output_len, request_rate, m
 
     arrivals = None
     try:
-        rate = float(request_rate)
+        try:
+            rate = float(request_rate)
+        except ValueError:
+            raise ValueError(f"--request-rate: must be > 0 or inf, got {request_rate!r}") from None
         if not rate > 0:
             raise ValueError(f"--request-rate: must be > 0 or inf, got {request_rate!r}")
         sharegpt = bool(trace) and is_sharegpt(trace)
@@ -569,7 +580,7 @@ def _refuse_an_empty_run(report: dict) -> None:
 
 
 @command.command(name="kv-tiers")
-@click.argument("engine", type=click.Path(exists=True, file_okay=False))
+@click.argument("engine", type=click.Path(exists=True, file_okay=False), callback=lambda ctx, p, v: _engine_dir(v, p))
 @click.option("--num-kv-blocks", type=click.IntRange(min=1), required=True,
               help="The pool's blocks: small enough that it cannot hold every live history.")
 @click.option("--multi-turn", default="8:4", show_default=True, metavar="N:K", help="N conversations of K turns.")
@@ -632,8 +643,9 @@ def _rows(value, param):
 
 
 @command.command(name="serve-ratio")
-@click.argument("engine", type=click.Path(exists=True, file_okay=False))
-@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="Rounds of the five runs, alternating.")
+@click.argument("engine", type=click.Path(exists=True, file_okay=False), callback=lambda ctx, p, v: _engine_dir(v, p))
+@click.option("--repeats", type=click.IntRange(1, MAX_ROUNDS), default=5, show_default=True,
+              help="Rounds of the five runs, alternating.")
 @click.option("--max-tokens", type=click.IntRange(min=2), default=128, show_default=True, help="Tokens per request (greedy, ignore_eos).")
 @click.option("--concurrency", type=click.IntRange(1, MAX_REQUESTS), default=16, show_default=True, help="Concurrent requests of the batch runs.")
 @click.option("--server-arg", "server_args", multiple=True, help="Passed on to trtpaged serve (repeatable).")
@@ -651,11 +663,11 @@ def serve_ratio(engine, repeats, max_tokens, concurrency, server_args, stream_in
 
 
 @command.command(name="structured")
-@click.argument("engine", type=click.Path(exists=True, file_okay=False))
+@click.argument("engine", type=click.Path(exists=True, file_okay=False), callback=lambda ctx, p, v: _engine_dir(v, p))
 @click.option("--batch", type=click.IntRange(min=2), default=None,
               help="Requests decoding together (default: 16, or the engine's max_batch_size when smaller).")
 @click.option("--steps", type=click.IntRange(min=2), default=32, show_default=True, help="Decode steps timed per run.")
-@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="Interleaved rounds.")
+@click.option("--repeats", type=click.IntRange(1, MAX_ROUNDS), default=5, show_default=True, help="Interleaved rounds.")
 @click.option("--temperature", type=FiniteFloatRange(min=0.0), default=0.0, show_default=True,
               help="Of every row (0: greedy; unconstrained greedy rows keep the one-pass path).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
@@ -700,7 +712,8 @@ def structured(engine, batch, steps, repeats, temperature, as_json) -> None:
                    "transformers' assisted generation (prompt lookup, or the draft engine's model as assistant_model; "
                    "one request at a time) as its peer.")
 @click.option("--sequential", is_flag=True, help="One request at a time (single-stream decode) in every row.")
-@click.option("--peer-time-limit", type=FiniteFloatRange(min=0, min_open=True), default=900.0, show_default=True,
+@click.option("--peer-time-limit", type=FiniteFloatRange(0, MAX_PEER_TIME_S, min_open=True), default=900.0,
+              show_default=True,
               help="Seconds each transformers row may take; a row past it is reported as timed out and the run "
                    "goes on.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
@@ -756,6 +769,9 @@ def throughput(engine, trace, num_requests, output_len, baseline, hf_batch_size,
             requests = default_requests(manifest.dims.vocab_size, num_requests, seed)
         if hf_batch_size is not None and hf_batch_size < 1:
             raise ValueError(f"--hf-batch-size: must be >= 1, got {hf_batch_size}")
+        if hf_batch_size is not None and (baseline == "none" or sequential):  # was accepted and ignored
+            raise ValueError("--hf-batch-size: the hf baseline's static batch size; " + (
+                "--baseline none runs no baseline" if baseline == "none" else "--sequential batches one request"))
         if speculative_config is not None:
             from trtpaged.runtime.speculative import SpeculativeConfig
 
