@@ -104,3 +104,14 @@ def tiny_kv4_engines(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path
     """tensor_parallel -> engine dir of TINY_KV4 built for 1 and for 2 ranks."""
     return {n: built_once(tmp_path_factory, f"tiny-kv4-tp{n}",
                           lambda out, n=n: build_from_dict({**TINY_KV4, "tensor_parallel": n}, out)) for n in (1, 2)}
+
+
+@pytest.fixture(scope="module")
+def logged_server(tiny_engine_dir, tmp_path_factory):
+    """A tiny-engine server (one per test module) logging each request's prompt token ids, and a reader of the
+    lines logged so far (`runtime_helpers.server_with_request_log`)."""
+    from runtime_helpers import server_with_request_log
+
+    path = tmp_path_factory.mktemp("logged-serve") / "requests.jsonl"
+    with server_with_request_log(tiny_engine_dir, path, log_prompts=True) as served:
+        yield served

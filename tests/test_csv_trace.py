@@ -20,7 +20,7 @@ from trtpaged.bench.timed_trace import TimedRequest, timed_form
 from trtpaged.bench.workload import TraceRequest, prompt_token_ids
 from trtpaged.cli import main
 
-from runtime_helpers import one_line_failure, run_trace_command as _run, server_with_request_log
+from runtime_helpers import one_line_failure, run_trace_command as _run
 
 AZURE = "TIMESTAMP,ContextTokens,GeneratedTokens"
 BURSTGPT = "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type"
@@ -145,13 +145,6 @@ def test_cli_bench_throughput_submits_a_burstgpt_trace_at_once(tiny_engine_dir, 
     assert "2 BurstGPT requests" in result.output and "timestamps not replayed" in result.output
     report = _report(result.output)
     assert report["prompt_tokens"] == 50 and report["systems"][0]["computed_tokens"] >= 50
-
-
-@pytest.fixture(scope="module")
-def logged_server(tiny_engine_dir, tmp_path_factory):
-    path = tmp_path_factory.mktemp("csv-serve") / "requests.jsonl"
-    with server_with_request_log(tiny_engine_dir, path, log_prompts=True) as served:
-        yield served
 
 
 def test_cli_bench_serve_sends_each_row_at_its_timestamp(logged_server, tiny_engine_dir, tmp_path):

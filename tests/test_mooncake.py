@@ -20,7 +20,7 @@ from trtpaged.bench.token_blocks import BLOCK_TOKENS
 from trtpaged.bench.workload import TraceRequest, load_trace, prompt_token_ids
 from trtpaged.cli import main
 
-from runtime_helpers import one_line_failure, server_with_request_log
+from runtime_helpers import one_line_failure
 
 TINY_VOCAB, TINY_BLOCK = 320, 16  # examples/tiny.yaml
 
@@ -148,13 +148,6 @@ def test_cli_bench_throughput_finds_the_hits_the_blocks_predict(tiny_engine_dir,
 
 
 # ---------------------------------------------------------------- bench serve: each request at its timestamp
-
-
-@pytest.fixture(scope="module")
-def logged_server(tiny_engine_dir, tmp_path_factory):
-    path = tmp_path_factory.mktemp("mooncake-serve") / "requests.jsonl"
-    with server_with_request_log(tiny_engine_dir, path, log_prompts=True) as served:
-        yield served
 
 
 def test_cli_bench_serve_sends_each_request_at_its_timestamp(logged_server, tiny_engine_dir, tmp_path):

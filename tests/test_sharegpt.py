@@ -22,7 +22,7 @@ from trtpaged.bench.serve_bench import sharegpt_requests as serve_requests
 from trtpaged.bench.throughput_bench import sharegpt_requests as throughput_requests
 from trtpaged.cli import main
 
-from runtime_helpers import one_line_failure, server_with_request_log
+from runtime_helpers import one_line_failure
 
 TINY_MAX_SEQ_LEN = 512  # examples/tiny.yaml
 WORDS = "the of and to in is you that it he was for on are as with his they at be this have from or one had by".split()
@@ -164,14 +164,6 @@ def test_cli_output_len_is_for_a_sharegpt_trace_only(tiny_engine_dir, tmp_path):
 
 
 # ---------------------------------------------------------------- bench serve, against a real server
-
-
-@pytest.fixture(scope="module")
-def logged_server(tiny_engine_dir, tmp_path_factory):
-    """A tiny-engine server logging each request's prompt token ids, and a reader of the lines logged so far."""
-    path = tmp_path_factory.mktemp("sharegpt-serve") / "requests.jsonl"
-    with server_with_request_log(tiny_engine_dir, path, log_prompts=True) as served:
-        yield served
 
 
 @pytest.mark.parametrize("seed,num_requests,output_len", [(0, 6, None), (5, 1000, None), (2, 4, 9)])

@@ -19,7 +19,7 @@ from trtpaged.bench.timed_trace import timed_form
 from trtpaged.bench.trtllm_dataset import DatasetLine, is_trtllm_dataset, read_trtllm_dataset
 from trtpaged.cli import main
 
-from runtime_helpers import one_line_failure, run_trace_command as _run, server_with_request_log
+from runtime_helpers import one_line_failure, run_trace_command as _run
 
 SHARED = list(range(3, 43))  # 40 tokens: two whole 16-token blocks shared
 TEXT = "Generate an infinite response to the following: Na, na, na, na"
@@ -138,13 +138,6 @@ def test_cli_bench_throughput_runs_the_ids_as_given(tiny_engine_dir, tmp_path):
     assert "3 trtllm-bench requests" in result.output and "all at t=0" in result.output
     report = _report(result.output)
     assert report["prompt_tokens"] == 42 + 41 + tokens and report["output_tokens"] == 12
-
-
-@pytest.fixture(scope="module")
-def logged_server(tiny_engine_dir, tmp_path_factory):
-    path = tmp_path_factory.mktemp("trtllm-serve") / "requests.jsonl"
-    with server_with_request_log(tiny_engine_dir, path, log_prompts=True) as served:
-        yield served
 
 
 def test_cli_bench_serve_sends_ids_as_ids_and_text_as_text(logged_server, tiny_engine_dir, tmp_path):
