@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import ClassVar, Optional
 
 from trtpaged.bench.timed_trace import TimedRequest, TimedTrace, in_time_order
-from trtpaged.bench.token_blocks import BLOCK_TOKENS, check_cover, check_hash_ids, shown
+from trtpaged.bench.token_blocks import BLOCK_TOKENS, bounded_integer, check_cover, check_hash_ids
 from trtpaged.bench.workload import LINE_FIELDS, MAX_ARRIVAL_STEP, TraceRequest, json_objects
 from trtpaged.config import MAX_SEQ_LEN
 
@@ -121,19 +121,10 @@ def _request(where: str, data: dict) -> TimedRequest:
     missing = [name for name in MOONCAKE_FIELDS if name not in data]
     if missing:
         raise ValueError(f"{', '.join(missing)}: required (a Mooncake line is {LINE_FORM})")
-    timestamp = _integer(data, "timestamp", 0, MAX_TIMESTAMP_MS, " (milliseconds since the trace's start)")
-    input_length = _integer(data, "input_length", 1, MAX_SEQ_LEN)
-    output_length = _integer(data, "output_length", 1, MAX_SEQ_LEN)
+    timestamp = bounded_integer("timestamp", data["timestamp"], 0, MAX_TIMESTAMP_MS,
+                                " (milliseconds since the trace's start)")
+    input_length = bounded_integer("input_length", data["input_length"], 1, MAX_SEQ_LEN)
+    output_length = bounded_integer("output_length", data["output_length"], 1, MAX_SEQ_LEN)
     hash_ids = check_hash_ids(data["hash_ids"])
     check_cover(input_length, len(hash_ids), "input_length")
     return TimedRequest(where, timestamp * _NS_PER_MS, TraceRequest(input_length, output_length, hash_ids=hash_ids))
-
-
-def _integer(data: dict, name: str, low: int, high: int, unit: str = "") -> int:
-    """data[name], an integer from `low` to `high`; ValueError naming the field and the bound."""
-    value = data[name]
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name}: must be an integer{unit}, got {shown(value)}")
-    if not low <= value <= high:
-        raise ValueError(f"{name}: must be from {low} to {high}{unit}, got {value}")
-    return value

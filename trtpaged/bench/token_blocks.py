@@ -30,10 +30,7 @@ def check_hash_ids(value: object) -> tuple[int, ...]:
     if not value:
         raise ValueError("hash_ids: must name at least one block (a prompt has at least one token), got []")
     for i, hash_id in enumerate(value):
-        if isinstance(hash_id, bool) or not isinstance(hash_id, int):
-            raise ValueError(f"hash_ids[{i}]: must be an integer, got {shown(hash_id)}")
-        if not 0 <= hash_id <= MAX_HASH_ID:
-            raise ValueError(f"hash_ids[{i}]: must be from 0 to {MAX_HASH_ID}, got {hash_id}")
+        bounded_integer(f"hash_ids[{i}]", hash_id, 0, MAX_HASH_ID)
     return tuple(value)
 
 
@@ -72,3 +69,13 @@ def shown(value: object, limit: int = 60) -> str:
     """`repr(value)`, cut to `limit` characters (a hostile line's value may be megabytes)."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def bounded_integer(name: str, value: object, low: int, high: int, unit: str = "") -> int:
+    """`value` (a parsed JSON value) if it is an integer from `low` to `high`; else ValueError naming `name`, the
+    bound (and its `unit`, e.g. " (tokens)") and the value."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}: must be an integer from {low} to {high}{unit}, got {shown(value)}")
+    if not low <= value <= high:
+        raise ValueError(f"{name}: must be from {low} to {high}{unit}, got {shown(value)}")
+    return value

@@ -34,7 +34,7 @@ from typing import Callable, Optional, Sequence
 
 from trtpaged.bench.csv_trace import first_line
 from trtpaged.bench.mooncake import MOONCAKE_FIELDS
-from trtpaged.bench.token_blocks import shown
+from trtpaged.bench.token_blocks import bounded_integer, shown
 from trtpaged.bench.workload import LINE_FIELDS, json_objects
 from trtpaged.config import MAX_SEQ_LEN
 from trtpaged.errors import check_unicode
@@ -156,8 +156,8 @@ def _line(where: str, data: dict, foreign: tuple[str, ...], first: Optional[str]
     missing = [name for name in ("task_id", "output_tokens") if name not in data]
     if missing:
         raise ValueError(f"{', '.join(missing)}: required (a {FORM} line is {LINE_FORM})")
-    task_id = _integer(data, "task_id", -MAX_TASK_ID - 1, MAX_TASK_ID)
-    output_len = _integer(data, "output_tokens", 1, MAX_SEQ_LEN)
+    task_id = bounded_integer("task_id", data["task_id"], -MAX_TASK_ID - 1, MAX_TASK_ID)
+    output_len = bounded_integer("output_tokens", data["output_tokens"], 1, MAX_SEQ_LEN)
     given = [name for name in ("prompt", "input_ids", "logits") if data.get(name) is not None]
     if len(given) != 1:
         raise ValueError(f"{', '.join(given) if given else 'prompt'}: give one prompt, as text (prompt) or as token "
@@ -169,16 +169,6 @@ def _line(where: str, data: dict, foreign: tuple[str, ...], first: Optional[str]
             raise ValueError(f"prompt: must be a non-empty string, got {shown(prompt)}")
         return DatasetLine(where, task_id, output_len, prompt=check_unicode("prompt", prompt))
     return DatasetLine(where, task_id, output_len, input_ids=_token_ids(name, data[name]), ids_field=name)
-
-
-def _integer(data: dict, name: str, low: int, high: int) -> int:
-    """data[name], an integer from `low` to `high`; ValueError naming the field and the bound."""
-    value = data[name]
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name}: must be an integer from {low} to {high}, got {shown(value)}")
-    if not low <= value <= high:
-        raise ValueError(f"{name}: must be from {low} to {high}, got {shown(value)}")
-    return value
 
 
 def _token_ids(name: str, value: object) -> tuple[int, ...]:
