@@ -15,7 +15,9 @@ GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # the gated MLP activations the step model implements, by HF name
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}  # as ACT2FN
 # config keys of variants no listed family's step model implements (MoE and friends): refused by name
-_LLAMA_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM")  # attention_bias: q/k/v and o
+# the families whose transformers attention reads attention_bias (q/k/v and o biased); Qwen2's always biases q/k/v
+# alone, Mistral's and Phi-3's never read it
+_LLAMA_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # the families whose transformers MLP reads mlp_bias; the others' have no bias whatever the config says
 _MLP_BIAS = ("LlamaForCausalLM", "SmolLM3ForCausalLM")
 _REFUSED_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
@@ -153,10 +155,7 @@ def dims_from_hf_config(config: Any, max_seq_len: Optional[int] = None) -> Model
                                         "the local layers")
         local_theta = float(getattr(config, "rope_local_base_freq", None) or local_theta)
     qwen = arch == "Qwen2ForCausalLM"
-    bias = bool(getattr(config, "attention_bias", False))
-    llama_bias = bias and arch in _LLAMA_BIAS  # q/k/v and o_proj biased
-    if bias and not qwen and arch not in _LLAMA_BIAS:
-        raise UnsupportedModelError(f"attention_bias: true is not implemented for {arch}")
+    llama_bias = bool(getattr(config, "attention_bias", False)) and arch in _LLAMA_BIAS
     scalar = getattr(config, "query_pre_attn_scalar", None) if gemma else None
     return ModelDims(
         architecture=arch,
