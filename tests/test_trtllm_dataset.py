@@ -65,6 +65,20 @@ def test_a_dataset_is_its_lines_requests(tmp_path):
                              DatasetLine(f"{path}:4", 9, 16777216, prompt="Na, na")]  # fmt: skip
 
 
+def test_a_line_ends_at_a_newline_alone(tmp_path):
+    """A prompt holding U+2028, U+2029 or U+0085 raw (json.dumps(ensure_ascii=False) writes them so, and JSON
+    allows them in a string) is one line, CRLF line ends are line ends, and lines after them keep their numbers
+    (was: the file was split as str.splitlines splits, each such prompt two broken lines, 'not JSON')."""
+    path = tmp_path / "trace.jsonl"
+    odd = "a\u2028b\u0085c\u2029d"
+    path.write_bytes((json.dumps({"task_id": 0, "prompt": odd, "output_tokens": 2}, ensure_ascii=False) + "\r\n"
+                      + _line(task_id=1, input_ids=[5, 6], output_tokens=3) + "\n").encode())
+    assert f'"{odd}"'.encode() in path.read_bytes()  # raw in the file, not escaped
+    dataset = read_trtllm_dataset(path)
+    assert dataset.lines == [DatasetLine(f"{path}:1", 0, 2, prompt=odd),
+                             DatasetLine(f"{path}:2", 1, 3, input_ids=(5, 6))]  # fmt: skip
+
+
 def test_prompt_ids_are_as_given_and_text_is_tokenized(tmp_path):
     dataset = read_trtllm_dataset(_dataset(tmp_path))
     prompts = dataset.prompt_ids(lambda text: [len(word) for word in text.split()], vocab_size=320)

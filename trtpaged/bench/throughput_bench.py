@@ -139,13 +139,13 @@ def load_requests(path: str | Path, tokenizer: Callable[[str], list[int]], vocab
 
     Errors name the line and the field.
     """
-    lines = [(i, line) for i, line in enumerate(read_lines(path), 1) if line.strip()]
-    if not lines:
+    lineno, line = next(((i, line) for i, line in enumerate(read_lines(path), 1) if line.strip()), (0, ""))
+    if not lineno:
         raise ValueError(f"{path}: no requests")
     try:
-        first = json.loads(lines[0][1])
+        first = json.loads(line)
     except (ValueError, RecursionError) as exc:
-        raise ValueError(f"{path}:{lines[0][0]}: {exc}") from exc
+        raise ValueError(f"{path}:{lineno}: {exc}") from exc
     if not (isinstance(first, dict) and "prompt" in first):
         lines = load_trace_lines(path)  # one read: each request with its file:line
         return requests_from_trace([r for _, r in lines], vocab_size, wheres=[where for where, _ in lines])

@@ -124,13 +124,23 @@ def json_objects(path: str | Path, allowed: Iterable[str]) -> Iterator[tuple[str
             yield where, json_object(text, where, allowed)
 
 
-def read_lines(path: str | Path) -> list[str]:
-    """The lines of a text file (a leading byte-order mark dropped, as editors write one); ValueError naming the
-    file when it is not UTF-8 text."""
-    try:
-        return Path(path).read_text(encoding="utf-8-sig").splitlines()
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); expected JSON Lines") from None
+def read_lines(path: str | Path) -> Iterator[str]:
+    """The lines of a text file, read one at a time (a trace may be larger than memory), without their line ends (a
+    leading byte-order mark dropped, as editors write one); ValueError naming the file and the byte when it is not
+    UTF-8 text. A line ends at \n (or \r\n) alone, as JSON Lines says: U+2028 and the other breaks str.splitlines
+    takes are characters a JSON string may hold raw (json.dumps(ensure_ascii=False) writes them so)."""
+    with open(path, "rb") as f:
+        offset = 0
+        for raw in f:
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{path}: not UTF-8 text ({exc.reason} at byte {offset + exc.start}); expected JSON "
+                                 "Lines") from None  # fmt: skip
+            if offset == 0 and line.startswith("\ufeff"):
+                line = line[1:]
+            offset += len(raw)
+            yield line.rstrip("\r\n")
 
 
 def load_trace(path: str | Path) -> list[TraceRequest]:
