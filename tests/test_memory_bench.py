@@ -293,8 +293,12 @@ def test_kv_tier_what_if_reaches_an_unbounded_pool_s_hits() -> None:
     # pool + a 4-block tier hold fewer than the 4 prompts in rotation: LRU on a cyclic pattern keeps the wrong ones
     assert four["tier_hit_tokens"] == 0 and four["tokens_computed"] == alone["tokens_computed"]
     assert "| unbounded | 53.3% | 512 |" in format_tier_table(rows, small.num_kv_blocks)  # 512 of 12 x 80 tokens
-    with pytest.raises(ValueError, match="--kv-tier-blocks"):
+    with pytest.raises(ValueError, match="--kv-tier-blocks: block counts must be from 1 to 1099511627776"):
         parse_tier_blocks("4,0")
+    with pytest.raises(ValueError, match="--kv-tier-blocks: block counts must be from 1 to 1099511627776 .* got 1{27}"):
+        parse_tier_blocks("1" * 40)
+    with pytest.raises(ValueError, match="--kv-tier-blocks: at most 16 sizes .* got 17"):
+        parse_tier_blocks(",".join(["8"] * 17))  # 3000 sizes were 3000 replays of the trace
 
 
 def test_idle_steps_between_arrivals_count_in_no_replay() -> None:

@@ -93,6 +93,8 @@ def check_fits(trace: list[TraceRequest], budget: Budget, wheres: Optional[list[
             raise ValueError(f"{where}: {why}: this KV budget and its limits can never run it")
 
 
+MAX_TIER_SIZES = 16  # --kv-tier-blocks sizes, one replay each
+MAX_TIER_BLOCKS = 1 << 40  # more than any trace's blocks: say 'unbounded'
 SERIES = ("running", "utilisation", "slots", "computed", "blocks_with_sharing", "blocks_without_sharing", "waiting",
           "head_fits")
 
@@ -328,9 +330,13 @@ def run_tier_what_if(trace: list[TraceRequest], budget: Budget, tier_blocks: Seq
 
 
 def parse_tier_blocks(text: str, flag: str = "--kv-tier-blocks") -> list[Optional[int]]:
-    """'256,1024,unbounded' -> [256, 1024, None]; ValueError naming the flag."""
+    """'256,1024,unbounded' -> [256, 1024, None]: at most MAX_TIER_SIZES sizes (each is a replay of the whole trace),
+    each from 1 to MAX_TIER_BLOCKS; ValueError naming the flag and the bound."""
+    parts = text.split(",")
+    if len(parts) > MAX_TIER_SIZES:
+        raise ValueError(f"{flag}: at most {MAX_TIER_SIZES} sizes (each replays the whole trace), got {len(parts)}")
     out: list[Optional[int]] = []
-    for part in text.split(","):
+    for part in parts:
         part = part.strip()
         if part in ("unbounded", "inf"):
             out.append(None)
@@ -339,8 +345,9 @@ def parse_tier_blocks(text: str, flag: str = "--kv-tier-blocks") -> list[Optiona
             value = int(part)
         except ValueError:
             raise ValueError(f"{flag}: expected block counts like 256,1024,unbounded, got {text!r}") from None
-        if value < 1:
-            raise ValueError(f"{flag}: block counts must be >= 1, got {value}")
+        if not 1 <= value <= MAX_TIER_BLOCKS:
+            raise ValueError(f"{flag}: block counts must be from 1 to {MAX_TIER_BLOCKS} (or 'unbounded'), got "
+                             f"{part if len(part) <= 30 else part[:27] + '...'}")  # fmt: skip
         out.append(value)
     return out
 
