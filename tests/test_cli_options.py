@@ -108,6 +108,12 @@ def test_build_never_replaces_what_is_not_a_directory(tmp_path):
     (["bench", "kv-tiers", "ENGINE", "--num-kv-blocks", "8", "--multi-turn", f"{10**12}:4"],
      ("--multi-turn", "at most 1000000")),
     (["bench", "qlinear", "--working-set-mb", str(1 << 20)], ("--working-set-mb", "available memory", "at most")),
+    # bench memory's synthetic requests: were refused naming the trace fields (beam_width, n, prefix_len, prompt_len)
+    (["bench", "memory", "ENGINE", "--beam-width", "100000"], ("--beam-width", "1<=x<=65536")),
+    (["bench", "memory", "ENGINE", "--n", "5", "--beam-width", "2"], ("--n 5", "at most --beam-width (2)")),
+    (["bench", "memory", "ENGINE", "--shared-prefix", "-5"], ("--shared-prefix", "0<=x<=16777216")),
+    (["bench", "memory", "ENGINE", "--shared-prefix", "16777000", "--prompt-len", "300"],
+     ("--shared-prefix 16777000 + --prompt-len up to 300", "at most 16777216")),
 ])
 def test_a_bad_option_is_refused_before_any_work(tiny_engine_dir, tmp_path, args, words):
     fifo = tmp_path / "fifo"

@@ -11,6 +11,7 @@ import click
 
 from trtpaged.commands.option_types import FiniteFloatRange, HttpUrl, OutputFile, RegularFile, Size
 from trtpaged.commands.stdout import echo
+from trtpaged.config import MAX_BATCH_SIZE, MAX_SEQ_LEN
 from trtpaged.kv_formats import KV_CACHE_DTYPES
 from trtpaged.manifest import BACKENDS, BLOCK_SIZES, DEFAULT_BLOCK_SIZE
 
@@ -117,13 +118,14 @@ def kernel(kv_cache_dtype: Optional[str], device: str, as_json: bool, quick: boo
 @click.option("--output-len", default="16:512", show_default=True,
               help="Synthetic: output length N or LOW:HIGH. With a ShareGPT --trace: N, every request's (default: "
                    "each completion's tokens).")
-@click.option("--shared-prefix", default=0, show_default=True, help="Synthetic: tokens of shared system prompt.")
+@click.option("--shared-prefix", type=click.IntRange(0, MAX_SEQ_LEN), default=0, show_default=True,
+              help="Synthetic: tokens of shared system prompt.")
 @click.option("--num-prefixes", type=click.IntRange(1, MAX_REQUESTS), default=1, show_default=True,
               help="Synthetic: distinct shared prompts.")
-@click.option("--n", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--n", type=click.IntRange(1, MAX_BATCH_SIZE), default=1, show_default=True,
               help="Parallel samples per request. With --trace: set on the lines that give neither n nor beam_width "
                    "(a line's own value wins).")
-@click.option("--beam-width", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--beam-width", type=click.IntRange(1, MAX_BATCH_SIZE), default=1, show_default=True,
               help="W > 1 makes every request a beam search of width W. With --trace: set on the lines that give "
                    "neither n nor beam_width (a line's own value wins; not with --n).")
 @click.option("--preset", type=click.Choice(("alpaca", "sharegpt")),
@@ -232,6 +234,7 @@ def memory(ctx, engine, trace, step_time, num_requests, prompt_len, output_len, 
         else:
             plens, olens = PRESETS[preset] if preset else (parse_range(prompt_len, "--prompt-len"),
                                                            parse_range(output_len, "--output-len"))  # fmt: skip
+            _check_synthetic(plens, shared_prefix, n, beam_width)
             requests = synthetic_trace(num_requests, plens, olens, shared_prefix, num_prefixes, n, seed, beam_width)
     except (ValueError, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from exc
@@ -308,6 +311,16 @@ def _refuse_synthetic_options(trace: Optional[str], given: set[str], form: str =
 # bench memory's workload options: a synthetic workload's, and --n / --beam-width, which also fill a trace's requests
 _MEMORY_WORKLOAD_OPTIONS = ("num_requests", "prompt_len", "output_len", "shared_prefix", "num_prefixes", "n",
                             "beam_width", "preset", "seed")
+
+
+def _check_synthetic(prompt_lens: tuple[int, int], shared_prefix: int, n: int, beam_width: int) -> None:
+    """ValueError naming the options when a synthetic request would be refused by its own rules (which name the
+    trace fields): a prompt with its shared prefix past MAX_SEQ_LEN, more beams returned than searched."""
+    if prompt_lens[1] + shared_prefix > MAX_SEQ_LEN:
+        raise ValueError(f"--shared-prefix {shared_prefix} + --prompt-len up to {prompt_lens[1]}: a prompt is at most "
+                         f"{MAX_SEQ_LEN} tokens")  # fmt: skip
+    if beam_width > 1 and n > beam_width:
+        raise ValueError(f"--n {n}: the beams a search returns, at most --beam-width ({beam_width})")
 
 
 def _one_request_kind(given: set[str]) -> None:
