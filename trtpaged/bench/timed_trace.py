@@ -17,7 +17,7 @@ from typing import ClassVar, Optional
 from trtpaged.bench.workload import TraceRequest, arrival_step
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a published trace holds millions
 class TimedRequest:
     """One request of a timed trace: where it is ("file:line"), its arrival (nanoseconds on the trace's clock) and
     the request it makes (arrival step 0)."""

@@ -30,7 +30,7 @@ from trtpaged.json_input import json_object
 MAX_ARRIVAL_STEP = (1 << 31) - 1  # a replay skips idle steps: a day's log at 1 ms a step is 8.6e7 of them
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a published trace holds millions
 class TraceRequest:
     """One request of a workload: lengths, arrival step, what its prompt shares, its samples or beams.
 
