@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from trtpaged.bench.memory_bench import Budget, format_tier_table, run_memory_bench, run_tier_what_if
-from trtpaged.bench.workload import TraceRequest, arrival_step, check_prefix_len, json_objects
+from trtpaged.bench.workload import TraceRequest, arrival_step, check_prefix_len, json_objects, random_prompt
 
 PROMPT_FIELDS = ("prompt", "prompt_token_ids", "prompt_len")
 TRACE_FIELDS = ("output_len", "arrival", "prefix_id", "prefix_len", "n", "beam_width")
@@ -145,12 +145,8 @@ def read_request_log(path: str | Path, tokenize: Optional[Callable[[str], list[i
             req = TraceRequest(prompt_len=len(ids) if ids is not None else data["prompt_len"], **fields)
             check_prefix_len(prefix_lens, req, where)
             if ids is None:
-                ids = []
                 out.lengths_only += req.prefix_id is None
-                if req.prefix_id is not None and req.prefix_len:
-                    prefix = prefixes.setdefault(req.prefix_id, [rng.randrange(1, vocab_size) for _ in range(req.prefix_len)])
-                    ids = list(prefix[: req.prefix_len])
-                ids += [rng.randrange(1, vocab_size) for _ in range(req.prompt_len - len(ids))]
+                ids = random_prompt(req, vocab_size, rng, prefixes)
         except (ValueError, TypeError) as exc:
             raise ValueError(f"{where}: {exc}") from exc
         rows.append((where, data, req, ids))

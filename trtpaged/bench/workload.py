@@ -252,11 +252,16 @@ def prompt_token_ids(requests: list[TraceRequest], vocab: int = 30000, seed: int
     for r in requests:
         if r.hash_ids is not None:
             out.append(block_prompt(r.hash_ids, r.prompt_len, range(1, vocab), seed, blocks))
-            continue
-        ids: list[int] = []
-        if r.prefix_id is not None and r.prefix_len:
-            prefix = prefixes.setdefault(r.prefix_id, [rng.randrange(1, vocab) for _ in range(r.prefix_len)])
-            ids = list(prefix[: r.prefix_len])
-        ids += [rng.randrange(1, vocab) for _ in range(r.prompt_len - len(ids))]
-        out.append(ids)
+        else:
+            out.append(random_prompt(r, vocab, rng, prefixes))
     return out
+
+
+def random_prompt(request: TraceRequest, vocab: int, rng: random.Random, prefixes: dict[int, list[int]]) -> list[int]:
+    """`request.prompt_len` random ids in [1, vocab) drawn from `rng`, the first prefix_len those of every request of
+    its prefix_id (`prefixes`: each prefix_id's ids, drawn for the first request of it)."""
+    ids: list[int] = []
+    if request.prefix_id is not None and request.prefix_len:
+        prefix = prefixes.setdefault(request.prefix_id, [rng.randrange(1, vocab) for _ in range(request.prefix_len)])
+        ids = list(prefix[: request.prefix_len])
+    return ids + [rng.randrange(1, vocab) for _ in range(request.prompt_len - len(ids))]
