@@ -202,3 +202,56 @@ def test_a_log_that_fills_its_disk_ends_at_its_last_whole_line(tmp_path) -> None
         kept = [json.loads(line) for line in data.splitlines()[1:]]
         assert [r["arrival"] for r in kept] == [float(i) for i in range(len(kept))] and kept
         assert len(kept) + log.dropped == 400
+
+
+def test_aborted_requests_get_their_line(tiny_engine_dir, tmp_path) -> None:
+    """A request aborted (client gone, request timeout, shutdown) got no line, so the log (and `diagnose`) lost the
+    work it had done while /metrics counted it. Now its line holds the tokens made until then, "abort" for each
+    completion still running, and the log's token sums equal the metrics' counters."""
+    import http.client
+    import socket
+
+    from runtime_helpers import slowed_steps
+    from tests.test_server import metrics
+
+    path = tmp_path / "requests.jsonl"
+    options = ServerOptions(request_log=str(path), request_timeout_s=1.0)
+    server = start_server(tiny_engine_dir, port=0, device="cpu", options=options)
+    try:
+        restore = slowed_steps(server, 0.02)  # 400 tokens take 8 s: every abort lands mid-generation
+        # a stream of two samples whose client hangs up after its first chunks
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
+        body = {"prompt": [5, 6, 7], "max_tokens": 400, "n": 2, "temperature": 1.0, "ignore_eos": True,
+                "stream": True}  # fmt: skip
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.readline().startswith(b"data: ")
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+        (gone,) = read_lines(path, 1)
+        # one that runs into the server's request timeout
+        status, _, answer = request(server, "/v1/completions", {"prompt": [8, 9], "max_tokens": 400, "ignore_eos": True})
+        assert status == 504, answer
+        timed_out = read_lines(path, 2)[1]
+        wait_idle(server)
+        m = metrics(server)
+        restore()
+        assert m['request_success_total{finished_reason="abort"}'] == 2
+        for line, prompt_len, n in ((gone, 3, 2), (timed_out, 2, 1)):
+            assert line["prompt_len"] == prompt_len and line["n"] == n and line["finish_reasons"] == ["abort"] * n
+            assert len(line["output_lens"]) == n and all(0 < k < 400 for k in line["output_lens"])
+            assert line["output_len"] == max(line["output_lens"]) and line["ttft_s"] <= line["latency_s"]
+        assert m["prompt_tokens_total"] == sum(line["prompt_len"] for line in (gone, timed_out))
+        assert m["generation_tokens_total"] == sum(sum(line["output_lens"]) for line in (gone, timed_out))
+        # one still running at shutdown (no drain time) is aborted too
+        slowed_steps(server, 0.02)
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps({**body, "n": 1}), {"Content-Type": "application/json"})
+        assert conn.getresponse().readline().startswith(b"data: ")
+    finally:
+        server.shutdown(timeout=0)
+    lines = read_lines(path, 3)
+    assert lines[2]["finish_reasons"] == ["abort"] and lines[2]["output_len"] > 0
+    result = CliRunner().invoke(main, ["diagnose", str(path), "--engine", str(tiny_engine_dir), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output[result.output.index("{"):])["requests"] == 3

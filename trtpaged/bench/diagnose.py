@@ -22,10 +22,10 @@ prompt (one of three) and output_len are required. The server's request log (`tr
 with a decimal point), converted to steps with the measured step time (the median of its lines'
 step_time_s, or `step_time`), counted from the first arrival and rounded up (a request arriving
 during a step joins the next); a prompt_len next to prompt_token_ids must be their count; its other
-fields are checked and read as observed figures; its requests that produced no token (refused) are
-skipped and counted. A timed trace (Mooncake, Azure, BurstGPT: trtpaged.bench.timed_trace) is read as `bench memory`
-replays it; an Azure or BurstGPT trace gives no prompt content, so the sharing answer says that prefix sharing is
-unknown rather than that it would save nothing. A trtllm-bench dataset (trtpaged.bench.trtllm_dataset) is read with
+fields are checked and read as observed figures; its requests that produced no token (refused, or aborted before
+one) are skipped and counted. A timed trace (Mooncake, Azure, BurstGPT: trtpaged.bench.timed_trace) is read as
+`bench memory` replays it; an Azure or BurstGPT trace gives no prompt content, so the sharing answer says that prefix
+sharing is unknown rather than that it would save nothing. A trtllm-bench dataset (trtpaged.bench.trtllm_dataset) is read with
 its prompts' real token ids (text through the engine's tokenizer), every request at step 0.
 """
 
@@ -66,7 +66,7 @@ class RequestLogData:
     prompts: list[list[int]]
     arrival_unit: str = "steps"  # or "seconds"
     step_time_s: Optional[float] = None  # seconds per step the seconds were converted with
-    skipped_without_output: int = 0  # server-log requests that produced no token (refused)
+    skipped_without_output: int = 0  # server-log requests that produced no token (refused, or aborted before one)
     output_tokens: int = 0  # the log's own count: output_lens where given, else output_len x n
     cached_tokens: Optional[int] = None  # prompt tokens the server found in its prefix cache, if logged
     lengths_only: int = 0  # requests logged by their lengths alone (no prompt, no prefix_id): their sharing is unseen
@@ -138,7 +138,7 @@ def read_request_log(path: str | Path, tokenize: Optional[Callable[[str], list[i
             if data.get("step_time_s") is not None:
                 step_times.append(data["step_time_s"])
             if "finish_reasons" in data and type(data["output_len"]) is int and data["output_len"] == 0:
-                out.skipped_without_output += 1  # the server refused it: no token, nothing to replay
+                out.skipped_without_output += 1  # refused, or aborted before a token: nothing to replay
                 continue
             ids = _prompt_ids(data, given[0], tokenize, vocab_size)
             fields = {k: v for k, v in data.items() if k in TRACE_FIELDS and k != "arrival"}  # arrival: below
@@ -485,7 +485,8 @@ def _log_line(log: dict) -> str:
     if log["observed_cached_share"] is not None:
         line += f"; the server found {log['observed_cached_share']:.1%} of prompt tokens in its prefix cache"
     if log["skipped_without_output"]:
-        line += f"; {log['skipped_without_output']} requests without output (refused) left out"
+        line += (f"; {log['skipped_without_output']} requests without output (refused, or aborted before a token) "
+                 "left out")
     if log.get("lengths_only") and log.get("form"):  # an Azure or BurstGPT trace: lengths and times, no prompts
         line += (f"; {log['form']} trace: no prompt text or prefix ids, its prompts random tokens of each request's "
                  "length")  # fmt: skip

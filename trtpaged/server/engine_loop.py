@@ -71,6 +71,8 @@ class _Timing:
     step: int = 0  # engine steps run before the request was added
     last_step: int = 0  # the engine's step count at the last output that brought a token
     scored_only: bool = False  # echo with max_tokens 0: the token sampled to score the prompt is dropped, not output
+    prompt: Sequence[int] = ()  # the prompt's token ids (the request log's)
+    cached_tokens: Optional[int] = None  # prompt tokens found in the prefix cache (known once first scheduled)
 
     def generated(self) -> int:
         """Tokens generated so far, all completions together (what the client gets: none when scored_only)."""
@@ -367,7 +369,7 @@ class EngineLoop:
                 added.append(rid)
                 self._subs[rid] = sub
                 self._timing[rid] = _Timing(arrival, len(prompt), params=params, step=self.engine.num_steps,
-                                            scored_only=scored_only)  # fmt: skip
+                                            scored_only=scored_only, prompt=prompt)  # fmt: skip
         except Exception:
             for rid in added:
                 self.engine.abort(rid)
@@ -375,12 +377,21 @@ class EngineLoop:
             raise
 
     def _abort(self, rid: str) -> None:
+        group = self.engine.groups.get(rid)
         if self.engine.abort(rid):
             timing = self._timing.get(rid)
             if timing is not None:
-                self.metrics.observe_finished("abort", timing.prompt_tokens, timing.generated(),
-                                              time.monotonic() - timing.arrival, None)  # fmt: skip
+                self._ended_early(timing, "abort", group.num_cached_tokens if group is not None else None)
         self._forget(rid)
+
+    def _ended_early(self, timing: _Timing, reason: str, cached_tokens: Optional[int]) -> None:
+        """Metrics and the log line of a request ended before it finished (reason: abort or error)."""
+        now = time.monotonic()
+        self.metrics.observe_finished(reason, timing.prompt_tokens, timing.generated(), now - timing.arrival, None)
+        if self.request_log is not None:
+            if cached_tokens is not None:
+                timing.cached_tokens = cached_tokens
+            self._log_finished(self.request_log, timing, now, reason)
 
     def _forget(self, rid: str) -> None:
         self._subs.pop(rid, None)
@@ -448,6 +459,8 @@ class EngineLoop:
     def _observe(self, out: RequestOutput, now: float) -> None:
         """Token timing metrics from one DELTA output (the server asks every request for DELTA outputs)."""
         timing = self._timing[out.request_id]
+        if out.num_cached_tokens is not None:
+            timing.cached_tokens = out.num_cached_tokens
         for c in out.outputs:
             timing.by_index[c.index] = timing.by_index.get(c.index, 0) + len(c.token_ids)
             if c.finish_reason:
@@ -473,27 +486,30 @@ class EngineLoop:
             self.metrics.observe_finished(reason, timing.prompt_tokens, timing.generated(), now - timing.arrival,
                                           tpot)  # fmt: skip
             if self.request_log is not None:
-                self._log_finished(self.request_log, out, timing, now)
+                self._log_finished(self.request_log, timing, now)
 
-    def _log_finished(self, request_log: RequestLog, out: RequestOutput, timing: _Timing, now: float) -> None:
+    def _log_finished(self, request_log: RequestLog, timing: _Timing, now: float, ended: str = "length") -> None:
+        """The request's log line; `ended`: the finish reason of its completions that have none (still running
+        when it was aborted, or a last output without one)."""
         engine, params = self.engine, timing.params or SamplingParams()
         step_s = sum(engine.phase_seconds.values()) / engine.num_steps if engine.num_steps else None
         ttft = timing.first_token - timing.arrival if timing.first_token is not None else None
-        indices = sorted(timing.by_index)
-        request_log.record_finished(out, output_lens=[timing.by_index[i] for i in indices],
-                                    finish_reasons=[timing.reasons.get(i) or "length" for i in indices],
+        # every completion, those that made no token before an abort too (diagnose checks there are n)
+        indices = sorted(set(range(params.n)) | set(timing.by_index))
+        request_log.record_finished(timing.prompt, timing.cached_tokens,
+                                    output_lens=[timing.by_index.get(i, 0) for i in indices],
+                                    finish_reasons=[timing.reasons.get(i) or ended for i in indices],
                                     arrival_s=timing.arrival - request_log.started, ttft_s=ttft,
                                     latency_s=now - timing.arrival, n=params.n, beam_width=params.beam_width,
                                     steps=engine.num_steps - timing.step, step_time_s=step_s)  # fmt: skip
 
     def _fail_all(self, error: Exception, reason: str) -> None:
         for rid, sub in list(self._subs.items()):
+            group = self.engine.groups.get(rid)
             try:
                 self.engine.abort(rid)
             except Exception:  # noqa: BLE001 - state may be inconsistent after a failed step
                 log.exception("abort of %s failed", rid)
-            timing = self._timing[rid]
-            self.metrics.observe_finished(reason, timing.prompt_tokens, timing.generated(),
-                                          time.monotonic() - timing.arrival, None)  # fmt: skip
+            self._ended_early(self._timing[rid], reason, group.num_cached_tokens if group is not None else None)
             sub.put(error)
             self._forget(rid)

@@ -1,4 +1,5 @@
-"""The server's request log (`trtpaged serve --request-log PATH`): one JSON line per finished engine request.
+"""The server's request log (`trtpaged serve --request-log PATH`): one JSON line per engine request that ended
+(finished, failed, or aborted: client gone, timeout, shutdown).
 
 A line (the fields `trtpaged diagnose LOG` reads; README.md, Serving):
 
@@ -8,7 +9,8 @@ A line (the fields `trtpaged diagnose LOG` reads; README.md, Serving):
 
 arrival: seconds since the log began (a server restarted on the same log goes on from where its last line
 ended, so that `diagnose` reads the runs one after the other, not overlaid); output_len: the longest
-completion (what a replay gives each of the n samples); output_lens / finish_reasons: per completion, in index order; cached_tokens: prompt
+completion (what a replay gives each of the n samples); output_lens / finish_reasons: per completion, in index order
+(an aborted request's: the tokens made until then, "abort" for each completion still running); cached_tokens: prompt
 tokens found in the prefix cache; steps: engine steps while the request was in flight; step_time_s: the
 server's mean engine-step time so far. `prompt_token_ids` only when prompts are logged (`log_prompts`).
 
@@ -28,27 +30,25 @@ import stat
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
-
-from trtpaged.runtime.outputs import RequestOutput
+from typing import Any, Optional, Sequence
 
 log = logging.getLogger("trtpaged.server")
 
 _STOP = object()
 
 
-def finished_line(out: RequestOutput, output_lens: list[int], finish_reasons: list[str], arrival_s: float,
-                  ttft_s: Optional[float], latency_s: float, n: int, beam_width: int, steps: int,
-                  step_time_s: Optional[float], log_prompts: bool) -> dict:  # fmt: skip
-    """The log line of one finished request (see the module docstring for the fields); `out` is its last
-    output (prompt and prefix-cache hit), `output_lens` and `finish_reasons` per completion in index order
+def finished_line(prompt_token_ids: Sequence[int], cached_tokens: Optional[int], output_lens: list[int],
+                  finish_reasons: list[str], arrival_s: float, ttft_s: Optional[float], latency_s: float, n: int,
+                  beam_width: int, steps: int, step_time_s: Optional[float], log_prompts: bool) -> dict:  # fmt: skip
+    """The log line of one finished or aborted request (see the module docstring for the fields): its prompt and
+    prefix-cache hit (None: never scheduled), `output_lens` and `finish_reasons` per completion in index order
     (the server counts them over the request's DELTA outputs)."""
     lens = list(output_lens)
-    line: dict = {"arrival": round(arrival_s, 6), "prompt_len": len(out.prompt_token_ids)}
+    line: dict = {"arrival": round(arrival_s, 6), "prompt_len": len(prompt_token_ids)}
     if log_prompts:
-        line["prompt_token_ids"] = list(out.prompt_token_ids)
+        line["prompt_token_ids"] = list(prompt_token_ids)
     line.update(output_len=max(lens, default=0), output_lens=lens, n=n, beam_width=beam_width,
-                cached_tokens=out.num_cached_tokens or 0,
+                cached_tokens=cached_tokens or 0,
                 finish_reasons=list(finish_reasons),
                 ttft_s=None if ttft_s is None else round(ttft_s, 6), latency_s=round(latency_s, 6), steps=steps,
                 step_time_s=None if step_time_s is None else round(step_time_s, 6))  # fmt: skip
@@ -130,11 +130,11 @@ class RequestLog:
                 log.warning("request log %s: the writer is behind; dropping lines", self.path)
             self.dropped += 1
 
-    def record_finished(self, out: RequestOutput, **fields: Any) -> None:
-        """`record(finished_line(out, ...))`, for the engine thread: a line that cannot be built is dropped, never
-        raised."""
+    def record_finished(self, prompt_token_ids: Sequence[int], cached_tokens: Optional[int], **fields: Any) -> None:
+        """`record(finished_line(prompt_token_ids, cached_tokens, ...))`, for the engine thread: a line that cannot be
+        built is dropped, never raised."""
         try:
-            self.record(finished_line(out, log_prompts=self.log_prompts, **fields))
+            self.record(finished_line(prompt_token_ids, cached_tokens, log_prompts=self.log_prompts, **fields))
         except Exception:  # noqa: BLE001 - the request log must never fail a request or the engine loop
             if not self.dropped:
                 log.exception("request log %s: cannot build a line; dropped", self.path)
