@@ -255,13 +255,17 @@ def test_server_log_fields_are_read_and_refused_requests_skipped(tmp_path) -> No
              "n": 2, "beam_width": 1, "cached_tokens": 0, "finish_reasons": ["length", "stop"], "ttft_s": 0.1,
              "latency_s": 0.3, "steps": 5, "step_time_s": 0.05},
             {"arrival": 1.5, "prompt_len": 40, "output_len": 0, "output_lens": [0], "n": 1, "beam_width": 1,
-             "cached_tokens": 32, "finish_reasons": ["length"], "ttft_s": None, "latency_s": 0.01, "steps": 1,
+             "cached_tokens": 32, "finish_reasons": ["error"], "ttft_s": None, "latency_s": 0.01, "steps": 1,
              "step_time_s": 0.05}]  # fmt: skip
-    data = read_request_log(_log(tmp_path, rows))
-    assert len(data.trace) == 1 and data.prompts == [[7, 8, 9]] and data.skipped_without_output == 1
+    scored = {**rows[1], "arrival": 1.75, "prompt_len": 5, "cached_tokens": 0, "finish_reasons": ["length"]}
+    aborted = {**rows[1], "arrival": 2.0, "finish_reasons": ["abort"]}
+    data = read_request_log(_log(tmp_path, rows + [scored, aborted]))
+    assert len(data.trace) == 2 and data.prompts[0] == [7, 8, 9] and data.skipped_without_output == 2
     assert data.trace[0] == TraceRequest(prompt_len=3, output_len=4, n=2)
+    # echo with max_tokens 0 (no output): its prefill and the token sampled to score it
+    assert data.trace[1] == TraceRequest(prompt_len=5, output_len=1, arrival=10)
     s = data.summary()
-    assert (s["prompt_tokens"], s["output_tokens"], s["observed_cached_tokens"]) == (3, 5, 0)
+    assert (s["prompt_tokens"], s["output_tokens"], s["observed_cached_tokens"]) == (8, 5, 0)
 
 
 def test_output_lens_and_finish_reasons_count_the_completions(tmp_path) -> None:

@@ -61,6 +61,7 @@ def test_log_lines_match_what_the_client_sent_and_got(logged, tiny_engine_dir) -
         {"prompt": prompt, "max_tokens": 5, "n": 3, "temperature": 1.0, "seed": 1},  # its prompt is cached now
         {"prompt": [prompt[:20], other], "max_tokens": 4, "beam_width": 2, "use_beam_search": True},
         {"prompt": other, "max_tokens": 7, "temperature": 0.0},
+        {"prompt": list(range(140, 150)), "max_tokens": 0, "echo": True},  # scores its prompt: no output
     ]
     answers = []
     for body in bodies:
@@ -68,11 +69,11 @@ def test_log_lines_match_what_the_client_sent_and_got(logged, tiny_engine_dir) -
         assert status == 200, answer
         answers.append(answer)
     wait_idle(server)
-    lines = read_lines(path, 5)
+    lines = read_lines(path, 6)
     lines[2:4] = sorted(lines[2:4], key=lambda line: line["prompt_len"])  # one request's two prompts: either order
-    per_prompt = [(0, [0]), (1, [0, 1, 2]), (2, [0]), (2, [1]), (3, [0])]  # (request, its choices) for each line
-    expected_cached = [0, cached_prefix(54), cached_prefix(20), 0, cached_prefix(33)]
-    prompt_lens = [54, 54, 20, 33, 33]
+    per_prompt = [(0, [0]), (1, [0, 1, 2]), (2, [0]), (2, [1]), (3, [0]), (4, [0])]  # (request, its choices) a line
+    expected_cached = [0, cached_prefix(54), cached_prefix(20), 0, cached_prefix(33), 0]
+    prompt_lens = [54, 54, 20, 33, 33, 10]
     for line, (r, choices), cached, plen in zip(lines, per_prompt, expected_cached, prompt_lens):
         body, answer = bodies[r], answers[r]
         assert line["prompt_len"] == plen and "prompt_token_ids" not in line  # prompts are not logged by default
@@ -80,13 +81,16 @@ def test_log_lines_match_what_the_client_sent_and_got(logged, tiny_engine_dir) -
         assert line["finish_reasons"] == [answer["choices"][c]["finish_reason"] for c in choices]
         assert line["output_len"] == max(line["output_lens"]) and len(line["output_lens"]) == len(choices)
         assert line["cached_tokens"] == cached
-        assert 0 < line["ttft_s"] <= line["latency_s"] and line["step_time_s"] > 0
+        assert line["step_time_s"] > 0
         assert line["steps"] >= line["output_len"]  # a step per token at least (the last token's step included)
+        if body.get("max_tokens") != 0:
+            assert 0 < line["ttft_s"] <= line["latency_s"]
     for r, answer in enumerate(answers):  # usage sums the request's lines
         mine = [line for line, (i, _) in zip(lines, per_prompt) if i == r]
         assert answer["usage"]["prompt_tokens"] == sum(line["prompt_len"] for line in mine)
         assert answer["usage"]["completion_tokens"] == sum(sum(line["output_lens"]) for line in mine)
     assert lines[0]["output_lens"] == [6]  # ignore_eos: exactly max_tokens
+    assert lines[5]["output_lens"] == [0] and lines[5]["ttft_s"] is None  # echo, max_tokens 0: no token output
     assert all(a["arrival"] <= b["arrival"] for a, b in zip(lines, lines[1:]))  # sent one after another
 
     # `trtpaged diagnose` on that very log: the same requests and tokens, arrivals in seconds
@@ -94,13 +98,14 @@ def test_log_lines_match_what_the_client_sent_and_got(logged, tiny_engine_dir) -
     assert result.exit_code == 0, result.output
     report = json.loads(result.output[result.output.index("{"):])
     log = report["log"]
-    assert report["requests"] == log["requests"] == 5
+    assert report["requests"] == log["requests"] == 6  # the scored prompt replayed (as one token), not skipped
+    assert log["skipped_without_output"] == 0
     assert log["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in answers)
     assert log["output_tokens"] == sum(a["usage"]["completion_tokens"] for a in answers)
     assert log["arrival_unit"] == "seconds"
     assert log["step_time_s"] == statistics.median(line["step_time_s"] for line in lines)
     assert log["observed_cached_tokens"] == sum(expected_cached)
-    assert report["sharing"]["sequences"] == 1 + 3 + 2 + 2 + 1  # n samples and beam widths, as logged
+    assert report["sharing"]["sequences"] == 1 + 3 + 2 + 2 + 1 + 1  # n samples and beam widths, as logged
     text = CliRunner().invoke(main, ["diagnose", str(path), "--engine", str(tiny_engine_dir)])
     assert text.exit_code == 0 and "arrivals in seconds" in text.output
 

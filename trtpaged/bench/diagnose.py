@@ -23,10 +23,11 @@ with a decimal point), converted to steps with the measured step time (the media
 step_time_s, or `step_time`), counted from the first arrival and rounded up (a request arriving
 during a step joins the next); a prompt_len next to prompt_token_ids must be their count; its other
 fields are checked and read as observed figures; its requests that produced no token (refused, or aborted before
-one) are skipped and counted. A timed trace (Mooncake, Azure, BurstGPT: trtpaged.bench.timed_trace) is read as
-`bench memory` replays it; an Azure or BurstGPT trace gives no prompt content, so the sharing answer says that prefix
-sharing is unknown rather than that it would save nothing. A trtllm-bench dataset (trtpaged.bench.trtllm_dataset) is read with
-its prompts' real token ids (text through the engine's tokenizer), every request at step 0.
+one) are skipped and counted, and a prompt only scored (echo with max_tokens 0: no output) is replayed as one token.
+A timed trace (Mooncake, Azure, BurstGPT: trtpaged.bench.timed_trace) is read as `bench memory` replays it; an Azure
+or BurstGPT trace gives no prompt content, so the sharing answer says that prefix sharing is unknown rather than that
+it would save nothing. A trtllm-bench dataset (trtpaged.bench.trtllm_dataset) is read with its prompts' real token
+ids (text through the engine's tokenizer), every request at step 0.
 """
 
 from __future__ import annotations
@@ -138,8 +139,11 @@ def read_request_log(path: str | Path, tokenize: Optional[Callable[[str], list[i
             if data.get("step_time_s") is not None:
                 step_times.append(data["step_time_s"])
             if "finish_reasons" in data and type(data["output_len"]) is int and data["output_len"] == 0:
-                out.skipped_without_output += 1  # refused, or aborted before a token: nothing to replay
-                continue
+                if not data["finish_reasons"] or {"error", "abort"} & set(data["finish_reasons"]):
+                    out.skipped_without_output += 1  # refused, or aborted before a token: nothing to replay
+                    continue
+                # a prompt only scored (echo, max_tokens 0): its prefill and the one token sampled to score it
+                data = {**data, "output_len": 1}
             ids = _prompt_ids(data, given[0], tokenize, vocab_size)
             fields = {k: v for k, v in data.items() if k in TRACE_FIELDS and k != "arrival"}  # arrival: below
             req = TraceRequest(prompt_len=len(ids) if ids is not None else data["prompt_len"], **fields)

@@ -494,11 +494,14 @@ class EngineLoop:
         engine, params = self.engine, timing.params or SamplingParams()
         step_s = sum(engine.phase_seconds.values()) / engine.num_steps if engine.num_steps else None
         ttft = timing.first_token - timing.arrival if timing.first_token is not None else None
-        # every completion, those that made no token before an abort too (diagnose checks there are n)
+        # every completion, those that made no token before an abort too (diagnose checks there are n); a scored
+        # prompt's one sampled token is dropped, as in its answer and the metrics
         indices = sorted(set(range(params.n)) | set(timing.by_index))
+        made = {} if timing.scored_only else timing.by_index
+        reasons = {} if timing.scored_only else timing.reasons
         request_log.record_finished(timing.prompt, timing.cached_tokens,
-                                    output_lens=[timing.by_index.get(i, 0) for i in indices],
-                                    finish_reasons=[timing.reasons.get(i) or ended for i in indices],
+                                    output_lens=[made.get(i, 0) for i in indices],
+                                    finish_reasons=[reasons.get(i) or ended for i in indices],
                                     arrival_s=timing.arrival - request_log.started, ttft_s=ttft,
                                     latency_s=now - timing.arrival, n=params.n, beam_width=params.beam_width,
                                     steps=engine.num_steps - timing.step, step_time_s=step_s)  # fmt: skip
