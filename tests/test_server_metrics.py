@@ -88,6 +88,20 @@ def test_echo_with_max_tokens_0_generates_nothing(server, n):
     assert [c["finish_reason"] for c in answer["choices"]] == ["length"] * n
 
 
+def test_every_prompt_that_fails_in_the_same_step_is_counted(server):
+    """Two prompts of one request that both find no token to sample in their first step: the first failure ended
+    the request's other prompt, whose own end in that step was then never counted (1 error, 1 prompt's tokens)."""
+    before = metrics(server)
+    status, _, answer = request(server, "/v1/completions", {"model": MODEL, "prompt": [[5, 6, 7], [8, 9]],
+                                                           "max_tokens": 3, "allowed_token_ids": [0],
+                                                           "guided_choice": ["yes"]})  # fmt: skip
+    assert status == 400 and answer["error"]["param"] == "guided_choice"
+    after = wait_idle(server)
+    assert _delta(before, after, 'request_success_total{finished_reason="error"}') == 2
+    assert _delta(before, after, "prompt_tokens_total") == 5
+    assert _delta(before, after, "generation_tokens_total") == 0
+
+
 def test_vllm_load_gauges_carry_the_same_values_under_vllms_names(server):
     """What autoscalers and inference gateways scrape from vLLM (KEDA, the Gateway API inference extension):
     vllm:num_requests_running / _waiting and vllm:kv_cache_usage_perc (and its older name gpu_cache_usage_perc),

@@ -411,12 +411,15 @@ class EngineLoop:
             self._fail_all(EngineFailure(f"engine step failed ({type(exc).__name__}); see the server log"), "error")
             return
         now = time.monotonic()
-        delivered: list[tuple[Subscription, RequestOutput]] = []
-        for out in outputs:
-            sub = self._subs.get(out.request_id)
-            if sub is None:
-                continue
+        mine = [(sub, out) for out in outputs if (sub := self._subs.get(out.request_id)) is not None]
+        # every output is counted before any is failed: a failure ends its HTTP request's other engine requests, and
+        # one that finished in this same step (its output after the failed one's) went uncounted and unlogged
+        for _, out in mine:
             self._observe(out, now)
+        delivered: list[tuple[Subscription, RequestOutput]] = []
+        for sub, out in mine:
+            if self._subs.get(out.request_id) is not sub:
+                continue  # ended with a failure of another prompt of its HTTP request
             if out.error is not None:  # this request alone failed in the step; the others go on
                 self._fail_request(out.request_id, sub, out.error, out.error_field)
                 continue
