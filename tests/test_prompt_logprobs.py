@@ -112,8 +112,11 @@ def test_prefix_cache_hits_do_not_drop_prompt_logprobs(hf):
     plain = SamplingParams(max_tokens=2, temperature=0.0)
     first = run_staggered(engine, [(prompt, plain)])[0]
     assert first.num_cached_tokens == 0 and first.prompt_logprobs is None
+    queries = engine.stats()["prefix_cache_queries_tokens"]
     scored = run_staggered(engine, [(prompt, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=0))])[0]
     assert scored.num_cached_tokens == 0  # took no hits
+    # and was not looked up, so it is no query (vLLM's count): it lowered the hit rate /metrics shows
+    assert engine.stats()["prefix_cache_queries_tokens"] == queries
     check(scored.prompt_logprobs, prompt, reference, 0)
     again = run_staggered(engine, [(prompt, plain)])[0]
     assert again.num_cached_tokens == 64  # the cache still serves plain requests (4 full blocks of 16)

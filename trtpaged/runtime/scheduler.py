@@ -605,7 +605,7 @@ class Scheduler:
     def _commit(self, group: SequenceGroup, plan: AllocationPlan, sample: bool, budget: list[int],
                 out: SchedulerOutput, drafts: Optional[Mapping[int, Proposal]] = None) -> None:  # fmt: skip
         for seq, _, _ in plan.requests:
-            if seq.seq_id not in self.kv.tables:
+            if seq.seq_id not in self.kv.tables and not group.scores_prompt:  # a scoring prompt is not looked up
                 self.kv.note_prefix_query(seq)
         if group.num_cached_tokens is None:  # first scheduled: the prompt tokens the prefix cache held
             group.times["scheduled"] = time.monotonic()
