@@ -173,8 +173,9 @@ def _not_empty(value, param):
               help="vLLM's: a chat request's own chat_template renders its conversation (else such requests are "
                    "refused); only for clients trusted to run template code (sandboxed, time-limited).")
 @click.option("--request-log", type=OutputFile(), default=None,
-              help="Append one JSON line per finished request to this file (arrival s, lengths, n, beam width, prefix "
-                   "hits, finish reasons, latencies, step time): what `trtpaged diagnose` reads.")
+              help="Append one JSON line per request that ended (finished or aborted) to this file (arrival s, "
+                   "lengths, n, beam width, prefix hits, finish reasons, latencies, step time): what `trtpaged "
+                   "diagnose` reads.")
 @click.option("--request-log-prompts", is_flag=True,
               help="With --request-log: also log each prompt's token ids (off by default: prompts may be private).")
 @click.option("--stream-interval", type=click.IntRange(min=1), default=1, show_default=True,

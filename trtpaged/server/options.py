@@ -30,7 +30,7 @@ class ServerOptions:
     `max_waiting` bounds the engine's waiting queue (beyond it: 503 with Retry-After); None: no bound.
     `request_timeout_s` aborts a request that runs longer (504); `body_timeout_s` ends a request whose
     body arrives slower (408). `shutdown_timeout_s` is how long shutdown lets requests in flight finish.
-    `request_log`: a JSON Lines file that gets one line per finished request (appended; see
+    `request_log`: a JSON Lines file that gets one line per request that ended, finished or aborted (appended; see
     `trtpaged.server.request_log`); `request_log_prompts` adds the prompt token ids to each line.
     `stream_interval`: tokens per streamed chunk (a stream's first token and its end go at once): fewer,
     longer chunks cost the server's event loop and the clients less CPU per token; 1 (default): one per token.
