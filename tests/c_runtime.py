@@ -111,6 +111,7 @@ def load(build_dir: Path) -> ctypes.CDLL:
                        "trtpaged_runtime_step": [P, P, P, ctypes.c_size_t], "trtpaged_request_add": [P, P, I32, P, P],
                        "trtpaged_runtime_run_step": [P, P], "trtpaged_request_read": [P, I64, P, I32, P, P],
                        "trtpaged_request_abort": [P, I64], "trtpaged_runtime_get_stats": [P, P],
+                       "trtpaged_runtime_get_counter": [P, ctypes.c_char_p, P],
                        "trtpaged_runtime_copy_blocks": [P, P, I32]}.items():
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = ctypes.c_int
@@ -180,6 +181,13 @@ class CRuntime:
         st = Stats()
         check(self.lib, self.lib.trtpaged_runtime_get_stats(self.handle, ctypes.byref(st)))
         return st
+
+    def counter(self, name: str | bytes) -> int:
+        """trtpaged_runtime_get_counter: one counter by name."""
+        value = ctypes.c_int64(-1)
+        check(self.lib, self.lib.trtpaged_runtime_get_counter(self.handle, name if isinstance(name, bytes) else
+                                                              name.encode(), ctypes.byref(value)))  # fmt: skip
+        return value.value
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
         """Adds every prompt, steps until all finish; the token ids of each."""

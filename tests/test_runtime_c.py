@@ -92,6 +92,13 @@ def test_c_api_requests_match_python_tiny(lib, tiny_engine_dir):
         st = rt.stats()
         assert st.num_preemptions >= 1 and st.num_running == st.num_waiting == 0
         assert st.kv_blocks_used == 0  # every block back in the pool (cached ones stay findable)
+        # the counters by name: each stats field's value, the reclaimed blocks (no window here: none)
+        assert {name: rt.counter(name) for name, _ in st._fields_} == {name: getattr(st, name) for name, _ in
+                                                                        st._fields_}  # fmt: skip
+        assert rt.counter("kv_blocks_reclaimed") == 0
+        for name in (b"kv_blocks_reclaimedX", b"", b"x" * 100):
+            with pytest.raises(CError, match="name: got '.*'; expected one of kv_blocks_free, kv_blocks_reclaimed"):
+                rt.counter(name)
 
 
 def test_abort_and_stop_tokens(lib, tiny_engine_dir):
@@ -384,10 +391,11 @@ def test_windowed_engine_reclaims_blocks_and_runs_a_request_longer_than_the_pool
     want, py_used, py_stats = python_run_staggered(engine, [(0, prompt)], 40, **options)
     with CRuntime(lib, engine, **options) as rt:
         got, used = c_run_staggered(rt, [(0, prompt)], 40)
-        st = rt.stats()
+        st, reclaimed = rt.stats(), rt.counter("kv_blocks_reclaimed")
     assert got == want == [hf_greedy(hf, prompt, 40, None)]
     assert used == py_used and max(used) <= 6 and st.kv_blocks_used == 0 and st.num_preemptions == 0
-    assert py_stats["kv_blocks_reclaimed"] >= (70 + 40 - 12) // 8 - 1 and py_stats["num_preemptions"] == 0
+    assert reclaimed == py_stats["kv_blocks_reclaimed"] >= (70 + 40 - 12) // 8 - 1
+    assert py_stats["num_preemptions"] == 0
     with CRuntime(lib, engine, **{**options, "num_kv_blocks": 5}) as rt:
         with pytest.raises(CError, match="more than the whole pool"):
             rt.add(prompt, 40)
@@ -408,11 +416,12 @@ def test_windowed_engine_reclaims_around_a_shared_prefix(lib, window_engines):
     want, py_used, py_stats = python_run_staggered(engine, arrivals, 40, **options)
     with CRuntime(lib, engine, **options) as rt:
         got, used = c_run_staggered(rt, arrivals, 40)
-        st = rt.stats()
+        st, reclaimed = rt.stats(), rt.counter("kv_blocks_reclaimed")
     assert got == want == [hf_greedy(hf, p, 40, None) for p in prompts]
     assert used == py_used and st.kv_blocks_used == 0
     assert st.prefix_cache_hits_tokens == py_stats["prefix_cache_hits_tokens"] == 40
-    assert st.num_preemptions == py_stats["num_preemptions"] and py_stats["kv_blocks_reclaimed"] > 0
+    assert st.num_preemptions == py_stats["num_preemptions"]
+    assert reclaimed == py_stats["kv_blocks_reclaimed"] > 0
 
 
 def test_windowed_prefix_hits_before_the_window_are_holes_as_in_python(lib, window_engines):
@@ -468,11 +477,12 @@ def test_engine_with_a_global_layer_keeps_every_block(lib, window_engines):
     want, py_used, py_stats = python_run_staggered(engine, [(0, prompt)], 40, **options)
     with CRuntime(lib, engine, **options) as rt:
         got, used = c_run_staggered(rt, [(0, prompt)], 40)
+        reclaimed = rt.counter("kv_blocks_reclaimed")
     assert got == want == [hf_greedy(hf, prompt, 40, None)]
     # after step k, min(16 k, 30) prompt tokens computed, then one more each step; the last token is never computed
     computed = [min(16 * (k + 1), 30) if k < 2 else 30 + k - 1 for k in range(len(used))]
     assert used[:-1] == py_used[:-1] == [(n + 7) // 8 for n in computed[:-1]] and used[-1] == py_used[-1] == 0
-    assert py_stats["kv_blocks_reclaimed"] == 0
+    assert reclaimed == py_stats["kv_blocks_reclaimed"] == 0
 
 
 def test_json_nested_past_the_limit_is_refused_not_a_stack_overflow(lib, tiny_engine_dir, tmp_path):

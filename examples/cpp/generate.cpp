@@ -144,11 +144,15 @@ int main(int argc, char** argv) {
   }
   if (stats && rc == 0) {
     trtpaged_runtime_stats st;
-    if (trtpaged_runtime_get_stats(rt, &st) != TRTPAGED_OK) rc = fail("stats");
+    int64_t reclaimed = 0;
+    if (trtpaged_runtime_get_stats(rt, &st) != TRTPAGED_OK ||
+        trtpaged_runtime_get_counter(rt, "kv_blocks_reclaimed", &reclaimed) != TRTPAGED_OK)
+      rc = fail("stats");
     else
-      std::printf("stats: steps %lld tokens %lld preemptions %lld prefix_hits_tokens %lld blocks_used %lld\n",
+      std::printf("stats: steps %lld tokens %lld preemptions %lld prefix_hits_tokens %lld blocks_used %lld "
+                  "blocks_reclaimed %lld\n",
                   (long long)st.num_steps, (long long)st.num_tokens_computed, (long long)st.num_preemptions,
-                  (long long)st.prefix_cache_hits_tokens, (long long)st.kv_blocks_used);
+                  (long long)st.prefix_cache_hits_tokens, (long long)st.kv_blocks_used, (long long)reclaimed);
   }
   trtpaged_runtime_close(rt);
   return rc;

@@ -175,6 +175,12 @@ typedef struct trtpaged_runtime_stats {
 } trtpaged_runtime_stats;
 
 TRTPAGED_API trtpaged_status trtpaged_runtime_get_stats(const trtpaged_runtime* runtime, trtpaged_runtime_stats* out);
+/* One counter by name, for counters added after trtpaged_runtime_stats (whose size is fixed, so that a program
+ * built against an older header stays safe): each field of trtpaged_runtime_stats by its name, and
+ * "kv_blocks_reclaimed" (blocks a sliding-window engine gave back to the pool before their request ended: wholly
+ * before every layer's window; 0 where a layer is global). An unknown name is INVALID_ARGUMENT naming it. */
+TRTPAGED_API trtpaged_status trtpaged_runtime_get_counter(const trtpaged_runtime* runtime, const char* name,
+                                                          int64_t* value);
 
 #ifdef __cplusplus
 }

@@ -71,6 +71,21 @@ void need(const void* p, const char* name) {
   if (!p) invalid(std::string(name) + ": null pointer");
 }
 
+// The scheduler and pool counters by name: trtpaged_runtime_stats's fields and those added after it
+// (trtpaged_runtime_get_counter).
+std::map<std::string, int64_t> counters_of(const trtpaged_runtime& rt) {
+  const int64_t free_blocks = rt.scheduler->pool().num_free();
+  return {{"num_waiting", rt.scheduler->num_waiting()},
+          {"num_running", rt.scheduler->num_running()},
+          {"num_steps", rt.num_steps},
+          {"num_tokens_computed", rt.num_tokens_computed},
+          {"num_preemptions", rt.scheduler->num_preemptions()},
+          {"kv_blocks_free", free_blocks},
+          {"kv_blocks_used", rt.num_kv_blocks - free_blocks},
+          {"prefix_cache_hits_tokens", rt.scheduler->prefix_hits_tokens()},
+          {"kv_blocks_reclaimed", rt.scheduler->num_reclaimed()}};
+}
+
 // Holds the handle for one call (`guarded_on`). The contract is one thread at a time per handle; a call
 // that overlaps another's is refused instead of racing on the scheduler and the pool.
 class OneCall {
@@ -549,14 +564,33 @@ TRTPAGED_API trtpaged_status trtpaged_runtime_get_stats(const trtpaged_runtime* 
   return guarded_on(rt, [&] {
     need(out, "out");
     *out = trtpaged_runtime_stats{};
-    out->num_waiting = rt->scheduler->num_waiting();
-    out->num_running = rt->scheduler->num_running();
-    out->num_steps = rt->num_steps;
-    out->num_tokens_computed = rt->num_tokens_computed;
-    out->num_preemptions = rt->scheduler->num_preemptions();
-    out->kv_blocks_free = rt->scheduler->pool().num_free();
-    out->kv_blocks_used = rt->num_kv_blocks - rt->scheduler->pool().num_free();
-    out->prefix_cache_hits_tokens = rt->scheduler->prefix_hits_tokens();
+    const auto c = counters_of(*rt);
+    out->num_waiting = int32_t(c.at("num_waiting"));
+    out->num_running = int32_t(c.at("num_running"));
+    out->num_steps = c.at("num_steps");
+    out->num_tokens_computed = c.at("num_tokens_computed");
+    out->num_preemptions = c.at("num_preemptions");
+    out->kv_blocks_free = c.at("kv_blocks_free");
+    out->kv_blocks_used = c.at("kv_blocks_used");
+    out->prefix_cache_hits_tokens = c.at("prefix_cache_hits_tokens");
+  });
+}
+
+TRTPAGED_API trtpaged_status trtpaged_runtime_get_counter(const trtpaged_runtime* rt, const char* name,
+                                                          int64_t* value) {
+  return guarded_on(rt, [&] {
+    need(name, "name");
+    need(value, "value");
+    const std::map<std::string, int64_t> counters = counters_of(*rt);
+    const std::string key(name, strnlen(name, 64));
+    auto it = counters.find(key);
+    if (it == counters.end()) {
+      std::string known;
+      for (const auto& [k, v] : counters) known += (known.empty() ? "" : ", ") + k;
+      invalid("name: got '" + key.substr(0, 40) + (key.size() > 40 || name[key.size()] ? "...'" : "'") +
+              "; expected one of " + known);
+    }
+    *value = it->second;
   });
 }
 

@@ -434,6 +434,7 @@ void Scheduler::reclaim(Request* r) {
     blocks.push_back(table[size_t(j)]);
     table[size_t(j)] = nullptr;
   }
+  num_reclaimed_ += int64_t(blocks.size());
   pool_.free(blocks);
 }
 

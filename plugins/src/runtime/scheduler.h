@@ -123,6 +123,7 @@ class Scheduler {
   int32_t num_running() const { return int32_t(running_.size()); }
   int64_t num_preemptions() const { return num_preemptions_; }
   int64_t prefix_hits_tokens() const { return prefix_hits_tokens_; }
+  int64_t num_reclaimed() const { return num_reclaimed_; }
   const BlockPool& pool() const { return pool_; }
   // Before the step API writes the pool (no request unfinished): cached prefixes may not survive it.
   void forget_cached_prefixes() { pool_.forget_cached(); }
@@ -163,7 +164,7 @@ class Scheduler {
   // nullptr: a block returned by reclaim (only ever a leading run of the table)
   std::unordered_map<const Request*, std::vector<Block*>> tables_;
   std::unordered_map<const Request*, std::vector<uint64_t>> hashes_;
-  int64_t num_preemptions_ = 0, prefix_hits_tokens_ = 0;
+  int64_t num_preemptions_ = 0, prefix_hits_tokens_ = 0, num_reclaimed_ = 0;
 };
 
 }  // namespace trtpaged::rt
