@@ -27,7 +27,7 @@ from tests.test_families import BASE as FAMILY_DIMS, FAMILIES
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def _dq_graph(codes: onnx.TensorProto, scale: onnx.TensorProto, *, axis: int, block_size: int = 0,
+def _dq_graph(codes: onnx.TensorProto, scale: onnx.TensorProto, *, axis: Optional[int], block_size: int = 0,
               via_gather: bool = False, cast: bool = False, zero_point: onnx.TensorProto | None = None,
               k: int = 128, n: int = 64) -> onnx.ModelProto:
     """x [T, K] @ DequantizeLinear(codes) [K, N] (or a variant that breaks one rule)."""
@@ -41,7 +41,7 @@ def _dq_graph(codes: onnx.TensorProto, scale: onnx.TensorProto, *, axis: int, bl
     if zero_point is not None:
         inits.append(zero_point)
         dq_inputs.append(zero_point.name)
-    attrs = {"axis": axis, **({"block_size": block_size} if block_size else {})}
+    attrs = {**({} if axis is None else {"axis": axis}), **({"block_size": block_size} if block_size else {})}
     nodes.append(helper.make_node("DequantizeLinear", dq_inputs, ["w"], name="dq", **attrs))
     weight = "w"
     if cast:
@@ -108,6 +108,15 @@ def test_each_rule_rejects_the_pattern_that_breaks_it(case, rule):
     }
     assert rule in RULES and RULES[rule].source
     assert rule in _rules(graphs[case]())
+
+
+def test_per_channel_dequantize_names_its_axis():
+    """Without an axis, ONNX (and onnx.reference at verification) scales along axis 1 and TensorRT's parser along
+    axis 0: a square int8 weight would parse and be de-quantized along the other axis (was: accepted)."""
+    square = _dq_graph(_int8(64, 64), _scale([64]), axis=None, k=64, n=64)
+    assert _rules(square) == {"dq-axis"}
+    assert _rules(_dq_graph(_int8(64, 64), _scale([64]), axis=1, k=64, n=64)) == set()
+    assert _rules(_dq_graph(_int8(64, 64), _scale([]), axis=None, k=64, n=64)) == set()  # per tensor: no axis used
 
 
 def test_plugin_nodes_need_their_registered_creator_and_fields():
