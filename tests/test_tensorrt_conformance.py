@@ -86,6 +86,7 @@ def test_conforming_weight_only_patterns_pass():
     ("dq after gather", "dq-constant-root"),
     ("cast before matmul", "dq-feeds-matmul"),
     ("nonzero zero point", "dq-zero-point"),
+    ("zero point of another volume", "dq-zero-point"),
     ("negative scale", "dq-scale"),
     ("int32 scale", "dq-scale"),
     ("wrong per-channel count", "dq-scale-shape"),
@@ -101,6 +102,8 @@ def test_each_rule_rejects_the_pattern_that_breaks_it(case, rule):
         "cast before matmul": lambda: _dq_graph(_int8(), _scale([64]), axis=1, cast=True),
         "nonzero zero point": lambda: _dq_graph(_int8(), _scale([64]), axis=1,
                                                 zero_point=numpy_helper.from_array(np.full(64, 3, np.int8), "zp")),
+        "zero point of another volume": lambda: _dq_graph(
+            _int8(), _scale([64]), axis=1, zero_point=numpy_helper.from_array(np.zeros(1, np.int8), "zp")),
         "negative scale": lambda: _dq_graph(_int8(), _scale([64], value=-0.5), axis=1),
         "int32 scale": lambda: _dq_graph(_int8(), numpy_helper.from_array(np.ones(64, np.int32), "scale"), axis=1),
         "wrong per-channel count": lambda: _dq_graph(_int8(), _scale([32]), axis=1),

@@ -50,9 +50,11 @@ RULES = {r.id: r for r in (
     Rule("dq-input-dtype", "DequantizeLinear's input is INT8, INT4 or FP8 (not UINT8/UINT4)",
          f"{_PARSER} docs/operators.md DequantizeLinear row; onnxOpImporters.cpp QuantDequantLinearHelper "
          "(line 1346: notInvalidType UINT8; 'TensorRT only allows FP8, INT8, and INT4 quantization')"),
-    Rule("dq-zero-point", "DequantizeLinear has no zero point, or an all-zero one (symmetric only)",
+    Rule("dq-zero-point", "DequantizeLinear has no zero point, or an all-zero one (symmetric only) with as many "
+         "values as the scale",
          f"{_PARSER} docs/operators.md DequantizeLinear row ('x_zero_point must be zero'); "
-         "QuantDequantLinearHelper ('TensorRT only supports symmetric quantization')"),
+         "QuantDequantLinearHelper ('TensorRT only supports symmetric quantization'; line 1507: 'The scale and zero "
+         "point must have the same volume')"),
     Rule("dq-scale", "the scale is a positive FP32/FP16/BF16 constant",
          f"{_PARSER} QuantDequantLinearHelper ('Scale coefficients must all be positive'; the DQ output type is the "
          "scale's type)"),
@@ -309,6 +311,9 @@ def _check_dequantize(node: onnx.NodeProto, g: _Graph, where: str) -> Iterable[V
         zero = g.values(node.input[2])
         if zero is None or np.any(zero.astype(np.float64) != 0):
             yield Violation("dq-zero-point", where, f"zero point {node.input[2]} is not all zeros")
+        elif s_shape is not None and zero.size != int(np.prod(s_shape)):
+            yield Violation("dq-zero-point", where, f"zero point {node.input[2]} has {zero.size} values, the scale "
+                                                    f"{int(np.prod(s_shape))}")
     if x not in g.initializers:
         yield Violation("dq-constant-root", where, f"input {x} is computed in the graph, not a constant")
     if scale not in g.initializers:
