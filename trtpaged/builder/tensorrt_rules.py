@@ -63,9 +63,11 @@ RULES = {r.id: r for r in (
          f"{_PARSER} QuantDequantLinearHelper (scale rank checks: 'number of scales is not equal to the number of "
          "output channels', 'Only a single blocking dimension is allowed', 'Invalid rank for the scale tensor')"),
     Rule("dq-axis", "a DequantizeLinear with more than one scale names its axis: absent, ONNX reads axis 1 (what "
-         "onnx.reference verifies) and TensorRT's parser axis 0 (the input's rank, then 0 for per-channel scales)",
+         "onnx.reference verifies), the 10.1 parser axis 0 (the input's rank, then 0 for per-channel scales) and "
+         "later parsers axis 1, so the same graph de-quantizes along different axes by TensorRT version",
          f"{_PARSER} onnxOpImporters.cpp QuantDequantLinearHelper (line 1521: attrs.get(\"axis\", "
-         "inputDims.nbDims); line 1529: 'if (axis == inputDims.nbDims) axis = 0')"),
+         "inputDims.nbDims); line 1529: 'if (axis == inputDims.nbDims) axis = 0'); the later parser's "
+         "QuantDequantLinearHelper: attrs.get(\"axis\", 1)"),
     Rule("dq-block-dtype", "block quantization (a scale of the input's rank) is for INT4 (and FP8/FP4) only; "
          "INT8 is per-tensor or per-channel with a 1-D scale",
          "NVIDIA, Working with Quantized Types (block quantization: INT4/FP8/FP4), as summarized in issue 20 item 3"),
@@ -344,7 +346,7 @@ def _check_scale_shape(node: onnx.NodeProto, x_type: Optional[int], x_shape: Opt
         return
     if _attr(node, "axis") is None:
         yield Violation("dq-axis", where, f"scale {s_shape} without an axis attribute: ONNX de-quantizes along axis 1, "
-                                          "TensorRT along axis 0")
+                                          "TensorRT 10.1's parser along axis 0")
         return
     axis = int(_attr(node, "axis"))
     axis = axis + len(x_shape) if axis < 0 else axis
