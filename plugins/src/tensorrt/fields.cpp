@@ -62,8 +62,8 @@ double read_float(PluginField const& field) {
   }
 }
 
-// A kCHAR field as a string (TensorRT's ONNX parser gives the characters without the terminator;
-// a trailing NUL is dropped if a producer counted it).
+// A kCHAR field as a string. TensorRT's ONNX parser counts the terminating NUL in the length (onnxOpImporters.cpp
+// copyField for a STRING attribute appends '\0'); getFieldsToSerialize does not: trailing NULs are dropped.
 std::string read_string(PluginField const& field) {
   if (field.type != PluginFieldType::kCHAR) throw field_error(field.name, "expected a string (char) field");
   if (field.data == nullptr || field.length < 0) throw field_error(field.name, "expected a string");
