@@ -49,12 +49,14 @@ struct Fields {
     fields[n++] = PluginField("layer", &layer, PluginFieldType::kINT32, 1);
     fields[n++] = PluginField("scale", &scale, PluginFieldType::kFLOAT32, 1);
     if (workspace_bytes >= 0) fields[n++] = PluginField("workspace_bytes", &workspace_bytes, PluginFieldType::kINT64, 1);
-    if (!kv_cache_dtype.empty()) {  // as TensorRT's ONNX parser passes a string attribute: no terminator counted
-      fields[n++] = PluginField(kv_cache_dtype_name, kv_cache_dtype.data(), PluginFieldType::kCHAR,
-                                static_cast<int32_t>(kv_cache_dtype.size()));
+    // as TensorRT's ONNX parser passes a string attribute: terminating NUL counted (onnxOpImporters.cpp copyField)
+    if (!kv_cache_dtype.empty()) {
+      fields[n++] = PluginField(kv_cache_dtype_name, kv_cache_dtype.c_str(), PluginFieldType::kCHAR,
+                                static_cast<int32_t>(kv_cache_dtype.size() + 1));
     }
     if (!kv_pool.empty()) {
-      fields[n++] = PluginField("kv_pool", kv_pool.data(), PluginFieldType::kCHAR, static_cast<int32_t>(kv_pool.size()));
+      fields[n++] =
+          PluginField("kv_pool", kv_pool.c_str(), PluginFieldType::kCHAR, static_cast<int32_t>(kv_pool.size() + 1));
     }
     if (num_layers >= 0) fields[n++] = PluginField("num_layers", &num_layers, PluginFieldType::kINT32, 1);
     fc.nbFields = n;
