@@ -14,7 +14,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "trtpaged"
 CONTRACT = ("trtpaged.manifest", "trtpaged.kv_formats", "trtpaged.kv_budget", "trtpaged.memory_plan",
-            "trtpaged.step_io", "trtpaged.tensorrt_env", "trtpaged.names")
+            "trtpaged.step_io", "trtpaged.tensorrt_env", "trtpaged.names", "trtpaged.kv_quant",
+            "trtpaged.sampling_defaults", "trtpaged.json_input")  # docs/architecture.md's contract layer
 # layer -> packages its modules must not import
 FORBIDDEN = {
     "trtpaged.runtime": ("trtpaged.builder",),

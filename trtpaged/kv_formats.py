@@ -1,6 +1,7 @@
-"""The KV cache formats, one row per `kv_cache_dtype`: the one table manifest, kernels, codec,
-benchmarks and the compile stage read (the plugin's `kv_cache_dtype` field spells the quantized names the
-same way, plugins/src/tensorrt/fields.cpp).
+"""The KV cache formats, one row per `kv_cache_dtype`: the one table manifest, config, kernels, codec, runners,
+benchmarks and the build read (the plugin's `kv_cache_dtype` field spells the quantized names the same way,
+plugins/src/tensorrt/fields.cpp; the compile stage keeps its own list of the formats TensorRT engines take,
+`builder.compile.TENSORRT_KV_CACHE_DTYPES`).
 
 A float format stores head_dim values per token row of one head; a quantized one stores head_dim
 one-byte codes followed by the row's fp16 scale (`trtpaged.kv_quant`).
