@@ -548,3 +548,83 @@ def test_a_number_given_as_text_is_one_error_naming_the_field_as_a_number(field)
     assert caught.value.param == field
     assert str(caught.value) == f"{field}: Input should be a valid number, got '0.5'"
     assert validated(CompletionRequest, {"prompt": "x", field: 1}).model_dump()[field] == 1.0
+
+
+def _unread_answer(server, body: dict, small_buffer: bool = True) -> socket.socket:
+    """A connection that asked for `body` and reads nothing yet (a small receive buffer: the server keeps the rest)."""
+    sock = socket.socket()
+    if small_buffer:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((server.host, server.port))
+    raw = J(body)
+    sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAuthorization: Bearer %s\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (b"/v1/chat/completions", KEY.encode(), len(raw), raw))
+    return sock
+
+
+def _closed_by_server(sock: socket.socket, timeout: float) -> tuple[bool, int]:
+    """(whether the server ended the connection within `timeout`, bytes read), reading all the while."""
+    deadline, got = time.monotonic() + timeout, 0
+    sock.settimeout(0.2)
+    while time.monotonic() < deadline:
+        try:
+            chunk = sock.recv(1 << 20)
+        except socket.timeout:
+            continue
+        except (ConnectionResetError, BrokenPipeError):
+            return True, got
+        if not chunk:
+            return True, got
+        got += len(chunk)
+    return False, got
+
+
+def test_a_client_that_never_reads_its_answer_is_cut_and_one_that_reads_slowly_is_not(server, monkeypatch):
+    """An answer (600 KB: 490 tokens with 20 top log-probs each) that its client never reads waited in the server's
+    memory for as long as the connection stayed open (60 such clients held 590 MB); a close waited for it too. Now
+    a connection whose unsent answer has not shrunk for the send timeout is aborted, a whole body or a stream, and
+    the server answers the next; a client that reads slowly but steadily gets its whole answer."""
+    from trtpaged.server import http_protocol
+
+    monkeypatch.setattr(http_protocol, "SEND_TIMEOUT_S", 1.0)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 490, "ignore_eos": True, "logprobs": True,
+            "top_logprobs": 20}  # fmt: skip
+    connections = server.server.server_state.connections
+    # the connections it accepts get a small send buffer: what the client does not read stays with the server
+    # (the kernel's autotuned buffers held the whole answer)
+    server._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 << 10)
+    try:
+        _unread_answers_are_cut(server, body, connections)
+    finally:
+        server._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+    assert post(server, J({"prompt": "alive", "max_tokens": 2}))[0] == 200
+    wait_idle(server)
+
+
+def _unread_answers_are_cut(server, body: dict, connections) -> None:
+    for streamed in (False, True):
+        sock = _unread_answer(server, {**body, "stream": streamed})
+        try:
+            deadline = time.monotonic() + 30
+            while not any(c.flow.write_paused for c in list(connections)):  # its answer waits on the client
+                assert time.monotonic() < deadline, "the answer never filled the connection"
+                time.sleep(0.05)
+            time.sleep(3.0)  # three send timeouts of no reading
+            cut, got = _closed_by_server(sock, 0.5)  # what reaches the small buffer meanwhile is no progress
+            assert cut, f"the server kept the unread answer (stream: {streamed}); the client got {got} bytes"
+        finally:
+            sock.close()
+    sock = _unread_answer(server, body, small_buffer=False)
+    try:
+        got = b""
+        sock.settimeout(10)
+        while b"\r\n\r\n" not in got or len(got) < got.index(b"\r\n\r\n") + 4 + int(
+                got.split(b"content-length: ")[1].split(b"\r\n")[0]):  # fmt: skip
+            time.sleep(0.2)  # 64 KB every 0.2 s: the answer's unsent part shrinks within every send timeout
+            chunk = sock.recv(64 << 10)
+            assert chunk, f"the server cut a client that reads, after {len(got)} bytes"
+            got += chunk
+        got = len(got)
+        assert got > 500_000, got
+    finally:
+        sock.close()

@@ -7,6 +7,13 @@ head larger than `MAX_HEAD_BYTES` is answered 431, one with more than `MAX_HEADE
 complete within `HEAD_TIMEOUT_S` of the connection opening (or of its previous answer's end) is answered 408
 (a connection that sent nothing is just closed); each closes the connection. Bodies keep their own bounds
 (`ServerOptions.max_body_bytes`, `body_timeout_s`).
+
+An answer has a clock too. The transport keeps in memory whatever the client has not read yet (a whole body, or
+a stream's chunks up to the transport's high-water mark), and uvicorn waits without a clock for the client to read:
+60 connections that asked for 8 chat choices with 20 top log-probs each and read nothing held 590 MB for as long
+as they stayed open (closing them does not end it: a close waits for the unsent bytes). Here a connection whose
+unsent answer has not shrunk for `SEND_TIMEOUT_S` is aborted, which frees it (and ends a stream's request), as
+nginx's `send_timeout` does; a client that reads, however slowly, is not cut.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 MAX_HEAD_BYTES = 1 << 20  # bytes received while a head is incomplete (a read may hold some body bytes too)
 MAX_HEADERS = 256
 HEAD_TIMEOUT_S = 30.0
+SEND_TIMEOUT_S = 60.0  # seconds an answer's unsent bytes may wait without the client taking any
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
 
@@ -41,6 +49,8 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         self._num_headers = 0
         self._head_timer: Optional[asyncio.TimerHandle] = None
         self._refusal: Optional[_HeadRefused] = None  # raised in a parser callback, answered by send_400_response
+        self._send_timer: Optional[asyncio.TimerHandle] = None  # armed while writing is paused
+        self._unsent = 0  # the transport's buffered bytes when the send timer was last armed
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -48,7 +58,33 @@ class BoundedHeadProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Optional[Exception]) -> None:
         self._stop_head_timer()
+        self._stop_send_timer()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._arm_send_timer()
+
+    def resume_writing(self) -> None:
+        self._stop_send_timer()
+        super().resume_writing()
+
+    def _arm_send_timer(self) -> None:
+        self._stop_send_timer()
+        self._unsent = self.transport.get_write_buffer_size()
+        self._send_timer = self.loop.call_later(SEND_TIMEOUT_S, self._send_timed_out)
+
+    def _stop_send_timer(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _send_timed_out(self) -> None:
+        self._send_timer = None
+        if self.transport.get_write_buffer_size() < self._unsent:  # the client took some: it gets another period
+            self._arm_send_timer()
+        else:  # a close would wait for the unsent bytes: abort drops them
+            self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
         if self._in_head:
