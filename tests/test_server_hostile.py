@@ -628,3 +628,25 @@ def _unread_answers_are_cut(server, body: dict, connections) -> None:
         assert got > 500_000, got
     finally:
         sock.close()
+
+
+@pytest.mark.parametrize("method, path", [("GET", "/health"), ("POST", "/v1/completions")])
+def test_the_rest_of_a_body_answered_before_it_was_read_has_the_heads_time(server, monkeypatch, method, path):
+    """A body answered before it was read (a route that takes none; a request without its API key: 401) is dropped
+    by uvicorn as it comes, and each byte of it cancelled uvicorn's keep-alive timer: one byte after the answer held
+    the connection (and its descriptor) for ever. Now its rest must come within the head timeout of the answer."""
+    from trtpaged.server import http_protocol
+
+    monkeypatch.setattr(http_protocol, "HEAD_TIMEOUT_S", 0.5)
+    sock = socket.create_connection((server.host, server.port), timeout=10)
+    try:
+        sock.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: 1000000\r\n\r\n{{".encode())  # fmt: skip
+        answer = sock.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 200 " if method == "GET" else b"HTTP/1.1 401 "), answer
+        sock.sendall(b" ")  # one more byte of the body, then nothing
+        start = time.monotonic()
+        closed, _ = _closed_by_server(sock, 5.0)
+        assert closed and time.monotonic() - start < 3, "the connection stayed open"
+    finally:
+        sock.close()

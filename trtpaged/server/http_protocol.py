@@ -6,7 +6,9 @@ nothing at all held its socket for as long as it liked, and enough of those take
 head larger than `MAX_HEAD_BYTES` is answered 431, one with more than `MAX_HEADERS` headers too, and a head not
 complete within `HEAD_TIMEOUT_S` of the connection opening (or of its previous answer's end) is answered 408
 (a connection that sent nothing is just closed); each closes the connection. Bodies keep their own bounds
-(`ServerOptions.max_body_bytes`, `body_timeout_s`).
+(`ServerOptions.max_body_bytes`, `body_timeout_s`), but one answered before it was read (a 401, a route that takes
+none) is dropped by uvicorn as it comes: the connection is closed unless its rest arrives within `HEAD_TIMEOUT_S`
+of the answer.
 
 An answer has a clock too. The transport keeps in memory whatever the client has not read yet (a whole body, or
 a stream's chunks up to the transport's high-water mark), and uvicorn waits without a clock for the client to read:
@@ -120,8 +122,20 @@ class BoundedHeadProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if self._in_head and self._answered():  # once the answer is out (a stream may run for minutes), and no
-            self._start_head()  # pipelined request that uvicorn has just begun answering is running
+        if not self._answered():  # a pipelined request that uvicorn has just begun answering is running
+            return
+        if self._in_head:  # once the answer is out (a stream may run for minutes)
+            self._start_head()
+        elif self._head_timer is None:  # answered before its body was read (a 401, GET /health with a body): the
+            # rest of the body, which uvicorn drops, must come within the head's time (every byte of it cancels
+            # uvicorn's keep-alive timer, which the next answer alone would set again: one byte held the
+            # connection for ever)
+            self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._body_timed_out)
+
+    def _body_timed_out(self) -> None:
+        self._head_timer = None
+        if not self._in_head and not self.transport.is_closing():  # its answer is out: nothing left to say
+            self.transport.close()
 
     def _answered(self) -> bool:
         """Whether no request of this connection is being answered."""
