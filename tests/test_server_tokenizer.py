@@ -20,7 +20,7 @@ from trtpaged.server.engine_loop import Overloaded, ShuttingDown
 from trtpaged.server.options import ServerOptions
 from trtpaged.server.schemas import TokenizeResponse, dump
 from trtpaged.server.tokenization import _SLICE, tokenize_json
-from trtpaged.server.tokenizer_worker import GRAMMAR_THREADS, PROMPT_THREADS, TokenizerLane
+from trtpaged.server.tokenizer_worker import GRAMMAR_THREADS, LONG_TEXT_CHARS, PROMPT_THREADS, TokenizerLane
 
 from test_server import metrics, request, wait_idle
 
@@ -142,9 +142,9 @@ def test_tokenizer_threads_have_their_own_tokenizer_and_os_name(server):
         assert name == "trtpaged-tok"
 
 
-def _occupy(lane: TokenizerLane, job) -> Future:
+def _occupy(lane: TokenizerLane, job, long: bool = False) -> Future:
     """Sends `job` to `lane`; returns once one of the lane's threads runs it."""
-    future = lane.send(job)
+    future = lane.send(job, long)
     while not future.running():
         time.sleep(0.005)
     return future
@@ -309,6 +309,52 @@ def test_a_cancelled_caller_leaves_the_lane_running(reference):
     assert ran == []
     with pytest.raises(ShuttingDown):
         lane.send(lambda tok: None)
+
+
+def test_long_prompts_take_one_thread_of_the_prompts_lane_and_short_ones_pass_them(server):
+    """A prompt job of more than LONG_TEXT_CHARS characters (a text that truncate_prompt_tokens lets in: up to the
+    whole 8 MB body, ~10 s and ~1.6 GB of tokenizing each) runs on the lane's first thread only: while two long jobs
+    are held, a short one is answered at once and the second long one waits for the first (was: the two held both
+    threads, and six 8 MB bodies kept every new request waiting 24 s); long and short ones are each bounded by
+    max_waiting. A generation request's prompt is sent as long by its text's length."""
+    lane = TokenizerLane("test-lane", max_waiting=1, threads=PROMPT_THREADS).start(lambda: None)
+    release, started = threading.Event(), []
+
+    def hold(name: str):
+        def job(tok) -> str:
+            started.append(name)
+            release.wait(30)
+            return name
+        return job
+
+    try:
+        first = _occupy(lane, hold("long 1"), long=True)
+        second = lane.send(hold("long 2"), long=True)
+        assert lane.send(lambda tok: "short").result(10) == "short"  # the long one waiting refuses no short one
+        assert started == ["long 1"] and not second.running()
+        with pytest.raises(Overloaded):  # but another long one (max_waiting 1)
+            lane.send(hold("long 3"), long=True)
+        release.set()
+        assert (first.result(30), second.result(30)) == ("long 1", "long 2")
+    finally:
+        release.set()
+        lane.shutdown()
+
+    sent: list[bool] = []
+    prompts = server.tokens.prompts
+    real_send = prompts.send
+    prompts.send = lambda fn, long=False: (sent.append(long), real_send(fn, long))[1]
+    try:
+        body = {"prompt": "x" * (LONG_TEXT_CHARS + 1), "truncate_prompt_tokens": 8, "max_tokens": 1}
+        assert request(server, "/v1/completions", body)[0] == 200
+        chat = {"messages": [{"role": "user", "content": "y" * (LONG_TEXT_CHARS + 1)}], "truncate_prompt_tokens": 8,
+                "max_tokens": 1}  # fmt: skip
+        assert request(server, "/v1/chat/completions", chat)[0] == 200
+        assert request(server, "/v1/completions", {"prompt": "x" * 100, "max_tokens": 1})[0] == 200
+    finally:
+        prompts.send = real_send
+    assert sent == [True, True, False]
+    wait_idle(server)
 
 
 def test_tokenize_json_is_the_bytes_of_the_response_model():

@@ -38,7 +38,7 @@ from trtpaged.server.schemas import PromptTokensDetails, Usage, dump
 from trtpaged.server.stream_state import CompletionAccumulator, StreamState
 from trtpaged.server.token_bytes import token_bytes_reader
 from trtpaged.server.tokenization import generation_prompt, prompt_token_ids
-from trtpaged.server.tokenizer_worker import TokenizerWorker
+from trtpaged.server.tokenizer_worker import LONG_TEXT_CHARS, TokenizerWorker
 from trtpaged.server.tool_parsers import CallReader
 from trtpaged.server.tools import tool_format
 
@@ -244,13 +244,13 @@ class GenerationService:
             return [prompt_token_ids(tokenizer, vocab, p, None, None, {}, req.add_special_tokens, check)
                     for p in req.prompts], None  # fmt: skip
 
+        texts = ["".join(message_text(m) for m in req.messages)] if req.chat else \
+            [p for p in req.prompts if isinstance(p, str)]  # fmt: skip
         try:
             if check is not None:  # before the lane: what the request's own text makes at least
-                texts = ["".join(message_text(m) for m in req.messages)] if req.chat else \
-                    [p for p in req.prompts if isinstance(p, str)]  # fmt: skip
                 for text in texts:
                     check(text)
-            prompts, tail = await self.tokens.prompt(run)
+            prompts, tail = await self.tokens.prompt(run, sum(map(len, texts)) > LONG_TEXT_CHARS)
         except ValueError as exc:
             raise from_runtime_error(exc, req.names) from None
         except (ShuttingDown, Overloaded) as exc:

@@ -14,7 +14,11 @@ Four lanes, so that running requests never wait behind a new one's long prompt, 
   come first served by `PROMPT_THREADS` threads, so that one long text does not hold
   up the short prompts behind it (with one thread, requests that arrived during a long prompt waited for it,
   and the engine, its streams done, sat idle); a short prompt may thus reach the engine before a long one that
-  arrived earlier. At most `max_waiting` jobs wait: beyond that `Overloaded` (a 503);
+  arrived earlier. A long job (more than `LONG_TEXT_CHARS` characters of text: a text that
+  `truncate_prompt_tokens` lets in may be the whole 8 MB body, ~10 s and ~1.6 GB of tokenizing) runs on the first
+  thread only, so the others are always left to the short ones (six such bodies held both threads, and every new
+  request waited 24 s behind them). At most `max_waiting` jobs wait, long and short ones each (long ones waiting
+  for the first thread never refuse a short one): beyond that `Overloaded` (a 503);
 - `texts`: /tokenize and /detokenize, one thread, at most `max_waiting` waiting: a client's texts to count
   (up to the body limit: an 8 MB /tokenize takes seconds) never hold up a generation request's prompt (two such
   bodies on the prompts lane held every new request for their ~45 s);
@@ -32,8 +36,8 @@ strings), and reading the vocabulary into the grammar compiler once (`GrammarCac
 from __future__ import annotations
 
 import asyncio
-import queue
 import threading
+from collections import deque
 from concurrent.futures import Future
 from typing import Any, Callable, Optional, TypeVar
 
@@ -43,12 +47,14 @@ from trtpaged.server.engine_loop import Overloaded, ShuttingDown
 T = TypeVar("T")
 _STOP = object()
 PROMPT_THREADS = 2  # the prompts lane's threads
+LONG_TEXT_CHARS = 64 << 10  # a prompt job with more characters of text is long (tens of milliseconds to tokenize)
 GRAMMAR_THREADS = 2  # the grammars lane's: a cached grammar is not held up behind one slow compile
 
 
 class TokenizerLane:
-    """`threads` threads, each with its own tokenizer, taking jobs `fn(tokenizer)` in the order they were sent.
-    `waiting_for` names what the jobs wait for in the `Overloaded` message."""
+    """`threads` threads, each with its own tokenizer, taking jobs `fn(tokenizer)` in the order they were sent;
+    a job sent as long is taken by the first thread only. `waiting_for` names what the jobs wait for in the
+    `Overloaded` message."""
 
     def __init__(self, name: str, max_waiting: Optional[int] = None, threads: int = 1,
                  waiting_for: str = "to be tokenized") -> None:
@@ -56,9 +62,11 @@ class TokenizerLane:
         self.waiting_for = waiting_for
         self.max_waiting = max_waiting
         self.num_threads = threads
-        self._jobs: "queue.Queue[Any]" = queue.Queue()
+        self._jobs: deque[Any] = deque()  # (fn, future, long) in the order sent, then a _STOP per thread
         self._lock = threading.Lock()  # sending a job and stopping: no job is queued behind the stop
+        self._sent = threading.Condition(self._lock)
         self._waiting = 0  # jobs sent and not yet taken by the thread
+        self._waiting_long = 0  # of which long ones
         self._stopped = False
         self._threads: list[threading.Thread] = []
 
@@ -66,7 +74,7 @@ class TokenizerLane:
         """Starts the threads, each of which loads its own tokenizer with `load()`; returns once all loaded, or
         raises what `load` raised (the threads stopped)."""
 
-        def run(loaded: Future) -> None:
+        def run(loaded: Future, takes_long: bool) -> None:
             thread_names.name_this_thread(thread_names.TOKENIZER)
             try:
                 tokenizer = load()
@@ -74,12 +82,12 @@ class TokenizerLane:
                 loaded.set_exception(exc)
                 return
             loaded.set_result(None)
-            self._work(tokenizer)
+            self._work(tokenizer, takes_long)
 
         loads: list[Future] = []
-        for _ in range(self.num_threads):
+        for i in range(self.num_threads):
             loads.append(Future())
-            self._threads.append(threading.Thread(target=run, args=(loads[-1],), name=self.name, daemon=True))
+            self._threads.append(threading.Thread(target=run, args=(loads[-1], i == 0), name=self.name, daemon=True))
             self._threads[-1].start()
         try:
             for loaded in loads:
@@ -94,24 +102,27 @@ class TokenizerLane:
         """Jobs sent and not yet begun."""
         return self._waiting
 
-    def send(self, fn: Callable[[Any], T]) -> "Future[T]":
-        """Queues `fn(tokenizer)`; raises `Overloaded` when `max_waiting` jobs already wait, `ShuttingDown`
-        once stopped."""
+    def send(self, fn: Callable[[Any], T], long: bool = False) -> "Future[T]":
+        """Queues `fn(tokenizer)` (`long`: for the first thread only); raises `Overloaded` when `max_waiting` jobs
+        of its kind (long or not) already wait, `ShuttingDown` once stopped."""
         future: Future = Future()
         with self._lock:
             if self._stopped:
                 raise ShuttingDown("the server is shutting down")
-            if self.max_waiting is not None and self._waiting >= self.max_waiting:
-                raise Overloaded(f"{self._waiting} requests are waiting {self.waiting_for} (max_waiting "
+            waiting = self._waiting_long if long else self._waiting - self._waiting_long
+            if self.max_waiting is not None and waiting >= self.max_waiting:
+                raise Overloaded(f"{waiting} requests are waiting {self.waiting_for} (max_waiting "
                                  f"{self.max_waiting}); retry later")  # fmt: skip
             self._waiting += 1
-            self._jobs.put((fn, future))
+            self._waiting_long += long
+            self._jobs.append((fn, future, long))
+            self._sent.notify_all()
         return future
 
-    async def run(self, fn: Callable[[Any], T]) -> T:
+    async def run(self, fn: Callable[[Any], T], long: bool = False) -> T:
         """`fn(tokenizer)` on this lane's thread, awaited without blocking the event loop. A caller cancelled
         while its job waits leaves the job skipped, never run."""
-        return await asyncio.wrap_future(self.send(fn))
+        return await asyncio.wrap_future(self.send(fn, long))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stops the threads after their current jobs (waiting up to `timeout` s for each); jobs still queued end
@@ -120,19 +131,30 @@ class TokenizerLane:
             if self._stopped:
                 return
             self._stopped = True
-            for _ in self._threads:
-                self._jobs.put(_STOP)
+            self._jobs.extend(_STOP for _ in self._threads)
+            self._sent.notify_all()
         for thread in self._threads:
             thread.join(timeout)
 
-    def _work(self, tokenizer: Any) -> None:
+    def _take(self, takes_long: bool) -> Any:
+        """The first job this thread may run (a long one only if `takes_long`), or _STOP; waits for one."""
+        with self._sent:
+            while True:
+                for i, job in enumerate(self._jobs):
+                    if takes_long or job is _STOP or not job[2]:
+                        del self._jobs[i]
+                        return job
+                self._sent.wait()
+
+    def _work(self, tokenizer: Any, takes_long: bool) -> None:
         while True:
-            job = self._jobs.get()
+            job = self._take(takes_long)
             if job is _STOP:
                 return
-            fn, future = job
+            fn, future, long = job
             with self._lock:
                 self._waiting -= 1
+                self._waiting_long -= long
                 stopped = self._stopped
             if not future.set_running_or_notify_cancel():
                 continue  # its caller is gone (a client that disconnected): nothing to run or answer
@@ -177,9 +199,10 @@ class TokenizerWorker:
             raise
         return cls(prompts, texts, outputs, grammars)
 
-    async def prompt(self, fn: Callable[[Any], T]) -> T:
-        """`fn(tokenizer)` for a request not yet queued; raises `Overloaded` when the lane is full."""
-        return await self.prompts.run(fn)
+    async def prompt(self, fn: Callable[[Any], T], long: bool = False) -> T:
+        """`fn(tokenizer)` for a request not yet queued (`long`: more than `LONG_TEXT_CHARS` characters of text); raises
+        `Overloaded` when the lane is full."""
+        return await self.prompts.run(fn, long)
 
     async def text(self, fn: Callable[[Any], T]) -> T:
         """`fn(tokenizer)` for /tokenize or /detokenize; raises `Overloaded` when the lane is full."""
