@@ -222,6 +222,27 @@ def test_ranks_joining_through_torchrun_variables(tiny_kv4_engines, prompts, ref
             worker.wait()
 
 
+def test_worker_checks_its_own_engine_dir(tiny_kv4_engines, tmp_path):
+    """A rank on another machine loads its own copy of the dir: a shard changed there is refused before it loads
+    (was: loaded, and the ranks generated other tokens, as INIT compares the manifests only)."""
+    import shutil
+    import struct
+
+    engine = tmp_path / "engine"
+    shutil.copytree(tiny_kv4_engines[2], engine)
+    shard = engine / "weights-rank1.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-4:] = struct.pack("<f", struct.unpack("<f", data[-4:])[0] + 1.0)  # a valid weight, not the built one
+    shard.write_bytes(bytes(data))
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2", "RANK": "1",
+           "TRTPAGED_TP_TIMEOUT_S": "5", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)]))}
+    worker = subprocess.run([sys.executable, "-m", "trtpaged.runtime.tp.worker", str(engine)],
+                            env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
+    assert worker.returncode == 1
+    assert "files['weights-rank1.safetensors']" in worker.stderr and "sha256" in worker.stderr, worker.stderr
+
+
 def test_server_stops_with_the_reason_when_a_rank_dies(tiny_kv4_engines):
     import httpx
 

@@ -1,8 +1,8 @@
 """An engine dir's files checked against its manifest: engine dirs are untrusted input.
 
 `verify_engine_dir` runs before anything of an engine dir is loaded (`LLM`, `serve`, `generate`,
-`inspect`). It checks that every file the manifest names exists inside the dir and is listed with
-a hash, that no other file sits in the tokenizer dir, and each weights file's safetensors header
+`inspect`, each tensor-parallel worker). It checks that every file the manifest names exists inside
+the dir and is listed with a hash, that no other file sits in the tokenizer dir, and each weights file's safetensors header
 against the file's size (offsets inside the file, no gaps or overlaps): the fast checks. The sha256 of every file is then compared
 with the manifest's: in full the first time, after which a verified-stamp is kept outside the engine
 dir (`$TRTPAGED_CACHE_DIR`, default `~/.cache/trtpaged`, `verified/`), keyed by the dir's real path

@@ -25,6 +25,7 @@ def run_worker(engine_dir: Path, rz: Rendezvous, device: str = "cpu") -> NoRetur
     """The whole life of one non-zero rank: ends the process at STOP (code 0); raises on any failure."""
     import torch
 
+    from trtpaged.engine_files import verify_engine_dir
     from trtpaged.manifest import read_manifest
     from trtpaged.models import load_step_model
     from trtpaged.models.all_reduce import RankReduce
@@ -35,6 +36,9 @@ def run_worker(engine_dir: Path, rz: Rendezvous, device: str = "cpu") -> NoRetur
     from trtpaged.runtime.tp.rendezvous import make_groups, mark_ready, open_store
 
     manifest = read_manifest(engine_dir)
+    # this rank's own copy of the dir (another machine's, or changed since rank 0 checked it): the INIT fingerprint
+    # below compares manifests only, so a shard that no longer matches its hash would run unnoticed
+    verify_engine_dir(engine_dir, manifest)
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))  # NCCL's communicator and the kernels' current device
     reduce = RankReduce(rz.rank, rz.world_size)
