@@ -222,6 +222,22 @@ def test_ranks_joining_through_torchrun_variables(tiny_kv4_engines, prompts, ref
             worker.wait()
 
 
+def test_local_launch_store_listens_on_loopback_only():
+    """The store of a local launch (unauthenticated: any client may write it or join the groups through it) is
+    reachable from this machine only (was: TCPStore's server listened on every interface)."""
+    from trtpaged.runtime.tp.rendezvous import Rendezvous, open_store
+
+    store = open_store(Rendezvous("127.0.0.1", 0, 2, 0, 5.0, loopback=True))
+    listening = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in f.read().splitlines()[1:]:
+                local, state = row.split()[1], row.split()[3]
+                if state == "0A" and local.endswith(f":{store.port:04X}"):
+                    listening.append(local.rsplit(":", 1)[0])
+    assert listening == ["0100007F"], listening  # 127.0.0.1
+
+
 def test_worker_checks_its_own_engine_dir(tiny_kv4_engines, tmp_path):
     """A rank on another machine loads its own copy of the dir: a shard changed there is refused before it loads
     (was: loaded, and the ranks generated other tokens, as INIT compares the manifests only)."""

@@ -15,6 +15,7 @@ in turn:
 from __future__ import annotations
 
 import os
+import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -121,13 +122,36 @@ def open_store(rz: Rendezvous):
 
     timeout = timedelta(seconds=rz.timeout_s)
     if rz.rank == 0:
-        return dist.TCPStore(rz.master_addr, rz.master_port, rz.world_size, True, timeout=timeout,
-                             wait_for_workers=False)
+        if not rz.loopback:  # other machines join: every interface
+            return dist.TCPStore(rz.master_addr, rz.master_port, rz.world_size, True, timeout=timeout,
+                                 wait_for_workers=False)
+        # TCPStore's own server listens on every interface whatever host it is given: an unauthenticated store that
+        # any host could write to (or join the groups through) while the engine runs
+        fd, port = _loopback_listener(rz.master_port)
+        try:
+            return dist.TCPStore(rz.master_addr, port, rz.world_size, True, timeout=timeout, wait_for_workers=False,
+                                 master_listen_fd=fd)
+        except BaseException:
+            os.close(fd)
+            raise
     try:
         return dist.TCPStore(rz.master_addr, rz.master_port, rz.world_size, False, timeout=timeout)
     except Exception as exc:  # noqa: BLE001  (torch raises RuntimeError or DistStoreError)
         raise TensorParallelError(f"rank {rz.rank}: no rank 0 at {rz.master_addr}:{rz.master_port} within "
                                   f"{rz.timeout_s:g} s (MASTER_ADDR/MASTER_PORT): {exc}") from None
+
+
+def _loopback_listener(port: int) -> tuple[int, int]:
+    """(fd, port) of a socket listening on 127.0.0.1 only (port 0: any free one), the fd handed over to its owner."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", port))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+    except BaseException:
+        sock.close()
+        raise
+    return sock.detach(), port
 
 
 def mark_ready(store, rank: int) -> None:
