@@ -143,6 +143,19 @@ def test_hung_worker_ends_at_the_timeout(tiny_kv4_engines, prompts, monkeypatch)
     assert _gone(pids)
 
 
+def test_idle_engine_outlives_the_collective_timeout(tiny_kv4_engines, prompts, monkeypatch):
+    """No request for longer than TRTPAGED_TP_TIMEOUT_S is not a hung rank (was: every worker's wait for the next
+    command timed out, and the next request failed: 'rank 1 (pid P) exited with code 1')."""
+    monkeypatch.setenv("TRTPAGED_TP_TIMEOUT_S", "10")  # long enough for the rendezvous on a busy machine
+    with LLM(tiny_kv4_engines[2], device="cpu") as llm:
+        pids = _workers(llm)
+        first = llm.generate(prompts[:1], GREEDY)[0].outputs[0].token_ids
+        time.sleep(12)
+        assert llm.engine.runner.failure() is None
+        assert llm.generate(prompts[:1], GREEDY)[0].outputs[0].token_ids == first
+    assert _gone(pids)
+
+
 def test_killed_rank_0_leaves_no_worker_behind(tiny_kv4_engines):
     code = ("import sys, time; from trtpaged import LLM; llm = LLM(sys.argv[1], device='cpu'); "
             "print(*llm.engine.runner.workers.pids, flush=True); time.sleep(300)")

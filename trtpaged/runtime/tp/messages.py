@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+from datetime import timedelta
 from typing import Optional, Sequence
 
 import torch
@@ -31,6 +32,11 @@ from trtpaged.runtime.runners.base import StepBatch
 from trtpaged.runtime.tp.rendezvous import Collectives
 
 HEADER_LEN = 8
+# How long a rank waits for rank 0's next command: an engine with no requests sends none, so the collective's
+# timeout would end every worker of an idle server (it did, TRTPAGED_TP_TIMEOUT_S after the last request). A rank 0
+# that exits closes the connection (reported at once), and a local worker also watches its parent. Ten years,
+# not more: gloo adds it to the clock in nanoseconds (100000 days overflowed and aborted the process).
+IDLE_TIMEOUT = timedelta(days=3650)
 _NUM_FIELDS = HEADER_LEN - 2
 
 
@@ -57,8 +63,8 @@ def send(coll: Collectives, op: Op, fields: Sequence[int] = (), payload: Optiona
 
 
 def receive(coll: Collectives) -> tuple[Op, list[int], torch.Tensor]:
-    """Other ranks: the next command (op, fields, payload)."""
-    header = coll.broadcast(torch.empty(HEADER_LEN, dtype=torch.int64))
+    """Other ranks: the next command (op, fields, payload), after however long rank 0 stays idle."""
+    header = coll.broadcast(torch.empty(HEADER_LEN, dtype=torch.int64), timeout=IDLE_TIMEOUT)
     op, length = Op(int(header[0])), int(header[1])
     payload = torch.empty(length, dtype=torch.int32)
     if length:

@@ -94,12 +94,15 @@ class Collectives:
         self.seconds = {"all_reduce": 0.0, "broadcast": 0.0}
         self.calls = {"all_reduce": 0, "broadcast": 0}
 
-    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+    def broadcast(self, x: torch.Tensor, src: int = 0, timeout: Optional[timedelta] = None) -> torch.Tensor:
+        """x from rank src, in place; `timeout` replaces the group's for this call."""
         import torch.distributed as dist
 
         start = time.perf_counter()
         opts = dist.BroadcastOptions()
         opts.rootRank = src
+        if timeout is not None:
+            opts.timeout = timeout
         self.control.broadcast([x], opts).wait()
         self._count("broadcast", start)
         return x
