@@ -156,6 +156,33 @@ def test_idle_engine_outlives_the_collective_timeout(tiny_kv4_engines, prompts, 
     assert _gone(pids)
 
 
+def test_ctrl_c_during_generate_keeps_the_ranks_in_step(tiny_kv4_engines, prompts, monkeypatch):
+    """A Ctrl-C lands after the command it interrupts is done on every rank, so the next call runs (was: rank 0
+    left a step halfway, the next call waited out the whole timeout and failed). A second Ctrl-C inside a command
+    stops the engine, and the next call says so at once."""
+    import threading
+
+    monkeypatch.setenv("TRTPAGED_TP_TIMEOUT_S", "20")
+    long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    with LLM(tiny_kv4_engines[2], device="cpu") as llm:
+        pids = _workers(llm)
+        first = [o.outputs[0].token_ids for o in llm.generate(prompts[:2], GREEDY)]
+        for delay in (0.1, 0.23, 0.37):
+            threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT)).start()
+            with pytest.raises(KeyboardInterrupt):
+                llm.generate([[5] * 50] * 8, long)
+            start = time.monotonic()
+            assert [o.outputs[0].token_ids for o in llm.generate(prompts[:2], GREEDY)] == first
+            assert time.monotonic() - start < 10
+        with pytest.raises(KeyboardInterrupt), llm.engine.runner._guard("step"):
+            raise KeyboardInterrupt  # the second Ctrl-C, inside the command
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError, match=r"stopped earlier: step interrupted on 2 ranks"):
+            llm.generate(prompts[:1], GREEDY)
+        assert time.monotonic() - start < 10
+    assert _gone(pids)
+
+
 def test_killed_rank_0_leaves_no_worker_behind(tiny_kv4_engines):
     code = ("import sys, time; from trtpaged import LLM; llm = LLM(sys.argv[1], device='cpu'); "
             "print(*llm.engine.runner.workers.pids, flush=True); time.sleep(300)")

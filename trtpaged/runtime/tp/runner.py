@@ -11,6 +11,8 @@ remaining workers are stopped.
 from __future__ import annotations
 
 import contextlib
+import signal
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -106,17 +108,23 @@ class TensorParallelRunner:
         # collective learns of it only from its closed connection, which a process that inherited the worker's
         # sockets keeps open (once in CI: the step then waited out the whole timeout)
         dead = self.workers.failure() if self.workers is not None else None
-        try:
-            if dead:
-                raise TensorParallelError(dead)
-            yield
-        except Exception as exc:  # noqa: BLE001  (gloo and NCCL raise RuntimeError or DistBackendError)
-            self._broken[0] = True
-            why = dead or _dead_workers(self.workers) or _unanswered(self.workers, exc)
-            self._failure = f"{what} failed on {self.world_size} ranks: {why}"
-            if self.workers is not None:
-                self.workers.stop(grace_s=0.0)
-            raise TensorParallelError(self._failure) from exc
+        with _interrupt_deferred():
+            try:
+                if dead:
+                    raise TensorParallelError(dead)
+                yield
+            except BaseException as exc:  # noqa: BLE001  (gloo and NCCL raise RuntimeError or DistBackendError)
+                self._broken[0] = True
+                if isinstance(exc, Exception):
+                    why = dead or _dead_workers(self.workers) or _unanswered(self.workers, exc)
+                    self._failure = f"{what} failed on {self.world_size} ranks: {why}"
+                else:  # a second Ctrl-C: rank 0 left the command halfway, the other ranks did not
+                    self._failure = f"{what} interrupted on {self.world_size} ranks ({type(exc).__name__})"
+                if self.workers is not None:
+                    self.workers.stop(grace_s=0.0)
+                if not isinstance(exc, Exception):
+                    raise
+                raise TensorParallelError(self._failure) from exc
 
     def failure(self) -> Optional[str]:
         """Why the ranks can no longer step (a collective failed, or a local worker exited), or None: what a health
@@ -129,6 +137,31 @@ class TensorParallelRunner:
     def close(self) -> None:
         """Sends STOP (unless a rank failed) and waits for the local workers; idempotent."""
         self._finalizer()
+
+
+@contextlib.contextmanager
+def _interrupt_deferred() -> Iterator[None]:
+    """Holds a Ctrl-C (SIGINT) of the main thread until the command is done on every rank, then hands it to the
+    handler it was meant for (KeyboardInterrupt): raised halfway, it left the other ranks inside a collective rank 0
+    had abandoned, and the next call waited out the whole timeout and failed. A second Ctrl-C interrupts at once."""
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(previous):
+        yield  # only the main thread gets signals; SIG_IGN and SIG_DFL have no handler to call later
+        return
+    pending: list[int] = []
+
+    def hold(signum: int, frame) -> None:
+        if pending:
+            previous(signum, frame)
+        pending.append(signum)
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pending:
+        previous(pending[0], None)
 
 
 def _dead_workers(workers: Optional[WorkerSet], wait_s: float = 1.0) -> Optional[str]:
