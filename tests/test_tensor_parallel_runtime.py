@@ -328,6 +328,41 @@ def test_server_stops_with_the_reason_when_a_rank_dies(tiny_kv4_engines):
     assert _gone(pids)
 
 
+def test_server_shutdown_with_a_hung_rank_ends_before_the_timeout(tiny_kv4_engines, monkeypatch):
+    """A rank stops answering mid-step and the server is shut down: the workers are killed after STOP_WAIT_S rather
+    than STOP waiting behind the stuck step for the whole collective timeout (was: the shutdown took
+    TRTPAGED_TP_TIMEOUT_S, 300 s by default)."""
+    import threading
+
+    import httpx
+
+    from trtpaged.runtime.tp.runner import STOP_WAIT_S
+    from trtpaged.server import start_server
+
+    monkeypatch.setenv("TRTPAGED_TP_TIMEOUT_S", "90")
+    handle = start_server(tiny_kv4_engines[2], port=0, device="cpu")
+    pids = _workers(handle.llm)
+    answers = []
+    body = {"prompt": "Hello", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+    client = threading.Thread(target=lambda: answers.append(
+        httpx.post(handle.url + "/v1/completions", json=body, timeout=120).status_code))
+    try:
+        client.start()
+        time.sleep(1.0)
+        os.kill(pids[0], signal.SIGSTOP)  # alive, never answers
+        start = time.monotonic()
+        handle.shutdown(timeout=0)  # the engine thread gets 10 s to stop, then the ranks are closed
+        assert time.monotonic() - start < 10 + STOP_WAIT_S + 20
+        client.join(60)
+        assert answers and answers[0] >= 500, answers
+    finally:
+        for pid in pids:
+            if os.path.exists(f"/proc/{pid}"):
+                os.kill(pid, signal.SIGKILL)
+        handle.shutdown(timeout=0)
+    assert _gone(pids)
+
+
 def test_serve_command_exits_with_the_reason(tiny_kv4_engines):
     """`trtpaged serve` as a process: kill its worker, the command ends (code 1) naming the dead rank."""
     port = _free_port()

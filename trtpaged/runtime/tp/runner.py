@@ -30,6 +30,9 @@ from trtpaged.runtime.tp.rendezvous import (Collectives, Rendezvous, TensorParal
                                             make_groups, open_store, wait_for_ranks)
 
 
+STOP_WAIT_S = 5.0  # how long close() waits for a command another thread is running
+
+
 class TensorParallelRunner:
     """Rank 0 of N: drives the other ranks and runs its own shard (a `TorchRunner`). `close()` stops the ranks."""
 
@@ -41,7 +44,8 @@ class TensorParallelRunner:
         self.world_size = coll.world_size
         self._failure: Optional[str] = None
         self._broken = [False]  # shared with the finalizer: no STOP once a rank failed
-        self._finalizer = weakref.finalize(self, _shutdown, coll, workers, self._broken)
+        self._busy = threading.Lock()  # held while a command runs (by a server's engine thread)
+        self._finalizer = weakref.finalize(self, _shutdown, coll, workers, self._broken, self._busy)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -108,7 +112,7 @@ class TensorParallelRunner:
         # collective learns of it only from its closed connection, which a process that inherited the worker's
         # sockets keeps open (once in CI: the step then waited out the whole timeout)
         dead = self.workers.failure() if self.workers is not None else None
-        with _interrupt_deferred():
+        with _interrupt_deferred(), self._busy:
             try:
                 if dead:
                     raise TensorParallelError(dead)
@@ -135,7 +139,8 @@ class TensorParallelRunner:
         return f"{dead} ({self.world_size} ranks)" if dead else None
 
     def close(self) -> None:
-        """Sends STOP (unless a rank failed) and waits for the local workers; idempotent."""
+        """Sends STOP and waits for the local workers; idempotent. Kills them instead when a rank failed, or when a
+        command another thread runs has not ended within STOP_WAIT_S (stuck on a hung rank)."""
         self._finalizer()
 
 
@@ -184,12 +189,24 @@ def _unanswered(workers: Optional[WorkerSet], exc: Exception) -> str:
     return f"{first}; no rank exited, alive (one or more not answering): {', '.join(alive)}" if alive else first
 
 
-def _shutdown(coll: Collectives, workers: Optional[WorkerSet], broken: list[bool]) -> None:
-    if not broken[0]:
-        with contextlib.suppress(Exception):
-            messages.send(coll, Op.STOP)
-    if workers is not None:
-        workers.stop(grace_s=0.0 if broken[0] else 10.0)
+def _shutdown(coll: Collectives, workers: Optional[WorkerSet], broken: list[bool], busy: threading.Lock) -> None:
+    # a command still under way in another thread after STOP_WAIT_S is stuck on a hung rank: STOP would wait behind
+    # it in the group's queue for the whole collective timeout (a server's SIGTERM took that long to exit); the local
+    # workers are killed instead, which ends the stuck collective, and it is given time to unwind (torn down under
+    # it at exit, gloo aborted the process)
+    idle = busy.acquire(timeout=STOP_WAIT_S)
+    try:
+        if idle and not broken[0]:
+            with contextlib.suppress(Exception):
+                messages.send(coll, Op.STOP)
+        broken[0] = broken[0] or not idle
+        if workers is not None:
+            workers.stop(grace_s=0.0 if broken[0] else 10.0)
+        if not idle:
+            idle = busy.acquire(timeout=STOP_WAIT_S)
+    finally:
+        if idle:
+            busy.release()
 
 
 def rank_devices(device: str, world_size: int) -> dict[int, str]:
