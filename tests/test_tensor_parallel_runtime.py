@@ -226,6 +226,26 @@ def test_worker_failing_to_load_is_reported_at_start(tiny_kv4_engines, tmp_path)
     assert time.monotonic() - start < 60
 
 
+def test_rank_0_failing_after_the_rendezvous_stops_the_workers(tiny_kv4_engines, monkeypatch):
+    """Rank 0's own pool failing after the other ranks joined (or a Ctrl-C there) stops them, while the exception is
+    still held (a REPL keeps the last one; was: the workers waited for commands as long as its traceback held the
+    groups)."""
+    import trtpaged.runtime.tp.runner as tp_runner
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError("rank 0's host pool")
+
+    started = []
+    start = tp_runner.WorkerSet.start
+    monkeypatch.setattr(tp_runner.WorkerSet, "start", lambda *a: started.append(start(*a)) or started[-1])
+    monkeypatch.setattr(tp_runner, "TorchRunner", no_memory)
+    with pytest.raises(MemoryError) as failed:
+        LLM(tiny_kv4_engines[2], device="cpu")
+    assert failed.value is not None  # the traceback, the groups in its frames, still alive here
+    pids = started[0].pids
+    assert _gone(pids, within_s=10), pids
+
+
 def test_rendezvous_timeout_names_the_missing_rank(tiny_kv4_engines, monkeypatch):
     port = _free_port()
     for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": "0",

@@ -250,9 +250,12 @@ def start_tensor_parallel(
         coll = make_groups(store, rz, torch.device(devices[0]))
         reduce.group = coll
         messages.send(coll, Op.INIT, [num_kv_blocks, num_host_blocks, messages.fingerprint(manifest.to_json())])
+        # until the runner (whose close stops them) exists: a failure or Ctrl-C here left the workers waiting for
+        # commands for as long as the exception's traceback held the groups
+        pool = model.new_kv_cache(num_kv_blocks, manifest.limits.block_size, manifest.kv_cache_dtype,
+                                  device=devices[0])
+        return TensorParallelRunner(TorchRunner(model, pool, num_host_blocks), coll, workers)
     except BaseException:
         if workers is not None:
             workers.stop(grace_s=0.0)
         raise
-    pool = model.new_kv_cache(num_kv_blocks, manifest.limits.block_size, manifest.kv_cache_dtype, device=devices[0])
-    return TensorParallelRunner(TorchRunner(model, pool, num_host_blocks), coll, workers)
