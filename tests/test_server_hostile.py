@@ -650,3 +650,88 @@ def test_the_rest_of_a_body_answered_before_it_was_read_has_the_heads_time(serve
         assert closed and time.monotonic() - start < 3, "the connection stayed open"
     finally:
         sock.close()
+
+
+@pytest.fixture(scope="module")
+def logprob_bound_server(tiny_engine_dir):
+    """A server whose answers may hold at most 4000 log-prob entries (serve --max-logprob-entries)."""
+    handle = start_server(tiny_engine_dir, port=0, served_model_name="tiny", device="cpu", max_batch_size=4,
+                          options=ServerOptions(max_logprob_entries=4000))  # fmt: skip
+    yield handle
+    handle.shutdown(timeout=0)
+
+
+_CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+# (path, body, the param named, words of the message): each over 4000 entries, each refused before it runs
+_TOO_MANY_LOGPROBS = [
+    ("/v1/completions", {"prompt": [5] * 300, "prompt_logprobs": 20, "max_tokens": 1}, "prompt_logprobs",
+     "300 prompt tokens x (prompt_logprobs 20 + 1)"),
+    ("/v1/completions", {"prompt": [[5] * 100] * 2, "echo": True, "logprobs": 20, "max_tokens": 0}, "logprobs",
+     "200 echoed prompt tokens x (logprobs 20 + 1)"),
+    ("/v1/completions", {"prompt": [[5] * 100] * 2, "echo": True, "logprobs": 20, "max_tokens": 0, "stream": True},
+     "logprobs", "200 echoed prompt tokens"),
+    ("/v1/completions", {"prompt": "hi", "n": 2, "logprobs": 20, "max_tokens": 100}, "logprobs",
+     "2 choices of up to 100 tokens (max_tokens) x (logprobs 20 + 1)"),
+    ("/v1/chat/completions", {**_CHAT, "n": 2, "logprobs": True, "top_logprobs": 20, "max_completion_tokens": 100},
+     "top_logprobs", "2 choices of up to 100 tokens (max_completion_tokens) x (top_logprobs 20 + 1)"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 150}], "prompt_logprobs": 20},
+     "prompt_logprobs", "x (prompt_logprobs 20 + 1)"),
+    ("/v1/responses", {"input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": 20,
+                       "max_output_tokens": 200}, "top_logprobs", "x (top_logprobs 20 + 1)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("path,body,param,words", _TOO_MANY_LOGPROBS)
+def test_an_answer_of_too_many_logprob_entries_is_400_naming_the_fields(logprob_bound_server, path, body, param,
+                                                                        words):  # fmt: skip
+    status, _, answer = request(logprob_bound_server, path, {"model": "tiny", **body})
+    assert status == 400, answer
+    error = answer["error"]
+    assert error["param"] == param
+    assert "log-prob entries" in error["message"] and "at most 4000" in error["message"], error
+    assert words in error["message"], error
+
+
+def test_ordinary_logprobs_stay_within_the_bound(logprob_bound_server):
+    """Within the bound, and a stream's output tokens, which it sends as they come, are not counted."""
+    ok = [("/v1/completions", {"prompt": "hi", "logprobs": 5, "max_tokens": 200}),
+          ("/v1/completions", {"prompt": [5] * 150, "prompt_logprobs": 20, "max_tokens": 1}),
+          ("/v1/chat/completions", {**_CHAT, "logprobs": True, "top_logprobs": 5, "max_tokens": 300})]
+    for path, body in ok:
+        status, _, answer = request(logprob_bound_server, path, {"model": "tiny", **body})
+        assert status == 200, answer
+    events = stream(logprob_bound_server, "/v1/chat/completions", {"model": "tiny", **_CHAT, "n": 2, "logprobs": True,
+                                                                    "top_logprobs": 20, "max_tokens": 100})
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
+
+
+def test_health_is_served_while_a_large_answer_is_built(tiny_engine_dir):
+    """48 prompts of 500 token ids, echo and prompt_logprobs 20: a ~40 MB answer of a million log-prob entries,
+    which froze the event loop (and /health) for seconds while it was built and written; now built off the loop."""
+    handle = start_server(tiny_engine_dir, port=0, served_model_name="tiny", device="cpu",
+                          options=ServerOptions(max_logprob_entries=2_000_000))  # fmt: skip
+    try:
+        body = {"model": "tiny", "prompt": [[(i * 7 + j) % 300 + 5 for j in range(500)] for i in range(48)],
+                "echo": True, "logprobs": 20, "prompt_logprobs": 20, "max_tokens": 1}  # fmt: skip
+        got: dict = {}
+
+        def ask() -> None:
+            got["answer"] = request(handle, "/v1/completions", body)
+
+        asking = threading.Thread(target=ask)
+        start = time.monotonic()
+        asking.start()
+        worst = 0.0
+        while asking.is_alive():
+            t = time.monotonic()
+            status, _, _ = request(handle, "/health")
+            assert status == 200
+            worst = max(worst, time.monotonic() - t)
+            time.sleep(0.05)
+        took = time.monotonic() - start
+        status, _, answer = got["answer"]
+        assert status == 200 and len(answer["choices"]) == 48
+        assert len(answer["choices"][0]["prompt_logprobs"]) == 500
+        assert worst < 1.0, f"/health waited {worst:.2f} s while a {took:.1f} s answer was built"
+    finally:
+        handle.shutdown(timeout=0)

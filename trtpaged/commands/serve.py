@@ -55,6 +55,10 @@ def _not_empty(value, param):
 @click.option("--max-body-bytes", type=click.IntRange(min=1), default=8 << 20, show_default=True, help="Largest request body (413 beyond).")
 @click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=None,
               help="Longest prompt accepted (default and most: max_seq_len - 1).")
+@click.option("--max-logprob-entries", type=click.IntRange(min=1), default=None,
+              help="The most log-prob entries (each token's own and its top-k) one answer may hold, checked before "
+                   "the request runs (400 beyond); default: 262144, or one prompt of max_seq_len tokens at 20 top "
+                   "log-probs where that is more.")
 @click.option("--max-batch-size", "--max-num-seqs", "max_batch_size", type=int, default=None,
               help="Sequences per step (at most the engine's build limit; --max-num-seqs: vLLM's spelling).")
 @click.option("--max-num-tokens", "--max-num-batched-tokens", "max_num_tokens", type=HumanInt(), default=None,
@@ -186,7 +190,8 @@ def _not_empty(value, param):
                    "auto: when the workers and the engine thread fill every core the process may use.")
 @vllm_no_effect_options
 def command(engine, host, port, served_model_name, api_key, max_waiting, request_timeout, shutdown_timeout,
-            max_body_bytes, max_prompt_tokens, max_batch_size, max_num_tokens, max_seq_len, num_kv_blocks,
+            max_body_bytes, max_prompt_tokens, max_logprob_entries, max_batch_size, max_num_tokens, max_seq_len,
+            num_kv_blocks,
             enable_prefix_caching, scheduling_policy, chat_template, chat_template_content_format, tool_call_parser,
             reasoning_parser, default_chat_template_kwargs, enable_auto_tool_choice, max_logprobs, seed,
             generation_config, gpu_memory_utilization, dtype, kv_cache_dtype, quantization, block_size, tokenizer,
@@ -219,7 +224,8 @@ def command(engine, host, port, served_model_name, api_key, max_waiting, request
         options = ServerOptions(
             api_key=api_key or None, max_waiting=max_waiting, request_timeout_s=request_timeout,
             shutdown_timeout_s=shutdown_timeout, max_body_bytes=max_body_bytes, max_prompt_tokens=max_prompt_tokens,
-            request_log=request_log, request_log_prompts=request_log_prompts, stream_interval=stream_interval,
+            max_logprob_entries=max_logprob_entries, request_log=request_log, request_log_prompts=request_log_prompts,
+            stream_interval=stream_interval,
             pin_threads=pin_threads, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
             default_chat_template_kwargs=default_chat_template_kwargs, responses_store_size=responses_store_size,
             enable_prompt_tokens_details=enable_prompt_tokens_details,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import logging
@@ -9,7 +10,7 @@ import time
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Optional, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Optional, Sequence, TypeVar
 
 from pydantic import BaseModel
 
@@ -31,6 +32,7 @@ from trtpaged.server.engine_loop import (
     Subscription,
 )
 from trtpaged.server.errors import ApiError, from_runtime_error, overloaded
+from trtpaged.server.large_answers import OFF_LOOP_ENTRIES, check_logprob_entries, logprob_entries, logprob_entry_bound
 from trtpaged.server.protocol import GenerationRequest, check_request_id, message_text, parse_generation
 from trtpaged.server.reasoning import ChoiceReasoning, split_text
 from trtpaged.server.responses import Echo, ResponseBuilder, TokenStrings, logprob_token_ids, sse, top_entries, usage
@@ -43,6 +45,7 @@ from trtpaged.server.tool_parsers import CallReader
 from trtpaged.server.tools import tool_format
 
 Disconnected = Callable[[], Awaitable[bool]]
+T = TypeVar("T")
 log = logging.getLogger("trtpaged.server")
 
 
@@ -72,6 +75,12 @@ class Submitted:
     summary: Summary
     prompts: list[list[int]] = field(default_factory=list)  # token ids per prompt, after truncate_prompt_tokens
     max_tokens: list[int] = field(default_factory=list)  # per prompt, as fitted to its room and the model's cap
+    logprob_entries: int = 0  # the most log-prob entries its answer could hold
+
+    @property
+    def large(self) -> bool:
+        """Whether its whole answer is built and rendered off the event loop (`large_answers.OFF_LOOP_ENTRIES`)."""
+        return self.logprob_entries > OFF_LOOP_ENTRIES
 
 
 def runtime_failure(exc: Exception) -> ApiError:
@@ -95,7 +104,8 @@ class GenerationService:
                  stream_interval: int = 1, tool_call_parser: Optional[str] = None,
                  default_chat_template_kwargs: Optional[dict[str, Any]] = None,
                  prompt_tokens_details: bool = False, force_include_usage: bool = False,
-                 tokens_as_ids: bool = False, trust_request_template: bool = False) -> None:  # fmt: skip
+                 tokens_as_ids: bool = False, trust_request_template: bool = False,
+                 max_logprob_entries: Optional[int] = None) -> None:  # fmt: skip
         self.llm = llm
         self.trust_request_template = trust_request_template  # vLLM's --trust-request-chat-template
         self.force_include_usage = force_include_usage  # vLLM's: every stream ends with its usage chunk
@@ -111,6 +121,8 @@ class GenerationService:
         self.max_prompt_tokens = max_prompt_tokens
         limit = llm.config.max_logprobs  # the engine's (LLM(max_logprobs=...), serve --max-logprobs); -1: the vocabulary
         self.max_logprobs = self.vocab_size if limit < 0 else limit
+        # the most log-prob entries one answer may hold (serve --max-logprob-entries; None: large_answers' default)
+        self.max_logprob_entries = logprob_entry_bound(self.max_seq_len, self.max_logprobs, max_logprob_entries)
         self.max_tokens_cap = llm.sampling_defaults.get("max_tokens")  # the model's: caps every request's (vLLM's)
         self.sampling_defaults = {k: v for k, v in llm.sampling_defaults.items() if k != "max_tokens"}
         self.request_timeout_s = request_timeout_s
@@ -166,6 +178,9 @@ class GenerationService:
         serial = next(self._submits)
         requests = [(f"{answer_id}-{i}-{serial}", ids, self._fit_max_tokens(req, params, len(ids)))
                     for i, ids in enumerate(prompts)]  # fmt: skip
+        entries = logprob_entries(req, params.n, [len(ids) for ids in prompts],
+                                  [p.max_tokens or 0 for _, _, p in requests])  # fmt: skip
+        check_logprob_entries(entries, self.max_logprob_entries)
         if dry_run:
             return None
         try:
@@ -181,7 +196,7 @@ class GenerationService:
                                   in_reasoning, req.show_reasoning)  # fmt: skip
         index = {rid: i for i, (rid, _, _) in enumerate(requests)}
         return Submitted(req, params, sub, index, builder, summary, prompts,
-                         [p.max_tokens for _, _, p in requests])  # fmt: skip
+                         [p.max_tokens for _, _, p in requests], entries.total)  # fmt: skip
 
     def _cached_details(self, summary: Summary) -> Optional[PromptTokensDetails]:
         """usage.prompt_tokens_details (serve --enable-prompt-tokens-details): only when some prompt tokens were
@@ -370,17 +385,14 @@ class GenerationService:
                 raise
             whole = False
         ordered = [j.result() if whole else j.cut() for j in joined]
-        ids: set[int] = set()
-        if s.builder.top_logprobs is not None:
-            for out in ordered:
-                for c in out.outputs:
-                    ids |= logprob_token_ids(c.token_ids, c.logprobs)
-        echoes = await self._echoes(s.req, ordered) if s.req.echo else None
-        for out in ordered:
-            if s.req.prompt_logprobs is not None or (echoes and s.builder.top_logprobs is not None):
-                ids |= logprob_token_ids(out.prompt_token_ids, out.prompt_logprobs)
-        body = s.builder.full(ordered, s.params.n, await self._token_strings(s.req, ids), echoes, s.req.echo_only,
-                              s.req.prompt_logprobs is not None)  # fmt: skip
+        echoes = await self._echoes(s, ordered) if s.req.echo else None
+        strings = await self._token_strings(s.req, await _run(s.large, lambda: _shown_ids(s, ordered, echoes)))
+        return await _run(s.large, lambda: self._body(s, ordered, strings, echoes))
+
+    def _body(self, s: Submitted, ordered: list[RequestOutput], strings: TokenStrings,
+              echoes: Optional[list[Echo]]) -> BaseModel:  # fmt: skip
+        """The whole answer of `s`, its outputs `ordered` by prompt; its summary filled in."""
+        body = s.builder.full(ordered, s.params.n, strings, echoes, s.req.echo_only, s.req.prompt_logprobs is not None)
         _summarise(s.summary, ordered, s.req.echo_only)
         body.usage.prompt_tokens_details = self._cached_details(s.summary)
         if self.reasoning is not None and s.builder.reasoning is not None:
@@ -390,15 +402,16 @@ class GenerationService:
             s.summary.reasoning_span = sum(self.reasoning.reasoning_span(*e) for e in entered)
         return body
 
-    async def _echoes(self, req: GenerationRequest, outs: Iterable[RequestOutput]) -> list[Echo]:
+    async def _echoes(self, s: Submitted, outs: Iterable[RequestOutput]) -> list[Echo]:
         """Each prompt as `echo` shows it: its own text (token-id prompts decoded), tokens and log-probs
-        (cut to the `logprobs` asked for, when asked)."""
+        (cut to the `logprobs` asked for, when asked; off the loop for a large answer)."""
         outs = list(outs)
         texts = await self.tokens.output(lambda tokenizer: [o.prompt if o.prompt is not None else tokenizer.decode(
             o.prompt_token_ids, skip_special_tokens=False) for o in outs])  # fmt: skip
-        k = req.logprobs
-        return [Echo(text, list(o.prompt_token_ids), None if k is None or o.prompt_logprobs is None else
-                     top_entries(o.prompt_logprobs, o.prompt_token_ids, k)) for text, o in zip(texts, outs)]  # fmt: skip
+        k = s.req.logprobs
+        return await _run(s.large, lambda: [
+            Echo(text, list(o.prompt_token_ids), None if k is None or o.prompt_logprobs is None else
+                 top_entries(o.prompt_logprobs, o.prompt_token_ids, k)) for text, o in zip(texts, outs)])  # fmt: skip
 
     async def stream(self, s: Submitted) -> AsyncIterator[bytes]:
         """Server-Sent Events: chunks, the usage chunk if asked for, then `[DONE]`. A failure after the
@@ -504,7 +517,7 @@ class GenerationService:
     async def _echo_chunks(self, s: Submitted, state: StreamState, prompt: int, out: RequestOutput,
                            first: Optional[_FirstChunks]) -> AsyncIterator[bytes]:  # fmt: skip
         """`echo` in a stream: each choice of a prompt starts with the prompt's text (and its log-probs)."""
-        (echo,) = await self._echoes(s.req, [out])
+        (echo,) = await self._echoes(s, [out])
         strings = await self._token_strings(s.req, logprob_token_ids(echo.token_ids, echo.logprobs) if echo.logprobs
                                             else ())  # fmt: skip
         for i in range(s.params.n):
@@ -519,6 +532,25 @@ class GenerationService:
 
 async def _never() -> bool:
     return False
+
+
+async def _run(large: bool, fn: Callable[[], T]) -> T:
+    """`fn()` on a worker thread for a large answer (the event loop serves the other clients meanwhile, taking the
+    GIL every switch interval), else here."""
+    return await asyncio.to_thread(fn) if large else fn()
+
+
+def _shown_ids(s: Submitted, ordered: Sequence[RequestOutput], echoes: Optional[Sequence[Echo]]) -> set[int]:
+    """Every token id whose text the answer's log-probs show."""
+    ids: set[int] = set()
+    if s.builder.top_logprobs is not None:
+        for out in ordered:
+            for c in out.outputs:
+                ids |= logprob_token_ids(c.token_ids, c.logprobs)
+    for out in ordered:
+        if s.req.prompt_logprobs is not None or (echoes and s.builder.top_logprobs is not None):
+            ids |= logprob_token_ids(out.prompt_token_ids, out.prompt_logprobs)
+    return ids
 
 
 def _chunk_usage(s: Submitted, state: StreamState, index: int) -> Optional[Usage]:

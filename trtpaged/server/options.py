@@ -32,6 +32,9 @@ class ServerOptions:
     body arrives slower (408). `shutdown_timeout_s` is how long shutdown lets requests in flight finish.
     `request_log`: a JSON Lines file that gets one line per request that ended, finished or aborted (appended; see
     `trtpaged.server.request_log`); `request_log_prompts` adds the prompt token ids to each line.
+    `max_logprob_entries`: the most log-prob entries (a token's own, or one of its top-k) one answer may hold,
+    checked before a request runs (400 beyond; `trtpaged.server.large_answers`); None: MAX_LOGPROB_ENTRIES, or
+    one prompt of the whole context at up to 20 top log-probs where that is more.
     `stream_interval`: tokens per streamed chunk (a stream's first token and its end go at once): fewer,
     longer chunks cost the server's event loop and the clients less CPU per token; 1 (default): one per token.
     `pin_threads` ("auto", "on", "off"): the engine thread and the event loop's thread on one core, the kernels'
@@ -65,6 +68,7 @@ class ServerOptions:
     max_waiting: Optional[int] = 256
     max_body_bytes: int = 8 << 20
     max_prompt_tokens: Optional[int] = None
+    max_logprob_entries: Optional[int] = None
     request_timeout_s: Optional[float] = 600.0
     body_timeout_s: float = 30.0
     shutdown_timeout_s: float = 30.0
@@ -111,6 +115,7 @@ class ServerOptions:
             ("max_waiting", self.max_waiting is None or self.max_waiting >= 1),
             ("max_body_bytes", self.max_body_bytes >= 1),
             ("max_prompt_tokens", self.max_prompt_tokens is None or self.max_prompt_tokens >= 1),
+            ("max_logprob_entries", self.max_logprob_entries is None or self.max_logprob_entries >= 1),
             ("request_timeout_s", self.request_timeout_s is None or self.request_timeout_s > 0),
             ("body_timeout_s", self.body_timeout_s > 0),
             ("shutdown_timeout_s", self.shutdown_timeout_s >= 0),

@@ -174,7 +174,8 @@ def start_server(
                                     options.default_chat_template_kwargs,
                                     options.enable_prompt_tokens_details, options.enable_force_include_usage,
                                     options.return_tokens_as_token_ids,
-                                    options.trust_request_chat_template)  # fmt: skip
+                                    options.trust_request_chat_template,
+                                    options.max_logprob_entries)  # fmt: skip
     except BaseException:
         if tokens is not None:
             tokens.shutdown()

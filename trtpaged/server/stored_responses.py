@@ -130,7 +130,10 @@ class StoredResponses:
             else:
                 # cancelled, it answers with its output so far (as a cancelled stream ends)
                 answer = await self.service.respond(s, cancelled, started, keep_cut=True)
-                body = responses_output.response_body(call, rid, answer, self._usage(s), s.summary.reasoning_span)
+                usage = self._usage(s)
+                build = lambda: responses_output.response_body(call, rid, answer, usage,  # noqa: E731
+                                                               s.summary.reasoning_span)  # fmt: skip
+                body = await asyncio.to_thread(build) if s.large else build()
                 if body["status"] == "cancelled":
                     status, note = 499, "cancelled"
         except (ClientGone, asyncio.CancelledError):  # cancelled: the request was aborted
