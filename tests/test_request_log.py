@@ -241,12 +241,12 @@ def test_aborted_requests_get_their_line(tiny_engine_dir, tmp_path) -> None:
         wait_idle(server)
         m = metrics(server)
         restore()
-        assert m['request_success_total{finished_reason="abort"}'] == 2
+        assert m['request_success_total{finished_reason="abort"}'] == 3  # each sample, as vLLM counts them
         for line, prompt_len, n in ((gone, 3, 2), (timed_out, 2, 1)):
             assert line["prompt_len"] == prompt_len and line["n"] == n and line["finish_reasons"] == ["abort"] * n
             assert len(line["output_lens"]) == n and all(0 < k < 400 for k in line["output_lens"])
             assert line["output_len"] == max(line["output_lens"]) and line["ttft_s"] <= line["latency_s"]
-        assert m["prompt_tokens_total"] == sum(line["prompt_len"] for line in (gone, timed_out))
+        assert m["prompt_tokens_total"] == sum(line["prompt_len"] * line["n"] for line in (gone, timed_out))
         assert m["generation_tokens_total"] == sum(sum(line["output_lens"]) for line in (gone, timed_out))
         # one still running at shutdown (no drain time) is aborted too
         slowed_steps(server, 0.02)

@@ -45,7 +45,7 @@ def test_aborted_n3_stream_counts_every_choices_tokens(server):
                 received[c["index"]] = received.get(c["index"], 0) + len(c.get("token_ids") or [])
     conn.close()  # the client is gone mid-stream: the request is aborted
     after = wait_idle(server)
-    assert _delta(before, after, 'request_success_total{finished_reason="abort"}') == 1
+    assert _delta(before, after, 'request_success_total{finished_reason="abort"}') == 3  # each sample
     counted = _delta(before, after, "generation_tokens_total")
     # every choice's tokens (at most a step or an interval more than the client read before it hung up)
     assert sum(received.values()) <= counted <= sum(received.values()) + 3 * 8
@@ -84,7 +84,7 @@ def test_echo_with_max_tokens_0_generates_nothing(server, n):
     after = wait_idle(server)
     assert _delta(before, after, "generation_tokens_total") == 0
     assert _delta(before, after, "time_to_first_token_seconds_count") == 0
-    assert _delta(before, after, 'request_success_total{finished_reason="length"}') == 1
+    assert _delta(before, after, 'request_success_total{finished_reason="length"}') == n
     assert [c["finish_reason"] for c in answer["choices"]] == ["length"] * n
 
 
@@ -157,3 +157,86 @@ def test_vllm_names_of_the_request_series_count_the_same(server):
     length = 'finished_reason="length"'
     assert m[f"vllm:request_success_total{{{length},{label}}}"] == m[f"request_success_total{{{length}}}"] >= 1
     assert m["generation_tokens_total"] >= answer["usage"]["completion_tokens"] == 9
+
+
+def test_parallel_samples_count_as_vllm_counts_its_child_requests(server):
+    """vLLM v1 runs each of n samples as an engine request of its own (vllm/v1/engine/output_processor.py): each
+    finished sample is one request_success with its own finish reason, one observation of the e2e, token-count and
+    phase histograms and of time to first token, and its prompt counts in prompt_tokens; request_params_n and
+    request_max_num_generation_tokens count the request once. Here the request counted once, with choice 0's
+    reason, its samples' tokens summed into one request_generation_tokens observation."""
+    before = metrics(server)
+    status, _, answer = request(server, "/v1/completions", {"model": MODEL, "prompt": "three samples", "n": 3,
+                                                           "max_tokens": 7, "ignore_eos": True})  # fmt: skip
+    assert status == 200
+    after = wait_idle(server)
+    prompt = answer["usage"]["prompt_tokens"]
+    assert _delta(before, after, 'request_success_total{finished_reason="length"}') == 3
+    for name in ("e2e_request_latency_seconds", "request_prompt_tokens", "request_generation_tokens",
+                 "time_to_first_token_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "request_inference_time_seconds", "request_params_max_tokens"):
+        assert _delta(before, after, name + "_count") == 3, name
+    generated, prompts = _delta(before, after, "generation_tokens_total"), _delta(before, after, "prompt_tokens_total")
+    assert _delta(before, after, "request_generation_tokens_sum") == 21 == generated
+    assert _delta(before, after, "request_prompt_tokens_sum") == 3 * prompt == prompts
+    assert _delta(before, after, "request_params_max_tokens_sum") == 21
+    assert _delta(before, after, "request_params_n_count") == 1 and _delta(before, after, "request_params_n_sum") == 3
+    assert _delta(before, after, "request_max_num_generation_tokens_count") == 1
+    assert _delta(before, after, "request_max_num_generation_tokens_sum") == 7
+
+
+# what vLLM's Grafana dashboard (examples/online_serving/prometheus_grafana/grafana.json and its newer copy under
+# examples/observability/) and its metrics design doc (docs/design/metrics.md) query, by type
+DASHBOARD = {
+    "e2e_request_latency_seconds": "histogram", "time_to_first_token_seconds": "histogram",
+    "time_per_output_token_seconds": "histogram", "inter_token_latency_seconds": "histogram",
+    "request_queue_time_seconds": "histogram", "request_prefill_time_seconds": "histogram",
+    "request_decode_time_seconds": "histogram", "request_max_num_generation_tokens": "histogram",
+    "request_prompt_tokens": "histogram", "request_generation_tokens": "histogram",
+    "prompt_tokens": "counter", "generation_tokens": "counter", "request_success": "counter",
+    "num_requests_running": "gauge", "num_requests_waiting": "gauge", "gpu_cache_usage_perc": "gauge",
+    "kv_cache_usage_perc": "gauge", "prefix_cache_queries": "counter", "prefix_cache_hits": "counter",
+}  # fmt: skip
+
+
+def test_every_series_of_vllms_dashboard_is_there_with_its_type_and_moves(server):
+    """Each panel's series exists under vLLM's name with its type and the model_name label the dashboard selects
+    on; the phase panels' histograms (queue, prefill, decode, max generation tokens) were missing, and so was
+    vllm:time_per_output_token_seconds, the older dashboard's name of the inter-token latency histogram
+    (vllm/v1/metrics/loggers.py: deprecated for vllm:inter_token_latency_seconds, the same per-step gaps)."""
+    before = metrics(server)
+    status, _, _ = request(server, "/v1/completions", {"model": MODEL, "prompt": "dashboard", "max_tokens": 6,
+                                                      "ignore_eos": True})  # fmt: skip
+    assert status == 200
+    after = wait_idle(server)
+    status, _, text = request(server, "/metrics")
+    types = dict(line.split()[2:4] for line in text.splitlines() if line.startswith("# TYPE vllm:"))
+    label = f'{{model_name="{server.model_name}"}}'
+    for name, kind in DASHBOARD.items():
+        exposed = "vllm:" + name + ("_total" if kind == "counter" else "")
+        assert types.get(exposed) == kind, (name, types.get(exposed))
+        if kind == "histogram":
+            assert f'vllm:{name}_bucket{{le="+Inf",model_name="{server.model_name}"}}' in after, name
+            assert _delta(before, after, f"vllm:{name}_count{label}") >= 1, name
+    for phase in ("queue", "prefill", "decode"):
+        assert _delta(before, after, f"vllm:request_{phase}_time_seconds_sum{label}") > 0, phase
+    assert after[f"vllm:time_per_output_token_seconds_count{label}"] == after["inter_token_latency_seconds_count"]
+
+
+def test_histogram_buckets_reach_as_far_as_vllms(server):
+    """A quantile never reads past a histogram's last finite bound: vLLM's time to first token reaches 2560 s and
+    its request latencies 7680 s (vllm/v1/metrics/loggers.py); here both stopped at 80 s, so a P99 over requests
+    that queued or ran for minutes read 80 s. Token counts are bucketed 1, 2, 5, ... up to the model's length."""
+    m = metrics(server)
+
+    def bounds(name):
+        prefix = f'vllm:{name}_bucket{{le="'
+        return [float(k[len(prefix) :].split('"')[0]) for k in m if k.startswith(prefix) and '"+Inf"' not in k]
+
+    assert max(bounds("time_to_first_token_seconds")) == 2560.0
+    for name in ("e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "request_inference_time_seconds"):
+        assert max(bounds(name)) == 7680.0, name
+    max_len = server.llm.engine.config.max_seq_len
+    top = max(bounds("request_prompt_tokens"))
+    assert top <= max_len < top * 2.5 and bounds("request_generation_tokens") == bounds("request_prompt_tokens")

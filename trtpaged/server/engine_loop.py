@@ -22,7 +22,7 @@ from trtpaged.errors import FatalEngineError
 from trtpaged.runtime.llm_engine import LLMEngine
 from trtpaged.runtime.outputs import RequestOutput
 from trtpaged.runtime.sampling_params import SamplingParams
-from trtpaged.server.metrics import ServerMetrics
+from trtpaged.server.metrics import RequestPhases, ServerMetrics
 from trtpaged.server import thread_names
 from trtpaged.server.request_log import RequestLog
 
@@ -73,10 +73,25 @@ class _Timing:
     scored_only: bool = False  # echo with max_tokens 0: the token sampled to score the prompt is dropped, not output
     prompt: Sequence[int] = ()  # the prompt's token ids (the request log's)
     cached_tokens: Optional[int] = None  # prompt tokens found in the prefix cache (known once first scheduled)
+    group: Any = None  # the engine's SequenceGroup: its `times` (queued, first scheduled, first token)
+    first_by_index: dict[int, float] = field(default_factory=dict)  # completion index -> when its first token came
+    counted: set[int] = field(default_factory=set)  # completions whose end the metrics counted
 
     def generated(self) -> int:
         """Tokens generated so far, all completions together (what the client gets: none when scored_only)."""
         return 0 if self.scored_only else sum(self.by_index.values())
+
+
+def _phases(timing: _Timing, last_token: Optional[float]) -> RequestPhases:
+    """vLLM's request phases (vllm/v1/metrics/stats.py) from the engine's times of the request: queued until first
+    scheduled, prefill until the first token, decode from it to `last_token` (None: the sample made none)."""
+    times = timing.group.times if timing.group is not None else {}
+    scheduled, first = times.get("scheduled"), times.get("first_token")
+    queue = scheduled - times["queued"] if scheduled is not None and "queued" in times else None
+    prefill = first - scheduled if first is not None and scheduled is not None else None
+    decode = last_token - first if last_token is not None and first is not None else None
+    inference = last_token - scheduled if last_token is not None and scheduled is not None else None
+    return RequestPhases(queue, prefill, decode, inference)
 
 
 class Subscription:
@@ -369,7 +384,8 @@ class EngineLoop:
                 added.append(rid)
                 self._subs[rid] = sub
                 self._timing[rid] = _Timing(arrival, len(prompt), params=params, step=self.engine.num_steps,
-                                            scored_only=scored_only, prompt=prompt)  # fmt: skip
+                                            scored_only=scored_only, prompt=prompt,
+                                            group=self.engine.groups.get(rid))  # fmt: skip
         except Exception:
             for rid in added:
                 self.engine.abort(rid)
@@ -387,7 +403,7 @@ class EngineLoop:
     def _ended_early(self, timing: _Timing, reason: str, cached_tokens: Optional[int]) -> None:
         """Metrics and the log line of a request ended before it finished (reason: abort or error)."""
         now = time.monotonic()
-        self.metrics.observe_finished(reason, timing.prompt_tokens, timing.generated(), now - timing.arrival, None)
+        self._observe_ended(timing, now, reason)
         if self.request_log is not None:
             if cached_tokens is not None:
                 timing.cached_tokens = cached_tokens
@@ -464,15 +480,21 @@ class EngineLoop:
         timing = self._timing[out.request_id]
         if out.num_cached_tokens is not None:
             timing.cached_tokens = out.num_cached_tokens
+        made = 0
         for c in out.outputs:
             timing.by_index[c.index] = timing.by_index.get(c.index, 0) + len(c.token_ids)
+            made += len(c.token_ids)
             if c.finish_reason:
                 timing.reasons[c.index] = c.finish_reason
+            if c.token_ids and not timing.scored_only and c.index not in timing.first_by_index:
+                timing.first_by_index[c.index] = now  # vLLM times each sample's first token and counts its prompt
+                self.metrics.observe_first_token(now - timing.arrival, timing.prompt_tokens)
+        if made and not timing.scored_only:
+            self.metrics.observe_generated(made)  # as they come, as vLLM counts them each step
         longest = max(timing.by_index.values(), default=0)
         if longest > timing.tokens and not timing.scored_only:
             if timing.first_token is None:
                 timing.first_token = now
-                self.metrics.observe_first_token(now - timing.arrival)
             elif timing.last_token is not None:
                 # tokens held back for one output (stream_interval) came from several steps: one gap per step
                 # that made a token, of their mean, as vLLM times inter-token latency per engine step (a step
@@ -481,15 +503,40 @@ class EngineLoop:
                 for _ in range(gaps):
                     self.metrics.observe_token_gap((now - timing.last_token) / gaps)
             timing.last_token, timing.tokens, timing.last_step = now, longest, self.engine.num_steps
+        for c in out.outputs:
+            if c.finish_reason and c.index not in timing.counted:
+                self._observe_sample_end(timing, c.index, now, c.finish_reason)
         if out.finished:
-            # no time per output token when every token came in one output (a beam search's answer): 0 s was wrong
-            spread = timing.first_token is not None and now > timing.first_token and longest > 1
-            tpot = (now - timing.first_token) / (longest - 1) if spread else None  # type: ignore[operator]
-            reason = "length" if timing.scored_only else timing.reasons.get(0) or "length"
-            self.metrics.observe_finished(reason, timing.prompt_tokens, timing.generated(), now - timing.arrival,
-                                          tpot)  # fmt: skip
+            self._observe_ended(timing, now, "length")
             if self.request_log is not None:
                 self._log_finished(self.request_log, timing, now)
+
+    def _observe_ended(self, timing: _Timing, now: float, ended: str) -> None:
+        """Counts the end of a request's completions not counted yet (`ended`: the finish reason of those that have
+        none: still running at an abort), then the request's own series."""
+        n = timing.params.n if timing.params is not None else 1
+        for index in sorted(set(range(n)) | set(timing.by_index)):
+            if index not in timing.counted:
+                self._observe_sample_end(timing, index, now, timing.reasons.get(index) or ended)
+        longest = 0 if timing.scored_only else max(timing.by_index.values(), default=0)
+        self.metrics.observe_request(n, longest)
+
+    def _observe_sample_end(self, timing: _Timing, index: int, now: float, reason: str) -> None:
+        """One completion ended: vLLM v1 runs each of a request's n samples as an engine request of its own and counts
+        each one's end, with its own finish reason (vllm/v1/engine/output_processor.py, _update_stats_from_finished)."""
+        timing.counted.add(index)
+        tokens = 0 if timing.scored_only else timing.by_index.get(index, 0)
+        first = timing.first_by_index.get(index)
+        if first is None:
+            self.metrics.observe_prompt_without_token(timing.prompt_tokens)
+        # no time per output token when every token came in one output (a beam search's answer): 0 s was wrong
+        tpot = (now - first) / (tokens - 1) if first is not None and now > first and tokens > 1 else None
+        if timing.scored_only:
+            reason = "length"
+        params = timing.params
+        self.metrics.observe_finished(reason, timing.prompt_tokens, tokens, now - timing.arrival, tpot,
+                                      _phases(timing, now if first is not None else None),
+                                      params.max_tokens if params is not None else None)  # fmt: skip
 
     def _log_finished(self, request_log: RequestLog, timing: _Timing, now: float, ended: str = "length") -> None:
         """The request's log line; `ended`: the finish reason of its completions that have none (still running

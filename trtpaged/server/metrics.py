@@ -3,8 +3,8 @@
 Names follow vLLM's (`vllm:X` -> `trtpaged:X`) where the concept is the same; the
 KV-sharing metrics are ours. Those that vLLM has are also written under vLLM's own names, labelled with the model
 name (`vllm:num_requests_waiting{model_name="..."}`), for the autoscalers, inference gateways and dashboards that
-scrape vLLM: the load gauges, the request latency and length histograms and the token, request, preemption and
-prefix-cache counters. Engine counters and gauges are read from a snapshot of
+scrape vLLM: the load gauges, the request latency, phase and length histograms and the token, request, preemption
+and prefix-cache counters (vLLM's example Grafana dashboard reads each). Engine counters and gauges are read from a snapshot of
 `LLMEngine.stats()` taken on the engine thread at scrape time; request latencies
 and token counts are observed by the engine loop as outputs arrive.
 """
@@ -12,7 +12,7 @@ and token counts are observed by the engine loop as outputs arrive.
 from __future__ import annotations
 
 import threading
-from typing import Iterator, Mapping, Optional
+from typing import Iterator, Mapping, NamedTuple, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -87,7 +87,23 @@ TIER_STATS: dict[str, tuple[str, str]] = {
 }
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                    40.0, 80.0)  # fmt: skip
-TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+# vLLM's (vllm/v1/metrics/loggers.py): time to first token reaches 2560 s, a request's phases 7680 s; a quantile
+# of a histogram whose last finite bound is 80 s never reads more than 80 s, however long requests queue or run
+TTFT_BUCKETS = LATENCY_BUCKETS + (160.0, 640.0, 2560.0)
+REQUEST_BUCKETS = LATENCY_BUCKETS + (120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)  # until the model's length is known
+N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def token_buckets(max_model_len: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_model_len`, as vLLM buckets its token-count histograms."""
+    out, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_model_len:
+                return tuple(out)
+            out.append(mantissa * scale)
+        scale *= 10
 
 
 # vLLM's names of the load gauges that autoscalers and inference gateways read (KEDA scalers, the Gateway API
@@ -156,10 +172,12 @@ class _EngineStatsCollector(Collector):
 
 class _VllmSeries(Collector):
     """The server's request histograms and counters again under vLLM's names (the same as this server's after the
-    prefix), each series labelled with the served model's name; nothing until the name is set."""
+    prefix), each series labelled with the served model's name; nothing until the name is set. `old_names`: a
+    source's older vLLM name, written too (the same series), for the dashboards that still read it."""
 
-    def __init__(self, sources: list[MetricWrapperBase]) -> None:
+    def __init__(self, sources: list[MetricWrapperBase], old_names: Mapping[str, str]) -> None:
         self.sources = sources
+        self.old_names = old_names
         self.model_name: Optional[str] = None
 
     def collect(self) -> Iterator[Metric]:
@@ -168,6 +186,9 @@ class _VllmSeries(Collector):
         for source in self.sources:
             for family in source.collect():
                 yield vllm_copy(family, self.model_name)
+                old = self.old_names.get(family.name[len(PREFIX) :])
+                if old is not None:
+                    yield vllm_copy(family, self.model_name, VLLM_PREFIX + old)
 
 
 def _spec_metrics(stats: Mapping[str, float]) -> Iterator[Metric]:
@@ -189,8 +210,23 @@ def _spec_metrics(stats: Mapping[str, float]) -> Iterator[Metric]:
         yield family
 
 
+class RequestPhases(NamedTuple):
+    """Where a finished sample's time went (seconds), as vLLM splits it (vllm/v1/metrics/stats.py): queued until
+    first scheduled, prefill until the first token, decode from it to the last token, inference: prefill + decode.
+    None: the phase was never reached (aborted or failed before it)."""
+
+    queue: Optional[float] = None
+    prefill: Optional[float] = None
+    decode: Optional[float] = None
+    inference: Optional[float] = None
+
+
 class ServerMetrics:
-    """The server's registry: engine snapshot, request latencies and token counts, HTTP statuses. Thread-safe."""
+    """The server's registry: engine snapshot, request latencies and token counts, HTTP statuses. Thread-safe.
+
+    As in vLLM v1, where each of a request's `n` parallel samples is an engine request of its own, the per-request
+    series (request_success, e2e and phase latencies, token-count histograms, time to first token) count samples;
+    request_params_n and request_max_num_generation_tokens count requests."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -202,15 +238,24 @@ class ServerMetrics:
         def hist(name: str, help_text: str, buckets: tuple = LATENCY_BUCKETS) -> Histogram:
             return Histogram(PREFIX + name, help_text, registry=r, buckets=buckets)
 
-        self.ttft = hist("time_to_first_token_seconds", "Time from arrival to the first generated token.")
+        self.ttft = hist("time_to_first_token_seconds", "Time from arrival to the first generated token.", TTFT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Time between a request's consecutive output steps.")
         self.tpot = hist("request_time_per_output_token_seconds", "Mean time per output token after the first, per request.")
-        self.e2e = hist("e2e_request_latency_seconds", "Time from arrival to the last token.")
-        self.prompt_hist = hist("request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_BUCKETS)
-        self.generation_hist = hist("request_generation_tokens", "Generated tokens per finished request.", TOKEN_BUCKETS)
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", registry=r)
-        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens of finished requests.", registry=r)
-        self.request_success = Counter(PREFIX + "request_success", "Engine requests finished, by finish reason.",
+        self.e2e = hist("e2e_request_latency_seconds", "Time from arrival to the last token.", REQUEST_BUCKETS)
+        self.queue_time = hist("request_queue_time_seconds", "Time from the engine's queue to first scheduled.",
+                               REQUEST_BUCKETS)  # fmt: skip
+        self.prefill_time = hist("request_prefill_time_seconds", "Time from first scheduled to the first token.",
+                                 REQUEST_BUCKETS)  # fmt: skip
+        self.decode_time = hist("request_decode_time_seconds", "Time from the first token to the last.",
+                                REQUEST_BUCKETS)  # fmt: skip
+        self.inference_time = hist("request_inference_time_seconds", "Time from first scheduled to the last token.",
+                                   REQUEST_BUCKETS)  # fmt: skip
+        self.params_n = hist("request_params_n", "The n request parameter, per finished request.", N_BUCKETS)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens, counted at each sample's first token.",
+                                     registry=r)  # fmt: skip
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens, counted as they come.",
+                                         registry=r)  # fmt: skip
+        self.request_success = Counter(PREFIX + "request_success", "Samples finished, by finish reason.",
                                        ["finished_reason"], registry=r)  # fmt: skip
         self.http = Counter(PREFIX + "http_requests", "HTTP requests by route and status.", ["route", "status"], registry=r)
         self.rejected = Counter(PREFIX + "requests_rejected", "Requests refused before running, by reason.",
@@ -218,12 +263,40 @@ class ServerMetrics:
         self.handoff_wait = Counter(PREFIX + "engine_handoff_wait_seconds",
                                     "Wall time the engine thread waited, after its steps, for the event loop to run "
                                     "the readers of their outputs.", registry=r)  # fmt: skip
-        self._vllm = _VllmSeries([self.ttft, self.itl, self.tpot, self.e2e, self.prompt_hist, self.generation_hist,
-                                  self.prompt_tokens, self.generation_tokens, self.request_success])  # fmt: skip
+        self._token_histograms(TOKEN_BUCKETS)
+        self._vllm = _VllmSeries([], {"inter_token_latency_seconds": "time_per_output_token_seconds"})
+        self._vllm_sources()
         r.register(self._vllm)
 
-    def set_model_name(self, name: str) -> None:
-        """Labels vLLM's series with the served model's name (known once the engine loaded)."""
+    def _token_histograms(self, buckets: tuple[int, ...]) -> None:
+        """(Re)makes the token-count histograms with `buckets`; done before any request, nothing is lost."""
+        for old in ("prompt_hist", "generation_hist", "max_generation_hist", "max_tokens_hist"):
+            if hasattr(self, old):
+                self.registry.unregister(getattr(self, old))
+        r = self.registry
+        self.prompt_hist = Histogram(PREFIX + "request_prompt_tokens", "Prompt tokens per finished sample.",
+                                     registry=r, buckets=buckets)  # fmt: skip
+        self.generation_hist = Histogram(PREFIX + "request_generation_tokens", "Generated tokens per finished sample.",
+                                         registry=r, buckets=buckets)  # fmt: skip
+        self.max_generation_hist = Histogram(PREFIX + "request_max_num_generation_tokens",
+                                             "The most tokens one of a finished request's samples generated.",
+                                             registry=r, buckets=buckets)  # fmt: skip
+        self.max_tokens_hist = Histogram(PREFIX + "request_params_max_tokens",
+                                         "The max_tokens request parameter, per finished sample.", registry=r,
+                                         buckets=buckets)  # fmt: skip
+
+    def _vllm_sources(self) -> None:
+        self._vllm.sources = [self.ttft, self.itl, self.tpot, self.e2e, self.queue_time, self.prefill_time,
+                              self.decode_time, self.inference_time, self.prompt_hist, self.generation_hist,
+                              self.max_generation_hist, self.max_tokens_hist, self.params_n, self.prompt_tokens,
+                              self.generation_tokens, self.request_success]  # fmt: skip
+
+    def set_model_name(self, name: str, max_model_len: Optional[int] = None) -> None:
+        """Labels vLLM's series with the served model's name (known once the engine loaded); with `max_model_len`,
+        buckets the token-count histograms up to it, as vLLM does (call it before requests are served)."""
+        if max_model_len is not None:
+            self._token_histograms(token_buckets(max_model_len))
+            self._vllm_sources()
         self._engine.model_name = self._vllm.model_name = name
 
     def observe_http(self, route: str, status: int) -> None:
@@ -236,24 +309,43 @@ class ServerMetrics:
     def observe_handoff_wait(self, seconds: float) -> None:
         self.handoff_wait.inc(seconds)
 
-    def observe_first_token(self, ttft: float) -> None:
+    def observe_first_token(self, ttft: float, prompt_tokens: int) -> None:
+        """A sample's first token: its time to first token, and its prompt counted (vLLM counts it then)."""
         self.ttft.observe(ttft)
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def observe_prompt_without_token(self, prompt_tokens: int) -> None:
+        """The prompt of a sample that ended without a token (scored only, aborted or failed first)."""
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def observe_generated(self, tokens: int) -> None:
+        """Tokens that reached the client in one output, all samples together."""
+        self.generation_tokens.inc(tokens)
 
     def observe_token_gap(self, seconds: float) -> None:
         self.itl.observe(seconds)
 
     def observe_finished(
-        self, reason: str, prompt_tokens: int, output_tokens: int, e2e: float, tpot: Optional[float]
-    ) -> None:
-        """One engine request ended (reason: stop, length, abort or error)."""
+        self, reason: str, prompt_tokens: int, output_tokens: int, e2e: float, tpot: Optional[float],
+        phases: RequestPhases = RequestPhases(), max_tokens: Optional[int] = None,
+    ) -> None:  # fmt: skip
+        """One sample ended (reason: stop, length, abort or error); `max_tokens`: its request's parameter."""
         self.request_success.labels(finished_reason=reason).inc()
-        self.prompt_tokens.inc(prompt_tokens)
-        self.generation_tokens.inc(output_tokens)
+        if max_tokens:
+            self.max_tokens_hist.observe(max_tokens)
         self.prompt_hist.observe(prompt_tokens)
         self.generation_hist.observe(output_tokens)
         self.e2e.observe(e2e)
         if tpot is not None:
             self.tpot.observe(tpot)
+        for hist, seconds in zip((self.queue_time, self.prefill_time, self.decode_time, self.inference_time), phases):
+            if seconds is not None:
+                hist.observe(max(0.0, seconds))
+
+    def observe_request(self, n: int, max_generated: int) -> None:
+        """One request (all its samples) ended: its n, and its longest sample's tokens."""
+        self.params_n.observe(n)
+        self.max_generation_hist.observe(max_generated)
 
     def render(self, engine_stats: Mapping[str, float]) -> bytes:
         """The exposition text, with `engine_stats` (a fresh `LLMEngine.stats()`) as the engine's metrics."""

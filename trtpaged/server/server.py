@@ -165,7 +165,7 @@ def start_server(
     # vLLM's --served-model-name a b: a request may name any; answers carry the first
     names = one_or_many(served_model_name) or options.served_model_names or (llm.engine_dir.resolve().name,)
     name = names[0]
-    metrics.set_model_name(name)
+    metrics.set_model_name(name, llm.engine.config.max_seq_len)
     tokens: Optional[TokenizerWorker] = None
     try:  # the front end's own tokenizer copies, loaded from the engine dir as LLM loaded the engine's
         tokens = TokenizerWorker.start(llm.new_tokenizer, options.max_waiting)
