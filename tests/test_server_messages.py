@@ -492,6 +492,37 @@ def test_refusals_of_the_chat_body_name_the_messages_fields(server):
     wait_idle(server)
 
 
+def test_a_request_longer_than_the_context_says_so_in_anthropics_words(client, server):
+    """langchain-anthropic's ChatAnthropic raises its AnthropicContextOverflowError only on Anthropic's "prompt is too
+    long" (Claude Code compacts on it, and lowers max_tokens on "input length and `max_tokens` exceed context
+    limit: N + K > M"); was: only OpenAI's sentence, so ChatAnthropic raised a plain AnthropicInvalidRequestError."""
+    max_len = request(server, "/v1/models", headers={"x-api-key": KEY})[2]["data"][0]["max_model_len"]
+    long_turns = [{"role": "user", "content": "hello " * max_len}]
+    n = client.messages.count_tokens(model=MODEL, messages=long_turns).input_tokens
+    for stream in (False, True):
+        with pytest.raises(anthropic.BadRequestError) as caught:
+            client.messages.create(model=MODEL, max_tokens=2, messages=long_turns, stream=stream)
+        message = caught.value.body["error"]["message"]
+        assert f"prompt is too long: {n} tokens > {max_len - 1} maximum" in message, message
+        assert message.startswith("messages: ") and caught.value.body["error"]["type"] == "invalid_request_error"
+    turns = [{"role": "user", "content": "hi"}]
+    n = client.messages.count_tokens(model=MODEL, messages=turns).input_tokens
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.messages.create(model=MODEL, max_tokens=max_len, messages=turns)
+    message = caught.value.body["error"]["message"]
+    assert f"input length and `max_tokens` exceed context limit: {n} + {max_len} > {max_len}" in message, message
+    assert "prompt is too long" not in message
+    huge = [{"role": "user", "content": "hello " * 20 * max_len}]  # refused by its length before it is tokenized
+    status, _, out = request(server, "/v1/messages", {"model": MODEL, "max_tokens": 2, "messages": huge},
+                             headers={"x-api-key": KEY})  # fmt: skip
+    assert status == 400 and "prompt is too long: " in out["error"]["message"], out
+    status, _, out = request(server, "/v1/chat/completions", {"model": MODEL, "max_tokens": 2, "messages": long_turns},
+                             headers={"x-api-key": KEY})  # fmt: skip
+    assert status == 400 and out["error"]["code"] == "context_length_exceeded", out
+    assert "prompt is too long" not in out["error"]["message"]  # OpenAI's routes keep OpenAI's words
+    wait_idle(server)
+
+
 def test_a_tool_description_that_is_no_string_is_refused(client, llm, server):
     """A tool's description reaches the template (the model reads it); one that is no string is a 400 naming it
     (was: dropped without a word, the tool rendered as if it had none), as is one with a lone surrogate."""

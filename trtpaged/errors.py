@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 
@@ -18,17 +19,38 @@ class RequestError(ValueError):
     "max_seq_len - prompt tokens"). The message is for people; code reads the
     fields (the server maps them to an OpenAI error body's `param`, and `code`
     to its `code`: CONTEXT_LENGTH_EXCEEDED for a prompt, or a prompt and its
-    output, longer than the model's context).
+    output, longer than the model's context; `overflow` then holds its numbers).
     """
 
-    def __init__(self, field: str, message: str, limit: Optional[Any] = None, code: Optional[str] = None) -> None:
+    def __init__(self, field: str, message: str, limit: Optional[Any] = None, code: Optional[str] = None,
+                 overflow: Optional[ContextOverflow] = None) -> None:  # fmt: skip
         super().__init__(f"{field}: {message}")
         self.field = field
         self.limit = limit
         self.code = code
+        self.overflow = overflow
 
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's error code for it
+
+
+@dataclass(frozen=True)
+class ContextOverflow:
+    """The numbers of a request longer than the model's context: its prompt's tokens, and the output it asked for
+    where the prompt fits but prompt and output do not (None: the prompt alone leaves no room)."""
+
+    max_seq_len: int
+    input_tokens: int
+    output_tokens: Optional[int] = None
+
+    def anthropic(self) -> str:
+        """Anthropic's sentence for it, which its clients look for: langchain-anthropic raises its
+        AnthropicContextOverflowError on "prompt is too long", Claude Code compacts the conversation on it and
+        lowers max_tokens on the other."""
+        if self.output_tokens is None:
+            return f"prompt is too long: {self.input_tokens} tokens > {self.max_seq_len - 1} maximum"
+        return (f"input length and `max_tokens` exceed context limit: {self.input_tokens} + {self.output_tokens} > "
+                f"{self.max_seq_len}, decrease input length or `max_tokens` and try again")
 
 
 def context_length(max_seq_len: int, input_tokens: int) -> str:

@@ -11,7 +11,7 @@ from typing import Any, Mapping, Optional
 
 from pydantic import ValidationError
 
-from trtpaged.errors import RequestError
+from trtpaged.errors import ContextOverflow, RequestError
 from trtpaged.server.schemas import ErrorDetail, ErrorResponse
 
 
@@ -28,12 +28,14 @@ class ApiError(Exception):
         headers: Optional[Mapping[str, str]] = None,
         details: Optional[Mapping[str, Any]] = None,
         anthropic_status: Optional[int] = None,
+        overflow: Optional[ContextOverflow] = None,
     ) -> None:
         super().__init__(message)
         self.message, self.param, self.status, self.kind, self.code = message, param, status, kind, code
         self.headers = dict(headers or {})
         self.details = dict(details) if details else None  # Anthropic's error.details (its error_code), if any
         self.anthropic_status = anthropic_status  # the status on Anthropic's routes, where it is not `status`
+        self.overflow = overflow  # a context-length refusal's numbers, which Anthropic's routes word their own way
 
     def status_on(self, anthropic: bool) -> int:
         """The HTTP status of the answer: on Anthropic's routes (/v1/messages) their own where it differs."""
@@ -93,5 +95,5 @@ def from_runtime_error(exc: ValueError, names: Mapping[str, str]) -> ApiError:
     if isinstance(exc, RequestError):
         param = names.get(exc.field, exc.field)
         message = str(exc) if param == exc.field else f"{param}: {str(exc).removeprefix(exc.field + ': ')}"
-        return ApiError(message, param, code=exc.code)
+        return ApiError(message, param, code=exc.code, overflow=exc.overflow)
     return ApiError(str(exc))

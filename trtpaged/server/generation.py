@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Optional, 
 
 from pydantic import BaseModel
 
-from trtpaged.errors import CONTEXT_LENGTH_EXCEEDED, RequestError, context_length
+from trtpaged.errors import CONTEXT_LENGTH_EXCEEDED, ContextOverflow, RequestError, context_length
 from trtpaged.runtime.llm import LLM
 from trtpaged.runtime.outputs import RequestOutput, RequestOutputKind
 from trtpaged.runtime.prompt_bound import prompt_bound
@@ -280,7 +280,8 @@ class GenerationService:
             whole = limit >= self.max_seq_len - 1  # the limit is the model's context: say so as for the context
             raise ApiError(f"{field_name}: {longest} tokens exceeds this server's prompt limit ({limit})"
                            + (f". {context_length(self.max_seq_len, longest)}." if whole else ""), field_name,
-                           code=CONTEXT_LENGTH_EXCEEDED if whole else None)  # fmt: skip
+                           code=CONTEXT_LENGTH_EXCEEDED if whole else None,
+                           overflow=ContextOverflow(self.max_seq_len, longest) if whole else None)  # fmt: skip
         return prompts, tail
 
     def _text_bound(self, field_name: str) -> Optional[Callable[[str], None]]:
@@ -303,7 +304,8 @@ class GenerationService:
                 raise RequestError(field_name, f"{nbytes} bytes of text make at least {fewest} tokens with this "
                                    f"tokenizer, more than a prompt may have here ({limit}); send less text, or set "
                                    f"truncate_prompt_tokens.{context}", limit,
-                                   CONTEXT_LENGTH_EXCEEDED if context else None)  # fmt: skip
+                                   CONTEXT_LENGTH_EXCEEDED if context else None,
+                                   ContextOverflow(self.max_seq_len, fewest) if context else None)  # fmt: skip
 
         return check
 

@@ -175,7 +175,7 @@ def renamed(error: ApiError, call: Optional[MessagesCall] = None) -> ApiError:
         message = pattern.sub(spelling, message)
     param = form.split(".")[0] if base == "response_format" else _MESSAGES_NAMES.get(base, error.param)
     return ApiError(message, param, error.status, error.kind, error.code, error.headers, error.details,
-                    error.anthropic_status)  # fmt: skip
+                    error.anthropic_status, error.overflow)  # fmt: skip
 
 
 def _text_of(blocks: Any, where: str, field_name: str) -> str:

@@ -28,9 +28,11 @@ _CHAT_ERROR_STATUS = {"server_overloaded": 503, "timeout_error": 504, "invalid_r
 
 
 def error_body(error: ApiError) -> dict[str, Any]:
-    """Anthropic's error envelope of a refusal or failure (the message names the field, as this server's do)."""
+    """Anthropic's error envelope of a refusal or failure (the message names the field, as this server's do; a
+    request longer than the model's context ends with Anthropic's sentence for it)."""
     kind = _ERROR_TYPES.get(error.status, "api_error" if error.status >= 500 else "invalid_request_error")
-    body: dict[str, Any] = {"type": kind, "message": error.message}
+    message = f"{error.message} {error.overflow.anthropic()}" if error.overflow is not None else error.message
+    body: dict[str, Any] = {"type": kind, "message": message}
     if error.details:
         body["details"] = error.details
     return {"type": "error", "error": body}
