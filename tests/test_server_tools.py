@@ -354,6 +354,27 @@ def test_parallel_tool_calls_false_makes_one_call(client):
     assert ended
 
 
+def test_parallel_tool_calls_false_under_auto_answers_the_first_call(client):
+    """LangChain's ChatOpenAI(...).bind_tools(tools, parallel_tool_calls=False), the OpenAI Agents SDK's
+    ModelSettings(parallel_tool_calls=False) and LiteLLM's parallel_tool_calls=False send it with tool_choice auto: a
+    model that writes two calls is answered with the first, whole, streamed and on /v1/responses, as vLLM filters
+    them (was: both calls, which those frameworks then ran)."""
+    whole = _create(client, TWO_CALLS, parallel_tool_calls=False).choices[0]
+    assert [(tc.function.name, json.loads(tc.function.arguments)) for tc in whole.message.tool_calls] == [
+        ("add", {"a": 2, "b": 40})]  # fmt: skip
+    assert whole.finish_reason == "tool_calls"
+    content, calls, finish = _streamed(_create(client, TWO_CALLS, stream=True, parallel_tool_calls=False))
+    assert (content, finish) == (whole.message.content, "tool_calls")
+    assert [(n, a) for _, n, a in calls] == [("add", whole.message.tool_calls[0].function.arguments)]
+    assert len(_create(client, TWO_CALLS).choices[0].message.tool_calls) == 2  # parallel by default
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    for parallel, count in ((False, 1), (True, 2)):
+        resp = client.responses.create(model=MODEL, input=MESSAGES[0]["content"], tools=tools, max_output_tokens=200,
+                                       temperature=0, parallel_tool_calls=parallel,
+                                       extra_body={"structured_outputs": {"choice": [TWO_CALLS]}})  # fmt: skip
+        assert [item.name for item in resp.output if item.type == "function_call"] == ["add", "get_weather"][:count]
+
+
 def test_a_call_cut_by_a_stop_string_reads_the_same_streamed_and_whole(client):
     kw = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "temperature": 0, "max_tokens": 160,
           "tool_choice": {"type": "function", "function": {"name": "add"}}}  # fmt: skip

@@ -18,7 +18,7 @@ from trtpaged.runtime.sampling_params import MAX_SCHEMA_DEPTH, StructuredOutputs
 from trtpaged.server.errors import ApiError
 from trtpaged.server.tool_parsers import (FORMATS, HERMES, LLAMA3_JSON, MISTRAL, PARSER_NAMES, PHI4_MINI, PYTHONIC,
                                           REQUIRED, Format)
-from trtpaged.server.tool_parsers import CallReader, call_stream, parse_all
+from trtpaged.server.tool_parsers import Call, CallReader, Content, Event, call_stream, parse_all
 
 OPENAI_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 MAX_TOOLS = 128
@@ -84,7 +84,7 @@ class ToolChoice:
     definitions: list[dict[str, Any]]  # the tools as given (for the chat template)
     named: Optional[str] = None
     auto: Optional[Format] = None
-    parallel: bool = True  # parallel_tool_calls: false makes "required" exactly one call (auto: not enforced)
+    parallel: bool = True  # parallel_tool_calls: false: "required" makes exactly one call, auto keeps the first
 
     def grammar(self) -> Optional[StructuredOutputsParams]:
         """The output grammar (None for auto: the model writes freely)."""
@@ -118,17 +118,45 @@ class ToolChoice:
 
     def stream(self) -> CallReader:
         """An incremental reader of one choice's output (for a streamed answer)."""
-        return call_stream(self._format(), self.tools, self.named)
+        reader = call_stream(self._format(), self.tools, self.named)
+        return reader if self.parallel else _FirstCall(reader)
 
     def read(self, text: str) -> tuple[Optional[str], Optional[list[dict[str, Any]]], bool]:
         """(content, OpenAI `tool_calls` or None, whether the output read as well-formed calls) of a finished
         output, however it ended: what a stream of it sent, joined (the calls that went out, with the arguments
         written so far), so that the streamed and the whole answer agree. The arguments are the model's JSON text."""
         content, calls, ok = parse_all(self._format(), self.tools, text, self.named)
+        calls = calls if self.parallel else calls[:1]
         if not calls:
             return (content if text else ""), None, False  # an empty output's content is "", as without tools
         return content, [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                          for c in calls], ok  # fmt: skip
+
+
+class _FirstCall:
+    """A reader that passes on a choice's first call only: `parallel_tool_calls: false` under auto, where the model
+    may write several (vLLM and OpenAI answer one; the grammar of "required" holds one already)."""
+
+    def __init__(self, reader: CallReader) -> None:
+        self._reader = reader
+
+    @property
+    def calls(self) -> list[Call]:
+        return self._reader.calls[:1]
+
+    @property
+    def malformed(self) -> bool:
+        return self._reader.malformed
+
+    @property
+    def ok(self) -> bool:
+        return self._reader.ok
+
+    def feed(self, text: str, final: bool = False) -> list[Event]:
+        return [e for e in self._reader.feed(text, final) if isinstance(e, Content) or e.index == 0]
+
+    def finish(self) -> list[Event]:
+        return [e for e in self._reader.finish() if isinstance(e, Content) or e.index == 0]
 
 
 def _tool(index: int, value: Any) -> tuple[str, dict[str, Any]]:
