@@ -72,14 +72,23 @@ class _Timing:
     last_step: int = 0  # the engine's step count at the last output that brought a token
     scored_only: bool = False  # echo with max_tokens 0: the token sampled to score the prompt is dropped, not output
     prompt: Sequence[int] = ()  # the prompt's token ids (the request log's)
-    cached_tokens: Optional[int] = None  # prompt tokens found in the prefix cache (known once first scheduled)
-    group: Any = None  # the engine's SequenceGroup: its `times` (queued, first scheduled, first token)
+    group: Any = None  # the engine's SequenceGroup: its `times` (queued, first scheduled, first token), cache hit
     first_by_index: dict[int, float] = field(default_factory=dict)  # completion index -> when its first token came
     counted: set[int] = field(default_factory=set)  # completions whose end the metrics counted
 
     def generated(self) -> int:
         """Tokens generated so far, all completions together (what the client gets: none when scored_only)."""
         return 0 if self.scored_only else sum(self.by_index.values())
+
+    def indices(self) -> list[int]:
+        """Every completion's index, those that made no token (yet, or before an abort) too."""
+        n = self.params.n if self.params is not None else 1
+        return sorted(set(range(n)) | set(self.by_index))
+
+    @property
+    def cached_tokens(self) -> Optional[int]:
+        """Prompt tokens the prefix cache held (None: never scheduled)."""
+        return self.group.num_cached_tokens if self.group is not None else None
 
 
 def _phases(timing: _Timing, last_token: Optional[float]) -> RequestPhases:
@@ -393,20 +402,17 @@ class EngineLoop:
             raise
 
     def _abort(self, rid: str) -> None:
-        group = self.engine.groups.get(rid)
         if self.engine.abort(rid):
             timing = self._timing.get(rid)
             if timing is not None:
-                self._ended_early(timing, "abort", group.num_cached_tokens if group is not None else None)
+                self._ended_early(timing, "abort")
         self._forget(rid)
 
-    def _ended_early(self, timing: _Timing, reason: str, cached_tokens: Optional[int]) -> None:
+    def _ended_early(self, timing: _Timing, reason: str) -> None:
         """Metrics and the log line of a request ended before it finished (reason: abort or error)."""
         now = time.monotonic()
         self._observe_ended(timing, now, reason)
         if self.request_log is not None:
-            if cached_tokens is not None:
-                timing.cached_tokens = cached_tokens
             self._log_finished(self.request_log, timing, now, reason)
 
     def _forget(self, rid: str) -> None:
@@ -478,8 +484,6 @@ class EngineLoop:
     def _observe(self, out: RequestOutput, now: float) -> None:
         """Token timing metrics from one DELTA output (the server asks every request for DELTA outputs)."""
         timing = self._timing[out.request_id]
-        if out.num_cached_tokens is not None:
-            timing.cached_tokens = out.num_cached_tokens
         made = 0
         for c in out.outputs:
             timing.by_index[c.index] = timing.by_index.get(c.index, 0) + len(c.token_ids)
@@ -514,12 +518,11 @@ class EngineLoop:
     def _observe_ended(self, timing: _Timing, now: float, ended: str) -> None:
         """Counts the end of a request's completions not counted yet (`ended`: the finish reason of those that have
         none: still running at an abort), then the request's own series."""
-        n = timing.params.n if timing.params is not None else 1
-        for index in sorted(set(range(n)) | set(timing.by_index)):
+        for index in timing.indices():
             if index not in timing.counted:
                 self._observe_sample_end(timing, index, now, timing.reasons.get(index) or ended)
         longest = 0 if timing.scored_only else max(timing.by_index.values(), default=0)
-        self.metrics.observe_request(n, longest)
+        self.metrics.observe_request(timing.params.n if timing.params is not None else 1, longest)
 
     def _observe_sample_end(self, timing: _Timing, index: int, now: float, reason: str) -> None:
         """One completion ended: vLLM v1 runs each of a request's n samples as an engine request of its own and counts
@@ -546,7 +549,7 @@ class EngineLoop:
         ttft = timing.first_token - timing.arrival if timing.first_token is not None else None
         # every completion, those that made no token before an abort too (diagnose checks there are n); a scored
         # prompt's one sampled token is dropped, as in its answer and the metrics
-        indices = sorted(set(range(params.n)) | set(timing.by_index))
+        indices = timing.indices()
         made = {} if timing.scored_only else timing.by_index
         reasons = {} if timing.scored_only else timing.reasons
         request_log.record_finished(timing.prompt, timing.cached_tokens,
@@ -558,11 +561,10 @@ class EngineLoop:
 
     def _fail_all(self, error: Exception, reason: str) -> None:
         for rid, sub in list(self._subs.items()):
-            group = self.engine.groups.get(rid)
             try:
                 self.engine.abort(rid)
             except Exception:  # noqa: BLE001 - state may be inconsistent after a failed step
                 log.exception("abort of %s failed", rid)
-            self._ended_early(self._timing[rid], reason, group.num_cached_tokens if group is not None else None)
+            self._ended_early(self._timing[rid], reason)
             sub.put(error)
             self._forget(rid)
