@@ -113,7 +113,17 @@ VLLM_PREFIX = "vllm:"
 # the engine series vLLM also has, under the same names after the prefix; and older vLLM names still scraped
 VLLM_ENGINE_SERIES = frozenset({"num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
                                 "num_preemptions", "prefix_cache_queries", "prefix_cache_hits"})  # fmt: skip
-VLLM_OLD_NAMES = {"kv_cache_usage_perc": "gpu_cache_usage_perc"}
+# a series' older vLLM name, written too (the same series), for the dashboards that still read it
+VLLM_OLD_NAMES = {"kv_cache_usage_perc": "gpu_cache_usage_perc",
+                  "inter_token_latency_seconds": "time_per_output_token_seconds"}
+
+
+def vllm_copies(family: Metric, model_name: str) -> Iterator[Metric]:
+    """`family` under vLLM's name (`vllm_copy`), and under its older vLLM name too where it has one (VLLM_OLD_NAMES)."""
+    yield vllm_copy(family, model_name)
+    old = VLLM_OLD_NAMES.get(family.name[len(PREFIX) :])
+    if old is not None:
+        yield vllm_copy(family, model_name, VLLM_PREFIX + old)
 
 
 def vllm_copy(family: Metric, model_name: str, name: Optional[str] = None) -> Metric:
@@ -141,9 +151,7 @@ class _EngineStatsCollector(Collector):
             yield family
             short = family.name[len(PREFIX) :]
             if self.model_name is not None and short in VLLM_ENGINE_SERIES:
-                yield vllm_copy(family, self.model_name)
-                if short in VLLM_OLD_NAMES:
-                    yield vllm_copy(family, self.model_name, VLLM_PREFIX + VLLM_OLD_NAMES[short])
+                yield from vllm_copies(family, self.model_name)
 
     def _own(self, stats: Mapping[str, float]) -> Iterator[Metric]:
         for key, (name, kind, help_text) in ENGINE_STATS.items():
@@ -172,12 +180,11 @@ class _EngineStatsCollector(Collector):
 
 class _VllmSeries(Collector):
     """The server's request histograms and counters again under vLLM's names (the same as this server's after the
-    prefix), each series labelled with the served model's name; nothing until the name is set. `old_names`: a
-    source's older vLLM name, written too (the same series), for the dashboards that still read it."""
+    prefix), each series labelled with the served model's name, and under its older name too (VLLM_OLD_NAMES);
+    nothing until the name is set."""
 
-    def __init__(self, sources: list[MetricWrapperBase], old_names: Mapping[str, str]) -> None:
+    def __init__(self, sources: list[MetricWrapperBase]) -> None:
         self.sources = sources
-        self.old_names = old_names
         self.model_name: Optional[str] = None
 
     def collect(self) -> Iterator[Metric]:
@@ -185,10 +192,7 @@ class _VllmSeries(Collector):
             return
         for source in self.sources:
             for family in source.collect():
-                yield vllm_copy(family, self.model_name)
-                old = self.old_names.get(family.name[len(PREFIX) :])
-                if old is not None:
-                    yield vllm_copy(family, self.model_name, VLLM_PREFIX + old)
+                yield from vllm_copies(family, self.model_name)
 
 
 def _spec_metrics(stats: Mapping[str, float]) -> Iterator[Metric]:
@@ -264,7 +268,7 @@ class ServerMetrics:
                                     "Wall time the engine thread waited, after its steps, for the event loop to run "
                                     "the readers of their outputs.", registry=r)  # fmt: skip
         self._token_histograms(TOKEN_BUCKETS)
-        self._vllm = _VllmSeries([], {"inter_token_latency_seconds": "time_per_output_token_seconds"})
+        self._vllm = _VllmSeries([])
         self._vllm_sources()
         r.register(self._vllm)
 
