@@ -18,8 +18,8 @@ class RequestError(ValueError):
     it broke, when there is one (a number, or a description such as
     "max_seq_len - prompt tokens"). The message is for people; code reads the
     fields (the server maps them to an OpenAI error body's `param`, and `code`
-    to its `code`: CONTEXT_LENGTH_EXCEEDED for a prompt, or a prompt and its
-    output, longer than the model's context; `overflow` then holds its numbers).
+    to its `code`). `overflow` holds the numbers of a prompt, or a prompt and its
+    output, longer than the model's context; `code` is then CONTEXT_LENGTH_EXCEEDED.
     """
 
     def __init__(self, field: str, message: str, limit: Optional[Any] = None, code: Optional[str] = None,
@@ -27,7 +27,7 @@ class RequestError(ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.limit = limit
-        self.code = code
+        self.code = CONTEXT_LENGTH_EXCEEDED if code is None and overflow is not None else code
         self.overflow = overflow
 
 

@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional, Sequence as Seq, Union
 
-from trtpaged.errors import CONTEXT_LENGTH_EXCEEDED, ContextOverflow, RequestError, context_length
+from trtpaged.errors import ContextOverflow, RequestError, context_length
 from trtpaged.runtime.beam_search import BeamStep
 from trtpaged.runtime.draft import DraftProposer, DraftRequest, Proposal, common_prefix
 from trtpaged.runtime.kv_cache_manager import AllocationPlan, AllocRequest, KVCacheManager, TierSave
@@ -90,8 +90,7 @@ def check_request(c: RuntimeConfig, num_prompt_tokens: int, params: SamplingPara
             f"token (prompt + output must fit in max_seq_len; at most {c.max_seq_len - 1} prompt tokens). "
             f"{context_length(c.max_seq_len, num_prompt_tokens)}.",
             c.max_seq_len - 1,
-            CONTEXT_LENGTH_EXCEEDED,
-            ContextOverflow(c.max_seq_len, num_prompt_tokens),
+            overflow=ContextOverflow(c.max_seq_len, num_prompt_tokens),
         )
     blocks = -(-num_prompt_tokens // c.block_size)
     if c.reclaim_window:  # blocks before the window go back as the prompt's chunks advance: at most these live
@@ -111,8 +110,7 @@ def check_request(c: RuntimeConfig, num_prompt_tokens: int, params: SamplingPara
             f"({c.max_seq_len}); at most {room} here. {context_length(c.max_seq_len, num_prompt_tokens)} and "
             f"asks for {params.max_tokens} output tokens.",
             room,
-            CONTEXT_LENGTH_EXCEEDED,
-            ContextOverflow(c.max_seq_len, num_prompt_tokens, params.max_tokens),
+            overflow=ContextOverflow(c.max_seq_len, num_prompt_tokens, params.max_tokens),
         )
     for name in ("logprobs", "prompt_logprobs"):
         k = getattr(params, name)

@@ -27,7 +27,7 @@ from trtpaged.server import messages_api, messages_output, responses_api, respon
 from trtpaged.server.engine_loop import ClientGone, EngineFailure, EngineLoop, Overloaded, RequestTimeout, ShuttingDown
 from trtpaged.server.errors import ApiError, overloaded
 from trtpaged.server.generation import GenerationService, Submitted, runtime_failure
-from trtpaged.server.large_answers import render_json
+from trtpaged.server.large_answers import off_loop_if, render_json
 from trtpaged.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
 from trtpaged.server.options import LOOPBACK_ORIGINS, ServerOptions
 from trtpaged.server.protocol import check_model
@@ -385,12 +385,12 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
                                               summary.reasoning_tokens)  # fmt: skip
             build = lambda: responses_output.response_body(call, summary.request_id, answer, usage,  # noqa: E731
                                                            summary.reasoning_span)  # fmt: skip
-            body = await asyncio.to_thread(build) if submitted.large else build()
+            body = await off_loop_if(submitted.large, build)
             keep = stored.keep(call, summary.request_id)
             if keep is not None:  # on the loop: the store is the loop's
                 body["store"] = keep(body)
             # ASCII JSON: a lone surrogate the client sent, echoed in the Response, is escaped (a UTF-8 write failed)
-            text = await asyncio.to_thread(json.dumps, body) if submitted.large else json.dumps(body)
+            text = await off_loop_if(submitted.large, json.dumps, body)
             return Response(text, media_type="application/json", headers=headers)
         if submitted.large:  # built and written off the loop, which serves the other clients meanwhile
             return Response(await asyncio.to_thread(render_json, answer), media_type="application/json",

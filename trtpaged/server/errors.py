@@ -11,7 +11,7 @@ from typing import Any, Mapping, Optional
 
 from pydantic import ValidationError
 
-from trtpaged.errors import ContextOverflow, RequestError
+from trtpaged.errors import CONTEXT_LENGTH_EXCEEDED, ContextOverflow, RequestError
 from trtpaged.server.schemas import ErrorDetail, ErrorResponse
 
 
@@ -31,6 +31,8 @@ class ApiError(Exception):
         overflow: Optional[ContextOverflow] = None,
     ) -> None:
         super().__init__(message)
+        # a request longer than the model's context (overflow): OpenAI's context_length_exceeded
+        code = CONTEXT_LENGTH_EXCEEDED if code is None and overflow is not None else code
         self.message, self.param, self.status, self.kind, self.code = message, param, status, kind, code
         self.headers = dict(headers or {})
         self.details = dict(details) if details else None  # Anthropic's error.details (its error_code), if any

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import itertools
 import logging
@@ -10,11 +9,11 @@ import time
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Optional, Sequence, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Optional, Sequence
 
 from pydantic import BaseModel
 
-from trtpaged.errors import CONTEXT_LENGTH_EXCEEDED, ContextOverflow, RequestError, context_length
+from trtpaged.errors import ContextOverflow, RequestError, context_length
 from trtpaged.runtime.llm import LLM
 from trtpaged.runtime.outputs import RequestOutput, RequestOutputKind
 from trtpaged.runtime.prompt_bound import prompt_bound
@@ -32,7 +31,8 @@ from trtpaged.server.engine_loop import (
     Subscription,
 )
 from trtpaged.server.errors import ApiError, from_runtime_error, overloaded
-from trtpaged.server.large_answers import OFF_LOOP_ENTRIES, check_logprob_entries, logprob_entries, logprob_entry_bound
+from trtpaged.server.large_answers import (OFF_LOOP_ENTRIES, check_logprob_entries, logprob_entries,
+                                           logprob_entry_bound, off_loop_if)
 from trtpaged.server.protocol import GenerationRequest, check_request_id, message_text, parse_generation
 from trtpaged.server.reasoning import ChoiceReasoning, split_text
 from trtpaged.server.responses import Echo, ResponseBuilder, TokenStrings, logprob_token_ids, sse, top_entries, usage
@@ -45,7 +45,6 @@ from trtpaged.server.tool_parsers import CallReader
 from trtpaged.server.tools import tool_format
 
 Disconnected = Callable[[], Awaitable[bool]]
-T = TypeVar("T")
 log = logging.getLogger("trtpaged.server")
 
 
@@ -280,7 +279,6 @@ class GenerationService:
             whole = limit >= self.max_seq_len - 1  # the limit is the model's context: say so as for the context
             raise ApiError(f"{field_name}: {longest} tokens exceeds this server's prompt limit ({limit})"
                            + (f". {context_length(self.max_seq_len, longest)}." if whole else ""), field_name,
-                           code=CONTEXT_LENGTH_EXCEEDED if whole else None,
                            overflow=ContextOverflow(self.max_seq_len, longest) if whole else None)  # fmt: skip
         return prompts, tail
 
@@ -304,8 +302,7 @@ class GenerationService:
                 raise RequestError(field_name, f"{nbytes} bytes of text make at least {fewest} tokens with this "
                                    f"tokenizer, more than a prompt may have here ({limit}); send less text, or set "
                                    f"truncate_prompt_tokens.{context}", limit,
-                                   CONTEXT_LENGTH_EXCEEDED if context else None,
-                                   ContextOverflow(self.max_seq_len, fewest) if context else None)  # fmt: skip
+                                   overflow=ContextOverflow(self.max_seq_len, fewest) if context else None)  # fmt: skip
 
         return check
 
@@ -388,8 +385,8 @@ class GenerationService:
             whole = False
         ordered = [j.result() if whole else j.cut() for j in joined]
         echoes = await self._echoes(s, ordered) if s.req.echo else None
-        strings = await self._token_strings(s.req, await _run(s.large, lambda: _shown_ids(s, ordered, echoes)))
-        return await _run(s.large, lambda: self._body(s, ordered, strings, echoes))
+        strings = await self._token_strings(s.req, await off_loop_if(s.large, lambda: _shown_ids(s, ordered, echoes)))
+        return await off_loop_if(s.large, lambda: self._body(s, ordered, strings, echoes))
 
     def _body(self, s: Submitted, ordered: list[RequestOutput], strings: TokenStrings,
               echoes: Optional[list[Echo]]) -> BaseModel:  # fmt: skip
@@ -411,7 +408,7 @@ class GenerationService:
         texts = await self.tokens.output(lambda tokenizer: [o.prompt if o.prompt is not None else tokenizer.decode(
             o.prompt_token_ids, skip_special_tokens=False) for o in outs])  # fmt: skip
         k = s.req.logprobs
-        return await _run(s.large, lambda: [
+        return await off_loop_if(s.large, lambda: [
             Echo(text, list(o.prompt_token_ids), None if k is None or o.prompt_logprobs is None else
                  top_entries(o.prompt_logprobs, o.prompt_token_ids, k)) for text, o in zip(texts, outs)])  # fmt: skip
 
@@ -534,12 +531,6 @@ class GenerationService:
 
 async def _never() -> bool:
     return False
-
-
-async def _run(large: bool, fn: Callable[[], T]) -> T:
-    """`fn()` on a worker thread for a large answer (the event loop serves the other clients meanwhile, taking the
-    GIL every switch interval), else here."""
-    return await asyncio.to_thread(fn) if large else fn()
 
 
 def _shown_ids(s: Submitted, ordered: Sequence[RequestOutput], echoes: Optional[Sequence[Echo]]) -> set[int]:

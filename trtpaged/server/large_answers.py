@@ -10,9 +10,10 @@ request over it is a 400 before it is queued, told from its own fields and its p
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 from pydantic import BaseModel, TypeAdapter
 
@@ -28,6 +29,7 @@ MAX_LOGPROB_ENTRIES = 1 << 18
 OFF_LOOP_ENTRIES = 1 << 12
 _PROMPT_SLICE = 256  # prompt_logprobs positions rendered per json.dumps (21 entries each at most: ~1 ms)
 _prompt_logprobs = TypeAdapter(PromptLogprobs)
+T = TypeVar("T")
 
 
 def logprob_entry_bound(max_seq_len: int, max_logprobs: int, given: Optional[int] = None) -> int:
@@ -84,6 +86,12 @@ def check_logprob_entries(entries: LogprobEntries, bound: int) -> None:
         raise ApiError(f"{entries.field}: this request's answer could hold {entries.total} log-prob entries "
                        f"({' + '.join(entries.terms)}); at most {bound}: ask for fewer prompts, tokens or log-probs",
                        entries.field)  # fmt: skip
+
+
+async def off_loop_if(large: bool, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on a worker thread for a large answer (the event loop serves the other clients meanwhile, taking
+    the GIL every switch interval), else here (a thread's hand-over would cost more than it saves)."""
+    return await asyncio.to_thread(fn, *args) if large else fn(*args)
 
 
 def _json(data: Any) -> str:

@@ -21,6 +21,7 @@ from trtpaged.server.engine_loop import ClientGone, EngineFailure, RequestTimeou
 from trtpaged.server.errors import ApiError, overloaded
 from trtpaged.server.event_logs import EventLogs
 from trtpaged.server.generation import GenerationService, Submitted, runtime_failure
+from trtpaged.server.large_answers import off_loop_if
 from trtpaged.server.responses_api import ResponsesCall
 from trtpaged.server.responses_output import Keep
 from trtpaged.server.responses_store import ResponsesStore, not_found
@@ -133,7 +134,7 @@ class StoredResponses:
                 usage = self._usage(s)
                 build = lambda: responses_output.response_body(call, rid, answer, usage,  # noqa: E731
                                                                s.summary.reasoning_span)  # fmt: skip
-                body = await asyncio.to_thread(build) if s.large else build()
+                body = await off_loop_if(s.large, build)
                 if body["status"] == "cancelled":
                     status, note = 499, "cancelled"
         except (ClientGone, asyncio.CancelledError):  # cancelled: the request was aborted
