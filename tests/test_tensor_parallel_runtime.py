@@ -200,8 +200,9 @@ def test_killed_rank_0_leaves_no_worker_behind(tiny_kv4_engines):
             proc.wait()
 
 
-def test_worker_failing_to_load_is_reported_at_start(tiny_kv4_engines, tmp_path):
+def test_worker_failing_to_load_is_reported_at_start(tiny_kv4_engines, tmp_path, monkeypatch):
     import shutil
+    import tempfile
 
     import json
     import struct
@@ -220,10 +221,16 @@ def test_worker_failing_to_load_is_reported_at_start(tiny_kv4_engines, tmp_path)
     raw = json.loads((engine / "trtpaged.json").read_text())
     raw["files"][shard.name] = sha256_file(shard)
     save_manifest(engine, raw)
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     start = time.monotonic()
-    with pytest.raises(TensorParallelError, match=r"rendezvous failed: rank 1 \(pid \d+\) exited with code 1"):
+    # the worker's own reason is quoted (it was on stderr only): rank 1's shard and its bad tensor
+    with pytest.raises(TensorParallelError, match=r"rendezvous failed: rank 1 \(pid \d+\) exited with code 1: "
+                       r"EngineDirError: .*weights-rank1\.safetensors: embed_tokens\.weight: 1024 .* NaN"):
         LLM(engine, device="cpu")
     assert time.monotonic() - start < 60
+    assert list(temp.iterdir()) == []  # the workers' error files went with them
 
 
 def test_rank_0_failing_after_the_rendezvous_stops_the_workers(tiny_kv4_engines, monkeypatch):

@@ -3,14 +3,18 @@
 Each worker is `python -m trtpaged.runtime.tp.worker` in its own session (a
 Ctrl-C reaches rank 0 only, which then stops them) that exits when its parent
 disappears. On CPU the machine's cores are divided between the ranks
-(OMP_NUM_THREADS per worker, unless set).
+(OMP_NUM_THREADS per worker, unless set). A worker that fails writes its one
+line of why to an error file of its own (torchrun's way), which rank 0's
+report of its exit quotes.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional
@@ -26,8 +30,9 @@ def threads_per_rank(world_size: int) -> int:
 class WorkerSet:
     """The worker processes this process started."""
 
-    def __init__(self, procs: dict[int, subprocess.Popen]) -> None:
+    def __init__(self, procs: dict[int, subprocess.Popen], error_dir: Optional[Path] = None) -> None:
         self.procs = procs  # rank -> process
+        self.error_dir = error_dir  # each rank's error file (error_file), removed by stop()
 
     @classmethod
     def start(cls, engine_dir: Path, rz: Rendezvous, port: int, devices: dict[int, str]) -> "WorkerSet":
@@ -38,22 +43,35 @@ class WorkerSet:
         for var in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
             env.pop(var, None)  # a local launch passes its own
         procs: dict[int, subprocess.Popen] = {}
+        error_dir = Path(tempfile.mkdtemp(prefix="trtpaged-tp-"))
         for rank in range(1, rz.world_size):
             cmd = [sys.executable, "-m", "trtpaged.runtime.tp.worker", str(engine_dir), "--rank", str(rank),
                    "--world-size", str(rz.world_size), "--master-addr", "127.0.0.1", "--master-port", str(port),
-                   "--device", devices[rank], "--timeout", str(rz.timeout_s), "--parent-pid", str(os.getpid())]
+                   "--device", devices[rank], "--timeout", str(rz.timeout_s), "--parent-pid", str(os.getpid()),
+                   "--error-file", str(error_file(error_dir, rank))]
             procs[rank] = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
-        return cls(procs)
+        return cls(procs, error_dir)
 
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs.values()]
 
     def failure(self) -> Optional[str]:
-        """'rank R (pid P) exited with code C' for every worker that has exited, or None."""
-        dead = [f"rank {r} (pid {p.pid}) exited with {_how(p.returncode)}"
+        """'rank R (pid P) exited with code C: why' for every worker that has exited (why: the line it wrote to its
+        error file, if any), or None."""
+        dead = [f"rank {r} (pid {p.pid}) exited with {_how(p.returncode)}{self._why(r)}"
                 for r, p in self.procs.items() if p.poll() is not None]
         return "; ".join(dead) or None
+
+    def _why(self, rank: int) -> str:
+        if self.error_dir is None:
+            return ""
+        try:
+            with open(error_file(self.error_dir, rank), "rb") as f:
+                line = f.read(MAX_ERROR_BYTES).decode("utf-8", "replace").strip()
+        except OSError:
+            return ""
+        return f": {line}" if line else ""
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Waits up to grace_s for the workers to exit (after STOP), then terminates and kills what is left."""
@@ -72,6 +90,16 @@ class WorkerSet:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        if self.error_dir is not None:
+            shutil.rmtree(self.error_dir, ignore_errors=True)
+
+
+MAX_ERROR_BYTES = 1000  # of a worker's error file that a report quotes (it writes one line)
+
+
+def error_file(error_dir: Path, rank: int) -> Path:
+    """Where rank `rank` writes why it failed."""
+    return error_dir / f"rank{rank}.err"
 
 
 def _how(code: int) -> str:
