@@ -84,6 +84,12 @@ def is_json_content_type(value: str | None) -> bool:
     return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
 
 
+# A body past this is decoded and validated on a worker thread: pydantic's validation of a 6 MB chat body of 150k
+# messages held the event loop (every other client's /health and stream) 0.5-1.7 s; the hand-over costs more than
+# it saves on the 1-100 KB of most bodies
+LARGE_BODY_BYTES = 256 << 10
+
+
 def parse_json(raw: bytes) -> Any:
     """Strict JSON (no NaN/Infinity) in strict UTF-8 (a leading BOM is ignored, as RFC 8259 allows);
     any failure is a 400 on `body`. Decoded here rather than by `json.loads(bytes)`, which would
@@ -271,11 +277,17 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
         if draining:
             metrics.observe_rejected("draining")
             raise overloaded("the server is shutting down", options.retry_after_s, busy=False)
-        call, claimed, message_call = None, None, None
+        call, claimed, message_call, large = None, None, None, False
         try:
-            body = parse_json(await read_body(request)) if given is None else given
+            if given is None:
+                raw = await read_body(request)
+                large = len(raw) > LARGE_BODY_BYTES
+                body = await off_loop_if(large, parse_json, raw)
+            else:
+                body = given
             if messages:
-                message_call = messages_api.translate(body, service.model_names, service.reasoning is not None)
+                message_call = await off_loop_if(large, messages_api.translate, body, service.model_names,
+                                                 service.reasoning is not None)  # fmt: skip
                 body = message_call.chat_body
             if responses:
                 call = responses_api.translate(body, service.model_names, stored.store, service.max_logprobs,
@@ -284,7 +296,7 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
                 claimed = stored.claim(call, request.headers.get("x-request-id"))
                 if call.req.truncation == "auto":
                     body = await unless_disconnected(request, fitted(call, request.headers.get("x-request-id")))
-            submitting = service.submit(body, chat, request.headers.get("x-request-id"))
+            submitting = service.submit(body, chat, request.headers.get("x-request-id"), large_body=large)
             submitted = await unless_disconnected(request, submitting)
             assert submitted is not None
         except ClientGone:

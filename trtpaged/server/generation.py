@@ -137,13 +137,15 @@ class GenerationService:
         self.reasoning = llm.reasoning
 
     async def submit(self, body: Any, chat: bool, header_id: Optional[str] = None,
-                     dry_run: bool = False) -> Optional[Submitted]:  # fmt: skip
+                     dry_run: bool = False, large_body: bool = False) -> Optional[Submitted]:  # fmt: skip
         """Validates, tokenizes and queues one request; raises ApiError before anything is sent. The answer's id is
         "cmpl-<id>" ("chatcmpl-<id>") of the caller's id, as vLLM's: the X-Request-Id header (`header_id`), else the
-        body's request_id, else a random one. `dry_run`: every check, nothing queued (None)."""
+        body's request_id, else a random one. `dry_run`: every check, nothing queued (None). `large_body`: validated
+        on a worker thread (the event loop serves the other clients meanwhile)."""
         caller_id = check_request_id(header_id, "X-Request-Id")
-        req = parse_generation(body, chat, self.model_names, self.vocab_size, self.auto_tools, self.max_logprobs,
-                               self.template_defaults, self.trust_request_template)  # fmt: skip
+        req = await off_loop_if(large_body, parse_generation, body, chat, self.model_names, self.vocab_size,
+                                self.auto_tools, self.max_logprobs, self.template_defaults,
+                                self.trust_request_template)  # fmt: skip
         if req.chat:  # the server's --chat-template-content-format (LLM's), for whichever template renders it
             req.chat_options["content_format"] = self.llm.chat_template_content_format
         if self.force_include_usage and req.stream:
