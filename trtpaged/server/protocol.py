@@ -7,6 +7,7 @@ value ranges are the runtime's.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence, TypeVar, Union
 
@@ -16,6 +17,7 @@ from trtpaged.errors import RequestError
 from trtpaged.server import constraints
 from trtpaged.server.tools import AutoTools, ToolChoice, shown_tools, tool_choice
 from trtpaged.server.errors import ApiError, from_runtime_error, from_validation_error
+from trtpaged.server.legacy_functions import ToolFields, as_tool_messages, renamed, tool_fields
 from trtpaged.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, TokenizeChatRequest
 
 MAX_LOGPROBS = 20  # top log-probs per token a request may ask for (OpenAI's limit; the server's max_logprobs default)
@@ -33,7 +35,7 @@ _VLLM_ASKS_NOTHING = (None, "", [], {})
 # with any other). OpenAI's moderation is refused unless null; vLLM's fields have no counterpart here.
 _REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     **{name: (_ASKS_NOTHING, "not supported by this server")
-       for name in ("suffix", "functions", "function_call", "audio", "web_search_options")},
+       for name in ("suffix", "audio", "web_search_options")},
     "moderation": ((None,), "this server runs no moderation model on the input or output"),
     "guided_whitespace_pattern": (_VLLM_ASKS_NOTHING, "JSON grammars keep xgrammar's own whitespace rule here"),
     "logits_processors": (_VLLM_ASKS_NOTHING, "no custom logits processors run here"),
@@ -157,13 +159,14 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         if isinstance(content, list):  # the template gets them joined or as parts (LLM's content format)
             content = [{"type": "text", "text": _text_part(part, f"messages[{m}].content[{p}]")}
                        for p, part in enumerate(content)]  # fmt: skip
-        given = ("tool_calls", "tool_call_id", "name")  # as the request gave them (schemas.ChatMessage types them)
+        # as the request gave them (schemas.ChatMessage types them); a legacy function_call becomes tool_calls below
+        given = ("tool_calls", "tool_call_id", "name", "function_call")
         extra = {k: getattr(msg, k) for k in given if k in msg.model_fields_set}
         thought = msg.reasoning if msg.reasoning is not None else msg.reasoning_content
         if thought is not None:  # templates read either name (Qwen3's reasoning_content)
             extra.update(reasoning=thought, reasoning_content=thought)
         out.append({"role": msg.role, "content": content, **extra})
-    return out
+    return as_tool_messages(out)
 
 
 def message_text(message: dict[str, Any]) -> str:
@@ -257,13 +260,15 @@ def parse_generation(body: Any, chat: bool, served_names: Sequence[str], vocab_s
         raise ApiError(f"modalities: {other} not supported by this server (text only)", "modalities")
     names: dict[str, str] = {}
     sampling = {k: getattr(req, k) for k in _SAMPLING_FIELDS if getattr(req, k) is not None}
+    fields = tool_fields(req) if isinstance(req, ChatCompletionRequest) else None
     try:
         sampling.update(_constraint_fields(req, vocab_size))
-        tools = _tools(req, sampling, auto_tools)
-        shown = tools.definitions if tools is not None else \
-            shown_tools(req.tools) if isinstance(req, ChatCompletionRequest) else None  # fmt: skip
+        tools = _tools(fields, sampling, auto_tools) if fields is not None else None
+        shown = tools.definitions if tools is not None else shown_tools(fields.tools) if fields is not None else None
     except ValueError as exc:  # StructuredOutputsParams' own checks name the request field that set it
         raise from_runtime_error(exc, names) from None
+    except ApiError as exc:  # a legacy request's refusal names its own fields
+        raise renamed(exc) if fields is not None and fields.functions else exc from None
     stop = [req.stop] if isinstance(req.stop, str) else req.stop
     sampling.update(stop=tuple(stop or ()), stop_token_ids=tuple(req.stop_token_ids or ()))
     sampling.update(_beam_fields(req, names))
@@ -407,17 +412,16 @@ def _constraint_fields(req: Union[CompletionRequest, ChatCompletionRequest], voc
     return out
 
 
-def _tools(req: Union[CompletionRequest, ChatCompletionRequest], sampling: dict[str, Any],
-           auto: AutoTools) -> Optional[ToolChoice]:  # fmt: skip
+def _tools(fields: ToolFields, sampling: dict[str, Any], auto: AutoTools) -> Optional[ToolChoice]:
     """Chat tools: required / named: their grammar becomes the request's (response_format beside it is dropped,
     a structured_outputs / guided_* / structural_tag field is a 400 naming tool_choice). Auto: the model writes
     freely (a grammar field still applies) and its text keeps special tokens unless skip_special_tokens is set, since
     some formats' markers are special tokens ([TOOL_CALLS], <|python_tag|>)."""
-    if not isinstance(req, ChatCompletionRequest):
-        return None
-    tools = tool_choice(req.tools, req.tool_choice, auto, req.parallel_tool_calls is not False)
+    tools = tool_choice(fields.tools, fields.choice, auto, fields.parallel)
     if tools is None:
         return None
+    if fields.functions:
+        tools = dataclasses.replace(tools, functions=True)
     if tools.auto is not None:
         sampling.setdefault("skip_special_tokens", False)
         return tools

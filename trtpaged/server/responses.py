@@ -211,13 +211,18 @@ class ResponseBuilder:
                     if self.tools is not None:  # read as its stream read it, however it ended (the calls so far)
                         content, calls, complete = self.tools.read(text)
                     if calls and complete and c.finish_reason == "stop" and self.tools.named is None:
-                        common["finish_reason"] = "tool_calls"  # a named call ends with "stop" (OpenAI's, vLLM's)
+                        # a named call ends with "stop" (OpenAI's, vLLM's; a named function_call's too)
+                        common["finish_reason"] = self.tools.calls_finish
+                    function_call = None
+                    if calls and self.tools.functions:  # the legacy form: the one call as function_call
+                        function_call, calls = calls[0]["function"], None
                     if self.echo:
                         content = self.echo + (content or "")
                     elif self.reasoning is not None and not content:
                         content = None  # vLLM's: no answer after the reasoning is a null content
                     shown = thought if self.show_reasoning else None
                     choices.append(ChatChoice(message=AssistantMessage(content=content, tool_calls=calls,
+                                                                       function_call=function_call,
                                                                        reasoning=shown), **common))  # fmt: skip
                 else:
                     scored = vllm_prompt_logprobs(out.prompt_logprobs, strings) if (
@@ -281,15 +286,16 @@ class ResponseBuilder:
                            logprobs: Optional[ChatLogprobs] = None, stop_reason: Union[int, str, None] = None,
                            token_ids: Optional[list[int]] = None) -> list[ChatCompletionChunk]:  # fmt: skip
         """The chunks of a streamed tool-call choice's new text (read by its `reader`); once it ends, the last
-        chunk with finish_reason "tool_calls" when the choice's calls all completed as JSON objects ("stop" for a
-        named tool_choice's call, as OpenAI and vLLM end it). The delta's
+        chunk with finish_reason "tool_calls" ("function_call" for the legacy form) when the choice's calls all
+        completed as JSON objects ("stop" for a named tool_choice's call, as OpenAI and vLLM end it). The delta's
         `logprobs` and `token_ids` go with its first chunk (a chunk with an empty delta when the reader holds its
         text back)."""
         chunks = self.tool_chunks(index, reader.feed(text))
         if finish_reason:
             chunks += self.tool_chunks(index, reader.finish())
             named = self.tools is not None and self.tools.named is not None
-            finish = "tool_calls" if finish_reason == "stop" and reader.ok and not named else finish_reason
+            calls = self.tools.calls_finish if self.tools is not None else "tool_calls"
+            finish = calls if finish_reason == "stop" and reader.ok and not named else finish_reason
             chunks.append(self.chunk(index, "", finish, stop_reason=stop_reason))
         if (logprobs is not None or token_ids is not None) and (chunks or logprobs and logprobs.content or token_ids):
             if not chunks:
@@ -300,11 +306,20 @@ class ResponseBuilder:
 
     def tool_chunks(self, index: int, events: Sequence[Event]) -> list[ChatCompletionChunk]:
         """A streamed choice's tool-call parser events as chunks: content, a call's start (id, type, name,
-        arguments ""), then pieces of its arguments (runs of pieces joined)."""
+        arguments ""), then pieces of its arguments (runs of pieces joined); for the legacy form (`functions`), the
+        one call as `function_call`: its name (arguments ""), then pieces."""
         deltas: list[Delta] = []
+        legacy = self.tools is not None and self.tools.functions
         for e in events:
             last = deltas[-1] if deltas else None
-            if isinstance(e, Content):
+            if legacy and not isinstance(e, Content):  # one call (parallel off): no index or id to carry
+                if isinstance(e, CallStart):
+                    deltas.append(Delta(function_call=DeltaFunctionCall(name=e.name, arguments="")))
+                elif last is not None and last.function_call is not None and last.function_call.name is None:
+                    last.function_call.arguments = (last.function_call.arguments or "") + e.text
+                else:
+                    deltas.append(Delta(function_call=DeltaFunctionCall(arguments=e.text)))
+            elif isinstance(e, Content):
                 if last is not None and last.content is not None:
                     last.content += e.text
                 else:

@@ -146,6 +146,7 @@ class ChatMessage(BaseModel):
     name: Optional[StrictStr] = None
     tool_call_id: Optional[StrictStr] = None
     tool_calls: Optional[list[dict[str, Any]]] = None
+    function_call: Optional[dict[str, Any]] = None  # an assistant's call in OpenAI's legacy form (legacy_functions.py)
     reasoning: Optional[StrictStr] = None  # an assistant turn's reasoning (vLLM's; reasoning_content its old name)
     reasoning_content: Optional[StrictStr] = None
 
@@ -407,19 +408,21 @@ def _with_old_reasoning_name(out: dict[str, Any]) -> dict[str, Any]:
 
 
 class AssistantMessage(BaseModel):
-    """The reply: `content` (null when the reply is tool calls), and `tool_calls` only when there are some;
+    """The reply: `content` (null when the reply is tool calls), and `tool_calls` (or `function_call`, the legacy
+    form's one call) only when there are some;
     `reasoning` (vLLM's) only from a server with a reasoning parser, also as `reasoning_content` (its older name,
     which DeepSeek's API and many clients read)."""
 
     role: Literal["assistant"] = "assistant"
     content: Optional[str]
     tool_calls: Optional[list[ToolCall]] = None
+    function_call: Optional[FunctionCall] = None  # the call in OpenAI's legacy form (a request with `functions`)
     reasoning: Optional[str] = None
 
     @model_serializer(mode="wrap")
     def _without_absent_parts(self, handler: Any) -> dict[str, Any]:
         return _with_old_reasoning_name({k: v for k, v in handler(self).items()
-                                         if k not in ("tool_calls", "reasoning") or v is not None})  # fmt: skip
+                                         if k not in ("tool_calls", "function_call", "reasoning") or v is not None})
 
 
 class _WithoutNulls(BaseModel):
@@ -470,6 +473,7 @@ class Delta(_WithoutNulls):
     content: Optional[str] = None
     reasoning: Optional[str] = None  # vLLM's: the reasoning's next piece (a server with a reasoning parser)
     tool_calls: Optional[list[DeltaToolCall]] = None
+    function_call: Optional[DeltaFunctionCall] = None  # the legacy form's call: its name, then its arguments' pieces
 
     @model_serializer(mode="wrap")
     def _without_nulls(self, handler: Any) -> dict[str, Any]:  # the parent's, plus the older reasoning name

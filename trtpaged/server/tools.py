@@ -85,6 +85,7 @@ class ToolChoice:
     named: Optional[str] = None
     auto: Optional[Format] = None
     parallel: bool = True  # parallel_tool_calls: false: "required" makes exactly one call, auto keeps the first
+    functions: bool = False  # asked for with the legacy `functions` (legacy_functions.py): answered as function_call
 
     def grammar(self) -> Optional[StructuredOutputsParams]:
         """The output grammar (None for auto: the model writes freely)."""
@@ -95,7 +96,7 @@ class ToolChoice:
                 raise ApiError(f"tools[{index}].function.parameters: a forced call's arguments are a JSON object; "
                                f"got type {parameters['type']!r:.40}", "tools")  # fmt: skip
         if self.named is not None:
-            return StructuredOutputsParams(json=self.tools[self.named], origin="tool_choice")
+            return StructuredOutputsParams(json=self.tools[self.named], origin=self.choice_field)
         lifted: dict[str, dict[str, Any]] = {}  # the tools' $defs / definitions, at the root their $refs point to
         calls = []
         for name, parameters in self.tools.items():
@@ -112,6 +113,16 @@ class ToolChoice:
         if not self.parallel:
             schema["maxItems"] = 1
         return StructuredOutputsParams(json=schema, origin="tool_choice")
+
+    @property
+    def choice_field(self) -> str:
+        """The request field that chose the call: tool_choice, or function_call (the legacy form)."""
+        return "function_call" if self.functions else "tool_choice"
+
+    @property
+    def calls_finish(self) -> str:
+        """The finish_reason of an answer that is a complete call (not a named one's: those end with "stop")."""
+        return "function_call" if self.functions else "tool_calls"
 
     def _format(self) -> Optional[Format]:
         return self.auto if self.auto is not None else (None if self.named is not None else REQUIRED)
