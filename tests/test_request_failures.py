@@ -105,12 +105,15 @@ def test_a_raising_beam_score_fails_only_its_request():
     assert [tokens(o) for o in mixed[1:]] == [tokens(o) for o in truth]
 
 
-def test_a_raising_batched_draw_is_retried_per_group():
+@pytest.mark.parametrize("corrupt", [{"top_p": None}, {"logprobs": "2"}])
+def test_a_raising_batched_draw_is_retried_per_group(corrupt):
     # a value no validation would pass makes the batched draw raise: each group is then sampled
-    # alone, and only the one that raises alone fails
+    # alone, and only the one that raises alone fails. A bad top_p raises before any row draws, a bad logprobs
+    # after every row drew: the seeded requests draw again from where they were (was: from after that first
+    # draw, so a seeded request's tokens skipped one and depended on the broken request beside it)
     broken = SamplingParams(max_tokens=3, temperature=1.0)
     truth = list(run(fake_engine(), OTHERS).values())
-    mixed = list(run(fake_engine(), [([3, 4, 5], broken, {"top_p": None})] + OTHERS).values())
+    mixed = list(run(fake_engine(), [([3, 4, 5], broken, corrupt)] + OTHERS).values())
     assert mixed[0].error == "sampling failed (TypeError); see the log"
     assert [tokens(o) for o in mixed[1:]] == [tokens(o) for o in truth]
 

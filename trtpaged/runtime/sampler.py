@@ -436,10 +436,16 @@ def sample_groups(groups: Sequence["SequenceGroup"], logits: torch.Tensor, rows:
         start = len(targets)
         targets += _targets(group, rows, drafts, draft_probs or {})
         spans.append((group.request_id, start, len(targets)))
+    # the seeded generators' states: a batched draw that raises after some of them drew is retried per group
+    # from these, so that a seeded request draws what it would have drawn without the group at fault
+    generators = {id(t.rows[0].generator): t.rows[0].generator for t in targets if t.rows[0].generator is not None}
+    states = [(g, g.get_state()) for g in generators.values()]
     try:
         runs: Optional[list[Optional[Run]]] = _runs(logits, targets, greedy_kernel)
     except Exception:  # noqa: BLE001 - find the groups at fault below
         runs = None
+        for generator, state in states:
+            generator.set_state(state)
     for request_id, start, end in spans:
         got = runs[start:end] if runs is not None else _isolated(
             request_id, errors, lambda: _runs(logits, targets[start:end], greedy_kernel))  # fmt: skip
