@@ -203,6 +203,9 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "max_tokens": "8"}, 400, "max_tokens", "integer"),
     ("/v1/completions", {"prompt": "x", "top_k": 1.5}, 400, "top_k", "integer"),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of", "use_beam_search"),
+    # the beam width the client gave, by its name (was: "at most beam_width (2)", a field it never sent)
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True, "n": 3, "best_of": 2}, 400, "n",
+     "n: at most best_of (2) with beam search, got 3"),
     ("/v1/completions", {"prompt": [5] * 500, "max_tokens": 20}, 400, "max_tokens", "max_seq_len (512)"),
     ("/v1/completions", {"prompt": [999999]}, 400, "prompt", "vocabulary [0, 320)"),
     ("/v1/completions", {"max_tokens": 4}, 400, "prompt", "required"),
@@ -296,7 +299,8 @@ def test_a_chat_role_the_template_drops_is_refused_naming_it(server, tiny_engine
                 assert out["error"]["message"].startswith(f"messages[1].role: {role!r}: this model's chat template "
                                                           "renders no message of this role"), out  # fmt: skip
         for role in ("system", "developer", "user", "assistant", "tool", "function"):
-            status, _, out = request(picky, "/tokenize", {"messages": said + [{"role": role, "content": "y"}]})
+            named = {"name": "f"} if role == "function" else {}  # OpenAI's function message names its function
+            status, _, out = request(picky, "/tokenize", {"messages": said + [{"role": role, "content": "y", **named}]})
             assert status == 200 and out["count"] > 0, (role, out)
         assert request(picky, "/v1/chat/completions", {"messages": said, "max_tokens": 2})[0] == 200
         wait_idle(picky)

@@ -91,11 +91,20 @@ def _where(loc: list[str]) -> str:
     return loc[0] + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in loc[1:])
 
 
+# fields a runtime refusal of another field names in its text, renamed there too when the request spelled them
+# otherwise (not "prompt": a chat's is "messages", but "the prompt" in a message is the prompt)
+MENTIONED = ("max_tokens", "beam_width")
+
+
 def from_runtime_error(exc: ValueError, names: Mapping[str, str]) -> ApiError:
     """A runtime refusal as a 400. `RequestError` names its field (renamed to the request's spelling via
-    `names`, e.g. max_tokens -> max_completion_tokens); any other ValueError has no field to name."""
+    `names`, e.g. max_tokens -> max_completion_tokens; MENTIONED fields in its text too); any other ValueError has
+    no field to name."""
     if isinstance(exc, RequestError):
         param = names.get(exc.field, exc.field)
-        message = str(exc) if param == exc.field else f"{param}: {str(exc).removeprefix(exc.field + ': ')}"
-        return ApiError(message, param, code=exc.code, overflow=exc.overflow)
+        why = str(exc).removeprefix(exc.field + ": ")
+        for runtime in MENTIONED:  # other fields its text names ("n: at most beam_width (2)")
+            if names.get(runtime, runtime) != runtime:
+                why = re.sub(rf"\b{runtime}\b", names[runtime], why)
+        return ApiError(f"{param}: {why}", param, code=exc.code, overflow=exc.overflow)
     return ApiError(str(exc))
