@@ -19,6 +19,28 @@ def test_spread_is_p90_minus_p10_over_median() -> None:
     assert spread([5.0]) == 0.0
 
 
+@pytest.mark.parametrize("times", [[1.0, float("nan"), 1.0], [1.0, 1.0, float("nan")], [float("nan")],
+                                   [0.0, 0.0, 1.0], [0.0, 0.0, 0.0], [1.0, float("inf"), 1.0]])
+def test_a_timing_that_is_no_measurement_gets_no_verdict(times: list[float]) -> None:
+    """A NaN timing (a failed measurement) or a median of 0 s (below the clock's resolution) says nothing about
+    how the repeats agree: the run gets no verdict (a NaN compared as 'not above the limit' and gave 'met')."""
+    noise = assess(spread(times), 0.0, cpus=2)
+    assert not noise.trustworthy and verdict(True, noise).startswith("no verdict")
+    monitor = NoiseMonitor()
+    monitor.add_samples([1.0, 1.0, 1.0])
+    monitor.add_samples(times)
+    assert not monitor.result().trustworthy
+
+
+def test_a_round_that_is_no_number_gets_no_interval_verdict() -> None:
+    from trtpaged.bench.noise import interval_verdict
+
+    quiet = assess(0.0, 0.0, cpus=2)
+    assert interval_verdict([1.0] * 5, 0.9, True, quiet).startswith("met")
+    for bad in (float("nan"), float("inf")):
+        assert interval_verdict([1.0, 1.0, 1.0, 1.0, bad], 0.9, True, quiet).startswith("no verdict")
+
+
 def test_noisy_runs_get_no_verdict() -> None:
     quiet = assess(0.02, 0.1, cpus=2)
     assert quiet.trustworthy and verdict(True, quiet) == "met" and verdict(False, quiet) == "NOT met"

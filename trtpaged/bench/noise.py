@@ -36,13 +36,16 @@ CONFIDENCE = 0.9  # coverage of the median's interval in `interval_verdict`
 
 
 def spread(samples: Sequence[float]) -> float:
-    """(p90 - p10) / median of the samples; 0 for fewer than 2 samples."""
+    """(p90 - p10) / median of the samples; 0 for fewer than 2 samples. inf (no measurement, so no verdict) where a
+    sample is NaN or infinite or the median is not above 0: such a run's repeats cannot be said to agree."""
+    if not all(math.isfinite(x) for x in samples):
+        return math.inf
     if len(samples) < 2:
         return 0.0
     ordered = sorted(samples)
     med = statistics.median(ordered)
     if med <= 0:
-        return 0.0
+        return math.inf
 
     def pct(q: float) -> float:
         # linear interpolation between closest ranks
@@ -185,7 +188,10 @@ def interval_verdict(samples: Sequence[float], target: float, higher_is_better: 
     """The verdict on `median(samples) >= target` (or <= when not `higher_is_better`) from the median's
     confidence interval: 'met' when the whole interval is on the good side, 'NOT met' when it is wholly on the
     other, else a refusal (the rounds straddle the target). Other processes' load over the noise rule's limit
-    refuses it as well; with too few samples for an interval the spread rule (`verdict`) decides."""
+    refuses it as well, and so does a round's NaN or infinite figure; with too few samples for an interval the
+    spread rule (`verdict`) decides."""
+    if not all(math.isfinite(x) for x in samples):
+        return "no verdict (a round's figure is not a number; rerun)"
     interval = median_interval(samples, confidence)
     if interval is None:
         return verdict((statistics.median(samples) >= target) == higher_is_better, noise) if samples else \
