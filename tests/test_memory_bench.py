@@ -119,14 +119,15 @@ def test_beam_search_shares_the_prompt_and_copies_on_write() -> None:
     # One request, 20-token prompt (blocks 16 + 4), beam width 2, 3 output tokens, block_size 16.
     # step 0: prefill, 2 blocks. After it the two beams share both blocks; at step 1 the first beam
     # to write into the shared half-full block copies it, the other writes in place: 3 blocks in use,
-    # 4 without sharing. Step 2 is the same whichever parents the beams come from.
+    # 4 without sharing (in the prefill too: two beams, each its own 2). Step 2 is the same whichever parents the
+    # beams come from.
     trace = [TraceRequest(prompt_len=20, output_len=3, beam_width=2)]
     budget = Budget(num_kv_blocks=16, block_size=16, max_seq_len=64, max_batch_size=8, max_num_tokens=64)
     r = simulate_paged(trace, budget, sharing=True)
     assert r.blocks_with_sharing == [2, 3, 3]
-    assert r.blocks_without_sharing == [2, 4, 4]
+    assert r.blocks_without_sharing == [4, 4, 4]
     assert r.sharing() == pytest.approx(
-        {"memory_saved": 1 - 8 / 10, "blocks_with_sharing": 8 / 3, "blocks_without_sharing": 10 / 3})
+        {"memory_saved": 1 - 8 / 12, "blocks_with_sharing": 8 / 3, "blocks_without_sharing": 12 / 3})
 
 
 def test_parallel_samples_share_the_full_prompt_block() -> None:
@@ -135,8 +136,8 @@ def test_parallel_samples_share_the_full_prompt_block() -> None:
     budget = Budget(num_kv_blocks=16, block_size=16, max_seq_len=64, max_batch_size=8, max_num_tokens=64)
     r = simulate_paged(trace, budget, sharing=True)
     assert r.blocks_with_sharing == [2, 4]
-    assert r.blocks_without_sharing == [2, 6]
-    assert r.sharing()["memory_saved"] == pytest.approx(1 - 6 / 8)
+    assert r.blocks_without_sharing == [6, 6]
+    assert r.sharing()["memory_saved"] == pytest.approx(1 - 6 / 12)
 
 
 def test_samples_and_beams_run_from_admission_in_every_replay() -> None:
@@ -149,6 +150,22 @@ def test_samples_and_beams_run_from_admission_in_every_replay() -> None:
         runs = [simulate_contiguous([request], budget, reserve="max_seq_len"), simulate_paged([request], budget, False),
                 simulate_paged([request], budget, True)]
         assert [r.running for r in runs] == [[4] * 4] * 3, request
+
+
+def test_blocks_without_sharing_are_what_the_replay_without_sharing_holds() -> None:
+    """'Without sharing' is each sequence's own copy, from admission: in every step the sharing replay's count equals
+    the blocks in use when the same requests run unshared (contention-free, so both run in lockstep). The prefill
+    step counted one prompt for n samples (2 blocks where the unshared replay holds 4 for n = 2), so memory saved
+    read 22% for a 20-token prompt, n = 2, 5 tokens (1 - 14/18) where it is 30% (1 - 14/20)."""
+    budget = Budget(num_kv_blocks=64, block_size=16, max_seq_len=64, max_batch_size=8, max_num_tokens=512)
+    for trace in ([TraceRequest(20, 5, n=2)], [TraceRequest(20, 3, beam_width=2)],
+                  [TraceRequest(40, 4, n=2, beam_width=4)],
+                  [TraceRequest(33, 6, n=3), TraceRequest(16, 4), TraceRequest(50, 5, beam_width=3)]):
+        shared, plain = simulate_paged(trace, budget, True), simulate_paged(trace, budget, False)
+        assert shared.blocks_without_sharing == plain.blocks_with_sharing, trace
+    r = simulate_paged([TraceRequest(20, 5, n=2)], budget, True)
+    # by hand: 2 samples x 2 blocks (20..24 tokens) every step; shared: 2 in the prefill, then 16 + 2 x (4 + 1)
+    assert r.sharing()["memory_saved"] == pytest.approx(1 - (2 + 3 * 4) / (4 * 5))
 
 
 def test_without_sharing_nothing_is_saved() -> None:
@@ -204,13 +221,13 @@ def expected_blocks(lines: list[tuple[int, int, int]], bs: int = 16) -> tuple[fl
     prompt's P // bs full blocks; from step k = 1 on each sample writes position P + k - 1, so it holds
     ceil((P + k) / bs) - P // bs blocks of its own (the shared partial block is copied on its first write).
     The request samples its O-th token in step O - 1 and is freed after it. Without sharing every sequence's
-    table counts in full: n * ceil((P + k) / bs).
+    table counts in full, the n samples' prompts in step 0 too: n * ceil((P + k) / bs) for k from 0.
     """
     steps = max(o for _, o, _ in lines)
     with_, without = 0, 0
     for p, o, n in lines:
         with_ += -(-p // bs) + sum(p // bs + n * (-(-(p + k) // bs) - p // bs) for k in range(1, o))
-        without += -(-p // bs) + sum(n * -(-(p + k) // bs) for k in range(1, o))
+        without += sum(n * -(-(p + k) // bs) for k in range(0, o))
     return with_ / steps, without / steps
 
 

@@ -258,7 +258,10 @@ def _replay(trace: list[TraceRequest], budget: Budget, sharing: bool, prompts: O
                       batch.num_tokens)  # fmt: skip
         used = int(stats["kv_blocks_used"])
         result.blocks_with_sharing.append(used)
-        result.blocks_without_sharing.append(used + int(stats["kv_blocks_saved_by_sharing"]))
+        # an unforked group's prompt blocks stand for all its samples (beams): without sharing each holds its copy
+        unforked = sum((g.params.num_seqs - 1) * sum(b is not None for b in engine.kv.tables.get(g.seqs[0].seq_id, []))
+                       for g in engine.scheduler.running if not g.forked)  # fmt: skip
+        result.blocks_without_sharing.append(used + int(stats["kv_blocks_saved_by_sharing"]) + unforked)
         waiting = engine.scheduler.waiting
         result.waiting.append(len(waiting))
         if waiting:
