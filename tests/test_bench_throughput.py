@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import pytest
 from click.testing import CliRunner
@@ -233,3 +234,18 @@ def test_time_options_refuse_non_finite_values_before_loading(command, option, v
     bounded = option == "--peer-time-limit"  # at most a week: inf is past its range, as -inf is below every one
     out_of_range = value == "-inf" or (value == "inf" and bounded)
     assert ("not in the range" if out_of_range else "not a finite number") in result.output
+
+
+def test_peak_rss_is_printed_in_the_unit_it_is_counted_in() -> None:
+    """peak_rss_mb is MiB (/proc's VmHWM KiB / 1024); the table's header said MB, 4.9% fewer bytes per unit."""
+    import re
+
+    from trtpaged.bench.noise import assess
+    from trtpaged.bench.throughput_bench import SystemResult, format_throughput_report
+
+    row = SystemResult("s", 1.0, 1.0, 1.0, 0, 0, 0, 0, 287.4, 1, 1)
+    text = format_throughput_report({"requests": 1, "prompt_tokens": 1, "output_tokens": 1, "systems": [asdict(row)],
+                                     "noise": assess(0.0, 0.0, 2).to_dict(), "ratio_vs_baseline": None})
+    header = next(line for line in text.splitlines() if line.startswith("system"))
+    assert re.search(r"peak RSS (\S+)$", header).group(1) == "MiB"
+    assert text.splitlines()[text.splitlines().index(header) + 1].split()[-1] == "287"

@@ -536,7 +536,7 @@ def format_throughput_report(report: dict) -> str:
         + ("one request at a time" if report.get("sequential") else "all submitted at t=0"),
         "",
         f"{'system':<34} {'useful tok/s':>12} {'computed tok/s':>14} {'wall s':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
-        f"{'TPOT p50':>9} {'TPOT p99':>9} {'peak RSS MB':>12}",
+        f"{'TPOT p50':>9} {'TPOT p99':>9} {'peak RSS MiB':>12}",
     ]
     for s in report["systems"]:
         if s.get("timed_out"):
