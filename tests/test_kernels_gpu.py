@@ -463,3 +463,21 @@ def test_step_model_on_cuda_with_a_quantized_cache_matches_the_cpu_kernels(kerne
     differ = (gpu_pool.cpu().view(torch.uint8) != cpu_pool.view(torch.uint8)).float().mean().item()
     assert differ < 0.01, f"{differ:.2%} of the pool's bytes differ"
     assert cpu_pool.view(torch.uint8).any()
+
+
+def test_bench_paged_overhead_compares_tables_of_one_block_size(kernels, monkeypatch) -> None:
+    """`bench kernel --device cuda --block-size 32`: the shuffled side's blocks were 32 tokens and the identity
+    table's 16 (its call left block_size at the default), so 'paged overhead' measured a block size too. Every
+    step the benchmark times is built (by the real builder) with the block size asked for."""
+    from trtpaged.bench import kernel_bench_gpu as bench
+
+    built = []
+    real = bench._decode_step
+
+    def recording(context, batch, shuffle, seed=0, kv_cache_dtype="float16", block_size=bench.DEFAULT_BLOCK_SIZE):
+        built.append((shuffle, block_size))
+        return real(context, batch, shuffle, seed, kv_cache_dtype, block_size)
+
+    monkeypatch.setattr(bench, "_decode_step", recording)
+    bench.measure_decode(512, 1, {"read_gbs": 1.0, "moved_gbs": 2.0}, "float16", block_size=32)
+    assert sorted(built) == [(False, 32), (True, 32)]

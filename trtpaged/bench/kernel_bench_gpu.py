@@ -5,14 +5,14 @@ Measured side by side in one run on the current CUDA device, timed with CUDA eve
 - device copy bandwidth: a large device-to-device tensor copy. Reported two ways: bytes
   read per second (the copy's source bytes) and bytes moved per second (read + written);
 - decode: one step of single-token queries over `context` cached tokens per sequence
-  (9 query heads, 3 KV heads, head_dim 64, fp16 q/k/v, block_size 16, shuffled blocks; the
+  (9 query heads, 3 KV heads, head_dim 64, fp16 q/k/v, block_size 16 or --block-size, shuffled blocks; the
   KV cache fp16 unless --kv-cache-dtype says otherwise). Achieved bandwidth counts the K and V
   bytes the step must read (batch * context * kv_heads * 2 * the bytes of one cached row:
   head_dim values, or for int8 / fp8_e4m3 head_dim codes and the row's 2-byte scale),
   nothing else. The step includes the K/V write of the new token, the split-K decode, its
   reduction and the (empty) prefill launch. With a quantized cache the same step over an
   fp16 cache is timed alongside (float16 us, and the speed-up);
-- paged overhead: the same step with an identity block table (each sequence's blocks
+- paged overhead: the same step (the same block size) with an identity block table (each sequence's blocks
   consecutive in the pool) vs a shuffled one, in percent.
 
 The fairest like-for-like ratio is KV bytes read vs the copy's bytes read; since a copy
@@ -170,7 +170,8 @@ def measure_decode(context: int, batch: int, copy: dict, kv_cache_dtype: str = "
                                        block_size=block_size)
     paged = _Timer(paged_step).seconds()
     del paged_step
-    contiguous = _Timer(_decode_step(context, batch, shuffle=False, kv_cache_dtype=kv_cache_dtype)[0]).seconds()
+    contiguous = _Timer(_decode_step(context, batch, shuffle=False, kv_cache_dtype=kv_cache_dtype,
+                                     block_size=block_size)[0]).seconds()
     fp16 = (_Timer(_decode_step(context, batch, shuffle=True, block_size=block_size)[0]).seconds()
             if is_quantized(kv_cache_dtype) else None)
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * _row_bytes(kv_cache_dtype)
