@@ -168,6 +168,19 @@ def test_blocks_without_sharing_are_what_the_replay_without_sharing_holds() -> N
     assert r.sharing()["memory_saved"] == pytest.approx(1 - (2 + 3 * 4) / (4 * 5))
 
 
+def test_contiguous_copies_prompts_count_against_the_step_token_budget() -> None:
+    """Without sharing every sample computes its own prompt (tokens computed counted 2 x 40), but the step budget
+    was charged one: the contiguous replays computed 100 tokens in a step of max_num_tokens 64 (both requests'
+    prefills at once), taking 3 steps where the same limits allow 4. By hand: step 0 the two copies' 80-token
+    prefill, alone (over the budget, as if chunked); step 1 their decodes + the 20-token prompt; the copies' third
+    token in step 2, the 20-token request's in step 3."""
+    budget = Budget(num_kv_blocks=64, block_size=16, max_seq_len=128, max_batch_size=8, max_num_tokens=64)
+    trace = [TraceRequest(40, 3, n=2), TraceRequest(20, 3)]
+    for reserve in ("max_seq_len", "exact"):
+        r = simulate_contiguous(trace, budget, reserve)
+        assert r.computed == [80, 2 + 20, 3, 1] and r.running == [2, 3, 3, 1], reserve
+
+
 def test_without_sharing_nothing_is_saved() -> None:
     trace = [TraceRequest(prompt_len=20, output_len=3, beam_width=2)]
     budget = Budget(num_kv_blocks=16, block_size=16, max_seq_len=64, max_batch_size=8, max_num_tokens=64)

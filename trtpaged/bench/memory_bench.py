@@ -187,13 +187,14 @@ def simulate_contiguous(trace: list[TraceRequest], budget: Budget, reserve: str)
                 result.refused += 1
                 continue
             fits = reserved + need <= budget.capacity_tokens and len(running) + copies <= budget.max_batch_size
-            # a prompt longer than the step's token budget still runs, alone (as if chunked)
-            if not fits or (req.prompt_len > tokens_left and admitted_any):
+            # each copy computes its prompt; prompts longer than the step's token budget still run, alone (as if
+            # chunked)
+            if not fits or (req.prompt_len * copies > tokens_left and admitted_any):
                 break
             waiting.pop(0)
             running += [_ContiguousSeq(req.prompt_len, req.output_len, per_seq) for _ in range(copies)]
             reserved += need
-            tokens_left -= req.prompt_len
+            tokens_left -= req.prompt_len * copies
             computed += req.prompt_len * copies
             admitted_any = True
         if not running:  # nothing to compute until the next arrival: the paged replays take no step either
