@@ -249,3 +249,23 @@ def test_peak_rss_is_printed_in_the_unit_it_is_counted_in() -> None:
     header = next(line for line in text.splitlines() if line.startswith("system"))
     assert re.search(r"peak RSS (\S+)$", header).group(1) == "MiB"
     assert text.splitlines()[text.splitlines().index(header) + 1].split()[-1] == "287"
+
+
+def test_a_spawned_rows_peak_rss_is_its_own_not_its_parents() -> None:
+    """A row runs in a process its parent forks and execs (run_isolated's spawn): getrusage's ru_maxrss kept the
+    parent's RSS at the fork, so a tiny-engine row started from a parent holding 1.5 GiB reported 1527 MiB for its
+    own 286. The child's peak is its own VmHWM, whatever the parent holds."""
+    import os
+    import subprocess
+    import sys
+
+    if not os.path.exists("/proc/self/status"):
+        pytest.skip("needs /proc")
+    held = bytearray(256 << 20)
+    held[::4096] = b"\x01" * len(held[::4096])  # resident in the parent at the fork
+    code = ("from trtpaged.bench import process_tree\nmib = process_tree.peak_rss_mb()\n"
+            "print(mib, next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM:')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    del held
+    mib, hwm_kib = float(out[0]), int(out[1])
+    assert mib == pytest.approx(hwm_kib / 1024, rel=0.01) and mib < 128

@@ -52,9 +52,20 @@ def cpu_seconds() -> float:
     return total
 
 
+def _own_peak_kib() -> int:
+    """This process's peak RSS in KiB: its VmHWM, which starts afresh at exec. getrusage's ru_maxrss (off Linux
+    only) keeps the peak of the image before the exec: a spawned benchmark row's would be at least its parent's RSS
+    at the fork."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration, IndexError, ValueError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
 def peak_rss_mb() -> float:
     """This process's peak RSS plus each live descendant's (VmHWM), in MiB."""
-    total_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    total_kb = _own_peak_kib()
     for pid in live_descendants():
         try:
             with open(f"/proc/{pid}/status") as f:
