@@ -540,3 +540,31 @@ def test_a_tool_description_that_is_no_string_is_refused(client, llm, server):
             words = f"must be a string, got {kind}" if kind else "not valid Unicode text"
             assert out["error"]["message"].startswith(f"tools[0].description: {words}"), out
     wait_idle(server)
+
+
+def test_count_tokens_refuses_what_messages_refuses_and_counts_what_it_reads(server):
+    """count_tokens answers a body as /v1/messages does (was: counted bodies /v1/messages refuses, the checks made of
+    the chat body it translates to skipped: a tool_choice naming no tool, an output format no grammar takes, sampling
+    fields out of range): the same 400, or the prompt tokens /v1/messages' usage reports. max_tokens, which
+    count_tokens has not, is sent to /v1/messages only."""
+    turns = [{"role": "user", "content": "Weather in Paris?"}]
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    refused = [{"tools": TOOLS, "tool_choice": {"type": "tool", "name": "nope"}},
+               {"output_config": {"format": {"type": "json_schema", "schema": {"type": "nonsense"}}}},
+               {"output_format": {"type": "json_schema", "schema": {"type": "object", "properties": 5}}},
+               {"temperature": -1}, {"top_p": 2}, {"stop_sequences": [""]}, {"cache_salt": ""}]  # fmt: skip
+    taken = [{"tools": TOOLS, "tool_choice": {"type": "tool", "name": "get_weather"}},
+             {"output_config": {"format": {"type": "json_schema", "schema": schema}}}, {"temperature": 0.5}]
+    headers = {"x-api-key": KEY}
+    for change in refused + taken:
+        body = {"model": MODEL, "messages": turns, **change}
+        status, _, made = request(server, "/v1/messages", {**body, "max_tokens": 2}, headers=headers)
+        count_status, _, counted = request(server, "/v1/messages/count_tokens", body, headers=headers)
+        assert count_status == status, (change, made, counted)
+        if change in refused:
+            assert status == 400 and counted["error"] == made["error"], (change, made, counted)
+        else:
+            usage = made["usage"]
+            read = usage["input_tokens"] + usage["cache_read_input_tokens"] + usage["cache_creation_input_tokens"]
+            assert status == 200 and counted == {"input_tokens": read}, (change, made, counted)
+    wait_idle(server)

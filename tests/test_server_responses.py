@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.test_server import wait_idle
+from tests.test_server import request, wait_idle
 from tests.test_server_scoring import client  # noqa: F401 - the openai client of this module's `server`
 from tests.test_server_tools import ONE_CALL, TOOLS, TWO_CALLS, tools_engine_dir  # noqa: F401 - a fixture
 from trtpaged import LLM, SamplingParams
@@ -182,6 +182,29 @@ def test_function_calls_are_output_items(client, forced):
     assert streamed == want
     assert [json.loads(a) for _, a in streamed] == [json.loads(a) for _, a in want]
 
+
+
+def test_input_tokens_refuses_what_the_response_refuses_and_counts_what_it_reads(server):
+    """/v1/responses/input_tokens answers a body as /v1/responses does (was: counted bodies /v1/responses refuses, the
+    checks made of the chat body it translates to skipped: a tool_choice naming no tool, a text.format no grammar
+    takes, sampling fields out of range): the same 400, or the usage.input_tokens of the Response."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    refused = [{"tools": FLAT_TOOLS, "tool_choice": {"type": "function", "name": "nope"}},
+               {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}},
+               {"temperature": -1}, {"top_p": 2}, {"max_output_tokens": 0}]  # fmt: skip
+    taken = [{"tools": FLAT_TOOLS, "tool_choice": "required"},
+             {"text": {"format": {"type": "json_schema", "name": "x", "schema": schema}}}, {"temperature": 0.5}]
+    for change in refused + taken:
+        body = {"model": MODEL, "input": "Weather in Paris?", **change}
+        status, _, made = request(server, "/v1/responses", {"max_output_tokens": 2, **body})
+        count_status, _, counted = request(server, "/v1/responses/input_tokens", body)
+        assert count_status == status, (change, made, counted)
+        if change in refused:
+            assert status == 400 and counted["error"] == made["error"], (change, made, counted)
+        else:
+            want = {"object": "response.input_tokens", "input_tokens": made["usage"]["input_tokens"]}
+            assert status == 200 and counted == want, (change, made, counted)
+    wait_idle(server)
 
 @pytest.mark.parametrize("extra, param", [
     ({"truncation": "middle"}, "truncation"),

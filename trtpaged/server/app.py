@@ -524,6 +524,7 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
         async def count(body: Any) -> dict[str, int]:
             call = messages_api.translate(body, service.model_names, service.reasoning is not None, count_only=True)
             try:
+                await service.check(call.chat_body, True)  # what /v1/messages refuses of this body
                 counted = await tokenization.chat_prompt_tokens(call.chat_body)
             except ApiError as exc:
                 raise messages_api.renamed(exc, call) from None
@@ -538,6 +539,7 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
             call = responses_api.translate(responses_api.count_request(body), service.model_names, stored.store,
                                            service.max_logprobs, service.vocab_size)  # fmt: skip
             try:
+                await service.check(call.chat_body, True)  # what /v1/responses refuses of this body
                 counted = await tokenization.chat_prompt_tokens(call.chat_body)
             except ApiError as exc:
                 raise responses_api.renamed(exc, call) from None

@@ -143,25 +143,8 @@ class GenerationService:
         body's request_id, else a random one. `dry_run`: every check, nothing queued (None). `large_body`: validated
         on a worker thread (the event loop serves the other clients meanwhile)."""
         caller_id = check_request_id(header_id, "X-Request-Id")
-        req = await off_loop_if(large_body, parse_generation, body, chat, self.model_names, self.vocab_size,
-                                self.auto_tools, self.max_logprobs, self.template_defaults,
-                                self.trust_request_template)  # fmt: skip
-        if req.chat:  # the server's --chat-template-content-format (LLM's), for whichever template renders it
-            req.chat_options["content_format"] = self.llm.chat_template_content_format
-        if self.force_include_usage and req.stream:
-            req.include_usage = True
-        if self.tokens_as_ids and body.get("return_tokens_as_token_ids") is None:
-            req.tokens_as_ids = True
-        try:  # before the prompt is tokenized
-            check_priority(req.priority, self.llm.config.scheduling_policy)
-        except RequestError as exc:
-            raise from_runtime_error(exc, req.names) from None
+        req, params = await self._validated(body, chat, large_body)
         caller_id = caller_id if caller_id is not None else req.request_id
-        params = self._params(req, req.max_tokens)  # None: fitted to each prompt below
-        if params.thinking_token_budget is not None and self.reasoning is None:  # before the prompt is tokenized
-            raise ApiError("thinking_token_budget: needs a reasoning parser to know where the thinking ends (serve "
-                           "--reasoning-parser)", "thinking_token_budget")  # fmt: skip
-        self._check_num_prompts(req)
         prompts, tail = await self._tokenize(req)
         in_reasoning = self.reasoning is not None and req.chat and self.reasoning.starts_in_reasoning(
             prompts[0], req.chat_options.get("template_kwargs"), tail)  # fmt: skip
@@ -198,6 +181,40 @@ class GenerationService:
         index = {rid: i for i, (rid, _, _) in enumerate(requests)}
         return Submitted(req, params, sub, index, builder, summary, prompts,
                          [p.max_tokens for _, _, p in requests], entries.total)  # fmt: skip
+
+    async def check(self, body: Any, chat: bool) -> None:
+        """Every check `submit` makes of a body that needs no prompt tokens (its fields, tools and output grammar),
+        nothing tokenized or queued; raises ApiError as `submit` would. A count of the prompt (Anthropic's
+        count_tokens, OpenAI's input_tokens) refuses what generating would, yet counts a prompt longer than the
+        context (what a client counts to find out)."""
+        req, params = await self._validated(body, chat)
+        if params.structured_outputs is not None:
+            await self._compile_grammar(req, params)
+
+    async def _validated(self, body: Any, chat: bool,
+                         large_body: bool = False) -> tuple[GenerationRequest, SamplingParams]:  # fmt: skip
+        """The request and its sampling parameters (max_tokens as asked: None is fitted to each prompt later),
+        checked before any prompt is tokenized; raises ApiError naming the field. `large_body`: parsed on a worker
+        thread."""
+        req = await off_loop_if(large_body, parse_generation, body, chat, self.model_names, self.vocab_size,
+                                self.auto_tools, self.max_logprobs, self.template_defaults,
+                                self.trust_request_template)  # fmt: skip
+        if req.chat:  # the server's --chat-template-content-format (LLM's), for whichever template renders it
+            req.chat_options["content_format"] = self.llm.chat_template_content_format
+        if self.force_include_usage and req.stream:
+            req.include_usage = True
+        if self.tokens_as_ids and body.get("return_tokens_as_token_ids") is None:
+            req.tokens_as_ids = True
+        try:
+            check_priority(req.priority, self.llm.config.scheduling_policy)
+        except RequestError as exc:
+            raise from_runtime_error(exc, req.names) from None
+        params = self._params(req, req.max_tokens)
+        if params.thinking_token_budget is not None and self.reasoning is None:
+            raise ApiError("thinking_token_budget: needs a reasoning parser to know where the thinking ends (serve "
+                           "--reasoning-parser)", "thinking_token_budget")  # fmt: skip
+        self._check_num_prompts(req)
+        return req, params
 
     def _cached_details(self, summary: Summary) -> Optional[PromptTokensDetails]:
         """usage.prompt_tokens_details (serve --enable-prompt-tokens-details): only when some prompt tokens were
