@@ -16,7 +16,7 @@ import pytest
 from conftest import save_manifest
 
 from runtime_helpers import openai_client
-from tests.test_server import stream, wait_idle
+from tests.test_server import request, stream, wait_idle
 from tests.test_server_scoring import client  # noqa: F401 - the openai client of this module's `server`
 from trtpaged.engine_files import sha256_file
 from trtpaged.manifest import MANIFEST_NAME
@@ -410,6 +410,27 @@ def test_a_forced_call_to_a_tool_whose_parameters_are_no_object_is_refused(clien
         with pytest.raises(openai.BadRequestError, match=r"tools\[0\].function.parameters: a forced call's arg"):
             client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=tools, tool_choice=choice)
 
+
+def test_a_tool_definition_no_template_can_take_is_refused_naming_where(server):
+    """A tool's description that is no string, or a lone surrogate (JSON's "\\ud800", which no tokenizer takes) in
+    its description or anywhere in its parameters, is a 400 naming that place, from chat and /tokenize alike, with
+    tool_choice none too (was: a description of any type rendered as it came; a surrogate named `messages` and a
+    place in the template's text, or, where the template renders no descriptions, accepted)."""
+    s = "\ud800"
+    cases = [({"description": 5}, "tools[0].function.description: must be a string, got int"),
+             ({"description": "a" + s}, "tools[0].function.description: not valid Unicode text"),
+             ({"parameters": {"type": "object", "properties": {"x" + s: {"type": "string"}}}},
+              "tools[0].function.parameters['properties']['x\\ud800']: not valid Unicode text"),
+             ({"parameters": {"type": "object", "properties": {"x": {"type": "string", "enum": ["a", s]}}}},
+              "tools[0].function.parameters['properties']['x']['enum'][1]: not valid Unicode text")]  # fmt: skip
+    messages = [{"role": "user", "content": "hi"}]
+    for change, start in cases:
+        tools = [{"type": "function", "function": {"name": "f", **change}}]
+        for path, body in (("/v1/chat/completions", {"tool_choice": "none", "max_tokens": 1}), ("/tokenize", {})):
+            status, _, out = request(server, path, {"model": MODEL, "messages": messages, "tools": tools, **body})
+            assert status == 400 and out["error"]["param"] == "tools", (path, change, out)
+            assert out["error"]["message"].startswith(start), (path, change, out)
+    wait_idle(server)
 
 def test_required_calls_follow_each_tools_own_defs(client):
     """A tool's $defs / definitions (pydantic writes them) are lifted to the root the required calls' grammar

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from trtpaged.errors import RequestError, check_unicode
 from trtpaged.runtime.sampling_params import MAX_SCHEMA_DEPTH, StructuredOutputsParams, nesting_depth
 from trtpaged.server.errors import ApiError
 from trtpaged.server.tool_parsers import (FORMATS, HERMES, LLAMA3_JSON, MISTRAL, PARSER_NAMES, PHI4_MINI, PYTHONIC,
@@ -183,13 +184,37 @@ def _tool(index: int, value: Any) -> tuple[str, dict[str, Any]]:
     name = fn.get("name")
     if not isinstance(name, str) or not OPENAI_NAME.fullmatch(name):
         raise ApiError(f"{where}.function.name: must match [A-Za-z0-9_-]{{1,64}}, got {name!r:.80}", "tools")
+    description = fn.get("description")
+    if description is not None and not isinstance(description, str):  # the template would render any value
+        raise ApiError(f"{where}.function.description: must be a string, got {type(description).__name__}", "tools")
     params = fn.get("parameters", {"type": "object", "properties": {}})
     if not isinstance(params, dict):
         raise ApiError(f"{where}.function.parameters: must be a JSON schema object", "tools")
     _check_parameters(f"{where}.function.parameters", params)
+    _check_text(f"{where}.function.description", description)
+    _check_text(f"{where}.function.parameters", params)
     if "type" not in params and not any(k in params for k in ("$ref", "anyOf", "oneOf", "allOf", "enum", "const")):
         params = {**params, "type": "object"}  # `{}` (no constraint) is an object of any properties here
     return name, params
+
+
+def _check_text(where: str, value: Any) -> None:
+    """A 400 naming the first string in a tool's definition (a key or a value) that no tokenizer takes (a lone
+    surrogate): the template renders the definition, whose refusal would name `messages` and a place in its text.
+    `value` nests at most MAX_SCHEMA_DEPTH deep (checked before)."""
+    if isinstance(value, str):
+        try:
+            check_unicode(where, value)
+        except RequestError as exc:
+            raise ApiError(str(exc), "tools") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            at = f"{where}[{key!r:.40}]"  # repr: the message never carries the surrogate itself
+            _check_text(at, key)
+            _check_text(at, item)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_text(f"{where}[{i}]", item)
 
 
 def _check_parameters(where: str, schema: dict[str, Any]) -> None:
