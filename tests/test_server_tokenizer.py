@@ -125,7 +125,8 @@ def test_engine_steps_while_a_long_token_list_is_detokenized(server, reference):
     counter keeps moving (was: `Tokenizer.decode` held the GIL for the whole decode, every id was checked on the
     event loop, and the answer written there: the engine stood still 0.52-0.99 of each request's time, the least
     of three 0.52-0.83; now 0.23-0.43, the least 0.23-0.28: what is left is mostly the body's JSON, parsed on the
-    loop as every route's is). The least of the three shares is bounded: one quiet request is enough to tell."""
+    loop as every route's is). The least of the three shares is bounded (0.45: room for a CI machine's other
+    worker, under the old code's least): one quiet request is enough to tell."""
     ids = reference.encode("a b " * 450_000)
     body = json.dumps({"tokens": ids}, separators=(",", ":")).encode()  # made outside the window (the GIL is shared)
     shares = []
@@ -136,7 +137,7 @@ def test_engine_steps_while_a_long_token_list_is_detokenized(server, reference):
             end = time.perf_counter()
             assert status == 200 and out["prompt"] == reference.decode(ids, skip_special_tokens=False)
             shares.append(streams.longest_stall(start, end) / (end - start))
-    assert min(shares) < 0.35, f"the engine stood still {[round(s, 2) for s in shares]} of each request's time"
+    assert min(shares) < 0.45, f"the engine stood still {[round(s, 2) for s in shares]} of each request's time"
     wait_idle(server)
 
 
