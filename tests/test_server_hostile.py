@@ -740,7 +740,8 @@ def test_health_is_served_while_a_large_answer_is_built(tiny_engine_dir):
 def test_a_large_body_is_validated_off_the_event_loop_with_the_same_outcome(logprob_bound_server, monkeypatch):
     """A body past LARGE_BODY_BYTES is decoded and validated on a worker thread (pydantic's validation of a 6 MB body
     held every other client 0.5-1.7 s on the event loop): the same answer and the same refusals as a small body's,
-    and the event loop's thread never validates it."""
+    and the event loop's thread never validates it; on every route that reads JSON."""
+    import trtpaged.server.app as app
     import trtpaged.server.generation as generation
     from trtpaged.server import thread_names
     from trtpaged.server.app import LARGE_BODY_BYTES
@@ -760,6 +761,7 @@ def test_a_large_body_is_validated_off_the_event_loop_with_the_same_outcome(logp
     want = request(logprob_bound_server, "/v1/completions", small)
     got = request(logprob_bound_server, "/v1/completions", raw=big)
     assert got[0] == want[0] == 200
+    want_texts = want[2]["choices"]
     assert [c["text"] for c in got[2]["choices"]] == [c["text"] for c in want[2]["choices"]]
     for path, bad, param in [("/v1/completions", {**small, "max_tokens": -1}, "max_tokens"),
                              ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user"}] * 3, "n": 0},
@@ -771,3 +773,21 @@ def test_a_large_body_is_validated_off_the_event_loop_with_the_same_outcome(logp
         assert param in json.dumps(got[2]), got
     # the small bodies' checks ran on the event loop, the large ones' elsewhere
     assert threads.count(thread_names.HTTP) == 3 and len(threads) == 6, threads
+    # every route's JSON: SageMaker's /invocations (validated off the loop too) and the tokenizer routes
+    decoded: list[str] = []
+
+    def parse(raw: bytes):
+        decoded.append(threading.current_thread().name)
+        return parse_json(raw)
+
+    parse_json = app.parse_json
+    monkeypatch.setattr(app, "parse_json", parse)
+    got = request(logprob_bound_server, "/invocations", raw=big)
+    assert got[0] == 200 and [c["text"] for c in got[2]["choices"]] == [c["text"] for c in want_texts]
+    text = {"model": "tiny", "prompt": "hello"}
+    counted = request(logprob_bound_server, "/tokenize", text)[2]
+    assert request(logprob_bound_server, "/tokenize", raw=json.dumps(text).replace(",", "," + padding, 1).encode())[2] \
+        == counted  # fmt: skip
+    assert decoded[0] != thread_names.HTTP and decoded[1] == thread_names.HTTP and decoded[2] != thread_names.HTTP, \
+        decoded  # fmt: skip
+    assert threads[-1] != thread_names.HTTP, threads

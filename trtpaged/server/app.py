@@ -13,7 +13,7 @@ import json
 import logging
 import threading
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Optional, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -264,27 +264,29 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
             raise ClientGone() from None
         return b"".join(chunks)
 
+    async def read_json(request: Request) -> tuple[Any, bool]:
+        """The request's JSON body, and whether it is large (past LARGE_BODY_BYTES: decoded on a worker thread, and
+        validated there too by the routes that take the flag)."""
+        raw = await read_body(request)
+        large = len(raw) > LARGE_BODY_BYTES
+        return await off_loop_if(large, parse_json, raw), large
+
     config = service.llm.config
     cache_block_size = config.block_size if config.enable_prefix_caching else 0  # a Response's cache_write_tokens
     size = options.responses_store_size
     stored = StoredResponses(ResponsesStore(size) if size else None, service, cache_block_size)
 
-    async def generate(request: Request, chat: bool, responses: bool = False, given: Any = None,
-                       messages: bool = False) -> Response:  # fmt: skip
+    async def generate(request: Request, chat: bool, responses: bool = False,
+                       given: Optional[tuple[Any, bool]] = None, messages: bool = False) -> Response:  # fmt: skip
         """One generation request; `responses`: a /v1/responses body, `messages` a /v1/messages one, each served as
-        the chat body it translates to; `given`: the body, already read (/invocations)."""
+        the chat body it translates to; `given`: the body already read, and whether it is large (/invocations)."""
         start = time.monotonic()
         if draining:
             metrics.observe_rejected("draining")
             raise overloaded("the server is shutting down", options.retry_after_s, busy=False)
-        call, claimed, message_call, large = None, None, None, False
+        call, claimed, message_call = None, None, None
         try:
-            if given is None:
-                raw = await read_body(request)
-                large = len(raw) > LARGE_BODY_BYTES
-                body = await off_loop_if(large, parse_json, raw)
-            else:
-                body = given
+            body, large = await read_json(request) if given is None else given
             if messages:
                 message_call = await off_loop_if(large, messages_api.translate, body, service.model_names,
                                                  service.reasoning is not None)  # fmt: skip
@@ -473,13 +475,13 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
     async def invocations(request: Request) -> Response:
         """SageMaker's route, as vLLM serves it: a chat body (messages) or a completions body (prompt)."""
         try:
-            body = parse_json(await read_body(request))
+            body, large = await read_json(request)
         except ClientGone:
             return Response(status_code=499)
         if not isinstance(body, dict) or ("messages" in body) == ("prompt" in body):
             raise ApiError("body: /invocations takes a chat completions body (messages) or a completions body "
                            "(prompt)", "body")  # fmt: skip
-        return await generate(request, chat="messages" in body, given=body)
+        return await generate(request, chat="messages" in body, given=(body, large))
 
     stored.add_routes(app, authorize)
 
@@ -498,7 +500,7 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
     async def tokenizer_call(request: Request, handler: Callable[[Any], Awaitable[Any]],
                              anthropic: bool = False) -> Response:  # fmt: skip
         try:
-            body = parse_json(await read_body(request))
+            body, _ = await read_json(request)
             answer = await unless_disconnected(request, handler(body))  # a model, or its JSON body already made
         except ClientGone:
             return Response(status_code=499)
