@@ -38,7 +38,7 @@ step "installing dependencies"
   "pyyaml>=6" "safetensors>=0.4" "numpy>=1.24" "gguf>=0.10" "accelerate>=0.30" "fastapi>=0.115" "uvicorn>=0.30" \
   "uvloop>=0.19" "httptools>=0.6" \
   "pydantic>=2.12" "prometheus-client>=0.20" "httpx>=0.27" "pytest>=8" "pytest-xdist>=3.5" "filelock>=3.12" \
-  "hypothesis>=6.100" "openai>=1.40" "anthropic>=0.40" "scipy>=1.11" \
+  "hypothesis>=6.100" "openai>=1.40" "anthropic>=0.40" "scipy>=1.11" "ruff>=0.8" \
   "matplotlib>=3.7" "redis>=5" "jsonschema>=4"
 if ! command -v redis-server >/dev/null 2>&1; then
   # the KV tiers' shared store (docs/kv_tiers.md); its tests skip without it
