@@ -6,10 +6,14 @@ from __future__ import annotations
 import importlib.util
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    import gguf
 
 VOCAB = 1024
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from greedy_fixtures import EOS, MAX_TOKENS, prompts, reference  # noqa: F401  (the shared fixtures)
+from greedy_fixtures import EOS, MAX_TOKENS, prompts as prompts, reference as reference  # the shared fixtures
 from runtime_helpers import hf_beams, hf_greedy, run_staggered, runtime_config, step_engine, tiny_hf
 from trtpaged.runtime.llm_engine import LLMEngine
 from trtpaged.runtime.sampling_params import SamplingParams

@@ -12,9 +12,9 @@ import json
 import pytest
 
 from tests.test_server import request, wait_idle
-from tests.test_server_scoring import client  # noqa: F401 - the openai client of this module's `server`
-from tests.test_server_tools import (MESSAGES, MODEL, ONE_CALL, TOOLS, TWO_CALLS, server,  # noqa: F401 - fixtures
-                                     tools_engine_dir)  # fmt: skip
+from tests.test_server_scoring import client as client  # a fixture: the openai client of this module's `server`
+from tests.test_server_tools import (MESSAGES, MODEL, ONE_CALL, TOOLS, TWO_CALLS,  # noqa: F401 - fixtures
+                                     server as server, tools_engine_dir)  # fmt: skip
 from trtpaged.server import start_server
 from trtpaged.server.protocol import chat_messages
 from trtpaged.server.schemas import ChatMessage

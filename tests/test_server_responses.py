@@ -10,7 +10,7 @@ import json
 import pytest
 
 from tests.test_server import request, wait_idle
-from tests.test_server_scoring import client  # noqa: F401 - the openai client of this module's `server`
+from tests.test_server_scoring import client as client  # a fixture: the openai client of this module's `server`
 from tests.test_server_tools import ONE_CALL, TOOLS, TWO_CALLS, tools_engine_dir  # noqa: F401 - a fixture
 from trtpaged import LLM, SamplingParams
 from trtpaged.server import start_server

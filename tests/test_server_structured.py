@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from tests.test_server import metrics, request, stream, wait_idle
-from tests.test_server_scoring import MODEL, client, server  # noqa: F401 - the same fixtures, one server per module
+from tests.test_server_scoring import MODEL, client as client, server as server  # fixtures, one server per module
 from tests.test_structured_outputs import ANSWER, ANSWER_TAG, LEGACY_TAG, STRUCTURES, check_exactly_tagged, \
     check_triggered  # fmt: skip
 

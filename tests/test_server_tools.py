@@ -17,7 +17,7 @@ from conftest import save_manifest
 
 from runtime_helpers import openai_client
 from tests.test_server import request, stream, wait_idle
-from tests.test_server_scoring import client  # noqa: F401 - the openai client of this module's `server`
+from tests.test_server_scoring import client as client  # a fixture: the openai client of this module's `server`
 from trtpaged.engine_files import sha256_file
 from trtpaged.manifest import MANIFEST_NAME
 from trtpaged.server import ServerOptions, start_server

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from tests.test_server import llm, request, wait_idle  # noqa: F401 - LLM on the same engine, the truth
-from tests.test_server_scoring import MODEL, client, server  # noqa: F401 - the same fixtures, one server per module
+from tests.test_server import llm as llm, request, wait_idle  # a fixture: LLM on the same engine, the truth
+from tests.test_server_scoring import MODEL, client as client, server as server  # fixtures, one server per module
 from trtpaged import SamplingParams
 
 MESSAGES = [{"role": "user", "content": "hello"}]

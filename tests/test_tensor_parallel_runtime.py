@@ -17,7 +17,7 @@ import torch
 
 from conftest import save_manifest
 
-from greedy_fixtures import EOS, MAX_TOKENS, prompts, reference  # noqa: F401  (the shared fixtures)
+from greedy_fixtures import EOS, MAX_TOKENS, prompts as prompts, reference as reference  # the shared fixtures
 from runtime_helpers import REPO, hf_beams, hf_from_engine_dir, run_staggered
 from trtpaged import LLM, SamplingParams
 from trtpaged.builder.probe import hf_logits, standard_probe

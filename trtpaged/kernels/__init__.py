@@ -11,13 +11,13 @@ names the argument), and dispatch to the CPU or CUDA kernels by the tensors' dev
 """
 
 from trtpaged.kernels._library import (
-    _DTYPE_CODES,
-    _KV_CACHE_DTYPE_CODES,
+    _DTYPE_CODES,  # noqa: F401  (private; bench/kernel_bench_gpu.py uses it from here)
+    _KV_CACHE_DTYPE_CODES,  # noqa: F401  (private; bench/kernel_bench_gpu.py uses it from here)
     BUILD_HINT,
     LIBRARY_NAME,
     KernelError,
     KernelLibraryNotFound,
-    _AttentionParams,
+    _AttentionParams,  # noqa: F401  (private; bench/kernel_bench_gpu.py and the kernel tests use it from here)
     available,
     cuda_archs,
     has_cuda,
