@@ -455,8 +455,10 @@ def _parse_tiny(tiny: Any, fail) -> dict[str, Any]:
     _bounded_int(out["seed"], "model.tiny.seed", fail, 0, 2**63 - 1)
     for key, (low, high) in TINY_INT_BOUNDS.items():
         if key in out:
-            if key == "vocab_size" and isinstance(out[key], int) and not isinstance(out[key], bool) and 0 < out[key] < low:
-                raise fail("model.tiny.vocab_size", f"got {out[key]}; the tiny byte tokenizer needs at least {low}", low)
+            if (key == "vocab_size" and isinstance(out[key], int) and not isinstance(out[key], bool)
+                    and 0 < out[key] < low):
+                raise fail("model.tiny.vocab_size", f"got {out[key]}; the tiny byte tokenizer needs at least {low}",
+                           low)
             _bounded_int(out[key], f"model.tiny.{key}", fail, 1, high)
     for key in TINY_BOOLS:
         if key in out and not isinstance(out[key], bool):

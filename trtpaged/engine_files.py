@@ -2,13 +2,13 @@
 
 `verify_engine_dir` runs before anything of an engine dir is loaded (`LLM`, `serve`, `generate`,
 `inspect`, each tensor-parallel worker). It checks that every file the manifest names exists inside
-the dir and is listed with a hash, that no other file sits in the tokenizer dir, and each weights file's safetensors header
-against the file's size (offsets inside the file, no gaps or overlaps): the fast checks. The sha256 of every file is then compared
-with the manifest's: in full the first time, after which a verified-stamp is kept outside the engine
-dir (`$TRTPAGED_CACHE_DIR`, default `~/.cache/trtpaged`, `verified/`), keyed by the dir's real path
-and each file's size, mtime, ctime and inode, so that later loads of an unchanged dir skip the
-hashing. Any change to a file (which moves its ctime) or to the manifest makes the next load hash
-again. `full=True` (`inspect --verify`) always hashes.
+the dir and is listed with a hash, that no other file sits in the tokenizer dir, and each weights file's
+safetensors header against the file's size (offsets inside the file, no gaps or overlaps): the fast checks.
+The sha256 of every file is then compared with the manifest's: in full the first time, after which a
+verified-stamp is kept outside the engine dir (`$TRTPAGED_CACHE_DIR`, default `~/.cache/trtpaged`,
+`verified/`), keyed by the dir's real path and each file's size, mtime, ctime and inode, so that later
+loads of an unchanged dir skip the hashing. Any change to a file (which moves its ctime) or to the manifest
+makes the next load hash again. `full=True` (`inspect --verify`) always hashes.
 """
 
 from __future__ import annotations

@@ -454,7 +454,8 @@ def _check_values(m: Manifest, where: str | Path) -> None:
         raise bad("dtype", f"got {m.dtype!r}; one of {', '.join(DTYPE_BYTES)}")
     if m.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise bad("kv_cache_dtype", f"got {m.kv_cache_dtype!r}; one of {', '.join(KV_CACHE_DTYPES)}")
-    for name, token in [("bos_token_id", m.bos_token_id)] + [(f"eos_token_ids[{i}]", t) for i, t in enumerate(m.eos_token_ids)]:
+    eos = [(f"eos_token_ids[{i}]", t) for i, t in enumerate(m.eos_token_ids)]
+    for name, token in [("bos_token_id", m.bos_token_id)] + eos:
         if token is not None and not 0 <= token < d.vocab_size:
             raise bad(name, f"token id {token} is outside the vocabulary (vocab_size {d.vocab_size})")
     n = m.tensor_parallel
@@ -515,7 +516,8 @@ def _check_summaries(m: Manifest, bad: Any) -> None:
 def _check_relative(rel: str, name: str, where: str | Path) -> None:
     """A path inside the engine dir as written: relative, no `..`, no backslashes or NUL."""
     parts = PurePosixPath(rel).parts
-    if not rel or not parts or "\0" in rel or "\\" in rel or PurePosixPath(rel).is_absolute() or ".." in parts or len(rel) > 4096:
+    if (not rel or not parts or "\0" in rel or "\\" in rel or PurePosixPath(rel).is_absolute() or ".." in parts
+            or len(rel) > 4096):
         raise EngineDirError(where, name, f"{rel[:200]!r} is not a path inside the engine dir "
                              "(absolute paths and '..' are refused)")
 

@@ -81,7 +81,8 @@ def check_plugin_library(path: Path, version: str) -> None:
     if built_for is None:
         raise CompileError(f"{path} is not a trtpaged TensorRT plugin library (no TensorRT major recorded in it)")
     if built_for != running:
-        raise CompileError(f"{Path(path).name} was built for TensorRT {built_for}, but TensorRT {version} is installed; "
+        raise CompileError(f"{Path(path).name} was built for TensorRT {built_for}, "
+                           f"but TensorRT {version} is installed; "
                            f"build {plugin_library_name(running)} against TensorRT {running}'s headers")
 
 
@@ -162,7 +163,8 @@ def check_build_info(engine_dir: Path, version: str, sm: Optional[str] = None) -
     (every component) for this GPU's SM (`sm`, default: this machine's)."""
     path = Path(engine_dir) / BUILD_INFO_FILE
     if not path.is_file():
-        raise CompileError(f"{engine_dir}: engine.plan without {BUILD_INFO_FILE} (built by an older trtpaged); rebuild it")
+        raise CompileError(f"{engine_dir}: engine.plan without {BUILD_INFO_FILE} (built by an older trtpaged); "
+                           "rebuild it")
     built = json.loads(path.read_text())
     built_version = str(built["tensorrt_version"])
     if _full_version(built_version) != _full_version(version):

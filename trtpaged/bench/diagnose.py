@@ -122,7 +122,8 @@ def read_request_log(path: str | Path, tokenize: Optional[Callable[[str], list[i
             given = [f for f in PROMPT_FIELDS if f in data]
             if given == ["prompt_token_ids", "prompt_len"]:  # the server log: the ids and their count
                 given = ["prompt_token_ids"]
-                if not isinstance(data["prompt_token_ids"], list) or data["prompt_len"] != len(data["prompt_token_ids"]):
+                ids = data["prompt_token_ids"]
+                if not isinstance(ids, list) or data["prompt_len"] != len(ids):
                     raise ValueError(f"prompt_len: {data['prompt_len']!r} is not the number of prompt_token_ids")
             if len(given) != 1:
                 raise ValueError(f"prompt: give exactly one of {', '.join(PROMPT_FIELDS)} (got {given or 'none'})")
@@ -210,7 +211,8 @@ def _arrival_is_seconds(value: object) -> bool:
 def _arrival_steps(rows: list[tuple[str, dict, TraceRequest, list[int]]], seconds: bool, step_time: Optional[float],
                    step_times: list[float], out: RequestLogData) -> list[int]:  # fmt: skip
     """Each row's arrival step: integers as given; seconds since the first arrival over the step time, rounded up."""
-    if step_time is not None and not (isinstance(step_time, (int, float)) and math.isfinite(step_time) and step_time > 0):
+    if step_time is not None and not (isinstance(step_time, (int, float)) and math.isfinite(step_time)
+                                      and step_time > 0):  # fmt: skip
         raise ValueError(f"--step-time: must be a positive number of seconds, got {step_time!r}")
     if not seconds:
         if step_time is not None:
@@ -258,7 +260,8 @@ def _check_server_fields(data: dict) -> None:
             raise ValueError(f"{name}: must be {'> 0' if name == 'step_time_s' else '>= 0'}, got {value!r}")
     lens = data.get("output_lens")
     if lens is not None:
-        if not isinstance(lens, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in lens):
+        if not isinstance(lens, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                                 for x in lens):  # fmt: skip
             raise ValueError(f"output_lens: must be a list of integers >= 0, got {lens!r}")
         if max(lens, default=0) != data["output_len"]:
             raise ValueError(f"output_len: {data['output_len']!r} is not the longest of output_lens {lens}")
@@ -267,7 +270,8 @@ def _check_server_fields(data: dict) -> None:
             raise ValueError(f"output_lens: {len(lens)} completions for n {n}")
     plen = data.get("prompt_len")
     if "cached_tokens" in data and isinstance(plen, int) and data["cached_tokens"] >= max(1, plen):
-        raise ValueError(f"cached_tokens: {data['cached_tokens']} of a {plen}-token prompt (the last token is never cached)")
+        raise ValueError(f"cached_tokens: {data['cached_tokens']} of a {plen}-token prompt "
+                         "(the last token is never cached)")
     reasons = data.get("finish_reasons")
     if reasons is not None and (not isinstance(reasons, list) or not all(isinstance(x, str) for x in reasons)):
         raise ValueError(f"finish_reasons: must be a list of strings, got {reasons!r}")
@@ -285,7 +289,8 @@ def _prompt_ids(data: dict, field: str, tokenize: Optional[Callable[[str], list[
             raise ValueError("prompt: text prompts need a tokenizer (give --engine, or token ids / lengths)")
         return list(tokenize(value))
     if field == "prompt_token_ids":
-        if not isinstance(value, list) or not value or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        if not isinstance(value, list) or not value or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                               for t in value):  # fmt: skip
             raise ValueError("prompt_token_ids: must be a non-empty list of integers")
         bad = next((t for t in value if not 0 <= t < vocab_size), None)
         if bad is not None:  # the replay's engine would refuse it
@@ -333,7 +338,8 @@ def _baseline(report: dict) -> dict:
         f"running on average) paged + sharing runs {shared['mean_running']:.1f}, "
         f"{_x(out['paged_sharing_vs_reserve_max'])} the concurrency and finishes "
         f"{_x(out['speedup_in_steps_vs_reserve_max'])} sooner (in steps); of that, knowing lengths exactly "
-        f"buys {_x(out['exact_vs_reserve_max'])}, paging {_x(out['paged_vs_exact'])} more, sharing {_x(out['sharing_vs_paged'])} more."
+        f"buys {_x(out['exact_vs_reserve_max'])}, paging {_x(out['paged_vs_exact'])} more, "
+        f"sharing {_x(out['sharing_vs_paged'])} more."
     )
     return out
 
@@ -400,7 +406,8 @@ def _lengths(trace: list[TraceRequest], kv: ModelKV) -> dict:
     capped = (f"; at most max_batch_size {b.max_batch_size} run at once, so {runs[0]} against {runs[1]}"
               f" ({_x(runs[0] / runs[1] if runs[1] else None)})" if fit_paged > b.max_batch_size else "")  # fmt: skip
     out["verdict"] = (
-        f"{kv.kv_bytes_per_token / 1024:.1f} KiB of KV per token, {out['kv_bytes_per_seq_at_mean_len'] / 2**20:.1f} MiB "
+        f"{kv.kv_bytes_per_token / 1024:.1f} KiB of KV per token, "
+        f"{out['kv_bytes_per_seq_at_mean_len'] / 2**20:.1f} MiB "
         f"per sequence at the mean length {mean_len:.0f} of max_seq_len {b.max_seq_len}: the budget holds "
         f"{fit_paged} sequences paged vs {fit_reserve} reserving max_seq_len ({_x(out['fit_ratio'])}){capped}. "
         f"The gain grows as sequences get longer relative to what a reservation must assume, and with the model's "

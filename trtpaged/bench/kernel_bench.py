@@ -129,7 +129,8 @@ def measure_decode(context: int, batch: int, kv_cache_dtype: Union[str, torch.dt
     samples = interleaved_samples(steps, budget_s=budget_s * len(steps))
     samples = {name: [t / layers for t in times] for name, times in samples.items()}  # per call
     paged_times, contiguous_times = samples["paged"], samples["contiguous"]
-    floats = {f"{name}_ms": statistics.median(samples[name]) * 1e3 for name in ("float32", "float16") if name in samples}
+    floats = {f"{name}_ms": statistics.median(samples[name]) * 1e3
+              for name in ("float32", "float16") if name in samples}  # fmt: skip
     if noise is not None:
         for times in samples.values():
             noise.add_samples(times)
@@ -199,7 +200,8 @@ def format_report(report: dict) -> str:
     lines = [
         f"trtpaged kernel benchmark ({report['device']}, {report['threads']} threads, KV {report['kv_cache_dtype']}, "
         f"{report['heads']['num_heads']} heads / {report['heads']['num_kv_heads']} KV heads / "
-        f"head_dim {report['heads']['head_dim']}, paged blocks of {report.get('block_size', DEFAULT_BLOCK_SIZE)} tokens)",
+        f"head_dim {report['heads']['head_dim']}, "
+        f"paged blocks of {report.get('block_size', DEFAULT_BLOCK_SIZE)} tokens)",
         f"a step: one call per layer of a {report.get('layers', 1)}-layer pool" + (
             " (every call finds the last one's keys in the caches)" if report.get("layers", 1) == 1 else
             " in turn (fewer where the layers column says so); times per call"),
@@ -207,7 +209,8 @@ def format_report(report: dict) -> str:
         f"{report.get('attention_path', 'not reported')}",
         f"memory-copy bandwidth: {report['copy_bandwidth_gbs']:.1f} GB/s (read + write bytes)",
         "",
-        f"{'context':>8} {'batch':>6} {'paged ms':>10} {'contig ms':>10} {'KV GB/s':>9} {'of copy':>8} {'paged ovh':>10}"
+        f"{'context':>8} {'batch':>6} {'paged ms':>10} {'contig ms':>10} {'KV GB/s':>9} {'of copy':>8} "
+        f"{'paged ovh':>10}"
         + (f" {'fp32 ms':>9} {'fp16 ms':>9} {'vs fp32':>8}" if report["decode"][0].get("float32_ms") else "")
         + (f" {'layers':>7}" if report.get("layers", 1) > 1 else ""),
     ]

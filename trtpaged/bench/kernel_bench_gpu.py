@@ -231,7 +231,8 @@ def format_report(report: dict) -> str:
         "(read + written)",
         "",
         f"{'context':>7} {'batch':>5} {'splits':>6} {'paged us':>9} {'contig us':>9} {'KV GB/s':>8} "
-        f"{'/copy read':>10} {'/copy moved':>11} {'paged ovh':>9}" + (f" {'fp16 us':>8} {'vs fp16':>7}" if quantized else ""),
+        f"{'/copy read':>10} {'/copy moved':>11} {'paged ovh':>9}"
+        + (f" {'fp16 us':>8} {'vs fp16':>7}" if quantized else ""),
     ]
     for r in report["decode"]:
         lines.append(

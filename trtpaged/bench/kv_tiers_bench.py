@@ -80,11 +80,13 @@ def run_kv_tiers_bench(
                     "disk": [("disk", {"disk": disk}, 0), ("disk, restarted", {"disk": disk}, 1)],
                 }
                 if remote:
-                    named["remote"] = [("remote", {"remote": remote}, 0), ("remote, 2nd replica", {"remote": remote}, 0)]
+                    named["remote"] = [("remote", {"remote": remote}, 0),
+                                       ("remote, 2nd replica", {"remote": remote}, 0)]  # fmt: skip
                 groups = [group for name, group in named.items() if name in wanted]
                 for group in groups[r % len(groups):] + groups[:r % len(groups)]:
                     for name, tiers, variant in group:
-                        report = _run_row(engine, spec, num_kv_blocks, name, tiers, seed + r, variant, llm_kwargs, say, salt)
+                        report = _run_row(engine, spec, num_kv_blocks, name, tiers, seed + r, variant, llm_kwargs,
+                                          say, salt)  # fmt: skip
                         runs.setdefault(name, []).append(report)
             finally:
                 shutil.rmtree(disk_dir, ignore_errors=True)
@@ -234,7 +236,8 @@ def live_history_blocks(report: dict[str, Any], spec: MultiTurnSpec, block_size:
     return spec.conversations * (mean_prompt + spec.output_tokens) / block_size
 
 
-BREAKDOWN = (("ttft_ms", "server TTFT"), ("submit_wait_ms", "until the engine takes it"), ("tier_wait_ms", "tier wait"), ("admission_wait_ms", "admission wait"),
+BREAKDOWN = (("ttft_ms", "server TTFT"), ("submit_wait_ms", "until the engine takes it"), ("tier_wait_ms", "tier wait"),
+             ("admission_wait_ms", "admission wait"),
              ("prefill_ms", "prefill"), ("own_compute_ms", "own tokens' share"), ("computed_tokens", "tokens computed"),
              ("shared_tokens", "others' tokens in its steps"), ("prefill_steps", "steps"))  # fmt: skip
 
@@ -302,10 +305,12 @@ def format_kv_tiers(report: dict[str, Any]) -> str:
               "and tokenizing), medians over requests, each column on its own (ms, tokens; `own tokens' share`: the "
               "prefill steps' time pro rata of the request's own computed tokens, the rest is other requests' tokens "
               "in those steps)",
-              "", "| tiers | " + " | ".join(title for _, title in BREAKDOWN) + " |", "|" + "---|" * (len(BREAKDOWN) + 1)]
+              "", "| tiers | " + " | ".join(title for _, title in BREAKDOWN) + " |",
+              "|" + "---|" * (len(BREAKDOWN) + 1)]
     for name, row in report["rows"].items():
         parts = row.get("ttft_breakdown") or {}
-        lines.append("| " + " | ".join([name] + [f"{parts[k]:.0f}" if k in parts else "n/a" for k, _ in BREAKDOWN]) + " |")
+        cells = [f"{parts[k]:.0f}" if k in parts else "n/a" for k, _ in BREAKDOWN]
+        lines.append("| " + " | ".join([name] + cells) + " |")
     failed = {name: row for name, row in report["rows"].items() if row.get("failed")}
     if failed:  # the figures above are over the turns that completed: say which did not, and why
         lines += ["", "failed turns (the figures above are over the completed ones; compare rows with care):"]

@@ -180,7 +180,8 @@ def simulate_contiguous(trace: list[TraceRequest], budget: Budget, reserve: str)
         while waiting:
             req = waiting[0]
             copies = req.num_seqs  # without sharing, every sample or beam holds its own copy
-            per_seq = budget.max_seq_len if reserve == "max_seq_len" else min(budget.max_seq_len, req.prompt_len + req.output_len)
+            per_seq = (budget.max_seq_len if reserve == "max_seq_len"
+                       else min(budget.max_seq_len, req.prompt_len + req.output_len))  # fmt: skip
             need = per_seq * copies
             if need > budget.capacity_tokens or never_fits(req, budget) is not None:
                 waiting.pop(0)
@@ -526,7 +527,8 @@ def format_tensor_parallel_table(rows: list[dict], base_blocks: int) -> str:
 
 
 def format_kv_cache_dtype_table(rows: list[dict], base_dtype: str, base_blocks: int, head_dim: int) -> str:
-    lines = [f"same KV memory as {base_blocks} {base_dtype} blocks (head_dim {head_dim}), paged replay without sharing:",
+    lines = [f"same KV memory as {base_blocks} {base_dtype} blocks (head_dim {head_dim}), "
+             "paged replay without sharing:",
              f"{'kv dtype':<10} {'B/head row':>10} {'blocks':>8} {'steps':>7} {'peak run':>9} {'mean run':>9} "
              f"{'sat run':>8} {'vs fp16':>8} {'vs fp32':>8} {'preempt':>8}"]
     for r in rows:
@@ -568,7 +570,8 @@ def format_sharing_table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"{r['kind']:<10} {r['width']:>8} {r['blocks_with_sharing']:>18.1f} "
                      f"{r['blocks_without_sharing']:>12.1f} {r['memory_saved']:>13.1%}")  # fmt: skip
-    lines.append("memory saved = 1 - blocks in use with sharing / blocks without (means over steps), paged + sharing replay")
+    lines.append("memory saved = 1 - blocks in use with sharing / blocks without (means over steps), "
+                 "paged + sharing replay")
     return "\n".join(lines)
 
 
@@ -603,7 +606,8 @@ def format_memory_report(report: dict) -> str:
         "  '-' where either refused requests: they did not run the same work)",
         "tw run / tw util: running sequences and KV utilisation with each step weighted by the tokens it computed;",
         "  tokens: tokens computed in all (recompute preemptions compute prompts and outputs again)",
-        f"sharing (paged + sharing): {sh['blocks_with_sharing']:.1f} blocks in use vs {sh['blocks_without_sharing']:.1f} "
+        f"sharing (paged + sharing): {sh['blocks_with_sharing']:.1f} blocks in use "
+        f"vs {sh['blocks_without_sharing']:.1f} "
         f"without sharing (means over steps): memory saved {sh['memory_saved']:.1%}",
     ]
     return "\n".join(lines)

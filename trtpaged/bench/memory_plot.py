@@ -24,7 +24,8 @@ def plot_memory_report(report: dict, path: str | Path) -> Path:
     run_ax.set_xlabel("step")
     slots_ax.legend(fontsize=8, loc="upper right")
     slots_ax.set_title(f"{report['requests']} requests ({report['sequences']} sequences), "
-                       f"{report['budget']['num_kv_blocks']} blocks x {report['budget']['block_size']} tokens")  # fmt: skip
+                       f"{report['budget']['num_kv_blocks']} blocks x "
+                       f"{report['budget']['block_size']} tokens")  # fmt: skip
     fig.tight_layout()
     out = Path(path)
     fig.savefig(out, dpi=110)

@@ -253,7 +253,8 @@ def format_report(report: Report) -> str:
                          for t in (r.int8_float, r.int4_float))  # fmt: skip
         ref = f"  {_cell(r.int8pack_mm):>24}" if r.int8pack_mm else ""
         lines.append(
-            f"{r.shape:<9}{f'{r.n}x{r.k}':>12}{r.m:>5}  {_cell(r.fp32):>24}  {_cell(r.int8):>24}{_ratio(r.fp32, r.int8)}"
+            f"{r.shape:<9}{f'{r.n}x{r.k}':>12}{r.m:>5}  {_cell(r.fp32):>24}"
+            f"  {_cell(r.int8):>24}{_ratio(r.fp32, r.int8)}"
             f"  {_cell(r.int4):>24}{_ratio(r.fp32, r.int4)}" + floats + ref
         )
     if report.read_gbs:

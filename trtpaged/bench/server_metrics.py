@@ -54,9 +54,11 @@ def classify(snaps: list[dict[str, Optional[float]]], max_batch_size: Optional[i
     if not queued:
         verdict = f"Live server: nothing waiting in {len(snaps)} samples (not saturated)."
     elif len(full) >= len(queued) / 2:
-        verdict = (f"Live server: requests waiting in {len(queued)} of {len(snaps)} samples, KV usage >= {KV_FULL:.0%} in "
+        verdict = (f"Live server: requests waiting in {len(queued)} of {len(snaps)} samples, "
+                   f"KV usage >= {KV_FULL:.0%} in "
                    f"{len(full)} of them: memory-bound.")  # fmt: skip
     else:
-        verdict = (f"Live server: requests waiting in {len(queued)} of {len(snaps)} samples with KV below {KV_FULL:.0%} "
+        verdict = (f"Live server: requests waiting in {len(queued)} of {len(snaps)} samples "
+                   f"with KV below {KV_FULL:.0%} "
                    f"({len(at_limit)} at max_batch_size): scheduler-bound.")  # fmt: skip
     return {"samples": snaps, "queued_samples": len(queued), "kv_full_samples": len(full), "verdict": verdict}

@@ -150,7 +150,8 @@ def op_breakdown(llm, batch: int, steps: int = PROFILED_STEPS, top: int = 12, pr
             "profiled_ms_per_step": total_us / 1e3 / steps, "ops": ops}  # fmt: skip
 
 
-def run_step_profile(engine_dir: str, batches: tuple[int, ...] = (1, 16), say: Callable[[str], None] = lambda _m: None) -> dict:
+def run_step_profile(engine_dir: str, batches: tuple[int, ...] = (1, 16),
+                     say: Callable[[str], None] = lambda _m: None) -> dict:  # fmt: skip
     """Phase and op breakdowns of decode steps at each batch size."""
     from trtpaged.runtime.llm import LLM
 
@@ -175,8 +176,9 @@ def format_step_profile(report: dict) -> str:
         for name, seconds in p["phases_s"].items():
             lines.append(f"    {name:<58} {seconds * 1e3:>8.2f} ms {seconds / p['step_s']:>6.1%}")
     for o in report["ops"]:
-        lines += ["", f"  model forward ops, batch {o['batch']} decode (torch.profiler and kernel-library calls, self CPU per step; model call "
-                      f"{o['model_ms_per_step']:.1f} ms, profiled total {o['profiled_ms_per_step']:.1f} ms):"]  # fmt: skip
+        lines += ["", f"  model forward ops, batch {o['batch']} decode (torch.profiler and kernel-library calls, "
+                      f"self CPU per step; model call {o['model_ms_per_step']:.1f} ms, "
+                      f"profiled total {o['profiled_ms_per_step']:.1f} ms):"]  # fmt: skip
         for op in o["ops"]:
             lines.append(f"    {op['op'][:48]:<48} {op['self_ms_per_step']:>8.2f} ms {op['share']:>6.1%} "
                          f"{op['calls_per_step']:>6.0f} calls")  # fmt: skip

@@ -18,7 +18,8 @@ exactly its requested length):
 Each system runs in its own process (so peak RSS is its own), after a one-request warm-up.
 With rounds > 1 trtpaged runs the workload again in the same process, each round on fresh prompts of
 the same lengths and sharing (no prefix-cache hits between rounds, the same within each), and reports
-every round's wall: the first batch after loading (no warm-up request then: `LLM(...)` returning is "ready") against the next ones. Each row says which instruction set ran it.
+every round's wall: the first batch after loading (no warm-up request then: `LLM(...)` returning is
+"ready") against the next ones. Each row says which instruction set ran it.
 Per system: useful output tok/s (requested output tokens / wall), computed tok/s (every token
 position run through the model, prompts, padding and decode steps past a request's end
 included / wall), wall time, TTFT (from t=0, queueing included) and per-output-token latency
@@ -199,7 +200,8 @@ def check_requests(requests: list[Request], max_seq_len: int, source: str) -> No
     anything loads: the engine would refuse it mid-run)."""
     for i, r in enumerate(requests, 1):
         if len(r.prompt_ids) + r.output_len > max_seq_len:
-            raise ValueError(f"{r.where or f'{source}: request {i}'}: {len(r.prompt_ids)} prompt tokens + output_len {r.output_len} "
+            raise ValueError(f"{r.where or f'{source}: request {i}'}: {len(r.prompt_ids)} prompt tokens "
+                             f"+ output_len {r.output_len} "
                              f"exceed the engine's max_seq_len ({max_seq_len})")
 
 

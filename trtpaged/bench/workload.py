@@ -187,7 +187,8 @@ def load_trace_with_sharing(path: str | Path, n: Optional[int] = None,
     flag that fills no line (every line gives its own): a flag is never silently ignored.
     """
     if n is not None and beam_width is not None:
-        raise ValueError("--n, --beam-width: give one of them with --trace (a line is parallel sampling or a beam search)")
+        raise ValueError("--n, --beam-width: give one of them with --trace "
+                         "(a line is parallel sampling or a beam search)")
     flag, value = ("--n", {"n": n}) if n is not None else ("--beam-width", {"beam_width": beam_width})
     entries, filled = _trace_entries(path, value if n is not None or beam_width is not None else {})
     requests = [request for _, request in entries]

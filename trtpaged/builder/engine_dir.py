@@ -45,7 +45,8 @@ def check_output(output: Path, force: bool = False) -> None:
         raise OutputDirError(f"output: {output} is {kind}; expected a directory path")
     if output.is_dir() and any(output.iterdir()):
         if not (output / MANIFEST_NAME).is_file():
-            raise OutputDirError(f"output: {output} is a non-empty directory that is not an engine dir; refusing to replace it")
+            raise OutputDirError(f"output: {output} is a non-empty directory that is not an engine dir; "
+                                 "refusing to replace it")
         if not force:
             raise OutputDirError(f"output: {output} is an engine dir already; pass --force to replace it "
                                  "(it is replaced only once the new build is complete)")

@@ -80,7 +80,8 @@ def lower_dequantize_nodes(model) -> int:
 
 
 def _retype_int4(codes, ir) -> None:
-    """Packed uint8 [K, N/2] signed nibbles -> INT4 [K, N] (same bytes: ONNX packs the even element in the low nibble)."""
+    """Packed uint8 [K, N/2] signed nibbles -> INT4 [K, N] (same bytes: ONNX packs the even element in the low
+    nibble)."""
     tensor = codes.const_value
     if tensor is None or tensor.dtype != ir.DataType.UINT8:
         raise ValueError(f"{codes.name}: int4 codes must be a uint8 initializer, got {tensor!r}")

@@ -441,7 +441,8 @@ def _manifest(
     tok = hf.tokenizer
     bos, eos = _special_token_ids(hf)
     source = config.model.describe()
-    source.update({"model_yaml": str(config.source_file) if config.source_file else None, "trtpaged_version": __version__})
+    source.update({"model_yaml": str(config.source_file) if config.source_file else None,
+                   "trtpaged_version": __version__})
     return Manifest(
         dims=dims,
         limits=config.limits,

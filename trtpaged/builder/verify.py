@@ -135,7 +135,8 @@ def verify_onnx(
         named = dtype if precision == dtype else f"kv_cache_dtype {kv_cache_dtype}"
         what = "step model" if quantized else "hf"
         raise VerificationError(
-            f"verification failed: max |onnx - {what}| logits = {worst:.3g} over {rows} rows, tolerance {result.tolerance:.3g} "
+            f"verification failed: max |onnx - {what}| logits = {worst:.3g} over {rows} rows, "
+            f"tolerance {result.tolerance:.3g} "
             f"({named}: {atol} + {rtol} * max|logit| {peak:.3g})"
         )
     return result

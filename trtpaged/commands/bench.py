@@ -67,7 +67,8 @@ def command() -> None:
 @click.option("--device", type=click.Choice(("cpu", "cuda")), default="cpu", show_default=True,
               help="cpu: the OpenMP kernel; cuda: the CUDA kernel on the current GPU (HBM copy bandwidth as the bar).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-@click.option("--quick", is_flag=True, help="Shorter timing budget (noisier); on cuda, contexts 2048/8192 at batch 8/32.")
+@click.option("--quick", is_flag=True,
+              help="Shorter timing budget (noisier); on cuda, contexts 2048/8192 at batch 8/32.")
 @click.option("--block-size", type=click.Choice([str(b) for b in BLOCK_SIZES]), default=str(DEFAULT_BLOCK_SIZE),
               show_default=True,
               help="Tokens per block of the paged cache (model.yaml's block_size).")
@@ -130,7 +131,8 @@ def kernel(kv_cache_dtype: Optional[str], device: str, as_json: bool, quick: boo
                    "neither n nor beam_width (a line's own value wins; not with --n).")
 @click.option("--preset", type=click.Choice(("alpaca", "sharegpt")),
               help="Synthetic: prompt/output length ranges with the PagedAttention paper's dataset means.")
-@click.option("--sharing-table", is_flag=True, help="Also: memory saved by sharing for n = 2, 4, 6 and beam width 2, 4, 6.")
+@click.option("--sharing-table", is_flag=True,
+              help="Also: memory saved by sharing for n = 2, 4, 6 and beam width 2, 4, 6.")
 @click.option("--plot", type=OutputFile(), callback=lambda ctx, p, v: _plot_path(v, p),
               help="Write KV slots and running sequences over time to PATH, exactly: a PNG (or the format its "
                    "suffix names: .svg, .pdf, ...).")
@@ -477,7 +479,8 @@ def qlinear(as_json: bool, quick: bool, working_set_mb: Optional[int], threads: 
 
 
 @command.command(name="serve")
-@click.option("--base-url", type=HttpUrl(), required=True, help="The server, e.g. http://127.0.0.1:8000 (any OpenAI-compatible server).")
+@click.option("--base-url", type=HttpUrl(), required=True,
+              help="The server, e.g. http://127.0.0.1:8000 (any OpenAI-compatible server).")
 @click.option("--trace", type=RegularFile(),
               help="JSON Lines trace (as for bench memory), a Mooncake trace (JSON Lines of timestamp, input_length, "
                    "output_length, hash_ids: its prompt a block of words per hash id), an Azure LLM inference or "
@@ -495,19 +498,23 @@ def qlinear(as_json: bool, quick: bool, working_set_mb: Optional[int], threads: 
 @click.option("--request-rate", default="inf", show_default=True,
               help="Requests per second (Poisson), or inf (a timed --trace, Mooncake, Azure or BurstGPT: its "
                    "timestamps instead).")
-@click.option("--max-concurrency", type=click.IntRange(1, MAX_REQUESTS), default=None, help="Requests in flight at most.")
+@click.option("--max-concurrency", type=click.IntRange(1, MAX_REQUESTS), default=None,
+              help="Requests in flight at most.")
 @click.option("--model", default=None, help="Model name to send (default: none; the server's own).")
 @click.option("--api-key", envvar="TRTPAGED_API_KEY", default=None, help="Sent as 'Authorization: Bearer KEY'.")
 @click.option("--endpoint", type=click.Choice(["completions", "chat"]), default="completions", show_default=True)
-@click.option("--ignore-eos/--no-ignore-eos", default=True, show_default=True, help="Ask for exactly the output length.")
+@click.option("--ignore-eos/--no-ignore-eos", default=True, show_default=True,
+              help="Ask for exactly the output length.")
 @click.option("--seed", default=0, show_default=True,
               help="The prompts' words (a ShareGPT --trace: its shuffle): the same seed resends the same prompts, "
                    "which a server with prefix caching finds cached (another seed for a cold run).")
 @click.option("--multi-turn", default=None, metavar="N:K",
               help="Multi-turn traffic: N conversations of K turns, each sending the whole history (with "
                    "--output-len N as the reply length); adds prefix hit rate and prefill tokens computed.")
-@click.option("--system-words", type=click.IntRange(1, MAX_WORDS), default=64, show_default=True, help="Multi-turn: the shared system prompt's words.")
-@click.option("--user-words", type=click.IntRange(1, MAX_WORDS), default=24, show_default=True, help="Multi-turn: words of each user message.")
+@click.option("--system-words", type=click.IntRange(1, MAX_WORDS), default=64, show_default=True,
+              help="Multi-turn: the shared system prompt's words.")
+@click.option("--user-words", type=click.IntRange(1, MAX_WORDS), default=24, show_default=True,
+              help="Multi-turn: words of each user message.")
 @click.option("--think-time", type=FiniteFloatRange(0, MAX_THINK_S), default=0.5, show_default=True,
               help="Multi-turn: seconds between a reply and the next turn.")
 @click.option("--stagger", is_flag=True,
@@ -597,10 +604,13 @@ def _refuse_an_empty_run(report: dict) -> None:
 @click.option("--num-kv-blocks", type=click.IntRange(min=1), required=True,
               help="The pool's blocks: small enough that it cannot hold every live history.")
 @click.option("--multi-turn", default="8:4", show_default=True, metavar="N:K", help="N conversations of K turns.")
-@click.option("--system-words", type=click.IntRange(1, MAX_WORDS), default=64, show_default=True, help="The shared system prompt's words.")
-@click.option("--user-words", type=click.IntRange(1, MAX_WORDS), default=24, show_default=True, help="Words of each user message.")
+@click.option("--system-words", type=click.IntRange(1, MAX_WORDS), default=64, show_default=True,
+              help="The shared system prompt's words.")
+@click.option("--user-words", type=click.IntRange(1, MAX_WORDS), default=24, show_default=True,
+              help="Words of each user message.")
 @click.option("--output-len", default="16", show_default=True, help="Tokens of each reply.")
-@click.option("--think-time", type=FiniteFloatRange(0, MAX_THINK_S), default=0.5, show_default=True, help="Seconds between a reply and the next turn.")
+@click.option("--think-time", type=FiniteFloatRange(0, MAX_THINK_S), default=0.5, show_default=True,
+              help="Seconds between a reply and the next turn.")
 @click.option("--stagger", is_flag=True,
               help="Conversations start spread over one think time, think times vary 0.5-1.5x (default: lockstep).")
 @click.option("--host-memory", type=Size(), default="1GiB", show_default=True, help="The host tier's size.")
@@ -659,8 +669,10 @@ def _rows(value, param):
 @click.argument("engine", type=click.Path(exists=True, file_okay=False), callback=lambda ctx, p, v: _engine_dir(v, p))
 @click.option("--repeats", type=click.IntRange(1, MAX_ROUNDS), default=5, show_default=True,
               help="Rounds of the five runs, alternating.")
-@click.option("--max-tokens", type=click.IntRange(min=2), default=128, show_default=True, help="Tokens per request (greedy, ignore_eos).")
-@click.option("--concurrency", type=click.IntRange(1, MAX_REQUESTS), default=16, show_default=True, help="Concurrent requests of the batch runs.")
+@click.option("--max-tokens", type=click.IntRange(min=2), default=128, show_default=True,
+              help="Tokens per request (greedy, ignore_eos).")
+@click.option("--concurrency", type=click.IntRange(1, MAX_REQUESTS), default=16, show_default=True,
+              help="Concurrent requests of the batch runs.")
 @click.option("--server-arg", "server_args", multiple=True, help="Passed on to trtpaged serve (repeatable).")
 @click.option("--stream-interval", "stream_intervals", type=click.IntRange(min=1), multiple=True,
               help="serve's --stream-interval (tokens per streamed chunk); repeat it to compare several in the same "
@@ -713,7 +725,8 @@ def structured(engine, batch, steps, repeats, temperature, as_json) -> None:
 @click.option("--no-prefix-caching-row", is_flag=True, help="Extra row: trtpaged with prefix caching off.")
 @click.option("--engine2", type=click.Path(exists=True, file_okay=False), callback=lambda ctx, p, v: _engine_dir(v, p),
               help="Extra row: a second engine dir on the same requests (e.g. fp32 vs quantized).")
-@click.option("--profile", is_flag=True, help="Also: where a decode step's time goes (phases, and model ops at batch 1 and 16).")
+@click.option("--profile", is_flag=True,
+              help="Also: where a decode step's time goes (phases, and model ops at batch 1 and 16).")
 @click.option("--seed", default=0, show_default=True,
               help="The built-in mix's lengths and prompts, a ShareGPT --trace's shuffle, a timed --trace's token "
                    "ids (a Mooncake trace's blocks).")

@@ -62,10 +62,12 @@ def _model_yaml(value: Path, param: click.Parameter) -> Path:
 
 @click.command(name="build", help=_HELP)
 @click.argument("model_yaml", type=click.Path(path_type=Path), callback=lambda ctx, p, v: _model_yaml(v, p))
-@click.option("-o", "--output", type=click.Path(file_okay=False), default=None, callback=lambda ctx, p, v: _output(v, p),
+@click.option("-o", "--output", type=click.Path(file_okay=False), default=None,
+              callback=lambda ctx, p, v: _output(v, p),
               help="Engine dir to write (default: `output` in the yaml).")
 @click.option("--skip-verify", is_flag=True, help="Skip the ONNX-vs-transformers verification (big models).")
-@click.option("--force", is_flag=True, help="Replace an existing engine dir at the output (once the new one is complete).")
+@click.option("--force", is_flag=True,
+              help="Replace an existing engine dir at the output (once the new one is complete).")
 def command(model_yaml: Path, output: Path | None, skip_verify: bool, force: bool) -> None:
     from trtpaged.builder import BuildError, build_engine
     from trtpaged.builder.export import ExportError
@@ -80,7 +82,8 @@ def command(model_yaml: Path, output: Path | None, skip_verify: bool, force: boo
     except (ConfigError, BuildError, ExportError, VerificationError) as e:
         raise click.ClickException(str(e)) from None
     except OSError as e:  # the disk filled up, a directory vanished: the temp dir is already gone
-        raise click.ClickException(f"build failed writing {e.filename or 'the engine dir'}: {e.strerror or e}") from None
+        raise click.ClickException(f"build failed writing {e.filename or 'the engine dir'}: "
+                                   f"{e.strerror or e}") from None
     except KeyboardInterrupt:
         click.echo("build interrupted; nothing was written", err=True)
         # os._exit, not sys.exit: an interrupt that lands inside a nested interpreter run (a module being imported

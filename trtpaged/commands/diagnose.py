@@ -60,7 +60,8 @@ def _kv_from_config(path: str):
 
 @click.command(name="diagnose")
 @click.argument("log", type=RegularFile())
-@click.option("--engine", type=click.Path(exists=True, file_okay=False), help="Engine dir (KV bytes, budget, tokenizer).")
+@click.option("--engine", type=click.Path(exists=True, file_okay=False),
+              help="Engine dir (KV bytes, budget, tokenizer).")
 @click.option("--config", "config_path", type=RegularFile(),
               help="model.yaml instead of an engine dir (reads the model's config only; no text prompts).")
 @click.option("--metrics", "metrics_url", type=HttpUrl(),
@@ -110,7 +111,8 @@ def command(log, engine, config_path, metrics_url, metrics_samples, step_time, k
             metrics = observe(metrics_url, metrics_samples, max_batch_size=kv.budget.max_batch_size)
         except OSError as exc:
             raise click.ClickException(f"--metrics: cannot read {metrics_url}: {exc}") from exc
-    report = diagnose(data.trace, data.prompts, kv, metrics, progress=lambda m: click.echo(f"  replaying: {m}", err=True),
+    report = diagnose(data.trace, data.prompts, kv, metrics,
+                      progress=lambda m: click.echo(f"  replaying: {m}", err=True),
                       log=data, tier_blocks=tier_sizes)  # fmt: skip
     if as_json:
         echo(json.dumps(report, indent=2))

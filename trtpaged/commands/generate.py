@@ -41,7 +41,8 @@ _RUN_STATS = (
 @click.option("--speculative-config", default=None, metavar="JSON",
               help='Speculative decoding, a JSON object, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                    "(docs/speculative.md).")
-@click.option("--stats", "show_stats", is_flag=True, help="Print the run's KV-cache figures (peaks, sharing) at the end.")
+@click.option("--stats", "show_stats", is_flag=True,
+              help="Print the run's KV-cache figures (peaks, sharing) at the end.")
 def command(engine, prompt, chat, max_tokens, temperature, top_p, seed, n, beam_width, backend, device,
             speculative_config, show_stats) -> None:  # fmt: skip
     """Generate a completion for one prompt, streaming text as it is decoded."""

@@ -52,7 +52,8 @@ def _not_empty(value, param):
 @click.option("--shutdown-timeout", type=FiniteFloatRange(min=0), default=30.0, show_default=True,
               help="On SIGTERM/Ctrl-C: seconds requests in flight may finish before the rest are aborted (a "
                    "second signal aborts them at once).")
-@click.option("--max-body-bytes", type=click.IntRange(min=1), default=8 << 20, show_default=True, help="Largest request body (413 beyond).")
+@click.option("--max-body-bytes", type=click.IntRange(min=1), default=8 << 20, show_default=True,
+              help="Largest request body (413 beyond).")
 @click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=None,
               help="Longest prompt accepted (default and most: max_seq_len - 1).")
 @click.option("--max-logprob-entries", type=click.IntRange(min=1), default=None,

@@ -33,7 +33,8 @@ def rmsnorm(
     out: Optional[torch.Tensor] = None,
     residual_out: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """HF Llama's RMSNorm over the last dimension of x [rows, hidden] (float32 CPU): weight * x * rsqrt(mean(x^2) + eps).
+    """HF Llama's RMSNorm over the last dimension of x [rows, hidden] (float32 CPU):
+    weight * x * rsqrt(mean(x^2) + eps).
 
     With residual: h = x + residual, returns (rmsnorm(h), h); h is written to residual_out (default:
     into residual, in place). Without: returns rmsnorm(x). out may be x.

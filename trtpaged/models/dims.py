@@ -100,7 +100,8 @@ def dims_from_hf_config(config: Any, max_seq_len: Optional[int] = None) -> Model
     archs = getattr(config, "architectures", None) or []
     arch = archs[0] if archs else ARCHITECTURES_BY_MODEL_TYPE.get(config.model_type, config.model_type)
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(f"architecture {arch} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise UnsupportedModelError(f"architecture {arch} is not supported; "
+                                    f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     for key in _REFUSED_KEYS:
         if getattr(config, key, None):
             raise UnsupportedModelError(f"{key}: got {getattr(config, key)!r}; mixture-of-experts layers are not "
@@ -126,13 +127,15 @@ def dims_from_hf_config(config: Any, max_seq_len: Optional[int] = None) -> Model
             raise UnsupportedModelError(
                 f"max_seq_len: {max_seq_len} exceeds longrope's original_max_position_embeddings {original}; "
                 f"beyond it the long factors switch on with the sequence length, which is not implemented")
-    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     if heads % kv_heads:
         raise UnsupportedModelError(f"num_key_value_heads: {kv_heads} does not divide num_attention_heads {heads}")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     if head_dim % HEAD_DIM_MULTIPLE or head_dim > MAX_HEAD_DIM:
         raise UnsupportedModelError(
-            f"head_dim: got {head_dim}; the trtpaged kernels support multiples of {HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM}"
+            f"head_dim: got {head_dim}; the trtpaged kernels support multiples of {HEAD_DIM_MULTIPLE} "
+            f"up to {MAX_HEAD_DIM}"
         )
     rotary_dim = int(head_dim * partial)
     if not 0 < partial <= 1 or rotary_dim % 2:

@@ -250,7 +250,8 @@ def _check_placement(tensors: list[TensorInfo], alignment: int, data_bytes: int)
     end, last = 0, None
     for t in sorted(tensors, key=lambda t: t.offset):
         if t.offset % alignment:
-            raise GGUFHeaderError(f"tensor {t.name!r}: offset {t.offset} is not a multiple of the alignment {alignment}")
+            raise GGUFHeaderError(f"tensor {t.name!r}: offset {t.offset} is not a multiple of the alignment "
+                                  f"{alignment}")
         if t.offset + t.nbytes > data_bytes:
             raise GGUFHeaderError(f"tensor {t.name!r}: its {t.nbytes} bytes at offset {t.offset} run past the end of "
                                   f"the file (the data section holds {data_bytes} bytes)")  # fmt: skip

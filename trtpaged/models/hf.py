@@ -66,7 +66,8 @@ def source_architecture(spec: ModelSpec) -> str:
         # transformers converts a GGUF to the architecture whose model_type is its general.architecture
         arch = ARCHITECTURES_BY_MODEL_TYPE.get(gguf_arch, f"GGUF architecture {gguf_arch!r}")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ConfigError(f"{key}: architecture {arch} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise ConfigError(f"{key}: architecture {arch} is not supported; "
+                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     if spec.kind == "hf_dir":
         _check_config_values(hf_config, arch, key)
     return arch
@@ -333,8 +334,9 @@ def _take_gguf_rope_factors(spec: ModelSpec, config: Any, layout: GGUFLayout) ->
 
 def _check_config_against_checkpoint(path: Path, config: Any) -> None:
     """Refuses a config.json whose sizes are not positive integers, or make a model far larger than the
-    checkpoint's files, before transformers allocates it (a vocab_size of 10^9 beside a small checkpoint would take the machine's memory): the model in
-    float32 may be up to 4x a checkpoint of 8-bit files, and no more than that plus a margin."""
+    checkpoint's files, before transformers allocates it (a vocab_size of 10^9 beside a small checkpoint would
+    take the machine's memory): the model in float32 may be up to 4x a checkpoint of 8-bit files, and no more
+    than that plus a margin."""
     _check_sizes(config, "model.hf_dir: config.json's")
     held = sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin") for f in path.glob(pattern) if f.is_file())
     wanted = _config_parameters(config) * 4
@@ -381,14 +383,16 @@ def _load_tiny(tiny: dict[str, Any], dtype: torch.dtype) -> HFModel:
     arch, seed = tiny.pop("architecture"), tiny.pop("seed")
     try:
         config = AutoConfig.for_model(
-            MODEL_TYPES[arch], architectures=[arch], bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, **tiny
+            MODEL_TYPES[arch], architectures=[arch], bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+            **tiny
         )
     except Exception as e:  # noqa: BLE001  (transformers' config validators raise their own error types)
         cause = e.__cause__ or e
         raise ConfigError(f"model.tiny: transformers rejects this {arch} config: {cause}") from None
     size = _config_parameters(config) * torch.empty((), dtype=dtype).element_size()
     if size > MAX_TINY_BYTES:  # before a random model of that size is allocated (keys left out take HF's defaults)
-        raise ConfigError(f"model.tiny: about {size / 2**30:.1f} GiB of {str(dtype).removeprefix('torch.')} weights exceed a tiny model's "
+        raise ConfigError(f"model.tiny: about {size / 2**30:.1f} GiB of {str(dtype).removeprefix('torch.')} "
+                          "weights exceed a tiny model's "
                           f"{MAX_TINY_BYTES >> 30} GiB; set smaller hidden_size, intermediate_size, num_hidden_layers "
                           f"or vocab_size (now {config.hidden_size}, {config.intermediate_size}, "
                           f"{config.num_hidden_layers}, {config.vocab_size})", limit=MAX_TINY_BYTES)

@@ -127,7 +127,8 @@ class QuantizedLinear(nn.Module):
         self.activations = "int8"  # how the CPU kernels treat x: "float" or "int8" (set_activations)
 
     @classmethod
-    def from_weight(cls, weight: QuantizedWeight, bias: Optional[torch.Tensor], dtype: torch.dtype) -> "QuantizedLinear":
+    def from_weight(cls, weight: QuantizedWeight, bias: Optional[torch.Tensor],
+                    dtype: torch.dtype) -> "QuantizedLinear":  # fmt: skip
         module = cls(weight.in_features, weight.out_features, weight.bits, weight.group_size, bias is not None, dtype)
         module.load_weight(weight, bias)
         return module

@@ -89,7 +89,8 @@ class Int4TinyGemmOp:
     reason = None
 
     def __init__(self, weight: QuantizedWeight, bias: Optional[torch.Tensor], device: torch.device) -> None:
-        self.in_features, self.out_features, self.group_size = weight.in_features, weight.out_features, weight.group_size
+        self.in_features, self.out_features = weight.in_features, weight.out_features
+        self.group_size = weight.group_size
         q = weight.int_codes().to(torch.uint8)  # [N, K], 0..15
         high_first = (q[:, 0::2] << 4) | q[:, 1::2]  # the kernel's uint8 [N, K/2]: element 2i in the high nibble
         self.packed = torch._convert_weight_to_int4pack(high_first.to(device), _inner_k_tiles(self.in_features))

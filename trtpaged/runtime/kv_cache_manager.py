@@ -83,7 +83,8 @@ class KVCacheManager:
         self.num_reclaimed = 0  # blocks returned by `reclaim` (a shared block counts once per table)
         self.block_size = block_size
         self.pool = BlockPool(num_kv_blocks, enable_caching=enable_prefix_caching, hash_fn=hash_fn)
-        self.host_pool: Optional[BlockPool] = BlockPool(num_host_blocks, enable_caching=False) if num_host_blocks else None
+        self.host_pool: Optional[BlockPool] = (BlockPool(num_host_blocks, enable_caching=False)
+                                               if num_host_blocks else None)  # fmt: skip
         # None: a block returned by `reclaim` (only ever a leading run of the table)
         self.tables: dict[int, list[Optional[KVBlock]]] = {}
         self.host_tables: dict[int, list[Optional[KVBlock]]] = {}

@@ -101,7 +101,8 @@ def load_tokenizer(engine_dir: Path, manifest: Manifest, chat_template: Optional
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001  (transformers and tokenizers raise many types for a bad dir)
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
-        raise EngineDirError(path, "tokenizer_dir", f"transformers cannot load it ({type(e).__name__}: {first})") from None
+        raise EngineDirError(path, "tokenizer_dir",
+                             f"transformers cannot load it ({type(e).__name__}: {first})") from None
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     elif manifest.chat_template and not getattr(tokenizer, "chat_template", None):
@@ -118,7 +119,8 @@ def check_chat_template(tokenizer: Any, template: Any) -> None:
     on purpose, refusing that one message, is not a broken template (the build's own check does the same)."""
     if not isinstance(template, str) or not template.strip() or len(template) > MAX_CHAT_TEMPLATE_CHARS:
         raise ValueError(f"chat_template: must be a Jinja template's text of 1 to {MAX_CHAT_TEMPLATE_CHARS} "
-                         f"characters, got {type(template).__name__} of {len(template) if isinstance(template, str) else 0}")
+                         f"characters, got {type(template).__name__} of "
+                         f"{len(template) if isinstance(template, str) else 0}")
     try:
         run_with_deadline(lambda: tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
                                                                 add_generation_prompt=True, chat_template=template),
@@ -476,7 +478,8 @@ class LLM:
         if spec is not None and spec.verify_row_cost is None:  # the cost rule's row cost for this engine's arithmetic
             cost = default_verify_row_cost(self.manifest.quantization)
             self.config = dataclasses.replace(self.config, speculative=dataclasses.replace(spec, verify_row_cost=cost))
-        eos = list(self.manifest.eos_token_ids) or ([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
+        eos = list(self.manifest.eos_token_ids) or (
+            [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
         tiers = None
         if tier_config.enabled:  # an entry holds one block of every tensor-parallel rank, rank 0's first
             pool = runner.kv_cache  # type: ignore[attr-defined]

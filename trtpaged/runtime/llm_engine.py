@@ -451,7 +451,8 @@ class LLMEngine:
         )
         spec = self.config.speculative
         if spec is not None:
-            stats.update(self.scheduler.spec_stats.to_stats(), spec_decode_num_speculative_tokens=spec.num_speculative_tokens,
+            stats.update(self.scheduler.spec_stats.to_stats(),
+                         spec_decode_num_speculative_tokens=spec.num_speculative_tokens,
                          spec_decode_verify_row_cost=spec.row_cost)  # fmt: skip
             stats.update({f"spec_decode_method_{m}": float(m == spec.method) for m in METHODS})  # one-hot: numbers
             if self.scheduler.draft is not None:

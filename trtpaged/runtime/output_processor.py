@@ -235,7 +235,8 @@ class OutputProcessor:
         was aborted or refused) still answers n completions, as vLLM does: the one sequence's, for every index."""
         if len(completions) != 1:
             return completions
-        return [dataclasses.replace(completions[0], index=i, token_ids=list(completions[0].token_ids)) for i in range(n)]
+        return [dataclasses.replace(completions[0], index=i, token_ids=list(completions[0].token_ids))
+                for i in range(n)]
 
     @staticmethod
     def _by_index(group: SequenceGroup) -> list[Sequence]:

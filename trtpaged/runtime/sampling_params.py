@@ -197,7 +197,8 @@ class StructuredOutputsParams:
             elif isinstance(self.json, str):
                 text = self.json
             else:
-                raise RequestError(name, f"json must be a schema object or its JSON text, got {type(self.json).__name__}")
+                raise RequestError(name, "json must be a schema object or its JSON text, "
+                                         f"got {type(self.json).__name__}")
             if len(text) > MAX_GRAMMAR_CHARS:
                 raise RequestError(name, f"json schema of {len(text)} characters exceeds {MAX_GRAMMAR_CHARS}",
                                    MAX_GRAMMAR_CHARS)
@@ -450,7 +451,8 @@ class SamplingParams:
             if not _is_finite_number(value):
                 raise RequestError(name, f"must be a finite number, got {value!r:.80}")
         checks = [  # (field, ok, rule, limit)
-            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1 (None: up to max_seq_len)", 1),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1 (None: up to max_seq_len)",
+             1),
             # the sampler divides float32 logits by it: a larger one is inf there, and every filter and mask NaN
             ("temperature", 0.0 <= self.temperature <= FLOAT32_MAX, "must be in [0, 3.4e38] (finite in float32)",
              "[0, 3.4e38]"),
@@ -561,7 +563,8 @@ class SamplingParams:
                 raise RequestError("allowed_token_ids", f"at most {MAX_ALLOWED_TOKEN_IDS} ids, got {len(allowed)}",
                                    MAX_ALLOWED_TOKEN_IDS)  # fmt: skip
             object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in allowed))
-        words = () if self.bad_words is None else (self.bad_words,) if isinstance(self.bad_words, str) else self.bad_words
+        words = (() if self.bad_words is None else (self.bad_words,) if isinstance(self.bad_words, str)
+                 else self.bad_words)  # fmt: skip
         if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w for w in words):
             raise RequestError("bad_words", f"must be a list of non-empty strings, got {self.bad_words!r:.80}")
         if len(words) > MAX_BAD_WORDS or any(len(w) > MAX_BAD_WORD_CHARS for w in words):

@@ -483,7 +483,8 @@ class Scheduler:
             else:
                 self._commit(group, plan, sample, budget, out)
                 done.add(group.request_id)
-        if not preempted:  # swapped and waiting groups come back in service order, each queue's head against the other's
+        # swapped and waiting groups come back in service order, each queue's head against the other's
+        if not preempted:
             self._swap_in(budget, out)
             self._admit(budget, out, done)
         out.scheduled.sort(key=lambda s: s.num_tokens == 1)  # prefill chunks first, then decode tokens

@@ -32,8 +32,8 @@ UNENFORCED = {
     "$dynamicRef": "'$dynamicRef' is not followed",
     "$recursiveRef": "'$recursiveRef' is not followed",
 }
-_JSON_TYPES = {"string": (str,), "integer": (int, float), "number": (int, float), "boolean": (bool,), "null": (type(None),),
-               "array": (list,), "object": (dict,)}  # fmt: skip
+_JSON_TYPES = {"string": (str,), "integer": (int, float), "number": (int, float), "boolean": (bool,),
+               "null": (type(None),), "array": (list,), "object": (dict,)}  # fmt: skip
 # what may sit beside a $ref, anyOf or oneOf without constraining anything
 _ANNOTATIONS = frozenset({"$defs", "definitions", "$schema", "$id", "$comment", "title", "description", "default",
                           "examples", "deprecated", "readOnly", "writeOnly", "discriminator"})  # fmt: skip
@@ -126,7 +126,8 @@ def _value_outside_type(node: dict) -> Optional[str]:
                    and not (t == "integer" and isinstance(value, float) and not value.is_integer()) for t in types)
         if not fits:
             keyword = "const" if "const" in node else "enum"
-            return f"{keyword} value {json.dumps(value)[:40]} is not of type {'/'.join(types)} (the grammar would allow it)"
+            return (f"{keyword} value {json.dumps(value)[:40]} is not of type {'/'.join(types)} "
+                    "(the grammar would allow it)")
     return None
 
 

@@ -103,7 +103,8 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def append_token(self, token_id: int, logprob: float = 0.0, top_logprobs: Optional[dict[int, float]] = None) -> None:
+    def append_token(self, token_id: int, logprob: float = 0.0,
+                     top_logprobs: Optional[dict[int, float]] = None) -> None:  # fmt: skip
         """Adds a sampled token; its K/V is computed next step."""
         self.token_ids.append(int(token_id))
         self.cumulative_logprob += float(logprob)

@@ -252,7 +252,8 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
                 size += len(chunk)
                 if size > limit:
                     await discard_body(request, limit)
-                    raise ApiError(f"body: more than the limit ({limit} bytes)", "body", 413, headers={"Connection": "close"})
+                    raise ApiError(f"body: more than the limit ({limit} bytes)", "body", 413,
+                                   headers={"Connection": "close"})
                 chunks.append(chunk)
 
         try:

@@ -479,7 +479,8 @@ class EngineLoop:
         for other in sub.request_ids:
             if self._subs.get(other) is sub:
                 self._abort(other)
-        sub.put(RequestFailure(reason, field) if field else EngineFailure(f"the request failed in the engine: {reason}"))
+        sub.put(RequestFailure(reason, field) if field
+                else EngineFailure(f"the request failed in the engine: {reason}"))
 
     def _observe(self, out: RequestOutput, now: float) -> None:
         """Token timing metrics from one DELTA output (the server asks every request for DELTA outputs)."""

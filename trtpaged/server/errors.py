@@ -60,7 +60,8 @@ def overloaded(message: str, retry_after_s: int = 1, *, busy: bool) -> ApiError:
 
 # how pydantic names a union's member in an error's location (str, list[int], literal['never'], function-after[...]),
 # as opposed to a field name, a list index or a dict key, where several errors are several bad values
-_UNION_FORM = re.compile(r"^((str|int|float|bool|none|bytes|any|list|dict|tuple|set|union|literal)(\[.*\])?|function-.*)$")
+_UNION_FORM = re.compile(r"^((str|int|float|bool|none|bytes|any|list|dict|tuple|set|union|literal)"
+                         r"(\[.*\])?|function-.*)$")
 
 
 def from_validation_error(exc: ValidationError) -> ApiError:

@@ -118,7 +118,8 @@ class GenerationService:
         self.max_seq_len = llm.config.max_seq_len
         self.vocab_size = llm.manifest.dims.vocab_size
         self.max_prompt_tokens = max_prompt_tokens
-        limit = llm.config.max_logprobs  # the engine's (LLM(max_logprobs=...), serve --max-logprobs); -1: the vocabulary
+        # the engine's (LLM(max_logprobs=...), serve --max-logprobs); -1: the vocabulary
+        limit = llm.config.max_logprobs
         self.max_logprobs = self.vocab_size if limit < 0 else limit
         # the most log-prob entries one answer may hold (serve --max-logprob-entries; None: large_answers' default)
         self.max_logprob_entries = logprob_entry_bound(self.max_seq_len, self.max_logprobs, max_logprob_entries)
@@ -155,8 +156,9 @@ class GenerationService:
         if params.structured_outputs is not None:
             await self._compile_grammar(req, params)
         answer_id = f"{'chatcmpl' if chat else 'cmpl'}-{caller_id if caller_id is not None else uuid.uuid4().hex}"
+        # what a request that fails before any output logs
         summary = Summary(request_id=answer_id, header_id=caller_id if caller_id is not None else answer_id,
-                          prompt_tokens=sum(len(ids) for ids in prompts))  # what a request that fails before any output logs
+                          prompt_tokens=sum(len(ids) for ids in prompts))
         # Engine ids end in this submit's own number: two requests under one caller id never share one (an engine
         # id's last "-" field is the number, so equal ids would be one submit's, whose prompt indices differ).
         serial = next(self._submits)

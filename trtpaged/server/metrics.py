@@ -4,8 +4,8 @@ Names follow vLLM's (`vllm:X` -> `trtpaged:X`) where the concept is the same; th
 KV-sharing metrics are ours. Those that vLLM has are also written under vLLM's own names, labelled with the model
 name (`vllm:num_requests_waiting{model_name="..."}`), for the autoscalers, inference gateways and dashboards that
 scrape vLLM: the load gauges, the request latency, phase and length histograms and the token, request, preemption
-and prefix-cache counters (vLLM's example Grafana dashboard reads each). Engine counters and gauges are read from a snapshot of
-`LLMEngine.stats()` taken on the engine thread at scrape time; request latencies
+and prefix-cache counters (vLLM's example Grafana dashboard reads each). Engine counters and gauges are read
+from a snapshot of `LLMEngine.stats()` taken on the engine thread at scrape time; request latencies
 and token counts are observed by the engine loop as outputs arrive.
 """
 
@@ -34,8 +34,10 @@ ENGINE_STATS: dict[str, tuple[str, str, str]] = {
     "kv_blocks_used": ("kv_cache_blocks_used", "gauge", "KV-cache blocks referenced by live sequences."),
     "kv_blocks_free": ("kv_cache_blocks_free", "gauge", "KV-cache blocks on the free queue (cached ones included)."),
     "kv_blocks_cached": ("kv_cache_blocks_cached", "gauge", "Blocks holding a prefix-cache entry (used or free)."),
-    "kv_utilisation": ("kv_cache_utilisation_perc", "gauge", "Tokens stored / slots of used blocks (1 - fragmentation)."),
-    "kv_blocks_saved_by_sharing": ("kv_cache_blocks_saved_by_sharing", "gauge", "Block references beyond the first (shared blocks)."),
+    "kv_utilisation": ("kv_cache_utilisation_perc", "gauge",
+                       "Tokens stored / slots of used blocks (1 - fragmentation)."),
+    "kv_blocks_saved_by_sharing": ("kv_cache_blocks_saved_by_sharing", "gauge",
+                                   "Block references beyond the first (shared blocks)."),
     "kv_evictions": ("kv_cache_evictions", "counter", "Cached blocks evicted for reuse."),
     "num_steps": ("engine_steps", "counter", "Engine steps run."),
     "step_seconds": ("engine_step_seconds", "counter", "Wall time inside engine steps (every phase)."),
@@ -168,14 +170,16 @@ class _EngineStatsCollector(Collector):
                 yield family
         plans = [k[len(PLAN) :] for k in sorted(stats) if k.startswith(PLAN)]
         if plans:
-            family = GaugeMetricFamily(PREFIX + "execution_plan_info", "The eager runner's execution plan (1: this one).",
+            family = GaugeMetricFamily(PREFIX + "execution_plan_info",
+                                       "The eager runner's execution plan (1: this one).",
                                        labels=["layers"])  # fmt: skip
             for layers in plans:
                 family.add_metric([layers], float(stats[PLAN + layers]))
             yield family
         total = stats.get("kv_blocks_total", 0)
         used = stats.get("kv_blocks_used", 0) / total if total else 0.0
-        yield GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "KV-cache usage: blocks used / total (1 = 100%).", value=used)
+        yield GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "KV-cache usage: blocks used / total (1 = 100%).",
+                                value=used)
 
 
 class _VllmSeries(Collector):
@@ -244,7 +248,8 @@ class ServerMetrics:
 
         self.ttft = hist("time_to_first_token_seconds", "Time from arrival to the first generated token.", TTFT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Time between a request's consecutive output steps.")
-        self.tpot = hist("request_time_per_output_token_seconds", "Mean time per output token after the first, per request.")
+        self.tpot = hist("request_time_per_output_token_seconds",
+                         "Mean time per output token after the first, per request.")
         self.e2e = hist("e2e_request_latency_seconds", "Time from arrival to the last token.", REQUEST_BUCKETS)
         self.queue_time = hist("request_queue_time_seconds", "Time from the engine's queue to first scheduled.",
                                REQUEST_BUCKETS)  # fmt: skip
@@ -261,7 +266,8 @@ class ServerMetrics:
                                          registry=r)  # fmt: skip
         self.request_success = Counter(PREFIX + "request_success", "Samples finished, by finish reason.",
                                        ["finished_reason"], registry=r)  # fmt: skip
-        self.http = Counter(PREFIX + "http_requests", "HTTP requests by route and status.", ["route", "status"], registry=r)
+        self.http = Counter(PREFIX + "http_requests", "HTTP requests by route and status.", ["route", "status"],
+                            registry=r)
         self.rejected = Counter(PREFIX + "requests_rejected", "Requests refused before running, by reason.",
                                 ["reason"], registry=r)  # fmt: skip
         self.handoff_wait = Counter(PREFIX + "engine_handoff_wait_seconds",

@@ -150,7 +150,8 @@ def chat_logprobs(
     content = []
     for token, entry in zip(token_ids, logprobs):
         top = sorted(entry.items(), key=lambda kv: -kv[1])[:top_k]
-        content.append(TokenLogprob(**item(token, entry.get(token)), top_logprobs=[TopLogprob(**item(t, lp)) for t, lp in top]))
+        content.append(TokenLogprob(**item(token, entry.get(token)),
+                                    top_logprobs=[TopLogprob(**item(t, lp)) for t, lp in top]))
     return ChatLogprobs(content=content)
 
 

@@ -46,7 +46,8 @@ def bind(host: str, port: int) -> socket.socket:
         sock.close()
         where = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
         if exc.errno == errno.EADDRINUSE:
-            raise AddressInUse(exc.errno, f"cannot serve on {where}: address already in use (pick another --port)") from None
+            raise AddressInUse(exc.errno,
+                               f"cannot serve on {where}: address already in use (pick another --port)") from None
         raise OSError(exc.errno, f"cannot serve on {where}: {exc.strerror}") from None
     sock.setblocking(False)
     return sock

@@ -127,4 +127,5 @@ class CompletionAccumulator:
         assert last is not None
         return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids,
                              [self.completions[i] for i in sorted(self.completions)], True, last.num_preemptions,
-                             prompt_logprobs=self.prompt_logprobs, num_cached_tokens=last.num_cached_tokens)  # fmt: skip
+                             prompt_logprobs=self.prompt_logprobs,
+                             num_cached_tokens=last.num_cached_tokens)  # fmt: skip

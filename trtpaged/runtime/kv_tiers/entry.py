@@ -4,8 +4,8 @@ A tier key names one full block's content for one engine: the SHA-256 chain
 `key_j = sha256(fingerprint, key_{j-1}, tokens of block j)`, so it covers every
 token before the block and the engine that computed it (key_{-1}: ROOT, or a key of
 the sequence's cache salt, `root_key`). An entry carries, in front of the block's
-bytes, everything needed to prove it is the block asked for: the engine fingerprint, the parent key, the block's own token ids, the
-payload's length and SHA-256. `decode_entry` checks all of them; any mismatch
+bytes, everything needed to prove it is the block asked for: the engine fingerprint, the parent key,
+the block's own token ids, the payload's length and SHA-256. `decode_entry` checks all of them; any mismatch
 (a truncated file, a flipped bit, another engine's entry, a different prefix)
 is a miss, never wrong K/V.
 

@@ -13,8 +13,8 @@ from trtpaged.kv_budget import resolve_num_kv_blocks
 from trtpaged.runtime.runners.torch_runner import TorchRunner
 
 
-__all__ = ["BACKENDS", "ModelRunner", "StepBatch", "TorchRunner", "available_devices", "default_device", "load_runner", "resolve_device", "resolve_num_kv_blocks",
-           "select_backend"]
+__all__ = ["BACKENDS", "ModelRunner", "StepBatch", "TorchRunner", "available_devices", "default_device", "load_runner",
+           "resolve_device", "resolve_num_kv_blocks", "select_backend"]
 
 
 def default_device() -> str:
@@ -107,4 +107,5 @@ def load_runner(
 
         return TensorRTRunner.from_engine_dir(engine_dir, num_kv_blocks, device=device or "cuda",
                                               num_host_blocks=num_host_blocks)
-    return TorchRunner.from_engine_dir(engine_dir, num_kv_blocks, device=device or default_device(), num_host_blocks=num_host_blocks)
+    return TorchRunner.from_engine_dir(engine_dir, num_kv_blocks, device=device or default_device(),
+                                       num_host_blocks=num_host_blocks)

@@ -30,8 +30,8 @@ _STEP_INPUTS = tuple(name for name in INPUT_NAMES if name != POOL_INPUT)
 
 def _torch_dtype(trt: Any, dtype: Any) -> torch.dtype:
     # int8 (or fp16 pairs): the bytes of a quantized KV pool (int8 or fp8_e4m3 codes with per-row scales)
-    table = {trt.float32: torch.float32, trt.float16: torch.float16, trt.bfloat16: torch.bfloat16, trt.int32: torch.int32,
-             trt.int8: torch.int8, trt.int64: torch.int64}
+    table = {trt.float32: torch.float32, trt.float16: torch.float16, trt.bfloat16: torch.bfloat16,
+             trt.int32: torch.int32, trt.int8: torch.int8, trt.int64: torch.int64}
     if dtype not in table:
         raise ValueError(f"engine.plan: tensor dtype {dtype} is not one trtpaged binds")
     return table[dtype]
@@ -108,12 +108,14 @@ class TensorRTRunner:
         self._logits_dtype = _torch_dtype(trt, self._engine.get_tensor_dtype(LOGITS))
         self.vocab_size = dims_tuple(self._engine.get_tensor_shape(LOGITS))[-1]
         self.host_cache = (
-            torch.zeros((num_host_blocks, *pool_shape[1:]), dtype=pool_dtype, pin_memory=True) if num_host_blocks else None
+            torch.zeros((num_host_blocks, *pool_shape[1:]), dtype=pool_dtype, pin_memory=True)
+            if num_host_blocks else None
         )
         from trtpaged import kernels
 
         if not kernels.available() or not kernels.has_cuda():
-            raise RuntimeError("the TensorRT backend needs the kernel library built with CUDA for block copies and swaps")
+            raise RuntimeError("the TensorRT backend needs the kernel library built with CUDA for block copies "
+                               "and swaps")
         self._kernels = kernels
         self._staging = BlockStaging(lambda src, dst, pairs: kernels.swap_blocks(src, dst, pairs))
 

@@ -78,7 +78,8 @@ class TorchRunner:
     def step(self, batch: StepBatch) -> torch.Tensor:
         args = [
             t.to(self.device, non_blocking=True)
-            for t in (batch.input_ids, batch.positions, batch.query_start, batch.context_lens, batch.block_tables, batch.logits_index)
+            for t in (batch.input_ids, batch.positions, batch.query_start, batch.context_lens, batch.block_tables,
+                      batch.logits_index)
         ]
         if batch.row_invariant and self._row_invariant:
             logits, kv_cache = self.model(*args, self.kv_cache, row_invariant=True)
