@@ -256,11 +256,13 @@ def main(argv: list[str] | None = None) -> int:
         for batch in (1, 64):
             prompts = random_prompts(batch, PROMPT_LEN, seed=batch)
             row: dict[str, Any] = {}
-            hf = step(f"speed {m} hf batch {batch}", lambda m=m, p=prompts: hf_speed(dirs[m], p)) if dirs.get(m) else None
+            hf = (step(f"speed {m} hf batch {batch}", lambda m=m, p=prompts: hf_speed(dirs[m], p))
+                  if dirs.get(m) else None)  # fmt: skip
             row["hf"] = hf
             for scheme in SCHEMES:
                 engine = engines.get((m, scheme))
-                row[scheme] = (step(f"speed {m} {scheme} batch {batch}", lambda e=engine, p=prompts: trtpaged_speed(e, p))
+                row[scheme] = (step(f"speed {m} {scheme} batch {batch}",
+                                    lambda e=engine, p=prompts: trtpaged_speed(e, p))
                                if engine is not None else None)
             report["speed"][f"{m} batch {batch}"] = row
             cells = [f"{k} {v:.0f}" + (f" ({v / hf:.2f}x)" if hf and k != "hf" else "") if v else f"{k} -"

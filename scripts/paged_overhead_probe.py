@@ -62,7 +62,8 @@ def main() -> None:
         cases = [tuple(int(x) for x in case.split("x")) for case in args.cases.split(",")]
     else:
         cases = [(c, b) for c in CONTEXTS for b in BATCHES] + list(LARGE)
-    print(f"isa {kernels.describe_cpu_isa()}, {torch.get_num_threads()} threads, KV {args.kv}, block {args.block_size}, "
+    print(f"isa {kernels.describe_cpu_isa()}, {torch.get_num_threads()} threads, KV {args.kv}, "
+          f"block {args.block_size}, "
           f"layers {args.layers}")
     overheads = []
     for context, batch in cases:

@@ -128,7 +128,8 @@ def measure(engine: str, rows_list: list[int], mode: str, seconds: float, float_
 
 
 def format_result(r: dict) -> str:
-    lines = [f"mode {r['mode']}, isa {r['isa']}, threads {r['threads']}, load {open('/proc/loadavg').read().split()[0]}",
+    lines = [f"mode {r['mode']}, isa {r['isa']}, threads {r['threads']}, "
+             f"load {open('/proc/loadavg').read().split()[0]}",
              f"{'M':>3} {'step ms':>8} {'xM=1':>5} {'linears':>8} {'attn+small':>10} {'lm_head':>8} {'rest':>6}"]
     one = r["rows"].get(1, r["rows"][min(r["rows"])])["step_us"]
     for m, v in r["rows"].items():
@@ -157,7 +158,8 @@ def run_ab(args) -> None:
         a = statistics.median(r["rows"][m]["step_us"] for r in runs["A"]) / 1e3
         b = statistics.median(r["rows"][m]["step_us"] for r in runs["B"]) / 1e3
         ratios = [rb["rows"][m]["step_us"] / ra["rows"][m]["step_us"] for ra, rb in zip(runs["A"], runs["B"])]
-        print(f"M={m:>2}  A {a:7.2f}  B {b:7.2f}  B/A {b / a:5.3f}  (per round {', '.join(f'{x:.3f}' for x in ratios)})")
+        print(f"M={m:>2}  A {a:7.2f}  B {b:7.2f}  B/A {b / a:5.3f}  "
+              f"(per round {', '.join(f'{x:.3f}' for x in ratios)})")
     print("load", open("/proc/loadavg").read().strip(), flush=True)
 
 

@@ -38,7 +38,8 @@ def allreduce_onnx(rank: int, world_size: int, hidden: int) -> bytes:
 
     node = helper.make_node("TrtpagedAllReduce", ["x"], ["y"], domain=DOMAIN, rank=rank, world_size=world_size,
                             plugin_version=PLUGIN_VERSION, plugin_namespace=PLUGIN_NAMESPACE)
-    graph = helper.make_graph([node], "allreduce", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["T", hidden])],
+    graph = helper.make_graph([node], "allreduce",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["T", hidden])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["T", hidden])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, 1)])
     return model.SerializeToString()
