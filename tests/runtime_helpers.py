@@ -160,7 +160,8 @@ def hf_greedy(hf, prompt: Sequence[int], max_new_tokens: int, eos: Optional[int]
     """HF generate(do_sample=False), generated tokens up to and including EOS."""
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos)
     with torch.no_grad():
-        out = hf.model.generate(torch.tensor([list(prompt)]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), **kwargs)
+        out = hf.model.generate(torch.tensor([list(prompt)]),
+                                attention_mask=torch.ones(1, len(prompt), dtype=torch.long), **kwargs)
     tokens = out[0, len(prompt) :].tolist()
     return tokens[: tokens.index(eos) + 1] if eos is not None and eos in tokens else tokens
 

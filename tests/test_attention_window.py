@@ -138,14 +138,16 @@ def test_a_windowed_query_row_does_not_depend_on_the_rows_with_it(path: str, kv_
             pool = torch.zeros((nb + 1, 1, 2, kv_heads, bs, d), dtype=kv_cache_dtype)
             table = torch.arange(1, nb + 1, dtype=torch.int32)[None]
             q = torch.randn(ctx + rows, heads, d, generator=gen)
-            k, v = torch.randn(ctx + rows, kv_heads, d, generator=gen), torch.randn(ctx + rows, kv_heads, d, generator=gen)
+            k = torch.randn(ctx + rows, kv_heads, d, generator=gen)
+            v = torch.randn(ctx + rows, kv_heads, d, generator=gen)
 
             def run(first: int, count: int) -> torch.Tensor:
                 pos = torch.arange(first, first + count, dtype=torch.int32)
                 return kernels.paged_attention(q[first : first + count], k[first : first + count],
                                                v[first : first + count], pool, pos,
                                                torch.tensor([0, count], dtype=torch.int32),
-                                               torch.tensor([first + count], dtype=torch.int32), table, opt)  # fmt: skip
+                                               torch.tensor([first + count], dtype=torch.int32), table,
+                                               opt)  # fmt: skip
 
             run(0, ctx)
             together = run(ctx, rows)

@@ -51,7 +51,8 @@ def test_manifest_matches_files(tiny_engine_dir):
     assert {"model.onnx", "weights.safetensors", "tokenizer/tokenizer.json"} <= set(m.files)
     assert m.backends == ["torch"] and m.plan_file is None and m.format_version == 1
     raw = json.loads((tiny_engine_dir / "trtpaged.json").read_text())
-    assert raw["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4 and raw["kv_bytes_per_block"] == raw["kv_bytes_per_token"] * 16
+    assert raw["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4
+    assert raw["kv_bytes_per_block"] == raw["kv_bytes_per_token"] * 16
     assert m.kv_cache.num_kv_blocks == 256 and m.limits.max_seq_len == 512
     assert m.eos_token_ids == [257] and m.bos_token_id == 256 and m.chat_template
 
@@ -172,7 +173,8 @@ BAD = {
     "tokens < batch": ({**TINY, "max_batch_size": 16, "max_num_tokens": 8}, "max_num_tokens: got 8"),
     "tensorrt": ({**TINY, "backend": "tensorrt"}, "backend: 'tensorrt'"),
     "kv memory too small": ({**TINY, "kv_cache": {"memory": "64KiB"}}, "kv_cache.memory: 65536 bytes hold 8 blocks"),
-    "unsupported arch": ({**TINY, "model": {"tiny": {"architecture": "GPT2LMHeadModel"}}}, "supported: LlamaForCausalLM"),
+    "unsupported arch": ({**TINY, "model": {"tiny": {"architecture": "GPT2LMHeadModel"}}},
+                         "supported: LlamaForCausalLM"),
 }
 
 
@@ -298,7 +300,8 @@ def test_half_precision_graphs_export_and_float16_verifies(tmp_path, dtype):
 def test_hf_dir_source_builds(tmp_path):
     from trtpaged.models import load_hf
 
-    hf = load_hf(parse_config({"model": {"tiny": {"architecture": "MistralForCausalLM", "num_hidden_layers": 1}}}).model)
+    hf = load_hf(parse_config({"model": {"tiny": {"architecture": "MistralForCausalLM",
+                                                  "num_hidden_layers": 1}}}).model)  # fmt: skip
     hf.model.save_pretrained(tmp_path / "hf")
     hf.tokenizer.save_pretrained(tmp_path / "hf")
     config = parse_config({**TINY, "model": {"hf_dir": "hf"}}, base_dir=tmp_path)

@@ -46,7 +46,8 @@ values = st.recursive(scalars, lambda inner: st.one_of(
     max_leaves=12)
 
 
-def _mapping(keys: tuple[str, ...], value_for, max_size: int | None = None, unknown: bool = True) -> st.SearchStrategy[dict]:
+def _mapping(keys: tuple[str, ...], value_for, max_size: int | None = None,
+             unknown: bool = True) -> st.SearchStrategy[dict]:  # fmt: skip
     """Mappings over `keys` (and, with `unknown`, the odd unknown key) whose values come from value_for(key)."""
     entry = st.sampled_from(keys).flatmap(lambda k: st.tuples(st.just(k), value_for(k)))
     if unknown:

@@ -30,7 +30,8 @@ def test_three_requests_with_known_block_counts(tmp_path) -> None:
                  "test")
     r = diagnose(trace, prompts, kv)
     assert set(r) >= {"baseline", "sharing", "lengths", "bound"}
-    assert all(isinstance(r[k]["verdict"], str) and r[k]["verdict"] for k in ("baseline", "sharing", "lengths", "bound"))
+    assert all(isinstance(r[k]["verdict"], str) and r[k]["verdict"]
+               for k in ("baseline", "sharing", "lengths", "bound"))  # fmt: skip
     b = r["baseline"]
     assert b["mean_running"]["contiguous, reserve max_seq_len"] == 1.5
     assert b["exact_vs_reserve_max"] == 2.0 and b["paged_vs_exact"] == 1.0
@@ -126,7 +127,8 @@ def test_log_errors_name_line_and_field(tmp_path) -> None:
     cases = [
         ({"output_len": 3}, r"log.jsonl:2: prompt: give exactly one of"),
         ({"prompt": "x", "prompt_len": 3, "output_len": 3}, r":2: prompt: give exactly one"),
-        ({"prompt_len": 3, "prompt_token_ids": [1], "output_len": 3}, r":2: prompt_len: 3 is not the number of prompt_token_ids"),
+        ({"prompt_len": 3, "prompt_token_ids": [1], "output_len": 3},
+         r":2: prompt_len: 3 is not the number of prompt_token_ids"),
         ({"prompt_len": 3}, r":2: output_len: required"),
         ({"prompt_token_ids": [1, "x"], "output_len": 3}, r":2: prompt_token_ids: must be a non-empty list"),
         ({"prompt": "hi", "output_len": 3}, r":2: prompt: text prompts need a tokenizer"),
@@ -317,7 +319,8 @@ def test_seconds_log_errors_name_line_and_field(tmp_path) -> None:
 
 def test_command_reads_seconds_and_refuses_a_mix(tmp_path) -> None:
     tiny_yaml = Path(__file__).resolve().parent.parent / "examples" / "tiny.yaml"
-    rows = [{"prompt_len": 30, "output_len": 10, "arrival": 0.2932}, {"prompt_len": 30, "output_len": 10, "arrival": 0.31}]
+    rows = [{"prompt_len": 30, "output_len": 10, "arrival": 0.2932},
+            {"prompt_len": 30, "output_len": 10, "arrival": 0.31}]
     result = CliRunner().invoke(main, ["diagnose", _log(tmp_path, rows), "--config", str(tiny_yaml), "--step-time",
                                        "0.004", "--json"])  # fmt: skip
     assert result.exit_code == 0, result.output

@@ -58,7 +58,8 @@ def heading_anchors(doc: Path) -> set[str]:
                                            ({"GOMP_SPINCOUNT": "1000"}, "unset 1000"),
                                            ({"TRTPAGED_OMP_DEFAULT": "1"}, "unset unset")])
 def test_importing_trtpaged_bounds_openmp_spinning_unless_the_user_chose(env, expected):
-    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "TRTPAGED_OMP_DEFAULT")}
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "TRTPAGED_OMP_DEFAULT")}  # fmt: skip
     code = ("import os, trtpaged; print(os.environ.get('OMP_WAIT_POLICY', 'unset'), "
             "os.environ.get('GOMP_SPINCOUNT', 'unset'))")
     out = subprocess.run([sys.executable, "-c", code], env={**base, **env, "PYTHONPATH": str(REPO)},
@@ -70,6 +71,7 @@ def test_importing_trtpaged_bounds_openmp_spinning_unless_the_user_chose(env, ex
 def test_readme_python_snippet_answers(smollm2_int4_engine_dir, capsys):
     readme = (REPO / "README.md").read_text()
     snippet = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
-    exec(compile(snippet.replace('"engines/smollm2-int4"', repr(str(smollm2_int4_engine_dir))), "README.md", "exec"), {})
+    snippet = snippet.replace('"engines/smollm2-int4"', repr(str(smollm2_int4_engine_dir)))
+    exec(compile(snippet, "README.md", "exec"), {})
     answer = capsys.readouterr().out.splitlines()[0]
     assert "Paris" in answer

@@ -244,7 +244,8 @@ BROKEN = {
     "weights symlink out": (_symlink_out, False, "weights_file", "outside the engine dir"),
     "tokenizer_dir ../": (_tokenizer_dir_up, False, "tokenizer_dir", "not a path inside the engine dir"),
     "tokenizer symlink out": (_tokenizer_symlink_out, False, "tokenizer_dir", "outside the engine dir"),
-    "1 MiB random into weights": (_random_bytes_into_weights, False, "weights_file", "the file has 1048576 after the header"),
+    "1 MiB random into weights": (_random_bytes_into_weights, False, "weights_file",
+                                  "the file has 1048576 after the header"),
     "random weights, same size and mtime": (_random_bytes_in_place, False, "files['weights.safetensors']", "sha256"),
     "zeroed hashes": (_zero_hashes, False, "files[", "sha256"),
     # was: loaded, and every answer changed
@@ -523,7 +524,8 @@ def test_tensor_parallel_shards_are_confined_and_checked(tiny_kv4_engines, tmp_p
     shards[1]["weights_file"] = "../../weights-rank1.safetensors"
     _edit_manifest(engine, shards=shards)
     r = _cli("inspect", str(engine))
-    assert r.exit_code == 1 and "shards[1].weights_file: '../../weights-rank1.safetensors' is not a path inside" in r.output
+    assert r.exit_code == 1
+    assert "shards[1].weights_file: '../../weights-rank1.safetensors' is not a path inside" in r.output
 
     engine = _copy(tiny_kv4_engines[2], tmp_path / "second")
     shard = engine / "weights-rank1.safetensors"

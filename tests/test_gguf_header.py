@@ -91,7 +91,8 @@ def _tensor_entries(path: Path) -> tuple[bytearray, int]:
     (lambda d, at: d.__setitem__(slice(at + 13, at + 21), (0).to_bytes(8, "little")), "'w': shape .0. has an empty"),
     (lambda d, at: d.__setitem__(slice(at + 13, at + 21), (1 << 41).to_bytes(8, "little")), "exceeds"),
     (lambda d, at: d.__setitem__(slice(at + 21, at + 25), (99).to_bytes(4, "little")), "ggml type 99"),
-    (lambda d, at: d.__setitem__(slice(at + 25, at + 33), (8).to_bytes(8, "little")), "not a multiple of the alignment"),
+    (lambda d, at: d.__setitem__(slice(at + 25, at + 33), (8).to_bytes(8, "little")),
+     "not a multiple of the alignment"),
     (lambda d, at: d.__setitem__(slice(at + 25, at + 33), (1 << 20).to_bytes(8, "little")), "run past the end"),
     (lambda d, at: d.__delitem__(slice(len(d) - 4, len(d))), "run past the end"),
 ])

@@ -80,7 +80,8 @@ def assert_same_bytes(got: torch.Tensor, want: torch.Tensor, rows: torch.Tensor)
         r, c = diff.nonzero()[0].tolist()
         what = "scale" if c >= rows.shape[1] else f"code {c} (x = {rows[r, c].item()!r})"
         raise AssertionError(f"{int(diff.any(-1).sum())} of {rows.shape[0]} rows differ; first: row {r}, {what}: "
-                             f"kernel byte {got.view(torch.uint8)[r, c].item()}, reference {want.view(torch.uint8)[r, c].item()}")
+                             f"kernel byte {got.view(torch.uint8)[r, c].item()}, "
+                             f"reference {want.view(torch.uint8)[r, c].item()}")
 
 
 @pytest.mark.parametrize("io_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)

@@ -885,7 +885,8 @@ def _engine_with_a_in_redis(step_model, reference, proxy: GatedProxy, load_timeo
                             hold: bool = True) -> LLMEngine:  # fmt: skip
     """A (and B, C, D) computed, A's blocks evicted from the pool and written to Redis behind the proxy, which
     then holds the store's answers (with `hold`) until the test opens its gate."""
-    engine = make_engine(step_model, KVTierConfig(remote=proxy.url, remote_timeout_s=30.0, load_timeout_s=load_timeout_s))
+    engine = make_engine(step_model, KVTierConfig(remote=proxy.url, remote_timeout_s=30.0,
+                                                  load_timeout_s=load_timeout_s))
     assert [run_one(engine, p) for p in TRAFFIC[:4]] == reference[None][:4]
     engine.kv.tiers.flush()
     assert engine.kv.pool.lookup(engine.kv.pool.hash_fn(None, tuple(A[:BS])), tuple(A[:BS]), None) is None

@@ -41,7 +41,8 @@ def test_paged_replay_uses_one_block_per_short_sequence() -> None:
 
 def test_sharing_stores_a_shared_prefix_once() -> None:
     # Two requests with the same 32-token prefix: with sharing its 2 full blocks are held once.
-    trace = [TraceRequest(48, 2, prefix_id=0, prefix_len=32), TraceRequest(48, 2, arrival=1, prefix_id=0, prefix_len=32)]
+    trace = [TraceRequest(48, 2, prefix_id=0, prefix_len=32),
+             TraceRequest(48, 2, arrival=1, prefix_id=0, prefix_len=32)]
     budget = Budget(num_kv_blocks=64, block_size=16, max_seq_len=128, max_batch_size=8, max_num_tokens=256)
     plain = simulate_paged(trace, budget, sharing=False)
     shared = simulate_paged(trace, budget, sharing=True)
@@ -200,8 +201,9 @@ def test_sharing_table_saves_more_with_wider_beams() -> None:
 
 def test_cli_beam_width_reports_sharing_and_plots(tmp_path) -> None:
     png = tmp_path / "m.png"
-    result = CliRunner().invoke(main, ["bench", "memory", "--num-requests", "6", "--prompt-len", "20:40", "--output-len",
-                                       "5:10", "--beam-width", "4", "--num-kv-blocks", "256", "--plot", str(png), "--json"])  # fmt: skip
+    result = CliRunner().invoke(main, ["bench", "memory", "--num-requests", "6", "--prompt-len", "20:40",
+                                       "--output-len", "5:10", "--beam-width", "4", "--num-kv-blocks", "256",
+                                       "--plot", str(png), "--json"])  # fmt: skip
     assert result.exit_code == 0, result.output
     report = json.loads(result.output[result.output.index("{"):])
     assert report["sequences"] == 24
@@ -284,7 +286,8 @@ def test_beam_width_flag_fills_lines_like_a_beam_trace(tmp_path) -> None:
     result, report = _memory_report(tmp_path, rows, "--beam-width", "3")
     assert result.exit_code == 0, result.output
     # the same trace written with beam_width on the lines the flag fills
-    explicit = [TraceRequest(p, o, n=3) if i == 0 else TraceRequest(p, o, beam_width=3) for i, (p, o) in enumerate(LINES)]
+    explicit = [TraceRequest(p, o, n=3) if i == 0 else TraceRequest(p, o, beam_width=3)
+                for i, (p, o) in enumerate(LINES)]
     budget = Budget(num_kv_blocks=4096, block_size=16, max_seq_len=512, max_batch_size=256, max_num_tokens=4096)
     assert report["sharing"] == pytest.approx(simulate_paged(explicit, budget, sharing=True).sharing())
     assert report["sequences"] == 3 * 5

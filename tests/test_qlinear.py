@@ -207,7 +207,8 @@ def test_bad_arguments() -> None:
     with pytest.raises(kernels.KernelError, match="offsets: .* not exactly representable"):
         kernels.qlinear_pack(4, codes, scales, bad_off, 32)
     packed = kernels.qlinear_pack(4, codes, scales, offsets, 32)
-    with pytest.raises(ValueError, match=r"x: expected a contiguous float32 CPU tensor \[..., k = 64\], got torch.float32 \(2, 32\)"):
+    with pytest.raises(ValueError, match=r"x: expected a contiguous float32 CPU tensor \[..., k = 64\], "
+                                         r"got torch.float32 \(2, 32\)"):
         kernels.qlinear(torch.randn(2, 32), packed, 4, 4, 64, 32)
     with pytest.raises(ValueError, match="x: expected a contiguous float32 .* got torch.float16"):
         kernels.qlinear(torch.randn(2, 64).half(), packed, 4, 4, 64, 32)

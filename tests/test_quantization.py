@@ -305,7 +305,8 @@ def test_smollm2_int4_engine_matches_hf_gguf_model(smollm2_int4_engine_dir):
     hf = shared_hf(spec_from_manifest(manifest))
     llm = LLM(smollm2_int4_engine_dir)
     conversation = [{"role": "user", "content": "Explain how a transformer neural network works."}]
-    ids = hf.tokenizer.encode(hf.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True))
+    ids = hf.tokenizer.encode(hf.tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                               add_generation_prompt=True))
     with torch.inference_mode():
         ref = hf.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                 max_new_tokens=48, min_new_tokens=48, do_sample=False)[0, len(ids):].tolist()

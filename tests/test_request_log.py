@@ -235,7 +235,8 @@ def test_aborted_requests_get_their_line(tiny_engine_dir, tmp_path) -> None:
         conn.close()
         (gone,) = read_lines(path, 1)
         # one that runs into the server's request timeout
-        status, _, answer = request(server, "/v1/completions", {"prompt": [8, 9], "max_tokens": 400, "ignore_eos": True})
+        status, _, answer = request(server, "/v1/completions",
+                                    {"prompt": [8, 9], "max_tokens": 400, "ignore_eos": True})
         assert status == 504, answer
         timed_out = read_lines(path, 2)[1]
         wait_idle(server)

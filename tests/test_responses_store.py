@@ -508,8 +508,9 @@ def test_listed_input_items_are_the_sdks_item_types(client, server):
 
 def test_a_background_stream_is_read_again_from_any_event(client, server):
     """background + stream (OpenAI's and vLLM's): the events as a plain stream of the same request sends them (and
-    response.queued), each kept, so that GET ?stream=true&starting_after=N sends the ones after N again; a client that leaves does not stop
-    the response; a cancel ends a running one as cancelled, its stream with it, its blocks freed."""
+    response.queued), each kept, so that GET ?stream=true&starting_after=N sends the ones after N again; a client
+    that leaves does not stop the response; a cancel ends a running one as cancelled, its stream with it, its
+    blocks freed."""
     import http.client
 
     kw = {"input": "tell me more", "max_output_tokens": 24}

@@ -250,7 +250,8 @@ def edited_engine(src: Path, dst: Path, edit) -> Path:
     (lambda m: m["dims"].update(nope_layers=[2]), "invalid_argument", "dims.nope_layers: got [2]; expected"),
     (lambda m: m["dims"].update(qk_norm=1), "invalid_argument", "dims.qk_norm: got 1; expected true or false"),
     (lambda m: m["dims"].update(qk_norm=True), "invalid_argument", "layers.0.self_attn.q_norm.weight"),
-    (lambda m: m["dims"].update(layer_windows=[4096]), "invalid_argument", "dims.layer_windows: got [4096]; one window"),
+    (lambda m: m["dims"].update(layer_windows=[4096]), "invalid_argument",
+     "dims.layer_windows: got [4096]; one window"),
     (lambda m: m["dims"].update(layer_windows=[-1, 0]), "invalid_argument", "dims.layer_windows: got [-1,0]"),
 ])
 def test_open_refuses_bad_engine_dirs(lib, tiny_engine_dir, tmp_path, edit, status, named):

@@ -60,7 +60,8 @@ def test_vllm_prompt_dicts_and_the_model_keyword_give_the_same_outputs(llm, tiny
 
 
 def test_vllm_engine_arguments_set_what_they_mean_or_are_refused_naming_them(tiny_engine_dir, caplog):
-    with caplog.at_level("WARNING"), LLM(tiny_engine_dir, device="cpu", warmup=False, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
+    with caplog.at_level("WARNING"), LLM(tiny_engine_dir, device="cpu", warmup=False, max_model_len=128, max_num_seqs=4,
+             max_num_batched_tokens=64,
              tensor_parallel_size=1, dtype="float", kv_cache_dtype="float32", enforce_eager=True,
              trust_remote_code=False, disable_log_stats=True, gpu_memory_utilization=0.9,
              swap_space=0.5) as llm:  # fmt: skip
@@ -183,7 +184,8 @@ def test_vllm_sampling_fields(llm, tiny_engine_dir):
     assert cut.prompt_token_ids == prompt[-10:] and cut.outputs[0].token_ids == hf_greedy(hf, prompt[-10:], 6, None)
     (plain,) = llm.generate([prompt], greedy)
     (bare,) = llm.generate([prompt], dataclasses.replace(greedy, detokenize=False))
-    assert bare.outputs[0].token_ids == plain.outputs[0].token_ids and plain.outputs[0].text and bare.outputs[0].text == ""
+    assert bare.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert plain.outputs[0].text and bare.outputs[0].text == ""
     choices = ["red", "green", "blue"]
     outs = llm.generate(["a", "b"], SamplingParams(max_tokens=8, temperature=1.0, n=3, seed=4,
                                                    guided_decoding=GuidedDecodingParams(choice=choices)))
@@ -644,12 +646,14 @@ def test_refusal_names_the_limit(llm):
 
 def test_cli_generate_streams_what_the_api_generates(llm, tiny_engine_dir):
     (greedy,) = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=6, temperature=0.0))
-    result = CliRunner().invoke(main, ["generate", str(tiny_engine_dir), "--prompt", "hi", "--max-tokens", "6", "--chat"])
+    result = CliRunner().invoke(main, ["generate", str(tiny_engine_dir), "--prompt", "hi", "--max-tokens", "6",
+                                       "--chat"])
     assert result.exit_code == 0, result.output
     assert result.stdout == greedy.outputs[0].text + "\n"
     sampled = llm.generate("hi", SamplingParams(max_tokens=4, n=2, temperature=1.0, seed=3))[0]
     result = CliRunner().invoke(
-        main, ["generate", str(tiny_engine_dir), "--prompt", "hi", "--max-tokens", "4", "--n", "2", "--temperature", "1", "--seed", "3"]
+        main, ["generate", str(tiny_engine_dir), "--prompt", "hi", "--max-tokens", "4", "--n", "2",
+               "--temperature", "1", "--seed", "3"]
     )
     assert result.exit_code == 0, result.output
     expected = "".join(f"--- [{c.index}] ({c.finish_reason})\n{c.text}\n" for c in sampled.outputs)
@@ -659,8 +663,8 @@ def test_cli_generate_streams_what_the_api_generates(llm, tiny_engine_dir):
                                        "--max-tokens", "4"])  # fmt: skip
     assert result.exit_code == 0, result.output  # every beam, best first, as vLLM's beam_search returns them
     assert result.stdout == "".join(f"--- [{c.index}] ({c.finish_reason})\n{c.text}\n" for c in beams.outputs)
-    result = CliRunner().invoke(main, ["generate", str(tiny_engine_dir), "--prompt", "hi", "--beam-width", "3", "--n", "1",
-                                       "--max-tokens", "4"])  # fmt: skip
+    result = CliRunner().invoke(main, ["generate", str(tiny_engine_dir), "--prompt", "hi", "--beam-width", "3",
+                                       "--n", "1", "--max-tokens", "4"])  # fmt: skip
     assert result.exit_code == 0 and result.stdout.count("--- [") == 1
 
 
@@ -708,7 +712,8 @@ def test_cli_unavailable_device_is_one_line(tiny_engine_dir, device, named):
 
     if device == "cuda" and torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    for command in (["generate", str(tiny_engine_dir), "--prompt", "hi"], ["serve", str(tiny_engine_dir), "--port", "0"]):
+    for command in (["generate", str(tiny_engine_dir), "--prompt", "hi"],
+                    ["serve", str(tiny_engine_dir), "--port", "0"]):
         result = CliRunner().invoke(main, command + ["--device", device])
         assert result.exit_code == 1
         lines = result.output.strip().splitlines()

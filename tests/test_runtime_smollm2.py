@@ -91,5 +91,6 @@ def test_beam_search_matches_hf(llm, hf, prompts):
 
 
 def test_capital_of_france(llm):
-    (out,) = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(max_tokens=24, temperature=0.0))
+    (out,) = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                      SamplingParams(max_tokens=24, temperature=0.0))
     assert "Paris" in out.outputs[0].text

@@ -1,4 +1,5 @@
-"""The runtime on the tiny model against Hugging Face generate: greedy, preemption, chunking, prefix hits, beams, sharing."""
+"""The runtime on the tiny model against Hugging Face generate: greedy, preemption, chunking, prefix hits, beams,
+sharing."""
 
 from __future__ import annotations
 
@@ -115,7 +116,8 @@ def test_seeded_sampling_reproducible_across_batch_compositions(hf, prompts):
     params = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, top_k=50, seed=1234, n=2)
     alone = run_staggered(make(hf), [(prompts[3], params)])[0]
     other = SamplingParams(max_tokens=6, temperature=1.0, seed=5)
-    mixed = run_staggered(make(hf, max_num_tokens=24), [(prompts[6], other), (prompts[3], params), (prompts[1], other)])[1]
+    mixed = run_staggered(make(hf, max_num_tokens=24),
+                          [(prompts[6], other), (prompts[3], params), (prompts[1], other)])[1]
     assert [c.token_ids for c in alone.outputs] == [c.token_ids for c in mixed.outputs]
     assert alone.outputs[0].token_ids != alone.outputs[1].token_ids
 

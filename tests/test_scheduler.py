@@ -28,7 +28,8 @@ def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="max_num_tokens: must be >= max_batch_size"):
         RuntimeConfig(block_size=4, num_kv_blocks=4, max_batch_size=8, max_num_tokens=4, max_seq_len=16)
     with pytest.raises(ValueError, match="num_host_blocks"):
-        RuntimeConfig(block_size=4, num_kv_blocks=4, max_batch_size=1, max_num_tokens=4, max_seq_len=16, preemption_mode="swap")
+        RuntimeConfig(block_size=4, num_kv_blocks=4, max_batch_size=1, max_num_tokens=4, max_seq_len=16,
+                      preemption_mode="swap")
 
 
 def test_refused_at_submission_with_limit_named():

@@ -70,9 +70,9 @@ def test_ttft_is_the_first_output_chunk_and_a_stream_without_one_fails():
 def test_tpot_and_itl_are_per_sequence_for_n_choices():
     """F2: n = 2 choices interleaved, 4 tokens each (usage 8): per choice TPOT = (last - first) / 3, ITL the gaps
     within a choice; with continuous usage, the tokens each chunk held count (choice 1's first chunk holds 2)."""
-    events = [(1.0, completion(0, "a")), (1.1, completion(1, "a")), (1.2, completion(0, "b")), (1.4, completion(1, "b")),
-              (1.5, completion(0, "c")), (1.7, completion(1, "c")), (1.8, completion(0, "d", "length")),
-              (2.0, completion(1, "d", "length")), (2.01, usage(8))]  # fmt: skip
+    events = [(1.0, completion(0, "a")), (1.1, completion(1, "a")), (1.2, completion(0, "b")),
+              (1.4, completion(1, "b")), (1.5, completion(0, "c")), (1.7, completion(1, "c")),
+              (1.8, completion(0, "d", "length")), (2.0, completion(1, "d", "length")), (2.01, usage(8))]  # fmt: skip
     r = stream_timings(RequestResult(ok=True), 0.5, events, 2.02, n=2)
     assert r.output_tokens == 8 and r.ttft == pytest.approx(0.5)
     # choice 0: (1.8 - 1.0) / 3; choice 1: (2.0 - 1.1) / 3
@@ -130,7 +130,8 @@ def test_serve_ratio_labels_a_noisy_run_s_ratios_indicative():
     interval = {"single_ratio": 0.8, "batch_ratio": 0.9, "bare_ratio": 1.0, "same_text_single": True,
                 "same_text_batch": "2/2", "same_text_bare": "2/2", "single_rounds": [0.8], "batch_rounds": [0.9],
                 "cpu_us_per_token": dict.fromkeys(("single", "batch", "bare"), us), "api_single": [10.0],
-                "verdict_single": "no verdict (noisy run: x)", "verdict_batch": "no verdict (noisy run: x)"}  # fmt: skip
+                "verdict_single": "no verdict (noisy run: x)",
+                "verdict_batch": "no verdict (noisy run: x)"}  # fmt: skip
     report = {"series": {}, "labels": {}, "step_ms": {}, "concurrency": 2, "by_interval": {"1": interval},
               "noise": {"trustworthy": False}, "noise_text": "noise: NOT trustworthy"}  # fmt: skip
     ratio_lines = [line for line in format_ratio(report).splitlines() if "serve / " in line]

@@ -74,7 +74,8 @@ def request(server, path, body=None, method=None, raw=None, headers=None):
 def stream(server, path, body, headers=None):
     """The `data:` payloads of a streamed response, JSON-decoded except the final [DONE]."""
     conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
-    conn.request("POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json", **(headers or {})})
+    conn.request("POST", path, json.dumps({**body, "stream": True}),
+                 {"Content-Type": "application/json", **(headers or {})})
     resp = conn.getresponse()
     assert resp.status == 200 and resp.getheader("Content-Type").startswith("text/event-stream")
     events = [line[len(b"data: "):].decode() for line in resp.read().split(b"\n\n") if line.startswith(b"data: ")]
@@ -109,7 +110,8 @@ def greedy(max_tokens, **kw):
 
 def test_completions_match_llm(server, llm):
     prompts = ["hello there", [5, 6, 7, 8, 9, 10]]
-    status, _, body = request(server, "/v1/completions", {"model": MODEL, "prompt": prompts, "max_tokens": 10, "temperature": 0})
+    status, _, body = request(server, "/v1/completions",
+                              {"model": MODEL, "prompt": prompts, "max_tokens": 10, "temperature": 0})
     assert status == 200, body
     truth = llm.generate(prompts, greedy(10))
     assert body["object"] == "text_completion" and body["model"] == MODEL and body["id"].startswith("cmpl-")
@@ -123,21 +125,26 @@ def test_completions_match_llm(server, llm):
         "total_tokens": sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in truth),
         "prompt_tokens_details": None,  # vLLM's field, null without --enable-prompt-tokens-details
     }
-    status, _, body = request(server, "/v1/completions", {"prompt": "abc", "max_tokens": 4, "logprobs": 2, "temperature": 0})
+    status, _, body = request(server, "/v1/completions",
+                              {"prompt": "abc", "max_tokens": 4, "logprobs": 2, "temperature": 0})
     lp = body["choices"][0]["logprobs"]
     expected = llm.generate(["abc"], greedy(4, logprobs=2))[0].outputs[0]
     assert len(lp["tokens"]) == len(expected.token_ids) == len(lp["text_offset"])
-    assert lp["token_logprobs"] == pytest.approx([d[t] for d, t in zip(expected.logprobs, expected.token_ids)], abs=1e-5)
+    assert lp["token_logprobs"] == pytest.approx([d[t] for d, t in zip(expected.logprobs, expected.token_ids)],
+                                                 abs=1e-5)
     assert all(1 <= len(top) <= 3 for top in lp["top_logprobs"])  # keyed by text: U+FFFD tokens collide
-    status, _, body = request(server, "/v1/completions", {"prompt": "abc", "max_tokens": 4, "use_beam_search": True, "best_of": 3})
+    status, _, body = request(server, "/v1/completions",
+                              {"prompt": "abc", "max_tokens": 4, "use_beam_search": True, "best_of": 3})
     beam = llm.generate(["abc"], SamplingParams(max_tokens=4, beam_width=3))[0].outputs[0]
     assert status == 200 and [c["text"] for c in body["choices"]] == [beam.text]
 
 
 def test_chat_matches_llm(server, llm):
-    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
     status, _, body = request(server, "/v1/chat/completions",
-                              {"messages": messages, "max_completion_tokens": 8, "temperature": 0, "logprobs": True, "top_logprobs": 1})
+                              {"messages": messages, "max_completion_tokens": 8, "temperature": 0, "logprobs": True,
+                               "top_logprobs": 1})
     plain = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     (truth,) = llm.chat(plain, greedy(8))
     assert status == 200 and body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
@@ -156,14 +163,16 @@ def test_streaming_equals_non_streamed(server, llm):
     truth = llm.generate(["stream me"], greedy(12))[0].outputs[0]
     assert text == truth.text and events[-3]["choices"][0]["finish_reason"] == truth.finish_reason
     assert events[-2]["usage"]["completion_tokens"] == len(truth.token_ids)
-    chat = stream(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "yo"}], "max_tokens": 6, "temperature": 0})
+    chat = stream(server, "/v1/chat/completions",
+                  {"messages": [{"role": "user", "content": "yo"}], "max_tokens": 6, "temperature": 0})
     assert chat[0]["choices"][0]["delta"]["role"] == "assistant" and chat[-1] == "[DONE]"
     content = "".join(e["choices"][0]["delta"].get("content", "") for e in chat[:-1])
     assert content == llm.chat([{"role": "user", "content": "yo"}], greedy(6))[0].outputs[0].text
     stop = truth.text[3:5]  # a stop string inside the greedy text: streamed text must stop before it too
     events = stream(server, "/v1/completions", {**body, "stop": stop})
     status, _, plain = request(server, "/v1/completions", {**body, "stop": stop, "stream_options": None})
-    assert "".join(e["choices"][0]["text"] for e in events[:-2]) == plain["choices"][0]["text"] == truth.text[: truth.text.index(stop)]
+    assert ("".join(e["choices"][0]["text"] for e in events[:-2]) == plain["choices"][0]["text"]
+            == truth.text[: truth.text.index(stop)])
 
 
 def test_held_back_stop_prefixes():
@@ -176,7 +185,8 @@ def test_concurrent_requests_share_steps(server, llm):
     results: dict[int, dict] = {}
 
     def run(i):
-        results[i] = request(server, "/v1/completions", {"prompt": prompts[i], "max_tokens": 16, "temperature": 0, "ignore_eos": True})[2]
+        results[i] = request(server, "/v1/completions",
+                             {"prompt": prompts[i], "max_tokens": 16, "temperature": 0, "ignore_eos": True})[2]
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:
@@ -224,7 +234,8 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "max_tokens": 4, "bogus": 1}, 400, "bogus", "unknown field"),
     ("/v1/completions", [1, 2], 400, "body", "object"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", "list"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs", "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs",
+     "logprobs"),
 ]
 # Refused by the runtime: (path, body, field, a probe that makes the runtime raise the same error directly).
 # The server names the field when the runtime raises RequestError, and no field for a plain ValueError.
@@ -266,7 +277,8 @@ def test_bad_input_is_4xx_and_leaks_nothing(server, llm):
     assert request(server, "/nope")[0] == 404 and request(server, "/v1/completions", method="GET")[0] == 405
     assert request(server, "/v1/completions", {"prompt": "still up", "max_tokens": 2})[0] == 200
     m = wait_idle(server)
-    sent = [c for p, _, c, *_ in BAD if p == "/v1/completions"] + [400 for p, *_ in RUNTIME_BAD if p == "/v1/completions"]
+    sent = ([c for p, _, c, *_ in BAD if p == "/v1/completions"]
+            + [400 for p, *_ in RUNTIME_BAD if p == "/v1/completions"])
     assert m[key] - before == sent.count(400) + 1  # + the malformed JSON
 
 

@@ -100,7 +100,8 @@ def test_stop_token_ids_and_stop_reasons_streamed_and_whole(client, llm):
     messages = [{"role": "user", "content": "hello"}]
     chat_ids = llm.chat(messages, SamplingParams(max_tokens=16, temperature=0.0))[0].outputs[0].token_ids
     j = next(i for i in range(1, len(chat_ids)) if chat_ids[i] not in chat_ids[:i])
-    kw = dict(model="tiny", messages=messages, max_tokens=16, temperature=0, extra_body={"stop_token_ids": [chat_ids[j]]})
+    kw = dict(model="tiny", messages=messages, max_tokens=16, temperature=0,
+              extra_body={"stop_token_ids": [chat_ids[j]]})
     whole = client.chat.completions.create(**kw).choices[0]
     assert (whole.finish_reason, whole.stop_reason) == ("stop", chat_ids[j])
     assert _stream_end(client.chat.completions.create(stream=True, **kw)) == (whole.message.content, "stop",

@@ -100,7 +100,8 @@ def test_streamed_echo_sends_the_prompt_first(server, hf):
 def test_bad_scoring_requests_are_400s(client):
     import openai
 
-    for kwargs, field in [({"max_tokens": 0}, "max_tokens"), ({"extra_body": {"prompt_logprobs": -1}}, "prompt_logprobs"),
+    for kwargs, field in [({"max_tokens": 0}, "max_tokens"),
+                          ({"extra_body": {"prompt_logprobs": -1}}, "prompt_logprobs"),
                           ({"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs"),
                           ({"echo": True, "logprobs": 99, "max_tokens": 0}, "logprobs")]:  # fmt: skip
         with pytest.raises(openai.BadRequestError) as info:

@@ -31,7 +31,8 @@ def stream_client(server, body: dict, hang_up_after: int | None, out: StreamResu
     """Streams one completion; with `hang_up_after`, closes the connection after that many events."""
     conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
     try:
-        conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
+        conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
+                     {"Content-Type": "application/json"})
         resp = conn.getresponse()
         out.status = resp.status
         if resp.status != 200:

@@ -20,7 +20,8 @@ jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is not install
 pytest.importorskip("xgrammar", reason="xgrammar is not installed (pip install xgrammar)")
 SCHEMA = {
     "type": "object",
-    "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}, "days": {"type": "integer", "minimum": 1, "maximum": 14},
+    "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
+                   "days": {"type": "integer", "minimum": 1, "maximum": 14},
                    "code": {"type": "string", "pattern": "^[A-Z]{3}$"}},
     "required": ["city", "days", "code"], "additionalProperties": False,
 }  # fmt: skip
@@ -28,8 +29,9 @@ DEEP_SCHEMA = functools.reduce(lambda inner, _: {"type": "array", "items": inner
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                      "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
-                                                     "unit": {"enum": ["C", "F"]}},
+                                      "parameters": {"type": "object",
+                                                     "properties": {"city": {"enum": ["Paris", "Rome"]},
+                                                                    "unit": {"enum": ["C", "F"]}},
                                                      "required": ["city", "unit"], "additionalProperties": False}}},
     {"type": "function", "function": {"name": "add", "parameters": {
         "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},

@@ -435,13 +435,15 @@ def test_a_tool_definition_no_template_can_take_is_refused_naming_where(server):
 def test_required_calls_follow_each_tools_own_defs(client):
     """A tool's $defs / definitions (pydantic writes them) are lifted to the root the required calls' grammar
     is compiled from, where their $refs point (was: 400 "Cannot find field '$defs'")."""
-    date = {"type": "object", "properties": {"y": {"type": "integer"}}, "required": ["y"], "additionalProperties": False}
+    date = {"type": "object", "properties": {"y": {"type": "integer"}}, "required": ["y"],
+            "additionalProperties": False}
     tools = [
         {"type": "function", "function": {"name": "book", "parameters": {
             "$defs": {"Date": date}, "type": "object", "properties": {"when": {"$ref": "#/$defs/Date"}},
             "required": ["when"], "additionalProperties": False}}},
         {"type": "function", "function": {"name": "old", "parameters": {
-            "definitions": {"N": {"type": "integer"}}, "type": "object", "properties": {"n": {"$ref": "#/definitions/N"}},
+            "definitions": {"N": {"type": "integer"}}, "type": "object",
+            "properties": {"n": {"$ref": "#/definitions/N"}},
             "required": ["n"], "additionalProperties": False}}},
     ]  # fmt: skip
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}

@@ -245,7 +245,8 @@ def test_a_requests_stream_interval_raises_the_servers(client):
 
 def test_spaces_between_special_tokens_is_taken_on_both_endpoints(client, llm):
     """vLLM's field (was: 400 unknown field): taken and checked, with the answer the Python API gives with it."""
-    truth = llm.generate(["once upon"], SamplingParams(max_tokens=6, temperature=0, spaces_between_special_tokens=False))
+    truth = llm.generate(["once upon"],
+                         SamplingParams(max_tokens=6, temperature=0, spaces_between_special_tokens=False))
     extra = {"spaces_between_special_tokens": False}
     got = client.completions.create(model=MODEL, prompt="once upon", max_tokens=6, temperature=0, extra_body=extra)
     assert got.choices[0].text == truth[0].outputs[0].text
@@ -255,7 +256,8 @@ def test_spaces_between_special_tokens_is_taken_on_both_endpoints(client, llm):
     import openai
 
     with pytest.raises(openai.BadRequestError, match="spaces_between_special_tokens"):
-        client.completions.create(model=MODEL, prompt="a", max_tokens=1, extra_body={"spaces_between_special_tokens": 1})
+        client.completions.create(model=MODEL, prompt="a", max_tokens=1,
+                                  extra_body={"spaces_between_special_tokens": 1})
 
 
 def test_tokenize_counts_what_the_generation_endpoints_count(client, llm, server):

@@ -278,7 +278,8 @@ def test_cli_bench_memory_finds_the_prefix_that_sharegpt_prompts_share(tiny_engi
     entries = [{"id": str(i), "conversations": [{"from": "human", "value": shared[:80] + tail},
                                                 {"from": "gpt", "value": "an answer of some length"}]}
                for i, tail in enumerate(["first question", "another question"])]  # fmt: skip
-    result = CliRunner().invoke(main, ["bench", "memory", str(tiny_engine_dir), "--trace", str(_write(tmp_path, entries)),
+    result = CliRunner().invoke(main, ["bench", "memory", str(tiny_engine_dir),
+                                       "--trace", str(_write(tmp_path, entries)),
                                        "--max-batch-size", "1", "--json"])  # fmt: skip
     assert result.exit_code == 0, result.output
     report = json.loads(result.output[result.output.index("{"):])

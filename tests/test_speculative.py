@@ -176,7 +176,8 @@ def test_disabled_at_batch_size_and_budget_counts_drafts():
     runner = RandomLogitsEngine(64, 8)
     engine = LLMEngine(runner, config, None, [])
     for i in range(3):
-        engine.add_request([1, 2, 3, 1, 2, 3, i], SamplingParams(max_tokens=4 + 20 * i, temperature=0.0, ignore_eos=True))
+        engine.add_request([1, 2, 3, 1, 2, 3, i],
+                           SamplingParams(max_tokens=4 + 20 * i, temperature=0.0, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
     decode_steps = runner.batches[1:]  # the first step prefills all three
@@ -365,17 +366,20 @@ def test_stops_inside_an_accepted_run_are_exact(hf, prompts):
         out = runs[i]
         cut = len(out.token_ids) // 2
         cases.append((p, SamplingParams(max_tokens=cut + 1, temperature=0.0, logprobs=0)))
-        cases.append((p, SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=(out.token_ids[cut],), logprobs=0)))
+        cases.append((p, SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=(out.token_ids[cut],),
+                                        logprobs=0)))
         text = out.text
         if len(text) > 6:
-            cases.append((p, SamplingParams(max_tokens=40, temperature=0.0, stop=(text[len(text) // 2 : len(text) // 2 + 2],),
+            cases.append((p, SamplingParams(max_tokens=40, temperature=0.0,
+                                            stop=(text[len(text) // 2 : len(text) // 2 + 2],),
                                             logprobs=1)))  # fmt: skip
     want = run_staggered(make(hf), cases)
     engine = make(hf, SpeculativeConfig(num_speculative_tokens=6, **ALWAYS))
     got = run_staggered(engine, cases)
     for a, b in zip(got, want):
         x, y = a.outputs[0], b.outputs[0]
-        assert (x.token_ids, x.text, x.finish_reason, x.stop_reason) == (y.token_ids, y.text, y.finish_reason, y.stop_reason)
+        assert ((x.token_ids, x.text, x.finish_reason, x.stop_reason)
+                == (y.token_ids, y.text, y.finish_reason, y.stop_reason))
         assert x.cumulative_logprob == pytest.approx(y.cumulative_logprob, abs=1e-3)
         assert (x.logprobs is None) == (y.logprobs is None) and len(x.logprobs or []) == len(y.logprobs or [])
     assert engine.stats()["spec_decode_num_accepted_tokens"] > 0

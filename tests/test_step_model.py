@@ -60,7 +60,8 @@ def test_tied_embeddings_have_one_parameter():
 def test_only_logits_index_rows_are_returned():
     hf, dims = _tiny()
     model = step_model_from_hf(hf.model, dims)
-    seqs = [ProbeSequence(tokens=list(range(40, 70)), blocks=[5, 2]), ProbeSequence(tokens=list(range(7, 19)), blocks=[0])]
+    seqs = [ProbeSequence(tokens=list(range(40, 70)), blocks=[5, 2]),
+            ProbeSequence(tokens=list(range(7, 19)), blocks=[0])]
     step = pack_step(seqs, [(0, 0, 30), (1, 0, 12)])
     assert step.inputs["logits_index"].tolist() == [29, 41]
     with torch.no_grad():

@@ -237,8 +237,10 @@ def _pydantic_schema() -> dict:
 # (schema, a document that breaks it): taken, and xgrammar's grammar refuses the document
 ENFORCED = [
     ({"oneOf": [{"type": "integer"}, {"type": "string"}]}, "true"),
-    ({"oneOf": [{"type": "object", "properties": {"k": {"const": "a"}, "x": {"type": "integer"}}, "required": ["k", "x"]},
-                {"type": "object", "properties": {"k": {"const": "b"}, "y": {"type": "boolean"}}, "required": ["k", "y"]}]},
+    ({"oneOf": [{"type": "object", "properties": {"k": {"const": "a"}, "x": {"type": "integer"}},
+                 "required": ["k", "x"]},
+                {"type": "object", "properties": {"k": {"const": "b"}, "y": {"type": "boolean"}},
+                 "required": ["k", "y"]}]},
      '{"k": "a", "y": true}'),
     ({"type": "object", "properties": {"d": {"type": "string", "format": "date"}, "r": {"$ref": "#/$defs/r"}},
       "required": ["d", "r"], "$defs": {"r": {"type": "integer", "description": "a ref with an annotation"}}},
@@ -261,8 +263,9 @@ def test_schemas_the_grammar_enforces_are_taken(llm, schema, breaking):
             jsonschema.validate(json.loads(text), schema)
 
 
-@pytest.mark.parametrize("schema", [{"type": "object", "required": [["a"]]}, {"oneOf": [{"properties": [1]}, {"required": 5}]},
-                                    {"$ref": 5}, {"$ref": "#/nope"}, {"oneOf": [{"$ref": "#"}, {"$ref": "#"}]}])  # fmt: skip
+@pytest.mark.parametrize("schema", [{"type": "object", "required": [["a"]]},
+                                    {"oneOf": [{"properties": [1]}, {"required": 5}]}, {"$ref": 5}, {"$ref": "#/nope"},
+                                    {"oneOf": [{"$ref": "#"}, {"$ref": "#"}]}])  # fmt: skip
 def test_a_malformed_schema_is_a_request_error_not_a_crash(llm, schema):
     """The checker met shapes the compiler refuses (a list where a name goes): a TypeError, a 500 from serve."""
     try:

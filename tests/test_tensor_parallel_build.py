@@ -1,4 +1,5 @@
-"""Tensor parallelism at build time: tensor_parallel validation, weight shards, rank graphs and their joint verification."""
+"""Tensor parallelism at build time: tensor_parallel validation, weight shards, rank graphs and their joint
+verification."""
 
 from __future__ import annotations
 
@@ -201,7 +202,8 @@ def test_bench_memory_shows_n_ranks_with_n_times_the_memory(tiny_kv4_engines):
     from trtpaged.cli import main
 
     out = CliRunner().invoke(main, ["bench", "memory", str(tiny_kv4_engines[2]), "--num-requests", "40",
-                                    "--prompt-len", "32:200", "--output-len", "16:64", "--max-batch-size", "64", "--json"])
+                                    "--prompt-len", "32:200", "--output-len", "16:64", "--max-batch-size", "64",
+                                    "--json"])
     assert out.exit_code == 0, out.output
     rows = json.loads(out.stdout)["tensor_parallel"]
     # the engine's 128 blocks per rank are one device's memory: 64 one-rank blocks

@@ -45,7 +45,8 @@ def _tensorrt_root_reason() -> str | None:
 
 def _header_major(root: Path) -> int:
     text = (root / "include" / "NvInferVersion.h").read_text()
-    match = re.search(r"#define TRT_MAJOR_ENTERPRISE (\d+)", text) or re.search(r"#define NV_TENSORRT_MAJOR (\d+)", text)
+    match = (re.search(r"#define TRT_MAJOR_ENTERPRISE (\d+)", text)
+             or re.search(r"#define NV_TENSORRT_MAJOR (\d+)", text))
     assert match, "no major version in NvInferVersion.h"
     return int(match.group(1))
 
@@ -110,7 +111,8 @@ def test_code_linked_into_the_plugin_is_built_portably(plugin_build):
 
 
 def test_plugin_library_exports_only_the_entry_points(plugin_library):
-    out = subprocess.run(["nm", "-D", "--defined-only", str(plugin_library)], capture_output=True, text=True, check=True)
+    out = subprocess.run(["nm", "-D", "--defined-only", str(plugin_library)], capture_output=True, text=True,
+                         check=True)
     symbols = {line.split()[-1] for line in out.stdout.splitlines() if line.strip()}
     assert symbols == ENTRY_POINTS, out.stdout
 

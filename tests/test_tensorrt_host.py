@@ -125,7 +125,8 @@ def test_step_binds_every_tensor_inside_the_device_with_the_pool_aliased(backend
     assert ctx.addresses[POOL_INPUT] == ctx.addresses[POOL_OUTPUT] == engine.kv_cache.data_ptr()
     entered = log.index(("enter_device", "cpu"))
     exited = log.index(("exit_device", "cpu"))
-    calls = [i for i, entry in enumerate(log) if entry[0] in ("set_input_shape", "set_tensor_address", "execute_async_v3")]
+    calls = [i for i, entry in enumerate(log)
+             if entry[0] in ("set_input_shape", "set_tensor_address", "execute_async_v3")]
     assert calls and all(entered < i < exited for i in calls)
 
 
@@ -223,8 +224,10 @@ def test_engine_dir_records_the_full_tensorrt_version_and_sm_and_refuses_others(
     info = json.loads((tmp_path / "tensorrt.json").read_text())
     assert info["tensorrt_version"] == "10.16.0.72" and info["gpu_sm"] == "sm_90"
     trt_env.check_build_info(tmp_path, "10.16.0.72", sm="sm_90")  # the same TensorRT and GPU: fine
-    for version, sm, words in [("11.1.0", "sm_90", ("built with TensorRT 10.16.0.72", "TensorRT 11.1.0 is installed")),
-                               ("10.16.1", "sm_90", ("built with TensorRT 10.16.0.72", "TensorRT 10.16.1 is installed")),
+    for version, sm, words in [("11.1.0", "sm_90",
+                                ("built with TensorRT 10.16.0.72", "TensorRT 11.1.0 is installed")),
+                               ("10.16.1", "sm_90",
+                                ("built with TensorRT 10.16.0.72", "TensorRT 10.16.1 is installed")),
                                ("10.3.1", "sm_90", ("TensorRT 10.3.1 is installed",)),
                                ("10.16.0.72", "sm_80", ("built for sm_90", "this GPU is sm_80"))]:
         with pytest.raises(CompileError) as e:
@@ -415,5 +418,6 @@ def test_mypy_is_clean_on_the_tensorrt_modules():
     if "errors prevented further checking" in r.stdout:
         first = next(line for line in r.stdout.splitlines() if "error" in line)
         pytest.skip(f"the tensorrt stubs in {stubs} do not parse, so mypy checks nothing: {first}")
-    ours = [line for line in r.stdout.splitlines() if line.startswith("trtpaged/")]  # the stubs have errors of their own
+    # the stubs have errors of their own
+    ours = [line for line in r.stdout.splitlines() if line.startswith("trtpaged/")]
     assert not ours, "\n".join(ours)

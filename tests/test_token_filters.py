@@ -105,7 +105,8 @@ def make(hf) -> LLMEngine:
 
 def test_engine_checks_ids_against_the_vocabulary(hf):
     engine = make(hf)
-    for kwargs, field in (({"logit_bias": {320: 1}}, "logit_bias"), ({"allowed_token_ids": [5, 999]}, "allowed_token_ids")):
+    for kwargs, field in (({"logit_bias": {320: 1}}, "logit_bias"),
+                          ({"allowed_token_ids": [5, 999]}, "allowed_token_ids")):
         with pytest.raises(RequestError) as info:
             engine.add_request([1, 2, 3], SamplingParams(**kwargs))
         assert info.value.field == field

@@ -162,7 +162,8 @@ def test_loading_and_generating_do_not_import_the_compiler_stack(engine: str, re
     script = ("import sys; from trtpaged import LLM, SamplingParams; "
               f"llm = LLM({str(engine_dir)!r}); "
               "out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)); "
-              "print(len(out[0].outputs[0].token_ids), sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))")
+              "print(len(out[0].outputs[0].token_ids), "
+              "sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))")
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split("\n")[-2] == "3 []", run.stdout
