@@ -186,7 +186,7 @@ def hf_beams(hf, prompt: Sequence[int], max_new_tokens: int, width: int, eos: Un
 
 def serve_one_completion(engine_dir: Any, prompt: str, max_tokens: int, speculative_config: Any) -> tuple[str, dict]:
     """A real loopback server with `speculative_config`: the official openai client's greedy completion text,
-    then the server's trtpaged:spec_decode* metrics (name with labels -> value)."""
+    then the server's trtpaged:spec_decode* and vllm:spec_decode* metrics (name with labels -> value)."""
     import urllib.request
 
     import pytest
@@ -203,7 +203,7 @@ def serve_one_completion(engine_dir: Any, prompt: str, max_tokens: int, speculat
     finally:
         handle.shutdown()
     values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-              if line.startswith("trtpaged:spec_decode")}  # fmt: skip
+              if line.startswith(("trtpaged:spec_decode", "vllm:spec_decode"))}  # fmt: skip
     return got.choices[0].text, values
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import random
+import re
 
 import pytest
 import torch
@@ -516,6 +517,11 @@ def test_server_speculates_and_exposes_spec_decode_metrics(tiny_engine_dir):
     assert 'trtpaged:spec_decode_num_accepted_tokens_per_pos_total{method="ngram",position="0"}' in values
     assert sum(per_pos) == accepted  # every accepted token at exactly one draft position
     assert not any("draft_model" in k or "draft_kv" in k for k in values)  # n-gram has no draft engine
+    # the same counters under vLLM's names, for the dashboards that read those (README, "Metrics")
+    vllm = {re.sub(r'model_name="[^"]*",|,model_name="[^"]*"', "", k.replace("vllm:", "trtpaged:")): v
+            for k, v in values.items() if k.startswith("vllm:")}  # fmt: skip
+    assert set(vllm) == {k for k in values if k.startswith("trtpaged:") and "steps_disabled" not in k}
+    assert all(vllm[k] == values[k] for k in vllm)
 
 
 # ---- SmolLM2 (slow) ---------------------------------------------------------------------------------

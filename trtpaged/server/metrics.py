@@ -114,7 +114,9 @@ def token_buckets(max_model_len: int) -> tuple[int, ...]:
 VLLM_PREFIX = "vllm:"
 # the engine series vLLM also has, under the same names after the prefix; and older vLLM names still scraped
 VLLM_ENGINE_SERIES = frozenset({"num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
-                                "num_preemptions", "prefix_cache_queries", "prefix_cache_hits"})  # fmt: skip
+                                "num_preemptions", "prefix_cache_queries", "prefix_cache_hits",
+                                "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                                "spec_decode_num_accepted_tokens", PER_POS})  # fmt: skip
 # a series' older vLLM name, written too (the same series), for the dashboards that still read it
 VLLM_OLD_NAMES = {"kv_cache_usage_perc": "gpu_cache_usage_perc",
                   "inter_token_latency_seconds": "time_per_output_token_seconds"}
