@@ -7,7 +7,7 @@ the runtime's `RequestError` carries `field` and `limit`.
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 from pydantic import ValidationError
 
@@ -90,6 +90,19 @@ def _where(loc: list[str]) -> str:
     if not loc:
         return "body"
     return loc[0] + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in loc[1:])
+
+
+_QUOTED = re.compile(r"('[^']*'|\"[^\"]*\")")  # a value the client sent, as a message quotes it
+
+
+def respelled(message: str, spellings: Sequence[tuple[re.Pattern[str], str]]) -> str:
+    """`message` with each pattern replaced by its spelling outside the quoted values it carries (a tool the client
+    named max_tokens stays max_tokens): a refusal of a translated body, in the fields the client sent."""
+    pieces = _QUOTED.split(message)  # odd indices: the quoted values
+    for i in range(0, len(pieces), 2):
+        for pattern, spelling in spellings:
+            pieces[i] = pattern.sub(spelling, pieces[i])
+    return "".join(pieces)
 
 
 # fields a runtime refusal of another field names in its text, renamed there too when the request spelled them

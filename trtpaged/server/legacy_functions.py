@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from trtpaged.server.errors import ApiError
+from trtpaged.server.errors import ApiError, respelled
 from trtpaged.server.schemas import ChatCompletionRequest
 
 _FUNCTION_KEYS = {"name", "description", "parameters"}
@@ -69,7 +69,6 @@ def _tool_choice(function_call: Any) -> Any:
     return {"type": "function", "function": {"name": name}}
 
 
-_QUOTED = re.compile(r"('[^']*'|\"[^\"]*\")")
 # a tools refusal's wording -> the legacy fields' (outside the quoted values the client sent)
 _CHOICES = (re.compile(r"'required', 'none' or \{'type': 'function', 'function': \{'name': \.\.\.\}\}"),
             "'none' or {'name': ...}")  # fmt: skip
@@ -80,12 +79,9 @@ _SPELLINGS = ((re.compile(r"\btools(\[\d+\])\.function\b"), r"functions\1"), (re
 def renamed(error: ApiError) -> ApiError:
     """A refusal of the tools a legacy request stands for, naming its own fields (functions[0].name, not
     tools[0].function.name; function_call, not tool_choice)."""
-    pieces = _QUOTED.split(_CHOICES[0].sub(_CHOICES[1], error.message))
-    for i in range(0, len(pieces), 2):
-        for pattern, spelling in _SPELLINGS:
-            pieces[i] = pattern.sub(spelling, pieces[i])
+    message = respelled(_CHOICES[0].sub(_CHOICES[1], error.message), _SPELLINGS)
     param = {"tools": "functions", "tool_choice": "function_call"}.get(error.param or "", error.param)
-    return ApiError("".join(pieces), param, error.status, error.kind, error.code, error.headers)
+    return ApiError(message, param, error.status, error.kind, error.code, error.headers)
 
 
 def call_id(message_index: int) -> str:

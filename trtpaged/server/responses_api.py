@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from trtpaged.server.errors import ApiError
+from trtpaged.server.errors import ApiError, respelled
 from trtpaged.server.protocol import MAX_LOGPROBS, check_model, string_field, top_k, validated
 from trtpaged.server.responses_store import Link, ResponsesStore, not_found
 from trtpaged.server.schemas import GenerationFields, ResponsesRequest
@@ -201,7 +201,6 @@ def _continues(items: Any) -> bool:
 # client sent
 _CHAT_TOOL_CHOICE = (re.compile(r"\{'type': 'function', 'function': \{'name': \.\.\.\}\}"),
                      "{'type': 'function', 'name': ...}")  # fmt: skip
-_QUOTED = re.compile(r"('[^']*'|\"[^\"]*\")")
 _RESPONSES_SPELLINGS = (
     (re.compile(r"\b(tools\[\d+\])\.function\."), r"\1."),
     (re.compile(r"\bmessages(\[\d+\])?(\.\w+)?"), "input"),
@@ -223,17 +222,8 @@ def renamed(error: ApiError, call: Optional[ResponsesCall] = None) -> ApiError:
     base = re.split(r"[.\[]", param, maxsplit=1)[0]
     name = _RESPONSES_NAMES.get(base, param or None)
     message = _CHAT_TOOL_CHOICE[0].sub(_CHAT_TOOL_CHOICE[1], message)
-    return ApiError(_renamed_text(message), name, error.status, error.kind, error.code, error.headers)
-
-
-def _renamed_text(message: str) -> str:
-    """`message` with chat's field names as the Responses API's, outside quoted values (a tool the client named
-    max_tokens stays max_tokens)."""
-    pieces = _QUOTED.split(message)  # odd indices: the quoted values
-    for i in range(0, len(pieces), 2):
-        for pattern, spelling in _RESPONSES_SPELLINGS:
-            pieces[i] = pattern.sub(spelling, pieces[i])
-    return "".join(pieces)
+    return ApiError(respelled(message, _RESPONSES_SPELLINGS), name, error.status, error.kind, error.code,
+                    error.headers)  # fmt: skip
 
 
 def _messages(instructions: Optional[str], items: list[Any], first: int = 0) -> list[dict[str, Any]]:
