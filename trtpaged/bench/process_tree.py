@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import resource
+from typing import Optional
 
 
 def _stat_fields(pid: int) -> list[str]:
@@ -52,24 +53,21 @@ def cpu_seconds() -> float:
     return total
 
 
-def _own_peak_kib() -> int:
-    """This process's peak RSS in KiB: its VmHWM, which starts afresh at exec. getrusage's ru_maxrss (off Linux
-    only) keeps the peak of the image before the exec: a spawned benchmark row's would be at least its parent's RSS
-    at the fork."""
+def _hwm_kib(pid: str) -> Optional[int]:
+    """A process's peak RSS in KiB (its VmHWM, which starts afresh at exec), or None where /proc cannot say."""
     try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-    except (OSError, StopIteration, IndexError, ValueError):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        with open(f"/proc/{pid}/status") as f:
+            return next((int(line.split()[1]) for line in f if line.startswith("VmHWM:")), None)
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def peak_rss_mb() -> float:
-    """This process's peak RSS plus each live descendant's (VmHWM), in MiB."""
-    total_kb = _own_peak_kib()
+    """This process's peak RSS plus each live descendant's (VmHWM), in MiB. Its own is its VmHWM too: getrusage's
+    ru_maxrss (off Linux only) keeps the peak of the image before the exec, so a spawned benchmark row's would be at
+    least its parent's RSS at the fork."""
+    own = _hwm_kib("self")
+    total_kb = own if own is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     for pid in live_descendants():
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                total_kb += next((int(line.split()[1]) for line in f if line.startswith("VmHWM:")), 0)
-        except (OSError, IndexError, ValueError):
-            continue
+        total_kb += _hwm_kib(str(pid)) or 0
     return total_kb / 1024
