@@ -143,6 +143,37 @@ def test_hung_worker_ends_at_the_timeout(tiny_kv4_engines, prompts, monkeypatch)
     assert _gone(pids)
 
 
+def test_close_with_a_hung_rank_between_commands_ends_before_the_timeout(tiny_kv4_engines, prompts, monkeypatch):
+    """A rank stops answering between two commands (the engine idle, its last command not yet taken by the rank),
+    then the LLM is closed: STOP, which nobody takes, is given STOP_WAIT_S like a stuck command, then the workers
+    are killed (was: STOP waited out the whole collective timeout: a server shut down while its engine thread was
+    between steps took 90 + 12 s, once in CI)."""
+    from trtpaged.runtime.tp import messages
+    from trtpaged.runtime.tp.runner import STOP_WAIT_S
+
+    monkeypatch.setenv("TRTPAGED_TP_TIMEOUT_S", "60")
+    llm = LLM(tiny_kv4_engines[2], device="cpu")
+    pids = _workers(llm)
+    try:
+        llm.generate(prompts[:1], GREEDY)
+        _wait_until_idle(pids[0])  # waiting on the next command
+        os.kill(pids[0], signal.SIGSTOP)  # alive, never answers
+        # what the engine thread sent last before it stopped between steps: a command the rank never took, so the
+        # rank is not waiting on the next one (a STEP's header taken, its payload not)
+        header = torch.zeros(messages.HEADER_LEN, dtype=torch.int64)
+        header[0], header[1] = int(messages.Op.STEP), 1
+        llm.engine.runner.coll.broadcast(header)
+        start = time.monotonic()
+        llm.close()
+        assert time.monotonic() - start < 2 * STOP_WAIT_S + 5
+    finally:
+        for pid in pids:
+            if os.path.exists(f"/proc/{pid}"):
+                os.kill(pid, signal.SIGKILL)
+        llm.close()
+    assert _gone(pids)
+
+
 def test_idle_engine_outlives_the_collective_timeout(tiny_kv4_engines, prompts, monkeypatch):
     """No request for longer than TRTPAGED_TP_TIMEOUT_S is not a hung rank (was: every worker's wait for the next
     command timed out, and the next request failed: 'rank 1 (pid P) exited with code 1')."""
@@ -416,6 +447,24 @@ def test_serve_command_exits_with_the_reason(tiny_kv4_engines):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _wait_until_idle(pid: int, quiet_s: float = 0.3, limit_s: float = 20.0) -> None:
+    """Returns once the process has used no CPU for quiet_s (a rank blocked on its next command)."""
+    def cpu_ticks() -> int:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime, stime
+
+    deadline = time.monotonic() + limit_s
+    last = cpu_ticks()
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        now = cpu_ticks()
+        if now == last:
+            return
+        last = now
+    raise AssertionError(f"pid {pid} kept running for {limit_s} s")
 
 
 def _free_port() -> int:

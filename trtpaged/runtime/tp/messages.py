@@ -51,15 +51,16 @@ class Op(enum.IntEnum):
     WRITE_BLOCKS = 8
 
 
-def send(coll: Collectives, op: Op, fields: Sequence[int] = (), payload: Optional[torch.Tensor] = None) -> None:
-    """Rank 0: broadcasts one command."""
+def send(coll: Collectives, op: Op, fields: Sequence[int] = (), payload: Optional[torch.Tensor] = None,
+         timeout: Optional[timedelta] = None) -> None:
+    """Rank 0: broadcasts one command; `timeout` replaces the collective timeout for it."""
     length = 0 if payload is None else int(payload.numel())
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
     header[0], header[1] = int(op), length
     header[2:2 + len(fields)] = torch.tensor(list(fields), dtype=torch.int64)
-    coll.broadcast(header)
+    coll.broadcast(header, timeout=timeout)
     if length:
-        coll.broadcast(payload.to(torch.int32).contiguous())
+        coll.broadcast(payload.to(torch.int32).contiguous(), timeout=timeout)
 
 
 def receive(coll: Collectives) -> tuple[Op, list[int], torch.Tensor]:

@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 import weakref
+from datetime import timedelta
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
@@ -193,12 +194,15 @@ def _shutdown(coll: Collectives, workers: Optional[WorkerSet], broken: list[bool
     # a command still under way in another thread after STOP_WAIT_S is stuck on a hung rank: STOP would wait behind
     # it in the group's queue for the whole collective timeout (a server's SIGTERM took that long to exit); the local
     # workers are killed instead, which ends the stuck collective, and it is given time to unwind (torn down under
-    # it at exit, gloo aborted the process)
+    # it at exit, gloo aborted the process). STOP itself gets STOP_WAIT_S: a rank that hung between two commands
+    # never takes it (it waited out the whole timeout when a server's engine thread had stopped between steps)
     idle = busy.acquire(timeout=STOP_WAIT_S)
     try:
         if idle and not broken[0]:
-            with contextlib.suppress(Exception):
-                messages.send(coll, Op.STOP)
+            try:
+                messages.send(coll, Op.STOP, timeout=timedelta(seconds=STOP_WAIT_S))
+            except Exception:  # noqa: BLE001  (gloo raises RuntimeError or DistBackendError)
+                broken[0] = True
         broken[0] = broken[0] or not idle
         if workers is not None:
             workers.stop(grace_s=0.0 if broken[0] else 10.0)
