@@ -93,6 +93,26 @@ def test_top_k_top_p_min_p_masks():
     assert kept(min_p=0.5, top_p=0.7) == [True, True, False, False]
 
 
+def test_a_top_p_1_row_beside_a_top_p_row_keeps_its_whole_support():
+    # one dominant logit and a tail of tiny ones: float32's running sum of the sorted probabilities reaches 1.0
+    # well before the tail ends, so a cut at ">= 1.0" would drop tail tokens a row with top_p 1 must keep
+    logits = torch.full((2, 64), -20.0)
+    logits[:, 0] = 0.0
+    probs = torch.softmax(logits[0], dim=0)
+    assert bool((probs.sort(descending=True).values.cumsum(0)[:-1] >= 1.0).any())  # the case is the hard one
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    params = [SamplingParams(top_p=1.0), SamplingParams(top_p=0.5)]
+    batched = torch.softmax(filter_logits(logits.clone(), params), dim=1)
+    for i, p in enumerate(params):
+        hf = torch.softmax(TopPLogitsWarper(p.top_p)(None, logits[i : i + 1].clone()), dim=1)[0]
+        assert (batched[i] > 0).tolist() == (hf > 0).tolist()
+        assert torch.allclose(batched[i], hf)
+    assert (batched[0] > 0).tolist() == (probs > 0).tolist()  # every token with nonzero probability
+    alone = torch.softmax(filter_logits(logits[:1].clone(), params[:1]), dim=1)[0]
+    assert torch.equal(batched[0], alone)
+
+
 def test_penalties():
     logits = torch.tensor([[1.0, 2.0, -2.0, 4.0, 0.5]] * 2)
     rows = [row(0, SamplingParams(repetition_penalty=2.0), [1, 2, 3, 3], 2),

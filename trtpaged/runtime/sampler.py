@@ -164,7 +164,9 @@ def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
             sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
         if min(top_p) < 1.0:
             probs = torch.softmax(sorted_logits, dim=1)
-            drop = probs.cumsum(dim=1) - probs >= _column(top_p)  # the mass before this token is already enough
+            # the mass before this token is already enough; a row with top_p 1 keeps all (float32's cumsum
+            # reaches 1.0 before a long tail of tiny probabilities ends)
+            drop = probs.cumsum(dim=1) - probs >= _column([p if p < 1.0 else math.inf for p in top_p])
             drop[:, 0] = False
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
