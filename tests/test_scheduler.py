@@ -105,6 +105,31 @@ def test_preemption_newest_first_and_recompute():
     assert e.kv.pool.num_free == 4
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("wide", [dict(n=3, temperature=1.0, seed=1), dict(beam_width=3, temperature=0.0)])
+def test_num_preemptions_counts_each_sequence_preempted(mode, wide):
+    """vLLM v1 runs a request's n samples as child requests and counts each one preempted in
+    vllm:num_preemptions, which trtpaged writes too: a preempted n = 3 request (or 3 beams) is 3 (was 1). The
+    count is checked against what the steps did: the groups running before a step that are waiting or swapped
+    after it, each with its live sequences."""
+    from trtpaged.runtime.sequence import SequenceStatus
+
+    e = engine(num_kv_blocks=8, block_size=4, preemption_mode=mode, num_host_blocks=32 if mode == "swap" else 0)
+    e.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    wide_id = e.add_request([6, 7, 8], SamplingParams(max_tokens=10, ignore_eos=True, **wide))
+    preempted: list[tuple[str, int]] = []
+    while e.has_unfinished():
+        before = [(g, len(g.seqs), g.num_preemptions) for g in e.scheduler.running]
+        e.step()
+        for g, num_seqs, times in before:
+            if g.status in (SequenceStatus.WAITING, SequenceStatus.SWAPPED):
+                preempted.append((g.request_id, num_seqs))
+                assert g.num_preemptions == times + 1  # the request's own count: once per preemption
+    assert (wide_id, 3) in preempted  # the scenario is the intended one: the group preempted with its 3 sequences
+    assert e.stats()["num_preemptions"] == sum(n for _, n in preempted)
+    assert e.kv.pool.num_free == 8
+
+
 def test_abort_returns_blocks_immediately():
     e = engine(num_kv_blocks=16, block_size=4)
     r = e.add_request(list(range(1, 10)), SamplingParams(max_tokens=8, n=3, temperature=1.0, seed=0))

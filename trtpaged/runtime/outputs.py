@@ -90,7 +90,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
-    num_preemptions: int = 0
+    num_preemptions: int = 0  # times this request was preempted (all its sequences at once)
     num_cached_tokens: Optional[int] = None  # prompt tokens found in the prefix cache (None: not scheduled yet)
     error: Optional[str] = None  # why the request failed inside a step (then finished, finish_reason "error")
     error_field: Optional[str] = None  # the request field at fault, when the request's own settings caused it

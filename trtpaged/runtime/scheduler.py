@@ -224,8 +224,8 @@ class Scheduler:
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
         self.swapped: deque[SequenceGroup] = deque()
-        self.num_preemptions = 0
-        self.num_swap_outs = 0
+        self.num_preemptions = 0  # sequences preempted (vLLM's count: each of a request's samples or beams)
+        self.num_swap_outs = 0  # requests swapped out (all their sequences at once)
         self.spec_stats = SpecDecodeStats()
         spec = config.speculative
         draft_cost = draft.token_cost if draft is not None else 0.0
@@ -676,7 +676,8 @@ class Scheduler:
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         self.running.remove(group)
         group.num_preemptions += 1
-        self.num_preemptions += 1
+        # each live sequence counts, as vLLM v1 counts each child request of an n > 1 request it preempts
+        self.num_preemptions += len(group.seqs)
         if self.config.preemption_mode == "swap" and self.kv.can_swap_out(group.seqs):
             self._forget_drafts(group)
             out.swap_out += self.kv.swap_out(group.seqs)
