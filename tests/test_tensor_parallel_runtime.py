@@ -25,6 +25,8 @@ from trtpaged.runtime.runners import StepBatch
 from trtpaged.runtime.tp import TensorParallelError, TensorParallelRunner
 
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+# a child process imports this checkout's trtpaged, whatever else the tests' own path holds
+CHILD_PATH = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)]))
 
 
 def _gone(pids: list[int], within_s: float = 10.0) -> bool:
@@ -214,17 +216,27 @@ def test_ctrl_c_during_generate_keeps_the_ranks_in_step(tiny_kv4_engines, prompt
     assert _gone(pids)
 
 
-def test_killed_rank_0_leaves_no_worker_behind(tiny_kv4_engines):
+def test_killed_rank_0_leaves_no_worker_behind(tiny_kv4_engines, tmp_path):
+    """SIGKILL of the process that launched the workers: they exit (they watch their parent), and nothing of the
+    launch stays in the temp dir (was: a trtpaged-tp-* dir of error files, removed only by a stop() that never
+    ran). A worker's error file is a descriptor it inherited, of a file without a name."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
     code = ("import sys, time; from trtpaged import LLM; llm = LLM(sys.argv[1], device='cpu'); "
             "print(*llm.engine.runner.workers.pids, flush=True); time.sleep(300)")
     proc = subprocess.Popen([sys.executable, "-c", code, str(tiny_kv4_engines[2])], stdout=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+                            text=True, env={**os.environ, "PYTHONPATH": CHILD_PATH, "TMPDIR": str(temp)})
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
         assert len(pids) == 1
+        with open(f"/proc/{pids[0]}/cmdline", "rb") as f:
+            args = f.read().decode().split("\0")
+        error_fd = args[args.index("--error-fd") + 1]
+        assert os.readlink(f"/proc/{pids[0]}/fd/{error_fd}").endswith("(deleted)")  # no name to leave behind
         proc.kill()
         proc.wait()
         assert _gone(pids, within_s=10)
+        assert list(temp.iterdir()) == []
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -262,6 +274,15 @@ def test_worker_failing_to_load_is_reported_at_start(tiny_kv4_engines, tmp_path,
         LLM(engine, device="cpu")
     assert time.monotonic() - start < 60
     assert list(temp.iterdir()) == []  # the workers' error files went with them
+    # they had no name (unlinked files the workers inherited), and rank 0's descriptors of them are closed
+    assert not [fd for fd in os.listdir("/proc/self/fd") if _link(f"/proc/self/fd/{fd}").startswith(str(temp))]
+
+
+def _link(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""
 
 
 def test_rank_0_failing_after_the_rendezvous_stops_the_workers(tiny_kv4_engines, monkeypatch):
@@ -306,7 +327,7 @@ def test_ranks_joining_through_torchrun_variables(tiny_kv4_engines, prompts, ref
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": "lo",
            "TRTPAGED_TP_TIMEOUT_S": "60", "OMP_NUM_THREADS": "1"}
     worker = subprocess.Popen([sys.executable, "-m", "trtpaged.runtime.tp.worker", str(tiny_kv4_engines[2])],
-                              env={**os.environ, **env, "RANK": "1", "PYTHONPATH": str(REPO)})
+                              env={**os.environ, **env, "RANK": "1", "PYTHONPATH": CHILD_PATH})
     try:
         for k, v in {**env, "RANK": "0"}.items():
             monkeypatch.setenv(k, v)
@@ -350,7 +371,7 @@ def test_worker_checks_its_own_engine_dir(tiny_kv4_engines, tmp_path):
     shard.write_bytes(bytes(data))
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2", "RANK": "1",
            "TRTPAGED_TP_TIMEOUT_S": "5", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)]))}
+           "PYTHONPATH": CHILD_PATH}
     worker = subprocess.run([sys.executable, "-m", "trtpaged.runtime.tp.worker", str(engine)],
                             env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
     assert worker.returncode == 1
@@ -426,7 +447,7 @@ def test_serve_command_exits_with_the_reason(tiny_kv4_engines):
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "trtpaged.cli", "serve", str(tiny_kv4_engines[2]), "--port",
                              str(port), "--device", "cpu", "--tensor-parallel-size", "2"],
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": CHILD_PATH}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
         startup = []  # the start-up log lines (the execution plan, the tool-call format, ...) until ready

@@ -4,20 +4,22 @@ Each worker is `python -m trtpaged.runtime.tp.worker` in its own session (a
 Ctrl-C reaches rank 0 only, which then stops them) that exits when its parent
 disappears. On CPU the machine's cores are divided between the ranks
 (OMP_NUM_THREADS per worker, unless set). A worker that fails writes its one
-line of why to an error file of its own (torchrun's way), which rank 0's
-report of its exit quotes.
+line of why to an error file of its own, which rank 0's report of its exit
+quotes. The file has no name (an unlinked temporary file the worker inherits
+as a descriptor, `--error-fd`): it goes with the last process holding it, so
+nothing is left behind even when this process is killed before `stop()`.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import IO, Optional
 
 from trtpaged.runtime.tp.rendezvous import Rendezvous
 
@@ -30,9 +32,10 @@ def threads_per_rank(world_size: int) -> int:
 class WorkerSet:
     """The worker processes this process started."""
 
-    def __init__(self, procs: dict[int, subprocess.Popen], error_dir: Optional[Path] = None) -> None:
+    def __init__(self, procs: dict[int, subprocess.Popen], errors: Optional[dict[int, IO[bytes]]] = None) -> None:
         self.procs = procs  # rank -> process
-        self.error_dir = error_dir  # each rank's error file (error_file), removed by stop()
+        self.errors = errors or {}  # rank -> its error file (unlinked), closed by stop()
+        self._errors_lock = threading.Lock()  # a health check may read them while another thread stops the workers
 
     @classmethod
     def start(cls, engine_dir: Path, rz: Rendezvous, port: int, devices: dict[int, str]) -> "WorkerSet":
@@ -43,14 +46,17 @@ class WorkerSet:
         for var in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
             env.pop(var, None)  # a local launch passes its own
         procs: dict[int, subprocess.Popen] = {}
-        error_dir = Path(tempfile.mkdtemp(prefix="trtpaged-tp-"))
+        errors: dict[int, IO[bytes]] = {}
         for rank in range(1, rz.world_size):
+            errors[rank] = tempfile.TemporaryFile(prefix="trtpaged-tp-")
+            fd = errors[rank].fileno()
             cmd = [sys.executable, "-m", "trtpaged.runtime.tp.worker", str(engine_dir), "--rank", str(rank),
                    "--world-size", str(rz.world_size), "--master-addr", "127.0.0.1", "--master-port", str(port),
                    "--device", devices[rank], "--timeout", str(rz.timeout_s), "--parent-pid", str(os.getpid()),
-                   "--error-file", str(error_file(error_dir, rank))]
-            procs[rank] = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
-        return cls(procs, error_dir)
+                   "--error-fd", str(fd)]
+            procs[rank] = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+                                           pass_fds=(fd,))
+        return cls(procs, errors)
 
     @property
     def pids(self) -> list[int]:
@@ -64,13 +70,14 @@ class WorkerSet:
         return "; ".join(dead) or None
 
     def _why(self, rank: int) -> str:
-        if self.error_dir is None:
-            return ""
-        try:
-            with open(error_file(self.error_dir, rank), "rb") as f:
-                line = f.read(MAX_ERROR_BYTES).decode("utf-8", "replace").strip()
-        except OSError:
-            return ""
+        with self._errors_lock:
+            f = self.errors.get(rank)
+            if f is None:
+                return ""
+            try:
+                line = os.pread(f.fileno(), MAX_ERROR_BYTES, 0).decode("utf-8", "replace").strip()
+            except OSError:
+                return ""
         return f": {line}" if line else ""
 
     def stop(self, grace_s: float = 10.0) -> None:
@@ -90,16 +97,13 @@ class WorkerSet:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-        if self.error_dir is not None:
-            shutil.rmtree(self.error_dir, ignore_errors=True)
+        with self._errors_lock:
+            for f in self.errors.values():
+                f.close()
+            self.errors = {}
 
 
 MAX_ERROR_BYTES = 1000  # of a worker's error file that a report quotes (it writes one line)
-
-
-def error_file(error_dir: Path, rank: int) -> Path:
-    """Where rank `rank` writes why it failed."""
-    return error_dir / f"rank{rank}.err"
 
 
 def _how(code: int) -> str:

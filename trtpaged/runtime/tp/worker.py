@@ -99,7 +99,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--device", default=None, help="cpu, or cuda:N (default: cuda:LOCAL_RANK when CUDA is present)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds (default: $TRTPAGED_TP_TIMEOUT_S or 300)")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone (local launch)")
-    parser.add_argument("--error-file", type=Path, default=None, help="write why this rank failed here too (one line)")
+    parser.add_argument("--error-fd", type=int, default=None,
+                        help="write why this rank failed to this inherited descriptor too (one line; local launch)")
     args = parser.parse_args(argv)
     if args.parent_pid is not None:
         _exit_with_parent(args.parent_pid)
@@ -120,9 +121,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         print(f"trtpaged tp worker (rank {args.rank if args.rank is not None else os.environ.get('RANK')}): {why}",
               file=sys.stderr, flush=True)
-        if args.error_file is not None:
+        if args.error_fd is not None:
             try:
-                args.error_file.write_text(why + "\n", encoding="utf-8")
+                os.write(args.error_fd, (why + "\n").encode("utf-8"))
             except OSError:
                 pass  # stderr has it
         return 1
