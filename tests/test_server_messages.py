@@ -492,6 +492,23 @@ def test_refusals_of_the_chat_body_name_the_messages_fields(server):
     wait_idle(server)
 
 
+def test_a_refusal_keeps_the_values_the_client_sent_that_spell_a_chat_field(server):
+    """Only field names are renamed in a refusal: a tool the client named max_completion_tokens stays so in the
+    refusal that quotes it (was: "tools[1].name: 'max_tokens' is defined twice", a name the client never sent)."""
+    turns = [{"role": "user", "content": "q"}]
+    for name in ("max_completion_tokens", "thinking_token_budget", "response_format"):
+        tool = {"name": name, "input_schema": {"type": "object"}}
+        refusals = [({"tools": [tool, tool]}, f"tools[1].name: {name!r} is defined twice"),
+                    ({"tools": [TOOLS[0]], "tool_choice": {"type": "tool", "name": name}},
+                     f"tool_choice: no tool named {name!r} in tools")]  # fmt: skip
+        for change, want in refusals:
+            for route in ("/v1/messages", "/v1/messages/count_tokens"):
+                body = {"model": MODEL, "max_tokens": 2, "messages": turns, **change}
+                status, _, out = request(server, route, body, headers={"x-api-key": KEY})
+                assert status == 400 and out["error"]["message"] == want, (route, out)
+    wait_idle(server)
+
+
 def test_a_request_longer_than_the_context_says_so_in_anthropics_words(client, server):
     """langchain-anthropic's ChatAnthropic raises its AnthropicContextOverflowError only on Anthropic's "prompt is too
     long" (Claude Code compacts on it, and lowers max_tokens on "input length and `max_tokens` exceed context

@@ -24,7 +24,7 @@ from typing import Any, Literal, Optional, Sequence, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from trtpaged.errors import RequestError, check_unicode
-from trtpaged.server.errors import ApiError
+from trtpaged.server.errors import ApiError, respelled
 from trtpaged.server.protocol import check_model, string_field, validated
 
 log = logging.getLogger("trtpaged.server")
@@ -42,6 +42,7 @@ _MEDIA_BLOCKS = ("image", "document", "search_result", "container_upload")
 _MESSAGES_NAMES = {"max_completion_tokens": "max_tokens", "max_tokens": "max_tokens", "stop": "stop_sequences",
                    "thinking_token_budget": "thinking",
                    "chat_template_kwargs": "thinking"}  # fmt: skip
+# chat's spellings in a refusal's text -> the Messages API's, outside the quoted values the client sent
 _CHAT_SPELLINGS = ((re.compile(r"\bmax_completion_tokens\b"), "max_tokens"), (re.compile(r"\bstop\b(?=:)"),
                    "stop_sequences"), (re.compile(r"\bthinking_token_budget\b"), "thinking.budget_tokens"),
                    (re.compile(r"\b(tools\[\d+\])\.function\.parameters\b"), r"\1.input_schema"),
@@ -170,9 +171,7 @@ def renamed(error: ApiError, call: Optional[MessagesCall] = None) -> ApiError:
     request (its output format's field: output_config.format, or the beta's output_format)."""
     base = re.split(r"[.\[]", error.param or "", maxsplit=1)[0]
     form = call.format_field if call is not None else "output_config.format"
-    message = _CHAT_FORMAT.sub(form, error.message)
-    for pattern, spelling in _CHAT_SPELLINGS:
-        message = pattern.sub(spelling, message)
+    message = respelled(error.message, ((_CHAT_FORMAT, form), *_CHAT_SPELLINGS))
     param = form.split(".")[0] if base == "response_format" else _MESSAGES_NAMES.get(base, error.param)
     return ApiError(message, param, error.status, error.kind, error.code, error.headers, error.details,
                     error.anthropic_status, error.overflow)  # fmt: skip
