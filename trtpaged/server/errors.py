@@ -92,7 +92,9 @@ def _where(loc: list[str]) -> str:
     return loc[0] + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in loc[1:])
 
 
-_QUOTED = re.compile(r"('[^']*'|\"[^\"]*\")")  # a value the client sent, as a message quotes it
+# a value the client sent, as a message quotes it (repr's quotes, its escapes); not an apostrophe in the prose
+# ("this model's chat template"), which opened a quote that ran to the next value's and left that value outside
+_QUOTED = re.compile(r"""((?<!\w)(?:'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")(?!\w))""")
 
 
 def respelled(message: str, spellings: Sequence[tuple[re.Pattern[str], str]]) -> str:
