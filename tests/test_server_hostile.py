@@ -176,7 +176,7 @@ HOSTILE = [
     ("tokenize token ids", J({"prompt": [5, 6]}), {"path": "/tokenize"}, 400, "prompt"),
     ("tokenize unknown field", J({"prompt": "x", "max_tokens": 3}), {"path": "/tokenize"}, 400, "max_tokens"),
     ("tokenize prompt and messages", J({"prompt": "x", "messages": [{"role": "user", "content": "hi"}]}),
-     {"path": "/tokenize"}, 400, "prompt"),
+     {"path": "/tokenize"}, 400, "body"),
     ("tokenize no messages", J({"messages": []}), {"path": "/tokenize"}, 400, "messages"),
     ("tokenize image part", J({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}),
      {"path": "/tokenize"}, 400, "messages"),

@@ -301,6 +301,22 @@ def test_tokenize_counts_what_the_generation_endpoints_count(client, llm, server
     wait_idle(server)
 
 
+@pytest.mark.parametrize("path", ["/tokenize", "/invocations"])
+def test_a_route_of_either_form_names_both_fields_when_it_gets_both_or_neither(server, path):
+    """vLLM's /tokenize (and SageMaker's /invocations) take a completions body or a chat body: one with both a
+    prompt and messages, or neither, is a 400 naming both and asking for one (was, on /tokenize: "prompt: unknown
+    field", as if messages were the only form; with neither "prompt: Field required")."""
+    prompt, messages = {"prompt": TEXT}, {"messages": MESSAGES}
+    for body, got in (({**prompt, **messages}, "both"), ({"model": MODEL}, "neither")):
+        status, _, out = request(server, path, body)
+        assert status == 400 and out["error"]["param"] == "body", out
+        assert out["error"]["message"] == (f"body: {path} takes a completions body (prompt) or a chat body (messages), "
+                                           f"got {got}; send one of them")  # fmt: skip
+    for body in (prompt, messages):  # each form alone is answered
+        assert request(server, path, {**body, **({"max_tokens": 1} if path == "/invocations" else {})})[0] == 200
+    wait_idle(server)
+
+
 def llm_messages(conversation: list[dict]) -> list[dict]:
     """The conversation as the chat template sees it: text parts joined as lines."""
     return [{**m, "content": "\n".join(p["text"] for p in m["content"]) if isinstance(m["content"], list)

@@ -30,7 +30,7 @@ from trtpaged.server.generation import GenerationService, Submitted, runtime_fai
 from trtpaged.server.large_answers import off_loop_if, render_json
 from trtpaged.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
 from trtpaged.server.options import LOOPBACK_ORIGINS, ServerOptions
-from trtpaged.server.protocol import check_model
+from trtpaged.server.protocol import chat_form, check_model
 from trtpaged.server.request_id_headers import RequestIdHeaders
 from trtpaged.server.responses_store import ResponsesStore
 from trtpaged.server.schemas import ModelCard, ModelList, dump
@@ -479,10 +479,7 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
             body, large = await read_json(request)
         except ClientGone:
             return Response(status_code=499)
-        if not isinstance(body, dict) or ("messages" in body) == ("prompt" in body):
-            raise ApiError("body: /invocations takes a chat completions body (messages) or a completions body "
-                           "(prompt)", "body")  # fmt: skip
-        return await generate(request, chat="messages" in body, given=(body, large))
+        return await generate(request, chat=chat_form(body, "/invocations"), given=(body, large))
 
     stored.add_routes(app, authorize)
 

@@ -97,6 +97,19 @@ def validated(model_type: type[_Body], body: Any) -> _Body:
         raise from_validation_error(exc) from None
 
 
+def chat_form(body: Any, route: str) -> bool:
+    """Whether a body of `route`, which takes a completions form (`prompt`) or a chat form (`messages`), is the
+    chat form; a 400 naming both fields when it sends both or neither (each form refuses the other's field as an
+    unknown one, which named only one of them)."""
+    if not isinstance(body, dict):
+        return False  # the form's validation refuses it
+    chat = "messages" in body
+    if chat == ("prompt" in body):
+        raise ApiError(f"body: {route} takes a completions body (prompt) or a chat body (messages), got "
+                       f"{'both' if chat else 'neither'}; send one of them", "body")  # fmt: skip
+    return chat
+
+
 def string_field(item: Mapping[str, Any], key: str, where: str, param: str) -> str:
     """`item[key]` when it is a string, else a 400 naming where it sits (`where`) and the request field (`param`)."""
     value = item.get(key)

@@ -15,7 +15,14 @@ from trtpaged.runtime.llm_engine import Prompt, encode_prompt
 from trtpaged.server.constraints import token_ids_in_vocab
 from trtpaged.server.engine_loop import Overloaded, ShuttingDown
 from trtpaged.server.errors import ApiError, from_runtime_error
-from trtpaged.server.protocol import chat_messages, chat_options, check_model, check_request_template, validated
+from trtpaged.server.protocol import (
+    chat_form,
+    chat_messages,
+    chat_options,
+    check_model,
+    check_request_template,
+    validated,
+)
 from trtpaged.server.schemas import (
     DetokenizeRequest,
     TokenizeChatRequest,
@@ -107,7 +114,7 @@ class Tokenization:
 
     async def _tokenized(self, body: Any, answer: Callable[[Any, list[int], bool], T]) -> T:
         """`answer(tokenizer, ids, return_token_strs)` of a /tokenize body's token ids, on the texts lane."""
-        chat = isinstance(body, dict) and "messages" in body
+        chat = chat_form(body, "/tokenize")
         kind: type[Union[TokenizeChatRequest, TokenizeCompletionRequest]]
         kind = TokenizeChatRequest if chat else TokenizeCompletionRequest
         req = validated(kind, body)
