@@ -127,6 +127,33 @@ def test_a_conversation_with_function_turns_renders_as_its_tools_form(client, se
     wait_idle(server)
 
 
+def test_tokenize_takes_functions_and_counts_the_chat_requests_prompt(client, server):
+    """/tokenize of a legacy chat body's messages and functions is its prompt as /v1/chat/completions renders it
+    (the ids its return_token_ids gives, the count its usage gives), the same as the tools form's (was: 400
+    "functions: unknown field"); its refusals name the legacy fields, as the chat endpoint's do."""
+    body = {"model": MODEL, "messages": LEGACY_HISTORY, "functions": FUNCTIONS}
+    status, _, counted = request(server, "/tokenize", body)
+    assert status == 200, counted
+    done = _legacy(client, messages=LEGACY_HISTORY, function_call=ADD, max_tokens=1,
+                   extra_body={"return_token_ids": True})  # fmt: skip
+    assert counted["tokens"] == done.prompt_token_ids and counted["count"] == done.usage.prompt_tokens
+    assert counted["tokens"] == request(server, "/tokenize", {"model": MODEL, "messages": TOOLS_HISTORY,
+                                                              "tools": TOOLS})[2]["tokens"]  # fmt: skip
+    for change, param, message in [
+        ({"tools": TOOLS}, "functions", "functions: cannot be sent with tools"),
+        ({"functions": [{"name": "a b"}]}, "functions", "functions[0].name: must match"),
+        ({"functions": [{"name": "f", "type": "function"}]}, "functions", "functions[0]: unknown keys ['type']"),
+        ({"functions": [FUNCTIONS[1], FUNCTIONS[1]]}, "functions", "functions[1].name: 'add' is defined twice"),
+        ({"functions": [{"name": "f", "parameters": {"type": 3}}]}, "functions", "functions[0].parameters['type']"),
+    ]:
+        status, _, out = request(server, "/tokenize", {**body, **change})
+        assert status == 400 and out["error"]["param"] == param and out["error"]["message"].startswith(message), out
+    for asks_nothing in ({"functions": None}, {"functions": []}):  # as without them, as chat answers them
+        assert request(server, "/tokenize", {**body, **asks_nothing})[2]["tokens"] == request(
+            server, "/tokenize", {"model": MODEL, "messages": LEGACY_HISTORY})[2]["tokens"]  # fmt: skip
+    wait_idle(server)
+
+
 def test_function_messages_answer_the_calls_of_their_names():
     """Each function message is the tool message answering the oldest unanswered call of its name (a stable id,
     the same in every request that sends the conversation); one without such a call gets its own id."""

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from trtpaged.server.errors import ApiError, respelled
-from trtpaged.server.schemas import ChatCompletionRequest
+from trtpaged.server.schemas import ChatCompletionRequest, TokenizeChatRequest
 
 _FUNCTION_KEYS = {"name", "description", "parameters"}
 
@@ -29,22 +29,20 @@ class ToolFields:
     functions: bool = False  # from `functions`: refusals name the legacy fields, the answer is `function_call`
 
 
-def _asks_something(req: ChatCompletionRequest) -> bool:
-    return bool(req.functions) or req.function_call not in (None, "none")
-
-
-def tool_fields(req: ChatCompletionRequest) -> ToolFields:
+def tool_fields(req: Union[ChatCompletionRequest, TokenizeChatRequest]) -> ToolFields:
     """The request's tool fields; its `functions` and `function_call` as tools and tool_choice (one call: the legacy
-    answer carries one). Either form, not both: a 400 naming both fields."""
-    if not _asks_something(req):  # null / [] / "none" without functions: nothing asked, as before
-        return ToolFields(req.tools, req.tool_choice, req.parallel_tool_calls is not False)
+    answer carries one). Either form, not both: a 400 naming both fields. A /tokenize body has only `tools` and
+    `functions` (what the template is shown)."""
+    given = {name: getattr(req, name, None) for name in ("tools", "tool_choice", "functions", "function_call")}
+    if not req.functions and given["function_call"] in (None, "none"):  # null / [] / "none": nothing asked
+        return ToolFields(req.tools, given["tool_choice"], getattr(req, "parallel_tool_calls", None) is not False)
     for legacy, current in (("functions", "tools"), ("function_call", "tool_choice")):
-        if getattr(req, legacy) is not None and getattr(req, current) is not None:
+        if given[legacy] is not None and given[current] is not None:
             raise ApiError(f"{legacy}: cannot be sent with {current} ({legacy} is the deprecated form of {current}); "
                            "send one of them", legacy)  # fmt: skip
     if not req.functions:
         raise ApiError("function_call: needs functions", "function_call")
-    if req.tool_choice is not None:  # tools absent: tool_choice would choose among the functions
+    if given["tool_choice"] is not None:  # tools absent: tool_choice would choose among the functions
         raise ApiError("tool_choice: cannot be sent with functions; send function_call", "tool_choice")
     tools = []
     for i, fn in enumerate(req.functions):
@@ -55,7 +53,7 @@ def tool_fields(req: ChatCompletionRequest) -> ToolFields:
         if extra:
             raise ApiError(f"functions[{i}]: unknown keys {sorted(extra)}", "functions")
         tools.append({"type": "function", "function": fn})
-    return ToolFields(tools, _tool_choice(req.function_call), parallel=False, functions=True)
+    return ToolFields(tools, _tool_choice(given["function_call"]), parallel=False, functions=True)
 
 
 def _tool_choice(function_call: Any) -> Any:

@@ -15,6 +15,7 @@ from trtpaged.runtime.llm_engine import Prompt, encode_prompt
 from trtpaged.server.constraints import token_ids_in_vocab
 from trtpaged.server.engine_loop import Overloaded, ShuttingDown
 from trtpaged.server.errors import ApiError, from_runtime_error
+from trtpaged.server.legacy_functions import renamed, tool_fields
 from trtpaged.server.protocol import (
     chat_form,
     chat_messages,
@@ -121,7 +122,11 @@ class Tokenization:
         check_model(req.model, self.model_names)
         if isinstance(req, TokenizeChatRequest):
             messages = chat_messages(req.messages)
-            tools = shown_tools(req.tools)  # validated and shown as the chat endpoint does
+            fields = tool_fields(req)  # `functions` as the tools they stand for, as the chat endpoint takes them
+            try:
+                tools = shown_tools(fields.tools)  # validated and shown as the chat endpoint does
+            except ApiError as exc:  # a legacy request's refusal names its own fields
+                raise renamed(exc) if fields.functions else exc from None
             check_request_template(req.chat_template, self.trust_template)
             options = chat_options(req, self.template_defaults, self.trust_template)
             options["content_format"] = self.llm.chat_template_content_format
