@@ -140,6 +140,18 @@ def test_tls_settings_are_checked_before_the_model_loads(tiny_engine_dir, pki, t
         result.output  # fmt: skip
 
 
+def test_a_tls_error_names_the_flags_but_keeps_the_path_it_quotes(tiny_engine_dir, tmp_path):
+    """The flags an error names are renamed in its text, a path it quotes is not (was: a certificate at
+    .../ssl_keyfile/ssl_certfile shown as '.../--ssl-keyfile/--ssl-certfile', a file that does not exist)."""
+    cert = tmp_path / "ssl_keyfile" / "ssl_certfile"
+    cert.parent.mkdir()
+    cert.write_text("not a certificate\n")
+    result = CliRunner().invoke(main, ["serve", str(tiny_engine_dir), "--device", "cpu", "--port", "0",
+                                       "--ssl-certfile", str(cert)])  # fmt: skip
+    assert result.exit_code != 0
+    assert f"Error: --ssl-certfile: no PEM certificate in {str(cert)!r} (" in result.output, result.output
+
+
 def test_root_path_answers_with_and_without_the_prefix(tiny_engine_dir):
     options = ServerOptions(root_path="/api/llm", api_key="sk-root")
     auth = {"Authorization": "Bearer sk-root"}

@@ -247,6 +247,20 @@ def test_bad_specs_are_400s_naming_the_field(client, server, extra, field):
     wait_idle(server)
 
 
+def test_a_refusal_renames_the_fields_it_names_but_not_the_values_it_quotes(server):
+    """A request with max_completion_tokens: a runtime refusal's text names max_tokens as max_completion_tokens,
+    but a value of the client's it quotes stays as sent (was: the schema's required 'max_tokens' shown as
+    'max_completion_tokens', a property the schema does not have)."""
+    schema = {"type": "object", "properties": {}, "required": ["max_tokens"]}
+    body = {"model": MODEL, "messages": MESSAGES, "max_completion_tokens": 4,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}  # fmt: skip
+    status, _, out = request(server, "/v1/chat/completions", body)
+    assert status == 400 and out["error"]["param"] == "response_format", out
+    assert out["error"]["message"].startswith("response_format: the JSON schema's required property 'max_tokens' "
+                                              "is not defined in 'properties'"), out  # fmt: skip
+    wait_idle(server)
+
+
 def test_auto_is_refused_where_the_template_takes_no_tools(client, server):
     """The tiny engine's chat template takes no tools: auto (asked for, or the default with tools) is a 400 on
     tool_choice that says why (tests/test_server_tools.py serves auto on a template that takes them)."""

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 
 class FatalEngineError(RuntimeError):
@@ -58,6 +59,34 @@ def context_length(max_seq_len: int, input_tokens: int) -> str:
     for (LiteLLM's ContextWindowExceededError, agents that shorten their history on it)."""
     return (f"This model's maximum context length is {max_seq_len} tokens. However, your request has {input_tokens} "
             "input tokens")
+
+
+# a value the user sent, as a message quotes it (repr's quotes, its escapes); not an apostrophe in the prose
+# ("this model's chat template"), which opened a quote that ran to the next value's and left that value outside
+_QUOTED = re.compile(r"""((?<!\w)(?:'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")(?!\w))""")
+
+
+def respelled(message: str, spellings: Sequence[tuple[re.Pattern[str], str]]) -> str:
+    """`message` with each pattern replaced by its spelling outside the quoted values it carries (a tool the client
+    named max_tokens stays max_tokens): a refusal of a translated body, in the fields the client sent; an error, in
+    the names the user set the fields by."""
+    pieces = _QUOTED.split(message)  # odd indices: the quoted values
+    for i in range(0, len(pieces), 2):
+        for pattern, spelling in spellings:
+            pieces[i] = pattern.sub(spelling, pieces[i])
+    return "".join(pieces)
+
+
+def mention(field: str) -> re.Pattern[str]:
+    """Where a message names `field`: the whole name, not part of a longer one, of a dotted path
+    (speculative_config.max_tokens) or of a flag; a full stop may follow it."""
+    return re.compile(rf"(?<![\w.-]){re.escape(field)}(?!\w|\.\w)")
+
+
+def mentions_renamed(message: str, names: Mapping[str, str]) -> str:
+    """`message` with the fields of `names` it names (outside the values it quotes) spelled as `names` spells them:
+    the server's request fields (max_tokens -> max_completion_tokens), the CLI's flags (beam_width -> --beam-width)."""
+    return respelled(message, [(mention(field), spelling.replace("\\", r"\\")) for field, spelling in names.items()])
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

@@ -14,6 +14,8 @@ from urllib.parse import urlsplit
 
 import click
 
+from trtpaged.errors import mentions_renamed
+
 
 class RegularFile(click.Path):
     """click.Path of an existing regular file: a FIFO or a device passes click's own check and then blocks the
@@ -190,9 +192,7 @@ def flag_error(message: str, flags: Mapping[str, str], mentions: Iterable[str] =
         if head.startswith(field + "."):
             head, rest = flags[field], f"{head[len(field) + 1:]}: {rest}"
             break
-    for field in mentions:
-        rest = re.sub(rf"(?<![\w.-]){re.escape(field)}(?![\w.])", flags[field], rest)
-    return f"{head}: {rest}"
+    return f"{head}: {mentions_renamed(rest, {field: flags[field] for field in mentions})}"
 
 
 class HttpUrl(click.ParamType):

@@ -7,11 +7,11 @@ the runtime's `RequestError` carries `field` and `limit`.
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional
 
 from pydantic import ValidationError
 
-from trtpaged.errors import CONTEXT_LENGTH_EXCEEDED, ContextOverflow, RequestError
+from trtpaged.errors import CONTEXT_LENGTH_EXCEEDED, ContextOverflow, RequestError, mentions_renamed
 from trtpaged.server.schemas import ErrorDetail, ErrorResponse
 
 
@@ -92,21 +92,6 @@ def _where(loc: list[str]) -> str:
     return loc[0] + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in loc[1:])
 
 
-# a value the client sent, as a message quotes it (repr's quotes, its escapes); not an apostrophe in the prose
-# ("this model's chat template"), which opened a quote that ran to the next value's and left that value outside
-_QUOTED = re.compile(r"""((?<!\w)(?:'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")(?!\w))""")
-
-
-def respelled(message: str, spellings: Sequence[tuple[re.Pattern[str], str]]) -> str:
-    """`message` with each pattern replaced by its spelling outside the quoted values it carries (a tool the client
-    named max_tokens stays max_tokens): a refusal of a translated body, in the fields the client sent."""
-    pieces = _QUOTED.split(message)  # odd indices: the quoted values
-    for i in range(0, len(pieces), 2):
-        for pattern, spelling in spellings:
-            pieces[i] = pattern.sub(spelling, pieces[i])
-    return "".join(pieces)
-
-
 # fields a runtime refusal of another field names in its text, renamed there too when the request spelled them
 # otherwise (not "prompt": a chat's is "messages", but "the prompt" in a message is the prompt)
 MENTIONED = ("max_tokens", "beam_width")
@@ -119,8 +104,7 @@ def from_runtime_error(exc: ValueError, names: Mapping[str, str]) -> ApiError:
     if isinstance(exc, RequestError):
         param = names.get(exc.field, exc.field)
         why = str(exc).removeprefix(exc.field + ": ")
-        for runtime in MENTIONED:  # other fields its text names ("n: at most beam_width (2)")
-            if names.get(runtime, runtime) != runtime:
-                why = re.sub(rf"\b{runtime}\b", names[runtime], why)
+        # other fields its text names ("n: at most beam_width (2)"), not the values it quotes
+        why = mentions_renamed(why, {runtime: names[runtime] for runtime in MENTIONED if runtime in names})
         return ApiError(f"{param}: {why}", param, code=exc.code, overflow=exc.overflow)
     return ApiError(str(exc))

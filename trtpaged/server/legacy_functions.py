@@ -13,7 +13,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from trtpaged.server.errors import ApiError, respelled
+from trtpaged.errors import respelled
+from trtpaged.server.errors import ApiError
 from trtpaged.server.schemas import ChatCompletionRequest, TokenizeChatRequest
 
 _FUNCTION_KEYS = {"name", "description", "parameters"}

@@ -23,8 +23,8 @@ from typing import Any, Literal, Optional, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from trtpaged.errors import RequestError, check_unicode
-from trtpaged.server.errors import ApiError, respelled
+from trtpaged.errors import RequestError, check_unicode, respelled
+from trtpaged.server.errors import ApiError
 from trtpaged.server.protocol import check_model, string_field, validated
 
 log = logging.getLogger("trtpaged.server")

@@ -19,7 +19,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from trtpaged.server.errors import ApiError, respelled
+from trtpaged.errors import respelled
+from trtpaged.server.errors import ApiError
 from trtpaged.server.protocol import MAX_LOGPROBS, check_model, string_field, top_k, validated
 from trtpaged.server.responses_store import Link, ResponsesStore, not_found
 from trtpaged.server.schemas import GenerationFields, ResponsesRequest
