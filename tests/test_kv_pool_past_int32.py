@@ -1,4 +1,5 @@
-"""Blocks past 2**32 pool elements, on every CPU attention path and in the block copies.
+"""Blocks past 2**32 pool elements, on every CPU attention path and in the block copies; pools past the int32
+block ids refused.
 
 An H200 or a large host holds KV pools of more than 2**31 elements (an int8 pool of 2.2 GB, an fp16 one of 4.3 GB),
 so an element or byte offset computed in 32 bits would read and write the wrong place for the blocks near the pool's
@@ -7,6 +8,9 @@ uses are made readable, so that a pool of 2**32 elements and more costs a few Mi
 top of the pool and across its 2**31st and 2**32nd elements, and the kernels' output and writes must be those of the
 plain reference over the same blocks in a small pool. A read or write of any other block faults (SIGSEGV), so the
 cases run in a child process, whose fault fails the test instead of ending the session.
+
+Block ids themselves are int32 (block tables, copy and swap pairs): a pool of more blocks than 2**31 - 1 is refused
+naming the setting it came from.
 """
 
 from __future__ import annotations
@@ -24,10 +28,10 @@ from kernel_cases import MIXED_SPECS, make_batch
 from runtime_helpers import for_each_cpu_isa
 from trtpaged import kernels
 from trtpaged.attention_options import AttentionOptions
+from trtpaged.kv_budget import budget_blocks, check_host_pool, kv_blocks
 from trtpaged.kv_quant import STORAGE_DTYPES, pack_rows, quantize_rows
+from trtpaged.manifest import KVCacheBudget, Limits, read_manifest
 from trtpaged.reference import paged_attention_reference
-
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="kernel library not built")
 
 PAST = 2**32 + 2**20  # elements of the pool before its top blocks
 
@@ -111,12 +115,35 @@ CASES = {**{f"attention, {name} cache": (attention_case, name)
          **{f"copies, {dtype} pool": (copies_case, dtype) for dtype in (torch.float32, torch.int8)}}
 
 
+@pytest.mark.skipif(not kernels.available(), reason="kernel library not built")
 def test_blocks_past_2_32_pool_elements_are_read_and_written_in_place() -> None:
     done = subprocess.run([sys.executable, "-X", "faulthandler", __file__], capture_output=True, text=True, timeout=300)
     ran = [line[4:] for line in done.stdout.splitlines() if line.startswith("ok: ")]
     assert done.returncode == 0 and ran == list(CASES), (
         f"exit status {done.returncode} (-11: a read or write outside the batch's blocks) after {ran}:\n"
         f"{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+
+
+
+def test_a_pool_past_the_int32_block_ids_is_refused_naming_its_setting(tiny_engine_dir) -> None:
+    # A num_kv_blocks override, a swap pool or a fraction budget of more blocks than int32 ids reach was taken (only
+    # the manifest's num_kv_blocks and memory_bytes were bounded): a host with the memory went on to block ids that
+    # wrap in the block tables and the kernels' int32 num_kv_blocks.
+    from trtpaged import LLM
+
+    manifest = read_manifest(tiny_engine_dir)
+    assert kv_blocks(manifest, override=2**31 - 1) == 2**31 - 1
+    past = r"got 2147483648 blocks, past 2147483647 \(int32 block ids\)"
+    with pytest.raises(ValueError, match="num_kv_blocks: " + past):
+        kv_blocks(manifest, override=2**31)
+    with pytest.raises(ValueError, match="num_kv_blocks: " + past):  # before the pool's memory is weighed
+        LLM(tiny_engine_dir, num_kv_blocks=2**31, warmup=False)
+    with pytest.raises(ValueError, match="num_host_blocks: " + past):
+        check_host_pool(2**31, 36, "cuda", 16)
+    limits = Limits(max_batch_size=1 << 16, max_num_tokens=1 << 16, max_seq_len=1 << 24, block_size=1)
+    with pytest.raises(ValueError, match=r"kv_cache.fraction: 0.9 of 100000000000 free bytes holds 2500000000 blocks "
+                                         r"of 36 bytes, past 2147483647 \(int32 block ids\)"):
+        budget_blocks(limits, KVCacheBudget(fraction=0.9), 36, free_memory=10**11)
 
 
 if __name__ == "__main__":

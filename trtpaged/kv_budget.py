@@ -148,12 +148,21 @@ def check_pool_fits(blocks: int, bytes_per_block: int, available: int, field: st
                                    f"{_gib(available)}", available)
 
 
+def _check_block_ids(field: str, blocks: int, what: str, bytes_per_block: Optional[int] = None) -> None:
+    """Raises ValueError naming `field` when a pool of `blocks` blocks has ids past the int32 of the block tables
+    and the kernels ("{field}: {what} {blocks} blocks[ of {bytes_per_block} bytes], past 2147483647 ...")."""
+    if blocks > MAX_KV_BLOCKS:
+        size = f" of {bytes_per_block} bytes" if bytes_per_block is not None else ""
+        raise ValueError(f"{field}: {what} {blocks} blocks{size}, past {MAX_KV_BLOCKS} (int32 block ids)")
+
+
 def check_host_pool(num_host_blocks: int, bytes_per_block: int, device: str, num_kv_blocks: int) -> None:
     """Raises ValueError (KVBudgetError for the size) when the host pool of swap preemption, `num_host_blocks`
     blocks, is not a count or does not fit the host's available memory, less the KV pool's when that is on the
     host too (before either is allocated)."""
     if isinstance(num_host_blocks, bool) or not isinstance(num_host_blocks, int) or num_host_blocks < 0:
         raise ValueError(f"num_host_blocks: must be an integer >= 0, got {num_host_blocks!r}")
+    _check_block_ids("num_host_blocks", num_host_blocks, "got")  # the swaps' pairs name host blocks in int32 too
     available = _host_left(bytes_per_block, device, num_kv_blocks)
     where = "the host now" + ("" if device.startswith("cuda") else f" besides the KV pool of {num_kv_blocks} blocks")
     check_pool_fits(num_host_blocks, bytes_per_block, available, "num_host_blocks", where)
@@ -202,9 +211,7 @@ def budget_blocks(limits: Limits, budget: KVCacheBudget, bytes_per_block: int,
         blocks = int(budget.memory_bytes) // bytes_per_block
         if blocks < 1:
             raise ValueError(f"kv_cache.memory_bytes: {budget.memory_bytes} holds no block of {bytes_per_block} bytes")
-        if blocks > MAX_KV_BLOCKS:
-            raise ValueError(f"kv_cache.memory_bytes: {budget.memory_bytes} holds {blocks} blocks of {bytes_per_block} "
-                             f"bytes, past {MAX_KV_BLOCKS} (int32 block ids)")  # fmt: skip
+        _check_block_ids("kv_cache.memory_bytes", blocks, f"{budget.memory_bytes} holds", bytes_per_block)
         return blocks
     if budget.fraction is not None:
         if free_memory is None:
@@ -212,6 +219,8 @@ def budget_blocks(limits: Limits, budget: KVCacheBudget, bytes_per_block: int,
         blocks = min(int(free_memory * budget.fraction) // bytes_per_block, useful_blocks(limits))
         if blocks < 1:
             raise ValueError(f"kv_cache.fraction: {budget.fraction} of {free_memory} free bytes holds no KV block")
+        _check_block_ids("kv_cache.fraction", blocks, f"{budget.fraction} of {free_memory} free bytes holds",
+                        bytes_per_block)
         return blocks
     raise ValueError("kv_cache: the manifest sets none of num_kv_blocks, memory_bytes, fraction")
 
@@ -225,6 +234,7 @@ def kv_blocks(manifest: Manifest, free_memory: Optional[int] = None, override: O
     if override is not None:
         if isinstance(override, bool) or not isinstance(override, int) or override < 1:
             raise ValueError(f"num_kv_blocks: must be an integer >= 1, got {override!r}")
+        _check_block_ids("num_kv_blocks", override, "got")
         return override
     return budget_blocks(manifest.limits, manifest.kv_cache, manifest.kv_bytes_per_block_per_rank, free_memory)
 
