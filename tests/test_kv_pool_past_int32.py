@@ -146,6 +146,30 @@ def test_a_pool_past_the_int32_block_ids_is_refused_naming_its_setting(tiny_engi
         budget_blocks(limits, KVCacheBudget(fraction=0.9), 36, free_memory=10**11)
 
 
+@pytest.mark.skipif(not kernels.available(), reason="kernel library not built")
+def test_the_kernels_refuse_a_pool_past_the_int32_block_ids() -> None:
+    # ctypes wrapped the pool's block count into the C ABI's int32: a pool of 2**32 + 4 blocks was one of 4 (block 5
+    # "out of range [0, 4)", blocks 0 to 3 ran), one of 2**31 + 4 one of -2147483644 (every block out of range)
+    block = torch.empty(1, 2, 1, 1, 18, dtype=torch.int8)  # 36 bytes: 2**32 + 4 blocks reserve 144 GiB of addresses
+    try:
+        big = reserved_pool(2**32 + 4, block, list(range(4)))
+    except OSError as exc:  # a ulimit -v
+        pytest.skip(f"cannot reserve the pool's addresses: {exc}")
+    i32 = torch.int32
+    q = torch.randn(1, 1, 16)
+    index = (torch.tensor([0], dtype=i32), torch.tensor([0, 1], dtype=i32), torch.tensor([1], dtype=i32),
+             torch.tensor([[1]], dtype=i32))  # one token at position 0 of block 1
+    past = r"4294967300 blocks, past 2147483647 \(int32 block ids\)"
+    with pytest.raises(ValueError, match="kv_cache: " + past):
+        kernels.paged_attention(q, q, q, big, *index, AttentionOptions(0, 0.25))
+    with pytest.raises(ValueError, match="kv_cache: " + past):
+        kernels.AttentionStep(big, *index, num_heads=1)
+    with pytest.raises(ValueError, match="kv_cache: " + past):
+        kernels.copy_blocks(big, [(1, 2)])
+    with pytest.raises(ValueError, match="dst_pool: " + past):
+        kernels.swap_blocks(torch.zeros_like(big[:1]), big, [(0, 2)])
+
+
 if __name__ == "__main__":
     torch.set_num_threads(2)  # the tasks as on a 2-core machine, split decodes included, whatever this one has
     for label, (case, arg) in CASES.items():

@@ -22,6 +22,7 @@ from trtpaged.kv_formats import FLOAT_KV_CACHE_DTYPES, KV_CACHE_DTYPES, KV_FORMA
 from trtpaged.names import renamed_keys
 from trtpaged.sampling_defaults import SamplingDefaultError
 from trtpaged.sampling_defaults import check as check_sampling_defaults
+from trtpaged.step_io import MAX_KV_BLOCKS
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "trtpaged.json"
@@ -38,7 +39,6 @@ DTYPE_BYTES = {name: KV_FORMATS[name].element_bytes for name in FLOAT_KV_CACHE_D
 MAX_MANIFEST_BYTES = 16 << 20
 BLOCK_SIZES = (8, 16, 32, 64, 128)  # tokens per KV block an engine may have
 DEFAULT_BLOCK_SIZE = 16  # model.yaml's when it gives none
-MAX_KV_BLOCKS = 2**31 - 1  # block ids are int32 in the block tables
 MAX_KV_MEMORY = 1 << 50
 # upper bounds of the dims and limits a manifest may state (far above any model trtpaged runs)
 _DIM_BOUNDS = {"num_layers": 1024, "hidden_size": 1 << 16, "intermediate_size": 1 << 18, "num_heads": 1024,

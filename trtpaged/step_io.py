@@ -18,3 +18,4 @@ STEP_INPUT_AXES: dict[str, dict[int, tuple[str, int]]] = {
     "kv_cache": {0: ("num_kv_blocks", 0)},
 }
 INPUT_NAMES = tuple(STEP_INPUT_AXES)
+MAX_KV_BLOCKS = 2**31 - 1  # block ids are int32 in block_tables (and the kernels' num_kv_blocks)

@@ -18,6 +18,7 @@ import torch
 
 from trtpaged.kv_formats import FLOAT_KV_CACHE_DTYPES, KV_FORMATS, QUANTIZED_KV_CACHE_DTYPES, SCALE_BYTES
 from trtpaged.kv_quant import STORAGE_DTYPES
+from trtpaged.step_io import MAX_KV_BLOCKS
 
 LIBRARY_NAME = "libtrtpaged_kernels.so"
 BUILD_HINT = (
@@ -236,6 +237,15 @@ def _require(t: object, name: str, *, ndim: int, dtypes: Iterable[torch.dtype], 
 def _pool_head_dim(kv_cache: torch.Tensor) -> int:
     """head_dim of a pool: its last dimension, less the scale's bytes for a quantized pool."""
     return kv_cache.shape[-1] - (SCALE_BYTES if kv_cache.dtype in _QUANTIZED_POOL_DTYPES else 0)
+
+
+def _pool_blocks(pool: torch.Tensor, name: str) -> int:
+    """A pool's block count, which the C ABI takes as int32 (block ids are int32): ValueError past 2**31 - 1
+    (ctypes would wrap it, and the kernels refuse every block of a pool it says has -2147483644 or 4)."""
+    blocks = pool.shape[0]
+    if blocks > MAX_KV_BLOCKS:
+        raise ValueError(f"{name}: {blocks} blocks, past {MAX_KV_BLOCKS} (int32 block ids)")
+    return blocks
 
 
 def _stream(device: torch.device) -> ctypes.c_void_p:

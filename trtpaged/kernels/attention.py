@@ -15,6 +15,7 @@ from trtpaged.kernels._library import (
     _AttentionOptions,
     _AttentionParams,
     _check,
+    _pool_blocks,
     _pool_head_dim,
     _ptr,
     _require,
@@ -51,7 +52,8 @@ def paged_attention(
     _require(context_lens, "context_lens", ndim=1, dtypes=index_dtypes, device=device)
     _require(block_tables, "block_tables", ndim=2, dtypes=index_dtypes, device=device)
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_blocks, num_layers, two, num_kv_heads, block_size, _ = kv_cache.shape
+    _, num_layers, two, num_kv_heads, block_size, _ = kv_cache.shape
+    num_kv_blocks = _pool_blocks(kv_cache, "kv_cache")
     cache_head_dim = _pool_head_dim(kv_cache)
     num_seqs = block_tables.shape[0]
     if two != 2:
@@ -125,7 +127,8 @@ class AttentionStep:
         for name, t, ndim in (("positions", positions, 1), ("query_start", query_start, 1),
                               ("context_lens", context_lens, 1), ("block_tables", block_tables, 2)):
             _require(t, name, ndim=ndim, dtypes=(torch.int32,), device=device)
-        num_kv_blocks, num_layers, _, num_kv_heads, block_size, _ = kv_cache.shape
+        _, num_layers, _, num_kv_heads, block_size, _ = kv_cache.shape
+        num_kv_blocks = _pool_blocks(kv_cache, "kv_cache")
         head_dim = _pool_head_dim(kv_cache)
         num_seqs = block_tables.shape[0]
         if query_start.shape[0] != num_seqs + 1 or context_lens.shape[0] != num_seqs:

@@ -7,7 +7,7 @@ from typing import Sequence, Union
 
 import torch
 
-from trtpaged.kernels._library import _check, _ptr, _stream, library
+from trtpaged.kernels._library import _check, _pool_blocks, _ptr, _stream, library
 
 Pairs = Union[torch.Tensor, Sequence[Sequence[int]]]
 
@@ -33,7 +33,7 @@ def copy_blocks(kv_cache: torch.Tensor, pairs: Pairs) -> None:
     arr = _pairs_array(pairs)
     if arr.shape[0] == 0:
         return
-    args = (_ptr(kv_cache), kv_cache.shape[0], _block_bytes(kv_cache), _ptr(arr), arr.shape[0])
+    args = (_ptr(kv_cache), _pool_blocks(kv_cache, "kv_cache"), _block_bytes(kv_cache), _ptr(arr), arr.shape[0])
     lib = library()
     if kv_cache.device.type == "cpu":
         _check("copy_blocks", lib.trtpaged_copy_blocks_cpu(*args))
@@ -54,7 +54,8 @@ def swap_blocks(src_pool: torch.Tensor, dst_pool: torch.Tensor, pairs: Pairs) ->
     arr = _pairs_array(pairs)
     if arr.shape[0] == 0:
         return
-    args = (_ptr(src_pool), src_pool.shape[0], _ptr(dst_pool), dst_pool.shape[0], _block_bytes(src_pool))
+    args = (_ptr(src_pool), _pool_blocks(src_pool, "src_pool"), _ptr(dst_pool), _pool_blocks(dst_pool, "dst_pool"),
+            _block_bytes(src_pool))
     lib = library()
     if src_pool.device.type == "cpu" and dst_pool.device.type == "cpu":
         _check("swap_blocks", lib.trtpaged_swap_blocks_cpu(*args, _ptr(arr), arr.shape[0]))
