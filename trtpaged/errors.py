@@ -62,8 +62,10 @@ def context_length(max_seq_len: int, input_tokens: int) -> str:
 
 
 # a value the user sent, as a message quotes it (repr's quotes, its escapes); not an apostrophe in the prose
-# ("this model's chat template"), which opened a quote that ran to the next value's and left that value outside
-_QUOTED = re.compile(r"""((?<!\w)(?:'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")(?!\w))""")
+# ("this model's chat template"), which opened a quote that ran to the next value's and left that value outside;
+# nor a quote after a backslash (an escaped one), which opened a value at each one of a raw text's, each scanned to
+# the end: quadratic
+_QUOTED = re.compile(r"""((?<![\w\\])(?:'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")(?!\w))""")
 
 
 def respelled(message: str, spellings: Sequence[tuple[re.Pattern[str], str]]) -> str:
