@@ -286,6 +286,9 @@ def test_a_group_waiting_to_share_can_be_swapped_out_and_back(hf):
     alone = [run_staggered(make(hf, **config), [r])[0] for r in requests]  # the pool cuts each at the same token
     engine = make(hf, **config)
     got = run_staggered(engine, requests)
-    assert engine.stats()["num_swap_outs"] > 0 and engine.stats()["num_preemptions"] > engine.stats()["num_swap_outs"]
+    # the scenario is the one intended: swaps, and preemptions of a whole request beyond them (recomputed); counted
+    # per request, as num_swap_outs is (stats' num_preemptions counts each sample: one swap of a group is 3)
+    swaps = engine.stats()["num_swap_outs"]
+    assert swaps > 0 and sum(o.num_preemptions for o in got) > swaps
     assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in alone]
     assert engine.kv.pool.num_used == 0
