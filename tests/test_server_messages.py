@@ -492,6 +492,25 @@ def test_refusals_of_the_chat_body_name_the_messages_fields(server):
     wait_idle(server)
 
 
+def test_a_refusal_of_auto_offers_the_messages_apis_tool_choices(tiny_engine_dir):
+    """On a template without tools (the tiny engine's own), the default tool_choice (auto) is refused offering this
+    API's other choices (was: chat's "send 'required', 'none' or {'type': 'function', 'function': {'name': ...}}",
+    values this API refuses)."""
+    tools = [{"name": "f", "input_schema": {"type": "object"}}]
+    want = ("tool_choice: 'auto' (the default when tools are given) is not available: this model's chat template "
+            "does not take tools; send {'type': 'any'}, {'type': 'none'} or {'type': 'tool', 'name': ...}")
+    plain = start_server(tiny_engine_dir, port=0, served_model_name=MODEL, device="cpu")
+    try:
+        for route in ("/v1/messages", "/v1/messages/count_tokens"):
+            for choice in ({}, {"tool_choice": {"type": "auto"}}):
+                body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "q"}],
+                        "tools": tools, **choice}  # fmt: skip
+                status, _, out = request(plain, route, body)
+                assert status == 400 and out["error"]["message"] == want, (route, choice, out)
+    finally:
+        plain.shutdown(timeout=0)
+
+
 def test_a_refusal_keeps_the_values_the_client_sent_that_spell_a_chat_field(server):
     """Only field names are renamed in a refusal: a tool the client named max_completion_tokens stays so in the
     refusal that quotes it (was: "tools[1].name: 'max_tokens' is defined twice", a name the client never sent)."""

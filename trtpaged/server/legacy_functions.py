@@ -16,6 +16,7 @@ from typing import Any, Optional, Union
 from trtpaged.errors import respelled
 from trtpaged.server.errors import ApiError
 from trtpaged.server.schemas import ChatCompletionRequest, TokenizeChatRequest
+from trtpaged.server.tools import NOT_AUTO
 
 _FUNCTION_KEYS = {"name", "description", "parameters"}
 
@@ -69,8 +70,6 @@ def _tool_choice(function_call: Any) -> Any:
 
 
 # a tools refusal's wording -> the legacy fields' (outside the quoted values the client sent)
-_CHOICES = (re.compile(r"'required', 'none' or \{'type': 'function', 'function': \{'name': \.\.\.\}\}"),
-            "'none' or {'name': ...}")  # fmt: skip
 _SPELLINGS = ((re.compile(r"\btools(\[\d+\])\.function\b"), r"functions\1"), (re.compile(r"\btools\b"), "functions"),
               (re.compile(r"\btool_choice\b"), "function_call"), (re.compile(r"\btool\b"), "function"))  # fmt: skip
 
@@ -78,7 +77,7 @@ _SPELLINGS = ((re.compile(r"\btools(\[\d+\])\.function\b"), r"functions\1"), (re
 def renamed(error: ApiError) -> ApiError:
     """A refusal of the tools a legacy request stands for, naming its own fields (functions[0].name, not
     tools[0].function.name; function_call, not tool_choice)."""
-    message = respelled(_CHOICES[0].sub(_CHOICES[1], error.message), _SPELLINGS)
+    message = respelled(error.message.replace(NOT_AUTO, "'none' or {'name': ...}"), _SPELLINGS)
     param = {"tools": "functions", "tool_choice": "function_call"}.get(error.param or "", error.param)
     return ApiError(message, param, error.status, error.kind, error.code, error.headers)
 

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from trtpaged.errors import RequestError, check_unicode, respelled
 from trtpaged.server.errors import ApiError
 from trtpaged.server.protocol import check_model, string_field, validated
+from trtpaged.server.tools import NOT_AUTO
 
 log = logging.getLogger("trtpaged.server")
 
@@ -48,6 +49,7 @@ _CHAT_SPELLINGS = ((re.compile(r"\bmax_completion_tokens\b"), "max_tokens"), (re
                    (re.compile(r"\b(tools\[\d+\])\.function\.parameters\b"), r"\1.input_schema"),
                    (re.compile(r"\b(tools\[\d+\])\.function\."), r"\1."),
                    (re.compile(r", or set truncate_prompt_tokens"), ""))  # fmt: skip (a field this API has not)
+_NOT_AUTO = "{'type': 'any'}, {'type': 'none'} or {'type': 'tool', 'name': ...}"  # chat's NOT_AUTO here
 _CHAT_FORMAT = re.compile(r"\bresponse_format(\.json_schema)?\b")  # -> the field the request's format came in
 _warned: set[str] = set()  # top-level fields without effect already named in the log
 _MAX_WARNED = 256  # names remembered (then no more are logged)
@@ -171,7 +173,7 @@ def renamed(error: ApiError, call: Optional[MessagesCall] = None) -> ApiError:
     request (its output format's field: output_config.format, or the beta's output_format)."""
     base = re.split(r"[.\[]", error.param or "", maxsplit=1)[0]
     form = call.format_field if call is not None else "output_config.format"
-    message = respelled(error.message, ((_CHAT_FORMAT, form), *_CHAT_SPELLINGS))
+    message = respelled(error.message.replace(NOT_AUTO, _NOT_AUTO), ((_CHAT_FORMAT, form), *_CHAT_SPELLINGS))
     param = form.split(".")[0] if base == "response_format" else _MESSAGES_NAMES.get(base, error.param)
     return ApiError(message, param, error.status, error.kind, error.code, error.headers, error.details,
                     error.anthropic_status, error.overflow)  # fmt: skip

@@ -41,6 +41,10 @@ class AutoTools:
     reason: str = ""  # when format is None
 
 
+# the tool choices a refusal of 'auto' offers instead, in chat's spelling (the other APIs' refusals replace it)
+NOT_AUTO = "'required', 'none' or {'type': 'function', 'function': {'name': ...}}"
+
+
 def _template_takes_tools(template: str) -> bool:
     """Whether the chat template reads the `tools` variable (jinja2's own analysis; a regex when it cannot parse
     a template that uses transformers' extensions)."""
@@ -275,8 +279,7 @@ def tool_choice(tools: Optional[list[Any]], choice: Any, auto: AutoTools = AutoT
     if choice == "auto":
         if auto.format is None:
             raise ApiError(f"tool_choice: 'auto' (the default when tools are given) is not available: {auto.reason}; "
-                           "send 'required', 'none' or {'type': 'function', 'function': {'name': ...}}",
-                           "tool_choice")  # fmt: skip
+                           f"send {NOT_AUTO}", "tool_choice")  # fmt: skip
         return ToolChoice(specs, definitions, auto=auto.format, parallel=parallel)
     if choice == "required":
         return ToolChoice(specs, definitions, parallel=parallel)
