@@ -169,10 +169,11 @@ UNENFORCED = [
     ({"minimum": 5, "anyOf": [{"type": "integer"}, {"type": "null"}]}, 1, "beside anyOf (minimum)"),
     ({"anyOf": [{"maxLength": 2}, {"pattern": "^x"}]}, "hello", "without a 'type'"),
     ({"$defs": {"i": {"type": "integer"}}, "$ref": "#/$defs/i", "minimum": 5}, 1, "beside $ref (minimum)"),
-    ({"$ref": "http://example.com/schema.json"}, None, "$ref outside"),  # any document: nothing is checked
+    ({"$ref": "http://example.com/schema.json"}, None,
+     "the JSON schema's $ref outside the schema ('http://example.com/schema.json') is not followed"),  # nothing checked
     ({"type": "object", "required": ["z"]}, {}, "required property 'z'"),
     ({"$defs": {"P": {"$anchor": "pp", "type": "boolean"}}, "type": "object", "properties": {"a": {"$ref": "#pp"}},
-      "required": ["a"]}, {"a": "hello"}, "to an anchor"),
+      "required": ["a"]}, {"a": "hello"}, "the JSON schema's $ref to an anchor ('#pp'), not a JSON pointer"),
     ({"$defs": {"I": {"$dynamicAnchor": "n", "type": "integer"}}, "type": "object",
       "properties": {"a": {"$dynamicRef": "#n"}}, "required": ["a"]}, {"a": "s"}, "$dynamicRef"),
     ({"type": "string", "format": "date", "pattern": "^2024"}, "2023-01-01", "beside a 'format'"),
@@ -205,7 +206,7 @@ def test_an_empty_combinator_is_refused(llm, combinator):
     only the end, so the answer was "" with finish "stop"."""
     with pytest.raises(jsonschema.SchemaError):
         jsonschema.Draft202012Validator.check_schema({combinator: []})
-    with pytest.raises(RequestError, match=f"an empty '{combinator}'"):
+    with pytest.raises(RequestError, match=f"the JSON schema's empty '{combinator}' is not a valid schema"):
         llm.generate(["x"], SamplingParams(structured_outputs=Grammar(json={combinator: []})))
 
 

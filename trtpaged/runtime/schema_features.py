@@ -79,7 +79,7 @@ def _node_feature(node: dict, root: Any) -> Optional[str]:
         return "a 'pattern' beside a 'format' is not enforced (the format is)"
     for combinator in ("anyOf", "oneOf", "allOf"):
         if node.get(combinator) == []:
-            return f"an empty '{combinator}' is not a valid schema (it needs at least one)"
+            return f"empty '{combinator}' is not a valid schema (it needs at least one)"
     mismatch = _value_outside_type(node) or _bound_past_float_range(node)
     if mismatch is not None:
         return mismatch
@@ -87,8 +87,9 @@ def _node_feature(node: dict, root: Any) -> Optional[str]:
         return "'multipleOf' is enforced on integers only"
     ref = node.get("$ref")
     if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
-        where = "outside the schema" if not ref.startswith("#") else "to an anchor, not a JSON pointer"
-        return f"a $ref {where} ({ref[:80]!r}) is not followed"
+        if not ref.startswith("#"):
+            return f"$ref outside the schema ({ref[:80]!r}) is not followed"
+        return f"$ref to an anchor ({ref[:80]!r}), not a JSON pointer, is not followed"
     for combinator, allowed in (("$ref", ()), ("anyOf", ("type",)), ("oneOf", ("type",))):
         if combinator in node:
             beside = sorted(set(node) - _ANNOTATIONS - {combinator, *allowed})
