@@ -357,6 +357,28 @@ def test_local_launch_store_listens_on_loopback_only():
     assert listening == ["0100007F"], listening  # 127.0.0.1
 
 
+def test_a_launch_that_fails_halfway_stops_the_workers_it_started(tiny_kv4_engines, tmp_path, monkeypatch):
+    """Rank 2 of 3 cannot be started (here: no device given for it): rank 1, already running, is stopped before the
+    error goes up (was: it stayed until the launching process exited)."""
+    from trtpaged.runtime.tp.launch import WorkerSet
+    from trtpaged.runtime.tp.rendezvous import Rendezvous
+
+    (tmp_path / "sitecustomize.py").write_text("import time\ntime.sleep(30)\n")  # a worker slow to start
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), str(REPO)]))
+    children = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True).stdout.split()
+    rz = Rendezvous("127.0.0.1", _free_port(), 3, 0, 30.0, loopback=True)
+    with pytest.raises(KeyError):
+        WorkerSet.start(tiny_kv4_engines[2], rz, rz.master_port, {1: "cpu"})
+    started = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True).stdout.split()
+    left = [int(p) for p in started if p not in children]
+    try:
+        assert _gone(left, within_s=1.0), left
+    finally:
+        for pid in left:
+            if os.path.exists(f"/proc/{pid}"):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_worker_checks_its_own_engine_dir(tiny_kv4_engines, tmp_path):
     """A rank on another machine loads its own copy of the dir: a shard changed there is refused before it loads
     (was: loaded, and the ranks generated other tokens, as INIT compares the manifests only)."""

@@ -45,18 +45,21 @@ class WorkerSet:
             env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(rz.world_size)))
         for var in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
             env.pop(var, None)  # a local launch passes its own
-        procs: dict[int, subprocess.Popen] = {}
-        errors: dict[int, IO[bytes]] = {}
-        for rank in range(1, rz.world_size):
-            errors[rank] = tempfile.TemporaryFile(prefix="trtpaged-tp-")
-            fd = errors[rank].fileno()
-            cmd = [sys.executable, "-m", "trtpaged.runtime.tp.worker", str(engine_dir), "--rank", str(rank),
-                   "--world-size", str(rz.world_size), "--master-addr", "127.0.0.1", "--master-port", str(port),
-                   "--device", devices[rank], "--timeout", str(rz.timeout_s), "--parent-pid", str(os.getpid()),
-                   "--error-fd", str(fd)]
-            procs[rank] = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
-                                           pass_fds=(fd,))
-        return cls(procs, errors)
+        started = cls({}, {})
+        try:
+            for rank in range(1, rz.world_size):
+                started.errors[rank] = tempfile.TemporaryFile(prefix="trtpaged-tp-")
+                fd = started.errors[rank].fileno()
+                cmd = [sys.executable, "-m", "trtpaged.runtime.tp.worker", str(engine_dir), "--rank", str(rank),
+                       "--world-size", str(rz.world_size), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                       "--device", devices[rank], "--timeout", str(rz.timeout_s), "--parent-pid", str(os.getpid()),
+                       "--error-fd", str(fd)]
+                started.procs[rank] = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+                                                       pass_fds=(fd,))
+        except BaseException:  # a worker that cannot start (no memory, no descriptor): those started go too
+            started.stop(grace_s=0.0)
+            raise
+        return started
 
     @property
     def pids(self) -> list[int]:
