@@ -791,3 +791,22 @@ def test_a_large_body_is_validated_off_the_event_loop_with_the_same_outcome(logp
     assert decoded[0] != thread_names.HTTP and decoded[1] == thread_names.HTTP and decoded[2] != thread_names.HTTP, \
         decoded  # fmt: skip
     assert threads[-1] != thread_names.HTTP, threads
+    # Anthropic's count: its translation and checks off the loop too, the same count and the same refusal
+    translated: list[str] = []
+
+    def translate(*args, **kwargs):
+        translated.append(threading.current_thread().name)
+        return messages_translate(*args, **kwargs)
+
+    messages_translate = app.messages_api.translate
+    monkeypatch.setattr(app.messages_api, "translate", translate)
+    del threads[:]
+    for body in ({"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hello"}]},
+                 {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}], "top_p": 2}):
+        want = request(logprob_bound_server, "/v1/messages/count_tokens", body)
+        got = request(logprob_bound_server, "/v1/messages/count_tokens",
+                      raw=json.dumps(body).replace(",", "," + padding, 1).encode())  # fmt: skip
+        assert got[:1] == want[:1] and got[2] == want[2], (got, want)
+    assert want[0] == 400 and "top_p" in json.dumps(want[2]), want
+    assert translated[0::2] == threads[0::2] == [thread_names.HTTP] * 2, (translated, threads)
+    assert thread_names.HTTP not in translated[1::2] + threads[1::2], (translated, threads)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import email.message
+import functools
 import hmac
 import json
 import logging
@@ -495,11 +496,12 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
     tokenization = Tokenization(service.llm, service.tokens, service.model_names, service.template_defaults,
                                 service.trust_request_template)  # fmt: skip
 
-    async def tokenizer_call(request: Request, handler: Callable[[Any], Awaitable[Any]],
+    async def tokenizer_call(request: Request, handler: Callable[[Any, bool], Awaitable[Any]],
                              anthropic: bool = False) -> Response:  # fmt: skip
+        """`handler(body, large)`'s answer to the request's JSON body (large: past LARGE_BODY_BYTES)."""
         try:
-            body, _ = await read_json(request)
-            answer = await unless_disconnected(request, handler(body))  # a model, or its JSON body already made
+            body, large = await read_json(request)
+            answer = await unless_disconnected(request, handler(body, large))  # a model, or its JSON body made
         except ClientGone:
             return Response(status_code=499)
         except (Overloaded, ShuttingDown) as exc:  # the tokenizer's queue is full, or the server stops
@@ -512,19 +514,20 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
 
     @app.post("/tokenize", dependencies=[Depends(authorize)])
     async def tokenize(request: Request) -> Response:
-        return await tokenizer_call(request, tokenization.tokenize)
+        return await tokenizer_call(request, lambda body, _: tokenization.tokenize(body))
 
     @app.post("/detokenize", dependencies=[Depends(authorize)])
     async def detokenize(request: Request) -> Response:
-        return await tokenizer_call(request, tokenization.detokenize)
+        return await tokenizer_call(request, lambda body, _: tokenization.detokenize(body))
 
     @app.post("/v1/messages/count_tokens", dependencies=[Depends(authorize)])
     async def count_message_tokens(request: Request) -> Response:
         """Anthropic's count: the tokens of the prompt /v1/messages would render for the same body."""
-        async def count(body: Any) -> dict[str, int]:
-            call = messages_api.translate(body, service.model_names, service.reasoning is not None, count_only=True)
+        async def count(body: Any, large: bool) -> dict[str, int]:
+            call = await off_loop_if(large, functools.partial(messages_api.translate, count_only=True), body,
+                                     service.model_names, service.reasoning is not None)  # fmt: skip
             try:
-                await service.check(call.chat_body, True)  # what /v1/messages refuses of this body
+                await service.check(call.chat_body, True, large)  # what /v1/messages refuses of this body
                 counted = await tokenization.chat_prompt_tokens(call.chat_body)
             except ApiError as exc:
                 raise messages_api.renamed(exc, call) from None
@@ -535,11 +538,12 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
     @app.post("/v1/responses/input_tokens", dependencies=[Depends(authorize)])
     async def count_response_tokens(request: Request) -> Response:
         """OpenAI's count: the input tokens /v1/responses would render for the same body (before any truncation)."""
-        async def count(body: Any) -> dict[str, Any]:
+        async def count(body: Any, large: bool) -> dict[str, Any]:
+            # translated here, beside the stored responses it may read (as /v1/responses does)
             call = responses_api.translate(responses_api.count_request(body), service.model_names, stored.store,
                                            service.max_logprobs, service.vocab_size)  # fmt: skip
             try:
-                await service.check(call.chat_body, True)  # what /v1/responses refuses of this body
+                await service.check(call.chat_body, True, large)  # what /v1/responses refuses of this body
                 counted = await tokenization.chat_prompt_tokens(call.chat_body)
             except ApiError as exc:
                 raise responses_api.renamed(exc, call) from None

@@ -184,12 +184,12 @@ class GenerationService:
         return Submitted(req, params, sub, index, builder, summary, prompts,
                          [p.max_tokens for _, _, p in requests], entries.total)  # fmt: skip
 
-    async def check(self, body: Any, chat: bool) -> None:
+    async def check(self, body: Any, chat: bool, large_body: bool = False) -> None:
         """Every check `submit` makes of a body that needs no prompt tokens (its fields, tools and output grammar),
         nothing tokenized or queued; raises ApiError as `submit` would. A count of the prompt (Anthropic's
         count_tokens, OpenAI's input_tokens) refuses what generating would, yet counts a prompt longer than the
-        context (what a client counts to find out)."""
-        req, params = await self._validated(body, chat)
+        context (what a client counts to find out). `large_body`: validated on a worker thread."""
+        req, params = await self._validated(body, chat, large_body)
         if params.structured_outputs is not None:
             await self._compile_grammar(req, params)
 
