@@ -206,8 +206,10 @@ def check_requests(requests: list[Request], max_seq_len: int, source: str) -> No
 
 
 # ---- systems ----------------------------------------------------------------------------------
-def _result(name: str, requests: list[Request], wall: float, computed: int, ttft: list[float],
-            tpot: list[float], monitor: NoiseMonitor) -> SystemResult:  # fmt: skip
+def system_result(name: str, requests: list[Request], wall: float, computed: int, ttft: list[float],
+                  tpot: list[float], monitor: NoiseMonitor) -> SystemResult:  # fmt: skip
+    """A row's figures from one round of `requests`: tok/s over `wall`, TTFT and TPOT percentiles, this process's
+    peak RSS (its descendants' too) and the load other processes put on the machine during `monitor`."""
     useful = sum(r.output_len for r in requests)
     return SystemResult(
         name=name,
@@ -311,7 +313,7 @@ def _timed_round(engine, requests: list[Request], name: str, say: Callable[[str]
     ttft = [t[0] - submitted[i] for i, t in token_times.items() if t]
     # per output token after the first (a verified run yields several tokens in one step)
     tpot = [(t[-1] - t[0]) / (r.output_len - 1) for t, r in zip(token_times.values(), requests) if r.output_len > 1]
-    result = _result(name, requests, wall, computed, ttft, tpot, monitor)
+    result = system_result(name, requests, wall, computed, ttft, tpot, monitor)
     result.prefix_hit_tokens = int(after["prefix_cache_hits_tokens"]) - hits_before
     return result
 
@@ -388,7 +390,7 @@ def run_hf(engine_dir: str, requests: list[Request], batch_size: int, prompt_loo
                     last = times[-1] if assisted else times[r.output_len - 1]
                     tpot.append((last - times[0]) / (r.output_len - 1))
         wall = time.perf_counter() - start
-    result = _result(hf_row_name(prompt_lookup, assistant_dir), requests, wall, computed, ttft, tpot, monitor)
+    result = system_result(hf_row_name(prompt_lookup, assistant_dir), requests, wall, computed, ttft, tpot, monitor)
     result.isa = isa
     return result
 
