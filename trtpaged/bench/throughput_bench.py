@@ -11,12 +11,13 @@ exactly its requested length):
   trtpaged with speculative decoding (`speculative_config`) next to transformers' own assisted
   generation as its peer: prompt lookup (`prompt_lookup_num_tokens`) for the n-gram method, the draft
   engine's source model (`assistant_model`) for a draft engine; one request at a time, as HF takes no
-  batch there.
+  batch there; and llama.cpp (`llamacpp`: trtpaged.bench.llamacpp) on a GGUF of the engine's model, continuous
+  batching as llama-server runs it.
 
 `sequential` runs one request at a time (single-stream decode) in every system instead of all at t=0.
 
 Each system runs in its own process (so peak RSS is its own), after a one-request warm-up.
-With rounds > 1 trtpaged runs the workload again in the same process, each round on fresh prompts of
+With rounds > 1 trtpaged (and llama.cpp) runs the workload again in the same process, each round on fresh prompts of
 the same lengths and sharing (no prefix-cache hits between rounds, the same within each), and reports
 every round's wall: the first batch after loading (no warm-up request then: `LLM(...)` returning is
 "ready") against the next ones. Each row says which instruction set ran it.
@@ -37,7 +38,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from trtpaged.bench import process_tree
 from trtpaged.bench.noise import Noise, NoiseMonitor, assess, spread
@@ -46,6 +47,9 @@ from trtpaged.bench.timed_trace import TimedTrace, read_timed_trace
 from trtpaged.bench.trtllm_dataset import TrtllmDataset, read_trtllm_dataset
 from trtpaged.bench.workload import (TraceRequest, json_objects, load_trace_lines, prompt_token_ids, read_lines,
                                      synthetic_trace)  # fmt: skip
+
+if TYPE_CHECKING:
+    from trtpaged.bench.llamacpp import LlamaCppRow
 
 DEFAULT_MIX = {"num_requests": 16, "prompt_len": (32, 300), "output_len": (16, 240)}
 
@@ -403,7 +407,10 @@ def hf_row_name(prompt_lookup: Optional[int] = None, assistant_dir: Optional[str
 
 def _child(kind: str, args: tuple, queue) -> None:
     try:
-        fn = run_hf if kind == "hf" else run_trtpaged
+        if kind == "llamacpp":
+            from trtpaged.bench.llamacpp import run_llamacpp as fn
+        else:
+            fn = run_hf if kind == "hf" else run_trtpaged
         queue.put(("ok", asdict(fn(*args, say=lambda m: print(f"  {m}", flush=True, file=sys.stderr)))))
     except BaseException as exc:  # noqa: BLE001  (report any failure to the parent, then exit)
         queue.put(("error", f"{type(exc).__name__}: {exc}"))
@@ -412,7 +419,7 @@ def _child(kind: str, args: tuple, queue) -> None:
 def run_isolated(kind: str, *args, time_limit: Optional[float] = None, name: str = "") -> SystemResult:
     """Runs one system in a fresh process: its own peak RSS, no state left by the others.
 
-    The HF baseline runs with OpenMP's default waiting, as its users run it, not with the bounded
+    The baselines (HF, llama.cpp) run with OpenMP's default waiting, as their users run them, not with the bounded
     spin trtpaged sets for itself on import (trtpaged/__init__.py). `time_limit`: after that many seconds
     the process is ended and the row (`name`) says it timed out, and the run goes on."""
     import queue as queues
@@ -420,7 +427,7 @@ def run_isolated(kind: str, *args, time_limit: Optional[float] = None, name: str
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=_child, args=(kind, args, queue))
-    with _baseline_env(kind == "hf"):
+    with _baseline_env(kind != "trtpaged"):
         proc.start()
     try:
         status, payload = queue.get(timeout=time_limit)
@@ -462,9 +469,12 @@ def run_throughput_bench(
     speculative_config: Optional[dict] = None,
     sequential: bool = False,
     peer_time_limit: Optional[float] = None,
+    llamacpp: Optional[LlamaCppRow] = None,
 ) -> dict:
     """Every system on the same requests; returns the JSON report (see module docstring). `peer_time_limit`:
-    seconds each transformers row may take; one that takes longer is reported as timed out."""
+    seconds each peer row (transformers, llama.cpp) may take; one that takes longer is reported as timed out.
+    `llamacpp`: a llama.cpp row last (trtpaged.bench.llamacpp), up to the engine's max_batch_size sequences at once
+    as trtpaged runs them, and the same rounds."""
     from trtpaged.manifest import read_manifest
 
     say = progress or (lambda _m: None)
@@ -502,8 +512,16 @@ def run_throughput_bench(
                                     time_limit=peer_time_limit, name=hf_row_name()))  # fmt: skip
         if speculative_config is not None and not (systems[-2].timed_out or systems[-1].timed_out):
             hf_spec_ratio = systems[-2].useful_tok_s / systems[-1].useful_tok_s
-    hf_ok = baseline == "hf" and not systems[-1].timed_out
-    ratio = systems[0].useful_tok_s / systems[-1].useful_tok_s if hf_ok else None
+    hf = systems[-1] if baseline == "hf" else None
+    if llamacpp is not None:
+        from trtpaged.bench.llamacpp import NAME
+
+        say(f"llama.cpp: {llamacpp.gguf}, {llamacpp.threads} threads")
+        systems.append(run_isolated("llamacpp", llamacpp.gguf, requests, llamacpp.library,
+                                    manifest.limits.max_batch_size, llamacpp.threads, rounds, sequential,
+                                    time_limit=peer_time_limit, name=NAME))  # fmt: skip
+    ratio = systems[0].useful_tok_s / hf.useful_tok_s if hf and not hf.timed_out else None
+    llama = systems[-1] if llamacpp is not None and not systems[-1].timed_out else None
     noise = run_noise(systems)
     return {
         "engine": str(engine_dir),
@@ -513,6 +531,7 @@ def run_throughput_bench(
         "hf_batch_size": batch_size if baseline == "hf" else None,
         "systems": [asdict(s) for s in systems],
         "ratio_vs_baseline": ratio,
+        "ratio_vs_llamacpp": systems[0].useful_tok_s / llama.useful_tok_s if llama else None,
         "speculation_ratio": spec_ratio,  # trtpaged with / without speculation, useful tok/s
         "hf_assisted_ratio": hf_spec_ratio,  # hf assisted generation / hf plain, useful tok/s
         "sequential": sequential,
@@ -565,11 +584,16 @@ def format_throughput_report(report: dict) -> str:
     noise = Noise(**report["noise"])
     lines += ["", "useful: requested output tokens / wall; computed: every token position run through the model "
               "(prompts, padding, decode past a request's end) / wall", noise.describe()]  # fmt: skip
+
+    def ratio(value: float) -> str:
+        return f"{value:.2f}x" + ("" if noise.trustworthy else " (noisy run: indicative only, rerun on a quieter "
+                                  "machine)")  # fmt: skip
+
     if report["ratio_vs_baseline"] is not None:
-        ratio = f"{report['ratio_vs_baseline']:.2f}x"
-        if not noise.trustworthy:
-            ratio += " (noisy run: indicative only, rerun on a quieter machine)"
-        lines.append(f"trtpaged / hf useful tok/s: {ratio}  (hf static batches of {report['hf_batch_size']})")
+        lines.append(f"trtpaged / hf useful tok/s: {ratio(report['ratio_vs_baseline'])}  "
+                     f"(hf static batches of {report['hf_batch_size']})")  # fmt: skip
+    if report.get("ratio_vs_llamacpp") is not None:
+        lines.append(f"trtpaged / llama.cpp useful tok/s: {ratio(report['ratio_vs_llamacpp'])}")
     if report.get("speculation_ratio") is not None:
         hf = report.get("hf_assisted_ratio")
         lines.append(f"speculation: trtpaged with / without {report['speculation_ratio']:.2f}x"

@@ -9,6 +9,7 @@ from typing import Callable, Optional
 
 import click
 
+from trtpaged.bench.llamacpp import INSTALL, PATH_ENV, PRELOAD_ENV
 from trtpaged.commands.option_types import FiniteFloatRange, HttpUrl, OutputFile, RegularFile, Size
 from trtpaged.commands.stdout import echo
 from trtpaged.config import MAX_BATCH_SIZE, MAX_SEQ_LEN
@@ -20,6 +21,7 @@ MAX_REQUESTS = 1_000_000
 MAX_WORDS = 100_000
 MAX_ROUNDS = 1000
 MAX_THINK_S = 3600.0
+_ENGINE_GGUF = "\0engine"  # --llamacpp alone: the engine's own GGUF (no path holds a NUL)
 MAX_PEER_TIME_S = 7 * 86400.0  # a week (the wait's poll takes at most 2**31 ms: 1e300 s was an OverflowError)
 
 
@@ -740,12 +742,25 @@ def structured(engine, batch, steps, repeats, temperature, as_json) -> None:
 @click.option("--sequential", is_flag=True, help="One request at a time (single-stream decode) in every row.")
 @click.option("--peer-time-limit", type=FiniteFloatRange(0, MAX_PEER_TIME_S, min_open=True), default=900.0,
               show_default=True,
-              help="Seconds each transformers row may take; a row past it is reported as timed out and the run "
-                   "goes on.")
+              help="Seconds each peer row (transformers, llama.cpp) may take; a row past it is reported as timed out "
+                   "and the run goes on.")
+@click.option("--llamacpp", is_flag=False, flag_value=_ENGINE_GGUF, default=None, metavar="[GGUF]",
+              help="Extra row: llama.cpp on the same requests (greedy, EOS ignored, the trtpaged rows' threads, up to "
+                   "the engine's max_batch_size sequences at once, the same --rounds), from this GGUF of the engine's "
+                   "model; alone: the GGUF the engine was built from. It runs llama-cpp-cffi's CPU build, installed "
+                   f"outside the project's environment: {INSTALL}.")
+@click.option("--llamacpp-path", type=click.Path(exists=True, file_okay=False), envvar=PATH_ENV, show_envvar=True,
+              help="The directory llama-cpp-cffi is installed in (pip's --target DIR; default: this Python's "
+                   "environment).")
+@click.option("--llamacpp-preload", type=RegularFile(), envvar=PRELOAD_ENV, show_envvar=True,
+              help="A shared library llama.cpp's process loads first: the __cxa_call_terminate stand-in the wheel "
+                   "needs where libstdc++ is older than GCC 14's (Debian 12; docs/benchmarks.md).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def throughput(engine, trace, num_requests, output_len, baseline, hf_batch_size, no_prefix_caching_row, engine2,
-               profile, seed, rounds, speculative_config, sequential, peer_time_limit, as_json) -> None:  # fmt: skip
-    """End-to-end throughput and latency: trtpaged vs HF transformers on the same requests, side by side."""
+               profile, seed, rounds, speculative_config, sequential, peer_time_limit, llamacpp, llamacpp_path,
+               llamacpp_preload, as_json) -> None:  # fmt: skip
+    """End-to-end throughput and latency: trtpaged vs HF transformers (and llama.cpp) on the same requests, side by
+    side."""
     from trtpaged.bench.sharegpt import is_sharegpt
     from trtpaged.bench.throughput_bench import (check_requests, default_requests, format_throughput_report,
                                                  load_requests, run_throughput_bench, sharegpt_requests,
@@ -802,10 +817,15 @@ def throughput(engine, trace, num_requests, output_len, baseline, hf_batch_size,
             from trtpaged.runtime.speculative import SpeculativeConfig
 
             speculative_config = SpeculativeConfig.parse(speculative_config).to_dict()
+        llama_row = _llamacpp_row(llamacpp, llamacpp_path, llamacpp_preload, manifest, progress)
     except (ValueError, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from exc
-    report = run_throughput_bench(engine, requests, baseline, hf_batch_size, no_prefix_caching_row, engine2, progress,
-                                  rounds, speculative_config, sequential, peer_time_limit)  # fmt: skip
+    try:
+        report = run_throughput_bench(engine, requests, baseline, hf_batch_size, no_prefix_caching_row, engine2,
+                                      progress, rounds, speculative_config, sequential, peer_time_limit,
+                                      llama_row)  # fmt: skip
+    except RuntimeError as exc:  # a row's process failed: its message, not a traceback of the waiting parent
+        raise click.ClickException(str(exc)) from exc
     if profile:
         from trtpaged.bench.step_profile import run_step_profile
 
@@ -818,6 +838,44 @@ def throughput(engine, trace, num_requests, output_len, baseline, hf_batch_size,
         from trtpaged.bench.step_profile import format_step_profile
 
         echo("\n" + format_step_profile(report["profile"]))
+
+
+def _llamacpp_row(gguf: Optional[str], path: Optional[str], preload: Optional[str], manifest,
+                  say: Callable[[str], None]):  # fmt: skip
+    """The llama.cpp row --llamacpp asks for (None without it), checked before any row runs: the GGUF readable and
+    of the engine's vocabulary, llama-cpp-cffi found and loading (in a process of its own). ValueError naming the
+    option otherwise; --llamacpp-path or --llamacpp-preload given without --llamacpp is refused (it would change
+    nothing)."""
+    from trtpaged.bench.llamacpp import Library, LlamaCppRow, check_gguf, default_threads, engine_gguf, in_child, probe
+
+    if gguf is None:  # their environment variables may be set for every run: only the command line's are refused
+        from click.core import ParameterSource
+
+        ctx = click.get_current_context()
+        given = [f"--{name}" for name in ("llamacpp-path", "llamacpp-preload")
+                 if ctx.get_parameter_source(name.replace("-", "_")) is ParameterSource.COMMANDLINE]  # fmt: skip
+        if given:
+            flags = ", ".join(given)
+            raise ValueError(f"{flags}: where llama.cpp's row finds llama-cpp-cffi; give --llamacpp [GGUF] for the row")
+        return None
+    own = gguf == _ENGINE_GGUF
+    if own:
+        gguf = engine_gguf(manifest)
+        if gguf is None:
+            raise ValueError(f"--llamacpp: the engine was not built from a GGUF (its model: "
+                             f"{manifest.source.get('kind')}); give one of its model: --llamacpp GGUF")  # fmt: skip
+        say(f"llama.cpp: the GGUF the engine was built from, {gguf}")
+    if not gguf:
+        raise ValueError("--llamacpp: an empty path; give a GGUF, or --llamacpp alone for the engine's own")
+    try:
+        check_gguf(gguf, manifest.dims.vocab_size)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (the GGUF the engine was built from; give another: --llamacpp GGUF)" if own
+                         else str(exc)) from None  # fmt: skip
+    library = Library(path, preload)
+    library.module_file()  # not installed there: how to install it, before anything loads
+    say(f"llama.cpp: {in_child(probe, library)}")
+    return LlamaCppRow(gguf, library, default_threads())
 
 
 def multi_turn_spec(multi_turn: str, output_len: str, system_words: int, user_words: int, think_time: float,

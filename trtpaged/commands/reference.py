@@ -21,7 +21,10 @@ def _usage(path: str, command: click.Command) -> str:
             parts.append(name if param.required else f"[{name}]")
         elif isinstance(param, click.Option) and not param.hidden:
             flag = max(param.opts, key=len)
-            text = flag if param.is_flag else f"{flag} {_metavar(param)}"
+            if getattr(param, "_flag_needs_value", False):  # an optional value (--llamacpp [GGUF]): its metavar
+                text = f"{flag} {param.metavar}"
+            else:
+                text = flag if param.is_flag else f"{flag} {_metavar(param)}"
             parts.append(text if param.required else f"[{text}]")
     return "`" + " ".join(parts) + "`"
 
