@@ -7,7 +7,7 @@ and the useful tok/s of each run (their median), TTFT p50 and, for one request, 
 llama-cpp-cffi is installed outside the project's environment, and on Debian 12 needs a stand-in for GCC 14's
 `__cxa_call_terminate` (docs/benchmarks.md, `bench throughput`):
 
-    pip install --no-deps --target /tmp/llamacpp llama-cpp-cffi==0.4.42
+    pip install --no-deps --target /tmp/llamacpp llama-cpp-cffi==0.4.42 cffi
     python scripts/llamacpp_bench.py GGUF [mix | TRACE.jsonl] [--repeats N] [--threads N]
         [--llamacpp-path /tmp/llamacpp] [--llamacpp-preload /tmp/cxa_shim.so]
 

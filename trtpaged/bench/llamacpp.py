@@ -31,7 +31,7 @@ from trtpaged.bench.noise import NoiseMonitor
 from trtpaged.bench.throughput_bench import Request, SystemResult, fresh_prompts, system_result
 
 VERSION = "0.4.42"  # the wheel this row is written against (its llama_kv_self_* API)
-INSTALL = f"pip install --no-deps --target DIR llama-cpp-cffi=={VERSION}"
+INSTALL = f"pip install --no-deps --target DIR llama-cpp-cffi=={VERSION} cffi"  # cffi: its compiled module's backend
 PATH_ENV, PRELOAD_ENV = "TRTPAGED_LLAMACPP_PATH", "TRTPAGED_LLAMACPP_PRELOAD"
 SHIM_RECIPE = ("echo 'extern \"C\" void __cxa_call_terminate(void*) noexcept { __builtin_trap(); }' | "
                "g++ -x c++ -shared -fPIC -o cxa_shim.so -")  # fmt: skip
@@ -85,10 +85,9 @@ class Library:
                 ctypes.CDLL(self.preload, mode=ctypes.RTLD_GLOBAL)  # its symbols resolve the module's below
             except OSError as exc:
                 raise LlamaCppError(f"--llamacpp-preload ({PRELOAD_ENV}): {exc}") from None
-        loader = importlib.machinery.ExtensionFileLoader("_llama_cpp_cpu", str(module_file))
         try:
-            module = importlib.util.module_from_spec(importlib.util.spec_from_loader("_llama_cpp_cpu", loader))
-            loader.exec_module(module)
+            self._cffi_backend()
+            module = _extension("_llama_cpp_cpu", module_file)
         except ImportError as exc:
             hint = (f"; this build needs GCC 14's libstdc++: build a stand-in with `{SHIM_RECIPE}` and give its path "
                     f"to --llamacpp-preload (or {PRELOAD_ENV})") if "__cxa_call_terminate" in str(exc) else ""
@@ -107,10 +106,28 @@ class Library:
         lib.llama_backend_init()
         return ffi, lib
 
+    def _cffi_backend(self) -> None:
+        """cffi's C backend, which the compiled module imports: this environment's, else the one installed beside
+        llama-cpp-cffi in `path` (pip --target DIR ... cffi; `path` is not put on sys.path: its `llama` package's
+        `__init__` imports torch)."""
+        if importlib.util.find_spec("_cffi_backend") is not None or self.path is None:
+            return
+        found = [p for s in importlib.machinery.EXTENSION_SUFFIXES for p in Path(self.path).glob(f"_cffi_backend{s}")]
+        if found:
+            sys.modules["_cffi_backend"] = _extension("_cffi_backend", found[0])
+
     def describe(self, lib, ffi) -> str:
         """The instruction sets line: the wheel's version and its CPU backend's compiled features."""
         features = ffi.string(lib.llama_print_system_info()).decode().strip()
         return f"llama-cpp-cffi {self.version()}, {features.removeprefix('CPU : ').rstrip(' |')}"
+
+
+def _extension(name: str, file: Path):
+    """The compiled module `name` loaded from `file`."""
+    loader = importlib.machinery.ExtensionFileLoader(name, str(file))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader))
+    loader.exec_module(module)
+    return module
 
 
 @dataclass(frozen=True)
