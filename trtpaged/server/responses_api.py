@@ -24,6 +24,7 @@ from trtpaged.server.errors import ApiError
 from trtpaged.server.protocol import MAX_LOGPROBS, check_model, string_field, top_k, validated
 from trtpaged.server.responses_store import Link, ResponsesStore, not_found
 from trtpaged.server.schemas import GenerationFields, ResponsesRequest
+from trtpaged.server.tools import NAMED_CHOICE
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # include values that name outputs this server never makes (built-in tools, images, reasoning): nothing to add
@@ -197,11 +198,9 @@ def _continues(items: Any) -> bool:
             and last.get("status") in ("in_progress", "incomplete"))  # fmt: skip
 
 
-# chat's spellings in a refusal's text -> the Responses API's (a refusal of the chat body a Responses request became);
-# the first is chat's form of a tool_choice, the others are field names, renamed outside the quoted values the
-# client sent
-_CHAT_TOOL_CHOICE = (re.compile(r"\{'type': 'function', 'function': \{'name': \.\.\.\}\}"),
-                     "{'type': 'function', 'name': ...}")  # fmt: skip
+# chat's spellings in a refusal's text -> the Responses API's (a refusal of the chat body a Responses request became):
+# field names, renamed outside the quoted values the client sent (chat's form of a named tool choice,
+# tools.NAMED_CHOICE, is replaced by this API's before them)
 _RESPONSES_SPELLINGS = (
     (re.compile(r"\b(tools\[\d+\])\.function\."), r"\1."),
     (re.compile(r"\bmessages(\[\d+\])?(\.\w+)?"), "input"),
@@ -222,7 +221,7 @@ def renamed(error: ApiError, call: Optional[ResponsesCall] = None) -> ApiError:
                         error.kind, error.code, error.headers)  # fmt: skip
     base = re.split(r"[.\[]", param, maxsplit=1)[0]
     name = _RESPONSES_NAMES.get(base, param or None)
-    message = _CHAT_TOOL_CHOICE[0].sub(_CHAT_TOOL_CHOICE[1], message)
+    message = message.replace(NAMED_CHOICE, "{'type': 'function', 'name': ...}")
     return ApiError(respelled(message, _RESPONSES_SPELLINGS), name, error.status, error.kind, error.code,
                     error.headers)  # fmt: skip
 

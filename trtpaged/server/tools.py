@@ -41,8 +41,10 @@ class AutoTools:
     reason: str = ""  # when format is None
 
 
-# the tool choices a refusal of 'auto' offers instead, in chat's spelling (the other APIs' refusals replace it)
-NOT_AUTO = "'required', 'none' or {'type': 'function', 'function': {'name': ...}}"
+# a named tool choice, and the tool choices a refusal of 'auto' offers instead, in chat's spelling (the other APIs'
+# refusals replace them with their own)
+NAMED_CHOICE = "{'type': 'function', 'function': {'name': ...}}"
+NOT_AUTO = f"'required', 'none' or {NAMED_CHOICE}"
 
 
 def _template_takes_tools(template: str) -> bool:
@@ -285,8 +287,8 @@ def tool_choice(tools: Optional[list[Any]], choice: Any, auto: AutoTools = AutoT
         return ToolChoice(specs, definitions, parallel=parallel)
     name = _named_choice(choice)
     if name is None:
-        raise ApiError(f"tool_choice: must be 'none', 'auto', 'required' or {{'type': 'function', 'function': "
-                       f"{{'name': ...}}}}, got {choice!r:.80}", "tool_choice")  # fmt: skip
+        raise ApiError(f"tool_choice: must be 'none', 'auto', 'required' or {NAMED_CHOICE}, got {choice!r:.80}",
+                       "tool_choice")  # fmt: skip
     if name not in specs:
         raise ApiError(f"tool_choice: no tool named {name!r:.64} in tools", "tool_choice")
     return ToolChoice(specs, definitions, named=name, parallel=parallel)
