@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from trtpaged.bench.noise import NoiseMonitor
-from trtpaged.bench.throughput_bench import Request, SystemResult, fresh_prompts, system_result
+from trtpaged.bench.throughput_bench import Request, SystemResult, later_rounds, system_result
 
 VERSION = "0.4.42"  # the wheel this row is written against (its llama_kv_self_* API)
 INSTALL = f"pip install --no-deps --target DIR llama-cpp-cffi=={VERSION} cffi"  # cffi: its compiled module's backend
@@ -289,25 +289,19 @@ def run_llamacpp(gguf: str, requests: list[Request], library: Library, max_seqs:
     runner = Runner(library, gguf, requests, 1 if sequential else max_seqs, threads)
     if rounds == 1:
         runner.run([Request(requests[0].prompt_ids[:4], 3)])
-    walls, result = [], None
-    for r in range(rounds):
-        if r:
-            say(f"{NAME}: round {r + 1}/{rounds} (fresh prompts, same shapes)")
-        work = fresh_prompts(requests, runner.vocab, 1000 + r) if r else requests
+
+    def timed(work: list[Request]) -> SystemResult:
         with NoiseMonitor() as monitor:
             done = runner.run(work, sequential)
         made = sum(len(t) for t in done.tokens)
         if made != sum(q.output_len for q in work):
             raise RuntimeError(f"llama.cpp generated {made} tokens, the requests ask {sum(q.output_len for q in work)}")
-        walls.append(done.wall)
-        if result is None:
-            ttft = [t[0] - s for t, s in zip(done.times, done.submitted)]
-            tpot = [(t[-1] - t[0]) / (q.output_len - 1) for t, q in zip(done.times, work) if q.output_len > 1]
-            result = system_result(NAME, work, done.wall, done.computed, ttft, tpot, monitor)
-        elif monitor.foreign_cores() is not None:  # the run's load is its noisiest round's
-            result.foreign_cores = max(result.foreign_cores or 0.0, monitor.foreign_cores())
-    assert result is not None
-    result.isa, result.round_walls = runner.isa, walls
+        ttft = [t[0] - s for t, s in zip(done.times, done.submitted)]
+        tpot = [(t[-1] - t[0]) / (q.output_len - 1) for t, q in zip(done.times, work) if q.output_len > 1]
+        return system_result(NAME, work, done.wall, done.computed, ttft, tpot, monitor)
+
+    result = later_rounds(timed(requests), requests, runner.vocab, rounds, say, lambda work, _: timed(work))
+    result.isa = runner.isa
     result.notes.append(f"{Path(gguf).name}, {threads} threads, flash attention, up to {runner.max_seqs} sequences "
                         f"at once")  # fmt: skip
     return result

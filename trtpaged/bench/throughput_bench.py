@@ -255,13 +255,21 @@ def run_trtpaged(engine_dir: str, requests: list[Request], name: str = "trtpaged
     if speculative_config is not None:
         result.notes.append(_spec_note(llm.engine.stats(), spec_before))
     result.isa = f"kernels {kernels.describe_cpu_isa()}" if kernels.available() else "no kernel library (torch ops)"
+    return later_rounds(result, requests, llm.manifest.dims.vocab_size, rounds, say,
+                        lambda work, r: _timed_round(llm.engine, work, name, say, f"bench-r{r}", sequential))
+
+
+def later_rounds(result: SystemResult, requests: list[Request], vocab_size: int, rounds: int,
+                 say: Callable[[str], None], timed: Callable[[list[Request], int], SystemResult]) -> SystemResult:
+    """`result` (a row's first round of `requests`) with every round's wall in `round_walls`: `timed(work, r)` runs
+    round r = 1 .. rounds - 1 on fresh prompts of the same shapes (no prefix-cache hits between rounds); the row's
+    load is its noisiest round's."""
     result.round_walls = [result.wall_s]
-    vocab = llm.manifest.dims.vocab_size
     for r in range(1, rounds):
-        say(f"{name}: round {r + 1}/{rounds} (fresh prompts, same shapes)")
-        again = _timed_round(llm.engine, fresh_prompts(requests, vocab, 1000 + r), name, say, f"bench-r{r}", sequential)
+        say(f"{result.name}: round {r + 1}/{rounds} (fresh prompts, same shapes)")
+        again = timed(fresh_prompts(requests, vocab_size, 1000 + r), r)
         result.round_walls.append(again.wall_s)
-        if again.foreign_cores is not None:  # the run's load is its noisiest round's
+        if again.foreign_cores is not None:
             result.foreign_cores = max(result.foreign_cores or 0.0, again.foreign_cores)
     return result
 
