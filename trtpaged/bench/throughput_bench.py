@@ -24,7 +24,8 @@ every round's wall: the first batch after loading (no warm-up request then: `LLM
 Per system: useful output tok/s (requested output tokens / wall), computed tok/s (every token
 position run through the model, prompts, padding and decode steps past a request's end
 included / wall), wall time, TTFT (from t=0, queueing included) and per-output-token latency
-(p50/p99 over requests), peak RSS, and the noise of the run (trtpaged.bench.noise).
+(p50/p99 over requests), peak RSS, and the noise of the run (trtpaged.bench.noise). A single-stream run's trtpaged
+rows also give the weight-streaming limit of their decode (trtpaged.bench.streaming_limit).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
-from trtpaged.bench import process_tree
+from trtpaged.bench import process_tree, streaming_limit
 from trtpaged.bench.noise import Noise, NoiseMonitor, assess, spread
 from trtpaged.bench.sharegpt import ShareGPTRule, ShareGPTSample, sample_sharegpt
 from trtpaged.bench.timed_trace import TimedTrace, read_timed_trace
@@ -82,6 +83,9 @@ class SystemResult:
     round_walls: list[float] = field(default_factory=list)  # --rounds: wall of each round, the first included
     timed_out: bool = False  # a peer row stopped at its time limit: no figures
     prefix_hit_tokens: Optional[int] = None  # trtpaged rows: prompt tokens found in the prefix cache (first round)
+    # trtpaged rows of a single-stream run: weight bytes a decode step reads, the read bandwidth measured after the run
+    weight_bytes_per_step: Optional[int] = None
+    read_gbs: Optional[float] = None
 
 
 def timed_out_result(name: str, limit_s: float) -> SystemResult:
@@ -255,8 +259,14 @@ def run_trtpaged(engine_dir: str, requests: list[Request], name: str = "trtpaged
     if speculative_config is not None:
         result.notes.append(_spec_note(llm.engine.stats(), spec_before))
     result.isa = f"kernels {kernels.describe_cpu_isa()}" if kernels.available() else "no kernel library (torch ops)"
-    return later_rounds(result, requests, llm.manifest.dims.vocab_size, rounds, say,
-                        lambda work, r: _timed_round(llm.engine, work, name, say, f"bench-r{r}", sequential))
+    result = later_rounds(result, requests, llm.manifest.dims.vocab_size, rounds, say,
+                          lambda work, r: _timed_round(llm.engine, work, name, say, f"bench-r{r}", sequential))
+    if sequential or len(requests) == 1:
+        say(f"{name}: measuring the read bandwidth (the weight-streaming limit)")
+        limit = streaming_limit.measure(getattr(llm.engine.runner, "model", None))
+        if limit is not None:
+            result.weight_bytes_per_step, result.read_gbs = limit.weight_bytes, limit.read_gbs
+    return result
 
 
 def later_rounds(result: SystemResult, requests: list[Request], vocab_size: int, rounds: int,
@@ -608,4 +618,7 @@ def format_throughput_report(report: dict) -> str:
                      + (f", hf assisted / hf plain {hf:.2f}x" if hf is not None else ""))  # fmt: skip
     for s in report["systems"]:
         lines += [f"{s['name']}: {note}" for note in s.get("notes", [])]
+        if s.get("weight_bytes_per_step") and s.get("read_gbs") and not math.isnan(s["tpot_p50_s"]):
+            limit = streaming_limit.StreamingLimit(s["weight_bytes_per_step"], s["read_gbs"])
+            lines.append(f"{s['name']}: {limit.describe(s['tpot_p50_s'])}")
     return "\n".join(lines)
