@@ -480,7 +480,8 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
             body, large = await read_json(request)
         except ClientGone:
             return Response(status_code=499)
-        return await generate(request, chat=chat_form(body, "/invocations"), given=(body, large))
+        chat, body = chat_form(body, "/invocations")
+        return await generate(request, chat=chat, given=(body, large))
 
     stored.add_routes(app, authorize)
 

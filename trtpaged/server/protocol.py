@@ -97,17 +97,19 @@ def validated(model_type: type[_Body], body: Any) -> _Body:
         raise from_validation_error(exc) from None
 
 
-def chat_form(body: Any, route: str) -> bool:
+def chat_form(body: Any, route: str) -> tuple[bool, Any]:
     """Whether a body of `route`, which takes a completions form (`prompt`) or a chat form (`messages`), is the
-    chat form; a 400 naming both fields when it sends both or neither (each form refuses the other's field as an
-    unknown one, which named only one of them)."""
+    chat form, and the body without the other form's field when that is null (a null field is one left out, as
+    OpenAI and vLLM read it); a 400 naming both fields when it sends both or neither (each form refuses the other's
+    field as an unknown one, which named only one of them)."""
     if not isinstance(body, dict):
-        return False  # the form's validation refuses it
-    chat = "messages" in body
-    if chat == ("prompt" in body):
+        return False, body  # the form's validation refuses it
+    chat = body.get("messages") is not None
+    if chat == (body.get("prompt") is not None):
         raise ApiError(f"body: {route} takes a completions body (prompt) or a chat body (messages), got "
                        f"{'both' if chat else 'neither'}; send one of them", "body")  # fmt: skip
-    return chat
+    other = "prompt" if chat else "messages"
+    return chat, {k: v for k, v in body.items() if k != other} if other in body else body
 
 
 def string_field(item: Mapping[str, Any], key: str, where: str, param: str) -> str:

@@ -286,6 +286,7 @@ class TokenizeChatRequest(_Strict):
     chat_template: Optional[StrictStr] = None  # vLLM's: rendered under serve --trust-request-chat-template
     tools: Optional[list[Any]] = None
     functions: Optional[list[Any]] = None  # OpenAI's legacy form of tools (legacy_functions.py), as chat takes it
+    function_call: Optional[Any] = None  # and of tool_choice: checked as chat checks it (same template either way)
     documents: Optional[list[dict[StrictStr, StrictStr]]] = None  # as chat completions take them
     return_token_strs: Optional[StrictBool] = False
 

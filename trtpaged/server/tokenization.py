@@ -115,7 +115,7 @@ class Tokenization:
 
     async def _tokenized(self, body: Any, answer: Callable[[Any, list[int], bool], T]) -> T:
         """`answer(tokenizer, ids, return_token_strs)` of a /tokenize body's token ids, on the texts lane."""
-        chat = chat_form(body, "/tokenize")
+        chat, body = chat_form(body, "/tokenize")
         kind: type[Union[TokenizeChatRequest, TokenizeCompletionRequest]]
         kind = TokenizeChatRequest if chat else TokenizeCompletionRequest
         req = validated(kind, body)
