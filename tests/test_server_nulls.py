@@ -31,6 +31,16 @@ CASES = [
     ("/tokenize", {"model": MODEL, "prompt": "hello there", "messages": USER}, ["messages"]),
     ("/invocations", {**GREEDY, "messages": USER, "max_tokens": 4, "prompt": "x"}, ["prompt"]),
     ("/invocations", {**GREEDY, "prompt": "once upon a time", "max_tokens": 4, "messages": USER}, ["messages"]),
+    ("/tokenize", {"model": MODEL, "prompt": "hello there", "add_special_tokens": True}, ["add_special_tokens"]),
+    ("/tokenize", {"model": MODEL, "messages": USER, "add_special_tokens": True}, ["add_special_tokens"]),
+    ("/v1/completions", {**GREEDY, "prompt": "once upon a time", "max_tokens": 4, "add_special_tokens": True},
+     ["add_special_tokens"]),
+    ("/v1/chat/completions", {**GREEDY, "messages": USER, "max_tokens": 4, "add_special_tokens": True},
+     ["add_special_tokens"]),
+    ("/v1/responses", {**GREEDY, "input": "hello there", "max_output_tokens": 4, "stream": False}, ["stream"]),
+    ("/v1/responses/input_tokens", {"model": MODEL, "input": "hello there", "stream": False}, ["stream"]),
+    ("/v1/messages", {**GREEDY, "messages": USER, "max_tokens": 4, "stream": False}, ["stream"]),
+    ("/v1/messages/count_tokens", {"model": MODEL, "messages": USER, "stream": False}, ["stream"]),
     ("/tokenize", {"model": MODEL, "messages": USER, "functions": [FUNCTION], "function_call": "none"},
      ["function_call"]),
 ]
@@ -96,8 +106,11 @@ def test_tokenize_takes_function_call_as_chat_does(server):
 
 
 @pytest.mark.parametrize("route, body", [
+    ("/tokenize", {"model": MODEL, "prompt": "hi", "add_special_tokens": "yes"}),
+    ("/v1/responses", {**GREEDY, "input": "hi", "stream": "no"}),
     ("/tokenize", {"model": MODEL, "prompt": None}),
     ("/tokenize", {"model": MODEL, "prompt": None, "messages": None}),
+    ("/v1/messages", {**GREEDY, "messages": USER, "max_tokens": None}),
 ])
 def test_a_wrong_value_or_a_required_fields_null_is_still_refused(server, route, body):
     status, _, out = request(server, route, body)

@@ -21,11 +21,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Sequence, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from trtpaged.errors import RequestError, check_unicode, respelled
 from trtpaged.server.errors import ApiError
 from trtpaged.server.protocol import check_model, string_field, validated
+from trtpaged.server.schemas import NullIsDefault
 from trtpaged.server.tools import NOT_AUTO
 
 log = logging.getLogger("trtpaged.server")
@@ -55,7 +56,7 @@ _warned: set[str] = set()  # top-level fields without effect already named in th
 _MAX_WARNED = 256  # names remembered (then no more are logged)
 
 
-class _Loose(BaseModel):
+class _Loose(NullIsDefault):
     model_config = ConfigDict(extra="allow")
 
 

@@ -9,7 +9,17 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    model_serializer,
+    model_validator,
+)
 
 # A JSON number; an integer is read as a float. (A union of int and float would word a string's
 # refusal as two errors, the first "should be a valid integer".)
@@ -17,7 +27,24 @@ Number = StrictFloat
 TokenIds = list[StrictInt]
 
 
-class _Strict(BaseModel):
+class NullIsDefault(BaseModel):
+    """A request model that reads an explicit JSON null as the field left out, as OpenAI's API and vLLM read it
+    (clients that write every parameter send null for those they do not set: LangChain, LiteLLM, Go and Java
+    clients): a field whose default is not None gets its default, where the null would be refused (a strict bool)
+    or read as false (`add_generation_prompt: null`). A required field's null is still refused."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        defaulted = [k for k, v in data.items() if v is None and k in fields and not fields[k].is_required()
+                     and fields[k].get_default(call_default_factory=True) is not None]  # fmt: skip
+        return {k: v for k, v in data.items() if k not in defaulted} if defaulted else data
+
+
+class _Strict(NullIsDefault):
     model_config = ConfigDict(extra="forbid")
 
 
