@@ -41,8 +41,16 @@ CASES = [
     ("/v1/responses/input_tokens", {"model": MODEL, "input": "hello there", "stream": False}, ["stream"]),
     ("/v1/messages", {**GREEDY, "messages": USER, "max_tokens": 4, "stream": False}, ["stream"]),
     ("/v1/messages/count_tokens", {"model": MODEL, "messages": USER, "stream": False}, ["stream"]),
+    ("/v1/messages", {**GREEDY, "messages": TOOL_USE, "max_tokens": 4}, ["messages", 1, "content", 0, "input"]),
+    ("/v1/chat/completions", {**GREEDY, "messages": USER, "max_tokens": 4, "tools": [{"type": "function",
+     "function": FUNCTION}], "tool_choice": "none"}, ["tools", 0, "function", "parameters"]),  # fmt: skip
+    ("/v1/chat/completions", {**GREEDY, "messages": USER, "max_tokens": 4, "functions": [FUNCTION],
+                              "function_call": "none"}, ["functions", 0, "parameters"]),  # fmt: skip
     ("/tokenize", {"model": MODEL, "messages": USER, "functions": [FUNCTION], "function_call": "none"},
      ["function_call"]),
+    *(("/tokenize", {"model": MODEL, "messages": USER, "chat_template": SHOWN,
+                     "tools": [{"type": "function", "function": {**FUNCTION, "strict": False}}]},
+       ["tools", 0, "function", key]) for key in ("description", "parameters", "strict")),
 ]
 
 
@@ -110,6 +118,8 @@ def test_tokenize_takes_function_call_as_chat_does(server):
     ("/v1/responses", {**GREEDY, "input": "hi", "stream": "no"}),
     ("/tokenize", {"model": MODEL, "prompt": None}),
     ("/tokenize", {"model": MODEL, "prompt": None, "messages": None}),
+    ("/v1/chat/completions", {**GREEDY, "messages": USER, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": "none"}}], "tool_choice": "none"}),  # fmt: skip
     ("/v1/messages", {**GREEDY, "messages": USER, "max_tokens": None}),
 ])
 def test_a_wrong_value_or_a_required_fields_null_is_still_refused(server, route, body):

@@ -287,7 +287,8 @@ def _assistant(blocks: list[Any], where: str) -> dict[str, Any]:
         elif kind == "thinking":
             thoughts.append(_string(block, "thinking", at))
         elif kind == "tool_use":
-            arguments = block.get("input", {})
+            arguments = block.get("input")
+            arguments = {} if arguments is None else arguments  # absent or null (vLLM's reading): no arguments
             if not isinstance(arguments, dict):
                 raise ApiError(f"{at}.input: must be an object (the tool's arguments)", "messages")
             calls.append({"id": _string(block, "id", at), "type": "function",

@@ -193,7 +193,9 @@ def _tool(index: int, value: Any) -> tuple[str, dict[str, Any]]:
     description = fn.get("description")
     if description is not None and not isinstance(description, str):  # the template would render any value
         raise ApiError(f"{where}.function.description: must be a string, got {type(description).__name__}", "tools")
-    params = fn.get("parameters", {"type": "object", "properties": {}})
+    params = fn.get("parameters")
+    if params is None:  # absent or null (as OpenAI and vLLM read it): a function of no arguments
+        params = {"type": "object", "properties": {}}
     if not isinstance(params, dict):
         raise ApiError(f"{where}.function.parameters: must be a JSON schema object", "tools")
     _check_parameters(f"{where}.function.parameters", params)
@@ -274,7 +276,9 @@ def tool_choice(tools: Optional[list[Any]], choice: Any, auto: AutoTools = AutoT
         if name in specs:
             raise ApiError(f"tools[{i}].function.name: {name!r} is defined twice", "tools")
         specs[name] = params
-    definitions = [{"type": "function", **value} for value in tools]  # typed for the template, as vLLM's model is
+    # typed for the template, as vLLM's model is; a key given as null is left out, as the template sees it absent
+    definitions = [{**value, "type": "function", "function": {k: v for k, v in value["function"].items()
+                                                              if v is not None}} for value in tools]  # fmt: skip
     choice = "auto" if choice is None else choice
     if choice == "none":
         return None
