@@ -109,6 +109,25 @@ def test_the_lowest_priority_running_request_is_preempted_first():
         assert e.kv.pool.num_used == 0
 
 
+def test_a_request_preempted_in_its_prompt_counts_each_sample_as_vllm_counts_child_requests():
+    """vLLM v1 fans an n=3 request out into 3 engine requests from the start, each preempted on its own, and its
+    num_requests_waiting counts each (vllm/v1/engine/parallel_sampling.py, vllm/v1/core/sched/scheduler.py). A
+    request of n samples preempted before its first token (one sequence here, its prompt) counts n in
+    num_preemptions and in the engine's waiting sequences; it counted 1."""
+    e = engine(num_kv_blocks=6, max_num_tokens=4, max_batch_size=4)
+    e.add_request(list(range(1, 8)), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), priority=0)
+    params = SamplingParams(max_tokens=4, n=3, ignore_eos=True, seed=1)
+    victim = e.add_request(list(range(3, 23)), params, priority=9)
+    assert e.stats()["num_waiting_seqs"] == 1 + params.n and e.stats()["num_waiting"] == 2
+    while e.stats()["num_preemptions"] == 0:
+        e.step()
+    [group] = e.scheduler.waiting
+    assert group.request_id == victim and not group.forked  # the scenario: preempted in its prompt
+    stats = e.stats()
+    assert stats["num_preemptions"] == stats["num_waiting_seqs"] == params.n
+    assert stats["num_running_seqs"] == stats["num_running"] == 1
+
+
 def test_a_preempted_request_waits_behind_queued_requests_of_lower_value():
     """Recomputed, a preempted request goes back to the queue at its (priority, arrival) place: after a newer
     waiting request of a lower value, before an older one of a higher value."""

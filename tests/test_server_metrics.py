@@ -63,6 +63,74 @@ def test_inter_token_gaps_are_per_token_at_stream_interval_4(server):
     assert _delta(before, after, "generation_tokens_total") == 41
 
 
+def _gauges_while(server, bodies, step_seconds=0.01):
+    """One scrape of /metrics taken while the requests `bodies` (completions, sent in order, each once the one
+    before runs or waits) are all in the engine, two steps after the last came, each step slowed by
+    `step_seconds`; and their answers."""
+    import threading
+
+    answers: list = [None] * len(bodies)
+
+    def send(i):
+        answers[i] = request(server, "/v1/completions", {"model": MODEL, "max_tokens": 200, "ignore_eos": True,
+                                                         **bodies[i]})  # fmt: skip
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(bodies))]
+    restore = slowed_steps(server, step_seconds)
+    try:
+        for i, thread in enumerate(threads):
+            thread.start()
+            deadline = time.monotonic() + 20
+            while (m := metrics(server))["num_requests_running"] + m["num_requests_waiting"] < i + 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        steps = m["engine_steps_total"]  # two steps more: the running ones are past their prompts (beams forked)
+        while (m := metrics(server))["engine_steps_total"] < steps + 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        restore()
+        for thread in threads:
+            thread.join(60)
+    wait_idle(server)
+    assert all(status == 200 for status, _, _ in answers), answers
+    return m, [answer for _, _, answer in answers]
+
+
+@pytest.fixture(scope="module")
+def small_pool(tiny_engine_dir):
+    """24 blocks of 16 tokens: a 200-token prompt's 6 samples of 8 tokens hold 18 (12 shared, 6 last blocks), and
+    another 200-token prompt, 13 more, waits for them."""
+    handle = start_server(tiny_engine_dir, port=0, served_model_name=MODEL, device="cpu", num_kv_blocks=24)
+    yield handle
+    handle.shutdown(timeout=0)
+
+
+def test_vllm_load_gauges_count_each_sample_as_vllm_counts_child_requests(small_pool):
+    """vLLM v1 fans an n > 1 request out into n engine requests, and its gauges count those
+    (vllm/v1/core/sched/scheduler.py, make_stats: len(self.running), len(self.waiting)). An n=6 request runs, an
+    n=4 one waits for its blocks: vLLM's gauges read 6 and 4 (they read 1 and 1, this server's own
+    num_requests_*, which still count requests)."""
+    server = small_pool
+    bodies = [{"prompt": [5 + i % 7 for i in range(200)], "n": 6, "max_tokens": 8},
+              {"prompt": [6 + i % 11 for i in range(200)], "n": 4, "max_tokens": 8}]  # fmt: skip
+    m, (running, waiting) = _gauges_while(server, bodies, step_seconds=0.3)
+    label = f'{{model_name="{server.model_name}"}}'
+    assert m[f"vllm:num_requests_running{label}"] == len(running["choices"]) == bodies[0]["n"]
+    assert m[f"vllm:num_requests_waiting{label}"] == len(waiting["choices"]) == bodies[1]["n"]
+    assert (m["num_sequences_running"], m["num_sequences_waiting"]) == (bodies[0]["n"], bodies[1]["n"])
+    assert m["num_requests_running"] == m["num_requests_waiting"] == 1
+
+
+def test_vllm_running_gauge_counts_each_beam(server):
+    """A beam search of width 3 (best_of) returning 2: vLLM runs each live beam's step as an engine request
+    (vllm/entrypoints/openai/serving_engine.py, beam_search), so its running gauge reads the beams, 3."""
+    body = {"prompt": "beams", "n": 2, "use_beam_search": True, "best_of": 3, "temperature": 0}
+    m, (answer,) = _gauges_while(server, [body])
+    assert len(answer["choices"]) == 2
+    assert m[f'vllm:num_requests_running{{model_name="{server.model_name}"}}'] == body["best_of"]
+
+
 def test_beam_search_answer_has_no_time_per_output_token(server):
     before = metrics(server)
     status, _, answer = request(server, "/v1/completions", {"model": MODEL, "prompt": "abc def", "max_tokens": 12,

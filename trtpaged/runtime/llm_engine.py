@@ -445,6 +445,10 @@ class LLMEngine:
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_swapped=len(self.scheduler.swapped),
+            # vLLM's gauges count its engine requests (each sample or beam), a preempted one as waiting
+            num_running_seqs=sum(g.num_engine_requests for g in self.scheduler.running),
+            num_waiting_seqs=sum(g.num_engine_requests for q in (self.scheduler.waiting, self.scheduler.swapped)
+                                 for g in q),
             num_constrained_requests=self.num_constrained_requests,
             num_grammars_compiled=self.grammars.num_compiled,
             num_grammar_cache_hits=self.grammars.num_hits,

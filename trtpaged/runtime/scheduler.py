@@ -676,8 +676,7 @@ class Scheduler:
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         self.running.remove(group)
         group.num_preemptions += 1
-        # each live sequence counts, as vLLM v1 counts each child request of an n > 1 request it preempts
-        self.num_preemptions += len(group.seqs)
+        self.num_preemptions += group.num_engine_requests  # vLLM v1 counts each child request it preempts
         if self.config.preemption_mode == "swap" and self.kv.can_swap_out(group.seqs):
             self._forget_drafts(group)
             out.swap_out += self.kv.swap_out(group.seqs)

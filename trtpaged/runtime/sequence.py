@@ -218,6 +218,13 @@ class SequenceGroup:
         for seq in self.seqs:
             seq.status = status
 
+    @property
+    def num_engine_requests(self) -> int:
+        """The engine requests vLLM v1 holds for this request now (its gauges and preemptions count these): one per
+        live sample or beam; before the first sample, `n` (vLLM fans a parallel-sampling request out into `n` child
+        requests up front) and one for beam search (its first step has one beam)."""
+        return len(self.seqs) if self.forked or self.beam is not None else self.params.n
+
     def is_decoding(self) -> bool:
         """Every live sequence has exactly one token (its last sample) left to compute."""
         return all(s.num_uncomputed_tokens == 1 for s in self.seqs) and self.forked

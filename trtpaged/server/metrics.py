@@ -27,6 +27,10 @@ ENGINE_STATS: dict[str, tuple[str, str, str]] = {
     "num_running": ("num_requests_running", "gauge", "Requests in the running batch."),
     "num_waiting": ("num_requests_waiting", "gauge", "Requests waiting for admission (or preempted)."),
     "num_swapped": ("num_requests_swapped", "gauge", "Requests swapped out to host memory."),
+    "num_running_seqs": ("num_sequences_running", "gauge",
+                         "Samples or beams in the running batch (a request's n before its first token)."),
+    "num_waiting_seqs": ("num_sequences_waiting", "gauge",
+                         "Samples or beams waiting: queued, preempted or swapped out (n per request not started)."),
     "num_preemptions": ("num_preemptions", "counter",
                         "Sequences preempted (recompute or swap): each sample or beam, as vLLM counts child requests."),
     "prefix_cache_queries_tokens": ("prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache."),
@@ -114,19 +118,24 @@ def token_buckets(max_model_len: int) -> tuple[int, ...]:
 # are. gpu_cache_usage_perc is kv_cache_usage_perc's older name, which such configs still use.
 VLLM_PREFIX = "vllm:"
 # the engine series vLLM also has, under the same names after the prefix; and older vLLM names still scraped
-VLLM_ENGINE_SERIES = frozenset({"num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+VLLM_ENGINE_SERIES = frozenset({"num_sequences_running", "num_sequences_waiting", "kv_cache_usage_perc",
                                 "num_preemptions", "prefix_cache_queries", "prefix_cache_hits",
                                 "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
                                 "spec_decode_num_accepted_tokens", PER_POS})  # fmt: skip
+# vLLM's load gauges count its engine requests, one per sample or beam (vllm/v1/core/sched/scheduler.py, make_stats:
+# len(self.running), len(self.waiting) of the child requests); this server's num_requests_* count requests
+VLLM_NAMES = {"num_sequences_running": "num_requests_running", "num_sequences_waiting": "num_requests_waiting"}
 # a series' older vLLM name, written too (the same series), for the dashboards that still read it
 VLLM_OLD_NAMES = {"kv_cache_usage_perc": "gpu_cache_usage_perc",
                   "inter_token_latency_seconds": "time_per_output_token_seconds"}
 
 
 def vllm_copies(family: Metric, model_name: str) -> Iterator[Metric]:
-    """`family` under vLLM's name (`vllm_copy`), and under its older vLLM name too where it has one (VLLM_OLD_NAMES)."""
-    yield vllm_copy(family, model_name)
-    old = VLLM_OLD_NAMES.get(family.name[len(PREFIX) :])
+    """`family` under vLLM's name (`vllm_copy`; VLLM_NAMES where it differs from ours), and under its older vLLM name
+    too where it has one (VLLM_OLD_NAMES)."""
+    short = family.name[len(PREFIX) :]
+    yield vllm_copy(family, model_name, VLLM_PREFIX + VLLM_NAMES[short] if short in VLLM_NAMES else None)
+    old = VLLM_OLD_NAMES.get(short)
     if old is not None:
         yield vllm_copy(family, model_name, VLLM_PREFIX + old)
 
