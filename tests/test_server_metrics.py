@@ -1,6 +1,7 @@
 """/metrics counts what the clients got: tokens of every choice of an aborted n>1 request, one inter-token gap per
-token-making engine step at any --stream-interval, no time per output token for an answer that came in one
-output (beam search), nothing generated for echo with max_tokens 0. The truth is the client's own count."""
+token-making engine step of each sample at any --stream-interval, no time per output token for an answer that came
+in one output (beam search), nothing generated for echo with max_tokens 0; vLLM's load gauges count samples and
+beams. The truth is the client's own count."""
 
 from __future__ import annotations
 
@@ -61,6 +62,19 @@ def test_inter_token_gaps_are_per_token_at_stream_interval_4(server):
     # one request of 41 tokens, one token a step: 40 gaps, though the stream sent them 4 at a time
     assert _delta(before, after, "inter_token_latency_seconds_count") == 40
     assert _delta(before, after, "generation_tokens_total") == 41
+
+
+def test_inter_token_gaps_are_per_sample_as_vllm_times_each_child_request(server):
+    """vLLM v1 runs each of n samples as an engine request of its own and observes an inter-token gap for each of
+    its outputs after the first (vllm/v1/metrics/stats.py, IterationStats.update_from_output): a sample of T tokens
+    made one a step is T - 1 gaps. Here an n=3 request's steps counted once, for all its samples: 40, not 120."""
+    before = metrics(server)
+    status, _, answer = request(server, "/v1/completions", {"model": MODEL, "prompt": "gaps of three", "n": 3,
+                                                           "max_tokens": 41, "ignore_eos": True})  # fmt: skip
+    assert status == 200
+    after = wait_idle(server)
+    gaps = answer["usage"]["completion_tokens"] - len(answer["choices"])
+    assert _delta(before, after, "inter_token_latency_seconds_count") == gaps == 120
 
 
 def _gauges_while(server, bodies, step_seconds=0.01):

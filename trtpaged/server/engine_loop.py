@@ -63,17 +63,16 @@ class _Timing:
     arrival: float
     prompt_tokens: int = 0
     first_token: Optional[float] = None
-    last_token: Optional[float] = None
-    tokens: int = 0  # the longest completion so far
     by_index: dict[int, int] = field(default_factory=dict)  # completion index -> its tokens so far
     reasons: dict[int, str] = field(default_factory=dict)  # completion index -> its finish reason, once it ended
     params: Optional[SamplingParams] = None
     step: int = 0  # engine steps run before the request was added
-    last_step: int = 0  # the engine's step count at the last output that brought a token
     scored_only: bool = False  # echo with max_tokens 0: the token sampled to score the prompt is dropped, not output
     prompt: Sequence[int] = ()  # the prompt's token ids (the request log's)
     group: Any = None  # the engine's SequenceGroup: its `times` (queued, first scheduled, first token), cache hit
     first_by_index: dict[int, float] = field(default_factory=dict)  # completion index -> when its first token came
+    # completion index -> when its last token came and the engine's step count then
+    last_by_index: dict[int, tuple[float, int]] = field(default_factory=dict)
     counted: set[int] = field(default_factory=set)  # completions whose end the metrics counted
 
     def generated(self) -> int:
@@ -491,23 +490,12 @@ class EngineLoop:
             made += len(c.token_ids)
             if c.finish_reason:
                 timing.reasons[c.index] = c.finish_reason
-            if c.token_ids and not timing.scored_only and c.index not in timing.first_by_index:
-                timing.first_by_index[c.index] = now  # vLLM times each sample's first token and counts its prompt
-                self.metrics.observe_first_token(now - timing.arrival, timing.prompt_tokens)
+            if c.token_ids and not timing.scored_only:
+                self._observe_sample_tokens(timing, c.index, len(c.token_ids), now)
         if made and not timing.scored_only:
             self.metrics.observe_generated(made)  # as they come, as vLLM counts them each step
-        longest = max(timing.by_index.values(), default=0)
-        if longest > timing.tokens and not timing.scored_only:
             if timing.first_token is None:
                 timing.first_token = now
-            elif timing.last_token is not None:
-                # tokens held back for one output (stream_interval) came from several steps: one gap per step
-                # that made a token, of their mean, as vLLM times inter-token latency per engine step (a step
-                # that makes several tokens, speculation's, is one gap; steps the request sat out are none)
-                gaps = max(1, min(longest - timing.tokens, self.engine.num_steps - timing.last_step))
-                for _ in range(gaps):
-                    self.metrics.observe_token_gap((now - timing.last_token) / gaps)
-            timing.last_token, timing.tokens, timing.last_step = now, longest, self.engine.num_steps
         for c in out.outputs:
             if c.finish_reason and c.index not in timing.counted:
                 self._observe_sample_end(timing, c.index, now, c.finish_reason)
@@ -515,6 +503,21 @@ class EngineLoop:
             self._observe_ended(timing, now, "length")
             if self.request_log is not None:
                 self._log_finished(self.request_log, timing, now)
+
+    def _observe_sample_tokens(self, timing: _Timing, index: int, tokens: int, now: float) -> None:
+        """A completion's new tokens: its first token's time and its prompt (vLLM times each sample's, an engine
+        request of its own), or its inter-token gaps: tokens held back for one output (stream_interval) came from
+        several steps, one gap per step that made a token, of their mean, as vLLM times each engine request's
+        outputs (a step that makes several tokens, speculation's, is one gap; steps it sat out are none)."""
+        last = timing.last_by_index.get(index)
+        if last is None:
+            timing.first_by_index[index] = now
+            self.metrics.observe_first_token(now - timing.arrival, timing.prompt_tokens)
+        else:
+            gaps = max(1, min(tokens, self.engine.num_steps - last[1]))
+            for _ in range(gaps):
+                self.metrics.observe_token_gap((now - last[0]) / gaps)
+        timing.last_by_index[index] = (now, self.engine.num_steps)
 
     def _observe_ended(self, timing: _Timing, now: float, ended: str) -> None:
         """Counts the end of a request's completions not counted yet (`ended`: the finish reason of those that have

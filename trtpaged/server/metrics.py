@@ -245,7 +245,8 @@ class ServerMetrics:
     """The server's registry: engine snapshot, request latencies and token counts, HTTP statuses. Thread-safe.
 
     As in vLLM v1, where each of a request's `n` parallel samples is an engine request of its own, the per-request
-    series (request_success, e2e and phase latencies, token-count histograms, time to first token) count samples;
+    series (request_success, e2e and phase latencies, token-count histograms, time to first token, inter-token
+    latency) count samples;
     request_params_n and request_max_num_generation_tokens count requests."""
 
     def __init__(self) -> None:
@@ -259,7 +260,7 @@ class ServerMetrics:
             return Histogram(PREFIX + name, help_text, registry=r, buckets=buckets)
 
         self.ttft = hist("time_to_first_token_seconds", "Time from arrival to the first generated token.", TTFT_BUCKETS)
-        self.itl = hist("inter_token_latency_seconds", "Time between a request's consecutive output steps.")
+        self.itl = hist("inter_token_latency_seconds", "Time between a sample's consecutive token-making steps.")
         self.tpot = hist("request_time_per_output_token_seconds",
                          "Mean time per output token after the first, per request.")
         self.e2e = hist("e2e_request_latency_seconds", "Time from arrival to the last token.", REQUEST_BUCKETS)
