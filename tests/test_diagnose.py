@@ -152,6 +152,18 @@ def test_metrics_parsing_and_classification() -> None:
     assert "not saturated" in classify([idle])["verdict"]
 
 
+def test_a_batch_full_of_parallel_samples_is_at_max_batch_size() -> None:
+    """max_batch_size counts sequences: two requests of n=4 fill a batch of 8. The gauges read trtpaged's request
+    count (2 running), and the verdict said 0 samples at max_batch_size."""
+    n, requests, waiting = 4, 2, 1
+    text = (f"trtpaged:num_requests_running {requests}\ntrtpaged:num_requests_waiting {waiting}\n"
+            f"trtpaged:num_sequences_running {n * requests}\ntrtpaged:num_sequences_waiting {n * waiting}\n"
+            "trtpaged:kv_cache_usage_perc 0.3\n")  # fmt: skip
+    g = gauges(parse_prometheus(text))
+    assert (g["running"], g["waiting"]) == (n * requests, n * waiting)
+    assert "(1 at max_batch_size): scheduler-bound" in classify([g], max_batch_size=n * requests)["verdict"]
+
+
 def test_command_with_an_engine(tmp_path, tiny_engine_dir) -> None:
     rows = [{"prompt": "hello world " * 5, "output_len": 8, "n": 2},
             {"prompt_len": 40, "output_len": 8, "prefix_id": 1, "prefix_len": 32, "beam_width": 2},

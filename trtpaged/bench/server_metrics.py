@@ -6,10 +6,11 @@ import time
 import urllib.request
 from typing import Optional
 
-# gauge -> accepted metric names, trtpaged's first, then vLLM's (v0 and v1 spellings)
+# gauge -> accepted metric names, trtpaged's first, then vLLM's (v0 and v1 spellings); running and waiting count
+# sequences (each sample or beam, as max_batch_size and vLLM's max_num_seqs do), an older trtpaged's requests
 GAUGES = {
-    "running": ("trtpaged:num_requests_running", "vllm:num_requests_running"),
-    "waiting": ("trtpaged:num_requests_waiting", "vllm:num_requests_waiting"),
+    "running": ("trtpaged:num_sequences_running", "trtpaged:num_requests_running", "vllm:num_requests_running"),
+    "waiting": ("trtpaged:num_sequences_waiting", "trtpaged:num_requests_waiting", "vllm:num_requests_waiting"),
     "kv_usage": ("trtpaged:kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
 }
 KV_FULL = 0.90  # KV usage at or above this counts as full
