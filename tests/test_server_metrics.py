@@ -155,6 +155,13 @@ def test_beam_search_answer_has_no_time_per_output_token(server):
     assert _delta(before, after, "generation_tokens_total") == answer["usage"]["completion_tokens"] == 24
     # the answer came whole at the end: no per-token time to report (it was recorded as 0 s)
     assert _delta(before, after, "request_time_per_output_token_seconds_count") == 0
+    # one request whose returned beams are its samples (README: vLLM counts each beam's every step instead)
+    beams = len(answer["choices"])
+    assert _delta(before, after, "inter_token_latency_seconds_count") == 0
+    assert _delta(before, after, "time_to_first_token_seconds_count") == beams
+    assert _delta(before, after, 'request_success_total{finished_reason="length"}') == beams
+    assert _delta(before, after, "prompt_tokens_total") == beams * answer["usage"]["prompt_tokens"]
+    assert _delta(before, after, "request_params_n_count") == 1
 
 
 @pytest.mark.parametrize("n", [1, 2])
