@@ -177,6 +177,28 @@ def test_echo_with_max_tokens_0_generates_nothing(server, n):
     assert [c["finish_reason"] for c in answer["choices"]] == ["length"] * n
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_max_tokens_0_ends_with_length_whatever_ended_its_dropped_token(server, stream):
+    """The token sampled to score the prompt is dropped, and so is what ended it: forced to be a stop token
+    (allowed_token_ids), the answer said "stop" and that token as its stop_reason, for a completion of 0 tokens."""
+    body = {"model": MODEL, "prompt": "echo this", "max_tokens": 0, "echo": True, "n": 2, "allowed_token_ids": [7],
+            "stop_token_ids": [7], "stream": stream}  # fmt: skip
+    if not stream:
+        status, _, answer = request(server, "/v1/completions", body)
+        assert status == 200, answer
+        assert [(c["finish_reason"], c["stop_reason"]) for c in answer["choices"]] == [("length", None)] * 2
+        return
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    ends = []
+    for line in conn.getresponse().read().decode().splitlines():
+        if line.startswith("data: {"):
+            ends += [(c["finish_reason"], c.get("stop_reason")) for c in json.loads(line[6:])["choices"]
+                     if c.get("finish_reason")]  # fmt: skip
+    conn.close()
+    assert ends == [("length", None)] * 2
+
+
 def test_every_prompt_that_fails_in_the_same_step_is_counted(server):
     """Two prompts of one request that both find no token to sample in their first step: the first failure ended
     the request's other prompt, whose own end in that step was then never counted (1 error, 1 prompt's tokens)."""

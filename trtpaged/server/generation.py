@@ -469,9 +469,9 @@ class GenerationService:
                         so_far = _chunk_usage(s, state, d.index) if continuous else None
                         new_ids = ([] if s.req.echo_only else list(d.token_ids)) if ids else None
                         prompt_ids = first.take(d.index) if first else None
-                        if s.req.echo_only:  # the one sampled token is not part of the answer
+                        if s.req.echo_only:  # the one sampled token is not part of the answer, nor what ended it
                             if d.finish_reason:
-                                yield sse(builder.chunk(d.index, "", d.finish_reason, stop_reason=d.stop_reason,
+                                yield sse(builder.chunk(d.index, "", "length", stop_reason=None,
                                                         usage=so_far, token_ids=new_ids,
                                                         prompt_token_ids=prompt_ids))  # fmt: skip
                             continue

@@ -200,8 +200,11 @@ class ResponseBuilder:
                     e = echoes[p]
                     text, token_ids = e.text + text, e.token_ids + list(token_ids)
                     logprobs = None if e.logprobs is None or logprobs is None else e.logprobs + list(logprobs)
+                # echo_only: the one token sampled to score the prompt is dropped, whatever ended it (an EOS, a stop
+                # string): the answer is its max_tokens 0 tokens long
+                finish, why = ("length", None) if echo_only else (c.finish_reason, stop_reason(c))
                 common = {"index": p * n + c.index, "logprobs": self._logprobs(token_ids, logprobs, strings),
-                          "finish_reason": c.finish_reason, "stop_reason": stop_reason(c),
+                          "finish_reason": finish, "stop_reason": why,
                           "token_ids": ([] if echo_only else list(c.token_ids)) if self.token_ids else None}
                 if self.chat:
                     thought: Optional[str] = None
