@@ -190,11 +190,18 @@ HOSTILE = {
                            "output_length: must be an integer from 1 to 16777216, got True"),
     "negative timestamp": ({**GOOD, "timestamp": -1}, "timestamp: must be from 0 to 2147483647 (milliseconds"),
     "huge timestamp": ({**GOOD, "timestamp": 10**20}, "timestamp: must be from 0 to 2147483647"),
-    "float timestamp": ({**GOOD, "timestamp": 1.5}, "timestamp: must be an integer from 0 to 2147483647 "
-                                                    "(milliseconds since the trace's start), got 1.5"),
+    "negative fractional timestamp": ({**GOOD, "timestamp": -0.5}, "timestamp: must be from 0 to 2147483647 "
+                                                                   "(milliseconds since the trace's start), got -0.5"),
+    "huge fractional timestamp": ({**GOOD, "timestamp": 3e9}, "timestamp: must be from 0 to 2147483647 (milliseconds "
+                                                              "since the trace's start), got 3000000000.0"),
+    "string timestamp": ({**GOOD, "timestamp": "1.5"}, "timestamp: must be a number from 0 to 2147483647 "
+                                                       "(milliseconds since the trace's start), got '1.5'"),
     "infinite timestamp": ('{"timestamp": 1e400, "input_length": 5, "output_length": 4, "hash_ids": [1]}',
-                           "timestamp: must be an integer from 0 to 2147483647 (milliseconds since the trace's "
+                           "timestamp: must be a number from 0 to 2147483647 (milliseconds since the trace's "
                            "start), got inf"),
+    "NaN timestamp": ('{"timestamp": NaN, "input_length": 5, "output_length": 4, "hash_ids": [1]}',
+                      "timestamp: must be a number from 0 to 2147483647 (milliseconds since the trace's start), "
+                      "got nan"),
     "hash_ids not a list": ({**GOOD, "hash_ids": 7}, "hash_ids: must be a list of integers (one block id per 512"),
     "empty hash_ids": ({**GOOD, "input_length": 5, "hash_ids": []}, "hash_ids: must name at least one block"),
     "a string hash id": ({**GOOD, "hash_ids": [1, "2"]},
@@ -275,6 +282,24 @@ def test_step_time_is_for_a_timed_trace_only(tmp_path, trace: Optional[str]):
     one_line_failure(CliRunner().invoke(main, args), "--step-time: turns a timed --trace's timestamps (Mooncake, "
                      "Azure, BurstGPT) into replay steps; ", "has none" if trace else "a synthetic workload arrives at "
                      "step 0")
+
+
+def test_fractional_millisecond_timestamps_are_read_to_the_nanosecond(tmp_path):
+    """aiperf's Mooncake loader types timestamp int | float (milliseconds), and trace synthesizers write fractions:
+    they were refused ("must be an integer"). The times are the file's, by hand: 0, 1000, 1500.5, 2000 ms (the last
+    written 2000.0), in timestamp order."""
+    path = _write(tmp_path, [_line(0, 40, [1]), '{"timestamp": 1500.5, "input_length": 30, "output_length": 4, '
+                             '"hash_ids": [2]}', _line(1000, 20, [1]), {**_line(0, 10, [3]), "timestamp": 2000.0}])
+    trace = read_mooncake(path)
+    assert [r.time_ns for r in trace.requests] == [0, 1_000_000_000, 1_500_500_000, 2_000_000_000]
+    assert [r.request.prompt_len for r in trace.requests] == [40, 20, 30, 10]
+    assert trace.seconds() == [0.0, 1.0, 1.5005, 2.0] and trace.reordered == 1
+    assert trace.span_text() == "2000 ms"
+    steps = [r.arrival for r in trace.arrival_steps(0.5)]  # 1.5005 s is past step 3 (1.5 s): it joins step 4
+    assert steps == [0, 2, 4, 4]
+    late = _write(tmp_path, [_line(0, 40, [1]), {**_line(0, 10, [3]), "timestamp": 0.25}], "late.jsonl")
+    with pytest.raises(ValueError, match=r"late.jsonl:2: timestamp: 0.25 ms is past step 2147483647"):
+        read_mooncake(late).arrival_steps(1e-300)
 
 
 def test_the_same_timestamp_everywhere_needs_no_step_time(tmp_path):

@@ -10,9 +10,11 @@ of shared prefixes). The prompts are made of those blocks (trtpaged.bench.token_
 The rules (every line checked, an error names the line, the field and the bound):
 - a file is read as Mooncake's when its first line gives one of its fields (`is_mooncake`); a line of trtpaged's own
   trace form in it, or a Mooncake line in a trtpaged trace, is refused naming it (one form per file);
-- the four fields are required; timestamp an integer from 0 to MAX_TIMESTAMP_MS, input_length and output_length
-  integers from 1 to MAX_SEQ_LEN, hash_ids a non-empty list of integers from 0 to 2^63 - 1, with input_length from
-  (n - 1) * 512 + 1 to n * 512 for n ids (aiperf's rule: every block holds a token, only the last is partial);
+- the four fields are required; timestamp a number of milliseconds from 0 to MAX_TIMESTAMP_MS (an integer in the
+  FAST'25 traces; a fraction, as aiperf takes and synthesizers write, kept to the nanosecond), input_length and
+  output_length integers from 1 to MAX_SEQ_LEN, hash_ids a non-empty list of integers from 0 to 2^63 - 1, with
+  input_length from (n - 1) * 512 + 1 to n * 512 for n ids (aiperf's rule: every block holds a token, only the last
+  is partial);
 - timestamps may go backwards: the requests are taken in timestamp order, ties in file order (as aiperf's fixed
   schedule sends them), and the summary says how many lines came earlier than one before them.
 Arrivals are every timed trace's (trtpaged.bench.timed_trace): `bench serve` sends each request at its timestamp,
@@ -23,12 +25,13 @@ server log's seconds); `bench throughput` submits every request at t = 0 (its fo
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Optional
 
 from trtpaged.bench.timed_trace import TimedRequest, TimedTrace, in_time_order
-from trtpaged.bench.token_blocks import BLOCK_TOKENS, bounded_integer, check_cover, check_hash_ids
+from trtpaged.bench.token_blocks import BLOCK_TOKENS, bounded_integer, check_cover, check_hash_ids, shown
 from trtpaged.bench.workload import LINE_FIELDS, MAX_ARRIVAL_STEP, TraceRequest, json_objects
 from trtpaged.config import MAX_SEQ_LEN
 
@@ -46,15 +49,11 @@ class MooncakeTrace(TimedTrace):
 
     form: ClassVar[str] = "Mooncake"
 
-    def span_ms(self) -> int:
-        """Milliseconds from the first arrival to the last."""
-        return (self.requests[-1].time_ns - self.requests[0].time_ns) // _NS_PER_MS
-
     def span_text(self) -> str:
-        return f"{self.span_ms()} ms"
+        return _ms(self.requests[-1].time_ns - self.requests[0].time_ns)
 
     def stamp(self, request: TimedRequest) -> str:
-        return f"timestamp: {request.time_ns // _NS_PER_MS} ms"
+        return f"timestamp: {_ms(request.time_ns)}"
 
     def summary(self) -> str:
         """One line for the run's log: requests, blocks, how many are shared, the time span, any reordering."""
@@ -121,10 +120,30 @@ def _request(where: str, data: dict) -> TimedRequest:
     missing = [name for name in MOONCAKE_FIELDS if name not in data]
     if missing:
         raise ValueError(f"{', '.join(missing)}: required (a Mooncake line is {LINE_FORM})")
-    timestamp = bounded_integer("timestamp", data["timestamp"], 0, MAX_TIMESTAMP_MS,
-                                " (milliseconds since the trace's start)")
+    time_ns = _timestamp_ns(data["timestamp"])
     input_length = bounded_integer("input_length", data["input_length"], 1, MAX_SEQ_LEN)
     output_length = bounded_integer("output_length", data["output_length"], 1, MAX_SEQ_LEN)
     hash_ids = check_hash_ids(data["hash_ids"])
     check_cover(input_length, len(hash_ids), "input_length")
-    return TimedRequest(where, timestamp * _NS_PER_MS, TraceRequest(input_length, output_length, hash_ids=hash_ids))
+    return TimedRequest(where, time_ns, TraceRequest(input_length, output_length, hash_ids=hash_ids))
+
+
+def _ms(ns: int) -> str:
+    """Nanoseconds as milliseconds, written as a trace writes them: "27482 ms", "1500.5 ms"."""
+    whole, part = divmod(ns, _NS_PER_MS)
+    return f"{whole}.{part:06d}".rstrip("0") + " ms" if part else f"{whole} ms"
+
+
+def _timestamp_ns(value: object) -> int:
+    """A line's timestamp (milliseconds since the trace's start, an integer or a fraction) in nanoseconds; ValueError
+    naming the field and the bound."""
+    if isinstance(value, float) and math.isfinite(value):
+        if not 0 <= value <= MAX_TIMESTAMP_MS:
+            raise ValueError(f"timestamp: must be from 0 to {MAX_TIMESTAMP_MS} (milliseconds since the trace's start), "
+                             f"got {value!r}")  # fmt: skip
+        return round(value * _NS_PER_MS)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"timestamp: must be a number from 0 to {MAX_TIMESTAMP_MS} (milliseconds since the trace's "
+                         f"start), got {shown(value)}")  # fmt: skip
+    return bounded_integer("timestamp", value, 0, MAX_TIMESTAMP_MS, " (milliseconds since the trace's start)") \
+        * _NS_PER_MS
