@@ -56,13 +56,17 @@ BAD = {
 
 
 @pytest.mark.parametrize("kind", list(BAD))
-@pytest.mark.parametrize("command", ["bench memory", "diagnose"])
+@pytest.mark.parametrize("command", ["bench memory", "diagnose", "bench throughput"])
 def test_a_bad_trace_is_refused_in_one_line(tiny_engine_dir, tmp_path, command, kind):
+    """bench throughput guesses a prompts file from the first line; a first line that was no JSON object (a
+    pretty-printed document's "{") was json's own "trace.jsonl:1: Expecting property name enclosed in double quotes"
+    there, where the other commands say what form is expected."""
     content, words = BAD[kind]
     path = _file(tmp_path, content)
-    args = ["bench", "memory", "--trace", path] if command == "bench memory" else ["diagnose", path]
-    one_line_failure(CliRunner().invoke(main, [*args, "--engine" if command == "diagnose" else "--num-kv-blocks",
-                                                str(tiny_engine_dir) if command == "diagnose" else "64"]), words)
+    args = {"bench memory": ["bench", "memory", "--trace", path, "--num-kv-blocks", "64"],
+            "diagnose": ["diagnose", path, "--engine", str(tiny_engine_dir)],
+            "bench throughput": ["bench", "throughput", str(tiny_engine_dir), "--trace", path, "--baseline", "none"]}
+    one_line_failure(CliRunner().invoke(main, args[command]), words)
 
 
 @pytest.mark.parametrize("line,words", [

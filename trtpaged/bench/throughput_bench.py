@@ -153,8 +153,8 @@ def load_requests(path: str | Path, tokenizer: Callable[[str], list[int]], vocab
         raise ValueError(f"{path}: no requests")
     try:
         first = json.loads(line)
-    except (ValueError, RecursionError) as exc:
-        raise ValueError(f"{path}:{lineno}: {exc}") from exc
+    except (ValueError, RecursionError):
+        first = None  # no JSON object: the trace reader's error says what the line is and what form is expected
     if not (isinstance(first, dict) and "prompt" in first):
         lines = load_trace_lines(path)  # one read: each request with its file:line
         return requests_from_trace([r for _, r in lines], vocab_size, wheres=[where for where, _ in lines])
