@@ -157,3 +157,30 @@ def test_bench_throughput_refuses_a_trace_beyond_max_seq_len_before_loading(tiny
     path = _file(tmp_path, b'{"prompt": "hello there", "output_len": 600}\n')
     r = CliRunner().invoke(main, ["bench", "throughput", str(tiny_engine_dir), "--trace", path, "--baseline", "none"])
     one_line_failure(r, "trace.jsonl:1:", "prompt tokens + output_len 600 exceed the engine's max_seq_len (512)")
+
+
+COMPRESSED = {  # a file of each form as published, then compressed by hand
+    "trace.jsonl": b'{"timestamp": 0, "input_length": 20, "output_length": 4, "hash_ids": [1]}\n',
+    "sharegpt.json": b'[{"id": "a", "conversations": [{"from": "human", "value": "hello there, friend"}, '
+                     b'{"from": "gpt", "value": "hello to you as well"}]}]',
+    "trace.csv": b"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.9799600,20,4\n",
+}
+
+
+@pytest.mark.parametrize("name", list(COMPRESSED))
+@pytest.mark.parametrize("command", ["memory", "throughput"])
+def test_a_compressed_trace_is_named_as_one(tiny_engine_dir, tmp_path, name, command):
+    """A gzip file was "not UTF-8 text (invalid start byte at byte 1)", nothing said of what it is; no published trace
+    form is compressed and no reader (vLLM's, aiperf's) decompresses, so it is refused saying how to get its text.
+    The decompressed file is read."""
+    import gzip
+
+    path = tmp_path / (name + ".gz")
+    path.write_bytes(gzip.compress(COMPRESSED[name]))
+    args = {"memory": ["bench", "memory", str(tiny_engine_dir), "--num-kv-blocks", "64"],
+            "throughput": ["bench", "throughput", str(tiny_engine_dir), "--baseline", "none"]}[command]
+    one_line_failure(CliRunner().invoke(main, [*args, "--trace", str(path)]), f"{name}.gz: a gzip-compressed file, "
+                     f"not UTF-8 text (invalid start byte at byte 1): decompress it first (gunzip {path}); expected")
+    (tmp_path / name).write_bytes(gzip.decompress(path.read_bytes()))
+    result = CliRunner().invoke(main, [*args, "--trace", str(tmp_path / name)])
+    assert result.exit_code == 0, result.output

@@ -37,7 +37,7 @@ from typing import Callable, Iterator, Optional
 
 from trtpaged.bench.timed_trace import TimedRequest, TimedTrace, in_time_order
 from trtpaged.bench.token_blocks import shown
-from trtpaged.bench.workload import TraceRequest
+from trtpaged.bench.workload import TraceRequest, not_utf8
 from trtpaged.config import MAX_SEQ_LEN
 
 MAX_SECONDS = (1 << 31) - 1  # a BurstGPT timestamp's bound (68 years; the published traces span four months)
@@ -224,9 +224,8 @@ def _rows(path: str | Path) -> Iterator[tuple[str, list[str]]]:
                 start = reader.line_num + 1
         except csv.Error as exc:
             raise ValueError(f"{path}:{start}: not CSV this reader takes ({exc})") from None
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); expected a CSV trace "
-                             "or JSON Lines") from None  # fmt: skip
+        except UnicodeDecodeError:
+            raise not_utf8(path, "a CSV trace or JSON Lines") from None
 
 
 def _header(where: str, row: list[str]) -> tuple[CsvForm, dict[str, int]]:

@@ -16,6 +16,7 @@ share).
 
 from __future__ import annotations
 
+import codecs
 import math
 import random
 from dataclasses import dataclass
@@ -130,17 +131,46 @@ def read_lines(path: str | Path) -> Iterator[str]:
     UTF-8 text. A line ends at \n (or \r\n) alone, as JSON Lines says: U+2028 and the other breaks str.splitlines
     takes are characters a JSON string may hold raw (json.dumps(ensure_ascii=False) writes them so)."""
     with open(path, "rb") as f:
-        offset = 0
-        for raw in f:
+        for index, raw in enumerate(f):
             try:
                 line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise ValueError(f"{path}: not UTF-8 text ({exc.reason} at byte {offset + exc.start}); expected JSON "
-                                 "Lines") from None  # fmt: skip
-            if offset == 0 and line.startswith("\ufeff"):
+            except UnicodeDecodeError:
+                raise not_utf8(path, "JSON Lines") from None
+            if index == 0 and line.startswith("\ufeff"):
                 line = line[1:]
-            offset += len(raw)
             yield line.rstrip("\r\n")
+
+
+# the leading bytes of the compressed forms a trace may be downloaded in
+_COMPRESSED = ((b"\x1f\x8b", "gzip", "gunzip"), (b"\x28\xb5\x2f\xfd", "zstd", "unzstd"),
+               (b"\xfd7zXZ\x00", "xz", "unxz"), (b"BZh", "bzip2", "bunzip2"), (b"PK\x03\x04", "zip", "unzip"))
+
+
+def not_utf8(path: str | Path, expected: str) -> ValueError:
+    """The error for a trace file that is not UTF-8 text, naming the first byte that is not and what was `expected`;
+    a compressed file is named as one, with the command that gives its text (no reader decompresses: the trace forms
+    are published as text). The file is read again to find the byte (a text-mode reader's error counts from its
+    last buffer, not the file's start)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset, where = 0, ""
+    with open(path, "rb") as f:
+        head = f.read(6)
+        f.seek(0)
+        while not where:
+            chunk = f.read(1 << 20)
+            pending = len(decoder.getstate()[0])  # bytes of a character split between two reads
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as exc:
+                where = f" ({exc.reason} at byte {offset - pending + exc.start})"
+            if not chunk:
+                break
+            offset += len(chunk)
+    found = next(((kind, tool) for magic, kind, tool in _COMPRESSED if head.startswith(magic)), None)
+    if found:
+        return ValueError(f"{path}: a {found[0]}-compressed file, not UTF-8 text{where}: decompress it first "
+                          f"({found[1]} {path}); expected {expected}")  # fmt: skip
+    return ValueError(f"{path}: not UTF-8 text{where}; expected {expected}")
 
 
 def load_trace(path: str | Path) -> list[TraceRequest]:
