@@ -6,6 +6,7 @@ replay or engine load; a request that no KV budget could run is refused by every
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -184,3 +185,33 @@ def test_a_compressed_trace_is_named_as_one(tiny_engine_dir, tmp_path, name, com
     (tmp_path / name).write_bytes(gzip.decompress(path.read_bytes()))
     result = CliRunner().invoke(main, [*args, "--trace", str(tmp_path / name)])
     assert result.exit_code == 0, result.output
+
+
+SHAREGPT_ENTRY = {"id": "a", "conversations": [{"from": "human", "value": "hello there, friend"},
+                                               {"from": "gpt", "value": "hello to you as well"}]}
+# TensorRT-LLM's prepare_dataset.py --output (its C++ benchmark's workload); --stdout writes the requests as lines
+WORKLOAD = {"metadata": {"workload_type": "token-norm-dist", "max_input_len": 3, "max_output_len": 4},
+            "samples": [{"input_len": 3, "input_ids": [7, 8, 9], "output_len": 4, "task_id": -1}]}
+
+
+@pytest.mark.parametrize("document,words,fixed", [
+    (SHAREGPT_ENTRY, "a ShareGPT conversation as a JSON line: a ShareGPT dataset is read as vLLM's benchmarks read it, "
+                     "one JSON array of conversations", json.dumps([SHAREGPT_ENTRY])),
+    (WORKLOAD, "TensorRT-LLM's C++ benchmark workload (prepare_dataset.py --output), which trtllm-bench does not read "
+               "either: give the JSON Lines that prepare_dataset.py --stdout", json.dumps(
+                   {"task_id": 0, "input_ids": [7, 8, 9], "output_tokens": 4})),
+])
+@pytest.mark.parametrize("command", ["memory", "throughput", "serve"])
+def test_another_tools_document_as_json_lines_is_named(tiny_engine_dir, tmp_path, command, document, words, fixed):
+    """Was "unknown field(s) ['conversations', 'id']; allowed: ['arrival', ...]": the line is now named for what it
+    is, with what to give; that (the conversation as an array, the workload's sample as a request line) is read."""
+    path = tmp_path / "trace.jsonl"
+    path.write_text(json.dumps(document) + "\n")
+    args = {"memory": ["bench", "memory", str(tiny_engine_dir), "--num-kv-blocks", "64"],
+            "throughput": ["bench", "throughput", str(tiny_engine_dir), "--baseline", "none"],
+            "serve": ["bench", "serve", "--base-url", "http://127.0.0.1:9"]}[command]
+    one_line_failure(CliRunner().invoke(main, [*args, "--trace", str(path)]), "trace.jsonl:1: " + words)
+    if command != "serve":  # no server: the fixed file's requests would fail to send
+        path.write_text(fixed + "\n")
+        result = CliRunner().invoke(main, [*args, "--trace", str(path)])
+        assert result.exit_code == 0, result.output

@@ -17,6 +17,7 @@ share).
 from __future__ import annotations
 
 import codecs
+import json
 import math
 import random
 from dataclasses import dataclass
@@ -122,7 +123,34 @@ def json_objects(path: str | Path, allowed: Iterable[str]) -> Iterator[tuple[str
                                  "document is not read: write one object per line; a JSON array is read only as a "
                                  'ShareGPT dataset, [{"conversations": [...]}, ...], where the benchmark takes one)')
             first = False
-            yield where, json_object(text, where, allowed)
+            try:
+                data = json_object(text, where, allowed)
+            except ValueError:
+                other = foreign_form(text)
+                if other:
+                    raise ValueError(f"{where}: {other}") from None
+                raise
+            yield where, data
+
+
+def foreign_form(line: str) -> Optional[str]:
+    """What a JSON line no trace form takes is, when it is a known document of another tool's, and what to give
+    instead; None for any other line."""
+    try:
+        data = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    if "conversations" in data:
+        return ("a ShareGPT conversation as a JSON line: a ShareGPT dataset is read as vLLM's benchmarks read it, one "
+                'JSON array of conversations, [{"conversations": [...]}, ...] (make the lines one array: '
+                "jq -s . FILE)")  # fmt: skip
+    if "samples" in data and "metadata" in data:
+        return ("TensorRT-LLM's C++ benchmark workload (prepare_dataset.py --output), which trtllm-bench does not read "
+                "either: give the JSON Lines that prepare_dataset.py --stdout (or trtllm-bench prepare-dataset "
+                "--output) writes, one request a line, {\"task_id\": N, \"input_ids\": [...], \"output_tokens\": N}")
+    return None
 
 
 def read_lines(path: str | Path) -> Iterator[str]:
