@@ -197,6 +197,8 @@ WORKLOAD = {"metadata": {"workload_type": "token-norm-dist", "max_input_len": 3,
 @pytest.mark.parametrize("document,words,fixed", [
     (SHAREGPT_ENTRY, "a ShareGPT conversation as a JSON line: a ShareGPT dataset is read as vLLM's benchmarks read it, "
                      "one JSON array of conversations", json.dumps([SHAREGPT_ENTRY])),
+    ({"version": 3, "data": [SHAREGPT_ENTRY]}, "a JSON object holding ShareGPT conversations under 'data': a "
+                                                "ShareGPT dataset is the array itself", json.dumps([SHAREGPT_ENTRY])),
     (WORKLOAD, "TensorRT-LLM's C++ benchmark workload (prepare_dataset.py --output), which trtllm-bench does not read "
                "either: give the JSON Lines that prepare_dataset.py --stdout", json.dumps(
                    {"task_id": 0, "input_ids": [7, 8, 9], "output_tokens": 4})),
@@ -204,7 +206,7 @@ WORKLOAD = {"metadata": {"workload_type": "token-norm-dist", "max_input_len": 3,
 @pytest.mark.parametrize("command", ["memory", "throughput", "serve"])
 def test_another_tools_document_as_json_lines_is_named(tiny_engine_dir, tmp_path, command, document, words, fixed):
     """Was "unknown field(s) ['conversations', 'id']; allowed: ['arrival', ...]": the line is now named for what it
-    is, with what to give; that (the conversation as an array, the workload's sample as a request line) is read."""
+    is, with what to give; that (the conversations as an array, the workload's sample as a request line) is read."""
     path = tmp_path / "trace.jsonl"
     path.write_text(json.dumps(document) + "\n")
     args = {"memory": ["bench", "memory", str(tiny_engine_dir), "--num-kv-blocks", "64"],

@@ -146,6 +146,11 @@ def foreign_form(line: str) -> Optional[str]:
         return ("a ShareGPT conversation as a JSON line: a ShareGPT dataset is read as vLLM's benchmarks read it, one "
                 'JSON array of conversations, [{"conversations": [...]}, ...] (make the lines one array: '
                 "jq -s . FILE)")  # fmt: skip
+    held = next((key for key, value in data.items() if isinstance(value, list) and value
+                 and isinstance(value[0], dict) and "conversations" in value[0]), None)
+    if held is not None:
+        return (f"a JSON object holding ShareGPT conversations under {held!r}: a ShareGPT dataset is the array itself, "
+                f'[{{"conversations": [...]}}, ...], as vLLM\'s benchmarks read it (jq .{json.dumps(held)} FILE)')
     if "samples" in data and "metadata" in data:
         return ("TensorRT-LLM's C++ benchmark workload (prepare_dataset.py --output), which trtllm-bench does not read "
                 "either: give the JSON Lines that prepare_dataset.py --stdout (or trtllm-bench prepare-dataset "
