@@ -217,3 +217,18 @@ def test_another_tools_document_as_json_lines_is_named(tiny_engine_dir, tmp_path
         path.write_text(fixed + "\n")
         result = CliRunner().invoke(main, [*args, "--trace", str(path)])
         assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("encoding,order", [("utf-16", "little-endian"), ("utf-16-be", "big-endian")])
+def test_a_utf16_trace_is_named_as_one(tiny_engine_dir, tmp_path, encoding, order):
+    """`prepare_dataset.py --stdout > dataset.jsonl` in Windows PowerShell 5 writes UTF-16 with a byte-order mark: it
+    was "not UTF-8 text (invalid start byte at byte 0)", nothing said of what it is. Its UTF-8 text is read."""
+    text = '{"task_id": 0, "input_ids": [7, 8, 9], "output_tokens": 4}\r\n'
+    path = tmp_path / "dataset.jsonl"
+    path.write_bytes(("\ufeff" if encoding == "utf-16-be" else "").encode(encoding) + text.encode(encoding))
+    args = ["bench", "throughput", str(tiny_engine_dir), "--baseline", "none", "--trace", str(path)]
+    one_line_failure(CliRunner().invoke(main, args), f"dataset.jsonl: UTF-16 text ({order}), not UTF-8 text (invalid "
+                     f"start byte at byte 0): convert it first (iconv -f UTF-16 -t UTF-8 {path}); expected")
+    path.write_text(path.read_bytes().decode("utf-16"))
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0 and "1 trtllm-bench requests (1 as token ids" in result.output, result.output

@@ -174,16 +174,25 @@ def read_lines(path: str | Path) -> Iterator[str]:
             yield line.rstrip("\r\n")
 
 
-# the leading bytes of the compressed forms a trace may be downloaded in
-_COMPRESSED = ((b"\x1f\x8b", "gzip", "gunzip"), (b"\x28\xb5\x2f\xfd", "zstd", "unzstd"),
-               (b"\xfd7zXZ\x00", "xz", "unxz"), (b"BZh", "bzip2", "bunzip2"), (b"PK\x03\x04", "zip", "unzip"))
+# what a file that is not UTF-8 is by its leading bytes, and the command that gives its text: the compressed forms a
+# trace may be downloaded in, and UTF-16 (what Windows PowerShell 5's `>` writes a program's output as)
+_NOT_UTF8 = (
+    (b"\x1f\x8b", "a gzip-compressed file", "decompress it first (gunzip FILE)"),
+    (b"\x28\xb5\x2f\xfd", "a zstd-compressed file", "decompress it first (unzstd FILE)"),
+    (b"\xfd7zXZ\x00", "an xz-compressed file", "decompress it first (unxz FILE)"),
+    (b"BZh", "a bzip2-compressed file", "decompress it first (bunzip2 FILE)"),
+    (b"PK\x03\x04", "a zip archive", "take the file out first (unzip FILE)"),
+    (b"\xff\xfe", "UTF-16 text (little-endian)", "convert it first (iconv -f UTF-16 -t UTF-8 FILE)"),
+    (b"\xfe\xff", "UTF-16 text (big-endian)", "convert it first (iconv -f UTF-16 -t UTF-8 FILE)"),
+)
 
 
 def not_utf8(path: str | Path, expected: str) -> ValueError:
     """The error for a trace file that is not UTF-8 text, naming the first byte that is not and what was `expected`;
-    a compressed file is named as one, with the command that gives its text (no reader decompresses: the trace forms
-    are published as text). The file is read again to find the byte (a text-mode reader's error counts from its
-    last buffer, not the file's start)."""
+    a compressed or UTF-16 file is named as one, with the command that gives its UTF-8 text (no reader decompresses
+    or converts: the trace forms are published as UTF-8 text, and vLLM's and trtllm-bench's readers take only that).
+    The file is read again to find the byte (a text-mode reader's error counts from its last buffer, not the file's
+    start)."""
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset, where = 0, ""
     with open(path, "rb") as f:
@@ -199,11 +208,9 @@ def not_utf8(path: str | Path, expected: str) -> ValueError:
             if not chunk:
                 break
             offset += len(chunk)
-    found = next(((kind, tool) for magic, kind, tool in _COMPRESSED if head.startswith(magic)), None)
-    if found:
-        return ValueError(f"{path}: a {found[0]}-compressed file, not UTF-8 text{where}: decompress it first "
-                          f"({found[1]} {path}); expected {expected}")  # fmt: skip
-    return ValueError(f"{path}: not UTF-8 text{where}; expected {expected}")
+    what, advice = next(((what, advice) for magic, what, advice in _NOT_UTF8 if head.startswith(magic)), ("", ""))
+    return ValueError(f"{path}: {what + ', ' if what else ''}not UTF-8 text{where}"
+                      f"{': ' + advice.replace('FILE', str(path)) if advice else ''}; expected {expected}")
 
 
 def load_trace(path: str | Path) -> list[TraceRequest]:
