@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import time
 
 import pytest
@@ -197,6 +198,24 @@ def test_echo_with_max_tokens_0_ends_with_length_whatever_ended_its_dropped_toke
                      if c.get("finish_reason")]  # fmt: skip
     conn.close()
     assert ends == [("length", None)] * 2
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_max_tokens_0_logs_the_finish_reason_its_answer_gave(server, stream, caplog):
+    """The access log line's finish= is the answer's: it said "stop" (the dropped token's) where the answer said
+    "length"."""
+    body = {"model": MODEL, "prompt": f"log this {stream}", "max_tokens": 0, "echo": True, "n": 2,
+            "allowed_token_ids": [7], "stop_token_ids": [7], "stream": stream}  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="trtpaged.server"):
+        status, _, answer = request(server, "/v1/completions", body)
+        assert status == 200, answer
+        rid = json.loads(answer.split("data: ", 2)[1].splitlines()[0])["id"] if stream else answer["id"]
+        for _ in range(50):  # the line is written once the response has ended
+            lines = [r.getMessage() for r in caplog.records if f" 200 {rid} " in r.getMessage()]
+            if lines:
+                break
+            time.sleep(0.1)
+    assert len(lines) == 1 and " completion=0 finish=length " in lines[0], lines
 
 
 def test_every_prompt_that_fails_in_the_same_step_is_counted(server):

@@ -524,7 +524,7 @@ class GenerationService:
         s.summary.prompt_tokens = sum(state.prompt_tokens.values())
         s.summary.cached_tokens = sum(cached.values())
         s.summary.completion_tokens = 0 if s.req.echo_only else state.completion_tokens
-        s.summary.finish_reasons = state.finish_reasons
+        s.summary.finish_reasons = ["length"] * len(state.finish_reasons) if s.req.echo_only else state.finish_reasons
         s.summary.reasoning_tokens = sum(reading.reasoning_tokens for reading in thoughts.values())
         s.summary.reasoning_span = sum(reading.span for reading in thoughts.values())
         if s.req.include_usage:
@@ -592,5 +592,6 @@ class _FirstChunks:
 def _summarise(summary: Summary, finals: list[RequestOutput], echo_only: bool = False) -> None:
     summary.prompt_tokens = sum(len(o.prompt_token_ids) for o in finals)
     summary.completion_tokens = 0 if echo_only else sum(len(c.token_ids) for o in finals for c in o.outputs)
-    summary.finish_reasons = [c.finish_reason or "?" for o in finals for c in o.outputs]
+    # echo_only: the answer's "length", not what ended the token sampled to score the prompt (dropped)
+    summary.finish_reasons = [("length" if echo_only else c.finish_reason) or "?" for o in finals for c in o.outputs]
     summary.cached_tokens = sum(o.num_cached_tokens or 0 for o in finals)
