@@ -104,3 +104,11 @@ def test_the_report_states_the_fraction_of_the_limit_for_a_single_stream(tiny_en
     expected = row["weight_bytes_per_step"] / (row["read_gbs"] * 1e9) / row["tpot_p50_s"]
     line = next(x for x in format_throughput_report(report).splitlines() if "weight-streaming limit" in x)
     assert line.startswith("trtpaged: ") and line.endswith(f"{expected:.2f} of the limit")
+
+
+def test_a_tensor_parallel_row_states_no_limit(tiny_kv4_engines) -> None:
+    """Rank 0's runner holds its shard only (and the ranks read theirs with their own threads): the row gave that
+    shard's bytes over one rank's bandwidth as the limit; it now gives none, as for a CUDA or TensorRT runner."""
+    one, two = (run_trtpaged(str(tiny_kv4_engines[n]), ONE) for n in (1, 2))
+    assert one.weight_bytes_per_step and one.read_gbs  # the same model on one rank has one
+    assert two.weight_bytes_per_step is None and two.read_gbs is None

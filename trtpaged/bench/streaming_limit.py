@@ -87,9 +87,13 @@ class StreamingLimit:
                 "limit")
 
 
-def measure(model: Optional[nn.Module]) -> Optional[StreamingLimit]:
-    """The limit of `model`'s decode steps on this machine, or None where there is no single CPU model to read
-    (tensor-parallel ranks, a CUDA device)."""
+def measure(runner: object) -> Optional[StreamingLimit]:
+    """The limit of the decode steps of an engine's `runner` on this machine, or None where there is no single CPU
+    model to read (tensor-parallel ranks, whose rank-0 runner holds its shard only; a CUDA device; a TensorRT
+    engine)."""
+    from trtpaged.runtime.runners.torch_runner import TorchRunner
+
+    model = runner.model if isinstance(runner, TorchRunner) else None
     if model is None or not hasattr(model, "embed_tokens"):
         return None
     if any(p.device.type != "cpu" for p in model.parameters()):

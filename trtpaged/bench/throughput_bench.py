@@ -263,7 +263,7 @@ def run_trtpaged(engine_dir: str, requests: list[Request], name: str = "trtpaged
                           lambda work, r: _timed_round(llm.engine, work, name, say, f"bench-r{r}", sequential))
     if sequential or len(requests) == 1:
         say(f"{name}: measuring the read bandwidth (the weight-streaming limit)")
-        limit = streaming_limit.measure(getattr(llm.engine.runner, "model", None))
+        limit = streaming_limit.measure(llm.engine.runner)
         if limit is not None:
             result.weight_bytes_per_step, result.read_gbs = limit.weight_bytes, limit.read_gbs
     return result
