@@ -28,9 +28,11 @@ ENGINE_STATS: dict[str, tuple[str, str, str]] = {
     "num_waiting": ("num_requests_waiting", "gauge", "Requests waiting for admission (or preempted)."),
     "num_swapped": ("num_requests_swapped", "gauge", "Requests swapped out to host memory."),
     "num_running_seqs": ("num_sequences_running", "gauge",
-                         "Samples or beams in the running batch (a request's n before its first token)."),
+                         "Samples or beams in the running batch (before its first token, a request's n samples or "
+                         "one beam)."),
     "num_waiting_seqs": ("num_sequences_waiting", "gauge",
-                         "Samples or beams waiting: queued, preempted or swapped out (n per request not started)."),
+                         "Samples or beams waiting: queued, preempted or swapped out (before its first token, a "
+                         "request's n samples or one beam)."),
     "num_preemptions": ("num_preemptions", "counter",
                         "Sequences preempted (recompute or swap): each sample or beam, as vLLM counts child requests."),
     "prefix_cache_queries_tokens": ("prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache."),
