@@ -89,6 +89,12 @@ def test_the_limit_is_the_weights_over_the_bandwidth_and_the_line_states_the_fra
     assert "90.0 MB" in line and "30.0 GB/s" in line and "3.00 ms" in line and "0.75 of the limit" in line
 
 
+def test_the_bandwidth_buffer_is_the_weights_size_within_its_bounds() -> None:
+    assert streaming_limit.buffer_bytes(96_576_768) == 96_576_768
+    assert streaming_limit.buffer_bytes(1_000) == streaming_limit.MIN_READ_BYTES
+    assert streaming_limit.buffer_bytes(16 << 30) == streaming_limit.MAX_READ_BYTES  # a 16 GB float model
+
+
 def test_a_single_stream_row_reports_its_weights_and_a_bandwidth(tiny_engine_dir) -> None:
     result = run_trtpaged(str(tiny_engine_dir), ONE)
     weights = streaming_limit.decode_weight_bytes(_model(tiny_engine_dir)[0])

@@ -7,13 +7,15 @@ states the decode time (TPOT p50) as a fraction of that limit.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
 
-# The read-bandwidth buffer: at least this large, so that the last-level cache does not serve it.
+# The read-bandwidth buffer: at least this large, so that the last-level cache does not serve it, and at most this
+# large (a large float model's weights again would double the row's memory; past the caches the figure is the same)
 MIN_READ_BYTES = 64 << 20
+MAX_READ_BYTES = 1 << 30
 
 
 def _compute_form(module: nn.Module) -> list[torch.Tensor]:
@@ -60,11 +62,16 @@ def decode_weight_bytes(model: nn.Module) -> int:
 
 
 def read_bandwidth_gbs(num_bytes: int, repeats: int = 7) -> float:
-    """The machine's read bandwidth in GB/s over a buffer of max(num_bytes, MIN_READ_BYTES): torch's multithreaded
-    sum over float32, the best of `repeats`."""
+    """The machine's read bandwidth in GB/s over a buffer of num_bytes, within [MIN_READ_BYTES, MAX_READ_BYTES]:
+    torch's multithreaded sum over float32, the best of `repeats`."""
     from trtpaged.bench.qlinear_bench import read_bandwidth_gbs as sum_bandwidth
 
-    return sum_bandwidth(max(num_bytes, MIN_READ_BYTES), repeats)
+    return sum_bandwidth(buffer_bytes(num_bytes), repeats)
+
+
+def buffer_bytes(weight_bytes: int) -> int:
+    """The read-bandwidth buffer's size for weights of `weight_bytes`."""
+    return min(max(weight_bytes, MIN_READ_BYTES), MAX_READ_BYTES)
 
 
 @dataclass(frozen=True)
@@ -87,7 +94,7 @@ class StreamingLimit:
                 "limit")
 
 
-def measure(runner: object) -> Optional[StreamingLimit]:
+def measure(runner: object, say: Callable[[str], None] = lambda _m: None) -> Optional[StreamingLimit]:
     """The limit of the decode steps of an engine's `runner` on this machine, or None where there is no single CPU
     model to read (tensor-parallel ranks, whose rank-0 runner holds its shard only; a CUDA device; a TensorRT
     engine)."""
@@ -99,4 +106,5 @@ def measure(runner: object) -> Optional[StreamingLimit]:
     if any(p.device.type != "cpu" for p in model.parameters()):
         return None
     weight_bytes = decode_weight_bytes(model)
+    say(f"measuring the read bandwidth over {buffer_bytes(weight_bytes) / 1e6:.0f} MB (the weight-streaming limit)")
     return StreamingLimit(weight_bytes, read_bandwidth_gbs(weight_bytes))

@@ -262,8 +262,7 @@ def run_trtpaged(engine_dir: str, requests: list[Request], name: str = "trtpaged
     result = later_rounds(result, requests, llm.manifest.dims.vocab_size, rounds, say,
                           lambda work, r: _timed_round(llm.engine, work, name, say, f"bench-r{r}", sequential))
     if sequential or len(requests) == 1:
-        say(f"{name}: measuring the read bandwidth (the weight-streaming limit)")
-        limit = streaming_limit.measure(llm.engine.runner)
+        limit = streaming_limit.measure(llm.engine.runner, lambda m: say(f"{name}: {m}"))
         if limit is not None:
             result.weight_bytes_per_step, result.read_gbs = limit.weight_bytes, limit.read_gbs
     return result
