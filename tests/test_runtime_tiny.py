@@ -292,3 +292,54 @@ def test_a_group_waiting_to_share_can_be_swapped_out_and_back(hf):
     assert swaps > 0 and sum(o.num_preemptions for o in got) > swaps
     assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in alone]
     assert engine.kv.pool.num_used == 0
+
+
+class _OutputPenalties:
+    """vLLM's presence and frequency penalties as a transformers logits processor: over the output tokens only
+    (those after the prompt's `num_prompt` tokens)."""
+
+    def __init__(self, num_prompt: int, presence: float, frequency: float) -> None:
+        self.num_prompt, self.presence, self.frequency = num_prompt, presence, frequency
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        counts = torch.bincount(input_ids[0, self.num_prompt :], minlength=scores.shape[1]).float()
+        return scores - self.frequency * counts - self.presence * (counts > 0).float()
+
+
+def _hf_penalised_greedy(hf, prompt: list[int], params: SamplingParams, steps: int) -> list[int]:
+    """Greedy tokens of the HF model with the request's logit_bias, transformers' repetition penalty (prompt and
+    output) and the output-only penalties applied to each step's logits, EOS ignored."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    processors = [RepetitionPenaltyLogitsProcessor(params.repetition_penalty),
+                  _OutputPenalties(len(prompt), params.presence_penalty, params.frequency_penalty)]  # fmt: skip
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(steps):
+            scores = hf.model(ids).logits[:, -1, :].float()
+            for token, bias in (params.logit_bias or {}).items():
+                scores[0, token] += bias
+            for processor in processors:
+                scores = processor(ids, scores)
+            ids = torch.cat([ids, scores.argmax(dim=1, keepdim=True)], dim=1)
+    return ids[0, len(prompt) :].tolist()
+
+
+def test_greedy_equivalent_extremes_with_penalties_at_their_bounds_match_hf(hf, prompts):
+    """Settings that leave one token each step (a temperature far below 1e-5, top_k 1, top_p 1e-9, min_p 1) with
+    every penalty at its bound over 40 tokens, n=2 forks and preemption: exactly the reference's greedy tokens,
+    penalties counted from each sequence's own history (repetition: prompt and output; presence, frequency:
+    output only)."""
+    steps = 40
+    cases = [dict(temperature=1e-30, repetition_penalty=100.0, frequency_penalty=-2.0),
+             dict(temperature=0.7, top_k=1, repetition_penalty=0.01, presence_penalty=2.0, seed=2**63 - 1),
+             dict(temperature=3.0, top_p=1e-9, presence_penalty=-2.0, frequency_penalty=2.0, n=2, seed=-(2**63)),
+             dict(temperature=1.0, min_p=1.0, presence_penalty=2.0, frequency_penalty=-2.0, n=2,
+                  logit_bias={t: -100.0 for t in range(0, 256, 2)})]  # fmt: skip
+    requests = [(p, SamplingParams(max_tokens=steps, ignore_eos=True, **kw)) for kw in cases for p in prompts[1:4]]
+    engine = make(hf, num_kv_blocks=20)
+    outs = run_staggered(engine, requests, every=2)
+    for (prompt, params), out in zip(requests, outs):
+        expected = _hf_penalised_greedy(hf, prompt, params, steps)
+        assert [c.token_ids for c in out.outputs] == [expected] * params.n, params
+    assert engine.stats()["num_preemptions"] > 0 and engine.kv.pool.num_used == 0
