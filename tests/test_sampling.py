@@ -416,6 +416,25 @@ def test_extreme_values_within_range_sample_finite_tokens():
     assert [s.token_id for s in capped] == logits.argmax(dim=1).tolist()
 
 
+def test_min_p_keeps_its_support_at_any_temperature():
+    """min_p keeps the tokens with p >= min_p * p_max; at temperature T a token's p / p_max is its ratio at 1 raised
+    to 1/T, so transformers' MinPLogitsWarper with min_p ** T over the unscaled logits (float64) is the reference.
+    At a large temperature every float32 probability rounds to one value: min_p 1 at T >= 1e6 kept the whole
+    vocabulary (a uniform draw where the argmax is the one token it allows)."""
+    from transformers.generation.logits_process import MinPLogitsWarper
+
+    logits = torch.randn(97, generator=torch.Generator().manual_seed(6)) * 3
+    temperatures = (0.5, 1.0, 1e3, 1e6, 1e20, 3.4e38)
+    params = [SamplingParams(temperature=t, min_p=m) for t in temperatures for m in (0.1, 0.9, 1.0)]
+    kept = torch.isfinite(filter_logits(logits.repeat(len(params), 1), params))
+    for got, p in zip(kept, params):
+        reference = MinPLogitsWarper(p.min_p**p.temperature)(None, logits.double().unsqueeze(0))[0]
+        assert got.tolist() == torch.isfinite(reference).tolist(), p
+    hottest = SamplingParams(temperature=3.4e38, min_p=1.0)
+    drawn = sample(logits.repeat(8, 1), [row(i, hottest, seed=i) for i in range(8)])
+    assert {s.token_id for s in drawn} == {int(logits.argmax())}
+
+
 def test_beam_scores_stay_finite_at_the_length_penalty_bounds():
     for length_penalty in (-10.0, 10.0):
         beam = BeamSearch(SamplingParams(beam_width=2, length_penalty=length_penalty), [0], 2**31)

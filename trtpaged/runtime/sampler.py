@@ -153,8 +153,11 @@ def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
     logits = logits / _column([p.temperature for p in params])
     min_p = [p.min_p for p in params]
     if max(min_p) > 0.0:
-        probs = torch.softmax(logits, dim=1)
-        logits = logits.masked_fill(probs < _column(min_p) * probs.max(dim=1, keepdim=True).values, float("-inf"))
+        # p < min_p * p_max, compared as log-probability gaps: at a large temperature every probability rounds to
+        # the same float32 (exp of a gap below 6e-8 is 1.0) and min_p 1 kept the whole vocabulary; the log is
+        # taken in float64 (a min_p below 1e-45 is 0 in float32)
+        gap = logits - logits.max(dim=1, keepdim=True).values
+        logits = logits.masked_fill(gap < _column([math.log(p) if p > 0 else -math.inf for p in min_p]), float("-inf"))
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     top_p = [p.top_p for p in params]
     if min(top_k) < vocab or min(top_p) < 1.0:
