@@ -4,7 +4,7 @@ The model is SmolLM2's first TRUNCATED_LAYERS of 30 layers, saved as an HF dir: 
 heads, 1 KV head and 512 MLP columns of real weights, in under half the full model's time (74 s against 166 s).
 Greedy tokens must equal the 1-rank engine's except at near-ties: where they part, the two tokens' logits
 under HF's own forward of the same truncated model (the independent truth) must be within a small fraction
-of the logit range.
+of the largest |logit| (NEAR_TIE).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Turns one step's logits into tokens for every sampling row at once.
 
-Penalties, temperature, top-k, top-p, min-p, greedy choice and log-probs are
+Penalties, temperature, min-p, top-k, top-p, greedy choice and log-probs are
 tensor operations over all rows of the step; only the random draw is per row,
 from the row's own generator when its request is seeded, so a seeded request
 draws the same tokens whatever else is batched with it.
@@ -321,7 +321,7 @@ def rejection_run(logits: torch.Tensor, rows: Sequence[SampleRow], draft: Sequen
                   q: torch.Tensor) -> Optional[Run]:  # fmt: skip
     """Speculative sampling against a draft's distribution q ([len(draft), vocab]): draft token d_i is kept
     with probability min(1, p_i(d_i) / q_i(d_i)), p_i being the target's processed distribution at row i
-    (penalties, filters, temperature, top-k/p, min-p, as `sample` draws); at the first rejection the token is
+    (penalties, filters, temperature, min-p, top-k/p, as `sample` draws); at the first rejection the token is
     drawn from norm(max(0, p_i - q_i)); all kept, the next from p_k. The output follows p (Leviathan et al.,
     Chen et al.). Uniforms and draws come from the rows' generator (a seeded request: reproducible)."""
     gen = rows[0].generator
