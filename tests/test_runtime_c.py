@@ -700,6 +700,27 @@ def test_bad_requests_and_steps_name_the_argument(lib, tiny_engine_dir):
         assert lib_.trtpaged_runtime_close(None) is None
 
 
+@pytest.mark.parametrize("stop_token_ids", [[5, 320], [-1], [2**31 - 1]])
+def test_stop_token_ids_outside_the_vocabulary_are_refused_as_python_refuses_them(lib, tiny_engine_dir,
+                                                                                   stop_token_ids):
+    """A stop token id outside the vocabulary (which no step can sample) is refused naming it, as the Python engine
+    refuses it (was: accepted, and the request ran to max_tokens)."""
+    llm = LLM(tiny_engine_dir, device="cpu", backend="torch")
+    with pytest.raises(ValueError) as python:
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, stop_token_ids=stop_token_ids))
+    bad = next(t for t in stop_token_ids if not 0 <= t < 320)
+    assert f"token id {bad} is outside the vocabulary [0, 320)" in str(python.value)
+    with CRuntime(lib, tiny_engine_dir, num_kv_blocks=4) as rt:
+        ids = i32_array(stop_token_ids)
+        with pytest.raises(CError) as c:
+            rt.add([1, 2, 3], 2, stop_token_ids=ctypes.cast(ids, ctypes.c_void_p), num_stop_token_ids=len(ids))
+        index = stop_token_ids.index(bad)
+        assert c.value.message == (f"sampling.stop_token_ids[{index}]: token id {bad} is outside the vocabulary "
+                                   f"[0, {rt.info.vocab_size})")
+        assert rt.stats().kv_blocks_free == 4 and rt.stats().num_waiting == 0
+        rt.add([1, 2, 3], 2, stop_token_ids=ctypes.cast(i32_array([319]), ctypes.c_void_p), num_stop_token_ids=1)
+
+
 # Steps through a positions array that ends where an unmapped page begins: reading one element past it is a
 # SIGSEGV, so this fails on a runtime that reads positions through query_start before checking it (what an
 # ordinary allocation only shows under AddressSanitizer). A process of its own, so that the crash is not pytest's.

@@ -131,7 +131,8 @@ typedef struct trtpaged_sampling {
   float top_p;                    /* (0, 1]; 1: off (sampled only) */
   int32_t has_seed;               /* 1: draw from a private generator seeded with seed */
   uint64_t seed;
-  const int32_t* stop_token_ids;  /* tokens that end the request (kept in its output); may be NULL if 0 */
+  const int32_t* stop_token_ids;  /* tokens in [0, vocab_size) that end the request (kept in its output); may be NULL
+                                     if 0 */
   int32_t num_stop_token_ids;     /* at most 64 */
   int32_t ignore_eos;             /* 1: do not stop at the manifest's eos_token_ids */
 } trtpaged_sampling;

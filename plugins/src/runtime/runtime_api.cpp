@@ -191,6 +191,14 @@ int64_t kv_blocks(const Manifest& m, const trtpaged_open_options& o, const std::
   return blocks;
 }
 
+// ids[0, n): token ids inside the vocabulary, else the first one outside is named (`name`[i]).
+void check_token_ids(const int32_t* ids, int32_t n, int64_t vocab, const char* name) {
+  for (int32_t i = 0; i < n; ++i)
+    if (ids[i] < 0 || ids[i] >= vocab)
+      invalid(std::string(name) + "[" + std::to_string(i) + "]: token id " + std::to_string(ids[i]) +
+              " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
+}
+
 void check_step(const trtpaged_runtime& rt, const trtpaged_step_inputs& s, size_t logits_capacity) {
   const Limits& l = rt.limits;
   const int64_t max_blocks = (l.max_seq_len + l.block_size - 1) / l.block_size;
@@ -215,10 +223,7 @@ void check_step(const trtpaged_runtime& rt, const trtpaged_step_inputs& s, size_
   if (size_t(s.num_outputs) * size_t(vocab) > logits_capacity)
     invalid("logits_capacity: " + std::to_string(logits_capacity) + " floats; num_outputs x vocab_size needs " +
             std::to_string(int64_t(s.num_outputs) * vocab));
-  for (int32_t t = 0; t < s.num_tokens; ++t)
-    if (s.input_ids[t] < 0 || s.input_ids[t] >= vocab)
-      invalid("inputs.input_ids[" + std::to_string(t) + "]: token id " + std::to_string(s.input_ids[t]) +
-              " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
+  check_token_ids(s.input_ids, s.num_tokens, vocab, "inputs.input_ids");
   if (s.query_start[0] != 0 || s.query_start[s.num_seqs] != s.num_tokens)
     invalid("inputs.query_start: must run from 0 to num_tokens");
   // all of query_start before any of positions is read through it: with 0 <= query_start[q] <= query_start[q + 1]
@@ -495,10 +500,7 @@ TRTPAGED_API trtpaged_status trtpaged_request_add(trtpaged_runtime* rt, const in
     }
     rt->scheduler->check_request(prompt_len, s.max_tokens);  // first: a length that cannot run is not read
     const int64_t vocab = rt->manifest.vocab_size;
-    for (int32_t i = 0; i < prompt_len; ++i)
-      if (prompt[i] < 0 || prompt[i] >= vocab)
-        invalid("prompt[" + std::to_string(i) + "]: token id " + std::to_string(prompt[i]) +
-                " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
+    check_token_ids(prompt, prompt_len, vocab, "prompt");
     if (!(std::isfinite(s.temperature) && s.temperature >= 0))
       invalid("sampling.temperature: got " + std::to_string(s.temperature) + "; expected a finite number >= 0");
     if (s.top_k < -1)
@@ -508,6 +510,7 @@ TRTPAGED_API trtpaged_status trtpaged_request_add(trtpaged_runtime* rt, const in
     if (s.num_stop_token_ids < 0 || s.num_stop_token_ids > 64)
       invalid("sampling.num_stop_token_ids: got " + std::to_string(s.num_stop_token_ids) + "; expected 0 to 64");
     if (s.num_stop_token_ids > 0) need(s.stop_token_ids, "sampling.stop_token_ids");
+    check_token_ids(s.stop_token_ids, s.num_stop_token_ids, vocab, "sampling.stop_token_ids");
     auto r = std::make_unique<Request>();
     r->id = rt->next_id++;
     r->arrival = r->id;
