@@ -20,6 +20,7 @@ from conftest import save_manifest
 from c_runtime import (REPO, CError, CRuntime, Stats, StepInputs, build, check, generate, i32_array, load,
                        parse_outputs, setup_build_dir)
 from trtpaged import LLM, SamplingParams
+from trtpaged.manifest import EngineDirError, read_manifest
 
 MAX_TOKENS = 24
 # A is exactly max_num_tokens long, so it is prefilled alone and its full blocks are cached before B (which shares
@@ -175,7 +176,8 @@ def edited_engine(src: Path, dst: Path, edit) -> Path:
     (lambda m: m.update(weights_file="../weights.safetensors"), "invalid_argument", "weights_file"),
     (lambda m: m["limits"].update(block_size=12), "invalid_argument", "limits.block_size"),
     (lambda m: m["dims"].update(hidden_size=96), "invalid_argument", "embed_tokens.weight"),
-    (lambda m: m.update(quantization={"modules": {"lm_head": [3, 32]}}), "invalid_argument", "quantization.modules"),
+    (lambda m: m.update(quantization={"weights": "int4", "modules": {"lm_head": [3, 32]}}), "invalid_argument",
+     "quantization.modules"),
     (lambda m: m.update(surprise=1), "invalid_argument", "surprise: unknown field"),
     # finite and positive as a double, 0 as a float: every angle would be NaN
     (lambda m: m["dims"].update(rope_scaling={"rope_type": "linear", "factor": 1e-300}), "invalid_argument",
@@ -259,6 +261,47 @@ def test_open_refuses_bad_engine_dirs(lib, tiny_engine_dir, tmp_path, edit, stat
     with pytest.raises(CError) as e:
         CRuntime(lib, engine)
     assert e.value.status == status and named in e.value.message
+
+
+@pytest.mark.parametrize("quantization, field", [({"group_size": 32}, "quantization.weights"),
+                                                   ({"weights": "int2"}, "quantization.weights"),
+                                                   ({"weights": "int8", "origin": 5}, "quantization.origin"),
+                                                   ({"weights": "int8", "origin": {"g": "7"}}, "quantization.origin"),
+                                                   ({"weights": "int4", "group_size": 0}, "quantization.group_size"),
+                                                   ({"weights": "int8", "activations": 8}, "quantization.activations")])
+def test_a_quantization_summary_the_python_loader_refuses_is_refused(lib, tiny_engine_dir, tmp_path, quantization,
+                                                                     field):
+    """The manifest's quantization summary is checked as trtpaged/manifest.py checks it (was: opened, the C runtime
+    reading only its modules and activations, so a float engine could claim int4 weights)."""
+    engine = edited_engine(tiny_engine_dir, tmp_path / "engine", lambda m: m.update(quantization=quantization))
+    with pytest.raises(EngineDirError) as python:
+        read_manifest(engine)
+    assert python.value.field == field
+    with pytest.raises(CError) as c:
+        CRuntime(lib, engine)
+    assert c.value.status == "invalid_argument" and f"trtpaged.json: {field}: got " in c.value.message
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dangling link", "directory"])
+def test_a_manifest_that_is_not_a_regular_file_is_named_so(lib, tiny_engine_dir, tmp_path, kind):
+    """A FIFO, a dangling link or a dir in place of trtpaged.json is "not a regular file", as the Python loader says
+    (was: "missing; not an engine dir", an IO error); a manifest that is not there is still that."""
+    engine = tmp_path / "engine"
+    shutil.copytree(tiny_engine_dir, engine)
+    manifest = engine / "trtpaged.json"
+    manifest.unlink()
+    {"fifo": os.mkfifo, "dangling link": lambda p: p.symlink_to(tmp_path / "gone.json"), "directory": Path.mkdir}[kind](
+        manifest)
+    with pytest.raises(EngineDirError) as python:
+        read_manifest(engine)
+    assert python.value.field == "(file)" and "is not a regular file" in str(python.value)
+    with pytest.raises(CError) as c:
+        CRuntime(lib, engine)
+    assert (c.value.status, c.value.message) == ("invalid_argument", f"{manifest}: (file): is not a regular file")
+    manifest.unlink() if kind != "directory" else manifest.rmdir()
+    with pytest.raises(CError) as c:
+        CRuntime(lib, engine)
+    assert c.value.status == "io" and "(file): missing; not an engine dir" in c.value.message
 
 
 def test_a_window_no_sequence_reaches_is_read_as_none(lib, tiny_engine_dir, tmp_path):

@@ -321,6 +321,16 @@ void read_family_fields(const Fields& dims, Manifest& m) {
 
 void read_quantization(const json& q, Manifest& m, const std::string& where) {
   Fields f(q, "quantization.", where);
+  if (q.empty()) return;
+  // the summary's types, as trtpaged/manifest.py checks them (a float engine's manifest may not claim one)
+  const json* weights = f.get("weights", false);
+  if (!weights || !weights->is_string() || (*weights != "int8" && *weights != "int4"))
+    f.bad("weights", "got " + (weights ? show(*weights) : std::string("none")) + "; one of int8, int4");
+  f.integer("group_size", 1, INT64_MAX, false);
+  for (const char* key : {"lm_head", "activations"}) f.string(key, false);
+  const json& origin = f.object("origin", false);
+  if (!std::all_of(origin.begin(), origin.end(), [](const json& n) { return n.is_number_integer(); }))
+    f.bad("origin", "got " + show(origin) + "; expected {how: module count}");
   const json& modules = f.object("modules", false);
   for (auto it = modules.begin(); it != modules.end(); ++it) {
     const json& spec = it.value();
@@ -397,8 +407,11 @@ std::string engine_path(const std::string& root, const std::string& rel, const s
 Manifest read_manifest(const std::string& root) {
   const std::string where = root + "/" + kManifestName;
   struct stat st {};
-  if (::stat(where.c_str(), &st) != 0 || !S_ISREG(st.st_mode))
+  if (::stat(where.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) {
+    if (::lstat(where.c_str(), &st) == 0)  // a FIFO (whose open would block), a dir, a dangling link: not "missing"
+      invalid(where + ": (file): is not a regular file");
     raise(TRTPAGED_ERR_IO, where + ": (file): missing; not an engine dir (build one with trtpaged build)");
+  }
   // a symlink out of the dir is refused, as by the Python loader; the file is read as resolved (no swap in between)
   const std::string real = engine_path(root, kManifestName, "(manifest)");
   json data;
