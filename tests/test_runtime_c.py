@@ -764,6 +764,24 @@ def test_stop_token_ids_outside_the_vocabulary_are_refused_as_python_refuses_the
         rt.add([1, 2, 3], 2, stop_token_ids=ctypes.cast(i32_array([319]), ctypes.c_void_p), num_stop_token_ids=1)
 
 
+def test_two_sequences_writing_one_kv_slot_in_a_step_are_refused(lib, tiny_engine_dir):
+    """Two sequences of a step writing one KV slot are refused naming the token and the slot (was: run, the kernels
+    writing each sequence's K/V on its own thread: a data race); a block one sequence writes and another reads in
+    the same step runs, and gives the logits of the same tokens as one sequence."""
+    tokens = [(7 * i + 3) % 300 for i in range(17)]
+    with CRuntime(lib, tiny_engine_dir, num_kv_blocks=4) as rt:
+        with pytest.raises(CError) as c:
+            run_c_step(rt, dict(input_ids=[5, 6, 7], positions=[0, 1, 1], query_start=[0, 2, 3], context_lens=[2, 2],
+                                block_tables=[[0], [0]], logits_index=[1, 2]))
+        assert c.value.message.startswith("inputs.positions[2]: sequence 1 writes block 0 offset 1, as sequence 0 "
+                                          "(token 1) does in this step")
+        alone = run_c_step(rt, dict(input_ids=tokens, positions=list(range(17)), query_start=[0, 17],
+                                    context_lens=[17], block_tables=[[2, 3]], logits_index=[16]))
+        shared = run_c_step(rt, dict(input_ids=tokens, positions=list(range(17)), query_start=[0, 16, 17],
+                                     context_lens=[16, 17], block_tables=[[0, 0], [0, 1]], logits_index=[16]))
+        torch.testing.assert_close(shared, alone, atol=1e-5, rtol=0)
+
+
 # Steps through a positions array that ends where an unmapped page begins: reading one element past it is a
 # SIGSEGV, so this fails on a runtime that reads positions through query_start before checking it (what an
 # ordinary allocation only shows under AddressSanitizer). A process of its own, so that the crash is not pytest's.

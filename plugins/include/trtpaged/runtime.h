@@ -97,7 +97,8 @@ TRTPAGED_API trtpaged_status trtpaged_runtime_get_info(const trtpaged_runtime* r
  *   logits_index  [num_outputs]  rows of the packed tokens whose logits come back
  * Limits: 1 <= num_seqs <= max_batch_size, num_seqs <= num_tokens <= max_num_tokens,
  * 0 <= positions[t] < context_lens[s]. The new tokens' K/V is written to their slots (the slot of
- * position p is block_tables[s][p / block_size], offset p % block_size). */
+ * position p is block_tables[s][p / block_size], offset p % block_size); no slot is written by two sequences of
+ * a step (refused: give each writer its own block, trtpaged_runtime_copy_blocks). */
 typedef struct trtpaged_step_inputs {
   int32_t num_tokens, num_seqs, max_blocks_per_seq, num_outputs;
   const int32_t* input_ids;

@@ -13,6 +13,8 @@
 #include <memory>
 #include <new>
 #include <string>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "runtime/engine_dir.h"
@@ -199,6 +201,24 @@ void check_token_ids(const int32_t* ids, int32_t n, int64_t vocab, const char* n
               " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
 }
 
+// No KV slot written by two sequences in one step (s checked otherwise): the kernels write each sequence's K/V on
+// a thread of its own, so that would be a data race, not one token's K/V.
+void check_one_writer_per_slot(const trtpaged_runtime& rt, const trtpaged_step_inputs& s) {
+  const int32_t bs = rt.limits.block_size;
+  std::unordered_map<int64_t, std::pair<int32_t, int32_t>> writer;  // block * block_size + offset -> (seq, token)
+  for (int32_t q = 0; q < s.num_seqs; ++q)
+    for (int32_t t = s.query_start[q]; t < s.query_start[q + 1]; ++t) {
+      const int32_t pos = s.positions[t], block = s.block_tables[int64_t(q) * s.max_blocks_per_seq + pos / bs];
+      const auto [it, first] = writer.emplace(int64_t(block) * bs + pos % bs, std::make_pair(q, t));
+      if (!first && it->second.first != q)
+        invalid("inputs.positions[" + std::to_string(t) + "]: sequence " + std::to_string(q) + " writes block " +
+                std::to_string(block) + " offset " + std::to_string(pos % bs) + ", as sequence " +
+                std::to_string(it->second.first) + " (token " + std::to_string(it->second.second) +
+                ") does in this step; a KV slot takes one sequence's token a step (copy a shared block first: "
+                "trtpaged_runtime_copy_blocks)");
+    }
+}
+
 void check_step(const trtpaged_runtime& rt, const trtpaged_step_inputs& s, size_t logits_capacity) {
   const Limits& l = rt.limits;
   const int64_t max_blocks = (l.max_seq_len + l.block_size - 1) / l.block_size;
@@ -251,6 +271,7 @@ void check_step(const trtpaged_runtime& rt, const trtpaged_step_inputs& s, size_
         invalid("inputs.positions[" + std::to_string(t) + "]: got " + std::to_string(s.positions[t]) +
                 "; expected 0 to context_lens[" + std::to_string(q) + "] - 1 = " + std::to_string(len - 1));
   }
+  check_one_writer_per_slot(rt, s);
   for (int32_t i = 0; i < s.num_outputs; ++i)
     if (s.logits_index[i] < 0 || s.logits_index[i] >= s.num_tokens)
       invalid("inputs.logits_index[" + std::to_string(i) + "]: got " + std::to_string(s.logits_index[i]) +
