@@ -818,6 +818,25 @@ def test_query_start_is_checked_before_positions_are_read_through_it(build_dir, 
     assert run.stdout.startswith("1 inputs.query_start[2]: decreases"), run.stdout
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--max-tokens", "abc", "1,2"], "--max-tokens: 'abc' is not an integer in [-2147483648, 2147483647]"),
+    (["--max-tokens", "99999999999", "1,2"], "--max-tokens: '99999999999' is not an integer in [-2147483648, "
+                                             "2147483647]"),
+    (["--num-kv-blocks", "1e3", "1,2"], "--num-kv-blocks: '1e3' is not an integer in [-9223372036854775808, "
+                                        "9223372036854775807]"),
+    (["--max-batch-size", "0x10", "1,2"], "--max-batch-size: '0x10' is not an integer in [-2147483648, 2147483647]"),
+    (["1,99999999999"], "PROMPT '1,99999999999': '99999999999' is not a token id (comma-separated integers in "
+                        "[0, 2147483647])"),
+    (["--max-token", "4", "1,2"], "unknown option '--max-token'"),
+])
+def test_the_example_refuses_arguments_that_are_not_what_they_name(build_dir, tiny_engine_dir, args, message):
+    """An option value or a token id that is not an integer in its type's range is refused naming it, exit 2 (was:
+    atol and an int32 cast: "abc" ran as 0, "1e3" as 1, "0x10" as 0 (the engine's limit), 99999999999 as the
+    token id 1215752191; a misspelt option was read as a PROMPT)."""
+    run = generate(build_dir, tiny_engine_dir, [], *args)
+    assert (run.returncode, run.stderr, run.stdout) == (2, f"error: {message}\n", "")
+
+
 def test_smoke_script(build_dir, tiny_engine_dir):
     """examples/cpp/smoke_test.sh: the Python-free check of a built example."""
     run = subprocess.run(["bash", str(REPO / "examples" / "cpp" / "smoke_test.sh"), str(build_dir),

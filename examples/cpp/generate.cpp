@@ -8,7 +8,10 @@
 // Options: --max-tokens N (default 16), --num-kv-blocks N, --max-num-tokens N, --max-batch-size N,
 // --ignore-eos, --no-prefix-caching, --stats (a line of scheduler counters), --bench (single-stream
 // decode speed of the first prompt: "decode_tok_s <x>").
+#include <cctype>
+#include <cerrno>
 #include <chrono>
+#include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -34,16 +37,32 @@ int fail(const char* what) {
   return 1;
 }
 
+// text as a whole base-10 integer in [low, high] (atol read "1e3" as 1 and "abc" as 0, and a cast to int32 wrapped
+// 99999999999 to another number): false otherwise.
+bool parse_int(const std::string& text, long long low, long long high, long long* out) {
+  if (text.empty() || std::isspace(static_cast<unsigned char>(text[0]))) return false;
+  errno = 0;
+  char* stop = nullptr;
+  const long long v = std::strtoll(text.c_str(), &stop, 10);
+  if (*stop || errno == ERANGE || v < low || v > high) return false;
+  *out = v;
+  return true;
+}
+
+// A PROMPT's comma-separated token ids; false, with the message printed, when one is not a token id.
 bool parse_prompt(const char* text, std::vector<int32_t>* out) {
   std::string s(text);
   size_t start = 0;
   while (start <= s.size()) {
     size_t end = s.find(',', start);
     if (end == std::string::npos) end = s.size();
-    char* stop = nullptr;
     const std::string item = s.substr(start, end - start);
-    long v = std::strtol(item.c_str(), &stop, 10);
-    if (item.empty() || *stop) return false;
+    long long v = 0;
+    if (!parse_int(item, 0, INT32_MAX, &v)) {
+      std::fprintf(stderr, "error: PROMPT '%s': '%s' is not a token id (comma-separated integers in [0, %d])\n", text,
+                   item.c_str(), INT32_MAX);
+      return false;
+    }
     out->push_back(int32_t(v));
     start = end + 1;
   }
@@ -72,7 +91,13 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "error: %s needs a value\n", name);
         std::exit(2);
       }
-      return std::atol(argv[++i]);
+      long long v = 0;
+      const long long high = std::strcmp(name, "--num-kv-blocks") ? INT32_MAX : INT64_MAX;
+      if (!parse_int(argv[++i], -high - 1, high, &v)) {
+        std::fprintf(stderr, "error: %s: '%s' is not an integer in [%lld, %lld]\n", name, argv[i], -high - 1, high);
+        std::exit(2);
+      }
+      return v;  // in range: the runtime names the option's own limits
     };
     if (a == "--max-tokens") sampling.max_tokens = int32_t(value("--max-tokens"));
     else if (a == "--num-kv-blocks") options.num_kv_blocks = value("--num-kv-blocks");
@@ -82,12 +107,12 @@ int main(int argc, char** argv) {
     else if (a == "--no-prefix-caching") options.enable_prefix_caching = 0;
     else if (a == "--stats") stats = true;
     else if (a == "--bench") bench = true;
-    else {
+    else if (a.rfind("--", 0) == 0) {
+      std::fprintf(stderr, "error: unknown option '%s'\n", argv[i]);
+      return 2;
+    } else {
       prompts.emplace_back();
-      if (!parse_prompt(argv[i], &prompts.back())) {
-        std::fprintf(stderr, "error: PROMPT '%s': expected comma-separated token ids\n", argv[i]);
-        return 2;
-      }
+      if (!parse_prompt(argv[i], &prompts.back())) return 2;
     }
   }
   trtpaged_runtime* rt = nullptr;
