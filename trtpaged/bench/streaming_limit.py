@@ -40,15 +40,9 @@ def decode_weight_bytes(model: nn.Module) -> int:
     """Bytes of weights a decode step of `model` (a LlamaStepModel) reads: every module's compute form
     (`_compute_form`), each storage once, with the token embedding counted only where it is also the LM head (tied
     embeddings); a lookup reads one row of it per token."""
-    from trtpaged.models.qlinear import QuantizedEmbedding
-
-    embedding = model.embed_tokens
     tied = getattr(model, "lm_head", None) is None
-    skip: set[int] = set()
-    if not tied:  # the table is only looked up
-        skip = {id(m) for m in embedding.modules()}
-    elif isinstance(embedding, QuantizedEmbedding):  # the head is its QuantizedLinear; the module itself holds none
-        skip = {id(embedding)}
+    # untied, the table is only looked up; tied, it is read as the head (a QuantizedEmbedding's QuantizedLinear)
+    skip = set() if tied else {id(m) for m in model.embed_tokens.modules()}
     seen: set[int] = set()
     total = 0
     for module in model.modules():
