@@ -118,3 +118,14 @@ def test_a_tensor_parallel_row_states_no_limit(tiny_kv4_engines) -> None:
     one, two = (run_trtpaged(str(tiny_kv4_engines[n]), ONE) for n in (1, 2))
     assert one.weight_bytes_per_step and one.read_gbs  # the same model on one rank has one
     assert two.weight_bytes_per_step is None and two.read_gbs is None
+
+
+def test_the_throughput_benchmark_module_imports_no_torch() -> None:
+    """Every `trtpaged bench` command imports this module (through the llama.cpp row's options): it loads torch only
+    where a row runs a model (the limit's torch imports are for type hints only; they cost 1.1 s at import)."""
+    import subprocess
+    import sys
+
+    code = "import sys, trtpaged.bench.throughput_bench; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() \
+        == "False"

@@ -7,10 +7,11 @@ states the decode time (TPOT p50) as a fraction of that limit.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # only for hints: throughput_bench imports this module, and `bench serve` needs no torch
+    import torch
+    from torch import nn
 
 # The read-bandwidth buffer: at least this large, so that the last-level cache does not serve it, and at most this
 # large (a large float model's weights again would double the row's memory; past the caches the figure is the same)
