@@ -116,6 +116,25 @@ def test_a_fused_checkpoint_quantizes_and_matches_hf_on_its_dequantized_weights(
     assert _max_error_against_hf(model, reference, dims.vocab_size, 16, seed=5) < 1e-3
 
 
+def test_a_mistral_config_json_with_layer_types_slides_the_layers_they_mark_as_transformers_ministral(tmp_path):
+    """transformers' AutoConfig reads a mistral config.json that has layer_types as Ministral's, whose model windows
+    only the layers marked sliding_attention (a MistralConfig made directly windows every layer: the test above).
+    Built from such an HF dir, the step model matches the model transformers loads from it."""
+    from trtpaged.config import ModelSpec
+    from trtpaged.models.hf import _load_tiny
+
+    types = ["full_attention", "sliding_attention"] * 2
+    tiny = parse_config({"model": {"tiny": {**BASE, "architecture": "MistralForCausalLM"}}}).model.tiny
+    made = _load_tiny({**tiny, "sliding_window": WINDOW, "layer_types": types}, torch.float32)
+    made.model.save_pretrained(tmp_path)
+    made.tokenizer.save_pretrained(tmp_path)
+    hf = load_hf(ModelSpec(kind="hf_dir", path=tmp_path))
+    assert hf.config.model_type == "ministral" and hf.config.architectures == ["MistralForCausalLM"]
+    dims = dims_from_hf_config(hf.config, 256)
+    assert dims.layer_windows == (0, WINDOW, 0, WINDOW)
+    assert _max_error_against_hf(step_model_from_hf(hf.model, dims), hf.model, dims.vocab_size, 16) < 1e-4
+
+
 def test_swish_is_silu_as_transformers_reads_it():
     """hidden_act "swish" (transformers' ACT2FN: SiLU) was refused; the step model matches transformers with it."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -187,10 +206,12 @@ def test_partial_rotary_factor_is_phi3s_alone(arch):
     assert _max_error_against_hf(step_model_from_hf(hf.model, dims), hf.model, dims.vocab_size, 16) < 1e-4
 
 
-@pytest.mark.parametrize("arch, windows", [("LlamaForCausalLM", ()), ("Phi3ForCausalLM", (WINDOW,) * 4)])
+@pytest.mark.parametrize("arch, windows", [("LlamaForCausalLM", ()), ("Phi3ForCausalLM", (WINDOW,) * 4),
+                                           ("MistralForCausalLM", (WINDOW,) * 4)])
 def test_layer_types_are_ignored_where_transformers_ignores_them(arch, windows):
-    """transformers' Llama has no window and its Phi-3 windows every layer, whatever layer_types a config carries
-    (was: the layers it marked sliding_attention slid, and only those: logits 0.5 to 1 off transformers' forward)."""
+    """transformers' Llama has no window and its Phi-3 and Mistral window every layer, whatever layer_types a config
+    carries (was: the layers it marked sliding_attention slid, and only those: logits 0.4 to 1 off transformers'
+    forward)."""
     from trtpaged.models.hf import _load_tiny
 
     types = ["full_attention", "sliding_attention"] * 2

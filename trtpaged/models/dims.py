@@ -50,22 +50,28 @@ def rope_settings(config: Any, layer_type: str = "full_attention") -> tuple[floa
     return theta, (params if rope_type(params) != "default" else None), partial
 
 
+# the families whose transformers model applies sliding_window, when set, to every layer, reading no layer_types
+_EVERY_LAYER_WINDOW = ("MistralForCausalLM", "Phi3ForCausalLM")
+
+
 def _layer_windows(config: Any, arch: str) -> tuple[int, ...]:
     """Each layer's sliding window (0: global), or () when no layer has one. transformers 5 names each
-    layer's kind in layer_types; Mistral (and Phi-3) apply sliding_window, when set, to every layer; Llama has no
-    window (transformers ignores a sliding_window in a Llama config). transformers' Llama and Phi-3 read no
-    layer_types: a config's is ignored as they ignore it."""
+    layer's kind in layer_types; Mistral and Phi-3 apply sliding_window, when set, to every layer; Llama has no
+    window (transformers ignores a sliding_window in a Llama config). transformers' Llama, Mistral and Phi-3 models
+    read no layer_types: a config's is ignored as they ignore it. But transformers' AutoConfig reads a mistral
+    config.json that has layer_types as Ministral's (model_type "ministral"), whose model reads them: so do we."""
     if arch == "LlamaForCausalLM":
         return ()
     window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None) if arch != "Phi3ForCausalLM" else None
+    ignored = arch in _EVERY_LAYER_WINDOW and getattr(config, "model_type", None) != "ministral"
+    types = getattr(config, "layer_types", None) if not ignored else None
     if types:
         unknown = [t for t in types if t not in LAYER_TYPES]
         if unknown:  # read as global, such a layer would attend to other positions than transformers' does
             raise UnsupportedModelError(f"layer_types: got {unknown[0]!r} (layer {list(types).index(unknown[0])}); "
                                         f"implemented: {', '.join(LAYER_TYPES)}")
         slides = [t == "sliding_attention" for t in types]
-    elif arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
+    elif arch in _EVERY_LAYER_WINDOW:
         slides = [True] * config.num_hidden_layers
     elif arch in MODEL_TYPES and window:
         # transformers before 4.53 gives no layer_types; which layers slide then follows other keys per family
