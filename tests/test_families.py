@@ -294,6 +294,22 @@ def test_unsupported_variants_are_refused_naming_the_key(overrides, key):
         dims_from_hf_config(hf.config, 256)
 
 
+def test_a_bidirectional_gemma3_is_refused_naming_the_key():
+    """use_bidirectional_attention makes transformers' Gemma 3 attend to later tokens too (EmbeddingGemma), which no
+    causal step model computes (was: built causal, logits 0.86 off transformers' forward): refused naming the key."""
+    from trtpaged.models.hf import _load_tiny
+
+    tiny = parse_config({"model": {"tiny": {**BASE, **FAMILIES["gemma3"]}}}).model.tiny
+    hf = _load_tiny({**tiny, "use_bidirectional_attention": True}, torch.float32)
+    ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(0))
+    changed = ids.clone()
+    changed[0, -1] = (ids[0, -1] + 1) % 256
+    with torch.no_grad():  # the first position's logits depend on the last token: not causal
+        assert (hf.model(ids).logits[0, 0] - hf.model(changed).logits[0, 0]).abs().max() > 1e-3
+    with pytest.raises(UnsupportedModelError, match="use_bidirectional_attention: got True"):
+        dims_from_hf_config(hf.config, 256)
+
+
 @pytest.mark.parametrize("name", ["qwen2-window", "gemma2", "gemma3"])
 def test_a_window_without_layer_kinds_is_refused_not_dropped(name):
     """A config with a sliding window but no layer_types (what transformers before 4.53 gives these families)

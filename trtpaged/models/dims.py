@@ -112,6 +112,9 @@ def dims_from_hf_config(config: Any, max_seq_len: Optional[int] = None) -> Model
         if getattr(config, key, None):
             raise UnsupportedModelError(f"{key}: got {getattr(config, key)!r}; mixture-of-experts layers are not "
                                         "implemented")
+    if arch == "Gemma3ForCausalLM" and getattr(config, "use_bidirectional_attention", False):
+        # transformers' Gemma 3 then lets every token attend to later ones (EmbeddingGemma): no causal decoder
+        raise UnsupportedModelError("use_bidirectional_attention: got True; the step model attends causally only")
     gemma = arch in GEMMA
     act_key = "hidden_activation" if gemma else "hidden_act"
     act = getattr(config, act_key, None) or getattr(config, "hidden_act", "silu")
