@@ -294,6 +294,25 @@ def test_unsupported_variants_are_refused_naming_the_key(overrides, key):
         dims_from_hf_config(hf.config, 256)
 
 
+@pytest.mark.parametrize("rope_parameters", [
+    # flat keys beside the per-layer-type dicts transformers fills in: it reads the dicts alone (theta 1e6, no scaling)
+    {"rope_type": "linear", "factor": 8.0, "rope_theta": 100.0},
+    # the layer type's yarn truncate: transformers reads truncate from the top level (absent: true) alone
+    {"full_attention": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "truncate": False,
+                        "beta_fast": 8.0, "rope_theta": 100.0},
+     "sliding_attention": {"rope_type": "default", "rope_theta": 10.0}},
+])
+def test_gemma3_rope_is_read_per_layer_type_as_transformers_reads_it(rope_parameters):
+    """Gemma 3's rope_parameters (transformers 5's name) per layer type, as transformers reads them (was: flat keys
+    beside them taken for the global layers, logits 1.0 off; a layer type's yarn truncate taken, 0.7 off)."""
+    from trtpaged.models.hf import _load_tiny
+
+    tiny = parse_config({"model": {"tiny": {**BASE, **FAMILIES["gemma3"]}}}).model.tiny
+    hf = _load_tiny({**tiny, "rope_parameters": rope_parameters}, torch.float32)
+    dims = dims_from_hf_config(hf.config, 256)
+    assert _max_error_against_hf(step_model_from_hf(hf.model, dims), hf.model, dims.vocab_size, 16) < 1e-4
+
+
 def test_a_bidirectional_gemma3_is_refused_naming_the_key():
     """use_bidirectional_attention makes transformers' Gemma 3 attend to later tokens too (EmbeddingGemma), which no
     causal step model computes (was: built causal, logits 0.86 off transformers' forward): refused naming the key."""

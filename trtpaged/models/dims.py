@@ -40,11 +40,15 @@ def rope_settings(config: Any, layer_type: str = "full_attention") -> tuple[floa
     """(rope_theta, rope_scaling or None, partial_rotary_factor) from a transformers 4.x (rope_theta,
     rope_scaling) or 5.x (rope_parameters, per layer type for Gemma 3) config."""
     params = dict(getattr(config, "rope_parameters", None) or {})
-    if layer_type in params and isinstance(params[layer_type], dict):
-        params = dict(params[layer_type])
-    legacy = getattr(config, "rope_scaling", None)
-    if legacy and not params.get("factor") and layer_type == "full_attention":
-        params.update(legacy)
+    if isinstance(params.get(layer_type), dict):
+        # per layer type: transformers reads the layer type's dict alone (flat keys beside it are ignored), but
+        # yarn's truncate from the top level
+        nested = {key: value for key, value in params[layer_type].items() if key != "truncate"}
+        params = {**nested, **({"truncate": params["truncate"]} if "truncate" in params else {})}
+    else:
+        legacy = getattr(config, "rope_scaling", None)
+        if legacy and not params.get("factor") and layer_type == "full_attention":
+            params.update(legacy)
     theta = float(params.pop("rope_theta", getattr(config, "rope_theta", 10000.0)))
     partial = float(params.pop("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0))
     return theta, (params if rope_type(params) != "default" else None), partial
