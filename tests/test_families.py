@@ -313,6 +313,25 @@ def test_gemma3_rope_is_read_per_layer_type_as_transformers_reads_it(rope_parame
     assert _max_error_against_hf(step_model_from_hf(hf.model, dims), hf.model, dims.vocab_size, 16) < 1e-4
 
 
+def test_a_phi3_config_json_with_its_partial_rotary_factor_in_rope_parameters_loads_and_matches_hf(tmp_path):
+    """transformers 5's form of a Phi-3 config.json keeps partial_rotary_factor in rope_parameters, beside longrope's
+    factors (one per rotated pair); transformers loads it without the top-level key (was: refused, "short_factor
+    holds 6 factors; expected 8", the factors counted against whole heads). The loaded model's step model matches
+    transformers' forward."""
+    from trtpaged.config import ModelSpec
+
+    hf = load_hf(_config("phi3-longrope").model)
+    hf.model.save_pretrained(tmp_path)
+    hf.tokenizer.save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert raw["rope_parameters"]["partial_rotary_factor"] == raw.pop("partial_rotary_factor") == 0.75
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    loaded = load_hf(ModelSpec(kind="hf_dir", path=tmp_path))
+    dims = dims_from_hf_config(loaded.config, 256)
+    assert dims.partial_rotary_factor == 0.75
+    assert _max_error_against_hf(step_model_from_hf(loaded.model, dims), loaded.model, dims.vocab_size, 16) < 1e-4
+
+
 def test_a_bidirectional_gemma3_is_refused_naming_the_key():
     """use_bidirectional_attention makes transformers' Gemma 3 attend to later tokens too (EmbeddingGemma), which no
     causal step model computes (was: built causal, logits 0.86 off transformers' forward): refused naming the key."""

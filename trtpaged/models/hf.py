@@ -119,7 +119,8 @@ def _check_rope_values(raw: dict, rope: Any, rope_key: str, key: str, aliases: d
         raise _bad_value(key, f"{rope_key}.rope_type", kind, f"one of {', '.join(SUPPORTED_ROPE_TYPES)}")
     heads, hidden = raw.get("num_attention_heads"), raw.get("hidden_size")
     head_dim = raw.get("head_dim") or (hidden // heads if hidden and heads else None)
-    partial = raw.get("partial_rotary_factor") or 1.0
+    # transformers 5 keeps partial_rotary_factor in rope_parameters too (there it wins over the top-level key)
+    partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor")) or 1.0
     numeric = isinstance(partial, (int, float)) and not isinstance(partial, bool) and 0 < partial <= 1
     rotated = int(head_dim * partial) if head_dim and numeric else None  # else: refused once loaded (dims)
     for name in ("short_factor", "long_factor"):
