@@ -604,3 +604,23 @@ def test_count_tokens_refuses_what_messages_refuses_and_counts_what_it_reads(ser
             read = usage["input_tokens"] + usage["cache_read_input_tokens"] + usage["cache_creation_input_tokens"]
             assert status == 200 and counted == {"input_tokens": read}, (change, made, counted)
     wait_idle(server)
+
+
+def test_anthropics_client_reads_the_model_list(client, server):
+    """`client.models.list()` / `.retrieve()` of the anthropic client read GET /v1/models as Anthropic's ModelInfo
+    (required: type, display_name, created_at, lifecycle) and its page (has_more, first_id, last_id); was: OpenAI's
+    card only, which the client's own type refuses (the client builds it unchecked: display_name None, created_at
+    None). The same body still reads as OpenAI's Model with the openai client."""
+    from anthropic.types import ModelInfo
+
+    openai = pytest.importorskip("openai")
+    raw = client.models.with_raw_response.list()
+    body = json.loads(raw.http_response.text)
+    assert body["has_more"] is False and body["first_id"] == body["last_id"] == MODEL
+    (info,) = [ModelInfo.model_validate(card) for card in body["data"]]  # the SDK's type checks what it builds not
+    card = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0).models.retrieve(MODEL)
+    assert info.id == card.id == MODEL and info.type == "model" and info.display_name == MODEL
+    assert info.created_at.timestamp() == card.created and info.lifecycle == "active"
+    assert [m.id for m in client.models.list()] == [MODEL]  # the page ends: no request for a next one
+    one = client.models.with_raw_response.retrieve(MODEL)
+    assert ModelInfo.model_validate(json.loads(one.http_response.text)) == info

@@ -7,6 +7,7 @@ the scheduler, which raise the runtime's typed errors.
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
 from typing import Any, Literal, Optional, Union
 
 from pydantic import (
@@ -17,6 +18,7 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     StrictStr,
+    computed_field,
     model_serializer,
     model_validator,
 )
@@ -531,17 +533,47 @@ class CompletionChunk(CompletionResponse):
 
 
 class ModelCard(BaseModel):
+    """A served model as OpenAI's client reads it (id, object, created, owned_by; vLLM's root and max_model_len) and
+    as Anthropic's does (its ModelInfo: type, display_name, created_at, lifecycle), in one body:
+    both clients ask GET /v1/models."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "trtpaged"
     root: str
     max_model_len: int
+    type: Literal["model"] = "model"
+    lifecycle: Literal["active"] = "active"
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def display_name(self) -> str:
+        return self.id
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def created_at(self) -> str:
+        """`created` as RFC 3339 (Anthropic's spelling of the time)."""
+        return datetime.fromtimestamp(self.created, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class ModelList(BaseModel):
+    """OpenAI's model list, with Anthropic's page fields (every model is on the one page)."""
+
     object: Literal["list"] = "list"
     data: list[ModelCard]
+    has_more: bool = False
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def first_id(self) -> Optional[str]:
+        return self.data[0].id if self.data else None
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def last_id(self) -> Optional[str]:
+        return self.data[-1].id if self.data else None
 
 
 class ErrorDetail(BaseModel):
