@@ -207,6 +207,30 @@ def test_continue_final_message_extends_the_assistants_text(client, llm):
         assert err.value.body["param"] == param, extra
 
 
+def test_a_developer_message_is_the_system_message_under_a_template_without_that_role(client, server, llm):
+    """OpenAI's developer role (its SDK's name for the system instructions) reaches a template that never names it as
+    the system message; was: rendered as a "developer" turn (after the default system prompt of a template that adds
+    one, SmolLM2's; dropped by one that picks its roles, Qwen2.5's). Truth: the tiny template written out by hand; a
+    template that names the role gets it as sent."""
+    from tests.test_server import KNOWN_ROLES_ONLY, request
+    from trtpaged.runtime.llm import chat_prompt_text
+
+    messages = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    text = "<|bos|>system\nbe brief<|eos|>\n<|bos|>user\nhello<|eos|>\n<|bos|>assistant\n"
+    prompt = llm.tokenizer.encode(text, add_special_tokens=False)
+    truth = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))[0].outputs[0].text
+    got = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+    assert (got.choices[0].message.content, got.usage.prompt_tokens) == (truth, len(prompt))
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == truth
+    assert chunks[-1].usage.prompt_tokens == len(prompt)
+    counted = request(server, "/tokenize", {"messages": messages}, headers={"Authorization": f"Bearer {KEY}"})[2]
+    assert counted["count"] == len(prompt), counted
+    kept = chat_prompt_text(llm.tokenizer, messages, chat_template=KNOWN_ROLES_ONLY)
+    assert kept.startswith("<|bos|>developer\nbe brief<|eos|>"), kept
+
+
 @pytest.fixture(scope="module")
 def client3(tiny_engine_dir):
     """The official client of a second server on the same engine at `--stream-interval 3`."""

@@ -206,6 +206,17 @@ def _with_text_content(messages: Seq[Mapping], as_parts: bool = False) -> list[d
     return out
 
 
+def _developer_as_system(messages: list[dict], template: Any) -> list[dict]:
+    """OpenAI's developer messages (its SDK's name for the system instructions) as system ones, under a template that
+    never names the developer role: such a template renders one as an unknown turn after its own default system
+    prompt (SmolLM2's, Llama 3's) or drops it (Qwen2.5's). A template that names the role (gpt-oss's) gets it as
+    sent."""
+    sources = template.values() if isinstance(template, Mapping) else [template]
+    if any(isinstance(source, str) and "developer" in source for source in sources):
+        return messages
+    return [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
+
+
 def chat_prompt_text(tokenizer: Any, messages: Seq[dict], tools: Optional[Seq[dict]] = None, *,
                      add_generation_prompt: bool = True, continue_final_message: bool = False,
                      template_kwargs: Optional[dict[str, Any]] = None, chat_template: Optional[str] = None,
@@ -228,6 +239,7 @@ def chat_prompt_text(tokenizer: Any, messages: Seq[dict], tools: Optional[Seq[di
         content_format = template_content_format(chat_template or getattr(tokenizer, "chat_template", None),
                                                  tools=bool(tools))
     messages = _with_text_content(messages, as_parts=content_format == "openai")
+    messages = _developer_as_system(messages, chat_template or getattr(tokenizer, "chat_template", None))
     if template_kwargs is not None and not isinstance(template_kwargs, Mapping):
         raise RequestError("chat_template_kwargs", f"must be a mapping, got {type(template_kwargs).__name__}")
     if add_generation_prompt and continue_final_message:
