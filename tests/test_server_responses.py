@@ -6,6 +6,7 @@ function tools come back as function_call items; what the server cannot do is re
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -472,3 +473,29 @@ def test_a_failed_stream_reports_the_tokens_it_spent(tools_engine_dir):  # noqa:
     assert events[-1].type == "response.failed" and 0 < sent < 400, (events[-1].type, sent, events[-1])
     usage = events[-1].response.usage
     assert usage is not None and usage.output_tokens == sent and usage.input_tokens > 0
+
+
+def test_a_response_echoes_the_settings_the_sdk_reads_back(client, llm):
+    """prompt_cache_key, safety_identifier, prompt_cache_retention (the Response's spelling) and text.verbosity come
+    back as sent, and completed_at is set once the Response completed (OpenAI's), in the body and the stream; was:
+    the SDK read None for each. The answer is the plain chat answer (cut at a stop string: completed)."""
+    messages = [{"role": "user", "content": "hello there"}]
+    long, _ = _chat_truth(llm, messages, 12)
+    stop = next(ch for ch in long.text if ch.isalnum())  # a stop string the greedy answer meets
+    short, _ = _chat_truth(llm, messages, 3)
+    assert short.finish_reason == "length" and stop not in short.text
+    for text, max_tokens, extra, completed in ((short.text, 3, {}, False),
+                                               (long.text.partition(stop)[0], 12, {"stop": [stop]}, True)):
+        ask = dict(model=MODEL, input="hello there", max_output_tokens=max_tokens, temperature=0,
+                   prompt_cache_key="k-1", safety_identifier="user-1", prompt_cache_retention="in-memory",
+                   text={"verbosity": "low"})  # fmt: skip
+        before = time.time()
+        r = client.responses.create(**ask, extra_body=extra)
+        events = list(client.responses.create(stream=True, **ask, extra_body=extra))
+        after = time.time()
+        for got in (r, events[-1].response):
+            assert got.output_text == text and got.status == ("completed" if completed else "incomplete")
+            assert (got.prompt_cache_key, got.safety_identifier, got.prompt_cache_retention, got.text.verbosity) == \
+                ("k-1", "user-1", "in_memory", "low")  # fmt: skip
+            assert (before - 1 <= got.completed_at <= after) if completed else got.completed_at is None
+        assert events[0].response.completed_at is None

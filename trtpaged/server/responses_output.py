@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 import uuid
 from contextlib import aclosing
 from typing import Any, AsyncIterator, Callable, Optional
@@ -44,12 +45,24 @@ def envelope(call: ResponsesCall, rid: str, status: str, output: list[dict[str, 
         "previous_response_id": req.previous_response_id, "reasoning": _reasoning(req),
         "service_tier": req.service_tier or "auto", "store": call.stored,
         "temperature": call.used.get("temperature", req.temperature),
-        "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
+        "text": _text(req.text or {}),
         "tool_choice": "auto" if req.tool_choice is None else req.tool_choice, "tools": req.tools or [],
         "top_logprobs": req.top_logprobs or 0, "top_p": call.used.get("top_p", req.top_p),
         "truncation": req.truncation or "disabled",
         "usage": usage, "user": req.user, "metadata": req.metadata or {},
+        "completed_at": int(time.time()) if status == "completed" else None,
+        "prompt_cache_key": req.prompt_cache_key, "safety_identifier": req.safety_identifier,
+        # the Response spells it with an underscore, whichever spelling the request took
+        "prompt_cache_retention": req.prompt_cache_retention and req.prompt_cache_retention.replace("-", "_"),
     }  # fmt: skip
+
+
+def _text(asked: dict[str, Any]) -> dict[str, Any]:
+    """The request's text settings, as the Response echoes them: its format (text unless given), its verbosity."""
+    text = {"format": asked.get("format") or {"type": "text"}}
+    if asked.get("verbosity") is not None:
+        text["verbosity"] = asked["verbosity"]
+    return text
 
 
 def _reasoning(req: Any) -> dict[str, Any]:
