@@ -499,3 +499,50 @@ def test_pythonic_calls_ended_anywhere_read_the_same_streamed_and_whole(pythonic
         whole, streamed = _whole_and_streamed(pythonic_client, forced)
         assert streamed == whole and whole[2] in ("stop", "tool_calls"), (forced, whole, streamed)
         assert whole[0] == (None if whole[1] else forced), (forced, whole)
+
+
+def test_allowed_tools_limits_the_calls_to_the_tools_it_names(client):
+    """OpenAI's tool_choice {"type": "allowed_tools", "allowed_tools": {"mode", "tools"}} (the Responses API's flat
+    form too): the template is shown every tool (the prompt is the one of all the tools), the calls are the named
+    tools' only: under "auto" a call to another tool reads as text, as it does when only the named tools are given;
+    under "required" the call is forced among them; was: a 400 on a value the SDK types offer."""
+    allowed = {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [
+        {"type": "function", "function": {"name": "add"}}]}}  # fmt: skip
+    got = _create(client, TWO_CALLS, tool_choice=allowed)
+    only_add = _create(client, TWO_CALLS, tools=[TOOLS[1]])  # the same output read with the add tool alone
+    assert got.usage.prompt_tokens == _create(client, TWO_CALLS).usage.prompt_tokens  # every tool shown
+    assert got.usage.prompt_tokens > only_add.usage.prompt_tokens
+    choice, truth = got.choices[0], only_add.choices[0]
+    assert (choice.message.content, choice.finish_reason) == (truth.message.content, truth.finish_reason)
+    assert [(tc.function.name, tc.function.arguments) for tc in choice.message.tool_calls] == [
+        (tc.function.name, tc.function.arguments) for tc in truth.message.tool_calls] == [("add", '{"a": 2, "b": 40}')]
+    content, calls, finish = _streamed(_create(client, TWO_CALLS, stream=True, tool_choice=allowed))
+    assert (content, finish, [(n, a) for _, n, a in calls]) == (truth.message.content, truth.finish_reason,
+                                                                [("add", '{"a": 2, "b": 40}')])  # fmt: skip
+    required = {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+        {"type": "function", "function": {"name": "add"}}]}}  # fmt: skip
+    ended = 0
+    for seed in range(12):  # a random model may write until max_tokens: count the answers whose call ended
+        choice = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=required,
+                                                max_tokens=160, temperature=1.0, seed=seed).choices[0]  # fmt: skip
+        assert {tc.function.name for tc in choice.message.tool_calls} == {"add"}
+        if choice.finish_reason == "tool_calls":
+            ended += 1
+            for tc in choice.message.tool_calls:
+                jsonschema.validate(json.loads(tc.function.arguments), TOOLS[1]["function"]["parameters"])
+    assert ended
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    resp = client.responses.create(model=MODEL, input=MESSAGES[0]["content"], tools=tools, max_output_tokens=200,
+                                   temperature=0, tool_choice={"type": "allowed_tools", "mode": "auto", "tools": [
+                                       {"type": "function", "name": "add"}]},
+                                   extra_body={"structured_outputs": {"choice": [TWO_CALLS]}})  # fmt: skip
+    assert [item.name for item in resp.output if item.type == "function_call"] == ["add"]
+    assert resp.tool_choice.type == "allowed_tools" and resp.tool_choice.mode == "auto"  # echoed as sent
+    for bad, where in (({"mode": "sometimes", "tools": [{"type": "function", "function": {"name": "add"}}]}, "mode"),
+                       ({"mode": "auto", "tools": [{"type": "function", "function": {"name": "fly"}}]}, "'fly'"),
+                       ({"mode": "auto", "tools": []}, "tools"),
+                       ({"mode": "auto", "tools": [{"type": "custom", "custom": {"name": "add"}}]}, "function")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=4,
+                                           tool_choice={"type": "allowed_tools", "allowed_tools": bad})  # fmt: skip
+        assert err.value.body["param"] == "tool_choice" and where in err.value.body["message"], err.value.body

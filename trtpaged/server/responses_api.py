@@ -348,8 +348,13 @@ def _tool_choice(choice: Any) -> Any:
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise ApiError("tool_choice: must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}",
-                   "tool_choice")  # fmt: skip
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":  # chat's spelling: its tools by function
+        listed = choice.get("tools")
+        tools = [_tool_choice(t) if isinstance(t, dict) and t.get("type") == "function" else t
+                 for t in listed] if isinstance(listed, list) else listed  # fmt: skip
+        return {"type": "allowed_tools", "allowed_tools": {"mode": choice.get("mode"), "tools": tools}}
+    raise ApiError("tool_choice: must be 'none', 'auto', 'required', {'type': 'function', 'name': ...} or "
+                   "{'type': 'allowed_tools', 'mode': ..., 'tools': [...]}", "tool_choice")  # fmt: skip
 
 
 _FORMAT_KEYS = {"text": {"type"}, "json_object": {"type"},

@@ -45,6 +45,7 @@ class AutoTools:
 # refusals replace them with their own)
 NAMED_CHOICE = "{'type': 'function', 'function': {'name': ...}}"
 NOT_AUTO = f"'required', 'none' or {NAMED_CHOICE}"
+ALLOWED_CHOICE = "{'type': 'allowed_tools', 'allowed_tools': {'mode': ..., 'tools': [...]}}"
 
 
 def _template_takes_tools(template: str) -> bool:
@@ -254,6 +255,32 @@ def _named_choice(choice: Any) -> Optional[str]:
     return function.get("name") if isinstance(function, dict) else None
 
 
+def _allowed_tools(choice: Any, specs: dict[str, dict[str, Any]]) -> Optional[tuple[str, dict[str, dict[str, Any]]]]:
+    """OpenAI's {"type": "allowed_tools", "allowed_tools": {"mode": "auto" or "required", "tools": [{"type":
+    "function", "function": {"name": N}}, ...]}}: (its mode, the tools' parameters of the names it allows); None for
+    another choice."""
+    if not isinstance(choice, dict) or choice.get("type") != "allowed_tools":
+        return None
+    where = "tool_choice.allowed_tools"
+    allowed = choice.get("allowed_tools")
+    if not isinstance(allowed, dict) or allowed.get("mode") not in ("auto", "required"):
+        raise ApiError(f"{where}: must be {{'mode': 'auto' or 'required', 'tools': [...]}}, got {allowed!r:.80}",
+                       "tool_choice")  # fmt: skip
+    listed = allowed.get("tools")
+    if not isinstance(listed, list) or not listed:
+        raise ApiError(f"{where}.tools: must be a non-empty list of {NAMED_CHOICE}", "tool_choice")
+    names = []
+    for i, tool in enumerate(listed):
+        name = _named_choice(tool)
+        if not isinstance(name, str):
+            raise ApiError(f"{where}.tools[{i}]: must be {NAMED_CHOICE} (function tools only), got {tool!r:.80}",
+                           "tool_choice")  # fmt: skip
+        if name not in specs:
+            raise ApiError(f"{where}.tools[{i}]: no tool named {name!r:.64} in tools", "tool_choice")
+        names.append(name)
+    return allowed["mode"], {name: params for name, params in specs.items() if name in names}
+
+
 def shown_tools(tools: Optional[list[Any]]) -> Optional[list[dict[str, Any]]]:
     """The tool definitions a chat template is shown, whatever tool_choice is ("none" too: OpenAI's meaning, vLLM's
     default), checked as a forced choice checks them; None without tools."""
@@ -280,6 +307,9 @@ def tool_choice(tools: Optional[list[Any]], choice: Any, auto: AutoTools = AutoT
     definitions = [{**value, "type": "function", "function": {k: v for k, v in value["function"].items()
                                                               if v is not None}} for value in tools]  # fmt: skip
     choice = "auto" if choice is None else choice
+    allowed = _allowed_tools(choice, specs)
+    if allowed is not None:  # the template is shown every tool; the calls are read (or forced) among these only
+        choice, specs = allowed
     if choice == "none":
         return None
     if choice == "auto":
@@ -291,8 +321,8 @@ def tool_choice(tools: Optional[list[Any]], choice: Any, auto: AutoTools = AutoT
         return ToolChoice(specs, definitions, parallel=parallel)
     name = _named_choice(choice)
     if name is None:
-        raise ApiError(f"tool_choice: must be 'none', 'auto', 'required' or {NAMED_CHOICE}, got {choice!r:.80}",
-                       "tool_choice")  # fmt: skip
+        raise ApiError(f"tool_choice: must be 'none', 'auto', 'required', {NAMED_CHOICE} or "
+                       f"{ALLOWED_CHOICE}, got {choice!r:.80}", "tool_choice")  # fmt: skip
     if name not in specs:
         raise ApiError(f"tool_choice: no tool named {name!r:.64} in tools", "tool_choice")
     return ToolChoice(specs, definitions, named=name, parallel=parallel)
