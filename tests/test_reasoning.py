@@ -658,3 +658,24 @@ def test_include_reasoning_false_leaves_the_reasoning_out(server, thinking_engin
         kept = client.chat.completions.create(**{**ask, "extra_body": {"ignore_eos": True, "include_reasoning": True}})
         assert getattr(kept.choices[0].message, "reasoning", None) == thought
     wait_idle(server)
+
+
+def test_chat_usage_counts_the_reasoning_tokens(server, thinking_engine, tags):
+    """A chat answer's usage.completion_tokens_details.reasoning_tokens is its reasoning's tokens, the tags left out
+    (OpenAI's field; the count the Responses API reports), in the body and the stream's usage chunk;
+    was: no completion_tokens_details (the SDK read None). Truth: the engine's own tokens for the same seed."""
+    client = openai_client(server.url)
+    end = _tag_id(tags, "</think>")
+    for text in PROMPTS[:2]:
+        for seed in SEEDS:
+            messages = [{"role": "user", "content": text}]
+            _, ids = _raw(thinking_engine, messages, seed, ignore_eos=False)
+            counted = sum(t not in tags for t in ids[: ids.index(end) + 1 if end in ids else len(ids)])
+            ask = dict(model=MODEL, messages=messages, max_tokens=40, temperature=0.8, seed=seed)
+            body = client.chat.completions.create(**ask)
+            assert body.usage.completion_tokens_details.reasoning_tokens == counted
+            chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **ask))
+            assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == counted
+    plain = client.completions.create(model=MODEL, prompt="hello", max_tokens=4)
+    assert plain.usage.completion_tokens_details is None  # no chat answer: nothing split
+    wait_idle(server)

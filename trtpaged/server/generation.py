@@ -36,7 +36,7 @@ from trtpaged.server.large_answers import (OFF_LOOP_ENTRIES, check_logprob_entri
 from trtpaged.server.protocol import GenerationRequest, check_request_id, message_text, parse_generation
 from trtpaged.server.reasoning import ChoiceReasoning, split_text
 from trtpaged.server.responses import Echo, ResponseBuilder, TokenStrings, logprob_token_ids, sse, top_entries, usage
-from trtpaged.server.schemas import PromptTokensDetails, Usage, dump
+from trtpaged.server.schemas import CompletionTokensDetails, PromptTokensDetails, Usage, dump
 from trtpaged.server.stream_state import CompletionAccumulator, StreamState
 from trtpaged.server.token_bytes import token_bytes_reader
 from trtpaged.server.tokenization import generation_prompt, prompt_token_ids
@@ -420,6 +420,7 @@ class GenerationService:
             entered = [(c.token_ids, split_text(fmt, start, c.text)[2]) for o in ordered for c in o.outputs]
             s.summary.reasoning_tokens = sum(self.reasoning.reasoning_tokens(*e) for e in entered)
             s.summary.reasoning_span = sum(self.reasoning.reasoning_span(*e) for e in entered)
+            body.usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=s.summary.reasoning_tokens)
         return body
 
     async def _echoes(self, s: Submitted, outs: Iterable[RequestOutput]) -> list[Echo]:
@@ -530,6 +531,9 @@ class GenerationService:
         if s.req.include_usage:
             last = builder.usage_chunk(s.summary.prompt_tokens, s.summary.completion_tokens)
             last.usage.prompt_tokens_details = self._cached_details(s.summary)
+            if self.reasoning is not None and builder.reasoning is not None:
+                last.usage.completion_tokens_details = CompletionTokensDetails(
+                    reasoning_tokens=s.summary.reasoning_tokens)
             yield sse(last)
         yield sse("[DONE]")
 

@@ -346,11 +346,21 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int  # the prompt's tokens found in the prefix cache
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int  # the completion's reasoning tokens, its tags left out (OpenAI's; the Responses API's too)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: Optional[PromptTokensDetails] = None  # serve --enable-prompt-tokens-details (vLLM's)
+    completion_tokens_details: Optional[CompletionTokensDetails] = None  # a chat answer under --reasoning-parser
+
+    @model_serializer(mode="wrap")
+    def _details_when_counted(self, handler: Any) -> dict[str, Any]:
+        """Without completion_tokens_details unless counted (the body of vLLM's usage otherwise)."""
+        return {k: v for k, v in handler(self).items() if k != "completion_tokens_details" or v is not None}
 
 
 class CompletionLogprobs(BaseModel):
