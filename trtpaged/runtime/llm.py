@@ -209,10 +209,10 @@ def _with_text_content(messages: Seq[Mapping], as_parts: bool = False) -> list[d
 def _developer_as_system(messages: list[dict], template: Any) -> list[dict]:
     """OpenAI's developer messages (its SDK's name for the system instructions) as system ones, under a template that
     never names the developer role: such a template renders one as an unknown turn after its own default system
-    prompt (SmolLM2's, Llama 3's) or drops it (Qwen2.5's). A template that names the role (gpt-oss's) gets it as
-    sent."""
+    prompt (SmolLM2's, Llama 3's) or drops it (Qwen2.5's). A template that names the role, as a quoted string
+    (gpt-oss's `message.role == "developer"`), gets it as sent; the word in its prose does not count."""
     sources = template.values() if isinstance(template, Mapping) else [template]
-    if any(isinstance(source, str) and "developer" in source for source in sources):
+    if any(isinstance(source, str) and ("'developer'" in source or '"developer"' in source) for source in sources):
         return messages
     return [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
 
