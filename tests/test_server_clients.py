@@ -229,6 +229,8 @@ def test_a_developer_message_is_the_system_message_under_a_template_without_that
     assert counted["count"] == len(prompt), counted
     kept = chat_prompt_text(llm.tokenizer, messages, chat_template=KNOWN_ROLES_ONLY)
     assert kept.startswith("<|bos|>developer\nbe brief<|eos|>"), kept
+    prose = "{# written by the developers #}" + KNOWN_ROLES_ONLY.replace("'developer', ", "")  # the word, not the role
+    assert chat_prompt_text(llm.tokenizer, messages, chat_template=prose).startswith("<|bos|>system\nbe brief"), prose
 
 
 @pytest.fixture(scope="module")
