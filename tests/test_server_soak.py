@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -177,3 +178,28 @@ def test_request_timeout_aborts_and_frees(tiny_engine_dir, caplog):
             [r.getMessage() for r in caplog.records]
     finally:
         handle.shutdown(timeout=0)
+
+
+def test_a_body_still_arriving_when_shutdown_begins_is_refused_at_once(tiny_engine_dir):
+    """A client that has sent its head and part of its body when shutdown begins (a slow upload) is answered 503 at
+    once, and the shutdown takes no longer than its drain (was: the HTTP server waited its graceful timeout, 5 s, for
+    the body, then cancelled the request with a traceback and answered 500)."""
+    handle = start_server(tiny_engine_dir, port=0, device="cpu", options=ServerOptions(shutdown_timeout_s=0.5))
+    body = json.dumps({"prompt": "late", "max_tokens": 2}).encode()
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+    sock = socket.create_connection((handle.host, handle.port), timeout=30)
+    try:
+        sock.sendall(head % len(body) + body[:5])
+        time.sleep(0.3)  # the server reads the head and waits for the rest of the body
+        start = time.monotonic()
+        handle.shutdown()
+        elapsed = time.monotonic() - start
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    finally:
+        sock.close()
+        handle.shutdown(timeout=0)
+    assert answer.startswith(b"HTTP/1.1 503"), answer[:300]
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["message"] == "the server is shutting down"
+    assert elapsed < 3, elapsed

@@ -89,6 +89,7 @@ def is_json_content_type(value: str | None) -> bool:
 # messages held the event loop (every other client's /health and stream) 0.5-1.7 s; the hand-over costs more than
 # it saves on the 1-100 KB of most bodies
 LARGE_BODY_BYTES = 256 << 10
+DRAIN_POLL_S = 0.1  # how often a request still receiving its body checks whether the server drains
 
 
 def parse_json(raw: bytes) -> Any:
@@ -258,13 +259,29 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
                 chunks.append(chunk)
 
         try:
-            await asyncio.wait_for(receive_all(), options.body_timeout_s)
+            await until_draining(asyncio.wait_for(receive_all(), options.body_timeout_s))
         except asyncio.TimeoutError:
             raise ApiError(f"body: not received within {options.body_timeout_s:g} s", "body", 408, "timeout_error",
                            headers={"Connection": "close"}) from None  # fmt: skip
         except ClientDisconnect:
             raise ClientGone() from None
         return b"".join(chunks)
+
+    async def until_draining(work: Awaitable[T]) -> T:
+        """`work`'s result, or a 503 once the server drains: a body still arriving when shutdown begins held the
+        HTTP server's own shutdown for its graceful timeout (5 s), which then cancelled it with a traceback."""
+        task = asyncio.ensure_future(work)
+        try:
+            while not (await asyncio.wait({task}, timeout=DRAIN_POLL_S))[0]:
+                if draining:  # the rest of the body is not read: the connection closes
+                    error = overloaded("the server is shutting down", options.retry_after_s, busy=False)
+                    error.headers["Connection"] = "close"
+                    raise error
+            return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     async def read_json(request: Request) -> tuple[Any, bool]:
         """The request's JSON body, and whether it is large (past LARGE_BODY_BYTES: decoded on a worker thread, and
@@ -310,7 +327,7 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
         except ApiError as exc:
             stored.release(claimed)
             if exc.status == 503:
-                metrics.observe_rejected("overloaded")
+                metrics.observe_rejected("draining" if draining else "overloaded")
                 exc.headers["Retry-After"] = str(options.retry_after_s)
             error = responses_api.renamed(exc, call) if call is not None else exc  # the client's field names
             error = messages_api.renamed(error, message_call) if message_call is not None else error
