@@ -1,5 +1,6 @@
 """A JSON object from user input, checked in one place: JSON text (or an already parsed value) that must be
-an object whose fields are all known. Used by the speculative config, trace and request-log lines."""
+an object whose fields are all known. Used by the speculative config, trace and request-log lines; the server's
+bodies use its refusal of a field given twice."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ def json_object(value: Any, where: str, allowed: Iterable[str]) -> dict[str, Any
     with `where` (a field name or "file:line") for text that is not JSON, a non-object, or an unknown field."""
     if isinstance(value, (str, bytes)):
         try:
-            value = json.loads(value, object_pairs_hook=_without_repeats)
-        except _RepeatedField as exc:
+            value = json.loads(value, object_pairs_hook=without_repeats)
+        except RepeatedField as exc:
             raise ValueError(f"{where}: field {exc.args[0]!r} given twice (which one was meant?)") from None
         except ValueError as exc:
             raise ValueError(f"{where}: not JSON ({exc})") from None
@@ -28,17 +29,20 @@ def json_object(value: Any, where: str, allowed: Iterable[str]) -> dict[str, Any
     return dict(value)
 
 
-class _RepeatedField(Exception):
-    pass
+class RepeatedField(ValueError):
+    """A JSON object gives one field twice (`args[0]`: the field's name)."""
 
 
-def _without_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """json.loads' object hook: a field given twice is refused (json keeps the last silently)."""
-    out: dict[str, Any] = {}
-    for key, item in pairs:
-        if key in out:
-            raise _RepeatedField(key)
-        out[key] = item
+def without_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json.loads' object_pairs_hook: a field given twice is refused (RepeatedField); json keeps the last silently,
+    where another reader of the same text (a proxy that checked it) may have kept the first."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise RepeatedField(key)
+            seen.add(key)
     return out
 
 

@@ -24,6 +24,7 @@ from starlette.requests import ClientDisconnect
 
 from trtpaged import __version__
 from trtpaged.errors import CONTEXT_LENGTH_EXCEEDED
+from trtpaged.json_input import RepeatedField, without_repeats
 from trtpaged.server import messages_api, messages_output, responses_api, responses_output
 from trtpaged.server.engine_loop import ClientGone, EngineFailure, EngineLoop, Overloaded, RequestTimeout, ShuttingDown
 from trtpaged.server.errors import ApiError, overloaded
@@ -93,15 +94,18 @@ DRAIN_POLL_S = 0.1  # how often a request still receiving its body checks whethe
 
 
 def parse_json(raw: bytes) -> Any:
-    """Strict JSON (no NaN/Infinity) in strict UTF-8 (a leading BOM is ignored, as RFC 8259 allows);
-    any failure is a 400 on `body`. Decoded here rather than by `json.loads(bytes)`, which would
+    """Strict JSON (no NaN/Infinity, no field given twice in one object) in strict UTF-8 (a leading BOM is ignored,
+    as RFC 8259 allows); any failure is a 400 on `body`. Decoded here rather than by `json.loads(bytes)`, which would
     also accept UTF-16 and UTF-32."""
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError:
         raise ApiError("body: is not valid UTF-8", "body") from None
     try:
-        return json.loads(text, parse_constant=_reject_constant)
+        return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=without_repeats)
+    except RepeatedField as exc:
+        raise ApiError(f"body: field {exc.args[0]!r} given twice in one object (which one was meant?)",
+                       "body") from None
     except RecursionError:
         raise ApiError("body: JSON nested too deeply", "body") from None
     except ValueError as exc:
