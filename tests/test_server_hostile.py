@@ -6,11 +6,13 @@ Also: API key (401), body limits (413), a slow client (408), overload (503 + Ret
 from __future__ import annotations
 
 import asyncio
+import gzip
 import http.client
 import json
 import socket
 import threading
 import time
+import zlib
 
 import pytest
 
@@ -551,6 +553,27 @@ def test_a_field_given_twice_in_an_object_is_refused_naming_it(server, path, raw
     status, _, out = post(server, raw, path=path)
     assert status == 400 and out["error"]["param"] == "body", out
     assert f"field {field!r} given twice" in out["error"]["message"], out
+    wait_idle(server)
+
+
+def test_a_compressed_body_is_415_naming_its_content_encoding(server):
+    """A gzip body is refused naming its Content-Encoding (was: 400 'body: is not valid UTF-8', which sent the
+    client looking at its text); one sent as identity is read; the server answers the next request."""
+    body = J({"prompt": "hi", "max_tokens": 2})
+    for encoding, raw in (("gzip", gzip.compress(body)), ("deflate", zlib.compress(body)), ("br", b"\x8b\x00")):
+        status, headers, out = post(server, raw, {"Content-Encoding": encoding})
+        assert status == 415 and out["error"]["param"] == "body", out
+        assert out["error"]["message"].startswith(f"content-encoding: {encoding!r} is not supported"), out
+        assert headers["Connection"] == "close"
+    with socket.create_connection((server.host, server.port), timeout=30) as sock:  # two headers: both apply
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAuthorization: "
+                     b"Bearer %s\r\nContent-Encoding: identity\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n"
+                     b"Connection: close\r\n\r\n%s" % (KEY.encode(), len(body), body))  # fmt: skip
+        answer = b"".join(iter(lambda: sock.recv(65536), b""))
+    assert answer.startswith(b"HTTP/1.1 415") and b"content-encoding: 'identity, gzip'" in answer, answer
+    assert post(server, body, {"Content-Encoding": "identity"})[0] == 200
+    assert post(server, body, {"Content-Encoding": ""})[0] == 200
+    assert post(server, body)[0] == 200
     wait_idle(server)
 
 

@@ -242,6 +242,11 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
             await discard_body(request, limit)
             raise ApiError(f"content-type: {content_type[:80]!r} is not JSON; send the body as application/json",
                            "body", 415, headers={"Connection": "close"})  # fmt: skip
+        encoding = ", ".join(request.headers.getlist("content-encoding"))  # each header's codings apply, in order
+        if any(c.strip().lower() not in ("", "identity") for c in encoding.split(",")):  # gzip: "not valid UTF-8"
+            await discard_body(request, limit)
+            raise ApiError(f"content-encoding: {encoding[:80]!r} is not supported; send the body uncompressed",
+                           "body", 415, headers={"Connection": "close"})  # fmt: skip
         if declared is not None:
             if not declared.isdigit():
                 raise ApiError("content-length: must be a non-negative integer", "body")
