@@ -180,26 +180,36 @@ def test_request_timeout_aborts_and_frees(tiny_engine_dir, caplog):
         handle.shutdown(timeout=0)
 
 
-def test_a_body_still_arriving_when_shutdown_begins_is_refused_at_once(tiny_engine_dir):
-    """A client that has sent its head and part of its body when shutdown begins (a slow upload) is answered 503 at
+def test_a_body_still_arriving_when_shutdown_begins_is_answered_at_once(tiny_engine_dir):
+    """Clients that have sent a head and part of a body when shutdown begins (a slow upload): one read as JSON is
+    answered 503, one refused before it was read (over --max-body-bytes: 413; not JSON: 415) gets its refusal, at
     once, and the shutdown takes no longer than its drain (was: the HTTP server waited its graceful timeout, 5 s, for
-    the body, then cancelled the request with a traceback and answered 500)."""
-    handle = start_server(tiny_engine_dir, port=0, device="cpu", options=ServerOptions(shutdown_timeout_s=0.5))
-    body = json.dumps({"prompt": "late", "max_tokens": 2}).encode()
-    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
-    sock = socket.create_connection((handle.host, handle.port), timeout=30)
+    the bodies, then cancelled the requests with a traceback each and answered 500)."""
+    handle = start_server(tiny_engine_dir, port=0, device="cpu",
+                          options=ServerOptions(shutdown_timeout_s=0.5, max_body_bytes=1000))  # fmt: skip
+    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: {}\r\nContent-Length: {}\r\n\r\n{{"
+    cases = {(503, "the server is shutting down"): head.format("application/json", 100),
+             (413, "body: 5000 bytes exceeds the limit (1000)"): head.format("application/json", 5000),
+             (415, "content-type: 'text/plain' is not JSON; send the body as application/json"):
+             head.format("text/plain", 100)}  # fmt: skip
+    socks = {case: socket.create_connection((handle.host, handle.port), timeout=30) for case in cases}
+    answers = {}
     try:
-        sock.sendall(head % len(body) + body[:5])
-        time.sleep(0.3)  # the server reads the head and waits for the rest of the body
+        for case, sock in socks.items():
+            sock.sendall(cases[case].encode())
+        time.sleep(0.3)  # the server reads the heads and waits for the rest of the bodies
         start = time.monotonic()
         handle.shutdown()
         elapsed = time.monotonic() - start
-        answer = b""
-        while chunk := sock.recv(65536):
-            answer += chunk
+        for case, sock in socks.items():
+            answers[case] = b""
+            while chunk := sock.recv(65536):
+                answers[case] += chunk
     finally:
-        sock.close()
+        for sock in socks.values():
+            sock.close()
         handle.shutdown(timeout=0)
-    assert answer.startswith(b"HTTP/1.1 503"), answer[:300]
-    assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["message"] == "the server is shutting down"
+    for (status, message), answer in answers.items():
+        assert answer.startswith(b"HTTP/1.1 %d" % status), answer[:300]
+        assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["message"] == message
     assert elapsed < 3, elapsed

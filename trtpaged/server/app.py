@@ -131,6 +131,10 @@ async def unless_disconnected(request: Request, work: Awaitable[T], poll_s: floa
             await asyncio.gather(task, return_exceptions=True)
 
 
+class DrainBegan(Exception):
+    """The server began to drain while a request's body was still arriving."""
+
+
 class StatusCounter:
     """ASGI middleware: counts responses by route and status (the status the handler sent, 499 if none); sets the
     server's root path (--root-path) on each request, which the routing strips from paths that start with it."""
@@ -228,8 +232,8 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
                     return
 
         try:
-            await asyncio.wait_for(drain(), options.body_timeout_s)
-        except (asyncio.TimeoutError, ClientDisconnect):
+            await until_draining(asyncio.wait_for(drain(), options.body_timeout_s))
+        except (asyncio.TimeoutError, ClientDisconnect, DrainBegan):
             pass
         except RuntimeError:  # Starlette's "Stream consumed": nothing is left to read
             pass
@@ -274,18 +278,21 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
                            headers={"Connection": "close"}) from None  # fmt: skip
         except ClientDisconnect:
             raise ClientGone() from None
+        except DrainBegan:  # the rest of the body is not read: the connection closes
+            error = overloaded("the server is shutting down", options.retry_after_s, busy=False)
+            error.headers["Connection"] = "close"
+            raise error from None
         return b"".join(chunks)
 
     async def until_draining(work: Awaitable[T]) -> T:
-        """`work`'s result, or a 503 once the server drains: a body still arriving when shutdown begins held the
-        HTTP server's own shutdown for its graceful timeout (5 s), which then cancelled it with a traceback."""
+        """`work`'s result (reading a body), or DrainBegan once the server drains: a body still arriving when
+        shutdown began held the HTTP server's own shutdown for its graceful timeout (5 s), which then cancelled its
+        request with a traceback and answered 500."""
         task = asyncio.ensure_future(work)
         try:
             while not (await asyncio.wait({task}, timeout=DRAIN_POLL_S))[0]:
-                if draining:  # the rest of the body is not read: the connection closes
-                    error = overloaded("the server is shutting down", options.retry_after_s, busy=False)
-                    error.headers["Connection"] = "close"
-                    raise error
+                if draining:
+                    raise DrainBegan()
             return task.result()
         finally:
             if not task.done():
