@@ -132,6 +132,10 @@ HOSTILE = [
     ("1025 stop token ids", J({"prompt": "hi", "stop_token_ids": [1] * 1025}), {}, 400, "stop_token_ids"),
     ("stop token id outside the vocabulary", J({"prompt": "hi", "stop_token_ids": [320]}), {}, 400, "stop_token_ids"),
     ("negative stop token id", J({"prompt": "hi", "stop_token_ids": [-1]}), {}, 400, "stop_token_ids"),
+    # was: a 400 naming no field ("Exceeds the limit (4300 digits) ... use sys.set_int_max_str_digits()"), and a
+    # token given twice ran with one of its biases
+    ("logit_bias key of 5000 digits", J({"prompt": "hi", "logit_bias": {"9" * 5000: 1}}), {}, 400, "logit_bias"),
+    ("logit_bias token given twice", J({"prompt": "hi", "logit_bias": {"5": 1, "05": -1}}), {}, 400, "logit_bias"),
     ("min_tokens past what max_seq_len leaves", J({"prompt": "hi", "min_tokens": 100000}), {}, 400, "min_tokens"),
     # a seed past 64 bits would wrap onto another seed's draws (2**64 sampled as 0)
     ("seed = 2**64", J({"prompt": "hi", "max_tokens": 2, "seed": 2**64}), {}, 400, "seed"),

@@ -150,10 +150,16 @@ def logit_bias(value: Optional[dict[str, Any]], vocab_size: int) -> Optional[dic
     if not value:
         return None
     out: dict[int, float] = {}
+    keys: dict[int, str] = {}
     for key, bias in value.items():
-        if not (key.isascii() and key.isdigit()) or int(key) >= vocab_size:
+        digits = key.lstrip("0") or "0"  # int() of more than 4300 digits raises, naming no field
+        if not (key.isascii() and key.isdigit()) or len(digits) > len(str(vocab_size)) or int(digits) >= vocab_size:
             raise ApiError(f"logit_bias: key {key!r:.40} is not a token id in [0, {vocab_size})", "logit_bias")
-        out[int(key)] = bias
+        token = int(digits)
+        if token in keys:  # "5" and "05": one bias would be dropped without a word
+            raise ApiError(f"logit_bias: token {token} given twice (keys {keys[token]!r:.40} and {key!r:.40})",
+                           "logit_bias")  # fmt: skip
+        out[token], keys[token] = bias, key
     return out
 
 
