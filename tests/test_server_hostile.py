@@ -560,6 +560,21 @@ def test_a_field_given_twice_in_an_object_is_refused_naming_it(server, path, raw
     wait_idle(server)
 
 
+def test_an_empty_body_is_named_empty(server):
+    """A body of nothing (Content-Length: 0, an HTTP/1.0 request without one) or of white space is refused as empty
+    (was: 'body: malformed JSON (Expecting value: line 1 column 1 (char 0))', which sent the client looking at
+    the JSON it meant to send)."""
+    for raw in (b"", b" \r\n"):
+        status, _, out = post(server, raw)
+        assert status == 400 and out["error"]["param"] == "body", out
+        assert out["error"]["message"].startswith("body: empty"), out
+    with socket.create_connection((server.host, server.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\nAuthorization: Bearer "
+                     + KEY.encode() + b"\r\n\r\n" + J({"prompt": "hi"}))  # fmt: skip
+        answer = b"".join(iter(lambda: sock.recv(65536), b""))
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["message"].startswith("body: empty"), answer
+
+
 def test_a_compressed_body_is_415_naming_its_content_encoding(server):
     """A gzip body is refused naming its Content-Encoding (was: 400 'body: is not valid UTF-8', which sent the
     client looking at its text); one sent as identity is read; the server answers the next request."""

@@ -101,6 +101,9 @@ def parse_json(raw: bytes) -> Any:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError:
         raise ApiError("body: is not valid UTF-8", "body") from None
+    if not text.strip():  # json's word for it: "Expecting value: line 1 column 1 (char 0)"
+        raise ApiError("body: empty (a Content-Length of 0, or none on HTTP/1.0); send the request as a JSON object",
+                       "body")  # fmt: skip
     try:
         return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=without_repeats)
     except RepeatedField as exc:
