@@ -63,6 +63,14 @@ def J(obj) -> bytes:
     return json.dumps(obj).encode()
 
 
+def nested(depth: int) -> dict:
+    """{"a": {"a": ... 1}}, `depth` objects deep."""
+    value: object = 1
+    for _ in range(depth):
+        value = {"a": value}
+    return value  # type: ignore[return-value]
+
+
 # (what, raw body, extra headers, status, param named in the OpenAI error body; ... = not an OpenAI body)
 HOSTILE = [
     ("malformed JSON", b'{"prompt": "x", ', {}, 400, "body"),
@@ -192,6 +200,13 @@ HOSTILE = [
     ("tokenize a tool without a name", J({"messages": [{"role": "user", "content": "hi"}],
                                           "tools": [{"type": "function", "function": {}}]}),
      {"path": "/tokenize"}, 400, "tools"),
+    # was: 400 on messages, "the chat template failed on this conversation (RecursionError: ...)"
+    ("chat template variable nested 500 deep", J({"messages": [{"role": "user", "content": "hi"}],
+                                                  "chat_template_kwargs": {"x": nested(500)}}),
+     {"path": "/v1/chat/completions"}, 400, "chat_template_kwargs"),
+    ("tokenize template variable nested 500 deep", J({"messages": [{"role": "user", "content": "hi"}],
+                                                      "chat_template_kwargs": {"x": nested(500)}}),
+     {"path": "/tokenize"}, 400, "chat_template_kwargs"),
     ("tokenize reserved template argument", J({"messages": [{"role": "user", "content": "hi"}],
                                                "chat_template_kwargs": {"messages": []}}),
      {"path": "/tokenize"}, 400, "chat_template_kwargs"),

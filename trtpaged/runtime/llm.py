@@ -26,7 +26,7 @@ from trtpaged.runtime.llm_engine import LLMEngine, Prompt, prompt_salt, unwrap_p
 from trtpaged.runtime.outputs import RequestOutput, RequestOutputKind
 from trtpaged.runtime.reasoning import ReasoningReader
 from trtpaged.runtime.runtime_config import RuntimeConfig
-from trtpaged.runtime.sampling_params import SamplingParams
+from trtpaged.runtime.sampling_params import MAX_SCHEMA_DEPTH, SamplingParams, nesting_depth
 from trtpaged.runtime.speculative import SpeculativeConfig
 from trtpaged.runtime.verify_cost import default_verify_row_cost
 from trtpaged.runtime.vllm_args import apply_vllm_args
@@ -251,6 +251,8 @@ def chat_prompt_text(tokenizer: Any, messages: Seq[dict], tools: Optional[Seq[di
     reserved = sorted(set(extra) & TEMPLATE_ARGUMENTS)
     if reserved:
         raise RequestError("chat_template_kwargs", f"may not set {reserved} (the request's own fields)")
+    if nesting_depth(extra, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:  # rendering recursed through it, failing on messages
+        raise RequestError("chat_template_kwargs", f"nests objects and arrays more than {MAX_SCHEMA_DEPTH} deep")
     if tools:
         extra["tools"] = list(tools)
     if documents is not None:
