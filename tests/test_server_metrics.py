@@ -370,3 +370,29 @@ def test_histogram_buckets_reach_as_far_as_vllms(server):
     max_len = server.llm.engine.config.max_seq_len
     top = max(bounds("request_prompt_tokens"))
     assert top <= max_len < top * 2.5 and bounds("request_generation_tokens") == bounds("request_prompt_tokens")
+
+
+def test_a_scrape_during_a_long_step_gets_the_last_counters_at_once(server):
+    """/metrics read the engine's counters on the engine thread, after the step in flight: a step of seconds (a long
+    prefill on a busy CPU took 12.7 s) held every scrape as long, past Prometheus' 10 s timeout. A scrape now waits
+    at most a second and gets the counters read last (those of before the step); the next one after it, fresh ones."""
+    idle = wait_idle(server)
+    restore = slowed_steps(server, 5.0)
+    try:
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": "abc", "max_tokens": 2}),
+                     {"Content-Type": "application/json"})  # fmt: skip
+        time.sleep(0.3)  # the request's first (slowed) step is running
+        t0 = time.monotonic()
+        during = metrics(server)
+        waited = time.monotonic() - t0
+        assert waited < 2.5, f"/metrics waited {waited:.1f} s for the step"
+        assert during["kv_cache_blocks_used"] == idle["kv_cache_blocks_used"] == 0  # the counters of before it
+        assert during["num_requests_running"] == 0
+        assert conn.getresponse().status == 200
+        conn.close()
+    finally:
+        restore()
+    after = wait_idle(server)  # read after the steps: fresh
+    assert _delta(idle, after, "engine_steps_total") >= 2
+    assert _delta(idle, after, 'request_success_total{finished_reason="length"}') == 1

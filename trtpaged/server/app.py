@@ -91,6 +91,7 @@ def is_json_content_type(value: str | None) -> bool:
 # it saves on the 1-100 KB of most bodies
 LARGE_BODY_BYTES = 256 << 10
 DRAIN_POLL_S = 0.1  # how often a request still receiving its body checks whether the server drains
+STATS_WAIT_S = 1.0  # how long /metrics waits for the engine's counters before it serves the last ones read
 
 
 def parse_json(raw: bytes) -> Any:
@@ -132,6 +133,28 @@ async def unless_disconnected(request: Request, work: Awaitable[T], poll_s: floa
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+
+
+class EngineStats:
+    """The engine's counters for /metrics. They are read on the engine thread between steps; a scrape waits at most
+    STATS_WAIT_S for them and otherwise gets the last ones read (one step old), so a long step (a prefill of
+    thousands of tokens on a busy CPU: 10 s and more) does not hold the scrape past Prometheus' 10 s timeout."""
+
+    def __init__(self, loop: EngineLoop) -> None:
+        self.loop = loop
+        self.last: Optional[dict[str, float]] = None
+        self.pending: Optional[asyncio.Future] = None  # one read in flight, whatever the number of scrapes
+
+    async def latest(self) -> dict[str, float]:
+        if self.pending is None or self.pending.done():
+            self.pending = asyncio.ensure_future(self.loop.call_async(lambda e: e.stats()))
+        try:
+            # the first scrape has nothing older to give, and waits
+            self.last = await asyncio.wait_for(asyncio.shield(self.pending),
+                                               None if self.last is None else STATS_WAIT_S)  # fmt: skip
+        except asyncio.TimeoutError:
+            pass
+        return self.last
 
 
 class DrainBegan(Exception):
@@ -601,9 +624,11 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
             return JSONResponse({"status": state}, 503, headers={"Retry-After": str(options.retry_after_s)})
         return JSONResponse({"status": "ok"})
 
+    engine_stats = EngineStats(loop)
+
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
-        stats = await loop.call_async(lambda e: e.stats()) if loop.alive else {}
+        stats = await engine_stats.latest() if loop.alive else {}
         return Response(metrics.render(stats), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/version")
