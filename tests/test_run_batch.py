@@ -171,3 +171,19 @@ def test_a_batch_runs_with_stdout_closed_when_its_results_go_to_a_file(tiny_engi
     assert result.returncode == 0, result.stderr
     answer = json.loads(target.read_text())
     assert answer["custom_id"] == "one" and answer["response"]["status_code"] == 200, answer
+
+
+def test_a_line_giving_a_field_twice_fails_alone_naming_it(tiny_engine_dir, tmp_path):
+    """A served body giving a field twice is a 400 naming it (which one was meant?); a batch line doing so ran with
+    the last value (json.loads keeps it silently): it now fails alone, as that body would, and the next line runs."""
+    twice = ('{"custom_id": "twice", "method": "POST", "url": "/v1/completions", "body": {"model": "%s", '
+             '"prompt": "x", "max_tokens": 2, "max_tokens": 400}}' % MODEL)  # fmt: skip
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    source = tmp_path / "in.jsonl"
+    source.write_text(twice + "\n" + _line("next", "/v1/completions", body) + "\n")
+    result = CliRunner().invoke(main, ["run-batch", str(tiny_engine_dir), "-i", str(source), "-o", "-",
+                                       "--served-model-name", MODEL, "--device", "cpu"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    first, after = (json.loads(line) for line in result.stdout.splitlines())
+    assert first["response"] is None and "'max_tokens' given twice" in first["error"]["message"], first
+    assert after["custom_id"] == "next" and after["response"]["body"]["usage"]["completion_tokens"] == 3

@@ -1,6 +1,6 @@
 """A JSON object from user input, checked in one place: JSON text (or an already parsed value) that must be
 an object whose fields are all known. Used by the speculative config, trace and request-log lines; the server's
-bodies use its refusal of a field given twice."""
+bodies and run-batch's lines are read by its strict `loads`."""
 
 from __future__ import annotations
 
@@ -56,3 +56,13 @@ def json_kind(value: Any) -> str:
         if isinstance(value, kind):
             return name
     return type(value).__name__
+
+
+def loads(text: str) -> Any:
+    """json.loads, strict as RFC 8259 is: NaN and Infinity are refused (ValueError), and so is a field given twice in
+    one object (RepeatedField, a ValueError naming it)."""
+    return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=without_repeats)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")

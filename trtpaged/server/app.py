@@ -22,9 +22,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from trtpaged import __version__
+from trtpaged import __version__, json_input
 from trtpaged.errors import CONTEXT_LENGTH_EXCEEDED
-from trtpaged.json_input import RepeatedField, without_repeats
+from trtpaged.json_input import RepeatedField
 from trtpaged.server import messages_api, messages_output, responses_api, responses_output
 from trtpaged.server.engine_loop import ClientGone, EngineFailure, EngineLoop, Overloaded, RequestTimeout, ShuttingDown
 from trtpaged.server.errors import ApiError, overloaded
@@ -70,10 +70,6 @@ def _anthropic(request: Request) -> bool:
     return _anthropic_scope(request.scope)
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
 def is_json_content_type(value: str | None) -> bool:
     """Whether a request body of this Content-Type is read as JSON: application/json or application/*+json, or
     none given (as FastAPI reads a JSON body, so vLLM's server). Any other type (text/plain, a form) is refused:
@@ -106,7 +102,7 @@ def parse_json(raw: bytes) -> Any:
         raise ApiError("body: empty (a Content-Length of 0, or none on HTTP/1.0); send the request as a JSON object",
                        "body")  # fmt: skip
     try:
-        return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=without_repeats)
+        return json_input.loads(text)
     except RepeatedField as exc:
         raise ApiError(f"body: field {exc.args[0]!r} given twice in one object (which one was meant?)",
                        "body") from None

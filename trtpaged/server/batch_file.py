@@ -17,6 +17,9 @@ from typing import Any, Callable, Optional
 
 import httpx
 
+from trtpaged import json_input
+from trtpaged.json_input import RepeatedField
+
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
 MAX_CUSTOM_ID_CHARS = 512
 
@@ -45,7 +48,12 @@ def parse_lines(lines: list[str]) -> list[BatchLine]:
 
 def _line(number: int, text: str, seen: set[str]) -> BatchLine:
     try:
-        item = json.loads(text)
+        item = json_input.loads(text)  # strict as a served body is: a field given twice, NaN and Infinity are refused
+    except RepeatedField as exc:
+        return BatchLine(number, None, error=f"line {number}: field {exc.args[0]!r:.80} given twice in one object "
+                                             "(which one was meant?)")  # fmt: skip
+    except RecursionError:
+        return BatchLine(number, None, error=f"line {number}: JSON nested too deeply")
     except ValueError as exc:
         return BatchLine(number, None, error=f"line {number}: not JSON ({exc})")
     if not isinstance(item, dict):
