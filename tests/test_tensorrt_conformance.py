@@ -113,6 +113,75 @@ def test_each_rule_rejects_the_pattern_that_breaks_it(case, rule):
     assert rule in _rules(graphs[case]())
 
 
+def _op_graph(node: onnx.NodeProto, inputs: dict[str, int], inits: tuple = (), out_type: int = TensorProto.FLOAT,
+              tensor: Optional[onnx.TensorProto] = None) -> onnx.ModelProto:
+    """One node over graph inputs {name: type} ([4] each) and initializers, output y."""
+    initializers = [*inits, *([tensor] if tensor else [])]
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, t, [4]) for n, t in inputs.items()],
+                              [helper.make_tensor_value_info("y", out_type, [4])], initializers)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+def _external(location: str, extra: Optional[dict] = None) -> onnx.TensorProto:
+    tensor = numpy_helper.from_array(np.ones(4, np.float32), "w")
+    tensor.ClearField("raw_data")
+    tensor.data_location = TensorProto.EXTERNAL
+    for key, value in {"location": location, "offset": "0", "length": "16", **(extra or {})}.items():
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+    return tensor
+
+
+@pytest.mark.parametrize("case,rule", [
+    ("reduce axes computed", "constant-axes"),
+    ("unsqueeze axes computed", "constant-axes"),
+    ("integer pow exponent", "float-pow"),
+    ("gelu approximate erf", "gelu-approximate"),
+    ("cast to double", "tensor-dtype"),
+    ("double network input", "tensor-dtype"),
+    ("external data in the parent folder", "external-data"),
+    ("external data with an unknown key", "external-data"),
+])
+def test_importer_refusals_of_operands_and_types(case, rule):
+    """Refusals of TensorRT's importers the table missed (was: accepted): axes the importer needs as constants,
+    an integer Pow exponent, an unknown Gelu approximation, DOUBLE (held as float32), external data it cannot read.
+    The conforming form of each passes."""
+    f, i64 = TensorProto.FLOAT, TensorProto.INT64
+    axes = numpy_helper.from_array(np.array([0], np.int64), "axes")
+    two = numpy_helper.from_array(np.array(2, np.int64), "e")
+    graphs = {
+        "reduce axes computed": (_op_graph(helper.make_node("ReduceMean", ["x", "a"], ["y"]), {"x": f, "a": i64}),
+                                 _op_graph(helper.make_node("ReduceMean", ["x", "axes"], ["y"]), {"x": f}, (axes,))),
+        "unsqueeze axes computed": (_op_graph(helper.make_node("Unsqueeze", ["x", "a"], ["y"]), {"x": f, "a": i64}),
+                                    _op_graph(helper.make_node("Unsqueeze", ["x", "axes"], ["y"]), {"x": f}, (axes,))),
+        "integer pow exponent": (
+            _op_graph(helper.make_node("Pow", ["x", "e"], ["y"]), {"x": f}, (two,)),
+            _op_graph(helper.make_node("Pow", ["x", "e"], ["y"]), {"x": f},
+                      (numpy_helper.from_array(np.array(2, np.float32), "e"),))),
+        "gelu approximate erf": (_op_graph(helper.make_node("Gelu", ["x"], ["y"], approximate="erf"), {"x": f}),
+                                 _op_graph(helper.make_node("Gelu", ["x"], ["y"], approximate="tanh"), {"x": f})),
+        "cast to double": (_op_graph(helper.make_node("Cast", ["x"], ["y"], to=TensorProto.DOUBLE), {"x": f},
+                                     out_type=TensorProto.DOUBLE),
+                           _op_graph(helper.make_node("Cast", ["x"], ["y"], to=TensorProto.FLOAT16), {"x": f},
+                                     out_type=TensorProto.FLOAT16)),
+        "double network input": (_op_graph(helper.make_node("Neg", ["x"], ["y"]), {"x": TensorProto.DOUBLE},
+                                           out_type=TensorProto.DOUBLE),
+                                 _op_graph(helper.make_node("Neg", ["x"], ["y"]), {"x": f})),
+        "external data in the parent folder": (
+            _op_graph(helper.make_node("Add", ["x", "w"], ["y"]), {"x": f}, tensor=_external("../w.bin")),
+            _op_graph(helper.make_node("Add", ["x", "w"], ["y"]), {"x": f}, tensor=_external("w.bin"))),
+        "external data with an unknown key": (
+            _op_graph(helper.make_node("Add", ["x", "w"], ["y"]), {"x": f},
+                      tensor=_external("w.bin", {"basepath": "/tmp"})),
+            _op_graph(helper.make_node("Add", ["x", "w"], ["y"]), {"x": f},
+                      tensor=_external("w.bin", {"checksum": "0"}))),
+    }
+    refused, accepted = graphs[case]
+    assert rule in RULES and RULES[rule].source
+    assert rule in _rules(refused)
+    assert _rules(accepted) == set()
+
+
 def test_per_channel_dequantize_names_its_axis():
     """Without an axis, ONNX (and onnx.reference at verification) scales along axis 1 and TensorRT's parser along
     axis 0: a square int8 weight would parse and be de-quantized along the other axis (was: accepted)."""
@@ -268,6 +337,23 @@ def test_every_family_exports_a_graph_tensorrt_accepts(family, tmp_path):
     (path,) = export_tiny_graphs(case, tmp_path, tie=False)
     violations = check_graph(path)
     assert not violations, f"{family}:\n{format_violations(violations)}"
+
+
+@pytest.mark.parametrize("family,quantization,dtype,kv_cache_dtype", [
+    ("gemma2", {"weights": "int4", "group_size": 32, "lm_head": "int8"}, "float16", "int8"),
+    ("gemma3", {"weights": "int8", "lm_head": "int8"}, "bfloat16", "fp8_e4m3"),
+    ("phi3", {"weights": "int4", "group_size": 32, "lm_head": "none"}, "bfloat16", "float16"),
+])
+def test_family_graphs_in_half_precision_with_quantized_weights_conform(family, quantization, dtype, kv_cache_dtype,
+                                                                          tmp_path):
+    """A family's own ops (GELU, soft-caps, q/k norms, partial rotary) in float16/bfloat16 beside de-quantized
+    weights and a quantized or half KV cache: every rule holds and onnx.checker passes."""
+    case = {"quantization": quantization, "dtype": dtype, "kv_cache_dtype": kv_cache_dtype, "tensor_parallel": 1,
+            "tiny": {**FAMILY_DIMS, **FAMILIES[family]}}
+    (path,) = export_tiny_graphs(case, tmp_path, tie=True)
+    violations = check_graph(path)
+    assert not violations, f"{family}:\n{format_violations(violations)}"
+    onnx.checker.check_model(str(path), full_check=True)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3", "float16"])

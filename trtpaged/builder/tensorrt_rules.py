@@ -90,6 +90,27 @@ RULES = {r.id: r for r in (
          "with PreviewFeature::kALIASED_PLUGIN_IO_10_03), IPluginV3OneBuild::getOutputDataTypes (no kUINT8 output) and "
          "DataType; plugins/src/tensorrt/attention_io.cpp "
          "is_pool_type / check_shapes, fields.cpp validate"),
+    Rule("constant-axes", "the axes a Reduce*, Slice, Squeeze or Unsqueeze takes as an input are a constant "
+         "(initializer or Constant), not computed in the graph",
+         f"{_PARSER} importerUtils.cpp reduceTensor (line 1474: 'Axis input must be an initializer!'); "
+         "onnxOpImporters.cpp Slice (line 5322: 'does not support dynamic axes'), Squeeze (line 5619), Unsqueeze "
+         "(line 5889: 'Axes input for unsqueeze operation should be a constant tensor')"),
+    Rule("float-pow", "both of Pow's inputs are floating point (ONNX allows an integer exponent; TensorRT does not)",
+         f"{_PARSER} importerUtils.cpp elementwiseCheck (line 554: 'Elementwise layer does not support operator POW "
+         "with boolean or integer types')"),
+    Rule("gelu-approximate", "Gelu's approximate is 'none' or 'tanh'",
+         f"{_PARSER} onnxOpImporters.cpp Gelu (line 1990: 'Invalid value provided for the Gelu approximate "
+         "attribute')"),
+    Rule("tensor-dtype", "a Cast's `to`, and every network input's and output's type, is a type the parser converts, "
+         "and not DOUBLE (converted to kFLOAT: TensorRT would compute, take or give float32 where the graph says "
+         "float64)",
+         f"{_PARSER} onnxOpCheckers.cpp Cast (line 184: 'Unsupported data type for the Cast operator!'); "
+         "ModelImporter.cpp importInput (line 362) and the output marking (line 786): 'Failed to convert ONNX date "
+         "type to TensorRT data type'; importerUtils.cpp convertDtype (line 318: DOUBLE -> kFLOAT)"),
+    Rule("external-data", "an external initializer names only location, offset, length (checksum), its location "
+         "in the model's folder (no ../)",
+         f"{_PARSER} WeightsContext.cpp convertOnnxWeights (line 248: 'Key value of: ... was not expected!'), "
+         "parseExternalWeights (line 151: 'Relative paths to parent (../) are not allowed')"),
     Rule("int4-even-last-dim", "an INT4 tensor's last dimension is even (packing)",
          f"{_PARSER} QuantDequantLinearHelper ('Quantization to INT4 is not supported for tensors with an odd "
          "last dimension')"),
@@ -139,6 +160,12 @@ _QUANTIZED_POOL_TYPES = frozenset({_I8, _H})
 PLUGIN_ATTRIBUTE_TYPES = frozenset({_INT, _FLOAT, _STRING, onnx.AttributeProto.INTS, onnx.AttributeProto.FLOATS,
                                     onnx.AttributeProto.STRINGS, onnx.AttributeProto.TENSOR})
 INT4_BLOCK_SIZES = (64, 128)
+# op_type -> the input index of the axes its importer needs as a constant (rule constant-axes)
+CONSTANT_AXES = {"ReduceMean": 1, "ReduceSum": 1, "Slice": 3, "Squeeze": 1, "Unsqueeze": 1}
+GELU_APPROXIMATIONS = (b"none", b"tanh")
+# the tensor types TensorRT holds as given (DOUBLE is converted to kFLOAT)
+EXACT_DTYPES = PARSER_DTYPES - {TensorProto.DOUBLE}
+_EXTERNAL_KEYS = frozenset({"location", "offset", "length", "checksum"})
 
 
 @dataclass(frozen=True)
@@ -176,6 +203,8 @@ class _Graph:
             if node.op_type == "Constant":
                 for out in node.output:
                     self.initializers.setdefault(out, _constant_tensor(node))
+                    if self.initializers[out].data_type:
+                        self.types.setdefault(out, self.initializers[out].data_type)
 
     def values(self, name: str) -> Optional[np.ndarray]:
         tensor = self.initializers.get(name)
@@ -224,9 +253,27 @@ def check_graph(model: onnx.ModelProto | str | Path) -> list[Violation]:
             out.append(Violation("initializer-dtype", name, f"{_dtype_name(tensor.data_type)} has no TensorRT type"))
         if tensor.data_type == TensorProto.INT4 and tensor.dims and tensor.dims[-1] % 2:
             out.append(Violation("int4-even-last-dim", name, f"INT4 shape {list(tensor.dims)} has an odd last dim"))
+    out.extend(_check_external_data(proto.graph.initializer))
+    for info in (*proto.graph.input, *proto.graph.output):
+        dtype = info.type.tensor_type.elem_type
+        if info.name not in g.initializers and dtype not in EXACT_DTYPES:
+            out.append(Violation("tensor-dtype", info.name, f"network input/output of type {_dtype_name(dtype)}"))
     for node in proto.graph.node:
         out.extend(_check_node(node, g))
     return out
+
+
+def _check_external_data(initializers: Iterable[onnx.TensorProto]) -> Iterable[Violation]:
+    for tensor in initializers:
+        if tensor.data_location != TensorProto.EXTERNAL:
+            continue
+        entries = {e.key: e.value for e in tensor.external_data}
+        unknown = sorted(set(entries) - _EXTERNAL_KEYS)
+        if unknown:
+            yield Violation("external-data", tensor.name, f"external data keys {unknown} (the parser refuses them)")
+        if "../" in entries.get("location", "").replace("\\", "/") or entries.get("location", "").startswith("/"):
+            yield Violation("external-data", tensor.name, f"location {entries.get('location')!r} is outside the "
+                                                          "model's folder")
 
 
 def _check_node(node: onnx.NodeProto, g: _Graph) -> Iterable[Violation]:
@@ -251,6 +298,20 @@ def _check_node(node: onnx.NodeProto, g: _Graph) -> Iterable[Violation]:
                                              f"TensorRT takes {', '.join(sorted(map(_dtype_name, allowed)))}")
     if node.op_type == "DequantizeLinear":
         yield from _check_dequantize(node, g, where)
+    yield from _check_operands(node, g, where)
+
+
+def _check_operands(node: onnx.NodeProto, g: _Graph, where: str) -> Iterable[Violation]:
+    """The attribute values and constant operands the importers of the rule table's ops insist on."""
+    axes = CONSTANT_AXES.get(node.op_type)
+    if axes is not None and axes < len(node.input) and node.input[axes] and node.input[axes] not in g.initializers:
+        yield Violation("constant-axes", where, f"{node.op_type} axes {node.input[axes]} are computed in the graph")
+    if node.op_type == "Pow" and len(node.input) > 1 and g.types.get(node.input[1], _F) not in _FLOATS:
+        yield Violation("float-pow", where, f"Pow exponent {node.input[1]} is {_dtype_name(g.types[node.input[1]])}")
+    if node.op_type == "Gelu" and _attr(node, "approximate", b"none") not in GELU_APPROXIMATIONS:
+        yield Violation("gelu-approximate", where, f"approximate {_attr(node, 'approximate')!r}")
+    if node.op_type == "Cast" and _attr(node, "to") not in EXACT_DTYPES:
+        yield Violation("tensor-dtype", where, f"Cast to {_dtype_name(_attr(node, 'to') or 0)}")
 
 
 def _check_plugin(node: onnx.NodeProto, where: str) -> Iterable[Violation]:
