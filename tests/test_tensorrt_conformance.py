@@ -182,6 +182,32 @@ def test_importer_refusals_of_operands_and_types(case, rule):
     assert _rules(accepted) == set()
 
 
+def test_constant_nodes_are_taken_as_the_parser_takes_them():
+    """The parser imports Constant nodes as weights (onnxOpImporters.cpp Constant: value, value_float(s) as FLOAT,
+    value_int(s) as INT64), so constant axes and exponents may come from them (was: every Constant refused as an op
+    without an importer, and a value_float one as UNDEFINED); a sparse_value one stays refused."""
+    f = TensorProto.FLOAT
+    nodes = [helper.make_node("Constant", [], ["axes"], value_ints=[0]),
+             helper.make_node("Constant", [], ["two"], value_float=2.0),
+             helper.make_node("Constant", [], ["one"], value=numpy_helper.from_array(np.ones(4, np.float32))),
+             helper.make_node("Pow", ["x", "two"], ["sq"]), helper.make_node("Add", ["sq", "one"], ["z"]),
+             helper.make_node("Unsqueeze", ["z", "axes"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", f, [4])],
+                              [helper.make_tensor_value_info("y", f, [1, 4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    onnx.checker.check_model(model, full_check=True)
+    assert _rules(model) == set()
+    integer = helper.make_graph([helper.make_node("Constant", [], ["two"], value_int=2),
+                                 helper.make_node("Pow", ["x", "two"], ["y"])], "g",
+                                [helper.make_tensor_value_info("x", f, [4])],
+                                [helper.make_tensor_value_info("y", f, [4])])
+    assert _rules(helper.make_model(integer)) == {"float-pow"}  # an INT64 exponent from a Constant node
+    sparse = helper.make_node("Constant", [], ["y"], sparse_value=helper.make_sparse_tensor(
+        numpy_helper.from_array(np.ones(1, np.float32)), numpy_helper.from_array(np.zeros(1, np.int64)), [4]))
+    assert _rules(helper.make_model(helper.make_graph([sparse], "g", [], [helper.make_tensor_value_info("y", f, [4])])
+                                    )) == {"initializer-dtype"}
+
+
 def test_per_channel_dequantize_names_its_axis():
     """Without an axis, ONNX (and onnx.reference at verification) scales along axis 1 and TensorRT's parser along
     axis 0: a square int8 weight would parse and be de-quantized along the other axis (was: accepted)."""

@@ -141,6 +141,7 @@ OP_TYPES: dict[str, tuple[frozenset, tuple[int, ...]]] = {
     "Range": (_NUMERIC, (0,)), "ReduceMean": (_NUMERIC, (0,)), "ReduceSum": (_NUMERIC, (0,)),
     "Gemm": (_FLOATS, (0, 1)), "MatMul": (_FLOATS, (0, 1)),
     "DequantizeLinear": (frozenset({_I8, TensorProto.INT4, TensorProto.FLOAT8E4M3FN}), (0,)),
+    "Constant": (_MOVABLE, ()),  # no inputs: its value is checked as an initializer (initializer-dtype)
 }
 _INT, _FLOAT, _STRING = onnx.AttributeProto.INT, onnx.AttributeProto.FLOAT, onnx.AttributeProto.STRING
 # the fields each trtpaged plugin creator declares (plugins/src/tensorrt/fields.cpp, allreduce_plugin.cpp)
@@ -222,8 +223,19 @@ class _Graph:
 
 
 def _constant_tensor(node: onnx.NodeProto) -> onnx.TensorProto:
-    attr = next((a for a in node.attribute if a.name == "value"), None)
-    return attr.t if attr is not None else onnx.TensorProto()
+    """A Constant node's value as a tensor: `value`, or value_float(s) / value_int(s) as FLOAT / INT64 (the
+    Constant importer's types); an empty (UNDEFINED) tensor for the forms the parser does not take
+    (sparse_value, value_string(s))."""
+    from onnx import numpy_helper
+
+    for attr in node.attribute:
+        if attr.name == "value":
+            return attr.t
+        if attr.name in ("value_float", "value_floats", "value_int", "value_ints"):
+            dtype = np.float32 if attr.name.startswith("value_float") else np.int64
+            return numpy_helper.from_array(np.array(onnx.helper.get_attribute_value(attr), dtype=dtype),
+                                           node.output[0])
+    return onnx.TensorProto()
 
 
 def _attr(node: onnx.NodeProto, name: str, default=None):
