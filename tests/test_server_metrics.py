@@ -396,3 +396,29 @@ def test_a_scrape_during_a_long_step_gets_the_last_counters_at_once(server):
     after = wait_idle(server)  # read after the steps: fresh
     assert _delta(idle, after, "engine_steps_total") >= 2
     assert _delta(idle, after, 'request_success_total{finished_reason="length"}') == 1
+
+
+def test_a_scrape_after_a_timed_out_one_gets_the_counters_that_read_fetched(server):
+    """A scrape that timed out left its read of the counters in flight; the next scrape, one step later, found it
+    done and started another, dropping what it had read: during a run of long steps every scrape served the
+    counters of before the first (0 running while a request ran), not those of one step before."""
+    idle = wait_idle(server)
+    restore = slowed_steps(server, 2.0)
+    try:
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": "abc", "max_tokens": 3,
+                                                            "ignore_eos": True}),
+                     {"Content-Type": "application/json"})  # fmt: skip
+        start = time.monotonic()
+        time.sleep(0.3)  # the first (slowed) step runs
+        assert metrics(server)["num_requests_running"] == idle["num_requests_running"] == 0  # read before the step
+        time.sleep(max(0.0, start + 2.6 - time.monotonic()))  # the counters were read after the first step
+        t0 = time.monotonic()
+        during = metrics(server)
+        assert time.monotonic() - t0 < 1.8
+        assert during["num_requests_running"] == 1, during["num_requests_running"]
+        assert conn.getresponse().status == 200
+        conn.close()
+    finally:
+        restore()
+    wait_idle(server)

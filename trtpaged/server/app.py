@@ -142,6 +142,9 @@ class EngineStats:
         self.pending: Optional[asyncio.Future] = None  # one read in flight, whatever the number of scrapes
 
     async def latest(self) -> dict[str, float]:
+        if self.pending is not None and self.pending.done() and not self.pending.cancelled() \
+                and self.pending.exception() is None:
+            self.last = self.pending.result()  # read after a scrape that timed out: the freshest there is
         if self.pending is None or self.pending.done():
             self.pending = asyncio.ensure_future(self.loop.call_async(lambda e: e.stats()))
         try:
