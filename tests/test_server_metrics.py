@@ -13,6 +13,7 @@ import time
 import pytest
 
 from tests.test_server import metrics, request, wait_idle
+from trtpaged.errors import FatalEngineError
 from trtpaged.server import ServerOptions, start_server
 
 from runtime_helpers import slowed_steps
@@ -422,3 +423,41 @@ def test_a_scrape_after_a_timed_out_one_gets_the_counters_that_read_fetched(serv
     finally:
         restore()
     wait_idle(server)
+
+
+def test_a_read_that_fails_after_its_scrape_stopped_waiting_is_not_left_unretrieved(tiny_engine_dir, caplog):
+    """A scrape that timed out left its read in flight; when the engine loop then stopped, the read failed with
+    nobody to take its error, and asyncio logged 'Task exception was never retrieved' with a traceback at ERROR."""
+    import asyncio
+    import gc
+
+    from trtpaged.server.app import EngineStats
+
+    handle = start_server(tiny_engine_dir, port=0, served_model_name=MODEL, device="cpu")
+    conn = http.client.HTTPConnection(handle.host, handle.port, timeout=60)
+    try:
+        async def scrapes() -> None:
+            stats = EngineStats(handle.loop)
+            await stats.latest()
+            runner = handle.llm.engine.runner
+
+            def fatal_step(batch: object) -> None:  # a step that ends the engine (a tensor-parallel rank died)
+                time.sleep(2.0)
+                raise FatalEngineError("rank 1 died")
+
+            handle.loop.call(lambda e: setattr(runner, "step", fatal_step))
+            conn.request("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": "abc", "max_tokens": 4}),
+                         {"Content-Type": "application/json"})  # fmt: skip
+            await asyncio.sleep(0.3)  # the first (slowed) step runs
+            await stats.latest()  # times out: its read waits for the step's end
+            await asyncio.sleep(2.5)  # the engine loop stopped: the read was answered ShuttingDown
+            assert not handle.loop.alive
+            del stats
+            gc.collect()
+
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            asyncio.run(scrapes())
+    finally:
+        conn.close()
+        handle.shutdown(timeout=0)
+    assert not [r.getMessage() for r in caplog.records if "never retrieved" in r.getMessage()]

@@ -142,11 +142,9 @@ class EngineStats:
         self.pending: Optional[asyncio.Future] = None  # one read in flight, whatever the number of scrapes
 
     async def latest(self) -> dict[str, float]:
-        if self.pending is not None and self.pending.done() and not self.pending.cancelled() \
-                and self.pending.exception() is None:
-            self.last = self.pending.result()  # read after a scrape that timed out: the freshest there is
         if self.pending is None or self.pending.done():
             self.pending = asyncio.ensure_future(self.loop.call_async(lambda e: e.stats()))
+            self.pending.add_done_callback(self._keep)
         try:
             # the first scrape has nothing older to give, and waits
             self.last = await asyncio.wait_for(asyncio.shield(self.pending),
@@ -154,6 +152,13 @@ class EngineStats:
         except asyncio.TimeoutError:
             pass
         return self.last
+
+    def _keep(self, read: asyncio.Future) -> None:
+        """A read's counters become the last ones even where the scrape that began it stopped waiting (the next
+        scrape serves them); its failure is taken here, which nobody awaits then (the engine stopped: the scrapes
+        that follow get no counters)."""
+        if not read.cancelled() and read.exception() is None:
+            self.last = read.result()
 
 
 class DrainBegan(Exception):
