@@ -546,3 +546,17 @@ def test_allowed_tools_limits_the_calls_to_the_tools_it_names(client):
             client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=4,
                                            tool_choice={"type": "allowed_tools", "allowed_tools": bad})  # fmt: skip
         assert err.value.body["param"] == "tool_choice" and where in err.value.body["message"], err.value.body
+
+
+def test_a_responses_allowed_tools_refusal_names_the_fields_as_the_client_sent_them(client):
+    """The Responses API's allowed_tools is flat ({"type", "mode", "tools"}): a refusal of it named chat's nesting
+    (tool_choice.allowed_tools.tools[0]), a field the client never sent."""
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    for bad, where in (({"mode": "auto", "tools": [{"type": "function", "name": "fly"}]},
+                        "tool_choice.tools[0]: no tool named 'fly' in tools"),
+                       ({"mode": "auto", "tools": []}, "tool_choice.tools: must be a non-empty list of "
+                                                       "{'type': 'function', 'name': ...}")):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as err:
+            client.responses.create(model=MODEL, input="hi", tools=tools, max_output_tokens=4,
+                                    tool_choice={"type": "allowed_tools", **bad})  # fmt: skip
+        assert err.value.body["param"] == "tool_choice" and err.value.body["message"] == where, err.value.body

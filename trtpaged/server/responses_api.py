@@ -207,6 +207,7 @@ _RESPONSES_SPELLINGS = (
     (re.compile(r"\bmax_(completion_)?tokens\b"), "max_output_tokens"),
     (re.compile(r"\bresponse_format(\.json_schema)?\b"), "text.format"),
     (re.compile(r", or set truncate_prompt_tokens"), ""),  # no such field here
+    (re.compile(r"\btool_choice\.allowed_tools\b"), "tool_choice"),  # the Responses API's allowed_tools is flat
 )
 
 
