@@ -155,3 +155,31 @@ def write_phi3_gguf(path: Path, weight_type: str = "Q4_0", seed: int = 0) -> Pat
             writer.add_tensor(gguf_name, data)
     _write_out(writer)
     return path
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # fmt: skip
+
+
+def write_gemma2_gguf(path: Path, seed: int = 0) -> Path:
+    """A 2-layer Gemma 2 in `path` with float32 weights (norms stored as llama.cpp's converter does: 1 + w), SmolLM2's
+    BPE vocabulary (not Gemma's own SentencePiece kind) and a ChatML chat template."""
+    import gguf
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    hidden, heads, layers = 128, 4, 2
+    config = Gemma2Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=256, num_hidden_layers=layers,
+                          num_attention_heads=heads, num_key_value_heads=2, head_dim=hidden // heads,
+                          max_position_embeddings=1024, sliding_window=64, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA2, layers)
+    writer = _gguf_writer(path, "gemma2", config)
+    writer.add_key_length(hidden // heads)
+    writer.add_value_length(hidden // heads)
+    writer.add_sliding_window(64)
+    writer.add_chat_template(CHATML)
+    for _, gguf_name, data in _gguf_tensors(model, names):
+        writer.add_tensor(gguf_name, data + 1 if gguf_name.endswith("norm.weight") else data)
+    _write_out(writer)
+    return path

@@ -411,6 +411,37 @@ def test_a_llama3_gguf_rotates_by_its_rope_freqs_as_the_model_it_was_made_from(t
         load_hf(ModelSpec(kind="gguf", path=path))
 
 
+def test_a_gemma2_gguf_with_a_bpe_vocabulary_keeps_its_tokenizer_and_chat_prompt(tmp_path):
+    """A gemma2 GGUF whose vocabulary is BPE (not Gemma's SentencePiece kind): its engine's tokenizer encodes and
+    renders chat prompts as transformers' tokenizer from the same GGUF does, and greedy text is HF's (was: saved as
+    GemmaTokenizer, which rebuilds Gemma's own pipeline when reloaded, the engine's tokenizer failed on every text
+    with "Unk token `None` not found in the vocabulary" though the build had passed)."""
+    import yaml
+    from click.testing import CliRunner
+
+    from gguf_writer import write_gemma2_gguf
+    from trtpaged import LLM
+    from trtpaged.cli import main
+    from trtpaged.config import ModelSpec
+
+    path = write_gemma2_gguf(tmp_path / "gemma2.gguf")
+    hf = load_hf(ModelSpec(kind="gguf", path=path))
+    data = {"model": {"gguf": str(path)}, "dtype": "float32", "max_seq_len": 128, "kv_cache": {"num_kv_blocks": 32},
+            "backend": "torch"}  # fmt: skip
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(data))
+    r = CliRunner().invoke(main, ["build", str(tmp_path / "m.yaml"), "-o", str(tmp_path / "engine")])
+    assert r.exit_code == 0, r.output
+    llm = LLM(tmp_path / "engine", device="cpu")
+    for text in ("Hello there, how are you?", "  two spaces,\ttabs\n\nÜnïcödé 日本語 🤖", "x=f(y); 12345"):
+        assert llm.tokenizer.encode(text) == hf.tokenizer.encode(text), text
+    messages = [{"role": "user", "content": "Hello there, how are you?"}]
+    prompt = llm.chat_prompt(messages)
+    assert prompt == list(hf.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                           return_dict=True)["input_ids"])  # fmt: skip
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=12, temperature=0.0))
+    assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, 12, 2)
+
+
 def test_moe_is_refused_naming_the_key():
     from transformers import Qwen3MoeConfig
 

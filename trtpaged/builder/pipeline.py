@@ -30,6 +30,7 @@ from trtpaged.builder.export import export_onnx, export_other_rank
 from trtpaged.builder.accuracy import AccuracyError, graph_accuracy_reason, measure_accuracy, measure_graph_accuracy
 from trtpaged.builder.kv_accuracy import measure_kv_accuracy
 from trtpaged.builder.progress import Progress
+from trtpaged.builder.saved_tokenizer import TokenizerRoundTripError, check_saved_tokenizer
 from trtpaged.builder.quantize import check_dims, dequantized_hf_model, quantized_step_model
 from trtpaged.builder.verify import unsupported_reason, verify_onnx
 from trtpaged.builder.weights import save_weights
@@ -470,7 +471,8 @@ def _manifest(
 
 def _save_tokenizer(tokenizer, out: Path) -> None:
     """tokenizer.save_pretrained, whose Rust writer reports a full disk as a plain Exception ("No space left on
-    device (os error 28)"): raised as the OSError it is, so the build fails in one line naming the dir."""
+    device (os error 28)"): raised as the OSError it is, so the build fails in one line naming the dir. Then checked
+    to encode as `tokenizer` does once reloaded (builder/saved_tokenizer.py)."""
     try:
         tokenizer.save_pretrained(str(out))
     except OSError:
@@ -479,6 +481,10 @@ def _save_tokenizer(tokenizer, out: Path) -> None:
         if "os error" not in str(e):
             raise
         raise OSError(None, f"{str(e).strip()[:200]}", str(out)) from None
+    try:
+        check_saved_tokenizer(tokenizer, out)
+    except TokenizerRoundTripError as e:
+        raise BuildError(str(e)) from None
 
 
 def _sampling_defaults(model, where: str) -> dict:
