@@ -103,8 +103,8 @@ def _llama3_rope_factors(theta: float, head_dim: int, scaling: dict) -> list[flo
 def write_llama_gguf(path: Path, rope_scaling: dict | None = None, seed: int = 0,
                      extra: dict[str, np.ndarray] | None = None):
     """A 2-layer Llama in `path` with float32 weights (q and k rows in llama.cpp's RoPE order), a rope_freqs
-    tensor when `rope_scaling` is Llama 3's, and the `extra` tensors; returns (path, the transformers model it was
-    made from)."""
+    tensor when `rope_scaling` is Llama 3's (else its type and factor as metadata), and the `extra` tensors;
+    returns (path, the transformers model it was made from)."""
     import gguf
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -125,6 +125,9 @@ def write_llama_gguf(path: Path, rope_scaling: dict | None = None, seed: int = 0
     if rope_scaling is not None and rope_scaling.get("rope_type") == "llama3":
         factors = _llama3_rope_factors(theta, hidden // heads, rope_scaling)
         writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", np.array(factors, np.float32))
+    elif rope_scaling is not None:  # llama.cpp's metadata form (linear, yarn): {arch}.rope.scaling.*
+        writer.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling["rope_type"]))
+        writer.add_rope_scaling_factor(float(rope_scaling["factor"]))
     for name, data in (extra or {}).items():
         writer.add_tensor(name, data)
     _write_out(writer)

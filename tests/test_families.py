@@ -411,6 +411,39 @@ def test_a_llama3_gguf_rotates_by_its_rope_freqs_as_the_model_it_was_made_from(t
         load_hf(ModelSpec(kind="gguf", path=path))
 
 
+def test_a_gguf_linear_rope_scaling_is_read_and_other_types_refused_naming_the_key(tmp_path):
+    """A GGUF's llama.rope.scaling.type linear (and factor), which transformers' GGUF loader drops (was: the engine
+    and its reference rotated unscaled, other angles than the model's own): read into the config, so the loaded
+    model's logits and the engine's greedy text are the original model's. A yarn scaling is refused naming the key."""
+    import types
+
+    import yaml
+    from click.testing import CliRunner
+
+    from gguf_writer import write_llama_gguf
+    from trtpaged import LLM
+    from trtpaged.cli import main
+    from trtpaged.config import ConfigError, ModelSpec
+
+    path, original = write_llama_gguf(tmp_path / "linear.gguf", {"rope_type": "linear", "factor": 4.0})
+    hf = load_hf(ModelSpec(kind="gguf", path=path))
+    ids = torch.randint(3, 1000, (1, 200), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (hf.model(ids).logits - original(ids).logits).abs().max() < 1e-4
+    data = {"model": {"gguf": str(path)}, "dtype": "float32", "max_seq_len": 256, "kv_cache": {"num_kv_blocks": 64},
+            "backend": "torch"}  # fmt: skip
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(data))
+    r = CliRunner().invoke(main, ["build", str(tmp_path / "m.yaml"), "-o", str(tmp_path / "engine")])
+    assert r.exit_code == 0, r.output
+    prompt = ids[0, :120].tolist()
+    (out,) = LLM(tmp_path / "engine", device="cpu").generate([{"prompt_token_ids": prompt}],
+                                                            SamplingParams(max_tokens=16, temperature=0.0))
+    assert list(out.outputs[0].token_ids) == hf_greedy(types.SimpleNamespace(model=original), prompt, 16, 2)
+    path, _ = write_llama_gguf(tmp_path / "yarn.gguf", {"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ConfigError, match="llama.rope.scaling.type is 'yarn'"):
+        load_hf(ModelSpec(kind="gguf", path=path))
+
+
 def test_a_gemma2_gguf_with_a_bpe_vocabulary_keeps_its_tokenizer_and_chat_prompt(tmp_path):
     """A gemma2 GGUF whose vocabulary is BPE (not Gemma's SentencePiece kind): its engine's tokenizer encodes and
     renders chat prompts as transformers' tokenizer from the same GGUF does, and greedy text is HF's (was: saved as

@@ -21,7 +21,7 @@ import math
 import os
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
@@ -36,6 +36,8 @@ MAX_TENSOR_NAME_BYTES = 1 << 10
 MAX_TENSOR_ELEMENTS = 1 << 40
 DEFAULT_ALIGNMENT = 32
 _INTEGER_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 10: "<Q", 11: "<q"}  # GGUF value types
+_FLOAT_FORMATS = {6: "<f", 12: "<d"}  # GGUF value types
+MAX_KEPT_STRING_BYTES = 256  # string entries up to this long are kept (names, rope scaling types), longer ones skipped
 _BLOCK_INDEX = re.compile(r"blk\.(\d+)\.")
 
 
@@ -114,6 +116,8 @@ class GGUFLayout:
     integers: dict  # metadata key -> value, for every scalar integer entry
     array_lengths: dict  # metadata key -> length, for every array entry
     data_start: int = 0  # the data section's offset in the file (tensor offsets count from it)
+    floats: dict = field(default_factory=dict)  # metadata key -> value, for every scalar float entry
+    strings: dict = field(default_factory=dict)  # metadata key -> value, for every short UTF-8 string entry
 
     @property
     def num_elements(self) -> int:
@@ -164,6 +168,7 @@ def _read_layout(path: str, size: int, mtime_ns: int) -> GGUFLayout:
             if num_tensors * 24 > r.left:  # each tensor entry takes at least a name length, n_dims, type, offset
                 raise GGUFHeaderError(f"tensor count {num_tensors} runs past the end of the file")
             architecture, alignment, integers, array_lengths = None, DEFAULT_ALIGNMENT, {}, {}
+            floats, strings = {}, {}
             for i in range(num_entries):
                 length = r.u64()
                 if length > MAX_KEY_BYTES:
@@ -183,6 +188,14 @@ def _read_layout(path: str, size: int, mtime_ns: int) -> GGUFLayout:
                     array_lengths[name.decode()] = r.skip_array()
                 elif kind in _INTEGER_FORMATS:
                     integers[name.decode()] = struct.unpack(_INTEGER_FORMATS[kind], r.take(SCALAR_BYTES[kind]))[0]
+                elif kind in _FLOAT_FORMATS:
+                    floats[name.decode()] = struct.unpack(_FLOAT_FORMATS[kind], r.take(SCALAR_BYTES[kind]))[0]
+                elif kind == STRING:
+                    length = r.u64()
+                    if length <= MAX_KEPT_STRING_BYTES:
+                        strings[name.decode()] = r.take(length).decode()
+                    else:
+                        r.skip(length)
                 else:
                     r.skip_value(kind)
             if architecture is None:
@@ -199,7 +212,7 @@ def _read_layout(path: str, size: int, mtime_ns: int) -> GGUFLayout:
     except UnicodeDecodeError as e:
         raise GGUFHeaderError(f"a key or name is not UTF-8: {e}") from None
     _check_placement(tensors, alignment, size - data_start)
-    return GGUFLayout(architecture, tuple(tensors), integers, array_lengths, data_start)
+    return GGUFLayout(architecture, tuple(tensors), integers, array_lengths, data_start, floats, strings)
 
 
 F32 = 0  # ggml's type number of float32

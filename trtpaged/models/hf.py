@@ -313,6 +313,7 @@ def _take_gguf_rope_factors(spec: ModelSpec, config: Any, layout: GGUFLayout) ->
                           "transformers' GGUF loader drops and trtpaged does not read: the model would rotate by other "
                           "angles than its own; build it from its HF checkpoint dir (model.hf_dir)")  # fmt: skip
     info = tensors.get(ROPE_FREQS)
+    _take_gguf_rope_scaling(spec, config, layout, also_freqs=info is not None)
     if info is None:
         return
     theta, scaling, partial = rope_settings(config)
@@ -331,6 +332,31 @@ def _take_gguf_rope_factors(spec: ModelSpec, config: Any, layout: GGUFLayout) ->
                               "rope_theta": theta, "short_factor": factors, "long_factor": factors,
                               "original_max_position_embeddings": config.max_position_embeddings, "factor": 1.0,
                               "attention_factor": 1.0}  # fmt: skip
+
+
+def _take_gguf_rope_scaling(spec: ModelSpec, config: Any, layout: GGUFLayout, also_freqs: bool) -> None:
+    """A GGUF's `{arch}.rope.scaling.type` into the config: transformers' GGUF loader drops it (it reads gpt-oss's
+    alone), and the model loaded without it rotates by other angles than its own. Linear scaling (positions / factor,
+    llama.cpp's freq_scale = 1 / factor) is read; other types are refused naming the key."""
+    where = f"model.{spec.kind}: {spec.path.name}: its metadata's"
+    key = f"{layout.architecture}.rope.scaling.type"
+    kind = layout.strings.get(key, "none")
+    if kind == "none":
+        return
+    if kind != "linear":
+        raise ConfigError(f"{where} {key} is {kind!r}, which transformers' GGUF loader drops and trtpaged does not "
+                          "read from a GGUF (linear is read): the model would rotate by other angles than its own; "
+                          "build it from its HF checkpoint dir (model.hf_dir)")  # fmt: skip
+    factor_key = f"{layout.architecture}.rope.scaling.factor"
+    factor = layout.floats.get(factor_key)
+    if factor is None or not (math.isfinite(factor) and factor >= 1):
+        raise ConfigError(f"{where} {factor_key} is {factor!r}; expected a finite number >= 1 with {key} linear")
+    if also_freqs:
+        raise ConfigError(f"{where} {key} is linear and the file holds {ROPE_FREQS} too; one scaling of the rotary "
+                          "frequencies is read, not two")  # fmt: skip
+    theta, _, _ = rope_settings(config)
+    config.rope_parameters = {**(getattr(config, "rope_parameters", None) or {}), "rope_type": "linear",
+                              "rope_theta": theta, "factor": float(factor)}  # fmt: skip
 
 
 def _check_config_against_checkpoint(path: Path, config: Any) -> None:
