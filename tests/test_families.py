@@ -371,13 +371,18 @@ def test_the_trained_length_stretches_with_linear_and_yarn_scaling(scaling, leng
     assert trained_max_seq_len(dataclasses.replace(dims, max_position_embeddings=64, rope_scaling=scaling))[0] == length
 
 
-def test_a_llama3_gguf_rotates_by_its_rope_freqs_as_the_model_it_was_made_from(tmp_path):
-    """A Llama 3.1-style GGUF carries its rope scaling only as llama.cpp's rope_freqs tensor, which transformers'
-    GGUF loader drops (was: every position past the short wavelengths rotated by other angles, logits 1.6e-2
-    off the model the file was made from). Read into the config, the loaded model's logits equal the original
-    llama3-scaled model's over 200 positions (past the 64 of its original context), and a built engine's greedy
-    tokens equal the original's generate. Phi-3's length-dependent factors, which nothing here reads, are
-    refused naming them."""
+_LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 64}  # fmt: skip
+
+
+@pytest.mark.parametrize("scaling", [_LLAMA3_SCALING, {"rope_type": "linear", "factor": 4.0}], ids=["llama3", "linear"])
+def test_a_scaled_llama_gguf_rotates_as_the_model_it_was_made_from(tmp_path, scaling):
+    """A Llama 3.1-style GGUF carries its rope scaling only as llama.cpp's rope_freqs tensor, and a linear-scaled
+    one as llama.rope.scaling.type/factor metadata; transformers' GGUF loader drops both (was: positions rotated by
+    other angles, logits 1.6e-2 (llama3) and 1.9e-2 (linear) off the model the file was made from). Read into the
+    config, the loaded model's logits equal the original scaled model's over 200 positions (past the 64 of its
+    original context), and a built engine's greedy tokens equal the original's generate. Phi-3's length-dependent
+    factors and a yarn scaling, which nothing here reads, are refused naming them."""
     import types
 
     import numpy as np
@@ -389,9 +394,7 @@ def test_a_llama3_gguf_rotates_by_its_rope_freqs_as_the_model_it_was_made_from(t
     from trtpaged.cli import main
     from trtpaged.config import ConfigError, ModelSpec
 
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64}  # fmt: skip
-    path, original = write_llama_gguf(tmp_path / "llama3.gguf", scaling)
+    path, original = write_llama_gguf(tmp_path / "scaled.gguf", scaling)
     hf = load_hf(ModelSpec(kind="gguf", path=path))
     ids = torch.randint(3, 1000, (1, 200), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -409,40 +412,9 @@ def test_a_llama3_gguf_rotates_by_its_rope_freqs_as_the_model_it_was_made_from(t
     path, _ = write_llama_gguf(tmp_path / "longrope.gguf", extra=long_factors)
     with pytest.raises(ConfigError, match="holds rope_factors_long.weight"):
         load_hf(ModelSpec(kind="gguf", path=path))
-
-
-def test_a_gguf_linear_rope_scaling_is_read_and_other_types_refused_naming_the_key(tmp_path):
-    """A GGUF's llama.rope.scaling.type linear (and factor), which transformers' GGUF loader drops (was: the engine
-    and its reference rotated unscaled, other angles than the model's own): read into the config, so the loaded
-    model's logits and the engine's greedy text are the original model's. A yarn scaling is refused naming the key."""
-    import types
-
-    import yaml
-    from click.testing import CliRunner
-
-    from gguf_writer import write_llama_gguf
-    from trtpaged import LLM
-    from trtpaged.cli import main
-    from trtpaged.config import ConfigError, ModelSpec
-
-    path, original = write_llama_gguf(tmp_path / "linear.gguf", {"rope_type": "linear", "factor": 4.0})
-    hf = load_hf(ModelSpec(kind="gguf", path=path))
-    ids = torch.randint(3, 1000, (1, 200), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        assert (hf.model(ids).logits - original(ids).logits).abs().max() < 1e-4
-    data = {"model": {"gguf": str(path)}, "dtype": "float32", "max_seq_len": 256, "kv_cache": {"num_kv_blocks": 64},
-            "backend": "torch"}  # fmt: skip
-    (tmp_path / "m.yaml").write_text(yaml.safe_dump(data))
-    r = CliRunner().invoke(main, ["build", str(tmp_path / "m.yaml"), "-o", str(tmp_path / "engine")])
-    assert r.exit_code == 0, r.output
-    prompt = ids[0, :120].tolist()
-    (out,) = LLM(tmp_path / "engine", device="cpu").generate([{"prompt_token_ids": prompt}],
-                                                            SamplingParams(max_tokens=16, temperature=0.0))
-    assert list(out.outputs[0].token_ids) == hf_greedy(types.SimpleNamespace(model=original), prompt, 16, 2)
     path, _ = write_llama_gguf(tmp_path / "yarn.gguf", {"rope_type": "yarn", "factor": 4.0})
     with pytest.raises(ConfigError, match="llama.rope.scaling.type is 'yarn'"):
         load_hf(ModelSpec(kind="gguf", path=path))
-
 
 def test_a_gemma2_gguf_with_a_bpe_vocabulary_keeps_its_tokenizer_and_chat_prompt(tmp_path):
     """A gemma2 GGUF whose vocabulary is BPE (not Gemma's SentencePiece kind): its engine's tokenizer encodes and
