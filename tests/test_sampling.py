@@ -479,3 +479,22 @@ def test_penalties_that_overflow_a_row_fail_that_row_only():
     got = sample(logits, rows)
     assert got[1] is None and got[0] is not None and got[2] is not None
     assert got[2].token_id == sample(logits, [row(2, SamplingParams(seed=1), seed=1)])[0].token_id
+
+
+def test_bytes_that_are_no_utf8_in_a_byte_fallback_vocabulary_do_not_stop_the_stream():
+    """A SentencePiece-style vocabulary with byte fallback (Llama 2's, Mistral's, their GGUFs'): output bytes that
+    are no UTF-8 (<0xF3> <0xB6> then ASCII <0x6E>) change text tokenizers' DecodeStream had emitted, and it raised
+    "Invalid prefix encountered while decoding stream", failing the request (was: LLM.generate raised); the
+    stream now goes on with the Python decodes, and the text before and after is the tokenizer's decode of it."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "▁": 257, "e": 258, "▁the": 259}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    output = [1 + 0xCE, 1 + 0x9A, 1 + 0xF3, 1 + 0xB6, 1 + 0x6E, 258, 259]
+    detok = IncrementalDetokenizer(tok, [259])
+    text = "".join(detok.add(t) for t in output) + detok.flush()
+    assert text.startswith(tok.decode(output[:2])) and text.endswith(tok.decode(output[-2:])), text
+    assert tok.decode(output[:2]) == "Κ"

@@ -62,11 +62,17 @@ class IncrementalDetokenizer:
         self.ids.append(int(token_id))
         if self._stream is not None:
             backend, stream = self._stream
-            text = stream.step(backend, int(token_id))
-            if not text:
-                return ""
-            self.prefix_offset, self.read_offset = max(0, self.read_offset - _CONTEXT_TOKENS), len(self.ids)
-            return self._first(text)
+            try:
+                text = stream.step(backend, int(token_id))
+            except Exception:  # noqa: BLE001 - tokenizers raises a plain Exception
+                # "Invalid prefix encountered": bytes that are no UTF-8 (a SentencePiece byte-fallback vocabulary's
+                # <0xF3> <0x6E>) changed text the stream had emitted; the Python decodes below take it from here
+                self._stream = None
+            else:
+                if not text:
+                    return ""
+                self.prefix_offset, self.read_offset = max(0, self.read_offset - _CONTEXT_TOKENS), len(self.ids)
+                return self._first(text)
         prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full_text = self._decode(self.ids[self.prefix_offset :])
         if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT):
