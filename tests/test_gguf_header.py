@@ -198,3 +198,20 @@ def test_a_special_token_id_outside_the_vocabulary_is_named(tmp_path: Path):
 
     with pytest.raises(ConfigError, match="tokenizer.ggml.padding_token_id is 60000; the vocabulary .* has 49152"):
         load_hf(ModelSpec(kind="gguf", path=_smollm2_with(tmp_path, b"tokenizer.ggml.padding_token_id", 60000)))
+
+
+def test_short_strings_and_floats_are_kept_and_a_string_that_is_no_utf8_is_skipped(tmp_path: Path):
+    """The layout keeps short string and float entries as gguf's reader reads them (rope scaling's type and factor
+    are read from there); a string value that is not UTF-8 (the spec's strings are) is left out, not a refusal of a
+    file that was read before string values were kept."""
+    from trtpaged.models.gguf_header import read_layout
+
+    path = _write(tmp_path / "m.gguf")
+    layout = read_layout(path)
+    assert (layout.strings["t.str"], layout.strings["general.name"]) == ("héllo", "tiny test model")
+    assert (layout.floats["t.f32"], layout.floats["t.f64"]) == (0.5, 2.5)
+    raw = path.read_bytes()
+    path.write_bytes(raw.replace(b"tiny test model", b"tiny \xff\xfe\xfd\xfc model", 1))
+    damaged = read_layout(path)
+    assert "general.name" not in damaged.strings and damaged.strings["t.str"] == "héllo"
+    assert damaged.tensors == layout.tensors

@@ -192,8 +192,13 @@ def _read_layout(path: str, size: int, mtime_ns: int) -> GGUFLayout:
                     floats[name.decode()] = struct.unpack(_FLOAT_FORMATS[kind], r.take(SCALAR_BYTES[kind]))[0]
                 elif kind == STRING:
                     length = r.u64()
+                    key = name.decode()
                     if length <= MAX_KEPT_STRING_BYTES:
-                        strings[name.decode()] = r.take(length).decode()
+                        value = r.take(length)
+                        try:  # the spec's strings are UTF-8; one that is not is skipped as a long one is, not refused
+                            strings[key] = value.decode()
+                        except UnicodeDecodeError:
+                            pass
                     else:
                         r.skip(length)
                 else:
