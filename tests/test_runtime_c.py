@@ -649,6 +649,13 @@ def test_two_threads_on_one_handle_are_refused_not_raced(lib, tiny_engine_dir):
                 if lib.trtpaged_runtime_get_stats(rt.handle, ctypes.byref(stats)) != 0:
                     refused.append(lib.trtpaged_last_error().decode())
 
+        def retried(call):  # any of this thread's calls may be the one refused (add, step and read alike)
+            while True:
+                try:
+                    return call()
+                except CError as exc:
+                    assert "two threads at once" in exc.message
+
         other = threading.Thread(target=hammer)
         other.start()
         rounds = []
@@ -656,16 +663,10 @@ def test_two_threads_on_one_handle_are_refused_not_raced(lib, tiny_engine_dir):
             # the overlap is a race: the same requests again until one call has met another (once in six runs a
             # single round of these short steps met none)
             while not refused and len(rounds) < 20:
-                ids = [rt.add(p, 64) for p in prompts]
-                while True:
-                    try:
-                        n = rt.run_step()
-                    except CError as exc:
-                        assert "two threads at once" in exc.message
-                        continue
-                    if n == 0:
-                        break
-                rounds.append({rid: rt.read(rid)[0] for rid in ids})
+                ids = [retried(lambda p=p: rt.add(p, 64)) for p in prompts]
+                while retried(rt.run_step) != 0:
+                    pass
+                rounds.append({rid: retried(lambda rid=rid: rt.read(rid))[0] for rid in ids})
         finally:
             done.set()
             other.join()
