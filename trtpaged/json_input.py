@@ -15,7 +15,7 @@ def json_object(value: Any, where: str, allowed: Iterable[str]) -> dict[str, Any
         try:
             value = json.loads(value, object_pairs_hook=without_repeats)
         except RepeatedField as exc:
-            raise ValueError(f"{where}: field {exc.args[0]!r} given twice (which one was meant?)") from None
+            raise ValueError(f"{where}: {exc}") from None
         except ValueError as exc:
             raise ValueError(f"{where}: not JSON ({exc})") from None
         except RecursionError:
@@ -30,7 +30,10 @@ def json_object(value: Any, where: str, allowed: Iterable[str]) -> dict[str, Any
 
 
 class RepeatedField(ValueError):
-    """A JSON object gives one field twice (`args[0]`: the field's name)."""
+    """A JSON object gives one field twice (`args[0]`: the field's name); its text is the refusal's words."""
+
+    def __str__(self) -> str:
+        return f"field {self.args[0]!r:.80} given twice in one object (which one was meant?)"
 
 
 def without_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

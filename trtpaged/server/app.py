@@ -104,8 +104,7 @@ def parse_json(raw: bytes) -> Any:
     try:
         return json_input.loads(text)
     except RepeatedField as exc:
-        raise ApiError(f"body: field {exc.args[0]!r} given twice in one object (which one was meant?)",
-                       "body") from None
+        raise ApiError(f"body: {exc}", "body") from None
     except RecursionError:
         raise ApiError("body: JSON nested too deeply", "body") from None
     except ValueError as exc:

@@ -50,8 +50,7 @@ def _line(number: int, text: str, seen: set[str]) -> BatchLine:
     try:
         item = json_input.loads(text)  # strict as a served body is: a field given twice, NaN and Infinity are refused
     except RepeatedField as exc:
-        return BatchLine(number, None, error=f"line {number}: field {exc.args[0]!r:.80} given twice in one object "
-                                             "(which one was meant?)")  # fmt: skip
+        return BatchLine(number, None, error=f"line {number}: {exc}")
     except RecursionError:
         return BatchLine(number, None, error=f"line {number}: JSON nested too deeply")
     except ValueError as exc:
