@@ -235,11 +235,11 @@ def chat_prompt_text(tokenizer: Any, messages: Seq[dict], tools: Optional[Seq[di
     if content_format not in CONTENT_FORMATS:
         raise RequestError("chat_template_content_format", f"must be one of {list(CONTENT_FORMATS)}, got "
                            f"{content_format!r:.40}")  # fmt: skip
+    template = chat_template or getattr(tokenizer, "chat_template", None)
     if content_format == "auto":
-        content_format = template_content_format(chat_template or getattr(tokenizer, "chat_template", None),
-                                                 tools=bool(tools))
+        content_format = template_content_format(template, tools=bool(tools))
     messages = _with_text_content(messages, as_parts=content_format == "openai")
-    messages = _developer_as_system(messages, chat_template or getattr(tokenizer, "chat_template", None))
+    messages = _developer_as_system(messages, template)
     if template_kwargs is not None and not isinstance(template_kwargs, Mapping):
         raise RequestError("chat_template_kwargs", f"must be a mapping, got {type(template_kwargs).__name__}")
     if add_generation_prompt and continue_final_message:
