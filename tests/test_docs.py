@@ -75,3 +75,114 @@ def test_readme_python_snippet_answers(smollm2_int4_engine_dir, capsys):
     exec(compile(snippet, "README.md", "exec"), {})
     answer = capsys.readouterr().out.splitlines()[0]
     assert "Paris" in answer
+
+
+TOPIC_DOCS = [doc for doc in DOCS if doc.name != "benchmarks.md"]  # benchmarks.md logs runs of past code too
+SOURCE_SUFFIXES = (".py", ".cpp", ".h", ".cu", ".cuh", ".c", ".sh")
+# paths the docs name that belong to other projects or to the reader's machine, not to this repository
+FOREIGN_PATHS = {"include/NvInfer.h", "include/NvInferRuntime.h", "NvInferRuntime.h", "cuda_fp8.h", "my_app.cpp",
+                 "llama.cpp", "vllm/entrypoints/openai/serving_engine.py"}
+# a path (a glob, {a,b} alternatives) and its `::test` or `:function`; not a key such as `x/<rank>`
+_PATH = re.compile(r"(?<![\w./$-])((?:\.\.?/)?(?:[\w*.{},-]+/)*[\w*{},-]+(?:\.[a-z]+)?/?)(?![<\w/])(::?\w+)?")
+
+
+def expand_braces(text: str) -> list[str]:
+    """`a_{x,y}.cpp` as the names it stands for (`a_x.cpp`, `a_y.cpp`)."""
+    match = re.search(r"\{([^{}]*)\}", text)
+    if not match:
+        return [text]
+    return [name for part in match.group(1).split(",")
+            for name in expand_braces(text[:match.start()] + part + text[match.end():])]  # fmt: skip
+
+
+def named_code_paths(doc: Path):
+    """(line, path, name) for each repository path a doc names in code spans or blocks: a source file
+    (`x.py`, `src/cpu/`), or a folder under the repository's top-level folders; name is the `::test` or
+    `:function` after a file, else None."""
+    tops = {p.name for p in REPO.iterdir() if p.is_dir() and not p.name.startswith(".")}
+    text = re.sub(r"```(?!bash|python|c\b|yaml)\w*\n.*?```", lambda m: "\n" * m.group().count("\n"), doc.read_text(),
+                  flags=re.S)  # diagrams and printed output
+    for number, line in enumerate(text.splitlines(), 1):
+        for match in _PATH.finditer(line):
+            path, name = match.group(1), (match.group(2) or "").lstrip(":") or None
+            if path.startswith(("http", "engines/")) or "//" in path:
+                continue
+            if path.endswith(SOURCE_SUFFIXES) or ("/" in path and path.split("/")[0] in tops - {"engines"}):
+                yield number, path, name
+
+
+def resolves(path: str, doc: Path) -> list[Path]:
+    """The files a named path may mean: from the repository root, trtpaged/ (the docs' `runtime/x.py`),
+    plugins/ (`src/cpu/`) or the doc's folder; a bare file name anywhere in the repository."""
+    found = []
+    for name in expand_braces(path):
+        bases = [REPO, REPO / "trtpaged", REPO / "plugins", doc.parent]
+        found += [hit for base in bases for hit in base.glob(name.rstrip("/")) if hit.exists()]
+        if "/" not in name and not found:
+            found += [hit for hit in REPO.rglob(name) if ".git" not in hit.parts and "engines" not in hit.parts]
+    return found
+
+
+@pytest.mark.parametrize("doc", TOPIC_DOCS, ids=lambda p: p.name)
+def test_code_paths_the_docs_name_exist(doc):
+    """A module renamed or split leaves its old name in the map of the code: every path a doc names is a
+    file or folder of the repository, and a `file.py::test` / `file.py:function` is in that file."""
+    stale = []
+    for number, path, name in named_code_paths(doc):
+        if path in FOREIGN_PATHS:
+            continue
+        hits = resolves(path, doc)
+        if not hits:
+            stale.append(f"{doc.name}:{number}: {path}")
+        elif name and not any(re.search(rf"\b{name}\b", hit.read_text()) for hit in hits if hit.is_file()):
+            stale.append(f"{doc.name}:{number}: {path} has no {name}")
+    assert not stale, "\n".join(stale)
+
+
+def cli_options() -> dict[str, set[str]]:
+    """Each (sub)command's path ("bench memory") and every option spelling it takes, hidden ones included."""
+    import click
+
+    from trtpaged.cli import main
+
+    options: dict[str, set[str]] = {}
+
+    def walk(prefix: str, group: click.Group, ctx: click.Context) -> None:
+        for name in group.list_commands(ctx):
+            command = group.get_command(ctx, name)
+            path = f"{prefix} {name}".strip()
+            if isinstance(command, click.Group):
+                walk(path, command, click.Context(command, parent=ctx, info_name=name))
+            elif command is not None:
+                spellings = (opt for param in command.params
+                             for opt in (*param.opts, *getattr(param, "secondary_opts", ())))  # fmt: skip
+                options[path] = {"--help", *spellings}
+
+    walk("", main, click.Context(main, info_name="trtpaged"))
+    return options
+
+
+def command_lines(doc: Path):
+    """(line, command, text after it) for each trtpaged command a doc shows: `trtpaged CMD ...` or
+    `python -m trtpaged.cli CMD ...` anywhere (a shell line continued with a backslash joined), and a code span
+    that begins with a command's name (`serve --kv-*`)."""
+    commands = sorted(cli_options(), key=len, reverse=True)
+    names = "|".join(re.escape(c) for c in commands)
+    lines = doc.read_text().replace("\\\n", " ").splitlines()  # a continued line counts as its first line
+    for number, line in enumerate(lines, 1):
+        for match in re.finditer(rf"(?:\btrtpaged |trtpaged\.cli |`)({names})((?: [^`|;&#\n]*)?)", line):
+            yield number, match.group(1), match.group(2)
+
+
+@pytest.mark.parametrize("doc", TOPIC_DOCS, ids=lambda p: p.name)
+def test_options_the_docs_give_a_command_are_its_own(doc):
+    """Every option (`--name`, `-o`) a doc shows after a command is one that command takes (`--kv-*`: some
+    option so named)."""
+    options = cli_options()
+    wrong = []
+    for number, command, rest in command_lines(doc):
+        for flag in re.findall(r"(?<![\w-])(?:--[a-z][a-z0-9-]*\*?|-[a-zA-Z](?![\w-]))", rest):
+            known = options[command]
+            if not (flag in known or flag.endswith("*") and any(o.startswith(flag[:-1]) for o in known)):
+                wrong.append(f"{doc.name}:{number}: `{command}` has no {flag}")
+    assert not wrong, "\n".join(wrong)
