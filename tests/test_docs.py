@@ -3,6 +3,7 @@ the Python snippet answers, and importing trtpaged sets OpenMP waiting before li
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -186,3 +187,69 @@ def test_options_the_docs_give_a_command_are_its_own(doc):
             if not (flag in known or flag.endswith("*") and any(o.startswith(flag[:-1]) for o in known)):
                 wrong.append(f"{doc.name}:{number}: `{command}` has no {flag}")
     assert not wrong, "\n".join(wrong)
+
+
+@functools.cache
+def defined_names() -> tuple[dict[str, list[tuple[set[str], list[str]]]], dict[str, list[set[str]]]]:
+    """trtpaged's classes (their names: methods, fields, attributes set on self; their bases' names) and
+    modules (the names each defines or imports at its top level), by name."""
+    import ast
+
+    classes: dict[str, list[tuple[set[str], list[str]]]] = {}
+    modules: dict[str, list[set[str]]] = {}
+    for path in (REPO / "trtpaged").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        modules.setdefault(path.stem, []).append({name for node in tree.body for name in bound_names(node)})
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                names = {name for inner in ast.walk(node) for name in bound_names(inner, attributes=True)}
+                classes.setdefault(node.name, []).append((names, [b.id for b in node.bases if isinstance(b, ast.Name)]))
+    return classes, modules
+
+
+def bound_names(node, attributes: bool = False) -> list[str]:
+    """The names a statement binds (`x = `, `x: int`, `def x`, `class x`, `import x`; `self.x = ` too)."""
+    import ast
+
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return [node.name]
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return [(alias.asname or alias.name).split(".")[0] for alias in node.names]
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+    found = []
+    for target in targets:
+        for part in ast.walk(target):
+            if isinstance(part, ast.Name):
+                found.append(part.id)
+            elif attributes and isinstance(part, ast.Attribute):
+                found.append(part.attr)
+    return found
+
+
+# names the docs use for an instance rather than the module of that name (`llm.generate`, `dims.max_window`)
+INSTANCE_NAMES = {"llm", "dims", "config", "reasoning", "weights"}
+FILE_SUFFIXES = {"py", "json", "jsonl", "safetensors", "onnx", "plan", "yaml", "md", "h", "c", "cpp", "so", "gguf"}
+
+
+@pytest.mark.parametrize("doc", TOPIC_DOCS, ids=lambda p: p.name)
+def test_class_and_module_members_the_docs_name_exist(doc):
+    """A code span's `Class.member` is defined in that trtpaged class (or a base), and `module.name` at the top
+    of that module: a method moved to another class, or a constant renamed, leaves no stale name behind."""
+    classes, modules = defined_names()
+
+    def class_has(cls: str, name: str) -> bool:
+        return any(name in names or any(class_has(base, name) for base in bases if base != cls)
+                   for names, bases in classes.get(cls, []))  # fmt: skip
+
+    stale = []
+    for number, line in enumerate(doc.read_text().splitlines(), 1):
+        for span in re.findall(r"`([^`]+)`", line):
+            for owner, name in re.findall(r"(?<![\w/.])([A-Za-z_]\w*)\.([A-Za-z_]\w*)\b(?![./])", span):
+                if name in FILE_SUFFIXES:
+                    continue
+                if owner in classes and not class_has(owner, name):
+                    stale.append(f"{doc.name}:{number}: {owner}.{name}")
+                elif (owner not in classes and owner in modules and owner not in INSTANCE_NAMES
+                      and not any(name in names for names in modules[owner])):  # fmt: skip
+                    stale.append(f"{doc.name}:{number}: {owner}.{name} (module)")
+    assert not stale, "\n".join(stale)
