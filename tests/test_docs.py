@@ -253,3 +253,21 @@ def test_class_and_module_members_the_docs_name_exist(doc):
                       and not any(name in names for names in modules[owner])):  # fmt: skip
                     stale.append(f"{doc.name}:{number}: {owner}.{name} (module)")
     assert not stale, "\n".join(stale)
+
+
+def exported_functions(header: str) -> set[str]:
+    """The functions a public header of plugins/include/trtpaged declares (TRTPAGED_API)."""
+    text = (REPO / "plugins/include/trtpaged" / header).read_text()
+    return set(re.findall(r"TRTPAGED_API\b[^;{]*?\b(trtpaged_\w+)\s*\(", text))
+
+
+@pytest.mark.parametrize("header, doc", [("trtpaged.h", "docs/architecture.md"), ("runtime.h", "docs/embedding.md")])
+def test_each_c_function_is_documented_and_each_documented_one_exists(header, doc):
+    """The kernel library's C ABI table (architecture.md) and the C runtime's API (embedding.md) name every
+    function their header exports, and every `trtpaged_...(` function the docs name is exported or defined."""
+    named = {name for word in re.findall(r"\btrtpaged_[\w{},]+", (REPO / doc).read_text())
+             for name in expand_braces(word)}  # fmt: skip
+    assert exported_functions(header) <= named, f"{doc} omits {sorted(exported_functions(header) - named)}"
+    sources = "\n".join(p.read_text() for p in (REPO / "plugins").rglob("*") if p.suffix in (".h", ".cpp", ".cu"))
+    called = {name for doc in TOPIC_DOCS for name in re.findall(r"\b(trtpaged_\w+)\(", doc.read_text())}
+    assert not {name for name in called if not re.search(rf"\b{name}\b", sources)}
