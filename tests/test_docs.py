@@ -271,3 +271,24 @@ def test_each_c_function_is_documented_and_each_documented_one_exists(header, do
     sources = "\n".join(p.read_text() for p in (REPO / "plugins").rglob("*") if p.suffix in (".h", ".cpp", ".cu"))
     called = {name for doc in TOPIC_DOCS for name in re.findall(r"\b(trtpaged_\w+)\(", doc.read_text())}
     assert not {name for name in called if not re.search(rf"\b{name}\b", sources)}
+
+
+@pytest.mark.parametrize("doc", TOPIC_DOCS, ids=lambda p: p.name)
+def test_dotted_trtpaged_names_the_docs_give_import(doc):
+    """`trtpaged.runtime.outputs.RequestOutputKind` and the like: the module imports and has the name (ONNX
+    and torch op names such as `trtpaged.DequantizeWeight`, whose first part is no module, are not Python's)."""
+    import importlib
+
+    missing = []
+    for name in sorted(set(re.findall(r"(?<![\w.])trtpaged(?:\.[A-Za-z_]\w*)+", doc.read_text()))):
+        parts = name.split(".")
+        if not ((REPO / "trtpaged" / parts[1]).is_dir() or (REPO / "trtpaged" / f"{parts[1]}.py").is_file()):
+            continue
+        obj = importlib.import_module("trtpaged")
+        for i, attr in enumerate(parts[1:], 2):
+            try:  # a submodule is imported; anything else is an attribute of what came before
+                obj = getattr(obj, attr) if hasattr(obj, attr) else importlib.import_module(".".join(parts[:i]))
+            except ImportError:
+                missing.append(name)
+                break
+    assert not missing, f"{doc.name}: {missing}"
