@@ -155,8 +155,8 @@ def test_stop_reasons_and_the_text_a_stop_token_leaves(hf, prompts, reference):
 
 def test_min_tokens_holds_off_eos_stop_tokens_and_stop_strings(hf, prompts, reference):
     """With EOS pushed to the top (logit_bias), min_tokens 5 makes the model's other choices first: the first 5
-    tokens are Hugging Face's greedy ones, then EOS. A stop token id or stop string met before min_tokens does
-    not end the output; once past it they do."""
+    tokens are Hugging Face's greedy ones, then EOS (under ignore_eos as well). A stop token id or stop string met
+    before min_tokens does not end the output; once past it they do."""
     engine = make(hf)
     ids = reference[2]
     assert EOS not in ids[:5]
@@ -164,6 +164,9 @@ def test_min_tokens_holds_off_eos_stop_tokens_and_stop_strings(hf, prompts, refe
         return run_staggered(engine, [(prompts[2], SamplingParams(temperature=0.0, **kw))])[0].outputs[0]
     out = run(max_tokens=MAX_TOKENS, logit_bias={EOS: 100.0}, min_tokens=5)
     assert (out.token_ids, out.finish_reason) == (ids[:5] + [EOS], "stop")
+    # ignore_eos too: EOS still may not come before min_tokens (vLLM masks it; it was sampled from the first token)
+    ignored = run(max_tokens=8, logit_bias={EOS: 100.0}, min_tokens=5, ignore_eos=True)
+    assert (ignored.token_ids, ignored.finish_reason) == (ids[:5] + [EOS] * 3, "length")
     k = next(i for i in range(1, 6) if ids[i] not in ids[:i])
     held = run(max_tokens=MAX_TOKENS, stop_token_ids=[ids[k]], min_tokens=k + 2)
     assert ids[k] not in held.token_ids[: k + 2] and len(held.token_ids) >= k + 2

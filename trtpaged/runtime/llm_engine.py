@@ -229,9 +229,8 @@ class LLMEngine:
         seq = Sequence(self.scheduler.new_seq_id(), token_ids, cache_salt=params.cache_salt)
         group = SequenceGroup(request_id, next(self._arrivals), text, seq, params, beam, priority)
         group.bad_words = bad_words
-        if params.min_tokens:
-            ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-            group.min_tokens_banned = tuple(sorted(ends))
+        if params.min_tokens:  # EOS too under ignore_eos, as vLLM masks it: min_tokens says when it may come
+            group.min_tokens_banned = tuple(sorted(set(params.stop_token_ids) | set(self.eos_token_ids)))
         if params.thinking_token_budget is not None and self.reasoning is not None:  # (refused above without one)
             r = self.reasoning
             thinking = r.starts_in_reasoning(token_ids) if starts_in_reasoning is None else starts_in_reasoning
