@@ -88,6 +88,26 @@ def test_vllm_prompt_logprobs_field(client, hf):
     assert chat.model_extra["prompt_logprobs"][0] is None and len(chat.model_extra["prompt_logprobs"]) > 3
 
 
+def test_prompt_logprobs_beside_echo_logprobs_keep_their_own_k(client, hf):
+    """The prompt is scored once for the larger of prompt_logprobs and an echo's logprobs; each field shows its own
+    k (vLLM's: the prompt token plus its top k). prompt_logprobs 0 beside echo logprobs 3 showed 3 or 4 entries."""
+    ids = hf.tokenizer.encode(PROMPT)
+    ref = hf_scores(hf, ids)
+    for k in (0, 1):
+        resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, echo=True, logprobs=3,
+                                         extra_body={"prompt_logprobs": k})  # fmt: skip
+        scored = resp.choices[0].model_extra["prompt_logprobs"]
+        assert scored[0] is None and len(scored) == len(ids)
+        for j in range(1, len(ids)):
+            entry, best = scored[j], float(ref[j - 1].max())
+            others = [e for t, e in entry.items() if t != str(ids[j])]
+            assert str(ids[j]) in entry and len(others) <= k
+            if k and len(entry) == 1:  # the prompt token is the most likely one
+                assert abs(entry[str(ids[j])]["logprob"] - best) < 1e-4
+            assert all(e["rank"] == 1 and abs(e["logprob"] - best) < 1e-4 for e in others)
+        assert len(resp.choices[0].logprobs.top_logprobs[5]) >= 2  # the echo keeps its 3 (names may coincide)
+
+
 def test_streamed_echo_sends_the_prompt_first(server, hf):
     events = stream(server, "/v1/completions", {"prompt": PROMPT, "echo": True, "logprobs": 1, "max_tokens": 0})
     chunks = [e for e in events if e != "[DONE]"]

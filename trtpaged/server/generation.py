@@ -412,7 +412,7 @@ class GenerationService:
     def _body(self, s: Submitted, ordered: list[RequestOutput], strings: TokenStrings,
               echoes: Optional[list[Echo]]) -> BaseModel:  # fmt: skip
         """The whole answer of `s`, its outputs `ordered` by prompt; its summary filled in."""
-        body = s.builder.full(ordered, s.params.n, strings, echoes, s.req.echo_only, s.req.prompt_logprobs is not None)
+        body = s.builder.full(ordered, s.params.n, strings, echoes, s.req.echo_only, s.req.prompt_logprobs)
         _summarise(s.summary, ordered, s.req.echo_only)
         body.usage.prompt_tokens_details = self._cached_details(s.summary)
         if self.reasoning is not None and s.builder.reasoning is not None:

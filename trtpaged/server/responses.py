@@ -186,10 +186,12 @@ class ResponseBuilder:
 
     def full(self, finals: Sequence[RequestOutput], n: int, strings: TokenStrings,
              echoes: Optional[Sequence[Echo]] = None, echo_only: bool = False,
-             prompt_logprobs: bool = False) -> Union[ChatCompletionResponse, CompletionResponse]:  # fmt: skip
+             prompt_logprobs: Optional[int] = None) -> Union[ChatCompletionResponse, CompletionResponse]:  # fmt: skip
         """The non-streamed body: one choice per prompt x completion, numbered prompt-major. Completions with
         `echoes`: each prompt's text (and log-probs) before its completion, which `echo_only` leaves out;
-        `prompt_logprobs`: vLLM's field, per choice (completions) or for the request (chat). With `token_ids`
+        `prompt_logprobs`: the k of vLLM's field (None: not asked for), per choice (completions) or for the request
+        (chat), each entry cut to its token and top k (the prompt is scored for the larger of it and an echo's
+        `logprobs`). With `token_ids`
         (return_token_ids), each choice its generated token ids (not the echo's), the prompt's per choice
         (completions) or for the request (chat)."""
         choices: list[Any] = []
@@ -229,8 +231,7 @@ class ResponseBuilder:
                                                                        function_call=function_call,
                                                                        reasoning=shown), **common))  # fmt: skip
                 else:
-                    scored = vllm_prompt_logprobs(out.prompt_logprobs, strings) if (
-                        prompt_logprobs and out.prompt_logprobs is not None) else None  # fmt: skip
+                    scored = self._prompt_logprobs(out, prompt_logprobs, strings)
                     prompt_ids = list(out.prompt_token_ids) if self.token_ids else None
                     choices.append(CompletionChoice(text=text, prompt_logprobs=scored, prompt_token_ids=prompt_ids,
                                                     **common))  # fmt: skip
@@ -238,12 +239,20 @@ class ResponseBuilder:
         completion_tokens = 0 if echo_only else sum(len(c.token_ids) for o in finals for c in o.outputs)
         body = {**self._envelope(), "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
         if self.chat:
-            if prompt_logprobs and finals and finals[0].prompt_logprobs is not None:
-                body["prompt_logprobs"] = vllm_prompt_logprobs(finals[0].prompt_logprobs, strings)
+            scored = self._prompt_logprobs(finals[0], prompt_logprobs, strings) if finals else None
+            if scored is not None:
+                body["prompt_logprobs"] = scored
             if self.token_ids and finals:
                 body["prompt_token_ids"] = list(finals[0].prompt_token_ids)
             return ChatCompletionResponse(**body)
         return CompletionResponse(**body)
+
+    @staticmethod
+    def _prompt_logprobs(out: RequestOutput, k: Optional[int], strings: TokenStrings) -> Optional[PromptLogprobs]:
+        """vLLM's prompt_logprobs field of `out` with its top `k` (None when not asked for or not scored)."""
+        if k is None or out.prompt_logprobs is None:
+            return None
+        return vllm_prompt_logprobs(top_entries(out.prompt_logprobs, out.prompt_token_ids, k), strings)
 
     def chunk(
         self,
