@@ -94,3 +94,17 @@ def test_capital_of_france(llm):
     (out,) = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                       SamplingParams(max_tokens=24, temperature=0.0))
     assert "Paris" in out.outputs[0].text
+
+
+def test_a_bad_word_sent_with_a_leading_space_is_banned_without_it_too(llm, hf):
+    """vLLM strips a bad word's leading spaces before it bans the word alone and after a space, so bad_words
+    [" Paris"] keeps "Paris" out at the start of an answer too (was: " Paris" and "  Paris" banned, "Paris" not)."""
+    prompt = llm.chat_prompt([{"role": "user", "content": "What is the capital of France?"}])
+    first = hf_greedy(hf, prompt, 1, llm.manifest.eos_token_ids[0])[0]
+    word = llm.tokenizer.decode([first])
+    assert word.strip() == word and llm.tokenizer.encode(word, add_special_tokens=False) == [first], word
+    engine = variant(llm)
+    for sent in (" " + word, word):
+        params = SamplingParams(max_tokens=1, temperature=0.0, bad_words=[sent])
+        (out,) = run_staggered(engine, [(prompt, params)])
+        assert out.outputs[0].token_ids != [first], sent

@@ -263,8 +263,10 @@ class LLMEngine:
             return ()
         if self.tokenizer is None:
             raise RequestError("bad_words", "needs the engine's tokenizer")
-        spellings = {tuple(self.tokenizer.encode(prefix + check_unicode("bad_words", word), add_special_tokens=False))
-                     for word in params.bad_words for prefix in ("", " ")}  # fmt: skip
+        # vLLM's spellings: the word without its leading spaces, alone and after one space
+        words = [check_unicode("bad_words", word).lstrip() or word for word in params.bad_words]
+        spellings = {tuple(self.tokenizer.encode(prefix + word, add_special_tokens=False))
+                     for word in words for prefix in ("", " ")}  # fmt: skip
         return tuple(sorted(s for s in spellings if s))
 
     def abort(self, request_id: str) -> bool:
