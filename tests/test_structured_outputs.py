@@ -180,6 +180,10 @@ UNENFORCED = [
     ({"type": "string", "enum": ["a", 1]}, 1, "enum value 1 is not of type string"),
     ({"type": "integer", "enum": [1.5, 2]}, 1.5, "enum value 1.5 is not of type integer"),
     ({"type": "string", "const": 5}, 5, "const value 5"),
+    ({"type": "string", "enum": ["abc", "a"], "maxLength": 2}, "abc", "enum value \"abc\" breaks its 'maxLength'"),
+    ({"type": "integer", "const": 5, "maximum": 3}, 5, "const value 5 breaks its 'maximum'"),
+    ({"type": "string", "enum": ["ab", "zz"], "pattern": "^a"}, "zz", "enum value \"zz\" breaks its 'pattern'"),
+    ({"type": "string", "const": "nope", "format": "email"}, "nope", "const value \"nope\" breaks its 'format'"),
 ]  # fmt: skip
 
 
@@ -249,6 +253,7 @@ ENFORCED = [
     ({"type": "object", "properties": {"v": {"allOf": [{"type": "integer", "minimum": 5}]}}, "required": ["v"]},
      '{"v": 1}'),
     (_pydantic_schema(), '{"pet": {"kind": "cat", "barks": true}, "items": []}'),
+    ({"type": "string", "enum": ["ab", "a"], "maxLength": 2, "title": "T"}, '"abc"'),  # every value within its bound
 ]  # fmt: skip
 
 

@@ -6,7 +6,8 @@ keyword and where it sits, as vLLM's xgrammar backend refuses what it cannot enf
 xgrammar 0.2.9 (a violating document accepted by the compiled grammar): the keywords in UNENFORCED, a string
 length beside a pattern or a format, multipleOf on a number, type-specific constraints in a schema without a
 type, constraints beside a $ref / anyOf / oneOf, a $ref outside the document, a `required` property that
-`properties` does not define, and a `oneOf` whose branches can overlap (compiled as `anyOf`). `format` is an
+`properties` does not define, an `enum` / `const` value that the node's other constraints refuse (the grammar
+follows the values), and a `oneOf` whose branches can overlap (compiled as `anyOf`). `format` is an
 annotation in JSON Schema 2020-12 (validators do not check it unless asked), so formats are not refused.
 """
 
@@ -80,7 +81,7 @@ def _node_feature(node: dict, root: Any) -> Optional[str]:
     for combinator in ("anyOf", "oneOf", "allOf"):
         if node.get(combinator) == []:
             return f"empty '{combinator}' is not a valid schema (it needs at least one)"
-    mismatch = _value_outside_type(node) or _bound_past_float_range(node)
+    mismatch = _value_outside_type(node) or _bound_past_float_range(node) or _value_breaking_constraints(node, root)
     if mismatch is not None:
         return mismatch
     if "multipleOf" in node and node.get("type") != "integer":
@@ -130,6 +131,29 @@ def _value_outside_type(node: dict) -> Optional[str]:
             return (f"{keyword} value {json.dumps(value)[:40]} is not of type {'/'.join(types)} "
                     "(the grammar would allow it)")
     return None
+
+
+def _value_breaking_constraints(node: dict, root: Any) -> Optional[str]:
+    """An `enum` or `const` value that the node's other constraints refuse (`maxLength`, `maximum`, `pattern`,
+    `format`, ...): the grammar follows the values alone, so it would let the value through."""
+    keyword = "const" if "const" in node else "enum" if isinstance(node.get("enum"), list) else None
+    rest = {k: v for k, v in node.items() if k not in ("const", "enum")}
+    if keyword is None or not set(rest) - _ANNOTATIONS - {"type"}:
+        return None
+    import jsonschema
+
+    values = [node["const"]] if keyword == "const" else node["enum"]
+    try:
+        checker = jsonschema.Draft202012Validator(root, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+        errors = [(value, jsonschema.exceptions.best_match(checker.evolve(schema=rest).iter_errors(value)))
+                  for value in values]  # fmt: skip
+    except Exception:  # noqa: BLE001 - a malformed schema is left to the grammar compiler, which names it
+        return None
+    value, error = next(((v, e) for v, e in errors if e is not None), (None, None))
+    if error is None:
+        return None
+    return (f"{keyword} value {json.dumps(value)[:40]} breaks its '{error.validator}' "
+            "(the grammar follows the values and would allow it)")
 
 
 def _bound_past_float_range(node: dict) -> Optional[str]:
