@@ -184,6 +184,8 @@ UNENFORCED = [
     ({"type": "integer", "const": 5, "maximum": 3}, 5, "const value 5 breaks its 'maximum'"),
     ({"type": "string", "enum": ["ab", "zz"], "pattern": "^a"}, "zz", "enum value \"zz\" breaks its 'pattern'"),
     ({"type": "string", "const": "nope", "format": "email"}, "nope", "const value \"nope\" breaks its 'format'"),
+    ({"type": "object", "properties": {"aa": {"type": "string"}}, "patternProperties": {"^a": {"type": "integer"}}},
+     {"aa": "x"}, "property 'aa' matches 'patternProperties' '^a' as well"),
 ]  # fmt: skip
 
 
@@ -254,6 +256,8 @@ ENFORCED = [
      '{"v": 1}'),
     (_pydantic_schema(), '{"pet": {"kind": "cat", "barks": true}, "items": []}'),
     ({"type": "string", "enum": ["ab", "a"], "maxLength": 2, "title": "T"}, '"abc"'),  # every value within its bound
+    ({"type": "object", "properties": {"b": {"type": "string"}}, "patternProperties": {"^a": {"type": "integer"}}},
+     '{"a1": "x"}'),  # no property that a pattern matches
 ]  # fmt: skip
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from typing import Any, Iterator, Optional
 
@@ -106,6 +107,9 @@ def _node_feature(node: dict, root: Any) -> Optional[str]:
     if isinstance(one_of, list) and len(one_of) > 1 and not _disjoint(one_of, root):
         return ("'oneOf' whose branches may overlap is enforced as 'anyOf'; use 'anyOf', or give the branches "
                 "distinct types or a required property with a distinct 'const' each")
+    shadowed = _shadowed_pattern_property(node)
+    if shadowed is not None:
+        return shadowed
     required, properties = node.get("required"), node.get("properties")
     if isinstance(required, list):
         defined = properties if isinstance(properties, dict) else {}
@@ -154,6 +158,24 @@ def _value_breaking_constraints(node: dict, root: Any) -> Optional[str]:
         return None
     return (f"{keyword} value {json.dumps(value)[:40]} breaks its '{error.validator}' "
             "(the grammar follows the values and would allow it)")
+
+
+def _shadowed_pattern_property(node: dict) -> Optional[str]:
+    """A `properties` name that a `patternProperties` pattern matches as well: both schemas apply to its value,
+    and the grammar enforces only the one in `properties`."""
+    properties, patterns = node.get("properties"), node.get("patternProperties")
+    if not isinstance(properties, dict) or not isinstance(patterns, dict):
+        return None
+    for pattern in patterns:
+        try:
+            regex = re.compile(pattern)
+        except (re.error, TypeError):  # an ECMA-only pattern: left to the grammar compiler
+            continue
+        name = next((name for name in properties if regex.search(name)), None)
+        if name is not None:
+            return (f"property {name!r} matches 'patternProperties' {pattern[:40]!r} as well, whose schema is not "
+                    "enforced on it (only its 'properties' schema is)")
+    return None
 
 
 def _bound_past_float_range(node: dict) -> Optional[str]:
