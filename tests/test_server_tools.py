@@ -459,6 +459,44 @@ def test_required_calls_follow_each_tools_own_defs(client):
     assert ended
 
 
+
+CHAIN = {"type": "object", "properties": {"val": {"type": "string", "maxLength": 3},
+                                         "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]},
+                                         "copy": {"$ref": "#/properties/val"}},
+         "required": ["val", "next"], "additionalProperties": False}  # fmt: skip
+
+
+def test_required_calls_follow_refs_to_each_tools_own_root(client):
+    """A tool's `$ref: "#"` (a recursive schema) and `#/properties/...` point into its own parameters. In the
+    required calls' grammar they pointed to the root of the array of calls, so `next` could hold a list of calls
+    (`{"val": "a", "next": [{"name": "chain", "parameters": ...}]}`), which the tool's schema refuses."""
+    import xgrammar
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from trtpaged.server.tools import tool_choice
+
+    tools = [{"type": "function", "function": {"name": "chain", "parameters": CHAIN}},
+             {"type": "function", "function": {"name": "other", "parameters": {"type": "object", "$defs": {
+                 "val": {"type": "integer"}}, "properties": {"n": {"$ref": "#/$defs/val"}}, "required": ["n"]}}}]
+    fine = {"val": "a", "next": {"val": "b", "next": None, "copy": "c"}}
+    breaking = {"val": "a", "next": [{"name": "chain", "parameters": {"val": "b", "next": None}}]}
+    jsonschema.validate(fine, CHAIN)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(breaking, CHAIN)
+    grammar = xgrammar.Grammar.from_json_schema(tool_choice(tools, "required").grammar().json, any_whitespace=False)
+    for arguments, taken in ((fine, True), (breaking, False), ({"n": 1}, False)):
+        assert _is_grammar_accept_string(grammar, json.dumps([{"name": "chain", "parameters": arguments}])) == taken
+    assert _is_grammar_accept_string(grammar, json.dumps([{"name": "other", "parameters": {"n": 1}}]))
+    ended = 0
+    for seed in range(8):
+        choice = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=tools[:1], tool_choice="required",
+                                                max_tokens=300, temperature=1.0, seed=seed).choices[0]  # fmt: skip
+        if choice.finish_reason == "tool_calls":
+            ended += 1
+            for call in choice.message.tool_calls:
+                jsonschema.validate(json.loads(call.function.arguments), CHAIN)
+    assert ended
+
 PYTHONIC_CASES = [
     ('[get_weather(city="Paris", unit="C"), add(a=2, b=40)]', None,
      [("get_weather", {"city": "Paris", "unit": "C"}), ("add", {"a": 2, "b": 40})]),

@@ -10,12 +10,14 @@ engine whose template takes no tools, or writes calls in no format we read, refu
 
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from trtpaged.errors import RequestError, check_unicode
 from trtpaged.runtime.sampling_params import MAX_SCHEMA_DEPTH, StructuredOutputsParams, nesting_depth
+from trtpaged.runtime.schema_features import subschemas
 from trtpaged.server.errors import ApiError
 from trtpaged.server.tool_parsers import (FORMATS, HERMES, LLAMA3_JSON, MISTRAL, PARSER_NAMES, PHI4_MINI, PYTHONIC,
                                           REQUIRED, Format)
@@ -46,6 +48,17 @@ class AutoTools:
 NAMED_CHOICE = "{'type': 'function', 'function': {'name': ...}}"
 NOT_AUTO = f"'required', 'none' or {NAMED_CHOICE}"
 ALLOWED_CHOICE = "{'type': 'allowed_tools', 'allowed_tools': {'mode': ..., 'tools': [...]}}"
+
+
+def _rooted(schema: dict[str, Any], root: str) -> dict[str, Any]:
+    """A copy of `schema` to be placed at `root` (a JSON pointer) of another schema, its local $refs (`#`,
+    `#/$defs/Date`, `#/properties/a`) pointing into it there (`#/$defs/f`, `#/$defs/f/$defs/Date`, ...)."""
+    copied = copy.deepcopy(schema)
+    for _, node in subschemas(copied):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            node["$ref"] = root + ref[1:]
+    return copied
 
 
 def _template_takes_tools(template: str) -> bool:
@@ -105,19 +118,12 @@ class ToolChoice:
                                f"got type {parameters['type']!r:.40}", "tools")  # fmt: skip
         if self.named is not None:
             return StructuredOutputsParams(json=self.tools[self.named], origin=self.choice_field)
-        lifted: dict[str, dict[str, Any]] = {}  # the tools' $defs / definitions, at the root their $refs point to
-        calls = []
-        for name, parameters in self.tools.items():
-            parameters = dict(parameters)
-            for key in ("$defs", "definitions"):
-                for def_name, definition in (parameters.pop(key, None) or {}).items():
-                    if lifted.setdefault(key, {}).setdefault(def_name, definition) != definition:
-                        raise ApiError(f"tools: {key}/{def_name} differs between tools; tool_choice \"required\" "
-                                       "needs one definition per name", "tools")  # fmt: skip
-            calls.append({"type": "object", "properties": {"name": {"const": name}, "parameters": parameters},
-                          "required": ["name", "parameters"], "additionalProperties": False})
+        calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": {"$ref": f"#/$defs/{name}"}},
+                  "required": ["name", "parameters"], "additionalProperties": False} for name in self.tools]
         schema: dict[str, Any] = {"type": "array", "minItems": 1,
-                                  "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, **lifted}  # fmt: skip
+                                  "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
+                                  "$defs": {name: _rooted(parameters, f"#/$defs/{name}")
+                                            for name, parameters in self.tools.items()}}  # fmt: skip
         if not self.parallel:
             schema["maxItems"] = 1
         return StructuredOutputsParams(json=schema, origin="tool_choice")
