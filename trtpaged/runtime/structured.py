@@ -66,6 +66,20 @@ def mended_structural_tag_grammar(tag: str) -> str:
     return str(xgr.Grammar.from_structural_tag(tag)).replace(_LENGTH_BOUNDED_CHARACTER, _JSON_STRING_CHARACTER)
 
 
+def _stop_tokens_without_text(info: Any) -> Any:
+    """`info` with its stop tokens' text taken out of the vocabulary. xgrammar reads a stop token whose text is not
+    empty (SmolLM2's `<|im_end|>`, the tiny model's `<|eos|>`) as that text too, and allows it wherever the text
+    completes the grammar: `[^0-9]{8}` took `S` then the end, so the output finished "stop" as `S`."""
+    import xgrammar as xgr
+
+    stops = set(info.stop_token_ids)
+    if not any(info.decoded_vocab[i] for i in stops if i < len(info.decoded_vocab)):
+        return info
+    vocab = [b"" if i in stops else text for i, text in enumerate(info.decoded_vocab)]
+    return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=info.vocab_size, stop_token_ids=sorted(stops),
+                             add_prefix_space=info.add_prefix_space)  # fmt: skip
+
+
 def xgrammar_available() -> bool:
     try:
         import xgrammar  # noqa: F401
@@ -105,7 +119,7 @@ class GrammarCache:
                 raise RequestError("structured_outputs", "needs the engine's tokenizer")
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                       stop_token_ids=self.stop_token_ids or None)  # fmt: skip
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            self._compiler = xgr.GrammarCompiler(_stop_tokens_without_text(info), max_threads=1, cache_enabled=False)
         return self._compiler
 
     def prepare(self) -> None:
