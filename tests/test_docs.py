@@ -108,7 +108,8 @@ def named_code_paths(doc: Path):
             path, name = match.group(1), (match.group(2) or "").lstrip(":") or None
             if path.startswith(("http", "engines/")) or "//" in path:
                 continue
-            if path.endswith(SOURCE_SUFFIXES) or ("/" in path and path.split("/")[0] in tops - {"engines"}):
+            # engines/ and build/ hold what the reader builds (absent from a clean checkout, or another build's)
+            if path.endswith(SOURCE_SUFFIXES) or ("/" in path and path.split("/")[0] in tops - {"engines", "build"}):
                 yield number, path, name
 
 
