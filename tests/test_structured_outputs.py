@@ -671,3 +671,40 @@ def test_a_grammar_that_allows_no_first_token_answers_every_sample(llm):
     assert blocked.error_field == "structured_outputs" and "leave no token" in blocked.error, blocked.error
     assert [o.index for o in plain.outputs] == [0, 1, 2] and all(o.text == "a" for o in plain.outputs), plain.outputs
     assert llm.engine.stats()["kv_blocks_used"] == 0
+
+
+STRING_TAG = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+    {"type": "const_string", "value": "<s>"}, {"type": "json_schema", "json_schema": {"type": "string"}}]}}
+
+
+@pytest.mark.parametrize("grammar, before", [
+    (Grammar(regex="[^0-9]{3}"), ""), (Grammar(regex=".{3}"), ""), (Grammar(regex=r"[\s\S]{3}"), ""),
+    (Grammar(grammar="root ::= [^a] [^a] [^a]"), ""), (Grammar(json={"type": "string"}), '"'),
+    (Grammar(json={"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]}), '{"s": "'),
+    (Grammar(json_object=True), '{"'), (Grammar(structural_tag=STRING_TAG), '<s>"'),
+], ids=["negated-class", "dot", "s-or-S", "ebnf", "json-string", "schema-string", "json-object", "structural-tag"])
+def test_no_grammar_takes_the_bytes_of_a_surrogate_code_point(grammar, before):
+    """xgrammar matches UTF-8 bytes, and a class covering U+D800-U+DFFF ([^0-9], `.`, a JSON string's characters)
+    took a surrogate's three bytes (ED A0 80) as one character, though no UTF-8 decoder does (Python's is the truth
+    here): the text showed three U+FFFD, past the grammar's count. Every grammar kind now refuses the second byte,
+    and still takes U+D000 (ED 80 80), the character before the surrogates."""
+    from trtpaged.models.tiny_tokenizer import make_tiny_tokenizer
+    from trtpaged.runtime.structured import GrammarCache
+
+    with pytest.raises(UnicodeDecodeError):
+        b"\xed\xa0\x80".decode("utf-8")
+    tok = make_tiny_tokenizer()  # one token a byte
+    cache = GrammarCache(tok, len(tok), [tok.eos_token_id])
+    ed, b80, b80_ = tok.encode("\ud000", add_special_tokens=False)
+    a0 = tok.encode("\xa0", add_special_tokens=False)[1]
+    assert b80 == b80_ and tok.decode([ed, b80, b80]) == "\ud000" and tok.decode([a0]) == "\ufffd"
+
+    def matcher_after_prefix():
+        matcher = cache.matcher(cache.compile(grammar))
+        assert all(matcher.accept_token(t) for t in tok.encode(before, add_special_tokens=False)), before
+        return matcher
+
+    fine = matcher_after_prefix()
+    assert fine.accept_token(ed) and fine.accept_token(b80) and fine.accept_token(b80)
+    surrogate = matcher_after_prefix()
+    assert surrogate.accept_token(ed) and not surrogate.accept_token(a0)

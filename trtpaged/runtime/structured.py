@@ -22,6 +22,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from trtpaged.errors import RequestError
+from trtpaged.runtime.grammar_text import without_surrogates
 from trtpaged.runtime.sampling_params import StructuredOutputsParams
 from trtpaged.runtime.schema_features import has_string_length, unenforced_feature
 
@@ -43,27 +44,28 @@ _XGR_CHECK = re.compile(r"^Check failed: \(.*?\) is false:\s*")  # the assertion
 # xgrammar 0.2.9 writes a string with minLength / maxLength as a bounded repeat of this character class, which lets
 # the control characters U+0000-U+001F through unescaped: the output is no JSON (its plain strings exclude them).
 # Such a schema's grammar is compiled from its EBNF with the character class JSON allows there (escapes stay out, as
-# that form has them), less the surrogate code points, whose bytes (ED A0..BF xx) are no UTF-8: one character to
-# the grammar, three U+FFFD in the text, a string past its maxLength.
+# that form has them); `without_surrogates` then takes the surrogate code points out of it, as out of every class.
 _LENGTH_BOUNDED_CHARACTER = '[^\\"\\\\\\r\\n]'
-_JSON_STRING_CHARACTER = '[^\\"\\\\\\0-\\x1f\\uD800-\\uDFFF]'
+_JSON_STRING_CHARACTER = '[^\\"\\\\\\0-\\x1f]'
 
 
-def mended_schema_grammar(schema: str) -> str:
-    """xgrammar's grammar (EBNF text) for a JSON schema with string lengths, its length-bounded strings' character
-    class replaced by `_JSON_STRING_CHARACTER`."""
+def mended_schema_grammar(schema: str, strict_mode: bool = True) -> str:
+    """xgrammar's grammar (EBNF text) for a JSON schema, its length-bounded strings' character class replaced by
+    `_JSON_STRING_CHARACTER` and every class without the surrogate code points."""
     import xgrammar as xgr
 
-    grammar = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
-    return grammar.replace(_LENGTH_BOUNDED_CHARACTER, _JSON_STRING_CHARACTER)
+    grammar = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict_mode))
+    return without_surrogates(grammar.replace(_LENGTH_BOUNDED_CHARACTER, _JSON_STRING_CHARACTER))
 
 
 def mended_structural_tag_grammar(tag: str) -> str:
     """xgrammar's grammar (EBNF text) for a structural tag (xgrammar's form, JSON text), its JSON schemas'
-    length-bounded strings' character class replaced by `_JSON_STRING_CHARACTER` (as `mended_schema_grammar`)."""
+    length-bounded strings' character class replaced by `_JSON_STRING_CHARACTER` and every class without the
+    surrogate code points (as `mended_schema_grammar`)."""
     import xgrammar as xgr
 
-    return str(xgr.Grammar.from_structural_tag(tag)).replace(_LENGTH_BOUNDED_CHARACTER, _JSON_STRING_CHARACTER)
+    grammar = str(xgr.Grammar.from_structural_tag(tag))
+    return without_surrogates(grammar.replace(_LENGTH_BOUNDED_CHARACTER, _JSON_STRING_CHARACTER))
 
 
 def _stop_tokens_without_text(info: Any) -> Any:
@@ -162,18 +164,18 @@ class GrammarCache:
                 raise RequestError(params.origin, f"the JSON schema's {why}")
         if kind == "structural_tag":
             return GrammarCache._compile_structural_tag(compiler, params)
+        import xgrammar as xgr
+
+        # each grammar compiles from its text, without the surrogate code points (grammar_text.without_surrogates)
         try:
-            if kind == "json" and has_string_length(parsed):
-                return compiler.compile_grammar(mended_schema_grammar(schema))
             if kind == "json":
-                return compiler.compile_json_schema(schema, any_whitespace=False)
+                return compiler.compile_grammar(mended_schema_grammar(schema))
             if kind == "json_object":  # an object with any members (xgrammar's builtin JSON also allows arrays)
-                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
-            if kind == "regex":
-                return compiler.compile_regex(params.regex)
-            if kind == "choice":
-                return compiler.compile_regex("|".join(_regex_literal(c) for c in params.choice or ()))
-            return compiler.compile_grammar(params.grammar)
+                return compiler.compile_grammar(mended_schema_grammar('{"type": "object"}', strict_mode=False))
+            if kind in ("regex", "choice"):
+                regex = params.regex if kind == "regex" else "|".join(_regex_literal(c) for c in params.choice or ())
+                return compiler.compile_grammar(without_surrogates(str(xgr.Grammar.from_regex(regex))))
+            return compiler.compile_grammar(without_surrogates(str(xgr.Grammar.from_ebnf(params.grammar))))
         except Exception as exc:  # noqa: BLE001 - whatever xgrammar raises for a grammar is the request's fault
             raise RequestError(params.origin, f"invalid {kind}: {_xgrammar_reason(exc)}") from None
 
@@ -187,12 +189,12 @@ class GrammarCache:
                 raise RequestError(params.origin, f"the JSON schema at {where}: {why}")
         tag = params.structural_tag_json
         try:
-            if not any(has_string_length(schema) for _, schema in params.structural_tag_schemas):
-                return compiler.compile_structural_tag(tag)
             try:
                 grammar = mended_structural_tag_grammar(tag)
             except Exception:  # noqa: BLE001 - a tag xgrammar refuses (named below), or one that needs the vocabulary
-                compiler.compile_structural_tag(tag)  # raises xgrammar's reason for a tag it refuses
+                compiled = compiler.compile_structural_tag(tag)  # raises xgrammar's reason for a tag it refuses
+                if not any(has_string_length(schema) for _, schema in params.structural_tag_schemas):
+                    return compiled  # a token named by its text: the classes as xgrammar writes them
                 raise RequestError(params.origin, "a JSON schema with minLength / maxLength beside a token named by "
                                    "its text is not supported: name the token by its id") from None  # fmt: skip
             return compiler.compile_grammar(grammar)
