@@ -596,3 +596,64 @@ def test_a_full_disk_while_the_tokenizer_is_saved_is_an_oserror_naming_the_dir(t
         with pytest.raises(OSError) as info:
             _save_tokenizer(tiny_hf().tokenizer, small / "tokenizer")
         assert info.value.filename == str(small / "tokenizer") and "No space left" in info.value.strerror
+
+
+
+def _sharded_hf_dir(tmp_path: Path) -> Path:
+    """The tiny model saved as transformers saves a large one: shards beside model.safetensors.index.json."""
+    from transformers import AutoModelForCausalLM
+
+    hf = _hf_dir(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    (hf / "model.safetensors").unlink()
+    model.save_pretrained(hf, max_shard_size="20KB")
+    return hf
+
+
+def _shards(hf: Path) -> list[Path]:
+    return [hf / name for name in sorted(set(_weight_map(hf).values()))]
+
+
+def _weight_map(hf: Path) -> dict[str, str]:
+    return json.loads((hf / "model.safetensors.index.json").read_text())["weight_map"]
+
+
+def _truncate(hf: Path) -> Path:
+    shard = _shards(hf)[1]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    return shard
+
+
+def _misplace(hf: Path) -> Path:
+    """The index places a tensor in another shard than the one holding it; returns that shard."""
+    index = json.loads((hf / "model.safetensors.index.json").read_text())
+    tensor = "model.layers.0.mlp.down_proj.weight"
+    other = next(s for s in _shards(hf) if s.name != index["weight_map"][tensor])
+    index["weight_map"][tensor] = other.name
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    return other
+
+
+def _link_to_passwd(hf: Path) -> Path:
+    for shard in _shards(hf):
+        shard.unlink()
+    (hf / "model.safetensors.index.json").unlink()
+    (hf / "model.safetensors").symlink_to("/etc/passwd")
+    return hf / "model.safetensors"
+
+
+@pytest.mark.parametrize("break_it, words", [
+    # were: "SafetensorError: Error while deserializing header: incomplete metadata, file not fully covered" and
+    # "... header too large", naming only the dir
+    (_truncate, ["not a valid safetensors file", "truncated"]),
+    (_link_to_passwd, ["(a link to /etc/passwd): not a valid safetensors file"]),
+    # was: "has no weights for 1 tensors of the architecture", naming neither the index nor the shard
+    (_misplace, ["model.safetensors.index.json places model.layers.0.mlp.down_proj.weight in", "does not hold it"]),
+])  # fmt: skip
+def test_a_broken_safetensors_file_is_one_line_naming_the_file(tmp_path, break_it, words):
+    path = break_it(_sharded_hf_dir(tmp_path))
+    r = _cli("build", str(_yaml(tmp_path, {**TINY, "model": {"hf_dir": "hf"}})), "-o", str(tmp_path / "out"))
+    line = one_line_failure(r, "model.hf_dir: ", *words)
+    assert str(path) in line
+    assert not (tmp_path / "out").exists()
+

@@ -1,0 +1,72 @@
+"""An HF dir's safetensors files checked before transformers reads them, each fault named by its file.
+
+transformers (safetensors' reader) reports a truncated shard, or a weights file that is no safetensors file
+(a link to another file), as "Error while deserializing header: ..." naming no file, and an index entry whose
+shard lacks the tensor as a tensor missing from the checkpoint. The files transformers would read (model.safetensors,
+else those model.safetensors.index.json names) are checked here from their headers: present, a valid safetensors
+file whose tensors tile its data, and holding each tensor the index places in it. Links are followed (a Hugging Face
+cache's snapshot files are links into its blobs/), and a link's target is named beside the file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from trtpaged.config import ConfigError
+from trtpaged.engine_files import read_safetensors_header
+from trtpaged.manifest import EngineDirError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+KEY = "model.hf_dir"
+
+
+def _shown(path: Path) -> str:
+    """The path, and where it leads when it is a link."""
+    return f"{path} (a link to {path.resolve()})" if path.is_symlink() else str(path)
+
+
+def _header(path: Path, named_by: str) -> set[str]:
+    if not path.is_file():
+        raise ConfigError(f"{KEY}: {_shown(path)}, named by {named_by}, is missing", field=KEY)
+    try:
+        return set(read_safetensors_header(path, "weights"))
+    except EngineDirError as e:
+        reason = str(e).removeprefix(f"{e.path}: {e.field}: ")
+        raise ConfigError(f"{KEY}: {_shown(path)}: {reason}", field=KEY) from None
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The index's weight_map (tensor -> shard file name); raises ConfigError naming the index."""
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ConfigError(f"{KEY}: {_shown(index)} is not a readable JSON object ({e})", field=KEY) from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ConfigError(f"{KEY}: {_shown(index)}: weight_map is not an object of tensor -> shard file names",
+                          field=KEY)
+    return weight_map
+
+
+def check_safetensors_files(hf_dir: Path) -> None:
+    """The safetensors files transformers would load from `hf_dir` are whole and hold what the index says; raises
+    ConfigError naming the file (and the tensor). A dir without safetensors files is left to transformers."""
+    single, index = hf_dir / SINGLE_FILE, hf_dir / INDEX_FILE
+    if single.exists() or single.is_symlink():  # transformers takes model.safetensors before an index
+        _header(single, "the dir (transformers' single-file name)")
+        return
+    if not index.is_file():
+        return
+    weight_map = _weight_map(index)
+    by_shard: dict[str, list[str]] = {}
+    for tensor, shard in weight_map.items():
+        by_shard.setdefault(shard, []).append(tensor)
+    for shard, tensors in sorted(by_shard.items()):
+        path = hf_dir / shard
+        held = _header(path, INDEX_FILE)
+        absent = [t for t in tensors if t not in held]
+        if absent:
+            raise ConfigError(f"{KEY}: {INDEX_FILE} places {absent[0]} in {_shown(path)}, which does not hold it "
+                              f"({len(absent)} such tensor(s))", field=KEY)
+
