@@ -657,3 +657,29 @@ def test_a_broken_safetensors_file_is_one_line_naming_the_file(tmp_path, break_i
     assert str(path) in line
     assert not (tmp_path / "out").exists()
 
+
+class _RunsCode:
+    """Unpickled by a full torch.load, it runs a shell command."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+def test_a_pickle_that_would_run_code_is_refused_in_one_line_and_not_run(tmp_path):
+    """transformers loads pytorch_model.bin with torch.load(weights_only=True), which refuses a pickle of other
+    objects than tensors (was: torch's refusal over six lines, naming no file)."""
+    from safetensors.torch import load_file
+
+    hf = _hf_dir(tmp_path)
+    state = load_file(hf / "model.safetensors")
+    (hf / "model.safetensors").unlink()
+    ran = tmp_path / "ran"
+    state["model.embed_tokens.weight"] = _RunsCode(f"touch {ran}")
+    torch.save(state, hf / "pytorch_model.bin")
+    r = _cli("build", str(_yaml(tmp_path, {**TINY, "model": {"hf_dir": "hf"}})), "-o", str(tmp_path / "out"))
+    one_line_failure(r, f"model.hf_dir: {hf}: pytorch_model.bin: torch.load(weights_only=True) refuses it",
+                     "nothing in it was run")
+    assert not ran.exists() and not (tmp_path / "out").exists()

@@ -6,6 +6,9 @@ shard lacks the tensor as a tensor missing from the checkpoint. The files transf
 else those model.safetensors.index.json names) are checked here from their headers: present, a valid safetensors
 file whose tensors tile its data, and holding each tensor the index places in it. Links are followed (a Hugging Face
 cache's snapshot files are links into its blobs/), and a link's target is named beside the file.
+
+A .bin checkpoint is read by transformers with torch.load(weights_only=True), which refuses a pickle of anything
+but tensors before any of it runs; `refused_pickle` words that refusal as one line naming the files.
 """
 
 from __future__ import annotations
@@ -70,3 +73,13 @@ def check_safetensors_files(hf_dir: Path) -> None:
             raise ConfigError(f"{KEY}: {INDEX_FILE} places {absent[0]} in {_shown(path)}, which does not hold it "
                               f"({len(absent)} such tensor(s))", field=KEY)
 
+
+def refused_pickle(hf_dir: Path, error: Exception) -> ConfigError:
+    """torch.load(weights_only=True)'s refusal of a .bin checkpoint (a pickle of more than tensors, which could
+    run code once unpickled), as one line naming the files; torch's own message runs over several lines."""
+    files = ", ".join(sorted(p.name for p in hf_dir.glob("*.bin"))) or "its .bin files"
+    lines = [line.strip() for line in str(error).split("WeightsUnpickler error:")[-1].splitlines() if line.strip()]
+    why = lines[0] if lines else "not tensors only"
+    return ConfigError(f"{KEY}: {hf_dir}: {files}: torch.load(weights_only=True) refuses it ({why}): a pickle of "
+                       "other objects could run code when loaded, and nothing in it was run; give the model's "
+                       "safetensors weights instead", field=KEY)

@@ -12,6 +12,7 @@ import contextlib
 import io
 import json
 import math
+import pickle
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,7 @@ import torch
 from trtpaged.config import ConfigError, ModelSpec
 from trtpaged.manifest import Manifest
 from trtpaged.models import gguf_once
-from trtpaged.models.checkpoint_files import check_safetensors_files
+from trtpaged.models.checkpoint_files import check_safetensors_files, refused_pickle
 from trtpaged.models.gguf_header import F32, GGUFHeaderError, GGUFLayout, read_f32_tensor, read_layout
 from trtpaged.models.dims import (
     ARCHITECTURES_BY_MODEL_TYPE,
@@ -174,8 +175,12 @@ def load_hf(spec: ModelSpec, dtype: torch.dtype = torch.float32) -> HFModel:
         # the config loaded above: from_pretrained would parse the GGUF's metadata again for it
         # a tensor whose shape is not the config's is reported in `info` (and refused below, naming it and both
         # shapes), where transformers would raise with its report on the console only
-        model, info = AutoModelForCausalLM.from_pretrained(where, config=config, dtype=dtype, output_loading_info=True,
-                                                           ignore_mismatched_sizes=True, **kwargs)  # fmt: skip
+        try:
+            model, info = AutoModelForCausalLM.from_pretrained(where, config=config, dtype=dtype,
+                                                               output_loading_info=True, ignore_mismatched_sizes=True,
+                                                               **kwargs)  # fmt: skip
+        except pickle.UnpicklingError as e:
+            raise refused_pickle(spec.path, e) from None
     _check_loaded(spec, info)
     _tie_as_loaded(model, config)
     return HFModel(model=model.eval(), tokenizer=tokenizer, config=config)
