@@ -634,6 +634,13 @@ def _misplace(hf: Path) -> Path:
     return other
 
 
+def _rewrite_index(hf: Path, change: dict) -> Path:
+    index = hf / "model.safetensors.index.json"
+    content = json.loads(index.read_text())
+    index.write_text(json.dumps({key: value for key, value in {**content, **change}.items() if value is not None}))
+    return index
+
+
 def _link_to_passwd(hf: Path) -> Path:
     for shard in _shards(hf):
         shard.unlink()
@@ -649,6 +656,9 @@ def _link_to_passwd(hf: Path) -> Path:
     (_link_to_passwd, ["(a link to /etc/passwd): not a valid safetensors file"]),
     # was: "has no weights for 1 tensors of the architecture", naming neither the index nor the shard
     (_misplace, ["model.safetensors.index.json places model.layers.0.mlp.down_proj.weight in", "does not hold it"]),
+    # were: transformers' KeyError: 'metadata' and IndexError: list index out of range
+    (lambda hf: _rewrite_index(hf, {"metadata": None}), ['has no "metadata" object beside its weight_map']),
+    (lambda hf: _rewrite_index(hf, {"weight_map": {}}), ["weight_map names no tensors"]),
 ])  # fmt: skip
 def test_a_broken_safetensors_file_is_one_line_naming_the_file(tmp_path, break_it, words):
     path = break_it(_sharded_hf_dir(tmp_path))

@@ -40,14 +40,30 @@ def _header(path: Path, named_by: str) -> set[str]:
         raise ConfigError(f"{KEY}: {_shown(path)}: {reason}", field=KEY) from None
 
 
+def json_object(path: Path) -> dict:
+    """The JSON object a file of the HF dir holds; raises ConfigError naming the file (transformers' JSONDecodeError
+    names none)."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError) as e:
+        raise ConfigError(f"{KEY}: {_shown(path)} is not readable JSON ({str(e)[:120]})", field=KEY) from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{KEY}: {_shown(path)} holds a JSON {type(value).__name__}; expected an object", field=KEY)
+    return value
+
+
 def _weight_map(index: Path) -> dict[str, str]:
     """The index's weight_map (tensor -> shard file name); raises ConfigError naming the index."""
-    try:
-        weight_map = json.loads(index.read_text()).get("weight_map")
-    except (OSError, ValueError, AttributeError) as e:
-        raise ConfigError(f"{KEY}: {_shown(index)} is not a readable JSON object ({e})", field=KEY) from None
+    content = json_object(index)
+    weight_map = content.get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise ConfigError(f"{KEY}: {_shown(index)}: weight_map is not an object of tensor -> shard file names",
+                          field=KEY)
+    if not weight_map:
+        raise ConfigError(f"{KEY}: {_shown(index)}: weight_map names no tensors", field=KEY)
+    if not isinstance(content.get("metadata"), dict):  # transformers reads it (a KeyError without)
+        raise ConfigError(f"{KEY}: {_shown(index)} has no \"metadata\" object beside its weight_map, which "
+                          "transformers reads (save_pretrained writes {\"metadata\": {\"total_size\": ...}})",
                           field=KEY)
     return weight_map
 
@@ -83,3 +99,4 @@ def refused_pickle(hf_dir: Path, error: Exception) -> ConfigError:
     return ConfigError(f"{KEY}: {hf_dir}: {files}: torch.load(weights_only=True) refuses it ({why}): a pickle of "
                        "other objects could run code when loaded, and nothing in it was run; give the model's "
                        "safetensors weights instead", field=KEY)
+
