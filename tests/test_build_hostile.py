@@ -187,6 +187,17 @@ def test_a_chat_template_that_does_not_compile_is_refused_at_build(tmp_path, tem
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json"])
+def test_a_tokenizer_file_that_is_not_json_is_one_line_naming_it(tmp_path, name):
+    """was: "JSONDecodeError: Expecting ... line 27 column 5", naming no file"""
+    hf = _hf_dir(tmp_path)
+    text = (hf / name).read_text()
+    (hf / name).write_text(text[:len(text) // 2])
+    r = _cli("build", str(_yaml(tmp_path, {**TINY, "model": {"hf_dir": "hf"}})), "-o", str(tmp_path / "out"))
+    one_line_failure(r, f"model.hf_dir: {hf / name} is not readable JSON")
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_hf_dir_without_a_tokenizer_is_one_line_naming_the_files(tmp_path):
     """was: transformers' message about slow tokenizers and sentencepiece, over several lines"""
     hf = _hf_dir(tmp_path)

@@ -1,4 +1,5 @@
-"""An HF dir's safetensors files checked before transformers reads them, each fault named by its file.
+"""An HF dir's safetensors and tokenizer JSON files checked before transformers reads them, each fault named by its
+file.
 
 transformers (safetensors' reader) reports a truncated shard, or a weights file that is no safetensors file
 (a link to another file), as "Error while deserializing header: ..." naming no file, and an index entry whose
@@ -100,3 +101,14 @@ def refused_pickle(hf_dir: Path, error: Exception) -> ConfigError:
                        "other objects could run code when loaded, and nothing in it was run; give the model's "
                        "safetensors weights instead", field=KEY)
 
+
+# the tokenizer's JSON files transformers parses (a broken one failed the load with a JSONDecodeError naming no file)
+TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                        "chat_template.json")
+
+
+def check_tokenizer_json(hf_dir: Path) -> None:
+    """Each of the tokenizer's JSON files in `hf_dir` is a JSON object; raises ConfigError naming the file."""
+    for name in TOKENIZER_JSON_FILES:
+        if (hf_dir / name).exists():
+            json_object(hf_dir / name)

@@ -23,7 +23,7 @@ import torch
 from trtpaged.config import ConfigError, ModelSpec
 from trtpaged.manifest import Manifest
 from trtpaged.models import gguf_once
-from trtpaged.models.checkpoint_files import check_safetensors_files, refused_pickle
+from trtpaged.models.checkpoint_files import check_safetensors_files, check_tokenizer_json, refused_pickle
 from trtpaged.models.gguf_header import F32, GGUFHeaderError, GGUFLayout, read_f32_tensor, read_layout
 from trtpaged.models.dims import (
     ARCHITECTURES_BY_MODEL_TYPE,
@@ -167,6 +167,7 @@ def load_hf(spec: ModelSpec, dtype: torch.dtype = torch.float32) -> HFModel:
         if spec.kind == "hf_dir":
             _check_config_against_checkpoint(spec.path, config)
             _check_tokenizer_files(spec.path)
+            check_tokenizer_json(spec.path)
             check_safetensors_files(spec.path)
         else:
             _check_config_against_gguf(spec, config, layout)
