@@ -679,6 +679,19 @@ def test_a_broken_safetensors_file_is_one_line_naming_the_file(tmp_path, break_i
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("dtype", [torch.uint32, torch.uint16, torch.float8_e8m0fnu, torch.complex64])
+def test_an_extra_tensor_of_any_whole_byte_dtype_does_not_refuse_the_checkpoint(tmp_path, dtype):
+    """transformers ignores a tensor its model lacks, of any dtype: the header check refused U32, U16, F8_E8M0 and
+    C64 ones as "not a valid safetensors file", where the build before that check loaded them."""
+    from safetensors.torch import load_file, save_file
+
+    hf = _hf_dir(tmp_path)
+    state = load_file(hf / "model.safetensors")
+    save_file({**state, "model.extra": torch.zeros(4, dtype=dtype)}, hf / "model.safetensors", {"format": "pt"})
+    r = _cli("build", str(_yaml(tmp_path, {**TINY, "model": {"hf_dir": "hf"}})), "-o", str(tmp_path / "out"))
+    assert r.exit_code == 0, r.output
+
+
 class _RunsCode:
     """Unpickled by a full torch.load, it runs a shell command."""
 

@@ -27,8 +27,10 @@ from trtpaged.manifest import MANIFEST_NAME, EngineDirError, Manifest, engine_pa
 
 # safetensors' own reader refuses headers above 100 MB; trtpaged's are a few KiB per layer
 MAX_HEADER_BYTES = 100 << 20
+# every whole-byte dtype of the format: an HF checkpoint's extra tensor of any of them is one transformers ignores
 SAFETENSORS_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
-                           "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+                           "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+                           "C64": 8}
 STAMP_VERSION = 1
 
 
