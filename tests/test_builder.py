@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -308,6 +309,45 @@ def test_hf_dir_source_builds(tmp_path):
     m = build_engine(config, tmp_path / "e", echo=lambda s: None).manifest
     assert m.dims.architecture == "MistralForCausalLM" and m.source["kind"] == "hf_dir"
     assert m.verification["max_abs_diff"] <= m.verification["tolerance"]
+
+
+def _hub_cache_snapshot(src: Path, cache: Path) -> Path:
+    """`src`'s files laid out as huggingface_hub's cache holds a download: models--org--name/snapshots/<commit>/
+    of links to ../../blobs/<sha256>."""
+    import hashlib
+
+    repo = cache / "models--org--tiny"
+    snapshot, blobs = repo / "snapshots" / ("0123abcd" * 5), repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for f in sorted(src.iterdir()):
+        sha = hashlib.sha256(f.read_bytes()).hexdigest()
+        shutil.copyfile(f, blobs / sha)
+        (snapshot / f.name).symlink_to(Path("..", "..", "blobs", sha))
+    return snapshot
+
+
+def test_a_hub_cache_snapshot_of_sharded_bfloat16_links_builds_and_generates_as_hf(tmp_path):
+    """Every model huggingface_hub downloads is a snapshot dir of links leaving it (into the repo's blobs/): such a
+    dir, of a sharded bfloat16 checkpoint, builds and its engine's greedy tokens are transformers' own."""
+    from transformers import AutoModelForCausalLM
+
+    from trtpaged import LLM, SamplingParams
+    from trtpaged.models import load_hf
+
+    hf = load_hf(parse_config({"model": {"tiny": {"seed": 3}}}).model)
+    hf.model.to(torch.bfloat16).save_pretrained(tmp_path / "src", max_shard_size="40KB")
+    hf.tokenizer.save_pretrained(tmp_path / "src")
+    assert len(list((tmp_path / "src").glob("model-*.safetensors"))) > 2
+    snapshot = _hub_cache_snapshot(tmp_path / "src", tmp_path / "cache")
+    config = parse_config({**TINY, "model": {"hf_dir": str(snapshot)}}, base_dir=tmp_path)
+    build_engine(config, tmp_path / "e", echo=lambda s: None)
+    reference = AutoModelForCausalLM.from_pretrained(snapshot, dtype=torch.float32).eval()
+    prompt = [5, 17, 42, 99, 7, 250, 3]
+    expected = hf_greedy(types.SimpleNamespace(model=reference), prompt, 8, None)
+    (out,) = LLM(tmp_path / "e", device="cpu").generate(
+        [{"prompt_token_ids": prompt}], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert list(out.outputs[0].token_ids) == expected
 
 
 def test_unsupported_hf_dir_architecture_is_refused_before_loading(tmp_path):
