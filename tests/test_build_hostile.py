@@ -652,12 +652,21 @@ def _rewrite_index(hf: Path, change: dict) -> Path:
     return index
 
 
-def _link_to_passwd(hf: Path) -> Path:
+def _single_link(hf: Path, target: Path) -> Path:
     for shard in _shards(hf):
         shard.unlink()
     (hf / "model.safetensors.index.json").unlink()
-    (hf / "model.safetensors").symlink_to("/etc/passwd")
+    (hf / "model.safetensors").symlink_to(target)
     return hf / "model.safetensors"
+
+
+def _link_to_passwd(hf: Path) -> Path:
+    return _single_link(hf, Path("/etc/passwd"))
+
+
+def _dangling_link(hf: Path) -> Path:
+    """A Hugging Face cache snapshot whose blob is gone (an interrupted download)."""
+    return _single_link(hf, Path("..", "..", "blobs", "0" * 64))
 
 
 @pytest.mark.parametrize("break_it, words", [
@@ -665,6 +674,8 @@ def _link_to_passwd(hf: Path) -> Path:
     # "... header too large", naming only the dir
     (_truncate, ["not a valid safetensors file", "truncated"]),
     (_link_to_passwd, ["(a link to /etc/passwd): not a valid safetensors file"]),
+    # was: "OSError: Error no file named model.safetensors, or pytorch_model.bin, found in directory"
+    (_dangling_link, ["model.safetensors is a link to", "which does not exist"]),
     # was: "has no weights for 1 tensors of the architecture", naming neither the index nor the shard
     (_misplace, ["model.safetensors.index.json places model.layers.0.mlp.down_proj.weight in", "does not hold it"]),
     # were: transformers' KeyError: 'metadata' and IndexError: list index out of range

@@ -31,9 +31,13 @@ def _shown(path: Path) -> str:
     return f"{path} (a link to {path.resolve()})" if path.is_symlink() else str(path)
 
 
-def _header(path: Path, named_by: str) -> set[str]:
+def _header(path: Path, named_by: str = "") -> set[str]:
+    """The tensor names of a safetensors file (`named_by`: the index that names it); raises ConfigError."""
     if not path.is_file():
-        raise ConfigError(f"{KEY}: {_shown(path)}, named by {named_by}, is missing", field=KEY)
+        where = f", named by {named_by}," if named_by else ""
+        missing = (f"{path}{where} is a link to {path.resolve()}, which does not exist" if path.is_symlink()
+                   else f"{path}{where} is missing")
+        raise ConfigError(f"{KEY}: {missing}", field=KEY)
     try:
         return set(read_safetensors_header(path, "weights"))
     except EngineDirError as e:
@@ -74,7 +78,7 @@ def check_safetensors_files(hf_dir: Path) -> None:
     ConfigError naming the file (and the tensor). A dir without safetensors files is left to transformers."""
     single, index = hf_dir / SINGLE_FILE, hf_dir / INDEX_FILE
     if single.exists() or single.is_symlink():  # transformers takes model.safetensors before an index
-        _header(single, "the dir (transformers' single-file name)")
+        _header(single)
         return
     if not index.is_file():
         return
