@@ -198,6 +198,31 @@ def test_a_tokenizer_file_that_is_not_json_is_one_line_naming_it(tmp_path, name)
     assert not (tmp_path / "out").exists()
 
 
+def _named_templates_in_config(hf: Path, broken: str) -> None:
+    (hf / "chat_template.jinja").unlink(missing_ok=True)
+    tokenizer_config = json.loads((hf / "tokenizer_config.json").read_text())
+    templates = [{"name": "default", "template": "{{ messages[0].content }}"}, {"name": "tool_use", "template": broken}]
+    (hf / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "chat_template": templates}))
+
+
+def _named_template_file(hf: Path, broken: str) -> None:
+    (hf / "additional_chat_templates").mkdir()
+    (hf / "additional_chat_templates" / "tool_use.jinja").write_text(broken)
+
+
+@pytest.mark.parametrize("add", [_named_templates_in_config, _named_template_file])
+def test_a_named_chat_template_that_does_not_compile_is_refused_at_build(tmp_path, add):
+    """transformers keeps named templates (a list in tokenizer_config.json; additional_chat_templates/*.jinja, as
+    4.5x+ saves them) and picks tool_use for a request with tools (was: built, the check skipped all but a single
+    template, and every chat request with tools failed with jinja2's error)."""
+    hf = _hf_dir(tmp_path)
+    add(hf, "{{ messages[0].content | nosuchfilter }}")
+    r = _cli("build", str(_yaml(tmp_path, {**TINY, "model": {"hf_dir": "hf"}})), "-o", str(tmp_path / "out"))
+    one_line_failure(r, "model.hf_dir: the tokenizer's chat template 'tool_use' is not a valid template",
+                     "No filter named 'nosuchfilter'")
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_hf_dir_without_a_tokenizer_is_one_line_naming_the_files(tmp_path):
     """was: transformers' message about slow tokenizers and sentencepiece, over several lines"""
     hf = _hf_dir(tmp_path)

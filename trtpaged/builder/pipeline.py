@@ -411,25 +411,33 @@ def _check_special_token_ids(hf, dims: ModelDims, where: str) -> None:
 
 
 def _check_chat_template(tokenizer, where: str) -> None:
-    """The tokenizer's chat template compiles (jinja2 syntax, known filters and tests): was built, and every chat
-    request on the engine then failed with jinja2's error. Checked by rendering one user message with it, which
-    is also what compiles it; an error the template raises on purpose (raise_exception) is not a broken one."""
+    """The tokenizer's chat templates compile (jinja2 syntax, known filters and tests): was built, and every chat
+    request on the engine then failed with jinja2's error. Each is checked by rendering one user message with it,
+    which is also what compiles it; an error a template raises on purpose (raise_exception) is not a broken one.
+    Named templates (a list in tokenizer_config.json, additional_chat_templates/*.jinja) are transformers' dict,
+    from which apply_chat_template picks one by name (tool_use when a request has tools): each is checked."""
+    template = getattr(tokenizer, "chat_template", None)
+    for name, text in (template if isinstance(template, dict) else {"": template}).items():
+        if isinstance(text, str):
+            _check_one_chat_template(tokenizer, text, f"{where}: the tokenizer's chat template" +
+                                     (f" {name!r}" if name else ""))
+
+
+def _check_one_chat_template(tokenizer, template: str, what: str) -> None:
     import jinja2
 
     from trtpaged.deadline import CHAT_TEMPLATE_SECONDS, DeadlineExceeded, run_with_deadline
 
-    template = getattr(tokenizer, "chat_template", None)
-    if not isinstance(template, str):
-        return
     try:
         run_with_deadline(lambda: tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                                                add_generation_prompt=True), CHAT_TEMPLATE_SECONDS)
+                                                                add_generation_prompt=True, chat_template=template),
+                          CHAT_TEMPLATE_SECONDS)
     except (jinja2.TemplateSyntaxError, jinja2.TemplateAssertionError) as exc:
-        raise ConfigError(f"{where}: the tokenizer's chat template is not a valid template ({str(exc)[:200]}); fix "
-                          "chat_template in tokenizer_config.json (or chat_template.jinja)") from None
+        raise ConfigError(f"{what} is not a valid template ({str(exc)[:200]}); fix chat_template in "
+                          "tokenizer_config.json (or chat_template.jinja, additional_chat_templates/)") from None
     except DeadlineExceeded:
-        raise ConfigError(f"{where}: the tokenizer's chat template ran past {CHAT_TEMPLATE_SECONDS:g} s rendering "
-                          "one user message (a template that loops without end)") from None
+        raise ConfigError(f"{what} ran past {CHAT_TEMPLATE_SECONDS:g} s rendering one user message (a template that "
+                          "loops without end)") from None
     except Exception:  # noqa: BLE001 - the template's own refusal of this conversation, or a key it needs
         pass
 
