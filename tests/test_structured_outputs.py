@@ -708,21 +708,3 @@ def test_no_grammar_takes_the_bytes_of_a_surrogate_code_point(grammar, before):
     assert fine.accept_token(ed) and fine.accept_token(b80) and fine.accept_token(b80)
     surrogate = matcher_after_prefix()
     assert surrogate.accept_token(ed) and not surrogate.accept_token(a0)
-
-
-def test_a_structural_tag_may_name_the_stop_token_by_its_text_as_by_its_id():
-    """The grammars' vocabulary leaves the stop tokens' text out (xgrammar read `<|eos|>` as text that completes a
-    grammar); a tag that names the stop token by that text (a `token` node) was then refused as a token "not found
-    in vocabulary". It compiles as the same tag naming the token by its id does: 'a', then the stop token."""
-    from trtpaged.models.tiny_tokenizer import make_tiny_tokenizer
-    from trtpaged.runtime.structured import GrammarCache
-
-    tok = make_tiny_tokenizer()
-    cache = GrammarCache(tok, len(tok), [tok.eos_token_id])
-    (a,) = tok.encode("a", add_special_tokens=False)
-    for token in (tok.eos_token, tok.eos_token_id):
-        tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
-            {"type": "const_string", "value": "a"}, {"type": "token", "token": token}]}}  # fmt: skip
-        matcher = cache.matcher(cache.compile(Grammar(structural_tag=tag)))
-        assert matcher.accept_token(a) and not matcher.accept_token(a), token
-        assert matcher.accept_token(tok.eos_token_id), token

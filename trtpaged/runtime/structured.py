@@ -105,9 +105,7 @@ class GrammarCache:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self.cached_bytes = 0
-        self._compiler: Any = None  # stop tokens without their text (`_stop_tokens_without_text`)
-        self._info: Any = None  # the vocabulary as the tokenizer has it
-        self._text_token_compiler: Any = None
+        self._compiler: Any = None
         self._cache: OrderedDict[tuple[str, str], tuple[Any, int]] = OrderedDict()  # key -> (compiled, its bytes)
         self._lock = threading.Lock()
         self.num_compiled = 0
@@ -121,22 +119,10 @@ class GrammarCache:
                 raise RequestError("structured_outputs", "needs the xgrammar package (pip install xgrammar)") from None
             if self.tokenizer is None:
                 raise RequestError("structured_outputs", "needs the engine's tokenizer")
-            self._info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                            stop_token_ids=self.stop_token_ids or None)  # fmt: skip
-            self._compiler = xgr.GrammarCompiler(_stop_tokens_without_text(self._info), max_threads=1,
-                                                 cache_enabled=False)  # fmt: skip
+            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                      stop_token_ids=self.stop_token_ids or None)  # fmt: skip
+            self._compiler = xgr.GrammarCompiler(_stop_tokens_without_text(info), max_threads=1, cache_enabled=False)
         return self._compiler
-
-    def _compiler_with_token_texts(self) -> Any:
-        """A compiler over the whole vocabulary as the tokenizer spells it, stop tokens' text included: for a
-        structural tag that names a token by its text (made on the first such tag)."""
-        import xgrammar as xgr
-
-        with self._lock:
-            self._xgr_compiler()
-            if self._text_token_compiler is None:
-                self._text_token_compiler = xgr.GrammarCompiler(self._info, max_threads=1, cache_enabled=False)
-            return self._text_token_compiler
 
     def prepare(self) -> None:
         """Reads the tokenizer's vocabulary into xgrammar (once); call it on the thread that owns the tokenizer."""
@@ -164,7 +150,8 @@ class GrammarCache:
                 self.cached_bytes -= self._cache.popitem(last=False)[1][1]
         return compiled
 
-    def _compile(self, compiler: Any, params: StructuredOutputsParams) -> Any:
+    @staticmethod
+    def _compile(compiler: Any, params: StructuredOutputsParams) -> Any:
         kind = params.kind
         if kind == "json":
             schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
@@ -176,7 +163,7 @@ class GrammarCache:
             if why is not None:
                 raise RequestError(params.origin, f"the JSON schema's {why}")
         if kind == "structural_tag":
-            return self._compile_structural_tag(compiler, params)
+            return GrammarCache._compile_structural_tag(compiler, params)
         import xgrammar as xgr
 
         # each grammar compiles from its text, without the surrogate code points (grammar_text.without_surrogates)
@@ -192,7 +179,8 @@ class GrammarCache:
         except Exception as exc:  # noqa: BLE001 - whatever xgrammar raises for a grammar is the request's fault
             raise RequestError(params.origin, f"invalid {kind}: {_xgrammar_reason(exc)}") from None
 
-    def _compile_structural_tag(self, compiler: Any, params: StructuredOutputsParams) -> Any:
+    @staticmethod
+    def _compile_structural_tag(compiler: Any, params: StructuredOutputsParams) -> Any:
         """A structural tag's grammar: each JSON schema in it held to the json kind's rules (a keyword the grammar
         would not enforce is refused; length-bounded strings compile from the mended grammar text)."""
         for where, schema in params.structural_tag_schemas:
@@ -204,10 +192,9 @@ class GrammarCache:
             try:
                 grammar = mended_structural_tag_grammar(tag)
             except Exception:  # noqa: BLE001 - a tag xgrammar refuses (named below), or one that needs the vocabulary
-                # raises xgrammar's reason for a tag it refuses; a token named by its text may be a stop token's
-                compiled = self._compiler_with_token_texts().compile_structural_tag(tag)
+                compiled = compiler.compile_structural_tag(tag)  # raises xgrammar's reason for a tag it refuses
                 if not any(has_string_length(schema) for _, schema in params.structural_tag_schemas):
-                    return compiled  # the classes as xgrammar writes them
+                    return compiled  # a token named by its text: the classes as xgrammar writes them
                 raise RequestError(params.origin, "a JSON schema with minLength / maxLength beside a token named by "
                                    "its text is not supported: name the token by its id") from None  # fmt: skip
             return compiler.compile_grammar(grammar)
