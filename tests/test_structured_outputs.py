@@ -258,6 +258,8 @@ ENFORCED = [
     ({"type": "string", "enum": ["ab", "a"], "maxLength": 2, "title": "T"}, '"abc"'),  # every value within its bound
     ({"type": "object", "properties": {"b": {"type": "string"}}, "patternProperties": {"^a": {"type": "integer"}}},
      '{"a1": "x"}'),  # no property that a pattern matches
+    ({"type": "object", "properties": {"name": {"type": "string", "description": "who"}}, "required": ["name"],
+      "patternProperties": {"^[a-z]+$": {"type": "string"}}}, '{"name": 1}'),  # a pattern whose schema is the same
 ]  # fmt: skip
 
 

@@ -161,21 +161,32 @@ def _value_breaking_constraints(node: dict, root: Any) -> Optional[str]:
 
 
 def _shadowed_pattern_property(node: dict) -> Optional[str]:
-    """A `properties` name that a `patternProperties` pattern matches as well: both schemas apply to its value,
-    and the grammar enforces only the one in `properties`."""
+    """A `properties` name that a `patternProperties` pattern with another schema matches as well: both schemas
+    apply to its value, and the grammar enforces only the one in `properties`."""
     properties, patterns = node.get("properties"), node.get("patternProperties")
     if not isinstance(properties, dict) or not isinstance(patterns, dict):
         return None
-    for pattern in patterns:
+    for pattern, extra in patterns.items():
         try:
             regex = re.compile(pattern)
         except (re.error, TypeError):  # an ECMA-only pattern: left to the grammar compiler
             continue
-        name = next((name for name in properties if regex.search(name)), None)
+        name = next((name for name, schema in properties.items()
+                     if regex.search(name) and not _same_schema(extra, schema)), None)  # fmt: skip
         if name is not None:
             return (f"property {name!r} matches 'patternProperties' {pattern[:40]!r} as well, whose schema is not "
                     "enforced on it (only its 'properties' schema is)")
     return None
+
+
+def _same_schema(extra: Any, schema: Any) -> bool:
+    """Whether `extra` is `schema`, annotations aside (a `patternProperties` schema that adds nothing; one that
+    constrains less, `{}`, still lets the pattern's spelling of the name in a second time with any value)."""
+
+    def constraints(node: Any) -> Any:
+        return {k: v for k, v in node.items() if k not in _ANNOTATIONS} if isinstance(node, dict) else node
+
+    return constraints(extra) == constraints(schema)
 
 
 def _bound_past_float_range(node: dict) -> Optional[str]:
