@@ -618,6 +618,27 @@ BAD_TAGS = [
 ]  # fmt: skip
 
 
+@pytest.mark.parametrize("named", [
+    lambda end: {"type": "sequence", "elements": [{"type": "const_string", "value": "ab"}, {"type": "token",
+                                                                                          "token": end}]},
+    lambda end: {"type": "tag", "begin": "ab", "content": {"type": "any_text"}, "end": {"type": "token", "token": end}},
+    lambda end: {"type": "sequence", "elements": [{"type": "any_tokens", "exclude_tokens": [end], "max_tokens": 3},
+                                                  {"type": "const_string", "value": "!"}]},
+], ids=["token", "tag-end", "exclude-tokens"])  # fmt: skip
+def test_a_structural_tag_may_name_the_stop_token_by_its_text(llm, named):
+    """The grammar compiler's vocabulary leaves the stop tokens' text out (the end token is no text there), and
+    a tag naming the end token by its text (`<|eos|>`) was refused as 'not found in vocabulary'; it now answers
+    as the same tag naming the token by its id (the truth: xgrammar resolves an id without the text)."""
+    eos = llm.tokenizer.eos_token_id
+    answers = []
+    for end in (llm.tokenizer.eos_token, eos):
+        tag = {"type": "structural_tag", "format": named(end)}
+        params = SamplingParams(max_tokens=12, temperature=1.0, seed=3, n=3,
+                                structured_outputs=Grammar(structural_tag=tag))  # fmt: skip
+        answers.append([(c.token_ids, c.finish_reason) for o in llm.generate(["x"], params) for c in o.outputs])
+    assert answers[0] == answers[1], answers
+
+
 @pytest.mark.parametrize("tag, words, compiled", BAD_TAGS, ids=[c[1][:40] for c in BAD_TAGS])
 def test_a_bad_structural_tag_is_refused_naming_the_field(llm, tag, words, compiled):
     """Refused with a RequestError naming the field that carried it and why (xgrammar's reason where it is the

@@ -82,6 +82,34 @@ def _stop_tokens_without_text(info: Any) -> Any:
                              add_prefix_space=info.add_prefix_space)  # fmt: skip
 
 
+def stop_tokens_by_id(tag: str, ids: dict[bytes, int]) -> str:
+    """Structural tag `tag` (xgrammar's JSON text) with each token it names by a stop token's text (`ids`: text
+    -> id) named by that id: the compiler's vocabulary holds no text for a stop token (`_stop_tokens_without_text`),
+    so xgrammar could not find it there."""
+
+    def by_id(name: Any) -> Any:
+        return ids.get(name.encode(), name) if isinstance(name, str) else name
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, list):
+            return [walk(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        out = {}
+        for key, value in node.items():
+            if key == "token" and node.get("type", "token") == "token":
+                out[key] = by_id(value)
+            elif key in ("exclude_tokens", "trigger_tokens") and isinstance(value, list):
+                out[key] = [by_id(name) for name in value]
+            else:
+                out[key] = value if key == "json_schema" else walk(value)
+        return out
+
+    parsed = json.loads(tag) if ids else None
+    walked = walk(parsed)
+    return tag if walked == parsed else json.dumps(walked)
+
+
 def xgrammar_available() -> bool:
     try:
         import xgrammar  # noqa: F401
@@ -106,6 +134,7 @@ class GrammarCache:
         self.max_bytes = max_bytes
         self.cached_bytes = 0
         self._compiler: Any = None
+        self.stop_ids_by_text: dict[bytes, int] = {}  # each stop token's text -> its id (read with the vocabulary)
         self._cache: OrderedDict[tuple[str, str], tuple[Any, int]] = OrderedDict()  # key -> (compiled, its bytes)
         self._lock = threading.Lock()
         self.num_compiled = 0
@@ -121,7 +150,11 @@ class GrammarCache:
                 raise RequestError("structured_outputs", "needs the engine's tokenizer")
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                       stop_token_ids=self.stop_token_ids or None)  # fmt: skip
-            self._compiler = xgr.GrammarCompiler(_stop_tokens_without_text(info), max_threads=1, cache_enabled=False)
+            stripped = _stop_tokens_without_text(info)
+            texts = set(stripped.decoded_vocab)  # a stop token's text that another token has too stays that token's
+            self.stop_ids_by_text = {text: i for i, text in enumerate(info.decoded_vocab)
+                                     if i in info.stop_token_ids and text and text not in texts}  # fmt: skip
+            self._compiler = xgr.GrammarCompiler(stripped, max_threads=1, cache_enabled=False)
         return self._compiler
 
     def prepare(self) -> None:
@@ -139,7 +172,7 @@ class GrammarCache:
                 self.num_hits += 1
                 return found[0]
             compiler = self._xgr_compiler()
-        compiled = self._compile(compiler, params)
+        compiled = self._compile(compiler, params, self.stop_ids_by_text)
         size = int(getattr(compiled, "memory_size_bytes", 0))
         with self._lock:
             replaced = self._cache.pop(key, None)  # compiled meanwhile by another thread
@@ -151,7 +184,7 @@ class GrammarCache:
         return compiled
 
     @staticmethod
-    def _compile(compiler: Any, params: StructuredOutputsParams) -> Any:
+    def _compile(compiler: Any, params: StructuredOutputsParams, stop_ids: dict[bytes, int]) -> Any:
         kind = params.kind
         if kind == "json":
             schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
@@ -163,7 +196,7 @@ class GrammarCache:
             if why is not None:
                 raise RequestError(params.origin, f"the JSON schema's {why}")
         if kind == "structural_tag":
-            return GrammarCache._compile_structural_tag(compiler, params)
+            return GrammarCache._compile_structural_tag(compiler, params, stop_ids)
         import xgrammar as xgr
 
         # each grammar compiles from its text, without the surrogate code points (grammar_text.without_surrogates)
@@ -180,14 +213,15 @@ class GrammarCache:
             raise RequestError(params.origin, f"invalid {kind}: {_xgrammar_reason(exc)}") from None
 
     @staticmethod
-    def _compile_structural_tag(compiler: Any, params: StructuredOutputsParams) -> Any:
+    def _compile_structural_tag(compiler: Any, params: StructuredOutputsParams, stop_ids: dict[bytes, int]) -> Any:
         """A structural tag's grammar: each JSON schema in it held to the json kind's rules (a keyword the grammar
-        would not enforce is refused; length-bounded strings compile from the mended grammar text)."""
+        would not enforce is refused; length-bounded strings compile from the mended grammar text); a stop token
+        named by its text named by its id (`stop_tokens_by_id`)."""
         for where, schema in params.structural_tag_schemas:
             why = unenforced_feature(schema)  # iterative; each schema's nesting is bounded by StructuredOutputsParams
             if why is not None:
                 raise RequestError(params.origin, f"the JSON schema at {where}: {why}")
-        tag = params.structural_tag_json
+        tag = stop_tokens_by_id(params.structural_tag_json, stop_ids)
         try:
             try:
                 grammar = mended_structural_tag_grammar(tag)
