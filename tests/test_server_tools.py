@@ -459,7 +459,6 @@ def test_required_calls_follow_each_tools_own_defs(client):
     assert ended
 
 
-
 CHAIN = {"type": "object", "properties": {"val": {"type": "string", "maxLength": 3},
                                          "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]},
                                          "copy": {"$ref": "#/properties/val"}},
@@ -496,6 +495,7 @@ def test_required_calls_follow_refs_to_each_tools_own_root(client):
             for call in choice.message.tool_calls:
                 jsonschema.validate(json.loads(call.function.arguments), CHAIN)
     assert ended
+
 
 PYTHONIC_CASES = [
     ('[get_weather(city="Paris", unit="C"), add(a=2, b=40)]', None,

@@ -375,7 +375,6 @@ def test_the_special_token_that_ends_an_output_is_not_its_text(llm):
     assert one(include_stop_str_in_output=True).text == "hi" + llm.tokenizer.eos_token
 
 
-
 @pytest.mark.parametrize("pattern", [r"[^0-9]{8}", r"[a-z]{2}.{7}"])
 def test_the_end_token_is_allowed_only_where_the_output_is_complete(llm, pattern):
     """xgrammar also reads a stop token as its text (`<|eos|>`, 7 characters), and allowed it wherever that text
@@ -386,6 +385,7 @@ def test_the_end_token_is_allowed_only_where_the_output_is_complete(llm, pattern
                              structured_outputs=Grammar(regex=pattern)) for seed in range(4)]  # fmt: skip
     for text, reason in texts(llm.generate(["x"] * 4, params)):
         assert reason == "stop" and re.fullmatch(pattern, text, re.DOTALL), (text, reason)
+
 
 def test_the_grammar_cache_is_bounded_by_bytes_as_well_as_entries():
     """Least recently used grammars go once the kept ones' memory (xgrammar's own count) passes max_bytes; the
