@@ -150,11 +150,10 @@ class GrammarCache:
                 raise RequestError("structured_outputs", "needs the engine's tokenizer")
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                       stop_token_ids=self.stop_token_ids or None)  # fmt: skip
-            stripped = _stop_tokens_without_text(info)
-            texts = set(stripped.decoded_vocab)  # a stop token's text that another token has too stays that token's
-            self.stop_ids_by_text = {text: i for i, text in enumerate(info.decoded_vocab)
-                                     if i in info.stop_token_ids and text and text not in texts}  # fmt: skip
-            self._compiler = xgr.GrammarCompiler(stripped, max_threads=1, cache_enabled=False)
+            vocab = info.decoded_vocab  # (a copy of xgrammar's list) a text another token has too stays that token's
+            self.stop_ids_by_text = {vocab[i]: i for i in set(info.stop_token_ids)
+                                     if i < len(vocab) and vocab[i] and vocab.count(vocab[i]) == 1}  # fmt: skip
+            self._compiler = xgr.GrammarCompiler(_stop_tokens_without_text(info), max_threads=1, cache_enabled=False)
         return self._compiler
 
     def prepare(self) -> None:
