@@ -1,4 +1,4 @@
-"""An HF dir's safetensors and tokenizer JSON files checked before transformers reads them, each fault named by its
+"""An HF dir's safetensors and tokenizer files checked before transformers reads them, each fault named by its
 file.
 
 transformers (safetensors' reader) reports a truncated shard, or a weights file that is no safetensors file
@@ -45,7 +45,7 @@ def _header(path: Path, named_by: str = "") -> set[str]:
         raise ConfigError(f"{KEY}: {_shown(path)}: {reason}", field=KEY) from None
 
 
-def json_object(path: Path) -> dict:
+def _json_object(path: Path) -> dict:
     """The JSON object a file of the HF dir holds; raises ConfigError naming the file (transformers' JSONDecodeError
     names none)."""
     try:
@@ -59,7 +59,7 @@ def json_object(path: Path) -> dict:
 
 def _weight_map(index: Path) -> dict[str, str]:
     """The index's weight_map (tensor -> shard file name); raises ConfigError naming the index."""
-    content = json_object(index)
+    content = _json_object(index)
     weight_map = content.get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise ConfigError(f"{KEY}: {_shown(index)}: weight_map is not an object of tensor -> shard file names",
@@ -106,13 +106,21 @@ def refused_pickle(hf_dir: Path, error: Exception) -> ConfigError:
                        "safetensors weights instead", field=KEY)
 
 
+# what transformers builds a tokenizer from: the fast tokenizer's file, a sentencepiece or tiktoken model, a BPE pair
+TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("tiktoken.model",), ("vocab.json", "merges.txt"),
+                   ("vocab.txt",))  # fmt: skip
 # the tokenizer's JSON files transformers parses (a broken one failed the load with a JSONDecodeError naming no file)
 TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                         "chat_template.json")
 
 
-def check_tokenizer_json(hf_dir: Path) -> None:
-    """Each of the tokenizer's JSON files in `hf_dir` is a JSON object; raises ConfigError naming the file."""
+def check_tokenizer_files(hf_dir: Path) -> None:
+    """`hf_dir` has a tokenizer (else ValueError naming the files: transformers' own message speaks of slow
+    tokenizers and sentencepiece), and each of its JSON files is a JSON object (else ConfigError naming the file)."""
+    if not any(all((hf_dir / name).is_file() for name in group) for group in TOKENIZER_FILES):
+        names = ", ".join(" + ".join(group) for group in TOKENIZER_FILES)
+        raise ValueError(f"no tokenizer in {hf_dir}: it needs one of {names} (copy the model's tokenizer files "
+                         "beside its config.json)")
     for name in TOKENIZER_JSON_FILES:
         if (hf_dir / name).exists():
-            json_object(hf_dir / name)
+            _json_object(hf_dir / name)

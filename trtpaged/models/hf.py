@@ -23,7 +23,7 @@ import torch
 from trtpaged.config import ConfigError, ModelSpec
 from trtpaged.manifest import Manifest
 from trtpaged.models import gguf_once
-from trtpaged.models.checkpoint_files import check_safetensors_files, check_tokenizer_json, refused_pickle
+from trtpaged.models.checkpoint_files import check_safetensors_files, check_tokenizer_files, refused_pickle
 from trtpaged.models.gguf_header import F32, GGUFHeaderError, GGUFLayout, read_f32_tensor, read_layout
 from trtpaged.models.dims import (
     ARCHITECTURES_BY_MODEL_TYPE,
@@ -166,8 +166,7 @@ def load_hf(spec: ModelSpec, dtype: torch.dtype = torch.float32) -> HFModel:
         config = AutoConfig.from_pretrained(where, **kwargs)
         if spec.kind == "hf_dir":
             _check_config_against_checkpoint(spec.path, config)
-            _check_tokenizer_files(spec.path)
-            check_tokenizer_json(spec.path)
+            check_tokenizer_files(spec.path)
             check_safetensors_files(spec.path)
         else:
             _check_config_against_gguf(spec, config, layout)
@@ -193,20 +192,6 @@ def _tie_as_loaded(model: Any, config: Any) -> None:
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
     tied = head is not None and head.weight.data_ptr() == embedding.weight.data_ptr()
     config.tie_word_embeddings = tied
-
-
-# what transformers builds a tokenizer from: the fast tokenizer's file, a sentencepiece or tiktoken model, a BPE pair
-_TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("tiktoken.model",), ("vocab.json", "merges.txt"),
-                    ("vocab.txt",))  # fmt: skip
-
-
-def _check_tokenizer_files(hf_dir: Path) -> None:
-    """An HF dir without any tokenizer file is refused naming the files (transformers' own message speaks of slow
-    tokenizers and sentencepiece)."""
-    if not any(all((hf_dir / name).is_file() for name in group) for group in _TOKENIZER_FILES):
-        names = ", ".join(" + ".join(group) for group in _TOKENIZER_FILES)
-        raise ValueError(f"no tokenizer in {hf_dir}: it needs one of {names} (copy the model's tokenizer files "
-                         "beside its config.json)")
 
 
 class MissingWeightsError(ValueError):
