@@ -6,6 +6,7 @@ import dataclasses
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -206,6 +207,31 @@ def test_vllm_sampling_fields(llm, tiny_engine_dir):
     assert refused.value.field == "guided_decoding.backend"
 
 
+def test_numpy_values_sample_as_the_python_values_they_hold(llm, tiny_engine_dir):
+    """Values read out of NumPy arrays (np.float32, np.int64, np.bool_, an id array) were refused ("must be an
+    integer, got np.int64(6)") where vLLM's SamplingParams takes them; a NaN or a non-integer stays refused."""
+
+    hf = hf_from_engine_dir(tiny_engine_dir)
+    prompt = list(range(30, 50))
+    (greedy,) = llm.generate([prompt], SamplingParams(max_tokens=np.int64(6), temperature=np.float32(0.0),
+                                                      ignore_eos=np.bool_(True)))  # fmt: skip
+    assert greedy.outputs[0].token_ids == hf_greedy(hf, prompt, 6, None)
+    plain = SamplingParams(max_tokens=5, temperature=0.7, top_p=0.75, seed=3, stop_token_ids=[7, 9],
+                           logit_bias={11: 2.5}, allowed_token_ids=[7, 9, 11, 12, 13], ignore_eos=True)  # fmt: skip
+    numpy = SamplingParams(max_tokens=np.int32(5), temperature=np.float64(0.7), top_p=np.float32(0.75),
+                           seed=np.uint16(3), stop_token_ids=np.array([7, 9]),
+                           logit_bias={np.int64(11): np.float32(2.5)},
+                           allowed_token_ids=list(np.arange(11, 14)) + [7, 9], ignore_eos=True)  # fmt: skip
+    assert numpy.stop_token_ids == (7, 9) and numpy.logit_bias == {11: 2.5} and type(numpy.seed) is int
+    ours, theirs = llm.generate([prompt, prompt], [plain, numpy])
+    assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
+    for kwargs, field in [({"temperature": np.float32("nan")}, "temperature"), ({"max_tokens": np.float64(3)},
+                                                                                "max_tokens")]:  # fmt: skip
+        with pytest.raises(RequestError) as refused:
+            SamplingParams(**kwargs)
+        assert refused.value.field == field
+
+
 def test_structured_outputs_params_takes_vllms_flags(llm):
     """vLLM's StructuredOutputsParams(json=..., disable_any_whitespace=True) was a TypeError (an unexpected
     argument); the flags are taken, and the JSON has no free whitespace: xgrammar's any_whitespace=False form (one
@@ -251,6 +277,8 @@ def test_vllm_beam_search_call_gives_hfs_beams_with_the_prompt_in_front(llm, tin
                 assert seq.finish_reason == ("stop" if t[-1] == eos else "length") and seq.cum_logprob < 0
                 assert seq.stop_reason == (eos if t[-1] == eos else None)
     assert any(t[-1] == eos for p in prompts for t in hf_beams(hf, p, 12, 3, eos)), "no beam ended: EOS untested"
+    (numpy_sized,) = llm.beam_search([prompts[0]], BeamSearchParams(beam_width=np.int64(3), max_tokens=np.int32(12)))
+    assert [s.tokens[len(prompts[0]):] for s in numpy_sized.sequences] == hf_beams(hf, prompts[0], 12, 3, eos)
     with pytest.raises(RequestError, match="temperature"):
         llm.beam_search([[1, 2]], BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.7))
     with pytest.raises(RequestError) as refused:

@@ -7,12 +7,13 @@ sequence's `tokens` and `text` hold the prompt and the generated tokens, as vLLM
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from trtpaged.errors import RequestError
 from trtpaged.runtime.outputs import RequestOutput
-from trtpaged.runtime.sampling_params import SamplingParams
+from trtpaged.runtime.sampling_params import SamplingParams, python_value
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,8 @@ class BeamSearchParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # NumPy scalars as the Python values they hold, as SamplingParams takes them
+            object.__setattr__(self, f.name, python_value(getattr(self, f.name)))
         for name in ("beam_width", "max_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

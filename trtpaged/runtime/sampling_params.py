@@ -9,6 +9,8 @@ import math
 import re
 from typing import Any, Collection, Mapping, Optional, Union
 
+import numpy as np
+
 from trtpaged.errors import RequestError, check_unicode
 from trtpaged.runtime.outputs import RequestOutputKind
 from trtpaged.runtime.schema_features import subschemas
@@ -57,6 +59,16 @@ def _is_finite_number(value: Any) -> bool:
         return math.isfinite(float(value))
     except OverflowError:
         return False
+
+
+def python_value(value: Any) -> Any:
+    """A NumPy scalar or 1-D array as the Python bool, int, float or list it holds (vLLM's msgspec fields take
+    them as they are, and a value read out of an array is one); anything else as it is."""
+    if isinstance(value, np.generic) and value.dtype.kind in "biuf":
+        return value.item()
+    if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "iu":
+        return value.tolist()
+    return value
 
 
 def _within(value: float, bounds: tuple[float, float]) -> bool:
@@ -330,6 +342,8 @@ class SamplingParams:
     generated_length ** length_penalty, with `early_stopping` True, False
     (heuristic) or "never".
 
+    NumPy scalars (and 1-D integer arrays of token ids) are taken as the Python values they hold.
+
     Accepted ranges (so that no value can overflow or go NaN inside a step):
     temperature in [0, 3.4e38] (below 1e-5: greedy); top_p in (0, 1]; min_p in [0, 1];
     top_k >= 0 (0 or -1: off); presence_penalty and frequency_penalty in [-2, 2]
@@ -402,6 +416,7 @@ class SamplingParams:
         return dataclasses.replace(self)
 
     def __post_init__(self) -> None:
+        self._take_numpy_values()
         guided = self.guided_decoding
         if guided is not None:
             if not isinstance(guided, StructuredOutputsParams):
@@ -517,6 +532,18 @@ class SamplingParams:
                 raise RequestError("cache_salt", f"must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters (or "
                                    f"None), got {got}", MAX_CACHE_SALT_CHARS)  # fmt: skip
             check_unicode("cache_salt", salt)
+
+    def _take_numpy_values(self) -> None:
+        """NumPy scalars (and 1-D integer arrays of token ids) as the Python values the checks below take."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, (list, tuple)) and any(isinstance(v, np.generic) for v in value):
+                value = type(value)(python_value(v) for v in value)
+            elif isinstance(value, Mapping) and f.name == "logit_bias":
+                value = {python_value(k): python_value(v) for k, v in value.items()}
+            else:
+                value = python_value(value)
+            object.__setattr__(self, f.name, value)
 
     def _check_vllm_fields(self) -> None:
         for name in ("detokenize", "spaces_between_special_tokens"):
