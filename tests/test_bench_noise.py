@@ -188,3 +188,18 @@ def test_interval_verdicts_need_the_rounds_on_one_side_of_the_target() -> None:
     # fewer than 5 rounds: the spread rule, as before
     assert interval_verdict([1.0, 1.0, 1.0], 0.9, True, assess(0.0, 0.1, cpus=2)) == "met"
     assert interval_verdict([1.0, 1.0, 1.0], 0.9, True, quiet).startswith("no verdict (noisy run")
+
+
+def test_one_round_gets_no_verdict() -> None:
+    """A single round's spread is 0 (nothing to disagree with), which the spread rule read as a quiet run: `bench
+    structured --repeats 1` and `bench serve-ratio --repeats 1` gave met / NOT met from one round."""
+    from trtpaged.bench.noise import interval_verdict
+
+    quiet = assess(spread([1.3]), 0.0, cpus=2)
+    assert quiet.trustworthy  # the run's load was nil: the refusal is the round count's
+    for ratio in (0.5, 1.3):
+        for higher_is_better in (True, False):
+            said = interval_verdict([ratio], 0.9, higher_is_better, quiet)
+            assert said.startswith("no verdict (one round"), said
+    assert interval_verdict([], 0.9, True, quiet).startswith("no verdict (no rounds")
+    assert interval_verdict([1.0, 1.02], 0.9, True, assess(spread([1.0, 1.02]), 0.0, cpus=2)) == "met"

@@ -189,13 +189,15 @@ def interval_verdict(samples: Sequence[float], target: float, higher_is_better: 
     confidence interval: 'met' when the whole interval is on the good side, 'NOT met' when it is wholly on the
     other, else a refusal (the rounds straddle the target). Other processes' load over the noise rule's limit
     refuses it as well, and so does a round's NaN or infinite figure; with too few samples for an interval the
-    spread rule (`verdict`) decides."""
+    spread rule (`verdict`) decides, from 2 rounds on (one round has no spread: its 0% is no agreement)."""
     if not all(math.isfinite(x) for x in samples):
         return "no verdict (a round's figure is not a number; rerun)"
+    if len(samples) < 2:
+        return (f"no verdict ({'no rounds' if not samples else 'one round, whose spread is unknown'}; run 2 rounds or "
+                "more, 5 or more for an interval of the median round)")  # fmt: skip
     interval = median_interval(samples, confidence)
     if interval is None:
-        return verdict((statistics.median(samples) >= target) == higher_is_better, noise) if samples else \
-            "no verdict (no rounds)"
+        return verdict((statistics.median(samples) >= target) == higher_is_better, noise)
     if noise.foreign_cores is not None and noise.foreign_cores > MAX_FOREIGN_CORES:
         return (f"no verdict (noisy run: other processes used {noise.foreign_cores:.2f} cores > "
                 f"{MAX_FOREIGN_CORES:.2f}; rerun on a quieter machine)")  # fmt: skip
