@@ -203,3 +203,23 @@ def test_one_round_gets_no_verdict() -> None:
             assert said.startswith("no verdict (one round"), said
     assert interval_verdict([], 0.9, True, quiet).startswith("no verdict (no rounds")
     assert interval_verdict([1.0, 1.02], 0.9, True, assess(spread([1.0, 1.02]), 0.0, cpus=2)) == "met"
+
+
+def test_kernel_bench_copy_bandwidth_is_timed_across_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copy bandwidth, the bandwidth verdict's other side, was timed once before the cases: a load during it
+    alone halved it, doubled every case's fraction of it, and no spread showed it. Now it is timed in bouts before,
+    between and after the cases: the best bout is the bar, and the bouts' spread is noise."""
+    from trtpaged import kernels
+    from trtpaged.bench import kernel_bench
+
+    if not kernels.available():
+        pytest.skip("kernel library not built")
+    copies = iter([0.2] + [0.1] * 20)  # the first copy timing under a load that then went away
+    monkeypatch.setattr(kernel_bench, "best_seconds", lambda fn, **_: next(copies))
+    report = kernel_bench.run_kernel_bench("float32", contexts=(64, 128), batches=(1,), budget_s=0.01)
+    best_gbs = 2 * (1 << 29) / 0.1 / 1e9
+    assert report["copy_bandwidth_gbs"] == pytest.approx(best_gbs)
+    for case in report["decode"]:
+        assert case["fraction_of_copy"] == pytest.approx(case["bandwidth_gbs"] / best_gbs)
+    assert report["noise"]["max_spread"] >= spread([0.2, 0.1, 0.1]) > 0.5
+    assert report["summary"]["bandwidth_verdict"].startswith("no verdict (noisy run")

@@ -2,7 +2,7 @@
 
 Everything is measured side by side in one run on this machine:
 - the machine's memory-copy bandwidth (a large tensor copy; bytes read + bytes written and the best
-  run, STREAM's conventions),
+  run, STREAM's conventions; timed in bouts before, between and after the cases, whose spread counts as noise),
 - the decode kernel's achieved KV-read bandwidth (bytes of K and V read per second) for several contexts
   and batch sizes, with SmolLM2-like heads (9 query heads, 3 KV heads, head_dim 64),
 - the same decode over a contiguous cache (one block per sequence, identity table) against the paged
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable, Optional, Union
 
 import torch
@@ -31,7 +31,7 @@ import statistics
 
 from trtpaged import kernels, kv_pool_memory
 
-from trtpaged.bench.noise import Noise, NoiseMonitor, verdict
+from trtpaged.bench.noise import Noise, NoiseMonitor, spread, verdict
 from trtpaged.bench.timing import best_seconds, interleaved_samples
 from trtpaged.kv_quant import is_quantized, pack_rows, quantize_rows
 from trtpaged.manifest import DEFAULT_BLOCK_SIZE, kv_row_bytes
@@ -59,16 +59,22 @@ class DecodeResult:
     float16_ms: Optional[float] = None  # ... and with a float16 cache
 
 
-def copy_bandwidth_gbs(num_bytes: int = 1 << 29) -> float:
-    """Memory-copy bandwidth in GB/s (read + write bytes), with torch's multithreaded copy.
+class CopyProbe:
+    """A large tensor copy, timed in short bouts between the decode cases: the best bout is the machine's copy
+    bandwidth (the kernel is timed by its median, so the ratio errs against the kernel on a noisy machine), and
+    the bouts' spread shows a load that came or went during the run (a copy measured once, while a load ran,
+    made every case's fraction of it look twice as good, unseen by the cases' own spreads)."""
 
-    The best of the runs (STREAM's convention): the machine's capability. The kernel is timed
-    by its median, so the ratio errs against the kernel on a noisy machine.
-    """
-    src = torch.ones(num_bytes // 4, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    seconds = best_seconds(lambda: dst.copy_(src), budget_s=1.0)
-    return 2 * num_bytes / seconds / 1e9
+    def __init__(self, num_bytes: int = 1 << 29) -> None:
+        self.num_bytes = num_bytes
+        self.src = torch.ones(num_bytes // 4, dtype=torch.float32)
+        self.dst = torch.empty_like(self.src)
+        self.bouts: list[float] = []  # each bout's best seconds
+
+    def best_gbs(self, budget_s: float = 0.1) -> float:
+        """Times one bout (its best copy) and returns the best bandwidth of every bout so far."""
+        self.bouts.append(best_seconds(lambda: self.dst.copy_(self.src), warmup=1, min_reps=3, budget_s=budget_s))
+        return 2 * self.num_bytes / min(self.bouts) / 1e9
 
 
 def _kv_name(kv_cache_dtype: Union[str, torch.dtype]) -> str:
@@ -153,15 +159,19 @@ def run_kernel_bench(
     block of the paged layout; layers: the pool's layers, one call each per step (a model's step)."""
     say = progress or (lambda _msg: None)
     monitor = NoiseMonitor().start()
-    say("measuring memory-copy bandwidth")
-    copy_gbs = copy_bandwidth_gbs()
+    say("measuring memory-copy bandwidth (again between the cases)")
+    copy = CopyProbe()
+    copy_gbs = copy.best_gbs()
     results = []
     for context in contexts:
         for batch in batches:
             say(f"decode: context {context}, batch {batch}")
             results.append(measure_decode(context, batch, kv_cache_dtype, copy_gbs, budget_s, monitor, block_size,
                                           layers))
+            copy_gbs = copy.best_gbs()
+    monitor.add_samples(copy.bouts)
     monitor.stop()
+    results = [replace(r, fraction_of_copy=r.bandwidth_gbs / copy_gbs) for r in results]  # the best bout's
     noise = monitor.result()
     long = [r for r in results if r.context >= 2048]
     worst_fraction = min((r.fraction_of_copy for r in long), default=float("nan"))
@@ -178,6 +188,7 @@ def run_kernel_bench(
         "layers": layers,
         "heads": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM},
         "copy_bandwidth_gbs": copy_gbs,
+        "copy_bouts_gbs": [2 * copy.num_bytes / t / 1e9 for t in copy.bouts],
         "decode": [asdict(r) for r in results],
         "noise": noise.to_dict(),
         "summary": {
@@ -197,6 +208,7 @@ def run_kernel_bench(
 
 def format_report(report: dict) -> str:
     """Human-readable table of run_kernel_bench's report."""
+    bouts = report.get("copy_bouts_gbs", [report["copy_bandwidth_gbs"]])
     lines = [
         f"trtpaged kernel benchmark ({report['device']}, {report['threads']} threads, KV {report['kv_cache_dtype']}, "
         f"{report['heads']['num_heads']} heads / {report['heads']['num_kv_heads']} KV heads / "
@@ -207,7 +219,8 @@ def format_report(report: dict) -> str:
             " in turn (fewer where the layers column says so); times per call"),
         f"instruction set: {report.get('isa', 'not reported')}; attention kernel copy: "
         f"{report.get('attention_path', 'not reported')}",
-        f"memory-copy bandwidth: {report['copy_bandwidth_gbs']:.1f} GB/s (read + write bytes)",
+        f"memory-copy bandwidth: {report['copy_bandwidth_gbs']:.1f} GB/s (read + write bytes; the best of "
+        f"{len(bouts)} bouts before, between and after the cases, spread {spread(bouts):.1%})",
         "",
         f"{'context':>8} {'batch':>6} {'paged ms':>10} {'contig ms':>10} {'KV GB/s':>9} {'of copy':>8} "
         f"{'paged ovh':>10}"
