@@ -223,3 +223,33 @@ def test_kernel_bench_copy_bandwidth_is_timed_across_the_run(monkeypatch: pytest
         assert case["fraction_of_copy"] == pytest.approx(case["bandwidth_gbs"] / best_gbs)
     assert report["noise"]["max_spread"] >= spread([0.2, 0.1, 0.1]) > 0.5
     assert report["summary"]["bandwidth_verdict"].startswith("no verdict (noisy run")
+
+
+@pytest.mark.parametrize("paged_rounds, said", [
+    ([1.0] * 5 + [1.09] * 3, "no verdict (90% interval of the median round [1.00, 1.09]"),  # 3 rounds of 8 at +9%
+    ([1.02, 1.01, 1.03, 1.02, 1.0, 1.02, 1.03, 1.01], "met (90% interval of the median round [1.01, 1.03]"),
+    ([1.12, 1.1, 1.11, 1.09, 1.1, 1.12, 1.11, 1.1], "NOT met (90% interval of the median round [1.10, 1.12]"),
+])  # fmt: skip
+def test_kernel_bench_overhead_verdict_is_on_the_rounds_ratios(monkeypatch: pytest.MonkeyPatch,
+                                                               paged_rounds: list[float], said: str) -> None:
+    """The paged-overhead verdict compared the two layouts' pooled medians with the 5% target, with each side's
+    spread under 10% as its only check: three rounds of eight at +9% left the paged median at +0%, 'met', though
+    the rounds could not tell +0% from +9%. It is now on the rounds' own paged / contiguous ratios (the sides a
+    round timed together), and refused when their median's interval straddles the target."""
+    from trtpaged import kernels
+    from trtpaged.bench import kernel_bench, noise
+
+    if not kernels.available():
+        pytest.skip("kernel library not built")
+
+    def rounds(steps, **_):  # a fake workload: each round's five repeats of each layout take its time
+        times = {"paged": paged_rounds, "contiguous": [1.0] * 8}
+        return {name: [[t * 1e-3] * 5 for t in times[name]] for name in steps}
+
+    monkeypatch.setattr(kernel_bench, "interleaved_rounds", rounds)
+    monkeypatch.setattr(kernel_bench, "best_seconds", lambda fn, **_: 0.1)  # a steady copy
+    monkeypatch.setattr(noise, "_machine_busy_seconds", lambda: None)  # the machine's load: not the subject here
+    report = kernel_bench.run_kernel_bench("float32", contexts=(64,), batches=(1,), budget_s=0.01)
+    assert report["noise"]["trustworthy"]  # each side's repeats spread at most 9%
+    assert report["summary"]["mean_paged_over_contiguous_rounds"] == pytest.approx(paged_rounds)
+    assert report["summary"]["overhead_verdict"].startswith(said), report["summary"]["overhead_verdict"]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Optional, Union
 
 import torch
@@ -31,8 +31,8 @@ import statistics
 
 from trtpaged import kernels, kv_pool_memory
 
-from trtpaged.bench.noise import Noise, NoiseMonitor, spread, verdict
-from trtpaged.bench.timing import best_seconds, interleaved_samples
+from trtpaged.bench.noise import Noise, NoiseMonitor, interval_verdict, spread, verdict
+from trtpaged.bench.timing import best_seconds, interleaved_rounds
 from trtpaged.kv_quant import is_quantized, pack_rows, quantize_rows
 from trtpaged.manifest import DEFAULT_BLOCK_SIZE, kv_row_bytes
 
@@ -57,6 +57,8 @@ class DecodeResult:
     layers: int = 1  # pool layers, one call each in turn (times are per call)
     float32_ms: Optional[float] = None  # quantized runs: the same paged decode with a float32 cache
     float16_ms: Optional[float] = None  # ... and with a float16 cache
+    # each layout's median ms per call in each interleaved round: the verdicts' ratios are taken round by round
+    round_ms: dict[str, list[float]] = field(default_factory=dict)
 
 
 class CopyProbe:
@@ -132,8 +134,10 @@ def measure_decode(context: int, batch: int, kv_cache_dtype: Union[str, torch.dt
         for name in ("float32", "float16"):
             steps[name] = _decode_inputs(context, batch, block_size, name, shuffle=True, layers=layers)
     # alternated in short rounds, so that a change of the machine's load falls on every layout alike
-    samples = interleaved_samples(steps, budget_s=budget_s * len(steps))
-    samples = {name: [t / layers for t in times] for name, times in samples.items()}  # per call
+    by_round = interleaved_rounds(steps, budget_s=budget_s * len(steps))
+    by_round = {name: [[t / layers for t in times] for times in rounds]  # per call
+                for name, rounds in by_round.items()}  # fmt: skip
+    samples = {name: [t for times in rounds for t in times] for name, rounds in by_round.items()}
     paged_times, contiguous_times = samples["paged"], samples["contiguous"]
     floats = {f"{name}_ms": statistics.median(samples[name]) * 1e3
               for name in ("float32", "float16") if name in samples}  # fmt: skip
@@ -142,8 +146,9 @@ def measure_decode(context: int, batch: int, kv_cache_dtype: Union[str, torch.dt
             noise.add_samples(times)
     paged, contiguous = statistics.median(paged_times), statistics.median(contiguous_times)
     bandwidth = kv_bytes / paged / 1e9
+    round_ms = {name: [statistics.median(times) * 1e3 for times in rounds] for name, rounds in by_round.items()}
     return DecodeResult(context, batch, paged * 1e3, contiguous * 1e3, kv_bytes, bandwidth, bandwidth / copy_gbs,
-                        paged / contiguous - 1, layers, **floats)  # fmt: skip
+                        paged / contiguous - 1, layers, **floats, round_ms=round_ms)  # fmt: skip
 
 
 def run_kernel_bench(
@@ -177,6 +182,13 @@ def run_kernel_bench(
     worst_fraction = min((r.fraction_of_copy for r in long), default=float("nan"))
     mean_overhead = sum(r.paged_overhead for r in results) / len(results)
     vs_float32 = [r.float32_ms / r.paged_ms for r in long if r.float32_ms]
+    rounds = range(min(len(times) for r in results for times in r.round_ms.values()))
+    fraction_rounds = [min(r.kv_bytes / r.round_ms["paged"][i] / 1e6 for r in long) / copy_gbs
+                       for i in rounds] if long else []  # fmt: skip
+    overhead_rounds = [statistics.mean(r.round_ms["paged"][i] / r.round_ms["contiguous"][i] for r in results)
+                       for i in rounds]  # fmt: skip
+    speedup_rounds = [min(r.round_ms["float32"][i] / r.round_ms["paged"][i] for r in long)
+                      for i in rounds] if vs_float32 else []  # fmt: skip
     return {
         "device": "cpu",
         "isa": kernels.describe_cpu_isa(),
@@ -197,13 +209,25 @@ def run_kernel_bench(
             "mean_paged_overhead": mean_overhead,
             "max_paged_overhead": max(r.paged_overhead for r in results),
             "target_paged_overhead": TARGET_PAGED_OVERHEAD,
-            "bandwidth_verdict": verdict(worst_fraction >= TARGET_BANDWIDTH_FRACTION, noise),
-            "overhead_verdict": verdict(mean_overhead <= TARGET_PAGED_OVERHEAD, noise),
+            "bandwidth_verdict": _round_verdict(fraction_rounds, TARGET_BANDWIDTH_FRACTION, True, noise),
+            "overhead_verdict": _round_verdict(overhead_rounds, 1 + TARGET_PAGED_OVERHEAD, False, noise),
             # quantized caches: float32 time / this time at 2048+ tokens (target: >= 1, no slower than fp32)
             "min_speedup_vs_float32_at_2048_plus": min(vs_float32) if vs_float32 else None,
-            "speedup_verdict": verdict(min(vs_float32) >= 1.0, noise) if vs_float32 else None,
+            "speedup_verdict": _round_verdict(speedup_rounds, 1.0, True, noise) if vs_float32 else None,
+            # each verdict's figure round by round (the interleaved rounds, every case's i-th round in the i-th)
+            "worst_fraction_rounds": fraction_rounds, "mean_paged_over_contiguous_rounds": overhead_rounds,
+            "worst_speedup_vs_float32_rounds": speedup_rounds,
         },
     }
+
+
+def _round_verdict(rounds: list[float], target: float, higher_is_better: bool, noise: Noise) -> str:
+    """A target's verdict from its figure taken round by round (each round's from the sides timed in it, so that
+    its uncertainty is both sides'): refused when the run is noisy, else from the interval of the median round
+    (`interval_verdict`: refused when the rounds straddle the target)."""
+    if not noise.trustworthy:
+        return verdict(False, noise)
+    return interval_verdict(rounds, target, higher_is_better, noise)
 
 
 def format_report(report: dict) -> str:

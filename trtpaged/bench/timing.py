@@ -25,23 +25,26 @@ def _times(fn: Callable[[], object], warmup: int, min_reps: int, budget_s: float
     return times
 
 
-def interleaved_samples(fns: Mapping[str, Callable[[], object]], *, rounds: int = 8, warmup: int = 2, min_reps: int = 5,
-                        budget_s: float = 0.5) -> dict[str, list[float]]:
-    """Every repeat's wall time of each fn, the fns taking turns in `rounds` rounds of budget_s / rounds
-    shared among them: an A/B whose sides see the same machine (a load that comes and goes lands on all)."""
+def interleaved_rounds(fns: Mapping[str, Callable[[], object]], *, rounds: int = 8, warmup: int = 2, min_reps: int = 5,
+                       budget_s: float = 0.5) -> dict[str, list[list[float]]]:
+    """Every repeat's wall time of each fn, by round (name -> one list of repeat times per round): the fns take
+    turns in `rounds` rounds of budget_s / rounds shared among them, an A/B whose sides see the same machine (a
+    load that comes and goes lands on all), and a ratio of two sides taken round by round pairs times that saw
+    the same machine."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
+    times: dict[str, list[list[float]]] = {name: [] for name in fns}
     share = budget_s / rounds / max(1, len(fns))
     per_round = max(1, -(-min_reps // rounds))
     for _ in range(rounds):
         for name, fn in fns.items():
             start = time.perf_counter()
-            done = 0
-            while done < per_round or (time.perf_counter() - start < share and len(times[name]) < 200):
+            got: list[float] = []
+            times[name].append(got)
+            while len(got) < per_round or (time.perf_counter() - start < share and
+                                           sum(map(len, times[name])) < 200):  # fmt: skip
                 t0 = time.perf_counter()
                 fn()
-                times[name].append(time.perf_counter() - t0)
-                done += 1
+                got.append(time.perf_counter() - t0)
     return times
