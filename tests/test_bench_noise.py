@@ -253,3 +253,25 @@ def test_kernel_bench_overhead_verdict_is_on_the_rounds_ratios(monkeypatch: pyte
     assert report["noise"]["trustworthy"]  # each side's repeats spread at most 9%
     assert report["summary"]["mean_paged_over_contiguous_rounds"] == pytest.approx(paged_rounds)
     assert report["summary"]["overhead_verdict"].startswith(said), report["summary"]["overhead_verdict"]
+
+
+def test_gpu_kernel_bench_refuses_its_verdict_when_the_repeats_disagree() -> None:
+    """`bench kernel --device cuda` printed met / NOT met from the best of three repeats of each timing, however
+    far apart they were; its report now carries the repeats' worst spread, and a spread over the limit refuses."""
+    from trtpaged.bench.kernel_bench_gpu import format_report
+
+    def report(repeats: list[float]) -> dict:
+        case = {"context": 2048, "batch": 8, "num_splits_hint": 4, "paged_us": 10.0, "contiguous_us": 10.0,
+                "kv_bytes": 1, "kv_read_gbs": 800.0, "fraction_of_copy_read": 0.8, "fraction_of_copy_moved": 0.8,
+                "paged_overhead_pct": 0.0, "float16_us": None, "spread": spread(repeats)}  # fmt: skip
+        return {"device": "a GPU", "cuda_archs": "90", "timing": "cuda-graph", "kv_cache_dtype": "float16",
+                "heads": {"num_heads": 9, "num_kv_heads": 3, "head_dim": 64}, "block_size": 16,
+                "copy": {"bytes": 1 << 30, "read_gbs": 1000.0, "moved_gbs": 2000.0, "spread": 0.0},
+                "decode": [case], "noise": assess(spread(repeats), None, cpus=2).to_dict(),
+                "summary": {"min_fraction_of_copy_read_long": 0.8, "min_fraction_of_copy_moved_long": 0.8,
+                            "target_fraction": 0.7, "mean_paged_overhead_pct": 0.0, "max_paged_overhead_pct": 0.0,
+                            "min_speedup_vs_float16": None}}  # fmt: skip
+
+    assert "of bytes moved: met)" in format_report(report([10.0, 10.1, 10.0]))
+    noisy = format_report(report([10.0, 14.0, 10.2]))
+    assert "of bytes moved: no verdict (noisy run: repeats spread" in noisy and "NOT trustworthy" in noisy

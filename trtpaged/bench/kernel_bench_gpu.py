@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
 import sys
 from dataclasses import asdict, dataclass
 from typing import Callable
@@ -31,6 +32,7 @@ from typing import Callable
 import torch
 
 from trtpaged import kernels
+from trtpaged.bench.noise import Noise, assess, spread, verdict
 from trtpaged.kv_quant import is_quantized, pack_rows, quantize_rows, row_width
 from trtpaged.manifest import DEFAULT_BLOCK_SIZE
 from trtpaged.names import renamed_options
@@ -57,6 +59,7 @@ class DecodeResult:
     fraction_of_copy_moved: float
     paged_overhead_pct: float
     float16_us: float | None = None  # the same paged step over an fp16 cache (quantized caches only)
+    spread: float = 0.0  # the worst of its timings' spreads across their repeats
 
 
 class _Timer:
@@ -100,14 +103,17 @@ class _Timer:
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) / 1e3 / (reps * per_run))
+        self.spread = spread(times)  # the repeats' agreement: the verdict's noise
         return min(times)
 
 
 def copy_bandwidth(num_bytes: int = 1 << 30) -> dict:
     src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda").random_(0, 255)
     dst = torch.empty_like(src)
-    seconds = _Timer(lambda: dst.copy_(src), inner=4).seconds(reps=5)
-    return {"bytes": num_bytes, "read_gbs": num_bytes / seconds / 1e9, "moved_gbs": 2 * num_bytes / seconds / 1e9}
+    timer = _Timer(lambda: dst.copy_(src), inner=4)
+    seconds = timer.seconds(reps=5)
+    return {"bytes": num_bytes, "read_gbs": num_bytes / seconds / 1e9, "moved_gbs": 2 * num_bytes / seconds / 1e9,
+            "spread": timer.spread}
 
 
 def _row_bytes(kv_cache_dtype: str) -> int:
@@ -168,18 +174,22 @@ def measure_decode(context: int, batch: int, copy: dict, kv_cache_dtype: str = "
                    block_size: int = DEFAULT_BLOCK_SIZE) -> DecodeResult:
     paged_step, ws_size = _decode_step(context, batch, shuffle=True, kv_cache_dtype=kv_cache_dtype,
                                        block_size=block_size)
-    paged = _Timer(paged_step).seconds()
+    timers = [_Timer(paged_step)]
+    paged = timers[0].seconds()
     del paged_step
-    contiguous = _Timer(_decode_step(context, batch, shuffle=False, kv_cache_dtype=kv_cache_dtype,
-                                     block_size=block_size)[0]).seconds()
-    fp16 = (_Timer(_decode_step(context, batch, shuffle=True, block_size=block_size)[0]).seconds()
-            if is_quantized(kv_cache_dtype) else None)
+    timers.append(_Timer(_decode_step(context, batch, shuffle=False, kv_cache_dtype=kv_cache_dtype,
+                                      block_size=block_size)[0]))
+    contiguous = timers[-1].seconds()
+    fp16 = None
+    if is_quantized(kv_cache_dtype):
+        timers.append(_Timer(_decode_step(context, batch, shuffle=True, block_size=block_size)[0]))
+        fp16 = timers[-1].seconds()
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * _row_bytes(kv_cache_dtype)
     bw = kv_bytes / paged / 1e9
     splits = ws_size // (4 * batch * NUM_HEADS * (HEAD_DIM + 2)) if ws_size else 1
     return DecodeResult(context, batch, int(splits), paged * 1e6, contiguous * 1e6, kv_bytes, bw,
                         bw / copy["read_gbs"], bw / copy["moved_gbs"], (paged / contiguous - 1) * 100,
-                        fp16 * 1e6 if fp16 is not None else None)  # fmt: skip
+                        fp16 * 1e6 if fp16 is not None else None, max(t.spread for t in timers))  # fmt: skip
 
 
 def run_gpu_kernel_bench(json_out: bool, kv_cache_dtype: str = "float16", quick: bool = False,
@@ -206,6 +216,8 @@ def run_gpu_kernel_bench(json_out: bool, kv_cache_dtype: str = "float16", quick:
         "block_size": block_size,
         "copy": copy,
         "decode": [asdict(r) for r in results],
+        # the timings' repeats must agree (the GPU is ours alone: other processes' CPU load is no measure of it)
+        "noise": assess(max([copy["spread"]] + [r.spread for r in results]), None, os.cpu_count() or 1).to_dict(),
         "summary": {
             "min_fraction_of_copy_read_long": min(r.fraction_of_copy_read for r in long),
             "min_fraction_of_copy_moved_long": min(r.fraction_of_copy_moved for r in long),
@@ -242,11 +254,13 @@ def format_report(report: dict) -> str:
             + (f" {r['float16_us']:>8.1f} {r['float16_us'] / r['paged_us']:>6.2f}x" if quantized else "")
         )
     met = s["min_fraction_of_copy_moved_long"] >= s["target_fraction"]
+    noise = Noise(**report["noise"])
     lines += [
         "",
+        noise.describe(),
         f"long contexts (2048+, batch 8+): worst {s['min_fraction_of_copy_read_long']:.0%} of copy read bandwidth, "
         f"{s['min_fraction_of_copy_moved_long']:.0%} of copy bytes moved (target {s['target_fraction']:.0%} "
-        f"of bytes moved: {'met' if met else 'NOT met'})",
+        f"of bytes moved: {verdict(met, noise)})",
         f"paged vs contiguous block table: mean {s['mean_paged_overhead_pct']:+.1f}%, "
         f"worst {s['max_paged_overhead_pct']:+.1f}%",
     ]
