@@ -122,6 +122,29 @@ def test_serve_ratio_refuses_max_tokens_the_engine_has_no_room_for(tiny_engine_d
     assert smaller.exit_code == 1 and f"at most {room - 1}" in smaller.output, smaller.output
 
 
+def test_serve_ratio_says_which_server_failed_mid_run(tiny_engine_dir):
+    """A server child that died during the rounds ended bench serve-ratio with the openai client's (or urllib's)
+    traceback; it is now a one-line error naming the run, how the server ended and what it wrote last."""
+    import click
+
+    from trtpaged.bench.serve_ratio import ServeArm, client_batch_rate
+    from trtpaged.commands.bench import _print_report
+
+    arm = ServeArm(tiny_engine_dir, 1, (), 2)
+    try:
+        texts, _ = arm.measure("batch", lambda url: client_batch_rate(url, 2, 4), 8, 0.0)  # the server works
+        assert len(texts) == 2
+        arm.server.proc.kill()
+        arm.server.proc.wait()
+        with pytest.raises(click.ClickException) as failed:
+            _print_report(lambda: arm.measure("single", lambda url: client_decode_points(url, 4), 4, 0.0), str, False)
+        said = failed.value.message
+        assert said.startswith("the single run against trtpaged serve (--stream-interval 1) failed: "), said
+        assert "the server was killed by signal 9" in said
+    finally:
+        arm.server.close()
+
+
 def test_serve_ratio_labels_a_noisy_run_s_ratios_indicative():
     """F11: the text of a report whose noise is not trustworthy says so on every ratio line."""
     from trtpaged.bench.serve_ratio import format_ratio

@@ -81,7 +81,11 @@ class Series:
         return f"{self.name:<44}{self.median:8.1f} {unit}  ({shown})"
 
 
-class ServerStartError(RuntimeError):
+class ServerError(RuntimeError):
+    """The benchmark's `trtpaged serve` child failed; the message ends with what it wrote last."""
+
+
+class ServerStartError(ServerError):
     """The benchmark's `trtpaged serve` child did not start; the message ends with what it wrote last."""
 
 
@@ -105,10 +109,14 @@ class ServerProcess:
             if time.monotonic() > deadline:
                 break
         self.close()
+        raise ServerStartError(f"trtpaged serve {' '.join(extra_args)} did not start (exit {self.proc.poll()})"
+                               + self.last_words())  # fmt: skip
+
+    def last_words(self) -> str:
+        """": " and the last three lines the server wrote on stderr, or "" when it wrote none."""
         self._stderr.seek(0)
         said = [line.strip() for line in self._stderr.read()[-4000:].splitlines() if line.strip()][-3:]
-        raise ServerStartError(f"trtpaged serve {' '.join(extra_args)} did not start (exit {self.proc.poll()})"
-                               + (": " + " | ".join(said) if said else ""))  # fmt: skip
+        return ": " + " | ".join(said) if said else ""
 
     def metrics(self) -> dict[str, float]:
         with urllib.request.urlopen(self.url + "/metrics", timeout=30) as resp:
@@ -376,13 +384,25 @@ class ServeArm:
     def measure(self, mode: str, run: Callable[[str], tuple[float, Any, float]], tokens: int,
                 api_cpu: float) -> tuple[Any, float]:  # fmt: skip
         """Runs one timed client run against this server and records its rate, engine step and CPU per token;
-        returns (the texts, the rate)."""
-        before, threads = self.server.metrics(), self.server.thread_cpu_seconds()
-        rate, texts, client_cpu = run(self.server.url)
-        self.cpu[mode].add(tokens, api=api_cpu, client=client_cpu,
-                           **_cpu_delta(threads, self.server.thread_cpu_seconds()))  # fmt: skip
+        returns (the texts, the rate). ServerError when the run cannot talk to the server (it exited, or answered
+        with an error), naming the run and what the server said last."""
+        import httpx
+        import openai
+
+        try:
+            before, threads = self.server.metrics(), self.server.thread_cpu_seconds()
+            rate, texts, client_cpu = run(self.server.url)
+            after, threads_after = self.server.metrics(), self.server.thread_cpu_seconds()
+        except (OSError, httpx.HTTPError, openai.OpenAIError) as exc:
+            code = self.server.proc.poll()
+            state = ("is still running" if code is None else
+                     f"was killed by signal {-code}" if code < 0 else f"exited (code {code})")  # fmt: skip
+            raise ServerError(f"the {mode} run against trtpaged serve (--stream-interval {self.interval}) failed: "
+                              f"{type(exc).__name__}: {exc}; the server {state}"
+                              + self.server.last_words()) from exc  # fmt: skip
+        self.cpu[mode].add(tokens, api=api_cpu, client=client_cpu, **_cpu_delta(threads, threads_after))
         self.series[mode].values.append(rate)
-        server = engine_side(before, self.server.metrics())
+        server = engine_side(before, after)
         self.steps[mode].values.append(server["engine_step_ms"] or 0.0)
         self.handoff[mode].values.append(server["handoff_wait_ms"] or 0.0)
         return texts, rate

@@ -44,12 +44,12 @@ def _progress(msg: str) -> None:
 
 def _print_report(run: Callable[[], dict], text: Callable[[dict], str], as_json: bool) -> None:
     """Runs one benchmark and prints its report (JSON, or `text` of it); a ValueError (bad input) or a server
-    that did not start becomes a one-line CLI error."""
-    from trtpaged.bench.serve_ratio import ServerStartError
+    that did not start or failed during the run becomes a one-line CLI error."""
+    from trtpaged.bench.serve_ratio import ServerError
 
     try:
         report = run()
-    except (ValueError, ServerStartError) as exc:
+    except (ValueError, ServerError) as exc:
         raise click.ClickException(str(exc)) from exc
     echo(json.dumps(report, indent=2) if as_json else text(report))
 
