@@ -271,3 +271,25 @@ def test_a_spawned_rows_peak_rss_is_its_own_not_its_parents() -> None:
     del held
     before_kib, mib, after_kib = int(out[0]), float(out[1]), int(out[2])
     assert before_kib / 1024 <= mib <= after_kib / 1024 and mib < 128, out
+
+
+def test_a_run_of_one_round_reports_its_spread_as_not_measured() -> None:
+    """One round repeats nothing, yet the noise line said 'worst spread 0.0%' and the ratio was printed as if its
+    agreement had been measured; the spread is now 'not measured' and the ratio says it is one round's."""
+    from trtpaged.bench.noise import NoiseMonitor, spread
+    from trtpaged.bench.throughput_bench import SystemResult, format_throughput_report, run_noise
+
+    def system(name: str, walls: list[float]) -> SystemResult:
+        return SystemResult(name, 100.0, 100.0, walls[0], 0, 0, 0, 0, 0, 1, 1, foreign_cores=0.0, round_walls=walls)
+
+    one = run_noise([system("trtpaged", [1.0]), system("hf", [2.0])])
+    assert one.trustworthy and one.max_spread is None and "spread not measured" in one.describe()
+    three = run_noise([system("trtpaged", [1.2, 1.0, 1.01]), system("hf", [2.0])])
+    assert three.trustworthy and three.max_spread == pytest.approx(spread([1.0, 1.01]))
+    for noise, said in ((one, "2.00x (one round: how much it varies was not measured"), (three, "2.00x  (hf")):
+        report = {"requests": 1, "prompt_tokens": 1, "output_tokens": 1, "systems": [], "noise": noise.to_dict(),
+                  "ratio_vs_baseline": 2.0, "hf_batch_size": 8}  # fmt: skip
+        assert f"trtpaged / hf useful tok/s: {said}" in format_throughput_report(report)
+    monitor = NoiseMonitor()
+    monitor.add_samples([1.3])  # one round of a ratio: nothing repeated
+    assert monitor.result().max_spread is None

@@ -74,7 +74,7 @@ def _machine_busy_seconds() -> Optional[float]:
 class Noise:
     """The noise of one run: the worst spread, other processes' CPU load, and whether to trust it."""
 
-    max_spread: float
+    max_spread: Optional[float]  # None where nothing was repeated (one round): not measured, not 0
     foreign_cores: Optional[float]  # None where /proc/stat is unavailable
     cpus: int
     trustworthy: bool
@@ -85,7 +85,9 @@ class Noise:
 
     def describe(self) -> str:
         load = "n/a" if self.foreign_cores is None else f"{self.foreign_cores:.2f} of {self.cpus} cores"
-        head = f"noise: worst spread {self.max_spread:.1%} (p90-p10 / median), other processes' CPU load {load}"
+        spread_text = ("not measured (nothing repeated)" if self.max_spread is None else
+                       f"{self.max_spread:.1%} (p90-p10 / median)")  # fmt: skip
+        head = f"noise: worst spread {spread_text}, other processes' CPU load {load}"
         return head if self.trustworthy else f"{head} -> NOT trustworthy: {self.reason}"
 
 
@@ -122,9 +124,11 @@ class NoiseMonitor:
         self.stop()
 
     def add_samples(self, samples: Sequence[float]) -> float:
-        """Records the spread of one measurement's repeated timings; returns it."""
+        """Records the spread of one measurement's repeated timings (one timing repeats nothing: not recorded,
+        unless it is no number); returns it."""
         s = spread(samples)
-        self.spreads.append(s)
+        if len(samples) > 1 or s != 0.0:
+            self.spreads.append(s)
         return s
 
     def foreign_cores(self) -> Optional[float]:
@@ -138,20 +142,21 @@ class NoiseMonitor:
         return max(0.0, foreign / wall)
 
     def result(self) -> Noise:
-        return assess(max(self.spreads, default=0.0), self.foreign_cores(), os.cpu_count() or 1,
+        return assess(max(self.spreads, default=None), self.foreign_cores(), os.cpu_count() or 1,
                       self.max_spread, self.max_foreign_cores)  # fmt: skip
 
 
 def assess(
-    max_spread: float,
+    max_spread: Optional[float],
     foreign_cores: Optional[float],
     cpus: int,
     spread_limit: float = MAX_SPREAD,
     foreign_limit: float = MAX_FOREIGN_CORES,
 ) -> Noise:
-    """The verdict on a run's noise: untrustworthy when the repeats spread or other processes took our cores."""
+    """The verdict on a run's noise: untrustworthy when the repeats spread or other processes took our cores
+    (`max_spread` None: nothing was repeated, so only the load can refuse)."""
     reasons = []
-    if max_spread > spread_limit:
+    if max_spread is not None and max_spread > spread_limit:
         reasons.append(f"repeats spread {max_spread:.1%} > {spread_limit:.0%}")
     if foreign_cores is not None and foreign_cores > foreign_limit:
         reasons.append(f"other processes used {foreign_cores:.2f} cores > {foreign_limit:.2f}")

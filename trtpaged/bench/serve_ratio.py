@@ -501,7 +501,7 @@ def run_serve_ratio(engine: Path, repeats: int = 5, max_tokens: int = 128, concu
         monitor.add_samples(round_ratios(arm.series["single"].values, arm.api_single.values))
         monitor.add_samples(round_ratios(arm.series["batch"].values, api_series["batch"].values))
     # the servers are our own children: the monitor counts their CPU as ours, not other processes' load
-    noise = assess(max(monitor.spreads), monitor.foreign_cores(), os.cpu_count() or 1)
+    noise = assess(max(monitor.spreads, default=None), monitor.foreign_cores(), os.cpu_count() or 1)
     series = {f"api_{m}": s for m, s in api_series.items()}
     steps = {f"api_{m}": s for m, s in api_steps.items()}
     handoffs: dict[str, Series] = {}

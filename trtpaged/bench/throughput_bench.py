@@ -565,7 +565,7 @@ def run_noise(systems: Sequence[SystemResult]) -> Noise:
     loads = [s.foreign_cores for s in systems if s.foreign_cores is not None]
     spreads = [spread(s.round_walls[1:] if len(s.round_walls) > 2 else s.round_walls) for s in systems
                if len(s.round_walls) > 1]  # fmt: skip
-    return assess(max(spreads, default=0.0), max(loads) if loads else None, multiprocessing.cpu_count())
+    return assess(max(spreads, default=None), max(loads) if loads else None, multiprocessing.cpu_count())
 
 
 def format_throughput_report(report: dict) -> str:
@@ -603,8 +603,11 @@ def format_throughput_report(report: dict) -> str:
               "(prompts, padding, decode past a request's end) / wall", noise.describe()]  # fmt: skip
 
     def ratio(value: float) -> str:
-        return f"{value:.2f}x" + ("" if noise.trustworthy else " (noisy run: indicative only, rerun on a quieter "
-                                  "machine)")  # fmt: skip
+        if not noise.trustworthy:
+            return f"{value:.2f}x (noisy run: indicative only, rerun on a quieter machine)"
+        if noise.max_spread is None:
+            return f"{value:.2f}x (one round: how much it varies was not measured; --rounds 3 repeats it)"
+        return f"{value:.2f}x"
 
     if report["ratio_vs_baseline"] is not None:
         lines.append(f"trtpaged / hf useful tok/s: {ratio(report['ratio_vs_baseline'])}  "
