@@ -79,3 +79,23 @@ def test_a_row_in_which_no_turn_completed_exits_1(monkeypatch, tiny_engine_dir):
     assert r.exit_code == 1, r.output
     assert "| host (8 failed) |" in r.output  # the report is printed first
     assert r.output.strip().splitlines()[-1] == "Error: no turn completed in row host (first error: HTTP 400: too long)"
+
+
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_the_ttft_ratios_come_with_their_rounds_spread_and_the_run_s_load(tiny_engine_dir, rounds):
+    """'TTFT p50 vs off' was printed with no spread and no noise line (a tiny engine's host row, the same work as
+    off, showed 1.47x in one run); the report now carries the rounds' ratios, their spread and the run's load, and
+    a noisy run's or a single round's ratios are printed as indicative only."""
+    from trtpaged.bench.kv_tiers_bench import format_kv_tiers, run_kv_tiers_bench
+    from trtpaged.bench.noise import spread
+
+    report = run_kv_tiers_bench(tiny_engine_dir, SPEC, 24, rounds=rounds, rows=["host"])
+    off, host = report["rows"]["off"]["rounds"], report["rows"]["host"]["rounds"]
+    ratios = [a["p50_ttft_ms"] / b["p50_ttft_ms"] for a, b in zip(off, host)]  # round by round, from the rows
+    assert report["rows"]["host"]["ttft_p50_vs_off_rounds"] == pytest.approx(ratios)
+    noise = report["noise"]
+    assert noise["max_spread"] == (None if rounds == 1 else pytest.approx(spread(ratios)))
+    text = format_kv_tiers(report)
+    assert "noise: worst spread " in text
+    indicative = "TTFT p50 vs off: indicative only" in text
+    assert indicative == (rounds == 1 or not noise["trustworthy"]), text

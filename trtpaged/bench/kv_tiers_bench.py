@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from trtpaged.bench.multi_turn import MultiTurnSpec, conversation_words, request_body, run_multi_turn
+from trtpaged.bench.noise import Noise, NoiseMonitor
 from trtpaged.bench.redis_process import RedisProcess
 
 ROW_GROUPS = ("unbounded", "off", "host", "disk", "remote")
@@ -66,6 +67,7 @@ def run_kv_tiers_bench(
     # which would make the "remote" row (a cold first replica) warm; the second replica still finds the first's
     salt = f"bench-{secrets.token_hex(8)}"
     redis = None
+    monitor = NoiseMonitor().start()  # the servers run in this process, redis-server is its child: both ours
     try:
         if remote is None and shutil.which("redis-server"):  # "": no remote rows
             redis = RedisProcess()
@@ -93,10 +95,14 @@ def run_kv_tiers_bench(
     finally:
         if redis is not None:
             redis.kill()
+    monitor.stop()
     rows = {name: _combine(name, runs[name], runs["off"]) for name in runs}
+    for name, row in rows.items():  # the TTFT ratios' rounds: their spread is the run's (one round: unmeasured)
+        if name != "off":
+            monitor.add_samples([r for r in row["ttft_p50_vs_off_rounds"] if r])
     return {"engine": str(engine), "num_kv_blocks": num_kv_blocks, "conversations": spec.conversations,
             "turns": spec.turns, "think_time_s": spec.think_time_s, "stagger": spec.stagger, "rounds": rounds,
-            "rows": rows}
+            "rows": rows, "noise": monitor.result().to_dict()}
 
 
 def check_rows(rows: Sequence[str]) -> list[str]:
@@ -274,8 +280,9 @@ def _combine(name: str, runs: list[dict[str, Any]], off: list[dict[str, Any]]) -
         row[key] = None if None in values else sum(values)
     row["error_examples"] = sorted({e for run in runs for e in run.get("error_examples", [])})[:3]
     row["live_history_blocks"] = statistics.median(run.get("live_history_blocks", 0.0) for run in runs)
-    row["ttft_p50_vs_off"] = statistics.median(ref["p50_ttft_ms"] / run["p50_ttft_ms"] if run["p50_ttft_ms"] else 0.0
-                                               for run, ref in zip(runs, off))  # round by round
+    row["ttft_p50_vs_off_rounds"] = [ref["p50_ttft_ms"] / run["p50_ttft_ms"] if run["p50_ttft_ms"] else 0.0
+                                     for run, ref in zip(runs, off)]  # round by round  # fmt: skip
+    row["ttft_p50_vs_off"] = statistics.median(row["ttft_p50_vs_off_rounds"])
     rates = [run["prefix_hit_rate"] for run in runs]
     row["prefix_hit_rate"] = None if None in rates else statistics.mean(rates)
     # the restarted server runs other conversations: nothing to compare
@@ -301,6 +308,12 @@ def format_kv_tiers(report: dict[str, Any]) -> str:
         if row.get("failed"):
             cells[0] += f" ({row['failed']} failed)"
         lines.append("| " + " | ".join(cells) + " |")
+    if "noise" in report:
+        noise = Noise(**report["noise"])
+        lines += ["", noise.describe()]
+        if not noise.trustworthy or noise.max_spread is None:
+            lines.append("TTFT p50 vs off: indicative only (" + ("a noisy run" if not noise.trustworthy else
+                         "one round, whose spread is unknown: --rounds 3 or more") + ")")  # fmt: skip
     lines += ["", "TTFT from the server's side (the request submitted to its first token; the client's TTFT adds HTTP "
               "and tokenizing), medians over requests, each column on its own (ms, tokens; `own tokens' share`: the "
               "prefill steps' time pro rata of the request's own computed tokens, the rest is other requests' tokens "
