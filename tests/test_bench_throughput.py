@@ -293,3 +293,18 @@ def test_a_run_of_one_round_reports_its_spread_as_not_measured() -> None:
     monitor = NoiseMonitor()
     monitor.add_samples([1.3])  # one round of a ratio: nothing repeated
     assert monitor.result().max_spread is None
+
+
+def test_the_hf_row_repeats_its_rounds_so_both_sides_of_the_ratio_have_a_spread(tiny_engine_dir) -> None:
+    """With --rounds N only trtpaged's row (and llama.cpp's) ran N times: the transformers row, the ratio's other
+    side, ran once, so the run's spread said nothing of it. Every row now runs the rounds, and each row's rounds
+    count in the spread."""
+    from trtpaged.bench.noise import spread
+    from trtpaged.bench.throughput_bench import run_throughput_bench
+
+    report = run_throughput_bench(str(tiny_engine_dir), REQUESTS, baseline="hf", rounds=3)
+    walls = {s["name"]: s["round_walls"] for s in report["systems"]}
+    assert {name: len(w) for name, w in walls.items()} == {"trtpaged": 3, "hf transformers (static batches)": 3}
+    for s in report["systems"]:  # the reported figures are the first round's
+        assert s["wall_s"] == s["round_walls"][0]
+    assert report["noise"]["max_spread"] == pytest.approx(max(spread(w[1:]) for w in walls.values()))

@@ -17,8 +17,8 @@ exactly its requested length):
 `sequential` runs one request at a time (single-stream decode) in every system instead of all at t=0.
 
 Each system runs in its own process (so peak RSS is its own), after a one-request warm-up.
-With rounds > 1 trtpaged (and llama.cpp) runs the workload again in the same process, each round on fresh prompts of
-the same lengths and sharing (no prefix-cache hits between rounds, the same within each), and reports
+With rounds > 1 every row (trtpaged, transformers, llama.cpp) runs the workload again in its process, each round on
+fresh prompts of the same lengths and sharing (no prefix-cache hits between rounds, the same within each), and reports
 every round's wall: the first batch after loading (no warm-up request then: `LLM(...)` returning is
 "ready") against the next ones. Each row says which instruction set ran it.
 Per system: useful output tok/s (requested output tokens / wall), computed tok/s (every token
@@ -340,9 +340,10 @@ def _timed_round(engine, requests: list[Request], name: str, say: Callable[[str]
 
 
 def run_hf(engine_dir: str, requests: list[Request], batch_size: int, prompt_lookup: Optional[int] = None,
-           assistant_dir: Optional[str] = None, sequential: bool = False,
+           assistant_dir: Optional[str] = None, sequential: bool = False, rounds: int = 1,
            say: Callable[[str], None] = lambda _m: None) -> SystemResult:  # fmt: skip
-    """transformers generate, static batches in submission order, left padding, greedy, EOS ignored.
+    """transformers generate, static batches in submission order, left padding, greedy, EOS ignored. `rounds`: as
+    `run_trtpaged`'s (the ratio's other side repeated as often, so that its spread is measured too).
 
     Assisted generation, one request at a time (HF takes no batch there): `prompt_lookup` tokens of prompt
     lookup (`prompt_lookup_num_tokens`), or with `assistant_dir` that engine's source model as the
@@ -354,7 +355,8 @@ def run_hf(engine_dir: str, requests: list[Request], batch_size: int, prompt_loo
     from trtpaged.manifest import read_manifest
     from trtpaged.models.hf import load_hf, spec_from_manifest
 
-    hf = load_hf(spec_from_manifest(read_manifest(engine_dir)), torch.float32)
+    manifest = read_manifest(engine_dir)
+    hf = load_hf(spec_from_manifest(manifest), torch.float32)
     assisted: dict = {}
     if assistant_dir is not None:
         assistant = load_hf(spec_from_manifest(read_manifest(assistant_dir)), torch.float32).model
@@ -393,25 +395,28 @@ def run_hf(engine_dir: str, requests: list[Request], batch_size: int, prompt_loo
                            pad_token_id=pad_id, logits_processor=LogitsProcessorList([clock]), **assisted)  # fmt: skip
         return clock.times  # assisted: one call per verified position, so only the first and last count
 
+    def timed(work: list[Request], _round: int = 0) -> SystemResult:
+        ttft, tpot = [], []
+        computed = 0
+        with NoiseMonitor() as monitor:
+            start = time.perf_counter()
+            for b in range(0, len(work), batch_size):
+                batch = work[b : b + batch_size]
+                say(f"hf: batch {b // batch_size + 1}/{-(-len(work) // batch_size)} ({len(batch)} requests)")
+                batch_start = time.perf_counter() - start
+                times = [t - start for t in generate(batch)]
+                steps = len(times)  # assisted: positions verified, accepted or not
+                computed += len(batch) * (max(len(r.prompt_ids) for r in batch) + steps - 1)
+                for r in batch:
+                    ttft.append(times[0] - (batch_start if sequential else 0.0))
+                    if r.output_len > 1:
+                        last = times[-1] if assisted else times[r.output_len - 1]
+                        tpot.append((last - times[0]) / (r.output_len - 1))
+            wall = time.perf_counter() - start
+        return system_result(hf_row_name(prompt_lookup, assistant_dir), work, wall, computed, ttft, tpot, monitor)
+
     generate([Request(requests[0].prompt_ids[:4], 3)])  # warm-up
-    ttft, tpot = [], []
-    computed = 0
-    with NoiseMonitor() as monitor:
-        start = time.perf_counter()
-        for b in range(0, len(requests), batch_size):
-            batch = requests[b : b + batch_size]
-            say(f"hf: batch {b // batch_size + 1}/{-(-len(requests) // batch_size)} ({len(batch)} requests)")
-            batch_start = time.perf_counter() - start
-            times = [t - start for t in generate(batch)]
-            steps = len(times)  # assisted: positions verified, accepted or not
-            computed += len(batch) * (max(len(r.prompt_ids) for r in batch) + steps - 1)
-            for r in batch:
-                ttft.append(times[0] - (batch_start if sequential else 0.0))
-                if r.output_len > 1:
-                    last = times[-1] if assisted else times[r.output_len - 1]
-                    tpot.append((last - times[0]) / (r.output_len - 1))
-        wall = time.perf_counter() - start
-    result = system_result(hf_row_name(prompt_lookup, assistant_dir), requests, wall, computed, ttft, tpot, monitor)
+    result = later_rounds(timed(requests), requests, manifest.dims.vocab_size, rounds, say, timed)
     result.isa = isa
     return result
 
@@ -521,11 +526,11 @@ def run_throughput_bench(
         draft = speculative_config.get("model") if method == "draft_model" else None
         say(f"hf transformers generate, {'assistant_model ' + draft if draft else 'prompt lookup'} of {k} tokens, "
             "one request at a time")  # fmt: skip
-        systems.append(run_isolated("hf", engine_dir, requests, 1, k, draft, sequential, time_limit=peer_time_limit,
-                                    name=hf_row_name(k, draft)))  # fmt: skip
+        systems.append(run_isolated("hf", engine_dir, requests, 1, k, draft, sequential, rounds,
+                                    time_limit=peer_time_limit, name=hf_row_name(k, draft)))  # fmt: skip
     if baseline == "hf":
         say(f"hf transformers generate, static batches of {batch_size}")
-        systems.append(run_isolated("hf", engine_dir, requests, batch_size, None, None, sequential,
+        systems.append(run_isolated("hf", engine_dir, requests, batch_size, None, None, sequential, rounds,
                                     time_limit=peer_time_limit, name=hf_row_name()))  # fmt: skip
         if speculative_config is not None and not (systems[-2].timed_out or systems[-1].timed_out):
             hf_spec_ratio = systems[-2].useful_tok_s / systems[-1].useful_tok_s

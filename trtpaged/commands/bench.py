@@ -733,8 +733,9 @@ def structured(engine, batch, steps, repeats, temperature, as_json) -> None:
               help="The built-in mix's lengths and prompts, a ShareGPT --trace's shuffle, a timed --trace's token "
                    "ids (a Mooncake trace's blocks).")
 @click.option("--rounds", type=click.IntRange(1, MAX_ROUNDS), default=1, show_default=True,
-              help="trtpaged runs the workload this many times in one process, each round on fresh prompts of the "
-                   "same shapes, and prints each round's wall: the first batch after loading vs the next.")
+              help="Every row (trtpaged, transformers, llama.cpp) runs the workload this many times in its process, "
+                   "each round on fresh prompts of the same shapes, and prints each round's wall: the first batch "
+                   "after loading vs the next; the rounds' spread is the run's noise.")
 @click.option("--speculative-config", default=None,
               help="Extra rows: trtpaged with this speculative decoding (a JSON object, docs/speculative.md), and "
                    "transformers' assisted generation (prompt lookup, or the draft engine's model as assistant_model; "
