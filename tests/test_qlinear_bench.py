@@ -38,3 +38,19 @@ def test_bad_threads_and_working_set_are_refused_naming_the_option(args) -> None
     result = CliRunner().invoke(main, ["bench", "qlinear", "--quick", *args])
     assert result.exit_code == 2 and args[0] in result.output and "Traceback" not in result.output, result.output
 
+
+
+def test_the_report_carries_the_run_s_noise() -> None:
+    """The speedups were printed with each cell's p10-p90 but no noise line: no worst spread, no other processes'
+    load, nothing saying a noisy run's ratios are indicative only."""
+    from trtpaged.bench.noise import Noise
+
+    report = run_qlinear_bench(shapes={"small": (64, 128)}, batches=(1,), working_set_bytes=1 << 20, budget_s=0.01)
+    (row,) = report.rows
+    cells = [t for t in (row.fp32, row.int8, row.int4, row.int8pack_mm, row.int8_float, row.int4_float) if t]
+    worst = max((t.p90_us - t.p10_us) / t.median_us for t in cells)  # each cell's printed p10-p90 over its median
+    assert report.noise["max_spread"] == pytest.approx(worst)
+    noise = Noise(**report.noise)
+    text = format_report(report)
+    assert noise.describe() in text
+    assert ("the speedups are indicative only" in text) == (not noise.trustworthy)

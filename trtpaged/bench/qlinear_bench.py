@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from trtpaged import kernels
+from trtpaged.bench.noise import Noise, NoiseMonitor, assess, spread
 from trtpaged.models.qlinear import QuantizedLinear
 from trtpaged.models.quant import QuantizedWeight
 
@@ -50,6 +52,7 @@ class Timing:
     p90_us: float
     min_us: float
     copies: int
+    spread: float = 0.0  # (p90 - p10) / median of its samples (bench/noise.py)
 
 
 @dataclass
@@ -77,6 +80,7 @@ class Report:
     read_gbs: float = 0.0  # read bandwidth over the working set
     call_overhead_us: dict = field(default_factory=dict)
     rows: list = field(default_factory=list)
+    noise: dict = field(default_factory=dict)  # the run's: the cells' worst spread, other processes' load
 
 
 def llc_bytes() -> int:
@@ -101,7 +105,7 @@ def _time_sweeps(calls: list[Callable[[], object]], budget_s: float, min_sweeps:
             fn()
         samples.append((time.perf_counter() - t0) / len(calls) * 1e6)
     q = statistics.quantiles(samples, n=10, method="inclusive")  # "exclusive" extrapolates past min/max
-    return Timing(statistics.median(samples), q[0], q[-1], min(samples), len(calls))
+    return Timing(statistics.median(samples), q[0], q[-1], min(samples), len(calls), spread(samples))
 
 
 def read_bandwidth_gbs(num_bytes: int, repeats: int = 7) -> float:
@@ -176,6 +180,7 @@ def run_qlinear_bench(
     llc = llc_bytes()
     working_set = working_set_bytes or 2 * llc
     report = Report(kernels.cpu_isa(), torch.get_num_threads(), llc, working_set)
+    monitor = NoiseMonitor().start()
     report.call_overhead_us = call_overhead_us()
     progress("measuring read bandwidth")
     report.read_gbs = read_bandwidth_gbs(working_set)
@@ -226,6 +231,11 @@ def run_qlinear_bench(
             progress(f"{name} M={m}: fp32 {row.fp32.median_us:.0f} us, int8 {row.int8.median_us:.0f} us, "
                      f"int4 {row.int4.median_us:.0f} us")  # fmt: skip
         del fp32, packed, int8pack
+    monitor.stop()
+    timings = [t for row in report.rows for t in (row.fp32, row.int8, row.int4, row.int8pack_mm, row.int8_float,
+                                                   row.int4_float) if t is not None]  # fmt: skip
+    report.noise = assess(max((t.spread for t in timings), default=None), monitor.foreign_cores(),
+                          os.cpu_count() or 1).to_dict()  # fmt: skip
     return report
 
 
@@ -278,6 +288,9 @@ def format_report(report: Report) -> str:
         f"QLinearOp() {o['qlinear_op']:.2f} us, QuantizedLinear.forward {o['module_forward']:.2f} us, "
         f"torch F.linear {o['torch_linear_fp32']:.2f} us"
     )
+    if report.noise:
+        noise = Noise(**report.noise)
+        lines.append(noise.describe() + ("" if noise.trustworthy else "; the speedups are indicative only"))
     return "\n".join(lines)
 
 
