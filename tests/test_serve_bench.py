@@ -145,6 +145,27 @@ def test_serve_ratio_says_which_server_failed_mid_run(tiny_engine_dir):
         arm.server.close()
 
 
+def test_serve_ratio_s_cpu_per_token_leaves_out_its_own_metrics_scrapes(tiny_engine_dir):
+    """A run's server CPU was read after its closing /metrics scrape, so the scrape (milliseconds of the HTTP
+    thread) counted as the run's "HTTP/event loop" CPU; only what the server did between the scrapes counts."""
+    from trtpaged.bench.serve_ratio import ServeArm, _cpu_delta
+
+    arm = ServeArm(tiny_engine_dir, 1, (), 2)
+    try:
+        server = arm.server
+        server.metrics()  # the first scrape builds what later ones reuse
+        before = server.thread_cpu_seconds()
+        for _ in range(3):
+            server.metrics()
+        scrapes = _cpu_delta(before, server.thread_cpu_seconds())["http"]  # three scrapes' HTTP-thread CPU
+        assert scrapes > 0, "the server's threads' CPU is not readable here"
+        for _ in range(3):  # runs that send nothing: the server is idle between the scrapes
+            arm.measure("single", lambda url: (0.0, "", 0.0), 1, 0.0)
+        assert arm.cpu["single"].seconds["http"] < scrapes / 3, (arm.cpu["single"].seconds, scrapes)
+    finally:
+        arm.server.close()
+
+
 def test_serve_ratio_labels_a_noisy_run_s_ratios_indicative():
     """F11: the text of a report whose noise is not trustworthy says so on every ratio line."""
     from trtpaged.bench.serve_ratio import format_ratio

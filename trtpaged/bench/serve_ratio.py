@@ -392,7 +392,8 @@ class ServeArm:
         try:
             before, threads = self.server.metrics(), self.server.thread_cpu_seconds()
             rate, texts, client_cpu = run(self.server.url)
-            after, threads_after = self.server.metrics(), self.server.thread_cpu_seconds()
+            # the threads' CPU first: the /metrics scrape (milliseconds of the HTTP thread) is not the run's
+            threads_after, after = self.server.thread_cpu_seconds(), self.server.metrics()
         except (OSError, httpx.HTTPError, openai.OpenAIError) as exc:
             code = self.server.proc.poll()
             state = ("is still running" if code is None else
