@@ -225,6 +225,21 @@ def test_kernel_bench_copy_bandwidth_is_timed_across_the_run(monkeypatch: pytest
     assert report["summary"]["bandwidth_verdict"].startswith("no verdict (noisy run")
 
 
+def test_kernel_bench_prints_the_copy_bouts_spread_the_noise_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copy line printed the spread of the bouts' GB/s while the noise counted the spread of their times: bouts
+    of 0.2, 0.1 and 0.1 s printed 'spread 40.0%' beside a noise line of 80.0%, which no case had."""
+    from trtpaged import kernels
+    from trtpaged.bench import kernel_bench
+
+    if not kernels.available():
+        pytest.skip("kernel library not built")
+    bouts = [0.2, 0.1, 0.1]  # before, between and after the two cases
+    copies = iter(bouts)
+    monkeypatch.setattr(kernel_bench, "best_seconds", lambda fn, **_: next(copies))
+    report = kernel_bench.run_kernel_bench("float32", contexts=(64, 128), batches=(1,), budget_s=0.01)
+    assert f"the cases, spread {spread(bouts):.1%} of their times" in kernel_bench.format_report(report)
+
+
 @pytest.mark.parametrize("paged_rounds, said", [
     ([1.0] * 5 + [1.09] * 3, "no verdict (90% interval of the median round [1.00, 1.09]"),  # 3 rounds of 8 at +9%
     ([1.02, 1.01, 1.03, 1.02, 1.0, 1.02, 1.03, 1.01], "met (90% interval of the median round [1.01, 1.03]"),

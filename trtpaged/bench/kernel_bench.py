@@ -244,7 +244,8 @@ def format_report(report: dict) -> str:
         f"instruction set: {report.get('isa', 'not reported')}; attention kernel copy: "
         f"{report.get('attention_path', 'not reported')}",
         f"memory-copy bandwidth: {report['copy_bandwidth_gbs']:.1f} GB/s (read + write bytes; the best of "
-        f"{len(bouts)} bouts before, between and after the cases, spread {spread(bouts):.1%})",
+        f"{len(bouts)} bouts before, between and after the cases, spread {spread([1 / g for g in bouts]):.1%} "
+        "of their times, as the noise line counts it)",
         "",
         f"{'context':>8} {'batch':>6} {'paged ms':>10} {'contig ms':>10} {'KV GB/s':>9} {'of copy':>8} "
         f"{'paged ovh':>10}"
