@@ -535,14 +535,16 @@ class SamplingParams:
 
     def _take_numpy_values(self) -> None:
         """NumPy scalars (and 1-D integer arrays of token ids) as the Python values the checks below take."""
-        for f in dataclasses.fields(self):
+        for f in dataclasses.fields(self):  # cheap tests first: every request's params pass here, most plain
             value = getattr(self, f.name)
-            if isinstance(value, (list, tuple)) and any(isinstance(v, np.generic) for v in value):
+            if isinstance(value, (np.generic, np.ndarray)):
+                value = python_value(value)
+            elif isinstance(value, (list, tuple)) and any(isinstance(v, np.generic) for v in value):
                 value = type(value)(python_value(v) for v in value)
-            elif isinstance(value, Mapping) and f.name == "logit_bias":
+            elif f.name == "logit_bias" and isinstance(value, Mapping):
                 value = {python_value(k): python_value(v) for k, v in value.items()}
             else:
-                value = python_value(value)
+                continue
             object.__setattr__(self, f.name, value)
 
     def _check_vllm_fields(self) -> None:
