@@ -145,6 +145,25 @@ def test_serve_ratio_says_which_server_failed_mid_run(tiny_engine_dir):
         arm.server.close()
 
 
+def test_serve_ratio_names_the_bare_run_a_server_refused(tiny_engine_dir):
+    """The bare reader's error status (a ValueError, "the server answered 404") left measure as it was: the
+    one-line error named neither the run nor the server, where the openai client's runs name both."""
+    from trtpaged.bench.serve_ratio import SERVED_NAME, ServeArm, ServerError, bare_bodies
+    from trtpaged.bench.sse_reader import bare_batch_rate
+
+    arm = ServeArm(tiny_engine_dir, 1, (), 2)
+    bodies = [dict(b, model=SERVED_NAME + "-missing") for b in bare_bodies(1, 4)]  # a model the server has not
+    try:
+        with pytest.raises(ServerError) as failed:
+            arm.measure("bare", lambda url: bare_batch_rate(url, bodies), 4, 0.0)
+        said = str(failed.value)
+        assert said.startswith("the bare run against trtpaged serve (--stream-interval 1) failed: ValueError: the "
+                               "server answered 404"), said
+        assert "the server is still running" in said
+    finally:
+        arm.server.close()
+
+
 def test_serve_ratio_s_cpu_per_token_leaves_out_its_own_metrics_scrapes(tiny_engine_dir):
     """A run's server CPU was read after its closing /metrics scrape, so the scrape (milliseconds of the HTTP
     thread) counted as the run's "HTTP/event loop" CPU; only what the server did between the scrapes counts."""

@@ -394,7 +394,8 @@ class ServeArm:
             rate, texts, client_cpu = run(self.server.url)
             # the threads' CPU first: the /metrics scrape (milliseconds of the HTTP thread) is not the run's
             threads_after, after = self.server.thread_cpu_seconds(), self.server.metrics()
-        except (OSError, httpx.HTTPError, openai.OpenAIError) as exc:
+        # ValueError: the bare reader's error status ("the server answered 404"), a stream without usage
+        except (OSError, ValueError, httpx.HTTPError, openai.OpenAIError) as exc:
             code = self.server.proc.poll()
             state = ("is still running" if code is None else
                      f"was killed by signal {-code}" if code < 0 else f"exited (code {code})")  # fmt: skip
