@@ -99,3 +99,16 @@ def test_the_ttft_ratios_come_with_their_rounds_spread_and_the_run_s_load(tiny_e
     assert "noise: worst spread " in text
     indicative = "TTFT p50 vs off: indicative only" in text
     assert indicative == (rounds == 1 or not noise["trustworthy"]), text
+
+
+def test_a_run_of_several_rounds_is_not_called_one_round(tiny_engine_dir):
+    """With --rounds 2 and no row beside off (nothing to take a ratio's spread of), a quiet run's ratios were
+    'indicative only (one round, whose spread is unknown: --rounds 3 or more)': it had run two."""
+    from trtpaged.bench.kv_tiers_bench import format_kv_tiers, run_kv_tiers_bench
+    from trtpaged.bench.noise import assess
+
+    report = run_kv_tiers_bench(tiny_engine_dir, SPEC, 24, rounds=2, rows=["off"])
+    assert report["rounds"] == 2 and len(report["rows"]["off"]["rounds"]) == 2 and report["noise"]["max_spread"] is None
+    quiet = dict(report, noise=assess(None, 0.0, cpus=2).to_dict())  # this run's figures, a quiet machine's load
+    text = format_kv_tiers(quiet)
+    assert "one round" not in text and "TTFT p50 vs off: indicative only (no row beside off has two rounds" in text

@@ -312,8 +312,10 @@ def format_kv_tiers(report: dict[str, Any]) -> str:
         noise = Noise(**report["noise"])
         lines += ["", noise.describe()]
         if not noise.trustworthy or noise.max_spread is None:
-            lines.append("TTFT p50 vs off: indicative only (" + ("a noisy run" if not noise.trustworthy else
-                         "one round, whose spread is unknown: --rounds 3 or more") + ")")  # fmt: skip
+            why = ("a noisy run" if not noise.trustworthy else
+                   "one round, whose spread is unknown: --rounds 3 or more" if report["rounds"] == 1 else
+                   "no row beside off has two rounds' ratios to compare: their spread is unknown")  # fmt: skip
+            lines.append(f"TTFT p50 vs off: indicative only ({why})")
     lines += ["", "TTFT from the server's side (the request submitted to its first token; the client's TTFT adds HTTP "
               "and tokenizing), medians over requests, each column on its own (ms, tokens; `own tokens' share`: the "
               "prefill steps' time pro rata of the request's own computed tokens, the rest is other requests' tokens "
