@@ -705,7 +705,10 @@ STRING_TAG = {"type": "structural_tag", "format": {"type": "sequence", "elements
     (Grammar(grammar="root ::= [^a] [^a] [^a]"), ""), (Grammar(json={"type": "string"}), '"'),
     (Grammar(json={"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]}), '{"s": "'),
     (Grammar(json_object=True), '{"'), (Grammar(structural_tag=STRING_TAG), '<s>"'),
-], ids=["negated-class", "dot", "s-or-S", "ebnf", "json-string", "schema-string", "json-object", "structural-tag"])
+    (Grammar(json={"type": "string", "pattern": "^[^0-9]{3}$"}), '"'),
+    (Grammar(json={"type": "string", "pattern": "^.+$"}), '"'),
+], ids=["negated-class", "dot", "s-or-S", "ebnf", "json-string", "schema-string", "json-object", "structural-tag",
+        "pattern-negated-class", "pattern-dot"])
 def test_no_grammar_takes_the_bytes_of_a_surrogate_code_point(grammar, before):
     """xgrammar matches UTF-8 bytes, and a class covering U+D800-U+DFFF ([^0-9], `.`, a JSON string's characters)
     took a surrogate's three bytes (ED A0 80) as one character, though no UTF-8 decoder does (Python's is the truth
@@ -758,3 +761,25 @@ def test_the_vocabulary_is_copied_once_when_the_compiler_is_made(tiny_engine_dir
         xgrammar.TokenizerInfo.decoded_vocab = decoded
     assert len(reads) == 1
     assert cache.stop_ids_by_text == {tokenizer.eos_token.encode(): tokenizer.eos_token_id}
+
+
+@pytest.mark.parametrize("pattern, refused, taken", [
+    (r"^a(x[0-9]+)?$", ["a5", "a55"], ["a", "ax5", "ax123"]),
+    (r"^[0-9]{2}(\.[0-9]+)?Z$", ["125Z", "1234Z"], ["12Z", "12.5Z"]),
+])  # fmt: skip
+def test_a_pattern_with_an_optional_repeat_is_compiled_as_written(pattern, refused, taken):
+    """xgrammar 0.2.9 compiles a schema's pattern (its `Regex(..., json_string=true)`) wrongly where an optional
+    group holds a repeat: `^a(x[0-9]+)?$` took "a5". Truth: Python's re, and xgrammar's own grammar for the
+    same regex outside a JSON string."""
+    from xgrammar.testing import _is_grammar_accept_string
+
+    schema = json.dumps({"type": "string", "pattern": pattern})
+    upstream = xgrammar.Grammar.from_json_schema(schema, any_whitespace=False)
+    mended = xgrammar.Grammar.from_ebnf(mended_schema_grammar(schema))
+    plain = xgrammar.Grammar.from_regex(pattern)
+    for value in refused:
+        assert not re.search(pattern, value) and not _is_grammar_accept_string(plain, value)
+        assert _is_grammar_accept_string(upstream, json.dumps(value)), value
+        assert not _is_grammar_accept_string(mended, json.dumps(value)), value
+    for value in taken:
+        assert re.search(pattern, value) and _is_grammar_accept_string(mended, json.dumps(value)), value

@@ -1,37 +1,103 @@
 """xgrammar's grammar text (its EBNF, as `str(xgrammar.Grammar)` prints it) with every character class made to leave
-out the surrogate code points U+D800-U+DFFF.
+out the surrogate code points U+D800-U+DFFF, and a schema's patterns written out as rules.
 
 xgrammar matches UTF-8 bytes and takes a surrogate's three bytes (ED A0..BF xx) as one character wherever a class
 covers its code point: `[^0-9]`, a regex's `.`, `\\S`, a JSON string's characters. They are no UTF-8, so the text
-shows three U+FFFD, and the output breaks the grammar it was held to (a length, a pattern). A class written inside a
-string argument (a JSON schema's `pattern`, printed as `Regex("...")`) is left as it is.
+shows three U+FFFD, and the output breaks the grammar it was held to (a length, a pattern). A JSON schema's
+`pattern`, printed as `Regex("...", json_string=true)`, is first written out as rules (`with_regexes_expanded`).
 """
 
 from __future__ import annotations
 
+import re
+
 SURROGATES = (0xD800, 0xDFFF)
+# what a JSON string may not hold unescaped: the control characters, the quote and the backslash
+_JSON_UNESCAPED_OUT = [(0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C)]
+_REGEX_CALL = re.compile(r'Regex\(("(?:[^"\\]|\\.)*")(, json_string=true)?\)')
+_RULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _CHAR_ESCAPES = {"0": 0, "b": 8, "f": 12, "n": 10, "r": 13, "t": 9, "v": 11, "e": 27}
 _HEX_DIGITS = {"x": 2, "u": 4, "U": 8}
+
+
+def with_regexes_expanded(grammar: str) -> str:
+    """`grammar` (xgrammar's printed EBNF) with each `Regex("...", json_string=true)` (a JSON schema's `pattern`)
+    written out as rules of its own: xgrammar's grammar for the regex (`Grammar.from_regex`), its classes less the
+    characters a JSON string may not hold unescaped and its literals JSON-escaped, so that `without_surrogates` then
+    reaches its classes. xgrammar 0.2.9 compiles the macro wrongly where an optional group holds a repeat
+    (`^a(x[0-9]+)?$` took `"a5"`) and leaves its classes as they are; a string holds no escapes there (as in a
+    length-bounded string), and `"` or `\\` in the pattern's literals are written escaped."""
+    import xgrammar as xgr
+
+    added: list[str] = []
+
+    def expand(call: re.Match) -> str:
+        regex = "".join(map(chr, _literal_code_points(call.group(1))))
+        prefix = f"pattern{len(added)}_"
+        while prefix in grammar:
+            prefix = "x" + prefix
+        text = _renamed(str(xgr.Grammar.from_regex(regex)), prefix)
+        added.append(_json_escaped(text) if call.group(2) else text)
+        return f"({prefix}root)"
+
+    expanded = _REGEX_CALL.sub(expand, grammar)
+    return expanded if not added else expanded.rstrip("\n") + "\n" + "".join(added)
+
+
+def _literal_code_points(literal: str) -> list[int]:
+    """The code points of an EBNF string literal (quotes included)."""
+    points, i = [], 1
+    while i < len(literal) - 1:
+        cp, i = _read_char(literal, i)
+        points.append(cp)
+    return points
+
+
+def _renamed(grammar: str, prefix: str) -> str:
+    """`grammar` with `prefix` before every rule name (outside its string literals and classes)."""
+    return _outside_literals(grammar, lambda part: _RULE_NAME.sub(lambda m: prefix + m.group(0), part),
+                             lambda literal: literal, lambda text, negated, ranges: text)  # fmt: skip
+
+
+def _json_escaped(grammar: str) -> str:
+    """`grammar` (a regex's, for the inside of a JSON string) with each class less the characters JSON keeps out of
+    a string unescaped, and each literal written as JSON writes it (`"` as `\\"`)."""
+
+    def literal(text: str) -> str:
+        escaped = "".join(f"\\u{cp:04x}" if cp < 0x20 else ("\\" + chr(cp) if cp in (0x22, 0x5C) else chr(cp))
+                          for cp in _literal_code_points(text))  # fmt: skip
+        return '"' + escaped.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+    return _outside_literals(grammar, lambda part: part, literal,
+                             lambda text, negated, ranges: _class_text(text, negated, ranges, _JSON_UNESCAPED_OUT))
 
 
 def without_surrogates(grammar: str) -> str:
     """`grammar` (xgrammar's printed EBNF) with each character class less U+D800-U+DFFF; string literals and the
     rest unchanged."""
+    return _outside_literals(grammar, lambda part: part, lambda literal: literal,
+                             lambda text, negated, ranges: _class_text(text, negated, ranges, [SURROGATES]))
+
+
+def _outside_literals(grammar: str, plain, literal, char_class) -> str:  # type: ignore[no-untyped-def]
+    """`grammar` with its plain text, string literals and character classes each rewritten by its function
+    (`char_class` is given the class's text, whether it is negated and its ranges)."""
     out: list[str] = []
-    i, n = 0, len(grammar)
+    i, n, start = 0, len(grammar), 0
     while i < n:
         c = grammar[i]
-        if c == '"':
-            end = _string_end(grammar, i)
-            out.append(grammar[i:end])
-            i = end
-        elif c == "[":
-            end, negated, ranges = _read_class(grammar, i)
-            out.append(_class_text(grammar[i:end], negated, ranges))
-            i = end
+        if c in '"[':
+            out.append(plain(grammar[start:i]))
+            if c == '"':
+                end = _string_end(grammar, i)
+                out.append(literal(grammar[i:end]))
+            else:
+                end, negated, ranges = _read_class(grammar, i)
+                out.append(char_class(grammar[i:end], negated, ranges))
+            i = start = end
         else:
-            out.append(c)
             i += 1
+    out.append(plain(grammar[start:]))
     return "".join(out)
 
 
@@ -78,15 +144,15 @@ def _escaped(cp: int) -> str:
     return f"\\u{cp:04x}" if cp <= 0xFFFF else f"\\U{cp:08x}"
 
 
-def _class_text(original: str, negated: bool, ranges: list[tuple[int, int]]) -> str:
-    low, high = SURROGATES
-    if negated:  # the complement takes every code point the class leaves out: leave the surrogates out too
-        return original[:-1] + f"{_escaped(low)}-{_escaped(high)}]"
-    if not any(lo <= high and hi >= low for lo, hi in ranges):
+def _class_text(original: str, negated: bool, ranges: list[tuple[int, int]], removed: list[tuple[int, int]]) -> str:
+    """The class `original` less the code points in `removed`."""
+    if negated:  # the complement takes every code point the class leaves out: leave the removed ones out too
+        return original[:-1] + "".join(f"{_escaped(low)}-{_escaped(high)}" for low, high in removed) + "]"
+    if not any(lo <= high and hi >= low for lo, hi in ranges for low, high in removed):
         return original
-    kept: list[tuple[int, int]] = []
-    for lo, hi in ranges:
-        kept += [(a, b) for a, b in ((lo, min(hi, low - 1)), (max(lo, high + 1), hi)) if a <= b]
-    if not kept:  # surrogates only: a class no UTF-8 character matches
+    kept = ranges
+    for low, high in removed:
+        kept = [(a, b) for lo, hi in kept for a, b in ((lo, min(hi, low - 1)), (max(lo, high + 1), hi)) if a <= b]
+    if not kept:  # removed ones only: a class no UTF-8 character matches
         return "[^\\u0000-\\U0010ffff]"
     return "[" + "".join(_escaped(a) if a == b else f"{_escaped(a)}-{_escaped(b)}" for a, b in kept) + "]"

@@ -22,7 +22,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from trtpaged.errors import RequestError
-from trtpaged.runtime.grammar_text import without_surrogates
+from trtpaged.runtime.grammar_text import with_regexes_expanded, without_surrogates
 from trtpaged.runtime.sampling_params import StructuredOutputsParams
 from trtpaged.runtime.schema_features import has_string_length, unenforced_feature
 
@@ -55,7 +55,7 @@ def mended_schema_grammar(schema: str, strict_mode: bool = True) -> str:
     import xgrammar as xgr
 
     grammar = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict_mode))
-    return without_surrogates(grammar.replace(_LENGTH_BOUNDED_CHARACTER, _JSON_STRING_CHARACTER))
+    return without_surrogates(with_regexes_expanded(grammar.replace(_LENGTH_BOUNDED_CHARACTER, _JSON_STRING_CHARACTER)))
 
 
 def mended_structural_tag_grammar(tag: str) -> str:
@@ -65,7 +65,7 @@ def mended_structural_tag_grammar(tag: str) -> str:
     import xgrammar as xgr
 
     grammar = str(xgr.Grammar.from_structural_tag(tag))
-    return without_surrogates(grammar.replace(_LENGTH_BOUNDED_CHARACTER, _JSON_STRING_CHARACTER))
+    return without_surrogates(with_regexes_expanded(grammar.replace(_LENGTH_BOUNDED_CHARACTER, _JSON_STRING_CHARACTER)))
 
 
 def _stop_tokens_without_text(info: Any, vocab: list[bytes]) -> Any:
