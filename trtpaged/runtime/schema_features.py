@@ -7,8 +7,9 @@ xgrammar 0.2.9 (a violating document accepted by the compiled grammar): the keyw
 length beside a pattern or a format, multipleOf on a number, type-specific constraints in a schema without a
 type, constraints beside a $ref / anyOf / oneOf, a $ref outside the document, a `required` property that
 `properties` does not define, an `enum` / `const` value that the node's other constraints refuse (the grammar
-follows the values), and a `oneOf` whose branches can overlap (compiled as `anyOf`). `format` is an
-annotation in JSON Schema 2020-12 (validators do not check it unless asked), so formats are not refused.
+follows the values), a `oneOf` whose branches can overlap (compiled as `anyOf`), and a `format` that xgrammar
+writes no grammar for (`schema_formats.py`: regex, idn-email, idn-hostname, iri, iri-reference). Other formats
+unknown to JSON Schema are annotations (validators do not check them), so they are not refused.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import math
 import re
 import sys
 from typing import Any, Iterator, Optional
+
+from trtpaged.runtime.schema_formats import unenforced_format
 
 # keyword -> why it is refused (each one compiled and shown to accept a document that breaks it)
 UNENFORCED = {
@@ -79,6 +82,9 @@ def _node_feature(node: dict, root: Any) -> Optional[str]:
         return "minLength / maxLength beside a pattern or a format are not enforced"
     if "pattern" in node and "format" in node:
         return "a 'pattern' beside a 'format' is not enforced (the format is)"
+    unchecked = unenforced_format(node)
+    if unchecked is not None:
+        return unchecked
     for combinator in ("anyOf", "oneOf", "allOf"):
         if node.get(combinator) == []:
             return f"empty '{combinator}' is not a valid schema (it needs at least one)"

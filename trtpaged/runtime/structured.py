@@ -25,6 +25,7 @@ from trtpaged.errors import RequestError
 from trtpaged.runtime.grammar_text import with_regexes_expanded, without_surrogates
 from trtpaged.runtime.sampling_params import StructuredOutputsParams
 from trtpaged.runtime.schema_features import has_string_length, unenforced_feature
+from trtpaged.runtime.schema_formats import formats_as_patterns
 
 DEFAULT_CACHE_SIZE = 256  # distinct compiled grammars kept
 # and their memory (xgrammar's memory_size_bytes): a 64 KiB schema compiles to up to about 5 MB for a 49k vocabulary,
@@ -51,9 +52,11 @@ _JSON_STRING_CHARACTER = '[^\\"\\\\\\0-\\x1f]'
 
 def mended_schema_grammar(schema: str, strict_mode: bool = True) -> str:
     """xgrammar's grammar (EBNF text) for a JSON schema, its length-bounded strings' character class replaced by
-    `_JSON_STRING_CHARACTER` and every class without the surrogate code points."""
+    `_JSON_STRING_CHARACTER`, every class without the surrogate code points, and the formats xgrammar writes too
+    loosely compiled as their patterns (`schema_formats.formats_as_patterns`)."""
     import xgrammar as xgr
 
+    schema = _schema_formats_as_patterns(schema)
     grammar = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict_mode))
     return without_surrogates(with_regexes_expanded(grammar.replace(_LENGTH_BOUNDED_CHARACTER, _JSON_STRING_CHARACTER)))
 
@@ -61,11 +64,38 @@ def mended_schema_grammar(schema: str, strict_mode: bool = True) -> str:
 def mended_structural_tag_grammar(tag: str) -> str:
     """xgrammar's grammar (EBNF text) for a structural tag (xgrammar's form, JSON text), its JSON schemas'
     length-bounded strings' character class replaced by `_JSON_STRING_CHARACTER` and every class without the
-    surrogate code points (as `mended_schema_grammar`)."""
+    surrogate code points (as `mended_schema_grammar`); its schemas' formats as `tag_formats_as_patterns` has them."""
     import xgrammar as xgr
 
     grammar = str(xgr.Grammar.from_structural_tag(tag))
     return without_surrogates(with_regexes_expanded(grammar.replace(_LENGTH_BOUNDED_CHARACTER, _JSON_STRING_CHARACTER)))
+
+
+def _schema_formats_as_patterns(schema: str) -> str:
+    """A JSON schema's text with its loose formats as patterns (`formats_as_patterns`); the text itself where it
+    has none (or is no JSON: xgrammar names the fault)."""
+    try:
+        parsed = json.loads(schema)
+    except ValueError:
+        return schema
+    rewritten = formats_as_patterns(parsed)
+    return schema if rewritten is parsed else json.dumps(rewritten)
+
+
+def tag_formats_as_patterns(tag: str) -> str:
+    """A structural tag's JSON text with each of its JSON schemas' loose formats as patterns (`formats_as_patterns`);
+    the text itself where they have none."""
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, list):
+            return [walk(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        return {k: formats_as_patterns(v) if k == "json_schema" else walk(v) for k, v in node.items()}
+
+    parsed = json.loads(tag)
+    walked = walk(parsed)
+    return tag if walked == parsed else json.dumps(walked)
 
 
 def _stop_tokens_without_text(info: Any, vocab: list[bytes]) -> Any:
@@ -223,7 +253,7 @@ class GrammarCache:
             why = unenforced_feature(schema)  # iterative; each schema's nesting is bounded by StructuredOutputsParams
             if why is not None:
                 raise RequestError(params.origin, f"the JSON schema at {where}: {why}")
-        tag = stop_tokens_by_id(params.structural_tag_json, stop_ids)
+        tag = tag_formats_as_patterns(stop_tokens_by_id(params.structural_tag_json, stop_ids))
         try:
             try:
                 grammar = mended_structural_tag_grammar(tag)

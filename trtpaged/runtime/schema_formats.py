@@ -1,0 +1,82 @@
+"""JSON-schema `format`s held to their definitions: a pattern for each format xgrammar writes too loosely, and the
+formats it does not check at all.
+
+xgrammar 0.2.9 writes a grammar for date, time, date-time, duration, email, hostname, ipv4, ipv6, uri,
+uri-reference, uri-template, uuid, json-pointer and relative-json-pointer; some are looser than the format, so an
+output finished "stop" with a string its own schema refuses (jsonschema's format checker, char-level walks through
+the compiled grammar): a date whose day its month has not (2023-02-30, 2023-04-31, 2023-02-29, 0000-01-01), a
+time on second 60 whatever the hour (12:30:60Z: Python's datetime and rfc3339-validator refuse every second 60),
+an ipv4 octet with a leading zero (012.1.1.1, which Python's ipaddress refuses, as read as octal elsewhere) and a
+hostname label past 63 characters or a name past 253. Each of those formats is compiled as the pattern below,
+which takes what the format takes (but second 60, and hostnames of more than 4 labels with a label past 30
+characters, or of more than 8 labels with one past 9). `regex`, `idn-email`, `idn-hostname`, `iri` and
+`iri-reference` get no grammar from xgrammar (any string), and a format without a `type` none either (any JSON
+value), so a schema that relies on one is refused.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional
+
+_YEAR = "([1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"  # 0001-9999, as Python's date
+_LEAP_YEAR = "([0-9]{2}(0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)"
+_MONTH_DAY = "((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)|02-(0[1-9]|1[0-9]|2[0-8]))"
+_DATE = f"({_YEAR}-{_MONTH_DAY}|{_LEAP_YEAR}-02-29)"
+_HOUR = "([01][0-9]|2[0-3])"
+_TIME = f"{_HOUR}:[0-5][0-9]:[0-5][0-9](\\.[0-9]+)?(Z|[+-]{_HOUR}:[0-5][0-9])"
+_OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9][0-9]|[0-9])"
+
+
+def _label(most: int) -> str:
+    """A hostname label of 1 to `most` letters, digits and hyphens, neither first nor last a hyphen."""
+    return f"[a-z0-9]([a-z0-9-]{{0,{most - 2}}}[a-z0-9])?"
+
+
+# up to 4 labels of 63 (the 4th of 61), 5 to 8 of 30, or 9 to 25 of 9: each at most 253 characters in all
+_HOSTNAME = (f"({_label(63)}(\\.{_label(63)}){{0,2}}(\\.{_label(61)})?|{_label(30)}(\\.{_label(30)}){{4,7}}"
+             f"|{_label(9)}(\\.{_label(9)}){{8,24}})")  # fmt: skip
+FORMAT_PATTERNS = {
+    "date": f"^{_DATE}$",
+    "time": f"^{_TIME}$",
+    "date-time": f"^{_DATE}T{_TIME}$",
+    "ipv4": f"^{_OCTET}(\\.{_OCTET}){{3}}$",
+    "hostname": f"^{_HOSTNAME}$",
+}
+# formats jsonschema's checker knows and xgrammar writes no grammar for
+UNENFORCED_FORMATS = ("regex", "idn-email", "idn-hostname", "iri", "iri-reference")
+# formats xgrammar writes a grammar for, on a string (a node without a "type" gets any JSON value)
+GRAMMAR_FORMATS = (*FORMAT_PATTERNS, "duration", "email", "ipv6", "uri", "uri-reference", "uri-template", "uuid",
+                   "json-pointer", "relative-json-pointer")  # fmt: skip
+
+
+def unenforced_format(node: dict) -> Optional[str]:
+    """Why `node`'s `format` would not be enforced (one xgrammar writes no grammar for); None where it is, or where
+    the node's `enum` / `const` values decide the output."""
+    fmt = node.get("format")
+    if "enum" in node or "const" in node:
+        return None
+    if fmt in UNENFORCED_FORMATS:
+        return f"format '{fmt}' is not enforced (the grammar would take any string)"
+    if fmt in GRAMMAR_FORMATS and not any(k in node for k in ("type", "$ref", "anyOf", "oneOf", "allOf")):
+        return f"format '{fmt}' without a 'type' is not enforced (the grammar would take any JSON value)"
+    return None
+
+
+def formats_as_patterns(schema: Any) -> Any:
+    """`schema` (parsed) with each `format` in FORMAT_PATTERNS a `pattern` (a copy; `schema` itself where it has
+    none). A node with an `enum` or `const` keeps its format: the grammar follows the values."""
+    from trtpaged.runtime.schema_features import subschemas
+
+    if not any(_rewritten(node) for _, node in subschemas(schema)):
+        return schema
+    schema = copy.deepcopy(schema)
+    for _, node in subschemas(schema):
+        if _rewritten(node):
+            node["pattern"] = FORMAT_PATTERNS[node.pop("format")]
+    return schema
+
+
+def _rewritten(node: dict) -> bool:
+    return (node.get("format") in FORMAT_PATTERNS and "pattern" not in node and "enum" not in node
+            and "const" not in node)  # fmt: skip
