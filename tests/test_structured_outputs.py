@@ -702,6 +702,10 @@ def test_a_grammar_that_allows_no_first_token_answers_every_sample(llm):
 
 STRING_TAG = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
     {"type": "const_string", "value": "<s>"}, {"type": "json_schema", "json_schema": {"type": "string"}}]}}
+FREE_TEXT_TAG = {"type": "structural_tag", "format": {"type": "tag", "begin": "<x>", "content": {"type": "any_text"},
+                                                      "end": "</x>"}}  # fmt: skip
+TRIGGERED_TAG = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<f"], "tags": [
+    {"begin": "<f>", "content": {"type": "json_schema", "json_schema": {"type": "integer"}}, "end": "</f>"}]}}
 
 
 @pytest.mark.parametrize("grammar, before", [
@@ -711,8 +715,10 @@ STRING_TAG = {"type": "structural_tag", "format": {"type": "sequence", "elements
     (Grammar(json_object=True), '{"'), (Grammar(structural_tag=STRING_TAG), '<s>"'),
     (Grammar(json={"type": "string", "pattern": "^[^0-9]{3}$"}), '"'),
     (Grammar(json={"type": "string", "pattern": "^.+$"}), '"'),
+    (Grammar(structural_tag=FREE_TEXT_TAG), "<x>a"), (Grammar(structural_tag=TRIGGERED_TAG), "a"),
+    (Grammar(structural_tag=TRIGGERED_TAG), "a<f>1</f>b"),
 ], ids=["negated-class", "dot", "s-or-S", "ebnf", "json-string", "schema-string", "json-object", "structural-tag",
-        "pattern-negated-class", "pattern-dot"])
+        "pattern-negated-class", "pattern-dot", "tag-free-text", "triggered-free-text", "after-a-trigger"])
 def test_no_grammar_takes_the_bytes_of_a_surrogate_code_point(grammar, before):
     """xgrammar matches UTF-8 bytes, and a class covering U+D800-U+DFFF ([^0-9], `.`, a JSON string's characters)
     took a surrogate's three bytes (ED A0 80) as one character, though no UTF-8 decoder does (Python's is the truth
@@ -857,3 +863,25 @@ def test_a_pattern_with_a_quote_outside_a_class_is_refused(llm):
         assert not _is_grammar_accept_string(grammar, '"""') and _is_grammar_accept_string(grammar, '"a"')
         out = llm.generate(["x"], SamplingParams(max_tokens=20, structured_outputs=Grammar(json=schema)))[0].outputs[0]
         assert out.finish_reason != "stop" or re.search(pattern, json.loads(out.text))
+
+
+@pytest.mark.parametrize("tag, taken, refused", [
+    (FREE_TEXT_TAG, ["<x>ab</x>", "<x></x>", "<x></</x>", "<x></x</x>", "<x>é😀</x>"], ["<x>a</x>b</x>", "<x>a"]),
+    (TRIGGERED_TAG, ["", "ab<", "a<f>12</f>b<f>-3</f>", "<<f>1</f>"], ["a<f>x</f>", "a<fx", "a<f>1</f"]),
+], ids=["tag", "triggered"])  # fmt: skip
+def test_a_structural_tags_free_text_written_out_takes_what_xgrammar_takes(tag, taken, refused):
+    """The free text of a structural tag (xgrammar's TagDispatch, which takes any bytes) is written out as rules
+    with character classes; the texts it takes and refuses are those xgrammar's own grammar does. Truth: xgrammar's
+    grammar for the tag on the same texts."""
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from trtpaged.runtime.structured import mended_structural_tag_grammar
+
+    upstream = xgrammar.Grammar.from_structural_tag(json.dumps(tag))
+    mended_text = mended_structural_tag_grammar(json.dumps(tag))
+    assert "TagDispatch" in str(upstream) and "TagDispatch" not in mended_text
+    mended = xgrammar.Grammar.from_ebnf(mended_text)
+    for text in taken:
+        assert _is_grammar_accept_string(upstream, text) and _is_grammar_accept_string(mended, text), text
+    for text in refused:
+        assert not _is_grammar_accept_string(upstream, text) and not _is_grammar_accept_string(mended, text), text

@@ -1,5 +1,6 @@
 """xgrammar's grammar text (its EBNF, as `str(xgrammar.Grammar)` prints it) with every character class made to leave
-out the surrogate code points U+D800-U+DFFF, and a schema's patterns written out as rules.
+out the surrogate code points U+D800-U+DFFF, a schema's patterns and a structural tag's free text written out as
+rules first.
 
 xgrammar matches UTF-8 bytes and takes a surrogate's three bytes (ED A0..BF xx) as one character wherever a class
 covers its code point: `[^0-9]`, a regex's `.`, `\\S`, a JSON string's characters. They are no UTF-8, so the text
@@ -156,3 +157,59 @@ def _class_text(original: str, negated: bool, ranges: list[tuple[int, int]], rem
     if not kept:  # removed ones only: a class no UTF-8 character matches
         return "[^\\u0000-\\U0010ffff]"
     return "[" + "".join(_escaped(a) if a == b else f"{_escaped(a)}-{_escaped(b)}" for a, b in kept) + "]"
+
+
+_TAG_DISPATCH = re.compile(r"^(\w+) ::= TagDispatch\(\n(.*?)\n\)$", re.M | re.S)
+_TRIGGER = re.compile(r'\(("(?:[^"\\]|\\.)*"), (\w+)\)')
+_LITERAL = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+def with_free_text_written_out(grammar: str) -> str:
+    """`grammar` (xgrammar's printed EBNF) with each TagDispatch (a structural tag's free text: `any_text` inside a
+    tag, the text around `triggered_tags`) written out as rules with character classes: xgrammar's TagDispatch
+    takes any bytes (a surrogate's three, `\\xff`), which `without_surrogates` cannot reach. The rules follow the
+    text with an automaton over its strings: an exclude (a tag's end) never appears in it, a trigger goes on with
+    its tag's rule and back to free text. A TagDispatch of another form is left as xgrammar writes it."""
+    return _TAG_DISPATCH.sub(lambda match: _free_text_rules(match.group(1), match.group(2)) or match.group(0), grammar)
+
+
+def _free_text_rules(name: str, body: str) -> str | None:
+    triggers: list[tuple[str, str]] = []
+    loop, excludes = None, None
+    for item in (line.strip().removesuffix(",") for line in body.split("\n")):
+        trigger = _TRIGGER.fullmatch(item)
+        if trigger:
+            triggers.append(("".join(map(chr, _literal_code_points(trigger.group(1)))), trigger.group(2)))
+        elif item in ("loop_after_dispatch=true", "loop_after_dispatch=false"):
+            loop = item.endswith("true")
+        elif item.startswith("excludes=("):
+            excludes = ["".join(map(chr, _literal_code_points(text))) for text in _LITERAL.findall(item)]
+        else:
+            return None
+    if excludes is None or loop is None or loop != bool(triggers) or not all(triggers) or "" in excludes:
+        return None
+    ends = {text: rule for text, rule in triggers} | {text: None for text in excludes}
+    prefixes = sorted({text[:k] for text in ends for k in range(len(text))}, key=lambda p: (len(p), p))
+    state = {prefix: f"{name}_{k}" for k, prefix in enumerate(prefixes)}
+    chars = sorted({ord(c) for text in ends for c in text})
+    rules = [f"{name} ::= (({state['']}))"]
+    for prefix in prefixes:
+        alternatives = ['""']
+        for cp in chars:
+            text = prefix + chr(cp)
+            done = next((text[k:] for k in range(len(text)) if text[k:] in ends), None)
+            if done is not None:
+                if ends[done] is not None:  # a trigger: its tag, then free text again
+                    alternatives.append(f"({_char_literal(cp)} {ends[done]} {state['']})")
+                continue  # an exclude: never in the text
+            while text not in state:
+                text = text[1:]
+            alternatives.append(f"({_char_literal(cp)} {state[text]})")
+        others = "".join(_escaped(cp) for cp in chars)
+        alternatives.append(f"([^{others}] {state['']})")
+        rules.append(f"{state[prefix]} ::= ({' | '.join(alternatives)})")
+    return "\n".join(rules)
+
+
+def _char_literal(cp: int) -> str:
+    return f'"{chr(cp)}"' if 0x20 <= cp < 0x7F and chr(cp) not in '"\\' else f'"{_escaped(cp)}"'

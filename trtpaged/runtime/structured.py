@@ -22,7 +22,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from trtpaged.errors import RequestError
-from trtpaged.runtime.grammar_text import with_regexes_expanded, without_surrogates
+from trtpaged.runtime.grammar_text import with_free_text_written_out, with_regexes_expanded, without_surrogates
 from trtpaged.runtime.sampling_params import StructuredOutputsParams
 from trtpaged.runtime.schema_features import has_string_length, unenforced_feature
 from trtpaged.runtime.schema_formats import formats_as_patterns
@@ -63,12 +63,14 @@ def mended_schema_grammar(schema: str, strict_mode: bool = True) -> str:
 
 def mended_structural_tag_grammar(tag: str) -> str:
     """xgrammar's grammar (EBNF text) for a structural tag (xgrammar's form, JSON text), its JSON schemas'
-    length-bounded strings' character class replaced by `_JSON_STRING_CHARACTER` and every class without the
-    surrogate code points (as `mended_schema_grammar`); its schemas' formats as `tag_formats_as_patterns` has them."""
+    length-bounded strings' character class replaced by `_JSON_STRING_CHARACTER`, its free text written out as
+    classes (`with_free_text_written_out`) and every class without the surrogate code points (as
+    `mended_schema_grammar`); its schemas' formats as `tag_formats_as_patterns` has them."""
     import xgrammar as xgr
 
-    grammar = str(xgr.Grammar.from_structural_tag(tag))
-    return without_surrogates(with_regexes_expanded(grammar.replace(_LENGTH_BOUNDED_CHARACTER, _JSON_STRING_CHARACTER)))
+    grammar = with_regexes_expanded(str(xgr.Grammar.from_structural_tag(tag)))
+    return without_surrogates(with_free_text_written_out(grammar.replace(_LENGTH_BOUNDED_CHARACTER,
+                                                                         _JSON_STRING_CHARACTER)))
 
 
 def _schema_formats_as_patterns(schema: str) -> str:
