@@ -160,6 +160,58 @@ def write_phi3_gguf(path: Path, weight_type: str = "Q4_0", seed: int = 0) -> Pat
     return path
 
 
+# Each type's float16 fields: (byte offset in a block, magnitude); a block's other bytes (codes, packed sub-block
+# scales) are valid whatever they hold. Magnitudes keep weights within about +-0.05, as a trained model's are.
+_BLOCK_SCALES = {
+    "Q4_0": ((0, 6e-3),), "Q4_1": ((0, 3e-3), (2, 2e-2)), "Q5_0": ((0, 3e-3),), "Q5_1": ((0, 1.5e-3), (2, 2e-2)),
+    "Q8_0": ((0, 4e-4),), "Q2_K": ((80, 1e-3), (82, 1e-3)), "Q3_K": ((108, 3e-4),), "Q4_K": ((0, 5e-5), (2, 5e-5)),
+    "Q5_K": ((0, 2.5e-5), (2, 5e-5)), "Q6_K": ((208, 1e-5),), "IQ4_NL": ((0, 3e-4),), "IQ4_XS": ((0, 1e-5),),
+}
+
+
+def random_blocks(type_name: str, shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
+    """Raw GGUF rows (uint8 [rows, bytes per row]) of `type_name` for a weight of `shape` (rows, inputs): random
+    codes and sub-block scales, random finite float16 block scales (_BLOCK_SCALES). What they de-quantize to is what
+    gguf's `dequantize` says (as for a file llama.cpp wrote), so the K-quants gguf cannot quantize can be tested."""
+    import gguf
+
+    block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
+    rows, cols = shape
+    blocks = rng.integers(0, 256, (rows * cols // block, block_bytes), dtype=np.uint8)
+    for offset, size in _BLOCK_SCALES.get(type_name, ()):  # others: any bytes (types no loader reads)
+        scales = (rng.uniform(0.5, 1.0, len(blocks)) * size).astype(np.float16)
+        blocks[:, offset:offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, cols // block * block_bytes)
+
+
+def write_typed_llama_gguf(path: Path, types: dict[str, str], seed: int = 0) -> Path:
+    """A 2-layer Llama (hidden 256, intermediate 512: K-quant rows of whole 256-weight super-blocks) in `path`, each
+    2-D weight in the type `types` gives its llama.cpp name (its first entry that is a part of the name; F16 and
+    BF16 are written from random floats, the others as random_blocks), norms in F32, as llama.cpp's quantizer
+    mixes types (Q4_K_M: Q4_K, Q6_K for attn_v, ffn_down and the output, F32 norms)."""
+    import gguf
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    hidden, heads, layers = 256, 4, 2
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=512, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=2, max_position_embeddings=1024,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    writer = _gguf_writer(path, "llama", config)
+    rng = np.random.default_rng(seed)
+    for _, name, data in _gguf_tensors(model, gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, layers)):
+        type_name = next((t for part, t in types.items() if part in name), "F32") if data.ndim == 2 else "F32"
+        if type_name in ("F32", "F16", "BF16"):
+            floats = rng.normal(0.0, 0.02, data.shape).astype(np.float32) if data.ndim == 2 else np.ones_like(data)
+            quant = gguf.GGMLQuantizationType[type_name]
+            writer.add_tensor(name, gguf.quants.quantize(floats, quant), raw_dtype=quant)
+        else:
+            quant = gguf.GGMLQuantizationType[type_name]
+            writer.add_tensor(name, random_blocks(type_name, data.shape, rng), raw_dtype=quant)
+    _write_out(writer)
+    return path
+
+
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # fmt: skip
 

@@ -136,6 +136,34 @@ def _type_sizes() -> dict[int, tuple[int, int]]:
     return {int(k): (int(v[0]), int(v[1])) for k, v in GGML_QUANT_SIZES.items()}
 
 
+def type_name(ggml_type: int) -> str:
+    """A ggml type number's name in the gguf package (Q4_K, BF16, ...), or the number where it has none."""
+    from gguf import GGMLQuantizationType
+
+    try:
+        return GGMLQuantizationType(ggml_type).name
+    except ValueError:
+        return str(ggml_type)
+
+
+@functools.cache
+def dequantizable_types() -> frozenset[int]:
+    """The ggml types the gguf package de-quantizes. transformers' GGUF loader passes every tensor of a file through
+    gguf's `dequantize`, so one tensor of another type (Q8_K, Q1_0, F64, the integer types) fails the whole load."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    readable = set()
+    for ggml_type, (_, block_bytes) in _type_sizes().items():
+        try:
+            dequantize(np.zeros(block_bytes, np.uint8), GGMLQuantizationType(ggml_type))  # one zero block
+        except NotImplementedError:
+            continue
+        readable.add(ggml_type)
+    return frozenset(readable)
+
+
 def read_layout(path: str | os.PathLike) -> GGUFLayout:
     """The whole header of a little-endian GGUF v2/v3 file, every entry checked against the file; GGUFHeaderError
     naming the entry or tensor for anything a loader could not take (or would read outside its tensor's bytes).

@@ -24,7 +24,15 @@ from trtpaged.config import ConfigError, ModelSpec
 from trtpaged.manifest import Manifest
 from trtpaged.models import gguf_once
 from trtpaged.models.checkpoint_files import check_safetensors_files, check_tokenizer_files, refused_pickle
-from trtpaged.models.gguf_header import F32, GGUFHeaderError, GGUFLayout, read_f32_tensor, read_layout
+from trtpaged.models.gguf_header import (
+    F32,
+    GGUFHeaderError,
+    GGUFLayout,
+    dequantizable_types,
+    read_f32_tensor,
+    read_layout,
+    type_name,
+)
 from trtpaged.models.dims import (
     ARCHITECTURES_BY_MODEL_TYPE,
     MODEL_TYPES,
@@ -134,9 +142,27 @@ def _check_rope_values(raw: dict, rope: Any, rope_key: str, key: str, aliases: d
 
 def _gguf_architecture(path: Path, key: str) -> str:
     try:
-        return read_layout(path).architecture
+        layout = read_layout(path)
     except GGUFHeaderError as e:
         raise ConfigError(f"{key}: {path} is not a readable GGUF file: {e}") from None
+    _check_gguf_types(layout, path, key)
+    return layout.architecture
+
+
+def _check_gguf_types(layout: GGUFLayout, path: Path, key: str) -> None:
+    """Every tensor is of a type transformers' GGUF loader de-quantizes (it reads them all, used or not); else a
+    ConfigError naming the first other tensor and its type, before the load (was: gguf's NotImplementedError, which
+    names the type but not the tensor)."""
+    readable = dequantizable_types()
+    unreadable = [t for t in layout.tensors if t.ggml_type not in readable]
+    if not unreadable:
+        return
+    first, others = unreadable[0], len(unreadable) - 1
+    more = f" (and {others} more tensor{'s' if others > 1 else ''} of types it cannot read)" if others else ""
+    names = ", ".join(sorted(type_name(t) for t in readable))
+    raise ConfigError(f"{key}: {path.name}: tensor {first.name!r} is ggml type {type_name(first.ggml_type)} "
+                      f"({first.ggml_type}), which transformers' GGUF loader cannot read (the gguf package has no "
+                      f"de-quantization for it){more}; types it reads: {names}")
 
 
 def spec_from_manifest(manifest: Manifest) -> ModelSpec:
