@@ -166,6 +166,8 @@ _BLOCK_SCALES = {
     "Q4_0": ((0, 6e-3),), "Q4_1": ((0, 3e-3), (2, 2e-2)), "Q5_0": ((0, 3e-3),), "Q5_1": ((0, 1.5e-3), (2, 2e-2)),
     "Q8_0": ((0, 4e-4),), "Q2_K": ((80, 1e-3), (82, 1e-3)), "Q3_K": ((108, 3e-4),), "Q4_K": ((0, 5e-5), (2, 5e-5)),
     "Q5_K": ((0, 2.5e-5), (2, 5e-5)), "Q6_K": ((208, 1e-5),), "IQ4_NL": ((0, 3e-4),), "IQ4_XS": ((0, 1e-5),),
+    "IQ2_XXS": ((0, 2e-4),), "IQ2_XS": ((0, 2e-4),), "IQ2_S": ((0, 2e-4),), "IQ3_XXS": ((0, 1e-4),),
+    "IQ3_S": ((0, 1e-4),), "IQ1_S": ((0, 3e-3),), "TQ1_0": ((52, 3e-2),), "TQ2_0": ((64, 3e-2),),
 }
 
 
@@ -184,15 +186,15 @@ def random_blocks(type_name: str, shape: tuple[int, int], rng: np.random.Generat
     return blocks.reshape(rows, cols // block * block_bytes)
 
 
-def write_typed_llama_gguf(path: Path, types: dict[str, str], seed: int = 0) -> Path:
-    """A 2-layer Llama (hidden 256, intermediate 512: K-quant rows of whole 256-weight super-blocks) in `path`, each
-    2-D weight in the type `types` gives its llama.cpp name (its first entry that is a part of the name; F16 and
-    BF16 are written from random floats, the others as random_blocks), norms in F32, as llama.cpp's quantizer
+def write_typed_llama_gguf(path: Path, types: dict[str, str], seed: int = 0, layers: int = 2) -> Path:
+    """A Llama of `layers` layers (hidden 256, intermediate 512: K-quant rows of whole 256-weight super-blocks) in
+    `path`, each 2-D weight in the type `types` gives its llama.cpp name (its first entry that is a part of the name;
+    F16 and BF16 are written from random floats, the others as random_blocks), norms in F32, as llama.cpp's quantizer
     mixes types (Q4_K_M: Q4_K, Q6_K for attn_v, ffn_down and the output, F32 norms)."""
     import gguf
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    hidden, heads, layers = 256, 4, 2
+    hidden, heads = 256, 4
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=512, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=2, max_position_embeddings=1024,
                          tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)  # fmt: skip
