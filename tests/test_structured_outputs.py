@@ -844,25 +844,30 @@ def test_a_pattern_with_an_optional_repeat_is_compiled_as_written(pattern, refus
         assert re.search(pattern, value) and _is_grammar_accept_string(mended, json.dumps(value)), value
 
 
-def test_a_pattern_with_a_quote_outside_a_class_is_refused(llm):
-    """xgrammar writes such a pattern's grammar itself, with the quote unescaped: the string it takes is no JSON
-    and the escaped one is refused. Truth: json's decoder on a document the grammar takes."""
+@pytest.mark.parametrize("pattern, taken, refused", [
+    ('^"[a-z]+"$', ['"ab"'], ['""ab""']),
+    ("^a\\\\b$", ["a\\b"], ['"a\\b"']),  # xgrammar wrote the backslash bare: JSON's backspace
+    ("^\\x22$", ['"'], ['"""']),
+    ("^\\u0022[0-9]$", ['"1'], ['""1"']),
+    ("^a\\nb$", ["a\nb"], ['"a\nb"']),  # a bare newline: no JSON
+    ("^é+[a-z]$", ["ééx"], ['"e"']),
+])
+def test_a_pattern_with_an_escaped_or_non_ascii_literal_is_held_as_json(llm, pattern, taken, refused):
+    """xgrammar writes such a pattern's grammar itself (no Regex macro), its literals not JSON-escaped: it took a
+    bare quote or newline (no JSON) or a bare backslash (another string) and refused the string's JSON. Truth:
+    Python's re on the value and json's encoder (a control character as \\u00XX, as the grammar writes it)."""
     from xgrammar.testing import _is_grammar_accept_string
 
-    schema = {"type": "string", "pattern": '^"[a-z]+"$'}
+    schema = {"type": "string", "pattern": pattern}
     grammar = xgrammar.Grammar.from_ebnf(mended_schema_grammar(json.dumps(schema)))
-    assert _is_grammar_accept_string(grammar, '""abc""') and not _is_grammar_accept_string(grammar, json.dumps('"a"'))
-    with pytest.raises(ValueError):
-        json.loads('""abc""')
-    for pattern in ('^"[a-z]+"$', '^a\\"$'):
-        with pytest.raises(RequestError, match="a 'pattern' with a '\"' outside a character class is not enforced"):
-            llm.generate(["x"], SamplingParams(structured_outputs=Grammar(json={"type": "string", "pattern": pattern})))
-    for pattern in ('^[^"]*$', '^["a]+$'):  # inside a class: the Regex macro, which is written out JSON-escaped
-        schema = {"type": "string", "pattern": pattern}
-        grammar = xgrammar.Grammar.from_ebnf(mended_schema_grammar(json.dumps(schema)))
-        assert not _is_grammar_accept_string(grammar, '"""') and _is_grammar_accept_string(grammar, '"a"')
-        out = llm.generate(["x"], SamplingParams(max_tokens=20, structured_outputs=Grammar(json=schema)))[0].outputs[0]
-        assert out.finish_reason != "stop" or re.search(pattern, json.loads(out.text))
+    for value in taken:
+        assert re.search(pattern, value)
+        document = json.dumps(value, ensure_ascii=False).replace("\\n", "\\u000a")
+        assert _is_grammar_accept_string(grammar, document), document
+    for document in refused:
+        assert not _is_grammar_accept_string(grammar, document), document
+    out = llm.generate(["x"], SamplingParams(max_tokens=20, structured_outputs=Grammar(json=schema)))[0].outputs[0]
+    assert out.finish_reason != "stop" or re.search(pattern, json.loads(out.text))
 
 
 @pytest.mark.parametrize("tag, taken, refused", [

@@ -16,6 +16,7 @@ SURROGATES = (0xD800, 0xDFFF)
 # what a JSON string may not hold unescaped: the control characters, the quote and the backslash
 _JSON_UNESCAPED_OUT = [(0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C)]
 _REGEX_CALL = re.compile(r'Regex\(("(?:[^"\\]|\\.)*")(, json_string=true)?\)')
+_HIDDEN_PATTERN = "trtpagedpattern"
 _RULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _CHAR_ESCAPES = {"0": 0, "b": 8, "f": 12, "n": 10, "r": 13, "t": 9, "v": 11, "e": 27}
 _HEX_DIGITS = {"x": 2, "u": 4, "U": 8}
@@ -33,7 +34,7 @@ def with_regexes_expanded(grammar: str) -> str:
     added: list[str] = []
 
     def expand(call: re.Match) -> str:
-        regex = "".join(map(chr, _literal_code_points(call.group(1))))
+        regex = _unhidden("".join(map(chr, _literal_code_points(call.group(1)))))
         prefix = f"pattern{len(added)}_"
         while prefix in grammar:
             prefix = "x" + prefix
@@ -43,6 +44,20 @@ def with_regexes_expanded(grammar: str) -> str:
 
     expanded = _REGEX_CALL.sub(expand, grammar)
     return expanded if not added else expanded.rstrip("\n") + "\n" + "".join(added)
+
+
+def hidden_pattern(regex: str) -> str:
+    """A stand-in for a JSON schema's `pattern` that xgrammar always writes as the Regex macro, which
+    `with_regexes_expanded` writes out as `regex`'s rules. xgrammar writes some patterns' grammar itself (one with a
+    non-ASCII or an escaped literal: a backslash, a newline, a quote as x22), its literals not JSON-escaped, so the
+    string it took was no JSON or another string (a backslash then b: a backspace) and the right one was refused."""
+    return _HIDDEN_PATTERN + regex.encode("utf-8", "surrogatepass").hex()
+
+
+def _unhidden(regex: str) -> str:
+    if not regex.startswith(_HIDDEN_PATTERN):
+        return regex
+    return bytes.fromhex(regex[len(_HIDDEN_PATTERN):]).decode("utf-8", "surrogatepass")
 
 
 def _literal_code_points(literal: str) -> list[int]:

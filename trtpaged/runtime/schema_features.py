@@ -7,9 +7,8 @@ xgrammar 0.2.9 (a violating document accepted by the compiled grammar): the keyw
 length beside a pattern or a format, multipleOf on a number, type-specific constraints in a schema without a
 type, constraints beside a $ref / anyOf / oneOf, a $ref outside the document, a `required` property that
 `properties` does not define, an `enum` / `const` value that the node's other constraints refuse (the grammar
-follows the values), a `oneOf` whose branches can overlap (compiled as `anyOf`), a `format` that xgrammar
-writes no grammar for (`schema_formats.py`: regex, idn-email, idn-hostname, iri, iri-reference), and a
-`pattern` with a `"` outside a character class (written unescaped: no JSON). Other formats
+follows the values), a `oneOf` whose branches can overlap (compiled as `anyOf`), and a `format` that xgrammar
+writes no grammar for (`schema_formats.py`: regex, idn-email, idn-hostname, iri, iri-reference). Other formats
 unknown to JSON Schema are annotations (validators do not check them), so they are not refused.
 """
 
@@ -86,8 +85,6 @@ def _node_feature(node: dict, root: Any) -> Optional[str]:
     unchecked = unenforced_format(node)
     if unchecked is not None:
         return unchecked
-    if isinstance(node.get("pattern"), str) and _quote_outside_class(node["pattern"]):
-        return "a 'pattern' with a '\"' outside a character class is not enforced (the grammar writes it unescaped)"
     for combinator in ("anyOf", "oneOf", "allOf"):
         if node.get(combinator) == []:
             return f"empty '{combinator}' is not a valid schema (it needs at least one)"
@@ -126,27 +123,6 @@ def _node_feature(node: dict, root: Any) -> Optional[str]:
         if missing is not None:
             return f"required property {missing!r} is not defined in 'properties', so the grammar does not require it"
     return None
-
-
-def _quote_outside_class(pattern: str) -> bool:
-    """Whether a regex matches a `"` outside a character class: xgrammar then writes the pattern's grammar itself
-    (no Regex macro) with the quote unescaped, so the string it takes is no JSON (`^"[a-z]+"$` took `""abc""`)."""
-    i, in_class = 0, False
-    while i < len(pattern):
-        c = pattern[i]
-        if c == "\\":
-            if pattern[i + 1:i + 2] == '"' and not in_class:
-                return True
-            i += 2
-            continue
-        if c == "[":
-            in_class = True
-        elif c == "]":
-            in_class = False
-        elif c == '"' and not in_class:
-            return True
-        i += 1
-    return False
 
 
 def _value_outside_type(node: dict) -> Optional[str]:

@@ -64,16 +64,20 @@ def unenforced_format(node: dict) -> Optional[str]:
 
 
 def formats_as_patterns(schema: Any) -> Any:
-    """`schema` (parsed) with each `format` in FORMAT_PATTERNS a `pattern` (a copy; `schema` itself where it has
-    none). A node with an `enum` or `const` keeps its format: the grammar follows the values."""
+    """`schema` (parsed) with each `format` in FORMAT_PATTERNS a `pattern`, and each pattern hidden from xgrammar
+    (`grammar_text.hidden_pattern`) (a copy; `schema` itself where it has neither). A node with an `enum` or
+    `const` keeps its format: the grammar follows the values."""
+    from trtpaged.runtime.grammar_text import hidden_pattern
     from trtpaged.runtime.schema_features import subschemas
 
-    if not any(_rewritten(node) for _, node in subschemas(schema)):
+    if not any(_rewritten(node) or isinstance(node.get("pattern"), str) for _, node in subschemas(schema)):
         return schema
     schema = copy.deepcopy(schema)
     for _, node in subschemas(schema):
         if _rewritten(node):
             node["pattern"] = FORMAT_PATTERNS[node.pop("format")]
+        if isinstance(node.get("pattern"), str):
+            node["pattern"] = hidden_pattern(node["pattern"])
     return schema
 
 
