@@ -890,3 +890,24 @@ def test_a_structural_tags_free_text_written_out_takes_what_xgrammar_takes(tag, 
         assert _is_grammar_accept_string(upstream, text) and _is_grammar_accept_string(mended, text), text
     for text in refused:
         assert not _is_grammar_accept_string(upstream, text) and not _is_grammar_accept_string(mended, text), text
+
+
+def test_a_format_on_many_fields_is_compiled_once(tiny_engine_dir):
+    """Each hostname format became a pattern written out as rules of its own, one copy per field: 20 fields took
+    2.0 s to compile on SmolLM2's vocabulary (0.35 s for one; 0.14 s as xgrammar's own format), each copy's masks
+    in the compiled grammar. The same pattern is now written out once. Truth: xgrammar's own grammar for the
+    format, whose compiled size grows with the fields' names alone (memory_size_bytes, as GrammarCache counts)."""
+    from transformers import AutoTokenizer
+
+    info = xgrammar.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(f"{tiny_engine_dir}/tokenizer"))
+
+    def sizes(fields: int) -> tuple[int, int]:
+        names = [f"host{i}" for i in range(fields)]
+        schema = json.dumps({"type": "object", "required": names,
+                             "properties": {n: {"type": "string", "format": "hostname"} for n in names}})  # fmt: skip
+        compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
+        ours = compiler.compile_grammar(mended_schema_grammar(schema)).memory_size_bytes
+        return ours, compiler.compile_json_schema(schema, any_whitespace=False).memory_size_bytes
+
+    (ours_1, own_1), (ours_20, own_20) = sizes(1), sizes(20)
+    assert ours_20 - ours_1 <= own_20 - own_1, (ours_1, ours_20, own_1, own_20)

@@ -28,22 +28,24 @@ def with_regexes_expanded(grammar: str) -> str:
     characters a JSON string may not hold unescaped and its literals JSON-escaped, so that `without_surrogates` then
     reaches its classes. xgrammar 0.2.9 compiles the macro wrongly where an optional group holds a repeat
     (`^a(x[0-9]+)?$` took `"a5"`) and leaves its classes as they are; a string holds no escapes there (as in a
-    length-bounded string), and `"` or `\\` in the pattern's literals are written escaped."""
+    length-bounded string), and `"` or `\\` in the pattern's literals are written escaped. The same call twice
+    (a format on many fields) is written out once: xgrammar compiles each copy's masks (20 hostnames took 2 s)."""
     import xgrammar as xgr
 
-    added: list[str] = []
+    added: dict[str, tuple[str, str]] = {}  # the call's text: its rules' prefix and text
 
     def expand(call: re.Match) -> str:
-        regex = _unhidden("".join(map(chr, _literal_code_points(call.group(1)))))
-        prefix = f"pattern{len(added)}_"
-        while prefix in grammar:
-            prefix = "x" + prefix
-        text = _renamed(str(xgr.Grammar.from_regex(regex)), prefix)
-        added.append(_json_escaped(text) if call.group(2) else text)
-        return f"({prefix}root)"
+        if call.group(0) not in added:
+            regex = _unhidden("".join(map(chr, _literal_code_points(call.group(1)))))
+            prefix = f"pattern{len(added)}_"
+            while prefix in grammar:
+                prefix = "x" + prefix
+            text = _renamed(str(xgr.Grammar.from_regex(regex)), prefix)
+            added[call.group(0)] = prefix, _json_escaped(text) if call.group(2) else text
+        return f"({added[call.group(0)][0]}root)"
 
     expanded = _REGEX_CALL.sub(expand, grammar)
-    return expanded if not added else expanded.rstrip("\n") + "\n" + "".join(added)
+    return expanded if not added else expanded.rstrip("\n") + "\n" + "".join(text for _, text in added.values())
 
 
 def hidden_pattern(regex: str) -> str:
