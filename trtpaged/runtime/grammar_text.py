@@ -176,6 +176,10 @@ def _class_text(original: str, negated: bool, ranges: list[tuple[int, int]], rem
     return "[" + "".join(_escaped(a) if a == b else f"{_escaped(a)}-{_escaped(b)}" for a, b in kept) + "]"
 
 
+# a free text's rules, one for each prefix of its triggers and excludes: xgrammar compiles each one's masks, about
+# 11 ms on SmolLM2's vocabulary (an end of 500 characters took 5.5 s, one of 2000 past 5 minutes, where TagDispatch
+# takes 0.1 s); past this the TagDispatch stays (its free text may then hold a surrogate's bytes)
+MAX_FREE_TEXT_STATES = 128
 _TAG_DISPATCH = re.compile(r"^(\w+) ::= TagDispatch\(\n(.*?)\n\)$", re.M | re.S)
 _TRIGGER = re.compile(r'\(("(?:[^"\\]|\\.)*"), (\w+)\)')
 _LITERAL = re.compile(r'"(?:[^"\\]|\\.)*"')
@@ -186,7 +190,8 @@ def with_free_text_written_out(grammar: str) -> str:
     tag, the text around `triggered_tags`) written out as rules with character classes: xgrammar's TagDispatch
     takes any bytes (a surrogate's three, `\\xff`), which `without_surrogates` cannot reach. The rules follow the
     text with an automaton over its strings: an exclude (a tag's end) never appears in it, a trigger goes on with
-    its tag's rule and back to free text. A TagDispatch of another form is left as xgrammar writes it."""
+    its tag's rule and back to free text. A TagDispatch of another form, or whose triggers and excludes have more
+    than MAX_FREE_TEXT_STATES prefixes, is left as xgrammar writes it."""
     return _TAG_DISPATCH.sub(lambda match: _free_text_rules(match.group(1), match.group(2)) or match.group(0), grammar)
 
 
@@ -207,6 +212,8 @@ def _free_text_rules(name: str, body: str) -> str | None:
         return None
     ends = {text: rule for text, rule in triggers} | {text: None for text in excludes}
     prefixes = sorted({text[:k] for text in ends for k in range(len(text))}, key=lambda p: (len(p), p))
+    if len(prefixes) > MAX_FREE_TEXT_STATES:
+        return None
     state = {prefix: f"{name}_{k}" for k, prefix in enumerate(prefixes)}
     chars = sorted({ord(c) for text in ends for c in text})
     rules = [f"{name} ::= (({state['']}))"]
