@@ -48,8 +48,22 @@ def test_pools_under_a_huge_page_are_plain_zeros() -> None:
 
 @pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="transparent huge pages are off")
 def test_pool_is_backed_by_huge_pages() -> None:
+    fallbacks = _huge_page_fallbacks()
     pool = kv_pool_memory.zeros((1024, 1, 2, 3, 16, 64), torch.float32)  # 24 MiB
+    if _huge_kb_of(pool.data_ptr()) < 2048 and _huge_page_fallbacks() > fallbacks:
+        # asked for and refused (the kernel's "madvise" defrag found no free 2 MiB page in time): the machine's
+        # memory, not the pool; a pool that never asked leaves the count as it was and fails below
+        pytest.skip("the kernel had no free 2 MiB page (/proc/vmstat thp_fault_fallback rose)")
     assert _huge_kb_of(pool.data_ptr()) >= 2048, "no 2 MiB page backs the pool"
+
+
+def _huge_page_fallbacks() -> int:
+    """Page faults in a huge-page region that got small pages, machine-wide (/proc/vmstat thp_fault_fallback)."""
+    for line in Path("/proc/vmstat").read_text().splitlines():
+        name, value = line.split()
+        if name == "thp_fault_fallback":
+            return int(value)
+    return 0
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/sys/vm/overcommit_memory")
