@@ -209,8 +209,8 @@ def run_kernel_bench(
             "mean_paged_overhead": mean_overhead,
             "max_paged_overhead": max(r.paged_overhead for r in results),
             "target_paged_overhead": TARGET_PAGED_OVERHEAD,
-            "bandwidth_verdict": _round_verdict(fraction_rounds, TARGET_BANDWIDTH_FRACTION, True, noise) if long
-            else "no verdict (no case of 2048 tokens or more: the target is on those)",
+            "bandwidth_verdict": _round_verdict(fraction_rounds, TARGET_BANDWIDTH_FRACTION, True, noise)
+            if long or not noise.trustworthy else "no verdict (no case of 2048 tokens or more: the target is on those)",
             "overhead_verdict": _round_verdict(overhead_rounds, 1 + TARGET_PAGED_OVERHEAD, False, noise),
             # quantized caches: float32 time / this time at 2048+ tokens (target: >= 1, no slower than fp32)
             "min_speedup_vs_float32_at_2048_plus": min(vs_float32) if vs_float32 else None,
