@@ -950,3 +950,64 @@ def test_a_free_text_with_a_long_end_compiles_as_xgrammar_does(tiny_engine_dir):
     compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
     ours = compiler.compile_grammar(mended_structural_tag_grammar(tag)).memory_size_bytes
     assert ours <= 2 * compiler.compile_structural_tag(tag).memory_size_bytes
+
+
+_A_DIGIT = {"type": "string", "pattern": "^a[0-9]$"}
+
+
+@pytest.mark.parametrize("value_schema, taken, refused", [
+    (_A_DIGIT, ["a1", " a7\n"], ["a12", "b1", '"a1"']),
+    ({"type": "string", "format": "date"}, ["2024-02-29", "1999-12-31"], ["2023-02-30", "2024-13-01", "24-01-01"]),
+    ({"type": "string", "pattern": "^a\\\\b$"}, ["a\\b"], ["a\bb", "a\\\\b"]),
+    ({"anyOf": [_A_DIGIT, {"type": "integer"}]}, ["a3", "-7"], ["a", "3.5"]),
+    ({"type": "object", "properties": {"e": _A_DIGIT}, "required": ["e"]}, ['{"e": "a1"}'], ['{"e": "a12"}', "a1"]),
+    ({"type": "array", "items": {"type": "string", "format": "date"}}, ['["2024-02-29"]'], ['["2023-02-29"]']),
+])  # fmt: skip
+def test_a_qwen_xml_parameters_patterns_and_formats_hold_to_the_value_as_written(value_schema, taken, refused):
+    """A qwen_xml_parameter node writes its top-level values as raw text between <parameter=NAME> and
+    </parameter> (nested ones as JSON). Its patterns reached xgrammar as `hidden_pattern` stand-ins, which xgrammar
+    wrote there as plain text: the grammar took only the stand-in's own characters (`trtpagedpattern5e61...`) and
+    no value the pattern matches. Truth: Python's re and `_conforms` on each value (raw, or json's decoder where
+    the value is JSON)."""
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from trtpaged.runtime.structured import tag_formats_as_patterns
+
+    schema = {"type": "object", "properties": {"d": value_schema}, "required": ["d"]}
+    tag = json.dumps({"type": "structural_tag", "format": {"type": "qwen_xml_parameter", "json_schema": schema}})
+    grammar = xgrammar.Grammar.from_ebnf(mended_structural_tag_grammar(tag_formats_as_patterns(tag)))
+
+    def holds(raw: str) -> bool:  # a number, object or array is JSON there; a string is the text itself
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = raw
+        value = raw if isinstance(value, str) else value
+        try:
+            jsonschema.validate(value, value_schema)
+        except jsonschema.ValidationError:
+            return False
+        return all(_conforms(date, "date") for date in re.findall(r"[0-9]+-[0-9]+-[0-9]+", raw))
+
+    for value in taken:
+        assert holds(value.strip()), value
+        assert _is_grammar_accept_string(grammar, f"<parameter=d>{value}</parameter>"), value
+    for value in refused:
+        assert not holds(value), value
+        assert not _is_grammar_accept_string(grammar, f"<parameter=d>{value}</parameter>"), value
+
+
+def test_sampled_qwen_xml_parameters_hold_their_pattern_and_format(llm):
+    """Through the engine at temperature 1: every output that finishes "stop" has each parameter's raw value
+    matching its pattern (Python's re) and its format (`_conforms`); before, a pattern's value was its stand-in."""
+    schema = {"type": "object", "properties": {"c": {"type": "string", "pattern": "^[a-z]{1,6}$"},
+                                               "d": {"type": "string", "format": "date"}},
+              "required": ["c", "d"], "additionalProperties": False}  # fmt: skip
+    tag = {"type": "structural_tag", "format": {"type": "qwen_xml_parameter", "json_schema": schema}}
+    params = SamplingParams(max_tokens=80, temperature=1.0, seed=3, n=4, structured_outputs=Grammar(structural_tag=tag))
+    stopped = [t for t, reason in texts(llm.generate([f"call {i}:" for i in range(6)], params)) if reason == "stop"]
+    assert len(stopped) >= 3
+    for text in stopped:
+        values = dict(re.findall(r"<parameter=(\w+)>\s*(.*?)\s*</parameter>", text, re.S))
+        assert set(values) == {"c", "d"} and re.search("^[a-z]{1,6}$", values["c"]), text
+        assert _conforms(values["d"], "date"), text

@@ -17,6 +17,8 @@ SURROGATES = (0xD800, 0xDFFF)
 _JSON_UNESCAPED_OUT = [(0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C)]
 _REGEX_CALL = re.compile(r'Regex\(("(?:[^"\\]|\\.)*")(, json_string=true)?\)')
 _HIDDEN_PATTERN = "trtpagedpattern"
+# the stand-in as xgrammar writes a plain-text regex of it: one literal per character
+_HIDDEN_AS_TEXT = re.compile(" ".join(f'"{c}"' for c in _HIDDEN_PATTERN) + '((?: "[0-9a-f]")+)')
 _RULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _CHAR_ESCAPES = {"0": 0, "b": 8, "f": 12, "n": 10, "r": 13, "t": 9, "v": 11, "e": 27}
 _HEX_DIGITS = {"x": 2, "u": 4, "U": 8}
@@ -29,23 +31,27 @@ def with_regexes_expanded(grammar: str) -> str:
     reaches its classes. xgrammar 0.2.9 compiles the macro wrongly where an optional group holds a repeat
     (`^a(x[0-9]+)?$` took `"a5"`) and leaves its classes as they are; a string holds no escapes there (as in a
     length-bounded string), and `"` or `\\` in the pattern's literals are written escaped. The same call twice
-    (a format on many fields) is written out once: xgrammar compiles each copy's masks (20 hostnames took 2 s)."""
+    (a format on many fields) is written out once: xgrammar compiles each copy's masks (20 hostnames took 2 s).
+    A `hidden_pattern` stand-in that xgrammar wrote as plain text (a qwen_xml_parameter's top-level value, raw
+    text rather than a JSON string) is written out as the regex's rules as they are."""
     import xgrammar as xgr
 
-    added: dict[str, tuple[str, str]] = {}  # the call's text: its rules' prefix and text
+    added: dict[tuple[str, bool], tuple[str, str]] = {}  # (regex, inside a JSON string): its rules' prefix and text
 
-    def expand(call: re.Match) -> str:
-        if call.group(0) not in added:
-            regex = _unhidden("".join(map(chr, _literal_code_points(call.group(1)))))
+    def expanded(regex: str, json_string: bool) -> str:
+        if (regex, json_string) not in added:
             prefix = f"pattern{len(added)}_"
             while prefix in grammar:
                 prefix = "x" + prefix
             text = _renamed(str(xgr.Grammar.from_regex(regex)), prefix)
-            added[call.group(0)] = prefix, _json_escaped(text) if call.group(2) else text
-        return f"({added[call.group(0)][0]}root)"
+            added[regex, json_string] = prefix, _json_escaped(text) if json_string else text
+        return f"({added[regex, json_string][0]}root)"
 
-    expanded = _REGEX_CALL.sub(expand, grammar)
-    return expanded if not added else expanded.rstrip("\n") + "\n" + "".join(text for _, text in added.values())
+    text = _REGEX_CALL.sub(lambda call: expanded(_unhidden("".join(map(chr, _literal_code_points(call.group(1))))),
+                                                 bool(call.group(2))), grammar)  # fmt: skip
+    text = _HIDDEN_AS_TEXT.sub(lambda hidden: expanded(_unhidden(_HIDDEN_PATTERN + hidden.group(1).replace(
+        '"', "").replace(" ", "")), False), text)  # fmt: skip
+    return text if not added else text.rstrip("\n") + "\n" + "".join(rules for _, rules in added.values())
 
 
 def hidden_pattern(regex: str) -> str:

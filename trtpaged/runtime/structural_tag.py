@@ -88,20 +88,24 @@ def _from_legacy(field: str, document: Mapping[str, Any]) -> tuple[dict[str, Any
 
 
 def _schemas_in(fmt: Mapping[str, Any], path: str) -> list[tuple[str, Any]]:
-    """The JSON schemas of a format tree's json_schema nodes, with their paths, in document order. Iterative: the
-    caller bounds the nesting (and so a mapping that contains itself) before this walk. A node without a type is
-    one too when it has a json_schema: xgrammar reads such a node as the first form its keys fit (a tag, a
-    const_string, then a json_schema); its other keys are still walked."""
+    """The JSON schemas of a format tree's json_schema nodes, with their paths, in document order."""
+    return [(f"{where}.json_schema", node["json_schema"]) for where, node in schema_nodes(fmt, path)]
+
+
+def schema_nodes(fmt: Any, path: str = "format") -> list[tuple[str, Mapping[str, Any]]]:
+    """A format tree's nodes that hold a JSON schema (json_schema, qwen_xml_parameter), each with its path, in
+    document order. Iterative: the caller bounds the nesting (and so a mapping that contains itself) before this
+    walk. A node without a type is one too when it has a json_schema: xgrammar reads such a node as the first form
+    its keys fit (a tag, a const_string, then a json_schema); its other keys are still walked."""
     found, todo = [], [(path, fmt)]
     while todo:
         where, node = todo.pop()
         if isinstance(node, Mapping):
             schema_node = "json_schema" in node and node.get("type", _SCHEMA_NODES[0]) in _SCHEMA_NODES
             if schema_node:
-                found.append((f"{where}.json_schema", node["json_schema"]))
+                found.append((where, node))
             todo.extend((f"{where}.{key}", value) for key, value in reversed(list(node.items()))
                         if not (schema_node and key == "json_schema"))  # fmt: skip
         elif isinstance(node, list):
             todo.extend((f"{where}[{i}]", value) for i, value in reversed(list(enumerate(node))))
     return found
-

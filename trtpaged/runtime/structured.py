@@ -26,6 +26,7 @@ from trtpaged.runtime.grammar_text import with_free_text_written_out, with_regex
 from trtpaged.runtime.sampling_params import StructuredOutputsParams
 from trtpaged.runtime.schema_features import has_string_length, unenforced_feature
 from trtpaged.runtime.schema_formats import formats_as_patterns
+from trtpaged.runtime.structural_tag import schema_nodes
 
 DEFAULT_CACHE_SIZE = 256  # distinct compiled grammars kept
 # and their memory (xgrammar's memory_size_bytes): a 64 KiB schema compiles to up to about 5 MB for a 49k vocabulary,
@@ -85,19 +86,16 @@ def _schema_formats_as_patterns(schema: str) -> str:
 
 
 def tag_formats_as_patterns(tag: str) -> str:
-    """A structural tag's JSON text with each of its JSON schemas' loose formats as patterns (`formats_as_patterns`);
+    """A structural tag's JSON text (xgrammar's form) with the loose formats and patterns of each JSON schema in it
+    (`structural_tag.schema_nodes`: json_schema and qwen_xml_parameter nodes) rewritten by `formats_as_patterns`;
     the text itself where they have none."""
-
-    def walk(node: Any) -> Any:
-        if isinstance(node, list):
-            return [walk(item) for item in node]
-        if not isinstance(node, dict):
-            return node
-        return {k: formats_as_patterns(v) if k == "json_schema" else walk(v) for k, v in node.items()}
-
     parsed = json.loads(tag)
-    walked = walk(parsed)
-    return tag if walked == parsed else json.dumps(walked)
+    changed = False
+    for _, node in schema_nodes(parsed.get("format") if isinstance(parsed, dict) else None):
+        rewritten = formats_as_patterns(node["json_schema"])
+        if rewritten is not node["json_schema"]:
+            node["json_schema"], changed = rewritten, True  # type: ignore[index] - parsed here, so ours to change
+    return json.dumps(parsed) if changed else tag
 
 
 def _stop_tokens_without_text(info: Any, vocab: list[bytes]) -> Any:
