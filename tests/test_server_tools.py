@@ -36,7 +36,7 @@ Call as <tool_call>
 </tool_call><|eos|>
 {% endif %}{% for m in messages %}{% if m.role == 'assistant' and m.tool_calls %}<|bos|>assistant
 {% for tc in m.tool_calls %}<tool_call>
-{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments }}}
+{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}
 </tool_call>{% endfor %}<|eos|>
 {% elif m.role == 'tool' %}<|bos|>user
 <tool_response>{{ m.content }}</tool_response><|eos|>
@@ -188,6 +188,52 @@ def test_tools_reach_the_template_and_free_generation_runs(client, server, tools
         model=MODEL, messages=history, tools=TOOLS, max_tokens=20, temperature=0,
         extra_body={"guided_choice": ["It is 42."]})  # fmt: skip
     assert follow.choices[0].message.content == "It is 42." and follow.choices[0].message.tool_calls is None
+    wait_idle(server)
+
+
+@pytest.mark.parametrize("arguments, shown", [('{"a": 2, "b": 40}', {"a": 2, "b": 40}), ("", {}),
+                                              ('{"a": 2', {}), ("[2, 40]", {})])  # fmt: skip
+def test_call_arguments_reach_the_template_as_objects(server, tools_engine_dir, arguments, shown):
+    """An assistant call's arguments, JSON text in OpenAI's API, reach the template as the object they encode (what
+    transformers' templates read, as vLLM gives them: Qwen2.5's `arguments | tojson`), in chat, /tokenize and
+    LLM.chat's prompt alike; empty, cut or non-object arguments as {} (vLLM's), so that such a history still runs."""
+    from transformers import AutoTokenizer
+
+    from trtpaged.runtime.llm import chat_prompt_ids
+
+    def history(args):
+        return MESSAGES + [
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                "name": "add", "arguments": args}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+        ]  # fmt: skip
+
+    tok = AutoTokenizer.from_pretrained(str(tools_engine_dir / "tokenizer"))
+    truth = tok.encode(tok.apply_chat_template(history(shown), tools=TOOLS, add_generation_prompt=True,
+                                               tokenize=False), add_special_tokens=False)  # fmt: skip
+    body = {"model": MODEL, "messages": history(arguments), "tools": TOOLS}
+    status, _, tokenized = request(server, "/tokenize", body)
+    assert status == 200 and tokenized["tokens"] == truth, tokenized
+    status, _, chat = request(server, "/v1/chat/completions", {**body, "max_tokens": 1, "tool_choice": "none"})
+    assert status == 200 and chat["usage"]["prompt_tokens"] == len(truth), chat
+    assert chat_prompt_ids(tok, history(arguments), TOOLS) == truth
+
+
+def test_no_calls_are_none_and_a_call_that_is_no_function_call_is_refused_naming_it(server, tools_engine_dir):
+    """An empty list of calls is an assistant turn without calls (vLLM's), for a template that asks whether the key
+    is there; a call without a function is a 400 naming it."""
+    from transformers import AutoTokenizer
+
+    from trtpaged.runtime.llm import chat_prompt_text
+
+    tok = AutoTokenizer.from_pretrained(str(tools_engine_dir / "tokenizer"))
+    asks = "{% for m in messages %}{{ m.role }}{% if m.tool_calls is defined %} calls{% endif %};{% endfor %}"
+    answered = MESSAGES + [{"role": "assistant", "content": "hi"}]
+    assert chat_prompt_text(tok, answered[:1] + [{**answered[1], "tool_calls": []}], chat_template=asks) == \
+        tok.apply_chat_template(answered, chat_template=asks, add_generation_prompt=True, tokenize=False)  # fmt: skip
+    messages = MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]}]
+    status, _, answer = request(server, "/tokenize", {"model": MODEL, "messages": messages})
+    assert status == 400 and answer["error"]["message"].startswith("messages[1].tool_calls[0]: "), answer
     wait_idle(server)
 
 

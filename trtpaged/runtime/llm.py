@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import json
 import logging
 import threading
 from pathlib import Path
@@ -217,6 +218,40 @@ def _developer_as_system(messages: list[dict], template: Any) -> list[dict]:
     return [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
 
 
+def _tool_arguments_as_objects(messages: list[dict]) -> list[dict]:
+    """An assistant's tool calls as vLLM gives them to the template: each call's `arguments`, which OpenAI's API
+    sends as JSON text, as the object it encodes (what transformers' templates read: Llama 3.1's `arguments |
+    tojson`, Qwen2.5's); an empty, absent, malformed or non-object one as {} (a call cut by max_tokens, sent back in
+    the history, must not make every later turn fail), and an empty list of calls as none. A call that is not a
+    function call is refused, naming it."""
+    out = []
+    for m, msg in enumerate(messages):
+        calls = msg.get("tool_calls")
+        if msg.get("role") != "assistant" or not isinstance(calls, list):
+            out.append(msg)
+            continue
+        if not calls:
+            out.append({k: v for k, v in msg.items() if k != "tool_calls"})
+            continue
+        converted = []
+        for c, call in enumerate(calls):
+            function = call.get("function") if isinstance(call, Mapping) else None
+            if not isinstance(function, Mapping) or call.get("type", "function") != "function":
+                raise RequestError(f"messages[{m}].tool_calls[{c}]", "must be a function call ({'type': "
+                                   "'function', 'function': {'name': ..., 'arguments': ...}})")  # fmt: skip
+            arguments = function.get("arguments")
+            if isinstance(arguments, str) and arguments:
+                try:
+                    arguments = json.loads(arguments)
+                except ValueError:
+                    log.warning("messages[%d].tool_calls[%d].function.arguments: not JSON (%d characters); the "
+                                "template is given {}", m, c, len(arguments))  # fmt: skip
+            converted.append({**call, "function": {**function,
+                                                   "arguments": arguments if isinstance(arguments, Mapping) else {}}})
+        out.append({**msg, "tool_calls": converted})
+    return out
+
+
 def chat_prompt_text(tokenizer: Any, messages: Seq[dict], tools: Optional[Seq[dict]] = None, *,
                      add_generation_prompt: bool = True, continue_final_message: bool = False,
                      template_kwargs: Optional[dict[str, Any]] = None, chat_template: Optional[str] = None,
@@ -240,6 +275,7 @@ def chat_prompt_text(tokenizer: Any, messages: Seq[dict], tools: Optional[Seq[di
         content_format = template_content_format(template, tools=bool(tools))
     messages = _with_text_content(messages, as_parts=content_format == "openai")
     messages = _developer_as_system(messages, template)
+    messages = _tool_arguments_as_objects(messages)
     if template_kwargs is not None and not isinstance(template_kwargs, Mapping):
         raise RequestError("chat_template_kwargs", f"must be a mapping, got {type(template_kwargs).__name__}")
     if add_generation_prompt and continue_final_message:
