@@ -105,6 +105,30 @@ def test_a_message_is_the_chat_answer_of_the_same_conversation(client, llm, serv
     wait_idle(server)
 
 
+def test_claude_codes_attribution_block_is_not_read_and_conversations_share_the_system_prompt(client, llm, server):
+    """Claude Code's first system block (its version and a hash of the conversation's first message), which
+    Anthropic's API removes before the model reads the prompt (as vLLM does): the prompt is the one without it, and
+    a second conversation (another hash) reads the first one's system prompt from the prefix cache."""
+    system = "You are a careful assistant. " * 12  # a few whole KV blocks of the tiny engine's byte tokens
+
+    def blocks(cch):
+        return [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.88.{cch}; cc_entrypoint=cli;"},
+                {"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}]  # fmt: skip
+
+    conversations = [(cch, [{"role": "user", "content": text}]) for cch, text in (("a3f", "hi"), ("e91", "good day"))]
+    prompts = [_prompt(llm, [{"role": "system", "content": system}, *turns]) for _, turns in conversations]
+    shared = next(i for i, (a, b) in enumerate(zip(*prompts)) if a != b)  # the system prompt's tokens and more
+    for n, ((cch, turns), prompt) in enumerate(zip(conversations, prompts)):
+        assert client.messages.count_tokens(model=MODEL, system=blocks(cch), messages=turns).input_tokens == \
+            len(prompt)  # fmt: skip
+        msg = client.messages.create(model=MODEL, max_tokens=2, system=blocks(cch), messages=turns, extra_body=GREEDY)
+        u = msg.usage
+        assert u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens == len(prompt)
+        if n:  # the whole blocks the two prompts share came from the first conversation
+            assert u.cache_read_input_tokens >= shared - shared % 16 > 0, u
+    wait_idle(server)
+
+
 def test_stop_sequences_max_tokens_and_prefill(client, llm):
     """A stop sequence met ends the answer before it (stop_reason stop_sequence, naming it); max_tokens ends it as
     max_tokens; a last assistant message is continued (Anthropic's prefill), as chat's continue_final_message."""

@@ -36,6 +36,10 @@ MAX_USER_ID_CHARS = 256  # Anthropic's longest metadata.user_id
 # a tool_result with is_error: true is the tool message "Error: <its text>" (chat's tool message has no such flag, and
 # no chat template reads one): the failure is in the text the model reads, under any template
 TOOL_ERROR_PREFIX = "Error"
+# the text that starts the system block Claude Code adds (its version and a hash of the conversation's first message),
+# which Anthropic's API removes before the model reads the prompt, as vLLM does: kept, it made each conversation's
+# prompt differ from its first tokens, so no two conversations shared a prefix block
+ATTRIBUTION_BLOCK = "x-anthropic-billing-header"
 # block types a message may hold, by role; an assistant's thinking is its reasoning, redacted thinking is dropped
 _USER_BLOCKS = ("text", "tool_result")
 _ASSISTANT_BLOCKS = ("text", "tool_use", "thinking", "redacted_thinking")
@@ -181,7 +185,8 @@ def renamed(error: ApiError, call: Optional[MessagesCall] = None) -> ApiError:
 
 
 def _text_of(blocks: Any, where: str, field_name: str) -> str:
-    """The text of a string or a list of text blocks (system, a tool result's content), joined by blank lines."""
+    """The text of a string or a list of text blocks (system, a tool result's content), joined by blank lines; of
+    the request's `system`, without Claude Code's attribution block (ATTRIBUTION_BLOCK)."""
     if isinstance(blocks, str):
         return _unicode(blocks, where, field_name)
     if not isinstance(blocks, list):
@@ -194,6 +199,8 @@ def _text_of(blocks: Any, where: str, field_name: str) -> str:
                            field_name)  # fmt: skip
         if kind != "text" or not isinstance(block.get("text"), str):
             raise ApiError(f"{where}[{j}]: must be a text block ({{'type': 'text', 'text': ...}})", field_name)
+        if where == "system" and block["text"].startswith(ATTRIBUTION_BLOCK):
+            continue
         texts.append(_unicode(block["text"], f"{where}[{j}].text", field_name))
     return "\n\n".join(texts)
 
