@@ -73,7 +73,7 @@ def test_a_message_is_the_chat_answer_of_the_same_conversation(client, llm, serv
     turns = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": [{"type": "text", "text": "hi"}]},
              {"role": "user", "content": [{"type": "text", "text": "what is"}, {"type": "text", "text": "two plus"}]}]
     chat = [{"role": "system", "content": "Be brief.\n\nAnswer in English."}, {"role": "user", "content": "hello"},
-            {"role": "assistant", "content": "hi"}, {"role": "user", "content": "what is\n\ntwo plus"}]
+            {"role": "assistant", "content": "hi"}, {"role": "user", "content": "what is\ntwo plus"}]  # vLLM's join
     prompt = _prompt(llm, chat)
     want = _greedy(llm, prompt, 12)
     msg = client.messages.create(model=MODEL, max_tokens=12, system=system, messages=turns, extra_body=GREEDY)
@@ -177,13 +177,15 @@ def test_tool_use_round_trip(client, llm, server):
         assert whole.content[0].input == streamed.content[0].input, cut
 
     follow = turns + [{"role": "assistant", "content": [{"type": "text", "text": "Looking."}, {
+        "type": "text", "text": "One moment."}, {
         "type": "tool_use", "id": block.id, "name": "get_weather", "input": block.input}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": block.id, "content": [
-            {"type": "text", "text": "sunny"}]}, {"type": "text", "text": "thanks"}]}]  # fmt: skip
+            {"type": "text", "text": "sunny"}, {"type": "text", "text": "22 C"}]}, {"type": "text", "text": "thanks"}]}]
+    # each message's text blocks joined by newlines, as vLLM gives them to a template that reads a string
     chat = [{"role": "user", "content": "Weather in Paris?"},
-            {"role": "assistant", "content": "Looking.", "tool_calls": [{"id": block.id, "type": "function",
-             "function": {"name": "get_weather", "arguments": json.dumps(block.input)}}]},
-            {"role": "tool", "tool_call_id": block.id, "content": "sunny"}, {"role": "user", "content": "thanks"}]
+            {"role": "assistant", "content": "Looking.\nOne moment.", "tool_calls": [{"id": block.id,
+             "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(block.input)}}]},
+            {"role": "tool", "tool_call_id": block.id, "content": "sunny\n22 C"}, {"role": "user", "content": "thanks"}]
     _counted_and_answered_as(client, llm, follow, chat)
     wait_idle(server)
 

@@ -184,11 +184,11 @@ def renamed(error: ApiError, call: Optional[MessagesCall] = None) -> ApiError:
                     error.anthropic_status, error.overflow)  # fmt: skip
 
 
-def _text_of(blocks: Any, where: str, field_name: str) -> str:
-    """The text of a string or a list of text blocks (system, a tool result's content), joined by blank lines; of
-    the request's `system`, without Claude Code's attribution block (ATTRIBUTION_BLOCK)."""
+def _texts_of(blocks: Any, where: str, field_name: str) -> list[str]:
+    """The texts of a string or a list of text blocks (system, a tool result's content); of the request's
+    `system`, without Claude Code's attribution block (ATTRIBUTION_BLOCK)."""
     if isinstance(blocks, str):
-        return _unicode(blocks, where, field_name)
+        return [_unicode(blocks, where, field_name)]
     if not isinstance(blocks, list):
         raise ApiError(f"{where}: must be a string or a list of text blocks", field_name)
     texts = []
@@ -202,14 +202,20 @@ def _text_of(blocks: Any, where: str, field_name: str) -> str:
         if where == "system" and block["text"].startswith(ATTRIBUTION_BLOCK):
             continue
         texts.append(_unicode(block["text"], f"{where}[{j}].text", field_name))
-    return "\n\n".join(texts)
+    return texts
+
+
+def _text_parts(texts: list[str]) -> list[dict[str, str]]:
+    """A message's text blocks as chat's text parts, which the chat template gets as vLLM gives them: joined by
+    newlines, or as parts to a template that loops over them (runtime.llm's content format)."""
+    return [{"type": "text", "text": text} for text in texts]
 
 
 def _messages(system: Any, items: list[Any]) -> list[dict[str, Any]]:
     """`system`, then the conversation, as chat messages."""
     messages: list[dict[str, Any]] = []
     if system is not None:
-        text = _text_of(system, "system", "system")
+        text = "\n\n".join(_texts_of(system, "system", "system"))
         if text:
             messages.append({"role": "system", "content": text})
     for i, item in enumerate(items):
@@ -226,7 +232,8 @@ def _messages(system: Any, items: list[Any]) -> list[dict[str, Any]]:
         elif role == "assistant":
             messages.append(_assistant(content, where))
         elif role == "system":
-            messages.append({"role": "system", "content": _text_of(content, f"{where}.content", "messages")})
+            messages.append({"role": "system", "content": _text_parts(_texts_of(content, f"{where}.content",
+                                                                                "messages"))})  # fmt: skip
         else:
             messages.extend(_user(content, where))
     if not any(m["role"] != "system" for m in messages):
@@ -268,10 +275,10 @@ def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
             texts.append(_string(block, "text", at))
             continue
         if texts:
-            out.append({"role": "user", "content": "\n\n".join(texts)})
+            out.append({"role": "user", "content": _text_parts(texts)})
             texts = []
         content = block.get("content", "")
-        text = _text_of(content, f"{at}.content", "messages") if content is not None else ""
+        text = "\n".join(_texts_of(content, f"{at}.content", "messages")) if content is not None else ""  # vLLM's
         failed = block.get("is_error")
         if failed is not None and not isinstance(failed, bool):
             raise ApiError(f"{at}.is_error: must be a boolean, got {type(failed).__name__}", "messages")
@@ -279,7 +286,7 @@ def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
             text = f"{TOOL_ERROR_PREFIX}: {text}" if text else TOOL_ERROR_PREFIX
         out.append({"role": "tool", "tool_call_id": _string(block, "tool_use_id", at), "content": text})
     if texts or not out:
-        out.append({"role": "user", "content": "\n\n".join(texts)})
+        out.append({"role": "user", "content": _text_parts(texts)})
     return out
 
 
@@ -300,7 +307,7 @@ def _assistant(blocks: list[Any], where: str) -> dict[str, Any]:
                 raise ApiError(f"{at}.input: must be an object (the tool's arguments)", "messages")
             calls.append({"id": _string(block, "id", at), "type": "function",
                           "function": {"name": _string(block, "name", at), "arguments": json.dumps(arguments)}})
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts or not calls else None}
+    message: dict[str, Any] = {"role": "assistant", "content": _text_parts(texts) if texts or not calls else None}
     if calls:
         message["tool_calls"] = calls
     if thoughts:
