@@ -192,11 +192,12 @@ def test_tools_reach_the_template_and_free_generation_runs(client, server, tools
 
 
 @pytest.mark.parametrize("arguments, shown", [('{"a": 2, "b": 40}', {"a": 2, "b": 40}), ("", {}),
-                                              ('{"a": 2', {}), ("[2, 40]", {})])  # fmt: skip
+                                              ('{"a": 2', {}), ("[2, 40]", [2, 40]), ("40", 40)])  # fmt: skip
 def test_call_arguments_reach_the_template_as_objects(server, tools_engine_dir, arguments, shown):
-    """An assistant call's arguments, JSON text in OpenAI's API, reach the template as the object they encode (what
-    transformers' templates read, as vLLM gives them: Qwen2.5's `arguments | tojson`), in chat, /tokenize and
-    LLM.chat's prompt alike; empty, cut or non-object arguments as {} (vLLM's), so that such a history still runs."""
+    """An assistant call's arguments, JSON text in OpenAI's API, reach the template as the value they encode (what
+    transformers' templates read, as vLLM gives them: Qwen2.5's `arguments | tojson`; a list or a number as it is),
+    in chat, /tokenize and LLM.chat's prompt alike, and an object or a list given parsed (LLM.chat) as it is; empty
+    or cut arguments as {} (vLLM's), so that such a history still runs."""
     from transformers import AutoTokenizer
 
     from trtpaged.runtime.llm import chat_prompt_ids
@@ -217,6 +218,8 @@ def test_call_arguments_reach_the_template_as_objects(server, tools_engine_dir, 
     status, _, chat = request(server, "/v1/chat/completions", {**body, "max_tokens": 1, "tool_choice": "none"})
     assert status == 200 and chat["usage"]["prompt_tokens"] == len(truth), chat
     assert chat_prompt_ids(tok, history(arguments), TOOLS) == truth
+    if isinstance(shown, (dict, list)):  # given parsed (LLM.chat): as it is; vLLM gives another kind as {}
+        assert chat_prompt_ids(tok, history(shown), TOOLS) == truth
 
 
 def test_no_calls_are_none_and_a_call_that_is_no_function_call_is_refused_naming_it(server, tools_engine_dir):
@@ -234,6 +237,12 @@ def test_no_calls_are_none_and_a_call_that_is_no_function_call_is_refused_naming
     messages = MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]}]
     status, _, answer = request(server, "/tokenize", {"model": MODEL, "messages": messages})
     assert status == 400 and answer["error"]["message"].startswith("messages[1].tool_calls[0]: "), answer
+    deep = "[" * 5000 + "]" * 5000  # past the JSON reader's stack: was a 500
+    messages[1]["tool_calls"][0]["function"] = {"name": "add", "arguments": deep}
+    for path, extra in (("/tokenize", {}), ("/v1/chat/completions", {"max_tokens": 1})):
+        status, _, answer = request(server, path, {"model": MODEL, "messages": messages, **extra})
+        assert status == 400, answer
+        assert answer["error"]["message"].startswith("messages[1].tool_calls[0].function.arguments: "), answer
     wait_idle(server)
 
 

@@ -7,6 +7,7 @@ import dataclasses
 import gc
 import json
 import logging
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence as Seq, Union
@@ -220,10 +221,9 @@ def _developer_as_system(messages: list[dict], template: Any) -> list[dict]:
 
 def _tool_arguments_as_objects(messages: list[dict]) -> list[dict]:
     """An assistant's tool calls as vLLM gives them to the template: each call's `arguments`, which OpenAI's API
-    sends as JSON text, as the object it encodes (what transformers' templates read: Llama 3.1's `arguments |
-    tojson`, Qwen2.5's); an empty, absent, malformed or non-object one as {} (a call cut by max_tokens, sent back in
-    the history, must not make every later turn fail), and an empty list of calls as none. A call that is not a
-    function call is refused, naming it."""
+    sends as JSON text, as the value it encodes (`_call_arguments`: what transformers' templates read, Llama 3.1's
+    `arguments | tojson`, Qwen2.5's), and an empty list of calls as none. A call that is not a function call is
+    refused, naming it."""
     out = []
     for m, msg in enumerate(messages):
         calls = msg.get("tool_calls")
@@ -239,17 +239,27 @@ def _tool_arguments_as_objects(messages: list[dict]) -> list[dict]:
             if not isinstance(function, Mapping) or call.get("type", "function") != "function":
                 raise RequestError(f"messages[{m}].tool_calls[{c}]", "must be a function call ({'type': "
                                    "'function', 'function': {'name': ..., 'arguments': ...}})")  # fmt: skip
-            arguments = function.get("arguments")
-            if isinstance(arguments, str) and arguments:
-                try:
-                    arguments = json.loads(arguments)
-                except ValueError:
-                    log.warning("messages[%d].tool_calls[%d].function.arguments: not JSON (%d characters); the "
-                                "template is given {}", m, c, len(arguments))  # fmt: skip
-            converted.append({**call, "function": {**function,
-                                                   "arguments": arguments if isinstance(arguments, Mapping) else {}}})
+            arguments = _call_arguments(function.get("arguments"), f"messages[{m}].tool_calls[{c}].function.arguments")
+            converted.append({**call, "function": {**function, "arguments": arguments}})
         out.append({**msg, "tool_calls": converted})
     return out
+
+
+def _call_arguments(arguments: Any, where: str) -> Any:
+    """A call's arguments as vLLM gives them to the template: JSON text as the value it encodes (an object, and a
+    list or a number as they are), an object or a list as given; empty or malformed text (a call cut by max_tokens,
+    sent back in the history: it must not make every later turn fail) and anything else as {}. Text nested past
+    Python's recursion limit is refused, naming `where`."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            log.warning("%s: not JSON (%d characters); the template is given {}", where, len(arguments))
+            return {}
+        except RecursionError:
+            raise RequestError(where, f"JSON nested too deeply to read (past Python's recursion limit, "
+                               f"{sys.getrecursionlimit()})") from None  # fmt: skip
+    return arguments if isinstance(arguments, (Mapping, list)) else {}
 
 
 def chat_prompt_text(tokenizer: Any, messages: Seq[dict], tools: Optional[Seq[dict]] = None, *,
