@@ -129,6 +129,27 @@ def test_claude_codes_attribution_block_is_not_read_and_conversations_share_the_
     wait_idle(server)
 
 
+def test_empty_text_blocks_and_an_inline_systems_attribution_block_are_not_read(client, llm):
+    """An empty text block is no empty line in its message (vLLM leaves it out; Anthropic's API refuses it), in
+    the request's system, a user's and an assistant's turn; Claude Code's attribution block in a system message of
+    the conversation (which it sends there too) is left out as in the request's system (vLLM's). Truth: the chat
+    conversation without them, rendered by the chat template (count_tokens is its length)."""
+    header = {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.88.a3f; cc_entrypoint=cli;"}
+    empty = {"type": "text", "text": ""}
+    turns = [{"role": "user", "content": [empty, {"type": "text", "text": "what is"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "hi"}, empty]},
+             {"role": "user", "content": "two plus"}]  # fmt: skip
+    chat = [{"role": "system", "content": "Answer in English."}, {"role": "user", "content": "what is"},
+            {"role": "assistant", "content": "hi"}, {"role": "user", "content": "two plus"}]  # fmt: skip
+    system = [empty, {"type": "text", "text": "Answer in English."}]
+    assert client.messages.count_tokens(model=MODEL, system=system, messages=turns).input_tokens == \
+        len(_prompt(llm, chat))  # fmt: skip
+    inline = [{"role": "system", "content": [header, {"type": "text", "text": "Be brief."}]},
+              {"role": "user", "content": "hi"}]  # fmt: skip
+    assert client.messages.count_tokens(model=MODEL, messages=inline).input_tokens == \
+        len(_prompt(llm, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]))
+
+
 def test_stop_sequences_max_tokens_and_prefill(client, llm):
     """A stop sequence met ends the answer before it (stop_reason stop_sequence, naming it); max_tokens ends it as
     max_tokens; a last assistant message is continued (Anthropic's prefill), as chat's continue_final_message."""

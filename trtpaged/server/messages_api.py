@@ -184,9 +184,10 @@ def renamed(error: ApiError, call: Optional[MessagesCall] = None) -> ApiError:
                     error.anthropic_status, error.overflow)  # fmt: skip
 
 
-def _texts_of(blocks: Any, where: str, field_name: str) -> list[str]:
-    """The texts of a string or a list of text blocks (system, a tool result's content); of the request's
-    `system`, without Claude Code's attribution block (ATTRIBUTION_BLOCK)."""
+def _texts_of(blocks: Any, where: str, field_name: str, system: bool = False) -> list[str]:
+    """The texts of a string or a list of text blocks (a system's, a tool result's content); of a `system` (the
+    request's, or a system message in the conversation, as Claude Code sends both) without Claude Code's attribution
+    block (ATTRIBUTION_BLOCK) and without empty blocks, as vLLM reads them."""
     if isinstance(blocks, str):
         return [_unicode(blocks, where, field_name)]
     if not isinstance(blocks, list):
@@ -199,7 +200,7 @@ def _texts_of(blocks: Any, where: str, field_name: str) -> list[str]:
                            field_name)  # fmt: skip
         if kind != "text" or not isinstance(block.get("text"), str):
             raise ApiError(f"{where}[{j}]: must be a text block ({{'type': 'text', 'text': ...}})", field_name)
-        if where == "system" and block["text"].startswith(ATTRIBUTION_BLOCK):
+        if system and (not block["text"] or block["text"].startswith(ATTRIBUTION_BLOCK)):
             continue
         texts.append(_unicode(block["text"], f"{where}[{j}].text", field_name))
     return texts
@@ -215,7 +216,7 @@ def _messages(system: Any, items: list[Any]) -> list[dict[str, Any]]:
     """`system`, then the conversation, as chat messages."""
     messages: list[dict[str, Any]] = []
     if system is not None:
-        text = "\n\n".join(_texts_of(system, "system", "system"))
+        text = "\n\n".join(_texts_of(system, "system", "system", system=True))
         if text:
             messages.append({"role": "system", "content": text})
     for i, item in enumerate(items):
@@ -233,7 +234,7 @@ def _messages(system: Any, items: list[Any]) -> list[dict[str, Any]]:
             messages.append(_assistant(content, where))
         elif role == "system":
             messages.append({"role": "system", "content": _text_parts(_texts_of(content, f"{where}.content",
-                                                                                "messages"))})  # fmt: skip
+                                                                                "messages", system=True))})  # fmt: skip
         else:
             messages.extend(_user(content, where))
     if not any(m["role"] != "system" for m in messages):
@@ -272,7 +273,7 @@ def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
     for j, block in enumerate(blocks):
         at = f"{where}.content[{j}]"
         if _block_kind(block, at, _USER_BLOCKS, "user") == "text":
-            texts.append(_string(block, "text", at))
+            texts.extend(filter(None, [_string(block, "text", at)]))  # an empty block no empty line (vLLM's)
             continue
         if texts:
             out.append({"role": "user", "content": _text_parts(texts)})
@@ -297,7 +298,7 @@ def _assistant(blocks: list[Any], where: str) -> dict[str, Any]:
         at = f"{where}.content[{j}]"
         kind = _block_kind(block, at, _ASSISTANT_BLOCKS, "assistant")
         if kind == "text":
-            texts.append(_string(block, "text", at))
+            texts.extend(filter(None, [_string(block, "text", at)]))  # an empty block no empty line (vLLM's)
         elif kind == "thinking":
             thoughts.append(_string(block, "thinking", at))
         elif kind == "tool_use":
