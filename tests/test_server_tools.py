@@ -224,7 +224,8 @@ def test_call_arguments_reach_the_template_as_objects(server, tools_engine_dir, 
 
 def test_no_calls_are_none_and_a_call_that_is_no_function_call_is_refused_naming_it(server, tools_engine_dir):
     """An empty list of calls is an assistant turn without calls (vLLM's), for a template that asks whether the key
-    is there; a call without a function is a 400 naming it."""
+    is there, and so is another role's message with calls (vLLM keeps only an assistant's); a call without a
+    function is a 400 naming it."""
     from transformers import AutoTokenizer
 
     from trtpaged.runtime.llm import chat_prompt_text
@@ -234,6 +235,11 @@ def test_no_calls_are_none_and_a_call_that_is_no_function_call_is_refused_naming
     answered = MESSAGES + [{"role": "assistant", "content": "hi"}]
     assert chat_prompt_text(tok, answered[:1] + [{**answered[1], "tool_calls": []}], chat_template=asks) == \
         tok.apply_chat_template(answered, chat_template=asks, add_generation_prompt=True, tokenize=False)  # fmt: skip
+    calls = [{"id": "c", "type": "function", "function": {"name": "add", "arguments": "{}"}}]
+    for role in ("user", "system", "tool"):  # vLLM keeps only an assistant's calls
+        assert chat_prompt_text(tok, [{"role": role, "content": "hi", "tool_calls": calls}], chat_template=asks) \
+            == tok.apply_chat_template([{"role": role, "content": "hi"}], chat_template=asks,
+                                       add_generation_prompt=True, tokenize=False), role  # fmt: skip
     messages = MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]}]
     status, _, answer = request(server, "/tokenize", {"model": MODEL, "messages": messages})
     assert status == 400 and answer["error"]["message"].startswith("messages[1].tool_calls[0]: "), answer

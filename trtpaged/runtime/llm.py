@@ -222,11 +222,15 @@ def _developer_as_system(messages: list[dict], template: Any) -> list[dict]:
 def _tool_arguments_as_objects(messages: list[dict]) -> list[dict]:
     """An assistant's tool calls as vLLM gives them to the template: each call's `arguments`, which OpenAI's API
     sends as JSON text, as the value it encodes (`_call_arguments`: what transformers' templates read, Llama 3.1's
-    `arguments | tojson`, Qwen2.5's), and an empty list of calls as none. A call that is not a function call is
-    refused, naming it."""
+    `arguments | tojson`, Qwen2.5's), and an empty list of calls as none; another role's calls are left out (vLLM
+    keeps only an assistant's: Llama 3.1's template renders any message with calls as the assistant's). A call that
+    is not a function call is refused, naming it."""
     out = []
     for m, msg in enumerate(messages):
         calls = msg.get("tool_calls")
+        if msg.get("role") != "assistant" and "tool_calls" in msg:
+            out.append({k: v for k, v in msg.items() if k != "tool_calls"})
+            continue
         if msg.get("role") != "assistant" or not isinstance(calls, list):
             out.append(msg)
             continue
