@@ -1011,3 +1011,34 @@ def test_sampled_qwen_xml_parameters_hold_their_pattern_and_format(llm):
         values = dict(re.findall(r"<parameter=(\w+)>\s*(.*?)\s*</parameter>", text, re.S))
         assert set(values) == {"c", "d"} and re.search("^[a-z]{1,6}$", values["c"]), text
         assert _conforms(values["d"], "date"), text
+
+
+_NOT_QUOTE_OR_LINE = '[^"\\\\\\r\\n]{1,3}'  # a class xgrammar also writes for a length-bounded JSON string's character
+
+
+@pytest.mark.parametrize("fmt, wrap", [
+    ({"type": "regex", "pattern": _NOT_QUOTE_OR_LINE}, "{}"),
+    ({"type": "grammar", "grammar": f"root ::= {_NOT_QUOTE_OR_LINE}"}, "{}"),
+    ({"type": "qwen_xml_parameter", "json_schema": {"type": "object", "required": ["v"], "properties": {
+        "v": {"type": "string", "pattern": f"^{_NOT_QUOTE_OR_LINE}$"}}}}, "<parameter=v>{}</parameter>"),
+], ids=["regex", "ebnf", "qwen-xml-pattern"])  # fmt: skip
+def test_a_tags_regex_or_grammar_keeps_the_class_a_length_bounded_string_has(fmt, wrap):
+    """The JSON string class replaced in a length-bounded string's rule (`[^"\\\\\\r\\n]`, which takes control
+    characters JSON forbids) was replaced wherever the tag's grammar text had it: a regex, an EBNF grammar or a raw
+    XML value written with that class refused a tab. Truth: Python's re on each value; json's decoder for the
+    length-bounded JSON string beside them, which still refuses the raw tab."""
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from trtpaged.runtime.structured import tag_formats_as_patterns
+
+    tag = json.dumps({"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        fmt, {"type": "json_schema", "json_schema": {"type": "string", "maxLength": 2}}]}})  # fmt: skip
+    grammar = xgrammar.Grammar.from_ebnf(mended_structural_tag_grammar(tag_formats_as_patterns(tag)))
+
+    for value, taken in [("\t", True), ("a\x01b", True), ("abc", True), ("a\nb", False), ('"', False), ("", False)]:
+        assert bool(re.fullmatch(_NOT_QUOTE_OR_LINE, value)) == taken, value
+        assert _is_grammar_accept_string(grammar, wrap.format(value) + '"ab"') == taken, value
+    for string in ['"a\tb"', '"\x01"']:
+        with pytest.raises(ValueError):
+            json.loads(string)
+        assert not _is_grammar_accept_string(grammar, wrap.format("a") + string), string

@@ -49,6 +49,10 @@ _XGR_CHECK = re.compile(r"^Check failed: \(.*?\) is false:\s*")  # the assertion
 # that form has them); `without_surrogates` then takes the surrogate code points out of it, as out of every class.
 _LENGTH_BOUNDED_CHARACTER = '[^\\"\\\\\\r\\n]'
 _JSON_STRING_CHARACTER = '[^\\"\\\\\\0-\\x1f]'
+# the rule of such a string's character, and the string itself (the rule between quotes): only there, since a regex
+# or an EBNF grammar in a structural tag may write the same class and mean it
+_LENGTH_BOUNDED_RULE = re.compile(r"^(\w+_characters) ::= \(\(" + re.escape(_LENGTH_BOUNDED_CHARACTER) + r"\)\)$", re.M)
+_LENGTH_BOUNDED_STRING = re.compile(r'"\\"" (\w+_characters)\{\d+, -?\d+\} "\\""')
 
 
 def mended_schema_grammar(schema: str, strict_mode: bool = True) -> str:
@@ -59,7 +63,7 @@ def mended_schema_grammar(schema: str, strict_mode: bool = True) -> str:
 
     schema = _schema_formats_as_patterns(schema)
     grammar = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict_mode))
-    return without_surrogates(with_regexes_expanded(grammar.replace(_LENGTH_BOUNDED_CHARACTER, _JSON_STRING_CHARACTER)))
+    return without_surrogates(with_regexes_expanded(_json_string_characters(grammar)))
 
 
 def mended_structural_tag_grammar(tag: str) -> str:
@@ -69,9 +73,17 @@ def mended_structural_tag_grammar(tag: str) -> str:
     `mended_schema_grammar`); its schemas' formats as `tag_formats_as_patterns` has them."""
     import xgrammar as xgr
 
-    grammar = with_regexes_expanded(str(xgr.Grammar.from_structural_tag(tag)))
-    return without_surrogates(with_free_text_written_out(grammar.replace(_LENGTH_BOUNDED_CHARACTER,
-                                                                         _JSON_STRING_CHARACTER)))
+    grammar = with_regexes_expanded(_json_string_characters(str(xgr.Grammar.from_structural_tag(tag))))
+    return without_surrogates(with_free_text_written_out(grammar))
+
+
+def _json_string_characters(grammar: str) -> str:
+    """`grammar` with the character rule of each length-bounded JSON string (xgrammar's `"\\"" R{m, n} "\\""`, R
+    the class `_LENGTH_BOUNDED_CHARACTER`) made `_JSON_STRING_CHARACTER`; the same class elsewhere (a regex, an EBNF
+    grammar, a raw XML value) is left as written."""
+    strings = set(_LENGTH_BOUNDED_STRING.findall(grammar))
+    return _LENGTH_BOUNDED_RULE.sub(lambda rule: f"{rule.group(1)} ::= (({_JSON_STRING_CHARACTER}))"
+                                    if rule.group(1) in strings else rule.group(0), grammar)  # fmt: skip
 
 
 def _schema_formats_as_patterns(schema: str) -> str:
