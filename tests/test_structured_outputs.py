@@ -1042,3 +1042,39 @@ def test_a_tags_regex_or_grammar_keeps_the_class_a_length_bounded_string_has(fmt
         with pytest.raises(ValueError):
             json.loads(string)
         assert not _is_grammar_accept_string(grammar, wrap.format("a") + string), string
+
+
+@pytest.mark.parametrize("value_schema, taken, refused", [
+    (_A_DIGIT, ["a1", "a7"], ["a12", "b1", '"a1"']),
+    ({"type": "string", "pattern": "^a\\\\b$"}, ["a\\b"], ["a\bb", "a\\\\b"]),
+    ({"type": "string", "pattern": "^é+[a-z]$"}, ["ééx"], ["e", "éé"]),
+    ({"type": "string", "format": "date"}, ["2024-02-29", "1999-12-31"], ["2023-02-30", "2023-02-29", "24-01-01"]),
+])  # fmt: skip
+def test_a_gemma_styled_schemas_patterns_and_formats_hold_to_the_value(value_schema, taken, refused):
+    """A json_schema node of style "gemma" writes each string between <|"|> delimiters, its pattern as rules of
+    xgrammar's own (never the Regex macro): the `hidden_pattern` stand-in became the value itself there, so no value
+    the pattern matches was taken, at any nesting. Truth: Python's re and `_conforms` on each raw value."""
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from trtpaged.runtime.structured import tag_formats_as_patterns
+
+    schema = {"type": "object", "properties": {"d": value_schema, "o": {"type": "object", "properties": {
+        "e": value_schema}, "required": ["e"]}}, "required": ["d", "o"]}  # fmt: skip
+    tag = json.dumps({"type": "structural_tag", "format": {"type": "json_schema", "style": "gemma",
+                                                           "json_schema": schema}})  # fmt: skip
+    grammar = xgrammar.Grammar.from_ebnf(mended_structural_tag_grammar(tag_formats_as_patterns(tag)))
+
+    def holds(value: str) -> bool:
+        if "format" in value_schema:
+            return _conforms(value, value_schema["format"])
+        return bool(re.search(value_schema["pattern"], value))
+
+    def text(d: str, e: str) -> str:
+        return f'{{d:<|"|>{d}<|"|>,o:{{e:<|"|>{e}<|"|>}}}}'
+
+    for value in taken:
+        assert holds(value) and _is_grammar_accept_string(grammar, text(value, value)), value
+    for value in refused:
+        assert not holds(value), value
+        assert not _is_grammar_accept_string(grammar, text(value, taken[0])), value
+        assert not _is_grammar_accept_string(grammar, text(taken[0], value)), value

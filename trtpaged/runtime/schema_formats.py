@@ -63,10 +63,10 @@ def unenforced_format(node: dict) -> Optional[str]:
     return None
 
 
-def formats_as_patterns(schema: Any) -> Any:
+def formats_as_patterns(schema: Any, hidden: bool = True) -> Any:
     """`schema` (parsed) with each `format` in FORMAT_PATTERNS a `pattern`, and each pattern hidden from xgrammar
-    (`grammar_text.hidden_pattern`) (a copy; `schema` itself where it has neither). A node with an `enum` or
-    `const` keeps its format: the grammar follows the values."""
+    (`grammar_text.hidden_pattern`) where `hidden` (a copy; `schema` itself where it has neither). A node with an
+    `enum` or `const` keeps its format: the grammar follows the values."""
     from trtpaged.runtime.grammar_text import hidden_pattern
     from trtpaged.runtime.schema_features import subschemas
 
@@ -76,7 +76,7 @@ def formats_as_patterns(schema: Any) -> Any:
     for _, node in subschemas(schema):
         if _rewritten(node):
             node["pattern"] = FORMAT_PATTERNS[node.pop("format")]
-        if isinstance(node.get("pattern"), str):
+        if hidden and isinstance(node.get("pattern"), str):
             node["pattern"] = hidden_pattern(node["pattern"])
     return schema
 

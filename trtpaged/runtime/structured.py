@@ -51,6 +51,9 @@ _LENGTH_BOUNDED_CHARACTER = '[^\\"\\\\\\r\\n]'
 _JSON_STRING_CHARACTER = '[^\\"\\\\\\0-\\x1f]'
 # the rule of such a string's character, and the string itself (the rule between quotes): only there, since a regex
 # or an EBNF grammar in a structural tag may write the same class and mean it
+# json_schema styles whose strings' patterns xgrammar writes as rules of its own (never the Regex macro): a Gemma
+# string keeps its delimiter <|"|> out of the pattern's text; a hidden_pattern stand-in there became the value itself
+_OWN_PATTERN_STYLES = ("gemma",)
 _LENGTH_BOUNDED_RULE = re.compile(r"^(\w+_characters) ::= \(\(" + re.escape(_LENGTH_BOUNDED_CHARACTER) + r"\)\)$", re.M)
 _LENGTH_BOUNDED_STRING = re.compile(r'"\\"" (\w+_characters)\{\d+, -?\d+\} "\\""')
 
@@ -99,12 +102,12 @@ def _schema_formats_as_patterns(schema: str) -> str:
 
 def tag_formats_as_patterns(tag: str) -> str:
     """A structural tag's JSON text (xgrammar's form) with the loose formats and patterns of each JSON schema in it
-    (`structural_tag.schema_nodes`: json_schema and qwen_xml_parameter nodes) rewritten by `formats_as_patterns`;
-    the text itself where they have none."""
+    (`structural_tag.schema_nodes`: json_schema and qwen_xml_parameter nodes) rewritten by `formats_as_patterns`
+    (the patterns of a style in `_OWN_PATTERN_STYLES` left as written); the text itself where they have none."""
     parsed = json.loads(tag)
     changed = False
     for _, node in schema_nodes(parsed.get("format") if isinstance(parsed, dict) else None):
-        rewritten = formats_as_patterns(node["json_schema"])
+        rewritten = formats_as_patterns(node["json_schema"], hidden=node.get("style") not in _OWN_PATTERN_STYLES)
         if rewritten is not node["json_schema"]:
             node["json_schema"], changed = rewritten, True  # type: ignore[index] - parsed here, so ours to change
     return json.dumps(parsed) if changed else tag
