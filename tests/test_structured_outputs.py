@@ -629,11 +629,13 @@ BAD_TAGS = [
     lambda end: {"type": "tag", "begin": "ab", "content": {"type": "any_text"}, "end": {"type": "token", "token": end}},
     lambda end: {"type": "sequence", "elements": [{"type": "any_tokens", "exclude_tokens": [end], "max_tokens": 3},
                                                   {"type": "const_string", "value": "!"}]},
-], ids=["token", "tag-end", "exclude-tokens"])  # fmt: skip
+    lambda end: {"type": "token_dispatch", "rules": [[end, {"type": "const_string", "value": "!"}]], "loop": False},
+], ids=["token", "tag-end", "exclude-tokens", "token-dispatch"])  # fmt: skip
 def test_a_structural_tag_may_name_the_stop_token_by_its_text(llm, named):
     """The grammar compiler's vocabulary leaves the stop tokens' text out (the end token is no text there), and
-    a tag naming the end token by its text (`<|eos|>`) was refused as 'not found in vocabulary'; it now answers
-    as the same tag naming the token by its id (the truth: xgrammar resolves an id without the text)."""
+    a tag naming the end token by its text (`<|eos|>`; a token_dispatch's rule too) was refused as 'not found in
+    vocabulary'; it now answers as the same tag naming the token by its id (the truth: xgrammar resolves an id
+    without the text)."""
     eos = llm.tokenizer.eos_token_id
     answers = []
     for end in (llm.tokenizer.eos_token, eos):

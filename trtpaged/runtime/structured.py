@@ -130,8 +130,9 @@ def _stop_tokens_without_text(info: Any, vocab: list[bytes]) -> Any:
 
 def stop_tokens_by_id(tag: str, ids: dict[bytes, int]) -> str:
     """Structural tag `tag` (xgrammar's JSON text) with each token it names by a stop token's text (`ids`: text
-    -> id) named by that id: the compiler's vocabulary holds no text for a stop token (`_stop_tokens_without_text`),
-    so xgrammar could not find it there."""
+    -> id; a `token`, `exclude_tokens`, `trigger_tokens`, a token_dispatch's rule) named by that id: the
+    compiler's vocabulary holds no text for a stop token (`_stop_tokens_without_text`), so xgrammar could not find
+    it there."""
 
     def by_id(name: Any) -> Any:
         return ids.get(name.encode(), name) if isinstance(name, str) else name
@@ -147,6 +148,10 @@ def stop_tokens_by_id(tag: str, ids: dict[bytes, int]) -> str:
                 out[key] = by_id(value)
             elif key in ("exclude_tokens", "trigger_tokens") and isinstance(value, list):
                 out[key] = [by_id(name) for name in value]
+            elif key == "rules" and node.get("type") == "token_dispatch" and isinstance(value, list):
+                # each rule is [a token, its format]
+                out[key] = [[by_id(rule[0]), *walk(rule[1:])] if isinstance(rule, list) and rule else walk(rule)
+                            for rule in value]  # fmt: skip
             else:
                 out[key] = value if key == "json_schema" else walk(value)
         return out
