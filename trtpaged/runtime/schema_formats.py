@@ -17,7 +17,7 @@ value), so a schema that relies on one is refused.
 from __future__ import annotations
 
 import copy
-from typing import Any, Optional
+from typing import Any, Collection, Optional
 
 _YEAR = "([1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"  # 0001-9999, as Python's date
 _LEAP_YEAR = "([0-9]{2}(0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)"
@@ -63,24 +63,24 @@ def unenforced_format(node: dict) -> Optional[str]:
     return None
 
 
-def formats_as_patterns(schema: Any, hidden: bool = True) -> Any:
-    """`schema` (parsed) with each `format` in FORMAT_PATTERNS a `pattern`, and each pattern hidden from xgrammar
-    (`grammar_text.hidden_pattern`) where `hidden` (a copy; `schema` itself where it has neither). A node with an
-    `enum` or `const` keeps its format: the grammar follows the values."""
+def formats_as_patterns(schema: Any, hidden: bool = True, formats: Collection[str] = tuple(FORMAT_PATTERNS)) -> Any:
+    """`schema` (parsed) with each `format` among `formats` (of FORMAT_PATTERNS) a `pattern`, and each pattern hidden
+    from xgrammar (`grammar_text.hidden_pattern`) where `hidden` (a copy; `schema` itself where it has neither). A
+    node with an `enum` or `const` keeps its format: the grammar follows the values."""
     from trtpaged.runtime.grammar_text import hidden_pattern
     from trtpaged.runtime.schema_features import subschemas
 
-    if not any(_rewritten(node) or isinstance(node.get("pattern"), str) for _, node in subschemas(schema)):
+    if not any(_rewritten(node, formats) or isinstance(node.get("pattern"), str) for _, node in subschemas(schema)):
         return schema
     schema = copy.deepcopy(schema)
     for _, node in subschemas(schema):
-        if _rewritten(node):
+        if _rewritten(node, formats):
             node["pattern"] = FORMAT_PATTERNS[node.pop("format")]
         if hidden and isinstance(node.get("pattern"), str):
             node["pattern"] = hidden_pattern(node["pattern"])
     return schema
 
 
-def _rewritten(node: dict) -> bool:
-    return (node.get("format") in FORMAT_PATTERNS and "pattern" not in node and "enum" not in node
+def _rewritten(node: dict, formats: Collection[str]) -> bool:
+    return (node.get("format") in formats and "pattern" not in node and "enum" not in node
             and "const" not in node)  # fmt: skip
