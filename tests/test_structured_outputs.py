@@ -1101,3 +1101,19 @@ def test_a_gemma_styled_hostname_compiles_no_larger_than_in_json(tiny_engine_dir
         return compiler.compile_grammar(mended_structural_tag_grammar(tag_formats_as_patterns(tag))).memory_size_bytes
 
     assert size("gemma") <= size("json"), (size("gemma"), size("json"))
+
+
+def test_sampled_gemma_styled_values_hold_their_pattern_and_format(llm):
+    """Through the engine at temperature 1: every output that finishes "stop" has each gemma value (between <|"|>
+    delimiters) matching its pattern (Python's re) and its format (`_conforms`); before, the value could only be the
+    pattern's stand-in (`trtpagedpattern5e61...`) and no output finished (0 of 20)."""
+    schema = {"type": "object", "properties": {"p": {"type": "string", "pattern": "^a[0-9]{1,2}$"},
+                                               "d": {"type": "string", "format": "date"}}, "required": ["p", "d"]}
+    tag = {"type": "structural_tag", "format": {"type": "json_schema", "style": "gemma", "json_schema": schema}}
+    params = SamplingParams(max_tokens=150, temperature=1.0, seed=5, n=4,
+                            structured_outputs=Grammar(structural_tag=tag))
+    stopped = [t for t, reason in texts(llm.generate([f"go {i}:" for i in range(4)], params)) if reason == "stop"]
+    assert len(stopped) >= 8
+    for text in stopped:
+        values = re.fullmatch(r'\{\s*p\s*:\s*<\|"\|>(.*?)<\|"\|>\s*,\s*d\s*:\s*<\|"\|>(.*?)<\|"\|>\s*\}', text, re.S)
+        assert values and re.search("^a[0-9]{1,2}$", values[1]) and _conforms(values[2], "date"), text
