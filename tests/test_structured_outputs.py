@@ -1117,3 +1117,25 @@ def test_sampled_gemma_styled_values_hold_their_pattern_and_format(llm):
     for text in stopped:
         values = re.fullmatch(r'\{\s*p\s*:\s*<\|"\|>(.*?)<\|"\|>\s*,\s*d\s*:\s*<\|"\|>(.*?)<\|"\|>\s*\}', text, re.S)
         assert values and re.search("^a[0-9]{1,2}$", values[1]) and _conforms(values[2], "date"), text
+
+
+@pytest.mark.parametrize("schema, value", [
+    ({"type": "string", "pattern": "^a[0-9]$"}, "a7"), ({"type": "string", "format": "date"}, "2024-02-29"),
+], ids=["pattern", "format"])  # fmt: skip
+def test_a_tag_naming_a_token_by_its_text_takes_its_patterns_values(schema, value):
+    """A tag that names a token by its text (not a stop token) needs the vocabulary, so it is compiled by xgrammar
+    from the tag itself; it was given the tag with its patterns (and formats) as `hidden_pattern` stand-ins, which
+    only the mended text writes out: the grammar took no value the pattern matches. Truth: Python's re and
+    `_conforms` on the value, and the same tag naming the token by its id."""
+    from trtpaged.models.tiny_tokenizer import BOS, BOS_ID, make_tiny_tokenizer
+    from trtpaged.runtime.structured import GrammarCache
+
+    tok = make_tiny_tokenizer()  # one token a byte
+    cache = GrammarCache(tok, len(tok), [tok.eos_token_id])
+    assert re.search(schema["pattern"], value) if "pattern" in schema else _conforms(value, schema["format"])
+    for token in (BOS, BOS_ID):
+        tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+            {"type": "token", "token": token}, {"type": "json_schema", "json_schema": schema}]}}  # fmt: skip
+        matcher = cache.matcher(cache.compile(Grammar(structural_tag=tag)))
+        ids = [BOS_ID, *tok.encode(json.dumps(value), add_special_tokens=False), tok.eos_token_id]
+        assert all(matcher.accept_token(t) for t in ids) and matcher.is_terminated(), token

@@ -279,14 +279,15 @@ class GrammarCache:
             why = unenforced_feature(schema)  # iterative; each schema's nesting is bounded by StructuredOutputsParams
             if why is not None:
                 raise RequestError(params.origin, f"the JSON schema at {where}: {why}")
-        tag = tag_formats_as_patterns(stop_tokens_by_id(params.structural_tag_json, stop_ids))
+        given = stop_tokens_by_id(params.structural_tag_json, stop_ids)
         try:
             try:
-                grammar = mended_structural_tag_grammar(tag)
+                grammar = mended_structural_tag_grammar(tag_formats_as_patterns(given))
             except Exception:  # noqa: BLE001 - a tag xgrammar refuses (named below), or one that needs the vocabulary
-                compiled = compiler.compile_structural_tag(tag)  # raises xgrammar's reason for a tag it refuses
+                # the tag as given: its patterns' stand-ins are written out only in the mended text
+                compiled = compiler.compile_structural_tag(given)  # raises xgrammar's reason for a tag it refuses
                 if not any(has_string_length(schema) for _, schema in params.structural_tag_schemas):
-                    return compiled  # a token named by its text: the classes as xgrammar writes them
+                    return compiled  # a token named by its text: the classes and formats as xgrammar writes them
                 raise RequestError(params.origin, "a JSON schema with minLength / maxLength beside a token named by "
                                    "its text is not supported: name the token by its id") from None  # fmt: skip
             return compiler.compile_grammar(grammar)
