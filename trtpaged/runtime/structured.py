@@ -56,6 +56,9 @@ _JSON_STRING_CHARACTER = '[^\\"\\\\\\0-\\x1f]'
 _OWN_PATTERN_STYLES = ("gemma",)
 # and the formats held as patterns there: hostname's pattern as such rules took 2.5 s to compile on SmolLM2's
 # vocabulary (0.01 s as xgrammar's format, 0.35 s as the macro written out), so it keeps xgrammar's format there
+# json_schema styles whose strings xgrammar 0.2.9 writes without their minLength / maxLength (gemma's took "abcd"
+# under maxLength 3): a schema with them is refused there, as every keyword the grammar would not enforce
+_UNBOUNDED_STRING_STYLES = ("gemma",)
 _OWN_PATTERN_FORMATS = tuple(fmt for fmt in FORMAT_PATTERNS if fmt != "hostname")
 _LENGTH_BOUNDED_RULE = re.compile(r"^(\w+_characters) ::= \(\(" + re.escape(_LENGTH_BOUNDED_CHARACTER) + r"\)\)$", re.M)
 _LENGTH_BOUNDED_STRING = re.compile(r'"\\"" (\w+_characters)\{\d+, -?\d+\} "\\""')
@@ -279,6 +282,10 @@ class GrammarCache:
             why = unenforced_feature(schema)  # iterative; each schema's nesting is bounded by StructuredOutputsParams
             if why is not None:
                 raise RequestError(params.origin, f"the JSON schema at {where}: {why}")
+        for where, node in schema_nodes(json.loads(params.structural_tag_json)["format"]):
+            if node.get("style") in _UNBOUNDED_STRING_STYLES and has_string_length(node["json_schema"]):
+                raise RequestError(params.origin, f"the JSON schema at {where}.json_schema: 'minLength' / 'maxLength' "
+                                   f"is not enforced in style {node['style']!r} (its strings take any length)")
         given = stop_tokens_by_id(params.structural_tag_json, stop_ids)
         try:
             try:
