@@ -907,7 +907,10 @@ def test_a_pattern_with_an_escaped_or_non_ascii_literal_is_held_as_json(llm, pat
 @pytest.mark.parametrize("tag, taken, refused", [
     (FREE_TEXT_TAG, ["<x>ab</x>", "<x></x>", "<x></</x>", "<x></x</x>", "<x>é😀</x>"], ["<x>a</x>b</x>", "<x>a"]),
     (TRIGGERED_TAG, ["", "ab<", "a<f>12</f>b<f>-3</f>", "<<f>1</f>"], ["a<f>x</f>", "a<fx", "a<f>1</f"]),
-], ids=["tag", "triggered"])  # fmt: skip
+    # an exclude that ends where a trigger does ("f" at the end of "<f"): xgrammar refuses the trigger there
+    ({**TRIGGERED_TAG, "format": {**TRIGGERED_TAG["format"], "excludes": ["f"]}}, ["", "a<", "<a"],
+     ["<f>1</f>", "a<f>1</f>", "f"]),
+], ids=["tag", "triggered", "exclude-ending-a-trigger"])  # fmt: skip
 def test_a_structural_tags_free_text_written_out_takes_what_xgrammar_takes(tag, taken, refused):
     """The free text of a structural tag (xgrammar's TagDispatch, which takes any bytes) is written out as rules
     with character classes; the texts it takes and refuses are those xgrammar's own grammar does. Truth: xgrammar's

@@ -227,11 +227,12 @@ def _free_text_rules(name: str, body: str) -> str | None:
         alternatives = ['""']
         for cp in chars:
             text = prefix + chr(cp)
-            done = next((text[k:] for k in range(len(text)) if text[k:] in ends), None)
-            if done is not None:
-                if ends[done] is not None:  # a trigger: its tag, then free text again
-                    alternatives.append(f"({_char_literal(cp)} {ends[done]} {state['']})")
-                continue  # an exclude: never in the text
+            done = [text[k:] for k in range(len(text)) if text[k:] in ends]  # longest first
+            if done:
+                # an exclude that ends here refuses it, even where a trigger ends here too (as xgrammar)
+                if all(ends[end] is not None for end in done):  # a trigger: its tag, then free text again
+                    alternatives.append(f"({_char_literal(cp)} {ends[done[0]]} {state['']})")
+                continue
             while text not in state:
                 text = text[1:]
             alternatives.append(f"({_char_literal(cp)} {state[text]})")
