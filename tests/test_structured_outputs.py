@@ -1161,3 +1161,24 @@ def test_a_gemma_styled_string_takes_any_length():
     tag = {"type": "structural_tag", "format": {"type": "json_schema", "style": "gemma", "json_schema": {
         "type": "object", "properties": {"s": GEMMA_BOUNDED}, "required": ["s"]}}}  # fmt: skip
     assert _is_grammar_accept_string(xgrammar.Grammar.from_structural_tag(json.dumps(tag)), '{s:<|"|>abcd<|"|>}')
+
+
+@pytest.mark.parametrize("fmt", [
+    {"type": "regex", "pattern": "trtpagedpattern41"},
+    {"type": "grammar", "grammar": 'root ::= "t" "r" "t" "p" "a" "g" "e" "d" "p" "a" "t" "t" "e" "r" "n" "4" "1"'},
+], ids=["regex", "ebnf"])  # fmt: skip
+def test_a_tags_regex_spelling_a_pattern_stand_in_keeps_its_text(fmt):
+    """A schema pattern's stand-in written as plain text is written out as its regex's rules (a qwen_xml value);
+    any regex or EBNF node that spelled one (`trtpagedpattern41`, the stand-in of `A`) was rewritten too: it took
+    "A" and refused its own text. Only the stand-ins of the tag's schemas are written out. Truth: Python's re."""
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from trtpaged.runtime.structured import tag_formats_as_patterns
+
+    tag = json.dumps({"type": "structural_tag", "format": {"type": "sequence", "elements": [fmt, {
+        "type": "qwen_xml_parameter", "json_schema": {"type": "object", "properties": {"v": _A_DIGIT}}}]}})
+    grammar = xgrammar.Grammar.from_ebnf(mended_structural_tag_grammar(tag_formats_as_patterns(tag)))
+    for text, taken in [("trtpagedpattern41", True), ("A", False)]:
+        assert bool(re.fullmatch("trtpagedpattern41", text)) == taken
+        assert _is_grammar_accept_string(grammar, text + "<parameter=v>a1</parameter>") == taken, text
+    assert not _is_grammar_accept_string(grammar, "trtpagedpattern41<parameter=v>a12</parameter>")

@@ -11,6 +11,7 @@ shows three U+FFFD, and the output breaks the grammar it was held to (a length, 
 from __future__ import annotations
 
 import re
+from typing import Collection
 
 SURROGATES = (0xD800, 0xDFFF)
 # what a JSON string may not hold unescaped: the control characters, the quote and the backslash
@@ -24,7 +25,7 @@ _CHAR_ESCAPES = {"0": 0, "b": 8, "f": 12, "n": 10, "r": 13, "t": 9, "v": 11, "e"
 _HEX_DIGITS = {"x": 2, "u": 4, "U": 8}
 
 
-def with_regexes_expanded(grammar: str) -> str:
+def with_regexes_expanded(grammar: str, stand_ins: Collection[str] = ()) -> str:
     """`grammar` (xgrammar's printed EBNF) with each `Regex("...", json_string=true)` (a JSON schema's `pattern`)
     written out as rules of its own: xgrammar's grammar for the regex (`Grammar.from_regex`), its classes less the
     characters a JSON string may not hold unescaped and its literals JSON-escaped, so that `without_surrogates` then
@@ -33,7 +34,8 @@ def with_regexes_expanded(grammar: str) -> str:
     length-bounded string), and `"` or `\\` in the pattern's literals are written escaped. The same call twice
     (a format on many fields) is written out once: xgrammar compiles each copy's masks (20 hostnames took 2 s).
     A `hidden_pattern` stand-in that xgrammar wrote as plain text (a qwen_xml_parameter's top-level value, raw
-    text rather than a JSON string) is written out as the regex's rules as they are."""
+    text rather than a JSON string) is written out as the regex's rules as they are, where it is one of
+    `stand_ins` (the patterns of the grammar's schemas): a regex or EBNF node that spells one keeps its text."""
     import xgrammar as xgr
 
     added: dict[tuple[str, bool], tuple[str, str]] = {}  # (regex, inside a JSON string): its rules' prefix and text
@@ -49,8 +51,12 @@ def with_regexes_expanded(grammar: str) -> str:
 
     text = _REGEX_CALL.sub(lambda call: expanded(_unhidden("".join(map(chr, _literal_code_points(call.group(1))))),
                                                  bool(call.group(2))), grammar)  # fmt: skip
-    text = _HIDDEN_AS_TEXT.sub(lambda hidden: expanded(_unhidden(_HIDDEN_PATTERN + hidden.group(1).replace(
-        '"', "").replace(" ", "")), False), text)  # fmt: skip
+
+    def as_text(hidden: re.Match) -> str:
+        stand_in = _HIDDEN_PATTERN + hidden.group(1).replace('"', "").replace(" ", "")
+        return expanded(_unhidden(stand_in), False) if stand_in in stand_ins else hidden.group(0)
+
+    text = _HIDDEN_AS_TEXT.sub(as_text, text)
     return text if not added else text.rstrip("\n") + "\n" + "".join(rules for _, rules in added.values())
 
 

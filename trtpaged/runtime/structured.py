@@ -24,7 +24,7 @@ import torch
 from trtpaged.errors import RequestError
 from trtpaged.runtime.grammar_text import with_free_text_written_out, with_regexes_expanded, without_surrogates
 from trtpaged.runtime.sampling_params import StructuredOutputsParams
-from trtpaged.runtime.schema_features import has_string_length, unenforced_feature
+from trtpaged.runtime.schema_features import has_string_length, subschemas, unenforced_feature
 from trtpaged.runtime.schema_formats import FORMAT_PATTERNS, formats_as_patterns
 from trtpaged.runtime.structural_tag import schema_nodes
 
@@ -82,8 +82,17 @@ def mended_structural_tag_grammar(tag: str) -> str:
     `mended_schema_grammar`); its schemas' formats as `tag_formats_as_patterns` has them."""
     import xgrammar as xgr
 
-    grammar = with_regexes_expanded(_json_string_characters(str(xgr.Grammar.from_structural_tag(tag))))
+    grammar = with_regexes_expanded(_json_string_characters(str(xgr.Grammar.from_structural_tag(tag))),
+                                    _tag_patterns(json.loads(tag)))  # fmt: skip
     return without_surrogates(with_free_text_written_out(grammar))
+
+
+def _tag_patterns(parsed: Any) -> set[str]:
+    """The patterns of the JSON schemas in a parsed structural tag (their `hidden_pattern` stand-ins once
+    `tag_formats_as_patterns` has rewritten it)."""
+    fmt = parsed.get("format") if isinstance(parsed, dict) else None
+    return {node["pattern"] for _, tagged in schema_nodes(fmt) for _, node in subschemas(tagged["json_schema"])
+            if isinstance(node.get("pattern"), str)}  # fmt: skip
 
 
 def _json_string_characters(grammar: str) -> str:
