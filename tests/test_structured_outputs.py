@@ -623,6 +623,11 @@ BAD_TAGS = [
     ({"type": "structural_tag", "format": {"type": "sequence", "elements": [
         {"type": "token", "token": "b"}, {"type": "json_schema", "json_schema": {"type": "string", "maxLength": 3}}]}},
      "beside a token named by its text", True),
+    # a pattern xgrammar refuses, as the json kind does (the fallback once compiled its stand-in, the only value taken)
+    (_tag_around({"type": "string", "pattern": "^\u0000$"}), "The regex must not contain null characters", True),
+    ({"type": "structural_tag", "format": {"type": "qwen_xml_parameter", "json_schema": {
+        "type": "object", "properties": {"d": {"type": "string", "pattern": "^a\u0000$"}}}}},
+     "The regex must not contain null characters", True),
     ({"type": "structural_tag", "format": {"type": "tag", "begin": "<a>", "end": "</a>", "content": {
         "type": "json_schema", "style": "gemma",
         "json_schema": {"type": "object", "properties": {"s": GEMMA_BOUNDED}}}}},
