@@ -1187,3 +1187,49 @@ def test_a_tags_regex_spelling_a_pattern_stand_in_keeps_its_text(fmt):
         assert bool(re.fullmatch("trtpagedpattern41", text)) == taken
         assert _is_grammar_accept_string(grammar, text + "<parameter=v>a1</parameter>") == taken, text
     assert not _is_grammar_accept_string(grammar, "trtpagedpattern41<parameter=v>a12</parameter>")
+
+
+_BOUNDED = {"type": "string", "maxLength": 3}
+
+
+@pytest.mark.parametrize("kind, spec, wrap", [
+    ("json", {"$defs": {"Short-Name": _BOUNDED}, "type": "array", "items": {"$ref": "#/$defs/Short-Name"}}, "[{}]"),
+    ("json", {"$defs": {"v1.name": _BOUNDED}, "type": "array", "items": {"$ref": "#/$defs/v1.name"}}, "[{}]"),
+    ("json", {"type": ["string", "null"], "maxLength": 3}, "{}"),
+    ("json", {"anyOf": [_BOUNDED, {"type": "integer"}]}, "{}"),
+    ("json", {"type": "object", "propertyNames": {"maxLength": 3}, "additionalProperties": {"type": "integer"}},
+     "{{{}: 1}}"),
+    ("json", {"type": "array", "items": _BOUNDED}, "[{}]"),
+    ("json", {"type": "string", "minLength": 3}, "{}"),
+    ("json", {"type": "string", "minLength": 3, "maxLength": 3}, "{}"),
+    ("structural_tag", {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "json_schema", "json_schema": {"type": "string", "maxLength": 4}},
+        {"type": "json_schema", "json_schema": _BOUNDED}]}}, '"ab"{}'),
+    ("structural_tag", {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "json_schema", "json_schema": {"type": "object", "properties": {"a": {"type": "string",
+                                                                                   "maxLength": 4}}}},
+        {"type": "json_schema", "json_schema": {"type": "object", "properties": {"a": _BOUNDED}}}]}},
+     '{{"a": "ab"}}{{"a": {}}}'),
+], ids=["defs-hyphen", "defs-dot", "nullable", "anyof", "property-names", "array", "min-only", "exact", "tag-second",
+        "tag-second-property"])  # fmt: skip
+def test_every_length_bounded_string_is_a_json_string(kind, spec, wrap):
+    """The JSON string class is put in a length-bounded string's character rule by its name, which xgrammar makes
+    from the string's place: a $defs name keeps its `-` and `.`, and a structural tag's second schema's rule gets a
+    number (`root_characters_1`); those strings kept xgrammar's class, which takes a raw tab. Truth: json's decoder
+    refuses the raw tab and takes the escaped one; the bound as jsonschema reads it."""
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from trtpaged.runtime.structured import tag_formats_as_patterns
+
+    if kind == "json":
+        grammar = xgrammar.Grammar.from_ebnf(mended_schema_grammar(json.dumps(spec)))
+    else:
+        grammar = xgrammar.Grammar.from_ebnf(mended_structural_tag_grammar(tag_formats_as_patterns(json.dumps(spec))))
+    for string, taken in [('"a\tb"', False), ('"\x01bc"', False), ('"abc"', True)]:
+        try:
+            json.loads(string)
+        except ValueError:
+            assert not taken, string
+        assert _is_grammar_accept_string(grammar, wrap.format(string)) == taken, string
+    if kind == "json":
+        jsonschema.validate(json.loads(wrap.format('"abc"')), spec)

@@ -49,19 +49,22 @@ _XGR_CHECK = re.compile(r"^Check failed: \(.*?\) is false:\s*")  # the assertion
 # that form has them); `without_surrogates` then takes the surrogate code points out of it, as out of every class.
 _LENGTH_BOUNDED_CHARACTER = '[^\\"\\\\\\r\\n]'
 _JSON_STRING_CHARACTER = '[^\\"\\\\\\0-\\x1f]'
-# the rule of such a string's character, and the string itself (the rule between quotes): only there, since a regex
-# or an EBNF grammar in a structural tag may write the same class and mean it
 # json_schema styles whose strings' patterns xgrammar writes as rules of its own (never the Regex macro): a Gemma
 # string keeps its delimiter <|"|> out of the pattern's text; a hidden_pattern stand-in there became the value itself
 _OWN_PATTERN_STYLES = ("gemma",)
 # and the formats held as patterns there: hostname's pattern as such rules took 2.5 s to compile on SmolLM2's
 # vocabulary (0.01 s as xgrammar's format, 0.35 s as the macro written out), so it keeps xgrammar's format there
+_OWN_PATTERN_FORMATS = tuple(fmt for fmt in FORMAT_PATTERNS if fmt != "hostname")
 # json_schema styles whose strings xgrammar 0.2.9 writes without their minLength / maxLength (gemma's took "abcd"
 # under maxLength 3): a schema with them is refused there, as every keyword the grammar would not enforce
 _UNBOUNDED_STRING_STYLES = ("gemma",)
-_OWN_PATTERN_FORMATS = tuple(fmt for fmt in FORMAT_PATTERNS if fmt != "hostname")
-_LENGTH_BOUNDED_RULE = re.compile(r"^(\w+_characters) ::= \(\(" + re.escape(_LENGTH_BOUNDED_CHARACTER) + r"\)\)$", re.M)
-_LENGTH_BOUNDED_STRING = re.compile(r'"\\"" (\w+_characters)\{\d+, -?\d+\} "\\""')
+# the rule of a length-bounded string's character, and the string (the rule between quotes): only there, since a regex
+# or an EBNF grammar in a structural tag may write the same class and mean it. xgrammar names the rule after the
+# string's place: a $defs name keeps its - and . (`defs_Short-Name_characters`), and a name a structural tag's
+# earlier schema took gets a number (`root_characters_1`)
+_CHARACTERS = r"[\w.-]+_characters(?:_\d+)?"
+_LENGTH_BOUNDED_RULE = re.compile(rf"^({_CHARACTERS}) ::= \(\({re.escape(_LENGTH_BOUNDED_CHARACTER)}\)\)$", re.M)
+_LENGTH_BOUNDED_STRING = re.compile(rf'"\\"" ({_CHARACTERS})\{{\d+, -?\d+\}} "\\""')
 
 
 def mended_schema_grammar(schema: str, strict_mode: bool = True) -> str:
