@@ -632,6 +632,10 @@ BAD_TAGS = [
         "type": "json_schema", "style": "gemma",
         "json_schema": {"type": "object", "properties": {"s": GEMMA_BOUNDED}}}}},
      "format.content.json_schema: 'minLength' / 'maxLength' is not enforced in style 'gemma'", True),
+    # a token named by a lone surrogate, which no token's text is (was: UnicodeEncodeError, naming no field)
+    ({"type": "structural_tag", "format": {"type": "token", "token": "\ud800"}}, "invalid structural_tag", True),
+    ({"type": "structural_tag", "format": {"type": "token_dispatch", "loop": False, "rules": [
+        ["\ud800", {"type": "const_string", "value": "!"}]]}}, "invalid structural_tag", True),
 ]  # fmt: skip
 
 

@@ -156,7 +156,7 @@ def stop_tokens_by_id(tag: str, ids: dict[bytes, int]) -> str:
     it there."""
 
     def by_id(name: Any) -> Any:
-        return ids.get(name.encode(), name) if isinstance(name, str) else name
+        return ids.get(name.encode("utf-8", "surrogatepass"), name) if isinstance(name, str) else name
 
     def walk(node: Any) -> Any:
         if isinstance(node, list):
