@@ -1237,3 +1237,27 @@ def test_every_length_bounded_string_is_a_json_string(kind, spec, wrap):
         assert _is_grammar_accept_string(grammar, wrap.format(string)) == taken, string
     if kind == "json":
         jsonschema.validate(json.loads(wrap.format('"abc"')), spec)
+
+
+def test_a_qwen_xml_parameter_reads_no_style():
+    """xgrammar reads a style on a json_schema node only: a qwen_xml_parameter of style "gemma" is its XML form,
+    its strings bounded. It was refused for a maxLength ("not enforced in style 'gemma'") and its hostname kept
+    xgrammar's loose format (a 64-letter label taken). Truth: xgrammar's grammar for the node is the same without
+    the style; `_conforms` on the hostname; the bound as jsonschema reads it."""
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from trtpaged.models.tiny_tokenizer import make_tiny_tokenizer
+    from trtpaged.runtime.structured import GrammarCache, tag_formats_as_patterns
+
+    schema = {"type": "object", "properties": {"h": {"type": "string", "format": "hostname"}, "s": GEMMA_BOUNDED},
+              "required": ["h", "s"]}  # fmt: skip
+    tags = [{"type": "structural_tag", "format": {"type": "qwen_xml_parameter", "json_schema": schema, **style}}
+            for style in ({"style": "gemma"}, {})]  # fmt: skip
+    assert len({str(xgrammar.Grammar.from_structural_tag(json.dumps(tag))) for tag in tags}) == 1
+    tok = make_tiny_tokenizer()
+    GrammarCache(tok, len(tok), [tok.eos_token_id]).compile(Grammar(structural_tag=tags[0]))  # not refused
+    grammar = xgrammar.Grammar.from_ebnf(mended_structural_tag_grammar(tag_formats_as_patterns(json.dumps(tags[0]))))
+    for host, s, taken in [("ab.c", "abc", True), ("a" * 64, "abc", False), ("ab.c", "abcd", False)]:
+        assert (_conforms(host, "hostname") and jsonschema.Draft202012Validator(GEMMA_BOUNDED).is_valid(s)) == taken
+        text = f"<parameter=h>{host}</parameter><parameter=s>{s}</parameter>"
+        assert _is_grammar_accept_string(grammar, text) == taken, (host, s)
