@@ -228,14 +228,11 @@ def _tool_arguments_as_objects(messages: list[dict]) -> list[dict]:
     out = []
     for m, msg in enumerate(messages):
         calls = msg.get("tool_calls")
-        if msg.get("role") != "assistant" and "tool_calls" in msg:
+        if "tool_calls" in msg and (msg.get("role") != "assistant" or calls == []):  # another role's, or none
             out.append({k: v for k, v in msg.items() if k != "tool_calls"})
             continue
         if msg.get("role") != "assistant" or not isinstance(calls, list):
             out.append(msg)
-            continue
-        if not calls:
-            out.append({k: v for k, v in msg.items() if k != "tool_calls"})
             continue
         converted = []
         for c, call in enumerate(calls):

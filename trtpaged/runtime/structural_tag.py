@@ -109,3 +109,9 @@ def schema_nodes(fmt: Any, path: str = "format") -> list[tuple[str, Mapping[str,
         elif isinstance(node, list):
             todo.extend((f"{where}[{i}]", value) for i, value in reversed(list(enumerate(node))))
     return found
+
+
+def schema_style(node: Mapping[str, Any]) -> Any:
+    """The style a schema node (`schema_nodes`) is written in: a json_schema node's `style` (a node without a type
+    is one); xgrammar reads none on a qwen_xml_parameter node (always its XML form)."""
+    return node.get("style") if node.get("type", _SCHEMA_NODES[0]) == _SCHEMA_NODES[0] else None

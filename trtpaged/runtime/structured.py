@@ -26,7 +26,7 @@ from trtpaged.runtime.grammar_text import with_free_text_written_out, with_regex
 from trtpaged.runtime.sampling_params import StructuredOutputsParams
 from trtpaged.runtime.schema_features import has_string_length, subschemas, unenforced_feature
 from trtpaged.runtime.schema_formats import FORMAT_PATTERNS, formats_as_patterns
-from trtpaged.runtime.structural_tag import schema_nodes
+from trtpaged.runtime.structural_tag import schema_nodes, schema_style
 
 DEFAULT_CACHE_SIZE = 256  # distinct compiled grammars kept
 # and their memory (xgrammar's memory_size_bytes): a 64 KiB schema compiles to up to about 5 MB for a 49k vocabulary,
@@ -126,18 +126,12 @@ def tag_formats_as_patterns(tag: str) -> str:
     parsed = json.loads(tag)
     changed = False
     for _, node in schema_nodes(parsed.get("format") if isinstance(parsed, dict) else None):
-        own = _style(node) in _OWN_PATTERN_STYLES
+        own = schema_style(node) in _OWN_PATTERN_STYLES
         rewritten = formats_as_patterns(node["json_schema"], hidden=not own,
                                         formats=_OWN_PATTERN_FORMATS if own else FORMAT_PATTERNS)  # fmt: skip
         if rewritten is not node["json_schema"]:
             node["json_schema"], changed = rewritten, True  # type: ignore[index] - parsed here, so ours to change
     return json.dumps(parsed) if changed else tag
-
-
-def _style(node: Any) -> Any:
-    """The style a schema node of a structural tag (`structural_tag.schema_nodes`) is written in: a json_schema
-    node's `style`; xgrammar reads none on a qwen_xml_parameter node (always its XML form)."""
-    return node.get("style") if node.get("type", "json_schema") == "json_schema" else None
 
 
 def _stop_tokens_without_text(info: Any, vocab: list[bytes]) -> Any:
@@ -301,7 +295,7 @@ class GrammarCache:
             if why is not None:
                 raise RequestError(params.origin, f"the JSON schema at {where}: {why}")
         for where, node in schema_nodes(json.loads(params.structural_tag_json)["format"]):
-            if _style(node) in _UNBOUNDED_STRING_STYLES and has_string_length(node["json_schema"]):
+            if schema_style(node) in _UNBOUNDED_STRING_STYLES and has_string_length(node["json_schema"]):
                 raise RequestError(params.origin, f"the JSON schema at {where}.json_schema: 'minLength' / 'maxLength' "
                                    f"is not enforced in style {node['style']!r} (its strings take any length)")
         given = stop_tokens_by_id(params.structural_tag_json, stop_ids)
