@@ -6,6 +6,7 @@ Every test that starts ranks bounds its time, and checks that no worker outlives
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -128,6 +129,85 @@ def test_killed_worker_ends_with_a_clear_error_and_no_orphans(tiny_kv4_engines, 
         llm.generate(prompts[:1], GREEDY)
     llm.close()
     assert _gone(pids)
+
+
+def _take_sockets(pid: int) -> list[int]:
+    """Copies of every socket `pid` holds (pidfd_getfd), as a process that inherited them would hold them; skips the
+    test where this kernel or sandbox does not allow it."""
+    import ctypes
+
+    if not hasattr(os, "pidfd_open"):
+        pytest.skip("needs os.pidfd_open (Linux, Python 3.9+) to hold a worker's sockets")
+    libc = ctypes.CDLL(None, use_errno=True)
+    pidfd = os.pidfd_open(pid)
+    taken = []
+    try:
+        for name in os.listdir(f"/proc/{pid}/fd"):
+            if not os.readlink(f"/proc/{pid}/fd/{name}").startswith("socket:"):
+                continue
+            fd = libc.syscall(438, pidfd, int(name), 0)  # SYS_pidfd_getfd (x86-64 and arm64 alike)
+            if fd < 0:
+                for held in taken:
+                    os.close(held)
+                pytest.skip(f"pidfd_getfd refused here: {os.strerror(ctypes.get_errno())}")
+            taken.append(fd)
+    finally:
+        os.close(pidfd)
+    return taken
+
+
+def test_worker_dying_mid_step_with_its_sockets_held_open_ends_the_step_at_once(tiny_kv4_engines, prompts,
+                                                                                  monkeypatch):
+    """A worker dies while rank 0's step waits on it, and another process still holds its sockets (one it forked,
+    or one that inherited them): no connection closes, and the step waited out the whole TRTPAGED_TP_TIMEOUT_S
+    (300 s by default; once in CI). Rank 0 now sees the exit and hangs up its own connections to the workers."""
+    import threading
+
+    monkeypatch.setenv("TRTPAGED_TP_TIMEOUT_S", "60")
+    llm = LLM(tiny_kv4_engines[2], device="cpu")
+    pids = _workers(llm)
+    held: list[int] = []
+    try:
+        first = llm.generate(prompts[:1], GREEDY)
+        os.kill(pids[0], signal.SIGSTOP)  # the next step waits on it
+        held = _take_sockets(pids[0])
+        assert held
+        failed: list[BaseException] = []
+
+        def generate() -> None:
+            try:
+                llm.generate(prompts[:1], GREEDY)
+            except BaseException as exc:  # noqa: BLE001
+                failed.append(exc)
+
+        thread = threading.Thread(target=generate)
+        thread.start()
+        time.sleep(0.5)
+        assert thread.is_alive()  # inside the step's collective, waiting on the stopped rank
+        start = time.monotonic()
+        os.kill(pids[0], signal.SIGKILL)
+        thread.join(timeout=70)
+        assert time.monotonic() - start < 10
+        assert len(failed) == 1 and isinstance(failed[0], TensorParallelError), failed
+        assert re.search(r"step failed on 2 ranks: rank 1 \(pid \d+\) exited with signal SIGKILL", str(failed[0]))
+        assert first[0].outputs[0].token_ids
+    finally:
+        for fd in held:
+            os.close(fd)
+        for pid in pids:
+            if os.path.exists(f"/proc/{pid}"):
+                os.kill(pid, signal.SIGKILL)
+        llm.close()
+    assert _gone(pids)
+
+
+def test_the_exits_of_a_normal_close_are_no_failure(tiny_kv4_engines, prompts):
+    """The watch that hangs up on a worker's exit stops before STOP: the workers exit on STOP with code 0."""
+    llm = LLM(tiny_kv4_engines[2], device="cpu")
+    procs = dict(llm.engine.runner.workers.procs)
+    llm.generate(prompts[:1], GREEDY)
+    llm.close()
+    assert {r: p.returncode for r, p in procs.items()} == {1: 0}
 
 
 def test_hung_worker_ends_at_the_timeout(tiny_kv4_engines, prompts, monkeypatch):

@@ -5,12 +5,15 @@ the model is split: every block copy, swap and step it asks for is broadcast
 first (messages.py), then applied to rank 0's own shard. Any failure of a
 collective (a rank died: gloo reports the closed connection at once; a rank
 hung: the timeout) raises `TensorParallelError` naming what happened, and the
-remaining workers are stopped.
+remaining workers are stopped. A local worker that exits while a collective
+waits on it ends that collective within `hangup.POLL_S`, even where its
+connection stays open (hangup.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import signal
 import threading
 import time
@@ -24,7 +27,7 @@ import torch
 from trtpaged.manifest import Manifest
 from trtpaged.runtime.runners.base import StepBatch, pool_block_bytes
 from trtpaged.runtime.runners.torch_runner import TorchRunner
-from trtpaged.runtime.tp import messages
+from trtpaged.runtime.tp import hangup, messages
 from trtpaged.runtime.tp.launch import WorkerSet, threads_per_rank
 from trtpaged.runtime.tp.messages import Op
 from trtpaged.runtime.tp.rendezvous import (Collectives, Rendezvous, TensorParallelError, default_timeout_s,
@@ -39,14 +42,20 @@ class TensorParallelRunner:
 
     backend = "torch"
 
-    def __init__(self, local: TorchRunner, coll: Collectives, workers: Optional[WorkerSet]) -> None:
+    def __init__(self, local: TorchRunner, coll: Collectives, workers: Optional[WorkerSet],
+                 worker_connections: Sequence[tuple[int, int]] = ()) -> None:
+        """`worker_connections`: rank 0's connections to the local workers (`hangup.connections_to`), shut down
+        when one of them exits."""
         self.local, self.coll, self.workers = local, coll, workers
         self.num_kv_blocks = local.num_kv_blocks
         self.world_size = coll.world_size
         self._failure: Optional[str] = None
         self._broken = [False]  # shared with the finalizer: no STOP once a rank failed
         self._busy = threading.Lock()  # held while a command runs (by a server's engine thread)
-        self._finalizer = weakref.finalize(self, _shutdown, coll, workers, self._broken, self._busy)
+        watch = None
+        if workers is not None:
+            watch = hangup.ExitWatch(workers.failure, functools.partial(_end_collectives, coll, worker_connections))
+        self._finalizer = weakref.finalize(self, _shutdown, coll, workers, self._broken, self._busy, watch)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -190,13 +199,23 @@ def _unanswered(workers: Optional[WorkerSet], exc: Exception) -> str:
     return f"{first}; no rank exited, alive (one or more not answering): {', '.join(alive)}" if alive else first
 
 
-def _shutdown(coll: Collectives, workers: Optional[WorkerSet], broken: list[bool], busy: threading.Lock) -> None:
+def _end_collectives(coll: Collectives, connections: Sequence[tuple[int, int]], why: str) -> None:
+    """A local worker exited: any collective under way or to come fails now, not at the timeout."""
+    hangup.hang_up(connections)
+    if coll.compute is not coll.control:
+        coll.compute.abort()  # NCCL: ncclCommAbort ends its kernels (not run here: no multi-GPU machine)
+
+
+def _shutdown(coll: Collectives, workers: Optional[WorkerSet], broken: list[bool], busy: threading.Lock,
+              watch: Optional[hangup.ExitWatch] = None) -> None:
     # a command still under way in another thread after STOP_WAIT_S is stuck on a hung rank: STOP would wait behind
     # it in the group's queue for the whole collective timeout (a server's SIGTERM took that long to exit); the local
     # workers are killed instead, which ends the stuck collective, and it is given time to unwind (torn down under
     # it at exit, gloo aborted the process). STOP itself gets STOP_WAIT_S: a rank that hung between two commands
     # never takes it (it waited out the whole timeout when a server's engine thread had stopped between steps)
     idle = busy.acquire(timeout=STOP_WAIT_S)
+    if watch is not None:
+        watch.stop()  # before STOP: the workers' own exits after it are no failure
     try:
         if idle and not broken[0]:
             try:
@@ -254,11 +273,12 @@ def start_tensor_parallel(
         coll = make_groups(store, rz, torch.device(devices[0]))
         reduce.group = coll
         messages.send(coll, Op.INIT, [num_kv_blocks, num_host_blocks, messages.fingerprint(manifest.to_json())])
+        connections = hangup.connections_to(workers.pids, except_port=store.port) if workers is not None else []
         # until the runner (whose close stops them) exists: a failure or Ctrl-C here left the workers waiting for
         # commands for as long as the exception's traceback held the groups
         pool = model.new_kv_cache(num_kv_blocks, manifest.limits.block_size, manifest.kv_cache_dtype,
                                   device=devices[0])
-        return TensorParallelRunner(TorchRunner(model, pool, num_host_blocks), coll, workers)
+        return TensorParallelRunner(TorchRunner(model, pool, num_host_blocks), coll, workers, connections)
     except BaseException:
         if workers is not None:
             workers.stop(grace_s=0.0)
