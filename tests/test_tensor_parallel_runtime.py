@@ -201,6 +201,48 @@ def test_worker_dying_mid_step_with_its_sockets_held_open_ends_the_step_at_once(
     assert _gone(pids)
 
 
+def test_close_ends_a_command_stuck_on_a_hung_rank_whose_sockets_are_held(tiny_kv4_engines, prompts, monkeypatch):
+    """close() while another thread's step is stuck on a hung rank kills the workers after STOP_WAIT_S; where the
+    killed rank's sockets outlive it, the stuck step waited out the whole timeout after close() had returned (a
+    server's engine thread left inside a collective). The kill is now hung up on like any exit."""
+    import threading
+
+    from trtpaged.runtime.tp.runner import STOP_WAIT_S
+
+    monkeypatch.setenv("TRTPAGED_TP_TIMEOUT_S", "60")
+    llm = LLM(tiny_kv4_engines[2], device="cpu")
+    pids = _workers(llm)
+    held: list[int] = []
+    try:
+        llm.generate(prompts[:1], GREEDY)
+        os.kill(pids[0], signal.SIGSTOP)
+        held = _take_sockets(pids[0])
+        failed: list[BaseException] = []
+
+        def engine_thread() -> None:  # as a server's: steps the engine itself, outside LLM's one-call lock
+            try:
+                run_staggered(llm.engine, [(prompts[0], GREEDY)])
+            except BaseException as exc:  # noqa: BLE001
+                failed.append(exc)
+
+        thread = threading.Thread(target=engine_thread)
+        thread.start()
+        time.sleep(0.5)
+        start = time.monotonic()
+        llm.close()
+        thread.join(timeout=70)
+        assert time.monotonic() - start < 2 * STOP_WAIT_S + 5
+        assert len(failed) == 1 and isinstance(failed[0], TensorParallelError), failed
+    finally:
+        for fd in held:
+            os.close(fd)
+        for pid in pids:
+            if os.path.exists(f"/proc/{pid}"):
+                os.kill(pid, signal.SIGKILL)
+        llm.close()
+    assert _gone(pids)
+
+
 def test_the_exits_of_a_normal_close_are_no_failure(tiny_kv4_engines, prompts):
     """The watch that hangs up on a worker's exit stops before STOP: the workers exit on STOP with code 0."""
     llm = LLM(tiny_kv4_engines[2], device="cpu")

@@ -214,10 +214,10 @@ def _shutdown(coll: Collectives, workers: Optional[WorkerSet], broken: list[bool
     # it at exit, gloo aborted the process). STOP itself gets STOP_WAIT_S: a rank that hung between two commands
     # never takes it (it waited out the whole timeout when a server's engine thread had stopped between steps)
     idle = busy.acquire(timeout=STOP_WAIT_S)
-    if watch is not None:
-        watch.stop()  # before STOP: the workers' own exits after it are no failure
     try:
         if idle and not broken[0]:
+            if watch is not None:
+                watch.stop()  # before STOP: the workers' own exits after it are no failure
             try:
                 messages.send(coll, Op.STOP, timeout=timedelta(seconds=STOP_WAIT_S))
             except Exception:  # noqa: BLE001  (gloo raises RuntimeError or DistBackendError)
@@ -225,9 +225,11 @@ def _shutdown(coll: Collectives, workers: Optional[WorkerSet], broken: list[bool
         broken[0] = broken[0] or not idle
         if workers is not None:
             workers.stop(grace_s=0.0 if broken[0] else 10.0)
-        if not idle:
-            idle = busy.acquire(timeout=STOP_WAIT_S)
+        if not idle:  # the watch, still running, hangs up on the kills: the stuck command ends even where the
+            idle = busy.acquire(timeout=STOP_WAIT_S)  # killed rank's sockets outlive it
     finally:
+        if watch is not None:
+            watch.stop()
         if idle:
             busy.release()
 
