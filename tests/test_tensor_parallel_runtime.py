@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from conftest import save_manifest
+from conftest import TINY_KV4, build_from_dict, built_once, save_manifest
 
 from greedy_fixtures import EOS, MAX_TOKENS, prompts as prompts, reference as reference  # the shared fixtures
 from runtime_helpers import REPO, hf_beams, hf_from_engine_dir, run_staggered
@@ -58,6 +58,13 @@ def _workers(llm: LLM) -> list[int]:
 @pytest.fixture(scope="module")
 def hf(tiny_kv4_engines):
     return hf_from_engine_dir(tiny_kv4_engines[1])
+
+
+@pytest.fixture(scope="module")
+def tiny_kv4_tp4(tmp_path_factory):
+    """TINY_KV4 built for 4 ranks (one KV head each)."""
+    return built_once(tmp_path_factory, "tiny-kv4-tp4",
+                      lambda out: build_from_dict({**TINY_KV4, "tensor_parallel": 4}, out))
 
 
 @pytest.fixture(scope="module")
@@ -239,6 +246,34 @@ def test_close_ends_a_command_stuck_on_a_hung_rank_whose_sockets_are_held(tiny_k
         for pid in pids:
             if os.path.exists(f"/proc/{pid}"):
                 os.kill(pid, signal.SIGKILL)
+        llm.close()
+    assert _gone(pids)
+
+
+def test_a_worker_dying_idle_is_named_alone_though_the_hang_up_ends_the_others(tiny_kv4_tp4, prompts):
+    """4 ranks, rank 2 killed while the engine is idle: rank 0's exit watch hangs up its connections to every worker,
+    so ranks 1 and 3 exit too ('Connection closed by peer'). What the health check and the next call say names the
+    rank that died, not those rank 0 hung up on (was: ranks 1 and 3 first, with gloo's 'typically caused by a remote
+    worker crashing', as if they had crashed)."""
+    llm = LLM(tiny_kv4_tp4, device="cpu")
+    runner = llm.engine.runner
+    procs = dict(runner.workers.procs)
+    pids = _workers(llm)
+    try:
+        llm.generate(prompts[:1], GREEDY)
+        for pid in pids:  # waiting on the next command: done with the last step's all-reduce, which rank 2 is in
+            _wait_until_idle(pid)
+        os.kill(procs[2].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while any(p.poll() is None for p in procs.values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert {r: p.returncode for r, p in procs.items()} == {1: 1, 2: -signal.SIGKILL, 3: 1}
+        died = f"rank 2 (pid {procs[2].pid}) exited with signal SIGKILL"
+        assert runner.failure() == f"{died} (4 ranks)"
+        with pytest.raises(TensorParallelError) as failed:
+            llm.generate(prompts[:1], GREEDY)
+        assert str(failed.value) == f"step failed on 4 ranks: {died}"
+    finally:
         llm.close()
     assert _gone(pids)
 

@@ -52,9 +52,11 @@ class TensorParallelRunner:
         self._failure: Optional[str] = None
         self._broken = [False]  # shared with the finalizer: no STOP once a rank failed
         self._busy = threading.Lock()  # held while a command runs (by a server's engine thread)
+        self._exits: list[str] = []  # the exits the watch hung up on (shared with it: no reference to the runner)
         watch = None
         if workers is not None:
-            watch = hangup.ExitWatch(workers.failure, functools.partial(_end_collectives, coll, worker_connections))
+            watch = hangup.ExitWatch(workers.failure,
+                                     functools.partial(_end_collectives, coll, worker_connections, self._exits))
         self._finalizer = weakref.finalize(self, _shutdown, coll, workers, self._broken, self._busy, watch)
 
     @property
@@ -121,7 +123,7 @@ class TensorParallelRunner:
         # a worker that died since the last call (killed while idle) is found before a collective waits on it: a
         # collective learns of it only from its closed connection, which a process that inherited the worker's
         # sockets keeps open (once in CI: the step then waited out the whole timeout)
-        dead = self.workers.failure() if self.workers is not None else None
+        dead = _exited(self.workers, self._exits)
         with _interrupt_deferred(), self._busy:
             try:
                 if dead:
@@ -130,7 +132,7 @@ class TensorParallelRunner:
             except BaseException as exc:  # noqa: BLE001  (gloo and NCCL raise RuntimeError or DistBackendError)
                 self._broken[0] = True
                 if isinstance(exc, Exception):
-                    why = dead or _dead_workers(self.workers) or _unanswered(self.workers, exc)
+                    why = dead or _dead_workers(self.workers, self._exits) or _unanswered(self.workers, exc)
                     self._failure = f"{what} failed on {self.world_size} ranks: {why}"
                 else:  # a second Ctrl-C: rank 0 left the command halfway, the other ranks did not
                     self._failure = f"{what} interrupted on {self.world_size} ranks ({type(exc).__name__})"
@@ -145,7 +147,7 @@ class TensorParallelRunner:
         check reports before the next step would find it."""
         if self._failure is not None:
             return self._failure
-        dead = self.workers.failure() if self.workers is not None else None
+        dead = _exited(self.workers, self._exits)
         return f"{dead} ({self.world_size} ranks)" if dead else None
 
     def close(self) -> None:
@@ -179,13 +181,22 @@ def _interrupt_deferred() -> Iterator[None]:
         previous(pending[0], None)
 
 
-def _dead_workers(workers: Optional[WorkerSet], wait_s: float = 1.0) -> Optional[str]:
-    """Which local workers exited; waits briefly, since the closed connection may be seen before the exit."""
+def _exited(workers: Optional[WorkerSet], exits: Sequence[str]) -> Optional[str]:
+    """Which local workers exited: those the exit watch found when it hung up, not the healthy ones that exited since
+    because of the hang-up (3 or more ranks), else those exited now."""
+    if exits:
+        return exits[0]
+    return workers.failure() if workers is not None else None
+
+
+def _dead_workers(workers: Optional[WorkerSet], exits: Sequence[str], wait_s: float = 1.0) -> Optional[str]:
+    """Which local workers exited (`_exited`); waits briefly, since the closed connection may be seen before the
+    exit."""
     if workers is None:
         return None
     deadline = time.monotonic() + wait_s
     while True:
-        why = workers.failure()
+        why = _exited(workers, exits)
         if why or time.monotonic() > deadline:
             return why
         time.sleep(0.02)
@@ -199,8 +210,10 @@ def _unanswered(workers: Optional[WorkerSet], exc: Exception) -> str:
     return f"{first}; no rank exited, alive (one or more not answering): {', '.join(alive)}" if alive else first
 
 
-def _end_collectives(coll: Collectives, connections: Sequence[tuple[int, int]], why: str) -> None:
-    """A local worker exited: any collective under way or to come fails now, not at the timeout."""
+def _end_collectives(coll: Collectives, connections: Sequence[tuple[int, int]], exits: list[str], why: str) -> None:
+    """A local worker exited (`why`, kept in `exits`): any collective under way or to come fails now, not at the
+    timeout."""
+    exits.append(why)  # before the hang-up, whose failures name it
     hangup.hang_up(connections)
     if coll.compute is not coll.control:
         coll.compute.abort()  # NCCL: ncclCommAbort ends its kernels (not run here: no multi-GPU machine)
