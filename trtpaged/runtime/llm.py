@@ -764,6 +764,7 @@ class LLM:
             if close is not None:
                 close()
             self._closed = True
+        gc.unfreeze()  # what __init__ froze: the runner's cycles would hold its pool and the ranks' sockets for good
 
     def __enter__(self) -> "LLM":
         return self
