@@ -95,10 +95,13 @@ def test_connections_to_finds_the_ones_whose_other_end_a_process_holds():
         assert sorted(hangup.connections_to(pids)) == sorted([(accepted.fileno(), _inode(accepted)),
                                                               (from_store.fileno(), _inode(from_store))])
         assert hangup.connections_to([]) == []
+        accepted.close()
+        from_store.close()
     finally:
         for child in children:
             child.stdin.close()
             child.wait()
+            child.stdout.close()
         for sock in (listener, store, own_client, own_accepted):
             sock.close()
 
@@ -124,11 +127,24 @@ def test_hang_up_ends_a_wait_on_a_connection_another_process_keeps_open():
         reader.join(timeout=5)
         assert not reader.is_alive() and got == [b""]
         assert conn.fileno() >= 0 and hangup.socket_inodes()[conn.fileno()] == connections[0][1]
+        number = conn.fileno()
+        other_listener, other_client, other = _pair(socket.AF_INET, "127.0.0.1")  # numbers other than conn's
         conn.close()
-        assert hangup.hang_up(connections) == 0  # the number no longer that socket
+        assert hangup.hang_up(connections) == 0  # the number closed
+        os.dup2(other.fileno(), number)  # the number reused by another connection
+        try:
+            assert hangup.hang_up(connections) == 0
+            other_client.sendall(b"x")
+            with socket.socket(fileno=os.dup(number)) as check:
+                assert check.recv(1) == b"x"  # not shut down
+        finally:
+            os.close(number)
+            for sock in (other_listener, other_client, other):
+                sock.close()
     finally:
         child.stdin.close()
         child.wait()
+        child.stdout.close()
         listener.close()
 
 

@@ -85,10 +85,17 @@ def hang_up(connections: Sequence[tuple[int, int]]) -> int:
     done = 0
     for fd, inode in connections:
         try:
-            if os.readlink(f"/proc/self/fd/{fd}") != f"socket:[{inode}]":
-                continue  # closed, and the number reused
-            sock = socket.socket(fileno=os.dup(fd))
+            copy = os.dup(fd)
         except OSError:
+            continue  # closed
+        # checked on the copy, which cannot change under us: the owner may close the number (gloo closes a pair
+        # whose peer is gone) and another thread reuse it for, say, a client's connection
+        try:
+            sock = socket.socket(fileno=copy) if os.fstat(copy).st_ino == inode else None
+        except OSError:
+            sock = None
+        if sock is None:
+            os.close(copy)
             continue
         try:
             sock.shutdown(socket.SHUT_RDWR)
@@ -96,7 +103,7 @@ def hang_up(connections: Sequence[tuple[int, int]]) -> int:
         except OSError:
             pass  # already disconnected
         finally:
-            sock.close()  # the duplicate only: the owner's descriptor stays
+            sock.close()  # the copy only: the owner's descriptor stays
     return done
 
 
