@@ -50,34 +50,51 @@ __attribute__((target("{target}"))) float fma{width}(long iters) {{
   return {reduce};
 }}
 """
-# 8 independent accumulation chains (int16 on plain AVX2, int32 with VNNI); the code registers pass an empty asm
-# each iteration so that the products are not hoisted out of the loop. {dot}: one dot-product step, 4 bytes x 4
-# bytes per 32-bit lane.
+# `steps` independent accumulation chains (int16 on plain AVX2, int32 with VNNI), each of its own product: steps / 2
+# code registers times 2 activation registers, all passed through an empty asm each iteration so that nothing is
+# hoisted out of the loop. {dot}: one dot-product step, 4 bytes x 4 bytes per 32-bit lane, of accumulator a, codes w
+# and activations x. Named registers, not arrays: with `a[i] = maddubs(w[i % 4], x) + a[i]` over 8 accumulators GCC
+# 12 computed each product once for two of them (4 multiplies an iteration, counted as 8) and kept two accumulators in
+# memory (AMD Zen 4 forced to AVX2: 152 GOP/s, against 380 now). Plain AVX2 takes 6 chains, so that they, their
+# products' temporaries and the operands fit its 16 registers (8 spilled three of them).
 INT_PEAK_FUNCTION = r"""
 __attribute__((target("{target}"))) int {name}(long iters) {{
-  __m{width}i a[8], w[4]; const __m{width}i x = _mm{width}_set1_epi8(3);
-  for (int i = 0; i < 8; ++i) a[i] = _mm{width}_set1_epi32(i);
-  for (int g = 0; g < 4; ++g) w[g] = _mm{width}_set1_epi8((char)(g + 1));
+  __m{width}i {accumulators};
+  __m{width}i {codes}, x0 = _mm{width}_set1_epi8(3), x1 = _mm{width}_set1_epi8(5);
   for (long it = 0; it < iters; ++it) {{
-    for (int g = 0; g < 4; ++g) __asm__ volatile("" : "+x"(w[g]));
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) a[i] = {dot};
+    __asm__ volatile("" : {operands});
+    {steps}
   }}
-  __m{width}i s = a[0]; for (int i = 1; i < 8; ++i) s = _mm{width}_add_epi32(s, a[i]);
+  __m{width}i s = a0;
+  {sum}
   return _mm_cvtsi128_si32(_mm{width}_castsi{width}_si128(s));
 }}
 """
-INT_PEAKS = {  # ISA: (function, vector width, target, one dot-product step)
-    "avx2": ("maddubs256", 256, "avx2", "_mm256_add_epi16(a[i], _mm256_maddubs_epi16(w[i % 4], x))"),
-    "avxvnni": ("dpbusd256", 256, "avx2,avxvnni", "_mm256_dpbusd_avx_epi32(a[i], w[i % 4], x)"),
-    "avx512vnni": ("dpbusd512", 512, "avx512f,avx512bw,avx512vnni", "_mm512_dpbusd_epi32(a[i], w[i % 4], x)"),
+INT_PEAKS = {  # ISA: (function, vector width, target, one dot-product step, chains)
+    "avx2": ("maddubs256", 256, "avx2", "_mm256_add_epi16({a}, _mm256_maddubs_epi16({w}, {x}))", 6),
+    "avxvnni": ("dpbusd256", 256, "avx2,avxvnni", "_mm256_dpbusd_avx_epi32({a}, {w}, {x})", 8),
+    "avx512vnni": ("dpbusd512", 512, "avx512f,avx512bw,avx512vnni", "_mm512_dpbusd_epi32({a}, {w}, {x})", 8),
 }
+
+
+def int_peak_source(name: str, width: int, target: str, dot: str, chains: int) -> str:
+    """The C function timing `chains` independent integer dot-product chains (INT_PEAK_FUNCTION)."""
+    ncodes = chains // 2
+    return INT_PEAK_FUNCTION.format(
+        name=name, width=width, target=target,
+        accumulators=", ".join(f"a{i} = _mm{width}_set1_epi32({i})" for i in range(chains)),
+        codes=", ".join(f"w{g} = _mm{width}_set1_epi8({g + 1})" for g in range(ncodes)),
+        operands=", ".join(f'"+x"({r})' for r in [f"w{g}" for g in range(ncodes)] + ["x0", "x1"]),
+        steps=" ".join(dot.format(a=f"a{i}", w=f"w{i % ncodes}", x=f"x{i // ncodes}").join((f"a{i} = ", ";"))
+                       for i in range(chains)),
+        sum=" ".join(f"s = _mm{width}_add_epi32(s, a{i});" for i in range(1, chains)))
+
+
 PEAK_SOURCE = "#include <immintrin.h>\n" + "".join(
     PEAK_FUNCTION.format(width=width, target=target, reduce=reduce)
     for width, target, reduce in ((256, "avx2,fma", "_mm256_cvtss_f32(s)"),
                                   (512, "avx512f", "_mm512_reduce_add_ps(s)"))) + "".join(
-    INT_PEAK_FUNCTION.format(name=name, width=width, target=target, dot=dot)
-    for name, width, target, dot in INT_PEAKS.values())
+    int_peak_source(*peak) for peak in INT_PEAKS.values())
 
 
 def _best_rate(fn: Callable[[int], object], ops_per_iter: int, rounds: int) -> float:
@@ -95,7 +112,7 @@ def peaks_gflops(isa: str, rounds: int) -> tuple[float, float, str]:
     the ISA's vector width, and its integer dot product with accumulation (INT_PEAKS; a multiply-add per byte of the
     vector); and the integer loop's name."""
     width = 512 if isa == "avx512vnni" else 256
-    name, int_width, _, _ = INT_PEAKS.get(isa, INT_PEAKS["avx2"])
+    name, int_width, _, _, chains = INT_PEAKS.get(isa, INT_PEAKS["avx2"])
     with tempfile.TemporaryDirectory() as tmp:
         src, lib = Path(tmp) / "peak.c", Path(tmp) / "peak.so"
         src.write_text(PEAK_SOURCE)
@@ -105,8 +122,8 @@ def peaks_gflops(isa: str, rounds: int) -> tuple[float, float, str]:
         fma.restype, fma.argtypes = ctypes.c_float, [ctypes.c_long]
         dot = getattr(so, name)
         dot.restype, dot.argtypes = ctypes.c_int, [ctypes.c_long]
-        return (_best_rate(fma, 12 * (width // 32) * 2, rounds), _best_rate(dot, 8 * (int_width // 8) * 2, rounds),
-                name)
+        int_ops = chains * (int_width // 8) * 2
+        return _best_rate(fma, 12 * (width // 32) * 2, rounds), _best_rate(dot, int_ops, rounds), name
 
 
 def load(path: str) -> ctypes.CDLL:
