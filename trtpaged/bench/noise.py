@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from typing import Optional, Sequence
 
 from trtpaged.bench import process_tree
+from trtpaged.runtime.cpu_share import cores_busy_ticks
 
 MAX_SPREAD = 0.10  # (p90 - p10) / median above this: the repeats disagree too much
 MAX_FOREIGN_CORES = 0.5  # other processes' CPU use (in cores) above this: we shared our cores
@@ -59,15 +60,8 @@ def spread(samples: Sequence[float]) -> float:
 
 def _machine_busy_seconds() -> Optional[float]:
     """Busy CPU seconds of all CPUs since boot (user+nice+system+irq+softirq+steal), or None off Linux."""
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()
-    except OSError:
-        return None
-    if not fields or fields[0] != "cpu":
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    ticks = cores_busy_ticks()
+    return None if ticks is None else ticks / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass

@@ -56,7 +56,7 @@ def _print_report(run: Callable[[], dict], text: Callable[[dict], str], as_json:
 
 @click.group(name="bench")
 def command() -> None:
-    """Benchmarks: kernel, memory, throughput, qlinear, serve."""
+    """Benchmarks: kernel, memory, throughput, qlinear, serve, neighbour."""
     from trtpaged.bench.child_process import exit_on_sigterm
 
     exit_on_sigterm()  # a benchmark stopped by SIGTERM stops its servers and removes its temporary files
@@ -447,6 +447,23 @@ def _write_plot(plot, report: dict, path: str) -> str:
     finally:
         tmp.unlink(missing_ok=True)
     return str(out)
+
+
+@command.command(name="neighbour")
+@click.argument("engine", type=click.Path(exists=True, file_okay=False), callback=lambda ctx, p, v: _engine_dir(v, p))
+@click.option("--rounds", type=click.IntRange(1, MAX_ROUNDS), default=3, show_default=True,
+              help="Rounds; each times both settings quiet and beside the busy process.")
+@click.option("--tokens", type=click.IntRange(1, 4096), default=256, show_default=True,
+              help="Tokens each request decodes.")
+@click.option("--batch", type=click.IntRange(1, 256), default=1, show_default=True, help="Requests at once.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def neighbour(engine: str, rounds: int, tokens: int, batch: int, as_json: bool) -> None:
+    """Decode speed beside a busy process: the CPU thread budget (TRTPAGED_CPU_THREADS auto) against fixed."""
+    from pathlib import Path
+
+    from trtpaged.bench.neighbour_bench import describe, run_neighbour_bench
+
+    _print_report(lambda: run_neighbour_bench(Path(engine), rounds, tokens, batch, _progress), describe, as_json)
 
 
 @command.command(name="qlinear")

@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from trtpaged.runtime.cpu_share import shared_budget
 from trtpaged.runtime.runners.base import BlockStaging, StepBatch
 
 log = logging.getLogger("trtpaged.runtime")
@@ -46,6 +47,8 @@ class TorchRunner:
         self.host_cache = torch.zeros(host_shape, dtype=kv_cache.dtype, pin_memory=pin) if num_host_blocks else None
         self._kernels = _kernels(self.device)
         self._staging = BlockStaging(self._swap)  # the KV tiers' blocks move as swapped blocks do
+        # fewer OpenMP threads while other processes keep this process's cores busy (cpu_share.py)
+        self._threads = shared_budget() if self.device.type == "cpu" else None
         self.execution_plan: Optional[str] = None
         # a step model takes the step's `row_invariant` (StepBatch); another module gets the contract's arguments
         self._row_invariant = "row_invariant" in inspect.signature(model.forward).parameters
@@ -76,6 +79,8 @@ class TorchRunner:
 
     @torch.inference_mode()
     def step(self, batch: StepBatch) -> torch.Tensor:
+        if self._threads is not None:
+            self._threads.apply()
         args = [
             t.to(self.device, non_blocking=True)
             for t in (batch.input_ids, batch.positions, batch.query_start, batch.context_lens, batch.block_tables,
