@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -163,13 +164,36 @@ def _take_sockets(pid: int) -> list[int]:
     return taken
 
 
+def _started(call) -> tuple[threading.Thread, list[BaseException]]:
+    """`call()` running in a thread of its own, and the list its exception goes to."""
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:  # noqa: BLE001
+            failed.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, failed
+
+
+def _let_go(held: list[int], pids: list[int], llm: LLM) -> None:
+    """Closes the copies of a worker's sockets, kills what is left of the workers, closes the LLM."""
+    for fd in held:
+        os.close(fd)
+    for pid in pids:
+        if os.path.exists(f"/proc/{pid}"):
+            os.kill(pid, signal.SIGKILL)
+    llm.close()
+
+
 def test_worker_dying_mid_step_with_its_sockets_held_open_ends_the_step_at_once(tiny_kv4_engines, prompts,
                                                                                   monkeypatch):
     """A worker dies while rank 0's step waits on it, and another process still holds its sockets (one it forked,
     or one that inherited them): no connection closes, and the step waited out the whole TRTPAGED_TP_TIMEOUT_S
     (300 s by default; once in CI). Rank 0 now sees the exit and hangs up its own connections to the workers."""
-    import threading
-
     monkeypatch.setenv("TRTPAGED_TP_TIMEOUT_S", "60")
     llm = LLM(tiny_kv4_engines[2], device="cpu")
     pids = _workers(llm)
@@ -179,16 +203,7 @@ def test_worker_dying_mid_step_with_its_sockets_held_open_ends_the_step_at_once(
         os.kill(pids[0], signal.SIGSTOP)  # the next step waits on it
         held = _take_sockets(pids[0])
         assert held
-        failed: list[BaseException] = []
-
-        def generate() -> None:
-            try:
-                llm.generate(prompts[:1], GREEDY)
-            except BaseException as exc:  # noqa: BLE001
-                failed.append(exc)
-
-        thread = threading.Thread(target=generate)
-        thread.start()
+        thread, failed = _started(lambda: llm.generate(prompts[:1], GREEDY))
         time.sleep(0.5)
         assert thread.is_alive()  # inside the step's collective, waiting on the stopped rank
         start = time.monotonic()
@@ -199,12 +214,7 @@ def test_worker_dying_mid_step_with_its_sockets_held_open_ends_the_step_at_once(
         assert re.search(r"step failed on 2 ranks: rank 1 \(pid \d+\) exited with signal SIGKILL", str(failed[0]))
         assert first[0].outputs[0].token_ids
     finally:
-        for fd in held:
-            os.close(fd)
-        for pid in pids:
-            if os.path.exists(f"/proc/{pid}"):
-                os.kill(pid, signal.SIGKILL)
-        llm.close()
+        _let_go(held, pids, llm)
     assert _gone(pids)
 
 
@@ -212,8 +222,6 @@ def test_close_ends_a_command_stuck_on_a_hung_rank_whose_sockets_are_held(tiny_k
     """close() while another thread's step is stuck on a hung rank kills the workers after STOP_WAIT_S; where the
     killed rank's sockets outlive it, the stuck step waited out the whole timeout after close() had returned (a
     server's engine thread left inside a collective). The kill is now hung up on like any exit."""
-    import threading
-
     from trtpaged.runtime.tp.runner import STOP_WAIT_S
 
     monkeypatch.setenv("TRTPAGED_TP_TIMEOUT_S", "60")
@@ -224,16 +232,8 @@ def test_close_ends_a_command_stuck_on_a_hung_rank_whose_sockets_are_held(tiny_k
         llm.generate(prompts[:1], GREEDY)
         os.kill(pids[0], signal.SIGSTOP)
         held = _take_sockets(pids[0])
-        failed: list[BaseException] = []
-
-        def engine_thread() -> None:  # as a server's: steps the engine itself, outside LLM's one-call lock
-            try:
-                run_staggered(llm.engine, [(prompts[0], GREEDY)])
-            except BaseException as exc:  # noqa: BLE001
-                failed.append(exc)
-
-        thread = threading.Thread(target=engine_thread)
-        thread.start()
+        # as a server's engine thread: it steps the engine itself, outside LLM's one-call lock
+        thread, failed = _started(lambda: run_staggered(llm.engine, [(prompts[0], GREEDY)]))
         time.sleep(0.5)
         start = time.monotonic()
         llm.close()
@@ -241,12 +241,7 @@ def test_close_ends_a_command_stuck_on_a_hung_rank_whose_sockets_are_held(tiny_k
         assert time.monotonic() - start < 2 * STOP_WAIT_S + 5
         assert len(failed) == 1 and isinstance(failed[0], TensorParallelError), failed
     finally:
-        for fd in held:
-            os.close(fd)
-        for pid in pids:
-            if os.path.exists(f"/proc/{pid}"):
-                os.kill(pid, signal.SIGKILL)
-        llm.close()
+        _let_go(held, pids, llm)
     assert _gone(pids)
 
 
