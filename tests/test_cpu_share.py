@@ -112,6 +112,41 @@ def test_a_count_the_user_sets_is_the_most_it_gives():
         torch.set_num_threads(threads_before)
 
 
+def test_steps_from_short_lived_threads_get_every_thread_back():
+    """LLM.generate called from short-lived threads: a thread started while the budget was down begins at the count
+    set last (torch copies it), often under an ended thread's ident; that is not the user's choice, and a quiet
+    machine gives the most back."""
+    import threading
+
+    threads_before = torch.get_num_threads()
+    machine = _Machine()
+    try:
+        budget = _budget(2, 2, machine)
+
+        def steps_on_new_threads(foreign: float) -> set[int]:
+            machine.foreign = foreign
+            machine.advance()
+            seen, start = [], threading.Barrier(4)
+
+            def step() -> None:
+                start.wait()
+                seen.append((budget.apply(), torch.get_num_threads()))
+
+            threads = [threading.Thread(target=step) for _ in range(4)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            assert all(applied == got for applied, got in seen)  # set on each thread
+            return {applied for applied, _ in seen}
+
+        assert [steps_on_new_threads(f) for f in (0.0, 0.0, 1.0, 1.0, 1.0)] == [{2}, {2}, {1}, {1}, {1}]
+        assert [steps_on_new_threads(0.0) for _ in range(3)] == [{2}, {2}, {2}]
+        assert budget.most == 2
+    finally:
+        torch.set_num_threads(threads_before)
+
+
 def test_fixed_turns_it_off(monkeypatch):
     monkeypatch.setenv(cpu_share.ENV, "fixed")
     assert cpu_share.shared_budget() is None

@@ -79,7 +79,10 @@ class ThreadBudget:
         self.foreign_cores = 0.0  # the last measurement
         self.most: Optional[int] = None  # the thread count the process had (set at the first apply)
         self.threads: Optional[int] = None
-        self._applied: dict[int, int] = {}  # thread ident -> the count this budget set there
+        # the count this budget set on each thread: thread-local, as torch's count is, because an ended thread's
+        # ident is reused and a new thread starts at the count set last anywhere (a dict by ident took that for
+        # the user's choice and never gave more again)
+        self._applied = threading.local()
 
     def measure(self) -> None:
         """Takes a sample when INTERVAL_S has passed since the last, and moves `threads` by the cores others used
@@ -110,15 +113,14 @@ class ThreadBudget:
     def apply(self) -> int:
         """Measures when due and sets the thread count on the calling thread; returns it. A count the user set
         there since (torch.set_num_threads) becomes the most this budget gives."""
-        ident = threading.get_ident()
         current = torch.get_num_threads()
         with self._lock:
-            if self.most is None or current != self._applied.get(ident, current):
+            if self.most is None or current != getattr(self._applied, "count", current):
                 self.most = current  # the first step's count, or one the user chose since
                 self.threads = min(self.threads or current, current)
             self.measure()
             threads = self.threads
-            self._applied[ident] = threads
+            self._applied.count = threads
         if threads != current:
             torch.set_num_threads(threads)
         return threads
