@@ -238,6 +238,7 @@ class EngineLoop:
         self.fatal: Optional[str] = None  # why the engine cannot go on (FatalEngineError), once it happened
         self.flush_wait_s = FLUSH_WAIT_S
         self._flushing: list[threading.Event] = []  # the last step's hand-overs (see _wait_flushed)
+        self.after_step: Optional[Callable[[], None]] = None  # run on this thread after each step (WorkerPins)
 
     @classmethod
     def start_loaded(cls, load: Callable[[], T], engine_of: Callable[[T], LLMEngine], metrics: ServerMetrics,
@@ -431,6 +432,8 @@ class EngineLoop:
             log.exception("engine step failed; ending the %d requests in flight", len(self._subs))
             self._fail_all(EngineFailure(f"engine step failed ({type(exc).__name__}); see the server log"), "error")
             return
+        if self.after_step is not None:
+            self.after_step()
         now = time.monotonic()
         mine = [(sub, out) for out in outputs if (sub := self._subs.get(out.request_id)) is not None]
         # every output is counted before any is failed: a failure ends its HTTP request's other engine requests, and

@@ -90,6 +90,8 @@ class ServerHandle:
             time.sleep(0.01)
         self.pinning = thread_pinning.pin_server_threads(self.options.pin_threads, self.loop.thread_id,
                                                          self._thread.native_id)  # fmt: skip
+        if self.pinning is not None:  # a team the CPU thread budget grows again starts workers on the front core
+            self.loop.after_step = thread_pinning.WorkerPins(self.pinning, self.loop.thread_id).after_step
         return self
 
     @property

@@ -87,6 +87,31 @@ def pin_server_threads(mode: str, engine_tid: int, http_tid: int) -> Optional[Pi
     return pinning
 
 
+class WorkerPins:
+    """Keeps a `Pinning`'s workers apart as the engine's OpenMP team changes size (the CPU thread budget,
+    runtime/cpu_share.py): libgomp ends the workers a smaller team leaves out and starts new ones when it grows
+    again, from the engine thread, and a new thread inherits that thread's core (`front`)."""
+
+    def __init__(self, pinning: Pinning, engine_tid: int) -> None:
+        self.pinning = pinning
+        self.engine_tid = engine_tid
+        self._team = 0  # the last step's team; 0: not seen, so the first step pins what may have started since
+
+    def after_step(self) -> None:
+        """Called on the engine thread after each step: pins its workers again when the step ran more threads than
+        the step before."""
+        import torch
+
+        team = torch.get_num_threads()
+        if team > self._team:
+            for tid in engine_workers(self.engine_tid):
+                try:
+                    os.sched_setaffinity(tid, self.pinning.workers)
+                except OSError:  # the thread ended meanwhile
+                    pass
+        self._team = team
+
+
 def unpin(allowed: set[int], tids: list[int]) -> None:
     """Gives threads every allowed core again (those that ended are skipped)."""
     for tid in tids:
