@@ -106,6 +106,14 @@ def tiny_kv4_engines(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path
                           lambda out, n=n: build_from_dict({**TINY_KV4, "tensor_parallel": n}, out)) for n in (1, 2)}
 
 
+@pytest.fixture(scope="session")
+def tiny_int4_engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """TINY_KV4 with int4 layers and an int8 LM head: every matrix product is a kernel of ours (the same bits on
+    any thread count: the CPU thread budget runs, runtime/cpu_share.py)."""
+    data = {**TINY_KV4, "quantization": {"weights": "int4", "lm_head": "int8"}}
+    return built_once(tmp_path_factory, "tiny-int4", lambda out: build_from_dict(data, out))
+
+
 @pytest.fixture(scope="module")
 def logged_server(tiny_engine_dir, tmp_path_factory):
     """A tiny-engine server (one per test module) logging each request's prompt token ids, and a reader of the

@@ -147,6 +147,36 @@ def test_steps_from_short_lived_threads_get_every_thread_back():
         torch.set_num_threads(threads_before)
 
 
+@pytest.mark.parametrize("engine, drops", [("tiny_engine_dir", False), ("tiny_int4_engine_dir", True)])
+def test_only_a_step_that_gives_the_same_bits_on_any_thread_count_takes_fewer(engine, drops, request, monkeypatch):
+    """Other processes keep one of two cores busy: the int4 engine (every matrix product a kernel of ours) steps on
+    one thread; the float engine keeps torch's count, since torch's float GEMM rounds differently on another."""
+    from trtpaged import LLM, SamplingParams
+
+    threads_before = torch.get_num_threads()
+    machine = _Machine()
+    machine.foreign = 1.0
+
+    def clock() -> float:
+        machine.advance()
+        return machine.now
+
+    monkeypatch.setenv(cpu_share.ENV, "auto")
+    monkeypatch.setattr(cpu_share, "_shared", ThreadBudget(frozenset(range(2)), clock=clock,
+                                                           machine_ticks=lambda: machine.machine,
+                                                           process_ticks=lambda: machine.process))
+    try:
+        torch.set_num_threads(2)
+        llm = LLM(str(request.getfixturevalue(engine)), device="cpu")
+        try:
+            llm.generate(["hello"], SamplingParams(max_tokens=8, temperature=0.0))
+            assert torch.get_num_threads() == (1 if drops else 2)
+        finally:
+            llm.close()
+    finally:
+        torch.set_num_threads(threads_before)
+
+
 def test_fixed_turns_it_off(monkeypatch):
     monkeypatch.setenv(cpu_share.ENV, "fixed")
     assert cpu_share.shared_budget() is None
@@ -184,13 +214,13 @@ STEP_BESIDE_A_HOG = textwrap.dedent("""
 @linux
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 if hasattr(os, "sched_getaffinity") else True,
                     reason="needs two cores")
-def test_steps_beside_a_busy_process_use_a_thread_fewer_and_give_the_same_logits(tiny_engine_dir):
+def test_steps_beside_a_busy_process_use_a_thread_fewer_and_give_the_same_logits(tiny_int4_engine_dir):
     """On two cores, a process spinning on one of them: the steps go to one thread within a few intervals, and
     their logits are those of the quiet steps, bit for bit."""
     import json
 
     hog = SPIN.format(seconds=60)
-    out = subprocess.run([sys.executable, "-c", STEP_BESIDE_A_HOG, str(tiny_engine_dir), hog], capture_output=True,
+    out = subprocess.run([sys.executable, "-c", STEP_BESIDE_A_HOG, str(tiny_int4_engine_dir), hog], capture_output=True,
                          text=True, timeout=120, env={**os.environ, cpu_share.ENV: "auto"})
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])

@@ -84,10 +84,12 @@ TEAM_GROWS_AGAIN = textwrap.dedent("""
     torch.set_num_threads(3)
     handle = start_server(sys.argv[1], port=0, device="cpu", options=ServerOptions(pin_threads="on"))
     try:
+        model = json.loads(urllib.request.urlopen(handle.url + "/v1/models", timeout=30).read())["data"][0]["id"]
+
         def decode_for(seconds):
             teams, end = set(), time.monotonic() + seconds
             while time.monotonic() < end:
-                body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 16}).encode()
+                body = json.dumps({"model": model, "prompt": "hello", "max_tokens": 16}).encode()
                 request = urllib.request.Request(handle.url + "/v1/completions", body,
                                                  {"Content-Type": "application/json"})
                 urllib.request.urlopen(request, timeout=30).read()
@@ -107,12 +109,12 @@ TEAM_GROWS_AGAIN = textwrap.dedent("""
 
 
 @linux_affinity
-def test_workers_a_grown_team_starts_are_pinned_apart_too(tiny_engine_dir):
+def test_workers_a_grown_team_starts_are_pinned_apart_too(tiny_int4_engine_dir):
     """The CPU thread budget takes a thread from the team and gives it back: libgomp ended a worker and starts a new
     one from the engine thread, on the engine's core; it goes to the workers' cores like the others."""
     allowed = sorted(os.sched_getaffinity(0))[:2]
     child = subprocess.run([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {allowed})\n" + TEAM_GROWS_AGAIN,
-                            str(tiny_engine_dir)], capture_output=True, text=True, timeout=120,
+                            str(tiny_int4_engine_dir)], capture_output=True, text=True, timeout=120,
                            env={**os.environ, "TRTPAGED_CPU_THREADS": "auto"})
     assert child.returncode == 0, child.stderr[-3000:]
     result = json.loads(child.stdout.strip().splitlines()[-1])

@@ -121,3 +121,20 @@ def decide_execution_plan(model: "LlamaStepModel", attention: str = "kernels") -
     if blocker is not None:
         return ExecutionPlan("fused", f"not c_layers: {blocker}", attention)
     return ExecutionPlan("c_layers", f"{len(model.layers)} quantized layers in one C call", attention)
+
+
+def same_bits_on_any_thread_count(model: torch.nn.Module) -> bool:
+    """Whether `model`'s eager CPU step gives the same bits on any OpenMP thread count: every matrix product is
+    the kernel library's (quantized linears with packed CPU weights, the LM head too, float32). torch's float GEMM
+    is not: F.linear of 5 to 11 rows differs in the last bits between 1 and 2 threads."""
+    from trtpaged.models.llama import LlamaStepModel
+    from trtpaged.models.qlinear import QuantizedEmbedding, QuantizedLinear
+
+    if not isinstance(model, LlamaStepModel):
+        return False
+    if model.lm_head is None and not isinstance(model.embed_tokens, QuantizedEmbedding):
+        return False  # the tied float head: F.linear
+    if any(p.is_floating_point() and p.dtype is not torch.float32 for p in model.parameters()):
+        return False  # the kernels take float32 activations
+    linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, QuantizedLinear))]
+    return all(isinstance(m, QuantizedLinear) and m.cpu_op() is not None for m in linears)

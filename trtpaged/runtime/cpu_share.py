@@ -8,8 +8,9 @@ busy neighbour, 2 threads 53-89 and 1 thread 147-149; a neighbour taking half a 
 `ThreadBudget` measures the load of other processes on this process's cores (`/proc/stat` less this process's own
 time in `/proc/self/stat`) at most every `INTERVAL_S`, and gives the step one thread fewer for each core they keep
 busy (`DROP_AT`), back again when they leave one (`RETURN_BELOW`); never more than the thread count the process had
-(torch's, as the user or its default set it) and never fewer than one. Results do not depend on it: the kernels give
-the same bits on any thread count. `TRTPAGED_CPU_THREADS=fixed` turns it off; without /proc (not Linux) it does
+(torch's, as the user or its default set it) and never fewer than one. Results do not depend on it: the torch runner
+uses it only where every matrix product is a kernel of ours, which gives the same bits on any thread count (torch's
+float GEMM does not). `TRTPAGED_CPU_THREADS=fixed` turns it off; without /proc (not Linux) it does
 nothing.
 """
 

@@ -47,8 +47,6 @@ class TorchRunner:
         self.host_cache = torch.zeros(host_shape, dtype=kv_cache.dtype, pin_memory=pin) if num_host_blocks else None
         self._kernels = _kernels(self.device)
         self._staging = BlockStaging(self._swap)  # the KV tiers' blocks move as swapped blocks do
-        # fewer OpenMP threads while other processes keep this process's cores busy (cpu_share.py)
-        self._threads = shared_budget() if self.device.type == "cpu" else None
         self.execution_plan: Optional[str] = None
         # a step model takes the step's `row_invariant` (StepBatch); another module gets the contract's arguments
         self._row_invariant = "row_invariant" in inspect.signature(model.forward).parameters
@@ -60,6 +58,11 @@ class TorchRunner:
             set_plan(plan)
             self.execution_plan = str(plan)
             log.info("execution plan: %s", plan)
+        # fewer OpenMP threads while other processes keep this process's cores busy (cpu_share.py), where that
+        # changes no result: torch's float GEMM rounds differently on another thread count
+        from trtpaged.models.execution_plan import same_bits_on_any_thread_count
+
+        self._threads = shared_budget() if self.device.type == "cpu" and same_bits_on_any_thread_count(model) else None
 
     @classmethod
     def from_engine_dir(
