@@ -177,6 +177,39 @@ def test_only_a_step_that_gives_the_same_bits_on_any_thread_count_takes_fewer(en
         torch.set_num_threads(threads_before)
 
 
+def test_a_float_step_after_a_quantized_one_gets_the_threads_back(tiny_engine_dir, tiny_int4_engine_dir,
+                                                                   monkeypatch):
+    """One busy core of two (fed readings): the int4 engine's steps take a thread; a float engine stepping next on
+    the same thread (a float draft beside a quantized target) runs on the whole count again, its bits those of
+    torch's count, and the int4 engine's next steps take the thread again without reading that as the user's."""
+    from trtpaged import LLM, SamplingParams
+
+    threads_before = torch.get_num_threads()
+    machine = _Machine()
+    machine.foreign = 1.0
+
+    def clock() -> float:
+        machine.advance()
+        return machine.now
+
+    budget = ThreadBudget(frozenset(range(2)), clock=clock, machine_ticks=lambda: machine.machine,
+                          process_ticks=lambda: machine.process)
+    monkeypatch.setenv(cpu_share.ENV, "auto")
+    monkeypatch.setattr(cpu_share, "_shared", budget)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    try:
+        torch.set_num_threads(2)
+        with LLM(str(tiny_int4_engine_dir), device="cpu") as target, LLM(str(tiny_engine_dir), device="cpu") as draft:
+            target.generate(["hello"], params)
+            assert torch.get_num_threads() == 1
+            draft.generate(["hello"], params)
+            assert torch.get_num_threads() == 2
+            target.generate(["hello"], params)
+            assert torch.get_num_threads() == 1 and budget.most == 2
+    finally:
+        torch.set_num_threads(threads_before)
+
+
 def test_fixed_turns_it_off(monkeypatch):
     monkeypatch.setenv(cpu_share.ENV, "fixed")
     assert cpu_share.shared_budget() is None

@@ -21,8 +21,6 @@ import threading
 import time
 from typing import Callable, Optional
 
-import torch
-
 INTERVAL_S = 0.5  # how often the load is measured (and the thread count may change)
 IDLE_S = 2 * INTERVAL_S  # a longer gap between steps starts a new measurement: what others did while this
 # process was idle (another engine's run, say) says little about the cores its next steps will share
@@ -114,6 +112,8 @@ class ThreadBudget:
     def apply(self) -> int:
         """Measures when due and sets the thread count on the calling thread; returns it. A count the user set
         there since (torch.set_num_threads) becomes the most this budget gives."""
+        import torch  # here: noise.py's readers above are imported where torch is not (`trtpaged bench`)
+
         current = torch.get_num_threads()
         with self._lock:
             if self.most is None or current != getattr(self._applied, "count", current):
@@ -125,6 +125,19 @@ class ThreadBudget:
         if threads != current:
             torch.set_num_threads(threads)
         return threads
+
+    def give_back(self) -> None:
+        """Sets the calling thread's count back to the most this budget gives, for a step whose results depend on
+        it (a float draft model's, beside a quantized target that took a thread on this thread)."""
+        import torch
+
+        current = torch.get_num_threads()
+        with self._lock:
+            most = self.most if self.most is not None and getattr(self._applied, "count", None) == current else None
+            if most is not None:
+                self._applied.count = most
+        if most is not None and most != current:
+            torch.set_num_threads(most)
 
 
 _shared: Optional[ThreadBudget] = None
