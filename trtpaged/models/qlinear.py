@@ -183,9 +183,13 @@ class QuantizedLinear(nn.Module):
     def cpu_op(self) -> Optional[Any]:
         """The kernels.QLinearOp this module runs on the CPU (packed at first use), or None where the
         kernel library lacks the kernels or in_features is not a multiple of 32."""
-        if self.in_features % 32:
+        if not self.runs_on_cpu_kernels():
             return None
         return self._op if self._op is not None else self._make_op()
+
+    def runs_on_cpu_kernels(self) -> bool:
+        """Whether a CPU call runs the kernel library's kernels (what `cpu_op` packs), without packing."""
+        return self.in_features % 32 == 0 and _cpu_kernels() is not None
 
     def _make_op(self) -> Optional[Any]:
         """Packs the weight for the CPU kernels (once); None where the library lacks them."""
