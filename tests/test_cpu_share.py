@@ -147,13 +147,9 @@ def test_steps_from_short_lived_threads_get_every_thread_back():
         torch.set_num_threads(threads_before)
 
 
-@pytest.mark.parametrize("engine, drops", [("tiny_engine_dir", False), ("tiny_int4_engine_dir", True)])
-def test_only_a_step_that_gives_the_same_bits_on_any_thread_count_takes_fewer(engine, drops, request, monkeypatch):
-    """Other processes keep one of two cores busy: the int4 engine (every matrix product a kernel of ours) steps on
-    one thread; the float engine keeps torch's count, since torch's float GEMM rounds differently on another."""
-    from trtpaged import LLM, SamplingParams
-
-    threads_before = torch.get_num_threads()
+def _shared_budget_beside_a_busy_core(monkeypatch) -> ThreadBudget:
+    """The process's budget replaced by one over 2 cores whose readings say others keep one busy, time advancing an
+    interval at each reading."""
     machine = _Machine()
     machine.foreign = 1.0
 
@@ -161,10 +157,21 @@ def test_only_a_step_that_gives_the_same_bits_on_any_thread_count_takes_fewer(en
         machine.advance()
         return machine.now
 
+    budget = ThreadBudget(frozenset(range(2)), clock=clock, machine_ticks=lambda: machine.machine,
+                          process_ticks=lambda: machine.process)
     monkeypatch.setenv(cpu_share.ENV, "auto")
-    monkeypatch.setattr(cpu_share, "_shared", ThreadBudget(frozenset(range(2)), clock=clock,
-                                                           machine_ticks=lambda: machine.machine,
-                                                           process_ticks=lambda: machine.process))
+    monkeypatch.setattr(cpu_share, "_shared", budget)
+    return budget
+
+
+@pytest.mark.parametrize("engine, drops", [("tiny_engine_dir", False), ("tiny_int4_engine_dir", True)])
+def test_only_a_step_that_gives_the_same_bits_on_any_thread_count_takes_fewer(engine, drops, request, monkeypatch):
+    """Other processes keep one of two cores busy: the int4 engine (every matrix product a kernel of ours) steps on
+    one thread; the float engine keeps torch's count, since torch's float GEMM rounds differently on another."""
+    from trtpaged import LLM, SamplingParams
+
+    threads_before = torch.get_num_threads()
+    _shared_budget_beside_a_busy_core(monkeypatch)
     try:
         torch.set_num_threads(2)
         llm = LLM(str(request.getfixturevalue(engine)), device="cpu")
@@ -185,17 +192,7 @@ def test_a_float_step_after_a_quantized_one_gets_the_threads_back(tiny_engine_di
     from trtpaged import LLM, SamplingParams
 
     threads_before = torch.get_num_threads()
-    machine = _Machine()
-    machine.foreign = 1.0
-
-    def clock() -> float:
-        machine.advance()
-        return machine.now
-
-    budget = ThreadBudget(frozenset(range(2)), clock=clock, machine_ticks=lambda: machine.machine,
-                          process_ticks=lambda: machine.process)
-    monkeypatch.setenv(cpu_share.ENV, "auto")
-    monkeypatch.setattr(cpu_share, "_shared", budget)
+    budget = _shared_budget_beside_a_busy_core(monkeypatch)
     params = SamplingParams(max_tokens=8, temperature=0.0)
     try:
         torch.set_num_threads(2)
