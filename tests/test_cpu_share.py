@@ -212,6 +212,19 @@ def test_fixed_turns_it_off(monkeypatch):
     assert cpu_share.shared_budget() is None
 
 
+@pytest.mark.parametrize("value", ["off", "FIXED", "", "2"])
+def test_an_unknown_setting_is_refused_naming_the_variable(value, tiny_int4_engine_dir, monkeypatch):
+    """A typo (say "off") would otherwise leave the budget on without a word: the engine refuses to load."""
+    from click.testing import CliRunner
+
+    from trtpaged.cli import main
+
+    monkeypatch.setenv(cpu_share.ENV, value)
+    result = CliRunner().invoke(main, ["generate", str(tiny_int4_engine_dir), "--prompt", "hi", "--max-tokens", "2"])
+    assert result.exit_code != 0
+    assert f"TRTPAGED_CPU_THREADS: got {value!r}; expected one of auto, fixed" in result.output
+
+
 STEP_BESIDE_A_HOG = textwrap.dedent("""
     import json, os, subprocess, sys, time
     import torch

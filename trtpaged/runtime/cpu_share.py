@@ -27,6 +27,7 @@ IDLE_S = 2 * INTERVAL_S  # a longer gap between steps starts a new measurement: 
 DROP_AT = 0.6  # a core counts as taken when others use more than this much of it (half a core breaks even)
 RETURN_BELOW = 0.35  # ... and as free again when they use less than this
 ENV = "TRTPAGED_CPU_THREADS"  # "fixed": keep torch's thread count
+SETTINGS = ("auto", "fixed")
 
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -144,11 +145,20 @@ _shared: Optional[ThreadBudget] = None
 _shared_lock = threading.Lock()
 
 
+def budget_setting() -> str:
+    """TRTPAGED_CPU_THREADS ("auto" when unset); raises ValueError naming the variable for any other value (a
+    typo such as "off" would otherwise leave the budget on without a word)."""
+    value = os.environ.get(ENV, "auto")
+    if value not in SETTINGS:
+        raise ValueError(f"{ENV}: got {value!r}; expected one of {', '.join(SETTINGS)}")
+    return value
+
+
 def shared_budget() -> Optional[ThreadBudget]:
     """The process's one budget (every CPU runner's steps draw on the same cores), or None when turned off
-    (TRTPAGED_CPU_THREADS=fixed) or unmeasurable (no /proc/stat)."""
+    (TRTPAGED_CPU_THREADS=fixed) or unmeasurable (no /proc/stat); raises ValueError for an unknown setting."""
     global _shared
-    if os.environ.get(ENV, "auto") == "fixed" or own_ticks() is None or not hasattr(os, "sched_getaffinity"):
+    if budget_setting() == "fixed" or own_ticks() is None or not hasattr(os, "sched_getaffinity"):
         return None
     with _shared_lock:
         if _shared is None:

@@ -61,10 +61,12 @@ class TorchRunner:
         # fewer OpenMP threads while other processes keep this process's cores busy (cpu_share.py), where that
         # changes no result: torch's float GEMM rounds differently on another thread count, so a float model's step
         # gets the count back (a float draft beside a quantized target steps on the thread the target's budget set)
-        from trtpaged.models.execution_plan import same_bits_on_any_thread_count
-
         self._threads = shared_budget() if self.device.type == "cpu" else None
-        self._fewer_threads = same_bits_on_any_thread_count(model)
+        self._fewer_threads = False
+        if self._threads is not None:
+            from trtpaged.models.execution_plan import same_bits_on_any_thread_count
+
+            self._fewer_threads = same_bits_on_any_thread_count(model)
 
     @classmethod
     def from_engine_dir(
@@ -84,10 +86,11 @@ class TorchRunner:
 
     @torch.inference_mode()
     def step(self, batch: StepBatch) -> torch.Tensor:
-        if self._threads is not None and self._fewer_threads:
-            self._threads.apply()
-        elif self._threads is not None:
-            self._threads.give_back()
+        if self._threads is not None:
+            if self._fewer_threads:
+                self._threads.apply()
+            else:
+                self._threads.give_back()
         args = [
             t.to(self.device, non_blocking=True)
             for t in (batch.input_ids, batch.positions, batch.query_start, batch.context_lens, batch.block_tables,
