@@ -74,10 +74,8 @@ def pin_server_threads(mode: str, engine_tid: int, http_tid: int) -> Optional[Pi
     if pinning is None:
         return None
     try:
-        for tid in (engine_tid, http_tid):
-            os.sched_setaffinity(tid, pinning.front)
-        for tid in workers:
-            os.sched_setaffinity(tid, pinning.workers)
+        pin([engine_tid, http_tid], pinning.front)
+        pin(workers, pinning.workers)
     except OSError as exc:  # a thread that ended, or a container that refuses: run unpinned
         log.warning("threads left unpinned (%s)", exc)
         unpin(allowed, [engine_tid, http_tid, *workers])
@@ -104,12 +102,19 @@ class WorkerPins:
 
         team = torch.get_num_threads()
         if team > self._team:
-            for tid in engine_workers(self.engine_tid):
-                try:
-                    os.sched_setaffinity(tid, self.pinning.workers)
-                except OSError:  # the thread ended meanwhile
-                    pass
+            pin(engine_workers(self.engine_tid), self.pinning.workers, best_effort=True)
         self._team = team
+
+
+def pin(tids: list[int], cores: frozenset[int], best_effort: bool = False) -> None:
+    """Sets each thread's cores; raises OSError where one has ended or is refused, unless `best_effort` (a step
+    must not fail for it: the thread runs unpinned)."""
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cores)
+        except OSError:
+            if not best_effort:
+                raise
 
 
 def unpin(allowed: set[int], tids: list[int]) -> None:
