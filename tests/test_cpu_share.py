@@ -164,11 +164,32 @@ def _shared_budget_beside_a_busy_core(monkeypatch) -> ThreadBudget:
     return budget
 
 
+def _step_counts(llm, prompts: list[str]) -> list[int]:
+    """The thread count of the step that finished each prompt, read on the calling thread right after that step
+    (by the progress bar LLM.generate updates there)."""
+    from trtpaged import SamplingParams
+
+    counts = []
+
+    class Bar:
+        def __init__(self, **_: object) -> None:
+            pass
+
+        def update(self, n: int) -> None:
+            counts.append(torch.get_num_threads())
+
+        def close(self) -> None:
+            pass
+
+    llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=Bar)
+    return counts
+
+
 @pytest.mark.parametrize("engine, drops", [("tiny_engine_dir", False), ("tiny_int4_engine_dir", True)])
 def test_only_a_step_that_gives_the_same_bits_on_any_thread_count_takes_fewer(engine, drops, request, monkeypatch):
     """Other processes keep one of two cores busy: the int4 engine (every matrix product a kernel of ours) steps on
     one thread; the float engine keeps torch's count, since torch's float GEMM rounds differently on another."""
-    from trtpaged import LLM, SamplingParams
+    from trtpaged import LLM
 
     threads_before = torch.get_num_threads()
     _shared_budget_beside_a_busy_core(monkeypatch)
@@ -176,8 +197,9 @@ def test_only_a_step_that_gives_the_same_bits_on_any_thread_count_takes_fewer(en
         torch.set_num_threads(2)
         llm = LLM(str(request.getfixturevalue(engine)), device="cpu")
         try:
-            llm.generate(["hello"], SamplingParams(max_tokens=8, temperature=0.0))
-            assert torch.get_num_threads() == (1 if drops else 2)
+            assert torch.get_num_threads() == 2  # the warm-up's steps gave the caller's thread its count back
+            assert _step_counts(llm, ["hello"]) == [1 if drops else 2]
+            assert torch.get_num_threads() == 2  # ... as does generate
         finally:
             llm.close()
     finally:
@@ -189,20 +211,22 @@ def test_a_float_step_after_a_quantized_one_gets_the_threads_back(tiny_engine_di
     """One busy core of two (fed readings): the int4 engine's steps take a thread; a float engine stepping next on
     the same thread (a float draft beside a quantized target) runs on the whole count again, its bits those of
     torch's count, and the int4 engine's next steps take the thread again without reading that as the user's."""
-    from trtpaged import LLM, SamplingParams
+    from trtpaged import LLM
+    from trtpaged.builder.probe import standard_probe
+    from trtpaged.runtime.runners import StepBatch
 
     threads_before = torch.get_num_threads()
     budget = _shared_budget_beside_a_busy_core(monkeypatch)
-    params = SamplingParams(max_tokens=8, temperature=0.0)
     try:
         torch.set_num_threads(2)
         with LLM(str(tiny_int4_engine_dir), device="cpu") as target, LLM(str(tiny_engine_dir), device="cpu") as draft:
-            target.generate(["hello"], params)
-            assert torch.get_num_threads() == 1
-            draft.generate(["hello"], params)
-            assert torch.get_num_threads() == 2
-            target.generate(["hello"], params)
-            assert torch.get_num_threads() == 1 and budget.most == 2
+            _, steps, _ = standard_probe(16, 4, seed=5, all_rows=True)
+            batch = StepBatch(**steps[0].inputs)
+            counts = []
+            for runner in (target.engine.runner, draft.engine.runner, target.engine.runner):
+                runner.step(batch)  # one call's steps, as a draft's and its target's follow each other
+                counts.append(torch.get_num_threads())
+            assert counts == [1, 2, 1] and budget.most == 2
     finally:
         torch.set_num_threads(threads_before)
 

@@ -154,6 +154,13 @@ def budget_setting() -> str:
     return value
 
 
+def give_back_here() -> None:
+    """Sets the calling thread's count back to the user's, where the process's budget took threads on it: a call
+    of the offline API (LLM.generate) steps on its caller's thread and must not leave it with fewer."""
+    if _shared is not None:
+        _shared.give_back()
+
+
 def shared_budget() -> Optional[ThreadBudget]:
     """The process's one budget (every CPU runner's steps draw on the same cores), or None when turned off
     (TRTPAGED_CPU_THREADS=fixed) or unmeasurable (no /proc/stat); raises ValueError for an unknown setting."""

@@ -21,6 +21,7 @@ from trtpaged.manifest import EngineDirError, Manifest, engine_path, read_manife
 from trtpaged.kv_budget import check_host_pool, check_host_tier
 from trtpaged.runtime.runners import load_runner, resolve_device, resolve_num_kv_blocks
 from trtpaged.runtime.runners.base import pool_block_bytes
+from trtpaged.runtime import cpu_share
 from trtpaged.runtime.beam_api import BeamSearchOutput, BeamSearchParams, beam_outputs
 from trtpaged.runtime.content_format import CONTENT_FORMATS, template_content_format
 from trtpaged.runtime.kv_tiers.config import KVTierConfig, manifest_fingerprint
@@ -535,6 +536,7 @@ class LLM:
         # Ready means ready: the first batch's one-off costs (scratch growth, first-touched pages, the
         # LM head's packing, thread start) are paid here, in one step of the largest shape (runtime/warmup.py).
         self.warmup_tokens = warm_up(runner, self.config) if warmup else 0
+        cpu_share.give_back_here()  # the warm-up stepped on the caller's thread
         spec = self.config.speculative
         if spec is not None and spec.verify_row_cost is None:  # the cost rule's row cost for this engine's arithmetic
             cost = default_verify_row_cost(self.manifest.quantization)
@@ -639,6 +641,7 @@ class LLM:
                 yield
             finally:
                 self._caller = None
+                cpu_share.give_back_here()
 
     def _run(self, prompts: list, per_prompt: list[SamplingParams], use_tqdm: Any,
              priorities: Optional[list[int]] = None) -> list[RequestOutput]:  # fmt: skip
