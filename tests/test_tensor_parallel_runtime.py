@@ -318,10 +318,31 @@ def test_hung_worker_ends_at_the_timeout(tiny_kv4_engines, prompts, monkeypatch)
         with pytest.raises(TensorParallelError, match="step failed on 2 ranks") as failed:
             llm.generate(prompts[:1], GREEDY)
         assert time.monotonic() - start < 60
-        assert f"alive (one or more not answering): rank 1 (pid {pids[0]})" in str(failed.value)
+        assert f"alive (one or more not answering): rank 1 (pid {pids[0]}, stopped)" in str(failed.value)
     finally:
         llm.close()
     assert _gone(pids)
+
+
+def test_a_hung_rank_among_four_is_named_not_the_ranks_that_timed_out_waiting(tiny_kv4_tp4, prompts, monkeypatch):
+    """4 ranks, rank 2 stopped: ranks 1 and 3 time out waiting on it and exit, rank 0's watch sees their exits
+    first; the error names rank 2, alive and stopped (was: 'rank 3 ... exited with code 1: ... Timed out', as if the
+    healthy rank had failed)."""
+    monkeypatch.setenv("TRTPAGED_TP_TIMEOUT_S", "20")
+    llm = LLM(tiny_kv4_tp4, device="cpu")
+    procs = dict(llm.engine.runner.workers.procs)
+    try:
+        llm.generate(prompts[:1], GREEDY)
+        os.kill(procs[2].pid, signal.SIGSTOP)  # alive, never answers
+        with pytest.raises(TensorParallelError) as failed:
+            llm.generate(prompts[:1], GREEDY)
+        # (the others' exits may trail rank 0's own timeout: then no rank has exited yet, and all are named alive)
+        why = str(failed.value)
+        assert re.match(r"step failed on 4 ranks: (no answer from|.*no rank exited, alive \(one or more not "
+                        r"answering\):) " + re.escape(f"rank 2 (pid {procs[2].pid}, stopped)"), why), why
+    finally:
+        llm.close()
+    assert _gone(list(p.pid for p in procs.values()))
 
 
 def test_close_with_a_hung_rank_between_commands_ends_before_the_timeout(tiny_kv4_engines, prompts, monkeypatch):

@@ -67,10 +67,21 @@ class WorkerSet:
 
     def failure(self) -> Optional[str]:
         """'rank R (pid P) exited with code C: why' for every worker that has exited (why: the line it wrote to its
-        error file, if any), or None."""
-        dead = [f"rank {r} (pid {p.pid}) exited with {_how(p.returncode)}{self._why(r)}"
-                for r, p in self.procs.items() if p.poll() is not None]
+        error file, if any), or None. Where each exited only because a collective timed out, the workers still alive
+        come first, with their state: one of them did not answer (a stopped or hung rank makes every other rank's
+        collective time out, and naming those exits blamed the healthy ranks)."""
+        exited = [(r, p) for r, p in self.procs.items() if p.poll() is not None]
+        dead = [f"rank {r} (pid {p.pid}) exited with {_how(p.returncode)}{self._why(r)}" for r, p in exited]
+        alive = [(r, p) for r, p in self.procs.items() if p.poll() is None]
+        if dead and alive and all(_TIMED_OUT in self._why(r).lower() for r, _ in exited):
+            return f"no answer from {self.alive()}: the other ranks' collectives timed out waiting; " + "; ".join(dead)
         return "; ".join(dead) or None
+
+    def alive(self) -> str:
+        """'rank R (pid P, state)' for each worker still running, stopped ones first (state: process_state)."""
+        found = [(r, p.pid, process_state(p.pid)) for r, p in self.procs.items() if p.poll() is None]
+        found.sort(key=lambda x: (not x[2].startswith("stopped"), x[0]))
+        return ", ".join(f"rank {r} (pid {pid}, {state})" for r, pid, state in found)
 
     def _why(self, rank: int) -> str:
         with self._errors_lock:
@@ -107,6 +118,19 @@ class WorkerSet:
 
 
 MAX_ERROR_BYTES = 1000  # of a worker's error file that a report quotes (it writes one line)
+_TIMED_OUT = "timed out"  # in a worker's error line (lowercased) where its collective timed out (gloo's words)
+_STATES = {"R": "running", "S": "sleeping", "D": "in uninterruptible wait", "T": "stopped", "t": "stopped by a tracer",
+           "Z": "exited"}
+
+
+def process_state(pid: int) -> str:
+    """A process's scheduler state in words, from /proc/PID/stat ("unknown" without it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "unknown"
+    return _STATES.get(state, state)
 
 
 def _how(code: int) -> str:

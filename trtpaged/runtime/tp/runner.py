@@ -206,8 +206,8 @@ def _unanswered(workers: Optional[WorkerSet], exc: Exception) -> str:
     """The collective's own first line, and the local ranks still alive, one or more of which did not answer (gloo
     does not say which)."""
     first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    alive = [f"rank {r} (pid {p.pid})" for r, p in workers.procs.items() if p.poll() is None] if workers else []
-    return f"{first}; no rank exited, alive (one or more not answering): {', '.join(alive)}" if alive else first
+    alive = workers.alive() if workers else ""
+    return f"{first}; no rank exited, alive (one or more not answering): {alive}" if alive else first
 
 
 def _end_collectives(coll: Collectives, connections: Sequence[tuple[int, int]], exits: list[str], why: str) -> None:
