@@ -119,11 +119,7 @@ def pin(tids: list[int], cores: frozenset[int], best_effort: bool = False) -> No
 
 def unpin(allowed: set[int], tids: list[int]) -> None:
     """Gives threads every allowed core again (those that ended are skipped)."""
-    for tid in tids:
-        try:
-            os.sched_setaffinity(tid, allowed)
-        except OSError:
-            pass
+    pin(tids, frozenset(allowed), best_effort=True)
 
 
 def _cpus(cpus: frozenset[int]) -> str:
