@@ -716,6 +716,13 @@ def test_bad_requests_and_steps_name_the_argument(lib, tiny_engine_dir):
             rt.add([1, 2], 600)
         with pytest.raises(CError, match="sampling.top_p"):
             rt.add([1, 2], 4, temperature=1.0, top_p=0.0)
+        # a flag is 0 or 1: another value is a mistake (an uninitialised field), not "true"
+        with pytest.raises(CError, match=r"sampling.has_seed: got 2; expected 0 or 1"):
+            rt.add([1, 2], 4, has_seed=2)
+        with pytest.raises(CError, match=r"sampling.ignore_eos: got -1; expected 0 or 1"):
+            rt.add([1, 2], 4, ignore_eos=-1)
+        with pytest.raises(CError, match=r"options.enable_prefix_caching: got 7; expected 0 or 1"):
+            CRuntime(lib, tiny_engine_dir, num_kv_blocks=4, enable_prefix_caching=7)
         lib_ = rt.lib
         rid = ctypes.c_int64()
         assert lib_.trtpaged_request_add(rt.handle, None, 3, None, ctypes.byref(rid)) == 1

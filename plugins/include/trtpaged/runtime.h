@@ -51,7 +51,7 @@ typedef struct trtpaged_open_options {
   int32_t max_batch_size;        /* > 0: tighten the engine's limit; 0: the engine's */
   int32_t max_num_tokens;        /* > 0: tighten (tokens per step); 0: the engine's */
   int32_t max_seq_len;           /* > 0: tighten (prompt + output tokens); 0: the engine's */
-  int32_t enable_prefix_caching; /* 1 (default): share full prompt blocks between requests; 0: off */
+  int32_t enable_prefix_caching; /* 1 (default): share full prompt blocks between requests; 0: off (else refused) */
   const char* backend;           /* NULL, "auto" or "cpu"; "tensorrt" is refused (UNSUPPORTED) */
 } trtpaged_open_options;
 
@@ -130,12 +130,12 @@ typedef struct trtpaged_sampling {
   float temperature;              /* 0 (< 1e-5): greedy, the first most likely token; else sampled */
   int32_t top_k;                  /* 0 (or -1, vLLM's): off; else keep the k most likely (sampled only) */
   float top_p;                    /* (0, 1]; 1: off (sampled only) */
-  int32_t has_seed;               /* 1: draw from a private generator seeded with seed */
+  int32_t has_seed;               /* 1: draw from a private generator seeded with seed; 0: not (else refused) */
   uint64_t seed;
   const int32_t* stop_token_ids;  /* tokens in [0, vocab_size) that end the request (kept in its output); may be NULL
                                      if 0 */
   int32_t num_stop_token_ids;     /* at most 64 */
-  int32_t ignore_eos;             /* 1: do not stop at the manifest's eos_token_ids */
+  int32_t ignore_eos;             /* 1: do not stop at the manifest's eos_token_ids; 0: stop (else refused) */
 } trtpaged_sampling;
 
 TRTPAGED_API void trtpaged_sampling_init(trtpaged_sampling* sampling);

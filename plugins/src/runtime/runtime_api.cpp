@@ -73,6 +73,12 @@ void need(const void* p, const char* name) {
   if (!p) invalid(std::string(name) + ": null pointer");
 }
 
+// A 0/1 field: any other value is a caller's mistake (an uninitialised struct, a count passed for a flag), not "true".
+bool flag(int32_t value, const char* name) {
+  if (value != 0 && value != 1) invalid(std::string(name) + ": got " + std::to_string(value) + "; expected 0 or 1");
+  return value == 1;
+}
+
 // The scheduler and pool counters by name: trtpaged_runtime_stats's fields and those added after it
 // (trtpaged_runtime_get_counter).
 std::map<std::string, int64_t> counters_of(const trtpaged_runtime& rt) {
@@ -393,6 +399,7 @@ TRTPAGED_API trtpaged_status trtpaged_runtime_open(const char* engine_dir, const
                 std::to_string(sizeof o) + " (call trtpaged_open_options_init)");
       o = *options;
     }
+    const bool prefix_caching = flag(o.enable_prefix_caching, "options.enable_prefix_caching");
     const std::string backend = o.backend ? o.backend : "auto";
     if (backend == "tensorrt" || backend == "cuda")
       raise(TRTPAGED_ERR_UNSUPPORTED, "options.backend: '" + backend +
@@ -451,7 +458,7 @@ TRTPAGED_API trtpaged_status trtpaged_runtime_open(const char* engine_dir, const
     int32_t reclaim_window = 0;
     if (!w.empty() && std::find(w.begin(), w.end(), 0) == w.end())
       reclaim_window = int32_t(std::min<int64_t>(*std::max_element(w.begin(), w.end()), INT32_MAX));
-    rt->scheduler = std::make_unique<Scheduler>(rt->limits, rt->num_kv_blocks, o.enable_prefix_caching != 0,
+    rt->scheduler = std::make_unique<Scheduler>(rt->limits, rt->num_kv_blocks, prefix_caching,
                                                 reclaim_window, eos);
     *out = rt.release();
   });
@@ -520,6 +527,8 @@ TRTPAGED_API trtpaged_status trtpaged_request_add(trtpaged_runtime* rt, const in
       s = *sampling;
     }
     rt->scheduler->check_request(prompt_len, s.max_tokens);  // first: a length that cannot run is not read
+    const bool has_seed = flag(s.has_seed, "sampling.has_seed");
+    const bool ignore_eos = flag(s.ignore_eos, "sampling.ignore_eos");
     const int64_t vocab = rt->manifest.vocab_size;
     check_token_ids(prompt, prompt_len, vocab, "prompt");
     if (!(std::isfinite(s.temperature) && s.temperature >= 0))
@@ -541,9 +550,9 @@ TRTPAGED_API trtpaged_status trtpaged_request_add(trtpaged_runtime* rt, const in
     r->sampling.temperature = s.temperature;
     r->sampling.top_k = s.top_k;
     r->sampling.top_p = s.top_p;
-    r->sampling.ignore_eos = s.ignore_eos != 0;
+    r->sampling.ignore_eos = ignore_eos;
     r->sampling.stop_token_ids.assign(s.stop_token_ids, s.stop_token_ids + s.num_stop_token_ids);
-    r->rng.seed(s.has_seed ? s.seed : rt->rng());
+    r->rng.seed(has_seed ? s.seed : rt->rng());
     rt->scheduler->add(r.get());
     *request_id = r->id;
     rt->requests[r->id] = std::move(r);
