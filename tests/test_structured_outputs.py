@@ -611,6 +611,11 @@ BAD_TAGS = [
      "the JSON schema at format.json_schema: 'uniqueItems'", True),
     ({"type": "structural_tag", "format": {"begin": "<a>", "end": "</a>", "content": {
         "json_schema": {"type": "string", "pattern": "a{1,5000}"}}}}, "format.content.json_schema pattern", False),
+    # a node without a type with a tag's keys, whose content xgrammar refuses: xgrammar read it as its stray
+    # json_schema instead (`^zz$`, compiled unchecked); its form is written out, so the content is refused
+    ({"type": "structural_tag", "format": {"begin": "<a>", "content": {"foo": 1}, "end": "</a>",
+                                           "json_schema": {"type": "string", "pattern": "^zz$"}}},
+     "invalid structural_tag", True),
     ({**LEGACY_TAG, "triggers": ["<x"]}, "does not match any trigger", True),
     ({**LEGACY_TAG, "triggers": []}, "triggers: must be a non-empty list", False),
     ({"structures": [{"begin": "<a>", "end": "</a>"}], "triggers": ["<"]}, "exactly begin, schema and end", False),
@@ -660,6 +665,27 @@ def test_a_structural_tag_may_name_the_stop_token_by_its_text(llm, named):
                                 structured_outputs=Grammar(structural_tag=tag))  # fmt: skip
         answers.append([(c.token_ids, c.finish_reason) for o in llm.generate(["x"], params) for c in o.outputs])
     assert answers[0] == answers[1], answers
+
+
+_STRAY_SCHEMA = {"type": "string", "not": {"const": "a"}}  # a keyword the json kind refuses
+
+
+@pytest.mark.parametrize("fmt, text", [
+    ({"begin": "<a>", "content": {"type": "const_string", "value": "xy"}, "end": "</a>", "json_schema": _STRAY_SCHEMA},
+     "<a>xy</a>"),
+    ({"value": "xy", "json_schema": _STRAY_SCHEMA}, "xy"),
+], ids=["tag", "const_string"])  # fmt: skip
+def test_a_stray_json_schema_beside_a_tags_keys_is_not_the_nodes_schema(llm, fmt, text):
+    """A format node without a type is what xgrammar reads first of a tag, a const_string and a json_schema: one
+    with a tag's keys (or a string `value`) and a stray `json_schema` is a tag, its schema never compiled (was:
+    refused as that schema's 'not'). Truth: xgrammar's own grammar for the tag as given takes the output."""
+    from xgrammar.testing import _is_grammar_accept_string
+
+    tag = {"type": "structural_tag", "format": fmt}
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=1, structured_outputs=Grammar(structural_tag=tag))
+    out = llm.generate(["x"], params)[0].outputs[0]
+    assert (out.text, out.finish_reason) == (text, "stop")
+    assert _is_grammar_accept_string(xgrammar.Grammar.from_structural_tag(json.dumps(tag)), out.text)
 
 
 @pytest.mark.parametrize("tag, words, compiled", BAD_TAGS, ids=[c[1][:40] for c in BAD_TAGS])

@@ -16,6 +16,7 @@ when it compiles. It imports no xgrammar.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Mapping
 
 from trtpaged.errors import RequestError
@@ -49,7 +50,8 @@ def xgrammar_form(field: str, document: Any) -> tuple[dict[str, Any], list[tuple
     if not isinstance(document["format"], Mapping):
         raise RequestError(field, f"structural tag format: must be a format object, got "
                            f"{json_kind(document['format'])}")  # fmt: skip
-    return dict(document), list(_schemas_in(document["format"], "format"))
+    tag = {**document, "format": with_forms_written(document["format"])}
+    return tag, list(_schemas_in(tag["format"], "format"))
 
 
 def _from_legacy(field: str, document: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
@@ -95,17 +97,43 @@ def _schemas_in(fmt: Mapping[str, Any], path: str) -> list[tuple[str, Any]]:
 def schema_nodes(fmt: Any, path: str = "format") -> list[tuple[str, Mapping[str, Any]]]:
     """A format tree's nodes that hold a JSON schema (json_schema, qwen_xml_parameter), each with its path, in
     document order. Iterative: the caller bounds the nesting (and so a mapping that contains itself) before this
-    walk. A node without a type is one too when it has a json_schema: xgrammar reads such a node as the first form
-    its keys fit (a tag, a const_string, then a json_schema); its other keys are still walked."""
+    walk. A node without a type holds one where xgrammar reads it as a json_schema (`untyped_form`)."""
+    return [(where, node) for where, node in _format_nodes(fmt, path)
+            if "json_schema" in node and node.get("type", untyped_form(node)) in _SCHEMA_NODES]  # fmt: skip
+
+
+def untyped_form(node: Mapping[str, Any]) -> str:
+    """The form xgrammar 0.2.9 reads a format node without a `type` as: the first its keys fit of a tag (begin,
+    content and end), a const_string (a string `value`), then a json_schema. xgrammar also reads a tag whose begin,
+    content or end it refuses as the next form; `with_forms_written` writes the form out, so that it refuses them."""
+    if all(key in node for key in ("begin", "content", "end")):
+        return "tag"
+    return "const_string" if isinstance(node.get("value"), str) else _SCHEMA_NODES[0]
+
+
+def with_forms_written(fmt: Any) -> Any:
+    """A format tree (parsed; its nesting bounded by the caller) with the form of each node without a `type` that
+    holds a `json_schema` written as its `type` (`untyped_form`; a copy where there is one): a stray `json_schema`
+    beside a tag's or a const_string's keys is then neither compiled nor checked as the node's schema."""
+    if not any("type" not in node and "json_schema" in node for _, node in _format_nodes(fmt)):
+        return fmt
+    fmt = copy.deepcopy(fmt)
+    for _, node in _format_nodes(fmt):
+        if "type" not in node and "json_schema" in node:
+            node["type"] = untyped_form(node)  # type: ignore[index] - a copy, ours to change
+    return fmt
+
+
+def _format_nodes(fmt: Any, path: str = "format") -> list[tuple[str, Any]]:
+    """Every mapping in a format tree with its path, in document order, but what a `json_schema` key holds (a JSON
+    schema, never a format)."""
     found, todo = [], [(path, fmt)]
     while todo:
         where, node = todo.pop()
         if isinstance(node, Mapping):
-            schema_node = "json_schema" in node and node.get("type", _SCHEMA_NODES[0]) in _SCHEMA_NODES
-            if schema_node:
-                found.append((where, node))
+            found.append((where, node))
             todo.extend((f"{where}.{key}", value) for key, value in reversed(list(node.items()))
-                        if not (schema_node and key == "json_schema"))  # fmt: skip
+                        if key != "json_schema")  # fmt: skip
         elif isinstance(node, list):
             todo.extend((f"{where}[{i}]", value) for i, value in reversed(list(enumerate(node))))
     return found
