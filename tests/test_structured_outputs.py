@@ -751,6 +751,7 @@ FREE_TEXT_TAG = {"type": "structural_tag", "format": {"type": "tag", "begin": "<
                                                       "end": "</x>"}}  # fmt: skip
 TRIGGERED_TAG = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<f"], "tags": [
     {"begin": "<f>", "content": {"type": "json_schema", "json_schema": {"type": "integer"}}, "end": "</f>"}]}}
+FIRST_ONLY_TAG = {**TRIGGERED_TAG, "format": {**TRIGGERED_TAG["format"], "stop_after_first": True}}
 
 
 @pytest.mark.parametrize("grammar, before", [
@@ -945,7 +946,13 @@ def test_a_pattern_with_an_escaped_or_non_ascii_literal_is_held_as_json(llm, pat
     # an exclude that ends where a trigger does ("f" at the end of "<f"): xgrammar refuses the trigger there
     ({**TRIGGERED_TAG, "format": {**TRIGGERED_TAG["format"], "excludes": ["f"]}}, ["", "a<", "<a"],
      ["<f>1</f>", "a<f>1</f>", "f"]),
-], ids=["tag", "triggered", "exclude-ending-a-trigger"])  # fmt: skip
+    # stop_after_first: the text ends after the first tag (xgrammar's TagDispatch without its loop)
+    (FIRST_ONLY_TAG, ["", "ab<", "a<f>12</f>", "<<f>1</f>"], ["a<f>1</f>b", "a<f>1</f><f>2</f>", "a<f>x</f>"]),
+    # and an exclude that starts its trigger (xgrammar printed a grammar text it refused to read back)
+    ({**FIRST_ONLY_TAG, "format": {**FIRST_ONLY_TAG["format"], "excludes": ["<"]}}, ["", "ab", "a>f"],
+     ["<", "a<f>1</f>"]),
+], ids=["tag", "triggered", "exclude-ending-a-trigger", "stop-after-first", "stop-after-first-exclude-starting-it"])
+# fmt: skip
 def test_a_structural_tags_free_text_written_out_takes_what_xgrammar_takes(tag, taken, refused):
     """The free text of a structural tag (xgrammar's TagDispatch, which takes any bytes) is written out as rules
     with character classes; the texts it takes and refuses are those xgrammar's own grammar does. Truth: xgrammar's
@@ -962,6 +969,29 @@ def test_a_structural_tags_free_text_written_out_takes_what_xgrammar_takes(tag, 
         assert _is_grammar_accept_string(upstream, text) and _is_grammar_accept_string(mended, text), text
     for text in refused:
         assert not _is_grammar_accept_string(upstream, text) and not _is_grammar_accept_string(mended, text), text
+
+
+@pytest.mark.parametrize("excludes", [["<"], ["<f"]])
+def test_stop_after_first_with_an_exclude_starting_its_trigger_generates(llm, excludes):
+    """A triggered_tags with stop_after_first whose exclude starts its trigger compiles in xgrammar (and vLLM), but
+    xgrammar printed its TagDispatch as a grammar text that it refuses to read back ('Exclude string must not be a
+    prefix of trigger string'), and the request was refused so. Its free text is now written out as rules; past
+    MAX_FREE_TEXT_STATES (a trigger of 140 characters) it is xgrammar's own grammar. Truth: xgrammar's grammar for
+    the tag takes every output (as a prefix where max_tokens cut it)."""
+    from xgrammar.testing import _is_grammar_accept_string
+
+    long_trigger = "<" + "f" * 140
+    for trigger in ("<f", long_trigger):
+        fmt = {**FIRST_ONLY_TAG["format"], "excludes": excludes, "triggers": [trigger],
+               "tags": [{**FIRST_ONLY_TAG["format"]["tags"][0], "begin": trigger + ">"}]}  # fmt: skip
+        tag = {"type": "structural_tag", "format": fmt}
+        params = SamplingParams(max_tokens=16, temperature=1.0, seed=4, n=4,
+                                structured_outputs=Grammar(structural_tag=tag))  # fmt: skip
+        samples = texts(llm.generate(["a", "b"], params))
+        upstream = xgrammar.Grammar.from_structural_tag(json.dumps(tag))
+        for text, reason in samples:  # a free text rarely ends: one cut by max_tokens is a prefix xgrammar takes
+            assert _is_grammar_accept_string(upstream, text, require_termination=reason == "stop"), (text, reason)
+            assert not any(e in text for e in excludes), text
 
 
 def test_a_format_on_many_fields_is_compiled_once(tiny_engine_dir):

@@ -202,8 +202,9 @@ def with_free_text_written_out(grammar: str) -> str:
     tag, the text around `triggered_tags`) written out as rules with character classes: xgrammar's TagDispatch
     takes any bytes (a surrogate's three, `\\xff`), which `without_surrogates` cannot reach. The rules follow the
     text with an automaton over its strings: an exclude (a tag's end) never appears in it, a trigger goes on with
-    its tag's rule and back to free text. A TagDispatch of another form, or whose triggers and excludes have more
-    than MAX_FREE_TEXT_STATES prefixes, is left as xgrammar writes it."""
+    its tag's rule and back to free text (or to the end, after a `stop_after_first` one's). A TagDispatch of another
+    form, or whose triggers and excludes have more than MAX_FREE_TEXT_STATES prefixes, is left as xgrammar writes
+    it."""
     return _TAG_DISPATCH.sub(lambda match: _free_text_rules(match.group(1), match.group(2)) or match.group(0), grammar)
 
 
@@ -220,7 +221,7 @@ def _free_text_rules(name: str, body: str) -> str | None:
             excludes = ["".join(map(chr, _literal_code_points(text))) for text in _LITERAL.findall(item)]
         else:
             return None
-    if excludes is None or loop is None or loop != bool(triggers) or not all(triggers) or "" in excludes:
+    if excludes is None or loop is None or (loop and not triggers) or not all(triggers) or "" in excludes:
         return None
     ends = {text: rule for text, rule in triggers} | {text: None for text in excludes}
     prefixes = sorted({text[:k] for text in ends for k in range(len(text))}, key=lambda p: (len(p), p))
@@ -236,8 +237,8 @@ def _free_text_rules(name: str, body: str) -> str | None:
             done = [text[k:] for k in range(len(text)) if text[k:] in ends]  # longest first
             if done:
                 # an exclude that ends here refuses it, even where a trigger ends here too (as xgrammar)
-                if all(ends[end] is not None for end in done):  # a trigger: its tag, then free text again
-                    alternatives.append(f"({_char_literal(cp)} {ends[done[0]]} {state['']})")
+                if all(ends[end] is not None for end in done):  # a trigger: its tag, then free text again if loop
+                    alternatives.append(f"({_char_literal(cp)} {ends[done[0]]}{' ' + state[''] if loop else ''})")
                 continue
             while text not in state:
                 text = text[1:]
