@@ -564,7 +564,7 @@ def test_a_structural_tags_length_bounded_strings_are_json_strings(llm):
         "type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}}}  # fmt: skip
     control = '<p>{"name": "a\x1db"}</p>'
     assert _is_grammar_accept_string(xgrammar.Grammar.from_structural_tag(json.dumps(tag)), control)
-    mended = xgrammar.Grammar.from_ebnf(mended_structural_tag_grammar(json.dumps(tag)))
+    mended = xgrammar.Grammar.from_ebnf(mended_structural_tag_grammar(tag))
     assert not _is_grammar_accept_string(mended, control)
     assert _is_grammar_accept_string(mended, '<p>{"name": "a😀 b"}</p>')
     params = SamplingParams(max_tokens=80, temperature=1.0, n=4, seed=2, structured_outputs=Grammar(structural_tag=tag))
@@ -962,7 +962,7 @@ def test_a_structural_tags_free_text_written_out_takes_what_xgrammar_takes(tag, 
     from trtpaged.runtime.structured import mended_structural_tag_grammar
 
     upstream = xgrammar.Grammar.from_structural_tag(json.dumps(tag))
-    mended_text = mended_structural_tag_grammar(json.dumps(tag))
+    mended_text = mended_structural_tag_grammar(tag)
     assert "TagDispatch" in str(upstream) and "TagDispatch" not in mended_text
     mended = xgrammar.Grammar.from_ebnf(mended_text)
     for text in taken:
@@ -1025,7 +1025,7 @@ def test_a_free_text_with_a_long_end_compiles_as_xgrammar_does(tiny_engine_dir):
     tag = json.dumps({"type": "structural_tag", "format": {"type": "tag", "begin": "<x>",
                                                            "content": {"type": "any_text"}, "end": f"<{'ab' * 500}>"}})
     compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
-    ours = compiler.compile_grammar(mended_structural_tag_grammar(tag)).memory_size_bytes
+    ours = compiler.compile_grammar(mended_structural_tag_grammar(json.loads(tag))).memory_size_bytes
     assert ours <= 2 * compiler.compile_structural_tag(tag).memory_size_bytes
 
 
@@ -1052,7 +1052,7 @@ def test_a_qwen_xml_parameters_patterns_and_formats_hold_to_the_value_as_written
 
     schema = {"type": "object", "properties": {"d": value_schema}, "required": ["d"]}
     tag = json.dumps({"type": "structural_tag", "format": {"type": "qwen_xml_parameter", "json_schema": schema}})
-    grammar = xgrammar.Grammar.from_ebnf(mended_structural_tag_grammar(tag_formats_as_patterns(tag)))
+    grammar = xgrammar.Grammar.from_ebnf(mended_structural_tag_grammar(tag_formats_as_patterns(json.loads(tag))))
 
     def holds(raw: str) -> bool:  # a number, object or array is JSON there; a string is the text itself
         try:
@@ -1110,7 +1110,7 @@ def test_a_tags_regex_or_grammar_keeps_the_class_a_length_bounded_string_has(fmt
 
     tag = json.dumps({"type": "structural_tag", "format": {"type": "sequence", "elements": [
         fmt, {"type": "json_schema", "json_schema": {"type": "string", "maxLength": 2}}]}})  # fmt: skip
-    grammar = xgrammar.Grammar.from_ebnf(mended_structural_tag_grammar(tag_formats_as_patterns(tag)))
+    grammar = xgrammar.Grammar.from_ebnf(mended_structural_tag_grammar(tag_formats_as_patterns(json.loads(tag))))
 
     for value, taken in [("\t", True), ("a\x01b", True), ("abc", True), ("a\nb", False), ('"', False), ("", False)]:
         assert bool(re.fullmatch(_NOT_QUOTE_OR_LINE, value)) == taken, value
@@ -1139,7 +1139,7 @@ def test_a_gemma_styled_schemas_patterns_and_formats_hold_to_the_value(value_sch
         "e": value_schema}, "required": ["e"]}}, "required": ["d", "o"]}  # fmt: skip
     tag = json.dumps({"type": "structural_tag", "format": {"type": "json_schema", "style": "gemma",
                                                            "json_schema": schema}})  # fmt: skip
-    grammar = xgrammar.Grammar.from_ebnf(mended_structural_tag_grammar(tag_formats_as_patterns(tag)))
+    grammar = xgrammar.Grammar.from_ebnf(mended_structural_tag_grammar(tag_formats_as_patterns(json.loads(tag))))
 
     def holds(value: str) -> bool:
         if "format" in value_schema:
@@ -1173,7 +1173,8 @@ def test_a_gemma_styled_hostname_compiles_no_larger_than_in_json(tiny_engine_dir
     def size(style: str) -> int:
         tag = json.dumps({"type": "structural_tag", "format": {"type": "json_schema", "style": style,
                                                                "json_schema": schema}})  # fmt: skip
-        return compiler.compile_grammar(mended_structural_tag_grammar(tag_formats_as_patterns(tag))).memory_size_bytes
+        mended = mended_structural_tag_grammar(tag_formats_as_patterns(json.loads(tag)))
+        return compiler.compile_grammar(mended).memory_size_bytes
 
     assert size("gemma") <= size("json"), (size("gemma"), size("json"))
 
@@ -1242,7 +1243,7 @@ def test_a_tags_regex_spelling_a_pattern_stand_in_keeps_its_text(fmt):
 
     tag = json.dumps({"type": "structural_tag", "format": {"type": "sequence", "elements": [fmt, {
         "type": "qwen_xml_parameter", "json_schema": {"type": "object", "properties": {"v": _A_DIGIT}}}]}})
-    grammar = xgrammar.Grammar.from_ebnf(mended_structural_tag_grammar(tag_formats_as_patterns(tag)))
+    grammar = xgrammar.Grammar.from_ebnf(mended_structural_tag_grammar(tag_formats_as_patterns(json.loads(tag))))
     for text, taken in [("trtpagedpattern41", True), ("A", False)]:
         assert bool(re.fullmatch("trtpagedpattern41", text)) == taken
         assert _is_grammar_accept_string(grammar, text + "<parameter=v>a1</parameter>") == taken, text
@@ -1284,7 +1285,7 @@ def test_every_length_bounded_string_is_a_json_string(kind, spec, wrap):
     if kind == "json":
         grammar = xgrammar.Grammar.from_ebnf(mended_schema_grammar(json.dumps(spec)))
     else:
-        grammar = xgrammar.Grammar.from_ebnf(mended_structural_tag_grammar(tag_formats_as_patterns(json.dumps(spec))))
+        grammar = xgrammar.Grammar.from_ebnf(mended_structural_tag_grammar(tag_formats_as_patterns(spec)))
     for string, taken in [('"a\tb"', False), ('"\x01bc"', False), ('"abc"', True)]:
         try:
             json.loads(string)
@@ -1312,7 +1313,7 @@ def test_a_qwen_xml_parameter_reads_no_style():
     assert len({str(xgrammar.Grammar.from_structural_tag(json.dumps(tag))) for tag in tags}) == 1
     tok = make_tiny_tokenizer()
     GrammarCache(tok, len(tok), [tok.eos_token_id]).compile(Grammar(structural_tag=tags[0]))  # not refused
-    grammar = xgrammar.Grammar.from_ebnf(mended_structural_tag_grammar(tag_formats_as_patterns(json.dumps(tags[0]))))
+    grammar = xgrammar.Grammar.from_ebnf(mended_structural_tag_grammar(tag_formats_as_patterns(tags[0])))
     for host, s, taken in [("ab.c", "abc", True), ("a" * 64, "abc", False), ("ab.c", "abcd", False)]:
         assert (_conforms(host, "hostname") and jsonschema.Draft202012Validator(GEMMA_BOUNDED).is_valid(s)) == taken
         text = f"<parameter=h>{host}</parameter><parameter=s>{s}</parameter>"

@@ -12,12 +12,13 @@ its matcher stays in step without a rollback. Matcher calls run on the engine th
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
@@ -78,22 +79,22 @@ def mended_schema_grammar(schema: str, strict_mode: bool = True) -> str:
     return without_surrogates(with_regexes_expanded(_json_string_characters(grammar)))
 
 
-def mended_structural_tag_grammar(tag: str) -> str:
-    """xgrammar's grammar (EBNF text) for a structural tag (xgrammar's form, JSON text), its JSON schemas'
+def mended_structural_tag_grammar(tag: Mapping[str, Any]) -> str:
+    """xgrammar's grammar (EBNF text) for a structural tag (xgrammar's form, parsed), its JSON schemas'
     length-bounded strings' character class replaced by `_JSON_STRING_CHARACTER`, its free text written out as
     classes (`with_free_text_written_out`) and every class without the surrogate code points (as
     `mended_schema_grammar`); its schemas' formats as `tag_formats_as_patterns` has them."""
     import xgrammar as xgr
 
-    grammar = with_regexes_expanded(_json_string_characters(str(xgr.Grammar.from_structural_tag(tag))),
-                                    _tag_patterns(json.loads(tag)))  # fmt: skip
+    grammar = with_regexes_expanded(_json_string_characters(str(xgr.Grammar.from_structural_tag(json.dumps(tag)))),
+                                    _tag_patterns(tag))  # fmt: skip
     return without_surrogates(with_free_text_written_out(grammar))
 
 
-def _tag_patterns(parsed: Any) -> set[str]:
+def _tag_patterns(tag: Mapping[str, Any]) -> set[str]:
     """The patterns of the JSON schemas in a parsed structural tag (their `hidden_pattern` stand-ins once
     `tag_formats_as_patterns` has rewritten it)."""
-    fmt = parsed.get("format") if isinstance(parsed, dict) else None
+    fmt = tag.get("format")
     return {node["pattern"] for _, tagged in schema_nodes(fmt) for _, node in subschemas(tagged["json_schema"])
             if isinstance(node.get("pattern"), str)}  # fmt: skip
 
@@ -118,20 +119,21 @@ def _schema_formats_as_patterns(schema: str) -> str:
     return schema if rewritten is parsed else json.dumps(rewritten)
 
 
-def tag_formats_as_patterns(tag: str) -> str:
-    """A structural tag's JSON text (xgrammar's form) with the loose formats and patterns of each JSON schema in it
+def tag_formats_as_patterns(tag: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A structural tag (xgrammar's form, parsed) with the loose formats and patterns of each JSON schema in it
     (`structural_tag.schema_nodes`: json_schema and qwen_xml_parameter nodes) rewritten by `formats_as_patterns`
-    (the patterns of a style in `_OWN_PATTERN_STYLES` left as written, its formats but hostname as patterns); the
-    text itself where they have none."""
-    parsed = json.loads(tag)
-    changed = False
-    for _, node in schema_nodes(parsed.get("format") if isinstance(parsed, dict) else None):
-        own = schema_style(node) in _OWN_PATTERN_STYLES
-        rewritten = formats_as_patterns(node["json_schema"], hidden=not own,
-                                        formats=_OWN_PATTERN_FORMATS if own else FORMAT_PATTERNS)  # fmt: skip
-        if rewritten is not node["json_schema"]:
-            node["json_schema"], changed = rewritten, True  # type: ignore[index] - parsed here, so ours to change
-    return json.dumps(parsed) if changed else tag
+    (the patterns of a style in `_OWN_PATTERN_STYLES` left as written, its formats but hostname as patterns): a
+    copy, or the tag itself where they have none."""
+    nodes = schema_nodes(tag.get("format"))
+    rewritten = [formats_as_patterns(node["json_schema"], hidden=schema_style(node) not in _OWN_PATTERN_STYLES,
+                                     formats=_OWN_PATTERN_FORMATS if schema_style(node) in _OWN_PATTERN_STYLES
+                                     else FORMAT_PATTERNS) for _, node in nodes]  # fmt: skip
+    if all(schema is node["json_schema"] for schema, (_, node) in zip(rewritten, nodes)):
+        return tag
+    tag = copy.deepcopy(tag)
+    for schema, (_, node) in zip(rewritten, schema_nodes(tag.get("format"))):
+        node["json_schema"] = schema  # type: ignore[index] - a copy, ours to change
+    return tag
 
 
 def _stop_tokens_without_text(info: Any, vocab: list[bytes]) -> Any:
@@ -149,8 +151,8 @@ def _stop_tokens_without_text(info: Any, vocab: list[bytes]) -> Any:
                              add_prefix_space=info.add_prefix_space)  # fmt: skip
 
 
-def stop_tokens_by_id(tag: str, ids: dict[bytes, int]) -> str:
-    """Structural tag `tag` (xgrammar's JSON text) with each token it names by a stop token's text (`ids`: text
+def stop_tokens_by_id(tag: Mapping[str, Any], ids: dict[bytes, int]) -> Mapping[str, Any]:
+    """Structural tag `tag` (xgrammar's form, parsed) with each token it names by a stop token's text (`ids`: text
     -> id; a `token`, `exclude_tokens`, `trigger_tokens`, a token_dispatch's rule) named by that id: the
     compiler's vocabulary holds no text for a stop token (`_stop_tokens_without_text`), so xgrammar could not find
     it there."""
@@ -177,9 +179,10 @@ def stop_tokens_by_id(tag: str, ids: dict[bytes, int]) -> str:
                 out[key] = value if key == "json_schema" else walk(value)
         return out
 
-    parsed = json.loads(tag) if ids else None
-    walked = walk(parsed)
-    return tag if walked == parsed else json.dumps(walked)
+    if not ids:
+        return tag
+    walked = walk(tag)
+    return tag if walked == tag else walked
 
 
 def xgrammar_available() -> bool:
@@ -294,11 +297,12 @@ class GrammarCache:
             why = unenforced_feature(schema)  # iterative; each schema's nesting is bounded by StructuredOutputsParams
             if why is not None:
                 raise RequestError(params.origin, f"the JSON schema at {where}: {why}")
-        for where, node in schema_nodes(json.loads(params.structural_tag_json)["format"]):
+        document = json.loads(params.structural_tag_json)  # parsed once here, passed along
+        for where, node in schema_nodes(document["format"]):
             if schema_style(node) in _UNBOUNDED_STRING_STYLES and has_string_length(node["json_schema"]):
                 raise RequestError(params.origin, f"the JSON schema at {where}.json_schema: 'minLength' / 'maxLength' "
                                    f"is not enforced in style {node['style']!r} (its strings take any length)")
-        given = stop_tokens_by_id(params.structural_tag_json, stop_ids)
+        given = stop_tokens_by_id(document, stop_ids)
         try:
             try:
                 grammar = mended_structural_tag_grammar(tag_formats_as_patterns(given))
@@ -311,7 +315,8 @@ class GrammarCache:
                 # whose exclude starts a trigger, left as written past MAX_FREE_TEXT_STATES
                 why = "is not supported beside a free text whose exclude starts a trigger"
             # the tag as given: its patterns' stand-ins are written out only in the mended text
-            compiled = compiler.compile_structural_tag(given)  # raises xgrammar's reason for a tag it refuses
+            # raises xgrammar's reason for a tag it refuses
+            compiled = compiler.compile_structural_tag(json.dumps(given))
             if not any(has_string_length(schema) for _, schema in params.structural_tag_schemas):
                 return compiled  # the classes and formats as xgrammar writes them
             raise RequestError(params.origin, f"a JSON schema with minLength / maxLength {why}")
