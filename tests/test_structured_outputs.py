@@ -892,6 +892,23 @@ def test_sampled_formatted_strings_satisfy_their_format(llm):
         assert all(_conforms(document[f], f) for f in ("date", "time", "ipv4")), document
 
 
+@pytest.mark.parametrize("pattern", ["ab", "^ab", "ab$", "^ab$"])
+def test_a_pattern_matches_the_whole_string_as_in_xgrammar(pattern):
+    """JSON Schema reads `pattern` as an unanchored ECMA-262 search; xgrammar (and so vLLM) as a match of the whole
+    string, anchors or none, and so does this server (docs/structured_outputs.md). Truth: xgrammar's own grammar for
+    the schema, on the same strings."""
+    from xgrammar.testing import _is_grammar_accept_string
+
+    schema = json.dumps({"type": "string", "pattern": pattern})
+    upstream = xgrammar.Grammar.from_json_schema(schema, any_whitespace=False)
+    mended = xgrammar.Grammar.from_ebnf(mended_schema_grammar(schema))
+    for value, taken in [("ab", True), ("xab", False), ("abx", False), ("xabx", False)]:
+        assert bool(re.search(pattern, value)) or not taken
+        document = json.dumps(value)
+        assert _is_grammar_accept_string(upstream, document) == taken, value
+        assert _is_grammar_accept_string(mended, document) == taken, value
+
+
 @pytest.mark.parametrize("pattern, refused, taken", [
     (r"^a(x[0-9]+)?$", ["a5", "a55"], ["a", "ax5", "ax123"]),
     (r"^[0-9]{2}(\.[0-9]+)?Z$", ["125Z", "1234Z"], ["12Z", "12.5Z"]),
