@@ -192,6 +192,9 @@ UNENFORCED = [
     ({"type": "string", "format": "idn-email"}, "nope", "format 'idn-email' is not enforced"),
     ({"type": "string", "format": "idn-hostname"}, "a..b", "format 'idn-hostname' is not enforced"),
     ({"format": "date"}, "2023-02-30", "format 'date' without a 'type' is not enforced"),
+    ({"type": "string", "format": "date", "maxLength": 5}, "2023-01-01", "beside a pattern or a format"),
+    ({"type": "string", "format": "uri", "minLength": 5}, "a:b", "minLength 5 beside format 'uri'"),
+    ({"type": "string", "format": "uri", "maxLength": 10}, "a:" + "b" * 20, "maxLength 10 beside format 'uri'"),
 ]  # fmt: skip
 
 
@@ -875,6 +878,85 @@ def test_a_format_the_grammar_wrote_loosely_is_held_to_the_format(fmt, refused, 
     for value in taken:
         assert _conforms(value, fmt), value
         assert _is_grammar_accept_string(mended, json.dumps({"v": value})), value
+
+
+# RFC 3986's URI, from its ABNF (an IP literal aside: an ipv4 address is a reg-name's text too)
+_PCHAR = r"(?:[A-Za-z0-9._~!$&'()*+,;=:@-]|%[0-9A-Fa-f]{2})"
+_REG_NAME = r"(?:[A-Za-z0-9._~!$&'()*+,;=-]|%[0-9A-Fa-f]{2})*"
+_RFC3986_URI = re.compile(
+    rf"[A-Za-z][A-Za-z0-9+.-]*:(?://(?:(?:{_REG_NAME}|:)*@)?{_REG_NAME}(?::[0-9]*)?(?:/{_PCHAR}*)*"
+    rf"|/(?:{_PCHAR}+(?:/{_PCHAR}*)*)?|{_PCHAR}+(?:/{_PCHAR}*)*|)(?:\?(?:{_PCHAR}|[/?])*)?(?:#(?:{_PCHAR}|[/?])*)?")
+
+
+def _url_models() -> tuple[Any, Any]:
+    from typing import Annotated
+
+    from pydantic import AnyUrl, BaseModel, HttpUrl, UrlConstraints
+
+    class Link(BaseModel):
+        url: HttpUrl  # format uri, minLength 1, maxLength 2083
+        home: AnyUrl  # format uri, minLength 1
+
+    class Short(BaseModel):
+        url: Annotated[AnyUrl, UrlConstraints(max_length=40)]
+
+    return Link, Short
+
+
+def test_pydantics_url_schemas_compile_holding_their_length():
+    """pydantic writes HttpUrl as format uri with minLength 1 and maxLength 2083, and AnyUrl with minLength 1: both
+    were refused ("minLength / maxLength beside a pattern or a format"), where xgrammar (and vLLM) compile them and
+    drop the bounds (a uri of any length). A minLength up to 2 holds by the format (the shortest uri, `a:`); a
+    maxLength compiles as a pattern of the uri's parts, each bounded, the whole at most maxLength. Truth: xgrammar's
+    own grammar for the schema, an RFC 3986 regex and pydantic's HttpUrl on each value."""
+    from pydantic import ValidationError
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from trtpaged.runtime.schema_features import unenforced_feature
+
+    link, _ = _url_models()
+    schema = link.model_json_schema()
+    assert unenforced_feature(schema) is None
+    upstream = xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    mended = xgrammar.Grammar.from_ebnf(mended_schema_grammar(json.dumps(schema)))
+    long = "https://example.com/" + "a" * 2064  # 2084 characters
+    for url, taken in [("https://example.com/a/b?q=1&r=x#top", True), ("http://h:8080", True), ("a:", True),
+                       ("https://example.com/" + "a" * 1700, True), (long, False)]:  # fmt: skip
+        assert _RFC3986_URI.fullmatch(url), url
+        document = json.dumps({"url": url, "home": "a:b"})
+        assert _is_grammar_accept_string(upstream, document)
+        assert _is_grammar_accept_string(mended, document) == taken, url
+        try:
+            link.model_validate_json(document)
+            assert taken or not url.startswith("http"), url
+        except ValidationError:
+            assert not taken or not url.startswith("http"), url
+
+
+@pytest.mark.parametrize("most", [32, 40, 100, 255, 2083, 5000])
+def test_a_bounded_uri_pattern_takes_at_most_its_length(most):
+    """The pattern a uri's maxLength compiles as takes no string longer than it, and strings up to 7 shorter.
+    Truth: the widths Python's regex parser reads off the pattern (re._parser's getwidth)."""
+    import re._parser
+
+    from trtpaged.runtime.schema_formats import bounded_uri_pattern
+
+    assert most - 7 <= re._parser.parse(bounded_uri_pattern(most)).getwidth()[1] <= most
+
+
+def test_sampled_length_bounded_uris_are_valid_pydantic_urls(llm):
+    """At temperature 1 on the tiny model every value of a pydantic model's `Annotated[AnyUrl,
+    UrlConstraints(max_length=40)]` that finishes "stop" is a URL of at most 40 characters. Truth: pydantic's own
+    validation of the model, and an RFC 3986 regex."""
+    _, short = _url_models()
+    params = SamplingParams(max_tokens=60, temperature=1.0, seed=3, n=4,
+                            structured_outputs=Grammar(json=short.model_json_schema()))  # fmt: skip
+    stopped = [t for t, reason in texts(llm.generate([f"link {i}:" for i in range(4)], params)) if reason == "stop"]
+    assert len(stopped) >= 8
+    for text in stopped:
+        url = json.loads(text)["url"]
+        assert _RFC3986_URI.fullmatch(url) and len(url) <= 40, url
+        short.model_validate_json(text)
 
 
 def test_sampled_formatted_strings_satisfy_their_format(llm):

@@ -4,8 +4,9 @@ xgrammar compiles these schemas without a word and then lets through outputs tha
 would finish "stop" with JSON that fails its own schema. Such a schema is refused instead, naming the
 keyword and where it sits, as vLLM's xgrammar backend refuses what it cannot enforce. Measured against
 xgrammar 0.2.9 (a violating document accepted by the compiled grammar): the keywords in UNENFORCED, a string
-length beside a pattern or a format, multipleOf on a number, type-specific constraints in a schema without a
-type, constraints beside a $ref / anyOf / oneOf, a $ref outside the document, a `required` property that
+length beside a pattern or a format (but a uri's: `schema_formats.length_beside_format`), multipleOf on a
+number, type-specific constraints in a schema without a type, constraints beside a $ref / anyOf / oneOf, a $ref
+outside the document, a `required` property that
 `properties` does not define, an `enum` / `const` value that the node's other constraints refuse (the grammar
 follows the values), a `oneOf` whose branches can overlap (compiled as `anyOf`), and a `format` that xgrammar
 writes no grammar for (`schema_formats.py`: regex, idn-email, idn-hostname, iri, iri-reference). Other formats
@@ -20,7 +21,7 @@ import re
 import sys
 from typing import Any, Iterator, Optional
 
-from trtpaged.runtime.schema_formats import unenforced_format
+from trtpaged.runtime.schema_formats import length_beside_format, unenforced_format
 
 # keyword -> why it is refused (each one compiled and shown to accept a document that breaks it)
 UNENFORCED = {
@@ -79,7 +80,9 @@ def _node_feature(node: dict, root: Any) -> Optional[str]:
     if node.get("uniqueItems") is True:
         return "'uniqueItems' is not enforced"
     if ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
-        return "minLength / maxLength beside a pattern or a format are not enforced"
+        why = length_beside_format(node)
+        if why is not None:
+            return why
     if "pattern" in node and "format" in node:
         return "a 'pattern' beside a 'format' is not enforced (the format is)"
     unchecked = unenforced_format(node)

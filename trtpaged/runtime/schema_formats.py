@@ -11,7 +11,8 @@ hostname label past 63 characters or a name past 253. Each of those formats is c
 which takes what the format takes (but second 60, and hostnames of more than 4 labels with a label past 30
 characters, or of more than 8 labels with one past 9). `regex`, `idn-email`, `idn-hostname`, `iri` and
 `iri-reference` get no grammar from xgrammar (any string), and a format without a `type` none either (any JSON
-value), so a schema that relies on one is refused.
+value), so a schema that relies on one is refused. xgrammar writes no minLength / maxLength beside a format; a
+uri's are held here (`length_beside_format`, `bounded_uri_pattern`: pydantic's HttpUrl and AnyUrl have them).
 """
 
 from __future__ import annotations
@@ -50,6 +51,58 @@ GRAMMAR_FORMATS = (*FORMAT_PATTERNS, "duration", "email", "ipv6", "uri", "uri-re
                    "json-pointer", "relative-json-pointer")  # fmt: skip
 
 
+# a uri held to a length: its parts as RFC 3986 has them, but percent-encoding, userinfo and IP literals, each part
+# bounded so that the longest is `maxLength` (xgrammar's uri takes any length, and writes no minLength / maxLength
+# beside a format); a string of these characters, past the scheme, is a path then a query
+_URI_PATH = "[a-zA-Z0-9._~!$&'()*+,;=:@-]"  # a path's characters but "/" (pchar)
+_URI_QUERY = "[a-zA-Z0-9._~!$&'()*+,;=:@/?-]"  # a query's or a fragment's (pchar, "/" and "?")
+_URI_HOST = "[a-zA-Z0-9._~!$&'()*+,;=-]"  # a reg-name's
+_URI_PORT = "([0-9]{1,4}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])"  # 0-65535
+URI_SHORTEST = 2  # "a:", the shortest uri: a minLength up to this holds by the format
+URI_LEAST_MAX_LENGTH = 32  # a maxLength below this is refused beside format uri
+
+
+def _repeat(chars: str, least: int, most: int) -> str:
+    """A regex for `least` to `most` (or up to 7 fewer) of `chars`: past `least`, a repeat of 8 at a time, then up
+    to 7. xgrammar compiles a long repeat of a class in JSON text slowly (`[a-z]{0,1500}` in 0.4 s on SmolLM2's
+    vocabulary, 0.02 s as eights)."""
+    first = f"{chars}{{{least}}}" if least else ""
+    if most - least < 16:
+        return f"{first}{chars}{{0,{most - least}}}"
+    return f"{first}({chars}{{8}}){{0,{(most - least - 7) // 8}}}{chars}{{0,7}}"
+
+
+def bounded_uri_pattern(most: int) -> str:
+    """A pattern for a uri of at most `most` (URI_LEAST_MAX_LENGTH or more) characters: a scheme of up to 16, a
+    fragment of up to an eighth (256 at most), and between them an authority (a host and a port) and what is left
+    for the path and query (a host up to 16, 64 or 253 characters leaves that much less), or a path and query
+    alone."""
+    scheme = min(16, most // 8)
+    fragment = min(256, most // 8)
+    rest = most - scheme - 1 - (fragment + 1)  # past "scheme:", before "#fragment"
+    hier, shorter = [], 0
+    for host in sorted({min(longest, rest - 9) for longest in (16, 64, 253)}):
+        path = rest - 2 - host - 6 - 1  # past "//host:port", before the path's first character
+        hier.append(f"//{_repeat(_URI_HOST, shorter + 1, host)}(:{_URI_PORT})?([/?]{_repeat(_URI_QUERY, 0, path)})?")
+        shorter = host
+    hier += [f"/?([?]|{_URI_PATH}){_repeat(_URI_QUERY, 0, rest - 2)}", "/"]
+    return f"^[a-zA-Z][a-zA-Z+.-]{{0,{scheme - 1}}}:({'|'.join(hier)})?(#{_repeat(_URI_QUERY, 0, fragment)})?$"
+
+
+def length_beside_format(node: dict) -> Optional[str]:
+    """Why a node's minLength / maxLength beside its pattern or format would not be enforced; None for those of a
+    uri (`formats_as_patterns`: a minLength up to URI_SHORTEST holds by the format, a maxLength is a
+    `bounded_uri_pattern`)."""
+    least, most = node.get("minLength", 0), node.get("maxLength", URI_LEAST_MAX_LENGTH)
+    if "pattern" in node or node.get("format") != "uri" or not all(type(n) is int for n in (least, most)):
+        return "minLength / maxLength beside a pattern or a format are not enforced"
+    if least > URI_SHORTEST:
+        return f"minLength {least} beside format 'uri' is not enforced (a uri may have {URI_SHORTEST} characters)"
+    if most < URI_LEAST_MAX_LENGTH:
+        return f"maxLength {most} beside format 'uri' is below the {URI_LEAST_MAX_LENGTH} supported"
+    return None
+
+
 def unenforced_format(node: dict) -> Optional[str]:
     """Why `node`'s `format` would not be enforced (one xgrammar writes no grammar for); None where it is, or where
     the node's `enum` / `const` values decide the output."""
@@ -70,12 +123,18 @@ def formats_as_patterns(schema: Any, hidden: bool = True, formats: Collection[st
     from trtpaged.runtime.grammar_text import hidden_pattern
     from trtpaged.runtime.schema_features import subschemas
 
-    if not any(_rewritten(node, formats) or isinstance(node.get("pattern"), str) for _, node in subschemas(schema)):
+    if not any(_rewritten(node, formats) or _uri_with_length(node) or isinstance(node.get("pattern"), str)
+               for _, node in subschemas(schema)):  # fmt: skip
         return schema
     schema = copy.deepcopy(schema)
     for _, node in subschemas(schema):
         if _rewritten(node, formats):
             node["pattern"] = FORMAT_PATTERNS[node.pop("format")]
+        elif _uri_with_length(node):
+            node.pop("minLength", None)  # holds by the format (length_beside_format)
+            if "maxLength" in node:
+                node["pattern"] = bounded_uri_pattern(node.pop("maxLength"))
+                del node["format"]
         if hidden and isinstance(node.get("pattern"), str):
             node["pattern"] = hidden_pattern(node["pattern"])
     return schema
@@ -84,3 +143,8 @@ def formats_as_patterns(schema: Any, hidden: bool = True, formats: Collection[st
 def _rewritten(node: dict, formats: Collection[str]) -> bool:
     return (node.get("format") in formats and "pattern" not in node and "enum" not in node
             and "const" not in node)  # fmt: skip
+
+
+def _uri_with_length(node: dict) -> bool:
+    return (node.get("format") == "uri" and ("minLength" in node or "maxLength" in node) and "pattern" not in node
+            and "enum" not in node and "const" not in node)  # fmt: skip
