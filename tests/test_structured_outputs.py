@@ -831,7 +831,11 @@ LOOSE_FORMATS = [
     ("time", ["12:30:60Z", "23:59:60+01:00"], ["23:59:59Z", "00:00:00.5-12:00"]),
     ("ipv4", ["012.1.1.1", "1.2.3.00", "192.168.01.1"], ["0.0.0.0", "255.255.255.255", "10.200.1.99"]),
     ("hostname", ["a" * 64, "b." + "c" * 64 + ".d", ".".join(["x" * 63] * 4)],
-     ["example.com", "a-b.c0", "x" * 63, ".".join(["x" * 63] * 3 + ["y" * 61]), ".".join(["ab"] * 20)]),
+     ["example.com", "a-b.c0", "x" * 63, ".".join(["x" * 63] * 3 + ["y" * 61]), ".".join(["ab"] * 20),
+      # 5 labels or more, one past 30 characters (was refused: 5 to 8 labels of 30 at most), or more than 25
+      "x" * 45 + ".namespace.svc.cluster.local", "x" * 63 + "." + "y" * 63 + ".svc.cluster.local",
+      "www." + "x" * 40 + ".co.uk", ".".join(["p" * 40, "s" * 40, "n" * 40, "svc", "cluster", "local"]),
+      "my-load-balancer-name-1234-0123456789.us-west-2.elb.amazonaws.com", ".".join("4321" * 8) + ".ip6.arpa"]),
 ]  # fmt: skip
 
 
@@ -957,6 +961,28 @@ def test_sampled_length_bounded_uris_are_valid_pydantic_urls(llm):
         url = json.loads(text)["url"]
         assert _RFC3986_URI.fullmatch(url) and len(url) <= 40, url
         short.model_validate_json(text)
+
+
+def test_every_hostname_the_pattern_takes_is_at_most_253_characters():
+    """A hostname's pattern counts its labels' 63 characters, and its shapes bound the name: none is wider than
+    RFC 1123's 253 characters. Truth: the widths Python's regex parser reads off the pattern (re._parser's
+    getwidth)."""
+    import re._parser
+
+    from trtpaged.runtime.schema_formats import FORMAT_PATTERNS
+
+    assert re._parser.parse(FORMAT_PATTERNS["hostname"]).getwidth() == (1, 253)
+
+
+def test_sampled_hostnames_satisfy_rfc_1123(llm):
+    """At temperature 1 on the tiny model every hostname that finishes "stop" is one (`_conforms`: RFC 1123's
+    labels and length), of whichever of the pattern's shapes."""
+    schema = {"type": "object", "properties": {"h": {"type": "string", "format": "hostname"}}, "required": ["h"]}
+    params = SamplingParams(max_tokens=100, temperature=1.0, seed=3, n=4, structured_outputs=Grammar(json=schema))
+    stopped = [t for t, reason in texts(llm.generate([f"host {i}:" for i in range(4)], params)) if reason == "stop"]
+    assert len(stopped) >= 8
+    for text in stopped:
+        assert _conforms(json.loads(text)["h"], "hostname"), text
 
 
 def test_sampled_formatted_strings_satisfy_their_format(llm):

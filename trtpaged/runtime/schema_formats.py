@@ -8,11 +8,12 @@ the compiled grammar): a date whose day its month has not (2023-02-30, 2023-04-3
 time on second 60 whatever the hour (12:30:60Z: Python's datetime and rfc3339-validator refuse every second 60),
 an ipv4 octet with a leading zero (012.1.1.1, which Python's ipaddress refuses, as read as octal elsewhere) and a
 hostname label past 63 characters or a name past 253. Each of those formats is compiled as the pattern below,
-which takes what the format takes (but second 60, and hostnames of more than 4 labels with a label past 30
-characters, or of more than 8 labels with one past 9). `regex`, `idn-email`, `idn-hostname`, `iri` and
-`iri-reference` get no grammar from xgrammar (any string), and a format without a `type` none either (any JSON
-value), so a schema that relies on one is refused. xgrammar writes no minLength / maxLength beside a format; a
-uri's are held here (`length_beside_format`, `bounded_uri_pattern`: pydantic's HttpUrl and AnyUrl have them).
+which takes what the format takes (but second 60, and the hostnames of more than 4 labels that none of
+`_HOSTNAME`'s shapes takes: a regex cannot count a name's 253 characters beside its labels' 63). `regex`,
+`idn-email`, `idn-hostname`, `iri` and `iri-reference` get no grammar from xgrammar (any string), and a format
+without a `type` none either (any JSON value), so a schema that relies on one is refused. xgrammar writes no
+minLength / maxLength beside a format; a uri's are held here (`length_beside_format`, `bounded_uri_pattern`:
+pydantic's HttpUrl and AnyUrl have them).
 """
 
 from __future__ import annotations
@@ -34,9 +35,16 @@ def _label(most: int) -> str:
     return f"[a-z0-9]([a-z0-9-]{{0,{most - 2}}}[a-z0-9])?"
 
 
-# up to 4 labels of 63 (the 4th of 61), 5 to 8 of 30, or 9 to 25 of 9: each at most 253 characters in all
+# RFC 1123 bounds a name to 253 characters, which a regex cannot count beside its labels' 63, so the name is one of
+# these shapes, each at most 253 characters in all (re's parser reads their widths): up to 4 labels of 63 (the 4th
+# of 61); 5 to 8 of 30; one label of 63 after up to 3 and before up to 8 of 15 (www.<63>.co.uk); two of 63 among
+# up to 7 of 15, 2 before, 2 between and 3 after (<service>.<namespace>.svc.cluster.local); three of 63 then up
+# to 7 of 7 (<pod>.<service>.<namespace>.svc.cluster.local); 9 to 25 of 9; or 9 to 50 of 4 (ip6.arpa names)
 _HOSTNAME = (f"({_label(63)}(\\.{_label(63)}){{0,2}}(\\.{_label(61)})?|{_label(30)}(\\.{_label(30)}){{4,7}}"
-             f"|{_label(9)}(\\.{_label(9)}){{8,24}})")  # fmt: skip
+             f"|({_label(15)}\\.){{0,3}}{_label(63)}(\\.{_label(15)}){{0,8}}"
+             f"|({_label(15)}\\.){{0,2}}{_label(63)}(\\.{_label(15)}){{0,2}}\\.{_label(63)}(\\.{_label(15)}){{0,3}}"
+             f"|{_label(63)}(\\.{_label(63)}){{2}}(\\.{_label(7)}){{0,7}}"
+             f"|{_label(9)}(\\.{_label(9)}){{8,24}}|{_label(4)}(\\.{_label(4)}){{8,49}})")  # fmt: skip
 FORMAT_PATTERNS = {
     "date": f"^{_DATE}$",
     "time": f"^{_TIME}$",
