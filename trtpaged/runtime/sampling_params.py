@@ -290,11 +290,14 @@ def _checked_structural_tag(name: str, value: Any) -> tuple[str, tuple[tuple[str
         raise RequestError(name, f"structural tag of {len(text)} characters exceeds {MAX_GRAMMAR_CHARS}",
                            MAX_GRAMMAR_CHARS)  # fmt: skip
     if isinstance(value, str):
-        _check_tag_depth(name, text)
         try:
-            document = json.loads(text)
+            document = json.loads(text)  # once: the depth is checked on the parsed tag
+        except RecursionError:  # deeper than the parser's stack: far past the limit, which this names
+            _check_tag_depth(name, text)
+            raise
         except ValueError as exc:
             raise RequestError(name, f"invalid structural_tag: not JSON ({exc})") from None
+        _check_tag_depth(name, document)
     tag, schemas = xgrammar_form(name, document)
     for where, schema in schemas:
         _check_schema_depth(name, schema, where)
