@@ -72,8 +72,8 @@ def test_a_message_is_the_chat_answer_of_the_same_conversation(client, llm, serv
     system = [{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Answer in English."}]
     turns = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": [{"type": "text", "text": "hi"}]},
              {"role": "user", "content": [{"type": "text", "text": "what is"}, {"type": "text", "text": "two plus"}]}]
-    chat = [{"role": "system", "content": "Be brief.\n\nAnswer in English."}, {"role": "user", "content": "hello"},
-            {"role": "assistant", "content": "hi"}, {"role": "user", "content": "what is\ntwo plus"}]  # vLLM's join
+    chat = [{"role": "system", "content": "Be brief.Answer in English."}, {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": "hi"}, {"role": "user", "content": "what is\ntwo plus"}]  # vLLM's joins
     prompt = _prompt(llm, chat)
     want = _greedy(llm, prompt, 12)
     msg = client.messages.create(model=MODEL, max_tokens=12, system=system, messages=turns, extra_body=GREEDY)

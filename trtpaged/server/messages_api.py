@@ -215,8 +215,8 @@ def _text_parts(texts: list[str]) -> list[dict[str, str]]:
 def _messages(system: Any, items: list[Any]) -> list[dict[str, Any]]:
     """`system`, then the conversation, as chat messages."""
     messages: list[dict[str, Any]] = []
-    if system is not None:
-        text = "\n\n".join(_texts_of(system, "system", "system", system=True))
+    if system is not None:  # its blocks run together, as vLLM joins them (Anthropic does not say how it does)
+        text = "".join(_texts_of(system, "system", "system", system=True))
         if text:
             messages.append({"role": "system", "content": text})
     for i, item in enumerate(items):
