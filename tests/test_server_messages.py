@@ -172,6 +172,23 @@ def test_stop_sequences_max_tokens_and_prefill(client, llm):
     assert got.content[0].text == want.text[:len(got.content[0].text)] and got.content[0].text
 
 
+def test_a_seed_samples_as_the_same_seed_does_in_llm(client, llm):
+    """vLLM's `seed` extra, as chat completions takes it: a seeded sample at temperature 1 is LLM's sample under the
+    same seed, streamed or not, another seed LLM's other sample; a seed that is not an integer is a 400 naming it."""
+    turns = [{"role": "user", "content": "tell me a story"}]
+    prompt = _prompt(llm, [{"role": "user", "content": "tell me a story"}])
+    for seed in (3, 4):
+        (want,) = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=1.0, seed=seed), use_tqdm=False)
+        body = {"temperature": 1.0, "seed": seed}
+        msg = client.messages.create(model=MODEL, max_tokens=10, messages=turns, extra_body=body)
+        assert "".join(b.text for b in msg.content if b.type == "text") == want.outputs[0].text
+        with client.messages.stream(model=MODEL, max_tokens=10, messages=turns, extra_body=body) as s:
+            assert [b.text for b in s.get_final_message().content] == [b.text for b in msg.content]
+    with pytest.raises(anthropic.BadRequestError) as exc:
+        client.messages.create(model=MODEL, max_tokens=2, messages=turns, extra_body={"seed": "3"})
+    assert "seed" in exc.value.body["error"]["message"]
+
+
 def test_tool_use_round_trip(client, llm, server):
     """A forced tool (tool_choice tool): a tool_use block whose input is the arguments the chat path's grammar
     wrote; the next turn sends tool_use and tool_result blocks back, rendered as the assistant's tool call and a

@@ -95,7 +95,8 @@ class MessagesRequest(_Loose):
     output_format: Optional[dict[str, Any]] = None  # the structured-outputs beta's spelling of output_config.format
     metadata: Optional[Metadata] = None
     service_tier: Optional[StrictStr] = None  # accepted, without effect
-    # vLLM's extras on this endpoint
+    # vLLM's extras on this endpoint; seed as chat's (the same seed, the same sampled text)
+    seed: Optional[StrictInt] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     cache_salt: Optional[StrictStr] = None
 
@@ -139,7 +140,7 @@ def translate(body: Any, served: Sequence[str], reasoning: bool, count_only: boo
     chat: dict[str, Any] = {"model": req.model, "messages": _messages(req.system, req.messages)}
     if req.max_tokens is not None:
         chat["max_completion_tokens"] = req.max_tokens
-    for name in ("temperature", "top_p", "top_k", "cache_salt"):
+    for name in ("temperature", "top_p", "top_k", "seed", "cache_salt"):
         if getattr(req, name) is not None:
             chat[name] = getattr(req, name)
     if req.stop_sequences:
