@@ -493,6 +493,32 @@ def test_a_tool_definition_no_template_can_take_is_refused_naming_where(server):
             assert out["error"]["message"].startswith(start), (path, change, out)
     wait_idle(server)
 
+def test_tokenize_takes_chats_tool_choice_and_counts_the_chat_prompt(client, server):
+    """/tokenize with tools and any tool_choice chat takes (with parallel_tool_calls): its tokens are the prompt
+    tokens the chat completion of the same messages, tools and tool_choice reports (vLLM's return_token_ids) and
+    counts in its usage; a tool_choice chat refuses is refused with chat's 400 (was: 400 "tool_choice: unknown
+    field" for every choice)."""
+    named = {"type": "function", "function": {"name": "add"}}
+    allowed = {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [named]}}
+    for choice in ("none", "auto", "required", named, allowed):
+        for parallel in ({}, {"parallel_tool_calls": False}):
+            chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=choice,
+                                                  max_tokens=1, extra_body={"return_token_ids": True}, **parallel)
+            status, _, out = request(server, "/tokenize", {"model": MODEL, "messages": MESSAGES, "tools": TOOLS,
+                                                           "tool_choice": choice, **parallel})  # fmt: skip
+            assert status == 200, (choice, out)
+            assert out["tokens"] == chat.model_extra["prompt_token_ids"], choice
+            assert out["count"] == chat.usage.prompt_tokens, choice
+    for choice in ({"type": "function", "function": {"name": "nope"}}, "sometimes"):
+        with pytest.raises(openai.BadRequestError) as exc:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=choice)
+        status, _, out = request(server, "/tokenize", {"model": MODEL, "messages": MESSAGES, "tools": TOOLS,
+                                                       "tool_choice": choice})  # fmt: skip
+        assert status == 400 and out["error"] == exc.value.body, choice
+        assert out["error"]["param"] == "tool_choice"
+    wait_idle(server)
+
+
 def test_required_calls_follow_each_tools_own_defs(client):
     """A tool's $defs / definitions (pydantic writes them) are lifted to the root the required calls' grammar
     is compiled from, where their $refs point (was: 400 "Cannot find field '$defs'")."""

@@ -33,8 +33,7 @@ class ToolFields:
 
 def tool_fields(req: Union[ChatCompletionRequest, TokenizeChatRequest]) -> ToolFields:
     """The request's tool fields; its `functions` and `function_call` as tools and tool_choice (one call: the legacy
-    answer carries one). Either form, not both: a 400 naming both fields. A /tokenize body has no tool_choice or
-    parallel_tool_calls (its template is shown the tools whatever is chosen)."""
+    answer carries one). Either form, not both: a 400 naming both fields."""
     given = {name: getattr(req, name, None) for name in ("tools", "tool_choice", "functions", "function_call")}
     if not req.functions and given["function_call"] in (None, "none"):  # null / [] / "none": nothing asked
         return ToolFields(req.tools, given["tool_choice"], getattr(req, "parallel_tool_calls", None) is not False)

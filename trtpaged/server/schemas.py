@@ -314,8 +314,11 @@ class TokenizeChatRequest(_Strict):
     chat_template_kwargs: Optional[dict[str, Any]] = None
     chat_template: Optional[StrictStr] = None  # vLLM's: rendered under serve --trust-request-chat-template
     tools: Optional[list[Any]] = None
+    # checked as chat checks them; the template is shown the same tools whatever is chosen
+    tool_choice: Optional[Any] = None
+    parallel_tool_calls: Optional[StrictBool] = None
     functions: Optional[list[Any]] = None  # OpenAI's legacy form of tools (legacy_functions.py), as chat takes it
-    function_call: Optional[Any] = None  # and of tool_choice: checked as chat checks it (same template either way)
+    function_call: Optional[Any] = None  # and of tool_choice
     documents: Optional[list[dict[StrictStr, StrictStr]]] = None  # as chat completions take them
     return_token_strs: Optional[StrictBool] = False
 

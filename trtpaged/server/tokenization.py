@@ -124,7 +124,7 @@ class Tokenization:
             messages = chat_messages(req.messages)
             fields = tool_fields(req)  # `functions` as the tools they stand for, as the chat endpoint takes them
             try:
-                tools = shown_tools(fields.tools)  # validated and shown as the chat endpoint does
+                tools = shown_tools(fields.tools, fields.choice)  # validated and shown as the chat endpoint does
             except ApiError as exc:  # a legacy request's refusal names its own fields
                 raise renamed(exc) if fields.functions else exc from None
             check_request_template(req.chat_template, self.trust_template)

@@ -287,9 +287,12 @@ def _allowed_tools(choice: Any, specs: dict[str, dict[str, Any]]) -> Optional[tu
     return allowed["mode"], {name: params for name, params in specs.items() if name in names}
 
 
-def shown_tools(tools: Optional[list[Any]]) -> Optional[list[dict[str, Any]]]:
+def shown_tools(tools: Optional[list[Any]], choice: Any = None) -> Optional[list[dict[str, Any]]]:
     """The tool definitions a chat template is shown, whatever tool_choice is ("none" too: OpenAI's meaning, vLLM's
-    default), checked as a forced choice checks them; None without tools."""
+    default), checked as a forced choice checks them; None without tools. `choice`, when given, is checked as chat
+    checks it, but for whether this engine reads calls under "auto": the prompt is the same (/tokenize's)."""
+    if choice is not None:
+        tool_choice(tools, choice, AutoTools(REQUIRED))
     return tool_choice(tools, "required").definitions if tools else None  # type: ignore[union-attr]
 
 
