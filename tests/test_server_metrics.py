@@ -79,28 +79,39 @@ def test_inter_token_gaps_are_per_sample_as_vllm_times_each_child_request(server
     assert _delta(before, after, "inter_token_latency_seconds_count") == gaps == 120
 
 
+def _send_each_once_the_last_is_in(server, bodies, threads):
+    """Sends completions `bodies` on threads (appended to `threads`, for the caller to join whatever happens), each
+    once the one before runs or waits; returns their answers (filled as they end) and, per request, when it was
+    sent and when /metrics first counted it."""
+    import threading
+
+    answers: list = [None] * len(bodies)
+    sent, seen = [], []
+    for i, body in enumerate(bodies):
+        def send(i=i, body=body):
+            answers[i] = request(server, "/v1/completions", {"model": MODEL, "ignore_eos": True, **body})
+
+        threads.append(threading.Thread(target=send))
+        sent.append(time.monotonic())
+        threads[-1].start()
+        deadline = time.monotonic() + 30
+        while (m := metrics(server))["num_requests_running"] + m["num_requests_waiting"] < i + 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        seen.append(time.monotonic())
+    return answers, sent, seen
+
+
 def _gauges_while(server, bodies, step_seconds=0.01):
     """One scrape of /metrics taken while the requests `bodies` (completions, sent in order, each once the one
     before runs or waits) are all in the engine, two steps after the last came, each step slowed by
     `step_seconds`; and their answers."""
-    import threading
-
-    answers: list = [None] * len(bodies)
-
-    def send(i):
-        answers[i] = request(server, "/v1/completions", {"model": MODEL, "max_tokens": 200, "ignore_eos": True,
-                                                         **bodies[i]})  # fmt: skip
-
-    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(bodies))]
+    threads: list = []
     restore = slowed_steps(server, step_seconds)
     try:
-        for i, thread in enumerate(threads):
-            thread.start()
-            deadline = time.monotonic() + 20
-            while (m := metrics(server))["num_requests_running"] + m["num_requests_waiting"] < i + 1:
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
-        steps = m["engine_steps_total"]  # two steps more: the running ones are past their prompts (beams forked)
+        answers, _, _ = _send_each_once_the_last_is_in(server, [{"max_tokens": 200, **b} for b in bodies], threads)
+        deadline = time.monotonic() + 20
+        steps = metrics(server)["engine_steps_total"]  # two more: the running ones past their prompts (beams forked)
         while (m := metrics(server))["engine_steps_total"] < steps + 2:
             assert time.monotonic() < deadline
             time.sleep(0.01)
@@ -461,3 +472,62 @@ def test_a_read_that_fails_after_its_scrape_stopped_waiting_is_not_left_unretrie
         conn.close()
         handle.shutdown(timeout=0)
     assert not [r.getMessage() for r in caplog.records if "never retrieved" in r.getMessage()]
+
+
+def test_the_oldest_waiting_and_running_requests_ages(small_pool):
+    """trtpaged:oldest_{waiting,running}_request_age_seconds: a running request and one waiting for its blocks are
+    as old as the client's clock says (between its sending and /metrics first counting it, and the scrape); 0 once
+    none is there (a request stuck in the queue or the batch showed in no series: the histograms count finished
+    ones)."""
+    server = small_pool
+    bodies = [{"prompt": [5 + i % 7 for i in range(200)], "n": 6, "max_tokens": 24},
+              {"prompt": [6 + i % 11 for i in range(200)], "n": 4, "max_tokens": 8}]  # fmt: skip
+    threads: list = []
+    restore = slowed_steps(server, 0.2)
+    try:
+        answers, sent, seen = _send_each_once_the_last_is_in(server, bodies, threads)
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        m = metrics(server)
+        t1 = time.monotonic()
+    finally:
+        restore()
+        for thread in threads:
+            thread.join(60)
+    assert (m["num_requests_running"], m["num_requests_waiting"]) == (1, 1), m
+    assert t0 - seen[0] <= m["oldest_running_request_age_seconds"] <= t1 - sent[0]
+    assert t0 - seen[1] <= m["oldest_waiting_request_age_seconds"] <= t1 - sent[1]
+    assert all(status == 200 for status, _, _ in answers), answers
+    idle = wait_idle(server)
+    assert idle["oldest_running_request_age_seconds"] == idle["oldest_waiting_request_age_seconds"] == 0
+
+
+def test_a_request_held_by_a_long_step_ages_in_the_counters_read_before_it(server):
+    """A scrape during a long step gets the counters read before it (at once, not after the step); the request's
+    age in them (waiting or running, as it was when they were read) has grown by the time since, as the client's
+    clock has (a stuck step would otherwise freeze the age that should show it)."""
+
+    def age() -> float:
+        m = metrics(server)
+        return max(m["oldest_waiting_request_age_seconds"], m["oldest_running_request_age_seconds"])
+
+    wait_idle(server)
+    threads: list = []
+    restore = slowed_steps(server, 4.0)
+    try:
+        answers, sent, seen = _send_each_once_the_last_is_in(server, [{"prompt": "abc", "max_tokens": 3}], threads)
+        a0 = time.monotonic()
+        first = age()
+        a1 = time.monotonic()
+        time.sleep(1.5)
+        b0 = time.monotonic()
+        second = age()
+        b1 = time.monotonic()
+    finally:
+        restore()
+        for thread in threads:
+            thread.join(60)
+    assert a0 - seen[0] <= first <= a1 - sent[0] and b0 - seen[0] <= second <= b1 - sent[0], (first, second)
+    assert second - first >= b0 - a1, (first, second)
+    assert answers[0][0] == 200
+    wait_idle(server)

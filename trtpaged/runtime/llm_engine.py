@@ -432,10 +432,12 @@ class LLMEngine:
             self.kv.tiers = None
 
     def stats(self) -> dict[str, float]:
-        """KV-cache (now and peak), sharing, prefix-cache and scheduling counters; speculative decoding's
+        """KV-cache (now and peak), sharing, prefix-cache and scheduling counters (oldest_waiting_s, oldest_running_s:
+        seconds since the oldest waiting / running request arrived); speculative decoding's
         (spec_decode_*: drafts, draft tokens, accepted tokens, acceptance rate, mean acceptance length, the cost
         rule's verify_row_cost; a draft model's pool and steps) when on."""
         stats: dict[str, float] = dict(self.kv.stats(self.scheduler.live_seqs()))
+        now = time.monotonic()
         stats.update(
             num_preemptions=self.scheduler.num_preemptions,
             num_swap_outs=self.scheduler.num_swap_outs,
@@ -450,6 +452,8 @@ class LLMEngine:
             num_running_seqs=sum(g.num_engine_requests for g in self.scheduler.running),
             num_waiting_seqs=sum(g.num_engine_requests for q in (self.scheduler.waiting, self.scheduler.swapped)
                                  for g in q),
+            oldest_waiting_s=_oldest(now, (self.scheduler.waiting, self.scheduler.swapped)),
+            oldest_running_s=_oldest(now, (self.scheduler.running,)),
             num_constrained_requests=self.num_constrained_requests,
             num_grammars_compiled=self.grammars.num_compiled,
             num_grammar_cache_hits=self.grammars.num_hits,
@@ -466,6 +470,12 @@ class LLMEngine:
         if plan is not None:  # the eager runner's plan, one-hot (stats are numbers): execution_plan_<layers> = 1
             stats.update({f"execution_plan_{mode}": float(plan.layers == mode) for mode in LAYER_MODES})
         return stats
+
+
+def _oldest(now: float, queues: Iterable[Iterable[SequenceGroup]]) -> float:
+    """Seconds since the oldest group in `queues` arrived (reached the server, else the engine's queue); 0 if none."""
+    arrivals = [g.times.get("arrived", g.times["queued"]) for q in queues for g in q]
+    return now - min(arrivals) if arrivals else 0.0
 
 
 class _PhaseClock:

@@ -30,7 +30,7 @@ from trtpaged.server.engine_loop import ClientGone, EngineFailure, EngineLoop, O
 from trtpaged.server.errors import ApiError, overloaded
 from trtpaged.server.generation import GenerationService, Submitted, runtime_failure
 from trtpaged.server.large_answers import off_loop_if, render_json
-from trtpaged.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
+from trtpaged.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics, aged
 from trtpaged.server.options import LOOPBACK_ORIGINS, ServerOptions
 from trtpaged.server.protocol import chat_form, check_model
 from trtpaged.server.request_id_headers import RequestIdHeaders
@@ -133,16 +133,17 @@ async def unless_disconnected(request: Request, work: Awaitable[T], poll_s: floa
 class EngineStats:
     """The engine's counters for /metrics. They are read on the engine thread between steps; a scrape waits at most
     STATS_WAIT_S for them and otherwise gets the last ones read (one step old), so a long step (a prefill of
-    thousands of tokens on a busy CPU: 10 s and more) does not hold the scrape past Prometheus' 10 s timeout."""
+    thousands of tokens on a busy CPU: 10 s and more) does not hold the scrape past Prometheus' 10 s timeout; the
+    requests' ages in them have grown since (metrics.aged), so a request held by a stuck step still ages."""
 
     def __init__(self, loop: EngineLoop) -> None:
         self.loop = loop
-        self.last: Optional[dict[str, float]] = None
+        self.last: Optional[tuple[float, dict[str, float]]] = None  # when read (time.monotonic()), what was read
         self.pending: Optional[asyncio.Future] = None  # one read in flight, whatever the number of scrapes
 
     async def latest(self) -> dict[str, float]:
         if self.pending is None or self.pending.done():
-            self.pending = asyncio.ensure_future(self.loop.call_async(lambda e: e.stats()))
+            self.pending = asyncio.ensure_future(self.loop.call_async(lambda e: (time.monotonic(), e.stats())))
             self.pending.add_done_callback(self._keep)
         try:
             # the first scrape has nothing older to give, and waits
@@ -150,7 +151,8 @@ class EngineStats:
                                                None if self.last is None else STATS_WAIT_S)  # fmt: skip
         except asyncio.TimeoutError:
             pass
-        return self.last
+        read_at, stats = self.last
+        return aged(stats, time.monotonic() - read_at)
 
     def _keep(self, read: asyncio.Future) -> None:
         """A read's counters become the last ones even where the scrape that began it stopped waiting (the next

@@ -33,6 +33,11 @@ ENGINE_STATS: dict[str, tuple[str, str, str]] = {
     "num_waiting_seqs": ("num_sequences_waiting", "gauge",
                          "Samples or beams waiting: queued, preempted or swapped out (before its first token, a "
                          "request's n samples or one beam)."),
+    "oldest_waiting_s": ("oldest_waiting_request_age_seconds", "gauge",
+                         "Seconds since the longest-waiting request (queued, preempted or swapped out) arrived; 0 when "
+                         "none waits."),
+    "oldest_running_s": ("oldest_running_request_age_seconds", "gauge",
+                         "Seconds since the oldest request in the running batch arrived; 0 when none runs."),
     "num_preemptions": ("num_preemptions", "counter",
                         "Sequences preempted (recompute or swap): each sample or beam, as vLLM counts child requests."),
     "prefix_cache_queries_tokens": ("prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache."),
@@ -67,6 +72,7 @@ ENGINE_STATS: dict[str, tuple[str, str, str]] = {
                               "Tier loads given up at their deadline (the rest of the prefix recomputed)."),
     "kv_tier_staged_blocks": ("kv_tier_staged_blocks", "gauge", "Blocks that tier loads hold for waiting requests."),
 }  # fmt: skip
+AGES = ("oldest_waiting_s", "oldest_running_s")  # stats keys that grow with time while the snapshot is kept
 PLAN = "execution_plan_"  # stats keys PLAN + "<layers>": 1 for the eager runner's plan, 0 for the others
 PER_POS = "spec_decode_num_accepted_tokens_per_pos"  # stats keys PER_POS + "_<i>": accepted at draft position i
 # Speculative decoding's counters, labelled method="ngram|draft_model" as vLLM labels them; the engine's
@@ -102,6 +108,12 @@ TTFT_BUCKETS = LATENCY_BUCKETS + (160.0, 640.0, 2560.0)
 REQUEST_BUCKETS = LATENCY_BUCKETS + (120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)  # until the model's length is known
 N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def aged(stats: Mapping[str, float], seconds: float) -> dict[str, float]:
+    """An engine-stats snapshot read `seconds` ago as of now: the requests' ages (AGES) that were not 0 are that much
+    older (the requests that were there are still there, as far as the snapshot knows)."""
+    return {**stats, **{k: stats[k] + seconds for k in AGES if stats.get(k)}}
 
 
 def token_buckets(max_model_len: int) -> tuple[int, ...]:
