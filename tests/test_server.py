@@ -149,7 +149,7 @@ def test_chat_matches_llm(server, llm):
     (truth,) = llm.chat(plain, greedy(8))
     assert status == 200 and body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
     choice = body["choices"][0]
-    assert choice["message"] == {"role": "assistant", "content": truth.outputs[0].text}
+    assert choice["message"] == {"role": "assistant", "content": truth.outputs[0].text, "refusal": None}
     assert body["usage"]["prompt_tokens"] == len(llm.chat_prompt(plain))
     assert body["usage"]["completion_tokens"] == len(truth.outputs[0].token_ids) == len(choice["logprobs"]["content"])
     assert all(len(item["top_logprobs"]) == 1 for item in choice["logprobs"]["content"])

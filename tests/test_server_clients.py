@@ -187,6 +187,24 @@ def test_every_request_field_of_the_openai_sdk_is_known():
                 parse({**required, name: None})
 
 
+def test_chat_answers_carry_the_keys_openais_schema_requires(client):
+    """OpenAI's API reference (its OpenAPI schema) requires a chat completion's message to carry `refusal` and a
+    choice's (and a chunk choice's) logprobs `content` and `refusal`, null where there is none; a client that checks
+    bodies against that schema refused ours, which left both `refusal` keys out (the SDK parses either way: the
+    keys it was sent are its models' fields_set)."""
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3, n=2, logprobs=True,
+              top_logprobs=1, temperature=1.0, seed=2)
+    chat = client.chat.completions.create(**kw)
+    for choice in chat.choices:
+        assert {"role", "content", "refusal"} <= choice.message.model_fields_set and choice.message.refusal is None
+        assert {"index", "message", "finish_reason", "logprobs"} <= choice.model_fields_set
+        assert {"content", "refusal"} <= choice.logprobs.model_fields_set and choice.logprobs.refusal is None
+    chunks = [c for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+    assert all({"index", "delta", "finish_reason"} <= c.choices[0].model_fields_set for c in chunks)
+    sampled = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs is not None]
+    assert sampled and all({"content", "refusal"} <= lp.model_fields_set and lp.refusal is None for lp in sampled)
+
+
 def test_continue_final_message_extends_the_assistants_text(client, llm):
     """vLLM's chat options: the last assistant message left open is continued; the prompt is the template's text
     up to that message's end (the tiny template written out by hand)."""

@@ -395,7 +395,10 @@ class TokenLogprob(TopLogprob):
 
 
 class ChatLogprobs(BaseModel):
+    """A chat choice's (or chunk's) log-probs: `refusal` always null (OpenAI's schema requires the key)."""
+
     content: list[TokenLogprob]
+    refusal: Optional[list[TokenLogprob]] = None
 
 
 def _token_ids() -> Any:
@@ -452,13 +455,15 @@ def _with_old_reasoning_name(out: dict[str, Any]) -> dict[str, Any]:
 
 
 class AssistantMessage(BaseModel):
-    """The reply: `content` (null when the reply is tool calls), and `tool_calls` (or `function_call`, the legacy
+    """The reply: `content` (null when the reply is tool calls), `refusal` (always null: no model here refuses
+    apart from its text, and OpenAI's schema requires the key), and `tool_calls` (or `function_call`, the legacy
     form's one call) only when there are some;
     `reasoning` (vLLM's) only from a server with a reasoning parser, also as `reasoning_content` (its older name,
     which DeepSeek's API and many clients read)."""
 
     role: Literal["assistant"] = "assistant"
     content: Optional[str]
+    refusal: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None
     function_call: Optional[FunctionCall] = None  # the call in OpenAI's legacy form (a request with `functions`)
     reasoning: Optional[str] = None
