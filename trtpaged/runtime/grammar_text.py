@@ -21,6 +21,7 @@ _HIDDEN_PATTERN = "trtpagedpattern"
 # the stand-in as xgrammar writes a plain-text regex of it: one literal per character
 _HIDDEN_AS_TEXT = re.compile(" ".join(f'"{c}"' for c in _HIDDEN_PATTERN) + '((?: "[0-9a-f]")+)')
 _RULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_NO_CHARACTER = "[^\\u0000-\\U0010ffff]"  # a class no UTF-8 character matches
 _CHAR_ESCAPES = {"0": 0, "b": 8, "f": 12, "n": 10, "r": 13, "t": 9, "v": 11, "e": 27}
 _HEX_DIGITS = {"x": 2, "u": 4, "U": 8}
 
@@ -184,7 +185,7 @@ def _class_text(original: str, negated: bool, ranges: list[tuple[int, int]], rem
     for low, high in removed:
         kept = [(a, b) for lo, hi in kept for a, b in ((lo, min(hi, low - 1)), (max(lo, high + 1), hi)) if a <= b]
     if not kept:  # removed ones only: a class no UTF-8 character matches
-        return "[^\\u0000-\\U0010ffff]"
+        return _NO_CHARACTER
     return "[" + "".join(_escaped(a) if a == b else f"{_escaped(a)}-{_escaped(b)}" for a, b in kept) + "]"
 
 
@@ -201,14 +202,19 @@ def with_free_text_written_out(grammar: str) -> str:
     """`grammar` (xgrammar's printed EBNF) with each TagDispatch (a structural tag's free text: `any_text` inside a
     tag, the text around `triggered_tags`) written out as rules with character classes: xgrammar's TagDispatch
     takes any bytes (a surrogate's three, `\\xff`), which `without_surrogates` cannot reach. The rules follow the
-    text with an automaton over its strings: an exclude (a tag's end) never appears in it, a trigger goes on with
-    its tag's rule and back to free text (or to the end, after a `stop_after_first` one's). A TagDispatch of another
-    form, or whose triggers and excludes have more than MAX_FREE_TEXT_STATES prefixes, is left as xgrammar writes
-    it."""
-    return _TAG_DISPATCH.sub(lambda match: _free_text_rules(match.group(1), match.group(2)) or match.group(0), grammar)
+    text with xgrammar's automaton over its strings: an exclude (a tag's end) never appears in it; a trigger is met
+    where the longest suffix of the text that starts a trigger or an exclude is that trigger (so "b" is no trigger
+    inside "<ba" while the text may still become it), and goes on with its tag's rule and back to free text (or to
+    the end, after a `stop_after_first` one's), or, where it starts a longer one, with that one's text. A
+    TagDispatch of another form, or whose triggers and excludes have more than MAX_FREE_TEXT_STATES prefixes, is
+    left as xgrammar writes it."""
+    return _TAG_DISPATCH.sub(lambda match: _free_text_rules(match.group(1), match.group(2), grammar)
+                             or match.group(0), grammar)  # fmt: skip
 
 
-def _free_text_rules(name: str, body: str) -> str | None:
+def _free_text_rules(name: str, body: str, grammar: str) -> str | None:
+    """The rules for TagDispatch `name` (its `body` as xgrammar prints it), named apart from `grammar`'s rules (a
+    TagDispatch any_text's states were any_text_1, ..., beside xgrammar's own any_text_1); None for another form."""
     triggers: list[tuple[str, str]] = []
     loop, excludes = None, None
     for item in (line.strip().removesuffix(",") for line in body.split("\n")):
@@ -227,25 +233,34 @@ def _free_text_rules(name: str, body: str) -> str | None:
     prefixes = sorted({text[:k] for text in ends for k in range(len(text))}, key=lambda p: (len(p), p))
     if len(prefixes) > MAX_FREE_TEXT_STATES:
         return None
-    state = {prefix: f"{name}_{k}" for k, prefix in enumerate(prefixes)}
+    base = f"{name}_text"
+    while re.search(rf"\b{base}", grammar):
+        base += "x"
+    state = {prefix: f"{base}{k}" for k, prefix in enumerate(prefixes)}
     chars = sorted({ord(c) for text in ends for c in text})
+    after_tag = f" {state['']}" if loop else ""
+
+    def steps(prefix: str, cp: int) -> list[str]:
+        text = prefix + chr(cp)
+        if any(text.endswith(exclude) for exclude in excludes):
+            return []  # an exclude that ends here refuses it, even where a trigger ends here too
+        while text not in state and text not in ends:  # the longest suffix that is a prefix or an end
+            text = text[1:]
+        if text not in ends:
+            return [f"({_char_literal(cp)} {state[text]})"]
+        # a trigger: its tag (then free text again if loop), or, where it starts a longer end, that end's text on
+        continued = [f"({_char_literal(cp)} {state[text]}_on)"] if text in state else []
+        return [f"({_char_literal(cp)} {ends[text]}{after_tag})", *continued]
+
     rules = [f"{name} ::= (({state['']}))"]
+    others = "".join(_escaped(cp) for cp in chars)
     for prefix in prefixes:
-        alternatives = ['""']
-        for cp in chars:
-            text = prefix + chr(cp)
-            done = [text[k:] for k in range(len(text)) if text[k:] in ends]  # longest first
-            if done:
-                # an exclude that ends here refuses it, even where a trigger ends here too (as xgrammar)
-                if all(ends[end] is not None for end in done):  # a trigger: its tag, then free text again if loop
-                    alternatives.append(f"({_char_literal(cp)} {ends[done[0]]}{' ' + state[''] if loop else ''})")
-                continue
-            while text not in state:
-                text = text[1:]
-            alternatives.append(f"({_char_literal(cp)} {state[text]})")
-        others = "".join(_escaped(cp) for cp in chars)
-        alternatives.append(f"([^{others}] {state['']})")
+        alternatives = ['""', *(step for cp in chars for step in steps(prefix, cp)), f"([^{others}] {state['']})"]
         rules.append(f"{state[prefix]} ::= ({' | '.join(alternatives)})")
+        if prefix in ends:  # a trigger that starts a longer end goes on by that end's characters only
+            alternatives = [step for cp in chars if prefix + chr(cp) in state or prefix + chr(cp) in ends
+                            for step in steps(prefix, cp)]  # fmt: skip
+            rules.append(f"{state[prefix]}_on ::= ({' | '.join(alternatives) or _NO_CHARACTER})")
     return "\n".join(rules)
 
 
