@@ -670,6 +670,41 @@ def test_a_structural_tag_may_name_the_stop_token_by_its_text(llm, named):
     assert answers[0] == answers[1], answers
 
 
+@pytest.mark.parametrize("grammar, conforms", [
+    (Grammar(json={"type": "object", "properties": {"s": {"type": "string", "minLength": 8, "maxLength": 8}},
+                   "required": ["s"], "additionalProperties": False}),
+     lambda text: jsonschema.validate(json.loads(text), {"properties": {"s": {"minLength": 8, "maxLength": 8}}})),
+    (Grammar(json_object=True), lambda text: isinstance(json.loads(text), dict)),
+    (Grammar(regex="[a-z<|>]{7}"), lambda text: re.fullmatch("[a-z<|>]{7}", text) or pytest.fail(text)),
+], ids=["json", "json_object", "regex"])  # fmt: skip
+def test_a_special_token_is_never_taken_as_its_text(llm, grammar, conforms):
+    """xgrammar found no special token in the vocabulary (its special_token_ids is empty for the tiny model and
+    SmolLM2) and took `<|pad|>` as its 7 characters inside a JSON string or a regex; the output's decode drops it
+    (skip_special_tokens, the default), so `{"s": "<|pad|>Q"}` under minLength 8 came out `{"s": "Q"}` and the
+    regex's output came out empty. The logit bias makes the model pick the special tokens wherever allowed.
+    Truth: jsonschema, json's decoder and Python's re on the text; the token ids hold no special token."""
+    special = set(llm.tokenizer.all_special_ids) - {llm.tokenizer.eos_token_id}
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=1, n=3, logit_bias={i: 30.0 for i in special},
+                            structured_outputs=grammar)  # fmt: skip
+    for out in (c for o in llm.generate(["p0", "p1"], params) for c in o.outputs):
+        assert not special & set(out.token_ids), out.token_ids
+        if out.finish_reason == "stop":
+            conforms(out.text)
+
+
+def test_a_structural_tag_may_name_a_special_token_by_its_text(llm):
+    """The compiler's vocabulary leaves the special tokens' text out (above); a tag naming one by its text is
+    compiled as naming its id, and generates it. Truth: the same tag naming the token by its id."""
+    pad = llm.tokenizer.pad_token_id
+    answers = []
+    for token in (llm.tokenizer.pad_token, pad):
+        tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+            {"type": "token", "token": token}, {"type": "const_string", "value": "ab"}]}}  # fmt: skip
+        params = SamplingParams(max_tokens=8, temperature=1.0, seed=2, structured_outputs=Grammar(structural_tag=tag))
+        answers.append([(c.token_ids, c.finish_reason) for o in llm.generate(["x"], params) for c in o.outputs])
+    assert answers[0] == answers[1] and answers[0][0][0][0] == pad, answers
+
+
 _STRAY_SCHEMA = {"type": "string", "not": {"const": "a"}}  # a keyword the json kind refuses
 
 
@@ -819,7 +854,7 @@ def test_the_vocabulary_is_copied_once_when_the_compiler_is_made(tiny_engine_dir
     finally:
         xgrammar.TokenizerInfo.decoded_vocab = decoded
     assert len(reads) == 1
-    assert cache.stop_ids_by_text == {tokenizer.eos_token.encode(): tokenizer.eos_token_id}
+    assert cache.ids_by_text == {tokenizer.convert_ids_to_tokens(i).encode(): i for i in tokenizer.all_special_ids}
 
 
 # (format, values its checker refuses that xgrammar's own grammar for it takes, values it takes)

@@ -136,26 +136,43 @@ def tag_formats_as_patterns(tag: Mapping[str, Any]) -> Mapping[str, Any]:
     return tag
 
 
-def _stop_tokens_without_text(info: Any, vocab: list[bytes]) -> Any:
-    """`info` with its stop tokens' text taken out of the vocabulary (`vocab`: its decoded vocabulary, read once by
-    the caller, as each read of `info.decoded_vocab` copies all of it). xgrammar reads a stop token whose text is not
-    empty (SmolLM2's `<|im_end|>`, the tiny model's `<|eos|>`) as that text too, and allows it wherever the text
-    completes the grammar: `[^0-9]{8}` took `S` then the end, so the output finished "stop" as `S`."""
+def special_token_ids(tokenizer: Any) -> set[int]:
+    """The ids of `tokenizer`'s special tokens: its named ones (bos, eos, pad, ...) and every added token marked
+    special (SmolLM2's `<file_sep>`), the ones a decode with skip_special_tokens drops."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return set(getattr(tokenizer, "all_special_ids", ()) or ()) | {i for i, token in added.items()
+                                                                   if getattr(token, "special", False)}  # fmt: skip
+
+
+# what a special token's text starts with in the compiler's vocabulary: a byte that no UTF-8 holds, so that no
+# grammar of characters takes the token, where a token named by its id still does (one without text never is)
+_NO_TEXT = b"\xff"
+
+
+def _tokens_without_text(info: Any, vocab: list[bytes], special: set[int]) -> Any:
+    """`info` with the text of its stop tokens taken out of the vocabulary (`vocab`: its decoded vocabulary, read
+    once by the caller, as each read of `info.decoded_vocab` copies all of it) and that of the `special` ones made
+    no UTF-8. xgrammar reads a stop token whose text is not empty (SmolLM2's `<|im_end|>`, the tiny model's
+    `<|eos|>`) as that text too, and allows it wherever the text completes the grammar: `[^0-9]{8}` took `S` then
+    the end, so the output finished "stop" as `S`. It found no special token in these vocabularies and took any as
+    its text too (`<|pad|>` inside a JSON string), which the output's decode then dropped (skip_special_tokens, the
+    default): `{"s": "<|pad|>Q"}` under minLength 8 came out `{"s": "Q"}`."""
     import xgrammar as xgr
 
     stops = set(info.stop_token_ids)
-    if not any(vocab[i] for i in stops if i < len(vocab)):
+    special = {i for i in special - stops if i < len(vocab) and vocab[i]}
+    if not special and not any(vocab[i] for i in stops if i < len(vocab)):
         return info
-    vocab = [b"" if i in stops else text for i, text in enumerate(vocab)]
+    vocab = [b"" if i in stops else _NO_TEXT + text if i in special else text for i, text in enumerate(vocab)]
     return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=info.vocab_size, stop_token_ids=sorted(stops),
                              add_prefix_space=info.add_prefix_space)  # fmt: skip
 
 
-def stop_tokens_by_id(tag: Mapping[str, Any], ids: dict[bytes, int]) -> Mapping[str, Any]:
-    """Structural tag `tag` (xgrammar's form, parsed) with each token it names by a stop token's text (`ids`: text
-    -> id; a `token`, `exclude_tokens`, `trigger_tokens`, a token_dispatch's rule) named by that id: the
-    compiler's vocabulary holds no text for a stop token (`_stop_tokens_without_text`), so xgrammar could not find
-    it there."""
+def tokens_by_id(tag: Mapping[str, Any], ids: dict[bytes, int]) -> Mapping[str, Any]:
+    """Structural tag `tag` (xgrammar's form, parsed) with each token it names by a stop or special token's text
+    (`ids`: text -> id; a `token`, `exclude_tokens`, `trigger_tokens`, a token_dispatch's rule) named by that id:
+    the compiler's vocabulary holds no text for those (`_tokens_without_text`), so xgrammar could not find them
+    there."""
 
     def by_id(name: Any) -> Any:
         return ids.get(name.encode("utf-8", "surrogatepass"), name) if isinstance(name, str) else name
@@ -209,7 +226,7 @@ class GrammarCache:
         self.max_bytes = max_bytes
         self.cached_bytes = 0
         self._compiler: Any = None
-        self.stop_ids_by_text: dict[bytes, int] = {}  # each stop token's text -> its id (read with the vocabulary)
+        self.ids_by_text: dict[bytes, int] = {}  # each stop or special token's text -> its id (read with the vocab)
         self._cache: OrderedDict[tuple[str, str], tuple[Any, int]] = OrderedDict()  # key -> (compiled, its bytes)
         self._lock = threading.Lock()
         self.num_compiled = 0
@@ -226,10 +243,11 @@ class GrammarCache:
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                       stop_token_ids=self.stop_token_ids or None)  # fmt: skip
             vocab = info.decoded_vocab  # a copy of the whole vocabulary (0.25 s for SmolLM2's 49152): read it once
+            special = special_token_ids(self.tokenizer)
             # a text another token has too stays that token's
-            self.stop_ids_by_text = {vocab[i]: i for i in set(info.stop_token_ids)
-                                     if i < len(vocab) and vocab[i] and vocab.count(vocab[i]) == 1}  # fmt: skip
-            self._compiler = xgr.GrammarCompiler(_stop_tokens_without_text(info, vocab), max_threads=1,
+            self.ids_by_text = {vocab[i]: i for i in set(info.stop_token_ids) | special
+                                if i < len(vocab) and vocab[i] and vocab.count(vocab[i]) == 1}  # fmt: skip
+            self._compiler = xgr.GrammarCompiler(_tokens_without_text(info, vocab, special), max_threads=1,
                                                  cache_enabled=False)  # fmt: skip
         return self._compiler
 
@@ -248,7 +266,7 @@ class GrammarCache:
                 self.num_hits += 1
                 return found[0]
             compiler = self._xgr_compiler()
-        compiled = self._compile(compiler, params, self.stop_ids_by_text)
+        compiled = self._compile(compiler, params, self.ids_by_text)
         size = int(getattr(compiled, "memory_size_bytes", 0))
         with self._lock:
             replaced = self._cache.pop(key, None)  # compiled meanwhile by another thread
@@ -260,7 +278,7 @@ class GrammarCache:
         return compiled
 
     @staticmethod
-    def _compile(compiler: Any, params: StructuredOutputsParams, stop_ids: dict[bytes, int]) -> Any:
+    def _compile(compiler: Any, params: StructuredOutputsParams, token_ids: dict[bytes, int]) -> Any:
         kind = params.kind
         if kind == "json":
             schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
@@ -272,7 +290,7 @@ class GrammarCache:
             if why is not None:
                 raise RequestError(params.origin, f"the JSON schema's {why}")
         if kind == "structural_tag":
-            return GrammarCache._compile_structural_tag(compiler, params, stop_ids)
+            return GrammarCache._compile_structural_tag(compiler, params, token_ids)
         import xgrammar as xgr
 
         # each grammar compiles from its text, without the surrogate code points (grammar_text.without_surrogates)
@@ -289,10 +307,10 @@ class GrammarCache:
             raise RequestError(params.origin, f"invalid {kind}: {_xgrammar_reason(exc)}") from None
 
     @staticmethod
-    def _compile_structural_tag(compiler: Any, params: StructuredOutputsParams, stop_ids: dict[bytes, int]) -> Any:
+    def _compile_structural_tag(compiler: Any, params: StructuredOutputsParams, token_ids: dict[bytes, int]) -> Any:
         """A structural tag's grammar: each JSON schema in it held to the json kind's rules (a keyword the grammar
         would not enforce is refused; length-bounded strings compile from the mended grammar text); a stop token
-        named by its text named by its id (`stop_tokens_by_id`)."""
+        named by its text named by its id (`tokens_by_id`), as a special token."""
         for where, schema in params.structural_tag_schemas:
             why = unenforced_feature(schema)  # iterative; each schema's nesting is bounded by StructuredOutputsParams
             if why is not None:
@@ -302,7 +320,7 @@ class GrammarCache:
             if schema_style(node) in _UNBOUNDED_STRING_STYLES and has_string_length(node["json_schema"]):
                 raise RequestError(params.origin, f"the JSON schema at {where}.json_schema: 'minLength' / 'maxLength' "
                                    f"is not enforced in style {node['style']!r} (its strings take any length)")
-        given = stop_tokens_by_id(document, stop_ids)
+        given = tokens_by_id(document, token_ids)
         try:
             try:
                 grammar = mended_structural_tag_grammar(tag_formats_as_patterns(given))
