@@ -21,6 +21,7 @@ from typing import Any, Mapping
 
 from trtpaged.errors import RequestError
 from trtpaged.json_input import json_kind
+from trtpaged.runtime.schema_features import has_string_length
 
 TAG_TYPE = "structural_tag"
 LEGACY_KEYS = frozenset({"type", "structures", "triggers"})
@@ -143,3 +144,18 @@ def schema_style(node: Mapping[str, Any]) -> Any:
     """The style a schema node (`schema_nodes`) is written in: a json_schema node's `style` (a node without a type
     is one); xgrammar reads none on a qwen_xml_parameter node (always its XML form)."""
     return node.get("style") if node.get("type", _SCHEMA_NODES[0]) == _SCHEMA_NODES[0] else None
+
+
+# json_schema styles whose strings xgrammar 0.2.9 writes without their minLength / maxLength (gemma's took "abcd"
+# under maxLength 3): a schema with them is refused there, as every keyword the grammar would not enforce
+_UNBOUNDED_STRING_STYLES = ("gemma",)
+
+
+def check_string_lengths(field: str, fmt: Any) -> None:
+    """Raises RequestError naming `field` and the node's place where a json_schema node of a style whose strings
+    take any length (`_UNBOUNDED_STRING_STYLES`) has a minLength or maxLength: refused with the request's other
+    checks, before its prompt is tokenized or its grammar waits for the compiler."""
+    for where, node in schema_nodes(fmt):
+        if schema_style(node) in _UNBOUNDED_STRING_STYLES and has_string_length(node["json_schema"]):
+            raise RequestError(field, f"the JSON schema at {where}.json_schema: 'minLength' / 'maxLength' is not "
+                               f"enforced in style {node['style']!r} (its strings take any length)")  # fmt: skip

@@ -56,9 +56,6 @@ _OWN_PATTERN_STYLES = ("gemma",)
 # and the formats held as patterns there: hostname's pattern as such rules took 2.5 s to compile on SmolLM2's
 # vocabulary (0.01 s as xgrammar's format, 0.35 s as the macro written out), so it keeps xgrammar's format there
 _OWN_PATTERN_FORMATS = tuple(fmt for fmt in FORMAT_PATTERNS if fmt != "hostname")
-# json_schema styles whose strings xgrammar 0.2.9 writes without their minLength / maxLength (gemma's took "abcd"
-# under maxLength 3): a schema with them is refused there, as every keyword the grammar would not enforce
-_UNBOUNDED_STRING_STYLES = ("gemma",)
 # the rule of a length-bounded string's character, and the string (the rule between quotes): only there, since a regex
 # or an EBNF grammar in a structural tag may write the same class and mean it. xgrammar names the rule after the
 # string's place: a $defs name keeps its - and . (`defs_Short-Name_characters`), and a name a structural tag's
@@ -316,10 +313,6 @@ class GrammarCache:
             if why is not None:
                 raise RequestError(params.origin, f"the JSON schema at {where}: {why}")
         document = json.loads(params.structural_tag_json)  # parsed once here, passed along
-        for where, node in schema_nodes(document["format"]):
-            if schema_style(node) in _UNBOUNDED_STRING_STYLES and has_string_length(node["json_schema"]):
-                raise RequestError(params.origin, f"the JSON schema at {where}.json_schema: 'minLength' / 'maxLength' "
-                                   f"is not enforced in style {node['style']!r} (its strings take any length)")
         given = tokens_by_id(document, token_ids)
         try:
             try:
