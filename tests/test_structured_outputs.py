@@ -985,6 +985,20 @@ def test_a_bounded_uri_pattern_takes_at_most_its_length(most):
     assert most - 7 <= re._parser.parse(bounded_uri_pattern(most)).getwidth()[1] <= most
 
 
+@pytest.mark.parametrize("most", [18_000_000_000, 10**30])
+def test_a_uri_of_any_maxlength_compiles(llm, most):
+    """A uri's maxLength past 32 bits (its pattern's repeat counts past xgrammar's) compiles, held as 2**31 - 1:
+    was a 400 ('Expect integer, but got -2044967335'; from 8e15 'Integer is too large'), where xgrammar compiles the
+    schema and a lower maxLength compiles. Truth: an RFC 3986 regex on each value that finishes "stop"."""
+    schema = {"type": "object", "properties": {"u": {"type": "string", "format": "uri", "maxLength": most}},
+              "required": ["u"]}  # fmt: skip
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=3, n=4, structured_outputs=Grammar(json=schema))
+    stopped = [t for t, reason in texts(llm.generate(["link:", "url:"], params)) if reason == "stop"]
+    assert stopped
+    for text in stopped:
+        assert _RFC3986_URI.fullmatch(json.loads(text)["u"]), text
+
+
 def test_sampled_length_bounded_uris_are_valid_pydantic_urls(llm):
     """At temperature 1 on the tiny model every value of a pydantic model's `Annotated[AnyUrl,
     UrlConstraints(max_length=40)]` that finishes "stop" is a URL of at most 40 characters. Truth: pydantic's own

@@ -68,6 +68,9 @@ _URI_HOST = "[a-zA-Z0-9._~!$&'()*+,;=-]"  # a reg-name's
 _URI_PORT = "([0-9]{1,4}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])"  # 0-65535
 URI_SHORTEST = 2  # "a:", the shortest uri: a minLength up to this holds by the format
 URI_LEAST_MAX_LENGTH = 32  # a maxLength below this is refused beside format uri
+# a longer maxLength is held as this: xgrammar reads a repeat's count as 32 bits (maxLength 18000000000, its path
+# as eights, was a 400 "Expect integer, but got -2044967335"), and no output here comes near 2 GiB of text
+URI_MOST_MAX_LENGTH = 2**31 - 1
 
 
 def _repeat(chars: str, least: int, most: int) -> str:
@@ -81,10 +84,11 @@ def _repeat(chars: str, least: int, most: int) -> str:
 
 
 def bounded_uri_pattern(most: int) -> str:
-    """A pattern for a uri of at most `most` (URI_LEAST_MAX_LENGTH or more) characters: a scheme of up to 16, a
-    fragment of up to an eighth (256 at most), and between them an authority (a host and a port) and what is left
-    for the path and query (a host up to 16, 64 or 253 characters leaves that much less), or a path and query
-    alone."""
+    """A pattern for a uri of at most `most` (URI_LEAST_MAX_LENGTH or more; past URI_MOST_MAX_LENGTH, that many)
+    characters: a scheme of up to 16, a fragment of up to an eighth (256 at most), and between them an authority (a
+    host and a port) and what is left for the path and query (a host up to 16, 64 or 253 characters leaves that much
+    less), or a path and query alone."""
+    most = min(most, URI_MOST_MAX_LENGTH)
     scheme = min(16, most // 8)
     fragment = min(256, most // 8)
     rest = most - scheme - 1 - (fragment + 1)  # past "scheme:", before "#fragment"
