@@ -974,6 +974,21 @@ def test_pydantics_url_schemas_compile_holding_their_length():
             assert not taken or not url.startswith("http"), url
 
 
+@pytest.mark.parametrize("url", ["file:///etc/hosts", "file://", "file:///"])
+def test_a_length_bounded_uri_takes_an_empty_host(url):
+    """RFC 3986 lets an authority's host be empty (file:///etc/hosts), as xgrammar's uri takes it; a uri with a
+    maxLength did not. Truth: an RFC 3986 regex, xgrammar's own grammar for the schema and pydantic's AnyUrl."""
+    from pydantic import AnyUrl, TypeAdapter
+    from xgrammar.testing import _is_grammar_accept_string
+
+    schema = {"type": "string", "format": "uri", "minLength": 1, "maxLength": 2083}
+    upstream = xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    mended = xgrammar.Grammar.from_ebnf(mended_schema_grammar(json.dumps(schema)))
+    assert _RFC3986_URI.fullmatch(url) and _is_grammar_accept_string(upstream, json.dumps(url))
+    TypeAdapter(AnyUrl).validate_python(url)
+    assert _is_grammar_accept_string(mended, json.dumps(url))
+
+
 @pytest.mark.parametrize("most", [32, 40, 100, 255, 2083, 5000])
 def test_a_bounded_uri_pattern_takes_at_most_its_length(most):
     """The pattern a uri's maxLength compiles as takes no string longer than it, and strings up to 7 shorter.

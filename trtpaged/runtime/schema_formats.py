@@ -95,7 +95,8 @@ def bounded_uri_pattern(most: int) -> str:
     hier, shorter = [], 0
     for host in sorted({min(longest, rest - 9) for longest in (16, 64, 253)}):
         path = rest - 2 - host - 6 - 1  # past "//host:port", before the path's first character
-        hier.append(f"//{_repeat(_URI_HOST, shorter + 1, host)}(:{_URI_PORT})?([/?]{_repeat(_URI_QUERY, 0, path)})?")
+        least = shorter + 1 if shorter else 0  # an empty host too (file:///etc/hosts)
+        hier.append(f"//{_repeat(_URI_HOST, least, host)}(:{_URI_PORT})?([/?]{_repeat(_URI_QUERY, 0, path)})?")
         shorter = host
     hier += [f"/?([?]|{_URI_PATH}){_repeat(_URI_QUERY, 0, rest - 2)}", "/"]
     return f"^[a-zA-Z][a-zA-Z+.-]{{0,{scheme - 1}}}:({'|'.join(hier)})?(#{_repeat(_URI_QUERY, 0, fragment)})?$"
