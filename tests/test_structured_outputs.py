@@ -974,10 +974,11 @@ def test_pydantics_url_schemas_compile_holding_their_length():
             assert not taken or not url.startswith("http"), url
 
 
-@pytest.mark.parametrize("url", ["file:///etc/hosts", "file://", "file:///"])
-def test_a_length_bounded_uri_takes_an_empty_host(url):
-    """RFC 3986 lets an authority's host be empty (file:///etc/hosts), as xgrammar's uri takes it; a uri with a
-    maxLength did not. Truth: an RFC 3986 regex, xgrammar's own grammar for the schema and pydantic's AnyUrl."""
+@pytest.mark.parametrize("url", ["file:///etc/hosts", "file://", "file:///", "http://h:/x", "http://h:"])
+def test_a_length_bounded_uri_takes_an_empty_host_or_port(url):
+    """RFC 3986 lets an authority's host be empty (file:///etc/hosts) and its port after the ":" too (http://h:/x),
+    as xgrammar's uri takes them; a uri with a maxLength did not. Truth: an RFC 3986 regex, xgrammar's own grammar
+    for the schema and pydantic's AnyUrl."""
     from pydantic import AnyUrl, TypeAdapter
     from xgrammar.testing import _is_grammar_accept_string
 

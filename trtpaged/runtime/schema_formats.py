@@ -65,7 +65,7 @@ GRAMMAR_FORMATS = (*FORMAT_PATTERNS, "duration", "email", "ipv6", "uri", "uri-re
 _URI_PATH = "[a-zA-Z0-9._~!$&'()*+,;=:@-]"  # a path's characters but "/" (pchar)
 _URI_QUERY = "[a-zA-Z0-9._~!$&'()*+,;=:@/?-]"  # a query's or a fragment's (pchar, "/" and "?")
 _URI_HOST = "[a-zA-Z0-9._~!$&'()*+,;=-]"  # a reg-name's
-_URI_PORT = "([0-9]{1,4}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])"  # 0-65535
+_URI_PORT = "([0-9]{1,4}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])"  # 0-65535 (or none)
 URI_SHORTEST = 2  # "a:", the shortest uri: a minLength up to this holds by the format
 URI_LEAST_MAX_LENGTH = 32  # a maxLength below this is refused beside format uri
 # a longer maxLength is held as this: xgrammar reads a repeat's count as 32 bits (maxLength 18000000000, its path
@@ -96,7 +96,7 @@ def bounded_uri_pattern(most: int) -> str:
     for host in sorted({min(longest, rest - 9) for longest in (16, 64, 253)}):
         path = rest - 2 - host - 6 - 1  # past "//host:port", before the path's first character
         least = shorter + 1 if shorter else 0  # an empty host too (file:///etc/hosts)
-        hier.append(f"//{_repeat(_URI_HOST, least, host)}(:{_URI_PORT})?([/?]{_repeat(_URI_QUERY, 0, path)})?")
+        hier.append(f"//{_repeat(_URI_HOST, least, host)}(:{_URI_PORT}?)?([/?]{_repeat(_URI_QUERY, 0, path)})?")
         shorter = host
     hier += [f"/?([?]|{_URI_PATH}){_repeat(_URI_QUERY, 0, rest - 2)}", "/"]
     return f"^[a-zA-Z][a-zA-Z+.-]{{0,{scheme - 1}}}:({'|'.join(hier)})?(#{_repeat(_URI_QUERY, 0, fragment)})?$"
