@@ -990,6 +990,21 @@ def test_a_length_bounded_uri_takes_an_empty_host_or_port(url):
     assert _is_grammar_accept_string(mended, json.dumps(url))
 
 
+@pytest.mark.parametrize("url", ["https://a.io/", "mailto:a@b.io", "https://h:443/"])
+def test_a_short_maxlength_takes_https_and_mailto(url):
+    """A uri's maxLength of 32 took schemes of up to 4 characters only (an eighth of it): no https or mailto. Truth: an
+    RFC 3986 regex, xgrammar's own grammar for the schema and pydantic's AnyUrl, and the value's length."""
+    from pydantic import AnyUrl, TypeAdapter
+    from xgrammar.testing import _is_grammar_accept_string
+
+    schema = {"type": "string", "format": "uri", "maxLength": 32}
+    upstream = xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    mended = xgrammar.Grammar.from_ebnf(mended_schema_grammar(json.dumps(schema)))
+    assert _RFC3986_URI.fullmatch(url) and len(url) <= 32 and _is_grammar_accept_string(upstream, json.dumps(url))
+    TypeAdapter(AnyUrl).validate_python(url)
+    assert _is_grammar_accept_string(mended, json.dumps(url))
+
+
 @pytest.mark.parametrize("most", [32, 40, 100, 255, 2083, 5000])
 def test_a_bounded_uri_pattern_takes_at_most_its_length(most):
     """The pattern a uri's maxLength compiles as takes no string longer than it, and strings up to 7 shorter.

@@ -85,11 +85,11 @@ def _repeat(chars: str, least: int, most: int) -> str:
 
 def bounded_uri_pattern(most: int) -> str:
     """A pattern for a uri of at most `most` (URI_LEAST_MAX_LENGTH or more; past URI_MOST_MAX_LENGTH, that many)
-    characters: a scheme of up to 16, a fragment of up to an eighth (256 at most), and between them an authority (a
-    host and a port) and what is left for the path and query (a host up to 16, 64 or 253 characters leaves that much
-    less), or a path and query alone."""
+    characters: a scheme of up to an eighth (8 to 16), a fragment of up to an eighth (256 at most), and between
+    them an authority (a host and a port) and what is left for the path and query (a host up to 16, 64 or 253
+    characters leaves that much less), or a path and query alone."""
     most = min(most, URI_MOST_MAX_LENGTH)
-    scheme = min(16, most // 8)
+    scheme = min(16, max(8, most // 8))  # https and mailto at any maxLength
     fragment = min(256, most // 8)
     rest = most - scheme - 1 - (fragment + 1)  # past "scheme:", before "#fragment"
     hier, shorter = [], 0
