@@ -545,6 +545,39 @@ def test_request_heads_are_bounded_in_bytes_headers_and_time(server, monkeypatch
     wait_idle(server)
 
 
+def test_a_request_asking_to_upgrade_is_served_over_http1_with_its_body(server):
+    """`Connection: Upgrade` + `Upgrade: h2c` (what `curl --http2` sends on plain HTTP) is not taken: the request is
+    served over HTTP/1.1 with its body, as the same request without the header is (was: the parser stopped at the
+    head, the body was dropped and a POST answered 400 "body: empty"; a next request on the connection was never
+    answered), and the answer closes the connection. A chunked body with an Upgrade is a 400 naming the header."""
+    body = J({"prompt": "hello there", "max_tokens": 4, "temperature": 0})
+    plain = post(server, body)
+    assert plain[0] == 200, plain
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAuthorization: Bearer "
+            + KEY.encode() + b"\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+            b"HTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\nContent-Length: %d\r\n\r\n" % len(body))  # fmt: skip
+    health = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    for sent in ([head + body + health], [head + body[:5], body[5:]], [head, body]):  # the body in one read or two
+        sock = socket.create_connection((server.host, server.port), timeout=10)
+        for part in sent:
+            sock.sendall(part)
+            time.sleep(0.05)
+        answer = b""
+        while chunk := sock.recv(65536):  # the answer ends with the connection (no hang on the bytes after it)
+            answer += chunk
+        sock.close()
+        status_line, rest = answer.split(b"\r\n", 1)
+        assert status_line == b"HTTP/1.1 200 OK" and b"connection: close" in rest.lower(), answer
+        out = json.loads(rest.split(b"\r\n\r\n", 1)[1])
+        assert out["choices"][0]["text"] == plain[2]["choices"][0]["text"], (out, plain)
+        assert answer.count(b"HTTP/1.1 ") == 1, answer
+    chunked = head.replace(b"Content-Length: %d" % len(body), b"Transfer-Encoding: chunked")
+    answer = _raw_exchange(server, chunked + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+    assert answer.startswith(b"HTTP/1.1 400 ") and b"Upgrade: not taken here" in answer, answer
+    assert post(server, body)[2]["choices"][0]["text"] == plain[2]["choices"][0]["text"]
+    wait_idle(server)
+
+
 @pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded",
                                           "multipart/form-data; boundary=x"])
 def test_a_body_that_is_not_json_by_its_content_type_is_415(server, content_type):

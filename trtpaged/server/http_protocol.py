@@ -10,6 +10,12 @@ complete within `HEAD_TIMEOUT_S` of the connection opening (or of its previous a
 none) is dropped by uvicorn as it comes: the connection is closed unless its rest arrives within `HEAD_TIMEOUT_S`
 of the answer.
 
+A request that asks to switch protocols (`Connection: Upgrade` with `Upgrade: h2c`, as `curl --http2` sends on
+plain HTTP) is served over HTTP/1.1, as RFC 9110 lets a server do. httptools ends such a request at its head and
+pauses, and uvicorn dropped the bytes past it: a POST was answered 400 "body: empty", and a next request on the
+connection was never answered. Here a Content-Length body is read past the paused parser and handed to the app;
+the answer closes the connection (the parser cannot go on). A chunked body with an Upgrade is answered 400.
+
 An answer has a clock too. The transport keeps in memory whatever the client has not read yet (a whole body, or
 a stream's chunks up to the transport's high-water mark), and uvicorn waits without a clock for the client to read:
 60 connections that asked for 8 chat choices with 20 top log-probs each and read nothing held 590 MB for as long
@@ -23,13 +29,14 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Optional
 
+import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 MAX_HEAD_BYTES = 1 << 20  # bytes received while a head is incomplete (a read may hold some body bytes too)
 MAX_HEADERS = 256
 HEAD_TIMEOUT_S = 30.0
 SEND_TIMEOUT_S = 60.0  # seconds an answer's unsent bytes may wait without the client taking any
-_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+_REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
 
 class _HeadRefused(Exception):
@@ -53,6 +60,8 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         self._refusal: Optional[_HeadRefused] = None  # raised in a parser callback, answered by send_400_response
         self._send_timer: Optional[asyncio.TimerHandle] = None  # armed while writing is paused
         self._unsent = 0  # the transport's buffered bytes when the send timer was last armed
+        # after a head whose Upgrade is not taken: the bytes of its body still to come (0: all came)
+        self._past_upgrade: Optional[int] = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -89,12 +98,38 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
+        if self._past_upgrade is not None:
+            self._take_past_upgrade(data)
+            return
         if self._in_head:
             self._head_bytes += len(data)
             if self._head_bytes > MAX_HEAD_BYTES:
                 self._refuse(431, f"the request's head passed {MAX_HEAD_BYTES} bytes")
                 return
-        super().data_received(data)
+        self._unset_keepalive_if_required()
+        try:  # fed here rather than by uvicorn, which drops the bytes past a paused parser's offset
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            msg = "Invalid HTTP request received."
+            self.logger.warning(msg)
+            self.send_400_response(msg)
+        except httptools.HttpParserUpgrade as exc:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            elif self._past_upgrade is not None:
+                self._take_past_upgrade(data[exc.args[0]:])
+
+    def _take_past_upgrade(self, data: bytes) -> None:
+        """Hands `data` (bytes after the head of a request whose Upgrade is not taken) to the app as that request's
+        body until its Content-Length is complete; bytes after it are dropped (the answer closes the connection)."""
+        left = self._past_upgrade or 0
+        if not left:
+            return
+        if data:
+            self.on_body(data[:left])
+        self._past_upgrade = max(0, left - len(data))
+        if not self._past_upgrade:
+            self._end_message()
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._num_headers += 1
@@ -115,6 +150,20 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
+        if self.parser.should_upgrade() and not self._should_upgrade():  # ended at its head: see the module's doc
+            self.cycle.keep_alive = False
+            self._past_upgrade = 0
+            length = next((int(v) for k, v in self.headers if k == b"content-length" and v.isdigit()), 0)
+            if any(k == b"transfer-encoding" for k, _ in self.headers):
+                self._refuse(400, "Upgrade: not taken here, and a chunked body with it is not read; send the "
+                                  "request without Upgrade (curl: --http1.1) or with a Content-Length")
+                return
+            if length:
+                self._past_upgrade = length
+                return
+        self._end_message()
+
+    def _end_message(self) -> None:
         super().on_message_complete()
         self._in_head, self._head_bytes, self._num_headers = True, 0, 0  # the next request's, if one comes
         if self._answered():  # answered before its body was read (a 401, a 404): the clock starts now
