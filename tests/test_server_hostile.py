@@ -624,8 +624,9 @@ def test_an_empty_body_is_named_empty(server):
 
 
 def test_a_compressed_body_is_415_naming_its_content_encoding(server):
-    """A gzip body is refused naming its Content-Encoding (was: 400 'body: is not valid UTF-8', which sent the
-    client looking at its text); one sent as identity is read; the server answers the next request."""
+    """A gzip body is refused naming its Content-Encoding, or its Transfer-Encoding (gzip, chunked) (was: 400 'body:
+    is not valid UTF-8', which sent the client looking at its text); one sent as identity is read; the server
+    answers the next request."""
     body = J({"prompt": "hi", "max_tokens": 2})
     for encoding, raw in (("gzip", gzip.compress(body)), ("deflate", zlib.compress(body)), ("br", b"\x8b\x00")):
         status, headers, out = post(server, raw, {"Content-Encoding": encoding})
@@ -638,6 +639,17 @@ def test_a_compressed_body_is_415_naming_its_content_encoding(server):
                      b"Connection: close\r\n\r\n%s" % (KEY.encode(), len(body), body))  # fmt: skip
         answer = b"".join(iter(lambda: sock.recv(65536), b""))
     assert answer.startswith(b"HTTP/1.1 415") and b"content-encoding: 'identity, gzip'" in answer, answer
+    for coding, raw in (("gzip, chunked", gzip.compress(body)), ("deflate, chunked", zlib.compress(body)),
+                        ("identity, chunked", body), ("chunked", body)):  # a transfer coding: read as chunks
+        with socket.create_connection((server.host, server.port), timeout=30) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Authorization: Bearer %s\r\nTransfer-Encoding: %s\r\nConnection: close\r\n\r\n%x\r\n%s"
+                         b"\r\n0\r\n\r\n" % (KEY.encode(), coding.encode(), len(raw), raw))  # fmt: skip
+            answer = b"".join(iter(lambda: sock.recv(65536), b""))
+        if "chunked" == coding.split(", ")[0] or coding.startswith("identity"):
+            assert answer.startswith(b"HTTP/1.1 200"), answer
+        else:  # was: 400 'body: is not valid UTF-8'
+            assert answer.startswith(b"HTTP/1.1 415") and b"transfer-encoding: '%s'" % coding.encode() in answer, answer
     assert post(server, body, {"Content-Encoding": "identity"})[0] == 200
     assert post(server, body, {"Content-Encoding": ""})[0] == 200
     assert post(server, body)[0] == 200

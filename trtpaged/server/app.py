@@ -86,6 +86,8 @@ def is_json_content_type(value: str | None) -> bool:
 # messages held the event loop (every other client's /health and stream) 0.5-1.7 s; the hand-over costs more than
 # it saves on the 1-100 KB of most bodies
 LARGE_BODY_BYTES = 256 << 10
+# the codings of a body read as it comes, by header (any other is refused: a compressed body read was not UTF-8)
+_PLAIN_CODINGS = {"content-encoding": ("", "identity"), "transfer-encoding": ("", "identity", "chunked")}
 DRAIN_POLL_S = 0.1  # how often a request still receiving its body checks whether the server drains
 STATS_WAIT_S = 1.0  # how long /metrics waits for the engine's counters before it serves the last ones read
 
@@ -277,11 +279,12 @@ def create_app(service: GenerationService, loop: EngineLoop, metrics: ServerMetr
             await discard_body(request, limit)
             raise ApiError(f"content-type: {content_type[:80]!r} is not JSON; send the body as application/json",
                            "body", 415, headers={"Connection": "close"})  # fmt: skip
-        encoding = ", ".join(request.headers.getlist("content-encoding"))  # each header's codings apply, in order
-        if any(c.strip().lower() not in ("", "identity") for c in encoding.split(",")):  # gzip: "not valid UTF-8"
-            await discard_body(request, limit)
-            raise ApiError(f"content-encoding: {encoding[:80]!r} is not supported; send the body uncompressed",
-                           "body", 415, headers={"Connection": "close"})  # fmt: skip
+        for header, plain in _PLAIN_CODINGS.items():
+            encoding = ", ".join(request.headers.getlist(header))  # each header's codings apply, in order
+            if any(c.strip().lower() not in plain for c in encoding.split(",")):
+                await discard_body(request, limit)
+                raise ApiError(f"{header}: {encoding[:80]!r} is not supported; send the body uncompressed",
+                               "body", 415, headers={"Connection": "close"})  # fmt: skip
         if declared is not None:
             if not declared.isdigit():
                 raise ApiError("content-length: must be a non-negative integer", "body")
