@@ -10,6 +10,7 @@ import gzip
 import http.client
 import json
 import socket
+import sys
 import threading
 import time
 import zlib
@@ -77,7 +78,7 @@ HOSTILE = [
     ("bad UTF-8", b'{"prompt": "\xff\xfe\xfd"}', {}, 400, "body"),
     ("NaN", b'{"prompt": "x", "temperature": NaN}', {}, 400, "body"),
     ("deep nesting", b"[" * 30_000 + b"]" * 30_000, {}, 400, "body"),
-    ("5000-digit integer", b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", {}, 400, "body"),
+    ("5000-digit integer", b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", {}, 400, "max_tokens"),
     ("body not an object", b'"just a string"', {}, 400, "body"),
     ("empty body", b"", {}, 400, "body"),
     ("max_tokens as string", J({"prompt": "x", "max_tokens": "8"}), {}, 400, "max_tokens"),
@@ -605,6 +606,29 @@ def test_a_field_given_twice_in_an_object_is_refused_naming_it(server, path, raw
     status, _, out = post(server, raw, path=path)
     assert status == 400 and out["error"]["param"] == "body", out
     assert f"field {field!r} given twice" in out["error"]["message"], out
+    wait_idle(server)
+
+
+def test_an_integer_too_long_to_read_is_refused_naming_its_field_and_the_limit(server):
+    """An integer of more digits than Python converts is a 400 naming where it is and the limit (was: 'body:
+    malformed JSON (Exceeds the limit (4300 digits) for integer string conversion: ...; use
+    sys.set_int_max_str_digits() to increase the limit)', advice for the server's code, not the client)."""
+    limit = sys.get_int_max_str_digits()
+    long = b"7" * (limit + 1)
+    for path, raw, field, where in (
+        ("/v1/completions", b'{"prompt": "hi", "max_tokens": %s}' % long, "max_tokens", "max_tokens"),
+        ("/v1/completions", b'{"prompt": [1, -%s], "max_tokens": 2}' % long, "prompt", "prompt[1]"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a"}], "metadata": {"k": [%s]}}' % long,
+         "metadata", "metadata.k[0]"),
+        ("/tokenize", b"[%s]" % long, "body", "body[0]"),
+        ("/tokenize", long, "body", "body"),
+    ):  # fmt: skip
+        status, _, out = post(server, raw, path=path)
+        assert status == 400 and out["error"]["param"] == field, out
+        assert out["error"]["message"] == f"{where}: a number of {limit + 1} digits; at most {limit} digits are read"
+    status, _, out = post(server, b'{"prompt": "hi", "max_tokens": 2, "seed": %s}' % long[:limit])  # readable: range
+    assert status == 400 and out["error"]["param"] == "seed", out
+    assert post(server, b'{"prompt": "hi", "max_tokens": 2, "user": "%s"}' % long)[0] == 200  # digits in a string
     wait_idle(server)
 
 

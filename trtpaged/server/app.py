@@ -24,7 +24,7 @@ from starlette.requests import ClientDisconnect
 
 from trtpaged import __version__, json_input
 from trtpaged.errors import CONTEXT_LENGTH_EXCEEDED
-from trtpaged.json_input import RepeatedField
+from trtpaged.json_input import LongNumber, RepeatedField
 from trtpaged.server import messages_api, messages_output, responses_api, responses_output
 from trtpaged.server.engine_loop import ClientGone, EngineFailure, EngineLoop, Overloaded, RequestTimeout, ShuttingDown
 from trtpaged.server.errors import ApiError, overloaded
@@ -107,6 +107,9 @@ def parse_json(raw: bytes) -> Any:
         return json_input.loads(text)
     except RepeatedField as exc:
         raise ApiError(f"body: {exc}", "body") from None
+    except LongNumber as exc:
+        where = exc.path if exc.field else "body" + exc.path  # "body[0]": in an array that is the whole body
+        raise ApiError(f"{where}: {exc.message}", exc.field or "body") from None
     except RecursionError:
         raise ApiError("body: JSON nested too deeply", "body") from None
     except ValueError as exc:
