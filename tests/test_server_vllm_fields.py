@@ -400,6 +400,28 @@ def test_vllms_plumbing_fields_are_taken_when_they_ask_nothing_and_refused_namin
     wait_idle(server)
 
 
+def test_structured_outputs_options_are_checked_beside_its_grammar(server):
+    """vLLM's options in structured_outputs reach the grammar's own checks (were dropped unread: a whitespace_pattern,
+    refused as guided_whitespace_pattern, ran without it, and disable_any_whitespace: "yes" was taken); true or
+    false they change nothing, as documented: the answer is the one without them."""
+    def ask(**options):
+        return request(server, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 12,
+                                                        "temperature": 0, "structured_outputs": {
+                                                            "json": {"type": "object"}, **options}})  # fmt: skip
+
+    for options, words in (({"whitespace_pattern": " "}, "whitespace_pattern: not supported"),
+                           ({"disable_any_whitespace": "yes"}, "disable_any_whitespace: must be true or false"),
+                           ({"disable_fallback": 1}, "disable_fallback: must be true or false")):  # fmt: skip
+        status, _, body = ask(**options)
+        assert status == 400 and body["error"]["param"].startswith("structured_outputs"), body
+        assert words in body["error"]["message"], body
+    plain = ask()
+    assert plain[0] == 200, plain
+    flags = ask(disable_any_whitespace=True, disable_fallback=False, disable_additional_properties=True)
+    assert flags[0] == 200 and flags[2]["choices"][0]["message"] == plain[2]["choices"][0]["message"], flags
+    wait_idle(server)
+
+
 # a retrieval-augmented template (as Command R's and Granite's read `documents`) over the tiny engine's own
 RAG_TEMPLATE = ("{% for d in documents or [] %}<|bos|>document {{ d.title }}\n{{ d.text }}<|eos|>\n{% endfor %}"
                 "{% for m in messages %}<|bos|>{{ m['role'] }}\n{{ m['content'] }}<|eos|>\n{% endfor %}"

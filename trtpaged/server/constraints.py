@@ -16,6 +16,8 @@ from trtpaged.server.errors import ApiError
 from trtpaged.server.tools import OPENAI_NAME
 
 _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+_STRUCTURED_OPTIONS = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties",
+                       "whitespace_pattern")  # vLLM's, beside the grammar in structured_outputs
 _TGI_GRAMMARS = ("json", "json_object", "regex")  # TGI's response_format types that carry a value
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
@@ -113,14 +115,15 @@ def _json_schema(spec: Any) -> Any:
 
 
 def _structured_outputs(value: dict[str, Any]) -> StructuredOutputsParams:
-    extra = set(value) - set(_STRUCTURED_KEYS) - {"disable_fallback", "disable_any_whitespace",
-                                                  "disable_additional_properties", "whitespace_pattern"}
+    extra = set(value) - set(_STRUCTURED_KEYS) - set(_STRUCTURED_OPTIONS)
     if extra:
         raise ApiError(f"structured_outputs: unknown keys {sorted(extra)} (use one of {', '.join(_STRUCTURED_KEYS)})",
                        "structured_outputs")  # fmt: skip
     given = {k: value[k] for k in _STRUCTURED_KEYS if value.get(k) not in (None, False)}
     origin = "structured_outputs.structural_tag" if list(given) == ["structural_tag"] else "structured_outputs"
-    return StructuredOutputsParams(**given, origin=origin)  # type: ignore[arg-type]
+    # the options go along to be checked there (were dropped here: whitespace_pattern, refused there, ran without it)
+    options = {k: value[k] for k in _STRUCTURED_OPTIONS if value.get(k) is not None}
+    return StructuredOutputsParams(**given, **options, origin=origin)  # type: ignore[arg-type]
 
 
 def structured_outputs(req: Any) -> Optional[StructuredOutputsParams]:
