@@ -476,21 +476,26 @@ def test_a_tool_definition_no_template_can_take_is_refused_naming_where(server):
     """A tool's description that is no string, or a lone surrogate (JSON's "\\ud800", which no tokenizer takes) in
     its description or anywhere in its parameters, is a 400 naming that place, from chat and /tokenize alike, with
     tool_choice none too (was: a description of any type rendered as it came; a surrogate named `messages` and a
-    place in the template's text, or, where the template renders no descriptions, accepted)."""
+    place in the template's text, or, where the template renders no descriptions, accepted). So is a `strict` that
+    is no boolean, or an unknown key beside the function (Anthropic's cache_control, which LiteLLM sends, is taken)."""
     s = "\ud800"
     cases = [({"description": 5}, "tools[0].function.description: must be a string, got int"),
              ({"description": "a" + s}, "tools[0].function.description: not valid Unicode text"),
              ({"parameters": {"type": "object", "properties": {"x" + s: {"type": "string"}}}},
               "tools[0].function.parameters['properties']['x\\ud800']: not valid Unicode text"),
              ({"parameters": {"type": "object", "properties": {"x": {"type": "string", "enum": ["a", s]}}}},
-              "tools[0].function.parameters['properties']['x']['enum'][1]: not valid Unicode text")]  # fmt: skip
+              "tools[0].function.parameters['properties']['x']['enum'][1]: not valid Unicode text"),
+             ({"strict": "yes"}, "tools[0].function.strict: must be true or false, got 'yes'")]  # fmt: skip
     messages = [{"role": "user", "content": "hi"}]
-    for change, start in cases:
-        tools = [{"type": "function", "function": {"name": "f", **change}}]
+    cases = [([{"type": "function", "function": {"name": "f", **change}}], start) for change, start in cases]
+    cases.append(([{"type": "function", "function": {"name": "f"}, "x": 1}], "tools[0]: unknown keys ['x']"))
+    for tools, start in cases:
         for path, body in (("/v1/chat/completions", {"tool_choice": "none", "max_tokens": 1}), ("/tokenize", {})):
             status, _, out = request(server, path, {"model": MODEL, "messages": messages, "tools": tools, **body})
-            assert status == 400 and out["error"]["param"] == "tools", (path, change, out)
-            assert out["error"]["message"].startswith(start), (path, change, out)
+            assert status == 400 and out["error"]["param"] == "tools", (path, tools, out)
+            assert out["error"]["message"].startswith(start), (path, tools, out)
+    tools = [{"type": "function", "function": {"name": "f", "strict": True}, "cache_control": {"type": "ephemeral"}}]
+    assert request(server, "/tokenize", {"model": MODEL, "messages": messages, "tools": tools})[0] == 200
     wait_idle(server)
 
 def test_tokenize_takes_chats_tool_choice_and_counts_the_chat_prompt(client, server):

@@ -191,9 +191,14 @@ def _tool(index: int, value: Any) -> tuple[str, dict[str, Any]]:
         raise ApiError(f"{where}: must be {{'type': 'function', 'function': {{name, description?, parameters?}}}}",
                        "tools")  # fmt: skip
     fn = value["function"]
-    extra = set(fn) - {"name", "description", "parameters", "strict"}
-    if extra:
-        raise ApiError(f"{where}.function: unknown keys {sorted(extra)}", "tools")
+    # cache_control: Anthropic's prompt-cache hint, which LiteLLM puts on tools too (the prefix cache is automatic)
+    for at, keys, allowed in ((where, value, {"type", "function", "cache_control"}),
+                              (f"{where}.function", fn, {"name", "description", "parameters", "strict"})):
+        extra = set(keys) - allowed
+        if extra:
+            raise ApiError(f"{at}: unknown keys {sorted(extra)!r:.120}", "tools")
+    if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+        raise ApiError(f"{where}.function.strict: must be true or false, got {fn['strict']!r:.40}", "tools")
     name = fn.get("name")
     if not isinstance(name, str) or not OPENAI_NAME.fullmatch(name):
         raise ApiError(f"{where}.function.name: must match [A-Za-z0-9_-]{{1,64}}, got {name!r:.80}", "tools")
