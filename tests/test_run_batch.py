@@ -175,15 +175,22 @@ def test_a_batch_runs_with_stdout_closed_when_its_results_go_to_a_file(tiny_engi
 
 def test_a_line_giving_a_field_twice_fails_alone_naming_it(tiny_engine_dir, tmp_path):
     """A served body giving a field twice is a 400 naming it (which one was meant?); a batch line doing so ran with
-    the last value (json.loads keeps it silently): it now fails alone, as that body would, and the next line runs."""
+    the last value (json.loads keeps it silently): it now fails alone, as that body would, and the next line runs.
+    So does a line with an integer of more digits than Python reads, naming its place and the limit, as a served
+    body's 400 does (was: 'not JSON (...)', which the line is). Truth: sys.get_int_max_str_digits."""
     twice = ('{"custom_id": "twice", "method": "POST", "url": "/v1/completions", "body": {"model": "%s", '
              '"prompt": "x", "max_tokens": 2, "max_tokens": 400}}' % MODEL)  # fmt: skip
+    digits = sys.get_int_max_str_digits() + 1
+    long = _line("long", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0})
+    long = long.replace('"max_tokens": 0', '"max_tokens": ' + "9" * digits)  # json.dumps cannot write it
     body = {"model": MODEL, "prompt": "abc", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
     source = tmp_path / "in.jsonl"
-    source.write_text(twice + "\n" + _line("next", "/v1/completions", body) + "\n")
+    source.write_text(twice + "\n" + long + "\n" + _line("next", "/v1/completions", body) + "\n")
     result = CliRunner().invoke(main, ["run-batch", str(tiny_engine_dir), "-i", str(source), "-o", "-",
                                        "--served-model-name", MODEL, "--device", "cpu"])  # fmt: skip
     assert result.exit_code == 0, result.output
-    first, after = (json.loads(line) for line in result.stdout.splitlines())
+    first, second, after = (json.loads(line) for line in result.stdout.splitlines())
     assert first["response"] is None and "'max_tokens' given twice" in first["error"]["message"], first
+    assert second["response"] is None and second["error"]["message"] == (
+        f"line 2: body.max_tokens: a number of {digits} digits; at most {digits - 1} digits are read"), second
     assert after["custom_id"] == "next" and after["response"]["body"]["usage"]["completion_tokens"] == 3

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 import httpx
 
 from trtpaged import json_input
-from trtpaged.json_input import RepeatedField
+from trtpaged.json_input import LongNumber, RepeatedField
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
 MAX_CUSTOM_ID_CHARS = 512
@@ -49,7 +49,7 @@ def parse_lines(lines: list[str]) -> list[BatchLine]:
 def _line(number: int, text: str, seen: set[str]) -> BatchLine:
     try:
         item = json_input.loads(text)  # strict as a served body is: a field given twice, NaN and Infinity are refused
-    except RepeatedField as exc:
+    except (RepeatedField, LongNumber) as exc:  # JSON, but not what is read: each names its place
         return BatchLine(number, None, error=f"line {number}: {exc}")
     except RecursionError:
         return BatchLine(number, None, error=f"line {number}: JSON nested too deeply")
