@@ -642,6 +642,15 @@ BAD_TAGS = [
         "type": "json_schema", "style": "gemma",
         "json_schema": {"type": "object", "properties": {"s": GEMMA_BOUNDED}}}}},
      "format.content.json_schema: 'minLength' / 'maxLength' is not enforced in style 'gemma'", False),
+    # a mended text xgrammar refuses for another reason than a TagDispatch it does not read back (a NUL exclude,
+    # which its EBNF ends at): named as itself (was: blamed on a free text whose exclude starts a trigger, or
+    # compiled from xgrammar's own grammar without the mends)
+    ({"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "any_text", "excludes": ["\u0000"]}, {"type": "json_schema", "json_schema": GEMMA_BOUNDED}]}},
+     "invalid structural_tag: EBNF parser error", True),
+    ({"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "any_text", "excludes": ["\u0000"]}, {"type": "const_string", "value": "!"}]}},
+     "Exclude must be a non-empty string literal", True),
     # a token named by a lone surrogate, which no token's text is (was: UnicodeEncodeError, naming no field)
     ({"type": "structural_tag", "format": {"type": "token", "token": "\ud800"}}, "invalid structural_tag", True),
     ({"type": "structural_tag", "format": {"type": "token_dispatch", "loop": False, "rules": [

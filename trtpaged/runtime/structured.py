@@ -41,6 +41,7 @@ MATCHER_CALL_BUDGET_S = 0.25
 # and on average over a request's calls, once they have spent a second (calls just under the budget, every token)
 MATCHER_MEAN_BUDGET_S = 0.02
 _XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+_UNREAD_TAG_DISPATCH = "Exclude string must not be a prefix of trigger string"  # xgrammar 0.2.9's grammar parser
 _XGR_CHECK = re.compile(r"^Check failed: \(.*?\) is false:\s*")  # the assertion that carries a structural tag's reason
 
 
@@ -322,8 +323,9 @@ class GrammarCache:
             try:
                 if grammar is not None:
                     return compiler.compile_grammar(grammar)
-            except Exception:  # noqa: BLE001 - a grammar text xgrammar prints and does not read back: a TagDispatch
-                # whose exclude starts a trigger, left as written past MAX_FREE_TEXT_STATES
+            except Exception as exc:  # noqa: BLE001 - narrowed below
+                if not _unread_tag_dispatch(grammar, exc):
+                    raise  # the tag's own fault: named as xgrammar names it (the mends kept)
                 why = "is not supported beside a free text whose exclude starts a trigger"
             # the tag as given: its patterns' stand-ins are written out only in the mended text
             # raises xgrammar's reason for a tag it refuses
@@ -432,6 +434,12 @@ class GatedMatcher:
         child = GatedMatcher(self.matcher.fork(), self.starts_after)
         child.open = self.open
         return child
+
+
+def _unread_tag_dispatch(grammar: str, exc: BaseException) -> bool:
+    """Whether `exc` is xgrammar refusing to read back its own printed TagDispatch whose exclude starts a trigger
+    (left in `grammar` as written past MAX_FREE_TEXT_STATES): a grammar text it prints and does not read."""
+    return " ::= TagDispatch(" in grammar and _UNREAD_TAG_DISPATCH in str(exc)
 
 
 def _xgrammar_reason(exc: BaseException) -> str:
