@@ -155,6 +155,30 @@ def test_a_numeric_bound_past_the_float_range_is_refused_saying_so(llm, schema, 
     assert not llm.engine.has_unfinished()
 
 
+@pytest.mark.parametrize("schema, keyword, edge", [
+    ({"allOf": [{"type": "integer", "minimum": 1e300}]}, "'minimum' (1e+300)", -(2**63)),
+    ({"type": "integer", "minimum": -(2**63), "maximum": 2**64}, "'maximum' (18446744073709551616)", 2**63 - 1),
+    ({"type": ["integer", "null"], "maximum": -(2**63) - 1}, "'maximum' (-9223372036854775809)", -(2**63)),
+    ({"type": "integer", "exclusiveMinimum": 2**63 - 1}, "'exclusiveMinimum' (9223372036854775807)", 2**63 - 2),
+])  # fmt: skip
+def test_an_integer_bound_past_64_bits_is_refused_naming_the_limit(llm, schema, keyword, edge):
+    """xgrammar holds an integer's bounds in 64 bits and refused one past them as 'Integer exceeds maximum limit',
+    naming neither the keyword nor the limit. Truth: xgrammar refuses the schema, and takes it with the bound at
+    the 64-bit edge the message names (a number's bounds are no integer's: 1e300 is taken there)."""
+    with pytest.raises(RuntimeError):
+        xgrammar.Grammar.from_json_schema(json.dumps(schema))
+    key = keyword.split("'")[1]
+    fixed = {**schema, key: edge} if key in schema else {"allOf": [{**schema["allOf"][0], key: edge}]}
+    xgrammar.Grammar.from_json_schema(json.dumps(fixed))
+    with pytest.raises(RequestError) as info:
+        llm.generate(["x"], SamplingParams(structured_outputs=Grammar(json=schema, origin="response_format")))
+    message = str(info.value)
+    assert info.value.field == "response_format" and keyword in message and str(edge) in message, message
+    assert not llm.engine.has_unfinished()
+    llm.generate(["x"], SamplingParams(max_tokens=2, structured_outputs=Grammar(json={"type": "number",
+                                                                                       "minimum": 1e300})))
+
+
 # (schema, a document that breaks it): xgrammar 0.2.9 compiles each schema and its grammar accepts the document
 UNENFORCED = [
     ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, [1, 1], "uniqueItems"),

@@ -52,6 +52,7 @@ _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SUBSCHEMA = ("additionalProperties", "items", "propertyNames", "unevaluatedProperties", "unevaluatedItems")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _MAX_REF_HOPS = 32
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1  # an integer's bounds as the grammar compiler holds them
 _NUMERIC_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 
 
@@ -91,7 +92,8 @@ def _node_feature(node: dict, root: Any) -> Optional[str]:
     for combinator in ("anyOf", "oneOf", "allOf"):
         if node.get(combinator) == []:
             return f"empty '{combinator}' is not a valid schema (it needs at least one)"
-    mismatch = _value_outside_type(node) or _bound_past_float_range(node) or _value_breaking_constraints(node, root)
+    mismatch = (_value_outside_type(node) or _bound_past_float_range(node) or _integer_bound_past_int64(node)
+                or _value_breaking_constraints(node, root))
     if mismatch is not None:
         return mismatch
     if "multipleOf" in node and node.get("type") != "integer":
@@ -206,6 +208,22 @@ def _bound_past_float_range(node: dict) -> Optional[str]:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and not _fits_float64(value):
             shown = f"a {len(str(abs(value)))}-digit integer" if isinstance(value, int) else str(value)
             return f"'{keyword}' ({shown}) is past the float64 range (+-{sys.float_info.max:.4g})"
+    return None
+
+
+def _integer_bound_past_int64(node: dict) -> Optional[str]:
+    """An integer's bound outside the 64-bit range (an exclusive one at its end): the grammar compiler refuses it
+    as 'Integer exceeds maximum limit', naming neither the keyword nor the limit."""
+    types = node.get("type")
+    if not (types == "integer" or isinstance(types, list) and "integer" in types):
+        return None
+    for keyword, low, high in (("minimum", _INT64_MIN, _INT64_MAX), ("maximum", _INT64_MIN, _INT64_MAX),
+                               ("exclusiveMinimum", _INT64_MIN, _INT64_MAX - 1),
+                               ("exclusiveMaximum", _INT64_MIN + 1, _INT64_MAX)):  # fmt: skip
+        value = node.get(keyword)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not low <= value <= high:
+            shown = value if isinstance(value, int) and abs(value) < 10**24 else f"{value:.6g}"
+            return f"'{keyword}' ({shown}) of an integer is outside the supported range {low} to {high}"
     return None
 
 
