@@ -261,6 +261,30 @@ def test_a_refusal_renames_the_fields_it_names_but_not_the_values_it_quotes(serv
     wait_idle(server)
 
 
+@pytest.mark.parametrize("extra, field, words", [
+    ({"guided_json": {"const": "\ud800"}}, "guided_json", "json schema #/const: not valid Unicode text"),
+    ({"structured_outputs": {"json": {"type": "object", "properties": {"\ud800": {"type": "string"}}}}},
+     "structured_outputs", "json schema #/properties/\\ud800: not valid Unicode text"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": ["a", "\udc00"]}}}},
+     "response_format", "json schema #/enum/1: not valid Unicode text"),
+    ({"response_format": {"type": "structural_tag", "format": {"type": "json_schema", "json_schema": {
+        "const": "\ud800"}}}}, "response_format.format", "json schema at format.json_schema #/const: not valid"),
+    ({"guided_choice": ["yes", "\u0000"]}, "guided_choice", "choice[1] holds a NUL character (U+0000"),
+    ({"structured_outputs": {"choice": ["a\u0000b"]}}, "structured_outputs", "choice[0] holds a NUL character"),
+    ({"guided_choice": ["\ud800"]}, "guided_choice", "choice[0]: not valid Unicode text"),
+])  # fmt: skip
+def test_a_grammar_no_output_can_hold_is_refused_saying_why(server, extra, field, words):
+    """A lone surrogate (sent as its JSON escape, the body valid JSON) in a schema's string or name: no output
+    text holds it, and it was refused as 'invalid json: Failed to parse JSON: syntax error', though the JSON was
+    valid. A NUL in a choice: refused as 'The regex must not contain null characters', though a choice is no
+    regex (xgrammar's regexes and EBNF strings end at a NUL). Both are now refused naming the field, the place and
+    the character."""
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, **extra}
+    status, _, out = request(server, "/v1/chat/completions", body)  # json.dumps: the surrogate as its escape
+    assert status == 400 and out["error"]["param"] == field and words in out["error"]["message"], out
+    wait_idle(server)
+
+
 def test_auto_is_refused_where_the_template_takes_no_tools(client, server):
     """The tiny engine's chat template takes no tools: auto (asked for, or the default with tools) is a 400 on
     tool_choice that says why (tests/test_server_tools.py serves auto on a template that takes them)."""

@@ -103,12 +103,13 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return type(exc).__name__ == "OutOfMemoryError" or "out of memory" in text or "can't allocate memory" in text
 
 
-def check_unicode(field: str, text: str) -> str:
+def check_unicode(field: str, text: str, where: str = "") -> str:
     """`text`, when a tokenizer can take it: a str that encodes to UTF-8 (a lone surrogate, which a JSON `\\ud800`
-    escape or a bad decode leaves, does not; the tokenizers library raises a bare TypeError on it)."""
+    escape or a bad decode leaves, does not; the tokenizers library raises a bare TypeError on it). `where` (its
+    place in the field, if any) prefixes the message."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise RequestError(field, f"not valid Unicode text: {exc.reason} (character {exc.start}, "
-                           f"{text[exc.start]!r})") from None  # fmt: skip
+        raise RequestError(field, f"{where}{': ' if where else ''}not valid Unicode text: {exc.reason} (character "
+                           f"{exc.start}, {text[exc.start]!r})") from None  # fmt: skip
     return text

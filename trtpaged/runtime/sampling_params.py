@@ -106,6 +106,27 @@ def _check_schema_depth(field_name: str, schema: Union[str, Mapping[str, Any]], 
                            f"than {MAX_SCHEMA_DEPTH} deep", MAX_SCHEMA_DEPTH)  # fmt: skip
 
 
+def _check_schema_unicode(field_name: str, schema: Any, where: str = "") -> None:
+    """RequestError naming `field_name` (and `where`, the schema's place in it, if any) for a string or name in the
+    schema that is no Unicode text (a lone surrogate, as a JSON `\\ud800` escape gives): no output holds it, and
+    the grammar compiler took it for malformed JSON. The nesting is bounded before this walk."""
+    try:
+        json.dumps(schema, ensure_ascii=False).encode("utf-8")
+        return
+    except UnicodeEncodeError:
+        pass
+    todo: list[tuple[str, Any]] = [("#", schema)]
+    while todo:
+        path, node = todo.pop()
+        items = node.items() if isinstance(node, Mapping) else enumerate(node) if isinstance(node, list) else ()
+        for key, child in items:
+            place = f"{path}/{key}".encode("utf-8", "backslashreplace").decode()  # the name may be the fault
+            for text in (key, child) if isinstance(key, str) else (child,):
+                if isinstance(text, str):
+                    check_unicode(field_name, text, f"json schema{' at ' if where else ''}{where} {place}")
+            todo.append((place, child))
+
+
 def _loads_or_none(text: str) -> Any:
     try:
         return json.loads(text)
@@ -216,7 +237,9 @@ class StructuredOutputsParams:
                                    MAX_GRAMMAR_CHARS)
             if isinstance(self.json, str):
                 _check_schema_depth(name, text)
-            _check_patterns(name, self.json if isinstance(self.json, Mapping) else _loads_or_none(text))
+            schema = self.json if isinstance(self.json, Mapping) else _loads_or_none(text)
+            _check_schema_unicode(name, schema)
+            _check_patterns(name, schema)
         for kind in ("regex", "grammar"):
             value = getattr(self, kind)
             if value is not None and (not isinstance(value, str) or not value):
@@ -230,6 +253,11 @@ class StructuredOutputsParams:
                 raise RequestError(name, f"choice must be a non-empty list of non-empty strings, got {choice!r:.80}")
             if sum(len(c) for c in choice) > MAX_GRAMMAR_CHARS:
                 raise RequestError(name, f"choices exceed {MAX_GRAMMAR_CHARS} characters in all", MAX_GRAMMAR_CHARS)
+            for i, text in enumerate(choice):
+                check_unicode(name, text, f"choice[{i}]")
+                if "\0" in text:  # xgrammar's regexes and EBNF strings end at a NUL (or read it as nothing)
+                    raise RequestError(name, f"choice[{i}] holds a NUL character (U+0000, at {text.index(chr(0))}), "
+                                       "which the grammar engine cannot generate")  # fmt: skip
             object.__setattr__(self, "choice", tuple(choice))
         if not isinstance(self.json_object, bool):
             raise RequestError(name, f"json_object must be a bool, got {self.json_object!r:.80}")
@@ -301,6 +329,7 @@ def _checked_structural_tag(name: str, value: Any) -> tuple[str, tuple[tuple[str
     tag, schemas = xgrammar_form(name, document)
     for where, schema in schemas:
         _check_schema_depth(name, schema, where)
+        _check_schema_unicode(name, schema, where)
         _check_patterns(name, schema, where)
     check_string_lengths(name, tag["format"])
     return json.dumps(tag), tuple(schemas)
