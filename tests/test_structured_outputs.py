@@ -740,6 +740,23 @@ def test_a_structural_tag_may_name_a_special_token_by_its_text(llm):
     assert answers[0] == answers[1] and answers[0][0][0][0] == pad, answers
 
 
+@pytest.mark.parametrize("shape", ["tag", "triggered_tags"])
+def test_a_structural_tags_begin_written_as_a_special_tokens_text_is_that_token(llm, shape):
+    """A tag's begin or trigger is often a special token's text (Llama 3's `<|python_tag|>`, Mistral's
+    `[TOOL_CALLS]`), which a model writes as that one token: a structural tag takes the token there, as xgrammar
+    (and vLLM) read it, where a JSON string or a regex takes none (above); was: only its text spelled out
+    character by character (`<`, `|`, `p`, ...). The logit bias makes the model pick the token wherever allowed."""
+    pad, text = llm.tokenizer.pad_token_id, llm.tokenizer.pad_token
+    tag = {"begin": text, "content": {"type": "const_string", "value": "ab"}, "end": "."}
+    fmt = {"type": "tag", **tag} if shape == "tag" else {
+        "type": "triggered_tags", "triggers": [text], "tags": [tag], "at_least_one": True, "stop_after_first": True}
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=3, logit_bias={pad: 30.0},
+                            structured_outputs=Grammar(structural_tag={"type": "structural_tag", "format": fmt}))
+    out = llm.generate(["x"], params)[0].outputs[0]
+    assert out.token_ids[0] == pad and out.finish_reason == "stop", out.token_ids
+    assert out.text == "ab."  # the special token dropped by the decode, as any other
+
+
 _STRAY_SCHEMA = {"type": "string", "not": {"const": "a"}}  # a keyword the json kind refuses
 
 

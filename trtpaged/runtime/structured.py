@@ -223,15 +223,20 @@ class GrammarCache:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self.cached_bytes = 0
-        self._compiler: Any = None
+        self._compilers: dict[bool, Any] = {}  # for structural tags or not -> its compiler (_xgr_compiler)
+        self._vocab: Any = None  # (xgrammar's tokenizer info, its decoded vocabulary, the special tokens' ids)
         self.ids_by_text: dict[bytes, int] = {}  # each stop or special token's text -> its id (read with the vocab)
         self._cache: OrderedDict[tuple[str, str], tuple[Any, int]] = OrderedDict()  # key -> (compiled, its bytes)
         self._lock = threading.Lock()
         self.num_compiled = 0
         self.num_hits = 0
 
-    def _xgr_compiler(self) -> Any:
-        if self._compiler is None:
+    def _xgr_compiler(self, for_tags: bool = False) -> Any:
+        """The compiler of structural tags (`for_tags`) or of the other kinds. For the others a special token has no
+        text (`_tokens_without_text`): none is taken as its text inside a JSON string or a regex. A structural tag's
+        begin, end or trigger is often a special token's text (`<|python_tag|>`, `[TOOL_CALLS]`), which the model
+        writes as that token: there it keeps its text, as xgrammar (and vLLM) read it."""
+        if self._vocab is None:
             try:
                 import xgrammar as xgr
             except ImportError:
@@ -245,9 +250,14 @@ class GrammarCache:
             # a text another token has too stays that token's
             self.ids_by_text = {vocab[i]: i for i in set(info.stop_token_ids) | special
                                 if i < len(vocab) and vocab[i] and vocab.count(vocab[i]) == 1}  # fmt: skip
-            self._compiler = xgr.GrammarCompiler(_tokens_without_text(info, vocab, special), max_threads=1,
-                                                 cache_enabled=False)  # fmt: skip
-        return self._compiler
+            self._vocab = (info, vocab, special)
+        if for_tags not in self._compilers:
+            import xgrammar as xgr
+
+            info, vocab, special = self._vocab
+            self._compilers[for_tags] = xgr.GrammarCompiler(
+                _tokens_without_text(info, vocab, set() if for_tags else special), max_threads=1, cache_enabled=False)
+        return self._compilers[for_tags]
 
     def prepare(self) -> None:
         """Reads the tokenizer's vocabulary into xgrammar (once); call it on the thread that owns the tokenizer."""
@@ -263,7 +273,7 @@ class GrammarCache:
                 self._cache.move_to_end(key)
                 self.num_hits += 1
                 return found[0]
-            compiler = self._xgr_compiler()
+            compiler = self._xgr_compiler(params.kind == "structural_tag")
         compiled = self._compile(compiler, params, self.ids_by_text)
         size = int(getattr(compiled, "memory_size_bytes", 0))
         with self._lock:
