@@ -179,6 +179,18 @@ def test_an_integer_bound_past_64_bits_is_refused_naming_the_limit(llm, schema, 
                                                                                        "minimum": 1e300})))
 
 
+@pytest.mark.parametrize("schema, values", [
+    ({"type": "integer", "enum": [1, 2], "maximum": 2**64}, {1, 2}),
+    ({"type": "integer", "const": 5, "minimum": -(2**70)}, {5}),
+])  # fmt: skip
+def test_an_integer_bound_past_64_bits_beside_its_values_compiles(llm, schema, values):
+    """Beside an enum or const the grammar follows the values, whatever the bound: xgrammar compiles such a
+    schema (was: refused as the bound past 64 bits). Truth: xgrammar compiles it, and the output is one of them."""
+    xgrammar.Grammar.from_json_schema(json.dumps(schema))
+    out = llm.generate(["x"], SamplingParams(max_tokens=8, structured_outputs=Grammar(json=schema)))[0].outputs[0]
+    assert out.finish_reason == "stop" and json.loads(out.text) in values, out.text
+
+
 # (schema, a document that breaks it): xgrammar 0.2.9 compiles each schema and its grammar accepts the document
 UNENFORCED = [
     ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, [1, 1], "uniqueItems"),
@@ -666,15 +678,24 @@ BAD_TAGS = [
         "type": "json_schema", "style": "gemma",
         "json_schema": {"type": "object", "properties": {"s": GEMMA_BOUNDED}}}}},
      "format.content.json_schema: 'minLength' / 'maxLength' is not enforced in style 'gemma'", False),
-    # a mended text xgrammar refuses for another reason than a TagDispatch it does not read back (a NUL exclude,
-    # which its EBNF ends at): named as itself (was: blamed on a free text whose exclude starts a trigger, or
-    # compiled from xgrammar's own grammar without the mends)
+    # a mended text xgrammar refuses for another reason than a TagDispatch it does not read back (an empty
+    # exclude): named as itself (was: blamed on a free text whose exclude starts a trigger, or compiled from
+    # xgrammar's own grammar without the mends)
     ({"type": "structural_tag", "format": {"type": "sequence", "elements": [
-        {"type": "any_text", "excludes": ["\u0000"]}, {"type": "json_schema", "json_schema": GEMMA_BOUNDED}]}},
+        {"type": "any_text", "excludes": [""]}, {"type": "json_schema", "json_schema": GEMMA_BOUNDED}]}},
      "invalid structural_tag: EBNF parser error", True),
     ({"type": "structural_tag", "format": {"type": "sequence", "elements": [
-        {"type": "any_text", "excludes": ["\u0000"]}, {"type": "const_string", "value": "!"}]}},
+        {"type": "any_text", "excludes": [""]}, {"type": "const_string", "value": "!"}]}},
      "Exclude must be a non-empty string literal", True),
+    # a NUL in the tag's own strings, where the grammar text xgrammar prints ends (was: const_string "a\0b"
+    # compiled as "a", a begin holding one took nothing, an exclude was xgrammar's EBNF error)
+    ({"type": "structural_tag", "format": {"type": "const_string", "value": "a\u0000b"}},
+     "format.value holds a NUL character (U+0000, at 1)", False),
+    ({"type": "structural_tag", "format": {"type": "tag", "begin": "<a\u0000", "content": {"type": "any_text"},
+                                           "end": "</a>"}}, "format.begin holds a NUL character (U+0000, at 2)", False),
+    ({"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "any_text", "excludes": ["x", "\u0000"]}, {"type": "const_string", "value": "!"}]}},
+     "format.elements[0].excludes[1] holds a NUL character", False),
     # a token named by a lone surrogate, which no token's text is (was: UnicodeEncodeError, naming no field)
     ({"type": "structural_tag", "format": {"type": "token", "token": "\ud800"}}, "invalid structural_tag", True),
     ({"type": "structural_tag", "format": {"type": "token_dispatch", "loop": False, "rules": [

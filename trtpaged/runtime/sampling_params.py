@@ -14,7 +14,7 @@ import numpy as np
 from trtpaged.errors import RequestError, check_unicode
 from trtpaged.runtime.outputs import RequestOutputKind
 from trtpaged.runtime.schema_features import subschemas
-from trtpaged.runtime.structural_tag import check_string_lengths, xgrammar_form
+from trtpaged.runtime.structural_tag import check_no_nul, check_string_lengths, xgrammar_form
 from trtpaged.sampling_defaults import FLOAT32_MAX, REPETITION_PENALTY_RANGE  # a model's defaults are held to them too
 
 _GREEDY_EPS = 1e-5  # temperatures below this sample greedily (as vLLM does)
@@ -332,6 +332,7 @@ def _checked_structural_tag(name: str, value: Any) -> tuple[str, tuple[tuple[str
         _check_schema_unicode(name, schema, where)
         _check_patterns(name, schema, where)
     check_string_lengths(name, tag["format"])
+    check_no_nul(name, tag["format"])
     return json.dumps(tag), tuple(schemas)
 
 

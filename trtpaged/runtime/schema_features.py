@@ -213,16 +213,17 @@ def _bound_past_float_range(node: dict) -> Optional[str]:
 
 def _integer_bound_past_int64(node: dict) -> Optional[str]:
     """An integer's bound outside the 64-bit range (an exclusive one at its end): the grammar compiler refuses it
-    as 'Integer exceeds maximum limit', naming neither the keyword nor the limit."""
+    as 'Integer exceeds maximum limit', naming neither the keyword nor the limit. Not beside an `enum` / `const`:
+    the grammar follows the values there, and compiles whatever the bound."""
     types = node.get("type")
-    if not (types == "integer" or isinstance(types, list) and "integer" in types):
+    if not (types == "integer" or isinstance(types, list) and "integer" in types) or "enum" in node or "const" in node:
         return None
     for keyword, low, high in (("minimum", _INT64_MIN, _INT64_MAX), ("maximum", _INT64_MIN, _INT64_MAX),
                                ("exclusiveMinimum", _INT64_MIN, _INT64_MAX - 1),
                                ("exclusiveMaximum", _INT64_MIN + 1, _INT64_MAX)):  # fmt: skip
         value = node.get(keyword)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and not low <= value <= high:
-            shown = value if isinstance(value, int) and abs(value) < 10**24 else f"{value:.6g}"
+            shown = value if isinstance(value, float) or abs(value) < 10**24 else f"{value:.6g}"  # a float exactly
             return f"'{keyword}' ({shown}) of an integer is outside the supported range {low} to {high}"
     return None
 

@@ -151,6 +151,24 @@ def schema_style(node: Mapping[str, Any]) -> Any:
 _UNBOUNDED_STRING_STYLES = ("gemma",)
 
 
+def check_no_nul(field: str, fmt: Any) -> None:
+    """Raises RequestError naming `field` and the place of a NUL character in a format tree's own strings (begin,
+    end, value, triggers, excludes, a regex or grammar; not its JSON schemas): the grammar text xgrammar prints ends
+    at a NUL, so `const_string "a\\0b"` compiled as "a" and a begin holding one took nothing."""
+    for where, node in _format_nodes(fmt):
+        for key, value in node.items():
+            if key == "json_schema":
+                continue
+            items = enumerate(value) if isinstance(value, list) else [(None, value)]
+            for i, text in items:
+                if not isinstance(text, str):
+                    continue
+                place = f"{where}.{key}" if i is None else f"{where}.{key}[{i}]"
+                if "\0" in text:
+                    raise RequestError(field, f"{place} holds a NUL character (U+0000, at {text.index(chr(0))}), "
+                                       "which the grammar engine cannot generate")  # fmt: skip
+
+
 def check_string_lengths(field: str, fmt: Any) -> None:
     """Raises RequestError naming `field` and the node's place where a json_schema node of a style whose strings
     take any length (`_UNBOUNDED_STRING_STYLES`) has a minLength or maxLength: refused with the request's other

@@ -169,8 +169,8 @@ def _tokens_without_text(info: Any, vocab: list[bytes], special: set[int]) -> An
 def tokens_by_id(tag: Mapping[str, Any], ids: dict[bytes, int]) -> Mapping[str, Any]:
     """Structural tag `tag` (xgrammar's form, parsed) with each token it names by a stop or special token's text
     (`ids`: text -> id; a `token`, `exclude_tokens`, `trigger_tokens`, a token_dispatch's rule) named by that id:
-    the compiler's vocabulary holds no text for those (`_tokens_without_text`), so xgrammar could not find them
-    there."""
+    the compilers' vocabularies hold no text for stop tokens, and the one for the other kinds none for special
+    tokens (`_tokens_without_text`), so xgrammar could not find them there by their text."""
 
     def by_id(name: Any) -> Any:
         return ids.get(name.encode("utf-8", "surrogatepass"), name) if isinstance(name, str) else name
