@@ -204,12 +204,17 @@ UNENFORCED = [
       "dependentRequired": {"a": ["b"]}}, {"a": 1}, "dependentRequired"),
     ({"type": "string", "pattern": "^a+$", "maxLength": 2}, "aaaa", "beside a pattern"),
     ({"type": "number", "multipleOf": 0.5}, 0.3, "multipleOf"),
+    ({"type": "integer", "multipleOf": 1025}, 3, "'multipleOf' (1025) of an integer is enforced only as a whole"),
+    ({"type": "integer", "multipleOf": 2.5}, 3, "'multipleOf' (2.5) of an integer"),
     ({"minimum": 5, "anyOf": [{"type": "integer"}, {"type": "null"}]}, 1, "beside anyOf (minimum)"),
     ({"anyOf": [{"maxLength": 2}, {"pattern": "^x"}]}, "hello", "without a 'type'"),
     ({"$defs": {"i": {"type": "integer"}}, "$ref": "#/$defs/i", "minimum": 5}, 1, "beside $ref (minimum)"),
     ({"$ref": "http://example.com/schema.json"}, None,
      "the JSON schema's $ref outside the schema ('http://example.com/schema.json') is not followed"),  # nothing checked
     ({"type": "object", "required": ["z"]}, {}, "required property 'z'"),
+    # a $ref to a place no schema keyword holds: xgrammar compiles its target, which was never checked
+    ({"type": "object", "properties": {"a": {"$ref": "#/x"}}, "required": ["a"],
+      "x": {"type": "string", "maxLength": 2, "pattern": "^a+$"}}, {"a": "aaaa"}, "format are not enforced (at #/x)"),
     ({"$defs": {"P": {"$anchor": "pp", "type": "boolean"}}, "type": "object", "properties": {"a": {"$ref": "#pp"}},
       "required": ["a"]}, {"a": "hello"}, "the JSON schema's $ref to an anchor ('#pp'), not a JSON pointer"),
     ({"$defs": {"I": {"$dynamicAnchor": "n", "type": "integer"}}, "type": "object",

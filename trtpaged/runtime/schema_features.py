@@ -98,6 +98,9 @@ def _node_feature(node: dict, root: Any) -> Optional[str]:
         return mismatch
     if "multipleOf" in node and node.get("type") != "integer":
         return "'multipleOf' is enforced on integers only"
+    if "multipleOf" in node and not _integer_multiple_enforced(node["multipleOf"]):
+        return (f"'multipleOf' ({node['multipleOf']!r:.40}) of an integer is enforced only as a whole number from 1 "
+                f"to {_MAX_MULTIPLE_OF} (xgrammar ignores another)")
     ref = node.get("$ref")
     if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
         if not ref.startswith("#"):
@@ -211,6 +214,19 @@ def _bound_past_float_range(node: dict) -> Optional[str]:
     return None
 
 
+_MAX_MULTIPLE_OF = 1024  # the largest integer multipleOf xgrammar 0.2.9 writes a grammar for
+
+
+def _integer_multiple_enforced(value: Any) -> bool:
+    """Whether an integer's `multipleOf` holds in xgrammar's grammar: a whole number up to _MAX_MULTIPLE_OF is
+    written; another is ignored (with a warning), which is right only where every integer is a multiple (0.5)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0 or not math.isfinite(value):
+        return True  # a value xgrammar refuses itself, naming it
+    if float(value).is_integer():
+        return value <= _MAX_MULTIPLE_OF
+    return (1 / value).is_integer()
+
+
 def _integer_bound_past_int64(node: dict) -> Optional[str]:
     """An integer's bound outside the 64-bit range (an exclusive one at its end): the grammar compiler refuses it
     as 'Integer exceeds maximum limit', naming neither the keyword nor the limit. Not beside an `enum` / `const`:
@@ -237,13 +253,18 @@ def _fits_float64(value: int | float) -> bool:
 
 def subschemas(schema: Any) -> Iterator[tuple[str, dict]]:
     """Every schema object in `schema` with its JSON pointer, depth first (the nesting is bounded by the caller):
-    the values of keywords that hold schemas, never those of `const`, `enum`, `default` or `examples`."""
-    todo = [("#", schema)]
+    the values of keywords that hold schemas, never those of `const`, `enum`, `default` or `examples`, and the
+    target of each local `$ref` wherever it is (`#/x`: xgrammar compiles it as a schema); each object once."""
+    todo, seen = [("#", schema)], set()
     while todo:
         path, node = todo.pop()
-        if not isinstance(node, dict):
+        if not isinstance(node, dict) or id(node) in seen:
             continue
+        seen.add(id(node))
         yield path, node
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/"):
+            todo.append((ref, _resolved({"$ref": ref}, schema)))
         for key in _SUBSCHEMA_MAPS:
             children = node.get(key)
             if isinstance(children, dict):
