@@ -103,6 +103,15 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return type(exc).__name__ == "OutOfMemoryError" or "out of memory" in text or "can't allocate memory" in text
 
 
+def check_no_nul(field: str, text: str, where: str) -> str:
+    """`text`, when a grammar can hold it: the grammar engine's regexes and EBNF strings end at a NUL (or read it
+    as nothing), so a choice or a structural tag's string holding one is refused, naming `where` it is."""
+    if "\0" in text:
+        raise RequestError(field, f"{where} holds a NUL character (U+0000, at {text.index(chr(0))}), which the "
+                           "grammar engine cannot generate")  # fmt: skip
+    return text
+
+
 def check_unicode(field: str, text: str, where: str = "") -> str:
     """`text`, when a tokenizer can take it: a str that encodes to UTF-8 (a lone surrogate, which a JSON `\\ud800`
     escape or a bad decode leaves, does not; the tokenizers library raises a bare TypeError on it). `where` (its

@@ -11,10 +11,10 @@ from typing import Any, Collection, Mapping, Optional, Union
 
 import numpy as np
 
-from trtpaged.errors import RequestError, check_unicode
+from trtpaged.errors import RequestError, check_no_nul, check_unicode
 from trtpaged.runtime.outputs import RequestOutputKind
 from trtpaged.runtime.schema_features import subschemas
-from trtpaged.runtime.structural_tag import check_no_nul, check_string_lengths, xgrammar_form
+from trtpaged.runtime.structural_tag import check_string_lengths, check_tag_strings, xgrammar_form
 from trtpaged.sampling_defaults import FLOAT32_MAX, REPETITION_PENALTY_RANGE  # a model's defaults are held to them too
 
 _GREEDY_EPS = 1e-5  # temperatures below this sample greedily (as vLLM does)
@@ -254,10 +254,8 @@ class StructuredOutputsParams:
             if sum(len(c) for c in choice) > MAX_GRAMMAR_CHARS:
                 raise RequestError(name, f"choices exceed {MAX_GRAMMAR_CHARS} characters in all", MAX_GRAMMAR_CHARS)
             for i, text in enumerate(choice):
-                check_unicode(name, text, f"choice[{i}]")
-                if "\0" in text:  # xgrammar's regexes and EBNF strings end at a NUL (or read it as nothing)
-                    raise RequestError(name, f"choice[{i}] holds a NUL character (U+0000, at {text.index(chr(0))}), "
-                                       "which the grammar engine cannot generate")  # fmt: skip
+                place = f"choice[{i}]"
+                check_no_nul(name, check_unicode(name, text, place), place)
             object.__setattr__(self, "choice", tuple(choice))
         if not isinstance(self.json_object, bool):
             raise RequestError(name, f"json_object must be a bool, got {self.json_object!r:.80}")
@@ -332,7 +330,7 @@ def _checked_structural_tag(name: str, value: Any) -> tuple[str, tuple[tuple[str
         _check_schema_unicode(name, schema, where)
         _check_patterns(name, schema, where)
     check_string_lengths(name, tag["format"])
-    check_no_nul(name, tag["format"])
+    check_tag_strings(name, tag["format"])
     return json.dumps(tag), tuple(schemas)
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Mapping
 
-from trtpaged.errors import RequestError
+from trtpaged.errors import RequestError, check_no_nul
 from trtpaged.json_input import json_kind
 from trtpaged.runtime.schema_features import has_string_length
 
@@ -151,7 +151,7 @@ def schema_style(node: Mapping[str, Any]) -> Any:
 _UNBOUNDED_STRING_STYLES = ("gemma",)
 
 
-def check_no_nul(field: str, fmt: Any) -> None:
+def check_tag_strings(field: str, fmt: Any) -> None:
     """Raises RequestError naming `field` and the place of a NUL character in a format tree's own strings (begin,
     end, value, triggers, excludes, a regex or grammar; not its JSON schemas): the grammar text xgrammar prints ends
     at a NUL, so `const_string "a\\0b"` compiled as "a" and a begin holding one took nothing."""
@@ -163,10 +163,7 @@ def check_no_nul(field: str, fmt: Any) -> None:
             for i, text in items:
                 if not isinstance(text, str):
                     continue
-                place = f"{where}.{key}" if i is None else f"{where}.{key}[{i}]"
-                if "\0" in text:
-                    raise RequestError(field, f"{place} holds a NUL character (U+0000, at {text.index(chr(0))}), "
-                                       "which the grammar engine cannot generate")  # fmt: skip
+                check_no_nul(field, text, f"{where}.{key}" if i is None else f"{where}.{key}[{i}]")
 
 
 def check_string_lengths(field: str, fmt: Any) -> None:
