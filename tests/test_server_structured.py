@@ -272,6 +272,12 @@ def test_a_refusal_renames_the_fields_it_names_but_not_the_values_it_quotes(serv
     ({"guided_choice": ["yes", "\u0000"]}, "guided_choice", "choice[1] holds a NUL character (U+0000"),
     ({"structured_outputs": {"choice": ["a\u0000b"]}}, "structured_outputs", "choice[0] holds a NUL character"),
     ({"guided_choice": ["\ud800"]}, "guided_choice", "choice[0]: not valid Unicode text"),
+    # a lone surrogate in a structural tag's own strings (was: xgrammar's 'Failed to parse JSON: syntax error')
+    ({"response_format": {"type": "structural_tag", "format": {"type": "tag", "begin": "\ud800", "content": {
+        "type": "any_text"}, "end": "x"}}}, "response_format.format", "format.begin: not valid Unicode text"),
+    ({"structured_outputs": {"structural_tag": json.dumps({"type": "structural_tag", "format": {
+        "type": "const_string", "value": "a\udc00"}})}}, "structured_outputs.structural_tag",
+     "format.value: not valid Unicode text"),
 ])  # fmt: skip
 def test_a_grammar_no_output_can_hold_is_refused_saying_why(server, extra, field, words):
     """A lone surrogate (sent as its JSON escape, the body valid JSON) in a schema's string or name: no output

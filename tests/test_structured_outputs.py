@@ -701,8 +701,23 @@ BAD_TAGS = [
     ({"type": "structural_tag", "format": {"type": "sequence", "elements": [
         {"type": "any_text", "excludes": ["x", "\u0000"]}, {"type": "const_string", "value": "!"}]}},
      "format.elements[0].excludes[1] holds a NUL character", False),
-    # a token named by a lone surrogate, which no token's text is (was: UnicodeEncodeError, naming no field)
-    ({"type": "structural_tag", "format": {"type": "token", "token": "\ud800"}}, "invalid structural_tag", True),
+    # a lone surrogate in the tag's own strings or names, which no output holds (was: xgrammar's 'Failed to parse
+    # JSON: syntax error' at compile, the JSON valid; a token named by one: UnicodeEncodeError, naming no field)
+    ({"type": "structural_tag", "format": {"type": "token", "token": "\ud800"}},
+     "format.token: not valid Unicode text", False),
+    ({"type": "structural_tag", "format": {"type": "tag", "begin": "\ud800", "content": {"type": "any_text"},
+                                           "end": "x"}}, "format.begin: not valid Unicode text", False),
+    ({"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "any_text", "excludes": ["x", "\udc00"]}, {"type": "const_string", "value": "!"}]}},
+     "format.elements[0].excludes[1]: not valid Unicode text", False),
+    ({"type": "structural_tag", "format": {"type": "const_string", "value": "a", "\ud800": 1}},
+     "format key '\\ud800': not valid Unicode text", False),
+    # the legacy form's strings named where they were given (was: as the triggered_tags it is read as)
+    ({**LEGACY_TAG, "structures": [{"begin": "<a\u0000", "schema": {}, "end": "x"}], "triggers": ["<a"]},
+     "structures[0].begin holds a NUL character (U+0000, at 2)", False),
+    ({**LEGACY_TAG, "structures": [{"begin": "<a", "schema": {}, "end": "\ud800"}], "triggers": ["<a"]},
+     "structures[0].end: not valid Unicode text", False),
+    ({**LEGACY_TAG, "triggers": ["<a", "\ud800"]}, "triggers[1]: not valid Unicode text", False),
     ({"type": "structural_tag", "format": {"type": "token_dispatch", "loop": False, "rules": [
         ["\ud800", {"type": "const_string", "value": "!"}]]}}, "invalid structural_tag", True),
 ]  # fmt: skip

@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Mapping
 
-from trtpaged.errors import RequestError, check_no_nul
+from trtpaged.errors import RequestError, check_no_nul, check_unicode
 from trtpaged.json_input import json_kind
 from trtpaged.runtime.schema_features import has_string_length
 
@@ -70,6 +70,8 @@ def _from_legacy(field: str, document: Mapping[str, Any]) -> tuple[dict[str, Any
     if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
         raise RequestError(field, "structural tag triggers: must be a non-empty list of non-empty strings (each "
                            f"structure's begin starts with one), got {triggers!r:.80}")  # fmt: skip
+    for i, trigger in enumerate(triggers):
+        _check_tag_string(field, trigger, f"triggers[{i}]")
     tags, schemas = [], []
     for i, item in enumerate(structures):
         where = f"structures[{i}]"
@@ -80,6 +82,8 @@ def _from_legacy(field: str, document: Mapping[str, Any]) -> tuple[dict[str, Any
         if not isinstance(begin, str) or not begin or not isinstance(end, str):
             raise RequestError(field, f"structural tag {where}: begin must be a non-empty string and end a string, "
                                f"got {begin!r:.40} and {end!r:.40}")  # fmt: skip
+        _check_tag_string(field, begin, f"{where}.begin")  # named as given, not as the triggered_tags below
+        _check_tag_string(field, end, f"{where}.end")
         if not isinstance(schema, (Mapping, bool)):
             raise RequestError(field, f"structural tag {where}.schema: must be a JSON schema (an object), got "
                                f"{json_kind(schema)}")  # fmt: skip
@@ -152,18 +156,25 @@ _UNBOUNDED_STRING_STYLES = ("gemma",)
 
 
 def check_tag_strings(field: str, fmt: Any) -> None:
-    """Raises RequestError naming `field` and the place of a NUL character in a format tree's own strings (begin,
-    end, value, triggers, excludes, a regex or grammar; not its JSON schemas): the grammar text xgrammar prints ends
-    at a NUL, so `const_string "a\\0b"` compiled as "a" and a begin holding one took nothing."""
+    """Raises RequestError naming `field` and the place of a NUL character or a lone surrogate in a format tree's
+    own strings (begin, end, value, triggers, excludes, a regex or grammar; not its JSON schemas) or a lone
+    surrogate in a node's key: the grammar text xgrammar prints ends at a NUL, so `const_string "a\\0b"` compiled
+    as "a" and a begin holding one took nothing; a surrogate, which no output holds, xgrammar took for malformed
+    JSON."""
     for where, node in _format_nodes(fmt):
         for key, value in node.items():
+            if isinstance(key, str):
+                check_unicode(field, key, f"{where} key {key!r:.40}")
             if key == "json_schema":
                 continue
             items = enumerate(value) if isinstance(value, list) else [(None, value)]
             for i, text in items:
-                if not isinstance(text, str):
-                    continue
-                check_no_nul(field, text, f"{where}.{key}" if i is None else f"{where}.{key}[{i}]")
+                if isinstance(text, str):
+                    _check_tag_string(field, text, f"{where}.{key}" if i is None else f"{where}.{key}[{i}]")
+
+
+def _check_tag_string(field: str, text: str, where: str) -> None:
+    check_no_nul(field, check_unicode(field, text, where), where)
 
 
 def check_string_lengths(field: str, fmt: Any) -> None:
