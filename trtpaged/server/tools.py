@@ -296,9 +296,18 @@ def shown_tools(tools: Optional[list[Any]], choice: Any = None) -> Optional[list
     """The tool definitions a chat template is shown, whatever tool_choice is ("none" too: OpenAI's meaning, vLLM's
     default), checked as a forced choice checks them; None without tools. `choice`, when given, is checked as chat
     checks it, but for whether this engine reads calls under "auto": the prompt is the same (/tokenize's)."""
-    if choice is not None:
-        tool_choice(tools, choice, AutoTools(REQUIRED))
-    return tool_choice(tools, "required").definitions if tools else None  # type: ignore[union-attr]
+    if choice is None and not tools:
+        return None
+    # one check of the tools and the choice ("required" for none given: every tool checked as a forced call)
+    tool_choice(tools, "required" if choice is None else choice, AutoTools(REQUIRED))
+    return _definitions(tools) if tools else None
+
+
+def _definitions(tools: list[Any]) -> list[dict[str, Any]]:
+    """The checked tools as the template is shown them: typed, as vLLM's model is; a key given as null left out, as
+    the template sees it absent."""
+    return [{**value, "type": "function", "function": {k: v for k, v in value["function"].items() if v is not None}}
+            for value in tools]  # fmt: skip
 
 
 def tool_choice(tools: Optional[list[Any]], choice: Any, auto: AutoTools = AutoTools(None, ""),
@@ -317,9 +326,7 @@ def tool_choice(tools: Optional[list[Any]], choice: Any, auto: AutoTools = AutoT
         if name in specs:
             raise ApiError(f"tools[{i}].function.name: {name!r} is defined twice", "tools")
         specs[name] = params
-    # typed for the template, as vLLM's model is; a key given as null is left out, as the template sees it absent
-    definitions = [{**value, "type": "function", "function": {k: v for k, v in value["function"].items()
-                                                              if v is not None}} for value in tools]  # fmt: skip
+    definitions = _definitions(tools)
     choice = "auto" if choice is None else choice
     allowed = _allowed_tools(choice, specs)
     if allowed is not None:  # the template is shown every tool; the calls are read (or forced) among these only
