@@ -326,28 +326,25 @@ class GrammarCache:
         document = json.loads(params.structural_tag_json)  # parsed once here, passed along
         given = tokens_by_id(document, token_ids)
         try:
+            grammar = mended_structural_tag_grammar(tag_formats_as_patterns(given))
+        except Exception:  # noqa: BLE001 - a tag xgrammar refuses (named below), or one that needs the vocabulary
+            grammar, why = None, "beside a token named by its text is not supported: name the token by its id"
+        if grammar is not None:
             try:
-                grammar = mended_structural_tag_grammar(tag_formats_as_patterns(given))
-            except Exception:  # noqa: BLE001 - a tag xgrammar refuses (named below), or one that needs the vocabulary
-                grammar, why = None, "beside a token named by its text is not supported: name the token by its id"
-            try:
-                if grammar is not None:
-                    return compiler.compile_grammar(grammar)
-            except Exception as exc:  # noqa: BLE001 - narrowed below
+                return compiler.compile_grammar(grammar)
+            except Exception as exc:  # noqa: BLE001 - narrowed here
                 if not _unread_tag_dispatch(grammar, exc):
-                    raise  # the tag's own fault: named as xgrammar names it (the mends kept)
+                    raise _tag_refused(params.origin, exc) from None  # named as xgrammar names it (the mends kept)
                 why = "is not supported beside a free text whose exclude starts a trigger"
-            # the tag as given: its patterns' stand-ins are written out only in the mended text
-            # raises xgrammar's reason for a tag it refuses
+        # the tag as given (its patterns' stand-ins are written out only in the mended text), where xgrammar names
+        # what it refuses
+        try:
             compiled = compiler.compile_structural_tag(json.dumps(given))
-            if not any(has_string_length(schema) for _, schema in params.structural_tag_schemas):
-                return compiled  # the classes and formats as xgrammar writes them
-            raise RequestError(params.origin, f"a JSON schema with minLength / maxLength {why}")
-        except RequestError:
-            raise
         except Exception as exc:  # noqa: BLE001 - whatever xgrammar raises for a tag is the request's fault
-            reason = _xgrammar_reason(exc).removeprefix("Invalid structural tag error: ")
-            raise RequestError(params.origin, f"invalid structural_tag: {reason}") from None
+            raise _tag_refused(params.origin, exc) from None
+        if not any(has_string_length(schema) for _, schema in params.structural_tag_schemas):
+            return compiled  # the classes and formats as xgrammar writes them
+        raise RequestError(params.origin, f"a JSON schema with minLength / maxLength {why}")
 
     def matcher(self, compiled: Any) -> Any:
         """A fresh matcher for one sequence."""
@@ -450,6 +447,15 @@ def _unread_tag_dispatch(grammar: str, exc: BaseException) -> bool:
     """Whether `exc` is xgrammar refusing to read back its own printed TagDispatch whose exclude starts a trigger
     (left in `grammar` as written past MAX_FREE_TEXT_STATES): a grammar text it prints and does not read."""
     return " ::= TagDispatch(" in grammar and _UNREAD_TAG_DISPATCH in str(exc)
+
+
+def _tag_refused(origin: str, exc: Exception) -> RequestError:
+    """What a structural tag's failed compile is answered with: a RequestError as raised, else what xgrammar
+    raised as the request's fault, named as xgrammar names it."""
+    if isinstance(exc, RequestError):
+        return exc
+    reason = _xgrammar_reason(exc).removeprefix("Invalid structural tag error: ")
+    return RequestError(origin, f"invalid structural_tag: {reason}")
 
 
 def _xgrammar_reason(exc: BaseException) -> str:
