@@ -215,6 +215,10 @@ UNENFORCED = [
     # a $ref to a place no schema keyword holds: xgrammar compiles its target, which was never checked
     ({"type": "object", "properties": {"a": {"$ref": "#/x"}}, "required": ["a"],
       "x": {"type": "string", "maxLength": 2, "pattern": "^a+$"}}, {"a": "aaaa"}, "format are not enforced (at #/x)"),
+    # ... and one into an array there (xgrammar resolves an index as RFC 6901 reads it; was: never checked)
+    ({"type": "object", "properties": {"a": {"$ref": "#/x/1"}}, "required": ["a"],
+      "x": [{}, {"type": "string", "maxLength": 2, "pattern": "^a+$"}]}, {"a": "aaaa"},
+     "format are not enforced (at #/x/1)"),
     ({"$defs": {"P": {"$anchor": "pp", "type": "boolean"}}, "type": "object", "properties": {"a": {"$ref": "#pp"}},
       "required": ["a"]}, {"a": "hello"}, "the JSON schema's $ref to an anchor ('#pp'), not a JSON pointer"),
     ({"$defs": {"I": {"$dynamicAnchor": "n", "type": "integer"}}, "type": "object",

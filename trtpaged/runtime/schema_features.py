@@ -292,8 +292,20 @@ def _resolved(node: Any, root: Any) -> Any:
             return None
         node = root
         for part in ref[1:].split("/")[1:] if ref != "#" else []:
-            part = part.replace("~1", "/").replace("~0", "~")
-            node = node.get(part) if isinstance(node, dict) else None
+            node = _pointer_step(node, part.replace("~1", "/").replace("~0", "~"))
+    return None
+
+
+def _pointer_step(node: Any, part: str) -> Any:
+    """A JSON pointer's step into `node` (RFC 6901, as xgrammar follows it): an object's member, or an array's
+    item by its index (digits, no leading zero); None where there is none."""
+    if isinstance(node, dict):
+        return node.get(part)
+    # no longer than the list's own length in digits: an index past it is none, however many digits it has
+    if isinstance(node, list) and part.isdecimal() and part.isascii() and (part == "0" or part[0] != "0") \
+            and len(part) <= len(str(len(node))):  # fmt: skip
+        index = int(part)
+        return node[index] if index < len(node) else None
     return None
 
 
