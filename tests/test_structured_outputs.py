@@ -756,7 +756,16 @@ def test_a_structural_tag_may_name_the_stop_token_by_its_text(llm, named):
      lambda text: jsonschema.validate(json.loads(text), {"properties": {"s": {"minLength": 8, "maxLength": 8}}})),
     (Grammar(json_object=True), lambda text: isinstance(json.loads(text), dict)),
     (Grammar(regex="[a-z<|>]{7}"), lambda text: re.fullmatch("[a-z<|>]{7}", text) or pytest.fail(text)),
-], ids=["json", "json_object", "regex"])  # fmt: skip
+    # a structural tag naming no special token by its text (was: compiled against the vocabulary that keeps their
+    # text, so {"s": "<|bos|>Q"} came out {"s": "Q"} and the regex's output empty)
+    (Grammar(structural_tag={"type": "structural_tag", "format": {"type": "tag", "begin": "<s>", "end": "</s>",
+        "content": {"type": "json_schema", "json_schema": {"type": "object", "properties": {"s": {
+            "type": "string", "minLength": 8, "maxLength": 8}}, "required": ["s"], "additionalProperties": False}}}}),
+     lambda text: jsonschema.validate(json.loads(text.removeprefix("<s>").removesuffix("</s>")),
+                                      {"properties": {"s": {"minLength": 8, "maxLength": 8}}})),
+    (Grammar(structural_tag={"type": "structural_tag", "format": {"type": "regex", "pattern": "[a-z<|>]{7}"}}),
+     lambda text: re.fullmatch("[a-z<|>]{7}", text) or pytest.fail(text)),
+], ids=["json", "json_object", "regex", "tag-json", "tag-regex"])  # fmt: skip
 def test_a_special_token_is_never_taken_as_its_text(llm, grammar, conforms):
     """xgrammar found no special token in the vocabulary (its special_token_ids is empty for the tiny model and
     SmolLM2) and took `<|pad|>` as its 7 characters inside a JSON string or a regex; the output's decode drops it

@@ -155,22 +155,35 @@ def schema_style(node: Mapping[str, Any]) -> Any:
 _UNBOUNDED_STRING_STYLES = ("gemma",)
 
 
-def check_tag_strings(field: str, fmt: Any) -> None:
-    """Raises RequestError naming `field` and the place of a NUL character or a lone surrogate in a format tree's
-    own strings (begin, end, value, triggers, excludes, a regex or grammar; not its JSON schemas) or a lone
-    surrogate in a node's key: the grammar text xgrammar prints ends at a NUL, so `const_string "a\\0b"` compiled
-    as "a" and a begin holding one took nothing; a surrogate, which no output holds, xgrammar took for malformed
-    JSON."""
+def tag_strings(fmt: Any) -> list[str]:
+    """A format tree's own strings (begin, end, value, triggers, excludes, a regex or grammar, a token's text; not
+    its JSON schemas, nor its keys)."""
+    return [text for _, text in _tag_strings(fmt)]
+
+
+def _tag_strings(fmt: Any) -> list[tuple[str, str]]:
+    """(place, string) for each of a format tree's own strings (`tag_strings`), in document order."""
+    found = []
     for where, node in _format_nodes(fmt):
         for key, value in node.items():
+            if key != "json_schema":
+                items = enumerate(value) if isinstance(value, list) else [(None, value)]
+                found.extend((f"{where}.{key}" if i is None else f"{where}.{key}[{i}]", text)
+                             for i, text in items if isinstance(text, str))  # fmt: skip
+    return found
+
+
+def check_tag_strings(field: str, fmt: Any) -> None:
+    """Raises RequestError naming `field` and the place of a NUL character or a lone surrogate in a format tree's
+    own strings (`tag_strings`) or a lone surrogate in a node's key: the grammar text xgrammar prints ends at a
+    NUL, so `const_string "a\\0b"` compiled as "a" and a begin holding one took nothing; a surrogate, which no
+    output holds, xgrammar took for malformed JSON."""
+    for where, node in _format_nodes(fmt):
+        for key in node:
             if isinstance(key, str):
                 check_unicode(field, key, f"{where} key {key!r:.40}")
-            if key == "json_schema":
-                continue
-            items = enumerate(value) if isinstance(value, list) else [(None, value)]
-            for i, text in items:
-                if isinstance(text, str):
-                    _check_tag_string(field, text, f"{where}.{key}" if i is None else f"{where}.{key}[{i}]")
+    for where, text in _tag_strings(fmt):
+        _check_tag_string(field, text, where)
 
 
 def _check_tag_string(field: str, text: str, where: str) -> None:

@@ -27,7 +27,7 @@ from trtpaged.runtime.grammar_text import with_free_text_written_out, with_regex
 from trtpaged.runtime.sampling_params import StructuredOutputsParams
 from trtpaged.runtime.schema_features import has_string_length, subschemas, unenforced_feature
 from trtpaged.runtime.schema_formats import FORMAT_PATTERNS, formats_as_patterns
-from trtpaged.runtime.structural_tag import schema_nodes, schema_style
+from trtpaged.runtime.structural_tag import schema_nodes, schema_style, tag_strings
 
 DEFAULT_CACHE_SIZE = 256  # distinct compiled grammars kept
 # and their memory (xgrammar's memory_size_bytes): a 64 KiB schema compiles to up to about 5 MB for a 49k vocabulary,
@@ -232,10 +232,11 @@ class GrammarCache:
         self.num_hits = 0
 
     def _xgr_compiler(self, for_tags: bool = False) -> Any:
-        """The compiler of structural tags (`for_tags`) or of the other kinds. For the others a special token has no
-        text (`_tokens_without_text`): none is taken as its text inside a JSON string or a regex. A structural tag's
-        begin, end or trigger is often a special token's text (`<|python_tag|>`, `[TOOL_CALLS]`), which the model
-        writes as that token: there it keeps its text, as xgrammar (and vLLM) read it."""
+        """The compiler of structural tags that name a special token by its text (`for_tags`) or of the rest. For
+        the rest a special token has no text (`_tokens_without_text`): none is taken as its text inside a JSON
+        string or a regex. A structural tag's begin, end or trigger is often a special token's text
+        (`<|python_tag|>`, `[TOOL_CALLS]`), which the model writes as that token: there it keeps its text, as
+        xgrammar (and vLLM) read it (and so a JSON string or regex in that tag may take one as its text too)."""
         if self._vocab is None:
             try:
                 import xgrammar as xgr
@@ -259,6 +260,16 @@ class GrammarCache:
                 _tokens_without_text(info, vocab, set() if for_tags else special), max_threads=1, cache_enabled=False)
         return self._compilers[for_tags]
 
+    def _names_special_text(self, params: StructuredOutputsParams) -> bool:
+        """Whether a structural tag's own strings (its begin, end, triggers, values: `tag_strings`) hold a special
+        token's text, so that it compiles against the vocabulary that keeps that text (`_xgr_compiler`)."""
+        if self._vocab is None:
+            self._xgr_compiler()  # reads the vocabulary
+        _, vocab, special = self._vocab
+        texts = [vocab[i].decode("utf-8", "replace") for i in special if i < len(vocab) and vocab[i]]
+        strings = tag_strings(json.loads(params.structural_tag_json)["format"]) if texts else []
+        return any(text in string for string in strings for text in texts)
+
     def prepare(self) -> None:
         """Reads the tokenizer's vocabulary into xgrammar (once); call it on the thread that owns the tokenizer."""
         with self._lock:
@@ -273,7 +284,7 @@ class GrammarCache:
                 self._cache.move_to_end(key)
                 self.num_hits += 1
                 return found[0]
-            compiler = self._xgr_compiler(params.kind == "structural_tag")
+            compiler = self._xgr_compiler(params.kind == "structural_tag" and self._names_special_text(params))
         compiled = self._compile(compiler, params, self.ids_by_text)
         size = int(getattr(compiled, "memory_size_bytes", 0))
         with self._lock:
