@@ -832,6 +832,18 @@ def test_a_stray_json_schema_beside_a_tags_keys_is_not_the_nodes_schema(llm, fmt
     assert _is_grammar_accept_string(xgrammar.Grammar.from_structural_tag(json.dumps(tag)), out.text)
 
 
+def test_a_grammar_holding_a_nul_is_refused_naming_it(llm):
+    """xgrammar's EBNF parser ends the text at a NUL: `root ::= "ab" <NUL> "cd"` compiled as `root ::= "ab"`, the
+    rest dropped without a word, and the output finished "stop" as ab. Truth: xgrammar's own reading of both texts.
+    Refused when the params are made, naming the field and where the NUL is."""
+    text = 'root ::= "ab" \u0000 "cd"'
+    assert str(xgrammar.Grammar.from_ebnf(text)) == str(xgrammar.Grammar.from_ebnf('root ::= "ab"'))
+    with pytest.raises(RequestError) as info:
+        Grammar(grammar=text, origin="guided_grammar")
+    assert info.value.field == "guided_grammar", info.value
+    assert "grammar holds a NUL character (U+0000, at 14)" in str(info.value), str(info.value)
+
+
 @pytest.mark.parametrize("tag, words, compiled", BAD_TAGS, ids=[c[1][:40] for c in BAD_TAGS])
 def test_a_bad_structural_tag_is_refused_naming_the_field(llm, tag, words, compiled):
     """Refused with a RequestError naming the field that carried it and why (xgrammar's reason where it is the

@@ -247,6 +247,8 @@ class StructuredOutputsParams:
             if value is not None and len(value) > MAX_GRAMMAR_CHARS:
                 raise RequestError(name, f"{kind} of {len(value)} characters exceeds {MAX_GRAMMAR_CHARS}",
                                    MAX_GRAMMAR_CHARS)
+        if self.grammar is not None:  # xgrammar's EBNF parser ends the text at a NUL, dropping the rest unread
+            check_no_nul(name, self.grammar, "grammar")
         if self.choice is not None:
             choice = self.choice
             if not isinstance(choice, (list, tuple)) or not choice or not all(isinstance(c, str) and c for c in choice):
