@@ -206,6 +206,8 @@ UNENFORCED = [
     ({"type": "number", "multipleOf": 0.5}, 0.3, "multipleOf"),
     ({"type": "integer", "multipleOf": 1025}, 3, "'multipleOf' (1025) of an integer is enforced only as a whole"),
     ({"type": "integer", "multipleOf": 2.5}, 3, "'multipleOf' (2.5) of an integer"),
+    ({"type": ["integer", "number"], "multipleOf": 5}, 3, "'multipleOf' is enforced on integers only"),
+    ({"type": ["integer", "null"], "multipleOf": 1025}, 3, "'multipleOf' (1025) of an integer"),
     ({"minimum": 5, "anyOf": [{"type": "integer"}, {"type": "null"}]}, 1, "beside anyOf (minimum)"),
     ({"anyOf": [{"maxLength": 2}, {"pattern": "^x"}]}, "hello", "without a 'type'"),
     ({"$defs": {"i": {"type": "integer"}}, "$ref": "#/$defs/i", "minimum": 5}, 1, "beside $ref (minimum)"),
@@ -314,6 +316,10 @@ ENFORCED = [
      '{"a1": "x"}'),  # no property that a pattern matches
     ({"type": "object", "properties": {"name": {"type": "string", "description": "who"}}, "required": ["name"],
       "patternProperties": {"^[a-z]+$": {"type": "string"}}}, '{"name": 1}'),  # a pattern whose schema is the same
+    # a nullable integer's multipleOf (zod-to-json-schema's .int().multipleOf(5).nullable(); was: refused as
+    # enforced on integers only)
+    ({"type": ["integer", "null"], "multipleOf": 5}, "3"),
+    ({"type": ["string", "integer"], "multipleOf": 5}, "3"),
 ]  # fmt: skip
 
 

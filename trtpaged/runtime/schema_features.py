@@ -96,7 +96,7 @@ def _node_feature(node: dict, root: Any) -> Optional[str]:
                 or _value_breaking_constraints(node, root))
     if mismatch is not None:
         return mismatch
-    if "multipleOf" in node and node.get("type") != "integer":
+    if "multipleOf" in node and not _numbers_are_integers(node.get("type")):
         return "'multipleOf' is enforced on integers only"
     if "multipleOf" in node and not _integer_multiple_enforced(node["multipleOf"]):
         return (f"'multipleOf' ({node['multipleOf']!r:.40}) of an integer is enforced only as a whole number from 1 "
@@ -212,6 +212,14 @@ def _bound_past_float_range(node: dict) -> Optional[str]:
             shown = f"a {len(str(abs(value)))}-digit integer" if isinstance(value, int) else str(value)
             return f"'{keyword}' ({shown}) is past the float64 range (+-{sys.float_info.max:.4g})"
     return None
+
+
+def _numbers_are_integers(types: Any) -> bool:
+    """Whether a schema's `type` lets integers but no other numbers through: "integer", or a list of types holding
+    "integer" and not "number" (["integer", "null"]: zod's nullable integer), where xgrammar writes the integer's
+    multipleOf (the other types have none)."""
+    types = [types] if isinstance(types, str) else types
+    return isinstance(types, list) and "integer" in types and "number" not in types
 
 
 _MAX_MULTIPLE_OF = 1024  # the largest integer multipleOf xgrammar 0.2.9 writes a grammar for
