@@ -402,8 +402,9 @@ def test_vllms_plumbing_fields_are_taken_when_they_ask_nothing_and_refused_namin
 
 def test_structured_outputs_options_are_checked_beside_its_grammar(server):
     """vLLM's options in structured_outputs reach the grammar's own checks (were dropped unread: a whitespace_pattern,
-    refused as guided_whitespace_pattern, ran without it, and disable_any_whitespace: "yes" was taken); true or
-    false they change nothing, as documented: the answer is the one without them."""
+    refused as guided_whitespace_pattern, ran without it, and disable_any_whitespace: "yes" was taken), and an unknown
+    key's refusal lists them beside the grammar keys; true or false they change nothing, as documented: the answer is
+    the one without them."""
     def ask(**options):
         return request(server, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 12,
                                                         "temperature": 0, "structured_outputs": {
@@ -411,7 +412,10 @@ def test_structured_outputs_options_are_checked_beside_its_grammar(server):
 
     for options, words in (({"whitespace_pattern": " "}, "whitespace_pattern: not supported"),
                            ({"disable_any_whitespace": "yes"}, "disable_any_whitespace: must be true or false"),
-                           ({"disable_fallback": 1}, "disable_fallback: must be true or false")):  # fmt: skip
+                           ({"disable_fallback": 1}, "disable_fallback: must be true or false"),
+                           ({"backend": "x"}, "unknown keys ['backend'] (use one of json, regex, choice, grammar, "
+                            "json_object, structural_tag; options beside it: disable_fallback, disable_any_whitespace, "
+                            "disable_additional_properties, whitespace_pattern)")):  # fmt: skip
         status, _, body = ask(**options)
         assert status == 400 and body["error"]["param"].startswith("structured_outputs"), body
         assert words in body["error"]["message"], body

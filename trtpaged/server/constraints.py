@@ -117,8 +117,8 @@ def _json_schema(spec: Any) -> Any:
 def _structured_outputs(value: dict[str, Any]) -> StructuredOutputsParams:
     extra = set(value) - set(_STRUCTURED_KEYS) - set(_STRUCTURED_OPTIONS)
     if extra:
-        raise ApiError(f"structured_outputs: unknown keys {sorted(extra)} (use one of {', '.join(_STRUCTURED_KEYS)})",
-                       "structured_outputs")  # fmt: skip
+        raise ApiError(f"structured_outputs: unknown keys {sorted(extra)} (use one of {', '.join(_STRUCTURED_KEYS)}; "
+                       f"options beside it: {', '.join(_STRUCTURED_OPTIONS)})", "structured_outputs")  # fmt: skip
     given = {k: value[k] for k in _STRUCTURED_KEYS if value.get(k) not in (None, False)}
     origin = "structured_outputs.structural_tag" if list(given) == ["structural_tag"] else "structured_outputs"
     # the options go along to be checked there (were dropped here: whitespace_pattern, refused there, ran without it)
