@@ -240,6 +240,40 @@ def _counted_and_answered_as(client, llm, messages: list[dict], chat: list[dict]
     assert text and text == want.text[:len(text)]
 
 
+# a template that writes each tool as JSON, as Qwen's, Hermes' and Llama 3.1's do (`tool | tojson`)
+JSON_TOOLS_TEMPLATE = ("{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}{% for m in messages %}<|bos|>"
+                       "{{ m.role }}\n{{ m.content }}<|eos|>\n{% endfor %}{% if add_generation_prompt %}<|bos|>"
+                       "assistant\n{% endif %}")  # fmt: skip
+
+
+def test_a_tool_reaches_a_json_writing_template_as_the_chat_requests_tool(tiny_engine_dir, llm, tmp_path):
+    """A Messages tool is the chat tool {name, description, parameters} in that order (OpenAI's, and vLLM's
+    translation): under a template that writes tools as JSON the prompt is the chat request's token for token (the
+    request log's prompt ids, and the conversation rendered by hand with CHAT_TOOLS). It was written {name,
+    parameters, description}: the same count of tokens, another prompt, another greedy answer."""
+    from runtime_helpers import openai_client
+
+    log = tmp_path / "requests.jsonl"
+    handle = start_server(tiny_engine_dir, port=0, served_model_name=MODEL, device="cpu",
+                          chat_template=JSON_TOOLS_TEMPLATE,
+                          options=ServerOptions(request_log=str(log), request_log_prompts=True))  # fmt: skip
+    try:
+        chat = [{"role": "user", "content": "Weather in Paris?"}]
+        text = chat_prompt_text(llm.tokenizer, chat, CHAT_TOOLS, chat_template=JSON_TOOLS_TEMPLATE)
+        want = llm.tokenizer.encode(text, add_special_tokens=False)
+        msg = anthropic.Anthropic(base_url=handle.url, api_key="x", max_retries=0).messages.create(
+            model=MODEL, max_tokens=4, messages=chat, tools=TOOLS, tool_choice={"type": "none"}, extra_body=GREEDY)
+        answer = openai_client(handle.url, "x").chat.completions.create(
+            model=MODEL, max_tokens=4, messages=chat, tools=CHAT_TOOLS, tool_choice="none", temperature=0)
+        deadline = time.monotonic() + 20
+        while len(lines := log.read_text().splitlines() if log.exists() else []) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [json.loads(line)["prompt_token_ids"] for line in lines] == [want, want]
+        assert "".join(b.text for b in msg.content if b.type == "text") == answer.choices[0].message.content
+    finally:
+        handle.shutdown(timeout=0)
+
+
 def test_thinking_sets_the_templates_switch(client, llm):
     """thinking disabled / enabled is the template's enable_thinking (Qwen3's switch), counted as rendered; an
     assistant's thinking block is its reasoning; the request's own chat_template_kwargs win."""

@@ -331,12 +331,15 @@ def _tool(index: int, tool: Any) -> dict[str, Any]:
     if not isinstance(schema, dict) or schema.get("type", "object") != "object":
         raise ApiError(f"{where}.input_schema: must be a JSON schema of an object ({{'type': 'object', ...}})",
                        "tools")  # fmt: skip
-    function: dict[str, Any] = {"name": name, "parameters": {"type": "object", **schema}}
+    function: dict[str, Any] = {"name": name}
     description = tool.get("description")
     if description is not None:  # the model reads it: one of another type is refused, not dropped unread
         if not isinstance(description, str):
             raise ApiError(f"{where}.description: must be a string, got {type(description).__name__}", "tools")
         function["description"] = _unicode(description, f"{where}.description", "tools")
+    # after the description: a template that writes a tool as JSON (`tool | tojson`) writes its keys in this order,
+    # which is OpenAI's and vLLM's (name, description, parameters), so the prompt is the chat request's
+    function["parameters"] = {"type": "object", **schema}
     return {"type": "function", "function": function}
 
 
