@@ -498,6 +498,48 @@ def test_a_tool_definition_no_template_can_take_is_refused_naming_where(server):
     assert request(server, "/tokenize", {"model": MODEL, "messages": messages, "tools": tools})[0] == 200
     wait_idle(server)
 
+# a template that writes each tool as JSON, as Qwen's, Hermes' and Llama 3.1's do (`tool | tojson`)
+JSON_TOOLS_TEMPLATE = ("{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}{% for m in messages %}<|bos|>"
+                       "{{ m.role }}\n{{ m.content }}<|eos|>\n{% endfor %}{% if add_generation_prompt %}<|bos|>"
+                       "assistant\n{% endif %}")  # fmt: skip
+
+
+def test_a_tool_reaches_a_json_writing_template_in_vllms_key_order(tools_engine_dir):
+    """A tool's keys reach the template in the order of vLLM's model ({type, function: {name, description,
+    parameters, strict}}), whatever order the client wrote: the openai SDK's pydantic_function_tool writes {name,
+    strict, parameters, description}, which a template writing tools as JSON wrote as sent (was: another prompt
+    than vLLM's for the same request). Truth: transformers' template rendering of the tool written in that order."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tools_engine_dir / "tokenizer"))
+    params = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    sdk = openai.pydantic_function_tool  # the order this client writes, checked below
+    pydantic = pytest.importorskip("pydantic")
+
+    class _Weather(pydantic.BaseModel):
+        """Weather in a city"""
+
+        city: str
+
+    sent = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": params,
+                                             "description": "Weather in a city"}}  # fmt: skip
+    typed = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                              "parameters": params, "strict": True}}  # fmt: skip
+    assert list(sdk(_Weather)["function"]) == ["name", "strict", "parameters", "description"]
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    text = tok.apply_chat_template(messages, tools=[typed], chat_template=JSON_TOOLS_TEMPLATE, tokenize=False,
+                                   add_generation_prompt=True)  # fmt: skip
+    assert text.index('"description"') < text.index('"parameters"') < text.index('"strict"')
+    truth = tok.encode(text, add_special_tokens=False)
+    handle = start_server(tools_engine_dir, port=0, served_model_name=MODEL, device="cpu",
+                          chat_template=JSON_TOOLS_TEMPLATE)  # fmt: skip
+    try:
+        status, _, out = request(handle, "/tokenize", {"model": MODEL, "messages": messages, "tools": [sent]})
+        assert status == 200 and out["tokens"] == truth, out
+    finally:
+        handle.shutdown(timeout=0)
+
+
 def test_tokenize_takes_chats_tool_choice_and_counts_the_chat_prompt(client, server):
     """/tokenize with tools and any tool_choice chat takes (with parallel_tool_calls): its tokens are the prompt
     tokens the chat completion of the same messages, tools and tool_choice reports (vLLM's return_token_ids) and

@@ -25,6 +25,7 @@ from trtpaged.server.tool_parsers import Call, CallReader, Content, Event, call_
 
 OPENAI_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 MAX_TOOLS = 128
+_FUNCTION_KEYS = ("name", "description", "parameters")  # a function's keys in vLLM's model order (strict after them)
 
 
 # Chat-template text that shows which format the model writes calls in (the template's own instructions or its
@@ -102,7 +103,7 @@ class ToolChoice:
     read by the model's format, else "required"."""
 
     tools: dict[str, dict[str, Any]]  # name -> its parameters schema
-    definitions: list[dict[str, Any]]  # the tools as given (for the chat template)
+    definitions: list[dict[str, Any]]  # the tools as the chat template gets them (_definition)
     named: Optional[str] = None
     auto: Optional[Format] = None
     parallel: bool = True  # parallel_tool_calls: false: "required" makes exactly one call, auto keeps the first
@@ -193,7 +194,7 @@ def _tool(index: int, value: Any) -> tuple[str, dict[str, Any]]:
     fn = value["function"]
     # cache_control: Anthropic's prompt-cache hint, which LiteLLM puts on tools too (the prefix cache is automatic)
     for at, keys, allowed in ((where, value, {"type", "function", "cache_control"}),
-                              (f"{where}.function", fn, {"name", "description", "parameters", "strict"})):
+                              (f"{where}.function", fn, {*_FUNCTION_KEYS, "strict"})):
         extra = set(keys) - allowed
         if extra:
             raise ApiError(f"{at}: unknown keys {sorted(extra)!r:.120}", "tools")
@@ -216,6 +217,17 @@ def _tool(index: int, value: Any) -> tuple[str, dict[str, Any]]:
     if "type" not in params and not any(k in params for k in ("$ref", "anyOf", "oneOf", "allOf", "enum", "const")):
         params = {**params, "type": "object"}  # `{}` (no constraint) is an object of any properties here
     return name, params
+
+
+def _definition(value: dict[str, Any]) -> dict[str, Any]:
+    """A checked tool as the template gets it, typed as vLLM's model gives it: {type, function} with the function's
+    keys in the model's order (name, description, parameters, then strict), whatever order the client wrote them in
+    (the openai SDK's pydantic_function_tool writes name, strict, parameters, description); a template that writes
+    a tool as JSON (`tool | tojson`) writes them so. A key given as null is left out, as the template sees it absent."""
+    fn = value["function"]
+    keys = [*_FUNCTION_KEYS, *(k for k in fn if k not in _FUNCTION_KEYS)]
+    rest = {k: v for k, v in value.items() if k not in ("type", "function")}
+    return {"type": "function", "function": {k: fn[k] for k in keys if fn.get(k) is not None}, **rest}
 
 
 def _check_text(where: str, value: Any) -> None:
@@ -300,14 +312,7 @@ def shown_tools(tools: Optional[list[Any]], choice: Any = None) -> Optional[list
         return None
     # one check of the tools and the choice ("required" for none given: every tool checked as a forced call)
     tool_choice(tools, "required" if choice is None else choice, AutoTools(REQUIRED))
-    return _definitions(tools) if tools else None
-
-
-def _definitions(tools: list[Any]) -> list[dict[str, Any]]:
-    """The checked tools as the template is shown them: typed, as vLLM's model is; a key given as null left out, as
-    the template sees it absent."""
-    return [{**value, "type": "function", "function": {k: v for k, v in value["function"].items() if v is not None}}
-            for value in tools]  # fmt: skip
+    return [_definition(value) for value in tools] if tools else None
 
 
 def tool_choice(tools: Optional[list[Any]], choice: Any, auto: AutoTools = AutoTools(None, ""),
@@ -326,7 +331,7 @@ def tool_choice(tools: Optional[list[Any]], choice: Any, auto: AutoTools = AutoT
         if name in specs:
             raise ApiError(f"tools[{i}].function.name: {name!r} is defined twice", "tools")
         specs[name] = params
-    definitions = _definitions(tools)
+    definitions = [_definition(value) for value in tools]
     choice = "auto" if choice is None else choice
     allowed = _allowed_tools(choice, specs)
     if allowed is not None:  # the template is shown every tool; the calls are read (or forced) among these only
