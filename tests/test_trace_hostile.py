@@ -187,6 +187,33 @@ def test_a_compressed_trace_is_named_as_one(tiny_engine_dir, tmp_path, name, com
     assert result.exit_code == 0, result.output
 
 
+
+FORM_OPTIONS = {"trace.jsonl": ["--step-time", "0.01"], "sharegpt.json": ["--num-requests", "2"],
+                "trace.csv": ["--step-time", "0.01"]}  # the option a user gives each form (COMPRESSED's)
+
+
+@pytest.mark.parametrize("name", list(COMPRESSED))
+def test_a_compressed_trace_is_named_as_one_beside_its_forms_option(tiny_engine_dir, tmp_path, name):
+    """With the option its form takes (--step-time for a Mooncake or Azure trace, --num-requests for ShareGPT), a
+    gzip'd trace was refused for that option ("--step-time: ... --trace trace.csv.gz has none", "--num-requests:
+    synthetic workload options"): the form is told by a first line a compressed file does not have in text. It is
+    named as compressed, as without the option; the decompressed file takes the option."""
+    import gzip
+
+    path = tmp_path / (name + ".gz")
+    path.write_bytes(gzip.compress(COMPRESSED[name]))
+    memory = ["bench", "memory", str(tiny_engine_dir), "--num-kv-blocks", "64", *FORM_OPTIONS[name]]
+    commands = [memory]
+    if name == "sharegpt.json":  # throughput takes --num-requests with a ShareGPT trace alone
+        commands.append(["bench", "throughput", str(tiny_engine_dir), "--baseline", "none", *FORM_OPTIONS[name]])
+    for args in commands:
+        one_line_failure(CliRunner().invoke(main, [*args, "--trace", str(path)]), f"{name}.gz: a gzip-compressed "
+                         f"file, not UTF-8 text (invalid start byte at byte 1): decompress it first (gunzip {path})")
+    (tmp_path / name).write_bytes(gzip.decompress(path.read_bytes()))
+    result = CliRunner().invoke(main, [*memory, "--trace", str(tmp_path / name)])
+    assert result.exit_code == 0, result.output
+
+
 SHAREGPT_ENTRY = {"id": "a", "conversations": [{"from": "human", "value": "hello there, friend"},
                                                {"from": "gpt", "value": "hello to you as well"}]}
 # TensorRT-LLM's prepare_dataset.py --output (its C++ benchmark's workload); --stdout writes the requests as lines

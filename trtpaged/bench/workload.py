@@ -187,6 +187,21 @@ _NOT_UTF8 = (
 )
 
 
+def refuse_packed(path: str | Path) -> None:
+    """ValueError (`not_utf8`'s, naming what the file is and the command that gives its text) when `path` opens as a
+    compressed file or UTF-16 text. The commands call it before a trace's form decides which of their options apply:
+    a packed file has no first line to tell its form by, and an option refused for a form it is not (`--step-time`
+    given with a gzip'd Mooncake trace: "has none") hid what was wrong."""
+    with open(path, "rb") as f:
+        head = f.read(1 << 16)
+    if not any(head.startswith(magic) for magic, _, _ in _NOT_UTF8):
+        return
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head)  # a character cut at the read's end is no error
+    except UnicodeDecodeError:
+        raise not_utf8(path, "a trace's text (JSON Lines, a CSV trace or a ShareGPT JSON array)") from None
+
+
 def not_utf8(path: str | Path, expected: str) -> ValueError:
     """The error for a trace file that is not UTF-8 text, naming the first byte that is not and what was `expected`;
     a compressed or UTF-16 file is named as one, with the command that gives its UTF-8 text (no reader decompresses

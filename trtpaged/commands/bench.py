@@ -182,7 +182,7 @@ def memory(ctx, engine, trace, step_time, num_requests, prompt_len, output_len, 
     from trtpaged.bench.sharegpt import is_sharegpt
     from trtpaged.bench.timed_trace import timed_form
     from trtpaged.bench.trtllm_dataset import is_trtllm_dataset
-    from trtpaged.bench.workload import PRESETS, load_trace_with_sharing, parse_range, synthetic_trace
+    from trtpaged.bench.workload import PRESETS, load_trace_with_sharing, parse_range, refuse_packed, synthetic_trace
 
     defaults = {"num_kv_blocks": 1456, "block_size": DEFAULT_BLOCK_SIZE, "max_seq_len": 2048, "max_batch_size": 256,
                 "max_num_tokens": 2048}  # fmt: skip
@@ -214,6 +214,8 @@ def memory(ctx, engine, trace, step_time, num_requests, prompt_len, output_len, 
         given = {"num_kv_blocks": num_kv_blocks, "block_size": block_size, "max_seq_len": max_seq_len,
                  "max_batch_size": max_batch_size, "max_num_tokens": max_num_tokens}  # fmt: skip
         budget = Budget(**{k: v if v is not None else defaults[k] for k, v in given.items()})
+        if trace:
+            refuse_packed(trace)
         sharegpt = bool(trace) and is_sharegpt(trace)
         timed = bool(trace) and not sharegpt and timed_form(trace)
         if step_time is not None and not timed:
@@ -567,7 +569,7 @@ def serve(base_url, trace, num_requests, prompt_len, output_len, request_rate, m
     from trtpaged.bench.sharegpt import is_sharegpt
     from trtpaged.bench.timed_trace import timed_form
     from trtpaged.bench.trtllm_dataset import is_trtllm_dataset
-    from trtpaged.bench.workload import load_trace, parse_range, synthetic_trace
+    from trtpaged.bench.workload import load_trace, parse_range, refuse_packed, synthetic_trace
 
     arrivals = None
     try:
@@ -577,6 +579,8 @@ def serve(base_url, trace, num_requests, prompt_len, output_len, request_rate, m
             raise ValueError(f"--request-rate: must be > 0 or inf, got {request_rate!r}") from None
         if not rate > 0:
             raise ValueError(f"--request-rate: must be > 0 or inf, got {request_rate!r}")
+        if trace:
+            refuse_packed(trace)
         sharegpt = bool(trace) and is_sharegpt(trace)
         timed = bool(trace) and not sharegpt and timed_form(trace)
         if timed and "request_rate" in given:
@@ -785,6 +789,7 @@ def throughput(engine, trace, num_requests, output_len, baseline, hf_batch_size,
                                                  timed_requests, trtllm_requests)  # fmt: skip
     from trtpaged.bench.timed_trace import timed_form
     from trtpaged.bench.trtllm_dataset import is_trtllm_dataset
+    from trtpaged.bench.workload import refuse_packed
     from trtpaged.errors import check_unicode
     from trtpaged.manifest import read_manifest
 
@@ -793,6 +798,8 @@ def throughput(engine, trace, num_requests, output_len, baseline, hf_batch_size,
 
     try:
         manifest = read_manifest(engine)
+        if trace:
+            refuse_packed(trace)
         sharegpt = bool(trace) and is_sharegpt(trace)
         if output_len is not None and not sharegpt:
             raise ValueError("--output-len: with a ShareGPT --trace only (a trace line or the built-in mix gives each "
