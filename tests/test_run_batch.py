@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 
+import pytest
 from click.testing import CliRunner
 
 from trtpaged import LLM, SamplingParams
@@ -194,3 +195,41 @@ def test_a_line_giving_a_field_twice_fails_alone_naming_it(tiny_engine_dir, tmp_
     assert second["response"] is None and second["error"]["message"] == (
         f"line 2: body.max_tokens: a number of {digits} digits; at most {digits - 1} digits are read"), second
     assert after["custom_id"] == "next" and after["response"]["body"]["usage"]["completion_tokens"] == 3
+
+
+def test_a_byte_order_mark_is_no_part_of_the_first_request(tiny_engine_dir, tmp_path):
+    """A batch file saved by a Windows editor (a UTF-8 byte-order mark, CRLF line ends) lost its first request: 'line 1:
+    not JSON (Unexpected UTF-8 BOM ...)'. The trace readers drop the mark (workload.read_lines); so does run-batch. The
+    answer is the one the same file without the mark gets."""
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    lines = [_line("first", "/v1/completions", body), _line("second", "/v1/completions", body)]
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(lines).encode() + b"\r\n")
+    result = CliRunner().invoke(main, ["run-batch", str(tiny_engine_dir), "-i", str(source), "-o", "-",
+                                       "--served-model-name", MODEL, "--device", "cpu"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    first, second = (json.loads(line) for line in result.stdout.splitlines())
+    assert first["custom_id"] == "first" and first["error"] is None and first["response"]["status_code"] == 200
+    assert first["response"]["body"]["choices"][0]["text"] == second["response"]["body"]["choices"][0]["text"]
+
+
+def test_a_compressed_or_empty_input_is_refused_before_the_engine_loads(tiny_engine_dir, tmp_path, monkeypatch):
+    """A gzip'd batch file was "cannot read ...: 'utf-8' codec can't decode byte 0x8b in position 1", nothing said of
+    what it is; an empty one (or blank lines) loaded the engine and wrote an empty result file, exit 0, where vLLM's
+    run-batch and OpenAI's Batch API refuse it. Both are refused naming --input-file, before the engine loads."""
+    import gzip
+
+    from trtpaged import server
+
+    monkeypatch.setattr(server, "start_server", lambda *a, **k: pytest.fail("the engine was loaded"))
+    packed = tmp_path / "in.jsonl.gz"
+    packed.write_bytes(gzip.compress(_line("a", "/v1/completions", {"model": MODEL, "prompt": "x"}).encode()))
+    empty, blank = tmp_path / "empty.jsonl", tmp_path / "blank.jsonl"
+    empty.write_text("")
+    blank.write_text("\n \r\n\n")
+    for path, words in ((packed, f"{packed}: a gzip-compressed file, not UTF-8 text (invalid start byte at byte 1): "
+                                 f"decompress it first (gunzip {packed})"),
+                        (empty, f"{str(empty)!r} holds no request"), (blank, f"{str(blank)!r} holds no request")):
+        result = CliRunner().invoke(main, ["run-batch", str(tiny_engine_dir), "-i", str(path), "-o", "-"])
+        assert result.exit_code == 2 and "--input-file" in result.output and words in result.output, result.output
+        assert "Traceback" not in result.output

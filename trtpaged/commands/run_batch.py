@@ -85,10 +85,21 @@ def command(engine, model, input_file, output_file, served_model_name, max_concu
 
 
 def _read(path: str) -> list[str]:
+    """The input's lines; BadParameter naming --input-file for a file that cannot be read, is not UTF-8 text (a
+    compressed one named as such, with the command that gives its text) or holds no request."""
+    from trtpaged.bench.workload import not_utf8
+
     try:
         text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
+    except UnicodeDecodeError as e:
+        why = f"cannot read {path!r}: {e}" if path == "-" else str(not_utf8(path, "JSON Lines of batch requests"))
+        raise click.BadParameter(why, param_hint="--input-file") from None
+    except OSError as e:
         raise click.BadParameter(f"cannot read {path!r}: {e}", param_hint="--input-file") from None
+    text = text.removeprefix("\ufeff")  # a byte-order mark (Windows editors write one) is no part of line 1's JSON
+    if not text.strip():
+        raise click.BadParameter(f"{path!r} holds no request (a batch file is JSON Lines, one request a line)",
+                                 param_hint="--input-file")  # fmt: skip
     # lines end at "\n" (JSON Lines) only: str.splitlines also cut at U+2028, U+2029, U+0085 and \x1c-\x1e, which a
     # JSON string may hold unescaped (json.dumps(ensure_ascii=False)), one request read as several broken lines
     return [line.removesuffix("\r") for line in text.split("\n")]
