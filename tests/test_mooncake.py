@@ -121,6 +121,31 @@ def test_cli_bench_memory_finds_the_hits_the_blocks_predict(tiny_engine_dir, tmp
     assert policies["paged"]["prefix_hit_tokens"] == 0 and policies["paged"]["preemptions"] == 0
 
 
+
+def test_a_request_no_replay_runs_gets_no_prompt_drawn(tmp_path):
+    """bench memory on Mooncake's FAST'25 conversation trace (12,031 requests, every one past the tiny engine's 512
+    tokens) took 59 s and 5.2 GB to report all of them refused: the paged replays drew each refused request's blocks
+    (tens of thousands of tokens) and never read them. Now only the requests that can run get prompts: 40 refused
+    requests of 64 blocks each beside TREE allocate well under what their prompts would hold, and TREE's hits are
+    the ones its blocks predict (test_cli_bench_memory_finds_the_hits_the_blocks_predict)."""
+    import tracemalloc
+
+    from trtpaged.bench.memory_bench import Budget, simulate_paged
+
+    tree = read_mooncake(_write(tmp_path, TREE)).arrival_steps(0.01)
+    refused = [TraceRequest(64 * BLOCK_TOKENS, 4, hash_ids=tuple(range(1000 + 64 * i, 1064 + 64 * i)))
+               for i in range(40)]  # fmt: skip
+    budget = Budget(num_kv_blocks=1024, block_size=TINY_BLOCK, max_seq_len=2048, max_batch_size=8,
+                    max_num_tokens=2048)  # fmt: skip
+    tracemalloc.start()
+    try:
+        result = simulate_paged(refused + tree, budget, sharing=True)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert result.refused == 40 and result.prefix_hit_tokens == 592 + 512 + 0 + 496
+    assert peak < 16 << 20, peak  # the refused prompts alone: 40 x 32768 token ids, over 40 MB as Python lists
+
 def test_cli_bench_memory_fills_n_on_every_mooncake_line(tmp_path):
     path = _write(tmp_path, [_line(0, 40, [1]), _line(0, 30, [1])])
     result = CliRunner().invoke(main, ["bench", "memory", "--trace", str(path), "--n", "3", "--json"])

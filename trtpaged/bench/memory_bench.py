@@ -283,7 +283,10 @@ def _replay(trace: list[TraceRequest], budget: Budget, sharing: bool, prompts: O
         tiers = TierStack([HostMemoryTier(size)], bytes(32), background=False)  # a deterministic replay
         result.policy += f" + host tier ({'unbounded' if tier_blocks is None else f'{tier_blocks} blocks'})"
     engine = LLMEngine(NullRunner(budget.num_kv_blocks, on_step=during_step), config, tiers=tiers)
-    prompts = prompts if prompts is not None else prompt_token_ids(trace)
+    if prompts is None:  # drawn for the requests that can run: a refused one's (a 30k-token prompt) is never read
+        fits = [never_fits(req, budget) is None for req in trace]
+        drawn = iter(prompt_token_ids([req for req, ok in zip(trace, fits) if ok]))
+        prompts = [next(drawn) if ok else [] for ok in fits]
     # without sharing, parallel samples are separate requests: nothing is shared
     order = sorted(range(len(trace)), key=lambda i: (trace[i].arrival, i))
     step = 0
