@@ -146,6 +146,7 @@ def test_a_request_no_replay_runs_gets_no_prompt_drawn(tmp_path):
     assert result.refused == 40 and result.prefix_hit_tokens == 592 + 512 + 0 + 496
     assert peak < 16 << 20, peak  # the refused prompts alone: 40 x 32768 token ids, over 40 MB as Python lists
 
+
 def test_cli_bench_memory_fills_n_on_every_mooncake_line(tmp_path):
     path = _write(tmp_path, [_line(0, 40, [1]), _line(0, 30, [1])])
     result = CliRunner().invoke(main, ["bench", "memory", "--trace", str(path), "--n", "3", "--json"])
@@ -174,6 +175,27 @@ def test_cli_bench_throughput_finds_the_hits_the_blocks_predict(tiny_engine_dir,
 
 # ---------------------------------------------------------------- bench serve: each request at its timestamp
 
+
+@pytest.mark.parametrize("form", ["Mooncake", "trtpaged"])
+def test_bench_throughput_refuses_a_long_request_before_drawing_any_prompt(tiny_engine_dir, tmp_path, form):
+    """bench throughput on Mooncake's FAST'25 conversation trace (12,031 requests, line 1 past the tiny engine's 512
+    tokens) took 52 s and 3.2 GB to say line 1 was too long: every prompt was drawn first, then checked. A trace's
+    lengths are checked first: 160 requests of 32k tokens are refused naming line 1 with well under what their
+    prompts would hold allocated (the command run once before, untraced, so its imports are not counted)."""
+    import tracemalloc
+
+    lines = [_line(0, 64 * BLOCK_TOKENS, list(range(64 * i, 64 * i + 64))) if form == "Mooncake"
+             else {"prompt_len": 64 * BLOCK_TOKENS, "output_len": 4} for i in range(160)]  # fmt: skip
+    args = ["bench", "throughput", str(tiny_engine_dir), "--baseline", "none", "--trace", str(_write(tmp_path, lines))]
+    CliRunner().invoke(main, args)
+    tracemalloc.start()
+    try:
+        result = CliRunner().invoke(main, args)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    one_line_failure(result, "mooncake.jsonl:1: 32768 prompt tokens + output_len 4 exceed the engine's max_seq_len")
+    assert peak < 32 << 20, peak  # the command's own ~17 MB; the prompts: 160 x 32768 token ids, 100 MB more
 
 def test_cli_bench_serve_sends_each_request_at_its_timestamp(logged_server, tiny_engine_dir, tmp_path):
     """The server's log: the requests arrived in timestamp order (not the file's), 0.5 s apart as the timestamps

@@ -116,10 +116,12 @@ def default_requests(vocab_size: int, num_requests: int = 16, seed: int = 0) -> 
 
 
 def requests_from_trace(trace: list[TraceRequest], vocab_size: int, seed: int = 0,
-                        wheres: Optional[list[str]] = None) -> list[Request]:  # fmt: skip
+                        wheres: Optional[list[str]] = None,
+                        max_seq_len: Optional[int] = None) -> list[Request]:  # fmt: skip
     """Token ids for a memory-bench trace (shared prefixes identical). Every request is one sequence submitted at
     t=0, as the transformers baseline runs it: a line with n, beam_width or arrival is refused, naming it (they
-    were dropped without a word). `wheres`: each request's "file:line", when read from a file."""
+    were dropped without a word). `wheres`: each request's "file:line", when read from a file. `max_seq_len` (the
+    engine's): a request longer is refused (`check_requests`' error) before any prompt is drawn."""
     wheres = wheres or [f"request {i}" for i in range(1, len(trace) + 1)]
     for where, r in zip(wheres, trace):
         for name, plain in (("n", 1), ("beam_width", 1), ("arrival", 0)):
@@ -127,6 +129,8 @@ def requests_from_trace(trace: list[TraceRequest], vocab_size: int, seed: int = 
                 raise ValueError(f"{where}: {name}: {getattr(r, name)}; bench throughput submits every "
                                  f"request at once as one sequence (its baseline's form); `bench memory` replays "
                                  f"{name} (leave it out here)")
+        if max_seq_len is not None and r.prompt_len + r.output_len > max_seq_len:
+            raise ValueError(_too_long(where, r.prompt_len, r.output_len, max_seq_len))
     ids = prompt_token_ids(trace, vocab=vocab_size, seed=seed)
     return [Request(tuple(p), r.output_len, where) for p, r, where in zip(ids, trace, wheres)]
 
@@ -143,10 +147,12 @@ def fresh_prompts(requests: list[Request], vocab_size: int, seed: int) -> list[R
     return [Request(tuple(ids[t] for t in r.prompt_ids), r.output_len) for r in requests]
 
 
-def load_requests(path: str | Path, tokenizer: Callable[[str], list[int]], vocab_size: int) -> list[Request]:
+def load_requests(path: str | Path, tokenizer: Callable[[str], list[int]], vocab_size: int,
+                  max_seq_len: Optional[int] = None) -> list[Request]:  # fmt: skip
     """A trace (lines with prompt_len) or a prompts file: lines {"prompt": text, "output_len": N}.
 
-    Errors name the line and the field.
+    Errors name the line and the field; a trace's request longer than `max_seq_len` is refused before its prompt is
+    drawn (a prompts file's, by `check_requests`, once tokenized).
     """
     lineno, line = next(((i, line) for i, line in enumerate(read_lines(path), 1) if line.strip()), (0, ""))
     if not lineno:
@@ -157,7 +163,8 @@ def load_requests(path: str | Path, tokenizer: Callable[[str], list[int]], vocab
         first = None  # no JSON object: the trace reader's error says what the line is and what form is expected
     if not (isinstance(first, dict) and "prompt" in first):
         lines = load_trace_lines(path)  # one read: each request with its file:line
-        return requests_from_trace([r for _, r in lines], vocab_size, wheres=[where for where, _ in lines])
+        return requests_from_trace([r for _, r in lines], vocab_size, wheres=[where for where, _ in lines],
+                                   max_seq_len=max_seq_len)  # fmt: skip
     out = []
     for where, data in json_objects(path, ("prompt", "output_len")):
         prompt, output_len = data.get("prompt"), data.get("output_len")
@@ -172,13 +179,15 @@ def load_requests(path: str | Path, tokenizer: Callable[[str], list[int]], vocab
     return out
 
 
-def timed_requests(path: str | Path, vocab_size: int, seed: int = 0) -> tuple[list[Request], TimedTrace]:
+def timed_requests(path: str | Path, vocab_size: int, seed: int = 0,
+                   max_seq_len: Optional[int] = None) -> tuple[list[Request], TimedTrace]:  # fmt: skip
     """A timed trace's requests (Mooncake, Azure, BurstGPT) in timestamp order, each prompt token ids in
     [1, vocab_size) drawn with `seed` (a Mooncake trace's: its hash ids' blocks, trtpaged.bench.token_blocks), all
     submitted at t=0 (the timestamps are not replayed here: the caller says so); and the trace. Each request's
-    `where` is its line."""
+    `where` is its line; one longer than `max_seq_len` is refused before any prompt is drawn."""
     trace = read_timed_trace(path)
-    return requests_from_trace(trace.trace(), vocab_size, seed, [r.where for r in trace.requests]), trace
+    wheres = [r.where for r in trace.requests]
+    return requests_from_trace(trace.trace(), vocab_size, seed, wheres, max_seq_len), trace
 
 
 def sharegpt_requests(path: str | Path, encode: Callable[[str], list[int]], num_requests: int, seed: int = 0,
@@ -208,9 +217,14 @@ def check_requests(requests: list[Request], max_seq_len: int, source: str) -> No
     anything loads: the engine would refuse it mid-run)."""
     for i, r in enumerate(requests, 1):
         if len(r.prompt_ids) + r.output_len > max_seq_len:
-            raise ValueError(f"{r.where or f'{source}: request {i}'}: {len(r.prompt_ids)} prompt tokens "
-                             f"+ output_len {r.output_len} "
-                             f"exceed the engine's max_seq_len ({max_seq_len})")
+            raise ValueError(_too_long(r.where or f"{source}: request {i}", len(r.prompt_ids), r.output_len,
+                                       max_seq_len))  # fmt: skip
+
+
+def _too_long(where: str, prompt_len: int, output_len: int, max_seq_len: int) -> str:
+    """The error for a request whose prompt and output do not fit the engine's max_seq_len."""
+    return (f"{where}: {prompt_len} prompt tokens + output_len {output_len} exceed the engine's max_seq_len "
+            f"({max_seq_len})")
 
 
 # ---- systems ----------------------------------------------------------------------------------

@@ -820,14 +820,14 @@ def throughput(engine, trace, num_requests, output_len, baseline, hf_batch_size,
             progress(dataset.summary(prompts))
             check_requests(requests, manifest.limits.max_seq_len, trace)
         elif trace and timed_form(trace):
-            requests, timed = timed_requests(trace, manifest.dims.vocab_size, seed)
+            requests, timed = timed_requests(trace, manifest.dims.vocab_size, seed, manifest.limits.max_seq_len)
             progress(timed.summary())
             progress("timestamps not replayed: every request is submitted at t=0 (--sequential: one at a time), in "
                      "timestamp order, as the baseline runs them (bench serve replays them)")  # fmt: skip
             check_requests(requests, manifest.limits.max_seq_len, trace)
         elif trace:
             requests = load_requests(trace, lambda text: list(tokenizer.encode(check_unicode("prompt", text))),
-                                     manifest.dims.vocab_size)  # fmt: skip
+                                     manifest.dims.vocab_size, manifest.limits.max_seq_len)  # fmt: skip
             check_requests(requests, manifest.limits.max_seq_len, trace)
         else:
             if num_requests < 1:
