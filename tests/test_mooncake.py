@@ -197,6 +197,29 @@ def test_bench_throughput_refuses_a_long_request_before_drawing_any_prompt(tiny_
     one_line_failure(result, "mooncake.jsonl:1: 32768 prompt tokens + output_len 4 exceed the engine's max_seq_len")
     assert peak < 32 << 20, peak  # the command's own ~17 MB; the prompts: 160 x 32768 token ids, 100 MB more
 
+
+def test_diagnose_refuses_a_request_it_can_never_run_by_its_line_before_drawing_prompts(tiny_engine_dir, tmp_path):
+    """diagnose on Mooncake's FAST'25 conversation trace (every request past the tiny engine's 512 tokens) took 24 s
+    and 2.9 GB to say 'request 1: prompt_len 6758 leaves no room ...': every prompt was drawn before the budget was
+    checked, and a timed trace's requests did not carry their lines. The first request in replay order (line 2, the
+    earliest timestamp) is named by its line, with well under what 160 prompts of 32k tokens would hold allocated
+    (the command run once before, untraced, so its imports are not counted)."""
+    import tracemalloc
+
+    lines = [_line(5000 - i, 64 * BLOCK_TOKENS, list(range(64 * i, 64 * i + 64))) for i in range(160)]
+    lines[1]["timestamp"] = 0
+    args = ["diagnose", str(_write(tmp_path, lines)), "--engine", str(tiny_engine_dir), "--step-time", "0.01"]
+    CliRunner().invoke(main, args)
+    tracemalloc.start()
+    try:
+        result = CliRunner().invoke(main, args)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    one_line_failure(result, "mooncake.jsonl:2: prompt_len 32768 leaves no room for output under max_seq_len 512")
+    assert peak < 32 << 20, peak  # the prompts: 160 x 32768 token ids, 100 MB more
+
+
 def test_cli_bench_serve_sends_each_request_at_its_timestamp(logged_server, tiny_engine_dir, tmp_path):
     """The server's log: the requests arrived in timestamp order (not the file's), 0.5 s apart as the timestamps
     say (counted from the first, 1000 ms here), with the prompts their blocks make (the shorter [1] a prefix of the

@@ -144,6 +144,15 @@ def test_cli_diagnose_counts_the_shared_prefix(tiny_engine_dir, tmp_path):
                      "--step-time: ", "is a trtllm-bench dataset, which has no arrival times")  # fmt: skip
 
 
+def test_cli_diagnose_names_the_line_of_a_request_it_can_never_run(tiny_engine_dir, tmp_path):
+    """diagnose named such a request by its number alone ('request 2: prompt_len 600 leaves no room ...'): a
+    trtllm-bench dataset's requests carry their lines, as a request log's do."""
+    path = _write(tmp_path, [json.dumps({"task_id": 0, "input_ids": [1, 2], "output_tokens": 3}),
+                             json.dumps({"task_id": 1, "input_ids": [5] * 600, "output_tokens": 3})])  # fmt: skip
+    one_line_failure(CliRunner().invoke(main, ["diagnose", str(path), "--engine", str(tiny_engine_dir)]),
+                     "trace.jsonl:2: prompt_len 600 leaves no room for output under max_seq_len 512")  # fmt: skip
+
+
 def test_cli_bench_throughput_runs_the_ids_as_given(tiny_engine_dir, tmp_path):
     tokens = len(AutoTokenizer.from_pretrained(str(tiny_engine_dir / "tokenizer"))(TEXT).input_ids)
     result = CliRunner().invoke(main, ["bench", "throughput", str(tiny_engine_dir), "--trace", str(_dataset(tmp_path)),

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
 
-from trtpaged.bench.memory_bench import Budget, format_tier_table, run_memory_bench, run_tier_what_if
+from trtpaged.bench.memory_bench import Budget, check_fits, format_tier_table, run_memory_bench, run_tier_what_if
 from trtpaged.bench.workload import TraceRequest, arrival_step, check_prefix_len, json_objects, random_prompt
 
 PROMPT_FIELDS = ("prompt", "prompt_token_ids", "prompt_len")
@@ -93,7 +93,8 @@ def load_request_log(path: str | Path, tokenize: Optional[Callable[[str], list[i
 
 
 def read_request_log(path: str | Path, tokenize: Optional[Callable[[str], list[int]]] = None, vocab_size: int = 30000,
-                     seed: int = 0, step_time: Optional[float] = None) -> RequestLogData:  # fmt: skip
+                     seed: int = 0, step_time: Optional[float] = None,
+                     budget: Optional[Budget] = None) -> RequestLogData:  # fmt: skip
     """Reads a request log: the trace and each request's prompt token ids, arrivals in steps.
 
     Text prompts need `tokenize`; lengths get random ids, with a shared prefix_id's first
@@ -101,13 +102,14 @@ def read_request_log(path: str | Path, tokenize: Optional[Callable[[str], list[i
     (seconds, converted with `step_time` or the lines' step_time_s). Errors name the line and the field.
     A timed trace (trtpaged.bench.timed_trace) is read as `bench memory` replays it: its prompts (a Mooncake trace's
     hash ids' blocks, an Azure or BurstGPT trace's random tokens), its timestamps as steps at `step_time` (needed
-    when they differ).
+    when they differ); given the replay's `budget`, a request it can never run is refused (`check_fits`, naming the
+    line) before any prompt is drawn.
     """
     from trtpaged.bench.timed_trace import timed_form
     from trtpaged.bench.trtllm_dataset import is_trtllm_dataset
 
     if timed_form(path):
-        return _read_timed(path, vocab_size, seed, step_time)
+        return _read_timed(path, vocab_size, seed, step_time, budget)
     if is_trtllm_dataset(path):
         return _read_trtllm(path, tokenize, vocab_size, step_time)
     rng = random.Random(seed)
@@ -171,14 +173,18 @@ def read_request_log(path: str | Path, tokenize: Optional[Callable[[str], list[i
     return out
 
 
-def _read_timed(path: str | Path, vocab_size: int, seed: int, step_time: Optional[float]) -> RequestLogData:
+def _read_timed(path: str | Path, vocab_size: int, seed: int, step_time: Optional[float],
+                budget: Optional[Budget]) -> RequestLogData:  # fmt: skip
     from trtpaged.bench.timed_trace import read_timed_trace
     from trtpaged.bench.workload import prompt_token_ids
 
     timed = read_timed_trace(path)
-    trace = timed.arrival_steps(step_time)
+    trace, wheres = timed.arrival_steps(step_time), [r.where for r in timed.requests]
+    if budget is not None:
+        check_fits(trace, budget, wheres)
     out = RequestLogData(trace, prompt_token_ids(trace, vocab_size, seed), step_time_s=step_time,
-                         arrival_unit="seconds" if step_time is not None else "steps", form=timed.form)  # fmt: skip
+                         arrival_unit="seconds" if step_time is not None else "steps", form=timed.form,
+                         wheres=wheres)  # fmt: skip
     out.output_tokens = sum(r.output_len for r in trace)
     out.lengths_only = sum(r.hash_ids is None for r in trace)  # an Azure or BurstGPT trace's: no prompt content
     return out
@@ -195,7 +201,8 @@ def _read_trtllm(path: str | Path, tokenize: Optional[Callable[[str], list[int]]
     dataset = read_trtllm_dataset(path)
     prompts = dataset.prompt_ids(tokenize, vocab_size, "give --engine (a --config has no tokenizer)")
     trace = [TraceRequest(len(ids), line.output_len) for ids, line in zip(prompts, dataset.lines)]
-    return RequestLogData(trace, prompts, output_tokens=sum(r.output_len for r in trace), form=FORM)
+    return RequestLogData(trace, prompts, output_tokens=sum(r.output_len for r in trace), form=FORM,
+                          wheres=[line.where for line in dataset.lines])  # fmt: skip
 
 
 def _arrival_is_seconds(value: object) -> bool:

@@ -99,7 +99,7 @@ def command(log, engine, config_path, metrics_url, metrics_samples, step_time, k
 
         tier_sizes = parse_tier_blocks(kv_tier_blocks) if kv_tier_blocks is not None else None
         kv, tokenize, vocab = _kv_from_engine(engine) if engine else _kv_from_config(config_path)
-        data = read_request_log(log, tokenize, vocab, step_time=step_time)
+        data = read_request_log(log, tokenize, vocab, step_time=step_time, budget=kv.budget)
         check_fits(data.trace, kv.budget, data.wheres)
     except (ValueError, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from exc
