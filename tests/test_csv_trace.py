@@ -210,6 +210,11 @@ HOSTILE = {  # kind: (header, bad line 3 or None for a file of the header alone,
                                                                                "missing: Azure's header is TIMESTAMP,"
                                                                                "ContextTokens,GeneratedTokens"),
     "an unknown column": (AZURE + ",Region", "2023-11-16 18:15:47,5,5,eu", 1, "column(s) 'Region' unknown"),
+    # Azure's 2025 multimodal trace (AzureLMMInferenceDataset2025.md's schema) was "column(s) 'NumImages' unknown"
+    "the multimodal trace": ("TIMESTAMP,NumImages,ContextTokens,GeneratedTokens", "2024-10-15 00:00:00.0123,1,900,20",
+                             1, "column 'NumImages': the Azure multimodal trace's (AzureLMMInferenceTrace_multimodal"
+                                ".csv, 2025): its requests carry images, and trtpaged's engines and benchmarks take "
+                                "text; no such trace is replayed"),
     "a column twice": (AZURE + ",ContextTokens", "2023-11-16 18:15:47,5,5,5", 1, "column(s) 'ContextTokens' given "
                                                                                  "twice"),
     "no rows": (AZURE, None, None, "trace.csv: no requests"),

@@ -112,6 +112,10 @@ AZURE = CsvForm("Azure", ("TIMESTAMP", "ContextTokens", "GeneratedTokens"), "TIM
 BURSTGPT = CsvForm("BurstGPT", ("Timestamp", "Model", "Request tokens", "Response tokens", "Total tokens", "Log Type"),
                    "Timestamp", "Request tokens", "Response tokens", seconds_ns, ("Total tokens",))  # fmt: skip
 FORMS = (AZURE, BURSTGPT)
+# a published trace's column that no trtpaged benchmark can replay: its header is refused saying why (as
+# trtllm-bench's media_paths is), not as an unknown column
+UNREPLAYED = {"NumImages": "the Azure multimodal trace's (AzureLMMInferenceTrace_multimodal.csv, 2025): its requests "
+                           "carry images, and trtpaged's engines and benchmarks take text"}  # fmt: skip
 HEADERS = " or ".join(f"{form.name}'s {','.join(form.header)}" for form in FORMS)
 
 
@@ -235,6 +239,9 @@ def _header(where: str, row: list[str]) -> tuple[CsvForm, dict[str, int]]:
     if form is None:
         raise ValueError(f"{where}: not a trace header: {shown(','.join(row))}; expected JSON Lines, or a CSV trace "
                          f"whose first line is {HEADERS}")  # fmt: skip
+    unreplayed = next((name for name in names if name in UNREPLAYED), None)
+    if unreplayed:
+        raise ValueError(f"{where}: column {unreplayed!r}: {UNREPLAYED[unreplayed]}; no such trace is replayed")
     twice = sorted({name for name in names if names.count(name) > 1})
     missing = [name for name in form.header if name not in names]
     unknown = [name for name in names if name not in form.header]
