@@ -246,6 +246,24 @@ def test_another_tools_document_as_json_lines_is_named(tiny_engine_dir, tmp_path
         assert result.exit_code == 0, result.output
 
 
+@pytest.mark.parametrize("document,words", [
+    (SHAREGPT_ENTRY, "a ShareGPT conversation as a JSON line: a ShareGPT dataset is read as vLLM's benchmarks read it"),
+    ({"version": 3, "data": [SHAREGPT_ENTRY]}, "a JSON object holding ShareGPT conversations under 'data'"),
+])
+@pytest.mark.parametrize("command", ["memory", "throughput", "serve"])
+def test_sharegpt_lines_given_with_a_sharegpt_option_are_named(tiny_engine_dir, tmp_path, command, document, words):
+    """With --num-requests, which a ShareGPT dataset takes, ShareGPT conversations one a line (or held under a key)
+    were refused for the option ("--num-requests: synthetic workload options; they cannot apply to --trace ..."),
+    and only without it named for what they are: the form decides which options apply, and these have none. Now
+    named either way."""
+    path = tmp_path / "trace.jsonl"
+    path.write_text(json.dumps(document) + "\n" + json.dumps(document) + "\n")
+    args = {"memory": ["bench", "memory", str(tiny_engine_dir), "--num-kv-blocks", "64"],
+            "throughput": ["bench", "throughput", str(tiny_engine_dir), "--baseline", "none"],
+            "serve": ["bench", "serve", "--base-url", "http://127.0.0.1:9"]}[command]  # fmt: skip
+    result = CliRunner().invoke(main, [*args, "--trace", str(path), "--num-requests", "4"])
+    one_line_failure(result, "trace.jsonl:1: " + words)
+
 @pytest.mark.parametrize("encoding,order", [("utf-16", "little-endian"), ("utf-16-be", "big-endian")])
 def test_a_utf16_trace_is_named_as_one(tiny_engine_dir, tmp_path, encoding, order):
     """`prepare_dataset.py --stdout > dataset.jsonl` in Windows PowerShell 5 writes UTF-16 with a byte-order mark: it

@@ -202,6 +202,23 @@ def refuse_packed(path: str | Path) -> None:
         raise not_utf8(path, "a trace's text (JSON Lines, a CSV trace or a ShareGPT JSON array)") from None
 
 
+def refuse_foreign(path: str | Path) -> None:
+    """ValueError naming the line when the file's first non-blank line is another tool's document that no trace form
+    takes (`foreign_form`: ShareGPT conversations written one a line, or held under a key, ...). The commands call it
+    before a trace's form decides which of their options apply: ShareGPT lines given with --num-requests, as a
+    ShareGPT dataset takes, were refused for that option, hiding what was wrong. A first line over 1 MiB is left to
+    the readers (a one-line JSON document may be hundreds of MB)."""
+    with open(path, encoding="utf-8-sig", errors="replace") as f:
+        lineno, line = 1, f.readline(1 << 20)
+        while line and not line.strip() and line.endswith("\n"):
+            lineno, line = lineno + 1, f.readline(1 << 20)
+    if not line.endswith("\n") and len(line) == 1 << 20:
+        return
+    other = foreign_form(line.strip())
+    if other:
+        raise ValueError(f"{path}:{lineno}: {other}")
+
+
 def not_utf8(path: str | Path, expected: str) -> ValueError:
     """The error for a trace file that is not UTF-8 text, naming the first byte that is not and what was `expected`;
     a compressed or UTF-16 file is named as one, with the command that gives its UTF-8 text (no reader decompresses

@@ -182,7 +182,8 @@ def memory(ctx, engine, trace, step_time, num_requests, prompt_len, output_len, 
     from trtpaged.bench.sharegpt import is_sharegpt
     from trtpaged.bench.timed_trace import timed_form
     from trtpaged.bench.trtllm_dataset import is_trtllm_dataset
-    from trtpaged.bench.workload import PRESETS, load_trace_with_sharing, parse_range, refuse_packed, synthetic_trace
+    from trtpaged.bench.workload import (PRESETS, load_trace_with_sharing, parse_range, refuse_foreign, refuse_packed,
+                                         synthetic_trace)  # fmt: skip
 
     defaults = {"num_kv_blocks": 1456, "block_size": DEFAULT_BLOCK_SIZE, "max_seq_len": 2048, "max_batch_size": 256,
                 "max_num_tokens": 2048}  # fmt: skip
@@ -216,6 +217,7 @@ def memory(ctx, engine, trace, step_time, num_requests, prompt_len, output_len, 
         budget = Budget(**{k: v if v is not None else defaults[k] for k, v in given.items()})
         if trace:
             refuse_packed(trace)
+            refuse_foreign(trace)
         sharegpt = bool(trace) and is_sharegpt(trace)
         timed = bool(trace) and not sharegpt and timed_form(trace)
         if step_time is not None and not timed:
@@ -569,7 +571,7 @@ def serve(base_url, trace, num_requests, prompt_len, output_len, request_rate, m
     from trtpaged.bench.sharegpt import is_sharegpt
     from trtpaged.bench.timed_trace import timed_form
     from trtpaged.bench.trtllm_dataset import is_trtllm_dataset
-    from trtpaged.bench.workload import load_trace, parse_range, refuse_packed, synthetic_trace
+    from trtpaged.bench.workload import load_trace, parse_range, refuse_foreign, refuse_packed, synthetic_trace
 
     arrivals = None
     try:
@@ -581,6 +583,7 @@ def serve(base_url, trace, num_requests, prompt_len, output_len, request_rate, m
             raise ValueError(f"--request-rate: must be > 0 or inf, got {request_rate!r}")
         if trace:
             refuse_packed(trace)
+            refuse_foreign(trace)
         sharegpt = bool(trace) and is_sharegpt(trace)
         timed = bool(trace) and not sharegpt and timed_form(trace)
         if timed and "request_rate" in given:
@@ -789,7 +792,7 @@ def throughput(engine, trace, num_requests, output_len, baseline, hf_batch_size,
                                                  timed_requests, trtllm_requests)  # fmt: skip
     from trtpaged.bench.timed_trace import timed_form
     from trtpaged.bench.trtllm_dataset import is_trtllm_dataset
-    from trtpaged.bench.workload import refuse_packed
+    from trtpaged.bench.workload import refuse_foreign, refuse_packed
     from trtpaged.errors import check_unicode
     from trtpaged.manifest import read_manifest
 
@@ -800,6 +803,7 @@ def throughput(engine, trace, num_requests, output_len, baseline, hf_batch_size,
         manifest = read_manifest(engine)
         if trace:
             refuse_packed(trace)
+            refuse_foreign(trace)
         sharegpt = bool(trace) and is_sharegpt(trace)
         if output_len is not None and not sharegpt:
             raise ValueError("--output-len: with a ShareGPT --trace only (a trace line or the built-in mix gives each "
