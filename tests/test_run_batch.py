@@ -233,3 +233,25 @@ def test_a_compressed_or_empty_input_is_refused_before_the_engine_loads(tiny_eng
         result = CliRunner().invoke(main, ["run-batch", str(tiny_engine_dir), "-i", str(path), "-o", "-"])
         assert result.exit_code == 2 and "--input-file" in result.output and words in result.output, result.output
         assert "Traceback" not in result.output
+
+
+
+def test_a_compressed_stdin_is_refused_before_the_engine_loads(tiny_engine_dir):
+    """`-i -` read stdin as text, which a shell's Python decodes with surrogateescape (C and C.UTF-8 locales): a gzip'd
+    batch file piped in was read as lines of garbage, the engine loaded and each answered "not JSON", exit 0. Its bytes
+    are decoded strictly and it is named as what it is, exit 2; a byte-order mark on stdin is dropped, as a file's."""
+    import gzip
+
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    text = _line("only", "/v1/completions", body) + "\n"
+    args = [sys.executable, "-m", "trtpaged.cli", "run-batch", str(tiny_engine_dir), "-i", "-", "-o", "-",
+            "--served-model-name", MODEL, "--device", "cpu"]  # fmt: skip
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8:surrogateescape"}  # a shell's stdin, whatever runs the tests
+    packed = subprocess.run(args, input=gzip.compress(text.encode()), capture_output=True, env=env, timeout=300)
+    stderr = packed.stderr.decode()
+    assert packed.returncode == 2 and not packed.stdout and "Traceback" not in stderr, stderr
+    assert ("--input-file: stdin: a gzip-compressed file, not UTF-8 text (invalid start byte at byte 1): decompress "
+            "it first (gunzip); expected JSON Lines of batch requests") in stderr, stderr
+    marked = subprocess.run(args, input=b"\xef\xbb\xbf" + text.encode(), capture_output=True, env=env, timeout=300)
+    assert marked.returncode == 0, marked.stderr.decode()
+    assert json.loads(marked.stdout)["response"]["status_code"] == 200

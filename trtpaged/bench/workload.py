@@ -187,6 +187,12 @@ _NOT_UTF8 = (
 )
 
 
+def packed_form(head: bytes) -> Optional[tuple[str, str]]:
+    """What a file opening with `head` is when it is compressed or UTF-16 text, and the command that gives its UTF-8
+    text (FILE standing for its name); None for any other start."""
+    return next(((what, advice) for magic, what, advice in _NOT_UTF8 if head.startswith(magic)), None)
+
+
 def refuse_packed(path: str | Path) -> None:
     """ValueError (`not_utf8`'s, naming what the file is and the command that gives its text) when `path` opens as a
     compressed file or UTF-16 text. The commands call it before a trace's form decides which of their options apply:
@@ -194,7 +200,7 @@ def refuse_packed(path: str | Path) -> None:
     given with a gzip'd Mooncake trace: "has none") hid what was wrong."""
     with open(path, "rb") as f:
         head = f.read(1 << 16)
-    if not any(head.startswith(magic) for magic, _, _ in _NOT_UTF8):
+    if packed_form(head) is None:
         return
     try:
         codecs.getincrementaldecoder("utf-8")().decode(head)  # a character cut at the read's end is no error
@@ -240,7 +246,7 @@ def not_utf8(path: str | Path, expected: str) -> ValueError:
             if not chunk:
                 break
             offset += len(chunk)
-    what, advice = next(((what, advice) for magic, what, advice in _NOT_UTF8 if head.startswith(magic)), ("", ""))
+    what, advice = packed_form(head) or ("", "")
     return ValueError(f"{path}: {what + ', ' if what else ''}not UTF-8 text{where}"
                       f"{': ' + advice.replace('FILE', str(path)) if advice else ''}; expected {expected}")
 

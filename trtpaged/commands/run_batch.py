@@ -87,13 +87,20 @@ def command(engine, model, input_file, output_file, served_model_name, max_concu
 def _read(path: str) -> list[str]:
     """The input's lines; BadParameter naming --input-file for a file that cannot be read, is not UTF-8 text (a
     compressed one named as such, with the command that gives its text) or holds no request."""
-    from trtpaged.bench.workload import not_utf8
+    from trtpaged.bench.workload import not_utf8, packed_form
 
+    expected = "JSON Lines of batch requests"
     try:
-        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+        # stdin's bytes, decoded strictly: its text stream replaces what is not UTF-8 (surrogateescape in a C.UTF-8
+        # locale), and a gzip'd file piped in was read as lines of garbage, each answered "not JSON", exit 0
+        text = sys.stdin.buffer.read().decode("utf-8") if path == "-" else Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        why = f"cannot read {path!r}: {e}" if path == "-" else str(not_utf8(path, "JSON Lines of batch requests"))
-        raise click.BadParameter(why, param_hint="--input-file") from None
+        if path != "-":
+            raise click.BadParameter(str(not_utf8(path, expected)), param_hint="--input-file") from None
+        what, advice = packed_form(e.object[:6]) or ("", "")
+        raise click.BadParameter(f"stdin: {what + ', ' if what else ''}not UTF-8 text ({e.reason} at byte {e.start})"
+                                 f"{': ' + advice.replace(' FILE', '') if advice else ''}; expected {expected}",
+                                 param_hint="--input-file") from None  # fmt: skip
     except OSError as e:
         raise click.BadParameter(f"cannot read {path!r}: {e}", param_hint="--input-file") from None
     text = text.removeprefix("\ufeff")  # a byte-order mark (Windows editors write one) is no part of line 1's JSON
