@@ -304,6 +304,26 @@ def test_a_manifest_that_is_not_a_regular_file_is_named_so(lib, tiny_engine_dir,
     assert c.value.status == "io" and "(file): missing; not an engine dir" in c.value.message
 
 
+@pytest.mark.parametrize("where, field", [("dims", "attention_bias"), ("dims", "tie_word_embeddings"),
+                                          ("dims", "max_position_embeddings"), ("", "tensor_parallel"),
+                                          ("", "weights_file"), ("", "tokenizer_dir"), ("", "shards")])
+def test_a_null_the_python_loader_refuses_is_refused_not_read_as_the_default(lib, tiny_engine_dir, tmp_path, where,
+                                                                           field):
+    """A field with a default but no None in manifest.py (attention_bias: bool = False, ...) written as null is refused
+    by the Python loader (strict types); the C runtime read it as left out, so it opened an engine dir Python refuses
+    (attention_bias: null ran as no biases, weights_file: null as weights.safetensors)."""
+    engine = edited_engine(tiny_engine_dir, tmp_path / "engine",
+                           lambda m: (m[where] if where else m).update({field: None}))
+    named = f"{where}.{field}" if where else field
+    with pytest.raises(EngineDirError) as python:
+        read_manifest(engine)
+    assert named in str(python.value)
+    with pytest.raises(CError) as c:
+        CRuntime(lib, engine)
+    assert c.value.status == "invalid_argument" and f"trtpaged.json: {named}: got null; expected a value" in \
+        c.value.message
+
+
 def test_a_window_no_sequence_reaches_is_read_as_none(lib, tiny_engine_dir, tmp_path):
     """A stock Mistral config's window (4096) built with a shorter max_seq_len never applies: the C runtime opens it
     and answers as without one; so does a window inside max_seq_len that these short prompts do not reach."""

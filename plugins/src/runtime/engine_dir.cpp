@@ -98,6 +98,12 @@ class Fields {
     }
   }
   bool has(const char* name) const { return obj_.contains(name); }
+  // Python's non-Optional fields (a default, not None) refuse null: so do these, every field but the nullable
+  void refuse_nulls(std::initializer_list<const char*> nullable) const {
+    for (auto it = obj_.begin(); it != obj_.end(); ++it)
+      if (it->is_null() && std::none_of(nullable.begin(), nullable.end(), [&](const char* n) { return it.key() == n; }))
+        bad(it.key(), "got null; expected a value");
+  }
   const json* get(const char* name, bool required) const {
     auto it = obj_.find(name);
     if (it == obj_.end() || (it->is_null() && !required)) {
@@ -279,11 +285,6 @@ bool windows_reach_no_sequence(const json& dims, int64_t max_seq_len, const std:
 // The fields of the families beyond Llama's (written only where they differ from Llama's), checked as
 // trtpaged/manifest.py checks them: values the step model can run.
 void read_family_fields(const Fields& dims, Manifest& m) {
-  // present means a value: null is no default here, as the Python reader (strict types) refuses it too
-  for (const char* name : {"partial_rotary_factor", "hidden_act", "gemma_norms", "embed_scale", "attention_scale",
-                           "attn_logit_softcap", "final_logit_softcap", "local_rope_theta"})
-    if (dims.has(name) && dims.get(name, true)->is_null())
-      dims.bad(name, "got null; expected a value (a field left out takes Llama's)");
   m.partial_rotary_factor = dims.number("partial_rotary_factor", false, 1);
   const bool in_range = m.partial_rotary_factor > 0 && m.partial_rotary_factor <= 1;  // then rotary_dim() is too
   if (!in_range || m.rotary_dim() < 2 || m.rotary_dim() % 2)
@@ -434,6 +435,9 @@ Manifest read_manifest(const std::string& root) {
             "chat_template", "weights_file", "onnx_file", "plan_file", "backends", "files", "source", "verification",
             "quantization", "tensor_parallel", "shards", "format_version", "kv_bytes_per_token", "kv_bytes_per_block",
             "kv_bytes_per_token_per_rank", "tensorrt", "sampling_defaults", "content_sha256"});
+  // manifest.py's Optional fields, and the kv_bytes_per_* it writes for readers and never reads back
+  top.refuse_nulls({"bos_token_id", "chat_template", "onnx_file", "plan_file", "kv_bytes_per_token",
+                    "kv_bytes_per_block", "kv_bytes_per_token_per_rank"});
   top.object("tensorrt", false);  // the TensorRT build's forms (graph, pool form): nothing the CPU runtime reads
   {  // the model's sampling defaults (trtpaged/sampling_defaults.py): checked as Python checks them, not used (the
      // caller's sampling settings rule in this runtime)
@@ -457,6 +461,7 @@ Manifest read_manifest(const std::string& root) {
   }
 
   Fields dims(top.object("dims"), "dims.", where);
+  dims.refuse_nulls({"rope_scaling"});
   std::vector<int64_t> windows;  // as written: Gemma 3's windowed layers take the local RoPE, reached or not
   {
     const json& limits_obj = top.object("limits");
