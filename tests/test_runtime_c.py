@@ -125,6 +125,29 @@ def test_abort_and_stop_tokens(lib, tiny_engine_dir):
         assert reason == "abort" and rt.stats().kv_blocks_used == 0
 
 
+@pytest.mark.parametrize("capacity", [1, 3, 5, 10])
+def test_a_finished_request_read_in_parts_reports_its_reason_with_its_last_token(lib, tiny_engine_dir, capacity):
+    """A request read with fewer slots than its unread tokens reports running until the read that returns its last
+    token: that read carries the finish reason (a stop token is then the last token read, as runtime.h says) and
+    forgets the request. It reported the reason with tokens still held (10 tokens read 3 at a time: ([a, b, c],
+    'length')), so embedding.md's loop `while (reason == TRTPAGED_RUNNING)` stopped with the rest unread, kept in
+    the handle for good; and where the rest filled the buffer exactly, no read could tell whether more remained."""
+    with CRuntime(lib, tiny_engine_dir) as rt:
+        (free_run,) = rt.generate([PROMPTS[3]], 10)  # read whole: the truth the parts must add up to
+        stops = (ctypes.c_int32 * 1)(free_run[6])
+        for sampling, want, reason in [({}, free_run, "length"),
+                                       (dict(stop_token_ids=ctypes.cast(stops, ctypes.c_void_p), num_stop_token_ids=1),
+                                        free_run[: free_run.index(free_run[6]) + 1], "stop")]:
+            rid = rt.add(PROMPTS[3], 10, **sampling)
+            while rt.run_step():  # to the end, unread
+                pass
+            parts = [rt.read(rid, capacity) for _ in range(-(-len(want) // capacity))]
+            assert [t for new, _ in parts for t in new] == want
+            assert [r for _, r in parts] == ["running"] * (len(parts) - 1) + [reason]
+            with pytest.raises(CError, match="request_id"):
+                rt.read(rid, capacity)  # its last token read: forgotten
+
+
 def test_step_api_matches_python_step_model(lib, tiny_engine_dir):
     """Two sequences prefilled in one packed step, then a decode step: logits equal the Python runner's."""
     from trtpaged.runtime.runners import StepBatch, TorchRunner

@@ -148,7 +148,7 @@ int main(int argc, char** argv) {
           break;
         }
         outputs[i].insert(outputs[i].end(), buf.begin(), buf.begin() + n);
-      } while (n == int32_t(buf.size()));
+      } while (n == int32_t(buf.size()) && reason == TRTPAGED_RUNNING);
       if (i == 0 && outputs[0].size() == 1 && n == 1) first_token = clock::now();
       if (reason != TRTPAGED_RUNNING) {
         reasons[i] = reason;

@@ -142,7 +142,7 @@ TRTPAGED_API void trtpaged_sampling_init(trtpaged_sampling* sampling);
 
 /* Why a request ended (trtpaged_request_read's *finish_reason). */
 typedef enum trtpaged_finish_reason {
-  TRTPAGED_RUNNING = 0,      /* not finished */
+  TRTPAGED_RUNNING = 0,      /* not finished, or finished with tokens left unread */
   TRTPAGED_FINISH_STOP = 1,  /* an EOS or stop token (the last token read) */
   TRTPAGED_FINISH_LENGTH = 2, /* max_tokens or max_seq_len, or the pool can never hold it */
   TRTPAGED_FINISH_ABORT = 3, /* trtpaged_request_abort */
@@ -162,8 +162,9 @@ TRTPAGED_API trtpaged_status trtpaged_request_add(trtpaged_runtime* runtime, con
  * TRTPAGED_FINISH_ERROR (their blocks return to the pool); the other requests are as they were. */
 TRTPAGED_API trtpaged_status trtpaged_runtime_run_step(trtpaged_runtime* runtime, int32_t* num_tokens);
 /* Copies the tokens request_id generated since the last read (at most capacity; the rest stay for
- * the next read) to tokens, their count to *num_read and its state to *finish_reason. A finished
- * request is forgotten once all its tokens are read (its id is then unknown). */
+ * the next read) to tokens, their count to *num_read and its state to *finish_reason: TRTPAGED_RUNNING
+ * while tokens are left unread, its finish reason from the read that returns its last token on. That read
+ * forgets a finished request (its id is then unknown). */
 TRTPAGED_API trtpaged_status trtpaged_request_read(trtpaged_runtime* runtime, int64_t request_id, int32_t* tokens,
                                                    int32_t capacity, int32_t* num_read, int32_t* finish_reason);
 /* Ends a request now and frees its blocks; its unread tokens stay readable (finish reason ABORT). */

@@ -581,8 +581,10 @@ TRTPAGED_API trtpaged_status trtpaged_request_read(trtpaged_runtime* rt, int64_t
     std::copy_n(r.tokens.begin() + long(size_t(r.num_prompt_tokens) + r.num_read), n, tokens);
     r.num_read += n;
     *num_read = int32_t(n);
-    *finish_reason = r.status == Status::kFinished ? r.finish_reason : TRTPAGED_RUNNING;
-    if (r.status == Status::kFinished && r.num_read == outputs) rt->requests.erase(request_id);
+    // the reason comes with the last token, so a reader looping while RUNNING gets every token whatever its buffer
+    const bool done = r.status == Status::kFinished && r.num_read == outputs;
+    *finish_reason = done ? r.finish_reason : TRTPAGED_RUNNING;
+    if (done) rt->requests.erase(request_id);
   });
 }
 
