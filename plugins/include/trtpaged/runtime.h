@@ -77,7 +77,8 @@ typedef struct trtpaged_runtime_info {
   int32_t block_size, max_batch_size, max_num_tokens, max_seq_len;
   int64_t num_kv_blocks;     /* blocks in the pool */
   int64_t kv_bytes_per_block;
-  int32_t num_eos_token_ids; /* the manifest's eos_token_ids, first 8 in eos_token_ids */
+  int32_t num_eos_token_ids; /* how many of eos_token_ids are set: the manifest's first 8 at most (all of its
+                                eos_token_ids stop a request, those past 8 too) */
   int32_t eos_token_ids[8];
   int32_t quantized;         /* 1 when the linears are weight-quantized */
   int32_t one_call_layers;   /* 1 when every layer runs in one kernel call (trtpaged_llama_layers_cpu) */
