@@ -250,8 +250,19 @@ def test_a_tool_reaches_a_json_writing_template_as_the_chat_requests_tool(tiny_e
     """A Messages tool is the chat tool {name, description, parameters} in that order (OpenAI's, and vLLM's
     translation): under a template that writes tools as JSON the prompt is the chat request's token for token (the
     request log's prompt ids, and the conversation rendered by hand with CHAT_TOOLS). It was written {name,
-    parameters, description}: the same count of tokens, another prompt, another greedy answer."""
+    parameters, description}: the same count of tokens, another prompt, another greedy answer. An input_schema is
+    the parameters as written (vLLM passes it on): pydantic's model_json_schema writes its `type` last, which was
+    moved first."""
+    import pydantic
     from runtime_helpers import openai_client
+
+    class City(pydantic.BaseModel):
+        city: str
+
+    schema = City.model_json_schema()  # {properties, required, title, type: object}: type last
+    assert list(schema)[-1] == "type"
+    tools = [{**TOOLS[0], "input_schema": schema}]
+    chat_tools = [{"type": "function", "function": {**CHAT_TOOLS[0]["function"], "parameters": schema}}]
 
     log = tmp_path / "requests.jsonl"
     handle = start_server(tiny_engine_dir, port=0, served_model_name=MODEL, device="cpu",
@@ -259,12 +270,12 @@ def test_a_tool_reaches_a_json_writing_template_as_the_chat_requests_tool(tiny_e
                           options=ServerOptions(request_log=str(log), request_log_prompts=True))  # fmt: skip
     try:
         chat = [{"role": "user", "content": "Weather in Paris?"}]
-        text = chat_prompt_text(llm.tokenizer, chat, CHAT_TOOLS, chat_template=JSON_TOOLS_TEMPLATE)
+        text = chat_prompt_text(llm.tokenizer, chat, chat_tools, chat_template=JSON_TOOLS_TEMPLATE)
         want = llm.tokenizer.encode(text, add_special_tokens=False)
         msg = anthropic.Anthropic(base_url=handle.url, api_key="x", max_retries=0).messages.create(
-            model=MODEL, max_tokens=4, messages=chat, tools=TOOLS, tool_choice={"type": "none"}, extra_body=GREEDY)
+            model=MODEL, max_tokens=4, messages=chat, tools=tools, tool_choice={"type": "none"}, extra_body=GREEDY)
         answer = openai_client(handle.url, "x").chat.completions.create(
-            model=MODEL, max_tokens=4, messages=chat, tools=CHAT_TOOLS, tool_choice="none", temperature=0)
+            model=MODEL, max_tokens=4, messages=chat, tools=chat_tools, tool_choice="none", temperature=0)
         deadline = time.monotonic() + 20
         while len(lines := log.read_text().splitlines() if log.exists() else []) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
