@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import pytest
 from click.testing import CliRunner
@@ -176,24 +176,30 @@ def test_cli_bench_throughput_finds_the_hits_the_blocks_predict(tiny_engine_dir,
 # ---------------------------------------------------------------- bench serve: each request at its timestamp
 
 
+def _second_run_and_its_peak(args: list[str]) -> tuple[Any, int]:
+    """The CLI run with `args` a second time, and the peak of the Python memory it allocated (the first run, untraced,
+    leaves its imports out of the count)."""
+    import tracemalloc
+
+    CliRunner().invoke(main, args)
+    tracemalloc.start()
+    try:
+        result = CliRunner().invoke(main, args)
+        return result, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
 @pytest.mark.parametrize("form", ["Mooncake", "trtpaged"])
 def test_bench_throughput_refuses_a_long_request_before_drawing_any_prompt(tiny_engine_dir, tmp_path, form):
     """bench throughput on Mooncake's FAST'25 conversation trace (12,031 requests, line 1 past the tiny engine's 512
     tokens) took 52 s and 3.2 GB to say line 1 was too long: every prompt was drawn first, then checked. A trace's
     lengths are checked first: 160 requests of 32k tokens are refused naming line 1 with well under what their
     prompts would hold allocated (the command run once before, untraced, so its imports are not counted)."""
-    import tracemalloc
-
     lines = [_line(0, 64 * BLOCK_TOKENS, list(range(64 * i, 64 * i + 64))) if form == "Mooncake"
              else {"prompt_len": 64 * BLOCK_TOKENS, "output_len": 4} for i in range(160)]  # fmt: skip
     args = ["bench", "throughput", str(tiny_engine_dir), "--baseline", "none", "--trace", str(_write(tmp_path, lines))]
-    CliRunner().invoke(main, args)
-    tracemalloc.start()
-    try:
-        result = CliRunner().invoke(main, args)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    result, peak = _second_run_and_its_peak(args)
     one_line_failure(result, "mooncake.jsonl:1: 32768 prompt tokens + output_len 4 exceed the engine's max_seq_len")
     assert peak < 32 << 20, peak  # the command's own ~17 MB; the prompts: 160 x 32768 token ids, 100 MB more
 
@@ -204,18 +210,10 @@ def test_diagnose_refuses_a_request_it_can_never_run_by_its_line_before_drawing_
     checked, and a timed trace's requests did not carry their lines. The first request in replay order (line 2, the
     earliest timestamp) is named by its line, with well under what 160 prompts of 32k tokens would hold allocated
     (the command run once before, untraced, so its imports are not counted)."""
-    import tracemalloc
-
     lines = [_line(5000 - i, 64 * BLOCK_TOKENS, list(range(64 * i, 64 * i + 64))) for i in range(160)]
     lines[1]["timestamp"] = 0
     args = ["diagnose", str(_write(tmp_path, lines)), "--engine", str(tiny_engine_dir), "--step-time", "0.01"]
-    CliRunner().invoke(main, args)
-    tracemalloc.start()
-    try:
-        result = CliRunner().invoke(main, args)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    result, peak = _second_run_and_its_peak(args)
     one_line_failure(result, "mooncake.jsonl:2: prompt_len 32768 leaves no room for output under max_seq_len 512")
     assert peak < 32 << 20, peak  # the prompts: 160 x 32768 token ids, 100 MB more
 
