@@ -337,9 +337,8 @@ def _tool(index: int, tool: Any) -> dict[str, Any]:
         if not isinstance(description, str):
             raise ApiError(f"{where}.description: must be a string, got {type(description).__name__}", "tools")
         function["description"] = _unicode(description, f"{where}.description", "tools")
-    # after the description: a template that writes a tool as JSON (`tool | tojson`) writes its keys in this order,
-    # which is OpenAI's and vLLM's (name, description, parameters), so the prompt is the chat request's; the schema
-    # too is written as given (vLLM passes it on): pydantic's model_json_schema writes `type` last
+    # the schema as given (vLLM passes it on; pydantic's model_json_schema writes `type` last), so a template that
+    # writes a tool as JSON gets the chat request's prompt; the function's keys are ordered by tools._definition
     function["parameters"] = schema if "type" in schema else {"type": "object", **schema}
     return {"type": "function", "function": function}
 
